@@ -1,0 +1,178 @@
+"""``RayBackend``: runs a rayfuse experiment on Ray.
+
+* Ray: reuses an initialised Ray; otherwise ``ray.init(address)`` with ``federation.address`` / ``RAY_ADDRESS``
+  (inside ``ray job submit`` the job's cluster), or starts a local Ray with ``federation.ray_init``. It disconnects
+  at the end and never stops a cluster it did not start (``ray.shutdown()`` only stops a Ray this process started).
+* Clients: one named ``ClientActor`` per client (``<run>/client-<i>`` in ``federation.namespace``) with its own
+  resources (``federation.clients``, overridden per client by ``federation.client_overrides``), ``max_restarts``
+  and no automatic task retries (the failure policy decides).
+* Coordinator: a named ``CoordinatorActor`` (``<run>/coordinator``) pinned to the driver's node, given the client
+  handles. The driver only calls it and polls its events; parameters never travel through the driver.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from actors.client import ClientActor
+from actors.coordinator import CoordinatorActor
+from rayfuse.config import ExperimentConfig, ResourcesConfig
+from rayfuse.data.roles import DataPlan
+from rayfuse.errors import InputError, RunFailure
+from rayfuse.runner import Backend, EventSink
+
+__all__ = ["RayBackend", "actor_options"]
+
+POLL_S = 0.25
+
+
+def _merged_resources(cfg: ExperimentConfig, client_id: int) -> ResourcesConfig:
+    base = cfg.federation.clients
+    override = cfg.federation.client_overrides.get(client_id)
+    if override is None:
+        return base
+    return base.model_copy(update={k: getattr(override, k) for k in override.model_fields_set})
+
+
+def actor_options(resources: ResourcesConfig) -> dict[str, Any]:
+    """``.options(...)`` keywords for an actor with these resources (``auto`` CPUs: Ray's actor default)."""
+    options: dict[str, Any] = {}
+    if resources.num_cpus != "auto":
+        options["num_cpus"] = float(resources.num_cpus)
+    if resources.num_gpus:
+        options["num_gpus"] = float(resources.num_gpus)
+    if resources.memory:
+        options["memory"] = int(resources.memory)
+    if resources.resources:
+        options["resources"] = dict(resources.resources)
+    return options
+
+
+class RayBackend(Backend):
+    name = "ray"
+
+    def __init__(self) -> None:
+        self._owns_ray = False
+        self.clients: dict[int, Any] = {}
+        self.coordinator: Any = None
+        self._on_event: EventSink = lambda e: None
+        self._seen = 0
+        self._info: dict[str, Any] = {"backend": "ray"}
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+
+    def _connect(self, cfg: ExperimentConfig) -> None:
+        fed = cfg.federation
+        if ray.is_initialized():
+            return
+        address = fed.address or os.environ.get("RAY_ADDRESS")
+        kwargs: dict[str, Any] = {"namespace": fed.namespace, "log_to_driver": True}
+        if address:
+            ray.init(address=address, **kwargs)
+        else:
+            ray.init(**{**kwargs, **fed.ray_init})
+        self._owns_ray = True  # we connected: we disconnect (which stops the local Ray only if we started it)
+
+    def _check_feasible(self, cfg: ExperimentConfig, requests: list[dict[str, Any]]) -> None:
+        """On a Ray that rayfuse started itself (no autoscaler), refuse requests the node cannot ever satisfy."""
+        if cfg.federation.address or os.environ.get("RAY_ADDRESS"):
+            return  # a real cluster may autoscale: wait (startup_timeout_s) instead of refusing
+        total = ray.cluster_resources()
+        for i, req in enumerate(requests):
+            key = f"federation.client_overrides.{i}" if i in cfg.federation.client_overrides else "federation.clients"
+            for name, need in [("num_cpus", req.get("num_cpus", 0)), ("num_gpus", req.get("num_gpus", 0))]:
+                have = total.get("CPU" if name == "num_cpus" else "GPU", 0.0)
+                if need > have:
+                    raise InputError(f"{key}.{name}", f"at most the {have:g} {'CPUs' if name == 'num_cpus' else 'GPUs'} this Ray has", need)
+            for name, need in (req.get("resources") or {}).items():
+                if need > total.get(name, 0.0):
+                    raise InputError(f"{key}.resources.{name}", f"a resource this Ray has (it has {sorted(k for k in total if not k.startswith('node:'))})", need)
+
+    def start(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: Path, *, on_event: EventSink, start_time: float) -> None:
+        self._on_event = on_event
+        self._connect(cfg)
+        fed = cfg.federation
+        run = Path(run_dir).name
+        requests = [actor_options(_merged_resources(cfg, i)) for i in range(plan.num_clients)]
+        self._check_feasible(cfg, requests)
+        client_cls = ray.remote(ClientActor)
+        for i in range(plan.num_clients):
+            self.clients[i] = client_cls.options(
+                name=f"{run}/client-{i}", namespace=fed.namespace, max_restarts=fed.max_restarts, max_task_retries=0,
+                **requests[i],
+            ).remote(i, plan.for_client(i), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=cfg.run.seed,
+                     faults=fed.faults)
+        here = ray.get_runtime_context().get_node_id()
+        self.coordinator = ray.remote(CoordinatorActor).options(
+            name=f"{run}/coordinator", namespace=fed.namespace, max_concurrency=4, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+            **actor_options(fed.coordinator),
+        ).remote(cfg, plan, str(Path(run_dir).resolve()), self.clients, start_time)
+        try:
+            pings = ray.get([c.ping.remote() for c in self.clients.values()] + [self.coordinator.ready.remote()],
+                            timeout=fed.startup_timeout_s)
+        except GetTimeoutError:
+            raise RunFailure(f"the actors did not start within {fed.startup_timeout_s:g} s (federation.startup_timeout_s); "
+                             f"requested per client {requests[0] or 'Ray defaults'}, cluster has {ray.cluster_resources()}") from None
+        except (RayTaskError, RayActorError) as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, (InputError, RunFailure)):
+                raise cause from None
+            raise RunFailure(f"an actor failed to start: {cause or exc}") from None
+        nodes = sorted({p["node_id"] for p in pings})
+        self._info = {"backend": "ray", "ray_version": ray.__version__, "namespace": fed.namespace,
+                      "actors": [f"{run}/client-{i}" for i in self.clients] + [f"{run}/coordinator"],
+                      "nodes": len(nodes), "cluster_resources": {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")}}
+        self._on_event({"t": round(time.time() - start_time, 3), "kind": "info",
+                        "message": f"{len(self.clients)} client actors and the coordinator up on {len(nodes)} node(s) "
+                                   f"(namespace {fed.namespace!r}, names {run}/client-<i>, {run}/coordinator)"})
+
+    def _drain(self) -> None:
+        try:
+            events = ray.get(self.coordinator.events_since.remote(self._seen), timeout=30)
+        except (RayActorError, GetTimeoutError):
+            return
+        self._seen += len(events)
+        for event in events:
+            self._on_event(event)
+
+    def call(self, name: str, *args: Any) -> Any:
+        ref = getattr(self.coordinator, name).remote(*args)
+        while True:
+            ready, _ = ray.wait([ref], timeout=POLL_S)
+            self._drain()
+            if ready:
+                break
+        try:
+            return ray.get(ref)
+        except RayTaskError as exc:
+            cause = exc.cause
+            if isinstance(cause, (InputError, RunFailure)):
+                raise cause from None
+            print(str(exc), file=sys.stderr)  # an unexpected error: show the remote traceback once
+            raise RunFailure(f"the coordinator failed in {name}: {type(cause).__name__}: {cause}") from None
+        except RayActorError as exc:
+            raise RunFailure(f"the coordinator actor died in {name}: {str(exc).splitlines()[0]}") from None
+
+    def stop(self) -> None:
+        for handle in [*self.clients.values(), self.coordinator]:
+            if handle is not None:
+                try:
+                    ray.kill(handle, no_restart=True)
+                except Exception:  # already dead
+                    pass
+        self.clients, self.coordinator = {}, None
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+        self._owns_ray = False
+
+    def info(self) -> dict[str, Any]:
+        return dict(self._info)

@@ -1,0 +1,45 @@
+"""``CoordinatorActor``: the named actor that runs methods' server loops (``<run>/coordinator``).
+
+It wraps :class:`rayfuse.coordinator.Coordinator` with a :class:`actors.federation.RayFederation` over the client
+actors' handles. It is a threaded actor (``max_concurrency > 1``) so the driver can poll its events while a method
+runs, and it is placed on the driver's node so it writes checkpoints and model files into the run folder directly.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import ray
+
+from actors.federation import RayFederation
+from rayfuse.config import ExperimentConfig
+from rayfuse.coordinator import Coordinator
+from rayfuse.data.roles import DataPlan
+from rayfuse.federation import EventLog, FailurePolicy
+
+__all__ = ["CoordinatorActor"]
+
+
+class CoordinatorActor:
+    def __init__(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: str, clients: Mapping[int, Any], start_time: float) -> None:
+        events = EventLog(start=start_time)
+        federation = RayFederation(clients, FailurePolicy.from_config(cfg.federation), events, task_cpus=cfg.federation.task_cpus)
+        device = "cpu"
+        if ray.get_gpu_ids():
+            import torch
+
+            device = "cuda:0" if torch.cuda.is_available() else "cpu"
+        self.coordinator = Coordinator(cfg, plan, run_dir, federation, device=device)
+
+    def ready(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+
+    def prepare_local_models(self, resume: bool = False) -> dict[str, Any]:
+        return self.coordinator.prepare_local_models(resume)
+
+    def run_method(self, label: str, resume: bool = False) -> dict[str, Any]:
+        return self.coordinator.run_method(label, resume)
+
+    def events_since(self, index: int) -> list[dict[str, Any]]:
+        return self.coordinator.events_since(index)

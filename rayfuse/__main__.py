@@ -1,0 +1,3 @@
+from rayfuse.cli import main
+
+raise SystemExit(main())

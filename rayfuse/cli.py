@@ -1,0 +1,160 @@
+"""The ``rayfuse`` command line.
+
+::
+
+    rayfuse run [CONFIG] [--set KEY=VALUE]... [--out DIR] [--address ADDR] [--resume RUN_DIR] [--local]
+    rayfuse list [methods|datasets|partitioners|models]
+    rayfuse validate [CONFIG] [--set KEY=VALUE]...
+
+With no CONFIG, ``rayfuse run`` runs ``jobs/quickstart.yaml`` (or, outside a checkout, the same job built into the
+config defaults). Exit codes: 0 success, 2 bad input (one line naming the key path, expected and given value),
+1 the run failed, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from rayfuse import __version__
+from rayfuse.errors import InputError, RunFailure
+
+__all__ = ["main", "build_parser", "default_job"]
+
+
+def default_job() -> Path | None:
+    """``jobs/quickstart.yaml`` from the working directory or the source checkout; ``None`` if neither exists."""
+    for base in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        candidate = base / "jobs" / "quickstart.yaml"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rayfuse", description="Federated model fusion on Ray.")
+    parser.add_argument("--version", action="version", version=f"rayfuse {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run an experiment (default: jobs/quickstart.yaml)")
+    run.add_argument("config", nargs="?", help="experiment YAML (default: jobs/quickstart.yaml)")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. partition.num_clients=10")
+    run.add_argument("--out", metavar="DIR", help="run folder (default: <run.storage>/<run.name>-<time>-<id>)")
+    run.add_argument("--address", metavar="ADDR", help="Ray cluster to attach to (default: RAY_ADDRESS, a job's cluster, or a new local Ray)")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted or failed run from its checkpoints")
+    run.add_argument("--local", action="store_true", help="in-process clients instead of Ray actors (debugging)")
+    run.add_argument("--quiet", action="store_true", help="print only the final table")
+    run.add_argument("--verbose", action="store_true", help="print every event")
+    run.set_defaults(func=_cmd_run)
+
+    lst = sub.add_parser("list", help="list methods, datasets, partitioners and models")
+    lst.add_argument("what", nargs="?", choices=["methods", "datasets", "partitioners", "models"], help="only this kind")
+    lst.set_defaults(func=_cmd_list)
+
+    val = sub.add_parser("validate", help="validate a config and print it resolved (every default filled in)")
+    val.add_argument("config", nargs="?")
+    val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    val.set_defaults(func=_cmd_validate)
+    return parser
+
+
+def _operational_overrides(args: argparse.Namespace) -> list[str]:
+    extra = []
+    if getattr(args, "address", None):
+        extra.append(f"federation.address={args.address}")
+    if getattr(args, "local", False):
+        extra.append("federation.backend=local")
+    return extra
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from rayfuse.config import load_config, parse_overrides
+    from rayfuse.report import Printer
+    from rayfuse.runner import InProcessBackend, load_run_config, new_run_dir, run_experiment
+
+    sets = list(args.set) + _operational_overrides(args)
+    if args.resume:
+        if args.config:
+            raise InputError("CONFIG", "no config file with --resume (the run's own config.yaml is used)", args.config)
+        if args.out:
+            raise InputError("--out", "no --out with --resume (the run continues in its own folder)", args.out)
+        cfg = load_run_config(args.resume, parse_overrides(sets))
+        run_dir, resume = Path(args.resume), True
+    else:
+        path = args.config or default_job()
+        cfg = load_config(path, sets)
+        run_dir, resume = new_run_dir(cfg, args.out), False
+    if cfg.federation.backend == "local":
+        backend = InProcessBackend()
+    else:
+        from actors.backend import RayBackend
+
+        backend = RayBackend()
+    printer = Printer(verbose=args.verbose, enabled=not args.quiet)
+    run_experiment(cfg, backend, run_dir, resume=resume, printer=printer, show_tables=True)
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from rayfuse.config import dump_config, load_config
+
+    cfg = load_config(args.config or default_job(), args.set)
+    print(dump_config(cfg), end="")
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from rayfuse.data.datasets import DATASETS
+    from rayfuse.data.partition import PARTITIONERS
+    from rayfuse.fusion import METHODS
+    from rayfuse.models.registry import MODELS
+
+    sections = []
+    if args.what in (None, "methods"):
+        rows = []
+        for name, cls in METHODS.items():
+            params = ", ".join(f"{k}={f.default!r}" for k, f in cls.Params.model_fields.items())
+            aliases = f" (aliases: {', '.join(cls.aliases)})" if cls.aliases else ""
+            rows.append(f"  {name:<10} {cls.summary}{aliases}\n  {'':<10} params: {params or '-'}")
+        sections.append("methods:\n" + "\n".join(rows))
+    if args.what in (None, "datasets"):
+        rows = [f"  {name:<14} [{info.source}] {info.description}" for name, info in DATASETS.items()]
+        sections.append("datasets:\n" + "\n".join(rows))
+    if args.what in (None, "partitioners"):
+        docs = {
+            "iid": "random near-equal split (alias homo)",
+            "dirichlet": "per-class Dir(alpha) proportions, PFNM balancing, min_size (alias hetero-dir)",
+            "labels": "explicit label groups per client (partition.groups)",
+            "pathological": "classes_per_client classes per client (flwr-datasets)",
+            "shards": "sorted-by-label shards dealt at random (McMahan et al.)",
+        }
+        rows = [f"  {name:<13} {docs.get(name, '')}" for name in PARTITIONERS.names()]
+        sections.append("partitioners:\n" + "\n".join(rows))
+    if args.what in (None, "models"):
+        rows = [f"  {name:<13} {info.description}" for name, info in MODELS.items()]
+        rows.append(f"  {'torchvision:<name>':<13} any torchvision classification model, e.g. torchvision:resnet18 (image data; no pretrained weights)")
+        sections.append("models:\n" + "\n".join(rows))
+    print("\n\n".join(sections))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except InputError as exc:
+        print(f"rayfuse: error: {exc}", file=sys.stderr)
+        return 2
+    except RunFailure as exc:
+        print(f"rayfuse: run failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nrayfuse: interrupted; continue with: rayfuse run --resume <run folder>", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

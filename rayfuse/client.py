@@ -1,0 +1,241 @@
+"""A client: one data owner with its private shard and its local model.
+
+:class:`Client` is a plain class. Tests and ``federation.backend: local`` use it directly; ``actors.ClientActor``
+wraps it as a long-lived Ray actor (``ray.remote`` applied where it is created, as Ray's own code does), so the same
+code runs in both. The constructor loads the client's own shard from its :class:`rayfuse.data.ClientPlan`; a
+restarted Ray actor re-runs the constructor and so reloads the same shard deterministically.
+
+Client steps receive the :class:`ClientContext`: the private train / val splits, the model and training settings,
+the lazily trained local model (trained once per run and reused by every method) and a ``state`` dict where a
+method may keep per-client state between calls. :meth:`Client.run` refuses to return the client's raw data.
+
+This module does not import torch at import time: a client that only moves parameters (benchmarks) stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections import Counter
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from rayfuse.data.roles import ClientPlan, Split, client_splits, load_dataset_from_config
+from rayfuse.federation import ClientDied, Update, client_step, step_name
+from rayfuse.seeding import derive_seed
+
+__all__ = ["Client", "ClientContext", "PrivacyError", "train_local", "get_local_update", "set_local_params", "describe"]
+
+
+class PrivacyError(RuntimeError):
+    """A client step tried to return the client's raw data."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a ``federation.faults`` entry with ``mode: raise``."""
+
+
+class ClientContext:
+    """What a client step sees: this client's private data, settings and local model."""
+
+    def __init__(self, client_id: int, plan: ClientPlan, train: Split, val: Split, *, model_cfg: Any, train_cfg: Any,
+                 seed: int, device: str) -> None:
+        self.client_id = client_id
+        self.plan = plan
+        self.train = train
+        self.val = val
+        self.model_cfg = model_cfg
+        self.train_cfg = train_cfg
+        self.seed = seed
+        self.device = device
+        self.num_classes = plan.num_classes
+        self.input_shape = plan.input_shape
+        self.state: dict[str, Any] = {}
+        self._local_model: Any = None
+        self.local_stats: dict[str, float] = {}
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.train)
+
+    def step_seed(self, *tags: object) -> int:
+        """A seed for this client and ``tags`` (e.g. method label and round), stable across processes."""
+        return derive_seed(self.seed, "client", self.client_id, *tags)
+
+    @property
+    def init_seed(self) -> int:
+        """Seed of the local model's initialisation: shared by all clients when ``train.shared_init``."""
+        return derive_seed(self.seed, "init") if self.train_cfg.shared_init else self.step_seed("init")
+
+    def build_model(self, seed: int | None = None) -> Any:
+        from rayfuse.models import build_model
+
+        return build_model(self.model_cfg, self.input_shape, self.num_classes, seed=seed)
+
+    @property
+    def has_local_model(self) -> bool:
+        return self._local_model is not None
+
+    def local_model(self) -> Any:
+        """The client's local model, trained on its train split the first time it is asked for."""
+        if self._local_model is None:
+            from rayfuse.models import train_model
+
+            model = self.build_model(seed=self.init_seed)
+            cfg = self.train_cfg
+            stats = train_model(model, self.train.X, self.train.y, epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr,
+                                optimizer=cfg.optimizer, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                                seed=self.step_seed("local-train"), device=self.device)
+            self.local_stats = {"train_loss": stats.loss, "train_seconds": stats.seconds, "steps": float(stats.steps)}
+            self._local_model = model
+        return self._local_model
+
+    def set_local_model(self, model: Any) -> None:
+        self._local_model = model
+
+
+class Client:
+    """One data owner. ``run(step, ...)`` executes a client step against this client's context.
+
+    Parameters
+    ----------
+    client_id : int
+    plan : ClientPlan
+        This client's indices (and nothing about the other clients).
+    data_cfg, model_cfg, train_cfg : config sections
+    seed : int
+        The run seed.
+    device : str
+        ``"cpu"`` or ``"cuda:<i>"``.
+    faults : sequence of FaultSpec
+        Injected faults for this client (testing failure policies on real runs).
+    restarted : bool
+        True when this object replaces a crashed one (a restarted actor): ``exit`` faults do not fire again.
+    die : callable, optional
+        What an ``exit`` fault does; the Ray actor passes ``os._exit``; in-process it raises :class:`ClientDied`.
+    """
+
+    def __init__(self, client_id: int, plan: ClientPlan, *, data_cfg: Any, model_cfg: Any, train_cfg: Any, seed: int,
+                 device: str = "cpu", faults: Sequence[Any] = (), restarted: bool = False,
+                 die: Callable[[], None] | None = None) -> None:
+        dataset = load_dataset_from_config(data_cfg)
+        train, val = client_splits(dataset, plan)
+        del dataset  # keep only this client's shard in memory
+        self.ctx = ClientContext(client_id, plan, train, val, model_cfg=model_cfg, train_cfg=train_cfg, seed=seed, device=device)
+        self.faults = [f for f in faults if f.client == client_id]
+        self.restarted = restarted
+        self._die = die
+        self._calls: Counter[str] = Counter()
+
+    @property
+    def client_id(self) -> int:
+        return self.ctx.client_id
+
+    def run(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``step(ctx, *args, **kwargs)``; apply injected faults; refuse to return raw data."""
+        name = step_name(step)
+        self._calls[name] += 1
+        fault = next((f for f in self.faults if f.step == name and f.call == self._calls[name]), None)
+        if fault is not None and fault.mode == "raise":
+            raise InjectedFault(f"injected fault: client {self.client_id}, step {name}, call {self._calls[name]}")
+        if fault is not None and fault.mode == "exit" and not self.restarted:
+            if self._die is not None:
+                self._die()
+            raise ClientDied(f"injected crash: client {self.client_id}, step {name}, call {self._calls[name]}")
+        if fault is not None and fault.mode == "hang":
+            time.sleep(fault.seconds)
+        result = step(self.ctx, *args, **kwargs)
+        if fault is not None and fault.mode == "nan":
+            result = _poison(result)
+        _check_no_raw_data(result, self.ctx)
+        return result
+
+    def ping(self) -> dict[str, Any]:
+        return {"client": self.client_id, "pid": os.getpid(), "device": self.ctx.device, "restarted": self.restarted}
+
+
+def _poison(obj: Any) -> Any:
+    """Replace every float array in ``obj`` by NaNs (fault mode ``nan``)."""
+    if isinstance(obj, np.ndarray) and obj.dtype.kind == "f":
+        return np.full_like(obj, np.nan)
+    if isinstance(obj, dict):
+        return {k: _poison(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_poison(v) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _poison(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+def _arrays(obj: Any, depth: int = 0):
+    if depth > 6:
+        return
+    if isinstance(obj, np.ndarray):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _arrays(v, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _arrays(v, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _arrays(getattr(obj, f.name), depth + 1)
+
+
+def _check_no_raw_data(result: Any, ctx: ClientContext) -> None:
+    """Refuse results that contain (views of) the client's inputs or labels."""
+    private = [a for split in (ctx.train, ctx.val) for a in (split.X, split.y) if a.size]
+    for arr in _arrays(result):
+        for data in private:
+            if np.shares_memory(arr, data) or (arr.shape == data.shape and arr.dtype == data.dtype and np.array_equal(arr, data)):
+                raise PrivacyError(f"client {ctx.client_id}: a client step tried to return its raw data (array of shape {arr.shape})")
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Engine steps every run uses
+
+
+@client_step("train_local")
+def train_local(ctx: ClientContext) -> dict[str, float]:
+    """Train the local model (once per client life) and report its cost; no parameters travel."""
+    ctx.local_model()
+    return {"num_examples": float(ctx.num_examples), **ctx.local_stats}
+
+
+@client_step("get_local_params")
+def get_local_update(ctx: ClientContext) -> Update:
+    """The local model's parameters (what one-shot fusion methods fuse)."""
+    from rayfuse.models import get_params
+
+    model = ctx.local_model()
+    return Update(get_params(model), ctx.num_examples, dict(ctx.local_stats))
+
+
+@client_step("set_local_params")
+def set_local_params(ctx: ClientContext, params: dict[str, np.ndarray], stats: dict[str, float] | None = None) -> int:
+    """Install a checkpointed local model instead of retraining it (``rayfuse run --resume``)."""
+    from rayfuse.models import set_params
+
+    model = ctx.build_model(seed=ctx.init_seed)
+    set_params(model, params)
+    model.to(ctx.device)
+    model.eval()
+    ctx.set_local_model(model)
+    ctx.local_stats = dict(stats or {})
+    return ctx.num_examples
+
+
+@client_step("describe")
+def describe(ctx: ClientContext) -> dict[str, Any]:
+    """Counts only: sizes, class counts, device."""
+    return {
+        "client": ctx.client_id,
+        "num_train": len(ctx.train),
+        "num_val": len(ctx.val),
+        "class_counts": np.bincount(ctx.train.y, minlength=ctx.num_classes).tolist(),
+        "device": ctx.device,
+        "pid": os.getpid(),
+    }

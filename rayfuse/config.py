@@ -1,0 +1,483 @@
+"""The experiment config: one validated schema for the CLI, Ray Jobs and Ray Tune.
+
+A config is YAML with the sections ``run``, ``data``, ``partition``, ``model``, ``train``, ``federation`` and
+``methods``. Every key has a default; the defaults are the quickstart job (digits, 5 label-skewed clients, the
+baselines), so an empty file is a valid config. Unknown keys, wrong types and impossible values are rejected before
+any cluster work starts, with one line that names the key path, the expected value and what was given::
+
+    partition.alpha: expected a number greater than 0, got -1.0
+
+``--set a.b=c`` overrides any key; the value is parsed as YAML (``--set methods.fedavg.rounds=20``,
+``--set model.hidden=[128,64]``).
+
+``methods`` maps a label to the method's parameters. The label is the method's registered name, or any name with a
+``method:`` key, so one method can run twice with different parameters::
+
+    methods:
+      fedavg: {rounds: 20}
+      fedprox-strong: {method: fedprox, mu: 0.5}
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rayfuse.errors import InputError, suggest
+
+__all__ = [
+    "ExperimentConfig",
+    "RunConfig",
+    "DataConfig",
+    "PartitionConfig",
+    "ModelConfig",
+    "TrainConfig",
+    "FederationConfig",
+    "ResourcesConfig",
+    "FaultSpec",
+    "MethodSpec",
+    "load_config",
+    "parse_overrides",
+    "apply_overrides",
+    "validate_config",
+    "dump_config",
+    "DEFAULT_METHODS",
+]
+
+# The quickstart's methods (jobs/quickstart.yaml spells out the same job; a test keeps the two equal).
+DEFAULT_METHODS: dict[str, dict[str, Any]] = {"local": {}, "average": {}, "ensemble": {}, "fedavg": {"rounds": 20, "local_epochs": 2}, "global": {}}
+
+
+class StrictModel(BaseModel):
+    """Base for config sections: unknown keys are errors, values are immutable once validated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    def _check_only_for(self, owner_field: str, owner_value: str, used: Mapping[str, Sequence[str]]) -> None:
+        """Reject keys that were set explicitly but mean nothing for the chosen ``owner_field`` value."""
+        allowed = set(used.get(owner_value, ()))
+        for name in sorted(self.model_fields_set):
+            users = [k for k, v in used.items() if name in v]
+            if users and name not in allowed:
+                raise ValueError(
+                    f"@{name}@ is only used when {owner_field} is one of {sorted(users)}, not {owner_value!r}"
+                )
+
+
+class RunConfig(StrictModel):
+    name: str = Field("quickstart", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="run name; the run folder is <storage>/<name>-<time>")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="the one seed every other seed derives from")
+    storage: str = Field("runs", min_length=1, description="folder that receives run folders")
+
+
+class DataConfig(StrictModel):
+    dataset: str = Field("digits", description="a registered dataset (rayfuse list datasets)")
+    root: str | None = Field(None, description="folder with torchvision datasets (MNIST, FashionMNIST, CIFAR-10)")
+    path: str | None = Field(None, description="a user .npz or .parquet file (datasets 'npz', 'parquet')")
+    label: str = Field("y", min_length=1, description="label key (npz) or column (parquet)")
+    features: str | list[str] | None = Field(None, description="feature key (npz) or columns (parquet); default: X / all other numeric columns")
+    options: dict[str, Any] = Field(default_factory=dict, description="extra arguments for a procedural generator")
+    test_size: float = Field(0.2, gt=0, lt=1, description="fraction held out as the global test set (datasets without one)")
+    val_size: float = Field(0.1, ge=0, lt=1, description="fraction of each client's shard kept as its private validation split")
+    public_size: float = Field(0, ge=0, description="server's public sample: a fraction (< 1) or a count (>= 1) of the training pool")
+    standardize: bool | None = Field(None, description="z-score features with training-pool statistics; default per dataset")
+
+    @field_validator("dataset")
+    @classmethod
+    def _known_dataset(cls, value: str) -> str:
+        from rayfuse.data.datasets import DATASETS
+
+        if value not in DATASETS:
+            names = DATASETS.names(include_aliases=True)
+            raise ValueError(f"a dataset in {{{', '.join(names)}}}{suggest(value, names)}")
+        return DATASETS.canonical(value)
+
+    @field_validator("public_size")
+    @classmethod
+    def _public_size(cls, value: float) -> float:
+        if value >= 1 and value != int(value):
+            raise ValueError("a fraction below 1 or a whole count")
+        return value
+
+    @model_validator(mode="after")
+    def _file_datasets_need_path(self) -> "DataConfig":
+        if self.dataset in ("npz", "parquet") and not self.path:
+            raise ValueError(f"@path@ must name the {self.dataset} file when dataset is {self.dataset!r}")
+        return self
+
+
+_PARTITION_PARAMS = {
+    "iid": (),
+    "dirichlet": ("alpha", "balance", "min_size"),
+    "labels": ("groups",),
+    "pathological": ("classes_per_client",),
+    "shards": ("shards_per_client", "shard_size"),
+}
+
+
+class PartitionConfig(StrictModel):
+    method: str = Field("dirichlet", description="iid | dirichlet | labels | pathological | shards (aliases homo, hetero-dir)")
+    num_clients: int = Field(5, ge=1, le=100_000)
+    alpha: float = Field(0.5, gt=0, description="dirichlet concentration")
+    balance: bool = Field(True, description="dirichlet: PFNM balancing rule (stop giving to clients holding >= N/J)")
+    min_size: int = Field(10, ge=0, description="dirichlet: redraw until every client holds at least this many samples")
+    groups: list[list[int]] | None = Field(None, description="labels: the label set of each client")
+    classes_per_client: int = Field(2, ge=1, description="pathological: classes per client")
+    shards_per_client: int = Field(2, ge=1, description="shards: shards per client")
+    shard_size: int | None = Field(None, ge=1, description="shards: samples per shard (default: pool / total shards)")
+
+    @field_validator("method")
+    @classmethod
+    def _known_partitioner(cls, value: str) -> str:
+        from rayfuse.data.partition import PARTITIONERS
+
+        if value not in PARTITIONERS:
+            names = PARTITIONERS.names(include_aliases=True)
+            raise ValueError(f"a partitioner in {{{', '.join(names)}}}{suggest(value, names)}")
+        return value
+
+    @property
+    def canonical_method(self) -> str:
+        from rayfuse.data.partition import PARTITIONERS
+
+        return PARTITIONERS.canonical(self.method)
+
+    @model_validator(mode="after")
+    def _params_match_method(self) -> "PartitionConfig":
+        method = self.canonical_method
+        self._check_only_for("partition.method", method, _PARTITION_PARAMS)
+        if method == "labels":
+            if self.groups is None:
+                raise ValueError("@groups@ must list each client's labels when method is 'labels'")
+            if len(self.groups) != self.num_clients:
+                raise ValueError(f"@groups@ must have one label list per client ({self.num_clients}), it has {len(self.groups)}")
+            for i, group in enumerate(self.groups):
+                if not group:
+                    raise ValueError(f"@groups@ entry {i} is empty; every client needs at least one label")
+                if any(label < 0 for label in group):
+                    raise ValueError(f"@groups@ entry {i} has a negative label {group}")
+        return self
+
+    def params(self) -> dict[str, Any]:
+        """The parameters the chosen partitioner uses (defaults filled in)."""
+        return {name: getattr(self, name) for name in _PARTITION_PARAMS[self.canonical_method]}
+
+
+_MODEL_PARAMS = {
+    "logreg": (),
+    "mlp": ("hidden", "dropout", "activation"),
+    "cnn": ("channels", "dropout", "activation"),
+    "torchvision": (),
+}
+
+
+class ModelConfig(StrictModel):
+    name: str = Field("mlp", description="logreg | mlp | cnn | torchvision:<name> (e.g. torchvision:resnet18)")
+    hidden: list[int] = Field(default_factory=lambda: [64], description="mlp: hidden layer widths")
+    channels: list[int] = Field(default_factory=lambda: [16, 32], description="cnn: channels of the 3x3 conv layers")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    activation: Literal["relu", "tanh", "gelu"] = "relu"
+
+    @field_validator("hidden", "channels")
+    @classmethod
+    def _positive(cls, value: list[int]) -> list[int]:
+        if any(v < 1 for v in value):
+            raise ValueError(f"positive widths, got {value}")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        from rayfuse.models.registry import MODELS, torchvision_model_names
+
+        if value.startswith("torchvision:"):
+            tv_name = value.split(":", 1)[1]
+            names = torchvision_model_names()
+            if tv_name not in names:
+                raise ValueError(f"a torchvision classification model name{suggest(tv_name, names)}")
+            return value
+        if value not in MODELS:
+            names = MODELS.names() + ["torchvision:<name>"]
+            raise ValueError(f"a model in {{{', '.join(names)}}}{suggest(value, names)}")
+        return value
+
+    @property
+    def family(self) -> str:
+        return "torchvision" if self.name.startswith("torchvision:") else self.name
+
+    @model_validator(mode="after")
+    def _params_match_model(self) -> "ModelConfig":
+        self._check_only_for("model.name", self.family, _MODEL_PARAMS)
+        return self
+
+
+class TrainConfig(StrictModel):
+    """Local training of each client's model (and of the pooled oracle)."""
+
+    epochs: int = Field(20, ge=0, le=100_000)
+    batch_size: int = Field(32, ge=1)
+    optimizer: Literal["adam", "sgd"] = "adam"
+    lr: float = Field(5e-3, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1, description="sgd momentum")
+    weight_decay: float = Field(0.0, ge=0)
+    shared_init: bool = Field(True, description="all clients start from the same seeded initialisation")
+
+
+class ResourcesConfig(StrictModel):
+    num_cpus: float | Literal["auto"] = Field("auto", description="CPUs reserved per actor; 'auto': Ray's actor default (1 to place it, 0 while it runs)")
+    num_gpus: float = Field(0.0, ge=0, description="a fraction of a GPU per actor; torch work runs on it when > 0")
+    memory: int | None = Field(None, ge=0, description="bytes of memory to reserve")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. {silo_a: 1}")
+
+    @field_validator("num_cpus")
+    @classmethod
+    def _non_negative(cls, value: float | str) -> float | str:
+        if not isinstance(value, str) and value < 0:
+            raise ValueError("a number >= 0 or 'auto'")
+        return value
+
+
+class FaultSpec(StrictModel):
+    """An injected fault, for testing failure policies on a real run (chaos testing)."""
+
+    client: int = Field(ge=0)
+    step: str = Field(min_length=1, description="client step name, e.g. fedavg.fit or train_local")
+    call: int = Field(1, ge=1, description="the n-th call of that step on that client (per actor life)")
+    mode: Literal["raise", "exit", "nan", "hang"] = "raise"
+    seconds: float = Field(3600.0, gt=0, description="hang: how long to sleep")
+
+
+class FederationConfig(StrictModel):
+    backend: Literal["ray", "local"] = Field("ray", description="ray: Ray actors; local: in-process clients (debugging)")
+    address: str | None = Field(None, description="Ray cluster address; default: RAY_ADDRESS, a running job's cluster, or a new local Ray")
+    namespace: str = Field("rayfuse", min_length=1, description="Ray namespace of the run's named actors")
+    timeout_s: float = Field(900.0, gt=0, description="how long a gather waits for the clients of one call")
+    on_client_failure: Literal["retry", "drop", "fail"] = "retry"
+    max_retries: int = Field(2, ge=0, description="retry: re-submissions of a failed call before the run fails")
+    min_clients: int = Field(1, ge=1, description="quorum: fewer surviving clients than this fails the run")
+    max_restarts: int = Field(2, ge=-1, description="Ray restarts of a dead client actor (-1: unlimited)")
+    clients: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    client_overrides: dict[int, ResourcesConfig] = Field(default_factory=dict, description="per-client resources by client id")
+    coordinator: ResourcesConfig = Field(default_factory=lambda: ResourcesConfig(num_cpus=0))
+    task_cpus: float = Field(1.0, gt=0, description="CPUs each server-side fan-out task requests (parallel assignment solves...)")
+    startup_timeout_s: float = Field(300.0, gt=0, description="how long to wait for the actors to start (resources to appear)")
+    ray_init: dict[str, Any] = Field(default_factory=dict, description="arguments for ray.init when rayfuse starts a local Ray (num_cpus, include_dashboard...)")
+    faults: list[FaultSpec] = Field(default_factory=list)
+
+
+class MethodSpec(BaseModel):
+    """A resolved ``methods`` entry: its label, the registered method and its validated parameters."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    label: str
+    method: str
+    params: Any
+
+
+class ExperimentConfig(StrictModel):
+    run: RunConfig = Field(default_factory=RunConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    partition: PartitionConfig = Field(default_factory=PartitionConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    federation: FederationConfig = Field(default_factory=FederationConfig)
+    methods: dict[str, dict[str, Any]] = Field(default_factory=lambda: copy.deepcopy(DEFAULT_METHODS))
+
+    @field_validator("methods", mode="before")
+    @classmethod
+    def _methods_list_form(cls, value: Any) -> Any:
+        # ``methods: [local, fedavg]`` is shorthand for ``methods: {local: {}, fedavg: {}}``.
+        if isinstance(value, (list, tuple)):
+            if not all(isinstance(v, str) for v in value):
+                raise ValueError("a list of method names or a mapping of labels to parameters")
+            return {name: {} for name in value}
+        if isinstance(value, Mapping):
+            return {str(k): ({} if v is None else v) for k, v in value.items()}
+        return value
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "ExperimentConfig":
+        n = self.partition.num_clients
+        if not self.methods:
+            raise ValueError("@methods@ must name at least one method")
+        if self.federation.min_clients > n:
+            raise ValueError(f"@federation.min_clients@ must be at most partition.num_clients ({n}), it is {self.federation.min_clients}")
+        for client in self.federation.client_overrides:
+            if not 0 <= client < n:
+                raise ValueError(f"@federation.client_overrides@ names client {client}; clients are 0..{n - 1}")
+        for fault in self.federation.faults:
+            if fault.client >= n:
+                raise ValueError(f"@federation.faults@ names client {fault.client}; clients are 0..{n - 1}")
+        return self
+
+    def method_specs(self) -> list[MethodSpec]:
+        """Validate every ``methods`` entry against its method's parameter schema (raises :class:`InputError`)."""
+        from rayfuse.fusion import METHODS
+
+        specs = []
+        for label, raw in self.methods.items():
+            path = f"methods.{label}"
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.@+-]*", label):
+                raise InputError(path, "a label of letters, digits and _ . @ + -", label)
+            if not isinstance(raw, Mapping):
+                raise InputError(path, "a mapping of method parameters", raw)
+            entry = dict(raw)
+            name = entry.pop("method", label)
+            method_cls = METHODS.get(name, path=f"{path}.method" if "method" in raw else path)
+            try:
+                params = method_cls.Params.model_validate(entry)
+            except ValidationError as exc:
+                raise _to_input_error(exc, prefix=path) from None
+            specs.append(MethodSpec(label=label, method=METHODS.canonical(name), params=params))
+        return specs
+
+    def resolved(self) -> dict[str, Any]:
+        """The config as plain data with every default filled in (what ``config.yaml`` of a run holds)."""
+        data = self.model_dump(mode="json")
+        data["methods"] = {
+            spec.label: {"method": spec.method, **spec.params.model_dump(mode="json")} for spec in self.method_specs()
+        }
+        return data
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading, overrides and error messages
+
+
+def _to_input_error(exc: ValidationError, prefix: str = "") -> InputError:
+    """Turn pydantic's first error into one :class:`InputError` line (key path, expected, got)."""
+    errors = exc.errors(include_url=False)
+    error = errors[0]
+    loc = [str(p) for p in error["loc"]]
+    msg = str(error.get("msg", "invalid value"))
+    got = error.get("input", InputError._MISSING)
+    kind = error.get("type", "")
+    # Our validators mark a more precise key path with @key@ (relative to the model that raised).
+    marked = re.search(r"@([A-Za-z0-9_.\[\]]+)@", msg)
+    if marked:
+        sub = marked.group(1)
+        msg = msg.replace(f"@{sub}@", sub.split(".")[-1])
+        if "." in sub:  # an absolute path inside the experiment config
+            loc = sub.split(".")
+        else:
+            loc = loc + [sub]
+        got = InputError._MISSING
+    path = ".".join(p for p in [prefix, *loc] if p) or "config"
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    if kind == "extra_forbidden":
+        parent = loc[:-1]
+        known = _known_keys(exc, parent)
+        hint = suggest(loc[-1], known).strip(" ()") if known else ""
+        expected = f"one of the keys {{{', '.join(known)}}}" if known else "no such key"
+        return InputError(path, f"a known key, not {loc[-1]!r}: " + expected, InputError._MISSING, hint + more)
+    if kind == "missing":
+        return InputError(path, "this required key to be set", InputError._MISSING, more.strip())
+    msg = re.sub(r"^(Value error, |Assertion failed, )", "", msg)
+    msg = re.sub(r"^Input should be ", "", msg)
+    msg = msg[0].lower() + msg[1:] if msg else msg
+    return InputError(path, msg, got, more.strip())
+
+
+def _known_keys(exc: ValidationError, parent: list[str]) -> list[str]:
+    model: Any = None
+    title = exc.title
+    for cls in (ExperimentConfig, *_SECTION_MODELS):
+        if cls.__name__ == title:
+            model = cls
+    if model is None:
+        return []
+    for part in parent:
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        candidates = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            candidates = [annotation]
+        if not candidates:
+            return []
+        model = candidates[0]
+    return sorted(model.model_fields)
+
+
+_SECTION_MODELS = (RunConfig, DataConfig, PartitionConfig, ModelConfig, TrainConfig, FederationConfig, ResourcesConfig, FaultSpec)
+
+
+def parse_overrides(pairs: Sequence[str]) -> list[tuple[list[str], Any]]:
+    """Parse ``--set a.b=c`` strings into (key path, YAML value) pairs."""
+    parsed = []
+    for pair in pairs:
+        if "=" not in pair:
+            raise InputError("--set", "KEY=VALUE (e.g. partition.num_clients=10)", pair)
+        key, _, raw = pair.partition("=")
+        parts = key.strip().split(".")
+        if not all(re.fullmatch(r"[A-Za-z0-9_@+-]+", p) for p in parts):
+            raise InputError("--set", "a dotted key path such as methods.fedavg.rounds", key)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        parsed.append((parts, value))
+    return parsed
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[tuple[list[str], Any]]) -> dict[str, Any]:
+    """Return a copy of ``data`` with each (path, value) set, creating mappings on the way."""
+    data = copy.deepcopy(data)
+    for parts, value in overrides:
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if isinstance(child, list) and part == "methods":  # list shorthand: turn into a mapping first
+                child = node[part] = {name: {} for name in child}
+            if not isinstance(child, dict):
+                raise InputError(".".join(parts[: i + 1]), "a mapping to set a key inside", child)
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def validate_config(data: Mapping[str, Any] | None) -> ExperimentConfig:
+    """Validate plain data into an :class:`ExperimentConfig`; every method entry is checked too."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise InputError("config", "a mapping of sections (run, data, partition, model, train, federation, methods)", type(data).__name__)
+    try:
+        config = ExperimentConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        raise _to_input_error(exc) from None
+    config.method_specs()
+    return config
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """Read a YAML config (or start from the defaults), apply ``--set`` overrides and validate."""
+    data: Any = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise InputError(str(path), "an existing YAML config file", "no such file")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise InputError(str(path), "valid YAML", f"a syntax error{where}") from None
+        if not isinstance(data, dict):
+            raise InputError(str(path), "a YAML mapping of sections", type(data).__name__)
+    data = apply_overrides(data, parse_overrides(overrides))
+    return validate_config(data)
+
+
+def dump_config(config: ExperimentConfig) -> str:
+    """YAML text of the resolved config (every default filled in)."""
+    return yaml.safe_dump(config.resolved(), sort_keys=False)

@@ -1,0 +1,287 @@
+"""The coordinator: runs methods' server loops against a federation.
+
+:class:`Coordinator` is a plain class (``actors.CoordinatorActor`` wraps it as a named Ray actor on the driver's
+node). It holds the server-side data roles (the global test set, the public sample), trains nothing itself except
+the ``global`` oracle, and for each method builds a :class:`ServerContext`: the method's whole view of the world.
+It receives clients' results as references and resolves them itself, so parameters never pass through the driver.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from rayfuse.config import ExperimentConfig, MethodSpec
+from rayfuse.data.roles import DataPlan, Split, load_dataset_from_config, pooled_train, server_splits
+from rayfuse.errors import NonFiniteError, RunFailure
+from rayfuse.federation import Federation, Gathered, Update
+from rayfuse.fusion import METHODS, Method, MethodResult
+from rayfuse.metrics import compute_metrics
+from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
+from rayfuse.seeding import derive_seed, make_rng
+from rayfuse.store import Checkpoint, RunStore
+from rayfuse.client import get_local_update, set_local_params, train_local
+
+__all__ = ["Coordinator", "ServerContext"]
+
+
+class ServerContext:
+    """A method's view of the run: the federation, server-side data, evaluation, logging and checkpoints."""
+
+    def __init__(self, coordinator: "Coordinator", spec: MethodSpec, method_cls: type[Method], *, resume: bool) -> None:
+        self._coordinator = coordinator
+        self.label = spec.label
+        self.method = spec.method
+        self.params = spec.params
+        self.method_cls = method_cls
+        self.federation: Federation = coordinator.federation
+        self.events = coordinator.events
+        cfg = coordinator.cfg
+        self.seed = cfg.run.seed
+        self.model_cfg = cfg.model
+        self.train_cfg = cfg.train
+        self.num_classes = coordinator.plan.num_classes
+        self.input_shape = coordinator.plan.input_shape
+        self.device = coordinator.device
+        self.checkpoint = coordinator.store.checkpointer(spec.label)
+        self.resume = resume
+        self.history: list[dict[str, Any]] = []
+
+    # -- data and models ------------------------------------------------------------------------------------------
+
+    @property
+    def num_clients(self) -> int:
+        return self.federation.num_clients
+
+    @property
+    def test(self) -> Split:
+        """The global test set (evaluation only)."""
+        return self._coordinator.server_data()[0]
+
+    @property
+    def public(self) -> Split:
+        """The server's public sample (``data.public_size``; may be empty)."""
+        return self._coordinator.server_data()[1]
+
+    def pooled_train(self) -> Split:
+        """Every client's training data pooled. Only oracle methods may ask: a federation cannot do this."""
+        if not self.method_cls.oracle:
+            raise RunFailure(f"method {self.method!r} asked for pooled client data; only oracle methods may")
+        return self._coordinator.pooled_train()
+
+    def build_model(self, seed: int | None = None) -> Any:
+        return build_model(self.model_cfg, self.input_shape, self.num_classes, seed=seed)
+
+    def initial_params(self) -> dict[str, np.ndarray]:
+        """The shared seeded initialisation (the same as the clients' local models when ``train.shared_init``)."""
+        return get_params(self.build_model(seed=derive_seed(self.seed, "init")))
+
+    def step_seed(self, *tags: object) -> int:
+        return derive_seed(self.seed, "server", self.label, *tags)
+
+    def rng(self, *tags: object) -> np.random.Generator:
+        return make_rng(self.seed, "server", self.label, *tags)
+
+    # -- evaluation ---------------------------------------------------------------------------------------------
+
+    def predict_proba(self, params: dict[str, np.ndarray], X: np.ndarray | None = None) -> np.ndarray:
+        model = set_params(self.build_model(), params)
+        return predict_proba(model, self.test.X if X is None else X, device=self.device)
+
+    def evaluate_proba(self, proba: np.ndarray) -> dict[str, float]:
+        return compute_metrics(proba, self.test.y)
+
+    def evaluate(self, params: dict[str, np.ndarray]) -> dict[str, float]:
+        """Accuracy, NLL, entropy and ECE of ``params`` on the global test set."""
+        problem = check_params(params, self._coordinator.reference_params())
+        if problem:
+            raise NonFiniteError(f"{self.label}: the model to evaluate is invalid: {problem}")
+        return self.evaluate_proba(self.predict_proba(params))
+
+    # -- clients ------------------------------------------------------------------------------------------------
+
+    def local_updates(self) -> Gathered[Update]:
+        """Every client's trained local model (gathered once per run and shared by all methods)."""
+        return self._coordinator.local_updates()
+
+    def accept_updates(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None) -> dict[int, Update]:
+        """Keep the valid updates; reject (and record) those with NaN/Inf, wrong keys or wrong shapes.
+
+        Raises :class:`RunFailure` when fewer than ``federation.min_clients`` updates survive.
+        """
+        reference = self._coordinator.reference_params() if reference is None else reference
+        accepted: dict[int, Update] = {}
+        for client, update in gathered.results.items():
+            if not isinstance(update, Update):
+                reason = f"expected an Update, got {type(update).__name__}"
+            elif not isinstance(update.num_examples, (int, np.integer)) or update.num_examples <= 0:
+                reason = f"num_examples must be a positive integer, got {update.num_examples!r}"
+            else:
+                reason = check_params(update.params, reference)
+                if reason is None and not all(np.isfinite(v) for v in update.metrics.values()):
+                    reason = "non-finite metric values " + str({k: v for k, v in update.metrics.items() if not np.isfinite(v)})
+            if reason is None:
+                accepted[client] = update
+            else:
+                self.events.emit("update_rejected", reason, method=self.label, client=client)
+        need = min(self.federation.policy.min_clients, len(gathered.results) + len(gathered.failures))
+        if len(accepted) < max(need, 1):
+            raise RunFailure(f"{self.label}: {len(accepted)} valid client updates, need {max(need, 1)} "
+                             f"(rejected {len(gathered.results) - len(accepted)}, failed {len(gathered.failures)}); see the update_rejected events")
+        return accepted
+
+    def sample_clients(self, fraction: float, round: int) -> list[int]:
+        """A seeded sample of ``ceil(fraction * n)`` client ids for ``round`` (all of them when fraction is 1)."""
+        ids = self.federation.client_ids
+        k = max(1, int(np.ceil(fraction * len(ids))))
+        if k >= len(ids):
+            return list(ids)
+        return sorted(int(c) for c in self.rng("sample", round).choice(ids, size=k, replace=False))
+
+    # -- logging and checkpoints ------------------------------------------------------------------------------
+
+    def log(self, round: int, metrics: dict[str, float], client: int | None = None) -> None:
+        """Record ``metrics`` at ``round`` (rows of ``metrics.parquet``)."""
+        for name, value in metrics.items():
+            self.history.append({"round": int(round), "metric": name, "value": float(value), "client": client})
+
+    def progress(self, message: str, **fields: Any) -> None:
+        self.events.emit("progress", message, method=self.label, **fields)
+
+    def resume_checkpoint(self) -> Checkpoint | None:
+        """The last round checkpoint of this method when resuming (``None`` on a fresh run)."""
+        if not self.resume:
+            return None
+        checkpoint = self.checkpoint.load()
+        if checkpoint is not None:
+            self.history = list(checkpoint.meta.get("history", []))
+            self.events.emit("resumed", f"from round {checkpoint.round}", method=self.label, round=checkpoint.round)
+        return checkpoint
+
+    def save_checkpoint(self, round: int, params: dict[str, np.ndarray], state: dict[str, np.ndarray] | None = None,
+                        meta: dict[str, Any] | None = None) -> None:
+        self.checkpoint.save(round, params, state, {**(meta or {}), "history": self.history})
+
+
+class Coordinator:
+    """Runs the stages of a run and each method's server loop.
+
+    Parameters
+    ----------
+    cfg : ExperimentConfig
+    plan : DataPlan
+    run_dir : str
+        The run folder (checkpoints and model files are written here).
+    federation : Federation
+    device : str
+    """
+
+    def __init__(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: str, federation: Federation, *, device: str = "cpu") -> None:
+        self.cfg = cfg
+        self.plan = plan
+        self.store = RunStore(run_dir)
+        self.federation = federation
+        self.events = federation.events
+        self.device = device
+        self._dataset: Any = None
+        self._server_data: tuple[Split, Split] | None = None
+        self._local: Gathered[Update] | None = None
+        self._reference: dict[str, np.ndarray] | None = None
+
+    # -- lazily loaded server-side state ------------------------------------------------------------------------
+
+    def _load_dataset(self) -> Any:
+        if self._dataset is None:
+            self._dataset = load_dataset_from_config(self.cfg.data)
+        return self._dataset
+
+    def server_data(self) -> tuple[Split, Split]:
+        if self._server_data is None:
+            self._server_data = server_splits(self._load_dataset(), self.plan)
+        return self._server_data
+
+    def pooled_train(self) -> Split:
+        return pooled_train(self._load_dataset(), self.plan)
+
+    def reference_params(self) -> dict[str, np.ndarray]:
+        """The model's parameter layout (keys, shapes) every update must match."""
+        if self._reference is None:
+            self._reference = get_params(build_model(self.cfg.model, self.plan.input_shape, self.plan.num_classes, seed=0))
+        return self._reference
+
+    def events_since(self, index: int) -> list[dict[str, Any]]:
+        return self.events.since(index)
+
+    # -- stages ---------------------------------------------------------------------------------------------------
+
+    def _stage(self, name: str, fn: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        self.events.emit("stage_start", stage=name)
+        value = fn()
+        self.events.emit("stage_end", stage=name, seconds=round(time.perf_counter() - started, 3))
+        return value
+
+    def prepare_local_models(self, resume: bool = False) -> dict[str, Any]:
+        """Train every client's local model once (or restore it on resume) and gather the parameters once."""
+        return self._stage("local_training", lambda: self._prepare_local_models(resume))
+
+    def _prepare_local_models(self, resume: bool) -> dict[str, Any]:
+        fed = self.federation
+        saved = self.store.load_local_models(fed.client_ids) if resume else None
+        if saved is not None:
+            calls = [c for client, (params, stats) in saved.items()
+                     for c in fed.map(set_local_params, fed.put(params), stats, clients=[client])]
+            fed.gather(calls)
+            self.events.emit("local_models_restored", f"{len(saved)} local models from checkpoints/local")
+        else:
+            trained = fed.run(train_local)
+            for client, stats in trained.results.items():
+                self.events.emit("client_trained", f"loss {stats.get('train_loss', float('nan')):.4f}", client=client,
+                                 seconds=round(stats.get("train_seconds", 0.0), 3))
+        self._local = fed.run(get_local_update)
+        if saved is None:
+            self.store.save_local_models(self._local.results)
+        return {"clients": self._local.clients, "restored": saved is not None}
+
+    def local_updates(self) -> Gathered[Update]:
+        if self._local is None:
+            self._prepare_local_models(resume=False)
+        assert self._local is not None
+        return self._local
+
+    def run_method(self, label: str, resume: bool = False) -> dict[str, Any]:
+        """Run the method entry ``label`` of the config; save its model and state; return its summary."""
+        spec = next((s for s in self.cfg.method_specs() if s.label == label), None)
+        if spec is None:
+            raise KeyError(f"no method labelled {label!r} in the config")
+        method_cls = METHODS.get(spec.method)
+        server = ServerContext(self, spec, method_cls, resume=resume)
+        started = time.perf_counter()
+        self.events.emit("method_start", method=label)
+        result: MethodResult = method_cls(spec.params, label).run(server)
+        seconds = time.perf_counter() - started
+        bad = {k: v for k, v in result.metrics.items() if not np.isfinite(v)}
+        if bad:
+            raise NonFiniteError(f"{label}: non-finite final metrics {bad}")
+        model_file = None
+        if result.params is not None:
+            path = self.store.model_file(label)
+            from rayfuse.io import save_params
+
+            save_params(path, result.params, {"method": spec.method, "label": label})
+            model_file = str(path.relative_to(self.store.root))
+        summary = {
+            "label": label,
+            "method": spec.method,
+            "metrics": {k: float(v) for k, v in result.metrics.items()},
+            "info": result.info,
+            "oracle": method_cls.oracle,
+            "history": server.history,
+            "seconds": round(seconds, 3),
+            "model_file": model_file,
+        }
+        self.store.save_method_state(label, summary)
+        self.events.emit("method_done", method=label, seconds=round(seconds, 3), metrics=summary["metrics"])
+        return summary

@@ -1,0 +1,289 @@
+"""Dataset registry.
+
+Every dataset loads offline:
+
+* scikit-learn's bundled ``digits``, ``breast_cancer``, ``wine``, ``iris``;
+* torchvision's ``mnist``, ``fashion_mnist``, ``cifar10`` from a local folder (``data.root``; nothing downloads);
+* user files: ``npz`` (arrays) and ``parquet`` (columns), named by ``data.path``;
+* procedural generators: ``synthetic`` (scikit-learn's ``make_classification``; ``data.options`` are its arguments).
+
+A loader returns a :class:`Dataset`: float32 inputs shaped ``(N, *input_shape)`` (images as ``(N, C, H, W)``),
+int64 labels in ``0..num_classes-1``, and, when the source has one, its official test split.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from rayfuse.errors import InputError
+from rayfuse.registry import Registry
+
+__all__ = ["Dataset", "DatasetInfo", "DATASETS", "load_dataset", "register_dataset"]
+
+
+@dataclass(frozen=True, eq=False)
+class Dataset:
+    """Arrays of one dataset. ``X_test`` / ``y_test`` are set when the source ships a test split."""
+
+    name: str
+    X: np.ndarray
+    y: np.ndarray
+    num_classes: int
+    class_names: tuple[str, ...]
+    X_test: np.ndarray | None = None
+    y_test: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        _check_arrays(self.name, self.X, self.y, self.num_classes)
+        if self.X_test is not None:
+            _check_arrays(self.name + " (test split)", self.X_test, self.y_test, self.num_classes)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in self.X.shape[1:])
+
+    @property
+    def has_test_split(self) -> bool:
+        return self.X_test is not None
+
+
+def _check_arrays(name: str, X: np.ndarray, y: np.ndarray | None, num_classes: int) -> None:
+    if y is None or X.shape[0] != y.shape[0] or y.ndim != 1:
+        raise InputError(f"data ({name})", "as many labels as samples", f"X {X.shape}, y {None if y is None else y.shape}")
+    if X.dtype != np.float32 or y.dtype != np.int64:
+        raise TypeError(f"dataset {name}: loaders must return float32 X and int64 y, got {X.dtype}, {y.dtype}")
+    if len(y) and (y.min() < 0 or y.max() >= num_classes):
+        raise InputError(f"data ({name})", f"labels in 0..{num_classes - 1}", f"{y.min()}..{y.max()}")
+    if not np.isfinite(X).all():
+        raise InputError(f"data ({name})", "finite feature values", "NaN or Inf in X")
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    name: str
+    loader: Callable[..., Dataset]
+    description: str
+    source: str  # bundled | local folder | user file | generator
+    standardize: bool = False  # default of data.standardize
+    options: tuple[str, ...] = field(default=())
+
+
+DATASETS: Registry[DatasetInfo] = Registry("dataset")
+
+
+def register_dataset(name: str, *, description: str, source: str, standardize: bool = False, aliases: tuple[str, ...] = ()):
+    """Decorator registering a loader ``loader(root=..., path=..., label=..., features=..., **options) -> Dataset``."""
+
+    def decorate(loader: Callable[..., Dataset]) -> Callable[..., Dataset]:
+        params = [
+            p.name for p in inspect.signature(loader).parameters.values()
+            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+            and p.name not in ("root", "path", "label", "features") and not p.name.startswith("_")
+        ]
+        DATASETS.register(
+            name,
+            DatasetInfo(name, loader, description, source, standardize, tuple(params)),
+            aliases=aliases,
+        )
+        return loader
+
+    return decorate
+
+
+def load_dataset(name: str, *, root: str | None = None, path: str | None = None, label: str = "y",
+                 features: str | list[str] | None = None, options: dict[str, Any] | None = None) -> Dataset:
+    """Load dataset ``name`` (raises :class:`InputError` naming ``data.*`` keys when files are missing or bad)."""
+    info = DATASETS.get(name, path="data.dataset")
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(info.options))
+    if unknown:
+        expected = f"options among {{{', '.join(info.options)}}}" if info.options else "no options"
+        raise InputError(f"data.options.{unknown[0]}", f"{expected} for dataset {info.name!r}", options[unknown[0]])
+    return info.loader(root=root, path=path, label=label, features=features, **options)
+
+
+def _labels_to_int(values: np.ndarray, where: str) -> tuple[np.ndarray, tuple[str, ...]]:
+    classes, inverse = np.unique(values, return_inverse=True)
+    if len(classes) < 2:
+        raise InputError(where, "at least 2 distinct labels", f"{len(classes)}")
+    if np.issubdtype(classes.dtype, np.integer) and classes.min() >= 0 and classes.max() < 10 * len(classes):
+        # Integer labels keep their values (a file with labels 0..9 where some are absent keeps 10 classes).
+        num = int(classes.max()) + 1
+        return values.astype(np.int64), tuple(str(i) for i in range(num))
+    return inverse.astype(np.int64), tuple(str(c) for c in classes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scikit-learn bundled datasets (no download)
+
+
+@register_dataset("digits", description="8x8 handwritten digits, 1797 images, 10 classes (scikit-learn)", source="bundled")
+def _load_digits(**_: Any) -> Dataset:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    X = (bunch.images / 16.0).astype(np.float32)[:, None, :, :]  # pixels 0..16 -> [0, 1], shape (N, 1, 8, 8)
+    return Dataset("digits", X, bunch.target.astype(np.int64), 10, tuple(str(i) for i in range(10)))
+
+
+def _tabular(name: str, bunch: Any) -> Dataset:
+    X = np.asarray(bunch.data, dtype=np.float32)
+    y = np.asarray(bunch.target, dtype=np.int64)
+    return Dataset(name, X, y, int(y.max()) + 1, tuple(str(c) for c in bunch.target_names))
+
+
+@register_dataset("breast_cancer", description="Wisconsin breast cancer, 569 x 30, 2 classes (scikit-learn)", source="bundled", standardize=True)
+def _load_breast_cancer(**_: Any) -> Dataset:
+    from sklearn.datasets import load_breast_cancer
+
+    return _tabular("breast_cancer", load_breast_cancer())
+
+
+@register_dataset("wine", description="wine recognition, 178 x 13, 3 classes (scikit-learn)", source="bundled", standardize=True)
+def _load_wine(**_: Any) -> Dataset:
+    from sklearn.datasets import load_wine
+
+    return _tabular("wine", load_wine())
+
+
+@register_dataset("iris", description="iris, 150 x 4, 3 classes (scikit-learn)", source="bundled", standardize=True)
+def _load_iris(**_: Any) -> Dataset:
+    from sklearn.datasets import load_iris
+
+    return _tabular("iris", load_iris())
+
+
+@register_dataset("synthetic", description="make_classification; data.options: n_samples, n_features, n_classes, n_informative, class_sep, random_state",
+                  source="generator", standardize=True)
+def _load_synthetic(*, n_samples: int = 2000, n_features: int = 20, n_classes: int = 4, n_informative: int = 10,
+                    class_sep: float = 1.0, random_state: int = 0, **_: Any) -> Dataset:
+    from sklearn.datasets import make_classification
+
+    for key, value, low in (("n_samples", n_samples, 10), ("n_features", n_features, 2), ("n_classes", n_classes, 2), ("n_informative", n_informative, 1)):
+        if not isinstance(value, int) or value < low:
+            raise InputError(f"data.options.{key}", f"an integer >= {low}", value)
+    if n_informative > n_features:
+        raise InputError("data.options.n_informative", f"at most n_features ({n_features})", n_informative)
+    X, y = make_classification(n_samples=n_samples, n_features=n_features, n_informative=n_informative, n_redundant=0,
+                               n_classes=n_classes, n_clusters_per_class=1, class_sep=class_sep, random_state=random_state)
+    return Dataset("synthetic", X.astype(np.float32), y.astype(np.int64), n_classes, tuple(str(i) for i in range(n_classes)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torchvision datasets from a local folder (data.root); nothing downloads at run time
+
+_TORCHVISION = {
+    # name: (torchvision class, folder torchvision expects under root, files in it)
+    "mnist": ("MNIST", "MNIST/raw", "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (or .gz)"),
+    "fashion_mnist": ("FashionMNIST", "FashionMNIST/raw", "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (or .gz)"),
+    "cifar10": ("CIFAR10", "cifar-10-batches-py", "data_batch_1..5, test_batch, batches.meta"),
+}
+
+
+def _load_torchvision(name: str, root: str | None) -> Dataset:
+    cls_name, folder, files = _TORCHVISION[name]
+    if not root:
+        raise InputError("data.root", f"the folder holding {folder}/ for dataset {name!r}", None,
+                         f"put {files} in <root>/{folder}/ (torchvision.datasets.{cls_name}(root, download=True) on a machine with internet writes them)")
+    import torchvision.datasets as tvd
+
+    cls = getattr(tvd, cls_name)
+    try:
+        train = cls(root=root, train=True, download=False)
+        test = cls(root=root, train=False, download=False)
+    except (RuntimeError, FileNotFoundError, OSError) as exc:
+        raise InputError("data.root", f"{Path(root) / folder}/ with {files}", f"not found or unreadable ({str(exc).splitlines()[0][:80]})",
+                         f"copy the files there (torchvision.datasets.{cls_name}(root, download=True) on a machine with internet writes them)") from None
+
+    def arrays(ds: Any) -> tuple[np.ndarray, np.ndarray]:
+        data = np.asarray(ds.data)
+        if data.ndim == 3:  # (N, H, W) grey
+            data = data[:, None, :, :]
+        else:  # CIFAR: (N, H, W, C)
+            data = data.transpose(0, 3, 1, 2)
+        return np.ascontiguousarray(data, dtype=np.float32) / 255.0, np.asarray(ds.targets, dtype=np.int64)
+
+    X, y = arrays(train)
+    X_test, y_test = arrays(test)
+    classes = tuple(str(c) for c in getattr(train, "classes", range(10)))
+    return Dataset(name, X, y, len(classes), classes, X_test, y_test)
+
+
+for _name, (_cls, _folder, _files) in _TORCHVISION.items():
+    register_dataset(_name, description=f"torchvision {_cls} from data.root ({_folder}/)", source="local folder",
+                     aliases=(_cls,) if _cls.lower() != _name else ())(lambda root=None, _n=_name, **_: _load_torchvision(_n, root))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# User files
+
+
+@register_dataset("npz", description="a .npz file at data.path with arrays data.features (default X) and data.label (default y)", source="user file")
+def _load_npz(*, path: str | None = None, label: str = "y", features: str | list[str] | None = None, **_: Any) -> Dataset:
+    file = _existing_file(path, ".npz")
+    feature_key = features if isinstance(features, str) else "X"
+    if isinstance(features, list):
+        raise InputError("data.features", "one array name for an .npz file", features)
+    try:
+        with np.load(file, allow_pickle=False) as archive:
+            keys = list(archive.keys())
+            for key, what in ((feature_key, "data.features"), (label, "data.label")):
+                if key not in keys:
+                    raise InputError(what, f"an array name in {file.name} ({', '.join(keys)})", key)
+            X = np.asarray(archive[feature_key])
+            labels = np.asarray(archive[label])
+    except InputError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise InputError(str(file), "a readable .npz archive without pickled objects", str(exc)[:80]) from None
+    if not np.issubdtype(X.dtype, np.number):
+        raise InputError("data.features", "a numeric array", str(X.dtype))
+    if X.ndim == 3:  # (N, H, W) grey images
+        X = X[:, None]
+    y, names = _labels_to_int(labels.reshape(-1), "data.label")
+    return Dataset(file.stem, np.ascontiguousarray(X, dtype=np.float32), y, len(names), names)
+
+
+@register_dataset("parquet", description="a .parquet file at data.path: label column data.label, features data.features (default: other numeric columns)",
+                  source="user file", standardize=True)
+def _load_parquet(*, path: str | None = None, label: str = "y", features: str | list[str] | None = None, **_: Any) -> Dataset:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    file = _existing_file(path, ".parquet")
+    try:
+        table = pq.read_table(file)
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(str(file), "a readable parquet file", str(exc)[:80]) from None
+    columns = table.column_names
+    if label not in columns:
+        raise InputError("data.label", f"a column of {file.name} ({', '.join(columns)})", label)
+    if features is None:
+        features = [c for c in columns if c != label and (pa.types.is_integer(table.schema.field(c).type) or pa.types.is_floating(table.schema.field(c).type))]
+    elif isinstance(features, str):
+        features = [features]
+    missing = [c for c in features if c not in columns]
+    if missing:
+        raise InputError("data.features", f"columns of {file.name} ({', '.join(columns)})", missing[0])
+    if not features:
+        raise InputError("data.features", "at least one numeric feature column", [])
+    try:
+        X = np.column_stack([table.column(c).to_numpy(zero_copy_only=False).astype(np.float32) for c in features])
+    except (ValueError, TypeError, pa.ArrowException) as exc:
+        raise InputError("data.features", "numeric columns without nulls", str(exc)[:80]) from None
+    y, names = _labels_to_int(table.column(label).to_numpy(zero_copy_only=False), "data.label")
+    return Dataset(file.stem, np.ascontiguousarray(X), y, len(names), names)
+
+
+def _existing_file(path: str | None, suffix: str) -> Path:
+    if not path:
+        raise InputError("data.path", f"a {suffix} file", path)
+    file = Path(path)
+    if not file.is_file():
+        raise InputError("data.path", f"an existing {suffix} file", path)
+    return file

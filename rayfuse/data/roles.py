@@ -1,0 +1,240 @@
+"""Data roles and the partition manifest.
+
+A run's data is split once, in the driver, into explicit roles (ARCHITECTURE.md, "Data"):
+
+* **test** -- the global test set, used only to evaluate models (the coordinator holds it). The dataset's official
+  test split when it ships one (torchvision), otherwise a stratified ``data.test_size`` hold-out.
+* **public** -- the server's public sample (``data.public_size``; empty by default): data the server may train on
+  (GEMS fine-tuning, FedSA's labelled target set, distillation). Drawn, stratified, from the training pool before
+  partitioning, so no client holds it.
+* **client train / val** -- each client's private shard (from the partitioner) and a private validation split of it
+  (``data.val_size``). Only the client's own actor ever loads them.
+
+:class:`DataPlan` records every index, the class counts per client, the seed and a hash: the partition manifest
+written to ``partition.json``. Clients receive only their own :class:`ClientPlan` and load their shard themselves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rayfuse.data.datasets import Dataset, load_dataset
+from rayfuse.data.partition import PARTITIONERS, class_counts, partition
+from rayfuse.errors import InputError
+from rayfuse.seeding import derive_seed, make_rng
+
+__all__ = ["ClientPlan", "DataPlan", "Split", "make_plan", "load_dataset_from_config", "client_splits", "server_splits", "pooled_train"]
+
+
+@dataclass(frozen=True)
+class Split:
+    """Inputs and labels of one role (``X`` float32 ``(n, *input_shape)``, ``y`` int64 ``(n,)``)."""
+
+    X: np.ndarray
+    y: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+
+@dataclass(frozen=True)
+class Normalization:
+    mean: np.ndarray
+    std: np.ndarray
+
+    def apply(self, X: np.ndarray) -> np.ndarray:
+        return ((X - self.mean) / self.std).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class ClientPlan:
+    """What one client needs to load its own shard (and nothing about the others)."""
+
+    client_id: int
+    train: np.ndarray
+    val: np.ndarray
+    normalization: Normalization | None
+    num_classes: int
+    input_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class DataPlan:
+    dataset: str
+    num_classes: int
+    input_shape: tuple[int, ...]
+    class_names: tuple[str, ...]
+    seed: int
+    test_source: str  # "split" (held out from the dataset) or "predefined" (the dataset's own test split)
+    test: np.ndarray
+    public: np.ndarray
+    client_train: tuple[np.ndarray, ...]
+    client_val: tuple[np.ndarray, ...]
+    counts: np.ndarray  # (num_clients, num_classes), train + val
+    unassigned: int
+    normalization: Normalization | None
+    partition: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.client_train)
+
+    def for_client(self, client_id: int) -> ClientPlan:
+        return ClientPlan(client_id, self.client_train[client_id], self.client_val[client_id], self.normalization,
+                          self.num_classes, self.input_shape)
+
+    def num_examples(self, client_id: int) -> int:
+        return int(len(self.client_train[client_id]))
+
+    def digest(self) -> str:
+        """SHA-256 of every index and the seed: two runs with the same digest saw the same split."""
+        h = hashlib.sha256()
+        h.update(f"{self.dataset}|{self.seed}|{self.test_source}".encode())
+        for arr in (self.test, self.public, *self.client_train, *self.client_val):
+            h.update(np.asarray(arr, dtype=np.int64).tobytes())
+            h.update(b"|")
+        return h.hexdigest()
+
+    def manifest(self) -> dict[str, Any]:
+        """The partition manifest (JSON-ready): roles, per-client indices and class counts, seed, hash."""
+        return {
+            "dataset": self.dataset,
+            "num_classes": self.num_classes,
+            "class_names": list(self.class_names),
+            "input_shape": list(self.input_shape),
+            "seed": self.seed,
+            "partition": self.partition,
+            "hash": self.digest(),
+            "roles": {
+                "test": {"source": self.test_source, "size": int(len(self.test)), "held_by": "coordinator (evaluation only)"},
+                "public": {"size": int(len(self.public)), "held_by": "coordinator (server's public sample)", "indices": self.public.tolist()},
+                "clients": "private train / val splits, each loaded only by its own client",
+            },
+            "unassigned": self.unassigned,
+            "normalization": None if self.normalization is None else {
+                "mean": self.normalization.mean.reshape(-1).tolist(), "std": self.normalization.std.reshape(-1).tolist()},
+            "clients": [
+                {
+                    "id": i,
+                    "num_train": int(len(self.client_train[i])),
+                    "num_val": int(len(self.client_val[i])),
+                    "class_counts": self.counts[i].tolist(),
+                    "train": self.client_train[i].tolist(),
+                    "val": self.client_val[i].tolist(),
+                }
+                for i in range(self.num_clients)
+            ],
+            "test_indices": self.test.tolist() if self.test_source == "split" else None,
+        }
+
+
+def load_dataset_from_config(data_cfg: Any) -> Dataset:
+    """Load the dataset a :class:`rayfuse.config.DataConfig` names."""
+    return load_dataset(data_cfg.dataset, root=data_cfg.root, path=data_cfg.path, label=data_cfg.label,
+                        features=data_cfg.features, options=data_cfg.options)
+
+
+def _stratified_take(labels: np.ndarray, size: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Split ``arange(len(labels))`` into (taken, rest) with ``size`` taken, stratified by label where possible."""
+    n = len(labels)
+    if size <= 0:
+        return np.zeros(0, np.int64), np.arange(n, dtype=np.int64)
+    if size >= n:
+        raise ValueError("size must be smaller than the number of samples")
+    from sklearn.model_selection import train_test_split
+
+    idx = np.arange(n)
+    seed = int(rng.integers(2**31 - 1))
+    try:
+        rest, taken = train_test_split(idx, test_size=size, stratify=labels, random_state=seed)
+    except ValueError:  # a class too small to stratify: fall back to a plain random split
+        rest, taken = train_test_split(idx, test_size=size, random_state=seed)
+    return np.sort(taken).astype(np.int64), np.sort(rest).astype(np.int64)
+
+
+def make_plan(dataset: Dataset, data_cfg: Any, partition_cfg: Any, seed: int) -> DataPlan:
+    """Split ``dataset`` into roles and partition the training pool among the clients (deterministic in ``seed``)."""
+    y = dataset.y
+    if dataset.has_test_split:
+        test_source, test = "predefined", np.arange(len(dataset.y_test), dtype=np.int64)
+        pool = np.arange(len(y), dtype=np.int64)
+    else:
+        test_size = int(round(data_cfg.test_size * len(y)))
+        if not 1 <= test_size < len(y):
+            raise InputError("data.test_size", f"a fraction leaving both a test set and a training pool ({len(y)} samples)", data_cfg.test_size)
+        test_source = "split"
+        test, pool = _stratified_take(y, test_size, make_rng(seed, "test-split"))
+
+    public_size = data_cfg.public_size
+    n_public = int(round(public_size * len(pool))) if public_size < 1 else int(public_size)
+    if n_public >= len(pool):
+        raise InputError("data.public_size", f"fewer samples than the training pool ({len(pool)})", public_size)
+    taken, rest = _stratified_take(y[pool], n_public, make_rng(seed, "public-split"))
+    public, pool = pool[taken], pool[rest]
+
+    method = PARTITIONERS.canonical(partition_cfg.method)
+    params = partition_cfg.params()
+    parts = partition(y[pool], partition_cfg.num_clients, method, seed=derive_seed(seed, "partition"), **params)
+    shards = [pool[p] for p in parts]
+    unassigned = len(pool) - sum(len(s) for s in shards)
+
+    train, val = [], []
+    for i, shard in enumerate(shards):
+        order = make_rng(seed, "val-split", i).permutation(shard)
+        n_val = int(round(data_cfg.val_size * len(shard)))
+        if data_cfg.val_size > 0 and len(shard) >= 2:
+            n_val = min(max(n_val, 1), len(shard) - 1)
+        else:
+            n_val = 0
+        val.append(np.sort(order[:n_val]))
+        train.append(np.sort(order[n_val:]))
+
+    standardize = data_cfg.standardize
+    if standardize is None:
+        from rayfuse.data.datasets import DATASETS
+
+        standardize = DATASETS.get(data_cfg.dataset).standardize
+    normalization = None
+    if standardize:
+        # Feature statistics of the training pool (never the test set), shared with every client as preprocessing.
+        X_pool = dataset.X[np.concatenate([pool, public])]
+        mean = X_pool.mean(axis=0, keepdims=True)
+        std = X_pool.std(axis=0, keepdims=True)
+        normalization = Normalization(mean.astype(np.float32), np.where(std > 1e-12, std, 1.0).astype(np.float32))
+
+    counts = class_counts(y, [np.concatenate([t, v]) for t, v in zip(train, val)], dataset.num_classes)
+    return DataPlan(
+        dataset=dataset.name, num_classes=dataset.num_classes, input_shape=dataset.input_shape, class_names=dataset.class_names,
+        seed=seed, test_source=test_source, test=test, public=public, client_train=tuple(train), client_val=tuple(val),
+        counts=counts, unassigned=int(unassigned), normalization=normalization,
+        partition={"method": method, "num_clients": partition_cfg.num_clients, **params},
+    )
+
+
+def _take(dataset: Dataset, idx: np.ndarray, normalization: Normalization | None, *, test: bool = False) -> Split:
+    X = dataset.X_test if test else dataset.X
+    y = dataset.y_test if test else dataset.y
+    X, y = X[idx], y[idx]
+    if normalization is not None:
+        X = normalization.apply(X)
+    return Split(np.ascontiguousarray(X, dtype=np.float32), np.ascontiguousarray(y, dtype=np.int64))
+
+
+def client_splits(dataset: Dataset, plan: ClientPlan) -> tuple[Split, Split]:
+    """A client's private (train, val) splits, from its own plan only."""
+    return _take(dataset, plan.train, plan.normalization), _take(dataset, plan.val, plan.normalization)
+
+
+def server_splits(dataset: Dataset, plan: DataPlan) -> tuple[Split, Split]:
+    """The coordinator's (test, public) splits."""
+    test = _take(dataset, plan.test, plan.normalization, test=plan.test_source == "predefined")
+    return test, _take(dataset, plan.public, plan.normalization)
+
+
+def pooled_train(dataset: Dataset, plan: DataPlan) -> Split:
+    """All clients' training splits pooled: only for the ``global`` oracle, which a real federation cannot run."""
+    return _take(dataset, np.sort(np.concatenate(plan.client_train)), plan.normalization)

@@ -1,0 +1,62 @@
+"""The project's error types.
+
+``InputError`` is the one error type for bad input (config, files, arguments). Its message is a single line that
+names the key path, the expected value and what was given, so the CLI can print it as is and exit with code 2.
+``RunFailure`` is raised when a run cannot go on (too few clients left, every update rejected...): exit code 1.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Iterable
+
+__all__ = ["InputError", "RunFailure", "NonFiniteError", "suggest"]
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def suggest(given: str, choices: Iterable[str]) -> str:
+    """Return ``" (did you mean 'x'?)"`` when ``given`` is close to one of ``choices``, else ``""``."""
+    close = difflib.get_close_matches(str(given), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+class InputError(ValueError):
+    """Bad input: a config key, a file, a command-line argument.
+
+    Parameters
+    ----------
+    path : str
+        Where the problem is: a dotted config key path (``partition.alpha``) or a file path.
+    expected : str
+        What would have been accepted, in words.
+    got : object, optional
+        What was given. Omitted from the message when ``_MISSING``.
+    hint : str, optional
+        One short remedy, appended after a semicolon.
+    """
+
+    _MISSING = object()
+
+    def __init__(self, path: str, expected: str, got: Any = _MISSING, hint: str = "") -> None:
+        self.path = path
+        self.expected = expected
+        self.got = got
+        self.hint = hint
+        message = f"{path}: expected {expected}"
+        if got is not InputError._MISSING:
+            message += f", got {_short(got)}"
+        if hint:
+            message += f"; {hint}"
+        super().__init__(message)
+
+
+class RunFailure(RuntimeError):
+    """A run could not go on (failure policy exhausted, quorum lost, every update rejected)."""
+
+
+class NonFiniteError(RunFailure):
+    """A model produced NaN or Inf where a finite number was required."""

@@ -1,0 +1,400 @@
+"""The federation abstraction: what a method's server loop sees of its clients.
+
+A method is written once against :class:`Federation` and runs on two implementations:
+
+* :class:`InProcessFederation` (here): clients are plain :class:`rayfuse.client.Client` objects in this process;
+  used by unit tests and ``federation.backend: local`` debug runs.
+* ``actors.federation.RayFederation``: clients are long-lived Ray actors; ``put`` is ``ray.put``, calls return
+  ``ObjectRef`` s and gathering uses ``ray.wait`` with a timeout.
+
+The interface is small::
+
+    ref = federation.put(global_params)                  # one broadcast object, passed to every client
+    calls = federation.map(fit, ref, epochs=2)           # run client step ``fit`` on every (or selected) client
+    gathered = federation.gather(calls)                  # wait, apply the failure policy, check the quorum
+    gathered.results  -> {client_id: value}; gathered.failures -> [ClientError, ...]
+    federation.parallel_map(solve, items)                # server-side fan-out (assignment solves, restarts...)
+
+A *client step* is a module-level function ``step(ctx, *args, **kwargs)`` that runs inside a client with its
+:class:`rayfuse.client.ClientContext` (its private shard, its local model). Steps return parameters, summaries,
+losses and counts, never raw data. Decorate steps with :func:`client_step` to give them a stable name (used in
+events and fault injection).
+
+Failure policy (``federation.on_client_failure``), applied in :meth:`Federation.gather`, the one place it lives:
+
+* ``retry`` -- re-submit a failed call up to ``max_retries`` times (a dead Ray actor is restarted by Ray and reloads
+  its shard first); a call still failing after that fails the run. Timeouts are not retried.
+* ``drop`` -- leave the client out of this call's results and record a ``client_dropped`` event; the run fails only
+  when fewer than ``min_clients`` clients remain.
+* ``fail`` -- the first failure fails the run.
+
+Every failure, retry and drop is recorded in the :class:`EventLog`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Iterable, Mapping, Sequence, TypeVar
+
+import numpy as np
+
+from rayfuse.errors import RunFailure
+
+__all__ = [
+    "Federation",
+    "InProcessFederation",
+    "FailurePolicy",
+    "Update",
+    "ClientError",
+    "Gathered",
+    "Call",
+    "EventLog",
+    "ClientDied",
+    "client_step",
+    "step_name",
+    "freeze",
+]
+
+T = TypeVar("T")
+
+
+def client_step(name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Name a client step (``"fedavg.fit"``); the name appears in events and fault specs."""
+
+    def decorate(fn: Callable[..., T]) -> Callable[..., T]:
+        fn.__rayfuse_step__ = name  # type: ignore[attr-defined]
+        return fn
+
+    return decorate
+
+
+def step_name(step: Callable[..., Any]) -> str:
+    return getattr(step, "__rayfuse_step__", None) or f"{getattr(step, '__module__', '?')}.{getattr(step, '__qualname__', repr(step))}"
+
+
+@dataclass
+class Update:
+    """What a client sends back after local work: parameters, its sample count and scalar metrics."""
+
+    params: dict[str, np.ndarray]
+    num_examples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClientError:
+    client: int
+    kind: str  # "error" (the step raised), "died" (the client process died), "timeout"
+    message: str
+    step: str = ""
+    attempt: int = 0
+
+
+@dataclass
+class Gathered(Generic[T]):
+    """Results of one gather: ``results`` by client id (in client order) and the clients that failed."""
+
+    results: dict[int, T]
+    failures: list[ClientError] = field(default_factory=list)
+
+    @property
+    def clients(self) -> list[int]:
+        return list(self.results)
+
+    def values(self) -> list[T]:
+        return list(self.results.values())
+
+
+@dataclass(frozen=True)
+class FailurePolicy:
+    on_client_failure: str = "retry"
+    max_retries: int = 2
+    min_clients: int = 1
+    timeout_s: float | None = None
+
+    @classmethod
+    def from_config(cls, federation_cfg: Any) -> "FailurePolicy":
+        return cls(federation_cfg.on_client_failure, federation_cfg.max_retries, federation_cfg.min_clients, federation_cfg.timeout_s)
+
+
+class EventLog:
+    """Append-only, thread-safe list of run events (dicts with ``t`` seconds since the log started and ``kind``).
+
+    Listeners are called synchronously on every event (the in-process backend prints progress this way); the Ray
+    backend polls :meth:`since` from the driver instead.
+    """
+
+    def __init__(self, start: float | None = None) -> None:
+        self._events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._start = time.time() if start is None else start
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
+
+    def emit(self, kind: str, message: str = "", **fields: Any) -> dict[str, Any]:
+        event = {"t": round(time.time() - self._start, 3), "kind": kind, **({"message": message} if message else {}), **fields}
+        with self._lock:
+            self._events.append(event)
+        for listener in list(self.listeners):
+            listener(event)
+        return event
+
+    def since(self, index: int) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._events[index:])
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._events)
+
+
+class ClientDied(RuntimeError):
+    """In-process stand-in for a client process that died (a Ray actor would be restarted by Ray)."""
+
+
+@dataclass
+class Call:
+    """One submitted client call; kept so the policy can re-submit it."""
+
+    client: int
+    step: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    attempt: int = 0
+    handle: Any = None
+    deadline: float | None = None
+
+    @property
+    def name(self) -> str:
+        return step_name(self.step)
+
+
+def freeze(obj: Any) -> Any:
+    """Read-only copy of the arrays in ``obj`` (dicts, lists, tuples, dataclasses), like Ray's object store gives."""
+    if isinstance(obj, np.ndarray):
+        out = obj.copy()
+        out.setflags(write=False)
+        return out
+    if isinstance(obj, Mapping):
+        return {k: freeze(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(freeze(v) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: freeze(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+class Federation(ABC):
+    """Clients as seen from a method's server loop. Subclasses provide transport; policy lives here."""
+
+    def __init__(self, policy: FailurePolicy, events: EventLog | None = None) -> None:
+        self.policy = policy
+        self.events = events if events is not None else EventLog()
+
+    # -- transport, provided by subclasses -------------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def client_ids(self) -> list[int]:
+        """Ids of the clients in this federation, ascending."""
+
+    @abstractmethod
+    def put(self, obj: Any) -> Any:
+        """Store ``obj`` once for a broadcast; pass the returned reference to :meth:`map`."""
+
+    @abstractmethod
+    def get(self, ref: Any) -> Any:
+        """Resolve a reference returned by :meth:`put`."""
+
+    @abstractmethod
+    def _submit(self, call: Call) -> Any:
+        """Start ``call`` on its client and return a handle."""
+
+    @abstractmethod
+    def _wait(self, handles: list[Any], timeout: float | None) -> list[Any]:
+        """Return the handles among ``handles`` that are done (waiting at most ``timeout`` seconds for one)."""
+
+    @abstractmethod
+    def _result(self, handle: Any) -> Any:
+        """The value of a done handle; raise :class:`ClientFailed` with a classified :class:`ClientError` if it failed."""
+
+    @abstractmethod
+    def parallel_map(self, fn: Callable[[Any], T], items: Sequence[Any], *, chunk_size: int | None = None) -> list[T]:
+        """``[fn(item) for item in items]`` computed in parallel (server-side fan-out), in order."""
+
+    # -- the interface methods use --------------------------------------------------------------------------------
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.client_ids)
+
+    def map(self, step: Callable[..., Any], *args: Any, clients: Iterable[int] | None = None, **kwargs: Any) -> list[Call]:
+        """Run ``step(ctx, *args, **kwargs)`` on each of ``clients`` (default: all); returns the pending calls."""
+        targets = self.client_ids if clients is None else sorted(set(int(c) for c in clients))
+        unknown = set(targets) - set(self.client_ids)
+        if unknown:
+            raise ValueError(f"unknown client ids {sorted(unknown)}")
+        return [self._start(Call(c, step, args, dict(kwargs))) for c in targets]
+
+    def _start(self, call: Call) -> Call:
+        call.deadline = None if self.policy.timeout_s is None else time.monotonic() + self.policy.timeout_s
+        call.handle = self._submit(call)
+        return call
+
+    def gather(self, calls: Sequence[Call]) -> Gathered[Any]:
+        """Wait for ``calls``, applying the failure policy; raise :class:`RunFailure` when it says so."""
+        pending: dict[Any, Call] = {call.handle: call for call in calls}
+        results: dict[int, Any] = {}
+        failures: list[ClientError] = []
+        while pending:
+            deadlines = [c.deadline for c in pending.values() if c.deadline is not None]
+            timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
+            ready = self._wait(list(pending), timeout)
+            for handle in ready:
+                call = pending.pop(handle)
+                try:
+                    results[call.client] = self._result(handle)
+                except ClientFailed as failed:
+                    error = dataclasses.replace(failed.error, client=call.client, step=call.name, attempt=call.attempt)
+                    retry = self._on_failure(call, error, failures)
+                    if retry is not None:
+                        pending[retry.handle] = retry
+            now = time.monotonic()
+            for handle, call in list(pending.items()):
+                if call.deadline is not None and now >= call.deadline:
+                    del pending[handle]
+                    self._on_timeout(handle)
+                    error = ClientError(call.client, "timeout", f"no reply within {self.policy.timeout_s:g} s", call.name, call.attempt)
+                    self._on_failure(call, error, failures, retryable=False)
+        need = min(self.policy.min_clients, len(calls))
+        if len(results) < need:
+            raise RunFailure(
+                f"only {len(results)} of {len(calls)} clients returned from {calls[0].name if calls else 'a step'} "
+                f"(federation.min_clients = {self.policy.min_clients})"
+            )
+        ordered = {c: results[c] for c in sorted(results)}
+        return Gathered(ordered, sorted(failures, key=lambda e: e.client))
+
+    def run(self, step: Callable[..., Any], *args: Any, clients: Iterable[int] | None = None, **kwargs: Any) -> Gathered[Any]:
+        """:meth:`map` then :meth:`gather`."""
+        return self.gather(self.map(step, *args, clients=clients, **kwargs))
+
+    def _on_failure(self, call: Call, error: ClientError, failures: list[ClientError], *, retryable: bool = True) -> Call | None:
+        policy = self.policy.on_client_failure
+        fields = {"client": call.client, "step": call.name, "error_kind": error.kind, "attempt": call.attempt}
+        self.events.emit("client_failed", error.message, **fields)
+        if policy == "retry" and retryable and call.attempt < self.policy.max_retries:
+            self.events.emit("client_retry", f"re-submitting (attempt {call.attempt + 2})", client=call.client, step=call.name)
+            return self._start(Call(call.client, call.step, call.args, call.kwargs, attempt=call.attempt + 1))
+        if policy == "drop":
+            failures.append(error)
+            self.events.emit("client_dropped", error.message, client=call.client, step=call.name)
+            return None
+        detail = f" after {call.attempt + 1} attempts" if policy == "retry" and retryable else ""
+        raise RunFailure(f"client {call.client} failed in step {call.name}{detail} ({error.kind}): {error.message} "
+                         f"[federation.on_client_failure = {policy}]")
+
+    def _on_timeout(self, handle: Any) -> None:
+        """Hook: give up on a straggler's handle (Ray cancels it)."""
+
+
+class ClientFailed(Exception):
+    """Raised by :meth:`Federation._result` for a failed call."""
+
+    def __init__(self, error: ClientError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+@dataclass(eq=False)  # identity-hashed: used as a dict key while pending
+class _Done:
+    value: Any = None
+    error: ClientError | None = None
+
+
+def _thread_count(n_items: int) -> int:
+    return max(1, min(n_items, os.cpu_count() or 1))
+
+
+class InProcessFederation(Federation):
+    """Clients as plain objects in this process (tests, ``federation.backend: local``).
+
+    Calls run synchronously in :meth:`map`. A client that "dies" (raises :class:`ClientDied`, the in-process form of
+    a crashed actor) is rebuilt from ``client_factory`` like Ray restarts an actor, at most ``max_restarts`` times.
+    ``put`` returns read-only copies so a step that writes into a broadcast fails here as it would on Ray.
+
+    Parameters
+    ----------
+    client_factory : callable ``(client_id, restarted) -> Client``
+    num_clients : int
+    policy : FailurePolicy
+    events : EventLog, optional
+    max_restarts : int
+        -1 for unlimited.
+    """
+
+    def __init__(self, client_factory: Callable[[int, bool], Any], num_clients: int, policy: FailurePolicy,
+                 events: EventLog | None = None, *, max_restarts: int = 2) -> None:
+        super().__init__(policy, events)
+        self._factory = client_factory
+        self._clients = {i: client_factory(i, False) for i in range(num_clients)}
+        self._restarts = {i: 0 for i in range(num_clients)}
+        self._max_restarts = max_restarts
+        self._dead: set[int] = set()
+
+    @property
+    def client_ids(self) -> list[int]:
+        return sorted(self._clients)
+
+    def client(self, client_id: int) -> Any:
+        return self._clients[client_id]
+
+    def put(self, obj: Any) -> Any:
+        return freeze(obj)
+
+    def get(self, ref: Any) -> Any:
+        return ref
+
+    def _submit(self, call: Call) -> _Done:
+        if call.client in self._dead:
+            return _Done(error=ClientError(call.client, "died", "the client died and has no restarts left", call.name, call.attempt))
+        started = time.monotonic()
+        try:
+            value = self._clients[call.client].run(call.step, *call.args, **call.kwargs)
+        except ClientDied as exc:
+            self._restart(call.client)
+            return _Done(error=ClientError(call.client, "died", str(exc) or "client died", call.name, call.attempt))
+        except Exception as exc:  # a failing step is a client error, reported through the policy
+            return _Done(error=ClientError(call.client, "error", f"{type(exc).__name__}: {exc}", call.name, call.attempt))
+        if self.policy.timeout_s is not None and time.monotonic() - started > self.policy.timeout_s:
+            return _Done(error=ClientError(call.client, "timeout", f"no reply within {self.policy.timeout_s:g} s", call.name, call.attempt))
+        return _Done(value=value)
+
+    def _restart(self, client_id: int) -> None:
+        if self._max_restarts != -1 and self._restarts[client_id] >= self._max_restarts:
+            self._dead.add(client_id)
+            self.events.emit("client_dead", "no restarts left", client=client_id)
+            return
+        self._restarts[client_id] += 1
+        self._clients[client_id] = self._factory(client_id, True)
+        self.events.emit("client_restarted", f"restart {self._restarts[client_id]}; shard reloaded", client=client_id)
+
+    def _wait(self, handles: list[Any], timeout: float | None) -> list[Any]:
+        return list(handles)
+
+    def _result(self, handle: _Done) -> Any:
+        if handle.error is not None:
+            raise ClientFailed(handle.error)
+        return handle.value
+
+    def parallel_map(self, fn: Callable[[Any], T], items: Sequence[Any], *, chunk_size: int | None = None) -> list[T]:
+        items = list(items)
+        if len(items) <= 1:
+            return [fn(item) for item in items]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=_thread_count(len(items))) as pool:
+            return list(pool.map(fn, items))

@@ -1,0 +1,33 @@
+"""``average``: naive parameter averaging of the local models (one shot, no alignment).
+
+``w = sum_k (n_k / n) w_k`` (or uniform weights). With independently trained networks this ignores the
+permutation symmetry of hidden units, which is exactly what matching-based fusion (PFNM, KL-fusion, GEMS) fixes;
+with ``train.shared_init`` the local models start from one initialisation, the friendliest case for averaging.
+"""
+
+from __future__ import annotations
+
+from rayfuse.coordinator import ServerContext
+from rayfuse.fusion.aggregate import weighted_average
+from rayfuse.fusion.base import Method, MethodParams, MethodResult, register_method
+
+
+class AverageParams(MethodParams):
+    weighted: bool = True  # weight each client by its number of training samples
+
+
+@register_method
+class Average(Method):
+    name = "average"
+    aliases = ("naive-average",)
+    Params = AverageParams
+    summary = "one-shot parameter average of the local models (sample-weighted)"
+    uses_local_models = True
+
+    def run(self, server: ServerContext) -> MethodResult:
+        updates = server.accept_updates(server.local_updates())
+        weights = [u.num_examples for u in updates.values()] if self.params.weighted else None
+        params = weighted_average([u.params for u in updates.values()], weights)
+        metrics = server.evaluate(params)
+        server.log(1, metrics)
+        return MethodResult(metrics, params, info={"clients": list(updates)})

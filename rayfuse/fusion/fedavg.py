@@ -1,0 +1,129 @@
+"""``fedavg`` and ``fedprox``: multi-round federated averaging.
+
+FedAvg (McMahan et al. 2017): each round the server broadcasts the global model ``w_t`` (one ``put``), each
+sampled client runs ``local_epochs`` of local training from it and returns ``(w_t^k, n_k)``, and the server sets::
+
+    w_{t+1} = sum_k (n_k / n) w_t^k                                     (eq. 1; uniform weights if weighted=False)
+
+FedProx (Li et al. 2020) adds the proximal term to each client's objective, ``F_k(w) + (mu/2) ||w - w_t||^2``
+(eq. 2), and aggregates the same way.
+
+Subclasses change the server update by overriding :meth:`FedAvg.server_update` (FedOpt, FedRef) and keep extra
+server state in the round checkpoint through :meth:`FedAvg.server_state` / :meth:`FedAvg.load_server_state`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from pydantic import Field
+
+from rayfuse.client import ClientContext
+from rayfuse.coordinator import ServerContext
+from rayfuse.federation import Update, client_step
+from rayfuse.fusion.aggregate import weighted_average
+from rayfuse.fusion.base import Method, MethodParams, MethodResult, register_method
+
+__all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "fit"]
+
+
+@client_step("fedavg.fit")
+def fit(ctx: ClientContext, global_params: dict[str, np.ndarray], *, label: str, round: int, epochs: int, lr: float,
+        batch_size: int, optimizer: str, momentum: float, weight_decay: float, mu: float = 0.0) -> Update:
+    """Local training from the broadcast global model; returns the new parameters, the sample count and the loss."""
+    from rayfuse.models import get_params, set_params, train_model
+
+    model = set_params(ctx.build_model(seed=0), global_params)
+    stats = train_model(model, ctx.train.X, ctx.train.y, epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer,
+                        momentum=momentum, weight_decay=weight_decay, proximal_mu=mu, seed=ctx.step_seed(label, round),
+                        device=ctx.device)
+    return Update(get_params(model), ctx.num_examples, {"train_loss": stats.loss, "train_seconds": stats.seconds})
+
+
+class FedAvgParams(MethodParams):
+    rounds: int = Field(10, ge=1, le=1_000_000)
+    local_epochs: int = Field(2, ge=0, description="epochs of local training per round (0: clients return the model unchanged)")
+    lr: float | None = Field(None, gt=0, description="default: train.lr")
+    batch_size: int | None = Field(None, ge=1, description="default: train.batch_size")
+    optimizer: Literal["adam", "sgd"] | None = Field(None, description="default: train.optimizer")
+    fraction: float = Field(1.0, gt=0, le=1, description="fraction of clients sampled per round (Flower's fraction_train)")
+    weighted: bool = Field(True, description="weight clients by their sample counts")
+    evaluate_every: int = Field(1, ge=1, description="evaluate the global model every this many rounds (and after the last)")
+
+
+class FedProxParams(FedAvgParams):
+    mu: float = Field(0.01, ge=0, description="proximal coefficient (Li et al. 2020)")
+
+
+@register_method
+class FedAvg(Method):
+    name = "fedavg"
+    Params = FedAvgParams
+    summary = "federated averaging over rounds (McMahan et al. 2017), sample-weighted"
+    multi_round = True
+
+    @property
+    def mu(self) -> float:
+        return 0.0
+
+    # -- hooks for subclasses ------------------------------------------------------------------------------------
+
+    def server_update(self, server: ServerContext, global_params: dict[str, np.ndarray], updates: dict[int, Update],
+                      round: int) -> dict[str, np.ndarray]:
+        """The new global model from this round's accepted updates (FedAvg: their weighted average)."""
+        weights = [u.num_examples for u in updates.values()] if self.params.weighted else None
+        return weighted_average([u.params for u in updates.values()], weights)
+
+    def server_state(self) -> dict[str, np.ndarray]:
+        """Arrays to checkpoint with the global model (optimizer moments, queues...)."""
+        return {}
+
+    def load_server_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore what :meth:`server_state` saved."""
+
+    # -- the server loop -------------------------------------------------------------------------------------------
+
+    def run(self, server: ServerContext) -> MethodResult:
+        p = self.params
+        train = server.train_cfg
+        fed = server.federation
+        checkpoint = server.resume_checkpoint()
+        if checkpoint is not None:
+            global_params, start = checkpoint.params, checkpoint.round + 1
+            self.load_server_state(checkpoint.state)
+            metrics = dict(checkpoint.meta.get("metrics", {}))
+        else:
+            global_params, start = server.initial_params(), 1
+            metrics = {}
+        step_args = dict(label=server.label, epochs=p.local_epochs, lr=p.lr or train.lr, batch_size=p.batch_size or train.batch_size,
+                         optimizer=p.optimizer or train.optimizer, momentum=train.momentum, weight_decay=train.weight_decay, mu=self.mu)
+        for rnd in range(start, p.rounds + 1):
+            clients = server.sample_clients(p.fraction, rnd)
+            broadcast = fed.put(global_params)
+            gathered = fed.run(fit, broadcast, clients=clients, round=rnd, **step_args)
+            updates = server.accept_updates(gathered, reference=global_params)
+            global_params = self.server_update(server, global_params, updates, rnd)
+            losses = np.array([u.metrics.get("train_loss", np.nan) for u in updates.values()])
+            counts = np.array([u.num_examples for u in updates.values()], dtype=float)
+            train_loss = float(np.sum(losses * counts) / counts.sum())
+            row = {"train_loss": train_loss, "clients": float(len(updates))}
+            if rnd % p.evaluate_every == 0 or rnd == p.rounds:
+                metrics = server.evaluate(global_params)
+                row.update(metrics)
+            server.log(rnd, row)
+            server.progress(f"round {rnd}/{p.rounds}", round=rnd, rounds=p.rounds, clients=len(updates),
+                            metrics={k: round(v, 4) for k, v in row.items()})
+            server.save_checkpoint(rnd, global_params, self.server_state(), {"metrics": metrics})
+        return MethodResult(metrics, global_params, info={"rounds": p.rounds, "mu": self.mu})
+
+
+@register_method
+class FedProx(FedAvg):
+    name = "fedprox"
+    Params = FedProxParams
+    summary = "FedAvg with a proximal term mu/2 ||w - w_t||^2 on each client (Li et al. 2020)"
+
+    @property
+    def mu(self) -> float:
+        return float(self.params.mu)

@@ -1,0 +1,31 @@
+"""``local``: each client's own model, evaluated on the global test set (each, and mean +- std).
+
+The baseline every fusion paper reports: what a data owner gets without federating.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rayfuse.coordinator import ServerContext
+from rayfuse.fusion.base import Method, MethodResult, register_method
+
+
+@register_method
+class Local(Method):
+    name = "local"
+    summary = "each client's local model on the global test set (each, and mean +- std)"
+    uses_local_models = True
+
+    def run(self, server: ServerContext) -> MethodResult:
+        updates = server.accept_updates(server.local_updates())
+        per_client = []
+        for client, update in updates.items():
+            metrics = server.evaluate(update.params)
+            server.log(0, metrics, client=client)
+            per_client.append({"client": client, "num_examples": update.num_examples, **metrics})
+        names = [k for k in per_client[0] if k not in ("client", "num_examples")]
+        mean = {k: float(np.mean([row[k] for row in per_client])) for k in names}
+        std = {f"{k}_std": float(np.std([row[k] for row in per_client])) for k in names}
+        server.log(0, mean)
+        return MethodResult({**mean, **std}, info={"per_client": per_client})

@@ -1,0 +1,206 @@
+"""Model registry: logistic regression, MLP, a small CNN, and torchvision classifiers by name.
+
+Parameter names are stable and readable so fusion methods can describe a model's structure as data:
+
+* ``logreg``: ``linear.weight`` ``(C, D)``, ``linear.bias``;
+* ``mlp``: ``layers.{i}.weight`` ``(out, in)`` and ``layers.{i}.bias``, the last layer being the classifier;
+* ``cnn``: ``convs.{i}.weight`` ``(out, in, 3, 3)``, ``convs.{i}.bias``, then ``head.weight`` / ``head.bias``;
+* ``torchvision:<name>``: torchvision's own names (first convolution adapted to the input channels).
+
+Every model maps a float32 batch ``(B, *input_shape)`` to logits ``(B, num_classes)`` and exposes
+``features(x)``: the representation the classifier reads (penultimate activations or the last conv feature map).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from rayfuse.errors import InputError
+from rayfuse.registry import Registry
+
+__all__ = ["MODELS", "ModelInfo", "build_model", "register_model", "torchvision_model_names", "LogisticRegression", "MLP", "SmallCNN"]
+
+_ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
+
+
+class LogisticRegression(nn.Module):
+    """Multinomial logistic regression on flattened inputs."""
+
+    def __init__(self, in_features: int, num_classes: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(in_features, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.flatten(1))
+
+
+class MLP(nn.Module):
+    """Fully connected network ``in -> hidden[0] -> ... -> hidden[-1] -> num_classes``."""
+
+    def __init__(self, in_features: int, hidden: list[int], num_classes: int, *, dropout: float = 0.0, activation: str = "relu") -> None:
+        super().__init__()
+        widths = [in_features, *hidden, num_classes]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
+        self.activation = _ACTIVATIONS[activation]()
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)
+        for layer in self.layers[:-1]:
+            x = self.dropout(self.activation(layer(x)))
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[-1](self.features(x))
+
+
+class SmallCNN(nn.Module):
+    """3x3 convolutions (each followed by the activation, and a 2x2 max-pool while the map is at least 4x4),
+    global average pooling and a linear head."""
+
+    def __init__(self, input_shape: tuple[int, ...], channels: list[int], num_classes: int, *, dropout: float = 0.0, activation: str = "relu") -> None:
+        super().__init__()
+        in_ch, height, width = input_shape
+        self.convs = nn.ModuleList()
+        pools = []
+        for out_ch in channels:
+            self.convs.append(nn.Conv2d(in_ch, out_ch, kernel_size=3, padding=1))
+            pool = min(height, width) >= 4
+            pools.append(pool)
+            if pool:
+                height, width = height // 2, width // 2
+            in_ch = out_ch
+        self._pools = pools
+        self.activation = _ACTIVATIONS[activation]()
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.head = nn.Linear(in_ch, num_classes)
+
+    def feature_map(self, x: torch.Tensor) -> torch.Tensor:
+        for conv, pool in zip(self.convs, self._pools):
+            x = self.activation(conv(x))
+            if pool:
+                x = nn.functional.max_pool2d(x, 2)
+        return x
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.feature_map(x).mean(dim=(2, 3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    builder: Callable[[Any, tuple[int, ...], int], nn.Module]
+    description: str
+    image_only: bool = False
+
+
+MODELS: Registry[ModelInfo] = Registry("model")
+
+
+def register_model(name: str, *, description: str, image_only: bool = False):
+    """Decorator registering ``builder(model_cfg, input_shape, num_classes) -> nn.Module``."""
+
+    def decorate(builder: Callable[[Any, tuple[int, ...], int], nn.Module]):
+        MODELS.register(name, ModelInfo(name, builder, description, image_only))
+        return builder
+
+    return decorate
+
+
+def _flat(shape: tuple[int, ...]) -> int:
+    size = 1
+    for d in shape:
+        size *= int(d)
+    return size
+
+
+@register_model("logreg", description="multinomial logistic regression (softmax regression)")
+def _build_logreg(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return LogisticRegression(_flat(input_shape), num_classes)
+
+
+@register_model("mlp", description="MLP; model.hidden widths, model.dropout, model.activation")
+def _build_mlp(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return MLP(_flat(input_shape), list(cfg.hidden), num_classes, dropout=cfg.dropout, activation=cfg.activation)
+
+
+@register_model("cnn", description="small CNN: 3x3 convs (model.channels), max-pool, global average pool, linear head", image_only=True)
+def _build_cnn(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return SmallCNN(input_shape, list(cfg.channels), num_classes, dropout=cfg.dropout, activation=cfg.activation)
+
+
+@functools.lru_cache(maxsize=1)
+def torchvision_model_names() -> tuple[str, ...]:
+    import torchvision.models as tvm
+
+    return tuple(sorted(tvm.list_models(module=tvm)))
+
+
+def _build_torchvision(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    import torchvision.models as tvm
+
+    model = tvm.get_model(name, weights=None, num_classes=num_classes)
+    in_ch = input_shape[0]
+    for parent in model.modules():  # adapt the first convolution to the input's channels
+        for child_name, child in parent.named_children():
+            if isinstance(child, nn.Conv2d):
+                if child.in_channels != in_ch:
+                    setattr(parent, child_name, nn.Conv2d(in_ch, child.out_channels, child.kernel_size, child.stride,
+                                                          child.padding, child.dilation, child.groups, child.bias is not None))
+                return model
+    return model
+
+
+def build_model(cfg: Any, input_shape: tuple[int, ...], num_classes: int, *, seed: int | None = None) -> nn.Module:
+    """Build the model a :class:`rayfuse.config.ModelConfig` describes.
+
+    Parameters
+    ----------
+    cfg : ModelConfig
+    input_shape : tuple of int
+        One sample's shape, ``(D,)`` for vectors or ``(C, H, W)`` for images.
+    num_classes : int
+    seed : int, optional
+        Seeds the initialisation without touching the global torch RNG.
+    """
+    image = len(input_shape) == 3
+    if cfg.name.startswith("torchvision:"):
+        if not image:
+            raise InputError("model.name", "an image dataset (C, H, W) for torchvision models", f"inputs of shape {tuple(input_shape)}")
+        tv_name = cfg.name.split(":", 1)[1]
+        builder = lambda _cfg, shape, n: _build_torchvision(tv_name, shape, n)  # noqa: E731
+    else:
+        info = MODELS.get(cfg.name, path="model.name")
+        if info.image_only and not image:
+            raise InputError("model.name", f"an image dataset (C, H, W) for {cfg.name!r}", f"inputs of shape {tuple(input_shape)}", "use mlp or logreg")
+        builder = info.builder
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        model = builder(cfg, tuple(input_shape), num_classes)
+    return model
+
+
+def check_model_fits(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> int:
+    """Build the model and run one dummy batch; return the parameter count. Raises :class:`InputError` if it cannot."""
+    model = build_model(cfg, input_shape, num_classes, seed=0)
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros((2, *input_shape)))
+    except RuntimeError as exc:
+        raise InputError("model.name", f"a model that accepts inputs of shape {tuple(input_shape)}", cfg.name, str(exc).splitlines()[0][:100]) from None
+    if tuple(out.shape) != (2, num_classes):
+        raise InputError("model.name", f"a model producing {num_classes} logits", f"output shape {tuple(out.shape)}")
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,130 @@
+"""Training and prediction loops (plain PyTorch, seeded, device-aware).
+
+Data sets here are small enough to live as tensors on the device, so mini-batches are index slices of one tensor,
+not a ``DataLoader``: no worker processes, no per-batch collation, and the shuffling order comes from a seeded
+``torch.Generator``. Dropout draws from the global torch RNG, which :func:`train_model` forks and seeds so that a
+call is reproducible without disturbing the caller's RNG state.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["TrainStats", "train_model", "predict_proba", "compute_loss", "make_optimizer"]
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    loss: float  # mean data loss over the last epoch (no proximal term); the full-data loss when epochs == 0
+    steps: int
+    examples: int
+    seconds: float
+
+
+def make_optimizer(params, *, optimizer: str, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    if optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {optimizer!r}")
+
+
+def _has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def train_model(
+    model: nn.Module,
+    X: np.ndarray,
+    y: np.ndarray,
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    optimizer: Literal["adam", "sgd"] = "adam",
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    proximal_mu: float = 0.0,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> TrainStats:
+    """Minimise the cross-entropy of ``model`` on ``(X, y)`` in place.
+
+    With ``proximal_mu > 0`` the FedProx objective (Li et al. 2020, eq. 2) is minimised instead::
+
+        F_k(w) + (mu / 2) * ||w - w_t||^2
+
+    where ``w_t`` are the model's parameters when the call starts (the broadcast global model).
+    """
+    started = time.perf_counter()
+    model.to(device)
+    X_t = torch.as_tensor(np.ascontiguousarray(X), device=device)
+    y_t = torch.as_tensor(np.ascontiguousarray(y), device=device)
+    n = int(y_t.shape[0])
+    if epochs <= 0 or n == 0:
+        return TrainStats(compute_loss(model, X, y, device=device) if n else 0.0, 0, 0, time.perf_counter() - started)
+    params = [p for p in model.parameters() if p.requires_grad]
+    anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
+    opt = make_optimizer(params, optimizer=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    generator = torch.Generator(device="cpu").manual_seed(int(seed))
+    skip_single = _has_batchnorm(model)
+    steps = 0
+    epoch_loss = 0.0
+    devices = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(int(seed))
+        model.train()
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=generator).to(device)
+            total, seen = 0.0, 0
+            for start in range(0, n, batch_size):
+                idx = order[start:start + batch_size]
+                if skip_single and idx.numel() == 1:
+                    continue  # BatchNorm cannot train on a batch of one
+                loss = F.cross_entropy(model(X_t[idx]), y_t[idx])
+                objective = loss
+                if anchor is not None:
+                    objective = loss + 0.5 * proximal_mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
+                opt.zero_grad(set_to_none=True)
+                objective.backward()
+                opt.step()
+                steps += 1
+                total += float(loss.detach()) * idx.numel()
+                seen += idx.numel()
+            epoch_loss = total / max(seen, 1)
+    model.eval()
+    return TrainStats(epoch_loss, steps, n * epochs, time.perf_counter() - started)
+
+
+@torch.no_grad()
+def predict_proba(model: nn.Module, X: np.ndarray, *, batch_size: int = 4096, device: str | torch.device = "cpu") -> np.ndarray:
+    """Class probabilities, float64 ``(n, num_classes)``, computed in eval mode."""
+    model.to(device)
+    was_training = model.training
+    model.eval()
+    out = []
+    for start in range(0, len(X), batch_size):
+        batch = torch.as_tensor(np.ascontiguousarray(X[start:start + batch_size]), device=device)
+        out.append(torch.softmax(model(batch).double(), dim=1).cpu().numpy())
+    model.train(was_training)
+    return np.concatenate(out) if out else np.zeros((0, 0))
+
+
+@torch.no_grad()
+def compute_loss(model: nn.Module, X: np.ndarray, y: np.ndarray, *, batch_size: int = 4096, device: str | torch.device = "cpu") -> float:
+    """Mean cross-entropy of ``model`` on ``(X, y)`` in eval mode."""
+    model.to(device)
+    model.eval()
+    total = 0.0
+    for start in range(0, len(X), batch_size):
+        xb = torch.as_tensor(np.ascontiguousarray(X[start:start + batch_size]), device=device)
+        yb = torch.as_tensor(np.ascontiguousarray(y[start:start + batch_size]), device=device)
+        total += float(F.cross_entropy(model(xb), yb, reduction="sum"))
+    return total / max(len(X), 1)

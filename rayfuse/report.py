@@ -1,0 +1,172 @@
+"""Run reporting: the progress display, the final table, ``metrics.parquet`` and the comparison plot."""
+
+from __future__ import annotations
+
+import io
+import sys
+from typing import Any, Mapping, Sequence, TextIO
+
+import numpy as np
+
+from rayfuse.io import atomic_write_bytes
+
+__all__ = ["Printer", "format_table", "format_partition", "write_metrics_parquet", "plot_comparison", "TABLE_METRICS"]
+
+TABLE_METRICS = ("accuracy", "nll", "entropy", "ece")
+
+
+class Printer:
+    """Prints run events as one line each (works the same in a terminal and in Ray job logs)."""
+
+    _QUIET_KINDS = {"stage_start", "method_start", "client_trained"}
+
+    def __init__(self, stream: TextIO | None = None, *, verbose: bool = False, enabled: bool = True) -> None:
+        self.stream = stream or sys.stdout
+        self.verbose = verbose
+        self.enabled = enabled
+
+    def __call__(self, event: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
+        kind = event.get("kind", "")
+        if kind in self._QUIET_KINDS and not self.verbose:
+            return
+        line = self.format(event)
+        if line:
+            print(line, file=self.stream, flush=True)
+
+    @staticmethod
+    def format(event: Mapping[str, Any]) -> str:
+        t = f"[{event.get('t', 0):7.1f}s]"
+        kind = event.get("kind", "")
+        message = event.get("message", "")
+        who = event.get("method") or event.get("stage") or ""
+        if kind == "stage_end":
+            return f"{t} {event.get('stage')}: done in {event.get('seconds', 0):.1f} s"
+        if kind == "stage_start":
+            return f"{t} {event.get('stage')}: started"
+        if kind == "progress":
+            metrics = event.get("metrics") or {}
+            shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k in ("accuracy", "nll", "train_loss"))
+            clients = f"  clients {event['clients']}" if "clients" in event else ""
+            return f"{t} {who}: {message}{clients}  {shown}".rstrip()
+        if kind == "method_done":
+            metrics = event.get("metrics") or {}
+            acc = f"  accuracy {metrics['accuracy']:.4f}" if "accuracy" in metrics else ""
+            return f"{t} {who}: finished in {event.get('seconds', 0):.1f} s{acc}"
+        if kind == "method_start":
+            return f"{t} {who}: started"
+        if kind == "client_trained":
+            return f"{t} client {event.get('client')}: local model trained, {message}"
+        if kind in ("client_failed", "client_retry", "client_dropped", "client_restarted", "client_dead", "update_rejected"):
+            return f"{t} ! {kind.replace('_', ' ')}: client {event.get('client')}{' in ' + event['step'] if event.get('step') else ''}: {message}"
+        if kind in ("resumed", "local_models_restored", "warning", "info"):
+            return f"{t} {who + ': ' if who else ''}{message}"
+        return ""
+
+
+def _fmt(value: float | None, std: float | None = None) -> str:
+    if value is None or not np.isfinite(value):
+        return "-"
+    text = f"{value:.4f}"
+    if std is not None and np.isfinite(std):
+        text += f" ± {std:.3f}"
+    return text
+
+
+def format_table(methods: Mapping[str, Mapping[str, Any]]) -> str:
+    """Methods x metrics as an aligned text table (local shows mean ± std over clients)."""
+    header = ["method", *TABLE_METRICS, "extra", "time (s)"]
+    rows = []
+    for label, entry in methods.items():
+        name = label + (" (oracle)" if entry.get("oracle") else "")
+        cells = [name]
+        for metric in TABLE_METRICS:
+            cells.append(_fmt(entry.get(metric), entry.get(f"{metric}_std")))
+        extra = []
+        if "vote_accuracy" in entry:
+            extra.append(f"vote acc {entry['vote_accuracy']:.4f}")
+        if entry.get("rounds"):
+            extra.append(f"{entry['rounds']} rounds")
+        cells.append(", ".join(extra) or "")
+        cells.append(f"{entry.get('seconds', 0):.1f}")
+        rows.append(cells)
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def format_partition(counts: np.ndarray, class_names: Sequence[str], num_val: Sequence[int]) -> str:
+    """Class counts per client (train + val), one row per client."""
+    names = [str(c)[:6] for c in class_names]
+    header = ["client", *names, "total", "val"]
+    rows = [[str(i), *(str(int(v)) for v in row), str(int(row.sum())), str(int(num_val[i]))] for i, row in enumerate(counts)]
+    widths = [max(len(r[j]) for r in [header, *rows]) for j in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [header, *rows])
+
+
+def write_metrics_parquet(path: Any, summaries: Sequence[Mapping[str, Any]]) -> None:
+    """One row per method x round x metric (x client): columns method, method_name, round, metric, value, client."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [(s["label"], s["method"], int(r["round"]), r["metric"], float(r["value"]), r.get("client"))
+            for s in summaries for r in s.get("history", [])]
+    table = pa.table({
+        "method": pa.array([r[0] for r in rows], pa.string()),
+        "method_name": pa.array([r[1] for r in rows], pa.string()),
+        "round": pa.array([r[2] for r in rows], pa.int32()),
+        "metric": pa.array([r[3] for r in rows], pa.string()),
+        "value": pa.array([r[4] for r in rows], pa.float64()),
+        "client": pa.array([r[5] for r in rows], pa.int32()),
+    })
+    buffer = pa.BufferOutputStream()
+    pq.write_table(table, buffer)
+    atomic_write_bytes(path, buffer.getvalue().to_pybytes())
+
+
+def plot_comparison(path: Any, methods: Mapping[str, Mapping[str, Any]], summaries: Sequence[Mapping[str, Any]], title: str = "") -> None:
+    """Left: final test accuracy per method (local with its spread over clients). Right: accuracy per round."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    curves = {}
+    for s in summaries:
+        points = sorted((r["round"], r["value"]) for r in s.get("history", []) if r["metric"] == "accuracy" and r.get("client") is None)
+        if len(points) > 1:
+            curves[s["label"]] = points
+    fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(11 if curves else 6, 4), squeeze=False)
+    ax = axes[0, 0]
+    labels = list(methods)
+    values = [methods[m].get("accuracy", np.nan) for m in labels]
+    errors = [methods[m].get("accuracy_std", 0.0) for m in labels]
+    colors = ["#bbbbbb" if methods[m].get("oracle") else "#4C72B0" for m in labels]
+    bars = ax.bar(range(len(labels)), values, color=colors)
+    for i, (bar, value, err) in enumerate(zip(bars, values, errors)):
+        if err:
+            ax.errorbar(i, value, yerr=err, color="black", capsize=4, linewidth=1)
+        ax.text(bar.get_x() + bar.get_width() / 2, min(value + (err or 0), 0.97) + 0.01, f"{value:.3f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(labels)), [m + ("\n(oracle)" if methods[m].get("oracle") else "") for m in labels], fontsize=8)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("test accuracy")
+    ax.set_title("final test accuracy" + (f" ({title})" if title else ""), fontsize=10)
+    if curves:
+        ax = axes[0, 1]
+        for label, points in curves.items():
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=label)
+        for m in labels:
+            if m not in curves and np.isfinite(methods[m].get("accuracy", np.nan)):
+                ax.axhline(methods[m]["accuracy"], linestyle="--", linewidth=0.8, color="gray")
+                ax.text(ax.get_xlim()[1] if ax.lines else 1, methods[m]["accuracy"], f" {m}", fontsize=7, va="center", color="gray")
+        ax.set_xlabel("round")
+        ax.set_ylabel("test accuracy")
+        ax.set_title("multi-round methods (dashed: one-shot)", fontsize=10)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())

@@ -1,0 +1,256 @@
+"""Run an experiment end to end: validate, split the data, start the federation, run the methods, report.
+
+The runner is backend-agnostic. A :class:`Backend` starts the clients and the coordinator and forwards calls to the
+coordinator: :class:`InProcessBackend` (here, no Ray) or ``actors.RayBackend`` (Ray actors). The CLI picks one.
+
+Order of work (each a timed stage in ``results.json``):
+
+1. ``partition`` -- load the dataset in the driver (labels only matter here), check the model fits the data, split
+   into roles and partition the pool; write ``config.yaml`` and ``partition.json``. Bad input stops here (exit 2),
+   before any cluster work.
+2. ``startup`` -- start the clients (each loads its own shard) and the coordinator.
+3. ``local_training`` -- when a method needs local models: each client trains its local model once; the
+   coordinator gathers the parameters once and checkpoints them.
+4. one stage per method -- the coordinator runs the method's server loop.
+5. ``report`` -- ``metrics.parquet``, ``comparison.png``, then ``results.json`` (status, metrics, timings, events).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import secrets
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from rayfuse import __version__
+from rayfuse.config import ExperimentConfig, dump_config, validate_config
+from rayfuse.data.roles import DataPlan, load_dataset_from_config, make_plan
+from rayfuse.errors import InputError, RunFailure
+from rayfuse.io import atomic_write_json, atomic_write_text
+from rayfuse.report import Printer, format_partition, format_table, plot_comparison, write_metrics_parquet
+from rayfuse.store import RunStore
+
+__all__ = ["Backend", "InProcessBackend", "run_experiment", "new_run_dir", "load_run_config"]
+
+EventSink = Callable[[dict[str, Any]], None]
+
+
+class Backend(ABC):
+    """Starts clients and coordinator, and forwards calls to the coordinator while relaying its events."""
+
+    name: str = "backend"
+
+    @abstractmethod
+    def start(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: Path, *, on_event: EventSink, start_time: float) -> None: ...
+
+    @abstractmethod
+    def call(self, name: str, *args: Any) -> Any:
+        """Call ``Coordinator.<name>(*args)`` and return its value."""
+
+    @abstractmethod
+    def stop(self) -> None: ...
+
+    def info(self) -> dict[str, Any]:
+        return {"backend": self.name}
+
+
+class InProcessBackend(Backend):
+    """Clients and coordinator as plain objects in this process (``federation.backend: local``; unit tests)."""
+
+    name = "local"
+
+    def __init__(self) -> None:
+        self.coordinator: Any = None
+        self.federation: Any = None
+
+    def start(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: Path, *, on_event: EventSink, start_time: float) -> None:
+        from rayfuse.client import Client
+        from rayfuse.coordinator import Coordinator
+        from rayfuse.federation import EventLog, FailurePolicy, InProcessFederation
+
+        events = EventLog(start=start_time)
+        events.listeners.append(on_event)
+        fed_cfg = cfg.federation
+
+        def make_client(client_id: int, restarted: bool) -> Client:
+            return Client(client_id, plan.for_client(client_id), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train,
+                          seed=cfg.run.seed, faults=fed_cfg.faults, restarted=restarted)
+
+        self.federation = InProcessFederation(make_client, plan.num_clients, FailurePolicy.from_config(fed_cfg), events,
+                                              max_restarts=fed_cfg.max_restarts)
+        self.coordinator = Coordinator(cfg, plan, str(run_dir), self.federation)
+
+    def call(self, name: str, *args: Any) -> Any:
+        return getattr(self.coordinator, name)(*args)
+
+    def stop(self) -> None:
+        self.coordinator = None
+        self.federation = None
+
+
+def new_run_dir(cfg: ExperimentConfig, out: str | Path | None = None) -> Path:
+    """The folder for a new run: ``out`` if given (must be new or empty), else ``<run.storage>/<name>-<time>-<id>``."""
+    if out is not None:
+        path = Path(out)
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise InputError("--out", "a new or empty folder", str(path), "pick another folder, or continue that run with --resume")
+        return path
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path(cfg.run.storage) / f"{cfg.run.name}-{stamp}-{secrets.token_hex(2)}"
+
+
+def load_run_config(run_dir: str | Path, overrides: list[tuple[list[str], Any]] = ()) -> ExperimentConfig:
+    """The config of an earlier run (for ``--resume``); only ``federation.*`` keys may be overridden."""
+    from rayfuse.config import apply_overrides
+
+    store = RunStore(run_dir)
+    if not store.config_file.is_file():
+        raise InputError("--resume", "a run folder with config.yaml", str(run_dir))
+    for parts, _ in overrides:
+        if parts[0] != "federation":
+            raise InputError("--set " + ".".join(parts), "only federation.* keys when resuming (the experiment itself is fixed)", "a change to the experiment")
+    data = yaml.safe_load(store.config_file.read_text(encoding="utf-8"))
+    return validate_config(apply_overrides(data, list(overrides)))
+
+
+def run_experiment(cfg: ExperimentConfig, backend: Backend, run_dir: str | Path, *, resume: bool = False,
+                   printer: Callable[[dict[str, Any]], None] | None = None, show_tables: bool = True) -> dict[str, Any]:
+    """Run ``cfg`` on ``backend``; write the run folder; return the content of ``results.json``.
+
+    Raises :class:`InputError` for bad input (before any client starts) and :class:`RunFailure` when the run cannot
+    go on (after writing ``results.json`` with ``status: failed`` and the methods that finished).
+    """
+    start = time.time()
+    started_at = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+    printer = printer or Printer()
+    run_dir = Path(run_dir)
+    store = RunStore(run_dir)
+    events: list[dict[str, Any]] = []
+    timings: dict[str, float] = {}
+
+    def on_event(event: dict[str, Any]) -> None:
+        events.append(event)
+        printer(event)
+
+    def emit(kind: str, message: str = "", **fields: Any) -> None:
+        on_event({"t": round(time.time() - start, 3), "kind": kind, **({"message": message} if message else {}), **fields})
+
+    def say(text: str, always: bool = False) -> None:
+        if show_tables and (always or getattr(printer, "enabled", True)):
+            stream = getattr(printer, "stream", None)
+            print(text, file=stream, flush=True)
+
+    specs = cfg.method_specs()
+    # 1. partition (driver side; nothing has started yet, bad input exits with code 2 here)
+    t0 = time.perf_counter()
+    dataset = load_dataset_from_config(cfg.data)
+    from rayfuse.models.registry import check_model_fits
+
+    num_params = check_model_fits(cfg.model, dataset.input_shape, dataset.num_classes)
+    plan = make_plan(dataset, cfg.data, cfg.partition, cfg.run.seed)
+    del dataset
+    if resume:
+        if not store.partition_file.is_file():
+            raise InputError("--resume", "a run folder with partition.json", str(run_dir))
+        stored = json.loads(store.partition_file.read_text())["hash"]
+        if stored != plan.digest():
+            raise InputError("--resume", "the same data split as the original run", "a different partition hash", "did the dataset files change?")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(store.config_file, dump_config(cfg))
+    atomic_write_json(store.partition_file, plan.manifest())
+    timings["partition"] = round(time.perf_counter() - t0, 3)
+    say(f"rayfuse {__version__}: run {cfg.run.name!r} -> {run_dir}{'  (resumed)' if resume else ''}")
+    say(f"data: {plan.dataset}, {plan.num_classes} classes, input {plan.input_shape}; model {cfg.model.name} ({num_params:,} parameters); "
+        f"partition {plan.partition['method']} into {plan.num_clients} clients (hash {plan.digest()[:12]})")
+    if plan.num_clients <= 32:
+        say(format_partition(plan.counts, plan.class_names, [len(v) for v in plan.client_val]))
+    emit("stage_end", stage="partition", seconds=timings["partition"])
+
+    summaries: dict[str, dict[str, Any]] = {}
+    status, error = "succeeded", None
+    try:
+        t0 = time.perf_counter()
+        backend.start(cfg, plan, run_dir, on_event=on_event, start_time=start)
+        timings["startup"] = round(time.perf_counter() - t0, 3)
+        emit("stage_end", stage="startup", seconds=timings["startup"])
+        from rayfuse.fusion import METHODS
+
+        pending = [s for s in specs if not (resume and store.load_method_state(s.label))]
+        if any(METHODS.get(s.method).uses_local_models for s in pending):
+            t0 = time.perf_counter()
+            backend.call("prepare_local_models", resume)
+            timings["local_training"] = round(time.perf_counter() - t0, 3)
+        for spec in specs:
+            saved = store.load_method_state(spec.label) if resume else None
+            if saved is not None:
+                summaries[spec.label] = saved
+                emit("info", f"{spec.label}: finished in the original run; loaded from state/", method=spec.label)
+                continue
+            t0 = time.perf_counter()
+            summaries[spec.label] = backend.call("run_method", spec.label, resume)
+            timings[f"method/{spec.label}"] = round(time.perf_counter() - t0, 3)
+    except RunFailure as exc:
+        status, error = "failed", str(exc)
+        emit("run_failed", str(exc))
+    finally:
+        backend_info = backend.info()
+        backend.stop()
+
+    # 5. report
+    t0 = time.perf_counter()
+    methods = {label: _method_entry(s) for label, s in summaries.items()}
+    if summaries:
+        write_metrics_parquet(store.metrics_file, list(summaries.values()))
+        plot_comparison(store.plot_file, methods, list(summaries.values()), title=f"{plan.dataset}, {plan.num_clients} clients")
+    timings["report"] = round(time.perf_counter() - t0, 3)
+    timings["total"] = round(time.time() - start, 3)
+    results = {
+        "status": status,
+        "error": error,
+        "rayfuse_version": __version__,
+        "run": {
+            "name": cfg.run.name, "dir": str(run_dir), "started_at": started_at,
+            "finished_at": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "seconds": timings["total"], "resumed": resume, **backend_info,
+        },
+        "config": cfg.resolved(),
+        "partition": {
+            "hash": plan.digest(), "dataset": plan.dataset, **plan.partition,
+            "num_train": [len(t) for t in plan.client_train], "num_val": [len(v) for v in plan.client_val],
+            "class_counts": plan.counts.tolist(), "test_size": int(len(plan.test)), "public_size": int(len(plan.public)),
+            "unassigned": plan.unassigned,
+        },
+        "methods": methods,
+        "timings": timings,
+        "events": events,
+        "files": {
+            "config": "config.yaml", "partition": "partition.json", "metrics": "metrics.parquet" if summaries else None,
+            "plot": "comparison.png" if summaries else None,
+            "models": {label: s["model_file"] for label, s in summaries.items() if s.get("model_file")},
+        },
+    }
+    atomic_write_json(store.results_file, results)
+    if methods:
+        say("\n" + format_table(methods), always=True)
+    say(f"\nresults: {store.results_file}", always=True)
+    if status == "failed":
+        raise RunFailure(error or "run failed")
+    return results
+
+
+def _method_entry(summary: dict[str, Any]) -> dict[str, Any]:
+    info = dict(summary.get("info") or {})
+    entry: dict[str, Any] = {"method": summary["method"], **summary["metrics"], "oracle": bool(summary.get("oracle"))}
+    if "rounds" in info:
+        entry["rounds"] = info["rounds"]
+    if "note" in info:
+        entry["note"] = info["note"]
+    entry["seconds"] = summary.get("seconds")
+    entry["model_file"] = summary.get("model_file")
+    entry["info"] = info
+    return entry
