@@ -24,7 +24,8 @@ __all__ = ["CoordinatorActor"]
 class CoordinatorActor:
     def __init__(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: str, clients: Mapping[int, Any], start_time: float) -> None:
         events = EventLog(start=start_time)
-        federation = RayFederation(clients, FailurePolicy.from_config(cfg.federation), events, task_cpus=cfg.federation.task_cpus)
+        federation = RayFederation(clients, FailurePolicy.from_config(cfg.federation), events, task_cpus=cfg.federation.task_cpus,
+                                   restart_timeout_s=cfg.federation.startup_timeout_s)
         device = "cpu"
         if ray.get_gpu_ids():
             import torch

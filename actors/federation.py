@@ -12,10 +12,11 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
 from rayfuse.federation import Call, ClientError, ClientFailed, EventLog, FailurePolicy, Federation
 
@@ -38,9 +39,11 @@ class RayFederation(Federation):
         CPUs each ``parallel_map`` task requests.
     """
 
-    def __init__(self, clients: Mapping[int, Any], policy: FailurePolicy, events: EventLog | None = None, *, task_cpus: float = 1.0) -> None:
+    def __init__(self, clients: Mapping[int, Any], policy: FailurePolicy, events: EventLog | None = None, *, task_cpus: float = 1.0,
+                 restart_timeout_s: float = 300.0) -> None:
         super().__init__(policy, events)
         self._clients = dict(clients)
+        self._restart_timeout_s = restart_timeout_s
         self._task = ray.remote(num_cpus=task_cpus)(_apply_chunk)
         self.bytes_put = 0
 
@@ -83,6 +86,22 @@ class RayFederation(Federation):
             ray.cancel(handle)
         except Exception:  # cancelling a running sync actor task is not supported; the result is ignored anyway
             pass
+
+    def _before_retry(self, call: Call, error: ClientError) -> None:
+        """After a crash, wait until Ray has restarted the actor (its constructor reloads the shard)."""
+        if error.kind != "died":
+            return
+        deadline = time.monotonic() + self._restart_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                ray.get(self._clients[call.client].ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            except ActorUnavailableError:
+                time.sleep(0.5)  # still restarting
+                continue
+            except (ActorDiedError, GetTimeoutError, RayActorError):
+                return  # gone for good (restarts exhausted) or not back in time: the retry fails and the policy goes on
+            self.events.emit("client_restarted", "actor restarted by Ray; shard reloaded", client=call.client)
+            return
 
     def parallel_map(self, fn: Callable[[Any], T], items: Sequence[Any], *, chunk_size: int | None = None) -> list[T]:
         items = list(items)

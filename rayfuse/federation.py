@@ -289,6 +289,7 @@ class Federation(ABC):
         fields = {"client": call.client, "step": call.name, "error_kind": error.kind, "attempt": call.attempt}
         self.events.emit("client_failed", error.message, **fields)
         if policy == "retry" and retryable and call.attempt < self.policy.max_retries:
+            self._before_retry(call, error)
             self.events.emit("client_retry", f"re-submitting (attempt {call.attempt + 2})", client=call.client, step=call.name)
             return self._start(Call(call.client, call.step, call.args, call.kwargs, attempt=call.attempt + 1))
         if policy == "drop":
@@ -301,6 +302,9 @@ class Federation(ABC):
 
     def _on_timeout(self, handle: Any) -> None:
         """Hook: give up on a straggler's handle (Ray cancels it)."""
+
+    def _before_retry(self, call: Call, error: ClientError) -> None:
+        """Hook: prepare a retry (Ray waits for a dead actor's restart to finish)."""
 
 
 class ClientFailed(Exception):
