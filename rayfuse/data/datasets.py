@@ -158,19 +158,26 @@ def _load_iris(**_: Any) -> Dataset:
     return _tabular("iris", load_iris())
 
 
-@register_dataset("synthetic", description="make_classification; data.options: n_samples, n_features, n_classes, n_informative, class_sep, random_state",
+@register_dataset("synthetic", description="Gaussian classes (numpy only); data.options: n_samples, n_features, n_classes, n_informative, class_sep, random_state",
                   source="generator", standardize=True)
 def _load_synthetic(*, n_samples: int = 2000, n_features: int = 20, n_classes: int = 4, n_informative: int = 10,
                     class_sep: float = 1.0, random_state: int = 0, **_: Any) -> Dataset:
-    from sklearn.datasets import make_classification
-
-    for key, value, low in (("n_samples", n_samples, 10), ("n_features", n_features, 2), ("n_classes", n_classes, 2), ("n_informative", n_informative, 1)):
-        if not isinstance(value, int) or value < low:
+    """Balanced classes around random centres ``N(0, class_sep^2)`` in ``n_informative`` dimensions with unit
+    Gaussian noise, plus ``n_features - n_informative`` pure-noise dimensions. numpy only, so a client process that
+    loads it stays small (benchmarks with many clients)."""
+    for key, value, low in (("n_samples", n_samples, 10), ("n_features", n_features, 1), ("n_classes", n_classes, 2),
+                            ("n_informative", n_informative, 1), ("random_state", random_state, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise InputError(f"data.options.{key}", f"an integer >= {low}", value)
     if n_informative > n_features:
         raise InputError("data.options.n_informative", f"at most n_features ({n_features})", n_informative)
-    X, y = make_classification(n_samples=n_samples, n_features=n_features, n_informative=n_informative, n_redundant=0,
-                               n_classes=n_classes, n_clusters_per_class=1, class_sep=class_sep, random_state=random_state)
+    if not isinstance(class_sep, (int, float)) or class_sep <= 0:
+        raise InputError("data.options.class_sep", "a number > 0", class_sep)
+    rng = np.random.default_rng(random_state)
+    centres = rng.normal(0.0, class_sep, size=(n_classes, n_informative))
+    y = rng.permutation(np.arange(n_samples) % n_classes)
+    X = rng.normal(size=(n_samples, n_features))
+    X[:, :n_informative] += centres[y]
     return Dataset("synthetic", X.astype(np.float32), y.astype(np.int64), n_classes, tuple(str(i) for i in range(n_classes)))
 
 
