@@ -233,14 +233,16 @@ class Coordinator:
         if saved is not None:
             calls = [c for client, (params, stats) in saved.items()
                      for c in fed.map(set_local_params, fed.put(params), stats, clients=[client])]
-            fed.gather(calls)
-            self.events.emit("local_models_restored", f"{len(saved)} local models from checkpoints/local")
+            ready = fed.gather(calls).clients
+            self.events.emit("local_models_restored", f"{len(ready)} local models from checkpoints/local")
         else:
             trained = fed.run(train_local)
             for client, stats in trained.results.items():
                 self.events.emit("client_trained", f"loss {stats.get('train_loss', float('nan')):.4f}", client=client,
                                  seconds=round(stats.get("train_seconds", 0.0), 3))
-        self._local = fed.run(get_local_update)
+            ready = trained.clients
+        # A client dropped while training stays out of every method of this run that uses local models.
+        self._local = fed.run(get_local_update, clients=ready)
         if saved is None:
             self.store.save_local_models(self._local.results)
         return {"clients": self._local.clients, "restored": saved is not None}

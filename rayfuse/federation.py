@@ -270,7 +270,7 @@ class Federation(ABC):
                     del pending[handle]
                     self._on_timeout(handle)
                     error = ClientError(call.client, "timeout", f"no reply within {self.policy.timeout_s:g} s", call.name, call.attempt)
-                    self._on_failure(call, error, failures, retryable=False)
+                    self._on_failure(call, error, failures)
         need = min(self.policy.min_clients, len(calls))
         if len(results) < need:
             raise RunFailure(
@@ -284,8 +284,9 @@ class Federation(ABC):
         """:meth:`map` then :meth:`gather`."""
         return self.gather(self.map(step, *args, clients=clients, **kwargs))
 
-    def _on_failure(self, call: Call, error: ClientError, failures: list[ClientError], *, retryable: bool = True) -> Call | None:
+    def _on_failure(self, call: Call, error: ClientError, failures: list[ClientError]) -> Call | None:
         policy = self.policy.on_client_failure
+        retryable = error.kind != "timeout"  # a straggler's actor is still busy: re-submitting would queue behind it
         fields = {"client": call.client, "step": call.name, "error_kind": error.kind, "attempt": call.attempt}
         self.events.emit("client_failed", error.message, **fields)
         if policy == "retry" and retryable and call.attempt < self.policy.max_retries:

@@ -1,0 +1,61 @@
+"""Shared fixtures: small experiment configs and one real local Ray per test session."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from rayfuse.config import ExperimentConfig, validate_config
+
+TINY: dict[str, Any] = {
+    "run": {"name": "t", "seed": 0},
+    "data": {"dataset": "digits"},
+    "partition": {"method": "dirichlet", "num_clients": 4, "alpha": 0.5},
+    "model": {"name": "mlp", "hidden": [16]},
+    "train": {"epochs": 3},
+    "federation": {"backend": "local", "ray_init": {"num_cpus": 2, "include_dashboard": False}},
+    "methods": {
+        "local": {},
+        "average": {},
+        "ensemble": {},
+        "fedavg": {"rounds": 3, "local_epochs": 1},
+        "global": {"epochs": 3},
+    },
+}
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """Deep merge; a key whose value is a dict merges, anything else replaces (``methods`` replaces)."""
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "methods":
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+@pytest.fixture
+def make_config(tmp_path):
+    """``make_config(partition={...}, methods={...})`` -> a validated tiny ExperimentConfig stored under tmp_path."""
+
+    def make(**sections: Any) -> ExperimentConfig:
+        data = merge(TINY, sections)
+        data.setdefault("run", {})["storage"] = str(tmp_path / "runs")
+        return validate_config(data)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One real local Ray for the whole session (starting Ray costs seconds; never per test)."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, namespace="rayfuse-tests", log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()

@@ -1,0 +1,110 @@
+"""Real Ray: client and coordinator actors, the object store, restarts, and the CLI attaching to a running Ray.
+
+One local Ray (2 CPUs) is started for the whole session by the ``ray_session`` fixture.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from rayfuse.io import load_params
+from rayfuse.models import params_equal
+from rayfuse.report import Printer
+from rayfuse.runner import InProcessBackend, run_experiment
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class ActorSpy(Printer):
+    """Records the named actors alive while the run is in progress (the printer runs in the driver's poll loop)."""
+
+    def __init__(self, ray):
+        super().__init__(enabled=False)
+        self.ray = ray
+        self.seen: set[str] = set()
+
+    def __call__(self, event):
+        if event.get("kind") in ("method_start", "progress") and not self.seen:
+            self.seen = {a["name"] for a in self.ray.util.list_named_actors(all_namespaces=True)}
+
+
+def ray_run(cfg, run_dir, printer=None):
+    from actors.backend import RayBackend
+
+    return run_experiment(cfg, RayBackend(), run_dir, printer=printer or Printer(enabled=False), show_tables=False)
+
+
+def test_a_ray_run_equals_the_in_process_run(ray_session, make_config, tmp_path):
+    cfg = make_config(federation={"backend": "ray"})
+    spy = ActorSpy(ray_session)
+    on_ray = ray_run(cfg, tmp_path / "ray", spy)
+    in_process = run_experiment(make_config(), InProcessBackend(), tmp_path / "local", printer=Printer(enabled=False), show_tables=False)
+    assert on_ray["status"] == "succeeded" and on_ray["run"]["backend"] == "ray"
+    for label, entry in in_process["methods"].items():
+        assert on_ray["methods"][label]["accuracy"] == entry["accuracy"], label
+    assert params_equal(load_params(tmp_path / "ray" / "models" / "fedavg.safetensors"),
+                        load_params(tmp_path / "local" / "models" / "fedavg.safetensors"))
+    # named actors: <run>/client-<i> and <run>/coordinator, alive during the run, gone after it
+    expected = {f"ray/client-{i}" for i in range(4)} | {"ray/coordinator"}
+    assert expected <= spy.seen
+    assert set(on_ray["run"]["actors"]) == expected
+    assert not expected & {a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)}
+    assert ray_session.is_initialized()  # the backend did not shut down a Ray it did not start
+
+
+def test_a_crashed_client_actor_is_restarted_reloads_its_shard_and_the_round_is_retried(ray_session, make_config, tmp_path):
+    methods = {"fedavg": {"rounds": 2, "local_epochs": 1}}
+    crash = {"backend": "ray", "faults": [{"client": 1, "step": "fedavg.fit", "call": 2, "mode": "exit"}]}
+    results = ray_run(make_config(methods=methods, federation=crash), tmp_path / "crash")
+    kinds = [(e["kind"], e.get("client")) for e in results["events"]]
+    assert ("client_failed", 1) in kinds and ("client_restarted", 1) in kinds and ("client_retry", 1) in kinds
+    clean = run_experiment(make_config(methods=methods), InProcessBackend(), tmp_path / "clean", printer=Printer(enabled=False), show_tables=False)
+    assert results["methods"]["fedavg"]["accuracy"] == clean["methods"]["fedavg"]["accuracy"]
+
+
+def test_drop_policy_on_ray(ray_session, make_config, tmp_path):
+    federation = {"backend": "ray", "on_client_failure": "drop", "faults": [{"client": 0, "step": "train_local", "mode": "raise"}]}
+    results = ray_run(make_config(methods={"local": {}, "average": {}}, federation=federation), tmp_path / "drop")
+    assert ("client_dropped", 0) in [(e["kind"], e.get("client")) for e in results["events"]]
+    assert [row["client"] for row in results["methods"]["local"]["info"]["per_client"]] == [1, 2, 3]
+    assert results["methods"]["average"]["info"]["clients"] == [1, 2, 3]
+
+
+def test_parallel_map_runs_as_ray_tasks(ray_session):
+    from actors.federation import RayFederation
+    from rayfuse.federation import FailurePolicy
+
+    fed = RayFederation({}, FailurePolicy())
+    assert fed.parallel_map(abs, list(range(-20, 0))) == list(range(20, 0, -1))
+    ref = fed.put({"w": np.arange(4.0)})
+    assert fed.get(ref)["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_the_cli_attaches_to_a_running_ray_and_leaves_it_running(ray_session, tmp_path):
+    address = ray_session.get_runtime_context().gcs_address
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({
+        "run": {"name": "cli"}, "partition": {"num_clients": 3}, "model": {"hidden": [8]}, "train": {"epochs": 2},
+        "methods": {"average": {}, "fedavg": {"rounds": 2, "local_epochs": 1}},
+    }))
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "rayfuse", "run", str(config), "--address", address, "--out", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "succeeded" and results["run"]["backend"] == "ray"
+    assert "run/coordinator" in results["run"]["actors"]
+
+    @ray_session.remote
+    def still_up():
+        return 1
+
+    assert ray_session.get(still_up.remote()) == 1
