@@ -1,0 +1,38 @@
+# rayfuse: `make run` (set up, then run the quickstart job on a local Ray) and `make test` (set up, then the tests).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.rayfuse-installed
+ARGS   ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup run test test-unit test-ray bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch and torchvision together from PyPI so their builds match (a CPU-only torch from elsewhere breaks
+	# torchvision's compiled ops); the standard build runs on CPU too.
+	$(BIN)/python -m pip install "torch>=2.4" "torchvision>=0.19"
+	$(BIN)/python -m pip install -e ".[test]"
+	$(BIN)/python -c "import torch, torchvision, torchvision.ops; print('torch', torch.__version__, '| torchvision', torchvision.__version__)"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(BIN)/rayfuse run $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-unit: setup
+	$(BIN)/python -m pytest -q -m "not ray" $(PYTEST_ARGS)
+
+test-ray: setup
+	$(BIN)/python -m pytest -q -m ray $(PYTEST_ARGS)
+
+bench: setup
+	bash benchmarks/run_all.sh
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,40 @@
+"""Every shipped job validates, and cluster.yaml passes Ray's own cluster-launcher schema."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayfuse.config import ExperimentConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+JOBS = sorted((ROOT / "jobs").glob("*.yaml"))
+
+
+def test_there_are_jobs():
+    assert {p.name for p in JOBS} >= {"quickstart.yaml", "digits_label_groups.yaml", "breast_cancer_iid.yaml"}
+
+
+@pytest.mark.parametrize("path", JOBS, ids=[p.name for p in JOBS])
+def test_every_job_validates(path):
+    cfg = load_config(path)
+    assert cfg.method_specs()
+
+
+def test_the_quickstart_is_the_config_default():
+    # `rayfuse run` outside a checkout falls back to the schema defaults: they must be the same job.
+    assert load_config(ROOT / "jobs" / "quickstart.yaml").resolved() == ExperimentConfig().resolved()
+
+
+def test_cluster_yaml_passes_rays_schema():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    validate_config(prepare_config(config))
+    types = config["available_node_types"]
+    assert config["head_node_type"] in types
+    silos = [t for t in types.values() if any(r.startswith("silo_") for r in t["resources"])]
+    assert silos and all(t["resources"].get("GPU", 0) >= 1 for t in silos)
+    assert any("pip install -e" in c for c in config["setup_commands"])
