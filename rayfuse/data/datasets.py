@@ -203,8 +203,8 @@ def _load_torchvision(name: str, root: str | None) -> Dataset:
     try:
         train = cls(root=root, train=True, download=False)
         test = cls(root=root, train=False, download=False)
-    except (RuntimeError, FileNotFoundError, OSError) as exc:
-        raise InputError("data.root", f"{Path(root) / folder}/ with {files}", f"not found or unreadable ({str(exc).splitlines()[0][:80]})",
+    except (RuntimeError, FileNotFoundError, OSError):
+        raise InputError("data.root", f"{(Path(root) / folder).resolve()}/ with {files}", "missing or incomplete files",
                          f"copy the files there (torchvision.datasets.{cls_name}(root, download=True) on a machine with internet writes them)") from None
 
     def arrays(ds: Any) -> tuple[np.ndarray, np.ndarray]:
