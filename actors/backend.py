@@ -66,6 +66,7 @@ class RayBackend(Backend):
         self._on_event: EventSink = lambda e: None
         self._seen = 0
         self._info: dict[str, Any] = {"backend": "ray"}
+        self._notes: list[str] = []
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -78,7 +79,15 @@ class RayBackend(Backend):
         if address:
             ray.init(address=address, **kwargs)
         else:
-            ray.init(**{**kwargs, **fed.ray_init})
+            try:
+                ray.init(**{**kwargs, **fed.ray_init})
+            except ValueError as exc:
+                # ray.init() attaches to a Ray already running on this machine (`ray start`), where arguments for a
+                # new instance (num_cpus...) are refused: attach without them.
+                if "existing cluster" not in str(exc):
+                    raise
+                ray.init(**kwargs)
+                self._notes.append("attached to the Ray already running on this machine; federation.ray_init not applied")
         self._owns_ray = True  # we connected: we disconnect (which stops the local Ray only if we started it)
 
     def _check_feasible(self, cfg: ExperimentConfig, requests: list[dict[str, Any]]) -> None:
@@ -131,6 +140,8 @@ class RayBackend(Backend):
         self._info = {"backend": "ray", "ray_version": ray.__version__, "namespace": fed.namespace,
                       "actors": [f"{run}/client-{i}" for i in self.clients] + [f"{run}/coordinator"],
                       "nodes": len(nodes), "cluster_resources": {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")}}
+        for note in self._notes:
+            self._on_event({"t": round(time.time() - start_time, 3), "kind": "info", "message": note})
         self._on_event({"t": round(time.time() - start_time, 3), "kind": "info",
                         "message": f"{len(self.clients)} client actors and the coordinator up on {len(nodes)} node(s) "
                                    f"(namespace {fed.namespace!r}, names {run}/client-<i>, {run}/coordinator)"})

@@ -50,13 +50,27 @@ __all__ = [
 ]
 
 # The quickstart's methods (jobs/quickstart.yaml spells out the same job; a test keeps the two equal).
-DEFAULT_METHODS: dict[str, dict[str, Any]] = {"local": {}, "average": {}, "ensemble": {}, "fedavg": {"rounds": 20, "local_epochs": 2}, "global": {}}
+DEFAULT_METHODS: dict[str, dict[str, Any]] = {"local": {}, "average": {}, "ensemble": {}, "fedavg": {}, "global": {}}
 
 
 class StrictModel(BaseModel):
-    """Base for config sections: unknown keys are errors, values are immutable once validated."""
+    """Base for config sections: unknown keys are errors, values are immutable once validated.
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    ``--set`` values are parsed as YAML, so ``--set run.name=2024`` gives an int: text keys take numbers as text
+    (``coerce_numbers_to_str``). The other way round is refused: ``epochs: true`` is not the number 1.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, coerce_numbers_to_str=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: Any) -> Any:
+        if isinstance(value, bool) and info.field_name in cls.model_fields:
+            annotation = cls.model_fields[info.field_name].annotation
+            kinds = set(getattr(annotation, "__args__", ())) | {annotation}
+            if kinds & {int, float} and bool not in kinds:
+                raise ValueError("a number, not a boolean")
+        return value
 
 
 class RunConfig(StrictModel):
@@ -97,7 +111,7 @@ class DataConfig(StrictModel):
     @model_validator(mode="after")
     def _file_datasets_need_path(self) -> "DataConfig":
         if self.dataset in ("npz", "parquet") and not self.path:
-            raise ValueError(f"@path@ must name the {self.dataset} file when dataset is {self.dataset!r}")
+            raise ValueError(f"@path@ the {self.dataset} file to load (data.dataset is {self.dataset!r})")
         return self
 
 
@@ -143,14 +157,14 @@ class PartitionConfig(StrictModel):
         # config that sets alpha; the resolved partition parameters are the chosen method's only (``params()``).
         if self.canonical_method == "labels":
             if self.groups is None:
-                raise ValueError("@groups@ must list each client's labels when method is 'labels'")
+                raise ValueError("@groups@ each client's label list (partition.method is 'labels')")
             if len(self.groups) != self.num_clients:
-                raise ValueError(f"@groups@ must have one label list per client ({self.num_clients}), it has {len(self.groups)}")
+                raise ValueError(f"@groups@ one label list per client ({self.num_clients}), got {len(self.groups)} lists")
             for i, group in enumerate(self.groups):
                 if not group:
-                    raise ValueError(f"@groups@ entry {i} is empty; every client needs at least one label")
+                    raise ValueError(f"@groups.{i}@ at least one label for client {i}, got []")
                 if any(label < 0 for label in group):
-                    raise ValueError(f"@groups@ entry {i} has a negative label {group}")
+                    raise ValueError(f"@groups.{i}@ labels >= 0, got {group}")
         return self
 
     def params(self) -> dict[str, Any]:
@@ -169,7 +183,7 @@ class ModelConfig(StrictModel):
     @classmethod
     def _positive(cls, value: list[int]) -> list[int]:
         if any(v < 1 for v in value):
-            raise ValueError(f"positive widths, got {value}")
+            raise ValueError("positive widths")
         return value
 
     @field_validator("name")
@@ -282,15 +296,15 @@ class ExperimentConfig(StrictModel):
     def _cross_checks(self) -> "ExperimentConfig":
         n = self.partition.num_clients
         if not self.methods:
-            raise ValueError("@methods@ must name at least one method")
+            raise ValueError("@methods@ at least one method, got none")
         if self.federation.min_clients > n:
-            raise ValueError(f"@federation.min_clients@ must be at most partition.num_clients ({n}), it is {self.federation.min_clients}")
+            raise ValueError(f"@federation.min_clients@ at most partition.num_clients ({n}), got {self.federation.min_clients}")
         for client in self.federation.client_overrides:
             if not 0 <= client < n:
-                raise ValueError(f"@federation.client_overrides@ names client {client}; clients are 0..{n - 1}")
-        for fault in self.federation.faults:
+                raise ValueError(f"@federation.client_overrides.{client}@ a client id in 0..{n - 1}, got {client}")
+        for i, fault in enumerate(self.federation.faults):
             if fault.client >= n:
-                raise ValueError(f"@federation.faults@ names client {fault.client}; clients are 0..{n - 1}")
+                raise ValueError(f"@federation.faults.{i}.client@ a client id in 0..{n - 1}, got {fault.client}")
         return self
 
     def method_specs(self) -> list[MethodSpec]:
@@ -310,7 +324,7 @@ class ExperimentConfig(StrictModel):
             try:
                 params = method_cls.Params.model_validate(entry)
             except ValidationError as exc:
-                raise _to_input_error(exc, prefix=path) from None
+                raise _to_input_error(exc, prefix=path, model=method_cls.Params) from None
             specs.append(MethodSpec(label=label, method=METHODS.canonical(name), params=params))
         return specs
 
@@ -327,7 +341,7 @@ class ExperimentConfig(StrictModel):
 # Loading, overrides and error messages
 
 
-def _to_input_error(exc: ValidationError, prefix: str = "") -> InputError:
+def _to_input_error(exc: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> InputError:
     """Turn pydantic's first error into one :class:`InputError` line (key path, expected, got)."""
     errors = exc.errors(include_url=False)
     error = errors[0]
@@ -336,20 +350,19 @@ def _to_input_error(exc: ValidationError, prefix: str = "") -> InputError:
     got = error.get("input", InputError._MISSING)
     kind = error.get("type", "")
     # Our validators mark a more precise key path with @key@ (relative to the model that raised).
-    marked = re.search(r"@([A-Za-z0-9_.\[\]]+)@", msg)
+    # Our cross-field validators start their message with @key.path@ (relative to the model that raised, or absolute
+    # when it starts with a top-level section); the rest of the message is the expected value and what was given.
+    marked = re.search(r"@([A-Za-z0-9_.]+)@ ?", msg)
     if marked:
-        sub = marked.group(1)
-        msg = msg.replace(f"@{sub}@", sub.split(".")[-1])
-        if "." in sub:  # an absolute path inside the experiment config
-            loc = sub.split(".")
-        else:
-            loc = loc + [sub]
+        sub = marked.group(1).split(".")
+        msg = msg[: marked.start()] + msg[marked.end():]
+        loc = sub if sub[0] in ExperimentConfig.model_fields and len(loc) == 0 else loc + sub
         got = InputError._MISSING
     path = ".".join(p for p in [prefix, *loc] if p) or "config"
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
     if kind == "extra_forbidden":
         parent = loc[:-1]
-        known = _known_keys(exc, parent)
+        known = _known_keys(model or ExperimentConfig, parent)
         hint = suggest(loc[-1], known).strip(" ()") if known else ""
         expected = f"one of the keys {{{', '.join(known)}}}" if known else "no such key"
         return InputError(path, f"a known key, not {loc[-1]!r}: " + expected, InputError._MISSING, hint + more)
@@ -358,32 +371,24 @@ def _to_input_error(exc: ValidationError, prefix: str = "") -> InputError:
     msg = re.sub(r"^(Value error, |Assertion failed, )", "", msg)
     msg = re.sub(r"^Input should be ", "", msg)
     msg = msg[0].lower() + msg[1:] if msg else msg
-    return InputError(path, msg, got, more.strip())
+    hint = re.search(r" \((did you mean '[^']*'\?)\)$", msg)  # from suggest(): goes after "got"
+    if hint:
+        msg = msg[: hint.start()]
+    return InputError(path, msg, got, "; ".join(h for h in (hint.group(1) if hint else "", more.strip()) if h))
 
 
-def _known_keys(exc: ValidationError, parent: list[str]) -> list[str]:
-    model: Any = None
-    title = exc.title
-    for cls in (ExperimentConfig, *_SECTION_MODELS):
-        if cls.__name__ == title:
-            model = cls
-    if model is None:
-        return []
+def _known_keys(model: type[BaseModel], parent: list[str]) -> list[str]:
+    """The keys a nested section of ``model`` accepts (for "did you mean" on an unknown key)."""
     for part in parent:
         field = model.model_fields.get(part)
         if field is None:
             return []
         annotation = field.annotation
-        candidates = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type) and issubclass(a, BaseModel)]
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            candidates = [annotation]
+        candidates = [a for a in (annotation, *getattr(annotation, "__args__", ())) if isinstance(a, type) and issubclass(a, BaseModel)]
         if not candidates:
             return []
         model = candidates[0]
     return sorted(model.model_fields)
-
-
-_SECTION_MODELS = (RunConfig, DataConfig, PartitionConfig, ModelConfig, TrainConfig, FederationConfig, ResourcesConfig, FaultSpec)
 
 
 def parse_overrides(pairs: Sequence[str]) -> list[tuple[list[str], Any]]:
@@ -451,7 +456,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             raise InputError(str(path), "valid YAML", f"a syntax error{where}") from None
         if not isinstance(data, dict):
             raise InputError(str(path), "a YAML mapping of sections", type(data).__name__)
-    data = apply_overrides(data, parse_overrides(overrides))
+    parsed = parse_overrides(overrides)
+    if "methods" not in data and any(parts[0] == "methods" and len(parts) > 1 for parts, _ in parsed):
+        # The empty config is the quickstart: `--set methods.fedavg.rounds=3` edits its methods, not replaces them.
+        data["methods"] = copy.deepcopy(DEFAULT_METHODS)
+    data = apply_overrides(data, parsed)
     return validate_config(data)
 
 

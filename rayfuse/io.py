@@ -77,7 +77,7 @@ def save_params(path: str | os.PathLike, params: Mapping[str, np.ndarray], metad
     """Save a parameter dict as ``safetensors``, atomically."""
     from safetensors.numpy import save
 
-    arrays = {name: np.ascontiguousarray(value) for name, value in params.items()}
+    arrays = {name: np.asarray(value, order="C") for name, value in params.items()}  # keeps 0-d arrays 0-d
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     return atomic_write_bytes(path, save(arrays, metadata=meta))
 

@@ -48,6 +48,8 @@ def nll(proba: np.ndarray, y: np.ndarray) -> float:
 
 def entropy(proba: np.ndarray, y: np.ndarray | None = None) -> float:
     proba = np.asarray(proba, dtype=np.float64)
+    if proba.ndim != 2 or proba.shape[0] == 0:
+        raise ValueError(f"entropy needs proba of shape (n, C) with n >= 1, got {proba.shape}")
     if not np.isfinite(proba).all():
         raise NonFiniteError("model predictions contain NaN or Inf")
     return float(-np.mean(np.sum(proba * np.log(np.maximum(proba, _FLOOR)), axis=1)))

@@ -55,7 +55,8 @@ def ray_session():
     ray = pytest.importorskip("ray")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, namespace="rayfuse-tests", log_to_driver=False)
+        # address="local": a fresh instance even when another Ray runs on this machine (ray.init() would attach to it)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="rayfuse-tests", log_to_driver=False)
     yield ray
     if started:
         ray.shutdown()

@@ -111,8 +111,9 @@ def _labels_to_int(values: np.ndarray, where: str) -> tuple[np.ndarray, tuple[st
     classes, inverse = np.unique(values, return_inverse=True)
     if len(classes) < 2:
         raise InputError(where, "at least 2 distinct labels", f"{len(classes)}")
-    if np.issubdtype(classes.dtype, np.integer) and classes.min() >= 0 and classes.max() < 10 * len(classes):
-        # Integer labels keep their values (a file with labels 0..9 where some are absent keeps 10 classes).
+    if np.issubdtype(classes.dtype, np.integer) and classes.min() == 0 and classes.max() < 10 * len(classes):
+        # 0-based integer labels keep their values (labels 0..9 with some absent keep 10 classes); anything else
+        # (1-based, sparse, strings) is mapped to 0..C-1 in sorted order, with the original values as class names.
         num = int(classes.max()) + 1
         return values.astype(np.int64), tuple(str(i) for i in range(num))
     return inverse.astype(np.int64), tuple(str(c) for c in classes)
@@ -250,6 +251,8 @@ def _load_npz(*, path: str | None = None, label: str = "y", features: str | list
         raise InputError(str(file), "a readable .npz archive without pickled objects", str(exc)[:80]) from None
     if not np.issubdtype(X.dtype, np.number):
         raise InputError("data.features", "a numeric array", str(X.dtype))
+    if X.ndim < 2:
+        raise InputError("data.features", "an array of shape (samples, features...) with at least 2 dimensions", f"shape {X.shape}")
     if X.ndim == 3:  # (N, H, W) grey images
         X = X[:, None]
     y, names = _labels_to_int(labels.reshape(-1), "data.label")
@@ -283,6 +286,9 @@ def _load_parquet(*, path: str | None = None, label: str = "y", features: str | 
         X = np.column_stack([table.column(c).to_numpy(zero_copy_only=False).astype(np.float32) for c in features])
     except (ValueError, TypeError, pa.ArrowException) as exc:
         raise InputError("data.features", "numeric columns without nulls", str(exc)[:80]) from None
+    if not np.isfinite(X).all():
+        bad = features[int(np.flatnonzero(~np.isfinite(X).all(axis=0))[0])]
+        raise InputError("data.features", "numeric columns without nulls, NaN or Inf", f"column {bad!r}")
     y, names = _labels_to_int(table.column(label).to_numpy(zero_copy_only=False), "data.label")
     return Dataset(file.stem, np.ascontiguousarray(X), y, len(names), names)
 

@@ -57,10 +57,20 @@ def partition_dirichlet(labels: np.ndarray, num_clients: int, rng: np.random.Gen
             if balance:
                 # PFNM balancing rule: a client that already holds >= N/J samples receives no more of this class.
                 open_ = np.array([len(p) < n / num_clients for p in parts])
-                if open_.any():  # PFNM divides by zero when every client is full; keep the raw draw then
-                    proportions = proportions * open_
-            proportions = proportions / proportions.sum()
-            cuts = (np.cumsum(proportions) * len(idx_k)).astype(int)[:-1]
+                masked = proportions * open_
+                if masked.sum() > 0:
+                    proportions = masked
+                elif open_.any():
+                    # Every open client's share underflowed to 0 (alpha << 1); PFNM would divide by zero. The draw
+                    # restricted to the open clients is then, in the limit, the whole class on one open client.
+                    proportions = np.zeros(num_clients)
+                    proportions[rng.choice(np.flatnonzero(open_))] = 1.0
+                # else every client is full (PFNM divides by zero): keep the raw draw
+            # Departure from PFNM's code, which normalises the proportions and then truncates cumsum * n: the
+            # normalised cumsum can end at 1 - 1e-16 before a closed (zero-proportion) last client, whose chunk then
+            # gets a sample. Dividing by the last partial sum makes trailing zeros cut at exactly len(idx_k).
+            cumulative = np.cumsum(proportions)
+            cuts = (cumulative / cumulative[-1] * len(idx_k)).astype(int)[:-1]
             for part, chunk in zip(parts, np.split(idx_k, cuts)):
                 part.extend(chunk.tolist())
         if min(len(p) for p in parts) >= min_size:

@@ -41,6 +41,9 @@ def weighted_sum(arrays: Sequence[np.ndarray], weights: Sequence[float], *, out:
     dtype = first.dtype if first.dtype.kind == "f" else np.dtype(np.float64)
     if out is None:
         out = np.empty(first.shape, dtype=dtype)
+    elif out.shape != first.shape or not out.flags.c_contiguous:
+        # out.reshape(-1) below would be a copy, and the sum would never reach ``out``
+        raise ValueError(f"out must be a C-contiguous array of shape {first.shape}, got shape {out.shape}")
     flat = [np.ravel(a) for a in arrays]  # views for contiguous arrays
     out_flat = out.reshape(-1)
     n = out_flat.size

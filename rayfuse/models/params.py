@@ -20,7 +20,9 @@ Params = dict[str, np.ndarray]
 
 def get_params(model: nn.Module) -> Params:
     """Copy a model's ``state_dict`` (parameters and buffers) into contiguous CPU numpy arrays."""
-    return {name: np.ascontiguousarray(t.detach().cpu().numpy()).copy() for name, t in model.state_dict().items()}
+    # ndarray.copy(order="C"), not np.ascontiguousarray: the latter turns 0-d buffers (BatchNorm's
+    # num_batches_tracked) into shape (1,), which set_params then rejects.
+    return {name: t.detach().cpu().numpy().copy(order="C") for name, t in model.state_dict().items()}
 
 
 def set_params(model: nn.Module, params: Mapping[str, np.ndarray]) -> nn.Module:
@@ -55,6 +57,9 @@ def check_params(params: Mapping[str, object], reference: Mapping[str, object], 
         ref_shape = tuple(ref.shape)
         if shape != ref_shape:
             return f"{name}: shape {shape}, expected {ref_shape}"
+        dtype, ref_dtype = getattr(value, "dtype", None), getattr(ref, "dtype", None)
+        if dtype is not None and ref_dtype is not None and str(dtype) != str(ref_dtype).replace("torch.", ""):
+            return f"{name}: dtype {dtype}, expected {str(ref_dtype).replace('torch.', '')}"
         if check_finite:
             arr = np.asarray(value)
             if arr.dtype.kind in "fc" and not np.isfinite(arr).all():

@@ -172,7 +172,7 @@ def build_model(cfg: Any, input_shape: tuple[int, ...], num_classes: int, *, see
         One sample's shape, ``(D,)`` for vectors or ``(C, H, W)`` for images.
     num_classes : int
     seed : int, optional
-        Seeds the initialisation without touching the global torch RNG.
+        Seeds the initialisation without touching the global torch RNG. ``None`` draws from the global torch RNG.
     """
     image = len(input_shape) == 3
     if cfg.name.startswith("torchvision:"):
@@ -185,11 +185,13 @@ def build_model(cfg: Any, input_shape: tuple[int, ...], num_classes: int, *, see
         if info.image_only and not image:
             raise InputError("model.name", f"an image dataset (C, H, W) for {cfg.name!r}", f"inputs of shape {tuple(input_shape)}", "use mlp or logreg")
         builder = info.builder
+    if seed is None:
+        # Unseeded: draw from (and advance) the global torch RNG like constructing the module directly. Forking here
+        # would restore the RNG afterwards, so every unseeded build would return the same initialisation.
+        return builder(cfg, tuple(input_shape), num_classes)
     with torch.random.fork_rng(devices=[]):
-        if seed is not None:
-            torch.manual_seed(seed)
-        model = builder(cfg, tuple(input_shape), num_classes)
-    return model
+        torch.manual_seed(seed)
+        return builder(cfg, tuple(input_shape), num_classes)
 
 
 def check_model_fits(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> int:

@@ -110,11 +110,11 @@ def predict_proba(model: nn.Module, X: np.ndarray, *, batch_size: int = 4096, de
     was_training = model.training
     model.eval()
     out = []
-    for start in range(0, len(X), batch_size):
+    for start in range(0, max(len(X), 1), batch_size):  # an empty X still yields shape (0, num_classes)
         batch = torch.as_tensor(np.ascontiguousarray(X[start:start + batch_size]), device=device)
         out.append(torch.softmax(model(batch).double(), dim=1).cpu().numpy())
     model.train(was_training)
-    return np.concatenate(out) if out else np.zeros((0, 0))
+    return np.concatenate(out)
 
 
 @torch.no_grad()
