@@ -14,7 +14,6 @@ This module does not import torch at import time: a client that only moves param
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections import Counter
@@ -23,7 +22,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from rayfuse.data.roles import ClientPlan, Split, client_splits, load_dataset_from_config
-from rayfuse.federation import ClientDied, Update, client_step, step_name
+from rayfuse.federation import ClientDied, Update, client_step, map_arrays, step_name
 from rayfuse.seeding import derive_seed
 
 __all__ = ["Client", "ClientContext", "PrivacyError", "train_local", "get_local_update", "set_local_params", "describe"]
@@ -158,37 +157,15 @@ class Client:
 
 def _poison(obj: Any) -> Any:
     """Replace every float array in ``obj`` by NaNs (fault mode ``nan``)."""
-    if isinstance(obj, np.ndarray) and obj.dtype.kind == "f":
-        return np.full_like(obj, np.nan)
-    if isinstance(obj, dict):
-        return {k: _poison(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_poison(v) for v in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _poison(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init})
-    return obj
-
-
-def _arrays(obj: Any, depth: int = 0):
-    if depth > 6:
-        return
-    if isinstance(obj, np.ndarray):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _arrays(v, depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _arrays(v, depth + 1)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from _arrays(getattr(obj, f.name), depth + 1)
+    return map_arrays(obj, lambda a: np.full_like(a, np.nan) if a.dtype.kind == "f" else a)
 
 
 def _check_no_raw_data(result: Any, ctx: ClientContext) -> None:
     """Refuse results that contain (views of) the client's inputs or labels."""
     private = [a for split in (ctx.train, ctx.val) for a in (split.X, split.y) if a.size]
-    for arr in _arrays(result):
+    returned: list[np.ndarray] = []
+    map_arrays(result, returned.append)
+    for arr in returned:
         for data in private:
             if np.shares_memory(arr, data) or (arr.shape == data.shape and arr.dtype == data.dtype and np.array_equal(arr, data)):
                 raise PrivacyError(f"client {ctx.client_id}: a client step tried to return its raw data (array of shape {arr.shape})")

@@ -73,6 +73,14 @@ class StrictModel(BaseModel):
         return value
 
 
+def _registered(registry: Any, value: str) -> str:
+    """``value`` if ``registry`` knows it (name or alias); else a ValueError listing the choices."""
+    if value not in registry:
+        names = registry.names(include_aliases=True)
+        raise ValueError(f"a {registry.kind} in {{{', '.join(names)}}}{suggest(value, names)}")
+    return value
+
+
 class RunConfig(StrictModel):
     name: str = Field("quickstart", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="run name; the run folder is <storage>/<name>-<time>")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="the one seed every other seed derives from")
@@ -96,10 +104,7 @@ class DataConfig(StrictModel):
     def _known_dataset(cls, value: str) -> str:
         from rayfuse.data.datasets import DATASETS
 
-        if value not in DATASETS:
-            names = DATASETS.names(include_aliases=True)
-            raise ValueError(f"a dataset in {{{', '.join(names)}}}{suggest(value, names)}")
-        return DATASETS.canonical(value)
+        return DATASETS.canonical(_registered(DATASETS, value))
 
     @field_validator("public_size")
     @classmethod
@@ -140,10 +145,7 @@ class PartitionConfig(StrictModel):
     def _known_partitioner(cls, value: str) -> str:
         from rayfuse.data.partition import PARTITIONERS
 
-        if value not in PARTITIONERS:
-            names = PARTITIONERS.names(include_aliases=True)
-            raise ValueError(f"a partitioner in {{{', '.join(names)}}}{suggest(value, names)}")
-        return value
+        return _registered(PARTITIONERS, value)
 
     @property
     def canonical_method(self) -> str:

@@ -59,6 +59,7 @@ __all__ = [
     "client_step",
     "step_name",
     "freeze",
+    "map_arrays",
 ]
 
 T = TypeVar("T")
@@ -174,19 +175,28 @@ class Call:
         return step_name(self.step)
 
 
+def map_arrays(obj: Any, fn: Callable[[np.ndarray], Any]) -> Any:
+    """``obj`` with ``fn`` applied to every numpy array inside it (through dicts, lists, tuples and dataclasses)."""
+    if isinstance(obj, np.ndarray):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        return {k: map_arrays(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_arrays(v, fn) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: map_arrays(getattr(obj, f.name), fn) for f in dataclasses.fields(obj) if f.init})
+    return obj
+
+
+def _read_only_copy(array: np.ndarray) -> np.ndarray:
+    out = array.copy()
+    out.setflags(write=False)
+    return out
+
+
 def freeze(obj: Any) -> Any:
     """Read-only copy of the arrays in ``obj`` (dicts, lists, tuples, dataclasses), like Ray's object store gives."""
-    if isinstance(obj, np.ndarray):
-        out = obj.copy()
-        out.setflags(write=False)
-        return out
-    if isinstance(obj, Mapping):
-        return {k: freeze(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(freeze(v) for v in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: freeze(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init})
-    return obj
+    return map_arrays(obj, _read_only_copy)
 
 
 class Federation(ABC):
