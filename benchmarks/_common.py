@@ -1,0 +1,127 @@
+"""Helpers shared by the benchmark scripts: interleaved timing, plain-text tables, result files, machine facts.
+
+The scripts run as ``python benchmarks/<script>.py``, so this module is imported from the script's own folder.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["RESULTS_DIR", "interleaved_times", "machine_info", "median", "memory_bytes", "print_table", "wait_for_quiet",
+           "write_results"]
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def interleaved_times(fns: Mapping[str, Callable[[], Any]], repeats: int, *, warmup: int = 1) -> dict[str, list[float]]:
+    """Wall times of each function, measured in interleaved passes.
+
+    Every pass runs every function once, so slow drifts of the machine (other processes, thermal state) affect all
+    of them alike and ratios taken within one pass stay fair.
+
+    Parameters
+    ----------
+    fns : mapping of name to zero-argument callable
+    repeats : int
+        Timed passes.
+    warmup : int
+        Untimed passes first (page faults, caches, lazy imports).
+
+    Returns
+    -------
+    dict of name to list of seconds, one per timed pass
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def wait_for_quiet(max_load: float, timeout_s: float) -> float:
+    """Wait (at most ``timeout_s``) until the 1-minute load average is below ``max_load``; return the load then.
+
+    Other work on a small machine distorts timings; results record the load each measurement started at.
+    """
+    deadline = time.monotonic() + timeout_s
+    while os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
+        time.sleep(5.0)
+    return os.getloadavg()[0]
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def memory_bytes() -> tuple[int, int]:
+    """``(total, available)`` bytes of RAM, from ``/proc/meminfo``."""
+    fields = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        name, value = line.split(":", 1)
+        fields[name] = int(value.split()[0]) * 1024
+    return fields["MemTotal"], fields["MemAvailable"]
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers depend on: CPUs, memory, library versions and the date."""
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "cpus": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "memory_gib": round(memory_bytes()[0] / 2**30, 1),
+        "load_avg_1m": os.getloadavg()[0],  # other work on the machine makes timings noisy
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str]], title: str | None = None) -> None:
+    """Print ``rows`` as an aligned plain-text table; ``columns`` is ``[(key, header), ...]``."""
+    header = [h for _, h in columns]
+    body = [[_cell(row.get(key, "")) for key, _ in columns] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
+    if title:
+        print(f"\n{title}")
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in body:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+
+
+def write_results(name: str, payload: Mapping[str, Any]) -> Path:
+    """Write ``payload`` to ``benchmarks/results/<name>.json`` and return the path."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    return path

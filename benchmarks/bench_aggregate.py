@@ -1,0 +1,277 @@
+"""Throughput of the aggregation kernel (``rayfuse.fusion.aggregate``) against copying the same bytes.
+
+For each case (K client parameter dicts of a given layout) it measures, in interleaved passes:
+
+* ``weighted_average``: the full API (normalises weights, allocates the outputs, rounds integer buffers);
+* ``weighted_sum``: the raw kernel, key by key, into preallocated outputs;
+* ``np.copyto``: copying all K input dicts into preallocated destinations (the reference: a kernel that reads every
+  input byte once should be at least this fast, since copying reads *and* writes every byte);
+* two naive references: the loop ``out += w * a`` and ``np.average(np.stack(arrays), axis=0, weights=w)``;
+* a faster reference kernel, ``BLAS axpy``: the same chunked walk with one fused BLAS ``axpy`` (``acc += w * a``)
+  per input chunk instead of a multiply into scratch plus an add, on one BLAS thread (it shows the headroom left
+  in ``weighted_sum``).
+
+Throughput is GB/s of *input bytes read* (K x dict size / median time). Before timing, the results of
+``weighted_average`` and of the axpy reference are checked against ``np.average`` (rtol 1e-5), so a fast but wrong
+kernel cannot pass.
+A sweep over the ``chunk=`` argument of ``weighted_sum`` shows which chunk size is best on this machine.
+
+Usage::
+
+    python benchmarks/bench_aggregate.py [--repeats 7] [--quick]
+
+Writes ``benchmarks/results/bench_aggregate.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+from scipy.linalg.blas import get_blas_funcs
+from threadpoolctl import threadpool_limits
+
+from _common import interleaved_times, machine_info, median, print_table, wait_for_quiet, write_results
+from rayfuse.fusion.aggregate import CHUNK, normalize_weights, weighted_average, weighted_sum
+
+Layout = dict[str, tuple[tuple[int, ...], np.dtype]]
+
+CHUNK_SWEEP = [1 << p for p in range(12, 21)]  # 4 Ki .. 1 Mi elements
+AXPY_CHUNK = 1 << 17
+
+
+@dataclass(frozen=True)
+class Case:
+    """K clients, each sending a parameter dict with this layout."""
+
+    name: str
+    clients: int
+    layout: Layout
+    sweep_chunks: bool = False
+
+    @property
+    def dict_bytes(self) -> int:
+        return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in self.layout.values())
+
+    @property
+    def input_bytes(self) -> int:
+        return self.clients * self.dict_bytes
+
+
+def _flat(n: int) -> Layout:
+    return {"w": ((n,), np.dtype(np.float32))}
+
+
+def _model_layout(name: str, input_shape: tuple[int, ...], **model_options: object) -> Layout:
+    """Keys, shapes and dtypes of a rayfuse model's parameter dict (buffers included)."""
+    from rayfuse.config import ModelConfig
+    from rayfuse.models import build_model
+
+    state = build_model(ModelConfig(name=name, **model_options), input_shape, 10).state_dict()
+    return {k: (tuple(v.shape), np.dtype(str(v.dtype).removeprefix("torch."))) for k, v in state.items()}
+
+
+def make_cases(quick: bool) -> list[Case]:
+    if quick:
+        return [Case("4 x 1M f32 (4 MB)", 4, _flat(1_000_000), sweep_chunks=True), Case("20 x 100k f32 (400 KB)", 20, _flat(100_000))]
+    return [
+        Case("20 x 10M f32 (40 MB)", 20, _flat(10_000_000), sweep_chunks=True),
+        Case("10 x 25M f32 (100 MB)", 10, _flat(25_000_000), sweep_chunks=True),
+        Case("100 x 100k f32 (400 KB)", 100, _flat(100_000), sweep_chunks=True),
+        Case("10 x resnet18 dict (122 tensors, 45 MB)", 10, _model_layout("torchvision:resnet18", (3, 32, 32))),
+        Case("100 x mlp dict (6 tensors, 0.94 MB)", 100, _model_layout("mlp", (784,), hidden=[256, 128])),
+    ]
+
+
+def make_inputs(case: Case, rng: np.random.Generator) -> tuple[list[dict[str, np.ndarray]], list[float]]:
+    """K parameter dicts and sample-count weights.
+
+    Float values are drawn from [0.5, 1.5) so sums do not cancel and a relative tolerance is meaningful; integer
+    buffers (BatchNorm step counters) are equal across clients, as they are when clients train the same steps.
+    """
+    params = []
+    for _ in range(case.clients):
+        d = {}
+        for key, (shape, dtype) in case.layout.items():
+            if dtype.kind == "f":
+                d[key] = rng.uniform(0.5, 1.5, size=shape).astype(dtype)
+            else:
+                d[key] = np.full(shape, 100, dtype=dtype)
+        params.append(d)
+    weights = rng.integers(100, 1000, size=case.clients).astype(float).tolist()
+    return params, weights
+
+
+def axpy_sum(arrays: list[np.ndarray], weights: list[float], out: np.ndarray, chunk: int = AXPY_CHUNK) -> np.ndarray:
+    """Reference kernel: ``out = sum_k weights[k] * arrays[k]`` with one BLAS ``axpy`` per input chunk.
+
+    Float inputs only (``out`` has their dtype); the chunk of ``out`` stays in cache while each input is read once.
+    """
+    axpy = get_blas_funcs("axpy", dtype=out.dtype)
+    flat = [np.ravel(a) for a in arrays]
+    out_flat = out.reshape(-1)
+    for start in range(0, out_flat.size, chunk):
+        acc = out_flat[start:start + chunk]
+        np.multiply(flat[0][start:start + chunk], weights[0], out=acc)
+        for a, w in zip(flat[1:], weights[1:]):
+            axpy(a[start:start + chunk], acc, a=w)  # in place: acc is contiguous and of the BLAS dtype
+    return out
+
+
+def _axpy_average(params: list[dict[str, np.ndarray]], weights: list[float]) -> dict[str, np.ndarray]:
+    """``weighted_average`` with :func:`axpy_sum` for float keys (other keys as ``weighted_average`` does them)."""
+    w = normalize_weights(weights, len(params))
+    out = {}
+    for key in params[0]:
+        arrays = [p[key] for p in params]
+        if arrays[0].dtype.kind == "f":
+            out[key] = axpy_sum(arrays, w, np.empty_like(arrays[0]))
+        else:
+            out[key] = np.rint(weighted_sum(arrays, w)).astype(arrays[0].dtype)
+    return out
+
+
+def check_correct(params: list[dict[str, np.ndarray]], weights: list[float]) -> None:
+    """Raise unless ``weighted_average`` and the axpy reference equal ``np.average`` (rtol 1e-5) for every key."""
+    for name, got in [("weighted_average", weighted_average(params, weights)), ("BLAS axpy", _axpy_average(params, weights))]:
+        for key in params[0]:
+            stacked = np.stack([p[key] for p in params])
+            expected = np.average(stacked, axis=0, weights=weights)
+            if stacked.dtype.kind != "f":
+                expected = np.rint(expected)
+            np.testing.assert_allclose(got[key], expected, rtol=1e-5, atol=0, err_msg=f"{name} differs from np.average for {key!r}")
+            if got[key].dtype != params[0][key].dtype:
+                raise AssertionError(f"{name}, {key!r}: dtype {got[key].dtype}, expected {params[0][key].dtype}")
+
+
+def _functions(params: list[dict[str, np.ndarray]], weights: list[float]) -> dict[str, Callable[[], object]]:
+    keys = list(params[0])
+    columns = {k: [p[k] for p in params] for k in keys}
+    w = normalize_weights(weights, len(params))
+    copies = [{k: np.empty_like(v) for k, v in p.items()} for p in params]
+    sums = {k: np.empty(params[0][k].shape, np.float64 if params[0][k].dtype.kind != "f" else params[0][k].dtype) for k in keys}
+
+    def copyto() -> None:
+        for src, dst in zip(params, copies):
+            for k in keys:
+                np.copyto(dst[k], src[k])
+
+    def raw_sum() -> None:
+        for k in keys:
+            weighted_sum(columns[k], w, out=sums[k])
+
+    def loop() -> dict[str, np.ndarray]:
+        out = {}
+        for k in keys:
+            acc = np.zeros_like(sums[k])
+            for a, wk in zip(columns[k], w):
+                acc += wk * a
+            out[k] = acc
+        return out
+
+    def stack_average() -> dict[str, np.ndarray]:
+        return {k: np.average(np.stack(columns[k]), axis=0, weights=w) for k in keys}
+
+    def blas_axpy() -> None:
+        for k in keys:
+            if sums[k].dtype == params[0][k].dtype:
+                axpy_sum(columns[k], w, sums[k])
+            else:
+                weighted_sum(columns[k], w, out=sums[k])
+
+    return {
+        "np.copyto": copyto,
+        "weighted_average": lambda: weighted_average(params, weights),
+        "weighted_sum": raw_sum,
+        "loop out += w*a": loop,
+        "np.average(stack)": stack_average,
+        "BLAS axpy (ref, 1 thread)": blas_axpy,
+    }
+
+
+def bench_case(case: Case, repeats: int, rng: np.random.Generator) -> tuple[list[dict], list[dict]]:
+    params, weights = make_inputs(case, rng)
+    check_correct(params, weights)
+    times = interleaved_times(_functions(params, weights), repeats)
+    copy_s = median(times["np.copyto"])
+    rows = []
+    for method, ts in times.items():
+        t = median(ts)
+        rows.append({"case": case.name, "method": method, "median_ms": 1e3 * t, "gb_s": case.input_bytes / t / 1e9,
+                     "vs_copyto": copy_s / t, "times_s": ts})
+    sweep = []
+    if case.sweep_chunks:
+        w = normalize_weights(weights, len(params))
+        columns = [p["w"] for p in params]
+        out = np.empty_like(columns[0])
+        fns = {chunk: (lambda c=chunk: weighted_sum(columns, w, out=out, chunk=c)) for chunk in CHUNK_SWEEP}
+        fns["np.copyto"] = _functions(params, weights)["np.copyto"]
+        chunk_times = interleaved_times(fns, repeats)
+        copy_s = median(chunk_times.pop("np.copyto"))
+        for chunk, ts in chunk_times.items():
+            t = median(ts)
+            sweep.append({"case": case.name, "chunk": chunk, "chunk_kib_f32": chunk * 4 // 1024, "median_ms": 1e3 * t,
+                          "gb_s": case.input_bytes / t / 1e9, "vs_copyto": copy_s / t, "current": chunk == CHUNK})
+    del params
+    gc.collect()
+    return rows, sweep
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=7, help="timed passes per case (medians are reported)")
+    parser.add_argument("--quick", action="store_true", help="small cases only (a smoke run)")
+    parser.add_argument("--max-load", type=float, default=1.0, help="before each case, wait for the 1-min load average to drop below this")
+    parser.add_argument("--quiet-timeout", type=float, default=60.0, help="... for at most this many seconds")
+    args = parser.parse_args()
+
+    threadpool_limits(limits=1, user_api="blas")  # every kernel here runs on one thread, as rayfuse's does
+    rng = np.random.default_rng(0)
+    info = machine_info()
+    print(f"aggregation kernel throughput ({info['cpus']} CPUs, {info['cpu_model']}, numpy {info['numpy']}); "
+          f"GB/s of input bytes read, median of {args.repeats}; CHUNK = {CHUNK}")
+    rows, sweep = [], []
+    for case in make_cases(args.quick):
+        load = wait_for_quiet(args.max_load, args.quiet_timeout)
+        print(f"  {case.name}: {case.input_bytes / 1e6:.0f} MB of input (load average {load:.1f}) ...", flush=True)
+        case_rows, case_sweep = bench_case(case, args.repeats, rng)
+        for row in case_rows + case_sweep:
+            row["load_avg_1m"] = load
+        rows += case_rows
+        sweep += case_sweep
+
+    columns = [("case", "case"), ("method", "method"), ("median_ms", "median ms"), ("gb_s", "GB/s"), ("vs_copyto", "x copyto")]
+    print_table(rows, columns, "throughput (weighted_average and the axpy reference checked against np.average, rtol 1e-5)")
+    targets = []
+    for case in {r["case"]: None for r in rows}:
+        by = {r["method"]: r for r in rows if r["case"] == case}
+        for method in ("weighted_average", "weighted_sum"):
+            targets.append({"case": case, "method": method, "vs_copyto": by[method]["vs_copyto"],
+                            "target_met": by[method]["vs_copyto"] >= 1.0})
+    print_table(targets, [("case", "case"), ("method", "kernel"), ("vs_copyto", "x copyto"), ("target_met", "kernel >= copyto")],
+                "target: kernel throughput >= np.copyto on the same bytes")
+
+    best = {}
+    if sweep:
+        print_table(sweep, [("case", "case"), ("chunk", "chunk"), ("chunk_kib_f32", "KiB/f32 chunk"), ("median_ms", "median ms"),
+                            ("gb_s", "GB/s"), ("vs_copyto", "x copyto"), ("current", "current CHUNK")],
+                    "weighted_sum chunk sweep (elements per chunk)")
+        for case in {r["case"]: None for r in sweep}:
+            case_rows = [r for r in sweep if r["case"] == case]
+            fastest = max(case_rows, key=lambda r: r["gb_s"])
+            current = next(r for r in case_rows if r["current"])
+            best[case] = {"best_chunk": fastest["chunk"], "best_gb_s": fastest["gb_s"], "current_chunk": CHUNK,
+                          "current_gb_s": current["gb_s"], "speedup_vs_current": fastest["gb_s"] / current["gb_s"]}
+            print(f"  {case}: best chunk {fastest['chunk']} ({fastest['gb_s']:.2f} GB/s) vs current {CHUNK} "
+                  f"({current['gb_s']:.2f} GB/s): x{best[case]['speedup_vs_current']:.2f}")
+
+    path = write_results("bench_aggregate", {"machine": info, "repeats": args.repeats, "chunk": CHUNK, "rows": rows,
+                                             "targets": targets, "chunk_sweep": sweep, "best_chunk": best})
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

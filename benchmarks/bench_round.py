@@ -1,0 +1,319 @@
+"""Per-round time of a fedavg-style round on the real Ray engine, with no local training.
+
+Each cell (number of clients x parameter bytes per client) starts real ``actors.client.ClientActor`` s, created as
+``actors/backend.py`` creates them, each holding an iid shard of the numpy-only ``synthetic`` dataset, and a small
+coordinator actor (:class:`RoundCoordinator`) that holds an ``actors.federation.RayFederation`` over the client
+handles. The coordinator runs the rounds and returns only timings: parameters move through Ray's object store and
+never through the driver (the driver's received bytes are reported). One round does what
+``rayfuse.fusion.fedavg.FedAvg.run`` does:
+
+1. ``federation.put(global_params)``: one broadcast object;
+2. ``federation.run(echo_step, ref)``: every client returns a *copy* of the broadcast in an ``Update`` (new memory,
+   as a trained update would be); ``gather`` applies the failure policy;
+3. validation: the real ``ServerContext.accept_updates`` (``check_params`` against the current global model: keys,
+   shapes, NaN / Inf; sample counts; metrics);
+4. ``weighted_average`` of the accepted updates, weighted by their sample counts.
+
+Reported per cell: the median round time, the part spent in ``weighted_average``, the clients' copy time and the
+*overhead* = round - aggregation - client copy wall time. The copy wall time is the clients' summed copy CPU time
+divided by the CPUs that run them at once: a lower bound on what the copies cost the round, so the overhead is not
+understated. As a reference measured in the same run, every federation round is followed by a *bare Ray* round on
+the same actors: ``ray.put``, one ``ClientActor.run`` call per client, one ``ray.get`` of all results and the same
+``weighted_average``, with no failure policy and no validation; ``rayfuse / bare`` is the engine's cost over Ray's.
+
+Actor startup is measured separately. Cells whose objects would not fit the object store or the available memory
+are skipped, and the output says so.
+
+Usage::
+
+    python benchmarks/bench_round.py                      # the grid and the two target cells
+    python benchmarks/bench_round.py --cells targets      # 100 x 400 KB and 20 x 40 MB only
+    python benchmarks/bench_round.py --clients 10 50 --sizes 100KB 10MB --rounds 5
+
+Writes ``benchmarks/results/bench_round.json``. Ray workers import ``_steps`` (the echo step) and this module from
+``benchmarks/``, which Ray puts on their ``sys.path`` as the driver script's folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import ray
+from ray import cloudpickle
+
+from _common import machine_info, median, memory_bytes, print_table, wait_for_quiet, write_results
+from _steps import echo_step
+from actors.backend import actor_options
+from actors.client import ClientActor
+from rayfuse.config import validate_config
+from rayfuse.data.roles import load_dataset_from_config, make_plan
+
+NAMESPACE = "rayfuse-bench"
+WORKER_BYTES = 100 * 2**20  # memory budget per client worker (measured: ~65 MB proportional set size)
+COORDINATOR_BYTES = 600 * 2**20  # the coordinator imports torch through rayfuse.coordinator (measured: ~450 MB)
+SIZES = {"100KB": 25_000, "400KB": 100_000, "10MB": 2_500_000, "40MB": 10_000_000, "100MB": 25_000_000}  # float32 counts
+TIMED_KEYS = ("round_s", "put_s", "map_gather_s", "validate_s", "aggregate_s", "client_copy_sum_s", "bare_round_s")
+
+
+@dataclass(frozen=True)
+class Cell:
+    clients: int
+    num_params: int  # float32 values per client
+    target: bool = False
+
+    @property
+    def param_bytes(self) -> int:
+        return 4 * self.num_params
+
+    @property
+    def label(self) -> str:
+        mb = self.param_bytes / 1e6
+        return f"{self.clients} x {mb:g} MB" if mb >= 1 else f"{self.clients} x {self.param_bytes / 1e3:g} KB"
+
+
+TARGET_CELLS = [Cell(100, 100_000, target=True), Cell(20, 10_000_000, target=True)]
+
+
+class RoundCoordinator:
+    """Runs fedavg-style rounds over a :class:`actors.federation.RayFederation`; returns timings only.
+
+    Parameters
+    ----------
+    clients : dict of client id to ``ClientActor`` handle
+    federation_cfg : rayfuse.config.FederationConfig
+        Gives the failure policy, as the real coordinator builds it.
+    """
+
+    def __init__(self, clients: dict[int, Any], federation_cfg: Any) -> None:
+        from actors.federation import RayFederation
+        from rayfuse.coordinator import ServerContext
+        from rayfuse.federation import FailurePolicy
+
+        self.federation = RayFederation(clients, FailurePolicy.from_config(federation_cfg))
+        # The real ServerContext.accept_updates, bound to a stand-in holding only what it reads.
+        server = SimpleNamespace(label="bench", events=self.federation.events, federation=self.federation)
+        self._accept = ServerContext.accept_updates.__get__(server)
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def run_rounds(self, num_params: int, rounds: int, warmup: int, seed: int = 0) -> dict[str, Any]:
+        """Run ``warmup + rounds`` pairs of (federation round, bare Ray round); return the last ``rounds`` timings."""
+        from rayfuse.fusion.aggregate import weighted_average
+
+        fed = self.federation
+        handles = [fed.handle(c) for c in fed.client_ids]
+        start_params = {"w": np.random.default_rng(seed).uniform(0.5, 1.5, num_params).astype(np.float32)}
+        global_params = start_params
+        timings = []
+        for rnd in range(warmup + rounds):
+            t0 = time.perf_counter()
+            broadcast = fed.put(global_params)
+            t1 = time.perf_counter()
+            gathered = fed.run(echo_step, broadcast)
+            t2 = time.perf_counter()
+            updates = self._accept(gathered, reference=global_params)
+            t3 = time.perf_counter()
+            global_params = weighted_average([u.params for u in updates.values()], [u.num_examples for u in updates.values()])
+            t4 = time.perf_counter()
+            copies = [u.metrics["copy_s"] for u in updates.values()]
+
+            bare_ref = ray.put(global_params)
+            bare = ray.get([h.run.remote(echo_step, bare_ref) for h in handles])
+            weighted_average([u.params for u in bare], [u.num_examples for u in bare])
+            t5 = time.perf_counter()
+            del bare, bare_ref
+            if rnd >= warmup:
+                timings.append({"round_s": t4 - t0, "put_s": t1 - t0, "map_gather_s": t2 - t1, "validate_s": t3 - t2,
+                                "aggregate_s": t4 - t3, "client_copy_sum_s": float(np.sum(copies)), "bare_round_s": t5 - t4})
+        # Echo rounds average identical copies: the model must come back unchanged (up to float32 rounding).
+        np.testing.assert_allclose(global_params["w"], start_params["w"], rtol=1e-5)
+        return {"rounds": timings}
+
+
+class DriverLink:
+    """``ray.get`` that counts the serialized bytes the driver receives."""
+
+    def __init__(self) -> None:
+        self.bytes_received = 0
+
+    def get(self, ref: Any, timeout: float | None = None) -> Any:
+        value = ray.get(ref, timeout=timeout)
+        self.bytes_received += len(cloudpickle.dumps(value))
+        return value
+
+
+def bench_config(num_clients: int) -> Any:
+    """A validated config: ``num_clients`` iid shards of the numpy-only synthetic dataset."""
+    return validate_config({
+        "run": {"name": "bench-round", "seed": 0},
+        "data": {"dataset": "synthetic", "options": {"n_samples": 20000}},
+        "partition": {"method": "iid", "num_clients": num_clients},
+        "federation": {"on_client_failure": "fail"},
+        "methods": {"fedavg": {"local_epochs": 0}},
+    })
+
+
+def start_actors(num_clients: int, link: DriverLink) -> tuple[dict[int, Any], Any, float]:
+    """Start the client actors (as ``actors.backend.RayBackend.start`` does) and the coordinator; wait for all."""
+    cfg = bench_config(num_clients)
+    plan = make_plan(load_dataset_from_config(cfg.data), cfg.data, cfg.partition, cfg.run.seed)
+    fed = cfg.federation
+    started = time.perf_counter()
+    client_cls = ray.remote(ClientActor)
+    clients = {
+        i: client_cls.options(name=f"bench-round/client-{i}", namespace=NAMESPACE, max_restarts=fed.max_restarts,
+                              max_task_retries=0, **actor_options(fed.clients)).remote(
+            i, plan.for_client(i), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=cfg.run.seed,
+            faults=fed.faults)
+        for i in range(num_clients)
+    }
+    coordinator = ray.remote(RoundCoordinator).options(name="bench-round/coordinator", namespace=NAMESPACE, max_restarts=0,
+                                                       **actor_options(fed.coordinator)).remote(clients, fed)
+    link.get([c.ping.remote() for c in clients.values()] + [coordinator.ready.remote()], timeout=fed.startup_timeout_s)
+    return clients, coordinator, time.perf_counter() - started
+
+
+def stop_actors(clients: dict[int, Any], coordinator: Any) -> None:
+    for handle in [*clients.values(), coordinator]:
+        ray.kill(handle, no_restart=True)
+    time.sleep(2.0)  # let the worker processes exit and give their memory back before the next cell
+
+
+def skip_reason(cell: Cell, store_bytes: int) -> str | None:
+    """Why ``cell`` cannot run here, or ``None``.
+
+    At the peak of a round the object store holds two rounds of updates and broadcasts (like ``FedAvg.run``, the
+    coordinator still references the previous round's updates while the next round's arrive), and each client
+    briefly holds its copy on its heap before Ray serializes it into the store.
+    """
+    store_need = 2 * (cell.clients + 1) * cell.param_bytes
+    if store_need > 0.8 * store_bytes:
+        return f"needs ~{store_need / 2**30:.1f} GiB of object store at peak; the store has {store_bytes / 2**30:.1f} GiB"
+    heap_need = cell.clients * (WORKER_BYTES + cell.param_bytes) + COORDINATOR_BYTES + 2 * cell.param_bytes
+    available = memory_bytes()[1]
+    if store_need + heap_need > 0.8 * available:
+        return f"needs ~{(store_need + heap_need) / 2**30:.1f} GiB of RAM; {available / 2**30:.1f} GiB available"
+    return None
+
+
+def summarize(cell: Cell, timings: list[dict[str, float]], cpus: int) -> dict[str, Any]:
+    """Medians of the per-round timings, the overhead and the ratio to the bare Ray round."""
+    parallel = max(1, min(cpus, cell.clients))
+    row: dict[str, Any] = {"cell": cell.label, "clients": cell.clients, "param_bytes": cell.param_bytes, "target": cell.target,
+                           "rounds_timed": len(timings)}
+    for key in TIMED_KEYS:
+        row[key] = median([t[key] for t in timings])
+    row["client_copy_wall_s"] = median([t["client_copy_sum_s"] / parallel for t in timings])
+    row["overhead_s"] = median([t["round_s"] - t["aggregate_s"] - t["client_copy_sum_s"] / parallel for t in timings])
+    row["vs_bare"] = median([t["round_s"] / t["bare_round_s"] for t in timings])
+    row["object_store_bytes_per_round"] = (cell.clients + 1) * cell.param_bytes
+    row["round_times_s"] = [t["round_s"] for t in timings]
+    return row
+
+
+def timed_rounds(cell: Cell, rounds: int) -> int:
+    """Fewer timed rounds for cells that move more than 1 GB per round."""
+    return rounds if cell.clients * cell.param_bytes <= 1e9 else max(3, rounds // 2)
+
+
+def run_cells(cells: list[Cell], *, rounds: int, warmup: int, store_bytes: int, cpus: int = 2, max_load: float = 1.0,
+              quiet_timeout_s: float = 60.0) -> dict[str, Any]:
+    """Start Ray once, run every cell (actors started once per client count), stop Ray; return rows and skips."""
+    rows, skipped, startups = [], [], {}
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, object_store_memory=store_bytes,
+             namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
+    try:
+        link = DriverLink()
+        for num_clients in sorted({c.clients for c in cells}):
+            runnable = []
+            for cell in (c for c in cells if c.clients == num_clients):
+                reason = skip_reason(cell, store_bytes)
+                if reason:
+                    print(f"  skip {cell.label}: {reason}", flush=True)
+                    skipped.append({"cell": cell.label, "reason": reason})
+                else:
+                    runnable.append(cell)
+            if not runnable:
+                continue
+            clients, coordinator, startup_s = start_actors(num_clients, link)
+            startups[num_clients] = startup_s
+            print(f"  {num_clients} client actors + coordinator up in {startup_s:.1f} s", flush=True)
+            try:
+                for cell in runnable:
+                    n = timed_rounds(cell, rounds)
+                    load = wait_for_quiet(max_load, quiet_timeout_s)
+                    before = link.bytes_received
+                    result = link.get(coordinator.run_rounds.remote(cell.num_params, n, warmup))
+                    row = summarize(cell, result["rounds"], cpus)
+                    row.update(driver_bytes_received=link.bytes_received - before, startup_s=startup_s, load_avg_1m=load)
+                    rows.append(row)
+                    print(f"  {cell.label}: median round {row['round_s'] * 1e3:.1f} ms, overhead {row['overhead_s'] * 1e3:.1f} ms, "
+                          f"bare Ray round {row['bare_round_s'] * 1e3:.1f} ms ({n} rounds after {warmup} warm-up, "
+                          f"load {load:.1f})", flush=True)
+            finally:
+                stop_actors(clients, coordinator)
+    finally:
+        ray.shutdown()
+    return {"rows": rows, "skipped": skipped, "startup_s": startups}
+
+
+def grid(clients: list[int], sizes: list[str]) -> list[Cell]:
+    """The grid plus the target cells (a target cell that is also a grid cell is kept once, marked as a target)."""
+    cells = {(c.clients, c.num_params): c for c in (Cell(n, SIZES[s]) for n in clients for s in sizes)}
+    for target in TARGET_CELLS:
+        cells[(target.clients, target.num_params)] = target
+    return sorted(cells.values(), key=lambda c: (c.clients, c.num_params))
+
+
+def default_store_bytes() -> int:
+    """8 GiB, or a third of the available RAM when that is less (Ray's default is 30% of RAM)."""
+    return int(min(8 * 2**30, memory_bytes()[1] / 3))
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    ms_keys = ("round_s", "put_s", "validate_s", "aggregate_s", "client_copy_wall_s", "overhead_s", "bare_round_s")
+    shown = [{**r, **{k: 1e3 * r[k] for k in ms_keys}, "target": "yes" if r["target"] else ""} for r in rows]
+    print_table(shown, [("cell", "clients x params"), ("target", "target"), ("round_s", "round ms"), ("put_s", "put ms"),
+                        ("validate_s", "validate ms"), ("aggregate_s", "aggregate ms"), ("client_copy_wall_s", "client copy ms"),
+                        ("overhead_s", "overhead ms"), ("bare_round_s", "bare Ray ms"), ("vs_bare", "x bare"),
+                        ("driver_bytes_received", "driver bytes"), ("startup_s", "startup s"), ("load_avg_1m", "load")],
+                "rayfuse round on Ray (medians; overhead = round - aggregate - client copy wall time)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cells", choices=["grid", "targets"], default="grid", help="targets: only the two target cells")
+    parser.add_argument("--clients", type=int, nargs="+", default=[10, 50, 100])
+    parser.add_argument("--sizes", nargs="+", default=["100KB", "10MB", "100MB"], choices=sorted(SIZES))
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds per cell (halved above 1 GB per round)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    parser.add_argument("--cpus", type=int, default=2, help="num_cpus for ray.init")
+    parser.add_argument("--object-store-gib", type=float, default=None, help="default: 8, or a third of the available RAM")
+    parser.add_argument("--max-load", type=float, default=1.0, help="before each cell, wait for the 1-min load average to drop below this")
+    parser.add_argument("--quiet-timeout", type=float, default=60.0, help="... for at most this many seconds")
+    args = parser.parse_args()
+
+    cells = list(TARGET_CELLS) if args.cells == "targets" else grid(args.clients, args.sizes)
+    store_bytes = int(args.object_store_gib * 2**30) if args.object_store_gib else default_store_bytes()
+    info = machine_info()
+    print(f"rayfuse round benchmark: {len(cells)} cells, Ray {ray.__version__}, num_cpus={args.cpus}, "
+          f"object store {store_bytes / 2**30:.1f} GiB, {info['cpus']} CPUs, load average {info['load_avg_1m']:.2f}", flush=True)
+    result = run_cells(cells, rounds=args.rounds, warmup=args.warmup, store_bytes=store_bytes, cpus=args.cpus,
+                       max_load=args.max_load, quiet_timeout_s=args.quiet_timeout)
+    print_rows(result["rows"])
+    for skip in result["skipped"]:
+        print(f"skipped {skip['cell']}: {skip['reason']}")
+    path = write_results("bench_round", {"machine": info, "ray": ray.__version__, "num_cpus": args.cpus,
+                                         "object_store_bytes": store_bytes, "cells": [asdict(c) for c in cells], **result})
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
