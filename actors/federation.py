@@ -44,6 +44,7 @@ class RayFederation(Federation):
         super().__init__(policy, events)
         self._clients = dict(clients)
         self._restart_timeout_s = restart_timeout_s
+        self._fetched: dict[Any, Any] = {}
         self._task = ray.remote(num_cpus=task_cpus)(_apply_chunk)
         self.bytes_put = 0
 
@@ -68,9 +69,17 @@ class RayFederation(Federation):
         if ready and rest:  # collect everything else that is already done, without waiting
             more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
             ready += more
+        # One ray.get for every ready result (one round trip instead of one per client); if any of them failed, the
+        # per-handle path in _result fetches each again and classifies the failure.
+        try:
+            self._fetched = dict(zip(ready, ray.get(ready)))
+        except Exception:
+            self._fetched = {}
         return ready
 
     def _result(self, handle: ray.ObjectRef) -> Any:
+        if handle in self._fetched:
+            return self._fetched.pop(handle)
         try:
             return ray.get(handle)
         except RayTaskError as exc:

@@ -10,12 +10,13 @@ never through the driver (the driver's received bytes are reported). One round d
 1. ``federation.put(global_params)``: one broadcast object;
 2. ``federation.run(echo_step, ref)``: every client returns a *copy* of the broadcast in an ``Update`` (new memory,
    as a trained update would be); ``gather`` applies the failure policy;
-3. validation: the real ``ServerContext.accept_updates`` (``check_params`` against the current global model: keys,
-   shapes, NaN / Inf; sample counts; metrics);
-4. ``weighted_average`` of the accepted updates, weighted by their sample counts.
+3. + 4. the real ``ServerContext.average_updates``: each update's structure is checked (keys, shapes, dtypes,
+   sample counts, metrics), the updates are averaged with ``weighted_average`` weighted by their sample counts, and
+   the average is scanned for NaN / Inf (a non-finite average would send every update through the full scan).
 
-Reported per cell: the median round time, the part spent in ``weighted_average``, the clients' copy time and the
-*overhead* = round - aggregation - client copy wall time. The copy wall time is the clients' summed copy CPU time
+Reported per cell: the median round time, the time of ``average_updates`` (validate + aggregate), the time of the
+bare ``weighted_average`` on the same updates (measured after the round, outside it), the clients' copy time and
+the *overhead* = round - bare aggregation - client copy wall time. The copy wall time is the clients' summed copy CPU time
 divided by the CPUs that run them at once: a lower bound on what the copies cost the round, so the overhead is not
 understated. As a reference measured in the same run, every federation round is followed by a *bare Ray* round on
 the same actors: ``ray.put``, one ``ClientActor.run`` call per client, one ``ray.get`` of all results and the same
@@ -58,7 +59,7 @@ NAMESPACE = "rayfuse-bench"
 WORKER_BYTES = 100 * 2**20  # memory budget per client worker (measured: ~65 MB proportional set size)
 COORDINATOR_BYTES = 600 * 2**20  # the coordinator imports torch through rayfuse.coordinator (measured: ~450 MB)
 SIZES = {"100KB": 25_000, "400KB": 100_000, "10MB": 2_500_000, "40MB": 10_000_000, "100MB": 25_000_000}  # float32 counts
-TIMED_KEYS = ("round_s", "put_s", "map_gather_s", "validate_s", "aggregate_s", "client_copy_sum_s", "bare_round_s")
+TIMED_KEYS = ("round_s", "put_s", "map_gather_s", "validate_aggregate_s", "aggregate_s", "client_copy_sum_s", "bare_round_s")
 
 
 @dataclass(frozen=True)
@@ -97,8 +98,10 @@ class RoundCoordinator:
 
         self.federation = RayFederation(clients, FailurePolicy.from_config(federation_cfg))
         # The real ServerContext.accept_updates, bound to a stand-in holding only what it reads.
-        server = SimpleNamespace(label="bench", events=self.federation.events, federation=self.federation)
-        self._accept = ServerContext.accept_updates.__get__(server)
+        # The real ServerContext.average_updates, bound to a stand-in holding only what it reads.
+        server = SimpleNamespace(label="bench", events=self.federation.events, federation=self.federation, _average=ServerContext._average)
+        server.accept_updates = ServerContext.accept_updates.__get__(server)
+        self._average_updates = ServerContext.average_updates.__get__(server)
 
     def ready(self) -> int:
         return os.getpid()
@@ -118,11 +121,13 @@ class RoundCoordinator:
             t1 = time.perf_counter()
             gathered = fed.run(echo_step, broadcast)
             t2 = time.perf_counter()
-            updates = self._accept(gathered, reference=global_params)
-            t3 = time.perf_counter()
-            global_params = weighted_average([u.params for u in updates.values()], [u.num_examples for u in updates.values()])
+            global_params, updates = self._average_updates(gathered, reference=global_params)
             t4 = time.perf_counter()
             copies = [u.metrics["copy_s"] for u in updates.values()]
+            t_agg = time.perf_counter()  # the bare aggregation on the same updates, outside the round
+            weighted_average([u.params for u in updates.values()], [u.num_examples for u in updates.values()])
+            aggregate_s = time.perf_counter() - t_agg
+            del gathered, updates
 
             bare_ref = ray.put(global_params)
             bare = ray.get([h.run.remote(echo_step, bare_ref) for h in handles])
@@ -130,8 +135,8 @@ class RoundCoordinator:
             t5 = time.perf_counter()
             del bare, bare_ref
             if rnd >= warmup:
-                timings.append({"round_s": t4 - t0, "put_s": t1 - t0, "map_gather_s": t2 - t1, "validate_s": t3 - t2,
-                                "aggregate_s": t4 - t3, "client_copy_sum_s": float(np.sum(copies)), "bare_round_s": t5 - t4})
+                timings.append({"round_s": t4 - t0, "put_s": t1 - t0, "map_gather_s": t2 - t1, "validate_aggregate_s": t4 - t2,
+                                "aggregate_s": aggregate_s, "client_copy_sum_s": float(np.sum(copies)), "bare_round_s": t5 - t_agg - aggregate_s})
         # Echo rounds average identical copies: the model must come back unchanged (up to float32 rounding).
         np.testing.assert_allclose(global_params["w"], start_params["w"], rtol=1e-5)
         return {"rounds": timings}
@@ -278,10 +283,10 @@ def default_store_bytes() -> int:
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
-    ms_keys = ("round_s", "put_s", "validate_s", "aggregate_s", "client_copy_wall_s", "overhead_s", "bare_round_s")
+    ms_keys = ("round_s", "put_s", "validate_aggregate_s", "aggregate_s", "client_copy_wall_s", "overhead_s", "bare_round_s")
     shown = [{**r, **{k: 1e3 * r[k] for k in ms_keys}, "target": "yes" if r["target"] else ""} for r in rows]
     print_table(shown, [("cell", "clients x params"), ("target", "target"), ("round_s", "round ms"), ("put_s", "put ms"),
-                        ("validate_s", "validate ms"), ("aggregate_s", "aggregate ms"), ("client_copy_wall_s", "client copy ms"),
+                        ("validate_aggregate_s", "validate+aggregate ms"), ("aggregate_s", "bare aggregate ms"), ("client_copy_wall_s", "client copy ms"),
                         ("overhead_s", "overhead ms"), ("bare_round_s", "bare Ray ms"), ("vs_bare", "x bare"),
                         ("driver_bytes_received", "driver bytes"), ("startup_s", "startup s"), ("load_avg_1m", "load")],
                 "rayfuse round on Ray (medians; overhead = round - aggregate - client copy wall time)")

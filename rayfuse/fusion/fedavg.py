@@ -22,7 +22,6 @@ from pydantic import Field
 from rayfuse.client import ClientContext
 from rayfuse.coordinator import ServerContext
 from rayfuse.federation import Update, client_step
-from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.base import Method, MethodParams, MethodResult, register_method
 
 __all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "fit"]
@@ -69,11 +68,13 @@ class FedAvg(Method):
 
     # -- hooks for subclasses ------------------------------------------------------------------------------------
 
-    def server_update(self, server: ServerContext, global_params: dict[str, np.ndarray], updates: dict[int, Update],
-                      round: int) -> dict[str, np.ndarray]:
-        """The new global model from this round's accepted updates (FedAvg: their weighted average)."""
-        weights = [u.num_examples for u in updates.values()] if self.params.weighted else None
-        return weighted_average([u.params for u in updates.values()], weights)
+    def server_update(self, server: ServerContext, global_params: dict[str, np.ndarray], averaged: dict[str, np.ndarray],
+                      updates: dict[int, Update], round: int) -> dict[str, np.ndarray]:
+        """The new global model from this round's average of the accepted updates (FedAvg: the average itself).
+
+        Server optimizers (FedOpt) step along the pseudo-gradient ``averaged - global_params``.
+        """
+        return averaged
 
     def server_state(self) -> dict[str, np.ndarray]:
         """Arrays to checkpoint with the global model (optimizer moments, queues...)."""
@@ -102,17 +103,18 @@ class FedAvg(Method):
             clients = server.sample_clients(p.fraction, rnd)
             broadcast = fed.put(global_params)
             gathered = fed.run(fit, broadcast, clients=clients, round=rnd, **step_args)
-            updates = server.accept_updates(gathered, reference=global_params)
-            global_params = self.server_update(server, global_params, updates, rnd)
+            averaged, updates = server.average_updates(gathered, reference=global_params, weighted=p.weighted)
+            global_params = self.server_update(server, global_params, averaged, updates, rnd)
             losses = np.array([u.metrics.get("train_loss", np.nan) for u in updates.values()])
             counts = np.array([u.num_examples for u in updates.values()], dtype=float)
             train_loss = float(np.sum(losses * counts) / counts.sum())
             row = {"train_loss": train_loss, "clients": float(len(updates))}
+            del broadcast, gathered, averaged, updates  # release this round's objects before the next round arrives
             if rnd % p.evaluate_every == 0 or rnd == p.rounds:
                 metrics = server.evaluate(global_params)
                 row.update(metrics)
             server.log(rnd, row)
-            server.progress(f"round {rnd}/{p.rounds}", round=rnd, rounds=p.rounds, clients=len(updates),
+            server.progress(f"round {rnd}/{p.rounds}", round=rnd, rounds=p.rounds, clients=int(row["clients"]),
                             metrics={k: round(v, 4) for k, v in row.items()})
             server.save_checkpoint(rnd, global_params, self.server_state(), {"metrics": metrics})
         return MethodResult(metrics, global_params, info={"rounds": p.rounds, "mu": self.mu})

@@ -112,20 +112,40 @@ def test_local_models_are_trained_once_and_shared_by_methods(coordinator):
     assert sorted(e["client"] for e in trained) == [0, 1, 2, 3]
 
 
-def test_fedavg_server_update_is_np_average_and_order_free():
-    rng = np.random.default_rng(0)
-    updates = {i: Update({"w": rng.normal(size=(3, 4)).astype(np.float32), "b": rng.normal(size=4).astype(np.float32)}, int(n))
-               for i, n in enumerate([5, 17, 9])}
-    method = FedAvg(FedAvgParams())
-    fused = method.server_update(None, {}, updates, 1)
-    reversed_updates = dict(reversed(list(updates.items())))
-    fused_reversed = method.server_update(None, {}, reversed_updates, 1)
-    for key in ("w", "b"):
+def random_updates(reference, counts, seed=0):
+    rng = np.random.default_rng(seed)
+    return {i: Update({k: rng.normal(size=v.shape).astype(v.dtype) for k, v in reference.items()}, int(n))
+            for i, n in enumerate(counts)}
+
+
+def test_fedavg_aggregation_is_np_average_and_independent_of_client_order(coordinator):
+    coord = coordinator(methods={"fedavg": {}})
+    server = ServerContext(coord, coord.cfg.method_specs()[0], METHODS.get("fedavg"), resume=False)
+    updates = random_updates(coord.reference_params(), [5, 17, 9])
+    averaged, used = server.average_updates(Gathered(updates))
+    reordered, _ = server.average_updates(Gathered(dict(reversed(list(updates.items())))))
+    assert list(used) == [0, 1, 2]
+    for key, value in averaged.items():
         expected = np.average(np.stack([u.params[key] for u in updates.values()]), axis=0, weights=[5, 17, 9])
-        np.testing.assert_allclose(fused[key], expected, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(fused_reversed[key], fused[key], rtol=1e-5, atol=1e-6)
-    unweighted = FedAvg(FedAvgParams(weighted=False)).server_update(None, {}, updates, 1)
-    np.testing.assert_allclose(unweighted["w"], np.mean([u.params["w"] for u in updates.values()], axis=0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(reordered[key], value, rtol=1e-5, atol=1e-6)
+    uniform, _ = server.average_updates(Gathered(updates), weighted=False)
+    key = "layers.0.weight"
+    np.testing.assert_allclose(uniform[key], np.mean([u.params[key] for u in updates.values()], axis=0), rtol=1e-5, atol=1e-6)
+    assert FedAvg(FedAvgParams()).server_update(server, {}, averaged, used, 1) is averaged
+
+
+def test_a_non_finite_update_is_found_through_the_average_and_left_out(coordinator):
+    coord = coordinator(methods={"fedavg": {}})
+    server = ServerContext(coord, coord.cfg.method_specs()[0], METHODS.get("fedavg"), resume=False)
+    updates = random_updates(coord.reference_params(), [5, 17, 9, 4])
+    updates[2].params["layers.1.bias"][3] = np.inf
+    averaged, used = server.average_updates(Gathered(updates))
+    assert list(used) == [0, 1, 3]
+    clean, _ = server.average_updates(Gathered({c: updates[c] for c in (0, 1, 3)}))
+    assert params_equal(averaged, clean)
+    rejected = [e for e in coord.events.since(0) if e["kind"] == "update_rejected"]
+    assert [e["client"] for e in rejected] == [2] and "NaN or Inf" in rejected[0]["message"]
 
 
 def test_fedprox_with_mu_zero_equals_fedavg(coordinator):
