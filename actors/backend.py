@@ -5,7 +5,8 @@
   at the end and never stops a cluster it did not start (``ray.shutdown()`` only stops a Ray this process started).
 * Clients: one named ``ClientActor`` per client (``<run>/client-<i>`` in ``federation.namespace``) with its own
   resources (``federation.clients``, overridden per client by ``federation.client_overrides``), ``max_restarts``
-  and no automatic task retries (the failure policy decides).
+  and no automatic task retries (the failure policy decides). With ``federation.clients_per_actor = k > 1`` (a
+  simulation mode) each actor hosts k consecutive clients and is named ``<run>/clients-<i>-<j>``.
 * Coordinator: a named ``CoordinatorActor`` (``<run>/coordinator``) pinned to the driver's node, given the client
   handles. The driver only calls it and polls its events; parameters never travel through the driver.
 """
@@ -22,7 +23,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.client import ClientActor
+from actors.client import ClientActor, actor_name
 from actors.coordinator import CoordinatorActor
 from rayfuse.config import ExperimentConfig, ResourcesConfig
 from rayfuse.data.roles import DataPlan
@@ -61,7 +62,9 @@ class RayBackend(Backend):
 
     def __init__(self) -> None:
         self._owns_ray = False
-        self.clients: dict[int, Any] = {}
+        self.clients: dict[int, Any] = {}  # client id -> handle of the actor hosting it
+        self._client_actors: list[Any] = []
+        self._actor_names: list[str] = []
         self.coordinator: Any = None
         self._on_event: EventSink = lambda e: None
         self._seen = 0
@@ -113,12 +116,20 @@ class RayBackend(Backend):
         requests = [actor_options(_merged_resources(cfg, i)) for i in range(plan.num_clients)]
         self._check_feasible(cfg, requests)
         client_cls = ray.remote(ClientActor)
-        for i in range(plan.num_clients):
-            self.clients[i] = client_cls.options(
-                name=f"{run}/client-{i}", namespace=fed.namespace, max_restarts=fed.max_restarts, max_task_retries=0,
-                **requests[i],
-            ).remote(i, plan.for_client(i), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=cfg.run.seed,
-                     faults=fed.faults)
+        k = fed.clients_per_actor
+        groups = [list(range(first, min(first + k, plan.num_clients))) for first in range(0, plan.num_clients, k)]
+        self._actor_names = []
+        for members in groups:
+            name = actor_name(run, members)
+            handle = client_cls.options(
+                name=name, namespace=fed.namespace, max_restarts=fed.max_restarts, max_task_retries=0,
+                **requests[members[0]],  # one client per actor, or no per-client overrides (validated)
+            ).remote([(i, plan.for_client(i)) for i in members], data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train,
+                     seed=cfg.run.seed, faults=fed.faults)
+            self._actor_names.append(name)
+            for i in members:
+                self.clients[i] = handle
+        self._client_actors = [self.clients[members[0]] for members in groups]
         here = ray.get_runtime_context().get_node_id()
         self.coordinator = ray.remote(CoordinatorActor).options(
             name=f"{run}/coordinator", namespace=fed.namespace, max_concurrency=4, max_restarts=0,
@@ -126,7 +137,7 @@ class RayBackend(Backend):
             **actor_options(fed.coordinator),
         ).remote(cfg, plan, str(Path(run_dir).resolve()), self.clients, start_time)
         try:
-            pings = ray.get([c.ping.remote() for c in self.clients.values()] + [self.coordinator.ready.remote()],
+            pings = ray.get([c.ping.remote() for c in self._client_actors] + [self.coordinator.ready.remote()],
                             timeout=fed.startup_timeout_s)
         except GetTimeoutError:
             raise RunFailure(f"the actors did not start within {fed.startup_timeout_s:g} s (federation.startup_timeout_s); "
@@ -138,13 +149,14 @@ class RayBackend(Backend):
             raise RunFailure(f"an actor failed to start: {cause or exc}") from None
         nodes = sorted({p["node_id"] for p in pings})
         self._info = {"backend": "ray", "ray_version": ray.__version__, "namespace": fed.namespace,
-                      "actors": [f"{run}/client-{i}" for i in self.clients] + [f"{run}/coordinator"],
+                      "actors": self._actor_names + [f"{run}/coordinator"],
                       "nodes": len(nodes), "cluster_resources": {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")}}
         for note in self._notes:
             self._on_event({"t": round(time.time() - start_time, 3), "kind": "info", "message": note})
+        hosted = "" if k == 1 else f" hosting {plan.num_clients} clients ({k} per actor)"
         self._on_event({"t": round(time.time() - start_time, 3), "kind": "info",
-                        "message": f"{len(self.clients)} client actors and the coordinator up on {len(nodes)} node(s) "
-                                   f"(namespace {fed.namespace!r}, names {run}/client-<i>, {run}/coordinator)"})
+                        "message": f"{len(groups)} client actors{hosted} and the coordinator up on {len(nodes)} node(s) "
+                                   f"(namespace {fed.namespace!r}, names {self._actor_names[0]}..., {run}/coordinator)"})
 
     def _drain(self) -> None:
         try:
@@ -174,13 +186,13 @@ class RayBackend(Backend):
             raise RunFailure(f"the coordinator actor died in {name}: {str(exc).splitlines()[0]}") from None
 
     def stop(self) -> None:
-        for handle in [*self.clients.values(), self.coordinator]:
+        for handle in [*self._client_actors, self.coordinator]:
             if handle is not None:
                 try:
                     ray.kill(handle, no_restart=True)
                 except Exception:  # already dead
                     pass
-        self.clients, self.coordinator = {}, None
+        self.clients, self._client_actors, self.coordinator = {}, [], None
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
         self._owns_ray = False

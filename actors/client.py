@@ -1,23 +1,40 @@
-"""``ClientActor``: a long-lived Ray actor around :class:`rayfuse.client.Client`.
+"""``ClientActor``: a long-lived Ray actor hosting :class:`rayfuse.client.Client` s.
 
-A plain class, wrapped with ``ray.remote(...)`` where it is created (``actors.backend``), named
-``<run>/client-<i>``. Its constructor loads the client's own shard; when the actor dies Ray restarts it
-(``max_restarts``), which re-runs the constructor: the shard is reloaded deterministically and the local model is
-retrained on demand with the same seeds. With a GPU assigned (``num_gpus > 0``) torch work runs on it.
+A plain class, wrapped with ``ray.remote(...)`` where it is created (``actors.backend``). By default it hosts one
+client and is named ``<run>/client-<i>``: the deployment model, one process per data owner. With
+``federation.clients_per_actor > 1`` (simulation) it hosts several, named ``<run>/clients-<i>-<j>``: their steps run
+one after another in the shared process, which saves Ray's per-call cost when many clients share few cores.
+
+Its constructor loads each hosted client's own shard; when the actor dies Ray restarts it (``max_restarts``), which
+re-runs the constructor: the shards are reloaded deterministically and local models are retrained on demand with the
+same seeds. With a GPU assigned (``num_gpus > 0``) torch work runs on it.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import ray
 
 from rayfuse.client import Client
-from rayfuse.data.roles import ClientPlan
+from rayfuse.data.roles import ClientPlan, load_dataset_from_config
 
-__all__ = ["ClientActor"]
+__all__ = ["ClientActor", "RefArg", "actor_name"]
+
+
+@dataclass(frozen=True)
+class RefArg:
+    """Placeholder, in a batched call, for the ``index``-th object reference passed to :meth:`ClientActor.run_many`
+    as a top-level argument (so Ray resolves and prefetches it, once for all the calls that share it)."""
+
+    index: int
+
+
+def actor_name(run: str, client_ids: Sequence[int]) -> str:
+    return f"{run}/client-{client_ids[0]}" if len(client_ids) == 1 else f"{run}/clients-{client_ids[0]}-{client_ids[-1]}"
 
 
 def _assigned_device() -> str:
@@ -30,17 +47,44 @@ def _assigned_device() -> str:
 
 
 class ClientActor:
-    def __init__(self, client_id: int, plan: ClientPlan, *, data_cfg: Any, model_cfg: Any, train_cfg: Any, seed: int,
+    """Parameters
+    ----------
+    members : sequence of (client id, ClientPlan)
+        The clients this actor hosts, each with its own plan (and nothing about the others).
+    data_cfg, model_cfg, train_cfg, seed, faults
+        As for :class:`rayfuse.client.Client`.
+    """
+
+    def __init__(self, members: Sequence[tuple[int, ClientPlan]], *, data_cfg: Any, model_cfg: Any, train_cfg: Any, seed: int,
                  faults: Sequence[Any] = ()) -> None:
         with warnings.catch_warnings():  # Ray's own accessor warns about its internals
             warnings.simplefilter("ignore")
             restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
-        self.client = Client(client_id, plan, data_cfg=data_cfg, model_cfg=model_cfg, train_cfg=train_cfg, seed=seed,
-                             device=_assigned_device(), faults=faults, restarted=restarted, die=lambda: os._exit(1))
+        device = _assigned_device()
+        dataset = load_dataset_from_config(data_cfg) if len(members) > 1 else None
+        self.clients = {
+            client_id: Client(client_id, plan, data_cfg=data_cfg, model_cfg=model_cfg, train_cfg=train_cfg, seed=seed,
+                              device=device, faults=faults, restarted=restarted, die=lambda: os._exit(1), dataset=dataset)
+            for client_id, plan in members
+        }
 
-    def run(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return self.client.run(step, *args, **kwargs)
+    def run_many(self, calls: Sequence[tuple[int, Callable[..., Any], tuple, dict]], *refs: Any) -> list[tuple[bool, Any]]:
+        """Run ``(client id, step, args, kwargs)`` calls in order; ``refs`` are the resolved :class:`RefArg` values.
+
+        Returns ``(True, value)`` or ``(False, "ErrorType: message")`` per call: one client's failing step does not
+        fail the others hosted here.
+        """
+        out: list[tuple[bool, Any]] = []
+        for client_id, step, args, kwargs in calls:
+            args = tuple(refs[a.index] if isinstance(a, RefArg) else a for a in args)
+            kwargs = {k: refs[v.index] if isinstance(v, RefArg) else v for k, v in kwargs.items()}
+            try:
+                out.append((True, self.clients[client_id].run(step, *args, **kwargs)))
+            except Exception as exc:  # reported per call, classified by the federation's failure policy
+                out.append((False, f"{type(exc).__name__}: {exc}"))
+        return out
 
     def ping(self) -> dict[str, Any]:
         ctx = ray.get_runtime_context()
-        return {**self.client.ping(), "node_id": ctx.get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+        return {"clients": sorted(self.clients), "pid": os.getpid(), "node_id": ctx.get_node_id(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "restarted": any(c.restarted for c in self.clients.values())}

@@ -1,11 +1,14 @@
 """``RayFederation``: the federation over ``ClientActor`` handles, used inside the coordinator actor.
 
-* ``put`` is one ``ray.put``; the reference is passed to every client call, and Ray resolves it inside each client
-  (zero-copy numpy on the same node).
-* ``map`` submits ``ClientActor.run`` calls and keeps their ``ObjectRef`` s; ``gather`` waits with ``ray.wait`` and a
-  deadline, then resolves the results in the coordinator: parameters never pass through the driver.
-* A failed call is classified: ``RayTaskError`` -> ``error`` (the step raised), ``RayActorError`` -> ``died`` (Ray
-  restarts the actor when it has restarts left); the policy in :class:`rayfuse.federation.Federation` decides.
+* ``put`` is one ``ray.put``; the reference is passed to every client call as a top-level argument, so Ray resolves
+  it inside each client actor (zero-copy numpy on the same node), once per actor.
+* ``map`` sends one ``ClientActor.run_many`` call per actor with the calls of the clients it hosts (one call per
+  client in the default one-client-per-actor layout) and keeps the ``ObjectRef`` s; ``gather`` waits with
+  ``ray.wait`` and a deadline, then resolves the results in the coordinator: parameters never pass through the
+  driver.
+* Failures are classified per client: a step that raised -> ``error`` (reported by the actor for that client only);
+  ``RayActorError`` -> ``died`` for every client of the actor (Ray restarts it when it has restarts left); the policy
+  in :class:`rayfuse.federation.Federation` decides.
 * ``parallel_map`` fans server-side work out as Ray tasks, batched so each task carries many items.
 """
 
@@ -13,11 +16,13 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
+from actors.client import RefArg
 from rayfuse.federation import Call, ClientError, ClientFailed, EventLog, FailurePolicy, Federation
 
 __all__ = ["RayFederation"]
@@ -29,24 +34,34 @@ def _apply_chunk(fn: Callable[[Any], T], chunk: Sequence[Any]) -> list[T]:
     return [fn(item) for item in chunk]
 
 
+@dataclass(frozen=True)
+class _Slot:
+    """One client's call inside a batched actor call: the actor call's reference and the position of its result."""
+
+    ref: ray.ObjectRef
+    index: int
+
+
 class RayFederation(Federation):
     """Parameters
     ----------
     clients : mapping of client id to ``ClientActor`` handle
+        Several clients may share one handle (``federation.clients_per_actor > 1``).
     policy : FailurePolicy
     events : EventLog
     task_cpus : float
         CPUs each ``parallel_map`` task requests.
+    restart_timeout_s : float
+        How long a retry waits for a crashed actor to be restarted.
     """
 
     def __init__(self, clients: Mapping[int, Any], policy: FailurePolicy, events: EventLog | None = None, *, task_cpus: float = 1.0,
                  restart_timeout_s: float = 300.0) -> None:
         super().__init__(policy, events)
         self._clients = dict(clients)
-        self._restart_timeout_s = restart_timeout_s
-        self._fetched: dict[Any, Any] = {}
         self._task = ray.remote(num_cpus=task_cpus)(_apply_chunk)
-        self.bytes_put = 0
+        self._restart_timeout_s = restart_timeout_s
+        self._fetched: dict[ray.ObjectRef, Any] = {}
 
     @property
     def client_ids(self) -> list[int]:
@@ -61,43 +76,79 @@ class RayFederation(Federation):
     def get(self, ref: Any) -> Any:
         return ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
 
-    def _submit(self, call: Call) -> ray.ObjectRef:
-        return self._clients[call.client].run.remote(call.step, *call.args, **call.kwargs)
+    # -- submission ------------------------------------------------------------------------------------------------
 
-    def _wait(self, handles: list[Any], timeout: float | None) -> list[Any]:
-        ready, rest = ray.wait(handles, num_returns=1, timeout=timeout)
+    def _submit(self, call: Call) -> _Slot:
+        return self._submit_many([call])[0]
+
+    def _submit_many(self, calls: list[Call]) -> list[_Slot]:
+        """One ``run_many`` per actor; object references among the top-level arguments travel as top-level arguments
+        of that call (deduplicated), so Ray resolves each once per actor."""
+        groups: dict[Any, list[int]] = {}
+        for position, call in enumerate(calls):
+            handle = self._clients[call.client]
+            groups.setdefault(getattr(handle, "_actor_id", id(handle)), []).append(position)  # clients sharing an actor
+        slots: list[_Slot | None] = [None] * len(calls)
+        for positions in groups.values():
+            refs: list[ray.ObjectRef] = []
+            index: dict[ray.ObjectRef, int] = {}
+
+            def slot_for(value: Any) -> Any:
+                if isinstance(value, ray.ObjectRef):
+                    if value not in index:
+                        index[value] = len(refs)
+                        refs.append(value)
+                    return RefArg(index[value])
+                return value
+
+            specs = [(calls[p].client, calls[p].step, tuple(slot_for(a) for a in calls[p].args),
+                      {k: slot_for(v) for k, v in calls[p].kwargs.items()}) for p in positions]
+            ref = self._clients[calls[positions[0]].client].run_many.remote(specs, *refs)
+            for i, p in enumerate(positions):
+                slots[p] = _Slot(ref, i)
+        return slots  # type: ignore[return-value]
+
+    # -- waiting and results ---------------------------------------------------------------------------------------
+
+    def _wait(self, handles: list[_Slot], timeout: float | None) -> list[_Slot]:
+        refs = list(dict.fromkeys(slot.ref for slot in handles))
+        ready, rest = ray.wait(refs, num_returns=1, timeout=timeout)
         if ready and rest:  # collect everything else that is already done, without waiting
             more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
             ready += more
-        # One ray.get for every ready result (one round trip instead of one per client); if any of them failed, the
-        # per-handle path in _result fetches each again and classifies the failure.
+        # One ray.get for every ready actor call (one round trip, not one per client); if any failed, _result fetches
+        # each again and classifies the failure.
         try:
             self._fetched = dict(zip(ready, ray.get(ready)))
         except Exception:
             self._fetched = {}
-        return ready
+        done = set(ready)
+        return [slot for slot in handles if slot.ref in done]
 
-    def _result(self, handle: ray.ObjectRef) -> Any:
-        if handle in self._fetched:
-            return self._fetched.pop(handle)
-        try:
-            return ray.get(handle)
-        except RayTaskError as exc:
-            cause = exc.cause if exc.cause is not None else exc
-            raise ClientFailed(ClientError(-1, "error", f"{type(cause).__name__}: {cause}")) from None
-        except RayActorError as exc:
-            raise ClientFailed(ClientError(-1, "died", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")) from None
-        except GetTimeoutError as exc:  # pragma: no cover - ray.wait said it was ready
-            raise ClientFailed(ClientError(-1, "timeout", str(exc))) from None
+    def _result(self, handle: _Slot) -> Any:
+        if handle.ref in self._fetched:
+            results = self._fetched[handle.ref]
+        else:
+            try:
+                results = ray.get(handle.ref)
+            except RayTaskError as exc:  # the batch itself failed (e.g. a step that cannot be unpickled)
+                cause = exc.cause if exc.cause is not None else exc
+                raise ClientFailed(ClientError(-1, "error", f"{type(cause).__name__}: {cause}")) from None
+            except RayActorError as exc:
+                raise ClientFailed(ClientError(-1, "died", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")) from None
+        ok, value = results[handle.index]
+        if not ok:
+            raise ClientFailed(ClientError(-1, "error", value))
+        return value
 
-    def _on_timeout(self, handle: Any) -> None:
+    def _on_timeout(self, handle: _Slot) -> None:
         try:
-            ray.cancel(handle)
+            ray.cancel(handle.ref)
         except Exception:  # cancelling a running sync actor task is not supported; the result is ignored anyway
             pass
 
     def _before_retry(self, call: Call, error: ClientError) -> None:
-        """After a crash, wait until Ray has restarted the actor (its constructor reloads the shard)."""
+        """After a crash, wait until Ray has restarted the actor (its constructor reloads the shards)."""
         if error.kind != "died":
             return
         deadline = time.monotonic() + self._restart_timeout_s

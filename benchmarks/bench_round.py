@@ -51,7 +51,7 @@ from ray import cloudpickle
 from _common import machine_info, median, memory_bytes, print_table, wait_for_quiet, write_results
 from _steps import echo_step
 from actors.backend import actor_options
-from actors.client import ClientActor
+from actors.client import ClientActor, RefArg, actor_name
 from rayfuse.config import validate_config
 from rayfuse.data.roles import load_dataset_from_config, make_plan
 
@@ -67,18 +67,27 @@ class Cell:
     clients: int
     num_params: int  # float32 values per client
     target: bool = False
+    per_actor: int = 1  # federation.clients_per_actor: 1 is one actor per client (deployment), more is the simulation mode
 
     @property
     def param_bytes(self) -> int:
         return 4 * self.num_params
 
     @property
+    def actors(self) -> int:
+        return -(-self.clients // self.per_actor)
+
+    @property
     def label(self) -> str:
         mb = self.param_bytes / 1e6
-        return f"{self.clients} x {mb:g} MB" if mb >= 1 else f"{self.clients} x {self.param_bytes / 1e3:g} KB"
+        size = f"{self.clients} x {mb:g} MB" if mb >= 1 else f"{self.clients} x {self.param_bytes / 1e3:g} KB"
+        return size if self.per_actor == 1 else f"{size} ({self.per_actor}/actor)"
 
 
-TARGET_CELLS = [Cell(100, 100_000, target=True), Cell(20, 10_000_000, target=True)]
+# The issue's two target cells, in the deployment layout (one actor per client) and in the simulation layout
+# (federation.clients_per_actor = clients / CPUs, like Flower's actor pool of a few workers).
+TARGET_CELLS = [Cell(100, 100_000, target=True), Cell(20, 10_000_000, target=True),
+                Cell(100, 100_000, target=True, per_actor=50), Cell(20, 10_000_000, target=True, per_actor=10)]
 
 
 class RoundCoordinator:
@@ -91,12 +100,13 @@ class RoundCoordinator:
         Gives the failure policy, as the real coordinator builds it.
     """
 
-    def __init__(self, clients: dict[int, Any], federation_cfg: Any) -> None:
+    def __init__(self, clients: dict[int, Any], groups: list[list[int]], federation_cfg: Any) -> None:
         from actors.federation import RayFederation
         from rayfuse.coordinator import ServerContext
         from rayfuse.federation import FailurePolicy
 
         self.federation = RayFederation(clients, FailurePolicy.from_config(federation_cfg))
+        self.groups = [(clients[members[0]], members) for members in groups]  # (actor handle, hosted clients)
         # The real ServerContext.accept_updates, bound to a stand-in holding only what it reads.
         # The real ServerContext.average_updates, bound to a stand-in holding only what it reads.
         server = SimpleNamespace(label="bench", events=self.federation.events, federation=self.federation, _average=ServerContext._average)
@@ -111,7 +121,6 @@ class RoundCoordinator:
         from rayfuse.fusion.aggregate import weighted_average
 
         fed = self.federation
-        handles = [fed.handle(c) for c in fed.client_ids]
         start_params = {"w": np.random.default_rng(seed).uniform(0.5, 1.5, num_params).astype(np.float32)}
         global_params = start_params
         timings = []
@@ -130,7 +139,9 @@ class RoundCoordinator:
             del gathered, updates
 
             bare_ref = ray.put(global_params)
-            bare = ray.get([h.run.remote(echo_step, bare_ref) for h in handles])
+            batches = ray.get([h.run_many.remote([(i, echo_step, (RefArg(0),), {}) for i in members], bare_ref)
+                               for h, members in self.groups])
+            bare = [value for batch in batches for _, value in batch]
             weighted_average([u.params for u in bare], [u.num_examples for u in bare])
             t5 = time.perf_counter()
             del bare, bare_ref
@@ -165,28 +176,30 @@ def bench_config(num_clients: int) -> Any:
     })
 
 
-def start_actors(num_clients: int, link: DriverLink) -> tuple[dict[int, Any], Any, float]:
+def start_actors(num_clients: int, per_actor: int, link: DriverLink) -> tuple[list[Any], Any, float]:
     """Start the client actors (as ``actors.backend.RayBackend.start`` does) and the coordinator; wait for all."""
     cfg = bench_config(num_clients)
     plan = make_plan(load_dataset_from_config(cfg.data), cfg.data, cfg.partition, cfg.run.seed)
     fed = cfg.federation
     started = time.perf_counter()
     client_cls = ray.remote(ClientActor)
-    clients = {
-        i: client_cls.options(name=f"bench-round/client-{i}", namespace=NAMESPACE, max_restarts=fed.max_restarts,
-                              max_task_retries=0, **actor_options(fed.clients)).remote(
-            i, plan.for_client(i), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=cfg.run.seed,
-            faults=fed.faults)
-        for i in range(num_clients)
-    }
+    groups = [list(range(first, min(first + per_actor, num_clients))) for first in range(0, num_clients, per_actor)]
+    clients: dict[int, Any] = {}
+    for members in groups:
+        handle = client_cls.options(name=actor_name("bench-round", members), namespace=NAMESPACE, max_restarts=fed.max_restarts,
+                                    max_task_retries=0, **actor_options(fed.clients)).remote(
+            [(i, plan.for_client(i)) for i in members], data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train,
+            seed=cfg.run.seed, faults=fed.faults)
+        clients.update({i: handle for i in members})
+    actors = [clients[members[0]] for members in groups]
     coordinator = ray.remote(RoundCoordinator).options(name="bench-round/coordinator", namespace=NAMESPACE, max_restarts=0,
-                                                       **actor_options(fed.coordinator)).remote(clients, fed)
-    link.get([c.ping.remote() for c in clients.values()] + [coordinator.ready.remote()], timeout=fed.startup_timeout_s)
-    return clients, coordinator, time.perf_counter() - started
+                                                       **actor_options(fed.coordinator)).remote(clients, groups, fed)
+    link.get([a.ping.remote() for a in actors] + [coordinator.ready.remote()], timeout=fed.startup_timeout_s)
+    return actors, coordinator, time.perf_counter() - started
 
 
-def stop_actors(clients: dict[int, Any], coordinator: Any) -> None:
-    for handle in [*clients.values(), coordinator]:
+def stop_actors(actors: list[Any], coordinator: Any) -> None:
+    for handle in [*actors, coordinator]:
         ray.kill(handle, no_restart=True)
     time.sleep(2.0)  # let the worker processes exit and give their memory back before the next cell
 
@@ -210,9 +223,9 @@ def skip_reason(cell: Cell, store_bytes: int) -> str | None:
 
 def summarize(cell: Cell, timings: list[dict[str, float]], cpus: int) -> dict[str, Any]:
     """Medians of the per-round timings, the overhead and the ratio to the bare Ray round."""
-    parallel = max(1, min(cpus, cell.clients))
-    row: dict[str, Any] = {"cell": cell.label, "clients": cell.clients, "param_bytes": cell.param_bytes, "target": cell.target,
-                           "rounds_timed": len(timings)}
+    parallel = max(1, min(cpus, cell.actors))  # the clients of one actor copy one after another
+    row: dict[str, Any] = {"cell": cell.label, "clients": cell.clients, "clients_per_actor": cell.per_actor, "actors": cell.actors,
+                           "param_bytes": cell.param_bytes, "target": cell.target, "rounds_timed": len(timings)}
     for key in TIMED_KEYS:
         row[key] = median([t[key] for t in timings])
     row["client_copy_wall_s"] = median([t["client_copy_sum_s"] / parallel for t in timings])
@@ -236,9 +249,9 @@ def run_cells(cells: list[Cell], *, rounds: int, warmup: int, store_bytes: int, 
              namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
     try:
         link = DriverLink()
-        for num_clients in sorted({c.clients for c in cells}):
+        for num_clients, per_actor in sorted({(c.clients, c.per_actor) for c in cells}):
             runnable = []
-            for cell in (c for c in cells if c.clients == num_clients):
+            for cell in (c for c in cells if (c.clients, c.per_actor) == (num_clients, per_actor)):
                 reason = skip_reason(cell, store_bytes)
                 if reason:
                     print(f"  skip {cell.label}: {reason}", flush=True)
@@ -247,9 +260,9 @@ def run_cells(cells: list[Cell], *, rounds: int, warmup: int, store_bytes: int, 
                     runnable.append(cell)
             if not runnable:
                 continue
-            clients, coordinator, startup_s = start_actors(num_clients, link)
-            startups[num_clients] = startup_s
-            print(f"  {num_clients} client actors + coordinator up in {startup_s:.1f} s", flush=True)
+            actors, coordinator, startup_s = start_actors(num_clients, per_actor, link)
+            startups[f"{num_clients}/{per_actor}"] = startup_s
+            print(f"  {len(actors)} client actors ({num_clients} clients) + coordinator up in {startup_s:.1f} s", flush=True)
             try:
                 for cell in runnable:
                     n = timed_rounds(cell, rounds)
@@ -263,18 +276,18 @@ def run_cells(cells: list[Cell], *, rounds: int, warmup: int, store_bytes: int, 
                           f"bare Ray round {row['bare_round_s'] * 1e3:.1f} ms ({n} rounds after {warmup} warm-up, "
                           f"load {load:.1f})", flush=True)
             finally:
-                stop_actors(clients, coordinator)
+                stop_actors(actors, coordinator)
     finally:
         ray.shutdown()
     return {"rows": rows, "skipped": skipped, "startup_s": startups}
 
 
-def grid(clients: list[int], sizes: list[str]) -> list[Cell]:
+def grid(clients: list[int], sizes: list[str], per_actor: list[int]) -> list[Cell]:
     """The grid plus the target cells (a target cell that is also a grid cell is kept once, marked as a target)."""
-    cells = {(c.clients, c.num_params): c for c in (Cell(n, SIZES[s]) for n in clients for s in sizes)}
+    cells = {(c.clients, c.num_params, c.per_actor): c for c in (Cell(n, SIZES[s], per_actor=k) for n in clients for s in sizes for k in per_actor)}
     for target in TARGET_CELLS:
-        cells[(target.clients, target.num_params)] = target
-    return sorted(cells.values(), key=lambda c: (c.clients, c.num_params))
+        cells[(target.clients, target.num_params, target.per_actor)] = target
+    return sorted(cells.values(), key=lambda c: (c.clients, c.per_actor, c.num_params))
 
 
 def default_store_bytes() -> int:
@@ -297,6 +310,7 @@ def main() -> None:
     parser.add_argument("--cells", choices=["grid", "targets"], default="grid", help="targets: only the two target cells")
     parser.add_argument("--clients", type=int, nargs="+", default=[10, 50, 100])
     parser.add_argument("--sizes", nargs="+", default=["100KB", "10MB", "100MB"], choices=sorted(SIZES))
+    parser.add_argument("--clients-per-actor", type=int, nargs="+", default=[1], help="federation.clients_per_actor values for the grid")
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds per cell (halved above 1 GB per round)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--cpus", type=int, default=2, help="num_cpus for ray.init")
@@ -305,7 +319,7 @@ def main() -> None:
     parser.add_argument("--quiet-timeout", type=float, default=60.0, help="... for at most this many seconds")
     args = parser.parse_args()
 
-    cells = list(TARGET_CELLS) if args.cells == "targets" else grid(args.clients, args.sizes)
+    cells = list(TARGET_CELLS) if args.cells == "targets" else grid(args.clients, args.sizes, args.clients_per_actor)
     store_bytes = int(args.object_store_gib * 2**30) if args.object_store_gib else default_store_bytes()
     info = machine_info()
     print(f"rayfuse round benchmark: {len(cells)} cells, Ray {ray.__version__}, num_cpus={args.cpus}, "

@@ -1,7 +1,9 @@
 """rayfuse against Flower's Ray simulation on the same work: the two target cells, no local training.
 
 1. rayfuse: ``bench_round.run_cells`` on 100 clients x 100 k float32 (400 KB) and 20 clients x 10 M float32
-   (40 MB), in this process (Ray started and stopped here).
+   (40 MB), in this process (Ray started and stopped here), in both layouts: one actor per client (the deployment
+   model) and ``federation.clients_per_actor = clients / CPUs`` (the simulation mode; Flower likewise runs its
+   clients on a pool of a few actors).
 2. Flower: ``flower_round.py`` in a subprocess with the Python of ``benchmarks/.flwr-venv`` (Flower pins its own
    Ray), after rayfuse's Ray has stopped, so the two never share the machine.
 
@@ -39,7 +41,7 @@ def run_flower(python: Path, *, rounds: int, warmup: int, client_cpus: float, st
     """Run ``flower_round.py`` with ``python``; return its JSON payload, or ``None`` and why not."""
     if not python.exists():
         return None, f"no Flower environment at {python} (see the usage in this script's docstring)"
-    cells = [f"{c.clients}x{c.num_params}" for c in TARGET_CELLS]
+    cells = list(dict.fromkeys(f"{c.clients}x{c.num_params}" for c in TARGET_CELLS))  # each layout runs the same Flower cell
     cmd = [str(python), str(HERE / "flower_round.py"), "--cells", *cells, "--rounds", str(rounds), "--warmup", str(warmup),
            "--client-cpus", str(client_cpus), "--object-store-gib", str(store_gib)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent)

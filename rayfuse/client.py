@@ -114,12 +114,15 @@ class Client:
         True when this object replaces a crashed one (a restarted actor): ``exit`` faults do not fire again.
     die : callable, optional
         What an ``exit`` fault does; the Ray actor passes ``os._exit``; in-process it raises :class:`ClientDied`.
+    dataset : Dataset, optional
+        The already loaded dataset (an actor hosting several clients loads it once); loaded from ``data_cfg`` if not.
     """
 
     def __init__(self, client_id: int, plan: ClientPlan, *, data_cfg: Any, model_cfg: Any, train_cfg: Any, seed: int,
                  device: str = "cpu", faults: Sequence[Any] = (), restarted: bool = False,
-                 die: Callable[[], None] | None = None) -> None:
-        dataset = load_dataset_from_config(data_cfg)
+                 die: Callable[[], None] | None = None, dataset: Any = None) -> None:
+        if dataset is None:  # several clients in one process (clients_per_actor > 1) share one loaded dataset
+            dataset = load_dataset_from_config(data_cfg)
         train, val = client_splits(dataset, plan)
         del dataset  # keep only this client's shard in memory
         self.ctx = ClientContext(client_id, plan, train, val, model_cfg=model_cfg, train_cfg=train_cfg, seed=seed, device=device)

@@ -257,6 +257,9 @@ class FederationConfig(StrictModel):
     clients: ResourcesConfig = Field(default_factory=ResourcesConfig)
     client_overrides: dict[int, ResourcesConfig] = Field(default_factory=dict, description="per-client resources by client id")
     coordinator: ResourcesConfig = Field(default_factory=lambda: ResourcesConfig(num_cpus=0))
+    clients_per_actor: int = Field(1, ge=1, description="simulation: clients hosted by one actor process. 1 (default): one named "
+                                   "actor per client, the deployment model. More cuts Ray's per-call cost when many clients share few "
+                                   "cores, as Flower's actor pool does; the clients of one actor share its process and resources")
     task_cpus: float = Field(1.0, gt=0, description="CPUs each server-side fan-out task requests (parallel assignment solves...)")
     startup_timeout_s: float = Field(300.0, gt=0, description="how long to wait for the actors to start (resources to appear)")
     ray_init: dict[str, Any] = Field(default_factory=dict, description="arguments for ray.init when rayfuse starts a local Ray (num_cpus, include_dashboard...)")
@@ -301,6 +304,9 @@ class ExperimentConfig(StrictModel):
             raise ValueError("@methods@ at least one method, got none")
         if self.federation.min_clients > n:
             raise ValueError(f"@federation.min_clients@ at most partition.num_clients ({n}), got {self.federation.min_clients}")
+        if self.federation.clients_per_actor > 1 and self.federation.client_overrides:
+            raise ValueError("@federation.clients_per_actor@ 1 when federation.client_overrides gives clients their own "
+                             f"resources, got {self.federation.clients_per_actor}")
         for client in self.federation.client_overrides:
             if not 0 <= client < n:
                 raise ValueError(f"@federation.client_overrides.{client}@ a client id in 0..{n - 1}, got {client}")

@@ -249,12 +249,20 @@ class Federation(ABC):
         unknown = set(targets) - set(self.client_ids)
         if unknown:
             raise ValueError(f"unknown client ids {sorted(unknown)}")
-        return [self._start(Call(c, step, args, dict(kwargs))) for c in targets]
+        return self._start_many([Call(c, step, args, dict(kwargs)) for c in targets])
+
+    def _start_many(self, calls: list[Call]) -> list[Call]:
+        deadline = None if self.policy.timeout_s is None else time.monotonic() + self.policy.timeout_s
+        for call, handle in zip(calls, self._submit_many(calls)):
+            call.deadline, call.handle = deadline, handle
+        return calls
 
     def _start(self, call: Call) -> Call:
-        call.deadline = None if self.policy.timeout_s is None else time.monotonic() + self.policy.timeout_s
-        call.handle = self._submit(call)
-        return call
+        return self._start_many([call])[0]
+
+    def _submit_many(self, calls: list[Call]) -> list[Any]:
+        """Start several calls at once (a transport may batch the calls that go to the same process)."""
+        return [self._submit(call) for call in calls]
 
     def gather(self, calls: Sequence[Call]) -> Gathered[Any]:
         """Wait for ``calls``, applying the failure policy; raise :class:`RunFailure` when it says so."""
