@@ -6,14 +6,10 @@ For each case (K client parameter dicts of a given layout) it measures, in inter
 * ``weighted_sum``: the raw kernel, key by key, into preallocated outputs;
 * ``np.copyto``: copying all K input dicts into preallocated destinations (the reference: a kernel that reads every
   input byte once should be at least this fast, since copying reads *and* writes every byte);
-* two naive references: the loop ``out += w * a`` and ``np.average(np.stack(arrays), axis=0, weights=w)``;
-* a faster reference kernel, ``BLAS axpy``: the same chunked walk with one fused BLAS ``axpy`` (``acc += w * a``)
-  per input chunk instead of a multiply into scratch plus an add, on one BLAS thread (it shows the headroom left
-  in ``weighted_sum``).
+* two naive references: the loop ``out += w * a`` and ``np.average(np.stack(arrays), axis=0, weights=w)``.
 
-Throughput is GB/s of *input bytes read* (K x dict size / median time). Before timing, the results of
-``weighted_average`` and of the axpy reference are checked against ``np.average`` (rtol 1e-5), so a fast but wrong
-kernel cannot pass.
+Throughput is GB/s of *input bytes read* (K x dict size / median time), with BLAS on one thread. Before timing, the
+result of ``weighted_average`` is checked against ``np.average`` (rtol 1e-5), so a fast but wrong kernel cannot pass.
 A sweep over the ``chunk=`` argument of ``weighted_sum`` shows which chunk size is best on this machine.
 
 Usage::
@@ -31,7 +27,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-from scipy.linalg.blas import get_blas_funcs
 from threadpoolctl import threadpool_limits
 
 from _common import interleaved_times, machine_info, median, print_table, wait_for_quiet, write_results
@@ -40,7 +35,6 @@ from rayfuse.fusion.aggregate import CHUNK, normalize_weights, weighted_average,
 Layout = dict[str, tuple[tuple[int, ...], np.dtype]]
 
 CHUNK_SWEEP = [1 << p for p in range(12, 21)]  # 4 Ki .. 1 Mi elements
-AXPY_CHUNK = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -105,38 +99,9 @@ def make_inputs(case: Case, rng: np.random.Generator) -> tuple[list[dict[str, np
     return params, weights
 
 
-def axpy_sum(arrays: list[np.ndarray], weights: list[float], out: np.ndarray, chunk: int = AXPY_CHUNK) -> np.ndarray:
-    """Reference kernel: ``out = sum_k weights[k] * arrays[k]`` with one BLAS ``axpy`` per input chunk.
-
-    Float inputs only (``out`` has their dtype); the chunk of ``out`` stays in cache while each input is read once.
-    """
-    axpy = get_blas_funcs("axpy", dtype=out.dtype)
-    flat = [np.ravel(a) for a in arrays]
-    out_flat = out.reshape(-1)
-    for start in range(0, out_flat.size, chunk):
-        acc = out_flat[start:start + chunk]
-        np.multiply(flat[0][start:start + chunk], weights[0], out=acc)
-        for a, w in zip(flat[1:], weights[1:]):
-            axpy(a[start:start + chunk], acc, a=w)  # in place: acc is contiguous and of the BLAS dtype
-    return out
-
-
-def _axpy_average(params: list[dict[str, np.ndarray]], weights: list[float]) -> dict[str, np.ndarray]:
-    """``weighted_average`` with :func:`axpy_sum` for float keys (other keys as ``weighted_average`` does them)."""
-    w = normalize_weights(weights, len(params))
-    out = {}
-    for key in params[0]:
-        arrays = [p[key] for p in params]
-        if arrays[0].dtype.kind == "f":
-            out[key] = axpy_sum(arrays, w, np.empty_like(arrays[0]))
-        else:
-            out[key] = np.rint(weighted_sum(arrays, w)).astype(arrays[0].dtype)
-    return out
-
-
 def check_correct(params: list[dict[str, np.ndarray]], weights: list[float]) -> None:
-    """Raise unless ``weighted_average`` and the axpy reference equal ``np.average`` (rtol 1e-5) for every key."""
-    for name, got in [("weighted_average", weighted_average(params, weights)), ("BLAS axpy", _axpy_average(params, weights))]:
+    """Raise unless ``weighted_average`` equals ``np.average`` (rtol 1e-5) for every key."""
+    for name, got in [("weighted_average", weighted_average(params, weights))]:
         for key in params[0]:
             stacked = np.stack([p[key] for p in params])
             expected = np.average(stacked, axis=0, weights=weights)
@@ -175,20 +140,12 @@ def _functions(params: list[dict[str, np.ndarray]], weights: list[float]) -> dic
     def stack_average() -> dict[str, np.ndarray]:
         return {k: np.average(np.stack(columns[k]), axis=0, weights=w) for k in keys}
 
-    def blas_axpy() -> None:
-        for k in keys:
-            if sums[k].dtype == params[0][k].dtype:
-                axpy_sum(columns[k], w, sums[k])
-            else:
-                weighted_sum(columns[k], w, out=sums[k])
-
     return {
         "np.copyto": copyto,
         "weighted_average": lambda: weighted_average(params, weights),
         "weighted_sum": raw_sum,
         "loop out += w*a": loop,
         "np.average(stack)": stack_average,
-        "BLAS axpy (ref, 1 thread)": blas_axpy,
     }
 
 
@@ -244,7 +201,7 @@ def main() -> None:
         sweep += case_sweep
 
     columns = [("case", "case"), ("method", "method"), ("median_ms", "median ms"), ("gb_s", "GB/s"), ("vs_copyto", "x copyto")]
-    print_table(rows, columns, "throughput (weighted_average and the axpy reference checked against np.average, rtol 1e-5)")
+    print_table(rows, columns, "throughput (weighted_average checked against np.average, rtol 1e-5)")
     targets = []
     for case in {r["case"]: None for r in rows}:
         by = {r["method"]: r for r in rows if r["case"] == case}
