@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,29 @@ from rayfuse.runner import Backend, EventSink
 __all__ = ["RayBackend", "actor_options"]
 
 POLL_S = 0.25
+
+
+def stale_local_address() -> str | None:
+    """The address ``ray.init()`` would attach to (the last ``ray start`` on this machine) if that cluster is gone.
+
+    Ray keeps that address in a file and, without an address, attaches to it; when the cluster died without
+    ``ray stop`` the file stays behind and ``ray.init()`` retries the dead address forever. Returns ``None`` when
+    there is no such address or it answers.
+    """
+    try:
+        from ray._private.services import get_ray_address_from_environment  # Ray's own lookup (not a public API)
+
+        address = get_ray_address_from_environment(None, None)
+    except Exception:  # another Ray version: let ray.init() decide
+        return None
+    if not address:
+        return None
+    host, _, port = str(address).rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=2.0):
+            return None
+    except (OSError, ValueError):
+        return address
 
 
 def _merged_resources(cfg: ExperimentConfig, client_id: int) -> ResourcesConfig:
@@ -82,6 +106,10 @@ class RayBackend(Backend):
         if address:
             ray.init(address=address, **kwargs)
         else:
+            stale = stale_local_address()
+            if stale:
+                kwargs["address"] = "local"
+                self._notes.append(f"started a new local Ray: the last `ray start` cluster on this machine ({stale}) is gone")
             try:
                 ray.init(**{**kwargs, **fed.ray_init})
             except ValueError as exc:
