@@ -6,7 +6,10 @@ One local Ray (2 CPUs) is started for the whole session by the ``ray_session`` f
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
+import tempfile
 from collections import Counter
 import sys
 from pathlib import Path
@@ -134,3 +137,26 @@ def test_a_failing_client_does_not_fail_the_clients_sharing_its_actor(ray_sessio
     history = json.loads((tmp_path / "p" / "state" / "fedavg.json").read_text())["history"]
     clients = [r["value"] for r in history if r["metric"] == "clients"]
     assert clients[:2] == [3.0, 2.0] and clients[2] in (2.0, 4.0)
+
+
+@pytest.mark.parametrize("alive", [False, True])
+def test_a_stale_ray_start_address_is_detected(tmp_path, alive):
+    # ray.init() with no address attaches to the last `ray start` recorded on the machine, and retries it forever if
+    # that cluster is gone; the backend checks the address first. Run in a subprocess with its own RAY_TMPDIR.
+    short = Path(tempfile.mkdtemp(prefix="rf", dir="/tmp"))
+    (short / "ray").mkdir()
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    if alive:
+        server.listen()
+    port = server.getsockname()[1]
+    (short / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}")
+    code = "from actors.backend import stale_local_address; print(stale_local_address())"
+    env = {**os.environ, "RAY_TMPDIR": str(short)}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        server.close()
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ("None" if alive else f"127.0.0.1:{port}")
