@@ -144,8 +144,8 @@ class RayBackend(Backend):
         requests = [actor_options(_merged_resources(cfg, i)) for i in range(plan.num_clients)]
         self._check_feasible(cfg, requests)
         client_cls = ray.remote(ClientActor)
-        k = fed.clients_per_actor
-        groups = [list(range(first, min(first + k, plan.num_clients))) for first in range(0, plan.num_clients, k)]
+        per_actor = fed.clients_per_actor
+        groups = [list(range(first, min(first + per_actor, plan.num_clients))) for first in range(0, plan.num_clients, per_actor)]
         self._actor_names = []
         for members in groups:
             name = actor_name(run, members)
@@ -181,7 +181,7 @@ class RayBackend(Backend):
                       "nodes": len(nodes), "cluster_resources": {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")}}
         for note in self._notes:
             self._on_event({"t": round(time.time() - start_time, 3), "kind": "info", "message": note})
-        hosted = "" if k == 1 else f" hosting {plan.num_clients} clients ({k} per actor)"
+        hosted = "" if per_actor == 1 else f" hosting {plan.num_clients} clients ({per_actor} per actor)"
         self._on_event({"t": round(time.time() - start_time, 3), "kind": "info",
                         "message": f"{len(groups)} client actors{hosted} and the coordinator up on {len(nodes)} node(s) "
                                    f"(namespace {fed.namespace!r}, names {self._actor_names[0]}..., {run}/coordinator)"})
