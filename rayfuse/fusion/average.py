@@ -8,7 +8,6 @@ with ``train.shared_init`` the local models start from one initialisation, the f
 from __future__ import annotations
 
 from rayfuse.coordinator import ServerContext
-from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.base import Method, MethodParams, MethodResult, register_method
 
 
@@ -25,9 +24,7 @@ class Average(Method):
     uses_local_models = True
 
     def run(self, server: ServerContext) -> MethodResult:
-        updates = server.accept_updates(server.local_updates())
-        weights = [u.num_examples for u in updates.values()] if self.params.weighted else None
-        params = weighted_average([u.params for u in updates.values()], weights)
+        params, updates = server.average_updates(server.local_updates(), weighted=self.params.weighted)
         metrics = server.evaluate(params)
         server.log(1, metrics)
         return MethodResult(metrics, params, info={"clients": list(updates)})
