@@ -126,11 +126,12 @@ _PARTITION_PARAMS = {
     "labels": ("groups",),
     "pathological": ("classes_per_client",),
     "shards": ("shards_per_client", "shard_size"),
+    "subsets": ("subset_fraction",),
 }
 
 
 class PartitionConfig(StrictModel):
-    method: str = Field("dirichlet", description="iid | dirichlet | labels | pathological | shards (aliases homo, hetero-dir)")
+    method: str = Field("dirichlet", description="iid | dirichlet | labels | pathological | shards | subsets (aliases homo, hetero-dir)")
     num_clients: int = Field(5, ge=1, le=100_000)
     alpha: float = Field(0.5, gt=0, description="dirichlet concentration")
     balance: bool = Field(True, description="dirichlet: PFNM balancing rule (stop giving to clients holding >= N/J)")
@@ -139,6 +140,7 @@ class PartitionConfig(StrictModel):
     classes_per_client: int = Field(2, ge=1, description="pathological: classes per client")
     shards_per_client: int = Field(2, ge=1, description="shards: shards per client")
     shard_size: int | None = Field(None, ge=1, description="shards: samples per shard (default: pool / total shards)")
+    subset_fraction: tuple[float, float] = Field((0.4, 0.9), description="subsets: each client's fraction of the pool ~ U[low, high] (overlapping)")
 
     @field_validator("method")
     @classmethod
@@ -167,6 +169,10 @@ class PartitionConfig(StrictModel):
                     raise ValueError(f"@groups.{i}@ at least one label for client {i}, got []")
                 if any(label < 0 for label in group):
                     raise ValueError(f"@groups.{i}@ labels >= 0, got {group}")
+        if self.canonical_method == "subsets":
+            low, high = self.subset_fraction
+            if not 0 < low <= high <= 1:
+                raise ValueError(f"@subset_fraction@ [low, high] with 0 < low <= high <= 1, got [{low}, {high}]")
         return self
 
     def params(self) -> dict[str, Any]:
@@ -241,7 +247,8 @@ class FaultSpec(StrictModel):
     client: int = Field(ge=0)
     step: str = Field(min_length=1, description="client step name, e.g. fedavg.fit or train_local")
     call: int = Field(1, ge=1, description="the n-th call of that step on that client (per actor life)")
-    mode: Literal["raise", "exit", "nan", "hang"] = "raise"
+    mode: Literal["raise", "exit", "nan", "nan_metrics", "hang"] = Field(
+        "raise", description="raise an error, exit the process, NaN every float in the result, NaN the reported metrics (a NaN loss), or hang")
     seconds: float = Field(3600.0, gt=0, description="hang: how long to sleep")
 
 

@@ -12,9 +12,13 @@ Names follow flwr-datasets and the FedMA / PFNM family:
   (flwr-datasets' ``first-deterministic`` mode); each class is split evenly among its holders.
 * ``shards``: sort by label, cut into ``num_clients * shards_per_client`` shards, deal them out at random
   (McMahan et al. 2017).
+* ``subsets``: each client draws its own random subset of the pool, a fraction drawn uniformly from
+  ``subset_fraction = [low, high]``; subsets of different clients **overlap** (FedRef's MNIST setting: each of 10
+  clients takes ``random_split(train, [i, 1 - i])`` with ``i`` in 40-90 % [FEDREF @ 737c333]).
 
 Each partitioner takes the label array of the pool, the number of clients and a ``numpy.random.Generator`` and returns
-one sorted ``int64`` index array per client. Indices never repeat across clients.
+one sorted ``int64`` index array per client. Indices never repeat across clients, except with the partitioners in
+``OVERLAPPING``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import numpy as np
 from rayfuse.errors import InputError
 from rayfuse.registry import Registry
 
-__all__ = ["PARTITIONERS", "partition", "class_counts"]
+__all__ = ["PARTITIONERS", "OVERLAPPING", "partition", "class_counts"]
 
 Partitioner = Callable[..., list[np.ndarray]]
 PARTITIONERS: Registry[Partitioner] = Registry("partitioner")
@@ -127,11 +131,30 @@ def partition_shards(labels: np.ndarray, num_clients: int, rng: np.random.Genera
     return _finish(parts)
 
 
+def partition_subsets(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
+                      subset_fraction: Sequence[float] = (0.4, 0.9)) -> list[np.ndarray]:
+    """Independent random subsets, one per client, each of ``round(f * n)`` samples with ``f ~ U[low, high]``.
+
+    The authors' code draws ``i = randint(4, 9) / 10`` (tenths); a continuous uniform over the same range is used here
+    so that ``subset_fraction`` can be any interval. Subsets overlap across clients (never within one).
+    """
+    low, high = (float(f) for f in subset_fraction)
+    n = len(labels)
+    parts = []
+    for _ in range(num_clients):
+        size = max(1, int(round(rng.uniform(low, high) * n)))
+        parts.append(rng.choice(n, size=size, replace=False))
+    return _finish(parts)
+
+
 PARTITIONERS.register("iid", partition_iid, aliases=("homo",))
 PARTITIONERS.register("dirichlet", partition_dirichlet, aliases=("hetero-dir",))
 PARTITIONERS.register("labels", partition_labels)
 PARTITIONERS.register("pathological", partition_pathological)
 PARTITIONERS.register("shards", partition_shards)
+PARTITIONERS.register("subsets", partition_subsets)
+
+OVERLAPPING = frozenset({"subsets"})  # partitioners whose clients may share samples
 
 
 def partition(labels: np.ndarray, num_clients: int, method: str, *, seed: int | np.random.Generator, **params: object) -> list[np.ndarray]:

@@ -180,7 +180,7 @@ def make_plan(dataset: Dataset, data_cfg: Any, partition_cfg: Any, seed: int) ->
     params = partition_cfg.params()
     parts = partition(y[pool], partition_cfg.num_clients, method, seed=derive_seed(seed, "partition"), **params)
     shards = [pool[p] for p in parts]
-    unassigned = len(pool) - sum(len(s) for s in shards)
+    unassigned = len(pool) - len(np.unique(np.concatenate(shards))) if shards else len(pool)
 
     train, val = [], []
     for i, shard in enumerate(shards):
@@ -237,4 +237,5 @@ def server_splits(dataset: Dataset, plan: DataPlan) -> tuple[Split, Split]:
 
 def pooled_train(dataset: Dataset, plan: DataPlan) -> Split:
     """All clients' training splits pooled: only for the ``global`` oracle, which a real federation cannot run."""
-    return _take(dataset, np.sort(np.concatenate(plan.client_train)), plan.normalization)
+    # unique: with an overlapping partition (``subsets``) a sample shared by clients is pooled once
+    return _take(dataset, np.unique(np.concatenate(plan.client_train)), plan.normalization)

@@ -279,3 +279,37 @@ def test_impossible_requests_raise_input_error_naming_the_key(labels, num_client
     with pytest.raises(InputError, match=match) as info:
         partition(labels, num_clients, method, seed=0, **params)
     assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# subsets: overlapping random subsets (FedRef's MNIST setting)
+
+
+def test_subsets_draw_each_client_a_fraction_in_range_and_may_overlap():
+    parts = partition(LABELS, 10, "subsets", seed=3, subset_fraction=(0.4, 0.9))
+    sizes = np.array([len(p) for p in parts])
+    assert len(parts) == 10 and np.all(sizes >= round(0.4 * N)) and np.all(sizes <= round(0.9 * N))
+    assert len(np.unique(sizes)) > 1, "fractions are drawn per client"
+    for part in parts:
+        assert part.dtype == np.int64 and np.all(np.diff(part) > 0)
+    assert len(np.intersect1d(parts[0], parts[1])) > 0, "40-90 % subsets of one pool overlap"
+    again = partition(LABELS, 10, "subsets", seed=3, subset_fraction=(0.4, 0.9))
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+
+
+def test_subsets_plan_pools_shared_samples_once(make_config):
+    from rayfuse.data.roles import load_dataset_from_config, make_plan, pooled_train
+
+    cfg = make_config(partition={"method": "subsets", "num_clients": 6, "subset_fraction": [0.5, 0.7]})
+    dataset = load_dataset_from_config(cfg.data)
+    plan = make_plan(dataset, cfg.data, cfg.partition, cfg.run.seed)
+    union = np.unique(np.concatenate(plan.client_train))
+    assert len(pooled_train(dataset, plan).y) == len(union)
+    assert plan.unassigned == len(np.setdiff1d(np.setdiff1d(np.arange(len(dataset.y)), np.concatenate([plan.test, plan.public])),
+                                                np.concatenate([*plan.client_train, *plan.client_val])))
+
+
+@pytest.mark.parametrize("bad", [[0.0, 0.5], [0.6, 0.5], [0.5, 1.2]])
+def test_subsets_fraction_range_is_validated(make_config, bad):
+    with pytest.raises(InputError, match=r"partition\.subset_fraction"):
+        make_config(partition={"method": "subsets", "subset_fraction": bad})
