@@ -151,6 +151,8 @@ class Client:
         result = step(self.ctx, *args, **kwargs)
         if fault is not None and fault.mode == "nan":
             result = _poison(result)
+        if fault is not None and fault.mode == "nan_metrics" and hasattr(result, "metrics"):
+            result.metrics = {k: float("nan") for k in result.metrics}
         _check_no_raw_data(result, self.ctx)
         return result
 
