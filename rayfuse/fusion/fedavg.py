@@ -29,15 +29,28 @@ __all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "fit"]
 
 @client_step("fedavg.fit")
 def fit(ctx: ClientContext, global_params: dict[str, np.ndarray], *, label: str, round: int, epochs: int, lr: float,
-        batch_size: int, optimizer: str, momentum: float, weight_decay: float, mu: float = 0.0) -> Update:
-    """Local training from the broadcast global model; returns the new parameters, the sample count and the loss."""
-    from rayfuse.models import get_params, set_params, train_model
+        batch_size: int, optimizer: str, momentum: float, weight_decay: float, mu: float = 0.0,
+        eval_loss: bool = False) -> Update:
+    """Local training from the broadcast global model; returns the new parameters, the sample count and the loss.
+
+    ``train_loss`` is the mean data loss over the last local epoch (free: computed while training). With ``eval_loss``
+    the client also evaluates the trained model on its whole training split (``eval_loss``; one extra forward pass,
+    what the FedRef authors' clients report) and times it separately (``eval_seconds``).
+    """
+    import time
+
+    from rayfuse.models import compute_loss, get_params, set_params, train_model
 
     model = set_params(ctx.build_model(seed=0), global_params)
     stats = train_model(model, ctx.train.X, ctx.train.y, epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer,
                         momentum=momentum, weight_decay=weight_decay, proximal_mu=mu, seed=ctx.step_seed(label, round),
                         device=ctx.device)
-    return Update(get_params(model), ctx.num_examples, {"train_loss": stats.loss, "train_seconds": stats.seconds})
+    metrics = {"train_loss": stats.loss, "train_seconds": stats.seconds}
+    if eval_loss:
+        started = time.perf_counter()
+        metrics["eval_loss"] = compute_loss(model, ctx.train.X, ctx.train.y, device=ctx.device)
+        metrics["eval_seconds"] = time.perf_counter() - started
+    return Update(get_params(model), ctx.num_examples, metrics)
 
 
 class FedAvgParams(MethodParams):
@@ -76,6 +89,14 @@ class FedAvg(Method):
         """
         return averaged
 
+    def round_metrics(self) -> dict[str, float]:
+        """Extra per-round numbers to log after :meth:`server_update` (FedRef: whether it fine-tuned)."""
+        return {}
+
+    def client_args(self) -> dict[str, object]:
+        """Extra keyword arguments of the client step :func:`fit` (FedProx: ``mu``; FedRef: ``eval_loss``)."""
+        return {"mu": self.mu} if self.mu else {}
+
     def server_state(self) -> dict[str, np.ndarray]:
         """Arrays to checkpoint with the global model (optimizer moments, queues...)."""
         return {}
@@ -98,7 +119,8 @@ class FedAvg(Method):
             global_params, start = server.initial_params(), 1
             metrics = {}
         step_args = dict(label=server.label, epochs=p.local_epochs, lr=p.lr or train.lr, batch_size=p.batch_size or train.batch_size,
-                         optimizer=p.optimizer or train.optimizer, momentum=train.momentum, weight_decay=train.weight_decay, mu=self.mu)
+                         optimizer=p.optimizer or train.optimizer, momentum=train.momentum, weight_decay=train.weight_decay,
+                         **self.client_args())
         for rnd in range(start, p.rounds + 1):
             clients = server.sample_clients(p.fraction, rnd)
             broadcast = fed.put(global_params)
@@ -108,7 +130,10 @@ class FedAvg(Method):
             losses = np.array([u.metrics.get("train_loss", np.nan) for u in updates.values()])
             counts = np.array([u.num_examples for u in updates.values()], dtype=float)
             train_loss = float(np.sum(losses * counts) / counts.sum())
-            row = {"train_loss": train_loss, "clients": float(len(updates))}
+            # Client compute of the round: seconds of local work per client (training plus any extra evaluation).
+            work = [u.metrics.get("train_seconds", np.nan) + u.metrics.get("eval_seconds", 0.0) for u in updates.values()]
+            row = {"train_loss": train_loss, "clients": float(len(updates)), "client_seconds": float(np.mean(work)),
+                   **self.round_metrics()}
             del broadcast, gathered, averaged, updates  # release this round's objects before the next round arrives
             if rnd % p.evaluate_every == 0 or rnd == p.rounds:
                 metrics = server.evaluate(global_params)
