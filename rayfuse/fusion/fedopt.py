@@ -1,0 +1,158 @@
+"""``fedadagrad``, ``fedadam``, ``fedyogi``: adaptive server optimizers (Reddi et al. 2021, "Adaptive Federated
+Optimization"; FedRef's eq. 4-6).
+
+The clients run FedAvg's local training unchanged. The server treats the round's pseudo-gradient, the (weighted)
+average of the clients' models minus the broadcast model, ``Delta_t = avg_k(w_t^k) - x_t``, as a gradient step
+direction and applies an adaptive step to it, elementwise::
+
+    m_t = beta1 m_{t-1} + (1 - beta1) Delta_t                               (FedAdagrad: beta1 = 0, so m_t = Delta_t)
+    FedAdagrad: v_t = v_{t-1} + Delta_t^2                                                                    (eq. 4)
+    FedAdam:    v_t = beta2 v_{t-1} + (1 - beta2) Delta_t^2                                                  (eq. 5)
+    FedYogi:    v_t = v_{t-1} - (1 - beta2) Delta_t^2 sign(v_{t-1} - Delta_t^2)                              (eq. 6)
+    x_{t+1} = x_t + eta m_t / (sqrt(v_t) + tau)
+
+``m`` and ``v`` start at 0 and ``initial_accumulator`` respectively (Flower: 0 for all three; Reddi et al.'s
+Algorithm 2 asks ``v_{-1} >= tau^2``). FedAdam with ``bias_correction`` scales ``eta`` by
+``sqrt(1 - beta2^t) / (1 - beta1^t)`` with ``t`` the number of server steps taken (Kingma & Ba; Flower's FedAdam does
+the same with ``t = round + 1``). The moments are checkpointed each round, so ``--resume`` continues exactly.
+
+Defaults are those of the FedRef authors' comparison [FEDREF HEAD : main.py]: eta = 1e-2, beta1 = 0.9,
+beta2 = 0.99, tau = 1e-4.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from rayfuse.coordinator import ServerContext
+from rayfuse.errors import NonFiniteError
+from rayfuse.federation import Update
+from rayfuse.fusion.base import register_method
+from rayfuse.fusion.fedavg import FedAvg, FedAvgParams
+
+__all__ = ["FedOpt", "FedAdagrad", "FedAdam", "FedYogi", "FedOptParams", "FedAdagradParams", "fedopt_step"]
+
+
+class FedOptParams(FedAvgParams):
+    eta: float = Field(1e-2, gt=0, description="server learning rate")
+    beta1: float = Field(0.9, ge=0, lt=1, description="first-moment decay (momentum of the pseudo-gradient)")
+    beta2: float = Field(0.99, gt=0, lt=1, description="second-moment decay (FedAdam, FedYogi)")
+    tau: float = Field(1e-4, gt=0, description="adaptivity: added to sqrt(v_t) in the denominator")
+    initial_accumulator: float = Field(0.0, ge=0, description="v_{-1} (Flower: 0; Reddi et al.: >= tau^2)")
+    bias_correction: bool = Field(False, description="FedAdam: Adam's bias-corrected step size")
+
+
+class FedAdagradParams(FedOptParams):
+    beta1: float = Field(0.0, ge=0, lt=1, description="first-moment decay (eq. 4 and Flower: 0, the step uses Delta_t)")
+
+    @model_validator(mode="after")
+    def _no_bias_correction(self) -> "FedAdagradParams":
+        if self.bias_correction:
+            raise ValueError("@bias_correction@ false (Adam's bias correction has no meaning for FedAdagrad), got true")
+        return self
+
+
+def fedopt_step(rule: str, x: dict[str, np.ndarray], delta: dict[str, np.ndarray], m: dict[str, np.ndarray],
+                v: dict[str, np.ndarray], *, eta: float, beta1: float, beta2: float, tau: float) -> dict[str, np.ndarray]:
+    """One adaptive server step, in place on ``m`` and ``v`` (float64); returns the new model in ``x``'s dtypes.
+
+    Parameters
+    ----------
+    rule : {"adagrad", "adam", "yogi"}
+    x : dict of ndarray
+        The current global model ``x_t``.
+    delta : dict of ndarray
+        The pseudo-gradient ``Delta_t``.
+    m, v : dict of ndarray
+        First and second moments, updated in place.
+    eta, beta1, beta2, tau : float
+        Step size (already bias-corrected when asked), decays and adaptivity.
+    """
+    out = {}
+    for key, x_k in x.items():
+        if x_k.dtype.kind != "f":  # integer buffers (BatchNorm counters) follow the average
+            out[key] = (x_k + delta[key]).astype(x_k.dtype)
+            continue
+        d = delta[key].astype(np.float64)
+        d2 = d * d
+        m_k, v_k = m[key], v[key]
+        m_k *= beta1
+        m_k += (1.0 - beta1) * d
+        if rule == "adagrad":
+            v_k += d2
+        elif rule == "adam":
+            v_k *= beta2
+            v_k += (1.0 - beta2) * d2
+        elif rule == "yogi":
+            v_k -= (1.0 - beta2) * d2 * np.sign(v_k - d2)
+        else:
+            raise ValueError(f"unknown FedOpt rule {rule!r}")
+        out[key] = (x_k + eta * m_k / (np.sqrt(v_k) + tau)).astype(x_k.dtype)
+    return out
+
+
+class FedOpt(FedAvg):
+    """FedAvg's clients with an adaptive server step on the pseudo-gradient; subclasses name the rule."""
+
+    Params = FedOptParams
+    rule: ClassVar[str] = ""
+
+    def __init__(self, params: FedOptParams, label: str | None = None) -> None:
+        super().__init__(params, label)
+        self.m: dict[str, np.ndarray] = {}
+        self.v: dict[str, np.ndarray] = {}
+        self.steps = 0
+
+    def server_update(self, server: ServerContext, global_params: dict[str, np.ndarray], averaged: dict[str, np.ndarray],
+                      updates: dict[int, Update], round: int) -> dict[str, np.ndarray]:
+        p = self.params
+        if not self.m:
+            self.m = {k: np.zeros(a.shape, np.float64) for k, a in global_params.items() if a.dtype.kind == "f"}
+            self.v = {k: np.full(a.shape, p.initial_accumulator, np.float64) for k, a in global_params.items() if a.dtype.kind == "f"}
+        delta = {k: averaged[k].astype(np.float64) - global_params[k] for k in global_params}
+        self.steps += 1
+        eta = p.eta
+        if p.bias_correction:
+            eta = eta * np.sqrt(1.0 - p.beta2 ** self.steps) / (1.0 - p.beta1 ** self.steps)
+        new = fedopt_step(self.rule, global_params, delta, self.m, self.v, eta=eta, beta1=p.beta1, beta2=p.beta2, tau=p.tau)
+        bad = [k for k, a in new.items() if not np.isfinite(a).all()]
+        if bad:
+            raise NonFiniteError(f"{self.label}: the server step of round {round} produced non-finite values in {bad[0]!r} "
+                                 f"(try a smaller eta or a larger tau)")
+        return new
+
+    def server_state(self) -> dict[str, np.ndarray]:
+        state: dict[str, np.ndarray] = {"steps": np.array(self.steps, dtype=np.int64)}
+        state.update({f"m/{k}": a for k, a in self.m.items()})
+        state.update({f"v/{k}": a for k, a in self.v.items()})
+        return state
+
+    def load_server_state(self, state: dict[str, np.ndarray]) -> None:
+        self.steps = int(state.get("steps", 0))
+        self.m = {k[2:]: np.array(a, dtype=np.float64) for k, a in state.items() if k.startswith("m/")}
+        self.v = {k[2:]: np.array(a, dtype=np.float64) for k, a in state.items() if k.startswith("v/")}
+
+
+@register_method
+class FedAdagrad(FedOpt):
+    name = "fedadagrad"
+    Params = FedAdagradParams
+    rule = "adagrad"
+    summary = "FedAvg clients, Adagrad server step on the pseudo-gradient (Reddi et al. 2021)"
+
+
+@register_method
+class FedAdam(FedOpt):
+    name = "fedadam"
+    rule = "adam"
+    summary = "FedAvg clients, Adam server step on the pseudo-gradient (Reddi et al. 2021)"
+
+
+@register_method
+class FedYogi(FedOpt):
+    name = "fedyogi"
+    rule = "yogi"
+    summary = "FedAvg clients, Yogi server step on the pseudo-gradient (Reddi et al. 2021)"

@@ -1,0 +1,161 @@
+"""``fedref``: FedAvg with a server-side Bayesian fine-tuning step towards a reference model (Yoon & Choi,
+"FedRef: Communication-Efficient Bayesian Fine Tuning with Reference Model", arXiv 2506.23210 v2).
+
+Clients train exactly as in FedAvg (no proximal term) and return their parameters, sample counts and local loss
+``F_k``. The server keeps a queue of the last ``p`` FedAvg aggregates ``theta1`` and forms the reference model as
+their uniform mean (eq. 13-14)::
+
+    theta2_r = (1/p) sum_{i=1..p} theta1_{r+1-i}          (the queue includes this round's aggregate)
+
+The first reference is formed in round ``p + 1`` (from the aggregates of rounds ``2..p+1``, as the authors' server
+does). From round ``p + 2`` on (rounds ``1..p+1`` are plain FedAvg) the server fine-tunes this round's aggregate once along eq. 12::
+
+    L_ref = sum_k W_k F_k + lambda ||theta1 - theta1_0||^2 + lambda ||theta2 - theta2_0||^2
+
+where ``theta1_0`` and ``theta2_0`` are the previous round's aggregate (before fine-tuning) and reference. Two forms:
+
+* ``update: code`` (default, what produced the paper's numbers [FEDREF @ 737c333 : server/FedRefServer.py
+  ``BayesianTransferLearning``]): ``W <- theta1 - lr (c_loss + lambda |D1| + lambda |D2|)`` elementwise, with
+  ``D1 = theta1 - theta1_0``, ``D2 = theta2 - theta2_0`` and the scalar ``c_loss = (sum_k F_k^r - sum_k
+  F_k^{r-1}) / K``. It is a heuristic, not a gradient: the |.| terms always push parameters down.
+* ``update: grad`` (ALGORITHMS.md §4.2, PROPOSED): one gradient step on eq. 12 with respect to ``theta1``, given
+  that ``theta2`` depends on ``theta1`` through the ``1/p`` term; the loss term is constant (reported scalars):
+  ``W <- theta1 - lr [2 lambda D1 + (2 lambda / p) D2]``. With ``lambda = 0`` this is FedAvg exactly.
+
+The queue and ``theta1_0`` hold *pre*-fine-tuning aggregates; only the fine-tuned model is broadcast (as the code
+does). Clients pay nothing extra: the default ``client_loss: running`` is the mean loss of the last local epoch,
+computed while training; ``client_loss: eval`` reproduces the authors' clients, which evaluate the trained model on
+their training data once more (one extra forward pass per round).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Literal
+
+import numpy as np
+from pydantic import Field
+
+from rayfuse.coordinator import ServerContext
+from rayfuse.errors import NonFiniteError
+from rayfuse.federation import Update
+from rayfuse.fusion.base import register_method
+from rayfuse.fusion.fedavg import FedAvg, FedAvgParams
+
+__all__ = ["FedRef", "FedRefParams", "reference_model", "fedref_step"]
+
+
+class FedRefParams(FedAvgParams):
+    p: int = Field(5, ge=1, le=10_000, description="aggregates kept for the reference model (paper: 3-5; MNIST: 5)")
+    lam: float = Field(0.01, ge=0, description="lambda of eq. 12 (MNIST: 0.01)")
+    server_lr: float | None = Field(None, gt=0, description="step size of the fine-tuning step (default: the clients' lr, as in the authors' code)")
+    update: Literal["code", "grad"] = Field("code", description="code: the authors' elementwise |.| step; grad: a gradient step on eq. 12")
+    client_loss: Literal["running", "eval"] = Field(
+        "running", description="F_k: running = mean loss of the last local epoch (free); eval = a forward pass after training (authors' code)")
+
+
+def reference_model(queue: "list[dict[str, np.ndarray]] | deque[dict[str, np.ndarray]]") -> dict[str, np.ndarray]:
+    """Eq. 13-14: the uniform mean of the stored aggregates (float64 accumulation, the aggregates' dtypes)."""
+    n = len(queue)
+    first = queue[0]
+    out = {}
+    for key, ref in first.items():
+        acc = np.zeros(ref.shape, np.float64)
+        for q in queue:
+            acc += q[key]
+        out[key] = (acc / n).astype(ref.dtype) if ref.dtype.kind == "f" else first[key].copy()
+    return out
+
+
+def fedref_step(form: str, theta1: dict[str, np.ndarray], theta1_prev: dict[str, np.ndarray], theta2: dict[str, np.ndarray],
+                theta2_prev: dict[str, np.ndarray], *, c_loss: float, lam: float, lr: float, p: int) -> dict[str, np.ndarray]:
+    """The fine-tuning step of eq. 12 applied to this round's aggregate ``theta1`` (see the module docstring)."""
+    out = {}
+    for key, t1 in theta1.items():
+        if t1.dtype.kind != "f":
+            out[key] = t1
+            continue
+        d1 = t1.astype(np.float64) - theta1_prev[key]
+        d2 = theta2[key].astype(np.float64) - theta2_prev[key]
+        if form == "code":
+            step = c_loss + lam * np.abs(d1) + lam * np.abs(d2)
+        elif form == "grad":
+            step = 2.0 * lam * d1 + (2.0 * lam / p) * d2
+        else:
+            raise ValueError(f"unknown FedRef update form {form!r}")
+        out[key] = (t1 - lr * step).astype(t1.dtype)
+    return out
+
+
+@register_method
+class FedRef(FedAvg):
+    name = "fedref"
+    Params = FedRefParams
+    summary = "FedAvg plus a server-side Bayesian fine-tuning step towards the mean of the last p aggregates (Yoon & Choi 2025)"
+
+    def __init__(self, params: FedRefParams, label: str | None = None) -> None:
+        super().__init__(params, label)
+        self.queue: deque[dict[str, np.ndarray]] = deque(maxlen=params.p)
+        self.theta1_prev: dict[str, np.ndarray] | None = None
+        self.theta2_prev: dict[str, np.ndarray] | None = None
+        self.loss_prev = float("nan")
+        self.seen = 0  # aggregates formed so far
+        self.fine_tuned = False
+
+    def client_args(self) -> dict[str, object]:
+        return {"eval_loss": True} if self.params.client_loss == "eval" else {}
+
+    def server_update(self, server: ServerContext, global_params: dict[str, np.ndarray], averaged: dict[str, np.ndarray],
+                      updates: dict[int, Update], round: int) -> dict[str, np.ndarray]:
+        p = self.params
+        metric = "eval_loss" if p.client_loss == "eval" else "train_loss"
+        losses = np.array([u.metrics.get(metric, np.nan) for u in updates.values()], dtype=np.float64)
+        if not np.isfinite(losses).all():  # accept_updates rejects non-finite metrics; a missing one lands here
+            raise NonFiniteError(f"{self.label}: round {round}: clients reported no finite {metric!r} (FedRef needs each client's loss)")
+        # The code's c_loss = sum_k (w_k / K) (sum F^r - sum F^{r-1}) = (sum F^r - sum F^{r-1}) / K when the same K
+        # clients report in both rounds. With client sampling or drops the sums cover different sets, so compare the
+        # means: identical in the code's setting, unbiased otherwise.
+        loss = float(losses.mean())
+        theta1 = averaged
+        self.queue.append(theta1)
+        self.seen += 1
+        # The authors' server forms the first reference in round p + 1 (from rounds 2..p+1) and fine-tunes from p + 2.
+        theta2 = reference_model(self.queue) if self.seen > p.p else None
+        self.fine_tuned = False
+        new = theta1
+        if theta2 is not None and self.theta2_prev is not None:  # round > p + 1
+            lr = p.server_lr or p.lr or server.train_cfg.lr
+            new = fedref_step(p.update, theta1, self.theta1_prev, theta2, self.theta2_prev,  # type: ignore[arg-type]
+                              c_loss=loss - self.loss_prev, lam=p.lam, lr=lr, p=p.p)
+            bad = [k for k, a in new.items() if not np.isfinite(a).all()]
+            if bad:
+                raise NonFiniteError(f"{self.label}: the fine-tuning step of round {round} produced non-finite values in {bad[0]!r}")
+            self.fine_tuned = True
+        self.theta1_prev, self.theta2_prev, self.loss_prev = theta1, theta2, loss
+        return new
+
+    def round_metrics(self) -> dict[str, float]:
+        return {"fine_tuned": float(self.fine_tuned)}
+
+    # -- checkpointed state: the queue (oldest first), the previous aggregate and reference, the previous loss ----
+
+    def server_state(self) -> dict[str, np.ndarray]:
+        state: dict[str, np.ndarray] = {"queue_len": np.array(len(self.queue), np.int64), "seen": np.array(self.seen, np.int64),
+                                        "loss_prev": np.array(self.loss_prev)}
+        for i, q in enumerate(self.queue):
+            state.update({f"queue/{i}/{k}": a for k, a in q.items()})
+        if self.theta2_prev is not None:
+            state.update({f"theta2_prev/{k}": a for k, a in self.theta2_prev.items()})
+        return state  # theta1_prev is the newest queue entry
+
+    def load_server_state(self, state: dict[str, np.ndarray]) -> None:
+        n = int(state.get("queue_len", 0))
+        self.queue.clear()
+        for i in range(n):
+            prefix = f"queue/{i}/"
+            self.queue.append({k[len(prefix):]: np.array(a) for k, a in state.items() if k.startswith(prefix)})
+        self.theta1_prev = self.queue[-1] if self.queue else None
+        prev = {k[len("theta2_prev/"):]: np.array(a) for k, a in state.items() if k.startswith("theta2_prev/")}
+        self.theta2_prev = prev or None
+        self.loss_prev = float(state.get("loss_prev", np.nan))
+        self.seen = int(state.get("seen", n))
