@@ -127,18 +127,20 @@ def write_metrics_parquet(path: Any, summaries: Sequence[Mapping[str, Any]]) -> 
 
 
 def plot_comparison(path: Any, methods: Mapping[str, Mapping[str, Any]], summaries: Sequence[Mapping[str, Any]], title: str = "") -> None:
-    """Left: final test accuracy per method (local with its spread over clients). Right: accuracy per round."""
+    """Final test accuracy per method (local with its spread over clients); with multi-round methods, their test
+    accuracy and test loss (NLL) per round."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    curves = {}
-    for s in summaries:
-        points = sorted((r["round"], r["value"]) for r in s.get("history", []) if r["metric"] == "accuracy" and r.get("client") is None)
-        if len(points) > 1:
-            curves[s["label"]] = points
-    fig, axes = plt.subplots(1, 2 if curves else 1, figsize=(11 if curves else 6, 4), squeeze=False)
+    def series(summary: Mapping[str, Any], metric: str) -> list[tuple[int, float]]:
+        return sorted((r["round"], r["value"]) for r in summary.get("history", []) if r["metric"] == metric and r.get("client") is None)
+
+    curves = {s["label"]: series(s, "accuracy") for s in summaries if len(series(s, "accuracy")) > 1}
+    losses = {s["label"]: series(s, "nll") for s in summaries if len(series(s, "nll")) > 1}
+    panels = 1 + bool(curves) + bool(losses)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
     ax = axes[0, 0]
     labels = list(methods)
     values = [methods[m].get("accuracy", np.nan) for m in labels]
@@ -149,22 +151,29 @@ def plot_comparison(path: Any, methods: Mapping[str, Mapping[str, Any]], summari
         if err:
             ax.errorbar(i, value, yerr=err, color="black", capsize=4, linewidth=1)
         ax.text(bar.get_x() + bar.get_width() / 2, min(value + (err or 0), 0.97) + 0.01, f"{value:.3f}", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(labels)), [m + ("\n(oracle)" if methods[m].get("oracle") else "") for m in labels], fontsize=8)
+    ax.set_xticks(range(len(labels)), [m + ("\n(oracle)" if methods[m].get("oracle") else "") for m in labels], fontsize=8,
+                  rotation=30 if len(labels) > 6 else 0)
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("test accuracy")
     ax.set_title("final test accuracy" + (f" ({title})" if title else ""), fontsize=10)
-    if curves:
-        ax = axes[0, 1]
-        for label, points in curves.items():
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=label)
+    for col, (data, metric, name) in enumerate([(curves, "accuracy", "test accuracy"), (losses, "nll", "test loss (NLL)")], start=1):
+        if not data:
+            continue
+        ax = axes[0, col if curves else col - 1]
+        for label, points in data.items():
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o" if len(points) <= 30 else None, markersize=3,
+                    linewidth=1.2, label=label)
         for m in labels:
-            if m not in curves and np.isfinite(methods[m].get("accuracy", np.nan)):
-                ax.axhline(methods[m]["accuracy"], linestyle="--", linewidth=0.8, color="gray")
-                ax.text(ax.get_xlim()[1] if ax.lines else 1, methods[m]["accuracy"], f" {m}", fontsize=7, va="center", color="gray")
+            value = methods[m].get(metric, np.nan)
+            if m not in data and np.isfinite(value):
+                ax.axhline(value, linestyle="--", linewidth=0.8, color="gray")
+                ax.text(ax.get_xlim()[1] if ax.lines else 1, value, f" {m}", fontsize=7, va="center", color="gray")
+        if metric == "nll":
+            ax.set_yscale("log")
         ax.set_xlabel("round")
-        ax.set_ylabel("test accuracy")
-        ax.set_title("multi-round methods (dashed: one-shot)", fontsize=10)
-        ax.legend(fontsize=8)
+        ax.set_ylabel(name)
+        ax.set_title(f"multi-round methods: {name} (dashed: one-shot)", fontsize=10)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)

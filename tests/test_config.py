@@ -78,7 +78,7 @@ BAD_CONFIGS = [
     pytest.param({"federation": {"min_clients": 6}}, "federation.min_clients", r"at most partition\.num_clients \(5\), got 6", id="min-clients-above-num-clients"),
     pytest.param({"federation": {"faults": [{"client": 7, "step": "train_local"}]}}, "federation.faults.0.client", r"a client id in 0\.\.4, got 7", id="fault-for-missing-client"),
     pytest.param({"federation": {"faults": [{"client": 0}]}}, "federation.faults.0.step", r"required", id="fault-without-step"),
-    pytest.param({"federation": {"faults": [{"client": 0, "step": "x", "mode": "explode"}]}}, "federation.faults.0.mode", r"'raise', 'exit', 'nan' or 'hang'", id="fault-mode-unknown"),
+    pytest.param({"federation": {"faults": [{"client": 0, "step": "x", "mode": "explode"}]}}, "federation.faults.0.mode", r"'raise', 'exit', 'nan', 'nan_metrics' or 'hang'", id="fault-mode-unknown"),
     pytest.param({"federation": {"client_overrides": {9: {"num_gpus": 0.5}}}}, "federation.client_overrides.9", r"a client id in 0\.\.4, got 9", id="override-for-missing-client"),
     pytest.param({"federation": {"clients_per_actor": 2, "client_overrides": {1: {"num_gpus": 0.5}}}}, "federation.clients_per_actor",
                  r"1 when federation.client_overrides gives clients their own resources, got 2", id="packed-clients-with-overrides"),

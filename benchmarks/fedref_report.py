@@ -1,0 +1,120 @@
+"""The FedRef comparison from a finished run folder (jobs/fedref_digits*.yaml): curves, final numbers, client compute.
+
+    python benchmarks/fedref_report.py RUN_DIR [RUN_DIR...] [--out benchmarks/results/fedref]
+
+For each run it writes ``<out>/<run name>_curves.png`` (test loss and test accuracy per round, every method in one
+figure) and ``<out>/<run name>.md`` (final / best accuracy, final test loss, rounds to 90 % accuracy, the median client
+compute per round and its ratio to FedProx's and FedAvg's in the same run), and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+
+def load(run_dir: Path) -> tuple[dict, pd.DataFrame]:
+    results = json.loads((run_dir / "results.json").read_text())
+    metrics = pd.read_parquet(run_dir / "metrics.parquet")
+    return results, metrics[metrics["client"].isna()]
+
+
+def curves(metrics: pd.DataFrame, metric: str) -> dict[str, pd.Series]:
+    rows = metrics[metrics["metric"] == metric]
+    return {label: group.set_index("round")["value"].sort_index() for label, group in rows.groupby("method", sort=False)}
+
+
+def summarize(results: dict, metrics: pd.DataFrame) -> pd.DataFrame:
+    acc, nll, work = curves(metrics, "accuracy"), curves(metrics, "nll"), curves(metrics, "client_seconds")
+    tuned = curves(metrics, "fine_tuned")
+    rows = []
+    for label, info in results["methods"].items():
+        if label not in acc:
+            continue
+        a = acc[label]
+        above = a[a >= 0.9]
+        rows.append({
+            "method": label,
+            "final acc": info["accuracy"],
+            "best acc": float(a.max()),
+            "best round": int(a.idxmax()),
+            "final test loss": info["nll"],
+            "min test loss": float(nll[label].min()),
+            "rounds to 90%": str(int(above.index[0])) if len(above) else "never",
+            # median over rounds: the first method of a run also pays the clients' warm-up (imports, first batches)
+            "client s/round": float(work[label].median()) if label in work else np.nan,
+            "fine-tuned rounds": int(tuned[label].sum()) if label in tuned else 0,
+        })
+    table = pd.DataFrame(rows).set_index("method")
+    for ref in ("fedprox", "fedavg"):
+        if ref in table.index:
+            table[f"compute / {ref}"] = table["client s/round"] / table.loc[ref, "client s/round"]
+    return table
+
+
+def markdown(table: pd.DataFrame) -> str:
+    def cell(v: object) -> str:
+        if isinstance(v, (float, np.floating)):
+            return "" if np.isnan(v) else (f"{v:.4f}" if abs(v) < 100 else f"{v:.1f}")
+        return str(v)
+
+    header = [table.index.name or "", *table.columns]
+    rows = [[str(i), *(cell(v) for v in row)] for i, row in zip(table.index, table.itertuples(index=False))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def plot(path: Path, metrics: pd.DataFrame, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for ax, metric, name in ((axes[0], "nll", "test loss (NLL)"), (axes[1], "accuracy", "test accuracy")):
+        for label, series in curves(metrics, metric).items():
+            style = "-" if label.startswith("fedref") else "--"
+            ax.plot(series.index, series.values, style, linewidth=1.3, label=label)
+        ax.set_xlabel("round")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[1].set_ylim(max(0.0, axes[1].get_ylim()[0]), 1.0)
+    axes[1].legend(fontsize=8, loc="lower right")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/fedref"))
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for run_dir in args.runs:
+        if not (run_dir / "results.json").is_file():
+            print(f"fedref_report: {run_dir}: no results.json (not a finished run folder)", file=sys.stderr)
+            return 2
+        results, metrics = load(run_dir)
+        name = results["run"].get("name") or run_dir.name
+        cfg = results["config"]
+        part = cfg["partition"]
+        title = (f"{name}: {cfg['data']['dataset']}, {part['num_clients']} clients, partition {part['method']}, "
+                 f"{cfg['model']['name']}, {cfg['train']['optimizer']} lr {cfg['train']['lr']}")
+        table = summarize(results, metrics)
+        plot(args.out / f"{name}_curves.png", metrics, title)
+        text = f"# {title}\n\n" + markdown(table) + "\n"
+        (args.out / f"{name}.md").write_text(text)
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
