@@ -2,9 +2,12 @@
 
     python benchmarks/fedref_report.py RUN_DIR [RUN_DIR...] [--out benchmarks/results/fedref]
 
-For each run it writes ``<out>/<run name>_curves.png`` (test loss and test accuracy per round, every method in one
-figure) and ``<out>/<run name>.md`` (final / best accuracy, final test loss, rounds to 90 % accuracy, the median client
-compute per round and its ratio to FedProx's and FedAvg's in the same run), and prints the table.
+For each run it writes ``<out>/<run name>[-s<seed>]_curves.png`` (test loss and test accuracy per round, every method
+in one figure) and ``<out>/<run name>[-s<seed>].md`` (final / best accuracy, final test loss, rounds to 90 % accuracy,
+the median client compute per round and its ratio to FedProx's and FedAvg's in the same run), and prints the table.
+Runs of the same job with different seeds (``--set run.seed=N``) are also summarised together:
+``<out>/<run name>_seeds.md`` (mean +- std over seeds) and ``<out>/<run name>_seeds_curves.png`` (mean curves, one
+standard deviation shaded).
 """
 
 from __future__ import annotations
@@ -92,19 +95,63 @@ def plot(path: Path, metrics: pd.DataFrame, title: str) -> None:
     plt.close(fig)
 
 
+def plot_seeds(path: Path, runs: list[pd.DataFrame], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for ax, metric, name in ((axes[0], "nll", "test loss (NLL)"), (axes[1], "accuracy", "test accuracy")):
+        per_run = [curves(m, metric) for m in runs]
+        for label in per_run[0]:
+            stack = pd.concat([c[label] for c in per_run if label in c], axis=1)
+            mean, std = stack.mean(axis=1), stack.std(axis=1, ddof=0)
+            style = "-" if label.startswith("fedref") else "--"
+            (line,) = ax.plot(mean.index, mean.values, style, linewidth=1.3, label=label)
+            ax.fill_between(mean.index, (mean - std).values, (mean + std).values, color=line.get_color(), alpha=0.12)
+        ax.set_xlabel("round")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[1].set_ylim(max(0.0, axes[1].get_ylim()[0]), 1.0)
+    axes[1].legend(fontsize=8, loc="lower right")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def seeds_table(tables: list[pd.DataFrame]) -> pd.DataFrame:
+    rows = []
+    for label in tables[0].index:
+        def stat(col: str) -> str:
+            values = np.array([t.loc[label, col] for t in tables if label in t.index], dtype=float)
+            return f"{values.mean():.4f} ± {values.std():.4f}"
+
+        reached = [t.loc[label, "rounds to 90%"] for t in tables if label in t.index]
+        rows.append({"method": label, "final acc": stat("final acc"), "best acc": stat("best acc"),
+                     "final test loss": stat("final test loss"), "min test loss": stat("min test loss"),
+                     "rounds to 90%": " / ".join(str(r) for r in reached)})
+    return pd.DataFrame(rows).set_index("method")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/fedref"))
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    groups: dict[str, list[tuple[int, pd.DataFrame, pd.DataFrame, str]]] = {}
     for run_dir in args.runs:
         if not (run_dir / "results.json").is_file():
             print(f"fedref_report: {run_dir}: no results.json (not a finished run folder)", file=sys.stderr)
             return 2
         results, metrics = load(run_dir)
-        name = results["run"].get("name") or run_dir.name
         cfg = results["config"]
+        job = cfg["run"]["name"]
+        seed = int(cfg["run"]["seed"])
+        name = job if seed == 0 else f"{job}-s{seed}"
         part = cfg["partition"]
         title = (f"{name}: {cfg['data']['dataset']}, {part['num_clients']} clients, partition {part['method']}, "
                  f"{cfg['model']['name']}, {cfg['train']['optimizer']} lr {cfg['train']['lr']}")
@@ -112,6 +159,17 @@ def main(argv: list[str] | None = None) -> int:
         plot(args.out / f"{name}_curves.png", metrics, title)
         text = f"# {title}\n\n" + markdown(table) + "\n"
         (args.out / f"{name}.md").write_text(text)
+        print(text)
+        groups.setdefault(job, []).append((seed, table, metrics, title))
+    for job, runs in groups.items():
+        if len(runs) < 2:
+            continue
+        runs.sort(key=lambda r: r[0])
+        seeds = [r[0] for r in runs]
+        title = runs[0][3] + f" | seeds {seeds}"
+        plot_seeds(args.out / f"{job}_seeds_curves.png", [r[2] for r in runs], title)
+        text = f"# {title} (mean ± std over seeds)\n\n" + markdown(seeds_table([r[1] for r in runs])) + "\n"
+        (args.out / f"{job}_seeds.md").write_text(text)
         print(text)
     return 0
 

@@ -57,7 +57,7 @@ class FedAdagradParams(FedOptParams):
 
 def fedopt_step(rule: str, x: dict[str, np.ndarray], delta: dict[str, np.ndarray], m: dict[str, np.ndarray],
                 v: dict[str, np.ndarray], *, eta: float, beta1: float, beta2: float, tau: float) -> dict[str, np.ndarray]:
-    """One adaptive server step, in place on ``m`` and ``v`` (float64); returns the new model in ``x``'s dtypes.
+    """One adaptive server step, in place on ``m`` and ``v``; returns the new model (``x``'s dtypes).
 
     Parameters
     ----------
@@ -65,32 +65,42 @@ def fedopt_step(rule: str, x: dict[str, np.ndarray], delta: dict[str, np.ndarray
     x : dict of ndarray
         The current global model ``x_t``.
     delta : dict of ndarray
-        The pseudo-gradient ``Delta_t``.
+        The pseudo-gradient ``Delta_t``; consumed (used as scratch space).
     m, v : dict of ndarray
-        First and second moments, updated in place.
+        First and second moments (float arrays of ``x``'s shapes), updated in place.
     eta, beta1, beta2, tau : float
         Step size (already bias-corrected when asked), decays and adaptivity.
     """
+    if rule not in ("adagrad", "adam", "yogi"):
+        raise ValueError(f"unknown FedOpt rule {rule!r}")
     out = {}
     for key, x_k in x.items():
+        d = delta[key]
         if x_k.dtype.kind != "f":  # integer buffers (BatchNorm counters) follow the average
-            out[key] = (x_k + delta[key]).astype(x_k.dtype)
+            out[key] = (x_k + d).astype(x_k.dtype)
             continue
-        d = delta[key].astype(np.float64)
-        d2 = d * d
         m_k, v_k = m[key], v[key]
+        # In-place arithmetic, two scratch arrays: the step costs a few passes over the model, not a dozen allocations.
         m_k *= beta1
         m_k += (1.0 - beta1) * d
+        np.multiply(d, d, out=d)  # d now holds Delta_t^2
         if rule == "adagrad":
-            v_k += d2
+            v_k += d
         elif rule == "adam":
             v_k *= beta2
-            v_k += (1.0 - beta2) * d2
-        elif rule == "yogi":
-            v_k -= (1.0 - beta2) * d2 * np.sign(v_k - d2)
-        else:
-            raise ValueError(f"unknown FedOpt rule {rule!r}")
-        out[key] = (x_k + eta * m_k / (np.sqrt(v_k) + tau)).astype(x_k.dtype)
+            d *= 1.0 - beta2
+            v_k += d
+        else:  # yogi: v -= (1 - beta2) Delta^2 sign(v - Delta^2)
+            sign = np.sign(v_k - d)
+            d *= 1.0 - beta2
+            d *= sign
+            v_k -= d
+        step = np.sqrt(v_k)
+        step += tau
+        np.divide(m_k, step, out=step)
+        step *= eta
+        step += x_k
+        out[key] = step.astype(x_k.dtype, copy=False)
     return out
 
 
@@ -109,10 +119,10 @@ class FedOpt(FedAvg):
     def server_update(self, server: ServerContext, global_params: dict[str, np.ndarray], averaged: dict[str, np.ndarray],
                       updates: dict[int, Update], round: int) -> dict[str, np.ndarray]:
         p = self.params
-        if not self.m:
-            self.m = {k: np.zeros(a.shape, np.float64) for k, a in global_params.items() if a.dtype.kind == "f"}
-            self.v = {k: np.full(a.shape, p.initial_accumulator, np.float64) for k, a in global_params.items() if a.dtype.kind == "f"}
-        delta = {k: averaged[k].astype(np.float64) - global_params[k] for k in global_params}
+        if not self.m:  # moments in the parameters' float dtype (as Flower keeps them)
+            self.m = {k: np.zeros_like(a) for k, a in global_params.items() if a.dtype.kind == "f"}
+            self.v = {k: np.full_like(a, p.initial_accumulator) for k, a in global_params.items() if a.dtype.kind == "f"}
+        delta = {k: averaged[k] - global_params[k] for k in global_params}
         self.steps += 1
         eta = p.eta
         if p.bias_correction:
@@ -132,8 +142,8 @@ class FedOpt(FedAvg):
 
     def load_server_state(self, state: dict[str, np.ndarray]) -> None:
         self.steps = int(state.get("steps", 0))
-        self.m = {k[2:]: np.array(a, dtype=np.float64) for k, a in state.items() if k.startswith("m/")}
-        self.v = {k[2:]: np.array(a, dtype=np.float64) for k, a in state.items() if k.startswith("v/")}
+        self.m = {k[2:]: np.array(a) for k, a in state.items() if k.startswith("m/")}
+        self.v = {k[2:]: np.array(a) for k, a in state.items() if k.startswith("v/")}
 
 
 @register_method

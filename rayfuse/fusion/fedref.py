@@ -70,20 +70,27 @@ def reference_model(queue: "list[dict[str, np.ndarray]] | deque[dict[str, np.nda
 def fedref_step(form: str, theta1: dict[str, np.ndarray], theta1_prev: dict[str, np.ndarray], theta2: dict[str, np.ndarray],
                 theta2_prev: dict[str, np.ndarray], *, c_loss: float, lam: float, lr: float, p: int) -> dict[str, np.ndarray]:
     """The fine-tuning step of eq. 12 applied to this round's aggregate ``theta1`` (see the module docstring)."""
+    if form not in ("code", "grad"):
+        raise ValueError(f"unknown FedRef update form {form!r}")
     out = {}
     for key, t1 in theta1.items():
         if t1.dtype.kind != "f":
             out[key] = t1
             continue
-        d1 = t1.astype(np.float64) - theta1_prev[key]
-        d2 = theta2[key].astype(np.float64) - theta2_prev[key]
-        if form == "code":
-            step = c_loss + lam * np.abs(d1) + lam * np.abs(d2)
-        elif form == "grad":
-            step = 2.0 * lam * d1 + (2.0 * lam / p) * d2
-        else:
-            raise ValueError(f"unknown FedRef update form {form!r}")
-        out[key] = (t1 - lr * step).astype(t1.dtype)
+        d1 = np.subtract(t1, theta1_prev[key], dtype=t1.dtype)  # in place from here: two scratch arrays per tensor
+        d2 = np.subtract(theta2[key], theta2_prev[key], dtype=t1.dtype)
+        if form == "code":  # c_loss + lam |D1| + lam |D2|
+            np.abs(d1, out=d1)
+            np.abs(d2, out=d2)
+            d1 += d2
+            d1 *= lam
+            d1 += c_loss
+        else:  # 2 lam D1 + (2 lam / p) D2
+            d1 *= 2.0 * lam
+            d2 *= 2.0 * lam / p
+            d1 += d2
+        d1 *= lr
+        out[key] = np.subtract(t1, d1, out=d1)
     return out
 
 
@@ -100,6 +107,7 @@ class FedRef(FedAvg):
         self.theta2_prev: dict[str, np.ndarray] | None = None
         self.loss_prev = float("nan")
         self.seen = 0  # aggregates formed so far
+        self.queue_sum: dict[str, np.ndarray] = {}  # float64 running sum of the queue: the reference in O(1) passes
         self.fine_tuned = False
 
     def client_args(self) -> dict[str, object]:
@@ -117,10 +125,10 @@ class FedRef(FedAvg):
         # means: identical in the code's setting, unbiased otherwise.
         loss = float(losses.mean())
         theta1 = averaged
-        self.queue.append(theta1)
+        self._push(theta1)
         self.seen += 1
         # The authors' server forms the first reference in round p + 1 (from rounds 2..p+1) and fine-tunes from p + 2.
-        theta2 = reference_model(self.queue) if self.seen > p.p else None
+        theta2 = self._reference() if self.seen > p.p else None
         self.fine_tuned = False
         new = theta1
         if theta2 is not None and self.theta2_prev is not None:  # round > p + 1
@@ -134,6 +142,23 @@ class FedRef(FedAvg):
         self.theta1_prev, self.theta2_prev, self.loss_prev = theta1, theta2, loss
         return new
 
+    def _push(self, theta1: dict[str, np.ndarray]) -> None:
+        """Append to the queue, keeping the running sum: add the new aggregate, subtract the one that falls out."""
+        if not self.queue_sum:
+            self.queue_sum = {k: np.zeros(a.shape, np.float64) for k, a in theta1.items() if a.dtype.kind == "f"}
+        if len(self.queue) == self.queue.maxlen:
+            for key, acc in self.queue_sum.items():
+                acc -= self.queue[0][key]
+        for key, acc in self.queue_sum.items():
+            acc += theta1[key]
+        self.queue.append(theta1)
+
+    def _reference(self) -> dict[str, np.ndarray]:
+        """Eq. 13-14 from the running sum (equal to :func:`reference_model` of the queue up to float64 rounding)."""
+        n = len(self.queue)
+        newest = self.queue[-1]
+        return {k: (self.queue_sum[k] / n).astype(a.dtype) if k in self.queue_sum else a for k, a in newest.items()}
+
     def round_metrics(self) -> dict[str, float]:
         return {"fine_tuned": float(self.fine_tuned)}
 
@@ -144,6 +169,7 @@ class FedRef(FedAvg):
                                         "loss_prev": np.array(self.loss_prev)}
         for i, q in enumerate(self.queue):
             state.update({f"queue/{i}/{k}": a for k, a in q.items()})
+        state.update({f"queue_sum/{k}": a for k, a in self.queue_sum.items()})  # resume continues the same float sums
         if self.theta2_prev is not None:
             state.update({f"theta2_prev/{k}": a for k, a in self.theta2_prev.items()})
         return state  # theta1_prev is the newest queue entry
@@ -155,6 +181,7 @@ class FedRef(FedAvg):
             prefix = f"queue/{i}/"
             self.queue.append({k[len(prefix):]: np.array(a) for k, a in state.items() if k.startswith(prefix)})
         self.theta1_prev = self.queue[-1] if self.queue else None
+        self.queue_sum = {k[len("queue_sum/"):]: np.array(a, dtype=np.float64) for k, a in state.items() if k.startswith("queue_sum/")}
         prev = {k[len("theta2_prev/"):]: np.array(a) for k, a in state.items() if k.startswith("theta2_prev/")}
         self.theta2_prev = prev or None
         self.loss_prev = float(state.get("loss_prev", np.nan))
