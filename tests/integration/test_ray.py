@@ -160,3 +160,14 @@ def test_a_stale_ray_start_address_is_detected(tmp_path, alive):
         server.close()
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ("None" if alive else f"127.0.0.1:{port}")
+
+
+def test_fedref_and_fedadam_on_ray_equal_the_in_process_run(ray_session, make_config, tmp_path):
+    methods = {"fedadam": {"rounds": 3, "local_epochs": 1}, "fedref": {"rounds": 4, "local_epochs": 1, "p": 1, "lam": 0.1}}
+    on_ray = ray_run(make_config(methods=methods, federation={"backend": "ray"}), tmp_path / "ray")
+    in_process = run_experiment(make_config(methods=methods), InProcessBackend(), tmp_path / "local", printer=Printer(enabled=False),
+                                show_tables=False)
+    for label in methods:
+        assert params_equal(load_params(tmp_path / "ray" / "models" / f"{label}.safetensors"),
+                            load_params(tmp_path / "local" / "models" / f"{label}.safetensors")), label
+        assert on_ray["methods"][label]["accuracy"] == in_process["methods"][label]["accuracy"]
