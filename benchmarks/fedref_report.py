@@ -1,6 +1,6 @@
 """The FedRef comparison from a finished run folder (jobs/fedref_digits*.yaml): curves, final numbers, client compute.
 
-    python benchmarks/fedref_report.py RUN_DIR [RUN_DIR...] [--out benchmarks/results/fedref]
+    python benchmarks/fedref_report.py RUN_DIR [RUN_DIR...] [--out docs/results/fedref]
 
 For each run it writes ``<out>/<run name>[-s<seed>]_curves.png`` (test loss and test accuracy per round, every method
 in one figure) and ``<out>/<run name>[-s<seed>].md`` (final / best accuracy, final test loss, rounds to 90 % accuracy,
@@ -88,7 +88,7 @@ def plot(path: Path, metrics: pd.DataFrame, title: str) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_yscale("log")
     axes[1].set_ylim(max(0.0, axes[1].get_ylim()[0]), 1.0)
-    axes[1].legend(fontsize=8, loc="lower right")
+    axes[1].legend(fontsize=8, loc="best")
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -115,7 +115,7 @@ def plot_seeds(path: Path, runs: list[pd.DataFrame], title: str) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_yscale("log")
     axes[1].set_ylim(max(0.0, axes[1].get_ylim()[0]), 1.0)
-    axes[1].legend(fontsize=8, loc="lower right")
+    axes[1].legend(fontsize=8, loc="best")
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -139,7 +139,7 @@ def seeds_table(tables: list[pd.DataFrame]) -> pd.DataFrame:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/fedref"))
+    parser.add_argument("--out", type=Path, default=Path("docs/results/fedref"))
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     groups: dict[str, list[tuple[int, pd.DataFrame, pd.DataFrame, str]]] = {}
