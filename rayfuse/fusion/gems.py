@@ -62,7 +62,7 @@ def transform_features(X: np.ndarray, layers: list[tuple[np.ndarray, np.ndarray]
     out = torch.as_tensor(np.ascontiguousarray(X, dtype=np.float32).reshape(len(X), -1))
     with torch.no_grad():
         for weight, bias in layers:
-            out = _ACTIVATIONS[activation](out @ torch.as_tensor(np.asarray(weight, dtype=np.float32)).T + torch.as_tensor(np.asarray(bias, dtype=np.float32)))
+            out = _ACTIVATIONS[activation](out @ torch.tensor(np.asarray(weight), dtype=torch.float32).T + torch.tensor(np.asarray(bias), dtype=torch.float32))
     return out.numpy()
 
 

@@ -148,6 +148,7 @@ class Tuned(Method):
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params
         key = f"methods.{self.label}.public_samples"
+        public_subsets(server.public, p.public_samples, 1, server.rng("check"), key=key)  # bad input before any work
         if p.base == "raw":
             raw_epochs = p.raw_epochs or (5 if server.model_cfg.name == "logreg" else 50)
             metrics, curve, params = tuning_curve(server, None, p, key=key, raw_epochs=raw_epochs)
