@@ -153,13 +153,22 @@ def search_radii(passes: Callable[[np.ndarray, np.ndarray], np.ndarray], centers
         if active.size == 0:
             break
         R = (lo[active] + hi[active]) / 2
-        samples = sample_surface(centers[active], R, num_samples, rng, axes=None if axes is None else axes[active],
-                                 masks=None if masks is None else masks[active])
-        passed = np.asarray(passes(samples, active), dtype=bool).all(axis=1)
+        passed = np.ones(active.size, dtype=bool)
+        # Two batches: a first chunk of the p samples, then the rest only for the balls whose chunk all passed (the
+        # batched form of the reference's early exit at the first failing sample; a failing radius usually fails early).
+        first = min(num_samples, max(1, num_samples // 10))
+        for count in (first, num_samples - first):
+            todo = np.flatnonzero(passed)
+            if count == 0 or todo.size == 0:
+                continue
+            ids = active[todo]
+            samples = sample_surface(centers[ids], R[todo], count, rng, axes=None if axes is None else axes[ids],
+                                     masks=None if masks is None else masks[ids])
+            passed[todo] = np.asarray(passes(samples, ids), dtype=bool).all(axis=1)
+            evaluations += samples.shape[0] * samples.shape[1]
         lo[active[passed]] = R[passed]
         hi[active[~passed]] = R[~passed]
         steps += 1
-        evaluations += samples.shape[0] * samples.shape[1]
         if record:
             history.append((active.copy(), R.copy(), passed.copy()))
     # A ball that passed at every step keeps growing toward r_max: report r_max's neighbourhood as found.
