@@ -1,0 +1,156 @@
+"""GEMS on digits: the paper's tables and figures from the shipped jobs (in-process, no Ray needed).
+
+Runs ``jobs/gems_digits.yaml`` (logreg) and ``jobs/gems_digits_mlp.yaml`` (64-50-10 MLP) for K = 2, 3, 5 with the
+paper's label groups and writes, under ``benchmarks/results/gems/``:
+
+* ``table.md`` -- Global / Local / Averaged / GEMS / GEMS tuned and the tuned baselines (Tables 1, 2, 5, 6);
+* ``size.md`` -- hidden units and accuracy of GEMS against the ensemble of local networks (Table 3);
+* ``epsilon_grid.png`` / ``.md`` -- K = 2: whether the good-enough spaces intersect over an epsilon grid (Figure 6);
+* ``tuning_curve.png`` -- accuracy over public sample sizes of GEMS tuned, tuned average / local and raw (Figs 3-4).
+
+Usage: ``python benchmarks/gems_report.py [--quick]`` (``--quick``: p = 100 samples per radius; ~5 min on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rayfuse.config import load_config  # noqa: E402
+from rayfuse.runner import InProcessBackend, run_experiment  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results" / "gems"
+GROUPS = {2: [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], 3: [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]], 5: [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]}
+JOBS = {"logreg": ROOT / "jobs" / "gems_digits.yaml", "mlp": ROOT / "jobs" / "gems_digits_mlp.yaml"}
+# The paper's MNIST numbers (Tables 1/5 convex, Tables 2/6 network): Global, Local, Averaged, GEMS, GEMS tuned.
+PAPER = {("logreg", 2): (.926, .481, .780, .780, .889), ("logreg", 3): (.926, .325, .705, .647, .878),
+         ("logreg", 5): (.926, .198, .444, .456, .877), ("mlp", 2): (.965, .492, .641, .766, .888),
+         ("mlp", 3): (.965, .329, .422, .754, .926), ("mlp", 5): (.965, .199, .259, .439, .886)}
+
+
+def run(model: str, K: int, extra: list[str], methods: dict | None = None) -> dict:
+    overrides = [f"partition.num_clients={K}", f"partition.groups={json.dumps(GROUPS[K])}", "federation.backend=local",
+                 *extra]
+    cfg = load_config(JOBS[model], overrides)
+    if methods is not None:
+        from rayfuse.config import validate_config
+
+        data = json.loads(cfg.model_dump_json())
+        data["methods"] = methods
+        cfg = validate_config(data)
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run_experiment(cfg, InProcessBackend(), Path(tmp) / "run", printer=lambda e: None, show_tables=False)["methods"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--skip-grid", action="store_true")
+    args = parser.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    extra = ["methods.gems.num_samples=100"] if args.quick else []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, size_rows, curves, raw = [], [], {}, {}
+    for model in ("logreg", "mlp"):
+        for K in (2, 3, 5):
+            m = run(model, K, extra)
+            raw[f"{model}-K{K}"] = {label: {k: v for k, v in e.items() if k != "info"} | {"info": {
+                k: v for k, v in e.get("info", {}).items() if k in ("intersection_found", "distance_left", "radii", "hidden_units", "tuning_curve", "layers")}}
+                for label, e in m.items()}
+            g = m["gems"]
+            rows.append({"model": model, "K": K, "global": m["global"]["accuracy"], "local": m["local"]["accuracy"],
+                         "average": m["average"]["accuracy"], "gems": g["accuracy"], "gems_tuned": g.get("tuned_accuracy"),
+                         "tuned_average": m["tuned-average"]["accuracy"], "tuned_local": m["tuned-local"]["accuracy"],
+                         "raw": m["raw"]["accuracy"], "found": g["info"].get("intersection_found"),
+                         "paper": PAPER[(model, K)]})
+            if model == "mlp":
+                size_rows.append({"K": K, "gems_units": int(sum(g["info"]["hidden_units"])), "gems": g["accuracy"],
+                                  "gems_tuned": g.get("tuned_accuracy"), "ensemble_units": K * 50,
+                                  "ensemble": m["ensemble"]["accuracy"]})
+            curves[(model, K)] = {label: m[label]["info"]["tuning_curve"] for label in ("gems", "tuned-average", "tuned-local", "raw")}
+            print(rows[-1], flush=True)
+    (OUT / "raw.json").write_text(json.dumps(raw, indent=1, default=str))
+
+    lines = ["| model | K | Global | Local | Averaged | GEMS | GEMS tuned | tuned avg | tuned local | raw | intersect | paper (G/L/A/GEMS/tuned) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['K']} | {r['global']:.3f} | {r['local']:.3f} | {r['average']:.3f} | {r['gems']:.3f} | "
+                     f"{r['gems_tuned']:.3f} | {r['tuned_average']:.3f} | {r['tuned_local']:.3f} | {r['raw']:.3f} | {r['found']} | "
+                     + " / ".join(f"{v:.3f}" for v in r["paper"]) + " |")
+    (OUT / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    lines = ["| K | GEMS hidden units | GEMS | GEMS tuned | ensemble hidden units | ensemble |", "|---|---|---|---|---|---|"]
+    for r in size_rows:
+        lines.append(f"| {r['K']} | {r['gems_units']} | {r['gems']:.3f} | {r['gems_tuned']:.3f} | {r['ensemble_units']} | {r['ensemble']:.3f} |")
+    (OUT / "size.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7), sharey=True)
+    for ax, ((model, K), series) in zip(axes.ravel(), curves.items()):
+        for label, curve in series.items():
+            ax.plot([c["public_samples"] for c in curve], [c["accuracy"] for c in curve], marker="o",
+                    label="GEMS tuned" if label == "gems" else label)
+        ax.set_title(f"{model}, K = {K}")
+        ax.set_xlabel("public samples")
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel("test accuracy")
+    axes[1, 0].set_ylabel("test accuracy")
+    axes[0, 0].legend()
+    fig.tight_layout()
+    fig.savefig(OUT / "tuning_curve.png", dpi=110)
+
+    if args.skip_grid:
+        return
+    # Figure 6: K = 2, does a common model exist? logreg over epsilon; MLP over (epsilon_j, epsilon).
+    eps = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+    base = {"fine_tune": False, **({"num_samples": 100} if args.quick else {})}
+    grid_lines = ["| model | epsilon_j | epsilon | intersection | distance left | accuracy |", "|---|---|---|---|---|---|"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    m = run("logreg", 2, [], {f"e{e}": {"method": "gems", "epsilon": e, **base} for e in eps})
+    found = [m[f"e{e}"]["info"]["intersection_found"] for e in eps]
+    accs = [m[f"e{e}"]["accuracy"] for e in eps]
+    for e, f, a in zip(eps, found, accs):
+        grid_lines.append(f"| logreg | - | {e} | {f} | {m[f'e{e}']['info']['distance_left']:.3g} | {a:.3f} |")
+    axes[0].scatter(eps, accs, c=["tab:green" if f else "tab:red" for f in found], s=60)
+    axes[0].set_xlabel("epsilon (validation accuracy)")
+    axes[0].set_ylabel("GEMS test accuracy")
+    axes[0].set_title("logreg, K = 2 (green: intersection found)")
+    hid = [0.01, 0.1, 1.0]
+    fin = [0.2, 0.4, 0.6, 0.8]
+    methods = {f"h{h}-e{e}": {"method": "gems", "hidden_epsilon": h, "epsilon": e, "retrain_epochs": 30, "retrain_lr": 0.005,
+                              "m_epsilon": 50, **base} for h in hid for e in fin}
+    m = run("mlp", 2, [], methods)
+    for i, h in enumerate(hid):
+        for j, e in enumerate(fin):
+            entry = m[f"h{h}-e{e}"]
+            f = entry["info"]["intersection_found"]
+            axes[1].scatter(j, i, s=900, c="tab:green" if f else "tab:red", marker="s")
+            axes[1].text(j, i, f"{entry['accuracy']:.2f}\n{int(sum(entry['info']['hidden_units']))}u", ha="center", va="center", fontsize=8)
+            grid_lines.append(f"| mlp | {h} | {e} | {f} | {entry['info']['distance_left']:.3g} | {entry['accuracy']:.3f} |")
+    axes[1].set_xticks(range(len(fin)), [str(e) for e in fin])
+    axes[1].set_yticks(range(len(hid)), [str(h) for h in hid])
+    axes[1].set_xlabel("epsilon (output layer)")
+    axes[1].set_ylabel("epsilon_j (hidden neurons)")
+    axes[1].set_title("MLP, K = 2, m_eps = 50 (accuracy, hidden units)")
+    axes[1].set_xlim(-0.6, len(fin) - 0.4)
+    axes[1].set_ylim(-0.6, len(hid) - 0.4)
+    fig.tight_layout()
+    fig.savefig(OUT / "epsilon_grid.png", dpi=110)
+    (OUT / "epsilon_grid.md").write_text("\n".join(grid_lines) + "\n")
+    print("\n".join(grid_lines))
+
+
+if __name__ == "__main__":
+    main()

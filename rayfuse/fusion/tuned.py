@@ -1,0 +1,174 @@
+"""``tuned``: a model fine-tuned on the server's public sample (the baselines of Section 4.4 of GEMS [1]).
+
+GEMS reports its fused model fine-tuned on a small public sample, and applies the same fine-tuning to the baselines:
+
+* ``base: local`` -- each client's local model fine-tuned (mean +- std over clients);
+* ``base: average`` -- the parameter average of the local models fine-tuned;
+* ``base: raw`` -- a fresh model trained on the public sample alone.
+
+Fine-tuning follows the reference code [GEMS: utils/model_utils.py ``fine_tune``]: Adam, lr 0.01, batch 32, 5 epochs;
+for networks only the last (softmax) layer is tuned. The reference draws the sample from the pooled validation data;
+here it is the coordinator's public sample (``data.public_size``, drawn stratified from the training pool before
+partitioning). ``public_samples`` takes a subset of it (uniformly, seeded), or a list of sizes for the fine-tuning
+curve of Figures 3-4 (``info.tuning_curve``; the final metrics are those of the largest size).
+
+[1] N. Guha, V. Smith. Model Aggregation via Good-Enough Model Spaces. arXiv:1805.07782 (2019).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import Field, field_validator
+
+from rayfuse.coordinator import ServerContext
+from rayfuse.data.roles import Split
+from rayfuse.errors import InputError
+from rayfuse.fusion.base import Method, MethodParams, MethodResult, register_method
+from rayfuse.models import get_params, predict_proba, set_params, train_model
+from rayfuse.models.registry import MLP, LogisticRegression
+
+__all__ = ["TunedParams", "Tuned", "model_for_params", "evaluate_params", "fine_tune", "public_subsets", "TuneSettings"]
+
+
+def model_for_params(params: dict[str, np.ndarray], model_cfg: Any) -> Any:
+    """A logreg or MLP module shaped like ``params`` (GEMS' fused networks may be narrower or wider than the config)."""
+    if "linear.weight" in params:
+        weight = params["linear.weight"]
+        return set_params(LogisticRegression(weight.shape[1], weight.shape[0]), params)
+    layers = sorted(int(k.split(".")[1]) for k in params if k.startswith("layers.") and k.endswith(".weight"))
+    if not layers:
+        raise InputError("model.name", "logreg or mlp parameters", sorted(params)[:3])
+    shapes = [params[f"layers.{i}.weight"].shape for i in layers]
+    model = MLP(shapes[0][1], [s[0] for s in shapes[:-1]], shapes[-1][0], activation=getattr(model_cfg, "activation", "relu"))
+    return set_params(model, params)
+
+
+def evaluate_params(server: ServerContext, params: dict[str, np.ndarray]) -> dict[str, float]:
+    """Test metrics of a logreg / MLP parameter dict of any width (``server.evaluate`` requires the config's shape)."""
+    from rayfuse.errors import NonFiniteError
+
+    if not all(np.isfinite(v).all() for v in params.values()):
+        raise NonFiniteError(f"{server.label}: the model to evaluate has NaN or Inf values")
+    model = model_for_params(params, server.model_cfg)
+    return server.evaluate_proba(predict_proba(model, server.test.X, device=server.device))
+
+
+class TuneSettings(MethodParams):
+    """Fine-tuning on the public sample (shared by ``tuned`` and ``gems``)."""
+
+    public_samples: int | list[int] | None = Field(None, description="public examples to tune on (default: the whole data.public_size sample); a list gives the fine-tuning curve")
+    tune_epochs: int = Field(5, ge=1, description="fine-tuning epochs (reference: 5)")
+    tune_lr: float = Field(0.01, gt=0, description="Adam learning rate (reference: 0.01)")
+    tune_batch_size: int = Field(32, ge=1)
+    tune_trials: int = Field(1, ge=1, description="draws of the public subset per size (the paper: 5); metrics are averaged")
+    last_layer_only: bool = Field(True, description="networks: tune only the last layer (the reference); logreg has one layer")
+
+    @field_validator("public_samples")
+    @classmethod
+    def _positive_sizes(cls, value: int | list[int] | None) -> int | list[int] | None:
+        sizes = [value] if isinstance(value, int) else (value or [])
+        if isinstance(value, list) and not value:
+            raise ValueError("a non-empty list of sizes")
+        if any(s < 1 for s in sizes):
+            raise ValueError(f"public sample sizes >= 1, got {value}")
+        return value
+
+
+def fine_tune(params: dict[str, np.ndarray], X: np.ndarray, y: np.ndarray, *, model_cfg: Any, epochs: int, lr: float,
+              batch_size: int, last_layer_only: bool, seed: int, device: str = "cpu") -> dict[str, np.ndarray]:
+    """``params`` after ``epochs`` of Adam on ``(X, y)``; for an MLP with ``last_layer_only`` only the last layer moves."""
+    model = model_for_params(params, model_cfg)
+    if last_layer_only and isinstance(model, MLP):
+        for layer in model.layers[:-1]:
+            layer.requires_grad_(False)
+    train_model(model, X, y, epochs=epochs, batch_size=batch_size, lr=lr, optimizer="adam", seed=seed, device=device)
+    return get_params(model)
+
+
+def public_subsets(public: Split, sizes: int | list[int] | None, trials: int, rng: np.random.Generator, *,
+                   key: str) -> list[tuple[int, list[np.ndarray]]]:
+    """For each size, ``trials`` uniform index draws from the public sample (``key`` names the parameter in errors)."""
+    n = len(public)
+    if n == 0:
+        raise InputError("data.public_size", f"a public sample (> 0) for fine-tuning ({key})", 0,
+                         "set data.public_size, e.g. 200")
+    wanted = [n] if sizes is None else ([sizes] if isinstance(sizes, int) else sorted(set(sizes)))
+    if max(wanted) > n:
+        raise InputError(key, f"at most the public sample's size ({n}, data.public_size)", max(wanted))
+    return [(s, [rng.choice(n, size=s, replace=False) for _ in range(trials)]) for s in wanted]
+
+
+def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+
+
+def tuning_curve(server: ServerContext, params: dict[str, np.ndarray] | None, settings: TuneSettings, *, key: str,
+                 raw_epochs: int | None = None) -> tuple[dict[str, float], list[dict[str, float]], dict[str, np.ndarray]]:
+    """Fine-tune ``params`` (``None``: a fresh model trained for ``raw_epochs``) at each public size.
+
+    Returns the metrics at the largest size (averaged over trials), the curve, and the last tuned parameters.
+    """
+    public = server.public
+    curve: list[dict[str, float]] = []
+    last: dict[str, np.ndarray] = {}
+    metrics: dict[str, float] = {}
+    for size, draws in public_subsets(public, settings.public_samples, settings.tune_trials, server.rng("tune"), key=key):
+        rows = []
+        for trial, idx in enumerate(draws):
+            seed = server.step_seed("tune", size, trial)
+            if params is None:
+                model = server.build_model(seed=seed)
+                train_model(model, public.X[idx], public.y[idx], epochs=raw_epochs or settings.tune_epochs,
+                            batch_size=settings.tune_batch_size, lr=settings.tune_lr, seed=seed, device=server.device)
+                last = get_params(model)
+            else:
+                last = fine_tune(params, public.X[idx], public.y[idx], model_cfg=server.model_cfg, epochs=settings.tune_epochs,
+                                 lr=settings.tune_lr, batch_size=settings.tune_batch_size, last_layer_only=settings.last_layer_only,
+                                 seed=seed, device=server.device)
+            rows.append(evaluate_params(server, last))
+        metrics = _mean_metrics(rows)
+        curve.append({"public_samples": float(size), **metrics})
+    return metrics, curve, last
+
+
+class TunedParams(TuneSettings):
+    base: Literal["local", "average", "raw"] = Field("average", description="what to fine-tune: each local model, their average, or a fresh model")
+    raw_epochs: int | None = Field(None, ge=1, description="base raw: training epochs (default: 5 for logreg, 50 for networks, as the reference)")
+
+
+@register_method
+class Tuned(Method):
+    name = "tuned"
+    Params = TunedParams
+    summary = "a local / averaged / fresh (raw) model fine-tuned on the server's public sample (GEMS Section 4.4)"
+    uses_local_models = True
+
+    def run(self, server: ServerContext) -> MethodResult:
+        p = self.params
+        key = f"methods.{self.label}.public_samples"
+        public_subsets(server.public, p.public_samples, 1, server.rng("check"), key=key)  # bad input before any work
+        if p.base == "raw":
+            raw_epochs = p.raw_epochs or (5 if server.model_cfg.name == "logreg" else 50)
+            metrics, curve, params = tuning_curve(server, None, p, key=key, raw_epochs=raw_epochs)
+            server.log(0, metrics)
+            return MethodResult(metrics, params, info={"base": "raw", "tuning_curve": curve, "epochs": raw_epochs})
+        if p.base == "average":
+            averaged, updates = server.average_updates(server.local_updates())
+            metrics, curve, params = tuning_curve(server, averaged, p, key=key)
+            server.log(0, metrics)
+            return MethodResult(metrics, params, info={"base": "average", "tuning_curve": curve, "clients": list(updates)})
+        updates = server.accept_updates(server.local_updates())
+        per_client, curves = [], []
+        for client, update in updates.items():
+            metrics, curve, _ = tuning_curve(server, update.params, p, key=key)
+            server.log(0, metrics, client=client)
+            per_client.append({"client": client, **metrics})
+            curves.append(curve)
+        names = [k for k in per_client[0] if k != "client"]
+        mean = {k: float(np.mean([r[k] for r in per_client])) for k in names}
+        std = {f"{k}_std": float(np.std([r[k] for r in per_client])) for k in names}
+        curve = [{k: float(np.mean([c[i][k] for c in curves])) for k in curves[0][i]} for i in range(len(curves[0]))]
+        server.log(0, mean)
+        return MethodResult({**mean, **std}, info={"base": "local", "per_client": per_client, "tuning_curve": curve})
