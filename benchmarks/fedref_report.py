@@ -72,30 +72,9 @@ def markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def plot(path: Path, metrics: pd.DataFrame, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    for ax, metric, name in ((axes[0], "nll", "test loss (NLL)"), (axes[1], "accuracy", "test accuracy")):
-        for label, series in curves(metrics, metric).items():
-            style = "-" if label.startswith("fedref") else "--"
-            ax.plot(series.index, series.values, style, linewidth=1.3, label=label)
-        ax.set_xlabel("round")
-        ax.set_ylabel(name)
-        ax.grid(alpha=0.3)
-    axes[0].set_yscale("log")
-    axes[1].set_ylim(max(0.0, axes[1].get_ylim()[0]), 1.0)
-    axes[1].legend(fontsize=8, loc="best")
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_seeds(path: Path, runs: list[pd.DataFrame], title: str) -> None:
+def plot(path: Path, runs: list[pd.DataFrame], title: str) -> None:
+    """Test loss and accuracy per round, one line per method: the mean over ``runs`` (one standard deviation shaded
+    when there are several)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -109,7 +88,8 @@ def plot_seeds(path: Path, runs: list[pd.DataFrame], title: str) -> None:
             mean, std = stack.mean(axis=1), stack.std(axis=1, ddof=0)
             style = "-" if label.startswith("fedref") else "--"
             (line,) = ax.plot(mean.index, mean.values, style, linewidth=1.3, label=label)
-            ax.fill_between(mean.index, (mean - std).values, (mean + std).values, color=line.get_color(), alpha=0.12)
+            if len(runs) > 1:
+                ax.fill_between(mean.index, (mean - std).values, (mean + std).values, color=line.get_color(), alpha=0.12)
         ax.set_xlabel("round")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
@@ -156,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         title = (f"{name}: {cfg['data']['dataset']}, {part['num_clients']} clients, partition {part['method']}, "
                  f"{cfg['model']['name']}, {cfg['train']['optimizer']} lr {cfg['train']['lr']}")
         table = summarize(results, metrics)
-        plot(args.out / f"{name}_curves.png", metrics, title)
+        plot(args.out / f"{name}_curves.png", [metrics], title)
         text = f"# {title}\n\n" + markdown(table) + "\n"
         (args.out / f"{name}.md").write_text(text)
         print(text)
@@ -167,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.sort(key=lambda r: r[0])
         seeds = [r[0] for r in runs]
         title = runs[0][3] + f" | seeds {seeds}"
-        plot_seeds(args.out / f"{job}_seeds_curves.png", [r[2] for r in runs], title)
+        plot(args.out / f"{job}_seeds_curves.png", [r[2] for r in runs], title)
         text = f"# {title} (mean ± std over seeds)\n\n" + markdown(seeds_table([r[1] for r in runs])) + "\n"
         (args.out / f"{job}_seeds.md").write_text(text)
         print(text)

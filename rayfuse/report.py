@@ -137,8 +137,13 @@ def plot_comparison(path: Any, methods: Mapping[str, Mapping[str, Any]], summari
     def series(summary: Mapping[str, Any], metric: str) -> list[tuple[int, float]]:
         return sorted((r["round"], r["value"]) for r in summary.get("history", []) if r["metric"] == metric and r.get("client") is None)
 
-    curves = {s["label"]: series(s, "accuracy") for s in summaries if len(series(s, "accuracy")) > 1}
-    losses = {s["label"]: series(s, "nll") for s in summaries if len(series(s, "nll")) > 1}
+    curves: dict[str, list[tuple[int, float]]] = {}
+    losses: dict[str, list[tuple[int, float]]] = {}
+    for s in summaries:
+        for target, metric in ((curves, "accuracy"), (losses, "nll")):
+            points = series(s, metric)
+            if len(points) > 1:
+                target[s["label"]] = points
     panels = 1 + bool(curves) + bool(losses)
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
     ax = axes[0, 0]

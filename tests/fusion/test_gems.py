@@ -6,12 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rayfuse.client import Client
-from rayfuse.config import validate_config
-from rayfuse.coordinator import Coordinator
-from rayfuse.data.roles import load_dataset_from_config, make_plan
 from rayfuse.errors import InputError
-from rayfuse.federation import EventLog, FailurePolicy, InProcessFederation
 from rayfuse.fusion import METHODS
 from rayfuse.fusion.gems_balls import (
     cluster_neurons, compute_fisher, ellipsoid_axes, flatten_linear, fuse_neurons, intersect_balls, neuron_distance,
@@ -197,21 +192,6 @@ def test_identical_neurons_merge_into_one():
 
 
 # -- the method ------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def coordinator(make_config, tmp_path):
-    def build(**sections):
-        cfg = make_config(**sections)
-        plan = make_plan(load_dataset_from_config(cfg.data), cfg.data, cfg.partition, cfg.run.seed)
-
-        def factory(i, restarted):
-            return Client(i, plan.for_client(i), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=cfg.run.seed)
-
-        fed = InProcessFederation(factory, plan.num_clients, FailurePolicy.from_config(cfg.federation), EventLog())
-        return Coordinator(cfg, plan, str(tmp_path / "run"), fed)
-
-    return build
 
 
 FAST = {"num_samples": 50, "r_max": 100.0}
