@@ -41,6 +41,7 @@ class ServerContext:
         self.events = coordinator.events
         cfg = coordinator.cfg
         self.seed = cfg.run.seed
+        self.data_cfg = cfg.data  # the dataset spec (a generator's true distribution for methods that score against it)
         self.model_cfg = cfg.model
         self.train_cfg = cfg.train
         self.num_classes = coordinator.plan.num_classes

@@ -5,7 +5,8 @@ Every dataset loads offline:
 * scikit-learn's bundled ``digits``, ``breast_cancer``, ``wine``, ``iris``;
 * torchvision's ``mnist``, ``fashion_mnist``, ``cifar10`` from a local folder (``data.root``; nothing downloads);
 * user files: ``npz`` (arrays) and ``parquet`` (columns), named by ``data.path``;
-* procedural generators: ``synthetic`` (scikit-learn's ``make_classification``; ``data.options`` are its arguments).
+* procedural generators: ``synthetic`` (scikit-learn's ``make_classification``; ``data.options`` are its arguments),
+  ``gaussians4`` (EP-GAN's 4-Gaussian toy set).
 
 A loader returns a :class:`Dataset`: float32 inputs shaped ``(N, *input_shape)`` (images as ``(N, C, H, W)``),
 int64 labels in ``0..num_classes-1``, and, when the source has one, its official test split.
@@ -180,6 +181,38 @@ def _load_synthetic(*, n_samples: int = 2000, n_features: int = 20, n_classes: i
     X = rng.normal(size=(n_samples, n_features))
     X[:, :n_informative] += centres[y]
     return Dataset("synthetic", X.astype(np.float32), y.astype(np.int64), n_classes, tuple(str(i) for i in range(n_classes)))
+
+
+GAUSSIANS4_CENTRES = np.array([[-3.0, 3.0], [3.0, 3.0], [-3.0, -3.0], [3.0, -3.0]])
+
+
+def gaussians4_mixture(*, var_low: float = 0.3, var_high: float = 0.5, random_state: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The true mixture of EP-GAN's toy set (§5.1): the 4 centres ``(+-3, +-3)`` and each Gaussian's isotropic variance
+    ``~ U[var_low, var_high]`` ("variances randomly sampled from [0.3, 0.5]"), drawn from ``random_state``. Equal weights."""
+    for key, value in (("var_low", var_low), ("var_high", var_high)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise InputError(f"data.options.{key}", "a number > 0", value)
+    if var_high < var_low:
+        raise InputError("data.options.var_high", f"at least var_low ({var_low})", var_high)
+    if not isinstance(random_state, int) or isinstance(random_state, bool) or random_state < 0:
+        raise InputError("data.options.random_state", "an integer >= 0", random_state)
+    variances = np.random.default_rng(random_state).uniform(var_low, var_high, size=4)
+    return GAUSSIANS4_CENTRES.copy(), variances
+
+
+@register_dataset("gaussians4", description="EP-GAN's toy set: 4 isotropic 2-D Gaussians at (+-3, +-3), variances ~ U[0.3, 0.5], "
+                  "label = the Gaussian; data.options: n_per_mode, var_low, var_high, random_state", source="generator")
+def _load_gaussians4(*, n_per_mode: int = 2500, var_low: float = 0.3, var_high: float = 0.5, random_state: int = 0,
+                     **_: Any) -> Dataset:
+    """``n_per_mode`` points from each Gaussian (labels 0..3 in the order of :data:`GAUSSIANS4_CENTRES`); split one
+    Gaussian per client with ``partition: {method: labels, groups: [[0], [1], [2], [3]]}`` (App. F.2)."""
+    if not isinstance(n_per_mode, int) or isinstance(n_per_mode, bool) or n_per_mode < 2:
+        raise InputError("data.options.n_per_mode", "an integer >= 2", n_per_mode)
+    centres, variances = gaussians4_mixture(var_low=var_low, var_high=var_high, random_state=random_state)
+    rng = np.random.default_rng([random_state, 1])
+    y = np.repeat(np.arange(4), n_per_mode)
+    X = centres[y] + rng.normal(size=(len(y), 2)) * np.sqrt(variances[y])[:, None]
+    return Dataset("gaussians4", X.astype(np.float32), y.astype(np.int64), 4, ("(-3,3)", "(3,3)", "(-3,-3)", "(3,-3)"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,417 @@
+"""``epgan``: EP-GAN, federated Bayesian GANs with an expectation-propagation prior (Wu, Huang, Wang, Wang, Xu,
+"Unsupervised Federated Learning with Expectation-Propagation Prior GAN", ICLR 2022 submission, withdrawn; no public
+code) [1], and its baselines on the same engine.
+
+Algorithm 2 of [1] with the toy experiment's schedule (App. F.2.3)::
+
+    turn 0 (warm-up): every client trains its GAN for warmup_epochs from the shared initialisation
+    server: theta_G, theta_D <- sum_k (n_k / n) theta_{G,k}, ...      (FedAvg; the paper's "1/n_k" is a typo)
+            EP prior initialised at the averaged generator: m_j = theta_G (+ a small seeded spread for j > 0),
+            s_j = prior_var
+    turns t = 1..rounds: broadcast (theta_G, theta_D, m, s); every client
+        1. EP step (EP backbones): cavity = global / own factor, tilted moments of sigma(f_bar_j theta) x cavity
+           (Theorem 4.1 with the corrected S2, rayfuse.fusion.ep), damped factor update          (line 5)
+        2. local_epochs of GAN training (Algorithm 1: Adam + SGHMC noise loss; + lambda_ep L_ep), each epoch followed
+           by the historical interpolation theta <- beta theta + (1 - beta) theta_global       (line 6, App. F.2.3)
+        3. uploads theta_G, theta_D and its factor (m_k, s_k)                                  (line 8)
+    server: FedAvg of G and D; product of the factors (precision sum; the paper writes the precision where the variance
+            belongs: corrected, see rayfuse.fusion.ep.gaussian_product)                        (lines 9-10)
+
+The backbone is a parameter: ``wgan`` and ``probgan`` with FedAvg are the paper's baselines (no EP), ``ep-bgan``,
+``ep-probgan`` and, with ``components: J > 1``, Mixture-EP-ProbGAN (:mod:`rayfuse.fusion.epgan_nets`).
+``epgan-oracle`` trains the same backbone on every client's data pooled (the paper's "centralised" column).
+
+A client update with NaN / Inf anywhere (parameters, EP moments, losses), the wrong keys or shapes, or a non-positive
+EP variance is rejected and recorded (``update_rejected`` event), never averaged in.
+
+Scores (the toy set ``gaussians4``): D-MSE (App. F.2.2, eq. 48) between the min-max normalised critic map and the
+min-max normalised true mixture density on a 100 x 100 grid over [-5, 5]^2 (ALGORITHMS.md §3.6, PROPOSED: a grid
+rather than 10,000 random points, and min-max scaling because a WGAN critic is unbounded; ``d_mse_raw`` without the
+scaling); and, on 10,000 generator samples, ``g_dmse`` (the same MSE for the normalised sample histogram on 50 x 50
+bins), ``modes`` (centres holding >= 5 % of the samples within 3 standard deviations) and ``high_quality`` (the
+fraction of samples within 3 standard deviations of some centre).
+
+[1] ../shared/seeds/002_*; ALGORITHMS.md §3 (corrected formulas, proposals where the paper is silent).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from rayfuse.client import ClientContext
+from rayfuse.coordinator import ServerContext
+from rayfuse.errors import NonFiniteError, RunFailure
+from rayfuse.federation import Gathered, Update, client_step
+from rayfuse.fusion.aggregate import weighted_average
+from rayfuse.fusion.base import Method, MethodParams, MethodResult, register_method
+from rayfuse.fusion.ep import gaussian_product
+from rayfuse.fusion.epgan_nets import GANSettings, GANTrainer
+
+__all__ = ["EPGAN", "EPGANOracle", "EPGANParams", "EPGANOracleParams", "train_gan", "combine_factors", "grid_points",
+           "mixture_density", "density_mse", "score_toy"]
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Parameters
+
+
+class EPGANParams(MethodParams):
+    backbone: Literal["wgan", "probgan", "ep-bgan", "ep-probgan"] = Field(
+        "ep-probgan", description="wgan / probgan: the FedAvg baselines; ep-bgan, ep-probgan: with the EP prior")
+    components: int = Field(1, ge=1, le=64, description="J, EP-prior mixture components (J > 1: Mixture-EP-ProbGAN)")
+    num_generators: int = Field(4, ge=1, le=64, description="generator samples N (Bayesian backbones)")
+    num_discriminators: int = Field(4, ge=1, le=64, description="discriminator samples M (Bayesian backbones)")
+    latent_dim: int = Field(2, ge=1, description="z dimension (UNRECOVERABLE for the toy set; PROPOSED 2)")
+    hidden: int = Field(32, ge=2, description="hidden width of G and D (toy: 32)")
+    out_activation: Literal["none", "sigmoid"] = Field("none", description="generator output: none (toy) or sigmoid (images in [0, 1])")
+    lr_g: float = Field(2e-4, gt=0)
+    lr_d: float = Field(1e-4, gt=0)
+    batch_size: int = Field(128, ge=2)
+    d_steps: int = Field(1, ge=1, description="critic updates per generator update")
+    gp_weight: float = Field(10.0, ge=0, description="WGAN-GP penalty weight")
+    noise_weight: float = Field(3e-2, ge=0, description="SGHMC noise-loss weight (Bayesian backbones)")
+    sghmc_alpha: float = Field(0.01, gt=0, description="SGHMC alpha: noise std sqrt(2 alpha)")
+    hist_weight: float = Field(1.0, ge=0, description="weight of the discriminator-history (PSA) term")
+    hist_every: int = Field(10, ge=1, description="iterations between discriminator-history updates")
+    lambda_ep: float = Field(1e-3, ge=0, description="weight of the EP-prior term in the generator loss")
+    prior_var: float = Field(1.0, gt=0, description="variance of the initial global EP prior")
+    component_spread: float = Field(0.05, ge=0, description="std of the seeded offsets of components j > 0 at initialisation")
+    damping: float = Field(0.5, gt=0, le=1, description="damping rho of the EP factor update (natural parameters)")
+    site: Literal["paper", "ep"] = Field("paper", description="paper: clients upload the tilted Gaussian (Algorithm 2); "
+                                         "ep: they upload tilted / cavity, the server multiplies in the initial prior once")
+    warmup_epochs: int = Field(50, ge=0, description="local epochs before the first aggregation")
+    rounds: int = Field(10, ge=1, le=100_000, description="FedAvg turns after the warm-up")
+    local_epochs: int = Field(20, ge=0, description="local epochs per turn")
+    beta: float = Field(0.5, ge=0, le=1, description="historical interpolation after each local epoch (1: off)")
+    grid: int = Field(100, ge=10, le=1000, description="grid points per axis of the D-MSE map")
+    eval_samples: int = Field(10_000, ge=100, description="generator samples for the sample scores")
+
+    @model_validator(mode="after")
+    def _components_need_ep(self) -> "EPGANParams":
+        if self.components > 1 and not self.backbone.startswith("ep-"):
+            raise ValueError(f"@components@ 1 for backbone {self.backbone!r} (mixture components need an EP backbone), got {self.components}")
+        return self
+
+    def settings(self, data_dim: int) -> GANSettings:
+        return GANSettings(
+            backbone=self.backbone, data_dim=data_dim, latent_dim=self.latent_dim, hidden=self.hidden,
+            num_generators=self.num_generators, num_discriminators=self.num_discriminators, components=self.components,
+            out_activation=self.out_activation, lr_g=self.lr_g, lr_d=self.lr_d, batch_size=self.batch_size,
+            d_steps=self.d_steps, gp_weight=self.gp_weight, noise_weight=self.noise_weight, sghmc_alpha=self.sghmc_alpha,
+            hist_weight=self.hist_weight, hist_every=self.hist_every, lambda_ep=self.lambda_ep)
+
+
+class EPGANOracleParams(EPGANParams):
+    epochs: int = Field(200, ge=1, description="epochs on the pooled data (the paper's centralised runs: 200)")
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Client side
+
+
+def _flat(X: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(X.reshape(len(X), -1), dtype=np.float32)
+
+
+@client_step("epgan.train")
+def train_gan(ctx: ClientContext, broadcast: dict[str, Any], *, label: str, round: int, settings: dict[str, Any],
+              epochs: int, beta: float, damping: float, site: str) -> Update:
+    """One turn of a client (Algorithm 2, lines 5-8): EP step, local GAN training, upload.
+
+    The client's GAN (optimiser states, discriminator history, EP factor) lives in ``ctx.state`` between turns; a
+    restarted client rebuilds it from the broadcast (its EP factor is then unknown and its cavity is the global prior).
+    ``broadcast``: ``params`` (``G/*``, ``D/*``) and, once initialised, the global EP prior ``ep_mean`` / ``ep_var``
+    (arrays with a leading component axis).
+    """
+    key = f"epgan/{label}"
+    trainer: GANTrainer | None = ctx.state.get(key)
+    if trainer is None:
+        trainer = ctx.state[key] = GANTrainer(GANSettings(**settings), seed=ctx.step_seed(label, "gan"), device=ctx.device)
+    X = _flat(ctx.train.X)
+    params = broadcast["params"]
+    trainer.set_params(params)  # Algorithm 2, line 11: the local copies are overwritten by the broadcast
+    upload: dict[str, np.ndarray] = {}
+    metrics: dict[str, float] = {}
+    ep_mean, ep_var = broadcast.get("ep_mean"), broadcast.get("ep_var")
+    if trainer.settings.uses_ep and ep_mean is not None:
+        started = time.perf_counter()
+        means, variances, f_bar = trainer.update_ep(X, ep_mean, ep_var, damping=damping, site_mode=site)
+        upload.update({f"ep_mean/{k}": v for k, v in means.items()})
+        upload.update({f"ep_var/{k}": v for k, v in variances.items()})
+        metrics["ep_seconds"] = time.perf_counter() - started
+        metrics["f_bar"] = float(np.mean(f_bar))
+    # Turn 0 is the warm-up: there is no global model to interpolate towards yet.
+    stats = trainer.train(X, epochs, interpolate_to=params if round > 0 else None, beta=beta)
+    metrics.update(stats)
+    return Update({**trainer.get_params(), **upload}, ctx.num_examples, metrics)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Server math
+
+
+def combine_factors(factors: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]],
+                    prior: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Algorithm 2, line 10 (corrected): the product of the clients' Gaussian factors, key by key, elementwise.
+
+    ``s = 1 / sum_k (1 / s_k)``, ``m = s sum_k m_k / s_k``. With ``prior`` (site mode ``ep``) the initial prior is one
+    more factor, so that the global prior is ``p_0 prod_k q_k``.
+    """
+    everything = list(factors) + ([prior] if prior is not None else [])
+    means, variances = {}, {}
+    for key in everything[0][0]:
+        means[key], variances[key] = gaussian_product([f[0][key] for f in everything], [f[1][key] for f in everything])
+    return means, variances
+
+
+def grid_points(n: int = 100, limit: float = 5.0) -> np.ndarray:
+    """``n x n`` points on ``[-limit, limit]^2``, row-major with x fastest (row = y), shape ``(n * n, 2)``."""
+    axis = np.linspace(-limit, limit, n)
+    xx, yy = np.meshgrid(axis, axis)
+    return np.stack([xx.ravel(), yy.ravel()], axis=1)
+
+
+def mixture_density(points: np.ndarray, centres: np.ndarray, variances: np.ndarray) -> np.ndarray:
+    """Equal-weight isotropic Gaussian mixture density at ``points`` (App. F.2.2's ground-truth map ``f_P``)."""
+    sq = ((points[:, None, :] - centres[None, :, :]) ** 2).sum(-1)
+    dim = points.shape[1]
+    dens = np.exp(-0.5 * sq / variances[None, :]) / (2 * np.pi * variances[None, :]) ** (dim / 2)
+    return dens.mean(1)
+
+
+def _minmax(a: np.ndarray) -> np.ndarray:
+    span = float(a.max() - a.min())
+    return (a - a.min()) / span if span > 0 else np.zeros_like(a)
+
+
+def density_mse(f_p: np.ndarray, f_q: np.ndarray, *, normalise: bool = True) -> float:
+    """Eq. 48, ``(1/N) sum_x (f_P(x) - f_Q(x))^2``; with ``normalise`` both maps are min-max scaled to [0, 1] first."""
+    if normalise:
+        f_p, f_q = _minmax(f_p), _minmax(f_q)
+    return float(np.mean((f_p - f_q) ** 2))
+
+
+def score_toy(critic: np.ndarray, samples: np.ndarray, truth: np.ndarray, centres: np.ndarray, variances: np.ndarray, *,
+              grid: int, limit: float = 5.0) -> dict[str, float]:
+    """The toy scores of one model: ``critic`` on :func:`grid_points`, ``truth`` the mixture density there."""
+    metrics = {"d_mse": density_mse(truth, critic), "d_mse_raw": density_mse(truth, critic, normalise=False)}
+    finite = np.isfinite(samples).all(axis=1)
+    samples = samples[finite]
+    bins = 50
+    hist, _, _ = np.histogram2d(samples[:, 1], samples[:, 0], bins=bins, range=[[-limit, limit], [-limit, limit]])
+    centres_1d = -limit + (np.arange(bins) + 0.5) * (2 * limit / bins)
+    bx, by = np.meshgrid(centres_1d, centres_1d)
+    coarse_truth = mixture_density(np.stack([bx.ravel(), by.ravel()], 1), centres, variances)
+    metrics["g_dmse"] = density_mse(coarse_truth, hist.ravel())
+    dist = np.sqrt(((samples[:, None, :] - centres[None]) ** 2).sum(-1)) / np.sqrt(variances)[None]  # in standard deviations
+    near = dist <= 3.0
+    share = near.sum(0) / max(len(samples), 1)
+    metrics["modes"] = float((share >= 0.05).sum())
+    metrics["high_quality"] = float(near.any(1).mean()) if len(samples) else 0.0
+    metrics["nonfinite_samples"] = float((~finite).sum())
+    return metrics
+
+
+class _Scorer:
+    """Scores a model on the toy set, when the run's dataset is ``gaussians4`` (else only losses are logged)."""
+
+    MAP_SIZE = 50  # resolution of the maps kept in results.json for the density-map figure
+
+    def __init__(self, server: ServerContext, params: EPGANParams) -> None:
+        self.grid = params.grid
+        self.samples = params.eval_samples
+        self.seed = server.step_seed("eval")
+        self.truth = None
+        data = server.data_cfg
+        if data.dataset == "gaussians4" and int(np.prod(server.input_shape)) == 2:
+            from rayfuse.data.datasets import gaussians4_mixture
+
+            options = {k: v for k, v in data.options.items() if k in ("var_low", "var_high", "random_state")}
+            self.centres, self.variances = gaussians4_mixture(**options)
+            self.points = grid_points(self.grid)
+            self.truth = mixture_density(self.points, self.centres, self.variances)
+            self.map_points = grid_points(self.MAP_SIZE)
+
+    def __call__(self, trainer: GANTrainer) -> dict[str, float]:
+        if self.truth is None:
+            return {}
+        critic = trainer.critic_map(self.points)
+        if not np.isfinite(critic).all():
+            raise NonFiniteError("epgan: the fused discriminator's output is not finite")
+        return score_toy(critic, trainer.sample(self.samples, seed=self.seed), self.truth, self.centres, self.variances, grid=self.grid)
+
+    def snapshot(self, trainer: GANTrainer) -> dict[str, Any] | None:
+        """A small picture of the model for the report: the normalised critic map and 500 generator samples."""
+        if self.truth is None:
+            return None
+        critic = _minmax(trainer.critic_map(self.map_points)).reshape(self.MAP_SIZE, self.MAP_SIZE)
+        return {"critic": np.round(critic, 4).tolist(), "samples": np.round(trainer.sample(500, seed=self.seed), 3).tolist()}
+
+    def truth_snapshot(self) -> dict[str, Any] | None:
+        if self.truth is None:
+            return None
+        dens = _minmax(mixture_density(self.map_points, self.centres, self.variances)).reshape(self.MAP_SIZE, self.MAP_SIZE)
+        return {"density": np.round(dens, 4).tolist(), "centres": self.centres.tolist(), "variances": self.variances.tolist()}
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# The federated method
+
+
+def _split(params: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None]:
+    model = {k: v for k, v in params.items() if not k.startswith("ep_")}
+    means = {k[len("ep_mean/"):]: v for k, v in params.items() if k.startswith("ep_mean/")}
+    variances = {k[len("ep_var/"):]: v for k, v in params.items() if k.startswith("ep_var/")}
+    return model, ((means, variances) if means else None)
+
+
+def initial_ep_prior(trainer: GANTrainer, components: int, prior_var: float, spread: float,
+                     rng: np.random.Generator) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The global EP prior at the first aggregation (Algorithm 2, line 2): centred at the averaged generator.
+
+    Where to centre it is not in the paper (UNRECOVERABLE); the averaged warm-up generator is the model the federated
+    turns start from. Components ``j > 0`` get seeded offsets ``N(0, spread^2)`` so that the mixture is not J copies of
+    one Gaussian. Variances ``prior_var``.
+    """
+    centre = trainer.prior_from_generator()
+    means, variances = {}, {}
+    for name, value in centre.items():
+        offsets = rng.normal(0.0, spread, size=(components,) + value.shape)
+        offsets[0] = 0.0
+        means[name] = value[None] + offsets
+        variances[name] = np.full((components,) + value.shape, float(prior_var))
+    return means, variances
+
+
+@register_method
+class EPGAN(Method):
+    name = "epgan"
+    Params = EPGANParams
+    summary = "EP-GAN: federated (Bayesian) GANs, FedAvg of G and D plus a product-of-Gaussians EP prior (Wu et al. 2022)"
+
+    def run(self, server: ServerContext) -> MethodResult:
+        p: EPGANParams = self.params
+        data_dim = int(np.prod(server.input_shape))
+        settings = p.settings(data_dim)
+        fed = server.federation
+        scorer = _Scorer(server, p)
+        model = GANTrainer(settings, seed=server.step_seed("init"), device=server.device)  # the shared initialisation
+        global_params = model.get_params()
+        ep: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
+        initial_prior = None
+        step_args = dict(label=server.label, settings=asdict(settings), beta=p.beta, damping=p.damping, site=p.site)
+        maps: dict[str, Any] = {}
+        show = {0, 1, (p.rounds + 1) // 2, p.rounds}
+        metrics: dict[str, float] = {}
+        rejected = 0
+        for turn in range(0, p.rounds + 1):
+            broadcast = fed.put({"params": global_params, "ep_mean": None if ep is None else ep[0],
+                                 "ep_var": None if ep is None else ep[1]})
+            gathered = fed.run(train_gan, broadcast, round=turn, epochs=p.warmup_epochs if turn == 0 else p.local_epochs, **step_args)
+            reference = dict(global_params)
+            if ep is not None and settings.uses_ep:
+                reference.update({f"ep_mean/{k}": v for k, v in ep[0].items()})
+                reference.update({f"ep_var/{k}": v for k, v in ep[1].items()})
+            updates = self.accept(server, gathered, reference)
+            rejected += len(gathered.results) - len(updates)
+            weights = [u.num_examples for u in updates.values()]
+            parts = [_split(u.params) for u in updates.values()]
+            global_params = weighted_average([part[0] for part in parts], weights)  # Algorithm 2, line 9
+            model.set_params(global_params)
+            if settings.uses_ep:
+                if ep is None:  # after the warm-up: the global EP prior starts at the averaged generator
+                    ep = initial_ep_prior(model, p.components, p.prior_var, p.component_spread, server.rng("ep-init"))
+                    initial_prior = ep
+                else:  # Algorithm 2, line 10 (corrected variance)
+                    ep = combine_factors([part[1] for part in parts if part[1] is not None],
+                                         initial_prior if p.site == "ep" else None)
+            row = {
+                "clients": float(len(updates)),
+                "d_loss": float(np.average([u.metrics["d_loss"] for u in updates.values()], weights=weights)),
+                "g_loss": float(np.average([u.metrics["g_loss"] for u in updates.values()], weights=weights)),
+                "client_seconds": float(np.mean([u.metrics["train_seconds"] for u in updates.values()])),
+            }
+            if ep is not None:
+                row["ep_var_mean"] = float(np.mean([v.mean() for v in ep[1].values()]))
+            metrics = scorer(model)
+            row.update(metrics)
+            server.log(turn, row)
+            server.progress(f"turn {turn}/{p.rounds}", round=turn, rounds=p.rounds, clients=len(updates),
+                            metrics={k: round(v, 4) for k, v in row.items()})
+            if turn in show:
+                snap = scorer.snapshot(model)
+                if snap is not None:
+                    maps[str(turn)] = snap
+            del broadcast, gathered
+        if not metrics:  # no toy scores for this dataset: report the last losses
+            metrics = {"d_loss": row["d_loss"], "g_loss": row["g_loss"]}
+        final = dict(global_params)
+        if ep is not None:
+            final.update({f"ep_mean/{k}": v.astype(np.float32) for k, v in ep[0].items()})
+            final.update({f"ep_var/{k}": v.astype(np.float32) for k, v in ep[1].items()})
+        return MethodResult(metrics, final, info={
+            "rounds": p.rounds, "backbone": p.backbone, "components": p.components, "rejected_updates": rejected,
+            "maps": maps, "truth": scorer.truth_snapshot()})
+
+    @staticmethod
+    def accept(server: ServerContext, gathered: Gathered[Any], reference: dict[str, np.ndarray]) -> dict[int, Update]:
+        """:meth:`ServerContext.accept_updates` (NaN / Inf, keys, shapes, metrics) plus: EP variances must be > 0."""
+        updates = server.accept_updates(gathered, reference)
+        kept = {}
+        for client, update in updates.items():
+            bad = next((k for k, v in update.params.items() if k.startswith("ep_var/") and not (v > 0).all()), None)
+            if bad is None:
+                kept[client] = update
+            else:
+                server.events.emit("update_rejected", f"{bad}: non-positive EP variances", method=server.label, client=client)
+        need = max(min(server.federation.policy.min_clients, len(gathered.results) + len(gathered.failures)), 1)
+        if len(kept) < need:
+            raise RunFailure(f"{server.label}: {len(kept)} valid client updates, need {need}; see the update_rejected events")
+        return kept
+
+
+@register_method
+class EPGANOracle(Method):
+    name = "epgan-oracle"
+    aliases = ("epgan-centralized",)
+    Params = EPGANOracleParams
+    summary = "ORACLE: the EP-GAN backbone trained on all clients' data pooled (the paper's centralised column)"
+    oracle = True
+
+    def run(self, server: ServerContext) -> MethodResult:
+        p: EPGANOracleParams = self.params
+        data = server.pooled_train()
+        X = _flat(data.X)
+        settings = p.settings(X.shape[1])
+        scorer = _Scorer(server, p)
+        trainer = GANTrainer(settings, seed=server.step_seed("init"), device=server.device)
+        chunk = max(p.local_epochs, 1)
+        done = 0
+        metrics: dict[str, float] = {}
+        while done < p.epochs:
+            epochs = min(chunk, p.epochs - done)
+            if settings.uses_ep and done > 0:
+                # One "client" holding everything: the global prior is its own factor (a product of one factor). As in
+                # the federation, the prior starts at the generator after the first chunk of epochs (the warm-up).
+                if trainer.site is None:
+                    ep = initial_ep_prior(trainer, p.components, p.prior_var, p.component_spread, server.rng("ep-init"))
+                    trainer.update_ep(X, *ep, damping=p.damping, site_mode="paper")
+                else:
+                    trainer.update_ep(X, *trainer.site, damping=p.damping, site_mode="paper")
+            stats = trainer.train(X, epochs)
+            done += epochs
+            metrics = scorer(trainer)
+            server.log(done, {"d_loss": stats["d_loss"], "g_loss": stats["g_loss"], **metrics})
+            server.progress(f"epoch {done}/{p.epochs}", metrics={k: round(v, 4) for k, v in metrics.items()})
+        if not metrics:
+            metrics = {"d_loss": stats["d_loss"], "g_loss": stats["g_loss"]}
+        snap = scorer.snapshot(trainer)
+        return MethodResult(metrics, trainer.get_params(), info={
+            "note": "trained on all clients' data pooled: infeasible in a federation, an upper reference",
+            "backbone": p.backbone, "epochs": p.epochs, "num_examples": len(X), "maps": {"oracle": snap} if snap else {},
+            "truth": scorer.truth_snapshot()})
