@@ -1,0 +1,200 @@
+"""EP-GAN (rayfuse.fusion.epgan, epgan_nets): backbones, the server's product of factors, rejections, bad input, a
+tiny end-to-end run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rayfuse.data.datasets import gaussians4_mixture, load_dataset
+from rayfuse.errors import InputError
+from rayfuse.federation import Gathered, Update
+from rayfuse.fusion.epgan import EPGAN, combine_factors, density_mse, grid_points, mixture_density, score_toy
+from rayfuse.fusion.epgan_nets import Discriminator, GANSettings, GANTrainer, Generator, ep_energy
+
+TOY = {
+    "data": {"dataset": "gaussians4", "options": {"n_per_mode": 120}, "val_size": 0.0},
+    "partition": {"method": "labels", "num_clients": 4, "groups": [[0], [1], [2], [3]]},
+}
+FAST = {"warmup_epochs": 1, "rounds": 2, "local_epochs": 1, "batch_size": 32, "grid": 20, "eval_samples": 200}
+
+
+@pytest.fixture(scope="module")
+def toy_X():
+    return load_dataset("gaussians4", options={"n_per_mode": 64}).X
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backbones
+
+
+@pytest.mark.parametrize("backbone,components", [("wgan", 1), ("probgan", 1), ("ep-bgan", 1), ("ep-probgan", 1), ("ep-probgan", 3)])
+def test_backbones_train_with_finite_losses_and_the_right_shapes(toy_X, backbone, components):
+    s = GANSettings(backbone=backbone, components=components, batch_size=32, num_generators=4, num_discriminators=3)
+    trainer = GANTrainer(s, seed=0)
+    if s.uses_ep:
+        centre = trainer.prior_from_generator()
+        means = {k: np.stack([v] * components) for k, v in centre.items()}
+        variances = {k: np.ones_like(v) for k, v in means.items()}
+        site_m, site_v, f_bar = trainer.update_ep(toy_X, means, variances, damping=0.5)
+        assert f_bar.shape == (components,)
+        assert all(site_v[k].shape == means[k].shape and (site_v[k] > 0).all() for k in means)
+    stats = trainer.train(toy_X, 2)
+    assert np.isfinite(stats["d_loss"]) and np.isfinite(stats["g_loss"])
+    assert trainer.sample(10).shape == (10, 2)
+    assert trainer.critic_map(grid_points(5)).shape == (25,)
+    n_gen = 1 if backbone == "wgan" else 4
+    params = trainer.get_params()
+    assert params["G/first_weight"].shape == (n_gen, 32, 2)  # one first layer per generator sample
+    assert params["D/head.weight"].shape == (1 if backbone == "wgan" else 3, 32)  # one last layer per critic sample
+    assert ("pi/logits" in params) == (components > 1)
+    assert ("D/f_head.weight" in params) == s.uses_ep
+
+
+def test_discriminator_history_is_the_running_average_of_the_last_layer():
+    d = Discriminator(2, 8, num_samples=2)
+    seen = [d.head.weight.detach().clone()]
+    for _ in range(3):
+        with torch.no_grad():
+            d.head.weight.add_(torch.randn_like(d.head.weight))
+        seen.append(d.head.weight.detach().clone())
+        d.update_history()
+    torch.testing.assert_close(d.hist_weight, torch.stack(seen).mean(0))
+
+
+def test_generator_samples_use_their_own_first_layer():
+    g = Generator(2, 8, 2, num_samples=2).eval()
+    z = torch.randn(4, 2)
+    with torch.no_grad():
+        before = g(z)
+        g.first_weight[1].add_(1.0)  # only sample 1 changes: the first half of the batch is sample 0's
+        after = g(z)
+    torch.testing.assert_close(before[:2], after[:2])
+    assert not torch.allclose(before[2:], after[2:])
+
+
+def test_ep_energy_against_a_hand_computed_value():
+    theta = {"w": torch.tensor([[1.0, 2.0], [3.0, 4.0]]), "b": torch.tensor([0.5])}  # w per sample (N = 2), b shared
+    means = {"w": torch.tensor([[0.0, 0.0], [1.0, 1.0]]), "b": torch.tensor([[0.0], [0.5]])}  # J = 2
+    half = {"w": torch.full((2, 2), 0.5), "b": torch.full((2, 1), 0.25)}
+    energy = ep_energy(theta, means, half, num_samples=2, per_sample={"w"})
+    # j = 0: 0.5 (1 + 4 + 9 + 16) + 2 * 0.25 * 0.25 ; j = 1: 0.5 (0 + 1 + 4 + 9) + 2 * 0.25 * 0
+    torch.testing.assert_close(energy, torch.tensor([15.125, 7.0]))
+
+
+def test_the_mixture_ep_loss_is_a_logsumexp_below_the_best_component(toy_X):
+    trainer = GANTrainer(GANSettings(backbone="ep-probgan", components=3), seed=0)
+    centre = trainer.prior_from_generator()
+    means = {k: np.stack([v, v + 1.0, v - 1.0]) for k, v in centre.items()}
+    trainer.set_prior(means, {k: np.ones_like(v) for k, v in means.items()})
+    loss = float(trainer.ep_loss().detach())
+    energy = ep_energy(dict(trainer.G.named_parameters()), *trainer._prior_torch, trainer.G.num_samples, trainer.per_sample)
+    # -log sum_j pi_j exp(-E_j) >= min_j E_j (the pi_j sum to 1) and is finite even where exp(-E_j) underflows
+    assert np.isfinite(loss) and loss >= float(energy.min()) - 1e-3
+    assert float(energy.max()) > 100  # exp(-E) underflows in float32 for the far components
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Server math and scores
+
+
+def test_server_product_of_factors_equals_the_closed_form():
+    rng = np.random.default_rng(0)
+    factors = [({"w": rng.normal(size=(2, 3))}, {"w": rng.uniform(0.1, 2.0, size=(2, 3))}) for _ in range(3)]
+    means, variances = combine_factors(factors)
+    precision = sum(1.0 / f[1]["w"] for f in factors)
+    np.testing.assert_allclose(variances["w"], 1.0 / precision)  # the variance, not the precision (paper's typo)
+    np.testing.assert_allclose(means["w"], sum(f[0]["w"] / f[1]["w"] for f in factors) / precision)
+    # with the initial prior as one more factor (site mode "ep")
+    prior = ({"w": np.zeros((2, 3))}, {"w": np.ones((2, 3))})
+    _, v2 = combine_factors(factors, prior)
+    np.testing.assert_allclose(v2["w"], 1.0 / (precision + 1.0))
+
+
+def test_density_mse_is_zero_for_the_truth_and_invariant_to_scale():
+    centres, variances = gaussians4_mixture()
+    points = grid_points(30)
+    truth = mixture_density(points, centres, variances)
+    assert density_mse(truth, 7.0 * truth - 3.0) == pytest.approx(0.0, abs=1e-12)
+    assert density_mse(truth, np.zeros_like(truth)) > 0.01
+    cell = (10.0 / 29) ** 2
+    assert truth.sum() * cell == pytest.approx(1.0, abs=0.02)  # a density over [-5, 5]^2
+
+
+def test_toy_scores_count_modes():
+    centres, variances = gaussians4_mixture()
+    rng = np.random.default_rng(0)
+    points = grid_points(20)
+    truth = mixture_density(points, centres, variances)
+    all_modes = centres[rng.integers(0, 4, 2000)] + rng.normal(size=(2000, 2)) * 0.5
+    one_mode = centres[np.zeros(2000, int)] + rng.normal(size=(2000, 2)) * 0.5
+    good = score_toy(truth, all_modes, truth, centres, variances, grid=20)
+    bad = score_toy(truth, one_mode, truth, centres, variances, grid=20)
+    assert good["modes"] == 4 and bad["modes"] == 1
+    assert good["g_dmse"] < bad["g_dmse"] and good["high_quality"] > 0.95
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input and rejections
+
+
+@pytest.mark.parametrize("entry,key", [
+    ({"components": 0}, "components"),
+    ({"backbone": "probgan", "components": 4}, "components"),
+    ({"backbone": "dcgan"}, "backbone"),
+    ({"damping": 0.0}, "damping"),
+    ({"prior_var": -1.0}, "prior_var"),
+])
+def test_bad_parameters_name_the_key(make_config, entry, key):
+    with pytest.raises(InputError, match=rf"methods\.ep\.{key}"):
+        make_config(**TOY, methods={"ep": {"method": "epgan", **entry}})
+
+
+def _update(var: float, mean: float = 0.0) -> Update:
+    return Update({"G/w": np.zeros(2, np.float32), "ep_mean/w": np.full((1, 2), mean), "ep_var/w": np.full((1, 2), var)}, 10,
+                  {"d_loss": 0.0, "g_loss": 0.0})
+
+
+def test_a_client_with_nan_moments_or_non_positive_variances_is_rejected_and_recorded(coordinator):
+    coord = coordinator(**TOY, methods={"ep": {"method": "epgan", **FAST}})
+    from rayfuse.coordinator import ServerContext
+
+    spec = coord.cfg.method_specs()[0]
+    server = ServerContext(coord, spec, EPGAN, resume=False)
+    reference = _update(1.0).params
+    gathered = Gathered({0: _update(1.0), 1: _update(np.nan), 2: _update(-0.5), 3: _update(1.0, mean=np.nan)})
+    kept = EPGAN.accept(server, gathered, reference)
+    assert list(kept) == [0]
+    rejected = [e for e in coord.events.since(0) if e["kind"] == "update_rejected"]
+    assert sorted(e["client"] for e in rejected) == [1, 2, 3]
+    assert any("non-positive EP variances" in e["message"] for e in rejected)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# End to end, in-process
+
+
+def test_tiny_end_to_end_run_in_process(coordinator):
+    methods = {
+        "wgan": {"method": "epgan", "backbone": "wgan", **FAST},
+        "mix": {"method": "epgan", "backbone": "ep-probgan", "components": 2, **FAST},
+        "oracle": {"method": "epgan-oracle", "backbone": "ep-probgan", "epochs": 2, "local_epochs": 1,
+                   "batch_size": 32, "grid": 20, "eval_samples": 200},
+    }
+    coord = coordinator(**TOY, methods=methods, federation={"faults": [{"client": 2, "step": "epgan.train", "call": c, "mode": "nan"} for c in (2, 5)],
+                                                          "on_client_failure": "drop"})
+    wgan = coord.run_method("wgan")
+    mix = coord.run_method("mix")
+    oracle = coord.run_method("oracle")
+    for summary in (wgan, mix, oracle):
+        assert {"d_mse", "g_dmse", "modes", "high_quality"} <= set(summary["metrics"])
+        assert all(np.isfinite(v) for v in summary["metrics"].values())
+    assert oracle["oracle"] and not mix["oracle"]
+    # client 2's turn 1 returned NaNs in both federated methods (its calls 2 and 5): rejected, recorded, the turn went on
+    assert wgan["info"]["rejected_updates"] == 1 and mix["info"]["rejected_updates"] == 1
+    turns = [r for r in mix["history"] if r["metric"] == "clients"]
+    assert [r["value"] for r in turns] == [4.0, 3.0, 4.0]
+    var = [r["value"] for r in mix["history"] if r["metric"] == "ep_var_mean"]
+    assert len(var) == 3 and var[0] == pytest.approx(1.0) and var[2] < var[1] < 1.0  # the product sharpens the prior
+    assert set(mix["info"]["maps"]) == {"0", "1", "2"}
