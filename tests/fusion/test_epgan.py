@@ -89,7 +89,7 @@ def test_the_mixture_ep_loss_is_a_logsumexp_below_the_best_component(toy_X):
     means = {k: np.stack([v, v + 1.0, v - 1.0]) for k, v in centre.items()}
     trainer.set_prior(means, {k: np.ones_like(v) for k, v in means.items()})
     loss = float(trainer.ep_loss().detach())
-    energy = ep_energy(dict(trainer.G.named_parameters()), *trainer._prior_torch, trainer.G.num_samples, trainer.per_sample)
+    energy = ep_energy(dict(trainer.G.named_parameters()), *trainer._prior_torch, trainer.G.num_samples, trainer.per_sample).detach()
     # -log sum_j pi_j exp(-E_j) >= min_j E_j (the pi_j sum to 1) and is finite even where exp(-E_j) underflows
     assert np.isfinite(loss) and loss >= float(energy.min()) - 1e-3
     assert float(energy.max()) > 100  # exp(-E) underflows in float32 for the far components

@@ -1,0 +1,144 @@
+"""EP-GAN's toy experiment from a finished run folder (jobs/epgan_toy.yaml): the paper's Figure 1 and the scores.
+
+    python benchmarks/epgan_report.py RUN_DIR [--out docs/results/epgan]
+
+Writes, for a run named N:
+
+* ``<out>/N_maps.png`` -- Figure 1: one row per backbone; the centralised oracle, then the global model after the
+  warm-up (turn 0), the first, the middle and the last FedAvg turn. Each panel is the min-max normalised critic map
+  (red high, blue low) with 500 generator samples (black dots) and that model's D-MSE; the top row is the true mixture.
+* ``<out>/N_curves.png`` -- D-MSE, generator-sample D-MSE and modes covered per turn (oracles dashed).
+* ``<out>/N.md`` -- the final table (D-MSE, raw D-MSE, sample D-MSE, modes, high-quality fraction, seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+SCORES = [("d_mse", "D-MSE (critic map, min-max)"), ("d_mse_raw", "D-MSE raw"), ("g_dmse", "D-MSE (G samples)"),
+          ("modes", "modes (of 4)"), ("high_quality", "high-quality samples")]
+
+
+def load(run_dir: Path) -> tuple[dict, pd.DataFrame]:
+    results = json.loads((run_dir / "results.json").read_text())
+    metrics = pd.read_parquet(run_dir / "metrics.parquet")
+    return results, metrics[metrics["client"].isna()]
+
+
+def table(results: dict) -> pd.DataFrame:
+    rows = []
+    for label, entry in results["methods"].items():
+        if entry["method"] not in ("epgan", "epgan-oracle"):
+            continue
+        info = entry.get("info", {})
+        cfg = results["config"]["methods"][label]
+        rows.append({"method": label + (" (oracle)" if entry.get("oracle") else ""), "backbone": cfg["backbone"],
+                     "J": cfg["components"] if cfg["backbone"].startswith("ep-") else "-",
+                     **{name: entry.get(key, np.nan) for key, name in SCORES},
+                     "rejected": info.get("rejected_updates", 0), "seconds": entry.get("seconds")})
+    return pd.DataFrame(rows)
+
+
+def _panel(ax, snap: dict, truth: dict, title: str) -> None:
+    ax.imshow(np.asarray(snap["critic"]), origin="lower", extent=(-5, 5, -5, 5), cmap="coolwarm", vmin=0, vmax=1)
+    samples = np.asarray(snap["samples"])
+    inside = (np.abs(samples) <= 5).all(1)
+    ax.scatter(samples[inside, 0], samples[inside, 1], s=1.0, c="black", alpha=0.5)
+    centres = np.asarray(truth["centres"])
+    ax.scatter(centres[:, 0], centres[:, 1], marker="+", s=40, c="lime", linewidths=1)
+    ax.set_title(title, fontsize=8)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def plot_maps(results: dict, metrics: pd.DataFrame, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = results["methods"]
+    cfgs = results["config"]["methods"]
+    federated = [label for label, e in methods.items() if e["method"] == "epgan" and e["info"].get("maps")]
+    oracles = {cfgs[label]["backbone"]: label for label, e in methods.items() if e["method"] == "epgan-oracle"}
+    truth = next((e["info"]["truth"] for e in methods.values() if e["info"].get("truth")), None)
+    if not federated or truth is None:
+        return
+    turns = sorted({int(t) for label in federated for t in methods[label]["info"]["maps"]})
+    cols = 1 + len(turns)
+    fig, axes = plt.subplots(len(federated) + 1, cols, figsize=(2.2 * cols, 2.3 * (len(federated) + 1)), squeeze=False)
+    for ax in axes[0]:
+        ax.axis("off")
+    axes[0, 0].axis("on")
+    _panel(axes[0, 0], {"critic": truth["density"], "samples": []}, truth, "true mixture density")
+    for row, label in enumerate(federated, start=1):
+        info = methods[label]["info"]
+        d_mse = metrics[(metrics["method"] == label) & (metrics["metric"] == "d_mse")].set_index("round")["value"]
+        oracle = oracles.get(cfgs[label]["backbone"]) if cfgs[label]["components"] == 1 else None
+        ax = axes[row, 0]
+        if oracle and methods[oracle]["info"].get("maps"):
+            _panel(ax, methods[oracle]["info"]["maps"]["oracle"], truth, f"{oracle}\nD-MSE {methods[oracle]['d_mse']:.3f}")
+        else:
+            ax.axis("off")
+        for col, turn in enumerate(turns, start=1):
+            snap = info["maps"].get(str(turn))
+            if snap is None:
+                axes[row, col].axis("off")
+                continue
+            name = "warm-up" if turn == 0 else f"turn {turn}"
+            _panel(axes[row, col], snap, truth, f"{label}, {name}\nD-MSE {d_mse.get(turn, np.nan):.3f}")
+    fig.suptitle(f"{results['run']['name']}: critic maps (red high) and generator samples", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_curves(results: dict, metrics: pd.DataFrame, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("d_mse", "D-MSE (critic map)"), ("g_dmse", "D-MSE (generator samples)"), ("modes", "modes covered (of 4)")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
+    for ax, (metric, name) in zip(axes, panels):
+        for label, entry in results["methods"].items():
+            if entry["method"] == "epgan":
+                series = metrics[(metrics["method"] == label) & (metrics["metric"] == metric)].set_index("round")["value"].sort_index()
+                ax.plot(series.index, series.values, marker="o", markersize=3, label=label)
+            elif entry["method"] == "epgan-oracle" and metric in entry:
+                ax.axhline(entry[metric], linestyle="--", linewidth=0.8, color="gray")
+                ax.text(ax.get_xlim()[1], entry[metric], f" {label}", fontsize=7, color="gray", va="center")
+        ax.set_xlabel("turn (0 = after the warm-up)")
+        ax.set_title(name, fontsize=10)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("docs/results/epgan"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for run_dir in args.runs:
+        results, metrics = load(run_dir)
+        name = results["run"]["name"] + f"-s{results['config']['run']['seed']}"
+        frame = table(results)
+        text = frame.to_markdown(index=False, floatfmt=".4f")
+        (args.out / f"{name}.md").write_text(f"# {name}\n\nRun folder: `{run_dir}`, {results['run']['seconds']:.0f} s "
+                                             f"({results['run'].get('backend', '?')} backend).\n\n{text}\n")
+        plot_maps(results, metrics, args.out / f"{name}_maps.png")
+        plot_curves(results, metrics, args.out / f"{name}_curves.png")
+        print(f"{name}\n{text}\n-> {args.out}/{name}.md, {name}_maps.png, {name}_curves.png")
+
+
+if __name__ == "__main__":
+    main()
