@@ -217,6 +217,94 @@ def score_toy(critic: np.ndarray, samples: np.ndarray, truth: np.ndarray, centre
     return metrics
 
 
+def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
+    """``||mu_a - mu_b||^2 + tr(S_a + S_b - 2 (S_a S_b)^(1/2))`` between Gaussians fitted to two feature sets (FID's
+    formula, Heusel et al. 2017)."""
+    from scipy import linalg
+
+    mu_a, mu_b = a.mean(0), b.mean(0)
+    # + 1e-6 I: ReLU features have dead units, whose zero variance makes the product singular (as pytorch-fid does)
+    offset = 1e-6 * np.eye(a.shape[1])
+    cov_a, cov_b = np.cov(a, rowvar=False) + offset, np.cov(b, rowvar=False) + offset
+    root, _ = linalg.sqrtm(cov_a @ cov_b, disp=False)
+    root = np.real(root)
+    return float(((mu_a - mu_b) ** 2).sum() + np.trace(cov_a + cov_b - 2.0 * root))
+
+
+def inception_score(proba: np.ndarray, eps: float = 1e-12) -> float:
+    """``exp(E_x KL(p(y|x) || p(y)))`` (Salimans et al. 2016) for class probabilities ``(n, C)``."""
+    marginal = proba.mean(0, keepdims=True)
+    kl = (proba * (np.log(proba + eps) - np.log(marginal + eps))).sum(1)
+    return float(np.exp(kl.mean()))
+
+
+class _ImageScorer:
+    """Inception-style scores of generated images with a classifier trained on the dataset (issue 7: a digits
+    classifier stands in for Inception): ``fd`` (Frechet distance of its penultimate features, generated vs the global
+    test set), ``is`` (Inception score of its predictions) and ``classes`` (classes predicted for >= 5 % of the
+    samples, the image analogue of modes covered).
+
+    The classifier is an evaluation instrument outside the federation, trained once on the whole dataset (as Inception
+    is trained on ImageNet); no method sees it.
+    """
+
+    def __init__(self, server: ServerContext, params: EPGANParams) -> None:
+        import torch
+
+        from rayfuse.data.roles import load_dataset_from_config
+        from rayfuse.models import train_model
+        from rayfuse.models.registry import MLP
+
+        dataset = load_dataset_from_config(server.data_cfg)
+        self.shape = dataset.input_shape
+        self.samples = min(params.eval_samples, 2000)
+        self.seed = server.step_seed("eval")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            self.classifier = MLP(int(np.prod(self.shape)), [128], dataset.num_classes)
+        train_model(self.classifier, dataset.X, dataset.y, epochs=40, batch_size=64, lr=1e-3, seed=self.seed)
+        self.classifier.eval()
+        self.num_classes = dataset.num_classes
+        self.real, real_proba = self._features(_flat(server.test.X))
+        share = np.bincount(real_proba.argmax(1), minlength=self.num_classes) / len(real_proba)
+        self._reference = {"is": inception_score(real_proba), "classes": float((share >= 0.05).sum())}
+
+    def _features(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        import torch
+
+        with torch.no_grad():
+            x = torch.as_tensor(np.ascontiguousarray(X, dtype=np.float32))
+            feats = self.classifier.features(x)
+            proba = torch.softmax(self.classifier.layers[-1](feats), dim=1)
+        return feats.double().numpy(), proba.double().numpy()
+
+    def __call__(self, trainer: GANTrainer) -> dict[str, float]:
+        images = trainer.sample(self.samples, seed=self.seed)
+        if not np.isfinite(images).all():
+            raise NonFiniteError("epgan: the fused generator produced non-finite images")
+        feats, proba = self._features(images)
+        share = np.bincount(proba.argmax(1), minlength=self.num_classes) / len(proba)
+        return {"fd": frechet_distance(feats, self.real), "is": inception_score(proba), "classes": float((share >= 0.05).sum())}
+
+    def reference(self) -> dict[str, float]:
+        """``is`` and ``classes`` of the real test images (the best a generator can do; their ``fd`` is 0)."""
+        return dict(self._reference)
+
+    def snapshot(self, trainer: GANTrainer) -> dict[str, Any] | None:
+        images = trainer.sample(16, seed=self.seed).reshape((16,) + self.shape[-2:] if len(self.shape) == 3 else (16, -1))
+        return {"images": np.round(images, 3).tolist()}
+
+    def truth_snapshot(self) -> dict[str, Any] | None:
+        return None
+
+
+def make_scorer(server: ServerContext, params: EPGANParams) -> "_Scorer | _ImageScorer":
+    """Toy scores for ``gaussians4``; image scores for image datasets; otherwise only losses are logged."""
+    if server.data_cfg.dataset != "gaussians4" and len(server.input_shape) == 3:
+        return _ImageScorer(server, params)
+    return _Scorer(server, params)
+
+
 class _Scorer:
     """Scores a model on the toy set, when the run's dataset is ``gaussians4`` (else only losses are logged)."""
 
@@ -251,6 +339,9 @@ class _Scorer:
             return None
         critic = _minmax(trainer.critic_map(self.map_points)).reshape(self.MAP_SIZE, self.MAP_SIZE)
         return {"critic": np.round(critic, 4).tolist(), "samples": np.round(trainer.sample(500, seed=self.seed), 3).tolist()}
+
+    def reference(self) -> dict[str, float]:
+        return {}
 
     def truth_snapshot(self) -> dict[str, Any] | None:
         if self.truth is None:
@@ -299,7 +390,7 @@ class EPGAN(Method):
         data_dim = int(np.prod(server.input_shape))
         settings = p.settings(data_dim)
         fed = server.federation
-        scorer = _Scorer(server, p)
+        scorer = make_scorer(server, p)
         model = GANTrainer(settings, seed=server.step_seed("init"), device=server.device)  # the shared initialisation
         global_params = model.get_params()
         ep: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
@@ -356,7 +447,7 @@ class EPGAN(Method):
             final.update({f"ep_var/{k}": v.astype(np.float32) for k, v in ep[1].items()})
         return MethodResult(metrics, final, info={
             "rounds": p.rounds, "backbone": p.backbone, "components": p.components, "rejected_updates": rejected,
-            "maps": maps, "truth": scorer.truth_snapshot()})
+            "maps": maps, "truth": scorer.truth_snapshot(), "real_data_scores": scorer.reference()})
 
     @staticmethod
     def accept(server: ServerContext, gathered: Gathered[Any], reference: dict[str, np.ndarray]) -> dict[int, Update]:
@@ -388,7 +479,7 @@ class EPGANOracle(Method):
         data = server.pooled_train()
         X = _flat(data.X)
         settings = p.settings(X.shape[1])
-        scorer = _Scorer(server, p)
+        scorer = make_scorer(server, p)
         trainer = GANTrainer(settings, seed=server.step_seed("init"), device=server.device)
         chunk = max(p.local_epochs, 1)
         done = 0
@@ -414,4 +505,4 @@ class EPGANOracle(Method):
         return MethodResult(metrics, trainer.get_params(), info={
             "note": "trained on all clients' data pooled: infeasible in a federation, an upper reference",
             "backbone": p.backbone, "epochs": p.epochs, "num_examples": len(X), "maps": {"oracle": snap} if snap else {},
-            "truth": scorer.truth_snapshot()})
+            "truth": scorer.truth_snapshot(), "real_data_scores": scorer.reference()})

@@ -198,3 +198,29 @@ def test_tiny_end_to_end_run_in_process(coordinator):
     var = [r["value"] for r in mix["history"] if r["metric"] == "ep_var_mean"]
     assert len(var) == 3 and var[0] == pytest.approx(1.0) and var[2] < var[1] < 1.0  # the product sharpens the prior
     assert set(mix["info"]["maps"]) == {"0", "1", "2"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Image scores (digits)
+
+
+def test_frechet_distance_and_inception_score_properties():
+    from rayfuse.fusion.epgan import frechet_distance, inception_score
+
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(500, 4))
+    assert frechet_distance(a, a) == pytest.approx(0.0, abs=1e-4)
+    assert frechet_distance(a, a + 2.0) == pytest.approx(16.0, rel=1e-3)  # ||mu shift||^2 = 4 * 2^2
+    assert inception_score(np.eye(5)[rng.integers(0, 5, 1000)]) == pytest.approx(5.0, rel=0.02)  # confident, all classes
+    assert inception_score(np.full((100, 5), 0.2)) == pytest.approx(1.0)  # no information
+
+
+def test_tiny_digits_run_reports_image_scores(coordinator):
+    fast = {**FAST, "hidden": 16, "latent_dim": 4, "out_activation": "sigmoid", "eval_samples": 200}
+    coord = coordinator(data={"dataset": "digits", "val_size": 0.0},
+                        partition={"method": "labels", "num_clients": 2, "groups": [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]},
+                        methods={"ep": {"method": "epgan", "backbone": "ep-probgan", **fast}})
+    summary = coord.run_method("ep")
+    assert {"fd", "is", "classes"} <= set(summary["metrics"]) and all(np.isfinite(v) for v in summary["metrics"].values())
+    assert summary["info"]["real_data_scores"]["is"] > 5  # the scoring classifier separates the real digits
+    assert np.asarray(summary["info"]["maps"]["2"]["images"]).shape == (16, 8, 8)
