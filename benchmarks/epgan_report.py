@@ -9,6 +9,9 @@ Writes, for a run named N:
   (red high, blue low) with 500 generator samples (black dots) and that model's D-MSE; the top row is the true mixture.
 * ``<out>/N_curves.png`` -- D-MSE, generator-sample D-MSE and modes covered per turn (oracles dashed).
 * ``<out>/N.md`` -- the final table (D-MSE, raw D-MSE, sample D-MSE, modes, high-quality fraction, seconds).
+
+For the digits jobs (jobs/epgan_digits*.yaml) the table holds FD / IS / classes covered, the curves follow them per
+turn and ``<out>/N_samples.png`` shows 16 samples of every method's final generator.
 """
 
 from __future__ import annotations
@@ -30,7 +33,12 @@ def load(run_dir: Path) -> tuple[dict, pd.DataFrame]:
     return results, metrics[metrics["client"].isna()]
 
 
+IMAGE_SCORES = [("fd", "FD (classifier features)"), ("is", "IS (digits classifier)"), ("classes", "classes (of 10)")]
+
+
 def table(results: dict) -> pd.DataFrame:
+    image = any("fd" in e for e in results["methods"].values())
+    scores = IMAGE_SCORES if image else SCORES
     rows = []
     for label, entry in results["methods"].items():
         if entry["method"] not in ("epgan", "epgan-oracle"):
@@ -39,14 +47,14 @@ def table(results: dict) -> pd.DataFrame:
         cfg = results["config"]["methods"][label]
         rows.append({"method": label + (" (oracle)" if entry.get("oracle") else ""), "backbone": cfg["backbone"],
                      "J": cfg["components"] if cfg["backbone"].startswith("ep-") else "-",
-                     **{name: entry.get(key, np.nan) for key, name in SCORES},
+                     **{name: entry.get(key, np.nan) for key, name in scores},
                      "rejected": info.get("rejected_updates", 0), "seconds": entry.get("seconds")})
     return pd.DataFrame(rows)
 
 
 def _panel(ax, snap: dict, truth: dict, title: str) -> None:
     ax.imshow(np.asarray(snap["critic"]), origin="lower", extent=(-5, 5, -5, 5), cmap="coolwarm", vmin=0, vmax=1)
-    samples = np.asarray(snap["samples"])
+    samples = np.asarray(snap["samples"], dtype=float).reshape(-1, 2)
     inside = (np.abs(samples) <= 5).all(1)
     ax.scatter(samples[inside, 0], samples[inside, 1], s=1.0, c="black", alpha=0.5)
     centres = np.asarray(truth["centres"])
@@ -98,13 +106,43 @@ def plot_maps(results: dict, metrics: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_images(results: dict, path: Path) -> None:
+    """16 samples of each method's final generator (federated: the last turn; oracles: the end of training)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = []
+    for label, entry in results["methods"].items():
+        maps = entry.get("info", {}).get("maps") or {}
+        if maps:
+            last = maps.get("oracle") or maps[str(max(int(k) for k in maps))]
+            rows.append((label, np.asarray(last["images"]), entry))
+    if not rows:
+        return
+    fig, axes = plt.subplots(len(rows), 1, figsize=(8, 1.4 * len(rows)), squeeze=False)
+    for ax, (label, images, entry) in zip(axes[:, 0], rows):
+        strip = np.concatenate([np.pad(im, 1, constant_values=1.0) for im in images], axis=1)
+        ax.imshow(strip, cmap="gray_r", vmin=0, vmax=1)
+        ax.set_axis_off()
+        ax.set_title(f"{label}: FD {entry.get('fd', np.nan):.1f}, IS {entry.get('is', np.nan):.2f}, "
+                     f"classes {entry.get('classes', np.nan):.0f}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_curves(results: dict, metrics: pd.DataFrame, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("d_mse", "D-MSE (critic map)"), ("g_dmse", "D-MSE (generator samples)"), ("modes", "modes covered (of 4)")]
+    if (metrics["metric"] == "fd").any():
+        panels = [("fd", "FD (classifier features)"), ("is", "IS (digits classifier)"), ("classes", "classes covered")]
+    else:
+        panels = [("d_mse", "D-MSE (critic map)"), ("g_dmse", "D-MSE (generator samples)"), ("modes", "modes covered (of 4)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6))
     for ax, (metric, name) in zip(axes, panels):
         for label, entry in results["methods"].items():
@@ -122,6 +160,17 @@ def plot_curves(results: dict, metrics: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
+def markdown(frame: pd.DataFrame) -> str:
+    def cell(v: object) -> str:
+        if isinstance(v, float):
+            return "-" if not np.isfinite(v) else f"{v:.4f}" if abs(v) < 100 else f"{v:.1f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path)
@@ -132,10 +181,13 @@ def main() -> None:
         results, metrics = load(run_dir)
         name = results["run"]["name"] + f"-s{results['config']['run']['seed']}"
         frame = table(results)
-        text = frame.to_markdown(index=False, floatfmt=".4f")
+        text = markdown(frame)
         (args.out / f"{name}.md").write_text(f"# {name}\n\nRun folder: `{run_dir}`, {results['run']['seconds']:.0f} s "
                                              f"({results['run'].get('backend', '?')} backend).\n\n{text}\n")
-        plot_maps(results, metrics, args.out / f"{name}_maps.png")
+        if any("fd" in e for e in results["methods"].values()):
+            plot_images(results, args.out / f"{name}_samples.png")
+        else:
+            plot_maps(results, metrics, args.out / f"{name}_maps.png")
         plot_curves(results, metrics, args.out / f"{name}_curves.png")
         print(f"{name}\n{text}\n-> {args.out}/{name}.md, {name}_maps.png, {name}_curves.png")
 

@@ -13,6 +13,9 @@ from rayfuse.io import atomic_write_bytes
 __all__ = ["Printer", "format_table", "format_partition", "write_metrics_parquet", "plot_comparison", "TABLE_METRICS"]
 
 TABLE_METRICS = ("accuracy", "nll", "entropy", "ece")
+# shown in progress lines; the generative methods (epgan) report D-MSE / modes (toy set) or FD / IS (images)
+_PROGRESS_METRICS = ("accuracy", "nll", "train_loss", "d_mse", "modes", "fd", "is")
+_NOT_METRICS = {"method", "oracle", "rounds", "note", "seconds", "model_file", "info"}
 
 
 class Printer:
@@ -47,7 +50,7 @@ class Printer:
             return f"{t} {event.get('stage')}: started"
         if kind == "progress":
             metrics = event.get("metrics") or {}
-            shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k in ("accuracy", "nll", "train_loss"))
+            shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k in _PROGRESS_METRICS)
             clients = f"  clients {event['clients']}" if "clients" in event else ""
             return f"{t} {who}: {message}{clients}  {shown}".rstrip()
         if kind == "method_done":
@@ -88,6 +91,9 @@ def format_table(methods: Mapping[str, Mapping[str, Any]]) -> str:
             extra.append(f"vote acc {entry['vote_accuracy']:.4f}")
         if entry.get("rounds"):
             extra.append(f"{entry['rounds']} rounds")
+        if entry.get("accuracy") is None:  # not a classifier (epgan): its own first metrics
+            extra += [f"{k} {v:.4g}" for k, v in entry.items()
+                      if k not in _NOT_METRICS and not k.endswith("_std") and isinstance(v, (int, float)) and not isinstance(v, bool)][:4]
         cells.append(", ".join(extra) or "")
         cells.append(f"{entry.get('seconds', 0):.1f}")
         rows.append(cells)
