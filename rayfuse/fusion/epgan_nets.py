@@ -223,7 +223,7 @@ class GANTrainer:
             self.G = Generator(s.latent_dim, s.hidden, s.data_dim, s.n_gen, s.out_activation)
             self.D = Discriminator(s.data_dim, s.hidden, s.n_disc, s.components if s.uses_ep else 0)
             # Mixture weights pi = gumbel_softmax(logits): learnable logits of size J (ALGORITHMS.md §3.3, PROPOSED).
-            self.logits = nn.Parameter(torch.zeros(s.components))
+            self.logits = nn.Parameter(torch.zeros(s.components, device=device))
         self.G.to(device)
         self.D.to(device)
         g_params = list(self.G.parameters()) + ([self.logits] if s.uses_ep and s.components > 1 else [])

@@ -70,6 +70,26 @@ def test_synthetic_random_state_changes_the_draw():
     assert not np.array_equal(a.X, b.X)
 
 
+def test_gaussians4_is_epgans_toy_set():
+    from rayfuse.data.datasets import gaussians4_mixture
+
+    ds = load_dataset("gaussians4", options={"n_per_mode": 3000, "random_state": 3})
+    centres, variances = gaussians4_mixture(random_state=3)
+    assert ds.X.shape == (12000, 2) and ds.num_classes == 4 and not ds.has_test_split
+    assert ((variances >= 0.3) & (variances <= 0.5)).all()
+    for k in range(4):  # one isotropic Gaussian per label, at (+-3, +-3) with the drawn variance
+        points = ds.X[ds.y == k]
+        np.testing.assert_allclose(points.mean(0), centres[k], atol=0.05)
+        np.testing.assert_allclose(points.var(0), [variances[k]] * 2, rtol=0.1)
+
+
+@pytest.mark.parametrize("options,key", [({"n_per_mode": 1}, "n_per_mode"), ({"var_low": -1.0}, "var_low"),
+                                         ({"var_low": 0.5, "var_high": 0.3}, "var_high"), ({"n_points": 5}, "n_points")])
+def test_gaussians4_bad_options_name_the_key(options, key):
+    with pytest.raises(InputError, match=rf"data\.options\.{key}"):
+        load_dataset("gaussians4", options=options)
+
+
 def centre_spread(class_sep: float) -> tuple[float, float]:
     """Spread of the class means over the informative (first 3) and the noise (last 3) dimensions."""
     ds = load_dataset("synthetic", options={"n_samples": 4000, "n_features": 6, "n_informative": 3, "class_sep": class_sep})
