@@ -28,8 +28,28 @@ SCORES = [("d_mse", "D-MSE (critic map, min-max)"), ("d_mse_raw", "D-MSE raw"), 
 
 
 def load(run_dir: Path) -> tuple[dict, pd.DataFrame]:
-    results = json.loads((run_dir / "results.json").read_text())
-    metrics = pd.read_parquet(run_dir / "metrics.parquet")
+    """``results.json`` and the per-round metrics; for a run stopped before its end (no ``results.json``), the methods
+    that finished, from ``state/<label>.json`` and ``config.yaml``."""
+    if (run_dir / "results.json").is_file():
+        results = json.loads((run_dir / "results.json").read_text())
+        metrics = pd.read_parquet(run_dir / "metrics.parquet")
+        return results, metrics[metrics["client"].isna()]
+    import yaml
+
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    methods, rows = {}, []
+    for label in config["methods"]:
+        path = run_dir / "state" / f"{label}.json"
+        if not path.is_file():
+            continue
+        state = json.loads(path.read_text())
+        methods[label] = {"method": state["method"], **state["metrics"], "oracle": state.get("oracle", False),
+                          "info": state.get("info", {}), "seconds": state.get("seconds")}
+        rows += [{"method": label, "round": r["round"], "metric": r["metric"], "value": r["value"], "client": r.get("client")}
+                 for r in state.get("history", [])]
+    results = {"methods": methods, "config": config, "run": {"name": config["run"]["name"], "seconds": float("nan"),
+                                                             "backend": "stopped before the end: finished methods only"}}
+    metrics = pd.DataFrame(rows)
     return results, metrics[metrics["client"].isna()]
 
 
