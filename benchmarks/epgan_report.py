@@ -202,14 +202,17 @@ def main() -> None:
         name = results["run"]["name"] + f"-s{results['config']['run']['seed']}"
         frame = table(results)
         text = markdown(frame)
-        (args.out / f"{name}.md").write_text(f"# {name}\n\nRun folder: `{run_dir}`, {results['run']['seconds']:.0f} s "
-                                             f"({results['run'].get('backend', '?')} backend).\n\n{text}\n")
+        seconds = results["run"]["seconds"]
+        where = (f"{seconds:.0f} s ({results['run'].get('backend', '?')} backend)" if np.isfinite(seconds)
+                 else results["run"]["backend"])
+        (args.out / f"{name}.md").write_text(f"# {name}\n\nRun folder: `{run_dir}`, {where}.\n\n{text}\n")
         if any("fd" in e for e in results["methods"].values()):
             plot_images(results, args.out / f"{name}_samples.png")
         else:
             plot_maps(results, metrics, args.out / f"{name}_maps.png")
         plot_curves(results, metrics, args.out / f"{name}_curves.png")
-        print(f"{name}\n{text}\n-> {args.out}/{name}.md, {name}_maps.png, {name}_curves.png")
+        picture = "samples" if any("fd" in e for e in results["methods"].values()) else "maps"
+        print(f"{name}\n{text}\n-> {args.out}/{name}.md, {name}_{picture}.png, {name}_curves.png")
 
 
 if __name__ == "__main__":

@@ -79,6 +79,7 @@ class EPGANParams(MethodParams):
     hist_weight: float = Field(1.0, ge=0, description="weight of the discriminator-history (PSA) term")
     hist_every: int = Field(10, ge=1, description="iterations between discriminator-history updates")
     lambda_ep: float = Field(1e-3, ge=0, description="weight of the EP-prior term in the generator loss")
+    f_weight: float = Field(1.0, ge=0, description="weight of f's objective in the critic loss (its objective is UNRECOVERABLE; 0: f stays at its initialisation)")
     prior_var: float = Field(1.0, gt=0, description="variance of the initial global EP prior")
     component_spread: float = Field(0.05, ge=0, description="std of the seeded offsets of components j > 0 at initialisation")
     damping: float = Field(0.5, gt=0, le=1, description="damping rho of the EP factor update (natural parameters)")
@@ -103,7 +104,7 @@ class EPGANParams(MethodParams):
             num_generators=self.num_generators, num_discriminators=self.num_discriminators, components=self.components,
             out_activation=self.out_activation, lr_g=self.lr_g, lr_d=self.lr_d, batch_size=self.batch_size,
             d_steps=self.d_steps, gp_weight=self.gp_weight, noise_weight=self.noise_weight, sghmc_alpha=self.sghmc_alpha,
-            hist_weight=self.hist_weight, hist_every=self.hist_every, lambda_ep=self.lambda_ep)
+            hist_weight=self.hist_weight, hist_every=self.hist_every, lambda_ep=self.lambda_ep, f_weight=self.f_weight)
 
 
 class EPGANOracleParams(EPGANParams):
