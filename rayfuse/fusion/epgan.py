@@ -51,6 +51,7 @@ from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.base import Method, MethodParams, MethodResult, register_method
 from rayfuse.fusion.ep import gaussian_product
 from rayfuse.fusion.epgan_nets import GANSettings, GANTrainer
+from rayfuse.seeding import derive_seed
 
 __all__ = ["EPGAN", "EPGANOracle", "EPGANParams", "EPGANOracleParams", "train_gan", "combine_factors", "grid_points",
            "mixture_density", "density_mse", "score_toy"]
@@ -259,7 +260,7 @@ class _ImageScorer:
         dataset = load_dataset_from_config(server.data_cfg)
         self.shape = dataset.input_shape
         self.samples = min(params.eval_samples, 2000)
-        self.seed = server.step_seed("eval")
+        self.seed = derive_seed(server.seed, "epgan-eval")  # the same instrument and noise for every method of a run
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             self.classifier = MLP(int(np.prod(self.shape)), [128], dataset.num_classes)
@@ -314,7 +315,7 @@ class _Scorer:
     def __init__(self, server: ServerContext, params: EPGANParams) -> None:
         self.grid = params.grid
         self.samples = params.eval_samples
-        self.seed = server.step_seed("eval")
+        self.seed = derive_seed(server.seed, "epgan-eval")  # the same instrument and noise for every method of a run
         self.truth = None
         data = server.data_cfg
         if data.dataset == "gaussians4" and int(np.prod(server.input_shape)) == 2:
