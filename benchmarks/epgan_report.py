@@ -1,6 +1,6 @@
 """EP-GAN's toy experiment from a finished run folder (jobs/epgan_toy.yaml): the paper's Figure 1 and the scores.
 
-    python benchmarks/epgan_report.py RUN_DIR [--out docs/results/epgan]
+    python benchmarks/epgan_report.py RUN_DIR [--out docs/results/epgan] [--suffix NAME]
 
 Writes, for a run named N:
 
@@ -195,11 +195,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=Path("docs/results/epgan"))
+    parser.add_argument("--suffix", default="", help="appended to the output names (several runs of one job)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for run_dir in args.runs:
         results, metrics = load(run_dir)
-        name = results["run"]["name"] + f"-s{results['config']['run']['seed']}"
+        name = results["run"]["name"] + (f"-{args.suffix}" if args.suffix else "") + f"-s{results['config']['run']['seed']}"
         frame = table(results)
         text = markdown(frame)
         seconds = results["run"]["seconds"]
