@@ -88,6 +88,12 @@ def format_table(methods: Mapping[str, Mapping[str, Any]]) -> str:
             extra.append(f"vote acc {entry['vote_accuracy']:.4f}")
         if entry.get("rounds"):
             extra.append(f"{entry['rounds']} rounds")
+        if "tuned_accuracy" in entry:  # fine-tuned on the public sample (gems)
+            extra.append(f"tuned acc {entry['tuned_accuracy']:.4f}")
+        if "hidden_units" in entry:
+            extra.append(f"{int(entry['hidden_units'])} hidden units")
+        if entry.get("info", {}).get("intersection_found") is False:
+            extra.append("no intersection")
         cells.append(", ".join(extra) or "")
         cells.append(f"{entry.get('seconds', 0):.1f}")
         rows.append(cells)

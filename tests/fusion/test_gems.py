@@ -48,6 +48,24 @@ def test_masked_samples_move_only_the_searched_coordinates():
     np.testing.assert_allclose(np.linalg.norm(points[0], axis=1), 1.5, rtol=1e-12)
 
 
+def test_float32_samples_lie_on_the_surface_and_replay_from_the_seed():
+    # The client steps' fast path: torch float32 draws seeded from the numpy generator.
+    rng = np.random.default_rng(4)
+    centers = rng.normal(size=(2, 40))
+    axes = ellipsoid_axes(rng.exponential(size=(2, 40)), floor=0.1)
+    mask = (rng.random((2, 40)) < 0.5).astype(float)
+    points = sample_surface(centers, np.array([2.0, 7.0]), 100, np.random.default_rng(5), axes=axes, masks=mask, dtype="float32")
+    assert isinstance(points, torch.Tensor) and points.dtype == torch.float32 and points.shape == (2, 100, 40)
+    diff = points.double().numpy() - centers[:, None]
+    assert np.all(np.abs(diff[mask[:, None, :].repeat(100, 1) == 0]) < 1e-5)
+    scaled = np.where(mask[:, None] > 0, diff / (axes[:, None] * np.array([2.0, 7.0])[:, None, None]), 0.0)
+    np.testing.assert_allclose(np.sum(scaled ** 2, axis=2), 1.0, rtol=1e-4)
+    again = sample_surface(centers, np.array([2.0, 7.0]), 100, np.random.default_rng(5), axes=axes, masks=mask, dtype="float32")
+    assert torch.equal(points, again)
+    with pytest.raises(ValueError, match="dtype"):
+        sample_surface(centers, np.array([1.0, 1.0]), 3, rng, dtype="float16")
+
+
 # -- the binary search --------------------------------------------------------------------------------------------
 
 
