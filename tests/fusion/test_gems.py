@@ -269,6 +269,16 @@ def test_tuned_baselines_run(coordinator):
     assert "accuracy_std" in local["metrics"] and len(local["info"]["per_client"]) == 2
 
 
+def test_tuned_baselines_use_the_reference_optimiser_per_base():
+    from rayfuse.fusion.tuned import TunedParams
+
+    # average: create_dnn2 (Adam 0.01, layer 0 frozen); local: the local models' Adam 1e-3, nothing frozen; raw: 1e-3
+    assert (TunedParams(base="average").resolved().tune_lr, TunedParams(base="average").resolved().last_layer_only) == (0.01, True)
+    assert (TunedParams(base="local").resolved().tune_lr, TunedParams(base="local").resolved().last_layer_only) == (1e-3, False)
+    assert TunedParams(base="raw").resolved().tune_lr == 1e-3
+    assert TunedParams(base="local", tune_lr=0.05, last_layer_only=True).resolved().tune_lr == 0.05
+
+
 # -- bad input -------------------------------------------------------------------------------------------------------
 
 
