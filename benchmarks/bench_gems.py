@@ -16,7 +16,8 @@ Three variants per cell, on the same client data, one thread each:
   one-liner, stopping at the first failure -- a stronger baseline than the reference (no per-sample draw or framework
   call), shown so the gain from batching the tests alone is visible.
 
-``batched`` draws float32 samples with torch, as the client steps do; the three variants draw different samples, so
+``batched`` draws float32 samples with torch, as the client steps do, and for the neurons one set of draws per step
+shared by the layer's neurons (``shared=True``: each neuron still sees p independent directions per radius); the three variants draw different samples, so
 their radii agree statistically (the median radius of each is shown), not exactly.
 
 Cells: one client of the K = 5 label-disjoint digits split (labels {0, 1}):
@@ -195,7 +196,8 @@ def main() -> None:
                 else:  # rayfuse's client steps draw float32 samples with torch; the tight loop tests float64 numpy draws
                     radii[variant] = search_radii(cell[variant], cell["centers"], num_samples=p, r_max=4000.0, tol=cell["tol"],
                                                   rng=np.random.default_rng(1), axes=cell["axes"],
-                                                  dtype="float32" if variant == "batched" else "float64").radius
+                                                  dtype="float32" if variant == "batched" else "float64",
+                                                  shared=variant == "batched" and name == "neurons").radius
                 times[variant].append(time.perf_counter() - started)
         tb, tr, tl = (float(np.median(times[v])) for v in ("batched", "reference", "loop"))
         rows.append({"cell": name, "balls": len(cell["centers"]), "p": p, "batched": f"{tb * 1e3:.1f}",

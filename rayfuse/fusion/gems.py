@@ -159,8 +159,10 @@ def build_neuron_balls(ctx: ClientContext, fused_layers: list[tuple[np.ndarray, 
     def passes(samples: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return neuron_distance(samples, X_val, targets[:, ids], activation=activation, device=ctx.device) <= hidden_epsilon
 
+    # One set of draws per step for all the layer's neurons (shared=True): each neuron's search sees p independent
+    # uniform directions per radius, as in the reference; only different neurons' draws are correlated.
     search = search_radii(passes, centers, num_samples=num_samples, r_max=r_max, tol=tol, rng=rng, dtype="float32",
-                          device=ctx.device)
+                          device=ctx.device, shared=True)
     return {"centers": centers, "radii": search.radius, "steps": search.steps, "evaluations": search.evaluations,
             "seconds": time.perf_counter() - started}
 

@@ -66,6 +66,22 @@ def test_float32_samples_lie_on_the_surface_and_replay_from_the_seed():
         sample_surface(centers, np.array([1.0, 1.0]), 3, rng, dtype="float16")
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_shared_draws_give_every_ball_its_own_surface_points_along_common_directions(dtype):
+    rng = np.random.default_rng(6)
+    centers = rng.normal(size=(4, 12))
+    radii = np.array([0.5, 1.0, 2.0, 8.0])
+    points = sample_surface(centers, radii, 60, rng, dtype=dtype, shared=True)
+    points = points.double().numpy() if dtype == "float32" else points
+    assert points.shape == (4, 60, 12)
+    offsets = points - centers[:, None]
+    np.testing.assert_allclose(np.linalg.norm(offsets, axis=2), radii[:, None].repeat(60, 1), rtol=1e-5)
+    directions = offsets / radii[:, None, None]
+    np.testing.assert_allclose(directions[0], directions[3], atol=1e-5)  # common directions across balls...
+    assert np.abs(directions[0] @ directions[0].T - np.eye(60)).max() > 0.05  # ...but p distinct ones per ball
+    assert np.linalg.matrix_rank(directions[0]) == 12
+
+
 # -- the binary search --------------------------------------------------------------------------------------------
 
 
