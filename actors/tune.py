@@ -180,7 +180,8 @@ def run_sweep(spec: SweepSpec, *, address: str | None = None, resume: bool = Fal
                 from ray.tune.schedulers import ASHAScheduler
 
                 scheduler = ASHAScheduler(time_attr=spec.scheduler.time_attr, max_t=spec.scheduler.max_t,
-                                          grace_period=spec.scheduler.grace_period, reduction_factor=spec.scheduler.reduction_factor)
+                                          grace_period=spec.scheduler.grace_period, reduction_factor=spec.scheduler.reduction_factor,
+                                          stop_last_trials=False)  # a trial reaching max_t finishes its run and reports
             tuner = tune.Tuner(
                 trainable,
                 param_space=param_space(spec),

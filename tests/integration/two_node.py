@@ -68,10 +68,13 @@ class TwoNodeCluster:
 
     def start(self) -> "TwoNodeCluster":
         common = ["--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus_per_node}", "--disable-usage-stats"]
+        # Each node is a "silo" (custom resources, as in cluster.yaml): a config pins clients to nodes with them.
         head = [self.ray, "start", "--head", f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1",
                 f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={_free_port()}",
-                f"--temp-dir={self.temp_dir}", "--include-dashboard=true", *common, *self._node_ports(self.metrics_ports[0])]
-        worker = [self.ray, "start", f"--address={self.address}", *common, *self._node_ports(self.metrics_ports[1])]
+                f"--temp-dir={self.temp_dir}", "--include-dashboard=true", '--resources={"silo_a": 1}', *common,
+                *self._node_ports(self.metrics_ports[0])]
+        worker = [self.ray, "start", f"--address={self.address}", '--resources={"silo_b": 1}', *common,
+                  *self._node_ports(self.metrics_ports[1])]
         try:
             for command in (head, worker):
                 out = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=180)
@@ -115,11 +118,12 @@ class TwoNodeCluster:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `kill` stops the cluster too
     cluster = TwoNodeCluster().start()
     print(f"GCS {cluster.address}  dashboard {cluster.dashboard_url}  metrics {cluster.metrics_ports}  temp {cluster.temp_dir}", flush=True)
     try:
         signal.pause()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):
         pass
     finally:
         cluster.stop()
