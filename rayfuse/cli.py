@@ -5,6 +5,7 @@
     rayfuse run [CONFIG] [--set KEY=VALUE]... [--out DIR] [--address ADDR] [--resume RUN_DIR] [--local]
     rayfuse list [methods|datasets|partitioners|models]
     rayfuse validate [CONFIG] [--set KEY=VALUE]...
+    rayfuse fuse CONFIG [OUT]
     rayfuse tune SPACE [--samples N] [--address ADDR] [--storage DIR] [--resume] [--set KEY=VALUE]...
 
 With no CONFIG, ``rayfuse run`` runs ``jobs/quickstart.yaml`` (or, outside a checkout, the same job built into the
@@ -59,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     val.set_defaults(func=_cmd_validate)
 
+    fus = sub.add_parser("fuse", help="fuse checkpoints trained elsewhere (mergekit-style YAML; methods that need no client data)")
+    fus.add_argument("config", help="fuse config YAML: merge_method, models, parameters, output")
+    fus.add_argument("out", nargs="?", help="output .safetensors (overrides output:)")
+    fus.set_defaults(func=_cmd_fuse)
+
     tun = sub.add_parser("tune", help="a Ray Tune sweep from tune_spaces/<space>.yaml (one trial = one federation)")
     tun.add_argument("space", help="sweep space YAML (see tune_spaces/README.md)")
     tun.add_argument("--samples", type=int, metavar="N", help="samples of the random domains (overrides num_samples)")
@@ -105,6 +111,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
         backend = RayBackend()
     printer = Printer(verbose=args.verbose, enabled=not args.quiet)
     run_experiment(cfg, backend, run_dir, resume=resume, printer=printer, show_tables=True)
+    return 0
+
+
+def _cmd_fuse(args: argparse.Namespace) -> int:
+    from rayfuse.fuse import load_fuse_config, run_fuse
+
+    summary = run_fuse(load_fuse_config(args.config, args.out))
+    print(f"rayfuse fuse: {summary['method']} of {summary['models']} models, {summary['tensors']} tensors "
+          f"({summary['parameters']:,} parameters) -> {summary['output']}")
     return 0
 
 

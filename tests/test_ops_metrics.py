@@ -77,3 +77,16 @@ def test_count_nbytes_walks_updates():
     update = Update({"w": np.zeros((10, 4), np.float32), "b": np.zeros(4, np.float64)}, num_examples=5, metrics={"loss": 1.0})
     assert count_nbytes(update) == 160 + 32
     assert count_nbytes([{"a": np.zeros(3)}, (np.zeros(2, np.int8),), "text"]) == 24 + 2
+
+
+def test_the_grafana_dashboard_plots_every_exported_metric_and_nothing_else():
+    import json
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).resolve().parents[1] / "docs" / "grafana" / "rayfuse.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"\bray_(rayfuse_[a-z_]+)", e)}
+    assert used == set(run_metrics.METRIC_NAMES)
+    assert all('run=~"$run"' in e for e in exprs)  # every panel follows the run picker
+    assert {v["name"] for v in dashboard["templating"]["list"]} == {"datasource", "run", "method"}
