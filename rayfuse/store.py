@@ -155,6 +155,7 @@ def _load_local_models(folder: Path, client_ids: list[int]) -> dict[int, tuple[d
 
 
 CACHE_FORMAT = 1
+LOCAL_TRAINING_STEPS = ("train_local", "get_local_params")
 
 
 def local_model_key(config: Mapping[str, Any], partition_hash: str) -> tuple[str, dict[str, Any]]:
@@ -162,14 +163,15 @@ def local_model_key(config: Mapping[str, Any], partition_hash: str) -> tuple[str
 
     ``config`` is the resolved config (:meth:`ExperimentConfig.resolved`). Local training depends on the data and its
     split (``data``, ``partition``, the partition hash, which also covers the dataset's indices), the model, the
-    training settings, the seed and injected faults; nothing under ``methods`` enters, so every fusion-only variation
-    of a job shares one key.
+    training settings, the seed and faults injected into local training; nothing under ``methods`` enters, so every
+    fusion-only variation of a job shares one key.
     """
     inputs = {
         "format": CACHE_FORMAT,
         "data": config["data"], "partition": config["partition"], "partition_hash": partition_hash,
         "model": config["model"], "train": config["train"], "seed": config["run"]["seed"],
-        "faults": config["federation"]["faults"],
+        # faults injected into local training change the local models; faults of later steps do not
+        "faults": [f for f in config["federation"]["faults"] if f["step"] in LOCAL_TRAINING_STEPS],
     }
     text = json.dumps(inputs, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24], inputs

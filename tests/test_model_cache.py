@@ -48,4 +48,9 @@ def test_the_key_ignores_methods_and_storage_but_not_the_seed(make_config):
     assert local_model_key({**base, "methods": {}, "run": {**base["run"], "storage": "x", "name": "y"}}, "h")[0] == key
     assert local_model_key({**base, "run": {**base["run"], "seed": 1}}, "h")[0] != key
     assert local_model_key(base, "other-partition")[0] != key
+    fault = {"client": 0, "step": "fedavg.fit", "call": 1, "mode": "raise", "seconds": 1.0}
+    later = {**base, "federation": {**base["federation"], "faults": [fault]}}
+    assert local_model_key(later, "h")[0] == key  # a fault after local training leaves the local models alone
+    early = {**base, "federation": {**base["federation"], "faults": [{**fault, "step": "train_local", "mode": "nan"}]}}
+    assert local_model_key(early, "h")[0] != key
     json.dumps(local_model_key(base, "h")[1])  # the key's inputs are written as key.json
