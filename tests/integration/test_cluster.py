@@ -146,7 +146,7 @@ def test_a_tune_sweep_on_the_cluster_trains_the_clients_once(cluster, tmp_path):
 
     # A failing trial is retried (FailureConfig) and resumes its run folder: fedprox round 2 fails on the first
     # attempt (the 2nd fit call of client 0's actor); the retry continues from the round-1 checkpoint with new actors.
-    fault = {"client": 0, "step": "fedprox.fit", "call": 2, "mode": "raise"}
+    fault = {"client": 0, "step": "fedavg.fit", "call": 2, "mode": "raise"}  # FedProx runs FedAvg's client step
     retry = {**space, "name": "retry", "methods": ["fedprox"], "set": {"federation.on_client_failure": "fail"},
              "space": {"federation.faults": {"grid": [[fault]]}}, "max_failures": 1}
     retry.pop("scheduler")
