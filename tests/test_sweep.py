@@ -116,3 +116,17 @@ def test_domains_become_tune_objects_and_a_trial_gets_one_bundle_per_client(tmp_
     assert isinstance(domains["train.lr"], Categorical) and domains["methods.fedprox.rounds"] == {"grid_search": [1, 2]}
     bundles = trial_bundles(spec.trial_config({}))
     assert bundles == [{"CPU": 1.0}, {"CPU": 0.5}, {"CPU": 0.5}, {"CPU": 1.0}]  # driver+coordinator, 2 clients, server tasks
+
+
+def test_a_trial_reports_each_round_of_the_metrics_method_with_the_stages_so_far():
+    from actors.tune import _TrialReporter
+
+    reports = []
+    reporter = _TrialReporter("fused/fedprox/accuracy", reports.append)
+    reporter({"kind": "stage_end", "stage": "startup", "seconds": 1.5})
+    reporter({"kind": "local_models_restored", "source": "cache"})
+    reporter({"kind": "progress", "method": "fedavg", "round": 1, "metrics": {"accuracy": 0.4}})  # another method: no report
+    reporter({"kind": "progress", "method": "fedprox", "round": 1, "metrics": {"train_loss": 2.0}})  # no accuracy yet
+    reporter({"kind": "progress", "method": "fedprox", "round": 2, "metrics": {"accuracy": 0.5, "train_loss": 1.0}})
+    assert reports == [{"local/trained": 0, "local/cache_hit": 1, "time/startup": 1.5, "fused/fedavg/accuracy": 0.4,
+                        "fused/fedprox/train_loss": 1.0, "fused/fedprox/accuracy": 0.5, "round": 2, "stage": "fedprox"}]
