@@ -8,6 +8,7 @@ It receives clients' results as references and resolves them itself, so paramete
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable
 
@@ -22,7 +23,7 @@ from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.metrics import compute_metrics
 from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
 from rayfuse.seeding import derive_seed, make_rng
-from rayfuse.store import Checkpoint, RunStore
+from rayfuse.store import Checkpoint, LocalModelCache, RunStore, local_model_key
 from rayfuse.client import get_local_update, set_local_params, train_local
 
 __all__ = ["Coordinator", "ServerContext"]
@@ -256,21 +257,35 @@ class Coordinator:
     def _prepare_local_models(self, resume: bool) -> dict[str, Any]:
         fed = self.federation
         saved = self.store.load_local_models(fed.client_ids) if resume else None
-        if saved is not None:
-            calls = [c for client, (params, stats) in saved.items()
-                     for c in fed.map(set_local_params, fed.put(params), stats, clients=[client])]
-            ready = fed.gather(calls).clients
-            self.events.emit("local_models_restored", f"{len(ready)} local models from checkpoints/local")
-        else:
-            trained = fed.run(train_local)
-            for client, stats in trained.results.items():
-                self.events.emit("client_trained", f"loss {stats.get('train_loss', float('nan')):.4f}", client=client,
-                                 seconds=round(stats.get("train_seconds", 0.0), 3))
-            ready = trained.clients
-        # A client dropped while training stays out of every method of this run that uses local models.
-        self._local = fed.run(get_local_update, clients=ready)
-        if saved is None:
-            self.store.save_local_models(self._local.results)
+        source = "checkpoints/local" if saved is not None else None
+        cache = None
+        if saved is None and self.cfg.run.model_cache:
+            key, inputs = local_model_key(self.cfg.resolved(), self.plan.digest())
+            cache = LocalModelCache(self.cfg.run.model_cache, key, inputs)
+        # Runs sharing a cache key wait here while one of them trains (concurrent Tune trials train once).
+        with cache.lock() if cache is not None else contextlib.nullcontext():
+            if cache is not None:
+                saved = cache.load(fed.client_ids)
+                source = f"the model cache ({cache.key})" if saved is not None else None
+            if saved is not None:
+                calls = [c for client, (params, stats) in saved.items()
+                         for c in fed.map(set_local_params, fed.put(params), stats, clients=[client])]
+                ready = fed.gather(calls).clients
+                self.events.emit("local_models_restored", f"{len(ready)} local models from {source}",
+                                 source="cache" if cache is not None else "checkpoint")
+            else:
+                trained = fed.run(train_local)
+                for client, stats in trained.results.items():
+                    self.events.emit("client_trained", f"loss {stats.get('train_loss', float('nan')):.4f}", client=client,
+                                     seconds=round(stats.get("train_seconds", 0.0), 3))
+                ready = trained.clients
+            # A client dropped while training stays out of every method of this run that uses local models.
+            self._local = fed.run(get_local_update, clients=ready)
+            if saved is None:
+                self.store.save_local_models(self._local.results)
+                if cache is not None and sorted(self._local.results) == fed.client_ids:  # only complete sets are cached
+                    cache.save(self._local.results)
+                    self.events.emit("local_models_cached", f"{len(ready)} local models -> {cache.folder}", key=cache.key)
         return {"clients": self._local.clients, "restored": saved is not None}
 
     def local_updates(self) -> Gathered[Update]:
