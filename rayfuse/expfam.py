@@ -138,9 +138,12 @@ class DiagGaussian(Family):
         # sum_d [ ln s1 - ln s0 + (s0^2 + mu0^2 - 2 mu0 mu1 + mu1^2) / (2 s1^2) - 1/2 ]: matrix products over d
         self._check_same(other)
         p1 = 1.0 / other.var
-        out = (self.var + self.mean**2) @ p1.T - 2.0 * self.mean @ (other.mean * p1).T
-        out += ((other.mean**2) * p1).sum(1)[None, :] + np.log(other.var).sum(1)[None, :] - np.log(self.var).sum(1)[:, None]
-        return 0.5 * (out - self.dim)
+        out = (self.var + self.mean**2) @ p1.T
+        out -= (2.0 * self.mean) @ (other.mean * p1).T
+        out += (((other.mean**2) * p1).sum(1) + np.log(other.var).sum(1) - self.dim)[None, :]
+        out -= np.log(self.var).sum(1)[:, None]
+        out *= 0.5
+        return out
 
     def natural(self) -> np.ndarray:
         # (mu / s^2, 1 / s^2): the precision-weighted mean and the precision (natural parameters up to -1/2)

@@ -220,10 +220,11 @@ def _dataset_costs(snap: _Snapshot, local: Family, eta: np.ndarray, own: np.ndar
         if keep.any():
             kl[rows[mine][keep]] = local.from_natural(loo[keep] / left[keep, None]).kl_matrix(local)
     alive = counts > 0
+    G = int(alive.sum())
     reg = snap.lam * (np.sqrt(counts[alive] + 1.0) - np.sqrt(counts[alive]))
-    cost = np.empty((L, int(alive.sum()) + L))
-    cost[:, :alive.sum()] = kl[alive].T + reg[None, :]
-    cost[:, alive.sum():] = snap.lam
+    cost = np.empty((L, G + L))
+    np.add((kl if G == len(counts) else kl[alive]).T, reg[None, :], out=cost[:, :G])
+    cost[:, G:] = snap.lam
     return cost, snap.ids[alive]
 
 
