@@ -20,13 +20,15 @@ Defaults: the paper's (lambda = 0.1 relative to the KL costs' standard deviation
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
 
 from rayfuse.coordinator import ServerContext
+from rayfuse.errors import InputError, RunFailure
 from rayfuse.fusion.base import MethodResult, Method, register_method
+from rayfuse.fusion.kl_bnn import corrupt, fuse_output_bias, network_of, neurons_of, predictive, predictive_metrics, train_bnn
 from rayfuse.fusion.kl_fusion import fuse_heterogeneous
 from rayfuse.fusion.kl_gmm import GMMPosteriorParams, gather_gmm_posteriors, gmm_metrics
 from rayfuse.matching import Executor, serial_map, thread_map
@@ -38,7 +40,8 @@ PARALLEL_WORK = 5e7
 
 
 class KLParams(GMMPosteriorParams):
-    application: Literal["gmm"] = Field("gmm", description="what the clients' posteriors are: gmm = local variational GMMs (Normal-Wishart)")
+    application: Literal["gmm", "bnn"] = Field(
+        "gmm", description="what the clients' posteriors are: gmm = local variational GMMs (Normal-Wishart); bnn = Bayesian MLP neurons (diagonal Gaussians)")
     lam: float = Field(0.1, ge=0, description="lambda of eq. 9, relative to the standard deviation of the KL costs (paper: 0.1)")
     solver: Literal["exact", "relaxed"] = Field("exact", description="exact: per-dataset augmented Hungarian (binary); relaxed: the convex P-step (Frank-Wolfe)")
     max_iter: int | None = Field(None, ge=1, description="sweeps (exact, default 20) or P/theta alternations (relaxed, default 10)")
@@ -46,6 +49,11 @@ class KLParams(GMMPosteriorParams):
     fw_iterations: int = Field(100, ge=1, description="relaxed: Frank-Wolfe iterations per P-step")
     reg_weights: Literal["code", "uniform"] = Field(
         "code", description="relaxed: group weights sqrt(max(0, rank + 1 - Lmax)) (reference code; default) or uniform (paper; degenerate, see kl_fusion)")
+    hidden: int = Field(150, ge=1, description="bnn: hidden units of each client's Bayesian MLP (paper: 150)")
+    bnn_epochs: int = Field(100, ge=1, description="bnn: Bayes-by-backprop epochs")
+    bnn_lr: float = Field(1e-3, gt=0, description="bnn: Adam learning rate (ALGORITHMS.md 1.8: 1e-3)")
+    prior_sd: float = Field(1.0, gt=0, description="bnn: N(0, prior_sd^2) prior on every weight")
+    mc_samples: int = Field(100, ge=1, description="bnn: Monte-Carlo weight samples of the predictive (paper: 100)")
     executor: Literal["auto", "federation", "threads", "serial"] = Field(
         "auto", description="where the per-dataset solves run: federation = Ray tasks on Ray (threads in-process); auto = federation for large sweeps")
 
@@ -67,21 +75,28 @@ class KLFusion(Method):
     Params = KLParams
     summary = "KL-fusion: fuse clients' exponential-family posteriors, number of global components inferred (Claici et al. 2020)"
 
+    def _fuse(self, server: ServerContext, posteriors: list) -> tuple[Any, str, float]:
+        p = self.params
+        sizes = [len(q) for q in posteriors]
+        g_init = p.n_init_components or min(sum(sizes), 2 * max(sizes))
+        executor, executor_name = choose_executor(server, p.executor, sizes, g_init)
+        server.progress(f"kl: fusing {sum(sizes)} local components from {len(posteriors)} clients ({p.solver} solver, {executor_name})")
+        started = time.perf_counter()
+        result = fuse_heterogeneous(posteriors, lam=p.lam, solver=p.solver, max_iter=p.max_iter, n_init_components=p.n_init_components,
+                                    executor=executor, random_state=server.step_seed("fuse") % (2**31), fw_iterations=p.fw_iterations,
+                                    reg_weights=p.reg_weights)
+        return result, executor_name, time.perf_counter() - started
+
     def run(self, server: ServerContext) -> MethodResult:
+        if self.params.application == "bnn":
+            return self._run_bnn(server)
         p = self.params
         server.progress("kl: clients fit their local variational GMMs")
         started = time.perf_counter()
         posteriors, raw = gather_gmm_posteriors(server, p)
         local_seconds = max(r["seconds"] for r in raw.values())
         sizes = [len(q) for q in posteriors]
-        g_init = p.n_init_components or min(sum(sizes), 2 * max(sizes))
-        executor, executor_name = choose_executor(server, p.executor, sizes, g_init)
-        server.progress(f"kl: fusing {sum(sizes)} local components from {len(posteriors)} clients ({p.solver} solver, {executor_name})")
-        fuse_started = time.perf_counter()
-        result = fuse_heterogeneous(posteriors, lam=p.lam, solver=p.solver, max_iter=p.max_iter, n_init_components=p.n_init_components,
-                                    executor=executor, random_state=server.step_seed("fuse") % (2**31), fw_iterations=p.fw_iterations,
-                                    reg_weights=p.reg_weights)
-        fuse_seconds = time.perf_counter() - fuse_started
+        result, executor_name, fuse_seconds = self._fuse(server, posteriors)
         metrics = gmm_metrics(server, result.globals.means())
         metrics["fuse_seconds"] = fuse_seconds
         for step, value in enumerate(result.objective):
@@ -96,3 +111,53 @@ class KLFusion(Method):
             **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.info.items()},
         }
         return MethodResult(metrics, info=info)
+
+    def _run_bnn(self, server: ServerContext) -> MethodResult:
+        p = self.params
+        server.progress(f"kl: clients train Bayesian MLPs ({p.hidden} hidden units, Bayes by backprop)")
+        started = time.perf_counter()
+        gathered = server.federation.run(train_bnn, hidden=p.hidden, epochs=p.bnn_epochs, lr=p.bnn_lr, prior_sd=p.prior_sd)
+        bnns, neurons = {}, []
+        for client, r in gathered.results.items():
+            try:
+                neurons.append(neurons_of(r["bnn"], where=f"client {client} posterior"))
+            except InputError as exc:  # NaN / non-positive variances / wrong shapes: rejected, never fused
+                server.events.emit("update_rejected", str(exc), method=server.label, client=client)
+                continue
+            bnns[client] = r["bnn"]
+        if not bnns:
+            raise RunFailure(f"{server.label}: no valid client posteriors")
+        d_in = int(np.prod(server.input_shape))
+        if any(b["w1_mu"].shape[1] != d_in for b in bnns.values()):
+            raise InputError("model", f"Bayesian MLPs with {d_in} inputs on every client", [b["w1_mu"].shape for b in bnns.values()])
+        result, executor_name, fuse_seconds = self._fuse(server, neurons)
+        b2_mu, b2_var = fuse_output_bias(list(bnns.values()))
+        fused = network_of(result.globals, b2_mu, b2_var, d_in)
+        test = server.test
+        rng = server.rng("mc")
+        ood = corrupt(test.X, server.rng("ood"))
+
+        def evaluate(bnn: dict) -> dict[str, float]:
+            metrics = predictive_metrics(predictive(bnn, test.X, p.mc_samples, rng), test.y)
+            metrics["ood_entropy"] = predictive_metrics(predictive(bnn, ood, p.mc_samples, rng))["entropy"]
+            return metrics
+
+        server.progress(f"kl: evaluating the fused BNN ({result.num_globals} units) and the local BNNs, {p.mc_samples} MC samples")
+        metrics = evaluate(fused)
+        metrics.update(hidden_units=float(result.num_globals), fuse_seconds=fuse_seconds)
+        local = {client: evaluate(b) for client, b in bnns.items()}
+        for client, m in local.items():
+            server.log(0, m, client=client)
+        for name in ("accuracy", "log_likelihood", "entropy", "ood_entropy"):
+            values = [m[name] for m in local.values()]
+            metrics[f"local_{name}_mean"], metrics[f"local_{name}_max"] = float(np.mean(values)), float(np.max(values))
+        server.log(1, metrics)
+        info = {"clients": list(bnns), "global_units": result.num_globals, "local_units": [len(n) for n in neurons],
+                "concatenated_units": int(sum(len(n) for n in neurons)), "lam_effective": result.lam, "executor": executor_name,
+                "local": {str(c): {k: round(v, 4) for k, v in m.items()} for c, m in local.items()},
+                "local_train_seconds_max": round(max(r["seconds"] for r in gathered.results.values()), 3),
+                "class_counts": {str(c): gathered.results[c]["class_counts"] for c in bnns},
+                "total_seconds": round(time.perf_counter() - started, 3),
+                **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.info.items()}}
+        params = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in fused.items()}
+        return MethodResult(metrics, params=params, info=info)

@@ -181,3 +181,36 @@ def test_kl_on_ray_fans_the_solves_out_as_tasks_and_equals_the_in_process_run(ra
     for label in methods:
         for metric in ("hausdorff", "size_error"):
             assert on_ray["methods"][label][metric] == pytest.approx(local["methods"][label][metric], abs=1e-9), (label, metric)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# The BNN application (tiny networks, in-process clients)
+
+
+def test_bnn_neurons_round_trip_and_output_bias_fusion():
+    from rayfuse.fusion.kl_bnn import fuse_output_bias, network_of, neurons_of
+
+    rng = np.random.default_rng(9)
+    bnn = {"w1_mu": rng.normal(size=(4, 3)), "w1_var": rng.uniform(0.1, 1, (4, 3)), "b1_mu": rng.normal(size=4), "b1_var": rng.uniform(0.1, 1, 4),
+           "w2_mu": rng.normal(size=(2, 4)), "w2_var": rng.uniform(0.1, 1, (2, 4)), "b2_mu": rng.normal(size=2), "b2_var": rng.uniform(0.1, 1, 2)}
+    neurons = neurons_of(bnn)
+    assert neurons.mean.shape == (4, 3 + 1 + 2)
+    back = network_of(neurons, bnn["b2_mu"], bnn["b2_var"], 3)
+    for key, value in bnn.items():
+        np.testing.assert_allclose(back[key], value)
+    mean, var = fuse_output_bias([bnn, bnn])
+    np.testing.assert_allclose(mean, bnn["b2_mu"])
+    np.testing.assert_allclose(var, bnn["b2_var"])
+
+
+def test_bnn_job_fuses_the_clients_neurons(coordinator):
+    methods = {"kl": {"application": "bnn", "hidden": 8, "bnn_epochs": 2, "mc_samples": 5, "lam": 1.0}}
+    coord = coordinator(methods=methods, federation={"faults": [{"client": 2, "step": "kl.bnn_posterior", "mode": "nan"}]})
+    out = coord.run_method("kl")
+    m = out["metrics"]
+    assert np.isfinite(list(m.values())).all()
+    assert 0 <= m["accuracy"] <= 1 and m["log_likelihood"] <= 0 and 0 <= m["entropy"] <= np.log(10)
+    info = out["info"]
+    assert info["clients"] == [0, 1, 3] and info["concatenated_units"] == 24 and 8 <= info["global_units"] <= 24
+    assert set(info["local"]) == {"0", "1", "3"}
+    assert any(e["kind"] == "update_rejected" and e.get("client") == 2 for e in coord.events.since(0))
