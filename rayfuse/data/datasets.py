@@ -75,7 +75,8 @@ class DatasetInfo:
 
 
 DATASETS: Registry[DatasetInfo] = Registry("dataset")
-DATASETS.add_loader(lambda: __import__("rayfuse.data.gmm"))  # generators in their own modules register on first lookup
+# generators in their own modules register on first lookup
+DATASETS.add_loader(lambda: [__import__(f"rayfuse.data.{name}") for name in ("gmm", "lda")])
 
 
 def register_dataset(name: str, *, description: str, source: str, standardize: bool = False, aliases: tuple[str, ...] = ()):

@@ -29,9 +29,12 @@ from rayfuse.coordinator import ServerContext
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.fusion.base import MethodResult, Method, register_method
 from rayfuse.fusion.kl_bnn import corrupt, fuse_output_bias, network_of, neurons_of, predictive, predictive_metrics, train_bnn
-from rayfuse.fusion.kl_fusion import fuse_heterogeneous
+from rayfuse.expfam import Dirichlet
+from rayfuse.fusion.kl_fusion import fuse_heterogeneous, fuse_homogeneous
+from rayfuse.fusion.kl_topics import completion_log_likelihood, fit_lda_posterior, split_documents, topic_hausdorff
 from rayfuse.fusion.kl_gmm import GMMPosteriorParams, gather_gmm_posteriors, gmm_metrics
 from rayfuse.matching import Executor, serial_map, thread_map
+from rayfuse.seeding import make_rng
 
 __all__ = ["KLFusion", "KLParams", "choose_executor"]
 
@@ -40,8 +43,10 @@ PARALLEL_WORK = 5e7
 
 
 class KLParams(GMMPosteriorParams):
-    application: Literal["gmm", "bnn"] = Field(
-        "gmm", description="what the clients' posteriors are: gmm = local variational GMMs (Normal-Wishart); bnn = Bayesian MLP neurons (diagonal Gaussians)")
+    application: Literal["gmm", "bnn", "topics"] = Field(
+        "gmm", description="what the clients' posteriors are: gmm = local variational GMMs (Normal-Wishart); bnn = Bayesian MLP "
+        "neurons (diagonal Gaussians); topics = LDA topics (Dirichlet)")
+    homogeneous: bool = Field(False, description="topics: the parametric variant (eq. 3): every client fits n_components topics, fused by permutation")
     lam: float = Field(0.1, ge=0, description="lambda of eq. 9, relative to the standard deviation of the KL costs (paper: 0.1)")
     solver: Literal["exact", "relaxed"] = Field("exact", description="exact: per-dataset augmented Hungarian (binary); relaxed: the convex P-step (Frank-Wolfe)")
     max_iter: int | None = Field(None, ge=1, description="sweeps (exact, default 20) or P/theta alternations (relaxed, default 10)")
@@ -90,6 +95,8 @@ class KLFusion(Method):
     def run(self, server: ServerContext) -> MethodResult:
         if self.params.application == "bnn":
             return self._run_bnn(server)
+        if self.params.application == "topics":
+            return self._run_topics(server)
         p = self.params
         server.progress("kl: clients fit their local variational GMMs")
         started = time.perf_counter()
@@ -135,7 +142,7 @@ class KLFusion(Method):
         fused = network_of(result.globals, b2_mu, b2_var, d_in)
         test = server.test
         rng = server.rng("mc")
-        ood = corrupt(test.X, server.rng("ood"))
+        ood = corrupt(test.X, make_rng(server.seed, "kl-bnn-ood"))  # the same OOD set for every method of a run
 
         def evaluate(bnn: dict) -> dict[str, float]:
             metrics = predictive_metrics(predictive(bnn, test.X, p.mc_samples, rng), test.y)
@@ -161,3 +168,51 @@ class KLFusion(Method):
                 **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.info.items()}}
         params = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in fused.items()}
         return MethodResult(metrics, params=params, info=info)
+
+    def _run_topics(self, server: ServerContext) -> MethodResult:
+        p = self.params
+        meta = server.dataset_meta
+        if meta.get("kind") != "lda":
+            raise InputError("data.dataset", "kl_lda (application topics needs the synthetic corpus' true topics)", server.method)
+        if p.homogeneous and p.n_components == "true":
+            raise InputError(f"methods.{self.label}.n_components", "a number of topics every client fits (homogeneous fusion)", "true")
+        counts = meta["local_counts"]
+        k: dict[int, int] | int = {c: int(counts[c]) for c in server.federation.client_ids} if p.n_components == "true" else int(p.n_components)
+        server.progress("kl: clients fit LDA on their documents")
+        started = time.perf_counter()
+        gathered = server.federation.run(fit_lda_posterior, k, max_iter=p.vi_max_iter)
+        posteriors, locals_ = [], {}
+        for client, r in gathered.results.items():
+            try:
+                posteriors.append(Dirichlet(r["alpha"], where=f"client {client} posterior"))
+            except InputError as exc:
+                server.events.emit("update_rejected", str(exc), method=server.label, client=client)
+                continue
+            locals_[client] = posteriors[-1]
+        if not posteriors:
+            raise RunFailure(f"{server.label}: no valid client posteriors")
+        if p.homogeneous:
+            fuse_started = time.perf_counter()
+            result = fuse_homogeneous(posteriors, max_iter=p.max_iter or 20)
+            executor_name, fuse_seconds = "threads", time.perf_counter() - fuse_started
+        else:
+            result, executor_name, fuse_seconds = self._fuse(server, posteriors)
+        test = server.test
+        # the same split for every method of a run (not per label), so their completion scores compare
+        seen, held = split_documents(test.X.reshape(len(test), -1), make_rng(server.seed, "kl-topics-completion"))
+        used = sorted({t for subset in meta["subsets"] for t in subset})  # topics no client writes about are not recoverable
+        truth = np.asarray(meta["topics"])[used]
+        fused_topics = result.globals.means()
+        metrics = {"completion_ll": completion_log_likelihood(fused_topics, seen, held), "topic_hausdorff": topic_hausdorff(fused_topics, truth),
+                   "num_components": float(result.num_globals), "size_error": abs(result.num_globals - len(truth)) / len(truth),
+                   "fuse_seconds": fuse_seconds}
+        local_ll = {c: completion_log_likelihood(q.means(), seen, held) for c, q in locals_.items()}
+        metrics["local_completion_ll_mean"] = float(np.mean(list(local_ll.values())))
+        metrics["local_completion_ll_max"] = float(np.max(list(local_ll.values())))
+        metrics["truth_completion_ll"] = completion_log_likelihood(np.asarray(meta["topics"]), seen, held)  # all generating topics: upper reference
+        server.log(1, metrics)
+        info = {"clients": list(locals_), "local_topics": [len(q) for q in posteriors], "global_topics": result.num_globals,
+                "true_topics": int(len(truth)), "local_completion_ll": {str(c): round(v, 4) for c, v in local_ll.items()},
+                "executor": executor_name, "homogeneous": p.homogeneous, "total_seconds": round(time.perf_counter() - started, 3),
+                **{k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in result.info.items()}}
+        return MethodResult(metrics, info=info)

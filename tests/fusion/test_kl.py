@@ -214,3 +214,32 @@ def test_bnn_job_fuses_the_clients_neurons(coordinator):
     assert info["clients"] == [0, 1, 3] and info["concatenated_units"] == 24 and 8 <= info["global_units"] <= 24
     assert set(info["local"]) == {"0", "1", "3"}
     assert any(e["kind"] == "update_rejected" and e.get("client") == 2 for e in coord.events.since(0))
+
+
+def test_topics_job_fuses_dirichlet_topics_above_every_local_model(coordinator):
+    from rayfuse.fusion.kl_topics import completion_log_likelihood, split_documents
+
+    data = {"dataset": "kl_lda", "options": {"num_topics": 6, "vocabulary": 60, "num_groups": 3, "docs": 80, "test_docs": 40, "min_topics": 2,
+                                             "max_topics": 3, "doc_length": 60, "eta": 0.02}, "val_size": 0}
+    methods = {"kl": {"application": "topics", "lam": 1.0, "vi_max_iter": 30},
+               "homo": {"method": "kl", "application": "topics", "homogeneous": True, "n_components": 6, "vi_max_iter": 30}}
+    coord = coordinator(data=data, partition={"method": "labels", "num_clients": 3, "groups": [[0], [1], [2]]}, methods=methods)
+    out = {label: coord.run_method(label) for label in methods}
+    for entry in out.values():
+        m = entry["metrics"]
+        assert np.isfinite(list(m.values())).all() and m["completion_ll"] < 0
+    assert out["kl"]["metrics"]["completion_ll"] >= out["kl"]["metrics"]["local_completion_ll_max"]
+    assert out["kl"]["metrics"]["truth_completion_ll"] == out["homo"]["metrics"]["truth_completion_ll"]  # one split for both
+    # folding-in with the true topics beats uniform topics
+    rng = np.random.default_rng(0)
+    X = rng.multinomial(50, np.full(10, 0.1), size=5)
+    seen, held = split_documents(X, rng)
+    assert completion_log_likelihood(np.full((2, 10), 0.1), seen, held) == pytest.approx(np.log(0.1), rel=1e-6)
+
+
+def test_homogeneous_topics_need_a_fixed_count(coordinator):
+    data = {"dataset": "kl_lda", "options": {"num_topics": 4, "vocabulary": 30, "num_groups": 2, "docs": 20, "test_docs": 10, "min_topics": 2, "max_topics": 2}}
+    coord = coordinator(data=data, partition={"method": "labels", "num_clients": 2, "groups": [[0], [1]]},
+                        methods={"kl": {"application": "topics", "homogeneous": True}})
+    with pytest.raises(InputError, match="methods.kl.n_components"):
+        coord.run_method("kl")
