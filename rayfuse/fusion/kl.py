@@ -5,9 +5,16 @@ fuses the factors of all clients into global components by minimising the summed
 pairs plus a group-sparsity penalty that lets the number of global components ``G`` be inferred (eq. 9). The
 algorithms are in :mod:`rayfuse.fusion.kl_fusion` (pure numpy / scipy); the families in :mod:`rayfuse.expfam`.
 
-Application ``gmm`` (section 5.1): clients fit local variational GMMs (client step ``kl.gmm_posterior``, in their
-own actors) and return Normal-Wishart posteriors; the server fuses them and reports the Hausdorff distance of the
-fused means to the generator's true means and the relative model-size error ``|G_hat - G| / G``.
+Applications (``application``):
+
+* ``gmm`` (section 5.1): clients fit local variational GMMs (client step ``kl.gmm_posterior``, in their own actors)
+  and return Normal-Wishart posteriors; the server fuses them and reports the Hausdorff distance of the fused means to
+  the generator's true means and the relative model-size error ``|G_hat - G| / G`` (:mod:`rayfuse.fusion.kl_gmm`).
+* ``bnn`` (section 5.4, Table 2): clients train mean-field Gaussian Bayesian MLPs; their hidden neurons are fused as
+  diagonal Gaussians; Monte-Carlo accuracy, log-likelihood and entropy of the fused and local BNNs
+  (:mod:`rayfuse.fusion.kl_bnn`).
+* ``topics`` (section 5.3): clients fit LDA; topics are fused as Dirichlets; held-out document completion, also for
+  the homogeneous (parametric) variant with ``homogeneous: true`` (:mod:`rayfuse.fusion.kl_topics`).
 
 The per-dataset assignment solves of each sweep fan out through the federation's ``parallel_map`` (batched Ray tasks
 on the coordinator's cluster; threads in-process) when the sweep carries enough work (``executor: auto``), else
@@ -93,10 +100,10 @@ class KLFusion(Method):
         return result, executor_name, time.perf_counter() - started
 
     def run(self, server: ServerContext) -> MethodResult:
-        if self.params.application == "bnn":
-            return self._run_bnn(server)
-        if self.params.application == "topics":
-            return self._run_topics(server)
+        run = {"gmm": self._run_gmm, "bnn": self._run_bnn, "topics": self._run_topics}[self.params.application]
+        return run(server)
+
+    def _run_gmm(self, server: ServerContext) -> MethodResult:
         p = self.params
         server.progress("kl: clients fit their local variational GMMs")
         started = time.perf_counter()
