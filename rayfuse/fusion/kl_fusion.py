@@ -327,7 +327,7 @@ def _initial_globals(flat: Family, posteriors: Sequence[Family], n_init: int | N
 def fuse_heterogeneous(posteriors: Sequence[Family], *, lam: float = 0.1, solver: str = "exact", max_iter: int | None = None,
                        n_init_components: int | None = None, executor: Executor | None = None,
                        random_state: int | np.random.Generator | None = 0, fw_iterations: int = 100, eps: float = 1e-3,
-                       min_mass: float = 0.999, reg_weights: str = "code") -> FusionResult:
+                       min_mass: float = 0.999, reg_weights: str = "code", tol: float = 1e-6) -> FusionResult:
     """Nonparametric KL-fusion, eq. (9): the number of global components is inferred.
 
     Parameters
@@ -348,6 +348,8 @@ def fuse_heterogeneous(posteriors: Sequence[Family], *, lam: float = 0.1, solver
         k-means++ and the commit order of the sweeps.
     fw_iterations, eps, min_mass : relaxed solver only
         Frank-Wolfe iterations per P-step, the smoothing of the group norm, and the pruning mass.
+    tol : float
+        Exact solver: stop when a sweep lowers the objective by less than ``tol`` (relative).
     reg_weights : {"uniform", "code"}
         Relaxed solver only: the paper's uniform group weights, or the reference code's ``sqrt(max(0, g + 1 - Lmax))``
         by mass rank. With uniform weights the relaxed problem cannot tell two near-identical globals apart (splitting
@@ -368,7 +370,7 @@ def fuse_heterogeneous(posteriors: Sequence[Family], *, lam: float = 0.1, solver
     # initial hard assignment: each dataset's components to distinct centres (no regulariser), in parallel
     init = map_chunked(partial(_assign_to, centers), list(posteriors), executor)
     if solver == "exact":
-        result = _fuse_exact(posteriors, flat, centers, init, lam_eff, max_iter or 20, executor, rng)
+        result = _fuse_exact(posteriors, flat, centers, init, lam_eff, max_iter or 20, executor, rng, tol)
     else:
         if reg_weights not in ("uniform", "code"):
             raise InputError("reg_weights", "'uniform' or 'code'", reg_weights)
@@ -381,7 +383,7 @@ def fuse_heterogeneous(posteriors: Sequence[Family], *, lam: float = 0.1, solver
 
 
 def _fuse_exact(posteriors: Sequence[Family], flat: Family, centers: Family, init: list[np.ndarray], lam: float, max_iter: int,
-                executor: Executor | None, rng: np.random.Generator) -> FusionResult:
+                executor: Executor | None, rng: np.random.Generator, tol: float) -> FusionResult:
     etas = [p.natural() for p in posteriors]
     state = _State(flat, etas[0].shape[1], lam)
     # start from the centres' assignment: every centre that received components becomes a global
@@ -392,6 +394,7 @@ def _fuse_exact(posteriors: Sequence[Family], flat: Family, centers: Family, ini
         np.add.at(state.sums, a, eta)
         np.add.at(state.counts, a, 1)
     objective = [state.objective(posteriors, assignments)]
+    best = (state.sums.copy(), state.counts.copy(), [a.copy() for a in assignments])
     accepted = resolved = 0
     sweeps = 0
     for sweep in range(max_iter):
@@ -418,12 +421,22 @@ def _fuse_exact(posteriors: Sequence[Family], flat: Family, centers: Family, ini
         objective.append(state.objective(posteriors, assignments))
         if not changed:
             break
+        # the commits minimise leave-one-out costs, which is not one global objective: moves can trade places without
+        # improving eq. (9) (seen on BNN neurons); stop once a sweep no longer lowers it, keeping the better state
+        if objective[-1] > objective[-2]:
+            state.sums, state.counts, assignments = best
+            objective.append(objective[-2])
+            break
+        if objective[-2] - objective[-1] <= tol * max(1.0, abs(objective[-2])):
+            break
+        best = (state.sums.copy(), state.counts.copy(), [a.copy() for a in assignments])
     ids = np.flatnonzero(state.counts > 0)
     remap = np.full(len(state.counts), -1)
     remap[ids] = np.arange(len(ids))
     globals_ = flat.from_natural(state.sums[ids] / state.counts[ids, None])
     return FusionResult(globals_, [remap[a] for a in assignments], state.counts[ids].copy(), objective=objective,
-                        info={"sweeps": sweeps, "proposals_accepted": accepted, "resolved": resolved})
+                        info={"sweeps": sweeps, "proposals_accepted": accepted, "resolved": resolved,
+                              "converged": sweeps < max_iter or not changed})
 
 
 # -----------------------------------------------------------------------------------------------------------------

@@ -82,6 +82,7 @@ def test_parallel_and_serial_sweeps_give_the_same_fusion():
     b = fuse_heterogeneous(posteriors, executor=thread_map, random_state=5)
     np.testing.assert_allclose(a.globals.natural(), b.globals.natural())
     assert [x.tolist() for x in a.assignments] == [x.tolist() for x in b.assignments]
+    assert (np.diff(a.objective) <= 1e-9 * abs(a.objective[0])).all()  # eq. (9) never increases over the sweeps
 
 
 def test_kl_kmeanspp_picks_one_centre_per_well_separated_cluster():
