@@ -20,7 +20,7 @@ import warnings
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rayfuse.client import ClientContext
 from rayfuse.coordinator import ServerContext
@@ -63,6 +63,13 @@ class GMMPosteriorParams(MethodParams):
     n_components: int | Literal["true"] = Field("true", description="local mixture components: 'true' = each group's true atom count (the paper), or a number")
     n_init: int = Field(16, ge=1, description="BayesianGaussianMixture restarts (reference driver: 16)")
     vi_max_iter: int = Field(100, ge=1, description="BayesianGaussianMixture iterations")
+
+    @field_validator("n_components")
+    @classmethod
+    def _at_least_one(cls, value: int | str) -> int | str:
+        if value != "true" and value < 1:
+            raise ValueError("a number of components >= 1 or 'true'")
+        return value
 
 
 def gmm_truth(server: ServerContext, path: str) -> dict[str, Any]:

@@ -155,6 +155,12 @@ def test_gmm_job_recovers_the_true_number_of_components(coordinator):
     assert len([k for k in client.ctx.state if k[0] == "kl.gmm_posterior"]) == 1
 
 
+@pytest.mark.parametrize("key,value", [("lam", -1.0), ("n_components", 0), ("solver", "cvxpy"), ("application", "hmm"), ("executor", "gpu")])
+def test_bad_method_parameters_name_their_key(make_config, key, value):
+    with pytest.raises(InputError, match=f"methods.kl.{key}"):
+        make_config(**GMM, methods={"kl": {key: value}})
+
+
 def test_gmm_methods_need_the_gmm_dataset(coordinator):
     coord = coordinator(methods={"kl": {}})
     with pytest.raises(InputError, match="data.dataset"):
