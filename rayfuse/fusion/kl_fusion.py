@@ -33,10 +33,11 @@ Two P-step solvers (:func:`fuse_heterogeneous`):
 
   Globals are created by the new columns and deleted when their count drops to 0, so ``G`` is inferred. A sweep
   solves the ``D`` problems *in parallel* against the state at the sweep's start (through the executor), then
-  commits them one by one in a random order: a proposal is kept when, against the state as committed so far, its
-  cost is no worse than the dataset's current assignment; otherwise (a conflict, e.g. two datasets that opened
-  the same new component at once) the dataset is re-solved serially against the current state. Every committed step
-  is therefore a block-coordinate step that does not increase the dataset's cost.
+  commits them one by one in a random order: a proposal is kept when it lowers eq. (9) itself (binary ``P``,
+  barycenters re-optimised) against the state as committed so far; otherwise (a conflict, e.g. two datasets that
+  opened the same new component at once, or a move the leave-one-out cost favours but eq. (9) does not) the dataset
+  is re-solved serially against the current state and that answer is kept only if it lowers eq. (9). The objective
+  therefore never increases; the sweeps stop when nothing changes or the decrease is below ``tol``.
 * ``relaxed``: the paper's relaxed convex P-step with a fixed, over-complete set of globals from KL-k-means++,
   solved by Frank-Wolfe (the linear minimisation oracle over the constraint set is one rectangular assignment per
   dataset, also fanned out) on the group norm smoothed by ``eps``; then the P-weighted barycenters; repeated
@@ -282,27 +283,36 @@ class _State:
         counts = self.counts[ids].copy()
         return _Snapshot(ids, sums, counts, self.template.from_natural(sums / counts[:, None]), self.lam)
 
-    def dataset_cost(self, local: Family, eta: np.ndarray, own: np.ndarray, target: np.ndarray) -> float:
-        """Dataset ``j``'s cost of assignment ``target`` with ``j`` left out (``inf`` if it names a vanished global)."""
-        counts = self.counts.copy()
-        sums = self.sums.copy()
+    def exact_delta(self, flat: Family, owner: np.ndarray, span: slice, eta: np.ndarray, own: np.ndarray, target: np.ndarray) -> float:
+        """The change of eq. (9), barycenters re-optimised, if dataset ``j`` (local components ``flat[span]``, current
+        globals ``own``) were assigned ``target`` instead (``-1``: a new global of its own). Only the globals either
+        assignment touches change; their other members come from ``owner`` (the global of every local component)."""
+        touched = np.union1d(own[own >= 0], target[target >= 0])
+        others = np.flatnonzero(np.isin(owner, touched))
+        others = others[(others < span.start) | (others >= span.stop)]
+        other_pos = np.searchsorted(touched, owner[others])
+        base_sums = self.sums[touched].copy()
+        base_counts = self.counts[touched].astype(np.float64)
         mine = own >= 0
-        np.subtract.at(counts, own[mine], 1)
-        np.subtract.at(sums, own[mine], eta[mine])
-        # a global left empty without j: j's own component alone there is a new global (cost lambda); any other
-        # reference to it names a global that vanished during this sweep
-        target = np.where((target >= 0) & (target == own) & (counts[np.maximum(target, 0)] <= 0), -1, target)
-        existing = target >= 0
-        if existing.any() and (counts[target[existing]] <= 0).any():
-            return math.inf
-        n_new = int((~existing).sum())
-        cost = self.lam * n_new
-        if existing.any():
-            g = target[existing]
-            bary = self.template.from_natural(sums[g] / counts[g, None])
-            cost += float(bary.kl(local.take(np.flatnonzero(existing))).sum())
-            cost += float(self.lam * (np.sqrt(counts[g] + 1.0) - np.sqrt(counts[g])).sum())
-        return cost
+        np.subtract.at(base_sums, np.searchsorted(touched, own[mine]), eta[mine])
+        np.subtract.at(base_counts, np.searchsorted(touched, own[mine]), 1.0)
+        local_idx = np.arange(span.start, span.stop)
+
+        def cost(assign: np.ndarray) -> float:
+            sums, counts = base_sums.copy(), base_counts.copy()
+            placed = assign >= 0
+            pos = np.searchsorted(touched, assign[placed])
+            np.add.at(sums, pos, eta[placed])
+            np.add.at(counts, pos, 1.0)
+            alive = counts > 0
+            where = np.cumsum(alive) - 1
+            bary = self.template.from_natural(sums[alive] / counts[alive, None])
+            member_pos = np.concatenate([other_pos, pos])
+            member_idx = np.concatenate([others, local_idx[placed]])
+            kl = float(bary.take(where[member_pos]).kl(flat.take(member_idx)).sum()) if len(member_idx) else 0.0
+            return kl + self.lam * (float(np.sqrt(counts[alive]).sum()) + int((~placed).sum()))
+
+        return cost(target) - cost(own)
 
     def objective(self, posteriors: Sequence[Family], assignments: Sequence[np.ndarray]) -> float:
         ids = np.flatnonzero(self.counts > 0)
@@ -394,7 +404,8 @@ def _fuse_exact(posteriors: Sequence[Family], flat: Family, centers: Family, ini
         np.add.at(state.sums, a, eta)
         np.add.at(state.counts, a, 1)
     objective = [state.objective(posteriors, assignments)]
-    best = (state.sums.copy(), state.counts.copy(), [a.copy() for a in assignments])
+    offsets = _offsets(posteriors)
+    owner = np.concatenate(assignments)  # the global of every local component
     accepted = resolved = 0
     sweeps = 0
     for sweep in range(max_iter):
@@ -404,32 +415,27 @@ def _fuse_exact(posteriors: Sequence[Family], flat: Family, centers: Family, ini
         changed = False
         for j in rng.permutation(len(posteriors)):
             local, eta, own, prop = posteriors[j], etas[j], assignments[j], proposals[j]
-            if (prop == own).all():
-                accepted += 1
+            span = slice(int(offsets[j]), int(offsets[j + 1]))
+            tiny = 1e-12 * max(1.0, abs(objective[-1]))
+            target = None
+            if not (prop == own).all():
+                if state.exact_delta(flat, owner, span, eta, own, prop) < -tiny:
+                    target = prop
+                    accepted += 1
+                else:  # stale against this sweep's earlier commits: solve again against the current state
+                    again = _propose(state.snapshot(), (local, eta, own))
+                    resolved += 1
+                    if not (again == own).all() and state.exact_delta(flat, owner, span, eta, own, again) < -tiny:
+                        target = again
+            if target is None:
                 continue
-            if state.dataset_cost(local, eta, own, prop) <= state.dataset_cost(local, eta, own, own) + 1e-9:
-                target = prop
-                accepted += 1
-            else:  # a conflict with an earlier commit of this sweep: solve again against the current state
-                target = _propose(state.snapshot(), (local, eta, own))
-                resolved += 1
             state.remove(own, eta)
-            new = state.add(target, eta)
-            if (new != own).any():
-                changed = True
-            assignments[j] = new
+            assignments[j] = state.add(target, eta)
+            owner[span] = assignments[j]
+            changed = True
         objective.append(state.objective(posteriors, assignments))
-        if not changed:
+        if not changed or objective[-2] - objective[-1] <= tol * max(1.0, abs(objective[-2])):
             break
-        # the commits minimise leave-one-out costs, which is not one global objective: moves can trade places without
-        # improving eq. (9) (seen on BNN neurons); stop once a sweep no longer lowers it, keeping the better state
-        if objective[-1] > objective[-2]:
-            state.sums, state.counts, assignments = best
-            objective.append(objective[-2])
-            break
-        if objective[-2] - objective[-1] <= tol * max(1.0, abs(objective[-2])):
-            break
-        best = (state.sums.copy(), state.counts.copy(), [a.copy() for a in assignments])
     ids = np.flatnonzero(state.counts > 0)
     remap = np.full(len(state.counts), -1)
     remap[ids] = np.arange(len(ids))
