@@ -142,6 +142,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-ray", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], help="which measurements (1 throughput, 2 overhead, 3 exact vs relaxed)")
     parser.add_argument("--lam", type=float, default=3.0, help="KL-fusion lambda for part 3 (jobs/kl_gmm.yaml's value)")
     parser.add_argument("--max-load", type=float, default=2.5, help="wait for the 1-minute load to drop below this before each cell")
     parser.add_argument("--quiet-timeout", type=float, default=120.0, help="seconds to wait for that at most")
@@ -152,7 +153,7 @@ def main() -> None:
     if args.quick:
         cells = [(10, 50), (50, 200), (10, 1000)]
     ray_fed = None
-    if not args.no_ray:
+    if not args.no_ray and 1 in args.parts:
         import ray
 
         from actors.federation import RayFederation
@@ -162,16 +163,16 @@ def main() -> None:
         ray_fed = RayFederation({}, FailurePolicy(), EventLog())
     info = machine_info()
     print("1. throughput (one sweep: D solves of L x 2L)")
-    tp = throughput(cells, repeats, ray_fed, cores, (args.max_load, args.quiet_timeout))
+    tp = throughput(cells, repeats, ray_fed, cores, (args.max_load, args.quiet_timeout)) if 1 in args.parts else []
     if ray_fed is not None:
         import ray
 
         ray.shutdown()
     print("2. wrapper overhead")
-    ov = overhead([50, 200, 500, 1000], 10 if args.quick else 20)
+    ov = overhead([50, 200, 500, 1000], 10 if args.quick else 20) if 2 in args.parts else []
     print("3. exact vs relaxed on GMM problems")
     seeds = [100, 101] if args.quick else [100, 101, 102]
-    er = exact_vs_relaxed([0.15, 0.5, 1.0], seeds, 4 if args.quick else 16, args.lam, 1 if args.quick else 3)
+    er = exact_vs_relaxed([0.15, 0.5, 1.0], seeds, 4 if args.quick else 16, args.lam, 1 if args.quick else 3) if 3 in args.parts else []
     cols = [("D", "D"), ("L", "L"), ("load", "load"), ("serial_s", "serial s"), ("work_per_core_ms", "ms/core"), ("threads_eff", "eff threads"),
             ("sweep_threads_eff", "eff sweep thr"), ("ray_eff", "eff ray"), ("sweep_ray_eff", "eff sweep ray")]
     print_table(tp, cols, f"throughput on {cores} cores (efficiency = serial / (cores x wall))")
@@ -180,9 +181,9 @@ def main() -> None:
                      ("exact_hausdorff", "H exact"), ("relaxed_hausdorff", "H relaxed"), ("exact_G", "G exact"), ("relaxed_G", "G relaxed")],
                 "exact (default) vs relaxed P-step")
     summary = {"median_speedup": median([r["speedup"] for r in er]), "mean_hausdorff_exact": float(np.mean([r["exact_hausdorff"] for r in er])),
-               "mean_hausdorff_relaxed": float(np.mean([r["relaxed_hausdorff"] for r in er]))}
+               "mean_hausdorff_relaxed": float(np.mean([r["relaxed_hausdorff"] for r in er]))} if er else {}
     print(summary)
-    path = write_results("kl_bench", {"machine": info, "lam": args.lam, "throughput": tp, "overhead": ov, "exact_vs_relaxed": er, "summary": summary})
+    path = write_results("kl_bench" if args.parts == [1, 2, 3] else "kl_bench_parts" + "".join(map(str, args.parts)), {"machine": info, "lam": args.lam, "throughput": tp, "overhead": ov, "exact_vs_relaxed": er, "summary": summary})
     print(f"wrote {path}")
 
 

@@ -208,8 +208,10 @@ def _dataset_costs(snap: _Snapshot, local: Family, eta: np.ndarray, own: np.ndar
     """Dataset ``j``'s augmented cost matrix (``L_j x (G' + L_j)``) against ``snap`` with ``j`` left out, and the ids
     of its ``G'`` existing-global columns (globals holding only ``j``'s components are left out)."""
     L = len(local)
-    pos = {int(g): i for i, g in enumerate(snap.ids)}
-    rows = np.array([pos.get(int(g), -1) for g in own])  # position of each local's current global (-1: none)
+    rows = np.full(L, -1)  # position of each local's current global in snap.ids (sorted); -1: none
+    if len(snap.ids):
+        at = np.minimum(np.searchsorted(snap.ids, own), len(snap.ids) - 1)
+        rows = np.where(snap.ids[at] == own, at, -1)
     counts = snap.counts.astype(np.float64).copy()
     mine = rows >= 0
     counts[rows[mine]] -= 1
