@@ -67,6 +67,12 @@ class ServerContext:
         """The server's public sample (``data.public_size``; may be empty)."""
         return self._coordinator.server_data()[1]
 
+    @property
+    def dataset_meta(self) -> dict[str, Any]:
+        """Facts a procedural dataset records about itself (e.g. the true GMM atoms): for evaluation only, like the
+        test set; empty for other datasets."""
+        return dict(self._coordinator._load_dataset().meta)
+
     def pooled_train(self) -> Split:
         """Every client's training data pooled. Only oracle methods may ask: a federation cannot do this."""
         if not self.method_cls.oracle:
