@@ -94,6 +94,13 @@ def format_table(methods: Mapping[str, Mapping[str, Any]]) -> str:
             extra.append(f"{int(entry['hidden_units'])} hidden units")
         if entry.get("info", {}).get("intersection_found") is False:
             extra.append("no intersection")
+        if "hausdorff" in entry:  # kl gmm and its baselines: distance to the true means
+            extra.append(f"hausdorff {entry['hausdorff']:.3f}")
+        if "completion_ll" in entry:  # kl topics: held-out document completion
+            extra.append(f"completion ll {entry['completion_ll']:.3f}")
+        if "num_components" in entry:
+            extra.append(f"{int(entry['num_components'])} components"
+                         + (f" (size error {entry['size_error']:.2f})" if "size_error" in entry else ""))
         cells.append(", ".join(extra) or "")
         cells.append(f"{entry.get('seconds', 0):.1f}")
         rows.append(cells)
