@@ -17,13 +17,13 @@ import numpy as np
 from rayfuse.config import ExperimentConfig, MethodSpec
 from rayfuse.data.roles import DataPlan, Split, load_dataset_from_config, pooled_train, server_splits
 from rayfuse.errors import NonFiniteError, RunFailure
-from rayfuse.federation import Federation, Gathered, Update
+from rayfuse.federation import Federation, Gathered, Update, step_name
 from rayfuse.fusion import METHODS, Method, MethodResult
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.metrics import compute_metrics
 from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
 from rayfuse.seeding import derive_seed, make_rng
-from rayfuse.store import Checkpoint, LocalModelCache, RunStore, local_model_key
+from rayfuse.store import Checkpoint, LocalModelCache, RunStore, StepResultCache, local_model_key, step_result_key
 from rayfuse.client import get_local_update, set_local_params, train_local
 
 __all__ = ["Coordinator", "ServerContext"]
@@ -50,6 +50,34 @@ class ServerContext:
         self.checkpoint = coordinator.store.checkpointer(spec.label)
         self.resume = resume
         self.history: list[dict[str, Any]] = []
+
+    def run_cached(self, step: Any, *args: Any, **kwargs: Any) -> Gathered[Any]:
+        """``federation.run(step, *args, **kwargs)``, cached across runs when ``run.model_cache`` is set.
+
+        For deterministic client steps that summarise a client's data (a local posterior fit): the results of every
+        client are stored under a key of the data, split, model, training settings, seed, the step and its arguments,
+        and runs that share the key (the trials of a Tune sweep over fusion-only knobs) compute them once. Without
+        ``run.model_cache``, or when a client failed, this is plain ``federation.run``.
+        """
+        coordinator = self._coordinator
+        root = coordinator.cfg.run.model_cache
+        if not root:
+            return self.federation.run(step, *args, **kwargs)
+        name = step_name(step)
+        key, inputs = step_result_key(coordinator.cfg.resolved(), coordinator.plan.digest(), name, args, kwargs)
+        cache = StepResultCache(root, key, inputs)
+        clients = self.federation.client_ids
+        with cache.lock():
+            saved = cache.load(clients)
+            if saved is not None:
+                self.events.emit("step_results_restored", f"{name}: {len(saved)} clients' results from the model cache ({key})",
+                                 method=self.label, key=key)
+                return Gathered(saved)
+            gathered = self.federation.run(step, *args, **kwargs)
+            if sorted(gathered.results) == sorted(clients) and not gathered.failures and cache.save(gathered.results):
+                self.events.emit("step_results_cached", f"{name}: {len(clients)} clients' results -> {cache.folder}",
+                                 method=self.label, key=key)
+            return gathered
 
     # -- data and models ------------------------------------------------------------------------------------------
 

@@ -218,3 +218,97 @@ class LocalModelCache:
                 raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+# -- cached client-step results ------------------------------------------------------------------------------------
+
+
+def _flatten_result(value: Any, prefix: str, arrays: dict[str, np.ndarray], scalars: dict[str, Any]) -> bool:
+    """Split a client step's result (nested dicts of arrays and plain values) into arrays and JSON values."""
+    if isinstance(value, Mapping):
+        return all(isinstance(k, str) and "/" not in k and _flatten_result(v, f"{prefix}{k}/", arrays, scalars)
+                   for k, v in value.items())
+    key = prefix[:-1]
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        arrays[key] = value
+    elif isinstance(value, np.generic):
+        scalars[key] = value.item()
+    elif value is None or isinstance(value, (bool, int, float, str)):
+        scalars[key] = value
+    else:
+        return False  # not cacheable (the step's result is then simply not cached)
+    return True
+
+
+def _unflatten_result(arrays: Mapping[str, np.ndarray], scalars: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in [*arrays.items(), *scalars.items()]:
+        node = out
+        *parents, leaf = key.split("/")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def step_result_key(config: Mapping[str, Any], partition_hash: str, step: str, args: Any, kwargs: Any) -> tuple[str, dict[str, Any]]:
+    """The cache key of one client step's results: the local-model key's inputs plus the step and its arguments."""
+    _, inputs = local_model_key(config, partition_hash)
+    step_faults = [f for f in config["federation"]["faults"] if f["step"] == step]  # a fault in the step changes its results
+    inputs = {**inputs, "step": step, "args": args, "kwargs": kwargs, "step_faults": step_faults}
+    text = json.dumps(inputs, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24], inputs
+
+
+class StepResultCache(LocalModelCache):
+    """Results of one deterministic client step (e.g. a local posterior fit) for all clients, shared by runs.
+
+    Same layout rules as :class:`LocalModelCache` (written once, complete, renamed into place; ``flock`` per key),
+    under ``<run.model_cache>/step-results/<key>/``: ``client-<i>.npz`` (arrays, ``allow_pickle=False``) and
+    ``client-<i>.json`` (plain values). Methods whose clients summarise their data in their own step (KL-fusion's
+    local posteriors) use it through :meth:`rayfuse.coordinator.ServerContext.run_cached`, so a Tune sweep over
+    fusion-only knobs computes the summaries once.
+    """
+
+    def __init__(self, root: str | Path, key: str, inputs: Mapping[str, Any] | None = None) -> None:
+        super().__init__(root, key, inputs)
+        self.root = Path(root) / "step-results"
+        self.folder = self.root / key
+
+    def load(self, client_ids: list[int]) -> dict[int, dict[str, Any]] | None:  # type: ignore[override]
+        if not self.folder.is_dir():
+            return None
+        out = {}
+        for client in client_ids:
+            npz, meta = self.folder / f"client-{client}.npz", self.folder / f"client-{client}.json"
+            if not (npz.is_file() and meta.is_file()):
+                return None
+            with np.load(npz, allow_pickle=False) as arrays:
+                out[client] = _unflatten_result({k: arrays[k] for k in arrays.files}, json.loads(meta.read_text()))
+        return out
+
+    def save(self, results: Mapping[int, Any]) -> bool:  # type: ignore[override]
+        """Write the results; ``False`` (nothing written) when a result holds values that cannot be stored."""
+        flat = {}
+        for client, result in results.items():
+            arrays: dict[str, np.ndarray] = {}
+            scalars: dict[str, Any] = {}
+            if not _flatten_result(result, "", arrays, scalars) or not arrays and not scalars:
+                return False
+            flat[client] = (arrays, scalars)
+        if self.folder.is_dir():
+            return True
+        self.root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{self.key}-", dir=self.root))
+        try:
+            for client, (arrays, scalars) in flat.items():
+                np.savez(staging / f"client-{client}.npz", **arrays)
+                atomic_write_json(staging / f"client-{client}.json", scalars)
+            atomic_write_json(staging / "key.json", self.inputs)
+            os.replace(staging, self.folder)
+        except OSError:
+            if not self.folder.is_dir():
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return True

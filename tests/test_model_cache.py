@@ -54,3 +54,23 @@ def test_the_key_ignores_methods_and_storage_but_not_the_seed(make_config):
     early = {**base, "federation": {**base["federation"], "faults": [{**fault, "step": "train_local", "mode": "nan"}]}}
     assert local_model_key(early, "h")[0] != key
     json.dumps(local_model_key(base, "h")[1])  # the key's inputs are written as key.json
+
+
+def test_step_results_round_trip_nested_arrays_and_values(tmp_path):
+    import numpy as np
+
+    from rayfuse.store import StepResultCache
+
+    cache = StepResultCache(tmp_path, "k1", {"step": "kl.bnn_posterior"})
+    results = {0: {"bnn": {"w1_mu": np.ones((3, 2)), "b2_var": np.zeros(4)}, "seconds": 1.5, "n": np.int64(7), "note": None},
+               1: {"bnn": {"w1_mu": np.full((3, 2), 2.0), "b2_var": np.ones(4)}, "seconds": 2.0, "n": 3, "note": "x"}}
+    assert cache.load([0, 1]) is None
+    with cache.lock():
+        assert cache.save(results)
+    back = cache.load([0, 1])
+    assert back[1]["bnn"]["w1_mu"].tolist() == results[1]["bnn"]["w1_mu"].tolist() and back[0]["n"] == 7
+    assert back[0]["seconds"] == 1.5 and back[0]["note"] is None and back[1]["note"] == "x"
+    assert cache.load([0, 1, 2]) is None  # an incomplete entry is a miss
+    # a result with values that cannot be stored safely (no pickles) is simply not cached
+    other = StepResultCache(tmp_path, "k2")
+    assert not other.save({0: {"model": object()}}) and other.load([0]) is None

@@ -130,7 +130,7 @@ class KLFusion(Method):
         p = self.params
         server.progress(f"kl: clients train Bayesian MLPs ({p.hidden} hidden units, Bayes by backprop)")
         started = time.perf_counter()
-        gathered = server.federation.run(train_bnn, hidden=p.hidden, epochs=p.bnn_epochs, lr=p.bnn_lr, prior_sd=p.prior_sd)
+        gathered = server.run_cached(train_bnn, hidden=p.hidden, epochs=p.bnn_epochs, lr=p.bnn_lr, prior_sd=p.prior_sd)
         bnns, neurons = {}, []
         for client, r in gathered.results.items():
             try:
@@ -187,7 +187,7 @@ class KLFusion(Method):
         k: dict[int, int] | int = {c: int(counts[c]) for c in server.federation.client_ids} if p.n_components == "true" else int(p.n_components)
         server.progress("kl: clients fit LDA on their documents")
         started = time.perf_counter()
-        gathered = server.federation.run(fit_lda_posterior, k, max_iter=p.vi_max_iter)
+        gathered = server.run_cached(fit_lda_posterior, k, max_iter=p.vi_max_iter)
         posteriors, locals_ = [], {}
         for client, r in gathered.results.items():
             try:

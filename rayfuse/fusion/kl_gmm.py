@@ -87,7 +87,7 @@ def gather_gmm_posteriors(server: ServerContext, params: GMMPosteriorParams) -> 
         n_components: dict[int, int] | int = {c: int(counts[c]) for c in server.federation.client_ids}
     else:
         n_components = int(params.n_components)
-    gathered = server.federation.run(fit_gmm_posterior, n_components, n_init=params.n_init, max_iter=params.vi_max_iter)
+    gathered = server.run_cached(fit_gmm_posterior, n_components, n_init=params.n_init, max_iter=params.vi_max_iter)
     posteriors, raw = [], {}
     for client, r in gathered.results.items():
         try:

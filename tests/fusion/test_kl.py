@@ -155,6 +155,23 @@ def test_gmm_job_recovers_the_true_number_of_components(coordinator):
     assert len([k for k in client.ctx.state if k[0] == "kl.gmm_posterior"]) == 1
 
 
+def test_local_posteriors_are_computed_once_per_model_cache(coordinator, tmp_path):
+    # A Tune sweep over lambda: every trial's run shares run.model_cache, the clients fit their posteriors once.
+    cache = str(tmp_path / "cache")
+    first = coordinator(**{**GMM, "run": {**GMM["run"], "model_cache": cache}}, methods={"kl": {"n_init": 1}})
+    a = first.run_method("kl")
+    assert any(e["kind"] == "step_results_cached" for e in first.events.since(0))
+    second = coordinator(**{**GMM, "run": {**GMM["run"], "model_cache": cache}}, methods={"kl": {"n_init": 1, "lam": 0.5}})
+    b = second.run_method("kl")
+    assert any(e["kind"] == "step_results_restored" for e in second.events.since(0))
+    assert not [k for k in second.federation.client(0).ctx.state if k[0] == "kl.gmm_posterior"]  # nothing fitted
+    assert a["info"]["local_components"] == b["info"]["local_components"]
+    # a fault injected into the step is part of the key: the faulty run fits again
+    third = coordinator(**{**GMM, "run": {**GMM["run"], "model_cache": cache}}, methods={"kl": {"n_init": 1}},
+                        federation={"faults": [{"client": 1, "step": "kl.gmm_posterior", "mode": "nan"}]})
+    assert third.run_method("kl")["info"]["clients"] == [0, 2, 3, 4]
+
+
 @pytest.mark.parametrize("key,value", [("lam", -1.0), ("n_components", 0), ("solver", "cvxpy"), ("application", "hmm"), ("executor", "gpu")])
 def test_bad_method_parameters_name_their_key(make_config, key, value):
     with pytest.raises(InputError, match=f"methods.kl.{key}"):
