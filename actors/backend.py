@@ -9,6 +9,8 @@
   simulation mode) each actor hosts k consecutive clients and is named ``<run>/clients-<i>-<j>``.
 * Coordinator: a named ``CoordinatorActor`` (``<run>/coordinator``) pinned to the driver's node, given the client
   handles. The driver only calls it and polls its events; parameters never travel through the driver.
+* Gang scheduling (a Ray Tune trial, ``actors.tune``): given a placement group, the coordinator goes into bundle 0
+  (the trial's own bundle, on the driver's node) and client actor ``k`` into bundle ``k + 1``, with the bundle's CPUs.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from actors.client import ClientActor, actor_name
 from actors.coordinator import CoordinatorActor
@@ -31,7 +33,7 @@ from rayfuse.data.roles import DataPlan
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.runner import Backend, EventSink
 
-__all__ = ["RayBackend", "actor_options"]
+__all__ = ["RayBackend", "actor_options", "client_bundles", "merged_resources", "trial_bundles"]
 
 POLL_S = 0.25
 
@@ -59,7 +61,7 @@ def stale_local_address() -> str | None:
         return address
 
 
-def _merged_resources(cfg: ExperimentConfig, client_id: int) -> ResourcesConfig:
+def merged_resources(cfg: ExperimentConfig, client_id: int) -> ResourcesConfig:
     base = cfg.federation.clients
     override = cfg.federation.client_overrides.get(client_id)
     if override is None:
@@ -81,10 +83,43 @@ def actor_options(resources: ResourcesConfig) -> dict[str, Any]:
     return options
 
 
+def client_bundles(cfg: ExperimentConfig) -> list[dict[str, float]]:
+    """One placement-group bundle per client actor (``auto`` CPUs: 1), in actor order.
+
+    A trial's placement group is ``[{"CPU": 1}]`` (the trial's driver and the coordinator) + these bundles + one
+    bundle of ``federation.task_cpus`` for the coordinator's server-side tasks (:func:`trial_bundles`).
+    """
+    n, per_actor = cfg.partition.num_clients, cfg.federation.clients_per_actor
+    bundles = []
+    for first in range(0, n, per_actor):
+        options = actor_options(merged_resources(cfg, first))
+        bundle = {"CPU": float(options.get("num_cpus", 1.0))}
+        if options.get("num_gpus"):
+            bundle["GPU"] = float(options["num_gpus"])
+        if options.get("memory"):
+            bundle["memory"] = float(options["memory"])
+        bundle.update({k: float(v) for k, v in (options.get("resources") or {}).items()})
+        bundles.append({k: v for k, v in bundle.items() if v})
+    return bundles
+
+
+def trial_bundles(cfg: ExperimentConfig) -> list[dict[str, float]]:
+    """The bundles of one gang-scheduled federation: driver + coordinator, one per client actor, server tasks."""
+    return [{"CPU": 1.0}, *client_bundles(cfg), {"CPU": float(cfg.federation.task_cpus)}]
+
+
 class RayBackend(Backend):
+    """Parameters
+    ----------
+    placement_group : PlacementGroup, optional
+        Gang-schedule the run into this group: the coordinator in bundle 0, client actor ``k`` in bundle ``k + 1``
+        (the bundles of :func:`client_bundles`). Used by Tune trials.
+    """
+
     name = "ray"
 
-    def __init__(self) -> None:
+    def __init__(self, placement_group: Any = None) -> None:
+        self._placement_group = placement_group
         self._owns_ray = False
         self.clients: dict[int, Any] = {}  # client id -> handle of the actor hosting it
         self._client_actors: list[Any] = []
@@ -123,8 +158,8 @@ class RayBackend(Backend):
 
     def _check_feasible(self, cfg: ExperimentConfig, requests: list[dict[str, Any]]) -> None:
         """On a Ray that rayfuse started itself (no autoscaler), refuse requests the node cannot ever satisfy."""
-        if cfg.federation.address or os.environ.get("RAY_ADDRESS"):
-            return  # a real cluster may autoscale: wait (startup_timeout_s) instead of refusing
+        if cfg.federation.address or os.environ.get("RAY_ADDRESS") or self._placement_group is not None:
+            return  # a real cluster may autoscale; a placement group is already reserved: wait (startup_timeout_s) instead of refusing
         total = ray.cluster_resources()
         for i, req in enumerate(requests):
             key = f"federation.client_overrides.{i}" if i in cfg.federation.client_overrides else "federation.clients"
@@ -141,17 +176,22 @@ class RayBackend(Backend):
         self._connect(cfg)
         fed = cfg.federation
         run = Path(run_dir).name
-        requests = [actor_options(_merged_resources(cfg, i)) for i in range(plan.num_clients)]
+        requests = [actor_options(merged_resources(cfg, i)) for i in range(plan.num_clients)]
         self._check_feasible(cfg, requests)
         client_cls = ray.remote(ClientActor)
         per_actor = fed.clients_per_actor
         groups = [list(range(first, min(first + per_actor, plan.num_clients))) for first in range(0, plan.num_clients, per_actor)]
         self._actor_names = []
-        for members in groups:
+        pg = self._placement_group
+        bundles = client_bundles(cfg) if pg is not None else []
+        for k, members in enumerate(groups):
             name = actor_name(run, members)
+            options = dict(requests[members[0]])  # one client per actor, or no per-client overrides (validated)
+            if pg is not None:
+                options["num_cpus"] = bundles[k].get("CPU", 0.0)
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k + 1)
             handle = client_cls.options(
-                name=name, namespace=fed.namespace, max_restarts=fed.max_restarts, max_task_retries=0,
-                **requests[members[0]],  # one client per actor, or no per-client overrides (validated)
+                name=name, namespace=fed.namespace, max_restarts=fed.max_restarts, max_task_retries=0, **options,
             ).remote([(i, plan.for_client(i)) for i in members], data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train,
                      seed=cfg.run.seed, faults=fed.faults)
             self._actor_names.append(name)
@@ -159,10 +199,15 @@ class RayBackend(Backend):
                 self.clients[i] = handle
         self._client_actors = [self.clients[members[0]] for members in groups]
         here = ray.get_runtime_context().get_node_id()
+        if pg is not None:  # bundle 0 is the trial's own, on this node; the coordinator's fan-out tasks run in the group too
+            placement = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
+        else:
+            placement = NodeAffinitySchedulingStrategy(node_id=here, soft=False)
         self.coordinator = ray.remote(CoordinatorActor).options(
             name=f"{run}/coordinator", namespace=fed.namespace, max_concurrency=4, max_restarts=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
-            **actor_options(fed.coordinator),
+            scheduling_strategy=placement,
+            # in a trial the coordinator shares bundle 0 with the trial's driver, which holds its resources
+            **(actor_options(fed.coordinator) if pg is None else {"num_cpus": 0}),
         ).remote(cfg, plan, str(Path(run_dir).resolve()), self.clients, start_time)
         try:
             pings = ray.get([c.ping.remote() for c in self._client_actors] + [self.coordinator.ready.remote()],

@@ -1,18 +1,20 @@
 """``CoordinatorActor``: the named actor that runs methods' server loops (``<run>/coordinator``).
 
 It wraps :class:`rayfuse.coordinator.Coordinator` with a :class:`actors.federation.RayFederation` over the client
-actors' handles. It is a threaded actor (``max_concurrency > 1``) so the driver can poll its events while a method
+actors' handles, and exports the run's dashboard metrics (:mod:`actors.metrics`). It is a threaded actor (``max_concurrency > 1``) so the driver can poll its events while a method
 runs, and it is placed on the driver's node so it writes checkpoints and model files into the run folder directly.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Mapping
 
 import ray
 
 from actors.federation import RayFederation
+from actors.metrics import RunMetrics
 from rayfuse.config import ExperimentConfig
 from rayfuse.coordinator import Coordinator
 from rayfuse.data.roles import DataPlan
@@ -32,6 +34,10 @@ class CoordinatorActor:
 
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
         self.coordinator = Coordinator(cfg, plan, run_dir, federation, device=device)
+        # Dashboard metrics (actors.metrics): fed by the event log and the federation's byte counts.
+        self.metrics = RunMetrics(Path(run_dir).name, plan.num_clients)
+        events.listeners.append(self.metrics.on_event)
+        federation.on_bytes = self.metrics.count_bytes
 
     def ready(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}

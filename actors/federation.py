@@ -23,11 +23,24 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
 from actors.client import RefArg
-from rayfuse.federation import Call, ClientError, ClientFailed, EventLog, FailurePolicy, Federation
+from rayfuse.federation import Call, ClientError, ClientFailed, EventLog, FailurePolicy, Federation, map_arrays
 
 __all__ = ["RayFederation"]
 
 T = TypeVar("T")
+
+
+def count_nbytes(obj: Any) -> int:
+    """Bytes of the numpy arrays inside ``obj`` (dicts, lists, tuples, dataclasses)."""
+    total = 0
+
+    def add(array: Any) -> Any:
+        nonlocal total
+        total += int(array.nbytes)
+        return array
+
+    map_arrays(obj, add)
+    return total
 
 
 def _apply_chunk(fn: Callable[[Any], T], chunk: Sequence[Any]) -> list[T]:
@@ -62,6 +75,7 @@ class RayFederation(Federation):
         self._task = ray.remote(num_cpus=task_cpus)(_apply_chunk)
         self._restart_timeout_s = restart_timeout_s
         self._fetched: dict[ray.ObjectRef, Any] = {}
+        self.on_bytes: Callable[[str, int], None] | None = None  # ("broadcast" | "upload", bytes): dashboard metrics
 
     @property
     def client_ids(self) -> list[int]:
@@ -71,6 +85,8 @@ class RayFederation(Federation):
         return self._clients[client_id]
 
     def put(self, obj: Any) -> ray.ObjectRef:
+        if self.on_bytes is not None:
+            self.on_bytes("broadcast", count_nbytes(obj))
         return ray.put(obj)
 
     def get(self, ref: Any) -> Any:
@@ -139,6 +155,8 @@ class RayFederation(Federation):
         ok, value = results[handle.index]
         if not ok:
             raise ClientFailed(ClientError(-1, "error", value))
+        if self.on_bytes is not None:
+            self.on_bytes("upload", count_nbytes(value))
         return value
 
     def _on_timeout(self, handle: _Slot) -> None:

@@ -5,6 +5,8 @@
     rayfuse run [CONFIG] [--set KEY=VALUE]... [--out DIR] [--address ADDR] [--resume RUN_DIR] [--local]
     rayfuse list [methods|datasets|partitioners|models]
     rayfuse validate [CONFIG] [--set KEY=VALUE]...
+    rayfuse fuse CONFIG [OUT]
+    rayfuse tune SPACE [--samples N] [--address ADDR] [--storage DIR] [--resume] [--set KEY=VALUE]...
 
 With no CONFIG, ``rayfuse run`` runs ``jobs/quickstart.yaml`` (or, outside a checkout, the same job built into the
 config defaults). Exit codes: 0 success, 2 bad input (one line naming the key path, expected and given value),
@@ -57,6 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("config", nargs="?")
     val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     val.set_defaults(func=_cmd_validate)
+
+    fus = sub.add_parser("fuse", help="fuse checkpoints trained elsewhere (mergekit-style YAML; methods that need no client data)")
+    fus.add_argument("config", help="fuse config YAML: merge_method, models, parameters, output")
+    fus.add_argument("out", nargs="?", help="output .safetensors (overrides output:)")
+    fus.set_defaults(func=_cmd_fuse)
+
+    tun = sub.add_parser("tune", help="a Ray Tune sweep from tune_spaces/<space>.yaml (one trial = one federation)")
+    tun.add_argument("space", help="sweep space YAML (see tune_spaces/README.md)")
+    tun.add_argument("--samples", type=int, metavar="N", help="samples of the random domains (overrides num_samples)")
+    tun.add_argument("--address", metavar="ADDR", help="Ray cluster to attach to (default: RAY_ADDRESS, a job's cluster, or a new local Ray)")
+    tun.add_argument("--storage", metavar="DIR", help="Tune storage path (default: the space's storage, else <run.storage>/tune)")
+    tun.add_argument("--resume", action="store_true", help="continue an interrupted sweep (Tuner.restore)")
+    tun.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key of the base job")
+    tun.add_argument("--check", action="store_true", help="validate the space and print the trials' grid; start nothing")
+    tun.set_defaults(func=_cmd_tune)
     return parser
 
 
@@ -94,6 +111,36 @@ def _cmd_run(args: argparse.Namespace) -> int:
         backend = RayBackend()
     printer = Printer(verbose=args.verbose, enabled=not args.quiet)
     run_experiment(cfg, backend, run_dir, resume=resume, printer=printer, show_tables=True)
+    return 0
+
+
+def _cmd_fuse(args: argparse.Namespace) -> int:
+    from rayfuse.fuse import load_fuse_config, run_fuse
+
+    summary = run_fuse(load_fuse_config(args.config, args.out))
+    print(f"rayfuse fuse: {summary['method']} of {summary['models']} models, {summary['tensors']} tensors "
+          f"({summary['parameters']:,} parameters) -> {summary['output']}")
+    return 0
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from rayfuse.sweep import load_space
+
+    spec = load_space(args.space, samples=args.samples, overrides=args.set)  # every check before Ray starts
+    domains = ", ".join(f"{k} {d.to_yaml()}" for k, d in spec.space.items())
+    print(f"rayfuse tune: {spec.name}: base {spec.base_path}, methods {spec.methods}, {spec.num_trials} trials "
+          f"({spec.grid_size} grid points x {spec.num_samples} samples); {domains}; {spec.metric} ({spec.mode})", flush=True)
+    if args.check:
+        return 0
+    from actors.tune import run_sweep
+
+    summary = run_sweep(spec, address=args.address, resume=args.resume, storage=args.storage)
+    for row in summary["table"]:
+        print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    if summary["errors"]:
+        print(f"rayfuse tune: {len(summary['errors'])} trial(s) failed: {summary['errors'][0]}", file=sys.stderr)
+    best = summary["best"]
+    print(f"best: {spec.metric} = {best['metric']:.4f} with {best['config']}\nresults: {summary['results']}\nbest config: {best['file']}")
     return 0
 
 

@@ -8,6 +8,7 @@ It receives clients' results as references and resolves them itself, so paramete
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable
 
@@ -16,13 +17,13 @@ import numpy as np
 from rayfuse.config import ExperimentConfig, MethodSpec
 from rayfuse.data.roles import DataPlan, Split, load_dataset_from_config, pooled_train, server_splits
 from rayfuse.errors import NonFiniteError, RunFailure
-from rayfuse.federation import Federation, Gathered, Update
+from rayfuse.federation import Federation, Gathered, Update, step_name
 from rayfuse.fusion import METHODS, Method, MethodResult
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.metrics import compute_metrics
 from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
 from rayfuse.seeding import derive_seed, make_rng
-from rayfuse.store import Checkpoint, RunStore
+from rayfuse.store import Checkpoint, LocalModelCache, RunStore, StepResultCache, local_model_key, step_result_key
 from rayfuse.client import get_local_update, set_local_params, train_local
 
 __all__ = ["Coordinator", "ServerContext"]
@@ -51,6 +52,34 @@ class ServerContext:
         self.resume = resume
         self.history: list[dict[str, Any]] = []
 
+    def run_cached(self, step: Any, *args: Any, **kwargs: Any) -> Gathered[Any]:
+        """``federation.run(step, *args, **kwargs)``, cached across runs when ``run.model_cache`` is set.
+
+        For deterministic client steps that summarise a client's data (a local posterior fit): the results of every
+        client are stored under a key of the data, split, model, training settings, seed, the step and its arguments,
+        and runs that share the key (the trials of a Tune sweep over fusion-only knobs) compute them once. Without
+        ``run.model_cache``, or when a client failed, this is plain ``federation.run``.
+        """
+        coordinator = self._coordinator
+        root = coordinator.cfg.run.model_cache
+        if not root:
+            return self.federation.run(step, *args, **kwargs)
+        name = step_name(step)
+        key, inputs = step_result_key(coordinator.cfg.resolved(), coordinator.plan.digest(), name, args, kwargs)
+        cache = StepResultCache(root, key, inputs)
+        clients = self.federation.client_ids
+        with cache.lock():
+            saved = cache.load(clients)
+            if saved is not None:
+                self.events.emit("step_results_restored", f"{name}: {len(saved)} clients' results from the model cache ({key})",
+                                 method=self.label, key=key)
+                return Gathered(saved)
+            gathered = self.federation.run(step, *args, **kwargs)
+            if sorted(gathered.results) == sorted(clients) and not gathered.failures and cache.save(gathered.results):
+                self.events.emit("step_results_cached", f"{name}: {len(clients)} clients' results -> {cache.folder}",
+                                 method=self.label, key=key)
+            return gathered
+
     # -- data and models ------------------------------------------------------------------------------------------
 
     @property
@@ -66,6 +95,12 @@ class ServerContext:
     def public(self) -> Split:
         """The server's public sample (``data.public_size``; may be empty)."""
         return self._coordinator.server_data()[1]
+
+    @property
+    def dataset_meta(self) -> dict[str, Any]:
+        """Facts a procedural dataset records about itself (e.g. the true GMM atoms): for evaluation only, like the
+        test set; empty for other datasets."""
+        return dict(self._coordinator._load_dataset().meta)
 
     def pooled_train(self) -> Split:
         """Every client's training data pooled. Only oracle methods may ask: a federation cannot do this."""
@@ -257,21 +292,35 @@ class Coordinator:
     def _prepare_local_models(self, resume: bool) -> dict[str, Any]:
         fed = self.federation
         saved = self.store.load_local_models(fed.client_ids) if resume else None
-        if saved is not None:
-            calls = [c for client, (params, stats) in saved.items()
-                     for c in fed.map(set_local_params, fed.put(params), stats, clients=[client])]
-            ready = fed.gather(calls).clients
-            self.events.emit("local_models_restored", f"{len(ready)} local models from checkpoints/local")
-        else:
-            trained = fed.run(train_local)
-            for client, stats in trained.results.items():
-                self.events.emit("client_trained", f"loss {stats.get('train_loss', float('nan')):.4f}", client=client,
-                                 seconds=round(stats.get("train_seconds", 0.0), 3))
-            ready = trained.clients
-        # A client dropped while training stays out of every method of this run that uses local models.
-        self._local = fed.run(get_local_update, clients=ready)
-        if saved is None:
-            self.store.save_local_models(self._local.results)
+        source = "checkpoints/local" if saved is not None else None
+        cache = None
+        if saved is None and self.cfg.run.model_cache:
+            key, inputs = local_model_key(self.cfg.resolved(), self.plan.digest())
+            cache = LocalModelCache(self.cfg.run.model_cache, key, inputs)
+        # Runs sharing a cache key wait here while one of them trains (concurrent Tune trials train once).
+        with cache.lock() if cache is not None else contextlib.nullcontext():
+            if cache is not None:
+                saved = cache.load(fed.client_ids)
+                source = f"the model cache ({cache.key})" if saved is not None else None
+            if saved is not None:
+                calls = [c for client, (params, stats) in saved.items()
+                         for c in fed.map(set_local_params, fed.put(params), stats, clients=[client])]
+                ready = fed.gather(calls).clients
+                self.events.emit("local_models_restored", f"{len(ready)} local models from {source}",
+                                 source="cache" if cache is not None else "checkpoint")
+            else:
+                trained = fed.run(train_local)
+                for client, stats in trained.results.items():
+                    self.events.emit("client_trained", f"loss {stats.get('train_loss', float('nan')):.4f}", client=client,
+                                     seconds=round(stats.get("train_seconds", 0.0), 3))
+                ready = trained.clients
+            # A client dropped while training stays out of every method of this run that uses local models.
+            self._local = fed.run(get_local_update, clients=ready)
+            if saved is None:
+                self.store.save_local_models(self._local.results)
+                if cache is not None and sorted(self._local.results) == fed.client_ids:  # only complete sets are cached
+                    cache.save(self._local.results)
+                    self.events.emit("local_models_cached", f"{len(ready)} local models -> {cache.folder}", key=cache.key)
         return {"clients": self._local.clients, "restored": saved is not None}
 
     def local_updates(self) -> Gathered[Update]:

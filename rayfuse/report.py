@@ -15,7 +15,6 @@ __all__ = ["Printer", "format_table", "format_partition", "write_metrics_parquet
 TABLE_METRICS = ("accuracy", "nll", "entropy", "ece")
 # shown in progress lines; the generative methods (epgan) report D-MSE / modes (toy set) or FD / IS (images)
 _PROGRESS_METRICS = ("accuracy", "nll", "train_loss", "d_mse", "modes", "fd", "is")
-_NOT_METRICS = {"method", "oracle", "rounds", "note", "seconds", "model_file", "info"}
 
 
 class Printer:
@@ -91,9 +90,23 @@ def format_table(methods: Mapping[str, Mapping[str, Any]]) -> str:
             extra.append(f"vote acc {entry['vote_accuracy']:.4f}")
         if entry.get("rounds"):
             extra.append(f"{entry['rounds']} rounds")
-        if entry.get("accuracy") is None:  # not a classifier (epgan): its own first metrics
-            extra += [f"{k} {v:.4g}" for k, v in entry.items()
-                      if k not in _NOT_METRICS and not k.endswith("_std") and isinstance(v, (int, float)) and not isinstance(v, bool)][:4]
+        if "tuned_accuracy" in entry:  # fine-tuned on the public sample (gems)
+            extra.append(f"tuned acc {entry['tuned_accuracy']:.4f}")
+        if "hidden_units" in entry:
+            extra.append(f"{int(entry['hidden_units'])} hidden units")
+        if entry.get("info", {}).get("intersection_found") is False:
+            extra.append("no intersection")
+        if "hausdorff" in entry:  # kl gmm and its baselines: distance to the true means
+            extra.append(f"hausdorff {entry['hausdorff']:.3f}")
+        if "completion_ll" in entry:  # kl topics: held-out document completion
+            extra.append(f"completion ll {entry['completion_ll']:.3f}")
+        if "num_components" in entry:
+            extra.append(f"{int(entry['num_components'])} components"
+                         + (f" (size error {entry['size_error']:.2f})" if "size_error" in entry else ""))
+        if "d_mse" in entry:  # epgan on the toy set: critic-map D-MSE and modes covered by the generator
+            extra.append(f"d_mse {entry['d_mse']:.3f}, modes {int(entry.get('modes', 0))}, high quality {entry.get('high_quality', 0):.2f}")
+        if "fd" in entry:  # epgan on images: classifier-feature Frechet distance, Inception-style score
+            extra.append(f"fd {entry['fd']:.2f}, is {entry['is']:.2f}, classes {int(entry.get('classes', 0))}")
         cells.append(", ".join(extra) or "")
         cells.append(f"{entry.get('seconds', 0):.1f}")
         rows.append(cells)

@@ -13,20 +13,30 @@
     <run>/state/<label>.json          a finished method's result (resume skips it)
 
 The coordinator writes checkpoints and models; on Ray it is placed on the driver's node so it shares this folder.
+
+:class:`LocalModelCache` is a content-addressed cache of trained local models shared by runs (``run.model_cache``):
+``<cache>/local-models/<key>/client-<i>.safetensors`` plus ``key.json`` (what the key was computed from). The key
+is a hash of everything local training depends on, so a Tune sweep over fusion-only knobs trains the clients once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
 from rayfuse.io import atomic_write_json, load_params, save_params
 
-__all__ = ["RunStore", "Checkpointer", "Checkpoint"]
+__all__ = ["RunStore", "Checkpointer", "Checkpoint", "LocalModelCache", "local_model_key"]
 
 
 @dataclass
@@ -116,21 +126,189 @@ class RunStore:
         return json.loads(file.read_text()) if file.is_file() else None
 
     def save_local_models(self, updates: Mapping[int, Any]) -> None:
-        for client, update in updates.items():
-            meta = {"num_examples": update.num_examples, **{k: repr(float(v)) for k, v in update.metrics.items()}}
-            save_params(self.local_model_file(client), update.params, meta)
+        _save_local_models(self.root / "checkpoints" / "local", updates)
 
     def load_local_models(self, client_ids: list[int]) -> dict[int, tuple[dict[str, np.ndarray], dict[str, float]]] | None:
         """All clients' checkpointed local models, or ``None`` if any is missing."""
-        files = {c: self.local_model_file(c) for c in client_ids}
-        if not all(f.is_file() for f in files.values()):
-            return None
-        from safetensors import safe_open
+        return _load_local_models(self.root / "checkpoints" / "local", client_ids)
 
+
+def _save_local_models(folder: Path, updates: Mapping[int, Any]) -> None:
+    for client, update in updates.items():
+        meta = {"num_examples": update.num_examples, **{k: repr(float(v)) for k, v in update.metrics.items()}}
+        save_params(folder / f"client-{client}.safetensors", update.params, meta)
+
+
+def _load_local_models(folder: Path, client_ids: list[int]) -> dict[int, tuple[dict[str, np.ndarray], dict[str, float]]] | None:
+    files = {c: folder / f"client-{c}.safetensors" for c in client_ids}
+    if not all(f.is_file() for f in files.values()):
+        return None
+    from safetensors import safe_open
+
+    out = {}
+    for client, file in files.items():
+        with safe_open(str(file), framework="numpy") as handle:
+            meta = handle.metadata() or {}
+        stats = {k: float(v) for k, v in meta.items() if k != "num_examples"}
+        out[client] = (load_params(file), stats)
+    return out
+
+
+CACHE_FORMAT = 1
+LOCAL_TRAINING_STEPS = ("train_local", "get_local_params")
+
+
+def local_model_key(config: Mapping[str, Any], partition_hash: str) -> tuple[str, dict[str, Any]]:
+    """The cache key of a run's local models and what it is computed from.
+
+    ``config`` is the resolved config (:meth:`ExperimentConfig.resolved`). Local training depends on the data and its
+    split (``data``, ``partition``, the partition hash, which also covers the dataset's indices), the model, the
+    training settings, the seed and faults injected into local training; nothing under ``methods`` enters, so every
+    fusion-only variation of a job shares one key.
+    """
+    inputs = {
+        "format": CACHE_FORMAT,
+        "data": config["data"], "partition": config["partition"], "partition_hash": partition_hash,
+        "model": config["model"], "train": config["train"], "seed": config["run"]["seed"],
+        # faults injected into local training change the local models; faults of later steps do not
+        "faults": [f for f in config["federation"]["faults"] if f["step"] in LOCAL_TRAINING_STEPS],
+    }
+    text = json.dumps(inputs, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24], inputs
+
+
+class LocalModelCache:
+    """One entry of the content-addressed local-model cache under ``root`` (``run.model_cache``).
+
+    An entry is written once, complete (every client), into a temporary folder renamed into place: a reader sees
+    all of it or nothing. :meth:`lock` serialises the runs that share a key, so concurrent Tune trials train once
+    and the others wait and read (an ``flock``: the cache folder must be on a file system every trial's node shares).
+    """
+
+    def __init__(self, root: str | Path, key: str, inputs: Mapping[str, Any] | None = None) -> None:
+        self.root = Path(root) / "local-models"
+        self.key = key
+        self.inputs = dict(inputs or {})
+        self.folder = self.root / key
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / f"{self.key}.lock", "a+") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def load(self, client_ids: list[int]) -> dict[int, tuple[dict[str, np.ndarray], dict[str, float]]] | None:
+        return _load_local_models(self.folder, client_ids) if self.folder.is_dir() else None
+
+    def save(self, updates: Mapping[int, Any]) -> None:
+        if self.folder.is_dir():
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{self.key}-", dir=self.root))
+        try:
+            _save_local_models(staging, updates)
+            atomic_write_json(staging / "key.json", self.inputs)
+            os.replace(staging, self.folder)
+        except OSError:
+            if not self.folder.is_dir():
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+# -- cached client-step results ------------------------------------------------------------------------------------
+
+
+def _flatten_result(value: Any, prefix: str, arrays: dict[str, np.ndarray], scalars: dict[str, Any]) -> bool:
+    """Split a client step's result (nested dicts of arrays and plain values) into arrays and JSON values."""
+    if isinstance(value, Mapping):
+        return all(isinstance(k, str) and "/" not in k and _flatten_result(v, f"{prefix}{k}/", arrays, scalars)
+                   for k, v in value.items())
+    key = prefix[:-1]
+    if isinstance(value, np.ndarray) and value.dtype != object:
+        arrays[key] = value
+    elif isinstance(value, np.generic):
+        scalars[key] = value.item()
+    elif value is None or isinstance(value, (bool, int, float, str)):
+        scalars[key] = value
+    else:
+        return False  # not cacheable (the step's result is then simply not cached)
+    return True
+
+
+def _unflatten_result(arrays: Mapping[str, np.ndarray], scalars: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in [*arrays.items(), *scalars.items()]:
+        node = out
+        *parents, leaf = key.split("/")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def step_result_key(config: Mapping[str, Any], partition_hash: str, step: str, args: Any, kwargs: Any) -> tuple[str, dict[str, Any]]:
+    """The cache key of one client step's results: the local-model key's inputs plus the step and its arguments."""
+    _, inputs = local_model_key(config, partition_hash)
+    step_faults = [f for f in config["federation"]["faults"] if f["step"] == step]  # a fault in the step changes its results
+    inputs = {**inputs, "step": step, "args": args, "kwargs": kwargs, "step_faults": step_faults}
+    text = json.dumps(inputs, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24], inputs
+
+
+class StepResultCache(LocalModelCache):
+    """Results of one deterministic client step (e.g. a local posterior fit) for all clients, shared by runs.
+
+    Same layout rules as :class:`LocalModelCache` (written once, complete, renamed into place; ``flock`` per key),
+    under ``<run.model_cache>/step-results/<key>/``: ``client-<i>.npz`` (arrays, ``allow_pickle=False``) and
+    ``client-<i>.json`` (plain values). Methods whose clients summarise their data in their own step (KL-fusion's
+    local posteriors) use it through :meth:`rayfuse.coordinator.ServerContext.run_cached`, so a Tune sweep over
+    fusion-only knobs computes the summaries once.
+    """
+
+    def __init__(self, root: str | Path, key: str, inputs: Mapping[str, Any] | None = None) -> None:
+        super().__init__(root, key, inputs)
+        self.root = Path(root) / "step-results"
+        self.folder = self.root / key
+
+    def load(self, client_ids: list[int]) -> dict[int, dict[str, Any]] | None:  # type: ignore[override]
+        if not self.folder.is_dir():
+            return None
         out = {}
-        for client, file in files.items():
-            with safe_open(str(file), framework="numpy") as handle:
-                meta = handle.metadata() or {}
-            stats = {k: float(v) for k, v in meta.items() if k != "num_examples"}
-            out[client] = (load_params(file), stats)
+        for client in client_ids:
+            npz, meta = self.folder / f"client-{client}.npz", self.folder / f"client-{client}.json"
+            if not (npz.is_file() and meta.is_file()):
+                return None
+            with np.load(npz, allow_pickle=False) as arrays:
+                out[client] = _unflatten_result({k: arrays[k] for k in arrays.files}, json.loads(meta.read_text()))
         return out
+
+    def save(self, results: Mapping[int, Any]) -> bool:  # type: ignore[override]
+        """Write the results; ``False`` (nothing written) when a result holds values that cannot be stored."""
+        flat = {}
+        for client, result in results.items():
+            arrays: dict[str, np.ndarray] = {}
+            scalars: dict[str, Any] = {}
+            if not _flatten_result(result, "", arrays, scalars) or not arrays and not scalars:
+                return False
+            flat[client] = (arrays, scalars)
+        if self.folder.is_dir():
+            return True
+        self.root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{self.key}-", dir=self.root))
+        try:
+            for client, (arrays, scalars) in flat.items():
+                np.savez(staging / f"client-{client}.npz", **arrays)
+                atomic_write_json(staging / f"client-{client}.json", scalars)
+            atomic_write_json(staging / "key.json", self.inputs)
+            os.replace(staging, self.folder)
+        except OSError:
+            if not self.folder.is_dir():
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return True

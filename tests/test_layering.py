@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CORE_MODULES = [
     "rayfuse", "rayfuse.config", "rayfuse.data", "rayfuse.models", "rayfuse.fusion", "rayfuse.metrics", "rayfuse.federation",
     "rayfuse.client", "rayfuse.coordinator", "rayfuse.runner", "rayfuse.report", "rayfuse.store", "rayfuse.io", "rayfuse.cli",
+    "rayfuse.sweep", "rayfuse.fuse",
 ]
 
 

@@ -38,6 +38,7 @@ class Dataset:
     class_names: tuple[str, ...]
     X_test: np.ndarray | None = None
     y_test: np.ndarray | None = None
+    meta: dict[str, Any] = field(default_factory=dict)  # generator facts (e.g. the true GMM atoms): evaluation only
 
     def __post_init__(self) -> None:
         _check_arrays(self.name, self.X, self.y, self.num_classes)
@@ -75,6 +76,8 @@ class DatasetInfo:
 
 
 DATASETS: Registry[DatasetInfo] = Registry("dataset")
+# generators in their own modules register on first lookup
+DATASETS.add_loader(lambda: [__import__(f"rayfuse.data.{name}") for name in ("gmm", "lda")])
 
 
 def register_dataset(name: str, *, description: str, source: str, standardize: bool = False, aliases: tuple[str, ...] = ()):

@@ -115,7 +115,8 @@ def build_model_ball(ctx: ClientContext, fused_layers: list[tuple[np.ndarray, np
 
     val_accuracy = float(softmax_accuracy(center[None, None, :], X_val, y_val, C, device=ctx.device)[0, 0]) if len(y_val) else 0.0
     search = search_radii(passes, center[None, :], num_samples=num_samples, r_max=r_max, tol=tol, rng=rng,
-                          axes=None if axes is None else axes[None, :], masks=None if mask is None else mask[None, :])
+                          axes=None if axes is None else axes[None, :], masks=None if mask is None else mask[None, :],
+                          dtype="float32", device=ctx.device)
     return {
         "center": center, "radius": float(search.radius[0]), "shape": (C, D),
         "axes": axes, "mask": mask, "val_accuracy": val_accuracy,
@@ -158,7 +159,10 @@ def build_neuron_balls(ctx: ClientContext, fused_layers: list[tuple[np.ndarray, 
     def passes(samples: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return neuron_distance(samples, X_val, targets[:, ids], activation=activation, device=ctx.device) <= hidden_epsilon
 
-    search = search_radii(passes, centers, num_samples=num_samples, r_max=r_max, tol=tol, rng=rng)
+    # One set of draws per step for all the layer's neurons (shared=True): each neuron's search sees p independent
+    # uniform directions per radius, as in the reference; only different neurons' draws are correlated.
+    search = search_radii(passes, centers, num_samples=num_samples, r_max=r_max, tol=tol, rng=rng, dtype="float32",
+                          device=ctx.device, shared=True)
     return {"centers": centers, "radii": search.radius, "steps": search.steps, "evaluations": search.evaluations,
             "seconds": time.perf_counter() - started}
 

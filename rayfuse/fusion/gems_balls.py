@@ -61,7 +61,8 @@ def unflatten_linear(vector: np.ndarray, out_features: int, in_features: int) ->
 
 
 def sample_surface(centers: np.ndarray, radii: np.ndarray, num_samples: int, rng: np.random.Generator, *,
-                   axes: np.ndarray | None = None, masks: np.ndarray | None = None) -> np.ndarray:
+                   axes: np.ndarray | None = None, masks: np.ndarray | None = None, dtype: str = "float64",
+                   device: str | torch.device = "cpu", shared: bool = False) -> np.ndarray | torch.Tensor:
     """``num_samples`` points on the surface of each of ``B`` balls or ellipsoids, shape ``(B, p, d)``.
 
     For ball ``b`` with centre ``c``, radius ``R``, axes ``sigma`` and mask ``m``::
@@ -84,16 +85,46 @@ def sample_surface(centers: np.ndarray, radii: np.ndarray, num_samples: int, rng
         Relative ellipsoid axes ``sigma`` in ``(0, 1]``; ``None`` for spheres.
     masks : (B, d) 0/1 array, optional
         Searched coordinates; ``None`` for all.
+    dtype : ``"float64"`` or ``"float32"``
+        ``float64`` (default): a numpy array, drawn from ``rng``. ``float32``: a torch tensor on ``device``, drawn by a
+        torch generator seeded from ``rng`` -- the models are float32 anyway, and torch's float32 normals are ~4x
+        cheaper than numpy's float64 ones, which dominate the cost of the radius search (the GEMS client steps use
+        this path; tests of the geometry use float64).
+    shared : bool
+        Draw one set of ``p`` normals for all ``B`` balls (common random numbers). Each ball still gets ``p``
+        independent uniform directions -- its radius search sees exactly the distribution of the reference's draws --
+        only the draws of *different* balls are correlated, which no ball's test looks at. The neuron balls of a
+        layer use this: it divides the cost of drawing, which dominates their search, by the layer's width.
     """
+    if dtype == "float32":
+        return _sample_surface_torch(centers, radii, num_samples, rng, axes=axes, masks=masks, device=device, shared=shared)
+    if dtype != "float64":
+        raise ValueError(f"dtype: expected 'float64' or 'float32', got {dtype!r}")
     centers = np.asarray(centers, dtype=np.float64)
     B, d = centers.shape
-    z = rng.standard_normal((B, num_samples, d))
+    z = rng.standard_normal((1 if shared else B, num_samples, d))
     if masks is not None:
-        z *= masks[:, None, :]
-    z /= np.maximum(np.linalg.norm(z, axis=2, keepdims=True), 1e-300)
+        z = z * masks[:, None, :]
+    z = z / np.maximum(np.linalg.norm(z, axis=2, keepdims=True), 1e-300)
     if axes is not None:
-        z *= axes[:, None, :]
+        z = z * axes[:, None, :]
     return centers[:, None, :] + np.asarray(radii, dtype=np.float64)[:, None, None] * z
+
+
+@torch.no_grad()
+def _sample_surface_torch(centers: np.ndarray, radii: np.ndarray, num_samples: int, rng: np.random.Generator, *,
+                          axes: np.ndarray | None, masks: np.ndarray | None, device: str | torch.device,
+                          shared: bool = False) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(int(rng.integers(2 ** 63 - 1)))
+    c = _as_tensor(centers, device)
+    B, d = c.shape
+    z = torch.randn((1 if shared else B, num_samples, d), generator=gen, dtype=torch.float32, device=device)
+    if masks is not None:
+        z = z * _as_tensor(masks, device)[:, None, :]
+    z = z / torch.linalg.vector_norm(z, dim=2, keepdim=True).clamp_min(1e-30)
+    if axes is not None:
+        z = z * _as_tensor(axes, device)[:, None, :]
+    return torch.addcmul(c[:, None, :], _as_tensor(radii, device)[:, None, None], z)
 
 
 @dataclass
@@ -114,7 +145,8 @@ class RadiusSearch:
 
 def search_radii(passes: Callable[[np.ndarray, np.ndarray], np.ndarray], centers: np.ndarray, *, num_samples: int,
                  r_max: float, tol: float, rng: np.random.Generator, axes: np.ndarray | None = None,
-                 masks: np.ndarray | None = None, record: bool = False) -> RadiusSearch:
+                 masks: np.ndarray | None = None, record: bool = False, dtype: str = "float64",
+                 device: str | torch.device = "cpu", shared: bool = False) -> RadiusSearch:
     """Binary search on each ball's radius (Algorithm 2 of [1]), all balls at once.
 
     ::
@@ -132,7 +164,8 @@ def search_radii(passes: Callable[[np.ndarray, np.ndarray], np.ndarray], centers
     centers : (B, d) array
     num_samples, r_max, tol : the search settings ``p``, ``R_max``, ``Delta``.
     rng : numpy.random.Generator
-    axes, masks : see :func:`sample_surface`.
+    axes, masks, dtype, device, shared : see :func:`sample_surface` (``passes`` gets torch tensors with
+        ``dtype="float32"``).
     record : bool
         Keep ``(ball ids, R, passed)`` of every step in ``history`` (tests).
 
@@ -163,7 +196,8 @@ def search_radii(passes: Callable[[np.ndarray, np.ndarray], np.ndarray], centers
                 continue
             ids = active[todo]
             samples = sample_surface(centers[ids], R[todo], count, rng, axes=None if axes is None else axes[ids],
-                                     masks=None if masks is None else masks[ids])
+                                     masks=None if masks is None else masks[ids], dtype=dtype, device=device,
+                                     shared=shared)
             passed[todo] = np.asarray(passes(samples, ids), dtype=bool).all(axis=1)
             evaluations += samples.shape[0] * samples.shape[1]
         lo[active[passed]] = R[passed]
@@ -179,7 +213,9 @@ def search_radii(passes: Callable[[np.ndarray, np.ndarray], np.ndarray], centers
 # Test functions, batched over (balls, samples)
 
 
-def _as_tensor(array: np.ndarray, device: str | torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _as_tensor(array: np.ndarray | torch.Tensor, device: str | torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    if isinstance(array, torch.Tensor):
+        return array.to(device=device, dtype=dtype)
     return torch.as_tensor(np.ascontiguousarray(array), dtype=dtype, device=device)
 
 

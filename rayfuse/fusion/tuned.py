@@ -6,8 +6,18 @@ GEMS reports its fused model fine-tuned on a small public sample, and applies th
 * ``base: average`` -- the parameter average of the local models fine-tuned;
 * ``base: raw`` -- a fresh model trained on the public sample alone.
 
-Fine-tuning follows the reference code [GEMS: utils/model_utils.py ``fine_tune``]: Adam, lr 0.01, batch 32, 5 epochs;
-for networks only the last (softmax) layer is tuned. The reference draws the sample from the pooled validation data;
+Fine-tuning follows the reference code [GEMS: utils/model_utils.py ``fine_tune``, utils/dnn3.py,
+utils/logit_ellipsoid.py]: Adam, batch 32, 5 epochs, with the optimiser each model was compiled with there:
+
+* the fused GEMS model and the average: lr 0.01 (``create_logit`` / ``create_dnn2``); networks: only the last layer
+  (``create_dnn2`` freezes layer 0; GEMS tunes the softmax layer on the fused features);
+* each local model: lr 1e-3 and every layer (the local models keep ``learn_logit`` / ``learn_dnn2``'s
+  ``optimizer='adam'``, Keras's default lr, with nothing frozen);
+* raw: a fresh model trained with lr 1e-3 (``learn_logit`` / ``learn_dnn2``, ``optimizer='adam'``) for 5 epochs
+  (logreg) or ``global_epochs`` = 50 (networks). The reference's dropout 0.5 and early stopping on the training
+  accuracy are not reproduced.
+
+``tune_lr`` and ``last_layer_only`` override these defaults. The reference draws the sample from the pooled validation data;
 here it is the coordinator's public sample (``data.public_size``, drawn stratified from the training pool before
 partitioning). ``public_samples`` takes a subset of it (uniformly, seeded), or a list of sizes for the fine-tuning
 curve of Figures 3-4 (``info.tuning_curve``; the final metrics are those of the largest size).
@@ -133,9 +143,21 @@ def tuning_curve(server: ServerContext, params: dict[str, np.ndarray] | None, se
     return metrics, curve, last
 
 
+# The reference's optimiser per baseline (see the module docstring): (lr, last layer only).
+_BASE_DEFAULTS = {"average": (0.01, True), "local": (1e-3, False), "raw": (1e-3, False)}
+
+
 class TunedParams(TuneSettings):
     base: Literal["local", "average", "raw"] = Field("average", description="what to fine-tune: each local model, their average, or a fresh model")
+    tune_lr: float | None = Field(None, gt=0, description="Adam learning rate (default: the reference's per base: average 0.01, local / raw 1e-3)")
+    last_layer_only: bool | None = Field(None, description="networks: tune only the last layer (default: the reference's per base: average yes, local no)")
     raw_epochs: int | None = Field(None, ge=1, description="base raw: training epochs (default: 5 for logreg, 50 for networks, as the reference)")
+
+    def resolved(self) -> "TunedParams":
+        """These parameters with ``tune_lr`` / ``last_layer_only`` filled in from the reference's per-base defaults."""
+        lr, last_only = _BASE_DEFAULTS[self.base]
+        return self.model_copy(update={"tune_lr": self.tune_lr or lr,
+                                       "last_layer_only": last_only if self.last_layer_only is None else self.last_layer_only})
 
 
 @register_method
@@ -146,7 +168,7 @@ class Tuned(Method):
     uses_local_models = True
 
     def run(self, server: ServerContext) -> MethodResult:
-        p = self.params
+        p = self.params.resolved()
         key = f"methods.{self.label}.public_samples"
         public_subsets(server.public, p.public_samples, 1, server.rng("check"), key=key)  # bad input before any work
         if p.base == "raw":

@@ -48,6 +48,40 @@ def test_masked_samples_move_only_the_searched_coordinates():
     np.testing.assert_allclose(np.linalg.norm(points[0], axis=1), 1.5, rtol=1e-12)
 
 
+def test_float32_samples_lie_on_the_surface_and_replay_from_the_seed():
+    # The client steps' fast path: torch float32 draws seeded from the numpy generator.
+    rng = np.random.default_rng(4)
+    centers = rng.normal(size=(2, 40))
+    axes = ellipsoid_axes(rng.exponential(size=(2, 40)), floor=0.1)
+    mask = (rng.random((2, 40)) < 0.5).astype(float)
+    points = sample_surface(centers, np.array([2.0, 7.0]), 100, np.random.default_rng(5), axes=axes, masks=mask, dtype="float32")
+    assert isinstance(points, torch.Tensor) and points.dtype == torch.float32 and points.shape == (2, 100, 40)
+    diff = points.double().numpy() - centers[:, None]
+    assert np.all(np.abs(diff[mask[:, None, :].repeat(100, 1) == 0]) < 1e-5)
+    scaled = np.where(mask[:, None] > 0, diff / (axes[:, None] * np.array([2.0, 7.0])[:, None, None]), 0.0)
+    np.testing.assert_allclose(np.sum(scaled ** 2, axis=2), 1.0, rtol=1e-4)
+    again = sample_surface(centers, np.array([2.0, 7.0]), 100, np.random.default_rng(5), axes=axes, masks=mask, dtype="float32")
+    assert torch.equal(points, again)
+    with pytest.raises(ValueError, match="dtype"):
+        sample_surface(centers, np.array([1.0, 1.0]), 3, rng, dtype="float16")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_shared_draws_give_every_ball_its_own_surface_points_along_common_directions(dtype):
+    rng = np.random.default_rng(6)
+    centers = rng.normal(size=(4, 12))
+    radii = np.array([0.5, 1.0, 2.0, 8.0])
+    points = sample_surface(centers, radii, 60, rng, dtype=dtype, shared=True)
+    points = points.double().numpy() if dtype == "float32" else points
+    assert points.shape == (4, 60, 12)
+    offsets = points - centers[:, None]
+    np.testing.assert_allclose(np.linalg.norm(offsets, axis=2), radii[:, None].repeat(60, 1), rtol=1e-5)
+    directions = offsets / radii[:, None, None]
+    np.testing.assert_allclose(directions[0], directions[3], atol=1e-5)  # common directions across balls...
+    assert np.abs(directions[0] @ directions[0].T - np.eye(60)).max() > 0.05  # ...but p distinct ones per ball
+    assert np.linalg.matrix_rank(directions[0]) == 12
+
+
 # -- the binary search --------------------------------------------------------------------------------------------
 
 
@@ -249,6 +283,16 @@ def test_tuned_baselines_run(coordinator):
     assert [row["public_samples"] for row in raw["info"]["tuning_curve"]] == [20.0, 50.0]
     local = coord.run_method("tuned-local")
     assert "accuracy_std" in local["metrics"] and len(local["info"]["per_client"]) == 2
+
+
+def test_tuned_baselines_use_the_reference_optimiser_per_base():
+    from rayfuse.fusion.tuned import TunedParams
+
+    # average: create_dnn2 (Adam 0.01, layer 0 frozen); local: the local models' Adam 1e-3, nothing frozen; raw: 1e-3
+    assert (TunedParams(base="average").resolved().tune_lr, TunedParams(base="average").resolved().last_layer_only) == (0.01, True)
+    assert (TunedParams(base="local").resolved().tune_lr, TunedParams(base="local").resolved().last_layer_only) == (1e-3, False)
+    assert TunedParams(base="raw").resolved().tune_lr == 1e-3
+    assert TunedParams(base="local", tune_lr=0.05, last_layer_only=True).resolved().tune_lr == 0.05
 
 
 # -- bad input -------------------------------------------------------------------------------------------------------

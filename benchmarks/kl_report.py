@@ -1,0 +1,157 @@
+"""KL-fusion on the paper's synthetic GMMs: Figures 2 and 3 of Claici et al. (2020) from ``jobs/kl_gmm.yaml``.
+
+Runs the job in-process (the clients' local variational fits are real ``BayesianGaussianMixture`` fits, one per
+client, shared by every method of a run) over
+
+* separation ``s`` in 0, 0.15, ..., 1.5 with local noise ``tau = 0.5`` (Figure 2), and
+* local noise ``tau`` in 0.1, 0.25, 0.5, 1, 2 with ``s = 0.5`` (Figure 3),
+
+for several generator seeds, and writes under ``benchmarks/results/kl/`` (curated copy: ``docs/results/kl/``):
+
+* ``separation.png`` / ``noise.png`` -- Hausdorff error and ``|G_hat - G| / G`` (mean and standard error over seeds)
+  of KL-fusion (exact and relaxed solvers), SPAHM, DP-cluster and the pooled VI oracle;
+* ``separation.md`` / ``noise.md`` -- the same numbers as tables; ``sweeps.json`` -- every run's metrics.
+
+Usage: ``python benchmarks/kl_report.py [--seeds N] [--quick] [--lam 0.1 ...]`` (``--quick``: 4 VI restarts instead of
+the paper's 16, 3 seeds). About 10 s per grid point on 2 cores with 16 restarts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rayfuse.config import load_config, validate_config  # noqa: E402
+from rayfuse.runner import InProcessBackend, run_experiment  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results" / "kl"
+JOB = ROOT / "jobs" / "kl_gmm.yaml"
+SEPARATIONS = [round(0.15 * i, 2) for i in range(11)]
+NOISES = [0.1, 0.25, 0.5, 1.0, 2.0]
+STYLE_ORDER: list[str] = []
+STYLE = {"gmm_oracle": ("VI oracle", "k", "--"), "spahm": ("SPAHM", "tab:orange", "-"), "dp_cluster": ("DP-cluster", "tab:green", "-"),
+         "kl-relaxed": ("KL-fusion (relaxed P-step)", "tab:purple", ":")}
+
+
+def methods_for(lams: list[float], n_init: int) -> dict:
+    methods = {f"kl@{lam:g}": {"method": "kl", "lam": lam, "n_init": n_init} for lam in lams}
+    methods["kl-relaxed"] = {"method": "kl", "solver": "relaxed", "lam": lams[0], "n_init": n_init}
+    STYLE["kl-relaxed"] = (f"KL-fusion (relaxed P-step, lambda={lams[0]:g})", "tab:purple", ":")
+    for name in ("spahm", "dp_cluster", "gmm_oracle"):
+        methods[name] = {"n_init": n_init}
+    return methods
+
+
+def run_cell(separation: float, noise: float, seed: int, methods: dict) -> dict:
+    cfg = load_config(JOB, [f"data.options.separation={separation}", f"data.options.local_sd={noise}", f"data.options.seed={seed}",
+                            "federation.backend=local"])
+    data = json.loads(cfg.model_dump_json())
+    data["methods"] = methods
+    cfg = validate_config(data)
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = run_experiment(cfg, InProcessBackend(), Path(tmp) / "run", printer=lambda e: None, show_tables=False)["methods"]
+    return {label: {k: entry.get(k) for k in ("hausdorff", "size_error", "num_components", "fuse_seconds", "seconds")}
+            for label, entry in out.items()}
+
+
+def summarise(rows: list[dict], key: str, values: list[float], labels: list[str], metric: str) -> dict:
+    table = {}
+    for label in labels:
+        means, errs = [], []
+        for v in values:
+            xs = np.array([r["methods"][label][metric] for r in rows if r[key] == v], dtype=float)
+            means.append(float(xs.mean()))
+            errs.append(float(xs.std(ddof=1) / np.sqrt(len(xs))) if len(xs) > 1 else 0.0)
+        table[label] = (means, errs)
+    return table
+
+
+def style(label: str) -> tuple[str, str, str]:
+    if label.startswith("kl@"):
+        main = label == next(k for k in STYLE_ORDER if k.startswith("kl@"))  # the job's lambda
+        return (f"KL-fusion (exact, lambda={label[3:]})", "tab:blue" if main else "tab:cyan", "-" if main else "-.")
+    return STYLE[label]
+
+
+def plot(rows: list[dict], key: str, values: list[float], labels: list[str], xlabel: str, title: str, path: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    lines = [f"| {xlabel} | " + " | ".join(style(l)[0] for l in labels) + " |", "|---" * (len(labels) + 1) + "|"]
+    tables = {m: summarise(rows, key, values, labels, m) for m in ("hausdorff", "size_error")}
+    for ax, metric, ylabel in zip(axes, ("hausdorff", "size_error"), ("Hausdorff distance error", "|G_hat - G| / G")):
+        for label in labels:
+            name, color, ls = style(label)
+            mean, err = map(np.array, tables[metric][label])
+            ax.plot(values, mean, ls, color=color, marker="o", ms=3, label=name)
+            ax.fill_between(values, mean - err, mean + err, color=color, alpha=0.15)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    for i, v in enumerate(values):
+        cells = [f"{tables['hausdorff'][l][0][i]:.2f} / {tables['size_error'][l][0][i]:.2f}" for l in labels]
+        lines.append(f"| {v:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=None, help="generator seeds per grid point (default 5; --quick 3)")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--lam", type=float, nargs="+", default=[3.0, 0.1],
+                        help="KL-fusion lambdas: the first is the job's (also used by the relaxed solver); 0.1 is the paper's default")
+    parser.add_argument("--only", choices=["separation", "noise"], default=None)
+    args = parser.parse_args()
+    n_init = 4 if args.quick else 16
+    # lambda for jobs/kl_gmm.yaml was chosen on seeds 17-18 (--quick); the reported sweeps use other seeds
+    seeds = list(range(100, 100 + (args.seeds or (3 if args.quick else 5))))
+    methods = methods_for(args.lam, n_init)
+    labels = list(methods)
+    STYLE_ORDER[:] = labels
+    OUT.mkdir(parents=True, exist_ok=True)
+    rows = []
+    sweeps = {"separation": [(s, 0.5) for s in SEPARATIONS], "noise": [(0.5, t) for t in NOISES]}
+    started = time.perf_counter()
+    for sweep, grid in sweeps.items():
+        if args.only and sweep != args.only:
+            continue
+        for separation, noise in grid:
+            for seed in seeds:
+                result = run_cell(separation, noise, seed, methods)
+                rows.append({"sweep": sweep, "separation": separation, "noise": noise, "seed": seed, "methods": result})
+                print(f"{sweep} s={separation:g} tau={noise:g} seed={seed}: " + ", ".join(
+                    f"{l} {r['hausdorff']:.2f}/{r['size_error']:.2f}" for l, r in result.items()), flush=True)
+    (OUT / "sweeps.json").write_text(json.dumps({"seeds": seeds, "n_init": n_init, "methods": methods, "rows": rows,
+                                                 "seconds": round(time.perf_counter() - started, 1)}, indent=1))
+    for sweep, key, values, xlabel, title in (
+            ("separation", "separation", SEPARATIONS, "mixture-mean separation s", "Figure 2: tau = 0.5"),
+            ("noise", "noise", NOISES, "local noise tau", "Figure 3: s = 0.5")):
+        sel = [r for r in rows if r["sweep"] == sweep]
+        if not sel:
+            continue
+        table = plot(sel, key, values, labels, xlabel, f"KL-fusion GMM, {title}, {len(seeds)} seeds (Hausdorff / size error)", OUT / f"{sweep}.png")
+        (OUT / f"{sweep}.md").write_text(f"Hausdorff error / |G_hat - G| / G, mean over {len(seeds)} seeds ({n_init} VI restarts)\n\n{table}\n")
+        print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""``rayfuse fuse``: fuse checkpoints trained elsewhere, with no federation and no client data (mergekit-style YAML).
+
+::
+
+    merge_method: weighted_average      # average | weighted_average (alias linear)
+    models:
+      - model: hospital_a.safetensors
+        parameters: {weight: 3}         # weighted_average: each model's weight (e.g. its sample count)
+      - model: hospital_b.pt            # torch.load(weights_only=True): a state_dict of tensors
+        parameters: {weight: 1}
+    parameters: {normalize: true}       # the method's own parameters
+    dtype: float32                      # optional: the output's float dtype (default: the inputs')
+    output: fused.safetensors
+
+``rayfuse fuse CONFIG [OUT]`` checks everything first -- the file's keys, each method's parameters, every model file
+readable, and every model holding the same tensor names and shapes as the first -- and fails with one line (exit 2)
+before it fuses anything. Model files are read with ``safetensors`` or ``torch.load(weights_only=True)`` only.
+
+Only methods that need no client data can run here. Matching-based methods (KL-fusion on neurons, PFNM-style
+matching) register in :data:`FUSERS` with :func:`register_fuser` when they land.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rayfuse.config import _to_input_error
+from rayfuse.errors import InputError, suggest
+from rayfuse.fusion.aggregate import weighted_average
+from rayfuse.io import load_params, save_params
+
+__all__ = ["FuseSpec", "Fuser", "FUSERS", "register_fuser", "load_fuse_config", "fuse_models", "run_fuse"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1, description="a .safetensors / .pt / .pth / .bin file (relative to the config file)")
+    parameters: dict[str, Any] = Field(default_factory=dict, description="per-model parameters (weight: ...)")
+
+
+class _FuseFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    merge_method: str = Field(min_length=1)
+    models: list[_Model] = Field(min_length=1)
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    dtype: Literal["float16", "float32", "float64"] | None = None
+    output: str | None = Field(None, min_length=1)
+
+
+class WeightedAverageParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    normalize: bool = Field(True, description="divide by the sum of the weights (False: a plain weighted sum)")
+
+
+class ModelWeight(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    weight: float = Field(gt=0, description="this model's weight (e.g. its number of training samples)")
+
+
+class NoParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class Fuser:
+    """A data-free fusion method: parameter schemas and ``fuse(params_list, per_model, params) -> params``."""
+
+    name: str
+    summary: str
+    fuse: Callable[[list[dict[str, np.ndarray]], list[BaseModel], BaseModel], dict[str, np.ndarray]]
+    Params: type[BaseModel] = NoParams
+    ModelParams: type[BaseModel] = NoParams
+    aliases: tuple[str, ...] = ()
+
+
+FUSERS: dict[str, Fuser] = {}
+_ALIASES: dict[str, str] = {}
+
+
+def register_fuser(fuser: Fuser) -> Fuser:
+    FUSERS[fuser.name] = fuser
+    for alias in fuser.aliases:
+        _ALIASES[alias] = fuser.name
+    return fuser
+
+
+def _average(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], _: BaseModel) -> dict[str, np.ndarray]:
+    return weighted_average(params)
+
+
+def _weighted(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], method: BaseModel) -> dict[str, np.ndarray]:
+    weights = [m.weight for m in per_model]  # type: ignore[attr-defined]
+    fused = weighted_average(params, weights)
+    if not method.normalize:  # type: ignore[attr-defined]
+        scale = float(sum(weights))
+        fused = {k: (v * scale).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in fused.items()}
+    return fused
+
+
+register_fuser(Fuser("average", "uniform parameter average, tensor by tensor (no alignment)", _average))
+register_fuser(Fuser("weighted_average", "w = sum_k a_k w_k / sum_k a_k with each model's weight a_k (mergekit's linear)",
+                     _weighted, WeightedAverageParams, ModelWeight, aliases=("linear",)))
+
+
+@dataclass(frozen=True)
+class FuseSpec:
+    """A validated fuse config."""
+
+    method: Fuser
+    files: list[Path]
+    model_params: list[BaseModel]
+    params: BaseModel
+    dtype: str | None
+    output: Path | None
+
+
+def _validate(schema: type[BaseModel], data: Mapping[str, Any], file: Path, prefix: str = "") -> BaseModel:
+    try:
+        return schema.model_validate(dict(data))
+    except ValidationError as exc:
+        err = _to_input_error(exc, prefix=prefix, model=schema)
+        raise InputError(f"{file}: {err.path}", err.expected, err.got, err.hint) from None
+
+
+def load_fuse_config(path: str | Path, output: str | Path | None = None) -> FuseSpec:
+    """Read and validate a fuse config (files are checked to exist, not yet read)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(str(path), "an existing fuse config YAML", "no such file")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError:
+        raise InputError(str(path), "valid YAML", "a syntax error") from None
+    if not isinstance(raw, Mapping):
+        raise InputError(str(path), "a mapping (merge_method, models, output...)", type(raw).__name__)
+    spec = _validate(_FuseFile, raw, path)
+    name = _ALIASES.get(spec.merge_method, spec.merge_method)
+    if name not in FUSERS:
+        names = sorted([*FUSERS, *_ALIASES])
+        raise InputError(f"{path}: merge_method", f"a data-free method in {{{', '.join(names)}}}", spec.merge_method,
+                         suggest(spec.merge_method, names).strip(" ()") or "methods that need client data run in a federation (rayfuse run)")
+    fuser = FUSERS[name]
+    params = _validate(fuser.Params, spec.parameters, path, "parameters")
+    files, per_model = [], []
+    for i, entry in enumerate(spec.models):
+        file = Path(entry.model)
+        if not file.is_absolute() and not file.is_file():
+            file = path.parent / file
+        if not file.is_file():
+            raise InputError(f"{path}: models.{i}.model", "an existing model file", entry.model)
+        if file.suffix not in (".safetensors", ".pt", ".pth", ".bin"):
+            raise InputError(f"{path}: models.{i}.model", "a .safetensors, .pt, .pth or .bin file", entry.model)
+        files.append(file)
+        per_model.append(_validate(fuser.ModelParams, entry.parameters, path, f"models.{i}.parameters"))
+    out = Path(output) if output is not None else (Path(spec.output) if spec.output else None)
+    if out is None:
+        raise InputError(f"{path}: output", "the fused model's file (output: ... or rayfuse fuse CONFIG OUT)")
+    if not out.is_absolute() and output is None:
+        out = path.parent / out
+    if out.suffix != ".safetensors":
+        raise InputError(f"{path}: output", "a .safetensors file", str(out))
+    if out.exists():
+        raise InputError(f"{path}: output", "a file that does not exist yet (nothing is overwritten)", str(out))
+    return FuseSpec(fuser, files, per_model, params, spec.dtype, out)
+
+
+def check_compatible(models: Sequence[Mapping[str, np.ndarray]], files: Sequence[Path]) -> None:
+    """Every model must hold the first model's tensor names and shapes (one line naming the first mismatch)."""
+    reference = models[0]
+    for params, file in zip(models[1:], files[1:]):
+        missing = [k for k in reference if k not in params]
+        extra = [k for k in params if k not in reference]
+        if missing or extra:
+            what = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
+            raise InputError(str(file), f"the tensor names of {files[0].name} ({len(reference)} tensors)", what)
+        for key, ref in reference.items():
+            if params[key].shape != ref.shape:
+                raise InputError(f"{file}: {key}", f"shape {tuple(ref.shape)} as in {files[0].name}", tuple(params[key].shape),
+                                 "models of different architectures cannot be fused tensor by tensor")
+            if (params[key].dtype.kind == "f") != (ref.dtype.kind == "f"):
+                raise InputError(f"{file}: {key}", f"a {ref.dtype} tensor as in {files[0].name}", str(params[key].dtype))
+        for key, value in params.items():
+            if value.dtype.kind == "f" and not np.isfinite(value).all():
+                raise InputError(f"{file}: {key}", "finite values", "NaN or Inf")
+    for key, value in reference.items():
+        if value.dtype.kind == "f" and not np.isfinite(value).all():
+            raise InputError(f"{files[0]}: {key}", "finite values", "NaN or Inf")
+
+
+def fuse_models(spec: FuseSpec, models: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Fuse already loaded, compatible models."""
+    common = np.result_type(*[v.dtype for m in models for v in m.values() if v.dtype.kind == "f"]) if models else np.float32
+    models = [{k: v.astype(common) if v.dtype.kind == "f" else v for k, v in m.items()} for m in models]
+    fused = spec.method.fuse(models, spec.model_params, spec.params)
+    if spec.dtype is not None:
+        fused = {k: v.astype(spec.dtype) if v.dtype.kind == "f" else v for k, v in fused.items()}
+    return fused
+
+
+def run_fuse(spec: FuseSpec) -> dict[str, Any]:
+    """Load, check, fuse and write; return a summary (tensors, parameters, output)."""
+    models = [load_params(file) for file in spec.files]
+    check_compatible(models, spec.files)
+    fused = fuse_models(spec, models)
+    output = Path(spec.output) if spec.output is not None else Path("fused.safetensors")  # load_fuse_config always sets it
+    save_params(output, fused, {"method": spec.method.name, "models": ",".join(f.name for f in spec.files)})
+    return {"method": spec.method.name, "models": len(models), "tensors": len(fused),
+            "parameters": int(sum(v.size for v in fused.values())), "output": str(spec.output)}

@@ -1,0 +1,166 @@
+"""Operations on a real two-node Ray cluster: ``ray job submit`` of ``rayfuse run`` and a ``rayfuse tune`` sweep.
+
+One cluster (a head and a worker node started with ``ray start`` on loopback, non-default ports, each a "silo"
+with a custom resource) serves both tests; the fixture ends exactly its processes. Everything goes through the
+command lines a user types: ``ray job submit / status / logs``, ``ray list actors`` (the state API), the nodes'
+Prometheus metrics endpoint and ``python -m rayfuse tune --address``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from rayfuse.config import load_config
+from tests.integration.two_node import ROOT, TwoNodeCluster
+
+pytestmark = pytest.mark.ray
+WAIT_S = 300  # an upper bound for waiting on the cluster, not a performance assertion
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    nodes = TwoNodeCluster(cpus_per_node=4).start()
+    try:
+        yield nodes
+    finally:
+        nodes.stop()
+
+
+def poll(check, what: str, timeout: float = WAIT_S, every: float = 2.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(every)
+
+
+def test_ray_job_submit_runs_a_job_on_both_nodes_with_named_actors_and_metrics(cluster, tmp_path):
+    namespace = f"ops-{uuid.uuid4().hex[:6]}"
+    job = {
+        "run": {"name": "job", "storage": str(tmp_path / "runs")},
+        "partition": {"num_clients": 3}, "model": {"hidden": [8]}, "train": {"epochs": 2},
+        "federation": {"namespace": namespace,
+                       "client_overrides": {0: {"resources": {"silo_a": 0.1}}, 1: {"resources": {"silo_b": 0.1}}}},
+        "methods": {"average": {}, "fedavg": {"rounds": 3, "local_epochs": 1}},
+    }
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(job))
+    submission = f"rayfuse-{namespace}"
+    out = cluster.run("ray", "job", "submit", "--address", cluster.dashboard_url, "--working-dir", str(ROOT),
+                      "--submission-id", submission, "--no-wait", "--", "python", "-m", "rayfuse", "run", str(config))
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    def finished():
+        out = cluster.run("ray", "job", "status", "--address", cluster.dashboard_url, submission)
+        status = out.stdout + out.stderr  # the CLI logs its status lines to stderr
+        # "Status for job 'x': RUNNING" while it runs, "Job 'x' succeeded" (or failed / stopped) at the end
+        found = re.search(r"Job '[^']+' (succeeded|failed|stopped)", status)
+        return found.group(1) if found else None
+
+    assert poll(finished, "the job to finish") == "succeeded"
+    out = cluster.run("ray", "job", "logs", "--address", cluster.dashboard_url, submission)
+    logs = out.stdout + out.stderr
+    assert "fedavg: round 3/3" in logs and "results: " in logs
+
+    run_dir = Path(re.search(r"results: (\S+)/results\.json", logs).group(1))
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["status"] == "succeeded" and results["run"]["backend"] == "ray"
+    assert results["run"]["nodes"] == 2  # client 0 on the head's silo, client 1 on the worker's
+    assert (run_dir / "models" / "fedavg.safetensors").is_file() and (run_dir / "metrics.parquet").is_file()
+
+    # the state API keeps the run's named actors (dead now: the run ended and removed them)
+    listed = cluster.run("ray", "list", "actors", "--address", cluster.dashboard_url, "--filter", f"ray_namespace={namespace}",
+                         "--format", "json", "--detail", "--limit", "100")
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    actors = {a["name"]: a for a in json.loads(listed.stdout)}
+    run = run_dir.name
+    assert set(actors) == {f"{run}/client-0", f"{run}/client-1", f"{run}/client-2", f"{run}/coordinator"}
+    assert {a["state"] for a in actors.values()} == {"DEAD"}
+    assert len({actors[f"{run}/client-{i}"]["node_id"] for i in (0, 1)}) == 2
+
+    # The coordinator (on the driver's node, the head) exported the run's metrics to the head's Prometheus endpoint.
+    # Counters and histograms outlive the coordinator process there; gauges (round, clients alive, fused metrics) are
+    # only exported while it runs (tests/test_ops_metrics.py checks what they receive).
+    def scrape():
+        text = urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_ports[0]}/metrics", timeout=10).read().decode()
+        rows = [line for line in text.splitlines() if line.startswith("ray_rayfuse_") and f'run="{run}"' in line]
+        return rows if any(r.startswith("ray_rayfuse_rounds_total") for r in rows) else None
+
+    rows = poll(scrape, "the rayfuse metrics on the head's metrics endpoint")
+
+    def value(name: str, **tags: str) -> float:
+        found = [r for r in rows if r.startswith(name + "{") and all(f'{k}="{v}"' in r for k, v in tags.items())]
+        assert found, (name, tags)
+        return float(found[0].rsplit(" ", 1)[1])
+
+    assert value("ray_rayfuse_rounds_total", method="fedavg") == 3
+    assert value("ray_rayfuse_stages_total", method="-", stage="local_training") == 1
+    assert value("ray_rayfuse_stages_total", method="average", stage="method") == 1
+    # fedavg: 3 rounds x one broadcast of the global model; 3 rounds x 3 clients' updates
+    broadcast = value("ray_rayfuse_bytes_total", method="fedavg", direction="broadcast")
+    assert broadcast > 0 and value("ray_rayfuse_bytes_total", method="fedavg", direction="upload") == 3 * broadcast
+    assert value("ray_rayfuse_client_events_total", event="trained") == 3
+    assert value("ray_rayfuse_client_train_seconds_count") == 3
+
+
+def test_a_tune_sweep_on_the_cluster_trains_the_clients_once(cluster, tmp_path):
+    job = {"run": {"name": "sweep"}, "partition": {"num_clients": 2}, "model": {"hidden": [8]}, "train": {"epochs": 2},
+           "federation": {"clients": {"num_cpus": 0.5}, "task_cpus": 0.5},
+           "methods": {"average": {}, "fedprox": {"rounds": 2, "local_epochs": 1}, "ensemble": {}}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    storage = tmp_path / "tune"
+    space = {"base": "job.yaml", "methods": ["average", "fedprox"], "space": {"methods.fedprox.mu": {"grid": [0.0, 0.01, 0.1]}},
+             "metric": "fused/fedprox/accuracy", "scheduler": {"type": "asha", "grace_period": 1}, "storage": str(storage)}
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump(space))
+    tune = ("python", "-m", "rayfuse", "tune", "space.yaml", "--address", cluster.address)
+    out = cluster.run(*tune, cwd=tmp_path, timeout=WAIT_S)
+    assert out.returncode == 0, out.stderr[-4000:]
+
+    table = pd.read_parquet(storage / "space" / "results.parquet")
+    assert len(table) == 3 and set(table["config/methods.fedprox.mu"]) == {0.0, 0.01, 0.1}
+    # local training ran once for the whole sweep: one trial trained both clients, the others read the cache
+    assert table["local/trained"].sum() == 2 and sorted(table["local/cache_hit"]) == [0, 1, 1]
+    assert len([p for p in (storage / "model-cache" / "local-models").iterdir() if p.is_dir()]) == 1
+    assert table["fused/average/accuracy"].nunique() == 1  # the same local models in every trial
+    # every round was reported (ASHA may stop a weak trial after round 1); the finished ones report every stage
+    assert set(table["round"]) <= {1, 2} and (table["round"] == 2).any() and table["fused/fedprox/accuracy"].notna().all()
+    finished = table[table["stage"] == "done"]
+    assert len(finished) >= 1 and finished["time/method/fedprox"].notna().all() and finished["time/startup"].notna().all()
+
+    best = load_config(storage / "space" / "best.yaml")  # ready to run
+    assert list(best.methods) == ["average", "fedprox"]
+    top = table[table["fused/fedprox/accuracy"] == table["fused/fedprox/accuracy"].max()]
+    assert best.method_specs()[1].params.mu in set(top["config/methods.fedprox.mu"])
+
+    # A failing trial is retried (FailureConfig) and resumes its run folder: fedprox round 2 fails on the first
+    # attempt (the 2nd fit call of client 0's actor); the retry continues from the round-1 checkpoint with new actors.
+    fault = {"client": 0, "step": "fedavg.fit", "call": 2, "mode": "raise"}  # FedProx runs FedAvg's client step
+    retry = {**space, "name": "retry", "methods": ["fedprox"], "set": {"federation.on_client_failure": "fail"},
+             "space": {"federation.faults": {"grid": [[fault]]}}, "max_failures": 1}
+    retry.pop("scheduler")
+    (tmp_path / "retry.yaml").write_text(yaml.safe_dump(retry))
+    out = cluster.run("python", "-m", "rayfuse", "tune", "retry.yaml", "--address", cluster.address, cwd=tmp_path, timeout=WAIT_S)
+    assert out.returncode == 0, out.stderr[-4000:]
+    row = pd.read_parquet(storage / "retry" / "results.parquet").iloc[0]
+    assert row["resumed"] == 1 and row["stage"] == "done" and row["round"] == 2
+    assert row["local/trained"] == 0  # first attempt: the sweep's cache; the retry: its run folder's checkpoints
+    events = json.loads(next((storage / "retry" / "runs").glob("*/results.json")).read_text())["events"]
+    assert any(e["kind"] == "resumed" and e.get("round") == 1 for e in events)
+
+    again = cluster.run(*tune, cwd=tmp_path)
+    assert again.returncode == 2 and "--resume" in again.stderr
+    resumed = cluster.run(*tune, "--resume", cwd=tmp_path, timeout=WAIT_S)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert pd.read_parquet(storage / "space" / "results.parquet")["local/trained"].sum() == 2  # nothing retrained

@@ -1,0 +1,113 @@
+"""``rayfuse fuse``: fusing checkpoints trained elsewhere (safetensors / torch weights-only), bad input first."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from rayfuse.cli import main
+from rayfuse.errors import InputError
+from rayfuse.fuse import load_fuse_config, run_fuse
+from rayfuse.io import load_params, save_params
+
+
+def model(seed, hidden=4):
+    rng = np.random.default_rng(seed)
+    return {"0.weight": rng.normal(size=(hidden, 3)).astype(np.float32), "0.bias": rng.normal(size=hidden).astype(np.float32),
+            "1.weight": rng.normal(size=(2, hidden)).astype(np.float32), "bn.num_batches_tracked": np.array(seed + 1, np.int64)}
+
+
+@pytest.fixture
+def files(tmp_path):
+    a, b, c = model(0), model(1), model(2)
+    save_params(tmp_path / "a.safetensors", a)
+    save_params(tmp_path / "b.safetensors", b)
+    torch.save({k: torch.from_numpy(np.asarray(v)) for k, v in c.items()}, tmp_path / "c.pt")
+    return tmp_path, [a, b, c]
+
+
+def write(tmp_path, **fields):
+    config = {"merge_method": "average", "models": [{"model": "a.safetensors"}, {"model": "b.safetensors"}, {"model": "c.pt"}],
+              "output": "fused.safetensors", **fields}
+    path = tmp_path / "fuse.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_average_of_safetensors_and_torch_files_is_the_tensorwise_mean(files):
+    tmp_path, models = files
+    summary = run_fuse(load_fuse_config(write(tmp_path)))
+    fused = load_params(tmp_path / "fused.safetensors")
+    assert summary["models"] == 3 and set(fused) == set(models[0])
+    for key in ("0.weight", "0.bias", "1.weight"):
+        np.testing.assert_allclose(fused[key], np.mean([m[key] for m in models], axis=0), rtol=1e-5, atol=1e-7)
+        assert fused[key].dtype == np.float32
+
+
+def test_weighted_average_follows_the_weights_and_fusing_copies_of_one_model_returns_it(files):
+    tmp_path, models = files
+    weighted = [{"model": "a.safetensors", "parameters": {"weight": 3}}, {"model": "b.safetensors", "parameters": {"weight": 1}}]
+    run_fuse(load_fuse_config(write(tmp_path, merge_method="linear", models=weighted, dtype="float64")))
+    fused = load_params(tmp_path / "fused.safetensors")
+    np.testing.assert_allclose(fused["0.weight"], 0.75 * models[0]["0.weight"] + 0.25 * models[1]["0.weight"], rtol=1e-6)
+    assert fused["0.weight"].dtype == np.float64
+    same = [{"model": "a.safetensors"}, {"model": "a.safetensors"}]
+    run_fuse(load_fuse_config(write(tmp_path, models=same), tmp_path / "same.safetensors"))
+    assert all(np.array_equal(v, models[0][k]) for k, v in load_params(tmp_path / "same.safetensors").items())
+
+
+def test_the_cli_fuses_and_reports(files, capsys):
+    tmp_path, _ = files
+    assert main(["fuse", str(write(tmp_path)), str(tmp_path / "out.safetensors")]) == 0
+    assert "average of 3 models, 4 tensors" in capsys.readouterr().out
+    assert (tmp_path / "out.safetensors").is_file()
+
+
+def bad_shape(tmp_path):
+    save_params(tmp_path / "wide.safetensors", model(5, hidden=6))
+    return {"models": [{"model": "a.safetensors"}, {"model": "wide.safetensors"}]}
+
+
+def bad_keys(tmp_path):
+    m = model(5)
+    m["extra.weight"] = np.zeros(2, np.float32)
+    save_params(tmp_path / "extra.safetensors", m)
+    return {"models": [{"model": "a.safetensors"}, {"model": "extra.safetensors"}]}
+
+
+def pickle_file(tmp_path):
+    torch.save({"w": torch.zeros(2), "code": len}, tmp_path / "evil.pt")  # a global: refused by weights_only
+    return {"models": [{"model": "a.safetensors"}, {"model": "evil.pt"}]}
+
+
+def nan_file(tmp_path):
+    m = model(5)
+    m["0.bias"][0] = np.nan
+    save_params(tmp_path / "nan.safetensors", m)
+    return {"models": [{"model": "a.safetensors"}, {"model": "nan.safetensors"}]}
+
+
+BAD = [
+    ("mismatched shapes", bad_shape, r"wide\.safetensors: 0\.bias: expected shape \(4,\) as in a\.safetensors, got \(6,\)"),
+    ("mismatched names", bad_keys, r"extra\.safetensors: expected the tensor names of a\.safetensors.*unexpected \['extra\.weight'\]"),
+    ("pickled objects", pickle_file, r"evil\.pt: expected a PyTorch state_dict loadable with weights_only=True"),
+    ("NaN values", nan_file, r"nan\.safetensors: 0\.bias: expected finite values"),
+    ("unknown method", lambda t: {"merge_method": "avrage"}, r"merge_method: expected a data-free method.*did you mean 'average'"),
+    ("method needing data", lambda t: {"merge_method": "fedavg"}, r"merge_method: .*run in a federation"),
+    ("missing weight", lambda t: {"merge_method": "weighted_average"}, r"models\.0\.parameters\.weight: expected this required key"),
+    ("weight on average", lambda t: {"models": [{"model": "a.safetensors", "parameters": {"weight": 2}}]}, r"models\.0\.parameters\.weight: expected a known key"),
+    ("typo in a key", lambda t: {"ouput": "x.safetensors"}, r"ouput: expected a known key.*did you mean 'output'"),
+    ("missing file", lambda t: {"models": [{"model": "nope.safetensors"}]}, r"models\.0\.model: expected an existing model file"),
+    ("existing output", lambda t: {"output": "a.safetensors"}, r"output: expected a file that does not exist yet"),
+    ("no models", lambda t: {"models": []}, r"models: expected"),
+]
+
+
+@pytest.mark.parametrize("make, match", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_fails_with_one_line_before_writing(files, make, match):
+    tmp_path, _ = files
+    with pytest.raises(InputError, match=match):
+        run_fuse(load_fuse_config(write(tmp_path, **make(tmp_path))))
+    assert not (tmp_path / "fused.safetensors").exists()
