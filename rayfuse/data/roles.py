@@ -266,7 +266,7 @@ def corrupt_split(split: Split, kind: str, seed: int, role: str = "train") -> Sp
         scale = 2.0 * float(X.std()) if X.size else 0.0
         X = X + make_rng(seed, "noise", role).normal(0.0, scale, size=X.shape).astype(np.float32)
     else:
-        flat = X.reshape(len(X), -1)
+        flat = X.reshape(len(X), int(np.prod(X.shape[1:])))
         order = make_rng(seed, "pixels").permutation(flat.shape[1])  # no role tag: train and val share the domain
         X = flat[:, order].reshape(X.shape)
     return Split(np.ascontiguousarray(X, dtype=np.float32), np.ascontiguousarray(y, dtype=np.int64))
