@@ -317,6 +317,7 @@ class FedSA(Method):
         weights: list[float] = []
         probs = np.full(len(teachers), 1.0 / len(teachers))
         metrics: dict[str, float] = {}
+        adapted: Any = None
         kd_seconds = 0.0
         for t in range(p.rounds):
             rnd = t + 1
@@ -347,13 +348,13 @@ class FedSA(Method):
             row.update({f"selected_{c}": float(counts.get(c, 0)) for c in teachers})
             row.update({f"p_{c}": float(probs[i]) for i, c in enumerate(teachers)})
             if rnd % p.evaluate_every == 0 or rnd == p.rounds:
-                metrics = _evaluate(server, _adapt(server, student, target, p, rnd))
+                adapted = _adapt(server, student, target, p, rnd)  # task adaptation on a copy (the code, every 10 rounds)
+                metrics = _evaluate(server, adapted)
                 row.update(metrics)
             server.log(rnd, row)
             server.progress(f"round {rnd}/{p.rounds}", round=rnd, rounds=p.rounds,
                             metrics={k: round(v, 4) for k, v in row.items() if not k.startswith(("p_", "selected_"))})
-        adapted = _adapt(server, student, target, p, "final")
-        metrics = _evaluate(server, adapted)
+        # the last round is always evaluated: ``adapted`` / ``metrics`` are the final target model and its accuracy
         info = {"rounds": p.rounds, "k": p.k, "selection": p.selection, "weighting": p.weighting, "saliency": p.saliency,
                 "teachers": teachers, "selections": selections, "target_size": len(target),
                 "student": student_cfg.model_dump(mode="json"), "kd_seconds": round(kd_seconds, 3)}
