@@ -279,6 +279,18 @@ def test_gradcam_selection_runs(coordinator):
     assert summary["info"]["saliency"] == "gradcam" and len(summary["info"]["selections"][0]["similarity"]) == 4
 
 
+@pytest.mark.parametrize(("teachers", "student"), [
+    (CNN, {"name": "cnn", "channels": [4, 8, 8]}),                      # deeper and narrower than the teachers
+    ({"name": "mlp", "hidden": [32, 16]}, {"name": "mlp", "hidden": [8]}),  # vectors: a linear translator
+    ({"name": "mlp", "hidden": [32]}, {"name": "torchvision:resnet18"}),     # a torchvision map pooled onto MLP vectors
+], ids=["deeper-cnn", "mlp", "resnet18-from-mlp"])
+def test_heterogeneous_students_are_distilled(coordinator, teachers, student):
+    methods = {"fedsa": {**FAST, "rounds": 1, "k": 1, "student": student, "target_epochs": 1, "adapt_epochs": 1}}
+    coord = coordinator(**teacher_job(model=teachers, methods=methods))
+    summary = coord.run_method("fedsa")
+    assert np.isfinite(summary["metrics"]["accuracy"]) and summary["info"]["student"]["name"] == student["name"]
+
+
 BAD = [
     pytest.param({"methods": {"fedsa": {**FAST, "k": 5}}}, r"^methods\.fedsa\.k: expected at most the number of teachers \(4", id="k-too-large"),
     pytest.param({"data": {"public_size": 0}, "methods": {"fedsa": FAST}}, r"^data\.public_size: expected a labelled target set", id="empty-target-set"),
