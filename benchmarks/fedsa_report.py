@@ -199,12 +199,12 @@ def plot_curves(path: Path, runs: list[dict], labels: list[str]) -> None:
             if label == "scratch":
                 ax.axhline(frame.mean(axis=1).iloc[0], color="k", ls="--", lw=1, label="scratch")
                 continue
-            ax.plot(frame.index, frame.mean(axis=1), marker="o", ms=3, label=label)
+            ax.plot(frame.index, frame.mean(axis=1), marker="o", ms=3, label=label, ls="--" if label.endswith("whole") else "-")
         ax.set_title(f"{pct(fraction)} labels", fontsize=9)
         ax.set_xlabel("round")
         ax.set_ylabel("test accuracy (after adaptation)")
         ax.grid(alpha=0.3)
-    axes[0, -1].legend(fontsize=7, loc="lower right")
+    axes[0, -1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "table2.md").write_text(t2 + "\n")
     (args.out / "table3.md").write_text(t3 + "\n")
     plot_selections(args.out / "selections.png", runs)
-    plot_curves(args.out / "curves.png", runs, ["scratch", "fedavg+", "fedsa", "fedsa-gradcam", "top-k", "fixed", "random+pos"])
+    plot_curves(args.out / "curves.png", runs, ["scratch", "fedavg+", "fedsa", "fedsa-gradcam", "top-k", "fixed", "random+pos",
+                                                "fedavg+whole", "fedsa-whole"])
     print(t1, t2, t3, sep="\n\n")
     print(f"\nwritten: {', '.join(sorted(p.name for p in args.out.iterdir()))} in {args.out}")
 
