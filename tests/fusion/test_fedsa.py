@@ -21,7 +21,7 @@ from rayfuse.fusion.fedsa_kd import (
     selection_probabilities,
 )
 from rayfuse.models import build_model, get_params
-from rayfuse.models.registry import MLP, SmallCNN
+from rayfuse.models.registry import MLP
 
 CNN = {"name": "cnn", "channels": [8, 16]}
 SMALL = {"name": "cnn", "channels": [4, 8]}
