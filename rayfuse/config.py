@@ -144,6 +144,9 @@ class PartitionConfig(StrictModel):
     shards_per_client: int = Field(2, ge=1, description="shards: shards per client")
     shard_size: int | None = Field(None, ge=1, description="shards: samples per shard (default: pool / total shards)")
     subset_fraction: tuple[float, float] = Field((0.4, 0.9), description="subsets: each client's fraction of the pool ~ U[low, high] (overlapping)")
+    corrupt: dict[int, Literal["shuffle_labels", "noise", "permute_pixels"]] = Field(
+        default_factory=dict, description="clients whose private data is corrupted, by client id: shuffle_labels (random labels), "
+        "noise (inputs + Gaussian noise, 2x the shard's std), permute_pixels (one fixed feature permutation: an unrelated input domain)")
 
     @field_validator("method")
     @classmethod
@@ -172,6 +175,9 @@ class PartitionConfig(StrictModel):
                     raise ValueError(f"@groups.{i}@ at least one label for client {i}, got []")
                 if any(label < 0 for label in group):
                     raise ValueError(f"@groups.{i}@ labels >= 0, got {group}")
+        for client in self.corrupt:
+            if not 0 <= client < self.num_clients:
+                raise ValueError(f"@corrupt.{client}@ a client id in 0..{self.num_clients - 1}, got {client}")
         if self.canonical_method == "subsets":
             low, high = self.subset_fraction
             if not 0 < low <= high <= 1:

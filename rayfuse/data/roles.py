@@ -8,7 +8,10 @@ A run's data is split once, in the driver, into explicit roles (ARCHITECTURE.md,
   (GEMS fine-tuning, FedSA's labelled target set, distillation). Drawn, stratified, from the training pool before
   partitioning, so no client holds it.
 * **client train / val** -- each client's private shard (from the partitioner) and a private validation split of it
-  (``data.val_size``). Only the client's own actor ever loads them.
+  (``data.val_size``). Only the client's own actor ever loads them. ``partition.corrupt`` marks clients whose private
+  data is corrupted (random labels, noised inputs, or permuted pixels: an unrelated input domain), applied by the
+  client itself when it loads its shard (:func:`corrupt_split`): bad data owners for robustness experiments, and the
+  unrelated / corrupted teachers of FedSA.
 
 :class:`DataPlan` records every index, the class counts per client, the seed and a hash: the partition manifest
 written to ``partition.json``. Clients receive only their own :class:`ClientPlan` and load their shard themselves.
@@ -27,7 +30,10 @@ from rayfuse.data.partition import PARTITIONERS, class_counts, partition
 from rayfuse.errors import InputError
 from rayfuse.seeding import derive_seed, make_rng
 
-__all__ = ["ClientPlan", "DataPlan", "Split", "make_plan", "load_dataset_from_config", "client_splits", "server_splits", "pooled_train"]
+__all__ = ["ClientPlan", "DataPlan", "Split", "make_plan", "load_dataset_from_config", "client_splits", "server_splits", "pooled_train",
+           "corrupt_split", "CORRUPTIONS"]
+
+CORRUPTIONS = ("shuffle_labels", "noise", "permute_pixels")
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,8 @@ class ClientPlan:
     normalization: Normalization | None
     num_classes: int
     input_shape: tuple[int, ...]
+    corruption: str | None = None  # partition.corrupt: how this client's private data is corrupted (None: clean)
+    corruption_seed: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,6 +86,7 @@ class DataPlan:
     unassigned: int
     normalization: Normalization | None
     partition: dict[str, Any] = field(default_factory=dict)
+    corruptions: dict[int, str] = field(default_factory=dict)  # client id -> corruption (partition.corrupt)
 
     @property
     def num_clients(self) -> int:
@@ -85,7 +94,8 @@ class DataPlan:
 
     def for_client(self, client_id: int) -> ClientPlan:
         return ClientPlan(client_id, self.client_train[client_id], self.client_val[client_id], self.normalization,
-                          self.num_classes, self.input_shape)
+                          self.num_classes, self.input_shape, self.corruptions.get(client_id),
+                          derive_seed(self.seed, "corrupt", client_id))
 
     def num_examples(self, client_id: int) -> int:
         return int(len(self.client_train[client_id]))
@@ -97,6 +107,8 @@ class DataPlan:
         for arr in (self.test, self.public, *self.client_train, *self.client_val):
             h.update(np.asarray(arr, dtype=np.int64).tobytes())
             h.update(b"|")
+        if self.corruptions:  # (clean runs keep the hashes they had before corruptions existed)
+            h.update(repr(sorted(self.corruptions.items())).encode())
         return h.hexdigest()
 
     def manifest(self) -> dict[str, Any]:
@@ -123,6 +135,7 @@ class DataPlan:
                     "num_train": int(len(self.client_train[i])),
                     "num_val": int(len(self.client_val[i])),
                     "class_counts": self.counts[i].tolist(),
+                    **({"corrupt": self.corruptions[i]} if i in self.corruptions else {}),
                     "train": self.client_train[i].tolist(),
                     "val": self.client_val[i].tolist(),
                 }
@@ -207,11 +220,14 @@ def make_plan(dataset: Dataset, data_cfg: Any, partition_cfg: Any, seed: int) ->
         normalization = Normalization(mean.astype(np.float32), np.where(std > 1e-12, std, 1.0).astype(np.float32))
 
     counts = class_counts(y, [np.concatenate([t, v]) for t, v in zip(train, val)], dataset.num_classes)
+    corrupt = dict(getattr(partition_cfg, "corrupt", None) or {})
     return DataPlan(
         dataset=dataset.name, num_classes=dataset.num_classes, input_shape=dataset.input_shape, class_names=dataset.class_names,
         seed=seed, test_source=test_source, test=test, public=public, client_train=tuple(train), client_val=tuple(val),
         counts=counts, unassigned=int(unassigned), normalization=normalization,
-        partition={"method": method, "num_clients": partition_cfg.num_clients, **params},
+        partition={"method": method, "num_clients": partition_cfg.num_clients, **params,
+                   **({"corrupt": {int(k): v for k, v in corrupt.items()}} if corrupt else {})},
+        corruptions={int(k): str(v) for k, v in corrupt.items()},
     )
 
 
@@ -225,8 +241,35 @@ def _take(dataset: Dataset, idx: np.ndarray, normalization: Normalization | None
 
 
 def client_splits(dataset: Dataset, plan: ClientPlan) -> tuple[Split, Split]:
-    """A client's private (train, val) splits, from its own plan only."""
-    return _take(dataset, plan.train, plan.normalization), _take(dataset, plan.val, plan.normalization)
+    """A client's private (train, val) splits, from its own plan only (corrupted when ``plan.corruption`` says so)."""
+    train, val = _take(dataset, plan.train, plan.normalization), _take(dataset, plan.val, plan.normalization)
+    if plan.corruption is None:
+        return train, val
+    return (corrupt_split(train, plan.corruption, plan.corruption_seed, "train"),
+            corrupt_split(val, plan.corruption, plan.corruption_seed, "val"))
+
+
+def corrupt_split(split: Split, kind: str, seed: int, role: str = "train") -> Split:
+    """``split`` corrupted the ``kind`` way (deterministic in ``seed``).
+
+    * ``shuffle_labels`` -- the labels permuted among the samples (random labels: a corrupted task);
+    * ``noise`` -- Gaussian noise with twice the split's feature standard deviation added to every input;
+    * ``permute_pixels`` -- one fixed random permutation of the input features (the same for train and val, a new
+      input domain: an unrelated task for which the client's features do not transfer to clean inputs).
+    """
+    if kind not in CORRUPTIONS:
+        raise InputError("partition.corrupt", f"one of {CORRUPTIONS}", kind)
+    X, y = split.X, split.y
+    if kind == "shuffle_labels":
+        y = make_rng(seed, "labels", role).permutation(y)
+    elif kind == "noise":
+        scale = 2.0 * float(X.std()) if X.size else 0.0
+        X = X + make_rng(seed, "noise", role).normal(0.0, scale, size=X.shape).astype(np.float32)
+    else:
+        flat = X.reshape(len(X), int(np.prod(X.shape[1:])))
+        order = make_rng(seed, "pixels").permutation(flat.shape[1])  # no role tag: train and val share the domain
+        X = flat[:, order].reshape(X.shape)
+    return Split(np.ascontiguousarray(X, dtype=np.float32), np.ascontiguousarray(y, dtype=np.int64))
 
 
 def server_splits(dataset: Dataset, plan: DataPlan) -> tuple[Split, Split]:

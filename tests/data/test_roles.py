@@ -218,7 +218,8 @@ def test_digits_are_not_standardised_by_default(digits):
 def test_for_client_exposes_only_that_clients_indices(digits):
     plan = plan_for(digits)
     client = plan.for_client(3)
-    assert {f.name for f in dataclasses.fields(ClientPlan)} == {"client_id", "train", "val", "normalization", "num_classes", "input_shape"}
+    assert {f.name for f in dataclasses.fields(ClientPlan)} == {"client_id", "train", "val", "normalization", "num_classes", "input_shape",
+                                                                "corruption", "corruption_seed"}
     assert client.client_id == 3 and client.num_classes == 10 and client.input_shape == (1, 8, 8)
     assert np.array_equal(client.train, plan.client_train[3]) and np.array_equal(client.val, plan.client_val[3])
     others = np.concatenate([plan.test, *plan.client_train[:3], *plan.client_val[:3], *plan.client_train[4:], *plan.client_val[4:]])
@@ -240,6 +241,38 @@ def test_server_splits_and_pooled_train(digits):
     pooled = pooled_train(digits, plan)
     assert len(pooled) == sum(len(t) for t in plan.client_train)
     assert np.array_equal(pooled.y, digits.y[np.sort(np.concatenate(plan.client_train))])
+
+
+def test_corrupted_clients_load_corrupted_shards_and_the_others_clean_ones(digits):
+    plan = plan_for(digits, partition={"method": "iid", "num_clients": 4,
+                                       "corrupt": {1: "shuffle_labels", 2: "noise", 3: "permute_pixels"}})
+    clean = plan_for(digits, partition={"method": "iid", "num_clients": 4})
+    assert plan.client_train[1].tolist() == clean.client_train[1].tolist()  # the same indices, only the content changes
+    splits = {i: client_splits(digits, plan.for_client(i))[0] for i in range(4)}
+    rows = {i: digits.X[plan.client_train[i]] for i in range(4)}
+    labels = {i: digits.y[plan.client_train[i]] for i in range(4)}
+    assert np.array_equal(splits[0].X, rows[0]) and np.array_equal(splits[0].y, labels[0])
+    # random labels: the same label multiset, mostly on other samples; inputs untouched
+    assert np.array_equal(np.sort(splits[1].y), np.sort(labels[1])) and np.mean(splits[1].y != labels[1]) > 0.5
+    assert np.array_equal(splits[1].X, rows[1])
+    # noise: twice the inputs' std
+    assert np.std(splits[2].X - rows[2]) == pytest.approx(2 * rows[2].std(), rel=0.05)
+    # permuted pixels: one permutation for every sample, the same in train and val
+    order = make_rng(plan.for_client(3).corruption_seed, "pixels").permutation(64)
+    assert np.array_equal(splits[3].X.reshape(-1, 64), rows[3].reshape(-1, 64)[:, order]) and not np.array_equal(splits[3].X, rows[3])
+    val = client_splits(digits, plan.for_client(3))[1]
+    assert np.array_equal(val.X.reshape(-1, 64), digits.X[plan.client_val[3]].reshape(-1, 64)[:, order])
+    # deterministic (a restarted actor reloads the same corrupted shard), recorded in the manifest, part of the hash
+    assert np.array_equal(client_splits(digits, plan.for_client(2))[0].X, splits[2].X)
+    assert [c.get("corrupt") for c in plan.manifest()["clients"]] == [None, "shuffle_labels", "noise", "permute_pixels"]
+    assert plan.digest() != clean.digest()
+
+
+def test_corrupting_an_unknown_client_is_rejected():
+    with pytest.raises(InputError, match=r"^partition\.corrupt\.7: expected a client id in 0\.\.3"):
+        from rayfuse.config import validate_config
+
+        validate_config({"partition": {"num_clients": 4, "corrupt": {7: "noise"}}})
 
 
 # ---------------------------------------------------------------------------------------------------------------
