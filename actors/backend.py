@@ -193,7 +193,7 @@ class RayBackend(Backend):
             handle = client_cls.options(
                 name=name, namespace=fed.namespace, max_restarts=fed.max_restarts, max_task_retries=0, **options,
             ).remote([(i, plan.for_client(i)) for i in members], data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train,
-                     seed=cfg.run.seed, faults=fed.faults)
+                     seed=cfg.run.seed, faults=fed.faults, local_cache=cfg.run.model_cache)
             self._actor_names.append(name)
             for i in members:
                 self.clients[i] = handle

@@ -56,7 +56,7 @@ class ClientActor:
     """
 
     def __init__(self, members: Sequence[tuple[int, ClientPlan]], *, data_cfg: Any, model_cfg: Any, train_cfg: Any, seed: int,
-                 faults: Sequence[Any] = ()) -> None:
+                 faults: Sequence[Any] = (), local_cache: str | None = None) -> None:
         with warnings.catch_warnings():  # Ray's own accessor warns about its internals
             warnings.simplefilter("ignore")
             restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
@@ -64,7 +64,8 @@ class ClientActor:
         dataset = load_dataset_from_config(data_cfg) if len(members) > 1 else None
         self.clients = {
             client_id: Client(client_id, plan, data_cfg=data_cfg, model_cfg=model_cfg, train_cfg=train_cfg, seed=seed,
-                              device=device, faults=faults, restarted=restarted, die=lambda: os._exit(1), dataset=dataset)
+                              device=device, faults=faults, restarted=restarted, die=lambda: os._exit(1), dataset=dataset,
+                              local_cache=local_cache)
             for client_id, plan in members
         }
 

@@ -40,7 +40,7 @@ class ClientContext:
     """What a client step sees: this client's private data, settings and local model."""
 
     def __init__(self, client_id: int, plan: ClientPlan, train: Split, val: Split, *, model_cfg: Any, train_cfg: Any,
-                 seed: int, device: str) -> None:
+                 seed: int, device: str, local_cache: str | None = None) -> None:
         self.client_id = client_id
         self.plan = plan
         self.train = train
@@ -54,6 +54,7 @@ class ClientContext:
         self.state: dict[str, Any] = {}
         self._local_model: Any = None
         self.local_stats: dict[str, float] = {}
+        self.local_cache = local_cache
 
     @property
     def num_examples(self) -> int:
@@ -78,18 +79,85 @@ class ClientContext:
         return self._local_model is not None
 
     def local_model(self) -> Any:
-        """The client's local model, trained on its train split the first time it is asked for."""
-        if self._local_model is None:
-            from rayfuse.models import train_model
+        """The client's local model, trained on its train split the first time it is asked for.
 
-            model = self.build_model(seed=self.init_seed)
-            cfg = self.train_cfg
-            stats = train_model(model, self.train.X, self.train.y, epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr,
-                                optimizer=cfg.optimizer, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                                seed=self.step_seed("local-train"), device=self.device)
-            self.local_stats = {"train_loss": stats.loss, "train_seconds": stats.seconds, "steps": float(stats.steps)}
-            self._local_model = model
+        With ``local_cache`` (``run.model_cache``), the trained model is kept by the client itself, in
+        ``<local_cache>/client-models/<key>.safetensors``, keyed by the content of its train split, the model and
+        training settings and the seeds: a later run of the same client (a Tune trial over fusion-only knobs) reads it
+        instead of training. The file is written by the client's own process: methods whose local models must not
+        leave the client (FedSA's teachers) keep them on the client's side, with ``run.model_cache`` on storage the
+        client owns.
+        """
+        if self._local_model is None:
+            with self._local_cache_lock() as path:
+                if path is not None and path.is_file():
+                    self._local_model, self.local_stats = self._read_cached_model(path)
+                else:
+                    self._local_model = self._train_local_model()
+                    if path is not None:
+                        self._write_cached_model(path)
         return self._local_model
+
+    def _train_local_model(self) -> Any:
+        from rayfuse.models import train_model
+
+        model = self.build_model(seed=self.init_seed)
+        cfg = self.train_cfg
+        stats = train_model(model, self.train.X, self.train.y, epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr,
+                            optimizer=cfg.optimizer, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                            seed=self.step_seed("local-train"), device=self.device)
+        self.local_stats = {"train_loss": stats.loss, "train_seconds": stats.seconds, "steps": float(stats.steps)}
+        return model
+
+    def _local_cache_key(self) -> str:
+        import hashlib
+        import json
+
+        digest = hashlib.sha256()
+        for array in (self.train.X, self.train.y):
+            digest.update(np.ascontiguousarray(array).tobytes())
+        inputs = {"format": 1, "data": digest.hexdigest(), "client": self.client_id, "seed": self.seed,
+                  "model": self.model_cfg.model_dump(mode="json"), "train": self.train_cfg.model_dump(mode="json")}
+        return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+    def _local_cache_lock(self) -> Any:
+        import contextlib
+        import fcntl
+        from pathlib import Path
+
+        @contextlib.contextmanager
+        def locked() -> Any:
+            if not self.local_cache:
+                yield None
+                return
+            folder = Path(self.local_cache) / "client-models"
+            folder.mkdir(parents=True, exist_ok=True)
+            key = self._local_cache_key()
+            with open(folder / f"{key}.lock", "a+") as handle:  # concurrent trials of one client train once
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                try:
+                    yield folder / f"{key}.safetensors"
+                finally:
+                    fcntl.flock(handle, fcntl.LOCK_UN)
+
+        return locked()
+
+    def _read_cached_model(self, path: Any) -> tuple[Any, dict[str, float]]:
+        import json
+
+        from rayfuse.io import load_params
+        from rayfuse.models import set_params
+
+        model = set_params(self.build_model(seed=self.init_seed), load_params(path))
+        stats = json.loads(path.with_suffix(".json").read_text()) if path.with_suffix(".json").is_file() else {}
+        return model, {**{k: float(v) for k, v in stats.items()}, "cached": 1.0}
+
+    def _write_cached_model(self, path: Any) -> None:
+        from rayfuse.io import atomic_write_json, save_params
+        from rayfuse.models import get_params
+
+        atomic_write_json(path.with_suffix(".json"), self.local_stats)
+        save_params(path, get_params(self._local_model))
 
     def set_local_model(self, model: Any) -> None:
         self._local_model = model
@@ -116,16 +184,20 @@ class Client:
         What an ``exit`` fault does; the Ray actor passes ``os._exit``; in-process it raises :class:`ClientDied`.
     dataset : Dataset, optional
         The already loaded dataset (an actor hosting several clients loads it once); loaded from ``data_cfg`` if not.
+    local_cache : str, optional
+        ``run.model_cache``: where this client keeps its trained local model for later runs (see
+        :meth:`ClientContext.local_model`).
     """
 
     def __init__(self, client_id: int, plan: ClientPlan, *, data_cfg: Any, model_cfg: Any, train_cfg: Any, seed: int,
                  device: str = "cpu", faults: Sequence[Any] = (), restarted: bool = False,
-                 die: Callable[[], None] | None = None, dataset: Any = None) -> None:
+                 die: Callable[[], None] | None = None, dataset: Any = None, local_cache: str | None = None) -> None:
         if dataset is None:  # several clients in one process (clients_per_actor > 1) share one loaded dataset
             dataset = load_dataset_from_config(data_cfg)
         train, val = client_splits(dataset, plan)
         del dataset  # keep only this client's shard in memory
-        self.ctx = ClientContext(client_id, plan, train, val, model_cfg=model_cfg, train_cfg=train_cfg, seed=seed, device=device)
+        self.ctx = ClientContext(client_id, plan, train, val, model_cfg=model_cfg, train_cfg=train_cfg, seed=seed, device=device,
+                                 local_cache=local_cache)
         self.faults = [f for f in faults if f.client == client_id]
         self.restarted = restarted
         self._die = die

@@ -79,7 +79,7 @@ class InProcessBackend(Backend):
 
         def make_client(client_id: int, restarted: bool) -> Client:
             return Client(client_id, plan.for_client(client_id), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train,
-                          seed=cfg.run.seed, faults=fed_cfg.faults, restarted=restarted)
+                          seed=cfg.run.seed, faults=fed_cfg.faults, restarted=restarted, local_cache=cfg.run.model_cache)
 
         self.federation = InProcessFederation(make_client, plan.num_clients, FailurePolicy.from_config(fed_cfg), events,
                                               max_restarts=fed_cfg.max_restarts)

@@ -258,3 +258,32 @@ def test_exit_faults_do_not_fire_again_after_a_restart(digits_plan):
         return 1
 
     assert restarted.run(params) == 1
+
+
+def test_a_client_keeps_its_trained_local_model_in_its_own_cache(digits_plan, tmp_path):
+    # run.model_cache: a later run of the same client (a Tune trial) reads its model instead of training; the file is
+    # written by the client itself (FedSA's teachers never leave their clients).
+    from rayfuse.models import get_params
+
+    cfg, plan = digits_plan
+    cache = str(tmp_path / "cache")
+
+    def client(train_cfg=cfg.train, client_id=0):
+        return Client(client_id, plan.for_client(client_id), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=train_cfg,
+                      seed=cfg.run.seed, local_cache=cache)
+
+    first = client()
+    trained = get_params(first.ctx.local_model())
+    assert "cached" not in first.ctx.local_stats and list((tmp_path / "cache" / "client-models").glob("*.safetensors"))
+    again = client()
+    restored = get_params(again.ctx.local_model())
+    assert again.ctx.local_stats["cached"] == 1.0 and again.ctx.local_stats["train_loss"] == first.ctx.local_stats["train_loss"]
+    assert all(np.array_equal(trained[k], restored[k]) for k in trained)
+    # another client, or other training settings, is another entry: trained, not read
+    second_client = client(client_id=1)
+    second_client.ctx.local_model()
+    assert "cached" not in second_client.ctx.local_stats
+    other = client(train_cfg=cfg.train.model_copy(update={"epochs": 2}))
+    other.ctx.local_model()
+    assert "cached" not in other.ctx.local_stats
+    assert len(list((tmp_path / "cache" / "client-models").glob("*.safetensors"))) == 3

@@ -20,7 +20,7 @@ def coordinator(make_config, tmp_path):
 
         def factory(i, restarted):
             return Client(i, plan.for_client(i), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=cfg.run.seed,
-                          faults=cfg.federation.faults, restarted=restarted)
+                          faults=cfg.federation.faults, restarted=restarted, local_cache=cfg.run.model_cache)
 
         fed = InProcessFederation(factory, plan.num_clients, FailurePolicy.from_config(cfg.federation), EventLog())
         return Coordinator(cfg, plan, str(tmp_path / "run"), fed)
