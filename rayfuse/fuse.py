@@ -112,6 +112,49 @@ register_fuser(Fuser("weighted_average", "w = sum_k a_k w_k / sum_k a_k with eac
                      _weighted, WeightedAverageParams, ModelWeight, aliases=("linear",)))
 
 
+class KLNeuronParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lam: float = Field(1.0, ge=0, description="lambda of KL-fusion's eq. 9, relative to the std of the KL costs (jobs/kl_bnn_digits.yaml: 1)")
+    variance: float = Field(0.01, gt=0, description="the variance given to every weight of a point-estimate checkpoint")
+    solver: Literal["exact", "relaxed"] = "exact"
+    seed: int = 0
+
+
+_MLP1 = ("layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias")
+
+
+def _kl_neurons(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], method: BaseModel) -> dict[str, np.ndarray]:
+    """KL-fusion of the hidden neurons of one-hidden-layer MLPs (Claici et al. 2020, the BNN application).
+
+    Every hidden neuron ``[w_in | b | w_out]`` of every model is a diagonal Gaussian (mean: the checkpoint's values;
+    variance: ``variance``, as the checkpoints are point estimates); eq. (9) matches them across models, infers the
+    fused width and returns the barycenters; the output bias is averaged. The neurons of the models need not be in the
+    same order (the matching finds the permutation).
+    """
+    from rayfuse.expfam import DiagGaussian
+    from rayfuse.fusion.kl_fusion import fuse_heterogeneous
+
+    keys = sorted(params[0])
+    if sorted(_MLP1) != keys:
+        raise InputError("merge_method", "kl_neurons on one-hidden-layer MLPs (tensors " + ", ".join(_MLP1) + ")", keys[:6])
+    d_in = params[0]["layers.0.weight"].shape[1]
+    neurons = []
+    for i, p in enumerate(params):
+        mean = np.concatenate([p["layers.0.weight"], p["layers.0.bias"][:, None], p["layers.1.weight"].T], axis=1).astype(np.float64)
+        neurons.append(DiagGaussian(mean, np.full_like(mean, method.variance), where=f"models[{i}] neurons"))  # type: ignore[attr-defined]
+    result = fuse_heterogeneous(neurons, lam=method.lam, solver=method.solver, random_state=method.seed)  # type: ignore[attr-defined]
+    m = result.globals.mean
+    dtype = params[0]["layers.0.weight"].dtype
+    return {"layers.0.weight": np.ascontiguousarray(m[:, :d_in], dtype=dtype), "layers.0.bias": np.ascontiguousarray(m[:, d_in], dtype=dtype),
+            "layers.1.weight": np.ascontiguousarray(m[:, d_in + 1:].T, dtype=dtype),
+            "layers.1.bias": np.mean([p["layers.1.bias"] for p in params], axis=0).astype(dtype)}
+
+
+register_fuser(Fuser("kl_neurons", "KL-fusion of one-hidden-layer MLPs' neurons: matched across models, width inferred (Claici et al. 2020)",
+                     _kl_neurons, KLNeuronParams, aliases=("kl",)))
+
+
 @dataclass(frozen=True)
 class FuseSpec:
     """A validated fuse config."""

@@ -111,3 +111,32 @@ def test_bad_input_fails_with_one_line_before_writing(files, make, match):
     with pytest.raises(InputError, match=match):
         run_fuse(load_fuse_config(write(tmp_path, **make(tmp_path))))
     assert not (tmp_path / "fused.safetensors").exists()
+
+
+def test_kl_neurons_matches_permuted_hidden_units_and_rejects_other_architectures(tmp_path):
+    # Model b is model a with its hidden units shuffled: averaging blurs them, KL-fusion of the neurons undoes the
+    # permutation and returns a's network (up to the order of the units).
+    rng = np.random.default_rng(0)
+    a = {"layers.0.weight": rng.normal(size=(6, 4)).astype(np.float32) * 3, "layers.0.bias": rng.normal(size=6).astype(np.float32),
+         "layers.1.weight": rng.normal(size=(3, 6)).astype(np.float32), "layers.1.bias": rng.normal(size=3).astype(np.float32)}
+    perm = rng.permutation(6)
+    b = {"layers.0.weight": a["layers.0.weight"][perm], "layers.0.bias": a["layers.0.bias"][perm],
+         "layers.1.weight": a["layers.1.weight"][:, perm], "layers.1.bias": a["layers.1.bias"]}
+    save_params(tmp_path / "a.safetensors", a)
+    save_params(tmp_path / "b.safetensors", b)
+    config = {"merge_method": "kl_neurons", "models": [{"model": "a.safetensors"}, {"model": "b.safetensors"}],
+              "parameters": {"lam": 1.0}, "output": "kl.safetensors"}
+    (tmp_path / "kl.yaml").write_text(yaml.safe_dump(config))
+    run_fuse(load_fuse_config(tmp_path / "kl.yaml"))
+    fused = load_params(tmp_path / "kl.safetensors")
+    assert fused["layers.0.weight"].shape == (6, 4) and fused["layers.1.weight"].shape == (3, 6)
+    order = [int(np.argmin(np.abs(fused["layers.0.weight"] - row).sum(1))) for row in a["layers.0.weight"]]
+    np.testing.assert_allclose(fused["layers.0.weight"][order], a["layers.0.weight"], atol=1e-5)
+    np.testing.assert_allclose(fused["layers.1.weight"][:, order], a["layers.1.weight"], atol=1e-5)
+    # a checkpoint that is not a one-hidden-layer MLP
+    save_params(tmp_path / "c.safetensors", {"0.weight": np.ones((2, 2), np.float32)})
+    save_params(tmp_path / "d.safetensors", {"0.weight": np.ones((2, 2), np.float32)})
+    config.update(models=[{"model": "c.safetensors"}, {"model": "d.safetensors"}], output="bad.safetensors")
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(InputError, match="merge_method: expected kl_neurons on one-hidden-layer MLPs"):
+        run_fuse(load_fuse_config(tmp_path / "bad.yaml"))
