@@ -38,7 +38,7 @@ from _common import interleaved_times, machine_info, median, print_table, wait_f
 
 from rayfuse.expfam import DiagGaussian  # noqa: E402
 from rayfuse.fusion.kl_fusion import _propose, _Snapshot, fuse_heterogeneous, hausdorff  # noqa: E402
-from rayfuse.matching import map_chunked, serial_map, solve_assignment, solve_assignments, thread_map  # noqa: E402
+from rayfuse.matching import map_chunked, solve_assignment, solve_assignments, thread_map  # noqa: E402
 
 
 def make_problem(D: int, L: int, rng: np.random.Generator, dim: int = 16):

@@ -165,7 +165,7 @@ def resolve_job_path(given: str, space_file: Path) -> Path:
 def _parse_domain(where: str, raw: Any) -> Domain:
     forms = ", ".join(f"{{{k}: {'[values...]' if n is None else '[' + ', '.join(['low', 'high', 'q'][:n]) + ']'}}}" for k, n in DOMAINS.items())
     if not isinstance(raw, Mapping) or len(raw) != 1:
-        raise InputError(where, f"one Tune domain, e.g. {{grid: [0.1, 0.2]}} or {{loguniform: [1e-3, 1]}}", raw)
+        raise InputError(where, "one Tune domain, e.g. {grid: [0.1, 0.2]} or {loguniform: [1e-3, 1]}", raw)
     (kind, args), = raw.items()
     if kind not in DOMAINS:
         raise InputError(where, f"a Tune domain in {{{', '.join(DOMAINS)}}}", kind, suggest(kind, DOMAINS).strip(" ()"))

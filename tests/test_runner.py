@@ -129,7 +129,7 @@ def test_a_client_that_raises_mid_run_under_each_policy(make_config, tmp_path, p
 
 
 def test_a_retried_round_equals_the_undisturbed_round(make_config, tmp_path):
-    clean = run(make_config(methods={"fedavg": {"rounds": 2}}), tmp_path / "clean")
+    run(make_config(methods={"fedavg": {"rounds": 2}}), tmp_path / "clean")
     faulty = run(make_config(methods={"fedavg": {"rounds": 2}},
                              federation={"faults": [{"client": 0, "step": "fedavg.fit", "call": 1, "mode": "exit"}]}), tmp_path / "faulty")
     assert any(e["kind"] == "client_restarted" for e in faulty["events"])
