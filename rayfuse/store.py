@@ -205,12 +205,16 @@ class LocalModelCache:
         return _load_local_models(self.folder, client_ids) if self.folder.is_dir() else None
 
     def save(self, updates: Mapping[int, Any]) -> None:
+        self._publish(lambda staging: _save_local_models(staging, updates))
+
+    def _publish(self, write: Any) -> None:
+        """``write(staging)`` into a temporary folder, then rename it into place (once: an existing entry wins)."""
         if self.folder.is_dir():
             return
         self.root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{self.key}-", dir=self.root))
         try:
-            _save_local_models(staging, updates)
+            write(staging)
             atomic_write_json(staging / "key.json", self.inputs)
             os.replace(staging, self.folder)
         except OSError:
@@ -296,19 +300,11 @@ class StepResultCache(LocalModelCache):
             if not _flatten_result(result, "", arrays, scalars) or not arrays and not scalars:
                 return False
             flat[client] = (arrays, scalars)
-        if self.folder.is_dir():
-            return True
-        self.root.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{self.key}-", dir=self.root))
-        try:
+
+        def write(staging: Path) -> None:
             for client, (arrays, scalars) in flat.items():
                 np.savez(staging / f"client-{client}.npz", **arrays)
                 atomic_write_json(staging / f"client-{client}.json", scalars)
-            atomic_write_json(staging / "key.json", self.inputs)
-            os.replace(staging, self.folder)
-        except OSError:
-            if not self.folder.is_dir():
-                raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+
+        self._publish(write)
         return True
