@@ -14,10 +14,12 @@ This module does not import torch at import time: a client that only moves param
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import Counter
-from typing import Any, Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -120,29 +122,19 @@ class ClientContext:
                   "model": self.model_cfg.model_dump(mode="json"), "train": self.train_cfg.model_dump(mode="json")}
         return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
-    def _local_cache_lock(self) -> Any:
-        import contextlib
-        import fcntl
-        from pathlib import Path
+    @contextlib.contextmanager
+    def _local_cache_lock(self) -> Iterator[Path | None]:
+        """The cached model's path, locked (concurrent trials of one client train once); ``None`` without a cache."""
+        from rayfuse.store import file_lock
 
-        @contextlib.contextmanager
-        def locked() -> Any:
-            if not self.local_cache:
-                yield None
-                return
-            folder = Path(self.local_cache) / "client-models"
-            folder.mkdir(parents=True, exist_ok=True)
-            key = self._local_cache_key()
-            with open(folder / f"{key}.lock", "a+") as handle:  # concurrent trials of one client train once
-                fcntl.flock(handle, fcntl.LOCK_EX)
-                try:
-                    yield folder / f"{key}.safetensors"
-                finally:
-                    fcntl.flock(handle, fcntl.LOCK_UN)
+        if not self.local_cache:
+            yield None
+            return
+        path = Path(self.local_cache) / "client-models" / f"{self._local_cache_key()}.safetensors"
+        with file_lock(path.with_suffix(".lock")):
+            yield path
 
-        return locked()
-
-    def _read_cached_model(self, path: Any) -> tuple[Any, dict[str, float]]:
+    def _read_cached_model(self, path: Path) -> tuple[Any, dict[str, float]]:
         import json
 
         from rayfuse.io import load_params
@@ -152,7 +144,7 @@ class ClientContext:
         stats = json.loads(path.with_suffix(".json").read_text()) if path.with_suffix(".json").is_file() else {}
         return model, {**{k: float(v) for k, v in stats.items()}, "cached": 1.0}
 
-    def _write_cached_model(self, path: Any) -> None:
+    def _write_cached_model(self, path: Path) -> None:
         from rayfuse.io import atomic_write_json, save_params
         from rayfuse.models import get_params
 

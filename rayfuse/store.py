@@ -177,6 +177,18 @@ def local_model_key(config: Mapping[str, Any], partition_hash: str) -> tuple[str
     return hashlib.sha256(text.encode()).hexdigest()[:24], inputs
 
 
+@contextlib.contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created with its folder): runs sharing a cache entry compute it once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 class LocalModelCache:
     """One entry of the content-addressed local-model cache under ``root`` (``run.model_cache``).
 
@@ -191,15 +203,8 @@ class LocalModelCache:
         self.inputs = dict(inputs or {})
         self.folder = self.root / key
 
-    @contextlib.contextmanager
-    def lock(self) -> Iterator[None]:
-        self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / f"{self.key}.lock", "a+") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+    def lock(self) -> contextlib.AbstractContextManager[None]:
+        return file_lock(self.root / f"{self.key}.lock")
 
     def load(self, client_ids: list[int]) -> dict[int, tuple[dict[str, np.ndarray], dict[str, float]]] | None:
         return _load_local_models(self.folder, client_ids) if self.folder.is_dir() else None
