@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import sys
-from typing import Any, Mapping, Sequence, TextIO
+from typing import Any, Callable, Mapping, Sequence, TextIO
 
 import numpy as np
 
@@ -76,6 +76,27 @@ def _fmt(value: float | None, std: float | None = None) -> str:
     return text
 
 
+def _has(key: str) -> Callable[[Mapping[str, Any]], bool]:
+    return lambda entry: key in entry
+
+
+# The "extra" column: (shown for this entry?, how it reads), in order.
+_EXTRAS: list[tuple[Callable[[Mapping[str, Any]], bool], Callable[[Mapping[str, Any]], str]]] = [
+    (_has("vote_accuracy"), lambda e: f"vote acc {e['vote_accuracy']:.4f}"),
+    (lambda e: bool(e.get("rounds")), lambda e: f"{e['rounds']} rounds"),
+    (_has("tuned_accuracy"), lambda e: f"tuned acc {e['tuned_accuracy']:.4f}"),  # fine-tuned on the public sample (gems)
+    (_has("hidden_units"), lambda e: f"{int(e['hidden_units'])} hidden units"),
+    (lambda e: e.get("info", {}).get("intersection_found") is False, lambda e: "no intersection"),
+    (_has("hausdorff"), lambda e: f"hausdorff {e['hausdorff']:.3f}"),  # kl gmm and its baselines: distance to the true means
+    (_has("completion_ll"), lambda e: f"completion ll {e['completion_ll']:.3f}"),  # kl topics: held-out document completion
+    (_has("num_components"), lambda e: f"{int(e['num_components'])} components"
+     + (f" (size error {e['size_error']:.2f})" if "size_error" in e else "")),
+    # epgan on the toy set: critic-map D-MSE and modes covered by the generator; on images: Frechet distance, IS
+    (_has("d_mse"), lambda e: f"d_mse {e['d_mse']:.3f}, modes {int(e.get('modes', 0))}, high quality {e.get('high_quality', 0):.2f}"),
+    (_has("fd"), lambda e: f"fd {e['fd']:.2f}, is {e['is']:.2f}, classes {int(e.get('classes', 0))}"),
+]
+
+
 def format_table(methods: Mapping[str, Mapping[str, Any]]) -> str:
     """Methods x metrics as an aligned text table (local shows mean ± std over clients)."""
     header = ["method", *TABLE_METRICS, "extra", "time (s)"]
@@ -85,28 +106,7 @@ def format_table(methods: Mapping[str, Mapping[str, Any]]) -> str:
         cells = [name]
         for metric in TABLE_METRICS:
             cells.append(_fmt(entry.get(metric), entry.get(f"{metric}_std")))
-        extra = []
-        if "vote_accuracy" in entry:
-            extra.append(f"vote acc {entry['vote_accuracy']:.4f}")
-        if entry.get("rounds"):
-            extra.append(f"{entry['rounds']} rounds")
-        if "tuned_accuracy" in entry:  # fine-tuned on the public sample (gems)
-            extra.append(f"tuned acc {entry['tuned_accuracy']:.4f}")
-        if "hidden_units" in entry:
-            extra.append(f"{int(entry['hidden_units'])} hidden units")
-        if entry.get("info", {}).get("intersection_found") is False:
-            extra.append("no intersection")
-        if "hausdorff" in entry:  # kl gmm and its baselines: distance to the true means
-            extra.append(f"hausdorff {entry['hausdorff']:.3f}")
-        if "completion_ll" in entry:  # kl topics: held-out document completion
-            extra.append(f"completion ll {entry['completion_ll']:.3f}")
-        if "num_components" in entry:
-            extra.append(f"{int(entry['num_components'])} components"
-                         + (f" (size error {entry['size_error']:.2f})" if "size_error" in entry else ""))
-        if "d_mse" in entry:  # epgan on the toy set: critic-map D-MSE and modes covered by the generator
-            extra.append(f"d_mse {entry['d_mse']:.3f}, modes {int(entry.get('modes', 0))}, high quality {entry.get('high_quality', 0):.2f}")
-        if "fd" in entry:  # epgan on images: classifier-feature Frechet distance, Inception-style score
-            extra.append(f"fd {entry['fd']:.2f}, is {entry['is']:.2f}, classes {int(entry.get('classes', 0))}")
+        extra = [fmt(entry) for shown, fmt in _EXTRAS if shown(entry)]
         cells.append(", ".join(extra) or "")
         cells.append(f"{entry.get('seconds', 0):.1f}")
         rows.append(cells)
