@@ -73,6 +73,7 @@ class RayFederation(Federation):
         super().__init__(policy, events)
         self._clients = dict(clients)
         self._task = ray.remote(num_cpus=task_cpus)(_apply_chunk)
+        self._task_cpus = max(task_cpus, 1e-3)
         self._restart_timeout_s = restart_timeout_s
         self._fetched: dict[ray.ObjectRef, Any] = {}
         self.on_bytes: Callable[[str, int], None] | None = None  # ("broadcast" | "upload", bytes): dashboard metrics
@@ -181,12 +182,15 @@ class RayFederation(Federation):
             self.events.emit("client_restarted", "actor restarted by Ray; shard reloaded", client=call.client)
             return
 
+    def parallel_width(self) -> int:
+        """Tasks of ``parallel_map`` that run at once: the cluster's CPUs over the CPUs each task requests."""
+        return max(1, int(ray.cluster_resources().get("CPU", 1) // self._task_cpus))
+
     def parallel_map(self, fn: Callable[[Any], T], items: Sequence[Any], *, chunk_size: int | None = None) -> list[T]:
         items = list(items)
         if not items:
             return []
         if chunk_size is None:
-            cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-            chunk_size = max(1, math.ceil(len(items) / (2 * cpus)))
+            chunk_size = max(1, math.ceil(len(items) / (2 * self.parallel_width())))
         refs = [self._task.remote(fn, items[i:i + chunk_size]) for i in range(0, len(items), chunk_size)]
         return [value for chunk in ray.get(refs) for value in chunk]

@@ -233,6 +233,10 @@ class Federation(ABC):
     def _result(self, handle: Any) -> Any:
         """The value of a done handle; raise :class:`ClientFailed` with a classified :class:`ClientError` if it failed."""
 
+    def parallel_width(self) -> int:
+        """How many items :meth:`parallel_map` runs at once (chunking uses it; see ``rayfuse.matching``)."""
+        return _thread_count(1 << 30)
+
     @abstractmethod
     def parallel_map(self, fn: Callable[[Any], T], items: Sequence[Any], *, chunk_size: int | None = None) -> list[T]:
         """``[fn(item) for item in items]`` computed in parallel (server-side fan-out), in order."""

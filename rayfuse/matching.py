@@ -9,7 +9,9 @@ solves of one sweep are independent, so they fan out:
   ``executor(fn, items) -> [fn(item) for item in items]`` (in order).
 
 Work is batched: :func:`solve_assignments` hands the executor chunks of problems, not single ones, so each task carries
-enough work to pay for its dispatch.
+enough work to pay for its dispatch. The chunks are balanced over the executor's width (:func:`executor_width`:
+``cpus`` for threads, the cluster's CPUs for a federation's ``parallel_map``): one wave of equal chunks when that is
+as fast as more, smaller ones (:func:`balanced_chunks`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from scipy.optimize import linear_sum_assignment
 
 from rayfuse.errors import InputError, NonFiniteError
 
-__all__ = ["Executor", "thread_map", "serial_map", "solve_assignment", "solve_assignments", "map_chunked"]
+__all__ = ["Executor", "thread_map", "serial_map", "solve_assignment", "solve_assignments", "map_chunked",
+           "balanced_chunks", "executor_width"]
 
 T = TypeVar("T")
 Executor = Callable[[Callable[[Any], Any], Sequence[Any]], list]
@@ -71,16 +74,47 @@ class _ChunkFn:
         return _apply_all(self.fn, chunk)
 
 
+def executor_width(executor: Executor) -> int:
+    """How many items ``executor`` runs at once: ``executor.__self__.parallel_width()`` for a federation's bound
+    ``parallel_map`` (on Ray: the cluster's CPUs over the CPUs per task), else this machine's CPUs."""
+    width = getattr(getattr(executor, "__self__", None), "parallel_width", None)
+    return max(1, int(width())) if callable(width) else max(1, os.cpu_count() or 1)
+
+
+def balanced_chunks(n_items: int, workers: int, *, max_waves: int = 4) -> int:
+    """The number of chunks for ``n_items`` equal-cost items on ``workers`` workers.
+
+    Among ``workers, 2 x workers, ...`` (at most ``max_waves`` waves), the count whose makespan (waves x chunk size)
+    is smallest, the fewest chunks on a tie: 10 items on 2 workers -> 2 chunks of 5 (the default of 4 chunks would
+    give 3 + 3 + 3 + 1, a makespan of 6 items instead of 5); 5 on 2 -> 2 chunks of 3 and 2.
+    """
+    if n_items <= 0:
+        return 0
+    workers = max(1, workers)
+    best, best_span = 1, math.inf
+    for waves in range(1, max_waves + 1):
+        count = min(n_items, waves * workers)
+        size = math.ceil(n_items / count)
+        chunks = math.ceil(n_items / size)
+        span = math.ceil(chunks / workers) * size
+        if span < best_span:
+            best, best_span = chunks, span
+        if count == n_items:
+            break
+    return best
+
+
 def map_chunked(fn: Callable[[Any], T], items: Sequence[Any], executor: Executor | None = None, *,
                 chunks: int | None = None) -> list[T]:
-    """``[fn(item) for item in items]`` through ``executor``, batched into ``chunks`` chunks (default ``2 x cpus``)."""
+    """``[fn(item) for item in items]`` through ``executor``, batched into ``chunks`` chunks (default
+    :func:`balanced_chunks` over :func:`executor_width`)."""
     items = list(items)
     if not items:
         return []
     executor = executor or thread_map
     if executor is serial_map or len(items) == 1:
         return [fn(item) for item in items]
-    count = chunks or 2 * (os.cpu_count() or 1)
+    count = chunks or balanced_chunks(len(items), executor_width(executor))
     size = max(1, math.ceil(len(items) / count))
     batches = [items[i:i + size] for i in range(0, len(items), size)]
     return [value for batch in executor(_ChunkFn(fn), batches) for value in batch]

@@ -83,11 +83,18 @@ def test_drop_policy_on_ray(ray_session, make_config, tmp_path):
 
 
 def test_parallel_map_runs_as_ray_tasks(ray_session):
+    import ray
+
     from actors.federation import RayFederation
     from rayfuse.federation import FailurePolicy
 
     fed = RayFederation({}, FailurePolicy())
     assert fed.parallel_map(abs, list(range(-20, 0))) == list(range(20, 0, -1))
+    assert fed.parallel_width() == int(ray.cluster_resources()["CPU"])
+    from rayfuse.matching import executor_width, map_chunked
+
+    assert executor_width(fed.parallel_map) == fed.parallel_width()
+    assert map_chunked(abs, list(range(-9, 0)), fed.parallel_map) == list(range(9, 0, -1))
     ref = fed.put({"w": np.arange(4.0)})
     assert fed.get(ref)["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
 
