@@ -14,6 +14,10 @@ for several generator seeds, and writes under ``benchmarks/results/kl/`` (curate
 
 Usage: ``python benchmarks/kl_report.py [--seeds N] [--quick] [--lam 0.1 ...]`` (``--quick``: 4 VI restarts instead of
 the paper's 16, 3 seeds). About 10 s per grid point on 2 cores with 16 restarts.
+
+``python benchmarks/kl_report.py --bnn RUN_DIR`` instead reads a run of ``jobs/kl_bnn_digits.yaml`` and writes
+``bnn.png`` (Table 2 as a figure: accuracy, test log-likelihood, entropy in and out of distribution, and hidden units
+of the fused BNN against every local BNN) and ``bnn_table.md``.
 """
 
 from __future__ import annotations
@@ -113,6 +117,52 @@ def plot(rows: list[dict], key: str, values: list[float], labels: list[str], xla
     return "\n".join(lines)
 
 
+def bnn_figure(run_dir: Path, out: Path) -> str:
+    """Table 2 of the paper as a figure from a BNN-fusion run's ``results.json``; returns the markdown table."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    path = run_dir / "results.json"
+    if not path.is_file():
+        raise SystemExit(f"--bnn: expected a run folder with results.json, got {run_dir}")
+    results = json.loads(path.read_text())
+    entry = next((m for m in results["methods"].values() if m.get("info", {}).get("local")), None)
+    if entry is None:
+        raise SystemExit(f"--bnn: {path} has no KL-fusion BNN entry (methods[*].info.local)")
+    info = entry["info"]
+    names = ["KL-fusion"] + [f"BNN {c}" for c in sorted(info["local"], key=int)]
+    rows = [entry] + [info["local"][c] for c in sorted(info["local"], key=int)]
+    local_units = info["local_units"] if isinstance(info["local_units"], list) else [info["local_units"]] * len(info["local"])
+    units = [info["global_units"]] + list(local_units)
+    panels = [("accuracy", "accuracy (higher is better)"), ("log_likelihood", "test log-likelihood (higher is better)"),
+              ("entropy", "predictive entropy, test set"), ("ood_entropy", "predictive entropy, out of distribution")]
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4.2 * (len(panels) + 1), 3.8))
+    colors = ["C3"] + ["C0"] * (len(names) - 1)
+    for ax, (key, title) in zip(axes, panels):
+        ax.bar(range(len(names)), [r[key] for r in rows], color=colors)
+        ax.set_title(title, fontsize=9)
+        ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
+    axes[-1].bar(range(len(names)), units, color=colors)
+    axes[-1].axhline(info["concatenated_units"], color="grey", ls="--", lw=1, label=f"concatenation ({info['concatenated_units']})")
+    axes[-1].set_title("hidden units", fontsize=9)
+    axes[-1].set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
+    axes[-1].legend(fontsize=7)
+    fig.suptitle(f"KL-fusion of {len(names) - 1} Bayesian MLPs (Table 2 as a figure; {run_dir.name}): {info['global_units']} global units "
+                 f"of {info['concatenated_units']}, lambda x std(KL) = {info['lam_effective']:.3g}", fontsize=10)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / "bnn.png", dpi=110)
+    plt.close(fig)
+    lines = ["| model | hidden units | accuracy | test log-likelihood | entropy | OOD entropy |", "|---|---|---|---|---|---|"]
+    for name, r, u in zip(names, rows, units):
+        lines.append(f"| {name} | {u} | {r['accuracy']:.3f} | {r['log_likelihood']:.3f} | {r['entropy']:.3f} | {r['ood_entropy']:.3f} |")
+    table = "\n".join(lines)
+    (out / "bnn_table.md").write_text(f"From `{run_dir}` (`python benchmarks/kl_report.py --bnn RUN_DIR`).\n\n{table}\n")
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=None, help="generator seeds per grid point (default 5; --quick 3)")
@@ -120,7 +170,11 @@ def main() -> None:
     parser.add_argument("--lam", type=float, nargs="+", default=[3.0, 0.1],
                         help="KL-fusion lambdas: the first is the job's (also used by the relaxed solver); 0.1 is the paper's default")
     parser.add_argument("--only", choices=["separation", "noise"], default=None)
+    parser.add_argument("--bnn", type=Path, default=None, metavar="RUN_DIR", help="write bnn.png / bnn_table.md from a kl_bnn_digits run, then stop")
     args = parser.parse_args()
+    if args.bnn is not None:
+        print(bnn_figure(args.bnn, OUT))
+        return
     n_init = 4 if args.quick else 16
     # lambda for jobs/kl_gmm.yaml was chosen on seeds 17-18 (--quick); the reported sweeps use other seeds
     seeds = list(range(100, 100 + (args.seeds or (3 if args.quick else 5))))
