@@ -48,6 +48,9 @@ class ServerContext:
         self.num_classes = coordinator.plan.num_classes
         self.input_shape = coordinator.plan.input_shape
         self.device = coordinator.device
+        # ``run.model_cache``: storage the clients own, where they keep state for later runs (their trained local
+        # models; FedSA's translators, so that ``--resume`` continues mid-method); ``None``: the clients keep nothing
+        self.model_cache = cfg.run.model_cache
         self.checkpoint = coordinator.store.checkpointer(spec.label)
         self.resume = resume
         self.history: list[dict[str, Any]] = []

@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import copy
 import time
+import uuid
 from collections import Counter
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Callable, Literal
 
 import numpy as np
 from pydantic import Field
@@ -88,29 +90,75 @@ def _teacher_features(ctx: ClientContext) -> Any:
     return cached
 
 
+def _translator_file(ctx: ClientContext, store: str, label: str, round: int) -> Path | None:
+    """Where this client keeps its translator for ``label`` after ``round`` (``None`` without ``run.model_cache``).
+
+    ``<run.model_cache>/client-state/client-<id>/fedsa-translators/<store>/<label>-<round>.safetensors``: storage the
+    client owns (like its cached local model), under a folder the server names once per method run (``store``).
+    """
+    if not ctx.local_cache:
+        return None
+    return Path(ctx.local_cache) / "client-state" / f"client-{ctx.client_id}" / "fedsa-translators" / store / f"{label}-{round:05d}.safetensors"
+
+
+def _held_translator(ctx: ClientContext, label: str, translator_round: int | None, store: str | None,
+                     build: Callable[[], Any]) -> Any:
+    """The translator this round starts from: the one the server expects (``translator_round``: the round of this
+    client's last distillation for ``label``; 0: none yet), from memory, else from the client's own store.
+
+    ``translator_round=None`` (callers that do not track it): the one in memory, or a new one. Without a store
+    (no ``run.model_cache``) a translator missing from memory (a restarted client) is rebuilt as new.
+    """
+    from rayfuse.io import load_params
+    from rayfuse.models import set_params
+
+    held = ctx.state.get(("fedsa.translator", label))
+    if translator_round is None:
+        return held
+    if translator_round == 0:
+        return None
+    if held is not None and ctx.state.get(("fedsa.translator_round", label)) == translator_round:
+        return held
+    path = _translator_file(ctx, store, label, translator_round) if store else None
+    if path is None:
+        return held
+    if not path.is_file():
+        raise FileNotFoundError(f"client {ctx.client_id}: no translator of {label!r} after round {translator_round} in {path.parent}")
+    return set_params(build(), load_params(path))
+
+
 @client_step("fedsa.distill")
 def distill_student(ctx: ClientContext, student_params: dict[str, np.ndarray], *, label: str, round: int, copies: int,
                     student_cfg: Any, epochs: int, lr: float, batch_size: int, optimizer: str = "adam",
-                    weight_decay: float = 0.0) -> dict[str, Any]:
+                    weight_decay: float = 0.0, translator_round: int | None = None, store: str | None = None) -> dict[str, Any]:
     """SelectiveKA(n, theta^t) of Algorithm 1: ``copies`` local students distilled from this client's teacher.
 
     Each copy starts from the broadcast student and from this client's translator for ``label`` (created on first
     use, then kept here across rounds; the first copy's trained translator is kept), and learns the teacher's
     feature map on the client's unlabelled private inputs (eq. 4). Returns the students' parameters, the KD losses
-    and the number of private examples used -- never the teacher's parameters or the data.
+    and the number of private examples used -- never the teacher's parameters, the translator or the data.
+
+    With ``store`` (and ``run.model_cache`` on the client) the kept translator is also written to the client's own
+    storage after each round, so a resumed run's new client continues from it (``translator_round``: the round the
+    server's checkpoint says this client last distilled in; see :func:`_held_translator`).
     """
     from rayfuse.models import build_model, get_params, set_params
 
     started = time.perf_counter()
     features = _teacher_features(ctx)
     key = ("fedsa.translator", label)
-    translator = ctx.state.get(key)
     students, losses = [], []
+    translator = None
     for c in range(copies):
         student = set_params(build_model(student_cfg, ctx.input_shape, ctx.num_classes, seed=0), student_params)
-        if translator is None:
-            shape = representation_shape(student, ctx.input_shape)
-            translator = build_translator(shape, tuple(features.shape[1:]), seed=ctx.step_seed(label, "translator"))
+        if c == 0:
+            def build(student: Any = student) -> Any:
+                shape = representation_shape(student, ctx.input_shape)
+                return build_translator(shape, tuple(features.shape[1:]), seed=ctx.step_seed(label, "translator"))
+
+            translator = _held_translator(ctx, label, translator_round, store, build)
+            if translator is None:
+                translator = build()
         local_translator = copy.deepcopy(translator)
         losses.append(distill_features(student, local_translator, ctx.train.X, features, epochs=epochs, lr=lr,
                                        batch_size=batch_size, optimizer=optimizer, weight_decay=weight_decay,
@@ -118,7 +166,47 @@ def distill_student(ctx: ClientContext, student_params: dict[str, np.ndarray], *
         students.append(get_params(student))
         if c == 0:
             ctx.state[key] = local_translator.cpu()
+            ctx.state[("fedsa.translator_round", label)] = round
+    if store and ctx.local_cache:
+        _keep_translator(ctx, store, label, round, translator_round)
     return {"students": students, "kd_loss": losses, "num_examples": ctx.num_examples, "seconds": time.perf_counter() - started}
+
+
+def _keep_translator(ctx: ClientContext, store: str, label: str, round: int, previous: int | None) -> None:
+    """Write the kept translator for ``round``; keep the file this round started from too (the server's checkpoint
+    may still name it if the run stops before the server records this round), drop older ones."""
+    from rayfuse.io import save_params
+    from rayfuse.models import get_params
+
+    path = _translator_file(ctx, store, label, round)
+    assert path is not None
+    save_params(path, get_params(ctx.state[("fedsa.translator", label)]), {"label": label, "round": str(round)})
+    keep = {path.name, *([f"{label}-{previous:05d}.safetensors"] if previous else [])}
+    for old in path.parent.glob(f"{label}-*.safetensors"):
+        if old.name not in keep and old.name[len(label) + 1:-len(".safetensors")].isdigit():
+            old.unlink(missing_ok=True)
+
+
+@client_step("fedsa.has_translator")
+def has_translator(ctx: ClientContext, *, label: str, round: int, store: str) -> bool:
+    """Whether this client can give back its translator of ``label`` after ``round`` (memory or its own store)."""
+    if ctx.state.get(("fedsa.translator", label)) is not None and ctx.state.get(("fedsa.translator_round", label)) == round:
+        return True
+    path = _translator_file(ctx, store, label, round)
+    return path is not None and path.is_file()
+
+
+@client_step("fedsa.forget_translators")
+def forget_translators(ctx: ClientContext, *, store: str) -> int:
+    """Delete this client's stored translators of one finished method run; the number of files deleted."""
+    import shutil
+
+    if not ctx.local_cache:
+        return 0
+    folder = Path(ctx.local_cache) / "client-state" / f"client-{ctx.client_id}" / "fedsa-translators" / store
+    count = len(list(folder.glob("*.safetensors"))) if folder.is_dir() else 0
+    shutil.rmtree(folder, ignore_errors=True)
+    return count
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -278,6 +366,7 @@ class FedSA(Method):
     name = "fedsa"
     Params = FedSAParams
     summary = "saliency-based teacher selection and selective feature amalgamation into a new-task student (Xie et al. 2022)"
+    multi_round = True  # a checkpoint after each round; ``--resume`` continues mid-method (see :meth:`_resume`)
 
     def _check_inputs(self, server: ServerContext, student: Any) -> None:
         """Bad input before any client works: K, the target set, and whether a translator can bridge the features."""
@@ -300,17 +389,16 @@ class FedSA(Method):
             raise InputError(f"{key}.saliency", "grad for models without a convolutional feature map (Grad-CAM needs one)", "gradcam")
 
     def run(self, server: ServerContext) -> MethodResult:
-        from rayfuse.models import get_params
+        from rayfuse.models import get_params, set_params
 
         p = self.params
-        fed = server.federation
         target = _target_set(server)
         student_cfg = _student_config(server, p)
         student = _build_student(server, student_cfg)
         self._check_inputs(server, student)
-        student = _train_weak_target(server, student, target, p)
-        reference = get_params(student)
-        teachers = list(fed.client_ids)
+        checkpoint = self._resume(server)
+        # The server's state between rounds: everything a round reads that an earlier round wrote (checkpointed below).
+        teachers = list(server.federation.client_ids)
         teacher_maps: dict[int, np.ndarray] | None = None
         selections: list[dict[str, Any]] = []
         draws: list[int] = []
@@ -319,7 +407,29 @@ class FedSA(Method):
         metrics: dict[str, float] = {}
         adapted: Any = None
         kd_seconds = 0.0
-        for t in range(p.rounds):
+        # the round each client last distilled in (its translator's age); where the clients keep their translators
+        translator_rounds: dict[int, int] = {}
+        store = uuid.uuid4().hex if server.model_cache else None
+        start = 0
+        if checkpoint is None:
+            student = _train_weak_target(server, student, target, p)
+        else:
+            meta, state = checkpoint.meta, checkpoint.state
+            start = checkpoint.round
+            set_params(student, checkpoint.params)
+            teachers, draws, weights = list(meta["teachers"]), list(meta["draws"]), list(meta["weights"])
+            selections, metrics, kd_seconds = list(meta["selections"]), dict(meta["metrics"]), float(meta["kd_seconds"])
+            probs = np.asarray(state["probs"], dtype=np.float64)
+            translator_rounds = {int(c): int(r) for c, r in meta["translator_rounds"]}
+            store = meta["store"]
+            if start < p.rounds and selections:
+                teacher_maps = self._teacher_maps(server, target)
+                self._check_teachers(server, teachers, teacher_maps, state)
+            if start >= p.rounds:  # every round was done: the final adapted model is in the checkpoint
+                adapted = set_params(_build_student(server, student_cfg),
+                                     {k[len("adapted/"):]: v for k, v in state.items() if k.startswith("adapted/")})
+        reference = get_params(student)
+        for t in range(start, p.rounds):
             rnd = t + 1
             if t % p.select_every == 0 and not (p.selection == "fixed" and t > 0):
                 if t > 0 and p.retrain_head:  # the paper trains the weak target model on D_T before each selection
@@ -333,7 +443,8 @@ class FedSA(Method):
                 sims, Q = compute_transferability(target_maps, [teacher_maps[c] for c in teachers], similarity=p.similarity)
                 probs = selection_probabilities(Q, normalize=p.normalize, temperature=p.temperature)
                 # One draw stream for every label of the run (common random numbers): ``fixed`` keeps exactly FedSA's first
-                # draw, and the ablations differ from FedSA by their rule, not by their luck.
+                # draw, and the ablations differ from FedSA by their rule, not by their luck. Seeded by the round, so a
+                # resumed run draws what the interrupted one would have.
                 picked = select_teachers(p.selection, probs, Q, p.k, make_rng(server.seed, "fedsa", "select", t))
                 draws = [teachers[i] for i in picked]
                 weights = draw_weights(picked, probs, p.weighting)
@@ -342,7 +453,9 @@ class FedSA(Method):
                                    "p": probs.round(6).tolist(), "similarity": sims.round(6).tolist(),
                                    "similarity_normalized": ((sims - sims.min()) / span if span > 0 else np.zeros_like(sims)).round(6).tolist()})
                 server.progress(f"round {rnd}: selected teachers {draws}", round=rnd, draws=draws)
-            student, row = self._aggregate(server, student, student_cfg, draws, weights, rnd, reference)
+            student, row, distilled = self._aggregate(server, student, student_cfg, draws, weights, rnd, reference,
+                                                      translator_rounds, store)
+            translator_rounds.update({c: rnd for c in distilled})
             kd_seconds += row.pop("_seconds")
             counts = Counter(draws)
             row.update({f"selected_{c}": float(counts.get(c, 0)) for c in teachers})
@@ -354,11 +467,73 @@ class FedSA(Method):
             server.log(rnd, row)
             server.progress(f"round {rnd}/{p.rounds}", round=rnd, rounds=p.rounds,
                             metrics={k: round(v, 4) for k, v in row.items() if not k.startswith(("p_", "selected_"))})
+            state = {"probs": probs, **{f"teacher_saliency/{c}": m.mean(axis=0) for c, m in (teacher_maps or {}).items()}}
+            if rnd == p.rounds:
+                state.update({f"adapted/{k}": v for k, v in get_params(adapted).items()})
+            server.save_checkpoint(rnd, get_params(student), state, {
+                "teachers": [int(c) for c in teachers], "draws": [int(c) for c in draws], "weights": [float(w) for w in weights],
+                "selections": selections, "metrics": metrics, "kd_seconds": kd_seconds, "store": store,
+                "translator_rounds": sorted([int(c), int(r)] for c, r in translator_rounds.items()),
+                "last_selection": selections[-1]["round"] if selections else None})
+        if store is not None:
+            self._forget_translators(server, store)
         # the last round is always evaluated: ``adapted`` / ``metrics`` are the final target model and its accuracy
         info = {"rounds": p.rounds, "k": p.k, "selection": p.selection, "weighting": p.weighting, "saliency": p.saliency,
                 "teachers": teachers, "selections": selections, "target_size": len(target),
                 "student": student_cfg.model_dump(mode="json"), "kd_seconds": round(kd_seconds, 3)}
         return MethodResult(metrics, get_params(adapted), info=info)
+
+    # -- resume ----------------------------------------------------------------------------------------------------
+
+    def _resume(self, server: ServerContext) -> Any:
+        """The round checkpoint to continue from on ``--resume``, or ``None`` (a fresh start from round 0).
+
+        Each teacher's translator lives on its client, across rounds: a resumed run can continue mid-method only when
+        the clients kept theirs (``run.model_cache``, storage the clients own). Otherwise, and when a client lost its
+        translator, the method starts again from round 0 (a ``warning`` event says why): the same result, later.
+        """
+        if not server.resume:
+            return None
+        if not server.model_cache:
+            if server.checkpoint.load() is not None:
+                server.events.emit("warning", "restarting from round 0: the teachers' translators stay on their clients, which "
+                                   "keep them across runs only with run.model_cache", method=server.label)
+            return None
+        checkpoint = server.resume_checkpoint()
+        if checkpoint is None or checkpoint.round >= self.params.rounds:
+            return checkpoint
+        rounds = {int(c): int(r) for c, r in checkpoint.meta["translator_rounds"]}
+        fed = server.federation
+        calls = [call for client, r in sorted(rounds.items())
+                 for call in fed.map(has_translator, clients=[client], label=server.label, round=r, store=checkpoint.meta["store"])]
+        gathered = fed.gather(calls) if calls else None
+        missing = sorted(c for c in rounds if gathered is None or gathered.results.get(c) is not True)
+        if missing:
+            server.events.emit("warning", f"restarting from round 0: clients {missing} no longer hold their translators",
+                               method=server.label)
+            server.history = []
+            self._forget_translators(server, checkpoint.meta["store"])  # the others' are of no use now
+            return None
+        return checkpoint
+
+    def _check_teachers(self, server: ServerContext, teachers: list[int], maps: dict[int, np.ndarray],
+                        state: dict[str, np.ndarray]) -> None:
+        """Refuse to continue with teachers other than the interrupted run's: their saliency maps (averaged over the
+        probe set, checkpointed) must be the same, up to float noise (a resumed run may run on another backend)."""
+        for client in teachers:
+            saved = state.get(f"teacher_saliency/{client}")
+            now = maps.get(client)
+            if saved is None or now is None or saved.shape != now.shape[1:] or not np.allclose(
+                    now.mean(axis=0), saved, rtol=1e-4, atol=1e-6 * float(np.abs(saved).max(initial=0.0))):
+                raise RunFailure(f"{server.label}: teacher {client} is not the interrupted run's teacher (its saliency maps "
+                                 "differ); run the experiment again without --resume")
+
+    def _forget_translators(self, server: ServerContext, store: str) -> None:
+        """The method is done (its last round checkpointed): the clients may delete their stored translators."""
+        try:
+            server.federation.run(forget_translators, store=store)
+        except RunFailure as exc:  # leftovers in the clients' caches, not a failed method
+            server.events.emit("warning", f"stored translators not deleted: {exc}", method=server.label)
 
     def _teacher_maps(self, server: ServerContext, target: Split) -> dict[int, np.ndarray]:
         fed = server.federation
@@ -378,8 +553,12 @@ class FedSA(Method):
         return maps
 
     def _aggregate(self, server: ServerContext, student: Any, student_cfg: ModelConfig, draws: list[int], weights: list[float],
-                   rnd: int, reference: dict[str, np.ndarray]) -> tuple[Any, dict[str, float]]:
-        """One round of selective aggregation: one broadcast, local students from the drawn teachers, eq. 5."""
+                   rnd: int, reference: dict[str, np.ndarray], translator_rounds: dict[int, int],
+                   store: str | None) -> tuple[Any, dict[str, float], list[int]]:
+        """One round of selective aggregation: one broadcast, local students from the drawn teachers, eq. 5.
+
+        Returns the new student, the round's numbers and the clients that distilled (their translators moved on).
+        """
         from rayfuse.models import check_params, get_params, set_params
 
         p = self.params
@@ -390,7 +569,7 @@ class FedSA(Method):
         calls = [call for client in sorted(counts) for call in fed.map(
             distill_student, broadcast, clients=[client], label=server.label, round=rnd, copies=counts[client],
             student_cfg=student_cfg, epochs=p.local_epochs, lr=p.lr, batch_size=p.batch_size, optimizer=p.optimizer,
-            weight_decay=p.weight_decay)]
+            weight_decay=p.weight_decay, translator_round=translator_rounds.get(client, 0), store=store)]
         gathered = fed.gather(calls)
         students, student_weights, losses = [], [], []
         for client, result in gathered.results.items():
@@ -416,4 +595,4 @@ class FedSA(Method):
             raise NonFiniteError(f"{server.label}: round {rnd}: the averaged student has NaN or Inf values")
         set_params(student, averaged)
         return student, {"kd_loss": float(np.mean(losses)), "students": float(len(students)),
-                         "_seconds": time.perf_counter() - started}
+                         "_seconds": time.perf_counter() - started}, sorted(gathered.results)

@@ -4,6 +4,7 @@ methods end to end (in-process and once on Ray), and bad input."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 
 import numpy as np
@@ -291,6 +292,162 @@ def test_heterogeneous_students_are_distilled(coordinator, teachers, student):
     summary = coord.run_method("fedsa")
     assert np.isfinite(summary["metrics"]["accuracy"]) and summary["info"]["student"]["name"] == student["name"]
 
+
+
+# -- resume ------------------------------------------------------------------------------------------------------------
+
+
+RESUMABLE = {**FAST, "rounds": 4, "select_every": 2, "evaluate_every": 2}  # selections at rounds 1 and 3
+
+
+def _run(cfg, run_dir, **kwargs):
+    from rayfuse.report import Printer
+    from rayfuse.runner import InProcessBackend, run_experiment
+
+    return run_experiment(cfg, InProcessBackend(), run_dir, printer=Printer(enabled=False), show_tables=False, **kwargs)
+
+
+def _resume(run_dir):
+    from rayfuse.config import parse_overrides
+    from rayfuse.runner import load_run_config
+
+    # the fault that interrupted the run is removed (only federation.* keys may change on resume)
+    cfg = load_run_config(run_dir, parse_overrides(["federation.faults=[]", "federation.on_client_failure=retry"]))
+    return _run(cfg, run_dir, resume=True)
+
+
+def _fault_in_round(selections, rnd):
+    """A fault that fails the distillation of round ``rnd`` and nothing before: (client, its fedsa.distill call)."""
+    def draws(r):
+        return next(s["draws"] for s in reversed(selections) if s["round"] <= r)
+
+    client = min(draws(rnd))
+    return {"client": client, "step": "fedsa.distill", "call": sum(client in draws(r) for r in range(1, rnd + 1)), "mode": "raise"}
+
+
+def _rounds_run(results, label="fedsa"):
+    return [e["round"] for e in results["events"] if e["kind"] == "progress" and e.get("method") == label and "rounds" in e]
+
+
+@pytest.fixture(scope="module")
+def straight_fedsa(tmp_path_factory):
+    """One uninterrupted FedSA run (its clients keep their state in their own model cache)."""
+    from tests.conftest import TINY, merge
+
+    root = tmp_path_factory.mktemp("fedsa-resume")
+
+    def config(name, **extra):
+        job = merge(TINY, teacher_job(methods={"fedsa": RESUMABLE}, run={"storage": str(root), "model_cache": str(root / f"cache-{name}")}))
+        return validate_config(merge(job, extra))
+
+    results = _run(config("straight"), root / "straight")
+    return config, root, results
+
+
+def test_an_interrupted_fedsa_run_resumes_mid_method_with_the_same_result(straight_fedsa):
+    from rayfuse.errors import RunFailure
+    from rayfuse.io import load_params
+    from rayfuse.models import params_equal
+
+    config, root, straight = straight_fedsa
+    selections = straight["methods"]["fedsa"]["info"]["selections"]
+    assert [s["round"] for s in selections] == [1, 3]
+    run_dir = root / "interrupted"
+    # Round 2 fails: the run stops after checkpointing round 1. Round 2 distils from round 1's teachers again, so
+    # their clients' translators (trained in round 1, kept by the clients) must come back; round 3 selects anew.
+    fault = _fault_in_round(selections, 2)
+    with pytest.raises(RunFailure):
+        _run(config("interrupted", federation={"on_client_failure": "fail", "faults": [fault]}), run_dir)
+    assert json.loads((run_dir / "checkpoints" / "fedsa" / "latest.json").read_text())["round"] == 1
+
+    resumed = _resume(run_dir)
+    assert resumed["status"] == "succeeded"
+    assert [e["round"] for e in resumed["events"] if e["kind"] == "resumed" and e.get("method") == "fedsa"] == [1]
+    assert not [e for e in resumed["events"] if e["kind"] == "warning"]
+    assert _rounds_run(resumed) == [2, 3, 4]  # round 1 is not redone
+    # the same selections (probabilities, similarities, draws) and the same final model as the uninterrupted run
+    assert resumed["methods"]["fedsa"]["info"]["selections"] == selections
+    assert resumed["methods"]["fedsa"]["accuracy"] == straight["methods"]["fedsa"]["accuracy"]
+    assert params_equal(load_params(run_dir / "models" / "fedsa.safetensors"), load_params(root / "straight" / "models" / "fedsa.safetensors"))
+    history = json.loads((run_dir / "state" / "fedsa.json").read_text())["history"]
+    assert history == json.loads((root / "straight" / "state" / "fedsa.json").read_text())["history"]
+    assert [r["round"] for r in history if r["metric"] == "accuracy"] == [2, 4]
+    # the translators the clients kept for the resume are deleted once the method is done
+    assert not list((root / "cache-interrupted").glob("client-state/*/fedsa-translators/*/*"))
+
+
+def test_a_resumed_fedsa_run_does_not_redo_finished_rounds(straight_fedsa):
+    config, root, straight = straight_fedsa
+    run_dir = root / "finished"
+    first = _run(config("finished"), run_dir)
+    assert _rounds_run(first) == [1, 2, 3, 4]
+    (run_dir / "state" / "fedsa.json").unlink()  # as if the run stopped after FedSA's last round checkpoint
+    resumed = _resume(run_dir)
+    assert [e["round"] for e in resumed["events"] if e["kind"] == "resumed"] == [4]
+    assert _rounds_run(resumed) == []
+    assert not [e for e in resumed["events"] if e["kind"] == "progress" and "draws" in e]  # no selection either
+    assert resumed["methods"]["fedsa"]["accuracy"] == straight["methods"]["fedsa"]["accuracy"]
+    assert resumed["methods"]["fedsa"]["info"]["selections"] == straight["methods"]["fedsa"]["info"]["selections"]
+
+
+def test_without_client_storage_fedsa_restarts_from_round_0_with_the_same_result(straight_fedsa):
+    from rayfuse.errors import RunFailure
+
+    config, root, straight = straight_fedsa
+    run_dir = root / "no-cache"
+    fault = _fault_in_round(straight["methods"]["fedsa"]["info"]["selections"], 2)
+    with pytest.raises(RunFailure):
+        _run(config("x", run={"model_cache": None}, federation={"on_client_failure": "fail", "faults": [fault]}), run_dir)
+    resumed = _resume(run_dir)
+    warnings = [e["message"] for e in resumed["events"] if e["kind"] == "warning"]
+    assert len(warnings) == 1 and "restarting from round 0" in warnings[0] and "run.model_cache" in warnings[0]
+    assert _rounds_run(resumed) == [1, 2, 3, 4]
+    assert resumed["methods"]["fedsa"]["accuracy"] == straight["methods"]["fedsa"]["accuracy"]
+
+
+def test_a_lost_translator_restarts_fedsa_from_round_0(straight_fedsa):
+    import shutil
+
+    from rayfuse.errors import RunFailure
+
+    config, root, straight = straight_fedsa
+    run_dir = root / "lost"
+    fault = _fault_in_round(straight["methods"]["fedsa"]["info"]["selections"], 2)
+    with pytest.raises(RunFailure):
+        _run(config("lost", federation={"on_client_failure": "fail", "faults": [fault]}), run_dir)
+    shutil.rmtree(root / "cache-lost" / "client-state")  # the clients lost their storage
+    resumed = _resume(run_dir)
+    assert any(e["kind"] == "warning" and "no longer hold their translators" in e["message"] for e in resumed["events"])
+    assert _rounds_run(resumed) == [1, 2, 3, 4]
+    assert resumed["methods"]["fedsa"]["accuracy"] == straight["methods"]["fedsa"]["accuracy"]
+
+
+def test_teachers_retrained_by_new_clients_are_identical(teacher_client):
+    """Without a model cache a resumed run's new clients retrain their teachers: from the run seed, bit for bit."""
+    client, plan = teacher_client
+    cfg = validate_config(teacher_job(train={"epochs": 2}))
+    again = Client(0, plan.for_client(0), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=0)
+    a, b = get_params(client.ctx.local_model()), get_params(again.ctx.local_model())
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_a_resumed_run_refuses_other_teachers(straight_fedsa, monkeypatch):
+    import rayfuse.fusion.fedsa as fedsa_module
+    from rayfuse.errors import RunFailure
+
+    config, root, straight = straight_fedsa
+    run_dir = root / "other-teachers"
+    fault = _fault_in_round(straight["methods"]["fedsa"]["info"]["selections"], 2)
+    with pytest.raises(RunFailure):
+        _run(config("other", federation={"on_client_failure": "fail", "faults": [fault]}), run_dir)
+    original = fedsa_module.FedSA._teacher_maps
+
+    def other_teachers(self, server, target):
+        return {c: m * 1.5 if c == 1 else m for c, m in original(self, server, target).items()}
+
+    monkeypatch.setattr(fedsa_module.FedSA, "_teacher_maps", other_teachers)
+    with pytest.raises(RunFailure, match="teacher 1 is not the interrupted run's teacher"):
+        _resume(run_dir)
 
 BAD = [
     pytest.param({"methods": {"fedsa": {**FAST, "k": 5}}}, r"^methods\.fedsa\.k: expected at most the number of teachers \(4", id="k-too-large"),
