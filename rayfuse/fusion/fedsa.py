@@ -20,9 +20,10 @@ student; ``student`` may differ from the teachers' architecture). Algorithm 1 of
 
 The global student travels once per round (one ``put``) to the selected teachers' clients; a client drawn ``c`` times
 trains ``c`` local students (``copies``). Each teacher's translator stays with its client across rounds and is never
-averaged. Teachers' saliency maps are computed once per method (teachers and probe set are fixed); the target
-model's maps are recomputed at every selection, after a short re-training of its head on D_T (the paper trains the
-weak target model before each selection; the code once -- ``retrain_head``).
+averaged (with ``run.model_cache`` the client also writes it to its own storage each round, so ``--resume`` can
+continue mid-method: see :meth:`FedSA._resume`). Teachers' saliency maps are computed once per method (teachers and
+probe set are fixed); the target model's maps are recomputed at every selection, after a short re-training of its
+head on D_T (the paper trains the weak target model before each selection; the code once -- ``retrain_head``).
 
 Table 2's ablations are parameters: ``selection`` (``saliency`` = FedSA, ``fixed`` = FedSA's first draw kept,
 ``top_k``, ``least_k``, ``random``, ``all`` = FedAvg+: every teacher, unweighted) and ``weighting`` (``uniform``,
@@ -90,15 +91,23 @@ def _teacher_features(ctx: ClientContext) -> Any:
     return cached
 
 
-def _translator_file(ctx: ClientContext, store: str, label: str, round: int) -> Path | None:
-    """Where this client keeps its translator for ``label`` after ``round`` (``None`` without ``run.model_cache``).
+def _translator_folder(ctx: ClientContext, store: str) -> Path | None:
+    """Where this client keeps its translators of one method run (``None`` without ``run.model_cache``).
 
-    ``<run.model_cache>/client-state/client-<id>/fedsa-translators/<store>/<label>-<round>.safetensors``: storage the
-    client owns (like its cached local model), under a folder the server names once per method run (``store``).
+    ``<run.model_cache>/client-state/client-<id>/fedsa-translators/<store>/``: storage the client owns (like its
+    cached local model), in a folder the server names once per method run (``store``, a random hex id).
     """
+    if not store.isalnum():
+        raise ValueError(f"a translator store id is alphanumeric, got {store!r}")
     if not ctx.local_cache:
         return None
-    return Path(ctx.local_cache) / "client-state" / f"client-{ctx.client_id}" / "fedsa-translators" / store / f"{label}-{round:05d}.safetensors"
+    return Path(ctx.local_cache) / "client-state" / f"client-{ctx.client_id}" / "fedsa-translators" / store
+
+
+def _translator_file(ctx: ClientContext, store: str, label: str, round: int) -> Path | None:
+    """The client's translator for ``label`` after ``round``: ``<label>-<round>.safetensors`` in the store."""
+    folder = _translator_folder(ctx, store)
+    return None if folder is None else folder / f"{label}-{round:05d}.safetensors"
 
 
 def _held_translator(ctx: ClientContext, label: str, translator_round: int | None, store: str | None,
@@ -201,9 +210,9 @@ def forget_translators(ctx: ClientContext, *, store: str) -> int:
     """Delete this client's stored translators of one finished method run; the number of files deleted."""
     import shutil
 
-    if not ctx.local_cache:
+    folder = _translator_folder(ctx, store)
+    if folder is None:
         return 0
-    folder = Path(ctx.local_cache) / "client-state" / f"client-{ctx.client_id}" / "fedsa-translators" / store
     count = len(list(folder.glob("*.safetensors"))) if folder.is_dir() else 0
     shutil.rmtree(folder, ignore_errors=True)
     return count
