@@ -532,7 +532,10 @@ class FedSA(Method):
         for client in teachers:
             saved = state.get(f"teacher_saliency/{client}")
             now = maps.get(client)
-            if saved is None or now is None or saved.shape != now.shape[1:] or not np.allclose(
+            if now is None:
+                raise RunFailure(f"{server.label}: teacher {client} returned no saliency maps on resume; it cannot be checked "
+                                 "against the interrupted run's teacher")
+            if saved is None or saved.shape != now.shape[1:] or not np.allclose(
                     now.mean(axis=0), saved, rtol=1e-4, atol=1e-6 * float(np.abs(saved).max(initial=0.0))):
                 raise RunFailure(f"{server.label}: teacher {client} is not the interrupted run's teacher (its saliency maps "
                                  "differ); run the experiment again without --resume")
