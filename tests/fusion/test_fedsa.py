@@ -15,7 +15,7 @@ from rayfuse.client import Client
 from rayfuse.config import ModelConfig, validate_config
 from rayfuse.data.roles import load_dataset_from_config, make_plan
 from rayfuse.errors import InputError
-from rayfuse.fusion.fedsa import compute_teacher_saliency, distill_student
+from rayfuse.fusion.fedsa import compute_teacher_saliency, distill_student, forget_translators, has_translator
 from rayfuse.fusion.fedsa_kd import (
     Translator, adapt_to_target, average_students, build_translator, compute_saliency, compute_transferability,
     distill_features, draw_weights, find_head, hidden_representation, representation_shape, select_teachers,
@@ -421,6 +421,57 @@ def test_a_lost_translator_restarts_fedsa_from_round_0(straight_fedsa):
     assert _rounds_run(resumed) == [1, 2, 3, 4]
     assert resumed["methods"]["fedsa"]["accuracy"] == straight["methods"]["fedsa"]["accuracy"]
 
+
+def test_an_ablation_label_resumes_with_its_draws(straight_fedsa):
+    """``fixed`` (FedSA's first draw kept, never re-selected): the resumed rounds use the checkpointed draws."""
+    from rayfuse.errors import RunFailure
+
+    config, root, _ = straight_fedsa
+    methods = {"fixed": {**RESUMABLE, "selection": "fixed", "rounds": 3}}
+    straight = _run(config("fixed-straight", methods=methods), root / "fixed-straight")
+    selections = straight["methods"]["fixed"]["info"]["selections"]
+    assert [s["round"] for s in selections] == [1]
+    fault = _fault_in_round(selections, 3)
+    run_dir = root / "fixed"
+    with pytest.raises(RunFailure):
+        _run(config("fixed", methods=methods, federation={"on_client_failure": "fail", "faults": [fault]}), run_dir)
+    resumed = _resume(run_dir)
+    assert [e["round"] for e in resumed["events"] if e["kind"] == "resumed"] == [2]
+    assert _rounds_run(resumed, "fixed") == [3]
+    assert resumed["methods"]["fixed"]["info"]["selections"] == selections
+    assert resumed["methods"]["fixed"]["accuracy"] == straight["methods"]["fixed"]["accuracy"]
+
+
+def test_a_new_client_continues_from_the_translator_its_predecessor_stored(teacher_client, tmp_path):
+    client, plan = teacher_client
+    cfg = validate_config(teacher_job(train={"epochs": 2}))
+
+    def new_client():
+        return Client(0, plan.for_client(0), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=0,
+                      local_cache=str(tmp_path))
+
+    student_cfg = ModelConfig(**SMALL)
+    params = get_params(build_model(student_cfg, (1, 8, 8), 10, seed=3))
+    args = dict(label="fedsa", copies=1, student_cfg=student_cfg, epochs=1, lr=1e-3, batch_size=32, store="abc123")
+    first = new_client()
+    first.run(distill_student, params, round=1, translator_round=0, **args)
+    first.run(distill_student, params, round=3, translator_round=1, **args)
+    kept = tmp_path / "client-state" / "client-0" / "fedsa-translators" / "abc123"
+    assert sorted(f.name for f in kept.iterdir()) == ["fedsa-00001.safetensors", "fedsa-00003.safetensors"]
+    straight = first.run(distill_student, params, round=4, translator_round=3, **args)
+    assert sorted(f.name for f in kept.iterdir()) == ["fedsa-00003.safetensors", "fedsa-00004.safetensors"]
+    # a new client (a resumed run's) continues from round 3's translator: the same student as the first client's round 4
+    again = new_client()
+    assert again.run(has_translator, label="fedsa", round=3, store="abc123") and not again.run(has_translator, label="fedsa", round=1, store="abc123")
+    resumed = again.run(distill_student, params, round=4, translator_round=3, **args)
+    assert all(np.array_equal(straight["students"][0][k], resumed["students"][0][k]) for k in params)
+    with pytest.raises(FileNotFoundError, match="no translator of 'fedsa' after round 2"):  # never silently a new one
+        new_client().run(distill_student, params, round=4, translator_round=2, **args)
+    # starting from a new translator instead gives another student: the stored one matters
+    fresh = new_client().run(distill_student, params, round=4, translator_round=0, **args)
+    assert not all(np.array_equal(straight["students"][0][k], fresh["students"][0][k]) for k in params)
+    files = len(list(kept.iterdir()))
+    assert files > 0 and new_client().run(forget_translators, store="abc123") == files and not kept.exists()
 
 def test_teachers_retrained_by_new_clients_are_identical(teacher_client):
     """Without a model cache a resumed run's new clients retrain their teachers: from the run seed, bit for bit."""
