@@ -12,6 +12,9 @@ Writes, for a run named N:
 
 For the digits jobs (jobs/epgan_digits*.yaml) the table holds FD / IS / classes covered, the curves follow them per
 turn and ``<out>/N_samples.png`` shows 16 samples of every method's final generator.
+
+With several runs of one job (different ``run.seed``), ``--summary NAME`` also writes ``<out>/NAME.md``: every score
+as mean ± std over the runs, per method, with the number of runs and the per-seed values of ``modes`` / ``classes``.
 """
 
 from __future__ import annotations
@@ -191,15 +194,38 @@ def markdown(frame: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def summary(frames: list[tuple[int, pd.DataFrame]]) -> str:
+    """Mean ± std of every score over runs (seeds), per method, in the order of the first run."""
+    every = pd.concat([frame.assign(seed=seed) for seed, frame in frames], ignore_index=True)
+    scores = [c for c in every.columns if c not in ("method", "backbone", "J", "rejected", "seconds", "seed")]
+    count_col = "modes (of 4)" if "modes (of 4)" in every.columns else "classes (of 10)" if "classes (of 10)" in every.columns else None
+    rows = []
+    for method in dict.fromkeys(every["method"]):
+        part = every[every["method"] == method]
+        row = {"method": method, "runs": len(part)}
+        for col in scores:
+            values = part[col].astype(float)
+            row[col] = f"{values.mean():.4g} ± {values.std(ddof=1):.2g}" if len(values) > 1 else f"{values.mean():.4g}"
+        if count_col:
+            row[f"{count_col.split(' ')[0]} per seed"] = " / ".join(f"{v:.0f}" for v in part.sort_values("seed")[count_col])
+        rows.append(row)
+    frame = pd.DataFrame(rows)
+    seeds = sorted({seed for seed, _ in frames})
+    return f"Mean ± std over {len(seeds)} runs (run.seed {', '.join(map(str, seeds))}).\n\n" + markdown(frame)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=Path("docs/results/epgan"))
     parser.add_argument("--suffix", default="", help="appended to the output names (several runs of one job)")
+    parser.add_argument("--summary", default=None, metavar="NAME", help="also write NAME.md: mean ± std over the runs")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    frames = []
     for run_dir in args.runs:
         results, metrics = load(run_dir)
+        frames.append((int(results["config"]["run"]["seed"]), table(results)))
         name = results["run"]["name"] + (f"-{args.suffix}" if args.suffix else "") + f"-s{results['config']['run']['seed']}"
         frame = table(results)
         text = markdown(frame)
@@ -214,6 +240,10 @@ def main() -> None:
         plot_curves(results, metrics, args.out / f"{name}_curves.png")
         picture = "samples" if any("fd" in e for e in results["methods"].values()) else "maps"
         print(f"{name}\n{text}\n-> {args.out}/{name}.md, {name}_{picture}.png, {name}_curves.png")
+    if args.summary:
+        text = summary(frames)
+        (args.out / f"{args.summary}.md").write_text(f"# {args.summary}\n\nRuns: {', '.join(f'`{r}`' for r in args.runs)}.\n\n{text}\n")
+        print(f"{args.summary}\n{text}")
 
 
 if __name__ == "__main__":
