@@ -12,7 +12,9 @@ Writes to ``--out`` and prints:
   Spearman correlations (pooled over runs, and per run);
 * ``selections.png`` -- Figure 4a: which teachers FedSA drew in each round (one panel per labelled fraction, first
   seed), and how often each teacher was drawn over all seeds;
-* ``curves.png`` -- test accuracy after adaptation over the rounds (mean over seeds), per labelled fraction.
+* ``curves.png`` -- test accuracy after adaptation over the rounds (mean over seeds), per labelled fraction;
+* ``paired.md`` -- each method minus scratch and minus FedAvg+ on the same seed (same target set, same teachers):
+  mean ± standard error of the paired differences and the number of seeds where the method is ahead.
 """
 
 from __future__ import annotations
@@ -83,6 +85,32 @@ def accuracy_table(runs: list[dict], labels: list[str], paper: dict[str, tuple[f
         name = label + (" (oracle: model access)" if label == "transfer" else "")
         ref = paper.get(label, ("",) * 3)
         lines.append("| " + " | ".join([name, *(mean_std(by[(label, f)]) for f in fractions), *(str(x) for x in ref)]) + " |")
+    return "\n".join(lines)
+
+
+def paired_table(runs: list[dict], labels: list[str], baselines: tuple[str, ...] = ("scratch", "fedavg+")) -> str:
+    """Paired differences (percentage points) against each baseline over the seeds that ran both, per fraction."""
+    acc: dict[tuple[float, int], dict[str, float]] = defaultdict(dict)
+    for r in runs:
+        for label, entry in r["results"]["methods"].items():
+            acc[(r["fraction"], r["seed"])][label] = 100 * entry["accuracy"]
+    fractions = sorted({f for f, _ in acc})
+    present = {l for cell in acc.values() for l in cell}
+    order = [l for l in labels if l in present] + sorted(present - set(labels))
+    header = ["method", *(f"{pct(f)}: - {b}" for f in fractions for b in baselines)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label in order:
+        cells = []
+        for f in fractions:
+            for base in baselines:
+                diffs = np.array([cell[label] - cell[base] for (ff, _), cell in sorted(acc.items())
+                                  if ff == f and label in cell and base in cell])
+                if label == base or len(diffs) == 0:
+                    cells.append("")
+                    continue
+                se = diffs.std(ddof=1) / np.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+                cells.append(f"{diffs.mean():+.2f} ± {se:.2f} ({int((diffs > 0).sum())}/{len(diffs)})")
+        lines.append("| " + " | ".join([label, *cells]) + " |")
     return "\n".join(lines)
 
 
@@ -233,10 +261,15 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "table1.md").write_text(t1 + "\n")
     (args.out / "table2.md").write_text(t2 + "\n")
     (args.out / "table3.md").write_text(t3 + "\n")
+    tp = ("## Paired differences: each method minus scratch / minus FedAvg+ on the same seed\n\n"
+          "Percentage points, mean ± standard error over the seeds that ran both (same seed = same target set, teachers "
+          "and draw stream); in brackets, the seeds on which the method is ahead.\n\n"
+          + paired_table(runs, TABLE1 + [l for l in TABLE2 if l not in TABLE1] + ["fedavg+whole", "fedsa-whole"]))
+    (args.out / "paired.md").write_text(tp + "\n")
     plot_selections(args.out / "selections.png", runs)
     plot_curves(args.out / "curves.png", runs, ["scratch", "fedavg+", "fedsa", "fedsa-gradcam", "top-k", "fixed", "random+pos",
                                                 "fedavg+whole", "fedsa-whole"])
-    print(t1, t2, t3, sep="\n\n")
+    print(t1, t2, t3, tp, sep="\n\n")
     print(f"\nwritten: {', '.join(sorted(p.name for p in args.out.iterdir()))} in {args.out}")
 
 
