@@ -125,10 +125,15 @@ def train_gan(ctx: ClientContext, broadcast: dict[str, Any], *, label: str, roun
               epochs: int, beta: float, damping: float, site: str) -> Update:
     """One turn of a client (Algorithm 2, lines 5-8): EP step, local GAN training, upload.
 
-    The client's GAN (optimiser states, discriminator history, EP factor) lives in ``ctx.state`` between turns; a
-    restarted client rebuilds it from the broadcast (its EP factor is then unknown and its cavity is the global prior).
+    The client's GAN (optimiser states, random generator, iteration counter, EP factor) lives in ``ctx.state``
+    between turns; a restarted client rebuilds it from the broadcast (its EP factor is then unknown and its cavity is
+    the global prior). The discriminator history (PSA) is a buffer of D: it travels with D's parameters and is averaged.
     ``broadcast``: ``params`` (``G/*``, ``D/*``) and, once initialised, the global EP prior ``ep_mean`` / ``ep_var``
     (arrays with a leading component axis).
+
+    Besides its parameters and factor the update carries, under ``resume/*``, the trainer's private training state
+    (:meth:`GANTrainer.training_state`): the server never reads or averages it, only keeps it in its turn checkpoint so
+    that ``rayfuse run --resume`` can hand it back (:func:`restore_gan`) and continue exactly where the run stopped.
     """
     key = f"epgan/{label}"
     trainer: GANTrainer | None = ctx.state.get(key)
@@ -150,7 +155,33 @@ def train_gan(ctx: ClientContext, broadcast: dict[str, Any], *, label: str, roun
     # Turn 0 is the warm-up: there is no global model to interpolate towards yet.
     stats = trainer.train(X, epochs, interpolate_to=params if round > 0 else None, beta=beta)
     metrics.update(stats)
+    upload.update({RESUME + k: v for k, v in trainer.training_state().items()})
     return Update({**trainer.get_params(), **upload}, ctx.num_examples, metrics)
+
+
+RESUME = "resume/"  # prefix of the private training state in a client's update (checkpointed, never averaged)
+
+
+@client_step("epgan.restore")
+def restore_gan(ctx: ClientContext, saved: dict[str, np.ndarray], *, label: str, settings: dict[str, Any]) -> int:
+    """``rayfuse run --resume``: rebuild this client's GAN as it stood after the checkpointed turn.
+
+    ``saved``: its training state (``state/*``: Adam moments, random generator, iteration counter) and, from the
+    first EP turn on, its EP site (``site_mean/*``, ``site_var/*``: the factor it uploaded). Its parameters are not
+    needed: the next turn's broadcast overwrites them (Algorithm 2, line 11), and its EP prior is recomputed by the
+    next EP step before any training.
+    """
+    trainer = ctx.state[f"epgan/{label}"] = GANTrainer(GANSettings(**settings), seed=ctx.step_seed(label, "gan"), device=ctx.device)
+    trainer.load_training_state(_prefixed(saved, "state/"))
+    site_mean, site_var = _prefixed(saved, "site_mean/"), _prefixed(saved, "site_var/")
+    if site_mean:
+        trainer.site = (site_mean, site_var)
+    return ctx.num_examples
+
+
+def _prefixed(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """The arrays under ``prefix``, the prefix removed (copies: broadcasts and loaded checkpoints may be read-only)."""
+    return {k[len(prefix):]: np.array(v) for k, v in arrays.items() if k.startswith(prefix)}
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -381,11 +412,60 @@ def initial_ep_prior(trainer: GANTrainer, components: int, prior_var: float, spr
     return means, variances
 
 
+# -----------------------------------------------------------------------------------------------------------------
+# Turn checkpoints (``rayfuse run --resume``)
+
+
+def _take_private(gathered: Gathered[Any]) -> tuple[Gathered[Any], dict[int, dict[str, np.ndarray]]]:
+    """Split each client's private training state (``resume/*``) off its update: the update without it (what is
+    checked and averaged) and the state by client."""
+    results: dict[int, Any] = {}
+    private: dict[int, dict[str, np.ndarray]] = {}
+    for client, result in gathered.results.items():
+        if isinstance(result, Update):
+            private[client] = {k[len(RESUME):]: v for k, v in result.params.items() if k.startswith(RESUME)}
+            result = Update({k: v for k, v in result.params.items() if not k.startswith(RESUME)}, result.num_examples,
+                            result.metrics)
+        results[client] = result
+    return Gathered(results, gathered.failures), private
+
+
+def _checkpoint_state(ep: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None,
+                      initial_prior: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None,
+                      clients: dict[int, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The arrays of a turn checkpoint besides the global model: ``ep_mean/*``, ``ep_var/*`` (the global EP prior),
+    ``ep0_mean/*``, ``ep0_var/*`` (the initial prior) and ``client/<id>/*`` (what :func:`restore_gan` takes)."""
+    state: dict[str, np.ndarray] = {}
+    for tag, prior in (("ep", ep), ("ep0", initial_prior)):
+        if prior is not None:
+            state.update({f"{tag}_mean/{k}": v for k, v in prior[0].items()})
+            state.update({f"{tag}_var/{k}": v for k, v in prior[1].items()})
+    for client, saved in clients.items():
+        state.update({f"client/{client}/{k}": v for k, v in saved.items()})
+    return state
+
+
+def _prior_from(state: dict[str, np.ndarray], tag: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
+    means, variances = _prefixed(state, f"{tag}_mean/"), _prefixed(state, f"{tag}_var/")
+    return (means, variances) if means else None
+
+
+def _clients_from(state: dict[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
+    clients: dict[int, dict[str, np.ndarray]] = {}
+    for key, value in state.items():
+        if key.startswith("client/"):
+            client, name = key[len("client/"):].split("/", 1)
+            clients.setdefault(int(client), {})[name] = value
+    return clients
+
+
 @register_method
 class EPGAN(Method):
     name = "epgan"
     Params = EPGANParams
     summary = "EP-GAN: federated (Bayesian) GANs, FedAvg of G and D plus a product-of-Gaussians EP prior (Wu et al. 2022)"
+    # A checkpoint after the warm-up (turn 0) and after each turn; ``--resume`` continues after the last one.
+    multi_round = True
 
     def run(self, server: ServerContext) -> MethodResult:
         p: EPGANParams = self.params
@@ -394,18 +474,47 @@ class EPGAN(Method):
         fed = server.federation
         scorer = make_scorer(server, p)
         model = GANTrainer(settings, seed=server.step_seed("init"), device=server.device)  # the shared initialisation
-        global_params = model.get_params()
-        ep: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
-        initial_prior = None
         step_args = dict(label=server.label, settings=asdict(settings), beta=p.beta, damping=p.damping, site=p.site)
-        maps: dict[str, Any] = {}
         show = {0, 1, (p.rounds + 1) // 2, p.rounds}
-        metrics: dict[str, float] = {}
-        rejected = 0
-        for turn in range(0, p.rounds + 1):
+        # The server's state between turns, all of it in the turn checkpoint: the global G and D (every ProbGAN sample,
+        # D's PSA history buffers and the mixture logits included), the global EP prior (every component), the initial
+        # prior (site mode "ep" multiplies it in each turn), each client's private state (below), the per-turn records
+        # (metrics history through server.log, the maps for the report), the rejection count and the last losses.
+        # Randomness: the server draws only at turn 0 (the initial prior's offsets, server.rng("ep-init")); each client
+        # draws from its trainer's generator, seeded once per client (ctx.step_seed(label, "gan")) and carried across
+        # turns, so its state is part of the client's checkpointed state rather than re-derived from the turn number:
+        # re-seeding per turn would change every uninterrupted run's numbers (docs/methods/epgan.md's results).
+        checkpoint = server.resume_checkpoint()
+        if checkpoint is None:
+            start = 0
+            global_params = model.get_params()
+            ep: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
+            initial_prior: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
+            # Per client: what lives only in its actor between turns and is not re-initialised each turn -- the Adam
+            # moments of G and D, its random generator, its iteration counter (the PSA schedule) and its EP site (the
+            # factor it uploaded, which its next cavity divides out). Checkpointed so that a resumed run hands each
+            # client back exactly its state (restore_gan) instead of a fresh trainer, which would change the run.
+            # Re-initialising them every turn instead would change the method (Adam restarts) for every run.
+            clients: dict[int, dict[str, np.ndarray]] = {}
+            maps: dict[str, Any] = {}
+            metrics: dict[str, float] = {}
+            losses: dict[str, float] = {}
+            rejected = 0
+        else:
+            start = checkpoint.round + 1
+            global_params = dict(checkpoint.params)
+            ep, initial_prior = _prior_from(checkpoint.state, "ep"), _prior_from(checkpoint.state, "ep0")
+            clients = _clients_from(checkpoint.state)
+            meta = checkpoint.meta
+            maps, metrics = dict(meta.get("maps", {})), dict(meta.get("metrics", {}))
+            losses, rejected = dict(meta.get("losses", {})), int(meta.get("rejected", 0))
+            model.set_params(global_params)
+            self.restore_clients(server, clients, checkpoint.round, label=server.label, settings=step_args["settings"])
+        for turn in range(start, p.rounds + 1):
             broadcast = fed.put({"params": global_params, "ep_mean": None if ep is None else ep[0],
                                  "ep_var": None if ep is None else ep[1]})
             gathered = fed.run(train_gan, broadcast, round=turn, epochs=p.warmup_epochs if turn == 0 else p.local_epochs, **step_args)
+            gathered, private = _take_private(gathered)
             reference = dict(global_params)
             if ep is not None and settings.uses_ep:
                 reference.update({f"ep_mean/{k}": v for k, v in ep[0].items()})
@@ -423,12 +532,22 @@ class EPGAN(Method):
                 else:  # Algorithm 2, line 10 (corrected variance)
                     ep = combine_factors([part[1] for part in parts if part[1] is not None],
                                          initial_prior if p.site == "ep" else None)
+            # The state of the clients whose update was accepted; a rejected or failed client keeps its last accepted
+            # state here (a NaN update's state may be NaN too), so resuming right after such a turn hands that client
+            # its older state where the uninterrupted run would have kept its actor's: the one case resuming is inexact.
+            for (client, update), (_, factor) in zip(updates.items(), parts):
+                saved = {f"state/{k}": v for k, v in private.get(client, {}).items()}
+                if factor is not None:
+                    saved.update({f"site_mean/{k}": v for k, v in factor[0].items()})
+                    saved.update({f"site_var/{k}": v for k, v in factor[1].items()})
+                clients[client] = saved
             row = {
                 "clients": float(len(updates)),
                 "d_loss": float(np.average([u.metrics["d_loss"] for u in updates.values()], weights=weights)),
                 "g_loss": float(np.average([u.metrics["g_loss"] for u in updates.values()], weights=weights)),
                 "client_seconds": float(np.mean([u.metrics["train_seconds"] for u in updates.values()])),
             }
+            losses = {"d_loss": row["d_loss"], "g_loss": row["g_loss"]}
             if ep is not None:
                 row["ep_var_mean"] = float(np.mean([v.mean() for v in ep[1].values()]))
             metrics = scorer(model)
@@ -441,8 +560,10 @@ class EPGAN(Method):
                 if snap is not None:
                     maps[str(turn)] = snap
             del broadcast, gathered
+            server.save_checkpoint(turn, global_params, _checkpoint_state(ep, initial_prior, clients),
+                                   {"metrics": metrics, "losses": losses, "maps": maps, "rejected": rejected})
         if not metrics:  # no toy scores for this dataset: report the last losses
-            metrics = {"d_loss": row["d_loss"], "g_loss": row["g_loss"]}
+            metrics = dict(losses)
         final = dict(global_params)
         if ep is not None:
             final.update({f"ep_mean/{k}": v.astype(np.float32) for k, v in ep[0].items()})
@@ -450,6 +571,20 @@ class EPGAN(Method):
         return MethodResult(metrics, final, info={
             "rounds": p.rounds, "backbone": p.backbone, "components": p.components, "rejected_updates": rejected,
             "maps": maps, "truth": scorer.truth_snapshot(), "real_data_scores": scorer.reference()})
+
+    @staticmethod
+    def restore_clients(server: ServerContext, clients: dict[int, dict[str, np.ndarray]], turn: int, **step_args: Any) -> None:
+        """``--resume``: hand each client its checkpointed state (:func:`restore_gan`), one broadcast per client.
+
+        A client with no saved state (never accepted so far), or whose restore fails under a dropping policy, starts its
+        next turn from a fresh trainer, as a restarted actor does.
+        """
+        fed = server.federation
+        calls = [call for client, saved in sorted(clients.items()) if client in fed.client_ids
+                 for call in fed.map(restore_gan, fed.put(saved), clients=[client], **step_args)]
+        restored = fed.gather(calls).clients if calls else []
+        server.events.emit("info", f"{len(restored)} clients' GAN state restored from turn {turn}", method=server.label,
+                           round=turn, clients=restored)
 
     @staticmethod
     def accept(server: ServerContext, gathered: Gathered[Any], reference: dict[str, np.ndarray]) -> dict[int, Update]:
@@ -475,6 +610,8 @@ class EPGANOracle(Method):
     Params = EPGANOracleParams
     summary = "ORACLE: the EP-GAN backbone trained on all clients' data pooled (the paper's centralised column)"
     oracle = True
+    # A checkpoint after each block of local_epochs epochs (the loop's unit); ``--resume`` continues after the last one.
+    multi_round = True
 
     def run(self, server: ServerContext) -> MethodResult:
         p: EPGANOracleParams = self.params
@@ -486,6 +623,19 @@ class EPGANOracle(Method):
         chunk = max(p.local_epochs, 1)
         done = 0
         metrics: dict[str, float] = {}
+        losses: dict[str, float] = {}
+        checkpoint = server.resume_checkpoint()
+        if checkpoint is not None:
+            # Everything the trainer carries between blocks: its parameters, Adam moments, random generator, iteration
+            # counter and EP site (its own factor, which is also the global prior here). Its EP prior is not: each
+            # block's EP step recomputes it before training.
+            done = checkpoint.round
+            trainer.set_params(checkpoint.params)
+            trainer.load_training_state(_prefixed(checkpoint.state, "state/"))
+            site_mean, site_var = _prefixed(checkpoint.state, "site_mean/"), _prefixed(checkpoint.state, "site_var/")
+            if site_mean:
+                trainer.site = (site_mean, site_var)
+            metrics, losses = dict(checkpoint.meta.get("metrics", {})), dict(checkpoint.meta.get("losses", {}))
         while done < p.epochs:
             epochs = min(chunk, p.epochs - done)
             if settings.uses_ep and done > 0:
@@ -498,11 +648,17 @@ class EPGANOracle(Method):
                     trainer.update_ep(X, *trainer.site, damping=p.damping, site_mode="paper")
             stats = trainer.train(X, epochs)
             done += epochs
+            losses = {"d_loss": stats["d_loss"], "g_loss": stats["g_loss"]}
             metrics = scorer(trainer)
-            server.log(done, {"d_loss": stats["d_loss"], "g_loss": stats["g_loss"], **metrics})
+            server.log(done, {**losses, **metrics})
             server.progress(f"epoch {done}/{p.epochs}", metrics={k: round(v, 4) for k, v in metrics.items()})
+            state = {f"state/{k}": v for k, v in trainer.training_state().items()}
+            if trainer.site is not None:
+                state.update({f"site_mean/{k}": v for k, v in trainer.site[0].items()})
+                state.update({f"site_var/{k}": v for k, v in trainer.site[1].items()})
+            server.save_checkpoint(done, trainer.get_params(), state, {"metrics": metrics, "losses": losses})
         if not metrics:
-            metrics = {"d_loss": stats["d_loss"], "g_loss": stats["g_loss"]}
+            metrics = dict(losses)
         snap = scorer.snapshot(trainer)
         return MethodResult(metrics, trainer.get_params(), info={
             "note": "trained on all clients' data pooled: infeasible in a federation, an upper reference",
