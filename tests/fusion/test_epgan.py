@@ -224,3 +224,99 @@ def test_tiny_digits_run_reports_image_scores(coordinator):
     assert {"fd", "is", "classes"} <= set(summary["metrics"]) and all(np.isfinite(v) for v in summary["metrics"].values())
     assert summary["info"]["real_data_scores"]["is"] > 5  # the scoring classifier separates the real digits
     assert np.asarray(summary["info"]["maps"]["2"]["images"]).shape == (16, 8, 8)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resume (turn checkpoints)
+
+
+def _run(cfg, run_dir, **kwargs):
+    from rayfuse.report import Printer
+    from rayfuse.runner import InProcessBackend, run_experiment
+
+    return run_experiment(cfg, InProcessBackend(), run_dir, printer=Printer(enabled=False), show_tables=False, **kwargs)
+
+
+def _checkpoint(run_dir, label):
+    from rayfuse.store import RunStore
+
+    return RunStore(run_dir).checkpointer(label).load()
+
+
+def _deterministic(history):
+    return [r for r in history if r["metric"] != "client_seconds"]  # wall time
+
+
+@pytest.mark.parametrize("components,site", [(1, "paper"), (2, "ep")])
+def test_an_interrupted_ep_probgan_run_resumes_after_its_last_turn_and_equals_the_uninterrupted_run(make_config, tmp_path, components, site):
+    import json
+
+    from rayfuse.config import parse_overrides
+    from rayfuse.errors import RunFailure
+    from rayfuse.runner import load_run_config
+
+    methods = {"ep": {"method": "epgan", "backbone": "ep-probgan", "components": components, "site": site, **FAST, "rounds": 3}}
+    straight = _run(make_config(**TOY, methods=methods), tmp_path / "straight")
+
+    # Client 1 raises in its third call of epgan.train (turn 2; turn 0 is the warm-up) and the policy is fail: the run
+    # stops with turns 0 and 1 checkpointed.
+    crash = {"on_client_failure": "fail", "faults": [{"client": 1, "step": "epgan.train", "call": 3, "mode": "raise"}]}
+    interrupted = tmp_path / "interrupted"
+    with pytest.raises(RunFailure):
+        _run(make_config(**TOY, methods=methods, federation=crash), interrupted)
+    assert _checkpoint(interrupted, "ep").round == 1
+
+    cfg = load_run_config(interrupted, parse_overrides(["federation.faults=[]", "federation.on_client_failure=retry"]))
+    resumed = _run(cfg, interrupted, resume=True)
+    assert resumed["status"] == "succeeded"
+    events = resumed["events"]
+    assert any(e["kind"] == "resumed" and e.get("method") == "ep" and e["round"] == 1 for e in events)
+    assert any(e["kind"] == "info" and "4 clients' GAN state restored from turn 1" in e.get("message", "") for e in events)
+    # the finished turns 0 and 1 are not redone: the resumed run trains turns 2 and 3 only, each once
+    assert [e["round"] for e in events if e["kind"] == "progress" and e.get("method") == "ep"] == [2, 3]
+
+    # The same numbers as the uninterrupted run, exactly: scores, per-turn records, maps, the final G / D, the EP prior
+    # (float64, every component) and every client's state in the last checkpoint.
+    assert resumed["methods"]["ep"] == {**straight["methods"]["ep"], "seconds": resumed["methods"]["ep"]["seconds"]}
+    state = {run: json.loads((tmp_path / run / "state" / "ep.json").read_text()) for run in ("straight", "interrupted")}
+    assert _deterministic(state["interrupted"]["history"]) == _deterministic(state["straight"]["history"])
+    assert sorted({r["round"] for r in state["interrupted"]["history"]}) == [0, 1, 2, 3]
+    assert len(state["interrupted"]["history"]) == len(state["straight"]["history"])  # no turn logged twice
+    a, b = _checkpoint(tmp_path / "straight", "ep"), _checkpoint(interrupted, "ep")
+    assert a.round == b.round == 3
+    for mine, theirs in ((b.params, a.params), (b.state, a.state)):
+        assert sorted(mine) == sorted(theirs)
+        assert all(np.array_equal(mine[k], theirs[k]) and mine[k].dtype == theirs[k].dtype for k in mine), \
+            [k for k in mine if not np.array_equal(mine[k], theirs[k])]
+    assert any(k.startswith("ep_mean/") for k in b.state) and b.state["ep_mean/first_weight"].shape[0] == components
+    assert any(k.startswith("client/3/site_var/") for k in b.state) and "client/3/state/rng" in b.state
+    assert "ep0_mean/mid.weight" in b.state and ("pi/logits" in b.params) == (components > 1)
+
+
+def test_the_oracle_resumes_after_its_last_block_of_epochs(coordinator, monkeypatch):
+    methods = {"oracle": {"method": "epgan-oracle", "backbone": "ep-probgan", "epochs": 3, "local_epochs": 1,
+                          "batch_size": 32, "grid": 20, "eval_samples": 200}}
+    straight = coordinator(**TOY, methods=methods).run_method("oracle")
+    from rayfuse.fusion import epgan_nets
+
+    class Stop(Exception):
+        pass
+
+    train, calls = epgan_nets.GANTrainer.train, []
+
+    def stop_at_the_third_block(self, *args, **kwargs):  # as if the run were killed during epoch 3
+        calls.append(1)
+        if len(calls) == 3:
+            raise Stop
+        return train(self, *args, **kwargs)
+
+    monkeypatch.setattr(epgan_nets.GANTrainer, "train", stop_at_the_third_block)
+    with pytest.raises(Stop):
+        coordinator(**TOY, methods=methods).run_method("oracle")
+    monkeypatch.setattr(epgan_nets.GANTrainer, "train", train)
+    coord = coordinator(**TOY, methods=methods)
+    resumed = coord.run_method("oracle", resume=True)
+    assert any(e["kind"] == "resumed" and e["round"] == 2 for e in coord.events.since(0))
+    assert [e.get("message") for e in coord.events.since(0) if e["kind"] == "progress"] == ["epoch 3/3"]
+    assert resumed["metrics"] == straight["metrics"]
+    assert _deterministic(resumed["history"]) == _deterministic(straight["history"])
