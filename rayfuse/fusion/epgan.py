@@ -610,8 +610,10 @@ class EPGANOracle(Method):
     Params = EPGANOracleParams
     summary = "ORACLE: the EP-GAN backbone trained on all clients' data pooled (the paper's centralised column)"
     oracle = True
-    # A checkpoint after each block of local_epochs epochs (the loop's unit); ``--resume`` continues after the last one.
-    multi_round = True
+    # A checkpoint after each block of local_epochs epochs (the loop's unit); ``--resume`` continues after the last one
+    # (through ServerContext.resume_checkpoint, which does not look at multi_round). multi_round stays False: its other
+    # effect is to make the method an ASHA target in a sweep, with a budget that defaults to ``rounds`` turns, and the
+    # oracle counts epochs, not turns (its progress events carry no round).
 
     def run(self, server: ServerContext) -> MethodResult:
         p: EPGANOracleParams = self.params
