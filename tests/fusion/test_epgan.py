@@ -293,6 +293,26 @@ def test_an_interrupted_ep_probgan_run_resumes_after_its_last_turn_and_equals_th
     assert "ep0_mean/mid.weight" in b.state and ("pi/logits" in b.params) == (components > 1)
 
 
+def test_finished_turns_are_not_redone_on_resume(make_config, tmp_path):
+    from rayfuse.config import parse_overrides
+    from rayfuse.fusion import METHODS
+    from rayfuse.runner import load_run_config
+
+    assert METHODS.get("epgan").multi_round
+    methods = {"ep": {"method": "epgan", "backbone": "ep-bgan", **FAST, "rounds": 2}}
+    run_dir = tmp_path / "r"
+    first = _run(make_config(**TOY, methods=methods), run_dir)
+    (run_dir / "state" / "ep.json").unlink()  # as if the run stopped after checkpointing its last turn
+    # Any epgan.train call in the resumed run fails it: every client raises on its first one.
+    trap = [{"client": c, "step": "epgan.train", "call": 1, "mode": "raise"} for c in range(4)]
+    cfg = load_run_config(run_dir, parse_overrides([f"federation.faults={trap}".replace("'", '"'), "federation.on_client_failure=fail"]))
+    assert len(cfg.federation.faults) == 4
+    resumed = _run(cfg, run_dir, resume=True)
+    assert any(e["kind"] == "resumed" and e["round"] == 2 for e in resumed["events"])
+    assert not [e for e in resumed["events"] if e["kind"] == "progress" and e.get("method") == "ep"]
+    assert resumed["methods"]["ep"] == {**first["methods"]["ep"], "seconds": resumed["methods"]["ep"]["seconds"]}
+
+
 def test_the_oracle_resumes_after_its_last_block_of_epochs(coordinator, monkeypatch):
     methods = {"oracle": {"method": "epgan-oracle", "backbone": "ep-probgan", "epochs": 3, "local_epochs": 1,
                           "batch_size": 32, "grid": 20, "eval_samples": 200}}
