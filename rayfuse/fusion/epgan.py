@@ -37,6 +37,7 @@ fraction of samples within 3 standard deviations of some centre).
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import asdict
 from typing import Any, Literal
 
@@ -120,25 +121,30 @@ def _flat(X: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(X.reshape(len(X), -1), dtype=np.float32)
 
 
+STATE = "epgan-state"  # the kind of client state (:class:`rayfuse.client.ClientStateStore`) EP-GAN clients keep
+
+
 @client_step("epgan.train")
 def train_gan(ctx: ClientContext, broadcast: dict[str, Any], *, label: str, round: int, settings: dict[str, Any],
-              epochs: int, beta: float, damping: float, site: str) -> Update:
+              epochs: int, beta: float, damping: float, site: str, state_turn: int | None = None,
+              store: str | None = None) -> Update:
     """One turn of a client (Algorithm 2, lines 5-8): EP step, local GAN training, upload.
 
-    The client's GAN (optimiser states, random generator, iteration counter, EP factor) lives in ``ctx.state``
-    between turns; a restarted client rebuilds it from the broadcast (its EP factor is then unknown and its cavity is
-    the global prior). The discriminator history (PSA) is a buffer of D: it travels with D's parameters and is averaged.
-    ``broadcast``: ``params`` (``G/*``, ``D/*``) and, once initialised, the global EP prior ``ep_mean`` / ``ep_var``
-    (arrays with a leading component axis).
+    The client's GAN (optimiser states, random generator, iteration counter, EP site) lives in ``ctx.state`` between
+    turns and never travels: the update carries the parameters (``G/*``, ``D/*``, ``pi/logits``) and, on EP backbones,
+    the factor (``ep_mean/*``, ``ep_var/*``), nothing else. The discriminator history (PSA) is a buffer of D: it travels
+    with D's parameters and is averaged. ``broadcast``: ``params`` and, once initialised, the global EP prior
+    ``ep_mean`` / ``ep_var`` (arrays with a leading component axis).
 
-    Besides its parameters and factor the update carries, under ``resume/*``, the trainer's private training state
-    (:meth:`GANTrainer.training_state`): the server never reads or averages it, only keeps it in its turn checkpoint so
-    that ``rayfuse run --resume`` can hand it back (:func:`restore_gan`) and continue exactly where the run stopped.
+    ``state_turn``: the turn the server's checkpoint says this client's GAN state belongs to (its last turn that came
+    back; ``None``: none yet, a fresh trainer). With ``store`` (and ``run.model_cache`` on the client) the client also
+    writes its state to its own storage after the turn (:func:`_held_trainer` reads it back when memory does not hold
+    that turn: a resumed run's or a restarted actor's client).
     """
     key = f"epgan/{label}"
-    trainer: GANTrainer | None = ctx.state.get(key)
-    if trainer is None:
-        trainer = ctx.state[key] = GANTrainer(GANSettings(**settings), seed=ctx.step_seed(label, "gan"), device=ctx.device)
+    trainer = _held_trainer(ctx, label, GANSettings(**settings), state_turn, store)
+    ctx.state[key] = trainer
+    ctx.state[key + "/turn"] = None  # until this turn is done: a half-trained trainer is no turn's state
     X = _flat(ctx.train.X)
     params = broadcast["params"]
     trainer.set_params(params)  # Algorithm 2, line 11: the local copies are overwritten by the broadcast
@@ -155,28 +161,71 @@ def train_gan(ctx: ClientContext, broadcast: dict[str, Any], *, label: str, roun
     # Turn 0 is the warm-up: there is no global model to interpolate towards yet.
     stats = trainer.train(X, epochs, interpolate_to=params if round > 0 else None, beta=beta)
     metrics.update(stats)
-    upload.update({RESUME + k: v for k, v in trainer.training_state().items()})
+    ctx.state[key + "/turn"] = (store, round)
+    if store:
+        ctx.state_store(STATE, store).save(label, round, _gan_state(trainer), keep=state_turn)
     return Update({**trainer.get_params(), **upload}, ctx.num_examples, metrics)
 
 
-RESUME = "resume/"  # prefix of the private training state in a client's update (checkpointed, never averaged)
+def _gan_state(trainer: GANTrainer) -> dict[str, np.ndarray]:
+    """What a client keeps of its GAN between turns besides the parameters the broadcast overwrites: ``state/*``
+    (:meth:`GANTrainer.training_state`: Adam moments, random generator, iteration counter) and, from the first EP turn
+    on, its EP site (``site_mean/*``, ``site_var/*``, which its next cavity divides out). Its EP prior is not needed:
+    the next turn's EP step sets it afresh before any training."""
+    state = {f"state/{k}": v for k, v in trainer.training_state().items()}
+    if trainer.site is not None:
+        state.update({f"site_mean/{k}": v for k, v in trainer.site[0].items()})
+        state.update({f"site_var/{k}": v for k, v in trainer.site[1].items()})
+    return state
 
 
-@client_step("epgan.restore")
-def restore_gan(ctx: ClientContext, saved: dict[str, np.ndarray], *, label: str, settings: dict[str, Any]) -> int:
-    """``rayfuse run --resume``: rebuild this client's GAN as it stood after the checkpointed turn.
-
-    ``saved``: its training state (``state/*``: Adam moments, random generator, iteration counter) and, from the
-    first EP turn on, its EP site (``site_mean/*``, ``site_var/*``: the factor it uploaded). Its parameters are not
-    needed: the next turn's broadcast overwrites them (Algorithm 2, line 11), and its EP prior is recomputed by the
-    next EP step before any training.
-    """
-    trainer = ctx.state[f"epgan/{label}"] = GANTrainer(GANSettings(**settings), seed=ctx.step_seed(label, "gan"), device=ctx.device)
+def _load_gan_state(trainer: GANTrainer, saved: dict[str, np.ndarray]) -> None:
+    """Restore what :func:`_gan_state` returned."""
     trainer.load_training_state(_prefixed(saved, "state/"))
     site_mean, site_var = _prefixed(saved, "site_mean/"), _prefixed(saved, "site_var/")
     if site_mean:
         trainer.site = (site_mean, site_var)
-    return ctx.num_examples
+
+
+def _held_trainer(ctx: ClientContext, label: str, settings: GANSettings, state_turn: int | None,
+                  store: str | None) -> GANTrainer:
+    """The GAN this turn starts from: the one of ``state_turn`` (see :func:`train_gan`), from memory, else from the
+    client's own storage; a fresh one (the shared initialisation's seed) when ``state_turn`` is ``None``.
+
+    Without storage (no ``store`` or no ``run.model_cache``) a client keeps only what its actor holds: that (whichever
+    turn it is of), or a fresh trainer for a restarted actor.
+    """
+    def fresh() -> GANTrainer:
+        return GANTrainer(settings, seed=ctx.step_seed(label, "gan"), device=ctx.device)
+
+    key = f"epgan/{label}"
+    held: GANTrainer | None = ctx.state.get(key)
+    if state_turn is None:
+        return fresh()
+    if held is not None and ctx.state.get(key + "/turn") == (store, state_turn):
+        return held
+    kept = ctx.state_store(STATE, store) if store else None
+    if kept is None or kept.folder is None:
+        return held if held is not None else fresh()
+    if not kept.has(label, state_turn):
+        raise FileNotFoundError(f"client {ctx.client_id}: no GAN state of {label!r} after turn {state_turn} in {kept.folder}")
+    trainer = fresh()
+    _load_gan_state(trainer, kept.load(label, state_turn) or {})
+    return trainer
+
+
+@client_step("epgan.has_state")
+def has_gan_state(ctx: ClientContext, *, label: str, turn: int, store: str) -> bool:
+    """Whether this client can continue from its GAN state of ``label`` after ``turn`` (memory or its own storage)."""
+    if ctx.state.get(f"epgan/{label}") is not None and ctx.state.get(f"epgan/{label}/turn") == (store, turn):
+        return True
+    return ctx.state_store(STATE, store).has(label, turn)
+
+
+@client_step("epgan.forget_state")
+def forget_gan_state(ctx: ClientContext, *, store: str) -> int:
+    """Delete this client's stored GAN states of one finished method run; the number of files deleted."""
+    return ctx.state_store(STATE, store).forget()
 
 
 def _prefixed(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
@@ -416,47 +465,21 @@ def initial_ep_prior(trainer: GANTrainer, components: int, prior_var: float, spr
 # Turn checkpoints (``rayfuse run --resume``)
 
 
-def _take_private(gathered: Gathered[Any]) -> tuple[Gathered[Any], dict[int, dict[str, np.ndarray]]]:
-    """Split each client's private training state (``resume/*``) off its update: the update without it (what is
-    checked and averaged) and the state by client."""
-    results: dict[int, Any] = {}
-    private: dict[int, dict[str, np.ndarray]] = {}
-    for client, result in gathered.results.items():
-        if isinstance(result, Update):
-            private[client] = {k[len(RESUME):]: v for k, v in result.params.items() if k.startswith(RESUME)}
-            result = Update({k: v for k, v in result.params.items() if not k.startswith(RESUME)}, result.num_examples,
-                            result.metrics)
-        results[client] = result
-    return Gathered(results, gathered.failures), private
-
-
 def _checkpoint_state(ep: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None,
-                      initial_prior: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None,
-                      clients: dict[int, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """The arrays of a turn checkpoint besides the global model: ``ep_mean/*``, ``ep_var/*`` (the global EP prior),
-    ``ep0_mean/*``, ``ep0_var/*`` (the initial prior) and ``client/<id>/*`` (what :func:`restore_gan` takes)."""
+                      initial_prior: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None) -> dict[str, np.ndarray]:
+    """The arrays of a turn checkpoint besides the global model: ``ep_mean/*``, ``ep_var/*`` (the global EP prior)
+    and ``ep0_mean/*``, ``ep0_var/*`` (the initial prior). Nothing of any client's: each keeps its own GAN state."""
     state: dict[str, np.ndarray] = {}
     for tag, prior in (("ep", ep), ("ep0", initial_prior)):
         if prior is not None:
             state.update({f"{tag}_mean/{k}": v for k, v in prior[0].items()})
             state.update({f"{tag}_var/{k}": v for k, v in prior[1].items()})
-    for client, saved in clients.items():
-        state.update({f"client/{client}/{k}": v for k, v in saved.items()})
     return state
 
 
 def _prior_from(state: dict[str, np.ndarray], tag: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
     means, variances = _prefixed(state, f"{tag}_mean/"), _prefixed(state, f"{tag}_var/")
     return (means, variances) if means else None
-
-
-def _clients_from(state: dict[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
-    clients: dict[int, dict[str, np.ndarray]] = {}
-    for key, value in state.items():
-        if key.startswith("client/"):
-            client, name = key[len("client/"):].split("/", 1)
-            clients.setdefault(int(client), {})[name] = value
-    return clients
 
 
 @register_method
@@ -478,24 +501,26 @@ class EPGAN(Method):
         show = {0, 1, (p.rounds + 1) // 2, p.rounds}
         # The server's state between turns, all of it in the turn checkpoint: the global G and D (every ProbGAN sample,
         # D's PSA history buffers and the mixture logits included), the global EP prior (every component), the initial
-        # prior (site mode "ep" multiplies it in each turn), each client's private state (below), the per-turn records
-        # (metrics history through server.log, the maps for the report), the rejection count and the last losses.
+        # prior (site mode "ep" multiplies it in each turn), the per-turn records (metrics history through server.log,
+        # the maps for the report), the rejection count and the last losses, and per client the turn its GAN state
+        # belongs to (state_turns) with the id of the store the clients keep it in.
+        # Each client's GAN state (Adam moments of G and D, its random generator, its iteration counter -- the PSA
+        # schedule -- and its EP site) stays on the client: gradient statistics of private data never travel. With
+        # run.model_cache each client writes it to its own storage after each turn (train_gan), so that --resume can
+        # continue mid-method (see _resume). Re-initialising it every turn instead would change the method (Adam
+        # restarts) for every run.
         # Randomness: the server draws only at turn 0 (the initial prior's offsets, server.rng("ep-init")); each client
         # draws from its trainer's generator, seeded once per client (ctx.step_seed(label, "gan")) and carried across
-        # turns, so its state is part of the client's checkpointed state rather than re-derived from the turn number:
-        # re-seeding per turn would change every uninterrupted run's numbers (docs/methods/epgan.md's results).
-        checkpoint = server.resume_checkpoint()
+        # turns as part of its state rather than re-derived from the turn number: re-seeding per turn would change
+        # every uninterrupted run's numbers (docs/methods/epgan.md's results).
+        checkpoint = self._resume(server)
+        store = uuid.uuid4().hex if server.model_cache else None
+        state_turns: dict[int, int] = {}  # per client: its last turn that came back (what its stored state is of)
         if checkpoint is None:
             start = 0
             global_params = model.get_params()
             ep: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
             initial_prior: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
-            # Per client: what lives only in its actor between turns and is not re-initialised each turn -- the Adam
-            # moments of G and D, its random generator, its iteration counter (the PSA schedule) and its EP site (the
-            # factor it uploaded, which its next cavity divides out). Checkpointed so that a resumed run hands each
-            # client back exactly its state (restore_gan) instead of a fresh trainer, which would change the run.
-            # Re-initialising them every turn instead would change the method (Adam restarts) for every run.
-            clients: dict[int, dict[str, np.ndarray]] = {}
             maps: dict[str, Any] = {}
             metrics: dict[str, float] = {}
             losses: dict[str, float] = {}
@@ -504,17 +529,21 @@ class EPGAN(Method):
             start = checkpoint.round + 1
             global_params = dict(checkpoint.params)
             ep, initial_prior = _prior_from(checkpoint.state, "ep"), _prior_from(checkpoint.state, "ep0")
-            clients = _clients_from(checkpoint.state)
             meta = checkpoint.meta
             maps, metrics = dict(meta.get("maps", {})), dict(meta.get("metrics", {}))
             losses, rejected = dict(meta.get("losses", {})), int(meta.get("rejected", 0))
+            store = meta.get("store") or store
+            state_turns = {int(c): int(t) for c, t in meta.get("state_turns", [])}
             model.set_params(global_params)
-            self.restore_clients(server, clients, checkpoint.round, label=server.label, settings=step_args["settings"])
         for turn in range(start, p.rounds + 1):
             broadcast = fed.put({"params": global_params, "ep_mean": None if ep is None else ep[0],
                                  "ep_var": None if ep is None else ep[1]})
-            gathered = fed.run(train_gan, broadcast, round=turn, epochs=p.warmup_epochs if turn == 0 else p.local_epochs, **step_args)
-            gathered, private = _take_private(gathered)
+            epochs = p.warmup_epochs if turn == 0 else p.local_epochs
+            gathered = fed.gather([call for client in fed.client_ids for call in fed.map(
+                train_gan, broadcast, clients=[client], round=turn, epochs=epochs, state_turn=state_turns.get(client),
+                store=store, **step_args)])
+            # Every client that came back (its update accepted or not) has moved its GAN state on to this turn.
+            state_turns.update({int(client): turn for client in gathered.results})
             reference = dict(global_params)
             if ep is not None and settings.uses_ep:
                 reference.update({f"ep_mean/{k}": v for k, v in ep[0].items()})
@@ -532,15 +561,6 @@ class EPGAN(Method):
                 else:  # Algorithm 2, line 10 (corrected variance)
                     ep = combine_factors([part[1] for part in parts if part[1] is not None],
                                          initial_prior if p.site == "ep" else None)
-            # The state of the clients whose update was accepted; a rejected or failed client keeps its last accepted
-            # state here (a NaN update's state may be NaN too), so resuming right after such a turn hands that client
-            # its older state where the uninterrupted run would have kept its actor's: the one case resuming is inexact.
-            for (client, update), (_, factor) in zip(updates.items(), parts):
-                saved = {f"state/{k}": v for k, v in private.get(client, {}).items()}
-                if factor is not None:
-                    saved.update({f"site_mean/{k}": v for k, v in factor[0].items()})
-                    saved.update({f"site_var/{k}": v for k, v in factor[1].items()})
-                clients[client] = saved
             row = {
                 "clients": float(len(updates)),
                 "d_loss": float(np.average([u.metrics["d_loss"] for u in updates.values()], weights=weights)),
@@ -560,8 +580,11 @@ class EPGAN(Method):
                 if snap is not None:
                     maps[str(turn)] = snap
             del broadcast, gathered
-            server.save_checkpoint(turn, global_params, _checkpoint_state(ep, initial_prior, clients),
-                                   {"metrics": metrics, "losses": losses, "maps": maps, "rejected": rejected})
+            server.save_checkpoint(turn, global_params, _checkpoint_state(ep, initial_prior), {
+                "metrics": metrics, "losses": losses, "maps": maps, "rejected": rejected, "store": store,
+                "state_turns": sorted([int(c), int(t)] for c, t in state_turns.items())})
+        if store is not None:
+            self._forget_state(server, store)
         if not metrics:  # no toy scores for this dataset: report the last losses
             metrics = dict(losses)
         final = dict(global_params)
@@ -572,19 +595,62 @@ class EPGAN(Method):
             "rounds": p.rounds, "backbone": p.backbone, "components": p.components, "rejected_updates": rejected,
             "maps": maps, "truth": scorer.truth_snapshot(), "real_data_scores": scorer.reference()})
 
-    @staticmethod
-    def restore_clients(server: ServerContext, clients: dict[int, dict[str, np.ndarray]], turn: int, **step_args: Any) -> None:
-        """``--resume``: hand each client its checkpointed state (:func:`restore_gan`), one broadcast per client.
+    # -- resume ----------------------------------------------------------------------------------------------------
 
-        A client with no saved state (never accepted so far), or whose restore fails under a dropping policy, starts its
-        next turn from a fresh trainer, as a restarted actor does.
+    def _resume(self, server: ServerContext) -> Any:
+        """The turn checkpoint to continue from on ``--resume``, or ``None`` (a fresh start from turn 0).
+
+        Each client's GAN state lives on its client, across turns: a resumed run can continue mid-method only when the
+        clients kept theirs (``run.model_cache``, storage the clients own) and still hold the turn the checkpoint
+        names. Otherwise the method starts again from turn 0 (a ``warning`` event says why): the same result, later.
+        A checkpoint of the last turn needs no client state (nothing is trained again).
         """
+        if not server.resume:
+            return None
+        saved = server.checkpoint.load()
+        if saved is None:
+            return None
+        if saved.round < self.params.rounds:
+            store, turns = saved.meta.get("store"), {int(c): int(t) for c, t in saved.meta.get("state_turns", [])}
+            problem = None
+            if not server.model_cache or not store:
+                problem = ("the clients' GAN training state (Adam moments, random generators, EP sites) stays on the "
+                           "clients, which keep it across runs only with run.model_cache")
+            else:
+                missing = self._missing_state(server, turns, store)
+                if missing:
+                    problem = f"clients {missing} no longer hold their GAN state"
+                    self._forget_state(server, store)  # the others' are of no use now
+            if problem is not None:
+                server.events.emit("warning", f"restarting from turn 0: {problem}", method=server.label)
+                return None
+        checkpoint = server.resume_checkpoint()
+        if checkpoint is not None and checkpoint.round < self.params.rounds:
+            turns = sorted(int(c) for c, _ in checkpoint.meta.get("state_turns", []))
+            server.events.emit("info", f"{len(turns)} clients continue from the GAN state they kept themselves",
+                               method=server.label, round=checkpoint.round, clients=turns)
+        return checkpoint
+
+    @staticmethod
+    def _missing_state(server: ServerContext, turns: dict[int, int], store: str) -> list[int]:
+        """The clients the checkpoint names that cannot give back their GAN state of the turn it records."""
         fed = server.federation
-        calls = [call for client, saved in sorted(clients.items()) if client in fed.client_ids
-                 for call in fed.map(restore_gan, fed.put(saved), clients=[client], **step_args)]
-        restored = fed.gather(calls).clients if calls else []
-        server.events.emit("info", f"{len(restored)} clients' GAN state restored from turn {turn}", method=server.label,
-                           round=turn, clients=restored)
+        gone = sorted(c for c in turns if c not in fed.client_ids)
+        calls = [call for client, turn in sorted(turns.items()) if client in fed.client_ids
+                 for call in fed.map(has_gan_state, clients=[client], label=server.label, turn=turn, store=store)]
+        try:
+            gathered = fed.gather(calls) if calls else None
+        except RunFailure:
+            gathered = None
+        return sorted(set(gone) | {c for c in turns if c not in gone and (gathered is None or gathered.results.get(c) is not True)})
+
+    @staticmethod
+    def _forget_state(server: ServerContext, store: str) -> None:
+        """The method is done (its last turn checkpointed), or restarts: the clients may delete their stored state."""
+        try:
+            server.federation.run(forget_gan_state, store=store)
+        except RunFailure as exc:  # leftovers in the clients' caches, not a failed method
+            server.events.emit("warning", f"stored GAN states not deleted: {exc}", method=server.label)
 
     @staticmethod
     def accept(server: ServerContext, gathered: Gathered[Any], reference: dict[str, np.ndarray]) -> dict[int, Update]:
@@ -630,13 +696,12 @@ class EPGANOracle(Method):
         if checkpoint is not None:
             # Everything the trainer carries between blocks: its parameters, Adam moments, random generator, iteration
             # counter and EP site (its own factor, which is also the global prior here). Its EP prior is not: each
-            # block's EP step recomputes it before training.
+            # block's EP step recomputes it before training. The oracle trains on the server, with every client's data
+            # pooled (an upper reference, not a federated method), so its training state is the server's own and is
+            # kept in its checkpoint, unlike a federated EP-GAN client's (which stays on the client, see EPGAN.run).
             done = checkpoint.round
             trainer.set_params(checkpoint.params)
-            trainer.load_training_state(_prefixed(checkpoint.state, "state/"))
-            site_mean, site_var = _prefixed(checkpoint.state, "site_mean/"), _prefixed(checkpoint.state, "site_var/")
-            if site_mean:
-                trainer.site = (site_mean, site_var)
+            _load_gan_state(trainer, checkpoint.state)
             metrics, losses = dict(checkpoint.meta.get("metrics", {})), dict(checkpoint.meta.get("losses", {}))
         while done < p.epochs:
             epochs = min(chunk, p.epochs - done)
@@ -654,11 +719,7 @@ class EPGANOracle(Method):
             metrics = scorer(trainer)
             server.log(done, {**losses, **metrics})
             server.progress(f"epoch {done}/{p.epochs}", metrics={k: round(v, 4) for k, v in metrics.items()})
-            state = {f"state/{k}": v for k, v in trainer.training_state().items()}
-            if trainer.site is not None:
-                state.update({f"site_mean/{k}": v for k, v in trainer.site[0].items()})
-                state.update({f"site_var/{k}": v for k, v in trainer.site[1].items()})
-            server.save_checkpoint(done, trainer.get_params(), state, {"metrics": metrics, "losses": losses})
+            server.save_checkpoint(done, trainer.get_params(), _gan_state(trainer), {"metrics": metrics, "losses": losses})
         if not metrics:
             metrics = dict(losses)
         snap = scorer.snapshot(trainer)
