@@ -27,7 +27,8 @@ from rayfuse.data.roles import ClientPlan, Split, client_splits, load_dataset_fr
 from rayfuse.federation import ClientDied, Update, client_step, map_arrays, step_name
 from rayfuse.seeding import derive_seed
 
-__all__ = ["Client", "ClientContext", "PrivacyError", "train_local", "get_local_update", "set_local_params", "describe"]
+__all__ = ["Client", "ClientContext", "ClientStateStore", "PrivacyError", "train_local", "get_local_update", "set_local_params",
+           "describe"]
 
 
 class PrivacyError(RuntimeError):
@@ -153,6 +154,76 @@ class ClientContext:
 
     def set_local_model(self, model: Any) -> None:
         self._local_model = model
+
+    def state_store(self, kind: str, store: str) -> "ClientStateStore":
+        """This client's private state of one method run on storage it owns (see :class:`ClientStateStore`)."""
+        return ClientStateStore(self, kind, store)
+
+
+class ClientStateStore:
+    """A client's private state of one method run, kept on storage the client owns, for ``rayfuse run --resume``.
+
+    The folder is ``<run.model_cache>/client-state/client-<id>/<kind>/<store>/`` (:attr:`folder`; ``None`` without
+    ``run.model_cache``: the client then keeps nothing). ``kind`` names what is kept (``fedsa-translators``,
+    ``epgan-state``); ``store`` is a random alphanumeric id the server draws once per method run and records in its
+    checkpoint. Files are ``<name>-<round:05d>.safetensors`` (arrays only: never pickle); the server's checkpoint
+    records, per client, the round its state belongs to, never the state. Written and read by the client's own process:
+    what a client keeps here (optimiser moments, random generators, a teacher's translator) never travels.
+    """
+
+    def __init__(self, ctx: ClientContext, kind: str, store: str) -> None:
+        if not store.isalnum():
+            raise ValueError(f"a client state store id is alphanumeric, got {store!r}")
+        if not kind or not kind.replace("-", "").isalnum():
+            raise ValueError(f"a client state kind is alphanumeric with dashes, got {kind!r}")
+        self.folder: Path | None = (Path(ctx.local_cache) / "client-state" / f"client-{ctx.client_id}" / kind / store
+                                    if ctx.local_cache else None)
+
+    def file(self, name: str, round: int) -> Path | None:
+        """Where the state ``name`` after ``round`` is kept (``None`` without storage)."""
+        return None if self.folder is None else self.folder / f"{name}-{round:05d}.safetensors"
+
+    def has(self, name: str, round: int) -> bool:
+        path = self.file(name, round)
+        return path is not None and path.is_file()
+
+    def load(self, name: str, round: int) -> dict[str, np.ndarray] | None:
+        """The arrays of ``name`` after ``round``; ``None`` without storage; :class:`FileNotFoundError` if not kept."""
+        from rayfuse.io import load_params
+
+        path = self.file(name, round)
+        if path is None:
+            return None
+        if not path.is_file():
+            raise FileNotFoundError(f"client state {path.name} not in {path.parent}")
+        return load_params(path)
+
+    def save(self, name: str, round: int, arrays: dict[str, np.ndarray], *, keep: int | None = None,
+             metadata: dict[str, str] | None = None) -> Path | None:
+        """Write ``name`` after ``round`` (nothing without storage) and delete its older rounds, except ``keep``: the
+        round this one started from, which the server's checkpoint may still name if the run stops before the server
+        records ``round``."""
+        from rayfuse.io import save_params
+
+        path = self.file(name, round)
+        if path is None:
+            return None
+        save_params(path, arrays, {"name": name, "round": str(round), **(metadata or {})})
+        kept = {path.name, *([self.file(name, keep).name] if keep is not None and keep != round else [])}  # type: ignore[union-attr]
+        for old in path.parent.glob(f"{name}-*.safetensors"):
+            if old.name not in kept and old.name[len(name) + 1:-len(".safetensors")].isdigit():
+                old.unlink(missing_ok=True)
+        return path
+
+    def forget(self) -> int:
+        """Delete the whole store (the method run is finished); the number of state files deleted."""
+        import shutil
+
+        if self.folder is None or not self.folder.is_dir():
+            return 0
+        count = len(list(self.folder.glob("*.safetensors")))
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return count
 
 
 class Client:

@@ -74,3 +74,33 @@ def test_step_results_round_trip_nested_arrays_and_values(tmp_path):
     # a result with values that cannot be stored safely (no pickles) is simply not cached
     other = StepResultCache(tmp_path, "k2")
     assert not other.save({0: {"model": object()}}) and other.load([0]) is None
+
+
+def test_a_client_state_store_keeps_the_last_two_rounds_on_the_clients_storage(tmp_path):
+    """``ClientStateStore``: a client's private state of one method run, under its own ``run.model_cache``."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import pytest
+
+    from rayfuse.client import ClientStateStore
+
+    ctx = SimpleNamespace(client_id=3, local_cache=str(tmp_path))
+    with pytest.raises(ValueError, match="alphanumeric"):
+        ClientStateStore(ctx, "epgan-state", "../x")
+    assert ClientStateStore(SimpleNamespace(client_id=3, local_cache=None), "epgan-state", "abc").folder is None
+    assert ClientStateStore(SimpleNamespace(client_id=3, local_cache=None), "epgan-state", "abc").save("a", 1, {}) is None
+    store = ClientStateStore(ctx, "epgan-state", "abc")
+    assert store.folder == tmp_path / "client-state" / "client-3" / "epgan-state" / "abc"
+    arrays = {"rng": np.arange(5, dtype=np.uint8), "iterations": np.asarray(7, dtype=np.int64)}
+    store.save("a", 1, arrays)
+    store.save("a-2", 1, arrays)  # another name in the same store is left alone
+    store.save("a", 2, arrays, keep=1)
+    store.save("a", 3, arrays, keep=2)
+    assert sorted(f.name for f in store.folder.iterdir()) == ["a-00002.safetensors", "a-00003.safetensors", "a-2-00001.safetensors"]
+    loaded = store.load("a", 3)
+    assert loaded["iterations"].shape == () and int(loaded["iterations"]) == 7 and loaded["rng"].dtype == np.uint8
+    assert store.has("a", 2) and not store.has("a", 1)
+    with pytest.raises(FileNotFoundError):
+        store.load("a", 1)
+    assert store.forget() == 3 and not store.folder.exists() and store.forget() == 0

@@ -37,6 +37,7 @@ fraction of samples within 3 standard deviations of some centre).
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import asdict
 from typing import Any, Literal
 
@@ -120,20 +121,30 @@ def _flat(X: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(X.reshape(len(X), -1), dtype=np.float32)
 
 
+STATE = "epgan-state"  # the kind of client state (:class:`rayfuse.client.ClientStateStore`) EP-GAN clients keep
+
+
 @client_step("epgan.train")
 def train_gan(ctx: ClientContext, broadcast: dict[str, Any], *, label: str, round: int, settings: dict[str, Any],
-              epochs: int, beta: float, damping: float, site: str) -> Update:
+              epochs: int, beta: float, damping: float, site: str, state_turn: int | None = None,
+              store: str | None = None) -> Update:
     """One turn of a client (Algorithm 2, lines 5-8): EP step, local GAN training, upload.
 
-    The client's GAN (optimiser states, discriminator history, EP factor) lives in ``ctx.state`` between turns; a
-    restarted client rebuilds it from the broadcast (its EP factor is then unknown and its cavity is the global prior).
-    ``broadcast``: ``params`` (``G/*``, ``D/*``) and, once initialised, the global EP prior ``ep_mean`` / ``ep_var``
-    (arrays with a leading component axis).
+    The client's GAN (optimiser states, random generator, iteration counter, EP site) lives in ``ctx.state`` between
+    turns and never travels: the update carries the parameters (``G/*``, ``D/*``, ``pi/logits``) and, on EP backbones,
+    the factor (``ep_mean/*``, ``ep_var/*``), nothing else. The discriminator history (PSA) is a buffer of D: it travels
+    with D's parameters and is averaged. ``broadcast``: ``params`` and, once initialised, the global EP prior
+    ``ep_mean`` / ``ep_var`` (arrays with a leading component axis).
+
+    ``state_turn``: the turn the server's checkpoint says this client's GAN state belongs to (its last turn that came
+    back; ``None``: none yet, a fresh trainer). With ``store`` (and ``run.model_cache`` on the client) the client also
+    writes its state to its own storage after the turn (:func:`_held_trainer` reads it back when memory does not hold
+    that turn: a resumed run's or a restarted actor's client).
     """
     key = f"epgan/{label}"
-    trainer: GANTrainer | None = ctx.state.get(key)
-    if trainer is None:
-        trainer = ctx.state[key] = GANTrainer(GANSettings(**settings), seed=ctx.step_seed(label, "gan"), device=ctx.device)
+    trainer = _held_trainer(ctx, label, GANSettings(**settings), state_turn, store)
+    ctx.state[key] = trainer
+    ctx.state[key + "/turn"] = None  # until this turn is done: a half-trained trainer is no turn's state
     X = _flat(ctx.train.X)
     params = broadcast["params"]
     trainer.set_params(params)  # Algorithm 2, line 11: the local copies are overwritten by the broadcast
@@ -150,7 +161,76 @@ def train_gan(ctx: ClientContext, broadcast: dict[str, Any], *, label: str, roun
     # Turn 0 is the warm-up: there is no global model to interpolate towards yet.
     stats = trainer.train(X, epochs, interpolate_to=params if round > 0 else None, beta=beta)
     metrics.update(stats)
+    ctx.state[key + "/turn"] = (store, round)
+    if store:
+        ctx.state_store(STATE, store).save(label, round, _gan_state(trainer), keep=state_turn)
     return Update({**trainer.get_params(), **upload}, ctx.num_examples, metrics)
+
+
+def _gan_state(trainer: GANTrainer) -> dict[str, np.ndarray]:
+    """What a client keeps of its GAN between turns besides the parameters the broadcast overwrites: ``state/*``
+    (:meth:`GANTrainer.training_state`: Adam moments, random generator, iteration counter) and, from the first EP turn
+    on, its EP site (``site_mean/*``, ``site_var/*``, which its next cavity divides out). Its EP prior is not needed:
+    the next turn's EP step sets it afresh before any training."""
+    state = {f"state/{k}": v for k, v in trainer.training_state().items()}
+    if trainer.site is not None:
+        state.update({f"site_mean/{k}": v for k, v in trainer.site[0].items()})
+        state.update({f"site_var/{k}": v for k, v in trainer.site[1].items()})
+    return state
+
+
+def _load_gan_state(trainer: GANTrainer, saved: dict[str, np.ndarray]) -> None:
+    """Restore what :func:`_gan_state` returned."""
+    trainer.load_training_state(_prefixed(saved, "state/"))
+    site_mean, site_var = _prefixed(saved, "site_mean/"), _prefixed(saved, "site_var/")
+    if site_mean:
+        trainer.site = (site_mean, site_var)
+
+
+def _held_trainer(ctx: ClientContext, label: str, settings: GANSettings, state_turn: int | None,
+                  store: str | None) -> GANTrainer:
+    """The GAN this turn starts from: the one of ``state_turn`` (see :func:`train_gan`), from memory, else from the
+    client's own storage; a fresh one (the shared initialisation's seed) when ``state_turn`` is ``None``.
+
+    Without storage (no ``store`` or no ``run.model_cache``) a client keeps only what its actor holds: that (whichever
+    turn it is of), or a fresh trainer for a restarted actor.
+    """
+    def fresh() -> GANTrainer:
+        return GANTrainer(settings, seed=ctx.step_seed(label, "gan"), device=ctx.device)
+
+    key = f"epgan/{label}"
+    held: GANTrainer | None = ctx.state.get(key)
+    if state_turn is None:
+        return fresh()
+    if held is not None and ctx.state.get(key + "/turn") == (store, state_turn):
+        return held
+    kept = ctx.state_store(STATE, store) if store else None
+    if kept is None or kept.folder is None:
+        return held if held is not None else fresh()
+    if not kept.has(label, state_turn):
+        raise FileNotFoundError(f"client {ctx.client_id}: no GAN state of {label!r} after turn {state_turn} in {kept.folder}")
+    trainer = fresh()
+    _load_gan_state(trainer, kept.load(label, state_turn) or {})
+    return trainer
+
+
+@client_step("epgan.has_state")
+def has_gan_state(ctx: ClientContext, *, label: str, turn: int, store: str) -> bool:
+    """Whether this client can continue from its GAN state of ``label`` after ``turn`` (memory or its own storage)."""
+    if ctx.state.get(f"epgan/{label}") is not None and ctx.state.get(f"epgan/{label}/turn") == (store, turn):
+        return True
+    return ctx.state_store(STATE, store).has(label, turn)
+
+
+@client_step("epgan.forget_state")
+def forget_gan_state(ctx: ClientContext, *, store: str) -> int:
+    """Delete this client's stored GAN states of one finished method run; the number of files deleted."""
+    return ctx.state_store(STATE, store).forget()
+
+
+def _prefixed(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """The arrays under ``prefix``, the prefix removed (copies: broadcasts and loaded checkpoints may be read-only)."""
+    return {k[len(prefix):]: np.array(v) for k, v in arrays.items() if k.startswith(prefix)}
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -381,11 +461,34 @@ def initial_ep_prior(trainer: GANTrainer, components: int, prior_var: float, spr
     return means, variances
 
 
+# -----------------------------------------------------------------------------------------------------------------
+# Turn checkpoints (``rayfuse run --resume``)
+
+
+def _checkpoint_state(ep: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None,
+                      initial_prior: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None) -> dict[str, np.ndarray]:
+    """The arrays of a turn checkpoint besides the global model: ``ep_mean/*``, ``ep_var/*`` (the global EP prior)
+    and ``ep0_mean/*``, ``ep0_var/*`` (the initial prior). Nothing of any client's: each keeps its own GAN state."""
+    state: dict[str, np.ndarray] = {}
+    for tag, prior in (("ep", ep), ("ep0", initial_prior)):
+        if prior is not None:
+            state.update({f"{tag}_mean/{k}": v for k, v in prior[0].items()})
+            state.update({f"{tag}_var/{k}": v for k, v in prior[1].items()})
+    return state
+
+
+def _prior_from(state: dict[str, np.ndarray], tag: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
+    means, variances = _prefixed(state, f"{tag}_mean/"), _prefixed(state, f"{tag}_var/")
+    return (means, variances) if means else None
+
+
 @register_method
 class EPGAN(Method):
     name = "epgan"
     Params = EPGANParams
     summary = "EP-GAN: federated (Bayesian) GANs, FedAvg of G and D plus a product-of-Gaussians EP prior (Wu et al. 2022)"
+    # A checkpoint after the warm-up (turn 0) and after each turn; ``--resume`` continues after the last one.
+    multi_round = True
 
     def run(self, server: ServerContext) -> MethodResult:
         p: EPGANParams = self.params
@@ -394,18 +497,53 @@ class EPGAN(Method):
         fed = server.federation
         scorer = make_scorer(server, p)
         model = GANTrainer(settings, seed=server.step_seed("init"), device=server.device)  # the shared initialisation
-        global_params = model.get_params()
-        ep: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
-        initial_prior = None
         step_args = dict(label=server.label, settings=asdict(settings), beta=p.beta, damping=p.damping, site=p.site)
-        maps: dict[str, Any] = {}
         show = {0, 1, (p.rounds + 1) // 2, p.rounds}
-        metrics: dict[str, float] = {}
-        rejected = 0
-        for turn in range(0, p.rounds + 1):
+        # The server's state between turns, all of it in the turn checkpoint: the global G and D (every ProbGAN sample,
+        # D's PSA history buffers and the mixture logits included), the global EP prior (every component), the initial
+        # prior (site mode "ep" multiplies it in each turn), the per-turn records (metrics history through server.log,
+        # the maps for the report), the rejection count and the last losses, and per client the turn its GAN state
+        # belongs to (state_turns) with the id of the store the clients keep it in.
+        # Each client's GAN state (Adam moments of G and D, its random generator, its iteration counter -- the PSA
+        # schedule -- and its EP site) stays on the client: gradient statistics of private data never travel. With
+        # run.model_cache each client writes it to its own storage after each turn (train_gan), so that --resume can
+        # continue mid-method (see _resume). Re-initialising it every turn instead would change the method (Adam
+        # restarts) for every run.
+        # Randomness: the server draws only at turn 0 (the initial prior's offsets, server.rng("ep-init")); each client
+        # draws from its trainer's generator, seeded once per client (ctx.step_seed(label, "gan")) and carried across
+        # turns as part of its state rather than re-derived from the turn number: re-seeding per turn would change
+        # every uninterrupted run's numbers (docs/methods/epgan.md's results).
+        checkpoint = self._resume(server)
+        store = uuid.uuid4().hex if server.model_cache else None
+        state_turns: dict[int, int] = {}  # per client: its last turn that came back (what its stored state is of)
+        if checkpoint is None:
+            start = 0
+            global_params = model.get_params()
+            ep: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
+            initial_prior: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
+            maps: dict[str, Any] = {}
+            metrics: dict[str, float] = {}
+            losses: dict[str, float] = {}
+            rejected = 0
+        else:
+            start = checkpoint.round + 1
+            global_params = dict(checkpoint.params)
+            ep, initial_prior = _prior_from(checkpoint.state, "ep"), _prior_from(checkpoint.state, "ep0")
+            meta = checkpoint.meta
+            maps, metrics = dict(meta.get("maps", {})), dict(meta.get("metrics", {}))
+            losses, rejected = dict(meta.get("losses", {})), int(meta.get("rejected", 0))
+            store = meta.get("store") or store
+            state_turns = {int(c): int(t) for c, t in meta.get("state_turns", [])}
+            model.set_params(global_params)
+        for turn in range(start, p.rounds + 1):
             broadcast = fed.put({"params": global_params, "ep_mean": None if ep is None else ep[0],
                                  "ep_var": None if ep is None else ep[1]})
-            gathered = fed.run(train_gan, broadcast, round=turn, epochs=p.warmup_epochs if turn == 0 else p.local_epochs, **step_args)
+            epochs = p.warmup_epochs if turn == 0 else p.local_epochs
+            gathered = fed.gather([call for client in fed.client_ids for call in fed.map(
+                train_gan, broadcast, clients=[client], round=turn, epochs=epochs, state_turn=state_turns.get(client),
+                store=store, **step_args)])
+            # Every client that came back (its update accepted or not) has moved its GAN state on to this turn.
+            state_turns.update({int(client): turn for client in gathered.results})
             reference = dict(global_params)
             if ep is not None and settings.uses_ep:
                 reference.update({f"ep_mean/{k}": v for k, v in ep[0].items()})
@@ -429,6 +567,7 @@ class EPGAN(Method):
                 "g_loss": float(np.average([u.metrics["g_loss"] for u in updates.values()], weights=weights)),
                 "client_seconds": float(np.mean([u.metrics["train_seconds"] for u in updates.values()])),
             }
+            losses = {"d_loss": row["d_loss"], "g_loss": row["g_loss"]}
             if ep is not None:
                 row["ep_var_mean"] = float(np.mean([v.mean() for v in ep[1].values()]))
             metrics = scorer(model)
@@ -441,8 +580,13 @@ class EPGAN(Method):
                 if snap is not None:
                     maps[str(turn)] = snap
             del broadcast, gathered
+            server.save_checkpoint(turn, global_params, _checkpoint_state(ep, initial_prior), {
+                "metrics": metrics, "losses": losses, "maps": maps, "rejected": rejected, "store": store,
+                "state_turns": sorted([int(c), int(t)] for c, t in state_turns.items())})
+        if store is not None:
+            self._forget_state(server, store)
         if not metrics:  # no toy scores for this dataset: report the last losses
-            metrics = {"d_loss": row["d_loss"], "g_loss": row["g_loss"]}
+            metrics = dict(losses)
         final = dict(global_params)
         if ep is not None:
             final.update({f"ep_mean/{k}": v.astype(np.float32) for k, v in ep[0].items()})
@@ -450,6 +594,63 @@ class EPGAN(Method):
         return MethodResult(metrics, final, info={
             "rounds": p.rounds, "backbone": p.backbone, "components": p.components, "rejected_updates": rejected,
             "maps": maps, "truth": scorer.truth_snapshot(), "real_data_scores": scorer.reference()})
+
+    # -- resume ----------------------------------------------------------------------------------------------------
+
+    def _resume(self, server: ServerContext) -> Any:
+        """The turn checkpoint to continue from on ``--resume``, or ``None`` (a fresh start from turn 0).
+
+        Each client's GAN state lives on its client, across turns: a resumed run can continue mid-method only when the
+        clients kept theirs (``run.model_cache``, storage the clients own) and still hold the turn the checkpoint
+        names. Otherwise the method starts again from turn 0 (a ``warning`` event says why): the same result, later.
+        A checkpoint of the last turn needs no client state (nothing is trained again).
+        """
+        if not server.resume:
+            return None
+        saved = server.checkpoint.load()
+        if saved is None:
+            return None
+        if saved.round < self.params.rounds:
+            store, turns = saved.meta.get("store"), {int(c): int(t) for c, t in saved.meta.get("state_turns", [])}
+            problem = None
+            if not server.model_cache or not store:
+                problem = ("the clients' GAN training state (Adam moments, random generators, EP sites) stays on the "
+                           "clients, which keep it across runs only with run.model_cache")
+            else:
+                missing = self._missing_state(server, turns, store)
+                if missing:
+                    problem = f"clients {missing} no longer hold their GAN state"
+                    self._forget_state(server, store)  # the others' are of no use now
+            if problem is not None:
+                server.events.emit("warning", f"restarting from turn 0: {problem}", method=server.label)
+                return None
+        checkpoint = server.resume_checkpoint()
+        if checkpoint is not None and checkpoint.round < self.params.rounds:
+            turns = sorted(int(c) for c, _ in checkpoint.meta.get("state_turns", []))
+            server.events.emit("info", f"{len(turns)} clients continue from the GAN state they kept themselves",
+                               method=server.label, round=checkpoint.round, clients=turns)
+        return checkpoint
+
+    @staticmethod
+    def _missing_state(server: ServerContext, turns: dict[int, int], store: str) -> list[int]:
+        """The clients the checkpoint names that cannot give back their GAN state of the turn it records."""
+        fed = server.federation
+        gone = sorted(c for c in turns if c not in fed.client_ids)
+        calls = [call for client, turn in sorted(turns.items()) if client in fed.client_ids
+                 for call in fed.map(has_gan_state, clients=[client], label=server.label, turn=turn, store=store)]
+        try:
+            gathered = fed.gather(calls) if calls else None
+        except RunFailure:
+            gathered = None
+        return sorted(set(gone) | {c for c in turns if c not in gone and (gathered is None or gathered.results.get(c) is not True)})
+
+    @staticmethod
+    def _forget_state(server: ServerContext, store: str) -> None:
+        """The method is done (its last turn checkpointed), or restarts: the clients may delete their stored state."""
+        try:
+            server.federation.run(forget_gan_state, store=store)
+        except RunFailure as exc:  # leftovers in the clients' caches, not a failed method
+            server.events.emit("warning", f"stored GAN states not deleted: {exc}", method=server.label)
 
     @staticmethod
     def accept(server: ServerContext, gathered: Gathered[Any], reference: dict[str, np.ndarray]) -> dict[int, Update]:
@@ -475,6 +676,10 @@ class EPGANOracle(Method):
     Params = EPGANOracleParams
     summary = "ORACLE: the EP-GAN backbone trained on all clients' data pooled (the paper's centralised column)"
     oracle = True
+    # A checkpoint after each block of local_epochs epochs (the loop's unit); ``--resume`` continues after the last one
+    # (through ServerContext.resume_checkpoint, which does not look at multi_round). multi_round stays False: its other
+    # effect is to make the method an ASHA target in a sweep, with a budget that defaults to ``rounds`` turns, and the
+    # oracle counts epochs, not turns (its progress events carry no round).
 
     def run(self, server: ServerContext) -> MethodResult:
         p: EPGANOracleParams = self.params
@@ -486,6 +691,18 @@ class EPGANOracle(Method):
         chunk = max(p.local_epochs, 1)
         done = 0
         metrics: dict[str, float] = {}
+        losses: dict[str, float] = {}
+        checkpoint = server.resume_checkpoint()
+        if checkpoint is not None:
+            # Everything the trainer carries between blocks: its parameters, Adam moments, random generator, iteration
+            # counter and EP site (its own factor, which is also the global prior here). Its EP prior is not: each
+            # block's EP step recomputes it before training. The oracle trains on the server, with every client's data
+            # pooled (an upper reference, not a federated method), so its training state is the server's own and is
+            # kept in its checkpoint, unlike a federated EP-GAN client's (which stays on the client, see EPGAN.run).
+            done = checkpoint.round
+            trainer.set_params(checkpoint.params)
+            _load_gan_state(trainer, checkpoint.state)
+            metrics, losses = dict(checkpoint.meta.get("metrics", {})), dict(checkpoint.meta.get("losses", {}))
         while done < p.epochs:
             epochs = min(chunk, p.epochs - done)
             if settings.uses_ep and done > 0:
@@ -498,11 +715,13 @@ class EPGANOracle(Method):
                     trainer.update_ep(X, *trainer.site, damping=p.damping, site_mode="paper")
             stats = trainer.train(X, epochs)
             done += epochs
+            losses = {"d_loss": stats["d_loss"], "g_loss": stats["g_loss"]}
             metrics = scorer(trainer)
-            server.log(done, {"d_loss": stats["d_loss"], "g_loss": stats["g_loss"], **metrics})
+            server.log(done, {**losses, **metrics})
             server.progress(f"epoch {done}/{p.epochs}", metrics={k: round(v, 4) for k, v in metrics.items()})
+            server.save_checkpoint(done, trainer.get_params(), _gan_state(trainer), {"metrics": metrics, "losses": losses})
         if not metrics:
-            metrics = {"d_loss": stats["d_loss"], "g_loss": stats["g_loss"]}
+            metrics = dict(losses)
         snap = scorer.snapshot(trainer)
         return MethodResult(metrics, trainer.get_params(), info={
             "note": "trained on all clients' data pooled: infeasible in a federation, an upper reference",

@@ -348,8 +348,48 @@ class GANTrainer:
         energy = ep_energy(named, means, half_prec, self.G.num_samples, self.per_sample)
         if energy.shape[0] == 1:
             return energy[0]
-        log_pi = torch.log(F.gumbel_softmax(self.logits, tau=1.0, hard=False) + 1e-20)
+        log_pi = torch.log(self.mixture_weights() + 1e-20)
         return -torch.logsumexp(log_pi - energy, dim=0)
+
+    def mixture_weights(self) -> torch.Tensor:
+        """``pi = gumbel_softmax(logits, tau=1)``, soft, as ``F.gumbel_softmax`` computes it but with the Gumbel noise
+        drawn from this trainer's own generator: ``F.gumbel_softmax`` draws from torch's global generator, whose state
+        depends on what else ran in the process (other clients of an in-process run, a restarted actor), so runs with
+        ``components > 1`` were not reproducible and could not be resumed exactly."""
+        gumbels = -torch.empty(self.logits.shape).exponential_(generator=self.rng).log().to(self.logits.device)
+        return torch.softmax(self.logits + gumbels, dim=-1)  # tau = 1
+
+    # -- state kept between turns (for resuming a run) -----------------------------------------------------------
+
+    def training_state(self) -> dict[str, np.ndarray]:
+        """What this trainer carries from one turn to the next besides its parameters (which the broadcast
+        overwrites) and its EP site (which it uploads): the Adam moments and step counts of G and D, the state of its
+        random generator (minibatch order, z, gradient-penalty mixing, SGHMC noise, Gumbel noise, f's subsample) and
+        its iteration counter (when the PSA history is next updated). Copies: the live tensors keep changing.
+
+        The EP prior the generator is pulled to is not part of it: every turn sets it afresh (:meth:`update_ep`)
+        before training.
+        """
+        out = {"rng": self.rng.get_state().numpy().copy(), "iterations": np.asarray(self.iterations, dtype=np.int64)}
+        for name, opt in (("opt_g", self.opt_g), ("opt_d", self.opt_d)):
+            for index, slots in opt.state_dict()["state"].items():
+                for slot, value in slots.items():
+                    out[f"{name}/{index}/{slot}"] = value.detach().cpu().numpy().copy()
+        return out
+
+    def load_training_state(self, state: dict[str, np.ndarray]) -> None:
+        """Restore what :meth:`training_state` returned (on a trainer built with the same settings)."""
+        self.rng.set_state(torch.as_tensor(np.array(state["rng"], dtype=np.uint8)))
+        self.iterations = int(state["iterations"])
+        for name, opt in (("opt_g", self.opt_g), ("opt_d", self.opt_d)):
+            slots: dict[int, dict[str, torch.Tensor]] = {}
+            for key, value in state.items():
+                owner, _, rest = key.partition("/")
+                if owner == name:
+                    index, slot = rest.split("/", 1)
+                    slots.setdefault(int(index), {})[slot] = torch.as_tensor(np.array(value))
+            # load_state_dict moves the moments to the parameters' device and dtype ("step" stays a CPU scalar)
+            opt.load_state_dict({"state": slots, "param_groups": opt.state_dict()["param_groups"]})
 
     # -- training ----------------------------------------------------------------------------------------------
 

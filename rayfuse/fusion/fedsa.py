@@ -41,7 +41,6 @@ import copy
 import time
 import uuid
 from collections import Counter
-from pathlib import Path
 from typing import Any, Callable, Literal
 
 import numpy as np
@@ -91,23 +90,7 @@ def _teacher_features(ctx: ClientContext) -> Any:
     return cached
 
 
-def _translator_folder(ctx: ClientContext, store: str) -> Path | None:
-    """Where this client keeps its translators of one method run (``None`` without ``run.model_cache``).
-
-    ``<run.model_cache>/client-state/client-<id>/fedsa-translators/<store>/``: storage the client owns (like its
-    cached local model), in a folder the server names once per method run (``store``, a random hex id).
-    """
-    if not store.isalnum():
-        raise ValueError(f"a translator store id is alphanumeric, got {store!r}")
-    if not ctx.local_cache:
-        return None
-    return Path(ctx.local_cache) / "client-state" / f"client-{ctx.client_id}" / "fedsa-translators" / store
-
-
-def _translator_file(ctx: ClientContext, store: str, label: str, round: int) -> Path | None:
-    """The client's translator for ``label`` after ``round``: ``<label>-<round>.safetensors`` in the store."""
-    folder = _translator_folder(ctx, store)
-    return None if folder is None else folder / f"{label}-{round:05d}.safetensors"
+TRANSLATORS = "fedsa-translators"  # the kind of client state (:class:`rayfuse.client.ClientStateStore`) FedSA keeps
 
 
 def _held_translator(ctx: ClientContext, label: str, translator_round: int | None, store: str | None,
@@ -118,7 +101,6 @@ def _held_translator(ctx: ClientContext, label: str, translator_round: int | Non
     ``translator_round=None`` (callers that do not track it): the one in memory, or a new one. Without a store
     (no ``run.model_cache``) a translator missing from memory (a restarted client) is rebuilt as new.
     """
-    from rayfuse.io import load_params
     from rayfuse.models import set_params
 
     held = ctx.state.get(("fedsa.translator", label))
@@ -128,12 +110,12 @@ def _held_translator(ctx: ClientContext, label: str, translator_round: int | Non
         return None
     if held is not None and ctx.state.get(("fedsa.translator_round", label)) == translator_round:
         return held
-    path = _translator_file(ctx, store, label, translator_round) if store else None
-    if path is None:
+    kept = ctx.state_store(TRANSLATORS, store) if store else None
+    if kept is None or kept.folder is None:
         return held
-    if not path.is_file():
-        raise FileNotFoundError(f"client {ctx.client_id}: no translator of {label!r} after round {translator_round} in {path.parent}")
-    return set_params(build(), load_params(path))
+    if not kept.has(label, translator_round):
+        raise FileNotFoundError(f"client {ctx.client_id}: no translator of {label!r} after round {translator_round} in {kept.folder}")
+    return set_params(build(), kept.load(label, translator_round))
 
 
 @client_step("fedsa.distill")
@@ -184,16 +166,10 @@ def distill_student(ctx: ClientContext, student_params: dict[str, np.ndarray], *
 def _keep_translator(ctx: ClientContext, store: str, label: str, round: int, previous: int | None) -> None:
     """Write the kept translator for ``round``; keep the file this round started from too (the server's checkpoint
     may still name it if the run stops before the server records this round), drop older ones."""
-    from rayfuse.io import save_params
     from rayfuse.models import get_params
 
-    path = _translator_file(ctx, store, label, round)
-    assert path is not None
-    save_params(path, get_params(ctx.state[("fedsa.translator", label)]), {"label": label, "round": str(round)})
-    keep = {path.name, *([f"{label}-{previous:05d}.safetensors"] if previous else [])}
-    for old in path.parent.glob(f"{label}-*.safetensors"):
-        if old.name not in keep and old.name[len(label) + 1:-len(".safetensors")].isdigit():
-            old.unlink(missing_ok=True)
+    ctx.state_store(TRANSLATORS, store).save(label, round, get_params(ctx.state[("fedsa.translator", label)]),
+                                             keep=previous or None, metadata={"label": label})
 
 
 @client_step("fedsa.has_translator")
@@ -201,21 +177,13 @@ def has_translator(ctx: ClientContext, *, label: str, round: int, store: str) ->
     """Whether this client can give back its translator of ``label`` after ``round`` (memory or its own store)."""
     if ctx.state.get(("fedsa.translator", label)) is not None and ctx.state.get(("fedsa.translator_round", label)) == round:
         return True
-    path = _translator_file(ctx, store, label, round)
-    return path is not None and path.is_file()
+    return ctx.state_store(TRANSLATORS, store).has(label, round)
 
 
 @client_step("fedsa.forget_translators")
 def forget_translators(ctx: ClientContext, *, store: str) -> int:
     """Delete this client's stored translators of one finished method run; the number of files deleted."""
-    import shutil
-
-    folder = _translator_folder(ctx, store)
-    if folder is None:
-        return 0
-    count = len(list(folder.glob("*.safetensors"))) if folder.is_dir() else 0
-    shutil.rmtree(folder, ignore_errors=True)
-    return count
+    return ctx.state_store(TRANSLATORS, store).forget()
 
 
 # -----------------------------------------------------------------------------------------------------------------

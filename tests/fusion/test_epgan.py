@@ -224,3 +224,255 @@ def test_tiny_digits_run_reports_image_scores(coordinator):
     assert {"fd", "is", "classes"} <= set(summary["metrics"]) and all(np.isfinite(v) for v in summary["metrics"].values())
     assert summary["info"]["real_data_scores"]["is"] > 5  # the scoring classifier separates the real digits
     assert np.asarray(summary["info"]["maps"]["2"]["images"]).shape == (16, 8, 8)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resume (turn checkpoints)
+
+
+def _run(cfg, run_dir, **kwargs):
+    from rayfuse.report import Printer
+    from rayfuse.runner import InProcessBackend, run_experiment
+
+    return run_experiment(cfg, InProcessBackend(), run_dir, printer=Printer(enabled=False), show_tables=False, **kwargs)
+
+
+def _checkpoint(run_dir, label):
+    from rayfuse.store import RunStore
+
+    return RunStore(run_dir).checkpointer(label).load()
+
+
+def _deterministic(history):
+    return [r for r in history if r["metric"] != "client_seconds"]  # wall time
+
+
+def _stored(cache):
+    """The GAN states the clients keep in their own storage (``run.model_cache``)."""
+    return sorted(str(f.relative_to(cache)) for f in cache.glob("client-state/*/epgan-state/*/*"))
+
+
+def _interrupt_at_turn_2(make_config, run_dir, methods, cache):
+    """Client 1 raises in its third call of epgan.train (turn 2; turn 0 is the warm-up) and the policy is fail: the run
+    stops with turns 0 and 1 checkpointed."""
+    from rayfuse.errors import RunFailure
+
+    crash = {"on_client_failure": "fail", "faults": [{"client": 1, "step": "epgan.train", "call": 3, "mode": "raise"}]}
+    with pytest.raises(RunFailure):
+        _run(make_config(**TOY, methods=methods, federation=crash, run={"model_cache": cache}), run_dir)
+    assert _checkpoint(run_dir, "ep").round == 1
+
+
+def _resume(run_dir):
+    from rayfuse.config import parse_overrides
+    from rayfuse.runner import load_run_config
+
+    cfg = load_run_config(run_dir, parse_overrides(["federation.faults=[]", "federation.on_client_failure=retry"]))
+    return _run(cfg, run_dir, resume=True)
+
+
+def _turns_run(results):
+    return [e["round"] for e in results["events"] if e["kind"] == "progress" and e.get("method") == "ep"]
+
+
+@pytest.mark.parametrize("components,site", [(1, "paper"), (2, "ep")])
+def test_an_interrupted_ep_probgan_run_resumes_after_its_last_turn_and_equals_the_uninterrupted_run(make_config, tmp_path, components, site):
+    import json
+
+    methods = {"ep": {"method": "epgan", "backbone": "ep-probgan", "components": components, "site": site, **FAST, "rounds": 3}}
+    straight = _run(make_config(**TOY, methods=methods), tmp_path / "straight")  # no client storage: the plain run
+    interrupted, cache = tmp_path / "interrupted", tmp_path / "cache"
+    _interrupt_at_turn_2(make_config, interrupted, methods, str(cache))
+    # Each client keeps its own GAN state of the checkpointed turn 1 and of the turn before it started from (clients 0,
+    # 2 and 3 finished turn 2, which started from turn 1);
+    # the server's checkpoint records only which turn each client's state is of, and where (the store id).
+    meta = _checkpoint(interrupted, "ep").meta
+    assert meta["state_turns"] == [[0, 1], [1, 1], [2, 1], [3, 1]] and meta["store"].isalnum()
+    assert _stored(cache) == sorted(f"client-state/client-{c}/epgan-state/{meta['store']}/ep-{t:05d}.safetensors"
+                                    for c in range(4) for t in ((0, 1) if c == 1 else (1, 2)))
+
+    resumed = _resume(interrupted)
+    assert resumed["status"] == "succeeded"
+    events = resumed["events"]
+    assert any(e["kind"] == "resumed" and e.get("method") == "ep" and e["round"] == 1 for e in events)
+    assert any(e["kind"] == "info" and "4 clients continue from the GAN state they kept themselves" in e.get("message", "")
+               for e in events)
+    assert not [e for e in events if e["kind"] == "warning"]
+    # the finished turns 0 and 1 are not redone: the resumed run trains turns 2 and 3 only, each once
+    assert _turns_run(resumed) == [2, 3]
+
+    # The same numbers as the uninterrupted run, exactly: scores, per-turn records, maps, the final G / D and the EP
+    # prior (float64, every component) in the last checkpoint.
+    assert resumed["methods"]["ep"] == {**straight["methods"]["ep"], "seconds": resumed["methods"]["ep"]["seconds"]}
+    state = {run: json.loads((tmp_path / run / "state" / "ep.json").read_text()) for run in ("straight", "interrupted")}
+    assert _deterministic(state["interrupted"]["history"]) == _deterministic(state["straight"]["history"])
+    assert sorted({r["round"] for r in state["interrupted"]["history"]}) == [0, 1, 2, 3]
+    assert len(state["interrupted"]["history"]) == len(state["straight"]["history"])  # no turn logged twice
+    a, b = _checkpoint(tmp_path / "straight", "ep"), _checkpoint(interrupted, "ep")
+    assert a.round == b.round == 3
+    for mine, theirs in ((b.params, a.params), (b.state, a.state)):
+        assert sorted(mine) == sorted(theirs)
+        assert all(np.array_equal(mine[k], theirs[k]) and mine[k].dtype == theirs[k].dtype for k in mine), \
+            [k for k in mine if not np.array_equal(mine[k], theirs[k])]
+    assert any(k.startswith("ep_mean/") for k in b.state) and b.state["ep_mean/first_weight"].shape[0] == components
+    assert "ep0_mean/mid.weight" in b.state and ("pi/logits" in b.params) == (components > 1)
+    # nothing of any client's in the server's checkpoint: no optimiser moments, random generator, iteration counter
+    assert set(b.state) == {k for k in b.state if k.startswith(("ep_mean/", "ep_var/", "ep0_mean/", "ep0_var/"))}
+    assert b.meta["state_turns"] == [[c, 3] for c in range(4)]
+    assert _stored(cache) == []  # the clients' stored states are deleted once the method is done
+
+
+def test_without_client_storage_resume_restarts_from_turn_0_with_the_same_result(make_config, tmp_path):
+    methods = {"ep": {"method": "epgan", "backbone": "ep-probgan", **FAST, "rounds": 3}}
+    straight = _run(make_config(**TOY, methods=methods), tmp_path / "straight")
+    run_dir = tmp_path / "interrupted"
+    _interrupt_at_turn_2(make_config, run_dir, methods, None)
+    assert _checkpoint(run_dir, "ep").meta["store"] is None
+    resumed = _resume(run_dir)
+    warnings = [e["message"] for e in resumed["events"] if e["kind"] == "warning"]
+    assert len(warnings) == 1 and "restarting from turn 0" in warnings[0] and "run.model_cache" in warnings[0]
+    assert not [e for e in resumed["events"] if e["kind"] == "resumed"]
+    assert _turns_run(resumed) == [0, 1, 2, 3]
+    assert resumed["methods"]["ep"] == {**straight["methods"]["ep"], "seconds": resumed["methods"]["ep"]["seconds"]}
+
+
+def test_a_lost_client_state_restarts_from_turn_0_with_the_same_result(make_config, tmp_path):
+    methods = {"ep": {"method": "epgan", "backbone": "ep-probgan", **FAST, "rounds": 3}}
+    straight = _run(make_config(**TOY, methods=methods), tmp_path / "straight")
+    run_dir, cache = tmp_path / "interrupted", tmp_path / "cache"
+    _interrupt_at_turn_2(make_config, run_dir, methods, str(cache))
+    old_store = _checkpoint(run_dir, "ep").meta["store"]
+    (cache / "client-state" / "client-2" / "epgan-state" / old_store / "ep-00001.safetensors").unlink()  # client 2 lost it
+    resumed = _resume(run_dir)
+    warnings = [e["message"] for e in resumed["events"] if e["kind"] == "warning"]
+    assert len(warnings) == 1 and "restarting from turn 0: clients [2] no longer hold their GAN state" in warnings[0]
+    assert _turns_run(resumed) == [0, 1, 2, 3]
+    assert resumed["methods"]["ep"] == {**straight["methods"]["ep"], "seconds": resumed["methods"]["ep"]["seconds"]}
+    assert _checkpoint(run_dir, "ep").meta["store"] != old_store  # a new store for the new start
+    assert _stored(cache) == []  # the old store's leftovers and the new run's states are deleted
+
+
+def test_resuming_after_a_rejected_update_equals_the_uninterrupted_run(make_config, tmp_path):
+    """Client 2's turn 1 comes back NaN and is rejected; the run stops after turn 1. The client's GAN state moved on
+    in turn 1 all the same (its own storage has it), so the resumed run continues from it, as the uninterrupted one."""
+    methods = {"ep": {"method": "epgan", "backbone": "ep-probgan", **FAST, "rounds": 3}}
+    nan = {"client": 2, "step": "epgan.train", "call": 2, "mode": "nan"}
+    fed = {"on_client_failure": "drop", "faults": [nan]}
+    straight = _run(make_config(**TOY, methods=methods, federation=fed), tmp_path / "straight")
+    assert straight["methods"]["ep"]["info"]["rejected_updates"] == 1
+    run_dir, cache = tmp_path / "interrupted", tmp_path / "cache"
+    crash = {"client": 1, "step": "epgan.train", "call": 3, "mode": "raise"}
+    from rayfuse.errors import RunFailure
+
+    with pytest.raises(RunFailure):
+        _run(make_config(**TOY, methods=methods, federation={"on_client_failure": "fail", "faults": [nan, crash]},
+                         run={"model_cache": str(cache)}), run_dir)
+    assert _checkpoint(run_dir, "ep").meta["state_turns"] == [[c, 1] for c in range(4)]
+    resumed = _resume(run_dir)
+    assert _turns_run(resumed) == [2, 3]
+    assert resumed["methods"]["ep"] == {**straight["methods"]["ep"], "seconds": resumed["methods"]["ep"]["seconds"]}
+
+
+def test_a_client_keeps_its_gan_state_itself_and_uploads_none_of_it(make_config, tmp_path):
+    """What an EP-GAN client returns from its turn is its parameters and EP factor: no optimiser moments, no random
+    generator state, no iteration counter. It keeps those in its own storage, from which a new client (a resumed
+    run's, or a restarted actor) continues exactly."""
+    from dataclasses import asdict
+
+    from rayfuse.client import Client
+    from rayfuse.data.roles import load_dataset_from_config, make_plan
+    from rayfuse.fusion.epgan import EPGANParams, forget_gan_state, has_gan_state, initial_ep_prior, train_gan
+
+    cfg = make_config(**TOY, methods={"ep": {"method": "epgan", **FAST}})
+    plan = make_plan(load_dataset_from_config(cfg.data), cfg.data, cfg.partition, cfg.run.seed)
+    cache = tmp_path / "cache"
+
+    def new_client():
+        return Client(0, plan.for_client(0), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=0,
+                      local_cache=str(cache))
+
+    settings = EPGANParams(backbone="ep-probgan", components=2, batch_size=32).settings(2)
+    model = GANTrainer(settings, seed=1)
+    ep = initial_ep_prior(model, 2, 1.0, 0.05, np.random.default_rng(0))
+    broadcast = {"params": model.get_params(), "ep_mean": ep[0], "ep_var": ep[1]}
+    args = dict(label="ep", settings=asdict(settings), epochs=1, beta=0.5, damping=0.5, site="paper", store="abc123")
+    client = new_client()
+    client.run(train_gan, {"params": model.get_params()}, round=0, state_turn=None, **args)
+    update = client.run(train_gan, broadcast, round=1, state_turn=0, **args)
+
+    trainer = client.ctx.state["epgan/ep"]
+    private = trainer.training_state()
+    assert any("exp_avg_sq" in k for k in private) and "rng" in private and "iterations" in private
+    expected = set(trainer.get_params()) | {f"ep_{w}/{k}" for w in ("mean", "var") for k in ep[0]}
+    assert set(update.params) == expected and "pi/logits" in expected
+    assert all(k.startswith(("G/", "D/", "pi/", "ep_mean/", "ep_var/")) for k in update.params)
+    returned = [np.asarray(v) for v in update.params.values()] + [np.asarray(v) for v in update.metrics.values()]
+    assert not [k for k in list(update.params) + list(update.metrics) if any(w in k for w in ("rng", "exp_avg", "iterations", "resume"))]
+    for name, value in private.items():  # no moment or generator state travels, under any name
+        if value.size > 1:
+            assert not any(r.shape == value.shape and np.array_equal(r, value) for r in returned), name
+
+    # the client's own storage: its state after turns 0 and 1 (turn 1 started from 0)
+    kept = cache / "client-state" / "client-0" / "epgan-state" / "abc123"
+    assert sorted(f.name for f in kept.iterdir()) == ["ep-00000.safetensors", "ep-00001.safetensors"]
+    straight = client.run(train_gan, broadcast, round=2, state_turn=1, **args)
+    assert sorted(f.name for f in kept.iterdir()) == ["ep-00001.safetensors", "ep-00002.safetensors"]
+    again = new_client()
+    assert again.run(has_gan_state, label="ep", turn=1, store="abc123") and not again.run(has_gan_state, label="ep", turn=0, store="abc123")
+    resumed = again.run(train_gan, broadcast, round=2, state_turn=1, **args)
+    assert all(np.array_equal(straight.params[k], resumed.params[k]) for k in straight.params)
+    with pytest.raises(FileNotFoundError, match="no GAN state of 'ep' after turn 0"):  # never silently a fresh one
+        new_client().run(train_gan, broadcast, round=2, state_turn=0, **args)
+    fresh = new_client().run(train_gan, broadcast, round=2, state_turn=None, **args)  # the stored state matters
+    assert not all(np.array_equal(straight.params[k], fresh.params[k]) for k in straight.params)
+    files = len(list(kept.iterdir()))  # the fresh start's turn 2 only: it started from no stored turn
+    assert files == 1 and new_client().run(forget_gan_state, store="abc123") == files and not kept.exists()
+
+
+def test_finished_turns_are_not_redone_on_resume(make_config, tmp_path):
+    from rayfuse.config import parse_overrides
+    from rayfuse.fusion import METHODS
+    from rayfuse.runner import load_run_config
+
+    assert METHODS.get("epgan").multi_round
+    methods = {"ep": {"method": "epgan", "backbone": "ep-bgan", **FAST, "rounds": 2}}
+    run_dir = tmp_path / "r"
+    first = _run(make_config(**TOY, methods=methods), run_dir)
+    (run_dir / "state" / "ep.json").unlink()  # as if the run stopped after checkpointing its last turn
+    # Any epgan.train call in the resumed run fails it: every client raises on its first one.
+    trap = [{"client": c, "step": "epgan.train", "call": 1, "mode": "raise"} for c in range(4)]
+    cfg = load_run_config(run_dir, parse_overrides([f"federation.faults={trap}".replace("'", '"'), "federation.on_client_failure=fail"]))
+    assert len(cfg.federation.faults) == 4
+    resumed = _run(cfg, run_dir, resume=True)
+    assert any(e["kind"] == "resumed" and e["round"] == 2 for e in resumed["events"])
+    assert not [e for e in resumed["events"] if e["kind"] == "progress" and e.get("method") == "ep"]
+    assert resumed["methods"]["ep"] == {**first["methods"]["ep"], "seconds": resumed["methods"]["ep"]["seconds"]}
+
+
+def test_the_oracle_resumes_after_its_last_block_of_epochs(coordinator, monkeypatch):
+    methods = {"oracle": {"method": "epgan-oracle", "backbone": "ep-probgan", "epochs": 3, "local_epochs": 1,
+                          "batch_size": 32, "grid": 20, "eval_samples": 200}}
+    straight = coordinator(**TOY, methods=methods).run_method("oracle")
+    from rayfuse.fusion import epgan_nets
+
+    class Stop(Exception):
+        pass
+
+    train, calls = epgan_nets.GANTrainer.train, []
+
+    def stop_at_the_third_block(self, *args, **kwargs):  # as if the run were killed during epoch 3
+        calls.append(1)
+        if len(calls) == 3:
+            raise Stop
+        return train(self, *args, **kwargs)
+
+    monkeypatch.setattr(epgan_nets.GANTrainer, "train", stop_at_the_third_block)
+    with pytest.raises(Stop):
+        coordinator(**TOY, methods=methods).run_method("oracle")
+    monkeypatch.setattr(epgan_nets.GANTrainer, "train", train)
+    coord = coordinator(**TOY, methods=methods)
+    resumed = coord.run_method("oracle", resume=True)
+    assert any(e["kind"] == "resumed" and e["round"] == 2 for e in coord.events.since(0))
+    assert [e.get("message") for e in coord.events.since(0) if e["kind"] == "progress"] == ["epoch 3/3"]
+    assert resumed["metrics"] == straight["metrics"]
+    assert _deterministic(resumed["history"]) == _deterministic(straight["history"])
