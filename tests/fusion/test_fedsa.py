@@ -558,3 +558,37 @@ def test_fedsa_on_ray_equals_the_in_process_run(ray_session, make_config, tmp_pa
     assert on_ray["status"] == "succeeded" and on_ray["run"]["backend"] == "ray"
     assert on_ray["methods"]["fedsa"]["accuracy"] == local["methods"]["fedsa"]["accuracy"]
     assert params_equal(load_params(tmp_path / "ray" / "models" / "fedsa.safetensors"), load_params(tmp_path / "local" / "models" / "fedsa.safetensors"))
+
+
+def test_fedsa_interrupted_on_ray_resumes_with_the_translators_its_client_actors_kept(ray_session, straight_fedsa):
+    """On Ray the client actors write their translators to their own storage: a run interrupted in round 2 and
+    resumed with new actors ends where the uninterrupted run does."""
+    from actors.backend import RayBackend
+    from rayfuse.config import parse_overrides
+    from rayfuse.errors import RunFailure
+    from rayfuse.report import Printer
+    from rayfuse.runner import load_run_config, run_experiment
+
+    config, root, straight = straight_fedsa
+    selections = straight["methods"]["fedsa"]["info"]["selections"]
+
+    def on_ray(cfg, run_dir, **kwargs):
+        return run_experiment(cfg, RayBackend(), run_dir, printer=Printer(enabled=False), show_tables=False, **kwargs)
+
+    # the reference: the same run on Ray, uninterrupted (in-process runs differ from Ray's in the last float digits of
+    # the saliency similarities: numpy's BLAS threads)
+    ray_fed = {"backend": "ray", "clients_per_actor": 2}  # 2 actors of 2 clients each: fewer processes to start
+    reference = on_ray(config("ray-reference", federation=ray_fed), root / "ray-reference")
+    run_dir = root / "ray-interrupted"
+    fault = _fault_in_round(selections, 2)
+    with pytest.raises(RunFailure):
+        on_ray(config("ray", federation={**ray_fed, "on_client_failure": "fail", "faults": [fault]}), run_dir)
+    assert list((root / "cache-ray").glob("client-state/*/fedsa-translators/*/*.safetensors"))  # written by the actors
+    resumed = on_ray(load_run_config(run_dir, parse_overrides(["federation.faults=[]", "federation.on_client_failure=retry"])),
+                     run_dir, resume=True)
+    assert resumed["status"] == "succeeded" and resumed["run"]["backend"] == "ray"
+    assert [e["round"] for e in resumed["events"] if e["kind"] == "resumed" and e.get("method") == "fedsa"] == [1]
+    assert _rounds_run(resumed) == [2, 3, 4]
+    assert resumed["methods"]["fedsa"]["info"]["selections"] == reference["methods"]["fedsa"]["info"]["selections"]
+    assert resumed["methods"]["fedsa"]["accuracy"] == reference["methods"]["fedsa"]["accuracy"]
+    assert not list((root / "cache-ray").glob("client-state/*/fedsa-translators/*/*"))
