@@ -1,9 +1,9 @@
-"""Operations on a real two-node Ray cluster: ``ray job submit`` of ``rayfuse run`` and a ``rayfuse tune`` sweep.
+"""Operations on a real two-node Ray cluster: ``ray job submit`` of ``rayfuse run`` and ``rayfuse tune`` sweeps.
 
 One cluster (a head and a worker node started with ``ray start`` on loopback, non-default ports, each a "silo"
 with a custom resource) serves both tests; the fixture ends exactly its processes. Everything goes through the
 command lines a user types: ``ray job submit / status / logs``, ``ray list actors`` (the state API), the nodes'
-Prometheus metrics endpoint and ``python -m rayfuse tune --address``.
+Prometheus metrics endpoint, ``python -m rayfuse tune --address`` and ``ray job submit -- python -m rayfuse tune``.
 """
 
 from __future__ import annotations
@@ -46,6 +46,27 @@ def poll(check, what: str, timeout: float = WAIT_S, every: float = 2.0):
         time.sleep(every)
 
 
+def submit_job(cluster, submission: str, *command: str) -> str:
+    """``ray job submit --no-wait`` of ``command`` (the checkout as the working dir), poll ``ray job status`` until it
+    ends, assert it succeeded, and return ``ray job logs``."""
+    out = cluster.run("ray", "job", "submit", "--address", cluster.dashboard_url, "--working-dir", str(ROOT),
+                      "--submission-id", submission, "--no-wait", "--", *command)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+    def finished():
+        out = cluster.run("ray", "job", "status", "--address", cluster.dashboard_url, submission)
+        status = out.stdout + out.stderr  # the CLI logs its status lines to stderr
+        # "Status for job 'x': RUNNING" while it runs, "Job 'x' succeeded" (or failed / stopped) at the end
+        found = re.search(r"Job '[^']+' (succeeded|failed|stopped)", status)
+        return found.group(1) if found else None
+
+    state = poll(finished, f"job {submission} to finish")
+    out = cluster.run("ray", "job", "logs", "--address", cluster.dashboard_url, submission)
+    logs = out.stdout + out.stderr
+    assert state == "succeeded", logs[-4000:]
+    return logs
+
+
 def test_ray_job_submit_runs_a_job_on_both_nodes_with_named_actors_and_metrics(cluster, tmp_path):
     namespace = f"ops-{uuid.uuid4().hex[:6]}"
     job = {
@@ -57,21 +78,7 @@ def test_ray_job_submit_runs_a_job_on_both_nodes_with_named_actors_and_metrics(c
     }
     config = tmp_path / "job.yaml"
     config.write_text(yaml.safe_dump(job))
-    submission = f"rayfuse-{namespace}"
-    out = cluster.run("ray", "job", "submit", "--address", cluster.dashboard_url, "--working-dir", str(ROOT),
-                      "--submission-id", submission, "--no-wait", "--", "python", "-m", "rayfuse", "run", str(config))
-    assert out.returncode == 0, out.stderr[-3000:]
-
-    def finished():
-        out = cluster.run("ray", "job", "status", "--address", cluster.dashboard_url, submission)
-        status = out.stdout + out.stderr  # the CLI logs its status lines to stderr
-        # "Status for job 'x': RUNNING" while it runs, "Job 'x' succeeded" (or failed / stopped) at the end
-        found = re.search(r"Job '[^']+' (succeeded|failed|stopped)", status)
-        return found.group(1) if found else None
-
-    assert poll(finished, "the job to finish") == "succeeded"
-    out = cluster.run("ray", "job", "logs", "--address", cluster.dashboard_url, submission)
-    logs = out.stdout + out.stderr
+    logs = submit_job(cluster, f"rayfuse-{namespace}", "python", "-m", "rayfuse", "run", str(config))
     assert "fedavg: round 3/3" in logs and "results: " in logs
 
     run_dir = Path(re.search(r"results: (\S+)/results\.json", logs).group(1))
@@ -146,13 +153,15 @@ def test_a_tune_sweep_on_the_cluster_trains_the_clients_once(cluster, tmp_path):
 
     # A failing trial is retried (FailureConfig) and resumes its run folder: fedprox round 2 fails on the first
     # attempt (the 2nd fit call of client 0's actor); the retry continues from the round-1 checkpoint with new actors.
+    # This sweep runs as a Ray job (`ray job submit -- python -m rayfuse tune`, docs/operations.md): its driver
+    # attaches to the job's cluster (RAY_ADDRESS), absolute paths for the base job and the storage.
     fault = {"client": 0, "step": "fedavg.fit", "call": 2, "mode": "raise"}  # FedProx runs FedAvg's client step
-    retry = {**space, "name": "retry", "methods": ["fedprox"], "set": {"federation.on_client_failure": "fail"},
-             "space": {"federation.faults": {"grid": [[fault]]}}, "max_failures": 1}
+    retry = {**space, "name": "retry", "base": str(tmp_path / "job.yaml"), "methods": ["fedprox"],
+             "set": {"federation.on_client_failure": "fail"}, "space": {"federation.faults": {"grid": [[fault]]}}, "max_failures": 1}
     retry.pop("scheduler")
     (tmp_path / "retry.yaml").write_text(yaml.safe_dump(retry))
-    out = cluster.run("python", "-m", "rayfuse", "tune", "retry.yaml", "--address", cluster.address, cwd=tmp_path, timeout=WAIT_S)
-    assert out.returncode == 0, out.stderr[-4000:]
+    logs = submit_job(cluster, f"rayfuse-tune-{uuid.uuid4().hex[:6]}", "python", "-m", "rayfuse", "tune", str(tmp_path / "retry.yaml"))
+    assert "best.yaml" in logs, logs[-3000:]
     row = pd.read_parquet(storage / "retry" / "results.parquet").iloc[0]
     assert row["resumed"] == 1 and row["stage"] == "done" and row["round"] == 2
     assert row["local/trained"] == 0  # first attempt: the sweep's cache; the retry: its run folder's checkpoints
