@@ -26,6 +26,23 @@ TINY: dict[str, Any] = {
 }
 
 
+def scramble_global_rngs(seed: int = 987654) -> None:
+    """Put Python's, numpy's and torch's global random generators in a state no run would leave them in: a resumed run
+    checked after this cannot lean on the interrupted run's process-wide random state (a real resume is a new
+    process)."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return
+    torch.manual_seed(seed)
+
+
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """Deep merge; a key whose value is a dict merges, anything else replaces (``methods`` replaces)."""
     out = copy.deepcopy(base)

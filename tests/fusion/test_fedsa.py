@@ -312,7 +312,10 @@ def _resume(run_dir):
     from rayfuse.runner import load_run_config
 
     # the fault that interrupted the run is removed (only federation.* keys may change on resume)
+    from tests.conftest import scramble_global_rngs
+
     cfg = load_run_config(run_dir, parse_overrides(["federation.faults=[]", "federation.on_client_failure=retry"]))
+    scramble_global_rngs()  # a real resume is a new process: nothing may depend on the old one's global random state
     return _run(cfg, run_dir, resume=True)
 
 
