@@ -27,7 +27,7 @@ from rayfuse.data.roles import ClientPlan, Split, client_splits, load_dataset_fr
 from rayfuse.federation import ClientDied, Update, client_step, map_arrays, step_name
 from rayfuse.seeding import derive_seed
 
-__all__ = ["Client", "ClientContext", "ClientStateStore", "PrivacyError", "train_local", "get_local_update", "set_local_params",
+__all__ = ["Client", "ClientContext", "ClientStateStore", "has_client_state", "forget_client_state", "PrivacyError", "train_local", "get_local_update", "set_local_params",
            "describe"]
 
 
@@ -224,6 +224,20 @@ class ClientStateStore:
         count = len(list(self.folder.glob("*.safetensors")))
         shutil.rmtree(self.folder, ignore_errors=True)
         return count
+
+
+@client_step("client_state.has")
+def has_client_state(ctx: ClientContext, *, kind: str, store: str, name: str, round: int) -> bool:
+    """Whether this client still keeps ``name`` after ``round`` in its :class:`ClientStateStore` ``kind`` / ``store``
+    (what a resumed method asks before continuing mid-method; see ``ServerContext.clients_missing_state``)."""
+    return ctx.state_store(kind, store).has(name, round)
+
+
+@client_step("client_state.forget")
+def forget_client_state(ctx: ClientContext, *, kind: str, store: str) -> int:
+    """Delete this client's :class:`ClientStateStore` ``kind`` / ``store`` (its method run is finished, or restarts);
+    the number of state files deleted."""
+    return ctx.state_store(kind, store).forget()
 
 
 class Client:

@@ -24,7 +24,7 @@ from rayfuse.metrics import compute_metrics
 from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
 from rayfuse.seeding import derive_seed, make_rng
 from rayfuse.store import Checkpoint, LocalModelCache, RunStore, StepResultCache, local_model_key, step_result_key
-from rayfuse.client import get_local_update, set_local_params, train_local
+from rayfuse.client import forget_client_state, get_local_update, has_client_state, set_local_params, train_local
 
 __all__ = ["Coordinator", "ServerContext"]
 
@@ -54,6 +54,28 @@ class ServerContext:
         self.checkpoint = coordinator.store.checkpointer(spec.label)
         self.resume = resume
         self.history: list[dict[str, Any]] = []
+
+    def clients_missing_state(self, kind: str, store: str, rounds: dict[int, int]) -> list[int]:
+        """The clients of ``rounds`` (client -> round) that cannot give back their private state ``kind`` of that round,
+        kept under this method's label in their own ``store`` (``rayfuse.client.ClientStateStore``): gone from the
+        federation, failing, or without the file. A resumed method continues mid-method only when this is empty."""
+        fed = self.federation
+        calls = [call for client in sorted(rounds) if client in fed.client_ids
+                 for call in fed.map(has_client_state, clients=[client], kind=kind, store=store, name=self.label, round=rounds[client])]
+        try:
+            gathered = fed.gather(calls) if calls else None
+        except RunFailure:
+            gathered = None
+        held = set() if gathered is None else {client for client, ok in gathered.results.items() if ok is True}
+        return sorted(client for client in rounds if client not in held)
+
+    def forget_client_state(self, kind: str, store: str) -> None:
+        """Let every client delete its private state ``kind`` of ``store`` (the method is done, or restarts). A failure
+        leaves files in the clients' caches, not a failed method: a ``warning`` event."""
+        try:
+            self.federation.run(forget_client_state, kind=kind, store=store)
+        except RunFailure as exc:
+            self.events.emit("warning", f"client state {kind} not deleted: {exc}", method=self.label)
 
     def run_cached(self, step: Any, *args: Any, **kwargs: Any) -> Gathered[Any]:
         """``federation.run(step, *args, **kwargs)``, cached across runs when ``run.model_cache`` is set.

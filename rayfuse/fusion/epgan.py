@@ -214,20 +214,6 @@ def _held_trainer(ctx: ClientContext, label: str, settings: GANSettings, state_t
     return trainer
 
 
-@client_step("epgan.has_state")
-def has_gan_state(ctx: ClientContext, *, label: str, turn: int, store: str) -> bool:
-    """Whether this client can continue from its GAN state of ``label`` after ``turn`` (memory or its own storage)."""
-    if ctx.state.get(f"epgan/{label}") is not None and ctx.state.get(f"epgan/{label}/turn") == (store, turn):
-        return True
-    return ctx.state_store(STATE, store).has(label, turn)
-
-
-@client_step("epgan.forget_state")
-def forget_gan_state(ctx: ClientContext, *, store: str) -> int:
-    """Delete this client's stored GAN states of one finished method run; the number of files deleted."""
-    return ctx.state_store(STATE, store).forget()
-
-
 def _prefixed(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
     """The arrays under ``prefix``, the prefix removed (copies: broadcasts and loaded checkpoints may be read-only)."""
     return {k[len(prefix):]: np.array(v) for k, v in arrays.items() if k.startswith(prefix)}
@@ -584,7 +570,7 @@ class EPGAN(Method):
                 "metrics": metrics, "losses": losses, "maps": maps, "rejected": rejected, "store": store,
                 "state_turns": sorted([int(c), int(t)] for c, t in state_turns.items())})
         if store is not None:
-            self._forget_state(server, store)
+            server.forget_client_state(STATE, store)  # the method is done: the clients may delete their GAN states
         if not metrics:  # no toy scores for this dataset: report the last losses
             metrics = dict(losses)
         final = dict(global_params)
@@ -617,10 +603,10 @@ class EPGAN(Method):
                 problem = ("the clients' GAN training state (Adam moments, random generators, EP sites) stays on the "
                            "clients, which keep it across runs only with run.model_cache")
             else:
-                missing = self._missing_state(server, turns, store)
+                missing = server.clients_missing_state(STATE, store, turns)
                 if missing:
                     problem = f"clients {missing} no longer hold their GAN state"
-                    self._forget_state(server, store)  # the others' are of no use now
+                    server.forget_client_state(STATE, store)  # the others' are of no use now
             if problem is not None:
                 server.events.emit("warning", f"restarting from turn 0: {problem}", method=server.label)
                 return None
@@ -630,27 +616,6 @@ class EPGAN(Method):
             server.events.emit("info", f"{len(turns)} clients continue from the GAN state they kept themselves",
                                method=server.label, round=checkpoint.round, clients=turns)
         return checkpoint
-
-    @staticmethod
-    def _missing_state(server: ServerContext, turns: dict[int, int], store: str) -> list[int]:
-        """The clients the checkpoint names that cannot give back their GAN state of the turn it records."""
-        fed = server.federation
-        gone = sorted(c for c in turns if c not in fed.client_ids)
-        calls = [call for client, turn in sorted(turns.items()) if client in fed.client_ids
-                 for call in fed.map(has_gan_state, clients=[client], label=server.label, turn=turn, store=store)]
-        try:
-            gathered = fed.gather(calls) if calls else None
-        except RunFailure:
-            gathered = None
-        return sorted(set(gone) | {c for c in turns if c not in gone and (gathered is None or gathered.results.get(c) is not True)})
-
-    @staticmethod
-    def _forget_state(server: ServerContext, store: str) -> None:
-        """The method is done (its last turn checkpointed), or restarts: the clients may delete their stored state."""
-        try:
-            server.federation.run(forget_gan_state, store=store)
-        except RunFailure as exc:  # leftovers in the clients' caches, not a failed method
-            server.events.emit("warning", f"stored GAN states not deleted: {exc}", method=server.label)
 
     @staticmethod
     def accept(server: ServerContext, gathered: Gathered[Any], reference: dict[str, np.ndarray]) -> dict[int, Update]:

@@ -172,20 +172,6 @@ def _keep_translator(ctx: ClientContext, store: str, label: str, round: int, pre
                                              keep=previous or None, metadata={"label": label})
 
 
-@client_step("fedsa.has_translator")
-def has_translator(ctx: ClientContext, *, label: str, round: int, store: str) -> bool:
-    """Whether this client can give back its translator of ``label`` after ``round`` (memory or its own store)."""
-    if ctx.state.get(("fedsa.translator", label)) is not None and ctx.state.get(("fedsa.translator_round", label)) == round:
-        return True
-    return ctx.state_store(TRANSLATORS, store).has(label, round)
-
-
-@client_step("fedsa.forget_translators")
-def forget_translators(ctx: ClientContext, *, store: str) -> int:
-    """Delete this client's stored translators of one finished method run; the number of files deleted."""
-    return ctx.state_store(TRANSLATORS, store).forget()
-
-
 # -----------------------------------------------------------------------------------------------------------------
 # Parameters
 
@@ -453,7 +439,7 @@ class FedSA(Method):
                 "translator_rounds": sorted([int(c), int(r)] for c, r in translator_rounds.items()),
                 "last_selection": selections[-1]["round"] if selections else None})
         if store is not None:
-            self._forget_translators(server, store)
+            server.forget_client_state(TRANSLATORS, store)  # the method is done: the clients may delete their translators
         # the last round is always evaluated: ``adapted`` / ``metrics`` are the final target model and its accuracy
         info = {"rounds": p.rounds, "k": p.k, "selection": p.selection, "weighting": p.weighting, "saliency": p.saliency,
                 "teachers": teachers, "selections": selections, "target_size": len(target),
@@ -480,16 +466,12 @@ class FedSA(Method):
         if checkpoint is None or checkpoint.round >= self.params.rounds:
             return checkpoint
         rounds = {int(c): int(r) for c, r in checkpoint.meta["translator_rounds"]}
-        fed = server.federation
-        calls = [call for client, r in sorted(rounds.items())
-                 for call in fed.map(has_translator, clients=[client], label=server.label, round=r, store=checkpoint.meta["store"])]
-        gathered = fed.gather(calls) if calls else None
-        missing = sorted(c for c in rounds if gathered is None or gathered.results.get(c) is not True)
+        missing = server.clients_missing_state(TRANSLATORS, checkpoint.meta["store"], rounds)
         if missing:
             server.events.emit("warning", f"restarting from round 0: clients {missing} no longer hold their translators",
                                method=server.label)
             server.history = []
-            self._forget_translators(server, checkpoint.meta["store"])  # the others' are of no use now
+            server.forget_client_state(TRANSLATORS, checkpoint.meta["store"])  # the others' are of no use now
             return None
         return checkpoint
 
@@ -507,13 +489,6 @@ class FedSA(Method):
                     now.mean(axis=0), saved, rtol=1e-4, atol=1e-6 * float(np.abs(saved).max(initial=0.0))):
                 raise RunFailure(f"{server.label}: teacher {client} is not the interrupted run's teacher (its saliency maps "
                                  "differ); run the experiment again without --resume")
-
-    def _forget_translators(self, server: ServerContext, store: str) -> None:
-        """The method is done (its last round checkpointed): the clients may delete their stored translators."""
-        try:
-            server.federation.run(forget_translators, store=store)
-        except RunFailure as exc:  # leftovers in the clients' caches, not a failed method
-            server.events.emit("warning", f"stored translators not deleted: {exc}", method=server.label)
 
     def _teacher_maps(self, server: ServerContext, target: Split) -> dict[int, np.ndarray]:
         fed = server.federation

@@ -382,9 +382,9 @@ def test_a_client_keeps_its_gan_state_itself_and_uploads_none_of_it(make_config,
     run's, or a restarted actor) continues exactly."""
     from dataclasses import asdict
 
-    from rayfuse.client import Client
+    from rayfuse.client import Client, forget_client_state, has_client_state
     from rayfuse.data.roles import load_dataset_from_config, make_plan
-    from rayfuse.fusion.epgan import EPGANParams, forget_gan_state, has_gan_state, initial_ep_prior, train_gan
+    from rayfuse.fusion.epgan import STATE, EPGANParams, initial_ep_prior, train_gan
 
     cfg = make_config(**TOY, methods={"ep": {"method": "epgan", **FAST}})
     plan = make_plan(load_dataset_from_config(cfg.data), cfg.data, cfg.partition, cfg.run.seed)
@@ -421,7 +421,8 @@ def test_a_client_keeps_its_gan_state_itself_and_uploads_none_of_it(make_config,
     straight = client.run(train_gan, broadcast, round=2, state_turn=1, **args)
     assert sorted(f.name for f in kept.iterdir()) == ["ep-00001.safetensors", "ep-00002.safetensors"]
     again = new_client()
-    assert again.run(has_gan_state, label="ep", turn=1, store="abc123") and not again.run(has_gan_state, label="ep", turn=0, store="abc123")
+    assert again.run(has_client_state, kind=STATE, name="ep", round=1, store="abc123") and not again.run(
+        has_client_state, kind=STATE, name="ep", round=0, store="abc123")
     resumed = again.run(train_gan, broadcast, round=2, state_turn=1, **args)
     assert all(np.array_equal(straight.params[k], resumed.params[k]) for k in straight.params)
     with pytest.raises(FileNotFoundError, match="no GAN state of 'ep' after turn 0"):  # never silently a fresh one
@@ -429,7 +430,7 @@ def test_a_client_keeps_its_gan_state_itself_and_uploads_none_of_it(make_config,
     fresh = new_client().run(train_gan, broadcast, round=2, state_turn=None, **args)  # the stored state matters
     assert not all(np.array_equal(straight.params[k], fresh.params[k]) for k in straight.params)
     files = len(list(kept.iterdir()))  # the fresh start's turn 2 only: it started from no stored turn
-    assert files == 1 and new_client().run(forget_gan_state, store="abc123") == files and not kept.exists()
+    assert files == 1 and new_client().run(forget_client_state, kind=STATE, store="abc123") == files and not kept.exists()
 
 
 def test_finished_turns_are_not_redone_on_resume(make_config, tmp_path):

@@ -15,7 +15,8 @@ from rayfuse.client import Client
 from rayfuse.config import ModelConfig, validate_config
 from rayfuse.data.roles import load_dataset_from_config, make_plan
 from rayfuse.errors import InputError
-from rayfuse.fusion.fedsa import compute_teacher_saliency, distill_student, forget_translators, has_translator
+from rayfuse.client import forget_client_state, has_client_state
+from rayfuse.fusion.fedsa import TRANSLATORS, compute_teacher_saliency, distill_student
 from rayfuse.fusion.fedsa_kd import (
     Translator, adapt_to_target, average_students, build_translator, compute_saliency, compute_transferability,
     distill_features, draw_weights, find_head, hidden_representation, representation_shape, select_teachers,
@@ -465,7 +466,8 @@ def test_a_new_client_continues_from_the_translator_its_predecessor_stored(teach
     assert sorted(f.name for f in kept.iterdir()) == ["fedsa-00003.safetensors", "fedsa-00004.safetensors"]
     # a new client (a resumed run's) continues from round 3's translator: the same student as the first client's round 4
     again = new_client()
-    assert again.run(has_translator, label="fedsa", round=3, store="abc123") and not again.run(has_translator, label="fedsa", round=1, store="abc123")
+    assert again.run(has_client_state, kind=TRANSLATORS, name="fedsa", round=3, store="abc123") and not again.run(
+        has_client_state, kind=TRANSLATORS, name="fedsa", round=1, store="abc123")
     resumed = again.run(distill_student, params, round=4, translator_round=3, **args)
     assert all(np.array_equal(straight["students"][0][k], resumed["students"][0][k]) for k in params)
     with pytest.raises(FileNotFoundError, match="no translator of 'fedsa' after round 2"):  # never silently a new one
@@ -474,7 +476,7 @@ def test_a_new_client_continues_from_the_translator_its_predecessor_stored(teach
     fresh = new_client().run(distill_student, params, round=4, translator_round=0, **args)
     assert not all(np.array_equal(straight["students"][0][k], fresh["students"][0][k]) for k in params)
     files = len(list(kept.iterdir()))
-    assert files > 0 and new_client().run(forget_translators, store="abc123") == files and not kept.exists()
+    assert files > 0 and new_client().run(forget_client_state, kind=TRANSLATORS, store="abc123") == files and not kept.exists()
 
 def test_teachers_retrained_by_new_clients_are_identical(teacher_client):
     """Without a model cache a resumed run's new clients retrain their teachers: from the run seed, bit for bit."""
