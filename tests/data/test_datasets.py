@@ -20,6 +20,7 @@ from rayfuse.errors import InputError
         ("breast_cancer", (569, 30), [212, 357]),
         ("wine", (178, 13), [59, 71, 48]),
         ("iris", (150, 4), [50, 50, 50]),
+        ("mnist5k", (5000, 1, 28, 28), [500] * 10),
     ],
 )
 def test_bundled_dataset_has_float32_inputs_int64_labels_and_known_class_counts(name, shape, class_counts):
@@ -35,6 +36,14 @@ def test_digits_are_single_channel_8x8_images_scaled_to_unit_interval():
     ds = load_dataset("digits")
     assert ds.X.min() == 0.0 and ds.X.max() == 1.0  # raw pixels 0..16 divided by 16
     assert ds.class_names == tuple(str(i) for i in range(10))
+
+
+def test_mnist5k_is_mnist_scaled_to_unit_interval_and_loads_under_its_alias():
+    ds = load_dataset("mnist_5k")
+    assert ds.name == "mnist5k" and ds.X.min() == 0.0 and ds.X.max() == 1.0  # raw pixels 0..255 divided by 255
+    # an MNIST image: dark border, ink in the middle (about 19 % of the pixels on average)
+    assert ds.X[:, :, :2, :].mean() < 0.01 and 0.1 < (ds.X > 0).mean() < 0.3
+    assert DATASETS.get("mnist5k").standardize is False
 
 
 @pytest.mark.parametrize("name", ["digits", "breast_cancer", "wine", "iris", "synthetic"])
