@@ -14,8 +14,10 @@ utils/logit_ellipsoid.py]: Adam, batch 32, 5 epochs, with the optimiser each mod
 * each local model: lr 1e-3 and every layer (the local models keep ``learn_logit`` / ``learn_dnn2``'s
   ``optimizer='adam'``, Keras's default lr, with nothing frozen);
 * raw: a fresh model trained with lr 1e-3 (``learn_logit`` / ``learn_dnn2``, ``optimizer='adam'``) for 5 epochs
-  (logreg) or ``global_epochs`` = 50 (networks). The reference's dropout 0.5 and early stopping on the training
-  accuracy are not reproduced.
+  (logreg) or ``global_epochs`` = 50 (networks), every epoch. The reference also trains its raw network with dropout
+  0.5 and ``EarlyStopping(monitor='acc', patience=3)`` on the training accuracy (``learn_dnn2``), which stops it
+  after a few epochs on a small sample; ``raw_dropout: 0.5`` and ``raw_early_stop: 3`` reproduce that protocol
+  (the jobs run it as a second entry, ``raw-reference``, beside the fully trained raw model).
 
 ``tune_lr`` and ``last_layer_only`` override these defaults. The reference draws the sample from the pooled validation data;
 here it is the coordinator's public sample (``data.public_size``, drawn stratified from the training pool before
@@ -37,7 +39,7 @@ from rayfuse.data.roles import Split
 from rayfuse.errors import InputError
 from rayfuse.fusion.base import Method, MethodParams, MethodResult, register_method
 from rayfuse.models import get_params, predict_proba, set_params, train_model
-from rayfuse.models.registry import MLP, LogisticRegression
+from rayfuse.models.registry import MLP, LogisticRegression, build_model
 
 __all__ = ["TunedParams", "Tuned", "model_for_params", "evaluate_params", "fine_tune", "public_subsets", "TuneSettings"]
 
@@ -129,9 +131,12 @@ def tuning_curve(server: ServerContext, params: dict[str, np.ndarray] | None, se
         for trial, idx in enumerate(draws):
             seed = server.step_seed("tune", size, trial)
             if params is None:
-                model = server.build_model(seed=seed)
+                dropout = getattr(settings, "raw_dropout", 0.0)
+                model_cfg = server.model_cfg.model_copy(update={"dropout": dropout}) if dropout else server.model_cfg
+                model = build_model(model_cfg, server.input_shape, server.num_classes, seed=seed)
                 train_model(model, public.X[idx], public.y[idx], epochs=raw_epochs or settings.tune_epochs,
-                            batch_size=settings.tune_batch_size, lr=settings.tune_lr, seed=seed, device=server.device)
+                            batch_size=settings.tune_batch_size, lr=settings.tune_lr, seed=seed, device=server.device,
+                            early_stop_patience=getattr(settings, "raw_early_stop", 0))
                 last = get_params(model)
             else:
                 last = fine_tune(params, public.X[idx], public.y[idx], model_cfg=server.model_cfg, epochs=settings.tune_epochs,
@@ -152,6 +157,8 @@ class TunedParams(TuneSettings):
     tune_lr: float | None = Field(None, gt=0, description="Adam learning rate (default: the reference's per base: average 0.01, local / raw 1e-3)")
     last_layer_only: bool | None = Field(None, description="networks: tune only the last layer (default: the reference's per base: average yes, local no)")
     raw_epochs: int | None = Field(None, ge=1, description="base raw: training epochs (default: 5 for logreg, 50 for networks, as the reference)")
+    raw_dropout: float = Field(0.0, ge=0, lt=1, description="base raw, networks: dropout after each hidden layer (the reference's learn_dnn2: 0.5)")
+    raw_early_stop: int = Field(0, ge=0, description="base raw: stop once the training accuracy has not improved for this many epochs (0: off; the reference: 3)")
 
     def resolved(self) -> "TunedParams":
         """These parameters with ``tune_lr`` / ``last_layer_only`` filled in from the reference's per-base defaults."""
@@ -171,11 +178,19 @@ class Tuned(Method):
         p = self.params.resolved()
         key = f"methods.{self.label}.public_samples"
         public_subsets(server.public, p.public_samples, 1, server.rng("check"), key=key)  # bad input before any work
+        raw_only = {"raw_epochs": p.raw_epochs, "raw_dropout": p.raw_dropout, "raw_early_stop": p.raw_early_stop}
+        for name, value in raw_only.items():
+            if p.base != "raw" and value:
+                raise InputError(f"methods.{self.label}.{name}", "only with base: raw", f"{value} with base: {p.base}")
+        if p.raw_dropout and server.model_cfg.name != "mlp":
+            raise InputError(f"methods.{self.label}.raw_dropout", "an mlp model (dropout after its hidden layers)",
+                             f"{p.raw_dropout} with model {server.model_cfg.name}")
         if p.base == "raw":
             raw_epochs = p.raw_epochs or (5 if server.model_cfg.name == "logreg" else 50)
             metrics, curve, params = tuning_curve(server, None, p, key=key, raw_epochs=raw_epochs)
             server.log(0, metrics)
-            return MethodResult(metrics, params, info={"base": "raw", "tuning_curve": curve, "epochs": raw_epochs})
+            return MethodResult(metrics, params, info={"base": "raw", "tuning_curve": curve, "epochs": raw_epochs,
+                                                       "dropout": p.raw_dropout, "early_stop": p.raw_early_stop})
         if p.base == "average":
             averaged, updates = server.average_updates(server.local_updates())
             metrics, curve, params = tuning_curve(server, averaged, p, key=key)

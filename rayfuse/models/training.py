@@ -52,6 +52,7 @@ def train_model(
     momentum: float = 0.0,
     weight_decay: float = 0.0,
     proximal_mu: float = 0.0,
+    early_stop_patience: int = 0,
     seed: int = 0,
     device: str | torch.device = "cpu",
 ) -> TrainStats:
@@ -62,6 +63,10 @@ def train_model(
         F_k(w) + (mu / 2) * ||w - w_t||^2
 
     where ``w_t`` are the model's parameters when the call starts (the broadcast global model).
+
+    With ``early_stop_patience = p > 0`` training stops once the epoch's training accuracy (measured on the fly, in
+    training mode, as Keras's ``EarlyStopping(monitor='acc', mode='max', patience=p)`` sees it) has not risen above
+    its best for ``p`` epochs in a row.
     """
     started = time.perf_counter()
     model.to(device)
@@ -77,18 +82,20 @@ def train_model(
     skip_single = _has_batchnorm(model)
     steps = 0
     epoch_loss = 0.0
+    best_acc, stale, epochs_done = -1.0, 0, 0
     devices = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(int(seed))
         model.train()
         for _ in range(epochs):
             order = torch.randperm(n, generator=generator).to(device)
-            total, seen = 0.0, 0
+            total, seen, correct = 0.0, 0, 0
             for start in range(0, n, batch_size):
                 idx = order[start:start + batch_size]
                 if skip_single and idx.numel() == 1:
                     continue  # BatchNorm cannot train on a batch of one
-                loss = F.cross_entropy(model(X_t[idx]), y_t[idx])
+                logits = model(X_t[idx])
+                loss = F.cross_entropy(logits, y_t[idx])
                 objective = loss
                 if anchor is not None:
                     objective = loss + 0.5 * proximal_mu * sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
@@ -98,9 +105,17 @@ def train_model(
                 steps += 1
                 total += float(loss.detach()) * idx.numel()
                 seen += idx.numel()
+                if early_stop_patience:
+                    correct += int((logits.detach().argmax(1) == y_t[idx]).sum())
             epoch_loss = total / max(seen, 1)
+            epochs_done += 1
+            if early_stop_patience:
+                acc = correct / max(seen, 1)
+                best_acc, stale = (acc, 0) if acc > best_acc else (best_acc, stale + 1)
+                if stale >= early_stop_patience:
+                    break
     model.eval()
-    return TrainStats(epoch_loss, steps, n * epochs, time.perf_counter() - started)
+    return TrainStats(epoch_loss, steps, n * epochs_done, time.perf_counter() - started)
 
 
 @torch.no_grad()

@@ -285,6 +285,28 @@ def test_tuned_baselines_run(coordinator):
     assert "accuracy_std" in local["metrics"] and len(local["info"]["per_client"]) == 2
 
 
+def test_raw_reference_protocol_trains_with_dropout_and_stops_early(coordinator):
+    # the reference's raw network (learn_dnn2): dropout 0.5 and EarlyStopping on the training accuracy, patience 3
+    coord = coordinator(partition=LABELS2, model={"name": "mlp", "hidden": [8]}, data={"public_size": 50},
+                        methods={"raw-reference": {"method": "tuned", "base": "raw", "public_samples": [50],
+                                                   "raw_dropout": 0.5, "raw_early_stop": 3}})
+    raw = coord.run_method("raw-reference")
+    assert raw["info"]["dropout"] == 0.5 and raw["info"]["early_stop"] == 3
+    assert 0.0 < raw["metrics"]["accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("params, key", [
+    ({"base": "average", "raw_early_stop": 3}, "raw_early_stop"),
+    ({"base": "local", "raw_epochs": 10}, "raw_epochs"),
+    ({"base": "raw", "raw_dropout": 0.5}, "raw_dropout"),  # a logreg has no hidden layer to drop
+])
+def test_raw_only_settings_are_refused_elsewhere(coordinator, params, key):
+    coord = coordinator(partition=LABELS2, model={"name": "logreg"}, data={"public_size": 50},
+                        methods={"tuned": {**params, "public_samples": [50]}})
+    with pytest.raises(InputError, match=rf"methods\.tuned\.{key}"):
+        coord.run_method("tuned")
+
+
 def test_tuned_baselines_use_the_reference_optimiser_per_base():
     from rayfuse.fusion.tuned import TunedParams
 

@@ -58,6 +58,20 @@ def test_train_stats_count_steps_and_examples():
     assert stats.seconds >= 0
 
 
+def test_early_stopping_on_training_accuracy_stops_after_patience_epochs_without_gain():
+    # Keras's EarlyStopping(monitor='acc', mode='max', patience=p): a frozen model (lr ~ 0) never improves on its
+    # first epoch's accuracy, so it stops after 1 + p epochs; patience 0 is off
+    for patience in (1, 3):
+        stats = train_model(model(), X, Y, epochs=50, batch_size=32, lr=1e-12, early_stop_patience=patience)
+        assert stats.examples == (1 + patience) * 150 and stats.steps == (1 + patience) * 5
+    assert train_model(model(), X, Y, epochs=7, batch_size=32, lr=1e-12).examples == 7 * 150
+    # a separable problem reaches accuracy 1.0 within a few epochs and then cannot gain: it stops long before 60
+    net = model()
+    stopped = train_model(net, X, Y, epochs=60, batch_size=32, lr=0.05, early_stop_patience=3)
+    assert 4 * 150 <= stopped.examples < 60 * 150
+    assert (predict_proba(net, X).argmax(axis=1) == Y).mean() > 0.95
+
+
 def test_same_seed_gives_identical_parameters_and_different_seed_differs():
     runs = {}
     for name, seed in (("a", 1), ("b", 1), ("c", 2)):
