@@ -44,7 +44,9 @@ def load(run_dir: Path) -> dict:
     cfg = results["config"]
     return {"dir": run_dir, "results": results, "metrics": metrics, "seed": cfg["run"]["seed"],
             "fraction": float(cfg["data"]["public_size"]), "target_size": results["partition"]["public_size"],
-            "teachers": teacher_names(cfg["partition"])}
+            "teachers": teacher_names(cfg["partition"]),
+            "data": cfg["data"]["dataset"] + (f" teachers -> {cfg['data']['target']['dataset']} target"
+                                              if cfg["data"].get("target") else "")}
 
 
 def teacher_names(partition: dict) -> dict[int, str]:
@@ -248,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("no finished runs (results.json) among the given folders")
     args.out.mkdir(parents=True, exist_ok=True)
     seeds = sorted({r["seed"] for r in runs})
-    head = (f"Test accuracy % (mean ± std over seeds, number of seeds); digits, {len(runs)} runs, seeds {seeds}; "
+    data = ", ".join(sorted({r["data"] for r in runs}))
+    head = (f"Test accuracy % (mean ± std over seeds, number of seeds); {data}, {len(runs)} runs, seeds {seeds}; "
             "the paper's numbers are CIFAR-10 with ResNet-34 teachers and are shown for the ordering only.\n\n")
     t1 = "## Table 1 (style): FedSA against its baselines\n\n" + head + accuracy_table(runs, TABLE1, PAPER_T1)
     t2 = "## Table 2 (style): selection and aggregation ablations\n\n" + head + accuracy_table(runs, TABLE2, {**PAPER_T1, **PAPER_T2})

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from rayfuse.config import ExperimentConfig, MethodSpec
-from rayfuse.data.roles import DataPlan, Split, load_dataset_from_config, pooled_train, server_splits
+from rayfuse.data.roles import DataPlan, Split, load_dataset_from_config, load_target_from_config, pooled_train, server_splits
 from rayfuse.errors import NonFiniteError, RunFailure
 from rayfuse.federation import Federation, Gathered, Update, step_name
 from rayfuse.fusion import METHODS, Method, MethodResult
@@ -286,7 +286,8 @@ class Coordinator:
 
     def server_data(self) -> tuple[Split, Split]:
         if self._server_data is None:
-            self._server_data = server_splits(self._load_dataset(), self.plan)
+            source = load_target_from_config(self.cfg.data) if self.plan.target else self._load_dataset()
+            self._server_data = server_splits(source, self.plan)
         return self._server_data
 
     def pooled_train(self) -> Split:

@@ -29,7 +29,7 @@ import yaml
 
 from rayfuse import __version__
 from rayfuse.config import ExperimentConfig, dump_config, validate_config
-from rayfuse.data.roles import DataPlan, load_dataset_from_config, make_plan
+from rayfuse.data.roles import DataPlan, load_dataset_from_config, load_target_from_config, make_plan
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.io import atomic_write_json, atomic_write_text
 from rayfuse.report import Printer, format_partition, format_table, plot_comparison, write_metrics_parquet
@@ -152,8 +152,9 @@ def run_experiment(cfg: ExperimentConfig, backend: Backend, run_dir: str | Path,
     from rayfuse.models.registry import check_model_fits
 
     num_params = check_model_fits(cfg.model, dataset.input_shape, dataset.num_classes)
-    plan = make_plan(dataset, cfg.data, cfg.partition, cfg.run.seed)
-    del dataset
+    target = load_target_from_config(cfg.data)
+    plan = make_plan(dataset, cfg.data, cfg.partition, cfg.run.seed, target=target)
+    del dataset, target
     if resume:
         if not store.partition_file.is_file():
             raise InputError("--resume", "a run folder with partition.json", str(run_dir))
@@ -165,7 +166,8 @@ def run_experiment(cfg: ExperimentConfig, backend: Backend, run_dir: str | Path,
     atomic_write_json(store.partition_file, plan.manifest())
     timings["partition"] = round(time.perf_counter() - t0, 3)
     say(f"rayfuse {__version__}: run {cfg.run.name!r} -> {run_dir}{'  (resumed)' if resume else ''}")
-    say(f"data: {plan.dataset}, {plan.num_classes} classes, input {plan.input_shape}; model {cfg.model.name} ({num_params:,} parameters); "
+    target_note = f" (target task: {plan.target}, {len(plan.public)} public / {len(plan.test)} test)" if plan.target else ""
+    say(f"data: {plan.dataset}{target_note}, {plan.num_classes} classes, input {plan.input_shape}; model {cfg.model.name} ({num_params:,} parameters); "
         f"partition {plan.partition['method']} into {plan.num_clients} clients (hash {plan.digest()[:12]})")
     if plan.num_clients <= 32:
         say(format_partition(plan.counts, plan.class_names, [len(v) for v in plan.client_val]))

@@ -30,7 +30,7 @@ from rayfuse.data.partition import PARTITIONERS, class_counts, partition
 from rayfuse.errors import InputError
 from rayfuse.seeding import derive_seed, make_rng
 
-__all__ = ["ClientPlan", "DataPlan", "Split", "make_plan", "load_dataset_from_config", "client_splits", "server_splits", "pooled_train",
+__all__ = ["ClientPlan", "DataPlan", "Split", "make_plan", "load_dataset_from_config", "load_target_from_config", "client_splits", "server_splits", "pooled_train",
            "corrupt_split", "CORRUPTIONS"]
 
 CORRUPTIONS = ("shuffle_labels", "noise", "permute_pixels")
@@ -87,6 +87,7 @@ class DataPlan:
     normalization: Normalization | None
     partition: dict[str, Any] = field(default_factory=dict)
     corruptions: dict[int, str] = field(default_factory=dict)  # client id -> corruption (partition.corrupt)
+    target: str | None = None  # data.target: the test and public indices refer to this dataset, not to `dataset`
 
     @property
     def num_clients(self) -> int:
@@ -109,6 +110,8 @@ class DataPlan:
             h.update(b"|")
         if self.corruptions:  # (clean runs keep the hashes they had before corruptions existed)
             h.update(repr(sorted(self.corruptions.items())).encode())
+        if self.target:
+            h.update(f"|target:{self.target}".encode())
         return h.hexdigest()
 
     def manifest(self) -> dict[str, Any]:
@@ -121,9 +124,12 @@ class DataPlan:
             "seed": self.seed,
             "partition": self.partition,
             "hash": self.digest(),
+            **({"target": self.target} if self.target else {}),
             "roles": {
-                "test": {"source": self.test_source, "size": int(len(self.test)), "held_by": "coordinator (evaluation only)"},
-                "public": {"size": int(len(self.public)), "held_by": "coordinator (server's public sample)", "indices": self.public.tolist()},
+                "test": {"source": self.test_source, "size": int(len(self.test)), "held_by": "coordinator (evaluation only)",
+                         **({"dataset": self.target} if self.target else {})},
+                "public": {"size": int(len(self.public)), "held_by": "coordinator (server's public sample)", "indices": self.public.tolist(),
+                           **({"dataset": self.target} if self.target else {})},
                 "clients": "private train / val splits, each loaded only by its own client",
             },
             "unassigned": self.unassigned,
@@ -151,6 +157,44 @@ def load_dataset_from_config(data_cfg: Any) -> Dataset:
                         features=data_cfg.features, options=data_cfg.options)
 
 
+def load_target_from_config(data_cfg: Any) -> Dataset | None:
+    """The server's new-task dataset (``data.target``), resized / padded as it asks; ``None`` when there is none."""
+    t = getattr(data_cfg, "target", None)
+    if t is None:
+        return None
+    ds = load_dataset(t.dataset, root=t.root, path=t.path, label=t.label, features=t.features, options=t.options)
+    if t.resize is None and not t.pad:
+        return ds
+    if ds.X.ndim != 4:
+        raise InputError("data.target.resize", "an image dataset (N, C, H, W) to resize or pad", f"inputs of shape {ds.X.shape[1:]}")
+    import torch
+    import torch.nn.functional as F
+
+    def transform(X: np.ndarray | None) -> np.ndarray | None:
+        if X is None:
+            return None
+        x = torch.from_numpy(np.ascontiguousarray(X))
+        if t.resize is not None:
+            x = F.interpolate(x, size=tuple(t.resize), mode="bilinear", align_corners=False)
+        if t.pad:
+            x = F.pad(x, (t.pad,) * 4)
+        return np.ascontiguousarray(x.numpy(), dtype=np.float32)
+
+    return Dataset(ds.name, transform(ds.X), ds.y, ds.num_classes, ds.class_names, transform(ds.X_test), ds.y_test, ds.meta)
+
+
+def _split_test(dataset: Dataset, test_size: float, seed: int, key: str) -> tuple[str, np.ndarray, np.ndarray]:
+    """(test source, test indices, pool indices): the dataset's own test split, or ``test_size`` of it held out."""
+    y = dataset.y
+    if dataset.has_test_split:
+        return "predefined", np.arange(len(dataset.y_test), dtype=np.int64), np.arange(len(y), dtype=np.int64)
+    n_test = int(round(test_size * len(y)))
+    if not 1 <= n_test < len(y):
+        raise InputError(key, f"a fraction leaving both a test set and a training pool ({len(y)} samples)", test_size)
+    test, pool = _stratified_take(y, n_test, make_rng(seed, "test-split"))
+    return "split", test, pool
+
+
 def _stratified_take(labels: np.ndarray, size: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Split ``arange(len(labels))`` into (taken, rest) with ``size`` taken, stratified by label where possible."""
     n = len(labels)
@@ -169,25 +213,34 @@ def _stratified_take(labels: np.ndarray, size: int, rng: np.random.Generator) ->
     return np.sort(taken).astype(np.int64), np.sort(rest).astype(np.int64)
 
 
-def make_plan(dataset: Dataset, data_cfg: Any, partition_cfg: Any, seed: int) -> DataPlan:
-    """Split ``dataset`` into roles and partition the training pool among the clients (deterministic in ``seed``)."""
-    y = dataset.y
-    if dataset.has_test_split:
-        test_source, test = "predefined", np.arange(len(dataset.y_test), dtype=np.int64)
-        pool = np.arange(len(y), dtype=np.int64)
-    else:
-        test_size = int(round(data_cfg.test_size * len(y)))
-        if not 1 <= test_size < len(y):
-            raise InputError("data.test_size", f"a fraction leaving both a test set and a training pool ({len(y)} samples)", data_cfg.test_size)
-        test_source = "split"
-        test, pool = _stratified_take(y, test_size, make_rng(seed, "test-split"))
+def make_plan(dataset: Dataset, data_cfg: Any, partition_cfg: Any, seed: int, target: Dataset | None = None) -> DataPlan:
+    """Split ``dataset`` into roles and partition the training pool among the clients (deterministic in ``seed``).
 
+    With a ``target`` dataset (``data.target``) the test set and the server's public sample come from it, and the
+    clients share all of ``dataset``.
+    """
+    y = dataset.y
     public_size = data_cfg.public_size
-    n_public = int(round(public_size * len(pool))) if public_size < 1 else int(public_size)
-    if n_public >= len(pool):
-        raise InputError("data.public_size", f"fewer samples than the training pool ({len(pool)})", public_size)
-    taken, rest = _stratified_take(y[pool], n_public, make_rng(seed, "public-split"))
-    public, pool = pool[taken], pool[rest]
+    if target is None:
+        test_source, test, pool = _split_test(dataset, data_cfg.test_size, seed, "data.test_size")
+        n_public = int(round(public_size * len(pool))) if public_size < 1 else int(public_size)
+        if n_public >= len(pool):
+            raise InputError("data.public_size", f"fewer samples than the training pool ({len(pool)})", public_size)
+        taken, rest = _stratified_take(y[pool], n_public, make_rng(seed, "public-split"))
+        public, pool = pool[taken], pool[rest]
+    else:
+        if target.input_shape != dataset.input_shape:
+            raise InputError("data.target", f"inputs shaped like data.dataset's {dataset.input_shape} (data.target.resize / pad)",
+                             f"{target.name} {target.input_shape}")
+        if target.num_classes != dataset.num_classes:
+            raise InputError("data.target.dataset", f"as many classes as data.dataset ({dataset.num_classes})",
+                             f"{target.name} with {target.num_classes}")
+        test_source, test, target_pool = _split_test(target, data_cfg.target.test_size, seed, "data.target.test_size")
+        n_public = int(round(public_size * len(target_pool))) if public_size < 1 else int(public_size)
+        if n_public >= len(target_pool):
+            raise InputError("data.public_size", f"fewer samples than the target's pool ({len(target_pool)})", public_size)
+        taken, _ = _stratified_take(target.y[target_pool], n_public, make_rng(seed, "public-split"))
+        public, pool = target_pool[taken], np.arange(len(y), dtype=np.int64)
 
     method = PARTITIONERS.canonical(partition_cfg.method)
     params = partition_cfg.params()
@@ -214,7 +267,7 @@ def make_plan(dataset: Dataset, data_cfg: Any, partition_cfg: Any, seed: int) ->
     normalization = None
     if standardize:
         # Feature statistics of the training pool (never the test set), shared with every client as preprocessing.
-        X_pool = dataset.X[np.concatenate([pool, public])]
+        X_pool = dataset.X[pool] if target is not None else dataset.X[np.concatenate([pool, public])]
         mean = X_pool.mean(axis=0, keepdims=True)
         std = X_pool.std(axis=0, keepdims=True)
         normalization = Normalization(mean.astype(np.float32), np.where(std > 1e-12, std, 1.0).astype(np.float32))
@@ -228,6 +281,7 @@ def make_plan(dataset: Dataset, data_cfg: Any, partition_cfg: Any, seed: int) ->
         partition={"method": method, "num_clients": partition_cfg.num_clients, **params,
                    **({"corrupt": {int(k): v for k, v in corrupt.items()}} if corrupt else {})},
         corruptions={int(k): str(v) for k, v in corrupt.items()},
+        target=None if target is None else target.name,
     )
 
 
@@ -273,7 +327,7 @@ def corrupt_split(split: Split, kind: str, seed: int, role: str = "train") -> Sp
 
 
 def server_splits(dataset: Dataset, plan: DataPlan) -> tuple[Split, Split]:
-    """The coordinator's (test, public) splits."""
+    """The coordinator's (test, public) splits (``dataset``: the target dataset when ``plan.target`` is set)."""
     test = _take(dataset, plan.test, plan.normalization, test=plan.test_source == "predefined")
     return test, _take(dataset, plan.public, plan.normalization)
 

@@ -317,3 +317,41 @@ def test_derive_seed_is_the_same_in_another_process():
 def test_make_rng_streams_repeat_for_the_same_tags():
     assert np.array_equal(make_rng(1, "a").integers(1 << 30, size=5), make_rng(1, "a").integers(1 << 30, size=5))
     assert not np.array_equal(make_rng(1, "a").integers(1 << 30, size=5), make_rng(1, "b").integers(1 << 30, size=5))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data.target: a new task for the server (its public sample and the test set), the clients keep data.dataset
+
+
+def test_a_target_dataset_supplies_the_test_set_and_public_sample_and_the_clients_share_all_of_the_source():
+    from rayfuse.data.roles import load_target_from_config
+
+    data = DataConfig(dataset="mnist5k", public_size=0.05, target={"dataset": "digits", "resize": [20, 20], "pad": 4})
+    source, target = load_dataset("mnist5k"), load_target_from_config(data)
+    # digits 8x8 resized to 20x20 and padded into MNIST's 28x28 frame: ink in the middle, a blank border
+    assert target.input_shape == (1, 28, 28) and target.X[:, :, :4, :].max() == 0 and target.X.max() > 0.9
+    plan = make_plan(source, data, PartitionConfig(method="iid", num_clients=3), 0, target=target)
+    assert plan.target == "digits" and plan.dataset == "mnist5k"
+    assert np.array_equal(np.sort(np.concatenate(plan.client_train + plan.client_val)), np.arange(len(source.y)))
+    assert len(plan.test) == round(0.2 * len(target.y)) and len(plan.public) == round(0.05 * (len(target.y) - len(plan.test)))
+    assert not set(plan.test) & set(plan.public)
+    test, public = server_splits(target, plan)
+    assert np.array_equal(test.X, target.X[plan.test]) and np.array_equal(public.y, target.y[plan.public])
+    manifest = plan.manifest()
+    assert manifest["target"] == "digits" and manifest["roles"]["public"]["dataset"] == "digits"
+    # the same split without a target has another hash: a resume cannot mix the two
+    assert plan.digest() != make_plan(source, DataConfig(dataset="mnist5k", public_size=0.05), PartitionConfig(method="iid", num_clients=3), 0).digest()
+
+
+def test_a_target_of_another_shape_or_class_count_is_refused(digits):
+    from rayfuse.data.roles import load_target_from_config
+
+    unsized = DataConfig(dataset="mnist5k", target={"dataset": "digits"})
+    with pytest.raises(InputError, match=r"data\.target: expected inputs shaped like data\.dataset's \(1, 28, 28\).*got 'digits \(1, 8, 8\)'"):
+        make_plan(load_dataset("mnist5k"), unsized, PartitionConfig(), 0, target=load_target_from_config(unsized))
+    four = DataConfig(dataset="synthetic", options={"n_features": 13, "n_classes": 4, "n_informative": 4}, target={"dataset": "wine"})
+    source = load_dataset("synthetic", options=four.options)
+    with pytest.raises(InputError, match=r"data\.target\.dataset: expected as many classes as data\.dataset \(4\), got 'wine with 3'"):
+        make_plan(source, four, PartitionConfig(), 0, target=load_dataset("wine"))
+    with pytest.raises(InputError, match=r"data\.target\.resize: expected an image dataset"):
+        load_target_from_config(DataConfig(dataset="digits", target={"dataset": "wine", "resize": [8, 8]}))
