@@ -90,19 +90,15 @@ class RunConfig(StrictModel):
                                     "instead of retraining the clients; null: no cache")
 
 
-class TargetConfig(StrictModel):
-    """A new task held by the server (knowledge amalgamation across tasks, FedSA): the coordinator's labelled sample
-    (``data.public_size`` of this dataset's pool) and the test set come from here; the clients keep ``data.dataset``."""
+class DatasetSource(StrictModel):
+    """Which dataset to load, and from where (``data`` and ``data.target``)."""
 
-    dataset: str = Field(description="a registered dataset (rayfuse list datasets)")
-    root: str | None = Field(None, description="folder with torchvision datasets")
-    path: str | None = Field(None, description="a user .npz or .parquet file")
-    label: str = Field("y", min_length=1)
-    features: str | list[str] | None = None
+    dataset: str = Field("digits", description="a registered dataset (rayfuse list datasets)")
+    root: str | None = Field(None, description="folder with torchvision datasets (MNIST, FashionMNIST, CIFAR-10)")
+    path: str | None = Field(None, description="a user .npz or .parquet file (datasets 'npz', 'parquet')")
+    label: str = Field("y", min_length=1, description="label key (npz) or column (parquet)")
+    features: str | list[str] | None = Field(None, description="feature key (npz) or columns (parquet); default: X / all other numeric columns")
     options: dict[str, Any] = Field(default_factory=dict, description="extra arguments for a procedural generator")
-    test_size: float = Field(0.2, gt=0, lt=1, description="fraction of the target dataset held out as the test set")
-    resize: list[int] | None = Field(None, min_length=2, max_length=2, description="[H, W]: bilinear resize of the target's images")
-    pad: int = Field(0, ge=0, description="zero padding on every side after resizing (e.g. digits 8x8 -> resize [20, 20], pad 4 -> MNIST's 28x28)")
 
     @field_validator("dataset")
     @classmethod
@@ -110,6 +106,16 @@ class TargetConfig(StrictModel):
         from rayfuse.data.datasets import DATASETS
 
         return DATASETS.canonical(_registered(DATASETS, value))
+
+
+class TargetConfig(DatasetSource):
+    """A new task held by the server (knowledge amalgamation across tasks, FedSA): the coordinator's labelled sample
+    (``data.public_size`` of this dataset's pool) and the test set come from here; the clients keep ``data.dataset``."""
+
+    dataset: str = Field(description="a registered dataset (rayfuse list datasets)")
+    test_size: float = Field(0.2, gt=0, lt=1, description="fraction of the target dataset held out as the test set")
+    resize: list[int] | None = Field(None, min_length=2, max_length=2, description="[H, W]: bilinear resize of the target's images")
+    pad: int = Field(0, ge=0, description="zero padding on every side after resizing (e.g. digits 8x8 -> resize [20, 20], pad 4 -> MNIST's 28x28)")
 
     @field_validator("resize")
     @classmethod
@@ -119,26 +125,13 @@ class TargetConfig(StrictModel):
         return value
 
 
-class DataConfig(StrictModel):
-    dataset: str = Field("digits", description="a registered dataset (rayfuse list datasets)")
-    root: str | None = Field(None, description="folder with torchvision datasets (MNIST, FashionMNIST, CIFAR-10)")
-    path: str | None = Field(None, description="a user .npz or .parquet file (datasets 'npz', 'parquet')")
-    label: str = Field("y", min_length=1, description="label key (npz) or column (parquet)")
-    features: str | list[str] | None = Field(None, description="feature key (npz) or columns (parquet); default: X / all other numeric columns")
-    options: dict[str, Any] = Field(default_factory=dict, description="extra arguments for a procedural generator")
+class DataConfig(DatasetSource):
     test_size: float = Field(0.2, gt=0, lt=1, description="fraction held out as the global test set (datasets without one)")
     val_size: float = Field(0.1, ge=0, lt=1, description="fraction of each client's shard kept as its private validation split")
     public_size: float = Field(0, ge=0, description="server's public sample: a fraction (< 1) or a count (>= 1) of the training pool")
     standardize: bool | None = Field(None, description="z-score features with training-pool statistics; default per dataset")
     target: TargetConfig | None = Field(None, description="a new task for the server: its public sample and the test set come from this "
                                         "dataset (data.test_size is then unused: the clients share all of data.dataset)")
-
-    @field_validator("dataset")
-    @classmethod
-    def _known_dataset(cls, value: str) -> str:
-        from rayfuse.data.datasets import DATASETS
-
-        return DATASETS.canonical(_registered(DATASETS, value))
 
     @field_validator("public_size")
     @classmethod
