@@ -220,14 +220,8 @@ def make_plan(dataset: Dataset, data_cfg: Any, partition_cfg: Any, seed: int, ta
     clients share all of ``dataset``.
     """
     y = dataset.y
-    public_size = data_cfg.public_size
     if target is None:
-        test_source, test, pool = _split_test(dataset, data_cfg.test_size, seed, "data.test_size")
-        n_public = int(round(public_size * len(pool))) if public_size < 1 else int(public_size)
-        if n_public >= len(pool):
-            raise InputError("data.public_size", f"fewer samples than the training pool ({len(pool)})", public_size)
-        taken, rest = _stratified_take(y[pool], n_public, make_rng(seed, "public-split"))
-        public, pool = pool[taken], pool[rest]
+        source, test_key, test_size, pool_name = dataset, "data.test_size", data_cfg.test_size, "the training pool"
     else:
         if target.input_shape != dataset.input_shape:
             raise InputError("data.target", f"inputs shaped like data.dataset's {dataset.input_shape} (data.target.resize / pad)",
@@ -235,12 +229,15 @@ def make_plan(dataset: Dataset, data_cfg: Any, partition_cfg: Any, seed: int, ta
         if target.num_classes != dataset.num_classes:
             raise InputError("data.target.dataset", f"as many classes as data.dataset ({dataset.num_classes})",
                              f"{target.name} with {target.num_classes}")
-        test_source, test, target_pool = _split_test(target, data_cfg.target.test_size, seed, "data.target.test_size")
-        n_public = int(round(public_size * len(target_pool))) if public_size < 1 else int(public_size)
-        if n_public >= len(target_pool):
-            raise InputError("data.public_size", f"fewer samples than the target's pool ({len(target_pool)})", public_size)
-        taken, _ = _stratified_take(target.y[target_pool], n_public, make_rng(seed, "public-split"))
-        public, pool = target_pool[taken], np.arange(len(y), dtype=np.int64)
+        source, test_key, test_size, pool_name = target, "data.target.test_size", data_cfg.target.test_size, "the target's pool"
+    # the test set and the public sample come from `source`; the clients share the rest of it (all of `dataset` with a target)
+    test_source, test, pool = _split_test(source, test_size, seed, test_key)
+    public_size = data_cfg.public_size
+    n_public = int(round(public_size * len(pool))) if public_size < 1 else int(public_size)
+    if n_public >= len(pool):
+        raise InputError("data.public_size", f"fewer samples than {pool_name} ({len(pool)})", public_size)
+    taken, rest = _stratified_take(source.y[pool], n_public, make_rng(seed, "public-split"))
+    public, pool = pool[taken], (pool[rest] if target is None else np.arange(len(y), dtype=np.int64))
 
     method = PARTITIONERS.canonical(partition_cfg.method)
     params = partition_cfg.params()

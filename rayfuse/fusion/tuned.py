@@ -117,7 +117,8 @@ def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 def tuning_curve(server: ServerContext, params: dict[str, np.ndarray] | None, settings: TuneSettings, *, key: str,
-                 raw_epochs: int | None = None) -> tuple[dict[str, float], list[dict[str, float]], dict[str, np.ndarray]]:
+                 raw_epochs: int | None = None, raw_dropout: float = 0.0,
+                 raw_early_stop: int = 0) -> tuple[dict[str, float], list[dict[str, float]], dict[str, np.ndarray]]:
     """Fine-tune ``params`` (``None``: a fresh model trained for ``raw_epochs``) at each public size.
 
     Returns the metrics at the largest size (averaged over trials), the curve, and the last tuned parameters.
@@ -131,12 +132,11 @@ def tuning_curve(server: ServerContext, params: dict[str, np.ndarray] | None, se
         for trial, idx in enumerate(draws):
             seed = server.step_seed("tune", size, trial)
             if params is None:
-                dropout = getattr(settings, "raw_dropout", 0.0)
-                model_cfg = server.model_cfg.model_copy(update={"dropout": dropout}) if dropout else server.model_cfg
+                model_cfg = server.model_cfg.model_copy(update={"dropout": raw_dropout}) if raw_dropout else server.model_cfg
                 model = build_model(model_cfg, server.input_shape, server.num_classes, seed=seed)
                 train_model(model, public.X[idx], public.y[idx], epochs=raw_epochs or settings.tune_epochs,
                             batch_size=settings.tune_batch_size, lr=settings.tune_lr, seed=seed, device=server.device,
-                            early_stop_patience=getattr(settings, "raw_early_stop", 0))
+                            early_stop_patience=raw_early_stop)
                 last = get_params(model)
             else:
                 last = fine_tune(params, public.X[idx], public.y[idx], model_cfg=server.model_cfg, epochs=settings.tune_epochs,
@@ -187,7 +187,8 @@ class Tuned(Method):
                              f"{p.raw_dropout} with model {server.model_cfg.name}")
         if p.base == "raw":
             raw_epochs = p.raw_epochs or (5 if server.model_cfg.name == "logreg" else 50)
-            metrics, curve, params = tuning_curve(server, None, p, key=key, raw_epochs=raw_epochs)
+            metrics, curve, params = tuning_curve(server, None, p, key=key, raw_epochs=raw_epochs, raw_dropout=p.raw_dropout,
+                                                  raw_early_stop=p.raw_early_stop)
             server.log(0, metrics)
             return MethodResult(metrics, params, info={"base": "raw", "tuning_curve": curve, "epochs": raw_epochs,
                                                        "dropout": p.raw_dropout, "early_stop": p.raw_early_stop})
