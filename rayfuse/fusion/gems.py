@@ -46,7 +46,7 @@ from rayfuse.fusion.gems_balls import (
     compute_fisher, cluster_neurons, ellipsoid_axes, fisher_mask, flatten_linear, fuse_neurons, intersect_balls,
     neuron_distance, search_radii, softmax_accuracy, unflatten_linear,
 )
-from rayfuse.fusion.tuned import TuneSettings, evaluate_params, tuning_curve
+from rayfuse.fusion.tuned import TuneSettings, check_tune_solver, evaluate_params, tuning_curve
 
 __all__ = ["GEMS", "GEMSParams", "build_model_ball", "build_neuron_balls", "transform_features"]
 
@@ -238,6 +238,8 @@ class GEMS(Method):
         cfg = server.model_cfg
         if cfg.name not in ("logreg", "mlp"):
             raise InputError("model.name", "logreg or mlp for method gems", cfg.name)
+        if self.params.fine_tune:
+            check_tune_solver(self.params, cfg, self.label, last_layer_only=self.params.last_layer_only)
         if cfg.name == "mlp" and cfg.activation != "relu":
             server.progress("gems: eq. 3 is stated for ReLU; using the model's activation " + cfg.activation)
         started = time.perf_counter()

@@ -32,7 +32,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import numpy as np
+import torch
 from pydantic import Field, field_validator
+from torch import nn
 
 from rayfuse.coordinator import ServerContext
 from rayfuse.data.roles import Split
@@ -41,7 +43,8 @@ from rayfuse.fusion.base import Method, MethodParams, MethodResult, register_met
 from rayfuse.models import get_params, predict_proba, set_params, train_model
 from rayfuse.models.registry import MLP, LogisticRegression, build_model
 
-__all__ = ["TunedParams", "Tuned", "model_for_params", "evaluate_params", "fine_tune", "public_subsets", "TuneSettings"]
+__all__ = ["TunedParams", "Tuned", "model_for_params", "evaluate_params", "fine_tune", "fit_last_layer", "check_tune_solver",
+           "public_subsets", "TuneSettings"]
 
 
 def model_for_params(params: dict[str, np.ndarray], model_cfg: Any) -> Any:
@@ -76,6 +79,10 @@ class TuneSettings(MethodParams):
     tune_batch_size: int = Field(32, ge=1)
     tune_trials: int = Field(1, ge=1, description="draws of the public subset per size (the paper: 5); metrics are averaged")
     last_layer_only: bool = Field(True, description="networks: tune only the last layer (the reference); logreg has one layer")
+    tune_solver: Literal["adam", "lbfgs"] = Field("adam", description="adam: tune_epochs of Adam (the reference); lbfgs: networks' "
+                                                  "last layer fitted to convergence on the frozen features (a convex problem)")
+    tune_l2: float = Field(1.0, ge=0, description="tune_solver lbfgs: L2 penalty on the last layer's weights, as scikit-learn's 1 / C "
+                                                   "(mean cross-entropy + tune_l2 |W|^2 / (2 n))")
 
     @field_validator("public_samples")
     @classmethod
@@ -88,10 +95,65 @@ class TuneSettings(MethodParams):
         return value
 
 
+def check_tune_solver(settings: TuneSettings, model_cfg: Any, label: str, *, last_layer_only: bool, base: str | None = None) -> None:
+    """``tune_solver: lbfgs`` refits a network's last layer; refuse it where that is not what would be tuned."""
+    if settings.tune_solver == "adam":
+        return
+    key = f"methods.{label}.tune_solver"
+    if model_cfg.name != "mlp" or not model_cfg.hidden:
+        # for a model with one layer a converged convex fit forgets the model it started from (every base would tie)
+        raise InputError(key, "adam for a model without hidden layers (lbfgs fits a network's last layer on its features)",
+                         f"lbfgs with model {model_cfg.name}")
+    if base == "raw":
+        raise InputError(key, "adam with base: raw (a fresh network has no features to fit a last layer on)", "lbfgs")
+    if not last_layer_only:
+        raise InputError(key, "adam when every layer is tuned (lbfgs fits the last layer alone: last_layer_only: true)", "lbfgs")
+
+
+def fit_last_layer(model: MLP, X: np.ndarray, y: np.ndarray, *, l2: float, device: str = "cpu", max_iter: int = 500) -> None:
+    """Fit ``model``'s last layer to convergence on its frozen features: softmax regression by full-batch L-BFGS.
+
+    The objective, mean cross-entropy + ``l2`` |W|^2 / (2 n) (scikit-learn's ``LogisticRegression`` with C = 1 / l2;
+    the bias is not penalised), is strictly convex for ``l2 > 0``, so the result does not depend on where the layer
+    started, only on the features below it.
+    """
+    model.to(device).eval()
+    head = model.layers[-1]
+    with torch.no_grad():
+        feats = model.features(torch.as_tensor(X, dtype=torch.float32, device=device))
+    target = torch.as_tensor(y, dtype=torch.long, device=device)
+    opt = torch.optim.LBFGS(head.parameters(), lr=1.0, max_iter=max_iter, tolerance_grad=1e-7, tolerance_change=1e-10,
+                            history_size=20, line_search_fn="strong_wolfe")
+    scale = l2 / (2.0 * len(y))
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(head(feats), target) + scale * head.weight.pow(2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    if not all(torch.isfinite(p).all() for p in head.parameters()):
+        from rayfuse.errors import NonFiniteError
+
+        raise NonFiniteError("fine-tuning (tune_solver lbfgs): the last layer has NaN or Inf values")
+    model.cpu()
+
+
 def fine_tune(params: dict[str, np.ndarray], X: np.ndarray, y: np.ndarray, *, model_cfg: Any, epochs: int, lr: float,
-              batch_size: int, last_layer_only: bool, seed: int, device: str = "cpu") -> dict[str, np.ndarray]:
-    """``params`` after ``epochs`` of Adam on ``(X, y)``; for an MLP with ``last_layer_only`` only the last layer moves."""
+              batch_size: int, last_layer_only: bool, seed: int, device: str = "cpu", solver: str = "adam",
+              l2: float = 1.0) -> dict[str, np.ndarray]:
+    """``params`` after ``epochs`` of Adam on ``(X, y)``; for an MLP with ``last_layer_only`` only the last layer moves.
+
+    ``solver="lbfgs"`` (an MLP, last layer only) fits the last layer to convergence instead (``fit_last_layer``).
+    """
     model = model_for_params(params, model_cfg)
+    if solver == "lbfgs":
+        if not (last_layer_only and isinstance(model, MLP) and len(model.layers) > 1):
+            raise ValueError("solver lbfgs fits the last layer of a network with hidden layers (last_layer_only)")
+        torch.manual_seed(seed)
+        fit_last_layer(model, X, y, l2=l2, device=device)
+        return get_params(model)
     if last_layer_only and isinstance(model, MLP):
         for layer in model.layers[:-1]:
             layer.requires_grad_(False)
@@ -141,7 +203,7 @@ def tuning_curve(server: ServerContext, params: dict[str, np.ndarray] | None, se
             else:
                 last = fine_tune(params, public.X[idx], public.y[idx], model_cfg=server.model_cfg, epochs=settings.tune_epochs,
                                  lr=settings.tune_lr, batch_size=settings.tune_batch_size, last_layer_only=settings.last_layer_only,
-                                 seed=seed, device=server.device)
+                                 seed=seed, device=server.device, solver=settings.tune_solver, l2=settings.tune_l2)
             rows.append(evaluate_params(server, last))
         metrics = _mean_metrics(rows)
         curve.append({"public_samples": float(size), **metrics})
@@ -182,6 +244,7 @@ class Tuned(Method):
         for name, value in raw_only.items():
             if p.base != "raw" and value:
                 raise InputError(f"methods.{self.label}.{name}", "only with base: raw", f"{value} with base: {p.base}")
+        check_tune_solver(p, server.model_cfg, self.label, last_layer_only=bool(p.last_layer_only), base=p.base)
         if p.raw_dropout and server.model_cfg.name != "mlp":
             raise InputError(f"methods.{self.label}.raw_dropout", "an mlp model (dropout after its hidden layers)",
                              f"{p.raw_dropout} with model {server.model_cfg.name}")

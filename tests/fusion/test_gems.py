@@ -307,6 +307,59 @@ def test_raw_only_settings_are_refused_elsewhere(coordinator, params, key):
         coord.run_method("tuned")
 
 
+def test_converged_last_layer_matches_scikit_learns_logistic_regression_from_any_start():
+    from sklearn.linear_model import LogisticRegression
+
+    from rayfuse.fusion.tuned import fit_last_layer
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(120, 6)).astype(np.float32)
+    y = rng.integers(0, 3, size=120)
+    features = {}
+    for start in (0.0, 5.0):  # the fit is strictly convex: where the last layer starts does not matter
+        torch.manual_seed(1)
+        model = MLP(6, [8], 3)
+        with torch.no_grad():
+            model.layers[-1].weight.fill_(start)
+        fit_last_layer(model, X, y, l2=1.0)
+        features[start] = model.features(torch.as_tensor(X)).detach().numpy()
+        coef = model.layers[-1].weight.detach().numpy()
+        ref = LogisticRegression(C=1.0, tol=1e-10, max_iter=10_000).fit(features[start], y)
+        # scikit-learn's multinomial coefficients are defined up to a constant per feature: compare centred over classes
+        np.testing.assert_allclose(coef - coef.mean(0), ref.coef_ - ref.coef_.mean(0), atol=2e-3)
+        bias = model.layers[-1].bias.detach().numpy()
+        np.testing.assert_allclose(bias - bias.mean(), ref.intercept_ - ref.intercept_.mean(), atol=2e-3)
+    np.testing.assert_array_equal(features[0.0], features[5.0])  # only the last layer moved
+
+
+def test_gems_and_tuned_fit_the_last_layer_to_convergence_on_request(coordinator):
+    coord = coordinator(partition=LABELS2, model={"name": "mlp", "hidden": [12]}, data={"public_size": 60},
+                        methods={"gems": {**FAST, "tol": 0.5, "neuron_tol": 2.0, "m_epsilon": 6, "retrain_epochs": 2,
+                                          "tune_solver": "lbfgs", "public_samples": [30, 60]},
+                                 "tuned": {"base": "average", "tune_solver": "lbfgs", "public_samples": 60}})
+    gems = coord.run_method("gems")
+    assert [row["public_samples"] for row in gems["info"]["tuning_curve"]] == [30.0, 60.0]
+    assert 0.1 < gems["metrics"]["tuned_accuracy"] <= 1
+    fused = load_params(coord.store.root / gems["model_file"])
+    assert fused["layers.0.weight"].shape[1] == 64  # the stored model is the fused one, not a tuned copy
+    assert 0.1 < coord.run_method("tuned")["metrics"]["accuracy"] <= 1
+
+
+@pytest.mark.parametrize("model, params, expected", [
+    ({"name": "logreg"}, {"method": "gems"}, "model without hidden layers"),
+    ({"name": "logreg"}, {"method": "tuned", "base": "average"}, "model without hidden layers"),
+    ({"name": "mlp", "hidden": [8]}, {"method": "tuned", "base": "raw"}, "base: raw"),
+    ({"name": "mlp", "hidden": [8]}, {"method": "tuned", "base": "local"}, "last_layer_only"),  # local tunes every layer
+    ({"name": "mlp", "hidden": [8]}, {"method": "gems", "last_layer_only": False}, "last_layer_only"),
+])
+def test_converged_fit_is_refused_where_there_is_no_last_layer_to_fit(coordinator, model, params, expected):
+    coord = coordinator(partition=LABELS2, model=model, data={"public_size": 50},
+                        methods={"m": {**params, "tune_solver": "lbfgs", "public_samples": [50]}})
+    with pytest.raises(InputError, match=r"methods\.m\.tune_solver") as err:
+        coord.run_method("m")
+    assert expected in str(err.value)
+
+
 def test_tuned_baselines_use_the_reference_optimiser_per_base():
     from rayfuse.fusion.tuned import TunedParams
 
