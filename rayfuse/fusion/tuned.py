@@ -19,7 +19,8 @@ utils/logit_ellipsoid.py]: Adam, batch 32, 5 epochs, with the optimiser each mod
   after a few epochs on a small sample; ``raw_dropout: 0.5`` and ``raw_early_stop: 3`` reproduce that protocol
   (the jobs run it as a second entry, ``raw-reference``, beside the fully trained raw model).
 
-``tune_lr`` and ``last_layer_only`` override these defaults. The reference draws the sample from the pooled validation data;
+``tune_lr`` and ``last_layer_only`` override these defaults. ``tune_solver: lbfgs`` fits a network's last layer to
+convergence instead of the 5 Adam epochs (``fit_last_layer``; a departure from the reference, offered beside it). The reference draws the sample from the pooled validation data;
 here it is the coordinator's public sample (``data.public_size``, drawn stratified from the training pool before
 partitioning). ``public_samples`` takes a subset of it (uniformly, seeded), or a list of sizes for the fine-tuning
 curve of Figures 3-4 (``info.tuning_curve``; the final metrics are those of the largest size).
@@ -38,7 +39,7 @@ from torch import nn
 
 from rayfuse.coordinator import ServerContext
 from rayfuse.data.roles import Split
-from rayfuse.errors import InputError
+from rayfuse.errors import InputError, NonFiniteError
 from rayfuse.fusion.base import Method, MethodParams, MethodResult, register_method
 from rayfuse.models import get_params, predict_proba, set_params, train_model
 from rayfuse.models.registry import MLP, LogisticRegression, build_model
@@ -62,8 +63,6 @@ def model_for_params(params: dict[str, np.ndarray], model_cfg: Any) -> Any:
 
 def evaluate_params(server: ServerContext, params: dict[str, np.ndarray]) -> dict[str, float]:
     """Test metrics of a logreg / MLP parameter dict of any width (``server.evaluate`` requires the config's shape)."""
-    from rayfuse.errors import NonFiniteError
-
     if not all(np.isfinite(v).all() for v in params.values()):
         raise NonFiniteError(f"{server.label}: the model to evaluate has NaN or Inf values")
     model = model_for_params(params, server.model_cfg)
@@ -134,8 +133,6 @@ def fit_last_layer(model: MLP, X: np.ndarray, y: np.ndarray, *, l2: float, devic
 
     opt.step(closure)
     if not all(torch.isfinite(p).all() for p in head.parameters()):
-        from rayfuse.errors import NonFiniteError
-
         raise NonFiniteError("fine-tuning (tune_solver lbfgs): the last layer has NaN or Inf values")
     model.cpu()
 
@@ -151,8 +148,7 @@ def fine_tune(params: dict[str, np.ndarray], X: np.ndarray, y: np.ndarray, *, mo
     if solver == "lbfgs":
         if not (last_layer_only and isinstance(model, MLP) and len(model.layers) > 1):
             raise ValueError("solver lbfgs fits the last layer of a network with hidden layers (last_layer_only)")
-        torch.manual_seed(seed)
-        fit_last_layer(model, X, y, l2=l2, device=device)
+        fit_last_layer(model, X, y, l2=l2, device=device)  # deterministic: no seed to draw from
         return get_params(model)
     if last_layer_only and isinstance(model, MLP):
         for layer in model.layers[:-1]:
