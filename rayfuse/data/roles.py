@@ -152,7 +152,7 @@ class DataPlan:
 
 
 def load_dataset_from_config(data_cfg: Any) -> Dataset:
-    """Load the dataset a :class:`rayfuse.config.DataConfig` names."""
+    """Load the dataset a :class:`rayfuse.config.DatasetSource` (``data`` or ``data.target``) names."""
     return load_dataset(data_cfg.dataset, root=data_cfg.root, path=data_cfg.path, label=data_cfg.label,
                         features=data_cfg.features, options=data_cfg.options)
 
@@ -162,7 +162,7 @@ def load_target_from_config(data_cfg: Any) -> Dataset | None:
     t = getattr(data_cfg, "target", None)
     if t is None:
         return None
-    ds = load_dataset(t.dataset, root=t.root, path=t.path, label=t.label, features=t.features, options=t.options)
+    ds = load_dataset_from_config(t)
     if t.resize is None and not t.pad:
         return ds
     if ds.X.ndim != 4:
