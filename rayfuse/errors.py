@@ -53,6 +53,18 @@ class InputError(ValueError):
             message += f"; {hint}"
         super().__init__(message)
 
+    def __reduce__(self) -> tuple:
+        # Pickling (Ray sends an error raised in an actor, task or Tune trial to the driver) and copy.copy (Ray Tune's
+        # traceback shortening) rebuild an exception from its args, which hold only the message: rebuild from the fields
+        # instead, keeping "no got" as it was (the sentinel is not the same object after unpickling).
+        has_got = self.got is not InputError._MISSING
+        return _rebuild_input_error, (type(self), self.path, self.expected, has_got, self.got if has_got else None,
+                                      self.hint)
+
+
+def _rebuild_input_error(cls: type, path: str, expected: str, has_got: bool, got: Any, hint: str) -> InputError:
+    return cls(path, expected, got, hint) if has_got else cls(path, expected, hint=hint)
+
 
 class RunFailure(RuntimeError):
     """A run could not go on (failure policy exhausted, quorum lost, every update rejected)."""

@@ -210,6 +210,12 @@ def _check_key(where: str, key: str, resolved: Mapping[str, Any]) -> None:
         node = node[part]
 
 
+def _default_name(path: Path) -> str:
+    """The sweep's name from its file's stem, made a valid ``run.name`` start (its trials are ``<name>-<trial id>``)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "-", path.stem).lstrip("_.-")
+    return name or "sweep"
+
+
 def load_space(path: str | Path, *, samples: int | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SweepSpec:
     """Read and validate a sweep space; raise :class:`InputError` (one line) on the first problem.
 
@@ -295,7 +301,7 @@ def load_space(path: str | Path, *, samples: int | None = None, overrides: list[
     if num_samples < 1:
         raise InputError("--samples", "a number >= 1", num_samples)
     return SweepSpec(
-        name=spec.name or re.sub(r"[^A-Za-z0-9_.-]", "-", path.stem), path=path, base_path=base_path, base=data, space=space,
+        name=spec.name or _default_name(path), path=path, base_path=base_path, base=data, space=space,
         metric=spec.metric, mode=spec.mode, num_samples=num_samples, scheduler=scheduler, max_failures=spec.max_failures,
         max_concurrent_trials=spec.max_concurrent_trials, storage=storage, placement_strategy=spec.placement_strategy,
         methods=labels,

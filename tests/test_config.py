@@ -375,3 +375,18 @@ def test_error_in_a_file_names_the_key_not_the_file(tmp_path):
     path.write_text("partition:\n  alpha: -2\n")
     with pytest.raises(InputError, match=r"^partition\.alpha: expected greater than 0, got -2$"):
         load_config(path)
+
+
+@pytest.mark.parametrize("error", [InputError("partition.alpha", "a number > 0", -1.0, "e.g. 0.5"),
+                                   InputError("data.public_size", "a fraction in (0, 1)"),
+                                   InputError("federation", "a trial that fits", [{"CPU": 1.0}])])
+def test_an_input_error_survives_pickling_and_copying(error):
+    """Ray pickles an error raised in an actor, a task or a Tune trial, and Tune copies it (copy.copy) to shorten its
+    traceback: both must give back the same one-line message and fields, not a TypeError from __init__."""
+    import copy
+    import pickle
+
+    for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+        assert type(again) is InputError and str(again) == str(error)
+        assert (again.path, again.expected, again.hint) == (error.path, error.expected, error.hint)
+        assert (again.got is InputError._MISSING) == (error.got is InputError._MISSING)

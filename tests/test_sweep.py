@@ -53,6 +53,19 @@ def test_the_space_resolves_the_base_job_and_keeps_only_the_listed_methods(tmp_p
     assert cfg.method_specs()[0].params.mu == 0.1
 
 
+@pytest.mark.parametrize("stem, name", [("_scratch space", "scratch-space"), ("fedsa.temp", "fedsa.temp"), ("__", "sweep")])
+def test_the_default_name_is_a_valid_run_name_start(tmp_path, stem, name):
+    """Trials are named ``<sweep name>-<trial id>`` (a run.name): a file stem starting with '_' or '.' must not make
+    every trial fail its config validation."""
+    path = write_space(tmp_path)
+    path = path.rename(tmp_path / f"{stem}.yaml")
+    spec = load_space(path)
+    assert spec.name == name
+    spec.trial_config({"methods.fedprox.mu": 0.1})  # validates
+    from rayfuse.config import validate_config
+    validate_config({**spec.base, "run": {**spec.base["run"], "name": f"{spec.name}-55e08_00000"}})
+
+
 def test_asha_defaults_max_t_to_the_methods_rounds(tmp_path):
     spec = load_space(write_space(tmp_path, methods=["fedprox"], scheduler={"type": "asha", "grace_period": 1}))
     assert spec.scheduler.max_t == 3 and spec.scheduler.time_attr == "round"
