@@ -239,7 +239,7 @@ class GEMS(Method):
         if cfg.name not in ("logreg", "mlp"):
             raise InputError("model.name", "logreg or mlp for method gems", cfg.name)
         if self.params.fine_tune:
-            check_tune_solver(self.params, cfg, self.label, last_layer_only=self.params.last_layer_only)
+            check_tune_solver(self.params, cfg, self.label)
         if cfg.name == "mlp" and cfg.activation != "relu":
             server.progress("gems: eq. 3 is stated for ReLU; using the model's activation " + cfg.activation)
         started = time.perf_counter()

@@ -94,8 +94,11 @@ class TuneSettings(MethodParams):
         return value
 
 
-def check_tune_solver(settings: TuneSettings, model_cfg: Any, label: str, *, last_layer_only: bool, base: str | None = None) -> None:
-    """``tune_solver: lbfgs`` refits a network's last layer; refuse it where that is not what would be tuned."""
+def check_tune_solver(settings: TuneSettings, model_cfg: Any, label: str, *, base: str | None = None) -> None:
+    """``tune_solver: lbfgs`` refits a network's last layer; refuse it where that is not what would be tuned.
+
+    ``settings`` must have ``last_layer_only`` resolved (``TunedParams.resolved()``).
+    """
     if settings.tune_solver == "adam":
         return
     key = f"methods.{label}.tune_solver"
@@ -105,7 +108,7 @@ def check_tune_solver(settings: TuneSettings, model_cfg: Any, label: str, *, las
                          f"lbfgs with model {model_cfg.name}")
     if base == "raw":
         raise InputError(key, "adam with base: raw (a fresh network has no features to fit a last layer on)", "lbfgs")
-    if not last_layer_only:
+    if not settings.last_layer_only:
         raise InputError(key, "adam when every layer is tuned (lbfgs fits the last layer alone: last_layer_only: true)", "lbfgs")
 
 
@@ -240,7 +243,7 @@ class Tuned(Method):
         for name, value in raw_only.items():
             if p.base != "raw" and value:
                 raise InputError(f"methods.{self.label}.{name}", "only with base: raw", f"{value} with base: {p.base}")
-        check_tune_solver(p, server.model_cfg, self.label, last_layer_only=bool(p.last_layer_only), base=p.base)
+        check_tune_solver(p, server.model_cfg, self.label, base=p.base)
         if p.raw_dropout and server.model_cfg.name != "mlp":
             raise InputError(f"methods.{self.label}.raw_dropout", "an mlp model (dropout after its hidden layers)",
                              f"{p.raw_dropout} with model {server.model_cfg.name}")
