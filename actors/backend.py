@@ -31,6 +31,7 @@ from actors.coordinator import CoordinatorActor
 from rayfuse.config import ExperimentConfig, ResourcesConfig
 from rayfuse.data.roles import DataPlan
 from rayfuse.errors import InputError, RunFailure
+from rayfuse.method import MethodSpec
 from rayfuse.runner import Backend, EventSink
 
 __all__ = ["RayBackend", "actor_options", "client_bundles", "merged_resources", "trial_bundles"]
@@ -171,7 +172,8 @@ class RayBackend(Backend):
                 if need > total.get(name, 0.0):
                     raise InputError(f"{key}.resources.{name}", f"a resource this Ray has (it has {sorted(k for k in total if not k.startswith('node:'))})", need)
 
-    def start(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: Path, *, on_event: EventSink, start_time: float) -> None:
+    def start(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: Path, *, on_event: EventSink, start_time: float,
+              specs: list[MethodSpec] | None = None) -> None:
         self._on_event = on_event
         self._connect(cfg)
         fed = cfg.federation
@@ -208,7 +210,7 @@ class RayBackend(Backend):
             scheduling_strategy=placement,
             # in a trial the coordinator shares bundle 0 with the trial's driver, which holds its resources
             **(actor_options(fed.coordinator) if pg is None else {"num_cpus": 0}),
-        ).remote(cfg, plan, str(Path(run_dir).resolve()), self.clients, start_time)
+        ).remote(cfg, plan, str(Path(run_dir).resolve()), self.clients, start_time, specs)
         try:
             pings = ray.get([c.ping.remote() for c in self._client_actors] + [self.coordinator.ready.remote()],
                             timeout=fed.startup_timeout_s)

@@ -19,12 +19,14 @@ from rayfuse.config import ExperimentConfig
 from rayfuse.coordinator import Coordinator
 from rayfuse.data.roles import DataPlan
 from rayfuse.federation import EventLog, FailurePolicy
+from rayfuse.method import MethodSpec
 
 __all__ = ["CoordinatorActor"]
 
 
 class CoordinatorActor:
-    def __init__(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: str, clients: Mapping[int, Any], start_time: float) -> None:
+    def __init__(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: str, clients: Mapping[int, Any], start_time: float,
+                 specs: list[MethodSpec] | None = None) -> None:
         events = EventLog(start=start_time)
         federation = RayFederation(clients, FailurePolicy.from_config(cfg.federation), events, task_cpus=cfg.federation.task_cpus,
                                    restart_timeout_s=cfg.federation.startup_timeout_s)
@@ -33,7 +35,8 @@ class CoordinatorActor:
             import torch
 
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
-        self.coordinator = Coordinator(cfg, plan, run_dir, federation, device=device)
+        # ``specs`` carry the methods' classes: one given as an object (a notebook's Method subclass) arrives by value.
+        self.coordinator = Coordinator(cfg, plan, run_dir, federation, specs=specs, device=device)
         # Dashboard metrics (actors.metrics): fed by the event log and the federation's byte counts.
         self.metrics = RunMetrics(Path(run_dir).name, plan.num_clients)
         events.listeners.append(self.metrics.on_event)

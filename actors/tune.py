@@ -32,6 +32,7 @@ from ray import tune
 
 from actors.backend import RayBackend, trial_bundles
 from rayfuse.config import apply_overrides, validate_config
+from rayfuse.method import resolved_config
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.sweep import Domain, SweepSpec
 
@@ -212,7 +213,7 @@ def _write_outputs(spec: SweepSpec, grid: Any, paths: dict[str, Path]) -> dict[s
     if scored:
         best = grid.get_best_result(metric=spec.metric, mode=spec.mode, scope="last")
         cfg = spec.trial_config(best.config)
-        data = cfg.resolved()
+        data = resolved_config(cfg)
         data["run"]["name"] = f"{spec.name}-best"
         header = (f"# Best trial of sweep {spec.name!r} ({spec.path}): {spec.metric} = {best.metrics[spec.metric]:.6g} ({spec.mode})\n"
                   f"# swept values: {yaml.safe_dump(best.config, default_flow_style=True).strip()}\n"

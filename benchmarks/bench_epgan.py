@@ -28,8 +28,8 @@ VARIANTS = [("wgan", 1), ("probgan", 1), ("ep-bgan", 1), ("ep-probgan", 1), ("ep
 
 
 def _trainer(backbone: str, components: int, data_dim: int, latent: int, hidden: int, X: np.ndarray):
-    from rayfuse.fusion.epgan import initial_ep_prior
-    from rayfuse.fusion.epgan_nets import GANSettings, GANTrainer
+    from rayfuse.fusion.epgan.algorithm import initial_ep_prior
+    from rayfuse.fusion.epgan.nets import GANSettings, GANTrainer
 
     trainer = GANTrainer(GANSettings(backbone=backbone, components=components, data_dim=data_dim, latent_dim=latent, hidden=hidden), seed=0)
     prior = None
@@ -62,8 +62,8 @@ def per_epoch(X: np.ndarray, latent: int, hidden: int, repeats: int) -> list[dic
 
 
 def server_product(repeats: int, hidden: int, latent: int, data_dim: int, clients: int = 4, components: int = 4) -> dict:
-    from rayfuse.fusion.epgan import combine_factors
-    from rayfuse.fusion.epgan_nets import GANSettings, GANTrainer
+    from rayfuse.fusion.epgan.algorithm import combine_factors
+    from rayfuse.fusion.epgan.nets import GANSettings, GANTrainer
 
     trainer = GANTrainer(GANSettings(backbone="ep-probgan", components=components, data_dim=data_dim, latent_dim=latent, hidden=hidden), seed=0)
     rng = np.random.default_rng(0)

@@ -59,8 +59,8 @@ def server_cost(repeats: int, clients: int = 10) -> list[dict]:
     from rayfuse.config import ModelConfig
     from rayfuse.federation import Update
     from rayfuse.fusion.aggregate import weighted_average
-    from rayfuse.fusion.fedopt import FedAdam
-    from rayfuse.fusion.fedref import FedRef
+    from rayfuse.fusion.fedavg.fedopt import FedAdam
+    from rayfuse.fusion.fedref.algorithm import FedRef
     from rayfuse.models import build_model, get_params
 
     rows = []

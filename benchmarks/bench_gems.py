@@ -8,7 +8,7 @@ evaluates all ``p`` samples of every ball still being searched as one tensor com
 
 Three variants per cell, on the same client data, one thread each:
 
-* ``batched``: rayfuse (:func:`rayfuse.fusion.gems_balls.search_radii` + the batched test);
+* ``batched``: rayfuse (:func:`rayfuse.fusion.gems.balls.search_radii` + the batched test);
 * ``reference``: the reference code's structure in torch/numpy -- one binary search per ball, each sample drawn on its
   own, the convex model's weights copied into a torch module and evaluated with a ``DataLoader`` of batch 32 (Keras's
   ``evaluate`` default), the neuron's distance in numpy -- the issue's baseline (target: batched >= 20x faster);
@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rayfuse.fusion.gems_balls import (  # noqa: E402
+from rayfuse.fusion.gems.balls import (  # noqa: E402
     cluster_neurons, compute_fisher, ellipsoid_axes, flatten_linear, neuron_distance, search_radii, softmax_accuracy,
 )
 from rayfuse.models import get_params, train_model  # noqa: E402

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import interleaved_times, machine_info, median, print_table, wait_for_quiet, write_results  # noqa: E402
 
 from rayfuse.expfam import DiagGaussian  # noqa: E402
-from rayfuse.fusion.kl_fusion import _propose, _Snapshot, fuse_heterogeneous, hausdorff  # noqa: E402
+from rayfuse.fusion.kl.fusion import _propose, _Snapshot, fuse_heterogeneous, hausdorff  # noqa: E402
 from rayfuse.matching import map_chunked, solve_assignment, solve_assignments, thread_map  # noqa: E402
 
 

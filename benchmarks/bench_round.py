@@ -5,12 +5,12 @@ Each cell (number of clients x parameter bytes per client) starts real ``actors.
 coordinator actor (:class:`RoundCoordinator`) that holds an ``actors.federation.RayFederation`` over the client
 handles. The coordinator runs the rounds and returns only timings: parameters move through Ray's object store and
 never through the driver (the driver's received bytes are reported). One round does what
-``rayfuse.fusion.fedavg.FedAvg.run`` does:
+``rayfuse.fusion.fedavg.algorithm.FedAvg.run`` does:
 
 1. ``federation.put(global_params)``: one broadcast object;
 2. ``federation.run(echo_step, ref)``: every client returns a *copy* of the broadcast in an ``Update`` (new memory,
    as a trained update would be); ``gather`` applies the failure policy;
-3. + 4. the real ``ServerContext.average_updates``: each update's structure is checked (keys, shapes, dtypes,
+3. + 4. the real ``MethodServer.average_updates``: each update's structure is checked (keys, shapes, dtypes,
    sample counts, metrics), the updates are averaged with ``weighted_average`` weighted by their sample counts, and
    the average is scanned for NaN / Inf (a non-finite average would send every update through the full scan).
 
@@ -102,16 +102,17 @@ class RoundCoordinator:
 
     def __init__(self, clients: dict[int, Any], groups: list[list[int]], federation_cfg: Any) -> None:
         from actors.federation import RayFederation
-        from rayfuse.coordinator import ServerContext
+        from rayfuse.coordinator import MethodServer
         from rayfuse.federation import FailurePolicy
 
         self.federation = RayFederation(clients, FailurePolicy.from_config(federation_cfg))
         self.groups = [(clients[members[0]], members) for members in groups]  # (actor handle, hosted clients)
-        # The real ServerContext.accept_updates, bound to a stand-in holding only what it reads.
-        # The real ServerContext.average_updates, bound to a stand-in holding only what it reads.
-        server = SimpleNamespace(label="bench", events=self.federation.events, federation=self.federation, _average=ServerContext._average)
-        server.accept_updates = ServerContext.accept_updates.__get__(server)
-        self._average_updates = ServerContext.average_updates.__get__(server)
+        # The real MethodServer.accept_updates, bound to a stand-in holding only what it reads.
+        # The real MethodServer.average_updates, bound to a stand-in holding only what it reads.
+        server = SimpleNamespace(label="bench", events=self.federation.events, federation=self.federation, _average=MethodServer._average)
+        server.accept_updates = MethodServer.accept_updates.__get__(server)
+        server.reject = MethodServer.reject.__get__(server)
+        self._average_updates = MethodServer.average_updates.__get__(server)
 
     def ready(self) -> int:
         return os.getpid()

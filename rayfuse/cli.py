@@ -146,16 +146,17 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from rayfuse.config import dump_config, load_config
+    from rayfuse.runner import prepare_run
 
-    cfg = load_config(args.config or default_job(), args.set)
-    print(dump_config(cfg), end="")
+    prepared = prepare_run(load_config(args.config or default_job(), args.set))  # every check before anything starts
+    print(dump_config(prepared.resolved()), end="")
     return 0
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
     from rayfuse.data.datasets import DATASETS
     from rayfuse.data.partition import PARTITIONERS
-    from rayfuse.fusion import METHODS
+    from rayfuse.method import METHODS
     from rayfuse.models.registry import MODELS
 
     sections = []

@@ -40,7 +40,8 @@ __all__ = [
     "FederationConfig",
     "ResourcesConfig",
     "FaultSpec",
-    "MethodSpec",
+    "CONFIG_SECTIONS",
+    "pydantic_input_error",
     "load_config",
     "parse_overrides",
     "apply_overrides",
@@ -306,14 +307,8 @@ class FederationConfig(StrictModel):
     faults: list[FaultSpec] = Field(default_factory=list)
 
 
-class MethodSpec(BaseModel):
-    """A resolved ``methods`` entry: its label, the registered method and its validated parameters."""
-
-    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
-
-    label: str
-    method: str
-    params: Any
+# The top-level sections: an error path starting with one of these is absolute (``Method.check``'s convention).
+CONFIG_SECTIONS = ("run", "data", "partition", "model", "train", "federation", "methods")
 
 
 class ExperimentConfig(StrictModel):
@@ -355,41 +350,12 @@ class ExperimentConfig(StrictModel):
                 raise ValueError(f"@federation.faults.{i}.client@ a client id in 0..{n - 1}, got {fault.client}")
         return self
 
-    def method_specs(self) -> list[MethodSpec]:
-        """Validate every ``methods`` entry against its method's parameter schema (raises :class:`InputError`)."""
-        from rayfuse.fusion import METHODS
-
-        specs = []
-        for label, raw in self.methods.items():
-            path = f"methods.{label}"
-            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.@+-]*", label):
-                raise InputError(path, "a label of letters, digits and _ . @ + -", label)
-            if not isinstance(raw, Mapping):
-                raise InputError(path, "a mapping of method parameters", raw)
-            entry = dict(raw)
-            name = entry.pop("method", label)
-            method_cls = METHODS.get(name, path=f"{path}.method" if "method" in raw else path)
-            try:
-                params = method_cls.Params.model_validate(entry)
-            except ValidationError as exc:
-                raise _to_input_error(exc, prefix=path, model=method_cls.Params) from None
-            specs.append(MethodSpec(label=label, method=METHODS.canonical(name), params=params))
-        return specs
-
-    def resolved(self) -> dict[str, Any]:
-        """The config as plain data with every default filled in (what ``config.yaml`` of a run holds)."""
-        data = self.model_dump(mode="json")
-        data["methods"] = {
-            spec.label: {"method": spec.method, **spec.params.model_dump(mode="json")} for spec in self.method_specs()
-        }
-        return data
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # Loading, overrides and error messages
 
 
-def _to_input_error(exc: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> InputError:
+def pydantic_input_error(exc: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> InputError:
     """Turn pydantic's first error into one :class:`InputError` line (key path, expected, got)."""
     errors = exc.errors(include_url=False)
     error = errors[0]
@@ -476,7 +442,8 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[tuple[list[str], A
 
 
 def validate_config(data: Mapping[str, Any] | None) -> ExperimentConfig:
-    """Validate plain data into an :class:`ExperimentConfig`; every method entry is checked too."""
+    """Validate plain data into an :class:`ExperimentConfig` (the schema; ``methods`` entries are resolved against
+    the method registry by :func:`rayfuse.method.resolve_methods`)."""
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -484,8 +451,7 @@ def validate_config(data: Mapping[str, Any] | None) -> ExperimentConfig:
     try:
         config = ExperimentConfig.model_validate(dict(data))
     except ValidationError as exc:
-        raise _to_input_error(exc) from None
-    config.method_specs()
+        raise pydantic_input_error(exc) from None
     return config
 
 
@@ -512,6 +478,6 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return validate_config(data)
 
 
-def dump_config(config: ExperimentConfig) -> str:
-    """YAML text of the resolved config (every default filled in)."""
-    return yaml.safe_dump(config.resolved(), sort_keys=False)
+def dump_config(resolved: Mapping[str, Any]) -> str:
+    """YAML text of a resolved config (:func:`rayfuse.method.resolved_config`: every default filled in)."""
+    return yaml.safe_dump(dict(resolved), sort_keys=False)

@@ -14,30 +14,31 @@ from typing import Any, Callable
 
 import numpy as np
 
-from rayfuse.config import ExperimentConfig, MethodSpec
+from rayfuse.config import ExperimentConfig
 from rayfuse.data.roles import DataPlan, Split, load_dataset_from_config, load_target_from_config, pooled_train, server_splits
 from rayfuse.errors import NonFiniteError, RunFailure
 from rayfuse.federation import Federation, Gathered, Update, step_name
-from rayfuse.fusion import METHODS, Method, MethodResult
 from rayfuse.fusion.aggregate import weighted_average
+from rayfuse.method import MethodResult, MethodSpec, resolve_methods, resolved_config
 from rayfuse.metrics import compute_metrics
 from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
 from rayfuse.seeding import derive_seed, make_rng
 from rayfuse.store import Checkpoint, LocalModelCache, RunStore, StepResultCache, local_model_key, step_result_key
 from rayfuse.client import forget_client_state, get_local_update, has_client_state, set_local_params, train_local
 
-__all__ = ["Coordinator", "ServerContext"]
+__all__ = ["Coordinator", "MethodServer"]
 
 
-class ServerContext:
-    """A method's view of the run: the federation, server-side data, evaluation, logging and checkpoints."""
+class MethodServer:
+    """The coordinator's implementation of :class:`rayfuse.method.ServerContext`: a method's view of the run (the
+    federation, server-side data, evaluation, logging and checkpoints)."""
 
-    def __init__(self, coordinator: "Coordinator", spec: MethodSpec, method_cls: type[Method], *, resume: bool) -> None:
+    def __init__(self, coordinator: "Coordinator", spec: MethodSpec, *, resume: bool) -> None:
         self._coordinator = coordinator
         self.label = spec.label
         self.method = spec.method
         self.params = spec.params
-        self.method_cls = method_cls
+        self.method_cls = spec.method_cls
         self.federation: Federation = coordinator.federation
         self.events = coordinator.events
         cfg = coordinator.cfg
@@ -90,7 +91,7 @@ class ServerContext:
         if not root:
             return self.federation.run(step, *args, **kwargs)
         name = step_name(step)
-        key, inputs = step_result_key(coordinator.cfg.resolved(), coordinator.plan.digest(), name, args, kwargs)
+        key, inputs = step_result_key(coordinator.resolved_config(), coordinator.plan.digest(), name, args, kwargs)
         cache = StepResultCache(root, key, inputs)
         clients = self.federation.client_ids
         with cache.lock():
@@ -190,12 +191,16 @@ class ServerContext:
             if reason is None:
                 accepted[client] = update
             else:
-                self.events.emit("update_rejected", reason, method=self.label, client=client)
+                self.reject(client, reason)
         need = min(self.federation.policy.min_clients, len(gathered.results) + len(gathered.failures))
         if len(accepted) < max(need, 1):
             raise RunFailure(f"{self.label}: {len(accepted)} valid client updates, need {max(need, 1)} "
                              f"(rejected {len(gathered.results) - len(accepted)}, failed {len(gathered.failures)}); see the update_rejected events")
         return accepted
+
+    def reject(self, client: int, reason: str) -> None:
+        """Record that ``client``'s reply was rejected (never used): an ``update_rejected`` event."""
+        self.events.emit("update_rejected", reason, method=self.label, client=client)
 
     def average_updates(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, *,
                         weighted: bool = True) -> tuple[dict[str, np.ndarray], dict[int, Update]]:
@@ -262,11 +267,17 @@ class Coordinator:
     run_dir : str
         The run folder (checkpoints and model files are written here).
     federation : Federation
+    specs : list of MethodSpec, optional
+        The resolved ``methods`` entries (their classes may be objects given to ``rayfuse.run``); default: resolved
+        from ``cfg.methods`` against the registry.
     device : str
     """
 
-    def __init__(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: str, federation: Federation, *, device: str = "cpu") -> None:
+    def __init__(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: str, federation: Federation, *,
+                 specs: list[MethodSpec] | None = None, device: str = "cpu") -> None:
         self.cfg = cfg
+        self.specs = resolve_methods(cfg.methods) if specs is None else list(specs)
+        self._resolved: dict[str, Any] | None = None
         self.plan = plan
         self.store = RunStore(run_dir)
         self.federation = federation
@@ -299,6 +310,12 @@ class Coordinator:
             self._reference = get_params(build_model(self.cfg.model, self.plan.input_shape, self.plan.num_classes, seed=0))
         return self._reference
 
+    def resolved_config(self) -> dict[str, Any]:
+        """The run's resolved config (cache keys are computed from it)."""
+        if self._resolved is None:
+            self._resolved = resolved_config(self.cfg, self.specs)
+        return self._resolved
+
     def events_since(self, index: int) -> list[dict[str, Any]]:
         return self.events.since(index)
 
@@ -321,7 +338,7 @@ class Coordinator:
         source = "checkpoints/local" if saved is not None else None
         cache = None
         if saved is None and self.cfg.run.model_cache:
-            key, inputs = local_model_key(self.cfg.resolved(), self.plan.digest())
+            key, inputs = local_model_key(self.resolved_config(), self.plan.digest())
             cache = LocalModelCache(self.cfg.run.model_cache, key, inputs)
         # Runs sharing a cache key wait here while one of them trains (concurrent Tune trials train once).
         with cache.lock() if cache is not None else contextlib.nullcontext():
@@ -356,14 +373,14 @@ class Coordinator:
 
     def run_method(self, label: str, resume: bool = False) -> dict[str, Any]:
         """Run the method entry ``label`` of the config; save its model and state; return its summary."""
-        spec = next((s for s in self.cfg.method_specs() if s.label == label), None)
+        spec = next((s for s in self.specs if s.label == label), None)
         if spec is None:
             raise KeyError(f"no method labelled {label!r} in the config")
-        method_cls = METHODS.get(spec.method)
-        server = ServerContext(self, spec, method_cls, resume=resume)
+        method_cls = spec.method_cls
+        server = MethodServer(self, spec, resume=resume)
         started = time.perf_counter()
         self.events.emit("method_start", method=label)
-        result: MethodResult = method_cls(spec.params, label).run(server)
+        result: MethodResult = spec.build().run(server)
         seconds = time.perf_counter() - started
         bad = {k: v for k, v in result.metrics.items() if not np.isfinite(v)}
         if bad:

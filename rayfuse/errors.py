@@ -53,6 +53,11 @@ class InputError(ValueError):
             message += f"; {hint}"
         super().__init__(message)
 
+    def at(self, path: str) -> "InputError":
+        """The same error at another key path (a method's relative path made absolute)."""
+        has_got = self.got is not InputError._MISSING
+        return _rebuild_input_error(type(self), path, self.expected, has_got, self.got if has_got else None, self.hint)
+
     def __reduce__(self) -> tuple:
         # Pickling (Ray sends an error raised in an actor, task or Tune trial to the driver) and copy.copy (Ray Tune's
         # traceback shortening) rebuild an exception from its args, which hold only the message: rebuild from the fields

@@ -45,6 +45,7 @@ from typing import Any, Callable, Generic, Iterable, Mapping, Sequence, TypeVar
 import numpy as np
 
 from rayfuse.errors import RunFailure
+from rayfuse.method import ClientError, Gathered, Update, client_step, step_name
 
 __all__ = [
     "Federation",
@@ -63,53 +64,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-
-def client_step(name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """Name a client step (``"fedavg.fit"``); the name appears in events and fault specs."""
-
-    def decorate(fn: Callable[..., T]) -> Callable[..., T]:
-        fn.__rayfuse_step__ = name  # type: ignore[attr-defined]
-        return fn
-
-    return decorate
-
-
-def step_name(step: Callable[..., Any]) -> str:
-    return getattr(step, "__rayfuse_step__", None) or f"{getattr(step, '__module__', '?')}.{getattr(step, '__qualname__', repr(step))}"
-
-
-@dataclass
-class Update:
-    """What a client sends back after local work: parameters, its sample count and scalar metrics."""
-
-    params: dict[str, np.ndarray]
-    num_examples: int
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ClientError:
-    client: int
-    kind: str  # "error" (the step raised), "died" (the client process died), "timeout"
-    message: str
-    step: str = ""
-    attempt: int = 0
-
-
-@dataclass
-class Gathered(Generic[T]):
-    """Results of one gather: ``results`` by client id (in client order) and the clients that failed."""
-
-    results: dict[int, T]
-    failures: list[ClientError] = field(default_factory=list)
-
-    @property
-    def clients(self) -> list[int]:
-        return list(self.results)
-
-    def values(self) -> list[T]:
-        return list(self.results.values())
 
 
 @dataclass(frozen=True)

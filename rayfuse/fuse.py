@@ -30,7 +30,7 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rayfuse.config import _to_input_error
+from rayfuse.config import pydantic_input_error
 from rayfuse.errors import InputError, suggest
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.io import load_params, save_params
@@ -133,7 +133,7 @@ def _kl_neurons(params: list[dict[str, np.ndarray]], per_model: list[BaseModel],
     same order (the matching finds the permutation).
     """
     from rayfuse.expfam import DiagGaussian
-    from rayfuse.fusion.kl_fusion import fuse_heterogeneous
+    from rayfuse.fusion.kl.fusion import fuse_heterogeneous
 
     keys = sorted(params[0])
     if sorted(_MLP1) != keys:
@@ -171,7 +171,7 @@ def _validate(schema: type[BaseModel], data: Mapping[str, Any], file: Path, pref
     try:
         return schema.model_validate(dict(data))
     except ValidationError as exc:
-        err = _to_input_error(exc, prefix=prefix, model=schema)
+        err = pydantic_input_error(exc, prefix=prefix, model=schema)
         raise InputError(f"{file}: {err.path}", err.expected, err.got, err.hint) from None
 
 

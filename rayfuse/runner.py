@@ -22,8 +22,9 @@ import json
 import secrets
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import yaml
 
@@ -32,10 +33,11 @@ from rayfuse.config import ExperimentConfig, dump_config, validate_config
 from rayfuse.data.roles import DataPlan, load_dataset_from_config, load_target_from_config, make_plan
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.io import atomic_write_json, atomic_write_text
+from rayfuse.method import MethodSpec, RunSetup, check_methods, resolve_methods, resolved_config
 from rayfuse.report import Printer, format_partition, format_table, plot_comparison, write_metrics_parquet
 from rayfuse.store import RunStore
 
-__all__ = ["Backend", "InProcessBackend", "run_experiment", "new_run_dir", "load_run_config"]
+__all__ = ["Backend", "InProcessBackend", "PreparedRun", "prepare_run", "run_experiment", "new_run_dir", "load_run_config"]
 
 EventSink = Callable[[dict[str, Any]], None]
 
@@ -46,7 +48,8 @@ class Backend(ABC):
     name: str = "backend"
 
     @abstractmethod
-    def start(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: Path, *, on_event: EventSink, start_time: float) -> None: ...
+    def start(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: Path, *, on_event: EventSink, start_time: float,
+              specs: list[MethodSpec] | None = None) -> None: ...
 
     @abstractmethod
     def call(self, name: str, *args: Any) -> Any:
@@ -68,7 +71,8 @@ class InProcessBackend(Backend):
         self.coordinator: Any = None
         self.federation: Any = None
 
-    def start(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: Path, *, on_event: EventSink, start_time: float) -> None:
+    def start(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: Path, *, on_event: EventSink, start_time: float,
+              specs: list[MethodSpec] | None = None) -> None:
         from rayfuse.client import Client
         from rayfuse.coordinator import Coordinator
         from rayfuse.federation import EventLog, FailurePolicy, InProcessFederation
@@ -83,7 +87,7 @@ class InProcessBackend(Backend):
 
         self.federation = InProcessFederation(make_client, plan.num_clients, FailurePolicy.from_config(fed_cfg), events,
                                               max_restarts=fed_cfg.max_restarts)
-        self.coordinator = Coordinator(cfg, plan, str(run_dir), self.federation)
+        self.coordinator = Coordinator(cfg, plan, str(run_dir), self.federation, specs=specs)
 
     def call(self, name: str, *args: Any) -> Any:
         return getattr(self.coordinator, name)(*args)
@@ -91,6 +95,40 @@ class InProcessBackend(Backend):
     def stop(self) -> None:
         self.coordinator = None
         self.federation = None
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """A run checked and planned, nothing started: the config, the resolved methods, the data plan, the
+    :class:`RunSetup` every method's ``check`` accepted, and the model's parameter count."""
+
+    cfg: ExperimentConfig
+    specs: list[MethodSpec]
+    plan: DataPlan
+    setup: RunSetup
+    num_params: int
+
+    def resolved(self) -> dict[str, Any]:
+        return resolved_config(self.cfg, self.specs)
+
+
+def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = None) -> PreparedRun:
+    """Every check that needs no actor: the methods' parameters, the model against the data, the data split, and
+    each method's :meth:`~rayfuse.method.Method.check` against the run. Raises :class:`InputError`.
+
+    ``rayfuse validate``, ``rayfuse tune --check`` and ``rayfuse run`` all call this before anything starts. The
+    dataset is loaded here in the driver (its labels decide the split; bundled datasets load in well under a second).
+    """
+    from rayfuse.models.registry import check_model_fits
+
+    specs = resolve_methods(cfg.methods, methods)
+    dataset = load_dataset_from_config(cfg.data)
+    num_params = check_model_fits(cfg.model, dataset.input_shape, dataset.num_classes)
+    target = load_target_from_config(cfg.data)
+    plan = make_plan(dataset, cfg.data, cfg.partition, cfg.run.seed, target=target)
+    setup = RunSetup.from_plan(cfg, plan)
+    check_methods(specs, setup)
+    return PreparedRun(cfg, specs, plan, setup, num_params)
 
 
 def new_run_dir(cfg: ExperimentConfig, out: str | Path | None = None) -> Path:
@@ -118,9 +156,10 @@ def load_run_config(run_dir: str | Path, overrides: list[tuple[list[str], Any]] 
     return validate_config(apply_overrides(data, list(overrides)))
 
 
-def run_experiment(cfg: ExperimentConfig, backend: Backend, run_dir: str | Path, *, resume: bool = False,
+def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_dir: str | Path, *, resume: bool = False,
                    printer: Callable[[dict[str, Any]], None] | None = None, show_tables: bool = True) -> dict[str, Any]:
-    """Run ``cfg`` on ``backend``; write the run folder; return the content of ``results.json``.
+    """Run ``cfg`` (or a run already prepared by :func:`prepare_run`) on ``backend``; write the run folder; return
+    the content of ``results.json``.
 
     Raises :class:`InputError` for bad input (before any client starts) and :class:`RunFailure` when the run cannot
     go on (after writing ``results.json`` with ``status: failed`` and the methods that finished).
@@ -145,16 +184,11 @@ def run_experiment(cfg: ExperimentConfig, backend: Backend, run_dir: str | Path,
             stream = getattr(printer, "stream", None)
             print(text, file=stream, flush=True)
 
-    specs = cfg.method_specs()
     # 1. partition (driver side; nothing has started yet, bad input exits with code 2 here)
     t0 = time.perf_counter()
-    dataset = load_dataset_from_config(cfg.data)
-    from rayfuse.models.registry import check_model_fits
-
-    num_params = check_model_fits(cfg.model, dataset.input_shape, dataset.num_classes)
-    target = load_target_from_config(cfg.data)
-    plan = make_plan(dataset, cfg.data, cfg.partition, cfg.run.seed, target=target)
-    del dataset, target
+    prepared = cfg if isinstance(cfg, PreparedRun) else prepare_run(cfg)
+    cfg, specs, plan, num_params = prepared.cfg, prepared.specs, prepared.plan, prepared.num_params
+    resolved = prepared.resolved()
     if resume:
         if not store.partition_file.is_file():
             raise InputError("--resume", "a run folder with partition.json", str(run_dir))
@@ -162,7 +196,7 @@ def run_experiment(cfg: ExperimentConfig, backend: Backend, run_dir: str | Path,
         if stored != plan.digest():
             raise InputError("--resume", "the same data split as the original run", "a different partition hash", "did the dataset files change?")
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(store.config_file, dump_config(cfg))
+    atomic_write_text(store.config_file, dump_config(resolved))
     atomic_write_json(store.partition_file, plan.manifest())
     timings["partition"] = round(time.perf_counter() - t0, 3)
     say(f"rayfuse {__version__}: run {cfg.run.name!r} -> {run_dir}{'  (resumed)' if resume else ''}")
@@ -177,13 +211,11 @@ def run_experiment(cfg: ExperimentConfig, backend: Backend, run_dir: str | Path,
     status, error = "succeeded", None
     try:
         t0 = time.perf_counter()
-        backend.start(cfg, plan, run_dir, on_event=on_event, start_time=start)
+        backend.start(cfg, plan, run_dir, on_event=on_event, start_time=start, specs=specs)
         timings["startup"] = round(time.perf_counter() - t0, 3)
         emit("stage_end", stage="startup", seconds=timings["startup"])
-        from rayfuse.fusion import METHODS
-
         pending = [s for s in specs if not (resume and store.load_method_state(s.label))]
-        if any(METHODS.get(s.method).uses_local_models for s in pending):
+        if any(s.method_cls.uses_local_models for s in pending):
             t0 = time.perf_counter()
             backend.call("prepare_local_models", resume)
             timings["local_training"] = round(time.perf_counter() - t0, 3)
@@ -220,7 +252,7 @@ def run_experiment(cfg: ExperimentConfig, backend: Backend, run_dir: str | Path,
             "finished_at": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
             "seconds": timings["total"], "resumed": resume, **backend_info,
         },
-        "config": cfg.resolved(),
+        "config": resolved,
         "partition": {
             "hash": plan.digest(), "dataset": plan.dataset, **plan.partition,
             "num_train": [len(t) for t in plan.client_train], "num_val": [len(v) for v in plan.client_val],

@@ -38,8 +38,10 @@ from typing import Any, Literal, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rayfuse.config import ExperimentConfig, _to_input_error, apply_overrides, parse_overrides, validate_config
+from rayfuse.config import ExperimentConfig, apply_overrides, parse_overrides, pydantic_input_error, validate_config
 from rayfuse.errors import InputError, suggest
+from rayfuse.method import resolve_methods
+from rayfuse.runner import prepare_run
 
 __all__ = ["Domain", "SchedulerSpec", "SweepSpec", "load_space", "DOMAINS", "resolve_job_path"]
 
@@ -122,7 +124,9 @@ class SweepSpec:
         return apply_overrides(self.base, [(key.split("."), value) for key, value in sample.items()])
 
     def trial_config(self, sample: Mapping[str, Any]) -> ExperimentConfig:
-        return validate_config(self.trial_data(sample))
+        cfg = validate_config(self.trial_data(sample))
+        resolve_methods(cfg.methods)
+        return cfg
 
 
 class _SchedulerFile(BaseModel):
@@ -235,7 +239,7 @@ def load_space(path: str | Path, *, samples: int | None = None, overrides: list[
     try:
         spec = _SpaceFile.model_validate(dict(raw))
     except ValidationError as exc:
-        err = _to_input_error(exc, model=_SpaceFile)
+        err = pydantic_input_error(exc, model=_SpaceFile)
         raise InputError(f"{path}: {err.path}", err.expected, err.got, err.hint) from None
 
     base_path = resolve_job_path(spec.base, path)
@@ -259,10 +263,10 @@ def load_space(path: str | Path, *, samples: int | None = None, overrides: list[
                                  suggest(label, methods).strip(" ()"))
         data["methods"] = {label: methods[label] for label in spec.methods}
     try:
-        base_cfg = validate_config(data)
+        base = prepare_run(validate_config(data))
     except InputError as exc:
         raise InputError(f"{path}: set {exc.path}", exc.expected, exc.got, exc.hint) from None
-    resolved = base_cfg.resolved()
+    resolved = base.resolved()
     data = copy.deepcopy(data)
 
     space: dict[str, Domain] = {}
@@ -271,13 +275,13 @@ def load_space(path: str | Path, *, samples: int | None = None, overrides: list[
         _check_key(where, key, resolved)
         domain = _parse_domain(where, raw_domain)
         for value in domain.probe_values():
-            try:
-                validate_config(apply_overrides(data, [(key.split("."), value)]))
+            try:  # the schema, the methods' parameters and every method's check against the run (nothing starts)
+                prepare_run(validate_config(apply_overrides(data, [(key.split("."), value)])))
             except InputError as exc:
                 raise InputError(where, f"values the config accepts ({exc.path}: {exc.expected})", value, f"domain {domain.to_yaml()}") from None
         space[key] = domain
 
-    labels = [s.label for s in base_cfg.method_specs()]
+    labels = [s.label for s in base.specs]
     match = re.fullmatch(r"fused/([^/]+)/([A-Za-z0-9_]+)", spec.metric)
     if not match or match.group(1) not in labels:
         raise InputError(f"{path}: metric", f"fused/<method label>/<metric> with a label in {{{', '.join(labels)}}}", spec.metric,
@@ -285,9 +289,7 @@ def load_space(path: str | Path, *, samples: int | None = None, overrides: list[
 
     scheduler = None
     if spec.scheduler is not None and spec.scheduler.type == "asha":
-        from rayfuse.fusion import METHODS
-
-        multi = [s for s in base_cfg.method_specs() if METHODS.get(s.method).multi_round]
+        multi = [s for s in base.specs if s.method_cls.multi_round]
         if len(multi) != 1 or multi[0].label != match.group(1):
             raise InputError(f"{path}: scheduler", "ASHA over exactly one multi-round method in a trial, the one the metric "
                              "names (methods: [<label>], metric: fused/<label>/...)",

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from rayfuse.config import ExperimentConfig, validate_config
+from rayfuse.method import resolve_methods
 
 TINY: dict[str, Any] = {
     "run": {"name": "t", "seed": 0},
@@ -56,12 +57,15 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture
 def make_config(tmp_path):
-    """``make_config(partition={...}, methods={...})`` -> a validated tiny ExperimentConfig stored under tmp_path."""
+    """``make_config(partition={...}, methods={...})`` -> a validated tiny ExperimentConfig stored under tmp_path (its
+    ``methods`` entries resolved against the registry too, so bad method parameters raise here)."""
 
     def make(**sections: Any) -> ExperimentConfig:
         data = merge(TINY, sections)
         data.setdefault("run", {})["storage"] = str(tmp_path / "runs")
-        return validate_config(data)
+        cfg = validate_config(data)
+        resolve_methods(cfg.methods)
+        return cfg
 
     return make
 

@@ -20,6 +20,7 @@ from rayfuse.config import (
     validate_config,
 )
 from rayfuse.errors import InputError
+from rayfuse.method import resolve_methods, resolved_config
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "jobs" / "quickstart.yaml"
 
@@ -116,10 +117,8 @@ BAD_CONFIGS = [
 @pytest.mark.parametrize(("config", "path", "also"), BAD_CONFIGS)
 def test_bad_config_is_rejected_with_one_line_naming_the_key_path(config, path, also):
     with pytest.raises(InputError, match=rf"^{re.escape(path)}: expected ") as info:
-        if isinstance(config, Set):
-            load_config(overrides=list(config))
-        else:
-            validate_config(config)
+        cfg = load_config(overrides=list(config)) if isinstance(config, Set) else validate_config(config)
+        resolve_methods(cfg.methods)  # the schema, then the methods' entries against the registry
     message = str(info.value)
     assert "\n" not in message
     assert info.value.path == path
@@ -156,7 +155,7 @@ def test_numeric_looking_value_for_a_string_key_is_kept_as_text(override, sectio
 
 def test_unknown_method_parameter_suggests_the_close_one():
     with pytest.raises(InputError, match=r"^methods\.fedavg\.roundz: .*did you mean 'rounds'"):
-        validate_config({"methods": {"fedavg": {"roundz": 3}}})
+        resolve_methods(validate_config({"methods": {"fedavg": {"roundz": 3}}}).methods)
 
 
 def test_hidden_width_message_says_got_once():
@@ -182,24 +181,24 @@ def test_cross_check_messages_read_expected_value_not_a_sentence(data):
 
 
 def test_empty_config_is_the_defaults():
-    assert validate_config({}).resolved() == ExperimentConfig().resolved()
-    assert validate_config(None).resolved() == ExperimentConfig().resolved()
-    assert load_config().resolved() == ExperimentConfig().resolved()
+    assert resolved_config(validate_config({})) == resolved_config(ExperimentConfig())
+    assert resolved_config(validate_config(None)) == resolved_config(ExperimentConfig())
+    assert resolved_config(load_config()) == resolved_config(ExperimentConfig())
 
 
 def test_quickstart_job_is_exactly_the_schema_defaults():
     config = load_config(QUICKSTART)
-    assert config.resolved() == ExperimentConfig().resolved()
+    assert resolved_config(config) == resolved_config(ExperimentConfig())
 
 
 def test_quickstart_methods_are_the_default_methods():
     raw = yaml.safe_load(QUICKSTART.read_text())
     assert list(raw["methods"]) == list(DEFAULT_METHODS)
-    assert load_config(QUICKSTART).resolved()["methods"] == validate_config({"methods": DEFAULT_METHODS}).resolved()["methods"]
+    assert resolved_config(load_config(QUICKSTART))["methods"] == resolved_config(validate_config({"methods": DEFAULT_METHODS}))["methods"]
 
 
 def test_defaults_by_hand():
-    resolved = ExperimentConfig().resolved()
+    resolved = resolved_config(ExperimentConfig())
     assert resolved["data"]["dataset"] == "digits" and resolved["partition"]["method"] == "dirichlet"
     assert resolved["partition"]["num_clients"] == 5 and resolved["model"]["hidden"] == [64]
     assert list(resolved["methods"]) == ["local", "average", "ensemble", "fedavg", "global"]
@@ -207,7 +206,7 @@ def test_defaults_by_hand():
 
 
 def test_resolved_fills_method_defaults():
-    methods = validate_config({"methods": {"fedavg": {}, "fedprox": {"rounds": 3}}}).resolved()["methods"]
+    methods = resolved_config(validate_config({"methods": {"fedavg": {}, "fedprox": {"rounds": 3}}}))["methods"]
     assert methods["fedavg"] == {"method": "fedavg", "rounds": 20, "local_epochs": 2, "lr": None, "batch_size": None, "optimizer": None,
                                  "fraction": 1.0, "weighted": True, "evaluate_every": 1}
     assert methods["fedprox"]["rounds"] == 3 and methods["fedprox"]["mu"] == 0.01
@@ -217,8 +216,8 @@ def test_dump_config_round_trips(tmp_path):
     config = validate_config({"partition": {"method": "shards", "num_clients": 3}, "federation": {"client_overrides": {1: {"num_gpus": 0.5}}},
                               "methods": {"p": {"method": "fedprox", "mu": 0.5}}})
     path = tmp_path / "config.yaml"
-    path.write_text(dump_config(config))
-    assert load_config(path).resolved() == config.resolved()
+    path.write_text(dump_config(resolved_config(config)))
+    assert resolved_config(load_config(path)) == resolved_config(config)
 
 
 def test_config_is_frozen():
@@ -236,7 +235,7 @@ def test_aliases_resolve():
     config = validate_config({"data": {"dataset": "FashionMNIST"}, "partition": {"method": "hetero-dir"}, "methods": {"naive-average": {}}})
     assert config.data.dataset == "fashion_mnist"
     assert config.partition.canonical_method == "dirichlet"
-    assert config.resolved()["methods"]["naive-average"]["method"] == "average"
+    assert resolved_config(config)["methods"]["naive-average"]["method"] == "average"
 
 
 @pytest.mark.parametrize(
@@ -257,7 +256,7 @@ def test_partition_params_are_the_chosen_partitioners_only(partition, params):
 def test_methods_list_shorthand():
     config = validate_config({"methods": ["local", "fedavg"]})
     assert config.methods == {"local": {}, "fedavg": {}}
-    assert [spec.label for spec in config.method_specs()] == ["local", "fedavg"]
+    assert [spec.label for spec in resolve_methods(config.methods)] == ["local", "fedavg"]
 
 
 def test_methods_list_shorthand_from_yaml(tmp_path):
@@ -268,10 +267,10 @@ def test_methods_list_shorthand_from_yaml(tmp_path):
 
 def test_labelled_method_entries_run_one_method_twice():
     config = validate_config({"methods": {"fedprox-weak": {"method": "fedprox", "mu": 0.01}, "fedprox-strong": {"method": "fedprox", "mu": 0.5}}})
-    specs = {spec.label: spec for spec in config.method_specs()}
+    specs = {spec.label: spec for spec in resolve_methods(config.methods)}
     assert specs["fedprox-strong"].method == "fedprox" and specs["fedprox-strong"].params.mu == 0.5
     assert specs["fedprox-weak"].params.mu == 0.01
-    assert config.resolved()["methods"]["fedprox-strong"]["method"] == "fedprox"
+    assert resolved_config(config)["methods"]["fedprox-strong"]["method"] == "fedprox"
 
 
 def test_null_method_entry_means_defaults():
@@ -317,14 +316,14 @@ def test_override_replaces_the_methods_with_a_list():
 
 def test_override_adds_a_labelled_entry_to_the_files_methods():
     config = load_config(QUICKSTART, overrides=["methods.strong.method=fedprox", "methods.strong.mu=0.5"])
-    assert config.resolved()["methods"]["strong"]["mu"] == 0.5
+    assert resolved_config(config)["methods"]["strong"]["mu"] == 0.5
     assert list(config.methods) == [*DEFAULT_METHODS, "strong"]
 
 
 @pytest.mark.parametrize("overrides", [["methods.fedavg.rounds=3"], ["methods.strong.method=fedprox"]])
 def test_method_override_without_a_file_edits_the_default_methods(overrides):
     # The empty config is the quickstart, so the same override on either must give the same job.
-    assert load_config(overrides=overrides).resolved() == load_config(QUICKSTART, overrides=overrides).resolved()
+    assert resolved_config(load_config(overrides=overrides)) == resolved_config(load_config(QUICKSTART, overrides=overrides))
 
 
 def test_override_can_switch_partitioner_on_a_config_that_sets_another_ones_parameters():
@@ -367,7 +366,7 @@ def test_yaml_that_is_not_a_mapping(tmp_path):
 def test_empty_yaml_file_is_the_defaults(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("# nothing\n")
-    assert load_config(path).resolved() == ExperimentConfig().resolved()
+    assert resolved_config(load_config(path)) == resolved_config(ExperimentConfig())
 
 
 def test_error_in_a_file_names_the_key_not_the_file(tmp_path):

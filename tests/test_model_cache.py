@@ -7,6 +7,7 @@ import json
 from rayfuse.report import Printer
 from rayfuse.runner import InProcessBackend, run_experiment
 from rayfuse.store import local_model_key
+from rayfuse.method import resolved_config
 
 QUIET = Printer(enabled=False)
 
@@ -43,7 +44,7 @@ def test_a_training_change_gets_its_own_entry(make_config, tmp_path):
 
 
 def test_the_key_ignores_methods_and_storage_but_not_the_seed(make_config):
-    base = make_config().resolved()
+    base = resolved_config(make_config())
     key = local_model_key(base, "h")[0]
     assert local_model_key({**base, "methods": {}, "run": {**base["run"], "storage": "x", "name": "y"}}, "h")[0] == key
     assert local_model_key({**base, "run": {**base["run"], "seed": 1}}, "h")[0] != key

@@ -13,6 +13,7 @@ from rayfuse.io import load_params
 from rayfuse.models import params_equal
 from rayfuse.report import Printer
 from rayfuse.runner import InProcessBackend, load_run_config, new_run_dir, run_experiment
+from rayfuse.method import resolved_config
 
 QUIET = Printer(enabled=False)
 
@@ -46,7 +47,7 @@ def test_results_json_has_every_method_with_its_metrics(full_run):
     assert len(on_disk["methods"]["local"]["info"]["per_client"]) == 4
     assert "vote_accuracy" in on_disk["methods"]["ensemble"]
     assert on_disk["methods"]["fedavg"]["rounds"] == 3
-    assert on_disk["config"] == cfg.resolved()
+    assert on_disk["config"] == resolved_config(cfg)
     assert {"partition", "startup", "local_training", "method/fedavg", "report", "total"} <= set(on_disk["timings"])
     assert any(e["kind"] == "method_done" for e in on_disk["events"])
 

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from rayfuse.config import ExperimentConfig, load_config
+from rayfuse.method import resolve_methods, resolved_config
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = sorted((ROOT / "jobs").glob("*.yaml"))
@@ -20,12 +21,12 @@ def test_there_are_jobs():
 @pytest.mark.parametrize("path", JOBS, ids=[p.name for p in JOBS])
 def test_every_job_validates(path):
     cfg = load_config(path)
-    assert cfg.method_specs()
+    assert resolve_methods(cfg.methods)
 
 
 def test_the_quickstart_is_the_config_default():
     # `rayfuse run` outside a checkout falls back to the schema defaults: they must be the same job.
-    assert load_config(ROOT / "jobs" / "quickstart.yaml").resolved() == ExperimentConfig().resolved()
+    assert resolved_config(load_config(ROOT / "jobs" / "quickstart.yaml")) == resolved_config(ExperimentConfig())
 
 
 def test_cluster_yaml_passes_rays_schema():

@@ -12,6 +12,7 @@ import yaml
 from rayfuse.cli import main
 from rayfuse.errors import InputError
 from rayfuse.sweep import grid_points, load_space
+from rayfuse.method import resolve_methods
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACES = sorted((ROOT / "tune_spaces").glob("*.yaml"))
@@ -50,7 +51,7 @@ def test_the_space_resolves_the_base_job_and_keeps_only_the_listed_methods(tmp_p
     assert list(spec.base["methods"]) == ["fedprox"] and spec.base["methods"]["fedprox"]["rounds"] == 2
     assert spec.num_trials == 2 * 3
     cfg = spec.trial_config({"methods.fedprox.mu": 0.1})
-    assert cfg.method_specs()[0].params.mu == 0.1
+    assert resolve_methods(cfg.methods)[0].params.mu == 0.1
 
 
 @pytest.mark.parametrize("stem, name", [("_scratch space", "scratch-space"), ("fedsa.temp", "fedsa.temp"), ("__", "sweep")])

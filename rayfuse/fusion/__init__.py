@@ -1,24 +1,11 @@
-"""Fusion methods and baselines, one module each. ``METHODS`` is the registry (``rayfuse list methods``)."""
+"""Fusion methods and baselines, one package per method (its client steps and its server loop side by side).
 
-from __future__ import annotations
+``kl/`` KL-fusion and its GMM / BNN / topic applications; ``gems/``; ``fedsa/``; ``epgan/``; ``fedavg/`` the FedAvg
+family (FedProx, FedOpt); ``fedref/``; ``baselines/`` (local, average, ensemble, the pooled oracle, finetune).
+``aggregate`` holds the averaging math every method shares. The contract the methods implement is
+:mod:`rayfuse.method`; ``METHODS`` there is the registry (``rayfuse list methods``), filled from these packages.
+"""
 
-import importlib
-import pkgutil
-from importlib.metadata import entry_points
-
-from rayfuse.fusion.base import METHODS, Method, MethodParams, MethodResult, register_method
+from rayfuse.method import METHODS, Method, MethodParams, MethodResult, register_method
 
 __all__ = ["METHODS", "Method", "MethodParams", "MethodResult", "register_method"]
-
-_SKIP = {"base"}
-
-
-def _discover() -> None:
-    for module in pkgutil.iter_modules(__path__):
-        if module.name not in _SKIP and not module.name.startswith("_"):
-            importlib.import_module(f"{__name__}.{module.name}")
-    for entry in entry_points(group="rayfuse.methods"):  # third-party methods
-        entry.load()
-
-
-METHODS.add_loader(_discover)

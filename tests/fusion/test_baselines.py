@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rayfuse.coordinator import ServerContext
+from rayfuse.coordinator import MethodServer
 from rayfuse.errors import RunFailure
 from rayfuse.federation import Gathered, Update
 from rayfuse.fusion import METHODS, Method
-from rayfuse.fusion.ensemble import majority_vote
-from rayfuse.fusion.fedavg import FedAvg, FedAvgParams
+from rayfuse.fusion.baselines.ensemble import majority_vote
+from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams
 from rayfuse.models import params_equal
+from rayfuse.method import resolve_methods
 
 
 def test_registry_lists_the_baselines_and_resolves_aliases():
@@ -100,7 +101,7 @@ def random_updates(reference, counts, seed=0):
 
 def test_fedavg_aggregation_is_np_average_and_independent_of_client_order(coordinator):
     coord = coordinator(methods={"fedavg": {}})
-    server = ServerContext(coord, coord.cfg.method_specs()[0], METHODS.get("fedavg"), resume=False)
+    server = MethodServer(coord, resolve_methods(coord.cfg.methods)[0], resume=False)
     updates = random_updates(coord.reference_params(), [5, 17, 9])
     averaged, used = server.average_updates(Gathered(updates))
     reordered, _ = server.average_updates(Gathered(dict(reversed(list(updates.items())))))
@@ -117,7 +118,7 @@ def test_fedavg_aggregation_is_np_average_and_independent_of_client_order(coordi
 
 def test_a_non_finite_update_is_found_through_the_average_and_left_out(coordinator):
     coord = coordinator(methods={"fedavg": {}})
-    server = ServerContext(coord, coord.cfg.method_specs()[0], METHODS.get("fedavg"), resume=False)
+    server = MethodServer(coord, resolve_methods(coord.cfg.methods)[0], resume=False)
     updates = random_updates(coord.reference_params(), [5, 17, 9, 4])
     updates[2].params["layers.1.bias"][3] = np.inf
     averaged, used = server.average_updates(Gathered(updates))
@@ -143,7 +144,7 @@ def test_fedprox_with_mu_zero_equals_fedavg(coordinator):
 
 
 def test_fedprox_mu_pulls_clients_towards_the_global_model(coordinator):
-    from rayfuse.fusion.fedavg import fit
+    from rayfuse.fusion.fedavg.algorithm import fit
 
     coord = coordinator(methods={"fedavg": {}})
     fed = coord.federation
@@ -160,7 +161,7 @@ def test_fedavg_improves_on_its_initialisation_and_samples_clients(coordinator):
     summary = coord.run_method("fedavg")
     clients = [r["value"] for r in summary["history"] if r["metric"] == "clients"]
     assert clients == [2.0, 2.0, 2.0]
-    server = ServerContext(coord, coord.cfg.method_specs()[0], METHODS.get("fedavg"), resume=False)
+    server = MethodServer(coord, resolve_methods(coord.cfg.methods)[0], resume=False)
     initial = server.evaluate(server.initial_params())["accuracy"]
     assert summary["metrics"]["accuracy"] > initial
     assert server.sample_clients(0.5, 1) == server.sample_clients(0.5, 1)
@@ -169,7 +170,7 @@ def test_fedavg_improves_on_its_initialisation_and_samples_clients(coordinator):
 
 def test_only_oracles_may_read_pooled_client_data(coordinator):
     coord = coordinator(methods={"average": {}})
-    server = ServerContext(coord, coord.cfg.method_specs()[0], METHODS.get("average"), resume=False)
+    server = MethodServer(coord, resolve_methods(coord.cfg.methods)[0], resume=False)
     with pytest.raises(RunFailure, match="only oracle methods"):
         server.pooled_train()
 
@@ -183,7 +184,7 @@ def test_global_oracle_trains_on_the_pooled_training_splits(coordinator):
 
 def test_accept_updates_rejects_bad_keys_shapes_and_values(coordinator):
     coord = coordinator(methods={"average": {}})
-    server = ServerContext(coord, coord.cfg.method_specs()[0], METHODS.get("average"), resume=False)
+    server = MethodServer(coord, resolve_methods(coord.cfg.methods)[0], resume=False)
     ref = coord.reference_params()
     good = Update({k: v.copy() for k, v in ref.items()}, 10)
     wrong_key = Update({**{k: v for k, v in ref.items() if k != "layers.0.bias"}, "extra": np.zeros(1)}, 10)

@@ -1,4 +1,4 @@
-"""EP-GAN's closed-form EP prior (rayfuse.fusion.ep) against numerical quadrature, with the paper's errors shown."""
+"""EP-GAN's closed-form EP prior (rayfuse.fusion.epgan.ep) against numerical quadrature, with the paper's errors shown."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy.special import expit
 
-from rayfuse.fusion.ep import (cavity, gaussian_product, paper_second_moment, probit_coefficients, sigmoid_power_mean,
+from rayfuse.fusion.epgan.ep import (cavity, gaussian_product, paper_second_moment, probit_coefficients, sigmoid_power_mean,
                                site_update, stein_moments, tilted_moments)
 
 NODES, WEIGHTS = np.polynomial.hermite_e.hermegauss(200)

@@ -1,4 +1,4 @@
-"""EP-GAN (rayfuse.fusion.epgan, epgan_nets): backbones, the server's product of factors, rejections, bad input, a
+"""EP-GAN (rayfuse.fusion.epgan.algorithm, epgan.nets): backbones, the server's product of factors, rejections, bad input, a
 tiny end-to-end run."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import torch
 from rayfuse.data.datasets import gaussians4_mixture, load_dataset
 from rayfuse.errors import InputError
 from rayfuse.federation import Gathered, Update
-from rayfuse.fusion.epgan import EPGAN, combine_factors, density_mse, grid_points, mixture_density, score_toy
-from rayfuse.fusion.epgan_nets import Discriminator, GANSettings, GANTrainer, Generator, ep_energy
+from rayfuse.fusion.epgan.algorithm import EPGAN, combine_factors, density_mse, grid_points, mixture_density, score_toy
+from rayfuse.fusion.epgan.nets import Discriminator, GANSettings, GANTrainer, Generator, ep_energy
+from rayfuse.method import resolve_methods
 
 TOY = {
     "data": {"dataset": "gaussians4", "options": {"n_per_mode": 120}, "val_size": 0.0},
@@ -158,10 +159,10 @@ def _update(var: float, mean: float = 0.0) -> Update:
 
 def test_a_client_with_nan_moments_or_non_positive_variances_is_rejected_and_recorded(coordinator):
     coord = coordinator(**TOY, methods={"ep": {"method": "epgan", **FAST}})
-    from rayfuse.coordinator import ServerContext
+    from rayfuse.coordinator import MethodServer
 
-    spec = coord.cfg.method_specs()[0]
-    server = ServerContext(coord, spec, EPGAN, resume=False)
+    spec = resolve_methods(coord.cfg.methods)[0]
+    server = MethodServer(coord, spec, resume=False)
     reference = _update(1.0).params
     gathered = Gathered({0: _update(1.0), 1: _update(np.nan), 2: _update(-0.5), 3: _update(1.0, mean=np.nan)})
     kept = EPGAN.accept(server, gathered, reference)
@@ -205,7 +206,7 @@ def test_tiny_end_to_end_run_in_process(coordinator):
 
 
 def test_frechet_distance_and_inception_score_properties():
-    from rayfuse.fusion.epgan import frechet_distance, inception_score
+    from rayfuse.fusion.epgan.algorithm import frechet_distance, inception_score
 
     rng = np.random.default_rng(0)
     a = rng.normal(size=(500, 4))
@@ -384,7 +385,7 @@ def test_a_client_keeps_its_gan_state_itself_and_uploads_none_of_it(make_config,
 
     from rayfuse.client import Client, forget_client_state, has_client_state
     from rayfuse.data.roles import load_dataset_from_config, make_plan
-    from rayfuse.fusion.epgan import STATE, EPGANParams, initial_ep_prior, train_gan
+    from rayfuse.fusion.epgan.algorithm import STATE, EPGANParams, initial_ep_prior, train_gan
 
     cfg = make_config(**TOY, methods={"ep": {"method": "epgan", **FAST}})
     plan = make_plan(load_dataset_from_config(cfg.data), cfg.data, cfg.partition, cfg.run.seed)
@@ -457,7 +458,7 @@ def test_the_oracle_resumes_after_its_last_block_of_epochs(coordinator, monkeypa
     methods = {"oracle": {"method": "epgan-oracle", "backbone": "ep-probgan", "epochs": 3, "local_epochs": 1,
                           "batch_size": 32, "grid": 20, "eval_samples": 200}}
     straight = coordinator(**TOY, methods=methods).run_method("oracle")
-    from rayfuse.fusion import epgan_nets
+    from rayfuse.fusion.epgan import nets as epgan_nets
 
     class Stop(Exception):
         pass

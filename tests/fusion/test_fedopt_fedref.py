@@ -11,11 +11,12 @@ from rayfuse.config import parse_overrides
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.federation import Update
 from rayfuse.fusion import METHODS
-from rayfuse.fusion.fedopt import FedAdagrad, FedAdam, FedYogi
-from rayfuse.fusion.fedref import FedRef, fedref_step, reference_model
+from rayfuse.fusion.fedavg.fedopt import FedAdagrad, FedAdam, FedYogi
+from rayfuse.fusion.fedref.algorithm import FedRef, fedref_step, reference_model
 from rayfuse.io import load_params
 from rayfuse.models import params_equal
 from rayfuse.runner import InProcessBackend, load_run_config, run_experiment
+from rayfuse.method import resolve_methods
 
 
 def params_of(cls, **kw):
@@ -234,7 +235,7 @@ def test_a_client_reporting_a_nan_loss_is_rejected_and_recorded(make_config, tmp
 ])
 def test_bad_fedref_parameters_name_the_key(make_config, entry, path):
     with pytest.raises(InputError) as err:
-        make_config(methods={"fedref": entry}).method_specs()
+        resolve_methods(make_config(methods={"fedref": entry}).methods)
     assert err.value.path == path
 
 
@@ -242,7 +243,7 @@ def test_bad_fedref_parameters_name_the_key(make_config, entry, path):
                                         ({"eta": -1}, "methods.fedadam.eta")])
 def test_bad_fedopt_parameters_name_the_key(make_config, entry, path):
     with pytest.raises(InputError) as err:
-        make_config(methods={"fedadam": entry}).method_specs()
+        resolve_methods(make_config(methods={"fedadam": entry}).methods)
     assert err.value.path == path
 
 

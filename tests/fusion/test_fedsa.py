@@ -13,11 +13,12 @@ import torch
 
 from rayfuse.client import Client
 from rayfuse.config import ModelConfig, validate_config
+from rayfuse.method import resolve_methods
 from rayfuse.data.roles import load_dataset_from_config, make_plan
 from rayfuse.errors import InputError
 from rayfuse.client import forget_client_state, has_client_state
-from rayfuse.fusion.fedsa import TRANSLATORS, compute_teacher_saliency, distill_student
-from rayfuse.fusion.fedsa_kd import (
+from rayfuse.fusion.fedsa.algorithm import TRANSLATORS, compute_teacher_saliency, distill_student
+from rayfuse.fusion.fedsa.kd import (
     Translator, adapt_to_target, average_students, build_translator, compute_saliency, compute_transferability,
     distill_features, draw_weights, find_head, hidden_representation, representation_shape, select_teachers,
     selection_probabilities,
@@ -488,7 +489,7 @@ def test_teachers_retrained_by_new_clients_are_identical(teacher_client):
 
 
 def test_a_resumed_run_refuses_other_teachers(straight_fedsa, monkeypatch):
-    import rayfuse.fusion.fedsa as fedsa_module
+    import rayfuse.fusion.fedsa.algorithm as fedsa_module
     from rayfuse.errors import RunFailure
 
     config, root, straight = straight_fedsa
@@ -534,7 +535,7 @@ def test_bad_input_is_a_one_line_input_error(coordinator, extra, match):
                                               ({"temperature": 0}, "methods.fedsa.temperature")])
 def test_bad_parameters_are_rejected_by_the_config(entry, path):
     with pytest.raises(InputError, match="^" + re.escape(path) + ": expected"):
-        validate_config({"methods": {"fedsa": entry}})
+        resolve_methods(validate_config({"methods": {"fedsa": entry}}).methods)
 
 
 @pytest.mark.ray

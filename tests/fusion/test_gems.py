@@ -8,12 +8,13 @@ import torch
 
 from rayfuse.errors import InputError
 from rayfuse.fusion import METHODS
-from rayfuse.fusion.gems_balls import (
+from rayfuse.fusion.gems.balls import (
     cluster_neurons, compute_fisher, ellipsoid_axes, flatten_linear, fuse_neurons, intersect_balls, neuron_distance,
     sample_surface, search_radii, softmax_accuracy,
 )
 from rayfuse.io import load_params
 from rayfuse.models.registry import MLP
+from rayfuse.method import resolve_methods
 
 
 # -- sampling on the surface --------------------------------------------------------------------------------------
@@ -310,7 +311,7 @@ def test_raw_only_settings_are_refused_elsewhere(coordinator, params, key):
 def test_converged_last_layer_matches_scikit_learns_logistic_regression_from_any_start():
     from sklearn.linear_model import LogisticRegression
 
-    from rayfuse.fusion.tuned import fit_last_layer
+    from rayfuse.fusion.baselines.finetune import fit_last_layer
 
     rng = np.random.default_rng(0)
     X = rng.normal(size=(120, 6)).astype(np.float32)
@@ -361,13 +362,13 @@ def test_converged_fit_is_refused_where_there_is_no_last_layer_to_fit(coordinato
 
 
 def test_tuned_baselines_use_the_reference_optimiser_per_base():
-    from rayfuse.fusion.tuned import TunedParams
+    from rayfuse.fusion.baselines.finetune import FinetuneParams
 
     # average: create_dnn2 (Adam 0.01, layer 0 frozen); local: the local models' Adam 1e-3, nothing frozen; raw: 1e-3
-    assert (TunedParams(base="average").resolved().tune_lr, TunedParams(base="average").resolved().last_layer_only) == (0.01, True)
-    assert (TunedParams(base="local").resolved().tune_lr, TunedParams(base="local").resolved().last_layer_only) == (1e-3, False)
-    assert TunedParams(base="raw").resolved().tune_lr == 1e-3
-    assert TunedParams(base="local", tune_lr=0.05, last_layer_only=True).resolved().tune_lr == 0.05
+    assert (FinetuneParams(base="average").resolved().tune_lr, FinetuneParams(base="average").resolved().last_layer_only) == (0.01, True)
+    assert (FinetuneParams(base="local").resolved().tune_lr, FinetuneParams(base="local").resolved().last_layer_only) == (1e-3, False)
+    assert FinetuneParams(base="raw").resolved().tune_lr == 1e-3
+    assert FinetuneParams(base="local", tune_lr=0.05, last_layer_only=True).resolved().tune_lr == 0.05
 
 
 # -- bad input -------------------------------------------------------------------------------------------------------
@@ -383,7 +384,7 @@ def test_tuned_baselines_use_the_reference_optimiser_per_base():
 ])
 def test_bad_parameters_are_rejected_with_their_key(make_config, params, key):
     with pytest.raises(InputError, match=key.replace(".", r"\.")):
-        make_config(methods={"gems": params}).method_specs()
+        resolve_methods(make_config(methods={"gems": params}).methods)
 
 
 def test_m_epsilon_larger_than_the_number_of_neurons(coordinator):

@@ -7,8 +7,8 @@ import pytest
 
 from rayfuse.errors import InputError
 from rayfuse.expfam import DiagGaussian, Dirichlet, NormalWishart
-from rayfuse.fusion.kl_fusion import fuse_heterogeneous, fuse_homogeneous, hausdorff, kl_kmeanspp
-from rayfuse.fusion.spahm import spahm_match
+from rayfuse.fusion.kl.fusion import fuse_heterogeneous, fuse_homogeneous, hausdorff, kl_kmeanspp
+from rayfuse.fusion.kl.spahm import spahm_match
 from rayfuse.matching import serial_map, thread_map
 
 
@@ -212,7 +212,7 @@ def test_kl_on_ray_fans_the_solves_out_as_tasks_and_equals_the_in_process_run(ra
 
 
 def test_bnn_neurons_round_trip_and_output_bias_fusion():
-    from rayfuse.fusion.kl_bnn import fuse_output_bias, network_of, neurons_of
+    from rayfuse.fusion.kl.bnn import fuse_output_bias, network_of, neurons_of
 
     rng = np.random.default_rng(9)
     bnn = {"w1_mu": rng.normal(size=(4, 3)), "w1_var": rng.uniform(0.1, 1, (4, 3)), "b1_mu": rng.normal(size=4), "b1_var": rng.uniform(0.1, 1, 4),
@@ -241,7 +241,7 @@ def test_bnn_job_fuses_the_clients_neurons(coordinator):
 
 
 def test_topics_job_fuses_dirichlet_topics_above_every_local_model(coordinator):
-    from rayfuse.fusion.kl_topics import completion_log_likelihood, split_documents
+    from rayfuse.fusion.kl.topics import completion_log_likelihood, split_documents
 
     data = {"dataset": "kl_lda", "options": {"num_topics": 6, "vocabulary": 60, "num_groups": 3, "docs": 80, "test_docs": 40, "min_topics": 2,
                                              "max_topics": 3, "doc_length": 60, "eta": 0.02}, "val_size": 0}

@@ -21,6 +21,7 @@ import yaml
 
 from rayfuse.config import load_config
 from tests.integration.two_node import ROOT, TwoNodeCluster
+from rayfuse.method import resolve_methods
 
 pytestmark = pytest.mark.ray
 WAIT_S = 300  # an upper bound for waiting on the cluster, not a performance assertion
@@ -149,7 +150,7 @@ def test_a_tune_sweep_on_the_cluster_trains_the_clients_once(cluster, tmp_path):
     best = load_config(storage / "space" / "best.yaml")  # ready to run
     assert list(best.methods) == ["average", "fedprox"]
     top = table[table["fused/fedprox/accuracy"] == table["fused/fedprox/accuracy"].max()]
-    assert best.method_specs()[1].params.mu in set(top["config/methods.fedprox.mu"])
+    assert resolve_methods(best.methods)[1].params.mu in set(top["config/methods.fedprox.mu"])
 
     # A failing trial is retried (FailureConfig) and resumes its run folder: fedprox round 2 fails on the first
     # attempt (the 2nd fit call of client 0's actor); the retry continues from the round-1 checkpoint with new actors.

@@ -22,7 +22,7 @@ sample alone are the ``tuned`` method (``base: local | average | raw``).
 
 Ball construction runs inside the clients (client steps ``gems.model_ball`` and ``gems.neuron_balls``); the ``p``
 sampled models of one radius, for all of a layer's neurons at once, are one batched tensor computation
-(:mod:`rayfuse.fusion.gems_balls`).
+(:mod:`rayfuse.fusion.gems.balls`).
 
 [1] N. Guha, V. Smith. Model Aggregation via Good-Enough Model Spaces. arXiv:1805.07782 (2019). Defaults are the
 paper's and its notebooks' (``../shared/ALGORITHMS.md`` section 2).
@@ -37,16 +37,16 @@ import numpy as np
 import torch
 from pydantic import Field, field_validator
 
-from rayfuse.client import ClientContext
-from rayfuse.coordinator import ServerContext
+from rayfuse.method import ClientContext
+from rayfuse.method import ServerContext
 from rayfuse.errors import InputError
-from rayfuse.federation import client_step
-from rayfuse.fusion.base import Method, MethodResult, register_method
-from rayfuse.fusion.gems_balls import (
+from rayfuse.method import client_step
+from rayfuse.method import Method, MethodResult, register_method
+from rayfuse.fusion.gems.balls import (
     compute_fisher, cluster_neurons, ellipsoid_axes, fisher_mask, flatten_linear, fuse_neurons, intersect_balls,
     neuron_distance, search_radii, softmax_accuracy, unflatten_linear,
 )
-from rayfuse.fusion.tuned import TuneSettings, check_tune_solver, evaluate_params, tuning_curve
+from rayfuse.fusion.baselines.finetune import TuneSettings, check_tune_solver, evaluate_params, tuning_curve
 
 __all__ = ["GEMS", "GEMSParams", "build_model_ball", "build_neuron_balls", "transform_features"]
 
@@ -57,7 +57,7 @@ __all__ = ["GEMS", "GEMSParams", "build_model_ball", "build_neuron_balls", "tran
 
 def transform_features(X: np.ndarray, layers: list[tuple[np.ndarray, np.ndarray]], activation: str = "relu") -> np.ndarray:
     """``X`` flattened and passed through the fused hidden layers ``act(x W^T + b)`` (float32)."""
-    from rayfuse.fusion.gems_balls import _ACTIVATIONS
+    from rayfuse.fusion.gems.balls import _ACTIVATIONS
 
     out = torch.as_tensor(np.ascontiguousarray(X, dtype=np.float32).reshape(len(X), -1))
     with torch.no_grad():

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from rayfuse.coordinator import ServerContext
-from rayfuse.fusion.base import Method, MethodResult, register_method
+from rayfuse.method import ServerContext
+from rayfuse.method import Method, MethodResult, register_method
 
 
 @register_method

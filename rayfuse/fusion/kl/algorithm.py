@@ -3,18 +3,18 @@
 Every client summarises its data by a mean-field posterior whose factors are in one exponential family; the server
 fuses the factors of all clients into global components by minimising the summed ``KL(global || local)`` of matched
 pairs plus a group-sparsity penalty that lets the number of global components ``G`` be inferred (eq. 9). The
-algorithms are in :mod:`rayfuse.fusion.kl_fusion` (pure numpy / scipy); the families in :mod:`rayfuse.expfam`.
+algorithms are in :mod:`rayfuse.fusion.kl.fusion` (pure numpy / scipy); the families in :mod:`rayfuse.expfam`.
 
 Applications (``application``):
 
 * ``gmm`` (section 5.1): clients fit local variational GMMs (client step ``kl.gmm_posterior``, in their own actors)
   and return Normal-Wishart posteriors; the server fuses them and reports the Hausdorff distance of the fused means to
-  the generator's true means and the relative model-size error ``|G_hat - G| / G`` (:mod:`rayfuse.fusion.kl_gmm`).
+  the generator's true means and the relative model-size error ``|G_hat - G| / G`` (:mod:`rayfuse.fusion.kl.gmm`).
 * ``bnn`` (section 5.4, Table 2): clients train mean-field Gaussian Bayesian MLPs; their hidden neurons are fused as
   diagonal Gaussians; Monte-Carlo accuracy, log-likelihood and entropy of the fused and local BNNs
-  (:mod:`rayfuse.fusion.kl_bnn`).
+  (:mod:`rayfuse.fusion.kl.bnn`).
 * ``topics`` (section 5.3): clients fit LDA; topics are fused as Dirichlets; held-out document completion, also for
-  the homogeneous (parametric) variant with ``homogeneous: true`` (:mod:`rayfuse.fusion.kl_topics`).
+  the homogeneous (parametric) variant with ``homogeneous: true`` (:mod:`rayfuse.fusion.kl.topics`).
 
 The per-dataset assignment solves of each sweep fan out through the federation's ``parallel_map`` (batched Ray tasks
 on the coordinator's cluster; threads in-process) when the sweep carries enough work (``executor: auto``), else
@@ -32,14 +32,14 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from rayfuse.coordinator import ServerContext
+from rayfuse.method import ServerContext
 from rayfuse.errors import InputError, RunFailure
-from rayfuse.fusion.base import MethodResult, Method, register_method
-from rayfuse.fusion.kl_bnn import corrupt, fuse_output_bias, network_of, neurons_of, predictive, predictive_metrics, train_bnn
+from rayfuse.method import MethodResult, Method, register_method
+from rayfuse.fusion.kl.bnn import corrupt, fuse_output_bias, network_of, neurons_of, predictive, predictive_metrics, train_bnn
 from rayfuse.expfam import Dirichlet
-from rayfuse.fusion.kl_fusion import fuse_heterogeneous, fuse_homogeneous
-from rayfuse.fusion.kl_topics import completion_log_likelihood, fit_lda_posterior, split_documents, topic_hausdorff
-from rayfuse.fusion.kl_gmm import GMMPosteriorParams, gather_gmm_posteriors, gmm_metrics
+from rayfuse.fusion.kl.fusion import fuse_heterogeneous, fuse_homogeneous
+from rayfuse.fusion.kl.topics import completion_log_likelihood, fit_lda_posterior, split_documents, topic_hausdorff
+from rayfuse.fusion.kl.gmm import GMMPosteriorParams, gather_gmm_posteriors, gmm_metrics
 from rayfuse.matching import Executor, serial_map, thread_map
 from rayfuse.seeding import make_rng
 

@@ -14,7 +14,7 @@ coordinates are unconstrained). The server looks for a point in the intersection
 
 Everything here is batched: the ``p`` models sampled at one radius, for every ball being searched at once (all the
 hidden neurons of a layer), are evaluated as one tensor computation (``torch.einsum``), never one model at a time.
-The functions assume validated inputs unless they say otherwise; the public boundary is :mod:`rayfuse.fusion.gems`.
+The functions assume validated inputs unless they say otherwise; the public boundary is :mod:`rayfuse.fusion.gems.algorithm`.
 
 References
 ----------

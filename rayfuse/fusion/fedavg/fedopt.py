@@ -27,11 +27,11 @@ from typing import ClassVar
 import numpy as np
 from pydantic import Field, model_validator
 
-from rayfuse.coordinator import ServerContext
+from rayfuse.method import ServerContext
 from rayfuse.errors import NonFiniteError
-from rayfuse.federation import Update
-from rayfuse.fusion.base import register_method
-from rayfuse.fusion.fedavg import FedAvg, FedAvgParams
+from rayfuse.method import Update
+from rayfuse.method import register_method
+from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams
 
 __all__ = ["FedOpt", "FedAdagrad", "FedAdam", "FedYogi", "FedOptParams", "FedAdagradParams", "fedopt_step"]
 

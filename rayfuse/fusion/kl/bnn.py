@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from rayfuse.client import ClientContext
+from rayfuse.method import ClientContext
 from rayfuse.expfam import DiagGaussian
-from rayfuse.federation import client_step
+from rayfuse.method import client_step
 
 __all__ = ["train_bnn", "BNN", "neurons_of", "network_of", "predictive", "predictive_metrics", "corrupt"]
 

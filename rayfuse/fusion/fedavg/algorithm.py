@@ -19,10 +19,10 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from rayfuse.client import ClientContext
-from rayfuse.coordinator import ServerContext
-from rayfuse.federation import Update, client_step
-from rayfuse.fusion.base import Method, MethodParams, MethodResult, register_method
+from rayfuse.method import ClientContext
+from rayfuse.method import ServerContext
+from rayfuse.method import Update, client_step
+from rayfuse.method import Method, MethodParams, MethodResult, register_method
 
 __all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "fit"]
 

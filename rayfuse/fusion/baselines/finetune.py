@@ -37,14 +37,14 @@ import torch
 from pydantic import Field, field_validator
 from torch import nn
 
-from rayfuse.coordinator import ServerContext
+from rayfuse.method import ServerContext
 from rayfuse.data.roles import Split
 from rayfuse.errors import InputError, NonFiniteError
-from rayfuse.fusion.base import Method, MethodParams, MethodResult, register_method
+from rayfuse.method import Method, MethodParams, MethodResult, register_method
 from rayfuse.models import get_params, predict_proba, set_params, train_model
 from rayfuse.models.registry import MLP, LogisticRegression, build_model
 
-__all__ = ["TunedParams", "Tuned", "model_for_params", "evaluate_params", "fine_tune", "fit_last_layer", "check_tune_solver",
+__all__ = ["FinetuneParams", "Finetune", "model_for_params", "evaluate_params", "fine_tune", "fit_last_layer", "check_tune_solver",
            "public_subsets", "TuneSettings"]
 
 
@@ -97,7 +97,7 @@ class TuneSettings(MethodParams):
 def check_tune_solver(settings: TuneSettings, model_cfg: Any, label: str, *, base: str | None = None) -> None:
     """``tune_solver: lbfgs`` refits a network's last layer; refuse it where that is not what would be tuned.
 
-    ``settings`` must have ``last_layer_only`` resolved (``TunedParams.resolved()``).
+    ``settings`` must have ``last_layer_only`` resolved (``FinetuneParams.resolved()``).
     """
     if settings.tune_solver == "adam":
         return
@@ -213,7 +213,7 @@ def tuning_curve(server: ServerContext, params: dict[str, np.ndarray] | None, se
 _BASE_DEFAULTS = {"average": (0.01, True), "local": (1e-3, False), "raw": (1e-3, False)}
 
 
-class TunedParams(TuneSettings):
+class FinetuneParams(TuneSettings):
     base: Literal["local", "average", "raw"] = Field("average", description="what to fine-tune: each local model, their average, or a fresh model")
     tune_lr: float | None = Field(None, gt=0, description="Adam learning rate (default: the reference's per base: average 0.01, local / raw 1e-3)")
     last_layer_only: bool | None = Field(None, description="networks: tune only the last layer (default: the reference's per base: average yes, local no)")
@@ -221,7 +221,7 @@ class TunedParams(TuneSettings):
     raw_dropout: float = Field(0.0, ge=0, lt=1, description="base raw, networks: dropout after each hidden layer (the reference's learn_dnn2: 0.5)")
     raw_early_stop: int = Field(0, ge=0, description="base raw: stop once the training accuracy has not improved for this many epochs (0: off; the reference: 3)")
 
-    def resolved(self) -> "TunedParams":
+    def resolved(self) -> "FinetuneParams":
         """These parameters with ``tune_lr`` / ``last_layer_only`` filled in from the reference's per-base defaults."""
         lr, last_only = _BASE_DEFAULTS[self.base]
         return self.model_copy(update={"tune_lr": self.tune_lr or lr,
@@ -229,9 +229,10 @@ class TunedParams(TuneSettings):
 
 
 @register_method
-class Tuned(Method):
-    name = "tuned"
-    Params = TunedParams
+class Finetune(Method):
+    name = "finetune"
+    aliases = ("tuned",)  # its name before 0.2 (it collides with Ray Tune in every sentence); old jobs still run
+    Params = FinetuneParams
     summary = "a local / averaged / fresh (raw) model fine-tuned on the server's public sample (GEMS Section 4.4)"
     uses_local_models = True
 

@@ -36,11 +36,11 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from rayfuse.coordinator import ServerContext
+from rayfuse.method import ServerContext
 from rayfuse.errors import NonFiniteError
-from rayfuse.federation import Update
-from rayfuse.fusion.base import register_method
-from rayfuse.fusion.fedavg import FedAvg, FedAvgParams
+from rayfuse.method import Update
+from rayfuse.method import register_method
+from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams
 
 __all__ = ["FedRef", "FedRefParams", "reference_model", "fedref_step"]
 

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rayfuse.fusion.ep import cavity, site_update, tilted_moments
+from rayfuse.fusion.epgan.ep import cavity, site_update, tilted_moments
 
 __all__ = ["BACKBONES", "GANSettings", "Generator", "Discriminator", "GANTrainer", "ep_energy", "noise_loss",
            "gradient_penalty"]

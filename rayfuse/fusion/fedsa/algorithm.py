@@ -46,14 +46,14 @@ from typing import Any, Callable, Literal
 import numpy as np
 from pydantic import Field
 
-from rayfuse.client import ClientContext
+from rayfuse.method import ClientContext
 from rayfuse.config import ModelConfig
-from rayfuse.coordinator import ServerContext
+from rayfuse.method import ServerContext
 from rayfuse.data.roles import Split
 from rayfuse.errors import InputError, NonFiniteError, RunFailure
-from rayfuse.federation import client_step
-from rayfuse.fusion.base import Method, MethodParams, MethodResult, register_method
-from rayfuse.fusion.fedsa_kd import (
+from rayfuse.method import client_step
+from rayfuse.method import Method, MethodParams, MethodResult, register_method
+from rayfuse.fusion.fedsa.kd import (
     adapt_to_target, average_students, build_translator, compute_saliency, compute_transferability, distill_features,
     draw_weights, hidden_representation, representation_shape, select_teachers, selection_probabilities,
 )

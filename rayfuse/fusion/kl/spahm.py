@@ -25,10 +25,10 @@ from typing import Sequence
 import numpy as np
 from pydantic import Field
 
-from rayfuse.coordinator import ServerContext
+from rayfuse.method import ServerContext
 from rayfuse.errors import InputError
-from rayfuse.fusion.base import Method, MethodResult, register_method
-from rayfuse.fusion.kl_gmm import GMMPosteriorParams, gather_gmm_posteriors, gmm_metrics
+from rayfuse.method import Method, MethodResult, register_method
+from rayfuse.fusion.kl.gmm import GMMPosteriorParams, gather_gmm_posteriors, gmm_metrics
 from rayfuse.matching import solve_assignment
 
 __all__ = ["spahm_match", "SPAHM", "SPAHMParams"]

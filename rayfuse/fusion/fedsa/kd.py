@@ -1,7 +1,7 @@
 """FedSA building blocks: hidden representations, saliency maps, transferability, selection, the translator, feature
 distillation, task adaptation and the duplicate-counting average [1].
 
-Pure functions on torch modules and numpy arrays; the method and its client steps are in :mod:`rayfuse.fusion.fedsa`.
+Pure functions on torch modules and numpy arrays; the method and its client steps are in :mod:`rayfuse.fusion.fedsa.algorithm`.
 
 **Saliency (eq. 1).** For probe image ``x_j`` and the layer-``k`` representation ``r^k`` of model ``n``::
 

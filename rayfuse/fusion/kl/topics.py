@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from rayfuse.client import ClientContext
-from rayfuse.federation import client_step
+from rayfuse.method import ClientContext
+from rayfuse.method import client_step
 
 __all__ = ["fit_lda_posterior", "split_documents", "completion_log_likelihood", "topic_hausdorff"]
 

@@ -10,15 +10,15 @@ Algorithm 2 of [1] with the toy experiment's schedule (App. F.2.3)::
             s_j = prior_var
     turns t = 1..rounds: broadcast (theta_G, theta_D, m, s); every client
         1. EP step (EP backbones): cavity = global / own factor, tilted moments of sigma(f_bar_j theta) x cavity
-           (Theorem 4.1 with the corrected S2, rayfuse.fusion.ep), damped factor update          (line 5)
+           (Theorem 4.1 with the corrected S2, rayfuse.fusion.epgan.ep), damped factor update          (line 5)
         2. local_epochs of GAN training (Algorithm 1: Adam + SGHMC noise loss; + lambda_ep L_ep), each epoch followed
            by the historical interpolation theta <- beta theta + (1 - beta) theta_global       (line 6, App. F.2.3)
         3. uploads theta_G, theta_D and its factor (m_k, s_k)                                  (line 8)
     server: FedAvg of G and D; product of the factors (precision sum; the paper writes the precision where the variance
-            belongs: corrected, see rayfuse.fusion.ep.gaussian_product)                        (lines 9-10)
+            belongs: corrected, see rayfuse.fusion.epgan.ep.gaussian_product)                        (lines 9-10)
 
 The backbone is a parameter: ``wgan`` and ``probgan`` with FedAvg are the paper's baselines (no EP), ``ep-bgan``,
-``ep-probgan`` and, with ``components: J > 1``, Mixture-EP-ProbGAN (:mod:`rayfuse.fusion.epgan_nets`).
+``ep-probgan`` and, with ``components: J > 1``, Mixture-EP-ProbGAN (:mod:`rayfuse.fusion.epgan.nets`).
 ``epgan-oracle`` trains the same backbone on every client's data pooled (the paper's "centralised" column).
 
 A client update with NaN / Inf anywhere (parameters, EP moments, losses), the wrong keys or shapes, or a non-positive
@@ -44,14 +44,14 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from rayfuse.client import ClientContext
-from rayfuse.coordinator import ServerContext
+from rayfuse.method import ClientContext
+from rayfuse.method import ServerContext
 from rayfuse.errors import NonFiniteError, RunFailure
-from rayfuse.federation import Gathered, Update, client_step
+from rayfuse.method import Gathered, Update, client_step
 from rayfuse.fusion.aggregate import weighted_average
-from rayfuse.fusion.base import Method, MethodParams, MethodResult, register_method
-from rayfuse.fusion.ep import gaussian_product
-from rayfuse.fusion.epgan_nets import GANSettings, GANTrainer
+from rayfuse.method import Method, MethodParams, MethodResult, register_method
+from rayfuse.fusion.epgan.ep import gaussian_product
+from rayfuse.fusion.epgan.nets import GANSettings, GANTrainer
 from rayfuse.seeding import derive_seed
 
 __all__ = ["EPGAN", "EPGANOracle", "EPGANParams", "EPGANOracleParams", "train_gan", "combine_factors", "grid_points",

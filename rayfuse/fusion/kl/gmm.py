@@ -10,7 +10,7 @@ Metrics (ALGORITHMS.md 1.8): ``hausdorff`` between the estimated and true global
 ``size_error`` ``|G_hat - G| / G`` (PROPOSED there: the paper's y-axis is relative but undefined). Baselines:
 ``gmm_oracle`` (VI on the pooled data with the true ``G``; an oracle), ``dp_cluster`` (a Dirichlet-process
 ``BayesianGaussianMixture`` on the pooled local *means*, components with weight > 1e-2 kept; PROPOSED) and ``spahm``
-(:mod:`rayfuse.fusion.spahm`, on the local means).
+(:mod:`rayfuse.fusion.kl.spahm`, on the local means).
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, field_validator
 
-from rayfuse.client import ClientContext
-from rayfuse.coordinator import ServerContext
+from rayfuse.method import ClientContext
+from rayfuse.method import ServerContext
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.expfam import NormalWishart, normal_wishart_from_sklearn
-from rayfuse.federation import client_step
-from rayfuse.fusion.base import Method, MethodParams, MethodResult, register_method
-from rayfuse.fusion.kl_fusion import hausdorff
+from rayfuse.method import client_step
+from rayfuse.method import Method, MethodParams, MethodResult, register_method
+from rayfuse.fusion.kl.fusion import hausdorff
 
 __all__ = ["fit_gmm_posterior", "GMMPosteriorParams", "gather_gmm_posteriors", "gmm_truth", "gmm_metrics", "GMMOracle", "DPCluster"]
 

@@ -1,0 +1,483 @@
+"""The method contract: what a fusion method is, what it may see, and how it is checked before a run starts.
+
+This module sits below the engine. A method imports from here (and from the math: ``rayfuse.data``,
+``rayfuse.models``, ``rayfuse.matching``...), never from ``rayfuse.coordinator``, ``rayfuse.client`` or
+``rayfuse.runner``; the engine implements the protocols declared here.
+
+A method is a :class:`Method` subclass with frozen, validated :class:`MethodParams` and two hooks:
+
+* :meth:`Method.check` compares the method's parameters with the rest of the run (a cheap :class:`RunSetup`: the
+  model config, the data roles and their sizes, the number of clients). ``rayfuse validate``, ``rayfuse tune --check``
+  and ``rayfuse run`` call it before any actor starts, so a mismatch costs one line and exit 2.
+* :meth:`Method.run` is the server loop, written against :class:`ServerContext`.
+
+Client steps are plain functions ``step(ctx: ClientContext, *args, **kwargs)`` named with :func:`client_step`; the
+server runs them on the clients through ``server.federation``.
+
+Methods register with :func:`register_method` and are found by name (``METHODS``); a :class:`Method` subclass or
+instance passed as an object (``rayfuse.run(..., methods={"mine": MyMethod})``) works as well.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Iterable, Mapping, Protocol, Sequence, TypeVar
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from rayfuse.config import CONFIG_SECTIONS, DataConfig, ExperimentConfig, ModelConfig, TrainConfig, pydantic_input_error
+from rayfuse.errors import InputError
+from rayfuse.registry import Registry
+
+if TYPE_CHECKING:
+    from rayfuse.data.roles import DataPlan, Split
+    from rayfuse.store import Checkpoint
+
+__all__ = [
+    "METHODS",
+    "ClientContext",
+    "ClientError",
+    "FederationView",
+    "Gathered",
+    "Method",
+    "MethodParams",
+    "MethodResult",
+    "MethodSpec",
+    "Reference",
+    "RunSetup",
+    "ServerContext",
+    "Update",
+    "check_methods",
+    "client_step",
+    "register_method",
+    "resolve_methods",
+    "resolved_config",
+    "step_name",
+]
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What travels between clients and the server
+
+
+def client_step(name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Name a client step (``"fedavg.fit"``); the name appears in events and fault specs."""
+
+    def decorate(fn: Callable[..., T]) -> Callable[..., T]:
+        fn.__rayfuse_step__ = name  # type: ignore[attr-defined]
+        return fn
+
+    return decorate
+
+
+def step_name(step: Callable[..., Any]) -> str:
+    """The name given with :func:`client_step`, else the function's module and qualified name."""
+    return getattr(step, "__rayfuse_step__", None) or f"{getattr(step, '__module__', '?')}.{getattr(step, '__qualname__', repr(step))}"
+
+
+@dataclass
+class Update:
+    """What a client sends back after local work: parameters, its sample count and scalar metrics."""
+
+    params: dict[str, np.ndarray]
+    num_examples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ClientError:
+    """A client call that failed: ``kind`` is "error" (the step raised), "died" (the process died) or "timeout"."""
+
+    client: int
+    kind: str
+    message: str
+    step: str = ""
+    attempt: int = 0
+
+
+@dataclass
+class Gathered(Generic[T]):
+    """Results of one gather: ``results`` by client id (in client order) and the clients that failed."""
+
+    results: dict[int, T]
+    failures: list[ClientError] = field(default_factory=list)
+
+    @property
+    def clients(self) -> list[int]:
+        return list(self.results)
+
+    def values(self) -> list[T]:
+        return list(self.results.values())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a method sees
+
+
+class FederationView(Protocol):
+    """The federation as a method uses it (``rayfuse.federation.Federation`` implements it)."""
+
+    policy: Any
+
+    @property
+    def client_ids(self) -> list[int]: ...
+
+    @property
+    def num_clients(self) -> int: ...
+
+    def put(self, obj: Any) -> Any: ...
+
+    def get(self, ref: Any) -> Any: ...
+
+    def map(self, step: Callable[..., Any], *args: Any, clients: Iterable[int] | None = None, **kwargs: Any) -> list[Any]: ...
+
+    def gather(self, calls: Sequence[Any]) -> Gathered[Any]: ...
+
+    def run(self, step: Callable[..., Any], *args: Any, clients: Iterable[int] | None = None, **kwargs: Any) -> Gathered[Any]: ...
+
+    def parallel_map(self, fn: Callable[[Any], T], items: Sequence[Any], *, chunk_size: int | None = None) -> list[T]: ...
+
+
+class ClientContext(Protocol):
+    """What a client step sees of its client (``rayfuse.client.ClientContext`` implements it): its own data, its
+    trained local model, a private ``state`` dict kept across calls, and seeds."""
+
+    client_id: int
+    train: "Split"
+    val: "Split"
+    model_cfg: Any
+    train_cfg: Any
+    device: str
+    state: dict[Any, Any]
+    local_cache: str | None
+
+    @property
+    def num_examples(self) -> int: ...
+
+    @property
+    def input_shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def num_classes(self) -> int: ...
+
+    def step_seed(self, *tags: object) -> int: ...
+
+    def build_model(self, seed: int | None = None) -> Any: ...
+
+    def local_model(self) -> Any: ...
+
+    def state_store(self, kind: str, store: str) -> Any: ...
+
+
+class ServerContext(Protocol):
+    """A method's whole view of the run (the coordinator implements it).
+
+    The federation and the events; the server-side data roles (``test``, ``public``); the run's model, data and
+    training settings; evaluation; accepting and averaging client updates (one rejection path: an update with
+    NaN/Inf, wrong keys or shapes is recorded as an ``update_rejected`` event, never used); seeded randomness;
+    logging; round checkpoints (:meth:`rounds` owns the bookkeeping) and state that clients keep across rounds.
+    """
+
+    label: str
+    method: str
+    params: MethodParams
+    federation: FederationView
+    events: Any
+    seed: int
+    data_cfg: DataConfig
+    model_cfg: ModelConfig
+    train_cfg: TrainConfig
+    num_classes: int
+    input_shape: tuple[int, ...]
+    device: str
+    model_cache: str | None
+    resume: bool
+    history: list[dict[str, Any]]
+
+    @property
+    def num_clients(self) -> int: ...
+
+    @property
+    def test(self) -> "Split": ...
+
+    @property
+    def public(self) -> "Split": ...
+
+    @property
+    def dataset_meta(self) -> dict[str, Any]: ...
+
+    def pooled_train(self) -> "Split": ...
+
+    def build_model(self, seed: int | None = None) -> Any: ...
+
+    def initial_params(self) -> dict[str, np.ndarray]: ...
+
+    def step_seed(self, *tags: object) -> int: ...
+
+    def rng(self, *tags: object) -> np.random.Generator: ...
+
+    def predict_proba(self, params: dict[str, np.ndarray], X: np.ndarray | None = None) -> np.ndarray: ...
+
+    def evaluate_proba(self, proba: np.ndarray) -> dict[str, float]: ...
+
+    def evaluate(self, params: dict[str, np.ndarray]) -> dict[str, float]: ...
+
+    def local_updates(self) -> Gathered[Update]: ...
+
+    def accept_updates(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, *,
+                       check_values: bool = True) -> dict[int, Update]: ...
+
+    def average_updates(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, *,
+                        weighted: bool = True) -> tuple[dict[str, np.ndarray], dict[int, Update]]: ...
+
+    def reject(self, client: int, reason: str) -> None: ...
+
+    def sample_clients(self, fraction: float, round: int) -> list[int]: ...
+
+    def run_cached(self, step: Any, *args: Any, **kwargs: Any) -> Gathered[Any]: ...
+
+    def log(self, round: int, metrics: dict[str, float], client: int | None = None) -> None: ...
+
+    def progress(self, message: str, **fields: Any) -> None: ...
+
+    def resume_checkpoint(self) -> "Checkpoint | None": ...
+
+    def save_checkpoint(self, round: int, params: dict[str, np.ndarray], state: dict[str, np.ndarray] | None = None,
+                        meta: dict[str, Any] | None = None) -> None: ...
+
+    def clients_missing_state(self, kind: str, store: str, rounds: dict[int, int]) -> list[int]: ...
+
+    def forget_client_state(self, kind: str, store: str) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a run looks like before it starts
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """A cheap description of a run, for :meth:`Method.check`: no data arrays, no models, nothing started.
+
+    ``train_sizes`` / ``val_sizes`` are each client's private split sizes; ``public_size`` and ``test_size`` the
+    server's public (or target) sample and test set; ``target`` the server's new task (``data.target``) if any.
+    """
+
+    model: ModelConfig
+    train: TrainConfig
+    data: DataConfig
+    num_clients: int
+    input_shape: tuple[int, ...]
+    num_classes: int
+    train_sizes: tuple[int, ...]
+    val_sizes: tuple[int, ...]
+    public_size: int
+    test_size: int
+    target: str | None = None
+    seed: int = 0
+    model_cache: str | None = None
+
+    @classmethod
+    def from_plan(cls, cfg: ExperimentConfig, plan: "DataPlan") -> "RunSetup":
+        return cls(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients,
+                   input_shape=tuple(plan.input_shape), num_classes=plan.num_classes,
+                   train_sizes=tuple(len(t) for t in plan.client_train), val_sizes=tuple(len(v) for v in plan.client_val),
+                   public_size=int(len(plan.public)), test_size=int(len(plan.test)), target=plan.target,
+                   seed=cfg.run.seed, model_cache=cfg.run.model_cache)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Methods
+
+
+class MethodParams(BaseModel):
+    """A method's parameters: unknown keys are errors, values frozen after validation."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+@dataclass
+class MethodResult:
+    """What a method's server loop returns.
+
+    ``metrics`` are the final metrics (on the global test set); ``params`` the fused model, saved as
+    ``models/<label>.safetensors`` when given; ``info`` anything else worth recording (per-client numbers, notes).
+    Per-round metrics are logged through :meth:`ServerContext.log` as the loop runs.
+    """
+
+    metrics: dict[str, float]
+    params: dict[str, np.ndarray] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A method's paper: ``key`` is the tag used in comments (``[KLF]``), resolved in ``docs/references.md``."""
+
+    key: str
+    title: str
+    url: str
+
+
+class Method(ABC):
+    """Base class of fusion methods and baselines.
+
+    Class attributes: ``name`` (the registry name), ``aliases``, ``Params`` (a :class:`MethodParams` subclass with the
+    paper's defaults), ``summary`` (one line for ``rayfuse list``), ``reference`` (the paper), and what the method
+    needs from the run: ``uses_local_models`` (every client's trained local model), ``oracle`` (not feasible in a
+    real federation; reported as an upper reference), ``multi_round`` (checkpoints each round, so ``--resume``
+    continues mid-method).
+    """
+
+    name: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()
+    Params: ClassVar[type[MethodParams]] = MethodParams
+    summary: ClassVar[str] = ""
+    reference: ClassVar[Reference | None] = None
+    uses_local_models: ClassVar[bool] = False
+    oracle: ClassVar[bool] = False
+    multi_round: ClassVar[bool] = False
+
+    def __init__(self, params: MethodParams | None = None, label: str | None = None) -> None:
+        self.params = self.Params() if params is None else params
+        self.label = label or self.name
+
+    @classmethod
+    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+        """Refuse (raise :class:`InputError`) a run this method cannot do, before anything starts.
+
+        An error's path is either absolute (it starts with a config section: ``data.public_size``, ``model.name``)
+        or relative to the method's entry (``k`` becomes ``methods.<label>.k``). The default accepts every run.
+        """
+
+    @abstractmethod
+    def run(self, server: ServerContext) -> MethodResult:
+        """The server loop."""
+
+
+METHODS: Registry[type[Method]] = Registry("method")
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+    """Class decorator adding a :class:`Method` subclass to the registry under ``cls.name``."""
+    METHODS.register(cls.name, cls, aliases=cls.aliases)
+    return cls
+
+
+def _discover_methods() -> None:
+    """Import every method package under ``rayfuse.fusion`` and the ``rayfuse.methods`` entry-point plug-ins.
+
+    Discovery is by name (``importlib``), as for any plug-in: the contract does not depend on the methods; they
+    depend on it.
+    """
+    package = importlib.import_module("rayfuse.fusion")
+    for module in pkgutil.iter_modules(package.__path__):
+        if not module.name.startswith("_"):
+            importlib.import_module(f"{package.__name__}.{module.name}")
+    for entry in entry_points(group="rayfuse.methods"):  # third-party methods
+        entry.load()
+
+
+METHODS.add_loader(_discover_methods)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resolving ``methods:`` entries and checking them against the run
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A resolved ``methods`` entry: its label, the method's registered name (or its class name for an
+    unregistered class), the class, and the validated parameters."""
+
+    label: str
+    method: str
+    method_cls: type[Method]
+    params: MethodParams
+
+    def build(self) -> Method:
+        return self.method_cls(self.params, self.label)
+
+
+_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@+-]*")
+
+
+def _method_name(cls: type[Method]) -> str:
+    name = getattr(cls, "name", None)
+    return name if isinstance(name, str) and name else cls.__name__
+
+
+def resolve_methods(methods: Mapping[str, Mapping[str, Any]],
+                    objects: Mapping[str, Any] | None = None) -> list[MethodSpec]:
+    """Validate every ``methods`` entry against its method's parameter schema (raises :class:`InputError`).
+
+    ``methods`` maps a label to the entry's parameters (``method:`` names the method; default: the label).
+    ``objects`` maps labels to methods given as objects (``rayfuse.run(methods=...)``): a registered name, a
+    :class:`Method` subclass, or an instance (its ``params`` and its class are used). A label in ``objects`` but not
+    in ``methods`` runs with the method's default parameters.
+    """
+    objects = dict(objects or {})
+    entries = {label: dict(raw) if isinstance(raw, Mapping) else raw for label, raw in methods.items()}
+    for label in objects:
+        entries.setdefault(label, {})
+    specs = []
+    for label, raw in entries.items():
+        path = f"methods.{label}"
+        if not _LABEL.fullmatch(label):
+            raise InputError(path, "a label of letters, digits and _ . @ + -", label)
+        if not isinstance(raw, Mapping):
+            raise InputError(path, "a mapping of method parameters", raw)
+        entry = dict(raw)
+        given = objects.get(label)
+        if isinstance(given, Method):
+            if entry:
+                raise InputError(path, "no parameters in the config for a method given as an instance (its params are used)",
+                                 sorted(entry))
+            specs.append(MethodSpec(label, _method_name(type(given)), type(given), given.params))
+            continue
+        if isinstance(given, type) and issubclass(given, Method):
+            entry.pop("method", None)
+            method_cls, name = given, _method_name(given)
+        elif given is None or isinstance(given, str):
+            name = entry.pop("method", given or label)
+            if not isinstance(name, str):
+                raise InputError(f"{path}.method", "a registered method name", name)
+            method_cls = METHODS.get(name, path=f"{path}.method" if "method" in raw else path)
+            name = METHODS.canonical(name)
+        else:
+            raise InputError(path, "a method: a registered name, a Method subclass or a Method instance", type(given).__name__)
+        try:
+            params = method_cls.Params.model_validate(entry)
+        except ValidationError as exc:
+            raise pydantic_input_error(exc, prefix=path, model=method_cls.Params) from None
+        specs.append(MethodSpec(label, name, method_cls, params))
+    if not specs:
+        raise InputError("methods", "at least one method", "none")
+    return specs
+
+
+def resolved_config(cfg: ExperimentConfig, specs: Sequence[MethodSpec] | None = None) -> dict[str, Any]:
+    """The config as plain data with every default filled in, the methods' parameters too (``config.yaml``)."""
+    specs = resolve_methods(cfg.methods) if specs is None else specs
+    data = cfg.model_dump(mode="json")
+    data["methods"] = {spec.label: {"method": spec.method, **spec.params.model_dump(mode="json")} for spec in specs}
+    return data
+
+
+def check_methods(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
+    """Run every method's :meth:`Method.check` on ``setup``; the first refusal is raised with its full key path."""
+    for spec in specs:
+        try:
+            spec.method_cls.check(spec.params, setup)
+        except InputError as exc:
+            head = exc.path.split(".", 1)[0].split("[", 1)[0]
+            if head in CONFIG_SECTIONS:
+                raise
+            raise exc.at(f"methods.{spec.label}.{exc.path}") from None
