@@ -1,4 +1,4 @@
-"""The layering rule: the core never imports Ray (ARCHITECTURE.md, "Layering")."""
+"""The layering rules: the core never imports Ray; no import cycles; methods see the contract, not the engine."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CORE_MODULES = [
     "rayfuse", "rayfuse.config", "rayfuse.data", "rayfuse.models", "rayfuse.fusion", "rayfuse.metrics", "rayfuse.federation",
     "rayfuse.client", "rayfuse.coordinator", "rayfuse.runner", "rayfuse.report", "rayfuse.store", "rayfuse.io", "rayfuse.cli",
-    "rayfuse.sweep", "rayfuse.fuse",
+    "rayfuse.sweep", "rayfuse.fuse", "rayfuse.method",
 ]
 
 
@@ -43,3 +43,94 @@ def test_client_workers_stay_free_of_torch():
     code = "import sys, actors.client, rayfuse.client; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "False", result.stderr
+
+
+# -- the import graph ------------------------------------------------------------------------------------------------
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports: every import statement counts (module level, inside functions, under
+    ``TYPE_CHECKING``); ``from a.b import c`` counts ``a.b`` (and ``a.b.c`` when that is a module)."""
+    files = {}
+    for root in ("rayfuse", "actors"):
+        for path in (ROOT / root).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            files[name.removesuffix(".__init__")] = path
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in files:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_import_graph_has_no_cycle():
+    assert _cycles(_import_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_planted_cycle():
+    graph = _import_graph()
+    graph["rayfuse.method"].add("rayfuse.coordinator")  # what fusion/base.py once did through TYPE_CHECKING
+    assert any({"rayfuse.method", "rayfuse.coordinator"} <= set(c) for c in _cycles(graph))
+
+
+def test_methods_import_only_the_contract_not_the_engine():
+    engine = {"rayfuse.coordinator", "rayfuse.client", "rayfuse.runner", "rayfuse.federation", "rayfuse.cli", "rayfuse.sweep"}
+    graph = _import_graph()
+    offenders = {m: sorted(graph[m] & engine) for m in graph if m.startswith("rayfuse.fusion") and graph[m] & engine}
+    assert offenders == {}
+
+
+def test_the_contract_sits_below_the_engine_and_the_schema_below_the_contract():
+    graph = _import_graph()
+    assert graph["rayfuse.method"] & {"rayfuse.coordinator", "rayfuse.client", "rayfuse.runner", "rayfuse.federation", "rayfuse.fusion"} == set()
+    assert not any(m == "rayfuse.method" or m.startswith("rayfuse.fusion") for m in graph["rayfuse.config"])
