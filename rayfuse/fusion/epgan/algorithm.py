@@ -50,6 +50,7 @@ from rayfuse.errors import NonFiniteError, RunFailure
 from rayfuse.method import Gathered, Update, client_step
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.method import Method, MethodParams, MethodResult, register_method
+from rayfuse.fusion import references
 from rayfuse.fusion.epgan.ep import gaussian_product
 from rayfuse.fusion.epgan.nets import GANSettings, GANTrainer
 from rayfuse.seeding import derive_seed
@@ -473,6 +474,7 @@ class EPGAN(Method):
     name = "epgan"
     Params = EPGANParams
     summary = "EP-GAN: federated (Bayesian) GANs, FedAvg of G and D plus a product-of-Gaussians EP prior (Wu et al. 2022)"
+    reference = references.EPGAN
     # A checkpoint after the warm-up (turn 0) and after each turn; ``--resume`` continues after the last one.
     multi_round = True
 
@@ -640,6 +642,7 @@ class EPGANOracle(Method):
     aliases = ("epgan-centralized",)
     Params = EPGANOracleParams
     summary = "ORACLE: the EP-GAN backbone trained on all clients' data pooled (the paper's centralised column)"
+    reference = references.EPGAN
     oracle = True
     # A checkpoint after each block of local_epochs epochs (the loop's unit); ``--resume`` continues after the last one
     # (through ServerContext.resume_checkpoint, which does not look at multi_round). multi_round stays False: its other

@@ -40,6 +40,7 @@ from rayfuse.method import ServerContext
 from rayfuse.errors import NonFiniteError
 from rayfuse.method import Update
 from rayfuse.method import register_method
+from rayfuse.fusion import references
 from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams
 
 __all__ = ["FedRef", "FedRefParams", "reference_model", "fedref_step"]
@@ -99,6 +100,7 @@ class FedRef(FedAvg):
     name = "fedref"
     Params = FedRefParams
     summary = "FedAvg plus a server-side Bayesian fine-tuning step towards the mean of the last p aggregates (Yoon & Choi 2025)"
+    reference = references.FEDREF
 
     def __init__(self, params: FedRefParams, label: str | None = None) -> None:
         super().__init__(params, label)

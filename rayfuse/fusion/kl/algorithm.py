@@ -35,6 +35,7 @@ from pydantic import Field
 from rayfuse.method import ServerContext
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.method import MethodResult, Method, register_method
+from rayfuse.fusion import references
 from rayfuse.fusion.kl.bnn import corrupt, fuse_output_bias, network_of, neurons_of, predictive, predictive_metrics, train_bnn
 from rayfuse.expfam import Dirichlet
 from rayfuse.fusion.kl.fusion import fuse_heterogeneous, fuse_homogeneous
@@ -86,6 +87,7 @@ class KLFusion(Method):
     aliases = ("kl_fusion",)
     Params = KLParams
     summary = "KL-fusion: fuse clients' exponential-family posteriors, number of global components inferred (Claici et al. 2020)"
+    reference = references.KLF
 
     def _fuse(self, server: ServerContext, posteriors: list) -> tuple[Any, str, float]:
         p = self.params

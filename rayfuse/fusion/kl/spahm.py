@@ -28,6 +28,7 @@ from pydantic import Field
 from rayfuse.method import ServerContext
 from rayfuse.errors import InputError
 from rayfuse.method import Method, MethodResult, register_method
+from rayfuse.fusion import references
 from rayfuse.fusion.kl.gmm import GMMPosteriorParams, gather_gmm_posteriors, gmm_metrics
 from rayfuse.matching import solve_assignment
 
@@ -138,6 +139,7 @@ class SPAHM(Method):
     name = "spahm"
     Params = SPAHMParams
     summary = "SPAHM (Yurochkin et al. 2019) on the clients' local posterior means (KL-fusion's GMM baseline)"
+    reference = references.SPAHM
 
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params
