@@ -21,7 +21,7 @@ on the coordinator's cluster; threads in-process) when the sweep carries enough 
 through a thread pool in the coordinator.
 
 [1] S. Claici, M. Yurochkin, S. Ghosh, J. Solomon. Model Fusion with Kullback-Leibler Divergence. ICML 2020.
-Defaults: the paper's (lambda = 0.1 relative to the KL costs' standard deviation) and ALGORITHMS.md section 1.
+Defaults: the paper's (lambda = 0.1 relative to the KL costs' standard deviation) and ``docs/methods/kl.md``.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class KLParams(GMMPosteriorParams):
         "code", description="relaxed: group weights sqrt(max(0, rank + 1 - Lmax)) (reference code; default) or uniform (paper; degenerate, see kl_fusion)")
     hidden: int = Field(150, ge=1, description="bnn: hidden units of each client's Bayesian MLP (paper: 150)")
     bnn_epochs: int = Field(100, ge=1, description="bnn: Bayes-by-backprop epochs")
-    bnn_lr: float = Field(1e-3, gt=0, description="bnn: Adam learning rate (ALGORITHMS.md 1.8: 1e-3)")
+    bnn_lr: float = Field(1e-3, gt=0, description="bnn: Adam learning rate (docs/methods/kl.md: 1e-3)")
     prior_sd: float = Field(1.0, gt=0, description="bnn: N(0, prior_sd^2) prior on every weight")
     mc_samples: int = Field(100, ge=1, description="bnn: Monte-Carlo weight samples of the predictive (paper: 100)")
     executor: Literal["auto", "federation", "threads", "serial"] = Field(

@@ -6,7 +6,7 @@ driver does: full covariances, ``n_init = 16``, a Dirichlet-distribution weight 
 local count) and returns the Normal-Wishart posteriors of its components, never its points. The fit is cached in the
 client, so every method of a run (``kl``, ``spahm``, ``dp_cluster``) fuses the same posteriors.
 
-Metrics (ALGORITHMS.md 1.8): ``hausdorff`` between the estimated and true global means [KLF : ``min_match``], and
+Metrics (``docs/methods/kl.md``): ``hausdorff`` between the estimated and true global means [KLF : ``min_match``], and
 ``size_error`` ``|G_hat - G| / G`` (PROPOSED there: the paper's y-axis is relative but undefined). Baselines:
 ``gmm_oracle`` (VI on the pooled data with the true ``G``; an oracle), ``dp_cluster`` (a Dirichlet-process
 ``BayesianGaussianMixture`` on the pooled local *means*, components with weight > 1e-2 kept; PROPOSED) and ``spahm``

@@ -1,8 +1,8 @@
 """``spahm``: Statistical Model Aggregation via Parameter Matching (Yurochkin et al., NeurIPS 2019) [1] on local atoms.
 
 KL-fusion's GMM baseline (Claici et al. 2020, section 5.1): the local posterior *means* of every client are matched to
-global atoms with the Beta-Bernoulli-process matcher of [SPAHM : simulation/gaus_marginal_matching.py], recovered in
-ALGORITHMS.md 1.7. Per global ``i`` with ``m_i`` matched atoms summing to ``S_i`` (noise variance ``sigma``, prior
+global atoms with the Beta-Bernoulli-process matcher of [SPAHM : simulation/gaus_marginal_matching.py], summarised in
+``docs/methods/kl.md``. Per global ``i`` with ``m_i`` matched atoms summing to ``S_i`` (noise variance ``sigma``, prior
 ``N(mu0, sigma0)`` per dimension, ``J`` groups), group ``j``'s atoms ``x_l`` are matched by one Hungarian solve that
 *maximises*::
 
