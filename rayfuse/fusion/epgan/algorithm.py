@@ -25,13 +25,13 @@ A client update with NaN / Inf anywhere (parameters, EP moments, losses), the wr
 EP variance is rejected and recorded (``update_rejected`` event), never averaged in.
 
 Scores (the toy set ``gaussians4``): D-MSE (App. F.2.2, eq. 48) between the min-max normalised critic map and the
-min-max normalised true mixture density on a 100 x 100 grid over [-5, 5]^2 (ALGORITHMS.md §3.6, PROPOSED: a grid
+min-max normalised true mixture density on a 100 x 100 grid over [-5, 5]^2 (docs/methods/epgan.md, PROPOSED: a grid
 rather than 10,000 random points, and min-max scaling because a WGAN critic is unbounded; ``d_mse_raw`` without the
 scaling); and, on 10,000 generator samples, ``g_dmse`` (the same MSE for the normalised sample histogram on 50 x 50
 bins), ``modes`` (centres holding >= 5 % of the samples within 3 standard deviations) and ``high_quality`` (the
 fraction of samples within 3 standard deviations of some centre).
 
-[1] ../shared/seeds/002_*; ALGORITHMS.md §3 (corrected formulas, proposals where the paper is silent).
+[1] [EPGAN] (docs/references.md); docs/methods/epgan.md (corrected formulas, proposals where the paper is silent).
 """
 
 from __future__ import annotations
