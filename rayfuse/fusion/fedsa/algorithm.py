@@ -32,7 +32,7 @@ teacher on the target set: needs the teachers' weights, so it is marked as an or
 
 [1] D. Xie, R. Yu, G. Fang, J. Song, Z. Feng, X. Wang, L. Sun, M. Song. Federated Selective Aggregation for Knowledge
     Amalgamation. arXiv:2207.13309 (2022). Code: [KAMAL : examples/knowledge_amalgamation/FedSA/]. Paper/code choices:
-    ``../shared/ALGORITHMS.md`` section 5.
+    ``docs/methods/fedsa.md``.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ sampled models of one radius, for all of a layer's neurons at once, are one batc
 (:mod:`rayfuse.fusion.gems.balls`).
 
 [1] N. Guha, V. Smith. Model Aggregation via Good-Enough Model Spaces. arXiv:1805.07782 (2019). Defaults are the
-paper's and its notebooks' (``../shared/ALGORITHMS.md`` section 2).
+paper's and its notebooks' ([GEMS] in docs/references.md; departures: docs/methods/gems.md).
 """
 
 from __future__ import annotations
