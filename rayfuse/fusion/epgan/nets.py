@@ -17,8 +17,8 @@ Mixture-EP-ProbGAN          N G, M D   yes                 yes (PSA)    yes     
   the ``M`` discriminator samples share the first two layers and have their own last layer (one output each, averaged,
   as ProbGAN's ``D(x).mean(-1)``). A batch of ``z`` is split into ``N`` chunks, one per generator sample.
 * **SGHMC** (Algorithm 1) as ProbGAN implements it: Adam on the loss plus a random linear "noise loss"
-  ``sum_p p * n, n ~ N(0, 2 alpha)`` weighted 3e-2 (§3.4).
-* **PSA** (eq. 47, §3.5): the running average of the discriminator's last layer, updated every 10 iterations
+  ``sum_p p * n, n ~ N(0, 2 alpha)`` weighted 3e-2 ([PROBGAN : train_utils.py ``noise_loss``]).
+* **PSA** (eq. 47, App. E.3; [PROBGAN : train.py]): the running average of the discriminator's last layer, updated every 10 iterations
   (``w_hist <- (1 - 1/n) w_hist + w / n``; no gradient), and the generator loss adds ``phi3(D_hist(G(z)))``.
 * **EP prior** (eq. 45, corrected sign): ``L_ep = sum_n sum_i (m_i - theta_{n,i})^2 / (2 s_i)`` over every generator
   parameter ``i`` of each sample ``n``; with ``J`` components (eq. 46)
