@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-# [1] Table 1 / Table 2, CIFAR-10, 1 % / 5 % / 10 % labelled (ALGORITHMS.md section 5.6)
+# [FEDSA] Table 1 / Table 2, CIFAR-10, 1 % / 5 % / 10 % labelled (the paper's numbers; docs/references.md)
 PAPER_T1 = {"scratch": (40.00, 62.14, 75.43), "transfer": (63.70, 79.38, 83.34), "fedavg+": (69.96, 71.58, 78.04),
             "fedsa": (77.15, 85.30, 87.57)}
 PAPER_T2 = {"fixed": (73.46, 82.22, 85.28), "top-k": (75.14, 84.15, 85.55), "top-k+pos": (74.65, 79.89, 87.38),

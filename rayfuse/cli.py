@@ -165,7 +165,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
         for name, cls in METHODS.items():
             params = ", ".join(f"{k}={f.default!r}" for k, f in cls.Params.model_fields.items())
             aliases = f" (aliases: {', '.join(cls.aliases)})" if cls.aliases else ""
-            rows.append(f"  {name:<10} {cls.summary}{aliases}\n  {'':<10} params: {params or '-'}")
+            paper = f"\n  {'':<10} paper: [{r.key}] {r.title}, {r.url}" if (r := cls.reference) else ""
+            rows.append(f"  {name:<10} {cls.summary}{aliases}\n  {'':<10} params: {params or '-'}{paper}")
         sections.append("methods:\n" + "\n".join(rows))
     if args.what in (None, "datasets"):
         rows = [f"  {name:<14} [{info.source}] {info.description}" for name, info in DATASETS.items()]

@@ -11,7 +11,7 @@ var (n, d))``). Every family offers:
   the member whose natural parameter is the weighted average of the ``q_i``'s (Banerjee et al. 2005; Claici et al.
   2020, section 3.1). Note the direction: the fused distribution is the *first* argument of the KL.
 
-Families (ALGORITHMS.md section 1.2):
+Families (formulas and their sources: ``docs/methods/kl.md``, "Exponential families"):
 
 * :class:`DiagGaussian` ``N(mu, diag(var))`` -- BNN neurons;
 * :class:`NormalWishart` ``N(mu | m, (kappa Lambda)^-1) W(Lambda | W, nu)`` -- full-covariance GMM components, built
@@ -227,7 +227,7 @@ class NormalWishart(Family):
         return self._cache["lgamma"]
 
     def kl(self, other: "NormalWishart") -> np.ndarray:
-        """Closed form (ALGORITHMS.md 1.2a). The Gaussian part uses ``kappa1 / kappa0``; the reference code's
+        """Closed form (``docs/methods/kl.md``). The Gaussian part uses ``kappa1 / kappa0``; the reference code's
         ``gaus_kl`` swaps the two (``k0 / k1``), a bug not reproduced here."""
         self._check_same(other)
         D = self.dim

@@ -96,7 +96,7 @@ def test_normal_wishart_kl_matches_monte_carlo():
     estimate, se = sample.mean(), sample.std() / np.sqrt(n)
     exact = q0.kl(q1)[0]
     assert abs(estimate - exact) < 4 * se + 1e-3
-    # the reference code's Gaussian part swaps kappa0 / kappa1 (ALGORITHMS.md 1.2a): that value is far off
+    # the reference code's Gaussian part swaps kappa0 / kappa1 (docs/methods/kl.md): that value is far off
     k0, k1 = q0.kappa[0], q1.kappa[0]
     swapped = exact - 0.5 * D * (k1 / k0 - 1 + np.log(k0 / k1)) + 0.5 * D * (k0 / k1 - 1 + np.log(k1 / k0))
     assert abs(estimate - swapped) > 10 * se

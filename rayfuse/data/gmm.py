@@ -1,4 +1,4 @@
-"""KL-fusion's synthetic GMM generator (Claici et al. 2020, section 5.1; ALGORITHMS.md 1.8) as a dataset.
+"""KL-fusion's synthetic GMM generator (Claici et al. 2020, section 5.1; docs/methods/kl.md) as a dataset.
 
 A port of [KLF : src/data_sampling.py ``gen_partition``, ``make_spd_matrix``, ``gen_gaus_mixture``] and the driver
 [KLF : run_simulation_with_plots.py], with the same calls in the same order on one ``RandomState(seed)``::
@@ -35,7 +35,7 @@ def _make_spd_matrix(rs: np.random.RandomState, n_dim: int, diag: float) -> np.n
     A = rs.normal(size=(n_dim, n_dim))
     U, s, V = np.linalg.svd(A.T @ A)
     s = np.minimum(s, 1)
-    return U @ (diag + np.diag(s)) @ V  # diag + matrix broadcasts to every entry: reproduced literally (ALGORITHMS.md 1.8)
+    return U @ (diag + np.diag(s)) @ V  # diag + matrix broadcasts to every entry: kept as is (docs/methods/kl.md)
 
 
 def _sample_mixture(rs: np.random.RandomState, centers: np.ndarray, sigmas: np.ndarray, M: int, mixing: np.ndarray) -> np.ndarray:

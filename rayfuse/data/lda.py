@@ -1,6 +1,6 @@
 """A synthetic LDA corpus where each group (client) writes about a subset of the topics (KL-fusion section 5.3 offline).
 
-ALGORITHMS.md 1.9 (3) PROPOSED it in place of 20 Newsgroups (a download)::
+PROPOSED in place of 20 Newsgroups (a download; ``docs/methods/kl.md``, "Topics")::
 
     beta_k  ~ Dir(eta 1_V),                     k = 1..K global topics
     group j uses topics S_j, |S_j| ~ U{min_topics..max_topics} drawn without replacement

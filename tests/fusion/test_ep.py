@@ -28,7 +28,7 @@ def test_probit_coefficients_with_the_corrected_sign_of_b2():
     a2, b2 = probit_coefficients(2)
     assert a2 == pytest.approx(4 - 2 * math.sqrt(2)) and b2 == pytest.approx(math.log(math.sqrt(2) - 1)) and b2 < 0
     a3, b3 = probit_coefficients(3)
-    assert a3 == pytest.approx(1.2378, abs=1e-4) and b3 == pytest.approx(-1.3474, abs=1e-4)  # ln(2^(1/3) - 1); ALGORITHMS.md prints -1.3465
+    assert a3 == pytest.approx(1.2378, abs=1e-4) and b3 == pytest.approx(-1.3474, abs=1e-4)  # ln(2^(1/3) - 1)
     # the median of sigma^d(C) is where sigma^d = 1/2: sigma(-b_d)^d = 1/2 exactly
     for d in (1, 2, 3):
         assert expit(-probit_coefficients(d)[1]) ** d == pytest.approx(0.5)
@@ -78,7 +78,7 @@ def test_corrected_variance_stays_positive_where_the_papers_goes_negative():
     s1 = mean
     paper_var = paper_second_moment(1.0, m, s) - s1 * s1
     assert (paper_var < 0).any()
-    # the case of ALGORITHMS.md: (C_m, C_s) = (1, 0.5)
+    # the case of docs/methods/epgan.md: (C_m, C_s) = (1, 0.5)
     exact_var = expect(lambda t: t * t * expit(t), 1.0, 0.5) / expect(expit, 1.0, 0.5) - (
         expect(lambda t: t * expit(t), 1.0, 0.5) / expect(expit, 1.0, 0.5)) ** 2
     mean1, var1 = tilted_moments(1.0, np.array(1.0), np.array(0.5))

@@ -41,6 +41,7 @@ from rayfuse.method import ServerContext
 from rayfuse.data.roles import Split
 from rayfuse.errors import InputError, NonFiniteError
 from rayfuse.method import Method, MethodParams, MethodResult, register_method
+from rayfuse.fusion import references
 from rayfuse.models import get_params, predict_proba, set_params, train_model
 from rayfuse.models.registry import MLP, LogisticRegression, build_model
 
@@ -234,6 +235,7 @@ class Finetune(Method):
     aliases = ("tuned",)  # its name before 0.2 (it collides with Ray Tune in every sentence); old jobs still run
     Params = FinetuneParams
     summary = "a local / averaged / fresh (raw) model fine-tuned on the server's public sample (GEMS Section 4.4)"
+    reference = references.GEMS
     uses_local_models = True
 
     def run(self, server: ServerContext) -> MethodResult:

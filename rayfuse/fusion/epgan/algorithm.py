@@ -25,13 +25,13 @@ A client update with NaN / Inf anywhere (parameters, EP moments, losses), the wr
 EP variance is rejected and recorded (``update_rejected`` event), never averaged in.
 
 Scores (the toy set ``gaussians4``): D-MSE (App. F.2.2, eq. 48) between the min-max normalised critic map and the
-min-max normalised true mixture density on a 100 x 100 grid over [-5, 5]^2 (ALGORITHMS.md §3.6, PROPOSED: a grid
+min-max normalised true mixture density on a 100 x 100 grid over [-5, 5]^2 (docs/methods/epgan.md, PROPOSED: a grid
 rather than 10,000 random points, and min-max scaling because a WGAN critic is unbounded; ``d_mse_raw`` without the
 scaling); and, on 10,000 generator samples, ``g_dmse`` (the same MSE for the normalised sample histogram on 50 x 50
 bins), ``modes`` (centres holding >= 5 % of the samples within 3 standard deviations) and ``high_quality`` (the
 fraction of samples within 3 standard deviations of some centre).
 
-[1] ../shared/seeds/002_*; ALGORITHMS.md §3 (corrected formulas, proposals where the paper is silent).
+[1] [EPGAN] (docs/references.md); docs/methods/epgan.md (corrected formulas, proposals where the paper is silent).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from rayfuse.errors import NonFiniteError, RunFailure
 from rayfuse.method import Gathered, Update, client_step
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.method import Method, MethodParams, MethodResult, register_method
+from rayfuse.fusion import references
 from rayfuse.fusion.epgan.ep import gaussian_product
 from rayfuse.fusion.epgan.nets import GANSettings, GANTrainer
 from rayfuse.seeding import derive_seed
@@ -473,6 +474,7 @@ class EPGAN(Method):
     name = "epgan"
     Params = EPGANParams
     summary = "EP-GAN: federated (Bayesian) GANs, FedAvg of G and D plus a product-of-Gaussians EP prior (Wu et al. 2022)"
+    reference = references.EPGAN
     # A checkpoint after the warm-up (turn 0) and after each turn; ``--resume`` continues after the last one.
     multi_round = True
 
@@ -640,6 +642,7 @@ class EPGANOracle(Method):
     aliases = ("epgan-centralized",)
     Params = EPGANOracleParams
     summary = "ORACLE: the EP-GAN backbone trained on all clients' data pooled (the paper's centralised column)"
+    reference = references.EPGAN
     oracle = True
     # A checkpoint after each block of local_epochs epochs (the loop's unit); ``--resume`` continues after the last one
     # (through ServerContext.resume_checkpoint, which does not look at multi_round). multi_round stays False: its other

@@ -1,5 +1,5 @@
 """The closed-form expectation-propagation prior of EP-GAN (Wu et al., "Unsupervised Federated Learning with
-Expectation-Propagation Prior GAN"; ALGORITHMS.md §3.1-3.2), elementwise over parameters and vectorised.
+Expectation-Propagation Prior GAN"; docs/methods/epgan.md), elementwise over parameters and vectorised.
 
 Each generator parameter ``theta`` has a Gaussian EP prior; a client's likelihood of a data item is approximated by
 ``sigma(f theta)`` with ``f`` the output of an auxiliary network. With the cavity ``theta ~ N(m, s)`` (mean, variance),
@@ -17,7 +17,7 @@ Each generator parameter ``theta`` has a Gaussian EP prior; a client's likelihoo
 * :func:`gaussian_product`: the server's product of the clients' Gaussian factors. **Paper error corrected:** the
   paper writes the combined variance as ``sum_k 1 / s_k``, which is the precision; the variance is its inverse.
 * :func:`cavity` and :func:`site_update`: EP's cavity (global prior divided by the client's site, in natural
-  parameters) and the damped site update (ALGORITHMS.md §3.1, PROPOSED: once per round per client, damping 0.5).
+  parameters) and the damped site update (docs/methods/epgan.md, PROPOSED: once per round per client, damping 0.5).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ __all__ = ["ZETA2", "probit_coefficients", "sigmoid_power_mean", "stein_moments"
            "gaussian_product", "cavity", "site_update", "MIN_VARIANCE"]
 
 ZETA2 = math.pi / 8.0  # probit matching: sigma(x) ~ Phi(zeta x)
-MIN_VARIANCE = 1e-8  # the variance floor of ALGORITHMS.md §3.1
+MIN_VARIANCE = 1e-8  # the variance floor (docs/methods/epgan.md)
 MIN_F = 1e-6  # |f| below this carries no information about theta: the moments are the cavity's
 
 

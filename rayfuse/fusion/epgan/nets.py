@@ -1,5 +1,5 @@
 """The GAN backbones of EP-GAN (Wu et al., "Unsupervised Federated Learning with Expectation-Propagation Prior GAN",
-ICLR 2022 submission; ``ALGORITHMS.md`` §3.3-3.6), small MLPs that train fast on a CPU.
+ICLR 2022 submission; ``docs/methods/epgan.md``), small MLPs that train fast on a CPU.
 
 One trainer, :class:`GANTrainer`, covers the paper's five backbones through :class:`GANSettings`:
 
@@ -17,15 +17,15 @@ Mixture-EP-ProbGAN          N G, M D   yes                 yes (PSA)    yes     
   the ``M`` discriminator samples share the first two layers and have their own last layer (one output each, averaged,
   as ProbGAN's ``D(x).mean(-1)``). A batch of ``z`` is split into ``N`` chunks, one per generator sample.
 * **SGHMC** (Algorithm 1) as ProbGAN implements it: Adam on the loss plus a random linear "noise loss"
-  ``sum_p p * n, n ~ N(0, 2 alpha)`` weighted 3e-2 (§3.4).
-* **PSA** (eq. 47, §3.5): the running average of the discriminator's last layer, updated every 10 iterations
+  ``sum_p p * n, n ~ N(0, 2 alpha)`` weighted 3e-2 ([PROBGAN : train_utils.py ``noise_loss``]).
+* **PSA** (eq. 47, App. E.3; [PROBGAN : train.py]): the running average of the discriminator's last layer, updated every 10 iterations
   (``w_hist <- (1 - 1/n) w_hist + w / n``; no gradient), and the generator loss adds ``phi3(D_hist(G(z)))``.
 * **EP prior** (eq. 45, corrected sign): ``L_ep = sum_n sum_i (m_i - theta_{n,i})^2 / (2 s_i)`` over every generator
   parameter ``i`` of each sample ``n``; with ``J`` components (eq. 46)
   ``L_ep = -log sum_j pi_j exp(-E_j)`` computed with ``logsumexp``, ``pi = gumbel_softmax(logits, tau=1)``.
   The generator loss is ``L_gan + lambda_ep L_ep``.
 * **Likelihood network f** (eq. 5): the discriminator's shared first two layers plus an independent linear output
-  layer with ``J`` outputs. Its objective is not in the paper (UNRECOVERABLE); ALGORITHMS.md §3.3's proposal is used:
+  layer with ``J`` outputs. Its objective is not in the paper (UNRECOVERABLE); docs/methods/epgan.md's proposal is used:
   maximise ``sum_j log sigma(f_j(x) mean(m_j))`` on real data, jointly with the discriminator.
 
 Objective: WGAN-GP everywhere (the toy experiment's objective, App. F.2.3), ``lambda_gp = 10``:
@@ -222,7 +222,7 @@ class GANTrainer:
             torch.manual_seed(seed)
             self.G = Generator(s.latent_dim, s.hidden, s.data_dim, s.n_gen, s.out_activation)
             self.D = Discriminator(s.data_dim, s.hidden, s.n_disc, s.components if s.uses_ep else 0)
-            # Mixture weights pi = gumbel_softmax(logits): learnable logits of size J (ALGORITHMS.md §3.3, PROPOSED).
+            # Mixture weights pi = gumbel_softmax(logits): learnable logits of size J (PROPOSED, docs/methods/epgan.md).
             self.logits = nn.Parameter(torch.zeros(s.components, device=device))
         self.G.to(device)
         self.D.to(device)
@@ -295,7 +295,7 @@ class GANTrainer:
 
     @torch.no_grad()
     def likelihood_scalars(self, X: np.ndarray, max_items: int = 512) -> np.ndarray:
-        """``f_bar_j``: the mean of ``f_j(x)`` over (up to ``max_items`` of) the client's data (ALGORITHMS.md §3.1,
+        """``f_bar_j``: the mean of ``f_j(x)`` over (up to ``max_items`` of) the client's data (docs/methods/epgan.md,
         PROPOSED: one EP update per round with the minibatch mean of f)."""
         self.D.eval()
         idx = torch.randperm(len(X), generator=self.rng)[:max_items].numpy()
@@ -409,7 +409,7 @@ class GANTrainer:
             if s.bayesian and s.noise_weight:
                 d_loss = d_loss + s.noise_weight * noise_loss(self.D.parameters(), noise_std, self.rng)
             if s.uses_ep and self.prior is not None:
-                # f's objective (UNRECOVERABLE; ALGORITHMS.md §3.3, PROPOSED): max sum_j log sigma(f_j(x) mean(m_j))
+                # f's objective (UNRECOVERABLE; PROPOSED, docs/methods/epgan.md): max sum_j log sigma(f_j(x) mean(m_j))
                 d_loss = d_loss - s.f_weight * F.logsigmoid(self.D.likelihood_logits(real) * self._mbar).sum(1).mean()
             self.opt_d.zero_grad(set_to_none=True)
             d_loss.backward()

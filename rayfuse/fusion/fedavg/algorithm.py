@@ -23,6 +23,7 @@ from rayfuse.method import ClientContext
 from rayfuse.method import ServerContext
 from rayfuse.method import Update, client_step
 from rayfuse.method import Method, MethodParams, MethodResult, register_method
+from rayfuse.fusion import references
 
 __all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "fit"]
 
@@ -73,6 +74,7 @@ class FedAvg(Method):
     name = "fedavg"
     Params = FedAvgParams
     summary = "federated averaging over rounds (McMahan et al. 2017), sample-weighted"
+    reference = references.FEDAVG
     multi_round = True
 
     @property
@@ -150,6 +152,7 @@ class FedProx(FedAvg):
     name = "fedprox"
     Params = FedProxParams
     summary = "FedAvg with a proximal term mu/2 ||w - w_t||^2 on each client (Li et al. 2020)"
+    reference = references.FEDPROX
 
     @property
     def mu(self) -> float:

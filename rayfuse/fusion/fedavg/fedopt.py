@@ -31,6 +31,7 @@ from rayfuse.method import ServerContext
 from rayfuse.errors import NonFiniteError
 from rayfuse.method import Update
 from rayfuse.method import register_method
+from rayfuse.fusion import references
 from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams
 
 __all__ = ["FedOpt", "FedAdagrad", "FedAdam", "FedYogi", "FedOptParams", "FedAdagradParams", "fedopt_step"]
@@ -152,6 +153,7 @@ class FedAdagrad(FedOpt):
     Params = FedAdagradParams
     rule = "adagrad"
     summary = "FedAvg clients, Adagrad server step on the pseudo-gradient (Reddi et al. 2021)"
+    reference = references.FEDOPT
 
 
 @register_method
@@ -159,6 +161,7 @@ class FedAdam(FedOpt):
     name = "fedadam"
     rule = "adam"
     summary = "FedAvg clients, Adam server step on the pseudo-gradient (Reddi et al. 2021)"
+    reference = references.FEDOPT
 
 
 @register_method
@@ -166,3 +169,4 @@ class FedYogi(FedOpt):
     name = "fedyogi"
     rule = "yogi"
     summary = "FedAvg clients, Yogi server step on the pseudo-gradient (Reddi et al. 2021)"
+    reference = references.FEDOPT

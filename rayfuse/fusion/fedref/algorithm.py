@@ -18,7 +18,7 @@ where ``theta1_0`` and ``theta2_0`` are the previous round's aggregate (before f
   ``BayesianTransferLearning``]): ``W <- theta1 - lr (c_loss + lambda |D1| + lambda |D2|)`` elementwise, with
   ``D1 = theta1 - theta1_0``, ``D2 = theta2 - theta2_0`` and the scalar ``c_loss = (sum_k F_k^r - sum_k
   F_k^{r-1}) / K``. It is a heuristic, not a gradient: the |.| terms always push parameters down.
-* ``update: grad`` (ALGORITHMS.md §4.2, PROPOSED): one gradient step on eq. 12 with respect to ``theta1``, given
+* ``update: grad`` (PROPOSED, docs/methods/fedref.md): one gradient step on eq. 12 with respect to ``theta1``, given
   that ``theta2`` depends on ``theta1`` through the ``1/p`` term; the loss term is constant (reported scalars):
   ``W <- theta1 - lr [2 lambda D1 + (2 lambda / p) D2]``. With ``lambda = 0`` this is FedAvg exactly.
 
@@ -40,6 +40,7 @@ from rayfuse.method import ServerContext
 from rayfuse.errors import NonFiniteError
 from rayfuse.method import Update
 from rayfuse.method import register_method
+from rayfuse.fusion import references
 from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams
 
 __all__ = ["FedRef", "FedRefParams", "reference_model", "fedref_step"]
@@ -99,6 +100,7 @@ class FedRef(FedAvg):
     name = "fedref"
     Params = FedRefParams
     summary = "FedAvg plus a server-side Bayesian fine-tuning step towards the mean of the last p aggregates (Yoon & Choi 2025)"
+    reference = references.FEDREF
 
     def __init__(self, params: FedRefParams, label: str | None = None) -> None:
         super().__init__(params, label)

@@ -32,7 +32,7 @@ teacher on the target set: needs the teachers' weights, so it is marked as an or
 
 [1] D. Xie, R. Yu, G. Fang, J. Song, Z. Feng, X. Wang, L. Sun, M. Song. Federated Selective Aggregation for Knowledge
     Amalgamation. arXiv:2207.13309 (2022). Code: [KAMAL : examples/knowledge_amalgamation/FedSA/]. Paper/code choices:
-    ``../shared/ALGORITHMS.md`` section 5.
+    ``docs/methods/fedsa.md``.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from rayfuse.data.roles import Split
 from rayfuse.errors import InputError, NonFiniteError, RunFailure
 from rayfuse.method import client_step
 from rayfuse.method import Method, MethodParams, MethodResult, register_method
+from rayfuse.fusion import references
 from rayfuse.fusion.fedsa.kd import (
     adapt_to_target, average_students, build_translator, compute_saliency, compute_transferability, distill_features,
     draw_weights, hidden_representation, representation_shape, select_teachers, selection_probabilities,
@@ -274,6 +275,7 @@ class Scratch(Method):
     name = "scratch"
     Params = StudentParams
     summary = "the target model trained on the server's labelled target set alone (FedSA's Scratch baseline)"
+    reference = references.FEDSA
     # The same network, initialisation and training as FedSA's weak target model (round 0), evaluated as it is.
 
     def run(self, server: ServerContext) -> MethodResult:
@@ -296,6 +298,7 @@ class Transfer(Method):
     name = "transfer"
     Params = TransferParams
     summary = "each teacher fine-tuned on the target set (needs the teachers' weights: not federated; FedSA's Transfer)"
+    reference = references.FEDSA
     uses_local_models = True
     oracle = True  # the teachers' weights leave their clients: not possible in FedSA's setting
 
@@ -329,6 +332,7 @@ class FedSA(Method):
     name = "fedsa"
     Params = FedSAParams
     summary = "saliency-based teacher selection and selective feature amalgamation into a new-task student (Xie et al. 2022)"
+    reference = references.FEDSA
     multi_round = True  # a checkpoint after each round; ``--resume`` continues mid-method (see :meth:`_resume`)
 
     def _check_inputs(self, server: ServerContext, student: Any) -> None:

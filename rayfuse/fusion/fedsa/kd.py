@@ -21,7 +21,7 @@ hundredths, eq. 3 alone gives nearly uniform probabilities; the code min-max nor
 (``normalize=True``, the default; ``False`` is the paper's formula as written).
 
 [1] D. Xie, R. Yu, G. Fang, J. Song, Z. Feng, X. Wang, L. Sun, M. Song. Federated Selective Aggregation for Knowledge
-    Amalgamation. arXiv:2207.13309 (2022). Choices between paper and code: ``../shared/ALGORITHMS.md`` section 5.
+    Amalgamation. arXiv:2207.13309 (2022). Choices between paper and code: ``docs/methods/fedsa.md``.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ sampled models of one radius, for all of a layer's neurons at once, are one batc
 (:mod:`rayfuse.fusion.gems.balls`).
 
 [1] N. Guha, V. Smith. Model Aggregation via Good-Enough Model Spaces. arXiv:1805.07782 (2019). Defaults are the
-paper's and its notebooks' (``../shared/ALGORITHMS.md`` section 2).
+paper's and its notebooks' ([GEMS] in docs/references.md; departures: docs/methods/gems.md).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from rayfuse.method import ServerContext
 from rayfuse.errors import InputError
 from rayfuse.method import client_step
 from rayfuse.method import Method, MethodResult, register_method
+from rayfuse.fusion import references
 from rayfuse.fusion.gems.balls import (
     compute_fisher, cluster_neurons, ellipsoid_axes, fisher_mask, flatten_linear, fuse_neurons, intersect_balls,
     neuron_distance, search_radii, softmax_accuracy, unflatten_linear,
@@ -232,6 +233,7 @@ class GEMS(Method):
     name = "gems"
     Params = GEMSParams
     summary = "good-enough model spaces: intersect clients' balls of good models (Guha & Smith 2019)"
+    reference = references.GEMS
     uses_local_models = True
 
     def run(self, server: ServerContext) -> MethodResult:

@@ -21,7 +21,7 @@ on the coordinator's cluster; threads in-process) when the sweep carries enough 
 through a thread pool in the coordinator.
 
 [1] S. Claici, M. Yurochkin, S. Ghosh, J. Solomon. Model Fusion with Kullback-Leibler Divergence. ICML 2020.
-Defaults: the paper's (lambda = 0.1 relative to the KL costs' standard deviation) and ALGORITHMS.md section 1.
+Defaults: the paper's (lambda = 0.1 relative to the KL costs' standard deviation) and ``docs/methods/kl.md``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from pydantic import Field
 from rayfuse.method import ServerContext
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.method import MethodResult, Method, register_method
+from rayfuse.fusion import references
 from rayfuse.fusion.kl.bnn import corrupt, fuse_output_bias, network_of, neurons_of, predictive, predictive_metrics, train_bnn
 from rayfuse.expfam import Dirichlet
 from rayfuse.fusion.kl.fusion import fuse_heterogeneous, fuse_homogeneous
@@ -63,7 +64,7 @@ class KLParams(GMMPosteriorParams):
         "code", description="relaxed: group weights sqrt(max(0, rank + 1 - Lmax)) (reference code; default) or uniform (paper; degenerate, see kl_fusion)")
     hidden: int = Field(150, ge=1, description="bnn: hidden units of each client's Bayesian MLP (paper: 150)")
     bnn_epochs: int = Field(100, ge=1, description="bnn: Bayes-by-backprop epochs")
-    bnn_lr: float = Field(1e-3, gt=0, description="bnn: Adam learning rate (ALGORITHMS.md 1.8: 1e-3)")
+    bnn_lr: float = Field(1e-3, gt=0, description="bnn: Adam learning rate (docs/methods/kl.md: 1e-3)")
     prior_sd: float = Field(1.0, gt=0, description="bnn: N(0, prior_sd^2) prior on every weight")
     mc_samples: int = Field(100, ge=1, description="bnn: Monte-Carlo weight samples of the predictive (paper: 100)")
     executor: Literal["auto", "federation", "threads", "serial"] = Field(
@@ -86,6 +87,7 @@ class KLFusion(Method):
     aliases = ("kl_fusion",)
     Params = KLParams
     summary = "KL-fusion: fuse clients' exponential-family posteriors, number of global components inferred (Claici et al. 2020)"
+    reference = references.KLF
 
     def _fuse(self, server: ServerContext, posteriors: list) -> tuple[Any, str, float]:
         p = self.params

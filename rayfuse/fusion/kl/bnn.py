@@ -1,10 +1,10 @@
 """KL-fusion's BNN application (Claici et al. 2020, section 5.4, Table 2): fusing Bayesian neural networks' neurons.
 
 Each client trains a one-hidden-layer mean-field Gaussian Bayesian MLP with Bayes by backprop (Blundell et al. 2015;
-ALGORITHMS.md 1.8 PROPOSED it for a CPU replica of the paper's horseshoe BNN): prior ``N(0, prior_sd^2)`` on every
+PROPOSED for a CPU replica of the paper's horseshoe BNN): prior ``N(0, prior_sd^2)`` on every
 weight, a diagonal-Gaussian posterior ``N(mu, softplus(rho)^2)``, the local reparameterisation trick, Adam. Its
 hidden neuron ``k`` is one diagonal Gaussian over ``[w_in (D_in) | b (1) | w_out (C)]`` (the hidden bias appended, as
-in PFNM; UNRECOVERABLE from the paper, PROPOSED in ALGORITHMS.md 1.8). The server fuses all clients' neurons with
+in PFNM; UNRECOVERABLE from the paper, PROPOSED, docs/methods/kl.md). The server fuses all clients' neurons with
 KL-fusion into ``G`` global neurons (``G`` inferred); the output bias is the precision-weighted average of the
 clients' output biases. Models are evaluated by the Monte-Carlo predictive (``mc_samples`` weight draws, the paper's
 100): accuracy, test log-likelihood and mean predictive entropy, on the test set and on an out-of-distribution set

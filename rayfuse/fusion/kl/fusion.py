@@ -10,21 +10,21 @@ fused into global components ``theta_bar_g``.
 alternating a Hungarian solve per dataset (the paper; the reference code uses Sinkhorn instead) and the
 natural-parameter barycenter of the matched components (:func:`fuse_homogeneous`).
 
-**Heterogeneous, nonparametric fusion** (eq. 9; ALGORITHMS.md 1.4, the garbled equations recovered)::
+**Heterogeneous, nonparametric fusion** (eq. 9, garbled in the paper's text; recovered in ``docs/methods/kl.md``)::
 
     min_{theta_bar, P}  sum_j sum_{l,g} P^j_{lg} KL(q(.|theta_bar_g) || q(.|theta^j_l)) + lambda sum_g ||P_{.g.}||_2
     s.t. sum_g P^j_{lg} = 1,  sum_l P^j_{lg} <= 1,  P in {0, 1} (exact) or [0, 1] (relaxed)
 
 The group norm is the paper's L_{2,2,1} norm (eq. 8, over datasets *and* local components), with uniform weights; the
 cost is ``KL(global || local)``, the direction the barycenter minimises (the reference code uses KL(local || global)
-and per-index weights, see ALGORITHMS.md 1.4). ``lambda`` is relative: the effective value is ``lambda`` times the
+and per-index weights, see ``docs/methods/kl.md``). ``lambda`` is relative: the effective value is ``lambda`` times the
 standard deviation of the KL costs between the initial globals and every local component (the paper: "scale the
 divergences by their standard deviation and set lambda = 0.1"). With binary ``P`` the regulariser is
 ``lambda sum_g sqrt(m_g)``, ``m_g`` the number of datasets matched to ``g``.
 
 Two P-step solvers (:func:`fuse_heterogeneous`):
 
-* ``exact`` (default; ALGORITHMS.md 1.6, PROPOSED there): block coordinate descent over datasets on the binary
+* ``exact`` (default; PROPOSED in docs/methods/kl.md): block coordinate descent over datasets on the binary
   problem. For dataset ``j``, with ``j``'s own contribution removed from every count and barycenter, one
   linear assignment of its ``L_j`` components to the ``G`` existing globals plus ``L_j`` new-component columns::
 
@@ -327,7 +327,7 @@ class _State:
 
 def _initial_globals(flat: Family, posteriors: Sequence[Family], n_init: int | None, rng: np.random.Generator) -> tuple[Family, int]:
     max_l = max(len(p) for p in posteriors)
-    k = n_init if n_init is not None else min(len(flat), 2 * max_l)  # PROPOSED in ALGORITHMS.md 1.5 (the demo: 8)
+    k = n_init if n_init is not None else min(len(flat), 2 * max_l)  # PROPOSED (the demo: 8; docs/methods/kl.md)
     if k < max_l:
         raise InputError("n_init_components", f"at least the largest local count ({max_l}) so every dataset can be assigned", k)
     chosen = kl_kmeanspp(flat, min(k, len(flat)), rng)
@@ -521,7 +521,7 @@ def _fuse_relaxed(posteriors: Sequence[Family], flat: Family, centers: Family, i
         C = [globals_.kl_matrix(p).T for p in posteriors]  # (L_j, G)
         P = _frank_wolfe(P, C, lam_g, eps, fw_iterations, executor)
         objective.append(_relaxed_objective(P, C, lam_g, eps))
-        # theta-step: P-weighted barycenters; entries below 1e-3 are dropped (ALGORITHMS.md 1.5 b, PROPOSED)
+        # theta-step: P-weighted barycenters; entries below 1e-3 are dropped (PROPOSED; docs/methods/kl.md)
         W = [np.where(p >= 1e-3, p, 0.0) for p in P]
         mass = sum(w.sum(0) for w in W)
         sums = sum(w.T @ e for w, e in zip(W, etas))

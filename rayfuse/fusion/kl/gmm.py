@@ -6,7 +6,7 @@ driver does: full covariances, ``n_init = 16``, a Dirichlet-distribution weight 
 local count) and returns the Normal-Wishart posteriors of its components, never its points. The fit is cached in the
 client, so every method of a run (``kl``, ``spahm``, ``dp_cluster``) fuses the same posteriors.
 
-Metrics (ALGORITHMS.md 1.8): ``hausdorff`` between the estimated and true global means [KLF : ``min_match``], and
+Metrics (``docs/methods/kl.md``): ``hausdorff`` between the estimated and true global means [KLF : ``min_match``], and
 ``size_error`` ``|G_hat - G| / G`` (PROPOSED there: the paper's y-axis is relative but undefined). Baselines:
 ``gmm_oracle`` (VI on the pooled data with the true ``G``; an oracle), ``dp_cluster`` (a Dirichlet-process
 ``BayesianGaussianMixture`` on the pooled local *means*, components with weight > 1e-2 kept; PROPOSED) and ``spahm``
@@ -28,6 +28,7 @@ from rayfuse.errors import InputError, RunFailure
 from rayfuse.expfam import NormalWishart, normal_wishart_from_sklearn
 from rayfuse.method import client_step
 from rayfuse.method import Method, MethodParams, MethodResult, register_method
+from rayfuse.fusion import references
 from rayfuse.fusion.kl.fusion import hausdorff
 
 __all__ = ["fit_gmm_posterior", "GMMPosteriorParams", "gather_gmm_posteriors", "gmm_truth", "gmm_metrics", "GMMOracle", "DPCluster"]
@@ -115,6 +116,7 @@ class GMMOracle(Method):
     aliases = ("vi_oracle",)
     Params = GMMPosteriorParams
     summary = "ORACLE: variational GMM on every client's points pooled, with the true number of components (KL-fusion's VI-oracle)"
+    reference = references.KLF
     oracle = True
 
     def run(self, server: ServerContext) -> MethodResult:
@@ -143,6 +145,7 @@ class DPCluster(Method):
     name = "dp_cluster"
     Params = DPClusterParams
     summary = "Dirichlet-process mixture on the pooled local posterior means (KL-fusion's DP-cluster baseline)"
+    reference = references.KLF
 
     def run(self, server: ServerContext) -> MethodResult:
         from sklearn.mixture import BayesianGaussianMixture

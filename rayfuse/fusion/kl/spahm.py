@@ -1,8 +1,8 @@
 """``spahm``: Statistical Model Aggregation via Parameter Matching (Yurochkin et al., NeurIPS 2019) [1] on local atoms.
 
 KL-fusion's GMM baseline (Claici et al. 2020, section 5.1): the local posterior *means* of every client are matched to
-global atoms with the Beta-Bernoulli-process matcher of [SPAHM : simulation/gaus_marginal_matching.py], recovered in
-ALGORITHMS.md 1.7. Per global ``i`` with ``m_i`` matched atoms summing to ``S_i`` (noise variance ``sigma``, prior
+global atoms with the Beta-Bernoulli-process matcher of [SPAHM : simulation/gaus_marginal_matching.py], summarised in
+``docs/methods/kl.md``. Per global ``i`` with ``m_i`` matched atoms summing to ``S_i`` (noise variance ``sigma``, prior
 ``N(mu0, sigma0)`` per dimension, ``J`` groups), group ``j``'s atoms ``x_l`` are matched by one Hungarian solve that
 *maximises*::
 
@@ -28,6 +28,7 @@ from pydantic import Field
 from rayfuse.method import ServerContext
 from rayfuse.errors import InputError
 from rayfuse.method import Method, MethodResult, register_method
+from rayfuse.fusion import references
 from rayfuse.fusion.kl.gmm import GMMPosteriorParams, gather_gmm_posteriors, gmm_metrics
 from rayfuse.matching import solve_assignment
 
@@ -138,6 +139,7 @@ class SPAHM(Method):
     name = "spahm"
     Params = SPAHMParams
     summary = "SPAHM (Yurochkin et al. 2019) on the clients' local posterior means (KL-fusion's GMM baseline)"
+    reference = references.SPAHM
 
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params
