@@ -9,13 +9,20 @@ import torch
 from rayfuse.errors import InputError
 from rayfuse.fusion import METHODS
 from rayfuse.fusion.gems.balls import (
-    cluster_neurons, compute_fisher, ellipsoid_axes, flatten_linear, fuse_neurons, intersect_balls, neuron_distance,
-    sample_surface, search_radii, softmax_accuracy,
+    cluster_neurons,
+    compute_fisher,
+    ellipsoid_axes,
+    flatten_linear,
+    fuse_neurons,
+    intersect_balls,
+    neuron_distance,
+    sample_surface,
+    search_radii,
+    softmax_accuracy,
 )
 from rayfuse.io import load_params
-from rayfuse.models.registry import MLP
 from rayfuse.method import resolve_methods
-
+from rayfuse.models.registry import MLP
 
 # -- sampling on the surface --------------------------------------------------------------------------------------
 

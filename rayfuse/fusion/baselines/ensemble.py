@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from rayfuse.method import ServerContext
 from rayfuse.fusion.aggregate import normalize_weights
-from rayfuse.method import Method, MethodParams, MethodResult, register_method
+from rayfuse.method import Method, MethodParams, MethodResult, ServerContext, register_method
 
 
 class EnsembleParams(MethodParams):

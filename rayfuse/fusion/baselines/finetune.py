@@ -20,10 +20,11 @@ utils/logit_ellipsoid.py]: Adam, batch 32, 5 epochs, with the optimiser each mod
   (the jobs run it as a second entry, ``raw-reference``, beside the fully trained raw model).
 
 ``tune_lr`` and ``last_layer_only`` override these defaults. ``tune_solver: lbfgs`` fits a network's last layer to
-convergence instead of the 5 Adam epochs (``fit_last_layer``; a departure from the reference, offered beside it). The reference draws the sample from the pooled validation data;
-here it is the coordinator's public sample (``data.public_size``, drawn stratified from the training pool before
-partitioning). ``public_samples`` takes a subset of it (uniformly, seeded), or a list of sizes for the fine-tuning
-curve of Figures 3-4 (``info.tuning_curve``; the final metrics are those of the largest size).
+convergence instead of the 5 Adam epochs (``fit_last_layer``; a departure from the reference, offered beside it).
+The reference draws the sample from the pooled validation data; here it is the coordinator's public sample
+(``data.public_size``, drawn stratified from the training pool before partitioning). ``public_samples`` takes a
+subset of it (uniformly, seeded), or a list of sizes for the fine-tuning curve of Figures 3-4
+(``info.tuning_curve``; the final metrics are those of the largest size).
 
 [1] N. Guha, V. Smith. Model Aggregation via Good-Enough Model Spaces. arXiv:1805.07782 (2019).
 """
@@ -37,10 +38,9 @@ import torch
 from pydantic import Field, field_validator
 from torch import nn
 
-from rayfuse.method import ServerContext
 from rayfuse.data.roles import Split
 from rayfuse.errors import InputError, NonFiniteError
-from rayfuse.method import Method, MethodParams, MethodResult, register_method
+from rayfuse.method import Method, MethodParams, MethodResult, ServerContext, register_method
 from rayfuse.models import get_params, predict_proba, set_params, train_model
 from rayfuse.models.registry import MLP, LogisticRegression, build_model
 
@@ -72,7 +72,8 @@ def evaluate_params(server: ServerContext, params: dict[str, np.ndarray]) -> dic
 class TuneSettings(MethodParams):
     """Fine-tuning on the public sample (shared by ``tuned`` and ``gems``)."""
 
-    public_samples: int | list[int] | None = Field(None, description="public examples to tune on (default: the whole data.public_size sample); a list gives the fine-tuning curve")
+    public_samples: int | list[int] | None = Field(
+        None, description="public examples to tune on (default: the whole data.public_size sample); a list gives the fine-tuning curve")
     tune_epochs: int = Field(5, ge=1, description="fine-tuning epochs (reference: 5)")
     tune_lr: float = Field(0.01, gt=0, description="Adam learning rate (reference: 0.01)")
     tune_batch_size: int = Field(32, ge=1)
@@ -219,9 +220,10 @@ class FinetuneParams(TuneSettings):
     last_layer_only: bool | None = Field(None, description="networks: tune only the last layer (default: the reference's per base: average yes, local no)")
     raw_epochs: int | None = Field(None, ge=1, description="base raw: training epochs (default: 5 for logreg, 50 for networks, as the reference)")
     raw_dropout: float = Field(0.0, ge=0, lt=1, description="base raw, networks: dropout after each hidden layer (the reference's learn_dnn2: 0.5)")
-    raw_early_stop: int = Field(0, ge=0, description="base raw: stop once the training accuracy has not improved for this many epochs (0: off; the reference: 3)")
+    raw_early_stop: int = Field(
+        0, ge=0, description="base raw: stop once the training accuracy has not improved for this many epochs (0: off; the reference: 3)")
 
-    def resolved(self) -> "FinetuneParams":
+    def resolved(self) -> FinetuneParams:
         """These parameters with ``tune_lr`` / ``last_layer_only`` filled in from the reference's per-base defaults."""
         lr, last_only = _BASE_DEFAULTS[self.base]
         return self.model_copy(update={"tune_lr": self.tune_lr or lr,

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rayfuse.method import ServerContext
-from rayfuse.method import Method, MethodParams, MethodResult, register_method
+from rayfuse.method import Method, MethodParams, MethodResult, ServerContext, register_method
 from rayfuse.models import get_params, train_model
 
 

@@ -19,10 +19,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from rayfuse.method import ClientContext
-from rayfuse.method import ServerContext
-from rayfuse.method import Update, client_step
-from rayfuse.method import Method, MethodParams, MethodResult, register_method
+from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, ServerContext, Update, client_step, register_method
 
 __all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "fit"]
 

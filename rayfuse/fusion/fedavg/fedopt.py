@@ -27,11 +27,9 @@ from typing import ClassVar
 import numpy as np
 from pydantic import Field, model_validator
 
-from rayfuse.method import ServerContext
 from rayfuse.errors import NonFiniteError
-from rayfuse.method import Update
-from rayfuse.method import register_method
 from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams
+from rayfuse.method import ServerContext, Update, register_method
 
 __all__ = ["FedOpt", "FedAdagrad", "FedAdam", "FedYogi", "FedOptParams", "FedAdagradParams", "fedopt_step"]
 
@@ -49,7 +47,7 @@ class FedAdagradParams(FedOptParams):
     beta1: float = Field(0.0, ge=0, lt=1, description="first-moment decay (eq. 4 and Flower: 0, the step uses Delta_t)")
 
     @model_validator(mode="after")
-    def _no_bias_correction(self) -> "FedAdagradParams":
+    def _no_bias_correction(self) -> FedAdagradParams:
         if self.bias_correction:
             raise ValueError("@bias_correction@ false (Adam's bias correction has no meaning for FedAdagrad), got true")
         return self

@@ -36,11 +36,9 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from rayfuse.method import ServerContext
 from rayfuse.errors import NonFiniteError
-from rayfuse.method import Update
-from rayfuse.method import register_method
 from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams
+from rayfuse.method import ServerContext, Update, register_method
 
 __all__ = ["FedRef", "FedRefParams", "reference_model", "fedref_step"]
 
@@ -54,7 +52,7 @@ class FedRefParams(FedAvgParams):
         "running", description="F_k: running = mean loss of the last local epoch (free); eval = a forward pass after training (authors' code)")
 
 
-def reference_model(queue: "list[dict[str, np.ndarray]] | deque[dict[str, np.ndarray]]") -> dict[str, np.ndarray]:
+def reference_model(queue: list[dict[str, np.ndarray]] | deque[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Eq. 13-14: the uniform mean of the stored aggregates (float64 accumulation, the aggregates' dtypes)."""
     n = len(queue)
     first = queue[0]

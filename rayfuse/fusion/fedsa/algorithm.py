@@ -41,22 +41,29 @@ import copy
 import time
 import uuid
 from collections import Counter
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
 
-from rayfuse.method import ClientContext
 from rayfuse.config import ModelConfig
-from rayfuse.method import ServerContext
 from rayfuse.data.roles import Split
 from rayfuse.errors import InputError, NonFiniteError, RunFailure
-from rayfuse.method import client_step
-from rayfuse.method import Method, MethodParams, MethodResult, register_method
 from rayfuse.fusion.fedsa.kd import (
-    adapt_to_target, average_students, build_translator, compute_saliency, compute_transferability, distill_features,
-    draw_weights, hidden_representation, representation_shape, select_teachers, selection_probabilities,
+    adapt_to_target,
+    average_students,
+    build_translator,
+    compute_saliency,
+    compute_transferability,
+    distill_features,
+    draw_weights,
+    hidden_representation,
+    representation_shape,
+    select_teachers,
+    selection_probabilities,
 )
+from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, ServerContext, client_step, register_method
 from rayfuse.seeding import derive_seed, make_rng
 
 __all__ = ["FedSA", "FedSAParams", "Scratch", "Transfer", "TargetParams", "compute_teacher_saliency", "distill_student"]

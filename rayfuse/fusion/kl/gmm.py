@@ -22,13 +22,10 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, field_validator
 
-from rayfuse.method import ClientContext
-from rayfuse.method import ServerContext
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.expfam import NormalWishart, normal_wishart_from_sklearn
-from rayfuse.method import client_step
-from rayfuse.method import Method, MethodParams, MethodResult, register_method
 from rayfuse.fusion.kl.fusion import hausdorff
+from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, ServerContext, client_step, register_method
 
 __all__ = ["fit_gmm_posterior", "GMMPosteriorParams", "gather_gmm_posteriors", "gmm_truth", "gmm_metrics", "GMMOracle", "DPCluster"]
 

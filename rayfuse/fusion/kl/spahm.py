@@ -20,16 +20,15 @@ Matching. NeurIPS 2019.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from pydantic import Field
 
-from rayfuse.method import ServerContext
 from rayfuse.errors import InputError
-from rayfuse.method import Method, MethodResult, register_method
 from rayfuse.fusion.kl.gmm import GMMPosteriorParams, gather_gmm_posteriors, gmm_metrics
 from rayfuse.matching import solve_assignment
+from rayfuse.method import Method, MethodResult, ServerContext, register_method
 
 __all__ = ["spahm_match", "SPAHM", "SPAHMParams"]
 
