@@ -118,26 +118,33 @@ def fit_last_layer(model: MLP, X: np.ndarray, y: np.ndarray, *, l2: float, devic
 
     The objective, mean cross-entropy + ``l2`` |W|^2 / (2 n) (scikit-learn's ``LogisticRegression`` with C = 1 / l2;
     the bias is not penalised), is strictly convex for ``l2 > 0``, so the result does not depend on where the layer
-    started, only on the features below it.
+    started, only on the features below it. The solve runs in float64: with features that leave a direction nearly
+    flat (a dead unit) a float32 line search stalls on loss changes below float32 resolution, up to 1e-3 away from the
+    optimum and at a point that depends on the start.
     """
     model.to(device).eval()
     head = model.layers[-1]
     with torch.no_grad():
-        feats = model.features(torch.as_tensor(X, dtype=torch.float32, device=device))
+        feats = model.features(torch.as_tensor(X, dtype=torch.float32, device=device)).double()
     target = torch.as_tensor(y, dtype=torch.long, device=device)
-    opt = torch.optim.LBFGS(head.parameters(), lr=1.0, max_iter=max_iter, tolerance_grad=1e-7, tolerance_change=1e-10,
+    weight = head.weight.detach().double().requires_grad_(True)
+    bias = head.bias.detach().double().requires_grad_(True)
+    opt = torch.optim.LBFGS([weight, bias], lr=1.0, max_iter=max_iter, tolerance_grad=1e-9, tolerance_change=1e-12,
                             history_size=20, line_search_fn="strong_wolfe")
     scale = l2 / (2.0 * len(y))
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
-        loss = nn.functional.cross_entropy(head(feats), target) + scale * head.weight.pow(2).sum()
+        loss = nn.functional.cross_entropy(nn.functional.linear(feats, weight, bias), target) + scale * weight.pow(2).sum()
         loss.backward()
         return loss
 
     opt.step(closure)
-    if not all(torch.isfinite(p).all() for p in head.parameters()):
+    if not (torch.isfinite(weight).all() and torch.isfinite(bias).all()):
         raise NonFiniteError("fine-tuning (tune_solver lbfgs): the last layer has NaN or Inf values")
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        head.bias.copy_(bias)
     model.cpu()
 
 
