@@ -553,7 +553,8 @@ class EPGAN(Method):
             }
             losses = {"d_loss": row["d_loss"], "g_loss": row["g_loss"]}
             if ep is not None:
-                row["ep_var_mean"] = float(np.mean([v.mean() for v in ep[1].values()]))
+                # by sorted key: a resumed run's prior comes from stored states, keyed in another order than a fresh one's
+                row["ep_var_mean"] = float(np.mean([ep[1][k].mean() for k in sorted(ep[1])]))
             metrics = scorer(model)
             row.update(metrics)
             server.log(turn, row)
