@@ -19,6 +19,7 @@ class Average(Method):
     name = "average"
     aliases = ("naive-average",)
     Params = AverageParams
+    params: AverageParams
     summary = "one-shot parameter average of the local models (sample-weighted)"
     uses_local_models = True
 

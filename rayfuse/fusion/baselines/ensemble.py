@@ -30,6 +30,7 @@ def majority_vote(probas: np.ndarray, weights: list[float]) -> np.ndarray:
 class Ensemble(Method):
     name = "ensemble"
     Params = EnsembleParams
+    params: EnsembleParams
     summary = "the local models as an ensemble: probability average and majority vote"
     uses_local_models = True
 

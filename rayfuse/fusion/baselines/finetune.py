@@ -242,6 +242,7 @@ class Finetune(Method):
     name = "finetune"
     aliases = ("tuned",)  # its name before 0.2 (it collides with Ray Tune in every sentence); old jobs still run
     Params = FinetuneParams
+    params: FinetuneParams
     summary = "a local / averaged / fresh (raw) model fine-tuned on the server's public sample (GEMS Section 4.4)"
     uses_local_models = True
 

@@ -22,6 +22,7 @@ class GlobalOracle(Method):
     name = "global"
     aliases = ("centralized", "pooled")
     Params = GlobalParams
+    params: GlobalParams
     summary = "ORACLE: one model trained on all clients' data pooled (infeasible in a federation)"
     oracle = True
 

@@ -470,6 +470,7 @@ def _prior_from(state: dict[str, np.ndarray], tag: str) -> tuple[dict[str, np.nd
 class EPGAN(Method):
     name = "epgan"
     Params = EPGANParams
+    params: EPGANParams
     summary = "EP-GAN: federated (Bayesian) GANs, FedAvg of G and D plus a product-of-Gaussians EP prior (Wu et al. 2022)"
     # A checkpoint after the warm-up (turn 0) and after each turn; ``--resume`` continues after the last one.
     multi_round = True
@@ -638,6 +639,7 @@ class EPGANOracle(Method):
     name = "epgan-oracle"
     aliases = ("epgan-centralized",)
     Params = EPGANOracleParams
+    params: EPGANOracleParams
     summary = "ORACLE: the EP-GAN backbone trained on all clients' data pooled (the paper's centralised column)"
     oracle = True
     # A checkpoint after each block of local_epochs epochs (the loop's unit); ``--resume`` continues after the last one

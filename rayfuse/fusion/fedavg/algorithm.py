@@ -69,6 +69,7 @@ class FedProxParams(FedAvgParams):
 class FedAvg(Method):
     name = "fedavg"
     Params = FedAvgParams
+    params: FedAvgParams
     summary = "federated averaging over rounds (McMahan et al. 2017), sample-weighted"
     multi_round = True
 
@@ -146,6 +147,7 @@ class FedAvg(Method):
 class FedProx(FedAvg):
     name = "fedprox"
     Params = FedProxParams
+    params: FedProxParams
     summary = "FedAvg with a proximal term mu/2 ||w - w_t||^2 on each client (Li et al. 2020)"
 
     @property

@@ -106,6 +106,7 @@ class FedOpt(FedAvg):
     """FedAvg's clients with an adaptive server step on the pseudo-gradient; subclasses name the rule."""
 
     Params = FedOptParams
+    params: FedOptParams
     rule: ClassVar[str] = ""
 
     def __init__(self, params: FedOptParams, label: str | None = None) -> None:
@@ -148,6 +149,7 @@ class FedOpt(FedAvg):
 class FedAdagrad(FedOpt):
     name = "fedadagrad"
     Params = FedAdagradParams
+    params: FedAdagradParams
     rule = "adagrad"
     summary = "FedAvg clients, Adagrad server step on the pseudo-gradient (Reddi et al. 2021)"
 

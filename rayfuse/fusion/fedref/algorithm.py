@@ -96,6 +96,7 @@ def fedref_step(form: str, theta1: dict[str, np.ndarray], theta1_prev: dict[str,
 class FedRef(FedAvg):
     name = "fedref"
     Params = FedRefParams
+    params: FedRefParams
     summary = "FedAvg plus a server-side Bayesian fine-tuning step towards the mean of the last p aggregates (Yoon & Choi 2025)"
 
     def __init__(self, params: FedRefParams, label: str | None = None) -> None:

@@ -280,6 +280,7 @@ def _check_finite(params: dict[str, np.ndarray]) -> bool:
 class Scratch(Method):
     name = "scratch"
     Params = StudentParams
+    params: StudentParams
     summary = "the target model trained on the server's labelled target set alone (FedSA's Scratch baseline)"
     # The same network, initialisation and training as FedSA's weak target model (round 0), evaluated as it is.
 
@@ -302,6 +303,7 @@ class TransferParams(TargetParams):
 class Transfer(Method):
     name = "transfer"
     Params = TransferParams
+    params: TransferParams
     summary = "each teacher fine-tuned on the target set (needs the teachers' weights: not federated; FedSA's Transfer)"
     uses_local_models = True
     oracle = True  # the teachers' weights leave their clients: not possible in FedSA's setting
@@ -335,6 +337,7 @@ class Transfer(Method):
 class FedSA(Method):
     name = "fedsa"
     Params = FedSAParams
+    params: FedSAParams
     summary = "saliency-based teacher selection and selective feature amalgamation into a new-task student (Xie et al. 2022)"
     multi_round = True  # a checkpoint after each round; ``--resume`` continues mid-method (see :meth:`_resume`)
 

@@ -239,6 +239,7 @@ def _check_same_shapes(results: dict[int, dict[str, Any]], key: str, what: str) 
 class GEMS(Method):
     name = "gems"
     Params = GEMSParams
+    params: GEMSParams
     summary = "good-enough model spaces: intersect clients' balls of good models (Guha & Smith 2019)"
     uses_local_models = True
 

@@ -85,6 +85,7 @@ class KLFusion(Method):
     name = "kl"
     aliases = ("kl_fusion",)
     Params = KLParams
+    params: KLParams
     summary = "KL-fusion: fuse clients' exponential-family posteriors, number of global components inferred (Claici et al. 2020)"
 
     def _fuse(self, server: ServerContext, posteriors: list) -> tuple[Any, str, float]:

@@ -111,6 +111,7 @@ class GMMOracle(Method):
     name = "gmm_oracle"
     aliases = ("vi_oracle",)
     Params = GMMPosteriorParams
+    params: GMMPosteriorParams
     summary = "ORACLE: variational GMM on every client's points pooled, with the true number of components (KL-fusion's VI-oracle)"
     oracle = True
 
@@ -139,6 +140,7 @@ class DPClusterParams(GMMPosteriorParams):
 class DPCluster(Method):
     name = "dp_cluster"
     Params = DPClusterParams
+    params: DPClusterParams
     summary = "Dirichlet-process mixture on the pooled local posterior means (KL-fusion's DP-cluster baseline)"
 
     def run(self, server: ServerContext) -> MethodResult:

@@ -136,6 +136,7 @@ class SPAHMParams(GMMPosteriorParams):
 class SPAHM(Method):
     name = "spahm"
     Params = SPAHMParams
+    params: SPAHMParams
     summary = "SPAHM (Yurochkin et al. 2019) on the clients' local posterior means (KL-fusion's GMM baseline)"
 
     def run(self, server: ServerContext) -> MethodResult:
