@@ -6,14 +6,14 @@ STAMP  := $(VENV)/.rayfuse-installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-unit test-ray bench clean
+.PHONY: setup run test test-unit test-ray lint typecheck format bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch and torchvision together from PyPI so their builds match (a CPU-only torch from elsewhere breaks
 	# torchvision's compiled ops); the standard build runs on CPU too.
 	$(BIN)/python -m pip install "torch>=2.4" "torchvision>=0.19"
-	$(BIN)/python -m pip install -e ".[test]"
+	$(BIN)/python -m pip install -e ".[dev]"
 	$(BIN)/python -c "import torch, torchvision, torchvision.ops; print('torch', torch.__version__, '| torchvision', torchvision.__version__)"
 	touch $(STAMP)
 
@@ -30,6 +30,17 @@ test-unit: setup
 
 test-ray: setup
 	$(BIN)/python -m pytest -q -m ray $(PYTEST_ARGS)
+
+# ruff's rules (pyproject [tool.ruff]); `ruff format --check` is not part of it until the tree has had its format pass
+lint: setup
+	$(BIN)/ruff check rayfuse actors tests benchmarks
+
+# mypy over the package (pyproject [tool.mypy]); not yet in `lint` / CI: it still reports findings
+typecheck: setup
+	$(BIN)/mypy
+
+format: setup
+	$(BIN)/ruff format rayfuse actors tests benchmarks
 
 bench: setup
 	bash benchmarks/run_all.sh

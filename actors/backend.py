@@ -170,7 +170,8 @@ class RayBackend(Backend):
                     raise InputError(f"{key}.{name}", f"at most the {have:g} {'CPUs' if name == 'num_cpus' else 'GPUs'} this Ray has", need)
             for name, need in (req.get("resources") or {}).items():
                 if need > total.get(name, 0.0):
-                    raise InputError(f"{key}.resources.{name}", f"a resource this Ray has (it has {sorted(k for k in total if not k.startswith('node:'))})", need)
+                    have_names = sorted(k for k in total if not k.startswith("node:"))
+                    raise InputError(f"{key}.resources.{name}", f"a resource this Ray has (it has {have_names})", need)
 
     def start(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: Path, *, on_event: EventSink, start_time: float,
               specs: list[MethodSpec] | None = None) -> None:

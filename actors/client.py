@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import ray
 

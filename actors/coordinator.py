@@ -1,15 +1,17 @@
 """``CoordinatorActor``: the named actor that runs methods' server loops (``<run>/coordinator``).
 
 It wraps :class:`rayfuse.coordinator.Coordinator` with a :class:`actors.federation.RayFederation` over the client
-actors' handles, and exports the run's dashboard metrics (:mod:`actors.metrics`). It is a threaded actor (``max_concurrency > 1``) so the driver can poll its events while a method
-runs, and it is placed on the driver's node so it writes checkpoints and model files into the run folder directly.
+actors' handles, and exports the run's dashboard metrics (:mod:`actors.metrics`). It is a threaded actor
+(``max_concurrency > 1``) so the driver can poll its events while a method runs, and it is placed on the driver's
+node so it writes checkpoints and model files into the run folder directly.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import ray
 

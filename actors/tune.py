@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import ray
 import yaml
@@ -32,8 +33,8 @@ from ray import tune
 
 from actors.backend import RayBackend, trial_bundles
 from rayfuse.config import apply_overrides, validate_config
-from rayfuse.method import resolved_config
 from rayfuse.errors import InputError, RunFailure
+from rayfuse.method import resolved_config
 from rayfuse.sweep import Domain, SweepSpec
 
 __all__ = ["run_sweep", "to_tune_domain", "param_space", "sweep_paths"]

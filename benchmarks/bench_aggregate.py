@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
+from _common import interleaved_times, machine_info, median, print_table, wait_for_quiet, write_results
 from threadpoolctl import threadpool_limits
 
-from _common import interleaved_times, machine_info, median, print_table, wait_for_quiet, write_results
 from rayfuse.fusion.aggregate import CHUNK, normalize_weights, weighted_average, weighted_sum
 
 Layout = dict[str, tuple[tuple[int, ...], np.dtype]]

@@ -41,13 +41,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import machine_info, print_table, write_results  # noqa: E402
+
 from rayfuse.fusion.gems.balls import (  # noqa: E402
-    cluster_neurons, compute_fisher, ellipsoid_axes, flatten_linear, neuron_distance, search_radii, softmax_accuracy,
+    cluster_neurons,
+    compute_fisher,
+    ellipsoid_axes,
+    flatten_linear,
+    neuron_distance,
+    search_radii,
+    softmax_accuracy,
 )
 from rayfuse.models import get_params, train_model  # noqa: E402
 from rayfuse.models.registry import MLP, LogisticRegression  # noqa: E402
-
-from _common import machine_info, print_table, write_results  # noqa: E402
 
 
 def client_data(labels=(0, 1), seed=0):

@@ -198,7 +198,9 @@ def main() -> None:
     summary = {"median_speedup": median([r["speedup"] for r in er]), "mean_hausdorff_exact": float(np.mean([r["exact_hausdorff"] for r in er])),
                "mean_hausdorff_relaxed": float(np.mean([r["relaxed_hausdorff"] for r in er]))} if er else {}
     print(summary)
-    path = write_results("kl_bench" if args.parts == [1, 2, 3] else "kl_bench_parts" + "".join(map(str, args.parts)), {"machine": info, "lam": args.lam, "throughput": tp, "overhead": ov, "exact_vs_relaxed": er, "summary": summary})
+    path = write_results("kl_bench" if args.parts == [1, 2, 3] else "kl_bench_parts" + "".join(map(str, args.parts)),
+                         {"machine": info, "lam": args.lam, "throughput": tp, "overhead": ov, "exact_vs_relaxed": er,
+                          "summary": summary})
     print(f"wrote {path}")
 
 

@@ -46,10 +46,10 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray import cloudpickle
-
 from _common import machine_info, median, memory_bytes, print_table, wait_for_quiet, write_results
 from _steps import echo_step
+from ray import cloudpickle
+
 from actors.backend import actor_options
 from actors.client import ClientActor, RefArg, actor_name
 from rayfuse.config import validate_config

@@ -81,7 +81,7 @@ def accuracy_table(runs: list[dict], labels: list[str], paper: dict[str, tuple[f
     header = ["method", *(f"{pct(f)} ({'/'.join(map(str, sizes[f]))} labels)" for f in fractions),
               *(f"paper CIFAR-10 {pct(f)}" for f in PAPER_FRACTIONS)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for label in labels + sorted({l for l, _ in by} - set(labels) - set(TABLE1) - set(TABLE2)):
+    for label in labels + sorted({name for name, _ in by} - set(labels) - set(TABLE1) - set(TABLE2)):
         if not any((label, f) in by for f in fractions):
             continue
         name = label + (" (oracle: model access)" if label == "transfer" else "")
@@ -97,8 +97,8 @@ def paired_table(runs: list[dict], labels: list[str], baselines: tuple[str, ...]
         for label, entry in r["results"]["methods"].items():
             acc[(r["fraction"], r["seed"])][label] = 100 * entry["accuracy"]
     fractions = sorted({f for f, _ in acc})
-    present = {l for cell in acc.values() for l in cell}
-    order = [l for l in labels if l in present] + sorted(present - set(labels))
+    present = {label for cell in acc.values() for label in cell}
+    order = [label for label in labels if label in present] + sorted(present - set(labels))
     header = ["method", *(f"{pct(f)}: - {b}" for f in fractions for b in baselines)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for label in order:
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     tp = ("## Paired differences: each method minus scratch / minus FedAvg+ on the same seed\n\n"
           "Percentage points, mean ± standard error over the seeds that ran both (same seed = same target set, teachers "
           "and draw stream); in brackets, the seeds on which the method is ahead.\n\n"
-          + paired_table(runs, TABLE1 + [l for l in TABLE2 if l not in TABLE1] + ["fedavg+whole", "fedsa-whole"]))
+          + paired_table(runs, TABLE1 + [label for label in TABLE2 if label not in TABLE1] + ["fedavg+whole", "fedsa-whole"]))
     (args.out / "paired.md").write_text(tp + "\n")
     plot_selections(args.out / "selections.png", runs)
     plot_curves(args.out / "curves.png", runs, ["scratch", "fedavg+", "fedsa", "fedsa-gradcam", "top-k", "fixed", "random+pos",

@@ -25,13 +25,12 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # no network here; set bef
 import flwr
 import numpy as np
 import ray
+from _common import machine_info, median, wait_for_quiet, write_results
 from flwr.client import NumPyClient
 from flwr.common import Context, ndarrays_to_parameters
 from flwr.server import ServerConfig
 from flwr.server.strategy import FedAvg
 from flwr.simulation import start_simulation
-
-from _common import machine_info, median, wait_for_quiet, write_results
 
 NUM_EXAMPLES = 144  # a client's training examples; any positive count gives the same work
 

@@ -95,7 +95,7 @@ def plot(rows: list[dict], key: str, values: list[float], labels: list[str], xla
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    lines = [f"| {xlabel} | " + " | ".join(style(l)[0] for l in labels) + " |", "|---" * (len(labels) + 1) + "|"]
+    lines = [f"| {xlabel} | " + " | ".join(style(label)[0] for label in labels) + " |", "|---" * (len(labels) + 1) + "|"]
     tables = {m: summarise(rows, key, values, labels, m) for m in ("hausdorff", "size_error")}
     for ax, metric, ylabel in zip(axes, ("hausdorff", "size_error"), ("Hausdorff distance error", "|G_hat - G| / G")):
         for label in labels:
@@ -112,7 +112,7 @@ def plot(rows: list[dict], key: str, values: list[float], labels: list[str], xla
     fig.savefig(path, dpi=120)
     plt.close(fig)
     for i, v in enumerate(values):
-        cells = [f"{tables['hausdorff'][l][0][i]:.2f} / {tables['size_error'][l][0][i]:.2f}" for l in labels]
+        cells = [f"{tables['hausdorff'][label][0][i]:.2f} / {tables['size_error'][label][0][i]:.2f}" for label in labels]
         lines.append(f"| {v:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -193,7 +193,7 @@ def main() -> None:
                 result = run_cell(separation, noise, seed, methods)
                 rows.append({"sweep": sweep, "separation": separation, "noise": noise, "seed": seed, "methods": result})
                 print(f"{sweep} s={separation:g} tau={noise:g} seed={seed}: " + ", ".join(
-                    f"{l} {r['hausdorff']:.2f}/{r['size_error']:.2f}" for l, r in result.items()), flush=True)
+                    f"{label} {r['hausdorff']:.2f}/{r['size_error']:.2f}" for label, r in result.items()), flush=True)
     (OUT / "sweeps.json").write_text(json.dumps({"seeds": seeds, "n_init": n_init, "methods": methods, "rows": rows,
                                                  "seconds": round(time.perf_counter() - started, 1)}, indent=1))
     for sweep, key, values, xlabel, title in (

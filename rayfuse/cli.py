@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from rayfuse import __version__
 from rayfuse.errors import InputError, RunFailure

@@ -18,8 +18,9 @@ import contextlib
 import os
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -27,8 +28,8 @@ from rayfuse.data.roles import ClientPlan, Split, client_splits, load_dataset_fr
 from rayfuse.federation import ClientDied, Update, client_step, map_arrays, step_name
 from rayfuse.seeding import derive_seed
 
-__all__ = ["Client", "ClientContext", "ClientStateStore", "has_client_state", "forget_client_state", "PrivacyError", "train_local", "get_local_update", "set_local_params",
-           "describe"]
+__all__ = ["Client", "ClientContext", "ClientStateStore", "has_client_state", "forget_client_state", "PrivacyError", "train_local",
+           "get_local_update", "set_local_params", "describe"]
 
 
 class PrivacyError(RuntimeError):
@@ -155,7 +156,7 @@ class ClientContext:
     def set_local_model(self, model: Any) -> None:
         self._local_model = model
 
-    def state_store(self, kind: str, store: str) -> "ClientStateStore":
+    def state_store(self, kind: str, store: str) -> ClientStateStore:
         """This client's private state of one method run on storage it owns (see :class:`ClientStateStore`)."""
         return ClientStateStore(self, kind, store)
 

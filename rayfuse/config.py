@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -142,7 +143,7 @@ class DataConfig(DatasetSource):
         return value
 
     @model_validator(mode="after")
-    def _file_datasets_need_path(self) -> "DataConfig":
+    def _file_datasets_need_path(self) -> DataConfig:
         if self.dataset in ("npz", "parquet") and not self.path:
             raise ValueError(f"@path@ the {self.dataset} file to load (data.dataset is {self.dataset!r})")
         return self
@@ -187,7 +188,7 @@ class PartitionConfig(StrictModel):
         return PARTITIONERS.canonical(self.method)
 
     @model_validator(mode="after")
-    def _params_match_method(self) -> "PartitionConfig":
+    def _params_match_method(self) -> PartitionConfig:
         # Parameters of other partitioners are ignored (not errors), so `--set partition.method=iid` works on a
         # config that sets alpha; the resolved partition parameters are the chosen method's only (``params()``).
         if self.canonical_method == "labels":
@@ -303,7 +304,8 @@ class FederationConfig(StrictModel):
                                    "cores, as Flower's actor pool does; the clients of one actor share its process and resources")
     task_cpus: float = Field(1.0, gt=0, description="CPUs each server-side fan-out task requests (parallel assignment solves...)")
     startup_timeout_s: float = Field(300.0, gt=0, description="how long to wait for the actors to start (resources to appear)")
-    ray_init: dict[str, Any] = Field(default_factory=dict, description="arguments for ray.init when rayfuse starts a local Ray (num_cpus, include_dashboard...)")
+    ray_init: dict[str, Any] = Field(default_factory=dict,
+                                     description="arguments for ray.init when rayfuse starts a local Ray (num_cpus, include_dashboard...)")
     faults: list[FaultSpec] = Field(default_factory=list)
 
 
@@ -333,7 +335,7 @@ class ExperimentConfig(StrictModel):
         return value
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "ExperimentConfig":
+    def _cross_checks(self) -> ExperimentConfig:
         n = self.partition.num_clients
         if not self.methods:
             raise ValueError("@methods@ at least one method, got none")

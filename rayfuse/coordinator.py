@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
+from rayfuse.client import forget_client_state, get_local_update, has_client_state, set_local_params, train_local
 from rayfuse.config import ExperimentConfig
 from rayfuse.data.roles import DataPlan, Split, load_dataset_from_config, load_target_from_config, pooled_train, server_splits
 from rayfuse.errors import NonFiniteError, RunFailure
@@ -24,7 +26,6 @@ from rayfuse.metrics import compute_metrics
 from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
 from rayfuse.seeding import derive_seed, make_rng
 from rayfuse.store import Checkpoint, LocalModelCache, RunStore, StepResultCache, local_model_key, step_result_key
-from rayfuse.client import forget_client_state, get_local_update, has_client_state, set_local_params, train_local
 
 __all__ = ["Coordinator", "MethodServer"]
 
@@ -33,7 +34,7 @@ class MethodServer:
     """The coordinator's implementation of :class:`rayfuse.method.ServerContext`: a method's view of the run (the
     federation, server-side data, evaluation, logging and checkpoints)."""
 
-    def __init__(self, coordinator: "Coordinator", spec: MethodSpec, *, resume: bool) -> None:
+    def __init__(self, coordinator: Coordinator, spec: MethodSpec, *, resume: bool) -> None:
         self._coordinator = coordinator
         self.label = spec.label
         self.method = spec.method

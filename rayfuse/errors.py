@@ -8,7 +8,8 @@ names the key path, the expected value and what was given, so the CLI can print 
 from __future__ import annotations
 
 import difflib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 __all__ = ["InputError", "RunFailure", "NonFiniteError", "suggest"]
 
@@ -53,7 +54,7 @@ class InputError(ValueError):
             message += f"; {hint}"
         super().__init__(message)
 
-    def at(self, path: str) -> "InputError":
+    def at(self, path: str) -> InputError:
         """The same error at another key path (a method's relative path made absolute)."""
         has_got = self.got is not InputError._MISSING
         return _rebuild_input_error(type(self), path, self.expected, has_got, self.got if has_got else None, self.hint)

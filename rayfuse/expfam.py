@@ -25,7 +25,8 @@ naming ``where`` (e.g. ``posteriors[3].kappa``); the other functions assume vali
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Sequence
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 from scipy.special import digamma, gammaln, multigammaln
@@ -66,11 +67,11 @@ class Family(ABC):
         """Dimension of the random variable (``d``, ``D`` or the vocabulary size ``V``)."""
 
     @abstractmethod
-    def kl(self, other: "Family") -> np.ndarray:
+    def kl(self, other: Family) -> np.ndarray:
         """``KL(self_i || other_i)`` for each ``i`` (both batches of the same length)."""
 
     @abstractmethod
-    def kl_matrix(self, other: "Family") -> np.ndarray:
+    def kl_matrix(self, other: Family) -> np.ndarray:
         """``KL(self_g || other_l)`` for every pair, shape ``(len(self), len(other))``."""
 
     @abstractmethod
@@ -78,18 +79,18 @@ class Family(ABC):
         """``(n, p)`` rows whose weighted average is the barycenter's row (an affine image of the natural parameters)."""
 
     @abstractmethod
-    def from_natural(self, eta: np.ndarray) -> "Family":
+    def from_natural(self, eta: np.ndarray) -> Family:
         """The batch with rows ``eta`` (same family and dimension as ``self``)."""
 
     @abstractmethod
-    def take(self, index: Any) -> "Family":
+    def take(self, index: Any) -> Family:
         """The sub-batch ``index`` (an index array, slice or boolean mask)."""
 
     @abstractmethod
     def means(self) -> np.ndarray:
         """``(n, dim)`` expected values (GMM component means, neuron weights, topic-word probabilities)."""
 
-    def barycenter(self, weights: np.ndarray | None = None) -> "Family":
+    def barycenter(self, weights: np.ndarray | None = None) -> Family:
         """``argmin_q sum_i w_i KL(q || self_i)`` over the family: one distribution (a batch of length 1)."""
         n = len(self)
         w = np.full(n, 1.0 / n) if weights is None else np.asarray(weights, dtype=np.float64)
@@ -97,7 +98,7 @@ class Family(ABC):
             raise InputError("weights", f"{n} finite non-negative weights with a positive sum", w)
         return self.from_natural(((w / w.sum()) @ self.natural())[None])
 
-    def _check_same(self, other: "Family") -> None:
+    def _check_same(self, other: Family) -> None:
         if type(other) is not type(self):
             raise InputError("posteriors", f"components of one family ({self.name})", getattr(other, "name", type(other).__name__))
         if other.dim != self.dim:
@@ -117,7 +118,7 @@ class DiagGaussian(Family):
         _positive(self.var, f"{where}.var", what="variances > 0")
 
     @classmethod
-    def _trusted(cls, mean: np.ndarray, var: np.ndarray) -> "DiagGaussian":
+    def _trusted(cls, mean: np.ndarray, var: np.ndarray) -> DiagGaussian:
         obj = cls.__new__(cls)
         obj.mean, obj.var = mean, var
         return obj
@@ -129,12 +130,12 @@ class DiagGaussian(Family):
     def dim(self) -> int:
         return self.mean.shape[1]
 
-    def kl(self, other: "DiagGaussian") -> np.ndarray:
+    def kl(self, other: DiagGaussian) -> np.ndarray:
         self._check_same(other)
         v0, v1 = self.var, other.var
         return 0.5 * (np.log(v1 / v0) + (v0 + (self.mean - other.mean) ** 2) / v1 - 1.0).sum(axis=1)
 
-    def kl_matrix(self, other: "DiagGaussian") -> np.ndarray:
+    def kl_matrix(self, other: DiagGaussian) -> np.ndarray:
         # sum_d [ ln s1 - ln s0 + (s0^2 + mu0^2 - 2 mu0 mu1 + mu1^2) / (2 s1^2) - 1/2 ]: matrix products over d
         self._check_same(other)
         p1 = 1.0 / other.var
@@ -150,12 +151,12 @@ class DiagGaussian(Family):
         precision = 1.0 / self.var
         return np.concatenate([self.mean * precision, precision], axis=1)
 
-    def from_natural(self, eta: np.ndarray) -> "DiagGaussian":
+    def from_natural(self, eta: np.ndarray) -> DiagGaussian:
         d = self.dim
         precision = eta[:, d:]
         return DiagGaussian._trusted(eta[:, :d] / precision, 1.0 / precision)
 
-    def take(self, index: Any) -> "DiagGaussian":
+    def take(self, index: Any) -> DiagGaussian:
         return DiagGaussian._trusted(self.mean[index].reshape(-1, self.dim), self.var[index].reshape(-1, self.dim))
 
     def means(self) -> np.ndarray:
@@ -190,7 +191,7 @@ class NormalWishart(Family):
         self._cache: dict[str, np.ndarray] = {}
 
     @classmethod
-    def _trusted(cls, mean: np.ndarray, kappa: np.ndarray, nu: np.ndarray, W: np.ndarray) -> "NormalWishart":
+    def _trusted(cls, mean: np.ndarray, kappa: np.ndarray, nu: np.ndarray, W: np.ndarray) -> NormalWishart:
         obj = cls.__new__(cls)
         obj.mean, obj.kappa, obj.nu, obj.W = mean, kappa, nu, W
         obj._cache = {}
@@ -226,8 +227,13 @@ class NormalWishart(Family):
             self._cache["lgamma"] = np.array([multigammaln(v / 2, self.dim) for v in self.nu]) if len(self) else np.zeros(0)
         return self._cache["lgamma"]
 
+<<<<<<< HEAD
     def kl(self, other: "NormalWishart") -> np.ndarray:
         """Closed form (``docs/methods/kl.md``). The Gaussian part uses ``kappa1 / kappa0``; the reference code's
+=======
+    def kl(self, other: NormalWishart) -> np.ndarray:
+        """Closed form (ALGORITHMS.md 1.2a). The Gaussian part uses ``kappa1 / kappa0``; the reference code's
+>>>>>>> lint
         ``gaus_kl`` swaps the two (``k0 / k1``), a bug not reproduced here."""
         self._check_same(other)
         D = self.dim
@@ -240,7 +246,7 @@ class NormalWishart(Family):
                    + other._lgamma_D() - self._lgamma_D() + 0.5 * (n0 - n1) * self._psi_D())
         return gauss + wishart
 
-    def kl_matrix(self, other: "NormalWishart") -> np.ndarray:
+    def kl_matrix(self, other: NormalWishart) -> np.ndarray:
         # Every cross term is a product of a feature of g (first argument) and a feature of l (second argument):
         #   (m_l - m_g)^T A_g (m_l - m_g) = vec(A_g) . vec(m_l m_l^T) - 2 (A_g m_g) . m_l + m_g^T A_g m_g,  A_g = nu_g W_g
         #   tr(W_l^-1 W_g) = vec(W_g) . vec(W_l^-1)
@@ -265,7 +271,7 @@ class NormalWishart(Family):
         second = self._W_inv() + np.einsum("ni,nj->nij", km, self.mean)
         return np.concatenate([self.kappa[:, None], self.nu[:, None], km, second.reshape(n, D * D)], axis=1)
 
-    def from_natural(self, eta: np.ndarray) -> "NormalWishart":
+    def from_natural(self, eta: np.ndarray) -> NormalWishart:
         D = self.dim
         kappa, nu = eta[:, 0].copy(), eta[:, 1].copy()
         mean = eta[:, 2:2 + D] / kappa[:, None]
@@ -273,7 +279,7 @@ class NormalWishart(Family):
         W_inv = 0.5 * (W_inv + np.swapaxes(W_inv, 1, 2))
         return NormalWishart._trusted(mean, kappa, nu, np.linalg.inv(W_inv))
 
-    def take(self, index: Any) -> "NormalWishart":
+    def take(self, index: Any) -> NormalWishart:
         D = self.dim
         return NormalWishart._trusted(self.mean[index].reshape(-1, D), self.kappa[index].reshape(-1), self.nu[index].reshape(-1),
                                       self.W[index].reshape(-1, D, D))
@@ -295,7 +301,7 @@ class Dirichlet(Family):
         _positive(self.alpha, f"{where}.alpha", what="concentrations alpha > 0")
 
     @classmethod
-    def _trusted(cls, alpha: np.ndarray) -> "Dirichlet":
+    def _trusted(cls, alpha: np.ndarray) -> Dirichlet:
         obj = cls.__new__(cls)
         obj.alpha = alpha
         return obj
@@ -313,13 +319,13 @@ class Dirichlet(Family):
         log_norm = gammaln(a0) - gammaln(self.alpha).sum(1)
         return a0, elog, log_norm
 
-    def kl(self, other: "Dirichlet") -> np.ndarray:
+    def kl(self, other: Dirichlet) -> np.ndarray:
         self._check_same(other)
         _, elog, norm0 = self._per_row()
         _, _, norm1 = other._per_row()
         return norm0 - norm1 + ((self.alpha - other.alpha) * elog).sum(1)
 
-    def kl_matrix(self, other: "Dirichlet") -> np.ndarray:
+    def kl_matrix(self, other: Dirichlet) -> np.ndarray:
         self._check_same(other)
         _, elog, norm0 = self._per_row()
         _, _, norm1 = other._per_row()
@@ -328,10 +334,10 @@ class Dirichlet(Family):
     def natural(self) -> np.ndarray:
         return self.alpha.copy()  # alpha - 1 is natural; averaging alpha is the same with weights summing to 1
 
-    def from_natural(self, eta: np.ndarray) -> "Dirichlet":
+    def from_natural(self, eta: np.ndarray) -> Dirichlet:
         return Dirichlet._trusted(np.asarray(eta, dtype=np.float64))
 
-    def take(self, index: Any) -> "Dirichlet":
+    def take(self, index: Any) -> Dirichlet:
         return Dirichlet._trusted(self.alpha[index].reshape(-1, self.dim))
 
     def means(self) -> np.ndarray:

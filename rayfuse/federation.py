@@ -39,8 +39,9 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Iterable, Mapping, Sequence, TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -74,7 +75,7 @@ class FailurePolicy:
     timeout_s: float | None = None
 
     @classmethod
-    def from_config(cls, federation_cfg: Any) -> "FailurePolicy":
+    def from_config(cls, federation_cfg: Any) -> FailurePolicy:
         return cls(federation_cfg.on_client_failure, federation_cfg.max_retries, federation_cfg.min_clients, federation_cfg.timeout_s)
 
 

@@ -22,9 +22,10 @@ matching) register in :data:`FUSERS` with :func:`register_fuser` when they land.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import yaml

@@ -19,8 +19,9 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment

@@ -24,9 +24,10 @@ import importlib
 import pkgutil
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Iterable, Mapping, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -151,8 +152,8 @@ class ClientContext(Protocol):
     trained local model, a private ``state`` dict kept across calls, and seeds."""
 
     client_id: int
-    train: "Split"
-    val: "Split"
+    train: Split
+    val: Split
     model_cfg: Any
     train_cfg: Any
     device: str
@@ -206,15 +207,15 @@ class ServerContext(Protocol):
     def num_clients(self) -> int: ...
 
     @property
-    def test(self) -> "Split": ...
+    def test(self) -> Split: ...
 
     @property
-    def public(self) -> "Split": ...
+    def public(self) -> Split: ...
 
     @property
     def dataset_meta(self) -> dict[str, Any]: ...
 
-    def pooled_train(self) -> "Split": ...
+    def pooled_train(self) -> Split: ...
 
     def build_model(self, seed: int | None = None) -> Any: ...
 
@@ -248,7 +249,7 @@ class ServerContext(Protocol):
 
     def progress(self, message: str, **fields: Any) -> None: ...
 
-    def resume_checkpoint(self) -> "Checkpoint | None": ...
+    def resume_checkpoint(self) -> Checkpoint | None: ...
 
     def save_checkpoint(self, round: int, params: dict[str, np.ndarray], state: dict[str, np.ndarray] | None = None,
                         meta: dict[str, Any] | None = None) -> None: ...
@@ -285,7 +286,7 @@ class RunSetup:
     model_cache: str | None = None
 
     @classmethod
-    def from_plan(cls, cfg: ExperimentConfig, plan: "DataPlan") -> "RunSetup":
+    def from_plan(cls, cfg: ExperimentConfig, plan: DataPlan) -> RunSetup:
         return cls(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients,
                    input_shape=tuple(plan.input_shape), num_classes=plan.num_classes,
                    train_sizes=tuple(len(t) for t in plan.client_train), val_sizes=tuple(len(v) for v in plan.client_val),

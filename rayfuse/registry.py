@@ -6,7 +6,8 @@ FedML / PFNM names (``homo``, ``hetero-dir``) and the flwr-datasets names point 
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 from rayfuse.errors import InputError, suggest
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import io
 import sys
-from typing import Any, Callable, Mapping, Sequence, TextIO
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TextIO
 
 import numpy as np
 

@@ -31,9 +31,10 @@ import copy
 import itertools
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -209,7 +210,8 @@ def _check_key(where: str, key: str, resolved: Mapping[str, Any]) -> None:
             known = sorted(str(k) for k in node) if isinstance(node, Mapping) else []
             prefix = ".".join(parts[:i]) or "the config"
             hint = suggest(part, known).strip(" ()")
-            expected = f"a key of the base job's config; {prefix} has {{{', '.join(known)}}}" if known else f"a key of the base job's config ({prefix} is a value, not a section)"
+            expected = (f"a key of the base job's config; {prefix} has {{{', '.join(known)}}}" if known
+                        else f"a key of the base job's config ({prefix} is a value, not a section)")
             raise InputError(where, expected, key, hint or "rayfuse validate <base job> prints every key")
         node = node[part]
 

@@ -34,7 +34,7 @@ LABELS_2 = {"method": "labels", "num_clients": 2}
 class Set(tuple):
     """A row given as ``--set`` overrides on the default config (``load_config(overrides=...)``)."""
 
-    def __new__(cls, *overrides: str) -> "Set":
+    def __new__(cls, *overrides: str) -> Set:
         return super().__new__(cls, overrides)
 
 BAD_CONFIGS = [
@@ -54,7 +54,8 @@ BAD_CONFIGS = [
     pytest.param({"partition": {"shard_size": 0}}, "partition.shard_size", r"got 0", id="shard-size-zero"),
     pytest.param({"partition": {"method": "dirichlett"}}, "partition.method", r"did you mean 'dirichlet'", id="unknown-partitioner-suggests"),
     pytest.param({"partition": {"method": "labels"}}, "partition.groups", r"method is 'labels'", id="labels-without-groups"),
-    pytest.param({"partition": {**LABELS_2, "groups": [[0]]}}, "partition.groups", r"one label list per client \(2\), got 1 lists", id="labels-wrong-group-count"),
+    pytest.param({"partition": {**LABELS_2, "groups": [[0]]}}, "partition.groups", r"one label list per client \(2\), got 1 lists",
+                 id="labels-wrong-group-count"),
     pytest.param({"partition": {**LABELS_2, "groups": [[0], []]}}, "partition.groups.1", r"at least one label for client 1, got \[\]", id="labels-empty-group"),
     pytest.param({"partition": {**LABELS_2, "groups": [[0], [-1]]}}, "partition.groups.1", r"labels >= 0, got \[-1\]", id="labels-negative-label"),
     pytest.param({"partition": {**LABELS_2, "groups": [[0], ["one"]]}}, "partition.groups.1.0", r"integer", id="labels-group-not-int"),
@@ -76,11 +77,15 @@ BAD_CONFIGS = [
     pytest.param({"run": {"seed": -1}}, "run.seed", r"got -1", id="seed-negative"),
     pytest.param({"run": {"seed": 2**32}}, "run.seed", r"less than or equal to 4294967295", id="seed-too-large"),
     pytest.param({"run": {"name": "bad name!"}}, "run.name", r"pattern", id="run-name-with-space"),
-    pytest.param({"federation": {"min_clients": 6}}, "federation.min_clients", r"at most partition\.num_clients \(5\), got 6", id="min-clients-above-num-clients"),
-    pytest.param({"federation": {"faults": [{"client": 7, "step": "train_local"}]}}, "federation.faults.0.client", r"a client id in 0\.\.4, got 7", id="fault-for-missing-client"),
+    pytest.param({"federation": {"min_clients": 6}}, "federation.min_clients", r"at most partition\.num_clients \(5\), got 6",
+                 id="min-clients-above-num-clients"),
+    pytest.param({"federation": {"faults": [{"client": 7, "step": "train_local"}]}}, "federation.faults.0.client", r"a client id in 0\.\.4, got 7",
+                 id="fault-for-missing-client"),
     pytest.param({"federation": {"faults": [{"client": 0}]}}, "federation.faults.0.step", r"required", id="fault-without-step"),
-    pytest.param({"federation": {"faults": [{"client": 0, "step": "x", "mode": "explode"}]}}, "federation.faults.0.mode", r"'raise', 'exit', 'nan', 'nan_metrics' or 'hang'", id="fault-mode-unknown"),
-    pytest.param({"federation": {"client_overrides": {9: {"num_gpus": 0.5}}}}, "federation.client_overrides.9", r"a client id in 0\.\.4, got 9", id="override-for-missing-client"),
+    pytest.param({"federation": {"faults": [{"client": 0, "step": "x", "mode": "explode"}]}}, "federation.faults.0.mode",
+                 r"'raise', 'exit', 'nan', 'nan_metrics' or 'hang'", id="fault-mode-unknown"),
+    pytest.param({"federation": {"client_overrides": {9: {"num_gpus": 0.5}}}}, "federation.client_overrides.9", r"a client id in 0\.\.4, got 9",
+                 id="override-for-missing-client"),
     pytest.param({"federation": {"clients_per_actor": 2, "client_overrides": {1: {"num_gpus": 0.5}}}}, "federation.clients_per_actor",
                  r"1 when federation.client_overrides gives clients their own resources, got 2", id="packed-clients-with-overrides"),
     pytest.param({"federation": {"clients_per_actor": 0}}, "federation.clients_per_actor", r"greater than or equal to 1", id="zero-clients-per-actor"),

@@ -30,7 +30,7 @@ FAMILIES = ["diag_gaussian", "normal_wishart", "dirichlet"]
 @pytest.mark.parametrize("family", FAMILIES)
 def test_kl_is_zero_on_itself_and_nonnegative(family):
     rng = np.random.default_rng(0)
-    for seed in range(5):
+    for _seed in range(5):
         a, b = random_batch(family, rng, 40), random_batch(family, rng, 40)
         np.testing.assert_allclose(a.kl(a), 0.0, atol=1e-8)
         assert (a.kl(b) >= -1e-9).all()

@@ -7,8 +7,7 @@ import pytest
 from scipy.optimize import linear_sum_assignment
 
 from rayfuse.errors import InputError, NonFiniteError
-from rayfuse.matching import (balanced_chunks, executor_width, map_chunked, serial_map, solve_assignment, solve_assignments,
-                              thread_map)
+from rayfuse.matching import balanced_chunks, executor_width, map_chunked, serial_map, solve_assignment, solve_assignments, thread_map
 
 
 def test_solve_assignment_equals_scipy_on_rectangular_costs():
@@ -66,7 +65,8 @@ def test_balanced_chunks_never_beaten_by_another_count():
         for workers in (1, 2, 3, 4, 8):
             def span(count):
                 size = -(-n // count)
-                return -(-(-(-n // size)) // workers) * size
+                chunks = -(-n // size)
+                return -(-chunks // workers) * size
             best = min(span(count) for count in range(1, min(n, 4 * workers) + 1))
             assert span(balanced_chunks(n, workers)) == best
 

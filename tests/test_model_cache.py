@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
+from rayfuse.method import resolved_config
 from rayfuse.report import Printer
 from rayfuse.runner import InProcessBackend, run_experiment
 from rayfuse.store import local_model_key
-from rayfuse.method import resolved_config
 
 QUIET = Printer(enabled=False)
 

@@ -10,10 +10,10 @@ import pytest
 
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.io import load_params
+from rayfuse.method import resolved_config
 from rayfuse.models import params_equal
 from rayfuse.report import Printer
 from rayfuse.runner import InProcessBackend, load_run_config, new_run_dir, run_experiment
-from rayfuse.method import resolved_config
 
 QUIET = Printer(enabled=False)
 
@@ -25,8 +25,8 @@ def run(cfg, run_dir, **kwargs):
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     """One run of every baseline, shared by the tests that only read its folder."""
-    from tests.conftest import TINY, merge
     from rayfuse.config import validate_config
+    from tests.conftest import TINY, merge
 
     run_dir = tmp_path_factory.mktemp("full") / "run"
     cfg = validate_config(merge(TINY, {"run": {"storage": str(run_dir.parent)}}))

@@ -11,8 +11,8 @@ import yaml
 
 from rayfuse.cli import main
 from rayfuse.errors import InputError
-from rayfuse.sweep import grid_points, load_space
 from rayfuse.method import resolve_methods
+from rayfuse.sweep import grid_points, load_space
 
 ROOT = Path(__file__).resolve().parents[1]
 SPACES = sorted((ROOT / "tune_spaces").glob("*.yaml"))
@@ -81,13 +81,15 @@ BAD = [
     ("reversed range", {"space": {"methods.fedprox.mu": {"uniform": [1, 0.1]}}}, r"mu\.uniform: expected low < high"),
     ("log of zero", {"space": {"methods.fedprox.mu": {"loguniform": [0, 1]}}}, r"mu\.loguniform: expected low > 0"),
     ("wrong arity", {"space": {"methods.fedprox.mu": {"quniform": [0, 1]}}}, r"mu\.quniform: expected 3 numbers"),
-    ("value the config refuses", {"space": {"methods.fedprox.mu": {"grid": [0.1, -1]}}}, r"space\.methods\.fedprox\.mu: expected values the config accepts.*got -1"),
+    ("value the config refuses", {"space": {"methods.fedprox.mu": {"grid": [0.1, -1]}}},
+     r"space\.methods\.fedprox\.mu: expected values the config accepts.*got -1"),
     ("integer range the config refuses", {"space": {"train.epochs": {"randint": [-2, 3]}}}, r"space\.train\.epochs: .*got -2"),
     ("empty grid", {"space": {"methods.fedprox.mu": {"grid": []}}}, r"mu\.grid: expected a non-empty list"),
     ("metric of an unknown method", {"metric": "fused/avg/accuracy"}, r"metric: expected fused/<method label>/<metric>"),
     ("typo in a top-level key", {"schedular": {"type": "asha"}}, r"schedular: expected a known key.*did you mean 'scheduler'"),
     ("unknown scheduler", {"scheduler": {"type": "pbt"}}, r"scheduler\.type"),
-    ("asha over two multi-round methods", {"scheduler": {"type": "asha"}, "set": {"methods.fedavg": {"rounds": 2}}}, r"scheduler: expected ASHA over exactly one"),
+    ("asha over two multi-round methods", {"scheduler": {"type": "asha"}, "set": {"methods.fedavg": {"rounds": 2}}},
+     r"scheduler: expected ASHA over exactly one"),
     ("label filter typo", {"methods": ["fedprx"]}, r"methods: expected method labels of the base job.*did you mean 'fedprox'"),
     ("bad fixed value", {"set": {"train.epochs": -1}}, r"set train\.epochs"),
     ("missing base", {"base": "nope.yaml"}, r"base: expected an existing job YAML"),

@@ -16,9 +16,10 @@ int64 labels in ``0..num_classes-1``, and, when the source has one, its official
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -186,8 +187,8 @@ def _load_iris(**_: Any) -> Dataset:
     return _tabular("iris", load_iris())
 
 
-@register_dataset("synthetic", description="Gaussian classes (numpy only); data.options: n_samples, n_features, n_classes, n_informative, class_sep, random_state",
-                  source="generator", standardize=True)
+@register_dataset("synthetic", source="generator", standardize=True,
+                  description="Gaussian classes (numpy only); data.options: n_samples, n_features, n_classes, n_informative, class_sep, random_state")
 def _load_synthetic(*, n_samples: int = 2000, n_features: int = 20, n_classes: int = 4, n_informative: int = 10,
                     class_sep: float = 1.0, random_state: int = 0, **_: Any) -> Dataset:
     """Balanced classes around random centres ``N(0, class_sep^2)`` in ``n_informative`` dimensions with unit
@@ -247,7 +248,8 @@ def _load_gaussians4(*, n_per_mode: int = 2500, var_low: float = 0.3, var_high: 
 _TORCHVISION = {
     # name: (torchvision class, folder torchvision expects under root, files in it)
     "mnist": ("MNIST", "MNIST/raw", "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (or .gz)"),
-    "fashion_mnist": ("FashionMNIST", "FashionMNIST/raw", "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (or .gz)"),
+    "fashion_mnist": ("FashionMNIST", "FashionMNIST/raw",
+                      "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (or .gz)"),
     "cifar10": ("CIFAR10", "cifar-10-batches-py", "data_batch_1..5, test_batch, batches.meta"),
 }
 

@@ -70,7 +70,7 @@ def generate_gmm_groups(*, num_atoms: int = 3, num_groups: int = 10, dim: int = 
     groups: list[np.ndarray] = []
     atoms: list[list[int]] = []
     local_centers, local_sigmas, mixings = [], [], []
-    for j in range(num_groups):
+    for _j in range(num_groups):
         idx: list[int] = []
         while len(idx) < 2:
             idx = [g for g in range(L) if rs.binomial(1, global_p[g])]

@@ -23,7 +23,7 @@ one sorted ``int64`` index array per client. Indices never repeat across clients
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

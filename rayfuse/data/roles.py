@@ -30,8 +30,8 @@ from rayfuse.data.partition import PARTITIONERS, class_counts, partition
 from rayfuse.errors import InputError
 from rayfuse.seeding import derive_seed, make_rng
 
-__all__ = ["ClientPlan", "DataPlan", "Split", "make_plan", "load_dataset_from_config", "load_target_from_config", "client_splits", "server_splits", "pooled_train",
-           "corrupt_split", "CORRUPTIONS"]
+__all__ = ["ClientPlan", "DataPlan", "Split", "make_plan", "load_dataset_from_config", "load_target_from_config", "client_splits",
+           "server_splits", "pooled_train", "corrupt_split", "CORRUPTIONS"]
 
 CORRUPTIONS = ("shuffle_labels", "noise", "permute_pixels")
 

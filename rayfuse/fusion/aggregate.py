@@ -8,7 +8,7 @@ input with one fused BLAS ``axpy`` (``acc += w * a``). It therefore moves fewer 
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from scipy.linalg.blas import get_blas_funcs

@@ -7,7 +7,7 @@ names (buffers included). Ray stores such dicts in the object store and readers 
 from __future__ import annotations
 
 import warnings
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch

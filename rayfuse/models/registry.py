@@ -14,8 +14,9 @@ Every model maps a float32 batch ``(B, *input_shape)`` to logits ``(B, num_class
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -11,8 +11,8 @@ from rayfuse.federation import Gathered, Update
 from rayfuse.fusion import METHODS, Method
 from rayfuse.fusion.baselines.ensemble import majority_vote
 from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams
-from rayfuse.models import params_equal
 from rayfuse.method import resolve_methods
+from rayfuse.models import params_equal
 
 
 def test_registry_lists_the_baselines_and_resolves_aliases():

@@ -8,8 +8,16 @@ import numpy as np
 import pytest
 from scipy.special import expit
 
-from rayfuse.fusion.epgan.ep import (cavity, gaussian_product, paper_second_moment, probit_coefficients, sigmoid_power_mean,
-                               site_update, stein_moments, tilted_moments)
+from rayfuse.fusion.epgan.ep import (
+    cavity,
+    gaussian_product,
+    paper_second_moment,
+    probit_coefficients,
+    sigmoid_power_mean,
+    site_update,
+    stein_moments,
+    tilted_moments,
+)
 
 NODES, WEIGHTS = np.polynomial.hermite_e.hermegauss(200)
 WEIGHTS = WEIGHTS / WEIGHTS.sum()

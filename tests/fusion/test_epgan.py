@@ -267,7 +267,6 @@ def _interrupt_at_turn_2(make_config, run_dir, methods, cache):
 def _resume(run_dir):
     from rayfuse.config import parse_overrides
     from rayfuse.runner import load_run_config
-
     from tests.conftest import scramble_global_rngs
 
     cfg = load_run_config(run_dir, parse_overrides(["federation.faults=[]", "federation.on_client_failure=retry"]))

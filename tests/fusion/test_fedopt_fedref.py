@@ -14,9 +14,9 @@ from rayfuse.fusion import METHODS
 from rayfuse.fusion.fedavg.fedopt import FedAdagrad, FedAdam, FedYogi
 from rayfuse.fusion.fedref.algorithm import FedRef, fedref_step, reference_model
 from rayfuse.io import load_params
+from rayfuse.method import resolve_methods
 from rayfuse.models import params_equal
 from rayfuse.runner import InProcessBackend, load_run_config, run_experiment
-from rayfuse.method import resolve_methods
 
 
 def params_of(cls, **kw):
@@ -149,7 +149,7 @@ def test_code_form_by_hand():
     method = FedRef(params_of(FedRef, p=p, lam=lam, lr=lr))
     aggs = [{"w": np.array([v], np.float32)} for v in (1.0, 3.0, 2.0, 6.0)]
     losses = [[1.0, 1.0], [0.8, 0.6], [0.6, 0.4], [0.4, 0.2]]
-    out = [method.server_update(None, aggs[0], a, updates_with_losses(l), r + 1) for r, (a, l) in enumerate(zip(aggs, losses))]
+    out = [method.server_update(None, aggs[0], a, updates_with_losses(loss), r + 1) for r, (a, loss) in enumerate(zip(aggs, losses))]
     # rounds 1-3 (p + 1) are the aggregates; the first reference (round 3) is mean(3, 2) = 2.5
     assert [float(o["w"][0]) for o in out[:3]] == [1.0, 3.0, 2.0]
     # round 4: theta2 = mean(2, 6) = 4; D1 = 6 - 2 = 4 (the pre-fine-tuning aggregate), D2 = 4 - 2.5 = 1.5; c_loss = -0.2

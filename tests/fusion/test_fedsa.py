@@ -11,18 +11,27 @@ import numpy as np
 import pytest
 import torch
 
-from rayfuse.client import Client
+from rayfuse.client import Client, forget_client_state, has_client_state
 from rayfuse.config import ModelConfig, validate_config
-from rayfuse.method import resolve_methods
 from rayfuse.data.roles import load_dataset_from_config, make_plan
 from rayfuse.errors import InputError
-from rayfuse.client import forget_client_state, has_client_state
 from rayfuse.fusion.fedsa.algorithm import TRANSLATORS, compute_teacher_saliency, distill_student
 from rayfuse.fusion.fedsa.kd import (
-    Translator, adapt_to_target, average_students, build_translator, compute_saliency, compute_transferability,
-    distill_features, draw_weights, find_head, hidden_representation, representation_shape, select_teachers,
+    Translator,
+    adapt_to_target,
+    average_students,
+    build_translator,
+    compute_saliency,
+    compute_transferability,
+    distill_features,
+    draw_weights,
+    find_head,
+    hidden_representation,
+    representation_shape,
+    select_teachers,
     selection_probabilities,
 )
+from rayfuse.method import resolve_methods
 from rayfuse.models import build_model, get_params
 from rayfuse.models.registry import MLP
 

@@ -70,7 +70,7 @@ def test_binary_and_relaxed_solvers_agree_on_an_easy_problem():
     e, r = exact.globals.means(), relaxed.globals.means()
     assert hausdorff(e, r) < 1e-3
     # the relaxed P is (near) binary here and groups the same components
-    for a, P in zip(exact.assignments, relaxed.weights):
+    for _a, P in zip(exact.assignments, relaxed.weights):
         assert np.abs(P.max(1) - 1).max() < 1e-3
     assert exact.objective[-1] <= exact.objective[0] + 1e-9
 

@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from rayfuse.config import load_config
-from tests.integration.two_node import ROOT, TwoNodeCluster
 from rayfuse.method import resolve_methods
+from tests.integration.two_node import ROOT, TwoNodeCluster
 
 pytestmark = pytest.mark.ray
 WAIT_S = 300  # an upper bound for waiting on the cluster, not a performance assertion

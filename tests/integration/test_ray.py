@@ -9,9 +9,9 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 from collections import Counter
-import sys
 from pathlib import Path
 
 import numpy as np

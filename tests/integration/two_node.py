@@ -66,7 +66,7 @@ class TwoNodeCluster:
                 f"--node-manager-port={_free_port()}", f"--object-manager-port={_free_port()}",
                 f"--min-worker-port={base}", f"--max-worker-port={base + 400}"]
 
-    def start(self) -> "TwoNodeCluster":
+    def start(self) -> TwoNodeCluster:
         common = ["--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus_per_node}", "--disable-usage-stats"]
         # Each node is a "silo" (custom resources, as in cluster.yaml): a config pins clients to nodes with them.
         head = [self.ray, "start", "--head", f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1",

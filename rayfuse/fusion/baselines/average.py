@@ -7,8 +7,7 @@ with ``train.shared_init`` the local models start from one initialisation, the f
 
 from __future__ import annotations
 
-from rayfuse.method import ServerContext
-from rayfuse.method import Method, MethodParams, MethodResult, register_method
+from rayfuse.method import Method, MethodParams, MethodResult, ServerContext, register_method
 
 
 class AverageParams(MethodParams):
@@ -20,6 +19,7 @@ class Average(Method):
     name = "average"
     aliases = ("naive-average",)
     Params = AverageParams
+    params: AverageParams
     summary = "one-shot parameter average of the local models (sample-weighted)"
     uses_local_models = True
 

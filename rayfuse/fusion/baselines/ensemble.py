@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from rayfuse.method import ServerContext
 from rayfuse.fusion.aggregate import normalize_weights
-from rayfuse.method import Method, MethodParams, MethodResult, register_method
+from rayfuse.method import Method, MethodParams, MethodResult, ServerContext, register_method
 
 
 class EnsembleParams(MethodParams):
@@ -31,6 +30,7 @@ def majority_vote(probas: np.ndarray, weights: list[float]) -> np.ndarray:
 class Ensemble(Method):
     name = "ensemble"
     Params = EnsembleParams
+    params: EnsembleParams
     summary = "the local models as an ensemble: probability average and majority vote"
     uses_local_models = True
 

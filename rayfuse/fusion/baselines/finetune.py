@@ -20,10 +20,11 @@ utils/logit_ellipsoid.py]: Adam, batch 32, 5 epochs, with the optimiser each mod
   (the jobs run it as a second entry, ``raw-reference``, beside the fully trained raw model).
 
 ``tune_lr`` and ``last_layer_only`` override these defaults. ``tune_solver: lbfgs`` fits a network's last layer to
-convergence instead of the 5 Adam epochs (``fit_last_layer``; a departure from the reference, offered beside it). The reference draws the sample from the pooled validation data;
-here it is the coordinator's public sample (``data.public_size``, drawn stratified from the training pool before
-partitioning). ``public_samples`` takes a subset of it (uniformly, seeded), or a list of sizes for the fine-tuning
-curve of Figures 3-4 (``info.tuning_curve``; the final metrics are those of the largest size).
+convergence instead of the 5 Adam epochs (``fit_last_layer``; a departure from the reference, offered beside it).
+The reference draws the sample from the pooled validation data; here it is the coordinator's public sample
+(``data.public_size``, drawn stratified from the training pool before partitioning). ``public_samples`` takes a
+subset of it (uniformly, seeded), or a list of sizes for the fine-tuning curve of Figures 3-4
+(``info.tuning_curve``; the final metrics are those of the largest size).
 
 [1] N. Guha, V. Smith. Model Aggregation via Good-Enough Model Spaces. arXiv:1805.07782 (2019).
 """
@@ -37,11 +38,14 @@ import torch
 from pydantic import Field, field_validator
 from torch import nn
 
-from rayfuse.method import ServerContext
 from rayfuse.data.roles import Split
 from rayfuse.errors import InputError, NonFiniteError
+<<<<<<< HEAD
 from rayfuse.method import Method, MethodParams, MethodResult, register_method
 from rayfuse.fusion import references
+=======
+from rayfuse.method import Method, MethodParams, MethodResult, ServerContext, register_method
+>>>>>>> lint
 from rayfuse.models import get_params, predict_proba, set_params, train_model
 from rayfuse.models.registry import MLP, LogisticRegression, build_model
 
@@ -73,7 +77,8 @@ def evaluate_params(server: ServerContext, params: dict[str, np.ndarray]) -> dic
 class TuneSettings(MethodParams):
     """Fine-tuning on the public sample (shared by ``tuned`` and ``gems``)."""
 
-    public_samples: int | list[int] | None = Field(None, description="public examples to tune on (default: the whole data.public_size sample); a list gives the fine-tuning curve")
+    public_samples: int | list[int] | None = Field(
+        None, description="public examples to tune on (default: the whole data.public_size sample); a list gives the fine-tuning curve")
     tune_epochs: int = Field(5, ge=1, description="fine-tuning epochs (reference: 5)")
     tune_lr: float = Field(0.01, gt=0, description="Adam learning rate (reference: 0.01)")
     tune_batch_size: int = Field(32, ge=1)
@@ -118,26 +123,33 @@ def fit_last_layer(model: MLP, X: np.ndarray, y: np.ndarray, *, l2: float, devic
 
     The objective, mean cross-entropy + ``l2`` |W|^2 / (2 n) (scikit-learn's ``LogisticRegression`` with C = 1 / l2;
     the bias is not penalised), is strictly convex for ``l2 > 0``, so the result does not depend on where the layer
-    started, only on the features below it.
+    started, only on the features below it. The solve runs in float64: with features that leave a direction nearly
+    flat (a dead unit) a float32 line search stalls on loss changes below float32 resolution, up to 1e-3 away from the
+    optimum and at a point that depends on the start.
     """
     model.to(device).eval()
     head = model.layers[-1]
     with torch.no_grad():
-        feats = model.features(torch.as_tensor(X, dtype=torch.float32, device=device))
+        feats = model.features(torch.as_tensor(X, dtype=torch.float32, device=device)).double()
     target = torch.as_tensor(y, dtype=torch.long, device=device)
-    opt = torch.optim.LBFGS(head.parameters(), lr=1.0, max_iter=max_iter, tolerance_grad=1e-7, tolerance_change=1e-10,
+    weight = head.weight.detach().double().requires_grad_(True)
+    bias = head.bias.detach().double().requires_grad_(True)
+    opt = torch.optim.LBFGS([weight, bias], lr=1.0, max_iter=max_iter, tolerance_grad=1e-9, tolerance_change=1e-12,
                             history_size=20, line_search_fn="strong_wolfe")
     scale = l2 / (2.0 * len(y))
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
-        loss = nn.functional.cross_entropy(head(feats), target) + scale * head.weight.pow(2).sum()
+        loss = nn.functional.cross_entropy(nn.functional.linear(feats, weight, bias), target) + scale * weight.pow(2).sum()
         loss.backward()
         return loss
 
     opt.step(closure)
-    if not all(torch.isfinite(p).all() for p in head.parameters()):
+    if not (torch.isfinite(weight).all() and torch.isfinite(bias).all()):
         raise NonFiniteError("fine-tuning (tune_solver lbfgs): the last layer has NaN or Inf values")
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        head.bias.copy_(bias)
     model.cpu()
 
 
@@ -220,9 +232,10 @@ class FinetuneParams(TuneSettings):
     last_layer_only: bool | None = Field(None, description="networks: tune only the last layer (default: the reference's per base: average yes, local no)")
     raw_epochs: int | None = Field(None, ge=1, description="base raw: training epochs (default: 5 for logreg, 50 for networks, as the reference)")
     raw_dropout: float = Field(0.0, ge=0, lt=1, description="base raw, networks: dropout after each hidden layer (the reference's learn_dnn2: 0.5)")
-    raw_early_stop: int = Field(0, ge=0, description="base raw: stop once the training accuracy has not improved for this many epochs (0: off; the reference: 3)")
+    raw_early_stop: int = Field(
+        0, ge=0, description="base raw: stop once the training accuracy has not improved for this many epochs (0: off; the reference: 3)")
 
-    def resolved(self) -> "FinetuneParams":
+    def resolved(self) -> FinetuneParams:
         """These parameters with ``tune_lr`` / ``last_layer_only`` filled in from the reference's per-base defaults."""
         lr, last_only = _BASE_DEFAULTS[self.base]
         return self.model_copy(update={"tune_lr": self.tune_lr or lr,
@@ -234,6 +247,7 @@ class Finetune(Method):
     name = "finetune"
     aliases = ("tuned",)  # its name before 0.2 (it collides with Ray Tune in every sentence); old jobs still run
     Params = FinetuneParams
+    params: FinetuneParams
     summary = "a local / averaged / fresh (raw) model fine-tuned on the server's public sample (GEMS Section 4.4)"
     reference = references.GEMS
     uses_local_models = True

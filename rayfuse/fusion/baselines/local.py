@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rayfuse.method import ServerContext
-from rayfuse.method import Method, MethodResult, register_method
+from rayfuse.method import Method, MethodResult, ServerContext, register_method
 
 
 @register_method

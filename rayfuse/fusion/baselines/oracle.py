@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rayfuse.method import ServerContext
-from rayfuse.method import Method, MethodParams, MethodResult, register_method
+from rayfuse.method import Method, MethodParams, MethodResult, ServerContext, register_method
 from rayfuse.models import get_params, train_model
 
 
@@ -23,6 +22,7 @@ class GlobalOracle(Method):
     name = "global"
     aliases = ("centralized", "pooled")
     Params = GlobalParams
+    params: GlobalParams
     summary = "ORACLE: one model trained on all clients' data pooled (infeasible in a federation)"
     oracle = True
 

@@ -44,15 +44,16 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from rayfuse.method import ClientContext
-from rayfuse.method import ServerContext
 from rayfuse.errors import NonFiniteError, RunFailure
-from rayfuse.method import Gathered, Update, client_step
 from rayfuse.fusion.aggregate import weighted_average
+<<<<<<< HEAD
 from rayfuse.method import Method, MethodParams, MethodResult, register_method
 from rayfuse.fusion import references
+=======
+>>>>>>> lint
 from rayfuse.fusion.epgan.ep import gaussian_product
 from rayfuse.fusion.epgan.nets import GANSettings, GANTrainer
+from rayfuse.method import ClientContext, Gathered, Method, MethodParams, MethodResult, ServerContext, Update, client_step, register_method
 from rayfuse.seeding import derive_seed
 
 __all__ = ["EPGAN", "EPGANOracle", "EPGANParams", "EPGANOracleParams", "train_gan", "combine_factors", "grid_points",
@@ -82,7 +83,8 @@ class EPGANParams(MethodParams):
     hist_weight: float = Field(1.0, ge=0, description="weight of the discriminator-history (PSA) term")
     hist_every: int = Field(10, ge=1, description="iterations between discriminator-history updates")
     lambda_ep: float = Field(1e-3, ge=0, description="weight of the EP-prior term in the generator loss")
-    f_weight: float = Field(1.0, ge=0, description="weight of f's objective in the critic loss (its objective is UNRECOVERABLE; 0: f stays at its initialisation)")
+    f_weight: float = Field(
+        1.0, ge=0, description="weight of f's objective in the critic loss (its objective is UNRECOVERABLE; 0: f stays at its initialisation)")
     prior_var: float = Field(1.0, gt=0, description="variance of the initial global EP prior")
     component_spread: float = Field(0.05, ge=0, description="std of the seeded offsets of components j > 0 at initialisation")
     damping: float = Field(0.5, gt=0, le=1, description="damping rho of the EP factor update (natural parameters)")
@@ -96,7 +98,7 @@ class EPGANParams(MethodParams):
     eval_samples: int = Field(10_000, ge=100, description="generator samples for the sample scores")
 
     @model_validator(mode="after")
-    def _components_need_ep(self) -> "EPGANParams":
+    def _components_need_ep(self) -> EPGANParams:
         if self.components > 1 and not self.backbone.startswith("ep-"):
             raise ValueError(f"@components@ 1 for backbone {self.backbone!r} (mixture components need an EP backbone), got {self.components}")
         return self
@@ -367,7 +369,7 @@ class _ImageScorer:
         return None
 
 
-def make_scorer(server: ServerContext, params: EPGANParams) -> "_Scorer | _ImageScorer":
+def make_scorer(server: ServerContext, params: EPGANParams) -> _Scorer | _ImageScorer:
     """Toy scores for ``gaussians4``; image scores for image datasets; otherwise only losses are logged."""
     if server.data_cfg.dataset != "gaussians4" and len(server.input_shape) == 3:
         return _ImageScorer(server, params)
@@ -473,6 +475,7 @@ def _prior_from(state: dict[str, np.ndarray], tag: str) -> tuple[dict[str, np.nd
 class EPGAN(Method):
     name = "epgan"
     Params = EPGANParams
+    params: EPGANParams
     summary = "EP-GAN: federated (Bayesian) GANs, FedAvg of G and D plus a product-of-Gaussians EP prior (Wu et al. 2022)"
     reference = references.EPGAN
     # A checkpoint after the warm-up (turn 0) and after each turn; ``--resume`` continues after the last one.
@@ -557,7 +560,8 @@ class EPGAN(Method):
             }
             losses = {"d_loss": row["d_loss"], "g_loss": row["g_loss"]}
             if ep is not None:
-                row["ep_var_mean"] = float(np.mean([v.mean() for v in ep[1].values()]))
+                # by sorted key: a resumed run's prior comes from stored states, keyed in another order than a fresh one's
+                row["ep_var_mean"] = float(np.mean([ep[1][k].mean() for k in sorted(ep[1])]))
             metrics = scorer(model)
             row.update(metrics)
             server.log(turn, row)
@@ -641,6 +645,7 @@ class EPGANOracle(Method):
     name = "epgan-oracle"
     aliases = ("epgan-centralized",)
     Params = EPGANOracleParams
+    params: EPGANOracleParams
     summary = "ORACLE: the EP-GAN backbone trained on all clients' data pooled (the paper's centralised column)"
     reference = references.EPGAN
     oracle = True

@@ -19,11 +19,15 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
+<<<<<<< HEAD
 from rayfuse.method import ClientContext
 from rayfuse.method import ServerContext
 from rayfuse.method import Update, client_step
 from rayfuse.method import Method, MethodParams, MethodResult, register_method
 from rayfuse.fusion import references
+=======
+from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, ServerContext, Update, client_step, register_method
+>>>>>>> lint
 
 __all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "fit"]
 
@@ -73,6 +77,7 @@ class FedProxParams(FedAvgParams):
 class FedAvg(Method):
     name = "fedavg"
     Params = FedAvgParams
+    params: FedAvgParams
     summary = "federated averaging over rounds (McMahan et al. 2017), sample-weighted"
     reference = references.FEDAVG
     multi_round = True
@@ -151,6 +156,7 @@ class FedAvg(Method):
 class FedProx(FedAvg):
     name = "fedprox"
     Params = FedProxParams
+    params: FedProxParams
     summary = "FedAvg with a proximal term mu/2 ||w - w_t||^2 on each client (Li et al. 2020)"
     reference = references.FEDPROX
 

@@ -27,12 +27,15 @@ from typing import ClassVar
 import numpy as np
 from pydantic import Field, model_validator
 
-from rayfuse.method import ServerContext
 from rayfuse.errors import NonFiniteError
+<<<<<<< HEAD
 from rayfuse.method import Update
 from rayfuse.method import register_method
 from rayfuse.fusion import references
+=======
+>>>>>>> lint
 from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams
+from rayfuse.method import ServerContext, Update, register_method
 
 __all__ = ["FedOpt", "FedAdagrad", "FedAdam", "FedYogi", "FedOptParams", "FedAdagradParams", "fedopt_step"]
 
@@ -50,7 +53,7 @@ class FedAdagradParams(FedOptParams):
     beta1: float = Field(0.0, ge=0, lt=1, description="first-moment decay (eq. 4 and Flower: 0, the step uses Delta_t)")
 
     @model_validator(mode="after")
-    def _no_bias_correction(self) -> "FedAdagradParams":
+    def _no_bias_correction(self) -> FedAdagradParams:
         if self.bias_correction:
             raise ValueError("@bias_correction@ false (Adam's bias correction has no meaning for FedAdagrad), got true")
         return self
@@ -109,6 +112,7 @@ class FedOpt(FedAvg):
     """FedAvg's clients with an adaptive server step on the pseudo-gradient; subclasses name the rule."""
 
     Params = FedOptParams
+    params: FedOptParams
     rule: ClassVar[str] = ""
 
     def __init__(self, params: FedOptParams, label: str | None = None) -> None:
@@ -151,6 +155,7 @@ class FedOpt(FedAvg):
 class FedAdagrad(FedOpt):
     name = "fedadagrad"
     Params = FedAdagradParams
+    params: FedAdagradParams
     rule = "adagrad"
     summary = "FedAvg clients, Adagrad server step on the pseudo-gradient (Reddi et al. 2021)"
     reference = references.FEDOPT

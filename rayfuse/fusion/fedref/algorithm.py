@@ -36,12 +36,15 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from rayfuse.method import ServerContext
 from rayfuse.errors import NonFiniteError
+<<<<<<< HEAD
 from rayfuse.method import Update
 from rayfuse.method import register_method
 from rayfuse.fusion import references
+=======
+>>>>>>> lint
 from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams
+from rayfuse.method import ServerContext, Update, register_method
 
 __all__ = ["FedRef", "FedRefParams", "reference_model", "fedref_step"]
 
@@ -55,7 +58,7 @@ class FedRefParams(FedAvgParams):
         "running", description="F_k: running = mean loss of the last local epoch (free); eval = a forward pass after training (authors' code)")
 
 
-def reference_model(queue: "list[dict[str, np.ndarray]] | deque[dict[str, np.ndarray]]") -> dict[str, np.ndarray]:
+def reference_model(queue: list[dict[str, np.ndarray]] | deque[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Eq. 13-14: the uniform mean of the stored aggregates (float64 accumulation, the aggregates' dtypes)."""
     n = len(queue)
     first = queue[0]
@@ -99,6 +102,7 @@ def fedref_step(form: str, theta1: dict[str, np.ndarray], theta1_prev: dict[str,
 class FedRef(FedAvg):
     name = "fedref"
     Params = FedRefParams
+    params: FedRefParams
     summary = "FedAvg plus a server-side Bayesian fine-tuning step towards the mean of the last p aggregates (Yoon & Choi 2025)"
     reference = references.FEDREF
 

@@ -41,23 +41,35 @@ import copy
 import time
 import uuid
 from collections import Counter
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
 
-from rayfuse.method import ClientContext
 from rayfuse.config import ModelConfig
-from rayfuse.method import ServerContext
 from rayfuse.data.roles import Split
 from rayfuse.errors import InputError, NonFiniteError, RunFailure
+<<<<<<< HEAD
 from rayfuse.method import client_step
 from rayfuse.method import Method, MethodParams, MethodResult, register_method
 from rayfuse.fusion import references
+=======
+>>>>>>> lint
 from rayfuse.fusion.fedsa.kd import (
-    adapt_to_target, average_students, build_translator, compute_saliency, compute_transferability, distill_features,
-    draw_weights, hidden_representation, representation_shape, select_teachers, selection_probabilities,
+    adapt_to_target,
+    average_students,
+    build_translator,
+    compute_saliency,
+    compute_transferability,
+    distill_features,
+    draw_weights,
+    hidden_representation,
+    representation_shape,
+    select_teachers,
+    selection_probabilities,
 )
+from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, ServerContext, client_step, register_method
 from rayfuse.seeding import derive_seed, make_rng
 
 __all__ = ["FedSA", "FedSAParams", "Scratch", "Transfer", "TargetParams", "compute_teacher_saliency", "distill_student"]
@@ -274,6 +286,7 @@ def _check_finite(params: dict[str, np.ndarray]) -> bool:
 class Scratch(Method):
     name = "scratch"
     Params = StudentParams
+    params: StudentParams
     summary = "the target model trained on the server's labelled target set alone (FedSA's Scratch baseline)"
     reference = references.FEDSA
     # The same network, initialisation and training as FedSA's weak target model (round 0), evaluated as it is.
@@ -297,6 +310,7 @@ class TransferParams(TargetParams):
 class Transfer(Method):
     name = "transfer"
     Params = TransferParams
+    params: TransferParams
     summary = "each teacher fine-tuned on the target set (needs the teachers' weights: not federated; FedSA's Transfer)"
     reference = references.FEDSA
     uses_local_models = True
@@ -331,6 +345,7 @@ class Transfer(Method):
 class FedSA(Method):
     name = "fedsa"
     Params = FedSAParams
+    params: FedSAParams
     summary = "saliency-based teacher selection and selective feature amalgamation into a new-task student (Xie et al. 2022)"
     reference = references.FEDSA
     multi_round = True  # a checkpoint after each round; ``--resume`` continues mid-method (see :meth:`_resume`)

@@ -27,7 +27,8 @@ hundredths, eq. 3 alone gives nearly uniform probabilities; the code min-max nor
 from __future__ import annotations
 
 import copy
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import torch

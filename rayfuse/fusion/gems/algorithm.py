@@ -37,9 +37,8 @@ import numpy as np
 import torch
 from pydantic import Field, field_validator
 
-from rayfuse.method import ClientContext
-from rayfuse.method import ServerContext
 from rayfuse.errors import InputError
+<<<<<<< HEAD
 from rayfuse.method import client_step
 from rayfuse.method import Method, MethodResult, register_method
 from rayfuse.fusion import references
@@ -47,7 +46,23 @@ from rayfuse.fusion.gems.balls import (
     compute_fisher, cluster_neurons, ellipsoid_axes, fisher_mask, flatten_linear, fuse_neurons, intersect_balls,
     neuron_distance, search_radii, softmax_accuracy, unflatten_linear,
 )
+=======
+>>>>>>> lint
 from rayfuse.fusion.baselines.finetune import TuneSettings, check_tune_solver, evaluate_params, tuning_curve
+from rayfuse.fusion.gems.balls import (
+    cluster_neurons,
+    compute_fisher,
+    ellipsoid_axes,
+    fisher_mask,
+    flatten_linear,
+    fuse_neurons,
+    intersect_balls,
+    neuron_distance,
+    search_radii,
+    softmax_accuracy,
+    unflatten_linear,
+)
+from rayfuse.method import ClientContext, Method, MethodResult, ServerContext, client_step, register_method
 
 __all__ = ["GEMS", "GEMSParams", "build_model_ball", "build_neuron_balls", "transform_features"]
 
@@ -173,8 +188,10 @@ def build_neuron_balls(ctx: ClientContext, fused_layers: list[tuple[np.ndarray, 
 
 
 class GEMSParams(TuneSettings):
-    epsilon: float | None = Field(None, ge=0, le=1, description="validation accuracy a model in a ball must reach (default 0.4 for logreg, Table 1; 0.7 for a network's output layer, Table 2)")
-    shape: Literal["auto", "sphere", "ellipsoid"] = Field("auto", description="auto: the Fisher ellipsoid for logreg (Table 1), a sphere for a network's output layer (the reference code)")
+    epsilon: float | None = Field(None, ge=0, le=1, description="validation accuracy a model in a ball must reach "
+                                                                "(default 0.4 for logreg, Table 1; 0.7 for a network's output layer, Table 2)")
+    shape: Literal["auto", "sphere", "ellipsoid"] = Field(
+        "auto", description="auto: the Fisher ellipsoid for logreg (Table 1), a sphere for a network's output layer (the reference code)")
     floor: float = Field(0.1, gt=0, le=1, description="ellipsoid axis floor c (eq. 5)")
     num_samples: int = Field(500, ge=1, description="p: models sampled on the surface per radius")
     r_max: float = Field(4000.0, gt=0, description="R_max: upper end of the radius search")
@@ -232,6 +249,7 @@ def _check_same_shapes(results: dict[int, dict[str, Any]], key: str, what: str) 
 class GEMS(Method):
     name = "gems"
     Params = GEMSParams
+    params: GEMSParams
     summary = "good-enough model spaces: intersect clients' balls of good models (Guha & Smith 2019)"
     reference = references.GEMS
     uses_local_models = True

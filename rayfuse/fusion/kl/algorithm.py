@@ -32,16 +32,20 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from rayfuse.method import ServerContext
 from rayfuse.errors import InputError, RunFailure
+<<<<<<< HEAD
 from rayfuse.method import MethodResult, Method, register_method
 from rayfuse.fusion import references
 from rayfuse.fusion.kl.bnn import corrupt, fuse_output_bias, network_of, neurons_of, predictive, predictive_metrics, train_bnn
+=======
+>>>>>>> lint
 from rayfuse.expfam import Dirichlet
+from rayfuse.fusion.kl.bnn import corrupt, fuse_output_bias, network_of, neurons_of, predictive, predictive_metrics, train_bnn
 from rayfuse.fusion.kl.fusion import fuse_heterogeneous, fuse_homogeneous
-from rayfuse.fusion.kl.topics import completion_log_likelihood, fit_lda_posterior, split_documents, topic_hausdorff
 from rayfuse.fusion.kl.gmm import GMMPosteriorParams, gather_gmm_posteriors, gmm_metrics
+from rayfuse.fusion.kl.topics import completion_log_likelihood, fit_lda_posterior, split_documents, topic_hausdorff
 from rayfuse.matching import Executor, serial_map, thread_map
+from rayfuse.method import Method, MethodResult, ServerContext, register_method
 from rayfuse.seeding import make_rng
 
 __all__ = ["KLFusion", "KLParams", "choose_executor"]
@@ -56,7 +60,8 @@ class KLParams(GMMPosteriorParams):
         "neurons (diagonal Gaussians); topics = LDA topics (Dirichlet)")
     homogeneous: bool = Field(False, description="topics: the parametric variant (eq. 3): every client fits n_components topics, fused by permutation")
     lam: float = Field(0.1, ge=0, description="lambda of eq. 9, relative to the standard deviation of the KL costs (paper: 0.1)")
-    solver: Literal["exact", "relaxed"] = Field("exact", description="exact: per-dataset augmented Hungarian (binary); relaxed: the convex P-step (Frank-Wolfe)")
+    solver: Literal["exact", "relaxed"] = Field(
+        "exact", description="exact: per-dataset augmented Hungarian (binary); relaxed: the convex P-step (Frank-Wolfe)")
     max_iter: int | None = Field(None, ge=1, description="sweeps (exact, default 20) or P/theta alternations (relaxed, default 10)")
     n_init_components: int | None = Field(None, ge=1, description="G_init of the KL-k-means++ initialisation (default min(sum L_j, 2 max L_j))")
     fw_iterations: int = Field(100, ge=1, description="relaxed: Frank-Wolfe iterations per P-step")
@@ -86,6 +91,7 @@ class KLFusion(Method):
     name = "kl"
     aliases = ("kl_fusion",)
     Params = KLParams
+    params: KLParams
     summary = "KL-fusion: fuse clients' exponential-family posteriors, number of global components inferred (Claici et al. 2020)"
     reference = references.KLF
 

@@ -19,9 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from rayfuse.method import ClientContext
 from rayfuse.expfam import DiagGaussian
-from rayfuse.method import client_step
+from rayfuse.method import ClientContext, client_step
 
 __all__ = ["train_bnn", "BNN", "neurons_of", "network_of", "predictive", "predictive_metrics", "corrupt"]
 
@@ -51,7 +50,7 @@ def train_bnn(ctx: ClientContext, *, hidden: int = 150, epochs: int = 100, lr: f
     batches = torch.Generator().manual_seed(ctx.step_seed("bnn-batches") % (2**31))
     prior_var = prior_sd**2
     last = float("nan")
-    for epoch in range(epochs):
+    for _epoch in range(epochs):
         order = torch.randperm(n, generator=batches)
         total = 0.0
         for start in range(0, n, batch_size):

@@ -54,9 +54,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -174,7 +175,7 @@ def fuse_homogeneous(posteriors: Sequence[Family], *, max_iter: int = 20, execut
     centers = posteriors[init].take(np.arange(L))
     assignments: list[np.ndarray] = [np.full(L, -1)] * D
     objective: list[float] = []
-    for it in range(max_iter):
+    for it in range(max_iter):  # noqa: B007 (it is read after the loop: the iteration count)
         new = map_chunked(partial(_assign_to, centers), list(posteriors), executor)
         sums = np.zeros((L, eta.shape[2]))
         for j, a in enumerate(new):
@@ -410,7 +411,7 @@ def _fuse_exact(posteriors: Sequence[Family], flat: Family, centers: Family, ini
     owner = np.concatenate(assignments)  # the global of every local component
     accepted = resolved = 0
     sweeps = 0
-    for sweep in range(max_iter):
+    for _sweep in range(max_iter):
         sweeps += 1
         snap = state.snapshot()
         proposals = map_chunked(partial(_propose, snap), [(p, e, a) for p, e, a in zip(posteriors, etas, assignments)], executor)
@@ -468,7 +469,7 @@ def _frank_wolfe(P: list[np.ndarray], C: list[np.ndarray], lam: np.ndarray, eps:
                  executor: Executor | None) -> list[np.ndarray]:
     """Minimise ``sum_j <P^j, C^j> + sum_g lam_g sqrt(sum_{j,l} (P^j_lg)^2 + eps^2)`` over the assignment polytopes."""
     P = [p.copy() for p in P]
-    for t in range(iterations):
+    for _t in range(iterations):
         sq = sum((p**2).sum(0) for p in P)
         norm = np.sqrt(sq + eps**2)
         grads = [c + lam * p / norm[None, :] for p, c in zip(P, C)]
@@ -509,7 +510,7 @@ def _fuse_relaxed(posteriors: Sequence[Family], flat: Family, centers: Family, i
     globals_ = centers
     objective = []
     max_l = max(len(p) for p in posteriors)
-    for it in range(max_iter):
+    for _it in range(max_iter):
         if reg_weights == "code":
             # [KLF : src/assignment.py]: weight sqrt(max(0, g + 1 - Lmax)) for the g-th global by decreasing mass (the
             # globals are re-sorted after every iteration): the heaviest Lmax are free, the rest ever more expensive.

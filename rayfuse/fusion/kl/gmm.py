@@ -22,14 +22,16 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, field_validator
 
-from rayfuse.method import ClientContext
-from rayfuse.method import ServerContext
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.expfam import NormalWishart, normal_wishart_from_sklearn
+<<<<<<< HEAD
 from rayfuse.method import client_step
 from rayfuse.method import Method, MethodParams, MethodResult, register_method
 from rayfuse.fusion import references
+=======
+>>>>>>> lint
 from rayfuse.fusion.kl.fusion import hausdorff
+from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, ServerContext, client_step, register_method
 
 __all__ = ["fit_gmm_posterior", "GMMPosteriorParams", "gather_gmm_posteriors", "gmm_truth", "gmm_metrics", "GMMOracle", "DPCluster"]
 
@@ -115,6 +117,7 @@ class GMMOracle(Method):
     name = "gmm_oracle"
     aliases = ("vi_oracle",)
     Params = GMMPosteriorParams
+    params: GMMPosteriorParams
     summary = "ORACLE: variational GMM on every client's points pooled, with the true number of components (KL-fusion's VI-oracle)"
     reference = references.KLF
     oracle = True
@@ -144,6 +147,7 @@ class DPClusterParams(GMMPosteriorParams):
 class DPCluster(Method):
     name = "dp_cluster"
     Params = DPClusterParams
+    params: DPClusterParams
     summary = "Dirichlet-process mixture on the pooled local posterior means (KL-fusion's DP-cluster baseline)"
     reference = references.KLF
 

@@ -20,17 +20,16 @@ Matching. NeurIPS 2019.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from pydantic import Field
 
-from rayfuse.method import ServerContext
 from rayfuse.errors import InputError
-from rayfuse.method import Method, MethodResult, register_method
 from rayfuse.fusion import references
 from rayfuse.fusion.kl.gmm import GMMPosteriorParams, gather_gmm_posteriors, gmm_metrics
 from rayfuse.matching import solve_assignment
+from rayfuse.method import Method, MethodResult, ServerContext, register_method
 
 __all__ = ["spahm_match", "SPAHM", "SPAHMParams"]
 
@@ -138,6 +137,7 @@ class SPAHMParams(GMMPosteriorParams):
 class SPAHM(Method):
     name = "spahm"
     Params = SPAHMParams
+    params: SPAHMParams
     summary = "SPAHM (Yurochkin et al. 2019) on the clients' local posterior means (KL-fusion's GMM baseline)"
     reference = references.SPAHM
 

@@ -17,8 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from rayfuse.method import ClientContext
-from rayfuse.method import client_step
+from rayfuse.method import ClientContext, client_step
 
 __all__ = ["fit_lda_posterior", "split_documents", "completion_log_likelihood", "topic_hausdorff"]
 
