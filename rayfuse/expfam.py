@@ -227,13 +227,8 @@ class NormalWishart(Family):
             self._cache["lgamma"] = np.array([multigammaln(v / 2, self.dim) for v in self.nu]) if len(self) else np.zeros(0)
         return self._cache["lgamma"]
 
-<<<<<<< HEAD
-    def kl(self, other: "NormalWishart") -> np.ndarray:
-        """Closed form (``docs/methods/kl.md``). The Gaussian part uses ``kappa1 / kappa0``; the reference code's
-=======
     def kl(self, other: NormalWishart) -> np.ndarray:
-        """Closed form (ALGORITHMS.md 1.2a). The Gaussian part uses ``kappa1 / kappa0``; the reference code's
->>>>>>> lint
+        """Closed form (``docs/methods/kl.md``). The Gaussian part uses ``kappa1 / kappa0``; the reference code's
         ``gaus_kl`` swaps the two (``k0 / k1``), a bug not reproduced here."""
         self._check_same(other)
         D = self.dim

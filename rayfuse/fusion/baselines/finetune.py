@@ -40,12 +40,8 @@ from torch import nn
 
 from rayfuse.data.roles import Split
 from rayfuse.errors import InputError, NonFiniteError
-<<<<<<< HEAD
-from rayfuse.method import Method, MethodParams, MethodResult, register_method
 from rayfuse.fusion import references
-=======
 from rayfuse.method import Method, MethodParams, MethodResult, ServerContext, register_method
->>>>>>> lint
 from rayfuse.models import get_params, predict_proba, set_params, train_model
 from rayfuse.models.registry import MLP, LogisticRegression, build_model
 

@@ -45,12 +45,8 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from rayfuse.errors import NonFiniteError, RunFailure
-from rayfuse.fusion.aggregate import weighted_average
-<<<<<<< HEAD
-from rayfuse.method import Method, MethodParams, MethodResult, register_method
 from rayfuse.fusion import references
-=======
->>>>>>> lint
+from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.epgan.ep import gaussian_product
 from rayfuse.fusion.epgan.nets import GANSettings, GANTrainer
 from rayfuse.method import ClientContext, Gathered, Method, MethodParams, MethodResult, ServerContext, Update, client_step, register_method

@@ -19,15 +19,8 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-<<<<<<< HEAD
-from rayfuse.method import ClientContext
-from rayfuse.method import ServerContext
-from rayfuse.method import Update, client_step
-from rayfuse.method import Method, MethodParams, MethodResult, register_method
 from rayfuse.fusion import references
-=======
 from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, ServerContext, Update, client_step, register_method
->>>>>>> lint
 
 __all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "fit"]
 

@@ -37,12 +37,7 @@ import numpy as np
 from pydantic import Field
 
 from rayfuse.errors import NonFiniteError
-<<<<<<< HEAD
-from rayfuse.method import Update
-from rayfuse.method import register_method
 from rayfuse.fusion import references
-=======
->>>>>>> lint
 from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams
 from rayfuse.method import ServerContext, Update, register_method
 

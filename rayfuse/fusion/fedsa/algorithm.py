@@ -50,12 +50,7 @@ from pydantic import Field
 from rayfuse.config import ModelConfig
 from rayfuse.data.roles import Split
 from rayfuse.errors import InputError, NonFiniteError, RunFailure
-<<<<<<< HEAD
-from rayfuse.method import client_step
-from rayfuse.method import Method, MethodParams, MethodResult, register_method
 from rayfuse.fusion import references
-=======
->>>>>>> lint
 from rayfuse.fusion.fedsa.kd import (
     adapt_to_target,
     average_students,

@@ -38,16 +38,7 @@ import torch
 from pydantic import Field, field_validator
 
 from rayfuse.errors import InputError
-<<<<<<< HEAD
-from rayfuse.method import client_step
-from rayfuse.method import Method, MethodResult, register_method
 from rayfuse.fusion import references
-from rayfuse.fusion.gems.balls import (
-    compute_fisher, cluster_neurons, ellipsoid_axes, fisher_mask, flatten_linear, fuse_neurons, intersect_balls,
-    neuron_distance, search_radii, softmax_accuracy, unflatten_linear,
-)
-=======
->>>>>>> lint
 from rayfuse.fusion.baselines.finetune import TuneSettings, check_tune_solver, evaluate_params, tuning_curve
 from rayfuse.fusion.gems.balls import (
     cluster_neurons,

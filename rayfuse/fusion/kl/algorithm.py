@@ -33,13 +33,8 @@ import numpy as np
 from pydantic import Field
 
 from rayfuse.errors import InputError, RunFailure
-<<<<<<< HEAD
-from rayfuse.method import MethodResult, Method, register_method
-from rayfuse.fusion import references
-from rayfuse.fusion.kl.bnn import corrupt, fuse_output_bias, network_of, neurons_of, predictive, predictive_metrics, train_bnn
-=======
->>>>>>> lint
 from rayfuse.expfam import Dirichlet
+from rayfuse.fusion import references
 from rayfuse.fusion.kl.bnn import corrupt, fuse_output_bias, network_of, neurons_of, predictive, predictive_metrics, train_bnn
 from rayfuse.fusion.kl.fusion import fuse_heterogeneous, fuse_homogeneous
 from rayfuse.fusion.kl.gmm import GMMPosteriorParams, gather_gmm_posteriors, gmm_metrics

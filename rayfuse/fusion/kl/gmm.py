@@ -24,12 +24,7 @@ from pydantic import Field, field_validator
 
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.expfam import NormalWishart, normal_wishart_from_sklearn
-<<<<<<< HEAD
-from rayfuse.method import client_step
-from rayfuse.method import Method, MethodParams, MethodResult, register_method
 from rayfuse.fusion import references
-=======
->>>>>>> lint
 from rayfuse.fusion.kl.fusion import hausdorff
 from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, ServerContext, client_step, register_method
 
