@@ -14,9 +14,9 @@ from typing import Any
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.version import __version__
 
-__all__ = ["InputError", "RunFailure", "RunResult", "fuse", "run", "__version__"]
+__all__ = ["InputError", "RunFailure", "RunResult", "fuse", "resume", "run", "__version__"]
 
-_API = ("run", "fuse", "RunResult")
+_API = ("run", "resume", "fuse", "RunResult")
 
 
 def __getattr__(name: str) -> Any:

@@ -199,3 +199,18 @@ def test_on_ray_a_model_class_and_a_method_from_this_module_reach_the_actors_by_
     # the classes and the client step travelled by value: no client imported this module to unpickle them
     assert result.results["methods"]["mean"]["info"]["imported_test_module"] == 0.0
     assert result.models["mean"]["head.weight"].shape == (10, 8)
+
+
+def test_the_readme_example_is_examples_python_api():
+    """README.md's "Python API" block is examples/python_api.py (which was run on Ray and in-process), line for line
+    but for the choice of backend."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("## Python API"):]
+    block = section[section.index("```python\n") + len("```python\n"):]
+    block = block[: block.index("```\n")]
+    example = (root / "examples" / "python_api.py").read_text().replace("backend=backend", 'backend="ray"')
+    missing = [line for line in block.splitlines() if line.strip() and line not in example.splitlines()]
+    assert missing == [] and "rayfuse.run(" in block
