@@ -9,16 +9,21 @@
   simulation mode) each actor hosts k consecutive clients and is named ``<run>/clients-<i>-<j>``.
 * Coordinator: a named ``CoordinatorActor`` (``<run>/coordinator``) pinned to the driver's node, given the client
   handles. The driver only calls it and polls its events; parameters never travel through the driver.
+* Objects given from Python (``rayfuse.run(model=..., methods=...)``) travel to the actors by value: classes and
+  functions of ``__main__`` always do (cloudpickle); those of the modules named in ``pickle_by_value`` (a script's or a
+  test's own module, which a worker might not import) are registered for by-value pickling while the actors start.
 * Gang scheduling (a Ray Tune trial, ``actors.tune``): given a placement group, the coordinator goes into bundle 0
   (the trial's own bundle, on the driver's node) and client actor ``k`` into bundle ``k + 1``, with the bundle's CPUs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +39,7 @@ from rayfuse.errors import InputError, RunFailure
 from rayfuse.method import MethodSpec
 from rayfuse.runner import Backend, EventSink
 
-__all__ = ["RayBackend", "actor_options", "client_bundles", "merged_resources", "trial_bundles"]
+__all__ = ["RayBackend", "actor_options", "client_bundles", "merged_resources", "pickled_by_value", "trial_bundles"]
 
 POLL_S = 0.25
 
@@ -109,18 +114,46 @@ def trial_bundles(cfg: ExperimentConfig) -> list[dict[str, float]]:
     return [{"CPU": 1.0}, *client_bundles(cfg), {"CPU": float(cfg.federation.task_cpus)}]
 
 
+@contextlib.contextmanager
+def pickled_by_value(modules: Sequence[str]) -> Iterator[None]:
+    """Within the block, Ray pickles the classes and functions of ``modules`` by value instead of by reference.
+
+    A class defined in a script's or a test's module then reaches actors whose ``sys.path`` cannot import that module.
+    Re-pickled in the actor (the coordinator sending a method's client step on), such objects stay by value: their
+    module is not imported there. Modules registered already stay registered.
+    """
+    from ray import cloudpickle
+
+    added = []
+    for name in modules:
+        module = sys.modules.get(name)
+        if module is None or name == "__main__" or name in cloudpickle.list_registry_pickle_by_value():
+            continue
+        cloudpickle.register_pickle_by_value(module)
+        added.append(module)
+    try:
+        yield
+    finally:
+        for module in added:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
 class RayBackend(Backend):
     """Parameters
     ----------
     placement_group : PlacementGroup, optional
         Gang-schedule the run into this group: the coordinator in bundle 0, client actor ``k`` in bundle ``k + 1``
         (the bundles of :func:`client_bundles`). Used by Tune trials.
+    pickle_by_value : sequence of str, optional
+        Modules whose objects (a model factory, methods given as objects) are sent to the actors by value
+        (:func:`pickled_by_value`); ``rayfuse.run`` names the modules of what it was given.
     """
 
     name = "ray"
 
-    def __init__(self, placement_group: Any = None) -> None:
+    def __init__(self, placement_group: Any = None, pickle_by_value: Sequence[str] = ()) -> None:
         self._placement_group = placement_group
+        self._by_value = tuple(pickle_by_value)
         self._owns_ray = False
         self.clients: dict[int, Any] = {}  # client id -> handle of the actor hosting it
         self._client_actors: list[Any] = []
@@ -177,6 +210,11 @@ class RayBackend(Backend):
               specs: list[MethodSpec] | None = None) -> None:
         self._on_event = on_event
         self._connect(cfg)
+        with pickled_by_value(self._by_value):  # the actors' arguments are pickled when they are created
+            self._start_actors(cfg, plan, run_dir, start_time, specs)
+
+    def _start_actors(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: Path, start_time: float,
+                      specs: list[MethodSpec] | None) -> None:
         fed = cfg.federation
         run = Path(run_dir).name
         requests = [actor_options(merged_resources(cfg, i)) for i in range(plan.num_clients)]

@@ -1,7 +1,28 @@
 """rayfuse: federated model fusion on Ray.
 
 The core (``rayfuse.fusion``, ``rayfuse.data``, ``rayfuse.models`` and the modules beside them) never imports Ray;
-the Ray layer lives in the ``actors`` package. ``rayfuse run`` / ``rayfuse list`` are the command line.
+the Ray layer lives in the ``actors`` package. ``rayfuse run`` / ``rayfuse list`` are the command line;
+:func:`rayfuse.run` and :func:`rayfuse.fuse` the Python API (:mod:`rayfuse.api`, imported on first use so that
+``import rayfuse`` stays cheap).
+
+Submodules import what they need from the module that defines it (``from rayfuse.errors import InputError``), never
+``from rayfuse import ...``: this package imports :mod:`rayfuse.api`, which imports them.
 """
 
-__version__ = "0.1.0"
+from typing import Any
+
+from rayfuse.errors import InputError, RunFailure
+from rayfuse.version import __version__
+
+__all__ = ["InputError", "RunFailure", "RunResult", "fuse", "resume", "run", "__version__"]
+
+_API = ("run", "resume", "fuse", "RunResult")
+
+
+def __getattr__(name: str) -> Any:
+    """Export the Python API lazily: ``rayfuse.run`` imports :mod:`rayfuse.api` (and torch, pandas) on first use."""
+    if name in _API:
+        from rayfuse import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'rayfuse' has no attribute {name!r}")

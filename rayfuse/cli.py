@@ -20,8 +20,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rayfuse import __version__
 from rayfuse.errors import InputError, RunFailure
+from rayfuse.version import __version__
 
 __all__ = ["main", "build_parser", "default_job"]
 
@@ -87,9 +87,8 @@ def _operational_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from rayfuse.config import load_config, parse_overrides
-    from rayfuse.report import Printer
-    from rayfuse.runner import InProcessBackend, load_run_config, new_run_dir, run_experiment
+    from rayfuse.api import resume, run
+    from rayfuse.runner import check_new_folder
 
     sets = list(args.set) + _operational_overrides(args)
     if args.resume:
@@ -97,27 +96,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
             raise InputError("CONFIG", "no config file with --resume (the run's own config.yaml is used)", args.config)
         if args.out:
             raise InputError("--out", "no --out with --resume (the run continues in its own folder)", args.out)
-        cfg = load_run_config(args.resume, parse_overrides(sets))
-        run_dir, resume = Path(args.resume), True
-    else:
-        path = args.config or default_job()
-        cfg = load_config(path, sets)
-        run_dir, resume = new_run_dir(cfg, args.out), False
-    if cfg.federation.backend == "local":
-        backend = InProcessBackend()
-    else:
-        from actors.backend import RayBackend
-
-        backend = RayBackend()
-    printer = Printer(verbose=args.verbose, enabled=not args.quiet)
-    run_experiment(cfg, backend, run_dir, resume=resume, printer=printer, show_tables=True)
+        resume(args.resume, overrides=sets, quiet=args.quiet, verbose=args.verbose)
+        return 0
+    if args.out:
+        check_new_folder(args.out, key="--out")
+    run(args.config or default_job(), run_dir=args.out, overrides=sets, quiet=args.quiet, verbose=args.verbose)
     return 0
 
 
 def _cmd_fuse(args: argparse.Namespace) -> int:
-    from rayfuse.fuse import load_fuse_config, run_fuse
+    from rayfuse.api import fuse_checkpoints
 
-    summary = run_fuse(load_fuse_config(args.config, args.out))
+    summary = fuse_checkpoints(args.config, args.out)
     print(f"rayfuse fuse: {summary['method']} of {summary['models']} models, {summary['tensors']} tensors "
           f"({summary['parameters']:,} parameters) -> {summary['output']}")
     return 0

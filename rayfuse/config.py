@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from rayfuse.errors import InputError, suggest
 
@@ -43,8 +43,10 @@ __all__ = [
     "FaultSpec",
     "CONFIG_SECTIONS",
     "pydantic_input_error",
+    "build_config",
     "load_config",
     "parse_overrides",
+    "read_config_file",
     "apply_overrides",
     "validate_config",
     "dump_config",
@@ -101,6 +103,9 @@ class DatasetSource(StrictModel):
     label: str = Field("y", min_length=1, description="label key (npz) or column (parquet)")
     features: str | list[str] | None = Field(None, description="feature key (npz) or columns (parquet); default: X / all other numeric columns")
     options: dict[str, Any] = Field(default_factory=dict, description="extra arguments for a procedural generator")
+    # ``dataset: arrays``: the in-memory Dataset given to rayfuse.run(dataset=...). It is not config data (not dumped,
+    # not in config.yaml) but travels with the section, by value, to every process that loads the data.
+    _arrays: Any = PrivateAttr(None)
 
     @field_validator("dataset")
     @classmethod
@@ -108,6 +113,22 @@ class DatasetSource(StrictModel):
         from rayfuse.data.datasets import DATASETS
 
         return DATASETS.canonical(_registered(DATASETS, value))
+
+    @property
+    def arrays(self) -> Any:
+        """The in-memory :class:`rayfuse.data.datasets.Dataset` of ``dataset: arrays`` (``None`` otherwise)."""
+        return self._arrays
+
+    def with_arrays(self, dataset: Any, digest: str) -> DatasetSource:
+        """A copy that loads ``dataset`` (arrays given from Python) instead of a registered source.
+
+        The copy reads ``dataset: arrays`` with ``options: {sha256: digest}`` (a record of the content: two runs of
+        different arrays never share a cache key); the arrays themselves ride along with it.
+        """
+        copy_ = self.model_copy(update={"dataset": "arrays", "root": None, "path": None, "features": None,
+                                        "options": {"sha256": digest}})
+        copy_._arrays = dataset
+        return copy_
 
 
 class TargetConfig(DatasetSource):
@@ -221,6 +242,11 @@ class ModelConfig(StrictModel):
     channels: list[int] = Field(default_factory=lambda: [16, 32], description="cnn: channels of the 3x3 conv layers")
     dropout: float = Field(0.0, ge=0, lt=1)
     activation: Literal["relu", "tanh", "gelu"] = "relu"
+    factory: str | None = Field(None, description="name: custom: the qualified name of the model factory given to rayfuse.run(model=...) "
+                                "(a record: a config file cannot hold a Python object, so such a run cannot be resumed from the CLI)")
+    # ``name: custom``: the callable itself; not config data, but it travels with the section (by value) to every
+    # process that builds the model.
+    _factory: Any = PrivateAttr(None)
 
     @field_validator("hidden", "channels")
     @classmethod
@@ -245,9 +271,26 @@ class ModelConfig(StrictModel):
             raise ValueError(f"a model in {{{', '.join(names)}}}{suggest(value, names)}")
         return value
 
+    @model_validator(mode="after")
+    def _factory_only_for_custom(self) -> ModelConfig:
+        if self.factory is not None and self.name != "custom":
+            raise ValueError(f"@factory@ no factory for model {self.name!r} (only name: custom records one), got {self.factory!r}")
+        return self
+
     @property
     def family(self) -> str:
         return "torchvision" if self.name.startswith("torchvision:") else self.name
+
+    @property
+    def custom_factory(self) -> Any:
+        """The callable of ``name: custom`` (given to ``rayfuse.run(model=...)``); ``None`` otherwise."""
+        return self._factory
+
+    def with_factory(self, factory: Any, qualname: str) -> ModelConfig:
+        """A copy that builds its model with ``factory`` (``name: custom``, ``factory: qualname``)."""
+        copy_ = self.model_copy(update={"name": "custom", "factory": qualname})
+        copy_._factory = factory
+        return copy_
 
 
 class TrainConfig(StrictModel):
@@ -459,25 +502,37 @@ def validate_config(data: Mapping[str, Any] | None) -> ExperimentConfig:
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> ExperimentConfig:
     """Read a YAML config (or start from the defaults), apply ``--set`` overrides and validate."""
-    data: Any = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise InputError(str(path), "an existing YAML config file", "no such file")
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise InputError(str(path), "valid YAML", f"a syntax error{where}") from None
-        if not isinstance(data, dict):
-            raise InputError(str(path), "a YAML mapping of sections", type(data).__name__)
+    return build_config({} if path is None else read_config_file(path), overrides)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The mapping of sections in a YAML config file, not yet validated (raises :class:`InputError`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(str(path), "an existing YAML config file", "no such file")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise InputError(str(path), "valid YAML", f"a syntax error{where}") from None
+    if not isinstance(data, dict):
+        raise InputError(str(path), "a YAML mapping of sections", type(data).__name__)
+    return data
+
+
+def build_config(data: Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """Apply ``--set`` overrides to a config given as plain data, and validate (``data`` is not modified)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise InputError("config", "a mapping of sections (run, data, partition, model, train, federation, methods)", type(data).__name__)
+    data = dict(data)
     parsed = parse_overrides(overrides)
     if "methods" not in data and any(parts[0] == "methods" and len(parts) > 1 for parts, _ in parsed):
         # The empty config is the quickstart: `--set methods.fedavg.rounds=3` edits its methods, not replaces them.
         data["methods"] = copy.deepcopy(DEFAULT_METHODS)
-    data = apply_overrides(data, parsed)
-    return validate_config(data)
+    return validate_config(apply_overrides(data, parsed))
 
 
 def dump_config(resolved: Mapping[str, Any]) -> str:

@@ -348,7 +348,7 @@ class Method(ABC):
 
     def __init__(self, params: MethodParams | None = None, label: str | None = None) -> None:
         self.params = self.Params() if params is None else params
-        self.label = label or self.name
+        self.label = label or _method_name(type(self))  # an unregistered subclass may have no name: its class name
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:

@@ -1,7 +1,8 @@
 """Run an experiment end to end: validate, split the data, start the federation, run the methods, report.
 
 The runner is backend-agnostic. A :class:`Backend` starts the clients and the coordinator and forwards calls to the
-coordinator: :class:`InProcessBackend` (here, no Ray) or ``actors.RayBackend`` (Ray actors). The CLI picks one.
+coordinator: :class:`InProcessBackend` (here, no Ray) or ``actors.RayBackend`` (Ray actors). ``rayfuse.run`` (the
+Python API, under the CLI) picks one.
 
 Order of work (each a timed stage in ``results.json``):
 
@@ -29,7 +30,6 @@ from typing import Any
 
 import yaml
 
-from rayfuse import __version__
 from rayfuse.config import ExperimentConfig, dump_config, validate_config
 from rayfuse.data.roles import DataPlan, load_dataset_from_config, load_target_from_config, make_plan
 from rayfuse.errors import InputError, RunFailure
@@ -37,8 +37,9 @@ from rayfuse.io import atomic_write_json, atomic_write_text
 from rayfuse.method import MethodSpec, RunSetup, check_methods, resolve_methods, resolved_config
 from rayfuse.report import Printer, format_partition, format_table, plot_comparison, write_metrics_parquet
 from rayfuse.store import RunStore
+from rayfuse.version import __version__
 
-__all__ = ["Backend", "InProcessBackend", "PreparedRun", "prepare_run", "run_experiment", "new_run_dir", "load_run_config"]
+__all__ = ["Backend", "InProcessBackend", "PreparedRun", "prepare_run", "run_experiment", "new_run_dir", "check_new_folder", "load_run_config"]
 
 EventSink = Callable[[dict[str, Any]], None]
 
@@ -132,15 +133,24 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
     return PreparedRun(cfg, specs, plan, setup, num_params)
 
 
-def new_run_dir(cfg: ExperimentConfig, out: str | Path | None = None) -> Path:
-    """The folder for a new run: ``out`` if given (must be new or empty), else ``<run.storage>/<name>-<time>-<id>``."""
+def new_run_dir(cfg: ExperimentConfig, out: str | Path | None = None, *, key: str = "--out") -> Path:
+    """The folder for a new run: ``out`` if given (must be new or empty), else ``<run.storage>/<name>-<time>-<id>``.
+
+    ``key`` names ``out`` in the error (``--out`` on the command line, ``run_dir`` in ``rayfuse.run``).
+    """
     if out is not None:
-        path = Path(out)
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
-            raise InputError("--out", "a new or empty folder", str(path), "pick another folder, or continue that run with --resume")
-        return path
+        return check_new_folder(out, key=key)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path(cfg.run.storage) / f"{cfg.run.name}-{stamp}-{secrets.token_hex(2)}"
+
+
+def check_new_folder(out: str | Path, *, key: str = "--out") -> Path:
+    """``out`` as a path if it is a new or an empty folder; else :class:`InputError` at ``key``."""
+    path = Path(out)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        hint = "pick another folder, or continue that run with --resume" if key == "--out" else "pick another folder"
+        raise InputError(key, "a new or empty folder", str(path), hint)
+    return path
 
 
 def load_run_config(run_dir: str | Path, overrides: list[tuple[list[str], Any]] = ()) -> ExperimentConfig:
@@ -154,7 +164,12 @@ def load_run_config(run_dir: str | Path, overrides: list[tuple[list[str], Any]] 
         if parts[0] != "federation":
             raise InputError("--set " + ".".join(parts), "only federation.* keys when resuming (the experiment itself is fixed)", "a change to the experiment")
     data = yaml.safe_load(store.config_file.read_text(encoding="utf-8"))
-    return validate_config(apply_overrides(data, list(overrides)))
+    cfg = validate_config(apply_overrides(data, list(overrides)))
+    if cfg.model.name == "custom" or cfg.data.dataset == "arrays":
+        given = f"model.name: custom ({cfg.model.factory})" if cfg.model.name == "custom" else "data.dataset: arrays"
+        raise InputError("--resume", "a run whose model and data a config file describes", given,
+                         "a run given a Python model or arrays (rayfuse.run) cannot be resumed from the command line")
+    return cfg
 
 
 def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_dir: str | Path, *, resume: bool = False,

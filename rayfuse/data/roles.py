@@ -152,7 +152,11 @@ class DataPlan:
 
 
 def load_dataset_from_config(data_cfg: Any) -> Dataset:
-    """Load the dataset a :class:`rayfuse.config.DatasetSource` (``data`` or ``data.target``) names."""
+    """Load the dataset a :class:`rayfuse.config.DatasetSource` (``data`` or ``data.target``) names (or the arrays
+    given from Python that came with it: ``dataset: arrays``)."""
+    attached = getattr(data_cfg, "arrays", None)
+    if attached is not None:
+        return attached
     return load_dataset(data_cfg.dataset, root=data_cfg.root, path=data_cfg.path, label=data_cfg.label,
                         features=data_cfg.features, options=data_cfg.options)
 

@@ -5,7 +5,8 @@ Parameter names are stable and readable so fusion methods can describe a model's
 * ``logreg``: ``linear.weight`` ``(C, D)``, ``linear.bias``;
 * ``mlp``: ``layers.{i}.weight`` ``(out, in)`` and ``layers.{i}.bias``, the last layer being the classifier;
 * ``cnn``: ``convs.{i}.weight`` ``(out, in, 3, 3)``, ``convs.{i}.bias``, then ``head.weight`` / ``head.bias``;
-* ``torchvision:<name>``: torchvision's own names (first convolution adapted to the input channels).
+* ``torchvision:<name>``: torchvision's own names (first convolution adapted to the input channels);
+* ``custom``: a factory given from Python (``rayfuse.run(model=...)``): its own names.
 
 Every model maps a float32 batch ``(B, *input_shape)`` to logits ``(B, num_classes)`` and exposes
 ``features(x)``: the representation the classifier reads (penultimate activations or the last conv feature map).
@@ -24,7 +25,7 @@ from torch import nn
 from rayfuse.errors import InputError
 from rayfuse.registry import Registry
 
-__all__ = ["MODELS", "ModelInfo", "build_model", "register_model", "torchvision_model_names", "LogisticRegression", "MLP", "SmallCNN"]
+__all__ = ["MODELS", "ModelInfo", "build_model", "call_model_factory", "factory_arity", "register_model", "torchvision_model_names", "LogisticRegression", "MLP", "SmallCNN"]
 
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
 
@@ -139,6 +140,51 @@ def _build_mlp(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.M
 @register_model("cnn", description="small CNN: 3x3 convs (model.channels), max-pool, global average pool, linear head", image_only=True)
 def _build_cnn(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return SmallCNN(input_shape, list(cfg.channels), num_classes, dropout=cfg.dropout, activation=cfg.activation)
+
+
+@register_model("custom", description="a model factory given from Python: rayfuse.run(model=...); not loadable from a config file")
+def _build_custom(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    factory = getattr(cfg, "custom_factory", None)
+    if factory is None:  # a config file naming `custom`, or a resumed Python run
+        raise InputError("model.name", "a model a config file can build ('custom' is only a model factory given to "
+                         "rayfuse.run(model=...) from Python)", "custom")
+    return call_model_factory(factory, tuple(input_shape), num_classes, where=getattr(cfg, "factory", None) or "model")
+
+
+def factory_arity(factory: Any) -> int:
+    """How :func:`call_model_factory` calls ``factory``: 2 (``factory(input_shape, num_classes)``) when it accepts two
+    positional arguments, else 0 (``factory()``); -1 when it is not callable either way."""
+    import inspect
+
+    if not callable(factory):
+        return -1
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin without a signature: try the two-argument form
+        return 2
+    for arity, args in ((2, ((1,), 2)), (0, ())):
+        try:
+            signature.bind(*args)
+        except TypeError:
+            continue
+        return arity
+    return -1
+
+
+def call_model_factory(factory: Any, input_shape: tuple[int, ...], num_classes: int, *, where: str = "model") -> nn.Module:
+    """``factory(input_shape, num_classes)`` or ``factory()`` (see :func:`factory_arity`); the result must be an
+    ``nn.Module``. Raises :class:`InputError` naming ``where`` when the factory cannot be called or fails."""
+    arity = factory_arity(factory)
+    if arity < 0:
+        raise InputError("model", "a callable taking (input_shape, num_classes) or no arguments", factory)
+    try:
+        model = factory(tuple(input_shape), num_classes) if arity == 2 else factory()
+    except Exception as exc:  # the user's code: one line naming it, not a traceback from deep inside a worker
+        raise InputError("model", f"a factory that builds a model for inputs {tuple(input_shape)} and {num_classes} classes",
+                         f"{where} raised {type(exc).__name__}: {exc}") from None
+    if not isinstance(model, nn.Module):
+        raise InputError("model", "a factory returning a torch.nn.Module", f"{where} returned {type(model).__name__}")
+    return model
 
 
 @functools.lru_cache(maxsize=1)

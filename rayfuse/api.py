@@ -1,0 +1,333 @@
+"""The Python API: run an experiment, or fuse checkpoints, from a script or a notebook.
+
+::
+
+    import rayfuse
+
+    result = rayfuse.run("jobs/quickstart.yaml", methods={"mine": MyMethod}, model=MyNet, dataset=(X, y))
+    result.metrics          # one row per method label, one column per final metric
+    result.history          # metrics.parquet: method, round, metric, value (and method_name, client)
+    result.models["mine"]   # the fused parameters; result.model("mine") is the nn.Module
+    rayfuse.fuse("fuse.yaml")  # -> Path of the fused .safetensors
+
+``rayfuse run`` and ``rayfuse fuse`` are a thin layer over :func:`run`, :func:`resume` and :func:`fuse_checkpoints`:
+the same checks, the same printed output, the same errors (:class:`InputError`, one line naming the key path).
+
+Objects given here reach the clients and the coordinator with the config:
+
+* ``model``: a callable returning an ``nn.Module``: a class or a function, called ``model(input_shape, num_classes)``
+  when it accepts two positional arguments, else ``model()``; ``input_shape`` is one sample's shape (``(D,)`` or
+  ``(C, H, W)``). It is called under a seeded RNG wherever the run builds a model. The run's ``config.yaml`` records
+  ``model: {name: custom, factory: <module.qualname>}``.
+* ``dataset``: ``(X, y)`` arrays, or a torch ``Dataset`` of ``(x, y)`` pairs (read once, into arrays). The config's
+  ``data`` keys still apply (``test_size``, ``val_size``, ``public_size``, ``standardize``) and its ``partition``
+  splits the arrays among the clients; ``config.yaml`` records ``data: {dataset: arrays, options: {sha256: ...}}``.
+  The arrays travel by value to every client (a simulation: fine for data that fits in memory many times over).
+* ``methods``: labels mapped to registered names, :class:`~rayfuse.method.Method` subclasses or instances.
+
+On Ray, the modules that define these objects (a script's ``__main__``, a test module) are pickled by value, so the
+actors need not import them. A run given a Python model or arrays cannot be resumed from the command line (its
+``config.yaml`` cannot rebuild them).
+"""
+
+from __future__ import annotations
+
+import sys
+import sysconfig
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rayfuse.config import ExperimentConfig, build_config, read_config_file
+from rayfuse.errors import InputError, RunFailure
+
+__all__ = ["InputError", "RunFailure", "RunResult", "fuse", "fuse_checkpoints", "resume", "run"]
+
+BACKENDS = ("ray", "local")
+
+
+@dataclass
+class RunResult:
+    """What :func:`run` returns: the run folder and its results, read back as data frames and parameter dicts.
+
+    Attributes
+    ----------
+    run_dir : Path
+        The run folder (``config.yaml``, ``results.json``, ``metrics.parquet``, ``models/``...).
+    metrics : pandas.DataFrame
+        The final metrics: one row per method label (the index, named ``label``), one column per metric.
+    history : pandas.DataFrame
+        Every logged metric (``metrics.parquet``): columns ``method`` (the label), ``method_name``, ``round``,
+        ``metric``, ``value``, ``client``.
+    models : dict
+        The fused parameters by method label (methods that return a model; an ensemble returns none).
+    results : dict
+        ``results.json``: status, timings, events, the partition, each method's summary.
+    config : ExperimentConfig
+        The config the run used (with the model factory and arrays it was given).
+    input_shape, num_classes
+        One sample's shape and the number of classes (to build :meth:`model`).
+    labels : tuple of str
+        The method labels, in run order.
+    """
+
+    run_dir: Path
+    metrics: Any
+    history: Any
+    models: dict[str, dict[str, np.ndarray]]
+    results: dict[str, Any]
+    config: ExperimentConfig
+    input_shape: tuple[int, ...] = ()
+    num_classes: int = 0
+    labels: tuple[str, ...] = ()
+
+    def model(self, label: str) -> Any:
+        """The fused model of method ``label`` as an ``nn.Module`` (in eval mode)."""
+        from rayfuse.models import build_model, set_params
+
+        if label not in self.models:
+            with_models = sorted(self.models)
+            raise InputError("label", f"a method that returned a model (one of {with_models})", label,
+                             "this method returned no parameters" if label in self.labels else "")
+        model = set_params(build_model(self.config.model, self.input_shape, self.num_classes, seed=0), self.models[label])
+        return model.eval()
+
+
+def run(config: str | Path | Mapping[str, Any] | ExperimentConfig | None = None, *, model: Callable[..., Any] | None = None,
+        dataset: Any = None, methods: Mapping[str, Any] | None = None, backend: str | None = None,
+        run_dir: str | Path | None = None, overrides: Sequence[str] = (), quiet: bool = False, verbose: bool = False) -> RunResult:
+    """Run an experiment and return its results.
+
+    Parameters
+    ----------
+    config : str, Path, dict or ExperimentConfig, optional
+        A YAML file, the same content as a dict, or a validated config; ``None``: the defaults (the quickstart job).
+    model : callable, optional
+        ``model(input_shape, num_classes)`` or ``model()`` returning an ``nn.Module``, instead of ``config.model``.
+    dataset : (X, y) arrays or torch Dataset, optional
+        The data to split among the clients, instead of ``config.data.dataset``.
+    methods : mapping, optional
+        Labels mapped to registered method names, ``Method`` subclasses or instances. Parameters for a name or a
+        subclass come from the config's ``methods.<label>`` entry if it has one, else the method's defaults. A config
+        that names no methods runs these only; one that does runs its own entries and these.
+    backend : {"ray", "local"}, optional
+        ``"ray"``: client and coordinator actors on Ray (an initialised Ray is reused, else ``federation.address`` /
+        ``RAY_ADDRESS`` is joined, else a local Ray is started and stopped at the end); ``"local"``: in-process
+        clients. Default: the config's ``federation.backend`` (``"ray"`` unless set).
+    run_dir : str or Path, optional
+        A new or empty folder for the run; default ``<run.storage>/<run.name>-<time>-<id>``.
+    overrides : sequence of str, optional
+        ``KEY=VALUE`` overrides, as ``--set`` on the command line.
+    quiet, verbose : bool
+        Print only the final table / every event (default: one line per notable event, as ``rayfuse run``).
+
+    Returns
+    -------
+    RunResult
+
+    Raises
+    ------
+    InputError
+        Bad input, before anything starts (one line naming the key path, expected and given value).
+    RunFailure
+        The run could not go on (``results.json`` records ``status: failed`` and the methods that finished).
+    """
+    from rayfuse.runner import new_run_dir, prepare_run
+
+    objects = _methods(methods)
+    cfg = _config(config, overrides, list(objects))
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise InputError("backend", "'ray' or 'local'", backend)
+        cfg = cfg.model_copy(update={"federation": cfg.federation.model_copy(update={"backend": backend})})
+    if model is not None:
+        cfg = cfg.model_copy(update={"model": cfg.model.with_factory(_check_factory(model), _qualname(model))})
+    if dataset is not None:
+        from rayfuse.data.datasets import arrays_digest
+
+        arrays = _arrays(dataset)
+        cfg = cfg.model_copy(update={"data": cfg.data.with_arrays(arrays, arrays_digest(arrays))})
+    prepared = prepare_run(cfg, methods=objects)  # every check, before a folder or an actor exists
+    folder = new_run_dir(cfg, run_dir, key="run_dir")
+    user_modules = _user_modules([model, *objects.values()])
+    return _execute(prepared, folder, resume=False, quiet=quiet, verbose=verbose, by_value=user_modules)
+
+
+def resume(run_dir: str | Path, *, overrides: Sequence[str] = (), quiet: bool = False, verbose: bool = False) -> RunResult:
+    """Continue an interrupted or failed run in its own folder (``rayfuse run --resume``): methods that finished are
+    loaded, the others continue from their last checkpoint. Only ``federation.*`` keys may be overridden; a run given a
+    Python model, arrays or methods as objects cannot be resumed (its ``config.yaml`` cannot rebuild them)."""
+    from rayfuse.config import parse_overrides
+    from rayfuse.runner import load_run_config, prepare_run
+
+    cfg = load_run_config(run_dir, parse_overrides(list(overrides)))
+    return _execute(prepare_run(cfg), Path(run_dir), resume=True, quiet=quiet, verbose=verbose, by_value=())
+
+
+def fuse_checkpoints(config: str | Path, out: str | Path | None = None) -> dict[str, Any]:
+    """Fuse checkpoints trained elsewhere (``rayfuse fuse``): every check first, then load, fuse and write.
+
+    Returns the summary: ``method``, ``models`` (how many), ``tensors``, ``parameters`` and ``output`` (the file).
+    """
+    from rayfuse.checkpoints import load_fuse_config, run_fuse
+
+    return run_fuse(load_fuse_config(config, None if out is None else str(out)))
+
+
+def fuse(config: str | Path, out: str | Path | None = None) -> Path:
+    """Fuse the checkpoints a fuse config (mergekit-style YAML) names; return the fused ``.safetensors`` file.
+
+    ``out`` overrides the config's ``output:``. Raises :class:`InputError` before anything is written.
+    """
+    return Path(fuse_checkpoints(config, out)["output"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _config(config: Any, overrides: Sequence[str], method_labels: Sequence[str]) -> ExperimentConfig:
+    """The validated config. With methods given as objects (``method_labels``), a config that names no methods runs
+    those only, not the quickstart's default methods."""
+    if isinstance(config, ExperimentConfig):
+        if not overrides and not (method_labels and "methods" not in config.model_fields_set):
+            return config
+        data = config.model_dump(mode="json", exclude_unset=True)
+    elif config is None or isinstance(config, Mapping):
+        data = dict(config or {})
+    elif isinstance(config, (str, Path)):
+        data = read_config_file(config)
+    else:
+        raise InputError("config", "a YAML file path, a dict or an ExperimentConfig", type(config).__name__)
+    if method_labels and "methods" not in data:
+        data["methods"] = {label: {} for label in method_labels}
+    return build_config(data, list(overrides))
+
+
+def _methods(methods: Any) -> dict[str, Any]:
+    if methods is None:
+        return {}
+    if not isinstance(methods, Mapping) or not all(isinstance(k, str) for k in methods):
+        raise InputError("methods", "a mapping of labels to method names, Method subclasses or instances", type(methods).__name__)
+    if not methods:
+        raise InputError("methods", "at least one method", "{}")
+    return dict(methods)
+
+
+def _check_factory(model: Any) -> Any:
+    from rayfuse.models.registry import factory_arity
+
+    if factory_arity(model) < 0:
+        raise InputError("model", "a callable returning an nn.Module, taking (input_shape, num_classes) or no arguments", model)
+    return model
+
+
+def _qualname(obj: Any) -> str:
+    name = getattr(obj, "__qualname__", None) or getattr(type(obj), "__qualname__", type(obj).__name__)
+    module = getattr(obj, "__module__", None) or getattr(type(obj), "__module__", None)
+    return f"{module}.{name}" if module else str(name)
+
+
+def _arrays(dataset: Any) -> Any:
+    """A :class:`rayfuse.data.datasets.Dataset` of ``(X, y)`` arrays or of a torch ``Dataset``'s ``(x, y)`` pairs."""
+    from rayfuse.data.datasets import dataset_from_arrays
+
+    if isinstance(dataset, (tuple, list)) and len(dataset) == 2:
+        X, y = dataset
+    elif hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__") and not isinstance(dataset, (str, bytes, Mapping, tuple, list, np.ndarray)):
+        X, y = _read_pairs(dataset)
+    else:
+        raise InputError("dataset", "(X, y) arrays or a torch Dataset of (x, y) pairs", type(dataset).__name__)
+    X, y = (_to_numpy(v) for v in (X, y))
+    return dataset_from_arrays("arrays", X, y, features_key="dataset", label_key="dataset")
+
+
+def _read_pairs(dataset: Any) -> tuple[np.ndarray, np.ndarray]:
+    xs, ys = [], []
+    for i in range(len(dataset)):
+        item = dataset[i]
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise InputError(f"dataset[{i}]", "an (x, y) pair", type(item).__name__)
+        xs.append(_to_numpy(item[0]))
+        ys.append(_to_numpy(item[1]))
+    if not xs:
+        raise InputError("dataset", "a non-empty dataset", "0 samples")
+    if len({x.shape for x in xs}) > 1:
+        raise InputError("dataset", "samples of one shape", sorted({x.shape for x in xs})[:3])
+    return np.stack(xs), np.stack([y.reshape(()) if y.size == 1 else y for y in ys])
+
+
+def _to_numpy(value: Any) -> np.ndarray:
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def _user_modules(objects: Sequence[Any]) -> list[str]:
+    """The modules of the objects given (and of their classes' bases) that are neither rayfuse's nor installed: a
+    script's or a test's own modules, which Ray pickles by value so that the actors need not import them."""
+    import inspect
+
+    paths = sysconfig.get_paths()
+    installed = {Path(paths[key]).resolve() for key in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(key)}
+    items: list[Any] = []
+    for obj in objects:
+        if obj is None or isinstance(obj, str):
+            continue
+        if isinstance(obj, type):
+            items.extend(obj.__mro__)  # a class: a Method subclass, an nn.Module factory
+        elif inspect.isfunction(obj) or inspect.ismethod(obj):
+            items.append(obj)  # a factory function
+        else:
+            items.extend(type(obj).__mro__)  # a Method instance, a callable object
+    names: list[str] = []
+    for item in items:
+        name = getattr(item, "__module__", None)
+        module = sys.modules.get(name) if isinstance(name, str) else None
+        if module is None or name in names or name == "__main__" or name.split(".")[0] in ("rayfuse", "actors", "builtins"):
+            continue
+        file = getattr(module, "__file__", None)
+        if file is None or any(root in Path(file).resolve().parents for root in installed):
+            continue
+        names.append(name)
+    return names
+
+
+def _execute(prepared: Any, folder: Path, *, resume: bool, quiet: bool, verbose: bool, by_value: Sequence[str]) -> RunResult:
+    from rayfuse.report import Printer
+    from rayfuse.runner import InProcessBackend, run_experiment
+
+    if prepared.cfg.federation.backend == "local":
+        backend: Any = InProcessBackend()
+    else:
+        from actors.backend import RayBackend  # the Ray layer, imported only when a run asks for it
+
+        backend = RayBackend(pickle_by_value=by_value)
+    printer = Printer(verbose=verbose, enabled=not quiet)
+    results = run_experiment(prepared, backend, folder, resume=resume, printer=printer, show_tables=True)
+    return _read_result(prepared, folder, results)
+
+
+def _read_result(prepared: Any, folder: Path, results: dict[str, Any]) -> RunResult:
+    import pandas as pd
+
+    from rayfuse.io import load_params
+    from rayfuse.store import RunStore
+
+    store = RunStore(folder)
+    labels = [spec.label for spec in prepared.specs]
+    rows = {}
+    for label in labels:
+        summary = store.load_method_state(label) or {}
+        rows[label] = dict(summary.get("metrics") or {})
+    metrics = pd.DataFrame.from_dict(rows, orient="index")
+    metrics.index.name = "label"
+    history_columns = ["method", "method_name", "round", "metric", "value", "client"]
+    history = pd.read_parquet(store.metrics_file) if store.metrics_file.is_file() else pd.DataFrame(columns=history_columns)
+    models = {label: load_params(folder / file) for label, file in (results.get("files", {}).get("models") or {}).items()}
+    return RunResult(run_dir=folder, metrics=metrics, history=history, models=models, results=results, config=prepared.cfg,
+                     input_shape=tuple(prepared.plan.input_shape), num_classes=int(prepared.plan.num_classes),
+                     labels=tuple(labels))
