@@ -25,7 +25,10 @@ from torch import nn
 from rayfuse.errors import InputError
 from rayfuse.registry import Registry
 
-__all__ = ["MODELS", "ModelInfo", "build_model", "call_model_factory", "factory_arity", "register_model", "torchvision_model_names", "LogisticRegression", "MLP", "SmallCNN"]
+__all__ = [
+    "MODELS", "ModelInfo", "build_model", "call_model_factory", "factory_arity", "register_model", "torchvision_model_names",
+    "LogisticRegression", "MLP", "SmallCNN",
+]
 
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
 
