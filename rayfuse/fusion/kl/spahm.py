@@ -27,8 +27,8 @@ from pydantic import Field
 
 from rayfuse.method import ServerContext
 from rayfuse.errors import InputError
-from rayfuse.method import Method, MethodResult, register_method
-from rayfuse.fusion.kl.gmm import GMMPosteriorParams, gather_gmm_posteriors, gmm_metrics
+from rayfuse.method import MethodResult, register_method
+from rayfuse.fusion.kl.gmm import GMMMethod, GMMPosteriorParams, gather_gmm_posteriors, gmm_metrics
 from rayfuse.matching import solve_assignment
 
 __all__ = ["spahm_match", "SPAHM", "SPAHMParams"]
@@ -134,7 +134,7 @@ class SPAHMParams(GMMPosteriorParams):
 
 
 @register_method
-class SPAHM(Method):
+class SPAHM(GMMMethod):
     name = "spahm"
     Params = SPAHMParams
     summary = "SPAHM (Yurochkin et al. 2019) on the clients' local posterior means (KL-fusion's GMM baseline)"
