@@ -21,7 +21,7 @@ from rayfuse.data.roles import DataPlan, Split, load_dataset_from_config, load_t
 from rayfuse.errors import NonFiniteError, RunFailure
 from rayfuse.federation import Federation, Gathered, Update, step_name
 from rayfuse.fusion.aggregate import weighted_average
-from rayfuse.method import MethodResult, MethodSpec, resolve_methods, resolved_config
+from rayfuse.method import MethodResult, MethodSpec, RunSetup, check_methods, resolve_methods, resolved_config
 from rayfuse.metrics import compute_metrics
 from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
 from rayfuse.seeding import derive_seed, make_rng
@@ -378,6 +378,8 @@ class Coordinator:
         if spec is None:
             raise KeyError(f"no method labelled {label!r} in the config")
         method_cls = spec.method_cls
+        # The check prepare_run made before anything started; again here for a coordinator built directly (tests).
+        check_methods([spec], RunSetup.from_plan(self.cfg, self.plan))
         server = MethodServer(self, spec, resume=resume)
         started = time.perf_counter()
         self.events.emit("method_start", method=label)

@@ -34,6 +34,7 @@ from rayfuse.fusion.fedsa.kd import (
 from rayfuse.method import resolve_methods
 from rayfuse.models import build_model, get_params
 from rayfuse.models.registry import MLP
+from rayfuse.runner import prepare_run
 
 CNN = {"name": "cnn", "channels": [8, 16]}
 SMALL = {"name": "cnn", "channels": [4, 8]}
@@ -531,11 +532,10 @@ BAD = [
 
 
 @pytest.mark.parametrize(("extra", "match"), BAD)
-def test_bad_input_is_a_one_line_input_error(coordinator, extra, match):
-    coord = coordinator(**teacher_job(**extra))
-    label = next(iter(extra["methods"]))
+def test_bad_input_is_a_one_line_input_error(make_config, extra, match):
+    cfg = make_config(**teacher_job(**extra))
     with pytest.raises(InputError, match=match) as info:
-        coord.run_method(label)
+        prepare_run(cfg)  # before any client starts
     assert "\n" not in str(info.value)
 
 

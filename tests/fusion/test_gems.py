@@ -23,6 +23,7 @@ from rayfuse.fusion.gems.balls import (
 from rayfuse.io import load_params
 from rayfuse.method import resolve_methods
 from rayfuse.models.registry import MLP
+from rayfuse.runner import prepare_run
 
 # -- sampling on the surface --------------------------------------------------------------------------------------
 
@@ -308,11 +309,11 @@ def test_raw_reference_protocol_trains_with_dropout_and_stops_early(coordinator)
     ({"base": "local", "raw_epochs": 10}, "raw_epochs"),
     ({"base": "raw", "raw_dropout": 0.5}, "raw_dropout"),  # a logreg has no hidden layer to drop
 ])
-def test_raw_only_settings_are_refused_elsewhere(coordinator, params, key):
-    coord = coordinator(partition=LABELS2, model={"name": "logreg"}, data={"public_size": 50},
-                        methods={"tuned": {**params, "public_samples": [50]}})
+def test_raw_only_settings_are_refused_elsewhere(make_config, params, key):
+    cfg = make_config(partition=LABELS2, model={"name": "logreg"}, data={"public_size": 50},
+                      methods={"tuned": {**params, "public_samples": [50]}})
     with pytest.raises(InputError, match=rf"methods\.tuned\.{key}"):
-        coord.run_method("tuned")
+        prepare_run(cfg)
 
 
 def test_converged_last_layer_matches_scikit_learns_logistic_regression_from_any_start():
@@ -361,11 +362,11 @@ def test_gems_and_tuned_fit_the_last_layer_to_convergence_on_request(coordinator
     ({"name": "mlp", "hidden": [8]}, {"method": "tuned", "base": "local"}, "last_layer_only"),  # local tunes every layer
     ({"name": "mlp", "hidden": [8]}, {"method": "gems", "last_layer_only": False}, "last_layer_only"),
 ])
-def test_converged_fit_is_refused_where_there_is_no_last_layer_to_fit(coordinator, model, params, expected):
-    coord = coordinator(partition=LABELS2, model=model, data={"public_size": 50},
-                        methods={"m": {**params, "tune_solver": "lbfgs", "public_samples": [50]}})
+def test_converged_fit_is_refused_where_there_is_no_last_layer_to_fit(make_config, model, params, expected):
+    cfg = make_config(partition=LABELS2, model=model, data={"public_size": 50},
+                      methods={"m": {**params, "tune_solver": "lbfgs", "public_samples": [50]}})
     with pytest.raises(InputError, match=r"methods\.m\.tune_solver") as err:
-        coord.run_method("m")
+        prepare_run(cfg)
     assert expected in str(err.value)
 
 
@@ -395,10 +396,10 @@ def test_bad_parameters_are_rejected_with_their_key(make_config, params, key):
         resolve_methods(make_config(methods={"gems": params}).methods)
 
 
-def test_m_epsilon_larger_than_the_number_of_neurons(coordinator):
-    coord = coordinator(partition=LABELS2, model={"name": "mlp", "hidden": [4]}, methods={"gems": {"m_epsilon": 9}})
+def test_m_epsilon_larger_than_the_number_of_neurons(make_config):
+    cfg = make_config(partition=LABELS2, model={"name": "mlp", "hidden": [4]}, methods={"gems": {"m_epsilon": 9}})
     with pytest.raises(InputError, match=r"methods\.gems\.m_epsilon: expected at most .* \(2 x 4 = 8\), got 9"):
-        coord.run_method("gems")
+        prepare_run(cfg)
     with pytest.raises(InputError, match="m_epsilon"):
         cluster_neurons(np.zeros((5, 3)), 6)
 
@@ -413,13 +414,13 @@ def test_mismatched_architectures_across_clients(coordinator):
         intersect_balls(np.zeros((2, 3)), np.ones(2), masks=np.ones((2, 4)))
 
 
-def test_gems_refuses_other_models(coordinator):
-    coord = coordinator(model={"name": "cnn", "channels": [4]}, methods={"gems": {}})
+def test_gems_refuses_other_models(make_config):
+    cfg = make_config(model={"name": "cnn", "channels": [4]}, methods={"gems": {}})
     with pytest.raises(InputError, match="model.name"):
-        coord.run_method("gems")
+        prepare_run(cfg)
 
 
-def test_tuning_without_a_public_sample(coordinator):
-    coord = coordinator(partition=LABELS2, model={"name": "logreg"}, methods={"tuned": {"base": "average"}})
+def test_tuning_without_a_public_sample(make_config):
+    cfg = make_config(partition=LABELS2, model={"name": "logreg"}, methods={"tuned": {"base": "average"}})
     with pytest.raises(InputError, match="data.public_size"):
-        coord.run_method("tuned")
+        prepare_run(cfg)

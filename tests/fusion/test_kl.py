@@ -10,6 +10,7 @@ from rayfuse.expfam import DiagGaussian, Dirichlet, NormalWishart
 from rayfuse.fusion.kl.fusion import fuse_heterogeneous, fuse_homogeneous, hausdorff, kl_kmeanspp
 from rayfuse.fusion.kl.spahm import spahm_match
 from rayfuse.matching import serial_map, thread_map
+from rayfuse.runner import prepare_run
 
 
 def planted(rng, G=6, d=3, D=8, noise=0.05, scale=10.0, subsets=True):
@@ -178,10 +179,9 @@ def test_bad_method_parameters_name_their_key(make_config, key, value):
         make_config(**GMM, methods={"kl": {key: value}})
 
 
-def test_gmm_methods_need_the_gmm_dataset(coordinator):
-    coord = coordinator(methods={"kl": {}})
+def test_gmm_methods_need_the_gmm_dataset(make_config):
     with pytest.raises(InputError, match="data.dataset"):
-        coord.run_method("kl")
+        prepare_run(make_config(methods={"kl": {}}))
 
 
 def test_a_client_posterior_with_nan_is_rejected(coordinator):
@@ -261,9 +261,9 @@ def test_topics_job_fuses_dirichlet_topics_above_every_local_model(coordinator):
     assert completion_log_likelihood(np.full((2, 10), 0.1), seen, held) == pytest.approx(np.log(0.1), rel=1e-6)
 
 
-def test_homogeneous_topics_need_a_fixed_count(coordinator):
+def test_homogeneous_topics_need_a_fixed_count(make_config):
     data = {"dataset": "kl_lda", "options": {"num_topics": 4, "vocabulary": 30, "num_groups": 2, "docs": 20, "test_docs": 10, "min_topics": 2, "max_topics": 2}}
-    coord = coordinator(data=data, partition={"method": "labels", "num_clients": 2, "groups": [[0], [1]]},
-                        methods={"kl": {"application": "topics", "homogeneous": True}})
+    cfg = make_config(data=data, partition={"method": "labels", "num_clients": 2, "groups": [[0], [1]]},
+                      methods={"kl": {"application": "topics", "homogeneous": True}})
     with pytest.raises(InputError, match="methods.kl.n_components"):
-        coord.run_method("kl")
+        prepare_run(cfg)

@@ -41,12 +41,12 @@ from torch import nn
 from rayfuse.data.roles import Split
 from rayfuse.errors import InputError, NonFiniteError
 from rayfuse.fusion import references
-from rayfuse.method import Method, MethodParams, MethodResult, ServerContext, register_method
+from rayfuse.method import Method, MethodParams, MethodResult, RunSetup, ServerContext, register_method
 from rayfuse.models import get_params, predict_proba, set_params, train_model
 from rayfuse.models.registry import MLP, LogisticRegression, build_model
 
 __all__ = ["FinetuneParams", "Finetune", "model_for_params", "evaluate_params", "fine_tune", "fit_last_layer", "check_tune_solver",
-           "public_subsets", "TuneSettings"]
+           "check_public_samples", "public_subsets", "TuneSettings"]
 
 
 def model_for_params(params: dict[str, np.ndarray], model_cfg: Any) -> Any:
@@ -96,14 +96,15 @@ class TuneSettings(MethodParams):
         return value
 
 
-def check_tune_solver(settings: TuneSettings, model_cfg: Any, label: str, *, base: str | None = None) -> None:
+def check_tune_solver(settings: TuneSettings, model_cfg: Any, *, base: str | None = None) -> None:
     """``tune_solver: lbfgs`` refits a network's last layer; refuse it where that is not what would be tuned.
 
-    ``settings`` must have ``last_layer_only`` resolved (``FinetuneParams.resolved()``).
+    ``settings`` must have ``last_layer_only`` resolved (``FinetuneParams.resolved()``). The error's path is relative
+    to the method's entry (``tune_solver``), as :meth:`rayfuse.method.Method.check` expects.
     """
     if settings.tune_solver == "adam":
         return
-    key = f"methods.{label}.tune_solver"
+    key = "tune_solver"
     if model_cfg.name != "mlp" or not model_cfg.hidden:
         # for a model with one layer a converged convex fit forgets the model it started from (every base would tie)
         raise InputError(key, "adam for a model without hidden layers (lbfgs fits a network's last layer on its features)",
@@ -173,13 +174,20 @@ def public_subsets(public: Split, sizes: int | list[int] | None, trials: int, rn
                    key: str) -> list[tuple[int, list[np.ndarray]]]:
     """For each size, ``trials`` uniform index draws from the public sample (``key`` names the parameter in errors)."""
     n = len(public)
-    if n == 0:
+    wanted = check_public_samples(sizes, n, key=key)
+    return [(s, [rng.choice(n, size=s, replace=False) for _ in range(trials)]) for s in wanted]
+
+
+def check_public_samples(sizes: int | list[int] | None, public_size: int, *, key: str = "public_samples") -> list[int]:
+    """The public sample sizes to tune on (sorted), or an :class:`InputError` when the public sample is empty or
+    smaller than a size asked for (``key`` names the parameter)."""
+    if public_size == 0:
         raise InputError("data.public_size", f"a public sample (> 0) for fine-tuning ({key})", 0,
                          "set data.public_size, e.g. 200")
-    wanted = [n] if sizes is None else ([sizes] if isinstance(sizes, int) else sorted(set(sizes)))
-    if max(wanted) > n:
-        raise InputError(key, f"at most the public sample's size ({n}, data.public_size)", max(wanted))
-    return [(s, [rng.choice(n, size=s, replace=False) for _ in range(trials)]) for s in wanted]
+    wanted = [public_size] if sizes is None else ([sizes] if isinstance(sizes, int) else sorted(set(sizes)))
+    if max(wanted) > public_size:
+        raise InputError(key, f"at most the public sample's size ({public_size}, data.public_size)", max(wanted))
+    return wanted
 
 
 def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -248,18 +256,23 @@ class Finetune(Method):
     reference = references.GEMS
     uses_local_models = True
 
-    def run(self, server: ServerContext) -> MethodResult:
-        p = self.params.resolved()
-        key = f"methods.{self.label}.public_samples"
-        public_subsets(server.public, p.public_samples, 1, server.rng("check"), key=key)  # bad input before any work
+    @classmethod
+    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+        """The public sample's size, the raw-only settings, the converged solver and raw dropout against the model."""
+        p = params.resolved()  # type: ignore[attr-defined]
+        check_public_samples(p.public_samples, setup.public_size)
         raw_only = {"raw_epochs": p.raw_epochs, "raw_dropout": p.raw_dropout, "raw_early_stop": p.raw_early_stop}
         for name, value in raw_only.items():
             if p.base != "raw" and value:
-                raise InputError(f"methods.{self.label}.{name}", "only with base: raw", f"{value} with base: {p.base}")
-        check_tune_solver(p, server.model_cfg, self.label, base=p.base)
-        if p.raw_dropout and server.model_cfg.name != "mlp":
-            raise InputError(f"methods.{self.label}.raw_dropout", "an mlp model (dropout after its hidden layers)",
-                             f"{p.raw_dropout} with model {server.model_cfg.name}")
+                raise InputError(name, "only with base: raw", f"{value} with base: {p.base}")
+        check_tune_solver(p, setup.model, base=p.base)
+        if p.raw_dropout and setup.model.name != "mlp":
+            raise InputError("raw_dropout", "an mlp model (dropout after its hidden layers)",
+                             f"{p.raw_dropout} with model {setup.model.name}")
+
+    def run(self, server: ServerContext) -> MethodResult:
+        p = self.params.resolved()
+        key = f"methods.{self.label}.public_samples"
         if p.base == "raw":
             raw_epochs = p.raw_epochs or (5 if server.model_cfg.name == "logreg" else 50)
             metrics, curve, params = tuning_curve(server, None, p, key=key, raw_epochs=raw_epochs, raw_dropout=p.raw_dropout,

@@ -59,15 +59,17 @@ from rayfuse.fusion.fedsa.kd import (
     compute_transferability,
     distill_features,
     draw_weights,
+    find_head,
     hidden_representation,
     representation_shape,
     select_teachers,
     selection_probabilities,
 )
-from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, ServerContext, client_step, register_method
+from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, client_step, register_method
 from rayfuse.seeding import derive_seed, make_rng
 
-__all__ = ["FedSA", "FedSAParams", "Scratch", "Transfer", "TargetParams", "compute_teacher_saliency", "distill_student"]
+__all__ = ["FedSA", "FedSAParams", "Scratch", "Transfer", "TargetParams", "check_student", "check_target_set",
+           "compute_teacher_saliency", "distill_student"]
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -225,11 +227,40 @@ class FedSAParams(StudentParams):
 # Server helpers
 
 
-def _target_set(server: ServerContext) -> Split:
-    target = server.public
-    if len(target) == 0:
+def check_target_set(public_size: int) -> None:
+    """Refuse an empty target set (the server's public sample, ``data.public_size``)."""
+    if public_size == 0:
         raise InputError("data.public_size", "a labelled target set on the server (> 0; e.g. 0.01, 0.05 or 0.1 of the pool)", 0,
                          "FedSA's target set is the server's public sample")
+
+
+def check_student(params: StudentParams, setup: RunSetup) -> Any:
+    """The student (target model) built from its config on the CPU, or an :class:`InputError` at ``student.*`` when
+    it does not fit the data (the teachers' ``model`` is checked by the run itself)."""
+    from rayfuse.models import build_model
+    from rayfuse.models.registry import check_model_fits
+
+    if params.student is not None:
+        try:
+            check_model_fits(params.student, setup.input_shape, setup.num_classes)
+        except InputError as exc:
+            rest = exc.path.split(".", 1)[1] if exc.path.startswith("model.") else ""
+            raise exc.at(f"student.{rest}" if rest else "student") from None
+    cfg = params.student if params.student is not None else setup.model
+    return build_model(cfg, setup.input_shape, setup.num_classes, seed=0)
+
+
+def check_head(model: Any, path: str) -> None:
+    """Refuse a model without a linear classifier to adapt to the target task (``path``: its config key)."""
+    try:
+        find_head(model)
+    except InputError as exc:
+        raise exc.at(path) from None
+
+
+def _target_set(server: ServerContext) -> Split:
+    target = server.public
+    check_target_set(len(target))
     return target
 
 
@@ -286,6 +317,12 @@ class Scratch(Method):
     reference = references.FEDSA
     # The same network, initialisation and training as FedSA's weak target model (round 0), evaluated as it is.
 
+    @classmethod
+    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+        """A target set, and a student that fits the data."""
+        check_target_set(setup.public_size)
+        check_student(params, setup)  # type: ignore[arg-type]
+
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params
         target = _target_set(server)
@@ -310,6 +347,14 @@ class Transfer(Method):
     reference = references.FEDSA
     uses_local_models = True
     oracle = True  # the teachers' weights leave their clients: not possible in FedSA's setting
+
+    @classmethod
+    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+        """A target set, and teachers with a classifier to adapt."""
+        from rayfuse.models import build_model
+
+        check_target_set(setup.public_size)
+        check_head(build_model(setup.model, setup.input_shape, setup.num_classes, seed=0), "model.name")
 
     def run(self, server: ServerContext) -> MethodResult:
         from rayfuse.models import build_model, set_params
@@ -345,25 +390,28 @@ class FedSA(Method):
     reference = references.FEDSA
     multi_round = True  # a checkpoint after each round; ``--resume`` continues mid-method (see :meth:`_resume`)
 
-    def _check_inputs(self, server: ServerContext, student: Any) -> None:
-        """Bad input before any client works: K, the target set, and whether a translator can bridge the features."""
+    @classmethod
+    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+        """Bad input before any client works: the target set, K, and whether a translator can bridge the features."""
         from rayfuse.models import build_model
 
-        p = self.params
-        key = f"methods.{self.label}"
-        n = server.num_clients
+        p: FedSAParams = params  # type: ignore[assignment]
+        check_target_set(setup.public_size)
+        n = setup.num_clients
         if p.selection != "all" and p.k > n:
-            raise InputError(f"{key}.k", f"at most the number of teachers ({n}, partition.num_clients)", p.k)
+            raise InputError("k", f"at most the number of teachers ({n}, partition.num_clients)", p.k)
+        student = check_student(p, setup)
         # Architectures only (public config): the server never sees a teacher's weights.
-        teacher_shape = representation_shape(build_model(server.model_cfg, server.input_shape, server.num_classes, seed=0),
-                                             server.input_shape)
+        teacher_shape = representation_shape(build_model(setup.model, setup.input_shape, setup.num_classes, seed=0),
+                                             setup.input_shape)
         try:
-            student_shape = representation_shape(student, server.input_shape)
+            student_shape = representation_shape(student, setup.input_shape)
         except InputError as exc:
-            raise InputError(f"{key}.student" if p.student is not None else exc.path, exc.expected, exc.got) from None
-        build_translator(student_shape, teacher_shape, path=f"{key}.student")
+            raise InputError("student" if p.student is not None else exc.path, exc.expected, exc.got) from None
+        build_translator(student_shape, teacher_shape, path="student")
         if p.saliency == "gradcam" and (len(teacher_shape) != 3 or len(student_shape) != 3):
-            raise InputError(f"{key}.saliency", "grad for models without a convolutional feature map (Grad-CAM needs one)", "gradcam")
+            raise InputError("saliency", "grad for models without a convolutional feature map (Grad-CAM needs one)", "gradcam")
+        check_head(student, "student" if p.student is not None else "model.name")
 
     def run(self, server: ServerContext) -> MethodResult:
         from rayfuse.models import get_params, set_params
@@ -372,7 +420,6 @@ class FedSA(Method):
         target = _target_set(server)
         student_cfg = _student_config(server, p)
         student = _build_student(server, student_cfg)
-        self._check_inputs(server, student)
         checkpoint = self._resume(server)
         # The server's state between rounds: everything a round reads that an earlier round wrote (checkpointed below).
         teachers = list(server.federation.client_ids)

@@ -39,7 +39,7 @@ from pydantic import Field, field_validator
 
 from rayfuse.errors import InputError
 from rayfuse.fusion import references
-from rayfuse.fusion.baselines.finetune import TuneSettings, check_tune_solver, evaluate_params, tuning_curve
+from rayfuse.fusion.baselines.finetune import TuneSettings, check_public_samples, check_tune_solver, evaluate_params, tuning_curve
 from rayfuse.fusion.gems.balls import (
     cluster_neurons,
     compute_fisher,
@@ -53,7 +53,7 @@ from rayfuse.fusion.gems.balls import (
     softmax_accuracy,
     unflatten_linear,
 )
-from rayfuse.method import ClientContext, Method, MethodResult, ServerContext, client_step, register_method
+from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, client_step, register_method
 
 __all__ = ["GEMS", "GEMSParams", "build_model_ball", "build_neuron_balls", "transform_features"]
 
@@ -245,12 +245,32 @@ class GEMS(Method):
     reference = references.GEMS
     uses_local_models = True
 
-    def run(self, server: ServerContext) -> MethodResult:
-        cfg = server.model_cfg
+    @classmethod
+    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+        """The model (logreg or mlp), the per-layer settings against its hidden layers, ``m_epsilon`` against the
+        neurons across clients, and the fine-tuning settings against the model and the public sample."""
+        p: GEMSParams = params  # type: ignore[assignment]
+        cfg = setup.model
         if cfg.name not in ("logreg", "mlp"):
             raise InputError("model.name", "logreg or mlp for method gems", cfg.name)
-        if self.params.fine_tune:
-            check_tune_solver(self.params, cfg, self.label)
+        if p.fine_tune:
+            check_tune_solver(p, cfg)
+            if setup.public_size:  # without a public sample the tuning is skipped (and said so in the result)
+                check_public_samples(p.public_samples, setup.public_size)
+        if cfg.name != "mlp":
+            return
+        hidden = list(cfg.hidden)
+        _per_layer(p.hidden_epsilon, len(hidden), "hidden_epsilon")
+        m_eps = _per_layer(p.m_epsilon, len(hidden), "m_epsilon")
+        K = setup.num_clients
+        if p.m_epsilon is not None and K > 1:
+            for layer, (m, width) in enumerate(zip(m_eps, hidden)):
+                if m > K * width:
+                    raise InputError("m_epsilon", f"at most the number of neurons of hidden layer {layer} "
+                                     f"across clients ({K} x {width} = {K * width})", m)
+
+    def run(self, server: ServerContext) -> MethodResult:
+        cfg = server.model_cfg
         if cfg.name == "mlp" and cfg.activation != "relu":
             server.progress("gems: eq. 3 is stated for ReLU; using the model's activation " + cfg.activation)
         started = time.perf_counter()
@@ -324,11 +344,6 @@ class GEMS(Method):
         K = fed.num_clients
         eps_hidden = _per_layer(p.hidden_epsilon, len(hidden), f"methods.{self.label}.hidden_epsilon")
         m_eps = _per_layer(p.m_epsilon, len(hidden), f"methods.{self.label}.m_epsilon")
-        if p.m_epsilon is not None and K > 1:
-            for layer, (m, width) in enumerate(zip(m_eps, hidden)):
-                if m > K * width:
-                    raise InputError(f"methods.{self.label}.m_epsilon", f"at most the number of neurons of hidden layer {layer} "
-                                     f"across clients ({K} x {width} = {K * width})", m)
         if K == 1:
             # One client: its good-enough space contains its own model, the intersection's natural answer. (Running the
             # neuron step would merge the client's own neurons with each other: there is no same-client constraint.)

@@ -37,10 +37,10 @@ from rayfuse.expfam import Dirichlet
 from rayfuse.fusion import references
 from rayfuse.fusion.kl.bnn import corrupt, fuse_output_bias, network_of, neurons_of, predictive, predictive_metrics, train_bnn
 from rayfuse.fusion.kl.fusion import fuse_heterogeneous, fuse_homogeneous
-from rayfuse.fusion.kl.gmm import GMMPosteriorParams, gather_gmm_posteriors, gmm_metrics
+from rayfuse.fusion.kl.gmm import GMMPosteriorParams, check_gmm_dataset, check_local_components, gather_gmm_posteriors, gmm_metrics
 from rayfuse.fusion.kl.topics import completion_log_likelihood, fit_lda_posterior, split_documents, topic_hausdorff
 from rayfuse.matching import Executor, serial_map, thread_map
-from rayfuse.method import Method, MethodResult, ServerContext, register_method
+from rayfuse.method import Method, MethodParams, MethodResult, RunSetup, ServerContext, register_method
 from rayfuse.seeding import make_rng
 
 __all__ = ["KLFusion", "KLParams", "choose_executor"]
@@ -101,6 +101,28 @@ class KLFusion(Method):
                                     executor=executor, random_state=server.step_seed("fuse") % (2**31), fw_iterations=p.fw_iterations,
                                     reg_weights=p.reg_weights)
         return result, executor_name, time.perf_counter() - started
+
+    @classmethod
+    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+        """The dataset the application needs, the number of local components, and ``n_init_components`` against the
+        largest local count where the config fixes it."""
+        from rayfuse.data.datasets import DATASETS
+
+        p: KLParams = params  # type: ignore[assignment]
+        if p.application == "gmm":
+            check_gmm_dataset(setup, cls.name)
+            check_local_components(p, setup)
+        elif p.application == "topics":
+            if DATASETS.canonical(setup.data.dataset) != "kl_lda":
+                raise InputError("data.dataset", "kl_lda (application topics needs the synthetic corpus' true topics)",
+                                 setup.data.dataset)
+            if p.homogeneous and p.n_components == "true":
+                raise InputError("n_components", "a number of topics every client fits (homogeneous fusion)", "true")
+        local = p.hidden if p.application == "bnn" else None if p.n_components == "true" else int(p.n_components)
+        if p.n_init_components is not None and local is not None and p.n_init_components < local \
+                and not (p.application == "topics" and p.homogeneous):
+            raise InputError("n_init_components", f"at least the largest local count ({local}) so every dataset can be assigned",
+                             p.n_init_components)
 
     def run(self, server: ServerContext) -> MethodResult:
         run = {"gmm": self._run_gmm, "bnn": self._run_bnn, "topics": self._run_topics}[self.params.application]
@@ -182,10 +204,6 @@ class KLFusion(Method):
     def _run_topics(self, server: ServerContext) -> MethodResult:
         p = self.params
         meta = server.dataset_meta
-        if meta.get("kind") != "lda":
-            raise InputError("data.dataset", "kl_lda (application topics needs the synthetic corpus' true topics)", server.method)
-        if p.homogeneous and p.n_components == "true":
-            raise InputError(f"methods.{self.label}.n_components", "a number of topics every client fits (homogeneous fusion)", "true")
         counts = meta["local_counts"]
         k: dict[int, int] | int = {c: int(counts[c]) for c in server.federation.client_ids} if p.n_components == "true" else int(p.n_components)
         server.progress("kl: clients fit LDA on their documents")

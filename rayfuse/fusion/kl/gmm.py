@@ -26,9 +26,10 @@ from rayfuse.errors import InputError, RunFailure
 from rayfuse.expfam import NormalWishart, normal_wishart_from_sklearn
 from rayfuse.fusion import references
 from rayfuse.fusion.kl.fusion import hausdorff
-from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, ServerContext, client_step, register_method
+from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, client_step, register_method
 
-__all__ = ["fit_gmm_posterior", "GMMPosteriorParams", "gather_gmm_posteriors", "gmm_truth", "gmm_metrics", "GMMOracle", "DPCluster"]
+__all__ = ["fit_gmm_posterior", "GMMPosteriorParams", "gather_gmm_posteriors", "gmm_truth", "gmm_metrics", "GMMOracle", "DPCluster",
+           "GMMMethod", "check_gmm_dataset", "check_local_components"]
 
 
 @client_step("kl.gmm_posterior")
@@ -68,6 +69,30 @@ class GMMPosteriorParams(MethodParams):
         if value != "true" and value < 1:
             raise ValueError("a number of components >= 1 or 'true'")
         return value
+
+
+def check_gmm_dataset(setup: RunSetup, method: str) -> None:
+    """Refuse a dataset other than ``kl_gmm`` (``method`` needs the generator's true atoms for its metrics)."""
+    from rayfuse.data.datasets import DATASETS
+
+    if DATASETS.canonical(setup.data.dataset) != "kl_gmm":
+        raise InputError("data.dataset", f"kl_gmm (method {method} needs the generator's true atoms)", setup.data.dataset)
+
+
+def check_local_components(params: GMMPosteriorParams, setup: RunSetup) -> None:
+    """Refuse a fixed number of local components larger than a client's training split (its points)."""
+    if params.n_components != "true" and setup.train_sizes and params.n_components > min(setup.train_sizes):
+        raise InputError("n_components", f"at most the smallest client's number of training points ({min(setup.train_sizes)})",
+                         params.n_components)
+
+
+class GMMMethod(Method):
+    """A method on the ``kl_gmm`` dataset whose clients fit local GMM posteriors: checks both before the run."""
+
+    @classmethod
+    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+        check_gmm_dataset(setup, cls.name)
+        check_local_components(params, setup)  # type: ignore[arg-type]
 
 
 def gmm_truth(server: ServerContext, path: str) -> dict[str, Any]:
@@ -117,6 +142,10 @@ class GMMOracle(Method):
     reference = references.KLF
     oracle = True
 
+    @classmethod
+    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+        check_gmm_dataset(setup, cls.name)  # the oracle fits the true number of components, not n_components
+
     def run(self, server: ServerContext) -> MethodResult:
         from sklearn.mixture import BayesianGaussianMixture
 
@@ -139,7 +168,7 @@ class DPClusterParams(GMMPosteriorParams):
 
 
 @register_method
-class DPCluster(Method):
+class DPCluster(GMMMethod):
     name = "dp_cluster"
     Params = DPClusterParams
     params: DPClusterParams

@@ -27,9 +27,9 @@ from pydantic import Field
 
 from rayfuse.errors import InputError
 from rayfuse.fusion import references
-from rayfuse.fusion.kl.gmm import GMMPosteriorParams, gather_gmm_posteriors, gmm_metrics
+from rayfuse.fusion.kl.gmm import GMMMethod, GMMPosteriorParams, gather_gmm_posteriors, gmm_metrics
 from rayfuse.matching import solve_assignment
-from rayfuse.method import Method, MethodResult, ServerContext, register_method
+from rayfuse.method import MethodResult, ServerContext, register_method
 
 __all__ = ["spahm_match", "SPAHM", "SPAHMParams"]
 
@@ -134,7 +134,7 @@ class SPAHMParams(GMMPosteriorParams):
 
 
 @register_method
-class SPAHM(Method):
+class SPAHM(GMMMethod):
     name = "spahm"
     Params = SPAHMParams
     params: SPAHMParams
