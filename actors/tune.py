@@ -10,8 +10,9 @@
   stop a trial early, then a final report with every stage: ``time/<stage>`` seconds, ``local/trained`` (clients
   trained by this trial; 0 when the local models came from the cache), ``local/cache_hit``, and
   ``fused/<label>/<metric>`` for every method.
-* Local models: every trial sets ``run.model_cache`` to ``<storage>/model-cache``, a content-addressed cache keyed
-  by data, partition, model, train config and seed, so a sweep over fusion-only knobs trains the clients once.
+* Local models: every trial sets ``run.model_cache`` to ``<storage>/model-cache``, where each client keeps its trained
+  local model under a content key (data, its split, model, train config, seed), so a sweep over fusion-only knobs
+  trains the clients once.
 * Fault tolerance: ``FailureConfig(max_failures)`` retries a failed trial, which resumes its own run folder
   (``<storage>/<name>/runs/<trial id>``) like ``rayfuse run --resume``; ``rayfuse tune SPACE --resume`` restores an
   interrupted sweep with ``Tuner.restore``.

@@ -18,7 +18,7 @@ import contextlib
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from rayfuse.federation import ClientDied, Update, client_step, map_arrays, step
 from rayfuse.seeding import derive_seed
 
 __all__ = ["Client", "ClientContext", "ClientStateStore", "has_client_state", "forget_client_state", "PrivacyError", "train_local",
-           "get_local_update", "set_local_params", "describe"]
+           "restore_local", "get_local_update", "set_local_params", "describe"]
 
 
 class PrivacyError(RuntimeError):
@@ -43,12 +43,14 @@ class InjectedFault(RuntimeError):
 class ClientContext:
     """What a client step sees: this client's private data, settings and local model."""
 
-    def __init__(self, client_id: int, plan: ClientPlan, train: Split, val: Split, *, model_cfg: Any, train_cfg: Any,
-                 seed: int, device: str, local_cache: str | None = None) -> None:
+    def __init__(self, client_id: int, plan: ClientPlan, train: Split, val: Split, *, data_cfg: Any, model_cfg: Any,
+                 train_cfg: Any, seed: int, device: str, local_cache: str | None = None, faults: Sequence[Any] = ()) -> None:
         self.client_id = client_id
         self.plan = plan
         self.train = train
         self.val = val
+        self.data_cfg = data_cfg
+        self.faults = [f for f in faults if f.client == client_id]  # part of the local model's key (see local_model_key)
         self.model_cfg = model_cfg
         self.train_cfg = train_cfg
         self.seed = seed
@@ -85,22 +87,59 @@ class ClientContext:
     def local_model(self) -> Any:
         """The client's local model, trained on its train split the first time it is asked for.
 
-        With ``local_cache`` (``run.model_cache``), the trained model is kept by the client itself, in
-        ``<local_cache>/client-models/<key>.safetensors``, keyed by the content of its train split, the model and
-        training settings and the seeds: a later run of the same client (a Tune trial over fusion-only knobs) reads it
-        instead of training. The file is written by the client's own process: methods whose local models must not
-        leave the client (FedSA's teachers) keep them on the client's side, with ``run.model_cache`` on storage the
-        client owns.
+        With ``local_cache`` (``run.model_cache``), the client owns its trained model: it keeps it in
+        ``<local_cache>/local-models/<key>/`` (:class:`rayfuse.store.LocalModelStore`) under its content key
+        (:meth:`local_model_key`), and a later run of the same client (a Tune trial over fusion-only knobs, a resumed
+        run) reads it instead of training. Written and read by the client's own process, under the key's lock
+        (concurrent trials train once): methods whose local models must not leave the client (FedSA's teachers) keep
+        them on the client's side, with ``run.model_cache`` on storage the client owns.
         """
         if self._local_model is None:
-            with self._local_cache_lock() as path:
-                if path is not None and path.is_file():
-                    self._local_model, self.local_stats = self._read_cached_model(path)
-                else:
+            store = self.local_model_store()
+            if store is None:
+                self._local_model = self._train_local_model()
+                return self._local_model
+            key, inputs = self.local_model_key()
+            with store.lock(key):
+                if not self.restore_local_model():
                     self._local_model = self._train_local_model()
-                    if path is not None:
-                        self._write_cached_model(path)
+                    from rayfuse.models import get_params
+
+                    store.save(key, inputs, get_params(self._local_model), self.local_stats)
         return self._local_model
+
+    def local_model_store(self) -> Any:
+        """Where this client keeps its trained local model (a :class:`rayfuse.store.LocalModelStore`); ``None`` without
+        ``local_cache``."""
+        from rayfuse.store import LocalModelStore
+
+        return LocalModelStore(self.local_cache) if self.local_cache else None
+
+    def local_model_key(self) -> tuple[str, dict[str, Any]]:
+        """The content key of this client's local model (:func:`rayfuse.store.local_model_key`, the same key the
+        coordinator computes from the run's config) and its inputs."""
+        from rayfuse.store import local_model_key
+
+        config = {"data": self.data_cfg.model_dump(mode="json"), "model": self.model_cfg.model_dump(mode="json"),
+                  "train": self.train_cfg.model_dump(mode="json"), "run": {"seed": self.seed},
+                  "federation": {"faults": [f.model_dump(mode="json") for f in self.faults]}}
+        return local_model_key(config, self.plan)
+
+    def restore_local_model(self) -> bool:
+        """Install the local model this client kept (``local_cache``) without training; ``False`` when it keeps none.
+        A model already in memory counts as restored."""
+        if self._local_model is not None:
+            return True
+        store = self.local_model_store()
+        kept = None if store is None else store.load(self.local_model_key()[0])
+        if kept is None:
+            return False
+        from rayfuse.models import set_params
+
+        params, stats = kept
+        self._local_model = set_params(self.build_model(seed=self.init_seed), params)
+        self.local_stats = {**stats, "cached": 1.0}
+        return True
 
     def _train_local_model(self) -> Any:
         from rayfuse.models import train_model
@@ -112,46 +151,6 @@ class ClientContext:
                             seed=self.step_seed("local-train"), device=self.device)
         self.local_stats = {"train_loss": stats.loss, "train_seconds": stats.seconds, "steps": float(stats.steps)}
         return model
-
-    def _local_cache_key(self) -> str:
-        import hashlib
-        import json
-
-        digest = hashlib.sha256()
-        for array in (self.train.X, self.train.y):
-            digest.update(np.ascontiguousarray(array).tobytes())
-        inputs = {"format": 1, "data": digest.hexdigest(), "client": self.client_id, "seed": self.seed,
-                  "model": self.model_cfg.model_dump(mode="json"), "train": self.train_cfg.model_dump(mode="json")}
-        return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:24]
-
-    @contextlib.contextmanager
-    def _local_cache_lock(self) -> Iterator[Path | None]:
-        """The cached model's path, locked (concurrent trials of one client train once); ``None`` without a cache."""
-        from rayfuse.store import file_lock
-
-        if not self.local_cache:
-            yield None
-            return
-        path = Path(self.local_cache) / "client-models" / f"{self._local_cache_key()}.safetensors"
-        with file_lock(path.with_suffix(".lock")):
-            yield path
-
-    def _read_cached_model(self, path: Path) -> tuple[Any, dict[str, float]]:
-        import json
-
-        from rayfuse.io import load_params
-        from rayfuse.models import set_params
-
-        model = set_params(self.build_model(seed=self.init_seed), load_params(path))
-        stats = json.loads(path.with_suffix(".json").read_text()) if path.with_suffix(".json").is_file() else {}
-        return model, {**{k: float(v) for k, v in stats.items()}, "cached": 1.0}
-
-    def _write_cached_model(self, path: Path) -> None:
-        from rayfuse.io import atomic_write_json, save_params
-        from rayfuse.models import get_params
-
-        atomic_write_json(path.with_suffix(".json"), self.local_stats)
-        save_params(path, get_params(self._local_model))
 
     def set_local_model(self, model: Any) -> None:
         self._local_model = model
@@ -170,6 +169,10 @@ class ClientStateStore:
     checkpoint. Files are ``<name>-<round:05d>.safetensors`` (arrays only: never pickle); the server's checkpoint
     records, per client, the round its state belongs to, never the state. Written and read by the client's own process:
     what a client keeps here (optimiser moments, random generators, a teacher's translator) never travels.
+
+    Each file is written atomically (a staging file renamed into place), and :meth:`save` and :meth:`forget` hold the
+    store's lock (``<store>.lock`` beside the folder, :func:`rayfuse.cas.key_lock`): two processes of one client (a
+    restarted actor and the one it replaces) never prune or delete under each other.
     """
 
     def __init__(self, ctx: ClientContext, kind: str, store: str) -> None:
@@ -179,6 +182,12 @@ class ClientStateStore:
             raise ValueError(f"a client state kind is alphanumeric with dashes, got {kind!r}")
         self.folder: Path | None = (Path(ctx.local_cache) / "client-state" / f"client-{ctx.client_id}" / kind / store
                                     if ctx.local_cache else None)
+
+    def _lock(self) -> contextlib.AbstractContextManager[Any]:
+        from rayfuse.cas import key_lock
+
+        assert self.folder is not None
+        return key_lock(self.folder.with_name(f"{self.folder.name}.lock"))
 
     def file(self, name: str, round: int) -> Path | None:
         """Where the state ``name`` after ``round`` is kept (``None`` without storage)."""
@@ -209,11 +218,12 @@ class ClientStateStore:
         path = self.file(name, round)
         if path is None:
             return None
-        save_params(path, arrays, {"name": name, "round": str(round), **(metadata or {})})
         kept = {path.name, *([self.file(name, keep).name] if keep is not None and keep != round else [])}  # type: ignore[union-attr]
-        for old in path.parent.glob(f"{name}-*.safetensors"):
-            if old.name not in kept and old.name[len(name) + 1:-len(".safetensors")].isdigit():
-                old.unlink(missing_ok=True)
+        with self._lock():
+            save_params(path, arrays, {"name": name, "round": str(round), **(metadata or {})})
+            for old in path.parent.glob(f"{name}-*.safetensors"):
+                if old.name not in kept and old.name[len(name) + 1:-len(".safetensors")].isdigit():
+                    old.unlink(missing_ok=True)
         return path
 
     def forget(self) -> int:
@@ -222,8 +232,10 @@ class ClientStateStore:
 
         if self.folder is None or not self.folder.is_dir():
             return 0
-        count = len(list(self.folder.glob("*.safetensors")))
-        shutil.rmtree(self.folder, ignore_errors=True)
+        with self._lock():
+            count = len(list(self.folder.glob("*.safetensors")))
+            shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder.with_name(f"{self.folder.name}.lock").unlink(missing_ok=True)  # the store is done: no one waits on it
         return count
 
 
@@ -274,8 +286,8 @@ class Client:
             dataset = load_dataset_from_config(data_cfg)
         train, val = client_splits(dataset, plan)
         del dataset  # keep only this client's shard in memory
-        self.ctx = ClientContext(client_id, plan, train, val, model_cfg=model_cfg, train_cfg=train_cfg, seed=seed, device=device,
-                                 local_cache=local_cache)
+        self.ctx = ClientContext(client_id, plan, train, val, data_cfg=data_cfg, model_cfg=model_cfg, train_cfg=train_cfg,
+                                 seed=seed, device=device, local_cache=local_cache, faults=faults)
         self.faults = [f for f in faults if f.client == client_id]
         self.restarted = restarted
         self._die = die
@@ -335,6 +347,15 @@ def _check_no_raw_data(result: Any, ctx: ClientContext) -> None:
 def train_local(ctx: ClientContext) -> dict[str, float]:
     """Train the local model (once per client life) and report its cost; no parameters travel."""
     ctx.local_model()
+    return {"num_examples": float(ctx.num_examples), **ctx.local_stats}
+
+
+@client_step("restore_local")
+def restore_local(ctx: ClientContext) -> dict[str, float] | None:
+    """Install the local model this client kept in its own storage (``run.model_cache``) without training, and report
+    its statistics; ``None`` when it keeps none (``rayfuse run --resume`` then falls back to the run folder)."""
+    if not ctx.restore_local_model():
+        return None
     return {"num_examples": float(ctx.num_examples), **ctx.local_stats}
 
 

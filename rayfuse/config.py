@@ -89,9 +89,9 @@ class RunConfig(StrictModel):
     name: str = Field("quickstart", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="run name; the run folder is <storage>/<name>-<time>")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="the one seed every other seed derives from")
     storage: str = Field("runs", min_length=1, description="folder that receives run folders")
-    model_cache: str | None = Field(None, min_length=1, description="folder of a content-addressed cache of trained local models: runs "
-                                    "(and Tune trials) with the same data, partition, model, train config and seed reuse them "
-                                    "instead of retraining the clients; null: no cache")
+    model_cache: str | None = Field(None, min_length=1, description="storage the clients own: each keeps its trained local model there "
+                                    "under a content key, so runs (and Tune trials) with the same data, partition, model, train "
+                                    "config and seed reuse it instead of retraining, and --resume reads it; null: the clients keep nothing")
 
 
 class DatasetSource(StrictModel):

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from rayfuse.client import forget_client_state, get_local_update, has_client_state, set_local_params, train_local
+from rayfuse.client import forget_client_state, get_local_update, has_client_state, restore_local, set_local_params, train_local
 from rayfuse.config import ExperimentConfig
 from rayfuse.data.roles import DataPlan, Split, load_dataset_from_config, load_target_from_config, pooled_train, server_splits
 from rayfuse.errors import NonFiniteError, RunFailure
@@ -25,7 +25,7 @@ from rayfuse.method import MethodResult, MethodSpec, RunSetup, check_methods, re
 from rayfuse.metrics import compute_metrics
 from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
 from rayfuse.seeding import derive_seed, make_rng
-from rayfuse.store import Checkpoint, LocalModelCache, RunStore, StepResultCache, local_model_key, step_result_key
+from rayfuse.store import Checkpoint, LocalModelStore, RunStore, StepResultCache, local_model_key, step_result_key
 
 __all__ = ["Coordinator", "MethodServer"]
 
@@ -286,7 +286,9 @@ class Coordinator:
         self.device = device
         self._dataset: Any = None
         self._server_data: tuple[Split, Split] | None = None
-        self._local: Gathered[Update] | None = None
+        self._ready: list[int] | None = None  # the clients holding their trained local model (prepare_local_models)
+        self._from_run_folder: set[int] = set()  # those installed from checkpoints/local (already saved there)
+        self._local: Gathered[Update] | None = None  # the local models' parameters, fetched once (local_updates)
         self._reference: dict[str, np.ndarray] | None = None
 
     # -- lazily loaded server-side state ------------------------------------------------------------------------
@@ -330,47 +332,63 @@ class Coordinator:
         return value
 
     def prepare_local_models(self, resume: bool = False) -> dict[str, Any]:
-        """Train every client's local model once (or restore it on resume) and gather the parameters once."""
+        """Have every client hold its trained local model: trained once, or restored on resume; no parameters move."""
         return self._stage("local_training", lambda: self._prepare_local_models(resume))
 
     def _prepare_local_models(self, resume: bool) -> dict[str, Any]:
+        """The clients own their local models (``run.model_cache``: each keeps its own copy under its content key,
+        :func:`rayfuse.store.local_model_key`). A fresh run asks every client for its model (it reads its copy or
+        trains and keeps one). A resumed run asks for the clients' copies first, installs the run folder's
+        ``checkpoints/local`` for the clients without one (no ``run.model_cache``, or their storage is gone), and trains
+        the rest. Runs sharing the keys (concurrent Tune trials) wait here while one of them trains."""
         fed = self.federation
-        saved = self.store.load_local_models(fed.client_ids) if resume else None
-        source = "checkpoints/local" if saved is not None else None
-        cache = None
-        if saved is None and self.cfg.run.model_cache:
-            key, inputs = local_model_key(self.resolved_config(), self.plan.digest())
-            cache = LocalModelCache(self.cfg.run.model_cache, key, inputs)
-        # Runs sharing a cache key wait here while one of them trains (concurrent Tune trials train once).
-        with cache.lock() if cache is not None else contextlib.nullcontext():
-            if cache is not None:
-                saved = cache.load(fed.client_ids)
-                source = f"the model cache ({cache.key})" if saved is not None else None
-            if saved is not None:
-                calls = [c for client, (params, stats) in saved.items()
-                         for c in fed.map(set_local_params, fed.put(params), stats, clients=[client])]
-                ready = fed.gather(calls).clients
-                self.events.emit("local_models_restored", f"{len(ready)} local models from {source}",
-                                 source="cache" if cache is not None else "checkpoint")
-            else:
-                trained = fed.run(train_local)
-                for client, stats in trained.results.items():
+        root = self.cfg.run.model_cache
+        keys = {c: local_model_key(self.resolved_config(), self.plan.for_client(c))[0] for c in fed.client_ids} if root else {}
+        with LocalModelStore(root).lock_run(keys.values()) if root else contextlib.nullcontext():
+            kept: list[int] = []
+            if resume and root:
+                kept = sorted(c for c, stats in fed.run(restore_local).results.items() if stats is not None)
+            from_run: list[int] = []
+            if resume:
+                saved = self.store.load_local_models([c for c in fed.client_ids if c not in kept])
+                calls = [call for client, (params, stats) in saved.items()
+                         for call in fed.map(set_local_params, fed.put(params), stats, clients=[client])]
+                from_run = fed.gather(calls).clients if calls else []
+            rest = [c for c in fed.client_ids if c not in kept and c not in from_run]
+            trained: list[int] = []
+            if rest:
+                for client, stats in fed.run(train_local, clients=rest).results.items():
+                    if stats.get("cached") == 1.0:  # the client read the copy it kept
+                        kept.append(client)
+                        continue
+                    trained.append(client)
                     self.events.emit("client_trained", f"loss {stats.get('train_loss', float('nan')):.4f}", client=client,
                                      seconds=round(stats.get("train_seconds", 0.0), 3))
-                ready = trained.clients
-            # A client dropped while training stays out of every method of this run that uses local models.
-            self._local = fed.run(get_local_update, clients=ready)
-            if saved is None:
-                self.store.save_local_models(self._local.results)
-                if cache is not None and sorted(self._local.results) == fed.client_ids:  # only complete sets are cached
-                    cache.save(self._local.results)
-                    self.events.emit("local_models_cached", f"{len(ready)} local models -> {cache.folder}", key=cache.key)
-        return {"clients": self._local.clients, "restored": saved is not None}
+        kept.sort()
+        if kept:
+            self.events.emit("local_models_restored", f"{len(kept)} local models from the clients' own copies ({root})",
+                             source="cache", clients=kept)
+        if from_run:
+            self.events.emit("local_models_restored", f"{len(from_run)} local models from checkpoints/local",
+                             source="checkpoint", clients=from_run)
+        if trained and root:
+            self.events.emit("local_models_cached", f"{len(trained)} local models kept by their clients in {LocalModelStore(root).root}",
+                             keys={str(c): keys[c] for c in trained})
+        # A client dropped while training stays out of every method of this run that uses local models.
+        self._ready = sorted([*kept, *from_run, *trained])
+        self._from_run_folder = set(from_run)
+        self._local = None
+        return {"clients": self._ready, "restored": bool(kept or from_run)}
 
     def local_updates(self) -> Gathered[Update]:
-        if self._local is None:  # a method needing local models ran without the local_training stage (tests)
-            self._prepare_local_models(resume=False)
-        return self._local  # type: ignore[return-value]  # set by _prepare_local_models
+        """The ready clients' local model parameters, fetched once, for the methods that fuse them; each fetched model
+        missing from the run folder is checkpointed there (``checkpoints/local``, ``--resume``'s fallback)."""
+        if self._local is None:
+            if self._ready is None:  # a method needing local models ran without the local_training stage (tests)
+                self._prepare_local_models(resume=False)
+            self._local = self.federation.run(get_local_update, clients=self._ready)
+            self.store.save_local_models({c: u for c, u in self._local.results.items() if c not in self._from_run_folder})
+        return self._local
 
     def run_method(self, label: str, resume: bool = False) -> dict[str, Any]:
         """Run the method entry ``label`` of the config; save its model and state; return its summary."""

@@ -10,8 +10,9 @@ Order of work (each a timed stage in ``results.json``):
    into roles and partition the pool; write ``config.yaml`` and ``partition.json``. Bad input stops here (exit 2),
    before any cluster work.
 2. ``startup`` -- start the clients (each loads its own shard) and the coordinator.
-3. ``local_training`` -- when a method needs local models: each client trains its local model once; the
-   coordinator gathers the parameters once and checkpoints them.
+3. ``local_training`` -- when a method needs local models: each client trains its local model once (or reads the
+   copy it keeps under ``run.model_cache``; on ``--resume``, the run folder's copy when its own is gone). The
+   coordinator fetches the parameters once, only for methods that fuse them, and checkpoints them.
 4. one stage per method -- the coordinator runs the method's server loop.
 5. ``report`` -- ``metrics.parquet``, ``comparison.png``, then ``results.json`` (status, metrics, timings, events).
 """

@@ -8,36 +8,39 @@
     <run>/metrics.parquet             one row per method x round x metric (x client)
     <run>/comparison.png              methods compared
     <run>/models/<label>.safetensors  fused models
-    <run>/checkpoints/local/client-<i>.safetensors   trained local models (resume without retraining)
+    <run>/checkpoints/local/client-<i>.safetensors   local models the methods fetched (--resume's fallback)
     <run>/checkpoints/<label>/latest.json + round-<r>.safetensors   multi-round state
     <run>/state/<label>.json          a finished method's result (resume skips it)
 
 The coordinator writes checkpoints and models; on Ray it is placed on the driver's node so it shares this folder.
 
-:class:`LocalModelCache` is a content-addressed cache of trained local models shared by runs (``run.model_cache``):
-``<cache>/local-models/<key>/client-<i>.safetensors`` plus ``key.json`` (what the key was computed from). The key
-is a hash of everything local training depends on, so a Tune sweep over fusion-only knobs trains the clients once.
+:class:`LocalModelStore` keeps trained local models on the clients' side (``run.model_cache``), one
+content-addressed entry per client model (``<cache>/local-models/<key>/``, :func:`local_model_key`): each client
+writes and reads its own, and runs that share a key (the trials of a Tune sweep over fusion-only knobs) train once.
+``--resume`` reads the clients' copies first and the run folder's ``checkpoints/local`` when a client's copy is gone.
+:class:`StepResultCache` keeps a deterministic client step's results for a whole run. Both are built on
+:class:`rayfuse.cas.ContentCache`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rayfuse.cas import CacheEntry, ContentCache, content_key
 from rayfuse.io import atomic_write_json, load_params, save_params
 
-__all__ = ["RunStore", "Checkpointer", "Checkpoint", "LocalModelCache", "local_model_key"]
+if TYPE_CHECKING:
+    from rayfuse.data.roles import ClientPlan
+
+__all__ = ["RunStore", "Checkpointer", "Checkpoint", "LocalModelStore", "StepResultCache", "local_model_key", "step_result_key"]
 
 
 @dataclass
@@ -129,8 +132,8 @@ class RunStore:
     def save_local_models(self, updates: Mapping[int, Any]) -> None:
         _save_local_models(self.root / "checkpoints" / "local", updates)
 
-    def load_local_models(self, client_ids: list[int]) -> dict[int, tuple[dict[str, np.ndarray], dict[str, float]]] | None:
-        """All clients' checkpointed local models, or ``None`` if any is missing."""
+    def load_local_models(self, client_ids: list[int]) -> dict[int, tuple[dict[str, np.ndarray], dict[str, float]]]:
+        """The checkpointed local models of those of ``client_ids`` the run folder holds: client -> (params, stats)."""
         return _load_local_models(self.root / "checkpoints" / "local", client_ids)
 
 
@@ -140,14 +143,14 @@ def _save_local_models(folder: Path, updates: Mapping[int, Any]) -> None:
         save_params(folder / f"client-{client}.safetensors", update.params, meta)
 
 
-def _load_local_models(folder: Path, client_ids: list[int]) -> dict[int, tuple[dict[str, np.ndarray], dict[str, float]]] | None:
+def _load_local_models(folder: Path, client_ids: list[int]) -> dict[int, tuple[dict[str, np.ndarray], dict[str, float]]]:
     files = {c: folder / f"client-{c}.safetensors" for c in client_ids}
-    if not all(f.is_file() for f in files.values()):
-        return None
     from safetensors import safe_open
 
     out = {}
     for client, file in files.items():
+        if not file.is_file():
+            continue
         with safe_open(str(file), framework="numpy") as handle:
             meta = handle.metadata() or {}
         stats = {k: float(v) for k, v in meta.items() if k != "num_examples"}
@@ -156,78 +159,101 @@ def _load_local_models(folder: Path, client_ids: list[int]) -> dict[int, tuple[d
 
 
 CACHE_FORMAT = 1
+LOCAL_MODEL_FORMAT = 2
 LOCAL_TRAINING_STEPS = ("train_local", "get_local_params")
 
 
-def local_model_key(config: Mapping[str, Any], partition_hash: str) -> tuple[str, dict[str, Any]]:
-    """The cache key of a run's local models and what it is computed from.
-
-    ``config`` is the resolved config (:meth:`ExperimentConfig.resolved`). Local training depends on the data and its
-    split (``data``, ``partition``, the partition hash, which also covers the dataset's indices), the model, the
-    training settings, the seed and faults injected into local training; nothing under ``methods`` enters, so every
-    fusion-only variation of a job shares one key.
-    """
-    inputs = {
+def _run_inputs(config: Mapping[str, Any], partition_hash: str) -> dict[str, Any]:
+    """What every client's local training in a run depends on (the base of :func:`step_result_key`): the data and its
+    split (``data``, ``partition``, the partition hash), the model, the training settings, the seed and the faults
+    injected into local training; nothing under ``methods``."""
+    return {
         "format": CACHE_FORMAT,
         "data": config["data"], "partition": config["partition"], "partition_hash": partition_hash,
         "model": config["model"], "train": config["train"], "seed": config["run"]["seed"],
         # faults injected into local training change the local models; faults of later steps do not
         "faults": [f for f in config["federation"]["faults"] if f["step"] in LOCAL_TRAINING_STEPS],
     }
-    text = json.dumps(inputs, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:24], inputs
 
 
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path`` (created with its folder): runs sharing a cache entry compute it once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def _hash_arrays(*arrays: Any) -> str:
+    digest = hashlib.sha256()
+    for array in arrays:
+        array = np.ascontiguousarray(array)
+        digest.update(f"{array.dtype.str}{array.shape}|".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
 
 
-class LocalModelCache:
-    """One entry of the content-addressed local-model cache under ``root`` (``run.model_cache``).
+def local_model_key(config: Mapping[str, Any], plan: ClientPlan) -> tuple[str, dict[str, Any]]:
+    """The content key of one client's trained local model, and what it is computed from.
 
-    An entry is written once, complete (every client), into a temporary folder renamed into place: a reader sees
-    all of it or nothing. :meth:`lock` serialises the runs that share a key, so concurrent Tune trials train once
-    and the others wait and read (an ``flock``: the cache folder must be on a file system every trial's node shares).
+    The one key of a local model: the client names its own copy with it (:meth:`rayfuse.client.ClientContext.
+    local_model`), the coordinator computes the same key from the run's config and the client's plan (the lock of a
+    run's local training, the events). ``config`` holds the sections ``data``, ``model``, ``train``, ``run.seed`` and
+    ``federation.faults`` as plain data (a resolved config, :func:`rayfuse.method.resolved_config`, or a client's own
+    sections dumped the same way); ``plan`` is the client's :class:`~rayfuse.data.ClientPlan`. The key covers the
+    dataset, the client, its train indices, normalisation and corruption, the model, the training settings, the seed
+    and the faults injected into this client's local training; nothing under ``methods``, ``run.name`` or
+    ``run.storage``, so every fusion-only variation of a job (the trials of a Tune sweep) shares it.
+    """
+    norm = plan.normalization
+    inputs = {
+        "format": LOCAL_MODEL_FORMAT,
+        "data": config["data"], "model": config["model"], "train": config["train"], "seed": config["run"]["seed"],
+        "client": int(plan.client_id),
+        "train_indices": _hash_arrays(np.asarray(plan.train, dtype=np.int64)),
+        "normalization": None if norm is None else _hash_arrays(norm.mean, norm.std),
+        "corruption": plan.corruption, "corruption_seed": int(plan.corruption_seed),
+        "faults": [f for f in config["federation"]["faults"]
+                   if f["client"] == plan.client_id and f["step"] in LOCAL_TRAINING_STEPS],
+    }
+    return content_key(inputs), inputs
+
+
+class LocalModelStore:
+    """Trained local models, each kept by its own client under its content key (:func:`local_model_key`).
+
+    ``<run.model_cache>/local-models/<key>/``: ``params.safetensors``, ``stats.json`` (the training statistics) and
+    ``key.json`` (what the key was computed from), published once, complete (:class:`rayfuse.cas.ContentCache`).
+    Written and read by the client's own process; the coordinator only takes :meth:`lock_run` while a run's clients
+    train, so concurrent Tune trials sharing the keys train once and the others read.
     """
 
-    def __init__(self, root: str | Path, key: str, inputs: Mapping[str, Any] | None = None) -> None:
-        self.root = Path(root) / "local-models"
-        self.key = key
-        self.inputs = dict(inputs or {})
-        self.folder = self.root / key
+    def __init__(self, root: str | Path) -> None:
+        self.cache = ContentCache(Path(root) / "local-models")
 
-    def lock(self) -> contextlib.AbstractContextManager[None]:
-        return file_lock(self.root / f"{self.key}.lock")
+    @property
+    def root(self) -> Path:
+        return self.cache.root
 
-    def load(self, client_ids: list[int]) -> dict[int, tuple[dict[str, np.ndarray], dict[str, float]]] | None:
-        return _load_local_models(self.folder, client_ids) if self.folder.is_dir() else None
+    def entry(self, key: str, inputs: Mapping[str, Any] | None = None) -> CacheEntry:
+        return CacheEntry(self.cache.root, key, dict(inputs or {}))
 
-    def save(self, updates: Mapping[int, Any]) -> None:
-        self._publish(lambda staging: _save_local_models(staging, updates))
+    def load(self, key: str) -> tuple[dict[str, np.ndarray], dict[str, float]] | None:
+        """The kept parameters and training statistics of ``key``; ``None`` when nothing is kept."""
+        entry = self.entry(key)
+        if not entry.exists:
+            return None
+        stats = json.loads((entry.folder / "stats.json").read_text())
+        return load_params(entry.folder / "params.safetensors"), {k: float(v) for k, v in stats.items()}
 
-    def _publish(self, write: Any) -> None:
-        """``write(staging)`` into a temporary folder, then rename it into place (once: an existing entry wins)."""
-        if self.folder.is_dir():
-            return
-        self.root.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{self.key}-", dir=self.root))
-        try:
-            write(staging)
-            atomic_write_json(staging / "key.json", self.inputs)
-            os.replace(staging, self.folder)
-        except OSError:
-            if not self.folder.is_dir():
-                raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    def save(self, key: str, inputs: Mapping[str, Any], params: Mapping[str, np.ndarray], stats: Mapping[str, float]) -> bool:
+        """Keep ``params`` and ``stats`` under ``key``; ``False`` when the entry existed already (it stands)."""
+
+        def write(staging: Path) -> None:
+            save_params(staging / "params.safetensors", params)
+            atomic_write_json(staging / "stats.json", {k: float(v) for k, v in stats.items()})
+
+        return self.entry(key, inputs).publish(write)
+
+    def lock(self, key: str) -> contextlib.AbstractContextManager[Any]:
+        """The lock of one client's entry (held by the client while it trains or reads)."""
+        return self.entry(key).lock()
+
+    def lock_run(self, keys: Iterable[str]) -> contextlib.AbstractContextManager[Any]:
+        """One lock over a run's entries (held by the coordinator while the run's clients train or read theirs)."""
+        return self.cache.lock("run-" + content_key({"clients": sorted(keys)}))
 
 
 # -- cached client-step results ------------------------------------------------------------------------------------
@@ -262,31 +288,34 @@ def _unflatten_result(arrays: Mapping[str, np.ndarray], scalars: Mapping[str, An
 
 
 def step_result_key(config: Mapping[str, Any], partition_hash: str, step: str, args: Any, kwargs: Any) -> tuple[str, dict[str, Any]]:
-    """The cache key of one client step's results: the local-model key's inputs plus the step and its arguments."""
-    _, inputs = local_model_key(config, partition_hash)
+    """The cache key of one client step's results for a whole run: what the run's local training depends on (data,
+    partition and its hash, model, training settings, seed, local-training faults) plus the step and its arguments."""
     step_faults = [f for f in config["federation"]["faults"] if f["step"] == step]  # a fault in the step changes its results
-    inputs = {**inputs, "step": step, "args": args, "kwargs": kwargs, "step_faults": step_faults}
-    text = json.dumps(inputs, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:24], inputs
+    inputs = {**_run_inputs(config, partition_hash), "step": step, "args": args, "kwargs": kwargs, "step_faults": step_faults}
+    return content_key(inputs), inputs
 
 
-class StepResultCache(LocalModelCache):
+class StepResultCache:
     """Results of one deterministic client step (e.g. a local posterior fit) for all clients, shared by runs.
 
-    Same layout rules as :class:`LocalModelCache` (written once, complete, renamed into place; ``flock`` per key),
-    under ``<run.model_cache>/step-results/<key>/``: ``client-<i>.npz`` (arrays, ``allow_pickle=False``) and
-    ``client-<i>.json`` (plain values). Methods whose clients summarise their data in their own step (KL-fusion's
-    local posteriors) use it through :meth:`rayfuse.coordinator.ServerContext.run_cached`, so a Tune sweep over
-    fusion-only knobs computes the summaries once.
+    One entry of a :class:`rayfuse.cas.ContentCache` under ``<run.model_cache>/step-results/`` (written once,
+    complete, renamed into place; a ``filelock`` per key): ``<key>/client-<i>.npz`` (arrays, ``allow_pickle=False``),
+    ``client-<i>.json`` (plain values) and ``key.json``. Methods whose clients summarise their data in their own step
+    (KL-fusion's local posteriors) use it through :meth:`rayfuse.coordinator.MethodServer.run_cached`, so a Tune sweep
+    over fusion-only knobs computes the summaries once.
     """
 
     def __init__(self, root: str | Path, key: str, inputs: Mapping[str, Any] | None = None) -> None:
-        super().__init__(root, key, inputs)
-        self.root = Path(root) / "step-results"
-        self.folder = self.root / key
+        self.entry = CacheEntry(Path(root) / "step-results", key, dict(inputs or {}))
+        self.key = key
+        self.folder = self.entry.folder
 
-    def load(self, client_ids: list[int]) -> dict[int, dict[str, Any]] | None:  # type: ignore[override]
-        if not self.folder.is_dir():
+    def lock(self) -> contextlib.AbstractContextManager[Any]:
+        return self.entry.lock()
+
+    def load(self, client_ids: list[int]) -> dict[int, dict[str, Any]] | None:
+        """Every client's results; ``None`` when the entry is missing or lacks a client."""
+        if not self.entry.exists:
             return None
         out = {}
         for client in client_ids:
@@ -297,7 +326,7 @@ class StepResultCache(LocalModelCache):
                 out[client] = _unflatten_result({k: arrays[k] for k in arrays.files}, json.loads(meta.read_text()))
         return out
 
-    def save(self, results: Mapping[int, Any]) -> bool:  # type: ignore[override]
+    def save(self, results: Mapping[int, Any]) -> bool:
         """Write the results; ``False`` (nothing written) when a result holds values that cannot be stored."""
         flat = {}
         for client, result in results.items():
@@ -312,5 +341,5 @@ class StepResultCache(LocalModelCache):
                 np.savez(staging / f"client-{client}.npz", **arrays)
                 atomic_write_json(staging / f"client-{client}.json", scalars)
 
-        self._publish(write)
+        self.entry.publish(write)
         return True

@@ -274,7 +274,7 @@ def test_a_client_keeps_its_trained_local_model_in_its_own_cache(digits_plan, tm
 
     first = client()
     trained = get_params(first.ctx.local_model())
-    assert "cached" not in first.ctx.local_stats and list((tmp_path / "cache" / "client-models").glob("*.safetensors"))
+    assert "cached" not in first.ctx.local_stats and list((tmp_path / "cache" / "local-models").glob("*/params.safetensors"))
     again = client()
     restored = get_params(again.ctx.local_model())
     assert again.ctx.local_stats["cached"] == 1.0 and again.ctx.local_stats["train_loss"] == first.ctx.local_stats["train_loss"]
@@ -286,4 +286,4 @@ def test_a_client_keeps_its_trained_local_model_in_its_own_cache(digits_plan, tm
     other = client(train_cfg=cfg.train.model_copy(update={"epochs": 2}))
     other.ctx.local_model()
     assert "cached" not in other.ctx.local_stats
-    assert len(list((tmp_path / "cache" / "client-models").glob("*.safetensors"))) == 3
+    assert len(list((tmp_path / "cache" / "local-models").glob("*/params.safetensors"))) == 3
