@@ -89,7 +89,7 @@ def _operational_overrides(args: argparse.Namespace) -> list[str]:
 def _cmd_run(args: argparse.Namespace) -> int:
     from rayfuse.config import load_config, parse_overrides
     from rayfuse.report import Printer
-    from rayfuse.runner import InProcessBackend, load_run_config, new_run_dir, run_experiment
+    from rayfuse.runner import Backend, InProcessBackend, load_run_config, new_run_dir, run_experiment
 
     sets = list(args.set) + _operational_overrides(args)
     if args.resume:
@@ -104,7 +104,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         cfg = load_config(path, sets)
         run_dir, resume = new_run_dir(cfg, args.out), False
     if cfg.federation.backend == "local":
-        backend = InProcessBackend()
+        backend: Backend = InProcessBackend()
     else:
         from actors.backend import RayBackend
 

@@ -22,7 +22,7 @@ import json
 import secrets
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,7 +143,7 @@ def new_run_dir(cfg: ExperimentConfig, out: str | Path | None = None) -> Path:
     return Path(cfg.run.storage) / f"{cfg.run.name}-{stamp}-{secrets.token_hex(2)}"
 
 
-def load_run_config(run_dir: str | Path, overrides: list[tuple[list[str], Any]] = ()) -> ExperimentConfig:
+def load_run_config(run_dir: str | Path, overrides: Sequence[tuple[list[str], Any]] = ()) -> ExperimentConfig:
     """The config of an earlier run (for ``--resume``); only ``federation.*`` keys may be overridden."""
     from rayfuse.config import apply_overrides
 
