@@ -31,11 +31,13 @@ test-unit: setup
 test-ray: setup
 	$(BIN)/python -m pytest -q -m ray $(PYTEST_ARGS)
 
-# ruff's rules (pyproject [tool.ruff]); `ruff format --check` is not part of it until the tree has had its format pass
+# ruff's rules (pyproject [tool.ruff]), then mypy over the package (pyproject [tool.mypy]); `ruff format --check` is
+# not part of it until the tree has had its format pass
 lint: setup
 	$(BIN)/ruff check rayfuse actors tests benchmarks
+	$(BIN)/mypy
 
-# mypy over the package (pyproject [tool.mypy]); not yet in `lint` / CI: it still reports findings
+# mypy alone (also part of `lint`)
 typecheck: setup
 	$(BIN)/mypy
 

@@ -54,7 +54,8 @@ def stale_local_address() -> str | None:
     try:
         from ray._private.services import get_ray_address_from_environment  # Ray's own lookup (not a public API)
 
-        address = get_ray_address_from_environment(None, None)
+        # Ray annotates addr as str; None (no address given) is what its own ray.init passes
+        address = get_ray_address_from_environment(None, None)  # type: ignore[arg-type]
     except Exception:  # another Ray version: let ray.init() decide
         return None
     if not address:
@@ -240,6 +241,7 @@ class RayBackend(Backend):
                 self.clients[i] = handle
         self._client_actors = [self.clients[members[0]] for members in groups]
         here = ray.get_runtime_context().get_node_id()
+        placement: PlacementGroupSchedulingStrategy | NodeAffinitySchedulingStrategy
         if pg is not None:  # bundle 0 is the trial's own, on this node; the coordinator's fan-out tasks run in the group too
             placement = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
         else:

@@ -73,7 +73,8 @@ class RayFederation(Federation):
                  restart_timeout_s: float = 300.0) -> None:
         super().__init__(policy, events)
         self._clients = dict(clients)
-        self._task = ray.remote(num_cpus=task_cpus)(_apply_chunk)
+        # Any: ray.remote's typed wrapper (its private RemoteFunction1) cannot carry _apply_chunk's type variable
+        self._task: Any = ray.remote(num_cpus=task_cpus)(_apply_chunk)
         self._task_cpus = max(task_cpus, 1e-3)
         self._restart_timeout_s = restart_timeout_s
         self._fetched: dict[ray.ObjectRef, Any] = {}

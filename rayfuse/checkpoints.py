@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import yaml
@@ -145,7 +145,7 @@ def _kl_neurons(params: list[dict[str, np.ndarray]], per_model: list[BaseModel],
         mean = np.concatenate([p["layers.0.weight"], p["layers.0.bias"][:, None], p["layers.1.weight"].T], axis=1).astype(np.float64)
         neurons.append(DiagGaussian(mean, np.full_like(mean, method.variance), where=f"models[{i}] neurons"))  # type: ignore[attr-defined]
     result = fuse_heterogeneous(neurons, lam=method.lam, solver=method.solver, random_state=method.seed)  # type: ignore[attr-defined]
-    m = result.globals.mean
+    m = result.globals.means()  # the DiagGaussian's mean
     dtype = params[0]["layers.0.weight"].dtype
     return {"layers.0.weight": np.ascontiguousarray(m[:, :d_in], dtype=dtype), "layers.0.bias": np.ascontiguousarray(m[:, d_in], dtype=dtype),
             "layers.1.weight": np.ascontiguousarray(m[:, d_in + 1:].T, dtype=dtype),
@@ -168,7 +168,10 @@ class FuseSpec:
     output: Path | None
 
 
-def _validate(schema: type[BaseModel], data: Mapping[str, Any], file: Path, prefix: str = "") -> BaseModel:
+_Schema = TypeVar("_Schema", bound=BaseModel)
+
+
+def _validate(schema: type[_Schema], data: Mapping[str, Any], file: Path, prefix: str = "") -> _Schema:
     try:
         return schema.model_validate(dict(data))
     except ValidationError as exc:

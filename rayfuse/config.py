@@ -267,8 +267,8 @@ class ModelConfig(StrictModel):
                 raise ValueError(f"a torchvision classification model name{suggest(tv_name, names)}")
             return value
         if value not in MODELS:
-            names = MODELS.names() + ["torchvision:<name>"]
-            raise ValueError(f"a model in {{{', '.join(names)}}}{suggest(value, names)}")
+            known = MODELS.names() + ["torchvision:<name>"]
+            raise ValueError(f"a model in {{{', '.join(known)}}}{suggest(value, known)}")
         return value
 
     @model_validator(mode="after")
@@ -430,10 +430,10 @@ def pydantic_input_error(exc: ValidationError, prefix: str = "", model: type[Bas
     msg = re.sub(r"^(Value error, |Assertion failed, )", "", msg)
     msg = re.sub(r"^Input should be ", "", msg)
     msg = msg[0].lower() + msg[1:] if msg else msg
-    hint = re.search(r" \((did you mean '[^']*'\?)\)$", msg)  # from suggest(): goes after "got"
-    if hint:
-        msg = msg[: hint.start()]
-    return InputError(path, msg, got, "; ".join(h for h in (hint.group(1) if hint else "", more.strip()) if h))
+    found = re.search(r" \((did you mean '[^']*'\?)\)$", msg)  # from suggest(): goes after "got"
+    if found:
+        msg = msg[: found.start()]
+    return InputError(path, msg, got, "; ".join(h for h in (found.group(1) if found else "", more.strip()) if h))
 
 
 def _known_keys(model: type[BaseModel], parent: list[str]) -> list[str]:

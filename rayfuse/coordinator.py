@@ -182,7 +182,7 @@ class MethodServer:
         accepted: dict[int, Update] = {}
         for client, update in gathered.results.items():
             if not isinstance(update, Update):
-                reason = f"expected an Update, got {type(update).__name__}"
+                reason: str | None = f"expected an Update, got {type(update).__name__}"
             elif not isinstance(update.num_examples, (int, np.integer)) or update.num_examples <= 0:
                 reason = f"num_examples must be a positive integer, got {update.num_examples!r}"
             else:
@@ -301,6 +301,7 @@ class Coordinator:
     def server_data(self) -> tuple[Split, Split]:
         if self._server_data is None:
             source = load_target_from_config(self.cfg.data) if self.plan.target else self._load_dataset()
+            assert source is not None  # plan.target is set only for a config with data.target
             self._server_data = server_splits(source, self.plan)
         return self._server_data
 

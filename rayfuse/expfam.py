@@ -26,12 +26,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 from scipy.special import digamma, gammaln, multigammaln
 
 from rayfuse.errors import InputError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+; only the checker reads it
 
 __all__ = ["Family", "DiagGaussian", "NormalWishart", "Dirichlet", "normal_wishart_from_sklearn", "concat", "FAMILIES"]
 
@@ -67,11 +70,11 @@ class Family(ABC):
         """Dimension of the random variable (``d``, ``D`` or the vocabulary size ``V``)."""
 
     @abstractmethod
-    def kl(self, other: Family) -> np.ndarray:
+    def kl(self, other: Self) -> np.ndarray:
         """``KL(self_i || other_i)`` for each ``i`` (both batches of the same length)."""
 
     @abstractmethod
-    def kl_matrix(self, other: Family) -> np.ndarray:
+    def kl_matrix(self, other: Self) -> np.ndarray:
         """``KL(self_g || other_l)`` for every pair, shape ``(len(self), len(other))``."""
 
     @abstractmethod
@@ -354,12 +357,16 @@ def concat(batches: Sequence[Family], *, where: str = "posteriors") -> Family:
             raise InputError(f"{where}[{i}]", f"components of one family ({first.name})", batch.name)
         if batch.dim != first.dim:
             raise InputError(f"{where}[{i}]", f"components of dimension {first.dim}", batch.dim)
+    # every batch has the type of ``first`` (checked above)
     if isinstance(first, DiagGaussian):
-        return DiagGaussian._trusted(np.concatenate([b.mean for b in batches]), np.concatenate([b.var for b in batches]))
+        gaussians = cast("Sequence[DiagGaussian]", batches)
+        return DiagGaussian._trusted(np.concatenate([b.mean for b in gaussians]), np.concatenate([b.var for b in gaussians]))
     if isinstance(first, NormalWishart):
-        return NormalWishart._trusted(np.concatenate([b.mean for b in batches]), np.concatenate([b.kappa for b in batches]),
-                                      np.concatenate([b.nu for b in batches]), np.concatenate([b.W for b in batches]))
-    return Dirichlet._trusted(np.concatenate([b.alpha for b in batches]))
+        wisharts = cast("Sequence[NormalWishart]", batches)
+        return NormalWishart._trusted(np.concatenate([b.mean for b in wisharts]), np.concatenate([b.kappa for b in wisharts]),
+                                      np.concatenate([b.nu for b in wisharts]), np.concatenate([b.W for b in wisharts]))
+    dirichlets = cast("Sequence[Dirichlet]", batches)
+    return Dirichlet._trusted(np.concatenate([b.alpha for b in dirichlets]))
 
 
 def normal_wishart_from_sklearn(model: Any, *, where: str = "posterior") -> NormalWishart:

@@ -38,7 +38,7 @@ from rayfuse.registry import Registry
 
 if TYPE_CHECKING:
     from rayfuse.data.roles import DataPlan, Split
-    from rayfuse.store import Checkpoint
+    from rayfuse.store import Checkpoint, Checkpointer
 
 __all__ = [
     "METHODS",
@@ -169,6 +169,9 @@ class ClientContext(Protocol):
     @property
     def num_classes(self) -> int: ...
 
+    @property
+    def init_seed(self) -> int: ...
+
     def step_seed(self, *tags: object) -> int: ...
 
     def build_model(self, seed: int | None = None) -> Any: ...
@@ -190,7 +193,6 @@ class ServerContext(Protocol):
     label: str
     method: str
     params: MethodParams
-    federation: FederationView
     events: Any
     seed: int
     data_cfg: DataConfig
@@ -202,6 +204,10 @@ class ServerContext(Protocol):
     model_cache: str | None
     resume: bool
     history: list[dict[str, Any]]
+    checkpoint: Checkpointer
+
+    @property
+    def federation(self) -> FederationView: ...  # read-only: the coordinator's concrete Federation implements the view
 
     @property
     def num_clients(self) -> int: ...

@@ -29,9 +29,9 @@ class Registry(Generic[T]):
         self.kind = kind
         self._items: dict[str, T] = {}
         self._aliases: dict[str, str] = {}
-        self._loaders: list[Callable[[], None]] = []
+        self._loaders: list[Callable[[], object]] = []
 
-    def add_loader(self, loader: Callable[[], None]) -> None:
+    def add_loader(self, loader: Callable[[], object]) -> None:
         """Run ``loader`` (e.g. importing plug-in modules) before the first lookup."""
         self._loaders.append(loader)
 

@@ -24,7 +24,7 @@ import json
 import secrets
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,7 +154,7 @@ def check_new_folder(out: str | Path, *, key: str = "--out") -> Path:
     return path
 
 
-def load_run_config(run_dir: str | Path, overrides: list[tuple[list[str], Any]] = ()) -> ExperimentConfig:
+def load_run_config(run_dir: str | Path, overrides: Sequence[tuple[list[str], Any]] = ()) -> ExperimentConfig:
     """The config of an earlier run (for ``--resume``); only ``federation.*`` keys may be overridden."""
     from rayfuse.config import apply_overrides
 

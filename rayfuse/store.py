@@ -338,7 +338,8 @@ class StepResultCache:
 
         def write(staging: Path) -> None:
             for client, (arrays, scalars) in flat.items():
-                np.savez(staging / f"client-{client}.npz", **arrays)
+                # mypy matches **arrays against savez's allow_pickle: bool keyword (numpy stub), though no key is that
+                np.savez(staging / f"client-{client}.npz", **arrays)  # type: ignore[arg-type]
                 atomic_write_json(staging / f"client-{client}.json", scalars)
 
         self.entry.publish(write)

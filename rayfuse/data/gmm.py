@@ -54,9 +54,9 @@ def generate_gmm_groups(*, num_atoms: int = 3, num_groups: int = 10, dim: int = 
     for key, value, low in checks:
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise InputError(f"data.options.{key}", f"an integer >= {low}", value)
-    for key, value in (("separation", separation), ("local_sd", local_sd), ("test_fraction", test_fraction)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not np.isfinite(value) or value < 0:
-            raise InputError(f"data.options.{key}", "a finite number >= 0", value)
+    for key, number in (("separation", separation), ("local_sd", local_sd), ("test_fraction", test_fraction)):
+        if not isinstance(number, (int, float)) or isinstance(number, bool) or not np.isfinite(number) or number < 0:
+            raise InputError(f"data.options.{key}", "a finite number >= 0", number)
     if num_atoms < 2:
         raise InputError("data.options.num_atoms", "an integer >= 2 (each group uses at least 2 atoms)", num_atoms)
     df = float(100 * dim if local_df is None else local_df)

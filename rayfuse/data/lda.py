@@ -32,9 +32,9 @@ def generate_lda_groups(*, num_topics: int = 20, vocabulary: int = 500, num_grou
             raise InputError(f"data.options.{key}", f"an integer >= {low}", value)
     if not min_topics <= max_topics <= num_topics:
         raise InputError("data.options.max_topics", f"min_topics ({min_topics}) <= max_topics <= num_topics ({num_topics})", max_topics)
-    for key, value in (("eta", eta), ("alpha", alpha)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-            raise InputError(f"data.options.{key}", "a number > 0", value)
+    for key, number in (("eta", eta), ("alpha", alpha)):
+        if not isinstance(number, (int, float)) or isinstance(number, bool) or not number > 0:
+            raise InputError(f"data.options.{key}", "a number > 0", number)
     rng = np.random.default_rng(seed)
     topics = rng.dirichlet(np.full(vocabulary, eta), size=num_topics)
 

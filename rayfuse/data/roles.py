@@ -174,9 +174,7 @@ def load_target_from_config(data_cfg: Any) -> Dataset | None:
     import torch
     import torch.nn.functional as F
 
-    def transform(X: np.ndarray | None) -> np.ndarray | None:
-        if X is None:
-            return None
+    def transform(X: np.ndarray) -> np.ndarray:
         x = torch.from_numpy(np.ascontiguousarray(X))
         if t.resize is not None:
             x = F.interpolate(x, size=tuple(t.resize), mode="bilinear", align_corners=False)
@@ -184,13 +182,15 @@ def load_target_from_config(data_cfg: Any) -> Dataset | None:
             x = F.pad(x, (t.pad,) * 4)
         return np.ascontiguousarray(x.numpy(), dtype=np.float32)
 
-    return Dataset(ds.name, transform(ds.X), ds.y, ds.num_classes, ds.class_names, transform(ds.X_test), ds.y_test, ds.meta)
+    X_test = None if ds.X_test is None else transform(ds.X_test)
+    return Dataset(ds.name, transform(ds.X), ds.y, ds.num_classes, ds.class_names, X_test, ds.y_test, ds.meta)
 
 
 def _split_test(dataset: Dataset, test_size: float, seed: int, key: str) -> tuple[str, np.ndarray, np.ndarray]:
     """(test source, test indices, pool indices): the dataset's own test split, or ``test_size`` of it held out."""
     y = dataset.y
     if dataset.has_test_split:
+        assert dataset.y_test is not None  # Dataset.__post_init__: a test split comes with its labels
         return "predefined", np.arange(len(dataset.y_test), dtype=np.int64), np.arange(len(y), dtype=np.int64)
     n_test = int(round(test_size * len(y)))
     if not 1 <= n_test < len(y):
@@ -289,6 +289,7 @@ def make_plan(dataset: Dataset, data_cfg: Any, partition_cfg: Any, seed: int, ta
 def _take(dataset: Dataset, idx: np.ndarray, normalization: Normalization | None, *, test: bool = False) -> Split:
     X = dataset.X_test if test else dataset.X
     y = dataset.y_test if test else dataset.y
+    assert X is not None and y is not None  # test=True only for a dataset with a test split (X_test and y_test)
     X, y = X[idx], y[idx]
     if normalization is not None:
         X = normalization.apply(X)

@@ -62,6 +62,7 @@ def weighted_sum(arrays: Sequence[np.ndarray], weights: Sequence[float], *, out:
             if axpy is not None:
                 axpy(x if x.dtype == out.dtype else x.astype(out.dtype), acc, a=w)  # in place: acc is a contiguous view
             else:  # float16 and friends: no BLAS routine
+                assert tmp is not None  # allocated above exactly when there is no axpy
                 np.multiply(x, w, out=tmp[: stop - start], casting="unsafe")
                 np.add(acc, tmp[: stop - start], out=acc)
     return out

@@ -206,8 +206,9 @@ def _build_torchvision(name: str, input_shape: tuple[int, ...], num_classes: int
         for child_name, child in parent.named_children():
             if isinstance(child, nn.Conv2d):
                 if child.in_channels != in_ch:
-                    setattr(parent, child_name, nn.Conv2d(in_ch, child.out_channels, child.kernel_size, child.stride,
-                                                          child.padding, child.dilation, child.groups, child.bias is not None))
+                    # torch types _ConvNd's kernel_size/stride/padding/dilation as tuple[int, ...]; a Conv2d's are pairs
+                    setattr(parent, child_name, nn.Conv2d(in_ch, child.out_channels, child.kernel_size, child.stride,  # type: ignore[arg-type]
+                                                          child.padding, child.dilation, child.groups, child.bias is not None))  # type: ignore[arg-type]
                 return model
     return model
 

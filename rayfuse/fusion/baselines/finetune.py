@@ -31,7 +31,7 @@ subset of it (uniformly, seeded), or a list of sizes for the fine-tuning curve o
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -125,7 +125,7 @@ def fit_last_layer(model: MLP, X: np.ndarray, y: np.ndarray, *, l2: float, devic
     optimum and at a point that depends on the start.
     """
     model.to(device).eval()
-    head = model.layers[-1]
+    head = cast(nn.Linear, model.layers[-1])  # an MLP's layers are all nn.Linear
     with torch.no_grad():
         feats = model.features(torch.as_tensor(X, dtype=torch.float32, device=device)).double()
     target = torch.as_tensor(y, dtype=torch.long, device=device)
@@ -232,8 +232,9 @@ _BASE_DEFAULTS = {"average": (0.01, True), "local": (1e-3, False), "raw": (1e-3,
 
 class FinetuneParams(TuneSettings):
     base: Literal["local", "average", "raw"] = Field("average", description="what to fine-tune: each local model, their average, or a fresh model")
-    tune_lr: float | None = Field(None, gt=0, description="Adam learning rate (default: the reference's per base: average 0.01, local / raw 1e-3)")
-    last_layer_only: bool | None = Field(None, description="networks: tune only the last layer (default: the reference's per base: average yes, local no)")
+    # None until resolved() fills in the per-base default; only resolved params reach the TuneSettings functions
+    tune_lr: float | None = Field(None, gt=0, description="Adam learning rate (default: the reference's per base: average 0.01, local / raw 1e-3)")  # type: ignore[assignment]
+    last_layer_only: bool | None = Field(None, description="networks: tune only the last layer (default: the reference's per base: average yes, local no)")  # type: ignore[assignment]
     raw_epochs: int | None = Field(None, ge=1, description="base raw: training epochs (default: 5 for logreg, 50 for networks, as the reference)")
     raw_dropout: float = Field(0.0, ge=0, lt=1, description="base raw, networks: dropout after each hidden layer (the reference's learn_dnn2: 0.5)")
     raw_early_stop: int = Field(

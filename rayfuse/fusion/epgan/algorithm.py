@@ -152,6 +152,7 @@ def train_gan(ctx: ClientContext, broadcast: dict[str, Any], *, label: str, roun
     ep_mean, ep_var = broadcast.get("ep_mean"), broadcast.get("ep_var")
     if trainer.settings.uses_ep and ep_mean is not None:
         started = time.perf_counter()
+        assert ep_var is not None  # the server broadcasts ep_mean and ep_var together
         means, variances, f_bar = trainer.update_ep(X, ep_mean, ep_var, damping=damping, site_mode=site)
         upload.update({f"ep_mean/{k}": v for k, v in means.items()})
         upload.update({f"ep_var/{k}": v for k, v in variances.items()})
@@ -614,9 +615,9 @@ class EPGAN(Method):
                 return None
         checkpoint = server.resume_checkpoint()
         if checkpoint is not None and checkpoint.round < self.params.rounds:
-            turns = sorted(int(c) for c, _ in checkpoint.meta.get("state_turns", []))
-            server.events.emit("info", f"{len(turns)} clients continue from the GAN state they kept themselves",
-                               method=server.label, round=checkpoint.round, clients=turns)
+            continuing = sorted(int(c) for c, _ in checkpoint.meta.get("state_turns", []))
+            server.events.emit("info", f"{len(continuing)} clients continue from the GAN state they kept themselves",
+                               method=server.label, round=checkpoint.round, clients=continuing)
         return checkpoint
 
     @staticmethod

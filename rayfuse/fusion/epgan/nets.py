@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -133,6 +133,10 @@ class Discriminator(nn.Module):
     ``f_head`` is EP-GAN's likelihood network's own output layer (``J`` outputs) on the shared features.
     """
 
+    hist_weight: torch.Tensor  # buffers (register_buffer): declared so the checker knows they are tensors
+    hist_bias: torch.Tensor
+    hist_count: torch.Tensor
+
     def __init__(self, in_dim: int, hidden: int, num_samples: int = 1, components: int = 0) -> None:
         super().__init__()
         self.l1 = nn.Linear(in_dim, hidden)
@@ -158,8 +162,9 @@ class Discriminator(nn.Module):
     def update_history(self) -> None:
         self.hist_count += 1.0
         rate = 1.0 / self.hist_count
-        self.hist_weight.mul_(1.0 - rate).add_(self.head.weight, alpha=rate)
-        self.hist_bias.mul_(1.0 - rate).add_(self.head.bias, alpha=rate)
+        # torch takes a 0-dim tensor as alpha; its stub admits only Python numbers
+        self.hist_weight.mul_(1.0 - rate).add_(self.head.weight, alpha=rate)  # type: ignore[arg-type]
+        self.hist_bias.mul_(1.0 - rate).add_(self.head.bias, alpha=rate)  # type: ignore[arg-type]
 
     def likelihood_logits(self, x: torch.Tensor) -> torch.Tensor:
         """``f(x)``, shape ``(B, J)`` (eq. 5)."""
@@ -184,7 +189,7 @@ def gradient_penalty(critic: nn.Module, real: torch.Tensor, fake: torch.Tensor, 
     return ((grad.flatten(1).norm(dim=1) - 1.0) ** 2).mean()
 
 
-def ep_energy(named: dict[str, torch.Tensor], means: dict[str, torch.Tensor], half_precisions: dict[str, torch.Tensor],
+def ep_energy(named: Mapping[str, torch.Tensor], means: dict[str, torch.Tensor], half_precisions: dict[str, torch.Tensor],
               num_samples: int, per_sample: set[str]) -> torch.Tensor:
     """``E_j = sum_n sum_i (m_{j,i} - theta_{n,i})^2 / (2 s_{j,i})`` for each component ``j``, shape ``(J,)``.
 
@@ -409,6 +414,7 @@ class GANTrainer:
             if s.bayesian and s.noise_weight:
                 d_loss = d_loss + s.noise_weight * noise_loss(self.D.parameters(), noise_std, self.rng)
             if s.uses_ep and self.prior is not None:
+                assert self._mbar is not None  # set_prior sets prior and _mbar together
                 # f's objective (UNRECOVERABLE; PROPOSED, docs/methods/epgan.md): max sum_j log sigma(f_j(x) mean(m_j))
                 d_loss = d_loss - s.f_weight * F.logsigmoid(self.D.likelihood_logits(real) * self._mbar).sum(1).mean()
             self.opt_d.zero_grad(set_to_none=True)

@@ -27,7 +27,7 @@ __all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "fit"]
 
 @client_step("fedavg.fit")
 def fit(ctx: ClientContext, global_params: dict[str, np.ndarray], *, label: str, round: int, epochs: int, lr: float,
-        batch_size: int, optimizer: str, momentum: float, weight_decay: float, mu: float = 0.0,
+        batch_size: int, optimizer: Literal["adam", "sgd"], momentum: float, weight_decay: float, mu: float = 0.0,
         eval_loss: bool = False) -> Update:
     """Local training from the broadcast global model; returns the new parameters, the sample count and the loss.
 

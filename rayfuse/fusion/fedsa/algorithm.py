@@ -160,6 +160,7 @@ def distill_student(ctx: ClientContext, student_params: dict[str, np.ndarray], *
             translator = _held_translator(ctx, label, translator_round, store, build)
             if translator is None:
                 translator = build()
+        assert translator is not None  # held or built at c == 0
         local_translator = copy.deepcopy(translator)
         losses.append(distill_features(student, local_translator, ctx.train.X, features, epochs=epochs, lr=lr,
                                        batch_size=batch_size, optimizer=optimizer, weight_decay=weight_decay,

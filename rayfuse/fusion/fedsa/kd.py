@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 import torch
@@ -268,7 +268,7 @@ class Translator(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "map":
             if tuple(x.shape[2:]) != self.teacher_shape[1:]:
-                x = F.adaptive_avg_pool2d(x, self.teacher_shape[1:])
+                x = F.adaptive_avg_pool2d(x, (self.teacher_shape[1], self.teacher_shape[2]))
         elif x.dim() == 4:
             x = x.mean(dim=(2, 3))
         return self.blocks(x)
@@ -344,19 +344,19 @@ def distill_features(student: nn.Module, translator: Translator, X: np.ndarray, 
 # Task adaptation and aggregation (eq. 5)
 
 
-def find_head(model: nn.Module) -> nn.Module:
+def find_head(model: nn.Module) -> nn.Linear:
     """The classifier (the "decoder" of [1]): the last linear layer."""
     if isinstance(model, SmallCNN):
         return model.head
     if isinstance(model, MLP):
-        return model.layers[-1]
+        return cast(nn.Linear, model.layers[-1])  # an MLP's layers are all nn.Linear
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     if not linears:
         raise InputError("model.name", "a model with a linear classifier", type(model).__name__)
     return linears[-1]
 
 
-def _head_inputs(model: nn.Module, head: nn.Module, X: np.ndarray, *, batch_size: int = 1024, device: str = "cpu") -> np.ndarray:
+def _head_inputs(model: nn.Module, head: nn.Linear, X: np.ndarray, *, batch_size: int = 1024, device: str = "cpu") -> np.ndarray:
     """What ``head`` reads for each input (eval mode, no gradients): the frozen features of head-only adaptation."""
     captured: list[torch.Tensor] = []
     handle = head.register_forward_pre_hook(lambda _m, inputs: captured.append(inputs[0].detach().cpu()))

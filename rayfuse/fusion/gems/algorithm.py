@@ -117,7 +117,7 @@ def build_model_ball(ctx: ClientContext, fused_layers: list[tuple[np.ndarray, np
     axes = ellipsoid_axes(fisher, floor) if shape == "ellipsoid" else None
     mask = fisher_mask(fisher, fisher_prop) if fisher_prop < 1 else None
 
-    def passes(samples: np.ndarray, _ids: np.ndarray) -> np.ndarray:
+    def passes(samples: np.ndarray | torch.Tensor, _ids: np.ndarray) -> np.ndarray:
         return softmax_accuracy(samples, X_val, y_val, C, device=ctx.device) >= epsilon
 
     val_accuracy = float(softmax_accuracy(center[None, None, :], X_val, y_val, C, device=ctx.device)[0, 0]) if len(y_val) else 0.0
@@ -163,7 +163,7 @@ def build_neuron_balls(ctx: ClientContext, fused_layers: list[tuple[np.ndarray, 
     targets = transform_features(X_val, [(weight, bias)], activation)  # z_l: the neuron's own activations, (n, H)
     rng = np.random.default_rng(ctx.step_seed(label, "neurons", layer))
 
-    def passes(samples: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    def passes(samples: np.ndarray | torch.Tensor, ids: np.ndarray) -> np.ndarray:
         return neuron_distance(samples, X_val, targets[:, ids], activation=activation, device=ctx.device) <= hidden_epsilon
 
     # One set of draws per step for all the layer's neurons (shared=True): each neuron's search sees p independent

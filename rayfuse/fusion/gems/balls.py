@@ -143,7 +143,7 @@ class RadiusSearch:
     history: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)  # (ball ids, R, passed)
 
 
-def search_radii(passes: Callable[[np.ndarray, np.ndarray], np.ndarray], centers: np.ndarray, *, num_samples: int,
+def search_radii(passes: Callable[[np.ndarray | torch.Tensor, np.ndarray], np.ndarray], centers: np.ndarray, *, num_samples: int,
                  r_max: float, tol: float, rng: np.random.Generator, axes: np.ndarray | None = None,
                  masks: np.ndarray | None = None, record: bool = False, dtype: str = "float64",
                  device: str | torch.device = "cpu", shared: bool = False) -> RadiusSearch:
@@ -220,7 +220,7 @@ def _as_tensor(array: np.ndarray | torch.Tensor, device: str | torch.device, dty
 
 
 @torch.no_grad()
-def softmax_accuracy(samples: np.ndarray, X: np.ndarray, y: np.ndarray, num_classes: int, *,
+def softmax_accuracy(samples: np.ndarray | torch.Tensor, X: np.ndarray, y: np.ndarray, num_classes: int, *,
                      device: str | torch.device = "cpu") -> np.ndarray:
     """Accuracy on ``(X, y)`` of every sampled softmax-regression model, shape ``(B, p)``.
 
@@ -243,7 +243,7 @@ _ACTIVATIONS = {"relu": torch.relu, "tanh": torch.tanh, "gelu": torch.nn.functio
 
 
 @torch.no_grad()
-def neuron_distance(samples: np.ndarray, X: np.ndarray, targets: np.ndarray, *, activation: str = "relu",
+def neuron_distance(samples: np.ndarray | torch.Tensor, X: np.ndarray, targets: np.ndarray, *, activation: str = "relu",
                     device: str | torch.device = "cpu") -> np.ndarray:
     """Eq. (3) of [1] for every sampled neuron: ``|| act(X w' + b') - z ||_2 / n``, shape ``(B, p)``.
 

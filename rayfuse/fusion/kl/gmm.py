@@ -66,7 +66,7 @@ class GMMPosteriorParams(MethodParams):
     @field_validator("n_components")
     @classmethod
     def _at_least_one(cls, value: int | str) -> int | str:
-        if value != "true" and value < 1:
+        if not isinstance(value, str) and value < 1:  # the one string the field admits is "true"
             raise ValueError("a number of components >= 1 or 'true'")
         return value
 
