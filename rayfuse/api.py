@@ -286,7 +286,9 @@ def _user_modules(objects: Sequence[Any]) -> list[str]:
     names: list[str] = []
     for item in items:
         name = getattr(item, "__module__", None)
-        module = sys.modules.get(name) if isinstance(name, str) else None
+        if not isinstance(name, str):
+            continue
+        module = sys.modules.get(name)
         if module is None or name in names or name == "__main__" or name.split(".")[0] in ("rayfuse", "actors", "builtins"):
             continue
         file = getattr(module, "__file__", None)
