@@ -10,24 +10,28 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 
 from rayfuse.client import forget_client_state, get_local_update, has_client_state, restore_local, set_local_params, train_local
 from rayfuse.config import ExperimentConfig
 from rayfuse.data.roles import DataPlan, Split, load_dataset_from_config, load_target_from_config, pooled_train, server_splits
-from rayfuse.errors import NonFiniteError, RunFailure
+from rayfuse.errors import InputError, NonFiniteError, RunFailure
 from rayfuse.federation import Federation, Gathered, Update, step_name
 from rayfuse.fusion.aggregate import weighted_average
-from rayfuse.method import MethodResult, MethodSpec, RunSetup, check_methods, resolve_methods, resolved_config
+from rayfuse.method import MethodResult, MethodSpec, Rejected, RunSetup, check_methods, resolve_methods, resolved_config
 from rayfuse.metrics import compute_metrics
 from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
+from rayfuse.rounds import RoundLoop
 from rayfuse.seeding import derive_seed, make_rng
 from rayfuse.store import Checkpoint, LocalModelStore, RunStore, StepResultCache, local_model_key, step_result_key
 
 __all__ = ["Coordinator", "MethodServer"]
+
+R = TypeVar("R")
+S = TypeVar("S")
 
 
 class MethodServer:
@@ -170,17 +174,36 @@ class MethodServer:
         """Every client's trained local model (gathered once per run and shared by all methods)."""
         return self._coordinator.local_updates()
 
+    def accept_replies(self, gathered: Gathered[Any], read: Callable[[int, Any], R], *, need: int = 1,
+                       what: str = "client replies") -> dict[int, R]:
+        """The one rejection path: each client's reply through ``read(client, reply)``, which returns what is kept of
+        it or raises :class:`rayfuse.method.Rejected` (or :class:`rayfuse.errors.InputError`) with the reason; a
+        rejected reply is recorded (:meth:`reject`) and never used. Raises :class:`RunFailure` when fewer than
+        ``need`` (at least 1) replies are kept."""
+        kept: dict[int, R] = {}
+        for client, reply in gathered.results.items():
+            try:
+                kept[client] = read(client, reply)
+            except (Rejected, InputError) as exc:
+                self.reject(client, str(exc))
+        need = max(int(need), 1)
+        if len(kept) < need:
+            raise RunFailure(f"{self.label}: {len(kept)} valid {what}, need {need} (rejected {len(gathered.results) - len(kept)}, "
+                             f"failed {len(gathered.failures)}); see the update_rejected events")
+        return kept
+
     def accept_updates(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, *,
-                       check_values: bool = True) -> dict[int, Update]:
-        """Keep the valid updates; reject (and record) those with NaN/Inf, wrong keys or wrong shapes.
+                       check_values: bool = True, check: Callable[[int, Update], str | None] | None = None) -> dict[int, Update]:
+        """Keep the valid updates; reject (and record) those with NaN/Inf, wrong keys or wrong shapes, and those the
+        method's own ``check(client, update)`` gives a reason against.
 
         With ``check_values=False`` only keys, shapes, dtypes, counts and metrics are checked, not every parameter
         value (:meth:`average_updates` checks the values through the average instead). Raises :class:`RunFailure` when
         fewer than ``federation.min_clients`` updates survive.
         """
         reference = self._coordinator.reference_params() if reference is None else reference
-        accepted: dict[int, Update] = {}
-        for client, update in gathered.results.items():
+
+        def read(client: int, update: Any) -> Update:
             if not isinstance(update, Update):
                 reason: str | None = f"expected an Update, got {type(update).__name__}"
             elif not isinstance(update.num_examples, (int, np.integer)) or update.num_examples <= 0:
@@ -189,15 +212,14 @@ class MethodServer:
                 reason = check_params(update.params, reference, check_finite=check_values)
                 if reason is None and not all(np.isfinite(v) for v in update.metrics.values()):
                     reason = "non-finite metric values " + str({k: v for k, v in update.metrics.items() if not np.isfinite(v)})
-            if reason is None:
-                accepted[client] = update
-            else:
-                self.reject(client, reason)
+                if reason is None and check is not None:
+                    reason = check(client, update)
+            if reason is not None:
+                raise Rejected(reason)
+            return update
+
         need = min(self.federation.policy.min_clients, len(gathered.results) + len(gathered.failures))
-        if len(accepted) < max(need, 1):
-            raise RunFailure(f"{self.label}: {len(accepted)} valid client updates, need {max(need, 1)} "
-                             f"(rejected {len(gathered.results) - len(accepted)}, failed {len(gathered.failures)}); see the update_rejected events")
-        return accepted
+        return self.accept_replies(gathered, read, need=need, what="client updates")
 
     def reject(self, client: int, reason: str) -> None:
         """Record that ``client``'s reply was rejected (never used): an ``update_rejected`` event."""
@@ -242,6 +264,14 @@ class MethodServer:
 
     def progress(self, message: str, **fields: Any) -> None:
         self.events.emit("progress", message, method=self.label, **fields)
+
+    def rounds(self, state: S, *, last: int, first: int = 1, evaluate: Callable[[int], Mapping[str, float]] | None = None,
+               evaluate_every: int = 1, unit: str = "round", quiet: tuple[str, ...] = (),
+               on_resume: Callable[[S], None] | None = None) -> RoundLoop[S]:
+        """The rounds ``first .. last`` of this method over its typed round ``state`` (:class:`rayfuse.rounds.RoundLoop`:
+        resume, evaluation cadence, history, progress, round checkpoints, state the clients keep)."""
+        return RoundLoop(self, state, last=last, first=first, evaluate=evaluate, evaluate_every=evaluate_every, unit=unit,
+                         quiet=quiet, on_resume=on_resume)
 
     def resume_checkpoint(self) -> Checkpoint | None:
         """The last round checkpoint of this method when resuming (``None`` on a fresh run)."""

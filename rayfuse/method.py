@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from rayfuse.config import CONFIG_SECTIONS, DataConfig, ExperimentConfig, ModelConfig, TrainConfig, pydantic_input_error
 from rayfuse.errors import InputError
 from rayfuse.registry import Registry
+from rayfuse.rounds import ClientRounds, KeptState, RoundLoop, transient
 
 if TYPE_CHECKING:
     from rayfuse.data.roles import DataPlan, Split
@@ -44,13 +45,17 @@ __all__ = [
     "METHODS",
     "ClientContext",
     "ClientError",
+    "ClientRounds",
     "FederationView",
     "Gathered",
+    "KeptState",
     "Method",
     "MethodParams",
     "MethodResult",
     "MethodSpec",
     "Reference",
+    "Rejected",
+    "RoundLoop",
     "RunSetup",
     "ServerContext",
     "Update",
@@ -60,9 +65,12 @@ __all__ = [
     "resolve_methods",
     "resolved_config",
     "step_name",
+    "transient",
 ]
 
 T = TypeVar("T")
+R = TypeVar("R")
+S = TypeVar("S")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -91,6 +99,11 @@ class Update:
     params: dict[str, np.ndarray]
     num_examples: int
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Rejected(ValueError):
+    """Raised by a reader given to :meth:`ServerContext.accept_replies`: the reply is not used (its message is the
+    reason recorded in the ``update_rejected`` event)."""
 
 
 @dataclass(frozen=True)
@@ -185,9 +198,11 @@ class ServerContext(Protocol):
     """A method's whole view of the run (the coordinator implements it).
 
     The federation and the events; the server-side data roles (``test``, ``public``); the run's model, data and
-    training settings; evaluation; accepting and averaging client updates (one rejection path: an update with
-    NaN/Inf, wrong keys or shapes is recorded as an ``update_rejected`` event, never used); seeded randomness;
-    logging; round checkpoints (:meth:`rounds` owns the bookkeeping) and state that clients keep across rounds.
+    training settings; evaluation; accepting and averaging client updates (one rejection path,
+    :meth:`accept_replies`: a reply with NaN/Inf, wrong keys or shapes, or refused by the method's own check, is
+    recorded as an ``update_rejected`` event, never used); seeded randomness; logging; round checkpoints
+    (:meth:`rounds`, a :class:`RoundLoop` over a typed round state, owns resume, evaluation cadence, history, progress
+    and checkpoints) and state that clients keep across rounds (:class:`KeptState`).
     """
 
     label: str
@@ -240,7 +255,10 @@ class ServerContext(Protocol):
     def local_updates(self) -> Gathered[Update]: ...
 
     def accept_updates(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, *,
-                       check_values: bool = True) -> dict[int, Update]: ...
+                       check_values: bool = True, check: Callable[[int, Update], str | None] | None = None) -> dict[int, Update]: ...
+
+    def accept_replies(self, gathered: Gathered[Any], read: Callable[[int, Any], R], *, need: int = 1,
+                       what: str = "client replies") -> dict[int, R]: ...
 
     def average_updates(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, *,
                         weighted: bool = True) -> tuple[dict[str, np.ndarray], dict[int, Update]]: ...
@@ -254,6 +272,10 @@ class ServerContext(Protocol):
     def log(self, round: int, metrics: dict[str, float], client: int | None = None) -> None: ...
 
     def progress(self, message: str, **fields: Any) -> None: ...
+
+    def rounds(self, state: S, *, last: int, first: int = 1, evaluate: Callable[[int], Mapping[str, float]] | None = None,
+               evaluate_every: int = 1, unit: str = "round", quiet: tuple[str, ...] = (),
+               on_resume: Callable[[S], None] | None = None) -> RoundLoop[S]: ...
 
     def resume_checkpoint(self) -> Checkpoint | None: ...
 

@@ -37,19 +37,29 @@ fraction of samples within 3 standard deviations of some centre).
 from __future__ import annotations
 
 import time
-import uuid
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
 
-from rayfuse.errors import NonFiniteError, RunFailure
+from rayfuse.errors import NonFiniteError
 from rayfuse.fusion import references
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.epgan.ep import gaussian_product
 from rayfuse.fusion.epgan.nets import GANSettings, GANTrainer
-from rayfuse.method import ClientContext, Gathered, Method, MethodParams, MethodResult, ServerContext, Update, client_step, register_method
+from rayfuse.method import (
+    ClientContext,
+    ClientRounds,
+    KeptState,
+    Method,
+    MethodParams,
+    MethodResult,
+    ServerContext,
+    Update,
+    client_step,
+    register_method,
+)
 from rayfuse.seeding import derive_seed
 
 __all__ = ["EPGAN", "EPGANOracle", "EPGANParams", "EPGANOracleParams", "train_gan", "combine_factors", "grid_points",
@@ -121,6 +131,8 @@ def _flat(X: np.ndarray) -> np.ndarray:
 
 
 STATE = "epgan-state"  # the kind of client state (:class:`rayfuse.client.ClientStateStore`) EP-GAN clients keep
+#: each client's GAN training state, kept by the client across turns (and in its own storage with ``run.model_cache``)
+KEPT_GAN = KeptState(STATE, "GAN state", unit="turn", key="epgan/{name}")
 
 
 @client_step("epgan.train")
@@ -136,14 +148,20 @@ def train_gan(ctx: ClientContext, broadcast: dict[str, Any], *, label: str, roun
     ``ep_mean`` / ``ep_var`` (arrays with a leading component axis).
 
     ``state_turn``: the turn the server's checkpoint says this client's GAN state belongs to (its last turn that came
-    back; ``None``: none yet, a fresh trainer). With ``store`` (and ``run.model_cache`` on the client) the client also
-    writes its state to its own storage after the turn (:func:`_held_trainer` reads it back when memory does not hold
-    that turn: a resumed run's or a restarted actor's client).
+    back; ``None``: none yet, a fresh trainer from the shared initialisation's seed). With ``store`` (and
+    ``run.model_cache`` on the client) the client also writes its state to its own storage after the turn, and reads it
+    back when memory does not hold that turn (a resumed run's or a restarted actor's client; :data:`KEPT_GAN`).
     """
-    key = f"epgan/{label}"
-    trainer = _held_trainer(ctx, label, GANSettings(**settings), state_turn, store)
-    ctx.state[key] = trainer
-    ctx.state[key + "/turn"] = None  # until this turn is done: a half-trained trainer is no turn's state
+    def fresh() -> GANTrainer:
+        return GANTrainer(GANSettings(**settings), seed=ctx.step_seed(label, "gan"), device=ctx.device)
+
+    def load(saved: dict[str, np.ndarray]) -> GANTrainer:
+        trainer = fresh()
+        _load_gan_state(trainer, saved)
+        return trainer
+
+    trainer = KEPT_GAN.take(ctx, label, state_turn, store, fresh=fresh, load=load)
+    KEPT_GAN.hold(ctx, label, trainer)  # until this turn is done: a half-trained trainer is no turn's state
     X = _flat(ctx.train.X)
     params = broadcast["params"]
     trainer.set_params(params)  # Algorithm 2, line 11: the local copies are overwritten by the broadcast
@@ -161,9 +179,7 @@ def train_gan(ctx: ClientContext, broadcast: dict[str, Any], *, label: str, roun
     # Turn 0 is the warm-up: there is no global model to interpolate towards yet.
     stats = trainer.train(X, epochs, interpolate_to=params if round > 0 else None, beta=beta)
     metrics.update(stats)
-    ctx.state[key + "/turn"] = (store, round)
-    if store:
-        ctx.state_store(STATE, store).save(label, round, _gan_state(trainer), keep=state_turn)
+    KEPT_GAN.keep(ctx, label, trainer, round, store, previous=state_turn, arrays=_gan_state)
     return Update({**trainer.get_params(), **upload}, ctx.num_examples, metrics)
 
 
@@ -185,33 +201,6 @@ def _load_gan_state(trainer: GANTrainer, saved: dict[str, np.ndarray]) -> None:
     site_mean, site_var = _prefixed(saved, "site_mean/"), _prefixed(saved, "site_var/")
     if site_mean:
         trainer.site = (site_mean, site_var)
-
-
-def _held_trainer(ctx: ClientContext, label: str, settings: GANSettings, state_turn: int | None,
-                  store: str | None) -> GANTrainer:
-    """The GAN this turn starts from: the one of ``state_turn`` (see :func:`train_gan`), from memory, else from the
-    client's own storage; a fresh one (the shared initialisation's seed) when ``state_turn`` is ``None``.
-
-    Without storage (no ``store`` or no ``run.model_cache``) a client keeps only what its actor holds: that (whichever
-    turn it is of), or a fresh trainer for a restarted actor.
-    """
-    def fresh() -> GANTrainer:
-        return GANTrainer(settings, seed=ctx.step_seed(label, "gan"), device=ctx.device)
-
-    key = f"epgan/{label}"
-    held: GANTrainer | None = ctx.state.get(key)
-    if state_turn is None:
-        return fresh()
-    if held is not None and ctx.state.get(key + "/turn") == (store, state_turn):
-        return held
-    kept = ctx.state_store(STATE, store) if store else None
-    if kept is None or kept.folder is None:
-        return held if held is not None else fresh()
-    if not kept.has(label, state_turn):
-        raise FileNotFoundError(f"client {ctx.client_id}: no GAN state of {label!r} after turn {state_turn} in {kept.folder}")
-    trainer = fresh()
-    _load_gan_state(trainer, kept.load(label, state_turn) or {})
-    return trainer
 
 
 def _prefixed(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
@@ -447,25 +436,39 @@ def initial_ep_prior(trainer: GANTrainer, components: int, prior_var: float, spr
     return means, variances
 
 
-# -----------------------------------------------------------------------------------------------------------------
-# Turn checkpoints (``rayfuse run --resume``)
+def _positive_ep_variances(client: int, update: Update) -> str | None:
+    """EP-GAN's own check of a client update (besides NaN / Inf, keys, shapes, metrics): EP variances must be > 0."""
+    bad = next((k for k, v in update.params.items() if k.startswith("ep_var/") and not (v > 0).all()), None)
+    return None if bad is None else f"{bad}: non-positive EP variances"
 
 
-def _checkpoint_state(ep: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None,
-                      initial_prior: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None) -> dict[str, np.ndarray]:
-    """The arrays of a turn checkpoint besides the global model: ``ep_mean/*``, ``ep_var/*`` (the global EP prior)
-    and ``ep0_mean/*``, ``ep0_var/*`` (the initial prior). Nothing of any client's: each keeps its own GAN state."""
-    state: dict[str, np.ndarray] = {}
-    for tag, prior in (("ep", ep), ("ep0", initial_prior)):
-        if prior is not None:
-            state.update({f"{tag}_mean/{k}": v for k, v in prior[0].items()})
-            state.update({f"{tag}_var/{k}": v for k, v in prior[1].items()})
-    return state
+@dataclass
+class EPGANState:
+    """EP-GAN's server state between turns, all of it in the turn checkpoint (nothing of any client's).
 
+    ``params``: the global G and D (every ProbGAN sample, D's PSA history buffers and the mixture logits included);
+    ``ep_mean`` / ``ep_var``: the global EP prior (every component), ``ep0_*`` the initial one (site mode "ep"
+    multiplies it in each turn); the maps for the report, the last losses, the rejection count; ``state_turns``: per
+    client, the turn its GAN state (kept by the client, :data:`KEPT_GAN`) belongs to.
+    """
 
-def _prior_from(state: dict[str, np.ndarray], tag: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
-    means, variances = _prefixed(state, f"{tag}_mean/"), _prefixed(state, f"{tag}_var/")
-    return (means, variances) if means else None
+    params: dict[str, np.ndarray]
+    ep_mean: dict[str, np.ndarray] | None = None
+    ep_var: dict[str, np.ndarray] | None = None
+    ep0_mean: dict[str, np.ndarray] | None = None
+    ep0_var: dict[str, np.ndarray] | None = None
+    maps: dict[str, Any] = field(default_factory=dict)
+    losses: dict[str, float] = field(default_factory=dict)
+    rejected: int = 0
+    state_turns: ClientRounds = field(default_factory=KEPT_GAN.rounds)
+
+    def reference(self, uses_ep: bool) -> dict[str, np.ndarray]:
+        """The layout every client update must match: the global model and, once initialised, the EP factor's."""
+        reference = dict(self.params)
+        if self.ep_mean is not None and self.ep_var is not None and uses_ep:
+            reference.update({f"ep_mean/{k}": v for k, v in self.ep_mean.items()})
+            reference.update({f"ep_var/{k}": v for k, v in self.ep_var.items()})
+        return reference
 
 
 @register_method
@@ -479,162 +482,81 @@ class EPGAN(Method):
     multi_round = True
 
     def run(self, server: ServerContext) -> MethodResult:
-        p: EPGANParams = self.params
-        data_dim = int(np.prod(server.input_shape))
-        settings = p.settings(data_dim)
-        fed = server.federation
-        scorer = make_scorer(server, p)
-        model = GANTrainer(settings, seed=server.step_seed("init"), device=server.device)  # the shared initialisation
-        step_args = dict(label=server.label, settings=asdict(settings), beta=p.beta, damping=p.damping, site=p.site)
-        show = {0, 1, (p.rounds + 1) // 2, p.rounds}
-        # The server's state between turns, all of it in the turn checkpoint: the global G and D (every ProbGAN sample,
-        # D's PSA history buffers and the mixture logits included), the global EP prior (every component), the initial
-        # prior (site mode "ep" multiplies it in each turn), the per-turn records (metrics history through server.log,
-        # the maps for the report), the rejection count and the last losses, and per client the turn its GAN state
-        # belongs to (state_turns) with the id of the store the clients keep it in.
         # Each client's GAN state (Adam moments of G and D, its random generator, its iteration counter -- the PSA
-        # schedule -- and its EP site) stays on the client: gradient statistics of private data never travel. With
-        # run.model_cache each client writes it to its own storage after each turn (train_gan), so that --resume can
-        # continue mid-method (see _resume). Re-initialising it every turn instead would change the method (Adam
-        # restarts) for every run.
+        # schedule -- and its EP site) stays on the client (KEPT_GAN): gradient statistics of private data never travel.
+        # Re-initialising it every turn instead would change the method (Adam restarts) for every run.
         # Randomness: the server draws only at turn 0 (the initial prior's offsets, server.rng("ep-init")); each client
         # draws from its trainer's generator, seeded once per client (ctx.step_seed(label, "gan")) and carried across
         # turns as part of its state rather than re-derived from the turn number: re-seeding per turn would change
         # every uninterrupted run's numbers (docs/methods/epgan.md's results).
-        checkpoint = self._resume(server)
-        store = uuid.uuid4().hex if server.model_cache else None
-        state_turns: dict[int, int] = {}  # per client: its last turn that came back (what its stored state is of)
-        if checkpoint is None:
-            start = 0
-            global_params = model.get_params()
-            ep: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
-            initial_prior: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None
-            maps: dict[str, Any] = {}
-            metrics: dict[str, float] = {}
-            losses: dict[str, float] = {}
-            rejected = 0
-        else:
-            start = checkpoint.round + 1
-            global_params = dict(checkpoint.params)
-            ep, initial_prior = _prior_from(checkpoint.state, "ep"), _prior_from(checkpoint.state, "ep0")
-            meta = checkpoint.meta
-            maps, metrics = dict(meta.get("maps", {})), dict(meta.get("metrics", {}))
-            losses, rejected = dict(meta.get("losses", {})), int(meta.get("rejected", 0))
-            store = meta.get("store") or store
-            state_turns = {int(c): int(t) for c, t in meta.get("state_turns", [])}
-            model.set_params(global_params)
-        for turn in range(start, p.rounds + 1):
-            broadcast = fed.put({"params": global_params, "ep_mean": None if ep is None else ep[0],
-                                 "ep_var": None if ep is None else ep[1]})
+        p: EPGANParams = self.params
+        settings = p.settings(int(np.prod(server.input_shape)))
+        fed = server.federation
+        scorer = make_scorer(server, p)
+        model = GANTrainer(settings, seed=server.step_seed("init"), device=server.device)  # the shared initialisation
+        show = {0, 1, (p.rounds + 1) // 2, p.rounds}
+
+        def score(turn: int) -> dict[str, float]:
+            metrics = scorer(model)
+            snap = scorer.snapshot(model) if turn in show else None
+            if snap is not None:
+                state.maps[str(turn)] = snap
+            return metrics
+
+        rounds = server.rounds(EPGANState(model.get_params()), first=0, last=p.rounds, evaluate=score, unit="turn")
+        state = rounds.state
+        if rounds.resumed:
+            model.set_params(state.params)
+        step_args = dict(label=server.label, settings=asdict(settings), beta=p.beta, damping=p.damping, site=p.site,
+                         store=state.state_turns.store)
+        for turn in rounds:  # turn 0: the warm-up; turns 1..rounds: Algorithm 2
+            broadcast = fed.put({"params": state.params, "ep_mean": state.ep_mean, "ep_var": state.ep_var})
             epochs = p.warmup_epochs if turn == 0 else p.local_epochs
             gathered = fed.gather([call for client in fed.client_ids for call in fed.map(
-                train_gan, broadcast, clients=[client], round=turn, epochs=epochs, state_turn=state_turns.get(client),
-                store=store, **step_args)])
-            # Every client that came back (its update accepted or not) has moved its GAN state on to this turn.
-            state_turns.update({int(client): turn for client in gathered.results})
-            reference = dict(global_params)
-            if ep is not None and settings.uses_ep:
-                reference.update({f"ep_mean/{k}": v for k, v in ep[0].items()})
-                reference.update({f"ep_var/{k}": v for k, v in ep[1].items()})
-            updates = self.accept(server, gathered, reference)
-            rejected += len(gathered.results) - len(updates)
+                train_gan, broadcast, clients=[client], round=turn, epochs=epochs,
+                state_turn=state.state_turns.get(client), **step_args)])
+            state.state_turns.moved(gathered.results, turn)  # accepted or not, its GAN state moved on to this turn
+            updates = self.accept(server, gathered, state.reference(settings.uses_ep))
+            state.rejected += len(gathered.results) - len(updates)
             weights = [u.num_examples for u in updates.values()]
             parts = [_split(u.params) for u in updates.values()]
-            global_params = weighted_average([part[0] for part in parts], weights)  # Algorithm 2, line 9
-            model.set_params(global_params)
+            state.params = weighted_average([part[0] for part in parts], weights)  # Algorithm 2, line 9
+            model.set_params(state.params)
             if settings.uses_ep:
-                if ep is None:  # after the warm-up: the global EP prior starts at the averaged generator
-                    ep = initial_ep_prior(model, p.components, p.prior_var, p.component_spread, server.rng("ep-init"))
-                    initial_prior = ep
+                if state.ep_mean is None:  # after the warm-up: the global EP prior starts at the averaged generator
+                    state.ep_mean, state.ep_var = initial_ep_prior(model, p.components, p.prior_var, p.component_spread,
+                                                                   server.rng("ep-init"))
+                    state.ep0_mean, state.ep0_var = state.ep_mean, state.ep_var
                 else:  # Algorithm 2, line 10 (corrected variance)
-                    ep = combine_factors([part[1] for part in parts if part[1] is not None],
-                                         initial_prior if p.site == "ep" else None)
+                    state.ep_mean, state.ep_var = combine_factors(
+                        [part[1] for part in parts if part[1] is not None],
+                        (state.ep0_mean, state.ep0_var) if p.site == "ep" else None)  # type: ignore[arg-type]
             row = {
                 "clients": float(len(updates)),
                 "d_loss": float(np.average([u.metrics["d_loss"] for u in updates.values()], weights=weights)),
                 "g_loss": float(np.average([u.metrics["g_loss"] for u in updates.values()], weights=weights)),
                 "client_seconds": float(np.mean([u.metrics["train_seconds"] for u in updates.values()])),
             }
-            losses = {"d_loss": row["d_loss"], "g_loss": row["g_loss"]}
-            if ep is not None:
+            state.losses = {"d_loss": row["d_loss"], "g_loss": row["g_loss"]}
+            if state.ep_var is not None:
                 # by sorted key: a resumed run's prior comes from stored states, keyed in another order than a fresh one's
-                row["ep_var_mean"] = float(np.mean([ep[1][k].mean() for k in sorted(ep[1])]))
-            metrics = scorer(model)
-            row.update(metrics)
-            server.log(turn, row)
-            server.progress(f"turn {turn}/{p.rounds}", round=turn, rounds=p.rounds, clients=len(updates),
-                            metrics={k: round(v, 4) for k, v in row.items()})
-            if turn in show:
-                snap = scorer.snapshot(model)
-                if snap is not None:
-                    maps[str(turn)] = snap
+                row["ep_var_mean"] = float(np.mean([state.ep_var[k].mean() for k in sorted(state.ep_var)]))
             del broadcast, gathered
-            server.save_checkpoint(turn, global_params, _checkpoint_state(ep, initial_prior), {
-                "metrics": metrics, "losses": losses, "maps": maps, "rejected": rejected, "store": store,
-                "state_turns": sorted([int(c), int(t)] for c, t in state_turns.items())})
-        if store is not None:
-            server.forget_client_state(STATE, store)  # the method is done: the clients may delete their GAN states
-        if not metrics:  # no toy scores for this dataset: report the last losses
-            metrics = dict(losses)
-        final = dict(global_params)
-        if ep is not None:
-            final.update({f"ep_mean/{k}": v.astype(np.float32) for k, v in ep[0].items()})
-            final.update({f"ep_var/{k}": v.astype(np.float32) for k, v in ep[1].items()})
+            rounds.log(row)
+        metrics = rounds.metrics or dict(state.losses)  # no toy scores for this dataset: the last losses
+        final = dict(state.params)
+        if state.ep_mean is not None and state.ep_var is not None:
+            final.update({f"ep_mean/{k}": v.astype(np.float32) for k, v in state.ep_mean.items()})
+            final.update({f"ep_var/{k}": v.astype(np.float32) for k, v in state.ep_var.items()})
         return MethodResult(metrics, final, info={
-            "rounds": p.rounds, "backbone": p.backbone, "components": p.components, "rejected_updates": rejected,
-            "maps": maps, "truth": scorer.truth_snapshot(), "real_data_scores": scorer.reference()})
+            "rounds": p.rounds, "backbone": p.backbone, "components": p.components, "rejected_updates": state.rejected,
+            "maps": state.maps, "truth": scorer.truth_snapshot(), "real_data_scores": scorer.reference()})
 
-    # -- resume ----------------------------------------------------------------------------------------------------
-
-    def _resume(self, server: ServerContext) -> Any:
-        """The turn checkpoint to continue from on ``--resume``, or ``None`` (a fresh start from turn 0).
-
-        Each client's GAN state lives on its client, across turns: a resumed run can continue mid-method only when the
-        clients kept theirs (``run.model_cache``, storage the clients own) and still hold the turn the checkpoint
-        names. Otherwise the method starts again from turn 0 (a ``warning`` event says why): the same result, later.
-        A checkpoint of the last turn needs no client state (nothing is trained again).
-        """
-        if not server.resume:
-            return None
-        saved = server.checkpoint.load()
-        if saved is None:
-            return None
-        if saved.round < self.params.rounds:
-            store, turns = saved.meta.get("store"), {int(c): int(t) for c, t in saved.meta.get("state_turns", [])}
-            problem = None
-            if not server.model_cache or not store:
-                problem = ("the clients' GAN training state (Adam moments, random generators, EP sites) stays on the "
-                           "clients, which keep it across runs only with run.model_cache")
-            else:
-                missing = server.clients_missing_state(STATE, store, turns)
-                if missing:
-                    problem = f"clients {missing} no longer hold their GAN state"
-                    server.forget_client_state(STATE, store)  # the others' are of no use now
-            if problem is not None:
-                server.events.emit("warning", f"restarting from turn 0: {problem}", method=server.label)
-                return None
-        checkpoint = server.resume_checkpoint()
-        if checkpoint is not None and checkpoint.round < self.params.rounds:
-            continuing = sorted(int(c) for c, _ in checkpoint.meta.get("state_turns", []))
-            server.events.emit("info", f"{len(continuing)} clients continue from the GAN state they kept themselves",
-                               method=server.label, round=checkpoint.round, clients=continuing)
-        return checkpoint
 
     @staticmethod
-    def accept(server: ServerContext, gathered: Gathered[Any], reference: dict[str, np.ndarray]) -> dict[int, Update]:
+    def accept(server: ServerContext, gathered: Any, reference: dict[str, np.ndarray]) -> dict[int, Update]:
         """:meth:`ServerContext.accept_updates` (NaN / Inf, keys, shapes, metrics) plus: EP variances must be > 0."""
-        updates = server.accept_updates(gathered, reference)
-        kept = {}
-        for client, update in updates.items():
-            bad = next((k for k, v in update.params.items() if k.startswith("ep_var/") and not (v > 0).all()), None)
-            if bad is None:
-                kept[client] = update
-            else:
-                server.events.emit("update_rejected", f"{bad}: non-positive EP variances", method=server.label, client=client)
-        need = max(min(server.federation.policy.min_clients, len(gathered.results) + len(gathered.failures)), 1)
-        if len(kept) < need:
-            raise RunFailure(f"{server.label}: {len(kept)} valid client updates, need {need}; see the update_rejected events")
-        return kept
+        return server.accept_updates(gathered, reference, check=_positive_ep_variances)
 
 
 @register_method

@@ -10,10 +10,12 @@ FedProx (Li et al. 2020) adds the proximal term to each client's objective, ``F_
 
 Subclasses change the server update by overriding :meth:`FedAvg.server_update` (FedOpt, FedRef) and keep extra
 server state in the round checkpoint through :meth:`FedAvg.server_state` / :meth:`FedAvg.load_server_state`.
+Resume, evaluation cadence, history and round checkpoints are the round loop's (``server.rounds``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -22,8 +24,7 @@ from pydantic import Field
 from rayfuse.fusion import references
 from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, ServerContext, Update, client_step, register_method
 
-__all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "fit"]
-
+__all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "FedAvgState", "fit"]
 
 @client_step("fedavg.fit")
 def fit(ctx: ClientContext, global_params: dict[str, np.ndarray], *, label: str, round: int, epochs: int, lr: float,
@@ -110,39 +111,35 @@ class FedAvg(Method):
         p = self.params
         train = server.train_cfg
         fed = server.federation
-        checkpoint = server.resume_checkpoint()
-        if checkpoint is not None:
-            global_params, start = checkpoint.params, checkpoint.round + 1
-            self.load_server_state(checkpoint.state)
-            metrics = dict(checkpoint.meta.get("metrics", {}))
-        else:
-            global_params, start = server.initial_params(), 1
-            metrics = {}
+        rounds = server.rounds(FedAvgState(server.initial_params(), self.server_state()), last=p.rounds,
+                               evaluate=lambda rnd: server.evaluate(rounds.state.params), evaluate_every=p.evaluate_every)
+        state = rounds.state
+        self.load_server_state(state.server)
         step_args = dict(label=server.label, epochs=p.local_epochs, lr=p.lr or train.lr, batch_size=p.batch_size or train.batch_size,
                          optimizer=p.optimizer or train.optimizer, momentum=train.momentum, weight_decay=train.weight_decay,
                          **self.client_args())
-        for rnd in range(start, p.rounds + 1):
+        for rnd in rounds:
             clients = server.sample_clients(p.fraction, rnd)
-            broadcast = fed.put(global_params)
-            gathered = fed.run(fit, broadcast, clients=clients, round=rnd, **step_args)
-            averaged, updates = server.average_updates(gathered, reference=global_params, weighted=p.weighted)
-            global_params = self.server_update(server, global_params, averaged, updates, rnd)
+            gathered = fed.run(fit, fed.put(state.params), clients=clients, round=rnd, **step_args)
+            averaged, updates = server.average_updates(gathered, reference=state.params, weighted=p.weighted)
+            state.params = self.server_update(server, state.params, averaged, updates, rnd)
+            state.server = self.server_state()
             losses = np.array([u.metrics.get("train_loss", np.nan) for u in updates.values()])
             counts = np.array([u.num_examples for u in updates.values()], dtype=float)
-            train_loss = float(np.sum(losses * counts) / counts.sum())
             # Client compute of the round: seconds of local work per client (training plus any extra evaluation).
             work = [u.metrics.get("train_seconds", np.nan) + u.metrics.get("eval_seconds", 0.0) for u in updates.values()]
-            row = {"train_loss": train_loss, "clients": float(len(updates)), "client_seconds": float(np.mean(work)),
-                   **self.round_metrics()}
-            del broadcast, gathered, averaged, updates  # release this round's objects before the next round arrives
-            if rnd % p.evaluate_every == 0 or rnd == p.rounds:
-                metrics = server.evaluate(global_params)
-                row.update(metrics)
-            server.log(rnd, row)
-            server.progress(f"round {rnd}/{p.rounds}", round=rnd, rounds=p.rounds, clients=int(row["clients"]),
-                            metrics={k: round(v, 4) for k, v in row.items()})
-            server.save_checkpoint(rnd, global_params, self.server_state(), {"metrics": metrics})
-        return MethodResult(metrics, global_params, info={"rounds": p.rounds, "mu": self.mu})
+            del gathered, averaged  # release this round's objects before the next round arrives
+            rounds.log({"train_loss": float(np.sum(losses * counts) / counts.sum()), "clients": float(len(updates)),
+                        "client_seconds": float(np.mean(work)), **self.round_metrics()})
+        return MethodResult(rounds.metrics, state.params, info={"rounds": p.rounds, "mu": self.mu})
+
+
+@dataclass
+class FedAvgState:
+    """FedAvg's server state between rounds: the global model and the subclass's server state (:meth:`FedAvg.server_state`)."""
+
+    params: dict[str, np.ndarray]
+    server: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @register_method

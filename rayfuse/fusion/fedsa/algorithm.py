@@ -21,7 +21,7 @@ student; ``student`` may differ from the teachers' architecture). Algorithm 1 of
 The global student travels once per round (one ``put``) to the selected teachers' clients; a client drawn ``c`` times
 trains ``c`` local students (``copies``). Each teacher's translator stays with its client across rounds and is never
 averaged (with ``run.model_cache`` the client also writes it to its own storage each round, so ``--resume`` can
-continue mid-method: see :meth:`FedSA._resume`). Teachers' saliency maps are computed once per method (teachers and
+continue mid-method: :data:`KEPT_TRANSLATORS`). Teachers' saliency maps are computed once per method (teachers and
 probe set are fixed); the target model's maps are recomputed at every selection, after a short re-training of its
 head on D_T (the paper trains the weak target model before each selection; the code once -- ``retrain_head``).
 
@@ -39,9 +39,8 @@ from __future__ import annotations
 
 import copy
 import time
-import uuid
 from collections import Counter
-from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -65,7 +64,20 @@ from rayfuse.fusion.fedsa.kd import (
     select_teachers,
     selection_probabilities,
 )
-from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, client_step, register_method
+from rayfuse.method import (
+    ClientContext,
+    ClientRounds,
+    KeptState,
+    Method,
+    MethodParams,
+    MethodResult,
+    Rejected,
+    RunSetup,
+    ServerContext,
+    client_step,
+    register_method,
+    transient,
+)
 from rayfuse.seeding import derive_seed, make_rng
 
 __all__ = ["FedSA", "FedSAParams", "Scratch", "Transfer", "TargetParams", "check_student", "check_target_set",
@@ -101,37 +113,14 @@ def _teacher_features(ctx: ClientContext) -> Any:
 
 
 TRANSLATORS = "fedsa-translators"  # the kind of client state (:class:`rayfuse.client.ClientStateStore`) FedSA keeps
-
-
-def _held_translator(ctx: ClientContext, label: str, translator_round: int | None, store: str | None,
-                     build: Callable[[], Any]) -> Any:
-    """The translator this round starts from: the one the server expects (``translator_round``: the round of this
-    client's last distillation for ``label``; 0: none yet), from memory, else from the client's own store.
-
-    ``translator_round=None`` (callers that do not track it): the one in memory, or a new one. Without a store
-    (no ``run.model_cache``) a translator missing from memory (a restarted client) is rebuilt as new.
-    """
-    from rayfuse.models import set_params
-
-    held = ctx.state.get(("fedsa.translator", label))
-    if translator_round is None:
-        return held
-    if translator_round == 0:
-        return None
-    if held is not None and ctx.state.get(("fedsa.translator_round", label)) == translator_round:
-        return held
-    kept = ctx.state_store(TRANSLATORS, store) if store else None
-    if kept is None or kept.folder is None:
-        return held
-    if not kept.has(label, translator_round):
-        raise FileNotFoundError(f"client {ctx.client_id}: no translator of {label!r} after round {translator_round} in {kept.folder}")
-    return set_params(build(), kept.load(label, translator_round))
+#: each teacher's translator, kept by its client across rounds (and in its own storage with ``run.model_cache``)
+KEPT_TRANSLATORS = KeptState(TRANSLATORS, "translators", item="translator", key="fedsa.translator")
 
 
 @client_step("fedsa.distill")
 def distill_student(ctx: ClientContext, student_params: dict[str, np.ndarray], *, label: str, round: int, copies: int,
                     student_cfg: Any, epochs: int, lr: float, batch_size: int, optimizer: str = "adam",
-                    weight_decay: float = 0.0, translator_round: int | None = None, store: str | None = None) -> dict[str, Any]:
+                    weight_decay: float = 0.0, translator_round: int = 0, store: str | None = None) -> dict[str, Any]:
     """SelectiveKA(n, theta^t) of Algorithm 1: ``copies`` local students distilled from this client's teacher.
 
     Each copy starts from the broadcast student and from this client's translator for ``label`` (created on first
@@ -139,15 +128,14 @@ def distill_student(ctx: ClientContext, student_params: dict[str, np.ndarray], *
     feature map on the client's unlabelled private inputs (eq. 4). Returns the students' parameters, the KD losses
     and the number of private examples used -- never the teacher's parameters, the translator or the data.
 
-    With ``store`` (and ``run.model_cache`` on the client) the kept translator is also written to the client's own
-    storage after each round, so a resumed run's new client continues from it (``translator_round``: the round the
-    server's checkpoint says this client last distilled in; see :func:`_held_translator`).
+    ``translator_round``: the round the server's checkpoint says this client last distilled in (0: none yet, a new
+    translator). With ``store`` (and ``run.model_cache`` on the client) the kept translator is also written to the
+    client's own storage after each round, so a resumed run's new client continues from it (:data:`KEPT_TRANSLATORS`).
     """
     from rayfuse.models import build_model, get_params, set_params
 
     started = time.perf_counter()
     features = _teacher_features(ctx)
-    key = ("fedsa.translator", label)
     students, losses = [], []
     translator = None
     for c in range(copies):
@@ -157,30 +145,18 @@ def distill_student(ctx: ClientContext, student_params: dict[str, np.ndarray], *
                 shape = representation_shape(student, ctx.input_shape)
                 return build_translator(shape, tuple(features.shape[1:]), seed=ctx.step_seed(label, "translator"))
 
-            translator = _held_translator(ctx, label, translator_round, store, build)
-            if translator is None:
-                translator = build()
-        assert translator is not None  # held or built at c == 0
+            translator = KEPT_TRANSLATORS.take(ctx, label, translator_round or None, store, fresh=build,
+                                               load=lambda arrays: set_params(build(), arrays))
+        assert translator is not None  # taken (kept or fresh) at c == 0
         local_translator = copy.deepcopy(translator)
         losses.append(distill_features(student, local_translator, ctx.train.X, features, epochs=epochs, lr=lr,
                                        batch_size=batch_size, optimizer=optimizer, weight_decay=weight_decay,
                                        seed=ctx.step_seed(label, round, c), device=ctx.device))
         students.append(get_params(student))
         if c == 0:
-            ctx.state[key] = local_translator.cpu()
-            ctx.state[("fedsa.translator_round", label)] = round
-    if store and ctx.local_cache:
-        _keep_translator(ctx, store, label, round, translator_round)
+            KEPT_TRANSLATORS.keep(ctx, label, local_translator.cpu(), round, store, previous=translator_round or None,
+                                  arrays=get_params, metadata={"label": label})
     return {"students": students, "kd_loss": losses, "num_examples": ctx.num_examples, "seconds": time.perf_counter() - started}
-
-
-def _keep_translator(ctx: ClientContext, store: str, label: str, round: int, previous: int | None) -> None:
-    """Write the kept translator for ``round``; keep the file this round started from too (the server's checkpoint
-    may still name it if the run stops before the server records this round), drop older ones."""
-    from rayfuse.models import get_params
-
-    ctx.state_store(TRANSLATORS, store).save(label, round, get_params(ctx.state[("fedsa.translator", label)]),
-                                             keep=previous or None, metadata={"label": label})
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -389,7 +365,7 @@ class FedSA(Method):
     params: FedSAParams
     summary = "saliency-based teacher selection and selective feature amalgamation into a new-task student (Xie et al. 2022)"
     reference = references.FEDSA
-    multi_round = True  # a checkpoint after each round; ``--resume`` continues mid-method (see :meth:`_resume`)
+    multi_round = True  # a checkpoint after each round; ``--resume`` continues mid-method (the round loop, :meth:`ServerContext.rounds`)
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:
@@ -421,128 +397,83 @@ class FedSA(Method):
         target = _target_set(server)
         student_cfg = _student_config(server, p)
         student = _build_student(server, student_cfg)
-        checkpoint = self._resume(server)
-        # The server's state between rounds: everything a round reads that an earlier round wrote (checkpointed below).
         teachers = list(server.federation.client_ids)
-        teacher_maps: dict[int, np.ndarray] | None = None
-        selections: list[dict[str, Any]] = []
-        draws: list[int] = []
-        weights: list[float] = []
-        probs = np.full(len(teachers), 1.0 / len(teachers))
-        metrics: dict[str, float] = {}
-        adapted: Any = None
-        kd_seconds = 0.0
-        # the round each client last distilled in (its translator's age); where the clients keep their translators
-        translator_rounds: dict[int, int] = {}
-        store = uuid.uuid4().hex if server.model_cache else None
-        start = 0
-        if checkpoint is None:
-            student = _train_weak_target(server, student, target, p)
+
+        def evaluate(rnd: int) -> dict[str, float]:  # task adaptation on a copy (the code, every 10 rounds)
+            adapted = _adapt(server, student, target, p, rnd)
+            state.adapted = get_params(adapted)
+            return _evaluate(server, adapted)
+
+        rounds = server.rounds(FedSAState(get_params(student), teachers, np.full(len(teachers), 1.0 / len(teachers))),
+                               last=p.rounds, evaluate=evaluate, evaluate_every=p.evaluate_every, quiet=("p_", "selected_"),
+                               on_resume=lambda resumed: self._check_teachers(server, target, resumed))
+        state = rounds.state
+        if rounds.resumed:
+            set_params(student, state.params)
         else:
-            meta, state = checkpoint.meta, checkpoint.state
-            start = checkpoint.round
-            set_params(student, checkpoint.params)
-            teachers, draws, weights = list(meta["teachers"]), list(meta["draws"]), list(meta["weights"])
-            selections, metrics, kd_seconds = list(meta["selections"]), dict(meta["metrics"]), float(meta["kd_seconds"])
-            probs = np.asarray(state["probs"], dtype=np.float64)
-            translator_rounds = {int(c): int(r) for c, r in meta["translator_rounds"]}
-            store = meta["store"]
-            if start < p.rounds and selections:
-                teacher_maps = self._teacher_maps(server, target)
-                self._check_teachers(server, teachers, teacher_maps, state)
-            if start >= p.rounds:  # every round was done: the final adapted model is in the checkpoint
-                adapted = set_params(_build_student(server, student_cfg),
-                                     {k[len("adapted/"):]: v for k, v in state.items() if k.startswith("adapted/")})
+            student = _train_weak_target(server, student, target, p)
         reference = get_params(student)
-        for t in range(start, p.rounds):
-            rnd = t + 1
-            if t % p.select_every == 0 and not (p.selection == "fixed" and t > 0):
+        for rnd in rounds:
+            t = rnd - 1
+            if t % p.select_every == 0 and not (p.selection == "fixed" and t > 0):  # knowledge selection (eq. 1-3)
                 if t > 0 and p.retrain_head:  # the paper trains the weak target model on D_T before each selection
                     student = adapt_to_target(student, target.X, target.y, mode="head", epochs=p.target_epochs, lr=p.target_lr,
                                               batch_size=p.target_batch_size, reset_head=False,
                                               seed=derive_seed(server.seed, "fedsa", "reselect", t), device=server.device)
-                if teacher_maps is None:
-                    teacher_maps = self._teacher_maps(server, target)
-                    teachers = [c for c in teachers if c in teacher_maps]
+                if state.teacher_maps is None:
+                    state.teachers = [c for c in state.teachers if c in self._fetch_teachers(server, target, state)]
                 target_maps = compute_saliency(student, target.X, kind=p.saliency, device=server.device)
-                sims, Q = compute_transferability(target_maps, [teacher_maps[c] for c in teachers], similarity=p.similarity)
-                probs = selection_probabilities(Q, normalize=p.normalize, temperature=p.temperature)
+                assert state.teacher_maps is not None  # fetched above (or restored on resume)
+                sims, Q = compute_transferability(target_maps, [state.teacher_maps[c] for c in state.teachers],
+                                                  similarity=p.similarity)
+                state.probs = selection_probabilities(Q, normalize=p.normalize, temperature=p.temperature)
                 # One draw stream for every label of the run (common random numbers): ``fixed`` keeps exactly FedSA's first
                 # draw, and the ablations differ from FedSA by their rule, not by their luck. Seeded by the round, so a
                 # resumed run draws what the interrupted one would have.
-                picked = select_teachers(p.selection, probs, Q, p.k, make_rng(server.seed, "fedsa", "select", t))
-                draws = [teachers[i] for i in picked]
-                weights = draw_weights(picked, probs, p.weighting)
-                span = sims.max() - sims.min()
-                selections.append({"round": rnd, "teachers": teachers, "draws": draws, "weights": [round(w, 6) for w in weights],
-                                   "p": probs.round(6).tolist(), "similarity": sims.round(6).tolist(),
-                                   "similarity_normalized": ((sims - sims.min()) / span if span > 0 else np.zeros_like(sims)).round(6).tolist()})
-                server.progress(f"round {rnd}: selected teachers {draws}", round=rnd, draws=draws)
-            student, row, distilled = self._aggregate(server, student, student_cfg, draws, weights, rnd, reference,
-                                                      translator_rounds, store)
-            translator_rounds.update({c: rnd for c in distilled})
-            kd_seconds += row.pop("_seconds")
-            counts = Counter(draws)
-            row.update({f"selected_{c}": float(counts.get(c, 0)) for c in teachers})
-            row.update({f"p_{c}": float(probs[i]) for i, c in enumerate(teachers)})
-            if rnd % p.evaluate_every == 0 or rnd == p.rounds:
-                adapted = _adapt(server, student, target, p, rnd)  # task adaptation on a copy (the code, every 10 rounds)
-                metrics = _evaluate(server, adapted)
-                row.update(metrics)
-            server.log(rnd, row)
-            server.progress(f"round {rnd}/{p.rounds}", round=rnd, rounds=p.rounds,
-                            metrics={k: round(v, 4) for k, v in row.items() if not k.startswith(("p_", "selected_"))})
-            state = {"probs": probs, **{f"teacher_saliency/{c}": m.mean(axis=0) for c, m in (teacher_maps or {}).items()}}
-            if rnd == p.rounds:
-                state.update({f"adapted/{k}": v for k, v in get_params(adapted).items()})
-            server.save_checkpoint(rnd, get_params(student), state, {
-                "teachers": [int(c) for c in teachers], "draws": [int(c) for c in draws], "weights": [float(w) for w in weights],
-                "selections": selections, "metrics": metrics, "kd_seconds": kd_seconds, "store": store,
-                "translator_rounds": sorted([int(c), int(r)] for c, r in translator_rounds.items()),
-                "last_selection": selections[-1]["round"] if selections else None})
-        if store is not None:
-            server.forget_client_state(TRANSLATORS, store)  # the method is done: the clients may delete their translators
-        # the last round is always evaluated: ``adapted`` / ``metrics`` are the final target model and its accuracy
+                picked = select_teachers(p.selection, state.probs, Q, p.k, make_rng(server.seed, "fedsa", "select", t))
+                state.draws = [state.teachers[i] for i in picked]
+                state.weights = draw_weights(picked, state.probs, p.weighting)
+                self._record_selection(server, state, rnd, sims)
+            student, row = self._aggregate(server, student, student_cfg, state, rnd, reference)  # eq. 4-5
+            state.params = get_params(student)
+            counts = Counter(state.draws)
+            row.update({f"selected_{c}": float(counts.get(c, 0)) for c in state.teachers})
+            row.update({f"p_{c}": float(state.probs[i]) for i, c in enumerate(state.teachers)})
+            rounds.log(row)
+        # the last round is always evaluated: ``state.adapted`` / ``rounds.metrics`` are the final target model and its accuracy
         info = {"rounds": p.rounds, "k": p.k, "selection": p.selection, "weighting": p.weighting, "saliency": p.saliency,
-                "teachers": teachers, "selections": selections, "target_size": len(target),
-                "student": student_cfg.model_dump(mode="json"), "kd_seconds": round(kd_seconds, 3)}
-        return MethodResult(metrics, get_params(adapted), info=info)
+                "teachers": state.teachers, "selections": state.selections, "target_size": len(target),
+                "student": student_cfg.model_dump(mode="json"), "kd_seconds": round(state.kd_seconds, 3)}
+        return MethodResult(rounds.metrics, state.adapted, info=info)
 
-    # -- resume ----------------------------------------------------------------------------------------------------
+    # -- helpers of the rounds -------------------------------------------------------------------------------------
 
-    def _resume(self, server: ServerContext) -> Any:
-        """The round checkpoint to continue from on ``--resume``, or ``None`` (a fresh start from round 0).
+    @staticmethod
+    def _record_selection(server: ServerContext, state: FedSAState, rnd: int, sims: np.ndarray) -> None:
+        """A selection's record (``info.selections``) and its progress event."""
+        span = sims.max() - sims.min()
+        state.selections.append({
+            "round": rnd, "teachers": state.teachers, "draws": state.draws, "weights": [round(w, 6) for w in state.weights],
+            "p": state.probs.round(6).tolist(), "similarity": sims.round(6).tolist(),
+            "similarity_normalized": ((sims - sims.min()) / span if span > 0 else np.zeros_like(sims)).round(6).tolist()})
+        server.progress(f"round {rnd}: selected teachers {state.draws}", round=rnd, draws=state.draws)
 
-        Each teacher's translator lives on its client, across rounds: a resumed run can continue mid-method only when
-        the clients kept theirs (``run.model_cache``, storage the clients own). Otherwise, and when a client lost its
-        translator, the method starts again from round 0 (a ``warning`` event says why): the same result, later.
-        """
-        if not server.resume:
-            return None
-        if not server.model_cache:
-            if server.checkpoint.load() is not None:
-                server.events.emit("warning", "restarting from round 0: the teachers' translators stay on their clients, which "
-                                   "keep them across runs only with run.model_cache", method=server.label)
-            return None
-        checkpoint = server.resume_checkpoint()
-        if checkpoint is None or checkpoint.round >= self.params.rounds:
-            return checkpoint
-        rounds = {int(c): int(r) for c, r in checkpoint.meta["translator_rounds"]}
-        missing = server.clients_missing_state(TRANSLATORS, checkpoint.meta["store"], rounds)
-        if missing:
-            server.events.emit("warning", f"restarting from round 0: clients {missing} no longer hold their translators",
-                               method=server.label)
-            server.history = []
-            server.forget_client_state(TRANSLATORS, checkpoint.meta["store"])  # the others' are of no use now
-            return None
-        return checkpoint
+    def _fetch_teachers(self, server: ServerContext, target: Split, state: FedSAState) -> dict[int, np.ndarray]:
+        """The teachers' saliency maps (fixed for the run: fetched once per method run), kept in ``state``."""
+        state.teacher_maps = self._teacher_maps(server, target)
+        state.teacher_saliency = {str(c): m.mean(axis=0) for c, m in state.teacher_maps.items()}
+        return state.teacher_maps
 
-    def _check_teachers(self, server: ServerContext, teachers: list[int], maps: dict[int, np.ndarray],
-                        state: dict[str, np.ndarray]) -> None:
-        """Refuse to continue with teachers other than the interrupted run's: their saliency maps (averaged over the
-        probe set, checkpointed) must be the same, up to float noise (a resumed run may run on another backend)."""
-        for client in teachers:
-            saved = state.get(f"teacher_saliency/{client}")
+    def _check_teachers(self, server: ServerContext, target: Split, state: FedSAState) -> None:
+        """On resume: fetch the teachers' maps and refuse to continue with teachers other than the interrupted run's:
+        their saliency maps (averaged over the probe set, checkpointed) must be the same, up to float noise (a resumed
+        run may run on another backend)."""
+        if not state.selections:
+            return
+        saved_maps = dict(state.teacher_saliency)
+        maps = self._fetch_teachers(server, target, state)
+        for client in state.teachers:
+            saved = saved_maps.get(str(client))
             now = maps.get(client)
             if now is None:
                 raise RunFailure(f"{server.label}: teacher {client} returned no saliency maps on resume; it cannot be checked "
@@ -555,26 +486,22 @@ class FedSA(Method):
     def _teacher_maps(self, server: ServerContext, target: Split) -> dict[int, np.ndarray]:
         fed = server.federation
         gathered = fed.run(compute_teacher_saliency, fed.put(target.X), kind=self.params.saliency)
-        maps: dict[int, np.ndarray] = {}
         shape = server.input_shape
-        expected = int(np.prod(shape)) if self.params.saliency == "grad" else int(np.prod(shape[-2:]))
-        for client, result in gathered.results.items():
-            m = np.asarray(result.get("maps") if isinstance(result, dict) else None)
-            if m.shape != (len(target), expected) or not np.isfinite(m).all():
-                server.events.emit("update_rejected", f"saliency maps of shape {m.shape} or non-finite, expected {(len(target), expected)}",
-                                   method=server.label, client=client)
-                continue
-            maps[client] = m
-        if not maps:
-            raise RunFailure(f"{server.label}: no teacher returned valid saliency maps")
-        return maps
+        expected = (len(target), int(np.prod(shape)) if self.params.saliency == "grad" else int(np.prod(shape[-2:])))
 
-    def _aggregate(self, server: ServerContext, student: Any, student_cfg: ModelConfig, draws: list[int], weights: list[float],
-                   rnd: int, reference: dict[str, np.ndarray], translator_rounds: dict[int, int],
-                   store: str | None) -> tuple[Any, dict[str, float], list[int]]:
+        def read(client: int, result: Any) -> np.ndarray:
+            m = np.asarray(result.get("maps") if isinstance(result, dict) else None)
+            if m.shape != expected or not np.isfinite(m).all():
+                raise Rejected(f"saliency maps of shape {m.shape} or non-finite, expected {expected}")
+            return m
+
+        return server.accept_replies(gathered, read, what="teachers' saliency maps")
+
+    def _aggregate(self, server: ServerContext, student: Any, student_cfg: ModelConfig, state: FedSAState, rnd: int,
+                   reference: dict[str, np.ndarray]) -> tuple[Any, dict[str, float]]:
         """One round of selective aggregation: one broadcast, local students from the drawn teachers, eq. 5.
 
-        Returns the new student, the round's numbers and the clients that distilled (their translators moved on).
+        Returns the new student and the round's numbers; the clients that distilled moved their translators on.
         """
         from rayfuse.models import check_params, get_params, set_params
 
@@ -582,34 +509,53 @@ class FedSA(Method):
         fed = server.federation
         started = time.perf_counter()
         broadcast = fed.put(get_params(student))
-        counts = Counter(draws)
+        counts = Counter(state.draws)
         calls = [call for client in sorted(counts) for call in fed.map(
             distill_student, broadcast, clients=[client], label=server.label, round=rnd, copies=counts[client],
             student_cfg=student_cfg, epochs=p.local_epochs, lr=p.lr, batch_size=p.batch_size, optimizer=p.optimizer,
-            weight_decay=p.weight_decay, translator_round=translator_rounds.get(client, 0), store=store)]
+            weight_decay=p.weight_decay, translator_round=state.translator_rounds.get(client, 0), store=state.translator_rounds.store)]
         gathered = fed.gather(calls)
-        students, student_weights, losses = [], [], []
-        for client, result in gathered.results.items():
+        state.translator_rounds.moved(gathered.results, rnd)
+
+        def read(client: int, result: Any) -> list[tuple[dict[str, np.ndarray], float, float]]:
             returned = result.get("students", []) if isinstance(result, dict) else []
-            mine = [w for d, w in zip(draws, weights) if d == client]  # the weights of this teacher's draws
+            mine = [w for d, w in zip(state.draws, state.weights) if d == client]  # the weights of this teacher's draws
             if len(returned) != len(mine):
-                server.events.emit("update_rejected", f"{len(returned)} students for {len(mine)} draws", method=server.label, client=client)
-                continue
-            for params, w, loss in zip(returned, mine, result.get("kd_loss", [np.nan] * len(mine))):
-                problem = check_params(params, reference)
-                if problem is None and not np.isfinite(loss):
-                    problem = f"non-finite KD loss {loss}"
+                raise Rejected(f"{len(returned)} students for {len(mine)} draws")
+            losses = list(result.get("kd_loss", [np.nan] * len(mine)))
+            for params, loss in zip(returned, losses):
+                problem = check_params(params, reference) or (None if np.isfinite(loss) else f"non-finite KD loss {loss}")
                 if problem is not None:
-                    server.events.emit("update_rejected", problem, method=server.label, client=client)
-                    continue
-                students.append(params)
-                student_weights.append(w)
-                losses.append(float(loss))
-        if not students:
-            raise RunFailure(f"{server.label}: round {rnd}: no valid local student came back (see the update_rejected events)")
-        averaged = average_students(students, student_weights)
+                    raise Rejected(problem)
+            return list(zip(returned, mine, losses))
+
+        kept = [draw for draws in server.accept_replies(gathered, read, what="replies with local students").values()
+                for draw in draws]
+        averaged = average_students([params for params, _, _ in kept], [w for _, w, _ in kept])
         if not _check_finite(averaged):
             raise NonFiniteError(f"{server.label}: round {rnd}: the averaged student has NaN or Inf values")
         set_params(student, averaged)
-        return student, {"kd_loss": float(np.mean(losses)), "students": float(len(students)),
-                         "_seconds": time.perf_counter() - started}, sorted(gathered.results)
+        state.kd_seconds += time.perf_counter() - started
+        return student, {"kd_loss": float(np.mean([float(loss) for _, _, loss in kept])), "students": float(len(kept))}
+
+
+@dataclass
+class FedSAState:
+    """FedSA's server state between rounds (checkpointed after each by the round loop).
+
+    ``params``: the global student theta^t; ``teachers`` (the clients with valid saliency maps), ``probs`` (the last
+    selection's p), ``draws`` and ``weights`` (its K draws); the selection records; the teachers' mean saliency maps
+    (checked on resume); the last adapted target model; the clients' translators' rounds.
+    """
+
+    params: dict[str, np.ndarray]
+    teachers: list[int]
+    probs: np.ndarray
+    draws: list[int] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    selections: list[dict[str, Any]] = field(default_factory=list)
+    teacher_saliency: dict[str, np.ndarray] = field(default_factory=dict)
+    adapted: dict[str, np.ndarray] | None = None
+    kd_seconds: float = 0.0
+    translator_rounds: ClientRounds = field(default_factory=KEPT_TRANSLATORS.rounds)
+    teacher_maps: dict[int, np.ndarray] | None = transient()  # the teachers' maps on the probe set, fetched once

@@ -32,7 +32,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from rayfuse.errors import InputError, RunFailure
+from rayfuse.errors import InputError
 from rayfuse.expfam import Dirichlet
 from rayfuse.fusion import references
 from rayfuse.fusion.kl.bnn import corrupt, fuse_output_bias, network_of, neurons_of, predictive, predictive_metrics, train_bnn
@@ -156,16 +156,11 @@ class KLFusion(Method):
         server.progress(f"kl: clients train Bayesian MLPs ({p.hidden} hidden units, Bayes by backprop)")
         started = time.perf_counter()
         gathered = server.run_cached(train_bnn, hidden=p.hidden, epochs=p.bnn_epochs, lr=p.bnn_lr, prior_sd=p.prior_sd)
-        bnns, neurons = {}, []
-        for client, r in gathered.results.items():
-            try:
-                neurons.append(neurons_of(r["bnn"], where=f"client {client} posterior"))
-            except InputError as exc:  # NaN / non-positive variances / wrong shapes: rejected, never fused
-                server.events.emit("update_rejected", str(exc), method=server.label, client=client)
-                continue
-            bnns[client] = r["bnn"]
-        if not bnns:
-            raise RunFailure(f"{server.label}: no valid client posteriors")
+        # NaN / non-positive variances / wrong shapes (InputError): rejected, never fused
+        kept = server.accept_replies(gathered, lambda client, r: (neurons_of(r["bnn"], where=f"client {client} posterior"), r["bnn"]),
+                                     what="client posteriors")
+        neurons = [n for n, _ in kept.values()]
+        bnns = {client: bnn for client, (_, bnn) in kept.items()}
         d_in = int(np.prod(server.input_shape))
         if any(b["w1_mu"].shape[1] != d_in for b in bnns.values()):
             raise InputError("model", f"Bayesian MLPs with {d_in} inputs on every client", [b["w1_mu"].shape for b in bnns.values()])
@@ -209,16 +204,9 @@ class KLFusion(Method):
         server.progress("kl: clients fit LDA on their documents")
         started = time.perf_counter()
         gathered = server.run_cached(fit_lda_posterior, k, max_iter=p.vi_max_iter)
-        posteriors, locals_ = [], {}
-        for client, r in gathered.results.items():
-            try:
-                posteriors.append(Dirichlet(r["alpha"], where=f"client {client} posterior"))
-            except InputError as exc:
-                server.events.emit("update_rejected", str(exc), method=server.label, client=client)
-                continue
-            locals_[client] = posteriors[-1]
-        if not posteriors:
-            raise RunFailure(f"{server.label}: no valid client posteriors")
+        locals_ = server.accept_replies(gathered, lambda client, r: Dirichlet(r["alpha"], where=f"client {client} posterior"),
+                                        what="client posteriors")
+        posteriors = list(locals_.values())
         if p.homogeneous:
             fuse_started = time.perf_counter()
             result = fuse_homogeneous(posteriors, max_iter=p.max_iter or 20)

@@ -111,17 +111,11 @@ def gather_gmm_posteriors(server: ServerContext, params: GMMPosteriorParams) -> 
     else:
         n_components = int(params.n_components)
     gathered = server.run_cached(fit_gmm_posterior, n_components, n_init=params.n_init, max_iter=params.vi_max_iter)
-    posteriors, raw = [], {}
-    for client, r in gathered.results.items():
-        try:
-            posteriors.append(NormalWishart(r["mean"], r["kappa"], r["nu"], r["W"], where=f"client {client} posterior"))
-        except InputError as exc:
-            server.events.emit("update_rejected", str(exc), method=server.label, client=client)
-            continue
-        raw[client] = r
-    if not posteriors:
-        raise RunFailure(f"{server.label}: no valid client posteriors")
-    return posteriors, raw
+    # NaN / non-positive variances / wrong shapes (InputError): rejected, never fused
+    kept = server.accept_replies(gathered, lambda client, r: (NormalWishart(r["mean"], r["kappa"], r["nu"], r["W"],
+                                                                            where=f"client {client} posterior"), r),
+                                 what="client posteriors")
+    return [q for q, _ in kept.values()], {client: r for client, (_, r) in kept.items()}
 
 
 def gmm_metrics(server: ServerContext, means: np.ndarray) -> dict[str, float]:
