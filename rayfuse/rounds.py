@@ -322,7 +322,7 @@ class RoundLoop(Generic[S]):
                 if problem is not None:
                     self._forget(store)  # the others' are of no use now
             if problem is not None:
-                server.events.emit("warning", f"restarting from {self.unit} {self.first}: {problem}", method=server.label)
+                server.events.emit("warning", f"restarting from {self.unit} 0: {problem}", method=server.label)  # from scratch
                 return None
         checkpoint = server.resume_checkpoint()
         if checkpoint is not None and checkpoint.round < self.last and self.kept:

@@ -128,14 +128,14 @@ def test_a_resumed_loop_equals_the_uninterrupted_one_with_the_state_its_clients_
     assert _stored(cache) == []  # the clients forget what they kept once the method is done
 
 
-def test_a_client_that_lost_its_state_restarts_the_loop_from_round_1_with_a_warning(make_config, tmp_path):
+def test_a_client_that_lost_its_state_restarts_the_loop_from_scratch_with_a_warning(make_config, tmp_path):
     straight = _coordinator(make_config, tmp_path / "straight", None).run_method("count")
     cache = tmp_path / "cache"
     resumed_coord = _interrupted(make_config, tmp_path, str(cache))
     next((cache / "client-state" / "client-2").rglob("count-00003.safetensors")).unlink()  # client 2 lost round 3
     resumed = resumed_coord.run_method("count", resume=True)
     warnings = [e["message"] for e in resumed_coord.events.since(0) if e["kind"] == "warning"]
-    assert warnings == ["restarting from round 1: clients [2] no longer hold their running sums"]
+    assert warnings == ["restarting from round 0: clients [2] no longer hold their running sums"]
     assert _progress(resumed_coord) == [1, 2, 3, 4, 5]
     assert resumed["metrics"] == straight["metrics"] and resumed["history"] == straight["history"]
     assert _stored(cache) == []  # the old store's leftovers and the new start's sums
