@@ -177,8 +177,10 @@ def test_a_typed_round_state_round_trips_through_a_checkpoint():
     assert set(arrays) == {"moments/w/m", "queue/0/a/b", "queue/1/a/b", "probs", "loss"}
     assert meta["rounds"] == [[1, 2], [3, 2]]
     back = decode_state(State({}), params, arrays, meta)
-    assert back.params.keys() == state.params.keys() and all(
-        np.array_equal(back.params[k], state.params[k]) and back.params[k].dtype == state.params[k].dtype for k in params)
+    assert back.params.keys() == state.params.keys()
+    for k in params:
+        assert np.array_equal(back.params[k], state.params[k]), k
+        assert back.params[k].dtype == state.params[k].dtype, k
     assert np.array_equal(back.moments["w/m"], state.moments["w/m"]) and back.moments["w/m"].flags.writeable
     assert [q["a/b"].tolist() for q in back.queue] == [[0.0, 1.0, 2.0], [1.0, 1.0, 1.0]]
     assert np.array_equal(back.probs, state.probs) and back.loss == state.loss and back.steps == 4
