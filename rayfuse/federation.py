@@ -34,12 +34,14 @@ Every failure, retry and drop is recorded in the :class:`EventLog`.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import math
 import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -299,6 +301,36 @@ class _Done:
     error: ClientError | None = None
 
 
+def actor_threads(num_cpus: float | str) -> int | None:
+    """The intra-op thread count a Ray actor reserving ``num_cpus`` runs torch with: Ray sets ``OMP_NUM_THREADS`` to
+    ``max(floor(cpus), 1)`` (1 when no CPUs are named) unless the environment already sets it. ``None`` when the
+    environment sets it (this process then already uses what the actors would)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(math.floor(1.0 if num_cpus == "auto" else float(num_cpus)), 1)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int | None) -> Iterator[None]:
+    """Run the block with ``count`` torch intra-op threads (``None``: as is). The in-process backend runs each step
+    with the thread count its actor would have on Ray: a float reduction split over another number of threads rounds
+    differently in the last bits, and a local rehearsal must give the Ray run's exact numbers."""
+    if count is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    if before == count:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _thread_count(n_items: int) -> int:
     return max(1, min(n_items, os.cpu_count() or 1))
 
@@ -318,16 +350,21 @@ class InProcessFederation(Federation):
     events : EventLog, optional
     max_restarts : int
         -1 for unlimited.
+    threads : callable ``client_id -> int | None``, optional
+        The torch thread count each client's steps run with (:func:`actor_threads` of its resources, so the numbers
+        equal a Ray run's); ``None``: this process's setting.
     """
 
     def __init__(self, client_factory: Callable[[int, bool], Any], num_clients: int, policy: FailurePolicy,
-                 events: EventLog | None = None, *, max_restarts: int = 2) -> None:
+                 events: EventLog | None = None, *, max_restarts: int = 2,
+                 threads: Callable[[int], int | None] | None = None) -> None:
         super().__init__(policy, events)
         self._factory = client_factory
         self._clients = {i: client_factory(i, False) for i in range(num_clients)}
         self._restarts = {i: 0 for i in range(num_clients)}
         self._max_restarts = max_restarts
         self._dead: set[int] = set()
+        self._threads = threads
 
     @property
     def client_ids(self) -> list[int]:
@@ -347,7 +384,8 @@ class InProcessFederation(Federation):
             return _Done(error=ClientError(call.client, "died", "the client died and has no restarts left", call.name, call.attempt))
         started = time.monotonic()
         try:
-            value = self._clients[call.client].run(call.step, *call.args, **call.kwargs)
+            with torch_threads(self._threads(call.client) if self._threads else None):
+                value = self._clients[call.client].run(call.step, *call.args, **call.kwargs)
         except ClientDied as exc:
             self._restart(call.client)
             return _Done(error=ClientError(call.client, "died", str(exc) or "client died", call.name, call.attempt))

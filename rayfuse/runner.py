@@ -66,19 +66,24 @@ class Backend(ABC):
 
 
 class InProcessBackend(Backend):
-    """Clients and coordinator as plain objects in this process (``federation.backend: local``; unit tests)."""
+    """Clients and coordinator as plain objects in this process (``federation.backend: local``; unit tests).
+
+    Each client step and each coordinator call runs with the torch thread count its Ray actor would have
+    (:func:`~rayfuse.federation.actor_threads`), so a local rehearsal gives a Ray run's numbers to the last bit.
+    """
 
     name = "local"
 
     def __init__(self) -> None:
         self.coordinator: Any = None
         self.federation: Any = None
+        self._coordinator_threads: int | None = None
 
     def start(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: Path, *, on_event: EventSink, start_time: float,
               specs: list[MethodSpec] | None = None) -> None:
         from rayfuse.client import Client
         from rayfuse.coordinator import Coordinator
-        from rayfuse.federation import EventLog, FailurePolicy, InProcessFederation
+        from rayfuse.federation import EventLog, FailurePolicy, InProcessFederation, actor_threads
 
         events = EventLog(start=start_time)
         events.listeners.append(on_event)
@@ -88,12 +93,21 @@ class InProcessBackend(Backend):
             return Client(client_id, plan.for_client(client_id), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train,
                           seed=cfg.run.seed, faults=fed_cfg.faults, restarted=restarted, local_cache=cfg.run.model_cache)
 
+        def client_threads(client_id: int) -> int | None:
+            override = fed_cfg.client_overrides.get(client_id)  # merged field by field, as the Ray backend does
+            cpus = override.num_cpus if override is not None and "num_cpus" in override.model_fields_set else fed_cfg.clients.num_cpus
+            return actor_threads(cpus)
+
         self.federation = InProcessFederation(make_client, plan.num_clients, FailurePolicy.from_config(fed_cfg), events,
-                                              max_restarts=fed_cfg.max_restarts)
+                                              max_restarts=fed_cfg.max_restarts, threads=client_threads)
+        self._coordinator_threads = actor_threads(fed_cfg.coordinator.num_cpus)
         self.coordinator = Coordinator(cfg, plan, str(run_dir), self.federation, specs=specs)
 
     def call(self, name: str, *args: Any) -> Any:
-        return getattr(self.coordinator, name)(*args)
+        from rayfuse.federation import torch_threads
+
+        with torch_threads(self._coordinator_threads):
+            return getattr(self.coordinator, name)(*args)
 
     def stop(self) -> None:
         self.coordinator = None

@@ -287,3 +287,30 @@ def test_a_client_keeps_its_trained_local_model_in_its_own_cache(digits_plan, tm
     other.ctx.local_model()
     assert "cached" not in other.ctx.local_stats
     assert len(list((tmp_path / "cache" / "local-models").glob("*/params.safetensors"))) == 3
+
+
+@client_step("threads")
+def torch_thread_count(ctx):
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_in_process_steps_run_with_the_thread_count_their_ray_actor_would_have(monkeypatch):
+    import torch
+
+    from rayfuse.federation import actor_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    # Ray's rule: max(floor(cpus), 1), and 1 when the actor names no CPUs
+    assert [actor_threads(c) for c in ("auto", 0, 0.5, 1, 2.7, 4)] == [1, 1, 1, 1, 2, 4]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert actor_threads(2) is None  # set by the user: Ray leaves it, and so does the in-process backend
+    monkeypatch.delenv("OMP_NUM_THREADS")
+
+    before = torch.get_num_threads()
+    fed = InProcessFederation(lambda i, restarted: FakeClient(i, {}, Counter()), 2, FailurePolicy("fail", 0, 1, None), EventLog(),
+                              threads=lambda client_id: 1 + client_id)
+    seen = fed.gather(fed.map(torch_thread_count)).results
+    assert seen == {0: 1, 1: 2}
+    assert torch.get_num_threads() == before  # restored after each step

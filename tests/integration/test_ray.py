@@ -46,9 +46,6 @@ def ray_run(cfg, run_dir, printer=None):
     return run_experiment(cfg, RayBackend(), run_dir, printer=printer or Printer(enabled=False), show_tables=False)
 
 
-@pytest.mark.xfail(strict=False, reason="with this machine's torch 2.15 / numpy, the Ray run's fedavg / fedadam parameters differ "
-                   "from the in-process run's in the last float bits, also on the commit before the method-contract change; "
-                   "under investigation (see the stop-16 note)")
 def test_a_ray_run_equals_the_in_process_run(ray_session, make_config, tmp_path):
     cfg = make_config(federation={"backend": "ray"})
     spy = ActorSpy(ray_session)
@@ -172,9 +169,6 @@ def test_a_stale_ray_start_address_is_detected(tmp_path, alive):
     assert out.stdout.strip() == ("None" if alive else f"127.0.0.1:{port}")
 
 
-@pytest.mark.xfail(strict=False, reason="with this machine's torch 2.15 / numpy, the Ray run's fedavg / fedadam parameters differ "
-                   "from the in-process run's in the last float bits, also on the commit before the method-contract change; "
-                   "under investigation (see the stop-16 note)")
 def test_fedref_and_fedadam_on_ray_equal_the_in_process_run(ray_session, make_config, tmp_path):
     methods = {"fedadam": {"rounds": 3, "local_epochs": 1}, "fedref": {"rounds": 4, "local_epochs": 1, "p": 1, "lam": 0.1}}
     on_ray = ray_run(make_config(methods=methods, federation={"backend": "ray"}), tmp_path / "ray")
