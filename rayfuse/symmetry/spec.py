@@ -1,0 +1,270 @@
+"""A model's permutation symmetry as data: which weight axes share one permutation.
+
+Hidden units of a network can be reordered without changing what it computes, provided every tensor that indexes
+those units is reordered alike: a Linear's output rows, its bias, the next layer's input columns, a BatchNorm's four
+per-channel vectors, both sides of a residual addition. A :class:`PermutationSpec` lists these *groups* (as
+git-re-basin writes them by hand; :func:`rayfuse.symmetry.derive_spec` derives them from the model's graph), and for
+each group where its units can be observed in a forward pass (:class:`Probe`), which activation matching needs.
+
+Conventions
+-----------
+* A permutation of a group of ``size`` units is an integer array ``p`` of length ``size``; applying it takes unit
+  ``p[i]`` of the old model to position ``i`` (``new = old.take(p, axis)``), as ``numpy.take`` and torch indexing do.
+* An :class:`AxisRef` may cover a part of an axis and a structured view of it. The segment
+  ``[start, start + outer * size * inner)`` of axis ``dim`` is viewed as ``(outer, size, inner)`` and the permutation
+  acts on the middle index. This covers:
+
+  - a plain axis: ``outer = inner = 1``;
+  - a Linear after ``flatten`` of a ``(C, H, W)`` feature map: the C channels are blocks of ``inner = H * W``;
+  - a concatenation: each input's units are a segment (``start``);
+  - attention: heads are blocks of ``inner = head_dim``; the dimensions within a head repeat ``outer = heads``
+    times; Q, K and V packed in one ``in_proj_weight`` are three segments.
+
+Everything here is numpy and plain dataclasses: a spec travels to clients and Ray tasks as is, and round-trips
+through JSON (:meth:`PermutationSpec.to_dict` / :meth:`PermutationSpec.from_dict`) so a user may write one by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rayfuse.errors import InputError
+
+__all__ = ["AxisRef", "Probe", "PermGroup", "FixedAxis", "PermutationSpec", "Perms", "invert", "compose"]
+
+Perms = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class AxisRef:
+    """Where a group's permutation acts on one tensor of the state dict (see the module docstring)."""
+
+    key: str
+    dim: int
+    start: int = 0
+    outer: int = 1
+    inner: int = 1
+
+    def span(self, size: int) -> int:
+        return self.outer * size * self.inner
+
+    def view(self, array: np.ndarray, size: int) -> np.ndarray:
+        """The units of this axis as the rows of a ``(size, rest)`` matrix (a copy), for cost matrices."""
+        seg = np.take(array, np.arange(self.start, self.start + self.span(size)), axis=self.dim)
+        seg = np.moveaxis(seg, self.dim, 0).reshape(self.outer, size, self.inner, -1)
+        return np.moveaxis(seg, 1, 0).reshape(size, -1)
+
+    def index(self, length: int, perm: np.ndarray) -> np.ndarray:
+        """The gather index along an axis of ``length`` that applies ``perm`` to this axis' units."""
+        size = len(perm)
+        index = np.arange(length)
+        block = index[self.start:self.start + self.span(size)].reshape(self.outer, size, self.inner)
+        index[self.start:self.start + self.span(size)] = block[:, perm, :].reshape(-1)
+        return index
+
+    def permute(self, array: np.ndarray, perm: np.ndarray) -> np.ndarray:
+        """``array`` with this axis' units reordered by ``perm`` (a new array)."""
+        return np.take(array, self.index(array.shape[self.dim], perm), axis=self.dim)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"key": self.key, "dim": self.dim}
+        out.update({k: v for k, v in (("start", self.start), ("outer", self.outer), ("inner", self.inner)) if v != (0 if k == "start" else 1)})
+        return out
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Where a group's units can be observed in a forward pass: the output of graph node ``node`` (a ``torch.fx`` node
+    name of the traced model), axis ``dim``, viewed as :class:`AxisRef` views a weight axis. Activation matching
+    correlates the two models' values there, over the batch and every other axis."""
+
+    node: str
+    dim: int
+    start: int = 0
+    outer: int = 1
+    inner: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"node": self.node, "dim": self.dim}
+        out.update({k: v for k, v in (("start", self.start), ("outer", self.outer), ("inner", self.inner)) if v != (0 if k == "start" else 1)})
+        return out
+
+
+@dataclass(frozen=True)
+class PermGroup:
+    """Units that share one permutation: ``size`` of them, found on every axis in ``axes``.
+
+    ``kind`` says what the units are (``channels``, ``heads``, ``head_dims``...); ``probes`` where activation matching
+    can observe them (empty: weight matching only)."""
+
+    name: str
+    size: int
+    axes: tuple[AxisRef, ...]
+    probes: tuple[Probe, ...] = ()
+    kind: str = "channels"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "size": self.size, "kind": self.kind, "axes": [a.to_dict() for a in self.axes],
+                "probes": [p.to_dict() for p in self.probes]}
+
+
+@dataclass(frozen=True)
+class FixedAxis:
+    """An axis left unpermuted, and why (the model's input or output, or an operation not proven to commute)."""
+
+    key: str
+    dim: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class PermutationSpec:
+    """The permutation groups of a model (its state-dict keys and axes), and the axes left fixed with the reason."""
+
+    groups: tuple[PermGroup, ...]
+    fixed: tuple[FixedAxis, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    # -- looking things up ------------------------------------------------------------------------------------------
+
+    def __post_init__(self) -> None:
+        names = [g.name for g in self.groups]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise InputError("spec.groups", "unique group names", dup)
+
+    def group(self, name: str) -> PermGroup:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+    @property
+    def names(self) -> list[str]:
+        return [g.name for g in self.groups]
+
+    def keys(self) -> set[str]:
+        """The state-dict entries some group permutes."""
+        return {a.key for g in self.groups for a in g.axes}
+
+    def groups_of(self, key: str) -> list[PermGroup]:
+        return [g for g in self.groups if any(a.key == key for a in g.axes)]
+
+    # -- permutations -----------------------------------------------------------------------------------------------
+
+    def identity(self) -> Perms:
+        return {g.name: np.arange(g.size) for g in self.groups}
+
+    def random(self, rng: np.random.Generator) -> Perms:
+        return {g.name: rng.permutation(g.size) for g in self.groups}
+
+    def apply(self, params: Mapping[str, np.ndarray], perms: Mapping[str, np.ndarray], *,
+              only: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+        """``params`` with every group in ``perms`` applied (groups missing from ``perms`` stay as they are).
+
+        ``only``: apply just these groups. Entries no group touches are returned as they are (not copied)."""
+        wanted = set(perms) if only is None else set(only) & set(perms)
+        out = dict(params)
+        for g in self.groups:
+            if g.name not in wanted:
+                continue
+            perm = np.asarray(perms[g.name])
+            if perm.shape != (g.size,):
+                raise InputError(f"perms.{g.name}", f"a permutation of {g.size} units", tuple(perm.shape))
+            if _is_identity(perm):
+                continue
+            for axis in g.axes:
+                out[axis.key] = axis.permute(np.asarray(out[axis.key]), perm)
+        return out
+
+    def apply_torch(self, state: Mapping[str, Any], perms: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """:meth:`apply` for a torch state dict (tensors in, tensors out, on their device)."""
+        import torch
+
+        out = dict(state)
+        for g in self.groups:
+            if g.name not in perms or _is_identity(np.asarray(perms[g.name])):
+                continue
+            perm = np.asarray(perms[g.name])
+            for axis in g.axes:
+                t = out[axis.key]
+                index = axis.index(t.shape[axis.dim], perm)
+                out[axis.key] = torch.index_select(t, axis.dim, torch.as_tensor(index, device=t.device))
+        return out
+
+    # -- checks -----------------------------------------------------------------------------------------------------
+
+    def check(self, shapes: Mapping[str, Sequence[int]], *, where: str = "spec") -> None:
+        """Every axis names an existing tensor and fits inside it (one line naming the first that does not)."""
+        for g in self.groups:
+            if g.size < 1:
+                raise InputError(f"{where}.{g.name}.size", "at least 1 unit", g.size)
+            for axis in g.axes:
+                if axis.key not in shapes:
+                    raise InputError(f"{where}.{g.name}", f"axes on tensors of the model (e.g. {next(iter(shapes), '?')})", axis.key)
+                shape = tuple(shapes[axis.key])
+                if not -len(shape) <= axis.dim < len(shape):
+                    raise InputError(f"{where}.{g.name}.{axis.key}", f"an axis of a {len(shape)}-d tensor", axis.dim)
+                if axis.start < 0 or axis.start + axis.span(g.size) > shape[axis.dim]:
+                    raise InputError(f"{where}.{g.name}.{axis.key}",
+                                     f"{axis.outer} x {g.size} x {axis.inner} units from {axis.start} within axis {axis.dim} of "
+                                     f"length {shape[axis.dim]}", tuple(shape))
+
+    # -- serialisation ----------------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"groups": [g.to_dict() for g in self.groups],
+                "fixed": [{"key": f.key, "dim": f.dim, "reason": f.reason} for f in self.fixed],
+                "notes": list(self.notes)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, where: str = "spec") -> PermutationSpec:
+        """A spec from its dict form (JSON / YAML, e.g. a user's hand-written spec). Raises :class:`InputError`."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("groups"), list):
+            raise InputError(where, "a mapping with a list of groups", type(data).__name__)
+        groups = []
+        for i, g in enumerate(data["groups"]):
+            at = f"{where}.groups.{i}"
+            try:
+                axes = tuple(AxisRef(**a) for a in g["axes"])
+                probes = tuple(Probe(**p) for p in g.get("probes", ()))
+                groups.append(PermGroup(str(g["name"]), int(g["size"]), axes, probes, str(g.get("kind", "channels"))))
+            except (KeyError, TypeError) as exc:
+                raise InputError(at, "name, size and axes [{key, dim, start?, outer?, inner?}]", str(exc)) from None
+        fixed = tuple(FixedAxis(str(f["key"]), int(f["dim"]), str(f.get("reason", ""))) for f in data.get("fixed", ()))
+        return cls(tuple(groups), fixed, tuple(str(n) for n in data.get("notes", ())))
+
+    def describe(self) -> str:
+        """A readable listing: one block per group, then the fixed axes with their reasons."""
+        lines = [f"{len(self.groups)} permutation groups, {sum(g.size for g in self.groups)} units"]
+        for g in self.groups:
+            lines.append(f"{g.name}  ({g.kind}, {g.size})")
+            for a in g.axes:
+                extra = "".join(f" {k}={v}" for k, v in (("start", a.start), ("outer", a.outer), ("inner", a.inner))
+                                if v != (0 if k == "start" else 1))
+                lines.append(f"    {a.key}[{a.dim}]{extra}")
+        if self.fixed:
+            lines.append(f"fixed axes ({len(self.fixed)}):")
+            lines.extend(f"    {f.key}[{f.dim}]: {f.reason}" for f in self.fixed)
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def _is_identity(perm: np.ndarray) -> bool:
+    return bool(np.array_equal(perm, np.arange(len(perm))))
+
+
+def invert(perm: np.ndarray) -> np.ndarray:
+    """The permutation that undoes ``perm``."""
+    inverse = np.empty_like(perm)
+    inverse[perm] = np.arange(len(perm))
+    return inverse
+
+
+def compose(first: np.ndarray, then: np.ndarray) -> np.ndarray:
+    """Applying ``first`` and then ``then`` equals applying ``compose(first, then)`` once."""
+    return np.asarray(first)[np.asarray(then)]
