@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import numpy as np
 import yaml
@@ -36,7 +36,7 @@ from rayfuse.errors import InputError, suggest
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.io import load_params, save_params
 
-__all__ = ["FuseSpec", "Fuser", "FUSERS", "register_fuser", "load_fuse_config", "fuse_models", "run_fuse"]
+__all__ = ["FuseSpec", "Fuser", "FuseInputs", "FUSERS", "register_fuser", "load_fuse_config", "load_fuse_inputs", "fuse_models", "run_fuse"]
 
 
 class _Model(BaseModel):
@@ -46,12 +46,25 @@ class _Model(BaseModel):
     parameters: dict[str, Any] = Field(default_factory=dict, description="per-model parameters (weight: ...)")
 
 
+class _Data(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(min_length=1, description="an .npz file (relative to the config file) with the inputs as the model takes them")
+    features: str = Field("X", min_length=1, description="the inputs' array name")
+    label: str = Field("y", min_length=1, description="the labels' array name")
+
+
 class _FuseFile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     merge_method: str = Field(min_length=1)
     models: list[_Model] = Field(min_length=1)
     parameters: dict[str, Any] = Field(default_factory=dict)
+    architecture: str | None = Field(None, min_length=3, description='"module:Class" or "torchvision:<name>": the models\' class')
+    architecture_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the architecture")
+    input_shape: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None, min_length=1, description="one input's shape, to trace the architecture when no data is given (e.g. [3, 32, 32])")
+    data: _Data | None = Field(None, description="a sample the methods that need data run on (activation matching, repair)")
     dtype: Literal["float16", "float32", "float64"] | None = None
     output: str | None = Field(None, min_length=1)
 
@@ -73,15 +86,31 @@ class NoParams(BaseModel):
 
 
 @dataclass(frozen=True)
+class FuseInputs:
+    """What a fuser gets besides the checkpoints: the architecture built (eval mode, ``None`` when the file names none)
+    and the sample from ``data:`` (``X`` as the model takes it, ``y`` labels; ``None`` without data). ``example`` is a
+    batch of two inputs to trace the architecture with (from the data, or zeros of ``input_shape``)."""
+
+    model: Any = None
+    X: np.ndarray | None = None
+    y: np.ndarray | None = None
+    example: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
 class Fuser:
-    """A data-free fusion method: parameter schemas and ``fuse(params_list, per_model, params) -> params``."""
+    """A fusion method for checkpoints: parameter schemas and ``fuse(params_list, per_model, params, inputs) -> params``.
+
+    ``needs(params)``: what the fuse file must give besides the models for these parameters, as
+    ``{"architecture" | "data": why}``."""
 
     name: str
     summary: str
-    fuse: Callable[[list[dict[str, np.ndarray]], list[BaseModel], BaseModel], dict[str, np.ndarray]]
+    fuse: Callable[[list[dict[str, np.ndarray]], list[BaseModel], BaseModel, FuseInputs], dict[str, np.ndarray]]
     Params: type[BaseModel] = NoParams
     ModelParams: type[BaseModel] = NoParams
     aliases: tuple[str, ...] = ()
+    needs: Callable[[BaseModel], dict[str, str]] = lambda params: {}
 
 
 FUSERS: dict[str, Fuser] = {}
@@ -95,11 +124,11 @@ def register_fuser(fuser: Fuser) -> Fuser:
     return fuser
 
 
-def _average(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], _: BaseModel) -> dict[str, np.ndarray]:
+def _average(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], _: BaseModel, inputs: FuseInputs) -> dict[str, np.ndarray]:
     return weighted_average(params)
 
 
-def _weighted(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], method: BaseModel) -> dict[str, np.ndarray]:
+def _weighted(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], method: BaseModel, inputs: FuseInputs) -> dict[str, np.ndarray]:
     weights = [m.weight for m in per_model]  # type: ignore[attr-defined]
     fused = weighted_average(params, weights)
     if not method.normalize:  # type: ignore[attr-defined]
@@ -125,7 +154,7 @@ class KLNeuronParams(BaseModel):
 _MLP1 = ("layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias")
 
 
-def _kl_neurons(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], method: BaseModel) -> dict[str, np.ndarray]:
+def _kl_neurons(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], method: BaseModel, inputs: FuseInputs) -> dict[str, np.ndarray]:
     """KL-fusion of the hidden neurons of one-hidden-layer MLPs (Claici et al. 2020, the BNN application).
 
     Every hidden neuron ``[w_in | b | w_out]`` of every model is a diagonal Gaussian (mean: the checkpoint's values;
@@ -166,6 +195,12 @@ class FuseSpec:
     params: BaseModel
     dtype: str | None
     output: Path | None
+    architecture: str | None = None
+    architecture_args: Mapping[str, Any] | None = None
+    input_shape: tuple[int, ...] | None = None
+    data: Path | None = None
+    data_arrays: tuple[str, str] = ("X", "y")
+    config: Path | None = None
 
 
 _Schema = TypeVar("_Schema", bound=BaseModel)
@@ -218,7 +253,23 @@ def load_fuse_config(path: str | Path, output: str | Path | None = None) -> Fuse
         raise InputError(f"{path}: output", "a .safetensors file", str(out))
     if out.exists():
         raise InputError(f"{path}: output", "a file that does not exist yet (nothing is overwritten)", str(out))
-    return FuseSpec(fuser, files, per_model, params, spec.dtype, out)
+    data = None
+    if spec.data is not None:
+        data = Path(spec.data.path)
+        if not data.is_absolute() and not data.is_file():
+            data = path.parent / data
+        if not data.is_file() or data.suffix != ".npz":
+            raise InputError(f"{path}: data.path", "an existing .npz file (arrays X and y)", spec.data.path)
+    for need, why in fuser.needs(params).items():
+        if need == "architecture" and spec.architecture is None:
+            raise InputError(f"{path}: architecture", f'the models\' class ("module:Class" or "torchvision:<name>") for {why}')
+        if need == "data" and spec.data is None:
+            raise InputError(f"{path}: data", f"a sample (data: {{path: sample.npz}} with arrays X and y) for {why}")
+    if spec.architecture is None and (spec.architecture_args or spec.input_shape):
+        raise InputError(f"{path}: architecture", "the class that architecture_args / input_shape are for", "none")
+    return FuseSpec(fuser, files, per_model, params, spec.dtype, out, spec.architecture, dict(spec.architecture_args),
+                    tuple(spec.input_shape) if spec.input_shape else None, data,
+                    (spec.data.features, spec.data.label) if spec.data else ("X", "y"), path)
 
 
 def check_compatible(models: Sequence[Mapping[str, np.ndarray]], files: Sequence[Path]) -> None:
@@ -244,11 +295,37 @@ def check_compatible(models: Sequence[Mapping[str, np.ndarray]], files: Sequence
             raise InputError(f"{files[0]}: {key}", "finite values", "NaN or Inf")
 
 
-def fuse_models(spec: FuseSpec, models: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+def load_fuse_inputs(spec: FuseSpec, models: Sequence[Mapping[str, np.ndarray]]) -> FuseInputs:
+    """Build the architecture, check every checkpoint against it, load the data and check the model takes it."""
+    if spec.architecture is None:
+        return FuseInputs()
+    from rayfuse.models.architecture import build_architecture, check_checkpoint_fits, check_inputs_fit
+
+    where = f"{spec.config}: architecture" if spec.config else "architecture"
+    model = build_architecture(spec.architecture, spec.architecture_args, where=where)
+    for params, file in zip(models, spec.files):
+        check_checkpoint_fits(model, params, where=file, ref=spec.architecture)
+    X = y = None
+    if spec.data is not None:
+        from rayfuse.data.datasets import load_dataset
+
+        dataset = load_dataset("npz", path=str(spec.data), features=spec.data_arrays[0], label=spec.data_arrays[1])
+        X, y = dataset.X, dataset.y
+        check_inputs_fit(model, X, where=f"{spec.config}: data.path" if spec.config else "data.path")
+        example = X[:2]
+    elif spec.input_shape is not None:
+        example = np.zeros((2, *spec.input_shape), dtype=np.float32)
+        check_inputs_fit(model, example, where=f"{spec.config}: input_shape" if spec.config else "input_shape")
+    else:
+        example = None
+    return FuseInputs(model, X, y, example)
+
+
+def fuse_models(spec: FuseSpec, models: list[dict[str, np.ndarray]], inputs: FuseInputs | None = None) -> dict[str, np.ndarray]:
     """Fuse already loaded, compatible models."""
     common = np.result_type(*[v.dtype for m in models for v in m.values() if v.dtype.kind == "f"]) if models else np.float32
     models = [{k: v.astype(common) if v.dtype.kind == "f" else v for k, v in m.items()} for m in models]
-    fused = spec.method.fuse(models, spec.model_params, spec.params)
+    fused = spec.method.fuse(models, spec.model_params, spec.params, inputs or FuseInputs())
     if spec.dtype is not None:
         fused = {k: v.astype(spec.dtype) if v.dtype.kind == "f" else v for k, v in fused.items()}
     return fused
@@ -258,7 +335,8 @@ def run_fuse(spec: FuseSpec) -> dict[str, Any]:
     """Load, check, fuse and write; return a summary (tensors, parameters, output)."""
     models = [load_params(file) for file in spec.files]
     check_compatible(models, spec.files)
-    fused = fuse_models(spec, models)
+    inputs = load_fuse_inputs(spec, models)
+    fused = fuse_models(spec, models, inputs)
     output = Path(spec.output) if spec.output is not None else Path("fused.safetensors")  # load_fuse_config always sets it
     save_params(output, fused, {"method": spec.method.name, "models": ",".join(f.name for f in spec.files)})
     return {"method": spec.method.name, "models": len(models), "tensors": len(fused),

@@ -141,3 +141,68 @@ def test_kl_neurons_matches_permuted_hidden_units_and_rejects_other_architecture
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(config))
     with pytest.raises(InputError, match="merge_method: expected kl_neurons on one-hidden-layer MLPs"):
         run_fuse(load_fuse_config(tmp_path / "bad.yaml"))
+
+
+ARCH = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, hidden=4, classes=2):
+        super().__init__()
+        self.fc1 = nn.Linear(3, hidden)
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+'''
+
+
+@pytest.fixture
+def arch_files(tmp_path, monkeypatch):
+    """Checkpoints of a user's class ``mynets:Net`` defined in a module in the working directory, and a data sample."""
+    (tmp_path / "mynets.py").write_text(ARCH)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for i in range(2):
+        torch.manual_seed(i)
+        exec(compile(ARCH, "mynets", "exec"), ns := {})
+        save_params(tmp_path / f"n{i}.safetensors", {k: v.numpy() for k, v in ns["Net"]().state_dict().items()})
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "sample.npz", X=rng.normal(size=(20, 3)).astype(np.float32), y=rng.integers(0, 2, 20))
+    return tmp_path
+
+
+def write_arch(tmp_path, **fields):
+    config = {"merge_method": "average", "architecture": "mynets:Net", "output": "fused.safetensors",
+              "models": [{"model": "n0.safetensors"}, {"model": "n1.safetensors"}], **fields}
+    path = tmp_path / "fuse.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_an_architecture_from_the_working_directory_checks_the_checkpoints_and_the_data(arch_files):
+    summary = run_fuse(load_fuse_config(write_arch(arch_files, data={"path": "sample.npz"})))
+    assert summary["tensors"] == 4 and (arch_files / "fused.safetensors").is_file()
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"architecture": "nosuchmodule:Net"}, r"fuse\.yaml: architecture: expected an importable module 'nosuchmodule'"),
+    ({"architecture": "mynets:Missing"}, r"fuse\.yaml: architecture: expected a name defined in mynets, got 'Missing'"),
+    ({"architecture": "mynets"}, r"fuse\.yaml: architecture: expected \"module:Class\""),
+    ({"architecture_args": {"width": 3}}, r"fuse\.yaml: architecture_args: expected keyword arguments mynets:Net accepts, got \"TypeError"),
+    ({"architecture_args": {"hidden": 5}}, r"n0\.safetensors: fc1\.weight: expected shape \(5, 3\) \(mynets:Net\), got \(4, 3\)"),
+    ({"data": {"path": "bad.npz"}}, r"fuse\.yaml: data\.path: expected inputs the model takes, got 'arrays of shape \(5,\)"),
+    ({"architecture": None, "input_shape": [3]}, r"fuse\.yaml: architecture: expected the class that architecture_args / input_shape are for"),
+])
+def test_an_architecture_that_does_not_fit_is_one_line_before_anything_is_written(arch_files, fields, message):
+    np.savez(arch_files / "bad.npz", X=np.zeros((4, 5), np.float32), y=np.array([0, 1, 0, 1]))
+    path = write_arch(arch_files, **{k: v for k, v in fields.items() if v is not None})
+    if fields.get("architecture", "x") is None:
+        data = yaml.safe_load(path.read_text())
+        del data["architecture"]
+        path.write_text(yaml.safe_dump(data))
+    with pytest.raises(InputError, match="^(.*/)?" + message):
+        run_fuse(load_fuse_config(path))
+    assert not (arch_files / "fused.safetensors").exists()
