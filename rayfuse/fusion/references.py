@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from rayfuse.method import Reference
 
-__all__ = ["KLF", "SPAHM", "GEMS", "EPGAN", "FEDREF", "FEDSA", "FEDAVG", "FEDPROX", "FEDOPT"]
+__all__ = ["KLF", "SPAHM", "GEMS", "EPGAN", "FEDREF", "FEDSA", "FEDAVG", "FEDPROX", "FEDOPT", "REBASIN", "FISHERMERGE", "REGMEAN",
+           "REPAIR"]
 
 KLF = Reference("KLF", "Claici, Yurochkin, Ghosh, Solomon. Model Fusion with Kullback-Leibler Divergence. ICML 2020",
                 "https://arxiv.org/abs/2007.06168")
@@ -30,3 +31,11 @@ FEDPROX = Reference("FEDPROX", "Li, Sahu, Zaheer, Sanjabi, Talwalkar, Smith. Fed
                     "Networks. MLSys 2020", "https://arxiv.org/abs/1812.06127")
 FEDOPT = Reference("FEDOPT", "Reddi, Charles, Zaheer, Garrett, Rush, Konecny, Kumar, McMahan. Adaptive Federated "
                    "Optimization. ICLR 2021", "https://arxiv.org/abs/2003.00295")
+REBASIN = Reference("REBASIN", "Ainsworth, Hayase, Srinivasa. Git Re-Basin: Merging Models modulo Permutation Symmetries. "
+                    "ICLR 2023", "https://arxiv.org/abs/2209.04836")
+FISHERMERGE = Reference("FISHERMERGE", "Matena, Raffel. Merging Models with Fisher-Weighted Averaging. NeurIPS 2022",
+                        "https://arxiv.org/abs/2111.09832")
+REGMEAN = Reference("REGMEAN", "Jin, Ren, Preotiuc-Pietro, Cheng. Dataless Knowledge Fusion by Merging Weights of Language "
+                    "Models. ICLR 2023", "https://arxiv.org/abs/2212.09849")
+REPAIR = Reference("REPAIR", "Jordan, Sedghi, Saukh, Entezari, Neyshabur. REPAIR: REnormalizing Permuted Activations for "
+                   "Interpolation Repair. ICLR 2023", "https://arxiv.org/abs/2211.08403")
