@@ -1,0 +1,20 @@
+"""Aligned fusion math: put N models into one frame by permutations (weight or activation matching), merge them
+(average, Fisher-weighted, RegMean) and repair their BatchNorm statistics. numpy / torch / scipy only: no Ray, no
+engine; assignment solves go through an executor (:mod:`rayfuse.matching`)."""
+
+from rayfuse.alignment.activation import GroupStats, activation_matching, collect_correlations, solve_activation_perms
+from rayfuse.alignment.merge import (
+    diagonal_fisher,
+    input_grams,
+    merge_average,
+    merge_fisher,
+    merge_regmean,
+    permute_fisher,
+    permute_grams,
+)
+from rayfuse.alignment.repair import apply_batchnorm, batchnorm_statistics, combine_batchnorm
+from rayfuse.alignment.weight import Alignment, apply_alignment, match_weights, weight_matching
+
+__all__ = ["Alignment", "GroupStats", "activation_matching", "apply_alignment", "apply_batchnorm", "batchnorm_statistics",
+           "collect_correlations", "combine_batchnorm", "diagonal_fisher", "input_grams", "match_weights", "merge_average",
+           "merge_fisher", "merge_regmean", "permute_fisher", "permute_grams", "solve_activation_perms", "weight_matching"]

@@ -1,0 +1,303 @@
+"""Activation matching: permutations found by correlating the units' activations on data (Ainsworth et al. 2023,
+"Git Re-Basin", section 3.1; Li et al. 2016, "Convergent learning").
+
+The data stay where they are. :func:`collect_correlations` runs a reference model and the own model on the own data
+and returns, per permutation group, only sums (:class:`GroupStats`: counts, per-unit sums and squares, and the
+``size x size`` cross products): the server adds them up and solves the assignments (:func:`solve_activation_perms`).
+:func:`activation_matching` iterates this against an evolving reference (the weighted average of the aligned models).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx
+from torch import nn
+
+from rayfuse.alignment._common import Params, check_models, normalize_weights, resolve_device, weighted_average
+from rayfuse.alignment.weight import Alignment, match_weights
+from rayfuse.errors import InputError, suggest
+from rayfuse.matching import Executor, solve_assignments
+from rayfuse.symmetry import Perms, PermutationSpec, Probe
+
+__all__ = ["GroupStats", "collect_correlations", "solve_activation_perms", "activation_matching"]
+
+_FIELDS = ("sum_a", "sum_b", "sumsq_a", "sumsq_b", "cross")
+
+
+@dataclass
+class GroupStats:
+    """Sufficient statistics of one group's activations: ``a`` the reference model's units, ``b`` the own model's.
+
+    Attributes
+    ----------
+    count : float
+        How many observations (rows: samples times positions) were summed.
+    sum_a, sum_b, sumsq_a, sumsq_b : ndarray, shape (size,)
+        Per-unit sums and sums of squares.
+    cross : ndarray, shape (size, size)
+        ``cross[i, j]`` the sum of ``a_i * b_j``.
+    """
+
+    count: float
+    sum_a: np.ndarray
+    sum_b: np.ndarray
+    sumsq_a: np.ndarray
+    sumsq_b: np.ndarray
+    cross: np.ndarray
+
+    def __add__(self, other: GroupStats) -> GroupStats:
+        if not isinstance(other, GroupStats):
+            return NotImplemented
+        if other.cross.shape != self.cross.shape:
+            raise InputError("stats", f"statistics of {self.cross.shape[0]} units", other.cross.shape[0])
+        a, b = self.to_arrays(), other.to_arrays()
+        return GroupStats.from_arrays({f: a[f] + b[f] for f in a})
+
+    @property
+    def size(self) -> int:
+        return int(self.cross.shape[0])
+
+    def correlation(self) -> np.ndarray:
+        """Pearson correlation of reference unit ``i`` (rows) with own unit ``j`` (columns); 0 where a unit is constant."""
+        n = max(float(self.count), 1.0)
+        mean_a, mean_b = self.sum_a / n, self.sum_b / n
+        cov = self.cross / n - np.outer(mean_a, mean_b)
+        std_a = np.sqrt(np.maximum(self.sumsq_a / n - mean_a**2, 0.0))
+        std_b = np.sqrt(np.maximum(self.sumsq_b / n - mean_b**2, 0.0))
+        denom = np.outer(std_a, std_b)
+        tiny = 1e-12 * max(float(denom.max(initial=0.0)), 1e-300)
+        safe = denom > tiny
+        return np.where(safe, cov / np.where(safe, denom, 1.0), 0.0)
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """Plain arrays (for shipping from a client)."""
+        out = {f: np.asarray(getattr(self, f)) for f in _FIELDS}
+        out["count"] = np.asarray(self.count, dtype=np.float64)
+        return out
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, Any]) -> GroupStats:
+        """The inverse of :meth:`to_arrays`. Raises :class:`InputError` for missing or misshapen arrays."""
+        missing = [f for f in ("count", *_FIELDS) if f not in arrays]
+        if missing:
+            raise InputError("stats", "arrays count, sum_a, sum_b, sumsq_a, sumsq_b, cross", f"missing {missing}")
+        cross = np.asarray(arrays["cross"], dtype=np.float64)
+        if cross.ndim != 2 or cross.shape[0] != cross.shape[1]:
+            raise InputError("stats.cross", "a square matrix", cross.shape)
+        vectors = [np.asarray(arrays[f], dtype=np.float64) for f in _FIELDS[:4]]
+        for name, vec in zip(_FIELDS, vectors):
+            if vec.shape != (cross.shape[0],):
+                raise InputError(f"stats.{name}", f"a vector of {cross.shape[0]} units", vec.shape)
+        return cls(float(np.asarray(arrays["count"])), vectors[0], vectors[1], vectors[2], vectors[3], cross)
+
+
+class _Recorder(torch.fx.Interpreter):
+    """Runs ``graph`` with ``module``'s submodules and parameters, keeping the outputs of the ``wanted`` nodes."""
+
+    def __init__(self, module: nn.Module, graph_module: torch.fx.GraphModule, wanted: set[str]) -> None:
+        super().__init__(module, garbage_collect_values=True, graph=graph_module.graph)
+        self.graph_module = graph_module
+        self.wanted = wanted
+        self.seen: dict[str, torch.Tensor] = {}
+
+    def fetch_attr(self, target: str) -> Any:
+        try:
+            return super().fetch_attr(target)
+        except (AttributeError, RuntimeError):  # constants the tracer attached to the graph module only
+            value: Any = self.graph_module
+            for atom in target.split("."):
+                value = getattr(value, atom)
+            return value
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        if n.name in self.wanted:
+            self.seen[n.name] = out
+        return out
+
+
+def _probe_rows(value: Any, probe: Probe, size: int, where: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise InputError(where, "a probe on a node whose output is a tensor", type(value).__name__)
+    dim = probe.dim % value.dim() if -value.dim() <= probe.dim < value.dim() else None
+    span = probe.outer * size * probe.inner
+    if dim is None or probe.start + span > value.shape[dim]:
+        raise InputError(where, f"{probe.outer} x {size} x {probe.inner} units from {probe.start} on axis {probe.dim}", tuple(value.shape))
+    seg = value.narrow(dim, probe.start, span)
+    seg = seg.reshape(*seg.shape[:dim], probe.outer, size, probe.inner, *seg.shape[dim + 1:])
+    return seg.movedim(dim + 1, -1).reshape(-1, size)
+
+
+def _first_dtype(module: nn.Module) -> torch.dtype:
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def collect_correlations(reference: nn.Module, own: nn.Module, spec: PermutationSpec, graph_ref: torch.fx.GraphModule | None,
+                         graph_own: torch.fx.GraphModule | None, X: np.ndarray, *, batch_size: int = 256,
+                         device: str | torch.device | None = None) -> dict[str, GroupStats]:
+    """Per-group activation statistics of ``reference`` against ``own`` on ``X`` (what a client sends).
+
+    Parameters
+    ----------
+    reference, own : nn.Module
+        The two models (same architecture); their parameters are used as they are, in eval mode.
+    spec : PermutationSpec
+        Its probes name nodes of the traced graphs.
+    graph_ref, graph_own : torch.fx.GraphModule or None
+        The traced models (e.g. ``rayfuse.symmetry.trace_model``); run with the modules' own submodules and
+        parameters. None: ``torch.fx.symbolic_trace`` of the module.
+    X : ndarray
+        The inputs, batch first.
+    batch_size : int
+        Rows per forward pass.
+    device : str or torch.device, optional
+        Where the models run (they are moved there and back).
+
+    Returns
+    -------
+    dict of str to GroupStats
+        One entry per group with probes, accumulated over the batch and every other axis of the probe's output (and
+        over its ``outer`` / ``inner`` blocks). Nothing per sample.
+    """
+    if batch_size < 1:
+        raise InputError("batch_size", "at least 1", batch_size)
+    graph_ref = graph_ref if graph_ref is not None else torch.fx.symbolic_trace(reference)
+    graph_own = graph_own if graph_own is not None else torch.fx.symbolic_trace(own)
+    probed = [g for g in spec.groups if g.probes]
+    nodes = {n.name for n in graph_ref.graph.nodes} & {n.name for n in graph_own.graph.nodes}
+    for g in probed:
+        for probe in g.probes:
+            if probe.node not in nodes:
+                raise InputError(f"spec.{g.name}.probes", "a node of both traced models", probe.node, suggest(probe.node, nodes).strip())
+    wanted = {p.node for g in probed for p in g.probes}
+    dev = resolve_device(device)
+    dtype = _first_dtype(reference)
+    acc: dict[str, list[Any]] = {}
+    modes = [(m, m.training) for m in (*reference.modules(), *own.modules())]
+    places = [next((p.device for p in m.parameters()), dev) for m in (reference, own)]
+    try:
+        reference.eval().to(dev)
+        own.eval().to(dev)
+        with torch.no_grad():
+            for lo in range(0, len(X), batch_size):
+                x = torch.as_tensor(np.asarray(X[lo:lo + batch_size]), dtype=dtype, device=dev)
+                runs = []
+                for module, graph in ((reference, graph_ref), (own, graph_own)):
+                    recorder = _Recorder(module, graph, wanted)
+                    recorder.run(x)
+                    runs.append(recorder.seen)
+                for g in probed:
+                    for probe in g.probes:
+                        where = f"spec.{g.name}.probes.{probe.node}"
+                        a = _probe_rows(runs[0][probe.node], probe, g.size, where).to(torch.float64)
+                        b = _probe_rows(runs[1][probe.node], probe, g.size, where).to(torch.float64)
+                        parts = [float(a.shape[0]), a.sum(0), b.sum(0), (a * a).sum(0), (b * b).sum(0), a.T @ b]
+                        if g.name in acc:
+                            acc[g.name] = [s + p for s, p in zip(acc[g.name], parts)]
+                        else:
+                            acc[g.name] = parts
+    finally:
+        for module, mode in modes:
+            module.train(mode)
+        reference.to(places[0])
+        own.to(places[1])
+    return {name: GroupStats.from_arrays({"count": parts[0], **{f: p.cpu().numpy() for f, p in zip(_FIELDS, parts[1:])}})
+            for name, parts in acc.items()}
+
+
+def solve_activation_perms(stats: Mapping[str, GroupStats], *, executor: Executor | None = None) -> Perms:
+    """Per group, the permutation ``p`` that maximises the summed correlation of own unit ``p[i]`` with reference unit
+    ``i`` (so ``spec.apply(own, p)`` is in the reference's frame); the groups are solved through ``executor`` in
+    batches (:func:`rayfuse.matching.solve_assignments`)."""
+    names = list(stats)
+    costs = []
+    for name in names:
+        corr = stats[name].correlation()
+        if not np.isfinite(corr).all():
+            raise InputError(f"stats.{name}", "finite statistics", "NaN or infinite correlations")
+        costs.append(-corr)
+    return dict(zip(names, solve_assignments(costs, executor)))
+
+
+def activation_matching(models: Sequence[Mapping[str, np.ndarray]], spec: PermutationSpec,
+                        collect: Callable[[int, Params], Mapping[str, GroupStats]], *, weights: Sequence[float] | None = None,
+                        sweeps: int = 3, executor: Executor | None = None, fallback: str = "weight") -> Alignment:
+    """Align N models by activation matching against an evolving reference.
+
+    The reference starts as model 0. Each sweep, ``collect(k, reference_params)`` returns model ``k``'s
+    :class:`GroupStats` against the reference (a client step in a federation; a local pass over given data in
+    ``rayfuse fuse``), :func:`solve_activation_perms` turns them into model ``k``'s permutations, and the reference
+    becomes the weighted average of the aligned models. Groups without statistics are aligned by weight matching onto
+    the reference (``fallback="weight"``) or left as they are (``fallback="identity"``). It stops when a sweep changes
+    no permutation (``converged``) or after ``sweeps`` sweeps.
+
+    Parameters
+    ----------
+    models : list of dict
+        State dicts (same keys and shapes).
+    spec : PermutationSpec
+        The permutation groups (with probes for the groups matched by activations).
+    collect : callable
+        ``collect(k, reference_params) -> dict[str, GroupStats]``.
+    weights : list of float, optional
+        The models' weights in the reference (default equal).
+    sweeps : int
+        At most this many sweeps.
+    executor : callable, optional
+        Runs the assignment solves (default threads).
+    fallback : {"weight", "identity"}
+        What aligns the groups without statistics.
+
+    Returns
+    -------
+    Alignment
+        ``objective`` per sweep: the weighted mean, over models, of the mean correlation of matched units.
+    """
+    if fallback not in ("weight", "identity"):
+        raise InputError("fallback", "'weight' or 'identity'", fallback)
+    if sweeps < 1:
+        raise InputError("sweeps", "at least 1", sweeps)
+    check_models(models)
+    spec.check({k: np.shape(v) for k, v in models[0].items()}, where="spec")
+    w = normalize_weights(weights, len(models))
+    sizes = {g.name: g.size for g in spec.groups}
+    reference: Params = {k: np.asarray(v) for k, v in models[0].items()}
+    perms: list[Perms] = [spec.identity() for _ in models]
+    objective: list[float] = []
+    converged = False
+    for _ in range(sweeps):
+        new: list[Perms] = []
+        scores = []
+        for k, model in enumerate(models):
+            stats = dict(collect(k, reference))
+            for name, s in stats.items():
+                if name not in sizes:
+                    raise InputError(f"stats.{k}", f"statistics of the spec's groups ({', '.join(sizes)})", name)
+                if s.size != sizes[name]:
+                    raise InputError(f"stats.{k}.{name}", f"statistics of {sizes[name]} units", s.size)
+            found = solve_activation_perms(stats, executor=executor)
+            scores.append(float(np.mean([stats[n].correlation()[np.arange(sizes[n]), p].mean() for n, p in found.items()]))
+                          if found else 0.0)
+            model_perms = {**spec.identity(), **found}
+            rest = [g for g in spec.groups if g.name not in found]
+            if rest and fallback == "weight":
+                partial = spec.apply(model, found)
+                extra, _ = match_weights(reference, partial, PermutationSpec(tuple(rest)))
+                model_perms.update(extra)
+            new.append(model_perms)
+        changed = any(not np.array_equal(a[n], b[n]) for a, b in zip(new, perms) for n in a)
+        perms = new
+        objective.append(float(np.dot(w, scores)))
+        reference = weighted_average([spec.apply(m, p) for m, p in zip(models, perms)], w)
+        if not changed and len(objective) > 1:
+            converged = True
+            break
+    return Alignment(perms, len(objective), objective, converged)

@@ -1,0 +1,270 @@
+"""Merging aligned models, and the client-side statistics the weighted merges need.
+
+* :func:`merge_average`: the weighted average of the parameters.
+* :func:`merge_fisher`: Fisher-weighted averaging (Matena & Raffel 2022), per parameter, with diagonal Fishers
+  (:func:`diagonal_fisher`, computed by each client on its own data).
+* :func:`merge_regmean`: RegMean (Jin et al. 2023): every Linear / Conv2d weight is the minimiser of the summed
+  squared distances between the merged layer's outputs and each model's, on each model's inputs; it needs only the
+  inputs' Gram matrices (:func:`input_grams`), never the inputs.
+
+The models must be aligned first (:mod:`rayfuse.alignment.weight`, :mod:`rayfuse.alignment.activation`), and the
+statistics must be in the same frame: compute them on the aligned models, or permute them with
+:func:`permute_fisher` / :func:`permute_grams`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import scipy.linalg
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rayfuse.alignment._common import Params, check_models, normalize_weights, resolve_device, weighted_average
+from rayfuse.errors import InputError
+from rayfuse.symmetry import Perms, PermutationSpec
+
+__all__ = ["merge_average", "merge_fisher", "merge_regmean", "diagonal_fisher", "input_grams", "permute_fisher", "permute_grams"]
+
+
+def merge_average(aligned: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float] | None = None) -> Params:
+    """The weighted average of aligned models, per tensor (non-float tensors: model 0's)."""
+    check_models(aligned, where="aligned")
+    return weighted_average(aligned, normalize_weights(weights, len(aligned)))
+
+
+def merge_fisher(aligned: Sequence[Mapping[str, np.ndarray]], fishers: Sequence[Mapping[str, np.ndarray]],
+                 weights: Sequence[float] | None = None, eps: float = 1e-8) -> Params:
+    """Fisher-weighted averaging: ``theta = sum_k w_k (F_k + eps) theta_k / sum_k w_k (F_k + eps)`` per parameter.
+
+    Parameters
+    ----------
+    aligned : list of dict
+        The aligned models.
+    fishers : list of dict
+        One diagonal Fisher per model (same keys and shapes as the parameters it covers); tensors without a Fisher
+        are averaged.
+    weights : list of float, optional
+        The models' weights (default equal).
+    eps : float
+        Added to every Fisher entry (the merge of entries no model is sure of is the average).
+    """
+    check_models(aligned, where="aligned")
+    if len(fishers) != len(aligned):
+        raise InputError("fishers", f"one Fisher per model ({len(aligned)})", len(fishers))
+    if eps < 0:
+        raise InputError("eps", "a non-negative number", eps)
+    w = normalize_weights(weights, len(aligned))
+    out = weighted_average(aligned, w)
+    covered = set(fishers[0])
+    for k, fisher in enumerate(fishers):
+        if set(fisher) != covered:
+            raise InputError(f"fishers.{k}", "the keys of fishers.0", sorted(set(fisher) ^ covered)[:3])
+    for key in covered:
+        if key not in aligned[0]:
+            raise InputError(f"fishers.0.{key}", "keys of the models' parameters", key)
+        first = np.asarray(aligned[0][key])
+        num = np.zeros(first.shape, dtype=np.float64)
+        den = np.zeros(first.shape, dtype=np.float64)
+        for k, (weight, model, fisher) in enumerate(zip(w, aligned, fishers)):
+            f = np.asarray(fisher[key], dtype=np.float64)
+            if f.shape != first.shape:
+                raise InputError(f"fishers.{k}.{key}", f"shape {first.shape}", f.shape)
+            if (f < 0).any() or not np.isfinite(f).all():
+                raise InputError(f"fishers.{k}.{key}", "finite non-negative Fisher values", "negative or non-finite entries")
+            num += weight * (f + eps) * np.asarray(model[key], dtype=np.float64)
+            den += weight * (f + eps)
+        safe = den > 0
+        merged = np.where(safe, num / np.where(safe, den, 1.0), out[key].astype(np.float64))
+        out[key] = merged.astype(first.dtype, copy=False)
+    return out
+
+
+def merge_regmean(aligned: Sequence[Mapping[str, np.ndarray]], grams: Sequence[Mapping[str, np.ndarray]],
+                  weights: Sequence[float] | None = None, alpha: float = 0.9) -> Params:
+    """RegMean: ``W = (sum_k W_k G_k') (sum_k G_k')^-1`` for every weight with a Gram, ``G' = alpha G + (1 - alpha) diag(G)``.
+
+    Parameters
+    ----------
+    aligned : list of dict
+        The aligned models.
+    grams : list of dict
+        One dict per model: the weight's state-dict key -> the Gram matrix of that layer's inputs (summed over the
+        model's data, :func:`input_grams`): ``(in, in)`` for a Linear ``(out, in)``, ``(C_in kh kw, C_in kh kw)`` for a
+        Conv2d ``(out, C_in, kh, kw)`` (its unfolded inputs). Tensors without a Gram (biases...) are averaged.
+    weights : list of float, optional
+        Multiply each model's Gram (default: none; sums over more data weigh more, as in the paper).
+    alpha : float
+        In ``[0, 1]``: the share of the off-diagonal Gram entries kept (1: the exact least-squares merge).
+    """
+    check_models(aligned, where="aligned")
+    if len(grams) != len(aligned):
+        raise InputError("grams", f"one dict of Grams per model ({len(aligned)})", len(grams))
+    if not 0.0 <= alpha <= 1.0:
+        raise InputError("alpha", "a number in [0, 1]", alpha)
+    scale = normalize_weights(weights, len(aligned)) * len(aligned)
+    out = weighted_average(aligned, normalize_weights(weights, len(aligned)))
+    covered = set(grams[0])
+    for k, model_grams in enumerate(grams):
+        if set(model_grams) != covered:
+            raise InputError(f"grams.{k}", "the keys of grams.0", sorted(set(model_grams) ^ covered)[:3])
+    for key in sorted(covered):
+        if key not in aligned[0]:
+            raise InputError(f"grams.0.{key}", "the key of a Linear or Conv2d weight of the models", key)
+        first = np.asarray(aligned[0][key])
+        if first.ndim not in (2, 4):
+            raise InputError(f"grams.0.{key}", "the key of a 2-d (Linear) or 4-d (Conv2d) weight", first.shape)
+        width = int(np.prod(first.shape[1:]))
+        lhs = np.zeros((width, width))
+        rhs = np.zeros((first.shape[0], width))
+        for k, (s, model) in enumerate(zip(scale, aligned)):
+            g = np.asarray(grams[k][key], dtype=np.float64)
+            if g.shape != (width, width):
+                raise InputError(f"grams.{k}.{key}", f"a ({width}, {width}) Gram matrix", g.shape)
+            g = alpha * g + (1.0 - alpha) * np.diag(np.diag(g))
+            lhs += s * g
+            rhs += s * np.asarray(model[key], dtype=np.float64).reshape(first.shape[0], width) @ g
+        out[key] = _solve_right(rhs, lhs, out[key].reshape(first.shape[0], width)).reshape(first.shape).astype(first.dtype, copy=False)
+    return out
+
+
+def _solve_right(rhs: np.ndarray, lhs: np.ndarray, default: np.ndarray) -> np.ndarray:
+    """``rhs @ inv(lhs)`` for a symmetric PSD ``lhs`` (least squares where it is singular; ``default`` where it is 0)."""
+    if not lhs.any():
+        return np.asarray(default, dtype=np.float64)
+    try:
+        return scipy.linalg.solve(lhs, rhs.T, assume_a="pos").T
+    except (np.linalg.LinAlgError, scipy.linalg.LinAlgError):
+        return np.linalg.lstsq(lhs, rhs.T, rcond=None)[0].T
+
+
+def permute_fisher(fisher: Mapping[str, np.ndarray], spec: PermutationSpec, perms: Perms) -> Params:
+    """A model's Fisher in the aligned frame (the Fisher has the parameters' shapes: ``spec.apply``)."""
+    return spec.apply(fisher, perms)
+
+
+def permute_grams(grams: Mapping[str, np.ndarray], spec: PermutationSpec, perms: Perms, shapes: Mapping[str, Sequence[int]]) -> Params:
+    """A model's Grams in the aligned frame: each Gram's rows and columns follow the weight's permuted input axes.
+
+    ``shapes``: the weights' shapes (e.g. ``{k: v.shape for k, v in params.items()}``)."""
+    out = dict(grams)
+    for key, gram in grams.items():
+        if key not in shapes:
+            raise InputError(f"grams.{key}", "the key of a weight of the model", key)
+        shape = tuple(shapes[key])
+        index = np.arange(int(np.prod(shape[1:]))).reshape((1, *shape[1:]))
+        for g in spec.groups_of(key):
+            if g.name in perms:
+                for axis in g.axes:
+                    if axis.key == key and axis.dim % len(shape) != 0:
+                        index = axis.permute(index, np.asarray(perms[g.name]))
+        flat = index.reshape(-1)
+        out[key] = np.asarray(gram)[np.ix_(flat, flat)]
+    return out
+
+
+def _batches(X: np.ndarray, batch_size: int, dtype: torch.dtype, dev: torch.device) -> list[torch.Tensor]:
+    if batch_size < 1:
+        raise InputError("batch_size", "at least 1", batch_size)
+    return [torch.as_tensor(np.asarray(X[lo:lo + batch_size]), dtype=dtype, device=dev) for lo in range(0, len(X), batch_size)]
+
+
+def _param_dtype(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def diagonal_fisher(model: nn.Module, X: np.ndarray, y: np.ndarray, *, batch_size: int = 256,
+                    device: str | torch.device | None = None) -> Params:
+    """The empirical diagonal Fisher of ``model`` on ``(X, y)``: the mean over samples of the squared gradient of each
+    sample's log-likelihood of its label (classification: integer labels, the log-softmax of the output; regression:
+    float targets, a unit-variance Gaussian). Runs in eval mode; one entry per parameter (float64)."""
+    if len(X) != len(y) or len(X) == 0:
+        raise InputError("y", f"one label per input ({len(X)}), at least one", len(y))
+    dev = resolve_device(device)
+    dtype = _param_dtype(model)
+    classify = np.asarray(y).dtype.kind in "iub"
+    place = next((p.device for p in model.parameters()), dev)
+    training = [(m, m.training) for m in model.modules()]
+    model.eval().to(dev)
+    try:
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        buffers = {k: v.detach() for k, v in model.named_buffers()}
+
+        def loglik(p: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            out = torch.func.functional_call(model, (p, buffers), (x.unsqueeze(0),))
+            if classify:
+                return torch.log_softmax(out, dim=-1).reshape(-1).gather(0, target.reshape(1))[0]
+            return -0.5 * ((out.reshape(-1) - target.reshape(-1)) ** 2).sum()
+
+        per_sample = torch.func.vmap(torch.func.grad(loglik), in_dims=(None, 0, 0))
+        total = {k: torch.zeros(v.shape, dtype=torch.float64, device=dev) for k, v in params.items()}
+        labels = np.asarray(y)
+        for lo, xb in zip(range(0, len(X), batch_size), _batches(X, batch_size, dtype, dev)):
+            yb = torch.as_tensor(labels[lo:lo + batch_size], dtype=torch.long if classify else dtype, device=dev)
+            for k, g in per_sample(params, xb, yb).items():
+                total[k] += (g.to(torch.float64) ** 2).sum(0)
+    finally:
+        for m, mode in training:
+            m.train(mode)
+        model.to(place)
+    return {k: (v / len(X)).cpu().numpy() for k, v in total.items()}
+
+
+def _conv_padding(conv: nn.Conv2d) -> tuple[int, int] | None:
+    if conv.padding_mode != "zeros":
+        return None
+    if isinstance(conv.padding, str):
+        if conv.padding == "valid":
+            return (0, 0)
+        return None
+    return (int(conv.padding[0]), int(conv.padding[1]))
+
+
+def input_grams(model: nn.Module, X: np.ndarray, *, batch_size: int = 256,
+                device: str | torch.device | None = None) -> tuple[dict[str, np.ndarray], int]:
+    """The Gram matrices of the inputs of every ``nn.Linear`` and ``nn.Conv2d`` of ``model`` on ``X`` (eval mode).
+
+    Keys are the layers' weight keys (``"<module>.weight"``). A Linear's inputs are its input rows (every leading
+    position); a Conv2d's are its unfolded patches, ``C_in * kh * kw`` wide, one per output position. Grouped
+    convolutions and convolutions with non-zero padding modes or ``"same"`` padding are left out (RegMean averages
+    them). Returns the Grams (float64 sums) and the number of samples."""
+    dev = resolve_device(device)
+    dtype = _param_dtype(model)
+    sums: dict[str, torch.Tensor] = {}
+    handles = []
+
+    def hook_for(name: str, layer: nn.Module) -> Callable[[nn.Module, tuple, torch.Tensor], None]:
+        def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            x = inputs[0]
+            if isinstance(layer, nn.Linear):
+                rows = x.reshape(-1, x.shape[-1])
+            else:
+                conv = layer
+                assert isinstance(conv, nn.Conv2d)
+                pad = _conv_padding(conv)
+                rows = F.unfold(x, conv.kernel_size, dilation=conv.dilation, padding=pad, stride=conv.stride)  # type: ignore[arg-type]
+                rows = rows.transpose(1, 2).reshape(-1, rows.shape[1])
+            rows = rows.to(torch.float64)
+            gram = rows.T @ rows
+            sums[name] = sums[name] + gram if name in sums else gram
+        return hook
+
+    for name, layer in model.named_modules():
+        if isinstance(layer, nn.Linear) or (isinstance(layer, nn.Conv2d) and layer.groups == 1 and _conv_padding(layer) is not None):
+            handles.append(layer.register_forward_hook(hook_for(f"{name}.weight" if name else "weight", layer)))
+    place = next((p.device for p in model.parameters()), dev)
+    training = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval().to(dev)
+        with torch.no_grad():
+            for xb in _batches(X, batch_size, dtype, dev):
+                model(xb)
+    finally:
+        for h in handles:
+            h.remove()
+        for m, mode in training:
+            m.train(mode)
+        model.to(place)
+    return {k: v.cpu().numpy() for k, v in sums.items()}, len(X)
