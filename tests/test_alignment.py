@@ -97,10 +97,13 @@ def assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray], atol: float 
 
 
 def local_collect(build, spec, models, X, *, traced: bool = False):
-    def collect(k: int, reference: dict[str, np.ndarray]) -> dict[str, GroupStats]:
-        ref, own = load(build, reference), load(build, models[k])
-        graphs = (torch.fx.symbolic_trace(ref), torch.fx.symbolic_trace(own)) if traced else (None, None)
-        return collect_correlations(ref, own, spec, *graphs, X, batch_size=32)
+    def collect(reference: dict[str, np.ndarray]) -> list[dict[str, GroupStats]]:
+        out = []
+        for model in models:
+            ref, own = load(build, reference), load(build, model)
+            graphs = (torch.fx.symbolic_trace(ref), torch.fx.symbolic_trace(own)) if traced else (None, None)
+            out.append(collect_correlations(ref, own, spec, *graphs, X, batch_size=32))
+        return out
     return collect
 
 

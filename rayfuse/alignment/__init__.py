@@ -2,7 +2,13 @@
 (average, Fisher-weighted, RegMean) and repair their BatchNorm statistics. numpy / torch / scipy only: no Ray, no
 engine; assignment solves go through an executor (:mod:`rayfuse.matching`)."""
 
-from rayfuse.alignment.activation import GroupStats, activation_matching, collect_correlations, solve_activation_perms
+from rayfuse.alignment.activation import (
+    GroupStats,
+    activation_matching,
+    collect_correlations,
+    solve_activation_perms,
+    solve_activation_perms_many,
+)
 from rayfuse.alignment.merge import (
     diagonal_fisher,
     input_grams,
@@ -16,5 +22,5 @@ from rayfuse.alignment.repair import apply_batchnorm, batchnorm_statistics, comb
 from rayfuse.alignment.weight import Alignment, apply_alignment, match_weights, weight_matching
 
 __all__ = ["Alignment", "GroupStats", "activation_matching", "apply_alignment", "apply_batchnorm", "batchnorm_statistics",
-           "collect_correlations", "combine_batchnorm", "diagonal_fisher", "input_grams", "match_weights", "merge_average",
+           "collect_correlations", "combine_batchnorm", "solve_activation_perms_many", "diagonal_fisher", "input_grams", "match_weights", "merge_average",
            "merge_fisher", "merge_regmean", "permute_fisher", "permute_grams", "solve_activation_perms", "weight_matching"]

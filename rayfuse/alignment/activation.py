@@ -217,24 +217,34 @@ def solve_activation_perms(stats: Mapping[str, GroupStats], *, executor: Executo
     """Per group, the permutation ``p`` that maximises the summed correlation of own unit ``p[i]`` with reference unit
     ``i`` (so ``spec.apply(own, p)`` is in the reference's frame); the groups are solved through ``executor`` in
     batches (:func:`rayfuse.matching.solve_assignments`)."""
-    names = list(stats)
+    return solve_activation_perms_many([stats], executor=executor)[0]
+
+
+def solve_activation_perms_many(stats: Sequence[Mapping[str, GroupStats]], *, executor: Executor | None = None) -> list[Perms]:
+    """:func:`solve_activation_perms` for several models at once: every (model, group) problem of a sweep goes to
+    ``executor`` in one batched call (on Ray: a few tasks for the whole sweep, not one round trip per model)."""
+    problems = [(k, name) for k, model_stats in enumerate(stats) for name in model_stats]
     costs = []
-    for name in names:
-        corr = stats[name].correlation()
+    for k, name in problems:
+        corr = stats[k][name].correlation()
         if not np.isfinite(corr).all():
-            raise InputError(f"stats.{name}", "finite statistics", "NaN or infinite correlations")
+            raise InputError(f"stats.{k}.{name}", "finite statistics", "NaN or infinite correlations")
         costs.append(-corr)
-    return dict(zip(names, solve_assignments(costs, executor)))
+    found: list[Perms] = [{} for _ in stats]
+    for (k, name), perm in zip(problems, solve_assignments(costs, executor)):
+        found[k][name] = perm
+    return found
 
 
 def activation_matching(models: Sequence[Mapping[str, np.ndarray]], spec: PermutationSpec,
-                        collect: Callable[[int, Params], Mapping[str, GroupStats]], *, weights: Sequence[float] | None = None,
+                        collect: Callable[[Params], Sequence[Mapping[str, GroupStats]]], *, weights: Sequence[float] | None = None,
                         sweeps: int = 3, executor: Executor | None = None, fallback: str = "weight") -> Alignment:
     """Align N models by activation matching against an evolving reference.
 
-    The reference starts as model 0. Each sweep, ``collect(k, reference_params)`` returns model ``k``'s
-    :class:`GroupStats` against the reference (a client step in a federation; a local pass over given data in
-    ``rayfuse fuse``), :func:`solve_activation_perms` turns them into model ``k``'s permutations, and the reference
+    The reference starts as model 0. Each sweep, ``collect(reference_params)`` returns every model's
+    :class:`GroupStats` against the reference, in model order (one client step on every client in a federation; a
+    local pass over given data in ``rayfuse fuse``), :func:`solve_activation_perms_many` turns them into each model's
+    permutations (every group of every model in one batched executor call), and the reference
     becomes the weighted average of the aligned models. Groups without statistics are aligned by weight matching onto
     the reference (``fallback="weight"``) or left as they are (``fallback="identity"``). It stops when a sweep changes
     no permutation (``converged``) or after ``sweeps`` sweeps.
@@ -246,7 +256,7 @@ def activation_matching(models: Sequence[Mapping[str, np.ndarray]], spec: Permut
     spec : PermutationSpec
         The permutation groups (with probes for the groups matched by activations).
     collect : callable
-        ``collect(k, reference_params) -> dict[str, GroupStats]``.
+        ``collect(reference_params) -> [dict[str, GroupStats], ...]``, one per model.
     weights : list of float, optional
         The models' weights in the reference (default equal).
     sweeps : int
@@ -274,16 +284,18 @@ def activation_matching(models: Sequence[Mapping[str, np.ndarray]], spec: Permut
     objective: list[float] = []
     converged = False
     for _ in range(sweeps):
-        new: list[Perms] = []
-        scores = []
-        for k, model in enumerate(models):
-            stats = dict(collect(k, reference))
+        collected = [dict(stats) for stats in collect(reference)]
+        if len(collected) != len(models):
+            raise InputError("collect", f"statistics of {len(models)} models", len(collected))
+        for k, stats in enumerate(collected):
             for name, s in stats.items():
                 if name not in sizes:
                     raise InputError(f"stats.{k}", f"statistics of the spec's groups ({', '.join(sizes)})", name)
                 if s.size != sizes[name]:
                     raise InputError(f"stats.{k}.{name}", f"statistics of {sizes[name]} units", s.size)
-            found = solve_activation_perms(stats, executor=executor)
+        new: list[Perms] = []
+        scores = []
+        for model, stats, found in zip(models, collected, solve_activation_perms_many(collected, executor=executor)):
             scores.append(float(np.mean([stats[n].correlation()[np.arange(sizes[n]), p].mean() for n, p in found.items()]))
                           if found else 0.0)
             model_perms = {**spec.identity(), **found}
