@@ -1,0 +1,278 @@
+"""Accuracy of one-shot fusion of K independently trained clients: the grid driver of the aligned-fusion benchmark.
+
+Grid: K in {2, 3, 5} x partition {iid, dirichlet0.5, label-disjoint} x init {shared, independent} x architectures
+{mlp, cnn, rescnn, transformer} x datasets {digits, mnist5k} x seeds {0, 1, 2} (``resnet18`` on request:
+``--archs resnet18``). ``--quick``: K=3, rescnn, dirichlet0.5, independent init, digits, seed 0.
+
+Each cell's clients are trained once (``train.py``, cached); then every method in :data:`METHODS` fuses them and the
+fused model is scored on the cell's test set. A method is a callable ``(TrainedCell) -> {label: {"accuracy": ...,
+"seconds": ..., ...}}`` (one method may report several labels, e.g. with and without BatchNorm re-estimation):
+
+* ``best_local``, ``ensemble`` (mean of softmax), ``naive_average`` (sample-weighted) and ``naive_average+bn`` (its
+  BatchNorm statistics re-estimated on the server's public slice of 100 samples);
+* ``rebasin_mergemany`` / ``rebasin_mergemany+bn``: rebasin's MergeMany on the cell's checkpoints, run by
+  ``rebasin_runner.py`` in a subprocess with the rebasin virtualenv's Python (``seconds`` is rebasin's own wall
+  time, as the runner measures it); its merged model's BatchNorm statistics are one client's, so ``+bn`` re-estimates
+  them the same way as ``naive_average+bn``;
+* ``fedavg_1`` and ``fedavg_5``: rayfuse's FedAvg (``rayfuse.run(config, backend="local")``) on the same split and
+  seed, 1 round of E local epochs and 5 rounds of E/5 (the same local compute as the one-shot methods). FedAvg
+  starts every client from its server's one initialisation, whatever the cell's ``init``.
+
+Usage (project virtualenv, repository root)::
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/aligned/accuracy.py --quick
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/aligned/accuracy.py [--archs ...] [--datasets ...] [--clients ...] \
+        [--partitions ...] [--inits ...] [--seeds ...] [--methods ...] [--out docs/results/aligned]
+
+Writes ``<out>/accuracy.csv`` (one row per cell, seed and method label), ``<out>/accuracy.md`` (mean and standard
+deviation over seeds) and ``<out>/accuracy_<dataset>_<arch>.png``, and the raw rows to
+``benchmarks/results/aligned_accuracy.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+from _common import machine_info, write_results  # noqa: E402
+from arch import build_arch  # noqa: E402
+from train import INITS, PARTITIONS, Cell, TrainedCell, accuracy_of, average_params, ensemble_accuracy, reestimate_batchnorm, train_cell  # noqa: E402
+
+from rayfuse.io import load_params  # noqa: E402
+
+REPO = HERE.parents[1]
+REBASIN_PYTHON = HERE.parent / ".venv-rebasin" / "bin" / "python"
+OUT_DIR = REPO / "docs" / "results" / "aligned"
+ARCHS = ("mlp", "cnn", "rescnn", "transformer")
+DATASETS = ("digits", "mnist5k")
+CLIENTS = (2, 3, 5)
+SEEDS = (0, 1, 2)
+QUICK = {"archs": ["rescnn"], "datasets": ["digits"], "clients": [3], "partitions": ["dirichlet0.5"], "inits": ["independent"],
+         "seeds": [0]}
+
+MethodFn = Callable[[TrainedCell], dict[str, dict[str, Any]]]
+
+
+def score(trained: TrainedCell, params: Mapping[str, Any], seconds: float, label: str, *, with_bn: bool = True,
+          **extra: Any) -> dict[str, dict[str, Any]]:
+    """``{label: ...}`` and, when the model has BatchNorm and ``with_bn``, ``{label+bn: ...}`` (statistics re-estimated
+    on the public slice)."""
+    out = {label: {"accuracy": accuracy_of(trained.spec, params, trained.test), "seconds": seconds, **extra}}
+    if with_bn and any(k.endswith("running_mean") for k in params):
+        started = time.perf_counter()
+        repaired = reestimate_batchnorm(trained.spec, params, trained.public.X)
+        out[label + "+bn"] = {"accuracy": accuracy_of(trained.spec, repaired, trained.test),
+                              "seconds": seconds + time.perf_counter() - started, **extra}
+    return out
+
+
+def best_local(trained: TrainedCell) -> dict[str, dict[str, Any]]:
+    """The best client model on the test set (an oracle choice: it looks at test accuracy)."""
+    scores = [accuracy_of(trained.spec, p, trained.test) for p in trained.clients]
+    return {"best_local": {"accuracy": max(scores), "seconds": 0.0, "locals": scores}}
+
+
+def ensemble(trained: TrainedCell) -> dict[str, dict[str, Any]]:
+    """The mean of the clients' softmax outputs (K models at inference)."""
+    return {"ensemble": {"accuracy": ensemble_accuracy(trained.spec, trained.clients, trained.test), "seconds": 0.0}}
+
+
+def naive_average(trained: TrainedCell) -> dict[str, dict[str, Any]]:
+    """The sample-weighted average of the clients' parameters, without alignment."""
+    started = time.perf_counter()
+    average = average_params(trained.clients, trained.num_examples)
+    return score(trained, average, time.perf_counter() - started, "naive_average")
+
+
+def run_rebasin(folder: Path, arch_file: Path, out: Path, *, modes: Sequence[str] = ("mergemany",), threads: int = 1,
+                python: Path = REBASIN_PYTHON, timeout_s: float = 3600.0) -> dict[str, Any]:
+    """Run ``rebasin_runner.py`` on a checkpoint folder with the rebasin virtualenv's Python; return its result dict.
+
+    Raises ``RuntimeError`` (with the runner's last lines) when the environment is missing or the runner fails.
+    """
+    if not python.exists():
+        raise RuntimeError(f"no rebasin environment at {python} (see benchmarks/README.md, 'Aligned fusion')")
+    cmd = [str(python), str(HERE / "rebasin_runner.py"), str(folder), str(arch_file), str(out),
+           "--modes", *modes, "--threads", str(threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-10:])
+        raise RuntimeError(f"rebasin_runner.py exited with {proc.returncode}:\n{tail}")
+    return dict(json.loads(lines[-1]))
+
+
+def rebasin_mergemany(trained: TrainedCell) -> dict[str, dict[str, Any]]:
+    """rebasin's MergeMany (git re-basin's N-way weight matching) in its own virtualenv."""
+    with tempfile.TemporaryDirectory(prefix="rebasin-") as tmp:
+        result = run_rebasin(trained.folder, trained.folder / "arch.json", Path(tmp))
+        run = result["mergemany"]
+        if not run.get("ok"):
+            return {"rebasin_mergemany": {"accuracy": float("nan"), "seconds": float("nan"), "error": run.get("error", "")}}
+        merged = load_params(Path(tmp) / run["file"])
+    return score(trained, merged, float(run["seconds"]), "rebasin_mergemany", max_output_change=run.get("max_output_change"))
+
+
+def fedavg(trained: TrainedCell, rounds: Sequence[int] = (1, 5)) -> dict[str, dict[str, Any]]:
+    """rayfuse's FedAvg on the cell's split and seed: R rounds of E/R local epochs for each R in ``rounds``."""
+    import rayfuse
+
+    epochs = trained.cell.epochs
+    config = dict(trained.config)
+    config["methods"] = {f"fedavg_{r}": {"method": "fedavg", "rounds": r, "local_epochs": max(1, epochs // r)} for r in rounds}
+    config["federation"] = {"backend": "local"}
+    spec = trained.spec
+
+    def factory(input_shape: tuple[int, ...], num_classes: int) -> Any:
+        return build_arch({**spec, "input_shape": list(input_shape), "num_classes": num_classes})
+
+    with tempfile.TemporaryDirectory(prefix="fedavg-") as tmp, contextlib.redirect_stdout(io.StringIO()):
+        result = rayfuse.run(config, model=factory, backend="local", run_dir=Path(tmp) / "run", quiet=True)
+    methods = result.results["methods"]
+    return {label: {"accuracy": float(result.metrics.loc[label, "accuracy"]), "seconds": float(methods[label]["seconds"])}
+            for label in config["methods"]}
+
+
+# The methods of the grid, by name. rayfuse's aligned fusion (rayfuse.alignment) joins this dict.
+METHODS: dict[str, MethodFn] = {
+    "best_local": best_local,
+    "ensemble": ensemble,
+    "naive_average": naive_average,
+    "rebasin_mergemany": rebasin_mergemany,
+    "fedavg": fedavg,
+}
+
+
+def iterate_cells(archs: Sequence[str], datasets: Sequence[str], clients: Sequence[int], partitions: Sequence[str],
+                  inits: Sequence[str], seeds: Sequence[int], epochs: int) -> list[Cell]:
+    """Every cell of the grid, seeds innermost."""
+    return [Cell(a, d, p, k, i, s, epochs) for d, a, p, k, i, s in itertools.product(datasets, archs, partitions, clients, inits, seeds)]
+
+
+def run_grid(cells: Sequence[Cell], methods: Mapping[str, MethodFn]) -> list[dict[str, Any]]:
+    """Train (or read back) each cell's clients, run every method; one row per cell and method label."""
+    rows = []
+    for cell in cells:
+        trained = train_cell(cell)
+        print(f"{cell.key()} (clients trained in {trained.train_seconds:.1f} s)", flush=True)
+        for name, method in methods.items():
+            try:
+                results = method(trained)
+            except Exception as exc:  # one failing method must not stop the grid: recorded in its row
+                results = {name: {"accuracy": float("nan"), "seconds": float("nan"), "error": f"{type(exc).__name__}: {exc}"[:300]}}
+            for label, result in results.items():
+                row = {**asdict(cell), "method": label, **result}
+                rows.append(row)
+                note = f"  ({result['error']})" if result.get("error") else ""
+                print(f"  {label:24s} {result['accuracy']:.4f}  {result['seconds']:.2f} s{note}", flush=True)
+    return rows
+
+
+def write_outputs(rows: list[dict[str, Any]], out_dir: Path, info: Mapping[str, Any]) -> list[Path]:
+    """The CSV, the markdown table (mean and std over seeds) and one plot per dataset and architecture."""
+    import pandas as pd
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    frame = pd.DataFrame(rows)
+    if "locals" in frame:
+        frame["locals"] = frame["locals"].map(lambda v: " ".join(f"{x:.4f}" for x in v) if isinstance(v, list) else "")
+    csv = out_dir / "accuracy.csv"
+    frame.to_csv(csv, index=False)
+    keys = ["dataset", "arch", "partition", "num_clients", "init"]
+    stats = frame.groupby([*keys, "method"], sort=False)["accuracy"].agg(["mean", "std", "count"]).reset_index()
+    methods = list(dict.fromkeys(frame["method"]))
+    lines = ["# Aligned fusion: one-shot accuracy", "",
+             f"Test accuracy, mean (std) over seeds; {info['cpus']} CPUs, {info.get('cpu_model', '')}. "
+             "Produced by `benchmarks/aligned/accuracy.py`; rows per seed in `accuracy.csv`.", "",
+             "| dataset | arch | partition | K | init | seeds | " + " | ".join(methods) + " |",
+             "|" + "---|" * (6 + len(methods))]
+    for key, group in stats.groupby(keys, sort=False):
+        by_method = {r["method"]: r for _, r in group.iterrows()}
+        seeds = int(max(r["count"] for r in by_method.values()))
+        cells = []
+        for m in methods:
+            r = by_method.get(m)
+            if r is None or pd.isna(r["mean"]):
+                cells.append("n/a")
+            else:
+                cells.append(f"{r['mean']:.3f}" + (f" ({r['std']:.3f})" if seeds > 1 and not pd.isna(r["std"]) else ""))
+        lines.append("| " + " | ".join(str(k) for k in key) + f" | {seeds} | " + " | ".join(cells) + " |")
+    md = out_dir / "accuracy.md"
+    md.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return [csv, md, *plot(stats, methods, out_dir)]
+
+
+def plot(stats: Any, methods: Sequence[str], out_dir: Path) -> list[Path]:
+    """One figure per (dataset, arch): accuracy against K, a panel per (partition, init), a line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for (dataset, arch_name), group in stats.groupby(["dataset", "arch"], sort=False):
+        panels = list(dict.fromkeys(zip(group["partition"], group["init"])))
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 1.8, 3.6), squeeze=False, sharey=True)
+        for ax, (partition, init) in zip(axes[0], panels):
+            sub = group[(group["partition"] == partition) & (group["init"] == init)]
+            for method in methods:
+                line = sub[sub["method"] == method].sort_values("num_clients")
+                if len(line):
+                    ax.errorbar(line["num_clients"], line["mean"], yerr=line["std"].fillna(0.0), marker="o", capsize=3, label=method)
+            ax.set_title(f"{partition}, {init} init", fontsize=10)
+            ax.set_xlabel("clients K")
+            ax.set_xticks(sorted(sub["num_clients"].unique()))
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("test accuracy")
+        axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+        fig.suptitle(f"{dataset}, {arch_name}")
+        fig.tight_layout()
+        path = out_dir / f"accuracy_{dataset}_{arch_name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"the quick subset: {QUICK}")
+    parser.add_argument("--archs", nargs="+", default=list(ARCHS), choices=[*ARCHS, "resnet18"])
+    parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=DATASETS)
+    parser.add_argument("--clients", nargs="+", type=int, default=list(CLIENTS))
+    parser.add_argument("--partitions", nargs="+", default=list(PARTITIONS), choices=PARTITIONS)
+    parser.add_argument("--inits", nargs="+", default=list(INITS), choices=INITS)
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
+    parser.add_argument("--epochs", type=int, default=20, help="local epochs of each client")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--out", type=Path, default=OUT_DIR, help="folder of the CSV, markdown table and plots")
+    args = parser.parse_args()
+    axes = {k: getattr(args, k) for k in QUICK}
+    if args.quick:
+        axes = dict(QUICK)
+    cells = iterate_cells(axes["archs"], axes["datasets"], axes["clients"], axes["partitions"], axes["inits"], axes["seeds"], args.epochs)
+    info = machine_info()
+    print(f"aligned fusion accuracy: {len(cells)} cells x {len(args.methods)} methods, {info['cpus']} CPUs", flush=True)
+    rows = run_grid(cells, {name: METHODS[name] for name in args.methods})
+    paths = write_outputs(rows, args.out, info)
+    raw = write_results("aligned_accuracy", {"machine": info, "axes": axes, "methods": args.methods, "rows": rows})
+    for path in [*paths, raw]:
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

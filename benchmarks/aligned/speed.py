@@ -1,0 +1,185 @@
+"""Wall time of N-way weight matching on resnet18-sized models: N = 2, 4, 8, 16.
+
+The N models are one random base resnet18 (torchvision, ``weights=None``; BatchNorm affine parameters and running
+statistics drawn at random so that every tensor matters), each copy with its channels randomly permuted (a function-
+preserving permutation of every residual stream and every block's inner channels, :func:`resnet18_permutation_axes`)
+plus Gaussian noise (``--noise`` times each tensor's standard deviation). A matcher that recovers the permutations
+brings every copy back onto one base, so its merged model keeps the base's weight norms; a failed matching averages
+N unrelated permutations and shrinks them (about 1/sqrt(N) for N independent copies). ``norm_ratio`` is the merged
+model's conv / linear weight norm over the mean norm of the inputs' (1.0: aligned).
+
+Measured now: rebasin's MergeMany (``rebasin_runner.py`` with the rebasin virtualenv's Python, in a subprocess, on
+``--threads`` torch threads; ``seconds`` is rebasin's own wall time, excluding process start and reading the
+checkpoints). rayfuse's matcher joins :data:`MATCHERS`.
+
+Usage (project virtualenv, repository root)::
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/aligned/speed.py [--models 2 4 8 16] [--threads 1] [--noise 0.01]
+
+Writes ``benchmarks/results/aligned_speed.json`` and ``docs/results/aligned/speed.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+from _common import machine_info, print_table, write_results  # noqa: E402
+from accuracy import OUT_DIR, run_rebasin  # noqa: E402
+from arch import build_arch, write_arch_spec  # noqa: E402
+
+from rayfuse.io import load_params, save_params  # noqa: E402
+
+SPEC: dict[str, Any] = {"arch": "resnet18", "kwargs": {}, "input_shape": [3, 32, 32], "num_classes": 10}
+Axes = dict[str, list[tuple[str, int]]]  # permutation name -> the (state-dict key, axis) it permutes
+
+
+def resnet18_permutation_axes(state: Mapping[str, Any]) -> Axes:
+    """The permutation groups of torchvision's resnet18 state dict: one residual stream per stage (the stem, every
+    block's second conv and BatchNorm and the stage's 1x1 downsample write it; the next stage's first block, its
+    downsample and the head read it) and one inner group per block (conv1 + bn1 out, conv2 in)."""
+    axes: Axes = {}
+
+    def add(group: str, key: str, axis: int) -> None:
+        axes.setdefault(group, []).append((key, axis))
+
+    def stream_name(stage: int) -> str:
+        return "stage0" if stage <= 1 else f"stage{stage}"  # layer1 keeps the stem's 64 channels: one stream
+
+    bn_keys = ("weight", "bias", "running_mean", "running_var")
+    add("stage0", "conv1.weight", 0)
+    for k in bn_keys:
+        add("stage0", f"bn1.{k}", 0)
+    for stage in range(1, 5):
+        stream, previous = stream_name(stage), stream_name(stage - 1)
+        for block in (0, 1):
+            prefix = f"layer{stage}.{block}"
+            inner = f"{prefix}.inner"
+            add(previous if block == 0 else stream, f"{prefix}.conv1.weight", 1)
+            add(inner, f"{prefix}.conv1.weight", 0)
+            for k in bn_keys:
+                add(inner, f"{prefix}.bn1.{k}", 0)
+            add(inner, f"{prefix}.conv2.weight", 1)
+            add(stream, f"{prefix}.conv2.weight", 0)
+            for k in bn_keys:
+                add(stream, f"{prefix}.bn2.{k}", 0)
+            if f"{prefix}.downsample.0.weight" in state:
+                add(stream, f"{prefix}.downsample.0.weight", 0)
+                add(previous, f"{prefix}.downsample.0.weight", 1)
+                for k in bn_keys:
+                    add(stream, f"{prefix}.downsample.1.{k}", 0)
+    add("stage4", "fc.weight", 1)
+    return axes
+
+
+def permute_state(state: Mapping[str, np.ndarray], axes: Axes, perms: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``state`` with every group's axes reindexed by its permutation."""
+    out = {k: np.array(v, copy=True) for k, v in state.items()}
+    for group, entries in axes.items():
+        for key, axis in entries:
+            out[key] = np.take(out[key], perms[group], axis=axis)
+    return out
+
+
+def make_models(n: int, *, noise: float, seed: int = 0) -> tuple[list[dict[str, np.ndarray]], Axes]:
+    """A random base resnet18 and ``n`` noisy, randomly permuted copies of it (the first one unpermuted)."""
+    rng = np.random.default_rng(seed)
+    model = build_arch(SPEC, seed=seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0.0, 0.1)
+                assert m.running_mean is not None and m.running_var is not None  # track_running_stats (the default)
+                m.running_mean.normal_(0.0, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+    base = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    axes = resnet18_permutation_axes(base)
+    sizes = {g: base[entries[0][0]].shape[entries[0][1]] for g, entries in axes.items()}
+    models = []
+    for i in range(n):
+        perms = {g: (np.arange(size) if i == 0 else rng.permutation(size)) for g, size in sizes.items()}
+        permuted = permute_state(base, axes, perms)
+        for k, v in permuted.items():
+            if np.issubdtype(v.dtype, np.floating) and not k.endswith("running_var"):
+                permuted[k] = (v + noise * float(v.std()) * rng.standard_normal(v.shape)).astype(v.dtype)
+        models.append(permuted)
+    return models, axes
+
+
+def norm_ratio(merged: Mapping[str, np.ndarray], models: Sequence[Mapping[str, np.ndarray]]) -> float:
+    """Norm of the merged conv / linear weights over the inputs' mean norm (1.0: the models were aligned)."""
+    keys = [k for k, v in merged.items() if k.endswith("weight") and v.ndim >= 2]
+    norm = lambda s: float(np.sqrt(sum(float(np.sum(np.square(s[k], dtype=np.float64))) for k in keys)))  # noqa: E731
+    return norm(merged) / float(np.mean([norm(m) for m in models]))
+
+
+def time_rebasin(models: Sequence[Mapping[str, np.ndarray]], folder: Path, *, threads: int) -> dict[str, Any]:
+    """rebasin's MergeMany on ``models`` (written to ``folder``); its wall time and the merged model's norm ratio."""
+    checkpoints = folder / "checkpoints"
+    checkpoints.mkdir()
+    for i, params in enumerate(models):
+        save_params(checkpoints / f"model_{i:02d}.safetensors", params)
+    write_arch_spec(folder / "arch.json", SPEC)
+    result = run_rebasin(checkpoints, folder / "arch.json", folder / "out", modes=("mergemany",), threads=threads)
+    run = result["mergemany"]
+    if not run.get("ok"):
+        return {"seconds": float("nan"), "error": run.get("error")}
+    merged = load_params(folder / "out" / run["file"])
+    return {"seconds": float(run["seconds"]), "norm_ratio": norm_ratio(merged, models), "rebasin": result["rebasin"]}
+
+
+# N-way matchers timed on the same models: name -> (models, scratch folder, threads) -> {"seconds", "norm_ratio", ...}.
+MATCHERS: dict[str, Callable[..., dict[str, Any]]] = {"rebasin_mergemany": time_rebasin}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", type=int, default=[2, 4, 8, 16], help="N, the number of models merged")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of every matcher")
+    parser.add_argument("--noise", type=float, default=0.01, help="noise added to each copy, in units of each tensor's std")
+    parser.add_argument("--matchers", nargs="+", default=list(MATCHERS), choices=list(MATCHERS))
+    parser.add_argument("--out", type=Path, default=OUT_DIR)
+    args = parser.parse_args()
+
+    info = machine_info()
+    rows = []
+    for n in args.models:
+        models, _ = make_models(n, noise=args.noise)
+        for name in args.matchers:
+            started = time.perf_counter()
+            with tempfile.TemporaryDirectory(prefix=f"speed-{name}-") as tmp:
+                result = MATCHERS[name](models, Path(tmp), threads=args.threads)
+            row = {"models": n, "matcher": name, **result, "total_s": time.perf_counter() - started}
+            rows.append(row)
+            print(f"N={n:3d} {name}: {row['seconds']:.2f} s, norm ratio {row.get('norm_ratio', float('nan')):.3f}"
+                  + (f" ({row['error']})" if row.get("error") else ""), flush=True)
+    columns = [("models", "N"), ("matcher", "matcher"), ("seconds", "seconds"), ("norm_ratio", "norm ratio"),
+               ("total_s", "with process + I/O s")]
+    print_table(rows, columns, f"N-way weight matching of resnet18s, {args.threads} torch thread(s)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    lines = ["# Aligned fusion: N-way matching time on resnet18", "",
+             f"{args.threads} torch thread(s), {info['cpus']} CPUs ({info.get('cpu_model', '')}), load {info['load_avg_1m']:.2f}; "
+             f"copies = a random base permuted + noise {args.noise} std. `seconds`: the matcher's own wall time; "
+             "`norm ratio`: merged weight norm over the inputs' (1.0: aligned). Produced by `benchmarks/aligned/speed.py`.", "",
+             "| N | matcher | seconds | norm ratio |", "|---|---|---|---|"]
+    lines += [f"| {r['models']} | {r['matcher']} | {r['seconds']:.2f} | {r.get('norm_ratio', float('nan')):.3f} |" for r in rows]
+    md = args.out / "speed.md"
+    md.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    raw = write_results("aligned_speed", {"machine": info, "threads": args.threads, "noise": args.noise, "rows": rows})
+    print(f"wrote {md}\nwrote {raw}")
+
+
+if __name__ == "__main__":
+    main()
