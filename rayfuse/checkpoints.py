@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 import numpy as np
 import yaml
@@ -185,6 +185,135 @@ register_fuser(Fuser("kl_neurons", "KL-fusion of one-hidden-layer MLPs' neurons:
                      _kl_neurons, KLNeuronParams, aliases=("kl",)))
 
 
+class AlignParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    merge: Literal["average", "fisher", "regmean"] = Field("average", description="how the aligned models are combined (fisher, regmean: need data)")
+    repair: bool = Field(False, description="re-estimate the fused model's BatchNorm statistics on the data")
+    sweeps: int = Field(3, ge=1, description="activation matching: reference-solve-average sweeps")
+    max_sweeps: int = Field(20, ge=1, description="weight matching: MergeMany sweeps over the models")
+    inner_sweeps: int = Field(100, ge=1, description="weight matching: coordinate-descent sweeps over the groups per model")
+    batch_size: int = Field(256, ge=1, description="batch size of the passes over the data")
+    regmean_alpha: float = Field(0.9, ge=0, le=1)
+    seed: int = 0
+    spec: str | None = Field(None, min_length=1, description="a JSON permutation spec (rayfuse symmetry --json) instead of the derived one")
+
+
+class OptionalWeight(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    weight: float = Field(1.0, gt=0, description="this model's weight in the merge (e.g. its number of training samples)")
+
+
+def _align_needs(kind: str) -> Callable[[BaseModel], dict[str, str]]:
+    def needs(params: BaseModel) -> dict[str, str]:
+        p = cast(AlignParams, params)
+        out = {"architecture": f"{kind} (its permutation groups come from the model's graph)"}
+        if kind == "activation_matching":
+            out["data"] = "activation_matching (the models' activations on it are matched)"
+        elif p.merge != "average" or p.repair:
+            out["data"] = f"merge: {p.merge}" if p.merge != "average" else "repair: true"
+        return out
+
+    return needs
+
+
+def _spec_for(inputs: FuseInputs, method: AlignParams) -> Any:
+    import json
+
+    import torch
+
+    from rayfuse.symmetry import PermutationSpec, derive_spec
+
+    shapes = {k: tuple(v.shape) for k, v in inputs.model.state_dict().items()}
+    if method.spec is not None:
+        file = Path(method.spec)
+        try:
+            spec = PermutationSpec.from_dict(json.loads(file.read_text(encoding="utf-8")), where="parameters.spec")
+        except (OSError, json.JSONDecodeError) as exc:
+            raise InputError("parameters.spec", "a readable JSON permutation spec", f"{type(exc).__name__}: {exc}") from None
+        spec.check(shapes, where="parameters.spec")
+        return spec
+    if inputs.example is None:
+        raise InputError("input_shape", "one input's shape (e.g. [3, 32, 32]) or data, to trace the architecture")
+    return derive_spec(inputs.model, torch.as_tensor(inputs.example))
+
+
+def _aligned(kind: str) -> Callable[[list[dict[str, np.ndarray]], list[BaseModel], BaseModel, FuseInputs], dict[str, np.ndarray]]:
+    def fuse(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], method: BaseModel, inputs: FuseInputs) -> dict[str, np.ndarray]:
+        from rayfuse.alignment import activation_matching, merge_average, merge_fisher, merge_regmean, weight_matching
+        from rayfuse.matching import thread_map
+
+        p = cast(AlignParams, method)
+        spec = _spec_for(inputs, p)
+        weights = [cast(OptionalWeight, m).weight for m in per_model]
+        if kind == "weight_matching":
+            alignment = weight_matching(params, spec, weights=weights, max_sweeps=p.max_sweeps, inner_sweeps=p.inner_sweeps,
+                                        seed=p.seed, executor=thread_map)
+        else:
+            alignment = activation_matching(params, spec, _LocalCorrelations(inputs, params, spec, p.batch_size), weights=weights,
+                                            sweeps=p.sweeps, executor=thread_map)
+        aligned = [spec.apply(m, pk) for m, pk in zip(params, alignment.perms)]
+        if p.merge == "average":
+            fused = merge_average(aligned, weights)
+        elif p.merge == "fisher":
+            from rayfuse.alignment import diagonal_fisher
+
+            fishers = [diagonal_fisher(_with(inputs.model, a), inputs.X, inputs.y, batch_size=p.batch_size) for a in aligned]
+            fused = merge_fisher(aligned, fishers, weights)
+        else:
+            from rayfuse.alignment import input_grams
+
+            grams = [input_grams(_with(inputs.model, a), inputs.X, batch_size=p.batch_size)[0] for a in aligned]
+            fused = merge_regmean(aligned, grams, weights, alpha=p.regmean_alpha)
+        if p.repair:
+            from rayfuse.alignment import apply_batchnorm, batchnorm_statistics, combine_batchnorm
+
+            stats = batchnorm_statistics(_with(inputs.model, fused), inputs.X, batch_size=p.batch_size)
+            fused = apply_batchnorm(fused, combine_batchnorm([stats]))
+        return fused
+
+    return fuse
+
+
+def _with(model: Any, params: Mapping[str, np.ndarray]) -> Any:
+    """A copy of the architecture holding ``params``."""
+    import copy
+
+    import torch
+
+    clone = copy.deepcopy(model)
+    clone.load_state_dict({k: torch.as_tensor(np.ascontiguousarray(v)) for k, v in params.items()})
+    return clone.eval()
+
+
+class _LocalCorrelations:
+    """Activation statistics of every model against the reference, computed here on the fuse file's data (in a
+    federation each client computes its own on its data)."""
+
+    def __init__(self, inputs: FuseInputs, models: list[dict[str, np.ndarray]], spec: Any, batch_size: int) -> None:
+        from rayfuse.symmetry import trace_model
+
+        self.inputs, self.spec, self.batch_size = inputs, spec, batch_size
+        self.own = [_with(inputs.model, m) for m in models]
+        self.graphs = [trace_model(m) for m in self.own]
+
+    def __call__(self, reference: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+        from rayfuse.alignment import collect_correlations
+        from rayfuse.symmetry import trace_model
+
+        ref = _with(self.inputs.model, reference)
+        graph = trace_model(ref)
+        return [collect_correlations(ref, own, self.spec, graph, g, self.inputs.X, batch_size=self.batch_size)
+                for own, g in zip(self.own, self.graphs)]
+
+
+register_fuser(Fuser("weight_matching", "git re-basin weight matching, N-way (MergeMany), then a merge; any architecture, data-free",
+                     _aligned("weight_matching"), AlignParams, OptionalWeight, needs=_align_needs("weight_matching")))
+register_fuser(Fuser("activation_matching", "units matched by their activations on the given data, N-way, then a merge; any architecture",
+                     _aligned("activation_matching"), AlignParams, OptionalWeight, needs=_align_needs("activation_matching")))
+
+
 @dataclass(frozen=True)
 class FuseSpec:
     """A validated fuse config."""
@@ -233,6 +362,13 @@ def load_fuse_config(path: str | Path, output: str | Path | None = None) -> Fuse
                          suggest(spec.merge_method, names).strip(" ()") or "methods that need client data run in a federation (rayfuse run)")
     fuser = FUSERS[name]
     params = _validate(fuser.Params, spec.parameters, path, "parameters")
+    if getattr(params, "spec", None):  # a spec file, relative to the config file like the models
+        spec_file = Path(params.spec)  # type: ignore[attr-defined]
+        if not spec_file.is_absolute() and not spec_file.is_file():
+            spec_file = path.parent / spec_file
+        if not spec_file.is_file():
+            raise InputError(f"{path}: parameters.spec", "an existing JSON permutation spec (rayfuse symmetry ARCH --json)", params.spec)  # type: ignore[attr-defined]
+        params = params.model_copy(update={"spec": str(spec_file)})
     files, per_model = [], []
     for i, entry in enumerate(spec.models):
         file = Path(entry.model)

@@ -206,3 +206,37 @@ def test_an_architecture_that_does_not_fit_is_one_line_before_anything_is_writte
     with pytest.raises(InputError, match="^(.*/)?" + message):
         run_fuse(load_fuse_config(path))
     assert not (arch_files / "fused.safetensors").exists()
+
+
+def test_weight_and_activation_matching_undo_a_permutation_of_a_users_model(arch_files):
+    from rayfuse.symmetry import derive_spec
+
+    a = load_params(arch_files / "n0.safetensors")
+    exec(compile(ARCH, "mynets", "exec"), ns := {})
+    spec = derive_spec(ns["Net"]().eval(), torch.zeros(2, 3))
+    assert [g.size for g in spec.groups] == [4]
+    save_params(arch_files / "n1.safetensors", spec.apply(a, {spec.groups[0].name: np.array([2, 0, 3, 1])}))
+    for method, extra in (("weight_matching", {"input_shape": [3]}), ("activation_matching", {"data": {"path": "sample.npz"}})):
+        out = arch_files / f"{method}.safetensors"
+        run_fuse(load_fuse_config(write_arch(arch_files, merge_method=method, **extra), out))
+        fused = load_params(out)
+        for key, value in a.items():
+            np.testing.assert_allclose(fused[key], value, rtol=1e-6, atol=1e-7, err_msg=f"{method}: {key}")
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"merge_method": "activation_matching"}, r"fuse\.yaml: data: expected a sample \(data: \{path: sample\.npz\} with arrays X and y\) "
+                                              r"for activation_matching"),
+    ({"merge_method": "weight_matching", "architecture": None}, r"fuse\.yaml: architecture: expected the models' class"),
+    ({"merge_method": "weight_matching", "parameters": {"merge": "fisher"}}, r"fuse\.yaml: data: expected a sample .* for merge: fisher"),
+    ({"merge_method": "weight_matching"}, r"input_shape: expected one input's shape"),
+])
+def test_matching_without_what_it_needs_is_one_line(arch_files, fields, message):
+    path = write_arch(arch_files, **{k: v for k, v in fields.items() if v is not None})
+    if fields.get("architecture", "x") is None:
+        data = yaml.safe_load(path.read_text())
+        del data["architecture"]
+        path.write_text(yaml.safe_dump(data))
+    with pytest.raises(InputError, match="^(.*/)?" + message):
+        run_fuse(load_fuse_config(path))
+    assert not (arch_files / "fused.safetensors").exists()

@@ -1,0 +1,329 @@
+"""``aligned``: fuse the clients' models after aligning their hidden units, for any model the run builds.
+
+One shot (``rounds: 1``):
+
+1. every client trains its local model (shared by all methods of the run);
+2. the server derives the model's permutation spec from its graph (:func:`rayfuse.symmetry.derive_spec`);
+3. **alignment** puts every local model in one frame:
+
+   - ``weight``: git-re-basin weight matching, N-way by MergeMany (each model aligned to the barycenter of the
+     others, repeated until no permutation changes); data-free, the server alone; the per-model solves of a sweep
+     fan out through the federation's ``parallel_map``;
+   - ``activation``: each sweep the server broadcasts the current reference model; every client runs it and its own
+     model on its own data and returns, per permutation group, the ``d x d`` cross-correlation sums of the two
+     models' units (:class:`rayfuse.alignment.GroupStats`), never activations or data; the server solves the
+     assignments (through ``parallel_map``) and the reference becomes the average of the aligned models;
+
+4. **merge** of the aligned models: ``average`` (sample-weighted), ``fisher`` (each client's diagonal Fisher of its
+   aligned model on its data), ``regmean`` (each client's input Gram matrices of its aligned model's linear and
+   convolution layers; closed form per layer);
+5. **repair** (``repair: true``): the fused model's BatchNorm statistics re-estimated by the clients on their data and
+   combined by count (a model without BatchNorm is left as is).
+
+Multi-round (``rounds: R > 1``, FedMA-style): after the one-shot fusion, each round every client trains
+``local_epochs`` from the global model, the server aligns each update to the global model (weight matching: one
+model onto a fixed target), merges, and repairs.
+
+What leaves a client: its local model's parameters and sample count (as for ``average``), the group statistics
+(sums over its samples), diagonal Fishers or Gram matrices (sums over its samples) and BatchNorm means and variances
+with counts. Nothing per sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import Field
+
+from rayfuse.errors import InputError
+from rayfuse.fusion import references
+from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, Update, client_step, register_method
+
+__all__ = ["AlignedParams", "Aligned", "derive_run_spec"]
+
+
+class AlignedParams(MethodParams):
+    alignment: Literal["weight", "activation"] = Field(
+        "activation", description="weight: data-free weight matching; activation: matching on the clients' activation statistics")
+    merge: Literal["average", "fisher", "regmean"] = Field("average", description="how the aligned models are combined")
+    repair: bool = Field(True, description="re-estimate the fused model's BatchNorm statistics on the clients' data")
+    rounds: int = Field(1, ge=1, description="1: one shot; more: align, merge and repair after each round of local training")
+    local_epochs: int = Field(1, ge=1, description="local epochs per round after the first")
+    sweeps: int = Field(3, ge=1, description="activation matching: broadcast-solve-average sweeps")
+    max_sweeps: int = Field(20, ge=1, description="weight matching: MergeMany sweeps over the models")
+    inner_sweeps: int = Field(100, ge=1, description="weight matching: coordinate-descent sweeps over the groups per model")
+    samples: int | None = Field(2048, ge=1, description="training samples per client the statistics use (None: all)")
+    batch_size: int = Field(256, ge=1, description="batch size of the clients' statistics passes")
+    regmean_alpha: float = Field(0.9, ge=0, le=1, description="regmean: weight of the Gram's off-diagonal part")
+    weighted: bool = Field(True, description="weight each client by its number of training samples")
+    spec: dict[str, Any] | None = Field(None, description="an explicit permutation spec (PermutationSpec.to_dict form) instead of the derived one")
+    evaluate_every: int = Field(1, ge=1)
+
+
+def derive_run_spec(model: Any, input_shape: tuple[int, ...], explicit: dict[str, Any] | None = None, *, where: str = "model.name") -> Any:
+    """The permutation spec of ``model`` (derived from its graph on a zero batch), or the explicit one checked
+    against its tensors."""
+    import torch
+
+    from rayfuse.symmetry import PermutationSpec, derive_spec
+
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if explicit is not None:
+        spec = PermutationSpec.from_dict(explicit, where="spec")
+        spec.check(shapes, where="spec")
+        return spec
+    try:
+        return derive_spec(model, torch.zeros((2, *input_shape)))
+    except InputError as exc:
+        raise exc.at(where if exc.path == "architecture" else exc.path) from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Client steps: each returns sums over the client's samples, never the samples
+
+
+def _sample(ctx: ClientContext, samples: int | None, label: str) -> tuple[np.ndarray, np.ndarray]:
+    X, y = ctx.train.X, ctx.train.y
+    if samples is not None and len(X) > samples:
+        idx = np.sort(np.random.default_rng(ctx.step_seed(label, "stats")).choice(len(X), samples, replace=False))
+        X, y = X[idx], y[idx]
+    return X, y
+
+
+def _own_aligned(ctx: ClientContext, spec: Any, perms: dict[str, np.ndarray] | None) -> Any:
+    from rayfuse.models import get_params, set_params
+
+    own = ctx.local_model()
+    if perms is None:
+        return own
+    return set_params(ctx.build_model(seed=0), spec.apply(get_params(own), perms))
+
+
+@client_step("aligned.correlations")
+def correlations(ctx: ClientContext, reference: dict[str, np.ndarray], spec: Any, *, label: str, samples: int | None,
+                 batch_size: int) -> dict[str, dict[str, np.ndarray]]:
+    """Per permutation group, the cross-correlation sums of the reference model's units and this client's local
+    model's units over its training data (counts, sums, sums of squares, the ``d x d`` cross sums)."""
+    from rayfuse.alignment import collect_correlations
+    from rayfuse.models import set_params
+    from rayfuse.symmetry import trace_model
+
+    ref_model = set_params(ctx.build_model(seed=0), reference).eval()
+    own = ctx.local_model().eval()
+    X, _ = _sample(ctx, samples, label)
+    stats = collect_correlations(ref_model, own, spec, trace_model(ref_model), trace_model(own), X, batch_size=batch_size,
+                                 device=ctx.device)
+    return {name: s.to_arrays() for name, s in stats.items()}
+
+
+@client_step("aligned.fisher")
+def fisher(ctx: ClientContext, spec: Any, perms: dict[str, np.ndarray], *, label: str, samples: int | None, batch_size: int) -> Update:
+    """The diagonal Fisher of this client's aligned model on its data (a parameter-shaped dict) and the count."""
+    from rayfuse.alignment import diagonal_fisher
+
+    X, y = _sample(ctx, samples, label)
+    return Update(diagonal_fisher(_own_aligned(ctx, spec, perms), X, y, batch_size=batch_size, device=ctx.device), len(X))
+
+
+@client_step("aligned.grams")
+def grams(ctx: ClientContext, spec: Any, perms: dict[str, np.ndarray], *, label: str, samples: int | None, batch_size: int) -> Update:
+    """The input Gram matrices of this client's aligned model's linear and convolution layers, and the count."""
+    from rayfuse.alignment import input_grams
+
+    X, _ = _sample(ctx, samples, label)
+    gram, count = input_grams(_own_aligned(ctx, spec, perms), X, batch_size=batch_size, device=ctx.device)
+    return Update(gram, int(count))
+
+
+@client_step("aligned.batchnorm")
+def batchnorm(ctx: ClientContext, fused: dict[str, np.ndarray], *, label: str, samples: int | None, batch_size: int) -> dict[str, Any]:
+    """The fused model's BatchNorm input statistics (count, mean, variance per layer) on this client's data."""
+    from rayfuse.alignment import batchnorm_statistics
+    from rayfuse.models import set_params
+
+    X, _ = _sample(ctx, samples, label)
+    model = set_params(ctx.build_model(seed=0), fused)
+    stats = batchnorm_statistics(model, X, batch_size=batch_size, device=ctx.device)
+    return {name: {"count": np.asarray(float(c)), "mean": np.asarray(m), "var": np.asarray(v)} for name, (c, m, v) in stats.items()}
+
+
+@client_step("aligned.fit")
+def fit(ctx: ClientContext, global_params: dict[str, np.ndarray], *, label: str, round: int, epochs: int) -> Update:
+    """Local training from the global model (the rounds after the one-shot fusion)."""
+    from rayfuse.models import get_params, set_params, train_model
+
+    model = set_params(ctx.build_model(seed=0), global_params)
+    stats = train_model(model, ctx.train.X, ctx.train.y, epochs=epochs, batch_size=ctx.train_cfg.batch_size, lr=ctx.train_cfg.lr,
+                        optimizer=ctx.train_cfg.optimizer, momentum=ctx.train_cfg.momentum, weight_decay=ctx.train_cfg.weight_decay,
+                        seed=ctx.step_seed(label, round), device=ctx.device)
+    return Update(get_params(model), ctx.num_examples, {"train_loss": stats.loss})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The server
+
+
+@dataclass
+class AlignedState:
+    params: dict[str, np.ndarray]
+
+
+@register_method
+class Aligned(Method):
+    name = "aligned"
+    aliases = ("match",)
+    Params = AlignedParams
+    params: AlignedParams
+    summary = "aligned fusion of any model: units matched by weights or by the clients' activation statistics, then merged"
+    reference = references.REBASIN
+    uses_local_models = True
+    multi_round = True
+
+    @classmethod
+    def check(cls, params: AlignedParams, setup: RunSetup) -> None:
+        from rayfuse.models import build_model
+
+        model = build_model(setup.model, setup.input_shape, setup.num_classes, seed=0)
+        derive_run_spec(model, setup.input_shape, params.spec)
+
+    def run(self, server: ServerContext) -> MethodResult:
+        p = self.params
+        spec = derive_run_spec(server.build_model(seed=0), server.input_shape, p.spec)
+        rounds = server.rounds(AlignedState(server.initial_params()), last=p.rounds,
+                               evaluate=lambda rnd: server.evaluate(rounds.state.params), evaluate_every=p.evaluate_every)
+        state = rounds.state
+        info: dict[str, Any] = {}
+        fed = server.federation
+        for rnd in rounds:
+            if rnd == 1:  # one shot: the local models, aligned and merged
+                updates = server.accept_updates(server.local_updates())
+                ids = sorted(updates)
+                server.progress(f"{server.label}: {len(spec.groups)} permutation groups, {len(spec.fixed)} fixed axes; "
+                                f"aligning {len(ids)} models")
+                target = None
+            else:  # FedMA-style: local training from the global model, each update aligned onto it, merged
+                updates = server.accept_updates(fed.run(fit, fed.put(state.params), label=server.label, round=rnd, epochs=p.local_epochs),
+                                                reference=state.params)
+                ids = sorted(updates)
+                target = state.params
+            weights = [float(updates[c].num_examples) if p.weighted else 1.0 for c in ids]
+            state.params, info = self._fuse(server, spec, [updates[c].params for c in ids], ids, weights, round=rnd, target=target)
+            rounds.log({"clients": float(len(ids)), "units_moved": float(info["units_moved"])})
+        info.update({"groups": len(spec.groups), "fixed_axes": len(spec.fixed), "rounds": p.rounds})
+        return MethodResult(rounds.metrics, state.params, info=info)
+
+    # -- one alignment + merge + repair ---------------------------------------------------------------------------
+
+    def _fuse(self, server: ServerContext, spec: Any, models: list[dict[str, np.ndarray]], clients: list[int],
+              weights: list[float], *, round: int, target: dict[str, np.ndarray] | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        from rayfuse.alignment import merge_average, merge_fisher, merge_regmean
+
+        p = self.params
+        perms = self._align(server, spec, models, clients, weights, round=round, target=target)
+        aligned = [spec.apply(m, pk) for m, pk in zip(models, perms)]
+        info: dict[str, Any] = {"alignment": p.alignment, "merge": p.merge, "repair": p.repair,
+                                "units_moved": int(sum(int((pk[g] != np.arange(len(pk[g]))).sum()) for pk in perms for g in pk))}
+        if p.merge == "average":
+            fused = merge_average(aligned, weights)
+        else:
+            step = fisher if p.merge == "fisher" else grams
+            fed = server.federation
+            spec_ref = fed.put(spec)  # one broadcast; each client gets its own permutations (a few integers per group)
+            gathered = fed.gather([call for c, pk in zip(clients, perms)
+                                   for call in fed.map(step, spec_ref, pk, label=server.label, samples=p.samples, batch_size=p.batch_size,
+                                                       clients=[c])])
+            stats = server.accept_replies(gathered, lambda c, u: _check_finite(u), need=1, what=f"{p.merge} statistics")
+            kept = [i for i, c in enumerate(clients) if c in stats]  # a rejected client's model is left out of the merge
+            merged, kept_weights = [aligned[i] for i in kept], [weights[i] for i in kept]
+            if p.merge == "fisher":
+                fused = merge_fisher(merged, [stats[clients[i]].params for i in kept], kept_weights)
+            else:
+                fused = merge_regmean(merged, [stats[clients[i]].params for i in kept], kept_weights, alpha=p.regmean_alpha)
+            info["merged_clients"] = [clients[i] for i in kept]
+        if p.repair and any(k.endswith("running_mean") for k in fused):
+            fused = self._repair(server, fused, clients)
+            info["repaired"] = True
+        return fused, info
+
+    def _align(self, server: ServerContext, spec: Any, models: list[dict[str, np.ndarray]], clients: list[int],
+               weights: list[float], *, round: int, target: dict[str, np.ndarray] | None) -> list[dict[str, np.ndarray]]:
+        from rayfuse.alignment import activation_matching, weight_matching
+
+        p = self.params
+        fed = server.federation
+        if target is not None:  # later rounds: every update onto the global model
+            return fed.parallel_map(_MatchOnto(target, spec, p.inner_sweeps, server.step_seed("align", round)), models)
+        if p.alignment == "weight":
+            return weight_matching(models, spec, weights=weights, max_sweeps=p.max_sweeps, inner_sweeps=p.inner_sweeps,
+                                   seed=server.step_seed("align", round), executor=fed.parallel_map).perms
+
+        def collect(reference: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+            gathered = fed.run(correlations, fed.put(reference), fed.put(spec), label=server.label, samples=p.samples,
+                               batch_size=p.batch_size, clients=clients)
+            # a client whose statistics are rejected (recorded, never used) has its units matched by weights this sweep
+            replies = server.accept_replies(gathered, lambda c, r: _read_stats(r, spec), need=1, what="correlation statistics")
+            return [replies.get(c, {}) for c in clients]
+
+        return activation_matching(models, spec, collect, weights=weights, sweeps=p.sweeps, executor=fed.parallel_map).perms
+
+    def _repair(self, server: ServerContext, fused: dict[str, np.ndarray], clients: list[int]) -> dict[str, np.ndarray]:
+        from rayfuse.alignment import apply_batchnorm, combine_batchnorm
+
+        p = self.params
+        fed = server.federation
+        gathered = fed.run(batchnorm, fed.put(fused), label=server.label, samples=p.samples, batch_size=p.batch_size, clients=clients)
+        stats = server.accept_replies(gathered, lambda c, r: _read_bn(r), need=1, what="BatchNorm statistics")
+        return apply_batchnorm(fused, combine_batchnorm(list(stats.values())))
+
+
+class _MatchOnto:
+    """Weight matching of one model onto a fixed target (a picklable callable for ``parallel_map``)."""
+
+    def __init__(self, target: dict[str, np.ndarray], spec: Any, sweeps: int, seed: int) -> None:
+        self.target, self.spec, self.sweeps, self.seed = target, spec, sweeps, seed
+
+    def __call__(self, model: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from rayfuse.alignment import match_weights
+
+        return match_weights(self.target, model, self.spec, max_sweeps=self.sweeps, seed=self.seed)[0]
+
+
+def _check_finite(update: Update) -> Update:
+    from rayfuse.method import Rejected
+
+    for key, value in update.params.items():
+        if not np.isfinite(value).all():
+            raise Rejected(f"non-finite values in {key}")
+    return update
+
+
+def _read_stats(reply: Any, spec: Any) -> dict[str, Any]:
+    from rayfuse.alignment import GroupStats
+    from rayfuse.method import Rejected
+
+    if not isinstance(reply, dict):
+        raise Rejected(f"statistics as a dict of groups, got {type(reply).__name__}")
+    out = {}
+    for name, arrays in reply.items():
+        size = spec.group(name).size
+        stats = GroupStats.from_arrays(arrays)
+        if stats.cross.shape != (size, size):
+            raise Rejected(f"group {name}: a {size} x {size} cross matrix, got {stats.cross.shape}")
+        if not all(np.isfinite(a).all() for a in arrays.values()):
+            raise Rejected(f"group {name}: non-finite statistics")
+        out[name] = stats
+    return out
+
+
+def _read_bn(reply: Any) -> dict[str, tuple[float, np.ndarray, np.ndarray]]:
+    from rayfuse.method import Rejected
+
+    out = {}
+    for name, s in reply.items():
+        count, mean, var = float(s["count"]), np.asarray(s["mean"]), np.asarray(s["var"])
+        if not (np.isfinite(mean).all() and np.isfinite(var).all() and count > 0 and (var >= 0).all()):
+            raise Rejected(f"BatchNorm {name}: non-finite or negative statistics")
+        out[name] = (count, mean, var)
+    return out

@@ -1,0 +1,86 @@
+"""``aligned``: the federated aligned fusion, end to end in-process; what a client sends; bad replies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rayfuse.federation import Gathered, Update
+from rayfuse.fusion.aligned.algorithm import batchnorm, correlations, derive_run_spec
+from rayfuse.io import load_params
+from rayfuse.models import build_model, set_params
+
+INDEPENDENT = {"train": {"epochs": 8, "shared_init": False}, "model": {"name": "mlp", "hidden": [32]},
+               "partition": {"method": "iid", "num_clients": 3}}
+
+
+def accuracy(coord, label):
+    return coord.run_method(label)["metrics"]["accuracy"]
+
+
+def test_aligned_fusion_of_independently_initialised_models_beats_averaging(coordinator):
+    methods = {"average": {}, "act": {"method": "aligned", "alignment": "activation"},
+               "wm": {"method": "aligned", "alignment": "weight"}}
+    coord = coordinator(methods=methods, **INDEPENDENT)
+    average, act, wm = (accuracy(coord, label) for label in methods)
+    assert act > average + 0.1 and wm > average + 0.05, (average, act, wm)
+
+
+def test_fusing_copies_of_one_model_returns_the_model(coordinator):
+    coord = coordinator(methods={"act": {"method": "aligned"}, "wm": {"method": "aligned", "alignment": "weight"},
+                                 "fisher": {"method": "aligned", "merge": "fisher"}}, **INDEPENDENT)
+    coord.prepare_local_models()
+    params = coord.reference_params()
+    coord._local = Gathered({i: Update({k: v.copy() for k, v in params.items()}, 10 + i) for i in range(3)})
+    for i in range(3):  # the clients own their local models: the same model on every client
+        coord.federation.client(i).ctx._local_model = set_params(build_model(coord.cfg.model, coord.plan.input_shape, coord.plan.num_classes), params)
+    for label in ("act", "wm", "fisher"):
+        fused = load_params(coord.store.root / coord.run_method(label)["model_file"])
+        for key in params:
+            np.testing.assert_allclose(fused[key], params[key], rtol=1e-5, atol=1e-6, err_msg=f"{label}: {key}")
+
+
+def test_a_clients_correlation_reply_holds_per_group_sums_only(coordinator):
+    coord = coordinator(methods={"act": {"method": "aligned"}}, **INDEPENDENT)
+    model = build_model(coord.cfg.model, coord.plan.input_shape, coord.plan.num_classes, seed=0)
+    spec = derive_run_spec(model, tuple(coord.plan.input_shape))
+    reference = coord.reference_params()
+    gathered = coord.federation.run(correlations, reference, spec, label="act", samples=None, batch_size=64)
+    sizes = {g.name: g.size for g in spec.groups}
+    n_train = {c: len(coord.plan.client_train[c]) for c in gathered.results}
+    for client, reply in gathered.results.items():
+        assert set(reply) == {g.name for g in spec.groups if g.probes}
+        for name, arrays in reply.items():
+            d = sizes[name]
+            assert {k: np.shape(v) for k, v in arrays.items()} == {"count": (), "sum_a": (d,), "sum_b": (d,), "sumsq_a": (d,),
+                                                                 "sumsq_b": (d,), "cross": (d, d)}
+            assert float(arrays["count"]) == n_train[client]  # a sum over the client's samples, not the samples
+
+
+def test_the_batchnorm_reply_is_a_count_a_mean_and_a_variance_per_layer(coordinator):
+    coord = coordinator(methods={"aligned": {}}, model={"name": "cnn", "channels": [4, 6]}, partition={"method": "iid", "num_clients": 2},
+                        train={"epochs": 1})
+    fused = coord.reference_params()
+    reply = coord.federation.run(batchnorm, fused, label="aligned", samples=None, batch_size=64).results
+    for client, stats in reply.items():
+        for name, s in stats.items():
+            assert set(s) == {"count", "mean", "var"} and np.shape(s["count"]) == ()
+            assert np.shape(s["mean"]) == np.shape(s["var"]) == np.shape(fused[f"{name}.running_mean"])
+
+
+def test_a_client_sending_non_finite_statistics_is_rejected_and_recorded(coordinator):
+    faults = [{"client": 1, "step": "aligned.correlations", "mode": "nan", "call": 1}]
+    coord = coordinator(methods={"act": {"method": "aligned", "sweeps": 2}}, federation={"faults": faults}, **INDEPENDENT)
+    summary = coord.run_method("act")
+    rejected = [e for e in coord.events.since(0) if e["kind"] == "update_rejected"]
+    assert [e["client"] for e in rejected] == [1] and "non-finite" in rejected[0]["message"]
+    assert np.isfinite(summary["metrics"]["accuracy"])
+
+
+def test_an_explicit_spec_that_does_not_fit_the_model_is_refused_before_anything_starts(make_config):
+    from rayfuse.errors import InputError
+    from rayfuse.runner import prepare_run
+
+    bad = {"groups": [{"name": "h", "size": 99, "axes": [{"key": "layers.0.weight", "dim": 0}]}]}
+    with pytest.raises(InputError, match=r"^methods\.aligned\.spec\.h\.layers\.0\.weight: expected 1 x 99 x 1 units"):
+        prepare_run(make_config(methods={"aligned": {"spec": bad}}))
