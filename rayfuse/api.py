@@ -44,7 +44,7 @@ import numpy as np
 from rayfuse.config import ExperimentConfig, build_config, read_config_file
 from rayfuse.errors import InputError, RunFailure
 
-__all__ = ["InputError", "RunFailure", "RunResult", "fuse", "fuse_checkpoints", "resume", "run"]
+__all__ = ["InputError", "RunFailure", "RunResult", "fuse", "fuse_checkpoints", "resume", "run", "build_architecture", "symmetry"]
 
 BACKENDS = ("ray", "local")
 
@@ -183,6 +183,83 @@ def fuse(config: str | Path, out: str | Path | None = None) -> Path:
     ``out`` overrides the config's ``output:``. Raises :class:`InputError` before anything is written.
     """
     return Path(fuse_checkpoints(config, out)["output"])
+
+
+def build_architecture(architecture: str, *, input_shape: Sequence[int] | None = None, dataset: str = "digits",
+                       args: Mapping[str, Any] | None = None) -> tuple[Any, tuple[int, ...]]:
+    """The model ``architecture`` names and the shape of one of its samples (``rayfuse symmetry``).
+
+    Parameters
+    ----------
+    architecture : str
+        A registry model (``mlp``, ``rescnn``...; ``args`` are :class:`~rayfuse.config.ModelConfig` fields),
+        ``torchvision:<name>`` (``args`` go to ``torchvision.models.get_model``; no pretrained weights) or
+        ``module:Class`` (importable; built as ``Class(**args)``).
+    input_shape : sequence of int, optional
+        One sample's shape; by default the shape of ``dataset``'s samples.
+    dataset : str
+        Gives the default sample shape and the number of classes (registry and torchvision models).
+    """
+    import importlib
+
+    from rayfuse.config import ModelConfig, pydantic_input_error
+    from rayfuse.data.datasets import load_dataset
+    from rayfuse.errors import suggest
+    from rayfuse.models.registry import MODELS, _build_torchvision, build_model, torchvision_model_names
+
+    kwargs = dict(args or {})
+    if ":" not in architecture and architecture not in MODELS:
+        known = MODELS.names()
+        raise InputError("architecture", f"a registry model ({', '.join(known)}), torchvision:<name> or module:Class",
+                         architecture, suggest(architecture, known).strip(" ()"))
+    data = load_dataset(dataset)
+    shape = tuple(int(s) for s in (input_shape if input_shape is not None else data.X.shape[1:]))
+    num_classes = data.num_classes
+    prefix, _, name = architecture.partition(":")
+    if not name:
+        from pydantic import ValidationError
+
+        try:
+            cfg = ModelConfig.model_validate({"name": architecture, **kwargs})
+        except ValidationError as exc:
+            raise pydantic_input_error(exc, "args", ModelConfig) from None
+        return build_model(cfg, shape, num_classes, seed=0), shape
+    if prefix == "torchvision":
+        names = torchvision_model_names()
+        if name not in names:
+            raise InputError("architecture", "a torchvision classification model name", architecture, suggest(name, names).strip(" ()"))
+        if len(shape) != 3:
+            raise InputError("input_shape", "an image shape C,H,W for a torchvision model", shape)
+        try:
+            return _build_torchvision(name, shape, num_classes, **kwargs), shape
+        except (TypeError, ValueError) as exc:
+            raise InputError("args", f"arguments torchvision's {name} accepts", kwargs, str(exc).splitlines()[0][:120]) from None
+    try:
+        cls = getattr(importlib.import_module(prefix), name)
+    except (ImportError, AttributeError) as exc:
+        raise InputError("architecture", "an importable module:Class", architecture, f"{type(exc).__name__}: {exc}") from None
+    try:
+        model = cls(**kwargs)
+    except Exception as exc:  # the user's constructor: one line naming it
+        raise InputError("args", f"arguments {architecture} accepts", kwargs, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}") from None
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        raise InputError("architecture", "a class building a torch.nn.Module", architecture, f"it built a {type(model).__name__}")
+    return model, shape
+
+
+def symmetry(architecture: str, *, input_shape: Sequence[int] | None = None, dataset: str = "digits",
+             args: Mapping[str, Any] | None = None) -> Any:
+    """The :class:`~rayfuse.symmetry.PermutationSpec` derived from the model ``architecture`` names (see
+    :func:`build_architecture`), traced on a random batch of two samples of ``input_shape``."""
+    import torch
+
+    from rayfuse.symmetry import derive_spec
+
+    model, shape = build_architecture(architecture, input_shape=input_shape, dataset=dataset, args=args)
+    example = torch.randn((2, *shape), generator=torch.Generator().manual_seed(0))
+    return derive_spec(model, example)
 
 
 # ---------------------------------------------------------------------------------------------------------------

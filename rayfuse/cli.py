@@ -7,6 +7,7 @@
     rayfuse validate [CONFIG] [--set KEY=VALUE]...
     rayfuse fuse CONFIG [OUT]
     rayfuse tune SPACE [--samples N] [--address ADDR] [--storage DIR] [--resume] [--set KEY=VALUE]...
+    rayfuse symmetry ARCHITECTURE [--input-shape C,H,W] [--dataset NAME] [--args JSON] [--json]
 
 With no CONFIG, ``rayfuse run`` runs ``jobs/quickstart.yaml`` (or, outside a checkout, the same job built into the
 config defaults). Exit codes: 0 success, 2 bad input (one line naming the key path, expected and given value),
@@ -74,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     tun.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key of the base job")
     tun.add_argument("--check", action="store_true", help="validate the space and print the trials' grid; start nothing")
     tun.set_defaults(func=_cmd_tune)
+
+    sym = sub.add_parser("symmetry", help="derive and print a model's permutation groups (the weight axes that share one permutation)")
+    sym.add_argument("architecture", help="a registry model (rescnn, mlp...), torchvision:<name> or module:Class")
+    sym.add_argument("--input-shape", metavar="C,H,W", help="one sample's shape (default: the dataset's)")
+    sym.add_argument("--dataset", default="digits", help="gives the default input shape and the number of classes (default: digits)")
+    sym.add_argument("--args", metavar="JSON", help="model arguments: ModelConfig fields for a registry model, keyword arguments otherwise")
+    sym.add_argument("--json", action="store_true", help="print the spec as JSON")
+    sym.set_defaults(func=_cmd_symmetry)
     return parser
 
 
@@ -131,6 +140,32 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         print(f"rayfuse tune: {len(summary['errors'])} trial(s) failed: {summary['errors'][0]}", file=sys.stderr)
     best = summary["best"]
     print(f"best: {spec.metric} = {best['metric']:.4f} with {best['config']}\nresults: {summary['results']}\nbest config: {best['file']}")
+    return 0
+
+
+def _cmd_symmetry(args: argparse.Namespace) -> int:
+    import json
+
+    from rayfuse.api import symmetry
+
+    shape = None
+    if args.input_shape is not None:
+        try:
+            shape = tuple(int(s) for s in args.input_shape.split(","))
+        except ValueError:
+            shape = ()
+        if not shape or min(shape) < 1:
+            raise InputError("--input-shape", "comma-separated positive integers such as 1,8,8", args.input_shape)
+    kwargs = None
+    if args.args is not None:
+        try:
+            kwargs = json.loads(args.args)
+        except json.JSONDecodeError:
+            kwargs = None
+        if not isinstance(kwargs, dict):
+            raise InputError("--args", "a JSON object such as '{\"num_classes\": 10}'", args.args)
+    spec = symmetry(args.architecture, input_shape=shape, dataset=args.dataset, args=kwargs)
+    print(json.dumps(spec.to_dict(), indent=1) if args.json else spec.describe())
     return 0
 
 

@@ -237,9 +237,12 @@ class PartitionConfig(StrictModel):
 
 
 class ModelConfig(StrictModel):
-    name: str = Field("mlp", description="logreg | mlp | cnn | torchvision:<name> (e.g. torchvision:resnet18)")
-    hidden: list[int] = Field(default_factory=lambda: [64], description="mlp: hidden layer widths")
-    channels: list[int] = Field(default_factory=lambda: [16, 32], description="cnn: channels of the 3x3 conv layers")
+    name: str = Field("mlp", description="logreg | mlp | cnn | rescnn | vgg | transformer | torchvision:<name> (e.g. torchvision:resnet18)")
+    hidden: list[int] = Field(default_factory=lambda: [64], description="mlp, vgg: hidden layer widths; transformer: [width, feed-forward width]")
+    channels: list[int] = Field(default_factory=lambda: [16, 32], description="cnn, rescnn, vgg: channels of the 3x3 conv layers")
+    heads: int = Field(2, ge=1, description="transformer: attention heads (a divisor of hidden[0])")
+    depth: int = Field(2, ge=1, le=64, description="transformer: encoder layers")
+    patch_size: int = Field(4, ge=1, description="transformer: patch side on image inputs (a divisor of the image size)")
     dropout: float = Field(0.0, ge=0, lt=1)
     activation: Literal["relu", "tanh", "gelu"] = "relu"
     factory: str | None = Field(None, description="name: custom: the qualified name of the model factory given to rayfuse.run(model=...) "

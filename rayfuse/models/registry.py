@@ -5,6 +5,7 @@ Parameter names are stable and readable so fusion methods can describe a model's
 * ``logreg``: ``linear.weight`` ``(C, D)``, ``linear.bias``;
 * ``mlp``: ``layers.{i}.weight`` ``(out, in)`` and ``layers.{i}.bias``, the last layer being the classifier;
 * ``cnn``: ``convs.{i}.weight`` ``(out, in, 3, 3)``, ``convs.{i}.bias``, then ``head.weight`` / ``head.bias``;
+* ``rescnn``, ``vgg``, ``transformer``: see :mod:`rayfuse.models.zoo`;
 * ``torchvision:<name>``: torchvision's own names (first convolution adapted to the input channels);
 * ``custom``: a factory given from Python (``rayfuse.run(model=...)``): its own names.
 
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from rayfuse.errors import InputError
+from rayfuse.models.zoo import build_rescnn, build_transformer, build_vgg
 from rayfuse.registry import Registry
 
 __all__ = [
@@ -145,6 +147,25 @@ def _build_cnn(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.M
     return SmallCNN(input_shape, list(cfg.channels), num_classes, dropout=cfg.dropout, activation=cfg.activation)
 
 
+@register_model("rescnn", description="residual CNN with BatchNorm: stem, one basic block per model.channels width "
+                "(1x1-conv shortcuts where the width changes), global average pool, linear head", image_only=True)
+def _build_rescnn(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return build_rescnn(cfg, input_shape, num_classes)
+
+
+@register_model("vgg", description="VGG-style: conv-BN-ReLU stages (model.channels) with 2x2 max-pool, flatten, "
+                "Linear-ReLU layers (model.hidden), linear head", image_only=True)
+def _build_vgg(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return build_vgg(cfg, input_shape, num_classes)
+
+
+@register_model("transformer", description="small encoder classifier: patch (model.patch_size) or feature tokens, cls token, "
+                "learned positions, model.depth encoder layers of width model.hidden[0] (feed-forward model.hidden[1]) "
+                "with model.heads heads, linear head")
+def _build_transformer(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return build_transformer(cfg, input_shape, num_classes)
+
+
 @register_model("custom", description="a model factory given from Python: rayfuse.run(model=...); not loadable from a config file")
 def _build_custom(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     factory = getattr(cfg, "custom_factory", None)
@@ -197,10 +218,10 @@ def torchvision_model_names() -> tuple[str, ...]:
     return tuple(sorted(tvm.list_models(module=tvm)))
 
 
-def _build_torchvision(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+def _build_torchvision(name: str, input_shape: tuple[int, ...], num_classes: int, **kwargs: Any) -> nn.Module:
     import torchvision.models as tvm
 
-    model = tvm.get_model(name, weights=None, num_classes=num_classes)
+    model = tvm.get_model(name, weights=None, **{"num_classes": num_classes, **kwargs})
     in_ch = input_shape[0]
     for parent in model.modules():  # adapt the first convolution to the input's channels
         for child_name, child in parent.named_children():

@@ -1,0 +1,884 @@
+"""Derive a model's :class:`~rayfuse.symmetry.spec.PermutationSpec` from its ``torch.fx`` graph.
+
+:func:`trace_model` traces any ``nn.Module`` symbolically (attention and transformer layers, whose forwards branch on
+their inputs, stay single leaf nodes). :func:`derive_spec` runs an example batch through that graph and tracks, for
+every value, which of its axes index *unit spaces*: sets of hidden units that may be reordered together. Each layer
+that writes units (a Linear's rows, a convolution's output channels, an embedding's columns) opens a space; every
+operation the units flow through either carries them along (activations, normalisation, pooling, reshapes, permutes,
+concatenation), joins two spaces into one (a residual addition, a tied weight), or, when the tracer cannot prove that
+it commutes with a permutation of the units (an unknown function, a reshape that splits them), leaves the space fixed
+and says which node did so. The model's input features and its outputs are fixed.
+
+Probes name nodes of the graph :func:`trace_model` returns (node names are deterministic for a given model class),
+so activation matching can run that graph with ``torch.fx.Interpreter`` and read the units where they are visible.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import os
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.fx
+from torch import nn
+from torch.nn import functional as F
+
+from rayfuse.errors import InputError
+from rayfuse.symmetry.spec import AxisRef, FixedAxis, PermGroup, PermutationSpec, Probe
+
+__all__ = ["trace_model", "derive_spec", "LEAF_MODULES"]
+
+#: Modules kept as single graph nodes: their forwards branch on their inputs, and :func:`derive_spec` knows their insides.
+LEAF_MODULES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tracing
+
+
+class _Tracer(torch.fx.Tracer):
+    """``torch.fx.Tracer`` keeping :data:`LEAF_MODULES` as leaves and remembering which module it was tracing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[tuple[str, str]] = []
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, LEAF_MODULES) or super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.stack.append((self.path_of_module(m) or "<model>", type(m).__name__))
+        out = super().call_module(m, forward, args, kwargs)
+        self.stack.pop()  # left in place when tracing fails: the innermost module names where it stopped
+        return out
+
+
+def _modes(model: nn.Module) -> list[tuple[nn.Module, bool]]:
+    return [(m, m.training) for m in model.modules()]
+
+
+def _restore(modes: list[tuple[nn.Module, bool]]) -> None:
+    for m, training in modes:
+        m.training = training
+
+
+def trace_model(model: nn.Module) -> torch.fx.GraphModule:
+    """Trace ``model`` with ``torch.fx`` (in eval mode), keeping :data:`LEAF_MODULES` as leaf nodes.
+
+    The graph module shares the model's submodules and parameters. Its node names are deterministic for a given model
+    class, so two models of one architecture give graphs with the same names (the probes of :func:`derive_spec`).
+
+    Raises
+    ------
+    InputError
+        ``architecture: expected a model torch.fx can trace``, naming the module and line where tracing stopped.
+    """
+    if not isinstance(model, nn.Module):
+        raise InputError("architecture", "a torch.nn.Module", type(model).__name__)
+    tracer = _Tracer()
+    modes = _modes(model)
+    model.eval()
+    try:
+        graph = tracer.trace(model)
+    except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError...: one line naming where
+        module, kind = tracer.stack[-1] if tracer.stack else ("<model>", type(model).__name__)
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}torch{os.sep}" not in f.filename]
+        line = f", {frames[-1].name} line {frames[-1].lineno}" if frames else ""
+        message = (str(exc).strip().splitlines() or [""])[0][:160]
+        raise InputError("architecture", "a model torch.fx can trace", f"{module} ({kind}){line}",
+                         f"{type(exc).__name__}: {message}") from None
+    finally:
+        _restore(modes)
+    return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Unit spaces
+
+
+class _Piece(NamedTuple):
+    """Units of a space along one axis of a value: ``[start, start + outer*size*inner)`` viewed as (outer, size, inner)."""
+
+    space: int
+    start: int = 0
+    outer: int = 1
+    inner: int = 1
+
+
+@dataclass(frozen=True)
+class _Ann:
+    """Which pieces each axis of a tensor value carries."""
+
+    dims: tuple[tuple[_Piece, ...], ...]
+
+    @staticmethod
+    def empty(ndim: int) -> _Ann:
+        return _Ann(tuple(() for _ in range(ndim)))
+
+    def pieces(self) -> Iterator[_Piece]:
+        for dim in self.dims:
+            yield from dim
+
+
+@dataclass
+class _Space:
+    size: int
+    name: str
+    kind: str
+    soft: bool  # a parameter's axis met through get_attr: a unit space only once joined to a real one
+    parent: int
+    fixed: str | None = None
+    axes: list[AxisRef] = field(default_factory=list)
+
+
+class _Spaces:
+    """Union-find over unit spaces, with the weight axes each one permutes."""
+
+    def __init__(self, aliases: dict[str, list[str]]) -> None:
+        self.all: list[_Space] = []
+        self.aliases = aliases
+
+    def new(self, size: int, name: str, kind: str = "channels", *, soft: bool = False, fixed: str | None = None) -> int:
+        self.all.append(_Space(int(size), name, kind, soft, len(self.all), fixed))
+        return len(self.all) - 1
+
+    def find(self, i: int) -> int:
+        root = i
+        while self.all[root].parent != root:
+            root = self.all[root].parent
+        while self.all[i].parent != root:
+            self.all[i].parent, i = root, self.all[i].parent
+        return root
+
+    def size(self, i: int) -> int:
+        return self.all[i].size
+
+    def pieces(self, i: int) -> tuple[_Piece, ...]:
+        return (_Piece(i),) if self.all[i].size > 1 else ()
+
+    def fix(self, i: int, reason: str) -> None:
+        root = self.all[self.find(i)]
+        if root.fixed is None:
+            root.fixed = reason
+
+    def merge(self, a: int, b: int, where: str) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra == rb:
+            return
+        sa, sb = self.all[ra], self.all[rb]
+        if sa.size != sb.size:  # cannot happen with equal layouts; keep both unpermuted rather than guess
+            self.fix(ra, f"{where}: joins {sa.size} and {sb.size} units")
+            self.fix(rb, f"{where}: joins {sa.size} and {sb.size} units")
+            return
+        # the root keeps the earliest real space's name (the first module that wrote the units)
+        if (sb.soft, rb) < (sa.soft, ra):
+            ra, rb, sa, sb = rb, ra, sb, sa
+        sb.parent = ra
+        sa.soft = sa.soft and sb.soft
+        sa.fixed = sa.fixed or sb.fixed
+        sa.axes.extend(sb.axes)
+        sb.axes = []
+
+    def add_axis(self, i: int, key: str, dim: int, start: int = 0, outer: int = 1, inner: int = 1) -> None:
+        root = self.all[self.find(i)]
+        for k in self.aliases.get(key, [key]):
+            root.axes.append(AxisRef(k, dim, start, outer, inner))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the tracer knows
+
+_ACT_MODULES: tuple[type[nn.Module], ...] = (
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid, nn.Tanh, nn.LeakyReLU, nn.ELU,
+    nn.CELU, nn.SELU, nn.Mish, nn.Softplus, nn.Hardtanh, nn.Softsign, nn.Tanhshrink, nn.LogSigmoid,
+)
+_PASS_MODULES: tuple[type[nn.Module], ...] = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+                                               nn.Softmax, nn.LogSoftmax)
+_POOL_MODULES: dict[type[nn.Module], int] = {
+    nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3, nn.AvgPool1d: 1, nn.AvgPool2d: 2, nn.AvgPool3d: 3,
+    nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3, nn.AdaptiveMaxPool1d: 1,
+    nn.AdaptiveMaxPool2d: 2, nn.AdaptiveMaxPool3d: 3,
+}
+_NORM_MODULES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
+                 nn.LayerNorm, nn.GroupNorm)
+
+_ACT_NAMES = {"relu", "relu_", "relu6", "gelu", "silu", "hardswish", "hardsigmoid", "sigmoid", "sigmoid_", "tanh", "tanh_",
+              "leaky_relu", "elu", "celu", "selu", "mish", "softplus", "hardtanh", "softsign", "logsigmoid"}
+_PASS_NAMES = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "contiguous", "clone", "detach", "float",
+               "double", "half", "bfloat16", "to", "type", "type_as", "softmax", "log_softmax", "exp", "log", "abs", "neg",
+               "sqrt", "rsqrt", "square", "erf", "clamp", "clamp_", "clamp_min", "clamp_max", "clip", "reciprocal",
+               "sin", "cos", "log1p", "expm1", "sign", "requires_grad_"}
+_BINARY_NAMES = {"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "truediv", "maximum", "minimum", "pow",
+                 "true_divide", "multiply", "subtract", "iadd", "isub", "imul", "itruediv", "rsub"}
+_MOVE_NAMES = {"view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "squeeze", "unsqueeze", "expand",
+               "view_as", "reshape_as", "expand_as", "movedim", "moveaxis", "swapaxes", "swapdims", "narrow", "select",
+               "repeat", "chunk", "split", "tensor_split", "unbind", "getitem", "flip", "roll", "tile"}
+_REDUCE_NAMES = {"mean", "sum", "amax", "amin", "logsumexp", "nansum", "nanmean", "var", "std"}
+_META_NAMES = {"size", "dim", "numel", "ndimension", "shape", "dtype", "device", "ndim", "is_floating_point",
+               "is_contiguous", "zeros_like", "ones_like", "empty_like", "full_like", "_assert", "getattr"}
+_POOL_NAMES = {"max_pool1d": 1, "max_pool2d": 2, "max_pool3d": 3, "avg_pool1d": 1, "avg_pool2d": 2, "avg_pool3d": 3,
+               "adaptive_avg_pool1d": 1, "adaptive_avg_pool2d": 2, "adaptive_avg_pool3d": 3, "adaptive_max_pool1d": 1,
+               "adaptive_max_pool2d": 2, "adaptive_max_pool3d": 3, "_max_pool1d": 1, "_max_pool2d": 2, "_max_pool3d": 3,
+               "_adaptive_max_pool1d": 1, "_adaptive_max_pool2d": 2}
+_KNOWN_MODULES = (torch, F, operator, torch.Tensor, torch.fx)
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    """``relu``, ``add``, ``view``...: the name of a call_function/call_method target if it comes from torch or
+    operator (a user's function of the same name is unknown)."""
+    target = node.target
+    if node.op == "call_method":
+        return str(target)
+    if target is getattr:
+        return "getattr"
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__name__", "")
+    if module.startswith(("torch", "_operator", "operator")) or target in (torch._assert,):
+        return name.lstrip("_") if name.startswith("__") else name
+    return ""
+
+
+def _describe_target(node: torch.fx.Node) -> str:
+    target = node.target
+    if node.op == "call_method":
+        return f"Tensor.{target}"
+    if node.op == "call_module":
+        return str(target)
+    module, name = getattr(target, "__module__", None), getattr(target, "__name__", None)
+    if module and name:
+        return f"{module.lstrip('_')}.{name}"
+    return getattr(target, "__qualname__", None) or name or repr(target)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The analysis: an Interpreter that annotates every value
+
+
+class _Analysis(torch.fx.Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule, aliases: dict[str, list[str]]) -> None:
+        super().__init__(gm)
+        self.sp = _Spaces(aliases)
+        self.anns: dict[torch.fx.Node, Any] = {}
+        self.data: set[torch.fx.Node] = set()
+        self.probes: list[tuple[int, int, int, Probe]] = []  # space, rank, node order, probe
+        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.mods = dict(gm.named_modules())
+
+    # -- plumbing ---------------------------------------------------------------------------------------------------
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        out = super().run_node(n)
+        if n.op == "placeholder" or any(m in self.data for m in n.all_input_nodes):
+            self.data.add(n)
+        self.anns[n] = self._annotate(n, args, kwargs, out)
+        ann = self.anns[n]
+        if n in self.data and isinstance(out, torch.Tensor) and isinstance(ann, _Ann):
+            rank = self._rank(n)
+            for d, pieces in enumerate(ann.dims):
+                for p in pieces:
+                    self.probes.append((p.space, rank, self.order[n], Probe(n.name, d, p.start, p.outer, p.inner)))
+        return out
+
+    def _rank(self, n: torch.fx.Node) -> int:
+        """Where activation matching should rather look: 0 after an activation, 1 after a normalisation, 2 elsewhere."""
+        if n.op == "call_module":
+            mod = self.mods[str(n.target)]
+            if isinstance(mod, (nn.TransformerEncoderLayer, nn.TransformerEncoder)):  # ends with a LayerNorm unless norm_first
+                last = mod if isinstance(mod, nn.TransformerEncoderLayer) else mod.layers[-1]
+                return 1 if (isinstance(mod, nn.TransformerEncoder) and mod.norm is not None) or not getattr(last, "norm_first", True) else 2
+            return 0 if isinstance(mod, _ACT_MODULES) else 1 if isinstance(mod, _NORM_MODULES) else 3 if isinstance(mod, _PASS_MODULES) else 2
+        name = _op_name(n)
+        return 0 if name in _ACT_NAMES else 3 if name in _PASS_NAMES else 2
+
+    def _tensors(self, n: torch.fx.Node, args: Any, kwargs: Any) -> list[tuple[torch.Tensor, _Ann]]:
+        """Every tensor among a node's inputs, with its annotation."""
+        found: list[tuple[torch.Tensor, _Ann]] = []
+
+        def leaf(ann: Any, value: Any) -> None:
+            if isinstance(value, torch.Tensor):
+                found.append((value, ann if isinstance(ann, _Ann) else _Ann.empty(value.ndim)))
+            elif isinstance(value, (list, tuple)):
+                for i, v in enumerate(value):
+                    leaf(ann[i] if isinstance(ann, (list, tuple)) and i < len(ann) else None, v)
+
+        def walk(a: Any, v: Any) -> None:
+            if isinstance(a, torch.fx.Node):
+                leaf(self.anns.get(a), v)
+            elif isinstance(a, (list, tuple)) and isinstance(v, (list, tuple)):
+                for x, y in zip(a, v):
+                    walk(x, y)
+            elif isinstance(a, dict) and isinstance(v, dict):
+                for k in a:
+                    walk(a[k], v.get(k))
+
+        walk((n.args, n.kwargs), (args, kwargs))
+        return found
+
+    def _ann(self, arg: Any, value: Any) -> _Ann:
+        if isinstance(arg, torch.fx.Node) and isinstance(self.anns.get(arg), _Ann):
+            return self.anns[arg]
+        return _Ann.empty(value.ndim if isinstance(value, torch.Tensor) else 0)
+
+    @staticmethod
+    def _empty(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return _Ann.empty(value.ndim)
+        if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+            return tuple(_Analysis._empty(v) for v in value)
+        return None
+
+    def _fix_all(self, tensors: Sequence[tuple[torch.Tensor, _Ann]], reason: str) -> None:
+        for _, ann in tensors:
+            for p in ann.pieces():
+                self.sp.fix(p.space, reason)
+
+    def _key(self, p: _Piece) -> tuple[int, int, int, int]:
+        return (p.start, p.outer, p.inner, self.sp.size(p.space))
+
+    def _merge_dim(self, where: str, entries: Sequence[tuple[Sequence[_Piece], int]], length: int) -> tuple[_Piece, ...]:
+        """The pieces of one output axis of an elementwise op, from its inputs' pieces on that axis (``entries``:
+        pieces and the input's length there). Equal layouts join; a layout only some inputs have is fixed."""
+        full = [pieces for pieces, size in entries if size == length and length > 1]
+        for pieces, size in entries:
+            if size != length:  # broadcast from length 1: no units there
+                for p in pieces:
+                    self.sp.fix(p.space, f"{where}: broadcasts these units")
+        keys: dict[tuple[int, int, int, int], list[int]] = {}
+        for pieces in full:
+            for p in pieces:
+                keys.setdefault(self._key(p), []).append(p.space)
+        out = []
+        for key, spaces in keys.items():
+            if len(spaces) == len(full):
+                for s in spaces[1:]:
+                    self.sp.merge(spaces[0], s, where)
+                out.append(_Piece(spaces[0], key[0], key[1], key[2]))
+            else:
+                for s in spaces:
+                    self.sp.fix(s, f"{where}: combines these units elementwise with values that are not permuted alike")
+        return tuple(out)
+
+    def _elementwise(self, where: str, inputs: Sequence[tuple[Sequence[int], _Ann]], shape: Sequence[int]) -> _Ann:
+        """Broadcasting elementwise op of tensors of ``shape``s (right-aligned) into ``shape``."""
+        ndim = len(shape)
+        dims = []
+        for d in range(ndim):
+            entries = []
+            for in_shape, ann in inputs:
+                k = d - (ndim - len(in_shape))
+                if k >= 0:
+                    entries.append((ann.dims[k], int(in_shape[k])))
+            dims.append(self._merge_dim(where, entries, int(shape[d])))
+        return _Ann(tuple(dims))
+
+    # -- dispatch ---------------------------------------------------------------------------------------------------
+
+    def _annotate(self, n: torch.fx.Node, args: Any, kwargs: Any, out: Any) -> Any:
+        if n.op == "placeholder":
+            if not isinstance(out, torch.Tensor):
+                return None
+            reason = f"model input ({n.name})"
+            return _Ann(((),) + tuple(self.sp.pieces(self.sp.new(size, f"{n.name}.{d}", "input", fixed=reason))
+                                      for d, size in enumerate(out.shape) if d > 0))
+        if n.op == "get_attr":
+            if not isinstance(out, torch.Tensor):
+                return None
+            key = str(n.target)
+            dims = []
+            for d, size in enumerate(out.shape):
+                s = self.sp.new(size, f"{key}[{d}]", "parameter", soft=True)
+                self.sp.add_axis(s, key, d)
+                dims.append(self.sp.pieces(s))
+            return _Ann(tuple(dims))
+        if n.op == "output":
+            for _, ann in self._tensors(n, args, kwargs):
+                for p in ann.pieces():
+                    self.sp.fix(p.space, f"model output ({n.args[0]})")
+            return None
+        where = n.name
+        tensors = self._tensors(n, args, kwargs)
+        if n.op == "call_module":
+            return self._module(n, self.mods[str(n.target)], args, kwargs, tensors, out)
+        if not any(True for _, ann in tensors for _ in ann.pieces()):
+            return self._empty(out)
+        name = _op_name(n)
+        if name == "getitem" and isinstance(args[0], (list, tuple)):
+            held = self.anns.get(n.args[0]) if isinstance(n.args[0], torch.fx.Node) else None
+            if isinstance(held, (list, tuple)):
+                picked = held[args[1]]
+                return tuple(picked) if isinstance(picked, list) else picked
+            return self._empty(out)
+        if name in _META_NAMES and not (name == "getattr" and args[1] in ("T", "mT", "H", "mH")):
+            return self._empty(out)
+        if name in _ACT_NAMES or name in _PASS_NAMES:
+            return self._ann(n.args[0], args[0])
+        if name in _BINARY_NAMES:
+            shapes = [(tuple(t.shape), ann) for t, ann in tensors]
+            return self._elementwise(where, shapes, tuple(out.shape))
+        if name in ("cat", "concat", "concatenate", "stack"):
+            return self._cat(n, args, kwargs, out, stack=name == "stack")
+        if name in _REDUCE_NAMES:
+            return self._reduce(n, args, kwargs, out)
+        if name in _POOL_NAMES:
+            return self._pool(where, self._ann(n.args[0], args[0]), _POOL_NAMES[name])
+        if name in _MOVE_NAMES or name == "getattr":
+            return self._move(n, args, kwargs, out)
+        self._fix_all(tensors, f"{where}: {_describe_target(n)} is not known to commute with a permutation of these units")
+        return self._empty(out)
+
+    # -- functions --------------------------------------------------------------------------------------------------
+
+    def _cat(self, n: torch.fx.Node, args: Any, kwargs: Any, out: torch.Tensor, *, stack: bool) -> _Ann:
+        values = list(args[0])
+        nodes = list(n.args[0]) if isinstance(n.args[0], (list, tuple)) else []
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        anns = [self._ann(a, v) for a, v in zip(nodes, values)]
+        ndim = out.ndim
+        dim = dim % ndim
+        dims: list[tuple[_Piece, ...]] = []
+        for d in range(ndim):
+            if d == dim and stack:
+                dims.append(())
+                continue
+            k = d if not stack or d < dim else d - 1
+            if d == dim:
+                pieces: list[_Piece] = []
+                offset = 0
+                for v, ann in zip(values, anns):
+                    pieces.extend(p._replace(start=p.start + offset) for p in ann.dims[k])
+                    offset += v.shape[k]
+                dims.append(tuple(pieces))
+            else:
+                dims.append(self._merge_dim(n.name, [(ann.dims[k], v.shape[k]) for v, ann in zip(values, anns)], out.shape[d]))
+        return _Ann(tuple(dims))
+
+    def _reduce(self, n: torch.fx.Node, args: Any, kwargs: Any, out: Any) -> Any:
+        """A sum, mean or maximum over whole axes does not depend on the order of the units there; other axes keep theirs."""
+        x = args[0]
+        ann = self._ann(n.args[0], x)
+        dim = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], (int, list, tuple)) else None)
+        keepdim = bool(kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False))
+        if not isinstance(out, torch.Tensor):
+            return self._empty(out)
+        if dim is None:
+            return _Ann.empty(out.ndim)
+        reduced = {d % x.ndim for d in ((dim,) if isinstance(dim, int) else dim)}
+        dims = [() if d in reduced else ann.dims[d] for d in range(x.ndim) if keepdim or d not in reduced]
+        if len(dims) != out.ndim:
+            self._fix_all([(x, ann)], f"{n.name}: {_describe_target(n)} gave an unexpected shape")
+            return _Ann.empty(out.ndim)
+        return _Ann(tuple(dims))
+
+    def _pool(self, where: str, ann: _Ann, spatial: int) -> _Ann:
+        """Pooling: channels (and batch) pass through; units on the pooled axes are fixed."""
+        ndim = len(ann.dims)
+        for d in range(ndim - spatial, ndim):
+            for p in ann.dims[d]:
+                self.sp.fix(p.space, f"{where}: pools over these units")
+        return _Ann(tuple(ann.dims[d] if d < ndim - spatial else () for d in range(ndim)))
+
+    def _move(self, n: torch.fx.Node, args: Any, kwargs: Any, out: Any) -> Any:
+        """Reshape, permute, index...: run the op on tensors of unit labels and read where each space's units went."""
+        x = args[0]
+        if not isinstance(x, torch.Tensor):
+            return self._empty(out)
+        ann = self._ann(n.args[0], x)
+        if n.op == "call_method":
+            def call(lab: torch.Tensor) -> Any:
+                return getattr(lab, str(n.target))(*args[1:], **kwargs)
+        else:
+            def call(lab: torch.Tensor) -> Any:
+                return n.target(lab, *args[1:], **kwargs)  # type: ignore[operator]
+        return self._relabel(n.name, call, x, ann, out)
+
+    def _relabel(self, where: str, call: Callable[[torch.Tensor], Any], x: torch.Tensor, ann: _Ann, out: Any) -> Any:
+        outs = [out] if isinstance(out, torch.Tensor) else [o for o in out] if isinstance(out, (list, tuple)) else []
+        dims: list[list[list[_Piece]]] = [[[] for _ in range(o.ndim)] for o in outs]
+        for d, pieces in enumerate(ann.dims):
+            for p in pieces:
+                size = self.sp.size(p.space)
+                units = torch.full((x.shape[d],), -1, dtype=torch.long)
+                span = p.outer * size * p.inner
+                units[p.start:p.start + span] = torch.arange(size).repeat_interleave(p.inner).repeat(p.outer)
+                shape = [1] * x.ndim
+                shape[d] = -1
+                try:
+                    moved = call(units.view(shape).expand(x.shape).contiguous())
+                except (RuntimeError, TypeError, IndexError):
+                    self.sp.fix(p.space, f"{where}: could not follow these units through the op")
+                    continue
+                results = [moved] if isinstance(moved, torch.Tensor) else list(moved)
+                for k, r in enumerate(results):
+                    found = _read_units(r, size)
+                    if found is None:
+                        self.sp.fix(p.space, f"{where}: splits, selects or reorders these units")
+                    elif found:
+                        t, start, outer, inner = found
+                        dims[k][t].append(_Piece(p.space, start, outer, inner))
+        anns = [_Ann(tuple(tuple(ps) for ps in od)) for od in dims]
+        if isinstance(out, torch.Tensor):
+            return anns[0]
+        return tuple(anns) if isinstance(out, (list, tuple)) else None
+
+    # -- modules ----------------------------------------------------------------------------------------------------
+
+    def _module(self, n: torch.fx.Node, mod: nn.Module, args: Any, kwargs: Any, tensors: list[tuple[torch.Tensor, _Ann]], out: Any) -> Any:
+        name, where = str(n.target), n.name
+        x = args[0] if args else None
+        ann = self._ann(n.args[0], x) if args else _Ann.empty(0)
+        if isinstance(mod, nn.Linear):
+            return self._linear(name, mod, ann)
+        if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            return self._conv(where, name, mod, ann)
+        if isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)):
+            return self._batchnorm(name, mod, ann)
+        if isinstance(mod, nn.LayerNorm):
+            return self._layernorm(name, mod, ann)
+        if isinstance(mod, nn.GroupNorm):
+            return self._groupnorm(where, name, mod, ann)
+        if isinstance(mod, nn.Embedding):
+            s = self.sp.new(mod.embedding_dim, name, "features")
+            self.sp.add_axis(s, f"{name}.weight", 1)
+            return _Ann(ann.dims + (self.sp.pieces(s),))
+        if isinstance(mod, _ACT_MODULES + _PASS_MODULES):
+            return ann
+        if isinstance(mod, nn.PReLU):  # one slope, or one per channel (axis 1)
+            if mod.num_parameters > 1:
+                for p in ann.dims[1 if len(ann.dims) >= 2 else 0]:
+                    self.sp.add_axis(p.space, f"{name}.weight", 0, p.start, p.outer, p.inner)
+            return ann
+        if type(mod) in _POOL_MODULES:
+            return self._pool(where, ann, _POOL_MODULES[type(mod)])
+        if isinstance(mod, (nn.Flatten, nn.Unflatten)):
+            return self._relabel(where, mod, x, ann, out) if isinstance(x, torch.Tensor) else self._empty(out)
+        if isinstance(mod, (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)):
+            bound = inspect.signature(mod.forward).bind(*n.args, **n.kwargs).arguments
+            values = inspect.signature(mod.forward).bind(*args, **kwargs).arguments
+            if isinstance(mod, nn.MultiheadAttention):
+                q, k, v = (self._ann(bound[a], values[a]) for a in ("query", "key", "value"))
+                return self._attention(where, name, mod, q, k, v, out)
+            src = self._ann(bound["src"], values["src"])
+            shape = tuple(values["src"].shape)
+            if isinstance(mod, nn.TransformerEncoderLayer):
+                return self._encoder_layer(where, name, mod, src, shape)
+            return self._encoder(where, name, mod, src, shape)
+        if not any(True for _, a in tensors for _ in a.pieces()):
+            return self._empty(out)
+        self._fix_all(tensors, f"{where}: module {name} ({type(mod).__name__}) is not known to commute with a permutation of these units")
+        return self._empty(out)
+
+    def _linear(self, name: str, mod: nn.Linear, ann: _Ann) -> _Ann:
+        for p in ann.dims[-1]:
+            self.sp.add_axis(p.space, f"{name}.weight", 1, p.start, p.outer, p.inner)
+        s = self.sp.new(mod.out_features, name, "features")
+        self.sp.add_axis(s, f"{name}.weight", 0)
+        if mod.bias is not None:
+            self.sp.add_axis(s, f"{name}.bias", 0)
+        return _Ann(ann.dims[:-1] + (self.sp.pieces(s),))
+
+    def _conv(self, where: str, name: str, mod: nn.Conv1d | nn.Conv2d | nn.Conv3d, ann: _Ann) -> _Ann:
+        ndim, spatial = len(ann.dims), len(mod.kernel_size)
+        cdim = ndim - spatial - 1
+        for d in range(cdim + 1, ndim):
+            for p in ann.dims[d]:
+                self.sp.fix(p.space, f"{where}: {name} convolves over these units")
+        w, b = f"{name}.weight", f"{name}.bias"
+        groups, cin, cout = mod.groups, mod.in_channels, mod.out_channels
+        if groups == 1:
+            for p in ann.dims[cdim]:
+                self.sp.add_axis(p.space, w, 1, p.start, p.outer, p.inner)
+            s = self.sp.new(cout, name, "channels")
+            self.sp.add_axis(s, w, 0)
+            if mod.bias is not None:
+                self.sp.add_axis(s, b, 0)
+            channels = self.sp.pieces(s)
+        elif groups == cin and cout % cin == 0:  # depthwise: output channel c*k+m reads input channel c alone
+            k = cout // cin
+            pieces = []
+            for p in ann.dims[cdim]:
+                q = _Piece(p.space, p.start * k, p.outer, p.inner * k)
+                self.sp.add_axis(p.space, w, 0, q.start, q.outer, q.inner)
+                if mod.bias is not None:
+                    self.sp.add_axis(p.space, b, 0, q.start, q.outer, q.inner)
+                pieces.append(q)
+            channels = tuple(pieces)
+        else:
+            reason = f"{where}: grouped convolution {name} ({groups} groups of {cin // groups} channels)"
+            for p in ann.dims[cdim]:
+                self.sp.fix(p.space, reason)
+            s = self.sp.new(cout, name, "channels", fixed=reason)
+            self.sp.add_axis(s, w, 0)
+            if mod.bias is not None:
+                self.sp.add_axis(s, b, 0)
+            channels = ()
+        return _Ann(ann.dims[:cdim] + (channels,) + tuple(() for _ in range(spatial)))
+
+    def _batchnorm(self, name: str, mod: nn.Module, ann: _Ann) -> _Ann:
+        cdim = 1 if len(ann.dims) >= 2 else 0
+        for p in ann.dims[cdim]:
+            for attr in ("weight", "bias", "running_mean", "running_var"):
+                if getattr(mod, attr, None) is not None:
+                    self.sp.add_axis(p.space, f"{name}.{attr}", 0, p.start, p.outer, p.inner)
+        return ann
+
+    def _layernorm(self, name: str, mod: nn.LayerNorm, ann: _Ann) -> _Ann:
+        k = len(mod.normalized_shape)
+        for j in range(k):
+            for p in ann.dims[len(ann.dims) - k + j]:
+                for attr in ("weight", "bias"):
+                    if getattr(mod, attr, None) is not None:
+                        self.sp.add_axis(p.space, f"{name}.{attr}", j, p.start, p.outer, p.inner)
+        return ann
+
+    def _groupnorm(self, where: str, name: str, mod: nn.GroupNorm, ann: _Ann) -> _Ann:
+        cdim = 1
+        for p in ann.dims[cdim]:
+            if mod.num_groups in (1, mod.num_channels):
+                for attr in ("weight", "bias"):
+                    if getattr(mod, attr, None) is not None:
+                        self.sp.add_axis(p.space, f"{name}.{attr}", 0, p.start, p.outer, p.inner)
+            else:
+                self.sp.fix(p.space, f"{where}: {name} normalises groups of {mod.num_channels // mod.num_groups} channels")
+        return ann
+
+    def _attention(self, where: str, name: str, mod: nn.MultiheadAttention, q: _Ann, k: _Ann, v: _Ann, out: Any) -> Any:
+        """Self/cross attention: the embed dim in and out; heads (blocks of head_dim), Q/K's and V/out's head dims."""
+        E, H = mod.embed_dim, mod.num_heads
+        hd = E // H
+        key = lambda attr: f"{name}.{attr}"  # noqa: E731
+        if mod._qkv_same_embed_dim:
+            for p in self._merge_dim(where, [(q.dims[-1], E), (k.dims[-1], E), (v.dims[-1], E)], E):
+                self.sp.add_axis(p.space, key("in_proj_weight"), 1, p.start, p.outer, p.inner)
+            rows = [(key("in_proj_weight"), j * E) for j in range(3)]
+        else:
+            for ann, attr in ((q, "q_proj_weight"), (k, "k_proj_weight"), (v, "v_proj_weight")):
+                for p in ann.dims[-1]:
+                    self.sp.add_axis(p.space, key(attr), 1, p.start, p.outer, p.inner)
+            rows = [(key(attr), 0) for attr in ("q_proj_weight", "k_proj_weight", "v_proj_weight")]
+        for ann in (q, k, v):
+            for dim in ann.dims[:-1]:
+                for p in dim:
+                    self.sp.fix(p.space, f"{where}: attention {name} mixes positions along these units")
+        heads = self.sp.new(H, f"{name}.heads", "heads")
+        qk = self.sp.new(hd, f"{name}.qk_dims", "head_dims")
+        vo = self.sp.new(hd, f"{name}.vo_dims", "head_dims")
+        for j, ((wkey, start), dims) in enumerate(zip(rows, (qk, qk, vo))):
+            self.sp.add_axis(heads, wkey, 0, start, 1, hd)
+            self.sp.add_axis(dims, wkey, 0, start, H, 1)
+            if mod.in_proj_bias is not None:
+                self.sp.add_axis(heads, key("in_proj_bias"), 0, j * E, 1, hd)
+                self.sp.add_axis(dims, key("in_proj_bias"), 0, j * E, H, 1)
+        for attr, dims in (("bias_k", qk), ("bias_v", vo)):
+            if getattr(mod, attr, None) is not None:
+                self.sp.add_axis(heads, key(attr), 2, 0, 1, hd)
+                self.sp.add_axis(dims, key(attr), 2, 0, H, 1)
+        self.sp.add_axis(heads, key("out_proj.weight"), 1, 0, 1, hd)
+        self.sp.add_axis(vo, key("out_proj.weight"), 1, 0, H, 1)
+        s = self.sp.new(E, key("out_proj"), "features")
+        self.sp.add_axis(s, key("out_proj.weight"), 0)
+        if mod.out_proj.bias is not None:
+            self.sp.add_axis(s, key("out_proj.bias"), 0)
+        result = _Ann(tuple(() for _ in q.dims[:-1]) + (self.sp.pieces(s),))
+        if isinstance(out, (list, tuple)):
+            weights = out[1]
+            weights_ann = None
+            if isinstance(weights, torch.Tensor):
+                weights_ann = _Ann.empty(weights.ndim)
+                if weights.ndim == 4:  # per-head weights (average_attn_weights=False): the heads are visible
+                    weights_ann = _Ann(((), self.sp.pieces(heads), (), ()))
+            return (result, weights_ann)
+        return result
+
+    def _encoder_layer(self, where: str, name: str, mod: nn.TransformerEncoderLayer, x: _Ann, shape: tuple[int, ...]) -> _Ann:
+        def ln(attr: str, a: _Ann) -> _Ann:
+            return self._layernorm(f"{name}.{attr}", getattr(mod, attr), a)
+
+        def add(a: _Ann, b: _Ann) -> _Ann:
+            return self._elementwise(where, [(shape, a), (shape, b)], shape)
+
+        def attend(a: _Ann) -> _Ann:
+            return self._attention(where, f"{name}.self_attn", mod.self_attn, a, a, a, None)
+
+        def feed_forward(a: _Ann) -> _Ann:
+            hidden = self._linear(f"{name}.linear1", mod.linear1, a)
+            act = mod.activation
+            if not (act in (F.relu, F.gelu) or isinstance(act, _ACT_MODULES)):
+                for p in hidden.pieces():
+                    self.sp.fix(p.space, f"{where}: activation {act!r} of {name} is not known to act elementwise")
+            return self._linear(f"{name}.linear2", mod.linear2, hidden)
+
+        if mod.norm_first:
+            x = add(x, attend(ln("norm1", x)))
+            return add(x, feed_forward(ln("norm2", x)))
+        x = ln("norm1", add(x, attend(x)))
+        return ln("norm2", add(x, feed_forward(x)))
+
+    def _encoder(self, where: str, name: str, mod: nn.TransformerEncoder, x: _Ann, shape: tuple[int, ...]) -> _Ann:
+        for i, layer in enumerate(mod.layers):
+            x = self._encoder_layer(where, f"{name}.layers.{i}", layer, x, shape)
+        if mod.norm is not None:
+            if not isinstance(mod.norm, nn.LayerNorm):
+                for p in x.pieces():
+                    self.sp.fix(p.space, f"{where}: final norm of {name} is not a LayerNorm")
+                return _Ann.empty(len(shape))
+            x = self._layernorm(f"{name}.norm", mod.norm, x)
+        return x
+
+
+def _read_units(labels: torch.Tensor, size: int) -> tuple[int, int, int, int] | None | tuple[()]:
+    """Where a space's unit labels (``-1`` elsewhere) ended up: ``(dim, start, outer, inner)``; ``()`` if none of
+    them is there; ``None`` if they are not whole, or not along one axis in an order an :class:`AxisRef` can view."""
+    if labels.numel() == 0 or not bool((labels >= 0).any()):
+        return ()
+    varying = [d for d in range(labels.ndim) if labels.shape[d] > 1 and not torch.equal(labels, labels.narrow(d, 0, 1).expand_as(labels))]
+    if len(varying) != 1:
+        return None
+    t = varying[0]
+    line = labels.movedim(t, 0).reshape(labels.shape[t], -1)[:, 0]
+    where = torch.nonzero(line >= 0).flatten()
+    start, stop = int(where[0]), int(where[-1]) + 1
+    if stop - start != len(where):
+        return None
+    values = line[start:stop]
+    span = stop - start
+    inner = int(torch.cumprod((values == values[0]).long(), 0).sum())
+    if span % (size * inner):
+        return None
+    outer = span // (size * inner)
+    expected = torch.arange(size).repeat_interleave(inner).repeat(outer)
+    if not torch.equal(values, expected):
+        return None
+    return (t, start, outer, inner)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The spec
+
+
+def _aliases(model: nn.Module) -> tuple[dict[str, list[str]], dict[str, tuple[int, ...]]]:
+    state = model.state_dict(keep_vars=True)
+    by_storage: dict[tuple[int, tuple[int, ...]], list[str]] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.numel() > 0:
+            by_storage.setdefault((value.data_ptr(), tuple(value.shape)), []).append(key)
+    aliases = {k: keys for keys in by_storage.values() for k in keys}
+    return aliases, {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _compatible(a: AxisRef, b: AxisRef, size_a: int, size_b: int) -> bool:
+    """Two groups may both permute one axis if their segments are disjoint, or if one's units are whole blocks of
+    the other's (heads of head_dim dims and the dims within each head)."""
+    if a.start + a.span(size_a) <= b.start or b.start + b.span(size_b) <= a.start:
+        return True
+    if a.start != b.start or a.span(size_a) != b.span(size_b):
+        return False
+    return a.inner % (size_b * b.inner) == 0 or b.inner % (size_a * a.inner) == 0
+
+
+def _settle(sp: _Spaces) -> None:
+    """A weight axis reached twice with one layout (a shared module, a tied weight) joins the two spaces; with
+    layouts that cannot both apply, both are fixed."""
+    changed = True
+    while changed:
+        changed = False
+        seen: dict[tuple[str, int], list[tuple[int, AxisRef]]] = {}
+        for i, space in enumerate(sp.all):
+            if sp.find(i) != i:
+                continue
+            for axis in dict.fromkeys(space.axes):
+                for j, other in seen.get((axis.key, axis.dim), []):
+                    if sp.find(j) == i:
+                        continue
+                    if (other.start, other.outer, other.inner) == (axis.start, axis.outer, axis.inner) and sp.size(j) == space.size:
+                        sp.merge(j, i, f"{axis.key}[{axis.dim}] reached twice")
+                        changed = True
+                    elif not _compatible(axis, other, space.size, sp.size(j)):
+                        reason = f"{axis.key}[{axis.dim}] is used with two unit layouts"
+                        sp.fix(i, reason)
+                        sp.fix(j, reason)
+                seen.setdefault((axis.key, axis.dim), []).append((i, axis))
+            if changed:
+                break
+
+
+def derive_spec(model: nn.Module, example_input: torch.Tensor) -> PermutationSpec:
+    """The permutation groups of ``model``, derived from its ``torch.fx`` graph and one example batch.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Any module :func:`trace_model` can trace. Left as it was (its train/eval modes are restored).
+    example_input : torch.Tensor
+        A batch the model accepts (batch first; two samples or more), e.g. ``torch.randn(2, 1, 8, 8)``.
+
+    Returns
+    -------
+    PermutationSpec
+        One group per space of units that can be reordered together (named after the first module that writes them,
+        e.g. ``layer1.0.conv1``; attention adds ``<attn>.heads``, ``<attn>.qk_dims`` and ``<attn>.vo_dims``), each
+        with the probes (nodes of :func:`trace_model`'s graph) where activation matching can observe its units: the
+        outputs of activations where there are some, else of normalisations, else of any node carrying the units.
+        ``fixed`` lists every weight axis left unpermuted, with the reason (naming the graph node), and which of its
+        units when only a segment of it is fixed (e.g. one input of a concatenation).
+
+    Raises
+    ------
+    InputError
+        When the model cannot be traced, or does not accept ``example_input``.
+    """
+    gm = trace_model(model)
+    aliases, shapes = _aliases(model)
+    analysis = _Analysis(gm, aliases)
+    modes = _modes(model)
+    model.eval()
+    try:
+        with torch.no_grad():
+            analysis.run(example_input)
+    except InputError:
+        raise
+    except Exception as exc:
+        message = (str(exc).strip().splitlines() or [""])[0][:160]
+        raise InputError("input", "an example batch the model accepts", f"shape {tuple(example_input.shape)}",
+                         f"{type(exc).__name__}: {message}") from None
+    finally:
+        _restore(modes)
+    sp = analysis.sp
+    _settle(sp)
+    for i, space in enumerate(sp.all):
+        if sp.find(i) == i and not space.fixed:
+            missing = next((a.key for a in space.axes if a.key not in shapes), None)
+            if missing is not None:
+                space.fixed = f"{missing} is not in the state dict"
+    probes: dict[int, list[tuple[int, int, Probe]]] = {}
+    for s, rank, order, probe in analysis.probes:
+        probes.setdefault(sp.find(s), []).append((rank, order, probe))
+    groups: list[PermGroup] = []
+    fixed: dict[tuple[str, int, str], FixedAxis] = {}
+    names: set[str] = set()
+    for i, space in enumerate(sp.all):
+        if sp.find(i) != i or space.size <= 1 or space.soft or not space.axes:
+            continue
+        axes = tuple(dict.fromkeys(space.axes))
+        if space.fixed:
+            for a in (a for a in axes if a.key in shapes):
+                part = "" if (a.start, a.outer, a.inner) == (0, 1, 1) and a.span(space.size) == shapes[a.key][a.dim] else \
+                    f" (units from {a.start}: {a.outer} x {space.size} x {a.inner})"
+                fixed.setdefault((a.key, a.dim, space.fixed + part), FixedAxis(a.key, a.dim, space.fixed + part))
+            continue
+        name, k = space.name, 2
+        while name in names:
+            name, k = f"{space.name}#{k}", k + 1
+        names.add(name)
+        found = probes.get(i, [])
+        best = min((r for r, _, _ in found), default=None)
+        chosen = tuple(dict.fromkeys(p for r, _, p in sorted(found, key=lambda x: x[1]) if r == best))
+        groups.append(PermGroup(name, space.size, axes, chosen, space.kind))
+    spec = PermutationSpec(tuple(groups), tuple(fixed.values()))
+    spec.check(shapes, where="derived spec")
+    return spec
