@@ -200,8 +200,6 @@ def build_architecture(architecture: str, *, input_shape: Sequence[int] | None =
     dataset : str
         Gives the default sample shape and the number of classes (registry and torchvision models).
     """
-    import importlib
-
     from rayfuse.config import ModelConfig, pydantic_input_error
     from rayfuse.data.datasets import load_dataset
     from rayfuse.errors import suggest
@@ -234,19 +232,9 @@ def build_architecture(architecture: str, *, input_shape: Sequence[int] | None =
             return _build_torchvision(name, shape, num_classes, **kwargs), shape
         except (TypeError, ValueError) as exc:
             raise InputError("args", f"arguments torchvision's {name} accepts", kwargs, str(exc).splitlines()[0][:120]) from None
-    try:
-        cls = getattr(importlib.import_module(prefix), name)
-    except (ImportError, AttributeError) as exc:
-        raise InputError("architecture", "an importable module:Class", architecture, f"{type(exc).__name__}: {exc}") from None
-    try:
-        model = cls(**kwargs)
-    except Exception as exc:  # the user's constructor: one line naming it
-        raise InputError("args", f"arguments {architecture} accepts", kwargs, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}") from None
-    from torch import nn
+    from rayfuse.models.architecture import build_architecture as build_named
 
-    if not isinstance(model, nn.Module):
-        raise InputError("architecture", "a class building a torch.nn.Module", architecture, f"it built a {type(model).__name__}")
-    return model, shape
+    return build_named(architecture, kwargs, where="architecture", args_where="args"), shape
 
 
 def symmetry(architecture: str, *, input_shape: Sequence[int] | None = None, dataset: str = "digits",

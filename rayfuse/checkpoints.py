@@ -246,6 +246,7 @@ def _aligned(kind: str) -> Callable[[list[dict[str, np.ndarray]], list[BaseModel
 
         p = cast(AlignParams, method)
         spec = _spec_for(inputs, p)
+        X, y = inputs.X, inputs.y  # present whenever the parameters need data (Fuser.needs, checked at load)
         weights = [cast(OptionalWeight, m).weight for m in per_model]
         if kind == "weight_matching":
             alignment = weight_matching(params, spec, weights=weights, max_sweeps=p.max_sweeps, inner_sweeps=p.inner_sweeps,
@@ -259,21 +260,27 @@ def _aligned(kind: str) -> Callable[[list[dict[str, np.ndarray]], list[BaseModel
         elif p.merge == "fisher":
             from rayfuse.alignment import diagonal_fisher
 
-            fishers = [diagonal_fisher(_with(inputs.model, a), inputs.X, inputs.y, batch_size=p.batch_size) for a in aligned]
+            fishers = [diagonal_fisher(_with(inputs.model, a), _given(X), _given(y), batch_size=p.batch_size) for a in aligned]
             fused = merge_fisher(aligned, fishers, weights)
         else:
             from rayfuse.alignment import input_grams
 
-            grams = [input_grams(_with(inputs.model, a), inputs.X, batch_size=p.batch_size)[0] for a in aligned]
+            grams = [input_grams(_with(inputs.model, a), _given(X), batch_size=p.batch_size)[0] for a in aligned]
             fused = merge_regmean(aligned, grams, weights, alpha=p.regmean_alpha)
         if p.repair:
             from rayfuse.alignment import apply_batchnorm, batchnorm_statistics, combine_batchnorm
 
-            stats = batchnorm_statistics(_with(inputs.model, fused), inputs.X, batch_size=p.batch_size)
+            stats = batchnorm_statistics(_with(inputs.model, fused), _given(X), batch_size=p.batch_size)
             fused = apply_batchnorm(fused, combine_batchnorm([stats]))
         return fused
 
     return fuse
+
+
+def _given(array: np.ndarray | None) -> np.ndarray:
+    if array is None:  # Fuser.needs makes the fuse file give data for every parameter that uses it
+        raise InputError("data", "a sample (data: {path: sample.npz}) for this method's parameters")
+    return array
 
 
 def _with(model: Any, params: Mapping[str, np.ndarray]) -> Any:
@@ -304,7 +311,7 @@ class _LocalCorrelations:
 
         ref = _with(self.inputs.model, reference)
         graph = trace_model(ref)
-        return [collect_correlations(ref, own, self.spec, graph, g, self.inputs.X, batch_size=self.batch_size)
+        return [collect_correlations(ref, own, self.spec, graph, g, _given(self.inputs.X), batch_size=self.batch_size)
                 for own, g in zip(self.own, self.graphs)]
 
 

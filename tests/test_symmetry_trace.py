@@ -290,7 +290,7 @@ def test_the_symmetry_command(capsys, tmp_path, monkeypatch):
     assert main(["symmetry", "mynet:Net", "--args", '{"width": 5}']) == 0
     assert capsys.readouterr().out.startswith("1 permutation groups, 5 units")
     for argv, message in ((["symmetry", "rescn"], "architecture: expected a registry model"),
-                          (["symmetry", "nosuchmodule:Net"], "architecture: expected an importable module:Class"),
+                          (["symmetry", "nosuchmodule:Net"], "architecture: expected an importable module 'nosuchmodule'"),
                           (["symmetry", "mynet:Net", "--args", "{"], "--args: expected a JSON object"),
                           (["symmetry", "mlp", "--input-shape", "1,x"], "--input-shape: expected comma-separated")):
         assert main(argv) == 2

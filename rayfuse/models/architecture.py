@@ -63,13 +63,16 @@ def resolve_architecture(ref: str, *, where: str = "architecture") -> Any:
     return obj
 
 
-def build_architecture(ref: str, args: Mapping[str, Any] | None = None, *, where: str = "architecture") -> nn.Module:
-    """``resolve_architecture(ref)(**args)``, in eval mode; the result must be an ``nn.Module``."""
+def build_architecture(ref: str, args: Mapping[str, Any] | None = None, *, where: str = "architecture",
+                       args_where: str | None = None) -> nn.Module:
+    """``resolve_architecture(ref)(**args)``, in eval mode; the result must be an ``nn.Module``. Errors name ``where``
+    (the reference) and ``args_where`` (the arguments; default ``<where>_args``)."""
     factory = resolve_architecture(ref, where=where)
     try:
         model = factory(**dict(args or {}))
     except Exception as exc:  # the user's constructor: one line naming it
-        raise InputError(f"{where}_args", f"keyword arguments {ref} accepts", f"{type(exc).__name__}: {exc}") from None
+        raise InputError(args_where or f"{where}_args", f"keyword arguments {ref} accepts",
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}") from None
     if not isinstance(model, nn.Module):
         raise InputError(where, "a class or function returning a torch.nn.Module", type(model).__name__)
     return model.eval()

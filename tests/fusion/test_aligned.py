@@ -62,7 +62,7 @@ def test_the_batchnorm_reply_is_a_count_a_mean_and_a_variance_per_layer(coordina
                         train={"epochs": 1})
     fused = coord.reference_params()
     reply = coord.federation.run(batchnorm, fused, label="aligned", samples=None, batch_size=64).results
-    for client, stats in reply.items():
+    for stats in reply.values():
         for name, s in stats.items():
             assert set(s) == {"count", "mean", "var"} and np.shape(s["count"]) == ()
             assert np.shape(s["mean"]) == np.shape(s["var"]) == np.shape(fused[f"{name}.running_mean"])

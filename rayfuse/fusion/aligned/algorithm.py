@@ -182,9 +182,10 @@ class Aligned(Method):
     multi_round = True
 
     @classmethod
-    def check(cls, params: AlignedParams, setup: RunSetup) -> None:
+    def check(cls, params: MethodParams, setup: RunSetup) -> None:
         from rayfuse.models import build_model
 
+        assert isinstance(params, AlignedParams)
         model = build_model(setup.model, setup.input_shape, setup.num_classes, seed=0)
         derive_run_spec(model, setup.input_shape, params.spec)
 
