@@ -22,7 +22,7 @@ from rayfuse.alignment._common import Params, check_models, normalize_weights, r
 from rayfuse.alignment.weight import Alignment, match_weights
 from rayfuse.errors import InputError, suggest
 from rayfuse.matching import Executor, solve_assignments
-from rayfuse.symmetry import Perms, PermutationSpec, Probe
+from rayfuse.symmetry import PermGroup, Perms, PermutationSpec, Probe
 
 __all__ = ["GroupStats", "collect_correlations", "solve_activation_perms", "activation_matching"]
 
@@ -213,6 +213,20 @@ def collect_correlations(reference: nn.Module, own: nn.Module, spec: Permutation
             for name, parts in acc.items()}
 
 
+_TIE_WEIGHT = 1e-3
+
+
+def unit_similarity(reference: Mapping[str, np.ndarray], model: Mapping[str, np.ndarray], group: PermGroup) -> np.ndarray:
+    """The cosine similarity of the two models' units by their weights, each unit's values along each of the group's
+    axes sorted (so the other groups' permutations do not matter): ``(size, size)``, reference units as rows."""
+    def rows(params: Mapping[str, np.ndarray]) -> np.ndarray:
+        parts = [np.sort(axis.view(np.asarray(params[axis.key], dtype=np.float64), group.size), axis=1) for axis in group.axes]
+        r = np.concatenate(parts, axis=1)
+        return r / np.maximum(np.linalg.norm(r, axis=1, keepdims=True), 1e-12)
+
+    return rows(reference) @ rows(model).T
+
+
 def solve_activation_perms(stats: Mapping[str, GroupStats], *, executor: Executor | None = None) -> Perms:
     """Per group, the permutation ``p`` that maximises the summed correlation of own unit ``p[i]`` with reference unit
     ``i`` (so ``spec.apply(own, p)`` is in the reference's frame); the groups are solved through ``executor`` in
@@ -220,16 +234,22 @@ def solve_activation_perms(stats: Mapping[str, GroupStats], *, executor: Executo
     return solve_activation_perms_many([stats], executor=executor)[0]
 
 
-def solve_activation_perms_many(stats: Sequence[Mapping[str, GroupStats]], *, executor: Executor | None = None) -> list[Perms]:
+def solve_activation_perms_many(stats: Sequence[Mapping[str, GroupStats]], *, executor: Executor | None = None,
+                                ties: Sequence[Mapping[str, np.ndarray]] | None = None) -> list[Perms]:
     """:func:`solve_activation_perms` for several models at once: every (model, group) problem of a sweep goes to
-    ``executor`` in one batched call (on Ray: a few tasks for the whole sweep, not one round trip per model)."""
+    ``executor`` in one batched call (on Ray: a few tasks for the whole sweep, not one round trip per model).
+
+    ``ties``: per model and group, a similarity in ``[-1, 1]`` that decides between units the activations cannot tell
+    apart (a unit that never varies on the data correlates with nothing); weighted ``1e-3``, it changes no assignment
+    the correlations decide."""
     problems = [(k, name) for k, model_stats in enumerate(stats) for name in model_stats]
     costs = []
     for k, name in problems:
         corr = stats[k][name].correlation()
         if not np.isfinite(corr).all():
             raise InputError(f"stats.{k}.{name}", "finite statistics", "NaN or infinite correlations")
-        costs.append(-corr)
+        tie = ties[k].get(name) if ties is not None else None
+        costs.append(-corr if tie is None else -(corr + _TIE_WEIGHT * tie))
     found: list[Perms] = [{} for _ in stats]
     for (k, name), perm in zip(problems, solve_assignments(costs, executor)):
         found[k][name] = perm
@@ -295,7 +315,8 @@ def activation_matching(models: Sequence[Mapping[str, np.ndarray]], spec: Permut
                     raise InputError(f"stats.{k}.{name}", f"statistics of {sizes[name]} units", s.size)
         new: list[Perms] = []
         scores = []
-        for model, stats, found in zip(models, collected, solve_activation_perms_many(collected, executor=executor)):
+        ties = [{name: unit_similarity(reference, model, spec.group(name)) for name in stats} for model, stats in zip(models, collected)]
+        for model, stats, found in zip(models, collected, solve_activation_perms_many(collected, executor=executor, ties=ties)):
             scores.append(float(np.mean([stats[n].correlation()[np.arange(sizes[n]), p].mean() for n, p in found.items()]))
                           if found else 0.0)
             model_perms = {**spec.identity(), **found}
