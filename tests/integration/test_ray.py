@@ -178,3 +178,15 @@ def test_fedref_and_fedadam_on_ray_equal_the_in_process_run(ray_session, make_co
         assert params_equal(load_params(tmp_path / "ray" / "models" / f"{label}.safetensors"),
                             load_params(tmp_path / "local" / "models" / f"{label}.safetensors")), label
         assert on_ray["methods"][label]["accuracy"] == in_process["methods"][label]["accuracy"]
+
+
+def test_aligned_fusion_on_ray_equals_the_in_process_run(ray_session, make_config, tmp_path):
+    """Statistics computed by the client actors, assignments solved by Ray tasks (parallel_map): the same numbers."""
+    methods = {"act": {"method": "aligned", "sweeps": 2}, "wm": {"method": "aligned", "alignment": "weight", "merge": "fisher"}}
+    sections = {"methods": methods, "train": {"epochs": 2, "shared_init": False}}
+    on_ray = ray_run(make_config(federation={"backend": "ray"}, **sections), tmp_path / "ray")
+    local = run_experiment(make_config(**sections), InProcessBackend(), tmp_path / "local", printer=Printer(enabled=False), show_tables=False)
+    for label in methods:
+        assert on_ray["methods"][label]["accuracy"] == local["methods"][label]["accuracy"], label
+        assert params_equal(load_params(tmp_path / "ray" / "models" / f"{label}.safetensors"),
+                            load_params(tmp_path / "local" / "models" / f"{label}.safetensors")), label
