@@ -16,8 +16,17 @@
 readable, and every model holding the same tensor names and shapes as the first -- and fails with one line (exit 2)
 before it fuses anything. Model files are read with ``safetensors`` or ``torch.load(weights_only=True)`` only.
 
-Only methods that need no client data can run here. Matching-based methods (KL-fusion on neurons, PFNM-style
-matching) register in :data:`FUSERS` with :func:`register_fuser` when they land.
+Aligned fusion of any architecture (``weight_matching``, ``activation_matching``) takes the models' class and, where
+its parameters need it, a data sample::
+
+    merge_method: activation_matching
+    architecture: mypkg.models:ResNetTiny    # or torchvision:<name>
+    architecture_args: {num_classes: 10}
+    data: {path: sample.npz}                 # arrays X (as the model takes them) and y
+    parameters: {merge: average, repair: true}
+
+Every checkpoint is checked against the architecture tensor by tensor, and the data against the model, before
+anything is fused. Methods register in :data:`FUSERS` with :func:`register_fuser`.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 # The quickstart's methods (jobs/quickstart.yaml spells out the same job; a test keeps the two equal).
-DEFAULT_METHODS: dict[str, dict[str, Any]] = {"local": {}, "average": {}, "ensemble": {}, "fedavg": {}, "global": {}}
+DEFAULT_METHODS: dict[str, dict[str, Any]] = {"local": {}, "average": {}, "ensemble": {}, "aligned": {}, "fedavg": {}, "global": {}}
 
 
 class StrictModel(BaseModel):
@@ -238,7 +238,7 @@ class PartitionConfig(StrictModel):
 
 class ModelConfig(StrictModel):
     name: str = Field("mlp", description="logreg | mlp | cnn | rescnn | vgg | transformer | torchvision:<name> (e.g. torchvision:resnet18)")
-    hidden: list[int] = Field(default_factory=lambda: [64], description="mlp, vgg: hidden layer widths; transformer: [width, feed-forward width]")
+    hidden: list[int] = Field(default_factory=lambda: [64, 64], description="mlp, vgg: hidden layer widths; transformer: [width, feed-forward width]")
     channels: list[int] = Field(default_factory=lambda: [16, 32], description="cnn, rescnn, vgg: channels of the 3x3 conv layers")
     heads: int = Field(2, ge=1, description="transformer: attention heads (a divisor of hidden[0])")
     depth: int = Field(2, ge=1, le=64, description="transformer: encoder layers")
@@ -305,7 +305,8 @@ class TrainConfig(StrictModel):
     lr: float = Field(5e-3, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1, description="sgd momentum")
     weight_decay: float = Field(0.0, ge=0)
-    shared_init: bool = Field(True, description="all clients start from the same seeded initialisation")
+    shared_init: bool = Field(False, description="all clients start from one seeded initialisation (default: each its own, as "
+                                                 "models trained apart do; aligned fusion is for that case)")
 
 
 class ResourcesConfig(StrictModel):

@@ -15,7 +15,7 @@ TINY: dict[str, Any] = {
     "data": {"dataset": "digits"},
     "partition": {"method": "dirichlet", "num_clients": 4, "alpha": 0.5},
     "model": {"name": "mlp", "hidden": [16]},
-    "train": {"epochs": 3},
+    "train": {"epochs": 3, "shared_init": True},
     "federation": {"backend": "local", "ray_init": {"num_cpus": 2, "include_dashboard": False}},
     "methods": {
         "local": {},

@@ -205,8 +205,9 @@ def test_quickstart_methods_are_the_default_methods():
 def test_defaults_by_hand():
     resolved = resolved_config(ExperimentConfig())
     assert resolved["data"]["dataset"] == "digits" and resolved["partition"]["method"] == "dirichlet"
-    assert resolved["partition"]["num_clients"] == 5 and resolved["model"]["hidden"] == [64]
-    assert list(resolved["methods"]) == ["local", "average", "ensemble", "fedavg", "global"]
+    assert resolved["partition"]["num_clients"] == 5 and resolved["model"]["hidden"] == [64, 64]
+    assert resolved["train"]["shared_init"] is False
+    assert list(resolved["methods"]) == ["local", "average", "ensemble", "aligned", "fedavg", "global"]
     assert resolved["methods"]["fedavg"]["rounds"] == 20 and resolved["methods"]["fedavg"]["local_epochs"] == 2
 
 
