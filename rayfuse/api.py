@@ -167,7 +167,7 @@ def resume(run_dir: str | Path, *, overrides: Sequence[str] = (), quiet: bool = 
     return _execute(prepare_run(cfg), Path(run_dir), resume=True, quiet=quiet, verbose=verbose, by_value=())
 
 
-def fuse_checkpoints(config: str | Path, out: str | Path | None = None) -> dict[str, Any]:
+def fuse_checkpoints(config: str | Path | Mapping[str, Any], out: str | Path | None = None) -> dict[str, Any]:
     """Fuse checkpoints trained elsewhere (``rayfuse fuse``): every check first, then load, fuse and write.
 
     Returns the summary: ``method``, ``models`` (how many), ``tensors``, ``parameters`` and ``output`` (the file).
@@ -177,10 +177,16 @@ def fuse_checkpoints(config: str | Path, out: str | Path | None = None) -> dict[
     return run_fuse(load_fuse_config(config, None if out is None else str(out)))
 
 
-def fuse(config: str | Path, out: str | Path | None = None) -> Path:
-    """Fuse the checkpoints a fuse config (mergekit-style YAML) names; return the fused ``.safetensors`` file.
+def fuse(config: str | Path | Mapping[str, Any], out: str | Path | None = None) -> Path:
+    """Fuse the checkpoints a fuse config names (a mergekit-style YAML file, or the same keys as a dict whose relative
+    paths start from the working directory); return the fused ``.safetensors`` file.
 
-    ``out`` overrides the config's ``output:``. Raises :class:`InputError` before anything is written.
+    ``out`` overrides the config's ``output:``. Raises :class:`InputError` before anything is written. For example,
+    aligned fusion of three checkpoints of a user's class::
+
+        rayfuse.fuse({"merge_method": "activation_matching", "architecture": "mypkg.models:Net",
+                      "models": [{"model": "a.safetensors"}, {"model": "b.safetensors"}, {"model": "c.pt"}],
+                      "data": {"path": "sample.npz"}, "output": "fused.safetensors"})
     """
     return Path(fuse_checkpoints(config, out)["output"])
 

@@ -359,22 +359,27 @@ def _validate(schema: type[_Schema], data: Mapping[str, Any], file: Path, prefix
         raise InputError(f"{file}: {err.path}", err.expected, err.got, err.hint) from None
 
 
-def load_fuse_config(path: str | Path, output: str | Path | None = None) -> FuseSpec:
-    """Read and validate a fuse config (files are checked to exist, not yet read)."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(str(path), "an existing fuse config YAML", "no such file")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError:
-        raise InputError(str(path), "valid YAML", "a syntax error") from None
+def load_fuse_config(config: str | Path | Mapping[str, Any], output: str | Path | None = None) -> FuseSpec:
+    """Read and validate a fuse config, a YAML file or the same as a dict (its relative paths then from the working
+    directory); files are checked to exist, not yet read."""
+    if isinstance(config, Mapping):
+        raw: Any = dict(config)
+        path = Path("<fuse config>")  # names the errors; relative paths resolve from the working directory
+    else:
+        path = Path(config)
+        if not path.is_file():
+            raise InputError(str(path), "an existing fuse config YAML", "no such file")
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError:
+            raise InputError(str(path), "valid YAML", "a syntax error") from None
     if not isinstance(raw, Mapping):
         raise InputError(str(path), "a mapping (merge_method, models, output...)", type(raw).__name__)
     spec = _validate(_FuseFile, raw, path)
     name = _ALIASES.get(spec.merge_method, spec.merge_method)
     if name not in FUSERS:
         names = sorted([*FUSERS, *_ALIASES])
-        raise InputError(f"{path}: merge_method", f"a data-free method in {{{', '.join(names)}}}", spec.merge_method,
+        raise InputError(f"{path}: merge_method", f"a fuse method in {{{', '.join(names)}}}", spec.merge_method,
                          suggest(spec.merge_method, names).strip(" ()") or "methods that need client data run in a federation (rayfuse run)")
     fuser = FUSERS[name]
     params = _validate(fuser.Params, spec.parameters, path, "parameters")

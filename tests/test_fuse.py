@@ -94,7 +94,7 @@ BAD = [
     ("mismatched names", bad_keys, r"extra\.safetensors: expected the tensor names of a\.safetensors.*unexpected \['extra\.weight'\]"),
     ("pickled objects", pickle_file, r"evil\.pt: expected a PyTorch state_dict loadable with weights_only=True"),
     ("NaN values", nan_file, r"nan\.safetensors: 0\.bias: expected finite values"),
-    ("unknown method", lambda t: {"merge_method": "avrage"}, r"merge_method: expected a data-free method.*did you mean 'average'"),
+    ("unknown method", lambda t: {"merge_method": "avrage"}, r"merge_method: expected a fuse method.*did you mean 'average'"),
     ("method needing data", lambda t: {"merge_method": "fedavg"}, r"merge_method: .*run in a federation"),
     ("missing weight", lambda t: {"merge_method": "weighted_average"}, r"models\.0\.parameters\.weight: expected this required key"),
     ("weight on average", lambda t: {"models": [{"model": "a.safetensors", "parameters": {"weight": 2}}]},
@@ -240,3 +240,14 @@ def test_matching_without_what_it_needs_is_one_line(arch_files, fields, message)
     with pytest.raises(InputError, match="^(.*/)?" + message):
         run_fuse(load_fuse_config(path))
     assert not (arch_files / "fused.safetensors").exists()
+
+
+def test_the_python_api_fuses_from_a_dict_with_paths_from_the_working_directory(arch_files):
+    import rayfuse
+
+    out = rayfuse.fuse({"merge_method": "weight_matching", "architecture": "mynets:Net", "input_shape": [3],
+                        "models": [{"model": "n0.safetensors"}, {"model": "n1.safetensors"}], "output": "api.safetensors"})
+    assert out == arch_files / "api.safetensors" or out.resolve() == (arch_files / "api.safetensors").resolve()
+    assert set(load_params(out)) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    with pytest.raises(InputError, match=r"^<fuse config>: models\.1\.model: expected an existing model file"):
+        rayfuse.fuse({"merge_method": "average", "models": [{"model": "n0.safetensors"}, {"model": "nope.safetensors"}], "output": "x.safetensors"})
