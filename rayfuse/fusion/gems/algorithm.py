@@ -404,10 +404,10 @@ class GEMS(Method):
         C, D = next(iter(balls.values()))["shape"]
         out_w, out_b = unflatten_linear(point, C, D)
         params: dict[str, np.ndarray] = {}
-        for layer, (w, b) in zip([*structure.hidden, structure.output_layer], [*fused, (out_w, out_b)], strict=True):
-            params[layer.weight] = w
-            if layer.bias is not None:
-                params[layer.bias] = b
+        for graph_layer, (w, b) in zip([*structure.hidden, structure.output_layer], [*fused, (out_w, out_b)], strict=True):
+            params[graph_layer.weight] = w
+            if graph_layer.bias is not None:
+                params[graph_layer.bias] = b
         info.update(shape=args["shape"], epsilon=args["epsilon"], hidden_units=[len(b) for _, b in fused], layers=layers_info,
                     local_hidden_units=hidden, ensemble_hidden_units=[K * h for h in hidden])
         return params, info
