@@ -36,7 +36,7 @@ from rayfuse.errors import InputError
 from rayfuse.symmetry.spec import PermGroup, PermutationSpec
 from rayfuse.symmetry.trace import derive_spec, trace_model
 
-__all__ = ["Layer", "ModelStructure", "LAYER_TYPES", "read_structure", "build_node_graph", "resize_model"]
+__all__ = ["Layer", "ModelStructure", "LAYER_TYPES", "read_structure", "read_output_module", "build_node_graph", "resize_model"]
 
 #: Modules listed as layers: they write the units a permutation group reorders.
 LAYER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -211,6 +211,32 @@ def _feature_map(features: torch.fx.Node, hidden: set[torch.fx.Node], modules: M
     return node.name
 
 
+def _output_node(gm: torch.fx.GraphModule, model: nn.Module) -> torch.fx.Node:
+    """The one layer node the graph's output is computed from with no other layer in between."""
+    modules = dict(gm.named_modules())
+    found: list[torch.fx.Node] = []
+    seen: set[torch.fx.Node] = set()
+    stack = [n for n in gm.graph.nodes if n.op == "output"]
+    while stack:
+        for parent in stack.pop().all_input_nodes:
+            if parent in seen:
+                continue
+            seen.add(parent)
+            is_layer = parent.op == "call_module" and isinstance(modules[str(parent.target)], LAYER_TYPES)
+            (found if is_layer else stack).append(parent)
+    if len(found) != 1:
+        raise InputError("architecture", "a model whose output comes from one last Linear or convolution layer",
+                         f"{type(model).__name__} ({', '.join(str(n.target) for n in found) or 'no such layer'})")
+    return found[0]
+
+
+def read_output_module(model: nn.Module) -> tuple[str, nn.Module]:
+    """The name and module of ``model``'s output layer (as :func:`read_structure` finds it), from the graph alone: no
+    example input needed."""
+    node = _output_node(trace_model(model), model)
+    return str(node.target), model.get_submodule(str(node.target))
+
+
 def read_structure(model: nn.Module, example_input: torch.Tensor, *, spec: bool = True) -> ModelStructure:
     """The structure of ``model`` read from its ``torch.fx`` graph (see the module docstring).
 
@@ -241,20 +267,7 @@ def read_structure(model: nn.Module, example_input: torch.Tensor, *, spec: bool 
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     layer_nodes = [n for n in nodes if n.op == "call_module" and isinstance(modules[str(n.target)], LAYER_TYPES)]
-    output = next(n for n in nodes if n.op == "output")
-    found: list[torch.fx.Node] = []
-    seen: set[torch.fx.Node] = set()
-    stack = [output]
-    while stack:  # the layers the output is computed from with no other layer in between
-        for parent in stack.pop().all_input_nodes:
-            if parent in seen:
-                continue
-            seen.add(parent)
-            (found if parent in layer_nodes else stack).append(parent)
-    if len(found) != 1:
-        raise InputError("architecture", "a model whose output comes from one last Linear or convolution layer",
-                         f"{type(model).__name__} ({', '.join(str(n.target) for n in found) or 'no such layer'})")
-    out_node = found[0]
+    out_node = _output_node(gm, model)
     features = _first_input(out_node)
     if features is None:
         raise InputError("architecture", "an output layer that reads one tensor", str(out_node.target))

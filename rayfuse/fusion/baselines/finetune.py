@@ -21,8 +21,9 @@ utils/logit_ellipsoid.py]: Adam, batch 32, 5 epochs, with the optimiser each mod
 
 The last layer is the output layer of the model's ``torch.fx`` graph and a model of other widths than the
 configuration's (GEMS' fused networks) is rebuilt from its permutation groups' sizes (:mod:`rayfuse.symmetry`), so
-any registry model can be tuned, not only logreg and MLP. ``tune_lr`` and ``last_layer_only`` override these defaults. ``tune_solver: lbfgs`` fits a network's last layer to
-convergence instead of the 5 Adam epochs (``fit_last_layer``; a departure from the reference, offered beside it).
+any registry model can be tuned, not only logreg and MLP. ``tune_lr`` and ``last_layer_only`` override these
+defaults. ``tune_solver: lbfgs`` fits a network's last layer to convergence instead of the 5 Adam epochs
+(``fit_last_layer``; a departure from the reference, offered beside it).
 The reference draws the sample from the pooled validation data; here it is the coordinator's public sample
 (``data.public_size``, drawn stratified from the training pool before partitioning). ``public_samples`` takes a
 subset of it (uniformly, seeded), or a list of sizes for the fine-tuning curve of Figures 3-4
