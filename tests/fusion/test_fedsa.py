@@ -212,6 +212,38 @@ def test_a_torchvision_student_is_bridged_to_a_small_cnn_teacher():
     assert tuple(build_translator(shape, teacher_vector)(torch.randn(2, *shape)).shape) == (2, 32)
 
 
+class TinyConvNet(torch.nn.Module):
+    """A model FedSA knows nothing about: conv-ReLU twice, adaptive max pool, flatten, a classifier of two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 6, 3, stride=2, padding=1),
+                                        torch.nn.ReLU())
+        self.pool = torch.nn.AdaptiveMaxPool2d(1)
+        self.classify = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classify(self.pool(self.body(x)).flatten(1))
+
+
+@pytest.mark.parametrize(("model", "shape", "head"), [
+    (lambda: TinyConvNet(), (6, 4, 4), "classify.2"),
+    (lambda: build_model(ModelConfig(name="rescnn", channels=[4, 8]), (1, 8, 8), 10, seed=0), (8, 4, 4), "head"),
+    (lambda: build_model(ModelConfig(name="vgg", channels=[4, 8], hidden=[16]), (1, 8, 8), 10, seed=0), (8, 2, 2), "head"),
+    (lambda: build_model(ModelConfig(name="transformer", hidden=[8], heads=2, depth=1, patch_size=4), (1, 8, 8), 10, seed=0), (8,), "head"),
+], ids=["custom", "rescnn", "vgg", "transformer"])
+def test_the_representation_of_any_traceable_model_is_read_from_its_graph(model, shape, head):
+    model = model().eval()
+    x = torch.randn(3, 1, 8, 8)
+    assert representation_shape(model, (1, 8, 8)) == shape  # the last map before pooling / flatten, else the head's input
+    assert find_head(model) is model.get_submodule(head)
+    if isinstance(model, TinyConvNet):
+        with torch.no_grad():
+            assert torch.equal(hidden_representation(model, x), model.body(x))
+    (grad,) = torch.autograd.grad(hidden_representation(model, x.requires_grad_(True)).sum(), x)
+    assert grad.abs().sum() > 0
+
+
 # -- client steps: what comes back ------------------------------------------------------------------------------------
 
 
@@ -297,7 +329,8 @@ def test_gradcam_selection_runs(coordinator):
     (CNN, {"name": "cnn", "channels": [4, 8, 8]}),                      # deeper and narrower than the teachers
     ({"name": "mlp", "hidden": [32, 16]}, {"name": "mlp", "hidden": [8]}),  # vectors: a linear translator
     ({"name": "mlp", "hidden": [32]}, {"name": "torchvision:resnet18"}),     # a torchvision map pooled onto MLP vectors
-], ids=["deeper-cnn", "mlp", "resnet18-from-mlp"])
+    ({"name": "vgg", "channels": [4, 8], "hidden": [16]}, {"name": "rescnn", "channels": [4, 8]}),  # maps found in the graphs
+], ids=["deeper-cnn", "mlp", "resnet18-from-mlp", "rescnn-from-vgg"])
 def test_heterogeneous_students_are_distilled(coordinator, teachers, student):
     methods = {"fedsa": {**FAST, "rounds": 1, "k": 1, "student": student, "target_epochs": 1, "adapt_epochs": 1}}
     coord = coordinator(**teacher_job(model=teachers, methods=methods))

@@ -424,3 +424,26 @@ def test_tuning_without_a_public_sample(make_config):
     cfg = make_config(partition=LABELS2, model={"name": "logreg"}, methods={"tuned": {"base": "average"}})
     with pytest.raises(InputError, match="data.public_size"):
         prepare_run(cfg)
+
+
+def test_fine_tuning_any_registry_model_moves_only_the_output_layer_its_graph_names():
+    from rayfuse.config import ModelConfig
+    from rayfuse.fusion.baselines.finetune import fine_tune, model_for_params
+    from rayfuse.models import build_model, get_params, predict_proba
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(40, 1, 8, 8)).astype(np.float32)
+    y = rng.integers(0, 10, size=40)
+    cfg = ModelConfig(name="rescnn", channels=[4, 8])
+    params = get_params(build_model(cfg, (1, 8, 8), 10, seed=0))
+    args = dict(model_cfg=cfg, num_classes=10, epochs=2, lr=0.01, batch_size=16, seed=0)
+    head_only = fine_tune(params, X, y, last_layer_only=True, **args)
+    moved = {k for k in params if not np.array_equal(head_only[k], params[k]) and "running" not in k and "num_batches" not in k}
+    assert moved == {"head.weight", "head.bias"}
+    every = fine_tune(params, X, y, last_layer_only=False, **args)
+    assert not np.array_equal(every["stem.conv.weight"], params["stem.conv.weight"])
+    # a fused model of other widths (GEMS' are): the widths come from the spec's groups, read from the parameters
+    narrow = build_model(ModelConfig(name="rescnn", channels=[3, 5]), (1, 8, 8), 10, seed=1).eval()
+    model = model_for_params(get_params(narrow), cfg, (1, 8, 8), 10)
+    np.testing.assert_array_equal(predict_proba(model, X), predict_proba(narrow, X))
+

@@ -19,8 +19,11 @@ utils/logit_ellipsoid.py]: Adam, batch 32, 5 epochs, with the optimiser each mod
   after a few epochs on a small sample; ``raw_dropout: 0.5`` and ``raw_early_stop: 3`` reproduce that protocol
   (the jobs run it as a second entry, ``raw-reference``, beside the fully trained raw model).
 
-``tune_lr`` and ``last_layer_only`` override these defaults. ``tune_solver: lbfgs`` fits a network's last layer to
-convergence instead of the 5 Adam epochs (``fit_last_layer``; a departure from the reference, offered beside it).
+The last layer is the output layer of the model's ``torch.fx`` graph and a model of other widths than the
+configuration's (GEMS' fused networks) is rebuilt from its permutation groups' sizes (:mod:`rayfuse.symmetry`), so
+any registry model can be tuned, not only logreg and MLP. ``tune_lr`` and ``last_layer_only`` override these
+defaults. ``tune_solver: lbfgs`` fits a network's last layer to convergence instead of the 5 Adam epochs
+(``fit_last_layer``; a departure from the reference, offered beside it).
 The reference draws the sample from the pooled validation data; here it is the coordinator's public sample
 (``data.public_size``, drawn stratified from the training pool before partitioning). ``public_samples`` takes a
 subset of it (uniformly, seeded), or a list of sizes for the fine-tuning curve of Figures 3-4
@@ -31,7 +34,8 @@ subset of it (uniformly, seeded), or a list of sizes for the fine-tuning curve o
 
 from __future__ import annotations
 
-from typing import Any, Literal, cast
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -43,30 +47,38 @@ from rayfuse.errors import InputError, NonFiniteError
 from rayfuse.fusion import references
 from rayfuse.method import Method, MethodParams, MethodResult, RunSetup, ServerContext, register_method
 from rayfuse.models import get_params, predict_proba, set_params, train_model
-from rayfuse.models.registry import MLP, LogisticRegression, build_model
+from rayfuse.models.registry import build_model
+from rayfuse.symmetry import ModelStructure, build_node_graph, read_structure, resize_model
 
 __all__ = ["FinetuneParams", "Finetune", "model_for_params", "evaluate_params", "fine_tune", "fit_last_layer", "check_tune_solver",
            "check_public_samples", "public_subsets", "TuneSettings"]
 
 
-def model_for_params(params: dict[str, np.ndarray], model_cfg: Any) -> Any:
-    """A logreg or MLP module shaped like ``params`` (GEMS' fused networks may be narrower or wider than the config)."""
-    if "linear.weight" in params:
-        weight = params["linear.weight"]
-        return set_params(LogisticRegression(weight.shape[1], weight.shape[0]), params)
-    layers = sorted(int(k.split(".")[1]) for k in params if k.startswith("layers.") and k.endswith(".weight"))
-    if not layers:
-        raise InputError("model.name", "logreg or mlp parameters", sorted(params)[:3])
-    shapes = [params[f"layers.{i}.weight"].shape for i in layers]
-    model = MLP(shapes[0][1], [s[0] for s in shapes[:-1]], shapes[-1][0], activation=getattr(model_cfg, "activation", "relu"))
-    return set_params(model, params)
+def model_for_params(params: dict[str, np.ndarray], model_cfg: Any, input_shape: Sequence[int], num_classes: int) -> nn.Module:
+    """A model of the configured architecture holding ``params``, whose widths may differ from the configuration's
+    (GEMS' fused networks are narrower or wider): they are the sizes of the model's permutation groups in ``params``
+    (:func:`rayfuse.symmetry.resize_model`). The model is built without dropout, as it is evaluated and tuned.
+
+    Raises
+    ------
+    InputError
+        ``params.<key>`` naming the first entry that is missing or whose shape no widths explain.
+    """
+    cfg = model_cfg.model_copy(update={"dropout": 0.0}) if getattr(model_cfg, "dropout", 0) else model_cfg
+    model = build_model(cfg, tuple(input_shape), num_classes, seed=0)
+    state = model.state_dict()
+    if set(params) == set(state) and all(np.shape(params[k]) == tuple(v.shape) for k, v in state.items()):
+        return set_params(model, params)  # the configured widths
+    structure = read_structure(model, torch.zeros((2, *input_shape)))
+    return resize_model(model, structure, params)
 
 
 def evaluate_params(server: ServerContext, params: dict[str, np.ndarray]) -> dict[str, float]:
-    """Test metrics of a logreg / MLP parameter dict of any width (``server.evaluate`` requires the config's shape)."""
+    """Test metrics of a parameter dict of the configured architecture and any widths (``server.evaluate`` requires
+    the config's shapes)."""
     if not all(np.isfinite(v).all() for v in params.values()):
         raise NonFiniteError(f"{server.label}: the model to evaluate has NaN or Inf values")
-    model = model_for_params(params, server.model_cfg)
+    model = model_for_params(params, server.model_cfg, server.input_shape, server.num_classes)
     return server.evaluate_proba(predict_proba(model, server.test.X, device=server.device))
 
 
@@ -115,19 +127,29 @@ def check_tune_solver(settings: TuneSettings, model_cfg: Any, *, base: str | Non
         raise InputError(key, "adam when every layer is tuned (lbfgs fits the last layer alone: last_layer_only: true)", "lbfgs")
 
 
-def fit_last_layer(model: MLP, X: np.ndarray, y: np.ndarray, *, l2: float, device: str = "cpu", max_iter: int = 500) -> None:
+def _output_layer(model: nn.Module, input_shape: Sequence[int]) -> tuple[ModelStructure, nn.Module]:
+    """The model's structure and its output layer, found in its graph."""
+    structure = read_structure(model, torch.zeros((2, *input_shape)), spec=False)
+    return structure, model.get_submodule(structure.output_layer.module)
+
+
+def fit_last_layer(model: nn.Module, X: np.ndarray, y: np.ndarray, *, l2: float, device: str = "cpu", max_iter: int = 500) -> None:
     """Fit ``model``'s last layer to convergence on its frozen features: softmax regression by full-batch L-BFGS.
 
-    The objective, mean cross-entropy + ``l2`` |W|^2 / (2 n) (scikit-learn's ``LogisticRegression`` with C = 1 / l2;
-    the bias is not penalised), is strictly convex for ``l2 > 0``, so the result does not depend on where the layer
-    started, only on the features below it. The solve runs in float64: with features that leave a direction nearly
-    flat (a dead unit) a float32 line search stalls on loss changes below float32 resolution, up to 1e-3 away from the
-    optimum and at a point that depends on the start.
+    The last layer is the output layer of the model's graph (a Linear) and its features what that layer reads
+    (:func:`rayfuse.symmetry.read_structure`). The objective, mean cross-entropy + ``l2`` |W|^2 / (2 n)
+    (scikit-learn's ``LogisticRegression`` with C = 1 / l2; the bias is not penalised), is strictly convex for
+    ``l2 > 0``, so the result does not depend on where the layer started, only on the features below it. The solve
+    runs in float64: with features that leave a direction nearly flat (a dead unit) a float32 line search stalls on
+    loss changes below float32 resolution, up to 1e-3 away from the optimum and at a point that depends on the start.
     """
+    structure, head = _output_layer(model, X.shape[1:])
+    if not isinstance(head, nn.Linear) or head.bias is None:
+        raise InputError("model", "a model whose output layer is a Linear with a bias (tune_solver lbfgs)", type(head).__name__)
     model.to(device).eval()
-    head = cast(nn.Linear, model.layers[-1])  # an MLP's layers are all nn.Linear
+    features = build_node_graph(structure, [structure.features_node])
     with torch.no_grad():
-        feats = model.features(torch.as_tensor(X, dtype=torch.float32, device=device)).double()
+        feats = features(torch.as_tensor(X, dtype=torch.float32, device=device))[0].double()
     target = torch.as_tensor(y, dtype=torch.long, device=device)
     weight = head.weight.detach().double().requires_grad_(True)
     bias = head.bias.detach().double().requires_grad_(True)
@@ -150,22 +172,26 @@ def fit_last_layer(model: MLP, X: np.ndarray, y: np.ndarray, *, l2: float, devic
     model.cpu()
 
 
-def fine_tune(params: dict[str, np.ndarray], X: np.ndarray, y: np.ndarray, *, model_cfg: Any, epochs: int, lr: float,
-              batch_size: int, last_layer_only: bool, seed: int, device: str = "cpu", solver: str = "adam",
+def fine_tune(params: dict[str, np.ndarray], X: np.ndarray, y: np.ndarray, *, model_cfg: Any, num_classes: int, epochs: int,
+              lr: float, batch_size: int, last_layer_only: bool, seed: int, device: str = "cpu", solver: str = "adam",
               l2: float = 1.0) -> dict[str, np.ndarray]:
-    """``params`` after ``epochs`` of Adam on ``(X, y)``; for an MLP with ``last_layer_only`` only the last layer moves.
+    """``params`` after ``epochs`` of Adam on ``(X, y)``; with ``last_layer_only`` only the output layer moves (the
+    output layer of the model's graph; a model without hidden layers has only that one).
 
-    ``solver="lbfgs"`` (an MLP, last layer only) fits the last layer to convergence instead (``fit_last_layer``).
+    ``solver="lbfgs"`` (a network, last layer only) fits the last layer to convergence instead (``fit_last_layer``).
     """
-    model = model_for_params(params, model_cfg)
+    model = model_for_params(params, model_cfg, X.shape[1:], num_classes)
+    structure, head = _output_layer(model, X.shape[1:])
     if solver == "lbfgs":
-        if not (last_layer_only and isinstance(model, MLP) and len(model.layers) > 1):
+        if not (last_layer_only and structure.hidden):
             raise ValueError("solver lbfgs fits the last layer of a network with hidden layers (last_layer_only)")
         fit_last_layer(model, X, y, l2=l2, device=device)  # deterministic: no seed to draw from
         return get_params(model)
-    if last_layer_only and isinstance(model, MLP):
-        for layer in model.layers[:-1]:
-            layer.requires_grad_(False)
+    if last_layer_only and structure.hidden:
+        tuned = {id(p) for p in head.parameters()}
+        for p in model.parameters():
+            if id(p) not in tuned:
+                p.requires_grad_(False)
     train_model(model, X, y, epochs=epochs, batch_size=batch_size, lr=lr, optimizer="adam", seed=seed, device=device)
     return get_params(model)
 
@@ -217,7 +243,8 @@ def tuning_curve(server: ServerContext, params: dict[str, np.ndarray] | None, se
                             early_stop_patience=raw_early_stop)
                 last = get_params(model)
             else:
-                last = fine_tune(params, public.X[idx], public.y[idx], model_cfg=server.model_cfg, epochs=settings.tune_epochs,
+                last = fine_tune(params, public.X[idx], public.y[idx], model_cfg=server.model_cfg, num_classes=server.num_classes,
+                                 epochs=settings.tune_epochs,
                                  lr=settings.tune_lr, batch_size=settings.tune_batch_size, last_layer_only=settings.last_layer_only,
                                  seed=seed, device=server.device, solver=settings.tune_solver, l2=settings.tune_l2)
             rows.append(evaluate_params(server, last))

@@ -369,7 +369,11 @@ class FedSA(Method):
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:
-        """Bad input before any client works: the target set, K, and whether a translator can bridge the features."""
+        """Bad input before any client works: the target set, K, and whether a translator can bridge the features.
+
+        The teachers and the student may be any model ``torch.fx`` can trace whose output layer is a Linear after a
+        hidden layer: the representation is read from its graph (the last feature map before global pooling or
+        flatten, else the features the output layer reads; :func:`rayfuse.fusion.fedsa.kd.features_and_logits`)."""
         from rayfuse.models import build_model
 
         p: FedSAParams = params  # type: ignore[assignment]

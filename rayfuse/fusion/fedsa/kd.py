@@ -27,18 +27,21 @@ hundredths, eq. 3 alone gives nearly uniform probabilities; the code min-max nor
 from __future__ import annotations
 
 import copy
+import threading
+import weakref
 from collections.abc import Sequence
-from typing import Literal, cast
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
+import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
 from rayfuse.errors import InputError
 from rayfuse.fusion.aggregate import normalize_weights, weighted_average
-from rayfuse.models.registry import MLP, LogisticRegression, SmallCNN
 from rayfuse.models.training import make_optimizer, train_model
+from rayfuse.symmetry import build_node_graph, read_output_module, read_structure
 
 __all__ = [
     "hidden_representation", "features_and_logits", "representation_shape", "compute_saliency", "compute_transferability",
@@ -54,55 +57,57 @@ WEIGHTINGS = ("uniform", "positive", "negative")
 # Representations
 
 
-def _torchvision_feature_module(model: nn.Module) -> nn.Module:
-    """The module whose output is a torchvision classifier's last feature map (``features`` or ``layer4``)."""
-    for name in ("features", "layer4", "trunk_output", "Mixed_7c"):
-        module = getattr(model, name, None)
-        if isinstance(module, nn.Module):
-            return module
-    raise InputError("model.name", "a torchvision model with a `features` or `layer4` block (FedSA distils its last feature map)",
-                     type(model).__name__)
+class _Representation(NamedTuple):
+    """A model's representation node and the graphs computing it (alone, and with the logits)."""
+
+    shape: tuple[int, ...]  # one sample's
+    alone: torch.fx.GraphModule
+    with_logits: torch.fx.GraphModule
+
+
+_GRAPHS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], _Representation]] = weakref.WeakKeyDictionary()
+_GRAPHS_LOCK = threading.Lock()
+
+
+def _representation(model: nn.Module, sample_shape: tuple[int, ...]) -> _Representation:
+    """Where ``model``'s representation is, read from its graph once per model and input shape (kept while the model
+    lives): the last feature map before global pooling / flatten, else the features its output layer reads."""
+    with _GRAPHS_LOCK:
+        found = _GRAPHS.get(model, {}).get(sample_shape)
+    if found is not None:
+        return found
+    try:
+        structure = read_structure(model, torch.zeros((2, *sample_shape)), spec=False)
+    except InputError as exc:
+        raise exc.at("model.name") if exc.path in ("architecture", "input") else exc from None
+    if not structure.hidden:
+        raise InputError("model.name", "a model with a hidden representation for FedSA (a layer before its output layer)",
+                         type(model).__name__)
+    node = structure.representation_node
+    found = _Representation(tuple(structure.shapes[node][1:]), build_node_graph(structure, [node]),
+                            build_node_graph(structure, [node, structure.output_layer.node]))
+    with _GRAPHS_LOCK:
+        _GRAPHS.setdefault(model, {})[sample_shape] = found
+    return found
 
 
 def features_and_logits(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The representation FedSA distils and attributes (``r^k``: the last conv map, or the penultimate vector of an
-    MLP) and the logits, from one forward pass (gradients flow through both)."""
-    if isinstance(model, SmallCNN):
-        fmap = model.feature_map(x)
-        return fmap, model.head(model.dropout(fmap.mean(dim=(2, 3))))
-    if isinstance(model, MLP):
-        if len(model.layers) < 2:
-            raise InputError("model.hidden", "at least one hidden layer (FedSA distils a hidden representation)", [])
-        h = model.features(x)
-        return h, model.layers[-1](h)
-    if isinstance(model, LogisticRegression):
-        raise InputError("model.name", "a model with a hidden representation for FedSA (cnn, mlp, torchvision:<name>)", "logreg")
-    captured: list[torch.Tensor] = []
-    handle = _torchvision_feature_module(model).register_forward_hook(lambda _m, _i, out: captured.append(out))
-    try:
-        logits = model(x)
-    finally:
-        handle.remove()
-    return captured[-1], logits
+    """The representation FedSA distils and attributes (``r^k``: the last feature map before global pooling or
+    flatten, found in the model's graph, or the penultimate vector its output layer reads when it has no map) and the
+    logits, from one forward pass of the model's graph (gradients flow through both)."""
+    rep, logits = _representation(model, tuple(x.shape[1:])).with_logits(x)
+    return rep, logits
 
 
 def hidden_representation(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``r^k`` of eq. 1 and the feature the translator matches (eq. 4)."""
-    if isinstance(model, SmallCNN):
-        return model.feature_map(x)
-    if isinstance(model, MLP) and len(model.layers) >= 2:
-        return model.features(x)
-    return features_and_logits(model, x)[0]
+    """``r^k`` of eq. 1 and the feature the translator matches (eq. 4): the graph up to the representation."""
+    (rep,) = _representation(model, tuple(x.shape[1:])).alone(x)
+    return rep
 
 
 def representation_shape(model: nn.Module, input_shape: Sequence[int]) -> tuple[int, ...]:
-    """Shape of one sample's representation (``(C, H, W)`` or ``(D,)``), from a dummy batch in eval mode."""
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        shape = tuple(hidden_representation(model, torch.zeros((2, *input_shape))).shape[1:])
-    model.train(was_training)
-    return shape
+    """Shape of one sample's representation (``(C, H, W)`` or ``(D,)``), read from the model's graph."""
+    return _representation(model, tuple(int(d) for d in input_shape)).shape
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -345,15 +350,14 @@ def distill_features(student: nn.Module, translator: Translator, X: np.ndarray, 
 
 
 def find_head(model: nn.Module) -> nn.Linear:
-    """The classifier (the "decoder" of [1]): the last linear layer."""
-    if isinstance(model, SmallCNN):
-        return model.head
-    if isinstance(model, MLP):
-        return cast(nn.Linear, model.layers[-1])  # an MLP's layers are all nn.Linear
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    if not linears:
+    """The classifier (the "decoder" of [1]): the output layer of the model's graph, a Linear."""
+    try:
+        _, head = read_output_module(model)
+    except InputError as exc:
+        raise exc.at("model.name") if exc.path == "architecture" else exc from None
+    if not isinstance(head, nn.Linear):
         raise InputError("model.name", "a model with a linear classifier", type(model).__name__)
-    return linears[-1]
+    return head
 
 
 def _head_inputs(model: nn.Module, head: nn.Linear, X: np.ndarray, *, batch_size: int = 1024, device: str = "cpu") -> np.ndarray:

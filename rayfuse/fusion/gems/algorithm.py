@@ -54,6 +54,7 @@ from rayfuse.fusion.gems.balls import (
     unflatten_linear,
 )
 from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, client_step, register_method
+from rayfuse.symmetry import ModelStructure, read_structure
 
 __all__ = ["GEMS", "GEMSParams", "build_model_ball", "build_neuron_balls", "transform_features"]
 
@@ -73,11 +74,32 @@ def transform_features(X: np.ndarray, layers: list[tuple[np.ndarray, np.ndarray]
     return out.numpy()
 
 
-def _local_linear(ctx: ClientContext, prefix: str) -> tuple[np.ndarray, np.ndarray]:
+def _layer_arrays(model: torch.nn.Module, input_shape: tuple[int, ...], which: str) -> tuple[np.ndarray, np.ndarray]:
+    """The weight and bias of ``model``'s first layer (``which="first"``) or output layer (``"output"``), found in its
+    graph (:func:`rayfuse.symmetry.read_structure`), as numpy arrays."""
     from rayfuse.models import get_params
 
-    params = get_params(ctx.local_model())
-    return params[f"{prefix}.weight"], params[f"{prefix}.bias"]
+    structure = read_structure(model, torch.zeros((2, *input_shape)), spec=False)
+    layer = structure.layers[0] if which == "first" else structure.output_layer
+    params = get_params(model)
+    weight = params[layer.weight]
+    return weight, params[layer.bias] if layer.bias is not None else np.zeros(len(weight), weight.dtype)
+
+
+def _config_structure(model_cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> ModelStructure:
+    """The structure of the configured model (layer keys and hidden groups; the fused model's widths may differ)."""
+    from rayfuse.models import build_model
+
+    model = build_model(model_cfg, input_shape, num_classes, seed=0)
+    return read_structure(model, torch.zeros((2, *input_shape)))
+
+
+def _hidden_widths(structure: ModelStructure) -> list[int]:
+    """The widths of the hidden layers GEMS fuses one by one: the sizes of their output units' permutation groups (a
+    layer of one unit has no group: its one row)."""
+    assert structure.spec is not None
+    return [structure.spec.group(layer.out_group).size if layer.out_group is not None else structure.param_shapes[layer.weight][0]
+            for layer in structure.hidden]
 
 
 @client_step("gems.model_ball")
@@ -91,12 +113,12 @@ def build_model_ball(ctx: ClientContext, fused_layers: list[tuple[np.ndarray, np
     regression on its data passed through the fused hidden layers (the output-layer round of the network variant).
     Returns the centre ``[W.ravel(), b]``, the radius, the ellipsoid axes / mask and the validation accuracy.
     """
-    from rayfuse.models import get_params, train_model
+    from rayfuse.models import train_model
     from rayfuse.models.registry import LogisticRegression
 
     started = time.perf_counter()
     if fused_layers is None:
-        weight, bias = _local_linear(ctx, "linear")
+        weight, bias = _layer_arrays(ctx.local_model(), tuple(ctx.input_shape), "output")
         X_val = ctx.val.X.reshape(len(ctx.val), -1)
     else:
         X_train = transform_features(ctx.train.X, fused_layers, activation)
@@ -107,8 +129,7 @@ def build_model_ball(ctx: ClientContext, fused_layers: list[tuple[np.ndarray, np
             head = LogisticRegression(X_train.shape[1], ctx.num_classes)
         train_model(head, X_train, ctx.train.y, epochs=retrain_epochs, batch_size=retrain_batch_size, lr=retrain_lr,
                     seed=seed, device=ctx.device)
-        params = get_params(head)
-        weight, bias = params["linear.weight"], params["linear.bias"]
+        weight, bias = _layer_arrays(head, (X_train.shape[1],), "output")
     C, D = weight.shape
     center = flatten_linear(weight, bias)
     y_val = ctx.val.y
@@ -142,13 +163,13 @@ def build_neuron_balls(ctx: ClientContext, fused_layers: list[tuple[np.ndarray, 
     the fused ones (``hidden[layer:]`` and the classifier, a fresh MLP) on its data passed through ``fused_layers``
     (step 4 of the paper's network procedure) and takes that network's first layer.
     """
-    from rayfuse.models import get_params, train_model
+    from rayfuse.models import train_model
     from rayfuse.models.registry import MLP
 
     started = time.perf_counter()
     X_val = transform_features(ctx.val.X, fused_layers, activation)
     if layer == 0:
-        weight, bias = _local_linear(ctx, "layers.0")
+        weight, bias = _layer_arrays(ctx.local_model(), tuple(ctx.input_shape), "first")
     else:
         X_train = transform_features(ctx.train.X, fused_layers, activation)
         seed = ctx.step_seed(label, "retrain", layer)
@@ -157,8 +178,7 @@ def build_neuron_balls(ctx: ClientContext, fused_layers: list[tuple[np.ndarray, 
             above = MLP(X_train.shape[1], list(hidden[layer:]), ctx.num_classes, activation=activation)
         train_model(above, X_train, ctx.train.y, epochs=retrain_epochs, batch_size=retrain_batch_size, lr=retrain_lr,
                     seed=seed, device=ctx.device)
-        params = get_params(above)
-        weight, bias = params["layers.0.weight"], params["layers.0.bias"]
+        weight, bias = _layer_arrays(above, (X_train.shape[1],), "first")
     centers = np.concatenate([weight, bias[:, None]], axis=1).astype(np.float64)  # (H, D + 1) rows [w_l, b_l]
     targets = transform_features(X_val, [(weight, bias)], activation)  # z_l: the neuron's own activations, (n, H)
     rng = np.random.default_rng(ctx.step_seed(label, "neurons", layer))
@@ -259,7 +279,7 @@ class GEMS(Method):
                 check_public_samples(p.public_samples, setup.public_size)
         if cfg.name != "mlp":
             return
-        hidden = list(cfg.hidden)
+        hidden = _hidden_widths(_config_structure(cfg, setup.input_shape, setup.num_classes))
         _per_layer(p.hidden_epsilon, len(hidden), "hidden_epsilon")
         m_eps = _per_layer(p.m_epsilon, len(hidden), "m_epsilon")
         K = setup.num_clients
@@ -333,14 +353,16 @@ class GEMS(Method):
         C, D = next(iter(balls.values()))["shape"]
         weight, bias = unflatten_linear(point, C, D)
         info.update(shape=args["shape"], epsilon=args["epsilon"])
-        return {"linear.weight": weight, "linear.bias": bias}, info
+        output = _config_structure(server.model_cfg, server.input_shape, server.num_classes).output_layer
+        return {output.weight: weight, **({output.bias: bias} if output.bias is not None else {})}, info
 
     # -- networks ----------------------------------------------------------------------------------------------
 
     def _fuse_network(self, server: ServerContext) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         p = self.params
         fed = server.federation
-        hidden = list(server.model_cfg.hidden)
+        structure = _config_structure(server.model_cfg, server.input_shape, server.num_classes)
+        hidden = _hidden_widths(structure)
         K = fed.num_clients
         eps_hidden = _per_layer(p.hidden_epsilon, len(hidden), f"methods.{self.label}.hidden_epsilon")
         m_eps = _per_layer(p.m_epsilon, len(hidden), f"methods.{self.label}.m_epsilon")
@@ -382,8 +404,10 @@ class GEMS(Method):
         C, D = next(iter(balls.values()))["shape"]
         out_w, out_b = unflatten_linear(point, C, D)
         params: dict[str, np.ndarray] = {}
-        for i, (w, b) in enumerate([*fused, (out_w, out_b)]):
-            params[f"layers.{i}.weight"], params[f"layers.{i}.bias"] = w, b
+        for graph_layer, (w, b) in zip([*structure.hidden, structure.output_layer], [*fused, (out_w, out_b)], strict=True):
+            params[graph_layer.weight] = w
+            if graph_layer.bias is not None:
+                params[graph_layer.bias] = b
         info.update(shape=args["shape"], epsilon=args["epsilon"], hidden_units=[len(b) for _, b in fused], layers=layers_info,
                     local_hidden_units=hidden, ensemble_hidden_units=[K * h for h in hidden])
         return params, info
