@@ -10,7 +10,9 @@ model's conv / linear weight norm over the mean norm of the inputs' (1.0: aligne
 
 Measured now: rebasin's MergeMany (``rebasin_runner.py`` with the rebasin virtualenv's Python, in a subprocess, on
 ``--threads`` torch threads; ``seconds`` is rebasin's own wall time, excluding process start and reading the
-checkpoints). rayfuse's matcher joins :data:`MATCHERS`.
+checkpoints). rayfuse's weight matching (``rayfuse.alignment.weight_matching``, MergeMany too, on the spec
+``rayfuse.symmetry.derive_spec`` derives from the same resnet18, checked against :func:`resnet18_permutation_axes`)
+with the serial executor (``rayfuse_wm_serial``) and with threads (``rayfuse_wm_threads``).
 
 Usage (project virtualenv, repository root)::
 
@@ -140,8 +142,60 @@ def time_rebasin(models: Sequence[Mapping[str, np.ndarray]], folder: Path, *, th
     return {"seconds": float(run["seconds"]), "norm_ratio": norm_ratio(merged, models), "rebasin": result["rebasin"]}
 
 
+def derive_resnet18_spec() -> Any:
+    """rayfuse's permutation spec of the benchmark's resnet18, derived from its graph (``rayfuse.symmetry.derive_spec``)."""
+    from rayfuse.symmetry import derive_spec
+
+    return derive_spec(build_arch(SPEC), torch.zeros((2, *SPEC["input_shape"])))
+
+
+def compare_spec_with_axes(spec: Any, axes: Axes) -> list[str]:
+    """The differences between a derived spec's groups and the hand-written :func:`resnet18_permutation_axes` (each
+    group as the set of its (key, axis) pairs; empty list: the same partition of the weight axes)."""
+    derived = {frozenset((a.key, a.dim) for a in g.axes) for g in spec.groups}
+    written = {frozenset(entries) for entries in axes.values()}
+    problems = [f"derived only: {sorted(g)[:3]}..." for g in derived - written]
+    problems += [f"hand-written only: {sorted(g)[:3]}..." for g in written - derived]
+    for g in spec.groups:
+        for a in g.axes:
+            if (a.start, a.outer, a.inner) != (0, 1, 1):
+                problems.append(f"{g.name}: partial axis {a}")
+    return problems
+
+
+def time_rayfuse(models: Sequence[Mapping[str, np.ndarray]], folder: Path, *, threads: int, executor: str) -> dict[str, Any]:
+    """rayfuse's N-way weight matching (``rayfuse.alignment.weight_matching``, MergeMany) with the derived spec and
+    ``executor`` (``serial``: :func:`rayfuse.matching.serial_map`; ``threads``: :func:`rayfuse.matching.thread_map`),
+    then ``merge_average``. ``seconds``: matching + merge (the spec is derived beforehand, untimed)."""
+    from rayfuse.alignment import apply_alignment, merge_average, weight_matching
+    from rayfuse.matching import serial_map, thread_map
+
+    spec = derive_resnet18_spec()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        started = time.perf_counter()
+        alignment = weight_matching(models, spec, executor=serial_map if executor == "serial" else thread_map)
+        merged = merge_average(apply_alignment(models, spec, alignment))
+        seconds = time.perf_counter() - started
+    finally:
+        torch.set_num_threads(before)
+    return {"seconds": seconds, "norm_ratio": norm_ratio(merged, models), "sweeps": alignment.sweeps, "converged": alignment.converged}
+
+
+def time_rayfuse_serial(models: Sequence[Mapping[str, np.ndarray]], folder: Path, *, threads: int) -> dict[str, Any]:
+    """:func:`time_rayfuse` with the serial executor."""
+    return time_rayfuse(models, folder, threads=threads, executor="serial")
+
+
+def time_rayfuse_threads(models: Sequence[Mapping[str, np.ndarray]], folder: Path, *, threads: int) -> dict[str, Any]:
+    """:func:`time_rayfuse` with the thread-pool executor (one thread per model of a sweep, up to the CPUs)."""
+    return time_rayfuse(models, folder, threads=threads, executor="threads")
+
+
 # N-way matchers timed on the same models: name -> (models, scratch folder, threads) -> {"seconds", "norm_ratio", ...}.
-MATCHERS: dict[str, Callable[..., dict[str, Any]]] = {"rebasin_mergemany": time_rebasin}
+MATCHERS: dict[str, Callable[..., dict[str, Any]]] = {"rebasin_mergemany": time_rebasin, "rayfuse_wm_serial": time_rayfuse_serial,
+                                                      "rayfuse_wm_threads": time_rayfuse_threads}
 
 
 def main() -> None:
