@@ -16,7 +16,8 @@ fused model is scored on the cell's test set. A method is a callable ``(TrainedC
   them the same way as ``naive_average+bn``;
 * ``rayfuse_wm`` / ``rayfuse_wm+bn``: rayfuse's weight matching (``rayfuse.alignment.weight_matching``, MergeMany)
   with the spec ``rayfuse.symmetry.derive_spec`` derives from the cell's model, on the same checkpoints rebasin gets,
-  then ``merge_average``; ``+bn`` as above (the apples-to-apples comparison with rebasin);
+  then ``merge_average``; ``+bn`` as above (the apples-to-apples comparison with rebasin); ``+clients_bn``: the
+  BatchNorm statistics re-estimated the way ``rayfuse_am`` re-estimates them (each client's data, pooled by count);
 * ``rayfuse_am``, ``rayfuse_am_norepair``, ``rayfuse_am_fisher``: rayfuse's activation matching as the federated
   protocol plays it: each client's correlation statistics on its own training split, the sample-weighted average,
   the BatchNorm statistics computed by each client on its own data and pooled by count (``_norepair``: without that
@@ -188,7 +189,14 @@ def rayfuse_wm(trained: TrainedCell) -> dict[str, dict[str, Any]]:
     pspec = derive_cell_spec(trained)
     alignment = weight_matching(trained.clients, pspec, weights=trained.num_examples, executor=serial_map)
     merged = merge_average(apply_alignment(trained.clients, pspec, alignment), trained.num_examples)
-    return score(trained, merged, time.perf_counter() - started, "rayfuse_wm", sweeps=alignment.sweeps)
+    seconds = time.perf_counter() - started
+    out = score(trained, merged, seconds, "rayfuse_wm", sweeps=alignment.sweeps)
+    if "rayfuse_wm+bn" in out:  # the federated repair, as rayfuse_am gets it: each client's BatchNorm statistics, pooled
+        started = time.perf_counter()
+        repaired = repair_with_clients(trained, merged, [split.X[:2048] for split in trained.train_sets])
+        out["rayfuse_wm+clients_bn"] = {"accuracy": accuracy_of(trained.spec, repaired, trained.test),
+                                        "seconds": seconds + time.perf_counter() - started, "sweeps": alignment.sweeps}
+    return out
 
 
 def rayfuse_am(trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3) -> dict[str, dict[str, Any]]:
@@ -296,7 +304,10 @@ def write_outputs(rows: list[dict[str, Any]], out_dir: Path, info: Mapping[str, 
     frame.to_csv(csv, index=False)
     keys = ["dataset", "arch", "partition", "num_clients", "init"]
     stats = frame.groupby([*keys, "method"], sort=False)["accuracy"].agg(["mean", "std", "count"]).reset_index()
-    methods = list(dict.fromkeys(frame["method"]))
+    labels = list(dict.fromkeys(frame["method"]))
+    methods = [m for base in labels if not base.endswith("+bn") and "+" not in base
+               for m in (base, *[x for x in labels if x.startswith(base + "+")])]
+    methods += [m for m in labels if m not in methods]
     lines = ["# Aligned fusion: one-shot accuracy", "",
              f"Test accuracy, mean (std) over seeds; {info['cpus']} CPUs, {info.get('cpu_model', '')}. "
              "Produced by `benchmarks/aligned/accuracy.py`; rows per seed in `accuracy.csv`.", "",
@@ -391,7 +402,8 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--out", type=Path, default=OUT_DIR, help="folder of the CSV, markdown table and plots")
     parser.add_argument("--render", nargs="+", type=Path, default=None,
-                        help="run nothing: write the outputs from the rows of these raw result files (aligned_accuracy.json)")
+                        help="run nothing: write the outputs from the rows of these raw result files (aligned_accuracy.json); "
+                             "a later file's row replaces an earlier one of the same cell and method label")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (more than the free cores slows tiny models 10-30x)")
     args = parser.parse_args()
     import torch
@@ -399,7 +411,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.render:
         payloads = [json.loads(path.read_text(encoding="utf-8")) for path in args.render]
-        rows = [row for payload in payloads for row in payload["rows"]]
+        keyed: dict[tuple, dict[str, Any]] = {}  # a later file's row replaces an earlier one of the same cell and label
+        for payload in payloads:
+            for row in payload["rows"]:
+                keyed[tuple(row.get(k) for k in (*asdict(Cell("", "", "", 0, "", 0)), "method"))] = row
+        rows = list(keyed.values())
         for path in write_outputs(rows, args.out, payloads[0]["machine"]):
             print(f"wrote {path}")
         return

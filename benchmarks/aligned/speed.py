@@ -205,13 +205,22 @@ def main() -> None:
     parser.add_argument("--noise", type=float, default=0.01, help="noise added to each copy, in units of each tensor's std")
     parser.add_argument("--matchers", nargs="+", default=list(MATCHERS), choices=list(MATCHERS))
     parser.add_argument("--out", type=Path, default=OUT_DIR)
+    parser.add_argument("--rebasin-max-models", type=int, default=4,
+                        help="run rebasin only up to this N (its N=4 takes minutes on one thread); larger N: a 'not run' row")
     args = parser.parse_args()
 
     info = machine_info()
+    spec_check = compare_spec_with_axes(derive_resnet18_spec(), resnet18_permutation_axes(make_models(1, noise=0.0)[0][0]))
+    print("derived resnet18 spec vs resnet18_permutation_axes: " + ("same groups" if not spec_check else "; ".join(spec_check)), flush=True)
     rows = []
     for n in args.models:
         models, _ = make_models(n, noise=args.noise)
         for name in args.matchers:
+            if name == "rebasin_mergemany" and n > args.rebasin_max_models:
+                rows.append({"models": n, "matcher": name, "seconds": float("nan"), "total_s": float("nan"),
+                             "error": f"not run (N > --rebasin-max-models {args.rebasin_max_models})"})
+                print(f"N={n:3d} {name}: not run", flush=True)
+                continue
             started = time.perf_counter()
             with tempfile.TemporaryDirectory(prefix=f"speed-{name}-") as tmp:
                 result = MATCHERS[name](models, Path(tmp), threads=args.threads)
@@ -227,11 +236,20 @@ def main() -> None:
              f"{args.threads} torch thread(s), {info['cpus']} CPUs ({info.get('cpu_model', '')}), load {info['load_avg_1m']:.2f}; "
              f"copies = a random base permuted + noise {args.noise} std. `seconds`: the matcher's own wall time; "
              "`norm ratio`: merged weight norm over the inputs' (1.0: aligned). Produced by `benchmarks/aligned/speed.py`.", "",
-             "| N | matcher | seconds | norm ratio |", "|---|---|---|---|"]
-    lines += [f"| {r['models']} | {r['matcher']} | {r['seconds']:.2f} | {r.get('norm_ratio', float('nan')):.3f} |" for r in rows]
+             "The spec rayfuse derives from resnet18's graph has the same groups as the hand-written "
+             "`resnet18_permutation_axes`: " + ("yes." if not spec_check else "no: " + "; ".join(spec_check)), "",
+             "| N | matcher | seconds | norm ratio | x rebasin time |", "|---|---|---|---|---|"]
+    reference = {r["models"]: r["seconds"] for r in rows if r["matcher"] == "rebasin_mergemany" and r["seconds"] == r["seconds"]}
+    for r in rows:
+        ratio = f"{r['seconds'] / reference[r['models']]:.3f}" if r["models"] in reference and r["seconds"] == r["seconds"] else ""
+        if r.get("error"):
+            lines.append(f"| {r['models']} | {r['matcher']} | {r['error']} | | |")
+        else:
+            lines.append(f"| {r['models']} | {r['matcher']} | {r['seconds']:.2f} | {r.get('norm_ratio', float('nan')):.3f} | {ratio} |")
     md = args.out / "speed.md"
     md.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    raw = write_results("aligned_speed", {"machine": info, "threads": args.threads, "noise": args.noise, "rows": rows})
+    raw = write_results("aligned_speed", {"machine": info, "threads": args.threads, "noise": args.noise, "spec_check": spec_check,
+                                          "rows": rows})
     print(f"wrote {md}\nwrote {raw}")
 
 
