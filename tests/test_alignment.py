@@ -24,6 +24,7 @@ from rayfuse.alignment import (
     merge_regmean,
     permute_fisher,
     permute_grams,
+    resolve_cost_keys,
     solve_activation_perms,
     weight_matching,
 )
@@ -116,6 +117,28 @@ def test_match_weights_recovers_a_planted_permutation(case):
     perms, sweeps = match_weights(model, permuted, spec, seed=3)
     assert_same(spec.apply(permuted, perms), model)
     assert 1 <= sweeps <= 100
+
+
+def test_weight_matching_matches_on_weights_not_on_batchnorm_statistics():
+    spec = cnn_spec()
+    model = random_model(cnn, 40)
+    planted = spec.random(np.random.default_rng(41))
+    permuted = spec.apply(model, planted)
+    rng = np.random.default_rng(42)
+    for key in permuted:  # statistics of other data, with variances large enough to dominate a cost that counted them
+        if key.endswith("running_var"):
+            permuted[key] = rng.uniform(0.0, 50.0, permuted[key].shape).astype(np.float32)
+        elif key.endswith("running_mean"):
+            permuted[key] = rng.normal(0.0, 10.0, permuted[key].shape).astype(np.float32)
+    assert resolve_cost_keys(spec, None) == sorted(k for k in spec.keys() if "running" not in k)
+    perms, _ = match_weights(model, permuted, spec, seed=3)
+    back = spec.apply(permuted, perms)
+    assert_same({k: v for k, v in back.items() if "running" not in k and k in spec.keys()},
+                {k: v for k, v in model.items() if "running" not in k and k in spec.keys()})
+    result = weight_matching([model, permuted], spec, seed=3, executor=serial_map)
+    assert all(np.array_equal(result.perms[1][name], perms[name]) for name in spec.names)
+    with pytest.raises(InputError, match=r"^cost_keys\.9\.weight: expected a tensor the spec permutes"):
+        match_weights(model, permuted, spec, cost_keys=["9.weight"])
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

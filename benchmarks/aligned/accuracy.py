@@ -14,6 +14,14 @@ fused model is scored on the cell's test set. A method is a callable ``(TrainedC
   ``rebasin_runner.py`` in a subprocess with the rebasin virtualenv's Python (``seconds`` is rebasin's own wall
   time, as the runner measures it); its merged model's BatchNorm statistics are one client's, so ``+bn`` re-estimates
   them the same way as ``naive_average+bn``;
+* ``rayfuse_wm`` / ``rayfuse_wm+bn``: rayfuse's weight matching (``rayfuse.alignment.weight_matching``, MergeMany)
+  with the spec ``rayfuse.symmetry.derive_spec`` derives from the cell's model, on the same checkpoints rebasin gets,
+  then ``merge_average``; ``+bn`` as above (the apples-to-apples comparison with rebasin); ``+clients_bn``: the
+  BatchNorm statistics re-estimated the way ``rayfuse_am`` re-estimates them (each client's data, pooled by count);
+* ``rayfuse_am``, ``rayfuse_am_norepair``, ``rayfuse_am_fisher``: rayfuse's activation matching as the federated
+  protocol plays it: each client's correlation statistics on its own training split, the sample-weighted average,
+  the BatchNorm statistics computed by each client on its own data and pooled by count (``_norepair``: without that
+  repair; ``_fisher``: the Fisher-weighted merge, each client's diagonal Fisher on its own data, then the repair);
 * ``fedavg_1`` and ``fedavg_5``: rayfuse's FedAvg (``rayfuse.run(config, backend="local")``) on the same split and
   seed, 1 round of E local epochs and 5 rounds of E/5 (the same local compute as the one-shot methods). FedAvg
   starts every client from its server's one initialisation, whatever the cell's ``init``.
@@ -22,7 +30,8 @@ Usage (project virtualenv, repository root)::
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/aligned/accuracy.py --quick
     PYTHONPATH=$PWD .venv/bin/python benchmarks/aligned/accuracy.py [--archs ...] [--datasets ...] [--clients ...] \
-        [--partitions ...] [--inits ...] [--seeds ...] [--methods ...] [--out docs/results/aligned]
+        [--partitions ...] [--inits ...] [--seeds ...] [--methods ...] [--out docs/results/aligned] [--threads 1]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/aligned/accuracy.py --render RAW.json [RAW2.json ...]   # outputs only
 
 Writes ``<out>/accuracy.csv`` (one row per cell, seed and method label), ``<out>/accuracy.md`` (mean and standard
 deviation over seeds) and ``<out>/accuracy_<dataset>_<arch>.png``, and the raw rows to
@@ -45,12 +54,25 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from _common import machine_info, write_results  # noqa: E402
 from arch import build_arch  # noqa: E402
-from train import INITS, PARTITIONS, Cell, TrainedCell, accuracy_of, average_params, ensemble_accuracy, reestimate_batchnorm, train_cell  # noqa: E402
+from train import (  # noqa: E402
+    INITS,
+    PARTITIONS,
+    Cell,
+    TrainedCell,
+    accuracy_of,
+    average_params,
+    build_model,
+    ensemble_accuracy,
+    reestimate_batchnorm,
+    train_cell,
+)
 
 from rayfuse.io import load_params  # noqa: E402
 
@@ -147,12 +169,100 @@ def fedavg(trained: TrainedCell, rounds: Sequence[int] = (1, 5)) -> dict[str, di
             for label in config["methods"]}
 
 
-# The methods of the grid, by name. rayfuse's aligned fusion (rayfuse.alignment) joins this dict.
+def derive_cell_spec(trained: TrainedCell) -> Any:
+    """rayfuse's permutation spec of the cell's model, derived from its graph (``rayfuse.symmetry.derive_spec``)."""
+    import torch
+
+    from rayfuse.symmetry import derive_spec
+
+    return derive_spec(build_arch(trained.spec), torch.zeros((2, *trained.spec["input_shape"])))
+
+
+def rayfuse_wm(trained: TrainedCell) -> dict[str, dict[str, Any]]:
+    """rayfuse's weight matching (MergeMany, ``rayfuse.alignment.weight_matching``) on the cell's checkpoints with the
+    derived spec, then the sample-weighted average (``merge_average``); ``+bn`` as for the other methods (the public
+    slice). Data-free: the same inputs rebasin gets. ``seconds``: spec derivation, matching and merge."""
+    from rayfuse.alignment import apply_alignment, merge_average, weight_matching
+    from rayfuse.matching import serial_map
+
+    started = time.perf_counter()
+    pspec = derive_cell_spec(trained)
+    alignment = weight_matching(trained.clients, pspec, weights=trained.num_examples, executor=serial_map)
+    merged = merge_average(apply_alignment(trained.clients, pspec, alignment), trained.num_examples)
+    seconds = time.perf_counter() - started
+    out = score(trained, merged, seconds, "rayfuse_wm", sweeps=alignment.sweeps)
+    if "rayfuse_wm+bn" in out:  # the federated repair, as rayfuse_am gets it: each client's BatchNorm statistics, pooled
+        started = time.perf_counter()
+        repaired = repair_with_clients(trained, merged, [split.X[:2048] for split in trained.train_sets])
+        out["rayfuse_wm+clients_bn"] = {"accuracy": accuracy_of(trained.spec, repaired, trained.test),
+                                        "seconds": seconds + time.perf_counter() - started, "sweeps": alignment.sweeps}
+    return out
+
+
+def rayfuse_am(trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3) -> dict[str, dict[str, Any]]:
+    """rayfuse's activation matching, the federated protocol played in-process: each sweep every client computes the
+    per-group correlation statistics of the reference against its own model on its own training split (at most
+    ``samples``), the server solves the assignments and the reference becomes the weighted average of the aligned
+    models; then the merge and the BatchNorm repair: the merged model's BatchNorm statistics computed by each client on
+    its own data and pooled by count (``batchnorm_statistics`` + ``combine_batchnorm``).
+
+    Labels: ``rayfuse_am`` (sample-weighted average, repaired), ``rayfuse_am_norepair`` (the same average with its
+    averaged running statistics) and ``rayfuse_am_fisher`` (the same alignment, Fisher-weighted merge with each
+    client's diagonal Fisher of its aligned model on its own data, repaired). ``seconds``: everything but scoring."""
+    from rayfuse.alignment import activation_matching, apply_alignment, collect_correlations, diagonal_fisher, merge_average, merge_fisher
+    from rayfuse.matching import serial_map
+    from rayfuse.symmetry import trace_model
+
+    started = time.perf_counter()
+    pspec = derive_cell_spec(trained)
+    graph = trace_model(build_arch(trained.spec))
+    data = [(split.X[:samples], split.y[:samples]) for split in trained.train_sets]
+    owns = [build_model(trained.spec, p) for p in trained.clients]
+
+    def collect(reference: Mapping[str, Any]) -> list[dict[str, Any]]:
+        ref = build_model(trained.spec, reference)
+        return [collect_correlations(ref, own, pspec, graph, graph, X) for own, (X, _) in zip(owns, data)]
+
+    alignment = activation_matching(trained.clients, pspec, collect, weights=trained.num_examples, sweeps=sweeps, executor=serial_map)
+    aligned = apply_alignment(trained.clients, pspec, alignment)
+    align_s = time.perf_counter() - started
+    started = time.perf_counter()
+    merged = merge_average(aligned, trained.num_examples)
+    average_s = align_s + time.perf_counter() - started
+    started = time.perf_counter()
+    repaired = repair_with_clients(trained, merged, [X for X, _ in data])
+    repaired_s = average_s + time.perf_counter() - started
+    extra = {"sweeps": alignment.sweeps}
+    out = {"rayfuse_am_norepair": {"accuracy": accuracy_of(trained.spec, merged, trained.test), "seconds": average_s, **extra},
+           "rayfuse_am": {"accuracy": accuracy_of(trained.spec, repaired, trained.test), "seconds": repaired_s, **extra}}
+    started = time.perf_counter()
+    fishers = [diagonal_fisher(build_model(trained.spec, a), X, y) for a, (X, y) in zip(aligned, data)]
+    fused = repair_with_clients(trained, merge_fisher(aligned, fishers, trained.num_examples), [X for X, _ in data])
+    fisher_s = align_s + time.perf_counter() - started
+    out["rayfuse_am_fisher"] = {"accuracy": accuracy_of(trained.spec, fused, trained.test), "seconds": fisher_s, **extra}
+    return out
+
+
+def repair_with_clients(trained: TrainedCell, params: dict[str, Any], data: Sequence[Any]) -> dict[str, Any]:
+    """``params`` with its BatchNorm running statistics replaced by the pooled statistics each client computes on its own
+    data (``batchnorm_statistics`` per client, ``combine_batchnorm``, ``apply_batchnorm``); unchanged without
+    BatchNorm."""
+    from rayfuse.alignment import apply_batchnorm, batchnorm_statistics, combine_batchnorm
+
+    if not any(k.endswith("running_mean") for k in params):
+        return params
+    model = build_model(trained.spec, params)
+    return apply_batchnorm(params, combine_batchnorm([batchnorm_statistics(model, X) for X in data]))
+
+
+# The methods of the grid, by name.
 METHODS: dict[str, MethodFn] = {
     "best_local": best_local,
     "ensemble": ensemble,
     "naive_average": naive_average,
     "rebasin_mergemany": rebasin_mergemany,
+    "rayfuse_wm": rayfuse_wm,
+    "rayfuse_am": rayfuse_am,
     "fedavg": fedavg,
 }
 
@@ -194,7 +304,10 @@ def write_outputs(rows: list[dict[str, Any]], out_dir: Path, info: Mapping[str, 
     frame.to_csv(csv, index=False)
     keys = ["dataset", "arch", "partition", "num_clients", "init"]
     stats = frame.groupby([*keys, "method"], sort=False)["accuracy"].agg(["mean", "std", "count"]).reset_index()
-    methods = list(dict.fromkeys(frame["method"]))
+    labels = list(dict.fromkeys(frame["method"]))
+    methods = [m for base in labels if not base.endswith("+bn") and "+" not in base
+               for m in (base, *[x for x in labels if x.startswith(base + "+")])]
+    methods += [m for m in labels if m not in methods]
     lines = ["# Aligned fusion: one-shot accuracy", "",
              f"Test accuracy, mean (std) over seeds; {info['cpus']} CPUs, {info.get('cpu_model', '')}. "
              "Produced by `benchmarks/aligned/accuracy.py`; rows per seed in `accuracy.csv`.", "",
@@ -211,9 +324,37 @@ def write_outputs(rows: list[dict[str, Any]], out_dir: Path, info: Mapping[str, 
             else:
                 cells.append(f"{r['mean']:.3f}" + (f" ({r['std']:.3f})" if seeds > 1 and not pd.isna(r["std"]) else ""))
         lines.append("| " + " | ".join(str(k) for k in key) + f" | {seeds} | " + " | ".join(cells) + " |")
+    lines += summary_lines(stats, methods)
     md = out_dir / "accuracy.md"
     md.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return [csv, md, *plot(stats, methods, out_dir)]
+
+
+TARGET = {"dataset": "digits", "arch": "rescnn", "partition": "dirichlet0.5", "num_clients": 3, "init": "independent"}
+
+
+def summary_lines(stats: Any, methods: Sequence[str]) -> list[str]:
+    """Markdown: per (dataset, arch), the mean over cells of each method's accuracy (cells where the method ran), and
+    the issue's target cell (:data:`TARGET`) method by method when the grid holds it."""
+    lines = ["", "## Summary: mean over cells", "",
+             "Per dataset and architecture, each method's accuracy averaged over the grid's cells (K, partition, init; "
+             "seed means first).", "",
+             "| dataset | arch | cells | " + " | ".join(methods) + " |", "|" + "---|" * (3 + len(methods))]
+    for (dataset, arch_name), group in stats.groupby(["dataset", "arch"], sort=False):
+        means = group.groupby("method")["mean"].mean()
+        cells = group.groupby(["partition", "num_clients", "init"]).ngroups
+        lines.append(f"| {dataset} | {arch_name} | {cells} | "
+                     + " | ".join(f"{means[m]:.3f}" if m in means and means[m] == means[m] else "n/a" for m in methods) + " |")
+    mask = np.ones(len(stats), dtype=bool)
+    for key, value in TARGET.items():
+        mask &= (stats[key] == value).to_numpy()
+    target = stats[mask]
+    if len(target):
+        lines += ["", "## The target cell", "",
+                  "The issue's target: " + ", ".join(f"{k} {v}" for k, v in TARGET.items())
+                  + " (at least 60 % where averaging gives about 10 %).", "", "| method | accuracy | seeds |", "|---|---|---|"]
+        lines += [f"| {r['method']} | {r['mean']:.3f} | {int(r['count'])} |" for _, r in target.iterrows()]
+    return lines
 
 
 def plot(stats: Any, methods: Sequence[str], out_dir: Path) -> list[Path]:
@@ -260,7 +401,24 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=20, help="local epochs of each client")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--out", type=Path, default=OUT_DIR, help="folder of the CSV, markdown table and plots")
+    parser.add_argument("--render", nargs="+", type=Path, default=None,
+                        help="run nothing: write the outputs from the rows of these raw result files (aligned_accuracy.json); "
+                             "a later file's row replaces an earlier one of the same cell and method label")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (more than the free cores slows tiny models 10-30x)")
     args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.render:
+        payloads = [json.loads(path.read_text(encoding="utf-8")) for path in args.render]
+        keyed: dict[tuple, dict[str, Any]] = {}  # a later file's row replaces an earlier one of the same cell and label
+        for payload in payloads:
+            for row in payload["rows"]:
+                keyed[tuple(row.get(k) for k in (*asdict(Cell("", "", "", 0, "", 0)), "method"))] = row
+        rows = list(keyed.values())
+        for path in write_outputs(rows, args.out, payloads[0]["machine"]):
+            print(f"wrote {path}")
+        return
     axes = {k: getattr(args, k) for k in QUICK}
     if args.quick:
         axes = dict(QUICK)

@@ -10,7 +10,9 @@ model's conv / linear weight norm over the mean norm of the inputs' (1.0: aligne
 
 Measured now: rebasin's MergeMany (``rebasin_runner.py`` with the rebasin virtualenv's Python, in a subprocess, on
 ``--threads`` torch threads; ``seconds`` is rebasin's own wall time, excluding process start and reading the
-checkpoints). rayfuse's matcher joins :data:`MATCHERS`.
+checkpoints). rayfuse's weight matching (``rayfuse.alignment.weight_matching``, MergeMany too, on the spec
+``rayfuse.symmetry.derive_spec`` derives from the same resnet18, checked against :func:`resnet18_permutation_axes`)
+with the serial executor (``rayfuse_wm_serial``) and with threads (``rayfuse_wm_threads``).
 
 Usage (project virtualenv, repository root)::
 
@@ -140,8 +142,60 @@ def time_rebasin(models: Sequence[Mapping[str, np.ndarray]], folder: Path, *, th
     return {"seconds": float(run["seconds"]), "norm_ratio": norm_ratio(merged, models), "rebasin": result["rebasin"]}
 
 
+def derive_resnet18_spec() -> Any:
+    """rayfuse's permutation spec of the benchmark's resnet18, derived from its graph (``rayfuse.symmetry.derive_spec``)."""
+    from rayfuse.symmetry import derive_spec
+
+    return derive_spec(build_arch(SPEC), torch.zeros((2, *SPEC["input_shape"])))
+
+
+def compare_spec_with_axes(spec: Any, axes: Axes) -> list[str]:
+    """The differences between a derived spec's groups and the hand-written :func:`resnet18_permutation_axes` (each
+    group as the set of its (key, axis) pairs; empty list: the same partition of the weight axes)."""
+    derived = {frozenset((a.key, a.dim) for a in g.axes) for g in spec.groups}
+    written = {frozenset(entries) for entries in axes.values()}
+    problems = [f"derived only: {sorted(g)[:3]}..." for g in derived - written]
+    problems += [f"hand-written only: {sorted(g)[:3]}..." for g in written - derived]
+    for g in spec.groups:
+        for a in g.axes:
+            if (a.start, a.outer, a.inner) != (0, 1, 1):
+                problems.append(f"{g.name}: partial axis {a}")
+    return problems
+
+
+def time_rayfuse(models: Sequence[Mapping[str, np.ndarray]], folder: Path, *, threads: int, executor: str) -> dict[str, Any]:
+    """rayfuse's N-way weight matching (``rayfuse.alignment.weight_matching``, MergeMany) with the derived spec and
+    ``executor`` (``serial``: :func:`rayfuse.matching.serial_map`; ``threads``: :func:`rayfuse.matching.thread_map`),
+    then ``merge_average``. ``seconds``: matching + merge (the spec is derived beforehand, untimed)."""
+    from rayfuse.alignment import apply_alignment, merge_average, weight_matching
+    from rayfuse.matching import serial_map, thread_map
+
+    spec = derive_resnet18_spec()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        started = time.perf_counter()
+        alignment = weight_matching(models, spec, executor=serial_map if executor == "serial" else thread_map)
+        merged = merge_average(apply_alignment(models, spec, alignment))
+        seconds = time.perf_counter() - started
+    finally:
+        torch.set_num_threads(before)
+    return {"seconds": seconds, "norm_ratio": norm_ratio(merged, models), "sweeps": alignment.sweeps, "converged": alignment.converged}
+
+
+def time_rayfuse_serial(models: Sequence[Mapping[str, np.ndarray]], folder: Path, *, threads: int) -> dict[str, Any]:
+    """:func:`time_rayfuse` with the serial executor."""
+    return time_rayfuse(models, folder, threads=threads, executor="serial")
+
+
+def time_rayfuse_threads(models: Sequence[Mapping[str, np.ndarray]], folder: Path, *, threads: int) -> dict[str, Any]:
+    """:func:`time_rayfuse` with the thread-pool executor (one thread per model of a sweep, up to the CPUs)."""
+    return time_rayfuse(models, folder, threads=threads, executor="threads")
+
+
 # N-way matchers timed on the same models: name -> (models, scratch folder, threads) -> {"seconds", "norm_ratio", ...}.
-MATCHERS: dict[str, Callable[..., dict[str, Any]]] = {"rebasin_mergemany": time_rebasin}
+MATCHERS: dict[str, Callable[..., dict[str, Any]]] = {"rebasin_mergemany": time_rebasin, "rayfuse_wm_serial": time_rayfuse_serial,
+                                                      "rayfuse_wm_threads": time_rayfuse_threads}
 
 
 def main() -> None:
@@ -151,13 +205,22 @@ def main() -> None:
     parser.add_argument("--noise", type=float, default=0.01, help="noise added to each copy, in units of each tensor's std")
     parser.add_argument("--matchers", nargs="+", default=list(MATCHERS), choices=list(MATCHERS))
     parser.add_argument("--out", type=Path, default=OUT_DIR)
+    parser.add_argument("--rebasin-max-models", type=int, default=4,
+                        help="run rebasin only up to this N (its N=4 takes minutes on one thread); larger N: a 'not run' row")
     args = parser.parse_args()
 
     info = machine_info()
+    spec_check = compare_spec_with_axes(derive_resnet18_spec(), resnet18_permutation_axes(make_models(1, noise=0.0)[0][0]))
+    print("derived resnet18 spec vs resnet18_permutation_axes: " + ("same groups" if not spec_check else "; ".join(spec_check)), flush=True)
     rows = []
     for n in args.models:
         models, _ = make_models(n, noise=args.noise)
         for name in args.matchers:
+            if name == "rebasin_mergemany" and n > args.rebasin_max_models:
+                rows.append({"models": n, "matcher": name, "seconds": float("nan"), "total_s": float("nan"),
+                             "error": f"not run (N > --rebasin-max-models {args.rebasin_max_models})"})
+                print(f"N={n:3d} {name}: not run", flush=True)
+                continue
             started = time.perf_counter()
             with tempfile.TemporaryDirectory(prefix=f"speed-{name}-") as tmp:
                 result = MATCHERS[name](models, Path(tmp), threads=args.threads)
@@ -173,11 +236,20 @@ def main() -> None:
              f"{args.threads} torch thread(s), {info['cpus']} CPUs ({info.get('cpu_model', '')}), load {info['load_avg_1m']:.2f}; "
              f"copies = a random base permuted + noise {args.noise} std. `seconds`: the matcher's own wall time; "
              "`norm ratio`: merged weight norm over the inputs' (1.0: aligned). Produced by `benchmarks/aligned/speed.py`.", "",
-             "| N | matcher | seconds | norm ratio |", "|---|---|---|---|"]
-    lines += [f"| {r['models']} | {r['matcher']} | {r['seconds']:.2f} | {r.get('norm_ratio', float('nan')):.3f} |" for r in rows]
+             "The spec rayfuse derives from resnet18's graph has the same groups as the hand-written "
+             "`resnet18_permutation_axes`: " + ("yes." if not spec_check else "no: " + "; ".join(spec_check)), "",
+             "| N | matcher | seconds | norm ratio | x rebasin time |", "|---|---|---|---|---|"]
+    reference = {r["models"]: r["seconds"] for r in rows if r["matcher"] == "rebasin_mergemany" and r["seconds"] == r["seconds"]}
+    for r in rows:
+        ratio = f"{r['seconds'] / reference[r['models']]:.3f}" if r["models"] in reference and r["seconds"] == r["seconds"] else ""
+        if r.get("error"):
+            lines.append(f"| {r['models']} | {r['matcher']} | {r['error']} | | |")
+        else:
+            lines.append(f"| {r['models']} | {r['matcher']} | {r['seconds']:.2f} | {r.get('norm_ratio', float('nan')):.3f} | {ratio} |")
     md = args.out / "speed.md"
     md.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    raw = write_results("aligned_speed", {"machine": info, "threads": args.threads, "noise": args.noise, "rows": rows})
+    raw = write_results("aligned_speed", {"machine": info, "threads": args.threads, "noise": args.noise, "spec_check": spec_check,
+                                          "rows": rows})
     print(f"wrote {md}\nwrote {raw}")
 
 

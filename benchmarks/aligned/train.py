@@ -94,6 +94,7 @@ class TrainedCell:
     public: Split
     folder: Path  # checkpoint folder (client_<i>.safetensors, arch.json)
     train_seconds: float
+    train_sets: list[Split]  # each client's training split (the data its model was trained on; client-side statistics)
 
 
 def partition_section(partition: str, num_clients: int, num_classes: int = 10) -> dict[str, Any]:
@@ -164,17 +165,17 @@ def train_cell(cell: Cell, cache_dir: Path = CACHE_DIR, *, retrain: bool = False
     files = [folder / f"client_{i}.safetensors" for i in range(cell.num_clients)]
     meta_file = folder / "cell.json"
     sizes = [plan.num_examples(i) for i in range(cell.num_clients)]
+    train_sets = [client_splits(dataset, plan.for_client(i))[0] for i in range(cell.num_clients)]
     if not retrain and meta_file.is_file() and all(f.is_file() for f in files):
         meta = json.loads(meta_file.read_text(encoding="utf-8"))
         if meta.get("split_hash") == plan.digest():
             clients = [load_params(f) for f in files]
-            return TrainedCell(cell, spec, config, clients, sizes, test, public, folder, float(meta["train_seconds"]))
+            return TrainedCell(cell, spec, config, clients, sizes, test, public, folder, float(meta["train_seconds"]), train_sets)
     folder.mkdir(parents=True, exist_ok=True)
     clients = []
     started = time.perf_counter()
     with _torch_threads(1):
-        for i in range(cell.num_clients):
-            train, _ = client_splits(dataset, plan.for_client(i))
+        for i, train in enumerate(train_sets):
             model = build_arch(spec, seed=_init_seed(cell, i))
             train_model(model, train.X, train.y, epochs=cfg.train.epochs, batch_size=cfg.train.batch_size, lr=cfg.train.lr,
                         optimizer=cfg.train.optimizer, seed=derive_seed(cell.seed, "local-train", i))
@@ -185,7 +186,7 @@ def train_cell(cell: Cell, cache_dir: Path = CACHE_DIR, *, retrain: bool = False
     write_arch_spec(folder / "arch.json", spec)
     atomic_write_json(meta_file, {"cell": asdict(cell), "spec": spec, "config": config, "split_hash": plan.digest(),
                                   "num_examples": sizes, "train_seconds": seconds})
-    return TrainedCell(cell, spec, config, clients, sizes, test, public, folder, seconds)
+    return TrainedCell(cell, spec, config, clients, sizes, test, public, folder, seconds, train_sets)
 
 
 class _torch_threads:

@@ -19,8 +19,9 @@ from rayfuse.alignment.merge import (
     permute_grams,
 )
 from rayfuse.alignment.repair import apply_batchnorm, batchnorm_statistics, combine_batchnorm
-from rayfuse.alignment.weight import Alignment, apply_alignment, match_weights, weight_matching
+from rayfuse.alignment.weight import Alignment, apply_alignment, match_weights, resolve_cost_keys, weight_matching
 
 __all__ = ["Alignment", "GroupStats", "activation_matching", "apply_alignment", "apply_batchnorm", "batchnorm_statistics",
            "collect_correlations", "combine_batchnorm", "solve_activation_perms_many", "diagonal_fisher", "input_grams", "match_weights", "merge_average",
-           "merge_fisher", "merge_regmean", "permute_fisher", "permute_grams", "solve_activation_perms", "weight_matching"]
+           "merge_fisher", "merge_regmean", "permute_fisher", "permute_grams", "resolve_cost_keys", "solve_activation_perms",
+           "weight_matching"]

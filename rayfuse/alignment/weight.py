@@ -13,7 +13,7 @@ others, repeatedly. The N alignments of one sweep are independent and run throug
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,9 +24,32 @@ from rayfuse.errors import InputError
 from rayfuse.matching import Executor, solve_assignment, thread_map
 from rayfuse.symmetry import AxisRef, PermGroup, Perms, PermutationSpec, compose, invert
 
-__all__ = ["Alignment", "match_weights", "weight_matching", "apply_alignment", "torch_view"]
+__all__ = ["Alignment", "match_weights", "weight_matching", "apply_alignment", "resolve_cost_keys", "torch_view"]
 
 _PATIENCE = 3  # sweeps without a lower objective before weight_matching stops (simultaneous updates can cycle)
+STATISTICS_SUFFIXES = ("running_mean", "running_var")  # BatchNorm buffers: permuted with their group, not matched on
+
+
+def resolve_cost_keys(spec: PermutationSpec, cost_keys: Collection[str] | None, *, where: str = "cost_keys") -> list[str]:
+    """The spec's tensors the matching cost is computed from: ``cost_keys`` (checked against the spec), or by default
+    every tensor the spec permutes except BatchNorm running statistics (keys ending in ``running_mean`` /
+    ``running_var``).
+
+    The statistics are permuted with their group like every other tensor, but they describe the data, not the
+    function's weights: in the cost, their large values (variances of pre-activations) outweigh the weights and move
+    units of models that are already aligned (a shared initialisation), and git re-basin matches parameters only.
+    Raises :class:`InputError` for a key the spec does not permute, or an empty selection."""
+    keys = spec.keys()
+    if cost_keys is None:
+        chosen = sorted(k for k in keys if not k.endswith(STATISTICS_SUFFIXES))
+        return chosen or sorted(keys)
+    chosen = sorted(set(cost_keys))
+    for key in chosen:
+        if key not in keys:
+            raise InputError(f"{where}.{key}", "a tensor the spec permutes", key)
+    if not chosen:
+        raise InputError(where, "at least one tensor the spec permutes", "none")
+    return chosen
 
 
 @dataclass
@@ -77,7 +100,7 @@ def _check_pair(target: Mapping[str, np.ndarray], model: Mapping[str, np.ndarray
 
 def match_weights(target: Mapping[str, np.ndarray], model: Mapping[str, np.ndarray], spec: PermutationSpec, *,
                   max_sweeps: int = 100, seed: int = 0, init: Mapping[str, np.ndarray] | None = None,
-                  device: str | torch.device | None = None) -> tuple[Perms, int]:
+                  device: str | torch.device | None = None, cost_keys: Collection[str] | None = None) -> tuple[Perms, int]:
     """Permutations of ``model`` that maximise its inner product with ``target`` (git re-basin weight matching).
 
     Parameters
@@ -94,6 +117,9 @@ def match_weights(target: Mapping[str, np.ndarray], model: Mapping[str, np.ndarr
         Starting permutations (default: identity); groups missing from it start at the identity.
     device : str or torch.device, optional
         Where the cost matrices are computed (float64 matrix products); default the CPU.
+    cost_keys : collection of str, optional
+        The tensors the cost is computed from (:func:`resolve_cost_keys`; default: all the spec permutes but BatchNorm
+        running statistics). Every tensor of the spec is still permuted by :meth:`PermutationSpec.apply`.
 
     Returns
     -------
@@ -104,21 +130,24 @@ def match_weights(target: Mapping[str, np.ndarray], model: Mapping[str, np.ndarr
     """
     _check_pair(target, model, spec)
     dev = resolve_device(device)
+    matched = set(resolve_cost_keys(spec, cost_keys))
     groups = [g for g in spec.groups]
     perms: Perms = {g.name: np.arange(g.size) for g in groups}
+    axes_of = {g.name: [axis for axis in g.axes if axis.key in matched] for g in groups}
     for name, perm in (init or {}).items():
         if name in perms:
             perm = np.asarray(perm, dtype=np.int64)
             if perm.shape != perms[name].shape or not np.array_equal(np.sort(perm), perms[name]):
                 raise InputError(f"init.{name}", f"a permutation of {len(perms[name])} units", perm.tolist()[:8])
             perms[name] = perm
-    a = {k: torch.as_tensor(np.asarray(target[k], dtype=np.float64), device=dev) for k in spec.keys()}
-    b = {k: torch.as_tensor(np.asarray(model[k], dtype=np.float64), device=dev) for k in spec.keys()}
+    a = {k: torch.as_tensor(np.asarray(target[k], dtype=np.float64), device=dev) for k in matched}
+    b = {k: torch.as_tensor(np.asarray(model[k], dtype=np.float64), device=dev) for k in matched}
     on_key: dict[str, list[tuple[str, AxisRef]]] = {}
     for g in groups:
-        for axis in g.axes:
+        for axis in axes_of[g.name]:
             on_key.setdefault(axis.key, []).append((g.name, axis))
-    target_rows = {g.name: torch.cat([torch_view(a[axis.key], axis, g.size) for axis in g.axes], dim=1) for g in groups}
+    target_rows = {g.name: torch.cat([torch_view(a[axis.key], axis, g.size) for axis in axes_of[g.name]], dim=1)
+                   for g in groups if axes_of[g.name]}
 
     def model_rows(name: str, size: int, axes: Sequence[AxisRef]) -> torch.Tensor:
         views = []
@@ -147,9 +176,9 @@ def match_weights(target: Mapping[str, np.ndarray], model: Mapping[str, np.ndarr
         improved = False
         for gi in rng.permutation(len(groups)):
             g = groups[gi]
-            if g.size < 2:
+            if g.size < 2 or g.name not in target_rows:  # nothing to match on: the group keeps its permutation
                 continue
-            cost = (target_rows[g.name] @ model_rows(g.name, g.size, g.axes).T).cpu().numpy()
+            cost = (target_rows[g.name] @ model_rows(g.name, g.size, axes_of[g.name]).T).cpu().numpy()
             new = solve_assignment(-cost, where=f"cost.{g.name}")
             rows = np.arange(g.size)
             old_value, new_value = cost[rows, perms[g.name]].sum(), cost[rows, new].sum()
@@ -186,17 +215,20 @@ class MatchTask:
 
     Called with ``(target, model, init)``: ``target`` None means the model is the reference itself (identity)."""
 
-    def __init__(self, spec: PermutationSpec, max_sweeps: int, seed: int, device: str | torch.device | None) -> None:
+    def __init__(self, spec: PermutationSpec, max_sweeps: int, seed: int, device: str | torch.device | None,
+                 cost_keys: Collection[str] | None = None) -> None:
         self.spec = spec
         self.max_sweeps = max_sweeps
         self.seed = seed
         self.device = None if device is None else str(device)
+        self.cost_keys = None if cost_keys is None else list(cost_keys)
 
     def __call__(self, item: tuple[Params | None, Params, Perms | None]) -> Perms:
         target, model, init = item
         if target is None:
             return self.spec.identity()
-        perms, _ = match_weights(target, model, self.spec, max_sweeps=self.max_sweeps, seed=self.seed, init=init, device=self.device)
+        perms, _ = match_weights(target, model, self.spec, max_sweeps=self.max_sweeps, seed=self.seed, init=init, device=self.device,
+                                 cost_keys=self.cost_keys)
         return perms
 
 
@@ -214,7 +246,7 @@ def _spread(aligned: Sequence[Params], w: np.ndarray, keys: Sequence[str]) -> fl
 
 def weight_matching(models: Sequence[Mapping[str, np.ndarray]], spec: PermutationSpec, *, weights: Sequence[float] | None = None,
                     max_sweeps: int = 20, inner_sweeps: int = 100, seed: int = 0, executor: Executor | None = None,
-                    device: str | torch.device | None = None) -> Alignment:
+                    device: str | torch.device | None = None, cost_keys: Collection[str] | None = None) -> Alignment:
     """Align N models by weight matching, MergeMany style (Ainsworth et al. 2023, algorithm 3).
 
     The first sweep aligns every model to model 0 (whose frame is the common one). Each further sweep aligns every
@@ -243,12 +275,15 @@ def weight_matching(models: Sequence[Mapping[str, np.ndarray]], spec: Permutatio
         ``executor(fn, items) -> [fn(item) for item in items]``; default :func:`rayfuse.matching.thread_map`.
     device : str or torch.device, optional
         Where cost matrices are computed.
+    cost_keys : collection of str, optional
+        The tensors matched on (:func:`resolve_cost_keys`; default: all the spec permutes but BatchNorm running
+        statistics); the objective is computed on the same tensors.
 
     Returns
     -------
     Alignment
-        ``objective`` per sweep: the weighted sum of squared distances of the aligned models (the spec's tensors) to
-        their weighted average.
+        ``objective`` per sweep: the weighted sum of squared distances of the aligned models (the ``cost_keys``
+        tensors) to their weighted average.
     """
     check_models(models)
     w = normalize_weights(weights, len(models))
@@ -256,14 +291,15 @@ def weight_matching(models: Sequence[Mapping[str, np.ndarray]], spec: Permutatio
     if max_sweeps < 1:
         raise InputError("max_sweeps", "at least 1", max_sweeps)
     keys = sorted(spec.keys())
+    cost = resolve_cost_keys(spec, cost_keys)
     own = [{k: np.asarray(m[k]) for k in keys} for m in models]
     if len(models) == 1:
         return Alignment([spec.identity()], 0, [], True)
     run = executor or thread_map
-    task = MatchTask(spec, inner_sweeps, seed, device)
+    task = MatchTask(spec, inner_sweeps, seed, device, cost)
     perms = _anchor(list(run(task, [(None if k == 0 else own[0], own[k], None) for k in range(len(own))])))
     aligned = [spec.apply(m, p) for m, p in zip(own, perms)]
-    objective = [_spread(aligned, w, keys)]
+    objective = [_spread(aligned, w, cost)]
     converged = False
     best, best_perms, stale = objective[0], perms, 0
     while len(objective) < max_sweeps and stale < _PATIENCE:
@@ -277,7 +313,7 @@ def weight_matching(models: Sequence[Mapping[str, np.ndarray]], spec: Permutatio
         changed = any(not np.array_equal(new[k][name], perms[k][name]) for k in range(len(own)) for name in perms[k])
         perms = new
         aligned = [spec.apply(m, p) for m, p in zip(own, perms)]
-        objective.append(_spread(aligned, w, keys))
+        objective.append(_spread(aligned, w, cost))
         if not changed:
             converged = True
             break
