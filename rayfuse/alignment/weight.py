@@ -22,7 +22,7 @@ import torch
 from rayfuse.alignment._common import Params, check_models, normalize_weights, resolve_device, weighted_average
 from rayfuse.errors import InputError
 from rayfuse.matching import Executor, solve_assignment, thread_map
-from rayfuse.symmetry import AxisRef, PermGroup, Perms, PermutationSpec, compose, invert
+from rayfuse.symmetry import AxisRef, Perms, PermutationSpec, compose, invert
 
 __all__ = ["Alignment", "match_weights", "weight_matching", "apply_alignment", "resolve_cost_keys", "torch_view"]
 
@@ -165,8 +165,9 @@ def match_weights(target: Mapping[str, np.ndarray], model: Mapping[str, np.ndarr
         # Start from the better of the identity and a permutation-invariant guess: a unit's values along its other axes,
         # sorted, do not depend on how the other groups are permuted, so matching the sorted rows solves every group
         # at once without the others' (still unknown) permutations. Coordinate descent then refines from there.
-        guess = {g.name: solve_assignment(-(_sorted_rows(a, g) @ _sorted_rows(b, g).T).cpu().numpy(), where=f"cost.{g.name}")
-                 for g in groups if g.size >= 2}
+        guess = {g.name: solve_assignment(-(_sorted_rows(a, axes_of[g.name], g.size) @ _sorted_rows(b, axes_of[g.name], g.size).T)
+                                          .cpu().numpy(), where=f"cost.{g.name}")
+                 for g in groups if g.size >= 2 and axes_of[g.name]}
         if _agreement(a, b, spec, guess, dev) > _agreement(a, b, spec, perms, dev):
             perms.update(guess)
     rng = np.random.default_rng(seed)
@@ -190,9 +191,9 @@ def match_weights(target: Mapping[str, np.ndarray], model: Mapping[str, np.ndarr
     return perms, sweeps
 
 
-def _sorted_rows(params: Mapping[str, torch.Tensor], group: PermGroup) -> torch.Tensor:
-    """Each unit's values along each axis of ``group``, sorted: invariant to the permutations of every other group."""
-    return torch.cat([torch.sort(torch_view(params[axis.key], axis, group.size), dim=1).values for axis in group.axes], dim=1)
+def _sorted_rows(params: Mapping[str, torch.Tensor], axes: Sequence[AxisRef], size: int) -> torch.Tensor:
+    """Each unit's values along each of a group's ``axes``, sorted: invariant to the permutations of every other group."""
+    return torch.cat([torch.sort(torch_view(params[axis.key], axis, size), dim=1).values for axis in axes], dim=1)
 
 
 def _agreement(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: PermutationSpec, perms: Perms,
