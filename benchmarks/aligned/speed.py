@@ -24,6 +24,7 @@ Writes ``benchmarks/results/aligned_speed.json`` and ``docs/results/aligned/spee
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -171,11 +172,12 @@ def time_rayfuse(models: Sequence[Mapping[str, np.ndarray]], folder: Path, *, th
     from rayfuse.matching import serial_map, thread_map
 
     spec = derive_resnet18_spec()
+    run = {"serial": serial_map, "threads": thread_map}.get(executor) or _ray_parallel_map()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         started = time.perf_counter()
-        alignment = weight_matching(models, spec, executor=serial_map if executor == "serial" else thread_map)
+        alignment = weight_matching(models, spec, executor=run)
         merged = merge_average(apply_alignment(models, spec, alignment))
         seconds = time.perf_counter() - started
     finally:
@@ -193,9 +195,34 @@ def time_rayfuse_threads(models: Sequence[Mapping[str, np.ndarray]], folder: Pat
     return time_rayfuse(models, folder, threads=threads, executor="threads")
 
 
+def time_rayfuse_ray(models: Sequence[Mapping[str, np.ndarray]], folder: Path, *, threads: int) -> dict[str, Any]:
+    """:func:`time_rayfuse` with the federation's executor on a local Ray (``RayFederation.parallel_map``: each sweep's
+    N alignments as batched Ray tasks of one CPU each), the path the ``aligned`` method takes on a cluster. Ray is
+    started once, before the clock (its start is not the matcher's time)."""
+    return time_rayfuse(models, folder, threads=threads, executor="ray")
+
+
+_RAY_MAP: list[Any] = []
+
+
+def _ray_parallel_map() -> Any:
+    """A local Ray (all this machine's CPUs) and a ``RayFederation`` without clients; its ``parallel_map``."""
+    if not _RAY_MAP:
+        import ray
+
+        from actors.federation import RayFederation
+        from rayfuse.federation import EventLog, FailurePolicy
+
+        if not ray.is_initialized():
+            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        _RAY_MAP.append(RayFederation({}, FailurePolicy(), EventLog(), task_cpus=1.0).parallel_map)
+    return _RAY_MAP[0]
+
+
 # N-way matchers timed on the same models: name -> (models, scratch folder, threads) -> {"seconds", "norm_ratio", ...}.
 MATCHERS: dict[str, Callable[..., dict[str, Any]]] = {"rebasin_mergemany": time_rebasin, "rayfuse_wm_serial": time_rayfuse_serial,
-                                                      "rayfuse_wm_threads": time_rayfuse_threads}
+                                                      "rayfuse_wm_threads": time_rayfuse_threads, "rayfuse_wm_ray": time_rayfuse_ray}
 
 
 def main() -> None:
@@ -238,14 +265,20 @@ def main() -> None:
              "`norm ratio`: merged weight norm over the inputs' (1.0: aligned). Produced by `benchmarks/aligned/speed.py`.", "",
              "The spec rayfuse derives from resnet18's graph has the same groups as the hand-written "
              "`resnet18_permutation_axes`: " + ("yes." if not spec_check else "no: " + "; ".join(spec_check)), "",
-             "| N | matcher | seconds | norm ratio | x rebasin time |", "|---|---|---|---|---|"]
+             "`parallel efficiency`: the serial time over (CPUs x this time), for the thread and Ray-task executors.", "",
+             "| N | matcher | seconds | norm ratio | x rebasin time | parallel efficiency |", "|---|---|---|---|---|---|"]
     reference = {r["models"]: r["seconds"] for r in rows if r["matcher"] == "rebasin_mergemany" and r["seconds"] == r["seconds"]}
+    serial = {r["models"]: r["seconds"] for r in rows if r["matcher"] == "rayfuse_wm_serial"}
     for r in rows:
         ratio = f"{r['seconds'] / reference[r['models']]:.3f}" if r["models"] in reference and r["seconds"] == r["seconds"] else ""
+        parallel = r["matcher"] in ("rayfuse_wm_threads", "rayfuse_wm_ray") and r["models"] in serial and r["seconds"] == r["seconds"]
+        width = min(int(info["cpus"]), int(r["models"]))  # a sweep has N independent alignments
+        efficiency = f"{serial[r['models']] / (width * r['seconds']):.2f}" if parallel else ""
         if r.get("error"):
-            lines.append(f"| {r['models']} | {r['matcher']} | {r['error']} | | |")
+            lines.append(f"| {r['models']} | {r['matcher']} | {r['error']} | | | |")
         else:
-            lines.append(f"| {r['models']} | {r['matcher']} | {r['seconds']:.2f} | {r.get('norm_ratio', float('nan')):.3f} | {ratio} |")
+            lines.append(f"| {r['models']} | {r['matcher']} | {r['seconds']:.2f} | {r.get('norm_ratio', float('nan')):.3f} | {ratio} | "
+                         f"{efficiency} |")
     md = args.out / "speed.md"
     md.write_text("\n".join(lines) + "\n", encoding="utf-8")
     raw = write_results("aligned_speed", {"machine": info, "threads": args.threads, "noise": args.noise, "spec_check": spec_check,
