@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from rayfuse.federation import Gathered, Update
 from rayfuse.fusion.aligned.algorithm import batchnorm, correlations, derive_run_spec
@@ -84,3 +85,32 @@ def test_an_explicit_spec_that_does_not_fit_the_model_is_refused_before_anything
     bad = {"groups": [{"name": "h", "size": 99, "axes": [{"key": "layers.0.weight", "dim": 0}]}]}
     with pytest.raises(InputError, match=r"^methods\.aligned\.spec\.h\.layers\.0\.weight: expected 1 x 99 x 1 units"):
         prepare_run(make_config(methods={"aligned": {"spec": bad}}))
+
+
+class UserNet(torch.nn.Module):
+    """A model the registry does not know: conv, BatchNorm, a residual 1x1 branch, flatten, two linears."""
+
+    def __init__(self, input_shape=(1, 8, 8), num_classes=10):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(input_shape[0], 6, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(6)
+        self.side = torch.nn.Conv2d(6, 6, 1)
+        self.fc = torch.nn.Linear(6 * 4 * 4, 24)
+        self.out = torch.nn.Linear(24, num_classes)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x)))
+        h = torch.nn.functional.max_pool2d(h + self.side(h), 2)
+        return self.out(torch.relu(self.fc(torch.flatten(h, 1))))
+
+
+def test_a_users_model_class_is_aligned_and_fused_through_the_python_api(tmp_path):
+    import rayfuse
+
+    config = {"data": {"dataset": "digits"}, "partition": {"method": "iid", "num_clients": 2}, "train": {"epochs": 3},
+              "methods": {"average": {}, "aligned": {"sweeps": 2}}}
+    result = rayfuse.run(config, model=UserNet, backend="local", run_dir=tmp_path / "run", quiet=True)
+    info = result.results["methods"]["aligned"]["info"]
+    assert info["groups"] == 2 and info["repaired"] is True  # conv, bn and both sides of the addition (side reads and writes them); fc
+    assert result.metrics.loc["aligned", "accuracy"] > 0.5
+    assert isinstance(result.model("aligned"), UserNet)

@@ -251,14 +251,19 @@ class Aligned(Method):
     def _align(self, server: ServerContext, spec: Any, models: list[dict[str, np.ndarray]], clients: list[int],
                weights: list[float], *, round: int, target: dict[str, np.ndarray] | None) -> list[dict[str, np.ndarray]]:
         from rayfuse.alignment import activation_matching, weight_matching
+        from rayfuse.matching import thread_map
 
         p = self.params
         fed = server.federation
+        # Cost matrices are matrix products: on the coordinator's GPU when it has one (the solves then stay in its process,
+        # threads), else on CPUs, fanned out as the federation's parallel_map (Ray tasks on a cluster).
+        device = server.device if str(server.device).startswith("cuda") else None
+        executor = fed.parallel_map if device is None else thread_map
         if target is not None:  # later rounds: every update onto the global model
-            return fed.parallel_map(_MatchOnto(target, spec, p.inner_sweeps, server.step_seed("align", round)), models)
+            return executor(_MatchOnto(target, spec, p.inner_sweeps, server.step_seed("align", round), device), models)
         if p.alignment == "weight":
             return weight_matching(models, spec, weights=weights, max_sweeps=p.max_sweeps, inner_sweeps=p.inner_sweeps,
-                                   seed=server.step_seed("align", round), executor=fed.parallel_map).perms
+                                   seed=server.step_seed("align", round), executor=executor, device=device).perms
 
         def collect(reference: dict[str, np.ndarray]) -> list[dict[str, Any]]:
             gathered = fed.run(correlations, fed.put(reference), fed.put(spec), label=server.label, samples=p.samples,
@@ -267,7 +272,7 @@ class Aligned(Method):
             replies = server.accept_replies(gathered, lambda c, r: _read_stats(r, spec), need=1, what="correlation statistics")
             return [replies.get(c, {}) for c in clients]
 
-        return activation_matching(models, spec, collect, weights=weights, sweeps=p.sweeps, executor=fed.parallel_map).perms
+        return activation_matching(models, spec, collect, weights=weights, sweeps=p.sweeps, executor=executor).perms
 
     def _repair(self, server: ServerContext, fused: dict[str, np.ndarray], clients: list[int]) -> dict[str, np.ndarray]:
         from rayfuse.alignment import apply_batchnorm, combine_batchnorm
@@ -282,13 +287,13 @@ class Aligned(Method):
 class _MatchOnto:
     """Weight matching of one model onto a fixed target (a picklable callable for ``parallel_map``)."""
 
-    def __init__(self, target: dict[str, np.ndarray], spec: Any, sweeps: int, seed: int) -> None:
-        self.target, self.spec, self.sweeps, self.seed = target, spec, sweeps, seed
+    def __init__(self, target: dict[str, np.ndarray], spec: Any, sweeps: int, seed: int, device: str | None = None) -> None:
+        self.target, self.spec, self.sweeps, self.seed, self.device = target, spec, sweeps, seed, device
 
     def __call__(self, model: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from rayfuse.alignment import match_weights
 
-        return match_weights(self.target, model, self.spec, max_sweeps=self.sweeps, seed=self.seed)[0]
+        return match_weights(self.target, model, self.spec, max_sweeps=self.sweeps, seed=self.seed, device=self.device)[0]
 
 
 def _check_finite(update: Update) -> Update:
