@@ -30,8 +30,9 @@ def list_text_files() -> list[Path]:
         if path.is_file():
             files.append(path)
         elif path.is_dir():
+            # hidden folders are virtualenvs of peer tools and caches (benchmarks/.venv-rebasin), not the repository's text
             files += [p for p in sorted(path.rglob("*")) if p.is_file() and p.suffix in TEXT_SUFFIXES
-                      and "__pycache__" not in p.parts]
+                      and "__pycache__" not in p.parts and not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
     return files
 
 
