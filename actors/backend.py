@@ -69,11 +69,7 @@ def stale_local_address() -> str | None:
 
 
 def merged_resources(cfg: ExperimentConfig, client_id: int) -> ResourcesConfig:
-    base = cfg.federation.clients
-    override = cfg.federation.client_overrides.get(client_id)
-    if override is None:
-        return base
-    return base.model_copy(update={k: getattr(override, k) for k in override.model_fields_set})
+    return cfg.federation.client_resources(client_id)
 
 
 def actor_options(resources: ResourcesConfig) -> dict[str, Any]:

@@ -355,6 +355,13 @@ class FederationConfig(StrictModel):
                                      description="arguments for ray.init when rayfuse starts a local Ray (num_cpus, include_dashboard...)")
     faults: list[FaultSpec] = Field(default_factory=list)
 
+    def client_resources(self, client_id: int) -> ResourcesConfig:
+        """Client ``client_id``'s resources: ``clients``, with the keys its ``client_overrides`` entry sets replaced."""
+        override = self.client_overrides.get(client_id)
+        if override is None:
+            return self.clients
+        return self.clients.model_copy(update={k: getattr(override, k) for k in override.model_fields_set})
+
 
 # The top-level sections: an error path starting with one of these is absolute (``Method.check``'s convention).
 CONFIG_SECTIONS = ("run", "data", "partition", "model", "train", "federation", "methods")

@@ -94,9 +94,7 @@ class InProcessBackend(Backend):
                           seed=cfg.run.seed, faults=fed_cfg.faults, restarted=restarted, local_cache=cfg.run.model_cache)
 
         def client_threads(client_id: int) -> int | None:
-            override = fed_cfg.client_overrides.get(client_id)  # merged field by field, as the Ray backend does
-            cpus = override.num_cpus if override is not None and "num_cpus" in override.model_fields_set else fed_cfg.clients.num_cpus
-            return actor_threads(cpus)
+            return actor_threads(fed_cfg.client_resources(client_id).num_cpus)
 
         self.federation = InProcessFederation(make_client, plan.num_clients, FailurePolicy.from_config(fed_cfg), events,
                                               max_restarts=fed_cfg.max_restarts, threads=client_threads)
