@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rayfuse.config import pydantic_input_error
 from rayfuse.errors import InputError, suggest
 from rayfuse.fusion.aggregate import weighted_average
+from rayfuse.fusion.aligned.algorithm import AlignmentSettings, derive_run_spec
 from rayfuse.io import load_params, save_params
 
 __all__ = ["FuseSpec", "Fuser", "FuseInputs", "FUSERS", "register_fuser", "load_fuse_config", "load_fuse_inputs", "fuse_models", "run_fuse"]
@@ -194,16 +195,8 @@ register_fuser(Fuser("kl_neurons", "KL-fusion of one-hidden-layer MLPs' neurons:
                      _kl_neurons, KLNeuronParams, aliases=("kl",)))
 
 
-class AlignParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    merge: Literal["average", "fisher", "regmean"] = Field("average", description="how the aligned models are combined (fisher, regmean: need data)")
+class AlignParams(AlignmentSettings):
     repair: bool = Field(False, description="re-estimate the fused model's BatchNorm statistics on the data")
-    sweeps: int = Field(3, ge=1, description="activation matching: reference-solve-average sweeps")
-    max_sweeps: int = Field(20, ge=1, description="weight matching: MergeMany sweeps over the models")
-    inner_sweeps: int = Field(100, ge=1, description="weight matching: coordinate-descent sweeps over the groups per model")
-    batch_size: int = Field(256, ge=1, description="batch size of the passes over the data")
-    regmean_alpha: float = Field(0.9, ge=0, le=1)
     seed: int = 0
     spec: str | None = Field(None, min_length=1, description="a JSON permutation spec (rayfuse symmetry --json) instead of the derived one")
 
@@ -230,22 +223,16 @@ def _align_needs(kind: str) -> Callable[[BaseModel], dict[str, str]]:
 def _spec_for(inputs: FuseInputs, method: AlignParams) -> Any:
     import json
 
-    import torch
-
-    from rayfuse.symmetry import PermutationSpec, derive_spec
-
-    shapes = {k: tuple(v.shape) for k, v in inputs.model.state_dict().items()}
+    explicit = None
     if method.spec is not None:
-        file = Path(method.spec)
         try:
-            spec = PermutationSpec.from_dict(json.loads(file.read_text(encoding="utf-8")), where="parameters.spec")
+            explicit = json.loads(Path(method.spec).read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
             raise InputError("parameters.spec", "a readable JSON permutation spec", f"{type(exc).__name__}: {exc}") from None
-        spec.check(shapes, where="parameters.spec")
-        return spec
-    if inputs.example is None:
+    elif inputs.example is None:
         raise InputError("input_shape", "one input's shape (e.g. [3, 32, 32]) or data, to trace the architecture")
-    return derive_spec(inputs.model, torch.as_tensor(inputs.example))
+    shape = tuple(inputs.example.shape[1:]) if inputs.example is not None else ()
+    return derive_run_spec(inputs.model, shape, explicit, where="architecture", spec_where="parameters.spec")
 
 
 def _aligned(kind: str) -> Callable[[list[dict[str, np.ndarray]], list[BaseModel], BaseModel, FuseInputs], dict[str, np.ndarray]]:

@@ -41,38 +41,45 @@ from rayfuse.errors import InputError
 from rayfuse.fusion import references
 from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, Update, client_step, register_method
 
-__all__ = ["AlignedParams", "Aligned", "derive_run_spec"]
+__all__ = ["AlignmentSettings", "AlignedParams", "Aligned", "derive_run_spec"]
 
 
-class AlignedParams(MethodParams):
+class AlignmentSettings(MethodParams):
+    """How models are aligned and merged: shared by the ``aligned`` method and ``rayfuse fuse``'s matching."""
+
+    merge: Literal["average", "fisher", "regmean"] = Field("average", description="how the aligned models are combined "
+                                                           "(fisher, regmean: statistics of the data)")
+    sweeps: int = Field(3, ge=1, description="activation matching: reference-solve-average sweeps")
+    max_sweeps: int = Field(20, ge=1, description="weight matching: MergeMany sweeps over the models")
+    inner_sweeps: int = Field(100, ge=1, description="weight matching: coordinate-descent sweeps over the groups per model")
+    batch_size: int = Field(256, ge=1, description="batch size of the passes over the data")
+    regmean_alpha: float = Field(0.9, ge=0, le=1, description="regmean: weight of the Gram's off-diagonal part")
+
+
+class AlignedParams(AlignmentSettings):
     alignment: Literal["weight", "activation"] = Field(
         "activation", description="weight: data-free weight matching; activation: matching on the clients' activation statistics")
-    merge: Literal["average", "fisher", "regmean"] = Field("average", description="how the aligned models are combined")
     repair: bool = Field(True, description="re-estimate the fused model's BatchNorm statistics on the clients' data")
     rounds: int = Field(1, ge=1, description="1: one shot; more: align, merge and repair after each round of local training")
     local_epochs: int = Field(1, ge=1, description="local epochs per round after the first")
-    sweeps: int = Field(3, ge=1, description="activation matching: broadcast-solve-average sweeps")
-    max_sweeps: int = Field(20, ge=1, description="weight matching: MergeMany sweeps over the models")
-    inner_sweeps: int = Field(100, ge=1, description="weight matching: coordinate-descent sweeps over the groups per model")
     samples: int | None = Field(2048, ge=1, description="training samples per client the statistics use (None: all)")
-    batch_size: int = Field(256, ge=1, description="batch size of the clients' statistics passes")
-    regmean_alpha: float = Field(0.9, ge=0, le=1, description="regmean: weight of the Gram's off-diagonal part")
     weighted: bool = Field(True, description="weight each client by its number of training samples")
     spec: dict[str, Any] | None = Field(None, description="an explicit permutation spec (PermutationSpec.to_dict form) instead of the derived one")
     evaluate_every: int = Field(1, ge=1)
 
 
-def derive_run_spec(model: Any, input_shape: tuple[int, ...], explicit: dict[str, Any] | None = None, *, where: str = "model.name") -> Any:
+def derive_run_spec(model: Any, input_shape: tuple[int, ...], explicit: dict[str, Any] | None = None, *, where: str = "model.name",
+                    spec_where: str = "spec") -> Any:
     """The permutation spec of ``model`` (derived from its graph on a zero batch), or the explicit one checked
-    against its tensors."""
+    against its tensors. Errors name ``where`` (the model) or ``spec_where`` (the explicit spec)."""
     import torch
 
     from rayfuse.symmetry import PermutationSpec, derive_spec
 
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if explicit is not None:
-        spec = PermutationSpec.from_dict(explicit, where="spec")
-        spec.check(shapes, where="spec")
+        spec = PermutationSpec.from_dict(explicit, where=spec_where)
+        spec.check(shapes, where=spec_where)
         return spec
     try:
         return derive_spec(model, torch.zeros((2, *input_shape)))
