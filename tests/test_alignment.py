@@ -31,19 +31,11 @@ from rayfuse.alignment import (
 from rayfuse.errors import InputError
 from rayfuse.matching import serial_map
 from rayfuse.symmetry import AxisRef, PermGroup, PermutationSpec, Probe
+from tests.test_symmetry_spec import mlp_spec  # git re-basin's hand-written spec of the 3-layer MLP below
 
 
 def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
-
-
-def mlp_spec(widths=(8, 6)) -> PermutationSpec:
-    groups = []
-    for i, width in enumerate(widths):
-        layer, nxt = 2 * i, 2 * (i + 1)
-        groups.append(PermGroup(f"P{i}", width, (AxisRef(f"{layer}.weight", 0), AxisRef(f"{layer}.bias", 0), AxisRef(f"{nxt}.weight", 1)),
-                                (Probe(f"_{layer + 1}", 1),)))
-    return PermutationSpec(tuple(groups))
 
 
 def cnn() -> nn.Module:
