@@ -12,6 +12,19 @@ from rayfuse.errors import InputError
 Params = dict[str, np.ndarray]
 
 
+def sorted_unit_rows(views: Sequence[torch.Tensor], *, extremes: int | None = None) -> torch.Tensor:
+    """Each unit's values along each of a group's axes (``views``: one ``(units, rest)`` matrix per axis), sorted, side
+    by side: invariant to the permutations of every other group. ``extremes``: for rows longer than twice this, only
+    the ``extremes`` largest and smallest values (a tenth of a full sort's cost on a resnet)."""
+    parts = []
+    for rows in views:
+        if extremes is None or rows.shape[1] <= 2 * extremes:
+            parts.append(torch.sort(rows, dim=1).values)
+        else:
+            parts += [torch.topk(rows, extremes, dim=1).values, torch.topk(rows, extremes, dim=1, largest=False).values]
+    return torch.cat(parts, dim=1)
+
+
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """``device`` as a :class:`torch.device` (``None``: the CPU)."""
     return torch.device("cpu") if device is None else torch.device(device)

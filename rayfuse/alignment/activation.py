@@ -18,7 +18,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from rayfuse.alignment._common import Params, check_models, normalize_weights, resolve_device, weighted_average
+from rayfuse.alignment._common import Params, check_models, normalize_weights, resolve_device, sorted_unit_rows, weighted_average
 from rayfuse.alignment.weight import Alignment, match_weights
 from rayfuse.errors import InputError, suggest
 from rayfuse.matching import Executor, solve_assignments
@@ -220,8 +220,8 @@ def unit_similarity(reference: Mapping[str, np.ndarray], model: Mapping[str, np.
     """The cosine similarity of the two models' units by their weights, each unit's values along each of the group's
     axes sorted (so the other groups' permutations do not matter): ``(size, size)``, reference units as rows."""
     def rows(params: Mapping[str, np.ndarray]) -> np.ndarray:
-        parts = [np.sort(axis.view(np.asarray(params[axis.key], dtype=np.float64), group.size), axis=1) for axis in group.axes]
-        r = np.concatenate(parts, axis=1)
+        views = [torch.as_tensor(axis.view(np.asarray(params[axis.key], dtype=np.float64), group.size)) for axis in group.axes]
+        r = sorted_unit_rows(views).numpy()
         return r / np.maximum(np.linalg.norm(r, axis=1, keepdims=True), 1e-12)
 
     return rows(reference) @ rows(model).T

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rayfuse.alignment._common import Params, check_models, normalize_weights, resolve_device, weighted_average
+from rayfuse.alignment._common import Params, check_models, normalize_weights, resolve_device, sorted_unit_rows, weighted_average
 from rayfuse.errors import InputError
 from rayfuse.matching import Executor, solve_assignment, thread_map
 from rayfuse.symmetry import AxisRef, Perms, PermutationSpec, compose, invert
@@ -195,16 +195,8 @@ _EXTREMES = 16  # the largest and smallest values per unit and axis that the inv
 
 
 def _sorted_rows(params: Mapping[str, torch.Tensor], axes: Sequence[AxisRef], size: int) -> torch.Tensor:
-    """Each unit's values along each of a group's ``axes``, sorted (or, for long rows, their ``_EXTREMES`` largest and
-    smallest, a tenth of a full sort's cost on a resnet): invariant to the permutations of every other group."""
-    parts = []
-    for axis in axes:
-        rows = torch_view(params[axis.key], axis, size)
-        if rows.shape[1] <= 2 * _EXTREMES:
-            parts.append(torch.sort(rows, dim=1).values)
-        else:
-            parts += [torch.topk(rows, _EXTREMES, dim=1).values, torch.topk(rows, _EXTREMES, dim=1, largest=False).values]
-    return torch.cat(parts, dim=1)
+    """A group's units described independently of the other groups' permutations (:func:`sorted_unit_rows`)."""
+    return sorted_unit_rows([torch_view(params[axis.key], axis, size) for axis in axes], extremes=_EXTREMES)
 
 
 def _agreement(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: PermutationSpec, perms: Perms,
