@@ -299,16 +299,14 @@ class _LocalCorrelations:
 
         self.inputs, self.spec, self.batch_size = inputs, spec, batch_size
         self.own = [_with(inputs.model, m) for m in models]
-        self.graphs = [trace_model(m) for m in self.own]
+        self.graph = trace_model(inputs.model)  # the architecture's graph: each model runs it with its own weights
 
     def __call__(self, reference: dict[str, np.ndarray]) -> list[dict[str, Any]]:
         from rayfuse.alignment import collect_correlations
-        from rayfuse.symmetry import trace_model
 
         ref = _with(self.inputs.model, reference)
-        graph = trace_model(ref)
-        return [collect_correlations(ref, own, self.spec, graph, g, _given(self.inputs.X), batch_size=self.batch_size)
-                for own, g in zip(self.own, self.graphs)]
+        return [collect_correlations(ref, own, self.spec, self.graph, self.graph, _given(self.inputs.X), batch_size=self.batch_size)
+                for own in self.own]
 
 
 register_fuser(Fuser("weight_matching", "git re-basin weight matching, N-way (MergeMany), then a merge; any architecture, data-free",

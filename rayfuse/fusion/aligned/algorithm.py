@@ -119,9 +119,11 @@ def correlations(ctx: ClientContext, reference: dict[str, np.ndarray], spec: Any
 
     ref_model = set_params(ctx.build_model(seed=0), reference).eval()
     own = ctx.local_model().eval()
+    if "aligned.graph" not in ctx.state:  # the architecture's graph, traced once: each model runs it with its own weights
+        ctx.state["aligned.graph"] = trace_model(own)
+    graph = ctx.state["aligned.graph"]
     X, _ = _sample(ctx, samples, label)
-    stats = collect_correlations(ref_model, own, spec, trace_model(ref_model), trace_model(own), X, batch_size=batch_size,
-                                 device=ctx.device)
+    stats = collect_correlations(ref_model, own, spec, graph, graph, X, batch_size=batch_size, device=ctx.device)
     return {name: s.to_arrays() for name, s in stats.items()}
 
 
