@@ -213,8 +213,8 @@ def _align_needs(kind: str) -> Callable[[BaseModel], dict[str, str]]:
         out = {"architecture": f"{kind} (its permutation groups come from the model's graph)"}
         if kind == "activation_matching":
             out["data"] = "activation_matching (the models' activations on it are matched)"
-        elif p.merge != "average" or p.repair:
-            out["data"] = f"merge: {p.merge}" if p.merge != "average" else "repair: true"
+        elif p.merge in ("fisher", "regmean") or p.repair:
+            out["data"] = f"merge: {p.merge}" if p.merge in ("fisher", "regmean") else "repair: true"
         return out
 
     return needs
@@ -253,6 +253,11 @@ def _aligned(kind: str) -> Callable[[list[dict[str, np.ndarray]], list[BaseModel
         aligned = [spec.apply(m, pk) for m, pk in zip(params, alignment.perms)]
         if p.merge == "average":
             fused = merge_average(aligned, weights)
+        elif p.merge == "nonparametric":
+            from rayfuse.alignment import fuse_nonparametric, resolve_cost_keys, width_roles
+
+            fused, _ = fuse_nonparametric(aligned, spec, width_roles(inputs.model, spec), quality=alignment.quality, weights=weights,
+                                          threshold=p.new_unit_threshold, max_width=p.max_width, keys=resolve_cost_keys(spec, None))
         elif p.merge == "fisher":
             from rayfuse.alignment import diagonal_fisher
 
@@ -266,7 +271,7 @@ def _aligned(kind: str) -> Callable[[list[dict[str, np.ndarray]], list[BaseModel
         if p.repair:
             from rayfuse.alignment import apply_batchnorm, batchnorm_statistics, combine_batchnorm
 
-            stats = batchnorm_statistics(_with(inputs.model, fused), _given(X), batch_size=p.batch_size)
+            stats = batchnorm_statistics(_with(inputs.model, fused, spec, inputs.example), _given(X), batch_size=p.batch_size)
             fused = apply_batchnorm(fused, combine_batchnorm([stats]))
         return fused
 
@@ -279,13 +284,19 @@ def _given(array: np.ndarray | None) -> np.ndarray:
     return array
 
 
-def _with(model: Any, params: Mapping[str, np.ndarray]) -> Any:
-    """A copy of the architecture holding ``params``."""
+def _with(model: Any, params: Mapping[str, np.ndarray], spec: Any = None, example: np.ndarray | None = None) -> Any:
+    """A copy of the architecture holding ``params`` (at their widths, given its spec and an example batch: a
+    nonparametric merge grows groups)."""
     import copy
 
     import torch
 
     clone = copy.deepcopy(model)
+    state = clone.state_dict()
+    if example is not None and any(np.shape(params[k]) != tuple(v.shape) for k, v in state.items() if k in params):
+        from rayfuse.symmetry import resize_with_spec
+
+        return resize_with_spec(clone, spec, params, example.shape).eval()
     clone.load_state_dict({k: torch.as_tensor(np.ascontiguousarray(v)) for k, v in params.items()})
     return clone.eval()
 

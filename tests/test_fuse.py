@@ -245,3 +245,27 @@ def test_the_python_api_fuses_from_a_dict_with_paths_from_the_working_directory(
     assert set(load_params(out)) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
     with pytest.raises(InputError, match=r"^<fuse config>: models\.1\.model: expected an existing model file"):
         rayfuse.fuse({"merge_method": "average", "models": [{"model": "n0.safetensors"}, {"model": "nope.safetensors"}], "output": "x.safetensors"})
+
+
+def test_a_nonparametric_merge_writes_the_wider_model_whose_outputs_average_the_inputs_logits(arch_files):
+    from rayfuse.symmetry import derive_spec, resize_with_spec
+
+    params = [load_params(arch_files / f"n{i}.safetensors") for i in range(2)]
+    for method, extra in (("weight_matching", {"input_shape": [3]}), ("activation_matching", {"data": {"path": "sample.npz"}})):
+        out = arch_files / f"{method}-np.safetensors"
+        parameters = {"merge": "nonparametric", "new_unit_threshold": 1.0, "max_width": 2.0}
+        run_fuse(load_fuse_config(write_arch(arch_files, merge_method=method, parameters=parameters, **extra), out))
+        fused = load_params(out)
+        assert fused["fc1.weight"].shape == (8, 3) and fused["fc2.weight"].shape == (2, 8)
+        exec(compile(ARCH, "mynets", "exec"), ns := {})
+        net = ns["Net"]().eval()
+        wide = resize_with_spec(ns["Net"]().eval(), derive_spec(net, torch.zeros(2, 3)), fused, (2, 3))
+        x = torch.randn(5, 3)
+        with torch.no_grad():
+            expected = sum(0.5 * _load(ns["Net"](), p)(x) for p in params)
+            torch.testing.assert_close(wide(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def _load(net, params):
+    net.load_state_dict({k: torch.as_tensor(v) for k, v in params.items()})
+    return net.eval()

@@ -243,6 +243,42 @@ def rayfuse_am(trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3) ->
     return out
 
 
+def rayfuse_np(trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3,
+               thresholds: Sequence[float] = (0.2, 0.3, 0.4), max_width: float = 1.5) -> dict[str, dict[str, Any]]:
+    """rayfuse's activation matching (as ``rayfuse_am`` plays it) followed by the nonparametric merge
+    (``rayfuse.alignment.fuse_nonparametric``): a unit whose activation correlation with the reference's unit is below
+    the threshold becomes a new global unit, at most ``max_width`` x each group's width; then the clients' BatchNorm
+    repair. Labels ``rayfuse_np<threshold>``; ``seconds``: alignment, merge and repair."""
+    from rayfuse.alignment import activation_matching, apply_alignment, collect_correlations, fuse_nonparametric, width_roles
+    from rayfuse.matching import serial_map
+    from rayfuse.symmetry import trace_model
+
+    started = time.perf_counter()
+    pspec = derive_cell_spec(trained)
+    graph = trace_model(build_arch(trained.spec))
+    data = [split.X[:samples] for split in trained.train_sets]
+    owns = [build_model(trained.spec, p) for p in trained.clients]
+
+    def collect(reference: Mapping[str, Any]) -> list[dict[str, Any]]:
+        ref = build_model(trained.spec, reference)
+        return [collect_correlations(ref, own, pspec, graph, graph, X) for own, X in zip(owns, data)]
+
+    alignment = activation_matching(trained.clients, pspec, collect, weights=trained.num_examples, sweeps=sweeps, executor=serial_map)
+    aligned = apply_alignment(trained.clients, pspec, alignment)
+    roles = width_roles(build_arch(trained.spec), pspec)
+    align_s = time.perf_counter() - started
+    out = {}
+    for threshold in thresholds:
+        started = time.perf_counter()
+        merged, plan = fuse_nonparametric(aligned, pspec, roles, quality=alignment.quality, weights=trained.num_examples,
+                                          threshold=threshold, max_width=max_width)
+        repaired = repair_with_clients(trained, merged, data)
+        growth = sum(plan.widths.values()) / sum(g.size for g in pspec.groups)
+        out[f"rayfuse_np{threshold:g}"] = {"accuracy": accuracy_of(trained.spec, repaired, trained.test),
+                                           "seconds": align_s + time.perf_counter() - started, "width": round(growth, 3)}
+    return out
+
+
 def repair_with_clients(trained: TrainedCell, params: dict[str, Any], data: Sequence[Any]) -> dict[str, Any]:
     """``params`` with its BatchNorm running statistics replaced by the pooled statistics each client computes on its own
     data (``batchnorm_statistics`` per client, ``combine_batchnorm``, ``apply_batchnorm``); unchanged without
@@ -263,6 +299,7 @@ METHODS: dict[str, MethodFn] = {
     "rebasin_mergemany": rebasin_mergemany,
     "rayfuse_wm": rayfuse_wm,
     "rayfuse_am": rayfuse_am,
+    "rayfuse_np": rayfuse_np,
     "fedavg": fedavg,
 }
 

@@ -44,7 +44,7 @@ from rayfuse.models import get_params, predict_proba, set_params, train_model
 from rayfuse.seeding import derive_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from arch import build_arch, write_arch_spec  # noqa: E402
+from arch import build_arch, example_input, write_arch_spec  # noqa: E402
 
 __all__ = ["ARCH_KWARGS", "CACHE_DIR", "Cell", "PARTITIONS", "TrainedCell", "accuracy_of", "arch_spec", "average_params", "build_model",
            "cell_config", "ensemble_accuracy", "evaluate_baselines", "partition_section", "reestimate_batchnorm", "train_cell"]
@@ -129,10 +129,17 @@ def arch_spec(arch: str, dataset: str, input_shape: Sequence[int], num_classes: 
 
 
 def build_model(spec: Mapping[str, Any], params: Mapping[str, np.ndarray] | None = None, *, seed: int = 0) -> nn.Module:
-    """The spec's model (with ``params`` loaded when given), in eval mode."""
+    """The spec's model (with ``params`` loaded when given, at their widths: a nonparametric merge grows groups), in eval
+    mode."""
     model = build_arch(spec, seed=seed)
     if params is not None:
-        set_params(model, params)
+        state = model.state_dict()
+        if all(np.shape(params[k]) == tuple(v.shape) for k, v in state.items()):
+            set_params(model, params)
+        else:
+            from rayfuse.symmetry import read_structure, resize_model
+
+            resize_model(model, read_structure(model, example_input(spec)), params)
     return model.eval()
 
 

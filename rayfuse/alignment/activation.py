@@ -289,7 +289,9 @@ def activation_matching(models: Sequence[Mapping[str, np.ndarray]], spec: Permut
     Returns
     -------
     Alignment
-        ``objective`` per sweep: the weighted mean, over models, of the mean correlation of matched units.
+        ``objective`` per sweep: the weighted mean, over models, of the mean correlation of matched units;
+        ``quality``: per model and group with statistics, each aligned unit's correlation with its reference unit in
+        the last sweep.
     """
     if fallback not in ("weight", "identity"):
         raise InputError("fallback", "'weight' or 'identity'", fallback)
@@ -315,10 +317,11 @@ def activation_matching(models: Sequence[Mapping[str, np.ndarray]], spec: Permut
                     raise InputError(f"stats.{k}.{name}", f"statistics of {sizes[name]} units", s.size)
         new: list[Perms] = []
         scores = []
+        quality = []
         ties = [{name: unit_similarity(reference, model, spec.group(name)) for name in stats} for model, stats in zip(models, collected)]
         for model, stats, found in zip(models, collected, solve_activation_perms_many(collected, executor=executor, ties=ties)):
-            scores.append(float(np.mean([stats[n].correlation()[np.arange(sizes[n]), p].mean() for n, p in found.items()]))
-                          if found else 0.0)
+            quality.append({n: stats[n].correlation()[np.arange(sizes[n]), p] for n, p in found.items()})
+            scores.append(float(np.mean([q.mean() for q in quality[-1].values()])) if found else 0.0)
             model_perms = {**spec.identity(), **found}
             rest = [g for g in spec.groups if g.name not in found]
             if rest and fallback == "weight":
@@ -333,4 +336,4 @@ def activation_matching(models: Sequence[Mapping[str, np.ndarray]], spec: Permut
         if not changed and len(objective) > 1:
             converged = True
             break
-    return Alignment(perms, len(objective), objective, converged)
+    return Alignment(perms, len(objective), objective, converged, quality)

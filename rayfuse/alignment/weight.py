@@ -66,12 +66,16 @@ class Alignment:
         One value per sweep (what each matcher reports; see :func:`weight_matching`, :func:`activation_matching`).
     converged : bool
         Whether the last sweep changed no permutation.
+    quality : list of dict, optional
+        Per model and group, how well each aligned unit matches (activation matching: its correlation with the
+        reference's unit); what :func:`rayfuse.alignment.plan_widths` reads.
     """
 
     perms: list[Perms]
     sweeps: int
     objective: list[float] = field(default_factory=list)
     converged: bool = False
+    quality: list[dict[str, np.ndarray]] | None = None
 
 
 def apply_alignment(models: Sequence[Mapping[str, np.ndarray]], spec: PermutationSpec, alignment: Alignment) -> list[Params]:

@@ -36,7 +36,8 @@ from rayfuse.errors import InputError
 from rayfuse.symmetry.spec import PermGroup, PermutationSpec
 from rayfuse.symmetry.trace import derive_spec, trace_model
 
-__all__ = ["Layer", "ModelStructure", "LAYER_TYPES", "read_structure", "read_output_module", "build_node_graph", "resize_model"]
+__all__ = ["Layer", "ModelStructure", "LAYER_TYPES", "read_structure", "read_output_module", "build_node_graph", "resize_model", "resize_with_spec",
+           "read_group_sizes"]
 
 #: Modules listed as layers: they write the units a permutation group reorders.
 LAYER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -108,23 +109,30 @@ class ModelStructure:
         from the axes the group covers whole; an :class:`InputError` naming the first tensor that disagrees."""
         if self.spec is None:
             raise ValueError("the structure was read without a permutation spec (read_structure(..., spec=True))")
-        template = self.param_shapes
-        sizes: dict[str, int] = {}
-        for g in self.spec.groups:
-            if g.kind in ("heads", "head_dims"):
-                continue  # attention keeps its heads; their dimensions follow its width (resize_model)
-            for axis in g.axes:
-                if axis.start != 0 or axis.span(g.size) != template[axis.key][axis.dim]:
-                    continue  # a segment of its axis (a concatenation, attention's packed Q/K/V): read elsewhere
-                if axis.key not in shapes:
-                    raise InputError(f"{where}.{axis.key}", "an entry of the model's state dict", "missing")
-                length = int(tuple(shapes[axis.key])[axis.dim])
-                block = axis.outer * axis.inner
-                size = length // block
-                if length % block or size < 1 or sizes.setdefault(g.name, size) != size:
-                    raise InputError(f"{where}.{axis.key}", f"axis {axis.dim} of {sizes.get(g.name, '?')} x {block} units "
-                                     f"(group {g.name})", tuple(shapes[axis.key]))
-        return sizes
+        return read_group_sizes(self.spec, self.param_shapes, shapes, where=where)
+
+
+def read_group_sizes(spec: PermutationSpec, template: Mapping[str, Sequence[int]], shapes: Mapping[str, Sequence[int]], *,
+                     where: str = "params") -> dict[str, int]:
+    """Each group's number of units in ``shapes`` (key -> shape) of the architecture whose own shapes are
+    ``template``, read from the axes the group covers whole; an :class:`InputError` naming the first tensor that
+    disagrees."""
+    sizes: dict[str, int] = {}
+    for g in spec.groups:
+        if g.kind in ("heads", "head_dims"):
+            continue  # attention keeps its heads; their dimensions follow its width (resize_model)
+        for axis in g.axes:
+            if axis.start != 0 or axis.span(g.size) != template[axis.key][axis.dim]:
+                continue  # a segment of its axis (a concatenation, attention's packed Q/K/V): read elsewhere
+            if axis.key not in shapes:
+                raise InputError(f"{where}.{axis.key}", "an entry of the model's state dict", "missing")
+            length = int(tuple(shapes[axis.key])[axis.dim])
+            block = axis.outer * axis.inner
+            size = length // block
+            if length % block or size < 1 or sizes.setdefault(g.name, size) != size:
+                raise InputError(f"{where}.{axis.key}", f"axis {axis.dim} of {sizes.get(g.name, '?')} x {block} units "
+                                 f"(group {g.name})", tuple(shapes[axis.key]))
+    return sizes
 
 
 def _example(model: nn.Module, example_input: torch.Tensor) -> torch.Tensor:
@@ -361,15 +369,14 @@ def _update_attributes(module: nn.Module, name: str) -> None:
                          type(module).__name__)
 
 
-def _check_runs(model: nn.Module, structure: ModelStructure, where: str) -> None:
+def _check_runs(model: nn.Module, example_shape: Sequence[int], where: str) -> None:
     """Run the resized model on a zero batch of the example's shape: sizes no group explains fail here."""
-    shape = next(iter(structure.shapes.values()))  # the placeholder's: the example batch
     param = next(model.parameters(), None)
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
         with torch.no_grad():
-            model(torch.zeros(shape, device=param.device if param is not None else "cpu"))
+            model(torch.zeros(tuple(example_shape), device=param.device if param is not None else "cpu"))
     except Exception as exc:
         message = (str(exc).strip().splitlines() or [""])[0][:160]
         raise InputError(where, "the parameters of one model of this architecture (widths may differ)",
@@ -392,9 +399,19 @@ def resize_model(model: nn.Module, structure: ModelStructure, params: Mapping[st
     InputError
         Naming the first entry that is missing, or whose shape no group sizes explain.
     """
-    structure.group_sizes({k: np.shape(v) for k, v in params.items()}, where=where)  # the widths agree
-    assert structure.spec is not None
-    covered = {(a.key, a.dim) for g in structure.spec.groups for a in g.axes}
+    if structure.spec is None:
+        raise ValueError("the structure was read without a permutation spec (read_structure(..., spec=True))")
+    example = next(iter(structure.shapes.values()))  # the placeholder's: the example batch
+    return resize_with_spec(model, structure.spec, params, example, where=where)
+
+
+def resize_with_spec(model: nn.Module, spec: PermutationSpec, params: Mapping[str, np.ndarray], example_shape: Sequence[int], *,
+                     where: str = "params") -> nn.Module:
+    """:func:`resize_model` from the model's permutation spec (at its own widths) and the shape of an example batch
+    (the resized model is run on zeros of that shape)."""
+    read_group_sizes(spec, {k: tuple(v.shape) for k, v in model.state_dict().items()},
+                     {k: np.shape(v) for k, v in params.items()}, where=where)  # the widths agree
+    covered = {(a.key, a.dim) for g in spec.groups for a in g.axes}
     resized: set[str] = set()
     for key, tensor in model.state_dict().items():
         if key not in params:
@@ -420,5 +437,5 @@ def resize_model(model: nn.Module, structure: ModelStructure, params: Mapping[st
     with torch.no_grad():
         model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in params.items()})
     if resized:
-        _check_runs(model, structure, where)
+        _check_runs(model, example_shape, where)
     return model

@@ -114,3 +114,29 @@ def test_a_users_model_class_is_aligned_and_fused_through_the_python_api(tmp_pat
     assert info["groups"] == 2 and info["repaired"] is True  # conv, bn and both sides of the addition (side reads and writes them); fc
     assert result.metrics.loc["aligned", "accuracy"] > 0.5
     assert isinstance(result.model("aligned"), UserNet)
+
+
+def test_the_nonparametric_merge_grows_the_global_model_and_trains_it_at_its_widths(coordinator):
+    methods = {"np": {"method": "aligned", "merge": "nonparametric", "new_unit_threshold": 1.0, "max_width": 2.0, "repair": False},
+               "np-rounds": {"method": "aligned", "merge": "nonparametric", "rounds": 2, "new_unit_threshold": 1.0, "max_width": 1.5}}
+    coord = coordinator(methods=methods, **INDEPENDENT)
+    one = coord.run_method("np")
+    fused = load_params(coord.store.root / one["model_file"])
+    assert fused["layers.0.weight"].shape[0] == 64  # every hidden unit new, capped at 2 x 32
+    assert one["info"]["widths"] == {"layers.0": 64} and one["info"]["new_units"] == 32
+    assert 0.0 <= one["metrics"]["accuracy"] <= 1.0
+    rounds = coord.run_method("np-rounds")
+    assert load_params(coord.store.root / rounds["model_file"])["layers.0.weight"].shape[0] == 48
+    assert rounds["info"]["rounds"] == 2 and np.isfinite(rounds["metrics"]["accuracy"])
+
+
+def test_a_grown_model_with_batchnorm_is_repaired_by_the_clients_at_its_widths(coordinator):
+    coord = coordinator(methods={"np": {"method": "aligned", "merge": "nonparametric", "new_unit_threshold": 1.0, "max_width": 1.5}},
+                        train={"epochs": 1, "shared_init": False}, model={"name": "rescnn", "channels": [4, 6]},
+                        partition={"method": "iid", "num_clients": 2})
+    result = coord.run_method("np")
+    fused = load_params(coord.store.root / result["model_file"])
+    widths = result["info"]["widths"]
+    assert result["info"]["repaired"] and sorted(widths.values()) == [6, 6, 9, 9]  # every group 1.5 x its 4 or 6 channels
+    grown = [k for k, v in fused.items() if k.endswith("running_var") and v.shape[0] in (6, 9)]
+    assert grown and np.isfinite(result["metrics"]["accuracy"])

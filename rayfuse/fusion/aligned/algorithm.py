@@ -16,7 +16,9 @@ One shot (``rounds: 1``):
 
 4. **merge** of the aligned models: ``average`` (sample-weighted), ``fisher`` (each client's diagonal Fisher of its
    aligned model on its data), ``regmean`` (each client's input Gram matrices of its aligned model's linear and
-   convolution layers; closed form per layer);
+   convolution layers; closed form per layer), ``nonparametric`` (PFNM-style: a unit whose match quality is below
+   ``new_unit_threshold`` becomes a new global unit, the global width capped at ``max_width`` x the model's; the
+   global model is wider than the clients', and later rounds train it at its widths);
 5. **repair** (``repair: true``): the fused model's BatchNorm statistics re-estimated by the clients on their data and
    combined by count (a model without BatchNorm is left as is).
 
@@ -47,8 +49,12 @@ __all__ = ["AlignmentSettings", "AlignedParams", "Aligned", "derive_run_spec"]
 class AlignmentSettings(MethodParams):
     """How models are aligned and merged: shared by the ``aligned`` method and ``rayfuse fuse``'s matching."""
 
-    merge: Literal["average", "fisher", "regmean"] = Field("average", description="how the aligned models are combined "
-                                                           "(fisher, regmean: statistics of the data)")
+    merge: Literal["average", "fisher", "regmean", "nonparametric"] = Field(
+        "average", description="how the aligned models are combined (fisher, regmean: statistics of the data; nonparametric: "
+        "units that match nothing become new global units, PFNM-style)")
+    new_unit_threshold: float = Field(0.5, ge=-1, le=1, description="nonparametric: a unit whose match quality (activation "
+                                      "correlation, or weight cosine) is below this becomes a new global unit")
+    max_width: float = Field(2.0, ge=1, le=64, description="nonparametric: a group's global width is at most this factor of its width")
     sweeps: int = Field(3, ge=1, description="activation matching: reference-solve-average sweeps")
     max_sweeps: int = Field(20, ge=1, description="weight matching: MergeMany sweeps over the models")
     inner_sweeps: int = Field(100, ge=1, description="weight matching: coordinate-descent sweeps over the groups per model")
@@ -97,6 +103,21 @@ def _sample(ctx: ClientContext, samples: int | None, label: str) -> tuple[np.nda
         idx = np.sort(np.random.default_rng(ctx.step_seed(label, "stats")).choice(len(X), samples, replace=False))
         X, y = X[idx], y[idx]
     return X, y
+
+
+def _model_for(ctx: ClientContext, params: dict[str, np.ndarray]) -> Any:
+    """This run's architecture holding ``params``, whose widths may differ from the configuration's (a nonparametric
+    merge grows groups)."""
+    import torch
+
+    from rayfuse.models import set_params
+    from rayfuse.symmetry import read_structure, resize_model
+
+    model = ctx.build_model(seed=0)
+    state = model.state_dict()
+    if all(k in params and np.shape(params[k]) == tuple(v.shape) for k, v in state.items()):
+        return set_params(model, params)
+    return resize_model(model, read_structure(model, torch.zeros((2, *ctx.input_shape))), params)
 
 
 def _own_aligned(ctx: ClientContext, spec: Any, perms: dict[str, np.ndarray] | None) -> Any:
@@ -150,20 +171,18 @@ def grams(ctx: ClientContext, spec: Any, perms: dict[str, np.ndarray], *, label:
 def batchnorm(ctx: ClientContext, fused: dict[str, np.ndarray], *, label: str, samples: int | None, batch_size: int) -> dict[str, Any]:
     """The fused model's BatchNorm input statistics (count, mean, variance per layer) on this client's data."""
     from rayfuse.alignment import batchnorm_statistics
-    from rayfuse.models import set_params
 
     X, _ = _sample(ctx, samples, label)
-    model = set_params(ctx.build_model(seed=0), fused)
-    stats = batchnorm_statistics(model, X, batch_size=batch_size, device=ctx.device)
+    stats = batchnorm_statistics(_model_for(ctx, fused), X, batch_size=batch_size, device=ctx.device)
     return {name: {"count": np.asarray(float(c)), "mean": np.asarray(m), "var": np.asarray(v)} for name, (c, m, v) in stats.items()}
 
 
 @client_step("aligned.fit")
 def fit(ctx: ClientContext, global_params: dict[str, np.ndarray], *, label: str, round: int, epochs: int) -> Update:
     """Local training from the global model (the rounds after the one-shot fusion)."""
-    from rayfuse.models import get_params, set_params, train_model
+    from rayfuse.models import get_params, train_model
 
-    model = set_params(ctx.build_model(seed=0), global_params)
+    model = _model_for(ctx, global_params)
     stats = train_model(model, ctx.train.X, ctx.train.y, epochs=epochs, batch_size=ctx.train_cfg.batch_size, lr=ctx.train_cfg.lr,
                         optimizer=ctx.train_cfg.optimizer, momentum=ctx.train_cfg.momentum, weight_decay=ctx.train_cfg.weight_decay,
                         seed=ctx.step_seed(label, round), device=ctx.device)
@@ -202,7 +221,7 @@ class Aligned(Method):
         p = self.params
         spec = derive_run_spec(server.build_model(seed=0), server.input_shape, p.spec)
         rounds = server.rounds(AlignedState(server.initial_params()), last=p.rounds,
-                               evaluate=lambda rnd: server.evaluate(rounds.state.params), evaluate_every=p.evaluate_every)
+                               evaluate=lambda rnd: _evaluate(server, rounds.state.params), evaluate_every=p.evaluate_every)
         state = rounds.state
         info: dict[str, Any] = {}
         fed = server.federation
@@ -220,6 +239,8 @@ class Aligned(Method):
                 target = state.params
             weights = [float(updates[c].num_examples) if p.weighted else 1.0 for c in ids]
             state.params, info = self._fuse(server, spec, [updates[c].params for c in ids], ids, weights, round=rnd, target=target)
+            if "widths" in info:  # the global model grew: later rounds align onto it at its widths
+                spec = derive_run_spec(_server_model(server, state.params), server.input_shape)
             rounds.log({"clients": float(len(ids)), "units_moved": float(info["units_moved"])})
         info.update({"groups": len(spec.groups), "fixed_axes": len(spec.fixed), "rounds": p.rounds})
         return MethodResult(rounds.metrics, state.params, info=info)
@@ -231,12 +252,22 @@ class Aligned(Method):
         from rayfuse.alignment import merge_average, merge_fisher, merge_regmean
 
         p = self.params
-        perms = self._align(server, spec, models, clients, weights, round=round, target=target)
+        perms, quality = self._align(server, spec, models, clients, weights, round=round, target=target)
         aligned = [spec.apply(m, pk) for m, pk in zip(models, perms)]
         info: dict[str, Any] = {"alignment": p.alignment, "merge": p.merge, "repair": p.repair,
                                 "units_moved": int(sum(int((pk[g] != np.arange(len(pk[g]))).sum()) for pk in perms for g in pk))}
-        if p.merge == "average":
+        if p.merge == "average" or (p.merge == "nonparametric" and target is not None):  # the global model's width is set in round 1
             fused = merge_average(aligned, weights)
+        elif p.merge == "nonparametric":
+            from rayfuse.alignment import fuse_nonparametric, resolve_cost_keys, width_roles
+
+            roles = width_roles(server.build_model(seed=0), spec)
+            fused, plan = fuse_nonparametric(aligned, spec, roles, quality=quality, weights=weights, threshold=p.new_unit_threshold,
+                                             max_width=p.max_width, keys=resolve_cost_keys(spec, None))
+            info["widths"] = dict(plan.widths)
+            info["new_units"] = int(sum(plan.new_units(spec).values()))
+            info["fixed_width"] = dict(roles.fixed)
+            server.progress(f"{server.label}: nonparametric merge: {info['new_units']} new units; widths {info['widths']}")
         else:
             step = fisher if p.merge == "fisher" else grams
             fed = server.federation
@@ -257,8 +288,10 @@ class Aligned(Method):
             info["repaired"] = True
         return fused, info
 
-    def _align(self, server: ServerContext, spec: Any, models: list[dict[str, np.ndarray]], clients: list[int],
-               weights: list[float], *, round: int, target: dict[str, np.ndarray] | None) -> list[dict[str, np.ndarray]]:
+    def _align(self, server: ServerContext, spec: Any, models: list[dict[str, np.ndarray]], clients: list[int], weights: list[float], *,
+               round: int, target: dict[str, np.ndarray] | None) -> tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]] | None]:
+        """Every model's permutations onto the common frame, and (activation matching) each aligned unit's correlation
+        with its reference unit."""
         from rayfuse.alignment import activation_matching, weight_matching
         from rayfuse.matching import thread_map
 
@@ -269,10 +302,10 @@ class Aligned(Method):
         device = server.device if str(server.device).startswith("cuda") else None
         executor = fed.parallel_map if device is None else thread_map
         if target is not None:  # later rounds: every update onto the global model
-            return executor(_MatchOnto(target, spec, p.inner_sweeps, server.step_seed("align", round), device), models)
+            return executor(_MatchOnto(target, spec, p.inner_sweeps, server.step_seed("align", round), device), models), None
         if p.alignment == "weight":
             return weight_matching(models, spec, weights=weights, max_sweeps=p.max_sweeps, inner_sweeps=p.inner_sweeps,
-                                   seed=server.step_seed("align", round), executor=executor, device=device).perms
+                                   seed=server.step_seed("align", round), executor=executor, device=device).perms, None
 
         def collect(reference: dict[str, np.ndarray]) -> list[dict[str, Any]]:
             gathered = fed.run(correlations, fed.put(reference), fed.put(spec), label=server.label, samples=p.samples,
@@ -281,7 +314,8 @@ class Aligned(Method):
             replies = server.accept_replies(gathered, lambda c, r: _read_stats(r, spec), need=1, what="correlation statistics")
             return [replies.get(c, {}) for c in clients]
 
-        return activation_matching(models, spec, collect, weights=weights, sweeps=p.sweeps, executor=executor).perms
+        alignment = activation_matching(models, spec, collect, weights=weights, sweeps=p.sweeps, executor=executor)
+        return alignment.perms, alignment.quality
 
     def _repair(self, server: ServerContext, fused: dict[str, np.ndarray], clients: list[int]) -> dict[str, np.ndarray]:
         from rayfuse.alignment import apply_batchnorm, combine_batchnorm
@@ -291,6 +325,23 @@ class Aligned(Method):
         gathered = fed.run(batchnorm, fed.put(fused), label=server.label, samples=p.samples, batch_size=p.batch_size, clients=clients)
         stats = server.accept_replies(gathered, lambda c, r: _read_bn(r), need=1, what="BatchNorm statistics")
         return apply_batchnorm(fused, combine_batchnorm(list(stats.values())))
+
+
+def _server_model(server: ServerContext, params: dict[str, np.ndarray]) -> Any:
+    """The run's architecture holding ``params`` at their widths (a nonparametric merge grows groups)."""
+    from rayfuse.fusion.baselines.finetune import model_for_params
+
+    return model_for_params(params, server.model_cfg, server.input_shape, server.num_classes)
+
+
+def _evaluate(server: ServerContext, params: dict[str, np.ndarray]) -> dict[str, float]:
+    """Test metrics of the global model: the configured architecture, or the wider one a nonparametric merge built."""
+    reference = server.build_model(seed=0).state_dict()
+    if all(k in params and np.shape(params[k]) == tuple(v.shape) for k, v in reference.items()):
+        return server.evaluate(params)
+    from rayfuse.fusion.baselines.finetune import evaluate_params
+
+    return evaluate_params(server, params)
 
 
 class _MatchOnto:
