@@ -272,27 +272,22 @@ def merge_nonparametric(aligned: Sequence[Mapping[str, np.ndarray]], spec: Permu
             continue
         dims = sorted(touched[key])
         shape = list(first.shape)
-        num: np.ndarray | None = None
-        den: np.ndarray | None = None
+        for d in dims:  # the global length of an axis is the same from every model's side
+            shape[d] = _dim_maps(key, d, first.ndim, first.shape[d], spec, plan, 0)[1]
+        num = np.zeros(shape, dtype=np.float64)
+        den = np.zeros([shape[d] if d in dims and (key, d) not in roles.input_axes else 1 for d in range(first.ndim)])
         for k, model in enumerate(aligned):
-            maps, held_k = {}, {}
-            for d in dims:
-                mapping, total, held = _dim_maps(key, d, first.ndim, first.shape[d], spec, plan, k)
-                maps[d], held_k[d] = mapping, held
-                shape[d] = total
-            if num is None:
-                num = np.zeros(shape, dtype=np.float64)
-                den = np.zeros([shape[d] if d in dims and (key, d) not in roles.input_axes else 1 for d in range(first.ndim)])
-            index = np.ix_(*[maps[d] if d in maps else np.arange(first.shape[d]) for d in range(first.ndim)])
-            num[index] += w[k] * np.asarray(model[key], dtype=np.float64)
+            index: list[np.ndarray] = [np.arange(n) for n in first.shape]
             mask = np.ones(den.shape)
             for d in dims:
-                if (key, d) not in roles.input_axes:
+                mapping, _, held = _dim_maps(key, d, first.ndim, first.shape[d], spec, plan, k)
+                index[d] = mapping
+                if (key, d) not in roles.input_axes:  # an own axis: the average runs over the models holding the unit
                     view = [1] * first.ndim
                     view[d] = shape[d]
-                    mask = mask * held_k[d].reshape(view)
+                    mask = mask * held.reshape(view)
+            num[np.ix_(*index)] += w[k] * np.asarray(model[key], dtype=np.float64)
             den += w[k] * mask
-        assert num is not None and den is not None
         merged = np.where(den > 0, num / np.where(den > 0, den, 1.0), 0.0)
         out[key] = merged.astype(first.dtype, copy=False)
     return out
