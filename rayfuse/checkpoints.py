@@ -196,7 +196,8 @@ register_fuser(Fuser("kl_neurons", "KL-fusion of one-hidden-layer MLPs' neurons:
 
 
 class AlignParams(AlignmentSettings):
-    repair: bool = Field(False, description="re-estimate the fused model's BatchNorm statistics on the data")
+    repair: bool = Field(False, description="re-estimate the fused model's BatchNorm statistics on the data, and rescale the hidden "
+                         "layers no BatchNorm follows to the aligned models' statistics on it (REPAIR)")
     seed: int = 0
     spec: str | None = Field(None, min_length=1, description="a JSON permutation spec (rayfuse symmetry --json) instead of the derived one")
 
@@ -251,13 +252,14 @@ def _aligned(kind: str) -> Callable[[list[dict[str, np.ndarray]], list[BaseModel
             alignment = activation_matching(params, spec, _LocalCorrelations(inputs, params, spec, p.batch_size), weights=weights,
                                             sweeps=p.sweeps, executor=thread_map)
         aligned = [spec.apply(m, pk) for m, pk in zip(params, alignment.perms)]
+        plan = None
         if p.merge == "average":
             fused = merge_average(aligned, weights)
         elif p.merge == "nonparametric":
             from rayfuse.alignment import fuse_nonparametric, resolve_cost_keys, width_roles
 
-            fused, _ = fuse_nonparametric(aligned, spec, width_roles(inputs.model, spec), quality=alignment.quality, weights=weights,
-                                          threshold=p.new_unit_threshold, max_width=p.max_width, keys=resolve_cost_keys(spec, None))
+            fused, plan = fuse_nonparametric(aligned, spec, width_roles(inputs.model, spec), quality=alignment.quality, weights=weights,
+                                             threshold=p.new_unit_threshold, max_width=p.max_width, keys=resolve_cost_keys(spec, None))
         elif p.merge == "fisher":
             from rayfuse.alignment import diagonal_fisher
 
@@ -271,11 +273,31 @@ def _aligned(kind: str) -> Callable[[list[dict[str, np.ndarray]], list[BaseModel
         if p.repair:
             from rayfuse.alignment import apply_batchnorm, batchnorm_statistics, combine_batchnorm
 
-            stats = batchnorm_statistics(_with(inputs.model, fused, spec, inputs.example), _given(X), batch_size=p.batch_size)
-            fused = apply_batchnorm(fused, combine_batchnorm([stats]))
+            if any(k.endswith("running_mean") for k in fused):
+                stats = batchnorm_statistics(_with(inputs.model, fused, spec, inputs.example), _given(X), batch_size=p.batch_size)
+                fused = apply_batchnorm(fused, combine_batchnorm([stats]))
+            fused = _rescale(inputs, spec, aligned, fused, weights, plan, p)
         return fused
 
     return fuse
+
+
+def _rescale(inputs: FuseInputs, spec: Any, aligned: list[dict[str, np.ndarray]], fused: dict[str, np.ndarray], weights: list[float],
+             plan: Any, p: AlignParams) -> dict[str, np.ndarray]:
+    """REPAIR's rescaling of the layers no BatchNorm follows, on the fuse file's data (every model sees the same data)."""
+    from rayfuse.alignment import apply_repair, repair_targets, repair_units, unit_statistics
+
+    units = repair_units(inputs.model, spec)
+    if not units:
+        return fused
+    X = _given(inputs.X)
+    own = [unit_statistics(_with(inputs.model, a), X, units, batch_size=p.batch_size) for a in aligned]
+    targets = repair_targets(own, units, weights, index=plan.index if plan is not None else None,
+                             widths=plan.widths if plan is not None else None)
+    for _ in range(min(len(units), p.repair_passes)):
+        merged = unit_statistics(_with(inputs.model, fused, spec, inputs.example), X, units, batch_size=p.batch_size)
+        fused = apply_repair(fused, units, repair_targets([merged], units, [1.0]), targets)
+    return fused
 
 
 def _given(array: np.ndarray | None) -> np.ndarray:

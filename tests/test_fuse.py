@@ -269,3 +269,14 @@ def test_a_nonparametric_merge_writes_the_wider_model_whose_outputs_average_the_
 def _load(net, params):
     net.load_state_dict({k: torch.as_tensor(v) for k, v in params.items()})
     return net.eval()
+
+
+def test_repair_in_rayfuse_fuse_rescales_the_hidden_layer_of_a_model_without_batchnorm(arch_files):
+    outs = {}
+    for repair in (False, True):
+        out = arch_files / f"repair-{repair}.safetensors"
+        run_fuse(load_fuse_config(write_arch(arch_files, merge_method="weight_matching", data={"path": "sample.npz"},
+                                             parameters={"repair": repair}), out))
+        outs[repair] = load_params(out)
+    assert not np.allclose(outs[True]["fc1.bias"], outs[False]["fc1.bias"])
+    np.testing.assert_array_equal(outs[True]["fc2.weight"], outs[False]["fc2.weight"])

@@ -27,11 +27,20 @@ from rayfuse.alignment.nonparametric import (
     unit_agreement,
     width_roles,
 )
-from rayfuse.alignment.repair import apply_batchnorm, batchnorm_statistics, combine_batchnorm
+from rayfuse.alignment.repair import (
+    RepairUnit,
+    apply_batchnorm,
+    apply_repair,
+    batchnorm_statistics,
+    combine_batchnorm,
+    repair_targets,
+    repair_units,
+    unit_statistics,
+)
 from rayfuse.alignment.weight import Alignment, apply_alignment, match_weights, resolve_cost_keys, weight_matching
 
 __all__ = ["Alignment", "GroupStats", "activation_matching", "apply_alignment", "apply_batchnorm", "batchnorm_statistics",
            "collect_correlations", "combine_batchnorm", "solve_activation_perms_many", "diagonal_fisher", "input_grams", "match_weights", "merge_average",
            "merge_fisher", "merge_regmean", "permute_fisher", "permute_grams", "resolve_cost_keys", "solve_activation_perms",
            "weight_matching", "WidthPlan", "WidthRoles", "fuse_nonparametric", "merge_nonparametric", "plan_widths",
-           "unit_agreement", "width_roles"]
+           "unit_agreement", "width_roles", "RepairUnit", "apply_repair", "repair_targets", "repair_units", "unit_statistics"]

@@ -1,15 +1,25 @@
-"""Repairing a merged model's activation statistics: BatchNorm running statistics re-estimated on the clients' data.
+"""Repairing a merged model's activation statistics, from statistics the clients compute on their own data.
 
-Averaging aligned models shrinks the variance of their hidden units (Jordan et al. 2022, "REPAIR"); for a model with
-BatchNorm the remedy is to re-estimate the running statistics of the merged model. Each client runs
-:func:`batchnorm_statistics` on its own data (a count, a mean and a variance per BatchNorm, nothing per sample), the
-server pools them with :func:`combine_batchnorm` (exactly the statistics of the pooled data) and writes them with
-:func:`apply_batchnorm`.
+Averaging aligned models shrinks the variance of their hidden units (Jordan et al. 2022, "REPAIR").
+
+* With BatchNorm, the remedy is to re-estimate the running statistics of the merged model: each client runs
+  :func:`batchnorm_statistics` on its own data (a count, a mean and a variance per BatchNorm, nothing per sample), the
+  server pools them with :func:`combine_batchnorm` (exactly the statistics of the pooled data) and writes them with
+  :func:`apply_batchnorm`.
+* Where no normalisation follows a hidden layer (:func:`repair_units`), REPAIR's rescaling: each client computes the
+  channel statistics of its own aligned model (:func:`unit_statistics`); the targets are their weighted averages
+  (:func:`repair_targets`: means, and standard deviations); each client then computes the merged model's channel
+  statistics on its data, averaged the same way, and the server folds the correction into the layers' weights and
+  biases (:func:`apply_repair`). A correction changes the statistics of the layers after it, so the merged model's
+  statistics are computed again after each fold, once per layer (``passes``): after pass ``p`` the first ``p``
+  layers are exact. Comparing like with like (each client's data seen by both models, averaged with the same weights)
+  leaves a merge of identical models unchanged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,8 +27,10 @@ from torch import nn
 
 from rayfuse.alignment._common import Params, resolve_device
 from rayfuse.errors import InputError
+from rayfuse.symmetry import PermutationSpec
 
-__all__ = ["batchnorm_statistics", "combine_batchnorm", "apply_batchnorm"]
+__all__ = ["batchnorm_statistics", "combine_batchnorm", "apply_batchnorm", "RepairUnit", "repair_units", "unit_statistics", "repair_targets",
+           "apply_repair"]
 
 BNStats = tuple[float, np.ndarray, np.ndarray]
 
@@ -116,4 +128,144 @@ def apply_batchnorm(params: Mapping[str, np.ndarray], combined: Mapping[str, tup
             if value.shape != old.shape:
                 raise InputError(f"batchnorm.{name}.{suffix}", f"shape {old.shape}", value.shape)
             out[key] = value.astype(old.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# REPAIR's rescaling, for layers no normalisation follows
+
+
+@dataclass(frozen=True)
+class RepairUnit:
+    """A Linear or convolution whose output units REPAIR rescales: ``module`` (its name), ``group`` (the permutation
+    group of its output units) and ``channel_dim`` (1 for a convolution's output, -1 for a Linear's)."""
+
+    module: str
+    group: str
+    channel_dim: int
+    has_bias: bool
+
+
+def repair_units(model: nn.Module, spec: PermutationSpec) -> list[RepairUnit]:
+    """The layers of ``model`` whose hidden output units REPAIR rescales: every Linear / Conv1d-3d whose output axis is
+    a whole permutation group's axis (a hidden layer; the output layer's units are fixed) and whose output no
+    BatchNorm reads (BatchNorm re-estimation repairs those). In forward order."""
+    from rayfuse.symmetry import trace_model
+
+    whole = {a.key: g.name for g in spec.groups for a in g.axes
+             if a.dim == 0 and a.start == 0 and a.outer == 1 and a.inner == 1}
+    graph = trace_model(model)
+    modules = dict(model.named_modules())
+    out: list[RepairUnit] = []
+    for node in graph.graph.nodes:
+        if node.op != "call_module" or not isinstance(modules.get(node.target), (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            continue
+        name = str(node.target)
+        group = whole.get(f"{name}.weight")
+        if group is None or spec.group(group).size != modules[name].weight.shape[0]:
+            continue
+        if any(user.op == "call_module" and isinstance(modules.get(user.target), nn.modules.batchnorm._BatchNorm) for user in node.users):
+            continue
+        module = modules[name]
+        out.append(RepairUnit(name, group, -1 if isinstance(module, nn.Linear) else 1, module.bias is not None))
+    return out
+
+
+def unit_statistics(model: nn.Module, X: np.ndarray, units: Sequence[RepairUnit], *, batch_size: int = 256,
+                    device: str | torch.device | None = None) -> dict[str, BNStats]:
+    """Per unit layer, ``(count, mean, var)`` of each output channel of ``model`` on ``X`` (over the batch and every
+    other axis), in float64, the model in eval mode. The model is left as it was."""
+    if batch_size < 1:
+        raise InputError("batch_size", "at least 1", batch_size)
+    dev = resolve_device(device)
+    modules = dict(model.named_modules())
+    sums: dict[str, list[torch.Tensor]] = {}
+    counts: dict[str, float] = {}
+
+    def hook_for(unit: RepairUnit) -> Callable[[nn.Module, tuple, torch.Tensor], None]:
+        def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            z = output.detach().to(torch.float64).movedim(unit.channel_dim, -1)
+            rows = z.reshape(-1, z.shape[-1])
+            parts = [rows.sum(0), (rows * rows).sum(0)]
+            sums[unit.module] = [a + b for a, b in zip(sums[unit.module], parts)] if unit.module in sums else parts
+            counts[unit.module] = counts.get(unit.module, 0.0) + float(rows.shape[0])
+        return hook
+
+    modes = [(m, m.training) for m in model.modules()]
+    place = next((p.device for p in model.parameters()), dev)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    handles = [modules[u.module].register_forward_hook(hook_for(u)) for u in units]
+    try:
+        model.eval().to(dev)
+        with torch.no_grad():
+            for lo in range(0, len(X), batch_size):
+                model(torch.as_tensor(np.asarray(X[lo:lo + batch_size]), dtype=dtype, device=dev))
+    finally:
+        for h in handles:
+            h.remove()
+        for module, mode in modes:
+            module.train(mode)
+        model.to(place)
+    out: dict[str, BNStats] = {}
+    for name, (total, squares) in sums.items():
+        n = counts[name]
+        mean = (total / n).cpu().numpy()
+        out[name] = (n, mean, np.maximum((squares / n).cpu().numpy() - mean**2, 0.0))
+    return out
+
+
+def repair_targets(stats: Sequence[Mapping[str, BNStats]], units: Sequence[RepairUnit], weights: Sequence[float], *,
+                   index: Sequence[Mapping[str, np.ndarray]] | None = None, widths: Mapping[str, int] | None = None
+                   ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per layer and channel, the weighted average of the clients' means and of their standard deviations (each
+    client's :func:`unit_statistics` on its own data): REPAIR's targets from the aligned models, and the merged
+    model's statistics in the same form (so a merge of identical models is left unchanged).
+
+    ``index`` / ``widths`` (a nonparametric merge's :class:`rayfuse.alignment.WidthPlan`): each model's channels are
+    placed at their global units and a global unit averages the models that hold it."""
+    if len(stats) != len(weights) or not stats:
+        raise InputError("stats", f"one client's statistics per weight ({len(weights)})", len(stats))
+    w = np.asarray(weights, dtype=np.float64)
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for unit in units:
+        for k, client in enumerate(stats):
+            if unit.module not in client:
+                raise InputError(f"stats.{k}", f"the statistics of layer {unit.module}", "missing")
+        size = len(stats[0][unit.module][1])
+        width = widths[unit.group] if widths is not None else size
+        mean, std, total = np.zeros(width), np.zeros(width), np.zeros(width)
+        for k, client in enumerate(stats):
+            _, m, v = client[unit.module]
+            at = np.asarray(index[k][unit.group]) if index is not None else np.arange(width)
+            if len(at) != len(m):
+                raise InputError(f"stats.{k}.{unit.module}", f"statistics of {len(at)} channels", len(m))
+            mean[at] += w[k] * np.asarray(m, dtype=np.float64)
+            std[at] += w[k] * np.sqrt(np.asarray(v, dtype=np.float64))
+            total[at] += w[k]
+        safe = np.where(total > 0, total, 1.0)
+        out[unit.module] = (mean / safe, std / safe)
+    return out
+
+
+def apply_repair(params: Mapping[str, np.ndarray], units: Sequence[RepairUnit], merged: Mapping[str, tuple[np.ndarray, np.ndarray]],
+                 targets: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> Params:
+    """``params`` with each layer's output channels moved from the merged model's statistics to the targets (both
+    ``(mean, std)`` per layer, :func:`repair_targets`): ``W' = W s``, ``b' = (b - mean) s + target_mean`` with
+    ``s = target_std / std`` (1 for a channel that does not vary). A layer without a bias is only rescaled."""
+    out = dict(params)
+    for unit in units:
+        if unit.module not in merged or unit.module not in targets:
+            raise InputError(f"repair.{unit.module}", "the merged statistics and the targets of every layer", "missing")
+        mean, std = (np.asarray(a, dtype=np.float64) for a in merged[unit.module])
+        mean_t, std_t = (np.asarray(a, dtype=np.float64) for a in targets[unit.module])
+        varies = std > 1e-8 * max(float(std.max(initial=0.0)), 1e-30)
+        scale = np.where(varies, std_t / np.where(varies, std, 1.0), 1.0)
+        key = f"{unit.module}.weight"
+        weight = np.asarray(out[key])
+        if scale.shape != (weight.shape[0],):
+            raise InputError(f"repair.{unit.module}", f"statistics of {weight.shape[0]} channels", scale.shape)
+        out[key] = (weight.astype(np.float64) * scale.reshape(-1, *([1] * (weight.ndim - 1)))).astype(weight.dtype)
+        if unit.has_bias:
+            bias = np.asarray(out[f"{unit.module}.bias"])
+            out[f"{unit.module}.bias"] = ((bias.astype(np.float64) - mean) * scale + mean_t).astype(bias.dtype)
     return out

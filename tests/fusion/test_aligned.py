@@ -140,3 +140,25 @@ def test_a_grown_model_with_batchnorm_is_repaired_by_the_clients_at_its_widths(c
     assert result["info"]["repaired"] and sorted(widths.values()) == [6, 6, 9, 9]  # every group 1.5 x its 4 or 6 channels
     grown = [k for k, v in fused.items() if k.endswith("running_var") and v.shape[0] in (6, 9)]
     assert grown and np.isfinite(result["metrics"]["accuracy"])
+
+
+def test_repair_rescales_the_hidden_layers_of_a_model_without_batchnorm_from_per_layer_statistics(coordinator):
+    from rayfuse.alignment import repair_units
+    from rayfuse.fusion.aligned.algorithm import repair_stats, unit_stats
+
+    coord = coordinator(methods={"act": {"method": "aligned"}, "plain": {"method": "aligned", "repair": False}}, **INDEPENDENT)
+    repaired, plain = coord.run_method("act"), coord.run_method("plain")
+    assert repaired["info"]["rescaled_layers"] == ["layers.0"] and "rescaled_layers" not in plain["info"]
+    a = load_params(coord.store.root / repaired["model_file"])
+    b = load_params(coord.store.root / plain["model_file"])
+    assert not np.allclose(a["layers.0.bias"], b["layers.0.bias"])  # the rescaling moved the hidden layer
+    np.testing.assert_array_equal(a["layers.1.weight"], b["layers.1.weight"])  # and nothing else
+    model = build_model(coord.cfg.model, coord.plan.input_shape, coord.plan.num_classes, seed=0)
+    spec = derive_run_spec(model, tuple(coord.plan.input_shape))
+    units = repair_units(model, spec)
+    for step, args in ((unit_stats, (spec, spec.identity(), units)), (repair_stats, (coord.reference_params(), units))):
+        gathered = coord.federation.run(step, *args, label="act", samples=None, batch_size=64)
+        for client, reply in gathered.results.items():  # a count, a mean and a variance per layer: nothing per sample
+            assert {k: {f: np.shape(v) for f, v in r.items()} for k, r in reply.items()} == \
+                {"layers.0": {"count": (), "mean": (32,), "var": (32,)}}
+            assert float(reply["layers.0"]["count"]) == len(coord.plan.client_train[client])

@@ -20,7 +20,10 @@ One shot (``rounds: 1``):
    ``new_unit_threshold`` becomes a new global unit, the global width capped at ``max_width`` x the model's; the
    global model is wider than the clients', and later rounds train it at its widths);
 5. **repair** (``repair: true``): the fused model's BatchNorm statistics re-estimated by the clients on their data and
-   combined by count (a model without BatchNorm is left as is).
+   combined by count; and REPAIR's rescaling of the hidden layers no BatchNorm follows (one shot): each client sends
+   its aligned model's channel means and variances, the targets are their weighted averages, each client sends the
+   fused model's channel statistics with the layers reset to the targets, and the server folds the rescaling into the
+   layers' weights and biases.
 
 Multi-round (``rounds: R > 1``, FedMA-style): after the one-shot fusion, each round every client trains
 ``local_epochs`` from the global model, the server aligns each update to the global model (weight matching: one
@@ -60,12 +63,15 @@ class AlignmentSettings(MethodParams):
     inner_sweeps: int = Field(100, ge=1, description="weight matching: coordinate-descent sweeps over the groups per model")
     batch_size: int = Field(256, ge=1, description="batch size of the passes over the data")
     regmean_alpha: float = Field(0.9, ge=0, le=1, description="regmean: weight of the Gram's off-diagonal part")
+    repair_passes: int = Field(3, ge=1, le=64, description="repair: REPAIR's measure-and-fold passes (pass p makes the first p "
+                               "layers exact)")
 
 
 class AlignedParams(AlignmentSettings):
     alignment: Literal["weight", "activation"] = Field(
         "activation", description="weight: data-free weight matching; activation: matching on the clients' activation statistics")
-    repair: bool = Field(True, description="re-estimate the fused model's BatchNorm statistics on the clients' data")
+    repair: bool = Field(True, description="re-estimate the fused model's BatchNorm statistics on the clients' data, and rescale "
+                         "the hidden layers no BatchNorm follows to the aligned models' statistics (REPAIR)")
     rounds: int = Field(1, ge=1, description="1: one shot; more: align, merge and repair after each round of local training")
     local_epochs: int = Field(1, ge=1, description="local epochs per round after the first")
     samples: int | None = Field(2048, ge=1, description="training samples per client the statistics use (None: all)")
@@ -177,6 +183,29 @@ def batchnorm(ctx: ClientContext, fused: dict[str, np.ndarray], *, label: str, s
     return {name: {"count": np.asarray(float(c)), "mean": np.asarray(m), "var": np.asarray(v)} for name, (c, m, v) in stats.items()}
 
 
+@client_step("aligned.unit_stats")
+def unit_stats(ctx: ClientContext, spec: Any, perms: dict[str, np.ndarray], units: list[Any], *, label: str, samples: int | None,
+               batch_size: int) -> dict[str, Any]:
+    """REPAIR, first half: the output-channel statistics (count, mean, variance) of this client's aligned local model's
+    layers ``units`` on its data."""
+    from rayfuse.alignment import unit_statistics
+
+    X, _ = _sample(ctx, samples, label)
+    stats = unit_statistics(_own_aligned(ctx, spec, perms), X, units, batch_size=batch_size, device=ctx.device)
+    return {name: {"count": np.asarray(float(c)), "mean": np.asarray(m), "var": np.asarray(v)} for name, (c, m, v) in stats.items()}
+
+
+@client_step("aligned.repair_stats")
+def repair_stats(ctx: ClientContext, fused: dict[str, np.ndarray], units: list[Any], *, label: str, samples: int | None,
+                 batch_size: int) -> dict[str, Any]:
+    """REPAIR, second half: the fused model's layer output statistics on this client's data."""
+    from rayfuse.alignment import unit_statistics
+
+    X, _ = _sample(ctx, samples, label)
+    stats = unit_statistics(_model_for(ctx, fused), X, units, batch_size=batch_size, device=ctx.device)
+    return {name: {"count": np.asarray(float(c)), "mean": np.asarray(m), "var": np.asarray(v)} for name, (c, m, v) in stats.items()}
+
+
 @client_step("aligned.fit")
 def fit(ctx: ClientContext, global_params: dict[str, np.ndarray], *, label: str, round: int, epochs: int) -> Update:
     """Local training from the global model (the rounds after the one-shot fusion)."""
@@ -264,7 +293,7 @@ class Aligned(Method):
             roles = width_roles(server.build_model(seed=0), spec)
             fused, plan = fuse_nonparametric(aligned, spec, roles, quality=quality, weights=weights, threshold=p.new_unit_threshold,
                                              max_width=p.max_width, keys=resolve_cost_keys(spec, None))
-            info["widths"] = dict(plan.widths)
+            info["widths"], info["plan"] = dict(plan.widths), plan
             info["new_units"] = int(sum(plan.new_units(spec).values()))
             info["fixed_width"] = dict(roles.fixed)
             server.progress(f"{server.label}: nonparametric merge: {info['new_units']} new units; widths {info['widths']}")
@@ -286,6 +315,11 @@ class Aligned(Method):
         if p.repair and any(k.endswith("running_mean") for k in fused):
             fused = self._repair(server, fused, clients)
             info["repaired"] = True
+        if p.repair and target is None:  # REPAIR's rescaling of the layers no BatchNorm follows (one shot)
+            fused, rescaled = self._rescale(server, spec, fused, clients, perms, weights, info.get("plan"))
+            if rescaled:
+                info["rescaled_layers"] = rescaled
+        info.pop("plan", None)
         return fused, info
 
     def _align(self, server: ServerContext, spec: Any, models: list[dict[str, np.ndarray]], clients: list[int], weights: list[float], *,
@@ -325,6 +359,34 @@ class Aligned(Method):
         gathered = fed.run(batchnorm, fed.put(fused), label=server.label, samples=p.samples, batch_size=p.batch_size, clients=clients)
         stats = server.accept_replies(gathered, lambda c, r: _read_bn(r), need=1, what="BatchNorm statistics")
         return apply_batchnorm(fused, combine_batchnorm(list(stats.values())))
+
+    def _rescale(self, server: ServerContext, spec: Any, fused: dict[str, np.ndarray], clients: list[int], perms: list[dict[str, np.ndarray]],
+                 weights: list[float], plan: Any) -> tuple[dict[str, np.ndarray], list[str]]:
+        """REPAIR's rescaling (module docstring of :mod:`rayfuse.alignment.repair`): two client steps, statistics only."""
+        from rayfuse.alignment import apply_repair, repair_targets, repair_units
+
+        p = self.params
+        units = repair_units(server.build_model(seed=0), spec)
+        if not units:
+            return fused, []
+        fed = server.federation
+        spec_ref, units_ref = fed.put(spec), fed.put(units)
+        gathered = fed.gather([call for c, pk in zip(clients, perms)
+                               for call in fed.map(unit_stats, spec_ref, pk, units_ref, label=server.label, samples=p.samples,
+                                                   batch_size=p.batch_size, clients=[c])])
+        own = server.accept_replies(gathered, lambda c, r: _read_bn(r), need=1, what="REPAIR statistics")
+        kept = [i for i, c in enumerate(clients) if c in own]
+        index = [plan.index[i] for i in kept] if plan is not None else None
+        targets = repair_targets([own[clients[i]] for i in kept], units, [weights[i] for i in kept], index=index,
+                                 widths=plan.widths if plan is not None else None)
+        for _ in range(min(len(units), p.repair_passes)):  # each fold changes the later layers' statistics: measure again
+            gathered = fed.run(repair_stats, fed.put(fused), units_ref, label=server.label, samples=p.samples, batch_size=p.batch_size,
+                               clients=[clients[i] for i in kept])
+            merged = server.accept_replies(gathered, lambda c, r: _read_bn(r), need=1, what="REPAIR statistics")
+            order = [i for i in kept if clients[i] in merged]
+            fused = apply_repair(fused, units, repair_targets([merged[clients[i]] for i in order], units, [weights[i] for i in order]),
+                                 targets)
+        return fused, [u.module for u in units]
 
 
 def _server_model(server: ServerContext, params: dict[str, np.ndarray]) -> Any:
