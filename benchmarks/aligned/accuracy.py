@@ -244,12 +244,18 @@ def rayfuse_am(trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3) ->
 
 
 def rayfuse_np(trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3,
-               thresholds: Sequence[float] = (0.2, 0.3, 0.4), max_width: float = 1.5) -> dict[str, dict[str, Any]]:
-    """rayfuse's activation matching (as ``rayfuse_am`` plays it) followed by the nonparametric merge
-    (``rayfuse.alignment.fuse_nonparametric``): a unit whose activation correlation with the reference's unit is below
-    the threshold becomes a new global unit, at most ``max_width`` x each group's width; then the clients' BatchNorm
-    repair. Labels ``rayfuse_np<threshold>``; ``seconds``: alignment, merge and repair."""
-    from rayfuse.alignment import activation_matching, apply_alignment, collect_correlations, fuse_nonparametric, width_roles
+               variants: Sequence[tuple[float, float]] = ((0.5, 2.0), (0.5, 1.5))) -> dict[str, dict[str, Any]]:
+    """rayfuse's activation matching (as ``rayfuse_am`` plays it), then what the merge and the repair add:
+
+    * ``rayfuse_np`` (threshold 0.5, width at most 2x: the method's defaults) and ``rayfuse_np_w1.5`` (at most 1.5x):
+      the nonparametric merge (``rayfuse.alignment.fuse_nonparametric``): a unit whose activation correlation with the
+      reference's unit is below the threshold becomes a new global unit; then the clients' BatchNorm repair and REPAIR's
+      rescaling of the layers no BatchNorm follows (``width``: the global model's units over the clients');
+    * ``rayfuse_am+rescale`` (models with layers no BatchNorm follows): ``rayfuse_am``'s merge and BatchNorm repair,
+      then REPAIR's rescaling.
+
+    ``seconds``: alignment, merge and repair."""
+    from rayfuse.alignment import activation_matching, apply_alignment, collect_correlations, fuse_nonparametric, merge_average, width_roles
     from rayfuse.matching import serial_map
     from rayfuse.symmetry import trace_model
 
@@ -268,15 +274,42 @@ def rayfuse_np(trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3,
     roles = width_roles(build_arch(trained.spec), pspec)
     align_s = time.perf_counter() - started
     out = {}
-    for threshold in thresholds:
+    for threshold, max_width in variants:
         started = time.perf_counter()
         merged, plan = fuse_nonparametric(aligned, pspec, roles, quality=alignment.quality, weights=trained.num_examples,
                                           threshold=threshold, max_width=max_width)
-        repaired = repair_with_clients(trained, merged, data)
+        repaired = rescale_with_clients(trained, pspec, aligned, repair_with_clients(trained, merged, data), data, plan)
         growth = sum(plan.widths.values()) / sum(g.size for g in pspec.groups)
-        out[f"rayfuse_np{threshold:g}"] = {"accuracy": accuracy_of(trained.spec, repaired, trained.test),
-                                           "seconds": align_s + time.perf_counter() - started, "width": round(growth, 3)}
+        label = "rayfuse_np" if (threshold, max_width) == variants[0] else f"rayfuse_np_w{max_width:g}"
+        out[label] = {"accuracy": accuracy_of(trained.spec, repaired, trained.test), "seconds": align_s + time.perf_counter() - started,
+                      "width": round(growth, 3)}
+    started = time.perf_counter()
+    average = repair_with_clients(trained, merge_average(aligned, trained.num_examples), data)
+    rescaled = rescale_with_clients(trained, pspec, aligned, average, data, None)
+    if rescaled is not average:
+        out["rayfuse_am+rescale"] = {"accuracy": accuracy_of(trained.spec, rescaled, trained.test),
+                                     "seconds": align_s + time.perf_counter() - started}
     return out
+
+
+def rescale_with_clients(trained: TrainedCell, pspec: Any, aligned: Sequence[dict[str, Any]], params: dict[str, Any],
+                         data: Sequence[Any], plan: Any) -> dict[str, Any]:
+    """``params`` after REPAIR's rescaling as the federated protocol plays it (``rayfuse.alignment.repair_units``,
+    ``unit_statistics`` of each client's aligned model and of the merged model on each client's data, ``repair_targets``,
+    ``apply_repair``, one pass per layer, at most 3); ``params`` itself when every hidden layer feeds a BatchNorm."""
+    from rayfuse.alignment import apply_repair, repair_targets, repair_units, unit_statistics
+
+    units = repair_units(build_arch(trained.spec), pspec)
+    if not units:
+        return params
+    own = [unit_statistics(build_model(trained.spec, a), X, units) for a, X in zip(aligned, data)]
+    targets = repair_targets(own, units, trained.num_examples, index=plan.index if plan is not None else None,
+                             widths=plan.widths if plan is not None else None)
+    for _ in range(min(len(units), 3)):
+        model = build_model(trained.spec, params)
+        params = apply_repair(params, units, repair_targets([unit_statistics(model, X, units) for X in data], units, trained.num_examples),
+                              targets)
+    return params
 
 
 def repair_with_clients(trained: TrainedCell, params: dict[str, Any], data: Sequence[Any]) -> dict[str, Any]:
