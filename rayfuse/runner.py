@@ -176,8 +176,20 @@ def load_run_config(run_dir: str | Path, overrides: Sequence[tuple[list[str], An
     for parts, _ in overrides:
         if parts[0] != "federation":
             raise InputError("--set " + ".".join(parts), "only federation.* keys when resuming (the experiment itself is fixed)", "a change to the experiment")
-    data = yaml.safe_load(store.config_file.read_text(encoding="utf-8"))
-    cfg = validate_config(apply_overrides(data, list(overrides)))
+    try:
+        data = yaml.safe_load(store.config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise InputError(str(store.config_file), "the run's resolved config (UTF-8 YAML)", f"a damaged file ({type(exc).__name__})",
+                         "restore it from results.json's config, or start a new run") from None
+    if not isinstance(data, dict):
+        raise InputError(str(store.config_file), "the run's resolved config (a YAML mapping)", f"a damaged file ({type(data).__name__})",
+                         "restore it from results.json's config, or start a new run")
+    try:
+        cfg = validate_config(apply_overrides(data, list(overrides)))
+    except InputError as exc:
+        if any(exc.path.startswith(".".join(parts)) for parts, _ in overrides):
+            raise  # the error is in an override (--set), not in the file
+        raise exc.at(f"{store.config_file}: {exc.path}") from None
     if cfg.model.name == "custom" or cfg.data.dataset == "arrays":
         given = f"model.name: custom ({cfg.model.factory})" if cfg.model.name == "custom" else "data.dataset: arrays"
         raise InputError("--resume", "a run whose model and data a config file describes", given,
@@ -221,7 +233,13 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
     if resume:
         if not store.partition_file.is_file():
             raise InputError("--resume", "a run folder with partition.json", str(run_dir))
-        stored = json.loads(store.partition_file.read_text())["hash"]
+        try:
+            stored = json.loads(store.partition_file.read_text(encoding="utf-8"))["hash"]
+            if not isinstance(stored, str):
+                raise ValueError("hash is not a string")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InputError(str(store.partition_file), "the run's partition manifest (JSON with its hash)",
+                             f"a damaged file ({type(exc).__name__})", "the split cannot be checked; start a new run") from None
         if stored != plan.digest():
             raise InputError("--resume", "the same data split as the original run", "a different partition hash", "did the dataset files change?")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -243,13 +261,14 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
         backend.start(cfg, plan, run_dir, on_event=on_event, start_time=start, specs=specs)
         timings["startup"] = round(time.perf_counter() - t0, 3)
         emit("stage_end", stage="startup", seconds=timings["startup"])
-        pending = [s for s in specs if not (resume and store.load_method_state(s.label))]
+        finished = {s.label: store.load_method_state(s.label, warn=_warner(emit, s.label)) for s in specs} if resume else {}
+        pending = [s for s in specs if finished.get(s.label) is None]
         if any(s.method_cls.uses_local_models for s in pending):
             t0 = time.perf_counter()
             backend.call("prepare_local_models", resume)
             timings["local_training"] = round(time.perf_counter() - t0, 3)
         for spec in specs:
-            saved = store.load_method_state(spec.label) if resume else None
+            saved = finished.get(spec.label)
             if saved is not None:
                 summaries[spec.label] = saved
                 emit("info", f"{spec.label}: finished in the original run; loaded from state/", method=spec.label)
@@ -304,6 +323,15 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
     if status == "failed":
         raise RunFailure(error or "run failed")
     return results
+
+
+def _warner(emit: Callable[..., None], label: str) -> Callable[[str], None]:
+    """A ``warn`` callback emitting a ``warning`` event of method ``label``."""
+
+    def warn(message: str) -> None:
+        emit("warning", message, method=label)
+
+    return warn
 
 
 def _method_entry(summary: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,262 @@
+"""Hardening of the state rayfuse reads back (issue 19): damaged checkpoints and run-folder files on ``--resume``, two
+runs into one folder, SIGTERM, and sweep folders not written by this user's rayfuse.
+
+Every damaged checkpoint is detected: the resumed run falls back to the previous round (or runs the method again)
+with a ``warning`` event and ends with the uninterrupted run's numbers. A run folder's own description of the run
+(``config.yaml``, ``partition.json``) damaged is one line naming the file (exit 2), never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayfuse.cli import main
+from rayfuse.config import parse_overrides, validate_config
+from rayfuse.errors import InputError, RunFailure
+from rayfuse.io import load_params
+from rayfuse.models import params_equal
+from rayfuse.report import Printer
+from rayfuse.runner import InProcessBackend, load_run_config, run_experiment
+from tests.conftest import TINY, merge
+
+QUIET = Printer(enabled=False)
+METHODS = {"average": {}, "fedavg": {"rounds": 5, "local_epochs": 1}}
+#: round 4 of fedavg fails (policy fail): the run stops after checkpointing rounds 1-3 (round 2 kept beside round 3)
+CRASH = {"on_client_failure": "fail", "faults": [{"client": 3, "step": "fedavg.fit", "call": 4, "mode": "raise"}]}
+RESUME_SETS = ["federation.faults=[]", "federation.on_client_failure=retry"]
+
+
+def run(cfg, run_dir, **kwargs):
+    return run_experiment(cfg, InProcessBackend(), run_dir, printer=QUIET, show_tables=False, **kwargs)
+
+
+def config(storage: Path, **sections):
+    data = merge(TINY, {"methods": METHODS, **sections})
+    data["run"]["storage"] = str(storage)
+    return validate_config(data)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The uninterrupted run and a run interrupted after round 3 of fedavg (average finished), shared read-only."""
+    root = tmp_path_factory.mktemp("hardening")
+    straight = run(config(root), root / "straight")
+    with pytest.raises(RunFailure):
+        run(config(root, federation=CRASH), root / "interrupted")
+    return {"root": root, "straight": straight, "straight_dir": root / "straight", "interrupted": root / "interrupted"}
+
+
+def interrupted_copy(runs, tmp_path) -> Path:
+    folder = tmp_path / "run"
+    shutil.copytree(runs["interrupted"], folder)
+    return folder
+
+
+def resume(folder: Path) -> dict:
+    return run(load_run_config(folder, parse_overrides(RESUME_SETS)), folder, resume=True)
+
+
+def warnings(results: dict) -> list[str]:
+    return [e["message"] for e in results["events"] if e["kind"] == "warning"]
+
+
+def assert_same_numbers(resumed: dict, runs: dict, folder: Path) -> None:
+    straight = runs["straight"]
+    assert resumed["status"] == "succeeded"
+    for label in ("average", "fedavg"):
+        assert resumed["methods"][label]["accuracy"] == straight["methods"][label]["accuracy"], label
+        assert resumed["methods"][label]["nll"] == straight["methods"][label]["nll"], label
+        assert params_equal(load_params(folder / "models" / f"{label}.safetensors"),
+                            load_params(runs["straight_dir"] / "models" / f"{label}.safetensors")), label
+
+
+# -- ways to damage a file ------------------------------------------------------------------------------------------
+
+
+def truncate(file: Path) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+
+
+def zero(file: Path) -> None:
+    file.write_bytes(bytes(file.stat().st_size))
+
+
+def flip_bit(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[-5] ^= 0x10  # in the tensor payload (the header is at the start): still a valid safetensors file
+    file.write_bytes(bytes(data))
+
+
+def delete(file: Path) -> None:
+    file.unlink()
+
+
+def garbage(file: Path) -> None:
+    file.write_bytes(b"\x00{not json \xff")
+
+
+DAMAGE: dict[str, Callable[[Path], None]] = {"truncated": truncate, "zeroed": zero, "bit-flipped": flip_bit, "deleted": delete}
+
+
+# -- round checkpoints --------------------------------------------------------------------------------------------
+
+
+def test_the_commit_record_holds_each_files_sha256_and_the_previous_round(runs):
+    from rayfuse.store import sha256_file
+
+    folder = runs["interrupted"] / "checkpoints" / "fedavg"
+    record = json.loads((folder / "latest.json").read_text())
+    assert record["round"] == 3 and record["previous"]["round"] == 2
+    assert sorted(p.name for p in folder.glob("round-*.safetensors")) == ["round-00002.safetensors", "round-00003.safetensors"]
+    assert record["sha256"] == sha256_file(folder / record["file"])
+    assert record["previous"]["sha256"] == sha256_file(folder / record["previous"]["file"])
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_round_and_ends_equal(runs, tmp_path, damage):
+    folder = interrupted_copy(runs, tmp_path)
+    DAMAGE[damage](folder / "checkpoints" / "fedavg" / "round-00003.safetensors")
+    resumed = resume(folder)
+    said = warnings(resumed)
+    assert len(said) == 1 and "round-00003.safetensors" in said[0] and "continuing from round 2" in said[0], said
+    assert [e["round"] for e in resumed["events"] if e["kind"] == "resumed"] == [2]
+    assert_same_numbers(resumed, runs, folder)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bit-flipped"])
+def test_both_kept_rounds_damaged_restarts_the_method_and_ends_equal(runs, tmp_path, damage):
+    folder = interrupted_copy(runs, tmp_path)
+    for file in (folder / "checkpoints" / "fedavg").glob("round-*.safetensors"):
+        DAMAGE[damage](file)
+    resumed = resume(folder)
+    said = warnings(resumed)
+    assert len(said) == 1 and "restarting the method from its first round" in said[0], said
+    assert not any(e["kind"] == "resumed" for e in resumed["events"])
+    assert_same_numbers(resumed, runs, folder)
+
+
+@pytest.mark.parametrize("damage", [garbage, lambda f: f.write_text("[1, 2]"), lambda f: f.write_text('{"round": "x"}')],
+                         ids=["not-json", "not-an-object", "no-file"])
+def test_a_damaged_latest_json_restarts_the_method_and_ends_equal(runs, tmp_path, damage):
+    folder = interrupted_copy(runs, tmp_path)
+    damage(folder / "checkpoints" / "fedavg" / "latest.json")
+    resumed = resume(folder)
+    said = warnings(resumed)
+    assert len(said) == 1 and "latest.json" in said[0] and "first round" in said[0], said
+    assert_same_numbers(resumed, runs, folder)
+
+
+def test_a_fallback_keeps_a_previous_round_for_the_next_resume(tmp_path):
+    import numpy as np
+
+    from rayfuse.store import Checkpointer
+
+    ckpt = Checkpointer(tmp_path)
+    for rnd in (1, 2, 3):
+        ckpt.save(rnd, {"w": np.full(3, rnd, dtype=np.float32)}, meta={"r": rnd})
+    truncate(tmp_path / "round-00003.safetensors")
+    said: list[str] = []
+    assert ckpt.load(said.append).round == 2 and len(said) == 1
+    ckpt.save(3, {"w": np.full(3, 3, dtype=np.float32)})  # round 3 again, from round 2: round 2 stays the previous one
+    assert json.loads((tmp_path / "latest.json").read_text())["previous"]["round"] == 2
+    assert sorted(p.name for p in tmp_path.glob("round-*")) == ["round-00002.safetensors", "round-00003.safetensors"]
+    assert ckpt.load().round == 3
+
+
+# -- finished methods and local models ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("file, damage, expect", [
+    ("state/average.json", garbage, "average.json: damaged"),
+    ("state/average.json", lambda f: f.write_text('{"label": "average"}'), "average.json: damaged"),
+    ("models/average.safetensors", flip_bit, "average.safetensors: damaged"),
+    ("models/average.safetensors", delete, "average.safetensors: missing"),
+])
+def test_a_damaged_finished_method_runs_again_and_ends_equal(runs, tmp_path, file, damage, expect):
+    folder = interrupted_copy(runs, tmp_path)
+    damage(folder / file)
+    resumed = resume(folder)
+    said = warnings(resumed)
+    assert len(said) == 1 and expect in said[0] and "running average again" in said[0], said
+    assert_same_numbers(resumed, runs, folder)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "bit-flipped", "zeroed"])
+def test_a_damaged_local_model_checkpoint_is_retrained_and_ends_equal(runs, tmp_path, damage):
+    folder = interrupted_copy(runs, tmp_path)
+    (folder / "state" / "average.json").unlink()  # as if the run stopped before `average`: it needs the local models
+    DAMAGE[damage](folder / "checkpoints" / "local" / "client-1.safetensors")
+    resumed = resume(folder)
+    said = warnings(resumed)
+    assert len(said) == 1 and "client-1.safetensors: damaged" in said[0] and "client 1 trains" in said[0], said
+    assert [e["client"] for e in resumed["events"] if e["kind"] == "client_trained"] == [1]
+    assert_same_numbers(resumed, runs, folder)
+
+
+def test_a_damaged_model_cache_entry_is_discarded_and_retrained(tmp_path):
+    cache = tmp_path / "cache"
+    first = run(config(tmp_path, run={"model_cache": str(cache)}, methods={"average": {}}), tmp_path / "a")
+    entry = sorted((cache / "local-models").glob("*/params.safetensors"))[0]
+    flip_bit(entry)
+    again = run(config(tmp_path, run={"model_cache": str(cache)}, methods={"average": {}}), tmp_path / "b")
+    assert len([e for e in again["events"] if e["kind"] == "client_trained"]) == 1  # the others read their copies
+    assert again["methods"]["average"]["accuracy"] == first["methods"]["average"]["accuracy"]
+    assert entry.is_file()  # republished, intact
+    third = run(config(tmp_path, run={"model_cache": str(cache)}, methods={"average": {}}), tmp_path / "c")
+    assert not any(e["kind"] == "client_trained" for e in third["events"])
+
+
+# -- the run folder's own description: one line naming the file ------------------------------------------------------
+
+
+def not_a_mapping(file: Path) -> None:
+    file.write_text("- just\n- a list\n")
+
+
+def bad_value(file: Path) -> None:
+    data = yaml.safe_load(file.read_text())
+    data["partition"]["alpha"] = -1
+    file.write_text(yaml.safe_dump(data))
+
+
+def no_hash(file: Path) -> None:
+    data = json.loads(file.read_text())
+    del data["hash"]
+    file.write_text(json.dumps(data))
+
+
+RUN_FOLDER_CORPUS = [
+    ("config.yaml", garbage, "config.yaml: expected the run's resolved config"),
+    ("config.yaml", truncate, "config.yaml"),
+    ("config.yaml", not_a_mapping, "config.yaml: expected the run's resolved config (a YAML mapping)"),
+    ("config.yaml", bad_value, "config.yaml: partition.alpha"),
+    ("config.yaml", lambda f: f.write_bytes(b"\xff\xfe run: {}"), "config.yaml: expected"),
+    ("partition.json", garbage, "partition.json: expected the run's partition manifest"),
+    ("partition.json", truncate, "partition.json: expected the run's partition manifest"),
+    ("partition.json", no_hash, "partition.json: expected the run's partition manifest"),
+    ("partition.json", lambda f: f.write_text('{"hash": 7}'), "partition.json: expected"),
+]
+
+
+@pytest.mark.parametrize("file, damage, expect", RUN_FOLDER_CORPUS,
+                         ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(RUN_FOLDER_CORPUS)])
+def test_a_damaged_run_description_is_one_line_naming_the_file(runs, tmp_path, capsys, file, damage, expect):
+    folder = interrupted_copy(runs, tmp_path)
+    damage(folder / file)
+    before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+    with pytest.raises(InputError) as info:
+        from rayfuse.api import resume as api_resume
+
+        api_resume(folder, overrides=RESUME_SETS, quiet=True)
+    assert expect in str(info.value) and "\n" not in str(info.value)
+    assert main(["run", "--resume", str(folder), "--local", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rayfuse: error: ") and file in err[0], err
+    assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before  # nothing written
