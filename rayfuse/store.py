@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,8 @@ from rayfuse.io import atomic_write_json, load_params, save_params
 if TYPE_CHECKING:
     from rayfuse.data.roles import ClientPlan
 
-__all__ = ["RunStore", "Checkpointer", "Checkpoint", "sha256_file", "LocalModelStore", "StepResultCache", "local_model_key", "step_result_key"]
+__all__ = ["RunStore", "RunClaim", "claim_run_folder", "Checkpointer", "Checkpoint", "sha256_file",
+           "LocalModelStore", "StepResultCache", "local_model_key", "step_result_key"]
 
 
 @dataclass
@@ -156,6 +158,72 @@ def sha256_file(path: str | Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+CLAIM_FILE = ".rayfuse-claim"
+
+
+class RunClaim:
+    """The claim of one run folder by this process: an exclusive ``flock`` on ``<run>/.rayfuse-claim``, held until
+    :meth:`release` (or the process's end: the kernel drops the lock of a dead process, so a claim left by a killed
+    run never blocks the next one; the file stays, with the last claimant's pid, host and time)."""
+
+    def __init__(self, folder: Path, fd: int) -> None:
+        self.folder = folder
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            import fcntl
+
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunClaim:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def claim_run_folder(folder: str | Path, *, resume: bool = False) -> RunClaim:
+    """Claim ``folder`` (created if need be) for one run of this process; :class:`InputError` when another live
+    process holds it, or, for a new run (``resume`` false), when another run has written its config there already.
+
+    The claim is an exclusive, non-blocking ``flock`` on ``<folder>/.rayfuse-claim``: two ``rayfuse run --out`` of one
+    folder, or two ``--resume`` of it, cannot both run. It holds between the processes of one machine, and between
+    machines on a file system with working locks (NFS v4, Lustre, GPFS...).
+    """
+    import fcntl
+    import socket
+    import time
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    file = folder / CLAIM_FILE
+    fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = ""
+        try:
+            info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            holder = f" by process {info.get('pid')} on {info.get('host')} since {info.get('since')}"
+        except (OSError, ValueError, AttributeError):
+            pass
+        os.close(fd)
+        raise InputError(str(folder), "a run folder no other rayfuse run is using", f"claimed{holder}",
+                         "wait for that run to end, or pick another folder") from None
+    claim = RunClaim(folder, fd)
+    if not resume and (folder / "config.yaml").exists():
+        claim.release()
+        raise InputError(str(folder), "a new or empty folder", "another run has started in it",
+                         "pick another folder, or continue that run with --resume")
+    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, record.encode(), 0)
+    return claim
 
 
 class RunStore:

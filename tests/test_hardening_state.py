@@ -260,3 +260,135 @@ def test_a_damaged_run_description_is_one_line_naming_the_file(runs, tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("rayfuse: error: ") and file in err[0], err
     assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before  # nothing written
+
+
+# -- two runs into one folder ---------------------------------------------------------------------------------------
+
+
+def test_a_claimed_folder_refuses_a_second_run_and_a_second_resume(runs, tmp_path, capsys):
+    from rayfuse.api import resume as api_resume
+    from rayfuse.store import claim_run_folder
+
+    fresh = tmp_path / "fresh"
+    with claim_run_folder(fresh):
+        with pytest.raises(InputError, match=r"^.*fresh: expected a run folder no other rayfuse run is using, got 'claimed by process "):
+            run(config(tmp_path), fresh)
+    assert sorted(p.name for p in fresh.iterdir()) == [".rayfuse-claim"]  # the refused run wrote nothing
+
+    folder = interrupted_copy(runs, tmp_path)
+    with claim_run_folder(folder, resume=True):
+        with pytest.raises(InputError, match="no other rayfuse run is using"):
+            api_resume(folder, overrides=RESUME_SETS, quiet=True)
+        assert main(["run", "--resume", str(folder), "--local", "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(folder) in err[0] and "claimed by process" in err[0], err
+    assert resume(folder)["status"] == "succeeded"  # released: the folder can be resumed again
+
+
+def test_a_new_run_refuses_a_folder_another_run_started_in(tmp_path):
+    folder = tmp_path / "raced"
+    folder.mkdir()
+    (folder / "config.yaml").write_text("run: {name: other}\n")  # another run passed the empty-folder check first
+    with pytest.raises(InputError, match="raced: expected a new or empty folder, got 'another run has started in it'"):
+        run(config(tmp_path), folder)
+
+
+def test_the_claim_of_a_killed_process_does_not_block(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from rayfuse.store import claim_run_folder
+
+    folder = tmp_path / "run"
+    code = (f"from rayfuse.store import claim_run_folder; c = claim_run_folder({str(folder)!r}); print('claimed', flush=True); "
+            "import time; time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "claimed"
+        with pytest.raises(InputError, match=f"claimed by process {holder.pid} on "):
+            claim_run_folder(folder, resume=True)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+    with claim_run_folder(folder, resume=True) as claim:  # the dead process's claim is gone with it
+        assert claim.folder == folder
+    assert json.loads((folder / ".rayfuse-claim").read_text())["pid"] != holder.pid
+
+
+# -- SIGTERM --------------------------------------------------------------------------------------------------------
+
+
+def test_sigterm_stops_a_run_like_ctrl_c_and_resume_ends_equal(runs, tmp_path, capsys):
+    """SIGTERM mid-run (fedavg hangs in round 4): exit 143 with the real folder in the hint; a second run or resume of
+    the folder meanwhile is refused; ``--resume`` then ends with the uninterrupted run's numbers."""
+    import os
+    import selectors
+    import signal
+    import subprocess
+    import sys
+
+    hang = [{"client": 3, "step": "fedavg.fit", "call": 4, "mode": "hang", "seconds": 300}]
+    data = merge(TINY, {"methods": METHODS, "federation": {"faults": hang}})
+    data["run"]["storage"] = str(tmp_path / "runs")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(data))
+    folder = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "rayfuse", "run", str(job), "--local", "--out", str(folder)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        selector = selectors.DefaultSelector()
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        seen = []
+        while not any("fedavg: round 3/5" in line for line in seen):  # the guard: a generous wait, not a timing check
+            assert selector.select(timeout=240), f"no progress: {seen[-5:]}"
+            line = proc.stdout.readline()
+            assert line, f"the run ended early: {seen[-5:]}"
+            seen.append(line)
+        # the run hangs in round 4 now: a second run into its folder and a second resume are refused
+        assert main(["run", "--resume", str(folder), "--local", "--quiet"]) == 2
+        assert "claimed by process" in capsys.readouterr().err
+        assert main(["run", str(job), "--local", "--quiet", "--out", str(folder)]) == 2
+        assert "--out: expected a new or empty folder" in capsys.readouterr().err
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+    assert proc.returncode == 143, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == f"rayfuse: interrupted (SIGTERM); continue with: rayfuse run --resume {folder}"
+    assert "Traceback" not in stderr and not (folder / "results.json").exists()
+
+    assert main(["run", "--resume", str(folder), "--local", "--quiet", "--set", "federation.faults=[]"]) == 0
+    resumed = json.loads((folder / "results.json").read_text())
+    assert any(e["kind"] == "resumed" for e in resumed["events"])
+    assert_same_numbers(resumed, runs, folder)
+
+
+def test_ctrl_c_names_the_real_folder_and_keeps_exit_130(tmp_path, capsys, monkeypatch):
+    import signal
+
+    import rayfuse.api
+    import rayfuse.runner
+    from rayfuse.interrupts import Interrupted
+
+    def stopped(*args, **kwargs):
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "config.yaml").write_text("run: {}\n")  # the run had claimed and described its folder
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rayfuse.runner, "run_experiment", stopped)
+    prepared = rayfuse.runner.prepare_run(config(tmp_path))
+    with pytest.raises(Interrupted) as info:
+        rayfuse.api._execute(prepared, tmp_path / "run", resume=False, quiet=True, verbose=False, by_value=())
+    assert info.value.run_dir == tmp_path / "run" and info.value.signum == signal.SIGINT and info.value.exit_code == 130
+
+    def resume_stopped(*args, **kwargs):
+        raise Interrupted(signal.SIGINT, tmp_path / "run")
+
+    monkeypatch.setattr(rayfuse.api, "resume", resume_stopped)
+    assert main(["run", "--resume", str(tmp_path / "run")]) == 130
+    assert capsys.readouterr().err.strip() == f"rayfuse: interrupted (SIGINT); continue with: rayfuse run --resume {tmp_path / 'run'}"
