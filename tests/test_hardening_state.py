@@ -392,3 +392,133 @@ def test_ctrl_c_names_the_real_folder_and_keeps_exit_130(tmp_path, capsys, monke
     monkeypatch.setattr(rayfuse.api, "resume", resume_stopped)
     assert main(["run", "--resume", str(tmp_path / "run")]) == 130
     assert capsys.readouterr().err.strip() == f"rayfuse: interrupted (SIGINT); continue with: rayfuse run --resume {tmp_path / 'run'}"
+
+
+# -- sweep folders: Tuner.restore unpickles them ------------------------------------------------------------------------
+
+
+class Planted:
+    """A pickle that creates ``marker`` when it is loaded (what a planted ``tuner.pkl`` would do, harmlessly)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (str(self.marker), "w")
+
+
+def sweep_space(tmp_path: Path) -> tuple[Path, Path]:
+    """A valid space with its storage under ``tmp_path``; returns (space file, experiment folder)."""
+    job = {"run": {"name": "tiny"}, "partition": {"num_clients": 2}, "model": {"hidden": [8]}, "train": {"epochs": 1},
+           "methods": {"average": {}, "fedprox": {"rounds": 2, "local_epochs": 1}}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    space = {"base": "job.yaml", "name": "planted", "storage": str(tmp_path / "storage"),
+             "space": {"methods.fedprox.mu": {"grid": [0.01, 0.1]}}, "metric": "fused/fedprox/accuracy"}
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump(space))
+    return tmp_path / "space.yaml", tmp_path / "storage" / "planted"
+
+
+def sweep_folder(experiment: Path, marker: Path) -> None:
+    """What Tune leaves in an experiment folder, with a planted ``tuner.pkl``."""
+    import pickle
+
+    (experiment / "trial_0").mkdir(parents=True)
+    (experiment / "tuner.pkl").write_bytes(pickle.dumps(Planted(marker)))
+    (experiment / "experiment_state-2024-01-01_00-00-00.json").write_text('{"trial_data": []}')
+    (experiment / "basic-variant-state-2024-01-01_00-00-00.json").write_text("{}")
+    (experiment / "trial_0" / "result.json").write_text("{}\n")
+    (experiment / "runs" / "t0").mkdir(parents=True)
+    (experiment / "runs" / "t0" / "config.yaml").write_text("run: {}\n")
+
+
+def with_other_key(experiment: Path, tmp_path: Path, monkeypatch) -> None:
+    from rayfuse.sweep_seal import load_key, seal_sweep
+
+    monkeypatch.setenv("RAYFUSE_HOME", str(tmp_path / "someone-else"))
+    seal_sweep(experiment)
+    monkeypatch.setenv("RAYFUSE_HOME", str(tmp_path / "me"))
+    load_key(create=True)  # this user has a key of their own: the seal does not verify under it
+
+
+def sealed_then(change: Callable[[Path], None]) -> Callable[[Path, Path, object], None]:
+    def plant(experiment: Path, tmp_path: Path, monkeypatch) -> None:
+        from rayfuse.sweep_seal import seal_sweep
+
+        seal_sweep(experiment)
+        change(experiment)
+    return plant
+
+
+def replace_pickle(experiment: Path) -> None:
+    import pickle
+
+    (experiment / "tuner.pkl").write_bytes(pickle.dumps(Planted(experiment.parent.parent / "marker")) + b" ")
+
+
+def edit_seal(experiment: Path) -> None:
+    seal = json.loads((experiment / "rayfuse-seal.json").read_text())
+    seal["files"]["tuner.pkl"] = "0" * 64
+    (experiment / "rayfuse-seal.json").write_text(json.dumps(seal))
+
+
+SWEEP_CORPUS: dict[str, tuple[Callable[..., None], str]] = {
+    "no-seal": (lambda e, t, m: None, "rayfuse-seal.json: expected the seal rayfuse writes while a sweep runs, got 'no such file'"),
+    "another-users-key": (with_other_key, "rayfuse-seal.json: expected a seal made with your sweep key"),
+    "seal-edited": (sealed_then(edit_seal), "rayfuse-seal.json: expected a seal made with your sweep key"),
+    "seal-damaged": (sealed_then(lambda e: garbage(e / "rayfuse-seal.json")), "rayfuse-seal.json: expected a seal written by rayfuse"),
+    "tuner-pkl-replaced": (sealed_then(replace_pickle), "tuner.pkl: expected the file as this sweep's rayfuse sealed it, got 'a file changed"),
+    "error-pkl-added": (sealed_then(lambda e: (e / "trial_0" / "error.pkl").write_bytes(b"x")),
+                        "error.pkl: expected the file as this sweep's rayfuse sealed it, got 'a file added"),
+    "state-removed": (sealed_then(lambda e: (e / "trial_0" / "result.json").unlink()),
+                      "result.json: expected the file as this sweep's rayfuse sealed it, got 'a missing file'"),
+    "folder-world-writable": (sealed_then(lambda e: e.chmod(0o777)), "planted: expected a sweep file only you can write"),
+    "file-world-writable": (sealed_then(lambda e: (e / "tuner.pkl").chmod(0o666)), "tuner.pkl: expected a sweep file only you can write"),
+    "storage-world-writable": (sealed_then(lambda e: e.parent.chmod(0o777)), "storage: expected a sweep storage folder only you can write"),
+    "key-readable-by-others": (sealed_then(lambda e: key_file_of_test().chmod(0o644)), "sweep.key: expected a key file of yours that only you can read"),
+    "key-missing": (sealed_then(lambda e: key_file_of_test().unlink()), "sweep.key: expected this user's sweep key"),
+}
+
+
+def key_file_of_test() -> Path:
+    from rayfuse.sweep_seal import key_file
+
+    return key_file()
+
+
+@pytest.mark.parametrize("case", sorted(SWEEP_CORPUS))
+def test_a_sweep_folder_not_sealed_by_this_users_rayfuse_is_refused_and_nothing_is_unpickled(tmp_path, monkeypatch, capsys, case):
+    plant, expect = SWEEP_CORPUS[case]
+    monkeypatch.setenv("RAYFUSE_HOME", str(tmp_path / "me"))
+    space, experiment = sweep_space(tmp_path)
+    marker = tmp_path / "marker"
+    sweep_folder(experiment, marker)
+    plant(experiment, tmp_path, monkeypatch)
+    assert main(["tune", str(space), "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rayfuse: error: ") and expect in err[0], err
+    assert not marker.exists()  # the planted pickle never ran
+    import ray
+
+    assert not ray.is_initialized()  # refused before Ray started
+
+
+def test_a_sealed_folder_verifies_and_its_pinned_tuner_pkl_stays_pinned(tmp_path, monkeypatch):
+    from rayfuse.sweep_seal import SEAL_FILE, sealing, verify_sweep
+
+    monkeypatch.setenv("RAYFUSE_HOME", str(tmp_path / "me"))
+    _, experiment = sweep_space(tmp_path)
+    sweep_folder(experiment, tmp_path / "marker")
+    with sealing(experiment, every=0.05) as pins:
+        (experiment / "experiment_state-2024-01-01_00-00-00.json").write_text('{"trial_data": [1]}')  # Tune saves again
+        replace_pickle(experiment)  # tuner.pkl is written once, at the start: a later change is never sealed
+    sealed = json.loads((experiment / SEAL_FILE).read_text())
+    assert sealed["files"]["tuner.pkl"] == pins["tuner.pkl"] and not any(k.startswith("runs/") for k in sealed["files"])
+    assert oct((tmp_path / "me" / "sweep.key").stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(InputError, match="tuner.pkl: expected the file as this sweep's rayfuse sealed it"):
+        verify_sweep(experiment)
+    import pickle
+
+    (experiment / "tuner.pkl").write_bytes(pickle.dumps(Planted(tmp_path / "marker")))  # the one sealed
+    assert verify_sweep(experiment) == sealed["files"]
+    (experiment / "runs" / "t0" / "partition.json").write_text("{}")  # the trials' run folders are rayfuse's own
+    assert verify_sweep(experiment) == sealed["files"]
