@@ -9,8 +9,10 @@
     <run>/comparison.png              methods compared
     <run>/models/<label>.safetensors  fused models
     <run>/checkpoints/local/client-<i>.safetensors   local models the methods fetched (--resume's fallback)
-    <run>/checkpoints/<label>/latest.json + round-<r>.safetensors   multi-round state
-    <run>/state/<label>.json          a finished method's result (resume skips it)
+    <run>/checkpoints/<label>/latest.json + round-<r>.safetensors   multi-round state (SHA-256s, the previous round kept)
+    <run>/checkpoints/local/client-<i>.json   the SHA-256 of client-<i>.safetensors
+    <run>/state/<label>.json          a finished method's result (resume skips it; it records its model's SHA-256)
+    <run>/.rayfuse-claim              the running process's claim on the folder (:func:`claim_run_folder`)
 
 The coordinator writes checkpoints and models; on Ray it is placed on the driver's node so it shares this folder.
 
@@ -391,8 +393,9 @@ def local_model_key(config: Mapping[str, Any], plan: ClientPlan) -> tuple[str, d
 class LocalModelStore:
     """Trained local models, each kept by its own client under its content key (:func:`local_model_key`).
 
-    ``<run.model_cache>/local-models/<key>/``: ``params.safetensors``, ``stats.json`` (the training statistics) and
-    ``key.json`` (what the key was computed from), published once, complete (:class:`rayfuse.cas.ContentCache`).
+    ``<run.model_cache>/local-models/<key>/``: ``params.safetensors``, ``sha256.json`` (its SHA-256), ``stats.json``
+    (the training statistics) and ``key.json`` (what the key was computed from), published once, complete
+    (:class:`rayfuse.cas.ContentCache`). An entry that no longer reads back intact is discarded (the client trains again).
     Written and read by the client's own process; the coordinator only takes :meth:`lock_run` while a run's clients
     train, so concurrent Tune trials sharing the keys train once and the others read.
     """
