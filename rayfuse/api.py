@@ -383,9 +383,9 @@ def _execute(prepared: Any, folder: Path, *, resume: bool, quiet: bool, verbose:
     try:
         results = run_experiment(prepared, backend, folder, resume=resume, printer=printer, show_tables=True)
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM under rayfuse.interrupts: say which folder to resume
-        from rayfuse.interrupts import Interrupted
+        from rayfuse.interrupts import as_interrupted
 
-        interrupted = exc if isinstance(exc, Interrupted) else Interrupted()
+        interrupted = as_interrupted(exc)
         interrupted.run_dir = folder if (folder / "config.yaml").is_file() else None
         if interrupted is exc:
             raise

@@ -216,7 +216,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from rayfuse.interrupts import Interrupted, sigterm_as_interrupt
+    from rayfuse.interrupts import as_interrupted, sigterm_as_interrupt
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -230,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rayfuse: run failed: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:
-        interrupted = exc if isinstance(exc, Interrupted) else Interrupted()
+        interrupted = as_interrupted(exc)
         print(f"\nrayfuse: interrupted ({signal_name(interrupted.signum)}); {_resume_hint(args, interrupted)}", file=sys.stderr)
         return interrupted.exit_code
 

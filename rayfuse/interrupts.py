@@ -17,9 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Interrupted", "sigterm_as_interrupt", "reinstall_sigterm"]
+__all__ = ["Interrupted", "as_interrupted", "sigterm_as_interrupt", "reinstall_sigterm"]
 
 _active = False
+_received: int | None = None  # the signal the handler last turned into Interrupted
 
 
 class Interrupted(KeyboardInterrupt):
@@ -45,18 +46,28 @@ class Interrupted(KeyboardInterrupt):
 
 
 def _raise_interrupted(signum: int, frame: Any) -> None:
+    global _received
+    _received = int(signum)
     raise Interrupted(signum)
+
+
+def as_interrupted(exc: KeyboardInterrupt) -> Interrupted:
+    """``exc`` as an :class:`Interrupted` of the signal that caused it: a library that catches the interrupt and raises
+    a plain ``KeyboardInterrupt`` of its own (``ray.get`` does) loses the signal, which the handler recorded."""
+    if isinstance(exc, Interrupted):
+        return exc
+    return Interrupted(_received if _received is not None else signal.SIGINT)
 
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """While active (in the main thread), SIGTERM raises :class:`Interrupted`; the previous handler comes back after."""
-    global _active
+    global _active, _received
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)
-    _active = True
+    _active, _received = True, None
     try:
         yield
     finally:

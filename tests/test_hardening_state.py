@@ -522,3 +522,21 @@ def test_a_sealed_folder_verifies_and_its_pinned_tuner_pkl_stays_pinned(tmp_path
     assert verify_sweep(experiment) == sealed["files"]
     (experiment / "runs" / "t0" / "partition.json").write_text("{}")  # the trials' run folders are rayfuse's own
     assert verify_sweep(experiment) == sealed["files"]
+
+
+def test_sigterm_raises_interrupted_and_a_plain_keyboard_interrupt_keeps_the_signal():
+    """Ray's ``ray.get`` turns the interrupt into a plain KeyboardInterrupt of its own: the signal is not lost."""
+    import os
+    import signal
+
+    from rayfuse.interrupts import Interrupted, as_interrupted, sigterm_as_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    with sigterm_as_interrupt():
+        with pytest.raises(Interrupted) as info:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs in this (the main) thread before the next statement
+        assert info.value.signum == signal.SIGTERM and info.value.exit_code == 143
+        assert as_interrupted(KeyboardInterrupt()).exit_code == 143
+    assert signal.getsignal(signal.SIGTERM) is before
+    with sigterm_as_interrupt():
+        assert as_interrupted(KeyboardInterrupt()).exit_code == 130  # Ctrl-C
