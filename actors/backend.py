@@ -36,6 +36,7 @@ from actors.coordinator import CoordinatorActor
 from rayfuse.config import ExperimentConfig, ResourcesConfig
 from rayfuse.data.roles import DataPlan
 from rayfuse.errors import InputError, RunFailure
+from rayfuse.interrupts import reinstall_sigterm
 from rayfuse.method import MethodSpec
 from rayfuse.runner import Backend, EventSink
 
@@ -186,6 +187,7 @@ class RayBackend(Backend):
                 ray.init(**kwargs)
                 self._notes.append("attached to the Ray already running on this machine; federation.ray_init not applied")
         self._owns_ray = True  # we connected: we disconnect (which stops the local Ray only if we started it)
+        reinstall_sigterm()  # ray.init replaced rayfuse's SIGTERM handler (which stops the run like Ctrl-C) with its own
 
     def _check_feasible(self, cfg: ExperimentConfig, requests: list[dict[str, Any]]) -> None:
         """On a Ray that rayfuse started itself (no autoscaler), refuse requests the node cannot ever satisfy."""

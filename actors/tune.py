@@ -15,7 +15,8 @@
   trains the clients once.
 * Fault tolerance: ``FailureConfig(max_failures)`` retries a failed trial, which resumes its own run folder
   (``<storage>/<name>/runs/<trial id>``) like ``rayfuse run --resume``; ``rayfuse tune SPACE --resume`` restores an
-  interrupted sweep with ``Tuner.restore``.
+  interrupted sweep with ``Tuner.restore``, once :func:`rayfuse.sweep_seal.verify_sweep` has checked that this
+  user's rayfuse sealed the folder as it is (Tune unpickles its state) and that no one else can write it.
 * Results: ``<storage>/<name>/results.parquet`` (Tune's result table) and ``best.yaml`` (the best trial's config,
   ready for ``rayfuse run``).
 """
@@ -37,6 +38,7 @@ from rayfuse.config import apply_overrides, validate_config
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.method import resolved_config
 from rayfuse.sweep import Domain, SweepSpec
+from rayfuse.sweep_seal import PINNED, check_sweep_folder, sealing, verify_sweep
 
 __all__ = ["run_sweep", "to_tune_domain", "param_space", "sweep_paths"]
 
@@ -164,6 +166,9 @@ def run_sweep(spec: SweepSpec, *, address: str | None = None, resume: bool = Fal
     if exists and not resume:
         raise InputError("sweep", "a new sweep name or --resume", f"{paths['experiment']} exists",
                          "continue it with --resume, or set name: in the space / --storage elsewhere")
+    # Tuner.restore unpickles the folder's state: only a folder this user's rayfuse sealed, that no one else can write
+    pinned = verify_sweep(paths["experiment"], paths["storage"]) if resume else {}
+    check_sweep_folder(paths["storage"], paths["experiment"])
     first = spec.trial_config({k: d.probe_values()[0] for k, d in spec.space.items()})
     started = _connect(spec, address)
     try:
@@ -193,7 +198,8 @@ def run_sweep(spec: SweepSpec, *, address: str | None = None, resume: bool = Fal
                 run_config=tune.RunConfig(name=spec.name, storage_path=str(paths["storage"]), verbose=verbose,
                                           failure_config=tune.FailureConfig(max_failures=spec.max_failures)),
             )
-        grid = tuner.fit()
+        with sealing(paths["experiment"], pinned={k: v for k, v in pinned.items() if k in PINNED}):  # what --resume verifies
+            grid = tuner.fit()
     finally:
         if started and ray.is_initialized():
             ray.shutdown()  # disconnects; stops the Ray only if this process started it

@@ -380,7 +380,16 @@ def _execute(prepared: Any, folder: Path, *, resume: bool, quiet: bool, verbose:
 
         backend = RayBackend(pickle_by_value=by_value)
     printer = Printer(verbose=verbose, enabled=not quiet)
-    results = run_experiment(prepared, backend, folder, resume=resume, printer=printer, show_tables=True)
+    try:
+        results = run_experiment(prepared, backend, folder, resume=resume, printer=printer, show_tables=True)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM under rayfuse.interrupts: say which folder to resume
+        from rayfuse.interrupts import as_interrupted
+
+        interrupted = as_interrupted(exc)
+        interrupted.run_dir = folder if (folder / "config.yaml").is_file() else None
+        if interrupted is exc:
+            raise
+        raise interrupted from exc
     return _read_result(prepared, folder, results)
 
 

@@ -34,7 +34,7 @@ from filelock import FileLock
 
 from rayfuse.io import atomic_write_json
 
-__all__ = ["ContentCache", "CacheEntry", "content_key", "key_lock", "publish_folder"]
+__all__ = ["ContentCache", "CacheEntry", "content_key", "discard_entry", "key_lock", "publish_folder"]
 
 KEY_FILE = "key.json"
 
@@ -79,6 +79,18 @@ def publish_folder(target: str | os.PathLike, write: Callable[[Path], None]) -> 
         return True
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def discard_entry(folder: str | os.PathLike) -> None:
+    """Remove a damaged published entry: renamed aside first (a reader sees the whole entry or none), then deleted; a
+    concurrent discard of the same entry is not an error."""
+    folder = Path(folder)
+    aside = folder.parent / f".{folder.name}-discarded-{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        os.rename(folder, aside)
+    except OSError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 @dataclass(frozen=True)

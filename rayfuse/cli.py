@@ -11,7 +11,7 @@
 
 With no CONFIG, ``rayfuse run`` runs ``jobs/quickstart.yaml`` (or, outside a checkout, the same job built into the
 config defaults). Exit codes: 0 success, 2 bad input (one line naming the key path, expected and given value),
-1 the run failed, 130 interrupted.
+1 the run failed, 130 interrupted (Ctrl-C), 143 stopped by SIGTERM (both print the ``--resume`` hint).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.version import __version__
@@ -215,19 +216,41 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from rayfuse.interrupts import as_interrupted, sigterm_as_interrupt
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with sigterm_as_interrupt():  # SIGTERM (ray job stop, schedulers, containers) stops a run like Ctrl-C
+            return int(args.func(args) or 0)
     except InputError as exc:
         print(f"rayfuse: error: {exc}", file=sys.stderr)
         return 2
     except RunFailure as exc:
         print(f"rayfuse: run failed: {exc}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("\nrayfuse: interrupted; continue with: rayfuse run --resume <run folder>", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        interrupted = as_interrupted(exc)
+        print(f"\nrayfuse: interrupted ({signal_name(interrupted.signum)}); {_resume_hint(args, interrupted)}", file=sys.stderr)
+        return interrupted.exit_code
+
+
+def signal_name(signum: int) -> str:
+    """``SIGTERM`` for 15."""
+    import signal
+
+    return signal.Signals(signum).name
+
+
+def _resume_hint(args: argparse.Namespace, interrupted: Any) -> str:
+    if args.command == "tune":
+        storage = f" --storage {args.storage}" if args.storage else ""
+        return f"continue with: rayfuse tune {args.space}{storage} --resume"
+    if args.command != "run":
+        return "nothing to continue"
+    if interrupted.run_dir is not None:
+        return f"continue with: rayfuse run --resume {interrupted.run_dir}"
+    return "the run stopped before writing its folder; nothing to resume"
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from rayfuse.metrics import compute_metrics
 from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
 from rayfuse.rounds import RoundLoop
 from rayfuse.seeding import derive_seed, make_rng
-from rayfuse.store import Checkpoint, LocalModelStore, RunStore, StepResultCache, local_model_key, step_result_key
+from rayfuse.store import Checkpoint, LocalModelStore, RunStore, StepResultCache, local_model_key, sha256_file, step_result_key
 
 __all__ = ["Coordinator", "MethodServer"]
 
@@ -277,7 +277,7 @@ class MethodServer:
         """The last round checkpoint of this method when resuming (``None`` on a fresh run)."""
         if not self.resume:
             return None
-        checkpoint = self.checkpoint.load()
+        checkpoint = self.checkpoint.load(warn=lambda message: self.events.emit("warning", message, method=self.label))
         if checkpoint is not None:
             self.history = list(checkpoint.meta.get("history", []))
             self.events.emit("resumed", f"from round {checkpoint.round}", method=self.label, round=checkpoint.round)
@@ -381,7 +381,8 @@ class Coordinator:
                 kept = sorted(c for c, stats in fed.run(restore_local).results.items() if stats is not None)
             from_run: list[int] = []
             if resume:
-                saved = self.store.load_local_models([c for c in fed.client_ids if c not in kept])
+                saved = self.store.load_local_models([c for c in fed.client_ids if c not in kept],
+                                                     warn=lambda message: self.events.emit("warning", message))
                 calls = [call for client, (params, stats) in saved.items()
                          for call in fed.map(set_local_params, fed.put(params), stats, clients=[client])]
                 from_run = fed.gather(calls).clients if calls else []
@@ -444,6 +445,7 @@ class Coordinator:
 
             save_params(path, result.params, {"method": spec.method, "label": label})
             model_file = str(path.relative_to(self.store.root))
+            model_sha256 = sha256_file(path)
         summary = {
             "label": label,
             "method": spec.method,
@@ -453,6 +455,7 @@ class Coordinator:
             "history": server.history,
             "seconds": round(seconds, 3),
             "model_file": model_file,
+            **({"model_sha256": model_sha256} if model_file else {}),
         }
         self.store.save_method_state(label, summary)
         self.events.emit("method_done", method=label, seconds=round(seconds, 3), metrics=summary["metrics"])

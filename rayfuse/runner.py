@@ -37,7 +37,7 @@ from rayfuse.errors import InputError, RunFailure
 from rayfuse.io import atomic_write_json, atomic_write_text
 from rayfuse.method import MethodSpec, RunSetup, check_methods, resolve_methods, resolved_config
 from rayfuse.report import Printer, format_partition, format_table, plot_comparison, write_metrics_parquet
-from rayfuse.store import RunStore
+from rayfuse.store import RunStore, claim_run_folder
 from rayfuse.version import __version__
 
 __all__ = ["Backend", "InProcessBackend", "PreparedRun", "prepare_run", "run_experiment", "new_run_dir", "check_new_folder", "load_run_config"]
@@ -176,8 +176,20 @@ def load_run_config(run_dir: str | Path, overrides: Sequence[tuple[list[str], An
     for parts, _ in overrides:
         if parts[0] != "federation":
             raise InputError("--set " + ".".join(parts), "only federation.* keys when resuming (the experiment itself is fixed)", "a change to the experiment")
-    data = yaml.safe_load(store.config_file.read_text(encoding="utf-8"))
-    cfg = validate_config(apply_overrides(data, list(overrides)))
+    try:
+        data = yaml.safe_load(store.config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise InputError(str(store.config_file), "the run's resolved config (UTF-8 YAML)", f"a damaged file ({type(exc).__name__})",
+                         "restore it from results.json's config, or start a new run") from None
+    if not isinstance(data, dict):
+        raise InputError(str(store.config_file), "the run's resolved config (a YAML mapping)", f"a damaged file ({type(data).__name__})",
+                         "restore it from results.json's config, or start a new run")
+    try:
+        cfg = validate_config(apply_overrides(data, list(overrides)))
+    except InputError as exc:
+        if any(exc.path.startswith(".".join(parts)) for parts, _ in overrides):
+            raise  # the error is in an override (--set), not in the file
+        raise exc.at(f"{store.config_file}: {exc.path}") from None
     if cfg.model.name == "custom" or cfg.data.dataset == "arrays":
         given = f"model.name: custom ({cfg.model.factory})" if cfg.model.name == "custom" else "data.dataset: arrays"
         raise InputError("--resume", "a run whose model and data a config file describes", given,
@@ -221,89 +233,105 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
     if resume:
         if not store.partition_file.is_file():
             raise InputError("--resume", "a run folder with partition.json", str(run_dir))
-        stored = json.loads(store.partition_file.read_text())["hash"]
+        try:
+            stored = json.loads(store.partition_file.read_text(encoding="utf-8"))["hash"]
+            if not isinstance(stored, str):
+                raise ValueError("hash is not a string")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InputError(str(store.partition_file), "the run's partition manifest (JSON with its hash)",
+                             f"a damaged file ({type(exc).__name__})", "the split cannot be checked; start a new run") from None
         if stored != plan.digest():
             raise InputError("--resume", "the same data split as the original run", "a different partition hash", "did the dataset files change?")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(store.config_file, dump_config(resolved))
-    atomic_write_json(store.partition_file, plan.manifest())
-    timings["partition"] = round(time.perf_counter() - t0, 3)
-    say(f"rayfuse {__version__}: run {cfg.run.name!r} -> {run_dir}{'  (resumed)' if resume else ''}")
-    target_note = f" (target task: {plan.target}, {len(plan.public)} public / {len(plan.test)} test)" if plan.target else ""
-    say(f"data: {plan.dataset}{target_note}, {plan.num_classes} classes, input {plan.input_shape}; model {cfg.model.name} ({num_params:,} parameters); "
-        f"partition {plan.partition['method']} into {plan.num_clients} clients (hash {plan.digest()[:12]})")
-    if plan.num_clients <= 32:
-        say(format_partition(plan.counts, plan.class_names, [len(v) for v in plan.client_val]))
-    emit("stage_end", stage="partition", seconds=timings["partition"])
+    with claim_run_folder(run_dir, resume=resume):  # released at the end; a second run of this folder is refused
+        atomic_write_text(store.config_file, dump_config(resolved))
+        atomic_write_json(store.partition_file, plan.manifest())
+        timings["partition"] = round(time.perf_counter() - t0, 3)
+        say(f"rayfuse {__version__}: run {cfg.run.name!r} -> {run_dir}{'  (resumed)' if resume else ''}")
+        target_note = f" (target task: {plan.target}, {len(plan.public)} public / {len(plan.test)} test)" if plan.target else ""
+        say(f"data: {plan.dataset}{target_note}, {plan.num_classes} classes, input {plan.input_shape}; model {cfg.model.name} ({num_params:,} parameters); "
+            f"partition {plan.partition['method']} into {plan.num_clients} clients (hash {plan.digest()[:12]})")
+        if plan.num_clients <= 32:
+            say(format_partition(plan.counts, plan.class_names, [len(v) for v in plan.client_val]))
+        emit("stage_end", stage="partition", seconds=timings["partition"])
 
-    summaries: dict[str, dict[str, Any]] = {}
-    status, error = "succeeded", None
-    try:
+        summaries: dict[str, dict[str, Any]] = {}
+        status, error = "succeeded", None
+        try:
+            t0 = time.perf_counter()
+            backend.start(cfg, plan, run_dir, on_event=on_event, start_time=start, specs=specs)
+            timings["startup"] = round(time.perf_counter() - t0, 3)
+            emit("stage_end", stage="startup", seconds=timings["startup"])
+            finished = {s.label: store.load_method_state(s.label, warn=_warner(emit, s.label)) for s in specs} if resume else {}
+            pending = [s for s in specs if finished.get(s.label) is None]
+            if any(s.method_cls.uses_local_models for s in pending):
+                t0 = time.perf_counter()
+                backend.call("prepare_local_models", resume)
+                timings["local_training"] = round(time.perf_counter() - t0, 3)
+            for spec in specs:
+                saved = finished.get(spec.label)
+                if saved is not None:
+                    summaries[spec.label] = saved
+                    emit("info", f"{spec.label}: finished in the original run; loaded from state/", method=spec.label)
+                    continue
+                t0 = time.perf_counter()
+                summaries[spec.label] = backend.call("run_method", spec.label, resume)
+                timings[f"method/{spec.label}"] = round(time.perf_counter() - t0, 3)
+        except RunFailure as exc:
+            status, error = "failed", str(exc)
+            emit("run_failed", str(exc))
+        finally:
+            backend_info = backend.info()
+            backend.stop()
+
+        # 5. report
         t0 = time.perf_counter()
-        backend.start(cfg, plan, run_dir, on_event=on_event, start_time=start, specs=specs)
-        timings["startup"] = round(time.perf_counter() - t0, 3)
-        emit("stage_end", stage="startup", seconds=timings["startup"])
-        pending = [s for s in specs if not (resume and store.load_method_state(s.label))]
-        if any(s.method_cls.uses_local_models for s in pending):
-            t0 = time.perf_counter()
-            backend.call("prepare_local_models", resume)
-            timings["local_training"] = round(time.perf_counter() - t0, 3)
-        for spec in specs:
-            saved = store.load_method_state(spec.label) if resume else None
-            if saved is not None:
-                summaries[spec.label] = saved
-                emit("info", f"{spec.label}: finished in the original run; loaded from state/", method=spec.label)
-                continue
-            t0 = time.perf_counter()
-            summaries[spec.label] = backend.call("run_method", spec.label, resume)
-            timings[f"method/{spec.label}"] = round(time.perf_counter() - t0, 3)
-    except RunFailure as exc:
-        status, error = "failed", str(exc)
-        emit("run_failed", str(exc))
-    finally:
-        backend_info = backend.info()
-        backend.stop()
+        methods = {label: _method_entry(s) for label, s in summaries.items()}
+        if summaries:
+            write_metrics_parquet(store.metrics_file, list(summaries.values()))
+            plot_comparison(store.plot_file, methods, list(summaries.values()), title=f"{plan.dataset}, {plan.num_clients} clients")
+        timings["report"] = round(time.perf_counter() - t0, 3)
+        timings["total"] = round(time.time() - start, 3)
+        results = {
+            "status": status,
+            "error": error,
+            "rayfuse_version": __version__,
+            "run": {
+                "name": cfg.run.name, "dir": str(run_dir), "started_at": started_at,
+                "finished_at": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+                "seconds": timings["total"], "resumed": resume, **backend_info,
+            },
+            "config": resolved,
+            "partition": {
+                "hash": plan.digest(), "dataset": plan.dataset, **plan.partition,
+                "num_train": [len(t) for t in plan.client_train], "num_val": [len(v) for v in plan.client_val],
+                "class_counts": plan.counts.tolist(), "test_size": int(len(plan.test)), "public_size": int(len(plan.public)),
+                "unassigned": plan.unassigned,
+            },
+            "methods": methods,
+            "timings": timings,
+            "events": events,
+            "files": {
+                "config": "config.yaml", "partition": "partition.json", "metrics": "metrics.parquet" if summaries else None,
+                "plot": "comparison.png" if summaries else None,
+                "models": {label: s["model_file"] for label, s in summaries.items() if s.get("model_file")},
+            },
+        }
+        atomic_write_json(store.results_file, results)
+        if methods:
+            say("\n" + format_table(methods), always=True)
+        say(f"\nresults: {store.results_file}", always=True)
+        if status == "failed":
+            raise RunFailure(error or "run failed")
+        return results
 
-    # 5. report
-    t0 = time.perf_counter()
-    methods = {label: _method_entry(s) for label, s in summaries.items()}
-    if summaries:
-        write_metrics_parquet(store.metrics_file, list(summaries.values()))
-        plot_comparison(store.plot_file, methods, list(summaries.values()), title=f"{plan.dataset}, {plan.num_clients} clients")
-    timings["report"] = round(time.perf_counter() - t0, 3)
-    timings["total"] = round(time.time() - start, 3)
-    results = {
-        "status": status,
-        "error": error,
-        "rayfuse_version": __version__,
-        "run": {
-            "name": cfg.run.name, "dir": str(run_dir), "started_at": started_at,
-            "finished_at": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "seconds": timings["total"], "resumed": resume, **backend_info,
-        },
-        "config": resolved,
-        "partition": {
-            "hash": plan.digest(), "dataset": plan.dataset, **plan.partition,
-            "num_train": [len(t) for t in plan.client_train], "num_val": [len(v) for v in plan.client_val],
-            "class_counts": plan.counts.tolist(), "test_size": int(len(plan.test)), "public_size": int(len(plan.public)),
-            "unassigned": plan.unassigned,
-        },
-        "methods": methods,
-        "timings": timings,
-        "events": events,
-        "files": {
-            "config": "config.yaml", "partition": "partition.json", "metrics": "metrics.parquet" if summaries else None,
-            "plot": "comparison.png" if summaries else None,
-            "models": {label: s["model_file"] for label, s in summaries.items() if s.get("model_file")},
-        },
-    }
-    atomic_write_json(store.results_file, results)
-    if methods:
-        say("\n" + format_table(methods), always=True)
-    say(f"\nresults: {store.results_file}", always=True)
-    if status == "failed":
-        raise RunFailure(error or "run failed")
-    return results
+
+def _warner(emit: Callable[..., None], label: str) -> Callable[[str], None]:
+    """A ``warn`` callback emitting a ``warning`` event of method ``label``."""
+
+    def warn(message: str) -> None:
+        emit("warning", message, method=label)
+
+    return warn
 
 
 def _method_entry(summary: dict[str, Any]) -> dict[str, Any]:

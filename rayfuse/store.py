@@ -9,8 +9,10 @@
     <run>/comparison.png              methods compared
     <run>/models/<label>.safetensors  fused models
     <run>/checkpoints/local/client-<i>.safetensors   local models the methods fetched (--resume's fallback)
-    <run>/checkpoints/<label>/latest.json + round-<r>.safetensors   multi-round state
-    <run>/state/<label>.json          a finished method's result (resume skips it)
+    <run>/checkpoints/<label>/latest.json + round-<r>.safetensors   multi-round state (SHA-256s, the previous round kept)
+    <run>/checkpoints/local/client-<i>.json   the SHA-256 of client-<i>.safetensors
+    <run>/state/<label>.json          a finished method's result (resume skips it; it records its model's SHA-256)
+    <run>/.rayfuse-claim              the running process's claim on the folder (:func:`claim_run_folder`)
 
 The coordinator writes checkpoints and models; on Ray it is placed on the driver's node so it shares this folder.
 
@@ -27,20 +29,23 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+import os
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rayfuse.cas import CacheEntry, ContentCache, content_key
+from rayfuse.cas import CacheEntry, ContentCache, content_key, discard_entry
+from rayfuse.errors import InputError
 from rayfuse.io import atomic_write_json, load_params, save_params
 
 if TYPE_CHECKING:
     from rayfuse.data.roles import ClientPlan
 
-__all__ = ["RunStore", "Checkpointer", "Checkpoint", "LocalModelStore", "StepResultCache", "local_model_key", "step_result_key"]
+__all__ = ["RunStore", "RunClaim", "claim_run_folder", "Checkpointer", "Checkpoint", "sha256_file",
+           "LocalModelStore", "StepResultCache", "local_model_key", "step_result_key"]
 
 
 @dataclass
@@ -56,11 +61,18 @@ class Checkpointer:
 
     A checkpoint is a safetensors file (``params/<name>`` and ``state/<name>`` arrays) plus ``latest.json``, written
     after it; the JSON is the commit point, so a crash between the two leaves the previous checkpoint in force.
+    ``latest.json`` records the SHA-256 of the newest round's file and the record of the round before it, whose file
+    is kept beside the newest: :meth:`load` verifies the newest and falls back to the previous round when the newest
+    is missing or damaged (``None``, a restart of the method, when neither is usable), and says so through ``warn``.
     """
 
     def __init__(self, folder: Path, keep: int = 2) -> None:
         self.folder = folder
-        self.keep = keep
+        self.keep = keep  # kept for callers that pass it: the newest round's file and the previous round's are kept
+
+    @property
+    def pointer(self) -> Path:
+        return self.folder / "latest.json"
 
     def save(self, round: int, params: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray] | None = None,
              meta: Mapping[str, Any] | None = None) -> Path:
@@ -68,20 +80,152 @@ class Checkpointer:
         arrays.update({f"state/{k}": np.asarray(v) for k, v in (state or {}).items()})
         file = self.folder / f"round-{round:05d}.safetensors"
         save_params(file, arrays)
-        atomic_write_json(self.folder / "latest.json", {"round": round, "file": file.name, "meta": dict(meta or {})})
-        for old in sorted(self.folder.glob("round-*.safetensors"))[: -self.keep]:
-            old.unlink(missing_ok=True)
+        previous = self._previous_record(round)
+        record = {"round": round, "file": file.name, "sha256": sha256_file(file), "meta": dict(meta or {}), "previous": previous}
+        atomic_write_json(self.pointer, record)
+        kept = {file.name, *([previous["file"]] if previous else [])}
+        for old in self.folder.glob("round-*.safetensors"):
+            if old.name not in kept:
+                old.unlink(missing_ok=True)
         return file
 
-    def load(self) -> Checkpoint | None:
-        pointer = self.folder / "latest.json"
-        if not pointer.is_file():
+    def _previous_record(self, round: int) -> dict[str, Any] | None:
+        """The record of the latest checkpointed round before ``round`` (``latest.json`` or its ``previous``)."""
+        try:
+            info = json.loads(self.pointer.read_text())
+        except (OSError, ValueError):
             return None
-        info = json.loads(pointer.read_text())
-        arrays = load_params(self.folder / info["file"])
+        for record in (info, info.get("previous") if isinstance(info, dict) else None):
+            if isinstance(record, dict) and isinstance(record.get("round"), int) and record["round"] < round:
+                return {k: v for k, v in record.items() if k != "previous"}
+        return None
+
+    def load(self, warn: Callable[[str], Any] | None = None) -> Checkpoint | None:
+        """The newest usable checkpoint: the newest round's, else the previous round's; ``None`` when there is none.
+
+        A missing or damaged newest file (SHA-256 mismatch, unreadable) falls back to the previous round; a damaged
+        ``latest.json`` or no usable round is ``None`` (the method restarts from its first round, with the same
+        numbers). Each fallback is reported through ``warn`` (one line naming the file).
+        """
+        warn = warn or (lambda message: None)
+        if not self.pointer.is_file():
+            return None
+        try:
+            info = json.loads(self.pointer.read_text(encoding="utf-8"))
+            if not isinstance(info, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as exc:
+            warn(f"{self.pointer}: damaged ({_reason(exc)}); restarting the method from its first round")
+            return None
+        problems: list[str] = []
+        for record in (info, info.get("previous")):
+            if record is None:
+                continue
+            checkpoint, problem = self._read(record)
+            if checkpoint is not None:
+                if problems:
+                    warn(f"{problems[0]}; continuing from round {checkpoint.round} (the previous checkpoint)")
+                return checkpoint
+            problems.append(problem)
+        warn(f"{problems[0] if problems else self.pointer}; no usable checkpoint left, restarting the method from its first round")
+        return None
+
+    def _read(self, record: Any) -> tuple[Checkpoint | None, str]:
+        """The checkpoint ``record`` names, verified; else ``None`` and what is wrong (naming the file)."""
+        if not isinstance(record, dict) or not isinstance(record.get("round"), int) or not isinstance(record.get("file"), str):
+            return None, f"{self.pointer}: damaged (a round record without round / file)"
+        file = self.folder / Path(record["file"]).name
+        if not file.is_file():
+            return None, f"{file}: missing"
+        expected = record.get("sha256")
+        if expected is not None and sha256_file(file) != expected:  # records written before checksums carry none
+            return None, f"{file}: damaged (SHA-256 differs from the one recorded in latest.json)"
+        try:
+            arrays = load_params(file)
+        except InputError as exc:
+            return None, f"{file}: damaged ({exc.got})"
         params = {k[len("params/"):]: v for k, v in arrays.items() if k.startswith("params/")}
         state = {k[len("state/"):]: v for k, v in arrays.items() if k.startswith("state/")}
-        return Checkpoint(int(info["round"]), params, state, dict(info.get("meta", {})))
+        return Checkpoint(int(record["round"]), params, state, dict(record.get("meta") or {})), ""
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+
+
+def sha256_file(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes, in hex."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+CLAIM_FILE = ".rayfuse-claim"
+
+
+class RunClaim:
+    """The claim of one run folder by this process: an exclusive ``flock`` on ``<run>/.rayfuse-claim``, held until
+    :meth:`release` (or the process's end: the kernel drops the lock of a dead process, so a claim left by a killed
+    run never blocks the next one; the file stays, with the last claimant's pid, host and time)."""
+
+    def __init__(self, folder: Path, fd: int) -> None:
+        self.folder = folder
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            import fcntl
+
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunClaim:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def claim_run_folder(folder: str | Path, *, resume: bool = False) -> RunClaim:
+    """Claim ``folder`` (created if need be) for one run of this process; :class:`InputError` when another live
+    process holds it, or, for a new run (``resume`` false), when another run has written its config there already.
+
+    The claim is an exclusive, non-blocking ``flock`` on ``<folder>/.rayfuse-claim``: two ``rayfuse run --out`` of one
+    folder, or two ``--resume`` of it, cannot both run. It holds between the processes of one machine, and between
+    machines on a file system with working locks (NFS v4, Lustre, GPFS...).
+    """
+    import fcntl
+    import socket
+    import time
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    file = folder / CLAIM_FILE
+    fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = ""
+        try:
+            info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            holder = f" by process {info.get('pid')} on {info.get('host')} since {info.get('since')}"
+        except (OSError, ValueError, AttributeError):
+            pass
+        os.close(fd)
+        raise InputError(str(folder), "a run folder no other rayfuse run is using", f"claimed{holder}",
+                         "wait for that run to end, or pick another folder") from None
+    claim = RunClaim(folder, fd)
+    if not resume and (folder / "config.yaml").exists():
+        claim.release()
+        raise InputError(str(folder), "a new or empty folder", "another run has started in it",
+                         "pick another folder, or continue that run with --resume")
+    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, record.encode(), 0)
+    return claim
 
 
 class RunStore:
@@ -125,25 +269,52 @@ class RunStore:
     def save_method_state(self, label: str, summary: Mapping[str, Any]) -> None:
         atomic_write_json(self.method_state_file(label), summary)
 
-    def load_method_state(self, label: str) -> dict[str, Any] | None:
+    def load_method_state(self, label: str, warn: Callable[[str], Any] | None = None) -> dict[str, Any] | None:
+        """A finished method's summary; ``None`` when there is none, or when it is damaged (unreadable JSON, or the
+        model file it names is missing or differs from its recorded SHA-256): then ``warn`` says so and the method is
+        run again."""
         file = self.method_state_file(label)
-        return json.loads(file.read_text()) if file.is_file() else None
+        if not file.is_file():
+            return None
+        try:
+            summary = json.loads(file.read_text(encoding="utf-8"))
+            if not isinstance(summary, dict) or not isinstance(summary.get("metrics"), dict):
+                raise ValueError("not a method summary")
+        except (OSError, ValueError) as exc:
+            if warn is not None:
+                warn(f"{file}: damaged ({_reason(exc)}); running {label} again")
+            return None
+        model, expected = summary.get("model_file"), summary.get("model_sha256")
+        if model and expected:
+            path = self.root / model
+            problem = "missing" if not path.is_file() else "damaged (SHA-256 differs from the recorded one)" \
+                if sha256_file(path) != expected else ""
+            if problem:
+                if warn is not None:
+                    warn(f"{path}: {problem}; running {label} again")
+                return None
+        return summary
 
     def save_local_models(self, updates: Mapping[int, Any]) -> None:
         _save_local_models(self.root / "checkpoints" / "local", updates)
 
-    def load_local_models(self, client_ids: list[int]) -> dict[int, tuple[dict[str, np.ndarray], dict[str, float]]]:
-        """The checkpointed local models of those of ``client_ids`` the run folder holds: client -> (params, stats)."""
-        return _load_local_models(self.root / "checkpoints" / "local", client_ids)
+    def load_local_models(self, client_ids: list[int], warn: Callable[[str], Any] | None = None,
+                          ) -> dict[int, tuple[dict[str, np.ndarray], dict[str, float]]]:
+        """The checkpointed local models of those of ``client_ids`` the run folder holds: client -> (params, stats).
+        A damaged file (unreadable, or its bytes differ from the SHA-256 recorded beside it) is left out, so that
+        client trains its (deterministic) model again; ``warn`` says so."""
+        return _load_local_models(self.root / "checkpoints" / "local", client_ids, warn)
 
 
 def _save_local_models(folder: Path, updates: Mapping[int, Any]) -> None:
     for client, update in updates.items():
         meta = {"num_examples": update.num_examples, **{k: repr(float(v)) for k, v in update.metrics.items()}}
-        save_params(folder / f"client-{client}.safetensors", update.params, meta)
+        file = save_params(folder / f"client-{client}.safetensors", update.params, meta)
+        atomic_write_json(file.with_suffix(".json"), {"sha256": sha256_file(file)})  # after the file: the commit point
 
 
-def _load_local_models(folder: Path, client_ids: list[int]) -> dict[int, tuple[dict[str, np.ndarray], dict[str, float]]]:
+def _load_local_models(folder: Path, client_ids: list[int], warn: Callable[[str], Any] | None = None,
+                       ) -> dict[int, tuple[dict[str, np.ndarray], dict[str, float]]]:
     files = {c: folder / f"client-{c}.safetensors" for c in client_ids}
     from safetensors import safe_open
 
@@ -151,10 +322,18 @@ def _load_local_models(folder: Path, client_ids: list[int]) -> dict[int, tuple[d
     for client, file in files.items():
         if not file.is_file():
             continue
-        with safe_open(str(file), framework="numpy") as handle:
-            meta = handle.metadata() or {}
-        stats = {k: float(v) for k, v in meta.items() if k != "num_examples"}
-        out[client] = (load_params(file), stats)
+        try:
+            record = file.with_suffix(".json")
+            if record.is_file() and json.loads(record.read_text(encoding="utf-8")).get("sha256") != sha256_file(file):
+                raise ValueError("SHA-256 differs from the recorded one")
+            with safe_open(str(file), framework="numpy") as handle:
+                meta = handle.metadata() or {}
+            stats = {k: float(v) for k, v in meta.items() if k != "num_examples"}
+            out[client] = (load_params(file), stats)
+        except Exception as exc:  # safetensors raises its own error types (and OSError, ValueError) for a damaged file
+            if warn is not None:
+                warn(f"{file}: damaged ({_reason(exc) if not isinstance(exc, InputError) else exc.got}); client {client} "
+                     "trains its local model again")
     return out
 
 
@@ -214,8 +393,9 @@ def local_model_key(config: Mapping[str, Any], plan: ClientPlan) -> tuple[str, d
 class LocalModelStore:
     """Trained local models, each kept by its own client under its content key (:func:`local_model_key`).
 
-    ``<run.model_cache>/local-models/<key>/``: ``params.safetensors``, ``stats.json`` (the training statistics) and
-    ``key.json`` (what the key was computed from), published once, complete (:class:`rayfuse.cas.ContentCache`).
+    ``<run.model_cache>/local-models/<key>/``: ``params.safetensors``, ``sha256.json`` (its SHA-256), ``stats.json``
+    (the training statistics) and ``key.json`` (what the key was computed from), published once, complete
+    (:class:`rayfuse.cas.ContentCache`). An entry that no longer reads back intact is discarded (the client trains again).
     Written and read by the client's own process; the coordinator only takes :meth:`lock_run` while a run's clients
     train, so concurrent Tune trials sharing the keys train once and the others read.
     """
@@ -235,14 +415,22 @@ class LocalModelStore:
         entry = self.entry(key)
         if not entry.exists:
             return None
-        stats = json.loads((entry.folder / "stats.json").read_text())
-        return load_params(entry.folder / "params.safetensors"), {k: float(v) for k, v in stats.items()}
+        try:
+            record = entry.folder / "sha256.json"
+            if record.is_file() and json.loads(record.read_text()).get("sha256") != sha256_file(entry.folder / "params.safetensors"):
+                raise ValueError("SHA-256 differs from the recorded one")
+            stats = json.loads((entry.folder / "stats.json").read_text())
+            return load_params(entry.folder / "params.safetensors"), {k: float(v) for k, v in stats.items()}
+        except (InputError, OSError, ValueError, TypeError, AttributeError):
+            discard_entry(entry.folder)  # damaged: the client trains the (deterministic) model again and republishes
+            return None
 
     def save(self, key: str, inputs: Mapping[str, Any], params: Mapping[str, np.ndarray], stats: Mapping[str, float]) -> bool:
         """Keep ``params`` and ``stats`` under ``key``; ``False`` when the entry existed already (it stands)."""
 
         def write(staging: Path) -> None:
-            save_params(staging / "params.safetensors", params)
+            file = save_params(staging / "params.safetensors", params)
+            atomic_write_json(staging / "sha256.json", {"sha256": sha256_file(file)})
             atomic_write_json(staging / "stats.json", {k: float(v) for k, v in stats.items()})
 
         return self.entry(key, inputs).publish(write)

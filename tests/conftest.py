@@ -55,6 +55,22 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@pytest.fixture(autouse=True, scope="session")
+def rayfuse_home(tmp_path_factory):
+    """A ``RAYFUSE_HOME`` of the session's own (the sweep key, ``rayfuse.sweep_seal``): tests and the processes they
+    start never write into the user's home."""
+    import os
+
+    home = tmp_path_factory.mktemp("rayfuse-home")
+    previous = os.environ.get("RAYFUSE_HOME")
+    os.environ["RAYFUSE_HOME"] = str(home)
+    yield home
+    if previous is None:
+        os.environ.pop("RAYFUSE_HOME", None)
+    else:
+        os.environ["RAYFUSE_HOME"] = previous
+
+
 @pytest.fixture
 def make_config(tmp_path):
     """``make_config(partition={...}, methods={...})`` -> a validated tiny ExperimentConfig stored under tmp_path (its

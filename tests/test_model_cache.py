@@ -33,7 +33,7 @@ def test_a_fusion_only_change_reuses_the_cached_local_models(make_config, tmp_pa
     assert second["methods"]["local"]["accuracy"] == first["methods"]["local"]["accuracy"]
     # one entry per client's model, each kept by its client under its content key (what it was computed from beside it)
     entries = [p for p in (tmp_path / "cache" / "local-models").iterdir() if p.is_dir()]
-    assert len(entries) == 4 and all(sorted(p.name for p in e.iterdir()) == ["key.json", "params.safetensors", "stats.json"]
+    assert len(entries) == 4 and all(sorted(p.name for p in e.iterdir()) == ["key.json", "params.safetensors", "sha256.json", "stats.json"]
                                       for e in entries)
     assert sorted(json.loads((e / "key.json").read_text())["client"] for e in entries) == [0, 1, 2, 3]
 
