@@ -37,10 +37,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, cast
 
 import numpy as np
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from rayfuse.config import pydantic_input_error
+from rayfuse.config import pydantic_input_error, refuse_boolean_number
 from rayfuse.errors import InputError, suggest
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.aligned.algorithm import AlignmentSettings, derive_run_spec
@@ -49,24 +48,29 @@ from rayfuse.io import load_params, save_params
 __all__ = ["FuseSpec", "Fuser", "FuseInputs", "FUSERS", "register_fuser", "load_fuse_config", "load_fuse_inputs", "fuse_models", "run_fuse"]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _FuseSchema(BaseModel):
+    """Unknown keys are errors, values frozen, floats finite, and a boolean is not a number."""
 
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: Any) -> Any:
+        return refuse_boolean_number(cls, value, info)
+
+
+class _Model(_FuseSchema):
     model: str = Field(min_length=1, description="a .safetensors / .pt / .pth / .bin file (relative to the config file)")
     parameters: dict[str, Any] = Field(default_factory=dict, description="per-model parameters (weight: ...)")
 
 
-class _Data(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class _Data(_FuseSchema):
     path: str = Field(min_length=1, description="an .npz file (relative to the config file) with the inputs as the model takes them")
     features: str = Field("X", min_length=1, description="the inputs' array name")
     label: str = Field("y", min_length=1, description="the labels' array name")
 
 
-class _FuseFile(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class _FuseFile(_FuseSchema):
     merge_method: str = Field(min_length=1)
     models: list[_Model] = Field(min_length=1)
     parameters: dict[str, Any] = Field(default_factory=dict)
@@ -79,20 +83,16 @@ class _FuseFile(BaseModel):
     output: str | None = Field(None, min_length=1)
 
 
-class WeightedAverageParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class WeightedAverageParams(_FuseSchema):
     normalize: bool = Field(True, description="divide by the sum of the weights (False: a plain weighted sum)")
 
 
-class ModelWeight(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class ModelWeight(_FuseSchema):
     weight: float = Field(gt=0, description="this model's weight (e.g. its number of training samples)")
 
 
-class NoParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class NoParams(_FuseSchema):
+    """No parameters."""
 
 
 @dataclass(frozen=True)
@@ -152,9 +152,7 @@ register_fuser(Fuser("weighted_average", "w = sum_k a_k w_k / sum_k a_k with eac
                      _weighted, WeightedAverageParams, ModelWeight, aliases=("linear",)))
 
 
-class KLNeuronParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class KLNeuronParams(_FuseSchema):
     lam: float = Field(1.0, ge=0, description="lambda of KL-fusion's eq. 9, relative to the std of the KL costs (jobs/kl_bnn_digits.yaml: 1)")
     variance: float = Field(0.01, gt=0, description="the variance given to every weight of a point-estimate checkpoint")
     solver: Literal["exact", "relaxed"] = "exact"
@@ -201,9 +199,7 @@ class AlignParams(AlignmentSettings):
     spec: str | None = Field(None, min_length=1, description="a JSON permutation spec (rayfuse symmetry --json) instead of the derived one")
 
 
-class OptionalWeight(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class OptionalWeight(_FuseSchema):
     weight: float = Field(1.0, gt=0, description="this model's weight in the merge (e.g. its number of training samples)")
 
 
@@ -351,13 +347,10 @@ def load_fuse_config(config: str | Path | Mapping[str, Any], output: str | Path 
         raw: Any = dict(config)
         path = Path("<fuse config>")  # names the errors; relative paths resolve from the working directory
     else:
+        from rayfuse.safeyaml import read_yaml_file
+
         path = Path(config)
-        if not path.is_file():
-            raise InputError(str(path), "an existing fuse config YAML", "no such file")
-        try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError:
-            raise InputError(str(path), "valid YAML", "a syntax error") from None
+        raw = read_yaml_file(path, "fuse config YAML")
     if not isinstance(raw, Mapping):
         raise InputError(str(path), "a mapping (merge_method, models, output...)", type(raw).__name__)
     spec = _validate(_FuseFile, raw, path)

@@ -43,6 +43,7 @@ __all__ = [
     "FaultSpec",
     "CONFIG_SECTIONS",
     "pydantic_input_error",
+    "refuse_boolean_number",
     "build_config",
     "load_config",
     "parse_overrides",
@@ -61,20 +62,27 @@ class StrictModel(BaseModel):
     """Base for config sections: unknown keys are errors, values are immutable once validated.
 
     ``--set`` values are parsed as YAML, so ``--set run.name=2024`` gives an int: text keys take numbers as text
-    (``coerce_numbers_to_str``). The other way round is refused: ``epochs: true`` is not the number 1.
+    (``coerce_numbers_to_str``). The other way round is refused: ``epochs: true`` is not the number 1. Floats are
+    finite (``allow_inf_nan=False``: ``lr: .inf`` and ``lr: nan`` are refused).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, coerce_numbers_to_str=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, coerce_numbers_to_str=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
     def _no_booleans_for_numbers(cls, value: Any, info: Any) -> Any:
-        if isinstance(value, bool) and info.field_name in cls.model_fields:
-            annotation = cls.model_fields[info.field_name].annotation
-            kinds = set(getattr(annotation, "__args__", ())) | {annotation}
-            if kinds & {int, float} and bool not in kinds:
-                raise ValueError("a number, not a boolean")
-        return value
+        return refuse_boolean_number(cls, value, info)
+
+
+def refuse_boolean_number(model: type[BaseModel], value: Any, info: Any) -> Any:
+    """A ``mode="before"`` field check: a boolean given for a number field (``int``, ``float``, optional or not) is a
+    ValueError (pydantic would read ``true`` as 1); ``value`` is returned unchanged otherwise."""
+    if isinstance(value, bool) and info.field_name in model.model_fields:
+        annotation = model.model_fields[info.field_name].annotation
+        kinds = set(getattr(annotation, "__args__", ())) | {annotation}
+        if kinds & {int, float} and bool not in kinds:
+            raise ValueError("a number, not a boolean")
+    return value
 
 
 def _registered(registry: Any, value: str) -> str:
@@ -471,12 +479,23 @@ def parse_overrides(pairs: Sequence[str]) -> list[tuple[list[str], Any]]:
         parts = key.strip().split(".")
         if not all(re.fullmatch(r"[A-Za-z0-9_@+-]+", p) for p in parts):
             raise InputError("--set", "a dotted key path such as methods.fedavg.rounds", key)
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            value = raw
+        value = _parse_override_value(raw, key.strip())
         parsed.append((parts, value))
     return parsed
+
+
+def _parse_override_value(raw: str, key: str) -> Any:
+    """A ``--set`` value parsed as YAML (bounded, see :mod:`rayfuse.safeyaml`); text that is not valid YAML stays text."""
+    from rayfuse.safeyaml import parse_yaml
+
+    if not raw.strip():
+        return None
+    try:
+        return parse_yaml(raw, f"--set {key}")
+    except InputError as exc:
+        if exc.expected == "valid YAML":
+            return raw
+        raise
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[tuple[list[str], Any]]) -> dict[str, Any]:
@@ -518,15 +537,10 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """The mapping of sections in a YAML config file, not yet validated (raises :class:`InputError`)."""
+    from rayfuse.safeyaml import read_yaml_file
+
     path = Path(path)
-    if not path.is_file():
-        raise InputError(str(path), "an existing YAML config file", "no such file")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise InputError(str(path), "valid YAML", f"a syntax error{where}") from None
+    data = read_yaml_file(path, "YAML config file") or {}
     if not isinstance(data, dict):
         raise InputError(str(path), "a YAML mapping of sections", type(data).__name__)
     return data
