@@ -43,7 +43,7 @@ from rayfuse.config import pydantic_input_error, refuse_boolean_number
 from rayfuse.errors import InputError, suggest
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.aligned.algorithm import AlignmentSettings, derive_run_spec
-from rayfuse.io import load_params, save_params
+from rayfuse.io import check_writable_folder, load_params, save_params
 
 __all__ = ["FuseSpec", "Fuser", "FuseInputs", "FUSERS", "register_fuser", "load_fuse_config", "load_fuse_inputs", "fuse_models", "run_fuse"]
 
@@ -388,6 +388,7 @@ def load_fuse_config(config: str | Path | Mapping[str, Any], output: str | Path 
         raise InputError(f"{path}: output", "a .safetensors file", str(out))
     if out.exists():
         raise InputError(f"{path}: output", "a file that does not exist yet (nothing is overwritten)", str(out))
+    check_writable_folder(out.parent, key=f"{path}: output")
     data = None
     if spec.data is not None:
         data = Path(spec.data.path)

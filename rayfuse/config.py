@@ -342,6 +342,11 @@ class FaultSpec(StrictModel):
     seconds: float = Field(3600.0, gt=0, description="hang: how long to sleep")
 
 
+_HOST = r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])"
+_PORT = r"(?:6553[0-5]|655[0-2]\d|65[0-4]\d\d|6[0-4]\d{3}|[1-5]\d{4}|[1-9]\d{0,3})"
+_RAY_ADDRESS = re.compile(rf"auto|local|ray://{_HOST}(?::{_PORT})?|{_HOST}:{_PORT}")
+
+
 class FederationConfig(StrictModel):
     backend: Literal["ray", "local"] = Field("ray", description="ray: Ray actors; local: in-process clients (debugging)")
     address: str | None = Field(None, description="Ray cluster address; default: RAY_ADDRESS, a running job's cluster, or a new local Ray")
@@ -362,6 +367,14 @@ class FederationConfig(StrictModel):
     ray_init: dict[str, Any] = Field(default_factory=dict,
                                      description="arguments for ray.init when rayfuse starts a local Ray (num_cpus, include_dashboard...)")
     faults: list[FaultSpec] = Field(default_factory=list)
+
+    @field_validator("address")
+    @classmethod
+    def _address_form(cls, value: str | None) -> str | None:
+        # Whether anything answers there is checked when a run starts (actors.backend.check_reachable_address).
+        if value is not None and not _RAY_ADDRESS.fullmatch(value):
+            raise ValueError("a Ray address: host:port, ray://host:port, auto or local")
+        return value
 
     def client_resources(self, client_id: int) -> ResourcesConfig:
         """Client ``client_id``'s resources: ``clients``, with the keys its ``client_overrides`` entry sets replaced."""

@@ -23,6 +23,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
     "atomic_write_json",
+    "check_writable_folder",
     "save_params",
     "load_params",
     "to_jsonable",
@@ -47,6 +48,35 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             pass
         raise
     return path
+
+
+def check_writable_folder(path: str | os.PathLike, *, key: str) -> Path:
+    """Check, before anything starts, that rayfuse can create or write into the folder ``path``: its nearest existing
+    ancestor (``path`` itself when it exists) is a folder this process can create entries in. Returns ``path``.
+
+    The check asks the operating system (``os.access``) and then creates and removes an empty folder there, which
+    also catches read-only mounts and file systems that refuse writes ``os.access`` allows (root on ``/sys``, for
+    instance); nothing is left behind. Raises :class:`InputError` at ``key`` (``--out``, ``run.storage``...).
+    """
+    target = Path(path)
+    existing = Path(os.path.abspath(target))
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InputError(key, "a folder rayfuse can create or write to", str(target),
+                         f"{existing} is a file, not a folder" if existing != Path(os.path.abspath(target)) else "it is a file, not a folder")
+    problem = None
+    if not os.access(existing, os.W_OK | os.X_OK):
+        problem = "no permission to write"
+    else:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".rayfuse-write-check-", dir=existing))
+        except OSError as exc:
+            problem = exc.strerror or type(exc).__name__
+    if problem:
+        where = "" if existing == Path(os.path.abspath(target)) else f" in {existing}"
+        raise InputError(key, "a folder rayfuse can create or write to", str(target), f"{problem.lower()}{where}")
+    return target
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
