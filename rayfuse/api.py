@@ -225,10 +225,16 @@ def build_architecture(architecture: str, *, input_shape: Sequence[int] | None =
     if not name:
         from pydantic import ValidationError
 
+        from rayfuse.models.registry import check_model_size
+
         try:
             cfg = ModelConfig.model_validate({"name": architecture, **kwargs})
         except ValidationError as exc:
             raise pydantic_input_error(exc, "args", ModelConfig) from None
+        try:
+            check_model_size(cfg, shape, num_classes)
+        except InputError as exc:
+            raise exc.at("args." + exc.path.split(".", 1)[1]) from None
         return build_model(cfg, shape, num_classes, seed=0), shape
     if prefix == "torchvision":
         names = torchvision_model_names()

@@ -43,9 +43,10 @@ from rayfuse.config import pydantic_input_error, refuse_boolean_number
 from rayfuse.errors import InputError, suggest
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.aligned.algorithm import AlignmentSettings, derive_run_spec
-from rayfuse.io import check_writable_folder, load_params, save_params
+from rayfuse.io import TORCH_ONLY_FLOATS, check_writable_folder, read_checkpoint, save_params, save_params_cast
 
-__all__ = ["FuseSpec", "Fuser", "FuseInputs", "FUSERS", "register_fuser", "load_fuse_config", "load_fuse_inputs", "fuse_models", "run_fuse"]
+__all__ = ["FuseSpec", "Fuser", "FuseInputs", "FUSERS", "register_fuser", "load_fuse_config", "load_fuse_inputs", "fuse_models", "run_fuse",
+           "check_floats", "fused_dtype"]
 
 
 class _FuseSchema(BaseModel):
@@ -79,7 +80,8 @@ class _FuseFile(_FuseSchema):
     input_shape: list[Annotated[int, Field(ge=1)]] | None = Field(
         None, min_length=1, description="one input's shape, to trace the architecture when no data is given (e.g. [3, 32, 32])")
     data: _Data | None = Field(None, description="a sample the methods that need data run on (activation matching, repair)")
-    dtype: Literal["float16", "float32", "float64"] | None = None
+    dtype: Literal["bfloat16", "float16", "float32", "float64"] | None = Field(
+        None, description="the fused model's float dtype (default: the inputs', when they share one)")
     output: str | None = Field(None, min_length=1)
 
 
@@ -457,23 +459,63 @@ def load_fuse_inputs(spec: FuseSpec, models: Sequence[Mapping[str, np.ndarray]])
     return FuseInputs(model, X, y, example)
 
 
+def check_floats(models: Sequence[Mapping[str, np.ndarray]], files: Sequence[Path]) -> None:
+    """A model to fuse holds at least one floating-point tensor (an integer-only model has nothing to average)."""
+    for params, file in zip(models, files):
+        if not params:
+            raise InputError(str(file), "a model with at least one tensor", "an empty checkpoint")
+        if not any(v.dtype.kind == "f" for v in params.values()):
+            name, value = next(iter(params.items()))
+            raise InputError(f"{file}: {name}", "a model with floating-point tensors to fuse",
+                             f"integer tensors only ({value.dtype})")
+
+
+def fused_dtype(stored: Sequence[Mapping[str, str]], given: str | None) -> str | None:
+    """The dtype to write the fused float tensors in: ``given`` (the fuse file's ``dtype:``), else, when some input is
+    stored in a dtype below float32 (``float16``, ``bfloat16``...), the inputs' float dtype when they share one and
+    torch's promotion of them otherwise; ``None``: the dtype the fusion computed in (inputs of float32 / float64)."""
+    if given is not None:
+        return given
+    floats = {d for s in stored for d in s.values() if "float" in d}
+    if not floats or floats <= {"float32", "float64"}:
+        return None
+    if len(floats) == 1:
+        return next(iter(floats))
+    import functools
+
+    import torch
+
+    return str(functools.reduce(torch.promote_types, [getattr(torch, d) for d in sorted(floats)])).replace("torch.", "")
+
+
 def fuse_models(spec: FuseSpec, models: list[dict[str, np.ndarray]], inputs: FuseInputs | None = None) -> dict[str, np.ndarray]:
-    """Fuse already loaded, compatible models."""
-    common = np.result_type(*[v.dtype for m in models for v in m.values() if v.dtype.kind == "f"]) if models else np.float32
+    """Fuse already loaded, compatible models. Float tensors are fused in their common dtype, at least float32
+    (float16 inputs are fused in float32; :func:`fused_dtype` says what to write them in)."""
+    common = np.result_type(np.float32, *[v.dtype for m in models for v in m.values() if v.dtype.kind == "f"]) if models else np.float32
     models = [{k: v.astype(common) if v.dtype.kind == "f" else v for k, v in m.items()} for m in models]
     fused = spec.method.fuse(models, spec.model_params, spec.params, inputs or FuseInputs())
-    if spec.dtype is not None:
+    if spec.dtype is not None and spec.dtype not in TORCH_ONLY_FLOATS:
         fused = {k: v.astype(spec.dtype) if v.dtype.kind == "f" else v for k, v in fused.items()}
     return fused
 
 
 def run_fuse(spec: FuseSpec) -> dict[str, Any]:
-    """Load, check, fuse and write; return a summary (tensors, parameters, output)."""
-    models = [load_params(file) for file in spec.files]
+    """Load, check, fuse and write; return a summary (tensors, parameters, output).
+
+    Checkpoints in ``bfloat16`` / ``float16`` are fused in float32 and written back in the inputs' dtype (or the fuse
+    file's ``dtype:``)."""
+    loaded = [read_checkpoint(file) for file in spec.files]
+    models = [params for params, _ in loaded]
+    check_floats(models, spec.files)
     check_compatible(models, spec.files)
     inputs = load_fuse_inputs(spec, models)
     fused = fuse_models(spec, models, inputs)
     output = Path(spec.output) if spec.output is not None else Path("fused.safetensors")  # load_fuse_config always sets it
-    save_params(output, fused, {"method": spec.method.name, "models": ",".join(f.name for f in spec.files)})
+    metadata = {"method": spec.method.name, "models": ",".join(f.name for f in spec.files)}
+    dtype = fused_dtype([dtypes for _, dtypes in loaded], spec.dtype)
+    if dtype is None:
+        save_params(output, fused, metadata)
+    else:
+        save_params_cast(output, fused, dtype, metadata)
     return {"method": spec.method.name, "models": len(models), "tensors": len(fused),
             "parameters": int(sum(v.size for v in fused.values())), "output": str(spec.output)}
