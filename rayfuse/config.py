@@ -77,12 +77,41 @@ class StrictModel(BaseModel):
 def refuse_boolean_number(model: type[BaseModel], value: Any, info: Any) -> Any:
     """A ``mode="before"`` field check: a boolean given for a number field (``int``, ``float``, optional or not) is a
     ValueError (pydantic would read ``true`` as 1); ``value`` is returned unchanged otherwise."""
-    if isinstance(value, bool) and info.field_name in model.model_fields:
-        annotation = model.model_fields[info.field_name].annotation
-        kinds = set(getattr(annotation, "__args__", ())) | {annotation}
-        if kinds & {int, float} and bool not in kinds:
-            raise ValueError("a number, not a boolean")
+    if info.field_name not in model.model_fields:
+        return value
+    if isinstance(value, bool):
+        kinds = _kinds(model.model_fields[info.field_name].annotation, top=True)
+    elif isinstance(value, (list, tuple)) and any(isinstance(v, bool) for v in value):
+        kinds = _kinds(model.model_fields[info.field_name].annotation, top=False)  # the types of list items
+    elif isinstance(value, Mapping) and any(isinstance(v, bool) for v in value.values()):
+        kinds = _kinds(model.model_fields[info.field_name].annotation, top=False)
+    else:
+        return value
+    if kinds & {int, float} and bool not in kinds:
+        raise ValueError("a number, not a boolean")
     return value
+
+
+def _kinds(annotation: Any, *, top: bool) -> set[Any]:
+    """The types an annotation accepts as a value (``top``) or as the items / values of a list, tuple or dict in it."""
+    import typing
+
+    found: set[Any] = set()
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is None:
+        return {annotation} if top else set()
+    if origin in (list, tuple, set, dict) or (isinstance(origin, type) and issubclass(origin, (Sequence, Mapping))):
+        if top:
+            return found
+        items = args[1:] if origin is dict or (isinstance(origin, type) and issubclass(origin, Mapping)) else args
+        for arg in items:
+            if arg is not Ellipsis:
+                found |= _kinds(arg, top=True)
+        return found
+    for arg in args:  # a Union / Optional / Literal...
+        found |= _kinds(arg, top=top)
+    return found
 
 
 def _registered(registry: Any, value: str) -> str:

@@ -59,8 +59,7 @@ def parse_yaml(text: str, where: str) -> Any:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or "a syntax error"
-        raise InputError(where, "valid YAML", f"{problem}{at}") from None
+        raise InputError(where, "valid YAML", f"a syntax error{at}", getattr(exc, "problem", None) or "") from None
     except RecursionError:
         raise InputError(where, "YAML nested a few hundred levels at most", "deeper nesting") from None
     finally:

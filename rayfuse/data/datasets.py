@@ -347,11 +347,13 @@ def _read_npz(path: str | Path | None, label: str, features: str | list[str] | N
     feature_key = features if isinstance(features, str) else "X"
     if isinstance(features, list):
         raise InputError("data.features", "one array name for an .npz file", features)
+    import zipfile
+
     try:
         loaded = np.load(file, allow_pickle=False)
     except EOFError:
         raise InputError(str(file), "a .npz archive of arrays", "an empty file") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
         raise InputError(str(file), "a readable .npz archive without pickled objects", str(exc)[:80]) from None
     if not isinstance(loaded, np.lib.npyio.NpzFile):
         raise InputError(str(file), "a .npz archive of named arrays (numpy.savez)", "a single .npy array",
@@ -368,7 +370,7 @@ def _read_npz(path: str | Path | None, label: str, features: str | list[str] | N
             labels = np.asarray(archive[label])
     except InputError:
         raise
-    except (OSError, ValueError, EOFError, KeyError) as exc:
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
         raise InputError(str(file), "a readable .npz archive without pickled objects", str(exc)[:80] or type(exc).__name__) from None
     return dataset_from_arrays(file.stem, X, labels.reshape(-1), features_key="data.features", label_key="data.label")
 
