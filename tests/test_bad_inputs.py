@@ -622,3 +622,29 @@ def test_bad_checkpoints_and_data_exit_2_in_a_real_process(tmp_path) -> None:
     result = _rayfuse(["run", job, "--local"], tmp_path)
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1 and "data.label" in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Valid inputs are read as before
+
+
+def test_every_shipped_yaml_file_reads_as_pyyaml_reads_it() -> None:
+    from rayfuse.safeyaml import read_yaml_file
+
+    files = sorted([*ROOT.glob("jobs/*.yaml"), *ROOT.glob("tune_spaces/*.yaml"), *ROOT.glob("examples/**/*.yaml")])
+    assert files
+    for path in files:
+        assert read_yaml_file(path) == yaml.safe_load(path.read_text(encoding="utf-8")), path
+
+
+def test_anchors_aliases_and_merge_keys_stay_valid() -> None:
+    from rayfuse.safeyaml import parse_yaml
+
+    text = "base: &b {lr: 0.1, epochs: 2}\nfast:\n  <<: *b\n  lr: 0.5\nboth: [*b, *b]\n"
+    assert parse_yaml(text, "x.yaml") == yaml.safe_load(text)
+
+
+def test_a_running_ray_answers_the_address_probe(ray_session) -> None:
+    from actors.backend import check_reachable_address
+
+    check_reachable_address(ray_session.get_runtime_context().gcs_address, key="federation.address")

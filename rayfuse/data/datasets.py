@@ -383,8 +383,10 @@ def dataset_from_arrays(name: str, X: Any, y: Any, *, features_key: str = "datas
     Raises :class:`InputError` at ``features_key`` / ``label_key``.
     """
     X, labels = np.asarray(X), np.asarray(y)
-    if not np.issubdtype(X.dtype, np.number) or X.dtype.kind == "c":
-        raise InputError(features_key, "a real numeric array", str(X.dtype))
+    if not np.issubdtype(X.dtype, np.number):
+        raise InputError(features_key, "a numeric array", str(X.dtype))
+    if X.dtype.kind == "c":
+        raise InputError(features_key, "a numeric array of real numbers", str(X.dtype))
     if X.ndim < 2:
         raise InputError(features_key, "an array of shape (samples, features...) with at least 2 dimensions", f"shape {X.shape}")
     if X.size == 0:
