@@ -134,7 +134,8 @@ def _ask_gcs(target: str, timeout_s: float) -> str | None:
         return None
     channel = grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)])
     try:
-        gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)
+        request = gcs_service_pb2.GetClusterIdRequest()  # type: ignore[attr-defined]  # generated protobuf code
+        gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(request, timeout=timeout_s)
     except grpc.RpcError as exc:
         code = exc.code() if callable(getattr(exc, "code", None)) else None
         if code == grpc.StatusCode.UNAUTHENTICATED:
@@ -164,6 +165,8 @@ def _local_gpus() -> int | None:
         from ray._private.accelerators import get_accelerator_manager_for_resource
 
         manager = get_accelerator_manager_for_resource("GPU")
+        if manager is None:
+            return None
         count = int(manager.get_current_node_num_accelerators())
         visible = manager.get_current_process_visible_accelerator_ids()
     except Exception:
@@ -195,7 +198,7 @@ def check_local_resources(cfg: ExperimentConfig) -> None:
     gpus = float(init["num_gpus"]) if isinstance(init.get("num_gpus"), (int, float)) else _local_gpus()
     if gpus is not None:
         have["GPU"] = float(gpus)
-    custom = init.get("resources") if isinstance(init.get("resources"), dict) else {}
+    custom: dict[str, Any] = init["resources"] if isinstance(init.get("resources"), dict) else {}
     n, per_actor = cfg.partition.num_clients, fed.clients_per_actor
     actors = [(f"federation.client_overrides.{first}" if first in fed.client_overrides else "federation.clients",
                actor_options(fed.client_resources(first))) for first in range(0, n, per_actor)]
@@ -324,7 +327,9 @@ class RayBackend(Backend):
         if cfg.federation.address:
             check_reachable_address(cfg.federation.address, key="federation.address")
         elif os.environ.get("RAY_ADDRESS"):
-            check_reachable_address(os.environ["RAY_ADDRESS"], key="RAY_ADDRESS")
+            env = os.environ["RAY_ADDRESS"]
+            if env == "auto" or split_address(env) is not None:  # another form: ray.init reads it as it does
+                check_reachable_address(env, key="RAY_ADDRESS")
         check_local_resources(cfg)
 
     def _connect(self, cfg: ExperimentConfig) -> None:
@@ -334,7 +339,8 @@ class RayBackend(Backend):
         address = fed.address or os.environ.get("RAY_ADDRESS")
         kwargs: dict[str, Any] = {"namespace": fed.namespace, "log_to_driver": True}
         if address:
-            check_reachable_address(address, key="federation.address" if fed.address else "RAY_ADDRESS")
+            if fed.address or address == "auto" or split_address(address) is not None:
+                check_reachable_address(address, key="federation.address" if fed.address else "RAY_ADDRESS")
             ray.init(address=address, **kwargs)
         else:
             stale = stale_local_address()
