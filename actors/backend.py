@@ -40,7 +40,8 @@ from rayfuse.interrupts import reinstall_sigterm
 from rayfuse.method import MethodSpec
 from rayfuse.runner import Backend, EventSink
 
-__all__ = ["RayBackend", "actor_options", "client_bundles", "merged_resources", "pickled_by_value", "trial_bundles"]
+__all__ = ["RayBackend", "actor_options", "check_local_resources", "check_reachable_address", "split_address",
+           "client_bundles", "merged_resources", "pickled_by_value", "trial_bundles"]
 
 POLL_S = 0.25
 
@@ -67,6 +68,161 @@ def stale_local_address() -> str | None:
             return None
     except (OSError, ValueError):
         return address
+
+
+PROBE_TIMEOUT_S = 3.0
+
+
+def split_address(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``host:port`` or ``ray://host[:port]`` address (Ray Client's default port 10001);
+    ``None`` for anything else (``auto``, ``local``, a form this check does not know)."""
+    rest = address[len("ray://"):] if address.startswith("ray://") else address
+    rest = rest.split("/", 1)[0]
+    host, sep, port = rest.rpartition(":")
+    if not sep:
+        host, port = (rest, "10001") if address.startswith("ray://") else ("", "")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
+
+
+def check_reachable_address(address: str | None, *, key: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Refuse, before Ray starts, a cluster address nothing answers at: a TCP connect to it must succeed within
+    ``timeout_s`` (``ray.init`` would otherwise wait forever). ``auto`` must find a running Ray on this machine.
+    ``None`` and ``local`` (start a new local Ray) pass. Raises :class:`InputError` at ``key``."""
+    if not address or address == "local":
+        return
+    if address == "auto":
+        try:
+            from ray._private.services import get_ray_address_from_environment  # Ray's own lookup (not a public API)
+
+            found = get_ray_address_from_environment("auto", None)
+        except ConnectionError:
+            raise InputError(key, "a running Ray to attach to ('auto' looks for one on this machine)", address,
+                             "none is running: start one (ray start --head) or leave the address unset for a new local Ray") from None
+        except Exception:  # another Ray version: let ray.init() decide
+            return
+        if not found or found == "auto":
+            return
+        address = str(found)
+    parts = split_address(address)
+    if parts is None:
+        raise InputError(key, "a Ray address: host:port, ray://host:port, auto or local", address)
+    host, port = parts
+    expected = f"a Ray cluster answering at {host}:{port} within {timeout_s:g} s"
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as exc:
+        reason = "no answer" if isinstance(exc, TimeoutError) else (getattr(exc, "strerror", None) or type(exc).__name__)
+        raise InputError(key, expected, address, reason.lower()) from None
+    if address.startswith("ray://") or os.environ.get("RAY_USE_TLS", "0").lower() not in ("0", "false", ""):
+        return  # Ray Client's server, or a TLS cluster: the TCP answer is all this check asks
+    problem = _ask_gcs(f"{host}:{port}" if ":" not in host else f"[{host}]:{port}", timeout_s)
+    if problem:
+        raise InputError(key, expected, address, problem)
+
+
+def _ask_gcs(target: str, timeout_s: float) -> str | None:
+    """Ask the Ray GCS at ``target`` for its cluster id: ``None`` if a Ray GCS answers (with the id, or asking for the
+    cluster's token), else why not. A port that accepts connections is not enough: a proxy or another server answers
+    TCP too, and ``ray.init`` would then retry for a long time."""
+    try:
+        import grpc
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc  # Ray's own protocol (not a public API)
+    except ImportError:
+        return None
+    channel = grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)])
+    try:
+        request = gcs_service_pb2.GetClusterIdRequest()  # type: ignore[attr-defined]  # generated protobuf code
+        gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(request, timeout=timeout_s)
+    except grpc.RpcError as exc:
+        code = exc.code() if callable(getattr(exc, "code", None)) else None
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return None  # a Ray GCS asking for the cluster's token: ray.init brings it
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return "no Ray cluster answers there"
+        return "something answers there, but not a Ray cluster (its GCS)"
+    finally:
+        channel.close()
+    return None
+
+
+def _live_local_cluster() -> bool:
+    """Whether ``ray.init()`` with no address would attach to a running ``ray start`` cluster of this machine."""
+    try:
+        from ray._private.services import get_ray_address_from_environment
+
+        address = get_ray_address_from_environment(None, None)  # type: ignore[arg-type]
+    except Exception:
+        return True  # unknown: do not judge the resources
+    return bool(address) and stale_local_address() is None
+
+
+def _local_gpus() -> int | None:
+    """GPUs a new local Ray would see (Ray's own detection, ``CUDA_VISIBLE_DEVICES`` honoured); ``None`` if unknown."""
+    try:
+        from ray._private.accelerators import get_accelerator_manager_for_resource
+
+        manager = get_accelerator_manager_for_resource("GPU")
+        if manager is None:
+            return None
+        count = int(manager.get_current_node_num_accelerators())
+        visible = manager.get_current_process_visible_accelerator_ids()
+    except Exception:
+        return None
+    return count if visible is None else min(count, len(visible))
+
+
+def _local_cpus() -> float:
+    try:
+        from ray._private.utils import get_num_cpus  # container limits honoured, as ray.init does
+
+        return float(get_num_cpus())
+    except Exception:
+        return float(os.cpu_count() or 1)
+
+
+def check_local_resources(cfg: ExperimentConfig) -> None:
+    """Before Ray starts: on the local Ray this run will start itself (no address, no ``RAY_ADDRESS``, no Ray
+    initialised or running here), refuse CPUs, GPUs or custom resources that the actors can never get: one actor asking
+    more than the node has, or the actors together (they hold what they ask for as long as they live) asking more.
+
+    The node has ``federation.ray_init``'s ``num_cpus`` / ``num_gpus`` / ``resources`` if given, else what Ray
+    detects on this machine. Raises :class:`InputError` naming the key."""
+    fed = cfg.federation
+    if fed.address or os.environ.get("RAY_ADDRESS") or ray.is_initialized() or _live_local_cluster():
+        return
+    init = fed.ray_init
+    have = {"CPU": float(init["num_cpus"]) if isinstance(init.get("num_cpus"), (int, float)) else _local_cpus()}
+    gpus = float(init["num_gpus"]) if isinstance(init.get("num_gpus"), (int, float)) else _local_gpus()
+    if gpus is not None:
+        have["GPU"] = float(gpus)
+    custom: dict[str, Any] = init["resources"] if isinstance(init.get("resources"), dict) else {}
+    n, per_actor = cfg.partition.num_clients, fed.clients_per_actor
+    actors = [(f"federation.client_overrides.{first}" if first in fed.client_overrides else "federation.clients",
+               actor_options(fed.client_resources(first))) for first in range(0, n, per_actor)]
+    actors.append(("federation.coordinator", actor_options(fed.coordinator)))
+    where = "the local Ray this run starts (federation.ray_init, else this machine)"
+    totals: dict[str, float] = {}
+    for key, options in actors:
+        needs = {"CPU": float(options.get("num_cpus", 0.0)), "GPU": float(options.get("num_gpus", 0.0)),
+                 **{name: float(v) for name, v in (options.get("resources") or {}).items()}}
+        for name, need in needs.items():
+            totals[name] = totals.get(name, 0.0) + need
+            field = {"CPU": "num_cpus", "GPU": "num_gpus"}.get(name, f"resources.{name}")
+            available = have.get(name) if name in ("CPU", "GPU") else float(custom.get(name, 0.0))
+            if available is not None and need > available + 1e-9:
+                raise InputError(f"{key}.{field}", f"at most the {available:g} {name} of {where}", need)
+    for name, total in totals.items():
+        available = have.get(name) if name in ("CPU", "GPU") else float(custom.get(name, 0.0))
+        if available is not None and total > available + 1e-9:
+            field = {"CPU": "num_cpus", "GPU": "num_gpus"}.get(name, f"resources.{name}")
+            raise InputError(f"federation.clients.{field}", f"client actors and coordinator asking at most the {available:g} {name} "
+                             f"of {where} in all (each holds its share while it lives)", f"{total:g} in all for {len(actors) - 1} "
+                             "client actors and the coordinator", "ask less per client, or host several clients per actor "
+                             "(federation.clients_per_actor)")
 
 
 def merged_resources(cfg: ExperimentConfig, client_id: int) -> ResourcesConfig:
@@ -164,6 +320,19 @@ class RayBackend(Backend):
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
+    def check_start(self, cfg: ExperimentConfig) -> None:
+        """Before anything is written or started: the cluster address answers (``federation.address``, else
+        ``RAY_ADDRESS``) and, on a local Ray this run starts, the actors' resources fit it."""
+        if ray.is_initialized() or self._placement_group is not None:
+            return  # an initialised Ray is reused as it is
+        if cfg.federation.address:
+            check_reachable_address(cfg.federation.address, key="federation.address")
+        elif os.environ.get("RAY_ADDRESS"):
+            env = os.environ["RAY_ADDRESS"]
+            if env == "auto" or split_address(env) is not None:  # another form: ray.init reads it as it does
+                check_reachable_address(env, key="RAY_ADDRESS")
+        check_local_resources(cfg)
+
     def _connect(self, cfg: ExperimentConfig) -> None:
         fed = cfg.federation
         if ray.is_initialized():
@@ -171,6 +340,8 @@ class RayBackend(Backend):
         address = fed.address or os.environ.get("RAY_ADDRESS")
         kwargs: dict[str, Any] = {"namespace": fed.namespace, "log_to_driver": True}
         if address:
+            if fed.address or address == "auto" or split_address(address) is not None:
+                check_reachable_address(address, key="federation.address" if fed.address else "RAY_ADDRESS")
             ray.init(address=address, **kwargs)
         else:
             stale = stale_local_address()

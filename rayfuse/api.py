@@ -150,6 +150,7 @@ def run(config: str | Path | Mapping[str, Any] | ExperimentConfig | None = None,
 
         arrays = _arrays(dataset)
         cfg = cfg.model_copy(update={"data": cfg.data.with_arrays(arrays, arrays_digest(arrays))})
+    _check_outputs(cfg, run_dir)  # before the data loads
     prepared = prepare_run(cfg, methods=objects)  # every check, before a folder or an actor exists
     folder = new_run_dir(cfg, run_dir, key="run_dir")
     user_modules = _user_modules([model, *objects.values()])
@@ -164,6 +165,7 @@ def resume(run_dir: str | Path, *, overrides: Sequence[str] = (), quiet: bool = 
     from rayfuse.runner import load_run_config, prepare_run
 
     cfg = load_run_config(run_dir, parse_overrides(list(overrides)))
+    _check_outputs(cfg, run_dir, key="--resume")
     return _execute(prepare_run(cfg), Path(run_dir), resume=True, quiet=quiet, verbose=verbose, by_value=())
 
 
@@ -223,10 +225,16 @@ def build_architecture(architecture: str, *, input_shape: Sequence[int] | None =
     if not name:
         from pydantic import ValidationError
 
+        from rayfuse.models.registry import check_model_size
+
         try:
             cfg = ModelConfig.model_validate({"name": architecture, **kwargs})
         except ValidationError as exc:
             raise pydantic_input_error(exc, "args", ModelConfig) from None
+        try:
+            check_model_size(cfg, shape, num_classes)
+        except InputError as exc:
+            raise exc.at("args." + exc.path.split(".", 1)[1]) from None
         return build_model(cfg, shape, num_classes, seed=0), shape
     if prefix == "torchvision":
         names = torchvision_model_names()
@@ -276,6 +284,18 @@ def _config(config: Any, overrides: Sequence[str], method_labels: Sequence[str])
     if method_labels and "methods" not in data:
         data["methods"] = {label: {} for label in method_labels}
     return build_config(data, list(overrides))
+
+
+def _check_outputs(cfg: ExperimentConfig, run_dir: str | Path | None, *, key: str = "run_dir") -> None:
+    """The run folder (``run_dir``, else under ``run.storage``) and ``run.model_cache`` can be written."""
+    from rayfuse.io import check_writable_folder
+
+    if run_dir is not None:
+        check_writable_folder(run_dir, key=key)
+    else:
+        check_writable_folder(cfg.run.storage, key="run.storage")
+    if cfg.run.model_cache is not None:
+        check_writable_folder(cfg.run.model_cache, key="run.model_cache")
 
 
 def _methods(methods: Any) -> dict[str, Any]:

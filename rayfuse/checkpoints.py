@@ -37,36 +37,41 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, cast
 
 import numpy as np
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from rayfuse.config import pydantic_input_error
+from rayfuse.config import pydantic_input_error, refuse_boolean_number
 from rayfuse.errors import InputError, suggest
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.aligned.algorithm import AlignmentSettings, derive_run_spec
-from rayfuse.io import load_params, save_params
+from rayfuse.io import TORCH_ONLY_FLOATS, check_writable_folder, read_checkpoint, save_params, save_params_cast
 
-__all__ = ["FuseSpec", "Fuser", "FuseInputs", "FUSERS", "register_fuser", "load_fuse_config", "load_fuse_inputs", "fuse_models", "run_fuse"]
+__all__ = ["FuseSpec", "Fuser", "FuseInputs", "FUSERS", "register_fuser", "load_fuse_config", "load_fuse_inputs", "fuse_models", "run_fuse",
+           "check_floats", "fused_dtype"]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _FuseSchema(BaseModel):
+    """Unknown keys are errors, values frozen, floats finite, and a boolean is not a number."""
 
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: Any) -> Any:
+        return refuse_boolean_number(cls, value, info)
+
+
+class _Model(_FuseSchema):
     model: str = Field(min_length=1, description="a .safetensors / .pt / .pth / .bin file (relative to the config file)")
     parameters: dict[str, Any] = Field(default_factory=dict, description="per-model parameters (weight: ...)")
 
 
-class _Data(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class _Data(_FuseSchema):
     path: str = Field(min_length=1, description="an .npz file (relative to the config file) with the inputs as the model takes them")
     features: str = Field("X", min_length=1, description="the inputs' array name")
     label: str = Field("y", min_length=1, description="the labels' array name")
 
 
-class _FuseFile(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class _FuseFile(_FuseSchema):
     merge_method: str = Field(min_length=1)
     models: list[_Model] = Field(min_length=1)
     parameters: dict[str, Any] = Field(default_factory=dict)
@@ -75,24 +80,21 @@ class _FuseFile(BaseModel):
     input_shape: list[Annotated[int, Field(ge=1)]] | None = Field(
         None, min_length=1, description="one input's shape, to trace the architecture when no data is given (e.g. [3, 32, 32])")
     data: _Data | None = Field(None, description="a sample the methods that need data run on (activation matching, repair)")
-    dtype: Literal["float16", "float32", "float64"] | None = None
+    dtype: Literal["bfloat16", "float16", "float32", "float64"] | None = Field(
+        None, description="the fused model's float dtype (default: the inputs', when they share one)")
     output: str | None = Field(None, min_length=1)
 
 
-class WeightedAverageParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class WeightedAverageParams(_FuseSchema):
     normalize: bool = Field(True, description="divide by the sum of the weights (False: a plain weighted sum)")
 
 
-class ModelWeight(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class ModelWeight(_FuseSchema):
     weight: float = Field(gt=0, description="this model's weight (e.g. its number of training samples)")
 
 
-class NoParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class NoParams(_FuseSchema):
+    """No parameters."""
 
 
 @dataclass(frozen=True)
@@ -152,9 +154,7 @@ register_fuser(Fuser("weighted_average", "w = sum_k a_k w_k / sum_k a_k with eac
                      _weighted, WeightedAverageParams, ModelWeight, aliases=("linear",)))
 
 
-class KLNeuronParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class KLNeuronParams(_FuseSchema):
     lam: float = Field(1.0, ge=0, description="lambda of KL-fusion's eq. 9, relative to the std of the KL costs (jobs/kl_bnn_digits.yaml: 1)")
     variance: float = Field(0.01, gt=0, description="the variance given to every weight of a point-estimate checkpoint")
     solver: Literal["exact", "relaxed"] = "exact"
@@ -202,9 +202,7 @@ class AlignParams(AlignmentSettings):
     spec: str | None = Field(None, min_length=1, description="a JSON permutation spec (rayfuse symmetry --json) instead of the derived one")
 
 
-class OptionalWeight(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class OptionalWeight(_FuseSchema):
     weight: float = Field(1.0, gt=0, description="this model's weight in the merge (e.g. its number of training samples)")
 
 
@@ -384,13 +382,10 @@ def load_fuse_config(config: str | Path | Mapping[str, Any], output: str | Path 
         raw: Any = dict(config)
         path = Path("<fuse config>")  # names the errors; relative paths resolve from the working directory
     else:
+        from rayfuse.safeyaml import read_yaml_file
+
         path = Path(config)
-        if not path.is_file():
-            raise InputError(str(path), "an existing fuse config YAML", "no such file")
-        try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError:
-            raise InputError(str(path), "valid YAML", "a syntax error") from None
+        raw = read_yaml_file(path, "fuse config YAML")
     if not isinstance(raw, Mapping):
         raise InputError(str(path), "a mapping (merge_method, models, output...)", type(raw).__name__)
     spec = _validate(_FuseFile, raw, path)
@@ -428,6 +423,7 @@ def load_fuse_config(config: str | Path | Mapping[str, Any], output: str | Path 
         raise InputError(f"{path}: output", "a .safetensors file", str(out))
     if out.exists():
         raise InputError(f"{path}: output", "a file that does not exist yet (nothing is overwritten)", str(out))
+    check_writable_folder(out.parent, key=f"{path}: output")
     data = None
     if spec.data is not None:
         data = Path(spec.data.path)
@@ -496,23 +492,63 @@ def load_fuse_inputs(spec: FuseSpec, models: Sequence[Mapping[str, np.ndarray]])
     return FuseInputs(model, X, y, example)
 
 
+def check_floats(models: Sequence[Mapping[str, np.ndarray]], files: Sequence[Path]) -> None:
+    """A model to fuse holds at least one floating-point tensor (an integer-only model has nothing to average)."""
+    for params, file in zip(models, files):
+        if not params:
+            raise InputError(str(file), "a model with at least one tensor", "an empty checkpoint")
+        if not any(v.dtype.kind == "f" for v in params.values()):
+            name, value = next(iter(params.items()))
+            raise InputError(f"{file}: {name}", "a model with floating-point tensors to fuse",
+                             f"integer tensors only ({value.dtype})")
+
+
+def fused_dtype(stored: Sequence[Mapping[str, str]], given: str | None) -> str | None:
+    """The dtype to write the fused float tensors in: ``given`` (the fuse file's ``dtype:``), else, when some input is
+    stored in a dtype below float32 (``float16``, ``bfloat16``...), the inputs' float dtype when they share one and
+    torch's promotion of them otherwise; ``None``: the dtype the fusion computed in (inputs of float32 / float64)."""
+    if given is not None:
+        return given
+    floats = {d for s in stored for d in s.values() if "float" in d}
+    if not floats or floats <= {"float32", "float64"}:
+        return None
+    if len(floats) == 1:
+        return next(iter(floats))
+    import functools
+
+    import torch
+
+    return str(functools.reduce(torch.promote_types, [getattr(torch, d) for d in sorted(floats)])).replace("torch.", "")
+
+
 def fuse_models(spec: FuseSpec, models: list[dict[str, np.ndarray]], inputs: FuseInputs | None = None) -> dict[str, np.ndarray]:
-    """Fuse already loaded, compatible models."""
-    common = np.result_type(*[v.dtype for m in models for v in m.values() if v.dtype.kind == "f"]) if models else np.float32
+    """Fuse already loaded, compatible models. Float tensors are fused in their common dtype, at least float32
+    (float16 inputs are fused in float32; :func:`fused_dtype` says what to write them in)."""
+    common = np.result_type(np.float32, *[v.dtype for m in models for v in m.values() if v.dtype.kind == "f"]) if models else np.float32
     models = [{k: v.astype(common) if v.dtype.kind == "f" else v for k, v in m.items()} for m in models]
     fused = spec.method.fuse(models, spec.model_params, spec.params, inputs or FuseInputs())
-    if spec.dtype is not None:
+    if spec.dtype is not None and spec.dtype not in TORCH_ONLY_FLOATS:
         fused = {k: v.astype(spec.dtype) if v.dtype.kind == "f" else v for k, v in fused.items()}
     return fused
 
 
 def run_fuse(spec: FuseSpec) -> dict[str, Any]:
-    """Load, check, fuse and write; return a summary (tensors, parameters, output)."""
-    models = [load_params(file) for file in spec.files]
+    """Load, check, fuse and write; return a summary (tensors, parameters, output).
+
+    Checkpoints in ``bfloat16`` / ``float16`` are fused in float32 and written back in the inputs' dtype (or the fuse
+    file's ``dtype:``)."""
+    loaded = [read_checkpoint(file) for file in spec.files]
+    models = [params for params, _ in loaded]
+    check_floats(models, spec.files)
     check_compatible(models, spec.files)
     inputs = load_fuse_inputs(spec, models)
     fused = fuse_models(spec, models, inputs)
     output = Path(spec.output) if spec.output is not None else Path("fused.safetensors")  # load_fuse_config always sets it
-    save_params(output, fused, {"method": spec.method.name, "models": ",".join(f.name for f in spec.files)})
+    metadata = {"method": spec.method.name, "models": ",".join(f.name for f in spec.files)}
+    dtype = fused_dtype([dtypes for _, dtypes in loaded], spec.dtype)
+    if dtype is None:
+        save_params(output, fused, metadata)
+    else:
+        save_params_cast(output, fused, dtype, metadata)
     return {"method": spec.method.name, "models": len(models), "tensors": len(fused),
             "parameters": int(sum(v.size for v in fused.values())), "output": str(spec.output)}

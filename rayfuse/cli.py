@@ -98,6 +98,7 @@ def _operational_overrides(args: argparse.Namespace) -> list[str]:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from rayfuse.api import resume, run
+    from rayfuse.io import check_writable_folder
     from rayfuse.runner import check_new_folder
 
     sets = list(args.set) + _operational_overrides(args)
@@ -110,6 +111,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 0
     if args.out:
         check_new_folder(args.out, key="--out")
+        check_writable_folder(args.out, key="--out")
     run(args.config or default_job(), run_dir=args.out, overrides=sets, quiet=args.quiet, verbose=args.verbose)
     return 0
 

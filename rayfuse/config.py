@@ -43,6 +43,7 @@ __all__ = [
     "FaultSpec",
     "CONFIG_SECTIONS",
     "pydantic_input_error",
+    "refuse_boolean_number",
     "build_config",
     "load_config",
     "parse_overrides",
@@ -61,20 +62,56 @@ class StrictModel(BaseModel):
     """Base for config sections: unknown keys are errors, values are immutable once validated.
 
     ``--set`` values are parsed as YAML, so ``--set run.name=2024`` gives an int: text keys take numbers as text
-    (``coerce_numbers_to_str``). The other way round is refused: ``epochs: true`` is not the number 1.
+    (``coerce_numbers_to_str``). The other way round is refused: ``epochs: true`` is not the number 1. Floats are
+    finite (``allow_inf_nan=False``: ``lr: .inf`` and ``lr: nan`` are refused).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, coerce_numbers_to_str=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, coerce_numbers_to_str=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
     def _no_booleans_for_numbers(cls, value: Any, info: Any) -> Any:
-        if isinstance(value, bool) and info.field_name in cls.model_fields:
-            annotation = cls.model_fields[info.field_name].annotation
-            kinds = set(getattr(annotation, "__args__", ())) | {annotation}
-            if kinds & {int, float} and bool not in kinds:
-                raise ValueError("a number, not a boolean")
+        return refuse_boolean_number(cls, value, info)
+
+
+def refuse_boolean_number(model: type[BaseModel], value: Any, info: Any) -> Any:
+    """A ``mode="before"`` field check: a boolean given for a number field (``int``, ``float``, optional or not) is a
+    ValueError (pydantic would read ``true`` as 1); ``value`` is returned unchanged otherwise."""
+    if info.field_name not in model.model_fields:
         return value
+    if isinstance(value, bool):
+        kinds = _kinds(model.model_fields[info.field_name].annotation, top=True)
+    elif isinstance(value, (list, tuple)) and any(isinstance(v, bool) for v in value):
+        kinds = _kinds(model.model_fields[info.field_name].annotation, top=False)  # the types of list items
+    elif isinstance(value, Mapping) and any(isinstance(v, bool) for v in value.values()):
+        kinds = _kinds(model.model_fields[info.field_name].annotation, top=False)
+    else:
+        return value
+    if kinds & {int, float} and bool not in kinds:
+        raise ValueError("a number, not a boolean")
+    return value
+
+
+def _kinds(annotation: Any, *, top: bool) -> set[Any]:
+    """The types an annotation accepts as a value (``top``) or as the items / values of a list, tuple or dict in it."""
+    import typing
+
+    found: set[Any] = set()
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is None:
+        return {annotation} if top else set()
+    if origin in (list, tuple, set, dict) or (isinstance(origin, type) and issubclass(origin, (Sequence, Mapping))):
+        if top:
+            return found
+        items = args[1:] if origin is dict or (isinstance(origin, type) and issubclass(origin, Mapping)) else args
+        for arg in items:
+            if arg is not Ellipsis:
+                found |= _kinds(arg, top=True)
+        return found
+    for arg in args:  # a Union / Optional / Literal...
+        found |= _kinds(arg, top=top)
+    return found
 
 
 def _registered(registry: Any, value: str) -> str:
@@ -334,6 +371,11 @@ class FaultSpec(StrictModel):
     seconds: float = Field(3600.0, gt=0, description="hang: how long to sleep")
 
 
+_HOST = r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])"
+_PORT = r"(?:6553[0-5]|655[0-2]\d|65[0-4]\d\d|6[0-4]\d{3}|[1-5]\d{4}|[1-9]\d{0,3})"
+_RAY_ADDRESS = re.compile(rf"auto|local|ray://{_HOST}(?::{_PORT})?|{_HOST}:{_PORT}")
+
+
 class FederationConfig(StrictModel):
     backend: Literal["ray", "local"] = Field("ray", description="ray: Ray actors; local: in-process clients (debugging)")
     address: str | None = Field(None, description="Ray cluster address; default: RAY_ADDRESS, a running job's cluster, or a new local Ray")
@@ -354,6 +396,14 @@ class FederationConfig(StrictModel):
     ray_init: dict[str, Any] = Field(default_factory=dict,
                                      description="arguments for ray.init when rayfuse starts a local Ray (num_cpus, include_dashboard...)")
     faults: list[FaultSpec] = Field(default_factory=list)
+
+    @field_validator("address")
+    @classmethod
+    def _address_form(cls, value: str | None) -> str | None:
+        # Whether anything answers there is checked when a run starts (actors.backend.check_reachable_address).
+        if value is not None and not _RAY_ADDRESS.fullmatch(value):
+            raise ValueError("a Ray address: host:port, ray://host:port, auto or local")
+        return value
 
     def client_resources(self, client_id: int) -> ResourcesConfig:
         """Client ``client_id``'s resources: ``clients``, with the keys its ``client_overrides`` entry sets replaced."""
@@ -471,12 +521,23 @@ def parse_overrides(pairs: Sequence[str]) -> list[tuple[list[str], Any]]:
         parts = key.strip().split(".")
         if not all(re.fullmatch(r"[A-Za-z0-9_@+-]+", p) for p in parts):
             raise InputError("--set", "a dotted key path such as methods.fedavg.rounds", key)
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            value = raw
+        value = _parse_override_value(raw, key.strip())
         parsed.append((parts, value))
     return parsed
+
+
+def _parse_override_value(raw: str, key: str) -> Any:
+    """A ``--set`` value parsed as YAML (bounded, see :mod:`rayfuse.safeyaml`); text that is not valid YAML stays text."""
+    from rayfuse.safeyaml import parse_yaml
+
+    if not raw.strip():
+        return None
+    try:
+        return parse_yaml(raw, f"--set {key}")
+    except InputError as exc:
+        if exc.expected == "valid YAML":
+            return raw
+        raise
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[tuple[list[str], Any]]) -> dict[str, Any]:
@@ -518,15 +579,10 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """The mapping of sections in a YAML config file, not yet validated (raises :class:`InputError`)."""
+    from rayfuse.safeyaml import read_yaml_file
+
     path = Path(path)
-    if not path.is_file():
-        raise InputError(str(path), "an existing YAML config file", "no such file")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise InputError(str(path), "valid YAML", f"a syntax error{where}") from None
+    data = read_yaml_file(path, "YAML config file") or {}
     if not isinstance(data, dict):
         raise InputError(str(path), "a YAML mapping of sections", type(data).__name__)
     return data

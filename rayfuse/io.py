@@ -23,8 +23,11 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
     "atomic_write_json",
+    "check_writable_folder",
     "save_params",
     "load_params",
+    "read_checkpoint",
+    "save_params_cast",
     "to_jsonable",
 ]
 
@@ -47,6 +50,35 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             pass
         raise
     return path
+
+
+def check_writable_folder(path: str | os.PathLike, *, key: str) -> Path:
+    """Check, before anything starts, that rayfuse can create or write into the folder ``path``: its nearest existing
+    ancestor (``path`` itself when it exists) is a folder this process can create entries in. Returns ``path``.
+
+    The check asks the operating system (``os.access``) and then creates and removes an empty folder there, which
+    also catches read-only mounts and file systems that refuse writes ``os.access`` allows (root on ``/sys``, for
+    instance); nothing is left behind. Raises :class:`InputError` at ``key`` (``--out``, ``run.storage``...).
+    """
+    target = Path(path)
+    existing = Path(os.path.abspath(target))
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InputError(key, "a folder rayfuse can create or write to", str(target),
+                         f"{existing} is a file, not a folder" if existing != Path(os.path.abspath(target)) else "it is a file, not a folder")
+    problem = None
+    if not os.access(existing, os.W_OK | os.X_OK):
+        problem = "no permission to write"
+    else:
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".rayfuse-write-check-", dir=existing))
+        except OSError as exc:
+            problem = exc.strerror or type(exc).__name__
+    if problem:
+        where = "" if existing == Path(os.path.abspath(target)) else f" in {existing}"
+        raise InputError(key, "a folder rayfuse can create or write to", str(target), f"{problem.lower()}{where}")
+    return target
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
@@ -107,3 +139,96 @@ def load_params(path: str | os.PathLike) -> dict[str, np.ndarray]:
     if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise InputError(str(path), "a mapping of tensor names to tensors", type(obj).__name__)
     return {str(k): v.detach().cpu().numpy() for k, v in obj.items()}
+
+
+# Float dtypes numpy has no type for: such tensors are read as float32 and written back through torch.
+TORCH_ONLY_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """A checkpoint trained elsewhere (``rayfuse fuse``): its tensors as numpy arrays and each tensor's stored dtype.
+
+    ``.safetensors`` files and PyTorch files (``torch.load(weights_only=True)``) are read as :func:`load_params` does;
+    tensors of a float dtype numpy cannot hold (``bfloat16``, the ``float8`` types) come back as float32 arrays, their
+    stored dtype recorded, so they can be fused and written back in it (:func:`save_params_cast`). A sparse, quantized
+    or complex tensor is an :class:`InputError` naming the file and the tensor.
+    """
+    path = Path(path)
+    if path.suffix == ".safetensors" and path.is_file():
+        from safetensors.numpy import load_file as load_numpy
+
+        try:
+            params = dict(load_numpy(str(path)))
+        except TypeError:  # a dtype numpy has no type for (bfloat16...): read through torch
+            from safetensors.torch import load_file as load_torch
+
+            return _from_torch(path, load_torch(str(path)))
+        except Exception:  # noqa: BLE001 - load_params names the problem in one line
+            return load_params(path), {}
+        _check_real(path, params)
+        return params, {k: str(v.dtype) for k, v in params.items()}
+    if path.suffix == ".safetensors" or not path.is_file():
+        return load_params(path), {}  # raises the missing / unreadable file error
+    import warnings
+
+    import torch
+
+    try:
+        with warnings.catch_warnings():  # torch warns while it validates a sparse tensor: refused below in one line
+            warnings.simplefilter("ignore", UserWarning)
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for bad files; all mean "not a weights file"
+        raise InputError(str(path), "a PyTorch state_dict loadable with weights_only=True", f"unreadable ({type(exc).__name__})") from None
+    if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
+        obj = obj["state_dict"]
+    if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise InputError(str(path), "a mapping of tensor names to tensors", type(obj).__name__)
+    return _from_torch(path, obj)
+
+
+def _from_torch(path: Path, tensors: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    import torch
+
+    params: dict[str, np.ndarray] = {}
+    dtypes: dict[str, str] = {}
+    for name, tensor in tensors.items():
+        where = f"{path}: {name}"
+        if tensor.layout != torch.strided:
+            raise InputError(where, "a dense tensor", f"a sparse tensor ({str(tensor.layout).replace('torch.', '')})",
+                             "save it with .to_dense()")
+        if tensor.is_quantized:
+            raise InputError(where, "a float or integer tensor", f"a quantized tensor ({str(tensor.dtype).replace('torch.', '')})",
+                             "dequantize it before saving")
+        dtype = str(tensor.dtype).replace("torch.", "")
+        value = tensor.detach().cpu()
+        if dtype in TORCH_ONLY_FLOATS:
+            value = value.to(torch.float32)
+        try:
+            params[str(name)] = value.numpy()
+        except (TypeError, RuntimeError):
+            raise InputError(where, "a float or integer tensor", dtype) from None
+        dtypes[str(name)] = dtype
+    _check_real(path, params)
+    return params, dtypes
+
+
+def _check_real(path: Path, params: Mapping[str, np.ndarray]) -> None:
+    for name, value in params.items():
+        if value.dtype.kind not in "fiub":
+            raise InputError(f"{path}: {name}", "a float, integer or boolean tensor", str(value.dtype))
+
+
+def save_params_cast(path: str | os.PathLike, params: Mapping[str, np.ndarray], dtype: str,
+                     metadata: Mapping[str, str] | None = None) -> Path:
+    """:func:`save_params` with every float tensor stored as ``dtype`` (``float16``, ``float32``, ``float64``, or a
+    dtype only torch has, such as ``bfloat16``); integer tensors are written as they are."""
+    if dtype not in TORCH_ONLY_FLOATS:
+        return save_params(path, {k: v.astype(dtype) if v.dtype.kind == "f" else v for k, v in params.items()}, metadata)
+    import torch
+    from safetensors.torch import save
+
+    target = getattr(torch, dtype)
+    tensors = {k: (torch.from_numpy(np.array(v, dtype=np.float32, order="C")).to(target) if v.dtype.kind == "f"
+                   else torch.from_numpy(np.array(v, order="C"))) for k, v in params.items()}
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    return atomic_write_bytes(path, save(tensors, metadata=meta))

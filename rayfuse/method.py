@@ -30,9 +30,17 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from rayfuse.config import CONFIG_SECTIONS, DataConfig, ExperimentConfig, ModelConfig, TrainConfig, pydantic_input_error
+from rayfuse.config import (
+    CONFIG_SECTIONS,
+    DataConfig,
+    ExperimentConfig,
+    ModelConfig,
+    TrainConfig,
+    pydantic_input_error,
+    refuse_boolean_number,
+)
 from rayfuse.errors import InputError
 from rayfuse.registry import Registry
 from rayfuse.rounds import ClientRounds, KeptState, RoundLoop, transient
@@ -327,9 +335,15 @@ class RunSetup:
 
 
 class MethodParams(BaseModel):
-    """A method's parameters: unknown keys are errors, values frozen after validation."""
+    """A method's parameters: unknown keys are errors, values frozen after validation, floats finite (``.inf`` and
+    ``nan`` refused), and a boolean is not a number (``rounds: true`` is refused, not read as 1)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: Any) -> Any:
+        return refuse_boolean_number(cls, value, info)
 
 
 @dataclass

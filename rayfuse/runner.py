@@ -64,6 +64,10 @@ class Backend(ABC):
     def info(self) -> dict[str, Any]:
         return {"backend": self.name}
 
+    def check_start(self, cfg: ExperimentConfig) -> None:
+        """Raise :class:`InputError` for what this backend can tell cannot start, before the run folder is written
+        (an unreachable cluster address, more CPUs than the local Ray will have). Nothing to check by default."""
+
 
 class InProcessBackend(Backend):
     """Clients and coordinator as plain objects in this process (``federation.backend: local``; unit tests).
@@ -230,6 +234,7 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
     prepared = cfg if isinstance(cfg, PreparedRun) else prepare_run(cfg)
     cfg, specs, plan, num_params = prepared.cfg, prepared.specs, prepared.plan, prepared.num_params
     resolved = prepared.resolved()
+    backend.check_start(cfg)  # before the run folder is written
     if resume:
         if not store.partition_file.is_file():
             raise InputError("--resume", "a run folder with partition.json", str(run_dir))

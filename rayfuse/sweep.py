@@ -36,10 +36,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from rayfuse.config import ExperimentConfig, apply_overrides, parse_overrides, pydantic_input_error, validate_config
+from rayfuse.config import (
+    ExperimentConfig,
+    apply_overrides,
+    parse_overrides,
+    pydantic_input_error,
+    read_config_file,
+    refuse_boolean_number,
+    validate_config,
+)
 from rayfuse.errors import InputError, suggest
 from rayfuse.method import resolve_methods
 from rayfuse.runner import prepare_run
@@ -130,9 +137,18 @@ class SweepSpec:
         return cfg
 
 
-class _SchedulerFile(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _SweepSchema(BaseModel):
+    """Unknown keys are errors, values frozen, floats finite, and a boolean is not a number."""
 
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: Any) -> Any:
+        return refuse_boolean_number(cls, value, info)
+
+
+class _SchedulerFile(_SweepSchema):
     type: Literal["asha", "fifo"] = "asha"
     time_attr: str = Field("round", min_length=1, description="the reported counter ASHA compares trials at")
     max_t: int | None = Field(None, ge=1, description="default: the rounds of the sweep's multi-round method")
@@ -140,9 +156,7 @@ class _SchedulerFile(BaseModel):
     reduction_factor: float = Field(2.0, gt=1)
 
 
-class _SpaceFile(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class _SpaceFile(_SweepSchema):
     base: str = Field(min_length=1, description="the job each trial runs")
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="sweep name (default: the file's stem)")
     methods: list[str] | None = Field(None, min_length=1, description="method labels of the base job that a trial runs")
@@ -228,14 +242,10 @@ def load_space(path: str | Path, *, samples: int | None = None, overrides: list[
     ``samples`` overrides ``num_samples`` (``--samples``); ``overrides`` are ``--set`` strings applied to the base
     job before the space's own ``set``.
     """
+    from rayfuse.safeyaml import read_yaml_file
+
     path = Path(path)
-    if not path.is_file():
-        raise InputError(str(path), "an existing sweep space YAML file", "no such file")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        raise InputError(str(path), "valid YAML", f"a syntax error{f' at line {mark.line + 1}' if mark else ''}") from None
+    raw = read_yaml_file(path, "sweep space YAML file")
     if not isinstance(raw, Mapping):
         raise InputError(str(path), "a YAML mapping (base, space, metric...)", type(raw).__name__)
     try:
@@ -248,7 +258,7 @@ def load_space(path: str | Path, *, samples: int | None = None, overrides: list[
     from rayfuse.config import load_config
 
     load_config(base_path, list(overrides))  # the base job itself must be valid (its own errors name its keys)
-    data = yaml.safe_load(base_path.read_text(encoding="utf-8")) or {}
+    data = read_config_file(base_path)
     parsed = parse_overrides(list(overrides))
     fixed = []
     for key, value in spec.set.items():

@@ -280,3 +280,47 @@ def test_repair_in_rayfuse_fuse_rescales_the_hidden_layer_of_a_model_without_bat
         outs[repair] = load_params(out)
     assert not np.allclose(outs[True]["fc1.bias"], outs[False]["fc1.bias"])
     np.testing.assert_array_equal(outs[True]["fc2.weight"], outs[False]["fc2.weight"])
+
+
+def _torch_pair(tmp_path, dtype, suffixes=(".safetensors", ".safetensors")):
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [{"w": torch.randn(4, 3, generator=gen), "b": torch.randn(4, generator=gen)} for _ in range(2)]
+    names = []
+    for i, (params, suffix, kind) in enumerate(zip(tensors, suffixes, dtype if isinstance(dtype, tuple) else (dtype, dtype))):
+        cast = {k: v.to(getattr(torch, kind)) for k, v in params.items()}
+        name = f"m{i}{suffix}"
+        if suffix == ".pt":
+            torch.save(cast, tmp_path / name)
+        else:
+            save_file(cast, str(tmp_path / name))
+        names.append((name, cast))
+    return names
+
+
+@pytest.mark.parametrize("dtype, suffixes", [("bfloat16", (".safetensors", ".safetensors")), ("bfloat16", (".pt", ".safetensors")),
+                                             ("float16", (".safetensors", ".pt"))])
+def test_half_precision_checkpoints_fuse_in_float32_and_keep_their_dtype(tmp_path, dtype, suffixes):
+    from safetensors.torch import load_file
+
+    models = _torch_pair(tmp_path, dtype, suffixes)
+    run_fuse(load_fuse_config(write(tmp_path, models=[{"model": name} for name, _ in models])))
+    fused = load_file(str(tmp_path / "fused.safetensors"))
+    for key in ("w", "b"):
+        expected = ((models[0][1][key].float() + models[1][1][key].float()) / 2).to(getattr(torch, dtype))
+        assert fused[key].dtype == getattr(torch, dtype)
+        assert torch.equal(fused[key], expected)
+
+
+def test_the_dtype_key_casts_the_output_and_mixed_half_dtypes_fuse_to_float32(tmp_path):
+    from safetensors.torch import load_file
+
+    models = _torch_pair(tmp_path, "float32")
+    run_fuse(load_fuse_config(write(tmp_path, models=[{"model": name} for name, _ in models], dtype="bfloat16")))
+    fused = load_file(str(tmp_path / "fused.safetensors"))
+    assert fused["w"].dtype == torch.bfloat16
+    assert torch.equal(fused["w"], ((models[0][1]["w"] + models[1][1]["w"]) / 2).to(torch.bfloat16))
+    mixed = _torch_pair(tmp_path, ("bfloat16", "float16"), (".pt", ".pt"))
+    run_fuse(load_fuse_config(write(tmp_path, models=[{"model": name} for name, _ in mixed]), tmp_path / "mixed.safetensors"))
+    assert load_file(str(tmp_path / "mixed.safetensors"))["w"].dtype == torch.float32

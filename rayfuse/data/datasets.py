@@ -27,7 +27,8 @@ import numpy as np
 from rayfuse.errors import InputError
 from rayfuse.registry import Registry
 
-__all__ = ["Dataset", "DatasetInfo", "DATASETS", "arrays_digest", "dataset_from_arrays", "load_dataset", "register_dataset"]
+__all__ = ["Dataset", "DatasetInfo", "DATASETS", "arrays_digest", "check_labels", "dataset_from_arrays", "load_dataset", "read_data_file",
+           "register_dataset"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,6 +116,7 @@ def load_dataset(name: str, *, root: str | None = None, path: str | None = None,
 
 
 def _labels_to_int(values: np.ndarray, where: str) -> tuple[np.ndarray, tuple[str, ...]]:
+    values = check_labels(values, where)
     classes, inverse = np.unique(values, return_inverse=True)
     if len(classes) < 2:
         raise InputError(where, "at least 2 distinct labels", f"{len(classes)}")
@@ -124,6 +126,48 @@ def _labels_to_int(values: np.ndarray, where: str) -> tuple[np.ndarray, tuple[st
         num = int(classes.max()) + 1
         return values.astype(np.int64), tuple(str(i) for i in range(num))
     return inverse.astype(np.int64), tuple(str(c) for c in classes)
+
+
+def check_labels(values: Any, where: str) -> np.ndarray:
+    """``values`` as a 1-d array of labels of one kind (integers, booleans, finite floats or text), without nulls or
+    NaN; raises :class:`InputError` at ``where`` naming the first bad label (a NaN label would otherwise become a class
+    called "nan")."""
+    labels = np.asarray(values)
+    if labels.dtype.kind in "fc":
+        bad = ~np.isfinite(labels)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InputError(where, "labels without NaN or Inf", f"{labels[i]} at row {i}")
+        if labels.dtype.kind == "c":
+            raise InputError(where, "real or text labels", str(labels.dtype))
+    elif labels.dtype.kind == "O":
+        for i, value in enumerate(labels.tolist()):
+            if value is None or (isinstance(value, float) and not np.isfinite(value)):
+                raise InputError(where, "labels without nulls, NaN or Inf", f"{value} at row {i}")
+        kinds = {type(v).__name__ for v in labels.tolist()}
+        if len(kinds) > 1:
+            raise InputError(where, "labels of one kind (all numbers or all text)", sorted(kinds))
+    elif labels.dtype.kind not in "iubUS":
+        raise InputError(where, "integer, boolean, float or text labels", str(labels.dtype))
+    return labels
+
+
+def read_data_file(path: str | Path | None, *, label: str = "y", features: str | list[str] | None = None,
+                   kind: str | None = None) -> Dataset:
+    """The one check of a user's data file, used wherever one is read (``rayfuse validate``, ``tune --check`` and
+    ``run`` through the ``npz`` / ``parquet`` datasets, ``rayfuse fuse``'s ``data:``): the file exists and is
+    readable as ``kind`` (``"npz"`` or ``"parquet"``; default: its suffix), holds the arrays / columns named, features
+    numeric and finite, as many labels as samples, labels without nulls or NaN, at least two classes.
+
+    Returns the :class:`Dataset`; raises :class:`InputError` naming ``data.path``, ``data.features``, ``data.label``
+    or the file.
+    """
+    kind = kind or (Path(path).suffix.lstrip(".") if path else None)
+    if kind == "npz":
+        return _read_npz(path, label, features)
+    if kind == "parquet":
+        return _read_parquet(path, label, features)
+    raise InputError("data.path", "a .npz or .parquet file", None if path is None else str(path))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -295,13 +339,30 @@ for _name, (_cls, _folder, _files) in _TORCHVISION.items():
 
 @register_dataset("npz", description="a .npz file at data.path with arrays data.features (default X) and data.label (default y)", source="user file")
 def _load_npz(*, path: str | None = None, label: str = "y", features: str | list[str] | None = None, **_: Any) -> Dataset:
+    return read_data_file(path, label=label, features=features, kind="npz")
+
+
+def _read_npz(path: str | Path | None, label: str, features: str | list[str] | None) -> Dataset:
     file = _existing_file(path, ".npz")
     feature_key = features if isinstance(features, str) else "X"
     if isinstance(features, list):
         raise InputError("data.features", "one array name for an .npz file", features)
+    import zipfile
+
     try:
-        with np.load(file, allow_pickle=False) as archive:
+        loaded = np.load(file, allow_pickle=False)
+    except EOFError:
+        raise InputError(str(file), "a .npz archive of arrays", "an empty file") from None
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise InputError(str(file), "a readable .npz archive without pickled objects", str(exc)[:80]) from None
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise InputError(str(file), "a .npz archive of named arrays (numpy.savez)", "a single .npy array",
+                         "save it with numpy.savez(path, X=..., y=...)")
+    try:
+        with loaded as archive:
             keys = list(archive.keys())
+            if not keys:
+                raise InputError(str(file), "a .npz archive with arrays (data.features and data.label)", "an empty archive")
             for key, what in ((feature_key, "data.features"), (label, "data.label")):
                 if key not in keys:
                     raise InputError(what, f"an array name in {file.name} ({', '.join(keys)})", key)
@@ -309,8 +370,8 @@ def _load_npz(*, path: str | None = None, label: str = "y", features: str | list
             labels = np.asarray(archive[label])
     except InputError:
         raise
-    except (OSError, ValueError) as exc:
-        raise InputError(str(file), "a readable .npz archive without pickled objects", str(exc)[:80]) from None
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
+        raise InputError(str(file), "a readable .npz archive without pickled objects", str(exc)[:80] or type(exc).__name__) from None
     return dataset_from_arrays(file.stem, X, labels.reshape(-1), features_key="data.features", label_key="data.label")
 
 
@@ -324,8 +385,12 @@ def dataset_from_arrays(name: str, X: Any, y: Any, *, features_key: str = "datas
     X, labels = np.asarray(X), np.asarray(y)
     if not np.issubdtype(X.dtype, np.number):
         raise InputError(features_key, "a numeric array", str(X.dtype))
+    if X.dtype.kind == "c":
+        raise InputError(features_key, "a numeric array of real numbers", str(X.dtype))
     if X.ndim < 2:
         raise InputError(features_key, "an array of shape (samples, features...) with at least 2 dimensions", f"shape {X.shape}")
+    if X.size == 0:
+        raise InputError(features_key, "at least one sample with at least one feature", f"shape {X.shape}")
     if labels.ndim != 1 or len(labels) != len(X):
         raise InputError(label_key, f"as many labels as samples: shape ({len(X)},)", f"shape {labels.shape}")
     if X.ndim == 3:  # (N, H, W) grey images
@@ -359,6 +424,10 @@ def _load_arrays(*, sha256: str | None = None, **_: Any) -> Dataset:
 @register_dataset("parquet", description="a .parquet file at data.path: label column data.label, features data.features (default: other numeric columns)",
                   source="user file", standardize=True)
 def _load_parquet(*, path: str | None = None, label: str = "y", features: str | list[str] | None = None, **_: Any) -> Dataset:
+    return read_data_file(path, label=label, features=features, kind="parquet")
+
+
+def _read_parquet(path: str | Path | None, label: str, features: str | list[str] | None) -> Dataset:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -390,7 +459,7 @@ def _load_parquet(*, path: str | None = None, label: str = "y", features: str | 
     return Dataset(file.stem, np.ascontiguousarray(X), y, len(names), names)
 
 
-def _existing_file(path: str | None, suffix: str) -> Path:
+def _existing_file(path: str | Path | None, suffix: str) -> Path:
     if not path:
         raise InputError("data.path", f"a {suffix} file", path)
     file = Path(path)

@@ -28,7 +28,8 @@ from rayfuse.models.zoo import build_rescnn, build_transformer, build_vgg
 from rayfuse.registry import Registry
 
 __all__ = [
-    "MODELS", "ModelInfo", "build_model", "call_model_factory", "factory_arity", "register_model", "torchvision_model_names",
+    "MODELS", "ModelInfo", "TRAINING_COPIES", "available_memory", "build_model", "check_model_size", "count_parameters_unbuilt",
+    "call_model_factory", "factory_arity", "register_model", "torchvision_model_names",
     "LogisticRegression", "MLP", "SmallCNN",
 ]
 
@@ -266,8 +267,71 @@ def build_model(cfg: Any, input_shape: tuple[int, ...], num_classes: int, *, see
         return builder(cfg, tuple(input_shape), num_classes)
 
 
+def count_parameters_unbuilt(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> int | None:
+    """The parameter count of the model ``cfg`` describes, built on torch's ``meta`` device (shapes only, no memory,
+    no random numbers drawn). ``None`` for a model given from Python (``name: custom``: its factory is the user's
+    code) or one that cannot be built on the meta device; :class:`InputError` from the build passes through."""
+    if cfg.name == "custom":
+        return None
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg, tuple(input_shape), num_classes, seed=0)
+    except InputError:
+        raise
+    except Exception:  # a builder that needs real tensors: the real build below decides
+        return None
+    return sum(p.numel() for p in model.parameters())
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation now (``MemAvailable`` on Linux); ``None`` when unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import os
+
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+# Training a model holds its parameters, their gradients and (Adam) two moments: four float32 copies.
+TRAINING_COPIES = 4
+
+
+def check_model_size(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> None:
+    """Refuse, before anything is allocated, a model whose training copies (parameters, gradients, two optimizer
+    moments: :data:`TRAINING_COPIES` float32 tensors each) need more memory than is available now. The error names the
+    key that makes the model large (``model.hidden``, ``model.channels``, else ``model.name``)."""
+    count = count_parameters_unbuilt(cfg, input_shape, num_classes)
+    memory = available_memory()
+    if count is None or memory is None:
+        return
+    limit = memory // (4 * TRAINING_COPIES)
+    if count <= limit:
+        return
+    key = "model.name"
+    for field in ("hidden", "channels"):
+        widths = getattr(cfg, field, None)
+        if widths and max(widths) > 1:
+            smaller = count_parameters_unbuilt(cfg.model_copy(update={field: [1] * len(widths)}), input_shape, num_classes)
+            if smaller is not None and smaller <= limit:
+                key = f"model.{field}"
+                break
+    given = getattr(cfg, key.split(".")[1])
+    raise InputError(key, f"a model that fits in memory: at most {limit:,} parameters ({TRAINING_COPIES} float32 copies to train "
+                     f"in the {memory / 2**30:.1f} GiB available)", given, f"that model has {count:,} parameters")
+
+
 def check_model_fits(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> int:
-    """Build the model and run one dummy batch; return the parameter count. Raises :class:`InputError` if it cannot."""
+    """Build the model and run one dummy batch; return the parameter count. Raises :class:`InputError` if it cannot
+    (a model too large for the memory is refused before it is built: :func:`check_model_size`)."""
+    check_model_size(cfg, input_shape, num_classes)
     model = build_model(cfg, input_shape, num_classes, seed=0)
     model.eval()
     try:
