@@ -55,7 +55,8 @@ __all__ = [
 ]
 
 # The quickstart's methods (jobs/quickstart.yaml spells out the same job; a test keeps the two equal).
-DEFAULT_METHODS: dict[str, dict[str, Any]] = {"local": {}, "average": {}, "ensemble": {}, "aligned": {}, "fedavg": {}, "global": {}}
+DEFAULT_METHODS: dict[str, dict[str, Any]] = {"local": {}, "average": {}, "ensemble": {}, "aligned": {},
+                                               "aligned-wide": {"method": "aligned", "merge": "nonparametric"}, "fedavg": {}, "global": {}}
 
 
 class StrictModel(BaseModel):
