@@ -485,7 +485,9 @@ def main() -> None:
         for payload in payloads:
             for row in payload["rows"]:
                 keyed[tuple(row.get(k) for k in (*asdict(Cell("", "", "", 0, "", 0)), "method"))] = row
-        rows = list(keyed.values())
+        archs = ("mlp", "cnn", "rescnn", "vgg", "transformer", "resnet18")
+        rows = sorted(keyed.values(), key=lambda r: (r["dataset"], archs.index(r["arch"]) if r["arch"] in archs else len(archs), r["arch"],
+                                                     PARTITIONS.index(r["partition"]), r["num_clients"], INITS.index(r["init"]), r["seed"]))
         for path in write_outputs(rows, args.out, payloads[0]["machine"]):
             print(f"wrote {path}")
         return
