@@ -65,7 +65,8 @@ def _row_hashes(rows: np.ndarray) -> np.ndarray:
     step = max(1, _CHUNK_BYTES // max(1, count * 8))
     with np.errstate(over="ignore"):
         for start in range(0, len(rows), step):
-            h = (words[start:start + step].astype(np.uint64) * coef).sum(axis=1, dtype=np.uint64)
+            chunk = words[start:start + step].astype(np.uint64)
+            h = chunk[:, 0] * coef[0] if count == 1 else (chunk * coef).sum(axis=1, dtype=np.uint64)
             h ^= h >> np.uint64(31)
             h *= _MIX
             h ^= h >> np.uint64(29)
@@ -82,19 +83,25 @@ class _RowIndex:
         self.hashes = unique
         self.rows = np.ascontiguousarray(rows[first]).view(np.uint8).reshape(len(first), -1)
         self.ids = ids[first]  # the row's index in the private inputs (shared by every comparison dtype)
+        bits = min(24, max(10, int(len(unique) * 8).bit_length()))  # a prefilter on the hashes' low bits
+        self.mask = np.uint64((1 << bits) - 1)
+        self.table = np.zeros(1 << bits, dtype=bool)
+        self.table[(unique & self.mask).astype(np.intp)] = True
 
     def find(self, candidate: np.ndarray) -> np.ndarray:
         """The private row ids found among the rows of ``candidate`` (same dtype and width as the index)."""
         if not len(self.hashes) or not len(candidate):
             return np.empty(0, dtype=np.int64)
         hashes = _row_hashes(candidate)
-        pos = np.searchsorted(self.hashes, hashes).clip(max=len(self.hashes) - 1)
-        hit = np.flatnonzero(self.hashes[pos] == hashes)
-        if not len(hit):
+        maybe = np.flatnonzero(self.table[(hashes & self.mask).astype(np.intp)])
+        pos = np.searchsorted(self.hashes, hashes[maybe]).clip(max=len(self.hashes) - 1)
+        hit = self.hashes[pos] == hashes[maybe]
+        rows, pos = maybe[hit], pos[hit]
+        if not len(rows):
             return np.empty(0, dtype=np.int64)
-        raw = np.ascontiguousarray(candidate[hit]).view(np.uint8).reshape(len(hit), -1)
-        same = (raw == self.rows[pos[hit]]).all(axis=1)  # byte for byte: a hash collision is not a match
-        return np.asarray(self.ids[pos[hit][same]], dtype=np.int64)
+        raw = np.ascontiguousarray(candidate[rows]).view(np.uint8).reshape(len(rows), -1)
+        same = (raw == self.rows[pos]).all(axis=1)  # byte for byte: a hash collision is not a match
+        return np.asarray(self.ids[pos[same]], dtype=np.int64)
 
 
 class RawDataGuard:
