@@ -1,8 +1,9 @@
 """``RayBackend``: runs a rayfuse experiment on Ray.
 
 * Ray: reuses an initialised Ray; otherwise ``ray.init(address)`` with ``federation.address`` / ``RAY_ADDRESS``
-  (inside ``ray job submit`` the job's cluster), or starts a local Ray with ``federation.ray_init``. It disconnects
-  at the end and never stops a cluster it did not start (``ray.shutdown()`` only stops a Ray this process started).
+  (inside ``ray job submit`` the job's cluster), or starts a local Ray with ``federation.ray_init``, bound to the
+  loopback interface (:func:`loopback_node`). It disconnects at the end and never stops a cluster it did not start
+  (``ray.shutdown()`` only stops a Ray this process started).
 * Clients: one named ``ClientActor`` per client (``<run>/client-<i>`` in ``federation.namespace``) with its own
   resources (``federation.clients``, overridden per client by ``federation.client_overrides``), ``max_restarts``
   and no automatic task retries (the failure policy decides). With ``federation.clients_per_actor = k > 1`` (a
@@ -46,6 +47,44 @@ __all__ = ["RayBackend", "actor_options", "check_local_resources", "check_reacha
 POLL_S = 0.25
 
 
+def recorded_local_address() -> str | None:
+    """The address ``ray.init()`` without one attaches to (``RAY_ADDRESS``, else the last ``ray start`` on this
+    machine); ``None`` when there is none (``ray.init()`` then starts a new local Ray) or Ray's lookup is not there."""
+    try:
+        from ray._private.services import get_ray_address_from_environment  # Ray's own lookup (not a public API)
+
+        # Ray annotates addr as str; None (no address given) is what its own ray.init passes
+        return get_ray_address_from_environment(None, None) or None  # type: ignore[arg-type]
+    except Exception:  # another Ray version: let ray.init() decide
+        return None
+
+
+@contextlib.contextmanager
+def loopback_node(enabled: bool = True) -> Iterator[None]:
+    """Within the block, a Ray that ``ray.init`` starts takes 127.0.0.1 as its node address, so its processes (GCS,
+    raylet and object manager, workers, dashboard agent, metrics export, runtime-env agent, autoscaler monitor) listen
+    on the loopback interface only.
+
+    This is Ray's own single-machine mode (the one it uses on Windows and macOS, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``
+    = 0): ``ray.init`` has no argument for it (it turns ``_node_ip_address="127.0.0.1"`` into the machine's address).
+    Only for a Ray this process starts: a driver attaching to a running cluster must keep the cluster's address.
+    Another Ray version without that switch: the block runs unchanged.
+    """
+    try:
+        from ray._private import ray_constants  # not a public API
+    except ImportError:
+        enabled = False
+    if not enabled or not isinstance(getattr(ray_constants, "ENABLE_RAY_CLUSTER", None), bool):
+        yield
+        return
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+
+
 def stale_local_address() -> str | None:
     """The address ``ray.init()`` would attach to (the last ``ray start`` on this machine) if that cluster is gone.
 
@@ -53,13 +92,7 @@ def stale_local_address() -> str | None:
     ``ray stop`` the file stays behind and ``ray.init()`` retries the dead address forever. Returns ``None`` when
     there is no such address or it answers.
     """
-    try:
-        from ray._private.services import get_ray_address_from_environment  # Ray's own lookup (not a public API)
-
-        # Ray annotates addr as str; None (no address given) is what its own ray.init passes
-        address = get_ray_address_from_environment(None, None)  # type: ignore[arg-type]
-    except Exception:  # another Ray version: let ray.init() decide
-        return None
+    address = recorded_local_address()
     if not address:
         return None
     host, _, port = str(address).rpartition(":")
@@ -348,8 +381,11 @@ class RayBackend(Backend):
             if stale:
                 kwargs["address"] = "local"
                 self._notes.append(f"started a new local Ray: the last `ray start` cluster on this machine ({stale}) is gone")
+            # a Ray this process starts listens on 127.0.0.1 only, unless ray_init names the node's address itself
+            starts_new = bool(stale) or recorded_local_address() is None
             try:
-                ray.init(**{**kwargs, **fed.ray_init})
+                with loopback_node(starts_new and "_node_ip_address" not in fed.ray_init):
+                    ray.init(**{**kwargs, **fed.ray_init})
             except ValueError as exc:
                 # ray.init() attaches to a Ray already running on this machine (`ray start`), where arguments for a
                 # new instance (num_cpus...) are refused: attach without them.

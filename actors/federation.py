@@ -170,18 +170,30 @@ class RayFederation(Federation):
 
     def _before_retry(self, call: Call, error: ClientError) -> None:
         """After a crash, wait until Ray has restarted the actor (its constructor reloads the shards)."""
-        if error.kind != "died":
-            return
+        if error.kind == "died":
+            self._await_restart(call.client)
+
+    def _after_drop(self, error: ClientError) -> None:
+        """A crashed client was dropped: wait for Ray's restart of its actor and record it, as a retry does."""
+        if error.kind == "died":
+            self._await_restart(error.client)
+
+    def _await_restart(self, client: int) -> None:
+        """Wait (at most ``restart_timeout_s``) until Ray has restarted ``client``'s crashed actor; record the restart
+        (``client_restarted``) or that it has no restarts left (``client_dead``)."""
         deadline = time.monotonic() + self._restart_timeout_s
         while time.monotonic() < deadline:
             try:
-                ray.get(self._clients[call.client].ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                ray.get(self._clients[client].ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
             except ActorUnavailableError:
                 time.sleep(0.5)  # still restarting
                 continue
-            except (ActorDiedError, GetTimeoutError, RayActorError):
-                return  # gone for good (restarts exhausted) or not back in time: the retry fails and the policy goes on
-            self.events.emit("client_restarted", "actor restarted by Ray; shard reloaded", client=call.client)
+            except ActorDiedError:
+                self.events.emit("client_dead", "actor died with no restarts left", client=client)
+                return
+            except (GetTimeoutError, RayActorError):
+                return  # not back in time: a later call fails and the policy goes on
+            self.events.emit("client_restarted", "actor restarted by Ray; shard reloaded", client=client)
             return
 
     def parallel_width(self) -> int:

@@ -98,9 +98,11 @@ class RoundCoordinator:
     clients : dict of client id to ``ClientActor`` handle
     federation_cfg : rayfuse.config.FederationConfig
         Gives the failure policy, as the real coordinator builds it.
+    plan : rayfuse.data.roles.DataPlan
+        Gives each client's planned sample count (checked against the updates' counts).
     """
 
-    def __init__(self, clients: dict[int, Any], groups: list[list[int]], federation_cfg: Any) -> None:
+    def __init__(self, clients: dict[int, Any], groups: list[list[int]], federation_cfg: Any, plan: Any) -> None:
         from actors.federation import RayFederation
         from rayfuse.coordinator import MethodServer
         from rayfuse.federation import FailurePolicy
@@ -109,7 +111,8 @@ class RoundCoordinator:
         self.groups = [(clients[members[0]], members) for members in groups]  # (actor handle, hosted clients)
         # The real MethodServer.accept_updates, bound to a stand-in holding only what it reads.
         # The real MethodServer.average_updates, bound to a stand-in holding only what it reads.
-        server = SimpleNamespace(label="bench", events=self.federation.events, federation=self.federation, _average=MethodServer._average)
+        server = SimpleNamespace(label="bench", events=self.federation.events, federation=self.federation, _average=MethodServer._average,
+                                 _coordinator=SimpleNamespace(plan=plan))  # the planned sample counts accept_updates checks
         server.accept_updates = MethodServer.accept_updates.__get__(server)
         server.reject = MethodServer.reject.__get__(server)
         self._average_updates = MethodServer.average_updates.__get__(server)
@@ -194,7 +197,7 @@ def start_actors(num_clients: int, per_actor: int, link: DriverLink) -> tuple[li
         clients.update({i: handle for i in members})
     actors = [clients[members[0]] for members in groups]
     coordinator = ray.remote(RoundCoordinator).options(name="bench-round/coordinator", namespace=NAMESPACE, max_restarts=0,
-                                                       **actor_options(fed.coordinator)).remote(clients, groups, fed)
+                                                       **actor_options(fed.coordinator)).remote(clients, groups, fed, plan)
     link.get([a.ping.remote() for a in actors] + [coordinator.ready.remote()], timeout=fed.startup_timeout_s)
     return actors, coordinator, time.perf_counter() - started
 

@@ -7,7 +7,9 @@ restarted Ray actor re-runs the constructor and so reloads the same shard determ
 
 Client steps receive the :class:`ClientContext`: the private train / val splits, the model and training settings,
 the lazily trained local model (trained once per run and reused by every method) and a ``state`` dict where a
-method may keep per-client state between calls. :meth:`Client.run` refuses to return the client's raw data.
+method may keep per-client state between calls. :meth:`Client.run` refuses a result that carries the client's inputs
+or labels (:class:`rayfuse.guard.RawDataGuard`: an accident guard, not a defence against a method written to leak;
+method code is trusted).
 
 This module does not import torch at import time: a client that only moves parameters (benchmarks) stays light.
 """
@@ -26,6 +28,7 @@ import numpy as np
 
 from rayfuse.data.roles import ClientPlan, Split, client_splits, load_dataset_from_config
 from rayfuse.federation import ClientDied, Update, client_step, map_arrays, step_name
+from rayfuse.guard import RawDataGuard
 from rayfuse.seeding import derive_seed
 
 __all__ = ["Client", "ClientContext", "ClientStateStore", "has_client_state", "forget_client_state", "PrivacyError", "train_local",
@@ -33,7 +36,7 @@ __all__ = ["Client", "ClientContext", "ClientStateStore", "has_client_state", "f
 
 
 class PrivacyError(RuntimeError):
-    """A client step tried to return the client's raw data."""
+    """A client step tried to return the client's raw data (found by the accident guard, :mod:`rayfuse.guard`)."""
 
 
 class InjectedFault(RuntimeError):
@@ -292,6 +295,7 @@ class Client:
         self.restarted = restarted
         self._die = die
         self._calls: Counter[str] = Counter()
+        self._guard: RawDataGuard | None = None
 
     @property
     def client_id(self) -> int:
@@ -315,8 +319,18 @@ class Client:
             result = _poison(result)
         if fault is not None and fault.mode == "nan_metrics" and hasattr(result, "metrics"):
             result.metrics = {k: float("nan") for k in result.metrics}
-        _check_no_raw_data(result, self.ctx)
+        self._check_no_raw_data(result)
         return result
+
+    def _check_no_raw_data(self, result: Any) -> None:
+        """Refuse a result that carries this client's inputs or labels (:class:`rayfuse.guard.RawDataGuard`, an
+        accident guard: method code is trusted). The private rows are hashed once, on the first call."""
+        if self._guard is None:
+            ctx = self.ctx
+            self._guard = RawDataGuard([ctx.train.X, ctx.val.X], [ctx.train.y, ctx.val.y])
+        found = self._guard.find(result)
+        if found is not None:
+            raise PrivacyError(f"client {self.client_id}: a client step tried to return its raw data: {found}")
 
     def ping(self) -> dict[str, Any]:
         return {"client": self.client_id, "pid": os.getpid(), "device": self.ctx.device, "restarted": self.restarted}
@@ -325,18 +339,6 @@ class Client:
 def _poison(obj: Any) -> Any:
     """Replace every float array in ``obj`` by NaNs (fault mode ``nan``)."""
     return map_arrays(obj, lambda a: np.full_like(a, np.nan) if a.dtype.kind == "f" else a)
-
-
-def _check_no_raw_data(result: Any, ctx: ClientContext) -> None:
-    """Refuse results that contain (views of) the client's inputs or labels."""
-    private = [a for split in (ctx.train, ctx.val) for a in (split.X, split.y) if a.size]
-    returned: list[np.ndarray] = []
-    map_arrays(result, returned.append)
-    for arr in returned:
-        for data in private:
-            # may_share_memory is a bounds check (cheap on every return); a view of the shard always overlaps its bounds
-            if np.may_share_memory(arr, data) or (arr.shape == data.shape and arr.dtype == data.dtype and np.array_equal(arr, data)):
-                raise PrivacyError(f"client {ctx.client_id}: a client step tried to return its raw data (array of shape {arr.shape})")
 
 
 # -----------------------------------------------------------------------------------------------------------------

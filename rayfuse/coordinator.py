@@ -194,20 +194,26 @@ class MethodServer:
 
     def accept_updates(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, *,
                        check_values: bool = True, check: Callable[[int, Update], str | None] | None = None) -> dict[int, Update]:
-        """Keep the valid updates; reject (and record) those with NaN/Inf, wrong keys or wrong shapes, and those the
-        method's own ``check(client, update)`` gives a reason against.
+        """Keep the valid updates; reject (and record) those with NaN/Inf, wrong keys or wrong shapes, a sample count
+        other than the client's training-set size in the partition plan (the weight of its update in an average: the
+        coordinator knows it, so a client's word for it is checked, not trusted), and those the method's own
+        ``check(client, update)`` gives a reason against.
 
         With ``check_values=False`` only keys, shapes, dtypes, counts and metrics are checked, not every parameter
         value (:meth:`average_updates` checks the values through the average instead). Raises :class:`RunFailure` when
         fewer than ``federation.min_clients`` updates survive.
         """
         reference = self._coordinator.reference_params() if reference is None else reference
+        planned = self._coordinator.plan.num_examples
 
         def read(client: int, update: Any) -> Update:
             if not isinstance(update, Update):
                 reason: str | None = f"expected an Update, got {type(update).__name__}"
             elif not isinstance(update.num_examples, (int, np.integer)) or update.num_examples <= 0:
                 reason = f"num_examples must be a positive integer, got {update.num_examples!r}"
+            elif update.num_examples != planned(client):
+                reason = (f"num_examples {update.num_examples} is not the client's {planned(client)} training examples "
+                          f"of the partition plan")
             else:
                 reason = check_params(update.params, reference, check_finite=check_values)
                 if reason is None and not all(np.isfinite(v) for v in update.metrics.values()):

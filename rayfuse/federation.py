@@ -25,10 +25,12 @@ Failure policy (``federation.on_client_failure``), applied in :meth:`Federation.
 * ``retry`` -- re-submit a failed call up to ``max_retries`` times (a dead Ray actor is restarted by Ray and reloads
   its shard first); a call still failing after that fails the run. Timeouts are not retried.
 * ``drop`` -- leave the client out of this call's results and record a ``client_dropped`` event; the run fails only
-  when fewer than ``min_clients`` clients remain.
+  when fewer than ``min_clients`` clients remain. A crashed client is restarted (Ray restarts its actor) and the
+  restart is recorded (``client_restarted``, or ``client_dead`` when it has no restarts left) once the call's other
+  results are in.
 * ``fail`` -- the first failure fails the run.
 
-Every failure, retry and drop is recorded in the :class:`EventLog`.
+Every failure, retry, drop and restart is recorded in the :class:`EventLog`.
 """
 
 from __future__ import annotations
@@ -256,6 +258,8 @@ class Federation(ABC):
                 f"only {len(results)} of {len(calls)} clients returned from {calls[0].name if calls else 'a step'} "
                 f"(federation.min_clients = {self.policy.min_clients})"
             )
+        for error in failures:  # dropped (policy drop): the round is settled, the transport may now look at the client
+            self._after_drop(error)
         ordered = {c: results[c] for c in sorted(results)}
         return Gathered(ordered, sorted(failures, key=lambda e: e.client))
 
@@ -285,6 +289,11 @@ class Federation(ABC):
 
     def _before_retry(self, call: Call, error: ClientError) -> None:
         """Hook: prepare a retry (Ray waits for a dead actor's restart to finish)."""
+
+    def _after_drop(self, error: ClientError) -> None:
+        """Hook: a client's call was dropped (policy ``drop``) and every call of the gather is settled. Ray waits for a
+        crashed actor's restart and records it (``client_restarted``), as a retry does; in-process restarts are
+        recorded when they happen."""
 
 
 class ClientFailed(Exception):

@@ -102,7 +102,10 @@ def step_name(step: Callable[..., Any]) -> str:
 
 @dataclass
 class Update:
-    """What a client sends back after local work: parameters, its sample count and scalar metrics."""
+    """What a client sends back after local work: parameters, its sample count and scalar metrics.
+
+    ``num_examples`` is the client's training-set size (``ctx.num_examples``): :meth:`ServerContext.accept_updates`
+    rejects an update whose count differs from the one the partition plan gives that client."""
 
     params: dict[str, np.ndarray]
     num_examples: int
@@ -207,7 +210,8 @@ class ServerContext(Protocol):
 
     The federation and the events; the server-side data roles (``test``, ``public``); the run's model, data and
     training settings; evaluation; accepting and averaging client updates (one rejection path,
-    :meth:`accept_replies`: a reply with NaN/Inf, wrong keys or shapes, or refused by the method's own check, is
+    :meth:`accept_replies`: a reply with NaN/Inf, wrong keys or shapes, a sample count other than the planned one, or
+    refused by the method's own check, is
     recorded as an ``update_rejected`` event, never used); seeded randomness; logging; round checkpoints
     (:meth:`rounds`, a :class:`RoundLoop` over a typed round state, owns resume, evaluation cadence, history, progress
     and checkpoints) and state that clients keep across rounds (:class:`KeptState`).

@@ -25,7 +25,7 @@ def test_registry_lists_the_baselines_and_resolves_aliases():
 def test_averaging_identical_models_returns_the_model(coordinator):
     coord = coordinator(methods={"average": {}})
     params = coord.reference_params()
-    coord._local = Gathered({i: Update({k: v.copy() for k, v in params.items()}, 10 + i) for i in range(4)})
+    coord._local = Gathered({i: Update({k: v.copy() for k, v in params.items()}, coord.plan.num_examples(i)) for i in range(4)})
     summary = coord.run_method("average")
     from rayfuse.io import load_params
 
@@ -67,7 +67,7 @@ def test_majority_vote_ties_go_to_the_larger_average_probability():
 def test_ensemble_of_identical_models_matches_the_single_model(coordinator):
     coord = coordinator(methods={"ensemble": {}, "average": {}})
     one = coord.local_updates().results[0]
-    coord._local = Gathered({i: Update(one.params, 5) for i in range(3)})
+    coord._local = Gathered({i: Update(one.params, coord.plan.num_examples(i)) for i in range(3)})
     ensemble = coord.run_method("ensemble")["metrics"]
     average = coord.run_method("average")["metrics"]
     for metric in ("accuracy", "nll", "entropy", "ece"):
@@ -102,12 +102,13 @@ def random_updates(reference, counts, seed=0):
 def test_fedavg_aggregation_is_np_average_and_independent_of_client_order(coordinator):
     coord = coordinator(methods={"fedavg": {}})
     server = MethodServer(coord, resolve_methods(coord.cfg.methods)[0], resume=False)
-    updates = random_updates(coord.reference_params(), [5, 17, 9])
+    counts = [coord.plan.num_examples(i) for i in range(3)]  # the planned counts (any other count is rejected)
+    updates = random_updates(coord.reference_params(), counts)
     averaged, used = server.average_updates(Gathered(updates))
     reordered, _ = server.average_updates(Gathered(dict(reversed(list(updates.items())))))
     assert list(used) == [0, 1, 2]
     for key, value in averaged.items():
-        expected = np.average(np.stack([u.params[key] for u in updates.values()]), axis=0, weights=[5, 17, 9])
+        expected = np.average(np.stack([u.params[key] for u in updates.values()]), axis=0, weights=counts)
         np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(reordered[key], value, rtol=1e-5, atol=1e-6)
     uniform, _ = server.average_updates(Gathered(updates), weighted=False)
@@ -119,7 +120,7 @@ def test_fedavg_aggregation_is_np_average_and_independent_of_client_order(coordi
 def test_a_non_finite_update_is_found_through_the_average_and_left_out(coordinator):
     coord = coordinator(methods={"fedavg": {}})
     server = MethodServer(coord, resolve_methods(coord.cfg.methods)[0], resume=False)
-    updates = random_updates(coord.reference_params(), [5, 17, 9, 4])
+    updates = random_updates(coord.reference_params(), [coord.plan.num_examples(i) for i in range(4)])
     updates[2].params["layers.1.bias"][3] = np.inf
     averaged, used = server.average_updates(Gathered(updates))
     assert list(used) == [0, 1, 3]
@@ -186,10 +187,11 @@ def test_accept_updates_rejects_bad_keys_shapes_and_values(coordinator):
     coord = coordinator(methods={"average": {}})
     server = MethodServer(coord, resolve_methods(coord.cfg.methods)[0], resume=False)
     ref = coord.reference_params()
-    good = Update({k: v.copy() for k, v in ref.items()}, 10)
-    wrong_key = Update({**{k: v for k, v in ref.items() if k != "layers.0.bias"}, "extra": np.zeros(1)}, 10)
-    wrong_shape = Update({**ref, "layers.0.weight": np.zeros((2, 2), np.float32)}, 10)
-    inf = Update({**ref, "layers.1.bias": np.full_like(ref["layers.1.bias"], np.inf)}, 10)
+    n = coord.plan.num_examples
+    good = Update({k: v.copy() for k, v in ref.items()}, n(0))
+    wrong_key = Update({**{k: v for k, v in ref.items() if k != "layers.0.bias"}, "extra": np.zeros(1)}, n(1))
+    wrong_shape = Update({**ref, "layers.0.weight": np.zeros((2, 2), np.float32)}, n(2))
+    inf = Update({**ref, "layers.1.bias": np.full_like(ref["layers.1.bias"], np.inf)}, n(3))
     zero_count = Update(dict(ref), 0)
     not_update = {"w": 1}
     gathered = Gathered({0: good, 1: wrong_key, 2: wrong_shape, 3: inf, 4: zero_count, 5: not_update})

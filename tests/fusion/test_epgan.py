@@ -152,8 +152,8 @@ def test_bad_parameters_name_the_key(make_config, entry, key):
         make_config(**TOY, methods={"ep": {"method": "epgan", **entry}})
 
 
-def _update(var: float, mean: float = 0.0) -> Update:
-    return Update({"G/w": np.zeros(2, np.float32), "ep_mean/w": np.full((1, 2), mean), "ep_var/w": np.full((1, 2), var)}, 10,
+def _update(var: float, mean: float = 0.0, count: int = 10) -> Update:
+    return Update({"G/w": np.zeros(2, np.float32), "ep_mean/w": np.full((1, 2), mean), "ep_var/w": np.full((1, 2), var)}, count,
                   {"d_loss": 0.0, "g_loss": 0.0})
 
 
@@ -164,7 +164,9 @@ def test_a_client_with_nan_moments_or_non_positive_variances_is_rejected_and_rec
     spec = resolve_methods(coord.cfg.methods)[0]
     server = MethodServer(coord, spec, resume=False)
     reference = _update(1.0).params
-    gathered = Gathered({0: _update(1.0), 1: _update(np.nan), 2: _update(-0.5), 3: _update(1.0, mean=np.nan)})
+    n = coord.plan.num_examples
+    gathered = Gathered({0: _update(1.0, count=n(0)), 1: _update(np.nan, count=n(1)), 2: _update(-0.5, count=n(2)),
+                         3: _update(1.0, mean=np.nan, count=n(3))})
     kept = EPGAN.accept(server, gathered, reference)
     assert list(kept) == [0]
     rejected = [e for e in coord.events.since(0) if e["kind"] == "update_rejected"]
