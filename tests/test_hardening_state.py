@@ -493,13 +493,15 @@ def test_a_sweep_folder_not_sealed_by_this_users_rayfuse_is_refused_and_nothing_
     marker = tmp_path / "marker"
     sweep_folder(experiment, marker)
     plant(experiment, tmp_path, monkeypatch)
+    import actors.tune
+
+    connected: list[str | None] = []
+    monkeypatch.setattr(actors.tune, "_connect", lambda spec, address: connected.append(address) or False)
     assert main(["tune", str(space), "--resume"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("rayfuse: error: ") and expect in err[0], err
     assert not marker.exists()  # the planted pickle never ran
-    import ray
-
-    assert not ray.is_initialized()  # refused before Ray started
+    assert not connected  # refused before rayfuse attached to or started a Ray (another test's session may hold one)
 
 
 def test_a_sealed_folder_verifies_and_its_pinned_tuner_pkl_stays_pinned(tmp_path, monkeypatch):
