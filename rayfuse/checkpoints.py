@@ -550,5 +550,7 @@ def run_fuse(spec: FuseSpec) -> dict[str, Any]:
         save_params(output, fused, metadata)
     else:
         save_params_cast(output, fused, dtype, metadata)
+    resized = {k: (tuple(np.shape(models[0][k])), tuple(np.shape(v))) for k, v in fused.items()
+               if k in models[0] and tuple(np.shape(models[0][k])) != tuple(np.shape(v))}
     return {"method": spec.method.name, "models": len(models), "tensors": len(fused),
-            "parameters": int(sum(v.size for v in fused.values())), "output": str(spec.output)}
+            "parameters": int(sum(v.size for v in fused.values())), "output": str(spec.output), "resized": resized}

@@ -122,6 +122,10 @@ def _cmd_fuse(args: argparse.Namespace) -> int:
     summary = fuse_checkpoints(args.config, args.out)
     print(f"rayfuse fuse: {summary['method']} of {summary['models']} models, {summary['tensors']} tensors "
           f"({summary['parameters']:,} parameters) -> {summary['output']}")
+    if summary.get("resized"):  # a nonparametric merge grew groups: the architecture must be built at these widths
+        key, (was, now) = next(iter(summary["resized"].items()))
+        print(f"rayfuse fuse: the fused model is wider than its inputs: {len(summary['resized'])} tensors resized (e.g. {key} "
+              f"{was} -> {now}); load it into the architecture with rayfuse.symmetry.resize_model")
     return 0
 
 

@@ -254,7 +254,8 @@ def test_a_nonparametric_merge_writes_the_wider_model_whose_outputs_average_the_
     for method, extra in (("weight_matching", {"input_shape": [3]}), ("activation_matching", {"data": {"path": "sample.npz"}})):
         out = arch_files / f"{method}-np.safetensors"
         parameters = {"merge": "nonparametric", "new_unit_threshold": 1.0, "max_width": 2.0}
-        run_fuse(load_fuse_config(write_arch(arch_files, merge_method=method, parameters=parameters, **extra), out))
+        summary = run_fuse(load_fuse_config(write_arch(arch_files, merge_method=method, parameters=parameters, **extra), out))
+        assert summary["resized"] == {"fc1.weight": ((4, 3), (8, 3)), "fc1.bias": ((4,), (8,)), "fc2.weight": ((2, 4), (2, 8))}
         fused = load_params(out)
         assert fused["fc1.weight"].shape == (8, 3) and fused["fc2.weight"].shape == (2, 8)
         exec(compile(ARCH, "mynets", "exec"), ns := {})
