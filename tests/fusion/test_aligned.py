@@ -162,3 +162,15 @@ def test_repair_rescales_the_hidden_layers_of_a_model_without_batchnorm_from_per
             assert {k: {f: np.shape(v) for f, v in r.items()} for k, r in reply.items()} == \
                 {"layers.0": {"count": (), "mean": (32,), "var": (32,)}}
             assert float(reply["layers.0"]["count"]) == len(coord.plan.client_train[client])
+
+
+def test_every_parameter_of_the_method_and_of_rayfuse_fuse_is_documented():
+    from pathlib import Path
+
+    from rayfuse.checkpoints import AlignParams
+    from rayfuse.fusion.aligned.algorithm import AlignedParams
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "methods" / "aligned.md").read_text(encoding="utf-8")
+    table = page[page.index("## Parameters"):page.index("## What leaves a client")]
+    missing = [name for cls in (AlignedParams, AlignParams) for name in cls.model_fields if f"`{name}`" not in table]
+    assert not missing, missing
