@@ -126,3 +126,22 @@ def test_a_plan_for_other_models_is_refused():
     plan = plan_widths(unit_agreement(params[:2], spec), spec, threshold=0.0)
     with pytest.raises(InputError, match="plan: expected the units of 3 models"):
         merge_nonparametric(params, spec, plan, width_roles(models[0], spec))
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small"])
+def test_torchvision_models_side_by_side_compute_the_average_of_their_logits(name):
+    import torchvision
+
+    from rayfuse.symmetry import resize_with_spec
+
+    torch.manual_seed(0)
+    models = [randomised(getattr(torchvision.models, name)(num_classes=4)) for _ in range(2)]
+    spec = derive_spec(models[0], torch.zeros(2, 3, 32, 32))
+    roles = width_roles(models[0], spec)
+    params = [get_params(m) for m in models]
+    fused, plan = fuse_nonparametric(params, spec, roles, weights=[1.0, 3.0], threshold=float("inf"), max_width=2)
+    assert all(plan.widths[g.name] == 2 * g.size for g in spec.groups if g.name not in roles.fixed)
+    wide = resize_with_spec(getattr(torchvision.models, name)(num_classes=4).eval(), spec, fused, (2, 3, 32, 32))
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(wide(x), 0.25 * models[0](x) + 0.75 * models[1](x), atol=1e-4, rtol=1e-4)
