@@ -265,8 +265,8 @@ def test_too_few_updates_at_run_time_is_a_run_failure():
     ({"aggregator": {"name": "trimmed_mean", "beta": -0.1}}, "methods.fedavg.aggregator.beta"),
     ({"aggregator": {"clip_norm": -1.0}}, "methods.fedavg.aggregator.clip_norm"),
     ({"aggregator": {"clip_norm": 0}}, "methods.fedavg.aggregator.clip_norm"),
-    ({"aggregator": {"name": "median", "f": 1}}, "methods.fedavg.aggregator.f"),
-    ({"aggregator": {"name": "krum", "beta": 0.1}}, "methods.fedavg.aggregator.beta"),
+    ({"aggregator": {"name": "median", "f": 2}}, "methods.fedavg.aggregator.f"),
+    ({"aggregator": {"name": "krum", "beta": 0.3}}, "methods.fedavg.aggregator.beta"),
     ({"aggregator": {"name": "krum", "k": 1}}, "methods.fedavg.aggregator.k"),
 ])
 def test_bad_aggregator_settings_name_the_key(make_config, entry, path):
@@ -275,6 +275,14 @@ def test_bad_aggregator_settings_name_the_key(make_config, entry, path):
     with pytest.raises(InputError) as err:
         resolve_methods(make_config(methods={"fedavg": entry}).methods)
     assert err.value.path == path, str(err.value)
+
+
+def test_the_resolved_config_shows_the_rules_own_keys_and_reads_back(make_config):
+    dumped = AggregatorSettings(name="krum", f=2, m=3, clip_norm=1.5).model_dump(mode="json")
+    assert dumped == {"name": "krum", "f": 2, "m": 3, "clip_norm": 1.5}
+    assert AggregatorSettings.model_validate(dumped) == AggregatorSettings(name="krum", f=2, m=3, clip_norm=1.5)
+    full = {**AggregatorSettings().model_dump(), "f": 1, "beta": 0.1}  # another rule's keys at their defaults: harmless
+    assert AggregatorSettings.model_validate(full) == AggregatorSettings()
 
 
 def test_a_name_alone_is_short_for_the_rule_with_its_defaults(make_config):
@@ -322,3 +330,22 @@ def test_the_cli_refuses_f_too_large_in_one_line_and_writes_nothing(tmp_path, ca
     assert err == ["rayfuse: error: methods.fedavg.aggregator.f: expected n >= 4f + 3 for bulyan, so f <= 0 with n = 4 clients per round, "
                    "got 1; lower f or use more clients"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Against Flower's implementation (its own virtualenv, as benchmarks/compare_flower.py uses; nothing is installed)
+
+FLOWER_PYTHON = Path(__file__).resolve().parents[1] / "benchmarks" / ".flwr-venv" / "bin" / "python"
+
+
+@pytest.mark.skipif(not FLOWER_PYTHON.exists(), reason="no Flower environment at benchmarks/.flwr-venv (benchmarks/README.md)")
+def test_equal_to_flowers_aggregators_on_random_arrays(monkeypatch):
+    import argparse
+
+    monkeypatch.syspath_prepend(str(FLOWER_PYTHON.parents[2]))
+    from compare_flower_robust import compare
+
+    payload = compare(argparse.Namespace(clients=9, params=3000, repeats=1, f=1, m=3, beta=0.2))
+    compared = [row for row in payload["rows"] if "equal" in row]
+    assert {row["rule"] for row in compared} == {"mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan"}, payload["flower_missing"]
+    assert all(row["equal"] for row in compared), compared

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field, model_validator
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.fusion.aggregate import CHUNK, normalize_weights, weighted_average
@@ -81,10 +81,18 @@ class AggregatorSettings(MethodParams):
 
     @model_validator(mode="after")
     def _only_own_keys(self) -> AggregatorSettings:
+        # Another rule's key at a value other than its default is a mistake (``{name: median, f: 2}`` tolerates nothing
+        # more); at its default it is harmless.
         for key, owners in _OWN_KEYS.items():
-            if key in self.model_fields_set and self.name not in owners:
+            if self.name not in owners and getattr(self, key) != type(self).model_fields[key].default:
                 raise ValueError(f"@{key}@ no {key} with aggregator {self.name!r} ({key} is a setting of {' and '.join(owners)})")
         return self
+
+    @model_serializer(mode="wrap")
+    def _own_keys_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The rule's own keys (and ``clip_norm``): the resolved config shows what the rule reads."""
+        data = handler(self)
+        return {k: v for k, v in data.items() if k not in _OWN_KEYS or self.name in _OWN_KEYS[k]}
 
     @property
     def is_plain_mean(self) -> bool:
