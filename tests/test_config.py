@@ -214,7 +214,7 @@ def test_defaults_by_hand():
 def test_resolved_fills_method_defaults():
     methods = resolved_config(validate_config({"methods": {"fedavg": {}, "fedprox": {"rounds": 3}}}))["methods"]
     assert methods["fedavg"] == {"method": "fedavg", "rounds": 20, "local_epochs": 2, "lr": None, "batch_size": None, "optimizer": None,
-                                 "fraction": 1.0, "weighted": True, "evaluate_every": 1}
+                                 "fraction": 1.0, "weighted": True, "evaluate_every": 1, "aggregator": {"name": "mean", "clip_norm": None}}
     assert methods["fedprox"]["rounds"] == 3 and methods["fedprox"]["mu"] == 0.01
 
 

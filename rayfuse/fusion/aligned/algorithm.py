@@ -14,7 +14,9 @@ One shot (``rounds: 1``):
      models' units (:class:`rayfuse.alignment.GroupStats`), never activations or data; the server solves the
      assignments (through ``parallel_map``) and the reference becomes the average of the aligned models;
 
-4. **merge** of the aligned models: ``average`` (sample-weighted), ``fisher`` (each client's diagonal Fisher of its
+4. **merge** of the aligned models: ``average`` (sample-weighted; ``aggregator`` replaces it by a robust rule of
+   :mod:`rayfuse.fusion.robust`, optionally clipping each aligned model's distance to the global model first: the
+   run's initial model in the one-shot fusion, the broadcast model in later rounds), ``fisher`` (each client's diagonal Fisher of its
    aligned model on its data), ``regmean`` (each client's input Gram matrices of its aligned model's linear and
    convolution layers; closed form per layer), ``nonparametric`` (PFNM-style: a unit whose match quality is below
    ``new_unit_threshold`` becomes a new global unit, the global width capped at ``max_width`` x the model's; the
@@ -44,6 +46,7 @@ from pydantic import Field
 
 from rayfuse.errors import InputError
 from rayfuse.fusion import references
+from rayfuse.fusion.robust import AggregatorSettings, aggregate, check_aggregator, check_enough_updates
 from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, Update, client_step, register_method
 
 __all__ = ["AlignmentSettings", "AlignedParams", "Aligned", "derive_run_spec"]
@@ -78,6 +81,9 @@ class AlignedParams(AlignmentSettings):
     weighted: bool = Field(True, description="weight each client by its number of training samples")
     spec: dict[str, Any] | None = Field(None, description="an explicit permutation spec (PermutationSpec.to_dict form) instead of the derived one")
     evaluate_every: int = Field(1, ge=1)
+    aggregator: AggregatorSettings = Field(default_factory=AggregatorSettings, description="merge: average: how the aligned "
+                                           "models are combined (mean, median, trimmed_mean, krum, bulyan, geometric_median; "
+                                           "clip_norm clips first)")
 
 
 def derive_run_spec(model: Any, input_shape: tuple[int, ...], explicit: dict[str, Any] | None = None, *, where: str = "model.name",
@@ -243,6 +249,10 @@ class Aligned(Method):
         from rayfuse.models import build_model
 
         assert isinstance(params, AlignedParams)
+        if not params.aggregator.is_plain_mean and params.merge != "average":
+            raise InputError("aggregator", "the default mean with merge " + repr(params.merge) + " (a robust aggregator or clip_norm "
+                             "replaces merge: average only)", params.aggregator.name if params.aggregator.name != "mean" else "clip_norm")
+        check_aggregator(params.aggregator, setup.num_clients, what="clients")
         model = build_model(setup.model, setup.input_shape, setup.num_classes, seed=0)
         derive_run_spec(model, setup.input_shape, params.spec)
 
@@ -285,7 +295,12 @@ class Aligned(Method):
         aligned = [spec.apply(m, pk) for m, pk in zip(models, perms)]
         info: dict[str, Any] = {"alignment": p.alignment, "merge": p.merge, "repair": p.repair,
                                 "units_moved": int(sum(int((pk[g] != np.arange(len(pk[g]))).sum()) for pk in perms for g in pk))}
-        if p.merge == "average" or (p.merge == "nonparametric" and target is not None):  # the global model's width is set in round 1
+        if p.merge == "average" and not p.aggregator.is_plain_mean:
+            check_enough_updates(p.aggregator, len(aligned), server.label)
+            start = target if target is not None or p.aggregator.clip_norm is None else server.initial_params()
+            fused = aggregate(aligned, weights, p.aggregator, reference=start)
+            info["aggregator"] = p.aggregator.name
+        elif p.merge == "average" or (p.merge == "nonparametric" and target is not None):  # the global model's width is set in round 1
             fused = merge_average(aligned, weights)
         elif p.merge == "nonparametric":
             from rayfuse.alignment import fuse_nonparametric, resolve_cost_keys, width_roles

@@ -8,6 +8,11 @@ sampled client runs ``local_epochs`` of local training from it and returns ``(w_
 FedProx (Li et al. 2020) adds the proximal term to each client's objective, ``F_k(w) + (mu/2) ||w - w_t||^2``
 (eq. 2), and aggregates the same way.
 
+``aggregator`` replaces eq. 1's average by a robust rule (:mod:`rayfuse.fusion.robust`: median, trimmed mean, Krum,
+Bulyan, geometric median) and optionally clips each update ``w_t^k - w_t`` to a norm first; its precondition on the
+number of clients per round (``ceil(fraction * N)``) is checked before any client trains. The default, ``mean``, is
+eq. 1 exactly.
+
 Subclasses change the server update by overriding :meth:`FedAvg.server_update` (FedOpt, FedRef) and keep extra
 server state in the round checkpoint through :meth:`FedAvg.server_state` / :meth:`FedAvg.load_server_state`.
 Resume, evaluation cadence, history and round checkpoints are the round loop's (``server.rounds``).
@@ -22,7 +27,8 @@ import numpy as np
 from pydantic import Field
 
 from rayfuse.fusion import references
-from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, ServerContext, Update, client_step, register_method
+from rayfuse.fusion.robust import AggregatorSettings, aggregate_updates, check_aggregator
+from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, Update, client_step, register_method
 
 __all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "FedAvgState", "fit"]
 
@@ -61,6 +67,14 @@ class FedAvgParams(MethodParams):
     fraction: float = Field(1.0, gt=0, le=1, description="fraction of clients sampled per round (Flower's fraction_train)")
     weighted: bool = Field(True, description="weight clients by their sample counts")
     evaluate_every: int = Field(1, ge=1, description="evaluate the global model every this many rounds (and after the last)")
+    aggregator: AggregatorSettings = Field(default_factory=AggregatorSettings, description="how the clients' models are "
+                                           "combined: mean (eq. 1), median, trimmed_mean, krum, bulyan, geometric_median; "
+                                           "clip_norm clips each update first")
+
+
+def clients_per_round(num_clients: int, fraction: float) -> int:
+    """How many clients :meth:`ServerContext.sample_clients` samples each round: ``ceil(fraction * N)``, at least 1."""
+    return min(num_clients, max(1, int(np.ceil(fraction * num_clients))))
 
 
 class FedProxParams(FedAvgParams):
@@ -79,6 +93,12 @@ class FedAvg(Method):
     @property
     def mu(self) -> float:
         return 0.0
+
+    @classmethod
+    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+        """The aggregator's precondition on the clients sampled per round."""
+        assert isinstance(params, FedAvgParams)
+        check_aggregator(params.aggregator, clients_per_round(setup.num_clients, params.fraction))
 
     # -- hooks for subclasses ------------------------------------------------------------------------------------
 
@@ -121,7 +141,7 @@ class FedAvg(Method):
         for rnd in rounds:
             clients = server.sample_clients(p.fraction, rnd)
             gathered = fed.run(fit, fed.put(state.params), clients=clients, round=rnd, **step_args)
-            averaged, updates = server.average_updates(gathered, reference=state.params, weighted=p.weighted)
+            averaged, updates = aggregate_updates(server, gathered, p.aggregator, reference=state.params, weighted=p.weighted)
             state.params = self.server_update(server, state.params, averaged, updates, rnd)
             state.server = self.server_state()
             losses = np.array([u.metrics.get("train_loss", np.nan) for u in updates.values()])
