@@ -206,7 +206,9 @@ def plot_comparison(path: Any, methods: Mapping[str, Mapping[str, Any]], summari
     what = {"federated": "held-out accuracy (federated)", "both": "test accuracy (dots: clients' held-out)"}.get(evaluation, "test accuracy")
     ax.set_ylabel(what)
     ax.set_title(f"final {what}" + (f" ({title})" if title else ""), fontsize=10)
-    for col, (data, metric, name) in enumerate([(curves, "accuracy", "test accuracy"), (losses, "nll", "test loss (NLL)")], start=1):
+    panels_of = [(curves, "accuracy", "test accuracy"), (losses, "nll", "test loss (NLL)")] if evaluation != "federated" else \
+        [(curves, "accuracy", "held-out accuracy (federated)"), (losses, "nll", "held-out loss (NLL, federated)")]
+    for col, (data, metric, name) in enumerate(panels_of, start=1):
         if not data:
             continue
         ax = axes[0, col if curves else col - 1]

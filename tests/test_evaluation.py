@@ -220,3 +220,15 @@ def test_an_unknown_evaluation_is_one_line_naming_the_key(make_config):
     with pytest.raises(InputError, match="evaluation: expected 'central', 'federated' or 'both'"):
         make_config(evaluation="fedrated")
 
+
+
+def test_the_federated_plot_and_summary_show_each_clients_accuracy(tmp_path):
+    from rayfuse.report import format_client_summary, plot_comparison
+
+    rows = [{"client": 0, "count": 10, "accuracy": 0.5}, {"client": 1, "count": 30, "accuracy": 0.9}, {"client": 2, "count": 0}]
+    methods = {"fedavg": {"accuracy": 0.8, "evaluation": "federated", "client_metrics": rows, "seconds": 1.0}}
+    history = [{"round": r, "metric": "accuracy", "value": 0.1 * r, "client": None} for r in (1, 2)]
+    plot_comparison(tmp_path / "plot.png", methods, [{"label": "fedavg", "history": history}], evaluation="federated")
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = format_client_summary(methods, "federated")
+    assert "fedavg: 0.8000 over 2 clients (40 samples); lowest client 0 0.5000, highest client 1 0.9000" in summary
