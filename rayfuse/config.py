@@ -1,9 +1,10 @@
 """The experiment config: one validated schema for the CLI, Ray Jobs and Ray Tune.
 
 A config is YAML with the sections ``run``, ``data``, ``partition``, ``model``, ``train``, ``federation`` and
-``methods``. Every key has a default; the defaults are the quickstart job (digits, 5 label-skewed clients, the
-baselines), so an empty file is a valid config. Unknown keys, wrong types and impossible values are rejected before
-any cluster work starts, with one line that names the key path, the expected value and what was given::
+``methods``, and the key ``evaluation`` (central | federated | both: see :mod:`rayfuse.evaluation`). Every key has
+a default; the defaults are the quickstart job (digits, 5 label-skewed clients, the baselines), so an empty file is a
+valid config. Unknown keys, wrong types and impossible values are rejected before any cluster work starts, with one
+line that names the key path, the expected value and what was given::
 
     partition.alpha: expected a number greater than 0, got -1.0
 
@@ -415,7 +416,7 @@ class FederationConfig(StrictModel):
 
 
 # The top-level sections: an error path starting with one of these is absolute (``Method.check``'s convention).
-CONFIG_SECTIONS = ("run", "data", "partition", "model", "train", "federation", "methods")
+CONFIG_SECTIONS = ("run", "data", "partition", "model", "train", "federation", "methods", "evaluation")
 
 
 class ExperimentConfig(StrictModel):
@@ -426,6 +427,9 @@ class ExperimentConfig(StrictModel):
     train: TrainConfig = Field(default_factory=TrainConfig)
     federation: FederationConfig = Field(default_factory=FederationConfig)
     methods: dict[str, dict[str, Any]] = Field(default_factory=lambda: copy.deepcopy(DEFAULT_METHODS))
+    evaluation: Literal["central", "federated", "both"] = Field(
+        "central", description="where models are scored: central (the server's test set), federated (each client on its own "
+        "held-out split, data.val_size; sums and counts only, aggregated count-weighted) or both (federated under federated_<metric>)")
 
     @field_validator("methods", mode="before")
     @classmethod

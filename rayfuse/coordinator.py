@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -19,10 +19,19 @@ from rayfuse.client import forget_client_state, get_local_update, has_client_sta
 from rayfuse.config import ExperimentConfig
 from rayfuse.data.roles import DataPlan, Split, load_dataset_from_config, load_target_from_config, pooled_train, server_splits
 from rayfuse.errors import InputError, NonFiniteError, RunFailure
+from rayfuse.evaluation import (
+    CLIENT_PREFIX,
+    FEDERATED_PREFIX,
+    average_client_tables,
+    evaluate_held_out,
+    make_client_row,
+    model_for_params,
+    read_client_table,
+)
 from rayfuse.federation import Federation, Gathered, Update, step_name
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.method import MethodResult, MethodSpec, Rejected, RunSetup, check_methods, resolve_methods, resolved_config
-from rayfuse.metrics import compute_metrics
+from rayfuse.metrics import add_metric_sums, check_metric_sums, compute_metrics, majority_vote, metrics_from_sums
 from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
 from rayfuse.rounds import RoundLoop
 from rayfuse.seeding import derive_seed, make_rng
@@ -48,6 +57,8 @@ class MethodServer:
         self.events = coordinator.events
         cfg = coordinator.cfg
         self.seed = cfg.run.seed
+        self.evaluation: str = cfg.evaluation  # central | federated | both (rayfuse.evaluation)
+        self._evaluations: list[list[dict[str, Any]]] = []  # per-client tables of the federated evaluations not yet logged
         self.data_cfg = cfg.data  # the dataset spec (a generator's true distribution for methods that score against it)
         self.model_cfg = cfg.model
         self.train_cfg = cfg.train
@@ -159,14 +170,80 @@ class MethodServer:
         return predict_proba(model, self.test.X if X is None else X, device=self.device)
 
     def evaluate_proba(self, proba: np.ndarray) -> dict[str, float]:
+        """The metrics of ``proba`` predicted on the server's test set. Refused with ``evaluation: federated`` (the
+        run's metrics are the clients': a method scores through :meth:`evaluate` / :meth:`evaluate_ensemble`)."""
+        if self.evaluation == "federated":
+            raise RunFailure(f"{self.label}: scores predictions on the server's test set (evaluate_proba), which evaluation: federated "
+                             "does not use; score through evaluate / evaluate_ensemble, or set the method's federated_evaluation = False")
         return compute_metrics(proba, self.test.y)
 
-    def evaluate(self, params: dict[str, np.ndarray]) -> dict[str, float]:
-        """Accuracy, NLL, entropy and ECE of ``params`` on the global test set."""
-        problem = check_params(params, self._coordinator.reference_params())
-        if problem:
-            raise NonFiniteError(f"{self.label}: the model to evaluate is invalid: {problem}")
-        return self.evaluate_proba(self.predict_proba(params))
+    def evaluate(self, params: dict[str, np.ndarray], *, resized: bool = False) -> dict[str, float]:
+        """Accuracy, NLL, entropy and ECE of ``params``: on the global test set, the clients' held-out splits, or both
+        (``evaluation``; see :meth:`evaluate_ensemble`). ``resized``: the run's architecture at other widths (a fused
+        model whose permutation groups grew or shrank; only NaN / Inf are checked then)."""
+        if resized:
+            if not all(np.isfinite(v).all() for v in params.values() if v.dtype.kind == "f"):
+                raise NonFiniteError(f"{self.label}: the model to evaluate has NaN or Inf values")
+        else:
+            problem = check_params(params, self._coordinator.reference_params())
+            if problem:
+                raise NonFiniteError(f"{self.label}: the model to evaluate is invalid: {problem}")
+
+        def central() -> dict[str, float]:
+            if resized:
+                model = model_for_params(params, self.model_cfg, self.input_shape, self.num_classes)
+                return self.evaluate_proba(predict_proba(model, self.test.X, device=self.device))
+            return self.evaluate_proba(self.predict_proba(params))
+
+        return self._evaluate_where(central, [params], None)
+
+    def evaluate_ensemble(self, members: Sequence[dict[str, np.ndarray]], weights: Sequence[float]) -> dict[str, float]:
+        """The metrics of the ensemble of ``members`` (probabilities averaged with ``weights``) and the accuracy of
+        its majority vote (``vote_accuracy``), where ``evaluation`` says: federated, every client receives the members'
+        parameters and scores them on its held-out split."""
+
+        def central() -> dict[str, float]:
+            probas = np.stack([self.predict_proba(p) for p in members])
+            metrics = self.evaluate_proba(np.tensordot(weights, probas, axes=1))
+            metrics["vote_accuracy"] = float(np.mean(majority_vote(probas, list(weights)) == self.test.y))
+            return metrics
+
+        return self._evaluate_where(central, list(members), [float(w) for w in weights], vote=True)
+
+    def _evaluate_where(self, central: Callable[[], dict[str, float]], members: list[dict[str, np.ndarray]],
+                        weights: list[float] | None, *, vote: bool = False) -> dict[str, float]:
+        """The one dispatch of ``evaluation``: central metrics, the federated aggregate, or both (the federated ones
+        prefixed ``federated_``)."""
+        if self.evaluation == "central":
+            return central()
+        metrics = central() if self.evaluation == "both" else {}
+        federated = self._evaluate_federated(members, weights, vote=vote)
+        if self.evaluation == "federated":
+            return federated
+        return {**metrics, **{FEDERATED_PREFIX + k: v for k, v in federated.items()}}
+
+    def _evaluate_federated(self, members: list[dict[str, np.ndarray]], weights: list[float] | None, *,
+                            vote: bool) -> dict[str, float]:
+        """Every client scores ``members`` on its held-out split and replies with sums and counts; the metrics of the
+        summed sums (count-weighted over the clients). A malformed reply is rejected (``update_rejected``); the
+        per-client table is logged with the method's next row (:meth:`log`)."""
+        fed = self.federation
+        gathered = fed.run(evaluate_held_out, fed.put(members), weights, vote=vote)
+        extra = ("vote_correct",) if vote else ()
+
+        def read(client: int, reply: Any) -> dict[str, Any]:
+            problem = check_metric_sums(reply, extra=extra)
+            if problem is not None:
+                raise Rejected(f"evaluation reply: {problem}")
+            return dict(reply)
+
+        need = min(fed.policy.min_clients, len(gathered.results) + len(gathered.failures))
+        kept = self.accept_replies(gathered, read, need=need, what="evaluation replies")
+        total = add_metric_sums([kept[c] for c in sorted(kept)])
+        if float(total["count"]) <= 0:
+            raise RunFailure(f"{self.label}: federated evaluation: the held-out splits of clients {sorted(kept)} are empty")
+        self._evaluations.append([make_client_row(c, kept[c]) for c in sorted(kept)])
+        return metrics_from_sums(total)
 
     # -- clients ------------------------------------------------------------------------------------------------
 
@@ -264,9 +341,32 @@ class MethodServer:
     # -- logging and checkpoints ------------------------------------------------------------------------------
 
     def log(self, round: int, metrics: dict[str, float], client: int | None = None) -> None:
-        """Record ``metrics`` at ``round`` (rows of ``metrics.parquet``)."""
+        """Record ``metrics`` at ``round`` (rows of ``metrics.parquet``). A row of the method as a whole (``client``
+        ``None``) also records the per-client tables of the federated evaluations since the last one
+        (:meth:`log_client_table`)."""
         for name, value in metrics.items():
             self.history.append({"round": int(round), "metric": name, "value": float(value), "client": client})
+        if client is None:
+            self.log_client_table(round)
+
+    def log_client_table(self, round: int) -> None:
+        """Record the per-client tables of the federated evaluations not yet logged at ``round``: ``val_<metric>`` rows
+        with the client's id (``val_count``: its held-out size); several evaluations (``local``: one per model) are
+        averaged per client."""
+        if not self._evaluations:
+            return
+        table = average_client_tables(self._evaluations)
+        self._evaluations = []
+        for row in table:
+            for name, value in row.items():
+                if name != "client":
+                    self.history.append({"round": int(round), "metric": CLIENT_PREFIX + name, "value": float(value), "client": row["client"]})
+
+    def collect_client_table(self) -> list[dict[str, Any]]:
+        """The per-client table of the method's last federated evaluation (empty with ``evaluation: central``)."""
+        if self._evaluations:
+            self.log_client_table(max((int(r["round"]) for r in self.history), default=0))
+        return read_client_table(self.history)
 
     def progress(self, message: str, **fields: Any) -> None:
         self.events.emit("progress", message, method=self.label, **fields)
@@ -456,6 +556,8 @@ class Coordinator:
             "label": label,
             "method": spec.method,
             "metrics": {k: float(v) for k, v in result.metrics.items()},
+            "evaluation": self.cfg.evaluation,
+            **({"client_metrics": server.collect_client_table()} if self.cfg.evaluation != "central" else {}),
             "info": result.info,
             "oracle": method_cls.oracle,
             "history": server.history,

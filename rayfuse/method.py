@@ -67,6 +67,7 @@ __all__ = [
     "RunSetup",
     "ServerContext",
     "Update",
+    "check_evaluation",
     "check_methods",
     "client_step",
     "register_method",
@@ -209,7 +210,9 @@ class ServerContext(Protocol):
     """A method's whole view of the run (the coordinator implements it).
 
     The federation and the events; the server-side data roles (``test``, ``public``); the run's model, data and
-    training settings; evaluation; accepting and averaging client updates (one rejection path,
+    training settings; evaluation (:meth:`evaluate` and :meth:`evaluate_ensemble` score on the server's test set, on
+    the clients' held-out splits, or both, as the run's ``evaluation`` says; :meth:`predict_proba` and
+    :meth:`evaluate_proba` are the server's test set only); accepting and averaging client updates (one rejection path,
     :meth:`accept_replies`: a reply with NaN/Inf, wrong keys or shapes, a sample count other than the planned one, or
     refused by the method's own check, is
     recorded as an ``update_rejected`` event, never used); seeded randomness; logging; round checkpoints
@@ -222,6 +225,7 @@ class ServerContext(Protocol):
     params: MethodParams
     events: Any
     seed: int
+    evaluation: str
     data_cfg: DataConfig
     model_cfg: ModelConfig
     train_cfg: TrainConfig
@@ -262,7 +266,9 @@ class ServerContext(Protocol):
 
     def evaluate_proba(self, proba: np.ndarray) -> dict[str, float]: ...
 
-    def evaluate(self, params: dict[str, np.ndarray]) -> dict[str, float]: ...
+    def evaluate(self, params: dict[str, np.ndarray], *, resized: bool = False) -> dict[str, float]: ...
+
+    def evaluate_ensemble(self, members: Sequence[dict[str, np.ndarray]], weights: Sequence[float]) -> dict[str, float]: ...
 
     def local_updates(self) -> Gathered[Update]: ...
 
@@ -324,6 +330,7 @@ class RunSetup:
     target: str | None = None
     seed: int = 0
     model_cache: str | None = None
+    evaluation: str = "central"
 
     @classmethod
     def from_plan(cls, cfg: ExperimentConfig, plan: DataPlan) -> RunSetup:
@@ -331,7 +338,7 @@ class RunSetup:
                    input_shape=tuple(plan.input_shape), num_classes=plan.num_classes,
                    train_sizes=tuple(len(t) for t in plan.client_train), val_sizes=tuple(len(v) for v in plan.client_val),
                    public_size=int(len(plan.public)), test_size=int(len(plan.test)), target=plan.target,
-                   seed=cfg.run.seed, model_cache=cfg.run.model_cache)
+                   seed=cfg.run.seed, model_cache=cfg.run.model_cache, evaluation=cfg.evaluation)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -380,7 +387,9 @@ class Method(ABC):
     paper's defaults), ``summary`` (one line for ``rayfuse list``), ``reference`` (the paper), and what the method
     needs from the run: ``uses_local_models`` (every client's trained local model), ``oracle`` (not feasible in a
     real federation; reported as an upper reference), ``multi_round`` (checkpoints each round, so ``--resume``
-    continues mid-method).
+    continues mid-method), ``federated_evaluation`` (its metrics come from :meth:`ServerContext.evaluate` /
+    :meth:`ServerContext.evaluate_ensemble`, so ``evaluation: federated`` or ``both`` can score it on the clients'
+    held-out splits; ``False``: a method scoring on the server's data in its own way, refused with those settings).
     """
 
     name: ClassVar[str]
@@ -391,6 +400,7 @@ class Method(ABC):
     uses_local_models: ClassVar[bool] = False
     oracle: ClassVar[bool] = False
     multi_round: ClassVar[bool] = False
+    federated_evaluation: ClassVar[bool] = True
 
     def __init__(self, params: MethodParams | None = None, label: str | None = None) -> None:
         self.params = self.Params() if params is None else params
@@ -519,7 +529,11 @@ def resolved_config(cfg: ExperimentConfig, specs: Sequence[MethodSpec] | None = 
 
 
 def check_methods(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
-    """Run every method's :meth:`Method.check` on ``setup``; the first refusal is raised with its full key path."""
+    """Run every method's :meth:`Method.check` on ``setup``; the first refusal is raised with its full key path.
+
+    With ``evaluation`` other than ``central`` the run is first checked for federated evaluation: the clients hold
+    held-out data of the run's task, and every method scores through :meth:`ServerContext.evaluate`."""
+    check_evaluation(specs, setup)
     for spec in specs:
         try:
             spec.method_cls.check(spec.params, setup)
@@ -528,3 +542,21 @@ def check_methods(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
             if head in CONFIG_SECTIONS:
                 raise
             raise exc.at(f"methods.{spec.label}.{exc.path}") from None
+
+
+def check_evaluation(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
+    """Refuse ``evaluation: federated`` / ``both`` for a run the clients cannot score: a new task on the server
+    (``data.target``), no held-out data on any client (``data.val_size: 0``), or a method that scores on the server's
+    data in its own way (``Method.federated_evaluation`` false)."""
+    if setup.evaluation == "central":
+        return
+    if setup.target is not None:
+        raise InputError("evaluation", "central with data.target (the clients hold held-out data of their own task, not the "
+                         "server's target task)", setup.evaluation)
+    if sum(setup.val_sizes) == 0:
+        raise InputError("evaluation", "central when no client holds a held-out split (data.val_size is 0)", setup.evaluation,
+                         "set data.val_size, e.g. 0.1")
+    for spec in specs:
+        if not spec.method_cls.federated_evaluation:
+            raise InputError("evaluation", f"central for method {spec.method!r} (methods.{spec.label}: it scores on the server's "
+                             "data in its own way, not through federated evaluation)", setup.evaluation)

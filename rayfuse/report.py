@@ -11,7 +11,7 @@ import numpy as np
 
 from rayfuse.io import atomic_write_bytes
 
-__all__ = ["Printer", "format_table", "format_partition", "write_metrics_parquet", "plot_comparison", "TABLE_METRICS"]
+__all__ = ["Printer", "format_table", "format_client_summary", "format_partition", "write_metrics_parquet", "plot_comparison", "TABLE_METRICS"]
 
 TABLE_METRICS = ("accuracy", "nll", "entropy", "ece")
 # shown in progress lines; the generative methods (epgan) report D-MSE / modes (toy set) or FD / IS (images)
@@ -117,6 +117,24 @@ def format_table(methods: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def format_client_summary(methods: Mapping[str, Mapping[str, Any]], evaluation: str) -> str:
+    """One line per method scored by federated evaluation: its aggregate accuracy over the clients' held-out splits
+    and the lowest and highest client's (the whole table is ``client_metrics`` in ``results.json``)."""
+    key = "federated_accuracy" if evaluation == "both" else "accuracy"
+    lines = []
+    for label, entry in methods.items():
+        rows = [r for r in entry.get("client_metrics") or [] if "accuracy" in r]
+        if not rows:
+            continue
+        low = min(rows, key=lambda r: r["accuracy"])
+        high = max(rows, key=lambda r: r["accuracy"])
+        lines.append(f"  {label}: {_fmt(entry.get(key))} over {len(rows)} clients ({sum(int(r['count']) for r in rows)} samples); "
+                     f"lowest client {low['client']} {low['accuracy']:.4f}, highest client {high['client']} {high['accuracy']:.4f}")
+    if not lines:
+        return ""
+    return "federated evaluation (accuracy on the clients' held-out splits, count-weighted):\n" + "\n".join(lines)
+
+
 def format_partition(counts: np.ndarray, class_names: Sequence[str], num_val: Sequence[int]) -> str:
     """Class counts per client (train + val), one row per client."""
     names = [str(c)[:6] for c in class_names]
@@ -146,9 +164,12 @@ def write_metrics_parquet(path: Any, summaries: Sequence[Mapping[str, Any]]) -> 
     atomic_write_bytes(path, buffer.getvalue().to_pybytes())
 
 
-def plot_comparison(path: Any, methods: Mapping[str, Mapping[str, Any]], summaries: Sequence[Mapping[str, Any]], title: str = "") -> None:
+def plot_comparison(path: Any, methods: Mapping[str, Mapping[str, Any]], summaries: Sequence[Mapping[str, Any]], title: str = "",
+                    evaluation: str = "central") -> None:
     """Final test accuracy per method (local with its spread over clients); with multi-round methods, their test
-    accuracy and test loss (NLL) per round."""
+    accuracy and test loss (NLL) per round. With ``evaluation: federated`` the accuracies are the aggregate over the
+    clients' held-out splits, and each client's own accuracy is a dot on its method's bar (``both``: the bars are
+    central, the dots federated)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -176,12 +197,18 @@ def plot_comparison(path: Any, methods: Mapping[str, Mapping[str, Any]], summari
         if err:
             ax.errorbar(i, value, yerr=err, color="black", capsize=4, linewidth=1)
         ax.text(bar.get_x() + bar.get_width() / 2, min(value + (err or 0), 0.97) + 0.01, f"{value:.3f}", ha="center", va="bottom", fontsize=8)
+        dots = [r["accuracy"] for r in methods[labels[i]].get("client_metrics") or [] if "accuracy" in r]
+        if dots:
+            ax.scatter([i] * len(dots), dots, s=8, color="black", zorder=3)
     ax.set_xticks(range(len(labels)), [m + ("\n(oracle)" if methods[m].get("oracle") else "") for m in labels], fontsize=8,
                   rotation=30 if len(labels) > 6 else 0)
     ax.set_ylim(0, 1.05)
-    ax.set_ylabel("test accuracy")
-    ax.set_title("final test accuracy" + (f" ({title})" if title else ""), fontsize=10)
-    for col, (data, metric, name) in enumerate([(curves, "accuracy", "test accuracy"), (losses, "nll", "test loss (NLL)")], start=1):
+    what = {"federated": "held-out accuracy (federated)", "both": "test accuracy (dots: clients' held-out)"}.get(evaluation, "test accuracy")
+    ax.set_ylabel(what)
+    ax.set_title(f"final {what}" + (f" ({title})" if title else ""), fontsize=10)
+    panels_of = [(curves, "accuracy", "test accuracy"), (losses, "nll", "test loss (NLL)")] if evaluation != "federated" else \
+        [(curves, "accuracy", "held-out accuracy (federated)"), (losses, "nll", "held-out loss (NLL, federated)")]
+    for col, (data, metric, name) in enumerate(panels_of, start=1):
         if not data:
             continue
         ax = axes[0, col if curves else col - 1]

@@ -14,7 +14,8 @@ Order of work (each a timed stage in ``results.json``):
    copy it keeps under ``run.model_cache``; on ``--resume``, the run folder's copy when its own is gone). The
    coordinator fetches the parameters once, only for methods that fuse them, and checkpoints them.
 4. one stage per method -- the coordinator runs the method's server loop.
-5. ``report`` -- ``metrics.parquet``, ``comparison.png``, then ``results.json`` (status, metrics, timings, events).
+5. ``report`` -- ``metrics.parquet``, ``comparison.png``, then ``results.json`` (status, metrics, timings, events; with
+   ``evaluation: federated`` or ``both``, each method's per-client table, ``client_metrics``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from rayfuse.data.roles import DataPlan, load_dataset_from_config, load_target_f
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.io import atomic_write_json, atomic_write_text
 from rayfuse.method import MethodSpec, RunSetup, check_methods, resolve_methods, resolved_config
-from rayfuse.report import Printer, format_partition, format_table, plot_comparison, write_metrics_parquet
+from rayfuse.report import Printer, format_client_summary, format_partition, format_table, plot_comparison, write_metrics_parquet
 from rayfuse.store import RunStore, claim_run_folder
 from rayfuse.version import __version__
 
@@ -293,7 +294,8 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
         methods = {label: _method_entry(s) for label, s in summaries.items()}
         if summaries:
             write_metrics_parquet(store.metrics_file, list(summaries.values()))
-            plot_comparison(store.plot_file, methods, list(summaries.values()), title=f"{plan.dataset}, {plan.num_clients} clients")
+            plot_comparison(store.plot_file, methods, list(summaries.values()), title=f"{plan.dataset}, {plan.num_clients} clients",
+                            evaluation=cfg.evaluation)
         timings["report"] = round(time.perf_counter() - t0, 3)
         timings["total"] = round(time.time() - start, 3)
         results = {
@@ -306,6 +308,7 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
                 "seconds": timings["total"], "resumed": resume, **backend_info,
             },
             "config": resolved,
+            "evaluation": cfg.evaluation,
             "partition": {
                 "hash": plan.digest(), "dataset": plan.dataset, **plan.partition,
                 "num_train": [len(t) for t in plan.client_train], "num_val": [len(v) for v in plan.client_val],
@@ -324,6 +327,8 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
         atomic_write_json(store.results_file, results)
         if methods:
             say("\n" + format_table(methods), always=True)
+            if cfg.evaluation != "central":
+                say(format_client_summary(methods, cfg.evaluation), always=True)
         say(f"\nresults: {store.results_file}", always=True)
         if status == "failed":
             raise RunFailure(error or "run failed")
@@ -348,5 +353,8 @@ def _method_entry(summary: dict[str, Any]) -> dict[str, Any]:
         entry["note"] = info["note"]
     entry["seconds"] = summary.get("seconds")
     entry["model_file"] = summary.get("model_file")
+    entry["evaluation"] = summary.get("evaluation", "central")  # which evaluation produced the metrics (rayfuse.evaluation)
+    if "client_metrics" in summary:
+        entry["client_metrics"] = summary["client_metrics"]  # the per-client table of the last federated evaluation
     entry["info"] = info
     return entry

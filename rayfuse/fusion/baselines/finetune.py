@@ -44,42 +44,23 @@ from torch import nn
 
 from rayfuse.data.roles import Split
 from rayfuse.errors import InputError, NonFiniteError
+from rayfuse.evaluation import model_for_params
 from rayfuse.fusion import references
 from rayfuse.method import Method, MethodParams, MethodResult, RunSetup, ServerContext, register_method
-from rayfuse.models import get_params, predict_proba, set_params, train_model
+from rayfuse.models import get_params, train_model
 from rayfuse.models.registry import build_model
-from rayfuse.symmetry import ModelStructure, build_node_graph, read_structure, resize_model
+from rayfuse.symmetry import ModelStructure, build_node_graph, read_structure
 
 __all__ = ["FinetuneParams", "Finetune", "model_for_params", "evaluate_params", "fine_tune", "fit_last_layer", "check_tune_solver",
            "check_public_samples", "public_subsets", "TuneSettings"]
 
 
-def model_for_params(params: dict[str, np.ndarray], model_cfg: Any, input_shape: Sequence[int], num_classes: int) -> nn.Module:
-    """A model of the configured architecture holding ``params``, whose widths may differ from the configuration's
-    (GEMS' fused networks are narrower or wider): they are the sizes of the model's permutation groups in ``params``
-    (:func:`rayfuse.symmetry.resize_model`). The model is built without dropout, as it is evaluated and tuned.
-
-    Raises
-    ------
-    InputError
-        ``params.<key>`` naming the first entry that is missing or whose shape no widths explain.
-    """
-    cfg = model_cfg.model_copy(update={"dropout": 0.0}) if getattr(model_cfg, "dropout", 0) else model_cfg
-    model = build_model(cfg, tuple(input_shape), num_classes, seed=0)
-    state = model.state_dict()
-    if set(params) == set(state) and all(np.shape(params[k]) == tuple(v.shape) for k, v in state.items()):
-        return set_params(model, params)  # the configured widths
-    structure = read_structure(model, torch.zeros((2, *input_shape)))
-    return resize_model(model, structure, params)
-
-
 def evaluate_params(server: ServerContext, params: dict[str, np.ndarray]) -> dict[str, float]:
-    """Test metrics of a parameter dict of the configured architecture and any widths (``server.evaluate`` requires
-    the config's shapes)."""
+    """Metrics of a parameter dict of the configured architecture and any widths (``server.evaluate`` with
+    ``resized=True``: central, federated or both, as the run's ``evaluation`` says)."""
     if not all(np.isfinite(v).all() for v in params.values()):
         raise NonFiniteError(f"{server.label}: the model to evaluate has NaN or Inf values")
-    model = model_for_params(params, server.model_cfg, server.input_shape, server.num_classes)
-    return server.evaluate_proba(predict_proba(model, server.test.X, device=server.device))
+    return server.evaluate(params, resized=True)
 
 
 class TuneSettings(MethodParams):

@@ -474,6 +474,7 @@ class EPGANState:
 @register_method
 class EPGAN(Method):
     name = "epgan"
+    federated_evaluation = False  # generative scores (FD / IS / D-MSE) against the server's test set: evaluation central only
     Params = EPGANParams
     params: EPGANParams
     summary = "EP-GAN: federated (Bayesian) GANs, FedAvg of G and D plus a product-of-Gaussians EP prior (Wu et al. 2022)"
@@ -562,6 +563,7 @@ class EPGAN(Method):
 @register_method
 class EPGANOracle(Method):
     name = "epgan-oracle"
+    federated_evaluation = False  # generative scores (FD / IS / D-MSE) against the server's test set: evaluation central only
     aliases = ("epgan-centralized",)
     Params = EPGANOracleParams
     params: EPGANOracleParams

@@ -288,6 +288,7 @@ def _check_finite(params: dict[str, np.ndarray]) -> bool:
 @register_method
 class Scratch(Method):
     name = "scratch"
+    federated_evaluation = False  # a target-task model scored on the server's target test set: evaluation central only
     Params = StudentParams
     params: StudentParams
     summary = "the target model trained on the server's labelled target set alone (FedSA's Scratch baseline)"
@@ -318,6 +319,7 @@ class TransferParams(TargetParams):
 @register_method
 class Transfer(Method):
     name = "transfer"
+    federated_evaluation = False  # a target-task model scored on the server's target test set: evaluation central only
     Params = TransferParams
     params: TransferParams
     summary = "each teacher fine-tuned on the target set (needs the teachers' weights: not federated; FedSA's Transfer)"
@@ -361,6 +363,7 @@ class Transfer(Method):
 @register_method
 class FedSA(Method):
     name = "fedsa"
+    federated_evaluation = False  # a target-task model scored on the server's target test set: evaluation central only
     Params = FedSAParams
     params: FedSAParams
     summary = "saliency-based teacher selection and selective feature amalgamation into a new-task student (Xie et al. 2022)"

@@ -89,6 +89,8 @@ def check_local_components(params: GMMPosteriorParams, setup: RunSetup) -> None:
 class GMMMethod(Method):
     """A method on the ``kl_gmm`` dataset whose clients fit local GMM posteriors: checks both before the run."""
 
+    federated_evaluation = False  # scores against the dataset's true GMM atoms: evaluation central only
+
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:
         check_gmm_dataset(setup, cls.name)
@@ -129,6 +131,7 @@ def gmm_metrics(server: ServerContext, means: np.ndarray) -> dict[str, float]:
 @register_method
 class GMMOracle(Method):
     name = "gmm_oracle"
+    federated_evaluation = False  # scores against the dataset's true GMM atoms: evaluation central only
     aliases = ("vi_oracle",)
     Params = GMMPosteriorParams
     params: GMMPosteriorParams
