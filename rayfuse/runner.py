@@ -21,6 +21,7 @@ Order of work (each a timed stage in ``results.json``):
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import secrets
 import time
@@ -171,6 +172,20 @@ def check_new_folder(out: str | Path, *, key: str = "--out") -> Path:
     return path
 
 
+def _check_config_hash(store: RunStore) -> None:
+    """``config.yaml`` against the SHA-256 ``partition.json`` records for it (runs of older versions record none). A
+    damaged ``partition.json`` is left to the partition check, which names it."""
+    try:
+        recorded = json.loads(store.partition_file.read_text(encoding="utf-8")).get("config_sha256")
+        found = hashlib.sha256(store.config_file.read_bytes()).hexdigest()
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(recorded, str) and recorded != found:
+        raise InputError(str(store.config_file), "the run's resolved config as rayfuse wrote it",
+                         "a file whose SHA-256 differs from the one partition.json records (truncated or edited)",
+                         "restore it from results.json's config, or start a new run")
+
+
 def load_run_config(run_dir: str | Path, overrides: Sequence[tuple[list[str], Any]] = ()) -> ExperimentConfig:
     """The config of an earlier run (for ``--resume``); only ``federation.*`` keys may be overridden."""
     from rayfuse.config import apply_overrides
@@ -195,6 +210,7 @@ def load_run_config(run_dir: str | Path, overrides: Sequence[tuple[list[str], An
         if any(exc.path.startswith(".".join(parts)) for parts, _ in overrides):
             raise  # the error is in an override (--set), not in the file
         raise exc.at(f"{store.config_file}: {exc.path}") from None
+    _check_config_hash(store)  # a valid config that is not the one written (cut at a line end, edited)
     if cfg.model.name == "custom" or cfg.data.dataset == "arrays":
         given = f"model.name: custom ({cfg.model.factory})" if cfg.model.name == "custom" else "data.dataset: arrays"
         raise InputError("--resume", "a run whose model and data a config file describes", given,
@@ -249,8 +265,10 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
         if stored != plan.digest():
             raise InputError("--resume", "the same data split as the original run", "a different partition hash", "did the dataset files change?")
     with claim_run_folder(run_dir, resume=resume):  # released at the end; a second run of this folder is refused
-        atomic_write_text(store.config_file, dump_config(resolved))
-        atomic_write_json(store.partition_file, plan.manifest())
+        config_text = dump_config(resolved)
+        atomic_write_text(store.config_file, config_text)
+        # the config's hash beside the split's: a resume can tell a damaged config.yaml that still parses (a cut at a line end)
+        atomic_write_json(store.partition_file, {**plan.manifest(), "config_sha256": hashlib.sha256(config_text.encode("utf-8")).hexdigest()})
         timings["partition"] = round(time.perf_counter() - t0, 3)
         say(f"rayfuse {__version__}: run {cfg.run.name!r} -> {run_dir}{'  (resumed)' if resume else ''}")
         target_note = f" (target task: {plan.target}, {len(plan.public)} public / {len(plan.test)} test)" if plan.target else ""

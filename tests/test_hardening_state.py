@@ -238,6 +238,8 @@ RUN_FOLDER_CORPUS = [
     ("config.yaml", not_a_mapping, "config.yaml: expected the run's resolved config (a YAML mapping)"),
     ("config.yaml", bad_value, "config.yaml: partition.alpha"),
     ("config.yaml", lambda f: f.write_bytes(b"\xff\xfe run: {}"), "config.yaml: expected"),
+    ("config.yaml", lambda f: f.write_text("".join(f.read_text().splitlines(True)[:-3])),  # still a valid config: defaults fill in
+     "config.yaml: expected the run's resolved config as rayfuse wrote it"),
     ("partition.json", garbage, "partition.json: expected the run's partition manifest"),
     ("partition.json", truncate, "partition.json: expected the run's partition manifest"),
     ("partition.json", no_hash, "partition.json: expected the run's partition manifest"),
