@@ -42,6 +42,7 @@ __all__ = [
     "FederationConfig",
     "ResourcesConfig",
     "FaultSpec",
+    "AttackSpec",
     "CONFIG_SECTIONS",
     "pydantic_input_error",
     "refuse_boolean_number",
@@ -230,9 +231,10 @@ class PartitionConfig(StrictModel):
     shards_per_client: int = Field(2, ge=1, description="shards: shards per client")
     shard_size: int | None = Field(None, ge=1, description="shards: samples per shard (default: pool / total shards)")
     subset_fraction: tuple[float, float] = Field((0.4, 0.9), description="subsets: each client's fraction of the pool ~ U[low, high] (overlapping)")
-    corrupt: dict[int, Literal["shuffle_labels", "noise", "permute_pixels"]] = Field(
+    corrupt: dict[int, Literal["shuffle_labels", "noise", "permute_pixels", "flip_labels"]] = Field(
         default_factory=dict, description="clients whose private data is corrupted, by client id: shuffle_labels (random labels), "
-        "noise (inputs + Gaussian noise, 2x the shard's std), permute_pixels (one fixed feature permutation: an unrelated input domain)")
+        "noise (inputs + Gaussian noise, 2x the shard's std), permute_pixels (one fixed feature permutation: an unrelated input domain), "
+        "flip_labels (label y becomes C - 1 - y: the label-flipping attack)")
 
     @field_validator("method")
     @classmethod
@@ -373,6 +375,48 @@ class FaultSpec(StrictModel):
     seconds: float = Field(3600.0, gt=0, description="hang: how long to sleep")
 
 
+class AttackSpec(StrictModel):
+    """An attack on one client's model updates, to measure robust aggregation against (``rayfuse.attacks``).
+
+    Applied by the server to the client's update where a method combines updates (the FedAvg family and ``average``),
+    before aggregation: a simulation of a compromised client, recorded as an ``attack`` event. Never applied unless
+    configured.
+    """
+
+    client: int = Field(ge=0)
+    kind: Literal["sign_flip", "scale", "gaussian", "little_is_enough"] = Field(
+        description="sign_flip (w_ref - (w - w_ref)), scale (w_ref + scale (w - w_ref)), gaussian (w_ref + N(0, std^2)), "
+        "little_is_enough (the colluders send mean - z std of the honest updates, Baruch et al. 2019)")
+    rounds: list[int] | Literal["all"] = Field("all", description="the rounds attacked (one-shot methods: round 1), or all")
+    scale: float | None = Field(None, description="scale: the factor s (default 10)")
+    std: float | None = Field(None, gt=0, description="gaussian: the noise's standard deviation (default 1)")
+    z: float | None = Field(None, gt=0, description="little_is_enough: the number of standard deviations (default: the "
+                            "paper's z_max for the round's n and colluders)")
+
+    @field_validator("rounds")
+    @classmethod
+    def _positive_rounds(cls, value: list[int] | str) -> list[int] | str:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("a non-empty list of rounds (>= 1) or 'all'")
+            bad = [r for r in value if r < 1]
+            if bad:
+                raise ValueError(f"rounds >= 1, got {bad[0]}")
+        return value
+
+    @model_validator(mode="after")
+    def _own_keys(self) -> AttackSpec:
+        own = {"scale": "scale", "std": "gaussian", "z": "little_is_enough"}
+        for key, kind in own.items():
+            if getattr(self, key) is not None and self.kind != kind:
+                raise ValueError(f"@{key}@ {key} only with kind {kind} (kind is {self.kind}), got {getattr(self, key)}")
+        return self
+
+    def attacks_round(self, round: int) -> bool:
+        """Whether this attack applies to ``round``."""
+        return self.rounds == "all" or round in self.rounds
+
+
 _HOST = r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])"
 _PORT = r"(?:6553[0-5]|655[0-2]\d|65[0-4]\d\d|6[0-4]\d{3}|[1-5]\d{4}|[1-9]\d{0,3})"
 _RAY_ADDRESS = re.compile(rf"auto|local|ray://{_HOST}(?::{_PORT})?|{_HOST}:{_PORT}")
@@ -398,6 +442,8 @@ class FederationConfig(StrictModel):
     ray_init: dict[str, Any] = Field(default_factory=dict,
                                      description="arguments for ray.init when rayfuse starts a local Ray (num_cpus, include_dashboard...)")
     faults: list[FaultSpec] = Field(default_factory=list)
+    attacks: list[AttackSpec] = Field(default_factory=list, description="attacks on clients' model updates, to measure "
+                                      "robust aggregation against (FedAvg family and average)")
 
     @field_validator("address")
     @classmethod
@@ -459,6 +505,13 @@ class ExperimentConfig(StrictModel):
         for i, fault in enumerate(self.federation.faults):
             if fault.client >= n:
                 raise ValueError(f"@federation.faults.{i}.client@ a client id in 0..{n - 1}, got {fault.client}")
+        seen: set[int] = set()
+        for i, attack in enumerate(self.federation.attacks):
+            if attack.client >= n:
+                raise ValueError(f"@federation.attacks.{i}.client@ a client id in 0..{n - 1}, got {attack.client}")
+            if attack.client in seen:
+                raise ValueError(f"@federation.attacks.{i}.client@ one attack per client, got client {attack.client} twice")
+            seen.add(attack.client)
         return self
 
 

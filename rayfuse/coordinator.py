@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from rayfuse.attacks import apply_attacks
 from rayfuse.client import forget_client_state, get_local_update, has_client_state, restore_local, set_local_params, train_local
 from rayfuse.config import ExperimentConfig
 from rayfuse.data.roles import DataPlan, Split, load_dataset_from_config, load_target_from_config, pooled_train, server_splits
@@ -307,6 +308,23 @@ class MethodServer:
     def reject(self, client: int, reason: str) -> None:
         """Record that ``client``'s reply was rejected (never used): an ``update_rejected`` event."""
         self.events.emit("update_rejected", reason, method=self.label, client=client)
+
+    def list_attackers(self, round: int) -> list[int]:
+        """The clients ``federation.attacks`` attacks in ``round`` (empty unless configured)."""
+        return sorted(a.client for a in self._coordinator.cfg.federation.attacks if a.attacks_round(round))
+
+    def attack_updates(self, updates: dict[int, Update], reference: Mapping[str, np.ndarray], round: int) -> dict[int, Update]:
+        """``updates`` with the attacking clients' replaced by their attacks' (:func:`rayfuse.attacks.apply_attacks`,
+        relative to ``reference``, the model the clients started from), each recorded as an ``attack`` event; the
+        same updates when no attack is configured for ``round``."""
+        attacks = self._coordinator.cfg.federation.attacks
+        if not attacks:
+            return updates
+        attacked, applied = apply_attacks(updates, reference, attacks, round=round, seed=self.seed)
+        for attack in applied:
+            self.events.emit("attack", f"{attack.kind} on client {attack.client}'s update", method=self.label, client=attack.client,
+                             round=round, attack=attack.kind)
+        return attacked
 
     def average_updates(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, *,
                         weighted: bool = True) -> tuple[dict[str, np.ndarray], dict[int, Update]]:

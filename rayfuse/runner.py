@@ -333,6 +333,8 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
                 "class_counts": plan.counts.tolist(), "test_size": int(len(plan.test)), "public_size": int(len(plan.public)),
                 "unassigned": plan.unassigned,
             },
+            **({"attacks": [a.model_dump(mode="json", exclude_none=True) for a in cfg.federation.attacks]}
+               if cfg.federation.attacks else {}),
             "methods": methods,
             "timings": timings,
             "events": events,

@@ -9,7 +9,8 @@ A run's data is split once, in the driver, into explicit roles (ARCHITECTURE.md,
   partitioning, so no client holds it.
 * **client train / val** -- each client's private shard (from the partitioner) and a private validation split of it
   (``data.val_size``). Only the client's own actor ever loads them. ``partition.corrupt`` marks clients whose private
-  data is corrupted (random labels, noised inputs, or permuted pixels: an unrelated input domain), applied by the
+  data is corrupted (random labels, flipped labels ``y -> C - 1 - y``, noised inputs, or permuted pixels: an unrelated
+  input domain), applied by the
   client itself when it loads its shard (:func:`corrupt_split`): bad data owners for robustness experiments, and the
   unrelated / corrupted teachers of FedSA.
 
@@ -33,7 +34,7 @@ from rayfuse.seeding import derive_seed, make_rng
 __all__ = ["ClientPlan", "DataPlan", "Split", "make_plan", "load_dataset_from_config", "load_target_from_config", "client_splits",
            "server_splits", "pooled_train", "corrupt_split", "CORRUPTIONS"]
 
-CORRUPTIONS = ("shuffle_labels", "noise", "permute_pixels")
+CORRUPTIONS = ("shuffle_labels", "noise", "permute_pixels", "flip_labels")
 
 
 @dataclass(frozen=True)
@@ -301,14 +302,16 @@ def client_splits(dataset: Dataset, plan: ClientPlan) -> tuple[Split, Split]:
     train, val = _take(dataset, plan.train, plan.normalization), _take(dataset, plan.val, plan.normalization)
     if plan.corruption is None:
         return train, val
-    return (corrupt_split(train, plan.corruption, plan.corruption_seed, "train"),
-            corrupt_split(val, plan.corruption, plan.corruption_seed, "val"))
+    return (corrupt_split(train, plan.corruption, plan.corruption_seed, "train", num_classes=plan.num_classes),
+            corrupt_split(val, plan.corruption, plan.corruption_seed, "val", num_classes=plan.num_classes))
 
 
-def corrupt_split(split: Split, kind: str, seed: int, role: str = "train") -> Split:
+def corrupt_split(split: Split, kind: str, seed: int, role: str = "train", *, num_classes: int | None = None) -> Split:
     """``split`` corrupted the ``kind`` way (deterministic in ``seed``).
 
     * ``shuffle_labels`` -- the labels permuted among the samples (random labels: a corrupted task);
+    * ``flip_labels`` -- every label ``y`` replaced by ``C - 1 - y`` (``C = num_classes``; the label-flipping attack of
+      the robustness literature, e.g. Fang et al. 2020);
     * ``noise`` -- Gaussian noise with twice the split's feature standard deviation added to every input;
     * ``permute_pixels`` -- one fixed random permutation of the input features (the same for train and val, a new
       input domain: an unrelated task for which the client's features do not transfer to clean inputs).
@@ -318,6 +321,10 @@ def corrupt_split(split: Split, kind: str, seed: int, role: str = "train") -> Sp
     X, y = split.X, split.y
     if kind == "shuffle_labels":
         y = make_rng(seed, "labels", role).permutation(y)
+    elif kind == "flip_labels":
+        if num_classes is None:
+            raise ValueError("flip_labels needs num_classes")
+        y = (num_classes - 1) - y
     elif kind == "noise":
         scale = 2.0 * float(X.std()) if X.size else 0.0
         X = X + make_rng(seed, "noise", role).normal(0.0, scale, size=X.shape).astype(np.float32)

@@ -474,7 +474,7 @@ def check_enough_updates(settings: AggregatorSettings, n: int, label: str) -> No
 
 def aggregate_updates(server: ServerContext, gathered: Gathered[Any], settings: AggregatorSettings, *,
                       reference: dict[str, np.ndarray] | None = None, start: Mapping[str, np.ndarray] | None = None,
-                      weighted: bool = True) -> tuple[Params, dict[int, Update]]:
+                      weighted: bool = True, round: int = 1) -> tuple[Params, dict[int, Update]]:
     """A round's valid updates combined by ``settings``, and the updates combined.
 
     The plain mean is :meth:`ServerContext.average_updates` itself (unchanged results). Any other rule, or clipping,
@@ -495,20 +495,28 @@ def aggregate_updates(server: ServerContext, gathered: Gathered[Any], settings: 
         The global model the clients started from, which clipping measures updates from (default: ``reference``).
     weighted : bool
         Weight the updates by their sample counts (where the rule uses weights).
+    round : int
+        The round (1 for one-shot methods): the updates of the clients ``federation.attacks`` attacks in it are replaced
+        by their attacks' (:meth:`ServerContext.attack_updates`, relative to ``start``, ``reference`` or the run's
+        initial model) before the rule runs.
 
     Raises
     ------
     RunFailure
         Fewer valid updates arrived than the rule needs (clients failed or were rejected).
     """
-    if settings.is_plain_mean:
+    attacked = bool(server.list_attackers(round))
+    if settings.is_plain_mean and not attacked:
         return server.average_updates(gathered, reference, weighted=weighted)
     updates = server.accept_updates(gathered, reference)
     ids = sorted(updates)
     check_enough_updates(settings, len(ids), server.label)
+    origin = start if start is not None else reference
+    if (settings.clip_norm is not None or attacked) and origin is None:
+        origin = server.initial_params()
+    if attacked:
+        assert origin is not None
+        updates = server.attack_updates(updates, origin, round)
     models = [updates[c].params for c in ids]
     weights = [float(updates[c].num_examples) for c in ids] if weighted else None
-    origin = start if start is not None else reference
-    if settings.clip_norm is not None and origin is None:
-        origin = server.initial_params()
     return aggregate(models, weights, settings, reference=origin), {c: updates[c] for c in ids}

@@ -141,7 +141,8 @@ class FedAvg(Method):
         for rnd in rounds:
             clients = server.sample_clients(p.fraction, rnd)
             gathered = fed.run(fit, fed.put(state.params), clients=clients, round=rnd, **step_args)
-            averaged, updates = aggregate_updates(server, gathered, p.aggregator, reference=state.params, weighted=p.weighted)
+            averaged, updates = aggregate_updates(server, gathered, p.aggregator, reference=state.params, weighted=p.weighted,
+                                                round=rnd)
             state.params = self.server_update(server, state.params, averaged, updates, rnd)
             state.server = self.server_state()
             losses = np.array([u.metrics.get("train_loss", np.nan) for u in updates.values()])
