@@ -393,16 +393,18 @@ class AttackSpec(StrictModel):
     z: float | None = Field(None, gt=0, description="little_is_enough: the number of standard deviations (default: the "
                             "paper's z_max for the round's n and colluders)")
 
-    @field_validator("rounds")
+    @field_validator("rounds", mode="before")
     @classmethod
-    def _positive_rounds(cls, value: list[int] | str) -> list[int] | str:
-        if isinstance(value, list):
-            if not value:
-                raise ValueError("a non-empty list of rounds (>= 1) or 'all'")
-            bad = [r for r in value if r < 1]
-            if bad:
-                raise ValueError(f"rounds >= 1, got {bad[0]}")
-        return value
+    def _positive_rounds(cls, value: Any) -> Any:
+        # before the union's own validation, so a bad value is one line naming the key, not one line per union member
+        if value == "all":
+            return value
+        if not isinstance(value, (list, tuple)) or not value:
+            raise ValueError("a non-empty list of rounds (>= 1) or 'all'")
+        for r in value:
+            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+                raise ValueError("a list of rounds >= 1 (integers) or 'all'")
+        return list(value)
 
     @model_validator(mode="after")
     def _own_keys(self) -> AttackSpec:
