@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, cast
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError
 
-from rayfuse.config import pydantic_input_error, refuse_boolean_number
+from rayfuse.config import StrictSchema, pydantic_input_error
 from rayfuse.errors import InputError, suggest
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.aligned.algorithm import AlignmentSettings, derive_run_spec
@@ -49,15 +49,8 @@ __all__ = ["FuseSpec", "Fuser", "FuseInputs", "FUSERS", "register_fuser", "load_
            "check_floats", "fused_dtype"]
 
 
-class _FuseSchema(BaseModel):
-    """Unknown keys are errors, values frozen, floats finite, and a boolean is not a number."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_booleans_for_numbers(cls, value: Any, info: Any) -> Any:
-        return refuse_boolean_number(cls, value, info)
+class _FuseSchema(StrictSchema):
+    """A fuse file's schema (:class:`rayfuse.config.StrictSchema`)."""
 
 
 class _Model(_FuseSchema):

@@ -46,6 +46,7 @@ __all__ = [
     "CONFIG_SECTIONS",
     "pydantic_input_error",
     "refuse_boolean_number",
+    "StrictSchema",
     "build_config",
     "load_config",
     "parse_overrides",
@@ -61,20 +62,27 @@ DEFAULT_METHODS: dict[str, dict[str, Any]] = {"local": {}, "average": {}, "ensem
                                                "aligned-wide": {"method": "aligned", "merge": "nonparametric"}, "fedavg": {}, "global": {}}
 
 
-class StrictModel(BaseModel):
-    """Base for config sections: unknown keys are errors, values are immutable once validated.
+class StrictSchema(BaseModel):
+    """Base of every schema a user's file is read into (config sections, method parameters, fuse and sweep files):
+    unknown keys are errors, values are frozen, floats are finite (``allow_inf_nan=False``: ``lr: .inf`` and
+    ``lr: nan`` are refused) and a boolean is not a number (``epochs: true`` is not 1)."""
 
-    ``--set`` values are parsed as YAML, so ``--set run.name=2024`` gives an int: text keys take numbers as text
-    (``coerce_numbers_to_str``). The other way round is refused: ``epochs: true`` is not the number 1. Floats are
-    finite (``allow_inf_nan=False``: ``lr: .inf`` and ``lr: nan`` are refused).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, coerce_numbers_to_str=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
     def _no_booleans_for_numbers(cls, value: Any, info: Any) -> Any:
         return refuse_boolean_number(cls, value, info)
+
+
+class StrictModel(StrictSchema):
+    """Base for config sections: a :class:`StrictSchema` whose defaults are validated too.
+
+    ``--set`` values are parsed as YAML, so ``--set run.name=2024`` gives an int: text keys take numbers as text
+    (``coerce_numbers_to_str``).
+    """
+
+    model_config = ConfigDict(validate_default=True, coerce_numbers_to_str=True)
 
 
 def refuse_boolean_number(model: type[BaseModel], value: Any, info: Any) -> Any:

@@ -30,16 +30,16 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import ConfigDict, ValidationError
 
 from rayfuse.config import (
     CONFIG_SECTIONS,
     DataConfig,
     ExperimentConfig,
     ModelConfig,
+    StrictSchema,
     TrainConfig,
     pydantic_input_error,
-    refuse_boolean_number,
 )
 from rayfuse.errors import InputError
 from rayfuse.registry import Registry
@@ -349,16 +349,11 @@ class RunSetup:
 # Methods
 
 
-class MethodParams(BaseModel):
-    """A method's parameters: unknown keys are errors, values frozen after validation, floats finite (``.inf`` and
-    ``nan`` refused), and a boolean is not a number (``rounds: true`` is refused, not read as 1)."""
+class MethodParams(StrictSchema):
+    """A method's parameters (:class:`rayfuse.config.StrictSchema`: unknown keys are errors, values frozen, floats
+    finite, ``rounds: true`` refused, not read as 1), defaults validated too."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_booleans_for_numbers(cls, value: Any, info: Any) -> Any:
-        return refuse_boolean_number(cls, value, info)
+    model_config = ConfigDict(validate_default=True)
 
 
 @dataclass

@@ -36,15 +36,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError
 
 from rayfuse.config import (
     ExperimentConfig,
+    StrictSchema,
     apply_overrides,
     parse_overrides,
     pydantic_input_error,
     read_config_file,
-    refuse_boolean_number,
     validate_config,
 )
 from rayfuse.errors import InputError, suggest
@@ -137,15 +137,8 @@ class SweepSpec:
         return cfg
 
 
-class _SweepSchema(BaseModel):
-    """Unknown keys are errors, values frozen, floats finite, and a boolean is not a number."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_booleans_for_numbers(cls, value: Any, info: Any) -> Any:
-        return refuse_boolean_number(cls, value, info)
+class _SweepSchema(StrictSchema):
+    """A sweep file's schema (:class:`rayfuse.config.StrictSchema`)."""
 
 
 class _SchedulerFile(_SweepSchema):
