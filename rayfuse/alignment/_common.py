@@ -1,8 +1,9 @@
-"""Helpers shared by the alignment modules: checking model lists and weights, torch devices."""
+"""Helpers shared by the alignment modules: checking model lists and weights, torch devices, passes over data."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -70,3 +71,57 @@ def weighted_average(models: Sequence[Mapping[str, np.ndarray]], w: np.ndarray, 
                 total += weight * np.asarray(model[key], dtype=np.float64)
         out[key] = total.astype(first.dtype, copy=False)
     return out
+
+
+def param_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of ``model``'s first floating-point parameter (float32 if it has none): what its inputs are cast to."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def batches(X: np.ndarray, batch_size: int, dtype: torch.dtype, dev: torch.device) -> Iterator[torch.Tensor]:
+    """``X`` in batches of ``batch_size`` rows as tensors on ``dev``. Raises :class:`InputError` for a batch size below 1."""
+    if batch_size < 1:
+        raise InputError("batch_size", "at least 1", batch_size)
+    return (torch.as_tensor(np.asarray(X[lo:lo + batch_size]), dtype=dtype, device=dev) for lo in range(0, len(X), batch_size))
+
+
+@contextmanager
+def evaluating(model: torch.nn.Module, dev: torch.device, handles: Sequence[torch.utils.hooks.RemovableHandle] = ()) -> Iterator[None]:
+    """``model`` in eval mode on ``dev`` for a pass over data; afterwards ``handles`` removed, every module's mode restored
+    and the model moved back where it was."""
+    modes = [(m, m.training) for m in model.modules()]
+    place = next((p.device for p in model.parameters()), dev)
+    try:
+        model.eval().to(dev)
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for module, mode in modes:
+            module.train(mode)
+        model.to(place)
+
+
+class ChannelMoments:
+    """Per name, the running count, sum and sum of squares of each channel of the tensors added (float64)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, list[torch.Tensor]] = {}
+        self.counts: dict[str, float] = {}
+
+    def add(self, name: str, x: torch.Tensor, channel_dim: int) -> None:
+        """Add every value of ``x`` to its channel (axis ``channel_dim``)."""
+        rows = x.detach().to(torch.float64).movedim(channel_dim, -1)
+        rows = rows.reshape(-1, rows.shape[-1])
+        parts = [rows.sum(0), (rows * rows).sum(0)]
+        self.sums[name] = [a + b for a, b in zip(self.sums[name], parts)] if name in self.sums else parts
+        self.counts[name] = self.counts.get(name, 0.0) + float(rows.shape[0])
+
+    def result(self) -> dict[str, tuple[float, np.ndarray, np.ndarray]]:
+        """Per name, ``(count, mean, var)``: the number of values per channel, their mean and population variance."""
+        out = {}
+        for name, (total, squares) in self.sums.items():
+            n = self.counts[name]
+            mean = (total / n).cpu().numpy()
+            out[name] = (n, mean, np.maximum((squares / n).cpu().numpy() - mean**2, 0.0))
+        return out

@@ -18,7 +18,17 @@ import torch
 import torch.fx
 from torch import nn
 
-from rayfuse.alignment._common import Params, check_models, normalize_weights, resolve_device, sorted_unit_rows, weighted_average
+from rayfuse.alignment._common import (
+    Params,
+    batches,
+    check_models,
+    evaluating,
+    normalize_weights,
+    param_dtype,
+    resolve_device,
+    sorted_unit_rows,
+    weighted_average,
+)
 from rayfuse.alignment.weight import Alignment, match_weights
 from rayfuse.errors import InputError, suggest
 from rayfuse.matching import Executor, solve_assignments
@@ -133,13 +143,6 @@ def _probe_rows(value: Any, probe: Probe, size: int, where: str) -> torch.Tensor
     return seg.movedim(dim + 1, -1).reshape(-1, size)
 
 
-def _first_dtype(module: nn.Module) -> torch.dtype:
-    for p in module.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
-
-
 def collect_correlations(reference: nn.Module, own: nn.Module, spec: PermutationSpec, graph_ref: torch.fx.GraphModule | None,
                          graph_own: torch.fx.GraphModule | None, X: np.ndarray, *, batch_size: int = 256,
                          device: str | torch.device | None = None) -> dict[str, GroupStats]:
@@ -167,8 +170,8 @@ def collect_correlations(reference: nn.Module, own: nn.Module, spec: Permutation
         One entry per group with probes, accumulated over the batch and every other axis of the probe's output (and
         over its ``outer`` / ``inner`` blocks). Nothing per sample.
     """
-    if batch_size < 1:
-        raise InputError("batch_size", "at least 1", batch_size)
+    dev = resolve_device(device)
+    data = batches(X, batch_size, param_dtype(reference), dev)
     graph_ref = graph_ref if graph_ref is not None else torch.fx.symbolic_trace(reference)
     graph_own = graph_own if graph_own is not None else torch.fx.symbolic_trace(own)
     probed = [g for g in spec.groups if g.probes]
@@ -178,37 +181,24 @@ def collect_correlations(reference: nn.Module, own: nn.Module, spec: Permutation
             if probe.node not in nodes:
                 raise InputError(f"spec.{g.name}.probes", "a node of both traced models", probe.node, suggest(probe.node, nodes).strip())
     wanted = {p.node for g in probed for p in g.probes}
-    dev = resolve_device(device)
-    dtype = _first_dtype(reference)
     acc: dict[str, list[Any]] = {}
-    modes = [(m, m.training) for m in (*reference.modules(), *own.modules())]
-    places = [next((p.device for p in m.parameters()), dev) for m in (reference, own)]
-    try:
-        reference.eval().to(dev)
-        own.eval().to(dev)
-        with torch.no_grad():
-            for lo in range(0, len(X), batch_size):
-                x = torch.as_tensor(np.asarray(X[lo:lo + batch_size]), dtype=dtype, device=dev)
-                runs = []
-                for module, graph in ((reference, graph_ref), (own, graph_own)):
-                    recorder = _Recorder(module, graph, wanted)
-                    recorder.run(x)
-                    runs.append(recorder.seen)
-                for g in probed:
-                    for probe in g.probes:
-                        where = f"spec.{g.name}.probes.{probe.node}"
-                        a = _probe_rows(runs[0][probe.node], probe, g.size, where).to(torch.float64)
-                        b = _probe_rows(runs[1][probe.node], probe, g.size, where).to(torch.float64)
-                        parts = [float(a.shape[0]), a.sum(0), b.sum(0), (a * a).sum(0), (b * b).sum(0), a.T @ b]
-                        if g.name in acc:
-                            acc[g.name] = [s + p for s, p in zip(acc[g.name], parts)]
-                        else:
-                            acc[g.name] = parts
-    finally:
-        for module, mode in modes:
-            module.train(mode)
-        reference.to(places[0])
-        own.to(places[1])
+    with evaluating(reference, dev), evaluating(own, dev), torch.no_grad():
+        for x in data:
+            runs = []
+            for module, graph in ((reference, graph_ref), (own, graph_own)):
+                recorder = _Recorder(module, graph, wanted)
+                recorder.run(x)
+                runs.append(recorder.seen)
+            for g in probed:
+                for probe in g.probes:
+                    where = f"spec.{g.name}.probes.{probe.node}"
+                    a = _probe_rows(runs[0][probe.node], probe, g.size, where).to(torch.float64)
+                    b = _probe_rows(runs[1][probe.node], probe, g.size, where).to(torch.float64)
+                    parts = [float(a.shape[0]), a.sum(0), b.sum(0), (a * a).sum(0), (b * b).sum(0), a.T @ b]
+                    if g.name in acc:
+                        acc[g.name] = [s + p for s, p in zip(acc[g.name], parts)]
+                    else:
+                        acc[g.name] = parts
     return {name: GroupStats.from_arrays({"count": parts[0], **{f: p.cpu().numpy() for f, p in zip(_FIELDS, parts[1:])}})
             for name, parts in acc.items()}
 

@@ -22,7 +22,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rayfuse.alignment._common import Params, check_models, normalize_weights, resolve_device, weighted_average
+from rayfuse.alignment._common import (
+    Params,
+    batches,
+    check_models,
+    evaluating,
+    normalize_weights,
+    param_dtype,
+    resolve_device,
+    weighted_average,
+)
 from rayfuse.errors import InputError
 from rayfuse.symmetry import Perms, PermutationSpec
 
@@ -165,16 +174,6 @@ def permute_grams(grams: Mapping[str, np.ndarray], spec: PermutationSpec, perms:
     return out
 
 
-def _batches(X: np.ndarray, batch_size: int, dtype: torch.dtype, dev: torch.device) -> list[torch.Tensor]:
-    if batch_size < 1:
-        raise InputError("batch_size", "at least 1", batch_size)
-    return [torch.as_tensor(np.asarray(X[lo:lo + batch_size]), dtype=dtype, device=dev) for lo in range(0, len(X), batch_size)]
-
-
-def _param_dtype(model: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-
-
 def diagonal_fisher(model: nn.Module, X: np.ndarray, y: np.ndarray, *, batch_size: int = 256,
                     device: str | torch.device | None = None) -> Params:
     """The empirical diagonal Fisher of ``model`` on ``(X, y)``: the mean over samples of the squared gradient of each
@@ -183,12 +182,10 @@ def diagonal_fisher(model: nn.Module, X: np.ndarray, y: np.ndarray, *, batch_siz
     if len(X) != len(y) or len(X) == 0:
         raise InputError("y", f"one label per input ({len(X)}), at least one", len(y))
     dev = resolve_device(device)
-    dtype = _param_dtype(model)
+    dtype = param_dtype(model)
     classify = np.asarray(y).dtype.kind in "iub"
-    place = next((p.device for p in model.parameters()), dev)
-    training = [(m, m.training) for m in model.modules()]
-    model.eval().to(dev)
-    try:
+    data = batches(X, batch_size, dtype, dev)
+    with evaluating(model, dev):
         params = {k: v.detach() for k, v in model.named_parameters()}
         buffers = {k: v.detach() for k, v in model.named_buffers()}
 
@@ -201,14 +198,10 @@ def diagonal_fisher(model: nn.Module, X: np.ndarray, y: np.ndarray, *, batch_siz
         per_sample = torch.func.vmap(torch.func.grad(loglik), in_dims=(None, 0, 0))
         total = {k: torch.zeros(v.shape, dtype=torch.float64, device=dev) for k, v in params.items()}
         labels = np.asarray(y)
-        for lo, xb in zip(range(0, len(X), batch_size), _batches(X, batch_size, dtype, dev)):
+        for lo, xb in zip(range(0, len(X), batch_size), data):
             yb = torch.as_tensor(labels[lo:lo + batch_size], dtype=torch.long if classify else dtype, device=dev)
             for k, g in per_sample(params, xb, yb).items():
                 total[k] += (g.to(torch.float64) ** 2).sum(0)
-    finally:
-        for m, mode in training:
-            m.train(mode)
-        model.to(place)
     return {k: (v / len(X)).cpu().numpy() for k, v in total.items()}
 
 
@@ -231,7 +224,7 @@ def input_grams(model: nn.Module, X: np.ndarray, *, batch_size: int = 256,
     convolutions and convolutions with non-zero padding modes or ``"same"`` padding are left out (RegMean averages
     them). Returns the Grams (float64 sums) and the number of samples."""
     dev = resolve_device(device)
-    dtype = _param_dtype(model)
+    data = batches(X, batch_size, param_dtype(model), dev)
     sums: dict[str, torch.Tensor] = {}
     handles = []
 
@@ -254,17 +247,7 @@ def input_grams(model: nn.Module, X: np.ndarray, *, batch_size: int = 256,
     for name, layer in model.named_modules():
         if isinstance(layer, nn.Linear) or (isinstance(layer, nn.Conv2d) and layer.groups == 1 and _conv_padding(layer) is not None):
             handles.append(layer.register_forward_hook(hook_for(f"{name}.weight" if name else "weight", layer)))
-    place = next((p.device for p in model.parameters()), dev)
-    training = [(m, m.training) for m in model.modules()]
-    try:
-        model.eval().to(dev)
-        with torch.no_grad():
-            for xb in _batches(X, batch_size, dtype, dev):
-                model(xb)
-    finally:
-        for h in handles:
-            h.remove()
-        for m, mode in training:
-            m.train(mode)
-        model.to(place)
+    with evaluating(model, dev, handles), torch.no_grad():
+        for xb in data:
+            model(xb)
     return {k: v.cpu().numpy() for k, v in sums.items()}, len(X)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rayfuse.alignment._common import Params, resolve_device
+from rayfuse.alignment._common import ChannelMoments, Params, batches, evaluating, param_dtype, resolve_device
 from rayfuse.errors import InputError
 from rayfuse.symmetry import PermutationSpec
 
@@ -43,53 +43,32 @@ def batchnorm_statistics(model: nn.Module, X: np.ndarray, *, batch_size: int = 2
     running statistics are reset and re-estimated with ``momentum=None``), every other module in eval mode. Returns, per
     BatchNorm module name, ``(count, mean, var)``: the number of values per channel, and their exact mean and
     (population) variance in float64. The model is left as it was (its buffers and modes are restored)."""
-    if batch_size < 1:
-        raise InputError("batch_size", "at least 1", batch_size)
     dev = resolve_device(device)
     norms = {name: m for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
-    sums: dict[str, list[torch.Tensor]] = {}
-    counts: dict[str, float] = {}
+    moments = ChannelMoments()
 
     def hook_for(name: str) -> Callable[[nn.Module, tuple], None]:
         def hook(module: nn.Module, inputs: tuple) -> None:
-            x = inputs[0].detach().to(torch.float64).movedim(1, -1)
-            x = x.reshape(-1, x.shape[-1])
-            parts = [x.sum(0), (x * x).sum(0)]
-            sums[name] = [a + b for a, b in zip(sums[name], parts)] if name in sums else parts
-            counts[name] = counts.get(name, 0.0) + float(x.shape[0])
+            moments.add(name, inputs[0], 1)
         return hook
 
+    data = batches(X, batch_size, param_dtype(model), dev)
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    modes = [(m, m.training) for m in model.modules()]
     momenta = {name: m.momentum for name, m in norms.items()}
-    place = next((p.device for p in model.parameters()), dev)
-    handles = [m.register_forward_pre_hook(hook_for(name)) for name, m in norms.items()]
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    try:
-        model.eval().to(dev)
-        for m in norms.values():
-            m.reset_running_stats()
-            m.momentum = None
-            m.train()
-        with torch.no_grad():
-            for lo in range(0, len(X), batch_size):
-                model(torch.as_tensor(np.asarray(X[lo:lo + batch_size]), dtype=dtype, device=dev))
-    finally:
-        for h in handles:
-            h.remove()
-        for name, m in norms.items():
-            m.momentum = momenta[name]
-        for module, mode in modes:
-            module.train(mode)
-        model.load_state_dict(saved)
-        model.to(place)
-    out: dict[str, BNStats] = {}
-    for name, (total, squares) in sums.items():
-        n = counts[name]
-        mean = (total / n).cpu().numpy()
-        var = np.maximum((squares / n).cpu().numpy() - mean**2, 0.0)
-        out[name] = (n, mean, var)
-    return out
+    with evaluating(model, dev, [m.register_forward_pre_hook(hook_for(name)) for name, m in norms.items()]):
+        try:
+            for m in norms.values():
+                m.reset_running_stats()
+                m.momentum = None
+                m.train()
+            with torch.no_grad():
+                for xb in data:
+                    model(xb)
+        finally:
+            for name, m in norms.items():
+                m.momentum = momenta[name]
+            model.load_state_dict(saved)
+    return moments.result()
 
 
 def combine_batchnorm(stats_list: Sequence[Mapping[str, BNStats]]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -175,43 +154,20 @@ def unit_statistics(model: nn.Module, X: np.ndarray, units: Sequence[RepairUnit]
                     device: str | torch.device | None = None) -> dict[str, BNStats]:
     """Per unit layer, ``(count, mean, var)`` of each output channel of ``model`` on ``X`` (over the batch and every
     other axis), in float64, the model in eval mode. The model is left as it was."""
-    if batch_size < 1:
-        raise InputError("batch_size", "at least 1", batch_size)
     dev = resolve_device(device)
     modules = dict(model.named_modules())
-    sums: dict[str, list[torch.Tensor]] = {}
-    counts: dict[str, float] = {}
+    moments = ChannelMoments()
 
     def hook_for(unit: RepairUnit) -> Callable[[nn.Module, tuple, torch.Tensor], None]:
         def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-            z = output.detach().to(torch.float64).movedim(unit.channel_dim, -1)
-            rows = z.reshape(-1, z.shape[-1])
-            parts = [rows.sum(0), (rows * rows).sum(0)]
-            sums[unit.module] = [a + b for a, b in zip(sums[unit.module], parts)] if unit.module in sums else parts
-            counts[unit.module] = counts.get(unit.module, 0.0) + float(rows.shape[0])
+            moments.add(unit.module, output, unit.channel_dim)
         return hook
 
-    modes = [(m, m.training) for m in model.modules()]
-    place = next((p.device for p in model.parameters()), dev)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    handles = [modules[u.module].register_forward_hook(hook_for(u)) for u in units]
-    try:
-        model.eval().to(dev)
-        with torch.no_grad():
-            for lo in range(0, len(X), batch_size):
-                model(torch.as_tensor(np.asarray(X[lo:lo + batch_size]), dtype=dtype, device=dev))
-    finally:
-        for h in handles:
-            h.remove()
-        for module, mode in modes:
-            module.train(mode)
-        model.to(place)
-    out: dict[str, BNStats] = {}
-    for name, (total, squares) in sums.items():
-        n = counts[name]
-        mean = (total / n).cpu().numpy()
-        out[name] = (n, mean, np.maximum((squares / n).cpu().numpy() - mean**2, 0.0))
-    return out
+    data = batches(X, batch_size, param_dtype(model), dev)
+    with evaluating(model, dev, [modules[u.module].register_forward_hook(hook_for(u)) for u in units]), torch.no_grad():
+        for xb in data:
+            model(xb)
+    return moments.result()
 
 
 def repair_targets(stats: Sequence[Mapping[str, BNStats]], units: Sequence[RepairUnit], weights: Sequence[float], *,
