@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from statistics import NormalDist
 
 import numpy as np
@@ -50,17 +50,22 @@ def _is_float(array: np.ndarray) -> bool:
     return np.asarray(array).dtype.kind == "f"
 
 
-def attack_scale(params: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], scale: float) -> Params:
-    """``w_ref + scale (w - w_ref)`` per float tensor (integer tensors: the client's own)."""
+def _around_reference(params: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray],
+                      move: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Params:
+    """``move(w, w_ref)`` (float64) per float tensor, cast back to its dtype; integer tensors: the client's own."""
     out: Params = {}
     for key, value in params.items():
         value = np.asarray(value)
         if not _is_float(value):
             out[key] = value.copy()
             continue
-        ref = np.asarray(reference[key], dtype=np.float64)
-        out[key] = (ref + scale * (value.astype(np.float64) - ref)).astype(value.dtype)
+        out[key] = move(value.astype(np.float64), np.asarray(reference[key], dtype=np.float64)).astype(value.dtype)
     return out
+
+
+def attack_scale(params: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], scale: float) -> Params:
+    """``w_ref + scale (w - w_ref)`` per float tensor (integer tensors: the client's own)."""
+    return _around_reference(params, reference, lambda w, ref: ref + scale * (w - ref))
 
 
 def attack_sign_flip(params: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray]) -> Params:
@@ -71,15 +76,7 @@ def attack_sign_flip(params: Mapping[str, np.ndarray], reference: Mapping[str, n
 def attack_gaussian(params: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], std: float,
                     rng: np.random.Generator) -> Params:
     """``w_ref + N(0, std^2)`` per coordinate of each float tensor, drawn from ``rng`` in the parameters' key order."""
-    out: Params = {}
-    for key, value in params.items():
-        value = np.asarray(value)
-        if not _is_float(value):
-            out[key] = value.copy()
-            continue
-        ref = np.asarray(reference[key], dtype=np.float64)
-        out[key] = (ref + rng.normal(0.0, std, size=value.shape)).astype(value.dtype)
-    return out
+    return _around_reference(params, reference, lambda w, ref: ref + rng.normal(0.0, std, size=w.shape))
 
 
 def compute_lie_z(n: int, m: int) -> float:
