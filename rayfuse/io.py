@@ -128,17 +128,27 @@ def load_params(path: str | os.PathLike) -> dict[str, np.ndarray]:
             return dict(load_file(str(path)))
         except (SafetensorError, OSError, ValueError) as exc:
             raise InputError(str(path), "a valid safetensors file", f"unreadable ({exc})") from None
+    return {str(k): v.detach().cpu().numpy() for k, v in _torch_state_dict(path).items()}
+
+
+def _torch_state_dict(path: Path) -> Mapping[str, Any]:
+    """The tensors of a PyTorch weights file (``torch.load(weights_only=True)``; a ``{"state_dict": ...}`` wrapper
+    unwrapped). :class:`InputError` naming ``path`` for a file that is not one."""
+    import warnings
+
     import torch
 
     try:
-        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns while it validates a sparse tensor: refused by the caller in one line
+            warnings.simplefilter("ignore", UserWarning)
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for bad files; all mean "not a weights file"
         raise InputError(str(path), "a PyTorch state_dict loadable with weights_only=True", f"unreadable ({type(exc).__name__})") from None
     if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
         obj = obj["state_dict"]
     if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise InputError(str(path), "a mapping of tensor names to tensors", type(obj).__name__)
-    return {str(k): v.detach().cpu().numpy() for k, v in obj.items()}
+    return obj
 
 
 # Float dtypes numpy has no type for: such tensors are read as float32 and written back through torch.
@@ -169,21 +179,7 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dic
         return params, {k: str(v.dtype) for k, v in params.items()}
     if path.suffix == ".safetensors" or not path.is_file():
         return load_params(path), {}  # raises the missing / unreadable file error
-    import warnings
-
-    import torch
-
-    try:
-        with warnings.catch_warnings():  # torch warns while it validates a sparse tensor: refused below in one line
-            warnings.simplefilter("ignore", UserWarning)
-            obj = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many types for bad files; all mean "not a weights file"
-        raise InputError(str(path), "a PyTorch state_dict loadable with weights_only=True", f"unreadable ({type(exc).__name__})") from None
-    if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
-        obj = obj["state_dict"]
-    if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise InputError(str(path), "a mapping of tensor names to tensors", type(obj).__name__)
-    return _from_torch(path, obj)
+    return _from_torch(path, _torch_state_dict(path))
 
 
 def _from_torch(path: Path, tensors: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
