@@ -259,8 +259,9 @@ class Aligned(Method):
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params
         spec = derive_run_spec(server.build_model(seed=0), server.input_shape, p.spec)
+        grown = False  # a nonparametric merge made the global model wider than the configuration
         rounds = server.rounds(AlignedState(server.initial_params()), last=p.rounds,
-                               evaluate=lambda rnd: _evaluate(server, rounds.state.params), evaluate_every=p.evaluate_every)
+                               evaluate=lambda rnd: server.evaluate(rounds.state.params, resized=grown), evaluate_every=p.evaluate_every)
         state = rounds.state
         info: dict[str, Any] = {}
         fed = server.federation
@@ -278,7 +279,8 @@ class Aligned(Method):
                 target = state.params
             weights = [float(updates[c].num_examples) if p.weighted else 1.0 for c in ids]
             state.params, info = self._fuse(server, spec, [updates[c].params for c in ids], ids, weights, round=rnd, target=target)
-            if "widths" in info:  # the global model grew: later rounds align onto it at its widths
+            if info.get("new_units"):  # the global model grew: later rounds align onto it at its widths
+                grown = True
                 spec = derive_run_spec(_server_model(server, state.params), server.input_shape)
             rounds.log({"clients": float(len(ids)), "units_moved": float(info["units_moved"])})
         info.update({"groups": len(spec.groups), "fixed_axes": len(spec.fixed), "rounds": p.rounds})
@@ -406,19 +408,9 @@ class Aligned(Method):
 
 def _server_model(server: ServerContext, params: dict[str, np.ndarray]) -> Any:
     """The run's architecture holding ``params`` at their widths (a nonparametric merge grows groups)."""
-    from rayfuse.fusion.baselines.finetune import model_for_params
+    from rayfuse.evaluation import model_for_params
 
     return model_for_params(params, server.model_cfg, server.input_shape, server.num_classes)
-
-
-def _evaluate(server: ServerContext, params: dict[str, np.ndarray]) -> dict[str, float]:
-    """Test metrics of the global model: the configured architecture, or the wider one a nonparametric merge built."""
-    reference = server.build_model(seed=0).state_dict()
-    if all(k in params and np.shape(params[k]) == tuple(v.shape) for k, v in reference.items()):
-        return server.evaluate(params)
-    from rayfuse.fusion.baselines.finetune import evaluate_params
-
-    return evaluate_params(server, params)
 
 
 class _MatchOnto:
