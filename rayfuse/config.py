@@ -28,7 +28,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from rayfuse.errors import InputError, suggest
 
@@ -36,6 +46,11 @@ __all__ = [
     "ExperimentConfig",
     "RunConfig",
     "DataConfig",
+    "SiloSource",
+    "SiloSpec",
+    "SILO_FORMATS",
+    "PATH_VARIABLE",
+    "silo_source_kind",
     "PartitionConfig",
     "ModelConfig",
     "TrainConfig",
@@ -196,6 +211,145 @@ class TargetConfig(DatasetSource):
         return value
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Silos: each client's own data where it lives (data.silos), and the server's optional sets (data.test, data.public)
+
+SILO_FORMATS = ("npz", "parquet", "csv", "imagefolder")
+# ``${NAME}`` in a silo path: expanded on the node that reads the silo (rayfuse.data.silos.expand_path)
+PATH_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# data keys of a simulation (one dataset + a partitioner); a silo config gives each client its own data instead
+_SIMULATION_DATA_KEYS = ("dataset", "root", "path", "label", "features", "options", "target", "test_size", "public_size")
+
+
+def silo_source_kind(dataset: str) -> str:
+    """How a silo's ``dataset`` is read: ``"table"`` (npz, parquet, csv: a file with a label), ``"imagefolder"`` (class
+    folders of images), ``"folder"`` (a torchvision dataset whose ``path`` is its root folder) or ``"bundled"`` (a
+    bundled or generated dataset: no path; for rehearsal)."""
+    if dataset in ("npz", "parquet", "csv"):
+        return "table"
+    if dataset == "imagefolder":
+        return "imagefolder"
+    from rayfuse.data.datasets import DATASETS
+
+    return "folder" if DATASETS.get(dataset).source == "local folder" else "bundled"
+
+
+def _check_path_form(value: str | None) -> str | None:
+    """A silo path's form (never whether it exists: the driver does not open silo paths)."""
+    if value is None:
+        return value
+    if not value.strip() or any(c in value for c in "\x00\n\r"):
+        raise ValueError("a path (no NUL or line breaks)")
+    if "${" in PATH_VARIABLE.sub("", value):
+        raise ValueError("a path whose variables read ${NAME} (letters, digits, _)")
+    return value
+
+
+class SiloSource(StrictModel):
+    """One data source of a silo config, read only by the process that uses it: ``data.test`` and ``data.public`` (the
+    server's), and the base of each client's :class:`SiloSpec`. Keys that do not apply to ``dataset`` are refused."""
+
+    dataset: str = Field(description="npz | parquet | csv | imagefolder, or a bundled dataset (rayfuse list datasets; for rehearsal)")
+    path: str | None = Field(None, description="the file (npz, parquet, csv), the class folders (imagefolder) or a torchvision "
+                             "dataset's root; ${VAR} expands on the node that reads it. The driver never opens it")
+    label: str | None = Field(None, min_length=1, description="npz, parquet, csv: the label array / column (default y)")
+    features: str | list[str] | None = Field(None, description="npz: the feature array (default X); parquet, csv: the feature columns "
+                                             "(default: every other numeric column)")
+    image_size: list[int] | None = Field(None, min_length=2, max_length=2, description="imagefolder: [H, W] every image is resized to "
+                                         "(default: the images' own size, which must then agree)")
+    grayscale: bool | None = Field(None, description="imagefolder: read images as one grey channel (default: RGB)")
+    options: dict[str, Any] = Field(default_factory=dict, description="a bundled dataset's generator arguments; csv: {delimiter: ','}")
+
+    @field_validator("dataset")
+    @classmethod
+    def _known_format(cls, value: str) -> str:
+        from rayfuse.data.datasets import DATASETS
+
+        names = [*SILO_FORMATS, *(n for n, info in DATASETS.items() if info.source in ("bundled", "generator", "local folder"))]
+        if value in SILO_FORMATS:
+            return value
+        if value in DATASETS and DATASETS.canonical(value) in names:
+            return DATASETS.canonical(value)
+        raise ValueError(f"a format in {{{', '.join(SILO_FORMATS)}}} or a bundled dataset in {{{', '.join(names[len(SILO_FORMATS):])}}}"
+                         f"{suggest(value, names)}")
+
+    @field_validator("path")
+    @classmethod
+    def _path_form(cls, value: str | None) -> str | None:
+        return _check_path_form(value)
+
+    @field_validator("image_size")
+    @classmethod
+    def _positive_size(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and min(value) < 1:
+            raise ValueError("[H, W], two sizes >= 1")
+        return value
+
+    @model_validator(mode="after")
+    def _keys_fit_format(self) -> SiloSource:
+        kind = silo_source_kind(self.dataset)
+        fmt = repr(self.dataset)
+        if kind == "bundled":
+            if self.path is not None:
+                raise ValueError(f"@path@ no path for the bundled dataset {fmt} (it ships with rayfuse), got {self.path!r}")
+        elif self.path is None:
+            what = {"table": f"the {self.dataset} file", "imagefolder": "the folder of class folders",
+                    "folder": f"the root folder of the torchvision dataset {fmt}"}[kind]
+            raise ValueError(f"@path@ {what} (dataset is {fmt})")
+        if kind != "table":
+            for key in ("label", "features"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"@{key}@ no {key} for dataset {fmt} (only npz, parquet and csv name theirs), got {getattr(self, key)!r}")
+        elif self.dataset == "npz" and isinstance(self.features, list):
+            raise ValueError(f"@features@ one array name for an npz file, got {self.features!r}")
+        if kind != "imagefolder":
+            for key in ("image_size", "grayscale"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"@{key}@ no {key} for dataset {fmt} (imagefolder only), got {getattr(self, key)!r}")
+        if self.options:
+            if self.dataset == "csv":
+                allowed: tuple[str, ...] = ("delimiter",)
+            elif kind in ("bundled", "folder"):
+                from rayfuse.data.datasets import DATASETS
+
+                allowed = DATASETS.get(self.dataset).options
+            else:
+                allowed = ()
+            for key, value in self.options.items():
+                if key not in allowed:
+                    expected = f"options among {{{', '.join(allowed)}}}" if allowed else "no options"
+                    raise ValueError(f"@options.{key}@ {expected} for dataset {fmt}, got {value!r}{suggest(key, allowed)}")
+            delimiter = self.options.get("delimiter", ",")
+            if self.dataset == "csv" and (not isinstance(delimiter, str) or len(delimiter) != 1):
+                raise ValueError(f"@options.delimiter@ one character, got {delimiter!r}")
+        return self
+
+
+class SiloSpec(SiloSource):
+    """One client's data (``data.silos.<i>``): a :class:`SiloSource` and its held-out split, ``val_size`` of it
+    (stratified, seeded; default ``data.val_size``) or the file / folder ``test_path``."""
+
+    val_size: float | None = Field(None, ge=0, lt=1, description="fraction of the silo kept as its held-out split (default data.val_size)")
+    test_path: str | None = Field(None, description="the silo's own held-out file / folder, in the silo's format (instead of val_size)")
+
+    @field_validator("test_path")
+    @classmethod
+    def _test_path_form(cls, value: str | None) -> str | None:
+        return _check_path_form(value)
+
+    @model_validator(mode="after")
+    def _one_held_out_split(self) -> SiloSpec:
+        if self.test_path is not None:
+            if silo_source_kind(self.dataset) not in ("table", "imagefolder"):
+                raise ValueError(f"@test_path@ no test_path for dataset {self.dataset!r} (its held-out split is val_size of it), "
+                                 f"got {self.test_path!r}")
+            if self.val_size is not None:
+                raise ValueError(f"@val_size@ val_size or test_path, not both (test_path is {self.test_path!r}), got {self.val_size}")
+        elif not self.val_size:
+            raise ValueError(f"@val_size@ a fraction > 0 (the silo's held-out split) or a test_path, got {self.val_size}")
+        return self
+
+
 class DataConfig(DatasetSource):
     test_size: float = Field(0.2, gt=0, lt=1, description="fraction held out as the global test set (datasets without one)")
     val_size: float = Field(0.1, ge=0, lt=1, description="fraction of each client's shard kept as its private validation split")
@@ -203,6 +357,21 @@ class DataConfig(DatasetSource):
     standardize: bool | None = Field(None, description="z-score features with training-pool statistics; default per dataset")
     target: TargetConfig | None = Field(None, description="a new task for the server: its public sample and the test set come from this "
                                         "dataset (data.test_size is then unused: the clients share all of data.dataset)")
+    silos: list[SiloSpec] | None = Field(None, description="each client's own data, in client order, instead of data.dataset + partition "
+                                         "(read only on the client's node)")
+    test: SiloSource | None = Field(None, description="with silos: the server's test set (central evaluation)")
+    public: SiloSource | None = Field(None, description="with silos: the server's public / target sample")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _silo_val_size(cls, data: Any) -> Any:
+        # A silo without val_size or test_path keeps data.val_size of its data as its held-out split.
+        if isinstance(data, Mapping) and isinstance(data.get("silos"), list):
+            default = data.get("val_size", cls.model_fields["val_size"].default)
+            silos = [{**silo, "val_size": default} if isinstance(silo, Mapping) and silo.get("val_size") is None
+                     and silo.get("test_path") is None else silo for silo in data["silos"]]
+            data = {**data, "silos": silos}
+        return data
 
     @field_validator("public_size")
     @classmethod
@@ -216,6 +385,36 @@ class DataConfig(DatasetSource):
         if self.dataset in ("npz", "parquet") and not self.path:
             raise ValueError(f"@path@ the {self.dataset} file to load (data.dataset is {self.dataset!r})")
         return self
+
+    @model_validator(mode="after")
+    def _silos_or_simulation(self) -> DataConfig:
+        if self.silos is None:
+            for key in ("test", "public"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"@{key}@ data.{key} only with data.silos (a simulation's server sets come from data.dataset: "
+                                     "test_size, public_size, target)")
+            return self
+        if not self.silos:
+            raise ValueError("@silos@ at least one silo (one per client), got []")
+        for key in _SIMULATION_DATA_KEYS:
+            if key in self.model_fields_set:
+                raise ValueError(f"@{key}@ no data.{key} with data.silos (each client reads its own silo; the server's sets are "
+                                 f"data.test and data.public), got {getattr(self, key)!r}")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A simulation's data section dumps as it always did (its content keys are unchanged); a silo config's holds
+        # only the keys that apply to it, so its dump validates again.
+        data = handler(self)
+        for key in (("silos", "test", "public") if self.silos is None else _SIMULATION_DATA_KEYS):
+            data.pop(key, None)
+        return data
+
+    @property
+    def is_silos(self) -> bool:
+        """Whether each client reads its own silo (``data.silos``) instead of a share of ``data.dataset``."""
+        return self.silos is not None
 
 
 _PARTITION_PARAMS = {
@@ -483,9 +682,32 @@ class ExperimentConfig(StrictModel):
     train: TrainConfig = Field(default_factory=TrainConfig)
     federation: FederationConfig = Field(default_factory=FederationConfig)
     methods: dict[str, dict[str, Any]] = Field(default_factory=lambda: copy.deepcopy(DEFAULT_METHODS))
-    evaluation: Literal["central", "federated", "both"] = Field(
-        "central", description="where models are scored: central (the server's test set), federated (each client on its own "
-        "held-out split, data.val_size; sums and counts only, aggregated count-weighted) or both (federated under federated_<metric>)")
+    evaluation: Literal["federated", "central", "both"] | None = Field(
+        None, description="where models are scored: central (the server's test set), federated (each client on its own "
+        "held-out split, data.val_size; sums and counts only, aggregated count-weighted) or both (federated under federated_<metric>). "
+        "Default: federated with data.silos, central without")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _silo_clients(cls, data: Any) -> Any:
+        # With data.silos there is one client per silo and no partitioner: partition.num_clients is len(data.silos).
+        if not isinstance(data, Mapping) or not isinstance(data.get("data"), Mapping) or not isinstance(data["data"].get("silos"), list):
+            return data
+        n = len(data["data"]["silos"])
+        if n == 0:
+            return data  # data.silos' own error
+        partition = data.get("partition")
+        if partition is None:
+            partition = {}
+        if not isinstance(partition, Mapping):
+            return data  # the partition section's own error
+        for key, value in partition.items():
+            if key != "num_clients":
+                raise ValueError(f"@partition.{key}@ no partition key but num_clients with data.silos (each silo is one client's "
+                                 f"data), got {value!r}")
+        if "num_clients" in partition and partition["num_clients"] != n:
+            raise ValueError(f"@partition.num_clients@ len(data.silos) ({n}) or unset, got {partition['num_clients']!r}")
+        return {**data, "partition": {"num_clients": n}}
 
     @field_validator("methods", mode="before")
     @classmethod
@@ -523,6 +745,26 @@ class ExperimentConfig(StrictModel):
                 raise ValueError(f"@federation.attacks.{i}.client@ one attack per client, got client {attack.client} twice")
             seen.add(attack.client)
         return self
+
+    @model_validator(mode="after")
+    def _evaluation(self) -> ExperimentConfig:
+        if self.evaluation is None:
+            object.__setattr__(self, "evaluation", "federated" if self.data.is_silos else "central")
+        if self.data.is_silos and self.evaluation != "federated" and self.data.test is None:
+            raise ValueError(f"@evaluation@ federated when data.silos comes without data.test (the server holds no test set), "
+                             f"got {self.evaluation!r}")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A simulation with central evaluation dumps as it always did; a silo config's partition is its client count only.
+        data = handler(self)
+        if not self.data.is_silos:
+            if self.evaluation == "central":
+                data.pop("evaluation", None)
+        elif isinstance(data.get("partition"), dict):
+            data["partition"] = {k: v for k, v in data["partition"].items() if k == "num_clients"}
+        return data
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -568,15 +810,23 @@ def pydantic_input_error(exc: ValidationError, prefix: str = "", model: type[Bas
 def _known_keys(model: type[BaseModel], parent: list[str]) -> list[str]:
     """The keys a nested section of ``model`` accepts (for "did you mean" on an unknown key)."""
     for part in parent:
+        if part.isdigit():  # an item of a list of sections (data.silos.0)
+            continue
         field = model.model_fields.get(part)
         if field is None:
             return []
-        annotation = field.annotation
-        candidates = [a for a in (annotation, *getattr(annotation, "__args__", ())) if isinstance(a, type) and issubclass(a, BaseModel)]
+        candidates = _section_models(field.annotation)
         if not candidates:
             return []
         model = candidates[0]
     return sorted(model.model_fields)
+
+
+def _section_models(annotation: Any) -> list[type[BaseModel]]:
+    """The config sections (models) an annotation holds: itself, or inside an Optional, a list or a dict's values."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in getattr(annotation, "__args__", ()) for m in _section_models(arg)]
 
 
 def parse_overrides(pairs: Sequence[str]) -> list[tuple[list[str], Any]]:

@@ -140,8 +140,10 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
     ``rayfuse validate``, ``rayfuse tune --check`` and ``rayfuse run`` all call this before anything starts. The
     dataset is loaded here in the driver (its labels decide the split; bundled datasets load in well under a second).
     """
+    from rayfuse.data.silos import check_runnable
     from rayfuse.models.registry import check_model_fits
 
+    check_runnable(cfg)  # silo configs and federated evaluation validate, but this version's engine does not run them yet
     specs = resolve_methods(cfg.methods, methods)
     dataset = load_dataset_from_config(cfg.data)
     num_params = check_model_fits(cfg.model, dataset.input_shape, dataset.num_classes)

@@ -153,11 +153,12 @@ def check_labels(values: Any, where: str) -> np.ndarray:
 
 
 def read_data_file(path: str | Path | None, *, label: str = "y", features: str | list[str] | None = None,
-                   kind: str | None = None) -> Dataset:
+                   kind: str | None = None, delimiter: str = ",") -> Dataset:
     """The one check of a user's data file, used wherever one is read (``rayfuse validate``, ``tune --check`` and
     ``run`` through the ``npz`` / ``parquet`` datasets, ``rayfuse fuse``'s ``data:``): the file exists and is
-    readable as ``kind`` (``"npz"`` or ``"parquet"``; default: its suffix), holds the arrays / columns named, features
-    numeric and finite, as many labels as samples, labels without nulls or NaN, at least two classes.
+    readable as ``kind`` (``"npz"`` or ``"parquet"``; default: its suffix; ``"csv"`` only when asked for, as a silo's
+    ``dataset: csv`` does), holds the arrays / columns named, features numeric and finite, as many labels as samples,
+    labels without nulls or NaN, at least two classes. ``delimiter`` is a csv file's column separator.
 
     Returns the :class:`Dataset`; raises :class:`InputError` naming ``data.path``, ``data.features``, ``data.label``
     or the file.
@@ -167,6 +168,8 @@ def read_data_file(path: str | Path | None, *, label: str = "y", features: str |
         return _read_npz(path, label, features)
     if kind == "parquet":
         return _read_parquet(path, label, features)
+    if kind == "csv":
+        return _read_csv(path, label, features, delimiter)
     raise InputError("data.path", "a .npz or .parquet file", None if path is None else str(path))
 
 
@@ -436,6 +439,25 @@ def _read_parquet(path: str | Path | None, label: str, features: str | list[str]
         table = pq.read_table(file)
     except (OSError, pa.ArrowException) as exc:
         raise InputError(str(file), "a readable parquet file", str(exc)[:80]) from None
+    return _table_dataset(table, file, label, features)
+
+
+def _read_csv(path: str | Path | None, label: str, features: str | list[str] | None, delimiter: str) -> Dataset:
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    file = _existing_file(path, ".csv")
+    try:
+        table = pacsv.read_csv(file, parse_options=pacsv.ParseOptions(delimiter=delimiter))
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(str(file), "a readable csv file with a header row", str(exc)[:80]) from None
+    return _table_dataset(table, file, label, features)
+
+
+def _table_dataset(table: Any, file: Path, label: str, features: str | list[str] | None) -> Dataset:
+    """The :class:`Dataset` of a table read from ``file`` (parquet, csv): the label column and the feature columns."""
+    import pyarrow as pa
+
     columns = table.column_names
     if label not in columns:
         raise InputError("data.label", f"a column of {file.name} ({', '.join(columns)})", label)

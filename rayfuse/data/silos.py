@@ -1,0 +1,341 @@
+"""Silos: each client's own data, read where it lives (``data.silos``).
+
+A silo config gives every client its own data source instead of a share of one dataset (``data.dataset`` +
+``partition``). Only the process that uses a silo reads it: :func:`load_silo` runs on the client's node, expands
+``${VAR}`` in its path with that node's environment (:func:`expand_path`) and keeps ``val_size`` of the silo as its
+held-out split (stratified, seeded) or reads the silo's ``test_path``. The driver never opens a silo path; config
+validation (:class:`rayfuse.config.SiloSpec`) checks only its form.
+
+What leaves a client is its schema (:func:`silo_schema`: input shape, dtype, label values, counts and a content
+hash; no rows, no paths), which the coordinator compares across silos (:func:`check_schemas`) and records
+(:func:`silo_manifest`), and, where features are standardised, per-feature counts, sums and sums of squares
+(:func:`feature_moments`), which the server combines into the global mean and scale (:func:`combine_moments`).
+
+Formats: ``npz``, ``parquet`` and ``csv`` through the shared data-file check
+(:func:`rayfuse.data.datasets.read_data_file`), ``imagefolder`` (torchvision's ``ImageFolder`` layout: one folder per
+class, read with PIL; nothing downloads) and the bundled datasets (for rehearsal on one machine).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rayfuse.config import PATH_VARIABLE, SiloSource, SiloSpec, silo_source_kind
+from rayfuse.data.datasets import Dataset, load_dataset, read_data_file
+from rayfuse.errors import InputError
+from rayfuse.seeding import make_rng
+
+if TYPE_CHECKING:
+    from rayfuse.config import ExperimentConfig
+
+__all__ = ["IMAGE_EXTENSIONS", "SCHEMA_FORMAT", "check_runnable", "check_schemas", "combine_moments", "expand_path", "feature_moments",
+           "load_server_set", "load_silo", "silo_manifest", "silo_schema"]
+
+# the file suffixes torchvision's ImageFolder reads (torchvision.datasets.folder.IMG_EXTENSIONS)
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+SCHEMA_FORMAT = 1
+
+
+def check_runnable(cfg: ExperimentConfig) -> None:
+    """Refuse, with one line, a config this version validates but cannot run yet: silo configs (``data.silos``) and
+    evaluation other than central. Called first by :func:`rayfuse.runner.prepare_run`, so no run folder, actor or
+    training starts for them."""
+    if cfg.data.silos is not None:
+        raise InputError("data.silos", "data.dataset + partition: silo configs validate, but are not yet runnable by this version",
+                         f"{len(cfg.data.silos)} silos")
+    if cfg.evaluation != "central":
+        raise InputError("evaluation", "central: federated evaluation is not yet runnable by this version", cfg.evaluation)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Paths
+
+
+def expand_path(path: str, env: Mapping[str, str] | None = None, *, key: str = "data.silos", client: int | None = None) -> str:
+    """``path`` with every ``${NAME}`` replaced by ``env[NAME]`` (default: this process's environment, i.e. the
+    environment of the node that reads the silo). Nothing else is expanded (no ``$NAME``, no ``~``).
+
+    Raises :class:`InputError` at ``key`` naming the client and the path as written when a variable is unset.
+    """
+    env = os.environ if env is None else env
+    where = "the server" if client is None else f"client {client}"
+
+    def value(match: Any) -> str:
+        name = match.group(1)
+        if name not in env:
+            raise InputError(key, f"${{{name}}} set in the environment of {where}'s node", path,
+                             f"set {name} where {where} runs (ray start's environment or the runtime_env's env_vars)")
+        return str(env[name])
+
+    return PATH_VARIABLE.sub(value, path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_silo(spec: SiloSpec | Mapping[str, Any], *, client: int, env: Mapping[str, str] | None = None,
+              seed: int = 0) -> tuple[Dataset, Dataset]:
+    """Read client ``client``'s silo on its own node: its training split and its held-out split.
+
+    Parameters
+    ----------
+    spec : SiloSpec or mapping
+        ``data.silos.<client>`` (a mapping is validated as a :class:`~rayfuse.config.SiloSpec`).
+    client : int
+        The client's id; errors name ``data.silos.<client>``.
+    env : mapping, optional
+        The environment ``${VAR}`` in paths expands with (default: this process's).
+    seed : int
+        The run's seed; the held-out split (``val_size`` of each class, stratified) derives from it and the client.
+
+    Returns
+    -------
+    (Dataset, Dataset)
+        The training split and the held-out split; both carry the silo's label values as ``class_names``.
+    """
+    key = f"data.silos.{client}"
+    silo: SiloSpec = _validated(spec, SiloSpec, key)
+    data = _read_source(silo, key=key, client=client, env=env)
+    if silo.test_path is not None:
+        held_out = _read_source(silo, key=key, client=client, env=env, field="test_path")
+        return data, _aligned_held_out(held_out, data, f"{key}.test_path", silo.test_path)
+    assert silo.val_size is not None  # SiloSpec: val_size or test_path
+    return _split_held_out(data, float(silo.val_size), key=key, seed=seed, client=client)
+
+
+def load_server_set(spec: SiloSource | Mapping[str, Any], *, key: str, env: Mapping[str, str] | None = None) -> Dataset:
+    """Read a server-side set of a silo config (``data.test``, ``data.public``: ``key``) whole, where the server runs."""
+    source: SiloSource = _validated(spec, SiloSource, key)
+    return _read_source(source, key=key, client=None, env=env)
+
+
+def _validated(spec: Any, model: type[SiloSource], key: str) -> Any:
+    if isinstance(spec, model):
+        return spec
+    if not isinstance(spec, Mapping):
+        raise InputError(key, f"a mapping of {model.__name__} keys (dataset, path...)", type(spec).__name__)
+    from pydantic import ValidationError
+
+    from rayfuse.config import pydantic_input_error
+
+    try:
+        return model.model_validate(dict(spec))
+    except ValidationError as exc:
+        raise pydantic_input_error(exc, prefix=key, model=model) from None
+
+
+def _read_source(spec: SiloSource, *, key: str, client: int | None, env: Mapping[str, str] | None, field: str = "path") -> Dataset:
+    """The whole data source ``spec`` (its ``path``, or its ``test_path`` when ``field`` says so)."""
+    kind = silo_source_kind(spec.dataset)
+    name = "server" if client is None else f"silo{client}"
+    where = "the server" if client is None else f"client {client}"
+    if kind == "bundled":
+        dataset = _rekeyed(lambda: load_dataset(spec.dataset, options=spec.options), key, field, None)
+        return Dataset(name, dataset.X, dataset.y, dataset.num_classes, dataset.class_names)
+    written: str = getattr(spec, field)
+    resolved = Path(expand_path(written, env, key=f"{key}.{field}", client=client))
+    hint = f"{where}'s node resolves it to {str(resolved)!r}" if str(resolved) != written else ""
+    if kind in ("imagefolder", "folder"):
+        if not resolved.is_dir():
+            raise InputError(f"{key}.{field}", f"an existing folder on {where}'s node", written, hint)
+        if kind == "folder":
+            dataset = _rekeyed(lambda: load_dataset(spec.dataset, root=str(resolved), options=spec.options), key, field, written)
+            return Dataset(name, dataset.X, dataset.y, dataset.num_classes, dataset.class_names)
+        return _read_image_folder(resolved, name=name, key=f"{key}.{field}", written=written, image_size=spec.image_size,
+                                  grayscale=bool(spec.grayscale))
+    if not resolved.is_file():
+        raise InputError(f"{key}.{field}", f"an existing {spec.dataset} file on {where}'s node", written, hint)
+    dataset = _rekeyed(lambda: read_data_file(resolved, label=spec.label or "y", features=spec.features, kind=spec.dataset,
+                                              delimiter=str(spec.options.get("delimiter", ","))), key, field, written)
+    return Dataset(name, dataset.X, dataset.y, dataset.num_classes, dataset.class_names)
+
+
+def _rekeyed(read: Any, key: str, field: str, written: str | None) -> Dataset:
+    """``read()``, with an :class:`InputError` at a ``data.*`` key or a file moved to the silo's key (``data.label`` ->
+    ``data.silos.2.label``; a bad file -> ``data.silos.2.path``, naming the path as written, never as resolved)."""
+    try:
+        return read()
+    except InputError as exc:
+        path = exc.path
+        if path.startswith("data.") and path[5:].split(".", 1)[0] in ("label", "features", "options", "dataset"):
+            raise exc.at(f"{key}.{path[5:]}") from None
+        if written is None:
+            raise exc.at(f"{key}.{field}") from None
+        if path == "data.path" or exc.got is InputError._MISSING:  # the resolved path stays on the node
+            raise InputError(f"{key}.{field}", exc.expected, written, exc.hint) from None
+        raise InputError(f"{key}.{field}", f"{exc.expected} (at {written!r})", exc.got, exc.hint) from None
+
+
+def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image_size: list[int] | None, grayscale: bool) -> Dataset:
+    """torchvision's ``ImageFolder`` layout: ``folder/<class>/**/<image>``, classes in sorted order; images read
+    with PIL (RGB, or one grey channel), resized (bilinear) to ``image_size`` [H, W] when given, scaled to [0, 1]."""
+    from PIL import Image, UnidentifiedImageError
+
+    classes = sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
+    files = {c: sorted(p for p in (folder / c).rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS) for c in classes}
+    suffixes = ", ".join(IMAGE_EXTENSIONS)
+    if not any(files.values()):
+        raise InputError(key, f"class folders holding images ({suffixes})", written, "found no image in a class folder there")
+    empty = [c for c in classes if not files[c]]
+    if empty:
+        raise InputError(key, f"images ({suffixes}) in every class folder", f"none in {empty[0]!r} of {written!r}")
+    if len(classes) < 2:
+        raise InputError(key, "at least 2 class folders", f"{len(classes)} ({classes[0]!r}) in {written!r}")
+    arrays, labels = [], []
+    first: tuple[str, tuple[int, ...]] | None = None
+    for label, cls in enumerate(classes):
+        for file in files[cls]:
+            relative = file.relative_to(folder).as_posix()
+            try:
+                with Image.open(file) as image:
+                    image = image.convert("L" if grayscale else "RGB")
+                    if image_size is not None:
+                        image = image.resize((int(image_size[1]), int(image_size[0])), Image.Resampling.BILINEAR)
+                    pixels = np.asarray(image, dtype=np.uint8)
+            except (OSError, UnidentifiedImageError, ValueError) as exc:
+                raise InputError(key, f"readable images in {written!r}", f"{relative}: {str(exc)[:60]}") from None
+            if first is None:
+                first = (relative, pixels.shape)
+            elif pixels.shape != first[1]:
+                raise InputError(f"{key.rsplit('.', 1)[0]}.image_size", "[H, W] to resize the images to (they differ in size)",
+                                 f"{relative} is {pixels.shape[1]}x{pixels.shape[0]}, {first[0]} is {first[1][1]}x{first[1][0]}")
+            arrays.append(pixels)
+            labels.append(label)
+    X = np.stack(arrays)
+    X = X[:, None] if X.ndim == 3 else X.transpose(0, 3, 1, 2)  # (N, C, H, W)
+    X = np.ascontiguousarray(X, dtype=np.float32) / np.float32(255.0)
+    return Dataset(name, X, np.asarray(labels, dtype=np.int64), len(classes), tuple(classes))
+
+
+def _aligned_held_out(held_out: Dataset, train: Dataset, key: str, written: str) -> Dataset:
+    """The silo's own test file with its labels mapped to the training data's label values (and its shape checked)."""
+    if held_out.input_shape != train.input_shape:
+        raise InputError(key, f"inputs shaped like the silo's training data {train.input_shape} in {written!r}", held_out.input_shape)
+    index = {name: i for i, name in enumerate(train.class_names)}
+    present = np.unique(held_out.y)
+    unknown = [held_out.class_names[i] for i in present if held_out.class_names[i] not in index]
+    if unknown:
+        raise InputError(key, f"labels among the silo's training labels {list(train.class_names)} in {written!r}", unknown[0])
+    mapping = np.array([index.get(name, -1) for name in held_out.class_names], dtype=np.int64)
+    return Dataset(train.name + "-held-out", held_out.X, mapping[held_out.y], train.num_classes, train.class_names)
+
+
+def _split_held_out(data: Dataset, val_size: float, *, key: str, seed: int, client: int) -> tuple[Dataset, Dataset]:
+    """``val_size`` of each class held out (largest remainders; every class keeps at least one training sample),
+    chosen with a generator seeded by the run's seed and the client."""
+    rng = make_rng(seed, "silo-held-out", client)
+    counts = np.bincount(data.y, minlength=data.num_classes)
+    want = val_size * counts
+    take = np.floor(want).astype(np.int64)
+    total = max(1, int(round(val_size * len(data.y))))
+    for c in np.argsort(-(want - take), kind="stable"):  # largest remainders first, up to the total
+        if take.sum() >= total:
+            break
+        take[c] += 1
+    take = np.minimum(take, np.maximum(counts - 1, 0))
+    if take.sum() == 0:
+        raise InputError(f"{key}.val_size", "a held-out split of at least one sample (a class with 2 or more samples)",
+                         f"{val_size} of {len(data.y)} samples", "give more data or a test_path")
+    held = np.zeros(len(data.y), dtype=bool)
+    for c in range(data.num_classes):
+        members = np.flatnonzero(data.y == c)
+        held[rng.permutation(members)[: take[c]]] = True
+    train = Dataset(data.name, data.X[~held], data.y[~held], data.num_classes, data.class_names)
+    held_out = Dataset(data.name + "-held-out", data.X[held], data.y[held], data.num_classes, data.class_names)
+    return train, held_out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a client reports: schema, counts, content hash; the coordinator's checks and manifest
+
+
+def silo_schema(train: Dataset, held_out: Dataset) -> dict[str, Any]:
+    """What a client reports about its silo (plain values; no rows, no paths): input shape and dtype, its label values
+    (``labels``, in label order), the sizes and class counts of both splits, and a SHA-256 of the arrays."""
+    digest = hashlib.sha256()
+    for array in (train.X, train.y, held_out.X, held_out.y):
+        array = np.ascontiguousarray(array)
+        digest.update(f"{array.dtype.str}{array.shape}|".encode())
+        digest.update(array.tobytes())
+    return {
+        "format": SCHEMA_FORMAT,
+        "input_shape": [int(d) for d in train.input_shape],
+        "dtype": str(train.X.dtype),
+        "labels": [str(name) for name in train.class_names],
+        "size": int(len(train.y)),
+        "held_out_size": int(len(held_out.y)),
+        "class_counts": np.bincount(train.y, minlength=train.num_classes).astype(int).tolist(),
+        "held_out_class_counts": np.bincount(held_out.y, minlength=train.num_classes).astype(int).tolist(),
+        "content_hash": digest.hexdigest(),
+    }
+
+
+def check_schemas(schemas: Sequence[Mapping[str, Any]]) -> None:
+    """Every silo's schema (client order) agrees with silo 0's: input shape, dtype and label values.
+
+    Raises :class:`InputError` naming the first silo that differs from ``data.silos.0``.
+    """
+    if not schemas:
+        raise InputError("data.silos", "at least one silo schema", [])
+    base = schemas[0]
+    for i, schema in enumerate(schemas[1:], start=1):
+        for field, what in (("input_shape", "input shape"), ("dtype", "input dtype"), ("labels", "label values")):
+            mine = list(schema[field]) if isinstance(schema[field], (list, tuple)) else schema[field]
+            theirs = list(base[field]) if isinstance(base[field], (list, tuple)) else base[field]
+            if mine != theirs:
+                raise InputError(f"data.silos.{i}", f"the {what} of data.silos.0 {theirs}", mine,
+                                 "every silo must hold the same kind of inputs and the same label values")
+
+
+def silo_manifest(schemas: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The silo manifest (a silo run's record of its data, in place of the partition manifest): per client its size,
+    held-out size, class counts and content hash, with the shared input shape and label values. No indices, no paths."""
+    check_schemas(schemas)
+    return {
+        "format": SCHEMA_FORMAT,
+        "kind": "silos",
+        "num_clients": len(schemas),
+        "input_shape": list(schemas[0]["input_shape"]),
+        "labels": list(schemas[0]["labels"]),
+        "clients": [{"client": i, "size": int(s["size"]), "held_out_size": int(s["held_out_size"]),
+                     "class_counts": list(s["class_counts"]), "held_out_class_counts": list(s["held_out_class_counts"]),
+                     "content_hash": s["content_hash"]} for i, s in enumerate(schemas)],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Federated standardisation: clients send counts, sums and sums of squares; the server sends back mean and scale
+
+
+def feature_moments(X: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    """A silo's standardisation statistics: the sample count and the per-feature sum and sum of squares (float64,
+    shaped like one input)."""
+    X64 = np.asarray(X, dtype=np.float64)
+    return int(X64.shape[0]), X64.sum(axis=0), np.square(X64).sum(axis=0)
+
+
+def combine_moments(moments: Sequence[tuple[int, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """The global per-feature mean and scale from every silo's :func:`feature_moments`, shaped ``(1, *input_shape)``
+    (float32): the mean and the population standard deviation of the silos' data pooled, a scale of 1 where a feature
+    is constant, as the simulation standardises with its training pool's statistics."""
+    if not moments:
+        raise InputError("data.silos", "the feature moments of at least one silo", [])
+    shape = np.shape(moments[0][1])
+    for i, (_, total, squares) in enumerate(moments):
+        if np.shape(total) != shape or np.shape(squares) != shape:
+            raise InputError(f"data.silos.{i}", f"feature moments shaped like data.silos.0's {shape}", np.shape(total))
+    count = sum(int(m[0]) for m in moments)
+    if count <= 0:
+        raise InputError("data.silos", "at least one sample across the silos", count)
+    mean = np.sum([np.asarray(m[1], dtype=np.float64) for m in moments], axis=0) / count
+    variance = np.maximum(np.sum([np.asarray(m[2], dtype=np.float64) for m in moments], axis=0) / count - np.square(mean), 0.0)
+    std = np.sqrt(variance)
+    scale = np.where(std > 1e-12, std, 1.0)
+    return mean.astype(np.float32)[None], scale.astype(np.float32)[None]
