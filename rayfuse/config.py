@@ -691,14 +691,18 @@ class ExperimentConfig(StrictModel):
     @classmethod
     def _silo_clients(cls, data: Any) -> Any:
         # With data.silos there is one client per silo and no partitioner: partition.num_clients is len(data.silos).
-        if not isinstance(data, Mapping) or not isinstance(data.get("data"), Mapping) or not isinstance(data["data"].get("silos"), list):
+        if not isinstance(data, Mapping):
             return data
-        n = len(data["data"]["silos"])
-        if n == 0:
-            return data  # data.silos' own error
+        section = data.get("data")
+        silos = section.get("silos") if isinstance(section, Mapping) else getattr(section, "silos", None)
+        if not isinstance(silos, list) or not silos:
+            return data  # a simulation, or data.silos' own error
+        n = len(silos)
         partition = data.get("partition")
         if partition is None:
             partition = {}
+        elif isinstance(partition, BaseModel):
+            partition = partition.model_dump(exclude_unset=True)
         if not isinstance(partition, Mapping):
             return data  # the partition section's own error
         for key, value in partition.items():

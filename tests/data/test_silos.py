@@ -47,6 +47,11 @@ def _write_npz(path, n: int = 60, features: int = 4, seed: int = 0):
     return X, y
 
 
+def _mkdir(folder):
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def _write_images(folder, sizes: dict[str, list[tuple[int, int]]]) -> None:
     """One class folder per key; one generated PNG (width, height) per size, each class its own colour."""
     for c, (cls, dims) in enumerate(sorted(sizes.items())):
@@ -281,18 +286,19 @@ def test_combined_moments_equal_the_pooled_mean_and_scale():
 
 SILO_CONFIG = {
     "data": {
-        "silos": [{"dataset": "parquet", "path": "${SITE_DATA}/train.parquet", "label": "diagnosis"},
-                  {"dataset": "npz", "path": "/data/site_b/train.npz", "test_path": "/data/site_b/test.npz"},
-                  {"dataset": "imagefolder", "path": "/data/site_c/images", "image_size": [64, 64], "grayscale": True}],
-        "test": {"dataset": "parquet", "path": "/data/server/test.parquet"},
+        "silos": [{"dataset": "parquet", "path": "${SITE_DATA}/site_a/train.parquet", "label": "diagnosis"},
+                  {"dataset": "npz", "path": "${SITE_DATA}/site_b/train.npz", "test_path": "${SITE_DATA}/site_b/test.npz"},
+                  {"dataset": "imagefolder", "path": "${SITE_DATA}/site_c/images", "image_size": [64, 64], "grayscale": True}],
+        "test": {"dataset": "parquet", "path": "${SERVER_DATA}/test.parquet"},
         "val_size": 0.2,
     },
     "federation": {"client_overrides": {2: {"resources": {"site_c": 1}}}},
 }
 
 
-def test_silo_config_validates_without_files_and_derives_the_client_count():
-    cfg = validate_config(SILO_CONFIG)  # none of these paths exists here: only their form is checked
+def test_silo_config_validates_without_files_and_derives_the_client_count(monkeypatch):
+    monkeypatch.delenv("SITE_DATA", raising=False)
+    cfg = validate_config(SILO_CONFIG)  # SITE_DATA is unset and no file exists: only the paths' form is checked
     assert cfg.partition.num_clients == 3 and cfg.evaluation == "federated"
     assert [s.val_size for s in cfg.data.silos] == [0.2, None, 0.2]  # data.val_size is the silos' default
     text = dump_config(resolved_config(cfg))
@@ -339,7 +345,15 @@ def test_bad_silo_configs_are_one_line_naming_the_key(change, message):
     assert "\n" not in str(info.value)
 
 
-def test_the_engine_refuses_silo_configs_before_anything_starts(tmp_path, capsys):
+def test_the_engine_refuses_silo_configs_before_anything_starts(tmp_path, monkeypatch, capsys):
+    # every silo file exists where the config points, yet the driver opens none of them
+    sites = tmp_path / "sites"
+    pq.write_table(pa.table({"f0": [0.0, 1.0], "diagnosis": ["a", "b"]}), _mkdir(sites / "site_a") / "train.parquet")
+    _write_npz(sites / "site_b" / "train.npz")
+    _write_npz(sites / "site_b" / "test.npz")
+    _write_images(sites / "site_c" / "images", {"a": [(4, 4)], "b": [(4, 4)]})
+    monkeypatch.setenv("SITE_DATA", str(sites))
+    monkeypatch.setenv("SERVER_DATA", str(sites))
     with pytest.raises(InputError, match=r"^data\.silos: expected data\.dataset \+ partition: .*not yet runnable by this version"):
         prepare_run(validate_config(SILO_CONFIG))
     with pytest.raises(InputError, match=r"^evaluation: expected central: federated evaluation is not yet runnable"):
@@ -350,13 +364,16 @@ def test_the_engine_refuses_silo_configs_before_anything_starts(tmp_path, capsys
     watching = [True]
 
     def record(event: str, args: tuple) -> None:
-        if watching[0] and event == "open" and isinstance(args[0], str) and "/data/" in args[0]:
-            opened.append(args[0])
+        if watching[0] and event in ("open", "os.listdir", "os.scandir") and args and str(args[0]).startswith(str(sites)):
+            opened.append(str(args[0]))
 
     sys.addaudithook(record)  # a hook cannot be removed: it stops recording when the test ends
     try:
         assert main(["run", str(config)]) == 2
+        by_the_driver = list(opened)
+        load_silo(validate_config(SILO_CONFIG).data.silos[1], client=1)  # the control: a client's read is recorded
     finally:
         watching[0] = False
     assert "not yet runnable by this version" in capsys.readouterr().err
-    assert opened == [] and not (tmp_path / "runs").exists()
+    assert by_the_driver == [] and not (tmp_path / "runs").exists()
+    assert any(path.endswith("train.npz") for path in opened)
