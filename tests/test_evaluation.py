@@ -217,7 +217,7 @@ def test_federated_evaluation_is_refused_where_the_clients_cannot_score(make_con
 
 
 def test_an_unknown_evaluation_is_one_line_naming_the_key(make_config):
-    with pytest.raises(InputError, match="evaluation: expected 'central', 'federated' or 'both'"):
+    with pytest.raises(InputError, match="evaluation: expected 'federated', 'central' or 'both'"):
         make_config(evaluation="fedrated")
 
 

@@ -43,14 +43,11 @@ SCHEMA_FORMAT = 1
 
 
 def check_runnable(cfg: ExperimentConfig) -> None:
-    """Refuse, with one line, a config this version validates but cannot run yet: silo configs (``data.silos``) and
-    evaluation other than central. Called first by :func:`rayfuse.runner.prepare_run`, so no run folder, actor or
+    """Refuse, with one line, a config this version validates but cannot run yet: silo configs (``data.silos``). Called first by :func:`rayfuse.runner.prepare_run`, so no run folder, actor or
     training starts for them."""
     if cfg.data.silos is not None:
         raise InputError("data.silos", "data.dataset + partition: silo configs validate, but are not yet runnable by this version",
                          f"{len(cfg.data.silos)} silos")
-    if cfg.evaluation != "central":
-        raise InputError("evaluation", "central: federated evaluation is not yet runnable by this version", cfg.evaluation)
 
 
 # ---------------------------------------------------------------------------------------------------------------

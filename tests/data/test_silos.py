@@ -356,8 +356,6 @@ def test_the_engine_refuses_silo_configs_before_anything_starts(tmp_path, monkey
     monkeypatch.setenv("SERVER_DATA", str(sites))
     with pytest.raises(InputError, match=r"^data\.silos: expected data\.dataset \+ partition: .*not yet runnable by this version"):
         prepare_run(validate_config(SILO_CONFIG))
-    with pytest.raises(InputError, match=r"^evaluation: expected central: federated evaluation is not yet runnable"):
-        prepare_run(validate_config({"evaluation": "federated"}))
     config = tmp_path / "silos.yaml"
     config.write_text(yaml.safe_dump({**SILO_CONFIG, "run": {"storage": str(tmp_path / "runs")}}))
     opened: list[str] = []
