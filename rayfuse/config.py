@@ -682,8 +682,8 @@ class ExperimentConfig(StrictModel):
     train: TrainConfig = Field(default_factory=TrainConfig)
     federation: FederationConfig = Field(default_factory=FederationConfig)
     methods: dict[str, dict[str, Any]] = Field(default_factory=lambda: copy.deepcopy(DEFAULT_METHODS))
-    evaluation: Literal["federated", "central", "both"] | None = Field(
-        None, description="where models are scored: central (the server's test set), federated (each client on its own "
+    evaluation: Literal["federated", "central", "both"] = Field(
+        "central", description="where models are scored: central (the server's test set), federated (each client on its own "
         "held-out split, data.val_size; sums and counts only, aggregated count-weighted) or both (federated under federated_<metric>). "
         "Default: federated with data.silos, central without")
 
@@ -711,7 +711,8 @@ class ExperimentConfig(StrictModel):
                                  f"data), got {value!r}")
         if "num_clients" in partition and partition["num_clients"] != n:
             raise ValueError(f"@partition.num_clients@ len(data.silos) ({n}) or unset, got {partition['num_clients']!r}")
-        return {**data, "partition": {"num_clients": n}}
+        # and the server holds no test set unless data.test is given: evaluation defaults to federated
+        return {**data, "partition": {"num_clients": n}, "evaluation": data.get("evaluation", "federated")}
 
     @field_validator("methods", mode="before")
     @classmethod
@@ -752,8 +753,6 @@ class ExperimentConfig(StrictModel):
 
     @model_validator(mode="after")
     def _evaluation(self) -> ExperimentConfig:
-        if self.evaluation is None:
-            object.__setattr__(self, "evaluation", "federated" if self.data.is_silos else "central")
         if self.data.is_silos and self.evaluation != "federated" and self.data.test is None:
             raise ValueError(f"@evaluation@ federated when data.silos comes without data.test (the server holds no test set), "
                              f"got {self.evaluation!r}")
