@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 import torch
