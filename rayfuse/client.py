@@ -149,6 +149,17 @@ class ClientContext:
 
         model = self.build_model(seed=self.init_seed)
         cfg = self.train_cfg
+        if cfg.dp is not None:  # local DP-SGD (train.dp): Opacus' loop, the epsilon spent joins the reported statistics
+            from rayfuse.models.privacy import train_model_dp
+
+            dp = cfg.dp
+            stats, privacy = train_model_dp(model, self.train.X, self.train.y, epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr,
+                                            optimizer=cfg.optimizer, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                                            noise_multiplier=dp.noise_multiplier, target_epsilon=dp.target_epsilon,
+                                            max_grad_norm=dp.max_grad_norm, delta=dp.delta, accountant=dp.accountant,
+                                            seed=self.step_seed("local-train"), device=self.device)
+            self.local_stats = {"train_loss": stats.loss, "train_seconds": stats.seconds, "steps": float(stats.steps), **privacy}
+            return model
         stats = train_model(model, self.train.X, self.train.y, epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr,
                             optimizer=cfg.optimizer, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                             seed=self.step_seed("local-train"), device=self.device)

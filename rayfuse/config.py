@@ -54,6 +54,7 @@ __all__ = [
     "PartitionConfig",
     "ModelConfig",
     "TrainConfig",
+    "DPSGDConfig",
     "FederationConfig",
     "ResourcesConfig",
     "FaultSpec",
@@ -544,6 +545,27 @@ class ModelConfig(StrictModel):
         return copy_
 
 
+class DPSGDConfig(StrictModel):
+    """``train.dp``: each client trains its local model with DP-SGD (Opacus: per-example gradient clipping to
+    ``max_grad_norm``, Gaussian noise of standard deviation ``noise_multiplier * max_grad_norm`` on each batch's sum,
+    Poisson sampling of batches at rate ``batch_size / n``). The privacy unit is one example of the client's data; the
+    client reports the epsilon it spent at ``delta`` (:mod:`rayfuse.models.privacy`)."""
+
+    noise_multiplier: float | None = Field(None, ge=0, description="the noise's standard deviation over max_grad_norm (or give target_epsilon)")
+    target_epsilon: float | None = Field(None, gt=0, description="the epsilon each client may spend: Opacus picks the noise multiplier "
+                                         "for it from the client's sample rate and steps (or give noise_multiplier)")
+    max_grad_norm: float = Field(1.0, gt=0, description="per-example gradient clipping norm C")
+    delta: float = Field(1e-5, gt=0, lt=1, description="delta of the (epsilon, delta) guarantee; below 1 / (smallest client's train size)")
+    accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus' privacy accountant: rdp (Renyi DP) or prv (privacy random variables)")
+
+    @model_validator(mode="after")
+    def _one_noise(self) -> DPSGDConfig:
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError("@noise_multiplier@ exactly one of noise_multiplier and target_epsilon, got "
+                             f"{'both' if self.noise_multiplier is not None else 'neither'}")
+        return self
+
+
 class TrainConfig(StrictModel):
     """Local training of each client's model (and of the pooled oracle)."""
 
@@ -555,6 +577,16 @@ class TrainConfig(StrictModel):
     weight_decay: float = Field(0.0, ge=0)
     shared_init: bool = Field(False, description="all clients start from one seeded initialisation (default: each its own, as "
                                                  "models trained apart do; aligned fusion is for that case)")
+    dp: DPSGDConfig | None = Field(None, description="local DP-SGD (Opacus) for each client's local model: {noise_multiplier | "
+                                   "target_epsilon, max_grad_norm, delta, accountant}; null: no DP")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # a run without DP dumps as it always did: its config.yaml and its local models' cache keys are unchanged
+        data = handler(self)
+        if self.dp is None and isinstance(data, dict):
+            data.pop("dp", None)
+        return data
 
 
 class ResourcesConfig(StrictModel):

@@ -518,8 +518,10 @@ class Coordinator:
                         kept.append(client)
                         continue
                     trained.append(client)
-                    self.events.emit("client_trained", f"loss {stats.get('train_loss', float('nan')):.4f}", client=client,
-                                     seconds=round(stats.get("train_seconds", 0.0), 3))
+                    spent = f", epsilon {stats['dp_epsilon']:.3g}" if "dp_epsilon" in stats else ""
+                    self.events.emit("client_trained", f"loss {stats.get('train_loss', float('nan')):.4f}{spent}", client=client,
+                                     seconds=round(stats.get("train_seconds", 0.0), 3),
+                                     **({"dp_epsilon": stats["dp_epsilon"]} if "dp_epsilon" in stats else {}))
         kept.sort()
         if kept:
             self.events.emit("local_models_restored", f"{len(kept)} local models from the clients' own copies ({root})",
@@ -546,6 +548,20 @@ class Coordinator:
             self.store.save_local_models({c: u for c, u in self._local.results.items() if c not in self._from_run_folder})
         return self._local
 
+    def _add_local_privacy(self, result: MethodResult) -> None:
+        """Record what local DP-SGD (``train.dp``) spent: each client's epsilon (``info.local_dp.epsilon``, as the
+        client reported it: a statistic, not data) and the largest (``metrics.dp_sgd_epsilon``, the run's guarantee for any
+        one example)."""
+        dp = self.cfg.train.dp
+        assert dp is not None
+        stats = {c: u.metrics for c, u in self.local_updates().results.items()}
+        epsilon = {str(c): float(m["dp_epsilon"]) for c, m in sorted(stats.items()) if "dp_epsilon" in m}
+        if not epsilon:
+            return
+        result.info["local_dp"] = {"epsilon": epsilon, "delta": dp.delta, "accountant": dp.accountant, "max_grad_norm": dp.max_grad_norm,
+                                   "noise_multiplier": {c: float(stats[int(c)].get("dp_noise_multiplier", float("nan"))) for c in epsilon}}
+        result.metrics["dp_sgd_epsilon"] = max(epsilon.values())
+
     def run_method(self, label: str, resume: bool = False) -> dict[str, Any]:
         """Run the method entry ``label`` of the config; save its model and state; return its summary."""
         spec = next((s for s in self.specs if s.label == label), None)
@@ -559,6 +575,8 @@ class Coordinator:
         self.events.emit("method_start", method=label)
         result: MethodResult = spec.build().run(server)
         seconds = time.perf_counter() - started
+        if self.cfg.train.dp is not None and method_cls.uses_local_models and not method_cls.oracle:
+            self._add_local_privacy(result)
         bad = {k: v for k, v in result.metrics.items() if not np.isfinite(v)}
         if bad:
             raise NonFiniteError(f"{label}: non-finite final metrics {bad}")

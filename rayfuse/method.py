@@ -388,7 +388,9 @@ class Method(ABC):
     real federation; reported as an upper reference), ``multi_round`` (checkpoints each round, so ``--resume``
     continues mid-method), ``federated_evaluation`` (its metrics come from :meth:`ServerContext.evaluate` /
     :meth:`ServerContext.evaluate_ensemble`, so ``evaluation: federated`` or ``both`` can score it on the clients'
-    held-out splits; ``False``: a method scoring on the server's data in its own way, refused with those settings).
+    held-out splits; ``False``: a method scoring on the server's data in its own way, refused with those settings),
+    ``local_model_only`` (it reads the clients' training data only through their trained local models, so local DP-SGD,
+    ``train.dp``, covers everything it releases; methods without it are refused with ``train.dp``).
     """
 
     name: ClassVar[str]
@@ -400,6 +402,7 @@ class Method(ABC):
     oracle: ClassVar[bool] = False
     multi_round: ClassVar[bool] = False
     federated_evaluation: ClassVar[bool] = True
+    local_model_only: ClassVar[bool] = False
 
     def __init__(self, params: MethodParams | None = None, label: str | None = None) -> None:
         self.params = self.Params() if params is None else params

@@ -84,6 +84,8 @@ def _has(key: str) -> Callable[[Mapping[str, Any]], bool]:
 # The "extra" column: (shown for this entry?, how it reads), in order.
 _EXTRAS: list[tuple[Callable[[Mapping[str, Any]], bool], Callable[[Mapping[str, Any]], str]]] = [
     (_has("vote_accuracy"), lambda e: f"vote acc {e['vote_accuracy']:.4f}"),
+    (_has("dp_sgd_epsilon"), lambda e: f"DP-SGD epsilon {e['dp_sgd_epsilon']:.3g} (max over clients)"),  # train.dp
+    (_has("upload_epsilon"), lambda e: f"upload epsilon {e['upload_epsilon']:.3g}"),  # a one-shot method's dp upload
     (lambda e: bool(e.get("rounds")), lambda e: f"{e['rounds']} round{'s' if e['rounds'] != 1 else ''}"),
     (_has("tuned_accuracy"), lambda e: f"tuned acc {e['tuned_accuracy']:.4f}"),  # fine-tuned on the public sample (gems)
     (_has("hidden_units"), lambda e: f"{int(e['hidden_units'])} hidden units"),

@@ -42,7 +42,8 @@ from rayfuse.report import Printer, format_client_summary, format_partition, for
 from rayfuse.store import RunStore, claim_run_folder
 from rayfuse.version import __version__
 
-__all__ = ["Backend", "InProcessBackend", "PreparedRun", "prepare_run", "run_experiment", "new_run_dir", "check_new_folder", "load_run_config"]
+__all__ = ["Backend", "InProcessBackend", "PreparedRun", "prepare_run", "check_local_dp", "run_experiment", "new_run_dir", "check_new_folder",
+           "load_run_config"]
 
 EventSink = Callable[[dict[str, Any]], None]
 
@@ -151,7 +152,37 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
     plan = make_plan(dataset, cfg.data, cfg.partition, cfg.run.seed, target=target)
     setup = RunSetup.from_plan(cfg, plan)
     check_methods(specs, setup)
+    check_local_dp(cfg, specs, setup)
     return PreparedRun(cfg, specs, plan, setup, num_params)
+
+
+def check_local_dp(cfg: ExperimentConfig, specs: Sequence[MethodSpec], setup: RunSetup) -> None:
+    """Refuse ``train.dp`` (local DP-SGD) where it cannot hold, before any client trains: a model Opacus cannot train
+    privately (BatchNorm, stock attention: Opacus' ``ModuleValidator``), a delta not below one over the smallest
+    client's number of training examples (the privacy unit is one example), or a method that reads the clients' data
+    other than through their local models (``Method.local_model_only``; oracles, non-private references, are let
+    through)."""
+    dp = cfg.train.dp
+    if dp is None:
+        return
+    from rayfuse.models import build_model
+    from rayfuse.models.privacy import find_dp_unsupported
+
+    smallest = min((n for n in setup.train_sizes if n > 0), default=0)
+    if smallest and dp.delta >= 1.0 / smallest:
+        raise InputError("train.dp.delta", f"less than 1 / {smallest} (the smallest client's training examples: the privacy unit is "
+                         "one example)", dp.delta, f"e.g. delta: {10 ** -(len(str(smallest)) + 1):g}")
+    found = find_dp_unsupported(build_model(cfg.model, setup.input_shape, setup.num_classes, seed=0))
+    if found is not None:
+        module, kind = found
+        raise InputError("train.dp", f"a model Opacus can train with DP-SGD (logreg, mlp, cnn, or a custom model without BatchNorm "
+                         f"or stock MultiheadAttention), but model {cfg.model.name!r} has {module}: {kind}", InputError._MISSING,
+                         "rayfuse's models have no norm option: use model.name mlp or cnn, or drop train.dp")
+    for spec in specs:
+        if not spec.method_cls.local_model_only and not spec.method_cls.oracle:
+            raise InputError("train.dp", "methods whose clients release only their DP-trained local models (local, average, "
+                             f"ensemble), not method {spec.method!r}", f"methods.{spec.label}",
+                             "drop train.dp or that method; central DP for the FedAvg family is its own dp key")
 
 
 def new_run_dir(cfg: ExperimentConfig, out: str | Path | None = None, *, key: str = "--out") -> Path:

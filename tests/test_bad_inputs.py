@@ -442,6 +442,22 @@ case(7, "symmetry-args-not-json", "--args")(lambda f: ["symmetry", "mlp", "--arg
 case(7, "symmetry-unknown-architecture", "architecture")(lambda f: ["symmetry", "mlpp"])
 case(7, "symmetry-boolean-width", "args.hidden")(lambda f: ["symmetry", "mlp", "--args", '{"hidden": [true]}'])
 
+# differential privacy (issue 21): local DP-SGD (train.dp) and the one-shot DP upload (methods.average.dp)
+_DP = "{noise_multiplier: 1.0, delta: 1.0e-5}"
+case(7, "run-dp-sgd-batchnorm-model", "stem.bn")(run_cli("--set", "model.name=rescnn", "--set", "train.dp=" + _DP))
+case(7, "validate-dp-sgd-batchnorm-model", "train.dp")(lambda f: ["validate", f.job(), "--set", "model.name=vgg", "--set", "train.dp=" + _DP])
+case(7, "run-dp-sgd-negative-noise", "train.dp.noise_multiplier")(run_cli("--set", "train.dp={noise_multiplier: -1.0}"))
+case(7, "run-dp-sgd-negative-clip", "train.dp.max_grad_norm")(run_cli("--set", "train.dp={noise_multiplier: 1.0, max_grad_norm: -1.0}"))
+case(7, "run-dp-sgd-delta-above-one-over-n", "train.dp.delta")(run_cli("--set", "train.dp={noise_multiplier: 1.0, delta: 0.01}"))
+case(7, "run-dp-sgd-no-noise-given", "train.dp.noise_multiplier")(run_cli("--set", "train.dp={max_grad_norm: 1.0}"))
+case(7, "run-dp-sgd-on-fedavg", "train.dp")(run_cli("--set", "methods={fedavg: {rounds: 1}}", "--set", "train.dp=" + _DP))
+case(7, "run-upload-dp-negative-clip", "methods.average.dp.clip_norm")(
+    run_cli("--set", "methods.average.dp={clip_norm: -1.0, noise_multiplier: 1.0}"))
+case(7, "run-upload-dp-negative-noise", "methods.average.dp.noise_multiplier")(
+    run_cli("--set", "methods.average.dp={clip_norm: 1.0, noise_multiplier: -0.5}"))
+case(7, "run-upload-dp-delta-above-one-over-clients", "methods.average.dp.delta")(
+    run_cli("--set", "methods.average.dp={clip_norm: 1.0, noise_multiplier: 1.0, delta: 0.5}"))
+
 
 def _weighted_fuse(f: Files, weight: Any) -> str:
     models = f.models()

@@ -7,12 +7,19 @@ with ``train.shared_init`` the local models start from one initialisation, the f
 ``aggregator`` replaces the average by a robust rule (:mod:`rayfuse.fusion.robust`); its ``clip_norm`` clips each
 local model's distance to the run's initial model (the clients' common start with ``train.shared_init``). The default,
 ``mean``, is the average above.
+
+``dp`` makes each client clip and noise its upload on its own side before it leaves (:mod:`rayfuse.fusion.privacy`):
+the difference to the shared initialisation with ``train.shared_init``, else the parameters themselves; the server
+averages the noised uploads and records each client's epsilon.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field
 
+from rayfuse.fusion.privacy import UploadDP, check_upload_dp, dp_upload
 from rayfuse.fusion.robust import AggregatorSettings, aggregate_updates, check_aggregator
 from rayfuse.method import Method, MethodParams, MethodResult, RunSetup, ServerContext, register_method
 
@@ -21,6 +28,8 @@ class AverageParams(MethodParams):
     weighted: bool = True  # weight each client by its number of training samples
     aggregator: AggregatorSettings = Field(default_factory=AggregatorSettings, description="how the local models are combined: "
                                            "mean, median, trimmed_mean, krum, bulyan, geometric_median; clip_norm clips first")
+    dp: UploadDP | None = Field(None, description="each client clips its upload to clip_norm and adds N(0, (z clip_norm)^2) before "
+                                "it leaves: {clip_norm, noise_multiplier | target_epsilon, delta, accountant}; null: no DP")
 
 
 @register_method
@@ -31,17 +40,31 @@ class Average(Method):
     params: AverageParams
     summary = "one-shot parameter average of the local models (sample-weighted)"
     uses_local_models = True
+    local_model_only = True  # train.dp (local DP-SGD) covers what it releases
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:
         """The aggregator's precondition on the number of clients."""
         assert isinstance(params, AverageParams)
         check_aggregator(params.aggregator, setup.num_clients, what="clients")
+        check_upload_dp(params.dp, setup)
 
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params
         start = server.initial_params() if p.aggregator.clip_norm is not None else None
-        params, updates = aggregate_updates(server, server.local_updates(), p.aggregator, start=start, weighted=p.weighted)
+        info: dict[str, Any] = {}
+        if p.dp is None:
+            uploads = server.local_updates()
+        else:  # the clients clip and noise their uploads; the raw local models never leave them
+            uploads = server.federation.run(dp_upload, label=server.label, clip_norm=p.dp.clip_norm, noise_multiplier=p.dp.noise_multiplier,
+                                            target_epsilon=p.dp.target_epsilon, delta=p.dp.delta, accountant=p.dp.accountant)
+            epsilon = {str(c): float(u.metrics["dp_epsilon"]) for c, u in sorted(uploads.results.items())}
+            info["upload_dp"] = {"epsilon": epsilon, "delta": p.dp.delta, "clip_norm": p.dp.clip_norm, "accountant": p.dp.accountant,
+                                 "noise_multiplier": max(float(u.metrics["dp_noise_multiplier"]) for u in uploads.results.values()),
+                                 "relative_to": "shared init" if server.train_cfg.shared_init else "zero"}
+        params, updates = aggregate_updates(server, uploads, p.aggregator, start=start, weighted=p.weighted)
         metrics = server.evaluate(params)
+        if p.dp is not None:
+            metrics["upload_epsilon"] = max(info["upload_dp"]["epsilon"].values())
         server.log(1, metrics)
-        return MethodResult(metrics, params, info={"clients": list(updates)})
+        return MethodResult(metrics, params, info={"clients": list(updates), **info})

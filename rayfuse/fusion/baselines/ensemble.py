@@ -28,6 +28,7 @@ class Ensemble(Method):
     params: EnsembleParams
     summary = "the local models as an ensemble: probability average and majority vote"
     uses_local_models = True
+    local_model_only = True  # train.dp (local DP-SGD) covers what it releases
 
     def run(self, server: ServerContext) -> MethodResult:
         updates = server.accept_updates(server.local_updates())

@@ -15,6 +15,7 @@ class Local(Method):
     name = "local"
     summary = "each client's local model on the global test set (each, and mean +- std)"
     uses_local_models = True
+    local_model_only = True  # train.dp (local DP-SGD) covers what it releases
 
     def run(self, server: ServerContext) -> MethodResult:
         updates = server.accept_updates(server.local_updates())

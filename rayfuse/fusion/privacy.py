@@ -1,0 +1,66 @@
+"""The one-shot DP upload: each client clips and noises its local model's parameters before they leave it.
+
+``dp: {clip_norm, noise_multiplier | target_epsilon, delta}`` on a one-shot method (``average``). The client computes
+its upload ``u`` (the difference to the shared initialisation with ``train.shared_init``, else the parameters
+themselves), scales it to L2 norm at most ``C = clip_norm`` and adds ``N(0, (z C)^2)`` to every coordinate
+(:func:`rayfuse.models.privacy.clip_and_noise`): one release of the Gaussian mechanism with sensitivity ``C``. The
+noise is drawn on the client, so the guarantee needs no trusted server. The privacy unit is the client's whole
+dataset, under add/remove (Opacus' accountants' neighbouring relation): with or without a client, its clipped upload
+moves the released vector by at most ``C``. The client reports the epsilon of that one release at ``delta``, by
+Opacus' accountant with sample rate 1 and one step (:func:`rayfuse.models.privacy.gaussian_epsilon`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from rayfuse.errors import InputError
+from rayfuse.method import ClientContext, MethodParams, RunSetup, Update, client_step
+
+__all__ = ["UploadDP", "check_upload_dp", "dp_upload"]
+
+
+class UploadDP(MethodParams):
+    """A one-shot method's ``dp`` key: the clipped and noised upload of each client's parameters."""
+
+    clip_norm: float = Field(gt=0, description="C: the upload's L2 norm bound (all parameter arrays together)")
+    noise_multiplier: float | None = Field(None, ge=0, description="z: noise standard deviation z C on every coordinate (or target_epsilon)")
+    target_epsilon: float | None = Field(None, gt=0, description="the epsilon of the one release: Opacus picks z for it (or noise_multiplier)")
+    delta: float = Field(1e-5, gt=0, lt=1, description="delta of the (epsilon, delta) guarantee; below 1 / the number of clients")
+    accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus' accountant that converts z into epsilon")
+
+    @model_validator(mode="after")
+    def _one_noise(self) -> UploadDP:
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError("@noise_multiplier@ exactly one of noise_multiplier and target_epsilon, got "
+                             f"{'both' if self.noise_multiplier is not None else 'neither'}")
+        return self
+
+
+def check_upload_dp(dp: UploadDP | None, setup: RunSetup) -> None:
+    """Refuse a ``dp`` upload whose delta is not below one over the number of clients (the privacy unit is one
+    client's data)."""
+    if dp is not None and dp.delta >= 1.0 / setup.num_clients:
+        raise InputError("dp.delta", f"less than 1 / {setup.num_clients} (the number of clients: the privacy unit of the upload "
+                         "is one client's data)", dp.delta)
+
+
+@client_step("dp.upload")
+def dp_upload(ctx: ClientContext, *, label: str, clip_norm: float, noise_multiplier: float | None, target_epsilon: float | None,
+              delta: float, accountant: str) -> Update:
+    """This client's local model, clipped and noised on the client (:func:`rayfuse.models.privacy.clip_and_noise`);
+    reports only the epsilon and noise multiplier of the release, never the norm before clipping."""
+    from rayfuse.models import get_params
+    from rayfuse.models.privacy import clip_and_noise, dp_noise_multiplier, gaussian_epsilon
+
+    params = get_params(ctx.local_model())
+    reference: dict[str, Any] | None = get_params(ctx.build_model(seed=ctx.init_seed)) if ctx.train_cfg.shared_init else None
+    z = (float(noise_multiplier) if noise_multiplier is not None
+         else dp_noise_multiplier(target_epsilon=float(target_epsilon or 0.0), delta=delta, sample_rate=1.0, steps=1, accountant=accountant))
+    rng = np.random.default_rng(ctx.step_seed(label, "dp-upload"))
+    noised, _ = clip_and_noise(params, reference, clip_norm=clip_norm, noise_multiplier=z, rng=rng)
+    epsilon = gaussian_epsilon(z, delta, accountant=accountant)
+    return Update(noised, ctx.num_examples, {"dp_epsilon": epsilon, "dp_noise_multiplier": z})
