@@ -15,7 +15,7 @@ __all__ = ["Printer", "format_table", "format_client_summary", "format_partition
 
 TABLE_METRICS = ("accuracy", "nll", "entropy", "ece")
 # shown in progress lines; the generative methods (epgan) report D-MSE / modes (toy set) or FD / IS (images)
-_PROGRESS_METRICS = ("accuracy", "nll", "train_loss", "d_mse", "modes", "fd", "is")
+_PROGRESS_METRICS = ("accuracy", "nll", "train_loss", "d_mse", "modes", "fd", "is", "dp_epsilon")
 
 
 class Printer:
@@ -85,6 +85,8 @@ def _has(key: str) -> Callable[[Mapping[str, Any]], bool]:
 _EXTRAS: list[tuple[Callable[[Mapping[str, Any]], bool], Callable[[Mapping[str, Any]], str]]] = [
     (_has("vote_accuracy"), lambda e: f"vote acc {e['vote_accuracy']:.4f}"),
     (lambda e: bool(e.get("rounds")), lambda e: f"{e['rounds']} round{'s' if e['rounds'] != 1 else ''}"),
+    (_has("epsilon"), lambda e: f"({e['epsilon']:.3g}, {e['delta']:.0e})-DP"
+     + (" (stopped at the epsilon budget)" if "stopped" in e.get("info", {}).get("dp", {}) else "")),  # central DP-FedAvg
     (_has("tuned_accuracy"), lambda e: f"tuned acc {e['tuned_accuracy']:.4f}"),  # fine-tuned on the public sample (gems)
     (_has("hidden_units"), lambda e: f"{int(e['hidden_units'])} hidden units"),
     (lambda e: e.get("info", {}).get("intersection_found") is False, lambda e: "no intersection"),
