@@ -442,6 +442,29 @@ case(7, "symmetry-args-not-json", "--args")(lambda f: ["symmetry", "mlp", "--arg
 case(7, "symmetry-unknown-architecture", "architecture")(lambda f: ["symmetry", "mlpp"])
 case(7, "symmetry-boolean-width", "args.hidden")(lambda f: ["symmetry", "mlp", "--args", '{"hidden": [true]}'])
 
+# Central DP-FedAvg (issue 21): refused by the schema or the method's check, before any client trains
+_DP = {"noise_multiplier": 1.0, "clip_norm": 1.0, "sample_rate": 0.5}
+_BAD_DP = [("negative-noise", "methods.fedavg.dp.noise_multiplier", "fedavg", {}, {"noise_multiplier": -1.0}),
+           ("zero-noise", "methods.fedavg.dp.noise_multiplier", "fedavg", {}, {"noise_multiplier": 0.0}),
+           ("negative-clip-norm", "methods.fedavg.dp.clip_norm", "fedavg", {}, {"clip_norm": -0.5}),
+           ("zero-clip-norm", "methods.fedprox.dp.clip_norm", "fedprox", {}, {"clip_norm": 0.0}),
+           ("delta-not-below-1-over-n", "methods.fedavg.dp.delta", "fedavg", {}, {"delta": 0.5}),
+           ("zero-sample-rate", "methods.fedadam.dp.sample_rate", "fedadam", {}, {"sample_rate": 0.0}),
+           ("sample-rate-above-one", "methods.fedavg.dp.sample_rate", "fedavg", {}, {"sample_rate": 1.5}),
+           ("zero-target-epsilon", "methods.fedavg.dp.target_epsilon", "fedavg", {}, {"noise_multiplier": None, "target_epsilon": 0.0}),
+           ("noise-and-target", "methods.fedavg.dp.noise_multiplier", "fedavg", {}, {"target_epsilon": 1.0}),
+           ("one-shot-method", "methods.average.dp", "average", {}, {}),
+           ("fedref", "methods.fedref.dp", "fedref", {}, {}),
+           ("robust-aggregator", "methods.fedavg.aggregator", "fedavg", {"aggregator": "median"}, {}),
+           ("fraction", "methods.fedavg.fraction", "fedavg", {"fraction": 0.5}, {}),
+           ("stop-before-one-round", "methods.fedavg.dp.stop_at_epsilon", "fedavg", {}, {"stop_at_epsilon": 0.001})]
+for _id, _key, _method, _extra, _dp in _BAD_DP:
+    case(7, f"run-dp-{_id}", _key)(
+        lambda f, m=_method, e=_extra, d=_dp: ["run", f.job(methods={m: {**e, "dp": {**_DP, **d}}})])
+case(7, "validate-dp-delta", "methods.fedavg.dp.delta")(lambda f: ["validate", f.job(methods={"fedavg": {"dp": {**_DP, "delta": 0.9}}})])
+case(7, "api-dp-negative-clip-norm", "methods.fedavg.dp.clip_norm")(
+    api_run(lambda f: with_base(methods={"fedavg": {"dp": {**_DP, "clip_norm": -1.0}}})))
+
 
 def _weighted_fuse(f: Files, weight: Any) -> str:
     models = f.models()
