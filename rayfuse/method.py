@@ -512,6 +512,9 @@ def resolve_methods(methods: Mapping[str, Mapping[str, Any]],
             name = METHODS.canonical(name)
         else:
             raise InputError(path, "a method: a registered name, a Method subclass or a Method instance", type(given).__name__)
+        if "dp" in entry and "dp" not in method_cls.Params.model_fields:
+            raise InputError(f"{path}.dp", f"no dp for method {name!r} (it has no differential-privacy option; central DP-FedAvg "
+                             "is the dp key of fedavg, fedprox, fedadagrad, fedadam and fedyogi)", entry["dp"])
         try:
             params = method_cls.Params.model_validate(entry)
         except ValidationError as exc:

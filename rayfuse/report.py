@@ -15,7 +15,7 @@ __all__ = ["Printer", "format_table", "format_client_summary", "format_partition
 
 TABLE_METRICS = ("accuracy", "nll", "entropy", "ece")
 # shown in progress lines; the generative methods (epgan) report D-MSE / modes (toy set) or FD / IS (images)
-_PROGRESS_METRICS = ("accuracy", "nll", "train_loss", "d_mse", "modes", "fd", "is")
+_PROGRESS_METRICS = ("accuracy", "nll", "train_loss", "d_mse", "modes", "fd", "is", "dp_epsilon")
 
 
 class Printer:
@@ -87,6 +87,8 @@ _EXTRAS: list[tuple[Callable[[Mapping[str, Any]], bool], Callable[[Mapping[str, 
     (_has("dp_sgd_epsilon"), lambda e: f"DP-SGD epsilon {e['dp_sgd_epsilon']:.3g} (max over clients)"),  # train.dp
     (_has("upload_epsilon"), lambda e: f"upload epsilon {e['upload_epsilon']:.3g}"),  # a one-shot method's dp upload
     (lambda e: bool(e.get("rounds")), lambda e: f"{e['rounds']} round{'s' if e['rounds'] != 1 else ''}"),
+    (_has("epsilon"), lambda e: f"({e['epsilon']:.3g}, {e['delta']:.0e})-DP"
+     + (" (stopped at the epsilon budget)" if "stopped" in e.get("info", {}).get("dp", {}) else "")),  # central DP-FedAvg
     (_has("tuned_accuracy"), lambda e: f"tuned acc {e['tuned_accuracy']:.4f}"),  # fine-tuned on the public sample (gems)
     (_has("hidden_units"), lambda e: f"{int(e['hidden_units'])} hidden units"),
     (lambda e: e.get("info", {}).get("intersection_found") is False, lambda e: "no intersection"),

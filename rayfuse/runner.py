@@ -404,6 +404,10 @@ def _method_entry(summary: dict[str, Any]) -> dict[str, Any]:
         entry["rounds"] = info["rounds"]
     if "note" in info:
         entry["note"] = info["note"]
+    if isinstance(info.get("dp"), dict) and "epsilon" in info["dp"]:  # central DP-FedAvg: the privacy spent in total
+        entry["epsilon"], entry["delta"] = info["dp"]["epsilon"], info["dp"]["delta"]
+        if "stopped" in info["dp"]:
+            entry["note"] = "; ".join(n for n in (entry.get("note"), info["dp"]["stopped"]) if n)
     entry["seconds"] = summary.get("seconds")
     entry["model_file"] = summary.get("model_file")
     entry["evaluation"] = summary.get("evaluation", "central")  # which evaluation produced the metrics (rayfuse.evaluation)

@@ -443,20 +443,42 @@ case(7, "symmetry-unknown-architecture", "architecture")(lambda f: ["symmetry", 
 case(7, "symmetry-boolean-width", "args.hidden")(lambda f: ["symmetry", "mlp", "--args", '{"hidden": [true]}'])
 
 # differential privacy (issue 21): local DP-SGD (train.dp) and the one-shot DP upload (methods.average.dp)
-_DP = "{noise_multiplier: 1.0, delta: 1.0e-5}"
-case(7, "run-dp-sgd-batchnorm-model", "stem.bn")(run_cli("--set", "model.name=rescnn", "--set", "train.dp=" + _DP))
-case(7, "validate-dp-sgd-batchnorm-model", "train.dp")(lambda f: ["validate", f.job(), "--set", "model.name=vgg", "--set", "train.dp=" + _DP])
+_DPSGD = "{noise_multiplier: 1.0, delta: 1.0e-5}"
+case(7, "run-dp-sgd-batchnorm-model", "stem.bn")(run_cli("--set", "model.name=rescnn", "--set", "train.dp=" + _DPSGD))
+case(7, "validate-dp-sgd-batchnorm-model", "train.dp")(lambda f: ["validate", f.job(), "--set", "model.name=vgg", "--set", "train.dp=" + _DPSGD])
 case(7, "run-dp-sgd-negative-noise", "train.dp.noise_multiplier")(run_cli("--set", "train.dp={noise_multiplier: -1.0}"))
 case(7, "run-dp-sgd-negative-clip", "train.dp.max_grad_norm")(run_cli("--set", "train.dp={noise_multiplier: 1.0, max_grad_norm: -1.0}"))
 case(7, "run-dp-sgd-delta-above-one-over-n", "train.dp.delta")(run_cli("--set", "train.dp={noise_multiplier: 1.0, delta: 0.01}"))
 case(7, "run-dp-sgd-no-noise-given", "train.dp.noise_multiplier")(run_cli("--set", "train.dp={max_grad_norm: 1.0}"))
-case(7, "run-dp-sgd-on-fedavg", "train.dp")(run_cli("--set", "methods={fedavg: {rounds: 1}}", "--set", "train.dp=" + _DP))
+case(7, "run-dp-sgd-on-fedavg", "train.dp")(run_cli("--set", "methods={fedavg: {rounds: 1}}", "--set", "train.dp=" + _DPSGD))
 case(7, "run-upload-dp-negative-clip", "methods.average.dp.clip_norm")(
     run_cli("--set", "methods.average.dp={clip_norm: -1.0, noise_multiplier: 1.0}"))
 case(7, "run-upload-dp-negative-noise", "methods.average.dp.noise_multiplier")(
     run_cli("--set", "methods.average.dp={clip_norm: 1.0, noise_multiplier: -0.5}"))
 case(7, "run-upload-dp-delta-above-one-over-clients", "methods.average.dp.delta")(
     run_cli("--set", "methods.average.dp={clip_norm: 1.0, noise_multiplier: 1.0, delta: 0.5}"))
+# Central DP-FedAvg (issue 21): refused by the schema or the method's check, before any client trains
+_DP = {"noise_multiplier": 1.0, "clip_norm": 1.0, "sample_rate": 0.5}
+_BAD_DP = [("negative-noise", "methods.fedavg.dp.noise_multiplier", "fedavg", {}, {"noise_multiplier": -1.0}),
+           ("zero-noise", "methods.fedavg.dp.noise_multiplier", "fedavg", {}, {"noise_multiplier": 0.0}),
+           ("negative-clip-norm", "methods.fedavg.dp.clip_norm", "fedavg", {}, {"clip_norm": -0.5}),
+           ("zero-clip-norm", "methods.fedprox.dp.clip_norm", "fedprox", {}, {"clip_norm": 0.0}),
+           ("delta-not-below-1-over-n", "methods.fedavg.dp.delta", "fedavg", {}, {"delta": 0.5}),
+           ("zero-sample-rate", "methods.fedadam.dp.sample_rate", "fedadam", {}, {"sample_rate": 0.0}),
+           ("sample-rate-above-one", "methods.fedavg.dp.sample_rate", "fedavg", {}, {"sample_rate": 1.5}),
+           ("zero-target-epsilon", "methods.fedavg.dp.target_epsilon", "fedavg", {}, {"noise_multiplier": None, "target_epsilon": 0.0}),
+           ("noise-and-target", "methods.fedavg.dp.noise_multiplier", "fedavg", {}, {"target_epsilon": 1.0}),
+           ("one-shot-method", "methods.aligned.dp", "aligned", {}, {}),
+           ("fedref", "methods.fedref.dp", "fedref", {}, {}),
+           ("robust-aggregator", "methods.fedavg.aggregator", "fedavg", {"aggregator": "median"}, {}),
+           ("fraction", "methods.fedavg.fraction", "fedavg", {"fraction": 0.5}, {}),
+           ("stop-before-one-round", "methods.fedavg.dp.stop_at_epsilon", "fedavg", {}, {"stop_at_epsilon": 0.001})]
+for _id, _key, _method, _extra, _dp in _BAD_DP:
+    case(7, f"run-dp-{_id}", _key)(
+        lambda f, m=_method, e=_extra, d=_dp: ["run", f.job(methods={m: {**e, "dp": {**_DP, **d}}})])
+case(7, "validate-dp-delta", "methods.fedavg.dp.delta")(lambda f: ["validate", f.job(methods={"fedavg": {"dp": {**_DP, "delta": 0.9}}})])
+case(7, "api-dp-negative-clip-norm", "methods.fedavg.dp.clip_norm")(
+    api_run(lambda f: with_base(methods={"fedavg": {"dp": {**_DP, "clip_norm": -1.0}}})))
 
 
 def _weighted_fuse(f: Files, weight: Any) -> str:

@@ -8,6 +8,12 @@ sampled client runs ``local_epochs`` of local training from it and returns ``(w_
 FedProx (Li et al. 2020) adds the proximal term to each client's objective, ``F_k(w) + (mu/2) ||w - w_t||^2``
 (eq. 2), and aggregates the same way.
 
+``dp`` makes the round central DP-FedAvg (McMahan et al. 2018; :mod:`rayfuse.fusion.central_dp`): Poisson client
+sampling with ``dp.sample_rate``, each update clipped to ``dp.clip_norm`` (fixed or adaptive, Andrew et al. 2021),
+Gaussian noise on the sum, divided by the expected number of clients; the server update (FedOpt's adaptive step)
+then acts on the noised model. Opacus' accountant gives the epsilon spent after each round (``dp_epsilon``), and
+``dp.stop_at_epsilon`` ends the run before the round that would exceed it.
+
 ``aggregator`` replaces eq. 1's average by a robust rule (:mod:`rayfuse.fusion.robust`: median, trimmed mean, Krum,
 Bulyan, geometric median) and optionally clips each update ``w_t^k - w_t`` to a norm first; its precondition on the
 number of clients per round (``ceil(fraction * N)``) is checked before any client trains. The default, ``mean``, is
@@ -21,16 +27,18 @@ Resume, evaluation cadence, history and round checkpoints are the round loop's (
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 from pydantic import Field
 
+from rayfuse.errors import InputError
 from rayfuse.fusion import references
+from rayfuse.fusion.central_dp import CentralDPSettings, DPPlan, apply_dp_round, compute_epsilon, describe_plan, plan_dp, sample_poisson
 from rayfuse.fusion.robust import AggregatorSettings, aggregate_updates, check_aggregator
 from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, Update, client_step, register_method
 
-__all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "FedAvgState", "fit"]
+__all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "FedAvgState", "fit", "check_dp_params"]
 
 @client_step("fedavg.fit")
 def fit(ctx: ClientContext, global_params: dict[str, np.ndarray], *, label: str, round: int, epochs: int, lr: float,
@@ -70,6 +78,9 @@ class FedAvgParams(MethodParams):
     aggregator: AggregatorSettings = Field(default_factory=AggregatorSettings, description="how the clients' models are "
                                            "combined: mean (eq. 1), median, trimmed_mean, krum, bulyan, geometric_median; "
                                            "clip_norm clips each update first")
+    dp: CentralDPSettings | None = Field(None, description="central DP-FedAvg (McMahan et al. 2018): noise_multiplier or "
+                                         "target_epsilon, clip_norm, adaptive, sample_rate, delta, accountant, stop_at_epsilon; "
+                                         "null: no DP")
 
 
 def clients_per_round(num_clients: int, fraction: float) -> int:
@@ -90,14 +101,20 @@ class FedAvg(Method):
     reference = references.FEDAVG
     multi_round = True
 
+    #: why ``dp`` is refused for this method (empty: central DP-FedAvg applies)
+    no_dp: ClassVar[str] = ""
+
     @property
     def mu(self) -> float:
         return 0.0
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:
-        """The aggregator's precondition on the clients sampled per round."""
+        """The aggregator's precondition on the clients sampled per round; with ``dp``, what DP-FedAvg needs."""
         assert isinstance(params, FedAvgParams)
+        if params.dp is not None:
+            check_dp_params(cls, params, setup.num_clients)
+            return
         check_aggregator(params.aggregator, clients_per_round(setup.num_clients, params.fraction))
 
     # -- hooks for subclasses ------------------------------------------------------------------------------------
@@ -131,28 +148,64 @@ class FedAvg(Method):
         p = self.params
         train = server.train_cfg
         fed = server.federation
-        rounds = server.rounds(FedAvgState(server.initial_params(), self.server_state()), last=p.rounds,
-                               evaluate=lambda rnd: server.evaluate(rounds.state.params), evaluate_every=p.evaluate_every)
+        dp = p.dp
+        plan = plan_dp(dp, server.num_clients, p.rounds) if dp is not None else None
+        last = plan.rounds if plan is not None else p.rounds
+        start = FedAvgState(server.initial_params(), self.server_state(), {"clip_norm": dp.clip_norm} if dp is not None else {})
+        rounds = server.rounds(start, last=last, evaluate=lambda rnd: server.evaluate(rounds.state.params),
+                               evaluate_every=p.evaluate_every)
         state = rounds.state
         self.load_server_state(state.server)
         step_args = dict(label=server.label, epochs=p.local_epochs, lr=p.lr or train.lr, batch_size=p.batch_size or train.batch_size,
                          optimizer=p.optimizer or train.optimizer, momentum=train.momentum, weight_decay=train.weight_decay,
                          **self.client_args())
         for rnd in rounds:
-            clients = server.sample_clients(p.fraction, rnd)
-            gathered = fed.run(fit, fed.put(state.params), clients=clients, round=rnd, **step_args)
-            averaged, updates = aggregate_updates(server, gathered, p.aggregator, reference=state.params, weighted=p.weighted,
-                                                round=rnd)
+            extra: dict[str, float] = {}
+            if plan is not None:
+                averaged, updates, extra = self._dp_round(server, state, plan, rnd, step_args)
+            else:
+                clients = server.sample_clients(p.fraction, rnd)
+                gathered = fed.run(fit, fed.put(state.params), clients=clients, round=rnd, **step_args)
+                averaged, updates = aggregate_updates(server, gathered, p.aggregator, reference=state.params, weighted=p.weighted,
+                                                      round=rnd)
+                del gathered
             state.params = self.server_update(server, state.params, averaged, updates, rnd)
             state.server = self.server_state()
             losses = np.array([u.metrics.get("train_loss", np.nan) for u in updates.values()])
             counts = np.array([u.num_examples for u in updates.values()], dtype=float)
             # Client compute of the round: seconds of local work per client (training plus any extra evaluation).
             work = [u.metrics.get("train_seconds", np.nan) + u.metrics.get("eval_seconds", 0.0) for u in updates.values()]
-            del gathered, averaged  # release this round's objects before the next round arrives
-            rounds.log({"train_loss": float(np.sum(losses * counts) / counts.sum()), "clients": float(len(updates)),
-                        "client_seconds": float(np.mean(work)), **self.round_metrics()})
-        return MethodResult(rounds.metrics, state.params, info={"rounds": p.rounds, "mu": self.mu})
+            del averaged  # release this round's objects before the next round arrives
+            loss = float(np.sum(losses * counts) / counts.sum()) if updates else float("nan")
+            rounds.log({"train_loss": loss, "clients": float(len(updates)), "client_seconds": float(np.mean(work)) if work else 0.0,
+                        **extra, **self.round_metrics()})
+        info: dict[str, object] = {"rounds": last, "mu": self.mu}
+        if plan is not None and dp is not None:
+            info["dp"] = describe_plan(dp, plan)
+        return MethodResult(rounds.metrics, state.params, info=info)
+
+    def _dp_round(self, server: ServerContext, state: FedAvgState, plan: DPPlan, rnd: int,
+                  step_args: dict[str, object]) -> tuple[dict[str, np.ndarray], dict[int, Update], dict[str, float]]:
+        """One DP-FedAvg round: Poisson-sampled clients train, their updates are clipped, summed and noised
+        (:func:`rayfuse.fusion.central_dp.apply_dp_round`); returns the noised model, the updates and the round's DP
+        numbers (the clip norm, the epsilon spent so far)."""
+        dp = self.params.dp
+        assert dp is not None
+        fed = server.federation
+        clients = sample_poisson(server.rng("dp-sample", rnd), fed.client_ids, dp.sample_rate)
+        updates: dict[int, Update] = {}
+        if clients:  # no client sampled: the round is noise alone, as the accountant assumes
+            gathered = fed.run(fit, fed.put(state.params), clients=clients, round=rnd, **step_args)
+            updates = server.accept_updates(gathered, state.params)
+            del gathered
+            if server.list_attackers(rnd):
+                updates = server.attack_updates(updates, state.params, rnd)
+        ids = sorted(updates)
+        done = apply_dp_round([updates[c].params for c in ids], state.params, dp, plan, float(state.dp["clip_norm"]),
+                              server.rng("dp-noise", rnd))
+        state.dp = {"clip_norm": done.clip_norm}
+        epsilon = compute_epsilon(plan.noise_multiplier, dp.sample_rate, rnd, dp.delta, dp.accountant)
+        return done.params, {c: updates[c] for c in ids}, {**done.metrics, "dp_sampled": float(len(clients)), "dp_epsilon": epsilon}
 
 
 @dataclass
@@ -161,6 +214,29 @@ class FedAvgState:
 
     params: dict[str, np.ndarray]
     server: dict[str, np.ndarray] = field(default_factory=dict)
+    dp: dict[str, float] = field(default_factory=dict)  # DP-FedAvg: the clip norm of the next round (adaptive clipping moves it)
+
+
+def check_dp_params(cls: type[FedAvg], params: FedAvgParams, num_clients: int) -> None:
+    """Refuse ``dp`` where DP-FedAvg's guarantee would not hold: a method whose server reads more of each client than
+    its update (``no_dp``), a robust aggregator or a second clipping (the Gaussian mechanism's sensitivity is that of a
+    sum of updates clipped once to ``dp.clip_norm``), ``fraction`` (``dp.sample_rate`` samples the clients) and sample
+    weights (a client's weight would be its own private count); then the DP settings themselves (:func:`plan_dp`)."""
+    dp = params.dp
+    assert dp is not None
+    if cls.no_dp:
+        raise InputError("dp", f"no dp for method {cls.name!r} ({cls.no_dp})", "a dp section",
+                         "use fedavg, fedprox, fedadagrad, fedadam or fedyogi for central DP")
+    if not params.aggregator.is_plain_mean:
+        raise InputError("aggregator", "mean without clip_norm with dp (DP-FedAvg clips each update to dp.clip_norm and noises "
+                         "their sum; a robust rule is not a sum, so the noise would not match its sensitivity)",
+                         params.aggregator.model_dump())
+    if "fraction" in params.model_fields_set and params.fraction != 1.0:
+        raise InputError("fraction", "1.0 (unset) with dp (dp.sample_rate samples each client independently)", params.fraction)
+    if "weighted" in params.model_fields_set and params.weighted:
+        raise InputError("weighted", "false (unset) with dp (DP-FedAvg weights every client 1: a sample-count weight would be "
+                         "private and unbounded)", params.weighted)
+    plan_dp(dp, num_clients, params.rounds)
 
 
 @register_method
