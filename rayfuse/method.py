@@ -529,7 +529,16 @@ def resolved_config(cfg: ExperimentConfig, specs: Sequence[MethodSpec] | None = 
     """The config as plain data with every default filled in, the methods' parameters too (``config.yaml``)."""
     specs = resolve_methods(cfg.methods) if specs is None else specs
     data = cfg.model_dump(mode="json")
-    data["methods"] = {spec.label: {"method": spec.method, **spec.params.model_dump(mode="json")} for spec in specs}
+    data["methods"] = {spec.label: {"method": spec.method, **_dumped_params(spec.params)} for spec in specs}
+    return data
+
+
+def _dumped_params(params: MethodParams) -> dict[str, Any]:
+    # ``dp`` unset is left out, as ``train.dp`` is: the config of a run without differential privacy reads as it did
+    # before the key existed
+    data = params.model_dump(mode="json")
+    if "dp" in data and data["dp"] is None:
+        del data["dp"]
     return data
 
 
