@@ -51,7 +51,7 @@ class ClientContext:
     def __init__(self, client_id: int, plan: ClientPlan, train: Split, val: Split, *, data_cfg: Any, model_cfg: Any,
                  train_cfg: Any, seed: int, device: str, local_cache: str | None = None, faults: Sequence[Any] = ()) -> None:
         self.client_id = client_id
-        self.plan = plan
+        self.plan: ClientPlan | SiloClientPlan = plan  # SiloClientPlan: data.silos
         self.train = train
         self.val = val
         self.data_cfg = data_cfg

@@ -162,7 +162,7 @@ class MethodServer:
         """Facts a procedural dataset records about itself (e.g. the true GMM atoms): for evaluation only, like the
         test set; empty for other datasets."""
         if isinstance(self._coordinator.plan, SiloPlan):
-            return {}  # a silo run has no dataset of its own to describe
+            raise RunFailure(f"{self.label}: asked for the dataset's own facts (dataset_meta); a silo run (data.silos) has no dataset")
         return dict(self._coordinator._load_dataset().meta)
 
     def pooled_train(self) -> Split:

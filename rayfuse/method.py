@@ -388,7 +388,9 @@ class Method(ABC):
     real federation; reported as an upper reference), ``multi_round`` (checkpoints each round, so ``--resume``
     continues mid-method), ``federated_evaluation`` (its metrics come from :meth:`ServerContext.evaluate` /
     :meth:`ServerContext.evaluate_ensemble`, so ``evaluation: federated`` or ``both`` can score it on the clients'
-    held-out splits; ``False``: a method scoring on the server's data in its own way, refused with those settings).
+    held-out splits; ``False``: a method scoring on the server's data in its own way, refused with those settings),
+    ``needs_dataset`` (it reads the run's whole dataset: the clients' data pooled, or the dataset's true parameters; refused
+    with ``data.silos``, where no process holds a dataset).
     """
 
     name: ClassVar[str]
@@ -400,6 +402,7 @@ class Method(ABC):
     oracle: ClassVar[bool] = False
     multi_round: ClassVar[bool] = False
     federated_evaluation: ClassVar[bool] = True
+    needs_dataset: ClassVar[bool] = False
 
     def __init__(self, params: MethodParams | None = None, label: str | None = None) -> None:
         self.params = self.Params() if params is None else params

@@ -170,7 +170,7 @@ def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> Prepare
     if cfg.data.public is None:  # the methods' own public-sample checks, before any client starts (shape not yet known)
         probe = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=(1,), num_classes=2,
                          train_sizes=(1,) * plan.num_clients, val_sizes=(1,) * plan.num_clients, public_size=0, test_size=sizes["test"],
-                         seed=cfg.run.seed, model_cache=cfg.run.model_cache, evaluation=cfg.evaluation)
+                         seed=cfg.run.seed, model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation))
         for spec in specs:
             try:
                 check_methods([spec], probe)
@@ -178,12 +178,12 @@ def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> Prepare
                 if exc.path.startswith("data.public"):
                     raise _public_error(exc) from None
     for spec in specs:
-        if spec.method_cls.oracle:
-            raise InputError(f"methods.{spec.label}", "methods that a federation can run with data.silos (no process reads every silo)",
-                             f"the oracle {spec.method!r}", "an oracle trains on every client's data pooled")
+        if spec.method_cls.needs_dataset:
+            raise InputError(f"methods.{spec.label}", "methods that run without a dataset of their own with data.silos (no process reads "
+                             "every silo)", spec.method, "it reads the whole dataset (data.dataset): run it on a simulation config")
     setup = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=(), num_classes=0,
                      train_sizes=(), val_sizes=(), public_size=sizes["public"], test_size=sizes["test"], seed=cfg.run.seed,
-                     model_cache=cfg.run.model_cache, evaluation=cfg.evaluation)
+                     model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation))
     return PreparedRun(cfg, specs, plan, setup, 0)  # type: ignore[arg-type]
 
 

@@ -42,7 +42,7 @@ from rayfuse.errors import InputError
 from rayfuse.io import atomic_write_json, load_params, save_params
 
 if TYPE_CHECKING:
-    from rayfuse.data.roles import ClientPlan
+    pass
 
 __all__ = ["RunStore", "RunClaim", "claim_run_folder", "Checkpointer", "Checkpoint", "sha256_file",
            "LocalModelStore", "StepResultCache", "local_model_key", "step_result_key"]
@@ -364,14 +364,14 @@ def _hash_arrays(*arrays: Any) -> str:
     return digest.hexdigest()
 
 
-def local_model_key(config: Mapping[str, Any], plan: ClientPlan) -> tuple[str, dict[str, Any]]:
+def local_model_key(config: Mapping[str, Any], plan: Any) -> tuple[str, dict[str, Any]]:
     """The content key of one client's trained local model, and what it is computed from.
 
     The one key of a local model: the client names its own copy with it (:meth:`rayfuse.client.ClientContext.
     local_model`), the coordinator computes the same key from the run's config and the client's plan (the lock of a
     run's local training, the events). ``config`` holds the sections ``data``, ``model``, ``train``, ``run.seed`` and
     ``federation.faults`` as plain data (a resolved config, :func:`rayfuse.method.resolved_config`, or a client's own
-    sections dumped the same way); ``plan`` is the client's :class:`~rayfuse.data.ClientPlan`. The key covers the
+    sections dumped the same way); ``plan`` is the client's :class:`~rayfuse.data.ClientPlan` (or silo plan). The key covers the
     dataset, the client, its train indices, normalisation and corruption, the model, the training settings, the seed
     and the faults injected into this client's local training; nothing under ``methods``, ``run.name`` or
     ``run.storage``, so every fusion-only variation of a job (the trials of a Tune sweep) shares it.
