@@ -22,6 +22,7 @@ import ray
 
 from rayfuse.client import Client
 from rayfuse.data.roles import ClientPlan, load_dataset_from_config
+from rayfuse.errors import InputError
 
 __all__ = ["ClientActor", "RefArg", "actor_name"]
 
@@ -62,13 +63,20 @@ class ClientActor:
             warnings.simplefilter("ignore")
             restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         device = _assigned_device()
-        dataset = load_dataset_from_config(data_cfg) if len(members) > 1 else None
-        self.clients = {
-            client_id: Client(client_id, plan, data_cfg=data_cfg, model_cfg=model_cfg, train_cfg=train_cfg, seed=seed,
-                              device=device, faults=faults, restarted=restarted, die=lambda: os._exit(1), dataset=dataset,
-                              local_cache=local_cache)
-            for client_id, plan in members
-        }
+        # Bad input found here (a silo missing on this node, an ImageFolder without images) is kept and raised by
+        # ping: the driver then receives the InputError itself (one line), not the traceback of a dead actor.
+        self._startup_error: InputError | None = None
+        self.clients: dict[int, Client] = {}
+        try:
+            dataset = load_dataset_from_config(data_cfg) if len(members) > 1 else None
+            self.clients = {
+                client_id: Client(client_id, plan, data_cfg=data_cfg, model_cfg=model_cfg, train_cfg=train_cfg, seed=seed,
+                                  device=device, faults=faults, restarted=restarted, die=lambda: os._exit(1), dataset=dataset,
+                                  local_cache=local_cache)
+                for client_id, plan in members
+            }
+        except InputError as exc:
+            self._startup_error = exc
 
     def run_many(self, calls: Sequence[tuple[int, Callable[..., Any], tuple, dict]], *refs: Any) -> list[tuple[bool, Any]]:
         """Run ``(client id, step, args, kwargs)`` calls in order; ``refs`` are the resolved :class:`RefArg` values.
@@ -87,6 +95,8 @@ class ClientActor:
         return out
 
     def ping(self) -> dict[str, Any]:
+        if self._startup_error is not None:
+            raise self._startup_error
         ctx = ray.get_runtime_context()
         return {"clients": sorted(self.clients), "pid": os.getpid(), "node_id": ctx.get_node_id(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "restarted": any(c.restarted for c in self.clients.values())}

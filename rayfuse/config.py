@@ -744,7 +744,10 @@ class ExperimentConfig(StrictModel):
         if "num_clients" in partition and partition["num_clients"] != n:
             raise ValueError(f"@partition.num_clients@ len(data.silos) ({n}) or unset, got {partition['num_clients']!r}")
         # and the server holds no test set unless data.test is given: evaluation defaults to federated
-        return {**data, "partition": {"num_clients": n}, "evaluation": data.get("evaluation", "federated")}
+        data = {**data, "partition": {"num_clients": n}, "evaluation": data.get("evaluation", "federated")}
+        if data.get("methods") is None:  # the default methods but the oracle (no process may pool the silos)
+            data["methods"] = {k: v for k, v in copy.deepcopy(DEFAULT_METHODS).items() if k != "global"}
+        return data
 
     @field_validator("methods", mode="before")
     @classmethod

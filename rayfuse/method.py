@@ -390,7 +390,9 @@ class Method(ABC):
     :meth:`ServerContext.evaluate_ensemble`, so ``evaluation: federated`` or ``both`` can score it on the clients'
     held-out splits; ``False``: a method scoring on the server's data in its own way, refused with those settings),
     ``local_model_only`` (it reads the clients' training data only through their trained local models, so local DP-SGD,
-    ``train.dp``, covers everything it releases; methods without it are refused with ``train.dp``).
+    ``train.dp``, covers everything it releases; methods without it are refused with ``train.dp``),
+    ``needs_dataset`` (it reads the run's whole dataset: the clients' data pooled, or the dataset's true parameters; refused
+    with ``data.silos``, where no process holds a dataset).
     """
 
     name: ClassVar[str]
@@ -403,6 +405,7 @@ class Method(ABC):
     multi_round: ClassVar[bool] = False
     federated_evaluation: ClassVar[bool] = True
     local_model_only: ClassVar[bool] = False
+    needs_dataset: ClassVar[bool] = False
 
     def __init__(self, params: MethodParams | None = None, label: str | None = None) -> None:
         self.params = self.Params() if params is None else params

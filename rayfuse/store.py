@@ -42,7 +42,7 @@ from rayfuse.errors import InputError
 from rayfuse.io import atomic_write_json, load_params, save_params
 
 if TYPE_CHECKING:
-    from rayfuse.data.roles import ClientPlan
+    pass
 
 __all__ = ["RunStore", "RunClaim", "claim_run_folder", "Checkpointer", "Checkpoint", "sha256_file",
            "LocalModelStore", "StepResultCache", "local_model_key", "step_result_key"]
@@ -364,14 +364,14 @@ def _hash_arrays(*arrays: Any) -> str:
     return digest.hexdigest()
 
 
-def local_model_key(config: Mapping[str, Any], plan: ClientPlan) -> tuple[str, dict[str, Any]]:
+def local_model_key(config: Mapping[str, Any], plan: Any) -> tuple[str, dict[str, Any]]:
     """The content key of one client's trained local model, and what it is computed from.
 
     The one key of a local model: the client names its own copy with it (:meth:`rayfuse.client.ClientContext.
     local_model`), the coordinator computes the same key from the run's config and the client's plan (the lock of a
     run's local training, the events). ``config`` holds the sections ``data``, ``model``, ``train``, ``run.seed`` and
     ``federation.faults`` as plain data (a resolved config, :func:`rayfuse.method.resolved_config`, or a client's own
-    sections dumped the same way); ``plan`` is the client's :class:`~rayfuse.data.ClientPlan`. The key covers the
+    sections dumped the same way); ``plan`` is the client's :class:`~rayfuse.data.ClientPlan` (or silo plan). The key covers the
     dataset, the client, its train indices, normalisation and corruption, the model, the training settings, the seed
     and the faults injected into this client's local training; nothing under ``methods``, ``run.name`` or
     ``run.storage``, so every fusion-only variation of a job (the trials of a Tune sweep) shares it.
@@ -381,7 +381,9 @@ def local_model_key(config: Mapping[str, Any], plan: ClientPlan) -> tuple[str, d
         "format": LOCAL_MODEL_FORMAT,
         "data": config["data"], "model": config["model"], "train": config["train"], "seed": config["run"]["seed"],
         "client": int(plan.client_id),
-        "train_indices": _hash_arrays(np.asarray(plan.train, dtype=np.int64)),
+        # a silo client (data.silos) is keyed by its data's content hash: it has no indices
+        **({"silo": plan.content_hash} if hasattr(plan, "content_hash") else
+           {"train_indices": _hash_arrays(np.asarray(plan.train, dtype=np.int64))}),
         "normalization": None if norm is None else _hash_arrays(norm.mean, norm.std),
         "corruption": plan.corruption, "corruption_seed": int(plan.corruption_seed),
         "faults": [f for f in config["federation"]["faults"]

@@ -20,6 +20,7 @@ class GlobalParams(MethodParams):
 @register_method
 class GlobalOracle(Method):
     name = "global"
+    needs_dataset = True  # reads the whole dataset (data.dataset): not with data.silos
     aliases = ("centralized", "pooled")
     Params = GlobalParams
     params: GlobalParams

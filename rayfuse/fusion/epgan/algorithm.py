@@ -474,6 +474,7 @@ class EPGANState:
 @register_method
 class EPGAN(Method):
     name = "epgan"
+    needs_dataset = True  # reads the whole dataset (data.dataset): not with data.silos
     federated_evaluation = False  # generative scores (FD / IS / D-MSE) against the server's test set: evaluation central only
     Params = EPGANParams
     params: EPGANParams
@@ -563,6 +564,7 @@ class EPGAN(Method):
 @register_method
 class EPGANOracle(Method):
     name = "epgan-oracle"
+    needs_dataset = True  # reads the whole dataset (data.dataset): not with data.silos
     federated_evaluation = False  # generative scores (FD / IS / D-MSE) against the server's test set: evaluation central only
     aliases = ("epgan-centralized",)
     Params = EPGANOracleParams
