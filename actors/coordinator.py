@@ -47,6 +47,9 @@ class CoordinatorActor:
     def ready(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
+    def survey_silos(self) -> Any:
+        return self.coordinator.survey_silos()
+
     def prepare_local_models(self, resume: bool = False) -> dict[str, Any]:
         return self.coordinator.prepare_local_models(resume)
 

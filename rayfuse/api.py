@@ -430,6 +430,12 @@ def _read_result(prepared: Any, folder: Path, results: dict[str, Any]) -> RunRes
     history_columns = ["method", "method_name", "round", "metric", "value", "client"]
     history = pd.read_parquet(store.metrics_file) if store.metrics_file.is_file() else pd.DataFrame(columns=history_columns)
     models = {label: load_params(folder / file) for label, file in (results.get("files", {}).get("models") or {}).items()}
+    input_shape, num_classes = tuple(prepared.plan.input_shape), int(prepared.plan.num_classes)
+    if prepared.cfg.data.is_silos:  # known once the clients reported: the silo manifest records it
+        import json
+
+        manifest = json.loads(store.partition_file.read_text(encoding="utf-8"))
+        input_shape, num_classes = tuple(manifest["input_shape"]), int(manifest["num_classes"])
     return RunResult(run_dir=folder, metrics=metrics, history=history, models=models, results=results, config=prepared.cfg,
-                     input_shape=tuple(prepared.plan.input_shape), num_classes=int(prepared.plan.num_classes),
+                     input_shape=input_shape, num_classes=num_classes,
                      labels=tuple(labels))

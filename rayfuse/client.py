@@ -21,18 +21,20 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rayfuse.data.roles import ClientPlan, Split, client_splits, load_dataset_from_config
+from rayfuse.data.silos import SiloClientPlan, feature_moments, load_silo_splits, silo_schema
 from rayfuse.federation import ClientDied, Update, client_step, map_arrays, step_name
 from rayfuse.guard import RawDataGuard
 from rayfuse.seeding import derive_seed
 
 __all__ = ["Client", "ClientContext", "ClientStateStore", "has_client_state", "forget_client_state", "PrivacyError", "train_local",
-           "restore_local", "get_local_update", "set_local_params", "describe"]
+           "restore_local", "get_local_update", "set_local_params", "describe", "report_silo", "join_silo_plan"]
 
 
 class PrivacyError(RuntimeError):
@@ -64,6 +66,7 @@ class ClientContext:
         self._local_model: Any = None
         self.local_stats: dict[str, float] = {}
         self.local_cache = local_cache
+        self.labels: tuple[str, ...] = ()  # data.silos: the silo's label values, in label order
 
     @property
     def num_examples(self) -> int:
@@ -285,17 +288,27 @@ class Client:
     def __init__(self, client_id: int, plan: ClientPlan, *, data_cfg: Any, model_cfg: Any, train_cfg: Any, seed: int,
                  device: str = "cpu", faults: Sequence[Any] = (), restarted: bool = False,
                  die: Callable[[], None] | None = None, dataset: Any = None, local_cache: str | None = None) -> None:
-        if dataset is None:  # several clients in one process (clients_per_actor > 1) share one loaded dataset
-            dataset = load_dataset_from_config(data_cfg)
-        train, val = client_splits(dataset, plan)
-        del dataset  # keep only this client's shard in memory
+        labels: tuple[str, ...] = ()
+        if isinstance(plan, SiloClientPlan):  # data.silos: this client's own silo, read here, on its own node
+            train, val, labels = load_silo_splits(plan)
+            if not plan.num_classes:  # before the silo survey: the client's own facts (the survey checks they agree)
+                plan = replace(plan, num_classes=len(labels), input_shape=tuple(int(d) for d in train.X.shape[1:]))
+            elif plan.normalization is not None:
+                train, val = Split(plan.normalization.apply(train.X), train.y), Split(plan.normalization.apply(val.X), val.y)
+        else:
+            if dataset is None:  # several clients in one process (clients_per_actor > 1) share one loaded dataset
+                dataset = load_dataset_from_config(data_cfg)
+            train, val = client_splits(dataset, plan)
+            del dataset  # keep only this client's shard in memory
         self.ctx = ClientContext(client_id, plan, train, val, data_cfg=data_cfg, model_cfg=model_cfg, train_cfg=train_cfg,
                                  seed=seed, device=device, local_cache=local_cache, faults=faults)
+        self.ctx.labels = labels if isinstance(plan, SiloClientPlan) else ()
         self.faults = [f for f in faults if f.client == client_id]
         self.restarted = restarted
         self._die = die
         self._calls: Counter[str] = Counter()
         self._guard: RawDataGuard | None = None
+        self._guarded: tuple[int, int] = (0, 0)
 
     @property
     def client_id(self) -> int:
@@ -325,9 +338,10 @@ class Client:
     def _check_no_raw_data(self, result: Any) -> None:
         """Refuse a result that carries this client's inputs or labels (:class:`rayfuse.guard.RawDataGuard`, an
         accident guard: method code is trusted). The private rows are hashed once, on the first call."""
-        if self._guard is None:
-            ctx = self.ctx
+        ctx = self.ctx
+        if self._guard is None or self._guarded != (id(ctx.train), id(ctx.val)):  # (a silo's splits are standardised once)
             self._guard = RawDataGuard([ctx.train.X, ctx.val.X], [ctx.train.y, ctx.val.y])
+            self._guarded = (id(ctx.train), id(ctx.val))
         found = self._guard.find(result)
         if found is not None:
             raise PrivacyError(f"client {self.client_id}: a client step tried to return its raw data: {found}")
@@ -395,3 +409,37 @@ def describe(ctx: ClientContext) -> dict[str, Any]:
         "device": ctx.device,
         "pid": os.getpid(),
     }
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# The silo survey (data.silos): what a client tells the coordinator about its silo before any training
+
+
+@client_step("report_silo")
+def report_silo(ctx: ClientContext, *, moments: bool = False) -> dict[str, Any]:
+    """This client's silo schema (:func:`rayfuse.data.silos.silo_schema`: input shape and dtype, label values, sizes,
+    class counts, a content hash; no rows, no paths) and, with ``moments``, its standardisation statistics over both
+    splits (:func:`rayfuse.data.silos.feature_moments`: a count, per-feature sums and sums of squares)."""
+    from rayfuse.data.datasets import Dataset
+
+    names = ctx.labels
+    train = Dataset("silo", ctx.train.X, ctx.train.y, len(names), names)
+    held_out = Dataset("silo-held-out", ctx.val.X, ctx.val.y, len(names), names)
+    report: dict[str, Any] = {"schema": silo_schema(train, held_out)}
+    if moments:
+        n_train, sum_train, squares_train = feature_moments(ctx.train.X)
+        n_val, sum_val, squares_val = feature_moments(ctx.val.X)
+        report["moments"] = (n_train + n_val, sum_train + sum_val, squares_train + squares_val)
+    return report
+
+
+@client_step("join_silo_plan")
+def join_silo_plan(ctx: ClientContext, plan: SiloClientPlan) -> int:
+    """Install the run's completed silo plan (after the survey): its shared facts, and the federated standardisation,
+    applied here to this client's splits. Returns the training size."""
+    if plan.normalization is not None and ctx.plan.normalization is None:
+        norm = plan.normalization
+        ctx.train, ctx.val = Split(norm.apply(ctx.train.X), ctx.train.y), Split(norm.apply(ctx.val.X), ctx.val.y)
+    ctx.plan = plan
+    ctx.num_classes, ctx.input_shape = plan.num_classes, plan.input_shape
+    return ctx.num_examples

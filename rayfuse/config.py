@@ -711,7 +711,10 @@ class ExperimentConfig(StrictModel):
                                  f"data), got {value!r}")
         if "num_clients" in partition and partition["num_clients"] != n:
             raise ValueError(f"@partition.num_clients@ len(data.silos) ({n}) or unset, got {partition['num_clients']!r}")
-        return {**data, "partition": {"num_clients": n}}
+        data = {**data, "partition": {"num_clients": n}}
+        if data.get("methods") is None:  # the default methods but the oracle (no process may pool the silos)
+            data["methods"] = {k: v for k, v in copy.deepcopy(DEFAULT_METHODS).items() if k != "global"}
+        return data
 
     @field_validator("methods", mode="before")
     @classmethod

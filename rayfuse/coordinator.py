@@ -16,9 +16,27 @@ from typing import Any, TypeVar
 import numpy as np
 
 from rayfuse.attacks import apply_attacks
-from rayfuse.client import forget_client_state, get_local_update, has_client_state, restore_local, set_local_params, train_local
+from rayfuse.client import (
+    forget_client_state,
+    get_local_update,
+    has_client_state,
+    join_silo_plan,
+    report_silo,
+    restore_local,
+    set_local_params,
+    train_local,
+)
 from rayfuse.config import ExperimentConfig
-from rayfuse.data.roles import DataPlan, Split, load_dataset_from_config, load_target_from_config, pooled_train, server_splits
+from rayfuse.data.roles import (
+    DataPlan,
+    Normalization,
+    Split,
+    load_dataset_from_config,
+    load_target_from_config,
+    pooled_train,
+    server_splits,
+)
+from rayfuse.data.silos import SiloPlan, check_schemas, combine_moments, server_split, wants_standardization
 from rayfuse.errors import InputError, NonFiniteError, RunFailure
 from rayfuse.evaluation import (
     CLIENT_PREFIX,
@@ -143,6 +161,8 @@ class MethodServer:
     def dataset_meta(self) -> dict[str, Any]:
         """Facts a procedural dataset records about itself (e.g. the true GMM atoms): for evaluation only, like the
         test set; empty for other datasets."""
+        if isinstance(self._coordinator.plan, SiloPlan):
+            return {}  # a silo run has no dataset of its own to describe
         return dict(self._coordinator._load_dataset().meta)
 
     def pooled_train(self) -> Split:
@@ -448,19 +468,65 @@ class Coordinator:
     # -- lazily loaded server-side state ------------------------------------------------------------------------
 
     def _load_dataset(self) -> Any:
+        if isinstance(self.plan, SiloPlan):
+            raise RunFailure("the whole dataset: a silo run has none (each client reads its own silo, data.silos)")
         if self._dataset is None:
             self._dataset = load_dataset_from_config(self.cfg.data)
         return self._dataset
 
     def server_data(self) -> tuple[Split, Split]:
+        if self._server_data is None and isinstance(self.plan, SiloPlan):
+            self._server_data = (self._silo_server_split("test"), self._silo_server_split("public"))
         if self._server_data is None:
             source = load_target_from_config(self.cfg.data) if self.plan.target else self._load_dataset()
             assert source is not None  # plan.target is set only for a config with data.target
             self._server_data = server_splits(source, self.plan)
         return self._server_data
 
+    def _silo_server_split(self, key: str) -> Split:
+        """``data.test`` / ``data.public`` of a silo config, read here (the server's node); empty when not given."""
+        spec = getattr(self.cfg.data, key)
+        plan = self.plan
+        if spec is None:
+            return Split(np.zeros((0, *plan.input_shape), dtype=np.float32), np.zeros(0, dtype=np.int64))
+        return server_split(spec, key=f"data.{key}", labels=plan.class_names, input_shape=plan.input_shape,
+                            normalization=plan.normalization)
+
     def pooled_train(self) -> Split:
+        if isinstance(self.plan, SiloPlan):
+            raise RunFailure("the clients' pooled data: no process may read every silo (data.silos)")
         return pooled_train(self._load_dataset(), self.plan)
+
+    def survey_silos(self) -> SiloPlan:
+        """The silo survey (``data.silos``), before any training: every client reports its schema and counts (and, when
+        the run standardises, its feature moments); the schemas must agree (:func:`rayfuse.data.silos.check_schemas`:
+        an :class:`InputError` naming the silo that differs); the server combines the moments into the global mean
+        and scale; every client installs the completed plan (and standardises its splits). Returns the completed plan."""
+        plan = self.plan
+        assert isinstance(plan, SiloPlan)
+        fed = self.federation
+        standardize = wants_standardization(self.cfg)
+        gathered = fed.run(report_silo, moments=standardize)
+        missing = sorted(set(fed.client_ids) - set(gathered.results))
+        if missing:
+            raise RunFailure(f"the silo survey: clients {missing} did not report their silo")
+        reports = [gathered.results[c] for c in sorted(gathered.results)]
+        schemas = [r["schema"] for r in reports]
+        check_schemas(schemas)
+        normalization = None
+        if standardize:
+            mean, scale = combine_moments([r["moments"] for r in reports])
+            normalization = Normalization(mean, scale)
+        plan = plan.with_schemas(schemas, normalization)
+        calls = [call for c in fed.client_ids for call in fed.map(join_silo_plan, plan.for_client(c), clients=[c])]
+        fed.gather(calls)
+        self.plan = plan
+        self._server_data = None
+        self._reference = None
+        self.events.emit("silos_surveyed", f"{plan.num_clients} silos agree: input {plan.input_shape}, {plan.num_classes} labels"
+                         + (", features standardised (federated)" if normalization is not None else ""),
+                         sizes=[plan.num_examples(c) for c in fed.client_ids])
+        return plan
 
     def reference_params(self) -> dict[str, np.ndarray]:
         """The model's parameter layout (keys, shapes) every update must match."""

@@ -42,7 +42,8 @@ from rayfuse.report import Printer, format_client_summary, format_partition, for
 from rayfuse.store import RunStore, claim_run_folder
 from rayfuse.version import __version__
 
-__all__ = ["Backend", "InProcessBackend", "PreparedRun", "prepare_run", "run_experiment", "new_run_dir", "check_new_folder", "load_run_config"]
+__all__ = ["Backend", "InProcessBackend", "PreparedRun", "prepare_run", "finish_silo_run", "run_experiment",
+           "new_run_dir", "check_new_folder", "load_run_config"]
 
 EventSink = Callable[[dict[str, Any]], None]
 
@@ -96,7 +97,9 @@ class InProcessBackend(Backend):
         fed_cfg = cfg.federation
 
         def make_client(client_id: int, restarted: bool) -> Client:
-            return Client(client_id, plan.for_client(client_id), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train,
+            # a restarted client takes the coordinator's plan: a silo plan completed by the survey (standardisation)
+            current = plan if self.coordinator is None else self.coordinator.plan
+            return Client(client_id, current.for_client(client_id), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train,
                           seed=cfg.run.seed, faults=fed_cfg.faults, restarted=restarted, local_cache=cfg.run.model_cache)
 
         def client_threads(client_id: int) -> int | None:
@@ -140,17 +143,71 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
     ``rayfuse validate``, ``rayfuse tune --check`` and ``rayfuse run`` all call this before anything starts. The
     dataset is loaded here in the driver (its labels decide the split; bundled datasets load in well under a second).
     """
-    from rayfuse.data.silos import check_runnable
     from rayfuse.models.registry import check_model_fits
 
-    check_runnable(cfg)  # silo configs and federated evaluation validate, but this version's engine does not run them yet
     specs = resolve_methods(cfg.methods, methods)
+    if cfg.data.is_silos:
+        return _prepare_silo_run(cfg, specs)
     dataset = load_dataset_from_config(cfg.data)
     num_params = check_model_fits(cfg.model, dataset.input_shape, dataset.num_classes)
     target = load_target_from_config(cfg.data)
     plan = make_plan(dataset, cfg.data, cfg.partition, cfg.run.seed, target=target)
     setup = RunSetup.from_plan(cfg, plan)
     check_methods(specs, setup)
+    return PreparedRun(cfg, specs, plan, setup, num_params)
+
+
+def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> PreparedRun:
+    """A silo config before its clients report: nothing of the silos is read here (the driver cannot). The checks that
+    need the data (the model against the input shape, each method against the run) follow the silo survey
+    (:func:`finish_silo_run`); the server's own sets (``data.test``, ``data.public``) are read here, on the server's
+    node, for their sizes; a method that needs a public sample without ``data.public`` is refused now."""
+    from rayfuse.data.silos import load_server_set, make_silo_plan
+
+    sizes = {key: 0 if getattr(cfg.data, key) is None else len(load_server_set(getattr(cfg.data, key), key=f"data.{key}").y)
+             for key in ("test", "public")}
+    plan = make_silo_plan(cfg, test_size=sizes["test"], public_size=sizes["public"])
+    if cfg.data.public is None:  # the methods' own public-sample checks, before any client starts (shape not yet known)
+        probe = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=(1,), num_classes=2,
+                         train_sizes=(1,) * plan.num_clients, val_sizes=(1,) * plan.num_clients, public_size=0, test_size=sizes["test"],
+                         seed=cfg.run.seed, model_cache=cfg.run.model_cache, evaluation=cfg.evaluation)
+        for spec in specs:
+            try:
+                check_methods([spec], probe)
+            except InputError as exc:
+                if exc.path.startswith("data.public"):
+                    raise _public_error(exc) from None
+    for spec in specs:
+        if spec.method_cls.oracle:
+            raise InputError(f"methods.{spec.label}", "methods that a federation can run with data.silos (no process reads every silo)",
+                             f"the oracle {spec.method!r}", "an oracle trains on every client's data pooled")
+    setup = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=(), num_classes=0,
+                     train_sizes=(), val_sizes=(), public_size=sizes["public"], test_size=sizes["test"], seed=cfg.run.seed,
+                     model_cache=cfg.run.model_cache, evaluation=cfg.evaluation)
+    return PreparedRun(cfg, specs, plan, setup, 0)  # type: ignore[arg-type]
+
+
+def _public_error(exc: InputError) -> InputError:
+    """A method's refusal of an empty public sample, at ``data.public`` (a silo config's server sample)."""
+    return InputError("data.public", f"the server's public / target sample ({exc.expected})", "none given",
+                      "give data.public: {dataset: npz, path: ...}")
+
+
+def finish_silo_run(prepared: PreparedRun, plan: Any) -> PreparedRun:
+    """The checks of :func:`prepare_run` that a silo config can make only once its clients reported (``plan``, the
+    surveyed :class:`rayfuse.data.silos.SiloPlan`): the model against the silos' input shape and label count, each
+    method against the run. Raises :class:`InputError`; nothing has trained yet."""
+    from rayfuse.models.registry import check_model_fits
+
+    cfg, specs = prepared.cfg, prepared.specs
+    num_params = check_model_fits(cfg.model, plan.input_shape, plan.num_classes)
+    setup = RunSetup.from_plan(cfg, plan)
+    try:
+        check_methods(specs, setup)
+    except InputError as exc:
+        if exc.path.startswith("data.public"):
+            raise _public_error(exc) from None
+        raise
     return PreparedRun(cfg, specs, plan, setup, num_params)
 
 
@@ -254,6 +311,15 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
     cfg, specs, plan, num_params = prepared.cfg, prepared.specs, prepared.plan, prepared.num_params
     resolved = prepared.resolved()
     backend.check_start(cfg)  # before the run folder is written
+    silos = cfg.data.is_silos
+    if silos:  # the clients start first: only they read their silos; their reports complete the plan
+        try:
+            backend.start(cfg, plan, run_dir, on_event=on_event, start_time=start, specs=specs)
+            prepared = finish_silo_run(prepared, backend.call("survey_silos"))
+        except BaseException:
+            backend.stop()
+            raise
+        plan, num_params = prepared.plan, prepared.num_params
     if resume:
         if not store.partition_file.is_file():
             raise InputError("--resume", "a run folder with partition.json", str(run_dir))
@@ -284,7 +350,8 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
         status, error = "succeeded", None
         try:
             t0 = time.perf_counter()
-            backend.start(cfg, plan, run_dir, on_event=on_event, start_time=start, specs=specs)
+            if not silos:
+                backend.start(cfg, plan, run_dir, on_event=on_event, start_time=start, specs=specs)
             timings["startup"] = round(time.perf_counter() - t0, 3)
             emit("stage_end", stage="startup", seconds=timings["startup"])
             finished = {s.label: store.load_method_state(s.label, warn=_warner(emit, s.label)) for s in specs} if resume else {}

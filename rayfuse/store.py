@@ -381,7 +381,9 @@ def local_model_key(config: Mapping[str, Any], plan: ClientPlan) -> tuple[str, d
         "format": LOCAL_MODEL_FORMAT,
         "data": config["data"], "model": config["model"], "train": config["train"], "seed": config["run"]["seed"],
         "client": int(plan.client_id),
-        "train_indices": _hash_arrays(np.asarray(plan.train, dtype=np.int64)),
+        # a silo client (data.silos) is keyed by its data's content hash: it has no indices
+        **({"silo": plan.content_hash} if hasattr(plan, "content_hash") else
+           {"train_indices": _hash_arrays(np.asarray(plan.train, dtype=np.int64))}),
         "normalization": None if norm is None else _hash_arrays(norm.mean, norm.std),
         "corruption": plan.corruption, "corruption_seed": int(plan.corruption_seed),
         "faults": [f for f in config["federation"]["faults"]

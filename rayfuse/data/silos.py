@@ -19,8 +19,10 @@ class, read with PIL; nothing downloads) and the bundled datasets (for rehearsal
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,26 +30,195 @@ import numpy as np
 
 from rayfuse.config import PATH_VARIABLE, SiloSource, SiloSpec, silo_source_kind
 from rayfuse.data.datasets import Dataset, load_dataset, read_data_file
+from rayfuse.data.roles import Normalization, Split
 from rayfuse.errors import InputError
 from rayfuse.seeding import make_rng
 
 if TYPE_CHECKING:
     from rayfuse.config import ExperimentConfig
 
-__all__ = ["IMAGE_EXTENSIONS", "SCHEMA_FORMAT", "check_runnable", "check_schemas", "combine_moments", "expand_path", "feature_moments",
-           "load_server_set", "load_silo", "silo_manifest", "silo_schema"]
+__all__ = ["IMAGE_EXTENSIONS", "SCHEMA_FORMAT", "SiloClientPlan", "SiloPlan", "check_schemas", "combine_moments", "expand_path",
+           "feature_moments", "load_server_set", "load_silo", "load_silo_splits", "make_silo_plan", "silo_manifest", "silo_schema",
+           "wants_standardization", "server_split"]
 
 # the file suffixes torchvision's ImageFolder reads (torchvision.datasets.folder.IMG_EXTENSIONS)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 SCHEMA_FORMAT = 1
 
 
-def check_runnable(cfg: ExperimentConfig) -> None:
-    """Refuse, with one line, a config this version validates but cannot run yet: silo configs (``data.silos``). Called first by :func:`rayfuse.runner.prepare_run`, so no run folder, actor or
-    training starts for them."""
-    if cfg.data.silos is not None:
-        raise InputError("data.silos", "data.dataset + partition: silo configs validate, but are not yet runnable by this version",
-                         f"{len(cfg.data.silos)} silos")
+@dataclass(frozen=True)
+class SiloClientPlan:
+    """What one client of a silo config needs: its silo spec as written (``${VAR}`` expands on its own node) and the
+    run's seed; after the silo survey also the run's shared facts (label count, input shape), the federated
+    standardisation and its own content hash (the key of its local model). Nothing about the other clients."""
+
+    client_id: int
+    spec: SiloSpec
+    seed: int
+    num_classes: int = 0
+    input_shape: tuple[int, ...] = ()
+    normalization: Normalization | None = None
+    content_hash: str = ""
+    corruption: str | None = None  # (a silo is never corrupted by rayfuse; the field a ClientPlan has)
+    corruption_seed: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class SiloPlan:
+    """The data plan of a silo config: what the driver and the coordinator know of the clients' data.
+
+    Built without reading any data (:func:`make_silo_plan`: the specs only); the clients' reports (:func:`silo_schema`)
+    complete it (:meth:`with_schemas`) with the input shape, label values, sizes, class counts and content hashes, and
+    the federated standardisation. It answers what the engine asks of a :class:`rayfuse.data.roles.DataPlan`; its
+    manifest is the silo manifest (:func:`silo_manifest`: no indices, no paths).
+    """
+
+    silos: tuple[SiloSpec, ...]
+    seed: int
+    schemas: tuple[dict[str, Any], ...] = ()
+    normalization: Normalization | None = None
+    test_size: int = 0
+    public_size: int = 0
+    dataset: str = "silos"
+    test_source: str = "data.test"
+    target: str | None = None
+    unassigned: int = 0
+
+    @property
+    def surveyed(self) -> bool:
+        """Whether the clients' schemas are in (the plan is complete)."""
+        return len(self.schemas) == len(self.silos)
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.silos)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.schemas[0]["labels"]) if self.schemas else 0
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in self.schemas[0]["input_shape"]) if self.schemas else ()
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        return tuple(self.schemas[0]["labels"]) if self.schemas else ()
+
+    @property
+    def counts(self) -> np.ndarray:
+        """(num_clients, num_classes): each silo's class counts, training and held-out split together."""
+        return np.array([np.add(s["class_counts"], s["held_out_class_counts"]) for s in self.schemas], dtype=np.int64)
+
+    @property
+    def partition(self) -> dict[str, Any]:
+        return {"method": "silos", "num_clients": self.num_clients}
+
+    @property
+    def test(self) -> range:
+        return range(self.test_size)
+
+    @property
+    def public(self) -> range:
+        return range(self.public_size)
+
+    @property
+    def client_train(self) -> tuple[range, ...]:
+        """Sizes only (``len``): a silo plan holds no indices."""
+        return tuple(range(int(s["size"])) for s in self.schemas)
+
+    @property
+    def client_val(self) -> tuple[range, ...]:
+        return tuple(range(int(s["held_out_size"])) for s in self.schemas)
+
+    def num_examples(self, client_id: int) -> int:
+        return int(self.schemas[client_id]["size"])
+
+    def for_client(self, client_id: int) -> SiloClientPlan:
+        if not self.schemas:
+            return SiloClientPlan(client_id, self.silos[client_id], self.seed)
+        return SiloClientPlan(client_id, self.silos[client_id], self.seed, self.num_classes, self.input_shape, self.normalization,
+                              str(self.schemas[client_id]["content_hash"]))
+
+    def with_schemas(self, schemas: Sequence[Mapping[str, Any]], normalization: Normalization | None) -> SiloPlan:
+        """The plan completed with the clients' reports (checked to agree: :func:`check_schemas`)."""
+        check_schemas(schemas)
+        return replace(self, schemas=tuple(dict(s) for s in schemas), normalization=normalization)
+
+    def digest(self) -> str:
+        """SHA-256 of the silos' content hashes, sizes, the seed and the standardisation: two runs with the same
+        digest saw the same data."""
+        h = hashlib.sha256()
+        h.update(f"silos|{self.seed}|".encode())
+        h.update(json.dumps(silo_manifest(self.schemas), sort_keys=True).encode())
+        if self.normalization is not None:
+            h.update(np.ascontiguousarray(self.normalization.mean, dtype=np.float32).tobytes())
+            h.update(np.ascontiguousarray(self.normalization.std, dtype=np.float32).tobytes())
+        return h.hexdigest()
+
+    def manifest(self) -> dict[str, Any]:
+        """The silo manifest (written as ``partition.json``): :func:`silo_manifest` with the seed, the hash, the
+        server's set sizes and the federated standardisation (pooled statistics, no rows)."""
+        return {
+            **silo_manifest(self.schemas),
+            "dataset": self.dataset,
+            "num_classes": self.num_classes,
+            "seed": self.seed,
+            "hash": self.digest(),
+            "roles": {"test": {"source": self.test_source, "size": self.test_size, "held_by": "coordinator (evaluation only)"},
+                      "public": {"size": self.public_size, "held_by": "coordinator (server's public sample)"},
+                      "clients": "each client's own silo, read only on its own node"},
+            "normalization": None if self.normalization is None else {
+                "mean": self.normalization.mean.reshape(-1).tolist(), "std": self.normalization.std.reshape(-1).tolist(),
+                "source": "federated (the clients' counts, sums and sums of squares)"},
+        }
+
+
+def make_silo_plan(cfg: ExperimentConfig, *, test_size: int = 0, public_size: int = 0) -> SiloPlan:
+    """The plan of a silo config before any client reports: the specs as written, nothing read."""
+    assert cfg.data.silos is not None
+    return SiloPlan(tuple(cfg.data.silos), cfg.run.seed, test_size=test_size, public_size=public_size)
+
+
+def wants_standardization(cfg: ExperimentConfig) -> bool:
+    """Whether a silo run standardises its features: ``data.standardize`` when set, else the default of silo 0's
+    dataset (file formats and bundled tables: yes, as ``npz`` / ``parquet`` do; images: no)."""
+    if cfg.data.standardize is not None:
+        return bool(cfg.data.standardize)
+    assert cfg.data.silos is not None
+    from rayfuse.data.datasets import DATASETS
+
+    name = cfg.data.silos[0].dataset
+    if name == "imagefolder":
+        return False
+    return bool(DATASETS.get(name).standardize)
+
+
+def load_silo_splits(plan: SiloClientPlan) -> tuple[Split, Split, tuple[str, ...]]:
+    """A client's silo read on its own node (:func:`load_silo`) as float32 train / held-out splits, and its label values."""
+    train, held_out = load_silo(plan.spec, client=plan.client_id, seed=plan.seed)
+    return _as_split(train), _as_split(held_out), tuple(str(c) for c in train.class_names)
+
+
+def server_split(spec: SiloSource, *, key: str, labels: Sequence[str], input_shape: Sequence[int],
+                 normalization: Normalization | None) -> Split:
+    """A server set (``data.test``, ``data.public``) read where the coordinator runs, checked against the silos' input
+    shape and label values, its labels numbered as the silos number them, standardised as the clients are."""
+    data = load_server_set(spec, key=key)
+    if tuple(data.input_shape) != tuple(input_shape):
+        raise InputError(key, f"inputs shaped like the silos' {tuple(input_shape)}", tuple(data.input_shape))
+    index = {name: i for i, name in enumerate(labels)}
+    names = [str(n) for n in data.class_names]
+    unknown = [names[i] for i in np.unique(data.y) if names[i] not in index]
+    if unknown:
+        raise InputError(key, f"labels among the silos' label values {list(labels)}", unknown[0])
+    mapping = np.array([index.get(n, -1) for n in names], dtype=np.int64)
+    split = Split(np.ascontiguousarray(data.X, dtype=np.float32), np.ascontiguousarray(mapping[data.y], dtype=np.int64))
+    return split if normalization is None else Split(normalization.apply(split.X), split.y)
+
+
+def _as_split(data: Dataset) -> Split:
+    return Split(np.ascontiguousarray(data.X, dtype=np.float32), np.ascontiguousarray(data.y, dtype=np.int64))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -345,19 +345,19 @@ def test_bad_silo_configs_are_one_line_naming_the_key(change, message):
     assert "\n" not in str(info.value)
 
 
-def test_the_engine_refuses_silo_configs_before_anything_starts(tmp_path, monkeypatch, capsys):
-    # every silo file exists where the config points, yet the driver opens none of them
-    sites = tmp_path / "sites"
-    pq.write_table(pa.table({"f0": [0.0, 1.0], "diagnosis": ["a", "b"]}), _mkdir(sites / "site_a") / "train.parquet")
+def test_the_driver_reads_no_silo_and_silos_that_differ_stop_the_run_before_training(tmp_path, monkeypatch, capsys):
+    # every silo file exists where the config points; the driver's own checks (prepare_run) open none of them
+    sites, server = tmp_path / "sites", _mkdir(tmp_path / "server")
+    pq.write_table(pa.table({"f0": [float(i) for i in range(10)], "diagnosis": ["a", "b"] * 5}), _mkdir(sites / "site_a") / "train.parquet")
     _write_npz(sites / "site_b" / "train.npz")
     _write_npz(sites / "site_b" / "test.npz")
-    _write_images(sites / "site_c" / "images", {"a": [(4, 4)], "b": [(4, 4)]})
+    _write_images(sites / "site_c" / "images", {"a": [(4, 4)] * 5, "b": [(4, 4)] * 5})
+    pq.write_table(pa.table({"f0": [0.0, 1.0], "y": ["a", "b"]}), server / "test.parquet")
     monkeypatch.setenv("SITE_DATA", str(sites))
-    monkeypatch.setenv("SERVER_DATA", str(sites))
-    with pytest.raises(InputError, match=r"^data\.silos: expected data\.dataset \+ partition: .*not yet runnable by this version"):
-        prepare_run(validate_config(SILO_CONFIG))
+    monkeypatch.setenv("SERVER_DATA", str(server))
     config = tmp_path / "silos.yaml"
-    config.write_text(yaml.safe_dump({**SILO_CONFIG, "run": {"storage": str(tmp_path / "runs")}}))
+    config.write_text(yaml.safe_dump({**SILO_CONFIG, "run": {"storage": str(tmp_path / "runs")},
+                                      "federation": {"backend": "local"}}))
     opened: list[str] = []
     watching = [True]
 
@@ -367,11 +367,14 @@ def test_the_engine_refuses_silo_configs_before_anything_starts(tmp_path, monkey
 
     sys.addaudithook(record)  # a hook cannot be removed: it stops recording when the test ends
     try:
-        assert main(["run", str(config)]) == 2
+        prepare_run(validate_config(SILO_CONFIG))
         by_the_driver = list(opened)
         load_silo(validate_config(SILO_CONFIG).data.silos[1], client=1)  # the control: a client's read is recorded
     finally:
         watching[0] = False
-    assert "not yet runnable by this version" in capsys.readouterr().err
-    assert by_the_driver == [] and not (tmp_path / "runs").exists()
-    assert any(path.endswith("train.npz") for path in opened)
+    assert by_the_driver == [] and any(path.endswith("train.npz") for path in opened)
+    # in-process, the clients read their silos and report; silo 1 differs from silo 0: one line, exit 2, nothing written
+    assert main(["run", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rayfuse: error: data.silos.1: expected the input shape of data.silos.0 [1]") and "\n" not in err
+    assert not (tmp_path / "runs").exists()
