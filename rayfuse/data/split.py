@@ -21,7 +21,9 @@ What keeps the numbers identical:
   shard: the written files are the corrupted data, and the silo config has no ``partition.corrupt``.
 * **Held-out splits** are written files (``test_path``), not ``val_size`` of the silo: a silo's own ``val_size``
   split is drawn with another generator than the simulation's.
-* Seeds, ``train`` (``shared_init`` included), ``model``, ``federation``, ``methods`` and ``evaluation`` are copied.
+* Seeds, ``train`` (``shared_init`` included), ``model``, ``federation``, ``methods`` and ``evaluation`` are copied,
+  except oracle methods (``global``: training on every client's data pooled), which a silo run refuses (no process
+  reads every silo): they are left out, and the config's header says so.
 
 Paths in ``silos.yaml`` are absolute, so the config runs from any working directory. Only what a silo file can say
 is written: a split whose labels would read back differently (a client without the label 0 or without the highest
@@ -116,9 +118,14 @@ def silo_config_for(cfg: ExperimentConfig, files: list[dict[str, str]], test_fil
     """The silo config (plain data, validated) that runs ``cfg`` on the written files: ``files`` holds each client's
     ``path`` and ``test_path``; the server's sets are ``test_file`` and ``public_file``."""
     from rayfuse.config import validate_config
-    from rayfuse.method import resolved_config
+    from rayfuse.method import resolve_methods, resolved_config
 
-    resolved = resolved_config(cfg)
+    specs = resolve_methods(cfg.methods)
+    kept = [spec for spec in specs if not spec.method_cls.oracle]
+    if not kept:
+        raise InputError("methods", "at least one method a federation can run on silos (oracles pool every client's data)",
+                         [spec.label for spec in specs])
+    resolved = resolved_config(cfg, kept)
     data = {k: v for k, v in resolved["data"].items() if k not in _SIMULATION_ONLY}
     data["standardize"] = False  # the files hold the simulation's standardised values already
     data["silos"] = [{"dataset": "npz", **f} for f in files]
@@ -138,12 +145,17 @@ def silo_config_text(cfg: ExperimentConfig, files: list[dict[str, str]], test_fi
     """:func:`silo_config_for` as YAML, after a comment saying where it comes from."""
     import yaml
 
+    from rayfuse.method import resolve_methods
+
     config = silo_config_for(cfg, files, test_file, public_file)
+    left_out = [spec.label for spec in resolve_methods(cfg.methods) if spec.method_cls.oracle]
     notes = [f"# written by rayfuse split: the simulation of {cfg.data.dataset!r} (partition {plan.partition['method']}, "
              f"{plan.num_clients} clients, seed {cfg.run.seed}, partition hash {plan.digest()[:12]}) as silo files.",
              "# The files hold the simulation's standardised"
              + (" and corrupted" if plan.corruptions else "") + " values: standardize is off, and the held-out",
              "# splits are the simulation's validation splits (test_path). Run it with: rayfuse run <this file>"]
+    if left_out:
+        notes.append(f"# Left out: the oracle method(s) {', '.join(left_out)} (they pool every client's data; no silo run can).")
     return "\n".join(notes) + "\n" + yaml.safe_dump(config, sort_keys=False)
 
 

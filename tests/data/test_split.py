@@ -21,6 +21,8 @@ from rayfuse.data.roles import client_splits, load_dataset_from_config, make_pla
 from rayfuse.data.silos import load_server_set, load_silo
 from rayfuse.data.split import split_simulation
 from rayfuse.errors import InputError
+from rayfuse.io import load_params
+from rayfuse.models import params_equal
 
 SIMULATION = {
     "run": {"name": "sim", "seed": 5},
@@ -129,3 +131,43 @@ def test_split_api_raises_input_error(tmp_path):
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "x").write_text("x")
         split_simulation(validate_config(SIMULATION), tmp_path / "out", key="out")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The rehearsal: running the written silo config gives the simulation's numbers
+
+
+def _run_local(config, run_dir: Path) -> dict:
+    from rayfuse.report import Printer
+    from rayfuse.runner import InProcessBackend, prepare_run, run_experiment
+
+    return run_experiment(prepare_run(config), InProcessBackend(), run_dir, printer=Printer(enabled=False), show_tables=False)
+
+
+@pytest.mark.parametrize("evaluation", ["central", "both"])
+def test_running_the_written_silo_config_reproduces_the_simulation(tmp_path, evaluation):
+    # standardised (iris), non-IID, two corrupted clients, a public sample; one-shot, round-based and ensemble methods;
+    # the oracle is left out of the silo config (no silo run pools the clients' data)
+    simulation = {**SIMULATION, "evaluation": evaluation, "federation": {"backend": "local"},
+                  "methods": {"local": {}, "average": {}, "ensemble": {}, "fedavg": {"rounds": 2, "local_epochs": 1},
+                              "fedprox": {"rounds": 2, "local_epochs": 1, "mu": 0.1}, "global": {"epochs": 2}}}
+    cfg = validate_config(simulation)
+    written = split_simulation(cfg, tmp_path / "silos")
+    assert "# Left out: the oracle method(s) global" in written.read_text()
+    silo_cfg = validate_config(yaml.safe_load(written.read_text()))
+    assert silo_cfg.data.is_silos and "global" not in silo_cfg.methods and silo_cfg.evaluation == evaluation
+
+    sim = _run_local(cfg, tmp_path / "sim")
+    silo = _run_local(silo_cfg, tmp_path / "silo")
+    assert sim["status"] == silo["status"] == "succeeded"
+    assert set(silo["methods"]) == set(sim["methods"]) - {"global"}
+    numbers = ("accuracy", "nll", "ece", "federated_accuracy", "federated_nll")
+    for label, entry in silo["methods"].items():
+        want = sim["methods"][label]
+        assert {k: entry.get(k) for k in numbers} == {k: want.get(k) for k in numbers}, label
+        assert entry["accuracy"] is not None
+        if evaluation == "both":
+            assert entry["client_metrics"] == want["client_metrics"], label
+    models = sorted(p.name for p in (tmp_path / "silo" / "models").iterdir())
+    assert models and all(params_equal(load_params(tmp_path / "sim" / "models" / name), load_params(tmp_path / "silo" / "models" / name))
+                          for name in models)  # the fused models, to the last bit
