@@ -41,8 +41,8 @@ from rayfuse.interrupts import reinstall_sigterm
 from rayfuse.method import MethodSpec
 from rayfuse.runner import Backend, EventSink
 
-__all__ = ["RayBackend", "actor_options", "check_local_resources", "check_reachable_address", "split_address",
-           "client_bundles", "merged_resources", "pickled_by_value", "trial_bundles"]
+__all__ = ["RayBackend", "actor_options", "check_local_resources", "check_node_resources", "check_reachable_address", "split_address",
+           "client_bundles", "merged_resources", "pickled_by_value", "pinned_resources", "trial_bundles"]
 
 POLL_S = 0.25
 
@@ -258,6 +258,48 @@ def check_local_resources(cfg: ExperimentConfig) -> None:
                              "(federation.clients_per_actor)")
 
 
+def pinned_resources(cfg: ExperimentConfig) -> dict[int, dict[str, float]]:
+    """Each client's custom Ray resources (``federation.clients.resources``, replaced per client by
+    ``federation.client_overrides.<i>.resources``: the way to pin a client, and so its silo, to its site's node);
+    clients asking for none are left out."""
+    fed = cfg.federation
+    asked = {i: {k: float(v) for k, v in fed.client_resources(i).resources.items() if v} for i in range(cfg.partition.num_clients)}
+    return {i: r for i, r in asked.items() if r}
+
+
+def check_node_resources(cfg: ExperimentConfig, nodes: Sequence[dict[str, float]]) -> None:
+    """Refuse a client whose custom resources no single node offers: ``nodes`` holds each live node's total resources
+    (``ray.nodes()``'s ``Resources``), looked at per node (an actor runs on one node; the cluster's sum would let
+    ``{site_a: 1, site_b: 1}`` pass on two nodes that each offer one). Raises :class:`InputError` naming the client's key
+    and the resource: an actor asking for it would wait, unplaced, until ``federation.startup_timeout_s``.
+
+    The nodes are those alive when the run starts: on an autoscaling cluster keep each site's worker type at
+    ``min_workers: 1`` (as ``cluster.yaml`` does), since a site's node holds that site's data."""
+    fed = cfg.federation
+    offered = sorted({name for node in nodes for name in node if name not in _BUILTIN_RESOURCES and not name.startswith(("node:", "accelerator_type:"))})
+    for client, needs in pinned_resources(cfg).items():
+        if any(all(node.get(name, 0.0) + 1e-9 >= need for name, need in needs.items()) for node in nodes):
+            continue
+        override = fed.client_overrides.get(client)
+        key = f"federation.client_overrides.{client}" if override is not None and "resources" in override.model_fields_set else "federation.clients"
+        missing = next((name for name, need in needs.items() if not any(node.get(name, 0.0) + 1e-9 >= need for node in nodes)), None)
+        if missing is not None:
+            raise InputError(f"{key}.resources.{missing}", f"a Ray node offering {missing} for client {client} (the nodes offer "
+                             f"{offered or 'no custom resources'})", needs[missing],
+                             f"start that site's node with: ray start --address ... --resources '{{\"{missing}\": 1}}'")
+        raise InputError(f"{key}.resources", f"one Ray node offering all of client {client}'s resources together (the nodes offer "
+                         f"{offered})", needs, "a client runs on one node")
+
+
+# resources Ray gives nodes itself (with node:<ip> and accelerator_type:<kind>); the custom ones are the user's (ray start --resources)
+_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "TPU", "memory", "object_store_memory"})
+
+
+def live_node_resources() -> list[dict[str, float]]:
+    """The total resources of each live node of the connected Ray."""
+    return [dict(node.get("Resources") or {}) for node in ray.nodes() if node.get("Alive")]
+
+
 def merged_resources(cfg: ExperimentConfig, client_id: int) -> ResourcesConfig:
     return cfg.federation.client_resources(client_id)
 
@@ -356,8 +398,11 @@ class RayBackend(Backend):
     def check_start(self, cfg: ExperimentConfig) -> None:
         """Before anything is written or started: the cluster address answers (``federation.address``, else
         ``RAY_ADDRESS``) and, on a local Ray this run starts, the actors' resources fit it."""
-        if ray.is_initialized() or self._placement_group is not None:
-            return  # an initialised Ray is reused as it is
+        if self._placement_group is not None:
+            return  # a trial's placement group is reserved already: its bundles hold the resources
+        if ray.is_initialized():  # an initialised Ray is reused as it is: its nodes must offer the pinned clients' resources
+            check_node_resources(cfg, live_node_resources())
+            return
         if cfg.federation.address:
             check_reachable_address(cfg.federation.address, key="federation.address")
         elif os.environ.get("RAY_ADDRESS"):
@@ -365,6 +410,15 @@ class RayBackend(Backend):
             if env == "auto" or split_address(env) is not None:  # another form: ray.init reads it as it does
                 check_reachable_address(env, key="RAY_ADDRESS")
         check_local_resources(cfg)
+        if pinned_resources(cfg):
+            # Clients pinned to sites (custom resources): connect now and look at the nodes, so that a site with no node
+            # is one line here, before the run folder is written, not a wait of startup_timeout_s for an unplaceable actor.
+            self._connect(cfg)
+            try:
+                check_node_resources(cfg, live_node_resources())
+            except InputError:
+                self.stop()
+                raise
 
     def _connect(self, cfg: ExperimentConfig) -> None:
         fed = cfg.federation
@@ -424,6 +478,8 @@ class RayBackend(Backend):
         fed = cfg.federation
         run = Path(run_dir).name
         requests = [actor_options(merged_resources(cfg, i)) for i in range(plan.num_clients)]
+        if self._placement_group is None:
+            check_node_resources(cfg, live_node_resources())  # before any actor: a site without a node fails now, in one line
         self._check_feasible(cfg, requests)
         client_cls = ray.remote(ClientActor)
         per_actor = fed.clients_per_actor

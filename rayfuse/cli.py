@@ -5,6 +5,7 @@
     rayfuse run [CONFIG] [--set KEY=VALUE]... [--out DIR] [--address ADDR] [--resume RUN_DIR] [--local]
     rayfuse list [methods|datasets|partitioners|models]
     rayfuse validate [CONFIG] [--set KEY=VALUE]...
+    rayfuse split CONFIG --out DIR [--set KEY=VALUE]...
     rayfuse fuse CONFIG [OUT]
     rayfuse tune SPACE [--samples N] [--address ADDR] [--storage DIR] [--resume] [--set KEY=VALUE]...
     rayfuse symmetry ARCHITECTURE [--input-shape C,H,W] [--dataset NAME] [--args JSON] [--json]
@@ -61,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("config", nargs="?")
     val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     val.set_defaults(func=_cmd_validate)
+
+    spl = sub.add_parser("split", help="write a simulation's client shards as silo files plus a silo config that reproduces it (rehearsal)")
+    spl.add_argument("config", help="simulation config YAML (data.dataset + partition)")
+    spl.add_argument("--out", metavar="DIR", required=True, help="a new or empty folder for the files and silos.yaml")
+    spl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key first")
+    spl.set_defaults(func=_cmd_split)
 
     fus = sub.add_parser("fuse", help="fuse checkpoints trained elsewhere (mergekit-style YAML; methods that need no client data)")
     fus.add_argument("config", help="fuse config YAML: merge_method, models, parameters, output")
@@ -182,6 +189,16 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     prepared = prepare_run(load_config(args.config or default_job(), args.set))  # every check before anything starts
     print(dump_config(prepared.resolved()), end="")
+    return 0
+
+
+def _cmd_split(args: argparse.Namespace) -> int:
+    from rayfuse.config import load_config
+    from rayfuse.data.split import split_simulation
+
+    written = split_simulation(load_config(args.config, args.set), args.out)
+    print(f"rayfuse split: {args.config} -> {written.parent} (one folder per client: train.npz, held_out.npz; server/); "
+          f"run it with: rayfuse run {written}")
     return 0
 
 

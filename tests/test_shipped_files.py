@@ -36,6 +36,8 @@ def test_cluster_yaml_passes_rays_schema():
     validate_config(prepare_config(config))
     types = config["available_node_types"]
     assert config["head_node_type"] in types
-    silos = [t for t in types.values() if any(r.startswith("silo_") for r in t["resources"])]
-    assert silos and all(t["resources"].get("GPU", 0) >= 1 for t in silos)
+    sites = {name: t for name, t in types.items() if name in t["resources"]}  # a worker type per site, named as its resource
+    assert set(sites) == {"site_a", "site_b"} and all(t["resources"].get("GPU", 0) >= 1 for t in sites.values())
+    for name, t in sites.items():  # its node stays up, mounts its own data and gives ray start SITE_DATA
+        assert t["min_workers"] >= 1 and any(f"export SITE_DATA=/data/{name}" in c for c in t["worker_setup_commands"])
     assert any("pip install -e" in c for c in config["setup_commands"])

@@ -10,6 +10,7 @@ Ctrl-C.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -35,10 +36,17 @@ class TwoNodeCluster:
     ----------
     cpus_per_node : int
         Logical CPUs each node advertises (more than the machine has is fine: they are only counters).
+    resources : (dict, dict)
+        The custom resources of the head and of the worker node (each node stands for one site or silo).
+    node_env : (dict, dict)
+        Extra environment of the head's and of the worker's processes (``SITE_DATA``: where that node keeps its data).
     """
 
-    def __init__(self, cpus_per_node: int = 4) -> None:
+    def __init__(self, cpus_per_node: int = 4, resources: tuple[dict[str, float], dict[str, float]] = ({"silo_a": 1}, {"silo_b": 1}),
+                 node_env: tuple[dict[str, str], dict[str, str]] = ({}, {})) -> None:
         self.cpus_per_node = cpus_per_node
+        self.resources = resources
+        self.node_env = node_env
         self.temp_dir = Path(tempfile.mkdtemp(prefix="rfc", dir="/tmp"))  # short: Ray's socket paths have a length limit
         self.gcs_port = _free_port()
         self.dashboard_port = _free_port()
@@ -71,13 +79,14 @@ class TwoNodeCluster:
         # Each node is a "silo" (custom resources, as in cluster.yaml): a config pins clients to nodes with them.
         head = [self.ray, "start", "--head", f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1",
                 f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={_free_port()}",
-                f"--temp-dir={self.temp_dir}", "--include-dashboard=true", '--resources={"silo_a": 1}', *common,
+                f"--temp-dir={self.temp_dir}", "--include-dashboard=true", f"--resources={json.dumps(self.resources[0])}", *common,
                 *self._node_ports(self.metrics_ports[0])]
-        worker = [self.ray, "start", f"--address={self.address}", '--resources={"silo_b": 1}', *common,
+        worker = [self.ray, "start", f"--address={self.address}", f"--resources={json.dumps(self.resources[1])}", *common,
                   *self._node_ports(self.metrics_ports[1])]
         try:
-            for command in (head, worker):
-                out = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=180)
+            for command, extra in ((head, self.node_env[0]), (worker, self.node_env[1])):
+                # a node's processes (raylet, workers, actors) inherit the environment `ray start` runs in
+                out = subprocess.run(command, env={**self.env, **extra}, capture_output=True, text=True, timeout=180)
                 if out.returncode != 0:
                     raise RuntimeError(f"{' '.join(command[:3])} failed: {out.stderr[-2000:]}")
         except BaseException:
