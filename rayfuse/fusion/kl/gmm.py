@@ -132,7 +132,6 @@ def gmm_metrics(server: ServerContext, means: np.ndarray) -> dict[str, float]:
 class GMMOracle(Method):
     name = "gmm_oracle"
     needs_dataset = True  # reads the whole dataset (data.dataset): not with data.silos
-    needs_dataset = True  # reads the whole dataset (data.dataset): not with data.silos
     federated_evaluation = False  # scores against the dataset's true GMM atoms: evaluation central only
     aliases = ("vi_oracle",)
     Params = GMMPosteriorParams
