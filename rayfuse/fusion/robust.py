@@ -156,15 +156,31 @@ def _coordinatewise(models: Models, rule: Callable[[np.ndarray], np.ndarray], ch
         first = np.asarray(first)
         acc = np.empty(first.size, dtype=np.float64)
         for start, stop, block in _blocks(models, key, chunk):
-            acc[start:stop] = rule(block) if key in floats else np.median(block, axis=0)
+            acc[start:stop] = rule(block) if key in floats else _median(block)
         out[key] = _cast_like(acc, first)
     return out
 
 
 def _integer_medians(models: Models, chunk: int) -> Params:
-    return {key: _cast_like(np.concatenate([np.median(b, axis=0) for _, _, b in _blocks(models, key, chunk)] or [np.empty(0)]),
+    return {key: _cast_like(np.concatenate([_median(b) for _, _, b in _blocks(models, key, chunk)] or [np.empty(0)]),
                             np.asarray(first))
             for key, first in models[0].items() if np.asarray(first).dtype.kind != "f"}
+
+
+# Up to this many models, a full sort down the client axis is faster than numpy's partition-based median (which
+# selects column by column): it sorts every coordinate's n values at once. Both give the same values.
+SORT_BELOW = 64
+
+
+def _median(block: np.ndarray) -> np.ndarray:
+    """The per-column median of an ``(n, c)`` block, as :func:`numpy.median` gives it (the mean of the two middle values
+    for even ``n``)."""
+    n = len(block)
+    if n > SORT_BELOW:
+        return np.median(block, axis=0)
+    ordered = np.sort(block, axis=0)
+    mid = n // 2
+    return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2.0
 
 
 def _check_count(models: Models, need: int, rule: str) -> None:
@@ -187,7 +203,7 @@ def aggregate_median(models: Models, *, chunk: int = CHUNK) -> Params:
         Coordinates read per block.
     """
     _check_count(models, 1, "median")
-    return _coordinatewise(models, lambda block: np.median(block, axis=0), chunk)
+    return _coordinatewise(models, _median, chunk)
 
 
 def aggregate_trimmed_mean(models: Models, beta: float, *, chunk: int = CHUNK) -> Params:
@@ -212,6 +228,8 @@ def aggregate_trimmed_mean(models: Models, beta: float, *, chunk: int = CHUNK) -
     def trim(block: np.ndarray) -> np.ndarray:
         if cut == 0:
             return block.mean(axis=0)
+        if n <= SORT_BELOW:
+            return np.sort(block, axis=0)[cut:n - cut].mean(axis=0)
         part = np.partition(block, (cut, n - cut - 1), axis=0)
         return part[cut:n - cut].mean(axis=0)
 
@@ -308,7 +326,7 @@ def aggregate_bulyan(models: Models, f: int, *, chunk: int = CHUNK) -> Params:
     beta = len(selected) - 2 * f
 
     def closest_to_median(block: np.ndarray) -> np.ndarray:
-        med = np.median(block, axis=0)
+        med = _median(block)
         if beta == len(block):
             return block.mean(axis=0)
         nearest = np.argpartition(np.abs(block - med), beta - 1, axis=0)[:beta]
