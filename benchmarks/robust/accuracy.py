@@ -13,7 +13,7 @@ method of that run (the one-shot ``average`` methods share the run's local model
 rows to ``RAW`` (JSON lines), so an interrupted grid resumes where it stopped; ``--render`` rebuilds the tables, the
 csv and the plot from ``RAW`` alone::
 
-    PYTHONPATH=$PWD nice -n 10 .venv/bin/python benchmarks/robust/accuracy.py            # the grid (~25 min, 1 core)
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/robust/accuracy.py   # the grid (~25 min, 1 core)
     PYTHONPATH=$PWD .venv/bin/python benchmarks/robust/accuracy.py --quick               # one cell, a smoke run
     PYTHONPATH=$PWD .venv/bin/python benchmarks/robust/accuracy.py --render              # tables from the raw rows
 """
@@ -163,8 +163,38 @@ def format_cell(stats: Mapping[tuple[str, str, str, str, int], tuple[float, floa
     if key not in stats:
         return "missing"
     mean, std, seeds = stats[key]
+    if seeds == 1:
+        return f"{mean:.3f} (1 seed)"
     text = f"{mean:.3f} ± {std:.3f}"
-    return text if seeds == len(SEEDS) else f"{text} ({seeds} seed{'s' if seeds > 1 else ''})"
+    return text if seeds == len(SEEDS) else f"{text} ({seeds} seeds)"
+
+
+def find_worst(stats: Mapping[tuple[str, str, str, str, int], tuple[float, float, int]], partition: str, family: str, label: str,
+               k: int) -> str:
+    """The lowest mean accuracy over the attacks with ``k`` attackers (and which attack), ``n/a``, or ``missing``."""
+    if k and find_precondition_failure(label, k) is not None:
+        return "n/a"
+    if k == 0:
+        key = (partition, family, label, ATTACKS[0], 0)
+        return f"{stats[key][0]:.3f}" if key in stats else "missing"
+    found = [(stats[(partition, family, label, a, k)][0], a) for a in ATTACKS if (partition, family, label, a, k) in stats]
+    if not found:
+        return "missing"
+    mean, attack = min(found)
+    return f"{mean:.3f} ({attack}{', partial' if len(found) < len(ATTACKS) else ''})"
+
+
+def summarise_worst(stats: Mapping[tuple[str, str, str, str, int], tuple[float, float, int]]) -> list[str]:
+    """Markdown: per family and aggregator, the clean accuracy and the worst over the attacks with 1 and 3 attackers."""
+    lines = ["## Summary: clean, and the worst attack with 1 and with 3 attackers (mean over the seeds run)", ""]
+    for family in FAMILIES:
+        head = " | ".join(f"{p} {c}" for p in PARTITIONS for c in ("clean", "worst, 1", "worst, 3"))
+        lines += [f"**{family}**", "", f"| aggregator | {head} |", "|---|" + "---|" * (3 * len(PARTITIONS))]
+        for label in AGGREGATORS:
+            cells = [find_worst(stats, p, family, label, k) for p in PARTITIONS for k in (0, 1, 3)]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
 
 
 def render(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> None:
@@ -180,6 +210,7 @@ def render(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> None:
              f"Machine: {meta.get('cpu_model')}, {meta.get('cpus')} CPUs (shared; the grid ran on one core, niced), "
              f"Python {meta.get('python')}, numpy {meta.get('numpy')}. Date: {meta.get('date')}. Command: `{meta.get('command')}`.", ""]
     csv = ["family,partition,aggregator,attack,attackers,mean,std,seeds,note"]
+    lines += summarise_worst(stats)
     for family in FAMILIES:
         for partition in PARTITIONS:
             lines += [f"## {family}, {partition}", "", "| aggregator | attack | 0 | 1 | 2 | 3 |", "|---|---|---|---|---|---|"]
@@ -249,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(row)
         return 0
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    meta = {**machine_info(), "command": "PYTHONPATH=$PWD nice -n 10 .venv/bin/python benchmarks/robust/accuracy.py"}
+    meta = {**machine_info(), "command": "PYTHONPATH=$PWD OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/robust/accuracy.py"}
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     done = {(r["partition"], r["seed"], r["attack"], r["attackers"]) for r in read_raw()}
     todo = [c for c in list_cells(False) if c not in done]
