@@ -2,10 +2,12 @@
 
 1. rayfuse: each rule of :mod:`rayfuse.fusion.robust` on ``--clients`` random models of ``--params`` float32
    parameters (three tensors), and ``weighted_average`` on the same models (the cost reference), timed in
-   interleaved passes in this process.
+   interleaved passes in this process. With ``--clip-norm C``, also the mean after update-norm clipping
+   (``mean_clip``) around a random global model; with several ``--beta``, one trimmed mean per value.
 2. Flower: ``flower_robust.py`` in a subprocess with the Python of ``benchmarks/.flwr-venv`` (the environment of
    ``compare_flower.py``), on the same arrays passed through an ``.npz`` file: ``aggregate`` (FedAvg),
-   ``aggregate_median``, ``aggregate_trimmed_avg``, ``aggregate_krum`` (Krum and Multi-Krum) and ``aggregate_bulyan``.
+   ``aggregate_median``, ``aggregate_trimmed_avg``, ``aggregate_krum`` (Krum and Multi-Krum), ``aggregate_bulyan``,
+   and for ``mean_clip`` its DP wrappers' ``compute_clip_model_update`` on each client then ``aggregate``.
    Flower has no geometric median.
 
 Each row: the largest absolute difference between the two results (both computed from the same float32 inputs;
@@ -15,7 +17,11 @@ the time of each and their ratio. Without the Flower environment the script says
 
 Usage::
 
-    python benchmarks/compare_flower_robust.py [--clients 10] [--params 1000000] [--repeats 3] [--f 1] [--m 3] [--beta 0.2]
+    python benchmarks/compare_flower_robust.py [--clients 10] [--params 1000000] [--repeats 3] [--f 1] [--m 3] [--beta 0.2 ...]
+                                               [--clip-norm C]
+
+``benchmarks/robust/aggregator_cost.py`` runs :func:`compare` on two model sizes and writes the tables to
+``docs/results/robust/``.
 
 Writes ``benchmarks/results/compare_flower_robust.json``.
 """
@@ -27,6 +33,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,24 +58,39 @@ def make_models(clients: int, params: int, seed: int = 0) -> tuple[list[dict[str
     return models, [int(c) for c in rng.integers(50, 500, size=clients)]
 
 
+def list_betas(args: argparse.Namespace) -> dict[str, float]:
+    """The trimmed means' rule names and betas: ``trimmed_mean`` for one beta, ``trimmed_mean_<beta>`` for several."""
+    betas = args.beta if isinstance(args.beta, list) else [args.beta]
+    return {"trimmed_mean": float(betas[0])} if len(betas) == 1 else {f"trimmed_mean_{b:g}": float(b) for b in betas}
+
+
 def rayfuse_rules(args: argparse.Namespace) -> dict[str, AggregatorSettings]:
-    return {"mean": AggregatorSettings(), "median": AggregatorSettings(name="median"),
-            "trimmed_mean": AggregatorSettings(name="trimmed_mean", beta=args.beta), "krum": AggregatorSettings(name="krum", f=args.f),
-            "multi_krum": AggregatorSettings(name="krum", f=args.f, m=args.m), "bulyan": AggregatorSettings(name="bulyan", f=args.f),
-            "geometric_median": AggregatorSettings(name="geometric_median")}
+    """The rules compared, by name (``mean_clip`` with ``args.clip_norm``)."""
+    rules = {"mean": AggregatorSettings(), "median": AggregatorSettings(name="median")}
+    rules.update({name: AggregatorSettings(name="trimmed_mean", beta=beta) for name, beta in list_betas(args).items()})
+    rules.update({"krum": AggregatorSettings(name="krum", f=args.f), "multi_krum": AggregatorSettings(name="krum", f=args.f, m=args.m),
+                  "bulyan": AggregatorSettings(name="bulyan", f=args.f), "geometric_median": AggregatorSettings(name="geometric_median")})
+    if getattr(args, "clip_norm", None) is not None:
+        rules["mean_clip"] = AggregatorSettings(clip_norm=args.clip_norm)
+    return rules
 
 
 def run_flower(models: list[dict[str, np.ndarray]], counts: list[int], args: argparse.Namespace,
-               python: Path = FLOWER_PYTHON) -> tuple[dict[str, Any] | None, str]:
+               python: Path = FLOWER_PYTHON, reference: dict[str, np.ndarray] | None = None) -> tuple[dict[str, Any] | None, str]:
     """Flower's results and median seconds per rule, or ``None`` and why not."""
     if not python.exists():
         return None, f"no Flower environment at {python} (see benchmarks/README.md); Flower not compared"
     with tempfile.TemporaryDirectory() as tmp:
         inputs, outputs = Path(tmp) / "in.npz", Path(tmp) / "out.npz"
-        arrays = {f"client{c}/{k}": a for c, m in enumerate(models) for k, a in m.items()}
+        arrays: dict[str, Any] = {f"client{c}/{k}": a for c, m in enumerate(models) for k, a in m.items()}
+        if reference is not None:
+            arrays.update({f"reference/{k}": a for k, a in reference.items()})
         np.savez(inputs, num_examples=np.array(counts), **arrays)
+        betas = [f"{b:g}" for b in list_betas(args).values()]
         cmd = [str(python), str(HERE / "flower_robust.py"), str(inputs), str(outputs), "--repeats", str(args.repeats), "--f", str(args.f),
-               "--m", str(args.m), "--beta", str(args.beta)]
+               "--m", str(args.m), "--beta", *betas]
+        if getattr(args, "clip_norm", None) is not None:
+            cmd += ["--clip-norm", str(args.clip_norm)]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent)
         lines = proc.stdout.strip().splitlines()
         if proc.returncode != 0 or not lines:
@@ -85,12 +107,16 @@ def run_flower(models: list[dict[str, np.ndarray]], counts: list[int], args: arg
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     models, counts = make_models(args.clients, args.params)
+    reference = make_models(1, args.params, seed=1)[0][0]  # the global model clipping measures updates from
     rules = rayfuse_rules(args)
-    ours = {name: aggregate(models, counts, s) for name, s in rules.items()}
-    fns = {name: (lambda s=s: aggregate(models, counts, s)) for name, s in rules.items()}
+    ours = {name: aggregate(models, counts, s, reference=reference) for name, s in rules.items()}
+    def timed(settings: AggregatorSettings) -> Callable[[], Any]:
+        return lambda: aggregate(models, counts, settings, reference=reference)
+
+    fns = {name: timed(s) for name, s in rules.items()}
     fns["weighted_average"] = lambda: weighted_average(models, counts)
     times = {name: median(t) for name, t in interleaved_times(fns, args.repeats).items()}
-    flower, why = run_flower(models, counts, args)
+    flower, why = run_flower(models, counts, args, getattr(args, "flower_python", FLOWER_PYTHON), reference)
     rows = []
     for name in rules:
         row: dict[str, Any] = {"rule": name, "rayfuse_s": times[name], "vs_weighted_average": times[name] / times["weighted_average"]}
@@ -101,7 +127,8 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             row.update({"flower_s": flower["seconds"][name], "rayfuse_over_flower": times[name] / flower["seconds"][name],
                         "max_abs_diff": diff, "equal": bool(diff <= 1e-5 * max(scale, 1.0))})
         rows.append(row)
-    return {"clients": args.clients, "params": args.params, "f": args.f, "m": args.m, "beta": args.beta, "rows": rows,
+    return {"clients": args.clients, "params": args.params, "f": args.f, "m": args.m, "beta": args.beta,
+            "clip_norm": getattr(args, "clip_norm", None), "rows": rows,
             "weighted_average_s": times["weighted_average"], "flower": None if flower is None else flower["flwr"], "flower_missing": why,
             "machine": machine_info()}
 
@@ -113,7 +140,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--f", type=int, default=1)
     parser.add_argument("--m", type=int, default=3)
-    parser.add_argument("--beta", type=float, default=0.2)
+    parser.add_argument("--beta", type=float, nargs="+", default=[0.2], help="trimmed mean's beta; several: one rule each")
+    parser.add_argument("--clip-norm", type=float, default=None, help="also compare the mean after update-norm clipping to this norm")
+    parser.add_argument("--flower-python", type=Path, default=FLOWER_PYTHON, help="the Python of Flower's environment")
     args = parser.parse_args()
     payload = compare(args)
     if payload["flower_missing"]:

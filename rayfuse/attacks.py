@@ -1,11 +1,12 @@
 """Attacks on clients' model updates, to measure robust aggregation against (``federation.attacks``).
 
 A simulation of compromised clients. Where a method combines the clients' updates (the FedAvg family and
-``average``, through :func:`rayfuse.fusion.robust.aggregate_updates`), the server replaces the accepted update of each
-attacking client by the attack's, before aggregation, and records an ``attack`` event (client, round, attack). Nothing
-is applied unless configured. ``w`` is the client's honest model, ``w_ref`` the model it started from: the round's
-broadcast global model for the FedAvg family; for one-shot methods (``average``, round 1) the run's initial model
-(the clients' common start with ``train.shared_init``).
+``average``, through :func:`rayfuse.fusion.robust.aggregate_updates`; ``aligned`` with ``merge: average``, before
+alignment), the server replaces the accepted update of each attacking client by the attack's, before aggregation, and
+records an ``attack`` event (client, round, attack). Nothing is applied unless configured. ``w`` is the client's honest
+model, ``w_ref`` the model it started from: the round's broadcast global model for the FedAvg family and ``aligned``'s
+later rounds; for one-shot fusion (``average``, ``aligned``'s round 1) the run's initial model (the clients' common
+start with ``train.shared_init``).
 
 * ``sign_flip`` -- ``w_ref - (w - w_ref)``: the update reversed.
 * ``scale`` -- ``w_ref + s (w - w_ref)`` (``scale``, default 10): a boosted (or, with ``s < 0``, reversed) update.

@@ -186,3 +186,47 @@ def test_the_cli_refuses_a_bad_attack_in_one_line_and_writes_nothing(tmp_path, c
     err = capsys.readouterr().err.splitlines()
     assert err == ["rayfuse: error: federation.attacks.0.client: expected a client id in 0..3, got 5"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml"]
+
+
+def _aligned_models(tmp_path: Path, attacks: list[dict], label: str) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:
+    import rayfuse
+    from rayfuse.io import load_params
+    from tests.conftest import TINY, merge
+
+    aligned = {"method": "aligned", "alignment": "weight", "merge": "average", "repair": False}
+    cfg = merge(TINY, {"run": {"name": label, "storage": str(tmp_path / "runs")}, "partition": {"method": "iid", "num_clients": 5},
+                       "methods": {"mean": aligned, "median": {**aligned, "aggregator": "median"}},
+                       "federation": {"attacks": attacks}})
+    result = rayfuse.run(cfg, quiet=True)
+    return result.results, {m: load_params(result.run_dir / result.results["methods"][m]["model_file"]) for m in ("mean", "median")}
+
+
+def _distance(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    return float(np.sqrt(sum(np.sum((a[k].astype(np.float64) - b[k].astype(np.float64)) ** 2) for k in a if a[k].dtype.kind == "f")))
+
+
+def test_a_sign_flipper_moves_the_aligned_mean_merge_and_the_median_merge_resists(tmp_path):
+    clean_results, clean = _aligned_models(tmp_path, [], "clean")
+    results, attacked = _aligned_models(tmp_path, [{"client": 1, "kind": "sign_flip"}], "attacked")
+    moved = {m: _distance(attacked[m], clean[m]) for m in ("mean", "median")}
+    assert 0 < moved["median"] < moved["mean"], moved  # the attack reached both merges; the median moved less
+    acc = {m: results["methods"][m]["accuracy"] for m in ("mean", "median")}
+    clean_acc = {m: clean_results["methods"][m]["accuracy"] for m in ("mean", "median")}
+    assert acc["mean"] < clean_acc["mean"] - 0.05, (acc, clean_acc)  # one sign flipper of 5 costs the mean
+    assert acc["median"] > clean_acc["median"] - 0.02, (acc, clean_acc)  # and not the median
+    events = [(e["method"], e["client"], e["round"], e["attack"]) for e in results["events"] if e["kind"] == "attack"]
+    assert events == [("mean", 1, 1, "sign_flip"), ("median", 1, 1, "sign_flip")]
+    assert not [e for e in clean_results["events"] if e["kind"] == "attack"]
+
+
+def test_aligned_rounds_are_attacked_relative_to_the_broadcast_model_and_other_merges_are_not(tmp_path):
+    import rayfuse
+    from tests.conftest import TINY, merge
+
+    aligned = {"method": "aligned", "alignment": "weight", "repair": False}
+    cfg = merge(TINY, {"run": {"storage": str(tmp_path / "runs")}, "partition": {"method": "iid", "num_clients": 4},
+                       "methods": {"fedma": {**aligned, "rounds": 2}, "regmean": {**aligned, "merge": "regmean"}},
+                       "federation": {"attacks": [{"client": 3, "kind": "scale", "scale": 5.0}]}})
+    result = rayfuse.run(cfg, quiet=True)
+    events = [(e["method"], e["client"], e["round"]) for e in result.results["events"] if e["kind"] == "attack"]
+    assert events == [("fedma", 3, 1), ("fedma", 3, 2)]

@@ -16,7 +16,8 @@ One shot (``rounds: 1``):
 
 4. **merge** of the aligned models: ``average`` (sample-weighted; ``aggregator`` replaces it by a robust rule of
    :mod:`rayfuse.fusion.robust`, optionally clipping each aligned model's distance to the global model first: the
-   run's initial model in the one-shot fusion, the broadcast model in later rounds), ``fisher`` (each client's diagonal Fisher of its
+   run's initial model in the one-shot fusion, the broadcast model in later rounds; ``federation.attacks`` replace the
+   attacking clients' models before alignment, relative to the same model), ``fisher`` (each client's diagonal Fisher of its
    aligned model on its data), ``regmean`` (each client's input Gram matrices of its aligned model's linear and
    convolution layers; closed form per layer), ``nonparametric`` (PFNM-style: a unit whose match quality is below
    ``new_unit_threshold`` becomes a new global unit, the global width capped at ``max_width`` x the model's; the
@@ -267,7 +268,7 @@ class Aligned(Method):
         fed = server.federation
         for rnd in rounds:
             if rnd == 1:  # one shot: the local models, aligned and merged
-                updates = server.accept_updates(server.local_updates())
+                updates = self._attack(server, server.accept_updates(server.local_updates()), server.initial_params(), rnd)
                 ids = sorted(updates)
                 server.progress(f"{server.label}: {len(spec.groups)} permutation groups, {len(spec.fixed)} fixed axes; "
                                 f"aligning {len(ids)} models")
@@ -275,6 +276,7 @@ class Aligned(Method):
             else:  # FedMA-style: local training from the global model, each update aligned onto it, merged
                 updates = server.accept_updates(fed.run(fit, fed.put(state.params), label=server.label, round=rnd, epochs=p.local_epochs),
                                                 reference=state.params)
+                updates = self._attack(server, updates, state.params, rnd)
                 ids = sorted(updates)
                 target = state.params
             weights = [float(updates[c].num_examples) if p.weighted else 1.0 for c in ids]
@@ -285,6 +287,14 @@ class Aligned(Method):
             rounds.log({"clients": float(len(ids)), "units_moved": float(info["units_moved"])})
         info.update({"groups": len(spec.groups), "fixed_axes": len(spec.fixed), "rounds": p.rounds})
         return MethodResult(rounds.metrics, state.params, info=info)
+
+    def _attack(self, server: ServerContext, updates: dict[int, Update], reference: dict[str, np.ndarray], round: int) -> dict[int, Update]:
+        """With ``merge: average``, the round's models with each attacking client's replaced by its attack's (relative to
+        ``reference``: the run's initial model in round 1, the broadcast global model later), before alignment: a
+        compromised client sends a bad model, which the server then aligns like any other. Other merges: ``updates``."""
+        if self.params.merge != "average" or not server.list_attackers(round):
+            return updates
+        return server.attack_updates(updates, reference, round)
 
     # -- one alignment + merge + repair ---------------------------------------------------------------------------
 
