@@ -438,8 +438,12 @@ def clip_updates(models: Models, reference: Mapping[str, np.ndarray], clip_norm:
             if value.dtype.kind != "f":
                 clipped[key] = value
                 continue
-            g = np.asarray(reference[key], dtype=np.float64)
-            clipped[key] = (g + scale * (value.astype(np.float64) - g)).astype(value.dtype, copy=False)
+            # in the tensor's own dtype (as Flower clips): the norm above is float64, the scaling one rounding per value
+            g = np.asarray(reference[key], dtype=value.dtype)
+            step = value - g
+            step *= value.dtype.type(scale)
+            step += g
+            clipped[key] = step
         out.append(clipped)
     return out
 
