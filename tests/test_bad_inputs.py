@@ -468,7 +468,7 @@ _BAD_DP = [("negative-noise", "methods.fedavg.dp.noise_multiplier", "fedavg", {}
            ("sample-rate-above-one", "methods.fedavg.dp.sample_rate", "fedavg", {}, {"sample_rate": 1.5}),
            ("zero-target-epsilon", "methods.fedavg.dp.target_epsilon", "fedavg", {}, {"noise_multiplier": None, "target_epsilon": 0.0}),
            ("noise-and-target", "methods.fedavg.dp.noise_multiplier", "fedavg", {}, {"target_epsilon": 1.0}),
-           ("one-shot-method", "methods.aligned.dp", "aligned", {}, {}),
+           ("one-shot-method", "methods.ensemble.dp", "ensemble", {}, {}),
            ("fedref", "methods.fedref.dp", "fedref", {}, {}),
            ("robust-aggregator", "methods.fedavg.aggregator", "fedavg", {"aggregator": "median"}, {}),
            ("fraction", "methods.fedavg.fraction", "fedavg", {"fraction": 0.5}, {}),

@@ -103,3 +103,27 @@ def test_a_run_without_dp_dumps_its_train_section_as_before() -> None:
 
     assert "dp" not in build_config({}).model_dump(mode="json")["train"]
     assert build_config({}, ["train.dp={noise_multiplier: 1.0}"]).model_dump(mode="json")["train"]["dp"]["noise_multiplier"] == 1.0
+
+
+def test_aligned_weight_matching_merges_the_clients_noised_uploads_and_keeps_batchnorm_finite(tmp_path) -> None:
+    out = tmp_path / "run"
+    dp = "{clip_norm: 5.0, noise_multiplier: 0.5, delta: 1.0e-3}"
+    assert main(["run", "--set", "federation.backend=local", "--set", "partition.num_clients=3", "--set", "train.epochs=1",
+                 "--set", "model.name=cnn", "--set", "model.channels=[4, 8]", "--set", "train.shared_init=true",
+                 "--set", f"methods={{aligned: {{alignment: weight, repair: false, dp: {dp}}}}}", "--out", str(out)]) == 0
+    entry = json.loads((out / "results.json").read_text())["methods"]["aligned"]
+    assert entry["upload_epsilon"] == pytest.approx(gaussian_epsilon(0.5, 1e-3))
+    assert set(entry["info"]["upload_dp"]["epsilon"]) == {"0", "1", "2"} and entry["info"]["upload_dp"]["relative_to"] == "shared init"
+    assert np.isfinite(entry["accuracy"])  # noised running variances are clamped above zero, so evaluation stays finite
+
+
+@pytest.mark.parametrize(("extra", "key"), [("", "methods.aligned.alignment"), ("alignment: weight", "methods.aligned.repair"),
+                                            ("alignment: weight, repair: false, merge: fisher", "methods.aligned.merge"),
+                                            ("alignment: weight, repair: false, rounds: 2", "methods.aligned.rounds")])
+def test_aligned_dp_refuses_settings_that_read_more_than_the_weights(tmp_path, capsys, extra: str, key: str) -> None:
+    params = ", ".join(p for p in (extra, "dp: {clip_norm: 5.0, noise_multiplier: 0.5, delta: 1.0e-3}") if p)
+    out = tmp_path / "run"
+    assert main(["run", "--set", "federation.backend=local", "--set", "partition.num_clients=3",
+                 "--set", f"methods={{aligned: {{{params}}}}}", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"rayfuse: error: {key}: expected") and not out.exists()

@@ -18,9 +18,12 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from rayfuse.errors import InputError
-from rayfuse.method import ClientContext, MethodParams, RunSetup, Update, client_step
+from rayfuse.method import ClientContext, Gathered, MethodParams, RunSetup, ServerContext, Update, client_step
 
-__all__ = ["UploadDP", "check_upload_dp", "dp_upload"]
+# the smallest BatchNorm running variance a noised upload keeps (BatchNorm's own eps is 1e-5)
+VARIANCE_FLOOR = 1e-5
+
+__all__ = ["UploadDP", "check_upload_dp", "dp_upload", "gather_dp_uploads"]
 
 
 class UploadDP(MethodParams):
@@ -62,5 +65,21 @@ def dp_upload(ctx: ClientContext, *, label: str, clip_norm: float, noise_multipl
          else dp_noise_multiplier(target_epsilon=float(target_epsilon or 0.0), delta=delta, sample_rate=1.0, steps=1, accountant=accountant))
     rng = np.random.default_rng(ctx.step_seed(label, "dp-upload"))
     noised, _ = clip_and_noise(params, reference, clip_norm=clip_norm, noise_multiplier=z, rng=rng)
+    # BatchNorm's running variances are noised like every float tensor; a negative one would make the model NaN.
+    # Clamping them is post-processing of the release, which costs no privacy.
+    noised = {k: np.maximum(v, np.asarray(VARIANCE_FLOOR, dtype=v.dtype)) if k.endswith("running_var") else v for k, v in noised.items()}
     epsilon = gaussian_epsilon(z, delta, accountant=accountant)
     return Update(noised, ctx.num_examples, {"dp_epsilon": epsilon, "dp_noise_multiplier": z})
+
+
+def gather_dp_uploads(server: ServerContext, dp: UploadDP) -> tuple[Gathered[Update], dict[str, Any]]:
+    """Every client's clipped and noised upload (:func:`dp_upload`: the raw local models never leave the clients), and
+    what the results record of it: each client's epsilon, delta, C, the accountant, the largest noise multiplier and
+    what the upload is relative to."""
+    uploads = server.federation.run(dp_upload, label=server.label, clip_norm=dp.clip_norm, noise_multiplier=dp.noise_multiplier,
+                                    target_epsilon=dp.target_epsilon, delta=dp.delta, accountant=dp.accountant)
+    epsilon = {str(c): float(u.metrics["dp_epsilon"]) for c, u in sorted(uploads.results.items())}
+    info = {"epsilon": epsilon, "delta": dp.delta, "clip_norm": dp.clip_norm, "accountant": dp.accountant,
+            "noise_multiplier": max(float(u.metrics["dp_noise_multiplier"]) for u in uploads.results.values()),
+            "relative_to": "shared init" if server.train_cfg.shared_init else "zero"}
+    return uploads, info

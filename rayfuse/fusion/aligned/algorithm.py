@@ -47,6 +47,7 @@ from pydantic import Field
 
 from rayfuse.errors import InputError
 from rayfuse.fusion import references
+from rayfuse.fusion.privacy import UploadDP, check_upload_dp, gather_dp_uploads
 from rayfuse.fusion.robust import AggregatorSettings, aggregate, check_aggregator, check_enough_updates
 from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, Update, client_step, register_method
 
@@ -85,6 +86,9 @@ class AlignedParams(AlignmentSettings):
     aggregator: AggregatorSettings = Field(default_factory=AggregatorSettings, description="merge: average: how the aligned "
                                            "models are combined (mean, median, trimmed_mean, krum, bulyan, geometric_median; "
                                            "clip_norm clips first)")
+    dp: UploadDP | None = Field(None, description="each client clips its upload to clip_norm and adds N(0, (z clip_norm)^2) before "
+                                "it leaves; only with what reads nothing else of the clients (alignment: weight, repair: false, "
+                                "rounds: 1, merge: average or nonparametric)")
 
 
 def derive_run_spec(model: Any, input_shape: tuple[int, ...], explicit: dict[str, Any] | None = None, *, where: str = "model.name",
@@ -254,6 +258,9 @@ class Aligned(Method):
             raise InputError("aggregator", "the default mean with merge " + repr(params.merge) + " (a robust aggregator or clip_norm "
                              "replaces merge: average only)", params.aggregator.name if params.aggregator.name != "mean" else "clip_norm")
         check_aggregator(params.aggregator, setup.num_clients, what="clients")
+        if params.dp is not None:
+            _check_dp_fits(params)
+            check_upload_dp(params.dp, setup)
         model = build_model(setup.model, setup.input_shape, setup.num_classes, seed=0)
         derive_run_spec(model, setup.input_shape, params.spec)
 
@@ -265,10 +272,15 @@ class Aligned(Method):
                                evaluate=lambda rnd: server.evaluate(rounds.state.params, resized=grown), evaluate_every=p.evaluate_every)
         state = rounds.state
         info: dict[str, Any] = {}
+        upload_dp: dict[str, Any] | None = None  # with dp: each client's epsilon (round 1)
         fed = server.federation
         for rnd in rounds:
             if rnd == 1:  # one shot: the local models, aligned and merged
-                updates = self._attack(server, server.accept_updates(server.local_updates()), server.initial_params(), rnd)
+                if p.dp is None:
+                    uploads = server.local_updates()
+                else:  # the clients clip and noise their uploads; the raw local models never leave them
+                    uploads, upload_dp = gather_dp_uploads(server, p.dp)
+                updates = self._attack(server, server.accept_updates(uploads), server.initial_params(), rnd)
                 ids = sorted(updates)
                 server.progress(f"{server.label}: {len(spec.groups)} permutation groups, {len(spec.fixed)} fixed axes; "
                                 f"aligning {len(ids)} models")
@@ -286,7 +298,11 @@ class Aligned(Method):
                 spec = derive_run_spec(_server_model(server, state.params), server.input_shape)
             rounds.log({"clients": float(len(ids)), "units_moved": float(info["units_moved"])})
         info.update({"groups": len(spec.groups), "fixed_axes": len(spec.fixed), "rounds": p.rounds})
-        return MethodResult(rounds.metrics, state.params, info=info)
+        metrics = rounds.metrics
+        if upload_dp is not None:
+            info["upload_dp"] = upload_dp
+            metrics = {**metrics, "upload_epsilon": max(upload_dp["epsilon"].values())}
+        return MethodResult(metrics, state.params, info=info)
 
     def _attack(self, server: ServerContext, updates: dict[int, Update], reference: dict[str, np.ndarray], round: int) -> dict[int, Update]:
         """With ``merge: average``, the round's models with each attacking client's replaced by its attack's (relative to
@@ -414,6 +430,16 @@ class Aligned(Method):
             fused = apply_repair(fused, units, repair_targets([merged[clients[i]] for i in order], units, [weights[i] for i in order]),
                                  targets)
         return fused, [u.module for u in units]
+
+
+def _check_dp_fits(params: AlignedParams) -> None:
+    """``dp`` covers the clients' uploaded weights only: refuse every setting that reads more of the clients (activation
+    statistics, BatchNorm and REPAIR statistics, Fisher / Gram merges, further rounds of training)."""
+    for key, ok, want in (("alignment", params.alignment == "weight", "weight"), ("repair", not params.repair, "false"),
+                          ("rounds", params.rounds == 1, "1"), ("merge", params.merge in ("average", "nonparametric"), "average or nonparametric")):
+        if not ok:
+            raise InputError(key, f"{want} with dp (the DP upload covers the clients' weights only; this setting reads more of the "
+                             "clients' data)", getattr(params, key))
 
 
 def _server_model(server: ServerContext, params: dict[str, np.ndarray]) -> Any:

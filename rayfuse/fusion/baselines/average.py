@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import Field
 
-from rayfuse.fusion.privacy import UploadDP, check_upload_dp, dp_upload
+from rayfuse.fusion.privacy import UploadDP, check_upload_dp, gather_dp_uploads
 from rayfuse.fusion.robust import AggregatorSettings, aggregate_updates, check_aggregator
 from rayfuse.method import Method, MethodParams, MethodResult, RunSetup, ServerContext, register_method
 
@@ -56,12 +56,7 @@ class Average(Method):
         if p.dp is None:
             uploads = server.local_updates()
         else:  # the clients clip and noise their uploads; the raw local models never leave them
-            uploads = server.federation.run(dp_upload, label=server.label, clip_norm=p.dp.clip_norm, noise_multiplier=p.dp.noise_multiplier,
-                                            target_epsilon=p.dp.target_epsilon, delta=p.dp.delta, accountant=p.dp.accountant)
-            epsilon = {str(c): float(u.metrics["dp_epsilon"]) for c, u in sorted(uploads.results.items())}
-            info["upload_dp"] = {"epsilon": epsilon, "delta": p.dp.delta, "clip_norm": p.dp.clip_norm, "accountant": p.dp.accountant,
-                                 "noise_multiplier": max(float(u.metrics["dp_noise_multiplier"]) for u in uploads.results.values()),
-                                 "relative_to": "shared init" if server.train_cfg.shared_init else "zero"}
+            uploads, info["upload_dp"] = gather_dp_uploads(server, p.dp)
         params, updates = aggregate_updates(server, uploads, p.aggregator, start=start, weighted=p.weighted)
         metrics = server.evaluate(params)
         if p.dp is not None:
