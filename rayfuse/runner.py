@@ -27,7 +27,7 @@ import secrets
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from rayfuse.config import ExperimentConfig, dump_config, validate_config
 from rayfuse.data.roles import DataPlan, load_dataset_from_config, load_target_from_config, make_plan
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.io import atomic_write_json, atomic_write_text
-from rayfuse.method import MethodSpec, RunSetup, check_methods, resolve_methods, resolved_config
+from rayfuse.method import MethodSpec, RunSetup, check_evaluation, check_methods, resolve_methods, resolved_config
 from rayfuse.report import Printer, format_client_summary, format_partition, format_table, plot_comparison, write_metrics_parquet
 from rayfuse.store import RunStore, claim_run_folder
 from rayfuse.version import __version__
@@ -191,30 +191,51 @@ def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> Prepare
     """A silo config before its clients report: nothing of the silos is read here (the driver cannot). The checks that
     need the data (the model against the input shape, each method against the run) follow the silo survey
     (:func:`finish_silo_run`); the server's own sets (``data.test``, ``data.public``) are read here, on the server's
-    node, for their sizes; a method that needs a public sample without ``data.public`` is refused now."""
+    node, for their sizes; a method that needs a public sample without ``data.public`` (or a test set without
+    ``data.test``) is refused now, and so is a method that scores on the server's data in its own way with ``evaluation``
+    federated or both (:func:`rayfuse.method.check_evaluation`)."""
     from rayfuse.data.silos import load_server_set, make_silo_plan
 
     sizes = {key: 0 if getattr(cfg.data, key) is None else len(load_server_set(getattr(cfg.data, key), key=f"data.{key}").y)
              for key in ("test", "public")}
     plan = make_silo_plan(cfg, test_size=sizes["test"], public_size=sizes["public"])
-    if cfg.data.public is None:  # the methods' own public-sample checks, before any client starts (shape not yet known)
-        probe = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=(1,), num_classes=2,
-                         train_sizes=(1,) * plan.num_clients, val_sizes=(1,) * plan.num_clients, public_size=0, test_size=sizes["test"],
-                         seed=cfg.run.seed, model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation))
-        for spec in specs:
-            try:
-                check_methods([spec], probe)
-            except InputError as exc:
-                if exc.path.startswith("data.public"):
-                    raise _public_error(exc) from None
     for spec in specs:
         if spec.method_cls.needs_dataset:
             raise InputError(f"methods.{spec.label}", "methods that run without a dataset of their own with data.silos (no process reads "
                              "every silo)", spec.method, "it reads the whole dataset (data.dataset): run it on a simulation config")
+    # what is knowable before any client starts (the silos' shapes and sizes are not): each method's own check on a
+    # probe with stand-in shapes and no sizes, then the evaluation check
+    probe = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=(1,), num_classes=2,
+                     train_sizes=(), val_sizes=(1,) * plan.num_clients, public_size=sizes["public"], test_size=sizes["test"],
+                     seed=cfg.run.seed, model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation))
+    _check_before_survey(specs, probe)
+    check_evaluation(specs, probe)  # a method that scores on the server's data in its own way, with evaluation: federated
     setup = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=(), num_classes=0,
                      train_sizes=(), val_sizes=(), public_size=sizes["public"], test_size=sizes["test"], seed=cfg.run.seed,
                      model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation))
     return PreparedRun(cfg, specs, plan, setup, 0)  # type: ignore[arg-type]
+
+
+def _check_before_survey(specs: Sequence[MethodSpec], probe: RunSetup) -> None:
+    """Each method's :meth:`~rayfuse.method.Method.check` on ``probe`` (a silo run before its survey: stand-in input
+    shape and class count, no client sizes). A refusal is raised now when it does not depend on the stand-ins: one about
+    the server's sets (``data.public``, ``data.test``), or one the check raises word for word with other stand-ins too
+    (a method key the run cannot have with silos). The rest are the survey's to decide (:func:`finish_silo_run`)."""
+    unscored = replace(probe, evaluation="central")  # each method's own check, not masked by the evaluation check
+    other = replace(unscored, input_shape=(2,), num_classes=3)
+    for spec in specs:
+        try:
+            check_methods([spec], unscored)
+        except InputError as exc:
+            if exc.path.startswith("data.public"):
+                raise _public_error(exc) from None
+            if exc.path.startswith("data.test"):
+                raise
+            try:
+                check_methods([spec], other)
+            except InputError as again:
+                if str(again) == str(exc):
+                    raise exc from None
 
 
 def _public_error(exc: InputError) -> InputError:

@@ -43,7 +43,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from rayfuse.errors import NonFiniteError
+from rayfuse.errors import InputError, NonFiniteError
 from rayfuse.fusion import references
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.epgan.ep import gaussian_product
@@ -55,6 +55,7 @@ from rayfuse.method import (
     Method,
     MethodParams,
     MethodResult,
+    RunSetup,
     ServerContext,
     Update,
     client_step,
@@ -302,29 +303,41 @@ class _ImageScorer:
     samples, the image analogue of modes covered).
 
     The classifier is an evaluation instrument outside the federation, trained once on the whole dataset (as Inception
-    is trained on ImageNet); no method sees it.
+    is trained on ImageNet); no method sees it. With ``data.silos`` no process holds a whole dataset: the instrument
+    trains on the server's own data instead, ``data.public`` if given, else ``data.test`` (the set the scores are
+    computed against anyway).
     """
 
     def __init__(self, server: ServerContext, params: EPGANParams) -> None:
         import torch
 
-        from rayfuse.data.roles import load_dataset_from_config
         from rayfuse.models import train_model
         from rayfuse.models.registry import MLP
 
-        dataset = load_dataset_from_config(server.data_cfg)
-        self.shape = dataset.input_shape
+        X, y, self.shape, self.num_classes = self._instrument_data(server)
         self.samples = min(params.eval_samples, 2000)
         self.seed = derive_seed(server.seed, "epgan-eval")  # the same instrument and noise for every method of a run
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            self.classifier = MLP(int(np.prod(self.shape)), [128], dataset.num_classes)
-        train_model(self.classifier, dataset.X, dataset.y, epochs=40, batch_size=64, lr=1e-3, seed=self.seed)
+            self.classifier = MLP(int(np.prod(self.shape)), [128], self.num_classes)
+        train_model(self.classifier, X, y, epochs=40, batch_size=64, lr=1e-3, seed=self.seed)
         self.classifier.eval()
-        self.num_classes = dataset.num_classes
         self.real, real_proba = self._features(_flat(server.test.X))
         share = np.bincount(real_proba.argmax(1), minlength=self.num_classes) / len(real_proba)
         self._reference = {"is": inception_score(real_proba), "classes": float((share >= 0.05).sum())}
+
+    @staticmethod
+    def _instrument_data(server: ServerContext) -> tuple[np.ndarray, np.ndarray, tuple[int, ...], int]:
+        """The classifier's training data, the input shape and the class count: the whole dataset on a simulation; with
+        ``data.silos``, the server's public sample if it has one, else its test set (:meth:`EPGAN.check` refuses a
+        silo run with no ``data.test``)."""
+        if server.data_cfg.is_silos:
+            own = server.public if len(server.public) else server.test
+            return own.X, own.y, tuple(server.input_shape), server.num_classes
+        from rayfuse.data.roles import load_dataset_from_config
+
+        dataset = load_dataset_from_config(server.data_cfg)
+        return dataset.X, dataset.y, dataset.input_shape, dataset.num_classes
 
     def _features(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         import torch
@@ -474,7 +487,6 @@ class EPGANState:
 @register_method
 class EPGAN(Method):
     name = "epgan"
-    needs_dataset = True  # reads the whole dataset (data.dataset): not with data.silos
     federated_evaluation = False  # generative scores (FD / IS / D-MSE) against the server's test set: evaluation central only
     Params = EPGANParams
     params: EPGANParams
@@ -482,6 +494,15 @@ class EPGAN(Method):
     reference = references.EPGAN
     # A checkpoint after the warm-up (turn 0) and after each turn; ``--resume`` continues after the last one.
     multi_round = True
+
+    @classmethod
+    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+        """With ``data.silos``, a server test set (``data.test``): EP-GAN scores its generator centrally against it, and
+        its evaluation classifier (image data) trains on ``data.public``, else on ``data.test``."""
+        if setup.data.is_silos and setup.data.test is None:
+            raise InputError("data.test", "the server's test set with data.silos (EP-GAN scores its generator centrally against it, "
+                             "evaluation: central; its image-score classifier trains on data.public, else on data.test)", "none given",
+                             "give data.test: {dataset: npz, path: ...} and evaluation: central")
 
     def run(self, server: ServerContext) -> MethodResult:
         # Each client's GAN state (Adam moments of G and D, its random generator, its iteration counter -- the PSA

@@ -37,7 +37,14 @@ from rayfuse.expfam import Dirichlet
 from rayfuse.fusion import references
 from rayfuse.fusion.kl.bnn import corrupt, fuse_output_bias, network_of, neurons_of, predictive, predictive_metrics, train_bnn
 from rayfuse.fusion.kl.fusion import fuse_heterogeneous, fuse_homogeneous
-from rayfuse.fusion.kl.gmm import GMMPosteriorParams, check_gmm_dataset, check_local_components, gather_gmm_posteriors, gmm_metrics
+from rayfuse.fusion.kl.gmm import (
+    GMMPosteriorParams,
+    check_gmm_dataset,
+    check_local_components,
+    check_silo_components,
+    gather_gmm_posteriors,
+    gmm_metrics,
+)
 from rayfuse.fusion.kl.topics import completion_log_likelihood, fit_lda_posterior, split_documents, topic_hausdorff
 from rayfuse.matching import Executor, serial_map, thread_map
 from rayfuse.method import Method, MethodParams, MethodResult, RunSetup, ServerContext, register_method
@@ -106,15 +113,18 @@ class KLFusion(Method):
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:
         """The dataset the application needs, the number of local components, and ``n_init_components`` against the
-        largest local count where the config fixes it."""
+        largest local count where the config fixes it. With ``data.silos`` (no generator, so no true parameters) gmm and
+        topics fuse any data with a fixed ``n_components`` and report the metrics that need no truth."""
         from rayfuse.data.datasets import DATASETS
 
         p: KLParams = params  # type: ignore[assignment]
         if p.application == "gmm":
             check_gmm_dataset(setup, cls.name)
+            check_silo_components(p, setup)
             check_local_components(p, setup)
         elif p.application == "topics":
-            if DATASETS.canonical(setup.data.dataset) != "kl_lda":
+            check_silo_components(p, setup)
+            if not setup.data.is_silos and DATASETS.canonical(setup.data.dataset) != "kl_lda":
                 raise InputError("data.dataset", "kl_lda (application topics needs the synthetic corpus' true topics)",
                                  setup.data.dataset)
             if p.homogeneous and p.n_components == "true":
@@ -144,7 +154,8 @@ class KLFusion(Method):
         server.log(len(result.objective), metrics)
         info = {
             "clients": list(raw), "local_components": sizes, "global_components": result.num_globals,
-            "true_components": int(len(server.dataset_meta["global_means"])), "lam_effective": result.lam,
+            **({} if server.data_cfg.is_silos else {"true_components": int(len(server.dataset_meta["global_means"]))}),
+            "lam_effective": result.lam,
             "counts": np.asarray(result.counts).round(4).tolist(), "means": result.globals.means().tolist(),
             "executor": executor_name, "local_fit_seconds_max": round(local_seconds, 3),
             "total_seconds": round(time.perf_counter() - started, 3),
@@ -199,9 +210,14 @@ class KLFusion(Method):
 
     def _run_topics(self, server: ServerContext) -> MethodResult:
         p = self.params
-        meta = server.dataset_meta
-        counts = meta["local_counts"]
-        k: dict[int, int] | int = {c: int(counts[c]) for c in server.federation.client_ids} if p.n_components == "true" else int(p.n_components)
+        # a silo run has no generator: no true topics, and a fixed n_components (check_silo_components)
+        meta = None if server.data_cfg.is_silos else server.dataset_meta
+        k: dict[int, int] | int
+        if p.n_components == "true":
+            assert meta is not None
+            k = {c: int(meta["local_counts"][c]) for c in server.federation.client_ids}
+        else:
+            k = int(p.n_components)
         server.progress("kl: clients fit LDA on their documents")
         started = time.perf_counter()
         gathered = server.run_cached(fit_lda_posterior, k, max_iter=p.vi_max_iter)
@@ -217,19 +233,26 @@ class KLFusion(Method):
         test = server.test
         # the same split for every method of a run (not per label), so their completion scores compare
         seen, held = split_documents(test.X.reshape(len(test), -1), make_rng(server.seed, "kl-topics-completion"))
-        used = sorted({t for subset in meta["subsets"] for t in subset})  # topics no client writes about are not recoverable
-        truth = np.asarray(meta["topics"])[used]
         fused_topics = result.globals.means()
-        metrics = {"completion_ll": completion_log_likelihood(fused_topics, seen, held), "topic_hausdorff": topic_hausdorff(fused_topics, truth),
-                   "num_components": float(result.num_globals), "size_error": abs(result.num_globals - len(truth)) / len(truth),
-                   "fuse_seconds": fuse_seconds}
+        if meta is None:  # silos: held-out completion on the server's test documents, no truth to compare with
+            truth = None
+            metrics = {"completion_ll": completion_log_likelihood(fused_topics, seen, held), "num_components": float(result.num_globals),
+                       "fuse_seconds": fuse_seconds}
+        else:
+            used = sorted({t for subset in meta["subsets"] for t in subset})  # topics no client writes about are not recoverable
+            truth = np.asarray(meta["topics"])[used]
+            metrics = {"completion_ll": completion_log_likelihood(fused_topics, seen, held), "topic_hausdorff": topic_hausdorff(fused_topics, truth),
+                       "num_components": float(result.num_globals), "size_error": abs(result.num_globals - len(truth)) / len(truth),
+                       "fuse_seconds": fuse_seconds}
         local_ll = {c: completion_log_likelihood(q.means(), seen, held) for c, q in locals_.items()}
         metrics["local_completion_ll_mean"] = float(np.mean(list(local_ll.values())))
         metrics["local_completion_ll_max"] = float(np.max(list(local_ll.values())))
-        metrics["truth_completion_ll"] = completion_log_likelihood(np.asarray(meta["topics"]), seen, held)  # all generating topics: upper reference
+        if meta is not None:  # all generating topics: upper reference
+            metrics["truth_completion_ll"] = completion_log_likelihood(np.asarray(meta["topics"]), seen, held)
         server.log(1, metrics)
         info = {"clients": list(locals_), "local_topics": [len(q) for q in posteriors], "global_topics": result.num_globals,
-                "true_topics": int(len(truth)), "local_completion_ll": {str(c): round(v, 4) for c, v in local_ll.items()},
+                **({} if truth is None else {"true_topics": int(len(truth))}),
+                "local_completion_ll": {str(c): round(v, 4) for c, v in local_ll.items()},
                 "executor": executor_name, "homogeneous": p.homogeneous, "total_seconds": round(time.perf_counter() - started, 3),
                 **{k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in result.info.items()}}
         return MethodResult(metrics, info=info)

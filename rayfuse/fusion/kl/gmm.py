@@ -29,7 +29,7 @@ from rayfuse.fusion.kl.fusion import hausdorff
 from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, client_step, register_method
 
 __all__ = ["fit_gmm_posterior", "GMMPosteriorParams", "gather_gmm_posteriors", "gmm_truth", "gmm_metrics", "GMMOracle", "DPCluster",
-           "GMMMethod", "check_gmm_dataset", "check_local_components"]
+           "GMMMethod", "check_gmm_dataset", "check_silo_components", "check_local_components"]
 
 
 @client_step("kl.gmm_posterior")
@@ -72,11 +72,22 @@ class GMMPosteriorParams(MethodParams):
 
 
 def check_gmm_dataset(setup: RunSetup, method: str) -> None:
-    """Refuse a dataset other than ``kl_gmm`` (``method`` needs the generator's true atoms for its metrics)."""
+    """Refuse a dataset other than ``kl_gmm`` (``method`` needs the generator's true atoms for its metrics). A silo run
+    (``data.silos``) has no generator: any points are fused, and scored without the truth (:func:`gmm_metrics`)."""
     from rayfuse.data.datasets import DATASETS
 
+    if setup.data.is_silos:
+        return
     if DATASETS.canonical(setup.data.dataset) != "kl_gmm":
         raise InputError("data.dataset", f"kl_gmm (method {method} needs the generator's true atoms)", setup.data.dataset)
+
+
+def check_silo_components(params: GMMPosteriorParams, setup: RunSetup) -> None:
+    """Refuse ``n_components: true`` with ``data.silos``: it is each client's count in the synthetic generator (``kl_gmm``,
+    ``kl_lda``), and a silo run has no generator."""
+    if setup.data.is_silos and params.n_components == "true":
+        raise InputError("n_components", "a number of local components with data.silos ('true' is each client's count in the "
+                         "synthetic generator, kl_gmm / kl_lda; silos have none)", "true", "e.g. n_components: 3")
 
 
 def check_local_components(params: GMMPosteriorParams, setup: RunSetup) -> None:
@@ -94,6 +105,7 @@ class GMMMethod(Method):
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:
         check_gmm_dataset(setup, cls.name)
+        check_silo_components(params, setup)  # type: ignore[arg-type]
         check_local_components(params, setup)  # type: ignore[arg-type]
 
 
@@ -106,8 +118,9 @@ def gmm_truth(server: ServerContext, path: str) -> dict[str, Any]:
 
 def gather_gmm_posteriors(server: ServerContext, params: GMMPosteriorParams) -> tuple[list[NormalWishart], dict[int, dict[str, Any]]]:
     """Every client's local Normal-Wishart posteriors (validated), by client id."""
-    meta = gmm_truth(server, f"methods.{server.label}")
+    meta = None if server.data_cfg.is_silos else gmm_truth(server, f"methods.{server.label}")  # a silo run has no generator
     if params.n_components == "true":
+        assert meta is not None  # n_components: true is refused with data.silos (check_silo_components)
         counts = meta["local_counts"]
         n_components: dict[int, int] | int = {c: int(counts[c]) for c in server.federation.client_ids}
     else:
@@ -121,6 +134,12 @@ def gather_gmm_posteriors(server: ServerContext, params: GMMPosteriorParams) -> 
 
 
 def gmm_metrics(server: ServerContext, means: np.ndarray) -> dict[str, float]:
+    """``hausdorff`` and ``size_error`` against the generator's true means, and ``num_components``; a silo run
+    (``data.silos``: no generator, no truth) reports ``num_components`` only."""
+    if server.data_cfg.is_silos:
+        if not np.isfinite(means).all():
+            raise RunFailure(f"{server.label}: non-finite estimated means")
+        return {"num_components": float(len(means))}
     truth = np.asarray(server.dataset_meta["global_means"])
     G = len(truth)
     if not np.isfinite(means).all():
