@@ -194,8 +194,8 @@ def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> Prepare
     node, for their sizes; a method that needs a public sample without ``data.public`` is refused now."""
     from rayfuse.data.silos import load_server_set, make_silo_plan
 
-    sizes = {key: 0 if getattr(cfg.data, key) is None else len(load_server_set(getattr(cfg.data, key), key=f"data.{key}").y)
-             for key in ("test", "public")}
+    sizes = {key: 0 if getattr(cfg.data, key) is None else
+             len(load_server_set(getattr(cfg.data, key), key=f"data.{key}", classes=cfg.data.class_names).y) for key in ("test", "public")}
     plan = make_silo_plan(cfg, test_size=sizes["test"], public_size=sizes["public"])
     if cfg.data.public is None:  # the methods' own public-sample checks, before any client starts (shape not yet known)
         probe = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=(1,), num_classes=2,
