@@ -396,7 +396,7 @@ def test_without_data_classes_a_silo_lacking_a_label_differs_and_the_hint_names_
     assert skew.class_names == ("1", "2") and set(skew.y.tolist()) == {0, 1}
     schemas = [silo_schema(*load_silo({"dataset": "npz", "path": str(tmp_path / f), "val_size": 0.1}, client=i))
                for i, f in enumerate(["full.npz", "skew.npz"])]
-    with pytest.raises(InputError, match=r"^data\.silos\.1: expected the label values of data\.silos\.0 .*got \['1', '2'\] "
+    with pytest.raises(InputError, match=r"^data\.silos\.1: expected the label values of data\.silos\.0 .*got \['1', '2'\]"
                        r"; .*data\.classes, the task's label values in label order"):
         check_schemas(schemas)
 
