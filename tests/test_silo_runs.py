@@ -172,3 +172,20 @@ def test_on_ray_a_silo_missing_on_its_node_is_the_input_error(tmp_path, ray_sess
     with pytest.raises(InputError, match=r"^data\.silos\.2\.path: expected an existing npz file on client 2's node"):
         run_experiment(validate_config(job), RayBackend(), tmp_path / "runs" / "r", printer=lambda e: None, show_tables=False)
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("step", ["train_local", "fedavg.fit"])
+def test_a_restarted_silo_client_takes_the_federated_standardisation_back(tmp_path, step):
+    # a client process that dies after the silo survey is rebuilt from the plan it started with (as Ray re-runs an
+    # actor's constructor); the federation re-installs the completed plan, so its numbers are the fault-free run's
+    job = _job(tmp_path, {"local": {}, "fedavg": {"rounds": 2, "local_epochs": 1}}, standardize=True)
+    clean = _run(tmp_path, job)
+    faulty = {**job, "run": {**job["run"], "storage": str(tmp_path / "faulty")},
+              "federation": {"backend": "local", "on_client_failure": "retry", "max_restarts": 2,
+                             "faults": [{"client": 1, "step": step, "call": 1, "mode": "exit"}]}}
+    results = run_experiment(validate_config(faulty), InProcessBackend(), tmp_path / "faulty" / "r", printer=lambda e: None,
+                             show_tables=False)
+    assert [e["client"] for e in results["events"] if e["kind"] == "client_restarted"] == [1]
+    for label in ("local", "fedavg"):
+        for key in ("accuracy", "nll", "client_metrics"):
+            assert results["methods"][label][key] == clean["methods"][label][key], (label, key)
