@@ -189,3 +189,19 @@ def test_a_restarted_silo_client_takes_the_federated_standardisation_back(tmp_pa
     for label in ("local", "fedavg"):
         for key in ("accuracy", "nll", "client_metrics"):
             assert results["methods"][label][key] == clean["methods"][label][key], (label, key)
+
+
+def test_on_ray_a_restarted_silo_actor_takes_the_federated_standardisation_back(tmp_path, ray_session):
+    # Ray re-runs the crashed actor's constructor with its creation arguments (the plan before the survey); the
+    # completed plan travels with every call to it and is installed first, so the numbers are the fault-free run's
+    from actors.backend import RayBackend
+
+    job = _job(tmp_path, {"fedavg": {"rounds": 2, "local_epochs": 1}}, standardize=True)
+    clean = _run(tmp_path, job)
+    faulty = {**job, "run": {**job["run"], "storage": str(tmp_path / "faulty")},
+              "federation": {"backend": "ray", "on_client_failure": "retry", "max_restarts": 2,
+                             "faults": [{"client": 1, "step": "fedavg.fit", "call": 1, "mode": "exit"}]}}
+    results = run_experiment(validate_config(faulty), RayBackend(), tmp_path / "faulty" / "r", printer=lambda e: None, show_tables=False)
+    assert [e["client"] for e in results["events"] if e["kind"] == "client_restarted"] == [1]
+    for key in ("accuracy", "nll", "client_metrics"):
+        assert results["methods"]["fedavg"][key] == clean["methods"]["fedavg"][key], key
