@@ -205,3 +205,19 @@ def test_on_ray_a_restarted_silo_actor_takes_the_federated_standardisation_back(
     assert [e["client"] for e in results["events"] if e["kind"] == "client_restarted"] == [1]
     for key in ("accuracy", "nll", "client_metrics"):
         assert results["methods"]["fedavg"][key] == clean["methods"]["fedavg"][key], key
+
+
+def test_label_skewed_silos_run_with_data_classes_and_an_undeclared_value_is_one_line(tmp_path, capsys):
+    job = _job(tmp_path, {"fedavg": {"rounds": 1, "local_epochs": 1}}, classes=[0, 1, 2])
+    X, y = _blobs(45, seed=1)
+    np.savez(tmp_path / "site1.npz", X=X[y > 0], y=y[y > 0])  # site 1 has no case of label 0
+    results = _run(tmp_path, job)
+    assert results["status"] == "succeeded"
+    manifest = json.loads((tmp_path / "runs" / "r" / "partition.json").read_text())
+    assert manifest["labels"] == ["0", "1", "2"] and manifest["clients"][1]["class_counts"][0] == 0
+    np.savez(tmp_path / "site2.npz", X=X, y=np.where(y == 2, 7, y))  # 7 is not a declared label value
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({**job, "run": {**job["run"], "storage": str(tmp_path / "again")}}))
+    assert main(["run", str(tmp_path / "job.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("rayfuse: error: data.silos.2.path: expected labels among data.classes ['0', '1', '2']")
+    assert "got '7'" in err and not (tmp_path / "again").exists()
