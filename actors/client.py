@@ -7,7 +7,9 @@ one after another in the shared process, which saves Ray's per-call cost when ma
 
 Its constructor loads each hosted client's own shard; when the actor dies Ray restarts it (``max_restarts``), which
 re-runs the constructor: the shards are reloaded deterministically and local models are retrained on demand with the
-same seeds. With a GPU assigned (``num_gpus > 0``) torch work runs on it.
+same seeds. What the constructor's arguments do not hold (the silo plan completed by the survey: the federated
+standardisation) comes with every call (``installs``), and a restarted actor installs it before running anything
+else. With a GPU assigned (``num_gpus > 0``) torch work runs on it.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class ClientActor:
         with warnings.catch_warnings():  # Ray's own accessor warns about its internals
             warnings.simplefilter("ignore")
             restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        self.restarted = restarted
+        self._installed: dict[int, int] = {}  # client id -> the install version it ran in this actor's life
         device = _assigned_device()
         # Bad input found here (a silo missing on this node, an ImageFolder without images) is kept and raised by
         # ping: the driver then receives the InputError itself (one line), not the traceback of a dead actor.
@@ -78,14 +82,31 @@ class ClientActor:
         except InputError as exc:
             self._startup_error = exc
 
-    def run_many(self, calls: Sequence[tuple[int, Callable[..., Any], tuple, dict]], *refs: Any) -> list[tuple[bool, Any]]:
+    def run_many(self, calls: Sequence[tuple[int, Callable[..., Any], tuple, dict]], *refs: Any,
+                 installs: Sequence[tuple[int, Callable[..., Any], RefArg, int]] = ()) -> list[tuple[bool, Any]]:
         """Run ``(client id, step, args, kwargs)`` calls in order; ``refs`` are the resolved :class:`RefArg` values.
+
+        ``installs`` are ``(client id, step, argument, version)``: state each hosted client must hold
+        (:meth:`rayfuse.federation.Federation.install`). An actor Ray restarted runs each such step once per version
+        before the calls (an actor that never restarted ran it as an ordinary call already).
 
         Returns ``(True, value)`` or ``(False, "ErrorType: message")`` per call: one client's failing step does not
         fail the others hosted here.
         """
+        failed: dict[int, str] = {}
+        for client_id, step, arg, version in installs:
+            if not self.restarted or self._installed.get(client_id) == version or client_id not in self.clients:
+                continue
+            try:
+                self.clients[client_id].run(step, refs[arg.index])
+                self._installed[client_id] = version
+            except Exception as exc:  # this client's calls fail; the federation's failure policy decides
+                failed[client_id] = f"{type(exc).__name__}: restarted, could not take back the run's state: {exc}"
         out: list[tuple[bool, Any]] = []
         for client_id, step, args, kwargs in calls:
+            if client_id in failed:
+                out.append((False, failed[client_id]))
+                continue
             args = tuple(refs[a.index] if isinstance(a, RefArg) else a for a in args)
             kwargs = {k: refs[v.index] if isinstance(v, RefArg) else v for k, v in kwargs.items()}
             try:

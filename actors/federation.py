@@ -10,6 +10,9 @@
   ``RayActorError`` -> ``died`` for every client of the actor (Ray restarts it when it has restarts left); the policy
   in :class:`rayfuse.federation.Federation` decides.
 * ``parallel_map`` fans server-side work out as Ray tasks, batched so each task carries many items.
+* State a client must hold beyond its actor's constructor arguments (:meth:`Federation.install`: the silo plan
+  completed by the survey) is stored once per client (``ray.put``) and its reference travels with every call to
+  that client's actor: an actor Ray restarted (noticed or not) runs the installed step again before its next step.
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ class RayFederation(Federation):
         self._task_cpus = max(task_cpus, 1e-3)
         self._restart_timeout_s = restart_timeout_s
         self._fetched: dict[ray.ObjectRef, Any] = {}
+        self._install_refs: dict[int, tuple[Callable[..., Any], ray.ObjectRef]] = {}
+        self._install_version = 0
         self.on_bytes: Callable[[str, int], None] | None = None  # ("broadcast" | "upload", bytes): dashboard metrics
 
     @property
@@ -94,6 +99,10 @@ class RayFederation(Federation):
 
     def get(self, ref: Any) -> Any:
         return ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
+
+    def _on_install(self) -> None:
+        self._install_refs = {c: (step, ray.put(arg)) for c, (step, arg) in self._installed.items()}
+        self._install_version += 1
 
     # -- submission ------------------------------------------------------------------------------------------------
 
@@ -122,7 +131,10 @@ class RayFederation(Federation):
 
             specs = [(calls[p].client, calls[p].step, tuple(slot_for(a) for a in calls[p].args),
                       {k: slot_for(v) for k, v in calls[p].kwargs.items()}) for p in positions]
-            ref = self._clients[calls[positions[0]].client].run_many.remote(specs, *refs)
+            hosted = sorted({calls[p].client for p in positions})
+            installs = [(c, self._install_refs[c][0], slot_for(self._install_refs[c][1]), self._install_version)
+                        for c in hosted if c in self._install_refs]
+            ref = self._clients[calls[positions[0]].client].run_many.remote(specs, *refs, installs=installs)
             for i, p in enumerate(positions):
                 slots[p] = _Slot(ref, i)
         return slots  # type: ignore[return-value]

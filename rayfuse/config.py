@@ -362,6 +362,8 @@ class DataConfig(DatasetSource):
                                          "(read only on the client's node)")
     test: SiloSource | None = Field(None, description="with silos: the server's test set (central evaluation)")
     public: SiloSource | None = Field(None, description="with silos: the server's public / target sample")
+    classes: list[int | str] | None = Field(None, description="with silos: the task's label values in label order, as they appear in "
+                                            "the files (a silo may hold some of them); default: every silo holds the same label values")
 
     @model_validator(mode="before")
     @classmethod
@@ -394,6 +396,9 @@ class DataConfig(DatasetSource):
                 if getattr(self, key) is not None:
                     raise ValueError(f"@{key}@ data.{key} only with data.silos (a simulation's server sets come from data.dataset: "
                                      "test_size, public_size, target)")
+            if self.classes is not None:
+                raise ValueError(f"@classes@ data.classes only with data.silos (a simulation's label values are its dataset's), "
+                                 f"got {self.classes!r}")
             return self
         if not self.silos:
             raise ValueError("@silos@ at least one silo (one per client), got []")
@@ -401,15 +406,29 @@ class DataConfig(DatasetSource):
             if key in self.model_fields_set:
                 raise ValueError(f"@{key}@ no data.{key} with data.silos (each client reads its own silo; the server's sets are "
                                  f"data.test and data.public), got {getattr(self, key)!r}")
+        if self.classes is not None:
+            names = [str(c) for c in self.classes]
+            if len(names) < 2:
+                raise ValueError(f"@classes@ at least 2 label values, got {self.classes!r}")
+            repeated = next((c for i, c in enumerate(self.classes) if str(c) in names[:i]), None)
+            if repeated is not None:
+                raise ValueError(f"@classes@ distinct label values, got {repeated!r} twice")
         return self
+
+    @property
+    def class_names(self) -> tuple[str, ...] | None:
+        """``data.classes`` as the label names a silo's file reads back (text), or None when not declared."""
+        return None if self.classes is None else tuple(str(c) for c in self.classes)
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         # A simulation's data section dumps as it always did (its content keys are unchanged); a silo config's holds
         # only the keys that apply to it, so its dump validates again.
         data = handler(self)
-        for key in (("silos", "test", "public") if self.silos is None else _SIMULATION_DATA_KEYS):
+        for key in (("silos", "test", "public", "classes") if self.silos is None else _SIMULATION_DATA_KEYS):
             data.pop(key, None)
+        if data.get("classes", 0) is None:  # undeclared: a silo config dumps as it did before data.classes
+            data.pop("classes")
         return data
 
     @property

@@ -490,7 +490,7 @@ class Coordinator:
         if spec is None:
             return Split(np.zeros((0, *plan.input_shape), dtype=np.float32), np.zeros(0, dtype=np.int64))
         return server_split(spec, key=f"data.{key}", labels=plan.class_names, input_shape=plan.input_shape,
-                            normalization=plan.normalization)
+                            normalization=plan.normalization, classes=self.cfg.data.class_names)
 
     def pooled_train(self) -> Split:
         if isinstance(self.plan, SiloPlan):
@@ -501,7 +501,9 @@ class Coordinator:
         """The silo survey (``data.silos``), before any training: every client reports its schema and counts (and, when
         the run standardises, its feature moments); the schemas must agree (:func:`rayfuse.data.silos.check_schemas`:
         an :class:`InputError` naming the silo that differs); the server combines the moments into the global mean
-        and scale; every client installs the completed plan (and standardises its splits). Returns the completed plan."""
+        and scale; every client installs the completed plan (and standardises its splits), which the federation keeps
+        for a client process that restarts later (:meth:`rayfuse.federation.Federation.install`). Returns the completed
+        plan."""
         plan = self.plan
         assert isinstance(plan, SiloPlan)
         fed = self.federation
@@ -518,8 +520,9 @@ class Coordinator:
             mean, scale = combine_moments([r["moments"] for r in reports])
             normalization = Normalization(mean, scale)
         plan = plan.with_schemas(schemas, normalization)
-        calls = [call for c in fed.client_ids for call in fed.map(join_silo_plan, plan.for_client(c), clients=[c])]
-        fed.gather(calls)
+        joined = {c: plan.for_client(c) for c in fed.client_ids}
+        fed.gather([call for c, client_plan in joined.items() for call in fed.map(join_silo_plan, client_plan, clients=[c])])
+        fed.install(join_silo_plan, joined)  # a client process restarted later takes the completed plan back first
         self.plan = plan
         self._server_data = None
         self._reference = None

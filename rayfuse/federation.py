@@ -164,6 +164,8 @@ class Federation(ABC):
     def __init__(self, policy: FailurePolicy, events: EventLog | None = None) -> None:
         self.policy = policy
         self.events = events if events is not None else EventLog()
+        # client id -> (step, argument): state every process of that client must hold (see :meth:`install`)
+        self._installed: dict[int, tuple[Callable[..., Any], Any]] = {}
 
     # -- transport, provided by subclasses -------------------------------------------------------------------------
 
@@ -266,6 +268,21 @@ class Federation(ABC):
     def run(self, step: Callable[..., Any], *args: Any, clients: Iterable[int] | None = None, **kwargs: Any) -> Gathered[Any]:
         """:meth:`map` then :meth:`gather`."""
         return self.gather(self.map(step, *args, clients=clients, **kwargs))
+
+    def install(self, step: Callable[..., Any], per_client: Mapping[int, Any]) -> None:
+        """Keep ``step(ctx, per_client[c])`` as state that client ``c``'s process must hold (the silo plan a survey
+        completed: :func:`rayfuse.client.join_silo_plan`): a process that replaces a crashed one (a Ray actor Ray
+        restarted, whose constructor knows only what it was created with) runs it again before any other step.
+        ``step`` must be idempotent (the clients that did not restart run it again too on Ray, where a restart can
+        go unnoticed). Call it after the clients ran the step themselves."""
+        unknown = set(per_client) - set(self.client_ids)
+        if unknown:
+            raise ValueError(f"unknown client ids {sorted(unknown)}")
+        self._installed.update({int(c): (step, arg) for c, arg in per_client.items()})
+        self._on_install()
+
+    def _on_install(self) -> None:
+        """Hook: :meth:`install` changed the installed state (Ray stores each client's argument once)."""
 
     def _on_failure(self, call: Call, error: ClientError, failures: list[ClientError]) -> Call | None:
         policy = self.policy.on_client_failure
@@ -411,6 +428,14 @@ class InProcessFederation(Federation):
             return
         self._restarts[client_id] += 1
         self._clients[client_id] = self._factory(client_id, True)
+        if client_id in self._installed:  # what the replaced client held beyond its constructor's arguments
+            step, arg = self._installed[client_id]
+            try:
+                self._clients[client_id].run(step, arg)
+            except Exception as exc:  # a client that cannot take the run's state back cannot serve it
+                self._dead.add(client_id)
+                self.events.emit("client_dead", f"restarted, but {step_name(step)} failed: {type(exc).__name__}: {exc}", client=client_id)
+                return
         self.events.emit("client_restarted", f"restart {self._restarts[client_id]}; shard reloaded", client=client_id)
 
     def _wait(self, handles: list[Any], timeout: float | None) -> list[Any]:

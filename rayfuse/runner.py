@@ -97,9 +97,9 @@ class InProcessBackend(Backend):
         fed_cfg = cfg.federation
 
         def make_client(client_id: int, restarted: bool) -> Client:
-            # a restarted client takes the coordinator's plan: a silo plan completed by the survey (standardisation)
-            current = plan if self.coordinator is None else self.coordinator.plan
-            return Client(client_id, current.for_client(client_id), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train,
+            # as a Ray actor is (re)built: from the plan it started with; the federation gives a restarted client what
+            # the run installed since (a silo plan completed by the survey: Federation.install)
+            return Client(client_id, plan.for_client(client_id), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train,
                           seed=cfg.run.seed, faults=fed_cfg.faults, restarted=restarted, local_cache=cfg.run.model_cache)
 
         def client_threads(client_id: int) -> int | None:
@@ -196,8 +196,8 @@ def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> Prepare
     federated or both (:func:`rayfuse.method.check_evaluation`)."""
     from rayfuse.data.silos import load_server_set, make_silo_plan
 
-    sizes = {key: 0 if getattr(cfg.data, key) is None else len(load_server_set(getattr(cfg.data, key), key=f"data.{key}").y)
-             for key in ("test", "public")}
+    sizes = {key: 0 if getattr(cfg.data, key) is None else
+             len(load_server_set(getattr(cfg.data, key), key=f"data.{key}", classes=cfg.data.class_names).y) for key in ("test", "public")}
     plan = make_silo_plan(cfg, test_size=sizes["test"], public_size=sizes["public"])
     for spec in specs:
         if spec.method_cls.needs_dataset:

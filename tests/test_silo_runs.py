@@ -172,3 +172,52 @@ def test_on_ray_a_silo_missing_on_its_node_is_the_input_error(tmp_path, ray_sess
     with pytest.raises(InputError, match=r"^data\.silos\.2\.path: expected an existing npz file on client 2's node"):
         run_experiment(validate_config(job), RayBackend(), tmp_path / "runs" / "r", printer=lambda e: None, show_tables=False)
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("step", ["train_local", "fedavg.fit"])
+def test_a_restarted_silo_client_takes_the_federated_standardisation_back(tmp_path, step):
+    # a client process that dies after the silo survey is rebuilt from the plan it started with (as Ray re-runs an
+    # actor's constructor); the federation re-installs the completed plan, so its numbers are the fault-free run's
+    job = _job(tmp_path, {"local": {}, "fedavg": {"rounds": 2, "local_epochs": 1}}, standardize=True)
+    clean = _run(tmp_path, job)
+    faulty = {**job, "run": {**job["run"], "storage": str(tmp_path / "faulty")},
+              "federation": {"backend": "local", "on_client_failure": "retry", "max_restarts": 2,
+                             "faults": [{"client": 1, "step": step, "call": 1, "mode": "exit"}]}}
+    results = run_experiment(validate_config(faulty), InProcessBackend(), tmp_path / "faulty" / "r", printer=lambda e: None,
+                             show_tables=False)
+    assert [e["client"] for e in results["events"] if e["kind"] == "client_restarted"] == [1]
+    for label in ("local", "fedavg"):
+        for key in ("accuracy", "nll", "client_metrics"):
+            assert results["methods"][label][key] == clean["methods"][label][key], (label, key)
+
+
+def test_on_ray_a_restarted_silo_actor_takes_the_federated_standardisation_back(tmp_path, ray_session):
+    # Ray re-runs the crashed actor's constructor with its creation arguments (the plan before the survey); the
+    # completed plan travels with every call to it and is installed first, so the numbers are the fault-free run's
+    from actors.backend import RayBackend
+
+    job = _job(tmp_path, {"fedavg": {"rounds": 2, "local_epochs": 1}}, standardize=True)
+    clean = _run(tmp_path, job)
+    faulty = {**job, "run": {**job["run"], "storage": str(tmp_path / "faulty")},
+              "federation": {"backend": "ray", "on_client_failure": "retry", "max_restarts": 2,
+                             "faults": [{"client": 1, "step": "fedavg.fit", "call": 1, "mode": "exit"}]}}
+    results = run_experiment(validate_config(faulty), RayBackend(), tmp_path / "faulty" / "r", printer=lambda e: None, show_tables=False)
+    assert [e["client"] for e in results["events"] if e["kind"] == "client_restarted"] == [1]
+    for key in ("accuracy", "nll", "client_metrics"):
+        assert results["methods"]["fedavg"][key] == clean["methods"]["fedavg"][key], key
+
+
+def test_label_skewed_silos_run_with_data_classes_and_an_undeclared_value_is_one_line(tmp_path, capsys):
+    job = _job(tmp_path, {"fedavg": {"rounds": 1, "local_epochs": 1}}, classes=[0, 1, 2])
+    X, y = _blobs(45, seed=1)
+    np.savez(tmp_path / "site1.npz", X=X[y > 0], y=y[y > 0])  # site 1 has no case of label 0
+    results = _run(tmp_path, job)
+    assert results["status"] == "succeeded"
+    manifest = json.loads((tmp_path / "runs" / "r" / "partition.json").read_text())
+    assert manifest["labels"] == ["0", "1", "2"] and manifest["clients"][1]["class_counts"][0] == 0
+    np.savez(tmp_path / "site2.npz", X=X, y=np.where(y == 2, 7, y))  # 7 is not a declared label value
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({**job, "run": {**job["run"], "storage": str(tmp_path / "again")}}))
+    assert main(["run", str(tmp_path / "job.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("rayfuse: error: data.silos.2.path: expected labels among data.classes ['0', '1', '2']")
+    assert "got '7'" in err and not (tmp_path / "again").exists()

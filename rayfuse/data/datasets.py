@@ -115,11 +115,11 @@ def load_dataset(name: str, *, root: str | None = None, path: str | None = None,
     return info.loader(root=root, path=path, label=label, features=features, **options)
 
 
-def _labels_to_int(values: np.ndarray, where: str) -> tuple[np.ndarray, tuple[str, ...]]:
+def _labels_to_int(values: np.ndarray, where: str, min_labels: int = 2) -> tuple[np.ndarray, tuple[str, ...]]:
     values = check_labels(values, where)
     classes, inverse = np.unique(values, return_inverse=True)
-    if len(classes) < 2:
-        raise InputError(where, "at least 2 distinct labels", f"{len(classes)}")
+    if len(classes) < min_labels:
+        raise InputError(where, f"at least {min_labels} distinct label{'s' if min_labels > 1 else ''}", f"{len(classes)}")
     if np.issubdtype(classes.dtype, np.integer) and classes.min() == 0 and classes.max() < 10 * len(classes):
         # 0-based integer labels keep their values (labels 0..9 with some absent keep 10 classes); anything else
         # (1-based, sparse, strings) is mapped to 0..C-1 in sorted order, with the original values as class names.
@@ -153,23 +153,24 @@ def check_labels(values: Any, where: str) -> np.ndarray:
 
 
 def read_data_file(path: str | Path | None, *, label: str = "y", features: str | list[str] | None = None,
-                   kind: str | None = None, delimiter: str = ",") -> Dataset:
+                   kind: str | None = None, delimiter: str = ",", min_labels: int = 2) -> Dataset:
     """The one check of a user's data file, used wherever one is read (``rayfuse validate``, ``tune --check`` and
     ``run`` through the ``npz`` / ``parquet`` datasets, ``rayfuse fuse``'s ``data:``): the file exists and is
     readable as ``kind`` (``"npz"`` or ``"parquet"``; default: its suffix; ``"csv"`` only when asked for, as a silo's
     ``dataset: csv`` does), holds the arrays / columns named, features numeric and finite, as many labels as samples,
-    labels without nulls or NaN, at least two classes. ``delimiter`` is a csv file's column separator.
+    labels without nulls or NaN, at least ``min_labels`` classes (two; one for a silo of a config that declares its
+    label values, ``data.classes``). ``delimiter`` is a csv file's column separator.
 
     Returns the :class:`Dataset`; raises :class:`InputError` naming ``data.path``, ``data.features``, ``data.label``
     or the file.
     """
     kind = kind or (Path(path).suffix.lstrip(".") if path else None)
     if kind == "npz":
-        return _read_npz(path, label, features)
+        return _read_npz(path, label, features, min_labels)
     if kind == "parquet":
-        return _read_parquet(path, label, features)
+        return _read_parquet(path, label, features, min_labels)
     if kind == "csv":
-        return _read_csv(path, label, features, delimiter)
+        return _read_csv(path, label, features, delimiter, min_labels)
     raise InputError("data.path", "a .npz or .parquet file", None if path is None else str(path))
 
 
@@ -345,7 +346,7 @@ def _load_npz(*, path: str | None = None, label: str = "y", features: str | list
     return read_data_file(path, label=label, features=features, kind="npz")
 
 
-def _read_npz(path: str | Path | None, label: str, features: str | list[str] | None) -> Dataset:
+def _read_npz(path: str | Path | None, label: str, features: str | list[str] | None, min_labels: int = 2) -> Dataset:
     file = _existing_file(path, ".npz")
     feature_key = features if isinstance(features, str) else "X"
     if isinstance(features, list):
@@ -375,14 +376,16 @@ def _read_npz(path: str | Path | None, label: str, features: str | list[str] | N
         raise
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
         raise InputError(str(file), "a readable .npz archive without pickled objects", str(exc)[:80] or type(exc).__name__) from None
-    return dataset_from_arrays(file.stem, X, labels.reshape(-1), features_key="data.features", label_key="data.label")
+    return dataset_from_arrays(file.stem, X, labels.reshape(-1), features_key="data.features", label_key="data.label", min_labels=min_labels)
 
 
-def dataset_from_arrays(name: str, X: Any, y: Any, *, features_key: str = "dataset", label_key: str = "dataset") -> Dataset:
+def dataset_from_arrays(name: str, X: Any, y: Any, *, features_key: str = "dataset", label_key: str = "dataset",
+                        min_labels: int = 2) -> Dataset:
     """A :class:`Dataset` of in-memory arrays (the ``npz`` loader, ``rayfuse.run(dataset=(X, y))``).
 
     ``X`` is numeric, ``(N, features...)``; ``(N, H, W)`` is read as grey images ``(N, 1, H, W)``. Labels ``y``
-    ``(N,)`` of any kind: 0-based integers keep their values, anything else maps to ``0..C-1`` in sorted order.
+    ``(N,)`` of any kind, at least ``min_labels`` distinct: 0-based integers keep their values, anything else maps to
+    ``0..C-1`` in sorted order.
     Raises :class:`InputError` at ``features_key`` / ``label_key``.
     """
     X, labels = np.asarray(X), np.asarray(y)
@@ -398,7 +401,7 @@ def dataset_from_arrays(name: str, X: Any, y: Any, *, features_key: str = "datas
         raise InputError(label_key, f"as many labels as samples: shape ({len(X)},)", f"shape {labels.shape}")
     if X.ndim == 3:  # (N, H, W) grey images
         X = X[:, None]
-    y_int, names = _labels_to_int(labels, label_key)
+    y_int, names = _labels_to_int(labels, label_key, min_labels)
     X = np.ascontiguousarray(X, dtype=np.float32)
     if not np.isfinite(X).all():
         raise InputError(features_key, "finite feature values", "NaN or Inf")
@@ -430,7 +433,7 @@ def _load_parquet(*, path: str | None = None, label: str = "y", features: str | 
     return read_data_file(path, label=label, features=features, kind="parquet")
 
 
-def _read_parquet(path: str | Path | None, label: str, features: str | list[str] | None) -> Dataset:
+def _read_parquet(path: str | Path | None, label: str, features: str | list[str] | None, min_labels: int = 2) -> Dataset:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -439,10 +442,10 @@ def _read_parquet(path: str | Path | None, label: str, features: str | list[str]
         table = pq.read_table(file)
     except (OSError, pa.ArrowException) as exc:
         raise InputError(str(file), "a readable parquet file", str(exc)[:80]) from None
-    return _table_dataset(table, file, label, features)
+    return _table_dataset(table, file, label, features, min_labels)
 
 
-def _read_csv(path: str | Path | None, label: str, features: str | list[str] | None, delimiter: str) -> Dataset:
+def _read_csv(path: str | Path | None, label: str, features: str | list[str] | None, delimiter: str, min_labels: int = 2) -> Dataset:
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
@@ -451,10 +454,10 @@ def _read_csv(path: str | Path | None, label: str, features: str | list[str] | N
         table = pacsv.read_csv(file, parse_options=pacsv.ParseOptions(delimiter=delimiter))
     except (OSError, pa.ArrowException) as exc:
         raise InputError(str(file), "a readable csv file with a header row", str(exc)[:80]) from None
-    return _table_dataset(table, file, label, features)
+    return _table_dataset(table, file, label, features, min_labels)
 
 
-def _table_dataset(table: Any, file: Path, label: str, features: str | list[str] | None) -> Dataset:
+def _table_dataset(table: Any, file: Path, label: str, features: str | list[str] | None, min_labels: int = 2) -> Dataset:
     """The :class:`Dataset` of a table read from ``file`` (parquet, csv): the label column and the feature columns."""
     import pyarrow as pa
 
@@ -477,7 +480,7 @@ def _table_dataset(table: Any, file: Path, label: str, features: str | list[str]
     if not np.isfinite(X).all():
         bad = features[int(np.flatnonzero(~np.isfinite(X).all(axis=0))[0])]
         raise InputError("data.features", "numeric columns without nulls, NaN or Inf", f"column {bad!r}")
-    y, names = _labels_to_int(table.column(label).to_numpy(zero_copy_only=False), "data.label")
+    y, names = _labels_to_int(table.column(label).to_numpy(zero_copy_only=False), "data.label", min_labels)
     return Dataset(file.stem, np.ascontiguousarray(X), y, len(names), names)
 
 

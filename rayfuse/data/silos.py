@@ -49,18 +49,26 @@ SCHEMA_FORMAT = 1
 @dataclass(frozen=True)
 class SiloClientPlan:
     """What one client of a silo config needs: its silo spec as written (``${VAR}`` expands on its own node) and the
-    run's seed; after the silo survey also the run's shared facts (label count, input shape), the federated
-    standardisation and its own content hash (the key of its local model). Nothing about the other clients."""
+    run's seed and the declared label values (``data.classes``, as text; None when not declared); after the silo survey
+    also the run's shared facts (label count, input shape), the federated standardisation and its own content hash (the
+    key of its local model). Nothing about the other clients."""
 
     client_id: int
     spec: SiloSpec
     seed: int
+    classes: tuple[str, ...] | None = None
     num_classes: int = 0
     input_shape: tuple[int, ...] = ()
     normalization: Normalization | None = None
     content_hash: str = ""
     corruption: str | None = None  # (a silo is never corrupted by rayfuse; the field a ClientPlan has)
     corruption_seed: int = 0
+
+    @property
+    def joined(self) -> bool:
+        """Whether this is the plan completed by the silo survey (:meth:`SiloPlan.for_client` after
+        :meth:`SiloPlan.with_schemas`), not the plan a client starts with."""
+        return bool(self.content_hash)
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,6 +83,7 @@ class SiloPlan:
 
     silos: tuple[SiloSpec, ...]
     seed: int
+    classes: tuple[str, ...] | None = None
     schemas: tuple[dict[str, Any], ...] = ()
     normalization: Normalization | None = None
     test_size: int = 0
@@ -136,9 +145,9 @@ class SiloPlan:
 
     def for_client(self, client_id: int) -> SiloClientPlan:
         if not self.schemas:
-            return SiloClientPlan(client_id, self.silos[client_id], self.seed)
-        return SiloClientPlan(client_id, self.silos[client_id], self.seed, self.num_classes, self.input_shape, self.normalization,
-                              str(self.schemas[client_id]["content_hash"]))
+            return SiloClientPlan(client_id, self.silos[client_id], self.seed, self.classes)
+        return SiloClientPlan(client_id, self.silos[client_id], self.seed, self.classes, self.num_classes, self.input_shape,
+                              self.normalization, str(self.schemas[client_id]["content_hash"]))
 
     def with_schemas(self, schemas: Sequence[Mapping[str, Any]], normalization: Normalization | None) -> SiloPlan:
         """The plan completed with the clients' reports (checked to agree: :func:`check_schemas`)."""
@@ -177,7 +186,7 @@ class SiloPlan:
 def make_silo_plan(cfg: ExperimentConfig, *, test_size: int = 0, public_size: int = 0) -> SiloPlan:
     """The plan of a silo config before any client reports: the specs as written, nothing read."""
     assert cfg.data.silos is not None
-    return SiloPlan(tuple(cfg.data.silos), cfg.run.seed, test_size=test_size, public_size=public_size)
+    return SiloPlan(tuple(cfg.data.silos), cfg.run.seed, cfg.data.class_names, test_size=test_size, public_size=public_size)
 
 
 def wants_standardization(cfg: ExperimentConfig) -> bool:
@@ -195,16 +204,18 @@ def wants_standardization(cfg: ExperimentConfig) -> bool:
 
 
 def load_silo_splits(plan: SiloClientPlan) -> tuple[Split, Split, tuple[str, ...]]:
-    """A client's silo read on its own node (:func:`load_silo`) as float32 train / held-out splits, and its label values."""
-    train, held_out = load_silo(plan.spec, client=plan.client_id, seed=plan.seed)
+    """A client's silo read on its own node (:func:`load_silo`) as float32 train / held-out splits, and its label values
+    (``data.classes`` when declared)."""
+    train, held_out = load_silo(plan.spec, client=plan.client_id, seed=plan.seed, classes=plan.classes)
     return _as_split(train), _as_split(held_out), tuple(str(c) for c in train.class_names)
 
 
 def server_split(spec: SiloSource, *, key: str, labels: Sequence[str], input_shape: Sequence[int],
-                 normalization: Normalization | None) -> Split:
+                 normalization: Normalization | None, classes: Sequence[str] | None = None) -> Split:
     """A server set (``data.test``, ``data.public``) read where the coordinator runs, checked against the silos' input
-    shape and label values, its labels numbered as the silos number them, standardised as the clients are."""
-    data = load_server_set(spec, key=key)
+    shape and label values (``classes``: the declared ``data.classes``, which are then the silos' label values), its
+    labels numbered as the silos number them, standardised as the clients are."""
+    data = load_server_set(spec, key=key, classes=classes)
     if tuple(data.input_shape) != tuple(input_shape):
         raise InputError(key, f"inputs shaped like the silos' {tuple(input_shape)}", tuple(data.input_shape))
     index = {name: i for i, name in enumerate(labels)}
@@ -249,7 +260,7 @@ def expand_path(path: str, env: Mapping[str, str] | None = None, *, key: str = "
 
 
 def load_silo(spec: SiloSpec | Mapping[str, Any], *, client: int, env: Mapping[str, str] | None = None,
-              seed: int = 0) -> tuple[Dataset, Dataset]:
+              seed: int = 0, classes: Sequence[str] | None = None) -> tuple[Dataset, Dataset]:
     """Read client ``client``'s silo on its own node: its training split and its held-out split.
 
     Parameters
@@ -262,26 +273,38 @@ def load_silo(spec: SiloSpec | Mapping[str, Any], *, client: int, env: Mapping[s
         The environment ``${VAR}`` in paths expands with (default: this process's).
     seed : int
         The run's seed; the held-out split (``val_size`` of each class, stratified) derives from it and the client.
+    classes : sequence of str, optional
+        The declared label values (``data.classes`` as text, in label order). With them each label is numbered by its
+        position there (a silo may hold some of them, one at least) and a label not among them is an
+        :class:`InputError`; without them the silo's label values are those its file holds (two at least).
 
     Returns
     -------
     (Dataset, Dataset)
-        The training split and the held-out split; both carry the silo's label values as ``class_names``.
+        The training split and the held-out split; both carry the silo's label values (``classes`` when given) as
+        ``class_names``.
     """
     key = f"data.silos.{client}"
     silo: SiloSpec = _validated(spec, SiloSpec, key)
-    data = _read_source(silo, key=key, client=client, env=env)
+    data = _read_source(silo, key=key, client=client, env=env, classes=classes)
     if silo.test_path is not None:
-        held_out = _read_source(silo, key=key, client=client, env=env, field="test_path")
+        held_out = _read_source(silo, key=key, client=client, env=env, field="test_path", classes=classes)
+        if classes is not None:
+            if held_out.input_shape != data.input_shape:
+                raise InputError(f"{key}.test_path", f"inputs shaped like the silo's training data {data.input_shape} in "
+                                 f"{silo.test_path!r}", held_out.input_shape)
+            return data, Dataset(data.name + "-held-out", held_out.X, held_out.y, held_out.num_classes, held_out.class_names)
         return data, _aligned_held_out(held_out, data, f"{key}.test_path", silo.test_path)
     assert silo.val_size is not None  # SiloSpec: val_size or test_path
     return _split_held_out(data, float(silo.val_size), key=key, seed=seed, client=client)
 
 
-def load_server_set(spec: SiloSource | Mapping[str, Any], *, key: str, env: Mapping[str, str] | None = None) -> Dataset:
-    """Read a server-side set of a silo config (``data.test``, ``data.public``: ``key``) whole, where the server runs."""
+def load_server_set(spec: SiloSource | Mapping[str, Any], *, key: str, env: Mapping[str, str] | None = None,
+                    classes: Sequence[str] | None = None) -> Dataset:
+    """Read a server-side set of a silo config (``data.test``, ``data.public``: ``key``) whole, where the server runs;
+    with ``classes`` (``data.classes``) its labels numbered by their position there, as :func:`load_silo` does."""
     source: SiloSource = _validated(spec, SiloSource, key)
-    return _read_source(source, key=key, client=None, env=env)
+    return _read_source(source, key=key, client=None, env=env, classes=classes)
 
 
 def _validated(spec: Any, model: type[SiloSource], key: str) -> Any:
@@ -299,8 +322,32 @@ def _validated(spec: Any, model: type[SiloSource], key: str) -> Any:
         raise pydantic_input_error(exc, prefix=key, model=model) from None
 
 
-def _read_source(spec: SiloSource, *, key: str, client: int | None, env: Mapping[str, str] | None, field: str = "path") -> Dataset:
-    """The whole data source ``spec`` (its ``path``, or its ``test_path`` when ``field`` says so)."""
+def _read_source(spec: SiloSource, *, key: str, client: int | None, env: Mapping[str, str] | None, field: str = "path",
+                 classes: Sequence[str] | None = None) -> Dataset:
+    """The whole data source ``spec`` (its ``path``, or its ``test_path`` when ``field`` says so), its labels numbered by
+    their position in ``classes`` when declared (:func:`_declared`)."""
+    data = _read_whole(spec, key=key, client=client, env=env, field=field, min_labels=2 if classes is None else 1)
+    if classes is None:
+        return data
+    written = f" in {getattr(spec, field)!r}" if getattr(spec, field, None) is not None else ""
+    return _declared(data, classes, key=f"{key}.{field}" if written else f"{key}.dataset", where=written)
+
+
+def _declared(data: Dataset, classes: Sequence[str], *, key: str, where: str) -> Dataset:
+    """``data`` with each label numbered by the position of its value (its class name) in the declared ``classes``;
+    :class:`InputError` at ``key`` naming the first value present that is not declared."""
+    index = {str(name): i for i, name in enumerate(classes)}
+    names = [str(n) for n in data.class_names]
+    unknown = [names[i] for i in np.unique(data.y) if names[i] not in index]
+    if unknown:
+        raise InputError(key, f"labels among data.classes {list(classes)}{where}", unknown[0],
+                         "add the value to data.classes or leave its rows out of the file")
+    mapping = np.array([index.get(n, -1) for n in names], dtype=np.int64)
+    return Dataset(data.name, data.X, mapping[data.y], len(classes), tuple(str(c) for c in classes))
+
+
+def _read_whole(spec: SiloSource, *, key: str, client: int | None, env: Mapping[str, str] | None, field: str, min_labels: int) -> Dataset:
+    """The whole data source as its file numbers its labels (``min_labels`` distinct at least: files and class folders)."""
     kind = silo_source_kind(spec.dataset)
     name = "server" if client is None else f"silo{client}"
     where = "the server" if client is None else f"client {client}"
@@ -317,11 +364,12 @@ def _read_source(spec: SiloSource, *, key: str, client: int | None, env: Mapping
             dataset = _rekeyed(lambda: load_dataset(spec.dataset, root=str(resolved), options=spec.options), key, field, written)
             return Dataset(name, dataset.X, dataset.y, dataset.num_classes, dataset.class_names)
         return _read_image_folder(resolved, name=name, key=f"{key}.{field}", written=written, image_size=spec.image_size,
-                                  grayscale=bool(spec.grayscale))
+                                  grayscale=bool(spec.grayscale), min_classes=min_labels)
     if not resolved.is_file():
         raise InputError(f"{key}.{field}", f"an existing {spec.dataset} file on {where}'s node", written, hint)
     dataset = _rekeyed(lambda: read_data_file(resolved, label=spec.label or "y", features=spec.features, kind=spec.dataset,
-                                              delimiter=str(spec.options.get("delimiter", ","))), key, field, written)
+                                              delimiter=str(spec.options.get("delimiter", ",")), min_labels=min_labels),
+                       key, field, written)
     return Dataset(name, dataset.X, dataset.y, dataset.num_classes, dataset.class_names)
 
 
@@ -341,7 +389,8 @@ def _rekeyed(read: Any, key: str, field: str, written: str | None) -> Dataset:
         raise InputError(f"{key}.{field}", f"{exc.expected} (at {written!r})", exc.got, exc.hint) from None
 
 
-def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image_size: list[int] | None, grayscale: bool) -> Dataset:
+def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image_size: list[int] | None, grayscale: bool,
+                       min_classes: int = 2) -> Dataset:
     """torchvision's ``ImageFolder`` layout: ``folder/<class>/**/<image>``, classes in sorted order; images read
     with PIL (RGB, or one grey channel), resized (bilinear) to ``image_size`` [H, W] when given, scaled to [0, 1]."""
     from PIL import Image, UnidentifiedImageError
@@ -354,8 +403,9 @@ def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image
     empty = [c for c in classes if not files[c]]
     if empty:
         raise InputError(key, f"images ({suffixes}) in every class folder", f"none in {empty[0]!r} of {written!r}")
-    if len(classes) < 2:
-        raise InputError(key, "at least 2 class folders", f"{len(classes)} ({classes[0]!r}) in {written!r}")
+    if len(classes) < min_classes:
+        raise InputError(key, "at least 2 class folders (or data.classes declaring the task's label values)",
+                         f"{len(classes)} ({classes[0]!r}) in {written!r}")
     arrays, labels = [], []
     first: tuple[str, tuple[int, ...]] | None = None
     for label, cls in enumerate(classes):
@@ -458,8 +508,10 @@ def check_schemas(schemas: Sequence[Mapping[str, Any]]) -> None:
             mine = list(schema[field]) if isinstance(schema[field], (list, tuple)) else schema[field]
             theirs = list(base[field]) if isinstance(base[field], (list, tuple)) else base[field]
             if mine != theirs:
-                raise InputError(f"data.silos.{i}", f"the {what} of data.silos.0 {theirs}", mine,
-                                 "every silo must hold the same kind of inputs and the same label values")
+                hint = ("every silo must hold the same label values unless the config declares them: data.classes, the task's "
+                        "label values in label order (a silo may then lack some)") if field == "labels" else \
+                    "every silo must hold the same kind of inputs"
+                raise InputError(f"data.silos.{i}", f"the {what} of data.silos.0 {theirs}", mine, hint)
 
 
 def silo_manifest(schemas: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -21,14 +21,17 @@ What keeps the numbers identical:
   shard: the written files are the corrupted data, and the silo config has no ``partition.corrupt``.
 * **Held-out splits** are written files (``test_path``), not ``val_size`` of the silo: a silo's own ``val_size``
   split is drawn with another generator than the simulation's.
+* **Labels**: the files hold the simulation's label numbers (0..C-1) and the silo config declares them all,
+  ``data.classes: [0, ..., C-1]``, so a client whose shard lacks some labels (a Dirichlet or label-disjoint
+  partition) numbers its labels as the simulation does, and every silo reports the same C label values.
 * Seeds, ``train`` (``shared_init`` included), ``model``, ``federation``, ``methods`` and ``evaluation`` are copied,
   except oracle methods (``global``: training on every client's data pooled), which a silo run refuses (no process
   reads every silo): they are left out, and the config's header says so.
 
 Paths in ``silos.yaml`` are absolute, so the config runs from any working directory. Only what a silo file can say
-is written: a split whose labels would read back differently (a client without the label 0 or without the highest
-label, a held-out split with fewer than two labels) is refused, as are datasets whose evaluation needs more than
-their arrays (generators recording their true parameters: ``gmm``, ``lda``) and configs given arrays from Python.
+is written: a split with no sample (a client's shard or validation split, a silo file holds at least one) is refused,
+as are datasets whose evaluation needs more than their arrays (generators recording their true parameters: ``gmm``,
+``lda``) and configs given arrays from Python.
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rayfuse.data.datasets import dataset_from_arrays
 from rayfuse.data.roles import DataPlan, Split, client_splits, load_dataset_from_config, load_target_from_config, make_plan, server_splits
 from rayfuse.errors import InputError
 
@@ -93,7 +95,7 @@ def split_simulation(cfg: ExperimentConfig, out: str | Path, *, key: str = "--ou
     plan = make_plan(dataset, cfg.data, cfg.partition, cfg.run.seed, target=target)
     clients = [client_splits(dataset, plan.for_client(i)) for i in range(plan.num_clients)]
     test, public = server_splits(dataset if target is None else target, plan)
-    _check_silo_labels(plan, clients, test, public)
+    _check_silo_sizes(clients, test)
 
     folder = folder.resolve()
     files = [{"path": str(folder / f"client-{i}" / "train.npz"), "test_path": str(folder / f"client-{i}" / "held_out.npz")}
@@ -117,9 +119,11 @@ def split_simulation(cfg: ExperimentConfig, out: str | Path, *, key: str = "--ou
     return config_file
 
 
-def silo_config_for(cfg: ExperimentConfig, files: list[dict[str, str]], test_file: Path, public_file: Path | None) -> dict[str, Any]:
+def silo_config_for(cfg: ExperimentConfig, files: list[dict[str, str]], test_file: Path, public_file: Path | None,
+                    num_classes: int) -> dict[str, Any]:
     """The silo config (plain data, validated) that runs ``cfg`` on the written files: ``files`` holds each client's
-    ``path`` and ``test_path``; the server's sets are ``test_file`` and ``public_file``."""
+    ``path`` and ``test_path``; the server's sets are ``test_file`` and ``public_file``; the labels are
+    ``0..num_classes-1`` (``data.classes``)."""
     from rayfuse.config import validate_config
     from rayfuse.method import resolve_methods, resolved_config
 
@@ -131,6 +135,7 @@ def silo_config_for(cfg: ExperimentConfig, files: list[dict[str, str]], test_fil
     resolved = resolved_config(cfg, kept)
     data = {k: v for k, v in resolved["data"].items() if k not in _SIMULATION_ONLY}
     data["standardize"] = False  # the files hold the simulation's standardised values already
+    data["classes"] = list(range(num_classes))  # the files' label numbers, every one declared: a shard may lack some
     data["silos"] = [{"dataset": "npz", **f} for f in files]
     data["test"] = {"dataset": "npz", "path": str(test_file)}
     if public_file is not None:
@@ -147,7 +152,7 @@ def silo_config_text(cfg: ExperimentConfig, files: list[dict[str, str]], test_fi
 
     from rayfuse.method import resolve_methods
 
-    config = silo_config_for(cfg, files, test_file, public_file)
+    config = silo_config_for(cfg, files, test_file, public_file, plan.num_classes)
     left_out = [spec.label for spec in resolve_methods(cfg.methods) if spec.method_cls.oracle]
     notes = [f"# written by rayfuse split: the simulation of {cfg.data.dataset!r} (partition {plan.partition['method']}, "
              f"{plan.num_clients} clients, seed {cfg.run.seed}, partition hash {plan.digest()[:12]}) as silo files.",
@@ -159,36 +164,17 @@ def silo_config_text(cfg: ExperimentConfig, files: list[dict[str, str]], test_fi
     return "\n".join(notes) + "\n" + yaml.safe_dump(config, sort_keys=False)
 
 
-def _check_silo_labels(plan: DataPlan, clients: list[tuple[Split, Split]], test: Split, public: Split) -> None:
-    """Refuse a split whose labels an npz silo would read back differently (:func:`dataset_from_arrays`: 0-based
-    integer labels keep their values, and a silo's label values are those of its training file)."""
-    last = plan.num_classes - 1
+def _check_silo_sizes(clients: list[tuple[Split, Split]], test: Split) -> None:
+    """Refuse a split that no silo file can hold: an empty client shard, validation split or test set (a file holds
+    at least one sample; the labels a shard lacks are declared in ``data.classes``)."""
     for i, (train, held_out) in enumerate(clients):
-        if not _reads_back(train, plan.num_classes):
-            raise InputError("partition", f"client shards that each hold the labels 0 and {last} (an npz silo's label values are "
-                             f"those its file holds, and every silo's must be 0..{last})",
-                             f"client {i} with labels {_labels(train)}", "rayfuse split cannot write this partition as silos")
-        if len(np.unique(held_out.y)) < 2:
-            raise InputError("data.val_size", "a validation split with at least two labels on every client (a silo's held-out file)",
-                             f"client {i} with {len(held_out)} samples, labels {_labels(held_out)}", "raise data.val_size for rayfuse split")
-    if not _reads_back(test, plan.num_classes):
-        raise InputError("data.test_size", f"a test set holding the labels 0 and {last} (a silo test file)", f"labels {_labels(test)}")
-    if len(public) and not _reads_back(public, None):
-        raise InputError("data.public_size", "a public sample holding the label 0 and another label (a silo file)",
-                         f"labels {_labels(public)}")
-
-
-def _labels(split: Split) -> list[int]:
-    return sorted(int(c) for c in np.unique(split.y))
-
-
-def _reads_back(split: Split, num_classes: int | None) -> bool:
-    """Whether an npz file of ``split`` reads back with the same labels (:func:`dataset_from_arrays`) and, when
-    ``num_classes`` is given, with that many label values."""
-    if len(np.unique(split.y)) < 2:
-        return False
-    read = dataset_from_arrays("split", np.zeros((len(split.y), 1), np.float32), split.y)  # the labels are what matters
-    return np.array_equal(read.y, split.y) and (num_classes is None or read.num_classes == num_classes)
+        if not len(train):
+            raise InputError("partition", "a training shard of at least one sample on every client (a silo file)", f"client {i} with none")
+        if not len(held_out):
+            raise InputError("data.val_size", "a validation split of at least one sample on every client (a silo's held-out file)",
+                             f"client {i} with none of its {len(train)} samples", "raise data.val_size for rayfuse split")
+    if not len(test):
+        raise InputError("data.test_size", "a test set of at least one sample (a silo test file)", "none")
 
 
 def _write_npz(path: Path, split: Split) -> Path:

@@ -332,6 +332,10 @@ def test_simulation_configs_dump_as_before():
     ({"data": {"silos": [{"dataset": "npz", "path": "/x", "pth": "/y"}]}}, r"^data\.silos\.0\.pth: expected a known key.*did you mean 'path'"),
     ({"data": {"silos": [{"dataset": "synthetic", "options": {"n_sample": 3}}]}}, r"^data\.silos\.0\.options\.n_sample: expected options"),
     ({"data": {"silos": None, "dataset": "iris"}}, r"^data\.test: expected data\.test only with data\.silos"),
+    ({"data": {"silos": None, "test": None, "dataset": "iris", "classes": [0, 1, 2]}},
+     r"^data\.classes: expected data\.classes only with data\.silos"),
+    ({"data": {"classes": [0, 1, "1"]}}, r"^data\.classes: expected distinct label values, got '1' twice"),
+    ({"data": {"classes": ["only"]}}, r"^data\.classes: expected at least 2 label values"),
 ])
 def test_bad_silo_configs_are_one_line_naming_the_key(change, message):
     data = json.loads(json.dumps(SILO_CONFIG))
@@ -378,3 +382,75 @@ def test_the_driver_reads_no_silo_and_silos_that_differ_stop_the_run_before_trai
     err = capsys.readouterr().err.strip()
     assert err.startswith("rayfuse: error: data.silos.1: expected the input shape of data.silos.0 [1]") and "\n" not in err
     assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data.classes: the task's label values declared, so silos may each hold some of them (label skew)
+
+
+def test_without_data_classes_a_silo_lacking_a_label_differs_and_the_hint_names_data_classes(tmp_path):
+    X, y = _tabular(n=60)
+    np.savez(tmp_path / "full.npz", X=X, y=y)
+    np.savez(tmp_path / "skew.npz", X=X[y > 0], y=y[y > 0])  # labels 1 and 2 only: renumbered 0, 1 as its own file reads them
+    skew, _ = load_silo({"dataset": "npz", "path": str(tmp_path / "skew.npz"), "val_size": 0.1}, client=1)
+    assert skew.class_names == ("1", "2") and set(skew.y.tolist()) == {0, 1}
+    schemas = [silo_schema(*load_silo({"dataset": "npz", "path": str(tmp_path / f), "val_size": 0.1}, client=i))
+               for i, f in enumerate(["full.npz", "skew.npz"])]
+    with pytest.raises(InputError, match=r"^data\.silos\.1: expected the label values of data\.silos\.0 .*got \['1', '2'\]"
+                       r"; .*data\.classes, the task's label values in label order"):
+        check_schemas(schemas)
+
+
+def test_declared_classes_number_each_silos_labels_by_their_place_and_count_every_class(tmp_path):
+    X, y = _tabular(n=60)
+    np.savez(tmp_path / "full.npz", X=X, y=y)
+    np.savez(tmp_path / "skew.npz", X=X[y > 0], y=y[y > 0])
+    np.savez(tmp_path / "one.npz", X=X[y == 2], y=y[y == 2])  # a site holding one class only
+    classes = ("0", "1", "2")
+    schemas = []
+    for i, name in enumerate(["full.npz", "skew.npz", "one.npz"]):
+        train, held = load_silo({"dataset": "npz", "path": str(tmp_path / name), "val_size": 0.2}, client=i, classes=classes)
+        assert train.class_names == classes and train.num_classes == 3
+        schemas.append(silo_schema(train, held))
+    skew_train, _ = load_silo({"dataset": "npz", "path": str(tmp_path / "skew.npz"), "val_size": 0.2}, client=1, classes=classes)
+    assert set(skew_train.y.tolist()) == {1, 2}  # the file's own values, not renumbered
+    check_schemas(schemas)
+    assert [s["labels"] for s in schemas] == [list(classes)] * 3
+    assert schemas[1]["class_counts"][0] == schemas[1]["held_out_class_counts"][0] == 0
+    assert schemas[2]["class_counts"] == [0, 0, 16] and schemas[2]["held_out_class_counts"] == [0, 0, 4]
+    assert silo_manifest(schemas)["labels"] == list(classes)
+
+
+def test_declared_text_classes_map_tables_test_paths_and_server_sets(tmp_path):
+    X, y = _tabular(n=60)
+    names = np.array(["benign", "malignant", "unclear"])
+    pq.write_table(pa.table({"f0": X[y < 2, 0], "dx": names[y[y < 2]]}), tmp_path / "train.parquet")
+    pq.write_table(pa.table({"f0": X[y == 2, 0], "dx": names[y[y == 2]]}), tmp_path / "test.parquet")  # labels the training lacks
+    classes = ("unclear", "benign", "malignant")  # label order as declared, not sorted
+    spec = {"dataset": "parquet", "path": str(tmp_path / "train.parquet"), "label": "dx", "test_path": str(tmp_path / "test.parquet")}
+    train, held = load_silo(spec, client=0, classes=classes)
+    assert np.array_equal(train.y, np.where(y[y < 2] == 0, 1, 2)) and set(held.y.tolist()) == {0}
+    assert load_server_set({"dataset": "parquet", "path": str(tmp_path / "test.parquet"), "label": "dx"}, key="data.test",
+                           classes=classes).y.tolist() == [0] * 20
+
+
+@pytest.mark.parametrize("field", ["path", "test_path"])
+def test_a_label_not_declared_names_the_silo_and_the_value(tmp_path, field):
+    X, y = _tabular(n=60)
+    np.savez(tmp_path / "good.npz", X=X, y=y)
+    np.savez(tmp_path / "bad.npz", X=X, y=y + 5)  # labels 5, 6, 7
+    spec = {"dataset": "npz", "path": str(tmp_path / "good.npz"), "test_path": str(tmp_path / "good.npz")}
+    spec[field] = str(tmp_path / "bad.npz")
+    with pytest.raises(InputError, match=rf"^data\.silos\.3\.{field}: expected labels among data\.classes \['0', '1', '2'\] in "
+                       rf"'.*bad\.npz', got '5'") as info:
+        load_silo(spec, client=3, classes=("0", "1", "2"))
+    assert "\n" not in str(info.value)
+    with pytest.raises(InputError, match=r"^data\.test\.path: expected labels among data\.classes"):
+        load_server_set({"dataset": "npz", "path": str(tmp_path / "bad.npz")}, key="data.test", classes=("0", "1", "2"))
+
+
+def test_silo_configs_with_data_classes_validate_and_dump():
+    cfg = validate_config({**SILO_CONFIG, "data": {**SILO_CONFIG["data"], "classes": [0, 1, "unclear"]}})
+    assert cfg.data.classes == [0, 1, "unclear"] and cfg.data.class_names == ("0", "1", "unclear")
+    assert cfg.data.model_dump()["classes"] == [0, 1, "unclear"] and validate_config({**SILO_CONFIG, "data": cfg.data.model_dump()}).data == cfg.data
+    assert "classes" not in validate_config(SILO_CONFIG).data.model_dump()  # undeclared: dumps as before
