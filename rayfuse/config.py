@@ -40,6 +40,7 @@ from pydantic import (
     model_validator,
 )
 
+from rayfuse.accountant import require_one_noise
 from rayfuse.errors import InputError, suggest
 
 __all__ = [
@@ -579,9 +580,7 @@ class DPSGDConfig(StrictModel):
 
     @model_validator(mode="after")
     def _one_noise(self) -> DPSGDConfig:
-        if (self.noise_multiplier is None) == (self.target_epsilon is None):
-            raise ValueError("@noise_multiplier@ exactly one of noise_multiplier and target_epsilon, got "
-                             f"{'both' if self.noise_multiplier is not None else 'neither'}")
+        require_one_noise(self.noise_multiplier, self.target_epsilon)
         return self
 
 

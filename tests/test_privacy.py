@@ -8,10 +8,11 @@ import json
 import numpy as np
 import pytest
 
+from rayfuse.accountant import compute_epsilon
 from rayfuse.cli import main
 from rayfuse.config import ModelConfig
 from rayfuse.models import build_model, get_params
-from rayfuse.models.privacy import clip_and_noise, find_dp_unsupported, gaussian_epsilon, train_model_dp
+from rayfuse.models.privacy import clip_and_noise, find_dp_unsupported, train_model_dp
 
 
 def _digits(n: int = 240) -> tuple[np.ndarray, np.ndarray]:
@@ -77,7 +78,7 @@ def test_one_release_epsilon_is_the_accountants_for_rate_one_and_one_step() -> N
 
     for acc, name in ((RDPAccountant(), "rdp"), (PRVAccountant(), "prv")):
         acc.step(noise_multiplier=3.0, sample_rate=1.0)
-        assert gaussian_epsilon(3.0, 1e-5, accountant=name) == pytest.approx(acc.get_epsilon(delta=1e-5), rel=1e-9)
+        assert compute_epsilon(3.0, 1.0, 1, 1e-5, name) == pytest.approx(acc.get_epsilon(delta=1e-5), rel=1e-9)
 
 
 def test_a_run_reports_each_clients_epsilon_in_results(tmp_path, capsys) -> None:
@@ -92,7 +93,7 @@ def test_a_run_reports_each_clients_epsilon_in_results(tmp_path, capsys) -> None
     epsilon = local["info"]["local_dp"]["epsilon"]
     assert sorted(epsilon) == ["0", "1", "2"] and local["dp_sgd_epsilon"] == max(epsilon.values()) > 0
     average = results["methods"]["average"]
-    assert average["upload_epsilon"] == pytest.approx(gaussian_epsilon(0.5, 1e-3))
+    assert average["upload_epsilon"] == pytest.approx(compute_epsilon(0.5, 1.0, 1, 1e-3))
     assert set(average["info"]["upload_dp"]["epsilon"]) == {"0", "1", "2"}
     assert "DP-SGD epsilon" in printed and "upload epsilon" in printed
     assert "dp" not in results["config"]["methods"]["local"]
@@ -112,7 +113,7 @@ def test_aligned_weight_matching_merges_the_clients_noised_uploads_and_keeps_bat
                  "--set", "model.name=cnn", "--set", "model.channels=[4, 8]", "--set", "train.shared_init=true",
                  "--set", f"methods={{aligned: {{alignment: weight, repair: false, dp: {dp}}}}}", "--out", str(out)]) == 0
     entry = json.loads((out / "results.json").read_text())["methods"]["aligned"]
-    assert entry["upload_epsilon"] == pytest.approx(gaussian_epsilon(0.5, 1e-3))
+    assert entry["upload_epsilon"] == pytest.approx(compute_epsilon(0.5, 1.0, 1, 1e-3))
     assert set(entry["info"]["upload_dp"]["epsilon"]) == {"0", "1", "2"} and entry["info"]["upload_dp"]["relative_to"] == "shared init"
     assert np.isfinite(entry["accuracy"])  # noised running variances are clamped above zero, so evaluation stays finite
 

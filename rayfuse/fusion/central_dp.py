@@ -32,9 +32,7 @@ Integer tensors (BatchNorm's ``num_batches_tracked``) are counters, not learned:
 
 from __future__ import annotations
 
-import functools
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -42,10 +40,11 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
+from rayfuse.accountant import compute_epsilon, noise_multiplier_for, require_one_noise
 from rayfuse.errors import InputError
 from rayfuse.method import MethodParams
 
-__all__ = ["AdaptiveClipSettings", "CentralDPSettings", "DPPlan", "DPRound", "compute_epsilon", "find_noise_multiplier",
+__all__ = ["AdaptiveClipSettings", "CentralDPSettings", "DPPlan", "DPRound", "find_noise_multiplier",
            "count_affordable_rounds", "compute_update_noise_multiplier", "plan_dp", "check_dp", "sample_poisson",
            "clip_and_sum", "apply_dp_round", "update_clip_norm", "describe_plan"]
 
@@ -78,9 +77,7 @@ class CentralDPSettings(MethodParams):
 
     @model_validator(mode="after")
     def _one_noise(self) -> CentralDPSettings:
-        if (self.noise_multiplier is None) == (self.target_epsilon is None):
-            given = "both" if self.noise_multiplier is not None else "neither"
-            raise ValueError(f"@noise_multiplier@ exactly one of noise_multiplier and target_epsilon, got {given}")
+        require_one_noise(self.noise_multiplier, self.target_epsilon)
         return self
 
 
@@ -88,57 +85,15 @@ class CentralDPSettings(MethodParams):
 # The accountant (Opacus)
 
 
-def compute_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "rdp") -> float:
-    """The epsilon at ``delta`` of ``steps`` compositions of the sampled Gaussian mechanism (Opacus' own accountant).
-
-    Parameters
-    ----------
-    noise_multiplier : float
-        ``z``: the noise's standard deviation over the sensitivity.
-    sample_rate : float
-        ``q``: the Poisson sampling probability.
-    steps : int
-        The number of rounds; 0 spends nothing.
-    delta : float
-        The delta of the guarantee.
-    accountant : {"rdp", "prv"}
-    """
-    if steps <= 0:
-        return 0.0
-    return _epsilon(float(noise_multiplier), float(sample_rate), int(steps), float(delta), accountant)
-
-
-@functools.lru_cache(maxsize=4096)
-def _epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str) -> float:
-    from opacus.accountants import create_accountant
-
-    acc = create_accountant(mechanism=accountant)
-    acc.history = [(noise_multiplier, sample_rate, steps)]
-    with warnings.catch_warnings():
-        # RDP at little noise: "the optimal order is the largest alpha" -- the bound holds, it could only be tighter
-        warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-        return float(acc.get_epsilon(delta=delta))
-
-
 def find_noise_multiplier(target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "rdp") -> float:
-    """The noise multiplier that spends ``target_epsilon`` at ``delta`` in ``steps`` rounds (Opacus'
-    ``get_noise_multiplier``: a binary search to within 0.01 of epsilon, on the safe side). Raises
-    :class:`InputError` at ``dp.target_epsilon`` when no noise up to Opacus' limit reaches it."""
+    """The noise multiplier that spends ``target_epsilon`` at ``delta`` in ``steps`` rounds
+    (:func:`rayfuse.accountant.noise_multiplier_for`). Raises :class:`InputError` at ``dp.target_epsilon`` when no
+    noise up to Opacus' limit reaches it."""
     try:
-        return _noise_multiplier(float(target_epsilon), float(delta), float(sample_rate), int(steps), accountant)
+        return noise_multiplier_for(target_epsilon, delta, sample_rate, steps, accountant)
     except ValueError as exc:
         raise InputError("dp.target_epsilon", f"an epsilon some noise multiplier reaches in {steps} rounds ({exc})",
                          target_epsilon, "raise target_epsilon or plan fewer rounds") from None
-
-
-@functools.lru_cache(maxsize=64)
-def _noise_multiplier(target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
-    from opacus.accountants.utils import get_noise_multiplier
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-        return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate,
-                                          steps=steps, accountant=accountant))
 
 
 def count_affordable_rounds(noise_multiplier: float, sample_rate: float, delta: float, budget: float, rounds: int,

@@ -7,7 +7,7 @@ themselves), scales it to L2 norm at most ``C = clip_norm`` and adds ``N(0, (z C
 noise is drawn on the client, so the guarantee needs no trusted server. The privacy unit is the client's whole
 dataset, under add/remove (Opacus' accountants' neighbouring relation): with or without a client, its clipped upload
 moves the released vector by at most ``C``. The client reports the epsilon of that one release at ``delta``, by
-Opacus' accountant with sample rate 1 and one step (:func:`rayfuse.models.privacy.gaussian_epsilon`).
+Opacus' accountant with sample rate 1 and one step (:func:`rayfuse.accountant.compute_epsilon`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
+from rayfuse.accountant import compute_epsilon, noise_multiplier_for, require_one_noise
 from rayfuse.errors import InputError
 from rayfuse.method import ClientContext, Gathered, MethodParams, RunSetup, ServerContext, Update, client_step
 
@@ -37,9 +38,7 @@ class UploadDP(MethodParams):
 
     @model_validator(mode="after")
     def _one_noise(self) -> UploadDP:
-        if (self.noise_multiplier is None) == (self.target_epsilon is None):
-            raise ValueError("@noise_multiplier@ exactly one of noise_multiplier and target_epsilon, got "
-                             f"{'both' if self.noise_multiplier is not None else 'neither'}")
+        require_one_noise(self.noise_multiplier, self.target_epsilon)
         return self
 
 
@@ -57,18 +56,17 @@ def dp_upload(ctx: ClientContext, *, label: str, clip_norm: float, noise_multipl
     """This client's local model, clipped and noised on the client (:func:`rayfuse.models.privacy.clip_and_noise`);
     reports only the epsilon and noise multiplier of the release, never the norm before clipping."""
     from rayfuse.models import get_params
-    from rayfuse.models.privacy import clip_and_noise, dp_noise_multiplier, gaussian_epsilon
+    from rayfuse.models.privacy import clip_and_noise
 
     params = get_params(ctx.local_model())
     reference: dict[str, Any] | None = get_params(ctx.build_model(seed=ctx.init_seed)) if ctx.train_cfg.shared_init else None
-    z = (float(noise_multiplier) if noise_multiplier is not None
-         else dp_noise_multiplier(target_epsilon=float(target_epsilon or 0.0), delta=delta, sample_rate=1.0, steps=1, accountant=accountant))
+    z = float(noise_multiplier) if noise_multiplier is not None else noise_multiplier_for(float(target_epsilon or 0.0), delta, 1.0, 1, accountant)
     rng = np.random.default_rng(ctx.step_seed(label, "dp-upload"))
     noised, _ = clip_and_noise(params, reference, clip_norm=clip_norm, noise_multiplier=z, rng=rng)
     # BatchNorm's running variances are noised like every float tensor; a negative one would make the model NaN.
     # Clamping them is post-processing of the release, which costs no privacy.
     noised = {k: np.maximum(v, np.asarray(VARIANCE_FLOOR, dtype=v.dtype)) if k.endswith("running_var") else v for k, v in noised.items()}
-    epsilon = gaussian_epsilon(z, delta, accountant=accountant)
+    epsilon = compute_epsilon(z, 1.0, 1, delta, accountant)  # one release, on all of the client's data
     return Update(noised, ctx.num_examples, {"dp_epsilon": epsilon, "dp_noise_multiplier": z})
 
 

@@ -6,9 +6,9 @@ Every privacy number here comes from Opacus (its ``PrivacyEngine`` and accountan
   to ``max_grad_norm``, Gaussian noise of standard deviation ``noise_multiplier * max_grad_norm`` added to each batch's
   sum, batches drawn by Poisson sampling at rate ``batch_size / n``. The privacy unit is one training example. Returns
   the epsilon the accountant gives for the steps taken.
-- :func:`clip_and_noise` and :func:`gaussian_epsilon`: one release of the Gaussian mechanism on a parameter vector
-  (the one-shot DP upload): the vector is scaled to L2 norm at most ``C`` and ``N(0, (z C)^2)`` is added to every
-  coordinate; its epsilon is the accountant's for sample rate 1 and one step. The privacy unit is the client's whole
+- :func:`clip_and_noise`: one release of the Gaussian mechanism on a parameter vector (the one-shot DP upload): the
+  vector is scaled to L2 norm at most ``C`` and ``N(0, (z C)^2)`` is added to every coordinate; its epsilon is the
+  accountant's for sample rate 1 and one step (:func:`rayfuse.accountant.compute_epsilon`). The privacy unit is the client's whole
   dataset (its upload is one release).
 - :func:`find_dp_unsupported`: the first module of a model Opacus cannot train privately (BatchNorm, stock
   ``MultiheadAttention``), by Opacus' own ``ModuleValidator``.
@@ -27,7 +27,7 @@ from torch import nn
 
 from rayfuse.models.training import TrainStats, make_optimizer
 
-__all__ = ["train_model_dp", "gaussian_epsilon", "clip_and_noise", "find_dp_unsupported", "dp_noise_multiplier"]
+__all__ = ["train_model_dp", "clip_and_noise", "find_dp_unsupported"]
 
 
 def find_dp_unsupported(model: nn.Module) -> tuple[str, str] | None:
@@ -42,29 +42,6 @@ def find_dp_unsupported(model: nn.Module) -> tuple[str, str] | None:
         if own is not None and own(module):
             return name or "(the model)", type(module).__name__
     return "(the model)", type(model).__name__  # Opacus refuses it, but no single module's validator does
-
-
-def dp_noise_multiplier(*, target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str) -> float:
-    """The noise multiplier Opacus picks so that ``steps`` steps at ``sample_rate`` spend ``target_epsilon`` at ``delta``."""
-    from opacus.accountants.utils import get_noise_multiplier
-
-    return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps,
-                                      accountant=accountant))
-
-
-def gaussian_epsilon(noise_multiplier: float, delta: float, *, accountant: str = "rdp", sample_rate: float = 1.0, steps: int = 1) -> float:
-    """Epsilon at ``delta`` of ``steps`` releases of the (subsampled at ``sample_rate``) Gaussian mechanism with noise
-    multiplier ``noise_multiplier`` (noise standard deviation over sensitivity), by Opacus' accountant ``accountant``
-    (``rdp`` or ``prv``). ``inf`` without noise."""
-    from opacus.accountants import create_accountant
-
-    if noise_multiplier <= 0:
-        return float("inf")
-    acc = create_accountant(accountant)
-    acc.history = [(float(noise_multiplier), float(sample_rate), int(steps))]
-    with warnings.catch_warnings():  # "optimal order is the smallest alpha": a loose bound at tiny noise, still a valid one
-        warnings.filterwarnings("ignore", message=r"Optimal order is the")
-        return float(acc.get_epsilon(delta=delta))
 
 
 def clip_and_noise(params: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray] | None, *, clip_norm: float,

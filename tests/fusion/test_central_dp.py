@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from rayfuse.accountant import compute_epsilon
 from rayfuse.errors import InputError
 from rayfuse.fusion.central_dp import (
     CentralDPSettings,
     apply_dp_round,
     clip_and_sum,
-    compute_epsilon,
     compute_update_noise_multiplier,
     find_noise_multiplier,
     plan_dp,

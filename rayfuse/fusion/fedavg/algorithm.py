@@ -32,9 +32,10 @@ from typing import ClassVar, Literal
 import numpy as np
 from pydantic import Field
 
+from rayfuse.accountant import compute_epsilon
 from rayfuse.errors import InputError
 from rayfuse.fusion import references
-from rayfuse.fusion.central_dp import CentralDPSettings, DPPlan, apply_dp_round, compute_epsilon, describe_plan, plan_dp, sample_poisson
+from rayfuse.fusion.central_dp import CentralDPSettings, DPPlan, apply_dp_round, describe_plan, plan_dp, sample_poisson
 from rayfuse.fusion.robust import AggregatorSettings, aggregate_updates, check_aggregator
 from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, Update, client_step, register_method
 
