@@ -208,9 +208,7 @@ class TargetConfig(DatasetSource):
     @field_validator("resize")
     @classmethod
     def _positive(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and min(value) < 1:
-            raise ValueError("two sizes >= 1")
-        return value
+        return _check_image_size(value)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -234,6 +232,13 @@ def silo_source_kind(dataset: str) -> str:
     from rayfuse.data.datasets import DATASETS
 
     return "folder" if DATASETS.get(dataset).source == "local folder" else "bundled"
+
+
+def _check_image_size(value: list[int] | None) -> list[int] | None:
+    """An image size ``[H, W]`` (its length is the field's own constraint): both at least 1."""
+    if value is not None and min(value) < 1:
+        raise ValueError("[H, W], two sizes >= 1")
+    return value
 
 
 def _check_path_form(value: str | None) -> str | None:
@@ -283,9 +288,7 @@ class SiloSource(StrictModel):
     @field_validator("image_size")
     @classmethod
     def _positive_size(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and min(value) < 1:
-            raise ValueError("[H, W], two sizes >= 1")
-        return value
+        return _check_image_size(value)
 
     @model_validator(mode="after")
     def _keys_fit_format(self) -> SiloSource:
