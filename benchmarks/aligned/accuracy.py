@@ -421,34 +421,43 @@ def run_grid(cells: Sequence[Cell], methods: Mapping[str, MethodFn]) -> list[dic
             except Exception as exc:  # one failing method must not stop the grid: recorded in its row
                 results = {name: {"accuracy": float("nan"), "seconds": float("nan"), "error": f"{type(exc).__name__}: {exc}"[:300]}}
             for label, result in results.items():
-                row = {**asdict(cell), "method": label, **result}
+                row = {**cell.fields(), "method": label, **result}
                 rows.append(row)
                 note = f"  ({result['error']})" if result.get("error") else ""
                 print(f"  {label:24s} {result['accuracy']:.4f}  {result['seconds']:.2f} s{note}", flush=True)
     return rows
 
 
-def write_outputs(rows: list[dict[str, Any]], out_dir: Path, info: Mapping[str, Any]) -> list[Path]:
-    """The CSV, the markdown table (mean and std over seeds) and one plot per dataset and architecture."""
+KEYS = ("dataset", "arch", "partition", "num_clients", "init")
+
+
+def write_outputs(rows: list[dict[str, Any]], out_dir: Path, info: Mapping[str, Any], *, keys: Sequence[str] = KEYS,
+                  name: str = "accuracy", title: str = "Aligned fusion: one-shot accuracy",
+                  summary: Callable[[Any, Sequence[str]], list[str]] | None = None, x: str = "num_clients",
+                  panels: tuple[str, str] = ("partition", "init")) -> list[Path]:
+    """The CSV, the markdown table (mean and std over seeds, a row per ``keys``) and one plot per dataset and
+    architecture (accuracy against ``x``, a panel per ``panels`` pair): ``<name>.csv``, ``<name>.md``,
+    ``<name>_<dataset>_<arch>.png``. ``summary``: the markdown after the table (default :func:`summary_lines`)."""
     import pandas as pd
 
     out_dir.mkdir(parents=True, exist_ok=True)
     frame = pd.DataFrame(rows)
     if "locals" in frame:
         frame["locals"] = frame["locals"].map(lambda v: " ".join(f"{x:.4f}" for x in v) if isinstance(v, list) else "")
-    csv = out_dir / "accuracy.csv"
+    csv = out_dir / f"{name}.csv"
     frame.to_csv(csv, index=False)
-    keys = ["dataset", "arch", "partition", "num_clients", "init"]
+    keys = list(keys)
     stats = frame.groupby([*keys, "method"], sort=False)["accuracy"].agg(["mean", "std", "count"]).reset_index()
     labels = list(dict.fromkeys(frame["method"]))
     methods = [m for base in labels if not base.endswith("+bn") and "+" not in base
                for m in (base, *[x for x in labels if x.startswith(base + "+")])]
     methods += [m for m in labels if m not in methods]
-    lines = ["# Aligned fusion: one-shot accuracy", "",
+    heads = {"num_clients": "K", "model_width": "model width"}
+    lines = [f"# {title}", "",
              f"Test accuracy, mean (std) over seeds; {info['cpus']} CPUs, {info.get('cpu_model', '')}. "
-             "Produced by `benchmarks/aligned/accuracy.py`; rows per seed in `accuracy.csv`.", "",
-             "| dataset | arch | partition | K | init | seeds | " + " | ".join(methods) + " |",
-             "|" + "---|" * (6 + len(methods))]
+             f"Produced by `benchmarks/aligned/{name}.py`; rows per seed in `{name}.csv`.", "",
+             "| " + " | ".join(heads.get(k, k) for k in keys) + " | seeds | " + " | ".join(methods) + " |",
+             "|" + "---|" * (len(keys) + 1 + len(methods))]
     for key, group in stats.groupby(keys, sort=False):
         by_method = {r["method"]: r for _, r in group.iterrows()}
         seeds = int(max(r["count"] for r in by_method.values()))
@@ -460,12 +469,14 @@ def write_outputs(rows: list[dict[str, Any]], out_dir: Path, info: Mapping[str, 
             else:
                 cells.append(f"{r['mean']:.3f}" + (f" ({r['std']:.3f})" if seeds > 1 and not pd.isna(r["std"]) else ""))
         lines.append("| " + " | ".join(str(k) for k in key) + f" | {seeds} | " + " | ".join(cells) + " |")
-    lines += summary_lines(stats, methods)
-    md = out_dir / "accuracy.md"
+    lines += (summary or summary_lines)(stats, methods)
+    md = out_dir / f"{name}.md"
     md.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return [csv, md, *plot(stats, methods, out_dir)]
+    return [csv, md, *plot(stats, methods, out_dir, name=name, x=x, panels=panels)]
 
 
+_PANEL_TITLES = {"num_clients": "K ="}
+_AXIS_TITLES = {"num_clients": "clients K", "model_width": "model width (channels / units per hidden layer)"}
 TARGET = {"dataset": "digits", "arch": "rescnn", "partition": "dirichlet0.5", "num_clients": 3, "init": "independent"}
 
 
@@ -493,8 +504,10 @@ def summary_lines(stats: Any, methods: Sequence[str]) -> list[str]:
     return lines
 
 
-def plot(stats: Any, methods: Sequence[str], out_dir: Path) -> list[Path]:
-    """One figure per (dataset, arch): accuracy against K, a panel per (partition, init), a line per method."""
+def plot(stats: Any, methods: Sequence[str], out_dir: Path, *, name: str = "accuracy", x: str = "num_clients",
+         panels: tuple[str, str] = ("partition", "init")) -> list[Path]:
+    """One figure per (dataset, arch): accuracy against ``x`` (K), a panel per ``panels`` (partition, init), a line per
+    method."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -502,23 +515,24 @@ def plot(stats: Any, methods: Sequence[str], out_dir: Path) -> list[Path]:
 
     paths = []
     for (dataset, arch_name), group in stats.groupby(["dataset", "arch"], sort=False):
-        panels = list(dict.fromkeys(zip(group["partition"], group["init"])))
-        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 1.8, 3.6), squeeze=False, sharey=True)
-        for ax, (partition, init) in zip(axes[0], panels):
-            sub = group[(group["partition"] == partition) & (group["init"] == init)]
+        first, second = panels
+        pairs = list(dict.fromkeys(zip(group[first], group[second])))
+        fig, axes = plt.subplots(1, len(pairs), figsize=(4.2 * len(pairs) + 1.8, 3.6), squeeze=False, sharey=True)
+        for ax, (a, b) in zip(axes[0], pairs):
+            sub = group[(group[first] == a) & (group[second] == b)]
             for method in methods:
-                line = sub[sub["method"] == method].sort_values("num_clients")
+                line = sub[sub["method"] == method].sort_values(x)
                 if len(line):
-                    ax.errorbar(line["num_clients"], line["mean"], yerr=line["std"].fillna(0.0), marker="o", capsize=3, label=method)
-            ax.set_title(f"{partition}, {init} init", fontsize=10)
-            ax.set_xlabel("clients K")
-            ax.set_xticks(sorted(sub["num_clients"].unique()))
+                    ax.errorbar(line[x], line["mean"], yerr=line["std"].fillna(0.0), marker="o", capsize=3, label=method)
+            ax.set_title(f"{a}, {_PANEL_TITLES.get(second, second)} {b}" if second != "init" else f"{a}, {b} init", fontsize=10)
+            ax.set_xlabel(_AXIS_TITLES.get(x, x))
+            ax.set_xticks(sorted(sub[x].unique()))
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel("test accuracy")
         axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
         fig.suptitle(f"{dataset}, {arch_name}")
         fig.tight_layout()
-        path = out_dir / f"accuracy_{dataset}_{arch_name}.png"
+        path = out_dir / f"{name}_{dataset}_{arch_name}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)

@@ -46,7 +46,7 @@ from rayfuse.seeding import derive_seed
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from arch import build_arch, example_input, write_arch_spec  # noqa: E402
 
-__all__ = ["ARCH_KWARGS", "CACHE_DIR", "Cell", "PARTITIONS", "TrainedCell", "accuracy_of", "arch_spec", "average_params", "build_model",
+__all__ = ["ARCH_KWARGS", "CACHE_DIR", "WIDTH_KWARG", "Cell", "PARTITIONS", "TrainedCell", "accuracy_of", "arch_spec", "average_params", "build_model",
            "cell_config", "ensemble_accuracy", "evaluate_baselines", "partition_section", "reestimate_batchnorm", "train_cell"]
 
 CACHE_DIR = Path(__file__).resolve().parents[1] / "results" / "aligned" / "checkpoints"
@@ -59,6 +59,8 @@ ARCH_KWARGS: dict[str, dict[str, dict[str, Any]]] = {
     "mnist5k": {"mlp": {"hidden": 128}, "cnn": {"width": 16}, "rescnn": {"width": 16},
                 "transformer": {"dim": 32, "heads": 4, "layers": 2, "patch": 4}, "resnet18": {}},
 }
+# The keyword that sets each architecture's width (hidden units, channels, embedding dimension): Cell.model_width.
+WIDTH_KWARG = {"mlp": "hidden", "cnn": "width", "rescnn": "width", "transformer": "dim"}
 EPOCHS = 20
 PUBLIC_SIZE = 100  # the server's public slice (samples): BatchNorm re-estimation, and tracing
 
@@ -74,11 +76,21 @@ class Cell:
     init: str  # "shared" or "independent"
     seed: int
     epochs: int = EPOCHS
+    model_width: int | None = None  # the architecture's width (WIDTH_KWARG); None: ARCH_KWARGS's
+
+    def fields(self) -> dict[str, Any]:
+        """The cell as plain data; ``model_width`` only when it is set (so the grid's rows and folder names stay as they were
+        before cells had a width)."""
+        out = asdict(self)
+        if out["model_width"] is None:
+            del out["model_width"]
+        return out
 
     def key(self) -> str:
         """A readable, unique folder name."""
-        digest = hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:8]
-        return f"{self.arch}-{self.dataset}-{self.partition}-k{self.num_clients}-{self.init}-s{self.seed}-{digest}"
+        digest = hashlib.sha256(json.dumps(self.fields(), sort_keys=True).encode()).hexdigest()[:8]
+        width = f"-w{self.model_width}" if self.model_width is not None else ""
+        return f"{self.arch}{width}-{self.dataset}-{self.partition}-k{self.num_clients}-{self.init}-s{self.seed}-{digest}"
 
 
 @dataclass
@@ -122,10 +134,14 @@ def cell_config(cell: Cell) -> dict[str, Any]:
     }
 
 
-def arch_spec(arch: str, dataset: str, input_shape: Sequence[int], num_classes: int) -> dict[str, Any]:
-    """The arch spec of ``arch`` sized for ``dataset``."""
-    return {"arch": arch, "kwargs": dict(ARCH_KWARGS[dataset][arch]), "input_shape": [int(d) for d in input_shape],
-            "num_classes": int(num_classes)}
+def arch_spec(arch: str, dataset: str, input_shape: Sequence[int], num_classes: int, width: int | None = None) -> dict[str, Any]:
+    """The arch spec of ``arch`` sized for ``dataset`` (``width``: its :data:`WIDTH_KWARG` instead of ARCH_KWARGS's)."""
+    kwargs = dict(ARCH_KWARGS[dataset][arch])
+    if width is not None:
+        if arch not in WIDTH_KWARG:
+            raise ValueError(f"width: {arch} has no width setting (those that have: {sorted(WIDTH_KWARG)})")
+        kwargs[WIDTH_KWARG[arch]] = int(width)
+    return {"arch": arch, "kwargs": kwargs, "input_shape": [int(d) for d in input_shape], "num_classes": int(num_classes)}
 
 
 def build_model(spec: Mapping[str, Any], params: Mapping[str, np.ndarray] | None = None, *, seed: int = 0) -> nn.Module:
@@ -167,7 +183,7 @@ def train_cell(cell: Cell, cache_dir: Path = CACHE_DIR, *, retrain: bool = False
     dataset = load_dataset(cell.dataset)
     plan = make_plan(dataset, cfg.data, cfg.partition, cfg.run.seed)
     test, public = server_splits(dataset, plan)
-    spec = arch_spec(cell.arch, cell.dataset, dataset.input_shape, dataset.num_classes)
+    spec = arch_spec(cell.arch, cell.dataset, dataset.input_shape, dataset.num_classes, cell.model_width)
     folder = cache_dir / cell.key()
     files = [folder / f"client_{i}.safetensors" for i in range(cell.num_clients)]
     meta_file = folder / "cell.json"
@@ -191,7 +207,7 @@ def train_cell(cell: Cell, cache_dir: Path = CACHE_DIR, *, retrain: bool = False
             clients.append(params)
     seconds = time.perf_counter() - started
     write_arch_spec(folder / "arch.json", spec)
-    atomic_write_json(meta_file, {"cell": asdict(cell), "spec": spec, "config": config, "split_hash": plan.digest(),
+    atomic_write_json(meta_file, {"cell": cell.fields(), "spec": spec, "config": config, "split_hash": plan.digest(),
                                   "num_examples": sizes, "train_seconds": seconds})
     return TrainedCell(cell, spec, config, clients, sizes, test, public, folder, seconds, train_sets)
 
