@@ -16,6 +16,8 @@ ARCHS = {
     "mlp": (ModelConfig(name="mlp", hidden=[24, 16]), (64,)),
     "rescnn": (ModelConfig(name="rescnn", channels=[6, 8]), (1, 8, 8)),
     "vgg": (ModelConfig(name="vgg", channels=[6, 8]), (1, 8, 8)),
+    # attention's heads and head dims by weights (no probe inside nn.MultiheadAttention), the rest by activations
+    "transformer": (ModelConfig(name="transformer", hidden=[8, 12], heads=2, depth=2), (1, 8, 8)),
 }
 
 

@@ -96,11 +96,12 @@ def test_random_permutations_from_the_derived_spec_leave_the_outputs_unchanged(f
     head = [k for k in model.state_dict() if k.endswith(".weight")][-1]
     assert (head, 0) in {(f.key, f.dim) for f in spec.fixed}
     assert all(not (a.key == head and a.dim == 0) for g in spec.groups for a in g.axes)
-    # probes name nodes of the traced graph, on axes that exist
+    # probes name nodes of the traced graph, or (hooks) submodules the graph keeps whole, on axes that exist
     graph = {n.name for n in trace_model(model).graph.nodes}
+    modules = dict(model.named_modules())
     for g in spec.groups:
         for p in g.probes:
-            assert p.node in graph, (g.name, p.node)
+            assert p.node in (modules if p.hook else graph), (g.name, p.node, p.hook)
     # a spec survives JSON
     assert PermutationSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
 
@@ -296,3 +297,35 @@ def test_the_symmetry_command(capsys, tmp_path, monkeypatch):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"rayfuse: error: {message}") and err.count("\n") == 1, err
+
+
+def test_feed_forward_units_inside_an_encoder_layer_are_observed_through_a_hook():
+    from rayfuse.alignment import collect_correlations
+    from rayfuse.symmetry import Probe
+
+    model = registry("transformer", hidden=[8, 12], heads=2, depth=2).eval()
+    x = torch.randn(6, *DIGITS)
+    spec = derive_spec(model, x)
+    # the graph keeps each nn.TransformerEncoderLayer whole: its feed-forward units are read at linear2's input (after
+    # the activation), its output joins the residual stream's probes
+    for i in range(2):
+        assert [(p.node, p.hook) for p in spec.group(f"layers.{i}.linear1").probes] == [(f"layers.{i}.linear2", "input")]
+        assert not spec.group(f"layers.{i}.self_attn.heads").probes
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    X = np.random.default_rng(0).normal(size=(20, *DIGITS)).astype(np.float32)
+    stats = collect_correlations(model, model, spec, trace_model(model), trace_model(model), X, batch_size=8)
+    assert torch.backends.mha.get_fastpath_enabled() == enabled  # PyTorch's fused path is off only while collecting
+    ff = stats["layers.0.linear1"]
+    assert ff.size == 12 and ff.count == 20 * model.pos_embedding.shape[1]  # samples x tokens (cls + patches)
+    corr = ff.correlation()
+    varying = ff.sumsq_a / ff.count - (ff.sum_a / ff.count) ** 2 > 1e-9
+    assert varying.any()
+    np.testing.assert_allclose(np.diag(corr)[varying], 1.0, atol=1e-9)  # a model against itself
+    # the hidden units after the ReLU: never negative
+    assert (ff.sum_a >= 0).all()
+    with pytest.raises(InputError, match=r"^probe layers\.0\.linear2\.hook: expected '', 'input' or 'output', got 'inside'"):
+        Probe("layers.0.linear2", -1, hook="inside")
+    bad = PermutationSpec.from_dict({"groups": [{"name": "ff", "size": 12, "axes": [{"key": "layers.0.linear1.weight", "dim": 0}],
+                                                 "probes": [{"node": "layers.0.linear9", "dim": -1, "hook": "input"}]}]})
+    with pytest.raises(InputError, match=r"^spec\.ff\.probes: expected a submodule of both models, got 'layers\.0\.linear9'"):
+        collect_correlations(model, model, bad, trace_model(model), trace_model(model), X)

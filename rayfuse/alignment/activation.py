@@ -9,7 +9,9 @@ and returns, per permutation group, only sums (:class:`GroupStats`: counts, per-
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +133,56 @@ class _Recorder(torch.fx.Interpreter):
         return out
 
 
+@contextlib.contextmanager
+def _hooks(model: nn.Module, hooked: set[tuple[str, str]]) -> Iterator[dict[Any, torch.Tensor]]:
+    """Forward hooks on ``model``'s submodules: ``(path, "input")`` keeps the first input, ``(path, "output")`` the
+    output (its first element when a tuple), in the yielded dict under ``(path, hook)``."""
+    seen: dict[Any, torch.Tensor] = {}
+    handles = []
+
+    def keep(key: tuple[str, str], value: Any) -> None:
+        seen[key] = value[0] if isinstance(value, (tuple, list)) else value
+
+    for path, hook in hooked:
+        module = model.get_submodule(path)
+        if hook == "input":
+            handles.append(module.register_forward_pre_hook(lambda _m, args, key=(path, hook): keep(key, args)))
+        else:
+            handles.append(module.register_forward_hook(lambda _m, _args, out, key=(path, hook): keep(key, out)))
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+_FASTPATH_LOCK = threading.Lock()
+_FASTPATH_STATE = {"users": 0, "before": True}
+
+
+@contextlib.contextmanager
+def _python_attention() -> Iterator[None]:
+    """PyTorch's fused fast path of ``nn.TransformerEncoderLayer`` / ``nn.MultiheadAttention`` (taken in eval mode
+    without gradients) calls no submodule, so no hook inside sees anything: off while statistics are collected (a
+    process-wide setting: counted, so that clients collecting in threads at once restore it only when the last ends)."""
+    mha = getattr(torch.backends, "mha", None)
+    if mha is None or not hasattr(mha, "set_fastpath_enabled"):
+        yield
+        return
+    with _FASTPATH_LOCK:
+        if _FASTPATH_STATE["users"] == 0:
+            _FASTPATH_STATE["before"] = mha.get_fastpath_enabled()
+            mha.set_fastpath_enabled(False)
+        _FASTPATH_STATE["users"] += 1
+    try:
+        yield
+    finally:
+        with _FASTPATH_LOCK:
+            _FASTPATH_STATE["users"] -= 1
+            if _FASTPATH_STATE["users"] == 0:
+                mha.set_fastpath_enabled(bool(_FASTPATH_STATE["before"]))
+
+
 def _probe_rows(value: Any, probe: Probe, size: int, where: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise InputError(where, "a probe on a node whose output is a tensor", type(value).__name__)
@@ -176,24 +228,33 @@ def collect_correlations(reference: nn.Module, own: nn.Module, spec: Permutation
     graph_own = graph_own if graph_own is not None else torch.fx.symbolic_trace(own)
     probed = [g for g in spec.groups if g.probes]
     nodes = {n.name for n in graph_ref.graph.nodes} & {n.name for n in graph_own.graph.nodes}
+    submodules = {name for name, _ in reference.named_modules()} & {name for name, _ in own.named_modules()}
     for g in probed:
         for probe in g.probes:
-            if probe.node not in nodes:
+            if probe.hook and probe.node not in submodules:
+                raise InputError(f"spec.{g.name}.probes", "a submodule of both models", probe.node, suggest(probe.node, submodules).strip())
+            if not probe.hook and probe.node not in nodes:
                 raise InputError(f"spec.{g.name}.probes", "a node of both traced models", probe.node, suggest(probe.node, nodes).strip())
-    wanted = {p.node for g in probed for p in g.probes}
+    wanted = {p.node for g in probed for p in g.probes if not p.hook}
+    hooked = {(p.node, p.hook) for g in probed for p in g.probes if p.hook}
     acc: dict[str, list[Any]] = {}
-    with evaluating(reference, dev), evaluating(own, dev), torch.no_grad():
+    attention = _python_attention() if hooked else contextlib.nullcontext()
+    with evaluating(reference, dev), evaluating(own, dev), torch.no_grad(), attention:
         for x in data:
             runs = []
             for module, graph in ((reference, graph_ref), (own, graph_own)):
                 recorder = _Recorder(module, graph, wanted)
-                recorder.run(x)
-                runs.append(recorder.seen)
+                with _hooks(module, hooked) as seen:
+                    recorder.run(x)
+                runs.append({**recorder.seen, **seen})
             for g in probed:
                 for probe in g.probes:
                     where = f"spec.{g.name}.probes.{probe.node}"
-                    a = _probe_rows(runs[0][probe.node], probe, g.size, where).to(torch.float64)
-                    b = _probe_rows(runs[1][probe.node], probe, g.size, where).to(torch.float64)
+                    seen_at = (probe.node, probe.hook) if probe.hook else probe.node
+                    if seen_at not in runs[0] or seen_at not in runs[1]:
+                        raise InputError(where, f"the {probe.hook} of submodule {probe.node} seen in the forward pass", "never called")
+                    a = _probe_rows(runs[0][seen_at], probe, g.size, where).to(torch.float64)
+                    b = _probe_rows(runs[1][seen_at], probe, g.size, where).to(torch.float64)
                     parts = [float(a.shape[0]), a.sum(0), b.sum(0), (a * a).sum(0), (b * b).sum(0), a.T @ b]
                     if g.name in acc:
                         acc[g.name] = [s + p for s, p in zip(acc[g.name], parts)]

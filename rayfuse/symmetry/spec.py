@@ -80,17 +80,28 @@ class AxisRef:
 class Probe:
     """Where a group's units can be observed in a forward pass: the output of graph node ``node`` (a ``torch.fx`` node
     name of the traced model), axis ``dim``, viewed as :class:`AxisRef` views a weight axis. Activation matching
-    correlates the two models' values there, over the batch and every other axis."""
+    correlates the two models' values there, over the batch and every other axis.
+
+    ``hook``: ``"input"`` or ``"output"`` when the units live inside a module the graph keeps whole (a
+    ``nn.TransformerEncoderLayer``'s feed-forward units): ``node`` is then that submodule's path in the model
+    (``encoder.layers.0.linear2``), and a forward hook observes its first input or its output."""
 
     node: str
     dim: int
     start: int = 0
     outer: int = 1
     inner: int = 1
+    hook: str = ""
+
+    def __post_init__(self) -> None:
+        if self.hook not in ("", "input", "output"):
+            raise InputError(f"probe {self.node}.hook", "'', 'input' or 'output'", self.hook)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"node": self.node, "dim": self.dim}
         out.update({k: v for k, v in (("start", self.start), ("outer", self.outer), ("inner", self.inner)) if v != (0 if k == "start" else 1)})
+        if self.hook:
+            out["hook"] = self.hook
         return out
 
 

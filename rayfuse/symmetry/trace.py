@@ -268,6 +268,7 @@ class _Analysis(torch.fx.Interpreter):
         self.probes: list[tuple[int, int, int, Probe]] = []  # space, rank, node order, probe
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.mods = dict(gm.named_modules())
+        self.node: torch.fx.Node | None = None  # the node being annotated
 
     # -- plumbing ---------------------------------------------------------------------------------------------------
 
@@ -276,6 +277,7 @@ class _Analysis(torch.fx.Interpreter):
         out = super().run_node(n)
         if n.op == "placeholder" or any(m in self.data for m in n.all_input_nodes):
             self.data.add(n)
+        self.node = n
         self.anns[n] = self._annotate(n, args, kwargs, out)
         ann = self.anns[n]
         if n in self.data and isinstance(out, torch.Tensor) and isinstance(ann, _Ann):
@@ -711,6 +713,7 @@ class _Analysis(torch.fx.Interpreter):
             if not (act in (F.relu, F.gelu) or isinstance(act, _ACT_MODULES)):
                 for p in hidden.pieces():
                     self.sp.fix(p.space, f"{where}: activation {act!r} of {name} is not known to act elementwise")
+            self._hook_probes(hidden, f"{name}.linear2", "input", rank=0)  # the units after the activation
             return self._linear(f"{name}.linear2", mod.linear2, hidden)
 
         if mod.norm_first:
@@ -719,9 +722,18 @@ class _Analysis(torch.fx.Interpreter):
         x = ln("norm1", add(x, attend(x)))
         return ln("norm2", add(x, feed_forward(x)))
 
+    def _hook_probes(self, ann: _Ann, module: str, hook: str, *, rank: int) -> None:
+        """Probes of the units ``ann`` places, observed by a forward hook on submodule ``module`` (its first input or its
+        output): units inside a module the graph keeps whole."""
+        order = self.order[self.node] if self.node is not None else len(self.order)
+        for d, pieces in enumerate(ann.dims):
+            for p in pieces:
+                self.probes.append((p.space, rank, order, Probe(module, d, p.start, p.outer, p.inner, hook=hook)))
+
     def _encoder(self, where: str, name: str, mod: nn.TransformerEncoder, x: _Ann, shape: tuple[int, ...]) -> _Ann:
         for i, layer in enumerate(mod.layers):
             x = self._encoder_layer(where, f"{name}.layers.{i}", layer, x, shape)
+            self._hook_probes(x, f"{name}.layers.{i}", "output", rank=2 if layer.norm_first else 1)
         if mod.norm is not None:
             if not isinstance(mod.norm, nn.LayerNorm):
                 for p in x.pieces():
