@@ -429,6 +429,11 @@ def run_grid(cells: Sequence[Cell], methods: Mapping[str, MethodFn]) -> list[dic
 
 
 KEYS = ("dataset", "arch", "partition", "num_clients", "init")
+# The tables' column order: references, data-free merges, merges with the clients' statistics, then the methods that
+# take more than one round (labels not listed follow, each base label before its variants).
+LABEL_ORDER = ("best_local", "ensemble", "naive_average", "naive_average+bn", "rebasin_mergemany", "rebasin_mergemany+bn",
+               "rayfuse_wm", "rayfuse_wm+bn", "rayfuse_wm+clients_bn", "rayfuse_am_norepair", "rayfuse_am", "rayfuse_am+rescale",
+               "rayfuse_am_fisher", "rayfuse_np", "rayfuse_np_w1.5", "rayfuse_am+round", "rayfuse_np+round", "fedavg_1", "fedavg_5")
 
 
 def write_outputs(rows: list[dict[str, Any]], out_dir: Path, info: Mapping[str, Any], *, keys: Sequence[str] = KEYS,
@@ -449,8 +454,9 @@ def write_outputs(rows: list[dict[str, Any]], out_dir: Path, info: Mapping[str, 
     keys = list(keys)
     stats = frame.groupby([*keys, "method"], sort=False)["accuracy"].agg(["mean", "std", "count"]).reset_index()
     labels = list(dict.fromkeys(frame["method"]))
-    methods = [m for base in labels if not base.endswith("+bn") and "+" not in base
-               for m in (base, *[x for x in labels if x.startswith(base + "+")])]
+    methods = [m for m in LABEL_ORDER if m in labels]
+    methods += [m for base in labels if "+" not in base and base not in methods
+                for m in (base, *[x for x in labels if x.startswith(base + "+") and x not in methods])]
     methods += [m for m in labels if m not in methods]
     heads = {"num_clients": "K", "model_width": "model width"}
     lines = [f"# {title}", "",
