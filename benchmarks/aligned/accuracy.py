@@ -522,14 +522,16 @@ def plot(stats: Any, methods: Sequence[str], out_dir: Path, *, name: str = "accu
     paths = []
     for (dataset, arch_name), group in stats.groupby(["dataset", "arch"], sort=False):
         first, second = panels
+        colors = plt.get_cmap("tab20")
         pairs = list(dict.fromkeys(zip(group[first], group[second])))
         fig, axes = plt.subplots(1, len(pairs), figsize=(4.2 * len(pairs) + 1.8, 3.6), squeeze=False, sharey=True)
         for ax, (a, b) in zip(axes[0], pairs):
             sub = group[(group[first] == a) & (group[second] == b)]
-            for method in methods:
+            for i, method in enumerate(methods):
                 line = sub[sub["method"] == method].sort_values(x)
-                if len(line):
-                    ax.errorbar(line[x], line["mean"], yerr=line["std"].fillna(0.0), marker="o", capsize=3, label=method)
+                if len(line):  # 20 distinguishable colours; dashed: the methods that take more than one round
+                    ax.errorbar(line[x], line["mean"], yerr=line["std"].fillna(0.0), marker="o", capsize=3, label=method,
+                                color=colors(i % 20), linestyle="--" if "round" in method or method.startswith("fedavg") else "-")
             ax.set_title(f"{a}, {_PANEL_TITLES.get(second, second)} {b}" if second != "init" else f"{a}, {b} init", fontsize=10)
             ax.set_xlabel(_AXIS_TITLES.get(x, x))
             ax.set_xticks(sorted(sub[x].unique()))
