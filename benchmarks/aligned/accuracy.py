@@ -276,8 +276,22 @@ def rayfuse_am(trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3) ->
     return out
 
 
+NP_DEFAULTS = (0.5, 2.0)  # the nonparametric merge's threshold and width cap: the method's defaults
+
+
+def fuse_wide(trained: TrainedCell, found: ActivationAlignment, data: Sequence[Any], roles: Any, threshold: float,
+              max_width: float) -> tuple[dict[str, Any], Any]:
+    """The nonparametric merge of the aligned clients (``rayfuse.alignment.fuse_nonparametric``), then the clients'
+    BatchNorm repair and REPAIR's rescaling: the fused parameters and the merge's plan."""
+    from rayfuse.alignment import fuse_nonparametric
+
+    merged, plan = fuse_nonparametric(found.aligned, found.spec, roles, quality=found.alignment.quality, weights=trained.num_examples,
+                                      threshold=threshold, max_width=max_width)
+    return rescale_with_clients(trained, found.spec, found.aligned, repair_with_clients(trained, merged, data), data, plan), plan
+
+
 def rayfuse_np(trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3,
-               variants: Sequence[tuple[float, float]] = ((0.5, 2.0), (0.5, 1.5))) -> dict[str, dict[str, Any]]:
+               variants: Sequence[tuple[float, float]] = (NP_DEFAULTS, (0.5, 1.5))) -> dict[str, dict[str, Any]]:
     """rayfuse's activation matching (as ``rayfuse_am`` plays it), then what the merge and the repair add:
 
     * ``rayfuse_np`` (threshold 0.5, width at most 2x: the method's defaults) and ``rayfuse_np_w1.5`` (at most 1.5x):
@@ -288,10 +302,10 @@ def rayfuse_np(trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3,
       then REPAIR's rescaling.
 
     ``seconds``: alignment, merge and repair."""
-    from rayfuse.alignment import fuse_nonparametric, merge_average, width_roles
+    from rayfuse.alignment import merge_average, width_roles
 
     found = align_by_activations(trained, samples=samples, sweeps=sweeps)
-    pspec, alignment, aligned, align_s = found.spec, found.alignment, found.aligned, found.seconds
+    pspec, aligned, align_s = found.spec, found.aligned, found.seconds
     data = [split.X[:samples] for split in trained.train_sets]
     started = time.perf_counter()
     roles = width_roles(build_arch(trained.spec), pspec)
@@ -299,9 +313,7 @@ def rayfuse_np(trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3,
     out = {}
     for threshold, max_width in variants:
         started = time.perf_counter()
-        merged, plan = fuse_nonparametric(aligned, pspec, roles, quality=alignment.quality, weights=trained.num_examples,
-                                          threshold=threshold, max_width=max_width)
-        repaired = rescale_with_clients(trained, pspec, aligned, repair_with_clients(trained, merged, data), data, plan)
+        repaired, plan = fuse_wide(trained, found, data, roles, threshold, max_width)
         growth = sum(plan.widths.values()) / sum(g.size for g in pspec.groups)
         label = "rayfuse_np" if (threshold, max_width) == variants[0] else f"rayfuse_np_w{max_width:g}"
         out[label] = {"accuracy": accuracy_of(trained.spec, repaired, trained.test), "seconds": align_s + time.perf_counter() - started,
@@ -326,7 +338,7 @@ def rayfuse_rounds(trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3
 
     Labels: ``rayfuse_am+round``, ``rayfuse_np+round``. ``seconds``: alignment, merges, the round's training and
     the repairs."""
-    from rayfuse.alignment import fuse_nonparametric, merge_average, width_roles
+    from rayfuse.alignment import merge_average, width_roles
     from rayfuse.models import get_params, train_model
     from rayfuse.seeding import derive_seed
 
@@ -349,9 +361,7 @@ def rayfuse_rounds(trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3
     average = repair_with_clients(trained, merge_average(found.aligned, trained.num_examples), data)
     out["rayfuse_am+round"] = second_round(average), time.perf_counter() - started
     started = time.perf_counter()
-    merged, plan = fuse_nonparametric(found.aligned, found.spec, width_roles(build_arch(trained.spec), found.spec),
-                                      quality=found.alignment.quality, weights=trained.num_examples, threshold=0.5, max_width=2.0)
-    wide = rescale_with_clients(trained, found.spec, found.aligned, repair_with_clients(trained, merged, data), data, plan)
+    wide, _ = fuse_wide(trained, found, data, width_roles(build_arch(trained.spec), found.spec), *NP_DEFAULTS)
     out["rayfuse_np+round"] = second_round(wide), time.perf_counter() - started
     return {label: {"accuracy": accuracy_of(trained.spec, params, trained.test), "seconds": found.seconds + seconds}
             for label, (params, seconds) in out.items()}
@@ -434,6 +444,19 @@ KEYS = ("dataset", "arch", "partition", "num_clients", "init")
 LABEL_ORDER = ("best_local", "ensemble", "naive_average", "naive_average+bn", "rebasin_mergemany", "rebasin_mergemany+bn",
                "rayfuse_wm", "rayfuse_wm+bn", "rayfuse_wm+clients_bn", "rayfuse_am_norepair", "rayfuse_am", "rayfuse_am+rescale",
                "rayfuse_am_fisher", "rayfuse_np", "rayfuse_np_w1.5", "rayfuse_am+round", "rayfuse_np+round", "fedavg_1", "fedavg_5")
+
+
+def read_raw(paths: Sequence[Path]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The rows of raw result files (``aligned_accuracy.json``, ``aligned_width.json``) in the tables' order, a later
+    file's row replacing an earlier one of the same cell and method label, and the first file's machine info."""
+    payloads = [json.loads(Path(path).read_text(encoding="utf-8")) for path in paths]
+    fields = (*asdict(Cell("", "", "", 0, "", 0)), "method")
+    keyed = {tuple(row.get(k) for k in fields): row for payload in payloads for row in payload["rows"]}
+    archs = ("mlp", "cnn", "rescnn", "vgg", "transformer", "resnet18")
+    rows = sorted(keyed.values(), key=lambda r: (r["dataset"], archs.index(r["arch"]) if r["arch"] in archs else len(archs), r["arch"],
+                                                 PARTITIONS.index(r["partition"]), r["num_clients"], INITS.index(r["init"]),
+                                                 r.get("model_width") or 0, r["seed"]))
+    return rows, dict(payloads[0]["machine"])
 
 
 def write_outputs(rows: list[dict[str, Any]], out_dir: Path, info: Mapping[str, Any], *, keys: Sequence[str] = KEYS,
@@ -568,15 +591,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     if args.render:
-        payloads = [json.loads(path.read_text(encoding="utf-8")) for path in args.render]
-        keyed: dict[tuple, dict[str, Any]] = {}  # a later file's row replaces an earlier one of the same cell and label
-        for payload in payloads:
-            for row in payload["rows"]:
-                keyed[tuple(row.get(k) for k in (*asdict(Cell("", "", "", 0, "", 0)), "method"))] = row
-        archs = ("mlp", "cnn", "rescnn", "vgg", "transformer", "resnet18")
-        rows = sorted(keyed.values(), key=lambda r: (r["dataset"], archs.index(r["arch"]) if r["arch"] in archs else len(archs), r["arch"],
-                                                     PARTITIONS.index(r["partition"]), r["num_clients"], INITS.index(r["init"]), r["seed"]))
-        for path in write_outputs(rows, args.out, payloads[0]["machine"]):
+        rows, info = read_raw(args.render)
+        for path in write_outputs(rows, args.out, info):
             print(f"wrote {path}")
         return
     axes = {k: getattr(args, k) for k in QUICK}

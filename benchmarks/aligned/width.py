@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from _common import machine_info, write_results  # noqa: E402
-from accuracy import METHODS, OUT_DIR, run_grid, write_outputs  # noqa: E402
+from accuracy import METHODS, OUT_DIR, read_raw, run_grid, write_outputs  # noqa: E402
 from train import PARTITIONS, WIDTH_KWARG, Cell  # noqa: E402
 
 KEYS = ("dataset", "arch", "partition", "num_clients", "init", "model_width")
@@ -104,11 +103,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     if args.render:
-        payloads = [json.loads(path.read_text(encoding="utf-8")) for path in args.render]
-        keyed = {tuple(row.get(k) for k in (*KEYS, "seed", "method")): row for payload in payloads for row in payload["rows"]}
-        rows = sorted(keyed.values(), key=lambda r: (r["dataset"], r["arch"], PARTITIONS.index(r["partition"]), r["num_clients"],
-                                                     r["init"], r["model_width"], r["seed"]))
-        for path in render(rows, args.out, payloads[0]["machine"]):
+        rows, info = read_raw(args.render)
+        for path in render(rows, args.out, info):
             print(f"wrote {path}")
         return
     cells = iterate_cells(args.archs, args.datasets, args.widths, args.clients, args.partitions, args.inits, args.seeds, args.epochs)
