@@ -543,9 +543,9 @@ def plot(stats: Any, methods: Sequence[str], out_dir: Path, *, name: str = "accu
     import matplotlib.pyplot as plt
 
     paths = []
+    first, second = panels
+    colors = plt.get_cmap("tab20")
     for (dataset, arch_name), group in stats.groupby(["dataset", "arch"], sort=False):
-        first, second = panels
-        colors = plt.get_cmap("tab20")
         pairs = list(dict.fromkeys(zip(group[first], group[second])))
         fig, axes = plt.subplots(1, len(pairs), figsize=(4.2 * len(pairs) + 1.8, 3.6), squeeze=False, sharey=True)
         for ax, (a, b) in zip(axes[0], pairs):
