@@ -61,11 +61,17 @@ def submit_job(cluster, submission: str, *command: str) -> str:
         found = re.search(r"Job '[^']+' (succeeded|failed|stopped)", status)
         return found.group(1) if found else None
 
-    state = poll(finished, f"job {submission} to finish")
-    out = cluster.run("ray", "job", "logs", "--address", cluster.dashboard_url, submission)
-    logs = out.stdout + out.stderr
-    assert state == "succeeded", logs[-4000:]
-    return logs
+    def logs() -> str:
+        out = cluster.run("ray", "job", "logs", "--address", cluster.dashboard_url, submission)
+        return out.stdout + out.stderr
+
+    try:
+        state = poll(finished, f"job {submission} to finish")
+    except AssertionError as e:  # say what the job and the cluster were doing, not only that it did not end
+        raise AssertionError(f"{e}\n$ ray job logs\n{logs()[-3000:]}\n{cluster.diagnostics()}") from None
+    text = logs()
+    assert state == "succeeded", text[-4000:]
+    return text
 
 
 def test_ray_job_submit_runs_a_job_on_both_nodes_with_named_actors_and_metrics(cluster, tmp_path):
@@ -73,7 +79,8 @@ def test_ray_job_submit_runs_a_job_on_both_nodes_with_named_actors_and_metrics(c
     job = {
         "run": {"name": "job", "storage": str(tmp_path / "runs")},
         "partition": {"num_clients": 3}, "model": {"hidden": [8]}, "train": {"epochs": 2},
-        "federation": {"namespace": namespace,
+        # actors that cannot be placed fail the job (its own message, in its logs) before the test stops waiting
+        "federation": {"namespace": namespace, "startup_timeout_s": WAIT_S / 2,
                        "client_overrides": {0: {"resources": {"silo_a": 0.1}}, 1: {"resources": {"silo_b": 0.1}}}},
         "methods": {"average": {}, "fedavg": {"rounds": 3, "local_epochs": 1}},
     }

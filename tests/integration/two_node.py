@@ -25,10 +25,56 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for outgoing connections (Linux: ``ip_local_port_range``)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class _Ports:
+    """Distinct free ports for one cluster, all below the kernel's ephemeral range.
+
+    A port taken from the ephemeral range (binding port 0 and closing) can be handed to another process as the local
+    end of an outgoing connection before the node binds it, and starting a head opens many such connections. Ports
+    below that range are only ever taken by an explicit bind, which :func:`_bindable` checks just before.
+    """
+
+    WORKER_BLOCK = 400  # worker ports per node
+    LOW = 20000  # above the worker ports a default ``ray.init()`` uses (10002-19999)
+
+    def __init__(self) -> None:
+        self.high = max(_ephemeral_low(), self.LOW + 4000)
+        self.taken: set[int] = set()
+        self.rng = random.Random()
+
+    def one(self) -> int:
+        for _ in range(1000):
+            port = self.rng.randrange(self.LOW, self.high)
+            if port not in self.taken and _bindable(port):
+                self.taken.add(port)
+                return port
+        raise RuntimeError(f"no free port in [{self.LOW}, {self.high})")
+
+    def block(self) -> tuple[int, int]:
+        """``(low, high)``: a run of :attr:`WORKER_BLOCK` ports overlapping none handed out before (a node's workers)."""
+        for _ in range(1000):
+            base = self.rng.randrange(self.LOW, self.high - self.WORKER_BLOCK)
+            span = set(range(base, base + self.WORKER_BLOCK + 1))
+            if not span & self.taken:
+                self.taken |= span
+                return base, base + self.WORKER_BLOCK
+        raise RuntimeError(f"no free block of {self.WORKER_BLOCK} ports in [{self.LOW}, {self.high})")
 
 
 class TwoNodeCluster:
@@ -48,9 +94,10 @@ class TwoNodeCluster:
         self.resources = resources
         self.node_env = node_env
         self.temp_dir = Path(tempfile.mkdtemp(prefix="rfc", dir="/tmp"))  # short: Ray's socket paths have a length limit
-        self.gcs_port = _free_port()
-        self.dashboard_port = _free_port()
-        self.metrics_ports = [_free_port(), _free_port()]
+        self.ports = _Ports()
+        self.gcs_port = self.ports.one()
+        self.dashboard_port = self.ports.one()
+        self.metrics_ports = [self.ports.one(), self.ports.one()]
         bin_dir = str(Path(sys.executable).parent)
         # The nodes run in the environment where rayfuse is installed: this interpreter's bin first on PATH (a job's
         # `python` is this one) and this checkout on PYTHONPATH (Tune trials import actors.tune on every node).
@@ -68,17 +115,17 @@ class TwoNodeCluster:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
     def _node_ports(self, metrics_port: int) -> list[str]:
-        base = random.randrange(20000, 30000, 500)  # below the ephemeral range the other ports come from
-        return [f"--metrics-export-port={metrics_port}", f"--dashboard-agent-listen-port={_free_port()}",
-                f"--dashboard-agent-grpc-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
-                f"--node-manager-port={_free_port()}", f"--object-manager-port={_free_port()}",
-                f"--min-worker-port={base}", f"--max-worker-port={base + 400}"]
+        low, high = self.ports.block()
+        return [f"--metrics-export-port={metrics_port}", f"--dashboard-agent-listen-port={self.ports.one()}",
+                f"--dashboard-agent-grpc-port={self.ports.one()}", f"--runtime-env-agent-port={self.ports.one()}",
+                f"--node-manager-port={self.ports.one()}", f"--object-manager-port={self.ports.one()}",
+                f"--min-worker-port={low}", f"--max-worker-port={high}"]
 
     def start(self) -> TwoNodeCluster:
         common = ["--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus_per_node}", "--disable-usage-stats"]
         # Each node is a "silo" (custom resources, as in cluster.yaml): a config pins clients to nodes with them.
         head = [self.ray, "start", "--head", f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1",
-                f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={_free_port()}",
+                f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={self.ports.one()}",
                 f"--temp-dir={self.temp_dir}", "--include-dashboard=true", f"--resources={json.dumps(self.resources[0])}", *common,
                 *self._node_ports(self.metrics_ports[0])]
         worker = [self.ray, "start", f"--address={self.address}", f"--resources={json.dumps(self.resources[1])}", *common,
@@ -89,10 +136,44 @@ class TwoNodeCluster:
                 out = subprocess.run(command, env={**self.env, **extra}, capture_output=True, text=True, timeout=180)
                 if out.returncode != 0:
                     raise RuntimeError(f"{' '.join(command[:3])} failed: {out.stderr[-2000:]}")
+            self._wait_for_nodes(2)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _wait_for_nodes(self, count: int, timeout_s: float = 60.0) -> None:
+        """Return once ``count`` nodes are alive; raise, with what the cluster reports, if they are not in time.
+
+        ``ray start`` returns before every process of its node is up: a node whose agent then dies never joins, and a
+        test would otherwise find out only as a job waiting, unplaced, for that node's resource.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            out = self.run("ray", "list", "nodes", "--address", self.dashboard_url, "--format", "json",
+                           "--filter", "state=ALIVE", timeout=60)
+            try:
+                alive = json.loads(out.stdout) if out.returncode == 0 else []
+            except json.JSONDecodeError:
+                alive = []
+            if len(alive) >= count:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{len(alive)} of {count} nodes alive after {timeout_s:g} s\n{self.diagnostics()}")
+            time.sleep(1.0)
+
+    def diagnostics(self, tail: int = 2000) -> str:
+        """What to read when the cluster misbehaves: ``ray status`` (nodes, resources, pending demands) and the last
+        lines of each node's raylet and agent logs."""
+        status = self.run("ray", "status", "--address", self.address, timeout=60)
+        parts = [f"$ ray status\n{(status.stdout + status.stderr)[-tail:]}"]
+        for pattern in ("raylet*.out", "raylet*.err", "runtime_env_agent*", "dashboard_agent*"):
+            for log in sorted((self.temp_dir / "session_latest" / "logs").glob(pattern)):
+                lines = [line for line in log.read_text(errors="replace").splitlines() if "[state-dump]" not in line]
+                text = "\n".join(lines).strip()  # without the raylet's periodic state dumps
+                if text:
+                    parts.append(f"--- {log.name}\n{text[-tail:]}")
+        return "\n".join(parts)
 
     def pids(self) -> list[int]:
         """The processes of this cluster: every process whose command line names its temp dir."""
