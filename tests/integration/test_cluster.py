@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -21,7 +20,7 @@ import yaml
 
 from rayfuse.config import load_config
 from rayfuse.method import resolve_methods
-from tests.integration.two_node import ROOT, TwoNodeCluster
+from tests.integration.two_node import ROOT, TwoNodeCluster, poll
 
 pytestmark = pytest.mark.ray
 WAIT_S = 300  # an upper bound for waiting on the cluster, not a performance assertion
@@ -34,17 +33,6 @@ def cluster():
         yield nodes
     finally:
         nodes.stop()
-
-
-def poll(check, what: str, timeout: float = WAIT_S, every: float = 2.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(every)
 
 
 def submit_job(cluster, submission: str, *command: str) -> str:
@@ -66,7 +54,7 @@ def submit_job(cluster, submission: str, *command: str) -> str:
         return out.stdout + out.stderr
 
     try:
-        state = poll(finished, f"job {submission} to finish")
+        state = poll(finished, f"job {submission} to finish", timeout=WAIT_S)
     except AssertionError as e:  # say what the job and the cluster were doing, not only that it did not end
         raise AssertionError(f"{e}\n$ ray job logs\n{logs()[-3000:]}\n{cluster.diagnostics()}") from None
     text = logs()
@@ -113,7 +101,7 @@ def test_ray_job_submit_runs_a_job_on_both_nodes_with_named_actors_and_metrics(c
         rows = [line for line in text.splitlines() if line.startswith("ray_rayfuse_") and f'run="{run}"' in line]
         return rows if any(r.startswith("ray_rayfuse_rounds_total") for r in rows) else None
 
-    rows = poll(scrape, "the rayfuse metrics on the head's metrics endpoint")
+    rows = poll(scrape, "the rayfuse metrics on the head's metrics endpoint", timeout=WAIT_S)
 
     def value(name: str, **tags: str) -> float:
         found = [r for r in rows if r.startswith(name + "{") and all(f'{k}="{v}"' in r for k, v in tags.items())]

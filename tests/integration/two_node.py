@@ -42,6 +42,19 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def poll(check, what: str, *, timeout: float, every: float = 2.0):
+    """``check()``'s first truthy value, asked every ``every`` s; an AssertionError after ``timeout`` s (an upper
+    bound for waiting on the cluster, not a performance assertion)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(every)
+
+
 class _Ports:
     """Distinct free ports for one cluster, all below the kernel's ephemeral range.
 
@@ -148,19 +161,18 @@ class TwoNodeCluster:
         ``ray start`` returns before every process of its node is up: a node whose agent then dies never joins, and a
         test would otherwise find out only as a job waiting, unplaced, for that node's resource.
         """
-        deadline = time.monotonic() + timeout_s
-        while True:
+        def alive() -> bool:
             out = self.run("ray", "list", "nodes", "--address", self.dashboard_url, "--format", "json",
                            "--filter", "state=ALIVE", timeout=60)
             try:
-                alive = json.loads(out.stdout) if out.returncode == 0 else []
+                return out.returncode == 0 and len(json.loads(out.stdout)) >= count
             except json.JSONDecodeError:
-                alive = []
-            if len(alive) >= count:
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{len(alive)} of {count} nodes alive after {timeout_s:g} s\n{self.diagnostics()}")
-            time.sleep(1.0)
+                return False
+
+        try:
+            poll(alive, f"{count} nodes alive", timeout=timeout_s, every=1.0)
+        except AssertionError as e:
+            raise RuntimeError(f"{e}\n{self.diagnostics()}") from None
 
     def diagnostics(self, tail: int = 2000) -> str:
         """What to read when the cluster misbehaves: ``ray status`` (nodes, resources, pending demands) and the last
