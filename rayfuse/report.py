@@ -87,6 +87,7 @@ _EXTRAS: list[tuple[Callable[[Mapping[str, Any]], bool], Callable[[Mapping[str, 
     (_has("dp_sgd_epsilon"), lambda e: f"DP-SGD epsilon {e['dp_sgd_epsilon']:.3g} (max over clients)"),  # train.dp
     (_has("upload_epsilon"), lambda e: f"upload epsilon {e['upload_epsilon']:.3g}"),  # a one-shot method's dp upload
     (lambda e: bool(e.get("rounds")), lambda e: f"{e['rounds']} round{'s' if e['rounds'] != 1 else ''}"),
+    (lambda e: "transfer_note" in e.get("info", {}), lambda e: e["info"]["transfer_note"]),  # distill: the transfer data
     (_has("epsilon"), lambda e: f"({e['epsilon']:.3g}, {e['delta']:.0e})-DP"
      + (" (stopped at the epsilon budget)" if "stopped" in e.get("info", {}).get("dp", {}) else "")),  # central DP-FedAvg
     (_has("tuned_accuracy"), lambda e: f"tuned acc {e['tuned_accuracy']:.4f}"),  # fine-tuned on the public sample (gems)

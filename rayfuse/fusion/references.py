@@ -10,7 +10,7 @@ from __future__ import annotations
 from rayfuse.method import Reference
 
 __all__ = ["KLF", "SPAHM", "GEMS", "EPGAN", "FEDREF", "FEDSA", "FEDAVG", "FEDPROX", "FEDOPT", "REBASIN", "FISHERMERGE", "REGMEAN",
-           "REPAIR"]
+           "REPAIR", "FEDDF", "DENSE", "COBOOST", "DEEPINV"]
 
 KLF = Reference("KLF", "Claici, Yurochkin, Ghosh, Solomon. Model Fusion with Kullback-Leibler Divergence. ICML 2020",
                 "https://arxiv.org/abs/2007.06168")
@@ -39,3 +39,11 @@ REGMEAN = Reference("REGMEAN", "Jin, Ren, Preotiuc-Pietro, Cheng. Dataless Knowl
                     "Models. ICLR 2023", "https://arxiv.org/abs/2212.09849")
 REPAIR = Reference("REPAIR", "Jordan, Sedghi, Saukh, Entezari, Neyshabur. REPAIR: REnormalizing Permuted Activations for "
                    "Interpolation Repair. ICLR 2023", "https://arxiv.org/abs/2211.08403")
+FEDDF = Reference("FEDDF", "Lin, Kong, Stich, Jaggi. Ensemble Distillation for Robust Model Fusion in Federated Learning. "
+                  "NeurIPS 2020", "https://arxiv.org/abs/2006.07242")
+DENSE = Reference("DENSE", "Zhang, Chen, Li, Lyu, Wu, Ding, Shen, Wu. DENSE: Data-Free One-Shot Federated Learning. NeurIPS 2022",
+                  "https://arxiv.org/abs/2112.12371")
+COBOOST = Reference("COBOOST", "Dai, Zhang, Li, Liu, Yang, Han. Enhancing One-Shot Federated Learning Through Data and "
+                    "Ensemble Co-Boosting. ICLR 2024", "https://arxiv.org/abs/2402.15070")
+DEEPINV = Reference("DEEPINV", "Yin, Molchanov, Alvarez, Li, Mallya, Hoiem, Jha, Kautz. Dreaming to Distill: Data-free Knowledge "
+                    "Transfer via DeepInversion. CVPR 2020", "https://arxiv.org/abs/1912.08795")

@@ -304,6 +304,17 @@ class Aligned(Method):
             metrics = {**metrics, "upload_epsilon": max(upload_dp["epsilon"].values())}
         return MethodResult(metrics, state.params, info=info)
 
+    def merge_local_models(self, server: ServerContext, updates: dict[int, Update]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The one-shot aligned merge of ``updates`` (local models by client id): alignment, merge and repair as the
+        parameters say, the clients' statistics asked of those clients only. For methods that start from it
+        (``distill``'s ``init: aligned``); returns the merged parameters (at grown widths with ``merge:
+        nonparametric``) and the merge's information."""
+        p = self.params
+        spec = derive_run_spec(server.build_model(seed=0), server.input_shape, p.spec)
+        ids = sorted(updates)
+        weights = [float(updates[c].num_examples) if p.weighted else 1.0 for c in ids]
+        return self._fuse(server, spec, [updates[c].params for c in ids], ids, weights, round=1)
+
     def _attack(self, server: ServerContext, updates: dict[int, Update], reference: dict[str, np.ndarray], round: int) -> dict[int, Update]:
         """With ``merge: average``, the round's models with each attacking client's replaced by its attack's (relative to
         ``reference``: the run's initial model in round 1, the broadcast global model later), before alignment: a

@@ -1,0 +1,389 @@
+"""``distill``: one-shot fusion by ensemble distillation. A student learns to match the clients' ensemble.
+
+One shot:
+
+1. every client trains its local model (shared by all methods of the run); clients may have different architectures
+   (``federation.client_overrides.<i>.model``);
+2. the student starts from ``init``: ``aligned`` (the ``aligned`` method's merge of the clients whose architecture is
+   the student's, its nonparametric width included when ``aligned.merge: nonparametric``), ``average`` (their
+   sample-weighted average) or ``random``; with no client of the student's architecture it starts at random;
+3. the student is trained on the server to match the ensemble of the clients' models (per-class teacher weights by
+   ``weighting``, logits averaged, temperature ``temperature``) on transfer inputs from ``transfer``:
+
+   - ``public``: the server's unlabeled public sample (``data.public_size``, or ``data.public`` with silos; labels are
+     never read), shifted and mixed up (FedDF [FEDDF]);
+   - ``synthetic``: data-free. A generator trained against the ensemble (DENSE [DENSE]: cross-entropy on sampled labels,
+     BatchNorm statistic matching, an adversarial term; Co-Boosting's [COBOOST] hard-sample weighting and ensemble
+     re-weighting as options); its outputs carry the clients' pooled input mean and variance per element when
+     ``input_moments`` (each client's count, sum and sum of squares of its inputs).
+
+   ``teachers``: ``parameters`` (the clients' local models are uploaded, as for ``average``, and evaluated on the
+   server) or ``clients`` (predictions only: the server sends each client the transfer inputs of a pass, one call per
+   client per pass, and the client returns its model's logits on them and, for the generator, the gradient of its own
+   term of the generator's objective with respect to those inputs; no parameter leaves a client).
+
+What leaves a client, by mode (``docs/methods/distill.md``): ``parameters``: its local model (and, with ``init:
+aligned``, the ``aligned`` method's statistics); ``clients``: its logits on the server's transfer inputs, and with
+``transfer: synthetic`` the input gradients above; ``input_moments``: per-element count, sum and sum of squares of its
+inputs. Never a sample, a label or an activation of its own data. Local DP-SGD (``train.dp``) covers the predictions
+(post-processing of a DP-trained model), not the input moments, which are then refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import Field
+
+from rayfuse.config import ModelConfig
+from rayfuse.errors import InputError, RunFailure
+from rayfuse.fusion import references
+from rayfuse.fusion.aligned.algorithm import AlignedParams
+from rayfuse.fusion.distill.student import DistillSettings
+from rayfuse.method import (
+    ClientContext,
+    Method,
+    MethodParams,
+    MethodResult,
+    Rejected,
+    RunSetup,
+    ServerContext,
+    Update,
+    client_step,
+    register_method,
+)
+
+__all__ = ["Distill", "DistillParams", "predict", "signal", "input_moments", "transfer_note"]
+
+
+class DistillParams(MethodParams):
+    """The ``distill`` method's parameters (defaults: a first try on small models, about a minute on 2 CPU cores)."""
+
+    transfer: Literal["public", "synthetic"] = Field("public", description="public: the server's unlabeled public sample, "
+                                                     "augmented; synthetic: data-free, from a generator trained against the ensemble")
+    teachers: Literal["parameters", "clients"] = Field("parameters", description="parameters: the local models are uploaded and "
+                                                       "evaluated on the server; clients: predictions only, no parameter leaves a client")
+    init: Literal["aligned", "average", "random"] = Field("aligned", description="the student's start: the aligned merge (or "
+                                                          "the average) of the clients of its architecture, or a random initialisation")
+    student: ModelConfig | None = Field(None, description="the student's architecture (a model section); default: the run's model")
+    aligned: AlignedParams = Field(default_factory=AlignedParams, description="init: aligned: the aligned method's settings "
+                                   "(alignment, merge, repair...; one shot)")
+    weighting: Literal["uniform", "samples", "classes"] = Field("classes", description="teacher weights: uniform, by sample count, "
+                                                                "or per class by each client's class counts")
+    combine: Literal["logits", "probabilities"] = Field("logits", description="the ensemble: weighted logits (FedDF) or "
+                                                        "weighted probabilities")
+    temperature: float = Field(4.0, gt=0, le=100, description="distillation temperature T")
+    steps: int = Field(2000, ge=1, le=10_000_000, description="student optimisation steps")
+    epochs: int = Field(10, ge=1, description="passes: one progress line and, with teachers: clients, one call per client each "
+                        "(public: a bank of steps / epochs * batch_size inputs; synthetic: steps / epochs student steps)")
+    batch_size: int = Field(64, ge=2, description="student batch size")
+    lr: float = Field(3e-3, gt=0, le=10, description="student learning rate (Adam, cosine schedule)")
+    shift: int = Field(1, ge=0, le=64, description="public, images: random shifts of up to this many pixels")
+    mixup: float = Field(0.5, ge=0, le=1, description="public: fraction of transfer inputs mixed with a second one (ratio ~ U(0, 1))")
+    synthetic_batch: int = Field(128, ge=2, description="synthetic: inputs per generated batch")
+    generator_steps: int = Field(10, ge=1, description="synthetic: generator steps per round")
+    student_steps: int = Field(20, ge=1, description="synthetic: student steps per round")
+    generator_lr: float = Field(1e-3, gt=0, le=10, description="synthetic: generator learning rate (Adam, betas 0.5, 0.999)")
+    latent_dim: int = Field(256, ge=1, le=65536, description="synthetic: the generator's noise dimension")
+    ce_weight: float = Field(1.0, ge=0, description="synthetic: weight of the ensemble's cross-entropy on the sampled labels")
+    bn_weight: float = Field(1.0, ge=0, description="synthetic: weight of the teachers' BatchNorm statistic matching")
+    adversarial_weight: float = Field(1.0, ge=0, description="synthetic: weight of the student-ensemble disagreement term")
+    hardness: float = Field(0.0, ge=0, le=16, description="synthetic: Co-Boosting's hard-sample weighting (1 - p_y)^hardness; 0: DENSE")
+    reweight: bool = Field(False, description="synthetic: Co-Boosting's re-weighting of the ensemble's members each round")
+    reweight_lr: float = Field(0.01, gt=0, le=1, description="synthetic, reweight: the members' weights' step")
+    bank_samples: int = Field(20000, ge=1, description="synthetic: past generated inputs kept for the student")
+    input_moments: bool = Field(True, description="synthetic: the clients report their inputs' per-element count, sum and sum of "
+                                "squares, and generated inputs take the pooled mean and variance")
+    batched: Literal["auto", "vmap", "loop"] = Field("auto", description="teachers of one architecture evaluated in one vmapped call "
+                                                     "or a loop; auto: vmap on a GPU, the loop on the CPU (where it measures faster)")
+
+    def settings(self, seed: int) -> DistillSettings:
+        return DistillSettings(steps=self.steps, epochs=self.epochs, batch_size=self.batch_size, lr=self.lr, temperature=self.temperature,
+                               combine=self.combine, shift=self.shift, mixup=self.mixup, synthetic_batch=self.synthetic_batch,
+                               generator_steps=self.generator_steps, student_steps=self.student_steps, generator_lr=self.generator_lr,
+                               latent_dim=self.latent_dim, ce_weight=self.ce_weight, bn_weight=self.bn_weight,
+                               adversarial_weight=self.adversarial_weight, hardness=self.hardness, reweight=self.reweight,
+                               reweight_lr=self.reweight_lr, bank_samples=self.bank_samples, seed=seed)
+
+
+def transfer_note(params: DistillParams, samples: int | None) -> str:
+    """How the table's ``extra`` column names the transfer data: ``public sample (300)``, ``synthetic (data-free)``,
+    and ``, predictions only`` with ``teachers: clients``."""
+    text = f"public sample ({samples})" if params.transfer == "public" else "synthetic (data-free)"
+    return text + (", predictions only" if params.teachers == "clients" else "")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Client steps (teachers: clients): predictions and gradients on the server's inputs, never the client's data
+
+
+@client_step("distill.predict")
+def predict(ctx: ClientContext, X: np.ndarray, *, chunk_size: int = 256) -> dict[str, np.ndarray]:
+    """This client's local model's logits ``(N, C)`` on the server's transfer inputs ``X`` (nothing else)."""
+    import torch
+
+    from rayfuse.fusion.distill.teachers import Teachers
+
+    teacher = Teachers([ctx.local_model()], batched=False, device=ctx.device, chunk_size=chunk_size, freeze=False)
+    with torch.no_grad():
+        logits = teacher.predict(X)[0]
+    return {"logits": logits.float().cpu().numpy()}
+
+
+@client_step("distill.signal")
+def signal(ctx: ClientContext, X: np.ndarray, labels: np.ndarray, class_weights: np.ndarray, *, num_teachers: int,
+           settings: dict[str, Any]) -> dict[str, np.ndarray]:
+    """For the data-free generator: this client's logits ``(G, B, C)`` on the server's generated batches ``X``
+    ``(G, B, ...)`` and the gradient ``(G, B, ...)`` of its own term of the generator's objective with respect to those
+    inputs (:func:`rayfuse.fusion.distill.student.teacher_signal`)."""
+    import torch
+
+    from rayfuse.fusion.distill.student import teacher_signal
+
+    logits, grad = teacher_signal(ctx.local_model().to(ctx.device), torch.as_tensor(np.ascontiguousarray(X), device=ctx.device),
+                                  torch.as_tensor(np.ascontiguousarray(labels), device=ctx.device),
+                                  torch.as_tensor(class_weights, dtype=torch.float32, device=ctx.device),
+                                  num_teachers=num_teachers, settings=DistillSettings(**settings))
+    return {"logits": logits.float().cpu().numpy(), "grad": grad.float().cpu().numpy()}
+
+
+@client_step("distill.input_moments")
+def input_moments(ctx: ClientContext) -> dict[str, np.ndarray]:
+    """The count, per-element sum and sum of squares of this client's training inputs (the statistics a silo run
+    standardises with)."""
+    from rayfuse.data.silos import feature_moments
+
+    count, total, squares = feature_moments(ctx.train.X)
+    return {"count": np.asarray(count, dtype=np.int64), "sum": total, "sumsq": squares}
+
+
+class _ClientTeachers:
+    """The clients as teachers: one federation call per pass; each reply checked (shapes, finite values) before use."""
+
+    def __init__(self, server: ServerContext, clients: Sequence[int], num_classes: int) -> None:
+        self.server, self.clients, self.num_classes = server, list(clients), num_classes
+        self.num_teachers = len(self.clients)
+
+    def _gather(self, step: Any, what: str, expect: dict[str, tuple[int, ...]], *args: Any, per_client: Sequence[Any] | None = None,
+                **kwargs: Any) -> list[dict[str, np.ndarray]]:
+        fed = self.server.federation
+        refs = [fed.put(a) for a in args]
+        if per_client is None:
+            gathered = fed.run(step, *refs, clients=self.clients, **kwargs)
+        else:
+            gathered = fed.gather([call for c, extra in zip(self.clients, per_client) for call in fed.map(step, *refs, extra, clients=[c], **kwargs)])
+
+        def read(client: int, reply: Any) -> dict[str, np.ndarray]:
+            if not isinstance(reply, dict) or set(reply) != set(expect):
+                raise Rejected(f"{what}: a dict of {sorted(expect)}, got {sorted(reply) if isinstance(reply, dict) else type(reply).__name__}")
+            for key, shape in expect.items():
+                value = np.asarray(reply[key])
+                if value.shape != shape:
+                    raise Rejected(f"{what}: {key} of shape {shape}, got {value.shape}")
+                if not np.isfinite(value).all():
+                    raise Rejected(f"{what}: non-finite values in {key}")
+            return reply
+
+        kept = self.server.accept_replies(gathered, read, need=len(self.clients), what=what)
+        return [kept[c] for c in self.clients]
+
+    def predict(self, X: Any) -> Any:
+        import torch
+
+        X_np = X.detach().cpu().numpy() if hasattr(X, "detach") else np.asarray(X)
+        replies = self._gather(predict, "teacher predictions", {"logits": (len(X_np), self.num_classes)}, X_np)
+        return torch.as_tensor(np.stack([r["logits"] for r in replies]))
+
+    def signal(self, X: Any, labels: Any, weights: Any, settings: DistillSettings) -> tuple[Any, Any]:
+        import dataclasses
+
+        import torch
+
+        X_np, y_np, W = X.detach().cpu().numpy(), labels.detach().cpu().numpy(), weights.detach().cpu().numpy()
+        G, B = y_np.shape
+        replies = self._gather(signal, "generator signals", {"logits": (G, B, self.num_classes), "grad": X_np.shape}, X_np, y_np,
+                               per_client=[W[k] for k in range(self.num_teachers)], num_teachers=self.num_teachers,
+                               settings=dataclasses.asdict(settings))
+        return (torch.as_tensor(np.stack([r["logits"] for r in replies])), torch.as_tensor(np.sum([r["grad"] for r in replies], axis=0)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The server
+
+
+class _StudentServer:
+    """The run's server seen with the student's architecture as the run's model (``init: aligned`` of a student whose
+    architecture is not the run's ``model``)."""
+
+    def __init__(self, server: ServerContext, model_cfg: ModelConfig) -> None:
+        self._server = server
+        self.model_cfg = model_cfg
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
+
+    def build_model(self, seed: int | None = None) -> Any:
+        from rayfuse.models import build_model
+
+        return build_model(self.model_cfg, self._server.input_shape, self._server.num_classes, seed=seed)
+
+    def initial_params(self) -> dict[str, np.ndarray]:
+        from rayfuse.models import get_params
+
+        return get_params(self.build_model(seed=self._server.step_seed("init")))
+
+
+@register_method
+class Distill(Method):
+    name = "distill"
+    Params = DistillParams
+    params: DistillParams
+    summary = "one-shot ensemble distillation into one student: public unlabeled data or data-free, parameters or predictions only"
+    reference = references.FEDDF
+    uses_local_models = True
+    local_model_only = True  # train.dp covers the predictions (post-processing); input moments are refused with it
+    heterogeneous_clients = True
+
+    @classmethod
+    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+        assert isinstance(params, DistillParams)
+        if params.transfer == "public" and setup.public_size <= 0:
+            raise InputError("data.public_size", "a public sample for transfer: public (data.public_size > 0; data.public with "
+                             "data.silos): its inputs are the transfer data, its labels are never read", setup.public_size,
+                             "or set transfer: synthetic (data-free)")
+        if params.teachers == "clients" and params.init != "random":
+            raise InputError("init", "random with teachers: clients (predictions only: no client's parameters reach the server to "
+                             "start from)", params.init)
+        if params.transfer == "synthetic" and params.input_moments and setup.train.dp is not None:
+            raise InputError("input_moments", "false with train.dp (local DP-SGD covers the clients' models and what they predict, "
+                             "not the moments of their inputs)", True)
+        if params.aligned.rounds != 1:
+            raise InputError("aligned.rounds", "1 (the student's start is the one-shot aligned merge)", params.aligned.rounds)
+        if params.aligned.dp is not None:
+            raise InputError("aligned.dp", "none (the aligned start uploads the local models as they are)", "a dp setting")
+        if params.student is not None and setup.input_shape and setup.num_classes:
+            from rayfuse.models.registry import check_model_fits
+
+            try:
+                check_model_fits(params.student, setup.input_shape, setup.num_classes)
+            except InputError as exc:
+                raise exc.at("student." + exc.path.split(".", 1)[-1]) from None
+
+    def run(self, server: ServerContext) -> MethodResult:
+        from rayfuse.fusion.distill.student import distill_public, distill_synthetic
+        from rayfuse.fusion.distill.teachers import teacher_weights
+        from rayfuse.models import get_params
+
+        p = self.params
+        settings = p.settings(server.step_seed("distill"))
+        student_cfg = p.student or server.model_cfg
+        fed = server.federation
+        clients = list(fed.client_ids)
+        updates: dict[int, Update] = {}
+        if p.teachers == "parameters":
+            updates = server.accept_updates(server.local_updates())
+            clients = sorted(updates)
+        counts = np.asarray(server.class_counts, dtype=np.float64)[clients]
+        weights = teacher_weights(p.weighting, counts)
+        student, start, resized = self._start(server, student_cfg, updates, clients)
+        batched = self._batched(server.device)
+        if p.teachers == "parameters":
+            from rayfuse.fusion.distill.teachers import Teachers
+
+            teachers: Any = Teachers([self._teacher(server, c, updates[c].params) for c in clients], batched=batched, device=server.device)
+        else:
+            teachers = _ClientTeachers(server, clients, server.num_classes)
+        epochs = p.epochs
+
+        def log(epoch: int, row: dict[str, float]) -> None:
+            server.log(epoch, {"distill_loss": row["loss"], "agreement": row["agreement"]})
+            server.progress(f"epoch {epoch}/{epochs}: loss {row['loss']:.4f}, agreement with the ensemble {row['agreement']:.3f}",
+                            epoch=epoch)
+
+        info: dict[str, Any] = {"transfer": p.transfer, "teachers": p.teachers, "init": start, "clients": clients,
+                                "weighting": p.weighting, "student": student_cfg.name, "batched": "vmap" if batched else "loop"}
+        try:
+            if p.transfer == "public":
+                X = server.public.X
+                history = distill_public(student, teachers, X, weights, settings, device=server.device, log=log)
+                info["transfer_samples"] = int(len(X))
+            else:
+                moments = self._moments(server, clients) if p.input_moments else None
+                history, scales = distill_synthetic(student, teachers, server.input_shape, weights, settings, label_prior=counts.sum(0),
+                                                    moments=moments, device=server.device, log=log)
+                if p.reweight:
+                    info["member_scales"] = {str(c): round(float(s), 4) for c, s in zip(clients, scales)}
+        except FloatingPointError as exc:
+            raise RunFailure(f"{server.label}: {exc}") from None
+        info["transfer_note"] = transfer_note(p, info.get("transfer_samples"))
+        info["final"] = {k: round(v, 4) for k, v in history[-1].items()} if history else {}
+        params = get_params(student.cpu())
+        bad = [k for k, v in params.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
+        if bad:
+            raise RunFailure(f"{server.label}: the distilled student has non-finite values in {bad[0]}")
+        metrics = server.evaluate(params, resized=resized, model=student_cfg)
+        server.log(epochs, metrics)
+        return MethodResult(metrics, params, info=info)
+
+    # -- the student's start and the teachers ---------------------------------------------------------------------
+
+    def _batched(self, device: str) -> bool:
+        if self.params.batched == "auto":
+            return str(device).startswith("cuda")
+        return self.params.batched == "vmap"
+
+    @staticmethod
+    def _teacher(server: ServerContext, client: int, params: dict[str, np.ndarray]) -> Any:
+        from rayfuse.evaluation import model_for_params
+
+        return model_for_params(params, server.client_model(client), server.input_shape, server.num_classes)
+
+    def _start(self, server: ServerContext, student_cfg: ModelConfig, updates: dict[int, Update],
+               clients: list[int]) -> tuple[Any, str, bool]:
+        """The student model, how it started, and whether its widths differ from its configuration's."""
+        from rayfuse.evaluation import model_for_params
+        from rayfuse.fusion.aggregate import weighted_average
+        from rayfuse.models import build_model
+
+        p = self.params
+        same = [c for c in clients if c in updates and server.client_model(c) == student_cfg]
+        if p.init == "random" or not same:
+            model = build_model(student_cfg, server.input_shape, server.num_classes, seed=server.step_seed("student"))
+            reason = "random" if p.init == "random" else f"random (no client has the student's architecture for init: {p.init})"
+            return model, reason, False
+        weights = [float(updates[c].num_examples) for c in same]
+        if p.init == "average":
+            start = weighted_average([updates[c].params for c in same], weights)
+            reason = f"average of clients {same}"
+        else:
+            from rayfuse.fusion.aligned.algorithm import Aligned
+
+            view = server if student_cfg == server.model_cfg else _StudentServer(server, student_cfg)
+            start, _ = Aligned(p.aligned, server.label).merge_local_models(view, {c: updates[c] for c in same})
+            reason = f"aligned merge of clients {same}"
+        reference = build_model(student_cfg, server.input_shape, server.num_classes, seed=0).state_dict()
+        resized = any(tuple(np.shape(start[k])) != tuple(v.shape) for k, v in reference.items() if k in start)
+        model = model_for_params(start, student_cfg, server.input_shape, server.num_classes)
+        server.progress(f"the student starts from the {reason}" + (" (widened)" if resized else ""))
+        return model, reason, resized
+
+    @staticmethod
+    def _moments(server: ServerContext, clients: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The clients' pooled input mean and standard deviation per element (each client's count, sum, sum of squares)."""
+        from rayfuse.data.silos import combine_moments
+
+        shape = tuple(server.input_shape)
+
+        def read(client: int, reply: Any) -> tuple[int, np.ndarray, np.ndarray]:
+            if not isinstance(reply, dict) or set(reply) != {"count", "sum", "sumsq"}:
+                raise Rejected("input moments: a dict of count, sum, sumsq")
+            total, squares = np.asarray(reply["sum"], np.float64), np.asarray(reply["sumsq"], np.float64)
+            if total.shape != shape or squares.shape != shape or not (np.isfinite(total).all() and np.isfinite(squares).all()):
+                raise Rejected(f"input moments: finite sums shaped like one input {shape}")
+            return int(reply["count"]), total, squares
+
+        replies = server.accept_replies(server.federation.run(input_moments, clients=clients), read, need=1, what="input moments")
+        mean, scale = combine_moments([replies[c] for c in sorted(replies)])
+        return mean[0], scale[0]

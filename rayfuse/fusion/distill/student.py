@@ -1,0 +1,370 @@
+"""The distillation loops: a student trained to match the teachers' ensemble on public or synthetic transfer inputs.
+
+Both loops are written against a teacher *source*, so the same code serves the three ways of reaching the teachers:
+
+* :class:`~rayfuse.fusion.distill.teachers.Teachers` (the server holds the teachers' parameters, or ``rayfuse fuse``
+  reads checkpoints): exact gradients through the teachers;
+* the clients themselves (``teachers: clients``, parameters never leave): one call per client per pass, which returns
+  the client's logits on the pass's inputs (``predict``) and, for the generator, the gradient of the client's own term of
+  the generator's objective with respect to those inputs (``signal``, :func:`teacher_signal`).
+
+**Public transfer** (FedDF [FEDDF]). Each of ``epochs`` passes draws a bank of ``steps / epochs * batch_size``
+augmented inputs (:func:`~rayfuse.fusion.distill.transfer.augment_bank`), has the teachers predict on it once, and
+trains the student one step per batch of it:
+
+.. math::
+
+    \\min_\\theta \\; \\mathbb{E}_{x \\in \\text{bank}} \\; T^2\\, \\mathrm{KL}\\big(\\sigma(\\bar z(x) / T) \\,\\|\\,
+    \\sigma(s_\\theta(x) / T)\\big), \\qquad \\bar z_c(x) = \\sum_k w_{kc}\\, z_{kc}(x)
+
+with Adam and a cosine learning-rate schedule over ``steps``.
+
+**Synthetic transfer** (DENSE [DENSE], with Co-Boosting's options [COBOOST]). In rounds (``steps / student_steps`` of
+them, spread over ``epochs`` epochs), the generator ``G`` takes ``generator_steps`` steps on
+
+.. math::
+
+    L_G = \\lambda_{ce}\\, \\frac1B \\sum_i (1 - p_{y_i}(x_i))^{h}\\, \\mathrm{CE}(\\bar z(x_i), y_i)
+        + \\lambda_{bn} \\frac1K \\sum_k \\sum_l \\big(\\|\\mu_l(x) - \\mu_{kl}\\|_2 + \\|\\sigma^2_l(x) - \\sigma^2_{kl}\\|_2\\big)
+        - \\lambda_{adv}\\, \\frac1B \\sum_i \\mathbb{1}[\\arg\\max s(x_i) \\ne \\arg\\max \\bar z(x_i)]\\,
+          \\mathrm{KL}\\big(\\sigma(\\bar z(x_i)/3) \\,\\|\\, \\sigma(s(x_i)/3)\\big)
+
+with ``x_i = G(z_i)``, labels ``y_i`` drawn from the clients' pooled label frequencies, ``p`` the ensemble's
+probabilities, ``h`` Co-Boosting's hardness (0: DENSE's plain cross-entropy), ``mu_kl, sigma_kl`` teacher ``k``'s
+BatchNorm running statistics at layer ``l`` (DeepInversion's prior [DEEPINV]) and the adversarial term pushing ``G``
+to inputs where student and ensemble disagree (DENSE's mask, as the issue of record and Co-Boosting's copy of DENSE
+write it). Every generated batch joins a bank with the teachers' logits on it; the student then takes
+``student_steps`` distillation steps on batches drawn from the whole bank. With ``reweight`` (Co-Boosting), each
+epoch the members' weights take signed-gradient steps on the cross-entropy of the weighted ensemble over the bank.
+
+With the clients as teachers the generator's objective is split into what each client can compute alone: client ``k``
+returns ``d/dx [lambda_ce * mean_i w_{k y_i} (1 - p_{k y_i})^h CE(z_k(x_i), y_i) + lambda_bn / K * BN_k(x)]`` on the
+round's batches (one call per round), so the cross-entropy term is the weighted sum of the members' cross-entropies
+instead of the cross-entropy of their weighted sum, and the generator's steps within a round use gradients taken at the
+inputs the round began with (the generator moves little within a round); the adversarial term is computed by the
+server with the teachers' logits held fixed. These are the two places where the predictions-only mode departs from DENSE.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rayfuse.fusion.distill.teachers import combine_teachers, distillation_loss
+from rayfuse.fusion.distill.transfer import Generator, SyntheticBank, augment_bank
+
+__all__ = ["DistillSettings", "ExactTeachers", "SignalTeachers", "distill_public", "distill_synthetic", "teacher_signal",
+           "agreement"]
+
+Log = Callable[[int, dict[str, float]], None]
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    """How a student is distilled (the ``distill`` method's parameters, less the run's choices of teachers and start)."""
+
+    steps: int = 2000
+    epochs: int = 10
+    batch_size: int = 64
+    lr: float = 3e-3
+    temperature: float = 4.0
+    combine: str = "logits"
+    shift: int = 1
+    mixup: float = 0.5
+    synthetic_batch: int = 128
+    generator_steps: int = 10
+    student_steps: int = 20
+    generator_lr: float = 1e-3
+    latent_dim: int = 256
+    ce_weight: float = 1.0
+    bn_weight: float = 1.0
+    adversarial_weight: float = 1.0
+    hardness: float = 0.0
+    reweight: bool = False
+    reweight_lr: float = 0.01
+    bank_samples: int = 20000
+    seed: int = 0
+
+
+class ExactTeachers(Protocol):
+    """Teachers the server can differentiate through (:class:`~rayfuse.fusion.distill.teachers.Teachers`)."""
+
+    num_teachers: int
+
+    def predict(self, X: torch.Tensor) -> torch.Tensor: ...
+
+    def forward(self, x: torch.Tensor, *, with_bn: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class SignalTeachers(Protocol):
+    """Teachers reached only through their predictions (the clients, ``teachers: clients``)."""
+
+    num_teachers: int
+
+    def predict(self, X: torch.Tensor) -> torch.Tensor: ...
+
+    def signal(self, X: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, settings: DistillSettings) -> tuple[torch.Tensor, torch.Tensor]:
+        """Member logits ``(K, G, B, C)`` on the batches ``X`` ``(G, B, ...)`` and the summed input gradient of the members'
+        generator terms ``(G, B, ...)`` (:func:`teacher_signal` per member)."""
+        ...
+
+
+def agreement(student: nn.Module, X: torch.Tensor, target: torch.Tensor, limit: int = 1024) -> float:
+    """The fraction of (at most ``limit``) inputs where the student's and the ensemble's top classes agree."""
+    was = student.training
+    student.eval()
+    with torch.no_grad():
+        n = min(limit, X.shape[0])
+        agree = float((student(X[:n]).argmax(1) == target[:n].argmax(1)).float().mean())
+    student.train(was)
+    return agree
+
+
+def _optimizer(student: nn.Module, settings: DistillSettings) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    opt = torch.optim.Adam([p for p in student.parameters() if p.requires_grad], lr=settings.lr)
+    return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, settings.steps))
+
+
+def _student_step(student: nn.Module, opt: torch.optim.Optimizer, sched: Any, x: torch.Tensor, target: torch.Tensor,
+                  temperature: float) -> float:
+    loss = distillation_loss(student(x), target, temperature)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    sched.step()
+    return float(loss.detach())
+
+
+def _check_finite(value: float, what: str) -> None:
+    if not math.isfinite(value):
+        raise FloatingPointError(f"distillation diverged: the {what} is {value}; lower lr / generator_lr")
+
+
+def distill_public(student: nn.Module, teachers: ExactTeachers | SignalTeachers, X: np.ndarray, weights: np.ndarray,
+                   settings: DistillSettings, *, device: str = "cpu", log: Log | None = None) -> list[dict[str, float]]:
+    """Train ``student`` in place on augmented banks of the unlabeled inputs ``X`` ``(N, *input_shape)`` to match the
+    teachers' ensemble (per-class ``weights`` ``(K, C)``). Returns one row per epoch (one bank, one teacher call):
+    ``loss`` (mean distillation loss of the epoch), ``agreement`` (student and ensemble top-1 on the epoch's bank),
+    ``seconds``."""
+    generator = torch.Generator().manual_seed(int(settings.seed))
+    torch.manual_seed(int(settings.seed))  # dropout inside the student
+    X_t = torch.as_tensor(np.ascontiguousarray(X), dtype=torch.float32, device=device)
+    W = torch.as_tensor(weights, dtype=torch.float32, device=device)
+    student.to(device).train()
+    opt, sched = _optimizer(student, settings)
+    per_pass = math.ceil(settings.steps / settings.epochs)
+    history: list[dict[str, float]] = []
+    done = 0
+    started = time.perf_counter()
+    for epoch in range(1, settings.epochs + 1):
+        bank = augment_bank(X_t, per_pass * settings.batch_size, shift=settings.shift, mixup=settings.mixup, generator=generator)
+        target = combine_teachers(teachers.predict(bank).to(device), W, settings.combine)
+        order = torch.randperm(bank.shape[0], generator=generator).to(device)
+        losses = []
+        for start in range(0, bank.shape[0], settings.batch_size):
+            if done >= settings.steps:
+                break
+            idx = order[start:start + settings.batch_size]
+            if idx.numel() < 2:
+                continue  # BatchNorm cannot train on a batch of one
+            losses.append(_student_step(student, opt, sched, bank[idx], target[idx], settings.temperature))
+            done += 1
+        row = {"epoch": float(epoch), "loss": float(np.mean(losses)) if losses else 0.0, "agreement": agreement(student, bank, target),
+               "seconds": time.perf_counter() - started}
+        _check_finite(row["loss"], "student's loss")
+        history.append(row)
+        if log is not None:
+            log(epoch, row)
+    student.eval()
+    return history
+
+
+def _adversarial(student_logits: torch.Tensor, ensemble_logits: torch.Tensor) -> torch.Tensor:
+    """DENSE's adversarial term: minus the student-ensemble divergence (T = 3) where their top classes differ."""
+    mask = (student_logits.argmax(1) != ensemble_logits.argmax(1)).to(student_logits.dtype)
+    return -(distillation_loss(student_logits, ensemble_logits, 3.0, reduction="none") / 9.0 * mask).mean()
+
+
+def _hard_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, hardness: float) -> torch.Tensor:
+    """Cross-entropy, each sample weighted by ``(1 - p_y)^hardness`` (Co-Boosting's hard-sample weighting; 0: plain)."""
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    if hardness > 0:
+        p = torch.softmax(logits, dim=1).gather(1, labels[:, None])[:, 0].detach()
+        ce = (1 - p).pow(hardness) * ce
+    return ce.mean()
+
+
+def teacher_signal(model: nn.Module, X: torch.Tensor, labels: torch.Tensor, class_weights: torch.Tensor, *, num_teachers: int,
+                   settings: DistillSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """One teacher's reply to the generator (run by the client that holds the model): its logits ``(G, B, C)`` on the
+    batches ``X`` ``(G, B, ...)`` and the gradient ``(G, B, ...)``, per batch, of
+
+    ``lambda_ce * mean_i w[y_i] (1 - p_{y_i})^h CE(z(x_i), y_i) + lambda_bn / K * BN(x)``
+
+    with respect to the inputs (``class_weights``: this teacher's ``w[k, :]``; ``BN``: its BatchNorm statistic gap)."""
+    from rayfuse.fusion.distill.teachers import Teachers
+
+    teacher = Teachers([model], batched=False)
+    logits, grads = [], []
+    for x_batch, y_batch in zip(X, labels):
+        x = x_batch.detach().clone().requires_grad_(True)
+        with torch.enable_grad():
+            member, gap = teacher.forward(x, with_bn=settings.bn_weight > 0)
+            z = member[0]
+            ce = F.cross_entropy(z, y_batch, reduction="none")
+            if settings.hardness > 0:
+                p = torch.softmax(z, dim=1).gather(1, y_batch[:, None])[:, 0].detach()
+                ce = (1 - p).pow(settings.hardness) * ce
+            loss = settings.ce_weight * (class_weights[y_batch] * ce).mean() + settings.bn_weight / num_teachers * gap[0]
+            (grad,) = torch.autograd.grad(loss, x)
+        logits.append(z.detach())
+        grads.append(grad.detach())
+    return torch.stack(logits), torch.stack(grads)
+
+
+def _generator_round(gen: Generator, opt_g: torch.optim.Optimizer, student: nn.Module, teachers: ExactTeachers | SignalTeachers,
+                     bank: SyntheticBank, W: torch.Tensor, prior: torch.Tensor, generator: torch.Generator, settings: DistillSettings,
+                     device: str) -> list[float]:
+    """``generator_steps`` steps of the generator against the ensemble (per-class weights ``W``); every batch it
+    generates joins ``bank`` with the teachers' logits on it. Returns the generator's losses."""
+    B, G = settings.synthetic_batch, settings.generator_steps
+    student.eval()
+    gen.train()
+    z = torch.randn((G, B, settings.latent_dim), generator=generator).to(device)
+    y = torch.multinomial(prior, G * B, replacement=True, generator=generator).view(G, B).to(device)
+    losses = []
+    if hasattr(teachers, "forward"):  # exact: through the teachers
+        for j in range(G):
+            x = gen(z[j])
+            member, gaps = teachers.forward(x, with_bn=settings.bn_weight > 0)
+            t = combine_teachers(member, W, settings.combine)
+            loss = settings.ce_weight * _hard_cross_entropy(t, y[j], settings.hardness) + settings.bn_weight * gaps.mean()
+            if settings.adversarial_weight > 0:
+                loss = loss + settings.adversarial_weight * _adversarial(student(x), t)
+            opt_g.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(gen.parameters(), 10.0)
+            opt_g.step()
+            losses.append(float(loss.detach()))
+            bank.add(x.detach(), member.detach(), y[j])
+        return losses
+    with torch.no_grad():  # the clients: one call for the round's batches, at the inputs the round starts from
+        X_start = torch.stack([gen(z[j]) for j in range(G)])
+    member_all, grads = teachers.signal(X_start, y, W, settings)
+    member_all, grads = member_all.to(device), grads.to(device)
+    for j in range(G):
+        x = gen(z[j])
+        loss = (x * grads[j]).sum()  # the clients' input gradient, chained through the generator
+        if settings.adversarial_weight > 0:
+            loss = loss + settings.adversarial_weight * _adversarial(student(x), combine_teachers(member_all[:, j], W, settings.combine))
+        opt_g.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(gen.parameters(), 10.0)
+        opt_g.step()
+        losses.append(float(loss.detach()))
+        bank.add(X_start[j], member_all[:, j], y[j])
+    return losses
+
+
+def _reweight(scale: torch.Tensor, bank: SyntheticBank, W: torch.Tensor, settings: DistillSettings, round_: int) -> torch.Tensor:
+    """Co-Boosting's ensemble re-weighting: signed-gradient steps on the members' scales that lower the weighted
+    ensemble's cross-entropy on the round's batches (one step per batch, of ``lr * 0.99^round``; scales kept in [0, 1],
+    at least one positive)."""
+    _, member, labels = bank.tensors()
+    recent = settings.synthetic_batch * settings.generator_steps
+    member, labels = member[:, -recent:], labels[-recent:]
+    step = settings.reweight_lr * 0.99 ** round_
+    for start in range(0, member.shape[1], settings.synthetic_batch):
+        idx = torch.arange(start, min(start + settings.synthetic_batch, member.shape[1]))
+        s = scale.detach().clone().requires_grad_(True)
+        loss = F.cross_entropy(combine_teachers(member[:, idx], _scaled(W, s), settings.combine), labels[idx])
+        (grad,) = torch.autograd.grad(loss, s)
+        scale = (scale - step * grad.sign()).clamp(0.0, 1.0)
+    if float(scale.max()) <= 0:
+        scale = torch.ones_like(scale)
+    return scale
+
+
+def _scaled(W: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per-class weights ``W`` ``(K, C)`` times the members' scales, renormalised per class."""
+    scaled = W * scale[:, None]
+    return scaled / scaled.sum(0, keepdim=True).clamp_min(1e-12)
+
+
+def distill_synthetic(student: nn.Module, teachers: ExactTeachers | SignalTeachers, input_shape: Sequence[int], weights: np.ndarray,
+                      settings: DistillSettings, *, label_prior: np.ndarray | None = None,
+                      moments: tuple[np.ndarray, np.ndarray] | None = None, device: str = "cpu",
+                      log: Log | None = None) -> tuple[list[dict[str, float]], np.ndarray]:
+    """Train ``student`` in place, data-free: a generator trained against the teachers' ensemble supplies the
+    transfer inputs (module docstring). ``teachers`` with ``forward`` are differentiated through exactly; others are
+    asked for their :func:`teacher_signal` once per round. Returns one row per epoch (``loss``, ``agreement`` on the
+    last round's generated inputs, ``generator_loss``, ``seconds``) and the members' final scales (1 without
+    ``reweight``)."""
+    generator = torch.Generator().manual_seed(int(settings.seed))
+    torch.manual_seed(int(settings.seed))  # dropout inside the student
+    K = teachers.num_teachers
+    W = torch.as_tensor(weights, dtype=torch.float32, device=device)
+    C = W.shape[1]
+    prior = torch.as_tensor(np.full(C, 1.0 / C) if label_prior is None else np.asarray(label_prior, np.float64), dtype=torch.float64)
+    prior = prior / prior.sum()
+    gen = Generator(input_shape, settings.latent_dim, moments=moments).to(device)
+    with torch.random.fork_rng():
+        torch.manual_seed(int(settings.seed))
+        for module in gen.modules():  # DENSE's initialisation of the generator
+            if isinstance(module, (nn.Linear, nn.Conv2d)):
+                nn.init.normal_(module.weight, 0.0, 0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+    opt_g = torch.optim.Adam(gen.parameters(), lr=settings.generator_lr, betas=(0.5, 0.999))
+    student.to(device)
+    opt, sched = _optimizer(student, settings)
+    bank = SyntheticBank(settings.bank_samples)
+    scale = torch.ones(K, device=device)
+    B, G = settings.synthetic_batch, settings.generator_steps
+    rounds = math.ceil(settings.steps / settings.student_steps)
+    per_epoch = math.ceil(rounds / settings.epochs)
+    history: list[dict[str, float]] = []
+    done, round_ = 0, 0
+    started = time.perf_counter()
+    for epoch in range(1, settings.epochs + 1):
+        losses: list[float] = []
+        g_losses: list[float] = []
+        for _ in range(per_epoch):
+            if round_ >= rounds:
+                break
+            round_ += 1
+            W_eff = _scaled(W, scale)
+            g_losses.extend(_generator_round(gen, opt_g, student, teachers, bank, W_eff, prior, generator, settings, device))
+            if settings.reweight and round_ > 1:
+                scale = _reweight(scale, bank, W, settings, round_)
+                W_eff = _scaled(W, scale)
+            X_bank, member_bank, _ = bank.tensors()
+            student.train()
+            for _ in range(settings.student_steps):
+                if done >= settings.steps:
+                    break
+                idx = torch.randint(0, X_bank.shape[0], (settings.batch_size,), generator=generator).to(device)
+                target = combine_teachers(member_bank[:, idx], W_eff, settings.combine)
+                losses.append(_student_step(student, opt, sched, X_bank[idx], target, settings.temperature))
+                done += 1
+        if not losses:
+            break
+        X_bank, member_bank, _ = bank.tensors()
+        row = {"epoch": float(epoch), "loss": float(np.mean(losses)),
+               "agreement": agreement(student, X_bank[-B * G:], combine_teachers(member_bank[:, -B * G:], _scaled(W, scale), settings.combine)),
+               "generator_loss": float(np.mean(g_losses)), "seconds": time.perf_counter() - started}
+        _check_finite(row["loss"], "student's loss")
+        _check_finite(row["generator_loss"], "generator's loss")
+        history.append(row)
+        if log is not None:
+            log(epoch, row)
+    student.eval()
+    return history, scale.detach().cpu().numpy()

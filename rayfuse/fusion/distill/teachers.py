@@ -1,0 +1,231 @@
+"""The teachers of a distillation: the clients' models, evaluated together, and how their outputs are combined.
+
+:class:`Teachers` holds K models. Models of one architecture (the same class and the same ``state_dict`` layout) form a
+group, and a group is evaluated in one batched call: the members' parameters and buffers stacked
+(``torch.func.stack_module_state``) and one ``functional_call`` vmapped over them, instead of a Python loop over models.
+Groups of other architectures (heterogeneous clients) are evaluated one call per group. ``batched=False`` evaluates
+every model in a loop (the reference the speed benchmark measures against; on the CPU the loop can be the faster of
+the two for convolutional models, where grouped convolutions are slower than separate ones: measured in
+``benchmarks/distill/speed.py``).
+
+The ensemble (:func:`combine_teachers`) is the weighted average of the members' logits, as FedDF averages them [FEDDF],
+with per-class weights ``w[k, c]`` (:func:`teacher_weights`): uniform, by each client's sample count, or by each
+client's share of class ``c`` (a client that never saw a class has no say on it; the way FedDF's and Co-Boosting's
+weighted ensembles are built from the clients' label counts).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Teachers", "teacher_weights", "combine_teachers", "distillation_loss", "WEIGHTINGS", "COMBINES"]
+
+WEIGHTINGS = ("uniform", "samples", "classes")
+COMBINES = ("logits", "probabilities")
+_EPS = 1e-3  # class-count smoothing: a class no client holds gets uniform weights, not 0 / 0
+
+
+def teacher_weights(kind: Literal["uniform", "samples", "classes"], class_counts: np.ndarray) -> np.ndarray:
+    """Per-class teacher weights ``w[k, c]`` (each column sums to 1).
+
+    Parameters
+    ----------
+    kind : {"uniform", "samples", "classes"}
+        ``uniform``: ``1 / K``; ``samples``: ``n_k / n`` (each client's share of all training samples); ``classes``:
+        ``(n_kc + eps) / sum_j (n_jc + eps)``, each client's share of class ``c``.
+    class_counts : ndarray of shape (K, C)
+        Each teacher's training samples per class.
+
+    Returns
+    -------
+    ndarray of shape (K, C), float32
+
+    Examples
+    --------
+    >>> teacher_weights("classes", np.array([[10, 0], [10, 30]])).round(3).tolist()
+    [[0.5, 0.0], [0.5, 1.0]]
+    """
+    counts = np.asarray(class_counts, dtype=np.float64)
+    num_teachers, num_classes = counts.shape
+    if kind == "uniform":
+        weights = np.full((num_teachers, num_classes), 1.0 / num_teachers)
+    elif kind == "samples":
+        sizes = counts.sum(axis=1)
+        share = sizes / sizes.sum() if sizes.sum() > 0 else np.full(num_teachers, 1.0 / num_teachers)
+        weights = np.repeat(share[:, None], num_classes, axis=1)
+    elif kind == "classes":
+        smoothed = counts + _EPS
+        weights = smoothed / smoothed.sum(axis=0, keepdims=True)
+    else:
+        raise ValueError(f"teacher weighting: expected one of {WEIGHTINGS}, got {kind!r}")
+    return weights.astype(np.float32)
+
+
+def combine_teachers(member_logits: torch.Tensor, weights: torch.Tensor, how: str = "logits") -> torch.Tensor:
+    """The ensemble's logits from the members' ``(K, N, C)`` logits and per-class weights ``(K, C)``.
+
+    .. math::
+
+        \\bar z_c(x) = \\sum_k w_{kc} z_{kc}(x) \\quad (\\text{logits}), \\qquad
+        \\bar z_c(x) = \\log \\sum_k w_{kc}\\, \\mathrm{softmax}(z_k(x))_c \\quad (\\text{probabilities})
+
+    Returns ``(N, C)``.
+    """
+    w = weights.to(member_logits.dtype)[:, None, :]
+    if how == "logits":
+        return (w * member_logits).sum(0)
+    if how == "probabilities":
+        return torch.log((w * torch.softmax(member_logits, dim=2)).sum(0).clamp_min(1e-12))
+    raise ValueError(f"combine: expected one of {COMBINES}, got {how!r}")
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float,
+                      reduction: Literal["mean", "none"] = "mean") -> torch.Tensor:
+    """Hinton's distillation loss ``T^2 KL(softmax(t / T) || softmax(s / T))`` (mean over the batch, or per sample)."""
+    T = float(temperature)
+    per_sample = F.kl_div(F.log_softmax(student_logits / T, dim=1), F.log_softmax(teacher_logits / T, dim=1), reduction="none",
+                          log_target=True).sum(1) * (T * T)
+    return per_sample.mean() if reduction == "mean" else per_sample
+
+
+def _layout(model: nn.Module) -> tuple[object, ...]:
+    return (type(model), tuple((k, tuple(v.shape), str(v.dtype)) for k, v in model.state_dict().items()))
+
+
+def _batchnorm_gap(module: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -> torch.Tensor:
+    """DeepInversion's feature-statistic loss of one BatchNorm layer: ``||mu(x) - mu_run||_2 + ||var(x) - var_run||_2``
+    over the layer's input batch (Yin et al. 2020, eq. 4; the form DENSE's code uses)."""
+    dims = [0, *range(2, x.dim())]
+    mean = x.mean(dims)
+    var = x.var(dims, unbiased=False)
+    assert module.running_mean is not None and module.running_var is not None  # tracked statistics (the caller's filter)
+    return torch.linalg.vector_norm(mean - module.running_mean) + torch.linalg.vector_norm(var - module.running_var)
+
+
+class _Group:
+    """Teachers of one architecture: their indices, and either the stacked state (batched) or the models (loop).
+
+    Each tracked BatchNorm records its statistic gap while :meth:`forward` asks for it: through a hook on the stacked
+    template (batched; the template is this group's own), or through hooks held on the models for that call only (the
+    models may be a client's own, which must not keep hooks of ours)."""
+
+    def __init__(self, index: list[int], models: list[nn.Module], batched: bool) -> None:
+        self.index = index
+        self.models = models
+        self.batched = batched and len(models) > 1
+        self._recording = False
+        self._collected: list[torch.Tensor] = []
+        if self.batched:
+            from torch.func import stack_module_state
+
+            self.params, self.buffers = stack_module_state(models)
+            self.template = copy.deepcopy(models[0]).to("meta")
+            for module in _norms(self.template):
+                module.register_forward_hook(self._collect)
+        self.has_batchnorm = bool(_norms(models[0]))
+
+    def _collect(self, module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        if self._recording:
+            assert isinstance(module, nn.modules.batchnorm._BatchNorm)
+            self._collected.append(_batchnorm_gap(module, inputs[0]))
+
+    def _run(self, call: Any, with_bn: bool, model: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        self._recording, self._collected = with_bn and self.has_batchnorm, []
+        hooks = [m.register_forward_hook(self._collect) for m in _norms(model)] if (model is not None and self._recording) else []
+        try:
+            out = call()
+        finally:
+            self._recording = False
+            for hook in hooks:
+                hook.remove()
+        gap = torch.stack(self._collected).sum() if self._collected else out.new_zeros(())
+        self._collected = []
+        return out, gap
+
+    def forward(self, x: torch.Tensor, with_bn: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(len(index), N, C)`` logits and each member's summed BatchNorm gap ``(len(index),)`` (zeros unless
+        ``with_bn``)."""
+        if self.batched:
+            from torch.func import functional_call, vmap
+
+            def one(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return self._run(lambda: functional_call(self.template, (params, buffers), (inputs,)), with_bn)
+
+            return vmap(one, in_dims=(0, 0, None))(self.params, self.buffers, x)
+        pairs = [self._run(lambda model=model: model(x), with_bn, model) for model in self.models]
+        return torch.stack([out for out, _ in pairs]), torch.stack([gap for _, gap in pairs])
+
+
+def _norms(model: nn.Module | None) -> list[nn.modules.batchnorm._BatchNorm]:
+    """The BatchNorm layers of ``model`` that keep running statistics."""
+    if model is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+            and m.running_mean is not None]
+
+
+class Teachers:
+    """K teacher models, evaluated together (in eval mode).
+
+    Parameters
+    ----------
+    models : sequence of nn.Module
+        The teachers, used as given, in eval mode.
+    batched : bool
+        Evaluate each architecture's members in one vmapped call, or in a loop over models.
+    device : str
+    chunk_size : int
+        Inputs per call when predicting without gradients (bounds the memory of a large transfer bank).
+    freeze : bool
+        Turn off ``requires_grad`` on the models' parameters (models the caller owns: gradients then flow to the inputs
+        only). ``False`` leaves a model that is not the caller's to change as it is (a client's local model).
+    """
+
+    def __init__(self, models: Sequence[nn.Module], *, batched: bool = True, device: str = "cpu", chunk_size: int = 256,
+                 freeze: bool = True) -> None:
+        if not models:
+            raise ValueError("at least one teacher")
+        self.device = device
+        self.chunk_size = int(chunk_size)
+        layouts: dict[tuple[object, ...], list[int]] = {}
+        prepared = []
+        for i, model in enumerate(models):
+            model = model.to(device).eval()
+            if freeze:
+                for p in model.parameters():
+                    p.requires_grad_(False)
+            prepared.append(model)
+            layouts.setdefault(_layout(model), []).append(i)
+        self.num_teachers = len(prepared)
+        self.groups = [_Group(index, [prepared[i] for i in index], batched) for index in layouts.values()]
+        self.has_batchnorm = any(group.has_batchnorm for group in self.groups)
+
+    def forward(self, x: torch.Tensor, *, with_bn: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every teacher's logits ``(K, N, C)`` on ``x`` and each teacher's summed BatchNorm statistic gap ``(K,)``
+        (zeros unless ``with_bn``); differentiable with respect to ``x``."""
+        x = x.to(self.device)
+        if len(self.groups) == 1:
+            return self.groups[0].forward(x, with_bn)
+        parts = [(group.index, *group.forward(x, with_bn)) for group in self.groups]
+        num_classes = parts[0][1].shape[-1]
+        logits = x.new_empty((self.num_teachers, x.shape[0], num_classes))
+        gaps = x.new_empty((self.num_teachers,))
+        for index, out, gap in parts:
+            logits[index] = out
+            gaps[index] = gap
+        return logits, gaps
+
+    @torch.no_grad()
+    def predict(self, X: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """Every teacher's logits ``(K, N, C)`` on ``X``, in chunks of ``chunk_size`` inputs."""
+        X_t = torch.as_tensor(np.ascontiguousarray(X) if isinstance(X, np.ndarray) else X, device=self.device)
+        chunks = [self.forward(X_t[start:start + self.chunk_size])[0] for start in range(0, max(len(X_t), 1), self.chunk_size)]
+        return torch.cat(chunks, dim=1)
+

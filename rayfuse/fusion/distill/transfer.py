@@ -1,0 +1,134 @@
+"""Transfer inputs of a distillation: augmented public samples, and a generator for data-free distillation.
+
+**Public transfer** (FedDF [FEDDF]): each pass draws a *bank* of inputs from the server's unlabeled sample: each a
+random sample shifted by up to ``shift`` pixels (images, zero padding), and a fraction ``mixup`` of them mixed with a
+second sample, ``x = lam x_i + (1 - lam) x_j`` with ``lam ~ U(0, 1)``. The teachers are evaluated on the mixed input
+itself (the target is the ensemble's output there, not a mix of labels), which is what lets 300 samples cover the
+space between the classes.
+
+**Synthetic transfer** (DENSE [DENSE]): :class:`Generator` maps ``z ~ N(0, I)`` to an input. Its last layer is a
+BatchNorm without affine parameters followed by a fixed per-element affine map to the clients' pooled input mean and
+standard deviation when the clients report their input moments (counts, sums and sums of squares: the same statistics
+a silo run standardises with), so generated inputs have the data's first two moments per pixel or feature; without
+them, the outputs are standardised (mean 0, variance 1 per element). :class:`SyntheticBank` keeps past batches with
+the teachers' logits on them (the teachers are fixed, so their outputs on a stored input never change), DENSE's data
+pool.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["augment_bank", "shift_images", "Generator", "SyntheticBank"]
+
+
+def shift_images(x: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
+    """Each image ``(N, C, H, W)`` moved by ``(dy, dx)`` drawn uniformly from ``[-max_shift, max_shift]^2`` (zero padded);
+    other shapes are returned unchanged."""
+    if x.dim() != 4 or max_shift <= 0:
+        return x
+    n, c, h, w = x.shape
+    padded = torch.nn.functional.pad(x, (max_shift,) * 4)
+    dy = torch.randint(0, 2 * max_shift + 1, (n,), generator=generator).to(x.device)
+    dx = torch.randint(0, 2 * max_shift + 1, (n,), generator=generator).to(x.device)
+    rows = (dy[:, None] + torch.arange(h, device=x.device)[None])[:, None, :, None]
+    cols = (dx[:, None] + torch.arange(w, device=x.device)[None])[:, None, None, :]
+    batch = torch.arange(n, device=x.device)[:, None, None, None]
+    channel = torch.arange(c, device=x.device)[None, :, None, None]
+    return padded[batch, channel, rows, cols]
+
+
+def augment_bank(X: torch.Tensor, size: int, *, shift: int, mixup: float, generator: torch.Generator) -> torch.Tensor:
+    """``size`` transfer inputs drawn from ``X`` ``(N, *input_shape)``: shifted (images) and, for a fraction ``mixup``
+    of them, mixed with a second shifted sample at a uniform ratio."""
+    n = X.shape[0]
+    first = shift_images(X[torch.randint(0, n, (size,), generator=generator).to(X.device)], shift, generator)
+    if mixup <= 0:
+        return first
+    second = shift_images(X[torch.randint(0, n, (size,), generator=generator).to(X.device)], shift, generator)
+    lam = torch.rand(size, generator=generator).to(X.device)
+    lam = torch.where(torch.rand(size, generator=generator).to(X.device) < mixup, lam, torch.ones_like(lam))
+    lam = lam.view(-1, *[1] * (X.dim() - 1)).to(X.dtype)
+    return lam * first + (1 - lam) * second
+
+
+class Generator(nn.Module):
+    """DENSE's generator, sized for any input shape.
+
+    Images ``(C, H, W)``: ``z -> Linear -> (2 width, ceil(H/4), ceil(W/4))``, two nearest-neighbour upsamplings each
+    followed by a 3x3 convolution, BatchNorm and LeakyReLU(0.2), a 3x3 convolution to ``C`` channels, cropped to
+    ``(H, W)``. Vectors: ``z -> 256 -> 256 -> D`` with BatchNorm and LeakyReLU. Both end in BatchNorm without affine
+    parameters, then ``x = x_hat * scale + mean`` per element (``moments``: the data's mean and standard deviation,
+    shaped like one input; default 0 and 1).
+    """
+
+    def __init__(self, input_shape: Sequence[int], latent_dim: int = 256, width: int = 64,
+                 moments: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        super().__init__()
+        self.input_shape = tuple(int(d) for d in input_shape)
+        self.latent_dim = int(latent_dim)
+        self.image = len(self.input_shape) == 3
+        if self.image:
+            c, h, w = self.input_shape
+            self.start = (max(1, math.ceil(h / 4)), max(1, math.ceil(w / 4)))
+            self.width = int(width)
+            self.project = nn.Linear(self.latent_dim, 2 * self.width * self.start[0] * self.start[1])
+            self.body = nn.Sequential(
+                nn.BatchNorm2d(2 * self.width),
+                nn.Upsample(scale_factor=2), nn.Conv2d(2 * self.width, 2 * self.width, 3, padding=1, bias=False),
+                nn.BatchNorm2d(2 * self.width), nn.LeakyReLU(0.2),
+                nn.Upsample(scale_factor=2), nn.Conv2d(2 * self.width, self.width, 3, padding=1, bias=False),
+                nn.BatchNorm2d(self.width), nn.LeakyReLU(0.2),
+                nn.Conv2d(self.width, c, 3, padding=1), nn.BatchNorm2d(c, affine=False))
+        else:
+            d = int(np.prod(self.input_shape))
+            self.project = nn.Linear(self.latent_dim, 256)
+            self.body = nn.Sequential(nn.BatchNorm1d(256), nn.LeakyReLU(0.2), nn.Linear(256, 256), nn.BatchNorm1d(256), nn.LeakyReLU(0.2),
+                                      nn.Linear(256, d), nn.BatchNorm1d(d, affine=False))
+        mean, scale = (np.zeros(self.input_shape, np.float32), np.ones(self.input_shape, np.float32)) if moments is None else moments
+        self.register_buffer("mean", torch.as_tensor(np.asarray(mean, np.float32).reshape(self.input_shape)))
+        self.register_buffer("scale", torch.as_tensor(np.asarray(scale, np.float32).reshape(self.input_shape)))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        h = self.project(z)
+        if self.image:
+            h = h.view(z.shape[0], 2 * self.width, *self.start)
+            out = self.body(h)[:, :, :self.input_shape[1], :self.input_shape[2]]
+        else:
+            out = self.body(h).view(z.shape[0], *self.input_shape)
+        return out * self.scale + self.mean
+
+
+class SyntheticBank:
+    """Past synthetic batches with the teachers' logits on them and the labels they were generated for (first in,
+    first out beyond ``max_samples``)."""
+
+    def __init__(self, max_samples: int) -> None:
+        self.max_samples = int(max_samples)
+        self._x: list[torch.Tensor] = []
+        self._logits: list[torch.Tensor] = []
+        self._labels: list[torch.Tensor] = []
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def add(self, x: torch.Tensor, member_logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """Keep a batch: inputs ``(B, ...)``, the teachers' logits ``(K, B, C)``, the sampled labels ``(B,)``."""
+        self._x.append(x.detach())
+        self._logits.append(member_logits.detach())
+        self._labels.append(labels.detach())
+        self._size += x.shape[0]
+        while self._size > self.max_samples and len(self._x) > 1:
+            self._size -= self._x.pop(0).shape[0]
+            self._logits.pop(0)
+            self._labels.pop(0)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Inputs ``(N, ...)``, the teachers' logits ``(K, N, C)`` and the labels ``(N,)`` of every kept batch."""
+        return torch.cat(self._x), torch.cat(self._logits, dim=1), torch.cat(self._labels)
