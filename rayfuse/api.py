@@ -169,17 +169,19 @@ def resume(run_dir: str | Path, *, overrides: Sequence[str] = (), quiet: bool = 
     return _execute(prepare_run(cfg), Path(run_dir), resume=True, quiet=quiet, verbose=verbose, by_value=())
 
 
-def fuse_checkpoints(config: str | Path | Mapping[str, Any], out: str | Path | None = None) -> dict[str, Any]:
+def fuse_checkpoints(config: str | Path | Mapping[str, Any], out: str | Path | None = None,
+                     progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Fuse checkpoints trained elsewhere (``rayfuse fuse``): every check first, then load, fuse and write.
 
     Returns the summary: ``method``, ``models`` (how many), ``tensors``, ``parameters`` and ``output`` (the file).
+    ``progress`` receives a line per stage of a long fusion (``distill``: one per epoch).
     """
     from rayfuse.checkpoints import load_fuse_config, run_fuse
 
-    return run_fuse(load_fuse_config(config, None if out is None else str(out)))
+    return run_fuse(load_fuse_config(config, None if out is None else str(out)), progress)
 
 
-def fuse(config: str | Path | Mapping[str, Any], out: str | Path | None = None) -> Path:
+def fuse(config: str | Path | Mapping[str, Any], out: str | Path | None = None, progress: Callable[[str], None] | None = None) -> Path:
     """Fuse the checkpoints a fuse config names (a mergekit-style YAML file, or the same keys as a dict whose relative
     paths start from the working directory); return the fused ``.safetensors`` file.
 
@@ -189,8 +191,16 @@ def fuse(config: str | Path | Mapping[str, Any], out: str | Path | None = None) 
         rayfuse.fuse({"merge_method": "activation_matching", "architecture": "mypkg.models:Net",
                       "models": [{"model": "a.safetensors"}, {"model": "b.safetensors"}, {"model": "c.pt"}],
                       "data": {"path": "sample.npz"}, "output": "fused.safetensors"})
+
+    Distillation of checkpoints of different architectures into one student of ``architecture`` (data-free without
+    ``data``, which then needs ``input_shape``)::
+
+        rayfuse.fuse({"merge_method": "distill", "architecture": "mypkg.models:Student",
+                      "models": [{"model": "a.safetensors"}, {"model": "b.safetensors", "architecture": "mypkg.models:Other"}],
+                      "data": {"path": "transfer.npz"}, "parameters": {"init": "aligned", "steps": 2000},
+                      "output": "fused.safetensors"}, progress=print)
     """
-    return Path(fuse_checkpoints(config, out)["output"])
+    return Path(fuse_checkpoints(config, out, progress)["output"])
 
 
 def build_architecture(architecture: str, *, input_shape: Sequence[int] | None = None, dataset: str = "digits",

@@ -40,7 +40,7 @@ import numpy as np
 from pydantic import BaseModel, Field, ValidationError
 
 from rayfuse.config import StrictSchema, pydantic_input_error
-from rayfuse.errors import InputError, suggest
+from rayfuse.errors import InputError, RunFailure, suggest
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.aligned.algorithm import AlignmentSettings, derive_run_spec
 from rayfuse.io import TORCH_ONLY_FLOATS, check_writable_folder, read_checkpoint, save_params, save_params_cast
@@ -56,12 +56,15 @@ class _FuseSchema(StrictSchema):
 class _Model(_FuseSchema):
     model: str = Field(min_length=1, description="a .safetensors / .pt / .pth / .bin file (relative to the config file)")
     parameters: dict[str, Any] = Field(default_factory=dict, description="per-model parameters (weight: ...)")
+    architecture: str | None = Field(None, min_length=3, description='this model\'s class when it is not the file\'s architecture '
+                                     '(methods that fuse models of different architectures: distill)')
+    architecture_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for this model's architecture")
 
 
 class _Data(_FuseSchema):
     path: str = Field(min_length=1, description="an .npz file (relative to the config file) with the inputs as the model takes them")
     features: str = Field("X", min_length=1, description="the inputs' array name")
-    label: str = Field("y", min_length=1, description="the labels' array name")
+    label: str = Field("y", min_length=1, description="the labels' array name (methods that read no labels ignore it: distill)")
 
 
 class _FuseFile(_FuseSchema):
@@ -94,12 +97,17 @@ class NoParams(_FuseSchema):
 class FuseInputs:
     """What a fuser gets besides the checkpoints: the architecture built (eval mode, ``None`` when the file names none)
     and the sample from ``data:`` (``X`` as the model takes it, ``y`` labels; ``None`` without data). ``example`` is a
-    batch of two inputs to trace the architecture with (from the data, or zeros of ``input_shape``)."""
+    batch of two inputs to trace the architecture with (from the data, or zeros of ``input_shape``). ``models``: each
+    checkpoint's architecture, built (a fuser that takes models of different architectures; else empty); ``same``:
+    whether checkpoint ``i`` has the file's architecture; ``log``: where a long fusion reports its progress (one line)."""
 
     model: Any = None
     X: np.ndarray | None = None
     y: np.ndarray | None = None
     example: np.ndarray | None = None
+    models: tuple[Any, ...] = ()
+    same: tuple[bool, ...] = ()
+    log: Callable[[str], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -107,7 +115,9 @@ class Fuser:
     """A fusion method for checkpoints: parameter schemas and ``fuse(params_list, per_model, params, inputs) -> params``.
 
     ``needs(params)``: what the fuse file must give besides the models for these parameters, as
-    ``{"architecture" | "data": why}``."""
+    ``{"architecture" | "data" | "input_shape": why}``. ``heterogeneous``: the models may have architectures of their
+    own (each model entry's ``architecture``), each checkpoint then checked against its own; ``labels``: whether the
+    method reads the data's labels (``False``: an ``.npz`` of inputs only is enough)."""
 
     name: str
     summary: str
@@ -116,6 +126,8 @@ class Fuser:
     ModelParams: type[BaseModel] = NoParams
     aliases: tuple[str, ...] = ()
     needs: Callable[[BaseModel], dict[str, str]] = lambda params: {}
+    heterogeneous: bool = False
+    labels: bool = True
 
 
 FUSERS: dict[str, Fuser] = {}
@@ -339,6 +351,123 @@ register_fuser(Fuser("activation_matching", "units matched by their activations 
                      _aligned("activation_matching"), AlignParams, OptionalWeight, needs=_align_needs("activation_matching")))
 
 
+class DistillFuseParams(_FuseSchema):
+    """``merge_method: distill``'s parameters (the ``distill`` method's, without the federation's)."""
+
+    transfer: Literal["public", "synthetic"] | None = Field(None, description="public: the data file's inputs (labels never read); "
+                                                            "synthetic: data-free. Default: public with data, synthetic without")
+    init: Literal["aligned", "average", "random"] = Field("aligned", description="the student's start: the aligned merge or the "
+                                                          "average of the models of the student's architecture, or random")
+    alignment: Literal["activation", "weight"] | None = Field(None, description="init: aligned: activation matching on the data, or "
+                                                              "weight matching (default: activation with data, weight without)")
+    merge: Literal["average", "nonparametric"] = Field("average", description="init: aligned: the aligned merge (nonparametric: "
+                                                       "units that match nothing widen the student)")
+    weighting: Literal["uniform", "weights"] = Field("uniform", description="teacher weights: uniform, or each model's weight")
+    seed: int = 0
+    steps: int = Field(2000, ge=1, le=10_000_000)
+    epochs: int = Field(10, ge=1)
+    batch_size: int = Field(64, ge=2)
+    lr: float = Field(3e-3, gt=0, le=10)
+    temperature: float = Field(4.0, gt=0, le=100)
+    combine: Literal["logits", "probabilities"] = Field("probabilities", description="the ensemble: weighted probabilities (the "
+                                                        "default here: without the clients' class counts, a model's logits for "
+                                                        "classes it never saw would count as much as its others) or logits")
+    shift: int = Field(1, ge=0, le=64)
+    mixup: float = Field(0.5, ge=0, le=1)
+    synthetic_batch: int = Field(128, ge=2)
+    generator_steps: int = Field(10, ge=1)
+    student_steps: int = Field(20, ge=1)
+    generator_lr: float = Field(1e-3, gt=0, le=10)
+    latent_dim: int = Field(256, ge=1, le=65536)
+    ce_weight: float = Field(1.0, ge=0)
+    bn_weight: float = Field(1.0, ge=0)
+    adversarial_weight: float = Field(1.0, ge=0)
+    hardness: float = Field(0.0, ge=0, le=16)
+    reweight: bool = False
+    reweight_lr: float = Field(0.01, gt=0, le=1)
+    bank_samples: int = Field(20000, ge=1)
+    batched: Literal["auto", "vmap", "loop"] = "auto"
+
+
+def _distill_needs(params: BaseModel) -> dict[str, str]:
+    p = cast(DistillFuseParams, params)
+    out = {"architecture": "distill (the student's class; each model's unless its entry names its own)",
+           "input_shape": "distill without data (the generator's output shape)"}
+    if p.transfer == "public":
+        out["data"] = "transfer: public (its inputs are the transfer set)"
+    return out
+
+
+def _distill(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], method: BaseModel, inputs: FuseInputs) -> dict[str, np.ndarray]:
+    """Distil the checkpoints' ensemble into one student of the file's architecture (``rayfuse.fusion.distill``): on the
+    data file's inputs (public transfer), or data-free."""
+    import dataclasses
+
+    import torch
+
+    from rayfuse.fusion.distill.student import DistillSettings, distill_public, distill_synthetic
+    from rayfuse.fusion.distill.teachers import Teachers, teacher_weights
+    from rayfuse.models import get_params
+
+    p = cast(DistillFuseParams, method)
+    transfer = p.transfer or ("public" if inputs.X is not None else "synthetic")
+    teachers_built = list(inputs.models) or [inputs.model for _ in params]
+    same = list(inputs.same) or [True] * len(params)
+    teachers = Teachers([_with(model, m) for model, m in zip(teachers_built, params)], batched=p.batched == "vmap")
+    weights_k = np.array([cast(OptionalWeight, m).weight for m in per_model], dtype=np.float64) if p.weighting == "weights" else None
+    num_classes = int(teachers.predict(torch.as_tensor(np.asarray(inputs.example, np.float32))).shape[-1])
+    counts = np.ones((len(params), num_classes)) if weights_k is None else np.repeat(weights_k[:, None], num_classes, axis=1)
+    weights = teacher_weights("samples" if weights_k is not None else "uniform", counts)
+    student = _distill_start(params, per_model, p, inputs, same)
+    fields = {f.name for f in dataclasses.fields(DistillSettings)}
+    settings = DistillSettings(**{k: v for k, v in p.model_dump().items() if k in fields})
+
+    def log(epoch: int, row: dict[str, float]) -> None:
+        if inputs.log is not None:
+            inputs.log(f"distill: epoch {epoch}/{p.epochs}: loss {row['loss']:.4f}, agreement with the ensemble {row['agreement']:.3f}")
+
+    try:
+        if transfer == "public":
+            distill_public(student, teachers, _given(inputs.X), weights, settings, log=log)
+        else:
+            shape = tuple(np.shape(_given(inputs.example))[1:])
+            distill_synthetic(student, teachers, shape, weights, settings, log=log)
+    except FloatingPointError as exc:
+        raise RunFailure(f"distill: {exc}") from None
+    return get_params(student)
+
+
+def _distill_start(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], p: DistillFuseParams, inputs: FuseInputs,
+                   same: list[bool]) -> Any:
+    """The student: the file's architecture, started from the aligned merge or the average of the checkpoints of that
+    architecture, or at random (also when no checkpoint has it)."""
+    import copy
+
+    import torch
+
+    ids = [i for i, s in enumerate(same) if s]
+    if p.init == "random" or not ids:
+        student = copy.deepcopy(inputs.model)
+        with torch.random.fork_rng():
+            torch.manual_seed(p.seed)
+            for module in student.modules():
+                if hasattr(module, "reset_parameters") and module is not student:
+                    module.reset_parameters()
+        return student.train()
+    if p.init == "average" or len(ids) == 1:
+        start = weighted_average([params[i] for i in ids], [cast(OptionalWeight, per_model[i]).weight for i in ids])
+        return _with(inputs.model, start).train()
+    alignment = p.alignment or ("activation" if inputs.X is not None else "weight")
+    aligned_params = AlignParams(merge=p.merge, seed=p.seed, repair=False)
+    start = _aligned(f"{alignment}_matching")([params[i] for i in ids], [per_model[i] for i in ids], aligned_params, inputs)
+    return _with(inputs.model, start, _spec_for(inputs, aligned_params), inputs.example).train()
+
+
+register_fuser(Fuser("distill", "the models' ensemble distilled into one student: on the data's inputs (labels unread) or "
+                     "data-free; models of different architectures", _distill, DistillFuseParams, OptionalWeight,
+                     needs=_distill_needs, heterogeneous=True, labels=False))
+
+
 @dataclass(frozen=True)
 class FuseSpec:
     """A validated fuse config."""
@@ -355,6 +484,7 @@ class FuseSpec:
     data: Path | None = None
     data_arrays: tuple[str, str] = ("X", "y")
     config: Path | None = None
+    model_architectures: tuple[tuple[str, Mapping[str, Any]] | None, ...] = ()
 
 
 _Schema = TypeVar("_Schema", bound=BaseModel)
@@ -396,8 +526,15 @@ def load_fuse_config(config: str | Path | Mapping[str, Any], output: str | Path 
         if not spec_file.is_file():
             raise InputError(f"{path}: parameters.spec", "an existing JSON permutation spec (rayfuse symmetry ARCH --json)", params.spec)  # type: ignore[attr-defined]
         params = params.model_copy(update={"spec": str(spec_file)})
-    files, per_model = [], []
+    files, per_model, own = [], [], []
     for i, entry in enumerate(spec.models):
+        if entry.architecture is None and entry.architecture_args:
+            raise InputError(f"{path}: models.{i}.architecture", "the class that this model's architecture_args are for", "none")
+        if entry.architecture is not None and not fuser.heterogeneous:
+            raise InputError(f"{path}: models.{i}.architecture", f"no architecture of its own with merge_method {fuser.name} (it fuses "
+                             "models of one architecture, the file's architecture:)", entry.architecture,
+                             "models of different architectures fuse with merge_method: distill")
+        own.append(None if entry.architecture is None else (entry.architecture, dict(entry.architecture_args)))
         file = Path(entry.model)
         if not file.is_absolute() and not file.is_file():
             file = path.parent / file
@@ -429,11 +566,13 @@ def load_fuse_config(config: str | Path | Mapping[str, Any], output: str | Path 
             raise InputError(f"{path}: architecture", f'the models\' class ("module:Class" or "torchvision:<name>") for {why}')
         if need == "data" and spec.data is None:
             raise InputError(f"{path}: data", f"a sample (data: {{path: sample.npz}} with arrays X and y) for {why}")
+        if need == "input_shape" and spec.data is None and spec.input_shape is None:
+            raise InputError(f"{path}: input_shape", f"one input's shape (e.g. [1, 8, 8]) for {why}")
     if spec.architecture is None and (spec.architecture_args or spec.input_shape):
         raise InputError(f"{path}: architecture", "the class that architecture_args / input_shape are for", "none")
     return FuseSpec(fuser, files, per_model, params, spec.dtype, out, spec.architecture, dict(spec.architecture_args),
                     tuple(spec.input_shape) if spec.input_shape else None, data,
-                    (spec.data.features, spec.data.label) if spec.data else ("X", "y"), path)
+                    (spec.data.features, spec.data.label) if spec.data else ("X", "y"), path, tuple(own))
 
 
 def check_compatible(models: Sequence[Mapping[str, np.ndarray]], files: Sequence[Path]) -> None:
@@ -459,30 +598,47 @@ def check_compatible(models: Sequence[Mapping[str, np.ndarray]], files: Sequence
             raise InputError(f"{files[0]}: {key}", "finite values", "NaN or Inf")
 
 
-def load_fuse_inputs(spec: FuseSpec, models: Sequence[Mapping[str, np.ndarray]]) -> FuseInputs:
-    """Build the architecture, check every checkpoint against it, load the data and check the model takes it."""
+def load_fuse_inputs(spec: FuseSpec, models: Sequence[Mapping[str, np.ndarray]], log: Callable[[str], None] | None = None) -> FuseInputs:
+    """Build the architecture (and each model's own, for a method that takes several), check every checkpoint against
+    its architecture, load the data and check each architecture takes it."""
     if spec.architecture is None:
-        return FuseInputs()
+        return FuseInputs(log=log)
     from rayfuse.models.architecture import build_architecture, check_checkpoint_fits, check_inputs_fit
 
-    where = f"{spec.config}: architecture" if spec.config else "architecture"
-    model = build_architecture(spec.architecture, spec.architecture_args, where=where)
-    for params, file in zip(models, spec.files):
-        check_checkpoint_fits(model, params, where=file, ref=spec.architecture)
+    prefix = f"{spec.config}: " if spec.config else ""
+    model = build_architecture(spec.architecture, spec.architecture_args, where=f"{prefix}architecture")
+    own = spec.model_architectures or tuple(None for _ in models)
+    built = [model if arch is None else build_architecture(arch[0], arch[1], where=f"{prefix}models.{i}.architecture",
+                                                           args_where=f"{prefix}models.{i}.architecture_args")
+             for i, arch in enumerate(own)]
+    for i, (params, file, arch) in enumerate(zip(models, spec.files, own)):
+        check_checkpoint_fits(built[i], params, where=file, ref=spec.architecture if arch is None else arch[0])
     X = y = None
     if spec.data is not None:
-        from rayfuse.data.datasets import load_dataset
+        if spec.method.labels:
+            from rayfuse.data.datasets import load_dataset
 
-        dataset = load_dataset("npz", path=str(spec.data), features=spec.data_arrays[0], label=spec.data_arrays[1])
-        X, y = dataset.X, dataset.y
-        check_inputs_fit(model, X, where=f"{spec.config}: data.path" if spec.config else "data.path")
+            dataset = load_dataset("npz", path=str(spec.data), features=spec.data_arrays[0], label=spec.data_arrays[1])
+            X, y = dataset.X, dataset.y
+        else:
+            from rayfuse.data.datasets import read_unlabeled_npz
+
+            X = read_unlabeled_npz(spec.data, spec.data_arrays[0], where=f"{prefix}data.path")
         example = X[:2]
+        where = f"{prefix}data.path"
     elif spec.input_shape is not None:
         example = np.zeros((2, *spec.input_shape), dtype=np.float32)
-        check_inputs_fit(model, example, where=f"{spec.config}: input_shape" if spec.config else "input_shape")
+        where = f"{prefix}input_shape"
     else:
         example = None
-    return FuseInputs(model, X, y, example)
+    if example is not None:
+        outputs = check_inputs_fit(model, example, where=where)
+        for i, (arch, teacher) in enumerate(zip(own, built)):
+            if arch is not None:
+                check_inputs_fit(teacher, example, where=f"{where} (models.{i}.architecture {arch[0]})", num_outputs=int(outputs[1]))
+    heterogeneous = spec.method.heterogeneous
+    return FuseInputs(model, X, y, example, tuple(built) if heterogeneous else (), tuple(arch is None for arch in own) if heterogeneous else (),
+                      log)
 
 
 def check_floats(models: Sequence[Mapping[str, np.ndarray]], files: Sequence[Path]) -> None:
@@ -525,7 +681,7 @@ def fuse_models(spec: FuseSpec, models: list[dict[str, np.ndarray]], inputs: Fus
     return fused
 
 
-def run_fuse(spec: FuseSpec) -> dict[str, Any]:
+def run_fuse(spec: FuseSpec, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Load, check, fuse and write; return a summary (tensors, parameters, output).
 
     Checkpoints in ``bfloat16`` / ``float16`` are fused in float32 and written back in the inputs' dtype (or the fuse
@@ -533,8 +689,12 @@ def run_fuse(spec: FuseSpec) -> dict[str, Any]:
     loaded = [read_checkpoint(file) for file in spec.files]
     models = [params for params, _ in loaded]
     check_floats(models, spec.files)
-    check_compatible(models, spec.files)
-    inputs = load_fuse_inputs(spec, models)
+    if not spec.method.heterogeneous:
+        check_compatible(models, spec.files)
+    else:  # each against its own architecture (load_fuse_inputs), and finite
+        for params, file in zip(models, spec.files):
+            check_compatible([params], [file])
+    inputs = load_fuse_inputs(spec, models, log)
     fused = fuse_models(spec, models, inputs)
     output = Path(spec.output) if spec.output is not None else Path("fused.safetensors")  # load_fuse_config always sets it
     metadata = {"method": spec.method.name, "models": ",".join(f.name for f in spec.files)}
@@ -543,7 +703,8 @@ def run_fuse(spec: FuseSpec) -> dict[str, Any]:
         save_params(output, fused, metadata)
     else:
         save_params_cast(output, fused, dtype, metadata)
-    resized = {k: (tuple(np.shape(models[0][k])), tuple(np.shape(v))) for k, v in fused.items()
-               if k in models[0] and tuple(np.shape(models[0][k])) != tuple(np.shape(v))}
+    reference = {k: tuple(v.shape) for k, v in inputs.model.state_dict().items()} if inputs.model is not None else \
+        {k: tuple(np.shape(v)) for k, v in models[0].items()}
+    resized = {k: (reference[k], tuple(np.shape(v))) for k, v in fused.items() if k in reference and reference[k] != tuple(np.shape(v))}
     return {"method": spec.method.name, "models": len(models), "tensors": len(fused),
             "parameters": int(sum(v.size for v in fused.values())), "output": str(spec.output), "resized": resized}

@@ -126,7 +126,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_fuse(args: argparse.Namespace) -> int:
     from rayfuse.api import fuse_checkpoints
 
-    summary = fuse_checkpoints(args.config, args.out)
+    summary = fuse_checkpoints(args.config, args.out, progress=lambda line: print(f"rayfuse fuse: {line}", flush=True))
     print(f"rayfuse fuse: {summary['method']} of {summary['models']} models, {summary['tensors']} tensors "
           f"({summary['parameters']:,} parameters) -> {summary['output']}")
     if summary.get("resized"):  # a nonparametric merge grew groups: the architecture must be built at these widths

@@ -17,7 +17,7 @@ int64 labels in ``0..num_classes-1``, and, when the source has one, its official
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -351,6 +351,31 @@ def _read_npz(path: str | Path | None, label: str, features: str | list[str] | N
     feature_key = features if isinstance(features, str) else "X"
     if isinstance(features, list):
         raise InputError("data.features", "one array name for an .npz file", features)
+    X, labels = _npz_arrays(file, {feature_key: "data.features", label: "data.label"})
+    assert X is not None and labels is not None  # required arrays
+    return dataset_from_arrays(file.stem, X, labels.reshape(-1), features_key="data.features", label_key="data.label", min_labels=min_labels)
+
+
+def read_unlabeled_npz(path: str | Path, features: str = "X", *, where: str = "data.path") -> np.ndarray:
+    """The inputs array ``features`` of an ``.npz`` file whose labels, if it has any, are not read (a transfer set for
+    distillation): numeric, finite, ``(N, features...)`` with ``(N, H, W)`` read as grey images. Raises
+    :class:`InputError` naming ``where`` or the file."""
+    file = _existing_file(path, ".npz", key=where)
+    (X,) = _npz_arrays(file, {features: "data.features"})
+    assert X is not None
+    if not np.issubdtype(X.dtype, np.number) or X.dtype.kind == "c":
+        raise InputError("data.features", "a numeric array of real numbers", str(X.dtype))
+    if X.ndim < 2 or X.size == 0:
+        raise InputError("data.features", "an array of shape (samples, features...) with at least one sample", f"shape {X.shape}")
+    if not np.isfinite(X).all():
+        raise InputError("data.features", "finite values", "NaN or Inf")
+    X = X.astype(np.float32)
+    return np.ascontiguousarray(X[:, None] if X.ndim == 3 else X)
+
+
+def _npz_arrays(file: Path, wanted: Mapping[str, str]) -> list[np.ndarray | None]:
+    """The arrays ``wanted`` (array name -> the key path naming it in errors) of an ``.npz`` archive, read without
+    unpickling anything; a missing array is one line naming its key path."""
     import zipfile
 
     try:
@@ -366,17 +391,15 @@ def _read_npz(path: str | Path | None, label: str, features: str | list[str] | N
         with loaded as archive:
             keys = list(archive.keys())
             if not keys:
-                raise InputError(str(file), "a .npz archive with arrays (data.features and data.label)", "an empty archive")
-            for key, what in ((feature_key, "data.features"), (label, "data.label")):
+                raise InputError(str(file), f"a .npz archive with arrays ({', '.join(wanted.values())})", "an empty archive")
+            for key, what in wanted.items():
                 if key not in keys:
                     raise InputError(what, f"an array name in {file.name} ({', '.join(keys)})", key)
-            X = np.asarray(archive[feature_key])
-            labels = np.asarray(archive[label])
+            return [np.asarray(archive[key]) for key in wanted]
     except InputError:
         raise
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
         raise InputError(str(file), "a readable .npz archive without pickled objects", str(exc)[:80] or type(exc).__name__) from None
-    return dataset_from_arrays(file.stem, X, labels.reshape(-1), features_key="data.features", label_key="data.label", min_labels=min_labels)
 
 
 def dataset_from_arrays(name: str, X: Any, y: Any, *, features_key: str = "dataset", label_key: str = "dataset",
@@ -484,10 +507,10 @@ def _table_dataset(table: Any, file: Path, label: str, features: str | list[str]
     return Dataset(file.stem, np.ascontiguousarray(X), y, len(names), names)
 
 
-def _existing_file(path: str | Path | None, suffix: str) -> Path:
+def _existing_file(path: str | Path | None, suffix: str, *, key: str = "data.path") -> Path:
     if not path:
-        raise InputError("data.path", f"a {suffix} file", path)
+        raise InputError(key, f"a {suffix} file", path)
     file = Path(path)
     if not file.is_file():
-        raise InputError("data.path", f"an existing {suffix} file", path)
+        raise InputError(key, f"an existing {suffix} file", path)
     return file

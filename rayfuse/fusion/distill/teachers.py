@@ -225,7 +225,9 @@ class Teachers:
     @torch.no_grad()
     def predict(self, X: torch.Tensor | np.ndarray) -> torch.Tensor:
         """Every teacher's logits ``(K, N, C)`` on ``X``, in chunks of ``chunk_size`` inputs."""
-        X_t = torch.as_tensor(np.ascontiguousarray(X) if isinstance(X, np.ndarray) else X, device=self.device)
+        if isinstance(X, np.ndarray):  # read-only arrays (Ray's object store) are copied, not written through
+            X = np.ascontiguousarray(X) if X.flags.writeable else np.array(X, order="C")
+        X_t = torch.as_tensor(X, device=self.device)
         chunks = [self.forward(X_t[start:start + self.chunk_size])[0] for start in range(0, max(len(X_t), 1), self.chunk_size)]
         return torch.cat(chunks, dim=1)
 

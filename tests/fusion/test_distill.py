@@ -1,0 +1,264 @@
+"""``distill``: the teachers' batched evaluation, the distillation loops' invariants, the method end to end in-process,
+what a predictions-only client sends, and the refusals before start."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from rayfuse.config import ModelConfig
+from rayfuse.errors import InputError
+from rayfuse.fusion.distill.algorithm import input_moments, predict, signal
+from rayfuse.fusion.distill.student import DistillSettings, distill_public, distill_synthetic, teacher_signal
+from rayfuse.fusion.distill.teachers import Teachers, combine_teachers, teacher_weights
+from rayfuse.io import load_params
+from rayfuse.models import build_model, get_params, train_model
+from rayfuse.runner import prepare_run
+
+PUBLIC = {"data": {"dataset": "digits", "public_size": 200}, "model": {"name": "mlp", "hidden": [32]},
+          "partition": {"method": "dirichlet", "num_clients": 3, "alpha": 0.5}, "train": {"epochs": 8, "shared_init": False}}
+QUICK = {"steps": 120, "epochs": 3}
+
+
+def _cnn(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+
+
+def _mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Flatten(), nn.Linear(16, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _with_running_stats(model: nn.Module) -> nn.Module:
+    model.train()
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(32, 1, 4, 4) * 2 + 1)
+    return model.eval()
+
+
+def test_teacher_weights_are_per_class_shares():
+    counts = np.array([[10, 0, 5], [30, 0, 5]])
+    classes = teacher_weights("classes", counts)
+    np.testing.assert_allclose(classes.sum(0), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(classes[:, 0], [0.25, 0.75], atol=1e-4)
+    np.testing.assert_allclose(classes[:, 1], [0.5, 0.5])  # a class no client holds: uniform, not 0 / 0
+    np.testing.assert_allclose(teacher_weights("samples", counts)[:, 2], [15 / 50, 35 / 50], rtol=1e-6)
+    np.testing.assert_allclose(teacher_weights("uniform", counts), 0.5)
+
+
+def test_batched_teachers_equal_the_loop_across_architectures():
+    models = [_with_running_stats(m) for m in (_cnn(0), _mlp(1), _cnn(2), _mlp(3), _cnn(4))]
+    batched = Teachers([copy.deepcopy(m) for m in models], batched=True)
+    loop = Teachers([copy.deepcopy(m) for m in models], batched=False)
+    assert [g.batched for g in batched.groups] == [True, True] and len(batched.groups) == 2
+    x = torch.randn(16, 1, 4, 4, requires_grad=True)
+    (lb, gb), (ll, gl) = batched.forward(x, with_bn=True), loop.forward(x, with_bn=True)
+    torch.testing.assert_close(lb, ll, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gb, gl, rtol=1e-5, atol=1e-5)
+    assert (gb > 0).all()  # every teacher has BatchNorm: a random batch does not match its statistics
+    grad_b, = torch.autograd.grad(lb.sum() + gb.sum(), x)
+    grad_l, = torch.autograd.grad(ll.sum() + gl.sum(), x)
+    torch.testing.assert_close(grad_b, grad_l, rtol=1e-4, atol=1e-5)
+    for i, model in enumerate(models):  # member i's logits are model i's, in the given order
+        torch.testing.assert_close(lb[i], model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_teachers_leave_a_model_that_is_not_theirs_without_hooks_or_frozen_weights():
+    model = _with_running_stats(_cnn(0))
+    teachers = Teachers([model], batched=False, freeze=False)
+    teachers.forward(torch.randn(8, 1, 4, 4), with_bn=True)
+    assert all(p.requires_grad for p in model.parameters())
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_combining_identical_members_returns_their_logits():
+    logits = torch.randn(1, 5, 3).expand(4, 5, 3)
+    weights = torch.as_tensor(teacher_weights("classes", np.array([[3, 1, 0], [1, 1, 0], [0, 5, 2], [2, 2, 2]])))
+    torch.testing.assert_close(combine_teachers(logits, weights, "logits"), logits[0])
+    torch.testing.assert_close(torch.softmax(combine_teachers(logits, weights, "probabilities"), 1), torch.softmax(logits[0], 1))
+
+
+@pytest.fixture(scope="module")
+def trained_digits_mlp():
+    from rayfuse.data.datasets import load_dataset
+
+    data = load_dataset("digits")
+    X, y = data.X, data.y
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    torch.manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+    train_model(model, X[:1200], y[:1200], epochs=10, batch_size=32, lr=5e-3, seed=0)
+    return model.eval(), X
+
+
+def _fresh_mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def test_distilling_copies_of_one_model_gives_a_student_that_agrees_with_it(trained_digits_mlp):
+    model, X = trained_digits_mlp
+    teachers = Teachers([copy.deepcopy(model) for _ in range(3)])
+    student = _fresh_mlp(1)
+    history = distill_public(student, teachers, X[1200:1500], np.full((3, 10), 1 / 3, np.float32), DistillSettings(steps=400, epochs=4))
+    with torch.no_grad():
+        held_out = torch.as_tensor(X[1500:])
+        agree = float((student(held_out).argmax(1) == model(held_out).argmax(1)).float().mean())
+    assert agree > 0.9, agree
+    assert history[-1]["loss"] < history[0]["loss"]  # the loss decreases on a fixed seed
+    assert [row["epoch"] for row in history] == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_the_public_loop_is_reproducible_and_the_same_through_predictions_only(trained_digits_mlp):
+    model, X = trained_digits_mlp
+
+    class PredictionsOnly:  # the teachers seen the way the clients serve them: logits on the bank, nothing else
+        num_teachers = 2
+
+        def predict(self, bank):
+            return torch.stack([model(bank).detach(), model(bank).detach()])
+
+    weights = np.full((2, 10), 0.5, np.float32)
+    settings = DistillSettings(steps=60, epochs=2, seed=7)
+    students = [_fresh_mlp(3) for _ in range(3)]
+    distill_public(students[0], Teachers([copy.deepcopy(model), copy.deepcopy(model)]), X[:300], weights, settings)
+    distill_public(students[1], Teachers([copy.deepcopy(model), copy.deepcopy(model)]), X[:300], weights, settings)
+    distill_public(students[2], PredictionsOnly(), X[:300], weights, settings)
+    a, b, c = (get_params(s) for s in students)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key])
+        np.testing.assert_allclose(a[key], c[key], rtol=1e-5, atol=1e-6)
+
+
+def test_data_free_distillation_runs_exact_and_from_client_signals(trained_digits_mlp):
+    model, X = trained_digits_mlp
+    weights = np.full((2, 10), 0.5, np.float32)
+    settings = DistillSettings(steps=40, epochs=2, generator_steps=2, student_steps=10, synthetic_batch=32, seed=1, reweight=True, hardness=1.0)
+    moments = (X.mean(0), X.std(0))
+
+    class FromClients:
+        num_teachers = 2
+
+        def predict(self, bank):  # not used by the synthetic loop
+            raise AssertionError("the synthetic loop asks for signals, not predictions")
+
+        def signal(self, batches, labels, W, settings):
+            replies = [teacher_signal(model, batches, labels, W[k], num_teachers=2, settings=settings) for k in range(2)]
+            return torch.stack([r[0] for r in replies]), sum(r[1] for r in replies)
+
+    for teachers in (Teachers([copy.deepcopy(model), copy.deepcopy(model)]), FromClients()):
+        student = _fresh_mlp(2)
+        history, scales = distill_synthetic(student, teachers, (1, 8, 8), weights, settings, label_prior=np.ones(10), moments=moments)
+        assert len(history) == 2 and all(np.isfinite(row["loss"]) and np.isfinite(row["generator_loss"]) for row in history)
+        assert scales.shape == (2,) and ((scales >= 0) & (scales <= 1)).all()
+        assert all(np.isfinite(v).all() for v in get_params(student).values())
+
+
+def test_a_teachers_signal_is_the_gradient_of_its_term(trained_digits_mlp):
+    model, _ = trained_digits_mlp
+    X = torch.randn(2, 4, 1, 8, 8)
+    y = torch.randint(0, 10, (2, 4))
+    w = torch.linspace(0.1, 1.0, 10)
+    settings = DistillSettings(bn_weight=0.0)
+    logits, grad = teacher_signal(model, X, y, w, num_teachers=3, settings=settings)
+    x = X[1].clone().requires_grad_(True)
+    z = model(x)
+    expected, = torch.autograd.grad((w[y[1]] * torch.nn.functional.cross_entropy(z, y[1], reduction="none")).mean(), x)
+    torch.testing.assert_close(grad[1], expected)
+    torch.testing.assert_close(logits[1], z.detach())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The method in a run
+
+
+def test_distill_end_to_end_reaches_the_ensemble_and_reports_its_transfer(coordinator):
+    methods = {"ensemble": {}, "distill": {"init": "random", **QUICK, "steps": 600}}
+    coord = coordinator(methods=methods, **PUBLIC)
+    ensemble = coord.run_method("ensemble")["metrics"]["accuracy"]
+    summary = coord.run_method("distill")
+    assert summary["metrics"]["accuracy"] > ensemble - 0.1, (summary["metrics"], ensemble)
+    assert summary["info"]["transfer_note"] == "public sample (200)"
+    assert summary["info"]["init"] == "random"
+    fused = load_params(coord.store.root / summary["model_file"])
+    assert set(fused) == set(coord.reference_params()) and all(np.isfinite(v).all() for v in fused.values())
+    rows = [r for r in summary["history"] if r["metric"] == "agreement"]
+    assert len(rows) == QUICK["epochs"]  # one per epoch
+
+
+def test_predictions_only_equals_the_parameter_upload_on_the_same_inputs(coordinator, tmp_path):
+    results = {}
+    for teachers in ("parameters", "clients"):
+        coord = coordinator(methods={"d": {"method": "distill", "init": "random", "teachers": teachers, **QUICK}}, **PUBLIC)
+        results[teachers] = load_params(coord.store.root / coord.run_method("d")["model_file"])
+    for key, value in results["parameters"].items():
+        np.testing.assert_allclose(results["clients"][key], value, rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("init", ["aligned", "average"])
+def test_the_student_starts_from_the_clients_merge(coordinator, init):
+    coord = coordinator(methods={"d": {"method": "distill", "init": init, **QUICK}}, **PUBLIC)
+    summary = coord.run_method("d")
+    assert summary["info"]["init"].startswith(f"{init} ") and "of clients [0, 1, 2]" in summary["info"]["init"]
+
+
+def test_data_free_in_a_run_with_client_signals(coordinator):
+    settings = {"transfer": "synthetic", "init": "random", "steps": 40, "epochs": 2, "generator_steps": 2, "student_steps": 10,
+                "synthetic_batch": 32}
+    coord = coordinator(methods={"exact": {"method": "distill", **settings},
+                                 "clients": {"method": "distill", "teachers": "clients", **settings}}, **PUBLIC)
+    for label, note in (("exact", "synthetic (data-free)"), ("clients", "synthetic (data-free), predictions only")):
+        summary = coord.run_method(label)
+        assert summary["info"]["transfer_note"] == note
+        assert np.isfinite(summary["metrics"]["accuracy"])
+
+
+def test_a_predictions_only_reply_holds_predictions_on_the_transfer_inputs_only(coordinator):
+    coord = coordinator(methods={"d": {"method": "distill", "teachers": "clients", "init": "random"}}, **PUBLIC)
+    coord.prepare_local_models()
+    fed = coord.federation
+    X = np.random.default_rng(0).normal(size=(37, 1, 8, 8)).astype(np.float32)
+    for client, reply in fed.run(predict, X).results.items():
+        assert set(reply) == {"logits"} and reply["logits"].shape == (37, 10) and reply["logits"].dtype == np.float32
+        ctx = fed.client(client).ctx
+        own = get_params(ctx.local_model())
+        assert not any(v.shape == reply["logits"].shape for v in own.values())  # no parameter rides along
+        expected = ctx.local_model()(torch.as_tensor(X)).detach().numpy()
+        np.testing.assert_allclose(reply["logits"], expected, rtol=1e-5, atol=1e-5)  # the model's outputs on the server's inputs
+    batches = X[:32].reshape(2, 16, 1, 8, 8)
+    labels = np.zeros((2, 16), dtype=np.int64)
+    for client, reply in fed.gather(fed.map(signal, batches, labels, np.full(10, 1 / 3, np.float32), clients=[0], num_teachers=3,
+                                            settings={})).results.items():
+        assert set(reply) == {"logits", "grad"} and reply["logits"].shape == (2, 16, 10) and reply["grad"].shape == batches.shape
+    for reply in fed.run(input_moments).results.values():  # statistics: per-element sums and a count, never samples
+        assert set(reply) == {"count", "sum", "sumsq"} and reply["sum"].shape == (1, 8, 8)
+
+
+@pytest.mark.parametrize("section,entry,path", [
+    ({"data": {"dataset": "digits", "public_size": 0}}, {"transfer": "public"}, "data.public_size"),
+    ({}, {"teachers": "clients", "init": "aligned"}, "methods.d.init"),
+    ({"train": {"dp": {"noise_multiplier": 1.0}}}, {"transfer": "synthetic"}, "methods.d.input_moments"),
+    ({}, {"aligned": {"rounds": 3}}, "methods.d.aligned.rounds"),
+    ({}, {"student": {"name": "nope"}}, "methods.d.student.name"),
+    ({}, {"steps": 0}, "methods.d.steps"),
+])
+def test_distill_refuses_before_start(make_config, section, entry, path):
+    with pytest.raises(InputError) as info:  # the parameters' own checks (make_config resolves them), then the run's
+        prepare_run(make_config(**{**PUBLIC, **section, "methods": {"d": {"method": "distill", **entry}}}))
+    assert info.value.path == path, str(info.value)
+
+
+def test_the_student_key_sets_the_students_architecture(coordinator):
+    student = {"name": "mlp", "hidden": [24, 24]}
+    coord = coordinator(methods={"d": {"method": "distill", "init": "random", "student": student, **QUICK}}, **PUBLIC)
+    fused = load_params(coord.store.root / coord.run_method("d")["model_file"])
+    expected = get_params(build_model(ModelConfig(**student), coord.plan.input_shape, coord.plan.num_classes, seed=0))
+    assert {k: v.shape for k, v in fused.items()} == {k: v.shape for k, v in expected.items()}
