@@ -174,15 +174,6 @@ class MethodServer:
     def build_model(self, seed: int | None = None) -> Any:
         return build_model(self.model_cfg, self.input_shape, self.num_classes, seed=seed)
 
-    def client_model(self, client: int) -> Any:
-        """Client ``client``'s model section (every client builds the run's model)."""
-        return self.model_cfg
-
-    @property
-    def class_counts(self) -> np.ndarray:
-        """``(num_clients, num_classes)``: each client's class counts (train and held-out), as the partition manifest records them."""
-        return np.asarray(self._coordinator.plan.counts)
-
     def initial_params(self) -> dict[str, np.ndarray]:
         """The shared seeded initialisation (the same as the clients' local models when ``train.shared_init``)."""
         return get_params(self.build_model(seed=derive_seed(self.seed, "init")))
@@ -207,7 +198,7 @@ class MethodServer:
                              "does not use; score through evaluate / evaluate_ensemble, or set the method's federated_evaluation = False")
         return compute_metrics(proba, self.test.y)
 
-    def evaluate(self, params: dict[str, np.ndarray], *, resized: bool = False, model: Any = None) -> dict[str, float]:
+    def evaluate(self, params: dict[str, np.ndarray], *, resized: bool = False) -> dict[str, float]:
         """Accuracy, NLL, entropy and ECE of ``params``: on the global test set, the clients' held-out splits, or both
         (``evaluation``; see :meth:`evaluate_ensemble`). ``resized``: the run's architecture at other widths (a fused
         model whose permutation groups grew or shrank; only NaN / Inf are checked then)."""
