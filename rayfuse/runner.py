@@ -389,8 +389,11 @@ def load_run_config(run_dir: str | Path, overrides: Sequence[tuple[list[str], An
             raise  # the error is in an override (--set), not in the file
         raise exc.at(f"{store.config_file}: {exc.path}") from None
     _check_config_hash(store)  # a valid config that is not the one written (cut at a line end, edited)
-    custom = next((f"model.name: custom ({m.factory})" if m is cfg.model else f"federation.client_overrides.{i}.model.name: custom ({m.factory})"
-                   for i, m in [(-1, cfg.model), *enumerate(cfg.client_models())] if m.name == "custom"), None)
+    # the run's model, then the clients' own (federation.client_overrides.<i>.model): a model given from Python is a
+    # factory no config file holds
+    models = [("model", cfg.model), *((f"federation.client_overrides.{c}.model", o.model)
+                                      for c, o in sorted(cfg.federation.client_overrides.items()) if o.model is not None)]
+    custom = next((f"{key}.name: custom ({model.factory})" for key, model in models if model.name == "custom"), None)
     if custom is not None or cfg.data.dataset == "arrays":
         given = custom or "data.dataset: arrays"
         raise InputError("--resume", "a run whose model and data a config file describes", given,

@@ -289,3 +289,13 @@ def test_on_ray_client_model_factories_reach_packed_actors_by_value(ray_session,
     assert result.results["run"]["backend"] == "ray"
     # the factories and the client step travelled by value: no client imported this module to unpickle them
     assert result.results["methods"]["probe"]["info"]["imported"] == 0.0
+
+
+def test_a_run_given_client_model_factories_cannot_be_resumed_from_the_command_line(tmp_path):
+    from rayfuse.api import resume
+
+    base = {k: v for k, v in HETERO.items() if k not in ("federation", "methods", "model")}
+    result = rayfuse.run({**base, "train": {"epochs": 1}, "federation": {"backend": "local"}}, model={1: Narrow}, methods={"local": "local"},
+                         run_dir=tmp_path / "run", quiet=True)
+    with pytest.raises(InputError, match=r"^--resume: .*federation\.client_overrides\.1\.model\.name: custom \(tests\..*cannot be resumed"):
+        resume(result.run_dir)
