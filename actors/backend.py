@@ -234,7 +234,7 @@ def check_local_resources(cfg: ExperimentConfig) -> None:
         have["GPU"] = float(gpus)
     custom: dict[str, Any] = init["resources"] if isinstance(init.get("resources"), dict) else {}
     n, per_actor = cfg.partition.num_clients, fed.clients_per_actor
-    actors = [(f"federation.client_overrides.{first}" if first in fed.client_overrides else "federation.clients",
+    actors = [(f"federation.client_overrides.{first}" if _sets_resources(cfg, first) else "federation.clients",
                actor_options(fed.client_resources(first))) for first in range(0, n, per_actor)]
     actors.append(("federation.coordinator", actor_options(fed.coordinator)))
     where = "the local Ray this run starts (federation.ray_init, else this machine)"
@@ -256,6 +256,13 @@ def check_local_resources(cfg: ExperimentConfig) -> None:
                              f"of {where} in all (each holds its share while it lives)", f"{total:g} in all for {len(actors) - 1} "
                              "client actors and the coordinator", "ask less per client, or host several clients per actor "
                              "(federation.clients_per_actor)")
+
+
+def _sets_resources(cfg: ExperimentConfig, client: int) -> bool:
+    """Whether ``federation.client_overrides.<client>`` sets resource keys (an override may give the client only a
+    model of its own)."""
+    override = cfg.federation.client_overrides.get(client)
+    return override is not None and bool(override.resource_keys)
 
 
 def pinned_resources(cfg: ExperimentConfig) -> dict[int, dict[str, float]]:
@@ -456,7 +463,7 @@ class RayBackend(Backend):
             return  # a real cluster may autoscale; a placement group is already reserved: wait (startup_timeout_s) instead of refusing
         total = ray.cluster_resources()
         for i, req in enumerate(requests):
-            key = f"federation.client_overrides.{i}" if i in cfg.federation.client_overrides else "federation.clients"
+            key = f"federation.client_overrides.{i}" if _sets_resources(cfg, i) else "federation.clients"
             for name, need in [("num_cpus", req.get("num_cpus", 0)), ("num_gpus", req.get("num_gpus", 0))]:
                 have = total.get("CPU" if name == "num_cpus" else "GPU", 0.0)
                 if need > have:
@@ -489,14 +496,15 @@ class RayBackend(Backend):
         bundles = client_bundles(cfg) if pg is not None else []
         for k, members in enumerate(groups):
             name = actor_name(run, members)
-            options = dict(requests[members[0]])  # one client per actor, or no per-client overrides (validated)
+            options = dict(requests[members[0]])  # one client per actor, or no per-client resources (validated)
             if pg is not None:
                 options["num_cpus"] = bundles[k].get("CPU", 0.0)
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k + 1)
             handle = client_cls.options(
                 name=name, namespace=fed.namespace, max_restarts=fed.max_restarts, max_task_retries=0, **options,
             ).remote([(i, plan.for_client(i)) for i in members], data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train,
-                     seed=cfg.run.seed, faults=fed.faults, local_cache=cfg.run.model_cache)
+                     seed=cfg.run.seed, faults=fed.faults, local_cache=cfg.run.model_cache,
+                     client_models={i: cfg.client_model(i) for i in members if cfg.client_model(i) is not cfg.model})
             self._actor_names.append(name)
             for i in members:
                 self.clients[i] = handle

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,11 +56,13 @@ class ClientActor:
     members : sequence of (client id, ClientPlan)
         The clients this actor hosts, each with its own plan (and nothing about the others).
     data_cfg, model_cfg, train_cfg, seed, faults
-        As for :class:`rayfuse.client.Client`.
+        As for :class:`rayfuse.client.Client`; ``model_cfg`` is the model of every hosted client not in ``client_models``.
+    client_models : mapping of client id to ModelConfig, optional
+        The hosted clients with a model of their own (``federation.client_overrides.<i>.model``).
     """
 
     def __init__(self, members: Sequence[tuple[int, ClientPlan]], *, data_cfg: Any, model_cfg: Any, train_cfg: Any, seed: int,
-                 faults: Sequence[Any] = (), local_cache: str | None = None) -> None:
+                 faults: Sequence[Any] = (), local_cache: str | None = None, client_models: Mapping[int, Any] | None = None) -> None:
         with warnings.catch_warnings():  # Ray's own accessor warns about its internals
             warnings.simplefilter("ignore")
             restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
@@ -74,7 +76,8 @@ class ClientActor:
         try:
             dataset = load_dataset_from_config(data_cfg) if len(members) > 1 else None
             self.clients = {
-                client_id: Client(client_id, plan, data_cfg=data_cfg, model_cfg=model_cfg, train_cfg=train_cfg, seed=seed,
+                client_id: Client(client_id, plan, data_cfg=data_cfg, model_cfg=(client_models or {}).get(client_id, model_cfg),
+                                  train_cfg=train_cfg, seed=seed,
                                   device=device, faults=faults, restarted=restarted, die=lambda: os._exit(1), dataset=dataset,
                                   local_cache=local_cache)
                 for client_id, plan in members

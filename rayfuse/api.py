@@ -18,7 +18,11 @@ Objects given here reach the clients and the coordinator with the config:
 * ``model``: a callable returning an ``nn.Module``: a class or a function, called ``model(input_shape, num_classes)``
   when it accepts two positional arguments, else ``model()``; ``input_shape`` is one sample's shape (``(D,)`` or
   ``(C, H, W)``). It is called under a seeded RNG wherever the run builds a model. The run's ``config.yaml`` records
-  ``model: {name: custom, factory: <module.qualname>}``.
+  ``model: {name: custom, factory: <module.qualname>}``. Or a mapping ``{client_id: callable, ..., "default":
+  callable}`` giving clients models of their own (heterogeneous clients: recorded as
+  ``federation.client_overrides.<i>.model``); the clients not listed, and the server, use ``"default"`` if given,
+  else the config's ``model:``. Only methods that need the clients' predictions alone (``local``, ``ensemble``,
+  ``global``) run with clients of different models.
 * ``dataset``: ``(X, y)`` arrays, or a torch ``Dataset`` of ``(x, y)`` pairs (read once, into arrays). The config's
   ``data`` keys still apply (``test_size``, ``val_size``, ``public_size``, ``standardize``) and its ``partition``
   splits the arrays among the clients; ``config.yaml`` records ``data: {dataset: arrays, options: {sha256: ...}}``.
@@ -96,7 +100,8 @@ class RunResult:
         return model.eval()
 
 
-def run(config: str | Path | Mapping[str, Any] | ExperimentConfig | None = None, *, model: Callable[..., Any] | None = None,
+def run(config: str | Path | Mapping[str, Any] | ExperimentConfig | None = None, *,
+        model: Callable[..., Any] | Mapping[int | str, Callable[..., Any]] | None = None,
         dataset: Any = None, methods: Mapping[str, Any] | None = None, backend: str | None = None,
         run_dir: str | Path | None = None, overrides: Sequence[str] = (), quiet: bool = False, verbose: bool = False) -> RunResult:
     """Run an experiment and return its results.
@@ -105,8 +110,11 @@ def run(config: str | Path | Mapping[str, Any] | ExperimentConfig | None = None,
     ----------
     config : str, Path, dict or ExperimentConfig, optional
         A YAML file, the same content as a dict, or a validated config; ``None``: the defaults (the quickstart job).
-    model : callable, optional
-        ``model(input_shape, num_classes)`` or ``model()`` returning an ``nn.Module``, instead of ``config.model``.
+    model : callable or mapping, optional
+        ``model(input_shape, num_classes)`` or ``model()`` returning an ``nn.Module``, instead of ``config.model``; or
+        ``{client_id: callable, ..., "default": callable}``: the listed clients' own model factories (each client's
+        ``federation.client_overrides.<i>.model``), and ``"default"`` for the other clients and the server (default:
+        the config's ``model``).
     dataset : (X, y) arrays or torch Dataset, optional
         The data to split among the clients, instead of ``config.data.dataset``.
     methods : mapping, optional
@@ -144,7 +152,7 @@ def run(config: str | Path | Mapping[str, Any] | ExperimentConfig | None = None,
             raise InputError("backend", "'ray' or 'local'", backend)
         cfg = cfg.model_copy(update={"federation": cfg.federation.model_copy(update={"backend": backend})})
     if model is not None:
-        cfg = cfg.model_copy(update={"model": cfg.model.with_factory(_check_factory(model), _qualname(model))})
+        cfg = _with_models(cfg, model)
     if dataset is not None:
         from rayfuse.data.datasets import arrays_digest
 
@@ -153,7 +161,7 @@ def run(config: str | Path | Mapping[str, Any] | ExperimentConfig | None = None,
     _check_outputs(cfg, run_dir)  # before the data loads
     prepared = prepare_run(cfg, methods=objects)  # every check, before a folder or an actor exists
     folder = new_run_dir(cfg, run_dir, key="run_dir")
-    user_modules = _user_modules([model, *objects.values()])
+    user_modules = _user_modules([*(model.values() if isinstance(model, Mapping) else [model]), *objects.values()])
     return _execute(prepared, folder, resume=False, quiet=quiet, verbose=verbose, by_value=user_modules)
 
 
@@ -318,12 +326,46 @@ def _methods(methods: Any) -> dict[str, Any]:
     return dict(methods)
 
 
-def _check_factory(model: Any) -> Any:
+def _check_factory(model: Any, where: str = "model") -> Any:
     from rayfuse.models.registry import factory_arity
 
     if factory_arity(model) < 0:
-        raise InputError("model", "a callable returning an nn.Module, taking (input_shape, num_classes) or no arguments", model)
+        raise InputError(where, "a callable returning an nn.Module, taking (input_shape, num_classes) or no arguments", model)
     return model
+
+
+def _with_models(cfg: ExperimentConfig, model: Any) -> ExperimentConfig:
+    """``cfg`` building its models with ``model``: one factory for the run (``model: {name: custom}``), or a mapping of
+    client ids (each that client's ``federation.client_overrides.<i>.model``) and ``"default"`` (the run's ``model``) to
+    factories. Raises :class:`InputError` at ``model[<key>]`` for a key that is neither a client id of the run nor
+    ``"default"``, or a value that is not a model factory."""
+    from rayfuse.config import ClientOverride
+
+    if not isinstance(model, Mapping):
+        return cfg.model_copy(update={"model": cfg.model.with_factory(_check_factory(model), _qualname(model))})
+    n = cfg.partition.num_clients
+    if not model:
+        raise InputError("model", "a model factory, or a mapping of client ids and 'default' to model factories", "{}")
+    clients: dict[int, Any] = {}
+    default = None
+    for key, factory in model.items():
+        if isinstance(key, str) and key == "default":
+            default = _check_factory(factory, where="model['default']")
+            continue
+        if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or not 0 <= int(key) < n:
+            raise InputError(f"model[{key!r}]", f"a client id in 0..{n - 1} (partition.num_clients is {n}) or 'default'", key)
+        clients[int(key)] = _check_factory(factory, where=f"model[{int(key)}]")
+    if default is not None:
+        cfg = cfg.model_copy(update={"model": cfg.model.with_factory(default, _qualname(default))})
+    overrides = dict(cfg.federation.client_overrides)
+    for client, factory in sorted(clients.items()):
+        override = overrides.get(client)
+        base = override.model if override is not None and override.model is not None else cfg.model
+        own = base.with_factory(factory, _qualname(factory))
+        overrides[client] = ClientOverride(model=own) if override is None else override.model_copy(update={"model": own})
+    if clients:
+        cfg = cfg.model_copy(update={"federation": cfg.federation.model_copy(update={"client_overrides": overrides})})
+    return cfg
 
 
 def _qualname(obj: Any) -> str:

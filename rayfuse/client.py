@@ -279,6 +279,8 @@ class Client:
     plan : ClientPlan
         This client's indices (and nothing about the other clients).
     data_cfg, model_cfg, train_cfg : config sections
+        ``model_cfg`` is this client's model: its ``federation.client_overrides.<i>.model``, else the run's ``model``
+        (:meth:`rayfuse.config.ExperimentConfig.client_model`).
     seed : int
         The run seed.
     device : str

@@ -58,6 +58,8 @@ __all__ = [
     "DPSGDConfig",
     "FederationConfig",
     "ResourcesConfig",
+    "ClientOverride",
+    "other_model_clients",
     "FaultSpec",
     "AttackSpec",
     "CONFIG_SECTIONS",
@@ -624,6 +626,34 @@ class ResourcesConfig(StrictModel):
         return value
 
 
+class ClientOverride(ResourcesConfig):
+    """``federation.client_overrides.<i>``: what client ``i`` does not share with the others. The resource keys it
+    sets replace those of ``federation.clients`` for that client's actor; ``model`` gives the client its own model
+    (a section with the schema of the top-level ``model:``), which it trains, keeps and sends instead of the run's.
+    Only the keys given are dumped, so a written config reads back with the same overrides."""
+
+    model: ModelConfig | None = Field(None, description="this client's own model (the schema of the top-level model:); "
+                                      "default: the run's model. Only methods that need the clients' predictions alone "
+                                      "(local, ensemble, global) accept clients of different models")
+
+    @property
+    def resource_keys(self) -> list[str]:
+        """The resource keys this override sets (those replacing ``federation.clients``' for its client)."""
+        return sorted(k for k in self.model_fields_set if k != "model")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k in self.model_fields_set}
+        return data
+
+
+def other_model_clients(models: Sequence[ModelConfig]) -> list[int]:
+    """The clients (indices of ``models``, each client's model in client order) whose model is not client 0's."""
+    return [i for i, model in enumerate(models) if i > 0 and model != models[0]]
+
+
 class FaultSpec(StrictModel):
     """An injected fault, for testing failure policies on a real run (chaos testing)."""
 
@@ -694,7 +724,8 @@ class FederationConfig(StrictModel):
     min_clients: int = Field(1, ge=1, description="quorum: fewer surviving clients than this fails the run")
     max_restarts: int = Field(2, ge=-1, description="Ray restarts of a dead client actor (-1: unlimited)")
     clients: ResourcesConfig = Field(default_factory=ResourcesConfig)
-    client_overrides: dict[int, ResourcesConfig] = Field(default_factory=dict, description="per-client resources by client id")
+    client_overrides: dict[int, ClientOverride] = Field(default_factory=dict, description="per-client resources and model by "
+                                                        "client id: {<i>: {num_gpus: 1, resources: {site_a: 1}, model: {name: cnn}}}")
     coordinator: ResourcesConfig = Field(default_factory=lambda: ResourcesConfig(num_cpus=0))
     clients_per_actor: int = Field(1, ge=1, description="simulation: clients hosted by one actor process. 1 (default): one named "
                                    "actor per client, the deployment model. More cuts Ray's per-call cost when many clients share few "
@@ -718,9 +749,9 @@ class FederationConfig(StrictModel):
     def client_resources(self, client_id: int) -> ResourcesConfig:
         """Client ``client_id``'s resources: ``clients``, with the keys its ``client_overrides`` entry sets replaced."""
         override = self.client_overrides.get(client_id)
-        if override is None:
+        if override is None or not override.resource_keys:
             return self.clients
-        return self.clients.model_copy(update={k: getattr(override, k) for k in override.model_fields_set})
+        return self.clients.model_copy(update={k: getattr(override, k) for k in override.resource_keys})
 
 
 # The top-level sections: an error path starting with one of these is absolute (``Method.check``'s convention).
@@ -789,7 +820,8 @@ class ExperimentConfig(StrictModel):
             raise ValueError("@methods@ at least one method, got none")
         if self.federation.min_clients > n:
             raise ValueError(f"@federation.min_clients@ at most partition.num_clients ({n}), got {self.federation.min_clients}")
-        if self.federation.clients_per_actor > 1 and self.federation.client_overrides:
+        if self.federation.clients_per_actor > 1 and any(o.resource_keys for o in self.federation.client_overrides.values()):
+            # (an override that gives a client only its own model is fine: clients of one actor share its resources only)
             raise ValueError("@federation.clients_per_actor@ 1 when federation.client_overrides gives clients their own "
                              f"resources, got {self.federation.clients_per_actor}")
         for client in self.federation.client_overrides:
@@ -806,6 +838,21 @@ class ExperimentConfig(StrictModel):
                 raise ValueError(f"@federation.attacks.{i}.client@ one attack per client, got client {attack.client} twice")
             seen.add(attack.client)
         return self
+
+    def client_model(self, client_id: int) -> ModelConfig:
+        """Client ``client_id``'s model: its ``federation.client_overrides.<i>.model``, else the run's ``model``."""
+        override = self.federation.client_overrides.get(client_id)
+        return override.model if override is not None and override.model is not None else self.model
+
+    def client_models(self) -> tuple[ModelConfig, ...]:
+        """Every client's model, in client order (``range(partition.num_clients)``)."""
+        return tuple(self.client_model(i) for i in range(self.partition.num_clients))
+
+    @property
+    def heterogeneous_clients(self) -> bool:
+        """Whether some client's model is not the run's ``model`` (``federation.client_overrides.<i>.model``): clients of
+        several architectures, or clients of one architecture other than the server's."""
+        return any(model != self.model for model in self.client_models())
 
     @model_validator(mode="after")
     def _evaluation(self) -> ExperimentConfig:

@@ -26,7 +26,7 @@ from rayfuse.client import (
     set_local_params,
     train_local,
 )
-from rayfuse.config import ExperimentConfig
+from rayfuse.config import ExperimentConfig, ModelConfig
 from rayfuse.data.roles import (
     DataPlan,
     Normalization,
@@ -79,7 +79,7 @@ class MethodServer:
         self.evaluation: str = cfg.evaluation  # central | federated | both (rayfuse.evaluation)
         self._evaluations: list[list[dict[str, Any]]] = []  # per-client tables of the federated evaluations not yet logged
         self.data_cfg = cfg.data  # the dataset spec (a generator's true distribution for methods that score against it)
-        self.model_cfg = cfg.model
+        self.model_cfg = cfg.model  # the run's model (the server's); a client's own: client_model(client)
         self.train_cfg = cfg.train
         self.num_classes = coordinator.plan.num_classes
         self.input_shape = coordinator.plan.input_shape
@@ -165,6 +165,12 @@ class MethodServer:
             raise RunFailure(f"{self.label}: asked for the dataset's own facts (dataset_meta); a silo run (data.silos) has no dataset")
         return dict(self._coordinator._load_dataset().meta)
 
+    @property
+    def class_counts(self) -> np.ndarray:
+        """The partition plan's class counts, ``(num_clients, num_classes)``: each client's training and held-out
+        examples of each class together, as the partition manifest records them."""
+        return np.asarray(self._coordinator.plan.counts)
+
     def pooled_train(self) -> Split:
         """Every client's training data pooled. Only oracle methods may ask: a federation cannot do this."""
         if not self.method_cls.oracle:
@@ -173,6 +179,14 @@ class MethodServer:
 
     def build_model(self, seed: int | None = None) -> Any:
         return build_model(self.model_cfg, self.input_shape, self.num_classes, seed=seed)
+
+    def client_model(self, client: int) -> ModelConfig:
+        """Client ``client``'s model: its ``federation.client_overrides.<i>.model``, else the run's (``model_cfg``)."""
+        return self._coordinator.cfg.client_model(client)
+
+    def build_client_model(self, client: int, seed: int | None = None) -> Any:
+        """A model of client ``client``'s architecture (:meth:`client_model`)."""
+        return build_model(self.client_model(client), self.input_shape, self.num_classes, seed=seed)
 
     def initial_params(self) -> dict[str, np.ndarray]:
         """The shared seeded initialisation (the same as the clients' local models when ``train.shared_init``)."""
@@ -187,7 +201,11 @@ class MethodServer:
     # -- evaluation ---------------------------------------------------------------------------------------------
 
     def predict_proba(self, params: dict[str, np.ndarray], X: np.ndarray | None = None) -> np.ndarray:
-        model = set_params(self.build_model(), params)
+        return self._predict(params, self.model_cfg, X)
+
+    def _predict(self, params: dict[str, np.ndarray], model_cfg: ModelConfig, X: np.ndarray | None = None) -> np.ndarray:
+        """The class probabilities of ``params`` built into ``model_cfg`` on ``X`` (default: the server's test set)."""
+        model = set_params(build_model(model_cfg, self.input_shape, self.num_classes), params)
         return predict_proba(model, self.test.X if X is None else X, device=self.device)
 
     def evaluate_proba(self, proba: np.ndarray) -> dict[str, float]:
@@ -198,58 +216,66 @@ class MethodServer:
                              "does not use; score through evaluate / evaluate_ensemble, or set the method's federated_evaluation = False")
         return compute_metrics(proba, self.test.y)
 
-    def evaluate(self, params: dict[str, np.ndarray], *, resized: bool = False) -> dict[str, float]:
-        """Accuracy, NLL, entropy and ECE of ``params``: on the global test set, the clients' held-out splits, or both
-        (``evaluation``; see :meth:`evaluate_ensemble`). ``resized``: the run's architecture at other widths (a fused
-        model whose permutation groups grew or shrank; only NaN / Inf are checked then)."""
+    def evaluate(self, params: dict[str, np.ndarray], *, resized: bool = False, model: ModelConfig | None = None) -> dict[str, float]:
+        """Accuracy, NLL, entropy and ECE of ``params`` built into ``model`` (default: the run's model; a client's own
+        is :meth:`client_model`): on the global test set, the clients' held-out splits, or both (``evaluation``; see
+        :meth:`evaluate_ensemble`). ``resized``: that architecture at other widths (a fused model whose permutation
+        groups grew or shrank; only NaN / Inf are checked then)."""
+        model_cfg = self.model_cfg if model is None else model
         if resized:
             if not all(np.isfinite(v).all() for v in params.values() if v.dtype.kind == "f"):
                 raise NonFiniteError(f"{self.label}: the model to evaluate has NaN or Inf values")
         else:
-            problem = check_params(params, self._coordinator.reference_params())
+            problem = check_params(params, self._coordinator.reference_for(model_cfg))
             if problem:
                 raise NonFiniteError(f"{self.label}: the model to evaluate is invalid: {problem}")
 
         def central() -> dict[str, float]:
             if resized:
-                model = model_for_params(params, self.model_cfg, self.input_shape, self.num_classes)
-                return self.evaluate_proba(predict_proba(model, self.test.X, device=self.device))
-            return self.evaluate_proba(self.predict_proba(params))
+                built = model_for_params(params, model_cfg, self.input_shape, self.num_classes)
+                return self.evaluate_proba(predict_proba(built, self.test.X, device=self.device))
+            return self.evaluate_proba(self._predict(params, model_cfg))
 
-        return self._evaluate_where(central, [params], None)
+        return self._evaluate_where(central, [params], None, [model_cfg])
 
-    def evaluate_ensemble(self, members: Sequence[dict[str, np.ndarray]], weights: Sequence[float]) -> dict[str, float]:
+    def evaluate_ensemble(self, members: Sequence[dict[str, np.ndarray]], weights: Sequence[float], *,
+                          models: Sequence[ModelConfig] | None = None) -> dict[str, float]:
         """The metrics of the ensemble of ``members`` (probabilities averaged with ``weights``) and the accuracy of
         its majority vote (``vote_accuracy``), where ``evaluation`` says: federated, every client receives the members'
-        parameters and scores them on its held-out split."""
+        parameters (and their model configs) and scores them on its held-out split. ``models``: each member's
+        architecture (members of clients with models of their own: ``[server.client_model(c) for c in clients]``);
+        default: the run's model for every member."""
+        configs = [self.model_cfg] * len(members) if models is None else list(models)
+        if len(configs) != len(members):
+            raise ValueError(f"{self.label}: evaluate_ensemble got {len(members)} members and {len(configs)} models")
 
         def central() -> dict[str, float]:
-            probas = np.stack([self.predict_proba(p) for p in members])
+            probas = np.stack([self._predict(p, m) for p, m in zip(members, configs)])
             metrics = self.evaluate_proba(np.tensordot(weights, probas, axes=1))
             metrics["vote_accuracy"] = float(np.mean(majority_vote(probas, list(weights)) == self.test.y))
             return metrics
 
-        return self._evaluate_where(central, list(members), [float(w) for w in weights], vote=True)
+        return self._evaluate_where(central, list(members), [float(w) for w in weights], configs, vote=True)
 
     def _evaluate_where(self, central: Callable[[], dict[str, float]], members: list[dict[str, np.ndarray]],
-                        weights: list[float] | None, *, vote: bool = False) -> dict[str, float]:
+                        weights: list[float] | None, models: list[ModelConfig], *, vote: bool = False) -> dict[str, float]:
         """The one dispatch of ``evaluation``: central metrics, the federated aggregate, or both (the federated ones
         prefixed ``federated_``)."""
         if self.evaluation == "central":
             return central()
         metrics = central() if self.evaluation == "both" else {}
-        federated = self._evaluate_federated(members, weights, vote=vote)
+        federated = self._evaluate_federated(members, weights, models, vote=vote)
         if self.evaluation == "federated":
             return federated
         return {**metrics, **{FEDERATED_PREFIX + k: v for k, v in federated.items()}}
 
-    def _evaluate_federated(self, members: list[dict[str, np.ndarray]], weights: list[float] | None, *,
+    def _evaluate_federated(self, members: list[dict[str, np.ndarray]], weights: list[float] | None, models: list[ModelConfig], *,
                             vote: bool) -> dict[str, float]:
-        """Every client scores ``members`` on its held-out split and replies with sums and counts; the metrics of the
-        summed sums (count-weighted over the clients). A malformed reply is rejected (``update_rejected``); the
-        per-client table is logged with the method's next row (:meth:`log`)."""
+        """Every client scores ``members``, each built into its model config of ``models``, on its held-out split and
+        replies with sums and counts; the metrics of the summed sums (count-weighted over the clients). A malformed
+        reply is rejected (``update_rejected``); the per-client table is logged with the method's next row (:meth:`log`)."""
         fed = self.federation
-        gathered = fed.run(evaluate_held_out, fed.put(members), weights, vote=vote)
+        gathered = fed.run(evaluate_held_out, fed.put(members), weights, vote=vote, models=models)
         extra = ("vote_correct",) if vote else ()
 
         def read(client: int, reply: Any) -> dict[str, Any]:
@@ -301,7 +327,9 @@ class MethodServer:
         value (:meth:`average_updates` checks the values through the average instead). Raises :class:`RunFailure` when
         fewer than ``federation.min_clients`` updates survive.
         """
-        reference = self._coordinator.reference_params() if reference is None else reference
+        given = reference
+        reference_of: Callable[[int], dict[str, np.ndarray]] = (
+            self._coordinator.reference_params if given is None else lambda client: given)  # each client's own model's layout
         planned = self._coordinator.plan.num_examples
 
         def read(client: int, update: Any) -> Update:
@@ -313,7 +341,7 @@ class MethodServer:
                 reason = (f"num_examples {update.num_examples} is not the client's {planned(client)} training examples "
                           f"of the partition plan")
             else:
-                reason = check_params(update.params, reference, check_finite=check_values)
+                reason = check_params(update.params, reference_of(client), check_finite=check_values)
                 if reason is None and not all(np.isfinite(v) for v in update.metrics.values()):
                     reason = "non-finite metric values " + str({k: v for k, v in update.metrics.items() if not np.isfinite(v)})
                 if reason is None and check is not None:
@@ -463,7 +491,7 @@ class Coordinator:
         self._ready: list[int] | None = None  # the clients holding their trained local model (prepare_local_models)
         self._from_run_folder: set[int] = set()  # those installed from checkpoints/local (already saved there)
         self._local: Gathered[Update] | None = None  # the local models' parameters, fetched once (local_updates)
-        self._reference: dict[str, np.ndarray] | None = None
+        self._references: list[tuple[ModelConfig, dict[str, np.ndarray]]] = []  # reference_for's models, built once
 
     # -- lazily loaded server-side state ------------------------------------------------------------------------
 
@@ -525,17 +553,31 @@ class Coordinator:
         fed.install(join_silo_plan, joined)  # a client process restarted later takes the completed plan back first
         self.plan = plan
         self._server_data = None
-        self._reference = None
+        self._references = []
         self.events.emit("silos_surveyed", f"{plan.num_clients} silos agree: input {plan.input_shape}, {plan.num_classes} labels"
                          + (", features standardised (federated)" if normalization is not None else ""),
                          sizes=[plan.num_examples(c) for c in fed.client_ids])
         return plan
 
-    def reference_params(self) -> dict[str, np.ndarray]:
-        """The model's parameter layout (keys, shapes) every update must match."""
-        if self._reference is None:
-            self._reference = get_params(build_model(self.cfg.model, self.plan.input_shape, self.plan.num_classes, seed=0))
-        return self._reference
+    def reference_params(self, client: int | None = None) -> dict[str, np.ndarray]:
+        """The parameter layout (keys, shapes) an update must match: of client ``client``'s model
+        (``federation.client_overrides.<i>.model``, else the run's), or of the run's model (``client`` ``None``)."""
+        return self.reference_for(self.cfg.model if client is None else self.cfg.client_model(client))
+
+    def reference_for(self, model: ModelConfig) -> dict[str, np.ndarray]:
+        """The parameter layout of ``model`` on this run's data (built once per model config)."""
+        for known, params in self._references:
+            if known == model:
+                return params
+        params = get_params(build_model(model, self.plan.input_shape, self.plan.num_classes, seed=0))
+        self._references.append((model, params))
+        return params
+
+    def local_model_key(self, client: int) -> str:
+        """The content key of client ``client``'s local model (:func:`rayfuse.store.local_model_key`, from the run's
+        resolved config with that client's own model): the key the client computes for its copy."""
+        config = {**self.resolved_config(), "model": self.cfg.client_model(client).model_dump(mode="json")}
+        return local_model_key(config, self.plan.for_client(client))[0]
 
     def resolved_config(self) -> dict[str, Any]:
         """The run's resolved config (cache keys are computed from it)."""
@@ -567,7 +609,7 @@ class Coordinator:
         the rest. Runs sharing the keys (concurrent Tune trials) wait here while one of them trains."""
         fed = self.federation
         root = self.cfg.run.model_cache
-        keys = {c: local_model_key(self.resolved_config(), self.plan.for_client(c))[0] for c in fed.client_ids} if root else {}
+        keys = {c: self.local_model_key(c) for c in fed.client_ids} if root else {}
         with LocalModelStore(root).lock_run(keys.values()) if root else contextlib.nullcontext():
             kept: list[int] = []
             if resume and root:

@@ -64,21 +64,26 @@ def model_for_params(params: dict[str, np.ndarray], model_cfg: Any, input_shape:
 
 @client_step("evaluate")
 def evaluate_held_out(ctx: ClientContext, members: Sequence[dict[str, np.ndarray]], weights: Sequence[float] | None = None, *,
-                      vote: bool = False) -> dict[str, Any]:
+                      vote: bool = False, models: Sequence[Any] | None = None) -> dict[str, Any]:
     """Score a model on this client's held-out split (``ctx.val``); return metric sums and counts only.
 
-    ``members`` holds one parameter dict (a model of the run's architecture, at any widths) or several (an ensemble:
-    its probabilities averaged with ``weights``, uniform when ``None``). With ``vote`` the reply also counts the
-    majority vote's hits (``vote_correct``). An empty held-out split replies with zero counts.
+    ``members`` holds one parameter dict or several (an ensemble: its probabilities averaged with ``weights``, uniform
+    when ``None``); ``models`` each member's model config (its architecture, the parameters at any widths of it: the
+    server sends them, since members need not be of this client's model, ``federation.client_overrides``); ``None``:
+    this client's own model (``ctx.model_cfg``) for every member. With ``vote`` the reply also counts the majority
+    vote's hits (``vote_correct``). An empty held-out split replies with zero counts.
     """
     from rayfuse.models import predict_proba
 
     split = ctx.val
+    configs = [ctx.model_cfg] * len(members) if models is None else list(models)
+    if len(configs) != len(members):
+        raise ValueError(f"evaluate: {len(members)} members and {len(configs)} model configs")
     if len(split) == 0:
         sums: dict[str, Any] = metric_sums(np.zeros((0, ctx.num_classes)), split.y)
     else:
-        probas = [predict_proba(model_for_params(p, ctx.model_cfg, ctx.input_shape, ctx.num_classes), split.X, device=ctx.device)
-                  for p in members]
+        probas = [predict_proba(model_for_params(p, m, ctx.input_shape, ctx.num_classes), split.X, device=ctx.device)
+                  for p, m in zip(members, configs)]
         w = list(weights) if weights is not None else [1.0 / len(probas)] * len(probas)
         stacked = np.stack(probas)
         proba = probas[0] if len(probas) == 1 else np.tensordot(w, stacked, axes=1)

@@ -39,6 +39,7 @@ from rayfuse.config import (
     ModelConfig,
     StrictSchema,
     TrainConfig,
+    other_model_clients,
     pydantic_input_error,
 )
 from rayfuse.errors import InputError
@@ -67,6 +68,7 @@ __all__ = [
     "RunSetup",
     "ServerContext",
     "Update",
+    "check_client_models",
     "check_evaluation",
     "check_methods",
     "client_step",
@@ -174,6 +176,7 @@ class FederationView(Protocol):
 
 class ClientContext(Protocol):
     """What a client step sees of its client (``rayfuse.client.ClientContext`` implements it): its own data, its
+    model config (``model_cfg``: the client's own, ``federation.client_overrides.<i>.model``, else the run's), its
     trained local model, a private ``state`` dict kept across calls, and seeds."""
 
     client_id: int
@@ -218,6 +221,11 @@ class ServerContext(Protocol):
     recorded as an ``update_rejected`` event, never used); seeded randomness; logging; round checkpoints
     (:meth:`rounds`, a :class:`RoundLoop` over a typed round state, owns resume, evaluation cadence, history, progress
     and checkpoints) and state that clients keep across rounds (:class:`KeptState`).
+
+    ``model_cfg`` is the run's model (the server's, and every client's without a model of its own); a client's own
+    model is :meth:`client_model` (``federation.client_overrides.<i>.model``; only methods with
+    ``Method.heterogeneous_clients`` run when the clients' models differ). ``class_counts`` is the partition plan's
+    ``(num_clients, num_classes)`` class counts (train and held-out, as the partition manifest records them).
     """
 
     label: str
@@ -252,9 +260,16 @@ class ServerContext(Protocol):
     @property
     def dataset_meta(self) -> dict[str, Any]: ...
 
+    @property
+    def class_counts(self) -> np.ndarray: ...
+
     def pooled_train(self) -> Split: ...
 
     def build_model(self, seed: int | None = None) -> Any: ...
+
+    def client_model(self, client: int) -> ModelConfig: ...
+
+    def build_client_model(self, client: int, seed: int | None = None) -> Any: ...
 
     def initial_params(self) -> dict[str, np.ndarray]: ...
 
@@ -266,9 +281,10 @@ class ServerContext(Protocol):
 
     def evaluate_proba(self, proba: np.ndarray) -> dict[str, float]: ...
 
-    def evaluate(self, params: dict[str, np.ndarray], *, resized: bool = False) -> dict[str, float]: ...
+    def evaluate(self, params: dict[str, np.ndarray], *, resized: bool = False, model: ModelConfig | None = None) -> dict[str, float]: ...
 
-    def evaluate_ensemble(self, members: Sequence[dict[str, np.ndarray]], weights: Sequence[float]) -> dict[str, float]: ...
+    def evaluate_ensemble(self, members: Sequence[dict[str, np.ndarray]], weights: Sequence[float], *,
+                          models: Sequence[ModelConfig] | None = None) -> dict[str, float]: ...
 
     def local_updates(self) -> Gathered[Update]: ...
 
@@ -319,6 +335,8 @@ class RunSetup:
 
     ``train_sizes`` / ``val_sizes`` are each client's private split sizes; ``public_size`` and ``test_size`` the
     server's public (or target) sample and test set; ``target`` the server's new task (``data.target``) if any.
+    ``client_models`` holds each client's model in client order (``federation.client_overrides.<i>.model``, else
+    ``model``); empty means every client's model is ``model`` (:meth:`client_model` reads it either way).
     """
 
     model: ModelConfig
@@ -335,6 +353,7 @@ class RunSetup:
     seed: int = 0
     model_cache: str | None = None
     evaluation: str = "central"
+    client_models: tuple[ModelConfig, ...] = ()
 
     @classmethod
     def from_plan(cls, cfg: ExperimentConfig, plan: DataPlan) -> RunSetup:
@@ -342,7 +361,18 @@ class RunSetup:
                    input_shape=tuple(plan.input_shape), num_classes=plan.num_classes,
                    train_sizes=tuple(len(t) for t in plan.client_train), val_sizes=tuple(len(v) for v in plan.client_val),
                    public_size=int(len(plan.public)), test_size=int(len(plan.test)), target=plan.target,
-                   seed=cfg.run.seed, model_cache=cfg.run.model_cache, evaluation=cfg.evaluation)
+                   seed=cfg.run.seed, model_cache=cfg.run.model_cache, evaluation=cfg.evaluation,
+                   client_models=tuple(cfg.client_model(i) for i in range(plan.num_clients)))
+
+    def client_model(self, client: int) -> ModelConfig:
+        """Client ``client``'s model (``model`` when ``client_models`` is empty)."""
+        return self.client_models[client] if self.client_models else self.model
+
+    @property
+    def heterogeneous_clients(self) -> bool:
+        """Whether some client's model is not ``model`` (clients of several architectures, or of another than the
+        server's)."""
+        return any(m != self.model for m in self.client_models)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -392,7 +422,11 @@ class Method(ABC):
     ``local_model_only`` (it reads the clients' training data only through their trained local models, so local DP-SGD,
     ``train.dp``, covers everything it releases; methods without it are refused with ``train.dp``),
     ``needs_dataset`` (it reads the run's whole dataset: the clients' data pooled, or the dataset's true parameters; refused
-    with ``data.silos``, where no process holds a dataset).
+    with ``data.silos``, where no process holds a dataset), ``heterogeneous_clients`` (it needs only each client's
+    predictions, never their weights in one layout, so it runs when the clients' models differ,
+    ``federation.client_overrides.<i>.model``: it builds each client's model with :meth:`ServerContext.client_model` and
+    scores it with ``evaluate(..., model=)`` / ``evaluate_ensemble(..., models=)``; methods without it, those that average
+    or match weights, are refused with such clients).
     """
 
     name: ClassVar[str]
@@ -406,6 +440,7 @@ class Method(ABC):
     federated_evaluation: ClassVar[bool] = True
     local_model_only: ClassVar[bool] = False
     needs_dataset: ClassVar[bool] = False
+    heterogeneous_clients: ClassVar[bool] = False
 
     def __init__(self, params: MethodParams | None = None, label: str | None = None) -> None:
         self.params = self.Params() if params is None else params
@@ -549,8 +584,11 @@ def check_methods(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
     """Run every method's :meth:`Method.check` on ``setup``; the first refusal is raised with its full key path.
 
     With ``evaluation`` other than ``central`` the run is first checked for federated evaluation: the clients hold
-    held-out data of the run's task, and every method scores through :meth:`ServerContext.evaluate`."""
+    held-out data of the run's task, and every method scores through :meth:`ServerContext.evaluate`. With clients
+    of different models (``federation.client_overrides.<i>.model``) only methods with ``heterogeneous_clients`` pass
+    (:func:`check_client_models`)."""
     check_evaluation(specs, setup)
+    check_client_models(specs, setup)
     for spec in specs:
         try:
             spec.method_cls.check(spec.params, setup)
@@ -559,6 +597,35 @@ def check_methods(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
             if head in CONFIG_SECTIONS:
                 raise
             raise exc.at(f"methods.{spec.label}.{exc.path}") from None
+
+
+def check_client_models(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
+    """Refuse, when some client's model is not the run's (``federation.client_overrides.<i>.model``), every method that
+    works on the clients' weights in one layout (``Method.heterogeneous_clients`` false): one line naming the method and
+    the clients whose model differs from client 0's (or, when every client has one other model, that it is not ``model``)."""
+    if not setup.heterogeneous_clients:
+        return
+    models = [setup.client_model(i) for i in range(setup.num_clients)]
+    others = other_model_clients(models)
+    for spec in specs:
+        if spec.method_cls.heterogeneous_clients:
+            continue
+        if others:
+            expected = f"clients of one architecture for method {spec.method!r} (methods.{spec.label} combines the clients' weights)"
+            got = f"client{'s' if len(others) > 1 else ''} {_client_list(others)} with models other than client 0's"
+        else:
+            expected = (f"clients of the run's architecture (model: {setup.model.name}) for method {spec.method!r} "
+                        f"(methods.{spec.label} combines the clients' weights and scores them in the server's model)")
+            got = f"every client with model {models[0].name}"
+        accepted = ", ".join(name for name, cls in METHODS.items() if cls.heterogeneous_clients)
+        raise InputError("federation.client_overrides", f"{expected}, got {got}", hint=f"methods that take clients of different "
+                         f"models: {accepted}")
+
+
+def _client_list(clients: Sequence[int], most: int = 8) -> str:
+    """``1, 2, 5`` (and how many more past ``most``)."""
+    shown = ", ".join(str(c) for c in clients[:most])
+    return shown if len(clients) <= most else f"{shown} and {len(clients) - most} more"
 
 
 def check_evaluation(specs: Sequence[MethodSpec], setup: RunSetup) -> None:

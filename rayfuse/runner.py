@@ -42,7 +42,7 @@ from rayfuse.report import Printer, format_client_summary, format_partition, for
 from rayfuse.store import RunStore, claim_run_folder
 from rayfuse.version import __version__
 
-__all__ = ["Backend", "InProcessBackend", "PreparedRun", "prepare_run", "finish_silo_run", "check_local_dp", "run_experiment",
+__all__ = ["Backend", "InProcessBackend", "PreparedRun", "prepare_run", "finish_silo_run", "check_local_dp", "check_client_models_fit", "run_experiment",
            "new_run_dir", "check_new_folder", "load_run_config"]
 
 EventSink = Callable[[dict[str, Any]], None]
@@ -99,7 +99,7 @@ class InProcessBackend(Backend):
         def make_client(client_id: int, restarted: bool) -> Client:
             # as a Ray actor is (re)built: from the plan it started with; the federation gives a restarted client what
             # the run installed since (a silo plan completed by the survey: Federation.install)
-            return Client(client_id, plan.for_client(client_id), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train,
+            return Client(client_id, plan.for_client(client_id), data_cfg=cfg.data, model_cfg=cfg.client_model(client_id), train_cfg=cfg.train,
                           seed=cfg.run.seed, faults=fed_cfg.faults, restarted=restarted, local_cache=cfg.run.model_cache)
 
         def client_threads(client_id: int) -> int | None:
@@ -124,16 +124,75 @@ class InProcessBackend(Backend):
 @dataclass(frozen=True)
 class PreparedRun:
     """A run checked and planned, nothing started: the config, the resolved methods, the data plan, the
-    :class:`RunSetup` every method's ``check`` accepted, and the model's parameter count."""
+    :class:`RunSetup` every method's ``check`` accepted, the model's parameter count and each client's (``()`` when
+    not known: a silo run before its survey)."""
 
     cfg: ExperimentConfig
     specs: list[MethodSpec]
     plan: DataPlan
     setup: RunSetup
     num_params: int
+    client_params: tuple[int, ...] = ()
 
     def resolved(self) -> dict[str, Any]:
         return resolved_config(self.cfg, self.specs)
+
+    def describe_models(self) -> str:
+        """The header's words for the models: ``model mlp (N parameters)``, and the clients' models when some client has
+        one of its own (``federation.client_overrides.<i>.model``)."""
+        cfg = self.cfg
+        text = f"model {cfg.model.name} ({self.num_params:,} parameters)"
+        if not cfg.heterogeneous_clients or not self.client_params:
+            return text
+        groups: list[tuple[Any, int, list[int]]] = []  # (model, parameters, clients), in order of first client
+        for client, (model, count) in enumerate(zip(cfg.client_models(), self.client_params)):
+            group = next((g for g in groups if g[0] == model), None)
+            if group is None:
+                groups.append((model, count, [client]))
+            else:
+                group[2].append(client)
+        clients = "; ".join(f"{_client_ranges(members)} {_model_name(model)} ({count:,})" for model, count, members in groups)
+        return f"{text}; client models: {clients}"
+
+
+def _model_name(model: Any) -> str:
+    return f"custom {model.factory}" if model.name == "custom" and model.factory else str(model.name)
+
+
+def _client_ranges(clients: Sequence[int]) -> str:
+    """``client 3``, ``clients 0-2, 5``."""
+    parts: list[str] = []
+    start = prev = clients[0]
+    for c in [*clients[1:], None]:
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if c is not None:
+            start = prev = c
+    return f"client{'s' if len(clients) > 1 else ''} {', '.join(parts)}"
+
+
+def check_client_models_fit(cfg: ExperimentConfig, input_shape: tuple[int, ...], num_classes: int, num_params: int) -> tuple[int, ...]:
+    """Each client's model against the data, as :func:`rayfuse.models.registry.check_model_fits` checks the run's
+    ``model`` (whose parameter count, ``num_params``, the caller found): each client's parameter count. A client's own
+    model (``federation.client_overrides.<i>.model``) that does not fit raises :class:`InputError` at
+    ``federation.client_overrides.<i>.model...``."""
+    from rayfuse.models.registry import check_model_fits
+
+    counts: list[int] = []
+    checked: list[tuple[Any, int]] = [(cfg.model, num_params)]
+    for client, model in enumerate(cfg.client_models()):
+        known = next((n for m, n in checked if m == model), None)
+        if known is None:
+            try:
+                known = check_model_fits(model, input_shape, num_classes)
+            except InputError as exc:
+                where = f"federation.client_overrides.{client}."
+                raise exc.at(where + exc.path if exc.path.split(".", 1)[0] == "model" else where + "model") from None
+            checked.append((model, known))
+        counts.append(known)
+    return tuple(counts)
 
 
 def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = None) -> PreparedRun:
@@ -150,12 +209,13 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
         return _prepare_silo_run(cfg, specs)
     dataset = load_dataset_from_config(cfg.data)
     num_params = check_model_fits(cfg.model, dataset.input_shape, dataset.num_classes)
+    client_params = check_client_models_fit(cfg, tuple(dataset.input_shape), dataset.num_classes, num_params)
     target = load_target_from_config(cfg.data)
     plan = make_plan(dataset, cfg.data, cfg.partition, cfg.run.seed, target=target)
     setup = RunSetup.from_plan(cfg, plan)
     check_methods(specs, setup)
     check_local_dp(cfg, specs, setup)
-    return PreparedRun(cfg, specs, plan, setup, num_params)
+    return PreparedRun(cfg, specs, plan, setup, num_params, client_params)
 
 
 def check_local_dp(cfg: ExperimentConfig, specs: Sequence[MethodSpec], setup: RunSetup) -> None:
@@ -163,7 +223,7 @@ def check_local_dp(cfg: ExperimentConfig, specs: Sequence[MethodSpec], setup: Ru
     privately (BatchNorm, stock attention: Opacus' ``ModuleValidator``), a delta not below one over the smallest
     client's number of training examples (the privacy unit is one example), or a method that reads the clients' data
     other than through their local models (``Method.local_model_only``; oracles, non-private references, are let
-    through)."""
+    through). Every client's model is checked (``federation.client_overrides.<i>.model``, else ``model``)."""
     dp = cfg.train.dp
     if dp is None:
         return
@@ -174,12 +234,18 @@ def check_local_dp(cfg: ExperimentConfig, specs: Sequence[MethodSpec], setup: Ru
     if smallest and dp.delta >= 1.0 / smallest:
         raise InputError("train.dp.delta", f"less than 1 / {smallest} (the smallest client's training examples: the privacy unit is "
                          "one example)", dp.delta, f"e.g. delta: {10 ** -(len(str(smallest)) + 1):g}")
-    found = find_dp_unsupported(build_model(cfg.model, setup.input_shape, setup.num_classes, seed=0))
-    if found is not None:
-        module, kind = found
-        raise InputError("train.dp", f"a model Opacus can train with DP-SGD (logreg, mlp, cnn, or a custom model without BatchNorm "
-                         f"or stock MultiheadAttention), but model {cfg.model.name!r} has {module}: {kind}", InputError._MISSING,
-                         "rayfuse's models have no norm option: use model.name mlp or cnn, or drop train.dp")
+    checked: list[Any] = []
+    for client, model in enumerate(cfg.client_models()):
+        if any(model == m for m in checked):
+            continue
+        checked.append(model)
+        found = find_dp_unsupported(build_model(model, setup.input_shape, setup.num_classes, seed=0))
+        if found is not None:
+            module, kind = found
+            whose = f"model {model.name!r}" if model == cfg.model else f"client {client}'s model {model.name!r} (federation.client_overrides.{client}.model)"
+            raise InputError("train.dp", f"a model Opacus can train with DP-SGD (logreg, mlp, cnn, or a custom model without BatchNorm "
+                             f"or stock MultiheadAttention), but {whose} has {module}: {kind}", InputError._MISSING,
+                             "rayfuse's models have no norm option: use model.name mlp or cnn, or drop train.dp")
     for spec in specs:
         if not spec.method_cls.local_model_only and not spec.method_cls.oracle:
             raise InputError("train.dp", "methods whose clients release only their DP-trained local models (local, average, "
@@ -207,12 +273,12 @@ def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> Prepare
     # probe with stand-in shapes and no sizes, then the evaluation check
     probe = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=(1,), num_classes=2,
                      train_sizes=(), val_sizes=(1,) * plan.num_clients, public_size=sizes["public"], test_size=sizes["test"],
-                     seed=cfg.run.seed, model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation))
+                     seed=cfg.run.seed, model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation), client_models=cfg.client_models())
     _check_before_survey(specs, probe)
     check_evaluation(specs, probe)  # a method that scores on the server's data in its own way, with evaluation: federated
     setup = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=(), num_classes=0,
                      train_sizes=(), val_sizes=(), public_size=sizes["public"], test_size=sizes["test"], seed=cfg.run.seed,
-                     model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation))
+                     model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation), client_models=cfg.client_models())
     return PreparedRun(cfg, specs, plan, setup, 0)  # type: ignore[arg-type]
 
 
@@ -252,6 +318,7 @@ def finish_silo_run(prepared: PreparedRun, plan: Any) -> PreparedRun:
 
     cfg, specs = prepared.cfg, prepared.specs
     num_params = check_model_fits(cfg.model, plan.input_shape, plan.num_classes)
+    client_params = check_client_models_fit(cfg, tuple(plan.input_shape), plan.num_classes, num_params)
     setup = RunSetup.from_plan(cfg, plan)
     try:
         check_methods(specs, setup)
@@ -260,7 +327,7 @@ def finish_silo_run(prepared: PreparedRun, plan: Any) -> PreparedRun:
             raise _public_error(exc) from None
         raise
     check_local_dp(cfg, specs, setup)
-    return PreparedRun(cfg, specs, plan, setup, num_params)
+    return PreparedRun(cfg, specs, plan, setup, num_params, client_params)
 
 
 def new_run_dir(cfg: ExperimentConfig, out: str | Path | None = None, *, key: str = "--out") -> Path:
@@ -322,8 +389,13 @@ def load_run_config(run_dir: str | Path, overrides: Sequence[tuple[list[str], An
             raise  # the error is in an override (--set), not in the file
         raise exc.at(f"{store.config_file}: {exc.path}") from None
     _check_config_hash(store)  # a valid config that is not the one written (cut at a line end, edited)
-    if cfg.model.name == "custom" or cfg.data.dataset == "arrays":
-        given = f"model.name: custom ({cfg.model.factory})" if cfg.model.name == "custom" else "data.dataset: arrays"
+    # the run's model, then the clients' own (federation.client_overrides.<i>.model): a model given from Python is a
+    # factory no config file holds
+    models = [("model", cfg.model), *((f"federation.client_overrides.{c}.model", o.model)
+                                      for c, o in sorted(cfg.federation.client_overrides.items()) if o.model is not None)]
+    custom = next((f"{key}.name: custom ({model.factory})" for key, model in models if model.name == "custom"), None)
+    if custom is not None or cfg.data.dataset == "arrays":
+        given = custom or "data.dataset: arrays"
         raise InputError("--resume", "a run whose model and data a config file describes", given,
                          "a run given a Python model or arrays (rayfuse.run) cannot be resumed from the command line")
     return cfg
@@ -360,7 +432,7 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
     # 1. partition (driver side; nothing has started yet, bad input exits with code 2 here)
     t0 = time.perf_counter()
     prepared = cfg if isinstance(cfg, PreparedRun) else prepare_run(cfg)
-    cfg, specs, plan, num_params = prepared.cfg, prepared.specs, prepared.plan, prepared.num_params
+    cfg, specs, plan = prepared.cfg, prepared.specs, prepared.plan
     resolved = prepared.resolved()
     backend.check_start(cfg)  # before the run folder is written
     silos = cfg.data.is_silos
@@ -371,7 +443,7 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
         except BaseException:
             backend.stop()
             raise
-        plan, num_params = prepared.plan, prepared.num_params
+        plan = prepared.plan
     if resume:
         if not store.partition_file.is_file():
             raise InputError("--resume", "a run folder with partition.json", str(run_dir))
@@ -392,7 +464,7 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
         timings["partition"] = round(time.perf_counter() - t0, 3)
         say(f"rayfuse {__version__}: run {cfg.run.name!r} -> {run_dir}{'  (resumed)' if resume else ''}")
         target_note = f" (target task: {plan.target}, {len(plan.public)} public / {len(plan.test)} test)" if plan.target else ""
-        say(f"data: {plan.dataset}{target_note}, {plan.num_classes} classes, input {plan.input_shape}; model {cfg.model.name} ({num_params:,} parameters); "
+        say(f"data: {plan.dataset}{target_note}, {plan.num_classes} classes, input {plan.input_shape}; {prepared.describe_models()}; "
             f"partition {plan.partition['method']} into {plan.num_clients} clients (hash {plan.digest()[:12]})")
         if plan.num_clients <= 32:
             say(format_partition(plan.counts, plan.class_names, [len(v) for v in plan.client_val]))

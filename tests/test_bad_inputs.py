@@ -433,6 +433,18 @@ case(7, "run-coordinator-more-cpus", "federation.coordinator.num_cpus")(
     run_cli("--set", "federation.coordinator.num_cpus=9", "--set", "federation.ray_init.num_cpus=8"))
 case(7, "run-client-override-more-gpus", "federation.client_overrides.1.num_gpus")(
     run_cli("--set", "federation.client_overrides.1.num_gpus=4", "--set", "federation.ray_init.num_gpus=2"))
+# clients of different models (federation.client_overrides.<i>.model, rayfuse.run(model={...}))
+_OTHER_MODEL = {"client_overrides": {1: {"model": {"name": "cnn", "channels": [4]}}}}
+case(7, "run-client-override-unknown-model", "federation.client_overrides.1.model.name")(
+    run_cli("--set", "federation.client_overrides.1.model.name=cnnn"))
+case(7, "validate-client-override-model-does-not-fit", "federation.client_overrides.1.model.patch_size")(
+    lambda f: ["validate", f.job(federation={"client_overrides": {1: {"model": {"name": "transformer", "patch_size": 3}}}})])
+case(7, "run-client-models-differ-for-average", "federation.client_overrides: expected clients of one architecture for method 'average'")(
+    lambda f: ["run", f.job(federation=_OTHER_MODEL)])
+case(7, "tune-check-client-models-differ", "federation.client_overrides: expected clients of one architecture")(
+    lambda f: ["tune", f.space(base=f.job(federation=_OTHER_MODEL)), "--check"])
+case(7, "api-model-mapping-bad-key", "model['defualt']")(lambda f: call(rayfuse.run, with_base(), model={"defualt": lambda: None}))
+case(7, "api-model-mapping-client-out-of-range", "model[2]")(lambda f: call(rayfuse.run, with_base(), model={2: lambda: None}))
 case(7, "run-custom-resource-missing", "federation.clients.resources.silo_a")(run_cli("--set", "federation.clients.resources.silo_a=1"))
 case(7, "api-more-cpus", "federation.clients.num_cpus")(
     api_run(lambda f: with_base(federation={"clients": {"num_cpus": 4}, "ray_init": {"num_cpus": 2}})))

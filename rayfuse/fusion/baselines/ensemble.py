@@ -5,7 +5,8 @@ Two combinations are reported: the probability average ``p(y|x) = sum_k w_k p_k(
 the larger averaged probability).
 
 With ``evaluation: federated`` every client receives the local models' parameters and scores the ensemble on its own
-held-out split (``ServerContext.evaluate_ensemble``).
+held-out split (``ServerContext.evaluate_ensemble``). The members may be of different architectures (clients with
+their own ``federation.client_overrides.<i>.model``): each is built in its client's model.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ class Ensemble(Method):
     summary = "the local models as an ensemble: probability average and majority vote"
     uses_local_models = True
     local_model_only = True  # train.dp (local DP-SGD) covers what it releases
+    heterogeneous_clients = True  # the members' probabilities are averaged, each member in its own architecture
 
     def run(self, server: ServerContext) -> MethodResult:
         updates = server.accept_updates(server.local_updates())
         weights = normalize_weights([u.num_examples for u in updates.values()] if self.params.weighted else None, len(updates))
-        metrics = server.evaluate_ensemble([u.params for u in updates.values()], weights)
+        metrics = server.evaluate_ensemble([u.params for u in updates.values()], weights,
+                                           models=[server.client_model(c) for c in updates])  # each member in its own architecture
         server.log(1, metrics)
         return MethodResult(metrics, None, info={"clients": list(updates), "members": len(updates)})

@@ -1,6 +1,7 @@
 """``local``: each client's own model, evaluated on the global test set (each, and mean +- std).
 
-The baseline every fusion paper reports: what a data owner gets without federating.
+The baseline every fusion paper reports: what a data owner gets without federating. Each client's model is scored in
+its own architecture (``federation.client_overrides.<i>.model``, else the run's ``model``).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ class Local(Method):
     summary = "each client's local model on the global test set (each, and mean +- std)"
     uses_local_models = True
     local_model_only = True  # train.dp (local DP-SGD) covers what it releases
+    heterogeneous_clients = True  # each client's model is scored in its own architecture
 
     def run(self, server: ServerContext) -> MethodResult:
         updates = server.accept_updates(server.local_updates())
         per_client = []
         for client, update in updates.items():
-            metrics = server.evaluate(update.params)
+            metrics = server.evaluate(update.params, model=server.client_model(client))  # in the client's own architecture
             server.log(0, metrics, client=client)
             per_client.append({"client": client, "num_examples": update.num_examples, **metrics})
         names = [k for k in per_client[0] if k not in ("client", "num_examples")]

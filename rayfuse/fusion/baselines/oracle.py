@@ -26,6 +26,7 @@ class GlobalOracle(Method):
     params: GlobalParams
     summary = "ORACLE: one model trained on all clients' data pooled (infeasible in a federation)"
     oracle = True
+    heterogeneous_clients = True  # trains the run's own model (model:) on the pooled data: the clients' models play no part
 
     def run(self, server: ServerContext) -> MethodResult:
         data = server.pooled_train()
