@@ -19,7 +19,7 @@ def coordinator(make_config, tmp_path):
         plan = make_plan(load_dataset_from_config(cfg.data), cfg.data, cfg.partition, cfg.run.seed)
 
         def factory(i, restarted):
-            return Client(i, plan.for_client(i), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=cfg.run.seed,
+            return Client(i, plan.for_client(i), data_cfg=cfg.data, model_cfg=cfg.client_model(i), train_cfg=cfg.train, seed=cfg.run.seed,
                           faults=cfg.federation.faults, restarted=restarted, local_cache=cfg.run.model_cache)
 
         fed = InProcessFederation(factory, plan.num_clients, FailurePolicy.from_config(cfg.federation), EventLog())

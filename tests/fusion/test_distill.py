@@ -235,8 +235,8 @@ def test_a_predictions_only_reply_holds_predictions_on_the_transfer_inputs_only(
         np.testing.assert_allclose(reply["logits"], expected, rtol=1e-5, atol=1e-5)  # the model's outputs on the server's inputs
     batches = X[:32].reshape(2, 16, 1, 8, 8)
     labels = np.zeros((2, 16), dtype=np.int64)
-    for client, reply in fed.gather(fed.map(signal, batches, labels, np.full(10, 1 / 3, np.float32), clients=[0], num_teachers=3,
-                                            settings={})).results.items():
+    for reply in fed.gather(fed.map(signal, batches, labels, np.full(10, 1 / 3, np.float32), clients=[0], num_teachers=3,
+                                            settings={})).results.values():
         assert set(reply) == {"logits", "grad"} and reply["logits"].shape == (2, 16, 10) and reply["grad"].shape == batches.shape
     for reply in fed.run(input_moments).results.values():  # statistics: per-element sums and a count, never samples
         assert set(reply) == {"count", "sum", "sumsq"} and reply["sum"].shape == (1, 8, 8)
@@ -262,3 +262,27 @@ def test_the_student_key_sets_the_students_architecture(coordinator):
     fused = load_params(coord.store.root / coord.run_method("d")["model_file"])
     expected = get_params(build_model(ModelConfig(**student), coord.plan.input_shape, coord.plan.num_classes, seed=0))
     assert {k: v.shape for k, v in fused.items()} == {k: v.shape for k, v in expected.items()}
+
+
+HETERO = {"model": {"name": "rescnn", "channels": [8, 16]}, "train": {"epochs": 4, "shared_init": False},
+          "data": {"dataset": "digits", "public_size": 200}, "partition": {"method": "dirichlet", "num_clients": 3, "alpha": 0.5},
+          "federation": {"backend": "local", "client_overrides": {0: {"model": {"name": "mlp", "hidden": [32]}},
+                                                                  1: {"model": {"name": "cnn", "channels": [8, 16]}}}}}
+
+
+@pytest.mark.parametrize("init", ["aligned", "random"])
+def test_clients_of_three_architectures_distil_into_the_students(coordinator, init):
+    coord = coordinator(methods={"d": {"method": "distill", "init": init, **QUICK}}, **HETERO)
+    summary = coord.run_method("d")
+    # one client (2) has the student's architecture (the run's rescnn): the aligned start is its merge alone
+    assert summary["info"]["init"] == ("random" if init == "random" else "aligned merge of clients [2]")
+    fused = load_params(coord.store.root / summary["model_file"])
+    assert {k: v.shape for k, v in fused.items()} == {k: v.shape for k, v in coord.reference_params(2).items()}
+    assert np.isfinite(summary["metrics"]["accuracy"])
+
+
+def test_with_no_client_of_the_students_architecture_the_aligned_start_is_random(coordinator):
+    student = {"name": "mlp", "hidden": [24]}
+    coord = coordinator(methods={"d": {"method": "distill", "init": "aligned", "student": student, "teachers": "parameters", **QUICK}},
+                        **HETERO)
+    assert coord.run_method("d")["info"]["init"].startswith("random (no client has the student's architecture")
