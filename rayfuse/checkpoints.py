@@ -375,7 +375,7 @@ class DistillFuseParams(_FuseSchema):
     shift: int = Field(1, ge=0, le=64)
     mixup: float = Field(0.5, ge=0, le=1)
     synthetic_batch: int = Field(128, ge=2)
-    generator_steps: int = Field(10, ge=1)
+    generator_steps: int = Field(5, ge=1)
     student_steps: int = Field(20, ge=1)
     generator_lr: float = Field(1e-3, gt=0, le=10)
     latent_dim: int = Field(256, ge=1, le=65536)

@@ -78,7 +78,12 @@ __all__ = [
 
 # The quickstart's methods (jobs/quickstart.yaml spells out the same job; a test keeps the two equal).
 DEFAULT_METHODS: dict[str, dict[str, Any]] = {"local": {}, "average": {}, "ensemble": {}, "aligned": {},
-                                               "aligned-wide": {"method": "aligned", "merge": "nonparametric"}, "fedavg": {}, "global": {}}
+                                               "aligned-wide": {"method": "aligned", "merge": "nonparametric"},
+                                               "distill": {}, "distill-free": {"method": "distill", "transfer": "synthetic"},
+                                               "fedavg": {}, "global": {}}
+# The quickstart's public sample: a config without a data section is the quickstart's data, as one without methods is
+# the quickstart's methods (an empty data section, or one that names its own keys, has no public sample by default).
+QUICKSTART_PUBLIC_SIZE = 300
 
 
 class StrictSchema(BaseModel):
@@ -760,7 +765,8 @@ CONFIG_SECTIONS = ("run", "data", "partition", "model", "train", "federation", "
 
 class ExperimentConfig(StrictModel):
     run: RunConfig = Field(default_factory=RunConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
+    data: DataConfig = Field(default_factory=lambda: DataConfig(public_size=QUICKSTART_PUBLIC_SIZE),
+                             description="the data; without this section, the quickstart's (digits, a public sample of 300)")
     partition: PartitionConfig = Field(default_factory=PartitionConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -797,8 +803,12 @@ class ExperimentConfig(StrictModel):
             raise ValueError(f"@partition.num_clients@ len(data.silos) ({n}) or unset, got {partition['num_clients']!r}")
         # and the server holds no test set unless data.test is given: evaluation defaults to federated
         data = {**data, "partition": {"num_clients": n}, "evaluation": data.get("evaluation", "federated")}
-        if data.get("methods") is None:  # the default methods but the oracle (no process may pool the silos)
-            data["methods"] = {k: v for k, v in copy.deepcopy(DEFAULT_METHODS).items() if k != "global"}
+        if data.get("methods") is None:  # the default methods but the oracle (no process may pool the silos) and, without
+            # a server sample (data.public), the distillation on it
+            section = data.get("data")
+            public = section.get("public") if isinstance(section, Mapping) else getattr(section, "public", None)
+            skip = {"global"} | (set() if public is not None else {"distill"})
+            data["methods"] = {k: v for k, v in copy.deepcopy(DEFAULT_METHODS).items() if k not in skip}
         return data
 
     @field_validator("methods", mode="before")

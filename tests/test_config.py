@@ -219,7 +219,8 @@ def test_defaults_by_hand():
     assert resolved["data"]["dataset"] == "digits" and resolved["partition"]["method"] == "dirichlet"
     assert resolved["partition"]["num_clients"] == 5 and resolved["model"]["hidden"] == [64, 64]
     assert resolved["train"]["shared_init"] is False
-    assert list(resolved["methods"]) == ["local", "average", "ensemble", "aligned", "aligned-wide", "fedavg", "global"]
+    assert list(resolved["methods"]) == ["local", "average", "ensemble", "aligned", "aligned-wide", "distill", "distill-free", "fedavg", "global"]
+    assert resolved["data"]["public_size"] == 300  # the quickstart's public sample, for distill
     assert resolved["methods"]["fedavg"]["rounds"] == 20 and resolved["methods"]["fedavg"]["local_epochs"] == 2
 
 

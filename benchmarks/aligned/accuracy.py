@@ -450,7 +450,7 @@ def read_raw(paths: Sequence[Path]) -> tuple[list[dict[str, Any]], dict[str, Any
     """The rows of raw result files (``aligned_accuracy.json``, ``aligned_width.json``) in the tables' order, a later
     file's row replacing an earlier one of the same cell and method label, and the first file's machine info."""
     payloads = [json.loads(Path(path).read_text(encoding="utf-8")) for path in paths]
-    fields = (*asdict(Cell("", "", "", 0, "", 0)), "method")
+    fields = (*asdict(Cell("", "", "", 0, "", 0)), "method")  # model_width and public_size: None when a row has none
     keyed = {tuple(row.get(k) for k in fields): row for payload in payloads for row in payload["rows"]}
     archs = ("mlp", "cnn", "rescnn", "vgg", "transformer", "resnet18")
     rows = sorted(keyed.values(), key=lambda r: (r["dataset"], archs.index(r["arch"]) if r["arch"] in archs else len(archs), r["arch"],
@@ -462,7 +462,8 @@ def read_raw(paths: Sequence[Path]) -> tuple[list[dict[str, Any]], dict[str, Any
 def write_outputs(rows: list[dict[str, Any]], out_dir: Path, info: Mapping[str, Any], *, keys: Sequence[str] = KEYS,
                   name: str = "accuracy", title: str = "Aligned fusion: one-shot accuracy",
                   summary: Callable[[Any, Sequence[str]], list[str]] | None = None, x: str = "num_clients",
-                  panels: tuple[str, str] = ("partition", "init")) -> list[Path]:
+                  panels: tuple[str, str] = ("partition", "init"), script: str = "benchmarks/aligned",
+                  order: Sequence[str] = ()) -> list[Path]:
     """The CSV, the markdown table (mean and std over seeds, a row per ``keys``) and one plot per dataset and
     architecture (accuracy against ``x``, a panel per ``panels`` pair): ``<name>.csv``, ``<name>.md``,
     ``<name>_<dataset>_<arch>.png``. ``summary``: the markdown after the table (default :func:`summary_lines`)."""
@@ -477,14 +478,15 @@ def write_outputs(rows: list[dict[str, Any]], out_dir: Path, info: Mapping[str, 
     keys = list(keys)
     stats = frame.groupby([*keys, "method"], sort=False)["accuracy"].agg(["mean", "std", "count"]).reset_index()
     labels = list(dict.fromkeys(frame["method"]))
-    methods = [m for m in LABEL_ORDER if m in labels]
+    methods = [m for m in (*order, *LABEL_ORDER) if m in labels]
+    methods = list(dict.fromkeys(methods))
     methods += [m for base in labels if "+" not in base and base not in methods
                 for m in (base, *[x for x in labels if x.startswith(base + "+") and x not in methods])]
     methods += [m for m in labels if m not in methods]
     heads = {"num_clients": "K", "model_width": "model width"}
     lines = [f"# {title}", "",
              f"Test accuracy, mean (std) over seeds; {info['cpus']} CPUs, {info.get('cpu_model', '')}. "
-             f"Produced by `benchmarks/aligned/{name}.py`; rows per seed in `{name}.csv`.", "",
+             f"Produced by `{script}/{name}.py`; rows per seed in `{name}.csv`.", "",
              "| " + " | ".join(heads.get(k, k) for k in keys) + " | seeds | " + " | ".join(methods) + " |",
              "|" + "---|" * (len(keys) + 1 + len(methods))]
     for key, group in stats.groupby(keys, sort=False):

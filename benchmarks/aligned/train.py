@@ -77,19 +77,22 @@ class Cell:
     seed: int
     epochs: int = EPOCHS
     model_width: int | None = None  # the architecture's width (WIDTH_KWARG); None: ARCH_KWARGS's
+    public_size: int | None = None  # the server's public slice (samples); None: PUBLIC_SIZE
 
     def fields(self) -> dict[str, Any]:
-        """The cell as plain data; ``model_width`` only when it is set (so the grid's rows and folder names stay as they were
-        before cells had a width)."""
+        """The cell as plain data; ``model_width`` and ``public_size`` only when they are set (so the grid's rows and folder
+        names stay as they were before cells had them)."""
         out = asdict(self)
-        if out["model_width"] is None:
-            del out["model_width"]
+        for key in ("model_width", "public_size"):
+            if out[key] is None:
+                del out[key]
         return out
 
     def key(self) -> str:
         """A readable, unique folder name."""
         digest = hashlib.sha256(json.dumps(self.fields(), sort_keys=True).encode()).hexdigest()[:8]
         width = f"-w{self.model_width}" if self.model_width is not None else ""
+        width += f"-p{self.public_size}" if self.public_size is not None else ""
         return f"{self.arch}{width}-{self.dataset}-{self.partition}-k{self.num_clients}-{self.init}-s{self.seed}-{digest}"
 
 
@@ -128,7 +131,7 @@ def cell_config(cell: Cell) -> dict[str, Any]:
     """The rayfuse config (plain data) whose split, seed and local training are the cell's."""
     return {
         "run": {"name": "aligned-bench", "seed": cell.seed},
-        "data": {"dataset": cell.dataset, "public_size": PUBLIC_SIZE},
+        "data": {"dataset": cell.dataset, "public_size": PUBLIC_SIZE if cell.public_size is None else cell.public_size},
         "partition": partition_section(cell.partition, cell.num_clients),
         "train": {"epochs": cell.epochs, "batch_size": 32, "optimizer": "adam", "lr": 5e-3, "shared_init": cell.init == "shared"},
     }

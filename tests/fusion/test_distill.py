@@ -247,6 +247,7 @@ def test_a_predictions_only_reply_holds_predictions_on_the_transfer_inputs_only(
     ({}, {"teachers": "clients", "init": "aligned"}, "methods.d.init"),
     ({"train": {"dp": {"noise_multiplier": 1.0}}}, {"transfer": "synthetic"}, "methods.d.input_moments"),
     ({}, {"aligned": {"rounds": 3}}, "methods.d.aligned.rounds"),
+    ({}, {"teachers": "clients", "init": "random", "repair": True}, "methods.d.repair"),
     ({}, {"student": {"name": "nope"}}, "methods.d.student.name"),
     ({}, {"steps": 0}, "methods.d.steps"),
 ])
@@ -279,6 +280,22 @@ def test_clients_of_three_architectures_distil_into_the_students(coordinator, in
     fused = load_params(coord.store.root / summary["model_file"])
     assert {k: v.shape for k, v in fused.items()} == {k: v.shape for k, v in coord.reference_params(2).items()}
     assert np.isfinite(summary["metrics"]["accuracy"])
+
+
+def test_repair_gives_the_student_the_clients_batchnorm_statistics(coordinator):
+    coord = coordinator(methods={"d": {"method": "distill", "init": "random", "repair": True, **QUICK}}, **HETERO)
+    summary = coord.run_method("d")
+    assert summary["info"]["repaired"] is True
+    fused = load_params(coord.store.root / summary["model_file"])
+    # the statistics of the student's first BatchNorm input over the clients' data, pooled, not what training left
+    plan = coord.plan
+    X = np.concatenate([coord.federation.client(c).ctx.train.X for c in range(plan.num_clients)])
+    from rayfuse.alignment import batchnorm_statistics
+    from rayfuse.evaluation import model_for_params
+
+    stats = batchnorm_statistics(model_for_params(fused, coord.cfg.model, plan.input_shape, plan.num_classes), X)
+    name = next(iter(stats))
+    np.testing.assert_allclose(fused[f"{name}.running_mean"], stats[name][1], rtol=1e-3, atol=1e-4)
 
 
 def test_with_no_client_of_the_students_architecture_the_aligned_start_is_random(coordinator):

@@ -51,7 +51,7 @@ from rayfuse.fusion.privacy import UploadDP, check_upload_dp, gather_dp_uploads
 from rayfuse.fusion.robust import AggregatorSettings, aggregate, check_aggregator, check_enough_updates
 from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, Update, client_step, register_method
 
-__all__ = ["AlignmentSettings", "AlignedParams", "Aligned", "derive_run_spec"]
+__all__ = ["AlignmentSettings", "AlignedParams", "Aligned", "batchnorm", "derive_run_spec", "read_batchnorm_reply"]
 
 
 class AlignmentSettings(MethodParams):
@@ -185,12 +185,16 @@ def grams(ctx: ClientContext, spec: Any, perms: dict[str, np.ndarray], *, label:
 
 
 @client_step("aligned.batchnorm")
-def batchnorm(ctx: ClientContext, fused: dict[str, np.ndarray], *, label: str, samples: int | None, batch_size: int) -> dict[str, Any]:
-    """The fused model's BatchNorm input statistics (count, mean, variance per layer) on this client's data."""
+def batchnorm(ctx: ClientContext, fused: dict[str, np.ndarray], *, label: str, samples: int | None, batch_size: int,
+              model_cfg: Any = None) -> dict[str, Any]:
+    """The fused model's BatchNorm input statistics (count, mean, variance per layer) on this client's data; the model
+    is built in ``model_cfg``'s architecture when given (a distilled student's, which need not be this client's)."""
     from rayfuse.alignment import batchnorm_statistics
+    from rayfuse.evaluation import model_for_params
 
     X, _ = _sample(ctx, samples, label)
-    stats = batchnorm_statistics(_model_for(ctx, fused), X, batch_size=batch_size, device=ctx.device)
+    model = _model_for(ctx, fused) if model_cfg is None else model_for_params(fused, model_cfg, ctx.input_shape, ctx.num_classes)
+    stats = batchnorm_statistics(model, X, batch_size=batch_size, device=ctx.device)
     return {name: {"count": np.asarray(float(c)), "mean": np.asarray(m), "var": np.asarray(v)} for name, (c, m, v) in stats.items()}
 
 
@@ -411,7 +415,7 @@ class Aligned(Method):
         p = self.params
         fed = server.federation
         gathered = fed.run(batchnorm, fed.put(fused), label=server.label, samples=p.samples, batch_size=p.batch_size, clients=clients)
-        stats = server.accept_replies(gathered, lambda c, r: _read_bn(r), need=1, what="BatchNorm statistics")
+        stats = server.accept_replies(gathered, lambda c, r: read_batchnorm_reply(r), need=1, what="BatchNorm statistics")
         return apply_batchnorm(fused, combine_batchnorm(list(stats.values())))
 
     def _rescale(self, server: ServerContext, spec: Any, fused: dict[str, np.ndarray], clients: list[int], perms: list[dict[str, np.ndarray]],
@@ -428,7 +432,7 @@ class Aligned(Method):
         gathered = fed.gather([call for c, pk in zip(clients, perms)
                                for call in fed.map(unit_stats, spec_ref, pk, units_ref, label=server.label, samples=p.samples,
                                                    batch_size=p.batch_size, clients=[c])])
-        own = server.accept_replies(gathered, lambda c, r: _read_bn(r), need=1, what="REPAIR statistics")
+        own = server.accept_replies(gathered, lambda c, r: read_batchnorm_reply(r), need=1, what="REPAIR statistics")
         kept = [i for i, c in enumerate(clients) if c in own]
         index = [plan.index[i] for i in kept] if plan is not None else None
         targets = repair_targets([own[clients[i]] for i in kept], units, [weights[i] for i in kept], index=index,
@@ -436,7 +440,7 @@ class Aligned(Method):
         for _ in range(min(len(units), p.repair_passes)):  # each fold changes the later layers' statistics: measure again
             gathered = fed.run(repair_stats, fed.put(fused), units_ref, label=server.label, samples=p.samples, batch_size=p.batch_size,
                                clients=[clients[i] for i in kept])
-            merged = server.accept_replies(gathered, lambda c, r: _read_bn(r), need=1, what="REPAIR statistics")
+            merged = server.accept_replies(gathered, lambda c, r: read_batchnorm_reply(r), need=1, what="REPAIR statistics")
             order = [i for i in kept if clients[i] in merged]
             fused = apply_repair(fused, units, repair_targets([merged[clients[i]] for i in order], units, [weights[i] for i in order]),
                                  targets)
@@ -499,7 +503,9 @@ def _read_stats(reply: Any, spec: Any) -> dict[str, Any]:
     return out
 
 
-def _read_bn(reply: Any) -> dict[str, tuple[float, np.ndarray, np.ndarray]]:
+def read_batchnorm_reply(reply: Any) -> dict[str, tuple[float, np.ndarray, np.ndarray]]:
+    """A client's BatchNorm (or REPAIR) statistics reply, checked: per layer a positive count, finite means and
+    non-negative finite variances; else :class:`~rayfuse.method.Rejected`."""
     from rayfuse.method import Rejected
 
     out = {}

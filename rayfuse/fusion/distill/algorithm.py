@@ -83,7 +83,7 @@ class DistillParams(MethodParams):
     shift: int = Field(1, ge=0, le=64, description="public, images: random shifts of up to this many pixels")
     mixup: float = Field(0.5, ge=0, le=1, description="public: fraction of transfer inputs mixed with a second one (ratio ~ U(0, 1))")
     synthetic_batch: int = Field(128, ge=2, description="synthetic: inputs per generated batch")
-    generator_steps: int = Field(10, ge=1, description="synthetic: generator steps per round")
+    generator_steps: int = Field(5, ge=1, description="synthetic: generator steps per round")
     student_steps: int = Field(20, ge=1, description="synthetic: student steps per round")
     generator_lr: float = Field(1e-3, gt=0, le=10, description="synthetic: generator learning rate (Adam, betas 0.5, 0.999)")
     latent_dim: int = Field(256, ge=1, le=65536, description="synthetic: the generator's noise dimension")
@@ -96,6 +96,9 @@ class DistillParams(MethodParams):
     bank_samples: int = Field(20000, ge=1, description="synthetic: past generated inputs kept for the student")
     input_moments: bool = Field(True, description="synthetic: the clients report their inputs' per-element count, sum and sum of "
                                 "squares, and generated inputs take the pooled mean and variance")
+    repair: bool = Field(False, description="re-estimate the distilled student's BatchNorm statistics on the clients' data (each "
+                         "client's per-channel counts, means and variances, pooled); off by default: the student's own statistics, "
+                         "learnt with its weights on the transfer inputs, measured better (docs/methods/distill.md)")
     batched: Literal["auto", "vmap", "loop"] = Field("auto", description="teachers of one architecture evaluated in one vmapped call "
                                                      "or a loop; auto: vmap on a GPU, the loop on the CPU (where it measures faster)")
 
@@ -259,6 +262,9 @@ class Distill(Method):
         if params.transfer == "synthetic" and params.input_moments and setup.train.dp is not None:
             raise InputError("input_moments", "false with train.dp (local DP-SGD covers the clients' models and what they predict, "
                              "not the moments of their inputs)", True)
+        if params.repair and params.teachers == "clients":
+            raise InputError("repair", "false with teachers: clients (predictions only: the clients return predictions on the server's "
+                             "inputs, not statistics of their data)", True)
         if params.aligned.rounds != 1:
             raise InputError("aligned.rounds", "1 (the student's start is the one-shot aligned merge)", params.aligned.rounds)
         if params.aligned.dp is not None:
@@ -320,6 +326,9 @@ class Distill(Method):
         info["transfer_note"] = transfer_note(p, info.get("transfer_samples"))
         info["final"] = {k: round(v, 4) for k, v in history[-1].items()} if history else {}
         params = get_params(student.cpu())
+        if p.repair and any(k.endswith("running_mean") for k in params):
+            params = self._repair(server, params, student_cfg, clients)
+            info["repaired"] = True
         bad = [k for k, v in params.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
         if bad:
             raise RunFailure(f"{server.label}: the distilled student has non-finite values in {bad[0]}")
@@ -369,10 +378,21 @@ class Distill(Method):
         server.progress(f"the student starts from the {reason}" + (" (widened)" if resized else ""))
         return model, reason, resized
 
+    def _repair(self, server: ServerContext, params: dict[str, np.ndarray], student_cfg: ModelConfig, clients: list[int]) -> dict[str, np.ndarray]:
+        """The student's BatchNorm running statistics replaced by the clients' pooled statistics of its inputs."""
+        from rayfuse.alignment import apply_batchnorm, combine_batchnorm
+        from rayfuse.fusion.aligned.algorithm import batchnorm, read_batchnorm_reply
+
+        fed = server.federation
+        gathered = fed.run(batchnorm, fed.put(params), label=server.label, samples=self.params.aligned.samples, batch_size=256,
+                           model_cfg=student_cfg, clients=clients)
+        stats = server.accept_replies(gathered, lambda c, r: read_batchnorm_reply(r), need=1, what="BatchNorm statistics")
+        return apply_batchnorm(params, combine_batchnorm([stats[c] for c in sorted(stats)]))
+
     @staticmethod
     def _moments(server: ServerContext, clients: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """The clients' pooled input mean and standard deviation per element (each client's count, sum, sum of squares)."""
-        from rayfuse.data.silos import combine_moments
+        from rayfuse.fusion.distill.transfer import pooled_moments
 
         shape = tuple(server.input_shape)
 
@@ -385,5 +405,4 @@ class Distill(Method):
             return int(reply["count"]), total, squares
 
         replies = server.accept_replies(server.federation.run(input_moments, clients=clients), read, need=1, what="input moments")
-        mean, scale = combine_moments([replies[c] for c in sorted(replies)])
-        return mean[0], scale[0]
+        return pooled_moments([replies[c] for c in sorted(replies)])

@@ -80,7 +80,7 @@ class DistillSettings:
     shift: int = 1
     mixup: float = 0.5
     synthetic_batch: int = 128
-    generator_steps: int = 10
+    generator_steps: int = 5
     student_steps: int = 20
     generator_lr: float = 1e-3
     latent_dim: int = 256

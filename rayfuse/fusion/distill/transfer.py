@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["augment_bank", "shift_images", "Generator", "SyntheticBank"]
+__all__ = ["augment_bank", "shift_images", "Generator", "SyntheticBank", "pooled_moments"]
 
 
 def shift_images(x: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
@@ -57,6 +57,18 @@ def augment_bank(X: torch.Tensor, size: int, *, shift: int, mixup: float, genera
     return lam * first + (1 - lam) * second
 
 
+def pooled_moments(moments: Sequence[tuple[int, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """The pooled per-element mean and population standard deviation (float32, shaped like one input) of the clients'
+    ``(count, sum, sum of squares)``: what generated inputs take. Unlike a standardisation scale, a constant element
+    keeps its standard deviation of 0 (an image's always-blank border stays blank)."""
+    count = float(sum(int(c) for c, _, _ in moments))
+    if count <= 0:
+        raise ValueError("input moments: no samples")
+    mean = np.sum([np.asarray(s, np.float64) for _, s, _ in moments], axis=0) / count
+    var = np.maximum(np.sum([np.asarray(q, np.float64) for _, _, q in moments], axis=0) / count - mean ** 2, 0.0)
+    return mean.astype(np.float32), np.sqrt(var).astype(np.float32)
+
+
 class Generator(nn.Module):
     """DENSE's generator, sized for any input shape.
 
@@ -64,7 +76,7 @@ class Generator(nn.Module):
     followed by a 3x3 convolution, BatchNorm and LeakyReLU(0.2), a 3x3 convolution to ``C`` channels, cropped to
     ``(H, W)``. Vectors: ``z -> 256 -> 256 -> D`` with BatchNorm and LeakyReLU. Both end in BatchNorm without affine
     parameters, then ``x = x_hat * scale + mean`` per element (``moments``: the data's mean and standard deviation,
-    shaped like one input; default 0 and 1).
+    shaped like one input). Without moments the last BatchNorm learns its affine parameters instead.
     """
 
     def __init__(self, input_shape: Sequence[int], latent_dim: int = 256, width: int = 64,
@@ -91,6 +103,10 @@ class Generator(nn.Module):
             self.body = nn.Sequential(nn.BatchNorm1d(256), nn.LeakyReLU(0.2), nn.Linear(256, 256), nn.BatchNorm1d(256), nn.LeakyReLU(0.2),
                                       nn.Linear(256, d), nn.BatchNorm1d(d, affine=False))
         mean, scale = (np.zeros(self.input_shape, np.float32), np.ones(self.input_shape, np.float32)) if moments is None else moments
+        if moments is None:  # no statistics of the data: the output's per-channel scale and shift are learnt
+            last = self.body[-1]
+            assert isinstance(last, (nn.BatchNorm1d, nn.BatchNorm2d))
+            self.body[-1] = type(last)(last.num_features, affine=True)
         self.register_buffer("mean", torch.as_tensor(np.asarray(mean, np.float32).reshape(self.input_shape)))
         self.register_buffer("scale", torch.as_tensor(np.asarray(scale, np.float32).reshape(self.input_shape)))
 

@@ -1,0 +1,307 @@
+"""Accuracy of one-shot fusion by distillation: the aligned grid's cells with distillation columns.
+
+Cells are the aligned benchmark's (``benchmarks/aligned/train.py``: K clients trained apart on one split) with a public
+slice of 300 samples (``Cell.public_size``; the aligned grid's cells hold 100, so these clients are trained again on
+the split that leaves 300 out). Every cell gets the references on the same clients (``best_local``, ``ensemble``, the
+aligned merges, ``fedavg_5``) and the distillation columns, each played as the ``distill`` method plays it (its
+defaults, ``rayfuse.fusion.distill``), in-process:
+
+* ``distill_public`` / ``distill_public_random``: the 300 public inputs (labels unread), shifted and mixed up, from
+  ``init: aligned`` (``rayfuse_am``: activation matching, average, the clients' BatchNorm repair) or a random start;
+* ``distill_free`` / ``distill_free_random``: data-free, the generator against the ensemble, the clients' input moments;
+* ``distill_predictions`` / ``distill_free_predictions``: predictions only (``teachers: clients``, random start): each
+  client's logits on the transfer inputs, and for the generator each client's input gradient of its own
+  term (``rayfuse.fusion.distill.student.teacher_signal``), computed by a stand-in client holding only its own model;
+* ``best_merge``: the best of the one-shot aligned merges of the cell (``rayfuse_am``, ``rayfuse_am_fisher``,
+  ``rayfuse_np``, ``rayfuse_am+rescale``), the bar the data-free target is measured against.
+
+Teacher weights are per class by each client's class counts (``weighting: classes``, the default).
+
+Usage (project virtualenv, repository root)::
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/distill/accuracy.py --quick
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/distill/accuracy.py [--archs ...] [--datasets ...] [--clients ...] \\
+        [--partitions ...] [--inits ...] [--seeds ...] [--columns ...] [--params JSON] [--out docs/results/distill]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/distill/accuracy.py --render RAW.json [RAW2.json ...]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/distill/accuracy.py --heterogeneous      # mlp + cnn + rescnn clients
+
+Writes ``<out>/accuracy.{csv,md}`` and ``<out>/accuracy_<dataset>_<arch>.png`` and the raw rows to
+``benchmarks/results/distill_accuracy.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "aligned"))
+sys.path.insert(0, str(HERE.parent))
+import accuracy as aligned  # noqa: E402
+from _common import machine_info, write_results  # noqa: E402
+from arch import build_arch  # noqa: E402
+from train import PARTITIONS, Cell, TrainedCell, accuracy_of, build_model, train_cell  # noqa: E402
+
+from rayfuse.fusion.distill.algorithm import DistillParams  # noqa: E402
+from rayfuse.fusion.distill.student import distill_public, distill_synthetic, teacher_signal  # noqa: E402
+from rayfuse.fusion.distill.teachers import Teachers, teacher_weights  # noqa: E402
+from rayfuse.fusion.distill.transfer import pooled_moments  # noqa: E402
+from rayfuse.models import get_params  # noqa: E402
+from rayfuse.seeding import derive_seed  # noqa: E402
+
+REPO = HERE.parents[1]
+OUT_DIR = REPO / "docs" / "results" / "distill"
+PUBLIC = 300
+ARCHS = ("mlp", "cnn", "rescnn", "transformer")
+QUICK = {"archs": ["rescnn"], "datasets": ["digits"], "clients": [3], "partitions": ["dirichlet0.5"], "inits": ["independent"],
+         "seeds": [0]}
+# column -> (transfer, init, teachers)
+COLUMNS: dict[str, tuple[str, str, str]] = {
+    "distill_public": ("public", "aligned", "parameters"),
+    "distill_public_random": ("public", "random", "parameters"),
+    "distill_predictions": ("public", "random", "clients"),
+    "distill_free": ("synthetic", "aligned", "parameters"),
+    "distill_free_random": ("synthetic", "random", "parameters"),
+    "distill_free_predictions": ("synthetic", "random", "clients"),
+}
+MERGES = ("rayfuse_am", "rayfuse_am_fisher", "rayfuse_np", "rayfuse_am+rescale")
+ORDER = ("best_local", "ensemble", "best_merge", "fedavg_5", *COLUMNS)
+
+
+class StandInClients:
+    """The clients as predictions-only teachers, in-process: each holds its own model and answers what the
+    ``distill.predict`` / ``distill.signal`` client steps answer."""
+
+    def __init__(self, models: Sequence[torch.nn.Module]) -> None:
+        self.models = list(models)
+        self.num_teachers = len(self.models)
+
+    def predict(self, X: torch.Tensor) -> torch.Tensor:
+        return torch.stack([Teachers([m], batched=False, freeze=False).predict(X)[0] for m in self.models])
+
+    def signal(self, X: torch.Tensor, labels: torch.Tensor, W: torch.Tensor, settings: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        replies = [teacher_signal(m, X, labels, W[k], num_teachers=self.num_teachers, settings=settings) for k, m in enumerate(self.models)]
+        return torch.stack([r[0] for r in replies]), torch.stack([r[1] for r in replies]).sum(0)
+
+
+def distill_columns(trained: TrainedCell, columns: Sequence[str], params: Mapping[str, Any], *,
+                    both_repair: bool = False) -> dict[str, dict[str, Any]]:
+    """The distillation columns of one cell (module docstring); ``both_repair``: also each column with the other
+    ``repair`` setting (``<column>+repair`` / ``<column>-repair``)."""
+    spec, cell = trained.spec, trained.cell
+    counts = np.stack([np.bincount(s.y, minlength=spec["num_classes"]) for s in trained.train_sets]).astype(np.float64)
+    data = [s.X[:2048] for s in trained.train_sets]
+    moments = pooled_moments([(len(s.X), s.X.astype(np.float64).sum(0), np.square(s.X.astype(np.float64)).sum(0)) for s in trained.train_sets])
+    out: dict[str, dict[str, Any]] = {}
+    start: dict[str, Any] | None = None
+    for column in columns:
+        transfer, init, teachers_mode = COLUMNS[column]
+        p = DistillParams(**{**params, "transfer": transfer, "init": init, "teachers": teachers_mode})
+        settings = p.settings(derive_seed(cell.seed, "distill", column))
+        weights = teacher_weights(p.weighting, counts)
+        started = time.perf_counter()
+        if init == "aligned":
+            if start is None:
+                found = aligned.align_by_activations(trained)
+                from rayfuse.alignment import merge_average
+
+                start = aligned.repair_with_clients(trained, merge_average(found.aligned, trained.num_examples), data)
+            student = build_model(spec, start).train()
+        else:
+            student = build_arch(spec, seed=derive_seed(cell.seed, "student")).train()
+        models = [build_model(spec, c) for c in trained.clients]
+        teachers: Any = Teachers(models, batched=False) if teachers_mode == "parameters" else StandInClients(models)
+        if transfer == "public":
+            history = distill_public(student, teachers, trained.public.X, weights, settings)
+        else:
+            history, _ = distill_synthetic(student, teachers, spec["input_shape"], weights, settings, label_prior=counts.sum(0),
+                                           moments=moments if p.input_moments else None)
+        plain = get_params(student.eval())
+        repaired = aligned.repair_with_clients(trained, plain, data)
+        repair = p.repair
+        fused = repaired if repair else plain
+        out[column] = {"accuracy": accuracy_of(spec, fused, trained.test), "seconds": time.perf_counter() - started,
+                       "agreement": round(history[-1]["agreement"], 4)}
+        if both_repair and repaired is not plain:
+            out[column + ("-repair" if repair else "+repair")] = {"accuracy": accuracy_of(spec, plain if repair else repaired, trained.test),
+                                                                  "seconds": out[column]["seconds"]}
+    return out
+
+
+def reference_columns(trained: TrainedCell, methods: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``best_local``, ``ensemble``, the aligned merges (and ``best_merge``, their best) and ``fedavg_5`` on the cell."""
+    out: dict[str, dict[str, Any]] = {}
+    if "best_local" in methods:
+        out.update(aligned.best_local(trained))
+    if "ensemble" in methods:
+        out.update(aligned.ensemble(trained))
+    if "best_merge" in methods:
+        merges = {**aligned.rayfuse_am(trained), **aligned.rayfuse_np(trained, variants=(aligned.NP_DEFAULTS,))}
+        merges = {k: v for k, v in merges.items() if k in MERGES}
+        out.update(merges)
+        best = max(merges, key=lambda k: merges[k]["accuracy"])
+        out["best_merge"] = {"accuracy": merges[best]["accuracy"], "seconds": merges[best]["seconds"], "merge": best}
+    if "fedavg_5" in methods:
+        out.update({k: v for k, v in aligned.fedavg(trained, rounds=(5,)).items()})
+    return out
+
+
+def run_grid(cells: Sequence[Cell], references: Sequence[str], columns: Sequence[str], params: Mapping[str, Any], *,
+             both_repair: bool = False) -> list[dict[str, Any]]:
+    rows = []
+    for cell in cells:
+        trained = train_cell(cell)
+        print(f"{cell.key()} (clients trained in {trained.train_seconds:.1f} s)", flush=True)
+        results: dict[str, dict[str, Any]] = {}
+        for name, fn in (("references", lambda t: reference_columns(t, references)), ("distill", lambda t: distill_columns(t, columns, params, both_repair=both_repair))):
+            try:
+                results.update(fn(trained))
+            except Exception as exc:  # one failing cell must not stop the grid: recorded in its row
+                results[name] = {"accuracy": float("nan"), "seconds": float("nan"), "error": f"{type(exc).__name__}: {exc}"[:300]}
+        for label, result in results.items():
+            rows.append({**cell.fields(), "method": label, **result})
+            note = f"  ({result['error']})" if result.get("error") else ""
+            print(f"  {label:26s} {result['accuracy']:.4f}  {result['seconds']:.1f} s{note}", flush=True)
+    return rows
+
+
+def summary_lines(stats: Any, methods: Sequence[str]) -> list[str]:
+    """The issue's targets, checked over the grid's cells (seed means): group means, and cell by cell."""
+    import pandas as pd
+
+    lines = aligned.summary_lines(stats, methods)[:]
+    wide = stats.pivot_table(index=["dataset", "arch", "partition", "num_clients", "init"], columns="method", values="mean")
+    lines += ["", "## Targets", ""]
+
+    def have(*cols: str) -> Any:
+        return wide.dropna(subset=[c for c in cols if c in wide.columns]) if all(c in wide.columns for c in cols) else None
+
+    public = have("distill_public", "ensemble", "best_local")
+    if public is not None:
+        lines += ["**Public transfer (300 samples), `init: aligned`**: mean accuracy per (dataset, architecture) group against the "
+                  "ensemble (target: within 0.03), and the cells above the best local model (target: at least 90 %).", "",
+                  "| dataset | arch | cells | distill_public | ensemble | gap | above best local |", "|---|---|---|---|---|---|---|"]
+        for (dataset, arch_name), group in public.groupby(level=["dataset", "arch"]):
+            gap = group["ensemble"].mean() - group["distill_public"].mean()
+            above = int((group["distill_public"] > group["best_local"]).sum())
+            lines.append(f"| {dataset} | {arch_name} | {len(group)} | {group['distill_public'].mean():.3f} | {group['ensemble'].mean():.3f} | "
+                         f"{gap:+.3f}{' (missed)' if gap > 0.03 else ''} | {above}/{len(group)} |")
+        total_above = int((public["distill_public"] > public["best_local"]).sum())
+        lines += ["", f"Above the best local model in {total_above} of {len(public)} cells ({100 * total_above / len(public):.0f} %).", ""]
+    free = have("distill_free", "ensemble", "best_merge")
+    if free is not None:
+        lines += ["**Data-free, `init: aligned`**: against the best one-shot merge of each cell (target: above it in every cell) and "
+                  "the ensemble (target: within 0.08 on average for mlp, cnn and rescnn).", "",
+                  "| dataset | arch | cells | distill_free | best_merge | ensemble | gap to ensemble | cells above best_merge |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for (dataset, arch_name), group in free.groupby(level=["dataset", "arch"]):
+            gap = group["ensemble"].mean() - group["distill_free"].mean()
+            above = int((group["distill_free"] > group["best_merge"]).sum())
+            lines.append(f"| {dataset} | {arch_name} | {len(group)} | {group['distill_free'].mean():.3f} | {group['best_merge'].mean():.3f} | "
+                         f"{group['ensemble'].mean():.3f} | {gap:+.3f} | {above}/{len(group)} |")
+        below = free[free["distill_free"] <= free["best_merge"]]
+        if len(below):
+            lines += ["", "Cells where data-free distillation is not above the best merge:", ""]
+            lines += [f"- {', '.join(str(k) for k in key)}: distill_free {row['distill_free']:.3f}, best_merge {row['best_merge']:.3f}"
+                      for key, row in below.iterrows()]
+        lines.append("")
+    pairs = [(a, b) for a, b in (("distill_predictions", "distill_public_random"), ("distill_free_predictions", "distill_free_random"))
+             if a in wide.columns and b in wide.columns]
+    if pairs:
+        lines += ["**Predictions only** against the parameter upload with the same start (random) and the same seeds (target: "
+                  "within 0.01).", "", "| pair | cells | mean difference | largest |", "|---|---|---|---|"]
+        for a, b in pairs:
+            diff = (wide[a] - wide[b]).dropna()
+            lines.append(f"| {a} - {b} | {len(diff)} | {diff.mean():+.4f} | {diff.abs().max():.4f} |")
+    del pd
+    return lines
+
+
+def heterogeneous_cell(seed: int, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """mlp, cnn and rescnn clients (one each) on label-skewed digits, a rescnn student: the references each client's
+    architecture allows (best local, the ensemble of the three) and ``distill`` through ``rayfuse.run`` (in-process)."""
+    import contextlib
+    import io
+    import tempfile
+
+    import rayfuse
+
+    config = {"run": {"name": "distill-hetero", "seed": seed},
+              "data": {"dataset": "digits", "public_size": PUBLIC},
+              "partition": {"method": "dirichlet", "num_clients": 3, "alpha": 0.5},
+              "model": {"name": "rescnn", "channels": [16, 32]},
+              "train": {"epochs": 20, "batch_size": 32, "lr": 5e-3},
+              "federation": {"backend": "local", "client_overrides": {0: {"model": {"name": "mlp", "hidden": [64, 64]}},
+                                                                      1: {"model": {"name": "cnn", "channels": [16, 32]}}}},
+              "methods": {"local": {}, "ensemble": {},
+                          "distill_public": {"method": "distill", **params},
+                          "distill_free": {"method": "distill", **params, "transfer": "synthetic"},
+                          "distill_predictions": {"method": "distill", **params, "init": "random", "teachers": "clients"}}}
+    with tempfile.TemporaryDirectory(prefix="distill-hetero-") as tmp, contextlib.redirect_stdout(io.StringIO()):
+        result = rayfuse.run(config, run_dir=Path(tmp) / "run", quiet=True)
+    methods = result.results["methods"]
+    rows = []
+    locals_ = [r for r in methods["local"]["info"]["per_client"]]
+    rows.append({"cell": "heterogeneous: mlp + cnn + rescnn clients, rescnn student, digits dirichlet0.5", "seed": seed,
+                 "method": "best_local", "accuracy": max(r["accuracy"] for r in locals_), "locals": [round(r["accuracy"], 4) for r in locals_]})
+    for label in ("ensemble", "distill_public", "distill_free", "distill_predictions"):
+        rows.append({"cell": rows[0]["cell"], "seed": seed, "method": label, "accuracy": float(result.metrics.loc[label, "accuracy"]),
+                     "seconds": float(methods[label]["seconds"]), "init": methods[label]["info"].get("init", "")})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"the quick subset: {QUICK}")
+    parser.add_argument("--archs", nargs="+", default=list(ARCHS), choices=ARCHS)
+    parser.add_argument("--datasets", nargs="+", default=["digits", "mnist5k"], choices=("digits", "mnist5k"))
+    parser.add_argument("--clients", nargs="+", type=int, default=[2, 3, 5])
+    parser.add_argument("--partitions", nargs="+", default=list(PARTITIONS), choices=PARTITIONS)
+    parser.add_argument("--inits", nargs="+", default=["shared", "independent"], choices=("shared", "independent"))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--references", nargs="*", default=["best_local", "ensemble", "best_merge", "fedavg_5"],
+                        choices=("best_local", "ensemble", "best_merge", "fedavg_5"))
+    parser.add_argument("--columns", nargs="*", default=list(COLUMNS), choices=list(COLUMNS))
+    parser.add_argument("--params", type=json.loads, default={}, help="distill parameters over the defaults, as JSON")
+    parser.add_argument("--out", type=Path, default=OUT_DIR)
+    parser.add_argument("--raw", default="distill_accuracy", help="name of the raw result file under benchmarks/results/")
+    parser.add_argument("--render", nargs="+", type=Path, default=None, help="write the outputs from raw result files only")
+    parser.add_argument("--heterogeneous", action="store_true", help="the heterogeneous cell (seeds from --seeds)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--both-repair", action="store_true", help="also record each column with the other repair setting")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.render:
+        rows, info = aligned.read_raw(args.render)
+        rows = [r for r in rows if "cell" not in r]
+        paths = aligned.write_outputs(rows, args.out, info, title="Distillation: one-shot accuracy", summary=summary_lines,
+                                      script="benchmarks/distill", order=ORDER)
+        for path in paths:
+            print(f"wrote {path}")
+        return
+    info = machine_info()
+    if args.heterogeneous:
+        rows = [row for seed in args.seeds for row in heterogeneous_cell(seed, args.params)]
+        for row in rows:
+            print(row, flush=True)
+        print(f"wrote {write_results(args.raw + '_heterogeneous', {'machine': info, 'params': args.params, 'rows': rows})}")
+        return
+    axes = dict(QUICK) if args.quick else {k: getattr(args, k) for k in QUICK}
+    cells = [Cell(a, d, p, k, i, s, public_size=PUBLIC) for d in axes["datasets"] for a in axes["archs"] for p in axes["partitions"]
+             for k in axes["clients"] for i in axes["inits"] for s in axes["seeds"]]
+    print(f"distillation accuracy: {len(cells)} cells, references {args.references}, columns {args.columns}, params {args.params}", flush=True)
+    rows = run_grid(cells, args.references, args.columns, args.params, both_repair=args.both_repair)
+    raw = write_results(args.raw, {"machine": info, "axes": axes, "params": args.params, "rows": rows})
+    print(f"wrote {raw}")
+
+
+if __name__ == "__main__":
+    main()
