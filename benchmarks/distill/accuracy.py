@@ -161,7 +161,9 @@ def run_grid(cells: Sequence[Cell], references: Sequence[str], columns: Sequence
         trained = train_cell(cell)
         print(f"{cell.key()} (clients trained in {trained.train_seconds:.1f} s)", flush=True)
         results: dict[str, dict[str, Any]] = {}
-        for name, fn in (("references", lambda t: reference_columns(t, references)), ("distill", lambda t: distill_columns(t, columns, params, both_repair=both_repair))):
+        steps = (("references", lambda t: reference_columns(t, references)),
+                 ("distill", lambda t: distill_columns(t, columns, params, both_repair=both_repair)))
+        for name, fn in steps:
             try:
                 results.update(fn(trained))
             except Exception as exc:  # one failing cell must not stop the grid: recorded in its row
