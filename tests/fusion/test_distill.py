@@ -303,3 +303,21 @@ def test_with_no_client_of_the_students_architecture_the_aligned_start_is_random
     coord = coordinator(methods={"d": {"method": "distill", "init": "aligned", "student": student, "teachers": "parameters", **QUICK}},
                         **HETERO)
     assert coord.run_method("d")["info"]["init"].startswith("random (no client has the student's architecture")
+
+
+def test_a_nonparametric_aligned_start_keeps_its_width(coordinator):
+    coord = coordinator(methods={"d": {"method": "distill", "init": "aligned", "aligned": {"merge": "nonparametric"}, **QUICK}},
+                        **{**PUBLIC, "train": {"epochs": 8, "shared_init": False}})
+    summary = coord.run_method("d")
+    fused = load_params(coord.store.root / summary["model_file"])
+    reference = coord.reference_params()
+    assert summary["info"]["init"].startswith("aligned merge")
+    assert fused["layers.0.weight"].shape[0] > reference["layers.0.weight"].shape[0]  # the merge grew the hidden layer
+    assert np.isfinite(summary["metrics"]["accuracy"])
+
+
+def test_predictions_of_dp_trained_clients_report_their_epsilon(coordinator):
+    coord = coordinator(methods={"d": {"method": "distill", "init": "random", "teachers": "clients", **QUICK}},
+                        **{**PUBLIC, "train": {"epochs": 2, "dp": {"noise_multiplier": 1.0, "delta": 1e-4}}})
+    summary = coord.run_method("d")
+    assert summary["metrics"]["dp_sgd_epsilon"] > 0  # post-processing of the DP-trained models: the run's guarantee
