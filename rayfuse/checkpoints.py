@@ -379,6 +379,7 @@ class DistillFuseParams(_FuseSchema):
     student_steps: int = Field(20, ge=1)
     generator_lr: float = Field(1e-3, gt=0, le=10)
     latent_dim: int = Field(256, ge=1, le=65536)
+    generator_width: int = Field(32, ge=1, le=4096)
     ce_weight: float = Field(1.0, ge=0)
     bn_weight: float = Field(1.0, ge=0)
     adversarial_weight: float = Field(1.0, ge=0)

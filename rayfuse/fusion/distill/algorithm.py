@@ -87,6 +87,8 @@ class DistillParams(MethodParams):
     student_steps: int = Field(20, ge=1, description="synthetic: student steps per round")
     generator_lr: float = Field(1e-3, gt=0, le=10, description="synthetic: generator learning rate (Adam, betas 0.5, 0.999)")
     latent_dim: int = Field(256, ge=1, le=65536, description="synthetic: the generator's noise dimension")
+    generator_width: int = Field(32, ge=1, le=4096, description="synthetic: the generator's channels (DENSE's is 64: four times the "
+                                 "work of the default's widest convolutions)")
     ce_weight: float = Field(1.0, ge=0, description="synthetic: weight of the ensemble's cross-entropy on the sampled labels")
     bn_weight: float = Field(1.0, ge=0, description="synthetic: weight of the teachers' BatchNorm statistic matching")
     adversarial_weight: float = Field(1.0, ge=0, description="synthetic: weight of the student-ensemble disagreement term")
@@ -103,12 +105,11 @@ class DistillParams(MethodParams):
                                                      "or a loop; auto: vmap on a GPU, the loop on the CPU (where it measures faster)")
 
     def settings(self, seed: int) -> DistillSettings:
-        return DistillSettings(steps=self.steps, epochs=self.epochs, batch_size=self.batch_size, lr=self.lr, temperature=self.temperature,
-                               combine=self.combine, shift=self.shift, mixup=self.mixup, synthetic_batch=self.synthetic_batch,
-                               generator_steps=self.generator_steps, student_steps=self.student_steps, generator_lr=self.generator_lr,
-                               latent_dim=self.latent_dim, ce_weight=self.ce_weight, bn_weight=self.bn_weight,
-                               adversarial_weight=self.adversarial_weight, hardness=self.hardness, reweight=self.reweight,
-                               reweight_lr=self.reweight_lr, bank_samples=self.bank_samples, seed=seed)
+        """The loops' settings: every parameter of the same name, and ``seed``."""
+        import dataclasses
+
+        names = {f.name for f in dataclasses.fields(DistillSettings)} - {"seed"}
+        return DistillSettings(**{name: getattr(self, name) for name in names}, seed=seed)
 
 
 def transfer_note(params: DistillParams, samples: int | None) -> str:

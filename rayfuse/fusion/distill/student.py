@@ -84,6 +84,7 @@ class DistillSettings:
     student_steps: int = 20
     generator_lr: float = 1e-3
     latent_dim: int = 256
+    generator_width: int = 32
     ce_weight: float = 1.0
     bn_weight: float = 1.0
     adversarial_weight: float = 1.0
@@ -315,7 +316,7 @@ def distill_synthetic(student: nn.Module, teachers: ExactTeachers | SignalTeache
     C = W.shape[1]
     prior = torch.as_tensor(np.full(C, 1.0 / C) if label_prior is None else np.asarray(label_prior, np.float64), dtype=torch.float64)
     prior = prior / prior.sum()
-    gen = Generator(input_shape, settings.latent_dim, moments=moments).to(device)
+    gen = Generator(input_shape, settings.latent_dim, settings.generator_width, moments=moments).to(device)
     with torch.random.fork_rng():
         torch.manual_seed(int(settings.seed))
         for module in gen.modules():  # DENSE's initialisation of the generator

@@ -74,12 +74,13 @@ class Generator(nn.Module):
 
     Images ``(C, H, W)``: ``z -> Linear -> (2 width, ceil(H/4), ceil(W/4))``, two nearest-neighbour upsamplings each
     followed by a 3x3 convolution, BatchNorm and LeakyReLU(0.2), a 3x3 convolution to ``C`` channels, cropped to
-    ``(H, W)``. Vectors: ``z -> 256 -> 256 -> D`` with BatchNorm and LeakyReLU. Both end in BatchNorm without affine
+    ``(H, W)`` (DENSE's generator is this at ``width`` 64). Vectors: ``z -> 8 width -> 8 width -> D`` with BatchNorm
+    and LeakyReLU. Both end in BatchNorm without affine
     parameters, then ``x = x_hat * scale + mean`` per element (``moments``: the data's mean and standard deviation,
     shaped like one input). Without moments the last BatchNorm learns its affine parameters instead.
     """
 
-    def __init__(self, input_shape: Sequence[int], latent_dim: int = 256, width: int = 64,
+    def __init__(self, input_shape: Sequence[int], latent_dim: int = 256, width: int = 32,
                  moments: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         super().__init__()
         self.input_shape = tuple(int(d) for d in input_shape)
@@ -98,10 +99,10 @@ class Generator(nn.Module):
                 nn.BatchNorm2d(self.width), nn.LeakyReLU(0.2),
                 nn.Conv2d(self.width, c, 3, padding=1), nn.BatchNorm2d(c, affine=False))
         else:
-            d = int(np.prod(self.input_shape))
-            self.project = nn.Linear(self.latent_dim, 256)
-            self.body = nn.Sequential(nn.BatchNorm1d(256), nn.LeakyReLU(0.2), nn.Linear(256, 256), nn.BatchNorm1d(256), nn.LeakyReLU(0.2),
-                                      nn.Linear(256, d), nn.BatchNorm1d(d, affine=False))
+            d, hidden = int(np.prod(self.input_shape)), 8 * int(width)
+            self.project = nn.Linear(self.latent_dim, hidden)
+            self.body = nn.Sequential(nn.BatchNorm1d(hidden), nn.LeakyReLU(0.2), nn.Linear(hidden, hidden), nn.BatchNorm1d(hidden),
+                                      nn.LeakyReLU(0.2), nn.Linear(hidden, d), nn.BatchNorm1d(d, affine=False))
         mean, scale = (np.zeros(self.input_shape, np.float32), np.ones(self.input_shape, np.float32)) if moments is None else moments
         if moments is None:  # no statistics of the data: the output's per-channel scale and shift are learnt
             last = self.body[-1]
