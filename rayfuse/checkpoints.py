@@ -43,6 +43,7 @@ from rayfuse.config import StrictSchema, pydantic_input_error
 from rayfuse.errors import InputError, RunFailure, suggest
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.aligned.algorithm import AlignmentSettings, derive_run_spec
+from rayfuse.fusion.distill.algorithm import DistillOptions
 from rayfuse.io import TORCH_ONLY_FLOATS, check_writable_folder, read_checkpoint, save_params, save_params_cast
 
 __all__ = ["FuseSpec", "Fuser", "FuseInputs", "FUSERS", "register_fuser", "load_fuse_config", "load_fuse_inputs", "fuse_models", "run_fuse",
@@ -351,8 +352,9 @@ register_fuser(Fuser("activation_matching", "units matched by their activations 
                      _aligned("activation_matching"), AlignParams, OptionalWeight, needs=_align_needs("activation_matching")))
 
 
-class DistillFuseParams(_FuseSchema):
-    """``merge_method: distill``'s parameters (the ``distill`` method's, without the federation's)."""
+class DistillFuseParams(DistillOptions):
+    """``merge_method: distill``'s parameters: the ``distill`` method's loop parameters, and the choices a fuse file makes
+    without a federation."""
 
     transfer: Literal["public", "synthetic"] | None = Field(None, description="public: the data file's inputs (labels never read); "
                                                             "synthetic: data-free. Default: public with data, synthetic without")
@@ -363,31 +365,10 @@ class DistillFuseParams(_FuseSchema):
     merge: Literal["average", "nonparametric"] = Field("average", description="init: aligned: the aligned merge (nonparametric: "
                                                        "units that match nothing widen the student)")
     weighting: Literal["uniform", "weights"] = Field("uniform", description="teacher weights: uniform, or each model's weight")
-    seed: int = 0
-    steps: int = Field(2000, ge=1, le=10_000_000)
-    epochs: int = Field(10, ge=1)
-    batch_size: int = Field(64, ge=2)
-    lr: float = Field(3e-3, gt=0, le=10)
-    temperature: float = Field(4.0, gt=0, le=100)
     combine: Literal["logits", "probabilities"] = Field("probabilities", description="the ensemble: weighted probabilities (the "
                                                         "default here: without the clients' class counts, a model's logits for "
                                                         "classes it never saw would count as much as its others) or logits")
-    shift: int = Field(1, ge=0, le=64)
-    mixup: float = Field(0.5, ge=0, le=1)
-    synthetic_batch: int = Field(128, ge=2)
-    generator_steps: int = Field(5, ge=1)
-    student_steps: int = Field(20, ge=1)
-    generator_lr: float = Field(1e-3, gt=0, le=10)
-    latent_dim: int = Field(256, ge=1, le=65536)
-    generator_width: int = Field(32, ge=1, le=4096)
-    ce_weight: float = Field(1.0, ge=0)
-    bn_weight: float = Field(1.0, ge=0)
-    adversarial_weight: float = Field(1.0, ge=0)
-    hardness: float = Field(0.0, ge=0, le=16)
-    reweight: bool = False
-    reweight_lr: float = Field(0.01, gt=0, le=1)
-    bank_samples: int = Field(20000, ge=1)
-    batched: Literal["auto", "vmap", "loop"] = "auto"
+    seed: int = 0
 
 
 def _distill_needs(params: BaseModel) -> dict[str, str]:
@@ -402,11 +383,9 @@ def _distill_needs(params: BaseModel) -> dict[str, str]:
 def _distill(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], method: BaseModel, inputs: FuseInputs) -> dict[str, np.ndarray]:
     """Distil the checkpoints' ensemble into one student of the file's architecture (``rayfuse.fusion.distill``): on the
     data file's inputs (public transfer), or data-free."""
-    import dataclasses
-
     import torch
 
-    from rayfuse.fusion.distill.student import DistillSettings, distill_public, distill_synthetic
+    from rayfuse.fusion.distill.student import distill_public, distill_synthetic
     from rayfuse.fusion.distill.teachers import Teachers, teacher_weights
     from rayfuse.models import get_params
 
@@ -420,8 +399,7 @@ def _distill(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], me
     counts = np.ones((len(params), num_classes)) if weights_k is None else np.repeat(weights_k[:, None], num_classes, axis=1)
     weights = teacher_weights("samples" if weights_k is not None else "uniform", counts)
     student = _distill_start(params, per_model, p, inputs, same)
-    fields = {f.name for f in dataclasses.fields(DistillSettings)}
-    settings = DistillSettings(**{k: v for k, v in p.model_dump().items() if k in fields})
+    settings = p.settings(p.seed)
 
     def log(epoch: int, row: dict[str, float]) -> None:
         if inputs.log is not None:

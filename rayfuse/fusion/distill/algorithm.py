@@ -37,11 +37,10 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from rayfuse.config import ModelConfig
+from rayfuse.config import ModelConfig, StrictSchema
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.fusion import references
 from rayfuse.fusion.aligned.algorithm import AlignedParams
-from rayfuse.fusion.distill.student import DistillSettings
 from rayfuse.method import (
     ClientContext,
     Method,
@@ -55,23 +54,13 @@ from rayfuse.method import (
     register_method,
 )
 
-__all__ = ["Distill", "DistillParams", "predict", "signal", "input_moments", "transfer_note"]
+__all__ = ["Distill", "DistillOptions", "DistillParams", "predict", "signal", "input_moments", "transfer_note"]
 
 
-class DistillParams(MethodParams):
-    """The ``distill`` method's parameters (defaults: a first try on small models, about a minute on 2 CPU cores)."""
+class DistillOptions(StrictSchema):
+    """How a student is distilled: the parameters the ``distill`` method and ``rayfuse fuse``'s ``merge_method: distill``
+    share (the loops' :class:`~rayfuse.fusion.distill.student.DistillSettings`, less the seed)."""
 
-    transfer: Literal["public", "synthetic"] = Field("public", description="public: the server's unlabeled public sample, "
-                                                     "augmented; synthetic: data-free, from a generator trained against the ensemble")
-    teachers: Literal["parameters", "clients"] = Field("parameters", description="parameters: the local models are uploaded and "
-                                                       "evaluated on the server; clients: predictions only, no parameter leaves a client")
-    init: Literal["aligned", "average", "random"] = Field("aligned", description="the student's start: the aligned merge (or "
-                                                          "the average) of the clients of its architecture, or a random initialisation")
-    student: ModelConfig | None = Field(None, description="the student's architecture (a model section); default: the run's model")
-    aligned: AlignedParams = Field(default_factory=AlignedParams, description="init: aligned: the aligned method's settings "
-                                   "(alignment, merge, repair...; one shot)")
-    weighting: Literal["uniform", "samples", "classes"] = Field("classes", description="teacher weights: uniform, by sample count, "
-                                                                "or per class by each client's class counts")
     combine: Literal["logits", "probabilities"] = Field("logits", description="the ensemble: weighted logits (FedDF) or "
                                                         "weighted probabilities")
     temperature: float = Field(4.0, gt=0, le=100, description="distillation temperature T")
@@ -96,20 +85,39 @@ class DistillParams(MethodParams):
     reweight: bool = Field(False, description="synthetic: Co-Boosting's re-weighting of the ensemble's members each round")
     reweight_lr: float = Field(0.01, gt=0, le=1, description="synthetic, reweight: the members' weights' step")
     bank_samples: int = Field(20000, ge=1, description="synthetic: past generated inputs kept for the student")
+    batched: Literal["auto", "vmap", "loop"] = Field("auto", description="teachers of one architecture evaluated in one vmapped call "
+                                                     "or a loop; auto: vmap on a GPU, the loop on the CPU (where it measures faster)")
+
+    def settings(self, seed: int) -> Any:
+        """The loops' settings (:class:`~rayfuse.fusion.distill.student.DistillSettings`): every parameter of the same
+        name, and ``seed``."""
+        import dataclasses
+
+        from rayfuse.fusion.distill.student import DistillSettings
+
+        names = {f.name for f in dataclasses.fields(DistillSettings)} - {"seed"}
+        return DistillSettings(**{name: getattr(self, name) for name in names}, seed=seed)
+
+
+class DistillParams(DistillOptions, MethodParams):
+    """The ``distill`` method's parameters (defaults: a first try on small models, about a minute on 2 CPU cores)."""
+
+    transfer: Literal["public", "synthetic"] = Field("public", description="public: the server's unlabeled public sample, "
+                                                     "augmented; synthetic: data-free, from a generator trained against the ensemble")
+    teachers: Literal["parameters", "clients"] = Field("parameters", description="parameters: the local models are uploaded and "
+                                                       "evaluated on the server; clients: predictions only, no parameter leaves a client")
+    init: Literal["aligned", "average", "random"] = Field("aligned", description="the student's start: the aligned merge (or "
+                                                          "the average) of the clients of its architecture, or a random initialisation")
+    student: ModelConfig | None = Field(None, description="the student's architecture (a model section); default: the run's model")
+    aligned: AlignedParams = Field(default_factory=AlignedParams, description="init: aligned: the aligned method's settings "
+                                   "(alignment, merge, repair...; one shot)")
+    weighting: Literal["uniform", "samples", "classes"] = Field("classes", description="teacher weights: uniform, by sample count, "
+                                                                "or per class by each client's class counts")
     input_moments: bool = Field(True, description="synthetic: the clients report their inputs' per-element count, sum and sum of "
                                 "squares, and generated inputs take the pooled mean and variance")
     repair: bool = Field(False, description="re-estimate the distilled student's BatchNorm statistics on the clients' data (each "
                          "client's per-channel counts, means and variances, pooled); off by default: the student's own statistics, "
                          "learnt with its weights on the transfer inputs, measured better (docs/methods/distill.md)")
-    batched: Literal["auto", "vmap", "loop"] = Field("auto", description="teachers of one architecture evaluated in one vmapped call "
-                                                     "or a loop; auto: vmap on a GPU, the loop on the CPU (where it measures faster)")
-
-    def settings(self, seed: int) -> DistillSettings:
-        """The loops' settings: every parameter of the same name, and ``seed``."""
-        import dataclasses
-
-        names = {f.name for f in dataclasses.fields(DistillSettings)} - {"seed"}
-        return DistillSettings(**{name: getattr(self, name) for name in names}, seed=seed)
 
 
 def transfer_note(params: DistillParams, samples: int | None) -> str:
@@ -144,7 +152,7 @@ def signal(ctx: ClientContext, X: np.ndarray, labels: np.ndarray, class_weights:
     inputs (:func:`rayfuse.fusion.distill.student.teacher_signal`)."""
     import torch
 
-    from rayfuse.fusion.distill.student import teacher_signal
+    from rayfuse.fusion.distill.student import DistillSettings, teacher_signal
 
     logits, grad = teacher_signal(ctx.local_model().to(ctx.device), torch.as_tensor(np.ascontiguousarray(X), device=ctx.device),
                                   torch.as_tensor(np.ascontiguousarray(labels), device=ctx.device),
@@ -200,7 +208,7 @@ class _ClientTeachers:
         replies = self._gather(predict, "teacher predictions", {"logits": (len(X_np), self.num_classes)}, X_np)
         return torch.as_tensor(np.stack([r["logits"] for r in replies]))
 
-    def signal(self, X: Any, labels: Any, weights: Any, settings: DistillSettings) -> tuple[Any, Any]:
+    def signal(self, X: Any, labels: Any, weights: Any, settings: Any) -> tuple[Any, Any]:
         import dataclasses
 
         import torch
