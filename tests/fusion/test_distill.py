@@ -321,3 +321,24 @@ def test_predictions_of_dp_trained_clients_report_their_epsilon(coordinator):
                         **{**PUBLIC, "train": {"epochs": 2, "dp": {"noise_multiplier": 1.0, "delta": 1e-4}}})
     summary = coord.run_method("d")
     assert summary["metrics"]["dp_sgd_epsilon"] > 0  # post-processing of the DP-trained models: the run's guarantee
+
+
+@pytest.mark.ray
+def test_predictions_only_on_ray_equals_the_in_process_run(ray_session, make_config, tmp_path):
+    from actors.backend import RayBackend
+    from rayfuse.report import Printer
+    from rayfuse.runner import InProcessBackend, run_experiment
+
+    synthetic = {"transfer": "synthetic", "steps": 40, "epochs": 2, "generator_steps": 2, "student_steps": 10, "synthetic_batch": 32}
+    methods = {"public": {"method": "distill", "teachers": "clients", "init": "random", **QUICK},
+               "free": {"method": "distill", "teachers": "clients", "init": "random", **synthetic}}
+    quiet = dict(printer=Printer(enabled=False), show_tables=False)
+    on_ray = run_experiment(make_config(**{**PUBLIC, "federation": {"backend": "ray", "clients_per_actor": 3}}, methods=methods),
+                            RayBackend(), tmp_path / "ray", **quiet)
+    local = run_experiment(make_config(**PUBLIC, methods=methods), InProcessBackend(), tmp_path / "local", **quiet)
+    assert on_ray["status"] == "succeeded"
+    for label in methods:
+        ray_model = load_params(tmp_path / "ray" / on_ray["methods"][label]["model_file"])
+        local_model = load_params(tmp_path / "local" / local["methods"][label]["model_file"])
+        for key, value in local_model.items():
+            np.testing.assert_allclose(ray_model[key], value, rtol=1e-4, atol=1e-5, err_msg=f"{label}: {key}")

@@ -154,8 +154,10 @@ def signal(ctx: ClientContext, X: np.ndarray, labels: np.ndarray, class_weights:
 
     from rayfuse.fusion.distill.student import DistillSettings, teacher_signal
 
-    logits, grad = teacher_signal(ctx.local_model().to(ctx.device), torch.as_tensor(np.ascontiguousarray(X), device=ctx.device),
-                                  torch.as_tensor(np.ascontiguousarray(labels), device=ctx.device),
+    # arrays read from Ray's object store are read-only: copied, never written through
+    X, labels = (np.array(a, order="C") if not a.flags.writeable else np.ascontiguousarray(a) for a in (np.asarray(X), np.asarray(labels)))
+    logits, grad = teacher_signal(ctx.local_model().to(ctx.device), torch.as_tensor(X, device=ctx.device),
+                                  torch.as_tensor(labels, device=ctx.device),
                                   torch.as_tensor(class_weights, dtype=torch.float32, device=ctx.device),
                                   num_teachers=num_teachers, settings=DistillSettings(**settings))
     return {"logits": logits.float().cpu().numpy(), "grad": grad.float().cpu().numpy()}
