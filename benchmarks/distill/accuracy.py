@@ -155,8 +155,10 @@ def reference_columns(trained: TrainedCell, methods: Sequence[str]) -> dict[str,
 
 
 def run_grid(cells: Sequence[Cell], references: Sequence[str], columns: Sequence[str], params: Mapping[str, Any], *,
-             both_repair: bool = False) -> list[dict[str, Any]]:
-    rows = []
+             both_repair: bool = False, save: Any = None) -> list[dict[str, Any]]:
+    """Every cell's references and distillation columns; ``save(rows)`` after each cell (a long grid interrupted keeps
+    what it finished)."""
+    rows: list[dict[str, Any]] = []
     for cell in cells:
         trained = train_cell(cell)
         print(f"{cell.key()} (clients trained in {trained.train_seconds:.1f} s)", flush=True)
@@ -172,6 +174,8 @@ def run_grid(cells: Sequence[Cell], references: Sequence[str], columns: Sequence
             rows.append({**cell.fields(), "method": label, **result})
             note = f"  ({result['error']})" if result.get("error") else ""
             print(f"  {label:26s} {result['accuracy']:.4f}  {result['seconds']:.1f} s{note}", flush=True)
+        if save is not None:
+            save(rows)
     return rows
 
 
@@ -300,9 +304,11 @@ def main() -> None:
     cells = [Cell(a, d, p, k, i, s, public_size=PUBLIC) for d in axes["datasets"] for a in axes["archs"] for p in axes["partitions"]
              for k in axes["clients"] for i in axes["inits"] for s in axes["seeds"]]
     print(f"distillation accuracy: {len(cells)} cells, references {args.references}, columns {args.columns}, params {args.params}", flush=True)
-    rows = run_grid(cells, args.references, args.columns, args.params, both_repair=args.both_repair)
-    raw = write_results(args.raw, {"machine": info, "axes": axes, "params": args.params, "rows": rows})
-    print(f"wrote {raw}")
+    def save(rows: list[dict[str, Any]]) -> Any:
+        return write_results(args.raw, {"machine": info, "axes": axes, "params": args.params, "rows": rows})
+
+    rows = run_grid(cells, args.references, args.columns, args.params, both_repair=args.both_repair, save=save)
+    print(f"wrote {save(rows)}")
 
 
 if __name__ == "__main__":
