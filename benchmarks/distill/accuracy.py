@@ -105,7 +105,8 @@ def distill_columns(trained: TrainedCell, columns: Sequence[str], params: Mappin
     for column in columns:
         transfer, init, teachers_mode = COLUMNS[column]
         p = DistillParams(**{**params, "transfer": transfer, "init": init, "teachers": teachers_mode})
-        settings = p.settings(derive_seed(cell.seed, "distill", column))
+        # one seed per (transfer, start): a predictions-only column draws the same transfer inputs as its parameter-upload twin
+        settings = p.settings(derive_seed(cell.seed, "distill", transfer, init))
         weights = teacher_weights(p.weighting, counts)
         started = time.perf_counter()
         if init == "aligned":
