@@ -120,7 +120,7 @@ def test_server_split_of_an_unlabeled_npz_is_its_inputs_standardised_labels_unkn
     split = server_split(spec, key="data.public", labels=("0", "1", "2"), input_shape=(4,), normalization=norm)
     assert split.X.dtype == np.float32 and split.y.dtype == np.int64
     np.testing.assert_allclose(split.X, (X - 2.0) / 4.0)
-    assert split.y.tolist() == [UNKNOWN_LABEL] * 6 == [-1] * 6
+    assert UNKNOWN_LABEL == -1 and split.y.tolist() == [-1] * 6
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "csv"])
