@@ -261,7 +261,11 @@ def _check_path_form(value: str | None) -> str | None:
 
 class SiloSource(StrictModel):
     """One data source of a silo config, read only by the process that uses it: ``data.test`` and ``data.public`` (the
-    server's), and the base of each client's :class:`SiloSpec`. Keys that do not apply to ``dataset`` are refused."""
+    server's), and the base of each client's :class:`SiloSpec`. Keys that do not apply to ``dataset`` are refused.
+
+    ``labels: false`` says the file holds no labels (``data.public`` only, an ``npz`` file or a ``parquet`` / ``csv``
+    file with its ``features`` named): only its inputs are read, and its labels are unknown (``-1``). Methods that read
+    the public sample's labels (``Method.public_labels``) are then refused."""
 
     dataset: str = Field(description="npz | parquet | csv | imagefolder, or a bundled dataset (rayfuse list datasets; for rehearsal)")
     path: str | None = Field(None, description="the file (npz, parquet, csv), the class folders (imagefolder) or a torchvision "
@@ -273,6 +277,9 @@ class SiloSource(StrictModel):
                                          "(default: the images' own size, which must then agree)")
     grayscale: bool | None = Field(None, description="imagefolder: read images as one grey channel (default: RGB)")
     options: dict[str, Any] = Field(default_factory=dict, description="a bundled dataset's generator arguments; csv: {delimiter: ','}")
+    labels: bool = Field(True, description="false: a file without labels (data.public only; npz, or parquet / csv with features "
+                         "named): only its inputs are read, its labels are unknown (-1), for methods that never read them "
+                         "(distill with transfer: public)")
 
     @field_validator("dataset")
     @classmethod
@@ -336,6 +343,29 @@ class SiloSource(StrictModel):
                 raise ValueError(f"@options.delimiter@ one character, got {delimiter!r}")
         return self
 
+    @model_validator(mode="after")
+    def _unlabeled_form(self) -> SiloSource:
+        # labels: false (a file without labels) is read by its inputs only: a file format whose inputs can be named
+        if self.labels:
+            return self
+        fmt = repr(self.dataset)
+        if silo_source_kind(self.dataset) != "table":
+            raise ValueError(f"@labels@ true for dataset {fmt} (an unlabeled file is npz, or parquet / csv with features named), got False")
+        if self.label is not None:
+            raise ValueError(f"@label@ no label with labels: false (the file holds none), got {self.label!r}")
+        if self.dataset != "npz" and self.features is None:
+            raise ValueError(f"@features@ the feature columns of an unlabeled {self.dataset} file (with labels: false only the "
+                             "columns named are read)")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # a labelled source (the default) dumps as it did before the key existed: silo runs' local models keep their keys
+        data = handler(self)
+        if self.labels and isinstance(data, dict):
+            data.pop("labels", None)
+        return data
+
 
 class SiloSpec(SiloSource):
     """One client's data (``data.silos.<i>``): a :class:`SiloSource` and its held-out split, ``val_size`` of it
@@ -359,6 +389,14 @@ class SiloSpec(SiloSource):
                 raise ValueError(f"@val_size@ val_size or test_path, not both (test_path is {self.test_path!r}), got {self.val_size}")
         elif not self.val_size:
             raise ValueError(f"@val_size@ a fraction > 0 (the silo's held-out split) or a test_path, got {self.val_size}")
+        return self
+
+    @model_validator(mode="after")
+    def _unlabeled_form(self) -> SiloSpec:
+        # replaces SiloSource's: a client trains on its silo's labels, whatever the format
+        if not self.labels:
+            raise ValueError("@labels@ true for a client's silo (a client trains on its labels; labels: false is for data.public), "
+                             "got False")
         return self
 
 
@@ -413,6 +451,9 @@ class DataConfig(DatasetSource):
             return self
         if not self.silos:
             raise ValueError("@silos@ at least one silo (one per client), got []")
+        if self.test is not None and not self.test.labels:
+            raise ValueError("@test.labels@ true for data.test (the server's test set scores the models on its labels; labels: false "
+                             "is for data.public), got False")
         for key in _SIMULATION_DATA_KEYS:
             if key in self.model_fields_set:
                 raise ValueError(f"@{key}@ no data.{key} with data.silos (each client reads its own silo; the server's sets are "

@@ -530,8 +530,9 @@ class Coordinator:
         the run standardises, its feature moments); the schemas must agree (:func:`rayfuse.data.silos.check_schemas`:
         an :class:`InputError` naming the silo that differs); the server combines the moments into the global mean
         and scale; every client installs the completed plan (and standardises its splits), which the federation keeps
-        for a client process that restarts later (:meth:`rayfuse.federation.Federation.install`). Returns the completed
-        plan."""
+        for a client process that restarts later (:meth:`rayfuse.federation.Federation.install`); the server's own sets
+        are read and checked against the silos' input shape and label values (:func:`rayfuse.data.silos.server_split`:
+        an :class:`InputError` at ``data.test`` / ``data.public``). Returns the completed plan."""
         plan = self.plan
         assert isinstance(plan, SiloPlan)
         fed = self.federation
@@ -554,6 +555,7 @@ class Coordinator:
         self.plan = plan
         self._server_data = None
         self._references = []
+        self.server_data()  # the server's own sets (data.test, data.public) checked against the silos before any training
         self.events.emit("silos_surveyed", f"{plan.num_clients} silos agree: input {plan.input_shape}, {plan.num_classes} labels"
                          + (", features standardised (federated)" if normalization is not None else ""),
                          sizes=[plan.num_examples(c) for c in fed.client_ids])

@@ -71,6 +71,7 @@ __all__ = [
     "check_client_models",
     "check_evaluation",
     "check_methods",
+    "check_public_labels",
     "client_step",
     "register_method",
     "resolve_methods",
@@ -337,6 +338,8 @@ class RunSetup:
     server's public (or target) sample and test set; ``target`` the server's new task (``data.target``) if any.
     ``client_models`` holds each client's model in client order (``federation.client_overrides.<i>.model``, else
     ``model``); empty means every client's model is ``model`` (:meth:`client_model` reads it either way).
+    ``public_labeled`` is false when the server's public sample has no labels (a silo config's ``data.public`` with
+    ``labels: false``; its labels are then ``-1``, unknown): methods with ``Method.public_labels`` are refused.
     """
 
     model: ModelConfig
@@ -354,6 +357,7 @@ class RunSetup:
     model_cache: str | None = None
     evaluation: str = "central"
     client_models: tuple[ModelConfig, ...] = ()
+    public_labeled: bool = True
 
     @classmethod
     def from_plan(cls, cfg: ExperimentConfig, plan: DataPlan) -> RunSetup:
@@ -362,7 +366,8 @@ class RunSetup:
                    train_sizes=tuple(len(t) for t in plan.client_train), val_sizes=tuple(len(v) for v in plan.client_val),
                    public_size=int(len(plan.public)), test_size=int(len(plan.test)), target=plan.target,
                    seed=cfg.run.seed, model_cache=cfg.run.model_cache, evaluation=cfg.evaluation,
-                   client_models=tuple(cfg.client_model(i) for i in range(plan.num_clients)))
+                   client_models=tuple(cfg.client_model(i) for i in range(plan.num_clients)),
+                   public_labeled=plan.public_labeled)
 
     def client_model(self, client: int) -> ModelConfig:
         """Client ``client``'s model (``model`` when ``client_models`` is empty)."""
@@ -426,7 +431,9 @@ class Method(ABC):
     predictions, never their weights in one layout, so it runs when the clients' models differ,
     ``federation.client_overrides.<i>.model``: it builds each client's model with :meth:`ServerContext.client_model` and
     scores it with ``evaluate(..., model=)`` / ``evaluate_ensemble(..., models=)``; methods without it, those that average
-    or match weights, are refused with such clients).
+    or match weights, are refused with such clients), ``public_labels`` (it reads the labels of the server's public
+    sample, ``server.public.y``: it trains or tunes on them; refused when that sample has none, a silo config's
+    ``data.public`` with ``labels: false``, whose labels are ``-1``).
     """
 
     name: ClassVar[str]
@@ -441,6 +448,7 @@ class Method(ABC):
     local_model_only: ClassVar[bool] = False
     needs_dataset: ClassVar[bool] = False
     heterogeneous_clients: ClassVar[bool] = False
+    public_labels: ClassVar[bool] = False
 
     def __init__(self, params: MethodParams | None = None, label: str | None = None) -> None:
         self.params = self.Params() if params is None else params
@@ -586,9 +594,11 @@ def check_methods(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
     With ``evaluation`` other than ``central`` the run is first checked for federated evaluation: the clients hold
     held-out data of the run's task, and every method scores through :meth:`ServerContext.evaluate`. With clients
     of different models (``federation.client_overrides.<i>.model``) only methods with ``heterogeneous_clients`` pass
-    (:func:`check_client_models`)."""
+    (:func:`check_client_models`); with a public sample without labels only methods without ``public_labels``
+    (:func:`check_public_labels`)."""
     check_evaluation(specs, setup)
     check_client_models(specs, setup)
+    check_public_labels(specs, setup)
     for spec in specs:
         try:
             spec.method_cls.check(spec.params, setup)
@@ -620,6 +630,18 @@ def check_client_models(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
         accepted = ", ".join(name for name, cls in METHODS.items() if cls.heterogeneous_clients)
         raise InputError("federation.client_overrides", f"{expected}, got {got}", hint=f"methods that take clients of different "
                          f"models: {accepted}")
+
+
+def check_public_labels(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
+    """Refuse, when the server's public sample has no labels (``data.public.labels: false``), every method that reads
+    them (``Method.public_labels``): one line at ``data.public.labels`` naming the method."""
+    if setup.public_labeled:
+        return
+    for spec in specs:
+        if spec.method_cls.public_labels:
+            raise InputError("data.public.labels", f"true (a labelled public sample) for method {spec.method!r} (methods.{spec.label} "
+                             "reads the labels of the server's public sample)", False,
+                             "give data.public a labelled file, or drop the method (distill with transfer: public reads inputs only)")
 
 
 def _client_list(clients: Sequence[int], most: int = 8) -> str:

@@ -258,12 +258,13 @@ def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> Prepare
     need the data (the model against the input shape, each method against the run) follow the silo survey
     (:func:`finish_silo_run`); the server's own sets (``data.test``, ``data.public``) are read here, on the server's
     node, for their sizes; a method that needs a public sample without ``data.public`` (or a test set without
-    ``data.test``) is refused now, and so is a method that scores on the server's data in its own way with ``evaluation``
-    federated or both (:func:`rayfuse.method.check_evaluation`)."""
-    from rayfuse.data.silos import load_server_set, make_silo_plan
+    ``data.test``) is refused now, and so is a method that reads the public sample's labels when ``data.public`` has
+    none (``labels: false``: :func:`rayfuse.method.check_public_labels`) and a method that scores on the server's data
+    in its own way with ``evaluation`` federated or both (:func:`rayfuse.method.check_evaluation`)."""
+    from rayfuse.data.silos import make_silo_plan, server_set_size
 
     sizes = {key: 0 if getattr(cfg.data, key) is None else
-             len(load_server_set(getattr(cfg.data, key), key=f"data.{key}", classes=cfg.data.class_names).y) for key in ("test", "public")}
+             server_set_size(getattr(cfg.data, key), key=f"data.{key}", classes=cfg.data.class_names) for key in ("test", "public")}
     plan = make_silo_plan(cfg, test_size=sizes["test"], public_size=sizes["public"])
     for spec in specs:
         if spec.method_cls.needs_dataset:
@@ -273,12 +274,14 @@ def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> Prepare
     # probe with stand-in shapes and no sizes, then the evaluation check
     probe = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=(1,), num_classes=2,
                      train_sizes=(), val_sizes=(1,) * plan.num_clients, public_size=sizes["public"], test_size=sizes["test"],
-                     seed=cfg.run.seed, model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation), client_models=cfg.client_models())
+                     seed=cfg.run.seed, model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation), client_models=cfg.client_models(),
+                     public_labeled=plan.public_labeled)
     _check_before_survey(specs, probe)
     check_evaluation(specs, probe)  # a method that scores on the server's data in its own way, with evaluation: federated
     setup = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=(), num_classes=0,
                      train_sizes=(), val_sizes=(), public_size=sizes["public"], test_size=sizes["test"], seed=cfg.run.seed,
-                     model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation), client_models=cfg.client_models())
+                     model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation), client_models=cfg.client_models(),
+                     public_labeled=plan.public_labeled)
     return PreparedRun(cfg, specs, plan, setup, 0)  # type: ignore[arg-type]
 
 
@@ -293,10 +296,10 @@ def _check_before_survey(specs: Sequence[MethodSpec], probe: RunSetup) -> None:
         try:
             check_methods([spec], unscored)
         except InputError as exc:
+            if exc.path.startswith(("data.public.", "data.test")):  # data.public.labels: said as it is
+                raise
             if exc.path.startswith("data.public"):
                 raise _public_error(exc) from None
-            if exc.path.startswith("data.test"):
-                raise
             try:
                 check_methods([spec], other)
             except InputError as again:
@@ -323,7 +326,7 @@ def finish_silo_run(prepared: PreparedRun, plan: Any) -> PreparedRun:
     try:
         check_methods(specs, setup)
     except InputError as exc:
-        if exc.path.startswith("data.public"):
+        if exc.path.startswith("data.public") and not exc.path.startswith("data.public."):
             raise _public_error(exc) from None
         raise
     check_local_dp(cfg, specs, setup)

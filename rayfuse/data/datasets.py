@@ -373,6 +373,50 @@ def read_unlabeled_npz(path: str | Path, features: str = "X", *, where: str = "d
     return np.ascontiguousarray(X[:, None] if X.ndim == 3 else X)
 
 
+def read_unlabeled_file(path: str | Path, *, kind: str, features: str | list[str] | None = None, delimiter: str = ",") -> np.ndarray:
+    """The inputs of a data file without labels (``labels: false``; a transfer set for distillation), nothing else read:
+    an ``npz`` file's array ``features`` (default ``X``; :func:`read_unlabeled_npz`), or a ``parquet`` / ``csv`` file's
+    columns ``features`` (named: there is no label column to tell them from), numeric and finite. Float32,
+    ``(N, features...)``, one sample at least. Raises :class:`InputError` naming ``data.path``, ``data.features`` or
+    the file."""
+    if kind == "npz":
+        if isinstance(features, list):
+            raise InputError("data.features", "one array name for an .npz file", features)
+        return read_unlabeled_npz(path, features or "X")
+    if kind not in ("parquet", "csv"):
+        raise InputError("data.path", "an .npz, .parquet or .csv file", str(path))
+    if not features:
+        raise InputError("data.features", f"the feature columns of an unlabeled {kind} file", features)
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    file = _existing_file(path, f".{kind}")
+    wanted = [features] if isinstance(features, str) else list(features)
+    parse = pacsv.ParseOptions(delimiter=delimiter)
+    try:
+        if kind == "parquet":
+            columns = pq.read_schema(file).names
+        else:
+            with pacsv.open_csv(file, parse_options=parse) as reader:  # the header (and a first block) only
+                columns = reader.schema.names
+    except (OSError, pa.ArrowException) as exc:
+        what = "a readable parquet file" if kind == "parquet" else "a readable csv file with a header row"
+        raise InputError(str(file), what, str(exc)[:80]) from None
+    missing = [c for c in wanted if c not in columns]
+    if missing:
+        raise InputError("data.features", f"columns of {file.name} ({', '.join(columns)})", missing[0])
+    try:  # the columns named, nothing else
+        table = (pq.read_table(file, columns=wanted) if kind == "parquet" else
+                 pacsv.read_csv(file, parse_options=parse, convert_options=pacsv.ConvertOptions(include_columns=wanted)))
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(str(file), f"a readable {kind} file", str(exc)[:80]) from None
+    X = _table_features(table, wanted)
+    if len(X) == 0:
+        raise InputError(str(file), "at least one sample (row)", 0)
+    return X
+
+
 def _npz_arrays(file: Path, wanted: Mapping[str, str]) -> list[np.ndarray | None]:
     """The arrays ``wanted`` (array name -> the key path naming it in errors) of an ``.npz`` archive, read without
     unpickling anything; a missing array is one line naming its key path."""
@@ -494,6 +538,16 @@ def _table_dataset(table: Any, file: Path, label: str, features: str | list[str]
     missing = [c for c in features if c not in columns]
     if missing:
         raise InputError("data.features", f"columns of {file.name} ({', '.join(columns)})", missing[0])
+    X = _table_features(table, features)
+    y, names = _labels_to_int(table.column(label).to_numpy(zero_copy_only=False), "data.label", min_labels)
+    return Dataset(file.stem, X, y, len(names), names)
+
+
+def _table_features(table: Any, features: list[str]) -> np.ndarray:
+    """The columns ``features`` of ``table`` (all present) as one float32 ``(rows, len(features))`` array: numeric,
+    without nulls, finite."""
+    import pyarrow as pa
+
     if not features:
         raise InputError("data.features", "at least one numeric feature column", [])
     try:
@@ -503,8 +557,7 @@ def _table_dataset(table: Any, file: Path, label: str, features: str | list[str]
     if not np.isfinite(X).all():
         bad = features[int(np.flatnonzero(~np.isfinite(X).all(axis=0))[0])]
         raise InputError("data.features", "numeric columns without nulls, NaN or Inf", f"column {bad!r}")
-    y, names = _labels_to_int(table.column(label).to_numpy(zero_copy_only=False), "data.label", min_labels)
-    return Dataset(file.stem, np.ascontiguousarray(X), y, len(names), names)
+    return np.ascontiguousarray(X)
 
 
 def _existing_file(path: str | Path | None, suffix: str, *, key: str = "data.path") -> Path:

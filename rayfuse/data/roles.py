@@ -94,6 +94,12 @@ class DataPlan:
     def num_clients(self) -> int:
         return len(self.client_train)
 
+    @property
+    def public_labeled(self) -> bool:
+        """Whether the public sample's labels are known: always, for a sample cut from a dataset (a silo config's
+        ``data.public`` may come without, :class:`rayfuse.data.silos.SiloPlan`)."""
+        return True
+
     def for_client(self, client_id: int) -> ClientPlan:
         return ClientPlan(client_id, self.client_train[client_id], self.client_val[client_id], self.normalization,
                           self.num_classes, self.input_shape, self.corruptions.get(client_id),

@@ -14,6 +14,11 @@ hash; no rows, no paths), which the coordinator compares across silos (:func:`ch
 Formats: ``npz``, ``parquet`` and ``csv`` through the shared data-file check
 (:func:`rayfuse.data.datasets.read_data_file`), ``imagefolder`` (torchvision's ``ImageFolder`` layout: one folder per
 class, read with PIL; nothing downloads) and the bundled datasets (for rehearsal on one machine).
+
+The server's public sample may be a file without labels (``data.public: {..., labels: false}``; npz, or parquet / csv
+with its ``features`` named): only its inputs are read (:func:`load_server_inputs`), and its :class:`Split` carries
+labels of ``-1`` ("unknown") so every code path keeps its types; methods that read those labels are refused before
+the run starts (``Method.public_labels``).
 """
 
 from __future__ import annotations
@@ -21,10 +26,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -37,13 +42,17 @@ from rayfuse.seeding import make_rng
 if TYPE_CHECKING:
     from rayfuse.config import ExperimentConfig
 
-__all__ = ["IMAGE_EXTENSIONS", "SCHEMA_FORMAT", "SiloClientPlan", "SiloPlan", "check_schemas", "combine_moments", "expand_path",
-           "feature_moments", "load_server_set", "load_silo", "load_silo_splits", "make_silo_plan", "silo_manifest", "silo_schema",
-           "wants_standardization", "server_split"]
+T = TypeVar("T")
+
+__all__ = ["IMAGE_EXTENSIONS", "SCHEMA_FORMAT", "UNKNOWN_LABEL", "SiloClientPlan", "SiloPlan", "check_schemas", "combine_moments",
+           "expand_path", "feature_moments", "load_server_inputs", "load_server_set", "load_silo", "load_silo_splits", "make_silo_plan",
+           "server_set_size", "silo_manifest", "silo_schema", "wants_standardization", "server_split"]
 
 # the file suffixes torchvision's ImageFolder reads (torchvision.datasets.folder.IMG_EXTENSIONS)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 SCHEMA_FORMAT = 1
+# the label of every sample of an unlabeled server set (data.public with labels: false): unknown
+UNKNOWN_LABEL = -1
 
 
 @dataclass(frozen=True)
@@ -78,7 +87,8 @@ class SiloPlan:
     Built without reading any data (:func:`make_silo_plan`: the specs only); the clients' reports (:func:`silo_schema`)
     complete it (:meth:`with_schemas`) with the input shape, label values, sizes, class counts and content hashes, and
     the federated standardisation. It answers what the engine asks of a :class:`rayfuse.data.roles.DataPlan`; its
-    manifest is the silo manifest (:func:`silo_manifest`: no indices, no paths).
+    manifest is the silo manifest (:func:`silo_manifest`: no indices, no paths). ``public_labeled`` is false when the
+    server's public sample is a file without labels (``data.public.labels: false``).
     """
 
     silos: tuple[SiloSpec, ...]
@@ -92,6 +102,7 @@ class SiloPlan:
     test_source: str = "data.test"
     target: str | None = None
     unassigned: int = 0
+    public_labeled: bool = True
 
     @property
     def surveyed(self) -> bool:
@@ -175,7 +186,8 @@ class SiloPlan:
             "seed": self.seed,
             "hash": self.digest(),
             "roles": {"test": {"source": self.test_source, "size": self.test_size, "held_by": "coordinator (evaluation only)"},
-                      "public": {"size": self.public_size, "held_by": "coordinator (server's public sample)"},
+                      "public": {"size": self.public_size, "held_by": "coordinator (server's public sample)",
+                                 "labeled": self.public_labeled},
                       "clients": "each client's own silo, read only on its own node"},
             "normalization": None if self.normalization is None else {
                 "mean": self.normalization.mean.reshape(-1).tolist(), "std": self.normalization.std.reshape(-1).tolist(),
@@ -186,7 +198,9 @@ class SiloPlan:
 def make_silo_plan(cfg: ExperimentConfig, *, test_size: int = 0, public_size: int = 0) -> SiloPlan:
     """The plan of a silo config before any client reports: the specs as written, nothing read."""
     assert cfg.data.silos is not None
-    return SiloPlan(tuple(cfg.data.silos), cfg.run.seed, cfg.data.class_names, test_size=test_size, public_size=public_size)
+    public_labeled = cfg.data.public is None or cfg.data.public.labels
+    return SiloPlan(tuple(cfg.data.silos), cfg.run.seed, cfg.data.class_names, test_size=test_size, public_size=public_size,
+                    public_labeled=public_labeled)
 
 
 def wants_standardization(cfg: ExperimentConfig) -> bool:
@@ -214,7 +228,14 @@ def server_split(spec: SiloSource, *, key: str, labels: Sequence[str], input_sha
                  normalization: Normalization | None, classes: Sequence[str] | None = None) -> Split:
     """A server set (``data.test``, ``data.public``) read where the coordinator runs, checked against the silos' input
     shape and label values (``classes``: the declared ``data.classes``, which are then the silos' label values), its
-    labels numbered as the silos number them, standardised as the clients are."""
+    labels numbered as the silos number them, standardised as the clients are. A set without labels (``labels: false``)
+    is its inputs only (:func:`load_server_inputs`), every label :data:`UNKNOWN_LABEL`."""
+    if not spec.labels:
+        X = load_server_inputs(spec, key=key)
+        if tuple(X.shape[1:]) != tuple(input_shape):
+            raise InputError(key, f"inputs shaped like the silos' {tuple(input_shape)}", tuple(X.shape[1:]))
+        unlabeled = Split(X, np.full(len(X), UNKNOWN_LABEL, dtype=np.int64))
+        return unlabeled if normalization is None else Split(normalization.apply(unlabeled.X), unlabeled.y)
     data = load_server_set(spec, key=key, classes=classes)
     if tuple(data.input_shape) != tuple(input_shape):
         raise InputError(key, f"inputs shaped like the silos' {tuple(input_shape)}", tuple(data.input_shape))
@@ -302,9 +323,37 @@ def load_silo(spec: SiloSpec | Mapping[str, Any], *, client: int, env: Mapping[s
 def load_server_set(spec: SiloSource | Mapping[str, Any], *, key: str, env: Mapping[str, str] | None = None,
                     classes: Sequence[str] | None = None) -> Dataset:
     """Read a server-side set of a silo config (``data.test``, ``data.public``: ``key``) whole, where the server runs;
-    with ``classes`` (``data.classes``) its labels numbered by their position there, as :func:`load_silo` does."""
+    with ``classes`` (``data.classes``) its labels numbered by their position there, as :func:`load_silo` does. A set
+    without labels (``labels: false``) is read by :func:`load_server_inputs` instead."""
     source: SiloSource = _validated(spec, SiloSource, key)
+    if not source.labels:
+        raise InputError(f"{key}.labels", "a labelled set here (read a set without labels with load_server_inputs)", False)
     return _read_source(source, key=key, client=None, env=env, classes=classes)
+
+
+def load_server_inputs(spec: SiloSource | Mapping[str, Any], *, key: str, env: Mapping[str, str] | None = None) -> np.ndarray:
+    """The inputs of a server-side set without labels (``data.public`` with ``labels: false``), read where the server
+    runs: an ``npz`` file's ``features`` array (default ``X``), or a ``parquet`` / ``csv`` file's ``features`` columns;
+    nothing else of the file is read. Float32 ``(N, *input_shape)``; bad files are one line at ``key``."""
+    from rayfuse.data.datasets import read_unlabeled_file
+
+    source: SiloSource = _validated(spec, SiloSource, key)
+    written = source.path
+    assert written is not None  # SiloSource: labels false only for a file format, which has a path
+    resolved = Path(expand_path(written, env, key=f"{key}.path"))
+    if not resolved.is_file():
+        hint = f"the server's node resolves it to {str(resolved)!r}" if str(resolved) != written else ""
+        raise InputError(f"{key}.path", f"an existing {source.dataset} file on the server's node", written, hint)
+    return _rekeyed(lambda: read_unlabeled_file(resolved, kind=source.dataset, features=source.features,
+                                                delimiter=str(source.options.get("delimiter", ","))), key, "path", written)
+
+
+def server_set_size(spec: SiloSource, *, key: str, classes: Sequence[str] | None = None) -> int:
+    """The number of samples of a server-side set (``data.test``, ``data.public``), read where the server runs (bad
+    files are one line at ``key``)."""
+    if not spec.labels:
+        return int(len(load_server_inputs(spec, key=key)))
+    return int(len(load_server_set(spec, key=key, classes=classes).y))
 
 
 def _validated(spec: Any, model: type[SiloSource], key: str) -> Any:
@@ -373,7 +422,7 @@ def _read_whole(spec: SiloSource, *, key: str, client: int | None, env: Mapping[
     return Dataset(name, dataset.X, dataset.y, dataset.num_classes, dataset.class_names)
 
 
-def _rekeyed(read: Any, key: str, field: str, written: str | None) -> Dataset:
+def _rekeyed(read: Callable[[], T], key: str, field: str, written: str | None) -> T:
     """``read()``, with an :class:`InputError` at a ``data.*`` key or a file moved to the silo's key (``data.label`` ->
     ``data.silos.2.label``; a bad file -> ``data.silos.2.path``, naming the path as written, never as resolved)."""
     try:

@@ -264,6 +264,7 @@ class Finetune(Method):
     summary = "a local / averaged / fresh (raw) model fine-tuned on the server's public sample (GEMS Section 4.4)"
     reference = references.GEMS
     uses_local_models = True
+    public_labels = True  # trains on the public sample's labels
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:

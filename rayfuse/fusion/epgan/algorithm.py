@@ -494,6 +494,7 @@ class EPGAN(Method):
     reference = references.EPGAN
     # A checkpoint after the warm-up (turn 0) and after each turn; ``--resume`` continues after the last one.
     multi_round = True
+    public_labels = True  # with data.silos its image-score classifier trains on data.public's labels (if given)
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:

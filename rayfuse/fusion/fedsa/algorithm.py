@@ -293,6 +293,7 @@ class Scratch(Method):
     params: StudentParams
     summary = "the target model trained on the server's labelled target set alone (FedSA's Scratch baseline)"
     reference = references.FEDSA
+    public_labels = True  # trains on the target set's labels (the server's public sample)
     # The same network, initialisation and training as FedSA's weak target model (round 0), evaluated as it is.
 
     @classmethod
@@ -326,6 +327,7 @@ class Transfer(Method):
     reference = references.FEDSA
     uses_local_models = True
     oracle = True  # the teachers' weights leave their clients: not possible in FedSA's setting
+    public_labels = True  # fine-tunes each teacher on the target set's labels (the server's public sample)
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:
@@ -368,6 +370,7 @@ class FedSA(Method):
     params: FedSAParams
     summary = "saliency-based teacher selection and selective feature amalgamation into a new-task student (Xie et al. 2022)"
     reference = references.FEDSA
+    public_labels = True  # the weak target model and the student train on the target set's labels (the server's public sample)
     multi_round = True  # a checkpoint after each round; ``--resume`` continues mid-method (the round loop, :meth:`ServerContext.rounds`)
 
     @classmethod

@@ -264,6 +264,7 @@ class GEMS(Method):
     summary = "good-enough model spaces: intersect clients' balls of good models (Guha & Smith 2019)"
     reference = references.GEMS
     uses_local_models = True
+    public_labels = True  # fine-tunes the fused model on the public sample's labels (fine_tune, the tuned_* metrics)
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:
