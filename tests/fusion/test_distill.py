@@ -169,6 +169,7 @@ def test_a_teachers_signal_is_the_gradient_of_its_term(trained_digits_mlp):
     w = torch.linspace(0.1, 1.0, 10)
     settings = DistillSettings(bn_weight=0.0)
     logits, grad = teacher_signal(model, X, y, w, num_teachers=3, settings=settings)
+    assert all(p.requires_grad for p in model.parameters())  # the client's model is left as it was
     x = X[1].clone().requires_grad_(True)
     z = model(x)
     expected, = torch.autograd.grad((w[y[1]] * torch.nn.functional.cross_entropy(z, y[1], reduction="none")).mean(), x)

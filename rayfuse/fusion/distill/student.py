@@ -194,12 +194,15 @@ def _adversarial(student_logits: torch.Tensor, ensemble_logits: torch.Tensor) ->
     return -(distillation_loss(student_logits, ensemble_logits, 3.0, reduction="none") / 9.0 * mask).mean()
 
 
-def _hard_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, hardness: float) -> torch.Tensor:
-    """Cross-entropy, each sample weighted by ``(1 - p_y)^hardness`` (Co-Boosting's hard-sample weighting; 0: plain)."""
+def _hard_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, hardness: float, class_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy, each sample weighted by ``(1 - p_y)^hardness`` (Co-Boosting's hard-sample weighting; 0: plain)
+    and, given ``class_weights`` ``(C,)``, by its label's weight; the mean over the batch."""
     ce = F.cross_entropy(logits, labels, reduction="none")
     if hardness > 0:
         p = torch.softmax(logits, dim=1).gather(1, labels[:, None])[:, 0].detach()
         ce = (1 - p).pow(hardness) * ce
+    if class_weights is not None:
+        ce = class_weights[labels] * ce
     return ce.mean()
 
 
@@ -213,18 +216,15 @@ def teacher_signal(model: nn.Module, X: torch.Tensor, labels: torch.Tensor, clas
     with respect to the inputs (``class_weights``: this teacher's ``w[k, :]``; ``BN``: its BatchNorm statistic gap)."""
     from rayfuse.fusion.distill.teachers import Teachers
 
-    teacher = Teachers([model], batched=False)
+    teacher = Teachers([model], batched=False, freeze=False)  # the client's own model: gradients go to the inputs only
     logits, grads = [], []
     for x_batch, y_batch in zip(X, labels):
         x = x_batch.detach().clone().requires_grad_(True)
         with torch.enable_grad():
             member, gap = teacher.forward(x, with_bn=settings.bn_weight > 0)
             z = member[0]
-            ce = F.cross_entropy(z, y_batch, reduction="none")
-            if settings.hardness > 0:
-                p = torch.softmax(z, dim=1).gather(1, y_batch[:, None])[:, 0].detach()
-                ce = (1 - p).pow(settings.hardness) * ce
-            loss = settings.ce_weight * (class_weights[y_batch] * ce).mean() + settings.bn_weight / num_teachers * gap[0]
+            loss = (settings.ce_weight * _hard_cross_entropy(z, y_batch, settings.hardness, class_weights)
+                    + settings.bn_weight / num_teachers * gap[0])
             (grad,) = torch.autograd.grad(loss, x)
         logits.append(z.detach())
         grads.append(grad.detach())
