@@ -365,9 +365,10 @@ class DistillFuseParams(DistillOptions):
     merge: Literal["average", "nonparametric"] = Field("average", description="init: aligned: the aligned merge (nonparametric: "
                                                        "units that match nothing widen the student)")
     weighting: Literal["uniform", "weights"] = Field("uniform", description="teacher weights: uniform, or each model's weight")
-    combine: Literal["logits", "probabilities"] = Field("probabilities", description="the ensemble: weighted probabilities (the "
-                                                        "default here: without the clients' class counts, a model's logits for "
-                                                        "classes it never saw would count as much as its others) or logits")
+    combine: Literal["auto", "logits", "probabilities"] = Field(
+        "probabilities", description="the ensemble: weighted probabilities (the default here: without the clients' class counts, "
+        "a model's logits for classes it never saw would count as much as its others), logits, or auto (logits when every "
+        "model has the file's architecture)")
     seed: int = 0
 
 
@@ -399,7 +400,7 @@ def _distill(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], me
     counts = np.ones((len(params), num_classes)) if weights_k is None else np.repeat(weights_k[:, None], num_classes, axis=1)
     weights = teacher_weights("samples" if weights_k is not None else "uniform", counts)
     student = _distill_start(params, per_model, p, inputs, same)
-    settings = p.settings(p.seed)
+    settings = p.settings(p.seed, one_architecture=all(same))
 
     def log(epoch: int, row: dict[str, float]) -> None:
         if inputs.log is not None:

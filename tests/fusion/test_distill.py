@@ -188,6 +188,7 @@ def test_distill_end_to_end_reaches_the_ensemble_and_reports_its_transfer(coordi
     summary = coord.run_method("distill")
     assert summary["metrics"]["accuracy"] > ensemble - 0.1, (summary["metrics"], ensemble)
     assert summary["info"]["transfer_note"] == "public sample (200)"
+    assert summary["info"]["combine"] == "logits"  # combine: auto, one architecture
     assert summary["info"]["init"] == "random"
     fused = load_params(coord.store.root / summary["model_file"])
     assert set(fused) == set(coord.reference_params()) and all(np.isfinite(v).all() for v in fused.values())
@@ -278,6 +279,7 @@ def test_clients_of_three_architectures_distil_into_the_students(coordinator, in
     summary = coord.run_method("d")
     # one client (2) has the student's architecture (the run's rescnn): the aligned start is its merge alone
     assert summary["info"]["init"] == ("random" if init == "random" else "aligned merge of clients [2]")
+    assert summary["info"]["combine"] == "probabilities"  # combine: auto: the three architectures' logits are not comparable
     fused = load_params(coord.store.root / summary["model_file"])
     assert {k: v.shape for k, v in fused.items()} == {k: v.shape for k, v in coord.reference_params(2).items()}
     assert np.isfinite(summary["metrics"]["accuracy"])

@@ -61,8 +61,10 @@ class DistillOptions(StrictSchema):
     """How a student is distilled: the parameters the ``distill`` method and ``rayfuse fuse``'s ``merge_method: distill``
     share (the loops' :class:`~rayfuse.fusion.distill.student.DistillSettings`, less the seed)."""
 
-    combine: Literal["logits", "probabilities"] = Field("logits", description="the ensemble: weighted logits (FedDF) or "
-                                                        "weighted probabilities")
+    combine: Literal["auto", "logits", "probabilities"] = Field(
+        "auto", description="the ensemble: weighted logits (FedDF) or weighted probabilities; auto: logits when every teacher has "
+        "one architecture, probabilities when they differ (their logits' scales differ: averaged, the most confident "
+        "architecture's would decide)")
     temperature: float = Field(4.0, gt=0, le=100, description="distillation temperature T")
     steps: int = Field(2000, ge=1, le=10_000_000, description="student optimisation steps")
     epochs: int = Field(10, ge=1, description="passes: one progress line and, with teachers: clients, one call per client each "
@@ -88,15 +90,16 @@ class DistillOptions(StrictSchema):
     batched: Literal["auto", "vmap", "loop"] = Field("auto", description="teachers of one architecture evaluated in one vmapped call "
                                                      "or a loop; auto: vmap on a GPU, the loop on the CPU (where it measures faster)")
 
-    def settings(self, seed: int) -> Any:
+    def settings(self, seed: int, *, one_architecture: bool = True) -> Any:
         """The loops' settings (:class:`~rayfuse.fusion.distill.student.DistillSettings`): every parameter of the same
-        name, and ``seed``."""
+        name, ``seed``, and ``combine: auto`` resolved (logits when the teachers have ``one_architecture``)."""
         import dataclasses
 
         from rayfuse.fusion.distill.student import DistillSettings
 
-        names = {f.name for f in dataclasses.fields(DistillSettings)} - {"seed"}
-        return DistillSettings(**{name: getattr(self, name) for name in names}, seed=seed)
+        names = {f.name for f in dataclasses.fields(DistillSettings)} - {"seed", "combine"}
+        combine = self.combine if self.combine != "auto" else ("logits" if one_architecture else "probabilities")
+        return DistillSettings(**{name: getattr(self, name) for name in names}, seed=seed, combine=combine)
 
 
 class DistillParams(DistillOptions, MethodParams):
@@ -294,7 +297,6 @@ class Distill(Method):
         from rayfuse.models import get_params
 
         p = self.params
-        settings = p.settings(server.step_seed("distill"))
         student_cfg = p.student or server.model_cfg
         fed = server.federation
         clients = list(fed.client_ids)
@@ -304,6 +306,7 @@ class Distill(Method):
             clients = sorted(updates)
         counts = np.asarray(server.class_counts, dtype=np.float64)[clients]
         weights = teacher_weights(p.weighting, counts)
+        settings = p.settings(server.step_seed("distill"), one_architecture=all(server.client_model(c) == server.client_model(clients[0]) for c in clients))
         student, start, resized = self._start(server, student_cfg, updates, clients)
         batched = self._batched(server.device)
         if p.teachers == "parameters":
@@ -320,7 +323,7 @@ class Distill(Method):
                             epoch=epoch)
 
         info: dict[str, Any] = {"transfer": p.transfer, "teachers": p.teachers, "init": start, "clients": clients,
-                                "weighting": p.weighting, "student": student_cfg.name, "batched": "vmap" if batched else "loop"}
+                                "weighting": p.weighting, "combine": settings.combine, "student": student_cfg.name, "batched": "vmap" if batched else "loop"}
         try:
             if p.transfer == "public":
                 X = server.public.X
