@@ -184,8 +184,14 @@ def summary_lines(stats: Any, methods: Sequence[str]) -> list[str]:
     """The issue's targets, checked over the grid's cells (seed means): group means, and cell by cell."""
     import pandas as pd
 
-    lines = aligned.summary_lines(stats, methods)[:]
     wide = stats.pivot_table(index=["dataset", "arch", "partition", "num_clients", "init"], columns="method", values="mean")
+    seeds = int(stats["count"].max())
+    lines = ["", "## Coverage", "",
+             "Cells run, per architecture: "
+             + "; ".join(f"{d}, {i} init: K {sorted(set(g.index.get_level_values('num_clients')))} x "
+                         f"{', '.join(sorted(set(g.index.get_level_values('partition'))))}"
+                         for (d, i), g in wide.groupby(level=["dataset", "init"])) + f"; at most {seeds} seed(s) per cell."]
+    lines += aligned.summary_lines(stats, methods)
     lines += ["", "## Targets", ""]
 
     def have(*cols: str) -> Any:
@@ -214,6 +220,13 @@ def summary_lines(stats: Any, methods: Sequence[str]) -> list[str]:
             above = int((group["distill_free"] > group["best_merge"]).sum())
             lines.append(f"| {dataset} | {arch_name} | {len(group)} | {group['distill_free'].mean():.3f} | {group['best_merge'].mean():.3f} | "
                          f"{group['ensemble'].mean():.3f} | {gap:+.3f} | {above}/{len(group)} |")
+        three = free[free.index.get_level_values("arch").isin(["mlp", "cnn", "rescnn"])]
+        if len(three):
+            gap3 = float((three["ensemble"] - three["distill_free"]).mean())
+            lines += ["", f"Over the {len(three)} mlp, cnn and rescnn cells: mean gap to the ensemble {gap3:+.3f}"
+                      + (" (target met)" if gap3 <= 0.08 else " (missed)") + "; per architecture: "
+                      + ", ".join(f"{a} {float((g['ensemble'] - g['distill_free']).mean()):+.3f}"
+                                  for a, g in three.groupby(level="arch")) + "."]
         below = free[free["distill_free"] <= free["best_merge"]]
         if len(below):
             lines += ["", "Cells where data-free distillation is not above the best merge:", ""]
