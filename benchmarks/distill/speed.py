@@ -4,9 +4,10 @@ predictions-only mode on a local Ray against the parameter upload.
 Three measurements, each against a reference run side by side in the same process:
 
 1. **Batched teachers** (``Teachers(batched=True)``: each architecture's members stacked and one ``vmap``-ed
-   ``functional_call``) against a loop over the teachers (``batched=False``): the time of a fixed number of student
-   steps of public distillation (``distill_public``) and of data-free distillation (``distill_synthetic``, where every
-   generator step runs the teachers forward and backward), for K = 2, 5, 10 teachers.
+   ``functional_call``) against a loop over the teachers (``batched=False``): the teachers' own work (a bank's
+   predictions; a generator step's forward and backward), and the time of a fixed number of student steps of public
+   distillation (``distill_public``) and of data-free distillation (``distill_synthetic``, where every generator step
+   runs the teachers forward and backward), for K = 2, 5, 10 teachers.
 2. **The bank** (rayfuse: the teachers predict once per epoch on the epoch's whole bank, in chunks) against FedDF's
    per-step evaluation (every student step runs the K teachers on its batch in a Python loop), public transfer.
 3. **Predictions only on Ray**: ``rayfuse.run`` of one config on a local Ray with ``distill`` twice, ``teachers:
@@ -81,6 +82,26 @@ def batched_vs_loop(arch: str, k: int, device: str, repeats: int) -> dict[str, A
     return row
 
 
+def teachers_alone(arch: str, k: int, device: str, repeats: int) -> dict[str, Any]:
+    """The teachers' own work, batched against the loop: a bank's predictions (12,800 inputs, chunks of 256) and one
+    generator step's forward and backward through them (128 inputs, BatchNorm statistics included)."""
+    X = torch.rand((12800, 1, 8, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    row: dict[str, Any] = {"arch": arch, "teachers": k, "device": device}
+    for mode in ("batched", "loop"):
+        teachers = Teachers(teachers_of(arch, k, device), batched=mode == "batched", device=device)
+
+        def step() -> None:
+            x = X[:128].clone().requires_grad_(True)
+            logits, gaps = teachers.forward(x, with_bn=True)
+            (logits.sum() + gaps.sum()).backward()
+
+        row[f"predict_{mode}_s"] = round(min(timed(lambda: teachers.predict(X)) for _ in range(repeats)), 4)
+        row[f"step_{mode}_s"] = round(min(timed(lambda: [step() for _ in range(20)]) for _ in range(repeats)) / 20, 5)
+    row["predict_loop_over_batched"] = round(row["predict_loop_s"] / row["predict_batched_s"], 2)
+    row["step_loop_over_batched"] = round(row["step_loop_s"] / row["step_batched_s"], 2)
+    return row
+
+
 def bank_vs_per_step(arch: str, k: int, device: str, steps: int = 200, batch: int = 64) -> dict[str, Any]:
     """Public distillation, ``steps`` steps: rayfuse's bank (one teacher pass per epoch, chunks of 256) against FedDF's
     per-step loop over the teachers on each batch; the same augmentation-free inputs and student updates."""
@@ -129,7 +150,7 @@ def predictions_only_on_ray(clients: int = 5) -> dict[str, Any]:
     methods = result.results["methods"]
     row = {label: {"seconds": float(methods[label]["seconds"]), "accuracy": float(result.metrics.loc[label, "accuracy"])}
            for label in ("parameters", "clients")}
-    return {"clients": clients, **row, "clients_over_parameters": round(row["clients"]["seconds"] / row["parameters"]["seconds"], 2)}
+    return {"num_clients": clients, **row, "clients_over_parameters": round(row["clients"]["seconds"] / row["parameters"]["seconds"], 2)}
 
 
 def write_markdown(payload: dict[str, Any]) -> Path:
@@ -146,6 +167,14 @@ def write_markdown(payload: dict[str, Any]) -> Path:
         lines += [f"| {r['arch']} | {r['teachers']} | {r['device']} | {r['public_batched_s']} | {r['public_loop_s']} | "
                   f"{r['public_loop_over_batched']} | {r['synthetic_batched_s']} | {r['synthetic_loop_s']} | {r['synthetic_loop_over_batched']} |"
                   for r in payload["batched"]]
+    if payload.get("teachers"):
+        lines += ["", "## The teachers alone", "",
+                  "A bank's predictions (12,800 inputs in chunks of 256, no gradient) and one generator step through the teachers "
+                  "(128 inputs, forward with the BatchNorm statistics and backward to the inputs), batched against the loop.", "",
+                  "| arch | K | predict batched | predict loop | loop / batched | step batched | step loop | loop / batched |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['arch']} | {r['teachers']} | {r['predict_batched_s']} | {r['predict_loop_s']} | {r['predict_loop_over_batched']} | "
+                  f"{r['step_batched_s']} | {r['step_loop_s']} | {r['step_loop_over_batched']} |" for r in payload["teachers"]]
     if payload.get("bank"):
         lines += ["", "## The bank against per-step teacher calls (FedDF's loop)", "",
                   "Public transfer, 200 steps of 64: rayfuse evaluates the teachers once on the epoch's bank; the reference runs the "
@@ -154,13 +183,17 @@ def write_markdown(payload: dict[str, Any]) -> Path:
     if payload.get("ray"):
         r = payload["ray"]
         lines += ["", "## Predictions only, on a local Ray", "",
-                  f"`rayfuse.run` on a local Ray, {r['clients']} clients, mlp on digits, 300 public inputs, 2000 student steps, 10 "
+                  f"`rayfuse.run` on a local Ray, {r['num_clients']} clients, mlp on digits, 300 public inputs, 2000 student steps, 10 "
                   "epochs: the method's wall time with the local models uploaded (`teachers: parameters`) and with one call per "
                   "client per epoch (`teachers: clients`).", "",
                   "| teachers | seconds | accuracy |", "|---|---|---|",
                   f"| parameters | {r['parameters']['seconds']:.2f} | {r['parameters']['accuracy']:.4f} |",
                   f"| clients | {r['clients']['seconds']:.2f} | {r['clients']['accuracy']:.4f} |", "",
-                  f"Predictions only takes {r['clients_over_parameters']}x the parameter upload's time."]
+                  f"Predictions only takes {r['clients_over_parameters']}x the parameter upload's time. The upload's time includes "
+                  "fetching the clients' local models (once per run) and evaluating the teachers on the coordinator; with "
+                  "predictions only the clients evaluate their own models in parallel and return logits only. The two methods' "
+                  "seeds derive from their labels, so their transfer banks (and accuracies) differ; `tests/fusion/test_distill.py` "
+                  "checks that with one seed the two students are equal."]
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return OUT
@@ -175,12 +208,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--ray", action="store_true", help="only the predictions-only measurement on a local Ray")
     parser.add_argument("--no-ray", action="store_true", help="skip the measurement on Ray")
+    parser.add_argument("--render", action="store_true", help="only write the markdown from benchmarks/results/distill_speed.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    payload: dict[str, Any] = {"machine": machine_info(), "batched": [], "bank": []}
+    if args.render:
+        import json
+
+        print(f"wrote {write_markdown(json.loads((HERE.parent / 'results' / 'distill_speed.json').read_text(encoding='utf-8')))}")
+        return
+    payload: dict[str, Any] = {"machine": machine_info(), "batched": [], "teachers": [], "bank": []}
     if not args.ray:
         for arch in args.archs:
             for k in args.teachers:
+                payload["teachers"].append(teachers_alone(arch, k, args.device, args.repeats))
+                print(payload["teachers"][-1], flush=True)
                 payload["batched"].append(batched_vs_loop(arch, k, args.device, args.repeats))
                 print(payload["batched"][-1], flush=True)
             payload["bank"].append(bank_vs_per_step(arch, max(args.teachers), args.device))
