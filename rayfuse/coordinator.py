@@ -27,6 +27,7 @@ from rayfuse.client import (
     train_local,
 )
 from rayfuse.config import ExperimentConfig, ModelConfig
+from rayfuse.data.identity import data_files
 from rayfuse.data.roles import (
     DataPlan,
     Normalization,
@@ -54,7 +55,16 @@ from rayfuse.metrics import add_metric_sums, check_metric_sums, compute_metrics,
 from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
 from rayfuse.rounds import RoundLoop
 from rayfuse.seeding import derive_seed, make_rng
-from rayfuse.store import Checkpoint, LocalModelStore, RunStore, StepResultCache, local_model_key, sha256_file, step_result_key
+from rayfuse.store import (
+    Checkpoint,
+    LocalModelStore,
+    RunStore,
+    StepResultCache,
+    local_model_key,
+    note_data_files,
+    sha256_file,
+    step_result_key,
+)
 
 __all__ = ["Coordinator", "MethodServer"]
 
@@ -126,6 +136,7 @@ class MethodServer:
         if not root:
             return self.federation.run(step, *args, **kwargs)
         name = step_name(step)
+        coordinator.note_cache_files()
         key, inputs = step_result_key(coordinator.resolved_config(), coordinator.plan.digest(), name, args, kwargs)
         cache = StepResultCache(root, key, inputs)
         clients = self.federation.client_ids
@@ -492,6 +503,7 @@ class Coordinator:
         self._from_run_folder: set[int] = set()  # those installed from checkpoints/local (already saved there)
         self._local: Gathered[Update] | None = None  # the local models' parameters, fetched once (local_updates)
         self._references: list[tuple[ModelConfig, dict[str, np.ndarray]]] = []  # reference_for's models, built once
+        self._cache_files_noted = False  # note_cache_files ran (once a run)
 
     # -- lazily loaded server-side state ------------------------------------------------------------------------
 
@@ -581,6 +593,24 @@ class Coordinator:
         config = {**self.resolved_config(), "model": self.cfg.client_model(client).model_dump(mode="json")}
         return local_model_key(config, self.plan.for_client(client))[0]
 
+    def note_cache_files(self) -> None:
+        """Once a run, with ``run.model_cache``: record the content of the run's data files in the cache
+        (:func:`rayfuse.store.note_data_files`; a silo by the content hash its client reported) and say, one ``warning``
+        event a file, which changed since a run sharing the cache used them. Its entries are keyed by content
+        (:func:`rayfuse.store.local_model_key`), so what was computed from the old content is computed again, not read."""
+        root = self.cfg.run.model_cache
+        if not root or self._cache_files_noted:
+            return
+        self._cache_files_noted = True
+        files = data_files(self.resolved_config()["data"])
+        if isinstance(self.plan, SiloPlan) and self.plan.schemas:
+            # a silo is read on its client's node only: its path as written (per client) and the survey's content hash
+            files.update({f"data.silos.{c}.path": {"path": f"client {c}: {silo.path}", "sha256": str(schema["content_hash"])}
+                          for c, (silo, schema) in enumerate(zip(self.plan.silos, self.plan.schemas))})
+        for key, path, before, now in note_data_files(root, files):
+            self.events.emit("warning", f"{key} ({path}): content changed since a run sharing the model cache {root} used it "
+                             f"(SHA-256 {before[:12]} -> {now[:12]}); what was computed from it is computed again, not read")
+
     def resolved_config(self) -> dict[str, Any]:
         """The run's resolved config (cache keys are computed from it)."""
         if self._resolved is None:
@@ -611,6 +641,7 @@ class Coordinator:
         the rest. Runs sharing the keys (concurrent Tune trials) wait here while one of them trains."""
         fed = self.federation
         root = self.cfg.run.model_cache
+        self.note_cache_files()
         keys = {c: self.local_model_key(c) for c in fed.client_ids} if root else {}
         with LocalModelStore(root).lock_run(keys.values()) if root else contextlib.nullcontext():
             kept: list[int] = []

@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from rayfuse.config import ExperimentConfig, dump_config, validate_config
+from rayfuse.data.identity import changed_files, content_data, data_files
 from rayfuse.data.roles import DataPlan, load_dataset_from_config, load_target_from_config, make_plan
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.io import atomic_write_json, atomic_write_text
@@ -438,6 +439,10 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
     cfg, specs, plan = prepared.cfg, prepared.specs, prepared.plan
     resolved = prepared.resolved()
     backend.check_start(cfg)  # before the run folder is written
+    # the files the run's data comes from, by content (rayfuse.data.identity): recorded in partition.json; on --resume,
+    # another config than the folder's is refused and a file regenerated since its state was written is recomputed
+    files = data_files(resolved["data"])
+    changed = _check_resume_state(store, resolved, files) if resume else []
     silos = cfg.data.is_silos
     if silos:  # the clients start first: only they read their silos; their reports complete the plan
         try:
@@ -447,23 +452,40 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
             backend.stop()
             raise
         plan = prepared.plan
+        if resume:  # a silo regenerated in place: its client reported another content hash than the folder records
+            changed += _changed_silos(store, plan)
     if resume:
         if not store.partition_file.is_file():
             raise InputError("--resume", "a run folder with partition.json", str(run_dir))
         try:
-            stored = json.loads(store.partition_file.read_text(encoding="utf-8"))["hash"]
+            manifest = json.loads(store.partition_file.read_text(encoding="utf-8"))
+            stored = manifest["hash"]
             if not isinstance(stored, str):
                 raise ValueError("hash is not a string")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise InputError(str(store.partition_file), "the run's partition manifest (JSON with its hash)",
                              f"a damaged file ({type(exc).__name__})", "the split cannot be checked; start a new run") from None
-        if stored != plan.digest():
+        if (stored != plan.digest() and not changed and files and (store.root / IDENTITY_FILE).is_file()
+                and isinstance(manifest.get("dataset"), str) and isinstance(plan, DataPlan)):
+            # a data file renamed with its content unchanged (identity.json): the split's hash names the dataset by
+            # its file's stem; the same split of the same content under the old name is the same split
+            if replace(plan, dataset=manifest["dataset"]).digest() == stored:
+                stored = plan.digest()
+        if stored != plan.digest() and not changed:  # (a changed file: the whole state is computed again, below)
             raise InputError("--resume", "the same data split as the original run", "a different partition hash", "did the dataset files change?")
     with claim_run_folder(run_dir, resume=resume):  # released at the end; a second run of this folder is refused
+        fresh = bool(changed)  # state computed from other data: none of it is read, and it is removed (inside the claim)
+        for key, path, before, now in changed:
+            emit("warning", f"{key} ({path}): content changed since the run folder's state was computed (SHA-256 {before[:12]} -> "
+                 f"{now[:12]}); every method and local model is computed again, nothing of the old state is kept")
+        if fresh:
+            _discard_state(store)
+        resume_state = resume and not fresh
         config_text = dump_config(resolved)
         atomic_write_text(store.config_file, config_text)
         # the config's hash beside the split's: a resume can tell a damaged config.yaml that still parses (a cut at a line end)
         atomic_write_json(store.partition_file, {**plan.manifest(), "config_sha256": hashlib.sha256(config_text.encode("utf-8")).hexdigest()})
+        atomic_write_json(store.root / IDENTITY_FILE, {"format": 1, "config": _state_digest(resolved), "data_files": files})
         timings["partition"] = round(time.perf_counter() - t0, 3)
         say(f"rayfuse {__version__}: run {cfg.run.name!r} -> {run_dir}{'  (resumed)' if resume else ''}")
         target_note = f" (target task: {plan.target}, {len(plan.public)} public / {len(plan.test)} test)" if plan.target else ""
@@ -481,11 +503,11 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
                 backend.start(cfg, plan, run_dir, on_event=on_event, start_time=start, specs=specs)
             timings["startup"] = round(time.perf_counter() - t0, 3)
             emit("stage_end", stage="startup", seconds=timings["startup"])
-            finished = {s.label: store.load_method_state(s.label, warn=_warner(emit, s.label)) for s in specs} if resume else {}
+            finished = {s.label: store.load_method_state(s.label, warn=_warner(emit, s.label)) for s in specs} if resume_state else {}
             pending = [s for s in specs if finished.get(s.label) is None]
             if any(s.method_cls.uses_local_models for s in pending):
                 t0 = time.perf_counter()
-                backend.call("prepare_local_models", resume)
+                backend.call("prepare_local_models", resume_state)
                 timings["local_training"] = round(time.perf_counter() - t0, 3)
             for spec in specs:
                 saved = finished.get(spec.label)
@@ -494,7 +516,7 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
                     emit("info", f"{spec.label}: finished in the original run; loaded from state/", method=spec.label)
                     continue
                 t0 = time.perf_counter()
-                summaries[spec.label] = backend.call("run_method", spec.label, resume)
+                summaries[spec.label] = backend.call("run_method", spec.label, resume_state)
                 timings[f"method/{spec.label}"] = round(time.perf_counter() - t0, 3)
         except RunFailure as exc:
             status, error = "failed", str(exc)
@@ -549,6 +571,110 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
         if status == "failed":
             raise RunFailure(error or "run failed")
         return results
+
+
+#: the ``federation`` keys a run folder's state depends on: the clients' own models and the attacks change what is
+#: computed; the rest is how the run is run (backend, resources, failure policy, injected faults: what ``--resume``
+#: may change with --set)
+_STATE_FEDERATION = ("client_overrides", "attacks")
+
+
+def state_config(resolved: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a resolved config a run folder's state is computed from, as plain data: the config without where
+    runs and caches go (``run.storage``, ``run.model_cache``: the cache is keyed by content), the run's name and the
+    ``federation`` keys but :data:`_STATE_FEDERATION`, with data file names left out (:func:`rayfuse.data.identity.content_data`; their content is
+    compared on its own, so a renamed copy of a file is the same data)."""
+    out = {k: v for k, v in resolved.items() if k not in ("run", "federation")}
+    out["run"] = {k: v for k, v in dict(resolved.get("run") or {}).items() if k not in ("name", "storage", "model_cache")}
+    federation = dict(resolved.get("federation") or {})
+    out["federation"] = {k: federation.get(k) for k in _STATE_FEDERATION}
+    if isinstance(resolved.get("data"), Mapping):
+        out["data"] = content_data(resolved["data"], unnamed=True)
+    return out
+
+
+def _first_difference(a: Any, b: Any, path: str = "") -> str:
+    """The key path of the first leaf where ``a`` and ``b`` (plain data) differ (``""``: the roots)."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        for key in sorted(set(a) | set(b), key=str):
+            if key not in a or key not in b or _canonical(a[key]) != _canonical(b[key]):
+                return _first_difference(a.get(key), b.get(key), f"{path}.{key}" if path else str(key))
+    return path
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+#: ``<run>/identity.json``: what the folder's state was computed from (written with config.yaml, before any state):
+#: ``config``, the SHA-256 of :func:`state_config`, and ``data_files``, the data files by content (:func:`data_files`)
+IDENTITY_FILE = "identity.json"
+
+
+def _state_digest(resolved: Mapping[str, Any]) -> str:
+    return hashlib.sha256(_canonical(state_config(resolved)).encode("utf-8")).hexdigest()
+
+
+def _check_resume_state(store: RunStore, resolved: Mapping[str, Any], files: Mapping[str, Mapping[str, str]]) -> list[tuple[str, str, str, str]]:
+    """On ``--resume``: refuse a config other than the one the folder's state was computed with (one line naming the
+    first key that differs from the folder's ``config.yaml``, or naming ``identity.json`` when ``config.yaml`` itself
+    was replaced by another run's). Resuming on another run's state would mix two experiments and starting over would
+    overwrite that run's results, so a refusal is the safe choice. Returns the data files whose content changed since
+    ``identity.json`` recorded them (the run is then computed again, with a warning for each). A folder written before
+    ``identity.json`` existed is compared with its ``config.yaml`` only."""
+    try:
+        written = yaml.safe_load(store.config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        written = None  # no or a damaged config.yaml: load_run_config says so for the command line; nothing to compare
+    hint = "resume a run with its own config.yaml (rayfuse run --resume RUN_DIR), or start a new run in a new folder"
+    if isinstance(written, Mapping):
+        before, now = state_config(written), state_config(resolved)
+        if _canonical(before) != _canonical(now):
+            raise InputError("--resume", f"the config the run folder's state was computed with ({store.config_file})",
+                             f"another config (it differs at {_first_difference(before, now) or 'the config'})", hint)
+    file = store.root / IDENTITY_FILE
+    try:
+        identity = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return []  # a folder of an earlier version: its config.yaml was compared above, its data cannot be
+    except (OSError, ValueError) as exc:
+        raise InputError(str(file), "what the run folder's state was computed from (JSON)", f"a damaged file ({type(exc).__name__})",
+                         "the state cannot be matched to its config and data; start a new run") from None
+    if not isinstance(identity, Mapping) or not isinstance(identity.get("config"), str) or not isinstance(identity.get("data_files"), Mapping):
+        raise InputError(str(file), "what the run folder's state was computed from (config, data_files)", "a damaged file",
+                         "the state cannot be matched to its config and data; start a new run")
+    if identity["config"] != _state_digest(resolved):
+        raise InputError("--resume", f"the config the run folder's state was computed with ({file})",
+                         f"another config ({store.config_file.name} is not the config of the state beside it)", hint)
+    return changed_files(identity["data_files"], files)
+
+
+def _changed_silos(store: RunStore, plan: Any) -> list[tuple[str, str, str, str]]:
+    """The silos whose content hash (the survey's, :func:`rayfuse.data.silos.silo_schema`) differs from the one the
+    run folder's ``partition.json`` records: ``(key, where, before, now)`` each, like
+    :func:`rayfuse.data.identity.changed_files`. A missing or damaged manifest: none (the partition check names it)."""
+    try:
+        clients = json.loads(store.partition_file.read_text(encoding="utf-8"))["clients"]
+        recorded = [c.get("content_hash") if isinstance(c, dict) else None for c in clients]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+    out = []
+    for i, (silo, schema) in enumerate(zip(plan.silos, plan.schemas)):
+        before, now = (recorded[i] if i < len(recorded) else None), str(schema["content_hash"])
+        if isinstance(before, str) and before != now:
+            out.append((f"data.silos.{i}.path", f"client {i}: {silo.path}", before, now))
+    return out
+
+
+def _discard_state(store: RunStore) -> None:
+    """Remove what a run folder holds that was computed from its data (finished methods, checkpoints, fused models,
+    the report): none of it may be read with other data. ``config.yaml`` and ``partition.json`` are rewritten next."""
+    import shutil
+
+    for folder in ("state", "checkpoints", "models"):
+        shutil.rmtree(store.root / folder, ignore_errors=True)
+    for file in (store.results_file, store.metrics_file, store.plot_file):
+        file.unlink(missing_ok=True)
 
 
 def _warner(emit: Callable[..., None], label: str) -> Callable[[str], None]:

@@ -3,6 +3,7 @@
 ::
 
     <run>/config.yaml                 resolved config (every default filled in)
+    <run>/identity.json               what the state was computed from: the config's SHA-256, the data files' SHA-256s
     <run>/partition.json              partition manifest: roles, indices, class counts per client, seed, hash
     <run>/results.json                final: status, per-method metrics, timings, events (written last)
     <run>/metrics.parquet             one row per method x round x metric (x client)
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rayfuse.cas import CacheEntry, ContentCache, content_key, discard_entry
+from rayfuse.data.identity import content_data
 from rayfuse.errors import InputError
 from rayfuse.io import atomic_write_json, load_params, save_params
 
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
     pass
 
 __all__ = ["RunStore", "RunClaim", "claim_run_folder", "Checkpointer", "Checkpoint", "sha256_file",
-           "LocalModelStore", "StepResultCache", "local_model_key", "step_result_key"]
+           "LocalModelStore", "StepResultCache", "local_model_key", "step_result_key", "note_data_files"]
 
 
 @dataclass
@@ -337,18 +339,18 @@ def _load_local_models(folder: Path, client_ids: list[int], warn: Callable[[str]
     return out
 
 
-CACHE_FORMAT = 1
-LOCAL_MODEL_FORMAT = 2
+CACHE_FORMAT = 2  # 2: data files keyed by their content (rayfuse.data.identity), not their names
+LOCAL_MODEL_FORMAT = 3  # 3: likewise
 LOCAL_TRAINING_STEPS = ("train_local", "get_local_params")
 
 
 def _run_inputs(config: Mapping[str, Any], partition_hash: str) -> dict[str, Any]:
     """What every client's local training in a run depends on (the base of :func:`step_result_key`): the data and its
-    split (``data``, ``partition``, the partition hash), the model, the training settings, the seed and the faults
+    split (``data``, its files by content, ``partition``, the partition hash), the model, the training settings, the seed and the faults
     injected into local training; nothing under ``methods``."""
     return {
         "format": CACHE_FORMAT,
-        "data": config["data"], "partition": config["partition"], "partition_hash": partition_hash,
+        "data": content_data(config["data"]), "partition": config["partition"], "partition_hash": partition_hash,
         "model": config["model"], "train": config["train"], "seed": config["run"]["seed"],
         # faults injected into local training change the local models; faults of later steps do not
         "faults": [f for f in config["federation"]["faults"] if f["step"] in LOCAL_TRAINING_STEPS],
@@ -372,14 +374,15 @@ def local_model_key(config: Mapping[str, Any], plan: Any) -> tuple[str, dict[str
     run's local training, the events). ``config`` holds the sections ``data``, ``model``, ``train``, ``run.seed`` and
     ``federation.faults`` as plain data (a resolved config, :func:`rayfuse.method.resolved_config`, or a client's own
     sections dumped the same way); ``plan`` is the client's :class:`~rayfuse.data.ClientPlan` (or silo plan). The key covers the
-    dataset, the client, its train indices, normalisation and corruption, the model, the training settings, the seed
+    dataset (a data file by its content, :func:`rayfuse.data.identity.content_data`: a file regenerated in place gets
+    another key, a renamed or touched one the same), the client, its train indices, normalisation and corruption, the model, the training settings, the seed
     and the faults injected into this client's local training; nothing under ``methods``, ``run.name`` or
     ``run.storage``, so every fusion-only variation of a job (the trials of a Tune sweep) shares it.
     """
     norm = plan.normalization
     inputs = {
         "format": LOCAL_MODEL_FORMAT,
-        "data": config["data"], "model": config["model"], "train": config["train"], "seed": config["run"]["seed"],
+        "data": content_data(config["data"], local=True), "model": config["model"], "train": config["train"], "seed": config["run"]["seed"],
         "client": int(plan.client_id),
         # a silo client (data.silos) is keyed by its data's content hash: it has no indices
         **({"silo": plan.content_hash} if hasattr(plan, "content_hash") else
@@ -444,6 +447,33 @@ class LocalModelStore:
     def lock_run(self, keys: Iterable[str]) -> contextlib.AbstractContextManager[Any]:
         """One lock over a run's entries (held by the coordinator while the run's clients train or read theirs)."""
         return self.cache.lock("run-" + content_key({"clients": sorted(keys)}))
+
+
+def note_data_files(root: str | Path, files: Mapping[str, Mapping[str, str]]) -> list[tuple[str, str, str, str]]:
+    """Record in the model cache ``root`` the content of each data file a run uses (``files``:
+    :func:`rayfuse.data.identity.data_files`, plus silos by their survey hash), and return those whose content differs
+    from what an earlier run sharing the cache recorded for the same file: ``(key, path, before, now)`` each.
+
+    The cache's entries are keyed by content, so an entry computed from a file's old content is never read for its new
+    content; this record is how a run can *say* so (one warning line per file) instead of silently training again.
+    ``<root>/data-files/<key>.json`` per file (named by its key path and path), written atomically; the last run wins.
+    """
+    from rayfuse.data.identity import changed_files
+
+    folder = Path(root) / "data-files"
+    changed = []
+    for key, now in files.items():
+        record = folder / f"{content_key({'key': key, 'path': now['path']})}.json"
+        try:
+            before = json.loads(record.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            before = None  # first use of this file with this cache (or a damaged record: rewritten below)
+        if isinstance(before, dict):
+            changed += changed_files({key: before}, {key: now})
+        if before != dict(now):
+            with contextlib.suppress(OSError):  # a read-only cache: nothing to record, nothing lost but the warning next time
+                atomic_write_json(record, dict(now))
+    return changed
 
 
 # -- cached client-step results ------------------------------------------------------------------------------------
