@@ -439,7 +439,7 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
     cfg, specs, plan = prepared.cfg, prepared.specs, prepared.plan
     resolved = prepared.resolved()
     backend.check_start(cfg)  # before the run folder is written
-    # the files the run's data comes from, by content (rayfuse.data.identity): recorded in partition.json; on --resume,
+    # the files the run's data comes from, by content (rayfuse.data.identity): recorded in identity.json; on --resume,
     # another config than the folder's is refused and a file regenerated since its state was written is recomputed
     files = data_files(resolved["data"])
     changed = _check_resume_state(store, resolved, files) if resume else []

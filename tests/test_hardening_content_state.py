@@ -181,6 +181,30 @@ def test_a_file_regenerated_in_place_between_a_run_and_its_resume_is_recomputed_
     assert numbers(again) == numbers(expected)
 
 
+def test_an_interrupted_run_whose_file_was_regenerated_restarts_from_nothing_rather_than_its_checkpoints(tmp_path):
+    """The run stops in fedavg's second round (a fault; average finished, fedavg's round 1 checkpointed, the local
+    models in checkpoints/local); the file is regenerated; the resume keeps none of it."""
+    from rayfuse.config import parse_overrides
+    from rayfuse.errors import RunFailure
+
+    data = write_npz(tmp_path / "data.npz")
+    folder = tmp_path / "run"
+    crash = {"on_client_failure": "fail", "faults": [{"client": 2, "step": "fedavg.fit", "call": 2, "mode": "raise"}]}
+    with pytest.raises(RunFailure):
+        run(job(data, federation=crash), folder)
+    assert (folder / "state" / "average.json").is_file() and (folder / "checkpoints" / "fedavg" / "latest.json").is_file()
+    regenerate(data)
+    expected = run(job(data), tmp_path / "reference")
+
+    cfg = load_run_config(folder, parse_overrides(["federation.faults=[]"]))
+    resumed = run_experiment(cfg, InProcessBackend(), folder, resume=True, printer=QUIET, show_tables=False)
+    said = warnings(resumed)
+    assert len(said) == 1 and said[0].startswith(f"data.path ({data}): content changed"), said
+    assert "resumed" not in kinds(resumed) and loaded_from_state(resumed) == []
+    assert [e["source"] for e in resumed["events"] if e["kind"] == "local_models_restored"] == []
+    assert numbers(resumed) == numbers(expected)
+
+
 def test_a_file_regenerated_in_place_between_two_runs_sharing_a_model_cache_is_recomputed_with_a_warning(tmp_path):
     data, cache = write_npz(tmp_path / "data.npz"), tmp_path / "cache"
     first = run(job(data, cache=cache), tmp_path / "a")
@@ -478,5 +502,12 @@ def test_the_local_model_key_ignores_the_servers_sets_and_the_files_names(tmp_pa
     section = validate_config(job(data)).model_dump(mode="json")["data"]
     keyed = content_data(section, local=True)
     assert keyed["path"] == {"sha256": identity.file_digest(data)} and "target" not in keyed
-    assert content_data({**section, "path": str(rename(data))}, local=True) == keyed
+    moved = rename(data)
+    assert content_data({**section, "path": str(moved)}, local=True) == keyed
     assert yaml.safe_dump(content_data(section, unnamed=True))  # plain data
+    # the server's task file does enter what the run folder's state and the step results are keyed by
+    target = write_npz(tmp_path / "target.npz", seed=3)
+    with_target = {**section, "path": str(moved), "target": {"dataset": "npz", "path": str(target)}}
+    assert sorted(identity.data_files(with_target)) == ["data.path", "data.target.path"]
+    assert content_data(with_target)["target"]["path"] == {"sha256": identity.file_digest(target)}
+    assert "target" not in content_data(with_target, local=True)
