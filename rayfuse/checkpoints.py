@@ -772,6 +772,9 @@ def check_fused(fused: Mapping[str, np.ndarray], ties: Sequence[tuple[str, ...]]
     naming the output file and the first tensor that fails."""
     import torch
 
+    # InputError (exit 2), not NonFiniteError (a run that failed, exit 1): the inputs were checked finite and these
+    # fusions are deterministic, so a NaN or Inf here follows from the files and the fuse file's weights and dtype,
+    # which the user changes; the hint says which
     for key, value in fused.items():
         if value.dtype.kind != "f":
             continue
