@@ -681,12 +681,14 @@ def run_fuse(spec: FuseSpec, log: Callable[[str], None] | None = None) -> dict[s
     loaded = [read_checkpoint(file) for file in spec.files]
     models = [params for params, _ in loaded]
     check_floats(models, spec.files)
+    # with an architecture, each checkpoint is checked against it first, which also gives every name of a tied tensor
+    # its values: a file that keeps one name of it (safetensors' save_model) then fuses with files that keep both
+    inputs = load_fuse_inputs(spec, models, log)
     if not spec.method.heterogeneous:
         check_compatible(models, spec.files)
     else:  # each against its own architecture (load_fuse_inputs), and finite
         for params, file in zip(models, spec.files):
             check_compatible([params], [file])
-    inputs = load_fuse_inputs(spec, models, log)
     fused = fuse_models(spec, models, inputs)
     output = Path(spec.output) if spec.output is not None else Path("fused.safetensors")  # load_fuse_config always sets it
     dtype = fused_dtype([dtypes for _, dtypes in loaded], spec.dtype)

@@ -383,6 +383,19 @@ def test_a_file_saved_without_the_duplicate_name_fuses_and_writes_both(nets, tmp
     np.testing.assert_array_equal(fused["hid.weight"], fused["hid2.weight"])
 
 
+def test_a_file_with_one_name_of_a_tied_tensor_fuses_with_one_that_has_both(nets, tmp_path, monkeypatch) -> None:
+    from safetensors.torch import save_model
+
+    monkeypatch.chdir(tmp_path)
+    f = Files(tmp_path)
+    torch.manual_seed(0)
+    save_model(nets.TiedMLP(), str(tmp_path / "one.safetensors"))
+    both = checkpoints(f, "TiedMLP")[1]
+    _fuse(f, arch_fuse(f, "TiedMLP", "weight_matching", models=["one.safetensors", both], input_shape=[4]))
+    fused = load_params(tmp_path / "fused.safetensors")
+    np.testing.assert_array_equal(fused["hid.weight"], fused["hid2.weight"])
+
+
 def test_tied_pt_files_with_shared_storage_fuse(nets, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     f = Files(tmp_path)
