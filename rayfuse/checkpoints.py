@@ -45,7 +45,7 @@ import numpy as np
 from pydantic import BaseModel, Field, ValidationError
 
 from rayfuse.config import StrictSchema, pydantic_input_error
-from rayfuse.errors import InputError, RunFailure, suggest
+from rayfuse.errors import InputError, NonFiniteError, RunFailure, suggest
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.aligned.algorithm import AlignmentSettings, derive_run_spec
 from rayfuse.fusion.distill.algorithm import DistillOptions
@@ -689,7 +689,10 @@ def run_fuse(spec: FuseSpec, log: Callable[[str], None] | None = None) -> dict[s
     else:  # each against its own architecture (load_fuse_inputs), and finite
         for params, file in zip(models, spec.files):
             check_compatible([params], [file])
-    fused = fuse_models(spec, models, inputs)
+    try:
+        fused = fuse_models(spec, models, inputs)
+    except NonFiniteError as exc:  # finite inputs whose products overflow (a matching's costs): the largest names the cause
+        raise _overflowed(spec, models, inputs, exc) from None
     output = Path(spec.output) if spec.output is not None else Path("fused.safetensors")  # load_fuse_config always sets it
     dtype = fused_dtype([dtypes for _, dtypes in loaded], spec.dtype)
     check_fused(fused, tied_names(inputs.model) if inputs.model is not None else [], dtype, where=str(output), method=spec.method.name)
@@ -796,6 +799,21 @@ def check_fused(fused: Mapping[str, np.ndarray], ties: Sequence[tuple[str, ...]]
             raise InputError(f"{where}: {key}", f"values that {dtype} can hold", f"{largest:.4g} (Inf once written as {dtype})",
                              "write a wider dtype (dtype: float32); nothing was written")
     check_ties(fused, ties, where=where, after=method)
+
+
+def _overflowed(spec: FuseSpec, models: Sequence[Mapping[str, np.ndarray]], inputs: FuseInputs, exc: NonFiniteError) -> InputError:
+    """The fusion of finite inputs met a NaN or Inf on the way (a matching's costs overflowed): one line naming the
+    input with the largest magnitude, the checkpoint tensor or the data, whose values drive the overflow."""
+    where, largest = "", -1.0
+    for params, file in zip(models, spec.files):
+        for key, value in params.items():
+            if value.dtype.kind == "f" and value.size and float(np.abs(value).max()) > largest:
+                where, largest = f"{file}: {key}", float(np.abs(value).max())
+    if inputs.X is not None and np.asarray(inputs.X).dtype.kind == "f" and np.size(inputs.X):
+        if float(np.abs(inputs.X).max()) > largest:
+            where, largest = f"{spec.config}: data.path" if spec.config else "data.path", float(np.abs(inputs.X).max())
+    return InputError(where, f"values {spec.method.name} can compute with (it met a NaN or Inf from these finite inputs)", f"{largest:.3g}",
+                      f"{exc}; nothing was written")
 
 
 def _fused_metadata(spec: FuseSpec, inputs: FuseInputs, fused: Mapping[str, np.ndarray],

@@ -230,6 +230,16 @@ case("non-finite", "fuse-architecture-weighted-sum-overflows", "fused.safetensor
 case("non-finite", "api-fuse-overflow", "fused.safetensors: weight")(lambda f: call(rayfuse.fuse, _linear(f, 1e38)))
 case("non-finite", "api-fuse-dtype-too-narrow", "fused.safetensors: weight")(
     lambda f: call(rayfuse.fuse, f.fuse(models=[_filled(f, f"w{i}.safetensors", "float32", weight=-7e4) for i in range(2)], dtype="float16")))
+def _huge(i: int, params: dict[str, np.ndarray]) -> None:
+    for key in params:
+        params[key] = params[key].astype(np.float64) * (1e200 if key != "hid.weight" else 1e205)
+
+
+case("non-finite", "fuse-weight-matching-costs-overflow", ".safetensors: hid.weight")(
+    lambda f: ["fuse", arch_fuse(f, "Twice", "weight_matching", models=checkpoints(f, "Twice", _huge), input_shape=[4])])
+case("non-finite", "api-fuse-weight-matching-costs-overflow", ".safetensors: hid.weight")(
+    lambda f: call(rayfuse.fuse, arch_fuse(f, "Twice", "weight_matching", models=checkpoints(f, "Twice", _huge), input_shape=[4],
+                                           parameters={"merge": "nonparametric"})))
 case("non-finite", "check-fused-nan", "out.safetensors: w")(
     lambda f: call(check_fused, {"w": np.array([1.0, np.nan], np.float32)}, [], None, where="out.safetensors", method="average"))
 
