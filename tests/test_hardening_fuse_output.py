@@ -437,6 +437,20 @@ def test_a_module_applied_twice_fuses_with_repair_and_is_left_as_merged_with_the
     assert np.isfinite(_outputs(load_fused(f"{MODULE}:Twice", tmp_path / "fused.safetensors"), X)).all()
 
 
+def test_a_widened_module_applied_twice_fuses_with_repair_and_loads(nets, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    f = Files(tmp_path)
+    lines: list[str] = []
+    summary = _fuse(f, arch_fuse(f, "Twice", "activation_matching", data={"path": sample(f)},
+                                 parameters={"merge": "nonparametric", "new_unit_threshold": 1.0, "repair": True}), lines)
+    assert summary["resized"]["hid.weight"] == ((6, 6), (12, 12))
+    assert any(line.startswith("repair: hid left as merged: applied 2 times") for line in lines), lines
+    model = load_fused(f"{MODULE}:Twice", tmp_path / "fused.safetensors")
+    assert model.hid.weight.shape == (12, 12)
+    X = np.random.default_rng(6).normal(size=(8, 4)).astype(np.float32)
+    assert np.isfinite(_outputs(model, X)).all()
+
+
 def test_identical_models_applied_twice_fuse_to_themselves_with_repair(nets, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     f = Files(tmp_path)
