@@ -937,7 +937,11 @@ def load_fused(architecture: Any, path: str | Path, *, args: Mapping[str, Any] |
             spec = PermutationSpec.from_dict(json.loads(meta[_META_SPEC]), where=f"{file}: metadata {_META_SPEC}")
         except json.JSONDecodeError:
             raise InputError(f"{file}: metadata {_META_SPEC}", "a JSON permutation spec", meta[_META_SPEC][:40]) from None
-        spec.check({k: tuple(v.shape) for k, v in state.items()}, where=f"{file}: metadata {_META_SPEC}")
+        try:
+            spec.check({k: tuple(v.shape) for k, v in state.items()}, where="spec")
+        except InputError as exc:  # the architecture was built otherwise than the fuse file built it
+            raise InputError(f"{file}: metadata {_META_SPEC}", f"the architecture as the fuse file built it ({exc.path.removeprefix('spec.')}: "
+                             f"{exc.expected})", exc.got, "pass the fuse file's architecture_args as args=") from None
     elif shape is not None:
         spec = derive_spec(model, torch.zeros((2, *shape)))
     else:

@@ -283,6 +283,25 @@ case("load", "load-fused-wider-without-record", "twice0.safetensors: inp.weight"
     lambda f: call(load_fused, f"{MODULE}:Twice", checkpoints(f, "Twice", h=8)[0]))
 case("load", "load-fused-tied-differ", "tiedmlp1.safetensors: hid2.weight")(
     lambda f: call(load_fused, f"{MODULE}:TiedMLP", checkpoints(f, "TiedMLP", _untie)[1]))
+def _widened(f: Files, **metadata: str) -> str:
+    """A fused Twice widened to 12 units (every unit new), its metadata entries replaced by ``metadata``."""
+    _fuse(f, arch_fuse(f, "Twice", "weight_matching", input_shape=[4], parameters={"merge": "nonparametric", "new_unit_threshold": 1.0}))
+    from safetensors import safe_open
+
+    with safe_open(str(f.root / "fused.safetensors"), framework="pt") as handle:
+        meta = {**handle.metadata(), **metadata}
+    params = load_params(f.root / "fused.safetensors")
+    (f.root / "fused.safetensors").unlink()
+    save_params(f.root / "wide.safetensors", params, meta)
+    return "wide.safetensors"
+
+
+case("load", "load-fused-damaged-spec-record", "wide.safetensors: metadata rayfuse.spec")(
+    lambda f: call(load_fused, f"{MODULE}:Twice", _widened(f, **{"rayfuse.spec": "{not json"})))
+case("load", "load-fused-damaged-shape-record", "wide.safetensors: metadata rayfuse.input_shape")(
+    lambda f: call(load_fused, f"{MODULE}:Twice", _widened(f, **{"rayfuse.input_shape": "[4, \"x\"]"})))
+case("load", "load-fused-other-base-width", "wide.safetensors")(
+    lambda f: call(load_fused, f"{MODULE}:Twice", _widened(f), args={"h": 5}))
 case("load", "api-load-fused-class-bad-args", "args")(
     lambda f: call(rayfuse.load_fused, sys.modules[MODULE].Twice, checkpoints(f, "Twice")[0], args={"depth": 2}))
 
