@@ -541,6 +541,16 @@ def test_load_fused_round_trips_a_widened_model_whose_outputs_are_the_fused_mode
         assert model.hid.weight is model.hid2.weight and model.hid.weight.shape == (12, 12)
 
 
+def test_the_cli_says_how_to_load_a_widened_model(nets, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    f = Files(tmp_path)
+    config = arch_fuse(f, "Twice", "weight_matching", input_shape=[4], parameters={"merge": "nonparametric", "new_unit_threshold": 1.0})
+    assert main(["fuse", config]) == 0
+    out = capsys.readouterr().out
+    assert "load it in one call with rayfuse.load_fused(architecture, 'fused.safetensors')" in out, out
+    assert load_fused(f"{MODULE}:Twice", "fused.safetensors").hid.weight.shape == (12, 12)
+
+
 def test_load_fused_takes_a_class_a_factory_or_a_model_and_the_recorded_arguments(nets, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     f = Files(tmp_path)
