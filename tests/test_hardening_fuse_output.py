@@ -117,6 +117,21 @@ def twice(h=6):
     return Twice(h=h)
 
 
+class TwiceImage(nn.Module):
+    """Twice on 8 x 8 images (digits)."""
+
+    def __init__(self, h=8, c=10):
+        super().__init__()
+        self.inp = nn.Linear(64, h)
+        self.hid = nn.Linear(h, h)
+        self.out = nn.Linear(h, c)
+
+    def forward(self, x):
+        x = torch.relu(self.inp(x.flatten(1)))
+        x = torch.relu(self.hid(x))
+        return self.out(torch.relu(self.hid(x)))
+
+
 class Layers(nn.Module):
     """A one-hidden-layer MLP with kl_neurons' tensor names."""
 
@@ -468,6 +483,15 @@ def test_a_widened_module_applied_twice_fuses_with_repair_and_loads(nets, tmp_pa
     assert model.hid.weight.shape == (12, 12)
     X = np.random.default_rng(6).normal(size=(8, 4)).astype(np.float32)
     assert np.isfinite(_outputs(model, X)).all()
+
+
+def test_the_federated_aligned_method_says_which_layers_repair_leaves_as_merged(nets, tmp_path, capsys) -> None:
+    config = {"run": {"name": "twice", "seed": 0}, "data": {"dataset": "digits"}, "partition": {"method": "iid", "num_clients": 2},
+              "train": {"epochs": 1}, "methods": {"aligned": {"repair": True}}}
+    result = rayfuse.run(config, model=lambda: nets.TwiceImage(), backend="local", run_dir=tmp_path / "run")
+    out = capsys.readouterr().out
+    assert "repair: hid left as merged: applied 2 times in forward" in out, out
+    assert np.isfinite(result.models["aligned"]["hid.weight"]).all()
 
 
 def test_identical_models_applied_twice_fuse_to_themselves_with_repair(nets, tmp_path, monkeypatch) -> None:
