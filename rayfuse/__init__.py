@@ -2,7 +2,7 @@
 
 The core (``rayfuse.fusion``, ``rayfuse.data``, ``rayfuse.models`` and the modules beside them) never imports Ray;
 the Ray layer lives in the ``actors`` package. ``rayfuse run`` / ``rayfuse list`` are the command line;
-:func:`rayfuse.run` and :func:`rayfuse.fuse` the Python API (:mod:`rayfuse.api`, imported on first use so that
+:func:`rayfuse.run`, :func:`rayfuse.fuse` and :func:`rayfuse.load_fused` the Python API (:mod:`rayfuse.api`, imported on first use so that
 ``import rayfuse`` stays cheap).
 
 Submodules import what they need from the module that defines it (``from rayfuse.errors import InputError``), never
@@ -14,9 +14,9 @@ from typing import Any
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.version import __version__
 
-__all__ = ["InputError", "RunFailure", "RunResult", "fuse", "resume", "run", "__version__"]
+__all__ = ["InputError", "RunFailure", "RunResult", "fuse", "load_fused", "resume", "run", "__version__"]
 
-_API = ("run", "resume", "fuse", "RunResult")
+_API = ("run", "resume", "fuse", "load_fused", "RunResult")
 
 
 def __getattr__(name: str) -> Any:

@@ -48,7 +48,7 @@ import numpy as np
 from rayfuse.config import ExperimentConfig, build_config, read_config_file
 from rayfuse.errors import InputError, RunFailure
 
-__all__ = ["InputError", "RunFailure", "RunResult", "fuse", "fuse_checkpoints", "resume", "run", "build_architecture", "symmetry"]
+__all__ = ["InputError", "RunFailure", "RunResult", "fuse", "fuse_checkpoints", "load_fused", "resume", "run", "build_architecture", "symmetry"]
 
 BACKENDS = ("ray", "local")
 
@@ -209,6 +209,20 @@ def fuse(config: str | Path | Mapping[str, Any], out: str | Path | None = None, 
                       "output": "fused.safetensors"}, progress=print)
     """
     return Path(fuse_checkpoints(config, out, progress)["output"])
+
+
+def load_fused(architecture: Any, path: str | Path, *, args: Mapping[str, Any] | None = None,
+               input_shape: Sequence[int] | None = None) -> Any:
+    """The model a fused file holds, in one call (:func:`rayfuse.checkpoints.load_fused`): ``architecture``
+    (``"module:Class"``, a class or a function returning the model, or a model) built at the widths the file records
+    (a ``merge: nonparametric`` model is wider than the architecture) and loaded, in eval mode, tied tensors kept tied::
+
+        fused = rayfuse.fuse("fuse.yaml")
+        model = rayfuse.load_fused("mypkg.models:Net", fused)   # the fuse file's architecture_args by default
+    """
+    from rayfuse.checkpoints import load_fused as load
+
+    return load(architecture, path, args=args, input_shape=input_shape)
 
 
 def build_architecture(architecture: str, *, input_shape: Sequence[int] | None = None, dataset: str = "digits",

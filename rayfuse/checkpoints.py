@@ -26,7 +26,12 @@ its parameters need it, a data sample::
     parameters: {merge: average, repair: true}
 
 Every checkpoint is checked against the architecture tensor by tensor, and the data against the model, before
-anything is fused. Methods register in :data:`FUSERS` with :func:`register_fuser`.
+anything is fused; tensors the architecture ties must hold one value (a file that keeps one name of a tied tensor gets
+it under every name). What leaves is checked like what enters (:func:`check_fused`): every float tensor finite in the
+dtype it is written in, tied tensors one value; only then is the file written (a temporary file renamed). The output's
+metadata records the architecture, its arguments, the input shape and, for a model whose groups grew, the permutation
+spec and each group's width, from which :func:`load_fused` builds the model in one call. Methods register in
+:data:`FUSERS` with :func:`register_fuser`.
 """
 
 from __future__ import annotations
@@ -40,14 +45,14 @@ import numpy as np
 from pydantic import BaseModel, Field, ValidationError
 
 from rayfuse.config import StrictSchema, pydantic_input_error
-from rayfuse.errors import InputError, RunFailure, suggest
+from rayfuse.errors import InputError, NonFiniteError, RunFailure, suggest
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.aligned.algorithm import AlignmentSettings, derive_run_spec
 from rayfuse.fusion.distill.algorithm import DistillOptions
 from rayfuse.io import TORCH_ONLY_FLOATS, check_writable_folder, read_checkpoint, save_params, save_params_cast
 
 __all__ = ["FuseSpec", "Fuser", "FuseInputs", "FUSERS", "register_fuser", "load_fuse_config", "load_fuse_inputs", "fuse_models", "run_fuse",
-           "check_floats", "fused_dtype"]
+           "check_floats", "fused_dtype", "tied_names", "check_ties", "check_fused", "load_fused"]
 
 
 class _FuseSchema(StrictSchema):
@@ -151,7 +156,8 @@ def _weighted(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], m
     fused = weighted_average(params, weights)
     if not method.normalize:  # type: ignore[attr-defined]
         scale = float(sum(weights))
-        fused = {k: (v * scale).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in fused.items()}
+        with np.errstate(over="ignore"):  # an overflow is refused, naming the tensor, before anything is written (check_fused)
+            fused = {k: (v * scale).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in fused.items()}
     return fused
 
 
@@ -291,7 +297,11 @@ def _rescale(inputs: FuseInputs, spec: Any, aligned: list[dict[str, np.ndarray]]
     """REPAIR's rescaling of the layers no BatchNorm follows, on the fuse file's data (every model sees the same data)."""
     from rayfuse.alignment import apply_repair, repair_targets, repair_units, unit_statistics
 
-    units = repair_units(inputs.model, spec)
+    skipped: dict[str, str] = {}
+    units = repair_units(inputs.model, spec, skipped=skipped)
+    for name, why in skipped.items():
+        if inputs.log is not None:
+            inputs.log(f"repair: {name} left as merged: {why}")
     if not units:
         return fused
     X = _given(inputs.X)
@@ -322,7 +332,8 @@ def _with(model: Any, params: Mapping[str, np.ndarray], spec: Any = None, exampl
     if example is not None and any(np.shape(params[k]) != tuple(v.shape) for k, v in state.items() if k in params):
         from rayfuse.symmetry import resize_with_spec
 
-        return resize_with_spec(clone, spec, params, example.shape).eval()
+        ties = tied_names(clone)
+        return retie(resize_with_spec(clone, spec, params, example.shape), ties).eval()
     clone.load_state_dict({k: torch.as_tensor(np.ascontiguousarray(v)) for k, v in params.items()})
     return clone.eval()
 
@@ -592,7 +603,10 @@ def load_fuse_inputs(spec: FuseSpec, models: Sequence[Mapping[str, np.ndarray]],
                                                            args_where=f"{prefix}models.{i}.architecture_args")
              for i, arch in enumerate(own)]
     for i, (params, file, arch) in enumerate(zip(models, spec.files, own)):
+        ties = tied_names(built[i])
+        fill_ties(cast(dict, params), ties)  # a file saved without the duplicate names (safetensors' save_model)
         check_checkpoint_fits(built[i], params, where=file, ref=spec.architecture if arch is None else arch[0])
+        check_ties(params, ties, where=str(file))
     X = y = None
     if spec.data is not None:
         if spec.method.labels:
@@ -655,10 +669,8 @@ def fuse_models(spec: FuseSpec, models: list[dict[str, np.ndarray]], inputs: Fus
     (float16 inputs are fused in float32; :func:`fused_dtype` says what to write them in)."""
     common = np.result_type(np.float32, *[v.dtype for m in models for v in m.values() if v.dtype.kind == "f"]) if models else np.float32
     models = [{k: v.astype(common) if v.dtype.kind == "f" else v for k, v in m.items()} for m in models]
-    fused = spec.method.fuse(models, spec.model_params, spec.params, inputs or FuseInputs())
-    if spec.dtype is not None and spec.dtype not in TORCH_ONLY_FLOATS:
-        fused = {k: v.astype(spec.dtype) if v.dtype.kind == "f" else v for k, v in fused.items()}
-    return fused
+    # the fuse file's dtype: is applied when the model is written (run_fuse), after check_fused has seen the values in it
+    return spec.method.fuse(models, spec.model_params, spec.params, inputs or FuseInputs())
 
 
 def run_fuse(spec: FuseSpec, log: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -669,22 +681,274 @@ def run_fuse(spec: FuseSpec, log: Callable[[str], None] | None = None) -> dict[s
     loaded = [read_checkpoint(file) for file in spec.files]
     models = [params for params, _ in loaded]
     check_floats(models, spec.files)
+    # with an architecture, each checkpoint is checked against it first, which also gives every name of a tied tensor
+    # its values: a file that keeps one name of it (safetensors' save_model) then fuses with files that keep both
+    inputs = load_fuse_inputs(spec, models, log)
     if not spec.method.heterogeneous:
         check_compatible(models, spec.files)
     else:  # each against its own architecture (load_fuse_inputs), and finite
         for params, file in zip(models, spec.files):
             check_compatible([params], [file])
-    inputs = load_fuse_inputs(spec, models, log)
-    fused = fuse_models(spec, models, inputs)
+    try:
+        fused = fuse_models(spec, models, inputs)
+    except NonFiniteError as exc:  # finite inputs whose products overflow (a matching's costs): the largest names the cause
+        raise _overflowed(spec, models, inputs, exc) from None
     output = Path(spec.output) if spec.output is not None else Path("fused.safetensors")  # load_fuse_config always sets it
-    metadata = {"method": spec.method.name, "models": ",".join(f.name for f in spec.files)}
     dtype = fused_dtype([dtypes for _, dtypes in loaded], spec.dtype)
-    if dtype is None:
-        save_params(output, fused, metadata)
-    else:
-        save_params_cast(output, fused, dtype, metadata)
+    check_fused(fused, tied_names(inputs.model) if inputs.model is not None else [], dtype, where=str(output), method=spec.method.name)
     reference = {k: tuple(v.shape) for k, v in inputs.model.state_dict().items()} if inputs.model is not None else \
         {k: tuple(np.shape(v)) for k, v in models[0].items()}
     resized = {k: (reference[k], tuple(np.shape(v))) for k, v in fused.items() if k in reference and reference[k] != tuple(np.shape(v))}
+    metadata = {"method": spec.method.name, "models": ",".join(f.name for f in spec.files), **_fused_metadata(spec, inputs, fused, resized)}
+    if dtype is None:  # every check is done: the file is written whole (a temporary file renamed) or not at all
+        save_params(output, fused, metadata)
+    else:
+        save_params_cast(output, fused, dtype, metadata)
     return {"method": spec.method.name, "models": len(models), "tensors": len(fused),
             "parameters": int(sum(v.size for v in fused.values())), "output": str(spec.output), "resized": resized}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What leaves fuse: tied tensors, finite values, and a widened model loadable in one call
+
+_META_ARCHITECTURE, _META_ARGS, _META_SHAPE, _META_SPEC, _META_WIDTHS = (
+    "rayfuse.architecture", "rayfuse.architecture_args", "rayfuse.input_shape", "rayfuse.spec", "rayfuse.widths")
+
+
+def tied_names(model: Any) -> list[tuple[str, ...]]:
+    """The state-dict keys that name one tensor of ``model`` (tied parameters: an embedding shared with the decoder,
+    one layer's weight assigned to another, a module registered under two names), one tuple per tensor held under
+    several names, in state-dict order."""
+    names: dict[int, list[str]] = {}
+    for key, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(tensor), []).append(key)
+    return [tuple(group) for group in names.values() if len(group) > 1]
+
+
+def fill_ties(params: dict[str, np.ndarray], ties: Sequence[tuple[str, ...]]) -> None:
+    """Give every name of a tied tensor its values where a file holds only some of the names (safetensors'
+    ``save_model`` keeps one name per shared tensor)."""
+    for group in ties:
+        present = [k for k in group if k in params]
+        if present:
+            for key in group:
+                params.setdefault(key, params[present[0]])
+
+
+def check_ties(params: Mapping[str, np.ndarray], ties: Sequence[tuple[str, ...]], *, where: str, after: str = "") -> None:
+    """Every name of a tied tensor holds the same values (one line naming the first that differs). ``after``: the
+    method that produced ``params`` (a fused model), named in the message."""
+    for group in ties:
+        present = [k for k in group if k in params]
+        for key in present[1:]:
+            first, other = np.asarray(params[present[0]]), np.asarray(params[key])
+            if first.shape != other.shape or not np.array_equal(first, other, equal_nan=True):
+                if after:
+                    raise InputError(f"{where}: {key}", f"the values of {present[0]} (the architecture ties them)",
+                                     f"different values after {after}", "nothing was written; a spec must give tied tensors the same groups")
+                raise InputError(f"{where}: {key}", f"the values of {present[0]} (the architecture ties them: one tensor under two names)",
+                                 "different values", "a model of this architecture cannot hold two values there")
+
+
+def retie(model: Any, ties: Sequence[tuple[str, ...]]) -> Any:
+    """Make every name of each group in ``ties`` hold one tensor again (the first name's), after a resize gave each
+    module a tensor of its own. Returns ``model``."""
+    for group in ties:
+        tensor = _slot(model, group[0])
+        for key in group[1:]:
+            owner, _, attr = key.rpartition(".")
+            module = model.get_submodule(owner) if owner else model
+            if attr in module._parameters:
+                module._parameters[attr] = tensor
+            else:
+                module._buffers[attr] = tensor
+    return model
+
+
+def _slot(model: Any, key: str) -> Any:
+    owner, _, attr = key.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    return module._parameters[attr] if attr in module._parameters else module._buffers[attr]
+
+
+def check_fused(fused: Mapping[str, np.ndarray], ties: Sequence[tuple[str, ...]], dtype: str | None, *, where: str, method: str) -> None:
+    """What leaves ``fuse`` is checked like what enters it, before anything is written: every float tensor is finite
+    in the dtype it is written in (``dtype``; ``None``: its own), and tied tensors (``ties``) hold one value. One line
+    naming the output file and the first tensor that fails."""
+    import torch
+
+    # InputError (exit 2), not NonFiniteError (a run that failed, exit 1): the inputs were checked finite and these
+    # fusions are deterministic, so a NaN or Inf here follows from the files and the fuse file's weights and dtype,
+    # which the user changes; the hint says which
+    for key, value in fused.items():
+        if value.dtype.kind != "f":
+            continue
+        if not np.isfinite(value).all():
+            raise InputError(f"{where}: {key}", "finite values in the fused model", f"NaN or Inf after {method}",
+                             "the inputs are finite, so the fusion overflowed (values near the float range, or weights that scale them "
+                             "past it); nothing was written")
+        if dtype is None or np.dtype(value.dtype).name == dtype:
+            continue
+        if dtype in TORCH_ONLY_FLOATS:
+            finite = bool(torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32)).to(getattr(torch, dtype)).isfinite().all())
+        else:
+            with np.errstate(over="ignore", invalid="ignore"):
+                finite = bool(np.isfinite(value.astype(dtype)).all())
+        if not finite:
+            largest = float(np.abs(value).max())
+            raise InputError(f"{where}: {key}", f"values that {dtype} can hold", f"{largest:.4g} (Inf once written as {dtype})",
+                             "write a wider dtype (dtype: float32); nothing was written")
+    check_ties(fused, ties, where=where, after=method)
+
+
+def _overflowed(spec: FuseSpec, models: Sequence[Mapping[str, np.ndarray]], inputs: FuseInputs, exc: NonFiniteError) -> InputError:
+    """The fusion of finite inputs met a NaN or Inf on the way (a matching's costs overflowed): one line naming the
+    input with the largest magnitude, the checkpoint tensor or the data, whose values drive the overflow."""
+    where, largest = "", -1.0
+    for params, file in zip(models, spec.files):
+        for key, value in params.items():
+            if value.dtype.kind == "f" and value.size and float(np.abs(value).max()) > largest:
+                where, largest = f"{file}: {key}", float(np.abs(value).max())
+    if inputs.X is not None and np.asarray(inputs.X).dtype.kind == "f" and np.size(inputs.X):
+        if float(np.abs(inputs.X).max()) > largest:
+            where, largest = f"{spec.config}: data.path" if spec.config else "data.path", float(np.abs(inputs.X).max())
+    return InputError(where, f"values {spec.method.name} can compute with (it met a NaN or Inf from these finite inputs)", f"{largest:.3g}",
+                      f"{exc}; nothing was written")
+
+
+def _fused_metadata(spec: FuseSpec, inputs: FuseInputs, fused: Mapping[str, np.ndarray],
+                    resized: Mapping[str, Any]) -> dict[str, str]:
+    """What :func:`load_fused` needs besides the tensors: the architecture and its arguments, the input shape, and for
+    a model whose groups grew (a nonparametric merge) the permutation spec at the architecture's widths and each
+    group's width in the file."""
+    import json
+
+    out: dict[str, str] = {}
+    if spec.architecture is not None:
+        out[_META_ARCHITECTURE] = spec.architecture
+        # a record for the reader: arguments JSON cannot hold (a Python API caller's objects) are written as repr
+        out[_META_ARGS] = json.dumps(dict(spec.architecture_args or {}), sort_keys=True, default=repr)
+    if inputs.example is not None:
+        out[_META_SHAPE] = json.dumps([int(n) for n in np.shape(inputs.example)[1:]])
+    if resized and inputs.model is not None and inputs.example is not None:
+        from rayfuse.symmetry.structure import read_group_sizes
+
+        run_spec = _spec_for(inputs, AlignParams(spec=getattr(spec.params, "spec", None)))
+        template = {k: tuple(v.shape) for k, v in inputs.model.state_dict().items()}
+        out[_META_SPEC] = json.dumps(run_spec.to_dict(), sort_keys=True)
+        out[_META_WIDTHS] = json.dumps(read_group_sizes(run_spec, template, {k: np.shape(v) for k, v in fused.items()}), sort_keys=True)
+    return out
+
+
+def _read_fused(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """A model file's tensors and (safetensors) metadata."""
+    params, _ = read_checkpoint(path)
+    if path.suffix != ".safetensors":
+        return dict(params), {}
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:  # read_checkpoint has read it: the header is valid
+        return dict(params), dict(handle.metadata() or {})
+
+
+def _build_for_load(architecture: Any, args: Mapping[str, Any] | None, meta: Mapping[str, str], where: str) -> Any:
+    import copy
+    import json
+
+    from torch import nn
+
+    if isinstance(architecture, str):
+        from rayfuse.models.architecture import build_architecture
+
+        if args is None and meta.get(_META_ARCHITECTURE) == architecture and _META_ARGS in meta:
+            try:
+                args = json.loads(meta[_META_ARGS])
+            except json.JSONDecodeError:
+                raise InputError(f"{where}: metadata {_META_ARGS}", "a JSON object", meta[_META_ARGS][:40]) from None
+        return build_architecture(architecture, args, where="architecture", args_where="args")
+    if isinstance(architecture, nn.Module):  # an instance: a copy of it receives the tensors
+        if args:
+            raise InputError("args", "no arguments with a model instance (they are for a class or factory)", sorted(args))
+        return copy.deepcopy(architecture).eval()
+    if not callable(architecture):
+        raise InputError("architecture", '"module:Class", an nn.Module class or a function returning an nn.Module', type(architecture).__name__)
+    name = getattr(architecture, "__qualname__", type(architecture).__name__)
+    try:
+        model = architecture(**dict(args or {}))
+    except Exception as exc:  # the user's constructor: one line naming it
+        raise InputError("args", f"keyword arguments {name} accepts",
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}") from None
+    if not isinstance(model, nn.Module):
+        raise InputError("architecture", "a class or function returning a torch.nn.Module", type(model).__name__)
+    return model.eval()
+
+
+def load_fused(architecture: Any, path: str | Path, *, args: Mapping[str, Any] | None = None,
+               input_shape: Sequence[int] | None = None) -> Any:
+    """The model a fused file holds, in one call: ``architecture`` built and loaded with the file's tensors, in eval mode.
+
+    Parameters
+    ----------
+    architecture : str, nn.Module class, function or nn.Module
+        ``"module:Class"`` / ``"torchvision:<name>"`` (as a fuse file's ``architecture:``), a class or a function that
+        returns the model, or a model (copied).
+    path : str or Path
+        A ``.safetensors`` file written by ``rayfuse fuse`` (or any checkpoint of the architecture).
+    args : mapping, optional
+        Keyword arguments for the architecture; by default the fuse file's ``architecture_args`` recorded in the
+        output when ``architecture`` is the reference it names.
+    input_shape : sequence of int, optional
+        One input's shape, for a file whose widths differ from the architecture's and that does not record its
+        permutation spec (one not written by ``rayfuse fuse``): the spec is derived on it.
+
+    A file whose groups grew (``merge: nonparametric``) records its spec and widths: the model is built at those
+    widths (each layer's size attributes follow) and tied tensors stay one tensor. Raises :class:`InputError` (one
+    line naming the file and tensor) for a file that does not fit the architecture.
+    """
+    import json
+
+    import torch
+
+    from rayfuse.models.architecture import check_checkpoint_fits
+
+    file = Path(path)
+    if not file.is_file():
+        raise InputError(str(path), "an existing model file (.safetensors, .pt, .pth, .bin)", "no such file")
+    params, meta = _read_fused(file)
+    model = _build_for_load(architecture, args, meta, str(file))
+    ties = tied_names(model)
+    fill_ties(params, ties)
+    check_ties(params, ties, where=str(file))
+    state = model.state_dict()
+    if not any(k in params and tuple(np.shape(params[k])) != tuple(v.shape) for k, v in state.items()):
+        check_checkpoint_fits(model, params, where=file, ref="the architecture")
+        model.load_state_dict({k: torch.as_tensor(np.ascontiguousarray(v)) for k, v in params.items()})
+        return model.eval()
+    from rayfuse.symmetry import PermutationSpec, derive_spec, resize_with_spec
+
+    shape = tuple(int(n) for n in input_shape) if input_shape is not None else None
+    if shape is None and _META_SHAPE in meta:
+        try:
+            shape = tuple(int(n) for n in json.loads(meta[_META_SHAPE]))
+        except (json.JSONDecodeError, TypeError, ValueError):
+            raise InputError(f"{file}: metadata {_META_SHAPE}", "a JSON list of integers", meta[_META_SHAPE][:40]) from None
+    if _META_SPEC in meta:
+        try:
+            spec = PermutationSpec.from_dict(json.loads(meta[_META_SPEC]), where=f"{file}: metadata {_META_SPEC}")
+        except json.JSONDecodeError:
+            raise InputError(f"{file}: metadata {_META_SPEC}", "a JSON permutation spec", meta[_META_SPEC][:40]) from None
+        try:
+            spec.check({k: tuple(v.shape) for k, v in state.items()}, where="spec")
+        except InputError as exc:  # the architecture was built otherwise than the fuse file built it
+            raise InputError(f"{file}: metadata {_META_SPEC}", f"the architecture as the fuse file built it ({exc.path.removeprefix('spec.')}: "
+                             f"{exc.expected})", exc.got, "pass the fuse file's architecture_args as args=") from None
+    elif shape is not None:
+        spec = derive_spec(model, torch.zeros((2, *shape)))
+    else:
+        key = next(k for k, v in state.items() if k in params and tuple(np.shape(params[k])) != tuple(v.shape))
+        raise InputError(f"{file}: {key}", f"shape {tuple(state[key].shape)} (the architecture's), or a file that records its widths "
+                         "(rayfuse fuse writes them)", tuple(np.shape(params[key])), "give input_shape= to derive the groups")
+    if shape is None:
+        raise InputError(f"{file}: metadata {_META_SHAPE}", "one input's shape, to check the widened model runs", "none",
+                         "give input_shape=")
+    return retie(resize_with_spec(model, spec, params, (2, *shape), where=str(file)), ties).eval()

@@ -132,7 +132,7 @@ def _cmd_fuse(args: argparse.Namespace) -> int:
     if summary.get("resized"):  # a nonparametric merge grew groups: the architecture must be built at these widths
         key, (was, now) = next(iter(summary["resized"].items()))
         print(f"rayfuse fuse: the fused model is wider than its inputs: {len(summary['resized'])} tensors resized (e.g. {key} "
-              f"{was} -> {now}); load it into the architecture with rayfuse.symmetry.resize_model")
+              f"{was} -> {now}); load it in one call with rayfuse.load_fused(architecture, {summary['output']!r})")
     return 0
 
 

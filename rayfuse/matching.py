@@ -132,7 +132,10 @@ def solve_assignment(cost: np.ndarray, *, where: str = "cost") -> np.ndarray:
         raise InputError(where, "a 2-D cost matrix with at most as many rows as columns", f"shape {cost.shape}")
     if cost.dtype.kind not in "fiu":
         raise InputError(where, "a numeric cost matrix", str(cost.dtype))
-    rows, cols = linear_sum_assignment(cost)
+    try:
+        rows, cols = linear_sum_assignment(cost)
+    except ValueError as exc:  # scipy raises for NaN entries, and for Inf entries that leave no complete assignment
+        raise NonFiniteError(f"{where}: the cost matrix has NaN or infinite entries ({exc})") from None
     if rows.shape[0] != cost.shape[0]:  # scipy only omits rows when the matrix is infeasible (NaN / Inf entries)
         raise NonFiniteError(f"{where}: the cost matrix has NaN or infinite entries; no complete assignment exists")
     out = np.empty(cost.shape[0], dtype=np.int64)

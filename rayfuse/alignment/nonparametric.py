@@ -23,7 +23,9 @@ With no new units this is :func:`rayfuse.alignment.merge_average`. With every un
 
 Groups whose width cannot change without changing the function stay at their width, with the reason
 (:func:`width_roles`): attention heads and head dimensions, units a LayerNorm or GroupNorm normalises together,
-segments of a concatenated axis, tensors of modules whose size attributes are not known.
+segments of a concatenated axis, tensors of modules whose size attributes are not known, units that one tied tensor
+both computes and reads (a tied embedding and decoder). Tensors tied with the same role on every axis (one layer's
+weight shared by two layers) are merged alike under each name, so the tie holds at any width.
 """
 
 from __future__ import annotations
@@ -80,12 +82,28 @@ def width_roles(model: nn.Module, spec: PermutationSpec) -> WidthRoles:
         for a in g.axes:
             on_dim[(a.key, a.dim)] = on_dim.get((a.key, a.dim), 0) + 1
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied: dict[int, list[str]] = {}
+    for key, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        tied.setdefault(id(tensor), []).append(key)
+    partners = {key: [k for k in group if k != key] for group in tied.values() if len(group) > 1 for key in group}
     fixed: dict[str, str] = {}
     for g in spec.groups:
-        reason = _fixed_reason(g, owners, shapes, on_dim)
+        reason = _tied_reason(g, partners, inputs) or _fixed_reason(g, owners, shapes, on_dim)
         if reason:
             fixed[g.name] = reason
     return WidthRoles(frozenset(inputs), fixed)
+
+
+def _tied_reason(g: PermGroup, partners: Mapping[str, list[str]], inputs: set[tuple[str, int]]) -> str:
+    """A group whose units one tensor both computes and reads under two names (a tied embedding and decoder): the merge
+    averages a unit's own axes over the models holding it and adds zeros on the axes that read it, two values that one
+    tensor cannot hold, so the group keeps its width (and the tie holds)."""
+    for a in g.axes:
+        for other in partners.get(a.key, ()):
+            if ((a.key, a.dim) in inputs) != ((other, a.dim) in inputs):
+                reads, computes = (a.key, other) if (a.key, a.dim) in inputs else (other, a.key)
+                return f"{computes} and {reads} are one tensor (tied) that computes these units and reads them"
+    return ""
 
 
 def _fixed_reason(g: PermGroup, owners: Mapping[str, nn.Module], shapes: Mapping[str, tuple[int, ...]],

@@ -42,7 +42,9 @@ def batchnorm_statistics(model: nn.Module, X: np.ndarray, *, batch_size: int = 2
     One pass without gradients, the BatchNorm layers in train mode (they normalise with the batch statistics, as when
     running statistics are reset and re-estimated with ``momentum=None``), every other module in eval mode. Returns, per
     BatchNorm module name, ``(count, mean, var)``: the number of values per channel, and their exact mean and
-    (population) variance in float64. The model is left as it was (its buffers and modes are restored)."""
+    (population) variance in float64. A BatchNorm applied several times in ``forward`` pools the inputs of every
+    application, as its running statistics do in training. The model is left as it was (its buffers and modes are
+    restored)."""
     dev = resolve_device(device)
     norms = {name: m for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
     moments = ChannelMoments()
@@ -125,29 +127,60 @@ class RepairUnit:
     has_bias: bool
 
 
-def repair_units(model: nn.Module, spec: PermutationSpec) -> list[RepairUnit]:
+def repair_units(model: nn.Module, spec: PermutationSpec, *, skipped: dict[str, str] | None = None) -> list[RepairUnit]:
     """The layers of ``model`` whose hidden output units REPAIR rescales: every Linear / Conv1d-3d whose output axis is
     a whole permutation group's axis (a hidden layer; the output layer's units are fixed) and whose output no
-    BatchNorm reads (BatchNorm re-estimation repairs those). In forward order."""
+    BatchNorm reads (BatchNorm re-estimation repairs those). In forward order, each layer once.
+
+    A layer applied several times in ``forward`` (one module called at two places), or whose weight or bias is one
+    tensor with another layer's (tied parameters), is left as merged: one rescaling of its tensor cannot give each
+    application (or each layer sharing it) its own statistics, and rescaling a tied tensor under one name would untie
+    it. ``skipped``, when given, receives those layers' names and the reason (one line each)."""
     from rayfuse.symmetry import trace_model
 
     whole = {a.key: g.name for g in spec.groups for a in g.axes
              if a.dim == 0 and a.start == 0 and a.outer == 1 and a.inner == 1}
     graph = trace_model(model)
     modules = dict(model.named_modules())
+    calls: dict[str, int] = {}
+    for node in graph.graph.nodes:
+        if node.op == "call_module":
+            calls[str(node.target)] = calls.get(str(node.target), 0) + 1
+    tied = _tied_keys(model)
     out: list[RepairUnit] = []
+    seen: set[str] = set()
     for node in graph.graph.nodes:
         if node.op != "call_module" or not isinstance(modules.get(node.target), (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             continue
         name = str(node.target)
+        if name in seen:
+            continue
+        seen.add(name)
         group = whole.get(f"{name}.weight")
         if group is None or spec.group(group).size != modules[name].weight.shape[0]:
             continue
         if any(user.op == "call_module" and isinstance(modules.get(user.target), nn.modules.batchnorm._BatchNorm) for user in node.users):
             continue
+        partners = sorted(tied.get(f"{name}.weight", set()) | tied.get(f"{name}.bias", set()))
+        reason = (f"applied {calls[name]} times in forward (one rescaling cannot match each application's statistics)"
+                  if calls[name] > 1 else
+                  f"its tensors are tied to {', '.join(partners[:2])} (one rescaling cannot match both layers' statistics)"
+                  if partners else "")
+        if reason:
+            if skipped is not None:
+                skipped[name] = reason
+            continue
         module = modules[name]
         out.append(RepairUnit(name, group, -1 if isinstance(module, nn.Linear) else 1, module.bias is not None))
     return out
+
+
+def _tied_keys(model: nn.Module) -> dict[str, set[str]]:
+    """Each state-dict key of a tensor that ``model`` holds under several names, with its other names."""
+    names: dict[int, list[str]] = {}
+    for key, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(tensor), []).append(key)
+    return {key: set(group) - {key} for group in names.values() if len(group) > 1 for key in group}
 
 
 def unit_statistics(model: nn.Module, X: np.ndarray, units: Sequence[RepairUnit], *, batch_size: int = 256,

@@ -424,7 +424,10 @@ class Aligned(Method):
         from rayfuse.alignment import apply_repair, repair_targets, repair_units
 
         p = self.params
-        units = repair_units(server.build_model(seed=0), spec)
+        skipped: dict[str, str] = {}
+        units = repair_units(server.build_model(seed=0), spec, skipped=skipped)
+        for name, why in skipped.items():  # a layer applied several times, or tied to another: one line each
+            server.progress(f"{server.label}: repair: {name} left as merged: {why}")
         if not units:
             return fused, []
         fed = server.federation
