@@ -22,6 +22,7 @@ line that names the key path, the expected value and what was given::
 from __future__ import annotations
 
 import copy
+import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -241,6 +242,15 @@ def silo_source_kind(dataset: str) -> str:
     return "folder" if DATASETS.get(dataset).source == "local folder" else "bundled"
 
 
+def _label_key(value: int | float | str) -> float | str:
+    """A declared label value as silo labels compare with it (rayfuse.data.silos.label_value): a number by its value."""
+    try:
+        number = float(value)
+    except ValueError:
+        return str(value)
+    return number if math.isfinite(number) else str(value)
+
+
 def _check_image_size(value: list[int] | None) -> list[int] | None:
     """An image size ``[H, W]`` (its length is the field's own constraint): both at least 1."""
     if value is not None and min(value) < 1:
@@ -411,8 +421,10 @@ class DataConfig(DatasetSource):
                                          "(read only on the client's node)")
     test: SiloSource | None = Field(None, description="with silos: the server's test set (central evaluation)")
     public: SiloSource | None = Field(None, description="with silos: the server's public / target sample")
-    classes: list[int | str] | None = Field(None, description="with silos: the task's label values in label order, as they appear in "
-                                            "the files (a silo may hold some of them); default: every silo holds the same label values")
+    # int | float | str: a float label value (0.5) stays a float (its text "0.5" is what a file's label reads back as)
+    classes: list[int | float | str] | None = Field(None, description="with silos: the task's label values in label order, as they "
+                                                    "appear in the files (a silo may hold some of them; numbers compare by value); "
+                                                    "default: every silo holds the same label values")
 
     @model_validator(mode="before")
     @classmethod
@@ -462,7 +474,8 @@ class DataConfig(DatasetSource):
             names = [str(c) for c in self.classes]
             if len(names) < 2:
                 raise ValueError(f"@classes@ at least 2 label values, got {self.classes!r}")
-            repeated = next((c for i, c in enumerate(self.classes) if str(c) in names[:i]), None)
+            values = [_label_key(c) for c in self.classes]  # numbers by value: 1 and 1.0 are one label
+            repeated = next((c for i, c in enumerate(self.classes) if values[i] in values[:i]), None)
             if repeated is not None:
                 raise ValueError(f"@classes@ distinct label values, got {repeated!r} twice")
         return self

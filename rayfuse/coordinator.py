@@ -543,7 +543,7 @@ class Coordinator:
             raise RunFailure(f"the silo survey: clients {missing} did not report their silo")
         reports = [gathered.results[c] for c in sorted(gathered.results)]
         schemas = [r["schema"] for r in reports]
-        check_schemas(schemas)
+        check_schemas(schemas, plan.silos)
         normalization = None
         if standardize:
             mean, scale = combine_moments([r["moments"] for r in reports])
