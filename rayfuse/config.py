@@ -286,7 +286,8 @@ class SiloSource(StrictModel):
     image_size: list[int] | None = Field(None, min_length=2, max_length=2, description="imagefolder: [H, W] every image is resized to "
                                          "(default: the images' own size, which must then agree)")
     grayscale: bool | None = Field(None, description="imagefolder: read images as one grey channel (default: RGB)")
-    options: dict[str, Any] = Field(default_factory=dict, description="a bundled dataset's generator arguments; csv: {delimiter: ','}")
+    options: dict[str, Any] = Field(default_factory=dict, description="a bundled dataset's generator arguments; csv: {delimiter: ';'} "
+                                    "(default: sniffed from the header among , ; tab |)")
     labels: bool = Field(True, description="false: a file without labels (data.public only; npz, or parquet / csv with features "
                          "named): only its inputs are read, its labels are unknown (-1), for methods that never read them "
                          "(distill with transfer: public)")

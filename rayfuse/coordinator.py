@@ -518,7 +518,8 @@ class Coordinator:
         if spec is None:
             return Split(np.zeros((0, *plan.input_shape), dtype=np.float32), np.zeros(0, dtype=np.int64))
         return server_split(spec, key=f"data.{key}", labels=plan.class_names, input_shape=plan.input_shape,
-                            normalization=plan.normalization, classes=self.cfg.data.class_names)
+                            normalization=plan.normalization, classes=self.cfg.data.class_names,
+                            dtype=str(plan.schemas[0]["dtype"]) if isinstance(plan, SiloPlan) and plan.schemas else None)
 
     def pooled_train(self) -> Split:
         if isinstance(self.plan, SiloPlan):

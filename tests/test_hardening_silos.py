@@ -136,6 +136,13 @@ refused("dtype", "test-path-of-another-kind", "data.silos.0.test_path", "uint8",
     lambda f: ["run", job(f, [{"dataset": "npz", "path": npz_silo(f, "s0.npz")["path"],
                                "test_path": npz_silo(f, "held.npz", X=np.arange(120).reshape(40, 3).astype(np.uint8))["path"]},
                               npz_silo(f, "s1.npz")])])
+refused("dtype", "data-test-of-another-kind", "data.test.path", "uint8", "test.npz")(
+    lambda f: ["run", job(f, [npz_silo(f, "s0.npz"), npz_silo(f, "s1.npz")],
+                          test={"dataset": "npz", "path": npz_silo(f, "test.npz", X=np.arange(120).reshape(40, 3).astype(np.uint8))["path"]})])
+refused("dtype", "data-public-of-another-kind", "data.public.path", "int64", "public.npz")(
+    lambda f: ["run", job(f, [npz_silo(f, "s0.npz"), npz_silo(f, "s1.npz")], methods={"transfer": {"target_epochs": 1}},
+                          public={"dataset": "npz", "path": npz_silo(f, "public.npz", X=np.arange(120).reshape(40, 3))["path"]},
+                          test={"dataset": "npz", "path": npz_silo(f, "test.npz")["path"]}), "--set", "evaluation=central"])
 
 # -- images: pixels without a fixed range
 
@@ -329,6 +336,14 @@ def _widths(f: Files) -> None:
     b = _read(f, npz_silo(f, "b.npz", X=np.arange(120).reshape(40, 3).astype(np.int64)), client=1)
     check_schemas([silo_schema(*a), silo_schema(*b)])
     assert silo_schema(*a)["dtype"] == "int32" and dtype_kind("uint16") == dtype_kind("int64") == "integer"
+
+
+@accepted("dtype", "float64-test-set-beside-float32-silos")
+def _test_width(f: Files) -> None:
+    test = {"dataset": "npz", "path": npz_silo(f, "test.npz", X=_blobs(seed=9)[0].astype(np.float64))["path"]}
+    assert main(["run", job(f, [npz_silo(f, "s0.npz"), npz_silo(f, "s1.npz")], test=test), "--out", "run",
+                 "--set", "evaluation=central"]) == 0
+    assert json.loads((f.root / "run" / "partition.json").read_text())["roles"]["test"]["size"] == 40
 
 
 @accepted("classes", "half-integer-float-classes")

@@ -229,11 +229,13 @@ def load_silo_splits(plan: SiloClientPlan) -> tuple[Split, Split, tuple[str, ...
 
 
 def server_split(spec: SiloSource, *, key: str, labels: Sequence[str], input_shape: Sequence[int],
-                 normalization: Normalization | None, classes: Sequence[str] | None = None) -> Split:
+                 normalization: Normalization | None, classes: Sequence[str] | None = None, dtype: str | None = None) -> Split:
     """A server set (``data.test``, ``data.public``) read where the coordinator runs, checked against the silos' input
     shape and label values (``classes``: the declared ``data.classes``, which are then the silos' label values), its
-    labels numbered as the silos number them, standardised as the clients are. A set without labels (``labels: false``)
-    is its inputs only (:func:`load_server_inputs`), every label :data:`UNKNOWN_LABEL`."""
+    labels numbered as the silos number them, standardised as the clients are; with ``dtype`` (the silos' stored dtype,
+    from the survey) its file's stored dtype must be of the same kind (:func:`dtype_kind`). A set without labels
+    (``labels: false``) is its inputs only (:func:`load_server_inputs`), every label :data:`UNKNOWN_LABEL` (its
+    readers cast to float32 and keep no stored dtype: not compared)."""
     if not spec.labels:
         X = load_server_inputs(spec, key=key)
         if tuple(X.shape[1:]) != tuple(input_shape):
@@ -241,6 +243,10 @@ def server_split(spec: SiloSource, *, key: str, labels: Sequence[str], input_sha
         unlabeled = Split(X, np.full(len(X), UNKNOWN_LABEL, dtype=np.int64))
         return unlabeled if normalization is None else Split(normalization.apply(unlabeled.X), unlabeled.y)
     data = load_server_set(spec, key=key, classes=classes)
+    if dtype is not None and dtype_kind(stored_dtype(data)) != dtype_kind(dtype):
+        where = f" in {spec.path!r}" if spec.path else ""
+        raise InputError(f"{key}.path" if spec.path else key, f"inputs of the same kind as the silos': {dtype_kind(dtype)} ({dtype})",
+                         f"{stored_dtype(data)}{where}", _KIND_HINT)
     if tuple(data.input_shape) != tuple(input_shape):
         raise InputError(key, f"inputs shaped like the silos' {tuple(input_shape)}", tuple(data.input_shape))
     index = {label_value(name): i for i, name in enumerate(labels)}
