@@ -289,6 +289,16 @@ def _semicolon_points(f: Files) -> None:
     assert csv_dialect(Path(f.root / csv_silo(f, "s.csv", table_text(sep=";"))["path"])).decimal_point == "."
 
 
+@accepted("csv", "unlabeled-public-excel-csv")
+def _unlabeled_excel(f: Files) -> None:
+    from rayfuse.data.silos import load_server_inputs
+
+    csv_silo(f, "public.csv", b"\xef\xbb\xbf" + table_text(sep=";", decimal=",", newline="\r\n").encode())
+    X = load_server_inputs({"dataset": "csv", "path": str(f.root / "public.csv"), "features": ["a", "b", "c"], "labels": False},
+                           key="data.public")
+    np.testing.assert_allclose(X[np.argsort(X[:, 0])], _expected_csv(), atol=1e-6)
+
+
 @accepted("csv", "csv-silos-run-without-standardize")
 def _csv_runs(f: Files) -> None:
     silos = [csv_silo(f, "s0.csv", table_text(sep=";", decimal=",", newline="\r\n")), csv_silo(f, "s1.csv", table_text(seed=1))]
@@ -397,7 +407,7 @@ def _sequence_fuse(f: Files, method: str, with_labels: bool) -> None:
     spec = {"merge_method": method, "architecture": f"{__name__}:SequenceNet", "models": [{"model": "m0.safetensors"}, {"model": "m1.safetensors"}],
             "data": {"path": "seq.npz"}, "output": "fused.safetensors"}
     if method == "distill":
-        spec["parameters"] = {"epochs": 1, "transfer": "public", "init": "average"}
+        spec["parameters"] = {"epochs": 1, "steps": 20, "batch_size": 8, "transfer": "public", "init": "average"}
     assert main(["fuse", f.yaml("fuse.yaml", spec)]) == 0
     assert (f.root / "fused.safetensors").is_file()
 
