@@ -636,7 +636,9 @@ class DPSGDConfig(StrictModel):
     Poisson sampling of batches at rate ``batch_size / n``). The privacy unit is one example of the client's data; the
     client reports the epsilon it spent at ``delta`` (:mod:`rayfuse.models.privacy`)."""
 
-    noise_multiplier: float | None = Field(None, ge=0, description="the noise's standard deviation over max_grad_norm (or give target_epsilon)")
+    # > 0: without noise the accountant's epsilon is infinite and every local model was rejected after training
+    noise_multiplier: float | None = Field(None, gt=0, description="the noise's standard deviation over max_grad_norm, > 0 (or give "
+                                           "target_epsilon)")
     target_epsilon: float | None = Field(None, gt=0, description="the epsilon each client may spend: Opacus picks the noise multiplier "
                                          "for it from the client's sample rate and steps (or give noise_multiplier)")
     max_grad_norm: float = Field(1.0, gt=0, description="per-example gradient clipping norm C")

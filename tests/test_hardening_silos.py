@@ -192,6 +192,8 @@ refused("dp", "validate-upload-dp-zero-noise", "methods.average.dp.noise_multipl
     lambda f: ["validate", tiny_job(f, {"average": {"dp": {"clip_norm": 1.0, "noise_multiplier": 0}}})])
 refused("dp", "aligned-upload-dp-negative-noise", "methods.aligned.dp.noise_multiplier")(
     lambda f: ["run", tiny_job(f, {"aligned": {"alignment": "weight", "repair": False, "dp": {"clip_norm": 1.0, "noise_multiplier": -1}}})])
+refused("dp", "dp-sgd-zero-noise", "train.dp.noise_multiplier", "greater than 0")(
+    lambda f: ["run", tiny_job(f, {"local": {}}), "--set", "train.dp={noise_multiplier: 0, max_grad_norm: 1.0}"])
 
 
 @pytest.mark.parametrize("bad", REFUSED, ids=[c.id for c in REFUSED])
