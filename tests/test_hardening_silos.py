@@ -280,6 +280,12 @@ def _excel(f: Files) -> None:
     assert train.class_names == ("0", "1")
 
 
+@accepted("csv", "excel-sep-line")
+def _sep_line(f: Files) -> None:
+    spec = csv_silo(f, "sep.csv", "sep=;\r\n" + table_text(sep=";", decimal=",", newline="\r\n"))
+    np.testing.assert_allclose(_whole_csv(f, spec), _expected_csv(), atol=1e-6)
+
+
 @accepted("csv", "tab-separated-utf16")
 def _utf16(f: Files) -> None:
     spec = csv_silo(f, "unicode.csv", table_text(sep="\t", newline="\r\n").encode("utf-16"))

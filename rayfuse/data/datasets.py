@@ -525,16 +525,18 @@ def _read_parquet(path: str | Path | None, label: str, features: str | list[str]
 
 @dataclass(frozen=True)
 class CsvDialect:
-    """How a csv file is written: its column separator, decimal mark and text encoding (:func:`csv_dialect`)."""
+    """How a csv file is written: its column separator, decimal mark, text encoding and the lines before its header
+    (Excel's ``sep=;`` line) (:func:`csv_dialect`)."""
 
     delimiter: str = ","
     decimal_point: str = "."
     encoding: str = "utf8"
+    skip_rows: int = 0
 
     def read_options(self) -> Any:
         import pyarrow.csv as pacsv
 
-        return pacsv.ReadOptions(encoding=self.encoding)
+        return pacsv.ReadOptions(encoding=self.encoding, skip_rows=self.skip_rows)
 
 
 _CSV_DELIMITERS = (",", ";", "\t", "|")
@@ -545,8 +547,9 @@ _DECIMAL_POINT = re.compile(r"^\s*[+-]?\d*\.\d+(?:[eE][+-]?\d+)?\s*$")
 def csv_dialect(file: Path, delimiter: str | None = None) -> CsvDialect:
     """The dialect of a csv file as spreadsheets write it: a UTF-8 byte-order mark (Excel's "CSV UTF-8") is skipped, a
     UTF-16 one (Excel's "Unicode text") read as UTF-16; CRLF line ends are line ends; the column separator, unless
-    given (a silo's ``options.delimiter``), is the one of ``, ; tab |`` that splits the header row into the most
-    fields (a tie, or a header of one column: ``,``); with a separator other than ``,``, numbers written with a
+    given (a silo's ``options.delimiter``), is the one a first line ``sep=;`` names (Excel's; the line is skipped),
+    else the one of ``, ; tab |`` that splits the header row into the most fields (a tie, a header of one column or
+    a header the csv module cannot split: ``,``); with a separator other than ``,``, numbers written with a
     decimal comma (``1,5``; Excel's in locales whose separator is ``;``) are read as such when the first rows hold
     decimal commas and no decimal point. Only the first 64 KiB are looked at."""
     import csv
@@ -560,16 +563,22 @@ def csv_dialect(file: Path, delimiter: str | None = None) -> CsvDialect:
     encoding = "utf16" if head[:2] in (b"\xff\xfe", b"\xfe\xff") else "utf8"
     text = head.decode("utf-16" if encoding == "utf16" else "utf-8-sig", errors="replace")
     lines = text.splitlines()[:-1] if len(head) == 1 << 16 else text.splitlines()  # (a cut last line is left out)
-    header = lines[0] if lines else ""
-    if delimiter is None:
-        counts = {d: len(next(csv.reader([header], delimiter=d), [])) for d in _CSV_DELIMITERS}
-        delimiter = max(_CSV_DELIMITERS, key=lambda d: (counts[d], d == ","))
-    decimal_point = "."
-    if delimiter != ",":
-        fields = [f for row in csv.reader(io.StringIO("\n".join(lines[1:51])), delimiter=delimiter) for f in row]
-        if any(_DECIMAL_COMMA.match(f) for f in fields) and not any(_DECIMAL_POINT.match(f) for f in fields):
-            decimal_point = ","
-    return CsvDialect(delimiter, decimal_point, encoding)
+    skip = 1 if lines and re.fullmatch(r"sep=.", lines[0]) else 0  # (not stripped: "sep=\t" names a tab)
+    if skip and delimiter is None:
+        delimiter = lines[0][4]
+    header = lines[skip] if len(lines) > skip else ""
+    try:
+        if delimiter is None:
+            counts = {d: len(next(csv.reader([header], delimiter=d), [])) for d in _CSV_DELIMITERS}
+            delimiter = max(_CSV_DELIMITERS, key=lambda d: (counts[d], d == ","))
+        decimal_point = "."
+        if delimiter != ",":
+            fields = [f for row in csv.reader(io.StringIO("\n".join(lines[skip + 1:skip + 51])), delimiter=delimiter) for f in row]
+            if any(_DECIMAL_COMMA.match(f) for f in fields) and not any(_DECIMAL_POINT.match(f) for f in fields):
+                decimal_point = ","
+    except csv.Error:  # a header or rows the csv module cannot split: pyarrow's reading of the file says what is wrong
+        delimiter, decimal_point = delimiter or ",", "."
+    return CsvDialect(delimiter, decimal_point, encoding, skip)
 
 
 def _read_csv(path: str | Path | None, label: str, features: str | list[str] | None, delimiter: str | None,
