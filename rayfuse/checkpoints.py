@@ -609,15 +609,17 @@ def load_fuse_inputs(spec: FuseSpec, models: Sequence[Mapping[str, np.ndarray]],
         check_ties(params, ties, where=str(file))
     X = y = None
     if spec.data is not None:
+        # X as stored, shaped as the model takes it: (N, L, D) sequences for a recurrent or attention model stay
+        # (N, L, D) (a training set's (N, H, W) reads as grey images; a model's sample needs no such guess)
         if spec.method.labels:
-            from rayfuse.data.datasets import load_dataset
+            from rayfuse.data.datasets import read_data_file
 
-            dataset = load_dataset("npz", path=str(spec.data), features=spec.data_arrays[0], label=spec.data_arrays[1])
+            dataset = read_data_file(spec.data, features=spec.data_arrays[0], label=spec.data_arrays[1], kind="npz", as_stored=True)
             X, y = dataset.X, dataset.y
         else:
             from rayfuse.data.datasets import read_unlabeled_npz
 
-            X = read_unlabeled_npz(spec.data, spec.data_arrays[0], where=f"{prefix}data.path")
+            X = read_unlabeled_npz(spec.data, spec.data_arrays[0], where=f"{prefix}data.path", as_stored=True)
         example = X[:2]
         where = f"{prefix}data.path"
     elif spec.input_shape is not None:

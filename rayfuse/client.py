@@ -67,6 +67,7 @@ class ClientContext:
         self.local_stats: dict[str, float] = {}
         self.local_cache = local_cache
         self.labels: tuple[str, ...] = ()  # data.silos: the silo's label values, in label order
+        self.silo_dtype = ""  # data.silos: the dtype the silo's file stores its inputs in (the survey compares it)
 
     @property
     def num_examples(self) -> int:
@@ -302,8 +303,9 @@ class Client:
                  device: str = "cpu", faults: Sequence[Any] = (), restarted: bool = False,
                  die: Callable[[], None] | None = None, dataset: Any = None, local_cache: str | None = None) -> None:
         labels: tuple[str, ...] = ()
+        silo_dtype = ""
         if isinstance(plan, SiloClientPlan):  # data.silos: this client's own silo, read here, on its own node
-            train, val, labels = load_silo_splits(plan)
+            train, val, labels, silo_dtype = load_silo_splits(plan)
             if not plan.num_classes:  # before the silo survey: the client's own facts (the survey checks they agree)
                 plan = replace(plan, num_classes=len(labels), input_shape=tuple(int(d) for d in train.X.shape[1:]))
             elif plan.normalization is not None:
@@ -316,6 +318,7 @@ class Client:
         self.ctx = ClientContext(client_id, plan, train, val, data_cfg=data_cfg, model_cfg=model_cfg, train_cfg=train_cfg,
                                  seed=seed, device=device, local_cache=local_cache, faults=faults)
         self.ctx.labels = labels if isinstance(plan, SiloClientPlan) else ()
+        self.ctx.silo_dtype = silo_dtype
         self.faults = [f for f in faults if f.client == client_id]
         self.restarted = restarted
         self._die = die
@@ -436,8 +439,8 @@ def report_silo(ctx: ClientContext, *, moments: bool = False) -> dict[str, Any]:
     from rayfuse.data.datasets import Dataset
 
     names = ctx.labels
-    train = Dataset("silo", ctx.train.X, ctx.train.y, len(names), names)
-    held_out = Dataset("silo-held-out", ctx.val.X, ctx.val.y, len(names), names)
+    train = Dataset("silo", ctx.train.X, ctx.train.y, len(names), names, stored_dtype=ctx.silo_dtype)
+    held_out = Dataset("silo-held-out", ctx.val.X, ctx.val.y, len(names), names, stored_dtype=ctx.silo_dtype)
     report: dict[str, Any] = {"schema": silo_schema(train, held_out)}
     if moments:
         n_train, sum_train, squares_train = feature_moments(ctx.train.X)

@@ -22,6 +22,7 @@ line that names the key path, the expected value and what was given::
 from __future__ import annotations
 
 import copy
+import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -241,6 +242,15 @@ def silo_source_kind(dataset: str) -> str:
     return "folder" if DATASETS.get(dataset).source == "local folder" else "bundled"
 
 
+def _label_key(value: int | float | str) -> float | str:
+    """A declared label value as silo labels compare with it (rayfuse.data.silos.label_value): a number by its value."""
+    try:
+        number = float(value)
+    except ValueError:
+        return str(value)
+    return number if math.isfinite(number) else str(value)
+
+
 def _check_image_size(value: list[int] | None) -> list[int] | None:
     """An image size ``[H, W]`` (its length is the field's own constraint): both at least 1."""
     if value is not None and min(value) < 1:
@@ -276,7 +286,8 @@ class SiloSource(StrictModel):
     image_size: list[int] | None = Field(None, min_length=2, max_length=2, description="imagefolder: [H, W] every image is resized to "
                                          "(default: the images' own size, which must then agree)")
     grayscale: bool | None = Field(None, description="imagefolder: read images as one grey channel (default: RGB)")
-    options: dict[str, Any] = Field(default_factory=dict, description="a bundled dataset's generator arguments; csv: {delimiter: ','}")
+    options: dict[str, Any] = Field(default_factory=dict, description="a bundled dataset's generator arguments; csv: {delimiter: ';'} "
+                                    "(default: sniffed from the header among , ; tab |)")
     labels: bool = Field(True, description="false: a file without labels (data.public only; npz, or parquet / csv with features "
                          "named): only its inputs are read, its labels are unknown (-1), for methods that never read them "
                          "(distill with transfer: public)")
@@ -411,8 +422,10 @@ class DataConfig(DatasetSource):
                                          "(read only on the client's node)")
     test: SiloSource | None = Field(None, description="with silos: the server's test set (central evaluation)")
     public: SiloSource | None = Field(None, description="with silos: the server's public / target sample")
-    classes: list[int | str] | None = Field(None, description="with silos: the task's label values in label order, as they appear in "
-                                            "the files (a silo may hold some of them); default: every silo holds the same label values")
+    # int | float | str: a float label value (0.5) stays a float (its text "0.5" is what a file's label reads back as)
+    classes: list[int | float | str] | None = Field(None, description="with silos: the task's label values in label order, as they "
+                                                    "appear in the files (a silo may hold some of them; numbers compare by value); "
+                                                    "default: every silo holds the same label values")
 
     @model_validator(mode="before")
     @classmethod
@@ -462,7 +475,8 @@ class DataConfig(DatasetSource):
             names = [str(c) for c in self.classes]
             if len(names) < 2:
                 raise ValueError(f"@classes@ at least 2 label values, got {self.classes!r}")
-            repeated = next((c for i, c in enumerate(self.classes) if str(c) in names[:i]), None)
+            values = [_label_key(c) for c in self.classes]  # numbers by value: 1 and 1.0 are one label
+            repeated = next((c for i, c in enumerate(self.classes) if values[i] in values[:i]), None)
             if repeated is not None:
                 raise ValueError(f"@classes@ distinct label values, got {repeated!r} twice")
         return self
@@ -622,7 +636,9 @@ class DPSGDConfig(StrictModel):
     Poisson sampling of batches at rate ``batch_size / n``). The privacy unit is one example of the client's data; the
     client reports the epsilon it spent at ``delta`` (:mod:`rayfuse.models.privacy`)."""
 
-    noise_multiplier: float | None = Field(None, ge=0, description="the noise's standard deviation over max_grad_norm (or give target_epsilon)")
+    # > 0: without noise the accountant's epsilon is infinite and every local model was rejected after training
+    noise_multiplier: float | None = Field(None, gt=0, description="the noise's standard deviation over max_grad_norm, > 0 (or give "
+                                           "target_epsilon)")
     target_epsilon: float | None = Field(None, gt=0, description="the epsilon each client may spend: Opacus picks the noise multiplier "
                                          "for it from the client's sample rate and steps (or give noise_multiplier)")
     max_grad_norm: float = Field(1.0, gt=0, description="per-example gradient clipping norm C")

@@ -530,7 +530,8 @@ class Coordinator:
         if spec is None:
             return Split(np.zeros((0, *plan.input_shape), dtype=np.float32), np.zeros(0, dtype=np.int64))
         return server_split(spec, key=f"data.{key}", labels=plan.class_names, input_shape=plan.input_shape,
-                            normalization=plan.normalization, classes=self.cfg.data.class_names)
+                            normalization=plan.normalization, classes=self.cfg.data.class_names,
+                            dtype=str(plan.schemas[0]["dtype"]) if isinstance(plan, SiloPlan) and plan.schemas else None)
 
     def pooled_train(self) -> Split:
         if isinstance(self.plan, SiloPlan):
@@ -555,7 +556,7 @@ class Coordinator:
             raise RunFailure(f"the silo survey: clients {missing} did not report their silo")
         reports = [gathered.results[c] for c in sorted(gathered.results)]
         schemas = [r["schema"] for r in reports]
-        check_schemas(schemas)
+        check_schemas(schemas, plan.silos)
         normalization = None
         if standardize:
             mean, scale = combine_moments([r["moments"] for r in reports])

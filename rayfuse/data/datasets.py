@@ -17,6 +17,7 @@ int64 labels in ``0..num_classes-1``, and, when the source has one, its official
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,9 @@ class Dataset:
     X_test: np.ndarray | None = None
     y_test: np.ndarray | None = None
     meta: dict[str, Any] = field(default_factory=dict)  # generator facts (e.g. the true GMM atoms): evaluation only
+    # the dtype the source stores its inputs in, before the float32 cast (an npz array's, a table's feature columns', an
+    # image's pixels'); "" where unknown. The silo survey compares silos by it (rayfuse.data.silos.check_schemas)
+    stored_dtype: str = ""
 
     def __post_init__(self) -> None:
         _check_arrays(self.name, self.X, self.y, self.num_classes)
@@ -153,20 +157,22 @@ def check_labels(values: Any, where: str) -> np.ndarray:
 
 
 def read_data_file(path: str | Path | None, *, label: str = "y", features: str | list[str] | None = None,
-                   kind: str | None = None, delimiter: str = ",", min_labels: int = 2) -> Dataset:
+                   kind: str | None = None, delimiter: str | None = None, min_labels: int = 2, as_stored: bool = False) -> Dataset:
     """The one check of a user's data file, used wherever one is read (``rayfuse validate``, ``tune --check`` and
     ``run`` through the ``npz`` / ``parquet`` datasets, ``rayfuse fuse``'s ``data:``): the file exists and is
     readable as ``kind`` (``"npz"`` or ``"parquet"``; default: its suffix; ``"csv"`` only when asked for, as a silo's
     ``dataset: csv`` does), holds the arrays / columns named, features numeric and finite, as many labels as samples,
     labels without nulls or NaN, at least ``min_labels`` classes (two; one for a silo of a config that declares its
-    label values, ``data.classes``). ``delimiter`` is a csv file's column separator.
+    label values, ``data.classes``). ``delimiter`` is a csv file's column separator (default: sniffed from its header,
+    :func:`csv_dialect`). ``as_stored``: an npz file's ``(N, H, W)`` array stays as stored (``rayfuse fuse``'s data,
+    shaped as the model takes it) instead of being read as grey images ``(N, 1, H, W)``.
 
     Returns the :class:`Dataset`; raises :class:`InputError` naming ``data.path``, ``data.features``, ``data.label``
     or the file.
     """
     kind = kind or (Path(path).suffix.lstrip(".") if path else None)
     if kind == "npz":
-        return _read_npz(path, label, features, min_labels)
+        return _read_npz(path, label, features, min_labels, as_stored)
     if kind == "parquet":
         return _read_parquet(path, label, features, min_labels)
     if kind == "csv":
@@ -346,20 +352,21 @@ def _load_npz(*, path: str | None = None, label: str = "y", features: str | list
     return read_data_file(path, label=label, features=features, kind="npz")
 
 
-def _read_npz(path: str | Path | None, label: str, features: str | list[str] | None, min_labels: int = 2) -> Dataset:
+def _read_npz(path: str | Path | None, label: str, features: str | list[str] | None, min_labels: int = 2, as_stored: bool = False) -> Dataset:
     file = _existing_file(path, ".npz")
     feature_key = features if isinstance(features, str) else "X"
     if isinstance(features, list):
         raise InputError("data.features", "one array name for an .npz file", features)
     X, labels = _npz_arrays(file, {feature_key: "data.features", label: "data.label"})
     assert X is not None and labels is not None  # required arrays
-    return dataset_from_arrays(file.stem, X, labels.reshape(-1), features_key="data.features", label_key="data.label", min_labels=min_labels)
+    return dataset_from_arrays(file.stem, X, labels.reshape(-1), features_key="data.features", label_key="data.label", min_labels=min_labels,
+                               as_stored=as_stored)
 
 
-def read_unlabeled_npz(path: str | Path, features: str = "X", *, where: str = "data.path") -> np.ndarray:
+def read_unlabeled_npz(path: str | Path, features: str = "X", *, where: str = "data.path", as_stored: bool = False) -> np.ndarray:
     """The inputs array ``features`` of an ``.npz`` file whose labels, if it has any, are not read (a transfer set for
-    distillation): numeric, finite, ``(N, features...)`` with ``(N, H, W)`` read as grey images. Raises
-    :class:`InputError` naming ``where`` or the file."""
+    distillation): numeric, finite, ``(N, features...)`` with ``(N, H, W)`` read as grey images (unless ``as_stored``:
+    ``rayfuse fuse``'s data, shaped as the model takes it). Raises :class:`InputError` naming ``where`` or the file."""
     file = _existing_file(path, ".npz", key=where)
     (X,) = _npz_arrays(file, {features: "data.features"})
     assert X is not None
@@ -370,10 +377,10 @@ def read_unlabeled_npz(path: str | Path, features: str = "X", *, where: str = "d
     if not np.isfinite(X).all():
         raise InputError("data.features", "finite values", "NaN or Inf")
     X = X.astype(np.float32)
-    return np.ascontiguousarray(X[:, None] if X.ndim == 3 else X)
+    return np.ascontiguousarray(X[:, None] if X.ndim == 3 and not as_stored else X)
 
 
-def read_unlabeled_file(path: str | Path, *, kind: str, features: str | list[str] | None = None, delimiter: str = ",") -> np.ndarray:
+def read_unlabeled_file(path: str | Path, *, kind: str, features: str | list[str] | None = None, delimiter: str | None = None) -> np.ndarray:
     """The inputs of a data file without labels (``labels: false``; a transfer set for distillation), nothing else read:
     an ``npz`` file's array ``features`` (default ``X``; :func:`read_unlabeled_npz`), or a ``parquet`` / ``csv`` file's
     columns ``features`` (named: there is no label column to tell them from), numeric and finite. Float32,
@@ -393,12 +400,13 @@ def read_unlabeled_file(path: str | Path, *, kind: str, features: str | list[str
 
     file = _existing_file(path, f".{kind}")
     wanted = [features] if isinstance(features, str) else list(features)
-    parse = pacsv.ParseOptions(delimiter=delimiter)
+    dialect = csv_dialect(file, delimiter) if kind == "csv" else CsvDialect()
+    parse = pacsv.ParseOptions(delimiter=dialect.delimiter)
     try:
         if kind == "parquet":
             columns = pq.read_schema(file).names
         else:
-            with pacsv.open_csv(file, parse_options=parse) as reader:  # the header (and a first block) only
+            with pacsv.open_csv(file, read_options=dialect.read_options(), parse_options=parse) as reader:  # the header only
                 columns = reader.schema.names
     except (OSError, pa.ArrowException) as exc:
         what = "a readable parquet file" if kind == "parquet" else "a readable csv file with a header row"
@@ -408,7 +416,8 @@ def read_unlabeled_file(path: str | Path, *, kind: str, features: str | list[str
         raise InputError("data.features", f"columns of {file.name} ({', '.join(columns)})", missing[0])
     try:  # the columns named, nothing else
         table = (pq.read_table(file, columns=wanted) if kind == "parquet" else
-                 pacsv.read_csv(file, parse_options=parse, convert_options=pacsv.ConvertOptions(include_columns=wanted)))
+                 pacsv.read_csv(file, read_options=dialect.read_options(), parse_options=parse,
+                                convert_options=pacsv.ConvertOptions(include_columns=wanted, decimal_point=dialect.decimal_point)))
     except (OSError, pa.ArrowException) as exc:
         raise InputError(str(file), f"a readable {kind} file", str(exc)[:80]) from None
     X = _table_features(table, wanted)
@@ -447,12 +456,13 @@ def _npz_arrays(file: Path, wanted: Mapping[str, str]) -> list[np.ndarray | None
 
 
 def dataset_from_arrays(name: str, X: Any, y: Any, *, features_key: str = "dataset", label_key: str = "dataset",
-                        min_labels: int = 2) -> Dataset:
+                        min_labels: int = 2, as_stored: bool = False) -> Dataset:
     """A :class:`Dataset` of in-memory arrays (the ``npz`` loader, ``rayfuse.run(dataset=(X, y))``).
 
-    ``X`` is numeric, ``(N, features...)``; ``(N, H, W)`` is read as grey images ``(N, 1, H, W)``. Labels ``y``
-    ``(N,)`` of any kind, at least ``min_labels`` distinct: 0-based integers keep their values, anything else maps to
-    ``0..C-1`` in sorted order.
+    ``X`` is numeric, ``(N, features...)``; ``(N, H, W)`` is read as grey images ``(N, 1, H, W)``, unless
+    ``as_stored`` (``rayfuse fuse``'s data, which is shaped as the model takes it: ``(N, L, D)`` sequences stay so).
+    Labels ``y`` ``(N,)`` of any kind, at least ``min_labels`` distinct: 0-based integers keep their values, anything
+    else maps to ``0..C-1`` in sorted order. The array's own dtype is kept as ``stored_dtype``.
     Raises :class:`InputError` at ``features_key`` / ``label_key``.
     """
     X, labels = np.asarray(X), np.asarray(y)
@@ -466,13 +476,14 @@ def dataset_from_arrays(name: str, X: Any, y: Any, *, features_key: str = "datas
         raise InputError(features_key, "at least one sample with at least one feature", f"shape {X.shape}")
     if labels.ndim != 1 or len(labels) != len(X):
         raise InputError(label_key, f"as many labels as samples: shape ({len(X)},)", f"shape {labels.shape}")
-    if X.ndim == 3:  # (N, H, W) grey images
+    if X.ndim == 3 and not as_stored:  # (N, H, W) grey images
         X = X[:, None]
     y_int, names = _labels_to_int(labels, label_key, min_labels)
+    stored = str(X.dtype)
     X = np.ascontiguousarray(X, dtype=np.float32)
     if not np.isfinite(X).all():
         raise InputError(features_key, "finite feature values", "NaN or Inf")
-    return Dataset(name, X, y_int, len(names), names)
+    return Dataset(name, X, y_int, len(names), names, stored_dtype=stored)
 
 
 def arrays_digest(dataset: Dataset) -> str:
@@ -512,13 +523,74 @@ def _read_parquet(path: str | Path | None, label: str, features: str | list[str]
     return _table_dataset(table, file, label, features, min_labels)
 
 
-def _read_csv(path: str | Path | None, label: str, features: str | list[str] | None, delimiter: str, min_labels: int = 2) -> Dataset:
+@dataclass(frozen=True)
+class CsvDialect:
+    """How a csv file is written: its column separator, decimal mark, text encoding and the lines before its header
+    (Excel's ``sep=;`` line) (:func:`csv_dialect`)."""
+
+    delimiter: str = ","
+    decimal_point: str = "."
+    encoding: str = "utf8"
+    skip_rows: int = 0
+
+    def read_options(self) -> Any:
+        import pyarrow.csv as pacsv
+
+        return pacsv.ReadOptions(encoding=self.encoding, skip_rows=self.skip_rows)
+
+
+_CSV_DELIMITERS = (",", ";", "\t", "|")
+_DECIMAL_COMMA = re.compile(r"^\s*[+-]?\d*,\d+(?:[eE][+-]?\d+)?\s*$")
+_DECIMAL_POINT = re.compile(r"^\s*[+-]?\d*\.\d+(?:[eE][+-]?\d+)?\s*$")
+
+
+def csv_dialect(file: Path, delimiter: str | None = None) -> CsvDialect:
+    """The dialect of a csv file as spreadsheets write it: a UTF-8 byte-order mark (Excel's "CSV UTF-8") is skipped, a
+    UTF-16 one (Excel's "Unicode text") read as UTF-16; CRLF line ends are line ends; the column separator, unless
+    given (a silo's ``options.delimiter``), is the one a first line ``sep=;`` names (Excel's; the line is skipped),
+    else the one of ``, ; tab |`` that splits the header row into the most fields (a tie, a header of one column or
+    a header the csv module cannot split: ``,``); with a separator other than ``,``, numbers written with a
+    decimal comma (``1,5``; Excel's in locales whose separator is ``;``) are read as such when the first rows hold
+    decimal commas and no decimal point. Only the first 64 KiB are looked at."""
+    import csv
+    import io
+
+    try:
+        with open(file, "rb") as handle:
+            head = handle.read(1 << 16)
+    except OSError as exc:
+        raise InputError(str(file), "a readable csv file", str(exc)[:80]) from None
+    encoding = "utf16" if head[:2] in (b"\xff\xfe", b"\xfe\xff") else "utf8"
+    text = head.decode("utf-16" if encoding == "utf16" else "utf-8-sig", errors="replace")
+    lines = text.splitlines()[:-1] if len(head) == 1 << 16 else text.splitlines()  # (a cut last line is left out)
+    skip = 1 if lines and re.fullmatch(r"sep=.", lines[0]) else 0  # (not stripped: "sep=\t" names a tab)
+    if skip and delimiter is None:
+        delimiter = lines[0][4]
+    header = lines[skip] if len(lines) > skip else ""
+    try:
+        if delimiter is None:
+            counts = {d: len(next(csv.reader([header], delimiter=d), [])) for d in _CSV_DELIMITERS}
+            delimiter = max(_CSV_DELIMITERS, key=lambda d: (counts[d], d == ","))
+        decimal_point = "."
+        if delimiter != ",":
+            fields = [f for row in csv.reader(io.StringIO("\n".join(lines[skip + 1:skip + 51])), delimiter=delimiter) for f in row]
+            if any(_DECIMAL_COMMA.match(f) for f in fields) and not any(_DECIMAL_POINT.match(f) for f in fields):
+                decimal_point = ","
+    except csv.Error:  # a header or rows the csv module cannot split: pyarrow's reading of the file says what is wrong
+        delimiter, decimal_point = delimiter or ",", "."
+    return CsvDialect(delimiter, decimal_point, encoding, skip)
+
+
+def _read_csv(path: str | Path | None, label: str, features: str | list[str] | None, delimiter: str | None,
+              min_labels: int = 2) -> Dataset:
     import pyarrow as pa
     import pyarrow.csv as pacsv
 
     file = _existing_file(path, ".csv")
+    dialect = csv_dialect(file, delimiter)
     try:
-        table = pacsv.read_csv(file, parse_options=pacsv.ParseOptions(delimiter=delimiter))
+        table = pacsv.read_csv(file, read_options=dialect.read_options(), parse_options=pacsv.ParseOptions(delimiter=dialect.delimiter),
+                               convert_options=pacsv.ConvertOptions(decimal_point=dialect.decimal_point))
     except (OSError, pa.ArrowException) as exc:
         raise InputError(str(file), "a readable csv file with a header row", str(exc)[:80]) from None
     return _table_dataset(table, file, label, features, min_labels)
@@ -540,7 +612,9 @@ def _table_dataset(table: Any, file: Path, label: str, features: str | list[str]
         raise InputError("data.features", f"columns of {file.name} ({', '.join(columns)})", missing[0])
     X = _table_features(table, features)
     y, names = _labels_to_int(table.column(label).to_numpy(zero_copy_only=False), "data.label", min_labels)
-    return Dataset(file.stem, X, y, len(names), names)
+    # the feature columns' stored types, as one numpy dtype (a csv file's: the types its text reads as)
+    stored = np.result_type(*[np.dtype(table.schema.field(c).type.to_pandas_dtype()) for c in features])
+    return Dataset(file.stem, X, y, len(names), names, stored_dtype=str(stored))
 
 
 def _table_features(table: Any, features: list[str]) -> np.ndarray:

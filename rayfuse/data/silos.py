@@ -45,7 +45,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 __all__ = ["IMAGE_EXTENSIONS", "SCHEMA_FORMAT", "UNKNOWN_LABEL", "SiloClientPlan", "SiloPlan", "check_schemas", "combine_moments",
-           "expand_path", "feature_moments", "load_server_inputs", "load_server_set", "load_silo", "load_silo_splits", "make_silo_plan",
+           "dtype_kind", "expand_path", "feature_moments", "label_value", "load_server_inputs", "load_server_set", "load_silo",
+           "load_silo_splits", "make_silo_plan", "stored_dtype",
            "server_set_size", "silo_manifest", "silo_schema", "wants_standardization", "server_split"]
 
 # the file suffixes torchvision's ImageFolder reads (torchvision.datasets.folder.IMG_EXTENSIONS)
@@ -162,7 +163,7 @@ class SiloPlan:
 
     def with_schemas(self, schemas: Sequence[Mapping[str, Any]], normalization: Normalization | None) -> SiloPlan:
         """The plan completed with the clients' reports (checked to agree: :func:`check_schemas`)."""
-        check_schemas(schemas)
+        check_schemas(schemas, self.silos)
         return replace(self, schemas=tuple(dict(s) for s in schemas), normalization=normalization)
 
     def digest(self) -> str:
@@ -205,7 +206,8 @@ def make_silo_plan(cfg: ExperimentConfig, *, test_size: int = 0, public_size: in
 
 def wants_standardization(cfg: ExperimentConfig) -> bool:
     """Whether a silo run standardises its features: ``data.standardize`` when set, else the default of silo 0's
-    dataset (file formats and bundled tables: yes, as ``npz`` / ``parquet`` do; images: no)."""
+    dataset as a simulation on it would have it: tables (``parquet``, ``csv``, the bundled tables) yes; arrays
+    (``npz``), images (``imagefolder``, the torchvision folders) and the bundled image sets no."""
     if cfg.data.standardize is not None:
         return bool(cfg.data.standardize)
     assert cfg.data.silos is not None
@@ -214,22 +216,26 @@ def wants_standardization(cfg: ExperimentConfig) -> bool:
     name = cfg.data.silos[0].dataset
     if name == "imagefolder":
         return False
+    if name == "csv":  # a csv file is a table as a parquet file is (it has no dataset of its own): parquet's default
+        name = "parquet"
     return bool(DATASETS.get(name).standardize)
 
 
-def load_silo_splits(plan: SiloClientPlan) -> tuple[Split, Split, tuple[str, ...]]:
-    """A client's silo read on its own node (:func:`load_silo`) as float32 train / held-out splits, and its label values
-    (``data.classes`` when declared)."""
+def load_silo_splits(plan: SiloClientPlan) -> tuple[Split, Split, tuple[str, ...], str]:
+    """A client's silo read on its own node (:func:`load_silo`) as float32 train / held-out splits, its label values
+    (``data.classes`` when declared) and the dtype its file stores the inputs in (what the silo survey compares)."""
     train, held_out = load_silo(plan.spec, client=plan.client_id, seed=plan.seed, classes=plan.classes)
-    return _as_split(train), _as_split(held_out), tuple(str(c) for c in train.class_names)
+    return _as_split(train), _as_split(held_out), tuple(str(c) for c in train.class_names), stored_dtype(train)
 
 
 def server_split(spec: SiloSource, *, key: str, labels: Sequence[str], input_shape: Sequence[int],
-                 normalization: Normalization | None, classes: Sequence[str] | None = None) -> Split:
+                 normalization: Normalization | None, classes: Sequence[str] | None = None, dtype: str | None = None) -> Split:
     """A server set (``data.test``, ``data.public``) read where the coordinator runs, checked against the silos' input
     shape and label values (``classes``: the declared ``data.classes``, which are then the silos' label values), its
-    labels numbered as the silos number them, standardised as the clients are. A set without labels (``labels: false``)
-    is its inputs only (:func:`load_server_inputs`), every label :data:`UNKNOWN_LABEL`."""
+    labels numbered as the silos number them, standardised as the clients are; with ``dtype`` (the silos' stored dtype,
+    from the survey) its file's stored dtype must be of the same kind (:func:`dtype_kind`). A set without labels
+    (``labels: false``) is its inputs only (:func:`load_server_inputs`), every label :data:`UNKNOWN_LABEL` (its
+    readers cast to float32 and keep no stored dtype: not compared)."""
     if not spec.labels:
         X = load_server_inputs(spec, key=key)
         if tuple(X.shape[1:]) != tuple(input_shape):
@@ -237,14 +243,18 @@ def server_split(spec: SiloSource, *, key: str, labels: Sequence[str], input_sha
         unlabeled = Split(X, np.full(len(X), UNKNOWN_LABEL, dtype=np.int64))
         return unlabeled if normalization is None else Split(normalization.apply(unlabeled.X), unlabeled.y)
     data = load_server_set(spec, key=key, classes=classes)
+    if dtype is not None and dtype_kind(stored_dtype(data)) != dtype_kind(dtype):
+        where = f" in {spec.path!r}" if spec.path else ""
+        raise InputError(f"{key}.path" if spec.path else key, f"inputs of the same kind as the silos': {dtype_kind(dtype)} ({dtype})",
+                         f"{stored_dtype(data)}{where}", _KIND_HINT)
     if tuple(data.input_shape) != tuple(input_shape):
         raise InputError(key, f"inputs shaped like the silos' {tuple(input_shape)}", tuple(data.input_shape))
-    index = {name: i for i, name in enumerate(labels)}
+    index = {label_value(name): i for i, name in enumerate(labels)}
     names = [str(n) for n in data.class_names]
-    unknown = [names[i] for i in np.unique(data.y) if names[i] not in index]
+    unknown = [names[i] for i in np.unique(data.y) if label_value(names[i]) not in index]
     if unknown:
         raise InputError(key, f"labels among the silos' label values {list(labels)}", unknown[0])
-    mapping = np.array([index.get(n, -1) for n in names], dtype=np.int64)
+    mapping = np.array([index.get(label_value(n), -1) for n in names], dtype=np.int64)
     split = Split(np.ascontiguousarray(data.X, dtype=np.float32), np.ascontiguousarray(mapping[data.y], dtype=np.int64))
     return split if normalization is None else Split(normalization.apply(split.X), split.y)
 
@@ -310,11 +320,15 @@ def load_silo(spec: SiloSpec | Mapping[str, Any], *, client: int, env: Mapping[s
     data = _read_source(silo, key=key, client=client, env=env, classes=classes)
     if silo.test_path is not None:
         held_out = _read_source(silo, key=key, client=client, env=env, field="test_path", classes=classes)
+        if dtype_kind(stored_dtype(held_out)) != dtype_kind(stored_dtype(data)):
+            raise InputError(f"{key}.test_path", f"inputs of the same kind as the silo's path: {dtype_kind(stored_dtype(data))} "
+                             f"({stored_dtype(data)} in {silo.path!r})", f"{stored_dtype(held_out)} in {silo.test_path!r}", _KIND_HINT)
         if classes is not None:
             if held_out.input_shape != data.input_shape:
                 raise InputError(f"{key}.test_path", f"inputs shaped like the silo's training data {data.input_shape} in "
                                  f"{silo.test_path!r}", held_out.input_shape)
-            return data, Dataset(data.name + "-held-out", held_out.X, held_out.y, held_out.num_classes, held_out.class_names)
+            return data, Dataset(data.name + "-held-out", held_out.X, held_out.y, held_out.num_classes, held_out.class_names,
+                                 stored_dtype=held_out.stored_dtype)
         return data, _aligned_held_out(held_out, data, f"{key}.test_path", silo.test_path)
     assert silo.val_size is not None  # SiloSpec: val_size or test_path
     return _split_held_out(data, float(silo.val_size), key=key, seed=seed, client=client)
@@ -345,7 +359,7 @@ def load_server_inputs(spec: SiloSource | Mapping[str, Any], *, key: str, env: M
         hint = f"the server's node resolves it to {str(resolved)!r}" if str(resolved) != written else ""
         raise InputError(f"{key}.path", f"an existing {source.dataset} file on the server's node", written, hint)
     return _rekeyed(lambda: read_unlabeled_file(resolved, kind=source.dataset, features=source.features,
-                                                delimiter=str(source.options.get("delimiter", ","))), key, "path", written)
+                                                delimiter=source.options.get("delimiter")), key, "path", written)
 
 
 def server_set_size(spec: SiloSource, *, key: str, classes: Sequence[str] | None = None) -> int:
@@ -385,14 +399,28 @@ def _read_source(spec: SiloSource, *, key: str, client: int | None, env: Mapping
 def _declared(data: Dataset, classes: Sequence[str], *, key: str, where: str) -> Dataset:
     """``data`` with each label numbered by the position of its value (its class name) in the declared ``classes``;
     :class:`InputError` at ``key`` naming the first value present that is not declared."""
-    index = {str(name): i for i, name in enumerate(classes)}
+    index = {label_value(name): i for i, name in enumerate(classes)}
+    if len(index) < len(classes):
+        same = next(c for i, c in enumerate(classes) if label_value(c) in {label_value(d) for d in classes[:i]})
+        raise InputError("data.classes", "distinct label values (numbers compare by value)", same)
     names = [str(n) for n in data.class_names]
-    unknown = [names[i] for i in np.unique(data.y) if names[i] not in index]
+    unknown = [names[i] for i in np.unique(data.y) if label_value(names[i]) not in index]
     if unknown:
         raise InputError(key, f"labels among data.classes {list(classes)}{where}", unknown[0],
                          "add the value to data.classes or leave its rows out of the file")
-    mapping = np.array([index.get(n, -1) for n in names], dtype=np.int64)
-    return Dataset(data.name, data.X, mapping[data.y], len(classes), tuple(str(c) for c in classes))
+    mapping = np.array([index.get(label_value(n), -1) for n in names], dtype=np.int64)
+    return Dataset(data.name, data.X, mapping[data.y], len(classes), tuple(str(c) for c in classes), stored_dtype=data.stored_dtype)
+
+
+def label_value(name: str) -> str | float:
+    """A label value as :func:`_declared` compares it: a number by its value (a file's float labels ``1.0`` are the
+    declared class ``1``, its ``0.5`` the declared ``0.5``: never rounded to an integer), anything else by its text."""
+    try:
+        value = float(name)
+    except (TypeError, ValueError):
+        return str(name)
+    # text such as "nan" or "inf" is no number a label file holds (check_labels refuses NaN and Inf labels): text
+    return value if np.isfinite(value) else str(name)
 
 
 def _read_whole(spec: SiloSource, *, key: str, client: int | None, env: Mapping[str, str] | None, field: str, min_labels: int) -> Dataset:
@@ -402,7 +430,7 @@ def _read_whole(spec: SiloSource, *, key: str, client: int | None, env: Mapping[
     where = "the server" if client is None else f"client {client}"
     if kind == "bundled":
         dataset = _rekeyed(lambda: load_dataset(spec.dataset, options=spec.options), key, field, None)
-        return Dataset(name, dataset.X, dataset.y, dataset.num_classes, dataset.class_names)
+        return Dataset(name, dataset.X, dataset.y, dataset.num_classes, dataset.class_names, stored_dtype=dataset.stored_dtype)
     written: str = getattr(spec, field)
     resolved = Path(expand_path(written, env, key=f"{key}.{field}", client=client))
     hint = f"{where}'s node resolves it to {str(resolved)!r}" if str(resolved) != written else ""
@@ -411,15 +439,15 @@ def _read_whole(spec: SiloSource, *, key: str, client: int | None, env: Mapping[
             raise InputError(f"{key}.{field}", f"an existing folder on {where}'s node", written, hint)
         if kind == "folder":
             dataset = _rekeyed(lambda: load_dataset(spec.dataset, root=str(resolved), options=spec.options), key, field, written)
-            return Dataset(name, dataset.X, dataset.y, dataset.num_classes, dataset.class_names)
+            return Dataset(name, dataset.X, dataset.y, dataset.num_classes, dataset.class_names, stored_dtype=dataset.stored_dtype)
         return _read_image_folder(resolved, name=name, key=f"{key}.{field}", written=written, image_size=spec.image_size,
                                   grayscale=bool(spec.grayscale), min_classes=min_labels)
     if not resolved.is_file():
         raise InputError(f"{key}.{field}", f"an existing {spec.dataset} file on {where}'s node", written, hint)
     dataset = _rekeyed(lambda: read_data_file(resolved, label=spec.label or "y", features=spec.features, kind=spec.dataset,
-                                              delimiter=str(spec.options.get("delimiter", ",")), min_labels=min_labels),
+                                              delimiter=spec.options.get("delimiter"), min_labels=min_labels),
                        key, field, written)
-    return Dataset(name, dataset.X, dataset.y, dataset.num_classes, dataset.class_names)
+    return Dataset(name, dataset.X, dataset.y, dataset.num_classes, dataset.class_names, stored_dtype=dataset.stored_dtype)
 
 
 def _rekeyed(read: Callable[[], T], key: str, field: str, written: str | None) -> T:
@@ -438,10 +466,38 @@ def _rekeyed(read: Callable[[], T], key: str, field: str, written: str | None) -
         raise InputError(f"{key}.{field}", f"{exc.expected} (at {written!r})", exc.got, exc.hint) from None
 
 
+# Pillow's modes of 16-bit grey pixels (16-bit PNG and TIFF); every other mode it reads holds 8 bits per channel, or
+# 32-bit integers / floats ("I", "F"), which have no fixed range to scale by (refused)
+_SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
+def _image_pixels(image: Any, *, grayscale: bool, image_size: list[int] | None) -> tuple[np.ndarray, str]:
+    """An opened PIL image as float32 pixels ``(H, W)`` (grey) or ``(H, W, 3)`` in [0, 1], each scaled by the range of
+    its own bit depth (8-bit: 255; 16-bit grey PNG / TIFF: 65535, never clipped to 8 bits), resized (bilinear, on the
+    full-range values) to ``image_size`` [H, W] when given; and the dtype its pixels are stored in (uint8, uint16).
+    Pillow reads a 16-bit colour PNG at 8 bits per channel (scaled, not clipped): it is uint8 here."""
+    from PIL import Image
+
+    size = None if image_size is None else (int(image_size[1]), int(image_size[0]))
+    if image.mode in _SIXTEEN_BIT_MODES:
+        grey = Image.fromarray(np.asarray(image, dtype=np.float32))  # mode F: the 16-bit values kept, as floats
+        if size is not None:
+            grey = grey.resize(size, Image.Resampling.BILINEAR)
+        pixels = np.asarray(grey, dtype=np.float32) / np.float32(65535.0)
+        return (pixels if grayscale else np.repeat(pixels[:, :, None], 3, axis=2)), "uint16"  # RGB of grey: 3 equal channels
+    if image.mode in ("I", "F"):
+        raise ValueError(f"mode {image.mode} ({'32-bit integer' if image.mode == 'I' else 'float'} pixels): no range to scale by")
+    image = image.convert("L" if grayscale else "RGB")
+    if size is not None:
+        image = image.resize(size, Image.Resampling.BILINEAR)
+    return np.asarray(image, dtype=np.float32) / np.float32(255.0), "uint8"
+
+
 def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image_size: list[int] | None, grayscale: bool,
                        min_classes: int = 2) -> Dataset:
     """torchvision's ``ImageFolder`` layout: ``folder/<class>/**/<image>``, classes in sorted order; images read
-    with PIL (RGB, or one grey channel), resized (bilinear) to ``image_size`` [H, W] when given, scaled to [0, 1]."""
+    with PIL (RGB, or one grey channel), resized (bilinear) to ``image_size`` [H, W] when given, scaled to [0, 1] by
+    their own bit depth (:func:`_image_pixels`: 16-bit images keep their range)."""
     from PIL import Image, UnidentifiedImageError
 
     classes = sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
@@ -455,17 +511,14 @@ def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image
     if len(classes) < min_classes:
         raise InputError(key, "at least 2 class folders (or data.classes declaring the task's label values)",
                          f"{len(classes)} ({classes[0]!r}) in {written!r}")
-    arrays, labels = [], []
+    arrays, labels, depths = [], [], set()
     first: tuple[str, tuple[int, ...]] | None = None
     for label, cls in enumerate(classes):
         for file in files[cls]:
             relative = file.relative_to(folder).as_posix()
             try:
                 with Image.open(file) as image:
-                    image = image.convert("L" if grayscale else "RGB")
-                    if image_size is not None:
-                        image = image.resize((int(image_size[1]), int(image_size[0])), Image.Resampling.BILINEAR)
-                    pixels = np.asarray(image, dtype=np.uint8)
+                    pixels, depth = _image_pixels(image, grayscale=grayscale, image_size=image_size)
             except (OSError, UnidentifiedImageError, ValueError) as exc:
                 raise InputError(key, f"readable images in {written!r}", f"{relative}: {str(exc)[:60]}") from None
             if first is None:
@@ -475,10 +528,13 @@ def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image
                                  f"{relative} is {pixels.shape[1]}x{pixels.shape[0]}, {first[0]} is {first[1][1]}x{first[1][0]}")
             arrays.append(pixels)
             labels.append(label)
+            depths.add(depth)
     X = np.stack(arrays)
-    X = X[:, None] if X.ndim == 3 else X.transpose(0, 3, 1, 2)  # (N, C, H, W)
-    X = np.ascontiguousarray(X, dtype=np.float32) / np.float32(255.0)
-    return Dataset(name, X, np.asarray(labels, dtype=np.int64), len(classes), tuple(classes))
+    X = np.ascontiguousarray(X[:, None] if X.ndim == 3 else X.transpose(0, 3, 1, 2), dtype=np.float32)  # (N, C, H, W)
+    # "uint8 pixels", "uint16 pixels": scaled to [0, 1] here, unlike an npz array of the same dtype (8- and 16-bit
+    # images pool: each is scaled by its own range)
+    stored = f"{np.result_type(*sorted(depths))} {_PIXELS}"
+    return Dataset(name, X, np.asarray(labels, dtype=np.int64), len(classes), tuple(classes), stored_dtype=stored)
 
 
 def _aligned_held_out(held_out: Dataset, train: Dataset, key: str, written: str) -> Dataset:
@@ -491,7 +547,8 @@ def _aligned_held_out(held_out: Dataset, train: Dataset, key: str, written: str)
     if unknown:
         raise InputError(key, f"labels among the silo's training labels {list(train.class_names)} in {written!r}", unknown[0])
     mapping = np.array([index.get(name, -1) for name in held_out.class_names], dtype=np.int64)
-    return Dataset(train.name + "-held-out", held_out.X, mapping[held_out.y], train.num_classes, train.class_names)
+    return Dataset(train.name + "-held-out", held_out.X, mapping[held_out.y], train.num_classes, train.class_names,
+                   stored_dtype=held_out.stored_dtype)
 
 
 def _split_held_out(data: Dataset, val_size: float, *, key: str, seed: int, client: int) -> tuple[Dataset, Dataset]:
@@ -514,8 +571,8 @@ def _split_held_out(data: Dataset, val_size: float, *, key: str, seed: int, clie
     for c in range(data.num_classes):
         members = np.flatnonzero(data.y == c)
         held[rng.permutation(members)[: take[c]]] = True
-    train = Dataset(data.name, data.X[~held], data.y[~held], data.num_classes, data.class_names)
-    held_out = Dataset(data.name + "-held-out", data.X[held], data.y[held], data.num_classes, data.class_names)
+    train = Dataset(data.name, data.X[~held], data.y[~held], data.num_classes, data.class_names, stored_dtype=data.stored_dtype)
+    held_out = Dataset(data.name + "-held-out", data.X[held], data.y[held], data.num_classes, data.class_names, stored_dtype=data.stored_dtype)
     return train, held_out
 
 
@@ -523,9 +580,35 @@ def _split_held_out(data: Dataset, val_size: float, *, key: str, seed: int, clie
 # What a client reports: schema, counts, content hash; the coordinator's checks and manifest
 
 
+_PIXELS = "pixels"
+_KIND_HINT = ("integers (e.g. uint8 pixels, 0..255) and floats (e.g. 0..1) are on different scales: store every silo's inputs "
+              "as one kind (a csv column of whole numbers reads as integers: write 1.0)")
+
+
+def stored_dtype(data: Dataset) -> str:
+    """The dtype ``data``'s source stores its inputs in (its file's; the array's own where the reader does not say)."""
+    return data.stored_dtype or str(data.X.dtype)
+
+
+def dtype_kind(dtype: str) -> str:
+    """What the silo survey compares of stored dtypes: their kind, ``integer`` (signed or unsigned, any width),
+    ``float`` or ``boolean``, and images' pixels (``"uint8 pixels"``, ``"uint16 pixels"``), which the reader scales to
+    [0, 1] by their bit depth, so they pool with each other and with nothing stored as it is read (an npz array of
+    uint8 stays 0..255); widths of one kind pool (int32 with int64, float32 with float64). A dtype numpy does not
+    know is its own kind."""
+    if str(dtype).endswith(f" {_PIXELS}"):
+        return "image pixels scaled to [0, 1]"
+    try:
+        kind = np.dtype(dtype).kind
+    except TypeError:
+        return str(dtype)
+    return {"i": "integer", "u": "integer", "f": "float", "b": "boolean"}.get(kind, str(dtype))
+
+
 def silo_schema(train: Dataset, held_out: Dataset) -> dict[str, Any]:
-    """What a client reports about its silo (plain values; no rows, no paths): input shape and dtype, its label values
-    (``labels``, in label order), the sizes and class counts of both splits, and a SHA-256 of the arrays."""
+    """What a client reports about its silo (plain values; no rows, no paths): input shape, the dtype its file stores
+    the inputs in (:func:`stored_dtype`: before the float32 cast, so the survey compares what the files hold), its label
+    values (``labels``, in label order), the sizes and class counts of both splits, and a SHA-256 of the arrays."""
     digest = hashlib.sha256()
     for array in (train.X, train.y, held_out.X, held_out.y):
         array = np.ascontiguousarray(array)
@@ -534,7 +617,7 @@ def silo_schema(train: Dataset, held_out: Dataset) -> dict[str, Any]:
     return {
         "format": SCHEMA_FORMAT,
         "input_shape": [int(d) for d in train.input_shape],
-        "dtype": str(train.X.dtype),
+        "dtype": stored_dtype(train),
         "labels": [str(name) for name in train.class_names],
         "size": int(len(train.y)),
         "held_out_size": int(len(held_out.y)),
@@ -544,16 +627,26 @@ def silo_schema(train: Dataset, held_out: Dataset) -> dict[str, Any]:
     }
 
 
-def check_schemas(schemas: Sequence[Mapping[str, Any]]) -> None:
-    """Every silo's schema (client order) agrees with silo 0's: input shape, dtype and label values.
+def check_schemas(schemas: Sequence[Mapping[str, Any]], silos: Sequence[SiloSource] = ()) -> None:
+    """Every silo's schema (client order) agrees with silo 0's: input shape, the kind of its stored dtype
+    (:func:`dtype_kind`: a silo of uint8 pixels does not pool with one of floats) and label values. ``silos``, the
+    specs as written, name the files in the error (the schemas hold no paths).
 
     Raises :class:`InputError` naming the first silo that differs from ``data.silos.0``.
     """
     if not schemas:
         raise InputError("data.silos", "at least one silo schema", [])
     base = schemas[0]
+
+    def written(i: int) -> str:
+        path = getattr(silos[i], "path", None) if i < len(silos) else None
+        return f" in {path!r}" if path else ""
+
     for i, schema in enumerate(schemas[1:], start=1):
-        for field, what in (("input_shape", "input shape"), ("dtype", "input dtype"), ("labels", "label values")):
+        if dtype_kind(schema["dtype"]) != dtype_kind(base["dtype"]):
+            raise InputError(f"data.silos.{i}", f"inputs of the same kind as data.silos.0's: {dtype_kind(base['dtype'])} "
+                             f"({base['dtype']}{written(0)})", f"{schema['dtype']}{written(i)}", _KIND_HINT)
+        for field, what in (("input_shape", "input shape"), ("labels", "label values")):
             mine = list(schema[field]) if isinstance(schema[field], (list, tuple)) else schema[field]
             theirs = list(base[field]) if isinstance(base[field], (list, tuple)) else base[field]
             if mine != theirs:

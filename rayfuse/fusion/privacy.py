@@ -31,7 +31,10 @@ class UploadDP(MethodParams):
     """A one-shot method's ``dp`` key: the clipped and noised upload of each client's parameters."""
 
     clip_norm: float = Field(gt=0, description="C: the upload's L2 norm bound (all parameter arrays together)")
-    noise_multiplier: float | None = Field(None, ge=0, description="z: noise standard deviation z C on every coordinate (or target_epsilon)")
+    # z > 0, as central DP-FedAvg has it: z = 0 releases the clipped upload in the clear (epsilon infinite), which the
+    # update checks refuse as a non-finite epsilon only after every client trained; refused here, before anything runs
+    noise_multiplier: float | None = Field(None, gt=0, description="z > 0: noise standard deviation z C on every coordinate (or "
+                                            "target_epsilon); for clipping without noise use aggregator.clip_norm instead of dp")
     target_epsilon: float | None = Field(None, gt=0, description="the epsilon of the one release: Opacus picks z for it (or noise_multiplier)")
     delta: float = Field(1e-5, gt=0, lt=1, description="delta of the (epsilon, delta) guarantee; below 1 / the number of clients")
     accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus' accountant that converts z into epsilon")
