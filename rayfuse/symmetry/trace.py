@@ -9,6 +9,9 @@ concatenation), joins two spaces into one (a residual addition, a tied weight), 
 it commutes with a permutation of the units (an unknown function, a reshape that splits them), leaves the space fixed
 and says which node did so. The model's input features and its outputs are fixed.
 
+A model ``torch.fx`` cannot trace (Hugging Face transformers) is analysed from its ``torch.export`` graph instead
+(:func:`rayfuse.symmetry.export.export_graph`), with the same rules; such a spec has no probes.
+
 Probes name nodes of the graph :func:`trace_model` returns (node names are deterministic for a given model class),
 so activation matching can run that graph with ``torch.fx.Interpreter`` and read the units where they are visible.
 """
@@ -16,6 +19,7 @@ so activation matching can run that graph with ``torch.fx.Interpreter`` and read
 from __future__ import annotations
 
 import inspect
+import math
 import operator
 import os
 import traceback
@@ -94,7 +98,51 @@ def trace_model(model: nn.Module) -> torch.fx.GraphModule:
                          f"{type(exc).__name__}: {message}") from None
     finally:
         _restore(modes)
-    return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    _positional(gm)
+    return gm
+
+
+def _positional(gm: torch.fx.GraphModule) -> None:
+    """Rewrite calls that pass positional parameters by keyword (``self.fc(input=x)``, ``F.relu(input=x)``) into
+    positional form, in place: the same call, so the analysis and the structure readers find a layer's input where a
+    positional call puts it. Keyword-only parameters stay keywords; a call that does not bind is left as it is."""
+    mods = dict(gm.named_modules())
+    changed = False
+    for n in gm.graph.nodes:
+        if not n.kwargs or n.op not in ("call_module", "call_function"):
+            continue
+        fn = mods[str(n.target)].forward if n.op == "call_module" else n.target
+        try:
+            sig = inspect.signature(fn)
+            bound = sig.bind(*n.args, **n.kwargs).arguments
+        except (TypeError, ValueError):  # a builtin without a signature: torch functions take their tensor as `input`
+            if n.op == "call_function" and not n.args and "input" in n.kwargs:
+                kwargs = dict(n.kwargs)
+                n.args, n.kwargs = (kwargs.pop("input"),), kwargs
+                changed = True
+            continue
+        args: list[Any] = []
+        kwargs = {}
+        gap = False  # a positional parameter left to its default: later ones stay keywords
+        for pname, param in sig.parameters.items():
+            if pname not in bound:
+                gap = gap or param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD)
+                continue
+            value = bound[pname]
+            if param.kind is param.VAR_POSITIONAL:
+                args.extend(value)
+            elif param.kind is param.VAR_KEYWORD:
+                kwargs.update(value)
+            elif param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD) and not gap:
+                args.append(value)
+            else:
+                kwargs[pname] = value
+        if tuple(args) != tuple(n.args) or kwargs != dict(n.kwargs):
+            n.args, n.kwargs = tuple(args), kwargs
+            changed = True
+    if changed:
+        gm.recompile()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -123,6 +171,21 @@ class _Ann:
     def pieces(self) -> Iterator[_Piece]:
         for dim in self.dims:
             yield from dim
+
+
+@dataclass(frozen=True)
+class _Uniform(_Ann):
+    """A tensor whose elements are all equal (``zeros_like``, ``new_zeros``, ``torch.full``...): it carries no units
+    and is unchanged by any permutation, so an elementwise op or a concatenation with it fixes nothing."""
+
+    @staticmethod
+    def of(value: torch.Tensor) -> _Uniform:
+        return _Uniform(tuple(() for _ in range(value.ndim)))
+
+
+def _varying(inputs: Sequence[tuple[Any, _Ann]]) -> list[tuple[Any, _Ann]]:
+    """The inputs of an elementwise op or a concatenation that are not :class:`_Uniform` (they alone constrain units)."""
+    return [(shape, ann) for shape, ann in inputs if not isinstance(ann, _Uniform)]
 
 
 @dataclass
@@ -226,6 +289,13 @@ _POOL_NAMES = {"max_pool1d": 1, "max_pool2d": 2, "max_pool3d": 3, "avg_pool1d": 
                "adaptive_max_pool2d": 2, "adaptive_max_pool3d": 3, "_max_pool1d": 1, "_max_pool2d": 2, "_max_pool3d": 3,
                "_adaptive_max_pool1d": 1, "_adaptive_max_pool2d": 2}
 _KNOWN_MODULES = (torch, F, operator, torch.Tensor, torch.fx)
+#: Tensors all of whose elements are equal, whatever the input: any permutation of any axis leaves them as they are, so
+#: they combine with units without fixing them (``x + torch.zeros_like(x)``, ``h0 = x.new_zeros(...)``).
+_UNIFORM_NAMES = {"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full", "zeros", "ones", "full",
+                  "zero_", "fill_"}
+#: ATen ops (torch.export graphs) under the name of the torch function that does the same (same argument order).
+_ATEN_NAMES = {"slice": "narrow", "alias": "clone", "lift_fresh_copy": "clone", "_to_copy": "clone",
+               "_assert_tensor_metadata": "_assert", "native_dropout": "dropout"}
 
 
 def _op_name(node: torch.fx.Node) -> str:
@@ -236,11 +306,21 @@ def _op_name(node: torch.fx.Node) -> str:
         return str(target)
     if target is getattr:
         return "getattr"
+    if isinstance(target, torch._ops.OpOverload):  # an ATen op of a torch.export graph: aten.add.Tensor is "add"
+        return _ATEN_NAMES.get(target._opname, target._opname)
     module = getattr(target, "__module__", None) or ""
     name = getattr(target, "__name__", "")
     if module.startswith(("torch", "_operator", "operator")) or target in (torch._assert,):
         return name.lstrip("_") if name.startswith("__") else name
     return ""
+
+
+def _owner(node: Any, default: str) -> str:
+    """The module path of a parameter read by a get_attr node (``enc.fc`` for ``enc.fc.weight``), else ``default``:
+    the name of a space a functional layer opens."""
+    if isinstance(node, torch.fx.Node) and node.op == "get_attr":
+        return str(node.target).rpartition(".")[0] or str(node.target)
+    return default
 
 
 def _describe_target(node: torch.fx.Node) -> str:
@@ -269,6 +349,7 @@ class _Analysis(torch.fx.Interpreter):
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.mods = dict(gm.named_modules())
         self.node: torch.fx.Node | None = None  # the node being annotated
+        self.blocks: dict[int, list[int]] = {}  # space -> block sizes its units must stay within (norm groups)
 
     # -- plumbing ---------------------------------------------------------------------------------------------------
 
@@ -372,7 +453,7 @@ class _Analysis(torch.fx.Interpreter):
         dims = []
         for d in range(ndim):
             entries = []
-            for in_shape, ann in inputs:
+            for in_shape, ann in _varying(inputs):
                 k = d - (ndim - len(in_shape))
                 if k >= 0:
                     entries.append((ann.dims[k], int(in_shape[k])))
@@ -392,6 +473,8 @@ class _Analysis(torch.fx.Interpreter):
             if not isinstance(out, torch.Tensor):
                 return None
             key = str(n.target)
+            if key not in self.sp.aliases and out.numel() > 0 and bool((out == out.reshape(-1)[0]).all()):
+                return _Uniform.of(out)  # a constant the tracer baked in (torch.zeros(1, 6)), all of its elements equal
             dims = []
             for d, size in enumerate(out.shape):
                 s = self.sp.new(size, f"{key}[{d}]", "parameter", soft=True)
@@ -407,9 +490,14 @@ class _Analysis(torch.fx.Interpreter):
         tensors = self._tensors(n, args, kwargs)
         if n.op == "call_module":
             return self._module(n, self.mods[str(n.target)], args, kwargs, tensors, out)
+        name = _op_name(n)
+        uniform = self._uniform(name, tensors, out)
+        if uniform is not None:
+            return uniform
         if not any(True for _, ann in tensors for _ in ann.pieces()):
             return self._empty(out)
-        name = _op_name(n)
+        if name in ("layer_norm", "group_norm", "linear", "embedding"):
+            return self._functional(n, name, args, kwargs, tensors, out)
         if name == "getitem" and isinstance(args[0], (list, tuple)):
             held = self.anns.get(n.args[0]) if isinstance(n.args[0], torch.fx.Node) else None
             if isinstance(held, (list, tuple)):
@@ -457,7 +545,8 @@ class _Analysis(torch.fx.Interpreter):
                     offset += v.shape[k]
                 dims.append(tuple(pieces))
             else:
-                dims.append(self._merge_dim(n.name, [(ann.dims[k], v.shape[k]) for v, ann in zip(values, anns)], out.shape[d]))
+                dims.append(self._merge_dim(n.name, [(ann.dims[k], v.shape[k]) for v, ann in _varying(list(zip(values, anns)))],
+                                            out.shape[d]))
         return _Ann(tuple(dims))
 
     def _reduce(self, n: torch.fx.Node, args: Any, kwargs: Any, out: Any) -> Any:
@@ -544,6 +633,10 @@ class _Analysis(torch.fx.Interpreter):
             return self._layernorm(name, mod, ann)
         if isinstance(mod, nn.GroupNorm):
             return self._groupnorm(where, name, mod, ann)
+        if type(mod) in (nn.RNN, nn.LSTM, nn.GRU):
+            return self._recurrent(n, name, mod, args, out)  # type: ignore[arg-type]
+        if type(mod) in (nn.RNNCell, nn.LSTMCell, nn.GRUCell):
+            return self._cell(n, name, mod, args, out)  # type: ignore[arg-type]
         if isinstance(mod, nn.Embedding):
             s = self.sp.new(mod.embedding_dim, name, "features")
             self.sp.add_axis(s, f"{name}.weight", 1)
@@ -639,14 +732,14 @@ class _Analysis(torch.fx.Interpreter):
         return ann
 
     def _groupnorm(self, where: str, name: str, mod: nn.GroupNorm, ann: _Ann) -> _Ann:
+        """Per-channel weight and bias; with several groups of several channels, units move only within their group
+        (:meth:`_norm_groups`)."""
         cdim = 1
         for p in ann.dims[cdim]:
-            if mod.num_groups in (1, mod.num_channels):
-                for attr in ("weight", "bias"):
-                    if getattr(mod, attr, None) is not None:
-                        self.sp.add_axis(p.space, f"{name}.{attr}", 0, p.start, p.outer, p.inner)
-            else:
-                self.sp.fix(p.space, f"{where}: {name} normalises groups of {mod.num_channels // mod.num_groups} channels")
+            for attr in ("weight", "bias"):
+                if getattr(mod, attr, None) is not None:
+                    self.sp.add_axis(p.space, f"{name}.{attr}", 0, p.start, p.outer, p.inner)
+        self._norm_groups(where, name, ann.dims[cdim], mod.num_groups, mod.num_channels)
         return ann
 
     def _attention(self, where: str, name: str, mod: nn.MultiheadAttention, q: _Ann, k: _Ann, v: _Ann, out: Any) -> Any:
@@ -742,6 +835,229 @@ class _Analysis(torch.fx.Interpreter):
             x = self._layernorm(f"{name}.norm", mod.norm, x)
         return x
 
+    # -- coverage: functional norms and layers, constants, recurrent layers ----------------------------------------
+
+    def _uniform(self, name: str, tensors: Sequence[tuple[torch.Tensor, _Ann]], out: Any) -> _Uniform | None:
+        """A constant whose elements are all equal (and what known ops make of such constants alone), else None."""
+        if not isinstance(out, torch.Tensor):
+            return None
+        if name in _UNIFORM_NAMES:
+            return _Uniform.of(out)
+        if tensors and all(isinstance(a, _Uniform) for _, a in tensors) and (
+                name in _ACT_NAMES or name in _PASS_NAMES or name in _BINARY_NAMES or name in _MOVE_NAMES or name in _REDUCE_NAMES):
+            return _Uniform.of(out)
+        return None
+
+    @staticmethod
+    def _arg(n: torch.fx.Node, args: Any, kwargs: Any, i: int, key: str) -> tuple[Any, Any]:
+        """Argument ``i`` (or keyword ``key``) of a call: its graph form (a node, for a tensor) and its value."""
+        if i < len(args):
+            return n.args[i], args[i]
+        return n.kwargs.get(key), kwargs.get(key)
+
+    def _functional(self, n: torch.fx.Node, name: str, args: Any, kwargs: Any, tensors: list[tuple[torch.Tensor, _Ann]],
+                    out: Any) -> Any:
+        """``F.layer_norm``, ``F.group_norm``, ``F.linear``, ``F.embedding`` (and their ATen ops in torch.export graphs)."""
+        where = n.name
+        if name == "embedding":
+            # F.embedding(input, weight) and aten.embedding(weight, indices): the floating-point one is the table
+            first, second = self._arg(n, args, kwargs, 0, "input"), self._arg(n, args, kwargs, 1, "weight")
+            if isinstance(first[1], torch.Tensor) and first[1].is_floating_point():
+                first, second = second, first
+            (i_node, idx), (w_node, weight) = first, second
+        else:
+            x_node, x = self._arg(n, args, kwargs, 0, "input")
+        if not isinstance(out, torch.Tensor) or (name == "embedding" and not (
+                isinstance(idx, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.ndim == 2)) or (
+                name != "embedding" and not isinstance(x, torch.Tensor)):
+            self._fix_all(tensors, f"{where}: {_describe_target(n)} called in a form the tracer does not model")
+            return self._empty(out)
+
+        def optional(i: int, key: str) -> list[tuple[torch.Tensor, _Ann]]:
+            node, value = self._arg(n, args, kwargs, i, key)
+            return [(value, self._ann(node, value))] if isinstance(value, torch.Tensor) else []
+
+        if name == "layer_norm":
+            # the mean and variance over the normalised (last) axes do not depend on the order of their elements, and
+            # every other axis is normalised row by row: the units pass; the weight and bias act elementwise
+            inputs = [(tuple(x.shape), self._ann(x_node, x))] + [(tuple(t.shape), a) for t, a in optional(2, "weight") + optional(3, "bias")]
+            return self._elementwise(where, inputs, tuple(out.shape))
+        if name == "group_norm":
+            groups = int(self._arg(n, args, kwargs, 1, "num_groups")[1])
+            ann = self._ann(x_node, x)
+            if x.ndim < 2:
+                self._fix_all(tensors, f"{where}: group_norm of a {x.ndim}-d tensor")
+                return self._empty(out)
+            channels = int(x.shape[1])
+            entries = [(ann.dims[1], channels)] + [(a.dims[0], int(t.shape[0])) for t, a in optional(2, "weight") + optional(3, "bias")]
+            merged = self._merge_dim(where, entries, channels)
+            self._norm_groups(where, "group_norm", merged, groups, channels)
+            return _Ann(ann.dims[:1] + (merged,) + ann.dims[2:])  # positions within a group are normalised together
+        if name == "linear":
+            w_node, weight = self._arg(n, args, kwargs, 1, "weight")
+            if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+                self._fix_all(tensors, f"{where}: {_describe_target(n)} with a weight that is not a matrix")
+                return self._empty(out)
+            ann, w_ann = self._ann(x_node, x), self._ann(w_node, weight)
+            cols, rows = int(weight.shape[1]), int(weight.shape[0])
+            self._merge_dim(where, [(ann.dims[-1], cols), (w_ann.dims[1], cols)], cols)
+            s = self.sp.new(rows, _owner(w_node, where), "features")
+            entries = [(self.sp.pieces(s), rows), (w_ann.dims[0], rows)] + [(a.dims[0], int(t.shape[0])) for t, a in optional(2, "bias")]
+            return _Ann(ann.dims[:-1] + (self._merge_dim(where, entries, rows),))
+        # embedding: rows are looked up by index (their order is the vocabulary's), columns are the features
+        w_ann, i_ann = self._ann(w_node, weight), self._ann(i_node, idx)
+        for p in w_ann.dims[0]:
+            self.sp.fix(p.space, f"{where}: {_describe_target(n)} looks these rows up by index")
+        cols = int(weight.shape[1])
+        s = self.sp.new(cols, _owner(w_node, where), "features")
+        merged = self._merge_dim(where, [(self.sp.pieces(s), cols), (w_ann.dims[1], cols)], cols)
+        return _Ann(i_ann.dims + (merged,))
+
+    def _norm_groups(self, where: str, what: str, pieces: Sequence[_Piece], groups: int, channels: int) -> None:
+        """Units on a channel axis normalised in ``groups`` groups: each unit must stay within its group. The space is
+        split into blocks of units (one permutation group per block, see :func:`_split_blocks`) when its units tile the
+        norm groups; fixed when they straddle them."""
+        if groups <= 1 or groups >= channels or channels % groups:
+            return  # one group (all together) or one channel per group: any permutation keeps the groups
+        per = channels // groups
+        for p in pieces:
+            size = self.sp.size(p.space)
+            if p.start % per or (p.outer > 1 and (size * p.inner) % per):
+                self.sp.fix(p.space, f"{where}: {what} normalises groups of {per} channels that these units straddle")
+            elif p.inner % per == 0:
+                continue  # every unit is whole norm groups: the groups move with their units
+            elif per % p.inner:
+                self.sp.fix(p.space, f"{where}: {what} normalises groups of {per} channels that these units straddle")
+            else:
+                self.blocks.setdefault(p.space, []).append(per // p.inner)
+
+    def _recurrent(self, n: torch.fx.Node, name: str, mod: nn.RNNBase, args: Any, out: Any) -> Any:
+        """``nn.RNN`` / ``nn.LSTM`` / ``nn.GRU``: per layer and direction, the hidden units are one space found on the
+        rows of every gate block of ``weight_ih``/``weight_hh`` and their biases (``outer`` = the gates), on
+        ``weight_hh``'s columns (or ``weight_hr``'s with ``proj_size``, whose rows and ``weight_hh``'s columns are then the
+        projected units), on the next layer's input columns (a segment per direction) and on the output's last axis."""
+        where = n.name
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or not isinstance(out, tuple):
+            self._fix_all(self._tensors(n, args, {}), f"{where}: {name} ({type(mod).__name__}) called with a packed sequence")
+            return self._empty(out)
+        x_ann = self._ann(n.args[0], x)
+        for dim in x_ann.dims[:-1]:  # the steps recur in order; the batch axis is kept fixed as well (conservative)
+            for p in dim:
+                self.sp.fix(p.space, f"{where}: {name} recurs over these units")
+        gates = {"LSTM": 4, "GRU": 3}.get(mod.mode, 1)
+        hidden, proj = mod.hidden_size, mod.proj_size
+        width = proj or hidden
+        directions = 2 if mod.bidirectional else 1
+        inputs: tuple[_Piece, ...] = x_ann.dims[-1]
+        outs: list[int] = []
+        cells: list[int] = []
+        for layer in range(mod.num_layers):
+            this: list[int] = []
+            for d in range(directions):
+                suffix = f"_l{layer}" + ("_reverse" if d else "")
+                key = lambda w: f"{name}.{w}{suffix}"  # noqa: E731
+                h = self.sp.new(hidden, f"{name}{suffix}", "hidden")
+                for w in ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if mod.bias else ()):
+                    self.sp.add_axis(h, key(w), 0, 0, gates, 1)
+                for p in inputs:
+                    self.sp.add_axis(p.space, key("weight_ih"), 1, p.start, p.outer, p.inner)
+                if proj:
+                    q = self.sp.new(proj, f"{name}{suffix}.proj", "hidden")
+                    self.sp.add_axis(h, key("weight_hr"), 1)
+                    self.sp.add_axis(q, key("weight_hr"), 0)
+                    self.sp.add_axis(q, key("weight_hh"), 1)
+                else:
+                    q = h
+                    self.sp.add_axis(h, key("weight_hh"), 1)
+                this.append(q)
+                cells.append(h)
+            outs.extend(this)
+            inputs = tuple(_Piece(s, d * width) for d, s in enumerate(this) if width > 1)
+        output = _Ann(tuple(() for _ in x_ann.dims[:-1]) + (inputs,))
+        is_lstm = mod.mode == "LSTM"
+        state_node = n.args[1] if len(n.args) > 1 else None
+        state_value = args[1] if len(args) > 1 else None
+        given = [(state_node, state_value)] if not is_lstm else (
+            list(zip(state_node, state_value)) if isinstance(state_node, (list, tuple)) and isinstance(state_value, (list, tuple))
+            else [(state_node, state_value)] if state_value is not None else [])
+        states = [(outs, width), (cells, hidden)][:len(given) if given else (2 if is_lstm else 1)]
+        used = self._state_used(n)
+        anns = []
+        for k, (spaces, size) in enumerate(states):
+            node, value = given[k] if k < len(given) else (None, None)
+            ann = self._ann(node, value) if isinstance(value, torch.Tensor) else None
+            if used or (ann is not None and not isinstance(ann, _Uniform)):
+                # one state tensor (layers x directions, batch, units) holds every layer's units: all share one order
+                for s in spaces[1:]:
+                    self.sp.merge(spaces[0], s, f"{where}: the state of {name}")
+            if ann is not None:
+                if not isinstance(ann, _Uniform):  # an initial state that is not a constant must be permuted alike
+                    for dim in ann.dims[:-1]:
+                        for p in dim:
+                            self.sp.fix(p.space, f"{where}: {name}'s initial state along these units")
+                    last = ann.dims[-1] if ann.dims else ()
+                    if size > 1 and len(last) == 1 and (last[0].start, last[0].outer, last[0].inner) == (0, 1, 1) \
+                            and self.sp.size(last[0].space) == size:
+                        self.sp.merge(spaces[0], last[0].space, where)
+                    elif size > 1:
+                        for p in last:
+                            self.sp.fix(p.space, f"{where}: {name}'s initial state is not permuted with its hidden units")
+                        self.sp.fix(spaces[0], f"{where}: {name}'s initial state is not permuted with its hidden units")
+            final = out[1][k] if is_lstm else out[1]
+            anns.append(_Ann(tuple(() for _ in range(final.ndim - 1)) + (self.sp.pieces(spaces[0]),)))
+        return (output, (anns[0], anns[1])) if is_lstm else (output, anns[0])
+
+    def _cell(self, n: torch.fx.Node, name: str, mod: nn.RNNCellBase, args: Any, out: Any) -> Any:
+        """``nn.RNNCell`` / ``nn.LSTMCell`` / ``nn.GRUCell``: one step of :meth:`_recurrent` (the state is the hidden
+        units, merged with the space of the state passed in)."""
+        where = n.name
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor):
+            self._fix_all(self._tensors(n, args, {}), f"{where}: {name} called without an input tensor")
+            return self._empty(out)
+        x_ann = self._ann(n.args[0], x)
+        gates = 4 if isinstance(mod, nn.LSTMCell) else 3 if isinstance(mod, nn.GRUCell) else 1
+        h = self.sp.new(mod.hidden_size, name, "hidden")
+        for w in ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if mod.bias else ()):
+            self.sp.add_axis(h, f"{name}.{w}", 0, 0, gates, 1)
+        self.sp.add_axis(h, f"{name}.weight_hh", 1)
+        for p in x_ann.dims[-1]:
+            self.sp.add_axis(p.space, f"{name}.weight_ih", 1, p.start, p.outer, p.inner)
+        batch = x_ann.dims[:-1]
+        state_node = n.args[1] if len(n.args) > 1 else None
+        state_value = args[1] if len(args) > 1 else None
+        pairs = list(zip(state_node, state_value)) if isinstance(state_value, (list, tuple)) and isinstance(state_node, (list, tuple)) \
+            else [(state_node, state_value)] if state_value is not None else []
+        for node, value in pairs:
+            ann = self._ann(node, value)
+            if isinstance(ann, _Uniform) or not isinstance(value, torch.Tensor):
+                continue
+            last = ann.dims[-1] if ann.dims else ()
+            for dim in ann.dims[:-1]:
+                for p in dim:
+                    self.sp.fix(p.space, f"{where}: {name}'s state along these units")
+            if mod.hidden_size > 1 and len(last) == 1 and (last[0].start, last[0].outer, last[0].inner) == (0, 1, 1) \
+                    and self.sp.size(last[0].space) == mod.hidden_size:
+                self.sp.merge(h, last[0].space, where)
+            elif mod.hidden_size > 1:
+                for p in last:
+                    self.sp.fix(p.space, f"{where}: {name}'s state is not permuted with its hidden units")
+                self.sp.fix(h, f"{where}: {name}'s state is not permuted with its hidden units")
+        state = _Ann(tuple(() for _ in batch) + (self.sp.pieces(h),))
+        return (state, state) if isinstance(out, tuple) else state
+
+    @staticmethod
+    def _state_used(n: torch.fx.Node) -> bool:
+        """Whether anything reads a recurrent layer's final state (its output tuple beyond item 0)."""
+        for user in n.users:
+            if user.op == "call_function" and user.target is operator.getitem and user.args[1] == 0:
+                continue
+            if user.op == "call_function" and user.target is operator.getitem and not user.users:
+                continue
+            return True
+        return False
+
 
 def _read_units(labels: torch.Tensor, size: int) -> tuple[int, int, int, int] | None | tuple[()]:
     """Where a space's unit labels (``-1`` elsewhere) ended up: ``(dim, start, outer, inner)``; ``()`` if none of
@@ -819,6 +1135,25 @@ def _settle(sp: _Spaces) -> None:
                 break
 
 
+def _split_blocks(group: PermGroup, block: int | None) -> tuple[list[PermGroup], list[FixedAxis]]:
+    """``group`` as one group per block of ``block`` consecutive units (units normalised in groups may move only within
+    their norm group: a GroupNorm with several groups of several channels), named ``<group>.block<k>``. An axis or probe
+    viewing the units in repeated blocks (``outer`` > 1) cannot be split into a segment per block: then the whole group
+    is fixed, with the reason."""
+    if not block or block >= group.size:
+        return [group], []
+    if any(a.outer != 1 for a in group.axes):
+        reason = f"units normalised in groups of {block} on an axis the spec views in repeated blocks (cannot be split)"
+        return [], [FixedAxis(a.key, a.dim, reason) for a in group.axes]
+    out = []
+    for k, first in enumerate(range(0, group.size, block)):
+        size = min(block, group.size - first)
+        axes = tuple(AxisRef(a.key, a.dim, a.start + first * a.inner, 1, a.inner) for a in group.axes)
+        probes = tuple(Probe(p.node, p.dim, p.start + first * p.inner, 1, p.inner, p.hook) for p in group.probes if p.outer == 1)
+        out.append(PermGroup(f"{group.name}.block{k}", size, axes, probes, group.kind))
+    return [g for g in out if g.size > 1], []
+
+
 def derive_spec(model: nn.Module, example_input: torch.Tensor) -> PermutationSpec:
     """The permutation groups of ``model``, derived from its ``torch.fx`` graph and one example batch.
 
@@ -842,9 +1177,17 @@ def derive_spec(model: nn.Module, example_input: torch.Tensor) -> PermutationSpe
     Raises
     ------
     InputError
-        When the model cannot be traced, or does not accept ``example_input``.
+        When the model can neither be traced nor exported (``torch.export``, non-strict: tried when ``torch.fx``
+        fails), or does not accept ``example_input``.
     """
-    gm = trace_model(model)
+    try:
+        gm = trace_model(model)
+        exported = False
+    except InputError as untraceable:  # e.g. Hugging Face models: their graph from torch.export instead
+        from rayfuse.symmetry.export import export_graph
+
+        gm = export_graph(model, example_input, untraceable)
+        exported = True
     aliases, shapes = _aliases(model)
     analysis = _Analysis(gm, aliases)
     modes = _modes(model)
@@ -867,6 +1210,9 @@ def derive_spec(model: nn.Module, example_input: torch.Tensor) -> PermutationSpe
             missing = next((a.key for a in space.axes if a.key not in shapes), None)
             if missing is not None:
                 space.fixed = f"{missing} is not in the state dict"
+    blocks: dict[int, int] = {}
+    for s, sizes in analysis.blocks.items():
+        blocks[sp.find(s)] = math.gcd(blocks.get(sp.find(s), 0), *sizes)
     probes: dict[int, list[tuple[int, int, Probe]]] = {}
     for s, rank, order, probe in analysis.probes:
         probes.setdefault(sp.find(s), []).append((rank, order, probe))
@@ -887,10 +1233,13 @@ def derive_spec(model: nn.Module, example_input: torch.Tensor) -> PermutationSpe
         while name in names:
             name, k = f"{space.name}#{k}", k + 1
         names.add(name)
-        found = probes.get(i, [])
+        found = probes.get(i, []) if not exported else []  # probes name nodes of trace_model's graph, which has none
         best = min((r for r, _, _ in found), default=None)
         chosen = tuple(dict.fromkeys(p for r, _, p in sorted(found, key=lambda x: x[1]) if r == best))
-        groups.append(PermGroup(name, space.size, axes, chosen, space.kind))
+        kept, unsplit = _split_blocks(PermGroup(name, space.size, axes, chosen, space.kind), blocks.get(i))
+        groups.extend(kept)
+        for f in unsplit:
+            fixed.setdefault((f.key, f.dim, f.reason), f)
     spec = PermutationSpec(tuple(groups), tuple(fixed.values()))
     spec.check(shapes, where="derived spec")
     return spec
