@@ -295,7 +295,8 @@ _UNIFORM_NAMES = {"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones
                   "zero_", "fill_"}
 #: ATen ops (torch.export graphs) under the name of the torch function that does the same (same argument order).
 _ATEN_NAMES = {"slice": "narrow", "alias": "clone", "lift_fresh_copy": "clone", "_to_copy": "clone",
-               "_assert_tensor_metadata": "_assert", "native_dropout": "dropout"}
+               "_assert_tensor_metadata": "_assert", "_assert_scalar": "_assert", "_assert_async": "_assert",
+               "sym_size": "size", "sym_numel": "numel", "sym_stride": "size", "sym_storage_offset": "size"}
 
 
 def _op_name(node: torch.fx.Node) -> str:
