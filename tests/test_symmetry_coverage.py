@@ -286,6 +286,47 @@ class KeywordLayers(nn.Module):
         return self.head(input=out[:, -1])
 
 
+class SequenceShapes(nn.Module):
+    """Recurrent outputs in other shapes: an unbatched LSTM (``"unbatched"``), a GRU whose output is flattened over
+    time (``"flatten"``), a bidirectional GRU whose directions are sliced apart (``"split"``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.rnn = (nn.LSTM if how == "unbatched" else nn.GRU)(5, 4, batch_first=True, bidirectional=how == "split")
+        self.head = nn.Linear({"unbatched": 4, "flatten": 4 * 3, "split": 4}[how], 3)
+        self.back = nn.Linear(4, 3)
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        if self.how == "flatten":
+            return self.head(out.reshape(out.size(0), -1))
+        if self.how == "split":
+            return self.head(out[:, -1, :4]) + self.back(out[:, 0, 4:])
+        return self.head(out[-1])
+
+
+class NormShapes(nn.Module):
+    """GroupNorm on a 3-d (B, C, L) and a 2-d (B, C) input; ``F.layer_norm`` over the last two axes; ``F.group_norm``
+    without weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(3, 6, 1)
+        self.gn1 = nn.GroupNorm(3, 6)
+        self.fc = nn.Linear(6 * 4, 8)
+        self.gn2 = nn.GroupNorm(2, 8)
+        self.fc2 = nn.Linear(8, 4)
+        self.out = nn.Linear(4 * 2, 3)
+
+    def forward(self, x):  # x: (B, 3, 4)
+        h = torch.relu(self.gn1(self.conv(x)))
+        h = F.layer_norm(h, (6, 4))
+        h = torch.relu(self.gn2(self.fc(h.flatten(1))))
+        h = F.group_norm(self.fc2(h).unsqueeze(-1).expand(-1, -1, 2), 2)
+        return self.out(torch.relu(h).flatten(1))
+
+
 def tiny_bert() -> nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -376,6 +417,11 @@ COV = [
         has=[("cell.weight_ih", 0, 0, 3, 1), ("cell.weight_hh", 1, 0, 1, 1), ("head.weight", 1, 0, 1, 1)]),
     Cov("lstm-cell-loop", "recurrent", lambda: randomize(CellLoop(nn.LSTMCell)), lambda: torch.randn(2, 3, 4), 2),
     Cov("rnn-cell-loop", "recurrent", lambda: randomize(CellLoop(nn.RNNCell)), lambda: torch.randn(2, 3, 4), 2),
+    Cov("lstm-unbatched", "recurrent", lambda: randomize(SequenceShapes("unbatched")), lambda: torch.randn(3, 5), 1),
+    Cov("gru-flattened-over-time", "recurrent", lambda: randomize(SequenceShapes("flatten")), seq(2, 3), 1,
+        has=[("head.weight", 1, 0, 3, 1)]),
+    Cov("bigru-directions-sliced", "recurrent", lambda: randomize(SequenceShapes("split")), seq(), 2,
+        has=[("head.weight", 1, 0, 1, 1), ("back.weight", 1, 0, 1, 1), ("rnn.weight_hh_l0_reverse", 1, 0, 1, 1)]),
     # norms: functional layer_norm / group_norm / linear; GroupNorm with several groups splits into blocks
     Cov("functional-norms", "norms", lambda: randomize(FunctionalNorms()), image, 1 + 1 + 2,
         has=[("w", 0, 0, 1, 1), ("b", 0, 0, 1, 1), ("weight", 1, 0, 1, 1), ("weight", 0, 0, 1, 1), ("bias", 0, 0, 1, 1),
@@ -388,6 +434,8 @@ COV = [
     Cov("group-norm-blocks-flatten", "norms", lambda: randomize(GroupNormNet((4, 3), flatten=True)), image, 4 + 3,
         has=[("fc.weight", 1, 4 * 16, 1, 16), ("n2.weight", 0, 8, 1, 1)]),
     Cov("group-norm-one-and-all", "norms", lambda: randomize(GroupNormNet((1, 12))), image, 2),
+    Cov("norm-shapes", "norms", lambda: randomize(NormShapes()), lambda: torch.randn(3, 3, 4), 3 + 2 + 2,
+        has=[("gn1.weight", 0, 4, 1, 1), ("fc.weight", 1, 4 * 4, 1, 4), ("gn2.bias", 0, 4, 1, 1), ("out.weight", 1, 2 * 2, 1, 2)]),
     # constants whose elements are all equal fix no group
     Cov("uniform-constants", "constants", lambda: randomize(Constants()), vec(), 2,
         has=[("a.weight", 0, 0, 1, 1), ("b.weight", 1, 0, 1, 1), ("c.weight", 1, 0, 1, 1)]),
