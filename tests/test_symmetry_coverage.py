@@ -327,6 +327,46 @@ class NormShapes(nn.Module):
         return self.out(torch.relu(h).flatten(1))
 
 
+class HandAttention(nn.Module):
+    """Attention written by hand: Q/K/V Linears, a reshape into heads, ``F.scaled_dot_product_attention``, the
+    heads merged back, an output Linear; ``mask="per-head"`` adds a mask that differs per head (it fixes the heads)."""
+
+    def __init__(self, mask: str = "none", heads: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Linear(5, 8)
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.o = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+        self.heads, self.mask = heads, mask
+        self.register_buffer("bias", torch.randn(1, heads, 4, 4))
+
+    def forward(self, x):  # x: (B, 4, 5)
+        h = self.embed(x)
+        b, t, e = h.shape
+        split = lambda z: z.view(b, t, self.heads, e // self.heads).transpose(1, 2)  # noqa: E731
+        mask = self.bias if self.mask == "per-head" else None
+        a = F.scaled_dot_product_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)), attn_mask=mask)
+        h = h + self.o(a.transpose(1, 2).reshape(b, t, e))
+        return self.head(h.mean(1))
+
+
+class ChannelShuffle(nn.Module):
+    """conv -> channel shuffle (view into groups, transpose, view back) -> conv: the shuffle splits the channels
+    into (groups, channels per group) and the spec permutes both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 6, 1)
+        self.b = nn.Conv2d(6, 4, 1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        n, c, hh, ww = h.shape
+        h = h.view(n, 2, c // 2, hh, ww).transpose(1, 2).reshape(n, c, hh, ww)
+        return self.fc(torch.relu(self.b(h)).mean((2, 3)))
+
+
 def tiny_bert() -> nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -335,10 +375,10 @@ def tiny_bert() -> nn.Module:
     return randomize(BertForSequenceClassification(config), seed=3)
 
 
-def tiny_llama() -> nn.Module:
+def tiny_llama(kv_heads: int = 1) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+    config = LlamaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=kv_heads,
                          intermediate_size=24, max_position_embeddings=16, use_cache=False)
     model = LlamaForCausalLM(config)
     g = torch.Generator().manual_seed(4)
@@ -359,7 +399,7 @@ def ids(batch: int = 2, length: int = 6, vocab: int = 40) -> torch.Tensor:
 @dataclass
 class Cov:
     id: str
-    sub: str  # recurrent, norms, constants, keywords, export
+    sub: str  # recurrent, norms, constants, keywords, attention, export
     model: Callable[[], nn.Module]
     input: Callable[[], torch.Tensor]
     groups: int | None = None  # how many groups (None: not counted)
@@ -450,20 +490,35 @@ COV = [
              ("head.weight", 1, 0, 1, 1)]),
     Cov("keyword-tensors", "keywords", lambda: randomize(Keywords()), vec(), 1,
         has=[("fc.weight", 0, 0, 1, 1), ("norm.weight", 0, 0, 1, 1), ("out.weight", 1, 0, 1, 1)]),
+    # attention written with a reshape into heads and scaled_dot_product_attention: heads, Q/K dims, V/out dims
+    Cov("hand-written-attention", "attention", lambda: randomize(HandAttention()), seq(3, 4, 5), 1 + 3,
+        has=[("q.weight", 0, 0, 1, 4), ("k.weight", 0, 0, 2, 1), ("v.weight", 0, 0, 2, 1), ("o.weight", 1, 0, 1, 4),
+             ("o.weight", 1, 0, 2, 1)]),
+    Cov("hand-written-attention-4-heads", "attention", lambda: randomize(HandAttention(heads=4)), seq(3, 4, 5), 1 + 3,
+        has=[("q.weight", 0, 0, 1, 2), ("o.weight", 1, 0, 4, 1)]),
+    Cov("attention-mask-per-head", "attention", lambda: randomize(HandAttention(mask="per-head")), seq(3, 4, 5), 1 + 2,
+        fixed=[("q.weight", 0, "a mask per head")]),
+    Cov("channel-shuffle", "attention", lambda: randomize(ChannelShuffle()), image, 2 + 1,
+        has=[("a.weight", 0, 0, 1, 3), ("a.weight", 0, 0, 2, 1), ("b.weight", 1, 0, 3, 1), ("b.weight", 1, 0, 1, 2)]),
     # torch.export: what torch.fx cannot trace
     Cov("export-shape-branch", "export", lambda: randomize(ShapeBranch()), vec(), 1,
         has=[("fc.weight", 0, 0, 1, 1), ("out.weight", 1, 0, 1, 1)], fixed=[("out.weight", 0, "model output")]),
-    Cov("export-bert", "export", tiny_bert, ids, None,
+    Cov("export-bert", "export", tiny_bert, ids, 1 + 2 * (3 + 1) + 1,
         has=[("bert.embeddings.word_embeddings.weight", 1, 0, 1, 1), ("bert.embeddings.LayerNorm.weight", 0, 0, 1, 1),
              ("bert.encoder.layer.0.intermediate.dense.weight", 0, 0, 1, 1), ("bert.encoder.layer.1.output.dense.weight", 1, 0, 1, 1),
              ("bert.pooler.dense.weight", 0, 0, 1, 1), ("classifier.weight", 1, 0, 1, 1)],
-        fixed=[("classifier.weight", 0, "model output"), ("bert.encoder.layer.0.attention.self.query.weight", 0, "splits")],
-        atol=1e-4),
+        fixed=[("classifier.weight", 0, "model output")], atol=1e-4),
     Cov("export-llama", "export", tiny_llama, ids, None,
         has=[("model.embed_tokens.weight", 1, 0, 1, 1), ("model.layers.0.input_layernorm.weight", 0, 0, 1, 1),
              ("model.layers.1.mlp.gate_proj.weight", 0, 0, 1, 1), ("model.layers.1.mlp.up_proj.weight", 0, 0, 1, 1),
              ("model.layers.1.mlp.down_proj.weight", 1, 0, 1, 1), ("model.norm.weight", 0, 0, 1, 1), ("lm_head.weight", 1, 0, 1, 1)],
-        fixed=[("lm_head.weight", 0, "model output")], atol=1e-4),
+        fixed=[("lm_head.weight", 0, "model output"), ("model.layers.0.self_attn.q_proj.weight", 0, "shared key/value heads")],
+        atol=1e-4),
+    # without grouped-query attention the heads are a group (RoPE, which rotates pairs of head dims, fixes those)
+    Cov("export-llama-mha", "export", lambda: tiny_llama(kv_heads=2), ids, None,
+        has=[("model.layers.0.self_attn.q_proj.weight", 0, 0, 1, 8), ("model.layers.0.self_attn.k_proj.weight", 0, 0, 1, 8),
+             ("model.layers.0.self_attn.v_proj.weight", 0, 0, 2, 1), ("model.layers.0.self_attn.o_proj.weight", 1, 0, 1, 8)],
+        atol=1e-4),
 ]
 
 
@@ -478,7 +533,9 @@ def test_the_derived_spec_covers_the_model_and_permutations_leave_its_outputs_un
         assert len(spec.groups) == case.groups, spec.describe()
     missing = [a for a in case.has if a not in axes(spec)]
     assert not missing, f"{missing}\n{spec.describe()}"
-    fixed = {(f.key, f.dim): f.reason for f in spec.fixed}
+    fixed: dict[tuple[str, int], str] = {}
+    for f in spec.fixed:  # one axis may be fixed for several reasons (segments of it)
+        fixed[(f.key, f.dim)] = fixed.get((f.key, f.dim), "") + f.reason + "; "
     for key, dim, words in case.fixed:
         assert words in fixed.get((key, dim), ""), (key, dim, fixed.get((key, dim)))
     # every parameter of a modelled recurrent layer is in a group or fixed: never silently neither
@@ -589,12 +646,19 @@ def test_a_model_neither_fx_nor_export_follows_is_one_line_naming_both():
     assert "torch.fx:" in message and "torch.export:" in message and "\n" not in message
 
 
-def test_an_exported_spec_has_no_probes_and_bert_attention_is_fixed_with_its_reason():
+def test_an_exported_bert_has_the_groups_of_multi_head_attention_and_no_probes():
     model = tiny_bert()
     spec = derive_spec(model, ids())
     assert all(not g.probes for g in spec.groups)  # probes name nodes of trace_model's graph; an exported graph has none
-    fixed = {(f.key, f.dim): f.reason for f in spec.fixed}
-    assert "splits, selects or reorders these units" in fixed[("bert.encoder.layer.1.attention.self.value.weight", 0)]
+    at = "bert.encoder.layer.1.attention"
+    heads = spec.group(f"{at}.self.query.heads")
+    assert heads.kind == "heads" and heads.size == 2
+    assert {(a.key, a.dim, a.start, a.outer, a.inner) for a in heads.axes} == {
+        *((f"{at}.self.{p}.{w}", 0, 0, 1, 8) for p in ("query", "key", "value") for w in ("weight", "bias")),
+        (f"{at}.output.dense.weight", 1, 0, 1, 8)}
+    qk, vo = spec.group(f"{at}.self.query.head_dims"), spec.group(f"{at}.self.value.head_dims")
+    assert {a.key for a in qk.axes} == {f"{at}.self.{p}.{w}" for p in ("query", "key") for w in ("weight", "bias")}
+    assert (f"{at}.output.dense.weight", 1, 0, 2, 1) in {(a.key, a.dim, a.start, a.outer, a.inner) for a in vo.axes}
     # the residual stream is one group from the embeddings to the pooler
     stream = group_of(spec, "bert.embeddings.word_embeddings.weight", 1)
     assert stream == group_of(spec, "bert.encoder.layer.1.output.LayerNorm.weight", 0) == group_of(spec, "bert.pooler.dense.weight", 1)

@@ -351,6 +351,7 @@ class _Analysis(torch.fx.Interpreter):
         self.mods = dict(gm.named_modules())
         self.node: torch.fx.Node | None = None  # the node being annotated
         self.blocks: dict[int, list[int]] = {}  # space -> block sizes its units must stay within (norm groups)
+        self.factors: list[tuple[int, int, int]] = []  # space split into (heads, head dims) spaces: see _factor
 
     # -- plumbing ---------------------------------------------------------------------------------------------------
 
@@ -499,6 +500,8 @@ class _Analysis(torch.fx.Interpreter):
             return self._empty(out)
         if name in ("layer_norm", "group_norm", "linear", "embedding"):
             return self._functional(n, name, args, kwargs, tensors, out)
+        if name == "scaled_dot_product_attention":
+            return self._sdpa(n, args, kwargs, tensors, out)
         if name == "getitem" and isinstance(args[0], (list, tuple)):
             held = self.anns.get(n.args[0]) if isinstance(n.args[0], torch.fx.Node) else None
             if isinstance(held, (list, tuple)):
@@ -608,7 +611,7 @@ class _Analysis(torch.fx.Interpreter):
                 results = [moved] if isinstance(moved, torch.Tensor) else list(moved)
                 for k, r in enumerate(results):
                     found = _read_units(r, size)
-                    if found is None:
+                    if found is None and not self._factor(p, x.shape[d], r, size, dims[k]):
                         self.sp.fix(p.space, f"{where}: splits, selects or reorders these units")
                     elif found:
                         t, start, outer, inner = found
@@ -901,7 +904,18 @@ class _Analysis(torch.fx.Interpreter):
                 return self._empty(out)
             ann, w_ann = self._ann(x_node, x), self._ann(w_node, weight)
             cols, rows = int(weight.shape[1]), int(weight.shape[0])
-            self._merge_dim(where, [(ann.dims[-1], cols), (w_ann.dims[1], cols)], cols)
+            soft = [p for p in w_ann.dims[1] if self.sp.find(p.space) == p.space and self.sp.all[p.space].soft]
+            if isinstance(w_node, torch.fx.Node) and w_node.op == "get_attr" and len(w_node.users) == 1 and len(soft) == len(w_ann.dims[1]):
+                # a parameter read here alone: its columns take the input's pieces as nn.Linear's do (several pieces:
+                # a concatenation, heads and head dims), in place of the plain axis its get_attr gave it
+                key = str(w_node.target)
+                for p in soft:
+                    self.sp.all[p.space].axes = [a for a in self.sp.all[p.space].axes if (a.key, a.dim) not in
+                                                 {(k, 1) for k in self.sp.aliases.get(key, [key])}]
+                for p in ann.dims[-1]:
+                    self.sp.add_axis(p.space, key, 1, p.start, p.outer, p.inner)
+            else:
+                self._merge_dim(where, [(ann.dims[-1], cols), (w_ann.dims[1], cols)], cols)
             s = self.sp.new(rows, _owner(w_node, where), "features")
             entries = [(self.sp.pieces(s), rows), (w_ann.dims[0], rows)] + [(a.dims[0], int(t.shape[0])) for t, a in optional(2, "bias")]
             return _Ann(ann.dims[:-1] + (self._merge_dim(where, entries, rows),))
@@ -1048,6 +1062,83 @@ class _Analysis(torch.fx.Interpreter):
         state = _Ann(tuple(() for _ in batch) + (self.sp.pieces(h),))
         return (state, state) if isinstance(out, tuple) else state
 
+    # -- coverage: attention written with a reshape into heads and scaled_dot_product_attention ---------------------
+
+    def _factor(self, p: _Piece, length: int, labels: torch.Tensor, size: int, dims: list[list[_Piece]]) -> bool:
+        """A reshape that splits a whole axis of ``size`` units into two axes ``(heads, head_dim)`` (unit ``h * head_dim
+        + d`` at ``[h, d]``, the way attention splits a projection into heads): the space is *factored* into a heads
+        space and a head-dims space, whose permutations together are the permutations of the form ``(h, d) -> (ph(h),
+        pd(d))`` of the original units (a subset of them: sound). :func:`_unfactor` rewrites the space's weight axes
+        into the two views when the analysis ends. False (nothing done) for any other split."""
+        if (p.start, p.outer, p.inner) != (0, 1, 1) or length != size:
+            return False
+        varying = [d for d in range(labels.ndim) if labels.shape[d] > 1
+                   and not torch.equal(labels, labels.narrow(d, 0, 1).expand_as(labels))]
+        if len(varying) != 2:
+            return False
+        t1, t2 = varying
+        heads, per = int(labels.shape[t1]), int(labels.shape[t2])
+        if heads * per != size:
+            return False
+        index = [slice(None) if d in (t1, t2) else 0 for d in range(labels.ndim)]
+        if not torch.equal(labels[tuple(index)], torch.arange(size).view(heads, per)):
+            return False
+        root = self.sp.all[self.sp.find(p.space)]
+        h = self.sp.new(heads, f"{root.name}.heads", "heads")
+        d = self.sp.new(per, f"{root.name}.head_dims", "head_dims")
+        self.factors.append((p.space, h, d))
+        dims[t1].extend(self.sp.pieces(h))
+        dims[t2].extend(self.sp.pieces(d))
+        return True
+
+    def _sdpa(self, n: torch.fx.Node, args: Any, kwargs: Any, tensors: list[tuple[torch.Tensor, _Ann]], out: Any) -> Any:
+        """``scaled_dot_product_attention(q, k, v)`` on ``(..., heads, L, E)`` tensors: q, k and v share the heads;
+        q's and k's last axes (their dot product) share one space; v's last axis is the output's. Positions and batch
+        axes are fixed (attention mixes positions); a mask that differs per head, or k / v with other head counts
+        (grouped-query attention), fix the heads."""
+        where = n.name
+        (qn, q), (kn, k), (vn, v) = (self._arg(n, args, kwargs, i, key) for i, key in enumerate(("query", "key", "value")))
+        if not all(isinstance(t, torch.Tensor) and t.ndim >= 3 for t in (q, k, v)) or not isinstance(out, torch.Tensor):
+            self._fix_all(tensors, f"{where}: {_describe_target(n)} called in a form the tracer does not model")
+            return self._empty(out)
+        qa, ka, va = self._ann(qn, q), self._ann(kn, k), self._ann(vn, v)
+        reason = f"{where}: attention mixes positions along these units"
+        for ann in (qa, ka, va):
+            for dim in ann.dims[:-3] + ann.dims[-2:-1]:
+                for p in dim:
+                    self.sp.fix(p.space, reason)
+        mask_node, mask = self._arg(n, args, kwargs, 3, "attn_mask")
+        heads = int(q.shape[-3])
+        per_head_mask = isinstance(mask, torch.Tensor) and mask.ndim >= 3 and mask.shape[-3] > 1 \
+            and not isinstance(self._ann(mask_node, mask), _Uniform)
+        if isinstance(mask, torch.Tensor):
+            self._fix_all([(mask, self._ann(mask_node, mask))], f"{where}: an attention mask")
+        if per_head_mask or not (k.shape[-3] == v.shape[-3] == heads):
+            for ann in (qa, ka, va):
+                for p in ann.dims[-3]:
+                    self.sp.fix(p.space, f"{where}: a mask per head, or keys and values with other head counts")
+            head_pieces: tuple[_Piece, ...] = ()
+        else:
+            head_pieces = self._joined(where, [qa.dims[-3], ka.dims[-3], va.dims[-3]], heads,
+                                       "queries, keys and values whose heads are not permuted alike (e.g. shared key/value heads)")
+        self._joined(where, [qa.dims[-1], ka.dims[-1]], int(q.shape[-1]), "queries and keys whose head dims are not permuted alike")
+        # what the units are (their number is part of the attention: nonparametric fusion keeps their width)
+        for pieces, kind in ((head_pieces, "heads"), (qa.dims[-1], "head_dims"), (va.dims[-1], "head_dims")):
+            for p in pieces:
+                self.sp.all[self.sp.find(p.space)].kind = kind
+        return _Ann(tuple(() for _ in range(out.ndim - 3)) + (head_pieces, (), va.dims[-1]))
+
+    def _joined(self, where: str, entries: Sequence[Sequence[_Piece]], length: int, reason: str) -> tuple[_Piece, ...]:
+        """Pieces that must be permuted alike on several tensors' axes of one ``length``: joined where every tensor
+        has the same layout, else all fixed with ``reason``."""
+        layouts = [sorted(self._key(p) for p in pieces) for pieces in entries]
+        if any(layout != layouts[0] for layout in layouts):
+            for pieces in entries:
+                for p in pieces:
+                    self.sp.fix(p.space, f"{where}: {reason}")
+            return ()
+        return self._merge_dim(where, [(pieces, length) for pieces in entries], length)
+
     @staticmethod
     def _state_used(n: torch.fx.Node) -> bool:
         """Whether anything reads a recurrent layer's final state (its output tuple beyond item 0)."""
@@ -1136,6 +1227,37 @@ def _settle(sp: _Spaces) -> None:
                 break
 
 
+def _unfactor(sp: _Spaces, factors: Sequence[tuple[int, int, int]], blocks: dict[int, list[int]]) -> None:
+    """Rewrite each factored space's weight axes (:meth:`_Analysis._factor`) into its heads and head-dims spaces:
+    an axis viewing ``size = heads * per`` units as ``(outer, size, inner)`` is ``(outer, heads, per * inner)`` for
+    the heads and ``(outer * heads, per, inner)`` for the head dims. A fixed space fixes both; a space factored two
+    ways, or also split into norm-group blocks, is fixed."""
+    done: dict[int, tuple[int, int]] = {}
+    blocked = {sp.find(s) for s in blocks}
+    for space, h, d in factors:
+        root = sp.find(space)
+        if root in done:
+            h0, d0 = done[root]
+            if (sp.size(h0), sp.size(d0)) == (sp.size(h), sp.size(d)):
+                sp.merge(h0, h, "the same units split into heads twice")
+                sp.merge(d0, d, "the same units split into heads twice")
+            else:
+                for s in (h0, d0, h, d):
+                    sp.fix(s, "units split into heads in two ways")
+            continue
+        done[root] = (h, d)
+        heads, per = sp.size(h), sp.size(d)
+        r = sp.all[root]
+        for a in dict.fromkeys(r.axes):
+            sp.all[sp.find(h)].axes.append(AxisRef(a.key, a.dim, a.start, a.outer, per * a.inner))
+            sp.all[sp.find(d)].axes.append(AxisRef(a.key, a.dim, a.start, a.outer * heads, a.inner))
+        r.axes = []
+        reason = r.fixed or ("units split into heads and into norm-group blocks" if root in blocked else None)
+        if reason:
+            sp.fix(h, reason)
+            sp.fix(d, reason)
+
+
 def _split_blocks(group: PermGroup, block: int | None) -> tuple[list[PermGroup], list[FixedAxis]]:
     """``group`` as one group per block of ``block`` consecutive units (units normalised in groups may move only within
     their norm group: a GroupNorm with several groups of several channels), named ``<group>.block<k>``. An axis or probe
@@ -1205,6 +1327,7 @@ def derive_spec(model: nn.Module, example_input: torch.Tensor) -> PermutationSpe
     finally:
         _restore(modes)
     sp = analysis.sp
+    _unfactor(sp, analysis.factors, analysis.blocks)
     _settle(sp)
     for i, space in enumerate(sp.all):
         if sp.find(i) == i and not space.fixed:
