@@ -331,8 +331,9 @@ class HandAttention(nn.Module):
     """Attention written by hand: Q/K/V Linears, a reshape into heads, ``F.scaled_dot_product_attention``, the
     heads merged back, an output Linear; ``mask="per-head"`` adds a mask that differs per head (it fixes the heads)."""
 
-    def __init__(self, mask: str = "none", heads: int = 2) -> None:
+    def __init__(self, mask: str = "none", heads: int = 2, scale: bool = False) -> None:
         super().__init__()
+        self.scale = nn.Parameter(torch.ones(8)) if scale else None  # per head and head dim, viewed as (heads, 1, dims)
         self.embed = nn.Linear(5, 8)
         self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
         self.o = nn.Linear(8, 8)
@@ -345,7 +346,10 @@ class HandAttention(nn.Module):
         b, t, e = h.shape
         split = lambda z: z.view(b, t, self.heads, e // self.heads).transpose(1, 2)  # noqa: E731
         mask = self.bias if self.mask == "per-head" else None
-        a = F.scaled_dot_product_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)), attn_mask=mask)
+        q = split(self.q(h))
+        if self.scale is not None:
+            q = q * self.scale.view(self.heads, 1, e // self.heads)
+        a = F.scaled_dot_product_attention(q, split(self.k(h)), split(self.v(h)), attn_mask=mask)
         h = h + self.o(a.transpose(1, 2).reshape(b, t, e))
         return self.head(h.mean(1))
 
@@ -496,6 +500,8 @@ COV = [
              ("o.weight", 1, 0, 2, 1)]),
     Cov("hand-written-attention-4-heads", "attention", lambda: randomize(HandAttention(heads=4)), seq(3, 4, 5), 1 + 3,
         has=[("q.weight", 0, 0, 1, 2), ("o.weight", 1, 0, 4, 1)]),
+    Cov("attention-scale-per-head-dim", "attention", lambda: randomize(HandAttention(scale=True)), seq(3, 4, 5), 1 + 3,
+        has=[("scale", 0, 0, 1, 4), ("scale", 0, 0, 2, 1)]),
     Cov("attention-mask-per-head", "attention", lambda: randomize(HandAttention(mask="per-head")), seq(3, 4, 5), 1 + 2,
         fixed=[("q.weight", 0, "a mask per head")]),
     Cov("channel-shuffle", "attention", lambda: randomize(ChannelShuffle()), image, 2 + 1,

@@ -1084,8 +1084,8 @@ class _Analysis(torch.fx.Interpreter):
         if not torch.equal(labels[tuple(index)], torch.arange(size).view(heads, per)):
             return False
         root = self.sp.all[self.sp.find(p.space)]
-        h = self.sp.new(heads, f"{root.name}.heads", "heads")
-        d = self.sp.new(per, f"{root.name}.head_dims", "head_dims")
+        h = self.sp.new(heads, f"{root.name}.heads", "heads", soft=root.soft)  # a parameter's axis stays soft until joined
+        d = self.sp.new(per, f"{root.name}.head_dims", "head_dims", soft=root.soft)
         self.factors.append((p.space, h, d))
         dims[t1].extend(self.sp.pieces(h))
         dims[t2].extend(self.sp.pieces(d))
@@ -1248,6 +1248,8 @@ def _unfactor(sp: _Spaces, factors: Sequence[tuple[int, int, int]], blocks: dict
         done[root] = (h, d)
         heads, per = sp.size(h), sp.size(d)
         r = sp.all[root]
+        if not r.soft:  # joined to real units after the split: so are its heads and head dims
+            sp.all[sp.find(h)].soft = sp.all[sp.find(d)].soft = False
         for a in dict.fromkeys(r.axes):
             sp.all[sp.find(h)].axes.append(AxisRef(a.key, a.dim, a.start, a.outer, per * a.inner))
             sp.all[sp.find(d)].axes.append(AxisRef(a.key, a.dim, a.start, a.outer * heads, a.inner))
