@@ -113,6 +113,30 @@ class Recurrent(nn.Module):
         return self.head(out[:, -1] if self.batch_first else out[-1])
 
 
+class PlainGRU(nn.GRU):
+    """A subclass that keeps nn.GRU's forward: modelled as nn.GRU."""
+
+
+class ClippedGRU(nn.GRU):
+    """A subclass with a forward of its own: not what the tracer models, so its units and parameters are fixed."""
+
+    def forward(self, x, hx=None):  # type: ignore[override]
+        out, h = super().forward(x, hx)
+        return out.clamp(-0.5, 0.5), h
+
+
+class Subclassed(nn.Module):
+    def __init__(self, kind: type[nn.GRU]) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 4)
+        self.rnn = kind(4, 6, batch_first=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        out, _ = self.rnn(torch.relu(self.inp(x)))
+        return self.head(out[:, -1])
+
+
 class Embedded(nn.Module):
     """An embedding into a GRU (a sequence model on token ids)."""
 
@@ -455,6 +479,11 @@ COV = [
     Cov("lstm-zero-state", "recurrent", lambda: randomize(Recurrent(nn.LSTM, state="zeros")), seq(), 1),
     Cov("gru-learned-state", "recurrent", lambda: randomize(Recurrent(nn.GRU, layers=2, state="learned")), seq(), 1,
         has=[("h0", 2, 0, 1, 1), ("rnn.weight_hh_l1", 1, 0, 1, 1)]),
+    Cov("gru-subclass-same-forward", "recurrent", lambda: randomize(Subclassed(PlainGRU)), seq(), 2,
+        has=[("rnn.weight_hh_l0", 0, 0, 3, 1), ("rnn.weight_ih_l0", 1, 0, 1, 1)]),
+    Cov("gru-subclass-own-forward", "recurrent", lambda: randomize(Subclassed(ClippedGRU)), seq(), 0,
+        fixed=[("inp.weight", 0, "ClippedGRU overrides the forward of GRU"), ("rnn.weight_hh_l0", 1, "overrides the forward"),
+               ("rnn.weight_ih_l0", 0, "overrides the forward"), ("rnn.bias_hh_l0", 0, "overrides the forward")]),
     Cov("embedding-gru", "recurrent", lambda: randomize(Embedded()), lambda: ids(3, 5, 20), 3,
         has=[("embed.weight", 1, 0, 1, 1), ("gru.weight_ih_l0", 1, 0, 1, 1)]),
     Cov("gru-cell-loop", "recurrent", lambda: randomize(CellLoop(nn.GRUCell)), lambda: torch.randn(2, 3, 4), 2,

@@ -53,6 +53,8 @@ class _Tracer(torch.fx.Tracer):
         self.stack: list[tuple[str, str]] = []
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, (nn.RNNBase, nn.RNNCellBase)):  # fx cannot trace their forwards (a subclass's neither): the
+            return True                                   # analysis models the stock ones and fixes any other
         return isinstance(m, LEAF_MODULES) or super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -289,6 +291,8 @@ _POOL_NAMES = {"max_pool1d": 1, "max_pool2d": 2, "max_pool3d": 3, "avg_pool1d": 
                "adaptive_max_pool2d": 2, "adaptive_max_pool3d": 3, "_max_pool1d": 1, "_max_pool2d": 2, "_max_pool3d": 3,
                "_adaptive_max_pool1d": 1, "_adaptive_max_pool2d": 2}
 _KNOWN_MODULES = (torch, F, operator, torch.Tensor, torch.fx)
+#: The recurrent layers the tracer models (a subclass too, unless it overrides ``forward``), see ``_recurrent``.
+_RECURRENT: tuple[type[nn.Module], ...] = (nn.LSTM, nn.GRU, nn.RNN, nn.LSTMCell, nn.GRUCell, nn.RNNCell)
 #: Tensors all of whose elements are equal, whatever the input: any permutation of any axis leaves them as they are, so
 #: they combine with units without fixing them (``x + torch.zeros_like(x)``, ``h0 = x.new_zeros(...)``).
 _UNIFORM_NAMES = {"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full", "zeros", "ones", "full",
@@ -637,10 +641,14 @@ class _Analysis(torch.fx.Interpreter):
             return self._layernorm(name, mod, ann)
         if isinstance(mod, nn.GroupNorm):
             return self._groupnorm(where, name, mod, ann)
-        if type(mod) in (nn.RNN, nn.LSTM, nn.GRU):
-            return self._recurrent(n, name, mod, args, out)  # type: ignore[arg-type]
-        if type(mod) in (nn.RNNCell, nn.LSTMCell, nn.GRUCell):
-            return self._cell(n, name, mod, args, out)  # type: ignore[arg-type]
+        if isinstance(mod, (nn.RNNBase, nn.RNNCellBase)):
+            stock = next((t for t in _RECURRENT if isinstance(mod, t)), None)
+            if stock is None or type(mod).forward is not stock.forward:  # a forward of its own: not what is modelled
+                return self._opaque(n, name, mod, tensors, out, f"{type(mod).__name__} overrides the forward of "
+                                    f"{stock.__name__ if stock else 'a recurrent layer'}, which is what the tracer models")
+            if isinstance(mod, nn.RNNBase):
+                return self._recurrent(n, name, mod, args, out)
+            return self._cell(n, name, mod, args, out)
         if isinstance(mod, nn.Embedding):
             s = self.sp.new(mod.embedding_dim, name, "features")
             self.sp.add_axis(s, f"{name}.weight", 1)
@@ -1138,6 +1146,18 @@ class _Analysis(torch.fx.Interpreter):
                     self.sp.fix(p.space, f"{where}: {reason}")
             return ()
         return self._merge_dim(where, [(pieces, length) for pieces in entries], length)
+
+    def _opaque(self, n: torch.fx.Node, name: str, mod: nn.Module, tensors: list[tuple[torch.Tensor, _Ann]], out: Any,
+                reason: str) -> Any:
+        """A module the tracer does not model: the units it reads are fixed, and so is every axis of its own
+        parameters (listed with the reason, never silently left out)."""
+        reason = f"{n.name}: {reason}"
+        self._fix_all(tensors, reason)
+        for key, param in mod.named_parameters():
+            for d, size in enumerate(param.shape):
+                s = self.sp.new(size, f"{name}.{key}", "parameter", fixed=reason)
+                self.sp.add_axis(s, f"{name}.{key}", d)
+        return self._empty(out)
 
     @staticmethod
     def _state_used(n: torch.fx.Node) -> bool:
