@@ -235,16 +235,17 @@ class Constants(nn.Module):
 
 
 class Keywords(nn.Module):
-    """Tensors passed by keyword to modules and functions."""
+    """Tensors passed by keyword to modules, Python functions and builtins (``torch.cat(tensors=...)``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(5, 6)
-        self.norm = nn.LayerNorm(6)
-        self.out = nn.Linear(6, 3)
+        self.norm = nn.LayerNorm(6 + 5)
+        self.out = nn.Linear(6 + 5, 3)
 
     def forward(self, x):
         h = F.relu(input=self.fc(input=x))
+        h = torch.cat(tensors=[h, torch.tanh(input=x)], dim=1)
         return self.out(input=self.norm(input=h))
 
 

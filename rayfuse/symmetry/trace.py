@@ -118,10 +118,11 @@ def _positional(gm: torch.fx.GraphModule) -> None:
         try:
             sig = inspect.signature(fn)
             bound = sig.bind(*n.args, **n.kwargs).arguments
-        except (TypeError, ValueError):  # a builtin without a signature: torch functions take their tensor as `input`
-            if n.op == "call_function" and not n.args and "input" in n.kwargs:
+        except (TypeError, ValueError):  # a builtin without a signature: torch functions name their first argument
+            first = next((k for k in ("input", "tensors") if k in n.kwargs), None)  # `input` (`tensors` for cat, stack)
+            if n.op == "call_function" and not n.args and first is not None:
                 kwargs = dict(n.kwargs)
-                n.args, n.kwargs = (kwargs.pop("input"),), kwargs
+                n.args, n.kwargs = (kwargs.pop(first),), kwargs
                 changed = True
             continue
         args: list[Any] = []
