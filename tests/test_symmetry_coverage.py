@@ -682,6 +682,11 @@ def test_a_model_neither_fx_nor_export_follows_is_one_line_naming_both():
     assert "torch.fx:" in message and "torch.export:" in message and "\n" not in message
 
 
+def test_what_is_not_a_module_is_refused_before_any_export():
+    with pytest.raises(InputError, match=r"^architecture: expected a torch.nn.Module, got 'function'$"):
+        derive_spec(lambda x: x, vec()())
+
+
 def test_an_exported_bert_has_the_groups_of_multi_head_attention_and_no_probes():
     model = tiny_bert()
     spec = derive_spec(model, ids())
@@ -750,3 +755,58 @@ def test_the_symmetry_command_on_recurrent_and_exported_models(capsys, tmp_path,
     captured = capsys.readouterr()
     assert captured.err.startswith("rayfuse: error: architecture: expected a model torch.fx can trace or torch.export can export")
     assert captured.err.count("\n") == 1 and "Traceback" not in captured.err and not captured.out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input on these surfaces: exit 2, one line naming the key, no traceback, nothing written
+
+BAD_MODULE = MODULE + '''
+class Tokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 6)
+        self.gru = nn.GRU(6, 4, batch_first=True)
+        self.fc = nn.Linear(4, 10)
+
+    def forward(self, ids):
+        out, _ = self.gru(self.embed(ids))
+        return self.fc(out[:, -1])
+'''
+
+
+@dataclass(frozen=True)
+class Bad:
+    id: str
+    argv: list[str]
+    names: str  # what the one line must start with, after "rayfuse: error: "
+
+
+BAD = [
+    Bad("untraceable-and-unexportable", ["symmetry", "badnets:DataBranch", "--input-shape", "5"],
+        "architecture: expected a model torch.fx can trace or torch.export can export"),
+    Bad("gru-wrong-feature-count", ["symmetry", "badnets:GRUNet", "--input-shape", "4,6"], "input: expected an example batch"),
+    Bad("exported-model-wrong-width", ["symmetry", "badnets:ShapeBranch", "--input-shape", "6"], "input: expected an example batch"),
+    Bad("token-model-given-floats", ["symmetry", "badnets:Tokens", "--input-shape", "5"], "input: expected an example batch"),
+    Bad("gru-bad-hidden-arg", ["symmetry", "badnets:GRUNet", "--input-shape", "4,5", "--args", '{"hidden": "six"}'], "args: expected keyword arguments"),
+]
+
+
+@pytest.mark.parametrize("bad", BAD, ids=[b.id for b in BAD])
+def test_bad_input_on_the_symmetry_surfaces_is_one_line_and_leaves_nothing(bad: Bad, tmp_path, monkeypatch, capsys):
+    from rayfuse.cli import main
+    from tests.test_bad_inputs import _snapshot
+
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "badnets.py").write_text(BAD_MODULE)
+    monkeypatch.syspath_prepend(str(modules))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    before = _snapshot(work)
+    capsys.readouterr()
+    assert main(bad.argv) == 2
+    out, err = capsys.readouterr()
+    assert len(err.splitlines()) == 1 and "Traceback" not in out + err and not out, err
+    assert err.startswith(f"rayfuse: error: {bad.names}"), err
+    assert _snapshot(work) == before

@@ -33,11 +33,20 @@ def export_graph(model: nn.Module, example_input: torch.Tensor, untraceable: Inp
     Raises
     ------
     InputError
-        ``architecture`` when the model cannot be exported either (naming both failures when ``untraceable``, the
-        error from ``torch.fx``, is given).
+        ``input`` when the model does not run on ``example_input``; ``architecture`` when it runs but cannot be
+        exported either (naming both failures when ``untraceable``, the error from ``torch.fx``, is given).
     """
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
+    try:  # an input the model refuses is the input's fault, not the export's: said as such
+        with torch.no_grad():
+            model(example_input)
+    except Exception as exc:
+        for m, training in modes:
+            m.training = training
+        message = (str(exc).strip().splitlines() or [""])[0][:160]
+        raise InputError("input", "an example batch the model accepts", f"shape {tuple(example_input.shape)}",
+                         f"{type(exc).__name__}: {message}") from None
     quiet = logging.root.manager.disable
     logging.disable(logging.WARNING)  # export logs its guards and failures as warnings; the error below says it in one line
     try:

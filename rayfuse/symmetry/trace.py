@@ -1330,6 +1330,8 @@ def derive_spec(model: nn.Module, example_input: torch.Tensor) -> PermutationSpe
         gm = trace_model(model)
         exported = False
     except InputError as untraceable:  # e.g. Hugging Face models: their graph from torch.export instead
+        if not isinstance(model, nn.Module):
+            raise
         from rayfuse.symmetry.export import export_graph
 
         gm = export_graph(model, example_input, untraceable)
