@@ -9,6 +9,9 @@ concatenation), joins two spaces into one (a residual addition, a tied weight), 
 it commutes with a permutation of the units (an unknown function, a reshape that splits them), leaves the space fixed
 and says which node did so. The model's input features and its outputs are fixed.
 
+A model ``torch.fx`` cannot trace (Hugging Face transformers) is analysed from its ``torch.export`` graph instead
+(:func:`rayfuse.symmetry.export.export_graph`), with the same rules; such a spec has no probes.
+
 Probes name nodes of the graph :func:`trace_model` returns (node names are deterministic for a given model class),
 so activation matching can run that graph with ``torch.fx.Interpreter`` and read the units where they are visible.
 """
@@ -16,6 +19,7 @@ so activation matching can run that graph with ``torch.fx.Interpreter`` and read
 from __future__ import annotations
 
 import inspect
+import math
 import operator
 import os
 import traceback
@@ -49,6 +53,8 @@ class _Tracer(torch.fx.Tracer):
         self.stack: list[tuple[str, str]] = []
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, (nn.RNNBase, nn.RNNCellBase)):  # fx cannot trace their forwards (a subclass's neither): the
+            return True                                   # analysis models the stock ones and fixes any other
         return isinstance(m, LEAF_MODULES) or super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -94,7 +100,52 @@ def trace_model(model: nn.Module) -> torch.fx.GraphModule:
                          f"{type(exc).__name__}: {message}") from None
     finally:
         _restore(modes)
-    return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    _positional(gm)
+    return gm
+
+
+def _positional(gm: torch.fx.GraphModule) -> None:
+    """Rewrite calls that pass positional parameters by keyword (``self.fc(input=x)``, ``F.relu(input=x)``) into
+    positional form, in place: the same call, so the analysis and the structure readers find a layer's input where a
+    positional call puts it. Keyword-only parameters stay keywords; a call that does not bind is left as it is."""
+    mods = dict(gm.named_modules())
+    changed = False
+    for n in gm.graph.nodes:
+        if not n.kwargs or n.op not in ("call_module", "call_function"):
+            continue
+        fn = mods[str(n.target)].forward if n.op == "call_module" else n.target
+        try:
+            sig = inspect.signature(fn)
+            bound = sig.bind(*n.args, **n.kwargs).arguments
+        except (TypeError, ValueError):  # a builtin without a signature: torch functions name their first argument
+            first = next((k for k in ("input", "tensors") if k in n.kwargs), None)  # `input` (`tensors` for cat, stack)
+            if n.op == "call_function" and not n.args and first is not None:
+                kwargs = dict(n.kwargs)
+                n.args, n.kwargs = (kwargs.pop(first),), kwargs
+                changed = True
+            continue
+        args: list[Any] = []
+        kwargs = {}
+        gap = False  # a positional parameter left to its default: later ones stay keywords
+        for pname, param in sig.parameters.items():
+            if pname not in bound:
+                gap = gap or param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD)
+                continue
+            value = bound[pname]
+            if param.kind is param.VAR_POSITIONAL:
+                args.extend(value)
+            elif param.kind is param.VAR_KEYWORD:
+                kwargs.update(value)
+            elif param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD) and not gap:
+                args.append(value)
+            else:
+                kwargs[pname] = value
+        if tuple(args) != tuple(n.args) or kwargs != dict(n.kwargs):
+            n.args, n.kwargs = tuple(args), kwargs
+            changed = True
+    if changed:
+        gm.recompile()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -123,6 +174,21 @@ class _Ann:
     def pieces(self) -> Iterator[_Piece]:
         for dim in self.dims:
             yield from dim
+
+
+@dataclass(frozen=True)
+class _Uniform(_Ann):
+    """A tensor whose elements are all equal (``zeros_like``, ``new_zeros``, ``torch.full``...): it carries no units
+    and is unchanged by any permutation, so an elementwise op or a concatenation with it fixes nothing."""
+
+    @staticmethod
+    def of(value: torch.Tensor) -> _Uniform:
+        return _Uniform(tuple(() for _ in range(value.ndim)))
+
+
+def _varying(inputs: Sequence[tuple[Any, _Ann]]) -> list[tuple[Any, _Ann]]:
+    """The inputs of an elementwise op or a concatenation that are not :class:`_Uniform` (they alone constrain units)."""
+    return [(shape, ann) for shape, ann in inputs if not isinstance(ann, _Uniform)]
 
 
 @dataclass
@@ -226,6 +292,16 @@ _POOL_NAMES = {"max_pool1d": 1, "max_pool2d": 2, "max_pool3d": 3, "avg_pool1d": 
                "adaptive_max_pool2d": 2, "adaptive_max_pool3d": 3, "_max_pool1d": 1, "_max_pool2d": 2, "_max_pool3d": 3,
                "_adaptive_max_pool1d": 1, "_adaptive_max_pool2d": 2}
 _KNOWN_MODULES = (torch, F, operator, torch.Tensor, torch.fx)
+#: The recurrent layers the tracer models (a subclass too, unless it overrides ``forward``), see ``_recurrent``.
+_RECURRENT: tuple[type[nn.Module], ...] = (nn.LSTM, nn.GRU, nn.RNN, nn.LSTMCell, nn.GRUCell, nn.RNNCell)
+#: Tensors all of whose elements are equal, whatever the input: any permutation of any axis leaves them as they are, so
+#: they combine with units without fixing them (``x + torch.zeros_like(x)``, ``h0 = x.new_zeros(...)``).
+_UNIFORM_NAMES = {"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full", "zeros", "ones", "full",
+                  "zero_", "fill_"}
+#: ATen ops (torch.export graphs) under the name of the torch function that does the same (same argument order).
+_ATEN_NAMES = {"slice": "narrow", "alias": "clone", "lift_fresh_copy": "clone", "_to_copy": "clone",
+               "_assert_tensor_metadata": "_assert", "_assert_scalar": "_assert", "_assert_async": "_assert",
+               "sym_size": "size", "sym_numel": "numel", "sym_stride": "size", "sym_storage_offset": "size"}
 
 
 def _op_name(node: torch.fx.Node) -> str:
@@ -236,11 +312,21 @@ def _op_name(node: torch.fx.Node) -> str:
         return str(target)
     if target is getattr:
         return "getattr"
+    if isinstance(target, torch._ops.OpOverload):  # an ATen op of a torch.export graph: aten.add.Tensor is "add"
+        return _ATEN_NAMES.get(target._opname, target._opname)
     module = getattr(target, "__module__", None) or ""
     name = getattr(target, "__name__", "")
     if module.startswith(("torch", "_operator", "operator")) or target in (torch._assert,):
         return name.lstrip("_") if name.startswith("__") else name
     return ""
+
+
+def _owner(node: Any, default: str) -> str:
+    """The module path of a parameter read by a get_attr node (``enc.fc`` for ``enc.fc.weight``), else ``default``:
+    the name of a space a functional layer opens."""
+    if isinstance(node, torch.fx.Node) and node.op == "get_attr":
+        return str(node.target).rpartition(".")[0] or str(node.target)
+    return default
 
 
 def _describe_target(node: torch.fx.Node) -> str:
@@ -269,6 +355,8 @@ class _Analysis(torch.fx.Interpreter):
         self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
         self.mods = dict(gm.named_modules())
         self.node: torch.fx.Node | None = None  # the node being annotated
+        self.blocks: dict[int, list[int]] = {}  # space -> block sizes its units must stay within (norm groups)
+        self.factors: list[tuple[int, int, int]] = []  # space split into (heads, head dims) spaces: see _factor
 
     # -- plumbing ---------------------------------------------------------------------------------------------------
 
@@ -372,7 +460,7 @@ class _Analysis(torch.fx.Interpreter):
         dims = []
         for d in range(ndim):
             entries = []
-            for in_shape, ann in inputs:
+            for in_shape, ann in _varying(inputs):
                 k = d - (ndim - len(in_shape))
                 if k >= 0:
                     entries.append((ann.dims[k], int(in_shape[k])))
@@ -392,6 +480,8 @@ class _Analysis(torch.fx.Interpreter):
             if not isinstance(out, torch.Tensor):
                 return None
             key = str(n.target)
+            if key not in self.sp.aliases and out.numel() > 0 and bool((out == out.reshape(-1)[0]).all()):
+                return _Uniform.of(out)  # a constant the tracer baked in (torch.zeros(1, 6)), all of its elements equal
             dims = []
             for d, size in enumerate(out.shape):
                 s = self.sp.new(size, f"{key}[{d}]", "parameter", soft=True)
@@ -407,9 +497,16 @@ class _Analysis(torch.fx.Interpreter):
         tensors = self._tensors(n, args, kwargs)
         if n.op == "call_module":
             return self._module(n, self.mods[str(n.target)], args, kwargs, tensors, out)
+        name = _op_name(n)
+        uniform = self._uniform(name, tensors, out)
+        if uniform is not None:
+            return uniform
         if not any(True for _, ann in tensors for _ in ann.pieces()):
             return self._empty(out)
-        name = _op_name(n)
+        if name in ("layer_norm", "group_norm", "linear", "embedding"):
+            return self._functional(n, name, args, kwargs, tensors, out)
+        if name == "scaled_dot_product_attention":
+            return self._sdpa(n, args, kwargs, tensors, out)
         if name == "getitem" and isinstance(args[0], (list, tuple)):
             held = self.anns.get(n.args[0]) if isinstance(n.args[0], torch.fx.Node) else None
             if isinstance(held, (list, tuple)):
@@ -457,7 +554,8 @@ class _Analysis(torch.fx.Interpreter):
                     offset += v.shape[k]
                 dims.append(tuple(pieces))
             else:
-                dims.append(self._merge_dim(n.name, [(ann.dims[k], v.shape[k]) for v, ann in zip(values, anns)], out.shape[d]))
+                dims.append(self._merge_dim(n.name, [(ann.dims[k], v.shape[k]) for v, ann in _varying(list(zip(values, anns)))],
+                                            out.shape[d]))
         return _Ann(tuple(dims))
 
     def _reduce(self, n: torch.fx.Node, args: Any, kwargs: Any, out: Any) -> Any:
@@ -518,7 +616,7 @@ class _Analysis(torch.fx.Interpreter):
                 results = [moved] if isinstance(moved, torch.Tensor) else list(moved)
                 for k, r in enumerate(results):
                     found = _read_units(r, size)
-                    if found is None:
+                    if found is None and not self._factor(p, x.shape[d], r, size, dims[k]):
                         self.sp.fix(p.space, f"{where}: splits, selects or reorders these units")
                     elif found:
                         t, start, outer, inner = found
@@ -544,6 +642,14 @@ class _Analysis(torch.fx.Interpreter):
             return self._layernorm(name, mod, ann)
         if isinstance(mod, nn.GroupNorm):
             return self._groupnorm(where, name, mod, ann)
+        if isinstance(mod, (nn.RNNBase, nn.RNNCellBase)):
+            stock = next((t for t in _RECURRENT if isinstance(mod, t)), None)
+            if stock is None or type(mod).forward is not stock.forward:  # a forward of its own: not what is modelled
+                return self._opaque(n, name, mod, tensors, out, f"{type(mod).__name__} overrides the forward of "
+                                    f"{stock.__name__ if stock else 'a recurrent layer'}, which is what the tracer models")
+            if isinstance(mod, nn.RNNBase):
+                return self._recurrent(n, name, mod, args, out)
+            return self._cell(n, name, mod, args, out)
         if isinstance(mod, nn.Embedding):
             s = self.sp.new(mod.embedding_dim, name, "features")
             self.sp.add_axis(s, f"{name}.weight", 1)
@@ -639,14 +745,14 @@ class _Analysis(torch.fx.Interpreter):
         return ann
 
     def _groupnorm(self, where: str, name: str, mod: nn.GroupNorm, ann: _Ann) -> _Ann:
+        """Per-channel weight and bias; with several groups of several channels, units move only within their group
+        (:meth:`_norm_groups`)."""
         cdim = 1
         for p in ann.dims[cdim]:
-            if mod.num_groups in (1, mod.num_channels):
-                for attr in ("weight", "bias"):
-                    if getattr(mod, attr, None) is not None:
-                        self.sp.add_axis(p.space, f"{name}.{attr}", 0, p.start, p.outer, p.inner)
-            else:
-                self.sp.fix(p.space, f"{where}: {name} normalises groups of {mod.num_channels // mod.num_groups} channels")
+            for attr in ("weight", "bias"):
+                if getattr(mod, attr, None) is not None:
+                    self.sp.add_axis(p.space, f"{name}.{attr}", 0, p.start, p.outer, p.inner)
+        self._norm_groups(where, name, ann.dims[cdim], mod.num_groups, mod.num_channels)
         return ann
 
     def _attention(self, where: str, name: str, mod: nn.MultiheadAttention, q: _Ann, k: _Ann, v: _Ann, out: Any) -> Any:
@@ -742,6 +848,329 @@ class _Analysis(torch.fx.Interpreter):
             x = self._layernorm(f"{name}.norm", mod.norm, x)
         return x
 
+    # -- coverage: functional norms and layers, constants, recurrent layers ----------------------------------------
+
+    def _uniform(self, name: str, tensors: Sequence[tuple[torch.Tensor, _Ann]], out: Any) -> _Uniform | None:
+        """A constant whose elements are all equal (and what known ops make of such constants alone), else None."""
+        if not isinstance(out, torch.Tensor):
+            return None
+        if name in _UNIFORM_NAMES:
+            return _Uniform.of(out)
+        if tensors and all(isinstance(a, _Uniform) for _, a in tensors) and (
+                name in _ACT_NAMES or name in _PASS_NAMES or name in _BINARY_NAMES or name in _MOVE_NAMES or name in _REDUCE_NAMES):
+            return _Uniform.of(out)
+        return None
+
+    @staticmethod
+    def _arg(n: torch.fx.Node, args: Any, kwargs: Any, i: int, key: str) -> tuple[Any, Any]:
+        """Argument ``i`` (or keyword ``key``) of a call: its graph form (a node, for a tensor) and its value."""
+        if i < len(args):
+            return n.args[i], args[i]
+        return n.kwargs.get(key), kwargs.get(key)
+
+    def _functional(self, n: torch.fx.Node, name: str, args: Any, kwargs: Any, tensors: list[tuple[torch.Tensor, _Ann]],
+                    out: Any) -> Any:
+        """``F.layer_norm``, ``F.group_norm``, ``F.linear``, ``F.embedding`` (and their ATen ops in torch.export graphs)."""
+        where = n.name
+        if name == "embedding":
+            # F.embedding(input, weight) and aten.embedding(weight, indices): the floating-point one is the table
+            first, second = self._arg(n, args, kwargs, 0, "input"), self._arg(n, args, kwargs, 1, "weight")
+            if isinstance(first[1], torch.Tensor) and first[1].is_floating_point():
+                first, second = second, first
+            (i_node, idx), (w_node, weight) = first, second
+        else:
+            x_node, x = self._arg(n, args, kwargs, 0, "input")
+        if not isinstance(out, torch.Tensor) or (name == "embedding" and not (
+                isinstance(idx, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.ndim == 2)) or (
+                name != "embedding" and not isinstance(x, torch.Tensor)):
+            self._fix_all(tensors, f"{where}: {_describe_target(n)} called in a form the tracer does not model")
+            return self._empty(out)
+
+        def optional(i: int, key: str) -> list[tuple[torch.Tensor, _Ann]]:
+            node, value = self._arg(n, args, kwargs, i, key)
+            return [(value, self._ann(node, value))] if isinstance(value, torch.Tensor) else []
+
+        if name == "layer_norm":
+            # the mean and variance over the normalised (last) axes do not depend on the order of their elements, and
+            # every other axis is normalised row by row: the units pass; the weight and bias act elementwise
+            inputs = [(tuple(x.shape), self._ann(x_node, x))] + [(tuple(t.shape), a) for t, a in optional(2, "weight") + optional(3, "bias")]
+            return self._elementwise(where, inputs, tuple(out.shape))
+        if name == "group_norm":
+            groups = int(self._arg(n, args, kwargs, 1, "num_groups")[1])
+            ann = self._ann(x_node, x)
+            if x.ndim < 2:
+                self._fix_all(tensors, f"{where}: group_norm of a {x.ndim}-d tensor")
+                return self._empty(out)
+            channels = int(x.shape[1])
+            entries = [(ann.dims[1], channels)] + [(a.dims[0], int(t.shape[0])) for t, a in optional(2, "weight") + optional(3, "bias")]
+            merged = self._merge_dim(where, entries, channels)
+            self._norm_groups(where, "group_norm", merged, groups, channels)
+            return _Ann(ann.dims[:1] + (merged,) + ann.dims[2:])  # positions within a group are normalised together
+        if name == "linear":
+            w_node, weight = self._arg(n, args, kwargs, 1, "weight")
+            if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+                self._fix_all(tensors, f"{where}: {_describe_target(n)} with a weight that is not a matrix")
+                return self._empty(out)
+            ann, w_ann = self._ann(x_node, x), self._ann(w_node, weight)
+            cols, rows = int(weight.shape[1]), int(weight.shape[0])
+            soft = [p for p in w_ann.dims[1] if self.sp.find(p.space) == p.space and self.sp.all[p.space].soft]
+            if isinstance(w_node, torch.fx.Node) and w_node.op == "get_attr" and len(w_node.users) == 1 and len(soft) == len(w_ann.dims[1]):
+                # a parameter read here alone: its columns take the input's pieces as nn.Linear's do (several pieces:
+                # a concatenation, heads and head dims), in place of the plain axis its get_attr gave it
+                key = str(w_node.target)
+                for p in soft:
+                    self.sp.all[p.space].axes = [a for a in self.sp.all[p.space].axes if (a.key, a.dim) not in
+                                                 {(k, 1) for k in self.sp.aliases.get(key, [key])}]
+                for p in ann.dims[-1]:
+                    self.sp.add_axis(p.space, key, 1, p.start, p.outer, p.inner)
+            else:
+                self._merge_dim(where, [(ann.dims[-1], cols), (w_ann.dims[1], cols)], cols)
+            s = self.sp.new(rows, _owner(w_node, where), "features")
+            entries = [(self.sp.pieces(s), rows), (w_ann.dims[0], rows)] + [(a.dims[0], int(t.shape[0])) for t, a in optional(2, "bias")]
+            return _Ann(ann.dims[:-1] + (self._merge_dim(where, entries, rows),))
+        # embedding: rows are looked up by index (their order is the vocabulary's), columns are the features
+        w_ann, i_ann = self._ann(w_node, weight), self._ann(i_node, idx)
+        for p in w_ann.dims[0]:
+            self.sp.fix(p.space, f"{where}: {_describe_target(n)} looks these rows up by index")
+        cols = int(weight.shape[1])
+        s = self.sp.new(cols, _owner(w_node, where), "features")
+        merged = self._merge_dim(where, [(self.sp.pieces(s), cols), (w_ann.dims[1], cols)], cols)
+        return _Ann(i_ann.dims + (merged,))
+
+    def _norm_groups(self, where: str, what: str, pieces: Sequence[_Piece], groups: int, channels: int) -> None:
+        """Units on a channel axis normalised in ``groups`` groups: each unit must stay within its group. The space is
+        split into blocks of units (one permutation group per block, see :func:`_split_blocks`) when its units tile the
+        norm groups; fixed when they straddle them."""
+        if groups <= 1 or groups >= channels or channels % groups:
+            return  # one group (all together) or one channel per group: any permutation keeps the groups
+        per = channels // groups
+        for p in pieces:
+            size = self.sp.size(p.space)
+            if p.start % per or (p.outer > 1 and (size * p.inner) % per):
+                self.sp.fix(p.space, f"{where}: {what} normalises groups of {per} channels that these units straddle")
+            elif p.inner % per == 0:
+                continue  # every unit is whole norm groups: the groups move with their units
+            elif per % p.inner:
+                self.sp.fix(p.space, f"{where}: {what} normalises groups of {per} channels that these units straddle")
+            else:
+                self.blocks.setdefault(p.space, []).append(per // p.inner)
+
+    def _recurrent(self, n: torch.fx.Node, name: str, mod: nn.RNNBase, args: Any, out: Any) -> Any:
+        """``nn.RNN`` / ``nn.LSTM`` / ``nn.GRU``: per layer and direction, the hidden units are one space found on the
+        rows of every gate block of ``weight_ih``/``weight_hh`` and their biases (``outer`` = the gates), on
+        ``weight_hh``'s columns (or ``weight_hr``'s with ``proj_size``, whose rows and ``weight_hh``'s columns are then the
+        projected units), on the next layer's input columns (a segment per direction) and on the output's last axis."""
+        where = n.name
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or not isinstance(out, tuple):
+            self._fix_all(self._tensors(n, args, {}), f"{where}: {name} ({type(mod).__name__}) called with a packed sequence")
+            return self._empty(out)
+        x_ann = self._ann(n.args[0], x)
+        for dim in x_ann.dims[:-1]:  # the steps recur in order; the batch axis is kept fixed as well (conservative)
+            for p in dim:
+                self.sp.fix(p.space, f"{where}: {name} recurs over these units")
+        gates = {"LSTM": 4, "GRU": 3}.get(mod.mode, 1)
+        hidden, proj = mod.hidden_size, mod.proj_size
+        width = proj or hidden
+        directions = 2 if mod.bidirectional else 1
+        inputs: tuple[_Piece, ...] = x_ann.dims[-1]
+        outs: list[int] = []
+        cells: list[int] = []
+        for layer in range(mod.num_layers):
+            this: list[int] = []
+            for d in range(directions):
+                suffix = f"_l{layer}" + ("_reverse" if d else "")
+                key = lambda w: f"{name}.{w}{suffix}"  # noqa: E731
+                h = self.sp.new(hidden, f"{name}{suffix}", "hidden")
+                for w in ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if mod.bias else ()):
+                    self.sp.add_axis(h, key(w), 0, 0, gates, 1)
+                for p in inputs:
+                    self.sp.add_axis(p.space, key("weight_ih"), 1, p.start, p.outer, p.inner)
+                if proj:
+                    q = self.sp.new(proj, f"{name}{suffix}.proj", "hidden")
+                    self.sp.add_axis(h, key("weight_hr"), 1)
+                    self.sp.add_axis(q, key("weight_hr"), 0)
+                    self.sp.add_axis(q, key("weight_hh"), 1)
+                else:
+                    q = h
+                    self.sp.add_axis(h, key("weight_hh"), 1)
+                this.append(q)
+                cells.append(h)
+            outs.extend(this)
+            inputs = tuple(_Piece(s, d * width) for d, s in enumerate(this) if width > 1)
+        output = _Ann(tuple(() for _ in x_ann.dims[:-1]) + (inputs,))
+        is_lstm = mod.mode == "LSTM"
+        state_node = n.args[1] if len(n.args) > 1 else None
+        state_value = args[1] if len(args) > 1 else None
+        given = [(state_node, state_value)] if not is_lstm else (
+            list(zip(state_node, state_value)) if isinstance(state_node, (list, tuple)) and isinstance(state_value, (list, tuple))
+            else [(state_node, state_value)] if state_value is not None else [])
+        states = [(outs, width), (cells, hidden)][:len(given) if given else (2 if is_lstm else 1)]
+        used = self._state_used(n)
+        anns = []
+        for k, (spaces, size) in enumerate(states):
+            node, value = given[k] if k < len(given) else (None, None)
+            ann = self._ann(node, value) if isinstance(value, torch.Tensor) else None
+            if used or (ann is not None and not isinstance(ann, _Uniform)):
+                # one state tensor (layers x directions, batch, units) holds every layer's units: all share one order
+                for s in spaces[1:]:
+                    self.sp.merge(spaces[0], s, f"{where}: the state of {name}")
+            if ann is not None:
+                if not isinstance(ann, _Uniform):  # an initial state that is not a constant must be permuted alike
+                    for dim in ann.dims[:-1]:
+                        for p in dim:
+                            self.sp.fix(p.space, f"{where}: {name}'s initial state along these units")
+                    last = ann.dims[-1] if ann.dims else ()
+                    if size > 1 and len(last) == 1 and (last[0].start, last[0].outer, last[0].inner) == (0, 1, 1) \
+                            and self.sp.size(last[0].space) == size:
+                        self.sp.merge(spaces[0], last[0].space, where)
+                    elif size > 1:
+                        for p in last:
+                            self.sp.fix(p.space, f"{where}: {name}'s initial state is not permuted with its hidden units")
+                        self.sp.fix(spaces[0], f"{where}: {name}'s initial state is not permuted with its hidden units")
+            final = out[1][k] if is_lstm else out[1]
+            anns.append(_Ann(tuple(() for _ in range(final.ndim - 1)) + (self.sp.pieces(spaces[0]),)))
+        return (output, (anns[0], anns[1])) if is_lstm else (output, anns[0])
+
+    def _cell(self, n: torch.fx.Node, name: str, mod: nn.RNNCellBase, args: Any, out: Any) -> Any:
+        """``nn.RNNCell`` / ``nn.LSTMCell`` / ``nn.GRUCell``: one step of :meth:`_recurrent` (the state is the hidden
+        units, merged with the space of the state passed in)."""
+        where = n.name
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor):
+            self._fix_all(self._tensors(n, args, {}), f"{where}: {name} called without an input tensor")
+            return self._empty(out)
+        x_ann = self._ann(n.args[0], x)
+        gates = 4 if isinstance(mod, nn.LSTMCell) else 3 if isinstance(mod, nn.GRUCell) else 1
+        h = self.sp.new(mod.hidden_size, name, "hidden")
+        for w in ("weight_ih", "weight_hh") + (("bias_ih", "bias_hh") if mod.bias else ()):
+            self.sp.add_axis(h, f"{name}.{w}", 0, 0, gates, 1)
+        self.sp.add_axis(h, f"{name}.weight_hh", 1)
+        for p in x_ann.dims[-1]:
+            self.sp.add_axis(p.space, f"{name}.weight_ih", 1, p.start, p.outer, p.inner)
+        batch = x_ann.dims[:-1]
+        state_node = n.args[1] if len(n.args) > 1 else None
+        state_value = args[1] if len(args) > 1 else None
+        pairs = list(zip(state_node, state_value)) if isinstance(state_value, (list, tuple)) and isinstance(state_node, (list, tuple)) \
+            else [(state_node, state_value)] if state_value is not None else []
+        for node, value in pairs:
+            ann = self._ann(node, value)
+            if isinstance(ann, _Uniform) or not isinstance(value, torch.Tensor):
+                continue
+            last = ann.dims[-1] if ann.dims else ()
+            for dim in ann.dims[:-1]:
+                for p in dim:
+                    self.sp.fix(p.space, f"{where}: {name}'s state along these units")
+            if mod.hidden_size > 1 and len(last) == 1 and (last[0].start, last[0].outer, last[0].inner) == (0, 1, 1) \
+                    and self.sp.size(last[0].space) == mod.hidden_size:
+                self.sp.merge(h, last[0].space, where)
+            elif mod.hidden_size > 1:
+                for p in last:
+                    self.sp.fix(p.space, f"{where}: {name}'s state is not permuted with its hidden units")
+                self.sp.fix(h, f"{where}: {name}'s state is not permuted with its hidden units")
+        state = _Ann(tuple(() for _ in batch) + (self.sp.pieces(h),))
+        return (state, state) if isinstance(out, tuple) else state
+
+    # -- coverage: attention written with a reshape into heads and scaled_dot_product_attention ---------------------
+
+    def _factor(self, p: _Piece, length: int, labels: torch.Tensor, size: int, dims: list[list[_Piece]]) -> bool:
+        """A reshape that splits a whole axis of ``size`` units into two axes ``(heads, head_dim)`` (unit ``h * head_dim
+        + d`` at ``[h, d]``, the way attention splits a projection into heads): the space is *factored* into a heads
+        space and a head-dims space, whose permutations together are the permutations of the form ``(h, d) -> (ph(h),
+        pd(d))`` of the original units (a subset of them: sound). :func:`_unfactor` rewrites the space's weight axes
+        into the two views when the analysis ends. False (nothing done) for any other split."""
+        if (p.start, p.outer, p.inner) != (0, 1, 1) or length != size:
+            return False
+        varying = [d for d in range(labels.ndim) if labels.shape[d] > 1
+                   and not torch.equal(labels, labels.narrow(d, 0, 1).expand_as(labels))]
+        if len(varying) != 2:
+            return False
+        t1, t2 = varying
+        heads, per = int(labels.shape[t1]), int(labels.shape[t2])
+        if heads * per != size:
+            return False
+        index = [slice(None) if d in (t1, t2) else 0 for d in range(labels.ndim)]
+        if not torch.equal(labels[tuple(index)], torch.arange(size).view(heads, per)):
+            return False
+        root = self.sp.all[self.sp.find(p.space)]
+        h = self.sp.new(heads, f"{root.name}.heads", "heads", soft=root.soft)  # a parameter's axis stays soft until joined
+        d = self.sp.new(per, f"{root.name}.head_dims", "head_dims", soft=root.soft)
+        self.factors.append((p.space, h, d))
+        dims[t1].extend(self.sp.pieces(h))
+        dims[t2].extend(self.sp.pieces(d))
+        return True
+
+    def _sdpa(self, n: torch.fx.Node, args: Any, kwargs: Any, tensors: list[tuple[torch.Tensor, _Ann]], out: Any) -> Any:
+        """``scaled_dot_product_attention(q, k, v)`` on ``(..., heads, L, E)`` tensors: q, k and v share the heads;
+        q's and k's last axes (their dot product) share one space; v's last axis is the output's. Positions and batch
+        axes are fixed (attention mixes positions); a mask that differs per head, or k / v with other head counts
+        (grouped-query attention), fix the heads."""
+        where = n.name
+        (qn, q), (kn, k), (vn, v) = (self._arg(n, args, kwargs, i, key) for i, key in enumerate(("query", "key", "value")))
+        if not all(isinstance(t, torch.Tensor) and t.ndim >= 3 for t in (q, k, v)) or not isinstance(out, torch.Tensor):
+            self._fix_all(tensors, f"{where}: {_describe_target(n)} called in a form the tracer does not model")
+            return self._empty(out)
+        qa, ka, va = self._ann(qn, q), self._ann(kn, k), self._ann(vn, v)
+        reason = f"{where}: attention mixes positions along these units"
+        for ann in (qa, ka, va):
+            for dim in ann.dims[:-3] + ann.dims[-2:-1]:
+                for p in dim:
+                    self.sp.fix(p.space, reason)
+        mask_node, mask = self._arg(n, args, kwargs, 3, "attn_mask")
+        heads = int(q.shape[-3])
+        per_head_mask = isinstance(mask, torch.Tensor) and mask.ndim >= 3 and mask.shape[-3] > 1 \
+            and not isinstance(self._ann(mask_node, mask), _Uniform)
+        if isinstance(mask, torch.Tensor):
+            self._fix_all([(mask, self._ann(mask_node, mask))], f"{where}: an attention mask")
+        if per_head_mask or not (k.shape[-3] == v.shape[-3] == heads):
+            for ann in (qa, ka, va):
+                for p in ann.dims[-3]:
+                    self.sp.fix(p.space, f"{where}: a mask per head, or keys and values with other head counts")
+            head_pieces: tuple[_Piece, ...] = ()
+        else:
+            head_pieces = self._joined(where, [qa.dims[-3], ka.dims[-3], va.dims[-3]], heads,
+                                       "queries, keys and values whose heads are not permuted alike (e.g. shared key/value heads)")
+        self._joined(where, [qa.dims[-1], ka.dims[-1]], int(q.shape[-1]), "queries and keys whose head dims are not permuted alike")
+        # what the units are (their number is part of the attention: nonparametric fusion keeps their width)
+        for pieces, kind in ((head_pieces, "heads"), (qa.dims[-1], "head_dims"), (va.dims[-1], "head_dims")):
+            for p in pieces:
+                self.sp.all[self.sp.find(p.space)].kind = kind
+        return _Ann(tuple(() for _ in range(out.ndim - 3)) + (head_pieces, (), va.dims[-1]))
+
+    def _joined(self, where: str, entries: Sequence[Sequence[_Piece]], length: int, reason: str) -> tuple[_Piece, ...]:
+        """Pieces that must be permuted alike on several tensors' axes of one ``length``: joined where every tensor
+        has the same layout, else all fixed with ``reason``."""
+        layouts = [sorted(self._key(p) for p in pieces) for pieces in entries]
+        if any(layout != layouts[0] for layout in layouts):
+            for pieces in entries:
+                for p in pieces:
+                    self.sp.fix(p.space, f"{where}: {reason}")
+            return ()
+        return self._merge_dim(where, [(pieces, length) for pieces in entries], length)
+
+    def _opaque(self, n: torch.fx.Node, name: str, mod: nn.Module, tensors: list[tuple[torch.Tensor, _Ann]], out: Any,
+                reason: str) -> Any:
+        """A module the tracer does not model: the units it reads are fixed, and so is every axis of its own
+        parameters (listed with the reason, never silently left out)."""
+        reason = f"{n.name}: {reason}"
+        self._fix_all(tensors, reason)
+        for key, param in mod.named_parameters():
+            for d, size in enumerate(param.shape):
+                s = self.sp.new(size, f"{name}.{key}", "parameter", fixed=reason)
+                self.sp.add_axis(s, f"{name}.{key}", d)
+        return self._empty(out)
+
+    @staticmethod
+    def _state_used(n: torch.fx.Node) -> bool:
+        """Whether anything reads a recurrent layer's final state (its output tuple beyond item 0)."""
+        for user in n.users:
+            if user.op == "call_function" and user.target is operator.getitem and user.args[1] == 0:
+                continue
+            if user.op == "call_function" and user.target is operator.getitem and not user.users:
+                continue
+            return True
+        return False
+
 
 def _read_units(labels: torch.Tensor, size: int) -> tuple[int, int, int, int] | None | tuple[()]:
     """Where a space's unit labels (``-1`` elsewhere) ended up: ``(dim, start, outer, inner)``; ``()`` if none of
@@ -819,6 +1248,58 @@ def _settle(sp: _Spaces) -> None:
                 break
 
 
+def _unfactor(sp: _Spaces, factors: Sequence[tuple[int, int, int]], blocks: dict[int, list[int]]) -> None:
+    """Rewrite each factored space's weight axes (:meth:`_Analysis._factor`) into its heads and head-dims spaces:
+    an axis viewing ``size = heads * per`` units as ``(outer, size, inner)`` is ``(outer, heads, per * inner)`` for
+    the heads and ``(outer * heads, per, inner)`` for the head dims. A fixed space fixes both; a space factored two
+    ways, or also split into norm-group blocks, is fixed."""
+    done: dict[int, tuple[int, int]] = {}
+    blocked = {sp.find(s) for s in blocks}
+    for space, h, d in factors:
+        root = sp.find(space)
+        if root in done:
+            h0, d0 = done[root]
+            if (sp.size(h0), sp.size(d0)) == (sp.size(h), sp.size(d)):
+                sp.merge(h0, h, "the same units split into heads twice")
+                sp.merge(d0, d, "the same units split into heads twice")
+            else:
+                for s in (h0, d0, h, d):
+                    sp.fix(s, "units split into heads in two ways")
+            continue
+        done[root] = (h, d)
+        heads, per = sp.size(h), sp.size(d)
+        r = sp.all[root]
+        if not r.soft:  # joined to real units after the split: so are its heads and head dims
+            sp.all[sp.find(h)].soft = sp.all[sp.find(d)].soft = False
+        for a in dict.fromkeys(r.axes):
+            sp.all[sp.find(h)].axes.append(AxisRef(a.key, a.dim, a.start, a.outer, per * a.inner))
+            sp.all[sp.find(d)].axes.append(AxisRef(a.key, a.dim, a.start, a.outer * heads, a.inner))
+        r.axes = []
+        reason = r.fixed or ("units split into heads and into norm-group blocks" if root in blocked else None)
+        if reason:
+            sp.fix(h, reason)
+            sp.fix(d, reason)
+
+
+def _split_blocks(group: PermGroup, block: int | None) -> tuple[list[PermGroup], list[FixedAxis]]:
+    """``group`` as one group per block of ``block`` consecutive units (units normalised in groups may move only within
+    their norm group: a GroupNorm with several groups of several channels), named ``<group>.block<k>``. An axis or probe
+    viewing the units in repeated blocks (``outer`` > 1) cannot be split into a segment per block: then the whole group
+    is fixed, with the reason."""
+    if not block or block >= group.size:
+        return [group], []
+    if any(a.outer != 1 for a in group.axes):
+        reason = f"units normalised in groups of {block} on an axis the spec views in repeated blocks (cannot be split)"
+        return [], [FixedAxis(a.key, a.dim, reason) for a in group.axes]
+    out = []
+    for k, first in enumerate(range(0, group.size, block)):
+        size = min(block, group.size - first)
+        axes = tuple(AxisRef(a.key, a.dim, a.start + first * a.inner, 1, a.inner) for a in group.axes)
+        probes = tuple(Probe(p.node, p.dim, p.start + first * p.inner, 1, p.inner, p.hook) for p in group.probes if p.outer == 1)
+        out.append(PermGroup(f"{group.name}.block{k}", size, axes, probes, group.kind))
+    return [g for g in out if g.size > 1], []
+
+
 def derive_spec(model: nn.Module, example_input: torch.Tensor) -> PermutationSpec:
     """The permutation groups of ``model``, derived from its ``torch.fx`` graph and one example batch.
 
@@ -842,9 +1323,19 @@ def derive_spec(model: nn.Module, example_input: torch.Tensor) -> PermutationSpe
     Raises
     ------
     InputError
-        When the model cannot be traced, or does not accept ``example_input``.
+        When the model can neither be traced nor exported (``torch.export``, non-strict: tried when ``torch.fx``
+        fails), or does not accept ``example_input``.
     """
-    gm = trace_model(model)
+    try:
+        gm = trace_model(model)
+        exported = False
+    except InputError as untraceable:  # e.g. Hugging Face models: their graph from torch.export instead
+        if not isinstance(model, nn.Module):
+            raise
+        from rayfuse.symmetry.export import export_graph
+
+        gm = export_graph(model, example_input, untraceable)
+        exported = True
     aliases, shapes = _aliases(model)
     analysis = _Analysis(gm, aliases)
     modes = _modes(model)
@@ -861,12 +1352,16 @@ def derive_spec(model: nn.Module, example_input: torch.Tensor) -> PermutationSpe
     finally:
         _restore(modes)
     sp = analysis.sp
+    _unfactor(sp, analysis.factors, analysis.blocks)
     _settle(sp)
     for i, space in enumerate(sp.all):
         if sp.find(i) == i and not space.fixed:
             missing = next((a.key for a in space.axes if a.key not in shapes), None)
             if missing is not None:
                 space.fixed = f"{missing} is not in the state dict"
+    blocks: dict[int, int] = {}
+    for s, sizes in analysis.blocks.items():
+        blocks[sp.find(s)] = math.gcd(blocks.get(sp.find(s), 0), *sizes)
     probes: dict[int, list[tuple[int, int, Probe]]] = {}
     for s, rank, order, probe in analysis.probes:
         probes.setdefault(sp.find(s), []).append((rank, order, probe))
@@ -887,10 +1382,13 @@ def derive_spec(model: nn.Module, example_input: torch.Tensor) -> PermutationSpe
         while name in names:
             name, k = f"{space.name}#{k}", k + 1
         names.add(name)
-        found = probes.get(i, [])
+        found = probes.get(i, []) if not exported else []  # probes name nodes of trace_model's graph, which has none
         best = min((r for r, _, _ in found), default=None)
         chosen = tuple(dict.fromkeys(p for r, _, p in sorted(found, key=lambda x: x[1]) if r == best))
-        groups.append(PermGroup(name, space.size, axes, chosen, space.kind))
+        kept, unsplit = _split_blocks(PermGroup(name, space.size, axes, chosen, space.kind), blocks.get(i))
+        groups.extend(kept)
+        for f in unsplit:
+            fixed.setdefault((f.key, f.dim, f.reason), f)
     spec = PermutationSpec(tuple(groups), tuple(fixed.values()))
     spec.check(shapes, where="derived spec")
     return spec
