@@ -128,6 +128,8 @@ def load_params(path: str | os.PathLike) -> dict[str, np.ndarray]:
             return dict(load_file(str(path)))
         except (SafetensorError, OSError, ValueError) as exc:
             raise InputError(str(path), "a valid safetensors file", f"unreadable ({exc})") from None
+        except Exception as exc:  # noqa: BLE001 - anything else the reader raises on a damaged file (a dtype numpy lacks...)
+            raise InputError(str(path), "a valid safetensors file of numpy dtypes", f"unreadable ({type(exc).__name__}: {exc})") from None
     return {str(k): v.detach().cpu().numpy() for k, v in _torch_state_dict(path).items()}
 
 
@@ -172,7 +174,11 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dic
         except TypeError:  # a dtype numpy has no type for (bfloat16...): read through torch
             from safetensors.torch import load_file as load_torch
 
-            return _from_torch(path, load_torch(str(path)))
+            try:
+                tensors = load_torch(str(path))
+            except Exception as exc:  # noqa: BLE001 - a damaged file: one line, whatever the reader raises
+                raise InputError(str(path), "a valid safetensors file", f"unreadable ({type(exc).__name__}: {exc})") from None
+            return _from_torch(path, tensors)
         except Exception:  # noqa: BLE001 - load_params names the problem in one line
             return load_params(path), {}
         _check_real(path, params)

@@ -442,7 +442,7 @@ def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image
                        min_classes: int = 2) -> Dataset:
     """torchvision's ``ImageFolder`` layout: ``folder/<class>/**/<image>``, classes in sorted order; images read
     with PIL (RGB, or one grey channel), resized (bilinear) to ``image_size`` [H, W] when given, scaled to [0, 1]."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     classes = sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
     files = {c: sorted(p for p in (folder / c).rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS) for c in classes}
@@ -461,13 +461,18 @@ def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image
         for file in files[cls]:
             relative = file.relative_to(folder).as_posix()
             try:
-                with Image.open(file) as image:
+                with _open_image(file) as image:
+                    if first is None:  # the header's size, before any image is decoded
+                        _check_image_memory(sum(map(len, files.values())), image_size or [image.height, image.width],
+                                            1 if grayscale else 3, key=key if image_size is None else f"{key.rsplit('.', 1)[0]}.image_size")
                     image = image.convert("L" if grayscale else "RGB")
                     if image_size is not None:
                         image = image.resize((int(image_size[1]), int(image_size[0])), Image.Resampling.BILINEAR)
                     pixels = np.asarray(image, dtype=np.uint8)
-            except (OSError, UnidentifiedImageError, ValueError) as exc:
-                raise InputError(key, f"readable images in {written!r}", f"{relative}: {str(exc)[:60]}") from None
+            except InputError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - PIL's decoders raise many types (OSError, SyntaxError, a bomb's error...)
+                raise InputError(key, f"readable images in {written!r}", f"{relative}: {type(exc).__name__}: {str(exc)[:60]}") from None
             if first is None:
                 first = (relative, pixels.shape)
             elif pixels.shape != first[1]:
@@ -479,6 +484,36 @@ def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image
     X = X[:, None] if X.ndim == 3 else X.transpose(0, 3, 1, 2)  # (N, C, H, W)
     X = np.ascontiguousarray(X, dtype=np.float32) / np.float32(255.0)
     return Dataset(name, X, np.asarray(labels, dtype=np.int64), len(classes), tuple(classes))
+
+
+def _open_image(file: Path) -> Any:
+    """``PIL.Image.open(file)`` (lazy: the header only), with PIL's decompression-bomb warning (an image above
+    ``PIL.Image.MAX_IMAGE_PIXELS``, about 89 Mpx) raised as an error: such an image is refused from its header, never
+    decoded (above twice that, PIL raises ``DecompressionBombError`` itself)."""
+    import warnings
+
+    from PIL import Image
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        return Image.open(file)
+
+
+# Bytes per pixel and channel while an image folder is read: the decoded uint8 image, its copy in the stacked array and
+# the float32 array the silo keeps.
+IMAGE_BYTES_PER_VALUE = 6
+
+
+def _check_image_memory(count: int, size: Sequence[int], channels: int, *, key: str) -> None:
+    """``count`` images of ``size`` [H, W] with ``channels`` fit in the memory available now, checked from the first
+    image's header (or ``image_size``) before any is decoded; :class:`InputError` at ``key`` otherwise."""
+    from rayfuse.models.registry import available_memory
+
+    need = count * int(size[0]) * int(size[1]) * channels * IMAGE_BYTES_PER_VALUE
+    memory = available_memory()
+    if memory is not None and need > memory:
+        raise InputError(key, f"images that fit in the {memory / 2**30:.1f} GiB available ({count} images of {channels} channel(s))",
+                         f"[{size[0]}, {size[1]}]", f"reading them needs {need / 2**30:.1f} GiB")
 
 
 def _aligned_held_out(held_out: Dataset, train: Dataset, key: str, written: str) -> Dataset:
