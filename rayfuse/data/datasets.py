@@ -454,7 +454,13 @@ def _npz_arrays(file: Path, wanted: Mapping[str, str]) -> list[np.ndarray | None
         raise
     except Exception as exc:  # noqa: BLE001 - a damaged file: zipfile, zlib, numpy's header parser... raise many types
         raise InputError(str(file), "a readable .npz archive of arrays (numpy.savez)",
-                         f"{type(exc).__name__}: {str(exc).splitlines()[0][:60] if str(exc) else ''}".rstrip(": ")) from None
+                         f"{_error_name(exc)}: {str(exc).splitlines()[0][:60] if str(exc) else ''}".rstrip(": ")) from None
+
+
+def _error_name(exc: BaseException) -> str:
+    """An exception's type as a reader would look it up: ``BadZipFile``, ``zlib.error`` (not a bare ``error``)."""
+    kind = type(exc)
+    return kind.__name__ if kind.__module__ == "builtins" or kind.__name__[:1].isupper() else f"{kind.__module__}.{kind.__name__}"
 
 
 # The float32 copy a loader makes of the features (and an int64 copy of the labels) comes on top of the arrays as
@@ -485,18 +491,19 @@ def check_npz_sizes(file: Path, archive: Any, members: Mapping[str, Any]) -> Non
             raise InputError(f"{file}: {key}", "a readable .npz archive without pickled objects", f"an object array ({dtype})")
         declared = int(np.prod(shape, dtype=object)) * dtype.itemsize  # Python integers: no overflow
         if declared != info.file_size - header:
-            raise InputError(f"{file}: {key}", f"an array of the size its header declares ({_bytes(declared)} for shape {tuple(shape)} {dtype})",
-                             f"{_bytes(max(info.file_size - header, 0))} in the archive", "the file is damaged or was cut short")
+            raise InputError(f"{file}: {key}", f"an array of the size its header declares ({format_bytes(declared)} for shape {tuple(shape)} {dtype})",
+                             f"{format_bytes(max(info.file_size - header, 0))} in the archive", "the file is damaged or was cut short")
         total += declared
     from rayfuse.models.registry import available_memory
 
     memory = available_memory()
     if memory is not None and total * NPZ_MEMORY_FACTOR > memory:
-        raise InputError(str(file), f"arrays that fit in memory: at most {_bytes(memory // NPZ_MEMORY_FACTOR)} "
-                         f"({NPZ_MEMORY_FACTOR} copies in the {_bytes(memory)} available)", f"arrays of {_bytes(total)}")
+        raise InputError(str(file), f"arrays that fit in memory: at most {format_bytes(memory // NPZ_MEMORY_FACTOR)} "
+                         f"({NPZ_MEMORY_FACTOR} copies in the {format_bytes(memory)} available)", f"arrays of {format_bytes(total)}")
 
 
-def _bytes(count: int) -> str:
+def format_bytes(count: int) -> str:
+    """``count`` bytes in words: ``7.3 TiB``, ``64 B``."""
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if count >= size:
             return f"{count / size:.1f} {unit}"
@@ -563,7 +570,10 @@ def _read_parquet(path: str | Path | None, label: str, features: str | list[str]
 
     file = _existing_file(path, ".parquet")
     try:
+        _check_unique_columns(pq.read_schema(file).names, file)  # read_table itself fails on a repeated name
         table = pq.read_table(file)
+    except InputError:
+        raise
     except (OSError, pa.ArrowException) as exc:
         raise InputError(str(file), "a readable parquet file", str(exc)[:80]) from None
     except Exception as exc:  # noqa: BLE001 - whatever else a damaged file makes the reader raise, as one line

@@ -507,13 +507,14 @@ IMAGE_BYTES_PER_VALUE = 6
 def _check_image_memory(count: int, size: Sequence[int], channels: int, *, key: str) -> None:
     """``count`` images of ``size`` [H, W] with ``channels`` fit in the memory available now, checked from the first
     image's header (or ``image_size``) before any is decoded; :class:`InputError` at ``key`` otherwise."""
+    from rayfuse.data.datasets import format_bytes
     from rayfuse.models.registry import available_memory
 
     need = count * int(size[0]) * int(size[1]) * channels * IMAGE_BYTES_PER_VALUE
     memory = available_memory()
     if memory is not None and need > memory:
-        raise InputError(key, f"images that fit in the {memory / 2**30:.1f} GiB available ({count} images of {channels} channel(s))",
-                         f"[{size[0]}, {size[1]}]", f"reading them needs {need / 2**30:.1f} GiB")
+        raise InputError(key, f"images that fit in the {format_bytes(memory)} available ({count} images of {channels} channel(s))",
+                         f"[{size[0]}, {size[1]}]", f"reading them needs {format_bytes(need)}")
 
 
 def _aligned_held_out(held_out: Dataset, train: Dataset, key: str, written: str) -> Dataset:

@@ -132,10 +132,11 @@ def _check_builder(obj: Any, module: types.ModuleType, ref: str, where: str) -> 
         return
     function = obj.__func__ if inspect.ismethod(obj) else obj
     if not inspect.isfunction(function):  # builtins (os:system), partials, callable instances, modules, values
-        kind = "a builtin" if inspect.isbuiltin(function) else f"a {type(obj).__name__}"
+        kind = "a builtin" if inspect.isbuiltin(function) else f"an object of type {type(obj).__name__}"
         raise InputError(where, expected, f"{ref} is {kind}, not a class or function of that module")
     if inspect.ismethod(obj) and not (isinstance(obj.__self__, type) and issubclass(obj.__self__, nn.Module)):
-        raise InputError(where, expected, f"{ref} is a method bound to {type(obj.__self__).__name__}")
+        owner = obj.__self__.__name__ if isinstance(obj.__self__, type) else type(obj.__self__).__name__
+        raise InputError(where, expected, f"{ref} is a method of {owner}, not of an nn.Module")
     if function.__module__ != module_name:
         raise InputError(where, expected, f"{ref} is defined in {function.__module__}",
                          f"name it where it is defined: {function.__module__}:{function.__qualname__}")
