@@ -453,7 +453,7 @@ def _npz_arrays(file: Path, wanted: Mapping[str, str]) -> list[np.ndarray | None
     except InputError:
         raise
     except Exception as exc:  # noqa: BLE001 - a damaged file: zipfile, zlib, numpy's header parser... raise many types
-        raise InputError(str(file), "a readable .npz archive of arrays (numpy.savez)",
+        raise InputError(str(file), "a readable .npz archive without pickled objects",
                          f"{_error_name(exc)}: {str(exc).splitlines()[0][:60] if str(exc) else ''}".rstrip(": ")) from None
 
 
