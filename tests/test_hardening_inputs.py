@@ -692,6 +692,39 @@ def _(f: Files) -> None:
     assert len(model._forward_hooks) == 1
 
 
+TUPLE_MLP = """
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(3, 8)
+        self.fc2 = nn.Linear(8, 2)
+
+    def forward(self, x):
+        out = self.fc2(torch.relu(self.fc1(x)))
+        return out, out.softmax(-1)
+"""
+
+
+@valid("model-returning-a-tuple-matched-and-repaired-on-data")
+def _(f: Files) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from rayfuse.models.architecture import build_architecture
+
+    ref = module(f, "m_ok_tuple_mlp", TUPLE_MLP) + ":MLP"
+    for seed in range(2):
+        torch.manual_seed(seed)
+        save_file(build_architecture(ref).state_dict(), str(f.root / f"mlp{seed}.safetensors"))
+    data = f.npz(X=np.random.default_rng(0).normal(size=(60, 3)).astype(np.float32), y=np.arange(60) % 2)
+    _fused(f, ["fuse", f.fuse(models=["mlp0.safetensors", "mlp1.safetensors"], merge_method="weight_matching", architecture=ref,
+                              data={"path": data}, parameters={"repair": True})])
+
+
 @valid("npz-compressed-fortran-big-endian-extra-member")
 def _(f: Files) -> None:
     from rayfuse.data.datasets import read_data_file
