@@ -748,6 +748,15 @@ def _(f: Files) -> None:
     assert np.array_equal(read_data_file("data.npz").X, X)
 
 
+@valid("npz-member-with-bytes-after-its-data")
+def _(f: Files) -> None:
+    from rayfuse.data.datasets import read_data_file
+
+    X = np.arange(240, dtype="<f4").reshape(60, 4)
+    zip_npz(f, {"X.npy": npy_bytes(X) + b"trailing", "y.npy": npy_bytes(LABELS)})
+    assert np.array_equal(read_data_file("data.npz").X, X)
+
+
 @valid("npz-run-validates")
 def _(f: Files) -> None:
     assert main(["validate", f.job(data={"dataset": "npz", "path": f.npz()})]) == 0

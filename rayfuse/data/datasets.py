@@ -471,7 +471,7 @@ NPZ_MEMORY_FACTOR = 2
 def check_npz_sizes(file: Path, archive: Any, members: Mapping[str, Any]) -> None:
     """Bound, before anything is allocated, the arrays ``members`` (array name -> ``zipfile.ZipInfo``) of the open
     ``.npz`` ``archive``: each member's ``.npy`` header (format 1.0 or 2.0, numpy's own) is read, without the data,
-    and its declared ``shape x itemsize`` must be what the member holds (its uncompressed size in the zip directory)
+    and its declared ``shape x itemsize`` must be held by the member (its uncompressed size in the zip directory)
     and, all arrays together, fit :data:`NPZ_MEMORY_FACTOR` times in the memory available now. Object arrays (pickled
     data) are refused. Raises :class:`InputError` naming the file and the array."""
     from numpy.lib import format as npy
@@ -490,7 +490,7 @@ def check_npz_sizes(file: Path, archive: Any, members: Mapping[str, Any]) -> Non
         if dtype.hasobject:
             raise InputError(f"{file}: {key}", "a readable .npz archive without pickled objects", f"an object array ({dtype})")
         declared = int(np.prod(shape, dtype=object)) * dtype.itemsize  # Python integers: no overflow
-        if declared != info.file_size - header:
+        if declared > info.file_size - header:  # more bytes after the data are ignored, as numpy ignores them
             raise InputError(f"{file}: {key}", f"an array of the size its header declares ({format_bytes(declared)} for shape {tuple(shape)} {dtype})",
                              f"{format_bytes(max(info.file_size - header, 0))} in the archive", "the file is damaged or was cut short")
         total += declared
