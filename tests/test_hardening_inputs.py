@@ -517,6 +517,11 @@ def _deep(depth: int) -> Any:
     return value
 
 
+case(5, "symmetry-args-nested-20000-deep", "--args")(
+    lambda f: ["symmetry", "mlp", "--args", '{"hidden": ' + "[" * 20_000 + "]" * 20_000 + "}"])
+case(5, "fuse-architecture-args-nested-3000-deep", "fuse.yaml")(
+    lambda f: ["fuse", f.text("fuse.yaml", "merge_method: average\narchitecture: torch.nn:Linear\narchitecture_args: {a: "
+                              + "[" * 3000 + "]" * 3000 + "}\nmodels: [{model: m0.safetensors}, {model: m1.safetensors}]\n")])
 case(5, "spec-from-dict-name-nested-5000-deep", "spec.groups.0.name")(
     lambda f: call(__import__("rayfuse.symmetry", fromlist=["PermutationSpec"]).PermutationSpec.from_dict,
                    {"groups": [{"name": _deep(5000), "size": 2, "axes": [{"key": "w", "dim": 0}]}]}))
