@@ -428,14 +428,14 @@ def _npz_arrays(file: Path, wanted: Mapping[str, str]) -> list[np.ndarray | None
     ``.npy`` parsers raise is one line naming the file."""
     import zipfile
 
-    if file.stat().st_size == 0:
-        raise InputError(str(file), "a .npz archive of arrays", "an empty file")
-    with open(file, "rb") as handle:
-        head = handle.read(6)
-    if head == b"\x93NUMPY":
-        raise InputError(str(file), "a .npz archive of named arrays (numpy.savez)", "a single .npy array",
-                         "save it with numpy.savez(path, X=..., y=...)")
     try:
+        if file.stat().st_size == 0:
+            raise InputError(str(file), "a .npz archive of arrays", "an empty file")
+        with open(file, "rb") as handle:
+            head = handle.read(6)
+        if head == b"\x93NUMPY":
+            raise InputError(str(file), "a .npz archive of named arrays (numpy.savez)", "a single .npy array",
+                             "save it with numpy.savez(path, X=..., y=...)")
         with zipfile.ZipFile(file) as archive:
             members = {info.filename: info for info in archive.infolist()}
             keys = [name[:-4] for name in members if name.endswith(".npy")]
