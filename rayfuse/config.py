@@ -241,11 +241,6 @@ def silo_source_kind(dataset: str) -> str:
     return "folder" if DATASETS.get(dataset).source == "local folder" else "bundled"
 
 
-# The most pixels an image may be resized to: PIL's decompression-bomb bound (PIL.Image.MAX_IMAGE_PIXELS), the same
-# one a decoded image is held to, so a resize target cannot allocate what reading such an image is refused for.
-MAX_IMAGE_PIXELS = 89_478_485
-
-
 def _check_image_size(value: list[int] | None) -> list[int] | None:
     """An image size ``[H, W]`` (its length is the field's own constraint): both at least 1, ``H x W`` at most
     :data:`MAX_IMAGE_PIXELS`."""
@@ -254,6 +249,11 @@ def _check_image_size(value: list[int] | None) -> list[int] | None:
     if value is not None and value[0] * value[1] > MAX_IMAGE_PIXELS:
         raise ValueError(f"[H, W] of at most {MAX_IMAGE_PIXELS:,} pixels (PIL's decompression-bomb bound; {value[0] * value[1]:,} given)")
     return value
+
+
+# The most pixels an image may be resized to: PIL's decompression-bomb bound (PIL.Image.MAX_IMAGE_PIXELS), the same
+# one a decoded image is held to, so a resize target cannot allocate what reading such an image is refused for.
+MAX_IMAGE_PIXELS = 89_478_485
 
 
 def _check_path_form(value: str | None) -> str | None:

@@ -601,6 +601,8 @@ def _table_dataset(table: Any, file: Path, label: str, features: str | list[str]
     _check_unique_columns(columns, file)
     if label not in columns:
         raise InputError("data.label", f"a column of {file.name} ({', '.join(columns)})", label)
+    if not _is_label_type(table.schema.field(label).type):
+        raise InputError("data.label", "a column of integers, booleans, floats or text", f"column {label!r} of type {table.schema.field(label).type}")
     if features is None:
         features = [c for c in columns if c != label and (pa.types.is_integer(table.schema.field(c).type) or pa.types.is_floating(table.schema.field(c).type))]
     elif isinstance(features, str):
@@ -609,32 +611,8 @@ def _table_dataset(table: Any, file: Path, label: str, features: str | list[str]
     if missing:
         raise InputError("data.features", f"columns of {file.name} ({', '.join(columns)})", missing[0])
     X = _table_features(table, features)
-    column = table.column(label)
-    if not _is_label_type(column.type):
-        raise InputError("data.label", "a column of integers, booleans, floats or text", f"column {label!r} of type {column.type}")
-    y, names = _labels_to_int(column.to_numpy(zero_copy_only=False), "data.label", min_labels)
+    y, names = _labels_to_int(table.column(label).to_numpy(zero_copy_only=False), "data.label", min_labels)
     return Dataset(file.stem, X, y, len(names), names)
-
-
-def _check_unique_columns(columns: list[str], file: Path) -> None:
-    """A table's column names are distinct: a column named twice (a csv header repeating a name) cannot be told apart."""
-    seen: set[str] = set()
-    for name in columns:
-        if name in seen:
-            raise InputError(str(file), "columns with distinct names", f"{name!r} {columns.count(name)} times", "rename or drop the repeated column")
-        seen.add(name)
-
-
-def _is_label_type(kind: Any) -> bool:
-    """Arrow types a label column may have: integers, booleans, floats, text or bytes (and dictionary-encoded ones of
-    these); not nested lists or structs, dates or decimals."""
-    import pyarrow as pa
-
-    if pa.types.is_dictionary(kind):
-        kind = kind.value_type
-    return bool(pa.types.is_integer(kind) or pa.types.is_boolean(kind) or pa.types.is_floating(kind)
-                or pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
-                or pa.types.is_large_binary(kind))
 
 
 def _table_features(table: Any, features: list[str]) -> np.ndarray:
@@ -656,6 +634,27 @@ def _table_features(table: Any, features: list[str]) -> np.ndarray:
         bad = features[int(np.flatnonzero(~np.isfinite(X).all(axis=0))[0])]
         raise InputError("data.features", "numeric columns without nulls, NaN or Inf", f"column {bad!r}")
     return np.ascontiguousarray(X)
+
+
+def _check_unique_columns(columns: list[str], file: Path) -> None:
+    """A table's column names are distinct: a column named twice (a csv header repeating a name) cannot be told apart."""
+    seen: set[str] = set()
+    for name in columns:
+        if name in seen:
+            raise InputError(str(file), "columns with distinct names", f"{name!r} {columns.count(name)} times", "rename or drop the repeated column")
+        seen.add(name)
+
+
+def _is_label_type(kind: Any) -> bool:
+    """Arrow types a label column may have: integers, booleans, floats, text or bytes (and dictionary-encoded ones of
+    these); not nested lists or structs, dates or decimals."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return bool(pa.types.is_integer(kind) or pa.types.is_boolean(kind) or pa.types.is_floating(kind)
+                or pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
+                or pa.types.is_large_binary(kind))
 
 
 def _existing_file(path: str | Path | None, suffix: str, *, key: str = "data.path") -> Path:

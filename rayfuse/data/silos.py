@@ -442,7 +442,7 @@ def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image
                        min_classes: int = 2) -> Dataset:
     """torchvision's ``ImageFolder`` layout: ``folder/<class>/**/<image>``, classes in sorted order; images read
     with PIL (RGB, or one grey channel), resized (bilinear) to ``image_size`` [H, W] when given, scaled to [0, 1]."""
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     classes = sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
     files = {c: sorted(p for p in (folder / c).rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS) for c in classes}
@@ -452,6 +452,7 @@ def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image
     empty = [c for c in classes if not files[c]]
     if empty:
         raise InputError(key, f"images ({suffixes}) in every class folder", f"none in {empty[0]!r} of {written!r}")
+    _check_image_headers(folder, files, key=key, written=written, image_size=image_size, grayscale=grayscale)
     if len(classes) < min_classes:
         raise InputError(key, "at least 2 class folders (or data.classes declaring the task's label values)",
                          f"{len(classes)} ({classes[0]!r}) in {written!r}")
@@ -461,18 +462,13 @@ def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image
         for file in files[cls]:
             relative = file.relative_to(folder).as_posix()
             try:
-                with _open_image(file) as image:
-                    if first is None:  # the header's size, before any image is decoded
-                        _check_image_memory(sum(map(len, files.values())), image_size or [image.height, image.width],
-                                            1 if grayscale else 3, key=key if image_size is None else f"{key.rsplit('.', 1)[0]}.image_size")
+                with Image.open(file) as image:
                     image = image.convert("L" if grayscale else "RGB")
                     if image_size is not None:
                         image = image.resize((int(image_size[1]), int(image_size[0])), Image.Resampling.BILINEAR)
                     pixels = np.asarray(image, dtype=np.uint8)
-            except InputError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - PIL's decoders raise many types (OSError, SyntaxError, a bomb's error...)
-                raise InputError(key, f"readable images in {written!r}", f"{relative}: {type(exc).__name__}: {str(exc)[:60]}") from None
+            except (OSError, UnidentifiedImageError, ValueError) as exc:
+                raise InputError(key, f"readable images in {written!r}", f"{relative}: {str(exc)[:60]}") from None
             if first is None:
                 first = (relative, pixels.shape)
             elif pixels.shape != first[1]:
@@ -499,9 +495,30 @@ def _open_image(file: Path) -> Any:
         return Image.open(file)
 
 
-# Bytes per pixel and channel while an image folder is read: the decoded uint8 image, its copy in the stacked array and
-# the float32 array the silo keeps.
-IMAGE_BYTES_PER_VALUE = 6
+# Bytes per pixel and channel while an image folder is read: the decoded image (16-bit images keep 2 bytes), its copy
+# in the stacked array and the float32 array the silo keeps.
+IMAGE_BYTES_PER_VALUE = 8
+
+
+def _check_image_headers(folder: Path, files: Mapping[str, Sequence[Path]], *, key: str, written: str, image_size: list[int] | None,
+                         grayscale: bool) -> None:
+    """Before any image of an image folder is decoded: every image's header is read (PIL opens lazily), an image PIL
+    cannot identify or one above its decompression-bomb bound (:func:`_open_image`) is one line naming it, and the
+    memory the folder needs at the first image's size (or ``image_size``) is bounded (:func:`_check_image_memory`)."""
+    count = sum(len(names) for names in files.values())
+    bounded = False
+    for names in files.values():
+        for file in names:
+            try:
+                with _open_image(file) as image:
+                    size = image_size or [image.height, image.width]
+            except Exception as exc:  # noqa: BLE001 - PIL's plugins raise many types (OSError, SyntaxError, a bomb's error...)
+                raise InputError(key, f"readable images in {written!r}",
+                                 f"{file.relative_to(folder).as_posix()}: {type(exc).__name__}: {str(exc)[:60]}") from None
+            if not bounded:
+                _check_image_memory(count, size, 1 if grayscale else 3,
+                                    key=key if image_size is None else f"{key.rsplit('.', 1)[0]}.image_size")
+                bounded = True
 
 
 def _check_image_memory(count: int, size: Sequence[int], channels: int, *, key: str) -> None:
