@@ -232,14 +232,11 @@ def _align_needs(kind: str) -> Callable[[BaseModel], dict[str, str]]:
 
 
 def _spec_for(inputs: FuseInputs, method: AlignParams) -> Any:
-    import json
+    from rayfuse.symmetry.spec import read_spec_json
 
     explicit = None
     if method.spec is not None:
-        try:
-            explicit = json.loads(Path(method.spec).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise InputError("parameters.spec", "a readable JSON permutation spec", f"{type(exc).__name__}: {exc}") from None
+        explicit = read_spec_json(method.spec)
     elif inputs.example is None:
         raise InputError("input_shape", "one input's shape (e.g. [3, 32, 32]) or data, to trace the architecture")
     shape = tuple(inputs.example.shape[1:]) if inputs.example is not None else ()

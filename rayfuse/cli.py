@@ -174,7 +174,7 @@ def _cmd_symmetry(args: argparse.Namespace) -> int:
     if args.args is not None:
         try:
             kwargs = json.loads(args.args)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: nested deeper than the parser recurses
             kwargs = None
         if not isinstance(kwargs, dict):
             raise InputError("--args", "a JSON object such as '{\"num_classes\": 10}'", args.args)

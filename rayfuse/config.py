@@ -252,10 +252,18 @@ def _label_key(value: int | float | str) -> float | str:
 
 
 def _check_image_size(value: list[int] | None) -> list[int] | None:
-    """An image size ``[H, W]`` (its length is the field's own constraint): both at least 1."""
+    """An image size ``[H, W]`` (its length is the field's own constraint): both at least 1, ``H x W`` at most
+    :data:`MAX_IMAGE_PIXELS`."""
     if value is not None and min(value) < 1:
         raise ValueError("[H, W], two sizes >= 1")
+    if value is not None and value[0] * value[1] > MAX_IMAGE_PIXELS:
+        raise ValueError(f"[H, W] of at most {MAX_IMAGE_PIXELS:,} pixels (PIL's decompression-bomb bound; {value[0] * value[1]:,} given)")
     return value
+
+
+# The most pixels an image may be resized to: PIL's decompression-bomb bound (PIL.Image.MAX_IMAGE_PIXELS), the same
+# one a decoded image is held to, so a resize target cannot allocate what reading such an image is refused for.
+MAX_IMAGE_PIXELS = 89_478_485
 
 
 def _check_path_form(value: str | None) -> str | None:

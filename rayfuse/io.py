@@ -29,6 +29,7 @@ __all__ = [
     "read_checkpoint",
     "save_params_cast",
     "to_jsonable",
+    "check_file_fits_in_memory",
 ]
 
 
@@ -128,6 +129,8 @@ def load_params(path: str | os.PathLike) -> dict[str, np.ndarray]:
             return dict(load_file(str(path)))
         except (SafetensorError, OSError, ValueError) as exc:
             raise InputError(str(path), "a valid safetensors file", f"unreadable ({exc})") from None
+        except Exception as exc:  # noqa: BLE001 - anything else the reader raises on a damaged file (a dtype numpy lacks...)
+            raise InputError(str(path), "a valid safetensors file of numpy dtypes", f"unreadable ({type(exc).__name__}: {exc})") from None
     return {str(k): v.detach().cpu().numpy() for k, v in _torch_state_dict(path).items()}
 
 
@@ -164,6 +167,8 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dic
     or complex tensor is an :class:`InputError` naming the file and the tensor.
     """
     path = Path(path)
+    if path.is_file():
+        check_file_fits_in_memory(path)
     if path.suffix == ".safetensors" and path.is_file():
         from safetensors.numpy import load_file as load_numpy
 
@@ -172,7 +177,11 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dic
         except TypeError:  # a dtype numpy has no type for (bfloat16...): read through torch
             from safetensors.torch import load_file as load_torch
 
-            return _from_torch(path, load_torch(str(path)))
+            try:
+                tensors = load_torch(str(path))
+            except Exception as exc:  # noqa: BLE001 - a damaged file: one line, whatever the reader raises
+                raise InputError(str(path), "a valid safetensors file", f"unreadable ({type(exc).__name__}: {exc})") from None
+            return _from_torch(path, tensors)
         except Exception:  # noqa: BLE001 - load_params names the problem in one line
             return load_params(path), {}
         _check_real(path, params)
@@ -180,6 +189,24 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dic
     if path.suffix == ".safetensors" or not path.is_file():
         return load_params(path), {}  # raises the missing / unreadable file error
     return _from_torch(path, _torch_state_dict(path))
+
+
+# A checkpoint is held in memory as it is read, then as float32 arrays (a float16 / bfloat16 file doubles), with the
+# fused result beside them: its file must fit this many times in the memory available.
+CHECKPOINT_MEMORY_FACTOR = 3
+
+
+def check_file_fits_in_memory(path: Path) -> None:
+    """Refuse, before it is read, a checkpoint file that would not fit :data:`CHECKPOINT_MEMORY_FACTOR` times in the
+    memory available now (its tensors are loaded whole): one line naming the file, as the model-size check does for
+    a configured model."""
+    from rayfuse.models.registry import available_memory
+
+    size = path.stat().st_size
+    memory = available_memory()
+    if memory is not None and size * CHECKPOINT_MEMORY_FACTOR > memory:
+        raise InputError(str(path), f"a checkpoint that fits in memory: at most {memory // CHECKPOINT_MEMORY_FACTOR / 2**30:.2f} GiB "
+                         f"({CHECKPOINT_MEMORY_FACTOR} copies in the {memory / 2**30:.2f} GiB available)", f"{size / 2**30:.2f} GiB")
 
 
 def _from_torch(path: Path, tensors: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, str]]:

@@ -411,6 +411,7 @@ def read_unlabeled_file(path: str | Path, *, kind: str, features: str | list[str
     except (OSError, pa.ArrowException) as exc:
         what = "a readable parquet file" if kind == "parquet" else "a readable csv file with a header row"
         raise InputError(str(file), what, str(exc)[:80]) from None
+    _check_unique_columns(columns, file)
     missing = [c for c in wanted if c not in columns]
     if missing:
         raise InputError("data.features", f"columns of {file.name} ({', '.join(columns)})", missing[0])
@@ -428,31 +429,94 @@ def read_unlabeled_file(path: str | Path, *, kind: str, features: str | list[str
 
 def _npz_arrays(file: Path, wanted: Mapping[str, str]) -> list[np.ndarray | None]:
     """The arrays ``wanted`` (array name -> the key path naming it in errors) of an ``.npz`` archive, read without
-    unpickling anything; a missing array is one line naming its key path."""
+    unpickling anything; a missing array is one line naming its key path.
+
+    Before any array is read, each one's ``.npy`` header is read from its zip member (a few hundred bytes) and the size
+    it declares is bounded: the member must hold that many bytes and the arrays, with the float32 copy made of them,
+    must fit in the memory available now (:func:`check_npz_sizes`). Whatever a damaged file makes the zip, zlib or
+    ``.npy`` parsers raise is one line naming the file."""
     import zipfile
 
     try:
-        loaded = np.load(file, allow_pickle=False)
-    except EOFError:
-        raise InputError(str(file), "a .npz archive of arrays", "an empty file") from None
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        raise InputError(str(file), "a readable .npz archive without pickled objects", str(exc)[:80]) from None
-    if not isinstance(loaded, np.lib.npyio.NpzFile):
-        raise InputError(str(file), "a .npz archive of named arrays (numpy.savez)", "a single .npy array",
-                         "save it with numpy.savez(path, X=..., y=...)")
-    try:
-        with loaded as archive:
-            keys = list(archive.keys())
-            if not keys:
+        if file.stat().st_size == 0:
+            raise InputError(str(file), "a .npz archive of arrays", "an empty file")
+        with open(file, "rb") as handle:
+            head = handle.read(6)
+        if head == b"\x93NUMPY":
+            raise InputError(str(file), "a .npz archive of named arrays (numpy.savez)", "a single .npy array",
+                             "save it with numpy.savez(path, X=..., y=...)")
+        with zipfile.ZipFile(file) as archive:
+            members = {info.filename: info for info in archive.infolist()}
+            keys = [name[:-4] for name in members if name.endswith(".npy")]
+            if not members:
                 raise InputError(str(file), f"a .npz archive with arrays ({', '.join(wanted.values())})", "an empty archive")
+            if not keys:
+                raise InputError(str(file), "a .npz archive of named arrays (numpy.savez)",
+                                 f"a zip of other files ({', '.join(list(members)[:3])})")
             for key, what in wanted.items():
                 if key not in keys:
                     raise InputError(what, f"an array name in {file.name} ({', '.join(keys)})", key)
-            return [np.asarray(archive[key]) for key in wanted]
+            check_npz_sizes(file, archive, {key: members[key + ".npy"] for key in wanted})
+        with np.load(file, allow_pickle=False) as loaded:
+            return [np.asarray(loaded[key]) for key in wanted]
     except InputError:
         raise
-    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
-        raise InputError(str(file), "a readable .npz archive without pickled objects", str(exc)[:80] or type(exc).__name__) from None
+    except Exception as exc:  # noqa: BLE001 - a damaged file: zipfile, zlib, numpy's header parser... raise many types
+        raise InputError(str(file), "a readable .npz archive without pickled objects",
+                         f"{_error_name(exc)}: {str(exc).splitlines()[0][:60] if str(exc) else ''}".rstrip(": ")) from None
+
+
+def _error_name(exc: BaseException) -> str:
+    """An exception's type as a reader would look it up: ``BadZipFile``, ``zlib.error`` (not a bare ``error``)."""
+    kind = type(exc)
+    return kind.__name__ if kind.__module__ == "builtins" or kind.__name__[:1].isupper() else f"{kind.__module__}.{kind.__name__}"
+
+
+# The float32 copy a loader makes of the features (and an int64 copy of the labels) comes on top of the arrays as
+# stored: the arrays of an .npz file, read and converted, need about this many times their stored size at most.
+NPZ_MEMORY_FACTOR = 2
+
+
+def check_npz_sizes(file: Path, archive: Any, members: Mapping[str, Any]) -> None:
+    """Bound, before anything is allocated, the arrays ``members`` (array name -> ``zipfile.ZipInfo``) of the open
+    ``.npz`` ``archive``: each member's ``.npy`` header (format 1.0 or 2.0, numpy's own) is read, without the data,
+    and its declared ``shape x itemsize`` must be held by the member (its uncompressed size in the zip directory)
+    and, all arrays together, fit :data:`NPZ_MEMORY_FACTOR` times in the memory available now. Object arrays (pickled
+    data) are refused. Raises :class:`InputError` naming the file and the array."""
+    from numpy.lib import format as npy
+
+    total = 0
+    for key, info in members.items():
+        with archive.open(info) as member:
+            version = npy.read_magic(member)
+            if version == (1, 0):
+                shape, _, dtype = npy.read_array_header_1_0(member)
+            elif version == (2, 0):
+                shape, _, dtype = npy.read_array_header_2_0(member)
+            else:  # 3.0: only for structured dtypes with non-Latin-1 field names, never numbers or labels
+                raise InputError(f"{file}: {key}", "an .npy array of format 1.0 or 2.0 (numbers or text)", f"format {version[0]}.{version[1]}")
+            header = member.tell()
+        if dtype.hasobject:
+            raise InputError(f"{file}: {key}", "a readable .npz archive without pickled objects", f"an object array ({dtype})")
+        declared = int(np.prod(shape, dtype=object)) * dtype.itemsize  # Python integers: no overflow
+        if declared > info.file_size - header:  # more bytes after the data are ignored, as numpy ignores them
+            raise InputError(f"{file}: {key}", f"an array of the size its header declares ({format_bytes(declared)} for shape {tuple(shape)} {dtype})",
+                             f"{format_bytes(max(info.file_size - header, 0))} in the archive", "the file is damaged or was cut short")
+        total += declared
+    from rayfuse.models.registry import available_memory
+
+    memory = available_memory()
+    if memory is not None and total * NPZ_MEMORY_FACTOR > memory:
+        raise InputError(str(file), f"arrays that fit in memory: at most {format_bytes(memory // NPZ_MEMORY_FACTOR)} "
+                         f"({NPZ_MEMORY_FACTOR} copies in the {format_bytes(memory)} available)", f"arrays of {format_bytes(total)}")
+
+
+def format_bytes(count: int) -> str:
+    """``count`` bytes in words: ``7.3 TiB``, ``64 B``."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} B"
 
 
 def dataset_from_arrays(name: str, X: Any, y: Any, *, features_key: str = "dataset", label_key: str = "dataset",
@@ -517,9 +581,14 @@ def _read_parquet(path: str | Path | None, label: str, features: str | list[str]
 
     file = _existing_file(path, ".parquet")
     try:
+        _check_unique_columns(pq.read_schema(file).names, file)  # read_table itself fails on a repeated name
         table = pq.read_table(file)
+    except InputError:
+        raise
     except (OSError, pa.ArrowException) as exc:
         raise InputError(str(file), "a readable parquet file", str(exc)[:80]) from None
+    except Exception as exc:  # noqa: BLE001 - whatever else a damaged file makes the reader raise, as one line
+        raise InputError(str(file), "a readable parquet file", f"{type(exc).__name__}: {str(exc)[:60]}") from None
     return _table_dataset(table, file, label, features, min_labels)
 
 
@@ -601,8 +670,11 @@ def _table_dataset(table: Any, file: Path, label: str, features: str | list[str]
     import pyarrow as pa
 
     columns = table.column_names
+    _check_unique_columns(columns, file)
     if label not in columns:
         raise InputError("data.label", f"a column of {file.name} ({', '.join(columns)})", label)
+    if not _is_label_type(table.schema.field(label).type):
+        raise InputError("data.label", "a column of integers, booleans, floats or text", f"column {label!r} of type {table.schema.field(label).type}")
     if features is None:
         features = [c for c in columns if c != label and (pa.types.is_integer(table.schema.field(c).type) or pa.types.is_floating(table.schema.field(c).type))]
     elif isinstance(features, str):
@@ -624,6 +696,10 @@ def _table_features(table: Any, features: list[str]) -> np.ndarray:
 
     if not features:
         raise InputError("data.features", "at least one numeric feature column", [])
+    for name in features:
+        kind = table.schema.field(name).type
+        if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind) or pa.types.is_decimal(kind)):
+            raise InputError("data.features", "numeric columns (integers, floats, booleans, decimals)", f"column {name!r} of type {kind}")
     try:
         X = np.column_stack([table.column(c).to_numpy(zero_copy_only=False).astype(np.float32) for c in features])
     except (ValueError, TypeError, pa.ArrowException) as exc:
@@ -632,6 +708,27 @@ def _table_features(table: Any, features: list[str]) -> np.ndarray:
         bad = features[int(np.flatnonzero(~np.isfinite(X).all(axis=0))[0])]
         raise InputError("data.features", "numeric columns without nulls, NaN or Inf", f"column {bad!r}")
     return np.ascontiguousarray(X)
+
+
+def _check_unique_columns(columns: list[str], file: Path) -> None:
+    """A table's column names are distinct: a column named twice (a csv header repeating a name) cannot be told apart."""
+    seen: set[str] = set()
+    for name in columns:
+        if name in seen:
+            raise InputError(str(file), "columns with distinct names", f"{name!r} {columns.count(name)} times", "rename or drop the repeated column")
+        seen.add(name)
+
+
+def _is_label_type(kind: Any) -> bool:
+    """Arrow types a label column may have: integers, booleans, floats, text or bytes (and dictionary-encoded ones of
+    these); not nested lists or structs, dates or decimals."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return bool(pa.types.is_integer(kind) or pa.types.is_boolean(kind) or pa.types.is_floating(kind)
+                or pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
+                or pa.types.is_large_binary(kind))
 
 
 def _existing_file(path: str | Path | None, suffix: str, *, key: str = "data.path") -> Path:

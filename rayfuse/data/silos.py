@@ -508,6 +508,7 @@ def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image
     empty = [c for c in classes if not files[c]]
     if empty:
         raise InputError(key, f"images ({suffixes}) in every class folder", f"none in {empty[0]!r} of {written!r}")
+    _check_image_headers(folder, files, key=key, written=written, image_size=image_size, grayscale=grayscale)
     if len(classes) < min_classes:
         raise InputError(key, "at least 2 class folders (or data.classes declaring the task's label values)",
                          f"{len(classes)} ({classes[0]!r}) in {written!r}")
@@ -535,6 +536,58 @@ def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image
     # images pool: each is scaled by its own range)
     stored = f"{np.result_type(*sorted(depths))} {_PIXELS}"
     return Dataset(name, X, np.asarray(labels, dtype=np.int64), len(classes), tuple(classes), stored_dtype=stored)
+
+
+def _open_image(file: Path) -> Any:
+    """``PIL.Image.open(file)`` (lazy: the header only), with PIL's decompression-bomb warning (an image above
+    ``PIL.Image.MAX_IMAGE_PIXELS``, about 89 Mpx) raised as an error: such an image is refused from its header, never
+    decoded (above twice that, PIL raises ``DecompressionBombError`` itself)."""
+    import warnings
+
+    from PIL import Image
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        return Image.open(file)
+
+
+# Bytes per pixel and channel while an image folder is read: the decoded image (16-bit images keep 2 bytes), its copy
+# in the stacked array and the float32 array the silo keeps.
+IMAGE_BYTES_PER_VALUE = 8
+
+
+def _check_image_headers(folder: Path, files: Mapping[str, Sequence[Path]], *, key: str, written: str, image_size: list[int] | None,
+                         grayscale: bool) -> None:
+    """Before any image of an image folder is decoded: every image's header is read (PIL opens lazily), an image PIL
+    cannot identify or one above its decompression-bomb bound (:func:`_open_image`) is one line naming it, and the
+    memory the folder needs at the first image's size (or ``image_size``) is bounded (:func:`_check_image_memory`)."""
+    count = sum(len(names) for names in files.values())
+    bounded = False
+    for names in files.values():
+        for file in names:
+            try:
+                with _open_image(file) as image:
+                    size = image_size or [image.height, image.width]
+            except Exception as exc:  # noqa: BLE001 - PIL's plugins raise many types (OSError, SyntaxError, a bomb's error...)
+                raise InputError(key, f"readable images in {written!r}",
+                                 f"{file.relative_to(folder).as_posix()}: {type(exc).__name__}: {str(exc)[:60]}") from None
+            if not bounded:
+                _check_image_memory(count, size, 1 if grayscale else 3,
+                                    key=key if image_size is None else f"{key.rsplit('.', 1)[0]}.image_size")
+                bounded = True
+
+
+def _check_image_memory(count: int, size: Sequence[int], channels: int, *, key: str) -> None:
+    """``count`` images of ``size`` [H, W] with ``channels`` fit in the memory available now, checked from the first
+    image's header (or ``image_size``) before any is decoded; :class:`InputError` at ``key`` otherwise."""
+    from rayfuse.data.datasets import format_bytes
+    from rayfuse.models.registry import available_memory
+
+    need = count * int(size[0]) * int(size[1]) * channels * IMAGE_BYTES_PER_VALUE
+    memory = available_memory()
+    if memory is not None and need > memory:
+        raise InputError(key, f"images that fit in the {format_bytes(memory)} available ({count} images of {channels} channel(s))",
+                         f"[{size[0]}, {size[1]}]", f"reading them needs {format_bytes(need)}")
 
 
 def _aligned_held_out(held_out: Dataset, train: Dataset, key: str, written: str) -> Dataset:

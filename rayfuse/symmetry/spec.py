@@ -28,13 +28,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rayfuse.errors import InputError
 
-__all__ = ["AxisRef", "Probe", "PermGroup", "FixedAxis", "PermutationSpec", "Perms", "invert", "compose"]
+__all__ = ["AxisRef", "Probe", "PermGroup", "FixedAxis", "PermutationSpec", "Perms", "invert", "compose", "read_spec_json"]
 
 Perms = dict[str, np.ndarray]
 
@@ -234,20 +235,38 @@ class PermutationSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "spec") -> PermutationSpec:
-        """A spec from its dict form (JSON / YAML, e.g. a user's hand-written spec). Raises :class:`InputError`."""
+        """A spec from its dict form (JSON / YAML, e.g. a user's hand-written spec). Raises :class:`InputError` naming
+        the first entry that is not what :meth:`to_dict` writes (a mapping where one is due, an integer, not a bool, for
+        sizes and axes, text for names), whatever it holds instead: nothing of it is formatted but its type, so a
+        value nested thousands of levels deep is one line too."""
         if not isinstance(data, Mapping) or not isinstance(data.get("groups"), list):
             raise InputError(where, "a mapping with a list of groups", type(data).__name__)
         groups = []
         for i, g in enumerate(data["groups"]):
             at = f"{where}.groups.{i}"
-            try:
-                axes = tuple(AxisRef(**a) for a in g["axes"])
-                probes = tuple(Probe(**p) for p in g.get("probes", ()))
-                groups.append(PermGroup(str(g["name"]), int(g["size"]), axes, probes, str(g.get("kind", "channels"))))
-            except (KeyError, TypeError) as exc:
-                raise InputError(at, "name, size and axes [{key, dim, start?, outer?, inner?}]", str(exc)) from None
-        fixed = tuple(FixedAxis(str(f["key"]), int(f["dim"]), str(f.get("reason", ""))) for f in data.get("fixed", ()))
-        return cls(tuple(groups), fixed, tuple(str(n) for n in data.get("notes", ())))
+            entry = _entry(g, at, "name, size and axes [{key, dim, start?, outer?, inner?}]", ("name", "size", "axes"),
+                           ("probes", "kind"))
+            name = _text(entry["name"], f"{at}.name")
+            size = _integer(entry["size"], f"{at}.size", 1)
+            axes = []
+            for j, a in enumerate(_list(entry["axes"], f"{at}.axes", need=True)):
+                a = _entry(a, f"{at}.axes.{j}", "{key, dim, start?, outer?, inner?}", ("key", "dim"), ("start", "outer", "inner"))
+                axes.append(AxisRef(_text(a["key"], f"{at}.axes.{j}.key"), _integer(a["dim"], f"{at}.axes.{j}.dim"),
+                                    **_segment(a, f"{at}.axes.{j}")))
+            probes = []
+            for j, p in enumerate(_list(entry.get("probes", []), f"{at}.probes")):
+                p = _entry(p, f"{at}.probes.{j}", "{node, dim, start?, outer?, inner?, hook?}", ("node", "dim"),
+                           ("start", "outer", "inner", "hook"))
+                probes.append(Probe(_text(p["node"], f"{at}.probes.{j}.node"), _integer(p["dim"], f"{at}.probes.{j}.dim"),
+                                    hook=_text(p.get("hook", ""), f"{at}.probes.{j}.hook"), **_segment(p, f"{at}.probes.{j}")))
+            groups.append(PermGroup(name, size, tuple(axes), tuple(probes), _text(entry.get("kind", "channels"), f"{at}.kind")))
+        fixed = []
+        for i, f in enumerate(_list(data.get("fixed", []), f"{where}.fixed")):
+            f = _entry(f, f"{where}.fixed.{i}", "{key, dim, reason?}", ("key", "dim"), ("reason",))
+            fixed.append(FixedAxis(_text(f["key"], f"{where}.fixed.{i}.key"), _integer(f["dim"], f"{where}.fixed.{i}.dim"),
+                                   _text(f.get("reason", ""), f"{where}.fixed.{i}.reason")))
+        notes = tuple(_text(n, f"{where}.notes.{i}") for i, n in enumerate(_list(data.get("notes", []), f"{where}.notes")))
+        return cls(tuple(groups), tuple(fixed), notes)
 
     def describe(self) -> str:
         """A readable listing: one block per group, then the fixed axes with their reasons."""
@@ -263,6 +282,80 @@ class PermutationSpec:
             lines.extend(f"    {f.key}[{f.dim}]: {f.reason}" for f in self.fixed)
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+# A spec file's size bound, checked before it is read: a spec lists each group's axes, a few hundred bytes per
+# tensor; a model of a million tensors stays below it.
+MAX_SPEC_BYTES = 256 * 2**20
+
+
+def read_spec_json(path: str | Path) -> Any:
+    """The data of a JSON permutation spec file (``rayfuse symmetry --json`` writes one), for
+    :meth:`PermutationSpec.from_dict`. :class:`InputError` naming the file when it is missing, larger than
+    :data:`MAX_SPEC_BYTES`, not UTF-8 text, not JSON, or nested deeper than the parser's recursion allows."""
+    import json
+
+    file = Path(path)
+    try:
+        size = file.stat().st_size
+        if not file.is_file():
+            raise InputError(str(file), "a JSON permutation spec file", "not a regular file")
+        if size > MAX_SPEC_BYTES:
+            raise InputError(str(file), f"a JSON permutation spec of at most {MAX_SPEC_BYTES // 2**20} MiB", f"{size / 2**20:.0f} MiB")
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise InputError(str(file), "a readable JSON permutation spec file", exc.strerror or type(exc).__name__) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise InputError(str(file), "UTF-8 text", f"byte 0x{raw[exc.start]:02x} at line {line}", "save the file as UTF-8") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(str(file), "a JSON permutation spec", f"invalid JSON at line {exc.lineno}, column {exc.colno}", exc.msg) from None
+    except RecursionError:
+        raise InputError(str(file), "a JSON permutation spec nested a few hundred levels at most", "deeper nesting") from None
+
+
+def _segment(entry: Mapping[str, Any], where: str) -> dict[str, int]:
+    """An axis' or a probe's segment fields ``start`` (>= 0), ``outer`` and ``inner`` (>= 1), defaults filled in."""
+    return {key: _integer(entry.get(key, default), f"{where}.{key}", low) for key, default, low in (("start", 0, 0), ("outer", 1, 1), ("inner", 1, 1))}
+
+
+def _kind(value: Any) -> str:
+    """What a value of a spec is, in words that never format the value itself (it may be nested arbitrarily deep)."""
+    return repr(value) if isinstance(value, (int, float, str)) and len(str(value)) < 40 else type(value).__name__
+
+
+def _entry(value: Any, where: str, expected: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> Mapping[str, Any]:
+    """``value`` as a mapping holding the ``required`` keys (``optional`` ones documents what else it may hold)."""
+    if not isinstance(value, Mapping):
+        raise InputError(where, expected, f"{_kind(value)}, not a mapping")
+    for key in required:
+        if key not in value:
+            raise InputError(where, expected, f"no {key}")
+    return value  # other keys are ignored, as they always were (a later version's fields read by an older one)
+
+
+def _list(value: Any, where: str, *, need: bool = False) -> list[Any]:
+    if not isinstance(value, (list, tuple)) or (need and not value):
+        raise InputError(where, "a non-empty list" if need else "a list", _kind(value))
+    return list(value)
+
+
+def _integer(value: Any, where: str, low: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InputError(where, "an integer", _kind(value))
+    if low is not None and value < low:
+        raise InputError(where, f"an integer >= {low}", int(value))
+    return int(value)
+
+
+def _text(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise InputError(where, "text", _kind(value))
+    return value
 
 
 def _is_identity(perm: np.ndarray) -> bool:
