@@ -34,7 +34,7 @@ import numpy as np
 
 from rayfuse.errors import InputError
 
-__all__ = ["AxisRef", "Probe", "PermGroup", "FixedAxis", "PermutationSpec", "Perms", "invert", "compose"]
+__all__ = ["AxisRef", "Probe", "PermGroup", "FixedAxis", "PermutationSpec", "Perms", "invert", "compose", "axes_compatible"]
 
 Perms = dict[str, np.ndarray]
 
@@ -110,17 +110,23 @@ class PermGroup:
     """Units that share one permutation: ``size`` of them, found on every axis in ``axes``.
 
     ``kind`` says what the units are (``channels``, ``heads``, ``head_dims``...); ``probes`` where activation matching
-    can observe them (empty: weight matching only)."""
+    can observe them (empty: weight matching only). ``fixed_width``: why the model's code fixes the number of these
+    units (a literal size in a ``view`` / ``reshape`` / ``expand``), so a widening merge must keep it; empty when the
+    width may change."""
 
     name: str
     size: int
     axes: tuple[AxisRef, ...]
     probes: tuple[Probe, ...] = ()
     kind: str = "channels"
+    fixed_width: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "size": self.size, "kind": self.kind, "axes": [a.to_dict() for a in self.axes],
-                "probes": [p.to_dict() for p in self.probes]}
+        out = {"name": self.name, "size": self.size, "kind": self.kind, "axes": [a.to_dict() for a in self.axes],
+               "probes": [p.to_dict() for p in self.probes]}
+        if self.fixed_width:
+            out["fixed_width"] = self.fixed_width
+        return out
 
 
 @dataclass(frozen=True)
@@ -225,6 +231,23 @@ class PermutationSpec:
                                      f"{axis.outer} x {g.size} x {axis.inner} units from {axis.start} within axis {axis.dim} of "
                                      f"length {shape[axis.dim]}", tuple(shape))
 
+    def check_disjoint(self, shapes: Mapping[str, Sequence[int]] | None = None, *, where: str = "spec") -> None:
+        """No two groups (and no group with itself) permute overlapping units of one axis: applying both would move a
+        unit twice. Heads and the dimensions within each head (one group's units whole blocks of the other's) commute
+        and may share an axis. ``shapes`` (key -> shape) counts ``dim: -1`` and ``dim: 1`` of a 2-d tensor as one
+        axis. One line naming the two groups and the axis."""
+        seen: dict[tuple[str, int], list[tuple[PermGroup, AxisRef]]] = {}
+        for g in self.groups:
+            for axis in g.axes:
+                ndim = len(shapes[axis.key]) if shapes is not None and axis.key in shapes else 0
+                dim = axis.dim % ndim if ndim else axis.dim
+                for other, ref in seen.get((axis.key, dim), []):
+                    if not axes_compatible(axis, ref, g.size, other.size) or (other is g and axis == ref):
+                        what = f"group {g.name} twice" if other is g else f"groups {other.name} and {g.name}"
+                        raise InputError(f"{where}.{g.name}", "groups that permute disjoint units of each axis",
+                                         f"{what} on {axis.key}[{dim}]")
+                seen.setdefault((axis.key, dim), []).append((g, axis))
+
     # -- serialisation ----------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -240,20 +263,37 @@ class PermutationSpec:
         groups = []
         for i, g in enumerate(data["groups"]):
             at = f"{where}.groups.{i}"
+            if not isinstance(g, Mapping) or not isinstance(g.get("axes"), list) or "name" not in g or "size" not in g:
+                raise InputError(at, "name, size and axes [{key, dim, start?, outer?, inner?}] (a mapping)",
+                                 type(g).__name__ if not isinstance(g, Mapping) else sorted(g))
+            size = _count(g["size"], f"{at}.size", 1)
+            axes = []
+            for j, a in enumerate(g["axes"]):
+                if not isinstance(a, Mapping) or not isinstance(a.get("key"), str) or set(a) - {"key", "dim", "start", "outer", "inner"}:
+                    raise InputError(f"{at}.axes.{j}", "{key, dim, start?, outer?, inner?}", a)
+                axes.append(AxisRef(a["key"], _count(a.get("dim"), f"{at}.axes.{j}.dim", None),
+                                    _count(a.get("start", 0), f"{at}.axes.{j}.start", 0),
+                                    _count(a.get("outer", 1), f"{at}.axes.{j}.outer", 1),
+                                    _count(a.get("inner", 1), f"{at}.axes.{j}.inner", 1)))
+            if not axes:
+                raise InputError(f"{at}.axes", "at least one weight axis", "[]")
             try:
-                axes = tuple(AxisRef(**a) for a in g["axes"])
                 probes = tuple(Probe(**p) for p in g.get("probes", ()))
-                groups.append(PermGroup(str(g["name"]), int(g["size"]), axes, probes, str(g.get("kind", "channels"))))
-            except (KeyError, TypeError) as exc:
-                raise InputError(at, "name, size and axes [{key, dim, start?, outer?, inner?}]", str(exc)) from None
-        fixed = tuple(FixedAxis(str(f["key"]), int(f["dim"]), str(f.get("reason", ""))) for f in data.get("fixed", ()))
+            except (TypeError, AttributeError) as exc:
+                raise InputError(f"{at}.probes", "[{node, dim, start?, outer?, inner?, hook?}]", str(exc)) from None
+            groups.append(PermGroup(str(g["name"]), size, tuple(axes), probes, str(g.get("kind", "channels")),
+                                    str(g.get("fixed_width", "") or "")))
+        try:
+            fixed = tuple(FixedAxis(str(f["key"]), int(f["dim"]), str(f.get("reason", ""))) for f in data.get("fixed", ()))
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise InputError(f"{where}.fixed", "[{key, dim, reason}]", str(exc)) from None
         return cls(tuple(groups), fixed, tuple(str(n) for n in data.get("notes", ())))
 
     def describe(self) -> str:
         """A readable listing: one block per group, then the fixed axes with their reasons."""
         lines = [f"{len(self.groups)} permutation groups, {sum(g.size for g in self.groups)} units"]
         for g in self.groups:
-            lines.append(f"{g.name}  ({g.kind}, {g.size})")
+            lines.append(f"{g.name}  ({g.kind}, {g.size})" + (f"  width fixed: {g.fixed_width}" if g.fixed_width else ""))
             for a in g.axes:
                 extra = "".join(f" {k}={v}" for k, v in (("start", a.start), ("outer", a.outer), ("inner", a.inner))
                                 if v != (0 if k == "start" else 1))
@@ -263,6 +303,23 @@ class PermutationSpec:
             lines.extend(f"    {f.key}[{f.dim}]: {f.reason}" for f in self.fixed)
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+
+def _count(value: Any, where: str, least: int | None) -> int:
+    """An integer from a hand-written spec (not a bool, not a float), at least ``least`` (``None``: any)."""
+    if isinstance(value, bool) or not isinstance(value, int) or (least is not None and value < least):
+        raise InputError(where, "an integer" + ("" if least is None else f" >= {least}"), value)
+    return value
+
+
+def axes_compatible(a: AxisRef, b: AxisRef, size_a: int, size_b: int) -> bool:
+    """Two groups may both permute one axis if their segments are disjoint, or if one's units are whole blocks of
+    the other's (heads of head_dim dims and the dimensions within each head)."""
+    if a.start + a.span(size_a) <= b.start or b.start + b.span(size_b) <= a.start:
+        return True
+    if a.start != b.start or a.span(size_a) != b.span(size_b):
+        return False
+    return a.inner % (size_b * b.inner) == 0 or b.inner % (size_a * a.inner) == 0
 
 
 def _is_identity(perm: np.ndarray) -> bool:
