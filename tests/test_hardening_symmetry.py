@@ -268,6 +268,23 @@ class AttentionSubclass(nn.Module):
         return self.head(self.attn(h, h, h)[0].mean(1))
 
 
+class TiedIntoUnmodelled(nn.Module):
+    """A Linear sharing its weight with a module the tracer does not model: the shared weight must stay put."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.embed2 = nn.Linear(6, 8), nn.Linear(6, 8)
+        self.attn = FlippedAttention(8, 2, batch_first=True)
+        self.proj = nn.Linear(8, 8)
+        self.proj.weight = self.attn.out_proj.weight
+        self.head, self.head2 = nn.Linear(8, 3), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.embed(x)
+        a = self.head(self.attn(h, h, h)[0].mean(1))
+        return a + self.head2(torch.relu(self.proj(self.embed2(x))).mean(1))
+
+
 class SEBlock(nn.Module):
     """Squeeze and excitation: channel weights from a pooled bottleneck."""
 
@@ -436,6 +453,7 @@ ARCHITECTURES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int]] =
     "subclass-overrides-forward": (SubclassForward, VEC, 0),
     "subclass-plain": (SubclassPlain, VEC, 1),
     "attention-subclass": (AttentionSubclass, SEQ, 0),
+    "tied-into-an-unmodelled-leaf": (TiedIntoUnmodelled, SEQ, 0),
     "se-block": (SEBlock, IMG, 2),
     "inception": (Inception, IMG, 2),
     "channel-shuffle": (ChannelShuffle, IMG, 1),
@@ -524,6 +542,9 @@ def test_the_four_shapes_of_class_1_are_modelled_or_fixed_not_dropped():
     spec = derive_spec(*build("attention-subclass"))  # a leaf kept whole, but not the stock module: fixed, by exact type
     assert not any(a.key.startswith("attn.") for g in spec.groups for a in g.axes)
     assert any("FlippedAttention" in f.reason and "exact type" in f.reason for f in spec.fixed), spec.describe()
+    assert any(f.key == "attn.in_proj_weight" and f.dim == 0 for f in spec.fixed)  # its own tensors are listed fixed
+    spec = derive_spec(*build("tied-into-an-unmodelled-leaf"))  # a tensor it shares is not permuted elsewhere either
+    assert not any(a.key in ("proj.weight", "attn.out_proj.weight") and a.dim == 0 for g in spec.groups for a in g.axes)
 
 
 def test_a_hook_the_graph_does_not_see_fails_the_invariance_check():

@@ -674,10 +674,11 @@ class _Analysis(torch.fx.Interpreter):
         if base is not None and isinstance(mod, LEAF_MODULES) and any(_known(m, _MODELLED + (nn.ModuleList,)) is None for m in mod.modules()):
             base = None  # a stock transformer layer holding a module of another kind: its insides are not the stock ones
         if base is None:
-            if any(True for _, a in tensors for _ in a.pieces()):
-                stock = next((c.__name__ for c in type(mod).__mro__ if c in _MODELLED), None)
-                self._fix_all(tensors, f"{where}: module {name} ({type(mod).__name__}) is not modelled"
-                              + (f" (a {stock} with its own methods, hooks or parts: matched by exact type only)" if stock else ""))
+            stock = next((c.__name__ for c in type(mod).__mro__ if c in _MODELLED), None)
+            reason = (f"{where}: module {name} ({type(mod).__name__}) is not modelled"
+                      + (f" (a {stock} with its own methods, hooks or parts: matched by exact type only)" if stock else ""))
+            self._fix_all(tensors, reason)
+            self._fix_own(name, mod, reason)
             return self._empty(out)
         if isinstance(mod, nn.Linear):
             return self._linear(name, mod, ann)
@@ -721,6 +722,15 @@ class _Analysis(torch.fx.Interpreter):
             return self._empty(out)
         self._fix_all(tensors, f"{where}: module {name} ({type(mod).__name__}) is not known to commute with a permutation of these units")
         return self._empty(out)
+
+    def _fix_own(self, name: str, mod: nn.Module, reason: str) -> None:
+        """Every axis of a module the graph keeps whole but the tracer does not model is fixed (listed with the reason;
+        a tensor it shares with modelled layers is then not permuted there either)."""
+        for key, value in mod.state_dict(keep_vars=True).items():
+            if isinstance(value, torch.Tensor):
+                for d, size in enumerate(value.shape):
+                    if size > 1:
+                        self.sp.add_axis(self.sp.new(size, f"{name}.{key}[{d}]", "parameter", fixed=reason), f"{name}.{key}", d)
 
     def _linear(self, name: str, mod: nn.Linear, ann: _Ann) -> _Ann:
         self._consume(ann.dims[-1])  # read by the weight's columns
