@@ -285,6 +285,19 @@ class TiedIntoUnmodelled(nn.Module):
         return a + self.head2(torch.relu(self.proj(self.embed2(x))).mean(1))
 
 
+class ExpandAsGate(nn.Module):
+    """A learnt per-unit gate shaped like the hidden units with ``expand_as``: only their shape is read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 5), nn.Linear(5, 3)
+        self.gate = nn.Parameter(torch.randn(1, 5))
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b(h * torch.sigmoid(self.gate.expand_as(h)))
+
+
 class SEBlock(nn.Module):
     """Squeeze and excitation: channel weights from a pooled bottleneck."""
 
@@ -455,6 +468,7 @@ ARCHITECTURES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int]] =
     "attention-subclass": (AttentionSubclass, SEQ, 0),
     "tied-into-an-unmodelled-leaf": (TiedIntoUnmodelled, SEQ, 0),
     "se-block": (SEBlock, IMG, 2),
+    "expand-as-gate": (ExpandAsGate, VEC, 1),
     "inception": (Inception, IMG, 2),
     "channel-shuffle": (ChannelShuffle, IMG, 1),
     "sequence-conv": (SequenceConv, (2, 3, 7), 1),

@@ -593,6 +593,8 @@ class _Analysis(torch.fx.Interpreter):
         if not isinstance(x, torch.Tensor):
             return self._empty(out)
         ann = self._ann(n.args[0], x)
+        if _op_name(n) in ("expand_as", "view_as", "reshape_as") and len(n.args) > 1:
+            self._consume(self._ann(n.args[1], args[1]).pieces())  # only the other tensor's shape is read
         if n.op == "call_method":
             def call(lab: torch.Tensor) -> Any:
                 return getattr(lab, str(n.target))(*args[1:], **kwargs)
