@@ -6,7 +6,8 @@
   before the invariance check (the tracer is conservative by construction), and every axis they fix carries a reason.
 * The invariance check itself: a model whose hooks the graph does not see gets its group fixed with the reason "failed
   the invariance check" (``rayfuse symmetry --strict`` refuses it), and a wrong group is caught.
-* A case table of bad explicit specs (``rayfuse fuse``'s ``parameters.spec``) and ``--strict`` refusals, each exit 2,
+* A case table of bad explicit specs (``rayfuse fuse``'s ``parameters.spec``, an aligned method's ``spec:`` by ``rayfuse
+  validate``) and ``--strict`` refusals, each exit 2,
   one line naming the key or file, no traceback, nothing written; plus valid-but-unusual inputs that must succeed.
 """
 
@@ -771,6 +772,18 @@ def strict_case(id: str, cls: str) -> SymCase:
     return SymCase(id, lambda f: ["symmetry", f"{f.module()}:{cls}", "--input-shape", "6", "--strict"], "architecture", "strict")
 
 
+MLP_HIDDEN = [{"key": "layers.0.weight", "dim": 0}, {"key": "layers.0.bias", "dim": 0}, {"key": "layers.1.weight", "dim": 1}]
+
+
+def _mlp_group(name: str = "h", size: Any = 8, axes: Any = None) -> dict[str, Any]:
+    """A group of the registry mlp (hidden [8], the harness's base job)."""
+    return {"name": name, "size": size, "axes": MLP_HIDDEN if axes is None else axes}
+
+
+def run_spec_case(id: str, names: str, spec: Any) -> SymCase:
+    return SymCase(id, lambda f: ["validate", f.job(methods={"aligned": {"spec": spec}})], names, "explicit")
+
+
 SYM_CASES = [
     # groups that overlap: one unit moved twice
     spec_case("overlap-two-groups", "parameters.spec.b", {"groups": [_group("a"), _group("b", axes=[{"key": "fc1.weight", "dim": 0}])]}),
@@ -810,6 +823,13 @@ SYM_CASES = [
     spec_case("spec-not-json", "parameters.spec", raw=b"{groups: [}"),
     spec_case("spec-nested-deeply", "parameters.spec", raw=b"[" * 200_000 + b"]" * 200_000),
     spec_case("spec-without-an-input-shape", "input_shape", {"groups": [_group()]}, input_shape=None),
+    # the same checks on a federation's aligned method (spec: in its parameters), by rayfuse validate
+    run_spec_case("validate-overlap", "methods.aligned.spec.b", {"groups": [_mlp_group("a"), _mlp_group("b")]}),
+    run_spec_case("validate-invariance-forgets-the-next-layer", "methods.aligned.spec.h",
+                  {"groups": [_mlp_group(axes=MLP_HIDDEN[:2])]}),
+    run_spec_case("validate-invariance-permutes-the-output", "methods.aligned.spec.out",
+                  {"groups": [_mlp_group("out", 10, [{"key": "layers.1.weight", "dim": 0}, {"key": "layers.1.bias", "dim": 0}])]}),
+    run_spec_case("validate-size-a-string", "methods.aligned.spec.groups.0.size", {"groups": [_mlp_group(size="8")]}),
     # --strict: a group the graph cannot see through fails the invariance check
     strict_case("strict-hook-on-a-container", "Hooked"),
     strict_case("strict-hook-on-a-custom-module", "HookedCustom"),
@@ -889,3 +909,8 @@ def test_without_strict_the_failing_group_is_listed_fixed(sym_isolated, capsys):
     assert main(["symmetry", f"{module}:Hooked", "--input-shape", "6"]) == 0
     out = capsys.readouterr().out
     assert f"block.0.weight[0]: block.0: {INVARIANCE_REASON}" in out
+
+
+def test_a_sound_explicit_spec_validates_for_a_federation(sym_isolated, capsys):
+    job = SymFiles(sym_isolated).job(methods={"aligned": {"spec": {"groups": [_mlp_group()]}}})
+    assert main(["validate", job]) == 0, capsys.readouterr().err
