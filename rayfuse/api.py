@@ -284,16 +284,17 @@ def build_architecture(architecture: str, *, input_shape: Sequence[int] | None =
 
 
 def symmetry(architecture: str, *, input_shape: Sequence[int] | None = None, dataset: str = "digits",
-             args: Mapping[str, Any] | None = None) -> Any:
+             args: Mapping[str, Any] | None = None, strict: bool = False) -> Any:
     """The :class:`~rayfuse.symmetry.PermutationSpec` derived from the model ``architecture`` names (see
-    :func:`build_architecture`), traced on a random batch of two samples of ``input_shape``."""
+    :func:`build_architecture`), traced on a random batch of two samples of ``input_shape`` and checked on the model
+    (groups that fail the invariance check are fixed, or with ``strict`` refused)."""
     import torch
 
     from rayfuse.symmetry import derive_spec
 
     model, shape = build_architecture(architecture, input_shape=input_shape, dataset=dataset, args=args)
     example = torch.randn((2, *shape), generator=torch.Generator().manual_seed(0))
-    return derive_spec(model, example)
+    return derive_spec(model, example, strict=strict)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -226,6 +226,8 @@ def _align_needs(kind: str) -> Callable[[BaseModel], dict[str, str]]:
             out["data"] = "activation_matching (the models' activations on it are matched)"
         elif p.merge in ("fisher", "regmean") or p.repair:
             out["data"] = f"merge: {p.merge}" if p.merge in ("fisher", "regmean") else "repair: true"
+        if p.spec is not None and "data" not in out:  # the explicit spec is run through the invariance check on the model
+            out["input_shape"] = "parameters.spec (its groups are checked on the model: an input's shape, or data)"
         return out
 
     return needs
@@ -236,9 +238,13 @@ def _spec_for(inputs: FuseInputs, method: AlignParams) -> Any:
 
     explicit = None
     if method.spec is not None:
-        explicit = read_spec_json(method.spec)
-    elif inputs.example is None:
-        raise InputError("input_shape", "one input's shape (e.g. [3, 32, 32]) or data, to trace the architecture")
+        try:
+            explicit = read_spec_json(method.spec)
+        except InputError as exc:  # name the key as well as the file
+            raise exc.at(f"parameters.spec: {exc.path}") from None
+    if inputs.example is None:
+        raise InputError("input_shape", "one input's shape (e.g. [3, 32, 32]) or data, to trace the architecture"
+                         + (" and check parameters.spec on it" if explicit is not None else ""))
     shape = tuple(inputs.example.shape[1:]) if inputs.example is not None else ()
     return derive_run_spec(inputs.model, shape, explicit, where="architecture", spec_where="parameters.spec")
 

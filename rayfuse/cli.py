@@ -8,7 +8,7 @@
     rayfuse split CONFIG --out DIR [--set KEY=VALUE]...
     rayfuse fuse CONFIG [OUT]
     rayfuse tune SPACE [--samples N] [--address ADDR] [--storage DIR] [--resume] [--set KEY=VALUE]...
-    rayfuse symmetry ARCHITECTURE [--input-shape C,H,W] [--dataset NAME] [--args JSON] [--json]
+    rayfuse symmetry ARCHITECTURE [--input-shape C,H,W] [--dataset NAME] [--args JSON] [--json] [--strict]
 
 With no CONFIG, ``rayfuse run`` runs ``jobs/quickstart.yaml`` (or, outside a checkout, the same job built into the
 config defaults). Exit codes: 0 success, 2 bad input (one line naming the key path, expected and given value),
@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     sym.add_argument("--dataset", default="digits", help="gives the default input shape and the number of classes (default: digits)")
     sym.add_argument("--args", metavar="JSON", help="model arguments: ModelConfig fields for a registry model, keyword arguments otherwise")
     sym.add_argument("--json", action="store_true", help="print the spec as JSON")
+    sym.add_argument("--strict", action="store_true", help="refuse (exit 2) when a derived group fails the invariance check, "
+                     "instead of listing it fixed")
     sym.set_defaults(func=_cmd_symmetry)
     return parser
 
@@ -178,7 +180,7 @@ def _cmd_symmetry(args: argparse.Namespace) -> int:
             kwargs = None
         if not isinstance(kwargs, dict):
             raise InputError("--args", "a JSON object such as '{\"num_classes\": 10}'", args.args)
-    spec = symmetry(args.architecture, input_shape=shape, dataset=args.dataset, args=kwargs)
+    spec = symmetry(args.architecture, input_shape=shape, dataset=args.dataset, args=kwargs, strict=args.strict)
     print(json.dumps(spec.to_dict(), indent=1) if args.json else spec.describe())
     return 0
 

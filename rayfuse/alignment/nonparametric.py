@@ -24,8 +24,10 @@ With no new units this is :func:`rayfuse.alignment.merge_average`. With every un
 Groups whose width cannot change without changing the function stay at their width, with the reason
 (:func:`width_roles`): attention heads and head dimensions, units a LayerNorm or GroupNorm normalises together,
 segments of a concatenated axis, tensors of modules whose size attributes are not known, units that one tied tensor
-both computes and reads (a tied embedding and decoder). Tensors tied with the same role on every axis (one layer's
-weight shared by two layers) are merged alike under each name, so the tie holds at any width.
+both computes and reads (a tied embedding and decoder), and groups whose width the model's code fixes
+(:attr:`~rayfuse.symmetry.PermGroup.fixed_width`: a literal size in a ``view`` or an ``expand``). Tensors tied with the
+same role on every axis (one layer's weight shared by two layers) are merged alike under each name, so the tie holds at
+any width.
 """
 
 from __future__ import annotations
@@ -108,6 +110,8 @@ def _tied_reason(g: PermGroup, partners: Mapping[str, list[str]], inputs: set[tu
 
 def _fixed_reason(g: PermGroup, owners: Mapping[str, nn.Module], shapes: Mapping[str, tuple[int, ...]],
                   on_dim: Mapping[tuple[str, int], int]) -> str:
+    if g.fixed_width:  # the model's code fixes the width (a literal size in a view / reshape / expand)
+        return g.fixed_width
     if g.kind in ("heads", "head_dims"):
         return f"attention {g.kind.replace('_', ' ')} (their number is part of the attention)"
     for a in g.axes:

@@ -35,7 +35,8 @@ import numpy as np
 
 from rayfuse.errors import InputError
 
-__all__ = ["AxisRef", "Probe", "PermGroup", "FixedAxis", "PermutationSpec", "Perms", "invert", "compose", "read_spec_json"]
+__all__ = ["AxisRef", "Probe", "PermGroup", "FixedAxis", "PermutationSpec", "Perms", "invert", "compose", "axes_compatible",
+           "read_spec_json"]
 
 Perms = dict[str, np.ndarray]
 
@@ -111,17 +112,23 @@ class PermGroup:
     """Units that share one permutation: ``size`` of them, found on every axis in ``axes``.
 
     ``kind`` says what the units are (``channels``, ``heads``, ``head_dims``...); ``probes`` where activation matching
-    can observe them (empty: weight matching only)."""
+    can observe them (empty: weight matching only). ``fixed_width``: why the model's code fixes the number of these
+    units (a literal size in a ``view`` / ``reshape`` / ``expand``), so a widening merge must keep it; empty when the
+    width may change."""
 
     name: str
     size: int
     axes: tuple[AxisRef, ...]
     probes: tuple[Probe, ...] = ()
     kind: str = "channels"
+    fixed_width: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "size": self.size, "kind": self.kind, "axes": [a.to_dict() for a in self.axes],
-                "probes": [p.to_dict() for p in self.probes]}
+        out = {"name": self.name, "size": self.size, "kind": self.kind, "axes": [a.to_dict() for a in self.axes],
+               "probes": [p.to_dict() for p in self.probes]}
+        if self.fixed_width:
+            out["fixed_width"] = self.fixed_width
+        return out
 
 
 @dataclass(frozen=True)
@@ -226,6 +233,23 @@ class PermutationSpec:
                                      f"{axis.outer} x {g.size} x {axis.inner} units from {axis.start} within axis {axis.dim} of "
                                      f"length {shape[axis.dim]}", tuple(shape))
 
+    def check_disjoint(self, shapes: Mapping[str, Sequence[int]] | None = None, *, where: str = "spec") -> None:
+        """No two groups (and no group with itself) permute overlapping units of one axis: applying both would move a
+        unit twice. Heads and the dimensions within each head (one group's units whole blocks of the other's) commute
+        and may share an axis. ``shapes`` (key -> shape) counts ``dim: -1`` and ``dim: 1`` of a 2-d tensor as one
+        axis. One line naming the two groups and the axis."""
+        seen: dict[tuple[str, int], list[tuple[PermGroup, AxisRef]]] = {}
+        for g in self.groups:
+            for axis in g.axes:
+                ndim = len(shapes[axis.key]) if shapes is not None and axis.key in shapes else 0
+                dim = axis.dim % ndim if ndim else axis.dim
+                for other, ref in seen.get((axis.key, dim), []):
+                    if not axes_compatible(axis, ref, g.size, other.size) or (other is g and axis == ref):
+                        what = f"group {g.name} twice" if other is g else f"groups {other.name} and {g.name}"
+                        raise InputError(f"{where}.{g.name}", "groups that permute disjoint units of each axis",
+                                         f"{what} on {axis.key}[{dim}]")
+                seen.setdefault((axis.key, dim), []).append((g, axis))
+
     # -- serialisation ----------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -245,7 +269,7 @@ class PermutationSpec:
         for i, g in enumerate(data["groups"]):
             at = f"{where}.groups.{i}"
             entry = _entry(g, at, "name, size and axes [{key, dim, start?, outer?, inner?}]", ("name", "size", "axes"),
-                           ("probes", "kind"))
+                           ("probes", "kind", "fixed_width"))
             name = _text(entry["name"], f"{at}.name")
             size = _integer(entry["size"], f"{at}.size", 1)
             axes = []
@@ -259,7 +283,8 @@ class PermutationSpec:
                            ("start", "outer", "inner", "hook"))
                 probes.append(Probe(_text(p["node"], f"{at}.probes.{j}.node"), _integer(p["dim"], f"{at}.probes.{j}.dim"),
                                     hook=_text(p.get("hook", ""), f"{at}.probes.{j}.hook"), **_segment(p, f"{at}.probes.{j}")))
-            groups.append(PermGroup(name, size, tuple(axes), tuple(probes), _text(entry.get("kind", "channels"), f"{at}.kind")))
+            groups.append(PermGroup(name, size, tuple(axes), tuple(probes), _text(entry.get("kind", "channels"), f"{at}.kind"),
+                                    _text(entry.get("fixed_width", "") or "", f"{at}.fixed_width")))
         fixed = []
         for i, f in enumerate(_list(data.get("fixed", []), f"{where}.fixed")):
             f = _entry(f, f"{where}.fixed.{i}", "{key, dim, reason?}", ("key", "dim"), ("reason",))
@@ -272,7 +297,7 @@ class PermutationSpec:
         """A readable listing: one block per group, then the fixed axes with their reasons."""
         lines = [f"{len(self.groups)} permutation groups, {sum(g.size for g in self.groups)} units"]
         for g in self.groups:
-            lines.append(f"{g.name}  ({g.kind}, {g.size})")
+            lines.append(f"{g.name}  ({g.kind}, {g.size})" + (f"  width fixed: {g.fixed_width}" if g.fixed_width else ""))
             for a in g.axes:
                 extra = "".join(f" {k}={v}" for k, v in (("start", a.start), ("outer", a.outer), ("inner", a.inner))
                                 if v != (0 if k == "start" else 1))
@@ -356,6 +381,16 @@ def _text(value: Any, where: str) -> str:
     if not isinstance(value, str):
         raise InputError(where, "text", _kind(value))
     return value
+
+
+def axes_compatible(a: AxisRef, b: AxisRef, size_a: int, size_b: int) -> bool:
+    """Two groups may both permute one axis if their segments are disjoint, or if one's units are whole blocks of
+    the other's (heads of head_dim dims and the dimensions within each head)."""
+    if a.start + a.span(size_a) <= b.start or b.start + b.span(size_b) <= a.start:
+        return True
+    if a.start != b.start or a.span(size_a) != b.span(size_b):
+        return False
+    return a.inner % (size_b * b.inner) == 0 or b.inner % (size_a * a.inner) == 0
 
 
 def _is_identity(perm: np.ndarray) -> bool:

@@ -12,6 +12,12 @@ and says which node did so. The model's input features and its outputs are fixed
 A model ``torch.fx`` cannot trace (Hugging Face transformers) is analysed from its ``torch.export`` graph instead
 (:func:`rayfuse.symmetry.export.export_graph`), with the same rules; such a spec has no probes.
 
+Conservative by construction: units a node's inputs carry that its output does not, and that its rule did not account
+for, are fixed (no annotation is dropped silently); ops, keywords and modules the tracer does not model exactly fix
+the units they touch; modules are matched by exact type (a subclass with methods of its own, or hooks, is not the
+stock module). :func:`derive_spec` then checks the spec on the model (:mod:`rayfuse.symmetry.invariance`). A group
+whose width the code fixes (a literal size in a ``view`` / ``expand``) carries ``fixed_width``.
+
 Probes name nodes of the graph :func:`trace_model` returns (node names are deterministic for a given model class),
 so activation matching can run that graph with ``torch.fx.Interpreter`` and read the units where they are visible.
 """
@@ -55,7 +61,10 @@ class _Tracer(torch.fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, (nn.RNNBase, nn.RNNCellBase)):  # fx cannot trace their forwards (a subclass's neither): the
             return True                                   # analysis models the stock ones and fixes any other
-        return isinstance(m, LEAF_MODULES) or super().is_leaf_module(m, module_qualified_name)
+        # a subclass of a leaf type stays a leaf (its forward may branch too); the analysis models it only when it has
+        # the stock semantics (_known), and fixes the units it touches otherwise. A subclass of another modelled type
+        # with the stock semantics (``class MyLinear(nn.Linear): pass``) is kept whole too, so it is modelled.
+        return isinstance(m, LEAF_MODULES) or _known(m) is not None or super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.stack.append((self.path_of_module(m) or "<model>", type(m).__name__))
@@ -200,6 +209,7 @@ class _Space:
     parent: int
     fixed: str | None = None
     axes: list[AxisRef] = field(default_factory=list)
+    fixed_width: str | None = None  # why the model's code fixes the number of these units (a widening merge keeps it)
 
 
 class _Spaces:
@@ -247,6 +257,7 @@ class _Spaces:
         sb.parent = ra
         sa.soft = sa.soft and sb.soft
         sa.fixed = sa.fixed or sb.fixed
+        sa.fixed_width = sa.fixed_width or sb.fixed_width
         sa.axes.extend(sb.axes)
         sb.axes = []
 
@@ -290,7 +301,17 @@ _META_NAMES = {"size", "dim", "numel", "ndimension", "shape", "dtype", "device",
 _POOL_NAMES = {"max_pool1d": 1, "max_pool2d": 2, "max_pool3d": 3, "avg_pool1d": 1, "avg_pool2d": 2, "avg_pool3d": 3,
                "adaptive_avg_pool1d": 1, "adaptive_avg_pool2d": 2, "adaptive_avg_pool3d": 3, "adaptive_max_pool1d": 1,
                "adaptive_max_pool2d": 2, "adaptive_max_pool3d": 3, "_max_pool1d": 1, "_max_pool2d": 2, "_max_pool3d": 3,
-               "_adaptive_max_pool1d": 1, "_adaptive_max_pool2d": 2}
+               "_adaptive_max_pool1d": 1, "_adaptive_max_pool2d": 2, "max_pool1d_with_indices": 1, "max_pool2d_with_indices": 2,
+               "max_pool3d_with_indices": 3, "adaptive_max_pool1d_with_indices": 1, "adaptive_max_pool2d_with_indices": 2,
+               "adaptive_max_pool3d_with_indices": 3}
+# elementwise ops whose further tensor operands (``clamp(max=alpha)``) are combined elementwise, broadcasting; and ops
+# whose further tensor operand only lends its dtype and device. Any other tensor operand of an activation or
+# pass-through op is not modelled: the units it touches are fixed.
+_BOUND_NAMES = {"clamp", "clamp_", "clip", "clip_", "clamp_min", "clamp_max"}
+_LIKE_NAMES = {"to", "type_as"}
+# the keywords each kind of op is modelled with (any other keyword fixes the units it touches)
+_REDUCE_KEYWORDS = {"dim", "axis", "keepdim", "keepdims", "dtype", "unbiased", "correction"}
+_CAT_KEYWORDS = {"dim", "axis"}
 _KNOWN_MODULES = (torch, F, operator, torch.Tensor, torch.fx)
 #: The recurrent layers the tracer models (a subclass too, unless it overrides ``forward``), see ``_recurrent``.
 _RECURRENT: tuple[type[nn.Module], ...] = (nn.LSTM, nn.GRU, nn.RNN, nn.LSTMCell, nn.GRUCell, nn.RNNCell)
@@ -302,6 +323,31 @@ _UNIFORM_NAMES = {"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones
 _ATEN_NAMES = {"slice": "narrow", "alias": "clone", "lift_fresh_copy": "clone", "_to_copy": "clone",
                "_assert_tensor_metadata": "_assert", "_assert_scalar": "_assert", "_assert_async": "_assert",
                "sym_size": "size", "sym_numel": "numel", "sym_stride": "size", "sym_storage_offset": "size"}
+
+#: What :meth:`_Analysis._module` models, by class. A module is modelled as the class it matches exactly: that type, or
+#: a subclass that overrides none of its methods (``forward`` included) and carries no hooks.
+_MODELLED: tuple[type[nn.Module], ...] = (
+    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d,
+    nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LayerNorm, nn.GroupNorm, nn.Embedding, *_ACT_MODULES, *_PASS_MODULES, nn.PReLU,
+    *_POOL_MODULES, nn.Flatten, nn.Unflatten, *LEAF_MODULES, *_RECURRENT,
+)
+# methods a subclass may define without changing what the module computes once built
+_HARMLESS = {"__init__", "reset_parameters", "_reset_parameters", "extra_repr", "__repr__", "__setstate__", "__getstate__"}
+
+
+def _known(mod: nn.Module, kinds: tuple[type[nn.Module], ...] = _MODELLED) -> type[nn.Module] | None:
+    """The class among ``kinds`` whose semantics ``mod`` has exactly (see :data:`_MODELLED`), else ``None``: a subclass
+    that overrides ``forward`` (or any other method the stock forward may call) is not the stock module."""
+    base = next((c for c in type(mod).__mro__ if c in kinds), None)
+    if base is None or getattr(mod, "_forward_hooks", None) or getattr(mod, "_forward_pre_hooks", None):
+        return None
+    for cls in type(mod).__mro__:
+        if cls is base:
+            return base
+        for attr, value in vars(cls).items():
+            if attr not in _HARMLESS and hasattr(base, attr) and (callable(value) or isinstance(value, (property, staticmethod, classmethod))):
+                return None
+    return base
 
 
 def _op_name(node: torch.fx.Node) -> str:
@@ -316,7 +362,7 @@ def _op_name(node: torch.fx.Node) -> str:
         return _ATEN_NAMES.get(target._opname, target._opname)
     module = getattr(target, "__module__", None) or ""
     name = getattr(target, "__name__", "")
-    if module.startswith(("torch", "_operator", "operator")) or target in (torch._assert,):
+    if module.split(".")[0] in ("torch", "_operator", "operator") or target in (torch._assert,):  # not torchvision, torch_foo
         return name.lstrip("_") if name.startswith("__") else name
     return ""
 
@@ -357,6 +403,7 @@ class _Analysis(torch.fx.Interpreter):
         self.node: torch.fx.Node | None = None  # the node being annotated
         self.blocks: dict[int, list[int]] = {}  # space -> block sizes its units must stay within (norm groups)
         self.factors: list[tuple[int, int, int]] = []  # space split into (heads, head dims) spaces: see _factor
+        self.consumed: set[int] = set()  # spaces the node's rule accounts for without carrying them (a Linear's inputs)
 
     # -- plumbing ---------------------------------------------------------------------------------------------------
 
@@ -366,14 +413,32 @@ class _Analysis(torch.fx.Interpreter):
         if n.op == "placeholder" or any(m in self.data for m in n.all_input_nodes):
             self.data.add(n)
         self.node = n
+        self.consumed = set()
         self.anns[n] = self._annotate(n, args, kwargs, out)
         ann = self.anns[n]
+        if n.op not in ("placeholder", "get_attr", "output"):
+            self._no_silent_drop(n, args, kwargs, ann)
         if n in self.data and isinstance(out, torch.Tensor) and isinstance(ann, _Ann):
             rank = self._rank(n)
             for d, pieces in enumerate(ann.dims):
                 for p in pieces:
                     self.probes.append((p.space, rank, self.order[n], Probe(n.name, d, p.start, p.outer, p.inner)))
         return out
+
+    def _no_silent_drop(self, n: torch.fx.Node, args: Any, kwargs: Any, ann: Any) -> None:
+        """Conservative by construction: units a node's inputs carry that its output does not, and that its rule did not
+        account for (a Linear reading them, a reduction over them, a shape query), are fixed, naming the node."""
+        carried = {self.sp.find(s) for s in _spaces_of(ann)}
+        consumed = {self.sp.find(s) for s in self.consumed}
+        for _, a in self._tensors(n, args, kwargs):
+            for p in a.pieces():
+                root = self.sp.find(p.space)
+                if root not in carried and root not in consumed:
+                    self.sp.fix(root, f"{n.name}: {_describe_target(n)} drops these units (no rule accounts for them)")
+
+    def _consume(self, pieces: Any) -> None:
+        for p in pieces:
+            self.consumed.add(p.space)
 
     def _rank(self, n: torch.fx.Node) -> int:
         """Where activation matching should rather look: 0 after an activation, 1 after a normalisation, 2 elsewhere."""
@@ -500,23 +565,43 @@ class _Analysis(torch.fx.Interpreter):
         name = _op_name(n)
         uniform = self._uniform(name, tensors, out)
         if uniform is not None:
+            self._consume(p for _, a in tensors for p in a.pieces())  # its values do not depend on the units' order
             return uniform
         if not any(True for _, ann in tensors for _ in ann.pieces()):
             return self._empty(out)
-        if name in ("layer_norm", "group_norm", "linear", "embedding"):
-            return self._functional(n, name, args, kwargs, tensors, out)
-        if name == "scaled_dot_product_attention":
-            return self._sdpa(n, args, kwargs, tensors, out)
+        if name in ("layer_norm", "group_norm", "linear", "embedding", "scaled_dot_product_attention"):
+            # these rules account for every input: they join its units to weight axes, carry them, or fix them
+            result = self._functional(n, name, args, kwargs, tensors, out) if name != "scaled_dot_product_attention" \
+                else self._sdpa(n, args, kwargs, tensors, out)
+            self._consume(p for _, a in tensors for p in a.pieces())
+            return result
         if name == "getitem" and isinstance(args[0], (list, tuple)):
             held = self.anns.get(n.args[0]) if isinstance(n.args[0], torch.fx.Node) else None
-            if isinstance(held, (list, tuple)):
+            if isinstance(held, (list, tuple)) and len(held) == len(args[0]):
+                for _, a in tensors:  # the element taken carries its units; the others are taken (or not) elsewhere
+                    self._consume(a.pieces())
                 picked = held[args[1]]
                 return tuple(picked) if isinstance(picked, list) else picked
+            self._fix_all(tensors, f"{where}: takes an element of a value whose parts the tracer did not follow")
             return self._empty(out)
         if name in _META_NAMES and not (name == "getattr" and args[1] in ("T", "mT", "H", "mH")):
+            for _, a in tensors:  # a shape, a dtype, a constant of that shape: nothing that depends on the units' order
+                self._consume(a.pieces())
             return self._empty(out)
         if name in _ACT_NAMES or name in _PASS_NAMES:
-            return self._ann(n.args[0], args[0])
+            first = self._ann(n.args[0], args[0]) if n.args else None
+            if first is None or not isinstance(args[0], torch.Tensor):
+                self._fix_all(tensors, f"{where}: {_describe_target(n)} without its tensor first is not modelled")
+                return self._empty(out)
+            if len(tensors) == 1:
+                return first
+            if name in _BOUND_NAMES and isinstance(out, torch.Tensor):  # clamp(x, min=lo, max=hi): elementwise in all three
+                return self._elementwise(where, [(tuple(t.shape), a) for t, a in tensors], tuple(out.shape))
+            if name in _LIKE_NAMES:  # x.to(other), x.type_as(other): other's values are not read
+                self._consume(p for _, a in tensors[1:] for p in a.pieces())
+                return first
+            self._fix_all(tensors, f"{where}: {_describe_target(n)} with a further tensor operand is not modelled")
+            return self._empty(out)
         if name in _BINARY_NAMES:
             shapes = [(tuple(t.shape), ann) for t, ann in tensors]
             return self._elementwise(where, shapes, tuple(out.shape))
@@ -525,7 +610,9 @@ class _Analysis(torch.fx.Interpreter):
         if name in _REDUCE_NAMES:
             return self._reduce(n, args, kwargs, out)
         if name in _POOL_NAMES:
-            return self._pool(where, self._ann(n.args[0], args[0]), _POOL_NAMES[name])
+            pooled = self._pool(where, self._ann(n.args[0], args[0]), _POOL_NAMES[name])
+            # return_indices: the indices carry the channels as the values do (each channel's argmax positions)
+            return tuple(pooled for _ in out) if isinstance(out, (list, tuple)) else pooled
         if name in _MOVE_NAMES or name == "getattr":
             return self._move(n, args, kwargs, out)
         self._fix_all(tensors, f"{where}: {_describe_target(n)} is not known to commute with a permutation of these units")
@@ -536,9 +623,15 @@ class _Analysis(torch.fx.Interpreter):
     def _cat(self, n: torch.fx.Node, args: Any, kwargs: Any, out: torch.Tensor, *, stack: bool) -> _Ann:
         values = list(args[0])
         nodes = list(n.args[0]) if isinstance(n.args[0], (list, tuple)) else []
-        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        dim = kwargs.get("dim", kwargs.get("axis", args[1] if len(args) > 1 else 0))
         anns = [self._ann(a, v) for a, v in zip(nodes, values)]
         ndim = out.ndim
+        unknown = set(kwargs) - _CAT_KEYWORDS
+        expected = (len(values) if stack else sum(int(v.shape[dim]) for v in values)) if isinstance(dim, int) and values else -1
+        if unknown or len(nodes) != len(values) or not isinstance(dim, int) or int(out.shape[dim]) != expected:
+            self._fix_all(self._tensors(n, args, kwargs), f"{n.name}: {_describe_target(n)} "
+                          + (f"with keyword {sorted(unknown)[0]} is not modelled" if unknown else "is not modelled for these arguments"))
+            return _Ann.empty(ndim)
         dim = dim % ndim
         dims: list[tuple[_Piece, ...]] = []
         for d in range(ndim):
@@ -561,19 +654,31 @@ class _Analysis(torch.fx.Interpreter):
     def _reduce(self, n: torch.fx.Node, args: Any, kwargs: Any, out: Any) -> Any:
         """A sum, mean or maximum over whole axes does not depend on the order of the units there; other axes keep theirs."""
         x = args[0]
-        ann = self._ann(n.args[0], x)
-        dim = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], (int, list, tuple)) else None)
-        keepdim = bool(kwargs.get("keepdim", args[2] if len(args) > 2 and isinstance(args[2], bool) else False))
-        if not isinstance(out, torch.Tensor):
+        tensors = self._tensors(n, args, kwargs)
+        unknown = set(kwargs) - _REDUCE_KEYWORDS
+        if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) or unknown or len(tensors) != 1:
+            why = f"keyword {sorted(unknown)[0]}" if unknown else "these arguments"
+            self._fix_all(tensors, f"{n.name}: {_describe_target(n)} with {why} is not modelled")
             return self._empty(out)
-        if dim is None:
+        ann = self._ann(n.args[0], x)
+        dim = kwargs.get("dim", kwargs.get("axis", args[1] if len(args) > 1 and isinstance(args[1], (int, list, tuple)) else None))
+        # var / std take ``unbiased`` third: their keepdim is a keyword or the fourth argument
+        at = 3 if _op_name(n) in ("var", "std") else 2
+        keepdim = bool(kwargs.get("keepdim", kwargs.get("keepdims", args[at] if len(args) > at and isinstance(args[at], bool) else False)))
+        if dim is None or (isinstance(dim, (list, tuple)) and not dim):
+            reduced = set(range(x.ndim))  # a reduction over every axis: nothing depends on the units' order
+        elif isinstance(dim, int) or (isinstance(dim, (list, tuple)) and all(isinstance(d, int) for d in dim)):
+            reduced = {d % x.ndim for d in ((dim,) if isinstance(dim, int) else dim)}
+        else:
+            self._fix_all(tensors, f"{n.name}: {_describe_target(n)} over {dim!r} is not modelled")
+            return self._empty(out)
+        shape = [1 if d in reduced else x.shape[d] for d in range(x.ndim) if keepdim or d not in reduced]
+        if tuple(shape) != tuple(out.shape):  # the arguments were not read as torch read them: model nothing
+            self._fix_all(tensors, f"{n.name}: {_describe_target(n)} gave a shape its arguments do not explain")
             return _Ann.empty(out.ndim)
-        reduced = {d % x.ndim for d in ((dim,) if isinstance(dim, int) else dim)}
-        dims = [() if d in reduced else ann.dims[d] for d in range(x.ndim) if keepdim or d not in reduced]
-        if len(dims) != out.ndim:
-            self._fix_all([(x, ann)], f"{n.name}: {_describe_target(n)} gave an unexpected shape")
-            return _Ann.empty(out.ndim)
-        return _Ann(tuple(dims))
+        for d in reduced:
+            self._consume(ann.dims[d])
+        return _Ann(tuple(() if d in reduced else ann.dims[d] for d in range(x.ndim) if keepdim or d not in reduced))
 
     def _pool(self, where: str, ann: _Ann, spatial: int) -> _Ann:
         """Pooling: channels (and batch) pass through; units on the pooled axes are fixed."""
@@ -589,15 +694,21 @@ class _Analysis(torch.fx.Interpreter):
         if not isinstance(x, torch.Tensor):
             return self._empty(out)
         ann = self._ann(n.args[0], x)
+        if _op_name(n) in ("expand_as", "view_as", "reshape_as") and len(n.args) > 1:
+            self._consume(self._ann(n.args[1], args[1]).pieces())  # only the other tensor's shape is read
         if n.op == "call_method":
             def call(lab: torch.Tensor) -> Any:
                 return getattr(lab, str(n.target))(*args[1:], **kwargs)
         else:
             def call(lab: torch.Tensor) -> Any:
                 return n.target(lab, *args[1:], **kwargs)  # type: ignore[operator]
-        return self._relabel(n.name, call, x, ann, out)
+        return self._relabel(n.name, call, x, ann, out, literal=_has_literal_size((n.args[1:], n.kwargs)))
 
-    def _relabel(self, where: str, call: Callable[[torch.Tensor], Any], x: torch.Tensor, ann: _Ann, out: Any) -> Any:
+    def _relabel(self, where: str, call: Callable[[torch.Tensor], Any], x: torch.Tensor, ann: _Ann, out: Any, *,
+                 literal: bool = False) -> Any:
+        """``literal``: the op has sizes written in the code (``view(B, 64)``, ``expand(B, 16)``, ``x[:, :16]``, a
+        module's own sizes): units it follows are also followed one unit wider, and where the wider units do not come
+        out whole and alike, the group's width is fixed by the code (``fixed_width``, kept by a widening merge)."""
         outs = [out] if isinstance(out, torch.Tensor) else [o for o in out] if isinstance(out, (list, tuple)) else []
         dims: list[list[list[_Piece]]] = [[[] for _ in range(o.ndim)] for o in outs]
         for d, pieces in enumerate(ann.dims):
@@ -614,17 +725,49 @@ class _Analysis(torch.fx.Interpreter):
                     self.sp.fix(p.space, f"{where}: could not follow these units through the op")
                     continue
                 results = [moved] if isinstance(moved, torch.Tensor) else list(moved)
+                layout = []
                 for k, r in enumerate(results):
                     found = _read_units(r, size)
-                    if found is None and not self._factor(p, x.shape[d], r, size, dims[k]):
+                    layout.append(found)
+                    if found is None and self._factor(p, x.shape[d], r, size, dims[k]):
+                        self.consumed.add(p.space)  # split into heads and head dims: the new spaces carry these units
+                    elif found is None:
                         self.sp.fix(p.space, f"{where}: splits, selects or reorders these units")
                     elif found:
                         t, start, outer, inner = found
                         dims[k][t].append(_Piece(p.space, start, outer, inner))
+                    else:
+                        self.consumed.add(p.space)  # none of these units reach this output: it does not depend on them
+                if literal and all(f is not None for f in layout) and not self._widens(call, x, d, p, size, layout):
+                    root = self.sp.all[self.sp.find(p.space)]
+                    root.fixed_width = root.fixed_width or f"{where}: a size written in the code fixes the number of these units"
         anns = [_Ann(tuple(tuple(ps) for ps in od)) for od in dims]
         if isinstance(out, torch.Tensor):
             return anns[0]
         return tuple(anns) if isinstance(out, (list, tuple)) else None
+
+    @staticmethod
+    def _widens(call: Callable[[torch.Tensor], Any], x: torch.Tensor, d: int, p: _Piece, size: int, layout: list[Any]) -> bool:
+        """Whether the op follows these units one unit wider (axis ``d`` longer by a unit's span) to the same layout."""
+        extra = p.outer * p.inner
+        units = torch.full((x.shape[d] + extra,), -1, dtype=torch.long)
+        units[p.start:p.start + p.outer * (size + 1) * p.inner] = torch.arange(size + 1).repeat_interleave(p.inner).repeat(p.outer)
+        shape = list(x.shape)
+        shape[d] += extra
+        view = [1] * x.ndim
+        view[d] = -1
+        try:
+            moved = call(units.view(view).expand(shape).contiguous())
+        except Exception:  # the op refuses the wider tensor: the code fixes the width
+            return False
+        results = [moved] if isinstance(moved, torch.Tensor) else list(moved) if isinstance(moved, (list, tuple)) else []
+        if len(results) != len(layout):
+            return False
+        for r, found in zip(results, layout):
+            wide = _read_units(r, size + 1) if isinstance(r, torch.Tensor) else None
+            if wide is None or (wide and found and (wide[0], wide[2], wide[3]) != (found[0], found[2], found[3])) or bool(wide) != bool(found):
+                return False
+        return True
 
     # -- modules ----------------------------------------------------------------------------------------------------
 
@@ -632,6 +775,16 @@ class _Analysis(torch.fx.Interpreter):
         name, where = str(n.target), n.name
         x = args[0] if args else None
         ann = self._ann(n.args[0], x) if args else _Ann.empty(0)
+        base = _known(mod)
+        if base is not None and isinstance(mod, LEAF_MODULES) and any(_known(m, _MODELLED + (nn.ModuleList,)) is None for m in mod.modules()):
+            base = None  # a stock transformer layer holding a module of another kind: its insides are not the stock ones
+        if base is None:
+            stock = next((c.__name__ for c in type(mod).__mro__ if c in _MODELLED), None)
+            reason = (f"{where}: module {name} ({type(mod).__name__}) is not modelled"
+                      + (f" (a {stock} with its own methods, hooks or parts: matched by exact type only)" if stock else ""))
+            self._fix_all(tensors, reason)
+            self._fix_own(name, mod, reason)
+            return self._empty(out)
         if isinstance(mod, nn.Linear):
             return self._linear(name, mod, ann)
         if isinstance(mod, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
@@ -643,13 +796,11 @@ class _Analysis(torch.fx.Interpreter):
         if isinstance(mod, nn.GroupNorm):
             return self._groupnorm(where, name, mod, ann)
         if isinstance(mod, (nn.RNNBase, nn.RNNCellBase)):
-            stock = next((t for t in _RECURRENT if isinstance(mod, t)), None)
-            if stock is None or type(mod).forward is not stock.forward:  # a forward of its own: not what is modelled
-                return self._opaque(n, name, mod, tensors, out, f"{type(mod).__name__} overrides the forward of "
-                                    f"{stock.__name__ if stock else 'a recurrent layer'}, which is what the tracer models")
-            if isinstance(mod, nn.RNNBase):
-                return self._recurrent(n, name, mod, args, out)
-            return self._cell(n, name, mod, args, out)
+            # the recurrent rules account for every input: the features join weight_ih's columns, the time and batch
+            # axes and an initial state not permuted with the units are fixed
+            result = self._recurrent(n, name, mod, args, out) if isinstance(mod, nn.RNNBase) else self._cell(n, name, mod, args, out)
+            self._consume(p for _, a in tensors for p in a.pieces())
+            return result
         if isinstance(mod, nn.Embedding):
             s = self.sp.new(mod.embedding_dim, name, "features")
             self.sp.add_axis(s, f"{name}.weight", 1)
@@ -661,10 +812,12 @@ class _Analysis(torch.fx.Interpreter):
                 for p in ann.dims[1 if len(ann.dims) >= 2 else 0]:
                     self.sp.add_axis(p.space, f"{name}.weight", 0, p.start, p.outer, p.inner)
             return ann
-        if type(mod) in _POOL_MODULES:
-            return self._pool(where, ann, _POOL_MODULES[type(mod)])
+        if base in _POOL_MODULES:
+            pooled = self._pool(where, ann, _POOL_MODULES[base])
+            # return_indices: the indices carry the channels as the values do (each channel's argmax positions)
+            return tuple(pooled for _ in out) if isinstance(out, (list, tuple)) else pooled
         if isinstance(mod, (nn.Flatten, nn.Unflatten)):
-            return self._relabel(where, mod, x, ann, out) if isinstance(x, torch.Tensor) else self._empty(out)
+            return self._relabel(where, mod, x, ann, out, literal=True) if isinstance(x, torch.Tensor) else self._empty(out)
         if isinstance(mod, (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)):
             bound = inspect.signature(mod.forward).bind(*n.args, **n.kwargs).arguments
             values = inspect.signature(mod.forward).bind(*args, **kwargs).arguments
@@ -681,7 +834,17 @@ class _Analysis(torch.fx.Interpreter):
         self._fix_all(tensors, f"{where}: module {name} ({type(mod).__name__}) is not known to commute with a permutation of these units")
         return self._empty(out)
 
+    def _fix_own(self, name: str, mod: nn.Module, reason: str) -> None:
+        """Every axis of a module the graph keeps whole but the tracer does not model is fixed (listed with the reason;
+        a tensor it shares with modelled layers is then not permuted there either)."""
+        for key, value in mod.state_dict(keep_vars=True).items():
+            if isinstance(value, torch.Tensor):
+                for d, size in enumerate(value.shape):
+                    if size > 1:
+                        self.sp.add_axis(self.sp.new(size, f"{name}.{key}[{d}]", "parameter", fixed=reason), f"{name}.{key}", d)
+
     def _linear(self, name: str, mod: nn.Linear, ann: _Ann) -> _Ann:
+        self._consume(ann.dims[-1])  # read by the weight's columns
         for p in ann.dims[-1]:
             self.sp.add_axis(p.space, f"{name}.weight", 1, p.start, p.outer, p.inner)
         s = self.sp.new(mod.out_features, name, "features")
@@ -699,6 +862,7 @@ class _Analysis(torch.fx.Interpreter):
         w, b = f"{name}.weight", f"{name}.bias"
         groups, cin, cout = mod.groups, mod.in_channels, mod.out_channels
         if groups == 1:
+            self._consume(ann.dims[cdim])  # read by the weight's input channels
             for p in ann.dims[cdim]:
                 self.sp.add_axis(p.space, w, 1, p.start, p.outer, p.inner)
             s = self.sp.new(cout, name, "channels")
@@ -759,6 +923,8 @@ class _Analysis(torch.fx.Interpreter):
         """Self/cross attention: the embed dim in and out; heads (blocks of head_dim), Q/K's and V/out's head dims."""
         E, H = mod.embed_dim, mod.num_heads
         hd = E // H
+        for ann in (q, k, v):
+            self._consume(ann.dims[-1])  # read by the input projections
         key = lambda attr: f"{name}.{attr}"  # noqa: E731
         if mod._qkv_same_embed_dim:
             for p in self._merge_dim(where, [(q.dims[-1], E), (k.dims[-1], E), (v.dims[-1], E)], E):
@@ -1172,6 +1338,29 @@ class _Analysis(torch.fx.Interpreter):
         return False
 
 
+def _spaces_of(ann: Any) -> Iterator[int]:
+    """Every space an annotation (or a tuple of them) places."""
+    if isinstance(ann, _Ann):
+        for p in ann.pieces():
+            yield p.space
+    elif isinstance(ann, (list, tuple)):
+        for a in ann:
+            yield from _spaces_of(a)
+
+
+def _has_literal_size(args: Any) -> bool:
+    """Whether a node's further arguments hold an integer written in the code (not computed in the graph) above 1."""
+    if isinstance(args, torch.fx.Node):
+        return False
+    if isinstance(args, (list, tuple)):
+        return any(_has_literal_size(a) for a in args)
+    if isinstance(args, dict):
+        return any(_has_literal_size(a) for a in args.values())
+    if isinstance(args, slice):
+        return any(_has_literal_size(a) for a in (args.start, args.stop, args.step))
+    return isinstance(args, int) and not isinstance(args, bool) and args > 1
+
+
 def _read_units(labels: torch.Tensor, size: int) -> tuple[int, int, int, int] | None | tuple[()]:
     """Where a space's unit labels (``-1`` elsewhere) ended up: ``(dim, start, outer, inner)``; ``()`` if none of
     them is there; ``None`` if they are not whole, or not along one axis in an order an :class:`AxisRef` can view."""
@@ -1296,12 +1485,13 @@ def _split_blocks(group: PermGroup, block: int | None) -> tuple[list[PermGroup],
         size = min(block, group.size - first)
         axes = tuple(AxisRef(a.key, a.dim, a.start + first * a.inner, 1, a.inner) for a in group.axes)
         probes = tuple(Probe(p.node, p.dim, p.start + first * p.inner, 1, p.inner, p.hook) for p in group.probes if p.outer == 1)
-        out.append(PermGroup(f"{group.name}.block{k}", size, axes, probes, group.kind))
+        out.append(PermGroup(f"{group.name}.block{k}", size, axes, probes, group.kind, group.fixed_width))
     return [g for g in out if g.size > 1], []
 
 
-def derive_spec(model: nn.Module, example_input: torch.Tensor) -> PermutationSpec:
-    """The permutation groups of ``model``, derived from its ``torch.fx`` graph and one example batch.
+def derive_spec(model: nn.Module, example_input: torch.Tensor, *, check: bool = True, strict: bool = False) -> PermutationSpec:
+    """The permutation groups of ``model``, derived from its ``torch.fx`` graph and one example batch, then checked on
+    the model itself (:mod:`rayfuse.symmetry.invariance`).
 
     Parameters
     ----------
@@ -1309,6 +1499,11 @@ def derive_spec(model: nn.Module, example_input: torch.Tensor) -> PermutationSpe
         Any module :func:`trace_model` can trace. Left as it was (its train/eval modes are restored).
     example_input : torch.Tensor
         A batch the model accepts (batch first; two samples or more), e.g. ``torch.randn(2, 1, 8, 8)``.
+    check : bool
+        Run the invariance check: random permutations of each group must leave the model's output unchanged; a group
+        whose permutation changes it is fixed with the reason "failed the invariance check".
+    strict : bool
+        Refuse (``InputError``) a spec with a group that failed the invariance check, instead of fixing the group.
 
     Returns
     -------
@@ -1324,7 +1519,7 @@ def derive_spec(model: nn.Module, example_input: torch.Tensor) -> PermutationSpe
     ------
     InputError
         When the model can neither be traced nor exported (``torch.export``, non-strict: tried when ``torch.fx``
-        fails), or does not accept ``example_input``.
+        fails), or does not accept ``example_input``; with ``strict``, when a group failed the invariance check.
     """
     try:
         gm = trace_model(model)
@@ -1385,10 +1580,19 @@ def derive_spec(model: nn.Module, example_input: torch.Tensor) -> PermutationSpe
         found = probes.get(i, []) if not exported else []  # probes name nodes of trace_model's graph, which has none
         best = min((r for r, _, _ in found), default=None)
         chosen = tuple(dict.fromkeys(p for r, _, p in sorted(found, key=lambda x: x[1]) if r == best))
-        kept, unsplit = _split_blocks(PermGroup(name, space.size, axes, chosen, space.kind), blocks.get(i))
+        kept, unsplit = _split_blocks(PermGroup(name, space.size, axes, chosen, space.kind, space.fixed_width or ""), blocks.get(i))
         groups.extend(kept)
         for f in unsplit:
             fixed.setdefault((f.key, f.dim, f.reason), f)
     spec = PermutationSpec(tuple(groups), tuple(fixed.values()))
     spec.check(shapes, where="derived spec")
+    if check:
+        from rayfuse.symmetry.invariance import apply_invariance, invariance_failures
+
+        failures = invariance_failures(model, spec, example_input)
+        if strict and failures:
+            name = next(g.name for g in spec.groups if g.name in failures)
+            raise InputError("architecture", "a model whose derived permutation groups all pass the invariance check (--strict)",
+                             f"group {name} {failures[name]}")
+        spec = apply_invariance(spec, failures)
     return spec

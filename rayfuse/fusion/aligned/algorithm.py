@@ -94,16 +94,20 @@ class AlignedParams(AlignmentSettings):
 def derive_run_spec(model: Any, input_shape: tuple[int, ...], explicit: dict[str, Any] | None = None, *, where: str = "model.name",
                     spec_where: str = "spec") -> Any:
     """The permutation spec of ``model`` (derived from its graph on a zero batch), or the explicit one checked
-    against its tensors. Errors name ``where`` (the model) or ``spec_where`` (the explicit spec)."""
+    against its tensors, for overlapping groups and, given an input shape, by the invariance check (a group whose
+    permutation changes the model's output is refused). Errors name ``where`` (the model) or ``spec_where`` (the
+    explicit spec)."""
     import torch
 
     from rayfuse.symmetry import PermutationSpec, derive_spec
+    from rayfuse.symmetry.invariance import check_spec
 
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if explicit is not None:
         spec = PermutationSpec.from_dict(explicit, where=spec_where)
-        spec.check(shapes, where=spec_where)
-        return spec
+        try:
+            return check_spec(model, spec, torch.zeros((2, *input_shape)) if input_shape else None, where=spec_where)
+        except InputError as exc:
+            raise exc.at(where if exc.path == "input" else exc.path) from None
     try:
         return derive_spec(model, torch.zeros((2, *input_shape)))
     except InputError as exc:
