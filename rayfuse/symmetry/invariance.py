@@ -53,7 +53,7 @@ class _LowestPrecision(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for t in _tensors(out):
-            if t.is_floating_point() and _TOLERANCE.get(t.dtype, 0.0) > _TOLERANCE.get(self.dtype, 0.0):  # type: ignore[arg-type]
+            if t.is_floating_point() and (self.dtype is None or _TOLERANCE.get(t.dtype, 0.0) > _TOLERANCE.get(self.dtype, 0.0)):
                 self.dtype = t.dtype
         return out
 
@@ -83,7 +83,9 @@ class _Runner:
         precision = _LowestPrecision()
         with precision:
             again = self.outputs()
-        lowest = precision.dtype if _TOLERANCE.get(precision.dtype, 0.0) > _TOLERANCE[self.dtype] else self.dtype  # type: ignore[arg-type]
+        lowest = self.dtype
+        if precision.dtype is not None and _TOLERANCE.get(precision.dtype, 0.0) > _TOLERANCE.get(lowest, 0.0):
+            lowest = precision.dtype
         self.scale = max(scale, 1e-12)
         self.tolerance = _TOLERANCE.get(lowest, 1e-4) * self.scale
         self.deterministic = self.change(again) <= self.tolerance
