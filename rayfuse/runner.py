@@ -234,6 +234,16 @@ def check_local_dp(cfg: ExperimentConfig, specs: Sequence[MethodSpec], setup: Ru
     if smallest and dp.delta >= 1.0 / smallest:
         raise InputError("train.dp.delta", f"less than 1 / {smallest} (the smallest client's training examples: the privacy unit is "
                          "one example)", dp.delta, f"e.g. delta: {10 ** -(len(str(smallest)) + 1):g}")
+    if dp.target_epsilon is not None and cfg.train.epochs > 0:  # each client's noise search, bounded, before any trains
+        from rayfuse.accountant import UnreachableEpsilon
+        from rayfuse.models.privacy import dp_sgd_noise_multiplier
+
+        for batches in sorted({-(-n // cfg.train.batch_size) for n in setup.train_sizes if n > 0}):
+            try:
+                dp_sgd_noise_multiplier(dp.target_epsilon, dp.delta, batches, cfg.train.epochs, dp.accountant)
+            except UnreachableEpsilon as exc:
+                raise InputError("train.dp.target_epsilon", f"an epsilon DP-SGD reaches in {cfg.train.epochs} epochs of {batches} "
+                                 f"batches: {exc}", dp.target_epsilon, "or give noise_multiplier") from None
     checked: list[Any] = []
     for client, model in enumerate(cfg.client_models()):
         if any(model == m for m in checked):
