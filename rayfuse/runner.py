@@ -180,6 +180,7 @@ def check_client_models_fit(cfg: ExperimentConfig, input_shape: tuple[int, ...],
     ``federation.client_overrides.<i>.model...``."""
     from rayfuse.models.registry import check_model_fits
 
+    check_fresh_models(cfg, input_shape, num_classes)
     counts: list[int] = []
     checked: list[tuple[Any, int]] = [(cfg.model, num_params)]
     for client, model in enumerate(cfg.client_models()):
@@ -193,6 +194,29 @@ def check_client_models_fit(cfg: ExperimentConfig, input_shape: tuple[int, ...],
             checked.append((model, known))
         counts.append(known)
     return tuple(counts)
+
+
+def check_fresh_models(cfg: ExperimentConfig, input_shape: tuple[int, ...], num_classes: int) -> None:
+    """A model factory given from Python (``rayfuse.run(model=...)``) must build a new model on every call. One that
+    returns one shared instance, or models sharing a parameter or buffer, would have every client train (and the server
+    overwrite) the same tensors in one process: refused, on every backend alike, before anything starts. It is not
+    copied instead: every build is seeded (each client its own initialisation unless ``train.shared_init``), which
+    copies of one instance would silently ignore."""
+    from rayfuse.models.registry import call_model_factory
+
+    seen: list[Any] = []
+    for model in (cfg.model, *cfg.client_models()):
+        factory = model.custom_factory
+        if factory is None or any(factory is f for f in seen):
+            continue
+        seen.append(factory)
+        name = model.factory or "model"
+        first, second = (call_model_factory(factory, input_shape, num_classes, where=name) for _ in range(2))
+        tensors = {id(t) for t in (*first.parameters(), *first.buffers())}
+        if first is second or any(id(t) in tensors for t in (*second.parameters(), *second.buffers())):
+            raise InputError("model", "a factory that builds a new nn.Module on every call (each client trains its own)",
+                             f"{name} returned {'the same instance' if first is second else 'models sharing tensors'} twice",
+                             "construct the module inside it: model=Net, or lambda: Net()")
 
 
 def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = None) -> PreparedRun:
