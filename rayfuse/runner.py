@@ -214,9 +214,9 @@ def check_fresh_models(cfg: ExperimentConfig, input_shape: tuple[int, ...], num_
         first, second = (call_model_factory(factory, input_shape, num_classes, where=name) for _ in range(2))
         tensors = {id(t) for t in (*first.parameters(), *first.buffers())}
         if first is second or any(id(t) in tensors for t in (*second.parameters(), *second.buffers())):
-            raise InputError("model", "a factory that builds a new nn.Module on every call (each client trains its own)",
-                             f"{name} returned {'the same instance' if first is second else 'models sharing tensors'} twice",
-                             "construct the module inside it: model=Net, or lambda: Net()")
+            shared = "the same instance" if first is second else "models sharing tensors"
+            raise InputError("model", "a factory that builds a new nn.Module on every call (each client trains its own)", name,
+                             f"it returned {shared} twice: construct the module inside it (model=Net, or lambda: Net())")
 
 
 def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = None) -> PreparedRun:
