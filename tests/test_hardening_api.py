@@ -247,6 +247,12 @@ case("dp", "api-upload-dp-target-1e-300", "methods.average.dp.target_epsilon")(
     lambda f: local_run(with_base(methods={"average": {"dp": {"clip_norm": 1.0, "target_epsilon": 1e-300}}})))
 
 
+# GEMS' radius search (a bisection of [0, r_max] down to tol): a tol below r_max's float spacing never ended
+case("dp", "run-gems-tol-below-float-spacing", "methods.gems.tol")(lambda f: run_job(f, "methods={gems: {tol: 1.0e-20}}"))
+case("dp", "validate-gems-neuron-tol-tiny", "methods.gems.neuron_tol")(
+    lambda f: run_job(f, "methods={gems: {neuron_tol: 1.0e-9, r_max: 1.0e6}}", command="validate"))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 6 (seal). rayfuse tune --resume: only regular files it owns are opened; a symlinked folder meets the folder's rules
 
@@ -587,3 +593,15 @@ def test_a_sweep_folder_reached_through_a_link_of_ones_own_verifies(tmp_path, mo
     sealed = seal_sweep(linked_storage / "planted")
     assert verify_sweep(linked_storage / "planted", linked_storage) == sealed
     assert not (tmp_path / "marker").exists()
+
+
+def test_the_radius_search_ends_even_below_the_float_spacing() -> None:
+    """Called directly (not through the checked parameters), a tol below r_max's spacing ends where no float is left."""
+    from rayfuse.fusion.gems.balls import search_radii
+
+    def passes(samples: Any, ids: Any) -> Any:
+        return np.ones(samples.shape[:2], dtype=bool)  # every radius passes: the search climbs to r_max
+
+    found = within_limit(lambda: search_radii(passes, np.zeros((2, 3)), num_samples=4, r_max=4000.0, tol=1e-20,
+                                              rng=np.random.default_rng(0)), Path("."))
+    assert found.steps < 100 and np.allclose(found.radius, 4000.0)
