@@ -30,7 +30,7 @@ Objects given here reach the clients and the coordinator with the config:
 * ``methods``: labels mapped to registered names, :class:`~rayfuse.method.Method` subclasses or instances.
 
 Every argument is checked before the run folder exists (:class:`InputError`, one line naming the argument): a
-factory that returns one shared instance is refused (on every backend; not copied, since every build is seeded);
+model instance, or a factory that returns one shared instance, is refused (on every backend; not copied, since every build is seeded);
 ragged arrays, a DataFrame alone (a DataFrame or Series as ``X`` or ``y`` is read as its values), a ``Dataset``
 whose ``__len__`` / ``__getitem__`` raises, arrays with a silo config or with ``data`` keys they would override, a
 ``Method`` without ``run`` or whose ``Params`` is not a :class:`~rayfuse.method.MethodParams`, a ``config`` of
@@ -415,8 +415,13 @@ def _check_dataset_is_used(cfg: ExperimentConfig) -> None:
 
 
 def _check_factory(model: Any, where: str = "model") -> Any:
+    from torch import nn
+
     from rayfuse.models.registry import factory_arity
 
+    if isinstance(model, nn.Module):  # callable (its forward), but one instance every client would share
+        raise InputError(where, "a model factory (the class, or a function returning a new nn.Module), not a model instance",
+                         f"an instance of {type(model).__qualname__}", f"pass model={type(model).__name__} or lambda: {type(model).__name__}(...)")
     if factory_arity(model) < 0:
         raise InputError(where, "a callable returning an nn.Module, taking (input_shape, num_classes) or no arguments", model)
     return model

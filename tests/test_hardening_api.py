@@ -207,6 +207,9 @@ case("api", "api-factory-shared-default", "model: expected a factory that builds
     lambda f: local_run(model={"default": lambda: _SHARED}))
 case("api", "api-factory-shared-for-one-client", "model: expected a factory that builds a new nn.Module")(
     lambda f: local_run(model={1: lambda shape, classes: _SHARED}))
+case("api", "api-model-an-instance", "model: expected a model factory (the class, or a function returning a new nn.Module), not a model instance")(
+    lambda f: local_run(model=_SHARED))
+case("api", "api-model-an-instance-for-a-client", "model[0]: expected a model factory")(lambda f: local_run(model={0: _SHARED}))
 
 
 # ---------------------------------------------------------------------------------------------------------------
