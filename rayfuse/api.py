@@ -254,12 +254,26 @@ def build_architecture(architecture: str, *, input_shape: Sequence[int] | None =
     from rayfuse.errors import suggest
     from rayfuse.models.registry import MODELS, _build_torchvision, build_model, torchvision_model_names
 
+    if not isinstance(architecture, str) or not architecture.strip():
+        raise InputError("architecture", "a registry model name, torchvision:<name> or module:Class",
+                         architecture if isinstance(architecture, str) else type(architecture).__name__)
+    if args is not None and not isinstance(args, Mapping):
+        raise InputError("args", "a mapping of keyword arguments (a dict), or None", type(args).__name__)
+    if not isinstance(dataset, str):
+        raise InputError("dataset", "a registered dataset name (rayfuse list datasets)", type(dataset).__name__)
+    if isinstance(input_shape, np.ndarray) and input_shape.ndim == 1:  # a numpy shape: read as its list
+        input_shape = input_shape.tolist()
+    if input_shape is not None:
+        _check_input_shape(input_shape)
     kwargs = dict(args or {})
     if ":" not in architecture and architecture not in MODELS:
         known = MODELS.names()
         raise InputError("architecture", f"a registry model ({', '.join(known)}), torchvision:<name> or module:Class",
                          architecture, suggest(architecture, known).strip(" ()"))
-    data = load_dataset(dataset)
+    try:
+        data = load_dataset(dataset)
+    except InputError as exc:
+        raise (exc.at("dataset") if exc.path == "data.dataset" else exc) from None
     shape = tuple(int(s) for s in (input_shape if input_shape is not None else data.X.shape[1:]))
     num_classes = data.num_classes
     prefix, _, name = architecture.partition(":")
@@ -290,6 +304,22 @@ def build_architecture(architecture: str, *, input_shape: Sequence[int] | None =
     from rayfuse.models.architecture import build_architecture as build_named
 
     return build_named(architecture, kwargs, where="architecture", args_where="args"), shape
+
+
+MAX_SAMPLE_VALUES = 1 << 24  # one example sample of build_architecture / symmetry: 64 MiB of float32 (a 3 x 2364^2 image)
+
+
+def _check_input_shape(input_shape: Any) -> None:
+    """One sample's shape: 1 to 8 whole numbers >= 1 (not booleans), at most ``MAX_SAMPLE_VALUES`` values in all
+    (the example batch is allocated from it)."""
+    ok = (isinstance(input_shape, Sequence) and not isinstance(input_shape, (str, bytes)) and 1 <= len(input_shape) <= 8
+          and all(isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_)) and n >= 1 for n in input_shape))
+    if not ok:
+        raise InputError("input_shape", "one sample's shape: 1 to 8 whole numbers >= 1, such as (1, 8, 8)",
+                         input_shape if isinstance(input_shape, (str, Sequence)) else type(input_shape).__name__)
+    values = int(np.prod([int(n) for n in input_shape], dtype=object))
+    if values > MAX_SAMPLE_VALUES:
+        raise InputError("input_shape", f"at most {MAX_SAMPLE_VALUES:,} values per sample", f"{tuple(input_shape)}: {values:,}")
 
 
 def symmetry(architecture: str, *, input_shape: Sequence[int] | None = None, dataset: str = "digits",

@@ -28,6 +28,7 @@ import pytest
 from torch import nn
 
 import rayfuse
+from rayfuse import api as rayfuse_api
 from rayfuse.cli import main
 from rayfuse.errors import InputError
 from rayfuse.method import Method, MethodParams, MethodResult, ServerContext
@@ -85,7 +86,7 @@ case("api", "api-fuse-number", "config")(lambda f: call(rayfuse.fuse, 42))
 case("api", "api-fuse-empty-path", "config")(lambda f: call(rayfuse.fuse, "  "))
 case("api", "api-fuse-out-not-a-path", "out")(lambda f: call(rayfuse.fuse, f.fuse(), out=3))
 case("api", "api-fuse-progress-not-callable", "progress")(lambda f: call(rayfuse.fuse, f.fuse(), progress="yes"))
-case("api", "api-fuse-checkpoints-none", "config")(lambda f: call(rayfuse.api.fuse_checkpoints, None))
+case("api", "api-fuse-checkpoints-none", "config")(lambda f: call(rayfuse_api.fuse_checkpoints, None))
 case("api", "api-run-overrides-one-string", "overrides")(lambda f: local_run(overrides="train.epochs=2"))
 case("api", "api-run-overrides-not-strings", "overrides")(lambda f: local_run(overrides=[("train.epochs", 2)]))
 case("api", "api-run-run-dir-a-number", "run_dir")(lambda f: local_run(run_dir=5))
@@ -210,6 +211,20 @@ case("api", "api-factory-shared-for-one-client", "model: expected a factory that
 case("api", "api-model-an-instance", "model: expected a model factory (the class, or a function returning a new nn.Module), not a model instance")(
     lambda f: local_run(model=_SHARED))
 case("api", "api-model-an-instance-for-a-client", "model[0]: expected a model factory")(lambda f: local_run(model={0: _SHARED}))
+
+
+# rayfuse_api.symmetry / build_architecture (rayfuse symmetry's Python form)
+case("api", "api-symmetry-architecture-none", "architecture")(lambda f: call(rayfuse_api.symmetry, None))
+case("api", "api-symmetry-args-a-list", "args: expected a mapping")(lambda f: call(rayfuse_api.symmetry, "mlp", args=[4]))
+case("api", "api-symmetry-input-shape-text", "input_shape")(lambda f: call(rayfuse_api.symmetry, "mlp", input_shape="1,8,8"))
+case("api", "api-symmetry-input-shape-zero", "input_shape")(lambda f: call(rayfuse_api.symmetry, "mlp", input_shape=(0,)))
+case("api", "api-symmetry-input-shape-booleans", "input_shape")(lambda f: call(rayfuse_api.symmetry, "mlp", input_shape=[True, True]))
+case("api", "api-symmetry-input-shape-fractional", "input_shape")(lambda f: call(rayfuse_api.build_architecture, "mlp", input_shape=[2.5]))
+case("api", "api-symmetry-input-shape-huge", "input_shape: expected at most 16,777,216 values per sample")(
+    lambda f: call(rayfuse_api.symmetry, "torchvision:resnet18", input_shape=(3, 40000, 40000)))
+case("api", "symmetry-input-shape-huge", "input_shape: expected at most")(
+    lambda f: ["symmetry", "torchvision:resnet18", "--input-shape", "3,40000,40000"])
+case("api", "api-symmetry-unknown-dataset", "dataset: expected a dataset in")(lambda f: call(rayfuse_api.symmetry, "mlp", dataset="nope"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -608,3 +623,11 @@ def test_the_radius_search_ends_even_below_the_float_spacing() -> None:
     found = within_limit(lambda: search_radii(passes, np.zeros((2, 3)), num_samples=4, r_max=4000.0, tol=1e-20,
                                               rng=np.random.default_rng(0)), Path("."))
     assert found.steps < 100 and np.allclose(found.radius, 4000.0)
+
+
+def test_a_numpy_or_torch_shape_is_a_shape() -> None:
+    import torch
+
+    by_tuple = rayfuse_api.symmetry("mlp", input_shape=(64,))
+    assert rayfuse_api.symmetry("mlp", input_shape=np.array([64])).to_dict() == by_tuple.to_dict()
+    assert rayfuse_api.symmetry("mlp", input_shape=torch.Size([64])).to_dict() == by_tuple.to_dict()
