@@ -198,7 +198,7 @@ def check_client_models_fit(cfg: ExperimentConfig, input_shape: tuple[int, ...],
 
 def check_fresh_models(cfg: ExperimentConfig, input_shape: tuple[int, ...], num_classes: int) -> None:
     """A model factory given from Python (``rayfuse.run(model=...)``) must build a new model on every call. One that
-    returns one shared instance, or models sharing a parameter or buffer, would have every client train (and the server
+    returns one shared instance, or models sharing a parameter or persistent buffer, would have every client train (and the server
     overwrite) the same tensors in one process: refused, on every backend alike, before anything starts. It is not
     copied instead: every build is seeded (each client its own initialisation unless ``train.shared_init``), which
     copies of one instance would silently ignore."""
@@ -212,8 +212,10 @@ def check_fresh_models(cfg: ExperimentConfig, input_shape: tuple[int, ...], num_
         seen.append(factory)
         name = model.factory or "model"
         first, second = (call_model_factory(factory, input_shape, num_classes, where=name) for _ in range(2))
-        tensors = {id(t) for t in (*first.parameters(), *first.buffers())}
-        if first is second or any(id(t) in tensors for t in (*second.parameters(), *second.buffers())):
+        # the tensors a run trains and loads (parameters, persistent buffers); a constant non-persistent buffer (a
+        # shared lookup table) is never written, so sharing it is harmless
+        tensors = {id(t) for t in first.state_dict(keep_vars=True).values()}
+        if first is second or any(id(t) in tensors for t in second.state_dict(keep_vars=True).values()):
             shared = "the same instance" if first is second else "models sharing tensors"
             raise InputError("model", "a factory that builds a new nn.Module on every call (each client trains its own)", name,
                              f"it returned {shared} twice: construct the module inside it (model=Net, or lambda: Net())")

@@ -551,6 +551,32 @@ def test_a_factory_building_a_new_model_each_call_runs_and_a_params_model_method
     _check_method_object(Fine(), "methods['fine']")
 
 
+_TABLE: Any = None
+
+
+class WithSharedTable(nn.Module):
+    """A model whose instances share one constant lookup table (a non-persistent buffer): never written, so allowed."""
+
+    def __init__(self) -> None:
+        import torch
+
+        global _TABLE
+        super().__init__()
+        if _TABLE is None:
+            _TABLE = torch.ones(64)
+        self.register_buffer("table", _TABLE, persistent=False)
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x: Any) -> Any:
+        return self.fc(x.flatten(1) * self.table)
+
+
+def test_a_factory_whose_models_share_only_a_constant_table_runs(case_dir) -> None:
+    config = with_base(train={"epochs": 1}, methods={"average": {}})
+    result = rayfuse.run(config, model=WithSharedTable, backend="local", quiet=True, run_dir=case_dir / "run")
+    assert "average" in result.models
+
+
 def test_the_default_quickstart_arrays_replace_data_dataset(case_dir) -> None:
     config = with_base(data={"dataset": "digits"}, train={"epochs": 1})  # the config's data.dataset is what arrays replace
     assert rayfuse.run(config, dataset=arrays(), backend="local", quiet=True, run_dir=case_dir / "run").input_shape == (4,)
