@@ -97,6 +97,9 @@ def noise_multiplier_for(target_epsilon: float, delta: float, sample_rate: float
     target = float(target_epsilon)
     if not math.isfinite(target) or target <= 0:
         raise UnreachableEpsilon(f"a finite epsilon > 0, not {target!r}")
+    if accountant == "rdp" and target < _rdp_floor(float(delta)):  # what the doubling would find, without its calls
+        raise UnreachableEpsilon(f"at least {_fmt(_rdp_floor(float(delta)))}, the least epsilon any noise reaches at delta "
+                                 f"{float(delta):g} with the rdp accountant")
     if accountant == "prv" and target > PRV_MAX_EPSILON:
         raise UnreachableEpsilon(f"at most {PRV_MAX_EPSILON:g} with the prv accountant (its cost grows without bound as the "
                                  "noise shrinks; the rdp accountant takes larger targets)")
@@ -134,6 +137,22 @@ def noise_multiplier_for(target_epsilon: float, delta: float, sample_rate: float
         else:
             sigma_low = sigma
     return sigma_high
+
+
+@functools.lru_cache(maxsize=64)
+def _rdp_floor(delta: float) -> float:
+    """The RDP accountant's epsilon at ``delta`` in the limit of infinite noise (zero Renyi divergence at every order
+    of its grid): no noise multiplier gets below it, so a smaller target is refused without a search (at large noise
+    and sample rates below 1 Opacus' RDP takes seconds a call)."""
+    import numpy as np
+    from opacus.accountants.analysis.rdp import get_privacy_spent
+    from opacus.accountants.rdp import RDPAccountant
+
+    orders = RDPAccountant.DEFAULT_ALPHAS
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_EDGE_OF_ALPHAS)  # the largest order, as always in this limit
+        eps, _ = get_privacy_spent(orders=orders, rdp=np.zeros(len(orders)), delta=delta)
+    return float(eps)
 
 
 def _searched_epsilon(sigma: float, sample_rate: float, steps: int, delta: float, accountant: str) -> float:
