@@ -29,6 +29,13 @@ Objects given here reach the clients and the coordinator with the config:
   The arrays travel by value to every client (a simulation: fine for data that fits in memory many times over).
 * ``methods``: labels mapped to registered names, :class:`~rayfuse.method.Method` subclasses or instances.
 
+Every argument is checked before the run folder exists (:class:`InputError`, one line naming the argument): a
+model instance, or a factory that returns one shared instance, is refused (on every backend; not copied, since every build is seeded);
+ragged arrays, a DataFrame alone (a DataFrame or Series as ``X`` or ``y`` is read as its values), a ``Dataset``
+whose ``__len__`` / ``__getitem__`` raises, arrays with a silo config or with ``data`` keys they would override, a
+``Method`` without ``run`` or whose ``Params`` is not a :class:`~rayfuse.method.MethodParams`, a ``config`` of
+another type (``fuse(None)``), ``overrides`` given as one string.
+
 On Ray, the modules that define these objects (a script's ``__main__``, a test module) are pickled by value, so the
 actors need not import them. A run given a Python model or arrays cannot be resumed from the command line (its
 ``config.yaml`` cannot rebuild them).
@@ -36,6 +43,7 @@ actors need not import them. A run given a Python model or arrays cannot be resu
 
 from __future__ import annotations
 
+import os
 import sys
 import sysconfig
 from collections.abc import Callable, Mapping, Sequence
@@ -145,10 +153,13 @@ def run(config: str | Path | Mapping[str, Any] | ExperimentConfig | None = None,
     """
     from rayfuse.runner import new_run_dir, prepare_run
 
+    _check_folder_argument(run_dir, "run_dir", optional=True)
+    overrides = _overrides(overrides)
+    _check_flags(quiet=quiet, verbose=verbose)
     objects = _methods(methods)
     cfg = _config(config, overrides, list(objects))
     if backend is not None:
-        if backend not in BACKENDS:
+        if not isinstance(backend, str) or backend not in BACKENDS:
             raise InputError("backend", "'ray' or 'local'", backend)
         cfg = cfg.model_copy(update={"federation": cfg.federation.model_copy(update={"backend": backend})})
     if model is not None:
@@ -156,6 +167,7 @@ def run(config: str | Path | Mapping[str, Any] | ExperimentConfig | None = None,
     if dataset is not None:
         from rayfuse.data.datasets import arrays_digest
 
+        _check_dataset_is_used(cfg)
         arrays = _arrays(dataset)
         cfg = cfg.model_copy(update={"data": cfg.data.with_arrays(arrays, arrays_digest(arrays))})
     _check_outputs(cfg, run_dir)  # before the data loads
@@ -172,6 +184,9 @@ def resume(run_dir: str | Path, *, overrides: Sequence[str] = (), quiet: bool = 
     from rayfuse.config import parse_overrides
     from rayfuse.runner import load_run_config, prepare_run
 
+    _check_folder_argument(run_dir, "run_dir")
+    overrides = _overrides(overrides)
+    _check_flags(quiet=quiet, verbose=verbose)
     cfg = load_run_config(run_dir, parse_overrides(list(overrides)))
     _check_outputs(cfg, run_dir, key="--resume")
     return _execute(prepare_run(cfg), Path(run_dir), resume=True, quiet=quiet, verbose=verbose, by_value=())
@@ -186,6 +201,14 @@ def fuse_checkpoints(config: str | Path | Mapping[str, Any], out: str | Path | N
     """
     from rayfuse.checkpoints import load_fuse_config, run_fuse
 
+    if isinstance(config, bool) or not isinstance(config, (str, os.PathLike, Mapping)):
+        raise InputError("config", "a fuse config: a YAML file path or a dict (merge_method, models, output...)",
+                         type(config).__name__)
+    if isinstance(config, str) and not config.strip():
+        raise InputError("config", "a fuse config: a YAML file path or a dict (merge_method, models, output...)", config)
+    _check_folder_argument(out, "out", optional=True, what="an output file path")
+    if progress is not None and not callable(progress):
+        raise InputError("progress", "a callable taking one line of text (e.g. print), or None", type(progress).__name__)
     return run_fuse(load_fuse_config(config, None if out is None else str(out)), progress)
 
 
@@ -245,12 +268,26 @@ def build_architecture(architecture: str, *, input_shape: Sequence[int] | None =
     from rayfuse.errors import suggest
     from rayfuse.models.registry import MODELS, _build_torchvision, build_model, torchvision_model_names
 
+    if not isinstance(architecture, str) or not architecture.strip():
+        raise InputError("architecture", "a registry model name, torchvision:<name> or module:Class",
+                         architecture if isinstance(architecture, str) else type(architecture).__name__)
+    if args is not None and not isinstance(args, Mapping):
+        raise InputError("args", "a mapping of keyword arguments (a dict), or None", type(args).__name__)
+    if not isinstance(dataset, str):
+        raise InputError("dataset", "a registered dataset name (rayfuse list datasets)", type(dataset).__name__)
+    if isinstance(input_shape, np.ndarray) and input_shape.ndim == 1:  # a numpy shape: read as its list
+        input_shape = input_shape.tolist()
+    if input_shape is not None:
+        _check_input_shape(input_shape)
     kwargs = dict(args or {})
     if ":" not in architecture and architecture not in MODELS:
         known = MODELS.names()
         raise InputError("architecture", f"a registry model ({', '.join(known)}), torchvision:<name> or module:Class",
                          architecture, suggest(architecture, known).strip(" ()"))
-    data = load_dataset(dataset)
+    try:
+        data = load_dataset(dataset)
+    except InputError as exc:
+        raise (exc.at("dataset") if exc.path == "data.dataset" else exc) from None
     shape = tuple(int(s) for s in (input_shape if input_shape is not None else data.X.shape[1:]))
     num_classes = data.num_classes
     prefix, _, name = architecture.partition(":")
@@ -281,6 +318,22 @@ def build_architecture(architecture: str, *, input_shape: Sequence[int] | None =
     from rayfuse.models.architecture import build_architecture as build_named
 
     return build_named(architecture, kwargs, where="architecture", args_where="args"), shape
+
+
+MAX_SAMPLE_VALUES = 1 << 24  # one example sample of build_architecture / symmetry: 64 MiB of float32 (a 3 x 2364^2 image)
+
+
+def _check_input_shape(input_shape: Any) -> None:
+    """One sample's shape: 1 to 8 whole numbers >= 1 (not booleans), at most ``MAX_SAMPLE_VALUES`` values in all
+    (the example batch is allocated from it)."""
+    ok = (isinstance(input_shape, Sequence) and not isinstance(input_shape, (str, bytes)) and 1 <= len(input_shape) <= 8
+          and all(isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_)) and n >= 1 for n in input_shape))
+    if not ok:
+        raise InputError("input_shape", "one sample's shape: 1 to 8 whole numbers >= 1, such as (1, 8, 8)",
+                         input_shape if isinstance(input_shape, (str, Sequence)) else type(input_shape).__name__)
+    values = int(np.prod([int(n) for n in input_shape], dtype=object))
+    if values > MAX_SAMPLE_VALUES:
+        raise InputError("input_shape", f"at most {MAX_SAMPLE_VALUES:,} values per sample", f"{tuple(input_shape)}: {values:,}")
 
 
 def symmetry(architecture: str, *, input_shape: Sequence[int] | None = None, dataset: str = "digits",
@@ -331,6 +384,30 @@ def _check_outputs(cfg: ExperimentConfig, run_dir: str | Path | None, *, key: st
         check_writable_folder(cfg.run.model_cache, key="run.model_cache")
 
 
+def _check_folder_argument(value: Any, name: str, *, optional: bool = False, what: str = "a folder path") -> None:
+    """A path argument: a non-empty ``str`` or ``os.PathLike`` (``None`` too when ``optional``)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)) or (isinstance(value, str) and not value.strip()):
+        raise InputError(name, f"{what} (str or Path)" + (" or None" if optional else ""),
+                         value if isinstance(value, str) else type(value).__name__)
+
+
+def _overrides(overrides: Any) -> list[str]:
+    """``KEY=VALUE`` strings: a sequence of them (a single string would be read one character at a time)."""
+    if isinstance(overrides, (str, bytes)) or not isinstance(overrides, Sequence) or not all(isinstance(o, str) for o in overrides):
+        given = repr(overrides) if isinstance(overrides, (str, bytes)) else type(overrides).__name__
+        hint = f"overrides=[{overrides!r}]" if isinstance(overrides, str) else ""
+        raise InputError("overrides", "a list of KEY=VALUE strings", given, hint)
+    return list(overrides)
+
+
+def _check_flags(**flags: Any) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise InputError(name, "True or False", value)
+
+
 def _methods(methods: Any) -> dict[str, Any]:
     if methods is None:
         return {}
@@ -338,12 +415,58 @@ def _methods(methods: Any) -> dict[str, Any]:
         raise InputError("methods", "a mapping of labels to method names, Method subclasses or instances", type(methods).__name__)
     if not methods:
         raise InputError("methods", "at least one method", "{}")
+    for label, given in methods.items():
+        _check_method_object(given, f"methods[{label!r}]")
     return dict(methods)
 
 
+def _check_method_object(given: Any, where: str) -> None:
+    """A method given as a class or an instance has a server loop (``run``, not abstract) and a params model
+    (``Params``: a :class:`~rayfuse.method.MethodParams` subclass; an instance's ``params`` one of them): checked here,
+    before the run folder exists, not when the coordinator first instantiates it."""
+    import inspect
+
+    from rayfuse.method import Method, MethodParams
+
+    cls = given if isinstance(given, type) else type(given)
+    if not issubclass(cls, Method):
+        return  # a registered name, or anything else: resolve_methods names what it expects
+    abstract = sorted(getattr(cls, "__abstractmethods__", ()) or ())
+    if abstract or not callable(getattr(cls, "run", None)):
+        raise InputError(where, "a Method subclass that defines run(self, server) (its server loop)",
+                         f"{cls.__qualname__} without {', '.join(abstract) or 'a callable run'}")
+    params_cls = getattr(cls, "Params", None)
+    if not (inspect.isclass(params_cls) and issubclass(params_cls, MethodParams)):
+        raise InputError(f"{where}.Params", "a params model: a subclass of rayfuse.method.MethodParams (pydantic)",
+                         params_cls if not inspect.isclass(params_cls) else params_cls.__qualname__,
+                         "declare class Params(MethodParams) with typed fields and defaults")
+    if not isinstance(given, type) and not isinstance(getattr(given, "params", None), params_cls):
+        raise InputError(f"{where}.params", f"an instance of {cls.__qualname__}.Params",
+                         type(getattr(given, "params", None)).__name__)
+
+
+def _check_dataset_is_used(cfg: ExperimentConfig) -> None:
+    """Arrays replace the config's ``data.dataset``; refuse them where the config names data they would silently
+    replace or could not join: silos (each client reads its own), or a file, folder, feature list or generator options
+    of ``data`` (keys the arrays make meaningless)."""
+    data = cfg.data
+    if data.is_silos:
+        raise InputError("dataset", "no dataset argument with a silo config (data.silos: each client reads its own data)",
+                         "arrays and data.silos", "drop dataset=, or data.silos from the config")
+    ignored = [f"data.{key}" for key in ("path", "root", "features", "options") if getattr(data, key)]
+    if ignored:
+        raise InputError("dataset", f"arrays, or a config whose data names a source, not both ({', '.join(ignored)} would be ignored)",
+                         ignored[0] + " and dataset=", f"drop dataset= or {', '.join(ignored)}")
+
+
 def _check_factory(model: Any, where: str = "model") -> Any:
+    from torch import nn
+
     from rayfuse.models.registry import factory_arity
 
+    if isinstance(model, nn.Module):  # callable (its forward), but one instance every client would share
+        raise InputError(where, "a model factory (the class, or a function returning a new nn.Module), not a model instance",
+                         f"an instance of {type(model).__qualname__}", f"pass model={type(model).__name__} or lambda: {type(model).__name__}(...)")
     if factory_arity(model) < 0:
         raise InputError(where, "a callable returning an nn.Module, taking (input_shape, num_classes) or no arguments", model)
     return model
@@ -390,27 +513,43 @@ def _qualname(obj: Any) -> str:
 
 
 def _arrays(dataset: Any) -> Any:
-    """A :class:`rayfuse.data.datasets.Dataset` of ``(X, y)`` arrays or of a torch ``Dataset``'s ``(x, y)`` pairs."""
+    """A :class:`rayfuse.data.datasets.Dataset` of ``(X, y)`` arrays or of a torch ``Dataset``'s ``(x, y)`` pairs.
+
+    pandas objects: a DataFrame or Series as ``X`` or ``y`` is read as its values (what passing it clearly means;
+    a non-numeric feature column is refused by name); a DataFrame alone is refused, since which of its columns holds
+    the labels is not ours to guess."""
     from rayfuse.data.datasets import dataset_from_arrays
 
+    if _is_pandas(dataset):
+        raise InputError("dataset", "(X, y) arrays or a torch Dataset of (x, y) pairs", f"a pandas {type(dataset).__name__}",
+                         "pass (frame.drop(columns=label), frame[label]): which column holds the labels is yours to say")
     if isinstance(dataset, (tuple, list)) and len(dataset) == 2:
         X, y = dataset
+        X, y = _to_numpy(X, "dataset[0] (X)", features=True), _to_numpy(y, "dataset[1] (y)")
     elif hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__") and not isinstance(dataset, (str, bytes, Mapping, tuple, list, np.ndarray)):
         X, y = _read_pairs(dataset)
     else:
         raise InputError("dataset", "(X, y) arrays or a torch Dataset of (x, y) pairs", type(dataset).__name__)
-    X, y = (_to_numpy(v) for v in (X, y))
     return dataset_from_arrays("arrays", X, y, features_key="dataset", label_key="dataset")
 
 
 def _read_pairs(dataset: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Every ``(x, y)`` pair of a map-style dataset; the user's ``__len__`` / ``__getitem__`` failing is one line
+    naming the item, not a traceback from inside it."""
+    try:
+        n = len(dataset)
+    except Exception as exc:  # the user's __len__: whatever it raises
+        raise InputError("dataset", "a torch Dataset whose len() works", f"len() raised {type(exc).__name__}: {exc}") from None
     xs, ys = [], []
-    for i in range(len(dataset)):
-        item = dataset[i]
+    for i in range(n):
+        try:
+            item = dataset[i]
+        except Exception as exc:  # the user's __getitem__: whatever it raises
+            raise InputError(f"dataset[{i}]", "an (x, y) pair", f"__getitem__ raised {type(exc).__name__}: {exc}") from None
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise InputError(f"dataset[{i}]", "an (x, y) pair", type(item).__name__)
-        xs.append(_to_numpy(item[0]))
-        ys.append(_to_numpy(item[1]))
+        xs.append(_to_numpy(item[0], f"dataset[{i}][0] (x)", features=True))
+        ys.append(_to_numpy(item[1], f"dataset[{i}][1] (y)"))
     if not xs:
         raise InputError("dataset", "a non-empty dataset", "0 samples")
     if len({x.shape for x in xs}) > 1:
@@ -418,10 +557,45 @@ def _read_pairs(dataset: Any) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(xs), np.stack([y.reshape(()) if y.size == 1 else y for y in ys])
 
 
-def _to_numpy(value: Any) -> np.ndarray:
+def _is_pandas(value: Any) -> bool:
+    return type(value).__module__.split(".")[0] == "pandas" and hasattr(value, "to_numpy")
+
+
+def _to_numpy(value: Any, where: str, *, features: bool = False) -> np.ndarray:
+    """``value`` as a numpy array: a torch tensor (any device; bfloat16 and half widened to float32), a pandas
+    DataFrame or Series (its values), or anything ``np.asarray`` reads as a rectangular array."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor
-        return value.detach().cpu().numpy()
-    return np.asarray(value)
+        tensor = value.detach().cpu()
+        if getattr(tensor, "is_sparse", False) or getattr(tensor, "layout", None) is not None and str(tensor.layout) != "torch.strided":
+            tensor = tensor.to_dense()
+        if str(tensor.dtype) in ("torch.bfloat16", "torch.float16"):
+            tensor = tensor.float()
+        try:
+            return tensor.numpy()
+        except (TypeError, RuntimeError) as exc:
+            raise InputError(where, "a tensor numpy can read", f"{tensor.dtype}: {exc}") from None
+    if _is_pandas(value):
+        if features and hasattr(value, "columns"):
+            odd = [(column, dtype) for column, dtype in value.dtypes.items() if not _numeric_dtype(dtype)]
+            if odd:
+                raise InputError(where, "numeric feature columns", f"column {odd[0][0]!r} of dtype {odd[0][1]}", "drop or encode it")
+        if hasattr(value, "columns") and not features and value.shape[1] != 1:
+            raise InputError(where, "one label column", f"a DataFrame of {value.shape[1]} columns")
+        try:
+            array = value.to_numpy(dtype=float, na_value=np.nan) if features else value.to_numpy()
+        except (TypeError, ValueError) as exc:
+            raise InputError(where, "values numpy can read", str(exc).splitlines()[0][:100]) from None
+        return array.reshape(-1) if not features and array.ndim == 2 else array
+    try:
+        return np.asarray(value)
+    except ValueError as exc:  # ragged nested lists: "inhomogeneous shape"
+        raise InputError(where, "a rectangular array (every sample of one shape)", "ragged sequences",
+                         str(exc).split(". ")[0][:100]) from None
+
+
+def _numeric_dtype(dtype: Any) -> bool:
+    """A numpy or pandas extension dtype of real numbers (``float32``, ``Int64``, ``Float64``, ``boolean``...)."""
+    return getattr(dtype, "kind", "O") in "biuf"
 
 
 def _user_modules(objects: Sequence[Any]) -> list[str]:

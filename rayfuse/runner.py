@@ -181,6 +181,7 @@ def check_client_models_fit(cfg: ExperimentConfig, input_shape: tuple[int, ...],
     ``federation.client_overrides.<i>.model...``."""
     from rayfuse.models.registry import check_model_fits
 
+    check_fresh_models(cfg, input_shape, num_classes)
     counts: list[int] = []
     checked: list[tuple[Any, int]] = [(cfg.model, num_params)]
     for client, model in enumerate(cfg.client_models()):
@@ -194,6 +195,31 @@ def check_client_models_fit(cfg: ExperimentConfig, input_shape: tuple[int, ...],
             checked.append((model, known))
         counts.append(known)
     return tuple(counts)
+
+
+def check_fresh_models(cfg: ExperimentConfig, input_shape: tuple[int, ...], num_classes: int) -> None:
+    """A model factory given from Python (``rayfuse.run(model=...)``) must build a new model on every call. One that
+    returns one shared instance, or models sharing a parameter or persistent buffer, would have every client train (and the server
+    overwrite) the same tensors in one process: refused, on every backend alike, before anything starts. It is not
+    copied instead: every build is seeded (each client its own initialisation unless ``train.shared_init``), which
+    copies of one instance would silently ignore."""
+    from rayfuse.models.registry import call_model_factory
+
+    seen: list[Any] = []
+    for model in (cfg.model, *cfg.client_models()):
+        factory = model.custom_factory
+        if factory is None or any(factory is f for f in seen):
+            continue
+        seen.append(factory)
+        name = model.factory or "model"
+        first, second = (call_model_factory(factory, input_shape, num_classes, where=name) for _ in range(2))
+        # the tensors a run trains and loads (parameters, persistent buffers); a constant non-persistent buffer (a
+        # shared lookup table) is never written, so sharing it is harmless
+        tensors = {id(t) for t in first.state_dict(keep_vars=True).values()}
+        if first is second or any(id(t) in tensors for t in second.state_dict(keep_vars=True).values()):
+            shared = "the same instance" if first is second else "models sharing tensors"
+            raise InputError("model", "a factory that builds a new nn.Module on every call (each client trains its own)", name,
+                             f"it returned {shared} twice: construct the module inside it (model=Net, or lambda: Net())")
 
 
 def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = None) -> PreparedRun:
@@ -235,6 +261,16 @@ def check_local_dp(cfg: ExperimentConfig, specs: Sequence[MethodSpec], setup: Ru
     if smallest and dp.delta >= 1.0 / smallest:
         raise InputError("train.dp.delta", f"less than 1 / {smallest} (the smallest client's training examples: the privacy unit is "
                          "one example)", dp.delta, f"e.g. delta: {10 ** -(len(str(smallest)) + 1):g}")
+    if dp.target_epsilon is not None and cfg.train.epochs > 0:  # each client's noise search, bounded, before any trains
+        from rayfuse.accountant import UnreachableEpsilon
+        from rayfuse.models.privacy import dp_sgd_noise_multiplier
+
+        for batches in sorted({-(-n // cfg.train.batch_size) for n in setup.train_sizes if n > 0}):
+            try:
+                dp_sgd_noise_multiplier(dp.target_epsilon, dp.delta, batches, cfg.train.epochs, dp.accountant)
+            except UnreachableEpsilon as exc:
+                raise InputError("train.dp.target_epsilon", f"an epsilon DP-SGD reaches in {cfg.train.epochs} epochs of {batches} "
+                                 f"batches: {exc}", dp.target_epsilon, "or give noise_multiplier") from None
     checked: list[Any] = []
     for client, model in enumerate(cfg.client_models()):
         if any(model == m for m in checked):

@@ -43,6 +43,7 @@ SEAL_FORMAT = 1
 PINNED = ("tuner.pkl",)  # written once, when the sweep starts: its first hash is the one sealed from then on
 _OUTPUTS = {SEAL_FILE, "results.parquet", "results.parquet.tmp", "best.yaml"}
 _OUTPUT_DIRS = {"runs"}
+MAX_SEAL_BYTES = 256 << 20  # a seal lists every state file with its hash: ~100 bytes each
 
 
 def key_file() -> Path:
@@ -69,8 +70,7 @@ def load_key(*, create: bool = False) -> bytes:
             with os.fdopen(fd, "wb") as handle:
                 handle.write(secrets.token_bytes(32))
     try:
-        info = os.stat(file)
-        key = file.read_bytes()
+        info, key = _read_regular(file, limit=33, what="a key file of yours that only you can read and write (mode 0600)")
     except FileNotFoundError:
         raise InputError(str(file), "this user's sweep key (written when a sweep starts)", "no such file",
                          "a sweep started by another user or on another machine cannot be resumed here") from None
@@ -96,16 +96,65 @@ def state_files(experiment: str | os.PathLike) -> dict[str, str]:
             rel = path.relative_to(root).as_posix()
             if rel in _OUTPUTS:
                 continue
-            if path.is_symlink():
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode):
                 out[rel] = "symlink:" + os.readlink(path)
-            else:
+            elif stat.S_ISREG(mode):
                 out[rel] = _sha256(path)
+            else:  # a FIFO, socket or device is never opened (a FIFO blocks the reader): listed by its kind, refused on verify
+                out[rel] = "special:" + _kind(mode)
     return dict(sorted(out.items()))
 
 
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "folder"), (stat.S_ISLNK, "symbolic link"),
+                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return f"file of mode {mode:o}"
+
+
+def _open_regular(path: Path) -> tuple[int, os.stat_result]:
+    """An open descriptor of ``path`` (a link followed) and its status, only when it is a regular file: the status is
+    checked before opening, and again on the descriptor (O_NONBLOCK: a FIFO swapped in between never blocks the open)."""
+    before = os.stat(path)
+    if not stat.S_ISREG(before.st_mode):
+        raise _NotRegular(_kind(before.st_mode))
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _NotRegular(_kind(info.st_mode))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info
+
+
+class _NotRegular(OSError):
+    """What :func:`_open_regular` found instead of a regular file."""
+
+
+def _read_regular(path: Path, *, limit: int, what: str) -> tuple[os.stat_result, bytes]:
+    """The status and the first ``limit`` bytes of a regular file (:func:`_open_regular`); :class:`InputError` naming
+    ``path`` (expecting ``what``) for anything else."""
+    try:
+        fd, info = _open_regular(path)
+    except _NotRegular as exc:
+        raise InputError(str(path), what, f"a {exc}", "rayfuse reads only regular files here") from None
+    with os.fdopen(fd, "rb") as handle:
+        return info, handle.read(limit)
+
+
 def _sha256(path: Path) -> str:
+    try:
+        fd, _ = _open_regular(path)
+    except _NotRegular as exc:  # replaced by a FIFO (or another special file) since it was listed
+        return f"special:{exc}"
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with os.fdopen(fd, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -148,12 +197,20 @@ def _writable_by_others(info: os.stat_result) -> bool:
 
 def check_sweep_folder(storage: str | os.PathLike, experiment: str | os.PathLike | None = None) -> None:
     """:class:`InputError` when the storage folder, its parents, the experiment folder or anything in it is owned by
-    another user (the storage's parents may be root's) or writable by others."""
-    storage = Path(storage).resolve()
-    chain = [p for p in [storage, *storage.parents] if p.exists()]
-    for parent in chain:
-        info = os.stat(parent)
-        if _writable_by_others(info) or (parent == storage and info.st_uid != os.getuid()):
+    another user (the storage's parents may be root's) or writable by others, or is neither a regular file, a folder
+    nor a symbolic link (a FIFO blocks its reader). A folder reached through a symbolic link (the storage, the
+    experiment folder, a link inside it) is held to the same rules as the link: its target, and the target's parents,
+    are checked too."""
+    given = Path(storage).absolute()
+    resolved = given.resolve()
+    chains = [resolved, *resolved.parents]
+    if given != resolved:  # reached through a link: the folders that hold the links can swap them too
+        chains += [p for p in [given, *given.parents] if p not in chains]
+    for parent in chains:
+        if not os.path.lexists(parent):
+            continue
+        info = os.stat(parent) if parent.exists() else os.lstat(parent)
+        if _writable_by_others(info) or (parent == resolved and info.st_uid != os.getuid()):
             raise InputError(str(parent), "a sweep storage folder only you can write (Tune unpickles what it holds on --resume)",
                              f"mode {stat.S_IMODE(info.st_mode):04o}, owner uid {info.st_uid}", f"chmod go-w {parent}, or use another --storage")
     if experiment is None or not Path(experiment).exists():
@@ -162,11 +219,34 @@ def check_sweep_folder(storage: str | os.PathLike, experiment: str | os.PathLike
     for folder, dirs, files in os.walk(root):
         for name in [".", *dirs, *files]:
             path = Path(folder) / name if name != "." else Path(folder)
-            info = os.lstat(path)
-            if info.st_uid != os.getuid() or (not stat.S_ISLNK(info.st_mode) and _writable_by_others(info)):
-                raise InputError(str(path), "a sweep file only you can write (Tune unpickles the folder's state on --resume)",
-                                 f"mode {stat.S_IMODE(info.st_mode):04o}, owner uid {info.st_uid}",
-                                 "a folder others can write may hold planted state: start the sweep anew elsewhere")
+            _check_sweep_entry(path, os.lstat(path))
+            if path.is_symlink():  # the target of a link (the experiment folder itself, or a link inside it) too
+                _check_link_target(path)
+
+
+def _check_sweep_entry(path: Path, info: os.stat_result) -> None:
+    hint = "a folder others can write may hold planted state: start the sweep anew elsewhere"
+    if info.st_uid != os.getuid() or (not stat.S_ISLNK(info.st_mode) and _writable_by_others(info)):
+        raise InputError(str(path), "a sweep file only you can write (Tune unpickles the folder's state on --resume)",
+                         f"mode {stat.S_IMODE(info.st_mode):04o}, owner uid {info.st_uid}", hint)
+    if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode) or stat.S_ISLNK(info.st_mode)):
+        raise InputError(str(path), "a regular file, a folder or a symbolic link in a sweep folder", f"a {_kind(info.st_mode)}",
+                         "rayfuse never reads it (a FIFO would block): remove it, or start the sweep anew elsewhere")
+
+
+def _check_link_target(link: Path) -> None:
+    """A link's target as if it stood where the link does, and the target's parents as a storage folder's."""
+    try:
+        target = link.resolve(strict=True)
+    except (OSError, RuntimeError):  # a dangling link or a loop: nothing to read through it (sealed by its text)
+        return
+    _check_sweep_entry(target, os.stat(target))
+    for parent in target.parents:
+        info = os.stat(parent)
+        if _writable_by_others(info):
+            raise InputError(str(parent), f"a folder only you can write above {target} (reached through the link {link})",
+                             f"mode {stat.S_IMODE(info.st_mode):04o}, owner uid {info.st_uid}",
+                             "a folder others can write may hold planted state: start the sweep anew elsewhere")
 
 
 def verify_sweep(experiment: str | os.PathLike, storage: str | os.PathLike | None = None) -> dict[str, str]:
@@ -177,10 +257,13 @@ def verify_sweep(experiment: str | os.PathLike, storage: str | os.PathLike | Non
     check_sweep_folder(storage if storage is not None else root.parent, root)
     seal = root / SEAL_FILE
     hint = "rayfuse restores only a sweep it sealed with your key; start the sweep anew (another name or --storage)"
-    if not seal.is_file():
+    if not os.path.lexists(seal):
         raise InputError(str(seal), "the seal rayfuse writes while a sweep runs", "no such file", hint)
+    _, text = _read_regular(seal, limit=MAX_SEAL_BYTES + 1, what="the seal rayfuse writes while a sweep runs (a regular file)")
+    if len(text) > MAX_SEAL_BYTES:
+        raise InputError(str(seal), f"a seal of at most {MAX_SEAL_BYTES >> 20} MiB (rayfuse's own are far smaller)", "a larger file", hint)
     try:
-        record = json.loads(seal.read_text(encoding="utf-8"))
+        record = json.loads(text.decode("utf-8"))
         files, mac = record["files"], record["mac"]
         if record.get("format") != SEAL_FORMAT or not isinstance(files, dict) or not isinstance(mac, str):
             raise ValueError("unknown seal format")

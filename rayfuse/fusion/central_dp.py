@@ -91,9 +91,10 @@ def find_noise_multiplier(target_epsilon: float, delta: float, sample_rate: floa
     noise up to Opacus' limit reaches it."""
     try:
         return noise_multiplier_for(target_epsilon, delta, sample_rate, steps, accountant)
-    except ValueError as exc:
+    except ValueError as exc:  # rayfuse.accountant.UnreachableEpsilon: too small, too large, or not finite
+        too_small = str(exc).startswith("at least")
         raise InputError("dp.target_epsilon", f"an epsilon some noise multiplier reaches in {steps} rounds ({exc})",
-                         target_epsilon, "raise target_epsilon or plan fewer rounds") from None
+                         target_epsilon, "raise target_epsilon or plan fewer rounds" if too_small else "or give noise_multiplier") from None
 
 
 def count_affordable_rounds(noise_multiplier: float, sample_rate: float, delta: float, budget: float, rounds: int,

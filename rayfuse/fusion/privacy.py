@@ -17,7 +17,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from rayfuse.accountant import compute_epsilon, noise_multiplier_for, require_one_noise
+from rayfuse.accountant import UnreachableEpsilon, compute_epsilon, noise_multiplier_for, require_one_noise
 from rayfuse.errors import InputError
 from rayfuse.method import ClientContext, Gathered, MethodParams, RunSetup, ServerContext, Update, client_step
 
@@ -47,10 +47,20 @@ class UploadDP(MethodParams):
 
 def check_upload_dp(dp: UploadDP | None, setup: RunSetup) -> None:
     """Refuse a ``dp`` upload whose delta is not below one over the number of clients (the privacy unit is one
-    client's data)."""
-    if dp is not None and dp.delta >= 1.0 / setup.num_clients:
+    client's data), or whose ``target_epsilon`` no noise multiplier reaches in its one release (the bounded search of
+    :func:`rayfuse.accountant.noise_multiplier_for`, run here before any client trains; the clients' own search then
+    finds the same noise)."""
+    if dp is None:
+        return
+    if dp.delta >= 1.0 / setup.num_clients:
         raise InputError("dp.delta", f"less than 1 / {setup.num_clients} (the number of clients: the privacy unit of the upload "
                          "is one client's data)", dp.delta)
+    if dp.target_epsilon is not None:
+        try:
+            noise_multiplier_for(dp.target_epsilon, dp.delta, 1.0, 1, dp.accountant)
+        except UnreachableEpsilon as exc:
+            raise InputError("dp.target_epsilon", f"an epsilon a noise multiplier reaches in the one release: {exc}",
+                             dp.target_epsilon, "or give noise_multiplier") from None
 
 
 @client_step("dp.upload")

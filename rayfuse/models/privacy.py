@@ -27,7 +27,18 @@ from torch import nn
 
 from rayfuse.models.training import TrainStats, make_optimizer
 
-__all__ = ["train_model_dp", "clip_and_noise", "find_dp_unsupported"]
+__all__ = ["train_model_dp", "clip_and_noise", "find_dp_unsupported", "dp_sgd_noise_multiplier"]
+
+
+def dp_sgd_noise_multiplier(target_epsilon: float, delta: float, batches: int, epochs: int, accountant: str = "rdp") -> float:
+    """The noise multiplier with which DP-SGD spends ``target_epsilon`` at ``delta`` over ``epochs`` of ``batches``
+    Poisson batches: Opacus' ``make_private_with_epsilon`` (sample rate ``1 / batches``, ``int(epochs / rate)`` steps)
+    through the bounded search of :func:`rayfuse.accountant.noise_multiplier_for`. Raises
+    :class:`rayfuse.accountant.UnreachableEpsilon` for a target that search cannot reach."""
+    from rayfuse.accountant import noise_multiplier_for
+
+    sample_rate = 1 / batches
+    return noise_multiplier_for(float(target_epsilon), float(delta), sample_rate, int(epochs / sample_rate), accountant)
 
 
 def find_dp_unsupported(model: nn.Module) -> tuple[str, str] | None:
@@ -112,10 +123,10 @@ def train_model_dp(model: nn.Module, X: np.ndarray, y: np.ndarray, *, epochs: in
         common = {"module": model, "optimizer": opt, "data_loader": loader, "max_grad_norm": max_grad_norm, "poisson_sampling": True,
                   "noise_generator": noise, "wrap_model": False}
         if target_epsilon is not None:
-            hooks, dp_opt, dp_loader = engine.make_private_with_epsilon(target_epsilon=target_epsilon, target_delta=delta, epochs=epochs,
-                                                                        **common)
-        else:
-            hooks, dp_opt, dp_loader = engine.make_private(noise_multiplier=float(noise_multiplier or 0.0), **common)
+            # Opacus' make_private_with_epsilon, with its unbounded noise search replaced by rayfuse's bounded one (the
+            # same noise for every target Opacus reaches: sample rate 1 / batches, int(epochs / rate) steps, as Opacus)
+            noise_multiplier = dp_sgd_noise_multiplier(target_epsilon, delta, len(loader), epochs, accountant)
+        hooks, dp_opt, dp_loader = engine.make_private(noise_multiplier=float(noise_multiplier or 0.0), **common)
         steps, epoch_loss = 0, 0.0
         devices = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
         try:

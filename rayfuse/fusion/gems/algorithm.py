@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rayfuse.errors import InputError
 from rayfuse.fusion import references
@@ -198,6 +198,9 @@ def build_neuron_balls(ctx: ClientContext, fused_layers: list[tuple[np.ndarray, 
 # Parameters
 
 
+MAX_RADIUS_HALVINGS = 40  # r_max / tol <= 2^40: the radius search ends in at most 40 steps, far above float spacing
+
+
 class GEMSParams(TuneSettings):
     epsilon: float | None = Field(None, ge=0, le=1, description="validation accuracy a model in a ball must reach "
                                                                 "(default 0.4 for logreg, Table 1; 0.7 for a network's output layer, Table 2)")
@@ -233,6 +236,16 @@ class GEMSParams(TuneSettings):
         if isinstance(value, list) and not value or any(v < 1 for v in values):
             raise ValueError(f"cluster counts >= 1, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _bounded_radius_search(self) -> GEMSParams:
+        # The radius search halves [0, r_max] until it is narrower than tol: a tol too small against r_max takes
+        # thousands of steps (each p sampled models per ball), and below r_max's float spacing it never ends.
+        for key, tol in (("tol", self.tol), ("neuron_tol", self.neuron_tol)):
+            if tol is not None and self.r_max / tol > 2.0 ** MAX_RADIUS_HALVINGS:
+                raise ValueError(f"@{key}@ at least r_max / 2^{MAX_RADIUS_HALVINGS} = {self.r_max / 2.0 ** MAX_RADIUS_HALVINGS:.3g} "
+                                 f"(the radius search halves [0, r_max = {self.r_max:g}] at most {MAX_RADIUS_HALVINGS} times), got {tol:g}")
+        return self
 
 
 def _per_layer(value: Any, num_layers: int, path: str) -> list[Any]:

@@ -181,11 +181,18 @@ def search_radii(passes: Callable[[np.ndarray | torch.Tensor, np.ndarray], np.nd
     hi = np.full(B, float(r_max))
     steps = evaluations = 0
     history = []
+    done = np.zeros(B, dtype=bool)  # balls whose interval has no float left between its ends (tol below the spacing)
     while True:
-        active = np.flatnonzero(hi - lo >= tol)
+        active = np.flatnonzero((hi - lo >= tol) & ~done)
         if active.size == 0:
             break
         R = (lo[active] + hi[active]) / 2
+        moving = (R > lo[active]) & (R < hi[active])
+        if not moving.all():  # bounded whatever tol is: such a ball's search ends here
+            done[active[~moving]] = True
+            active, R = active[moving], R[moving]
+            if active.size == 0:
+                break
         passed = np.ones(active.size, dtype=bool)
         # Two batches: a first chunk of the p samples, then the rest only for the balls whose chunk all passed (the
         # batched form of the reference's early exit at the first failing sample; a failing radius usually fails early).
