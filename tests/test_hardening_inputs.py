@@ -461,6 +461,45 @@ case(5, "silo-image-truncated", "img-cut.png")(lambda f: load_image_silo(f, ("im
 case(5, "silo-image-not-an-image", "notes.png")(lambda f: load_image_silo(f, ("notes.png", b"these are notes, not pixels")))
 case(5, "silo-image-bad-chunk-crc", "broken.png")(
     lambda f: load_image_silo(f, ("broken.png", png_header(6, 5)[:29] + b"\x00\x00\x00\x00" + png_header(6, 5)[33:])))
+def _decoder_raises(error: BaseException) -> Callable[[Files, pytest.MonkeyPatch], None]:
+    """PIL's decoding of a damaged file raising ``error`` (EOFError, SyntaxError and struct.error come out of PIL's
+    plugins on some truncated files): the reader catches what decoding can raise, not a fixed list."""
+
+    def patch(f: Files, monkeypatch: pytest.MonkeyPatch) -> None:
+        import rayfuse.data.silos
+
+        def broken(image: Any, **kwargs: Any) -> Any:
+            raise error
+
+        monkeypatch.setattr(rayfuse.data.silos, "_image_pixels", broken)
+
+    return patch
+
+
+for _error in (EOFError("no more data"), SyntaxError("not a PNG file"), __import__("struct").error("unpack requires 4 bytes"),
+               RuntimeError("decoder failed")):
+    case(5, f"silo-image-decoder-raises-{type(_error).__name__}", f"{type(_error).__name__}: ")(
+        Patched(_decoder_raises(_error), lambda f: load_image_silo(f)))
+
+
+def _csv_parser_raises(error: BaseException) -> Callable[[Files, pytest.MonkeyPatch], None]:
+    def patch(f: Files, monkeypatch: pytest.MonkeyPatch) -> None:
+        import pyarrow.csv
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise error
+
+        monkeypatch.setattr(pyarrow.csv, "read_csv", broken)
+
+    return patch
+
+
+for _error in (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"), MemoryError("csv block")):
+    case(5, f"read-csv-parser-raises-{type(_error).__name__}", f"{type(_error).__name__}: ")(
+        Patched(_csv_parser_raises(_error), lambda f: call(__import__("rayfuse.data.datasets", fromlist=["read_data_file"]).read_data_file,
+                                                           f.text("data.csv", "a,b,y\n1,2,0\n3,4,1\n"), kind="csv")))
+
+
 case(5, "silo-images-above-the-memory-available", "data.silos.1.image_size: expected images that fit")(
     Patched(_memory_bound(64 * 2**10), lambda f: load_image_silo(f, image_size=[64, 64])))
 case(5, "silo-images-own-size-above-the-memory-available", "data.silos.1.path: expected images that fit")(

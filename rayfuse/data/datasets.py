@@ -652,7 +652,6 @@ def csv_dialect(file: Path, delimiter: str | None = None) -> CsvDialect:
 
 def _read_csv(path: str | Path | None, label: str, features: str | list[str] | None, delimiter: str | None,
               min_labels: int = 2) -> Dataset:
-    import pyarrow as pa
     import pyarrow.csv as pacsv
 
     file = _existing_file(path, ".csv")
@@ -660,8 +659,8 @@ def _read_csv(path: str | Path | None, label: str, features: str | list[str] | N
     try:
         table = pacsv.read_csv(file, read_options=dialect.read_options(), parse_options=pacsv.ParseOptions(delimiter=dialect.delimiter),
                                convert_options=pacsv.ConvertOptions(decimal_point=dialect.decimal_point))
-    except (OSError, pa.ArrowException) as exc:
-        raise InputError(str(file), "a readable csv file with a header row", str(exc)[:80]) from None
+    except Exception as exc:  # the parser on a user's file: ArrowInvalid, OSError, UnicodeError, MemoryError... one line each
+        raise InputError(str(file), "a readable csv file with a header row", f"{type(exc).__name__}: {str(exc)[:80]}") from None
     return _table_dataset(table, file, label, features, min_labels)
 
 

@@ -498,7 +498,7 @@ def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image
     """torchvision's ``ImageFolder`` layout: ``folder/<class>/**/<image>``, classes in sorted order; images read
     with PIL (RGB, or one grey channel), resized (bilinear) to ``image_size`` [H, W] when given, scaled to [0, 1] by
     their own bit depth (:func:`_image_pixels`: 16-bit images keep their range)."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
     classes = sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
     files = {c: sorted(p for p in (folder / c).rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS) for c in classes}
@@ -520,8 +520,9 @@ def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image
             try:
                 with Image.open(file) as image:
                     pixels, depth = _image_pixels(image, grayscale=grayscale, image_size=image_size)
-            except (OSError, UnidentifiedImageError, ValueError) as exc:
-                raise InputError(key, f"readable images in {written!r}", f"{relative}: {str(exc)[:60]}") from None
+            except Exception as exc:  # a damaged file can make PIL's decoders raise anything: OSError, EOFError,
+                # SyntaxError, struct.error, UnidentifiedImageError...; each is one line naming the file
+                raise InputError(key, f"readable images in {written!r}", f"{relative}: {type(exc).__name__}: {str(exc)[:60]}") from None
             if first is None:
                 first = (relative, pixels.shape)
             elif pixels.shape != first[1]:
