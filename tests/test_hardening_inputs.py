@@ -533,7 +533,7 @@ SPECS: dict[str, tuple[bytes, str]] = {
     "latin1": ('{"groups": [], "notes": ["caf\xe9"]}'.encode("latin-1"), "spec.json: expected UTF-8 text"),
     "utf16": ('{"groups": []}'.encode("utf-16"), "spec.json: expected UTF-8 text"),
     "deeply-nested": (b'{"groups": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", "spec.json: expected a JSON permutation spec nested"),
-    "not-json": (b"groups: [P0]\n", "spec.json: expected a JSON permutation spec"),
+    "not-json": (b"groups: [p0]\n", "spec.json: expected a JSON permutation spec"),
     "size-as-text": (_group(size="4"), "parameters.spec.groups.0.size"),
     "size-boolean": (_group(size=True), "parameters.spec.groups.0.size"),
     "size-zero": (_group(size=0), "parameters.spec.groups.0.size"),
