@@ -597,6 +597,26 @@ def isolated(tmp_path, monkeypatch):
     return tmp_path
 
 
+def refused_line(command: Any, capsys: Any, guard: Callable[[Callable[[], Any]], Any] = lambda run: run()) -> str:
+    """Run a bad input's ``command`` (a callable: the Python API; else a command line for :func:`main`) under ``guard``
+    and return the one line it was refused with: an :class:`InputError`, or exit 2 with one ``rayfuse: error:`` line on
+    stderr and no traceback."""
+    if callable(command):
+        with pytest.raises(InputError) as raised:
+            guard(command)
+        line = str(raised.value)
+    else:
+        assert guard(lambda: main(command)) == 2
+        out, err = capsys.readouterr()
+        lines = err.splitlines()
+        assert len(lines) == 1, err
+        assert lines[0].startswith("rayfuse: error: ")
+        assert "Traceback" not in out + err
+        line = lines[0]
+    assert "\n" not in line
+    return line
+
+
 @pytest.mark.parametrize("bad", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_refused_in_one_line_and_leaves_nothing_behind(bad: Case, isolated: Path, capsys, monkeypatch) -> None:
     files = Files(isolated)
@@ -605,19 +625,7 @@ def test_bad_input_is_refused_in_one_line_and_leaves_nothing_behind(bad: Case, i
     command = bad.make(files)
     capsys.readouterr()
     before = _snapshot(isolated)
-    if callable(command):
-        with pytest.raises(InputError) as raised:
-            command()
-        line = str(raised.value)
-    else:
-        assert main(command) == 2
-        out, err = capsys.readouterr()
-        lines = err.splitlines()
-        assert len(lines) == 1, err
-        assert lines[0].startswith("rayfuse: error: ")
-        assert "Traceback" not in out + err
-        line = lines[0]
-    assert "\n" not in line
+    line = refused_line(command, capsys)
     assert bad.names in line, line
     assert _snapshot(isolated) == before
 

@@ -30,9 +30,8 @@ from torch import nn
 import rayfuse
 from rayfuse import api as rayfuse_api
 from rayfuse.cli import main
-from rayfuse.errors import InputError
 from rayfuse.method import Method, MethodParams, MethodResult, ServerContext
-from tests.test_bad_inputs import ROOT, Files, _snapshot, call, with_base
+from tests.test_bad_inputs import ROOT, Files, _snapshot, call, refused_line, with_base
 from tests.test_hardening_state import sweep_folder, sweep_space
 
 TIME_LIMIT_S = 120.0  # far above what any case takes (seconds): reached only by a hang
@@ -467,19 +466,7 @@ def test_bad_input_is_refused_in_one_line_in_bounded_time_and_leaves_nothing_beh
     command = bad.make(files)
     capsys.readouterr()
     before = _snapshot(no_ray)
-    if callable(command):
-        with pytest.raises(InputError) as raised:
-            within_limit(command, no_ray)
-        line = str(raised.value)
-    else:
-        assert within_limit(lambda: main(command), no_ray) == 2
-        out, err = capsys.readouterr()
-        lines = err.splitlines()
-        assert len(lines) == 1, err
-        assert lines[0].startswith("rayfuse: error: ")
-        assert "Traceback" not in out + err
-        line = lines[0]
-    assert "\n" not in line
+    line = refused_line(command, capsys, lambda run: within_limit(run, no_ray))
     assert bad.names in line, line
     assert _snapshot(no_ray) == before
     assert not (no_ray / "marker").exists()  # a planted pickle never ran

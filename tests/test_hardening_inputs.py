@@ -29,8 +29,7 @@ import pytest
 import rayfuse
 import rayfuse.api
 from rayfuse.cli import main
-from rayfuse.errors import InputError
-from tests.test_bad_inputs import Files, _snapshot, call
+from tests.test_bad_inputs import Files, _snapshot, call, refused_line
 
 SENTINEL = "ran"  # what a command or function that must not run would create
 
@@ -638,19 +637,7 @@ def test_bad_input_is_one_line_and_runs_nothing(bad: Case, folder: Path, fresh_m
         command = command.make(files)
     capsys.readouterr()
     before = _snapshot(folder)
-    if callable(command):
-        with pytest.raises(InputError) as raised:
-            command()
-        line = str(raised.value)
-    else:
-        assert main(command) == 2
-        out, err = capsys.readouterr()
-        lines = err.splitlines()
-        assert len(lines) == 1, err
-        assert lines[0].startswith("rayfuse: error: ")
-        assert "Traceback" not in out + err
-        line = lines[0]
-    assert "\n" not in line
+    line = refused_line(command, capsys)
     assert bad.names in line, line
     assert _snapshot(folder) == before
     if bad.sentinel is not None:
