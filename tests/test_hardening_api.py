@@ -31,7 +31,7 @@ import rayfuse
 from rayfuse import api as rayfuse_api
 from rayfuse.cli import main
 from rayfuse.method import Method, MethodParams, MethodResult, ServerContext
-from tests.test_bad_inputs import ROOT, Files, _snapshot, call, refused_line, with_base
+from tests.test_bad_inputs import ROOT, Files, _snapshot, call, isolated, refused_line, with_base  # noqa: F401  (isolated: a fixture)
 from tests.test_hardening_state import sweep_folder, sweep_space
 
 TIME_LIMIT_S = 120.0  # far above what any case takes (seconds): reached only by a hang
@@ -431,16 +431,9 @@ def within_limit(function: Callable[[], Any], root: Path) -> Any:
 
 
 @pytest.fixture
-def case_dir(tmp_path, monkeypatch):
-    """The case's folder as the working directory, Ray seen as not started and no local cluster attached to (as
-    ``tests.test_bad_inputs``' ``isolated``)."""
-    import actors.backend
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(actors.backend.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(actors.backend, "_live_local_cluster", lambda: False)
-    return tmp_path
+def case_dir(isolated):  # noqa: F811  (the fixture imported above)
+    """The case's folder as the working directory, Ray seen as not started (``tests.test_bad_inputs``' ``isolated``)."""
+    return isolated
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ import pytest
 import rayfuse
 import rayfuse.api
 from rayfuse.cli import main
-from tests.test_bad_inputs import Files, _snapshot, call, refused_line
+from tests.test_bad_inputs import Files, _snapshot, call, isolated, refused_line  # noqa: F401  (isolated: a fixture)
 
 SENTINEL = "ran"  # what a command or function that must not run would create
 
@@ -605,16 +605,10 @@ case(5, "api-fuse-checkpoint-above-the-memory-available", "m0.safetensors: expec
 
 
 @pytest.fixture
-def folder(tmp_path, monkeypatch):
-    """The case's folder as the working directory; Ray seen as not started and no local cluster attached to (as
-    ``tests.test_bad_inputs.isolated``: each case shows what a fresh ``rayfuse`` process does)."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    import actors.backend
-
-    monkeypatch.setattr(actors.backend.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(actors.backend, "_live_local_cluster", lambda: False)
-    return tmp_path
+def folder(isolated):  # noqa: F811  (the fixture imported above)
+    """The case's folder as the working directory, Ray seen as not started (``tests.test_bad_inputs``' ``isolated``:
+    each case shows what a fresh ``rayfuse`` process does)."""
+    return isolated
 
 
 @pytest.fixture

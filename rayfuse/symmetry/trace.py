@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from rayfuse.errors import InputError
-from rayfuse.symmetry.spec import AxisRef, FixedAxis, PermGroup, PermutationSpec, Probe
+from rayfuse.symmetry.spec import AxisRef, FixedAxis, PermGroup, PermutationSpec, Probe, axes_compatible
 
 __all__ = ["trace_model", "derive_spec", "LEAF_MODULES"]
 
@@ -1401,16 +1401,6 @@ def _aliases(model: nn.Module) -> tuple[dict[str, list[str]], dict[str, tuple[in
     return aliases, {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def _compatible(a: AxisRef, b: AxisRef, size_a: int, size_b: int) -> bool:
-    """Two groups may both permute one axis if their segments are disjoint, or if one's units are whole blocks of
-    the other's (heads of head_dim dims and the dims within each head)."""
-    if a.start + a.span(size_a) <= b.start or b.start + b.span(size_b) <= a.start:
-        return True
-    if a.start != b.start or a.span(size_a) != b.span(size_b):
-        return False
-    return a.inner % (size_b * b.inner) == 0 or b.inner % (size_a * a.inner) == 0
-
-
 def _settle(sp: _Spaces) -> None:
     """A weight axis reached twice with one layout (a shared module, a tied weight) joins the two spaces; with
     layouts that cannot both apply, both are fixed."""
@@ -1428,7 +1418,7 @@ def _settle(sp: _Spaces) -> None:
                     if (other.start, other.outer, other.inner) == (axis.start, axis.outer, axis.inner) and sp.size(j) == space.size:
                         sp.merge(j, i, f"{axis.key}[{axis.dim}] reached twice")
                         changed = True
-                    elif not _compatible(axis, other, space.size, sp.size(j)):
+                    elif not axes_compatible(axis, other, space.size, sp.size(j)):
                         reason = f"{axis.key}[{axis.dim}] is used with two unit layouts"
                         sp.fix(i, reason)
                         sp.fix(j, reason)
