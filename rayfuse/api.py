@@ -337,17 +337,39 @@ def _check_input_shape(input_shape: Any) -> None:
 
 
 def symmetry(architecture: str, *, input_shape: Sequence[int] | None = None, dataset: str = "digits",
-             args: Mapping[str, Any] | None = None, strict: bool = False) -> Any:
+             args: Mapping[str, Any] | None = None, strict: bool = False, vocab: int | None = None) -> Any:
     """The :class:`~rayfuse.symmetry.PermutationSpec` derived from the model ``architecture`` names (see
     :func:`build_architecture`), traced on a random batch of two samples of ``input_shape`` and checked on the model
-    (groups that fail the invariance check are fixed, or with ``strict`` refused)."""
+    (groups that fail the invariance check are fixed, or with ``strict`` refused).
+
+    ``vocab``: the model takes token ids (a Hugging Face model): the batch holds random integer ids in ``[0, vocab)``
+    of ``input_shape`` (e.g. ``(16,)``: a sequence length; required then), instead of floats."""
     import torch
 
     from rayfuse.symmetry import derive_spec
 
+    if vocab is not None and (isinstance(vocab, (bool, np.bool_)) or not isinstance(vocab, (int, np.integer)) or vocab < 1):
+        raise InputError("vocab", "the number of token ids the model takes: a whole number >= 1, or None", vocab)
+    if vocab is not None and input_shape is None:
+        raise InputError("input_shape", "the token ids' shape with vocab, such as (16,) for sequences of 16 tokens "
+                         "(the dataset's shape is an image's)")
+    _check_flags(strict=strict)
     model, shape = build_architecture(architecture, input_shape=input_shape, dataset=dataset, args=args)
-    example = torch.randn((2, *shape), generator=torch.Generator().manual_seed(0))
-    return derive_spec(model, example, strict=strict)
+    generator = torch.Generator().manual_seed(0)
+    if vocab is not None:
+        example = torch.randint(0, int(vocab), (2, *shape), generator=generator)
+    else:
+        example = torch.randn((2, *shape), generator=generator)
+    try:
+        return derive_spec(model, example, strict=strict)
+    except InputError as exc:
+        floats_refused = "Long, Int" in str(exc.hint)  # an embedding's message for float indices
+        if exc.path != "input" or (vocab is None and not floats_refused):
+            raise
+        # the model refused the batch: say which choice of ours it was fed (floats, or ids below vocab)
+        fed = f"random token ids in [0, {vocab}): is vocab at most the model's vocabulary size?" if vocab is not None else \
+            "random floats: a model that takes token ids needs vocab (rayfuse symmetry --vocab N)"
+        raise InputError(exc.path, exc.expected, exc.got, f"{exc.hint}; fed {fed}" if exc.hint else f"fed {fed}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@
     rayfuse split CONFIG --out DIR [--set KEY=VALUE]...
     rayfuse fuse CONFIG [OUT]
     rayfuse tune SPACE [--samples N] [--address ADDR] [--storage DIR] [--resume] [--set KEY=VALUE]...
-    rayfuse symmetry ARCHITECTURE [--input-shape C,H,W] [--dataset NAME] [--args JSON] [--json] [--strict]
+    rayfuse symmetry ARCHITECTURE [--input-shape C,H,W] [--vocab N] [--dataset NAME] [--args JSON] [--json] [--strict]
 
 With no CONFIG, ``rayfuse run`` runs ``jobs/quickstart.yaml`` (or, outside a checkout, the same job built into the
 config defaults). Exit codes: 0 success, 2 bad input (one line naming the key path, expected and given value),
@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     sym = sub.add_parser("symmetry", help="derive and print a model's permutation groups (the weight axes that share one permutation)")
     sym.add_argument("architecture", help="a registry model (rescnn, mlp...), torchvision:<name> or module:Class")
     sym.add_argument("--input-shape", metavar="C,H,W", help="one sample's shape (default: the dataset's)")
+    sym.add_argument("--vocab", metavar="N", help="the model takes token ids (Hugging Face models): feed random integer ids in "
+                     "[0, N) of --input-shape (e.g. --input-shape 16 --vocab 30522) instead of floats")
     sym.add_argument("--dataset", default="digits", help="gives the default input shape and the number of classes (default: digits)")
     sym.add_argument("--args", metavar="JSON", help="model arguments: ModelConfig fields for a registry model, keyword arguments otherwise")
     sym.add_argument("--json", action="store_true", help="print the spec as JSON")
@@ -172,6 +174,17 @@ def _cmd_symmetry(args: argparse.Namespace) -> int:
             shape = ()
         if not shape or min(shape) < 1:
             raise InputError("--input-shape", "comma-separated positive integers such as 1,8,8", args.input_shape)
+    vocab = None
+    if args.vocab is not None:
+        try:
+            vocab = int(args.vocab)
+        except ValueError:
+            vocab = 0
+        if vocab < 1:
+            raise InputError("--vocab", "the number of token ids the model takes: a whole number >= 1 such as 30522", args.vocab)
+        if shape is None:
+            raise InputError("--input-shape", "the token ids' shape with --vocab, such as 16 for sequences of 16 tokens "
+                             "(the dataset's shape is an image's)")
     kwargs = None
     if args.args is not None:
         try:
@@ -180,7 +193,7 @@ def _cmd_symmetry(args: argparse.Namespace) -> int:
             kwargs = None
         if not isinstance(kwargs, dict):
             raise InputError("--args", "a JSON object such as '{\"num_classes\": 10}'", args.args)
-    spec = symmetry(args.architecture, input_shape=shape, dataset=args.dataset, args=kwargs, strict=args.strict)
+    spec = symmetry(args.architecture, input_shape=shape, dataset=args.dataset, args=kwargs, strict=args.strict, vocab=vocab)
     print(json.dumps(spec.to_dict(), indent=1) if args.json else spec.describe())
     return 0
 
