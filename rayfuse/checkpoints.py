@@ -82,6 +82,8 @@ class _FuseFile(_FuseSchema):
     input_shape: list[Annotated[int, Field(ge=1)]] | None = Field(
         None, min_length=1, description="one input's shape, to trace the architecture when no data is given (e.g. [3, 32, 32])")
     data: _Data | None = Field(None, description="a sample the methods that need data run on (activation matching, repair)")
+    vocab: int | None = Field(None, ge=1, description="the models take token ids in [0, vocab) (Hugging Face models): input_shape "
+                              "is then the ids' shape (e.g. [16]) and the example batch random ids; data: X must hold such ids")
     dtype: Literal["bfloat16", "float16", "float32", "float64"] | None = Field(
         None, description="the fused model's float dtype (default: the inputs', when they share one)")
     output: str | None = Field(None, min_length=1)
@@ -246,7 +248,28 @@ def _spec_for(inputs: FuseInputs, method: AlignParams) -> Any:
         raise InputError("input_shape", "one input's shape (e.g. [3, 32, 32]) or data, to trace the architecture"
                          + (" and check parameters.spec on it" if explicit is not None else ""))
     shape = tuple(inputs.example.shape[1:]) if inputs.example is not None else ()
-    return derive_run_spec(inputs.model, shape, explicit, where="architecture", spec_where="parameters.spec")
+    import torch
+
+    # token ids (vocab) are analysed on the example batch itself; float inputs on zeros of its shape, as before
+    ids = torch.as_tensor(inputs.example) if np.issubdtype(np.asarray(inputs.example).dtype, np.integer) else None
+    return derive_run_spec(inputs.model, shape, explicit, where="architecture", spec_where="parameters.spec", example=ids)
+
+
+def _check_weight_matching_only(kind: str, p: AlignParams, inputs: FuseInputs) -> None:
+    """A model ``torch.fx`` cannot trace (Hugging Face) is aligned by weight matching with merge average, fisher or
+    regmean only, refused otherwise before any work: activation matching's probes and REPAIR's layers are read from the
+    torch.fx graph (:func:`rayfuse.symmetry.trace_structure`), and a nonparametric merge widens modules whose sizes
+    such models also keep in their config (a widened attention would reshape with the old sizes)."""
+    from rayfuse.symmetry import trace_structure
+
+    if kind == "activation_matching":
+        trace_structure(inputs.model, "merge_method: activation_matching", where="merge_method")
+    if p.repair:
+        trace_structure(inputs.model, "repair: true", where="parameters.repair")
+    if p.merge == "nonparametric":
+        trace_structure(inputs.model, "merge: nonparametric (widening)", where="parameters.merge")
+    if p.merge in ("fisher", "regmean") and inputs.X is not None and np.issubdtype(inputs.X.dtype, np.integer):
+        raise InputError("parameters.merge", "merge: average with token ids (vocab): fisher and regmean run on float inputs", p.merge)
 
 
 def _aligned(kind: str) -> Callable[[list[dict[str, np.ndarray]], list[BaseModel], BaseModel, FuseInputs], dict[str, np.ndarray]]:
@@ -255,6 +278,7 @@ def _aligned(kind: str) -> Callable[[list[dict[str, np.ndarray]], list[BaseModel
         from rayfuse.matching import thread_map
 
         p = cast(AlignParams, method)
+        _check_weight_matching_only(kind, p, inputs)
         spec = _spec_for(inputs, p)
         X, y = inputs.X, inputs.y  # present whenever the parameters need data (Fuser.needs, checked at load)
         weights = [cast(OptionalWeight, m).weight for m in per_model]
@@ -346,11 +370,12 @@ class _LocalCorrelations:
     federation each client computes its own on its data)."""
 
     def __init__(self, inputs: FuseInputs, models: list[dict[str, np.ndarray]], spec: Any, batch_size: int) -> None:
-        from rayfuse.symmetry import trace_model
+        from rayfuse.symmetry import trace_structure
 
         self.inputs, self.spec, self.batch_size = inputs, spec, batch_size
         self.own = [_with(inputs.model, m) for m in models]
-        self.graph = trace_model(inputs.model)  # the architecture's graph: each model runs it with its own weights
+        # the architecture's graph: each model runs it with its own weights
+        self.graph = trace_structure(inputs.model, "merge_method: activation_matching", where="merge_method")
 
     def __call__(self, reference: dict[str, np.ndarray]) -> list[dict[str, Any]]:
         from rayfuse.alignment import collect_correlations
@@ -479,6 +504,7 @@ class FuseSpec:
     data_arrays: tuple[str, str] = ("X", "y")
     config: Path | None = None
     model_architectures: tuple[tuple[str, Mapping[str, Any]] | None, ...] = ()
+    vocab: int | None = None
 
 
 _Schema = TypeVar("_Schema", bound=BaseModel)
@@ -562,11 +588,15 @@ def load_fuse_config(config: str | Path | Mapping[str, Any], output: str | Path 
             raise InputError(f"{path}: data", f"a sample (data: {{path: sample.npz}} with arrays X and y) for {why}")
         if need == "input_shape" and spec.data is None and spec.input_shape is None:
             raise InputError(f"{path}: input_shape", f"one input's shape (e.g. [1, 8, 8]) for {why}")
+    if spec.vocab is not None and not name.endswith("matching") and name not in ("average", "weighted_average"):
+        raise InputError(f"{path}: vocab", f"no vocab with merge_method {name} (token ids: weight_matching, or the averages)", spec.vocab)
     if spec.architecture is None and (spec.architecture_args or spec.input_shape):
         raise InputError(f"{path}: architecture", "the class that architecture_args / input_shape are for", "none")
+    if spec.architecture is None and spec.vocab is not None:
+        raise InputError(f"{path}: architecture", "the class that takes the token ids vocab is for", "none")
     return FuseSpec(fuser, files, per_model, params, spec.dtype, out, spec.architecture, dict(spec.architecture_args),
                     tuple(spec.input_shape) if spec.input_shape else None, data,
-                    (spec.data.features, spec.data.label) if spec.data else ("X", "y"), path, tuple(own))
+                    (spec.data.features, spec.data.label) if spec.data else ("X", "y"), path, tuple(own), spec.vocab)
 
 
 def check_compatible(models: Sequence[Mapping[str, np.ndarray]], files: Sequence[Path]) -> None:
@@ -623,8 +653,15 @@ def load_fuse_inputs(spec: FuseSpec, models: Sequence[Mapping[str, np.ndarray]],
             from rayfuse.data.datasets import read_unlabeled_npz
 
             X = read_unlabeled_npz(spec.data, spec.data_arrays[0], where=f"{prefix}data.path", as_stored=True)
+        if spec.vocab is not None:
+            X = token_ids(X, spec.vocab, where=f"{prefix}data.path")
         example = X[:2]
         where = f"{prefix}data.path"
+    elif spec.input_shape is not None and spec.vocab is not None:
+        # random ids (seeded), not zeros: a batch of one repeated token would let the invariance check pass groups that
+        # only such inputs leave unchanged
+        example = np.random.default_rng(0).integers(0, spec.vocab, (2, *spec.input_shape), dtype=np.int64)
+        where = f"{prefix}input_shape"
     elif spec.input_shape is not None:
         example = np.zeros((2, *spec.input_shape), dtype=np.float32)
         where = f"{prefix}input_shape"
@@ -638,6 +675,17 @@ def load_fuse_inputs(spec: FuseSpec, models: Sequence[Mapping[str, np.ndarray]],
     heterogeneous = spec.method.heterogeneous
     return FuseInputs(model, X, y, example, tuple(built) if heterogeneous else (), tuple(arch is None for arch in own) if heterogeneous else (),
                       log)
+
+
+def token_ids(X: np.ndarray, vocab: int, *, where: str) -> np.ndarray:
+    """``X`` as int64 token ids (the fuse file's ``vocab``): whole numbers in ``[0, vocab)``, else one line naming
+    ``where``. The data reader gives float32, which holds every id below 2**24 exactly; larger ids are refused, as
+    float32 may already have rounded them."""
+    values = np.asarray(X)
+    if values.size and (not np.all(values == np.round(values)) or values.min() < 0 or values.max() >= min(vocab, 2**24)):
+        bad = values[(values != np.round(values)) | (values < 0) | (values >= min(vocab, 2**24))].flat[0]
+        raise InputError(where, f"token ids: whole numbers in [0, {vocab}) (vocab)", float(bad))
+    return np.ascontiguousarray(values.astype(np.int64))
 
 
 def check_floats(models: Sequence[Mapping[str, np.ndarray]], files: Sequence[Path]) -> None:

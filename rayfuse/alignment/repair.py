@@ -136,11 +136,11 @@ def repair_units(model: nn.Module, spec: PermutationSpec, *, skipped: dict[str, 
     tensor with another layer's (tied parameters), is left as merged: one rescaling of its tensor cannot give each
     application (or each layer sharing it) its own statistics, and rescaling a tied tensor under one name would untie
     it. ``skipped``, when given, receives those layers' names and the reason (one line each)."""
-    from rayfuse.symmetry import trace_model
+    from rayfuse.symmetry import trace_structure
 
     whole = {a.key: g.name for g in spec.groups for a in g.axes
              if a.dim == 0 and a.start == 0 and a.outer == 1 and a.inner == 1}
-    graph = trace_model(model)
+    graph = trace_structure(model, "repair")  # its layers are call_module nodes of the torch.fx graph
     modules = dict(model.named_modules())
     calls: dict[str, int] = {}
     for node in graph.graph.nodes:

@@ -11,9 +11,10 @@ from rayfuse.symmetry.structure import (
                                         read_structure,
                                         resize_model,
                                         resize_with_spec,
+                                        trace_structure,
 )
 from rayfuse.symmetry.trace import LEAF_MODULES, derive_spec, trace_model
 
 __all__ = ["AxisRef", "FixedAxis", "PermGroup", "Perms", "PermutationSpec", "Probe", "compose", "invert",
            "LEAF_MODULES", "derive_spec", "trace_model", "Layer", "ModelStructure", "build_node_graph", "read_structure",
-           "read_output_module", "resize_model", "resize_with_spec"]
+           "read_output_module", "resize_model", "resize_with_spec", "trace_structure"]

@@ -37,7 +37,7 @@ from rayfuse.symmetry.spec import PermGroup, PermutationSpec
 from rayfuse.symmetry.trace import derive_spec, trace_model
 
 __all__ = ["Layer", "ModelStructure", "LAYER_TYPES", "read_structure", "read_output_module", "build_node_graph", "resize_model", "resize_with_spec",
-           "read_group_sizes"]
+           "read_group_sizes", "trace_structure"]
 
 #: Modules listed as layers: they write the units a permutation group reorders.
 LAYER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -238,10 +238,28 @@ def _output_node(gm: torch.fx.GraphModule, model: nn.Module) -> torch.fx.Node:
     return found[0]
 
 
+def trace_structure(model: nn.Module, what: str, *, where: str = "architecture") -> torch.fx.GraphModule:
+    """``model``'s ``torch.fx`` graph (:func:`~rayfuse.symmetry.trace.trace_model`), for ``what`` (e.g. "activation
+    matching"): the graph whose node names probes, structure and repair read.
+
+    A model ``torch.fx`` cannot trace (Hugging Face models) is refused here, before any work, in one line saying that it
+    supports weight matching only: its permutation spec comes from ``torch.export`` (:func:`derive_spec`), whose ATen
+    graph has no ``call_module`` nodes for layers and no node names stable across models, so there is no sound way to
+    read layers, probes or an output layer from it."""
+    try:
+        return trace_model(model)
+    except InputError as exc:
+        if not isinstance(model, nn.Module):
+            raise
+        raise InputError(where, f"a model torch.fx can trace for {what}", type(model).__name__,
+                         "a model torch.fx cannot trace (e.g. Hugging Face) is analysed from torch.export, which supports "
+                         f"weight matching only (torch.fx: {exc.hint or exc.got})") from None
+
+
 def read_output_module(model: nn.Module) -> tuple[str, nn.Module]:
     """The name and module of ``model``'s output layer (as :func:`read_structure` finds it), from the graph alone: no
-    example input needed."""
-    node = _output_node(trace_model(model), model)
+    example input needed. A model ``torch.fx`` cannot trace is refused (:func:`trace_structure`)."""
+    node = _output_node(trace_structure(model, "reading its output layer"), model)
     return str(node.target), model.get_submodule(str(node.target))
 
 
@@ -265,11 +283,12 @@ def read_structure(model: nn.Module, example_input: torch.Tensor, *, spec: bool 
     Raises
     ------
     InputError
-        ``architecture`` when the model cannot be traced or its output does not come from one last Linear or
-        convolution; ``input`` when it does not accept ``example_input``.
+        ``architecture`` when the model cannot be traced (a model only ``torch.export`` can follow, such as a Hugging
+        Face model, supports weight matching only: :func:`trace_structure`) or its output does not come from one last
+        Linear or convolution; ``input`` when it does not accept ``example_input``.
     """
     example = _example(model, example_input)
-    gm = trace_model(model)
+    gm = trace_structure(model, "reading its layers and output layer")
     shapes = _node_shapes(gm, example)
     modules = dict(gm.named_modules())
     nodes = list(gm.graph.nodes)

@@ -92,11 +92,11 @@ class AlignedParams(AlignmentSettings):
 
 
 def derive_run_spec(model: Any, input_shape: tuple[int, ...], explicit: dict[str, Any] | None = None, *, where: str = "model.name",
-                    spec_where: str = "spec") -> Any:
+                    spec_where: str = "spec", example: Any = None) -> Any:
     """The permutation spec of ``model`` (derived from its graph on a zero batch), or the explicit one checked
     against its tensors, for overlapping groups and, given an input shape, by the invariance check (a group whose
     permutation changes the model's output is refused). Errors name ``where`` (the model) or ``spec_where`` (the
-    explicit spec)."""
+    explicit spec). ``example``: a batch to use instead of the zeros (token ids for a model that takes them)."""
     import torch
 
     from rayfuse.symmetry import PermutationSpec, derive_spec
@@ -105,11 +105,12 @@ def derive_run_spec(model: Any, input_shape: tuple[int, ...], explicit: dict[str
     if explicit is not None:
         spec = PermutationSpec.from_dict(explicit, where=spec_where)
         try:
-            return check_spec(model, spec, torch.zeros((2, *input_shape)) if input_shape else None, where=spec_where)
+            batch = example if example is not None else torch.zeros((2, *input_shape)) if input_shape else None
+            return check_spec(model, spec, batch, where=spec_where)
         except InputError as exc:
             raise exc.at(where if exc.path == "input" else exc.path) from None
     try:
-        return derive_spec(model, torch.zeros((2, *input_shape)))
+        return derive_spec(model, example if example is not None else torch.zeros((2, *input_shape)))
     except InputError as exc:
         raise exc.at(where if exc.path == "architecture" else exc.path) from None
 
@@ -271,6 +272,10 @@ class Aligned(Method):
             check_upload_dp(params.dp, setup)
         model = build_model(setup.model, setup.input_shape, setup.num_classes, seed=0)
         derive_run_spec(model, setup.input_shape, params.spec)
+        if params.alignment == "activation" or params.repair:  # both read the torch.fx graph: refused before any client trains
+            from rayfuse.symmetry import trace_structure
+
+            trace_structure(model, "alignment: activation" if params.alignment == "activation" else "repair: true", where="model.name")
 
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params
