@@ -8,6 +8,8 @@ lacks that folder (``actors.backend.pickled_by_value``, as a run does for a scri
 
 from __future__ import annotations
 
+import functools
+import json
 import sys
 from pathlib import Path
 
@@ -52,3 +54,30 @@ def test_bench_round_skips_a_cell_the_object_store_cannot_hold(bench_round):
     reason = bench_round.skip_reason(bench_round.Cell(100, 25_000_000), store_bytes=2**30)
     assert reason is not None and "object store" in reason
     assert bench_round.skip_reason(bench_round.Cell(3, 1_000), store_bytes=2**30) is None
+
+
+@pytest.mark.ray
+def test_compare_flower_runs_without_flower_and_says_so_in_one_line(ray_session, bench_round, monkeypatch, tmp_path, capsys):
+    """compare_flower.py at a tiny size (one 3-client cell the issue sets no target for), no Flower environment: the
+    rayfuse side runs, one line says why Flower was not measured, and the comparison is written."""
+    import _common
+    import compare_flower
+
+    from actors.backend import pickled_by_value
+
+    monkeypatch.setattr(compare_flower, "TARGET_CELLS", [bench_round.Cell(3, 1_000, target=True)])
+    monkeypatch.setattr(compare_flower, "run_cells", functools.partial(bench_round.run_cells_on_ray, max_load=1e9, quiet_timeout_s=0))
+    monkeypatch.setattr(_common, "RESULTS_DIR", tmp_path)
+    missing = tmp_path / "no-flwr-venv" / "bin" / "python"
+    monkeypatch.setattr(sys, "argv", ["compare_flower.py", "--rounds", "1", "--warmup", "0", "--flower-python", str(missing)])
+    with pickled_by_value(["bench_round", "_steps", "_common"]):
+        compare_flower.main()
+    out = capsys.readouterr().out
+    [line] = [line for line in out.splitlines() if line.strip().startswith("Flower not measured")]
+    assert line.strip() == f"Flower not measured: no Flower environment at {missing} (see the usage in this script's docstring)"
+    assert "Traceback" not in out
+    payload = json.loads((tmp_path / "compare_flower.json").read_text())
+    assert payload["flower"] is None and payload["flower_error"].startswith("no Flower environment")
+    [row] = payload["comparison"]
+    assert row["cell"] == "3 x 4 KB" and row["reference"].startswith("none") and row["target_met"] is None
+    assert row["rayfuse_round_s"] > 0
