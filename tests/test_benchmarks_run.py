@@ -81,3 +81,21 @@ def test_compare_flower_runs_without_flower_and_says_so_in_one_line(ray_session,
     [row] = payload["comparison"]
     assert row["cell"] == "3 x 4 KB" and row["reference"].startswith("none") and row["target_met"] is None
     assert row["rayfuse_round_s"] > 0
+
+
+def test_bench_aggregate_quick_runs(bench_round, monkeypatch, tmp_path, capsys):
+    """bench_aggregate.py --quick with one pass: every kernel checked against np.average and timed (no Ray)."""
+    import _common
+    import bench_aggregate
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    monkeypatch.setattr(_common, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["bench_aggregate.py", "--quick", "--repeats", "1", "--quiet-timeout", "0"])
+    before = [lib["num_threads"] for lib in threadpool_info()]
+    with threadpool_limits(limits=None, user_api="blas"):  # restores the BLAS threads main() limits to one
+        bench_aggregate.main()
+    assert [lib["num_threads"] for lib in threadpool_info()] == before
+    payload = json.loads((tmp_path / "bench_aggregate.json").read_text())
+    assert {r["method"] for r in payload["rows"]} >= {"weighted_average", "weighted_sum", "np.copyto"}
+    assert all(r["gb_s"] > 0 for r in payload["rows"])
+    assert "Traceback" not in capsys.readouterr().out
