@@ -1,20 +1,24 @@
 """Per-round time of a fedavg-style round on the real Ray engine, with no local training.
 
 Each cell (number of clients x parameter bytes per client) starts real ``actors.client.ClientActor`` s, created as
-``actors/backend.py`` creates them, each holding an iid shard of the numpy-only ``synthetic`` dataset, and a small
-coordinator actor (:class:`RoundCoordinator`) that holds an ``actors.federation.RayFederation`` over the client
-handles. The coordinator runs the rounds and returns only timings: parameters move through Ray's object store and
-never through the driver (the driver's received bytes are reported). One round does what
+``actors/backend.py`` creates them, each holding an iid shard of the numpy-only ``synthetic`` dataset, and the engine's
+coordinator actor (:class:`RoundCoordinator`, an ``actors.coordinator.CoordinatorActor``: its ``RayFederation`` over the
+client handles, its ``rayfuse.coordinator.Coordinator``) with a real ``MethodServer`` of the config's ``fedavg``. The
+coordinator runs the rounds and returns only timings: parameters move through Ray's object store and never through
+the driver (the driver's received bytes are reported). One round does what
 ``rayfuse.fusion.fedavg.algorithm.FedAvg.run`` does:
 
-1. ``federation.put(global_params)``: one broadcast object;
-2. ``federation.run(echo_step, ref)``: every client returns a *copy* of the broadcast in an ``Update`` (new memory,
-   as a trained update would be); ``gather`` applies the failure policy;
-3. + 4. the real ``MethodServer.average_updates``: each update's structure is checked (keys, shapes, dtypes,
-   sample counts, metrics), the updates are averaged with ``weighted_average`` weighted by their sample counts, and
-   the average is scanned for NaN / Inf (a non-finite average would send every update through the full scan).
+1. ``server.sample_clients(fraction, round)`` (every client at ``fraction: 1``) and ``federation.put(global_params)``:
+   one broadcast object;
+2. ``federation.run(echo_step, ref, clients=...)``: every client returns a *copy* of the broadcast in an ``Update``
+   (new memory, as a trained update would be); ``gather`` applies the failure policy;
+3. + 4. ``rayfuse.fusion.robust.aggregate_updates`` with FedAvg's default aggregator (the plain mean), which is the
+   real ``MethodServer.average_updates``: each update's structure is checked (keys, shapes, dtypes, sample counts
+   against the partition plan, metrics) through ``accept_updates`` / ``accept_replies``, the updates are averaged with
+   ``weighted_average`` weighted by their sample counts, and the average is scanned for NaN / Inf (a non-finite
+   average would send every update through the full scan).
 
-Reported per cell: the median round time, the time of ``average_updates`` (validate + aggregate), the time of the
+Reported per cell: the median round time, the time of ``aggregate_updates`` (validate + aggregate), the time of the
 bare ``weighted_average`` on the same updates (measured after the round, outside it), the clients' copy time and
 the *overhead* = round - bare aggregation - client copy wall time. The copy wall time is the clients' summed copy CPU time
 divided by the CPUs that run them at once: a lower bound on what the copies cost the round, so the overhead is not
@@ -38,10 +42,10 @@ Writes ``benchmarks/results/bench_round.json``. Ray workers import ``_steps`` (t
 from __future__ import annotations
 
 import argparse
-import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass
-from types import SimpleNamespace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,6 +56,7 @@ from ray import cloudpickle
 
 from actors.backend import actor_options
 from actors.client import ClientActor, RefArg, actor_name
+from actors.coordinator import CoordinatorActor
 from rayfuse.config import validate_config
 from rayfuse.data.roles import load_dataset_from_config, make_plan
 
@@ -90,51 +95,53 @@ TARGET_CELLS = [Cell(100, 100_000, target=True), Cell(20, 10_000_000, target=Tru
                 Cell(100, 100_000, target=True, per_actor=50), Cell(20, 10_000_000, target=True, per_actor=10)]
 
 
-class RoundCoordinator:
-    """Runs fedavg-style rounds over a :class:`actors.federation.RayFederation`; returns timings only.
+class RoundCoordinator(CoordinatorActor):
+    """The engine's coordinator actor, running fedavg-style rounds; returns timings only.
+
+    It *is* an ``actors.coordinator.CoordinatorActor`` (the ``RayFederation`` over the client handles with the
+    config's failure policy, task CPUs and restart timeout, the event log, the dashboard metrics and the
+    ``rayfuse.coordinator.Coordinator``), and a round runs through a real ``MethodServer`` of the config's ``fedavg``
+    method: the same objects a run uses, so the benchmark cannot drift from the engine's acceptance path.
 
     Parameters
     ----------
-    clients : dict of client id to ``ClientActor`` handle
-    federation_cfg : rayfuse.config.FederationConfig
-        Gives the failure policy, as the real coordinator builds it.
+    cfg : rayfuse.config.ExperimentConfig
     plan : rayfuse.data.roles.DataPlan
         Gives each client's planned sample count (checked against the updates' counts).
+    run_dir : str
+        The run folder the coordinator would write into; a benchmark round writes nothing (no checkpoint, no model).
+    clients : dict of client id to ``ClientActor`` handle
+    groups : list of list of int
+        The clients each actor hosts (``federation.clients_per_actor``).
     """
 
-    def __init__(self, clients: dict[int, Any], groups: list[list[int]], federation_cfg: Any, plan: Any) -> None:
-        from actors.federation import RayFederation
+    def __init__(self, cfg: Any, plan: Any, run_dir: str, clients: dict[int, Any], groups: list[list[int]]) -> None:
         from rayfuse.coordinator import MethodServer
-        from rayfuse.federation import FailurePolicy
 
-        self.federation = RayFederation(clients, FailurePolicy.from_config(federation_cfg))
+        super().__init__(cfg, plan, run_dir, clients, time.time())
+        self.federation = self.coordinator.federation
         self.groups = [(clients[members[0]], members) for members in groups]  # (actor handle, hosted clients)
-        # The real MethodServer.accept_updates, bound to a stand-in holding only what it reads.
-        # The real MethodServer.average_updates, bound to a stand-in holding only what it reads.
-        server = SimpleNamespace(label="bench", events=self.federation.events, federation=self.federation, _average=MethodServer._average,
-                                 _coordinator=SimpleNamespace(plan=plan))  # the planned sample counts accept_updates checks
-        server.accept_updates = MethodServer.accept_updates.__get__(server)
-        server.reject = MethodServer.reject.__get__(server)
-        self._average_updates = MethodServer.average_updates.__get__(server)
-
-    def ready(self) -> int:
-        return os.getpid()
+        self.server = MethodServer(self.coordinator, self.coordinator.specs[0], resume=False)  # the config's fedavg
 
     def run_rounds(self, num_params: int, rounds: int, warmup: int, seed: int = 0) -> dict[str, Any]:
         """Run ``warmup + rounds`` pairs of (federation round, bare Ray round); return the last ``rounds`` timings."""
         from rayfuse.fusion.aggregate import weighted_average
+        from rayfuse.fusion.robust import aggregate_updates
 
-        fed = self.federation
+        fed, server = self.federation, self.server
+        p = server.params  # FedAvgParams: fraction, aggregator and weighting as FedAvg.run reads them
         start_params = {"w": np.random.default_rng(seed).uniform(0.5, 1.5, num_params).astype(np.float32)}
         global_params = start_params
         timings = []
         for rnd in range(warmup + rounds):
             t0 = time.perf_counter()
+            clients = server.sample_clients(p.fraction, rnd + 1)
             broadcast = fed.put(global_params)
             t1 = time.perf_counter()
-            gathered = fed.run(echo_step, broadcast)
+            gathered = fed.run(echo_step, broadcast, clients=clients)
             t2 = time.perf_counter()
-            global_params, updates = self._average_updates(gathered, reference=global_params)
+            global_params, updates = aggregate_updates(server, gathered, p.aggregator, reference=global_params, weighted=p.weighted,
+                                                       round=rnd + 1)
             t4 = time.perf_counter()
             copies = [u.metrics["copy_s"] for u in updates.values()]
             t_agg = time.perf_counter()  # the bare aggregation on the same updates, outside the round
@@ -196,8 +203,10 @@ def start_actors(num_clients: int, per_actor: int, link: DriverLink) -> tuple[li
             seed=cfg.run.seed, faults=fed.faults)
         clients.update({i: handle for i in members})
     actors = [clients[members[0]] for members in groups]
-    coordinator = ray.remote(RoundCoordinator).options(name="bench-round/coordinator", namespace=NAMESPACE, max_restarts=0,
-                                                       **actor_options(fed.coordinator)).remote(clients, groups, fed, plan)
+    # as actors.backend.RayBackend.start creates the coordinator actor (a threaded actor, max_concurrency=4)
+    coordinator = ray.remote(RoundCoordinator).options(name="bench-round/coordinator", namespace=NAMESPACE, max_concurrency=4,
+                                                       max_restarts=0, **actor_options(fed.coordinator)).remote(
+        cfg, plan, str(Path(tempfile.gettempdir()) / "bench-round"), clients, groups)
     link.get([a.ping.remote() for a in actors] + [coordinator.ready.remote()], timeout=fed.startup_timeout_s)
     return actors, coordinator, time.perf_counter() - started
 
@@ -247,42 +256,50 @@ def timed_rounds(cell: Cell, rounds: int) -> int:
 
 def run_cells(cells: list[Cell], *, rounds: int, warmup: int, store_bytes: int, cpus: int = 2, max_load: float = 1.0,
               quiet_timeout_s: float = 60.0) -> dict[str, Any]:
-    """Start Ray once, run every cell (actors started once per client count), stop Ray; return rows and skips."""
-    rows, skipped, startups = [], [], {}
+    """Start Ray once, run every cell (:func:`run_cells_on_ray`), stop Ray; return rows and skips."""
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, object_store_memory=store_bytes,
              namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
     try:
-        link = DriverLink()
-        for num_clients, per_actor in sorted({(c.clients, c.per_actor) for c in cells}):
-            runnable = []
-            for cell in (c for c in cells if (c.clients, c.per_actor) == (num_clients, per_actor)):
-                reason = skip_reason(cell, store_bytes)
-                if reason:
-                    print(f"  skip {cell.label}: {reason}", flush=True)
-                    skipped.append({"cell": cell.label, "reason": reason})
-                else:
-                    runnable.append(cell)
-            if not runnable:
-                continue
-            actors, coordinator, startup_s = start_actors(num_clients, per_actor, link)
-            startups[f"{num_clients}/{per_actor}"] = startup_s
-            print(f"  {len(actors)} client actors ({num_clients} clients) + coordinator up in {startup_s:.1f} s", flush=True)
-            try:
-                for cell in runnable:
-                    n = timed_rounds(cell, rounds)
-                    load = wait_for_quiet(max_load, quiet_timeout_s)
-                    before = link.bytes_received
-                    result = link.get(coordinator.run_rounds.remote(cell.num_params, n, warmup))
-                    row = summarize(cell, result["rounds"], cpus)
-                    row.update(driver_bytes_received=link.bytes_received - before, startup_s=startup_s, load_avg_1m=load)
-                    rows.append(row)
-                    print(f"  {cell.label}: median round {row['round_s'] * 1e3:.1f} ms, overhead {row['overhead_s'] * 1e3:.1f} ms, "
-                          f"bare Ray round {row['bare_round_s'] * 1e3:.1f} ms ({n} rounds after {warmup} warm-up, "
-                          f"load {load:.1f})", flush=True)
-            finally:
-                stop_actors(actors, coordinator)
+        return run_cells_on_ray(cells, rounds=rounds, warmup=warmup, store_bytes=store_bytes, cpus=cpus, max_load=max_load,
+                                quiet_timeout_s=quiet_timeout_s)
     finally:
         ray.shutdown()
+
+
+def run_cells_on_ray(cells: list[Cell], *, rounds: int, warmup: int, store_bytes: int, cpus: int = 2, max_load: float = 1.0,
+                     quiet_timeout_s: float = 60.0) -> dict[str, Any]:
+    """Run every cell on the Ray this process is connected to (actors started once per client count and layout,
+    killed after); return rows and skips. ``store_bytes``: that Ray's object store, for :func:`skip_reason`."""
+    rows, skipped, startups = [], [], {}
+    link = DriverLink()
+    for num_clients, per_actor in sorted({(c.clients, c.per_actor) for c in cells}):
+        runnable = []
+        for cell in (c for c in cells if (c.clients, c.per_actor) == (num_clients, per_actor)):
+            reason = skip_reason(cell, store_bytes)
+            if reason:
+                print(f"  skip {cell.label}: {reason}", flush=True)
+                skipped.append({"cell": cell.label, "reason": reason})
+            else:
+                runnable.append(cell)
+        if not runnable:
+            continue
+        actors, coordinator, startup_s = start_actors(num_clients, per_actor, link)
+        startups[f"{num_clients}/{per_actor}"] = startup_s
+        print(f"  {len(actors)} client actors ({num_clients} clients) + coordinator up in {startup_s:.1f} s", flush=True)
+        try:
+            for cell in runnable:
+                n = timed_rounds(cell, rounds)
+                load = wait_for_quiet(max_load, quiet_timeout_s)
+                before = link.bytes_received
+                result = link.get(coordinator.run_rounds.remote(cell.num_params, n, warmup))
+                row = summarize(cell, result["rounds"], cpus)
+                row.update(driver_bytes_received=link.bytes_received - before, startup_s=startup_s, load_avg_1m=load)
+                rows.append(row)
+                print(f"  {cell.label}: median round {row['round_s'] * 1e3:.1f} ms, overhead {row['overhead_s'] * 1e3:.1f} ms, "
+                      f"bare Ray round {row['bare_round_s'] * 1e3:.1f} ms ({n} rounds after {warmup} warm-up, "
+                      f"load {load:.1f})", flush=True)
+        finally:
+            stop_actors(actors, coordinator)
     return {"rows": rows, "skipped": skipped, "startup_s": startups}
 
 

@@ -1,0 +1,101 @@
+"""The benchmarks under ``benchmarks/`` still run on the current engine (a benchmark that no check runs rots).
+
+``bench_round``'s round loop runs at a tiny size on the session's local Ray, through the real coordinator actor and
+``MethodServer`` (the acceptance path the engine uses); the scripts are imported as ``python benchmarks/<script>.py``
+imports them (their folder on ``sys.path``), and their modules are pickled by value for the actors, whose ``sys.path``
+lacks that folder (``actors.backend.pickled_by_value``, as a run does for a script's classes).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench_round():
+    """``benchmarks/bench_round.py`` as a module (with its sibling ``_common`` and ``_steps``)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_round
+
+        yield bench_round
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("per_actor", [1, 2], ids=["one-actor-per-client", "2-clients-per-actor"])
+def test_bench_round_runs_its_rounds_on_ray(ray_session, bench_round, per_actor):
+    from actors.backend import pickled_by_value
+
+    cells = [bench_round.Cell(3, 1_000, per_actor=per_actor)]
+    with pickled_by_value(["bench_round", "_steps", "_common"]):
+        result = bench_round.run_cells_on_ray(cells, rounds=2, warmup=1, store_bytes=2**30, cpus=2, max_load=1e9, quiet_timeout_s=0)
+    assert result["skipped"] == []
+    [row] = result["rows"]
+    assert row["cell"] == cells[0].label and row["actors"] == (3 if per_actor == 1 else 2)
+    assert row["rounds_timed"] == 2 and len(row["round_times_s"]) == 2
+    for key in ("round_s", "validate_aggregate_s", "aggregate_s", "bare_round_s"):
+        assert row[key] > 0, key
+    assert row["round_s"] >= row["validate_aggregate_s"]
+    # only the timing dict reaches the driver: the parameters moved through the object store
+    assert 0 < row["driver_bytes_received"] < 20_000
+    assert not {a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)} & {"bench-round/coordinator"}
+
+
+def test_bench_round_skips_a_cell_the_object_store_cannot_hold(bench_round):
+    reason = bench_round.skip_reason(bench_round.Cell(100, 25_000_000), store_bytes=2**30)
+    assert reason is not None and "object store" in reason
+    assert bench_round.skip_reason(bench_round.Cell(3, 1_000), store_bytes=2**30) is None
+
+
+@pytest.mark.ray
+def test_compare_flower_runs_without_flower_and_says_so_in_one_line(ray_session, bench_round, monkeypatch, tmp_path, capsys):
+    """compare_flower.py at a tiny size (one 3-client cell the issue sets no target for), no Flower environment: the
+    rayfuse side runs, one line says why Flower was not measured, and the comparison is written."""
+    import _common
+    import compare_flower
+
+    from actors.backend import pickled_by_value
+
+    monkeypatch.setattr(compare_flower, "TARGET_CELLS", [bench_round.Cell(3, 1_000, target=True)])
+    monkeypatch.setattr(compare_flower, "run_cells", functools.partial(bench_round.run_cells_on_ray, max_load=1e9, quiet_timeout_s=0))
+    monkeypatch.setattr(_common, "RESULTS_DIR", tmp_path)
+    missing = tmp_path / "no-flwr-venv" / "bin" / "python"
+    monkeypatch.setattr(sys, "argv", ["compare_flower.py", "--rounds", "1", "--warmup", "0", "--flower-python", str(missing)])
+    with pickled_by_value(["bench_round", "_steps", "_common"]):
+        compare_flower.main()
+    out = capsys.readouterr().out
+    [line] = [line for line in out.splitlines() if line.strip().startswith("Flower not measured")]
+    assert line.strip() == f"Flower not measured: no Flower environment at {missing} (see the usage in this script's docstring)"
+    assert "Traceback" not in out
+    payload = json.loads((tmp_path / "compare_flower.json").read_text())
+    assert payload["flower"] is None and payload["flower_error"].startswith("no Flower environment")
+    [row] = payload["comparison"]
+    assert row["cell"] == "3 x 4 KB" and row["reference"].startswith("none") and row["target_met"] is None
+    assert row["rayfuse_round_s"] > 0
+
+
+def test_bench_aggregate_quick_runs(bench_round, monkeypatch, tmp_path, capsys):
+    """bench_aggregate.py --quick with one pass: every kernel checked against np.average and timed (no Ray)."""
+    import _common
+    import bench_aggregate
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    monkeypatch.setattr(_common, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["bench_aggregate.py", "--quick", "--repeats", "1", "--quiet-timeout", "0"])
+    before = [lib["num_threads"] for lib in threadpool_info()]
+    with threadpool_limits(limits=None, user_api="blas"):  # restores the BLAS threads main() limits to one
+        bench_aggregate.main()
+    assert [lib["num_threads"] for lib in threadpool_info()] == before
+    payload = json.loads((tmp_path / "bench_aggregate.json").read_text())
+    assert {r["method"] for r in payload["rows"]} >= {"weighted_average", "weighted_sum", "np.copyto"}
+    assert all(r["gb_s"] > 0 for r in payload["rows"])
+    assert "Traceback" not in capsys.readouterr().out
