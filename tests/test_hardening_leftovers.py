@@ -1,0 +1,204 @@
+"""Issue 31's leftovers (hardening round 3), three classes:
+
+1. ``--resume`` of a silo run (``data.silos``) whose split cannot be resumed (its ``partition.json`` names no content
+   hash per silo and the silos' data differs; a missing or damaged ``partition.json``) is refused in one line, exit 2,
+   before any client trains; the client processes started for the silo survey are stopped, and the run folder is left
+   as it was. A silo regenerated in place is still computed again with a warning (not refused).
+2. A public set without labels (``data.public`` with ``labels: false``) is held to the silos' dtype kind as a labelled
+   one is: its readers record the dtype its file stores the inputs in.
+3. ``data.layout`` (``auto`` | ``image`` | ``sequence``): an npz file's ``(N, L, D)`` array kept as sequences for a
+   sequence model; ``auto`` (the default) reads it as grey images as before; a layout the inputs cannot have, or a
+   value that is none of the three, is one line.
+
+Every run is in-process (``federation.backend: local``) on small files written to the test's folder, but one, which
+resumes a silo run on a real local Ray to show its actors are gone after the refusal.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from rayfuse.config import validate_config
+from rayfuse.errors import InputError
+from rayfuse.report import Printer
+from rayfuse.runner import InProcessBackend, load_run_config, run_experiment
+from tests.test_bad_inputs import refused_line
+
+QUIET = Printer(enabled=False)
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+def blobs(seed: int, n: int = 60, features: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    y = np.arange(n) % 3
+    X = rng.normal(size=(n, features)) + 2.0 * np.eye(3, features)[y]
+    return X.astype(np.float32), y.astype(np.int64)
+
+
+def write_job(folder: Path, job: dict[str, Any], name: str = "job.yaml") -> str:
+    (folder / name).write_text(yaml.safe_dump(job, sort_keys=False), encoding="utf-8")
+    return str(folder / name)
+
+
+# -- 1. a silo run's --resume that cannot be resumed ------------------------------------------------------------------
+
+
+class SpyBackend(InProcessBackend):
+    """The in-process backend, recording whether it started and stopped, and whether any client trained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = self.stopped = 0
+        self.calls: list[str] = []
+
+    def start(self, *args: Any, **kwargs: Any) -> None:
+        self.started += 1
+        super().start(*args, **kwargs)
+
+    def call(self, name: str, *args: Any) -> Any:
+        self.calls.append(name)
+        return super().call(name, *args)
+
+    def stop(self) -> None:
+        self.stopped += 1
+        super().stop()
+
+
+def silo_job(tmp_path: Path, *, storage: Path | None = None) -> dict[str, Any]:
+    silos = []
+    for i in range(2):
+        X, y = blobs(10 + i)
+        np.savez(tmp_path / f"site{i}.npz", X=X, y=y)
+        silos.append({"dataset": "npz", "path": str(tmp_path / f"site{i}.npz")})
+    X, y = blobs(20, n=45)
+    np.savez(tmp_path / "test.npz", X=X, y=y)
+    return {"run": {"name": "leftover-silo", "seed": 0, "storage": str(storage or tmp_path / "runs")}, "evaluation": "central",
+            "data": {"silos": silos, "test": {"dataset": "npz", "path": str(tmp_path / "test.npz")}},
+            "model": {"name": "mlp", "hidden": [8]}, "train": {"epochs": 1, "batch_size": 16, "shared_init": True},
+            "federation": {"backend": "local"}, "methods": {"average": {}, "fedavg": {"rounds": 1, "local_epochs": 1}}}
+
+
+def first_silo_run(tmp_path: Path) -> Path:
+    folder = tmp_path / "run"
+    run_experiment(validate_config(silo_job(tmp_path)), InProcessBackend(), folder, printer=QUIET, show_tables=False)
+    return folder
+
+
+def regenerate_silo(tmp_path: Path, i: int = 1) -> None:
+    file = tmp_path / f"site{i}.npz"
+    with np.load(file) as arrays:
+        X, y = arrays["X"] + 0.25, arrays["y"]
+    with open(file, "wb") as handle:  # in place: same size, same labels, other values
+        np.savez(handle, X=X, y=y)
+
+
+def as_earlier_version(folder: Path) -> None:
+    """The folder's partition.json as a version before per-silo content hashes wrote it (no ``content_hash``)."""
+    manifest = json.loads((folder / "partition.json").read_text(encoding="utf-8"))
+    for client in manifest["clients"]:
+        client.pop("content_hash")
+    (folder / "partition.json").write_text(json.dumps(manifest), encoding="utf-8")
+
+
+def resume(folder: Path, backend: Any) -> dict[str, Any]:
+    return run_experiment(load_run_config(folder), backend, folder, resume=True, printer=QUIET, show_tables=False)
+
+
+TRAINING = {"prepare_local_models", "run_method"}
+
+
+def test_a_silo_resume_whose_split_cannot_be_told_is_refused_after_the_survey_and_stops_the_clients(tmp_path):
+    folder = first_silo_run(tmp_path)
+    as_earlier_version(folder)
+    regenerate_silo(tmp_path)
+    before = snapshot(folder)
+    backend = SpyBackend()
+    with pytest.raises(InputError) as raised:
+        resume(folder, backend)
+    line = str(raised.value)
+    assert raised.value.path == "--resume" and "partition hash" in line and "content hash per silo" in line and "\n" not in line
+    assert backend.calls == ["survey_silos"] and not TRAINING & set(backend.calls)  # no client trained
+    assert backend.started == 1 and backend.stopped == 1 and backend.coordinator is None and backend.federation is None
+    assert snapshot(folder) == before  # nothing written, nothing removed
+
+
+def test_the_same_refusal_on_the_command_line_is_one_line_and_exit_2(tmp_path, capsys):
+    folder = first_silo_run(tmp_path)
+    as_earlier_version(folder)
+    regenerate_silo(tmp_path, 0)
+    before = snapshot(folder)
+    capsys.readouterr()
+    line = refused_line(["run", "--resume", str(folder)], capsys)
+    assert line.startswith("rayfuse: error: --resume: expected the same data split as the original run"), line
+    assert snapshot(folder) == before
+
+
+@pytest.mark.parametrize("damage,names", [
+    (lambda f: f.unlink(), "--resume"),
+    (lambda f: f.write_text("{not json", encoding="utf-8"), "partition.json"),
+    (lambda f: f.write_text("[1, 2]", encoding="utf-8"), "partition.json"),
+    (lambda f: f.write_text('{"hash": 3}', encoding="utf-8"), "partition.json"),
+], ids=["missing", "not-json", "not-an-object", "hash-not-a-string"])
+def test_a_silo_resume_without_a_readable_partition_json_is_refused_before_any_client_starts(tmp_path, damage, names):
+    folder = first_silo_run(tmp_path)
+    damage(folder / "partition.json")
+    before = snapshot(folder)
+    backend = SpyBackend()
+    with pytest.raises(InputError) as raised:
+        resume(folder, backend)
+    assert names in str(raised.value) and "\n" not in str(raised.value)
+    assert backend.started == 0 and backend.calls == []  # refused in the driver: no client process was started
+    assert snapshot(folder) == before
+
+
+def test_a_silo_regenerated_in_place_is_still_recomputed_with_a_warning_not_refused(tmp_path):
+    folder = first_silo_run(tmp_path)
+    regenerate_silo(tmp_path)
+    backend = SpyBackend()
+    resumed = resume(folder, backend)
+    said = [e["message"] for e in resumed["events"] if e["kind"] == "warning"]
+    assert len(said) == 1 and said[0].startswith("data.silos.1.path (client 1: ") and "content changed" in said[0], said
+    assert "run_method" in backend.calls and backend.stopped == 1  # trained, then stopped at the end as always
+    assert resumed["status"] == "succeeded"
+
+
+def test_an_earlier_versions_silo_folder_with_unchanged_silos_still_resumes(tmp_path):
+    folder = first_silo_run(tmp_path)
+    as_earlier_version(folder)
+    backend = SpyBackend()
+    resumed = resume(folder, backend)
+    loaded = [e["method"] for e in resumed["events"] if e["kind"] == "info" and "loaded from state/" in e.get("message", "")]
+    assert sorted(loaded) == ["average", "fedavg"] and "run_method" not in backend.calls
+
+
+def test_on_ray_a_refused_silo_resume_leaves_no_actor_running(tmp_path, ray_session):
+    from actors.backend import RayBackend
+
+    folder = first_silo_run(tmp_path)
+    as_earlier_version(folder)
+    regenerate_silo(tmp_path)
+    before = snapshot(folder)
+    cfg = load_run_config(folder, [(["federation", "backend"], "ray")])
+    backend = RayBackend()  # held here: its actor handles alone would keep the actors alive (Ray ends unreferenced ones)
+    with pytest.raises(InputError, match=r"^--resume: expected the same data split as the original run"):
+        run_experiment(cfg, backend, folder, resume=True, printer=QUIET, show_tables=False)
+    assert snapshot(folder) == before
+    assert backend.coordinator is None and backend.clients == {}
+
+    def ours() -> list[str]:
+        return [a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True) if a["name"].startswith("run/")]
+
+    deadline = time.monotonic() + 30
+    while ours() and time.monotonic() < deadline:  # ray.kill is asynchronous: the names go once the processes are gone
+        time.sleep(0.2)
+    assert ours() == []
