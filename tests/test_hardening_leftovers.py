@@ -22,10 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from rayfuse.config import validate_config
+from rayfuse.data.datasets import read_unlabeled_file, read_unlabeled_inputs, read_unlabeled_npz
+from rayfuse.data.silos import server_split
 from rayfuse.errors import InputError
 from rayfuse.report import Printer
 from rayfuse.runner import InProcessBackend, load_run_config, run_experiment
@@ -202,3 +206,77 @@ def test_on_ray_a_refused_silo_resume_leaves_no_actor_running(tmp_path, ray_sess
     while ours() and time.monotonic() < deadline:  # ray.kill is asynchronous: the names go once the processes are gone
         time.sleep(0.2)
     assert ours() == []
+
+
+# -- 2. a public set without labels, held to the silos' dtype kind ---------------------------------------------------
+
+
+def public_job(tmp_path: Path, public: dict[str, Any]) -> dict[str, Any]:
+    job = silo_job(tmp_path)
+    job["data"]["public"] = {**public, "labels": False}
+    job["methods"] = {"distill": {"init": "random", "steps": 10, "epochs": 1}}
+    return job
+
+
+def write_public(tmp_path: Path, kind: str, dtype: str) -> dict[str, Any]:
+    X = (np.abs(blobs(30, n=40)[0]) * 10).astype(dtype)
+    if kind == "npz":
+        np.savez(tmp_path / "public.npz", X=X)
+        return {"dataset": "npz", "path": str(tmp_path / "public.npz")}
+    columns = ["a", "b", "c", "d"]
+    if kind == "parquet":
+        pq.write_table(pa.table({c: X[:, j] for j, c in enumerate(columns)}), tmp_path / "public.parquet")
+    else:
+        rows = [",".join(columns)] + [",".join(str(v) for v in row) for row in X.tolist()]
+        (tmp_path / "public.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return {"dataset": kind, "path": str(tmp_path / f"public.{kind}"), "features": columns}
+
+
+@pytest.mark.parametrize("kind,dtype,stored", [
+    ("npz", "uint8", "uint8"), ("npz", "int32", "int32"), ("npz", "float64", "float64"),
+    ("parquet", "int64", "int64"), ("parquet", "float32", "float32"), ("csv", "int64", "int64"), ("csv", "float64", "float64"),
+], ids=lambda v: str(v))
+def test_the_unlabeled_readers_record_the_stored_dtype(tmp_path, kind, dtype, stored):
+    spec = write_public(tmp_path, kind, dtype)
+    X, found = read_unlabeled_inputs(spec["path"], kind=kind, features=spec.get("features"))
+    assert found == stored and X.dtype == np.float32 and X.shape == (40, 4)
+    np.testing.assert_array_equal(read_unlabeled_file(spec["path"], kind=kind, features=spec.get("features")), X)
+    if kind == "npz":
+        np.testing.assert_array_equal(read_unlabeled_npz(spec["path"]), X)
+
+
+REFUSED_PUBLIC = [("npz", "uint8"), ("npz", "int64"), ("parquet", "int32"), ("csv", "int64")]
+
+
+@pytest.mark.parametrize("kind,dtype", REFUSED_PUBLIC, ids=[f"{k}-{d}" for k, d in REFUSED_PUBLIC])
+def test_an_unlabeled_public_set_of_another_kind_than_the_silos_is_one_line(tmp_path, capsys, kind, dtype):
+    """Float silos beside a public set of integers (a uint8 array stays 0..255 while the silos are floats near 0)."""
+    job = public_job(tmp_path, write_public(tmp_path, kind, dtype))
+    capsys.readouterr()
+    line = refused_line(["run", write_job(tmp_path, job)], capsys)
+    assert line.startswith("rayfuse: error: data.public.path: expected inputs of the same kind as the silos': float (float32)"), line
+    assert f'got "{dtype} in ' in line  # (the file's path follows, cut short in a long temporary folder)
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+ACCEPTED_PUBLIC = [("npz", "float64"), ("npz", "float16"), ("parquet", "float64"), ("csv", "float64")]
+
+
+@pytest.mark.parametrize("kind,dtype", ACCEPTED_PUBLIC, ids=[f"{k}-{d}" for k, d in ACCEPTED_PUBLIC])
+def test_an_unlabeled_public_set_of_the_silos_kind_in_another_width_is_read(tmp_path, kind, dtype):
+    spec = write_public(tmp_path, kind, dtype)
+    split = server_split(validate_config(public_job(tmp_path, spec)).data.public, key="data.public", labels=["0", "1", "2"],
+                         input_shape=(4,), normalization=None, dtype="float32")
+    assert split.X.shape == (40, 4) and (split.y == -1).all()
+
+
+def test_an_unlabeled_integer_public_set_pools_with_integer_silos(tmp_path):
+    """Integer silos (int64 arrays) beside an int32 public set without labels: one kind, the run goes on."""
+    job = silo_job(tmp_path)
+    for name, seed in (("site0", 10), ("site1", 11), ("test", 20)):  # the labelled test set is held to the kind too
+        X, y = blobs(seed)
+        np.savez(tmp_path / f"{name}.npz", X=(np.abs(X) * 10).astype(np.int64), y=y)
+    job["data"]["public"] = {**write_public(tmp_path, "npz", "int32"), "labels": False}
+    job["methods"] = {"distill": {"init": "random", "steps": 10, "epochs": 1}}
+    results = run_experiment(validate_config(job), InProcessBackend(), tmp_path / "run", printer=QUIET, show_tables=False)
+    assert results["status"] == "succeeded" and "distill" in results["methods"]

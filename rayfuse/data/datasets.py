@@ -367,6 +367,11 @@ def read_unlabeled_npz(path: str | Path, features: str = "X", *, where: str = "d
     """The inputs array ``features`` of an ``.npz`` file whose labels, if it has any, are not read (a transfer set for
     distillation): numeric, finite, ``(N, features...)`` with ``(N, H, W)`` read as grey images (unless ``as_stored``:
     ``rayfuse fuse``'s data, shaped as the model takes it). Raises :class:`InputError` naming ``where`` or the file."""
+    return _unlabeled_npz(path, features, where=where, as_stored=as_stored)[0]
+
+
+def _unlabeled_npz(path: str | Path, features: str = "X", *, where: str = "data.path", as_stored: bool = False) -> tuple[np.ndarray, str]:
+    """:func:`read_unlabeled_npz` with the dtype the file stores the array in (before the float32 cast)."""
     file = _existing_file(path, ".npz", key=where)
     (X,) = _npz_arrays(file, {features: "data.features"})
     assert X is not None
@@ -376,8 +381,9 @@ def read_unlabeled_npz(path: str | Path, features: str = "X", *, where: str = "d
         raise InputError("data.features", "an array of shape (samples, features...) with at least one sample", f"shape {X.shape}")
     if not np.isfinite(X).all():
         raise InputError("data.features", "finite values", "NaN or Inf")
+    stored = str(X.dtype)
     X = X.astype(np.float32)
-    return np.ascontiguousarray(X[:, None] if X.ndim == 3 and not as_stored else X)
+    return np.ascontiguousarray(X[:, None] if X.ndim == 3 and not as_stored else X), stored
 
 
 def read_unlabeled_file(path: str | Path, *, kind: str, features: str | list[str] | None = None, delimiter: str | None = None) -> np.ndarray:
@@ -386,10 +392,18 @@ def read_unlabeled_file(path: str | Path, *, kind: str, features: str | list[str
     columns ``features`` (named: there is no label column to tell them from), numeric and finite. Float32,
     ``(N, features...)``, one sample at least. Raises :class:`InputError` naming ``data.path``, ``data.features`` or
     the file."""
+    return read_unlabeled_inputs(path, kind=kind, features=features, delimiter=delimiter)[0]
+
+
+def read_unlabeled_inputs(path: str | Path, *, kind: str, features: str | list[str] | None = None,
+                          delimiter: str | None = None) -> tuple[np.ndarray, str]:
+    """:func:`read_unlabeled_file` with the dtype the file stores the inputs in, as a labelled file's
+    :attr:`Dataset.stored_dtype` records it (an npz array's own dtype; a table's feature columns' types as one numpy
+    dtype): what the silo survey compares a server set with (:func:`rayfuse.data.silos.dtype_kind`)."""
     if kind == "npz":
         if isinstance(features, list):
             raise InputError("data.features", "one array name for an .npz file", features)
-        return read_unlabeled_npz(path, features or "X")
+        return _unlabeled_npz(path, features or "X")
     if kind not in ("parquet", "csv"):
         raise InputError("data.path", "an .npz, .parquet or .csv file", str(path))
     if not features:
@@ -424,7 +438,9 @@ def read_unlabeled_file(path: str | Path, *, kind: str, features: str | list[str
     X = _table_features(table, wanted)
     if len(X) == 0:
         raise InputError(str(file), "at least one sample (row)", 0)
-    return X
+    # the feature columns' stored types, as one numpy dtype (as _table_dataset records a labelled file's)
+    stored = np.result_type(*[np.dtype(table.schema.field(c).type.to_pandas_dtype()) for c in wanted])
+    return X, str(stored)
 
 
 def _npz_arrays(file: Path, wanted: Mapping[str, str]) -> list[np.ndarray | None]:
