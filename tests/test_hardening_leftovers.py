@@ -32,7 +32,7 @@ from rayfuse.data.datasets import read_unlabeled_file, read_unlabeled_inputs, re
 from rayfuse.data.silos import server_split
 from rayfuse.errors import InputError
 from rayfuse.report import Printer
-from rayfuse.runner import InProcessBackend, load_run_config, run_experiment
+from rayfuse.runner import InProcessBackend, load_run_config, prepare_run, run_experiment
 from tests.test_bad_inputs import refused_line
 
 QUIET = Printer(enabled=False)
@@ -280,3 +280,110 @@ def test_an_unlabeled_integer_public_set_pools_with_integer_silos(tmp_path):
     job["methods"] = {"distill": {"init": "random", "steps": 10, "epochs": 1}}
     results = run_experiment(validate_config(job), InProcessBackend(), tmp_path / "run", printer=QUIET, show_tables=False)
     assert results["status"] == "succeeded" and "distill" in results["methods"]
+
+
+# -- 3. data.layout: (N, L, D) npz arrays as sequences -----------------------------------------------------------------
+
+
+def sequences(tmp_path: Path, shape: tuple[int, ...] = (6, 4), name: str = "seq.npz") -> str:
+    rng = np.random.default_rng(0)
+    y = np.arange(120) % 3
+    X = rng.normal(size=(120, *shape)) + 2.0 * np.eye(3, int(np.prod(shape))).reshape(3, *shape)[y]
+    np.savez(tmp_path / name, X=X.astype(np.float32), y=y)
+    return str(tmp_path / name)
+
+
+def seq_job(path: str, storage: Path, layout: str | None = None, model: dict[str, Any] | None = None) -> dict[str, Any]:
+    data: dict[str, Any] = {"dataset": "npz", "path": path, **({"layout": layout} if layout is not None else {})}
+    return {"run": {"name": "seq", "seed": 0, "storage": str(storage)}, "data": data,
+            "partition": {"method": "iid", "num_clients": 2}, "model": model or {"name": "mlp", "hidden": [8]},
+            "train": {"epochs": 1, "batch_size": 32}, "federation": {"backend": "local"}, "methods": {"average": {}}}
+
+
+@pytest.mark.parametrize("layout,shape", [(None, (1, 6, 4)), ("auto", (1, 6, 4)), ("image", (1, 6, 4)), ("sequence", (6, 4))],
+                         ids=["default", "auto", "image", "sequence"])
+def test_the_layout_decides_how_a_3d_npz_array_is_read(tmp_path, layout, shape):
+    prepared = prepare_run(validate_config(seq_job(sequences(tmp_path), tmp_path / "runs", layout)))
+    assert prepared.plan.input_shape == shape
+
+
+def test_a_sequence_model_runs_on_sequences_end_to_end_and_its_config_keeps_the_layout(tmp_path):
+    """The transformer takes (L, D) sequences (one token a position); auto would read the array as a 6x4 image,
+    which its patches cannot cut (the refusal below), so data.layout: sequence is what makes the run possible."""
+    transformer = {"name": "transformer", "hidden": [8, 16], "heads": 2, "depth": 1}
+    path = sequences(tmp_path)
+    with pytest.raises(InputError, match=r"^model\.patch_size"):
+        prepare_run(validate_config(seq_job(path, tmp_path / "runs", model=transformer)))
+    folder = tmp_path / "run"
+    results = run_experiment(validate_config(seq_job(path, tmp_path / "runs", "sequence", transformer)), InProcessBackend(), folder,
+                             printer=QUIET, show_tables=False)
+    assert results["status"] == "succeeded" and 0.0 <= results["methods"]["average"]["accuracy"] <= 1.0
+    assert yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))["data"]["layout"] == "sequence"
+    again = resume(folder, InProcessBackend())  # the layout is part of the run's config: it resumes as it ran
+    assert again["methods"]["average"]["accuracy"] == results["methods"]["average"]["accuracy"]
+
+
+def test_the_default_layout_is_not_written_so_earlier_run_folders_keep_their_config(tmp_path):
+    folder = tmp_path / "run"
+    run_experiment(validate_config(seq_job(sequences(tmp_path), tmp_path / "runs")), InProcessBackend(), folder,
+                   printer=QUIET, show_tables=False)
+    assert "layout" not in yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))["data"]
+
+
+def test_arrays_from_python_follow_the_layout(tmp_path):
+    import rayfuse
+
+    rng = np.random.default_rng(1)
+    X, y = rng.normal(size=(90, 5, 3)).astype(np.float32), np.arange(90) % 3
+    config = seq_job("unused.npz", tmp_path / "runs", "sequence")
+    config["data"] = {"layout": "sequence"}
+    result = rayfuse.run(config, dataset=(X, y), run_dir=tmp_path / "run", quiet=True)
+    assert result.results["status"] == "succeeded"
+    assert json.loads((tmp_path / "run" / "partition.json").read_text())["dataset"] == "arrays"
+
+
+def _refused_layout(tmp_path: Path, capsys: Any, job: dict[str, Any], key: str = "data.layout") -> str:
+    capsys.readouterr()
+    line = refused_line(["run", write_job(tmp_path, job)], capsys)
+    assert line.startswith(f"rayfuse: error: {key}: "), line
+    assert not (tmp_path / "runs").exists()
+    return line
+
+
+@pytest.mark.parametrize("value", ["sequences", "Image", 3, ""], ids=["sequences", "Image", "number", "empty"])
+def test_a_layout_that_is_none_of_the_three_is_one_line(tmp_path, capsys, value):
+    line = _refused_layout(tmp_path, capsys, seq_job(sequences(tmp_path), tmp_path / "runs", value))
+    assert "'auto', 'image' or 'sequence'" in line
+
+
+def test_a_sequence_layout_of_a_table_is_one_line(tmp_path, capsys):
+    X, y = blobs(0, n=90)
+    np.savez(tmp_path / "table.npz", X=X, y=y)
+    line = _refused_layout(tmp_path, capsys, seq_job(str(tmp_path / "table.npz"), tmp_path / "runs", "sequence"))
+    assert "(N, L, D)" in line and "inputs of shape (4,)" in line
+
+
+def test_a_sequence_layout_of_a_4d_array_is_one_line(tmp_path, capsys):
+    line = _refused_layout(tmp_path, capsys, seq_job(sequences(tmp_path, (1, 6, 4)), tmp_path / "runs", "sequence"))
+    assert "inputs of shape (1, 6, 4)" in line
+
+
+def test_a_sequence_layout_of_a_bundled_image_dataset_is_one_line(tmp_path, capsys):
+    job = seq_job("unused", tmp_path / "runs", "sequence")
+    job["data"] = {"dataset": "digits", "layout": "sequence"}
+    line = _refused_layout(tmp_path, capsys, job)
+    assert "(N, L, D)" in line
+
+
+def test_an_image_layout_of_a_table_is_one_line(tmp_path, capsys):
+    X, y = blobs(0, n=90)
+    np.savez(tmp_path / "table.npz", X=X, y=y)
+    line = _refused_layout(tmp_path, capsys, seq_job(str(tmp_path / "table.npz"), tmp_path / "runs", "image"))
+    assert "image inputs" in line
+
+
+def test_a_layout_with_silos_is_one_line(tmp_path, capsys):
+    job = silo_job(tmp_path)
+    job["data"]["layout"] = "sequence"
+    line = _refused_layout(tmp_path, capsys, job)
+    assert "data.silos" in line
