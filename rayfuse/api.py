@@ -168,7 +168,7 @@ def run(config: str | Path | Mapping[str, Any] | ExperimentConfig | None = None,
         from rayfuse.data.datasets import arrays_digest
 
         _check_dataset_is_used(cfg)
-        arrays = _arrays(dataset)
+        arrays = _arrays(dataset, as_stored=cfg.data.layout == "sequence")  # (N, L, D) kept as sequences (data.layout)
         cfg = cfg.model_copy(update={"data": cfg.data.with_arrays(arrays, arrays_digest(arrays))})
     _check_outputs(cfg, run_dir)  # before the data loads
     prepared = prepare_run(cfg, methods=objects)  # every check, before a folder or an actor exists
@@ -534,7 +534,7 @@ def _qualname(obj: Any) -> str:
     return f"{module}.{name}" if module else str(name)
 
 
-def _arrays(dataset: Any) -> Any:
+def _arrays(dataset: Any, *, as_stored: bool = False) -> Any:
     """A :class:`rayfuse.data.datasets.Dataset` of ``(X, y)`` arrays or of a torch ``Dataset``'s ``(x, y)`` pairs.
 
     pandas objects: a DataFrame or Series as ``X`` or ``y`` is read as its values (what passing it clearly means;
@@ -552,7 +552,7 @@ def _arrays(dataset: Any) -> Any:
         X, y = _read_pairs(dataset)
     else:
         raise InputError("dataset", "(X, y) arrays or a torch Dataset of (x, y) pairs", type(dataset).__name__)
-    return dataset_from_arrays("arrays", X, y, features_key="dataset", label_key="dataset")
+    return dataset_from_arrays("arrays", X, y, features_key="dataset", label_key="dataset", as_stored=as_stored)
 
 
 def _read_pairs(dataset: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -226,7 +226,7 @@ SILO_FORMATS = ("npz", "parquet", "csv", "imagefolder")
 # ``${NAME}`` in a silo path: expanded on the node that reads the silo (rayfuse.data.silos.expand_path)
 PATH_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # data keys of a simulation (one dataset + a partitioner); a silo config gives each client its own data instead
-_SIMULATION_DATA_KEYS = ("dataset", "root", "path", "label", "features", "options", "target", "test_size", "public_size")
+_SIMULATION_DATA_KEYS = ("dataset", "root", "path", "label", "features", "options", "target", "test_size", "public_size", "layout")
 
 
 def silo_source_kind(dataset: str) -> str:
@@ -424,6 +424,9 @@ class DataConfig(DatasetSource):
     val_size: float = Field(0.1, ge=0, lt=1, description="fraction of each client's shard kept as its private validation split")
     public_size: float = Field(0, ge=0, description="server's public sample: a fraction (< 1) or a count (>= 1) of the training pool")
     standardize: bool | None = Field(None, description="z-score features with training-pool statistics; default per dataset")
+    layout: Literal["auto", "image", "sequence"] = Field(
+        "auto", description="how an npz file's (N, A, B) array is read: image, grey images (N, 1, A, B); sequence, kept as "
+                            "(N, L, D) for a sequence model; auto (default): image")
     target: TargetConfig | None = Field(None, description="a new task for the server: its public sample and the test set come from this "
                                         "dataset (data.test_size is then unused: the clients share all of data.dataset)")
     silos: list[SiloSpec] | None = Field(None, description="each client's own data, in client order, instead of data.dataset + partition "
@@ -503,6 +506,8 @@ class DataConfig(DatasetSource):
             data.pop(key, None)
         if data.get("classes", 0) is None:  # undeclared: a silo config dumps as it did before data.classes
             data.pop("classes")
+        if data.get("layout") == "auto":  # the default dumps as it did before data.layout (same config.yaml, same digests)
+            data.pop("layout")
         return data
 
     @property

@@ -479,36 +479,25 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
     # another config than the folder's is refused and a file regenerated since its state was written is recomputed
     files = data_files(resolved["data"])
     changed = _check_resume_state(store, resolved, files) if resume else []
+    # the folder's partition manifest is read before anything starts (a missing or damaged one is refused here)
+    manifest = _read_manifest(store) if resume else None
     silos = cfg.data.is_silos
     if silos:  # the clients start first: only they read their silos; their reports complete the plan
         try:
             backend.start(cfg, plan, run_dir, on_event=on_event, start_time=start, specs=specs)
             prepared = finish_silo_run(prepared, backend.call("survey_silos"))
+            plan = prepared.plan
+            if manifest is not None:
+                # a silo regenerated in place: its client reported another content hash than the folder records (the
+                # run is computed again); a split that differs otherwise is refused here, after the survey (only the
+                # clients can read their silos) and before any client trains, and the started actors are stopped
+                changed += _changed_silos(manifest, plan)
+                _check_same_split(store, manifest, plan, changed, files)
         except BaseException:
             backend.stop()
             raise
-        plan = prepared.plan
-        if resume:  # a silo regenerated in place: its client reported another content hash than the folder records
-            changed += _changed_silos(store, plan)
-    if resume:
-        if not store.partition_file.is_file():
-            raise InputError("--resume", "a run folder with partition.json", str(run_dir))
-        try:
-            manifest = json.loads(store.partition_file.read_text(encoding="utf-8"))
-            stored = manifest["hash"]
-            if not isinstance(stored, str):
-                raise ValueError("hash is not a string")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise InputError(str(store.partition_file), "the run's partition manifest (JSON with its hash)",
-                             f"a damaged file ({type(exc).__name__})", "the split cannot be checked; start a new run") from None
-        if (stored != plan.digest() and not changed and files and (store.root / IDENTITY_FILE).is_file()
-                and isinstance(manifest.get("dataset"), str) and isinstance(plan, DataPlan)):
-            # a data file renamed with its content unchanged (identity.json): the split's hash names the dataset by
-            # its file's stem; the same split of the same content under the old name is the same split
-            if replace(plan, dataset=manifest["dataset"]).digest() == stored:
-                stored = plan.digest()
-        if stored != plan.digest() and not changed:  # (a changed file: the whole state is computed again, below)
-            raise InputError("--resume", "the same data split as the original run", "a different partition hash", "did the dataset files change?")
+    elif manifest is not None:
+        _check_same_split(store, manifest, plan, changed, files)
     with claim_run_folder(run_dir, resume=resume):  # released at the end; a second run of this folder is refused
         fresh = bool(changed)  # state computed from other data: none of it is read, and it is removed (inside the claim)
         for key, path, before, now in changed:
@@ -685,14 +674,51 @@ def _check_resume_state(store: RunStore, resolved: Mapping[str, Any], files: Map
     return changed_files(identity["data_files"], files)
 
 
-def _changed_silos(store: RunStore, plan: Any) -> list[tuple[str, str, str, str]]:
-    """The silos whose content hash (the survey's, :func:`rayfuse.data.silos.silo_schema`) differs from the one the
-    run folder's ``partition.json`` records: ``(key, where, before, now)`` each, like
-    :func:`rayfuse.data.identity.changed_files`. A missing or damaged manifest: none (the partition check names it)."""
+def _read_manifest(store: RunStore) -> dict[str, Any]:
+    """On ``--resume``: the run folder's ``partition.json`` (a JSON object with the split's ``hash``), read before any
+    client starts. Raises :class:`InputError` when it is missing or damaged (the split cannot be checked)."""
+    if not store.partition_file.is_file():
+        raise InputError("--resume", "a run folder with partition.json", str(store.root))
     try:
-        clients = json.loads(store.partition_file.read_text(encoding="utf-8"))["clients"]
+        manifest = json.loads(store.partition_file.read_text(encoding="utf-8"))
+        if not isinstance(manifest, dict):
+            raise ValueError("not a JSON object")
+        if not isinstance(manifest["hash"], str):
+            raise ValueError("hash is not a string")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(str(store.partition_file), "the run's partition manifest (JSON with its hash)",
+                         f"a damaged file ({type(exc).__name__})", "the split cannot be checked; start a new run") from None
+    return manifest
+
+
+def _check_same_split(store: RunStore, manifest: Mapping[str, Any], plan: Any, changed: Sequence[object],
+                      files: Mapping[str, Mapping[str, str]]) -> None:
+    """On ``--resume``: the split's hash against the one ``manifest`` (the folder's ``partition.json``) records. A
+    changed data file (``changed``: the whole state is computed again) is not refused; a split that differs otherwise
+    (a silo run whose folder records no content hash per silo, a split of other data) is: :class:`InputError`."""
+    from rayfuse.data.silos import SiloPlan
+
+    stored = manifest["hash"]
+    if (stored != plan.digest() and not changed and files and (store.root / IDENTITY_FILE).is_file()
+            and isinstance(manifest.get("dataset"), str) and isinstance(plan, DataPlan)):
+        # a data file renamed with its content unchanged (identity.json): the split's hash names the dataset by
+        # its file's stem; the same split of the same content under the old name is the same split
+        if replace(plan, dataset=manifest["dataset"]).digest() == stored:
+            stored = plan.digest()
+    if stored != plan.digest() and not changed:  # (a changed file: the whole state is computed again)
+        hint = ("the silos' data differs from what the run folder's partition.json records, and it names no content hash per "
+                "silo to tell which; start a new run" if isinstance(plan, SiloPlan) else "did the dataset files change?")
+        raise InputError("--resume", "the same data split as the original run", "a different partition hash", hint)
+
+
+def _changed_silos(manifest: Mapping[str, Any], plan: Any) -> list[tuple[str, str, str, str]]:
+    """The silos whose content hash (the survey's, :func:`rayfuse.data.silos.silo_schema`) differs from the one the
+    run folder's ``partition.json`` (``manifest``) records: ``(key, where, before, now)`` each, like
+    :func:`rayfuse.data.identity.changed_files`. A manifest without per-client records: none (the split check decides)."""
+    try:
+        clients = manifest["clients"]
         recorded = [c.get("content_hash") if isinstance(c, dict) else None for c in clients]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError, AttributeError):
         return []
     out = []
     for i, (silo, schema) in enumerate(zip(plan.silos, plan.schemas)):

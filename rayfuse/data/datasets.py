@@ -28,8 +28,8 @@ import numpy as np
 from rayfuse.errors import InputError
 from rayfuse.registry import Registry
 
-__all__ = ["Dataset", "DatasetInfo", "DATASETS", "arrays_digest", "check_labels", "dataset_from_arrays", "load_dataset", "read_data_file",
-           "register_dataset"]
+__all__ = ["Dataset", "DatasetInfo", "DATASETS", "LAYOUTS", "arrays_digest", "check_labels", "check_layout", "dataset_from_arrays",
+           "load_dataset", "read_data_file", "register_dataset"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,15 +108,38 @@ def register_dataset(name: str, *, description: str, source: str, standardize: b
 
 
 def load_dataset(name: str, *, root: str | None = None, path: str | None = None, label: str = "y",
-                 features: str | list[str] | None = None, options: dict[str, Any] | None = None) -> Dataset:
-    """Load dataset ``name`` (raises :class:`InputError` naming ``data.*`` keys when files are missing or bad)."""
+                 features: str | list[str] | None = None, options: dict[str, Any] | None = None, as_stored: bool = False) -> Dataset:
+    """Load dataset ``name`` (raises :class:`InputError` naming ``data.*`` keys when files are missing or bad).
+    ``as_stored`` (``data.layout: sequence``): an npz file's ``(N, L, D)`` array stays as stored instead of being read
+    as grey images ``(N, 1, L, D)``; no other loader reads it (:func:`check_layout` refuses what it does not fit)."""
     info = DATASETS.get(name, path="data.dataset")
     options = dict(options or {})
     unknown = sorted(set(options) - set(info.options))
     if unknown:
         expected = f"options among {{{', '.join(info.options)}}}" if info.options else "no options"
         raise InputError(f"data.options.{unknown[0]}", f"{expected} for dataset {info.name!r}", options[unknown[0]])
-    return info.loader(root=root, path=path, label=label, features=features, **options)
+    return info.loader(root=root, path=path, label=label, features=features, **options, **({"as_stored": True} if as_stored else {}))
+
+
+#: ``data.layout``: how a dataset's inputs are shaped for the model (see :func:`check_layout`)
+LAYOUTS = ("auto", "image", "sequence")
+
+
+def check_layout(dataset: Dataset, layout: str, *, key: str = "data.layout") -> Dataset:
+    """``dataset`` (loaded with ``as_stored`` for ``layout: sequence``) checked against ``data.layout``: ``sequence``
+    wants ``(N, L, D)`` inputs (an npz file's 3-d array kept as stored), ``image`` wants images ``(N, C, H, W)`` (an
+    npz file's ``(N, H, W)`` read as grey images, as ``auto`` reads it), ``auto`` any shape. Raises
+    :class:`InputError` at ``key`` for a layout the inputs cannot have."""
+    if layout not in LAYOUTS:
+        raise InputError(key, f"one of {', '.join(LAYOUTS)}", layout)
+    shape = tuple(int(d) for d in dataset.X.shape[1:])
+    if layout == "sequence" and len(shape) != 2:
+        raise InputError(key, "inputs stored as (N, L, D) for layout: sequence (an npz file's 3-d array)", f"inputs of shape {shape}",
+                         "layout: sequence keeps an npz file's (N, L, D) array as it is; leave it out for images and tables")
+    if layout == "image" and len(shape) != 3:
+        raise InputError(key, "image inputs for layout: image (an (N, H, W) or (N, C, H, W) array)", f"inputs of shape {shape}",
+                         "leave data.layout out (auto) for tables; layout: sequence keeps (N, L, D) arrays as sequences")
+    return dataset
 
 
 def _labels_to_int(values: np.ndarray, where: str, min_labels: int = 2) -> tuple[np.ndarray, tuple[str, ...]]:
@@ -348,8 +371,9 @@ for _name, (_cls, _folder, _files) in _TORCHVISION.items():
 
 
 @register_dataset("npz", description="a .npz file at data.path with arrays data.features (default X) and data.label (default y)", source="user file")
-def _load_npz(*, path: str | None = None, label: str = "y", features: str | list[str] | None = None, **_: Any) -> Dataset:
-    return read_data_file(path, label=label, features=features, kind="npz")
+def _load_npz(*, path: str | None = None, label: str = "y", features: str | list[str] | None = None, as_stored: bool = False,
+              **_: Any) -> Dataset:
+    return read_data_file(path, label=label, features=features, kind="npz", as_stored=as_stored)
 
 
 def _read_npz(path: str | Path | None, label: str, features: str | list[str] | None, min_labels: int = 2, as_stored: bool = False) -> Dataset:
@@ -367,6 +391,11 @@ def read_unlabeled_npz(path: str | Path, features: str = "X", *, where: str = "d
     """The inputs array ``features`` of an ``.npz`` file whose labels, if it has any, are not read (a transfer set for
     distillation): numeric, finite, ``(N, features...)`` with ``(N, H, W)`` read as grey images (unless ``as_stored``:
     ``rayfuse fuse``'s data, shaped as the model takes it). Raises :class:`InputError` naming ``where`` or the file."""
+    return _unlabeled_npz(path, features, where=where, as_stored=as_stored)[0]
+
+
+def _unlabeled_npz(path: str | Path, features: str = "X", *, where: str = "data.path", as_stored: bool = False) -> tuple[np.ndarray, str]:
+    """:func:`read_unlabeled_npz` with the dtype the file stores the array in (before the float32 cast)."""
     file = _existing_file(path, ".npz", key=where)
     (X,) = _npz_arrays(file, {features: "data.features"})
     assert X is not None
@@ -376,8 +405,9 @@ def read_unlabeled_npz(path: str | Path, features: str = "X", *, where: str = "d
         raise InputError("data.features", "an array of shape (samples, features...) with at least one sample", f"shape {X.shape}")
     if not np.isfinite(X).all():
         raise InputError("data.features", "finite values", "NaN or Inf")
+    stored = str(X.dtype)
     X = X.astype(np.float32)
-    return np.ascontiguousarray(X[:, None] if X.ndim == 3 and not as_stored else X)
+    return np.ascontiguousarray(X[:, None] if X.ndim == 3 and not as_stored else X), stored
 
 
 def read_unlabeled_file(path: str | Path, *, kind: str, features: str | list[str] | None = None, delimiter: str | None = None) -> np.ndarray:
@@ -386,10 +416,18 @@ def read_unlabeled_file(path: str | Path, *, kind: str, features: str | list[str
     columns ``features`` (named: there is no label column to tell them from), numeric and finite. Float32,
     ``(N, features...)``, one sample at least. Raises :class:`InputError` naming ``data.path``, ``data.features`` or
     the file."""
+    return read_unlabeled_inputs(path, kind=kind, features=features, delimiter=delimiter)[0]
+
+
+def read_unlabeled_inputs(path: str | Path, *, kind: str, features: str | list[str] | None = None,
+                          delimiter: str | None = None) -> tuple[np.ndarray, str]:
+    """:func:`read_unlabeled_file` with the dtype the file stores the inputs in, as a labelled file's
+    :attr:`Dataset.stored_dtype` records it (an npz array's own dtype; a table's feature columns' types as one numpy
+    dtype): what the silo survey compares a server set with (:func:`rayfuse.data.silos.dtype_kind`)."""
     if kind == "npz":
         if isinstance(features, list):
             raise InputError("data.features", "one array name for an .npz file", features)
-        return read_unlabeled_npz(path, features or "X")
+        return _unlabeled_npz(path, features or "X")
     if kind not in ("parquet", "csv"):
         raise InputError("data.path", "an .npz, .parquet or .csv file", str(path))
     if not features:
@@ -424,7 +462,9 @@ def read_unlabeled_file(path: str | Path, *, kind: str, features: str | list[str
     X = _table_features(table, wanted)
     if len(X) == 0:
         raise InputError(str(file), "at least one sample (row)", 0)
-    return X
+    # the feature columns' stored types, as one numpy dtype (as _table_dataset records a labelled file's)
+    stored = np.result_type(*[np.dtype(table.schema.field(c).type.to_pandas_dtype()) for c in wanted])
+    return X, str(stored)
 
 
 def _npz_arrays(file: Path, wanted: Mapping[str, str]) -> list[np.ndarray | None]:

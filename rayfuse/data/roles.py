@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from rayfuse.data.datasets import Dataset, load_dataset
+from rayfuse.data.datasets import Dataset, check_layout, load_dataset
 from rayfuse.data.partition import PARTITIONERS, class_counts, partition
 from rayfuse.errors import InputError
 from rayfuse.seeding import derive_seed, make_rng
@@ -160,12 +160,14 @@ class DataPlan:
 
 def load_dataset_from_config(data_cfg: Any) -> Dataset:
     """Load the dataset a :class:`rayfuse.config.DatasetSource` (``data`` or ``data.target``) names (or the arrays
-    given from Python that came with it: ``dataset: arrays``)."""
+    given from Python that came with it: ``dataset: arrays``), shaped as ``data.layout`` says
+    (:func:`rayfuse.data.datasets.check_layout`; ``data.target`` has none: auto)."""
+    layout = getattr(data_cfg, "layout", "auto")
     attached = getattr(data_cfg, "arrays", None)
     if attached is not None:
-        return attached
-    return load_dataset(data_cfg.dataset, root=data_cfg.root, path=data_cfg.path, label=data_cfg.label,
-                        features=data_cfg.features, options=data_cfg.options)
+        return check_layout(attached, layout)
+    return check_layout(load_dataset(data_cfg.dataset, root=data_cfg.root, path=data_cfg.path, label=data_cfg.label,
+                                     features=data_cfg.features, options=data_cfg.options, as_stored=layout == "sequence"), layout)
 
 
 def load_target_from_config(data_cfg: Any) -> Dataset | None:

@@ -234,10 +234,14 @@ def server_split(spec: SiloSource, *, key: str, labels: Sequence[str], input_sha
     shape and label values (``classes``: the declared ``data.classes``, which are then the silos' label values), its
     labels numbered as the silos number them, standardised as the clients are; with ``dtype`` (the silos' stored dtype,
     from the survey) its file's stored dtype must be of the same kind (:func:`dtype_kind`). A set without labels
-    (``labels: false``) is its inputs only (:func:`load_server_inputs`), every label :data:`UNKNOWN_LABEL` (its
-    readers cast to float32 and keep no stored dtype: not compared)."""
+    (``labels: false``) is its inputs only (:func:`load_server_inputs`), every label :data:`UNKNOWN_LABEL`; its
+    readers record the dtype its file stores the inputs in, checked against ``dtype`` as a labelled set's is."""
     if not spec.labels:
-        X = load_server_inputs(spec, key=key)
+        X, stored = _server_inputs(spec, key=key)
+        if dtype is not None and dtype_kind(stored) != dtype_kind(dtype):
+            where = f" in {spec.path!r}" if spec.path else ""
+            raise InputError(f"{key}.path" if spec.path else key, f"inputs of the same kind as the silos': {dtype_kind(dtype)} ({dtype})",
+                             f"{stored}{where}", _KIND_HINT)
         if tuple(X.shape[1:]) != tuple(input_shape):
             raise InputError(key, f"inputs shaped like the silos' {tuple(input_shape)}", tuple(X.shape[1:]))
         unlabeled = Split(X, np.full(len(X), UNKNOWN_LABEL, dtype=np.int64))
@@ -349,7 +353,12 @@ def load_server_inputs(spec: SiloSource | Mapping[str, Any], *, key: str, env: M
     """The inputs of a server-side set without labels (``data.public`` with ``labels: false``), read where the server
     runs: an ``npz`` file's ``features`` array (default ``X``), or a ``parquet`` / ``csv`` file's ``features`` columns;
     nothing else of the file is read. Float32 ``(N, *input_shape)``; bad files are one line at ``key``."""
-    from rayfuse.data.datasets import read_unlabeled_file
+    return _server_inputs(spec, key=key, env=env)[0]
+
+
+def _server_inputs(spec: SiloSource | Mapping[str, Any], *, key: str, env: Mapping[str, str] | None = None) -> tuple[np.ndarray, str]:
+    """:func:`load_server_inputs` with the dtype the file stores the inputs in (what the survey's kind check compares)."""
+    from rayfuse.data.datasets import read_unlabeled_inputs
 
     source: SiloSource = _validated(spec, SiloSource, key)
     written = source.path
@@ -358,8 +367,8 @@ def load_server_inputs(spec: SiloSource | Mapping[str, Any], *, key: str, env: M
     if not resolved.is_file():
         hint = f"the server's node resolves it to {str(resolved)!r}" if str(resolved) != written else ""
         raise InputError(f"{key}.path", f"an existing {source.dataset} file on the server's node", written, hint)
-    return _rekeyed(lambda: read_unlabeled_file(resolved, kind=source.dataset, features=source.features,
-                                                delimiter=source.options.get("delimiter")), key, "path", written)
+    return _rekeyed(lambda: read_unlabeled_inputs(resolved, kind=source.dataset, features=source.features,
+                                                  delimiter=source.options.get("delimiter")), key, "path", written)
 
 
 def server_set_size(spec: SiloSource, *, key: str, classes: Sequence[str] | None = None) -> int:

@@ -160,7 +160,8 @@ def _build_vgg(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.M
     return build_vgg(cfg, input_shape, num_classes)
 
 
-@register_model("transformer", description="small encoder classifier: patch (model.patch_size) or feature tokens, cls token, "
+@register_model("transformer", description="small encoder classifier: patch (model.patch_size), sequence ((L, D) inputs: one "
+                "token a position) or feature tokens, cls token, "
                 "learned positions, model.depth encoder layers of width model.hidden[0] (feed-forward model.hidden[1]) "
                 "with model.heads heads, linear head")
 def _build_transformer(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:

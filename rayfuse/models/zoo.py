@@ -133,9 +133,13 @@ class TransformerClassifier(nn.Module):
                 raise InputError("model.patch_size", f"a divisor of the image size {height}x{width}", patch_size)
             self.embed: nn.Module = nn.Conv2d(in_ch, d_model, patch_size, stride=patch_size)
             tokens = (height // patch_size) * (width // patch_size)
+        elif len(input_shape) == 2:  # (L, D) sequences (data.layout: sequence): one token a position, D features each
+            self.embed = nn.Linear(int(input_shape[1]), d_model)
+            tokens = int(input_shape[0])
         else:
             self.embed = nn.Linear(1, d_model)
             tokens = int(input_shape[0])
+        self.sequence = len(input_shape) == 2
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d_model))
         self.pos_embedding = nn.Parameter(torch.randn(1, tokens + 1, d_model) * 0.02)
         act: Any = "relu" if activation == "relu" else "gelu" if activation == "gelu" else ACTIVATIONS[activation]()
@@ -148,6 +152,8 @@ class TransformerClassifier(nn.Module):
     def features(self, x: torch.Tensor) -> torch.Tensor:
         if self.image:
             x = self.embed(x).flatten(2).transpose(1, 2)
+        elif self.sequence:
+            x = self.embed(x)
         else:
             x = self.embed(x.flatten(1).unsqueeze(-1))
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embedding
