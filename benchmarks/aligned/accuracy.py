@@ -2,7 +2,8 @@
 
 Grid: K in {2, 3, 5} x partition {iid, dirichlet0.5, label-disjoint} x init {shared, independent} x architectures
 {mlp, cnn, rescnn, transformer} x datasets {digits, mnist5k} x seeds {0, 1, 2} (``resnet18`` on request:
-``--archs resnet18``). ``--quick``: K=3, rescnn, dirichlet0.5, independent init, digits, seed 0.
+``--archs resnet18``). ``--quick``: K=3, rescnn, dirichlet0.5, independent init, digits, seed 0, written under
+``benchmarks/results/aligned-quick/`` (not over the committed tables).
 
 Each cell's clients are trained once (``train.py``, cached); then every method in :data:`METHODS` fuses them and the
 fused model is scored on the cell's test set. A method is a callable ``(TrainedCell) -> {label: {"accuracy": ...,
@@ -82,6 +83,7 @@ from rayfuse.io import load_params  # noqa: E402
 REPO = HERE.parents[1]
 REBASIN_PYTHON = HERE.parent / ".venv-rebasin" / "bin" / "python"
 OUT_DIR = REPO / "docs" / "results" / "aligned"
+QUICK_OUT_DIR = REPO / "benchmarks" / "results" / "aligned-quick"  # --quick never overwrites the committed tables
 ARCHS = ("mlp", "cnn", "rescnn", "transformer")
 DATASETS = ("digits", "mnist5k")
 CLIENTS = (2, 3, 5)
@@ -583,12 +585,16 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     parser.add_argument("--epochs", type=int, default=20, help="local epochs of each client")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--out", type=Path, default=OUT_DIR, help="folder of the CSV, markdown table and plots")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"folder of the CSV, markdown table and plots (default {OUT_DIR.relative_to(REPO)}; with --quick, "
+                             f"{QUICK_OUT_DIR.relative_to(REPO)})")
     parser.add_argument("--render", nargs="+", type=Path, default=None,
                         help="run nothing: write the outputs from the rows of these raw result files (aligned_accuracy.json); "
                              "a later file's row replaces an earlier one of the same cell and method label")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (more than the free cores slows tiny models 10-30x)")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = QUICK_OUT_DIR if args.quick else OUT_DIR
     import torch
 
     torch.set_num_threads(args.threads)
@@ -605,7 +611,7 @@ def main() -> None:
     print(f"aligned fusion accuracy: {len(cells)} cells x {len(args.methods)} methods, {info['cpus']} CPUs", flush=True)
     rows = run_grid(cells, {name: METHODS[name] for name in args.methods})
     paths = write_outputs(rows, args.out, info)
-    raw = write_results("aligned_accuracy", {"machine": info, "axes": axes, "methods": args.methods, "rows": rows})
+    raw = write_results("aligned_accuracy_quick" if args.quick else "aligned_accuracy", {"machine": info, "axes": axes, "methods": args.methods, "rows": rows})
     for path in [*paths, raw]:
         print(f"wrote {path}")
 

@@ -305,12 +305,15 @@ def main() -> None:
     parser.add_argument("--columns", nargs="*", default=list(COLUMNS), choices=list(COLUMNS))
     parser.add_argument("--params", type=json.loads, default={}, help="distill parameters over the defaults, as JSON")
     parser.add_argument("--out", type=Path, default=OUT_DIR)
-    parser.add_argument("--raw", default="distill_accuracy", help="name of the raw result file under benchmarks/results/")
+    parser.add_argument("--raw", default=None, help="name of the raw result file under benchmarks/results/ (default distill_accuracy; "
+                        "with --quick, distill_accuracy_quick: a quick run never replaces the grid's rows)")
     parser.add_argument("--render", nargs="+", type=Path, default=None, help="write the outputs from raw result files only")
     parser.add_argument("--heterogeneous", action="store_true", help="the heterogeneous cell (seeds from --seeds)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--both-repair", action="store_true", help="also record each column with the other repair setting")
     args = parser.parse_args()
+    if args.raw is None:
+        args.raw = "distill_accuracy_quick" if args.quick else "distill_accuracy"
     torch.set_num_threads(args.threads)
     if args.render:
         rows, info = aligned.read_raw(args.render)
