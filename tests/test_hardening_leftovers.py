@@ -34,12 +34,9 @@ from rayfuse.errors import InputError
 from rayfuse.report import Printer
 from rayfuse.runner import InProcessBackend, load_run_config, prepare_run, run_experiment
 from tests.test_bad_inputs import refused_line
+from tests.test_hardening_content_state import snapshot
 
 QUIET = Printer(enabled=False)
-
-
-def snapshot(root: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
 
 
 def blobs(seed: int, n: int = 60, features: int = 4) -> tuple[np.ndarray, np.ndarray]:
