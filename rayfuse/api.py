@@ -201,11 +201,9 @@ def fuse_checkpoints(config: str | Path | Mapping[str, Any], out: str | Path | N
     """
     from rayfuse.checkpoints import load_fuse_config, run_fuse
 
-    if isinstance(config, bool) or not isinstance(config, (str, os.PathLike, Mapping)):
+    if isinstance(config, bool) or not isinstance(config, (str, os.PathLike, Mapping)) or (isinstance(config, str) and not config.strip()):
         raise InputError("config", "a fuse config: a YAML file path or a dict (merge_method, models, output...)",
-                         type(config).__name__)
-    if isinstance(config, str) and not config.strip():
-        raise InputError("config", "a fuse config: a YAML file path or a dict (merge_method, models, output...)", config)
+                         config if isinstance(config, str) else type(config).__name__)
     _check_folder_argument(out, "out", optional=True, what="an output file path")
     if progress is not None and not callable(progress):
         raise InputError("progress", "a callable taking one line of text (e.g. print), or None", type(progress).__name__)
