@@ -242,13 +242,16 @@ def silo_source_kind(dataset: str) -> str:
     return "folder" if DATASETS.get(dataset).source == "local folder" else "bundled"
 
 
-def _label_key(value: int | float | str) -> float | str:
-    """A declared label value as silo labels compare with it (rayfuse.data.silos.label_value): a number by its value."""
+def label_value(name: Any) -> str | float:
+    """A label value as silo labels and ``data.classes`` compare it (rayfuse.data.silos): a number by its value (a
+    file's float labels ``1.0`` are the declared class ``1``, its ``0.5`` the declared ``0.5``: never rounded to an
+    integer), anything else by its text."""
     try:
-        number = float(value)
-    except ValueError:
-        return str(value)
-    return number if math.isfinite(number) else str(value)
+        value = float(name)
+    except (TypeError, ValueError):
+        return str(name)
+    # text such as "nan" or "inf" is no number a label file holds (check_labels refuses NaN and Inf labels): text
+    return value if math.isfinite(value) else str(name)
 
 
 def _check_image_size(value: list[int] | None) -> list[int] | None:
@@ -486,7 +489,7 @@ class DataConfig(DatasetSource):
             names = [str(c) for c in self.classes]
             if len(names) < 2:
                 raise ValueError(f"@classes@ at least 2 label values, got {self.classes!r}")
-            values = [_label_key(c) for c in self.classes]  # numbers by value: 1 and 1.0 are one label
+            values = [label_value(c) for c in self.classes]  # numbers by value: 1 and 1.0 are one label
             repeated = next((c for i, c in enumerate(self.classes) if values[i] in values[:i]), None)
             if repeated is not None:
                 raise ValueError(f"@classes@ distinct label values, got {repeated!r} twice")

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rayfuse.cas import CacheEntry, ContentCache, content_key, discard_entry
-from rayfuse.data.identity import content_data
+from rayfuse.data.identity import content_data, sha256_file
 from rayfuse.errors import InputError
 from rayfuse.io import atomic_write_json, load_params, save_params
 
@@ -153,15 +153,6 @@ class Checkpointer:
 
 def _reason(exc: BaseException) -> str:
     return str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
-
-
-def sha256_file(path: str | Path) -> str:
-    """The SHA-256 of a file's bytes, in hex."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 CLAIM_FILE = ".rayfuse-claim"

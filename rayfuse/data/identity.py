@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["file_digest", "data_files", "content_data", "changed_files", "clear_digest_cache"]
+__all__ = ["sha256_file", "file_digest", "data_files", "content_data", "changed_files", "clear_digest_cache"]
 
 CHUNK = 1 << 20
 
@@ -32,6 +32,15 @@ _DIGESTS: dict[tuple[str, int, int, int, int], str] = {}  # (real path, size, mt
 def clear_digest_cache() -> None:
     """Forget every digest this process computed (tests; a long-lived process that wants to re-read everything)."""
     _DIGESTS.clear()
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 of a file's bytes, in hex (read now, in :data:`CHUNK` blocks; :func:`file_digest` keeps it per process)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _stat_key(path: Path) -> tuple[tuple[str, int, int, int, int], os.stat_result]:
@@ -45,11 +54,7 @@ def _file_sha256(path: Path) -> str:
     known = _DIGESTS.get(key)
     if known is not None:
         return known
-    digest = hashlib.sha256()
-    with open(key[0], "rb") as handle:
-        for block in iter(lambda: handle.read(CHUNK), b""):
-            digest.update(block)
-    _DIGESTS[key] = value = digest.hexdigest()
+    _DIGESTS[key] = value = sha256_file(key[0])
     return value
 
 

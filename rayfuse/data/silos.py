@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from rayfuse.config import PATH_VARIABLE, SiloSource, SiloSpec, silo_source_kind
+from rayfuse.config import PATH_VARIABLE, SiloSource, SiloSpec, label_value, silo_source_kind
 from rayfuse.data.datasets import Dataset, load_dataset, read_data_file
 from rayfuse.data.roles import Normalization, Split
 from rayfuse.errors import InputError
@@ -419,17 +419,6 @@ def _declared(data: Dataset, classes: Sequence[str], *, key: str, where: str) ->
                          "add the value to data.classes or leave its rows out of the file")
     mapping = np.array([index.get(label_value(n), -1) for n in names], dtype=np.int64)
     return Dataset(data.name, data.X, mapping[data.y], len(classes), tuple(str(c) for c in classes), stored_dtype=data.stored_dtype)
-
-
-def label_value(name: str) -> str | float:
-    """A label value as :func:`_declared` compares it: a number by its value (a file's float labels ``1.0`` are the
-    declared class ``1``, its ``0.5`` the declared ``0.5``: never rounded to an integer), anything else by its text."""
-    try:
-        value = float(name)
-    except (TypeError, ValueError):
-        return str(name)
-    # text such as "nan" or "inf" is no number a label file holds (check_labels refuses NaN and Inf labels): text
-    return value if np.isfinite(value) else str(name)
 
 
 def _read_whole(spec: SiloSource, *, key: str, client: int | None, env: Mapping[str, str] | None, field: str, min_labels: int) -> Dataset:
