@@ -40,6 +40,7 @@ import numpy as np
 from torch import nn
 
 from rayfuse.alignment._common import Params, check_models, normalize_weights
+from rayfuse.alignment.repair import _tied_keys
 from rayfuse.errors import InputError
 from rayfuse.symmetry import PermGroup, PermutationSpec
 
@@ -84,10 +85,7 @@ def width_roles(model: nn.Module, spec: PermutationSpec) -> WidthRoles:
         for a in g.axes:
             on_dim[(a.key, a.dim)] = on_dim.get((a.key, a.dim), 0) + 1
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    tied: dict[int, list[str]] = {}
-    for key, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        tied.setdefault(id(tensor), []).append(key)
-    partners = {key: [k for k in group if k != key] for group in tied.values() if len(group) > 1 for key in group}
+    partners = _tied_keys(model)
     fixed: dict[str, str] = {}
     for g in spec.groups:
         reason = _tied_reason(g, partners, inputs) or _fixed_reason(g, owners, shapes, on_dim)

@@ -161,7 +161,7 @@ def repair_units(model: nn.Module, spec: PermutationSpec, *, skipped: dict[str, 
             continue
         if any(user.op == "call_module" and isinstance(modules.get(user.target), nn.modules.batchnorm._BatchNorm) for user in node.users):
             continue
-        partners = sorted(tied.get(f"{name}.weight", set()) | tied.get(f"{name}.bias", set()))
+        partners = sorted({*tied.get(f"{name}.weight", ()), *tied.get(f"{name}.bias", ())})
         reason = (f"applied {calls[name]} times in forward (one rescaling cannot match each application's statistics)"
                   if calls[name] > 1 else
                   f"its tensors are tied to {', '.join(partners[:2])} (one rescaling cannot match both layers' statistics)"
@@ -175,12 +175,13 @@ def repair_units(model: nn.Module, spec: PermutationSpec, *, skipped: dict[str, 
     return out
 
 
-def _tied_keys(model: nn.Module) -> dict[str, set[str]]:
-    """Each state-dict key of a tensor that ``model`` holds under several names, with its other names."""
+def _tied_keys(model: nn.Module) -> dict[str, list[str]]:
+    """Each state-dict key of a tensor that ``model`` holds under several names, with its other names (in state-dict
+    order)."""
     names: dict[int, list[str]] = {}
     for key, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         names.setdefault(id(tensor), []).append(key)
-    return {key: set(group) - {key} for group in names.values() if len(group) > 1 for key in group}
+    return {key: [k for k in group if k != key] for group in names.values() if len(group) > 1 for key in group}
 
 
 def unit_statistics(model: nn.Module, X: np.ndarray, units: Sequence[RepairUnit], *, batch_size: int = 256,
