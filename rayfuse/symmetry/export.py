@@ -38,29 +38,29 @@ def export_graph(model: nn.Module, example_input: torch.Tensor, untraceable: Inp
     """
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
-    try:  # an input the model refuses is the input's fault, not the export's: said as such
-        with torch.no_grad():
-            model(example_input)
-    except Exception as exc:
-        for m, training in modes:
-            m.training = training
-        message = (str(exc).strip().splitlines() or [""])[0][:160]
-        raise InputError("input", "an example batch the model accepts", f"shape {tuple(example_input.shape)}",
-                         f"{type(exc).__name__}: {message}") from None
-    quiet = logging.root.manager.disable
-    logging.disable(logging.WARNING)  # export logs its guards and failures as warnings; the error below says it in one line
     try:
-        # export prints the graph it had when it fails; the error below says what failed in one line
-        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-            program = torch.export.export(model, (example_input,), strict=False)
-    except Exception as exc:  # export raises from anywhere in the user's code: one line naming both attempts
-        message = (str(exc).strip().splitlines() or [""])[0][:120]
-        got = untraceable.got if untraceable is not None and untraceable.got is not InputError._MISSING else type(model).__name__
-        fx_reason = f"torch.fx: {untraceable.hint}; " if untraceable is not None and untraceable.hint else ""
-        raise InputError("architecture", "a model torch.fx can trace or torch.export can export", got,
-                         f"{fx_reason}torch.export: {type(exc).__name__}: {message}") from None
-    finally:
-        logging.disable(quiet)
+        try:  # an input the model refuses is the input's fault, not the export's: said as such
+            with torch.no_grad():
+                model(example_input)
+        except Exception as exc:
+            message = (str(exc).strip().splitlines() or [""])[0][:160]
+            raise InputError("input", "an example batch the model accepts", f"shape {tuple(example_input.shape)}",
+                             f"{type(exc).__name__}: {message}") from None
+        quiet = logging.root.manager.disable
+        logging.disable(logging.WARNING)  # export logs its guards and failures as warnings; the error below says it in one line
+        try:
+            # export prints the graph it had when it fails; the error below says what failed in one line
+            with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+                program = torch.export.export(model, (example_input,), strict=False)
+        except Exception as exc:  # export raises from anywhere in the user's code: one line naming both attempts
+            message = (str(exc).strip().splitlines() or [""])[0][:120]
+            got = untraceable.got if untraceable is not None and untraceable.got is not InputError._MISSING else type(model).__name__
+            fx_reason = f"torch.fx: {untraceable.hint}; " if untraceable is not None and untraceable.hint else ""
+            raise InputError("architecture", "a model torch.fx can trace or torch.export can export", got,
+                             f"{fx_reason}torch.export: {type(exc).__name__}: {message}") from None
+        finally:
+            logging.disable(quiet)
+    finally:  # the model's modes as they were, whatever happened
         for m, training in modes:
             m.training = training
     gm = program.module()
