@@ -177,10 +177,11 @@ def repair_units(model: nn.Module, spec: PermutationSpec, *, skipped: dict[str, 
 
 def _tied_keys(model: nn.Module) -> dict[str, list[str]]:
     """Each state-dict key of a tensor that ``model`` holds under several names, with its other names (in state-dict
-    order), from :func:`rayfuse.checkpoints.tied_names`."""
-    from rayfuse.checkpoints import tied_names
-
-    return {key: [k for k in group if k != key] for group in tied_names(model) for key in group}
+    order)."""
+    names: dict[int, list[str]] = {}
+    for key, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(tensor), []).append(key)
+    return {key: [k for k in group if k != key] for group in names.values() if len(group) > 1 for key in group}
 
 
 def unit_statistics(model: nn.Module, X: np.ndarray, units: Sequence[RepairUnit], *, batch_size: int = 256,
