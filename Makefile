@@ -1,4 +1,5 @@
 # rayfuse: `make run` (set up, then run the quickstart job on a local Ray) and `make test` (set up, then the tests).
+# `make docs` builds the documentation site (mkdocs.yml) into site/ with --strict: a broken link fails it.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -6,7 +7,7 @@ STAMP  := $(VENV)/.rayfuse-installed
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-unit test-ray lint typecheck format bench clean
+.PHONY: setup run test test-unit test-ray lint typecheck format docs docs-config bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +35,7 @@ test-ray: setup
 # ruff's rules (pyproject [tool.ruff]), then mypy over the package (pyproject [tool.mypy]); `ruff format --check` is
 # not part of it until the tree has had its format pass
 lint: setup
-	$(BIN)/ruff check rayfuse actors tests benchmarks
+	$(BIN)/ruff check rayfuse actors tests benchmarks docs/hooks.py
 	$(BIN)/mypy
 
 # mypy alone (also part of `lint`)
@@ -44,8 +45,16 @@ typecheck: setup
 format: setup
 	$(BIN)/ruff format rayfuse actors tests benchmarks
 
+# the site: docs/ with the generated configuration reference and the API reference from the docstrings
+docs: setup
+	$(BIN)/mkdocs build --strict --site-dir site
+
+# rewrite docs/configuration.md from the schema's field descriptions (tests/test_docs_site.py checks it is current)
+docs-config: setup
+	$(BIN)/python -m rayfuse.docs_gen
+
 bench: setup
 	bash benchmarks/run_all.sh
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site

@@ -5,7 +5,7 @@
     python examples/python_api.py          # on Ray (a local one is started and stopped)
     python examples/python_api.py local    # in-process clients, no Ray
 
-The same code runs in a notebook cell (README.md, "Python API", shows it). The model class and the method travel to
+The same code runs in a notebook cell (docs/python-api.md shows it). The model class and the method travel to
 the Ray actors by value.
 """
 
@@ -65,7 +65,7 @@ config = {
     "methods": {"average": {}, "fedavg": {"rounds": 5, "local_epochs": 1}},  # registered methods, by name
 }
 
-backend = sys.argv[1] if len(sys.argv) > 1 else "ray"  # the README writes backend="ray"
+backend = sys.argv[1] if len(sys.argv) > 1 else "ray"  # docs/python-api.md writes backend="ray"
 result = rayfuse.run(config, model=Net, methods={"val-weighted": ValidationWeighted}, backend=backend, quiet=True)
 print(result.metrics[["accuracy", "nll"]].round(4))  # one row per method label
 fused = result.model("val-weighted")  # the fused nn.Module (result.models holds its parameters)

@@ -208,14 +208,15 @@ def test_on_ray_a_model_class_and_a_method_from_this_module_reach_the_actors_by_
     assert result.models["mean"]["head.weight"].shape == (10, 8)
 
 
-def test_the_readme_example_is_examples_python_api():
-    """README.md's "Python API" block is examples/python_api.py (which was run on Ray and in-process), line for line
-    but for the choice of backend."""
+def test_the_python_api_page_example_is_examples_python_api():
+    """docs/python-api.md's first Python block (the README's "Python API" section before the front page was cut to
+    its short form) is examples/python_api.py (which was run on Ray and in-process), line for line but for the
+    choice of backend."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    readme = (root / "README.md").read_text()
-    section = readme[readme.index("## Python API"):]
+    page = (root / "docs" / "python-api.md").read_text()
+    section = page[page.index("# Python API"):]
     block = section[section.index("```python\n") + len("```python\n"):]
     block = block[: block.index("```\n")]
     example = (root / "examples" / "python_api.py").read_text().replace("backend=backend", 'backend="ray"')

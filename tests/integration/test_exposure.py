@@ -4,7 +4,7 @@ The run happens in a subprocess (its own ``RAY_TMPDIR``, no ``RAY_ADDRESS``) bec
 ``ray_session`` fixture) is started by the test process itself, not by rayfuse: the subprocess is a plain
 ``rayfuse`` driver that starts its own local Ray through ``RayBackend`` with the default ``federation.ray_init``
 (dashboard included), runs a tiny federation and, while the method runs, lists the listening TCP sockets of its
-process tree from ``/proc/net/tcp{,6}``. The README's security section states the result.
+process tree from ``/proc/net/tcp{,6}``. docs/security.md states the result.
 """
 
 from __future__ import annotations
