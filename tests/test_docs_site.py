@@ -129,6 +129,17 @@ def test_the_hook_turns_repository_links_into_code_spans_and_leaves_broken_ones_
     assert "[in code](../../rayfuse/fusion/robust.py)" in out  # fenced code is not touched
 
 
+def test_the_results_page_lists_every_result_file():
+    """docs/results/index.md lists the tables and plots the benchmark scripts write, folder by folder (a new file
+    needs its line there, and a new page its line in mkdocs.yml's nav: the strict build refuses pages left out)."""
+    results = ROOT / "docs" / "results"
+    listed = set(LINK.findall((results / "index.md").read_text(encoding="utf-8")))
+    files = {p.relative_to(results).as_posix() for p in results.rglob("*")
+             if p.is_file() and p.suffix in (".md", ".png", ".csv") and p.parent != results}
+    assert files and files - listed == set()
+    assert all((results / target).exists() for target in listed if not target.startswith(("#", "..")))
+
+
 @pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("mkdocs", "material", "mkdocstrings_handlers")),
                     reason="mkdocs, mkdocs-material or mkdocstrings[python] not installed (pip install -e '.[docs]')")
 def test_the_site_builds_with_mkdocs_strict(tmp_path):
