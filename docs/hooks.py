@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 LINK = re.compile(r"(?<!!)\[(?P<text>[^\]\n]*)\]\((?P<target>[^)\s]+)\)")
+# an inline code span (left as it is) or a link, whichever comes first
+CODE_OR_LINK = re.compile(r"(?P<code>(?P<ticks>`+)(?!`).+?(?<!`)(?P=ticks)(?!`))|" + LINK.pattern)
 FENCE = re.compile(r"^(```|~~~)", re.M)
 
 
@@ -65,5 +67,5 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any, **_: Any
         elif inside:
             out.append(part)
         else:
-            out.append(LINK.sub(lambda m: _rewrite(m, page_dir, docs, repo), part))
+            out.append(CODE_OR_LINK.sub(lambda m: m.group(0) if m.group("code") else _rewrite(m, page_dir, docs, repo), part))
     return "".join(out)

@@ -121,12 +121,13 @@ def test_the_hook_turns_repository_links_into_code_spans_and_leaves_broken_ones_
     config = {"docs_dir": str(docs)}
     text = ("[benchmarks/README.md](../../benchmarks/README.md#x) [the rule](../../rayfuse/fusion/robust.py) "
             "[gone](../../no/such/file.py) [fedavg](fedavg.md) [plots](../results/gems/) [site](https://example.org)\n"
-            "```\n[in code](../../rayfuse/fusion/robust.py)\n```\n")
+            "`[inline](../../rayfuse/fusion/robust.py)`\n```\n[in code](../../rayfuse/fusion/robust.py)\n```\n")
     out = hooks.on_page_markdown(text, page, config, None)
     assert "`benchmarks/README.md`" in out and "the rule (`rayfuse/fusion/robust.py`)" in out
     assert "[gone](../../no/such/file.py)" in out and "[fedavg](fedavg.md)" in out
     assert "[plots](../results/index.md#resultsgems)" in out and "[site](https://example.org)" in out
-    assert "[in code](../../rayfuse/fusion/robust.py)" in out  # fenced code is not touched
+    assert "[in code](../../rayfuse/fusion/robust.py)" in out  # fenced code is not touched, nor inline code
+    assert "`[inline](../../rayfuse/fusion/robust.py)`" in out
 
 
 def test_the_results_page_lists_every_result_file():
