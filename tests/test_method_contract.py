@@ -54,6 +54,8 @@ def caps(cls: type[Method]) -> dict[str, bool]:
         # central DP of the FedAvg family or a DP upload (aligned, average): a ``dp`` key in the method's parameters
         # that the method does not refuse (FedRef's ``no_dp``)
         "dp": "dp" in cls.Params.model_fields and not getattr(cls, "no_dp", ""),
+        # a robust aggregation rule: the method averages parameter updates (an ``aggregator`` key in its parameters)
+        "aggregator": "aggregator" in cls.Params.model_fields,
     }
 
 
@@ -85,6 +87,7 @@ class Case:
     fused: str | None = "model"
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)
     client_state: bool = False
+    checkpoints: bool | None = None  # checkpoints mid-method (default: the method is multi-round)
 
 
 GMM = {"data": {"dataset": "kl_gmm", "options": {"separation": 30.0, "local_sd": 0.1, "points": 60, "num_groups": 4}, "val_size": 0},
@@ -113,7 +116,7 @@ CONTRACT: dict[str, Case] = {
     "epgan": Case(EPGAN, TOY, step="epgan.train", fused=None, client_state=True),
     # the oracle trains on the pooled data on the server, a checkpoint per block of local_epochs epochs: interrupted
     # at its second block's log, after block 1's checkpoint
-    "epgan-oracle": Case({**EPGAN, "epochs": 3}, TOY, call=2, fused=None),
+    "epgan-oracle": Case({**EPGAN, "epochs": 3}, TOY, call=2, fused=None, checkpoints=True),
     "fedadagrad": Case(ROUNDS, step="fedavg.fit"),
     "fedadam": Case(ROUNDS, step="fedavg.fit"),
     "fedavg": Case(ROUNDS, step="fedavg.fit"),
@@ -244,6 +247,8 @@ def test_runs_on_a_tiny_config(runs, name):
     metrics = {k: v for k, v in entry.items() if k not in NOT_METRICS and not k.endswith("seconds")}
     assert metrics and all(isinstance(v, (int, float)) for v in metrics.values()), entry
     assert all(math.isfinite(v) for v in numbers(scrubbed(entry))), entry
+    if caps(METHODS.get(name))["federated_evaluation"]:  # scored through the server's evaluate: a classifier's metrics
+        assert 0.0 <= entry["accuracy"] <= 1.0 and entry["nll"] >= 0.0 and 0.0 <= entry["ece"] <= 1.0, entry
     if case.fused is not None:
         assert entry["model_file"] == f"models/{name}.safetensors"
     if not entry.get("model_file"):
@@ -286,7 +291,7 @@ def _interrupt(runs: Runs, name: str, folder: Path) -> None:
         client = max(c for c, n in counts.items() if n == most)
         call = case.call or (most if caps(METHODS.get(name))["multi_round"] else most // 2 + 1)
         fault = {"client": client, "step": case.step, "call": call, "mode": "raise"}
-        with pytest.raises(RunFailure):
+        with pytest.raises(RunFailure, match=f"injected fault: client {client}, step {case.step}, call {call}"):
             run(job(name, runs.root / name, cache=folder.with_name("cache"), federation={"on_client_failure": "fail", "faults": [fault]}),
                 folder)
         return
@@ -312,17 +317,19 @@ def test_resumes_bit_exact_after_an_interruption(runs, tmp_path, name):
     folder = tmp_path / "run"
     _interrupt(runs, name, folder)
     assert not (folder / "state" / f"{name}.json").exists(), "the interruption came after the method finished"
-    if caps(METHODS.get(name))["multi_round"]:  # stopped mid-method: at least one round checkpointed
-        record = json.loads((folder / "checkpoints" / name / "latest.json").read_text())
-        assert record["round"] >= 1
+    latest = folder / "checkpoints" / name / "latest.json"
+    checkpointed = json.loads(latest.read_text())["round"] if latest.is_file() else 0
+    checkpoints = case_of(name).checkpoints
+    if caps(METHODS.get(name))["multi_round"] if checkpoints is None else checkpoints:  # stopped after a checkpoint of the method
+        assert checkpointed >= 1
     scramble_global_rngs()  # a real resume is a new process
     resumed = run_experiment(load_run_config(folder, parse_overrides(RESUME_SETS)), InProcessBackend(), folder, resume=True,
                              printer=QUIET, show_tables=False)
     assert resumed["status"] == "succeeded"
     said = [e["message"] for e in resumed["events"] if e["kind"] == "warning"]
     assert said == [e["message"] for e in straight.results["events"] if e["kind"] == "warning"], said  # no fallback, no restart
-    if caps(METHODS.get(name))["multi_round"]:
-        assert [e for e in resumed["events"] if e["kind"] == "resumed" and e.get("method", name) == name], "not resumed mid-method"
+    if checkpointed:  # continued after its last checkpointed round, not from the start
+        assert [e["round"] for e in resumed["events"] if e["kind"] == "resumed" and e.get("method", name) == name] == [checkpointed]
     assert scrubbed(resumed["methods"][name]) == scrubbed(straight.results["methods"][name])
     file = straight.results["methods"][name].get("model_file")
     if file:
@@ -385,37 +392,50 @@ def _with_dp(name: str, storage: Path, silo_files: dict[str, Any]) -> dict[str, 
     return data
 
 
+def _with_median(name: str, storage: Path, silo_files: dict[str, Any]) -> dict[str, Any]:
+    data = job(name, storage)
+    data["methods"][name] = {**data["methods"][name], "aggregator": {"name": "median"}}
+    return data
+
+
 def _needs_val(name: str, storage: Path) -> dict[str, Any]:
     return job(name, storage, evaluation="federated", data={"val_size": 0.2})
 
 
 @dataclass(frozen=True)
 class Rule:
-    """One refusal the capabilities decide: the run that asks for it, whether ``caps`` refuses it, the key named."""
+    """One refusal the capabilities decide: the run that asks for it, whether ``caps`` refuses it, the key named and
+    what the line says (naming the method: the refusal is the method's, not the config's)."""
 
     build: Callable[[str, Path, dict[str, Any]], dict[str, Any]]
     refused: Callable[[dict[str, bool]], bool]
     key: Callable[[str], str]
+    says: Callable[[str], str]
     applies: Callable[[dict[str, bool]], bool] = lambda c: True
 
 
 RULES: dict[str, Rule] = {
     # clients whose model is not the run's: only methods that need each client's predictions, not weights in one layout
     "client-models": Rule(lambda n, s, f: job(n, s, federation={"client_overrides": {1: {"model": OTHER_MODEL}}}),
-                          lambda c: not c["heterogeneous_clients"], lambda n: "federation.client_overrides"),
+                          lambda c: not c["heterogeneous_clients"], lambda n: "federation.client_overrides", lambda n: f"for method {n!r}"),
     # local DP-SGD covers what a method releases only when it reads the clients' data through their local models
     "local-dp": Rule(lambda n, s, f: job(n, s, train={"dp": LOCAL_DP}),
-                     lambda c: not (c["local_model_only"] or c["oracle"]), lambda n: "train.dp"),
+                     lambda c: not (c["local_model_only"] or c["oracle"]), lambda n: "train.dp", lambda n: f"not method {n!r}"),
     # federated evaluation: only methods that score through the server's evaluate
-    "federated-evaluation": Rule(lambda n, s, f: _needs_val(n, s), lambda c: not c["federated_evaluation"], lambda n: "evaluation"),
+    "federated-evaluation": Rule(lambda n, s, f: _needs_val(n, s), lambda c: not c["federated_evaluation"], lambda n: "evaluation",
+                                 lambda n: f"for method {n!r}"),
     # silo data: no process holds the whole dataset
-    "silos": Rule(lambda n, s, f: _silo_job(n, s, f), lambda c: c["needs_dataset"], lambda n: f"methods.{n}"),
+    "silos": Rule(lambda n, s, f: _silo_job(n, s, f), lambda c: c["needs_dataset"], lambda n: f"methods.{n}",
+                  lambda n: f"with data.silos (no process reads every silo), got {n!r}"),
     # a public sample without labels (silo data): refused for a method that reads them (a method that needs the whole
     # dataset is refused on silo data before its labels matter: the rule above)
     "unlabelled-public": Rule(lambda n, s, f: _silo_job(n, s, f, labelled=False), lambda c: c["public_labels"],
-                              lambda n: "data.public.labels", applies=lambda c: not c["needs_dataset"]),
+                              lambda n: "data.public.labels", lambda n: f"for method {n!r}", applies=lambda c: not c["needs_dataset"]),
     # a dp key on the method (central DP-FedAvg, a DP upload)
-    "method-dp": Rule(_with_dp, lambda c: not c["dp"], lambda n: f"methods.{n}.dp"),
+    "method-dp": Rule(_with_dp, lambda c: not c["dp"], lambda n: f"methods.{n}.dp", lambda n: f"no dp for method {n!r}"),
+    # a robust rule (coordinate-wise median) on what the method fuses: only where it averages parameter updates
+    "robust-aggregator": Rule(_with_median, lambda c: not c["aggregator"], lambda n: f"methods.{n}.aggregator",
+                              lambda n: "expected a known key"),
 }
 
 
@@ -436,6 +456,7 @@ def test_refused_where_its_capabilities_say_so(tmp_path, capsys, silo_files, nam
     if spec.refused(declared):
         assert code == 2, err
         assert err.startswith(f"rayfuse: error: {spec.key(name)}: ") and "\n" not in err, err
+        assert spec.says(name) in err, err
     else:
         assert code == 0, err
     assert not (tmp_path / "runs").exists()  # nothing written either way
