@@ -44,6 +44,7 @@ def caps(cls: type[Method]) -> dict[str, bool]:
     """A method's declared capabilities, read in this one place (the contract checks below derive every refusal from
     these)."""
     return {
+        "uses_local_models": bool(cls.uses_local_models),
         "heterogeneous_clients": bool(cls.heterogeneous_clients),
         "local_model_only": bool(cls.local_model_only),
         "oracle": bool(cls.oracle),
@@ -191,9 +192,13 @@ def numbers(value: Any) -> Iterator[float]:
 
 @dataclass
 class Straight:
+    """An uninterrupted run: its results and folder, each client's calls of each step, and how often the method asked
+    the server for the clients' data pooled."""
+
     results: dict[str, Any]
     run_dir: Path
     calls: Counter[tuple[int, str]]
+    pooled: int
 
 
 class Runs:
@@ -206,19 +211,26 @@ class Runs:
     def straight(self, name: str) -> Straight:
         if name not in self._done:
             import rayfuse.client as client_module
+            from rayfuse.coordinator import MethodServer
 
             calls: Counter[tuple[int, str]] = Counter()
-            original = client_module.Client.run
+            pooled: list[int] = []
+            original, pool = client_module.Client.run, MethodServer.pooled_train
 
             def counted(client: Any, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                 calls[(client.client_id, client_module.step_name(step))] += 1
                 return original(client, step, *args, **kwargs)
 
+            def pooled_train(server: Any) -> Any:
+                pooled.append(1)
+                return pool(server)
+
             run_dir = self.root / name / "straight"
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(client_module.Client, "run", counted)
+                patch.setattr(MethodServer, "pooled_train", pooled_train)
                 results = run(job(name, self.root / name, cache=run_dir.with_name("straight-cache")), run_dir)
-            self._done[name] = Straight(results, run_dir, calls)
+            self._done[name] = Straight(results, run_dir, calls, len(pooled))
         return self._done[name]
 
 
@@ -243,11 +255,18 @@ def test_runs_on_a_tiny_config(runs, name):
     results = straight.results
     assert results["status"] == "succeeded"
     entry = results["methods"][name]
-    assert entry["method"] == name and entry["oracle"] is caps(METHODS.get(name))["oracle"]
+    declared = caps(METHODS.get(name))
+    assert entry["method"] == name and entry["oracle"] is declared["oracle"]
+    # what it declares is what it does: every client trains a local model exactly for a method that uses them; a
+    # method that pools the clients' data is an oracle that needs the whole dataset (refused on silo data)
+    trained = sorted(client for (client, step) in straight.calls if step == "train_local")
+    clients = validate_config(job(name, runs.root / name)).partition.num_clients
+    assert trained == (list(range(clients)) if declared["uses_local_models"] else []), trained
+    assert not straight.pooled or (declared["oracle"] and declared["needs_dataset"]), straight.pooled
     metrics = {k: v for k, v in entry.items() if k not in NOT_METRICS and not k.endswith("seconds")}
     assert metrics and all(isinstance(v, (int, float)) for v in metrics.values()), entry
     assert all(math.isfinite(v) for v in numbers(scrubbed(entry))), entry
-    if caps(METHODS.get(name))["federated_evaluation"]:  # scored through the server's evaluate: a classifier's metrics
+    if declared["federated_evaluation"]:  # scored through the server's evaluate: a classifier's metrics
         assert 0.0 <= entry["accuracy"] <= 1.0 and entry["nll"] >= 0.0 and 0.0 <= entry["ece"] <= 1.0, entry
     if case.fused is not None:
         assert entry["model_file"] == f"models/{name}.safetensors"
