@@ -33,7 +33,7 @@ from rayfuse.config import parse_overrides, validate_config
 from rayfuse.errors import RunFailure
 from rayfuse.interrupts import Interrupted
 from rayfuse.io import load_params
-from rayfuse.method import METHODS, Method
+from rayfuse.method import METHODS, Method, step_name
 from rayfuse.models import params_equal
 from rayfuse.report import Printer
 from rayfuse.runner import InProcessBackend, load_run_config, run_experiment
@@ -218,7 +218,7 @@ class Runs:
             original, pool = client_module.Client.run, MethodServer.pooled_train
 
             def counted(client: Any, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-                calls[(client.client_id, client_module.step_name(step))] += 1
+                calls[(client.client_id, step_name(step))] += 1
                 return original(client, step, *args, **kwargs)
 
             def pooled_train(server: Any) -> Any:
