@@ -23,6 +23,7 @@ from rayfuse.fusion.central_dp import CentralDPSettings, apply_dp_round, plan_dp
 from rayfuse.fusion.pipeline import UpdatePipeline, check_update_pipeline, fused_by
 from rayfuse.fusion.robust import AggregatorSettings, aggregate_median, aggregate_trimmed_mean, clip_updates
 from rayfuse.method import METHODS, Gathered, Method, MethodParams, MethodResult, MethodSpec, RunSetup, Update, resolve_methods
+from tests.test_bad_inputs import Files, _snapshot, isolated, refused_line, with_base  # noqa: F401  (isolated: a fixture)
 
 ATTACK = {"client": 1, "kind": "scale", "scale": 4.0}
 
@@ -236,6 +237,27 @@ def test_attacks_on_a_method_that_cannot_apply_them_are_refused_before_start(tmp
                    "attacks or that method (attacks apply to the FedAvg family, average and aligned with merge: average or "
                    "nonparametric)"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml"]  # nothing started, nothing written
+
+
+_ATTACKED = {"federation": {"attacks": [{"client": 1, "kind": "sign_flip"}]}}
+
+
+@pytest.mark.parametrize(("kind", "command"), [
+    ("run", lambda f: ["run", f.job(**_ATTACKED, methods={"average": {}, "gems": {}})]),
+    ("validate", lambda f: ["validate", f.job(**_ATTACKED, methods={"ensemble": {}})]),
+    ("api", lambda f: lambda: __import__("rayfuse").run(with_base(**_ATTACKED, methods={"gems": {}}), quiet=True)),
+])
+def test_the_bad_inputs_harness_refuses_attacks_on_a_method_that_cannot_apply_them(kind, command, request, capsys):
+    """Through tests/test_bad_inputs.py's harness: exit 2 (or InputError from the API), one line naming the key, nothing
+    written where the case ran."""
+    folder = request.getfixturevalue("isolated")  # the harness's case folder (its fixture, imported above)
+    files = Files(folder)
+    made = command(files)
+    capsys.readouterr()
+    before = _snapshot(folder)
+    line = refused_line(made, capsys)
+    assert "federation.attacks: expected no attacks with method" in line and "attacks act on parameter updates" in line, line
+    assert _snapshot(folder) == before
 
 
 def test_attacks_beside_a_reference_that_combines_nothing_pass_the_check(make_config):
