@@ -25,7 +25,7 @@ from rayfuse.fusion.robust import AggregatorSettings, aggregate_median, aggregat
 from rayfuse.method import METHODS, Gathered, Method, MethodParams, MethodResult, MethodSpec, RunSetup, Update, resolve_methods
 from tests.test_bad_inputs import Files, _snapshot, isolated, refused_line, with_base  # noqa: F401  (isolated: a fixture)
 
-ATTACK = {"client": 1, "kind": "scale", "scale": 4.0}
+ATTACKS = [{"client": 1, "kind": "scale", "scale": 4.0}]
 
 
 def build_coordinator(make_config, tmp_path: Path, **sections: Any) -> Coordinator:
@@ -63,7 +63,7 @@ def kinds(coord: Coordinator) -> list[tuple[str, int]]:
 
 
 def test_collect_validates_then_attacks_then_clips_then_applies_the_rule(make_config, tmp_path):
-    coord = build_coordinator(make_config, tmp_path, federation={"attacks": [ATTACK]},
+    coord = build_coordinator(make_config, tmp_path, federation={"attacks": ATTACKS},
                               methods={"fl": {"method": "fedavg", "aggregator": {"name": "median", "clip_norm": 2.0}}})
     server = server_for(coord, "fl")
     reference = coord.reference_params()
@@ -103,7 +103,7 @@ def test_the_plain_mean_without_attacks_is_the_weighted_average_in_client_order(
 
 def test_central_dp_samples_clips_noises_and_keeps_its_clip_norm_as_round_state(make_config, tmp_path):
     dp = {"noise_multiplier": 1.0, "clip_norm": 0.5, "sample_rate": 1.0, "delta": 1e-3, "adaptive": {"count_stddev": 2.0}}
-    coord = build_coordinator(make_config, tmp_path, federation={"attacks": [ATTACK]},
+    coord = build_coordinator(make_config, tmp_path, federation={"attacks": ATTACKS},
                               methods={"dp": {"method": "fedavg", "rounds": 5, "dp": dp}})
     server = server_for(coord, "dp")
     pipeline = server.updates
@@ -131,7 +131,7 @@ def test_central_dp_samples_clips_noises_and_keeps_its_clip_norm_as_round_state(
 
 
 def test_receive_then_combine_is_collect_with_room_for_a_transform_between(make_config, tmp_path):
-    coord = build_coordinator(make_config, tmp_path, federation={"attacks": [ATTACK]},
+    coord = build_coordinator(make_config, tmp_path, federation={"attacks": ATTACKS},
                               methods={"al": {"method": "aligned", "aggregator": {"name": "trimmed_mean", "beta": 0.25}}})
     server = server_for(coord, "al")
     reference = coord.reference_params()
@@ -263,7 +263,7 @@ def test_the_bad_inputs_harness_refuses_attacks_on_a_method_that_cannot_apply_th
 def test_attacks_beside_a_reference_that_combines_nothing_pass_the_check(make_config):
     from rayfuse.runner import prepare_run
 
-    prepared = prepare_run(make_config(federation={"attacks": [ATTACK]}, methods={"local": {}, "global": {}, "fedavg": {}}))
+    prepared = prepare_run(make_config(federation={"attacks": ATTACKS}, methods={"local": {}, "global": {}, "fedavg": {}}))
     assert [s.label for s in prepared.specs] == ["local", "global", "fedavg"]
 
 
