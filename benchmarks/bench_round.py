@@ -12,13 +12,13 @@ the driver (the driver's received bytes are reported). One round does what
    one broadcast object;
 2. ``federation.run(echo_step, ref, clients=...)``: every client returns a *copy* of the broadcast in an ``Update``
    (new memory, as a trained update would be); ``gather`` applies the failure policy;
-3. + 4. ``rayfuse.fusion.robust.aggregate_updates`` with FedAvg's default aggregator (the plain mean), which is the
-   real ``MethodServer.average_updates``: each update's structure is checked (keys, shapes, dtypes, sample counts
-   against the partition plan, metrics) through ``accept_updates`` / ``accept_replies``, the updates are averaged with
+3. + 4. ``server.updates.collect`` (the update pipeline, :mod:`rayfuse.fusion.pipeline`) with FedAvg's default
+   aggregator (the plain mean), as FedAvg's round calls it: each update's structure is checked (keys, shapes, dtypes,
+   sample counts against the partition plan, metrics) through ``accept_replies``, the updates are averaged with
    ``weighted_average`` weighted by their sample counts, and the average is scanned for NaN / Inf (a non-finite
    average would send every update through the full scan).
 
-Reported per cell: the median round time, the time of ``aggregate_updates`` (validate + aggregate), the time of the
+Reported per cell: the median round time, the time of ``collect`` (validate + aggregate), the time of the
 bare ``weighted_average`` on the same updates (measured after the round, outside it), the clients' copy time and
 the *overhead* = round - bare aggregation - client copy wall time. The copy wall time is the clients' summed copy CPU time
 divided by the CPUs that run them at once: a lower bound on what the copies cost the round, so the overhead is not
@@ -126,7 +126,6 @@ class RoundCoordinator(CoordinatorActor):
     def run_rounds(self, num_params: int, rounds: int, warmup: int, seed: int = 0) -> dict[str, Any]:
         """Run ``warmup + rounds`` pairs of (federation round, bare Ray round); return the last ``rounds`` timings."""
         from rayfuse.fusion.aggregate import weighted_average
-        from rayfuse.fusion.robust import aggregate_updates
 
         fed, server = self.federation, self.server
         p = server.params  # FedAvgParams: fraction, aggregator and weighting as FedAvg.run reads them
@@ -140,8 +139,8 @@ class RoundCoordinator(CoordinatorActor):
             t1 = time.perf_counter()
             gathered = fed.run(echo_step, broadcast, clients=clients)
             t2 = time.perf_counter()
-            global_params, updates = aggregate_updates(server, gathered, p.aggregator, reference=global_params, weighted=p.weighted,
-                                                       round=rnd + 1)
+            result = server.updates.collect(gathered, global_params, rnd + 1, weighted=p.weighted)
+            global_params, updates = result.params, result.updates
             t4 = time.perf_counter()
             copies = [u.metrics["copy_s"] for u in updates.values()]
             t_agg = time.perf_counter()  # the bare aggregation on the same updates, outside the round

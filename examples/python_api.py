@@ -48,7 +48,7 @@ class ValidationWeighted(Method):
     uses_local_models = True
 
     def run(self, server):
-        updates = server.accept_updates(server.federation.run(local_model))
+        updates = server.updates.receive(server.federation.run(local_model))  # validated, attacked where configured
         weights = np.array([u.metrics["val_accuracy"] for u in updates.values()]) ** self.params.power + 1e-12
         weights /= weights.sum()
         keys = next(iter(updates.values())).params

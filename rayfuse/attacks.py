@@ -1,10 +1,12 @@
 """Attacks on clients' model updates, to measure robust aggregation against (``federation.attacks``).
 
-A simulation of compromised clients. Where a method combines the clients' updates (the FedAvg family and
-``average``, through :func:`rayfuse.fusion.robust.aggregate_updates`; ``aligned`` with ``merge: average``, before
-alignment), the server replaces the accepted update of each attacking client by the attack's, before aggregation, and
-records an ``attack`` event (client, round, attack). Nothing is applied unless configured. ``w`` is the client's honest
-model, ``w_ref`` the model it started from: the round's broadcast global model for the FedAvg family and ``aligned``'s
+A simulation of compromised clients. The update pipeline (:mod:`rayfuse.fusion.pipeline`, its second stage) applies
+them wherever a method combines the clients' parameter updates (the FedAvg family, ``average``, ``finetune``'s
+``base: average``; ``aligned`` with ``merge: average`` or ``nonparametric``, before alignment): the server replaces
+the accepted update of each attacking client by the attack's, before aggregation, and records an ``attack`` event
+(client, round, attack). Nothing is applied unless configured; a method that fuses something else (posteriors,
+statistics, predictions) is refused with attacks before the run starts. ``w`` is the client's honest model,
+``w_ref`` the model it started from: the round's broadcast global model for the FedAvg family and ``aligned``'s
 later rounds; for one-shot fusion (``average``, ``aligned``'s round 1) the run's initial model (the clients' common
 start with ``train.shared_init``).
 

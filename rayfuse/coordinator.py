@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from rayfuse.attacks import apply_attacks
 from rayfuse.client import (
     forget_client_state,
     get_local_update,
@@ -49,7 +48,7 @@ from rayfuse.evaluation import (
     read_client_table,
 )
 from rayfuse.federation import Federation, Gathered, Update, step_name
-from rayfuse.fusion.aggregate import weighted_average
+from rayfuse.fusion.pipeline import UpdatePipeline, check_update_pipeline
 from rayfuse.method import MethodResult, MethodSpec, Rejected, RunSetup, check_methods, resolve_methods, resolved_config
 from rayfuse.metrics import add_metric_sums, check_metric_sums, compute_metrics, majority_vote, metrics_from_sums
 from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
@@ -100,6 +99,9 @@ class MethodServer:
         self.checkpoint = coordinator.store.checkpointer(spec.label)
         self.resume = resume
         self.history: list[dict[str, Any]] = []
+        # the update pipeline: validation, attacks, clipping and DP, the aggregation rule (configured once, here)
+        self.updates = UpdatePipeline(self, spec.params, cfg.federation.attacks, planned_examples=coordinator.plan.num_examples,
+                                      reference_of=coordinator.reference_params)
 
     def clients_missing_state(self, kind: str, store: str, rounds: dict[int, int]) -> list[int]:
         """The clients of ``rounds`` (client -> round) that cannot give back their private state ``kind`` of that round,
@@ -327,85 +329,9 @@ class MethodServer:
                              f"failed {len(gathered.failures)}); see the update_rejected events")
         return kept
 
-    def accept_updates(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, *,
-                       check_values: bool = True, check: Callable[[int, Update], str | None] | None = None) -> dict[int, Update]:
-        """Keep the valid updates; reject (and record) those with NaN/Inf, wrong keys or wrong shapes, a sample count
-        other than the client's training-set size in the partition plan (the weight of its update in an average: the
-        coordinator knows it, so a client's word for it is checked, not trusted), and those the method's own
-        ``check(client, update)`` gives a reason against.
-
-        With ``check_values=False`` only keys, shapes, dtypes, counts and metrics are checked, not every parameter
-        value (:meth:`average_updates` checks the values through the average instead). Raises :class:`RunFailure` when
-        fewer than ``federation.min_clients`` updates survive.
-        """
-        given = reference
-        reference_of: Callable[[int], dict[str, np.ndarray]] = (
-            self._coordinator.reference_params if given is None else lambda client: given)  # each client's own model's layout
-        planned = self._coordinator.plan.num_examples
-
-        def read(client: int, update: Any) -> Update:
-            if not isinstance(update, Update):
-                reason: str | None = f"expected an Update, got {type(update).__name__}"
-            elif not isinstance(update.num_examples, (int, np.integer)) or update.num_examples <= 0:
-                reason = f"num_examples must be a positive integer, got {update.num_examples!r}"
-            elif update.num_examples != planned(client):
-                reason = (f"num_examples {update.num_examples} is not the client's {planned(client)} training examples "
-                          f"of the partition plan")
-            else:
-                reason = check_params(update.params, reference_of(client), check_finite=check_values)
-                if reason is None and not all(np.isfinite(v) for v in update.metrics.values()):
-                    reason = "non-finite metric values " + str({k: v for k, v in update.metrics.items() if not np.isfinite(v)})
-                if reason is None and check is not None:
-                    reason = check(client, update)
-            if reason is not None:
-                raise Rejected(reason)
-            return update
-
-        need = min(self.federation.policy.min_clients, len(gathered.results) + len(gathered.failures))
-        return self.accept_replies(gathered, read, need=need, what="client updates")
-
     def reject(self, client: int, reason: str) -> None:
         """Record that ``client``'s reply was rejected (never used): an ``update_rejected`` event."""
         self.events.emit("update_rejected", reason, method=self.label, client=client)
-
-    def list_attackers(self, round: int) -> list[int]:
-        """The clients ``federation.attacks`` attacks in ``round`` (empty unless configured)."""
-        return sorted(a.client for a in self._coordinator.cfg.federation.attacks if a.attacks_round(round))
-
-    def attack_updates(self, updates: dict[int, Update], reference: Mapping[str, np.ndarray], round: int) -> dict[int, Update]:
-        """``updates`` with the attacking clients' replaced by their attacks' (:func:`rayfuse.attacks.apply_attacks`,
-        relative to ``reference``, the model the clients started from), each recorded as an ``attack`` event; the
-        same updates when no attack is configured for ``round``."""
-        attacks = self._coordinator.cfg.federation.attacks
-        if not attacks:
-            return updates
-        attacked, applied = apply_attacks(updates, reference, attacks, round=round, seed=self.seed)
-        for attack in applied:
-            self.events.emit("attack", f"{attack.kind} on client {attack.client}'s update", method=self.label, client=attack.client,
-                             round=round, attack=attack.kind)
-        return attacked
-
-    def average_updates(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, *,
-                        weighted: bool = True) -> tuple[dict[str, np.ndarray], dict[int, Update]]:
-        """The (sample-weighted) average of the valid updates, and the updates it averaged.
-
-        Equivalent to scanning every update for NaN/Inf before averaging, at a fraction of the reads: the structure of
-        each update is checked, the updates are averaged, and only the *average* is scanned. With positive weights a
-        NaN or Inf anywhere makes the weighted sum non-finite, so a finite average proves every input finite. If it is
-        not, every update is scanned, the bad ones are rejected (``update_rejected`` events) and the rest averaged
-        again: a non-finite update is never part of the result.
-        """
-        updates = self.accept_updates(gathered, reference, check_values=False)
-        averaged = self._average(updates, weighted)
-        if not all(np.isfinite(v).all() for v in averaged.values() if v.dtype.kind == "f"):
-            updates = self.accept_updates(Gathered(dict(updates), gathered.failures), reference, check_values=True)
-            averaged = self._average(updates, weighted)
-        return averaged, updates
-
-    @staticmethod
-    def _average(updates: dict[int, Update], weighted: bool) -> dict[str, np.ndarray]:
-        weights = [u.num_examples for u in updates.values()] if weighted else None
-        return weighted_average([u.params for u in updates.values()], weights)
 
     def sample_clients(self, fraction: float, round: int) -> list[int]:
         """A seeded sample of ``ceil(fraction * n)`` client ids for ``round`` (all of them when fraction is 1)."""
@@ -714,7 +640,9 @@ class Coordinator:
             raise KeyError(f"no method labelled {label!r} in the config")
         method_cls = spec.method_cls
         # The check prepare_run made before anything started; again here for a coordinator built directly (tests).
-        check_methods([spec], RunSetup.from_plan(self.cfg, self.plan))
+        setup = RunSetup.from_plan(self.cfg, self.plan)
+        check_methods([spec], setup)
+        check_update_pipeline([spec], setup, self.cfg.federation.attacks)
         server = MethodServer(self, spec, resume=resume)
         started = time.perf_counter()
         self.events.emit("method_start", method=label)

@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 from pydantic import ConfigDict, ValidationError
@@ -68,6 +68,9 @@ __all__ = [
     "RunSetup",
     "ServerContext",
     "Update",
+    "UpdateService",
+    "Aggregate",
+    "Fuses",
     "check_client_models",
     "check_evaluation",
     "check_methods",
@@ -108,8 +111,8 @@ def step_name(step: Callable[..., Any]) -> str:
 class Update:
     """What a client sends back after local work: parameters, its sample count and scalar metrics.
 
-    ``num_examples`` is the client's training-set size (``ctx.num_examples``): :meth:`ServerContext.accept_updates`
-    rejects an update whose count differs from the one the partition plan gives that client."""
+    ``num_examples`` is the client's training-set size (``ctx.num_examples``): the update pipeline
+    (:class:`UpdateService`) rejects an update whose count differs from the one the partition plan gives that client."""
 
     params: dict[str, np.ndarray]
     num_examples: int
@@ -145,6 +148,22 @@ class Gathered(Generic[T]):
 
     def values(self) -> list[T]:
         return list(self.results.values())
+
+
+@dataclass
+class Aggregate:
+    """What :meth:`UpdateService.collect` makes of a round's replies: the combined model ``params``, the ``updates``
+    it combined (by client id, as the attacks left them) and the round's numbers of the pipeline (``metrics``: central
+    DP's ``dp_clip_norm``, ``dp_sampled``, ``dp_epsilon``...; empty without DP)."""
+
+    params: dict[str, np.ndarray]
+    updates: dict[int, Update]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+#: What a method combines of its clients (``Method.fuses``): the update pipeline's attacks, robust rules and DP act on
+#: ``parameters`` only; ``nothing``: the method combines no client upload (local models scored one by one, oracles).
+Fuses = Literal["parameters", "posteriors", "statistics", "predictions", "nothing"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -210,16 +229,60 @@ class ClientContext(Protocol):
     def state_store(self, kind: str, store: str) -> Any: ...
 
 
+class UpdateService(Protocol):
+    """The update pipeline (``server.updates``; :class:`rayfuse.fusion.pipeline.UpdatePipeline` implements it): the one
+    path from a round's client replies to an aggregate, owned by the framework, configured once from the run
+    (``federation.attacks``) and the method's entry (its ``aggregator`` and ``dp`` keys). Its stages, in order:
+
+    1. **validate**: each reply is an :class:`Update` with the reference's keys and shapes, finite values and metrics,
+       and the client's planned sample count; a bad one is recorded (``update_rejected``) and never used;
+    2. **attacks**: the attacking clients' updates replaced by their attacks' (``federation.attacks``; ``attack`` events);
+    3. **clipping and central DP noise**: ``aggregator.clip_norm``, or DP-FedAvg's clipping and noised sum (``dp``);
+    4. **the aggregation rule**: ``aggregator.name`` (mean, median, trimmed mean, Krum, Bulyan, geometric median).
+
+    :meth:`collect` runs all four. :meth:`accept` is stage 1 alone, for methods that read their clients' models
+    without combining them; :meth:`receive` stages 1-2 and :meth:`combine` stages 3-4, for a method that transforms
+    the received models before they are combined (``aligned`` aligns them). :meth:`sample`, :meth:`rounds`,
+    :meth:`local_models` and :meth:`state` are the DP mechanisms' share of the round: who trains (DP-FedAvg's Poisson
+    sampling), how many rounds the budget affords, the clipped and noised uploads of one-shot DP, the adaptive clip
+    norm to checkpoint.
+    """
+
+    def collect(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, round: int = 1, *,
+                start: Mapping[str, np.ndarray] | None = None, weighted: bool = True) -> Aggregate: ...
+
+    def accept(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, *,
+               check: Callable[[int, Update], str | None] | None = None) -> dict[int, Update]: ...
+
+    def receive(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, round: int = 1, *,
+                start: Mapping[str, np.ndarray] | None = None) -> dict[int, Update]: ...
+
+    def combine(self, models: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float] | None, *,
+                start: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]: ...
+
+    def sample(self, fraction: float, round: int) -> list[int]: ...
+
+    def rounds(self, planned: int) -> int: ...
+
+    def local_models(self) -> Gathered[Update]: ...
+
+    def state(self) -> dict[str, float]: ...
+
+    def load_state(self, state: Mapping[str, float]) -> None: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+
 class ServerContext(Protocol):
     """A method's whole view of the run (the coordinator implements it).
 
     The federation and the events; the server-side data roles (``test``, ``public``); the run's model, data and
     training settings; evaluation (:meth:`evaluate` and :meth:`evaluate_ensemble` score on the server's test set, on
     the clients' held-out splits, or both, as the run's ``evaluation`` says; :meth:`predict_proba` and
-    :meth:`evaluate_proba` are the server's test set only); accepting and averaging client updates (one rejection path,
-    :meth:`accept_replies`: a reply with NaN/Inf, wrong keys or shapes, a sample count other than the planned one, or
-    refused by the method's own check, is
-    recorded as an ``update_rejected`` event, never used); seeded randomness; logging; round checkpoints
+    :meth:`evaluate_proba` are the server's test set only); the update pipeline (``updates``, :class:`UpdateService`:
+    validation, attacks, clipping and DP, the aggregation rule) and the one rejection path under it,
+    :meth:`accept_replies` (a reply the reader refuses is recorded as an ``update_rejected`` event, never used);
+    seeded randomness; logging; round checkpoints
     (:meth:`rounds`, a :class:`RoundLoop` over a typed round state, owns resume, evaluation cadence, history, progress
     and checkpoints) and state that clients keep across rounds (:class:`KeptState`).
 
@@ -248,6 +311,9 @@ class ServerContext(Protocol):
 
     @property
     def federation(self) -> FederationView: ...  # read-only: the coordinator's concrete Federation implements the view
+
+    @property
+    def updates(self) -> UpdateService: ...  # read-only: the coordinator's UpdatePipeline implements the service
 
     @property
     def num_clients(self) -> int: ...
@@ -289,20 +355,10 @@ class ServerContext(Protocol):
 
     def local_updates(self) -> Gathered[Update]: ...
 
-    def accept_updates(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, *,
-                       check_values: bool = True, check: Callable[[int, Update], str | None] | None = None) -> dict[int, Update]: ...
-
     def accept_replies(self, gathered: Gathered[Any], read: Callable[[int, Any], R], *, need: int = 1,
                        what: str = "client replies") -> dict[int, R]: ...
 
-    def average_updates(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, *,
-                        weighted: bool = True) -> tuple[dict[str, np.ndarray], dict[int, Update]]: ...
-
     def reject(self, client: int, reason: str) -> None: ...
-
-    def list_attackers(self, round: int) -> list[int]: ...
-
-    def attack_updates(self, updates: dict[int, Update], reference: Mapping[str, np.ndarray], round: int) -> dict[int, Update]: ...
 
     def sample_clients(self, fraction: float, round: int) -> list[int]: ...
 
@@ -433,7 +489,11 @@ class Method(ABC):
     scores it with ``evaluate(..., model=)`` / ``evaluate_ensemble(..., models=)``; methods without it, those that average
     or match weights, are refused with such clients), ``public_labels`` (it reads the labels of the server's public
     sample, ``server.public.y``: it trains or tunes on them; refused when that sample has none, a silo config's
-    ``data.public`` with ``labels: false``, whose labels are ``-1``).
+    ``data.public`` with ``labels: false``, whose labels are ``-1``), ``fuses`` (what it combines of its clients,
+    :data:`Fuses`: ``parameters`` for the methods that combine model updates through ``server.updates.collect``; a
+    method that combines posteriors, statistics or predictions declares it, and the run refuses ``federation.attacks``,
+    a robust ``aggregator`` or ``dp`` for it before start; a method whose answer depends on its parameters gives it as
+    a ``fuses`` property of its ``Params``, which takes precedence).
     """
 
     name: ClassVar[str]
@@ -449,6 +509,7 @@ class Method(ABC):
     needs_dataset: ClassVar[bool] = False
     heterogeneous_clients: ClassVar[bool] = False
     public_labels: ClassVar[bool] = False
+    fuses: ClassVar[Fuses] = "parameters"
 
     def __init__(self, params: MethodParams | None = None, label: str | None = None) -> None:
         self.params = self.Params() if params is None else params
@@ -559,8 +620,11 @@ def resolve_methods(methods: Mapping[str, Mapping[str, Any]],
         else:
             raise InputError(path, "a method: a registered name, a Method subclass or a Method instance", type(given).__name__)
         if "dp" in entry and "dp" not in method_cls.Params.model_fields:
-            raise InputError(f"{path}.dp", f"no dp for method {name!r} (it has no differential-privacy option; central DP-FedAvg "
-                             "is the dp key of fedavg, fedprox, fedadagrad, fedadam and fedyogi)", entry["dp"])
+            fused = method_cls.fuses  # what the update pipeline would have to noise (its dp acts on parameter updates only)
+            why = (f"it fuses {fused}; dp acts on parameter updates" if fused not in ("parameters", "nothing") else
+                   "it has no differential-privacy option")
+            raise InputError(f"{path}.dp", f"no dp for method {name!r} ({why}; central DP-FedAvg is the dp key of fedavg, fedprox, "
+                             "fedadagrad, fedadam and fedyogi)", entry["dp"])
         try:
             params = method_cls.Params.model_validate(entry)
         except ValidationError as exc:

@@ -37,6 +37,7 @@ from rayfuse.config import ExperimentConfig, dump_config, validate_config
 from rayfuse.data.identity import changed_files, content_data, data_files
 from rayfuse.data.roles import DataPlan, load_dataset_from_config, load_target_from_config, make_plan
 from rayfuse.errors import InputError, RunFailure
+from rayfuse.fusion.pipeline import check_update_pipeline
 from rayfuse.io import atomic_write_json, atomic_write_text
 from rayfuse.method import MethodSpec, RunSetup, check_evaluation, check_methods, resolve_methods, resolved_config
 from rayfuse.report import Printer, format_client_summary, format_partition, format_table, plot_comparison, write_metrics_parquet
@@ -241,6 +242,7 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
     plan = make_plan(dataset, cfg.data, cfg.partition, cfg.run.seed, target=target)
     setup = RunSetup.from_plan(cfg, plan)
     check_methods(specs, setup)
+    check_update_pipeline(specs, setup, cfg.federation.attacks)
     check_local_dp(cfg, specs, setup)
     return PreparedRun(cfg, specs, plan, setup, num_params, client_params)
 
@@ -314,6 +316,7 @@ def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> Prepare
                      seed=cfg.run.seed, model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation), client_models=cfg.client_models(),
                      public_labeled=plan.public_labeled)
     _check_before_survey(specs, probe)
+    check_update_pipeline(specs, probe, cfg.federation.attacks)  # the number of clients is known; nothing else it reads is a stand-in
     check_evaluation(specs, probe)  # a method that scores on the server's data in its own way, with evaluation: federated
     setup = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=(), num_classes=0,
                      train_sizes=(), val_sizes=(), public_size=sizes["public"], test_size=sizes["test"], seed=cfg.run.seed,

@@ -66,7 +66,8 @@ class MeanOfLocals(Method):
 
     def run(self, server) -> MethodResult:
         gathered = server.federation.run(local_params)
-        fused, updates = server.average_updates(gathered, weighted=self.params.weighted)
+        result = server.updates.collect(gathered, weighted=self.params.weighted)
+        fused, updates = result.params, result.updates
         metrics = server.evaluate(fused)
         server.log(0, metrics)
         imported = max(u.metrics["imported_test_module"] for u in updates.values())

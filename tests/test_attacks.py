@@ -225,8 +225,11 @@ def test_aligned_rounds_are_attacked_relative_to_the_broadcast_model_and_other_m
 
     aligned = {"method": "aligned", "alignment": "weight", "repair": False}
     cfg = merge(TINY, {"run": {"storage": str(tmp_path / "runs")}, "partition": {"method": "iid", "num_clients": 4},
-                       "methods": {"fedma": {**aligned, "rounds": 2}, "regmean": {**aligned, "merge": "regmean"}},
+                       "methods": {"fedma": {**aligned, "rounds": 2}},
                        "federation": {"attacks": [{"client": 3, "kind": "scale", "scale": 5.0}]}})
     result = rayfuse.run(cfg, quiet=True)
     events = [(e["method"], e["client"], e["round"]) for e in result.results["events"] if e["kind"] == "attack"]
     assert events == [("fedma", 3, 1), ("fedma", 3, 2)]
+    # a merge by the clients' statistics (regmean) is never attacked: the update pipeline refuses it before start
+    with pytest.raises(InputError, match=r"^federation\.attacks: expected no attacks with method 'aligned' \(methods\.regmean fuses statistics"):
+        rayfuse.run(merge(cfg, {"methods": {"regmean": {**aligned, "merge": "regmean"}}}), quiet=True)

@@ -237,7 +237,7 @@ class Probe(Method):
     heterogeneous_clients = True
 
     def run(self, server) -> MethodResult:
-        updates = server.accept_updates(server.federation.run(probe))
+        updates = server.updates.accept(server.federation.run(probe))
         metrics = {f"accuracy_{c}": server.evaluate(u.params, model=server.client_model(c))["accuracy"] for c, u in updates.items()}
         layouts = {str(c): sorted(u.params) for c, u in updates.items()}
         imported = max(u.metrics["imported"] for u in updates.values())

@@ -18,10 +18,11 @@ stays small whatever the model's size), and the result is cast back to each tens
 * :func:`clip_updates`: each model's update ``w_k - g`` relative to the global model ``g`` scaled to norm at most
   ``C`` (``g + min(1, C / ||w_k - g||) (w_k - g)``), before any aggregator.
 
-:func:`aggregate` applies an :class:`AggregatorSettings` (the ``aggregator`` key of the methods that average updates);
-its default, ``{name: mean}``, is :func:`rayfuse.fusion.aggregate.weighted_average` itself, so the results of a run
-that does not set it are unchanged. :func:`check_aggregator` is each rule's precondition on the number ``n`` of
-models (run by the methods' ``check``, before any client trains).
+:func:`aggregate` applies an :class:`AggregatorSettings` (the ``aggregator`` key of the methods that average updates,
+read by the update pipeline, :mod:`rayfuse.fusion.pipeline`, whose last stage it is); its default, ``{name: mean}``,
+is :func:`rayfuse.fusion.aggregate.weighted_average` itself, so the results of a run that does not set it are
+unchanged. :func:`check_aggregator` is each rule's precondition on the number ``n`` of models (run by the pipeline's
+pre-start check, before any client trains).
 
 Weighting: ``mean`` and ``geometric_median`` use the sample weights (RFA's ``a_k``); ``median``, ``trimmed_mean``,
 Krum's and Bulyan's selection and Bulyan's coordinate-wise step are unweighted, as in their papers and in Flower;
@@ -44,11 +45,11 @@ from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, mod
 
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.fusion.aggregate import CHUNK, normalize_weights, weighted_average
-from rayfuse.method import Gathered, MethodParams, ServerContext, Update
+from rayfuse.method import MethodParams
 
 __all__ = ["AggregatorSettings", "aggregate", "aggregate_median", "aggregate_trimmed_mean", "aggregate_krum", "aggregate_bulyan",
            "aggregate_geometric_median", "clip_updates", "compute_update_norms", "compute_pairwise_distances", "score_krum",
-           "select_krum", "select_bulyan", "check_aggregator", "check_enough_updates", "aggregate_updates"]
+           "select_krum", "select_bulyan", "check_aggregator", "check_enough_updates"]
 
 Params = dict[str, np.ndarray]
 Models = Sequence[Mapping[str, np.ndarray]]
@@ -492,53 +493,3 @@ def check_enough_updates(settings: AggregatorSettings, n: int, label: str) -> No
         check_aggregator(settings, n, what="valid updates")
     except InputError as exc:
         raise RunFailure(f"{label}: {n} valid updates are too few for aggregator {settings.name!r}: {exc}") from None
-
-
-def aggregate_updates(server: ServerContext, gathered: Gathered[Any], settings: AggregatorSettings, *,
-                      reference: dict[str, np.ndarray] | None = None, start: Mapping[str, np.ndarray] | None = None,
-                      weighted: bool = True, round: int = 1) -> tuple[Params, dict[int, Update]]:
-    """A round's valid updates combined by ``settings``, and the updates combined.
-
-    The plain mean is :meth:`ServerContext.average_updates` itself (unchanged results). Any other rule, or clipping,
-    first checks every value of every update (a robust rule may never read a NaN, so a finite result would prove
-    nothing about its inputs) and then applies :func:`aggregate` to the accepted updates in client order.
-
-    Parameters
-    ----------
-    server : ServerContext
-        The method's server.
-    gathered : Gathered
-        The clients' replies.
-    settings : AggregatorSettings
-        The rule.
-    reference : dict of ndarray, optional
-        The model the updates' keys and shapes are checked against (default: the run's model).
-    start : dict of ndarray, optional
-        The global model the clients started from, which clipping measures updates from (default: ``reference``).
-    weighted : bool
-        Weight the updates by their sample counts (where the rule uses weights).
-    round : int
-        The round (1 for one-shot methods): the updates of the clients ``federation.attacks`` attacks in it are replaced
-        by their attacks' (:meth:`ServerContext.attack_updates`, relative to ``start``, ``reference`` or the run's
-        initial model) before the rule runs.
-
-    Raises
-    ------
-    RunFailure
-        Fewer valid updates arrived than the rule needs (clients failed or were rejected).
-    """
-    attacked = bool(server.list_attackers(round))
-    if settings.is_plain_mean and not attacked:
-        return server.average_updates(gathered, reference, weighted=weighted)
-    updates = server.accept_updates(gathered, reference)
-    ids = sorted(updates)
-    check_enough_updates(settings, len(ids), server.label)
-    origin = start if start is not None else reference
-    if (settings.clip_norm is not None or attacked) and origin is None:
-        origin = server.initial_params()
-    if attacked:
-        assert origin is not None
-        updates = server.attack_updates(updates, origin, round)
-    models = [updates[c].params for c in ids]
-    weights = [float(updates[c].num_examples) for c in ids] if weighted else None
-    return aggregate(models, weights, settings, reference=origin), {c: updates[c] for c in ids}

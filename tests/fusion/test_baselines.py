@@ -104,14 +104,14 @@ def test_fedavg_aggregation_is_np_average_and_independent_of_client_order(coordi
     server = MethodServer(coord, resolve_methods(coord.cfg.methods)[0], resume=False)
     counts = [coord.plan.num_examples(i) for i in range(3)]  # the planned counts (any other count is rejected)
     updates = random_updates(coord.reference_params(), counts)
-    averaged, used = server.average_updates(Gathered(updates))
-    reordered, _ = server.average_updates(Gathered(dict(reversed(list(updates.items())))))
+    averaged, used = _mean(server, Gathered(updates))
+    reordered, _ = _mean(server, Gathered(dict(reversed(list(updates.items())))))
     assert list(used) == [0, 1, 2]
     for key, value in averaged.items():
         expected = np.average(np.stack([u.params[key] for u in updates.values()]), axis=0, weights=counts)
         np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(reordered[key], value, rtol=1e-5, atol=1e-6)
-    uniform, _ = server.average_updates(Gathered(updates), weighted=False)
+    uniform, _ = _mean(server, Gathered(updates), weighted=False)
     key = "layers.0.weight"
     np.testing.assert_allclose(uniform[key], np.mean([u.params[key] for u in updates.values()], axis=0), rtol=1e-5, atol=1e-6)
     assert FedAvg(FedAvgParams()).server_update(server, {}, averaged, used, 1) is averaged
@@ -122,9 +122,9 @@ def test_a_non_finite_update_is_found_through_the_average_and_left_out(coordinat
     server = MethodServer(coord, resolve_methods(coord.cfg.methods)[0], resume=False)
     updates = random_updates(coord.reference_params(), [coord.plan.num_examples(i) for i in range(4)])
     updates[2].params["layers.1.bias"][3] = np.inf
-    averaged, used = server.average_updates(Gathered(updates))
+    averaged, used = _mean(server, Gathered(updates))
     assert list(used) == [0, 1, 3]
-    clean, _ = server.average_updates(Gathered({c: updates[c] for c in (0, 1, 3)}))
+    clean, _ = _mean(server, Gathered({c: updates[c] for c in (0, 1, 3)}))
     assert params_equal(averaged, clean)
     rejected = [e for e in coord.events.since(0) if e["kind"] == "update_rejected"]
     assert [e["client"] for e in rejected] == [2] and "NaN or Inf" in rejected[0]["message"]
@@ -195,7 +195,7 @@ def test_accept_updates_rejects_bad_keys_shapes_and_values(coordinator):
     zero_count = Update(dict(ref), 0)
     not_update = {"w": 1}
     gathered = Gathered({0: good, 1: wrong_key, 2: wrong_shape, 3: inf, 4: zero_count, 5: not_update})
-    accepted = server.accept_updates(gathered)
+    accepted = server.updates.accept(gathered)
     assert list(accepted) == [0]
     reasons = {e["client"]: e["message"] for e in coord.events.since(0) if e["kind"] == "update_rejected"}
     assert "missing keys" in reasons[1] and "unexpected keys" in reasons[1]
@@ -203,3 +203,9 @@ def test_accept_updates_rejects_bad_keys_shapes_and_values(coordinator):
     assert "NaN or Inf" in reasons[3]
     assert "num_examples" in reasons[4]
     assert "expected an Update" in reasons[5]
+
+
+def _mean(server, gathered, weighted=True):
+    """The update pipeline's plain mean (``server.updates.collect``): the averaged model and the updates it used."""
+    result = server.updates.collect(gathered, weighted=weighted)
+    return result.params, result.updates

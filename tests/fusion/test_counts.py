@@ -32,7 +32,7 @@ def test_a_count_other_than_the_planned_one_is_rejected_and_recorded(server_and_
     planned = coord.plan.num_examples(1)
     updates[1].num_examples = {"inflated": planned * 1000, "deflated": 1, "off by one": planned + 1,
                                "numpy integer off by one": np.int64(planned - 1)}[reported]
-    accepted = server.accept_updates(Gathered(updates))
+    accepted = server.updates.accept(Gathered(updates))
     assert sorted(accepted) == [0, 2, 3]
     assert f"not the client's {planned} training examples" in rejections(coord)[1]
 
@@ -40,7 +40,7 @@ def test_a_count_other_than_the_planned_one_is_rejected_and_recorded(server_and_
 def test_planned_counts_pass(server_and_updates):
     coord, server, updates = server_and_updates
     updates[2].num_examples = np.int64(updates[2].num_examples)  # a numpy integer of the right value is fine
-    assert sorted(server.accept_updates(Gathered(updates))) == [0, 1, 2, 3]
+    assert sorted(server.updates.accept(Gathered(updates))) == [0, 1, 2, 3]
     assert not rejections(coord)
 
 
@@ -48,7 +48,8 @@ def test_an_inflated_count_never_weighs_the_average(server_and_updates):
     coord, server, updates = server_and_updates
     honest = {i: updates[i] for i in (0, 2, 3)}
     updates[1].num_examples = coord.plan.num_examples(1) * 50
-    averaged, used = server.average_updates(Gathered(updates))
+    result = server.updates.collect(Gathered(updates))
+    averaged, used = result.params, result.updates
     assert sorted(used) == [0, 2, 3]
     expected = weighted_average([u.params for u in honest.values()], [u.num_examples for u in honest.values()])
     for key in expected:
@@ -66,6 +67,6 @@ def inflate(ctx):
 def test_a_client_step_that_overstates_its_count_is_left_out(coordinator):
     coord = coordinator(methods={"average": {}})
     server = MethodServer(coord, resolve_methods(coord.cfg.methods)[0], resume=False)
-    accepted = server.accept_updates(coord.federation.run(inflate))
+    accepted = server.updates.accept(coord.federation.run(inflate))
     assert 0 not in accepted and sorted(accepted) == [1, 2, 3]
     assert "training examples" in rejections(coord)[0]

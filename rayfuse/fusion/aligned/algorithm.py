@@ -39,6 +39,7 @@ with counts. Nothing per sample.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,8 +48,9 @@ from pydantic import Field
 
 from rayfuse.errors import InputError
 from rayfuse.fusion import references
-from rayfuse.fusion.privacy import UploadDP, check_upload_dp, gather_dp_uploads
-from rayfuse.fusion.robust import AggregatorSettings, aggregate, check_aggregator, check_enough_updates
+from rayfuse.fusion.pipeline import combine_models
+from rayfuse.fusion.privacy import UploadDP
+from rayfuse.fusion.robust import AggregatorSettings
 from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, Update, client_step, register_method
 
 __all__ = ["AlignmentSettings", "AlignedParams", "Aligned", "batchnorm", "derive_run_spec", "read_batchnorm_reply"]
@@ -89,6 +91,13 @@ class AlignedParams(AlignmentSettings):
     dp: UploadDP | None = Field(None, description="each client clips its upload to clip_norm and adds N(0, (z clip_norm)^2) before "
                                 "it leaves; only with what reads nothing else of the clients (alignment: weight, repair: false, "
                                 "rounds: 1, merge: average or nonparametric)")
+
+    @property
+    def fuses(self) -> str:
+        """What the update pipeline sees of the clients (``Method.fuses``): their models, aligned and then merged by the
+        pipeline's rule (``average``) or matched into new units (``nonparametric``); with ``fisher`` or ``regmean`` the
+        merge weighs them by statistics of the clients' data, which attacks, robust rules and DP do not act on."""
+        return "statistics" if self.merge in ("fisher", "regmean") else "parameters"
 
 
 def derive_run_spec(model: Any, input_shape: tuple[int, ...], explicit: dict[str, Any] | None = None, *, where: str = "model.name",
@@ -266,10 +275,8 @@ class Aligned(Method):
         if not params.aggregator.is_plain_mean and params.merge != "average":
             raise InputError("aggregator", "the default mean with merge " + repr(params.merge) + " (a robust aggregator or clip_norm "
                              "replaces merge: average only)", params.aggregator.name if params.aggregator.name != "mean" else "clip_norm")
-        check_aggregator(params.aggregator, setup.num_clients, what="clients")
-        if params.dp is not None:
+        if params.dp is not None:  # the rule's precondition and the upload's delta are the update pipeline's checks
             _check_dp_fits(params)
-            check_upload_dp(params.dp, setup)
         model = build_model(setup.model, setup.input_shape, setup.num_classes, seed=0)
         derive_run_spec(model, setup.input_shape, params.spec)
         if params.alignment == "activation" or params.repair:  # both read the torch.fx graph: refused before any client trains
@@ -285,33 +292,31 @@ class Aligned(Method):
                                evaluate=lambda rnd: server.evaluate(rounds.state.params, resized=grown), evaluate_every=p.evaluate_every)
         state = rounds.state
         info: dict[str, Any] = {}
-        upload_dp: dict[str, Any] | None = None  # with dp: each client's epsilon (round 1)
         fed = server.federation
+        pipeline = server.updates  # validation and attacks before alignment; clipping and the rule after it (merge: average)
         for rnd in rounds:
             if rnd == 1:  # one shot: the local models, aligned and merged
-                if p.dp is None:
-                    uploads = server.local_updates()
-                else:  # the clients clip and noise their uploads; the raw local models never leave them
-                    uploads, upload_dp = gather_dp_uploads(server, p.dp)
-                updates = self._attack(server, server.accept_updates(uploads), server.initial_params(), rnd)
+                # with dp: the clients' clipped, noised uploads (the raw local models never leave them)
+                updates = pipeline.receive(pipeline.local_models(), None, rnd, start=server.initial_params())
                 ids = sorted(updates)
                 server.progress(f"{server.label}: {len(spec.groups)} permutation groups, {len(spec.fixed)} fixed axes; "
                                 f"aligning {len(ids)} models")
                 target = None
             else:  # FedMA-style: local training from the global model, each update aligned onto it, merged
-                updates = server.accept_updates(fed.run(fit, fed.put(state.params), label=server.label, round=rnd, epochs=p.local_epochs),
-                                                reference=state.params)
-                updates = self._attack(server, updates, state.params, rnd)
+                updates = pipeline.receive(fed.run(fit, fed.put(state.params), label=server.label, round=rnd, epochs=p.local_epochs),
+                                           state.params, rnd)
                 ids = sorted(updates)
                 target = state.params
             weights = [float(updates[c].num_examples) if p.weighted else 1.0 for c in ids]
-            state.params, info = self._fuse(server, spec, [updates[c].params for c in ids], ids, weights, round=rnd, target=target)
+            state.params, info = self._fuse(server, spec, [updates[c].params for c in ids], ids, weights, round=rnd, target=target,
+                                            combine=pipeline.combine)
             if info.get("new_units"):  # the global model grew: later rounds align onto it at its widths
                 grown = True
                 spec = derive_run_spec(_server_model(server, state.params), server.input_shape)
             rounds.log({"clients": float(len(ids)), "units_moved": float(info["units_moved"])})
         info.update({"groups": len(spec.groups), "fixed_axes": len(spec.fixed), "rounds": p.rounds})
         metrics = rounds.metrics
+        upload_dp = pipeline.info().get("upload_dp")  # with dp: each client's epsilon (round 1)
         if upload_dp is not None:
             info["upload_dp"] = upload_dp
             metrics = {**metrics, "upload_epsilon": max(upload_dp["epsilon"].values())}
@@ -326,20 +331,19 @@ class Aligned(Method):
         spec = derive_run_spec(server.build_model(seed=0), server.input_shape, p.spec)
         ids = sorted(updates)
         weights = [float(updates[c].num_examples) if p.weighted else 1.0 for c in ids]
-        return self._fuse(server, spec, [updates[c].params for c in ids], ids, weights, round=1)
 
-    def _attack(self, server: ServerContext, updates: dict[int, Update], reference: dict[str, np.ndarray], round: int) -> dict[int, Update]:
-        """With ``merge: average``, the round's models with each attacking client's replaced by its attack's (relative to
-        ``reference``: the run's initial model in round 1, the broadcast global model later), before alignment: a
-        compromised client sends a bad model, which the server then aligns like any other. Other merges: ``updates``."""
-        if self.params.merge != "average" or not server.list_attackers(round):
-            return updates
-        return server.attack_updates(updates, reference, round)
+        def combine(models: Any, weights: Any, *, start: Any = None) -> dict[str, np.ndarray]:  # these settings' own aggregator
+            return combine_models(models, weights, p.aggregator, start=start, initial=server.initial_params, label=server.label)
+
+        return self._fuse(server, spec, [updates[c].params for c in ids], ids, weights, round=1, combine=combine)
 
     # -- one alignment + merge + repair ---------------------------------------------------------------------------
 
     def _fuse(self, server: ServerContext, spec: Any, models: list[dict[str, np.ndarray]], clients: list[int],
-              weights: list[float], *, round: int, target: dict[str, np.ndarray] | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+              weights: list[float], *, round: int, combine: Callable[..., dict[str, np.ndarray]],
+              target: dict[str, np.ndarray] | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """Align ``models``, merge them and repair; ``combine(aligned, weights, start=)`` is the update pipeline's
+        clipping and robust rule (``merge: average`` with an ``aggregator`` other than the plain mean)."""
         from rayfuse.alignment import merge_average, merge_fisher, merge_regmean
 
         p = self.params
@@ -347,12 +351,11 @@ class Aligned(Method):
         aligned = [spec.apply(m, pk) for m, pk in zip(models, perms)]
         info: dict[str, Any] = {"alignment": p.alignment, "merge": p.merge, "repair": p.repair,
                                 "units_moved": int(sum(int((pk[g] != np.arange(len(pk[g]))).sum()) for pk in perms for g in pk))}
-        if p.merge == "average" and not p.aggregator.is_plain_mean:
-            check_enough_updates(p.aggregator, len(aligned), server.label)
-            start = target if target is not None or p.aggregator.clip_norm is None else server.initial_params()
-            fused = aggregate(aligned, weights, p.aggregator, reference=start)
+        if p.merge == "average" and not p.aggregator.is_plain_mean:  # the update pipeline's clipping and robust rule
+            fused = combine(aligned, weights, start=target)
             info["aggregator"] = p.aggregator.name
         elif p.merge == "average" or (p.merge == "nonparametric" and target is not None):  # the global model's width is set in round 1
+            # the alignment's own average (float64 accumulation), as before the pipeline: the same bytes
             fused = merge_average(aligned, weights)
         elif p.merge == "nonparametric":
             from rayfuse.alignment import fuse_nonparametric, resolve_cost_keys, width_roles

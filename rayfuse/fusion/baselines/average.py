@@ -4,9 +4,11 @@
 permutation symmetry of hidden units, which is exactly what matching-based fusion (PFNM, KL-fusion, GEMS) fixes;
 with ``train.shared_init`` the local models start from one initialisation, the friendliest case for averaging.
 
+The combination is the framework's update pipeline (``server.updates``, :mod:`rayfuse.fusion.pipeline`):
 ``aggregator`` replaces the average by a robust rule (:mod:`rayfuse.fusion.robust`); its ``clip_norm`` clips each
-local model's distance to the run's initial model (the clients' common start with ``train.shared_init``). The default,
-``mean``, is the average above.
+local model's distance to the run's initial model (the clients' common start with ``train.shared_init``). The
+default, ``mean``, is the average above. ``federation.attacks`` replace the attacking clients' models (relative to the
+same initial model) before the rule.
 
 ``dp`` makes each client clip and noise its upload on its own side before it leaves (:mod:`rayfuse.fusion.privacy`):
 the difference to the shared initialisation with ``train.shared_init``, else the parameters themselves; the server
@@ -15,13 +17,11 @@ averages the noised uploads and records each client's epsilon.
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import Field
 
-from rayfuse.fusion.privacy import UploadDP, check_upload_dp, gather_dp_uploads
-from rayfuse.fusion.robust import AggregatorSettings, aggregate_updates, check_aggregator
-from rayfuse.method import Method, MethodParams, MethodResult, RunSetup, ServerContext, register_method
+from rayfuse.fusion.privacy import UploadDP
+from rayfuse.fusion.robust import AggregatorSettings
+from rayfuse.method import Method, MethodParams, MethodResult, ServerContext, register_method
 
 
 class AverageParams(MethodParams):
@@ -42,24 +42,15 @@ class Average(Method):
     uses_local_models = True
     local_model_only = True  # train.dp (local DP-SGD) covers what it releases
 
-    @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
-        """The aggregator's precondition on the number of clients."""
-        assert isinstance(params, AverageParams)
-        check_aggregator(params.aggregator, setup.num_clients, what="clients")
-        check_upload_dp(params.dp, setup)
-
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params
+        pipeline = server.updates
         start = server.initial_params() if p.aggregator.clip_norm is not None else None
-        info: dict[str, Any] = {}
-        if p.dp is None:
-            uploads = server.local_updates()
-        else:  # the clients clip and noise their uploads; the raw local models never leave them
-            uploads, info["upload_dp"] = gather_dp_uploads(server, p.dp)
-        params, updates = aggregate_updates(server, uploads, p.aggregator, start=start, weighted=p.weighted)
-        metrics = server.evaluate(params)
-        if p.dp is not None:
+        uploads = pipeline.local_models()  # with dp: the clients' clipped, noised uploads (the raw local models never leave them)
+        result = pipeline.collect(uploads, start=start, weighted=p.weighted)
+        metrics = server.evaluate(result.params)
+        info = pipeline.info()
+        if "upload_dp" in info:
             metrics["upload_epsilon"] = max(info["upload_dp"]["epsilon"].values())
         server.log(1, metrics)
-        return MethodResult(metrics, params, info={"clients": list(updates), **info})
+        return MethodResult(metrics, result.params, info={"clients": list(result.updates), **info})

@@ -25,6 +25,7 @@ class EnsembleParams(MethodParams):
 @register_method
 class Ensemble(Method):
     name = "ensemble"
+    fuses = "predictions"  # the local models' predictions
     Params = EnsembleParams
     params: EnsembleParams
     summary = "the local models as an ensemble: probability average and majority vote"
@@ -33,7 +34,7 @@ class Ensemble(Method):
     heterogeneous_clients = True  # the members' probabilities are averaged, each member in its own architecture
 
     def run(self, server: ServerContext) -> MethodResult:
-        updates = server.accept_updates(server.local_updates())
+        updates = server.updates.accept(server.local_updates())
         weights = normalize_weights([u.num_examples for u in updates.values()] if self.params.weighted else None, len(updates))
         metrics = server.evaluate_ensemble([u.params for u in updates.values()], weights,
                                            models=[server.client_model(c) for c in updates])  # each member in its own architecture

@@ -248,6 +248,12 @@ class FinetuneParams(TuneSettings):
     raw_early_stop: int = Field(
         0, ge=0, description="base raw: stop once the training accuracy has not improved for this many epochs (0: off; the reference: 3)")
 
+    @property
+    def fuses(self) -> str:
+        """What the update pipeline sees (``Method.fuses``): ``average`` combines the local models through it (attacks
+        apply); ``local`` and ``raw`` combine no client upload."""
+        return "parameters" if self.base == "average" else "nothing"
+
     def resolved(self) -> FinetuneParams:
         """These parameters with ``tune_lr`` / ``last_layer_only`` filled in from the reference's per-base defaults."""
         lr, last_only = _BASE_DEFAULTS[self.base]
@@ -291,11 +297,12 @@ class Finetune(Method):
             return MethodResult(metrics, params, info={"base": "raw", "tuning_curve": curve, "epochs": raw_epochs,
                                                        "dropout": p.raw_dropout, "early_stop": p.raw_early_stop})
         if p.base == "average":
-            averaged, updates = server.average_updates(server.local_updates())
+            result = server.updates.collect(server.local_updates())  # validated, attacked where configured, averaged
+            averaged, updates = result.params, result.updates
             metrics, curve, params = tuning_curve(server, averaged, p, key=key)
             server.log(0, metrics)
             return MethodResult(metrics, params, info={"base": "average", "tuning_curve": curve, "clients": list(updates)})
-        updates = server.accept_updates(server.local_updates())
+        updates = server.updates.accept(server.local_updates())
         per_client, curves = [], []
         for client, update in updates.items():
             metrics, curve, _ = tuning_curve(server, update.params, p, key=key)

@@ -14,13 +14,14 @@ from rayfuse.method import Method, MethodResult, ServerContext, register_method
 @register_method
 class Local(Method):
     name = "local"
+    fuses = "nothing"  # each local model scored on its own
     summary = "each client's local model on the global test set (each, and mean +- std)"
     uses_local_models = True
     local_model_only = True  # train.dp (local DP-SGD) covers what it releases
     heterogeneous_clients = True  # each client's model is scored in its own architecture
 
     def run(self, server: ServerContext) -> MethodResult:
-        updates = server.accept_updates(server.local_updates())
+        updates = server.updates.accept(server.local_updates())
         per_client = []
         for client, update in updates.items():
             metrics = server.evaluate(update.params, model=server.client_model(client))  # in the client's own architecture

@@ -20,6 +20,7 @@ class GlobalParams(MethodParams):
 @register_method
 class GlobalOracle(Method):
     name = "global"
+    fuses = "nothing"  # an oracle on the pooled data: no client upload combined
     needs_dataset = True  # reads the whole dataset (data.dataset): not with data.silos
     aliases = ("centralized", "pooled")
     Params = GlobalParams

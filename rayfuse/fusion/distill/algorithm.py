@@ -255,6 +255,7 @@ class _StudentServer:
 @register_method
 class Distill(Method):
     name = "distill"
+    fuses = "predictions"  # the teachers' predictions, distilled into the student
     Params = DistillParams
     params: DistillParams
     summary = "one-shot ensemble distillation into one student: public unlabeled data or data-free, parameters or predictions only"
@@ -302,7 +303,7 @@ class Distill(Method):
         clients = list(fed.client_ids)
         updates: dict[int, Update] = {}
         if p.teachers == "parameters":
-            updates = server.accept_updates(server.local_updates())
+            updates = server.updates.accept(server.local_updates())
             clients = sorted(updates)
         counts = np.asarray(server.class_counts, dtype=np.float64)[clients]
         weights = teacher_weights(p.weighting, counts)

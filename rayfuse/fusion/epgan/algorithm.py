@@ -487,6 +487,7 @@ class EPGANState:
 @register_method
 class EPGAN(Method):
     name = "epgan"
+    fuses = "posteriors"  # the generators' and discriminators' EP posteriors (product of Gaussians)
     federated_evaluation = False  # generative scores (FD / IS / D-MSE) against the server's test set: evaluation central only
     Params = EPGANParams
     params: EPGANParams
@@ -579,13 +580,14 @@ class EPGAN(Method):
 
     @staticmethod
     def accept(server: ServerContext, gathered: Any, reference: dict[str, np.ndarray]) -> dict[int, Update]:
-        """:meth:`ServerContext.accept_updates` (NaN / Inf, keys, shapes, metrics) plus: EP variances must be > 0."""
-        return server.accept_updates(gathered, reference, check=_positive_ep_variances)
+        """The update pipeline's validation, ``server.updates.accept`` (NaN / Inf, keys, shapes, metrics) plus: EP variances must be > 0."""
+        return server.updates.accept(gathered, reference, check=_positive_ep_variances)
 
 
 @register_method
 class EPGANOracle(Method):
     name = "epgan-oracle"
+    fuses = "nothing"  # an oracle on the pooled data: no client upload combined
     needs_dataset = True  # reads the whole dataset (data.dataset): not with data.silos
     federated_evaluation = False  # generative scores (FD / IS / D-MSE) against the server's test set: evaluation central only
     aliases = ("epgan-centralized",)

@@ -8,16 +8,16 @@ sampled client runs ``local_epochs`` of local training from it and returns ``(w_
 FedProx (Li et al. 2020) adds the proximal term to each client's objective, ``F_k(w) + (mu/2) ||w - w_t||^2``
 (eq. 2), and aggregates the same way.
 
-``dp`` makes the round central DP-FedAvg (McMahan et al. 2018; :mod:`rayfuse.fusion.central_dp`): Poisson client
-sampling with ``dp.sample_rate``, each update clipped to ``dp.clip_norm`` (fixed or adaptive, Andrew et al. 2021),
-Gaussian noise on the sum, divided by the expected number of clients; the server update (FedOpt's adaptive step)
-then acts on the noised model. Opacus' accountant gives the epsilon spent after each round (``dp_epsilon``), and
-``dp.stop_at_epsilon`` ends the run before the round that would exceed it.
-
+Each round's aggregate comes from the framework's update pipeline (``server.updates``,
+:mod:`rayfuse.fusion.pipeline`), which the ``aggregator`` and ``dp`` keys configure and ``federation.attacks`` feeds:
 ``aggregator`` replaces eq. 1's average by a robust rule (:mod:`rayfuse.fusion.robust`: median, trimmed mean, Krum,
-Bulyan, geometric median) and optionally clips each update ``w_t^k - w_t`` to a norm first; its precondition on the
-number of clients per round (``ceil(fraction * N)``) is checked before any client trains. The default, ``mean``, is
-eq. 1 exactly.
+Bulyan, geometric median) and optionally clips each update ``w_t^k - w_t`` first (the default, ``mean``, is eq. 1
+exactly); ``dp`` makes the round central DP-FedAvg (McMahan et al. 2018; :mod:`rayfuse.fusion.central_dp`): Poisson
+client sampling with ``dp.sample_rate``, each update clipped to ``dp.clip_norm`` (fixed or adaptive, Andrew et al.
+2021), Gaussian noise on the sum, divided by the expected number of clients; the server update (FedOpt's adaptive
+step) then acts on the noised model. Opacus' accountant gives the epsilon spent after each round (``dp_epsilon``),
+and ``dp.stop_at_epsilon`` ends the run before the round that would exceed it. The pipeline's checks (the rule's
+precondition on ``ceil(fraction * N)`` clients per round, what DP-FedAvg needs) run before any client trains.
 
 Subclasses change the server update by overriding :meth:`FedAvg.server_update` (FedOpt, FedRef) and keep extra
 server state in the round checkpoint through :meth:`FedAvg.server_state` / :meth:`FedAvg.load_server_state`.
@@ -32,14 +32,13 @@ from typing import ClassVar, Literal
 import numpy as np
 from pydantic import Field
 
-from rayfuse.accountant import compute_epsilon
-from rayfuse.errors import InputError
 from rayfuse.fusion import references
-from rayfuse.fusion.central_dp import CentralDPSettings, DPPlan, apply_dp_round, describe_plan, plan_dp, sample_poisson
-from rayfuse.fusion.robust import AggregatorSettings, aggregate_updates, check_aggregator
-from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, Update, client_step, register_method
+from rayfuse.fusion.central_dp import CentralDPSettings
+from rayfuse.fusion.pipeline import clients_per_round
+from rayfuse.fusion.robust import AggregatorSettings
+from rayfuse.method import ClientContext, Gathered, Method, MethodParams, MethodResult, ServerContext, Update, client_step, register_method
 
-__all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "FedAvgState", "fit", "check_dp_params"]
+__all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "FedAvgState", "fit", "clients_per_round"]
 
 @client_step("fedavg.fit")
 def fit(ctx: ClientContext, global_params: dict[str, np.ndarray], *, label: str, round: int, epochs: int, lr: float,
@@ -84,11 +83,6 @@ class FedAvgParams(MethodParams):
                                          "null: no DP")
 
 
-def clients_per_round(num_clients: int, fraction: float) -> int:
-    """How many clients :meth:`ServerContext.sample_clients` samples each round: ``ceil(fraction * N)``, at least 1."""
-    return min(num_clients, max(1, int(np.ceil(fraction * num_clients))))
-
-
 class FedProxParams(FedAvgParams):
     mu: float = Field(0.01, ge=0, description="proximal coefficient (Li et al. 2020)")
 
@@ -102,21 +96,13 @@ class FedAvg(Method):
     reference = references.FEDAVG
     multi_round = True
 
-    #: why ``dp`` is refused for this method (empty: central DP-FedAvg applies)
-    no_dp: ClassVar[str] = ""
+    #: the clients' update metrics :meth:`server_update` reads (FedRef: their loss); central DP, which noises only the
+    #: parameters, is refused for a method that reads any (the update pipeline's pre-start check)
+    reads_client_metrics: ClassVar[tuple[str, ...]] = ()
 
     @property
     def mu(self) -> float:
         return 0.0
-
-    @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
-        """The aggregator's precondition on the clients sampled per round; with ``dp``, what DP-FedAvg needs."""
-        assert isinstance(params, FedAvgParams)
-        if params.dp is not None:
-            check_dp_params(cls, params, setup.num_clients)
-            return
-        check_aggregator(params.aggregator, clients_per_round(setup.num_clients, params.fraction))
 
     # -- hooks for subclasses ------------------------------------------------------------------------------------
 
@@ -149,64 +135,37 @@ class FedAvg(Method):
         p = self.params
         train = server.train_cfg
         fed = server.federation
-        dp = p.dp
-        plan = plan_dp(dp, server.num_clients, p.rounds) if dp is not None else None
-        last = plan.rounds if plan is not None else p.rounds
-        start = FedAvgState(server.initial_params(), self.server_state(), {"clip_norm": dp.clip_norm} if dp is not None else {})
+        pipeline = server.updates  # validation, attacks, clipping / central DP, the aggregation rule
+        last = pipeline.rounds(p.rounds)  # central DP's stop_at_epsilon may afford fewer
+        start = FedAvgState(server.initial_params(), self.server_state(), pipeline.state())
         rounds = server.rounds(start, last=last, evaluate=lambda rnd: server.evaluate(rounds.state.params),
                                evaluate_every=p.evaluate_every)
         state = rounds.state
         self.load_server_state(state.server)
+        pipeline.load_state(state.dp)
         step_args = dict(label=server.label, epochs=p.local_epochs, lr=p.lr or train.lr, batch_size=p.batch_size or train.batch_size,
                          optimizer=p.optimizer or train.optimizer, momentum=train.momentum, weight_decay=train.weight_decay,
                          **self.client_args())
         for rnd in rounds:
-            extra: dict[str, float] = {}
-            if plan is not None:
-                averaged, updates, extra = self._dp_round(server, state, plan, rnd, step_args)
-            else:
-                clients = server.sample_clients(p.fraction, rnd)
-                gathered = fed.run(fit, fed.put(state.params), clients=clients, round=rnd, **step_args)
-                averaged, updates = aggregate_updates(server, gathered, p.aggregator, reference=state.params, weighted=p.weighted,
-                                                      round=rnd)
-                del gathered
-            state.params = self.server_update(server, state.params, averaged, updates, rnd)
+            clients = pipeline.sample(p.fraction, rnd)
+            # central DP may sample no client: the round is then noise alone, as its accountant assumes
+            gathered = fed.run(fit, fed.put(state.params), clients=clients, round=rnd, **step_args) if clients else Gathered({})
+            result = pipeline.collect(gathered, state.params, rnd, weighted=p.weighted)
+            del gathered
+            state.dp = pipeline.state()
+            updates, extra = result.updates, result.metrics
+            state.params = self.server_update(server, state.params, result.params, updates, rnd)
             state.server = self.server_state()
             losses = np.array([u.metrics.get("train_loss", np.nan) for u in updates.values()])
             counts = np.array([u.num_examples for u in updates.values()], dtype=float)
             # Client compute of the round: seconds of local work per client (training plus any extra evaluation).
             work = [u.metrics.get("train_seconds", np.nan) + u.metrics.get("eval_seconds", 0.0) for u in updates.values()]
-            del averaged  # release this round's objects before the next round arrives
+            del result  # release this round's objects before the next round arrives
             loss = float(np.sum(losses * counts) / counts.sum()) if updates else float("nan")
             rounds.log({"train_loss": loss, "clients": float(len(updates)), "client_seconds": float(np.mean(work)) if work else 0.0,
                         **extra, **self.round_metrics()})
-        info: dict[str, object] = {"rounds": last, "mu": self.mu}
-        if plan is not None and dp is not None:
-            info["dp"] = describe_plan(dp, plan)
+        info: dict[str, object] = {"rounds": last, "mu": self.mu, **pipeline.info()}
         return MethodResult(rounds.metrics, state.params, info=info)
-
-    def _dp_round(self, server: ServerContext, state: FedAvgState, plan: DPPlan, rnd: int,
-                  step_args: dict[str, object]) -> tuple[dict[str, np.ndarray], dict[int, Update], dict[str, float]]:
-        """One DP-FedAvg round: Poisson-sampled clients train, their updates are clipped, summed and noised
-        (:func:`rayfuse.fusion.central_dp.apply_dp_round`); returns the noised model, the updates and the round's DP
-        numbers (the clip norm, the epsilon spent so far)."""
-        dp = self.params.dp
-        assert dp is not None
-        fed = server.federation
-        clients = sample_poisson(server.rng("dp-sample", rnd), fed.client_ids, dp.sample_rate)
-        updates: dict[int, Update] = {}
-        if clients:  # no client sampled: the round is noise alone, as the accountant assumes
-            gathered = fed.run(fit, fed.put(state.params), clients=clients, round=rnd, **step_args)
-            updates = server.accept_updates(gathered, state.params)
-            del gathered
-            if server.list_attackers(rnd):
-                updates = server.attack_updates(updates, state.params, rnd)
-        ids = sorted(updates)
-        done = apply_dp_round([updates[c].params for c in ids], state.params, dp, plan, float(state.dp["clip_norm"]),
-                              server.rng("dp-noise", rnd))
-        state.dp = {"clip_norm": done.clip_norm}
-        epsilon = compute_epsilon(plan.noise_multiplier, dp.sample_rate, rnd, dp.delta, dp.accountant)
-        return done.params, {c: updates[c] for c in ids}, {**done.metrics, "dp_sampled": float(len(clients)), "dp_epsilon": epsilon}
 
 
 @dataclass
@@ -216,28 +175,6 @@ class FedAvgState:
     params: dict[str, np.ndarray]
     server: dict[str, np.ndarray] = field(default_factory=dict)
     dp: dict[str, float] = field(default_factory=dict)  # DP-FedAvg: the clip norm of the next round (adaptive clipping moves it)
-
-
-def check_dp_params(cls: type[FedAvg], params: FedAvgParams, num_clients: int) -> None:
-    """Refuse ``dp`` where DP-FedAvg's guarantee would not hold: a method whose server reads more of each client than
-    its update (``no_dp``), a robust aggregator or a second clipping (the Gaussian mechanism's sensitivity is that of a
-    sum of updates clipped once to ``dp.clip_norm``), ``fraction`` (``dp.sample_rate`` samples the clients) and sample
-    weights (a client's weight would be its own private count); then the DP settings themselves (:func:`plan_dp`)."""
-    dp = params.dp
-    assert dp is not None
-    if cls.no_dp:
-        raise InputError("dp", f"no dp for method {cls.name!r} ({cls.no_dp})", "a dp section",
-                         "use fedavg, fedprox, fedadagrad, fedadam or fedyogi for central DP")
-    if not params.aggregator.is_plain_mean:
-        raise InputError("aggregator", "mean without clip_norm with dp (DP-FedAvg clips each update to dp.clip_norm and noises "
-                         "their sum; a robust rule is not a sum, so the noise would not match its sensitivity)",
-                         params.aggregator.model_dump())
-    if "fraction" in params.model_fields_set and params.fraction != 1.0:
-        raise InputError("fraction", "1.0 (unset) with dp (dp.sample_rate samples each client independently)", params.fraction)
-    if "weighted" in params.model_fields_set and params.weighted:
-        raise InputError("weighted", "false (unset) with dp (DP-FedAvg weights every client 1: a sample-count weight would be "
-                         "private and unbounded)", params.weighted)
-    plan_dp(dp, num_clients, params.rounds)
 
 
 @register_method

@@ -100,7 +100,7 @@ class FedRef(FedAvg):
     params: FedRefParams
     summary = "FedAvg plus a server-side Bayesian fine-tuning step towards the mean of the last p aggregates (Yoon & Choi 2025)"
     reference = references.FEDREF
-    no_dp = "its server step reads each client's training loss, which DP-FedAvg does not noise"
+    reads_client_metrics = ("train_loss", "eval_loss")  # client_loss picks one: the server step reads each client's loss
 
     def __init__(self, params: FedRefParams, label: str | None = None) -> None:
         super().__init__(params, label)
@@ -120,7 +120,7 @@ class FedRef(FedAvg):
         p = self.params
         metric = "eval_loss" if p.client_loss == "eval" else "train_loss"
         losses = np.array([u.metrics.get(metric, np.nan) for u in updates.values()], dtype=np.float64)
-        if not np.isfinite(losses).all():  # accept_updates rejects non-finite metrics; a missing one lands here
+        if not np.isfinite(losses).all():  # the update pipeline rejects non-finite metrics; a missing one lands here
             raise NonFiniteError(f"{self.label}: round {round}: clients reported no finite {metric!r} (FedRef needs each client's loss)")
         # The code's c_loss = sum_k (w_k / K) (sum F^r - sum F^{r-1}) = (sum F^r - sum F^{r-1}) / K when the same K
         # clients report in both rounds. With client sampling or drops the sums cover different sets, so compare the

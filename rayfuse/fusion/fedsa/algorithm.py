@@ -288,6 +288,7 @@ def _check_finite(params: dict[str, np.ndarray]) -> bool:
 @register_method
 class Scratch(Method):
     name = "scratch"
+    fuses = "nothing"  # the server's target set alone
     federated_evaluation = False  # a target-task model scored on the server's target test set: evaluation central only
     Params = StudentParams
     params: StudentParams
@@ -320,6 +321,7 @@ class TransferParams(TargetParams):
 @register_method
 class Transfer(Method):
     name = "transfer"
+    fuses = "nothing"  # each teacher fine-tuned on its own: nothing combined
     federated_evaluation = False  # a target-task model scored on the server's target test set: evaluation central only
     Params = TransferParams
     params: TransferParams
@@ -343,7 +345,7 @@ class Transfer(Method):
         p = self.params
         target = _target_set(server)
         rows = []
-        for client, update in server.accept_updates(server.local_updates()).items():
+        for client, update in server.updates.accept(server.local_updates()).items():
             teacher = set_params(build_model(server.model_cfg, server.input_shape, server.num_classes), update.params)
             probe = _evaluate(server, adapt_to_target(teacher, target.X, target.y, mode="head", epochs=p.adapt_epochs, lr=p.adapt_lr,
                                                       batch_size=p.target_batch_size, seed=derive_seed(server.seed, "transfer", client)))
@@ -365,6 +367,7 @@ class Transfer(Method):
 @register_method
 class FedSA(Method):
     name = "fedsa"
+    fuses = "statistics"  # the teachers' saliency maps and students' features
     federated_evaluation = False  # a target-task model scored on the server's target test set: evaluation central only
     Params = FedSAParams
     params: FedSAParams

@@ -272,6 +272,7 @@ def _check_same_shapes(results: dict[int, dict[str, Any]], key: str, what: str) 
 @register_method
 class GEMS(Method):
     name = "gems"
+    fuses = "statistics"  # the clients' good-enough model sets (balls around their models)
     Params = GEMSParams
     params: GEMSParams
     summary = "good-enough model spaces: intersect clients' balls of good models (Guha & Smith 2019)"
@@ -383,7 +384,7 @@ class GEMS(Method):
         if K == 1:
             # One client: its good-enough space contains its own model, the intersection's natural answer. (Running the
             # neuron step would merge the client's own neurons with each other: there is no same-client constraint.)
-            client, update = next(iter(server.accept_updates(server.local_updates()).items()))
+            client, update = next(iter(server.updates.accept(server.local_updates()).items()))
             return dict(update.params), {"clients": [client], "hidden_units": hidden, "local_hidden_units": hidden,
                                          "ensemble_hidden_units": hidden, "note": "one client: its local model"}
         fused: list[tuple[np.ndarray, np.ndarray]] = []

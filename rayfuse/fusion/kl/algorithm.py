@@ -91,6 +91,7 @@ def choose_executor(server: ServerContext, kind: str, sizes: list[int], n_global
 @register_method
 class KLFusion(Method):
     name = "kl"
+    fuses = "posteriors"  # the clients' exponential-family posteriors
     federated_evaluation = False  # scores on the server's test set and the true parameters (BNN, topics, GMM): central only
     aliases = ("kl_fusion",)
     Params = KLParams

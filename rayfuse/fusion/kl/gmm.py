@@ -101,6 +101,7 @@ class GMMMethod(Method):
     """A method on the ``kl_gmm`` dataset whose clients fit local GMM posteriors: checks both before the run."""
 
     federated_evaluation = False  # scores against the dataset's true GMM atoms: evaluation central only
+    fuses = "posteriors"  # the clients' local GMM posteriors
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:
@@ -150,6 +151,7 @@ def gmm_metrics(server: ServerContext, means: np.ndarray) -> dict[str, float]:
 @register_method
 class GMMOracle(Method):
     name = "gmm_oracle"
+    fuses = "nothing"  # an oracle on the pooled points: no client upload combined
     needs_dataset = True  # reads the whole dataset (data.dataset): not with data.silos
     federated_evaluation = False  # scores against the dataset's true GMM atoms: evaluation central only
     aliases = ("vi_oracle",)

@@ -1,0 +1,397 @@
+"""The update pipeline: the one path from a round's client replies to an aggregate, owned by the framework.
+
+A method asks ``server.updates.collect(gathered, reference, round)`` for the round's aggregate; the pipeline runs,
+in order (after Flower's DP strategy wrappers, which wrap the aggregation rather than live in each strategy, and
+pfl-research's backend postprocessors, which clip and noise between the clients' statistics and their aggregation):
+
+1. **validate** (:meth:`UpdatePipeline.accept`): each reply is an :class:`~rayfuse.method.Update` with the reference's
+   keys, shapes and dtypes, finite values and metrics, and the client's planned sample count; a bad one is recorded
+   (``update_rejected``) and never used; fewer than ``federation.min_clients`` valid updates stop the run;
+2. **simulated attacks** (``federation.attacks``, :mod:`rayfuse.attacks`): the attacking clients' updates replaced by
+   their attacks', relative to the model the clients started from; each recorded as an ``attack`` event;
+3. **clipping and central DP noise**: ``aggregator.clip_norm`` clips each update, or, with central DP-FedAvg
+   (:class:`~rayfuse.fusion.central_dp.CentralDPSettings`), the clipped updates' sum is noised and divided by the
+   expected number of clients (:func:`~rayfuse.fusion.central_dp.apply_dp_round`);
+4. **the aggregation rule** (``aggregator.name``, :func:`rayfuse.fusion.robust.aggregate`): mean, median, trimmed
+   mean, Krum, Bulyan, geometric median.
+
+The pipeline is configured once per method entry: ``federation.attacks`` from the run, ``aggregator`` and ``dp`` from
+the entry's parameters (:func:`pipeline_settings`, the one place that reads them), and it is checked once, before
+anything starts (:func:`check_update_pipeline`, run by the runner's pre-start checks): a method that fuses something
+the pipeline cannot act on (``Method.fuses``: posteriors, statistics, predictions) is refused with attacks, a robust
+rule or DP, in one line naming the key. The one-shot DP upload (:class:`~rayfuse.fusion.privacy.UploadDP`) is the
+pipeline's too, on the client's side: :meth:`UpdatePipeline.local_models` gathers the clipped, noised uploads instead
+of the raw local models.
+
+Nothing here imports Ray: the coordinator builds one pipeline per method run (``server.updates``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rayfuse.accountant import compute_epsilon
+from rayfuse.attacks import apply_attacks
+from rayfuse.config import AttackSpec
+from rayfuse.errors import InputError
+from rayfuse.fusion.aggregate import weighted_average
+from rayfuse.fusion.central_dp import CentralDPSettings, DPPlan, apply_dp_round, describe_plan, plan_dp, sample_poisson
+from rayfuse.fusion.privacy import UploadDP, check_upload_dp, gather_dp_uploads
+from rayfuse.fusion.robust import AggregatorSettings, aggregate, check_aggregator, check_enough_updates
+from rayfuse.method import Aggregate, Gathered, Method, MethodParams, MethodSpec, Rejected, RunSetup, ServerContext, Update
+
+__all__ = ["UpdatePipeline", "check_update_pipeline", "clients_per_round", "combine_models", "fused_by", "pipeline_settings"]
+
+Params = dict[str, np.ndarray]
+DPSettings = CentralDPSettings | UploadDP
+
+
+def pipeline_settings(params: MethodParams) -> tuple[AggregatorSettings, DPSettings | None]:
+    """The pipeline's settings in a method's entry: its ``aggregator`` (default: the plain mean) and its ``dp`` (central
+    DP-FedAvg or the one-shot upload; ``None``: no DP). The one place that reads them: they stay method keys, so a run
+    can compare rules and budgets side by side (``krum: {method: fedavg, aggregator: ...}`` beside ``fedavg``)."""
+    aggregator = getattr(params, "aggregator", None)
+    dp = getattr(params, "dp", None)
+    return (aggregator if isinstance(aggregator, AggregatorSettings) else AggregatorSettings(),
+            dp if isinstance(dp, (CentralDPSettings, UploadDP)) else None)
+
+
+def fused_by(method_cls: type[Method], params: MethodParams) -> str:
+    """What the method combines of its clients (``Method.fuses``), or its ``Params``' ``fuses`` property where the
+    answer depends on the parameters (``aligned``'s merge)."""
+    own = getattr(params, "fuses", None)
+    return own if isinstance(own, str) else method_cls.fuses
+
+
+def clients_per_round(num_clients: int, fraction: float) -> int:
+    """How many clients :meth:`ServerContext.sample_clients` samples each round: ``ceil(fraction * N)``, at least 1."""
+    return min(num_clients, max(1, int(np.ceil(fraction * num_clients))))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Before anything starts
+
+
+def check_update_pipeline(specs: Sequence[MethodSpec], setup: RunSetup, attacks: Sequence[AttackSpec]) -> None:
+    """Refuse, before any client trains, what the update pipeline cannot do for each method entry (one line naming the
+    key; raises :class:`InputError`):
+
+    * ``federation.attacks``, a robust ``aggregator`` (or ``clip_norm``) or ``dp`` for a method that fuses posteriors,
+      statistics or predictions (``Method.fuses``): they act on parameter updates. Methods that combine no client
+      upload (``fuses = "nothing"``: ``local``, oracles) run as references beside attacked ones;
+    * the rule's precondition on the number of models it combines (``ceil(fraction N)`` per round with ``fraction``,
+      else every client);
+    * central DP-FedAvg where its guarantee would not hold: a method whose server step reads more of each client than
+      its update (``reads_client_metrics``), a robust rule or a second clipping, ``fraction`` or sample weights, and the
+      DP plan itself (:func:`~rayfuse.fusion.central_dp.plan_dp`); the one-shot upload's delta and target epsilon
+      (:func:`~rayfuse.fusion.privacy.check_upload_dp`).
+    """
+    for spec in specs:
+        where = f"methods.{spec.label}"
+        fused = fused_by(spec.method_cls, spec.params)
+        aggregator, dp = pipeline_settings(spec.params)
+        if fused != "parameters":
+            if attacks and fused != "nothing":
+                count = f"{len(attacks)} attack{'s' if len(attacks) > 1 else ''} on clients {sorted(a.client for a in attacks)}"
+                raise InputError("federation.attacks", f"no attacks with method {spec.method!r} ({where} fuses {fused}; attacks act "
+                                 "on parameter updates)", count, "drop the attacks or that method (attacks apply to the FedAvg "
+                                 "family, average and aligned with merge: average or nonparametric)")
+            if not aggregator.is_plain_mean:
+                raise InputError(f"{where}.aggregator", f"the default mean for method {spec.method!r} (it fuses {fused}; a robust rule "
+                                 "and clip_norm act on parameter updates)", aggregator.name if aggregator.name != "mean" else "clip_norm")
+            if dp is not None:
+                raise InputError(f"{where}.dp", f"no dp for method {spec.method!r} (it fuses {fused}; dp acts on parameter updates)",
+                                 "a dp section")
+            continue
+        try:
+            if isinstance(dp, CentralDPSettings):
+                _check_central_dp(spec, aggregator, dp, setup.num_clients)
+            elif (fraction := getattr(spec.params, "fraction", None)) is not None:  # a per-round sample (the FedAvg family)
+                check_aggregator(aggregator, clients_per_round(setup.num_clients, float(fraction)), where="aggregator",
+                                 what="clients per round")
+            else:
+                check_aggregator(aggregator, setup.num_clients, where="aggregator", what="clients")
+            if isinstance(dp, UploadDP):
+                check_upload_dp(dp, setup)
+        except InputError as exc:
+            raise exc.at(f"{where}.{exc.path}") from None
+
+
+def _check_central_dp(spec: MethodSpec, aggregator: AggregatorSettings, dp: CentralDPSettings, num_clients: int) -> None:
+    """DP-FedAvg's conditions (paths relative to the entry): its noise is calibrated to the sensitivity ``C`` of a sum
+    of updates clipped once, each weighing 1, the clients sampled by ``dp.sample_rate``; and nothing else of a client
+    may reach the server's step un-noised."""
+    params = spec.params
+    reads: tuple[str, ...] = tuple(getattr(spec.method_cls, "reads_client_metrics", ()))
+    if reads:
+        raise InputError("dp", f"no dp for method {spec.method!r} (its server step reads each client's {' or '.join(reads)}, which "
+                         "central DP does not noise)", "a dp section", "use fedavg, fedprox, fedadagrad, fedadam or fedyogi for central DP")
+    if not aggregator.is_plain_mean:
+        raise InputError("aggregator", "mean without clip_norm with dp (DP-FedAvg clips each update to dp.clip_norm and noises "
+                         "their sum; a robust rule is not a sum, so the noise would not match its sensitivity)", aggregator.model_dump())
+    fraction = getattr(params, "fraction", 1.0)
+    if "fraction" in params.model_fields_set and fraction != 1.0:
+        raise InputError("fraction", "1.0 (unset) with dp (dp.sample_rate samples each client independently)", fraction)
+    weighted = getattr(params, "weighted", False)
+    if "weighted" in params.model_fields_set and weighted:
+        raise InputError("weighted", "false (unset) with dp (DP-FedAvg weights every client 1: a sample-count weight would be "
+                         "private and unbounded)", weighted)
+    plan_dp(dp, num_clients, int(getattr(params, "rounds", 1)))
+
+
+def combine_models(models: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float] | None, aggregator: AggregatorSettings, *,
+                   start: Mapping[str, np.ndarray] | None, initial: Callable[[], Params], label: str) -> Params:
+    """The pipeline's stages 3-4 (clipping, the rule) on models already received: :meth:`UpdatePipeline.combine`, and
+    the same for a method that runs ``aligned``'s merge inside its own run (``distill``'s ``init: aligned``, with the
+    aligned settings' own ``aggregator``). ``start``: the model clipping measures from (default ``initial()``, the run's
+    initial model). Raises :class:`RunFailure` when the rule's precondition excludes ``len(models)``."""
+    if aggregator.is_plain_mean:
+        return weighted_average(models, weights)
+    check_enough_updates(aggregator, len(models), label)
+    origin = start if start is not None or aggregator.clip_norm is None else initial()
+    return aggregate(models, weights, aggregator, reference=origin)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The pipeline
+
+
+class UpdatePipeline:
+    """``server.updates`` (implements :class:`rayfuse.method.UpdateService`): one per method run.
+
+    Parameters
+    ----------
+    server : ServerContext
+        The method's server: its federation, events, seeded randomness, initial model and rejection path
+        (:meth:`~rayfuse.method.ServerContext.accept_replies`).
+    params : MethodParams
+        The method entry's parameters (its ``aggregator`` and ``dp``: :func:`pipeline_settings`).
+    attacks : list of AttackSpec
+        ``federation.attacks``.
+    planned_examples : callable
+        A client's training-set size in the partition plan (an update's count must be it).
+    reference_of : callable
+        A client's model layout (the run's model, or its own ``client_overrides`` model): what an update is checked
+        against when the method gives no reference.
+    """
+
+    def __init__(self, server: ServerContext, params: MethodParams, attacks: Sequence[AttackSpec], *,
+                 planned_examples: Callable[[int], int], reference_of: Callable[[int], Params]) -> None:
+        self._server = server
+        self.aggregator, self.dp = pipeline_settings(params)
+        self.attacks = list(attacks)
+        self._planned = planned_examples
+        self._reference_of = reference_of
+        self._plan: DPPlan | None = None  # central DP: the plan of the run (rounds())
+        self._clip = self.dp.clip_norm if isinstance(self.dp, CentralDPSettings) else 0.0  # the next round's clip norm (adaptive)
+        self._sampled = 0  # central DP: the clients the last sample() drew
+        self._upload: dict[str, Any] | None = None  # the one-shot DP upload's record (local_models())
+
+    # -- the round's clients --------------------------------------------------------------------------------------
+
+    def rounds(self, planned: int) -> int:
+        """The rounds the method runs of ``planned``: fewer with central DP's ``stop_at_epsilon`` (the accountant is
+        deterministic, so the last affordable round is known before any client trains)."""
+        if not isinstance(self.dp, CentralDPSettings):
+            return planned
+        self._plan = plan_dp(self.dp, self._server.num_clients, planned)
+        return self._plan.rounds
+
+    def sample(self, fraction: float, round: int) -> list[int]:
+        """The clients that train in ``round``: DP-FedAvg's Poisson sample at ``dp.sample_rate`` (seeded by
+        ``("dp-sample", round)``; possibly none), else ``ceil(fraction N)`` clients
+        (:meth:`~rayfuse.method.ServerContext.sample_clients`)."""
+        if isinstance(self.dp, CentralDPSettings):
+            clients = sample_poisson(self._server.rng("dp-sample", round), self._server.federation.client_ids, self.dp.sample_rate)
+            self._sampled = len(clients)
+            return clients
+        return self._server.sample_clients(fraction, round)
+
+    def local_models(self) -> Gathered[Update]:
+        """Every client's trained local model for a one-shot method; with the one-shot ``dp`` upload, each client's
+        clipped and noised upload instead (the raw local models never leave the clients), recorded in :meth:`info`."""
+        if isinstance(self.dp, UploadDP):
+            uploads, self._upload = gather_dp_uploads(self._server, self.dp)
+            return uploads
+        return self._server.local_updates()
+
+    # -- the stages -----------------------------------------------------------------------------------------------
+
+    def accept(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, *,
+               check: Callable[[int, Update], str | None] | None = None) -> dict[int, Update]:
+        """Stage 1 alone: the valid updates by client id (see the module docstring); ``check(client, update)`` is the
+        method's own reason against an update. For methods that read their clients' models without combining them."""
+        return self._accept(gathered, reference, check=check)
+
+    def receive(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, round: int = 1, *,
+                start: Mapping[str, np.ndarray] | None = None) -> dict[int, Update]:
+        """Stages 1-2: the valid updates, the attacking clients' replaced by their attacks' relative to ``start`` (the
+        model the clients started from; default ``reference``, else the run's initial model). For a method that
+        transforms the models before :meth:`combine` (``aligned`` aligns them: an attacker sends a bad model, which the
+        server aligns like any other)."""
+        updates = self._accept(gathered, reference)
+        if self._attacked(round):
+            origin = start if start is not None else reference if reference is not None else self._server.initial_params()
+            updates = self._attack(updates, origin, round)
+        return updates
+
+    def combine(self, models: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float] | None, *,
+                start: Mapping[str, np.ndarray] | None = None) -> Params:
+        """Stages 3-4 on received (and transformed) models: clipping against ``start`` (default: the run's initial
+        model) and the aggregation rule. Central DP is :meth:`collect`'s alone (its noise is calibrated to the round's
+        sum of updates)."""
+        if isinstance(self.dp, CentralDPSettings):
+            raise TypeError("central DP-FedAvg combines the round's updates in collect(), not combine()")
+        return combine_models(models, weights, self.aggregator, start=start, initial=self._server.initial_params, label=self._server.label)
+
+    def collect(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, round: int = 1, *,
+                start: Mapping[str, np.ndarray] | None = None, weighted: bool = True) -> Aggregate:
+        """The round's aggregate: every stage, in order.
+
+        Parameters
+        ----------
+        gathered : Gathered
+            The clients' replies (central DP: of the clients :meth:`sample` drew; empty when it drew none).
+        reference : dict of ndarray, optional
+            The model the updates' keys and shapes are checked against (default: each client's model layout); the
+            global model the clients started from, for clipping, attacks and DP, unless ``start`` is given.
+        round : int
+            The round (1 for one-shot methods): which attacks apply, and DP's noise seed ``("dp-noise", round)``.
+        start : dict of ndarray, optional
+            The model the clients started from, when not ``reference`` (one-shot methods: the run's initial model,
+            which is also the default when clipping or an attack needs one).
+        weighted : bool
+            Weight the updates by their sample counts where the rule uses weights (central DP: every client weighs 1).
+
+        Raises
+        ------
+        RunFailure
+            Fewer valid updates than ``federation.min_clients``, or than the rule needs.
+        """
+        if isinstance(self.dp, CentralDPSettings):
+            return self._collect_dp(gathered, reference, round)
+        attacked = self._attacked(round)
+        if self.aggregator.is_plain_mean and not attacked:
+            # The plain mean checks each update's structure, averages, and scans only the *average* for NaN/Inf: with
+            # positive weights a non-finite value anywhere makes the weighted sum non-finite, so a finite average proves
+            # every input finite. If it is not, every update is scanned, the bad ones rejected, the rest averaged again.
+            updates = self._accept(gathered, reference, check_values=False)
+            averaged = _mean(updates, weighted)
+            if not all(np.isfinite(v).all() for v in averaged.values() if v.dtype.kind == "f"):
+                updates = self._accept(Gathered(dict(updates), gathered.failures), reference)
+                averaged = _mean(updates, weighted)
+            return Aggregate(averaged, updates)
+        # A robust rule may never read a NaN (a finite result would prove nothing about its inputs): every value first.
+        updates = self._accept(gathered, reference)
+        ids = sorted(updates)
+        check_enough_updates(self.aggregator, len(ids), self._server.label)
+        origin = start if start is not None else reference
+        if (self.aggregator.clip_norm is not None or attacked) and origin is None:
+            origin = self._server.initial_params()
+        if attacked:
+            assert origin is not None
+            updates = self._attack(updates, origin, round)
+        models = [updates[c].params for c in ids]
+        weights = [float(updates[c].num_examples) for c in ids] if weighted else None
+        return Aggregate(aggregate(models, weights, self.aggregator, reference=origin), {c: updates[c] for c in ids})
+
+    def _collect_dp(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None, round: int) -> Aggregate:
+        """Central DP-FedAvg's round: the sampled clients' valid (and attacked) updates clipped, summed and noised
+        (:func:`~rayfuse.fusion.central_dp.apply_dp_round`, seeded ``("dp-noise", round)``), with the round's DP numbers."""
+        dp = self.dp
+        assert isinstance(dp, CentralDPSettings)
+        if reference is None:
+            raise ValueError("central DP needs the global model the clients started from (reference)")
+        if self._plan is None:
+            raise RuntimeError("central DP needs its plan: call server.updates.rounds(planned) before the first round")
+        updates: dict[int, Update] = {}
+        if gathered.results or gathered.failures:  # no client sampled: the round is noise alone, as the accountant assumes
+            updates = self._accept(gathered, reference)
+            if self._attacked(round):
+                updates = self._attack(updates, reference, round)
+        ids = sorted(updates)
+        done = apply_dp_round([updates[c].params for c in ids], reference, dp, self._plan, float(self._clip),
+                              self._server.rng("dp-noise", round))
+        self._clip = done.clip_norm
+        epsilon = compute_epsilon(self._plan.noise_multiplier, dp.sample_rate, round, dp.delta, dp.accountant)
+        return Aggregate(done.params, {c: updates[c] for c in ids},
+                         {**done.metrics, "dp_sampled": float(self._sampled), "dp_epsilon": epsilon})
+
+    # -- state and records ----------------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, float]:
+        """What the pipeline carries from round to round, for the method's round checkpoint: central DP's clip norm of
+        the next round (adaptive clipping moves it); empty otherwise."""
+        return {"clip_norm": float(self._clip)} if isinstance(self.dp, CentralDPSettings) else {}
+
+    def load_state(self, state: Mapping[str, float]) -> None:
+        """Restore what :meth:`state` gave (a resumed run continues with the checkpointed clip norm)."""
+        if isinstance(self.dp, CentralDPSettings) and "clip_norm" in state:
+            self._clip = float(state["clip_norm"])
+
+    def info(self) -> dict[str, Any]:
+        """The pipeline's record for ``results.json``: ``dp`` (central DP's plan and epsilon) or ``upload_dp`` (each
+        client's epsilon of the one-shot upload); empty without DP."""
+        if isinstance(self.dp, CentralDPSettings) and self._plan is not None:
+            return {"dp": describe_plan(self.dp, self._plan)}
+        if self._upload is not None:
+            return {"upload_dp": self._upload}
+        return {}
+
+    # -- internals ------------------------------------------------------------------------------------------------
+
+    def _attacked(self, round: int) -> bool:
+        return any(a.attacks_round(round) for a in self.attacks)
+
+    def _attack(self, updates: dict[int, Update], reference: Mapping[str, np.ndarray], round: int) -> dict[int, Update]:
+        """``updates`` with the attacking clients' replaced by their attacks' (:func:`rayfuse.attacks.apply_attacks`),
+        each recorded as an ``attack`` event."""
+        if not self.attacks:
+            return updates
+        server = self._server
+        attacked, applied = apply_attacks(updates, reference, self.attacks, round=round, seed=server.seed)
+        for attack in applied:
+            server.events.emit("attack", f"{attack.kind} on client {attack.client}'s update", method=server.label, client=attack.client,
+                               round=round, attack=attack.kind)
+        return attacked
+
+    def _accept(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, *, check_values: bool = True,
+                check: Callable[[int, Update], str | None] | None = None) -> dict[int, Update]:
+        """Keep the valid updates; reject (and record) those with NaN/Inf, wrong keys or shapes, a sample count other
+        than the client's training-set size in the partition plan (the weight of its update in an average: the
+        coordinator knows it, so a client's word for it is checked, not trusted), and those ``check`` gives a reason
+        against. ``check_values=False``: keys, shapes, dtypes, counts and metrics only, not every parameter value."""
+        from rayfuse.models import check_params
+
+        given = reference
+        reference_of: Callable[[int], dict[str, np.ndarray]] = self._reference_of if given is None else lambda client: given
+        planned = self._planned
+
+        def read(client: int, update: Any) -> Update:
+            if not isinstance(update, Update):
+                reason: str | None = f"expected an Update, got {type(update).__name__}"
+            elif not isinstance(update.num_examples, (int, np.integer)) or update.num_examples <= 0:
+                reason = f"num_examples must be a positive integer, got {update.num_examples!r}"
+            elif update.num_examples != planned(client):
+                reason = (f"num_examples {update.num_examples} is not the client's {planned(client)} training examples "
+                          f"of the partition plan")
+            else:
+                reason = check_params(update.params, reference_of(client), check_finite=check_values)
+                if reason is None and not all(np.isfinite(v) for v in update.metrics.values()):
+                    reason = "non-finite metric values " + str({k: v for k, v in update.metrics.items() if not np.isfinite(v)})
+                if reason is None and check is not None:
+                    reason = check(client, update)
+            if reason is not None:
+                raise Rejected(reason)
+            return update
+
+        need = min(self._server.federation.policy.min_clients, len(gathered.results) + len(gathered.failures))
+        return self._server.accept_replies(gathered, read, need=need, what="client updates")
+
+
+def _mean(updates: dict[int, Update], weighted: bool) -> Params:
+    weights = [u.num_examples for u in updates.values()] if weighted else None
+    return weighted_average([u.params for u in updates.values()], weights)
