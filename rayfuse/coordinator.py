@@ -50,7 +50,7 @@ from rayfuse.evaluation import (
 )
 from rayfuse.federation import Federation, Gathered, Update, step_name
 from rayfuse.fusion.aggregate import weighted_average
-from rayfuse.method import MethodResult, MethodSpec, Rejected, RunSetup, check_methods, resolve_methods, resolved_config
+from rayfuse.method import MethodResult, MethodSpec, Rejected, RunSetup, check_methods, check_tags, resolve_methods, resolved_config
 from rayfuse.metrics import add_metric_sums, check_metric_sums, compute_metrics, majority_vote, metrics_from_sums
 from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
 from rayfuse.rounds import RoundLoop
@@ -184,7 +184,7 @@ class MethodServer:
 
     def pooled_train(self) -> Split:
         """Every client's training data pooled. Only oracle methods may ask: a federation cannot do this."""
-        if not self.method_cls.oracle:
+        if not self.method_cls.tags.oracle:
             raise RunFailure(f"method {self.method!r} asked for pooled client data; only oracle methods may")
         return self._coordinator.pooled_train()
 
@@ -224,7 +224,7 @@ class MethodServer:
         run's metrics are the clients': a method scores through :meth:`evaluate` / :meth:`evaluate_ensemble`)."""
         if self.evaluation == "federated":
             raise RunFailure(f"{self.label}: scores predictions on the server's test set (evaluate_proba), which evaluation: federated "
-                             "does not use; score through evaluate / evaluate_ensemble, or set the method's federated_evaluation = False")
+                             "does not use; score through evaluate / evaluate_ensemble, or tag the method federated_evaluation=False")
         return compute_metrics(proba, self.test.y)
 
     def evaluate(self, params: dict[str, np.ndarray], *, resized: bool = False, model: ModelConfig | None = None) -> dict[str, float]:
@@ -714,13 +714,15 @@ class Coordinator:
             raise KeyError(f"no method labelled {label!r} in the config")
         method_cls = spec.method_cls
         # The check prepare_run made before anything started; again here for a coordinator built directly (tests).
-        check_methods([spec], RunSetup.from_plan(self.cfg, self.plan))
+        setup = RunSetup.from_plan(self.cfg, self.plan)
+        check_tags([spec], setup, self.cfg)
+        check_methods([spec], setup)
         server = MethodServer(self, spec, resume=resume)
         started = time.perf_counter()
         self.events.emit("method_start", method=label)
         result: MethodResult = spec.build().run(server)
         seconds = time.perf_counter() - started
-        if self.cfg.train.dp is not None and method_cls.uses_local_models and not method_cls.oracle:
+        if self.cfg.train.dp is not None and method_cls.tags.uses_local_models and not method_cls.tags.oracle:
             self._add_local_privacy(result)
         bad = {k: v for k, v in result.metrics.items() if not np.isfinite(v)}
         if bad:
@@ -740,7 +742,7 @@ class Coordinator:
             "evaluation": self.cfg.evaluation,
             **({"client_metrics": server.collect_client_table()} if self.cfg.evaluation != "central" else {}),
             "info": result.info,
-            "oracle": method_cls.oracle,
+            "oracle": method_cls.tags.oracle,
             "history": server.history,
             "seconds": round(seconds, 3),
             "model_file": model_file,

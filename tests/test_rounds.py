@@ -22,6 +22,7 @@ from rayfuse.method import (
     MethodParams,
     MethodResult,
     MethodSpec,
+    MethodTags,
     Rejected,
     ServerContext,
     client_step,
@@ -58,7 +59,7 @@ class CountingState:
 class Counting(Method):
     name = "counting"
     Params = CountingParams
-    multi_round = True
+    tags = MethodTags(multi_round=True)
     fail_at: int | None = None  # a round that raises (an interrupted run)
 
     def run(self, server: ServerContext) -> MethodResult:

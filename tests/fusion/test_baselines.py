@@ -18,7 +18,7 @@ from rayfuse.models import params_equal
 def test_registry_lists_the_baselines_and_resolves_aliases():
     assert {"local", "average", "ensemble", "fedavg", "fedprox", "global"} <= set(METHODS.names())
     assert METHODS.get("centralized") is METHODS.get("global")
-    assert METHODS.get("global").oracle is True
+    assert METHODS.get("global").tags.oracle is True
     assert all(issubclass(cls, Method) and cls.summary for _, cls in METHODS.items())
 
 

@@ -249,4 +249,4 @@ def test_bad_fedopt_parameters_name_the_key(make_config, entry, path):
 
 def test_registry_has_the_new_methods():
     assert {"fedadagrad", "fedadam", "fedyogi", "fedref"} <= set(METHODS.names())
-    assert all(METHODS.get(n).multi_round for n in ("fedadagrad", "fedadam", "fedyogi", "fedref"))
+    assert all(METHODS.get(n).tags.multi_round for n in ("fedadagrad", "fedadam", "fedyogi", "fedref"))

@@ -49,7 +49,18 @@ from rayfuse.errors import InputError
 from rayfuse.fusion import references
 from rayfuse.fusion.privacy import UploadDP, check_upload_dp, gather_dp_uploads
 from rayfuse.fusion.robust import AggregatorSettings, aggregate, check_aggregator, check_enough_updates
-from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, Update, client_step, register_method
+from rayfuse.method import (
+    ClientContext,
+    Method,
+    MethodParams,
+    MethodResult,
+    MethodTags,
+    RunSetup,
+    ServerContext,
+    Update,
+    client_step,
+    register_method,
+)
 
 __all__ = ["AlignmentSettings", "AlignedParams", "Aligned", "batchnorm", "derive_run_spec", "read_batchnorm_reply"]
 
@@ -255,8 +266,10 @@ class Aligned(Method):
     params: AlignedParams
     summary = "aligned fusion of any model: units matched by weights or by the clients' activation statistics, then merged"
     reference = references.REBASIN
-    uses_local_models = True
-    multi_round = True
+    tags = MethodTags(
+        uses_local_models=True,
+        multi_round=True,
+    )
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from rayfuse.fusion.privacy import UploadDP, check_upload_dp, gather_dp_uploads
 from rayfuse.fusion.robust import AggregatorSettings, aggregate_updates, check_aggregator
-from rayfuse.method import Method, MethodParams, MethodResult, RunSetup, ServerContext, register_method
+from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, RunSetup, ServerContext, register_method
 
 
 class AverageParams(MethodParams):
@@ -39,8 +39,10 @@ class Average(Method):
     Params = AverageParams
     params: AverageParams
     summary = "one-shot parameter average of the local models (sample-weighted)"
-    uses_local_models = True
-    local_model_only = True  # train.dp (local DP-SGD) covers what it releases
+    tags = MethodTags(
+        uses_local_models=True,
+        local_model_only=True,  # train.dp (local DP-SGD) covers what it releases
+    )
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:

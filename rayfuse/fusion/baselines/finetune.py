@@ -46,7 +46,7 @@ from rayfuse.data.roles import Split
 from rayfuse.errors import InputError, NonFiniteError
 from rayfuse.evaluation import model_for_params
 from rayfuse.fusion import references
-from rayfuse.method import Method, MethodParams, MethodResult, RunSetup, ServerContext, register_method
+from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, RunSetup, ServerContext, register_method
 from rayfuse.models import get_params, train_model
 from rayfuse.models.registry import build_model
 from rayfuse.symmetry import ModelStructure, build_node_graph, read_structure
@@ -263,8 +263,10 @@ class Finetune(Method):
     params: FinetuneParams
     summary = "a local / averaged / fresh (raw) model fine-tuned on the server's public sample (GEMS Section 4.4)"
     reference = references.GEMS
-    uses_local_models = True
-    public_labels = True  # trains on the public sample's labels
+    tags = MethodTags(
+        uses_local_models=True,
+        public_labels=True,  # trains on the public sample's labels
+    )
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from rayfuse.method import Method, MethodResult, ServerContext, register_method
+from rayfuse.method import Method, MethodResult, MethodTags, ServerContext, register_method
 
 
 @register_method
 class Local(Method):
     name = "local"
     summary = "each client's local model on the global test set (each, and mean +- std)"
-    uses_local_models = True
-    local_model_only = True  # train.dp (local DP-SGD) covers what it releases
-    heterogeneous_clients = True  # each client's model is scored in its own architecture
+    tags = MethodTags(
+        fuses="none",
+        uses_local_models=True,
+        local_model_only=True,  # train.dp (local DP-SGD) covers what it releases
+        heterogeneous_clients=True,  # each client's model is scored in its own architecture
+    )
 
     def run(self, server: ServerContext) -> MethodResult:
         updates = server.accept_updates(server.local_updates())

@@ -46,6 +46,7 @@ from rayfuse.method import (
     Method,
     MethodParams,
     MethodResult,
+    MethodTags,
     Rejected,
     RunSetup,
     ServerContext,
@@ -259,9 +260,12 @@ class Distill(Method):
     params: DistillParams
     summary = "one-shot ensemble distillation into one student: public unlabeled data or data-free, parameters or predictions only"
     reference = references.FEDDF
-    uses_local_models = True
-    local_model_only = True  # train.dp covers the predictions (post-processing); input moments are refused with it
-    heterogeneous_clients = True
+    tags = MethodTags(
+        fuses="predictions",
+        uses_local_models=True,
+        local_model_only=True,  # train.dp covers the predictions (post-processing); input moments are refused with it
+        heterogeneous_clients=True,
+    )
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:

@@ -55,6 +55,7 @@ from rayfuse.method import (
     Method,
     MethodParams,
     MethodResult,
+    MethodTags,
     RunSetup,
     ServerContext,
     Update,
@@ -487,14 +488,15 @@ class EPGANState:
 @register_method
 class EPGAN(Method):
     name = "epgan"
-    federated_evaluation = False  # generative scores (FD / IS / D-MSE) against the server's test set: evaluation central only
+    tags = MethodTags(
+        federated_evaluation=False,  # generative scores (FD / IS / D-MSE) against the server's test set: evaluation central only
+        multi_round=True,  # a checkpoint after the warm-up (turn 0) and after each turn; --resume continues after the last
+        public_labels=True,  # with data.silos its image-score classifier trains on data.public's labels (if given)
+    )
     Params = EPGANParams
     params: EPGANParams
     summary = "EP-GAN: federated (Bayesian) GANs, FedAvg of G and D plus a product-of-Gaussians EP prior (Wu et al. 2022)"
     reference = references.EPGAN
-    # A checkpoint after the warm-up (turn 0) and after each turn; ``--resume`` continues after the last one.
-    multi_round = True
-    public_labels = True  # with data.silos its image-score classifier trains on data.public's labels (if given)
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:
@@ -586,14 +588,17 @@ class EPGAN(Method):
 @register_method
 class EPGANOracle(Method):
     name = "epgan-oracle"
-    needs_dataset = True  # reads the whole dataset (data.dataset): not with data.silos
-    federated_evaluation = False  # generative scores (FD / IS / D-MSE) against the server's test set: evaluation central only
+    tags = MethodTags(
+        fuses="none",
+        needs_dataset=True,  # reads the whole dataset (data.dataset): not with data.silos
+        federated_evaluation=False,  # generative scores (FD / IS / D-MSE) against the server's test set: evaluation central only
+        oracle=True,
+    )
     aliases = ("epgan-centralized",)
     Params = EPGANOracleParams
     params: EPGANOracleParams
     summary = "ORACLE: the EP-GAN backbone trained on all clients' data pooled (the paper's centralised column)"
     reference = references.EPGAN
-    oracle = True
     # A checkpoint after each block of local_epochs epochs (the loop's unit); ``--resume`` continues after the last one
     # (through ServerContext.resume_checkpoint, which does not look at multi_round). multi_round stays False: its other
     # effect is to make the method an ASHA target in a sweep, with a budget that defaults to ``rounds`` turns, and the

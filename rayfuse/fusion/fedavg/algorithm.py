@@ -27,7 +27,7 @@ Resume, evaluation cadence, history and round checkpoints are the round loop's (
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Literal
 
 import numpy as np
 from pydantic import Field
@@ -37,7 +37,19 @@ from rayfuse.errors import InputError
 from rayfuse.fusion import references
 from rayfuse.fusion.central_dp import CentralDPSettings, DPPlan, apply_dp_round, describe_plan, plan_dp, sample_poisson
 from rayfuse.fusion.robust import AggregatorSettings, aggregate_updates, check_aggregator
-from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, Update, client_step, register_method
+from rayfuse.method import (
+    ClientContext,
+    Method,
+    MethodParams,
+    MethodResult,
+    MethodTags,
+    RunSetup,
+    ServerContext,
+    Update,
+    client_step,
+    dp_refusal,
+    register_method,
+)
 
 __all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "FedAvgState", "fit", "check_dp_params"]
 
@@ -100,10 +112,7 @@ class FedAvg(Method):
     params: FedAvgParams
     summary = "federated averaging over rounds (McMahan et al. 2017), sample-weighted"
     reference = references.FEDAVG
-    multi_round = True
-
-    #: why ``dp`` is refused for this method (empty: central DP-FedAvg applies)
-    no_dp: ClassVar[str] = ""
+    tags = MethodTags(multi_round=True)
 
     @property
     def mu(self) -> float:
@@ -225,9 +234,8 @@ def check_dp_params(cls: type[FedAvg], params: FedAvgParams, num_clients: int) -
     weights (a client's weight would be its own private count); then the DP settings themselves (:func:`plan_dp`)."""
     dp = params.dp
     assert dp is not None
-    if cls.no_dp:
-        raise InputError("dp", f"no dp for method {cls.name!r} ({cls.no_dp})", "a dp section",
-                         "use fedavg, fedprox, fedadagrad, fedadam or fedyogi for central DP")
+    if cls.tags.no_dp:  # rayfuse.method.check_tags refuses it before start; here for a direct check() call
+        raise dp_refusal(cls, cls.name, "dp")
     if not params.aggregator.is_plain_mean:
         raise InputError("aggregator", "mean without clip_norm with dp (DP-FedAvg clips each update to dp.clip_norm and noises "
                          "their sum; a robust rule is not a sum, so the noise would not match its sensitivity)",

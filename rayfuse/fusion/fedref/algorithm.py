@@ -31,6 +31,7 @@ their training data once more (one extra forward pass per round).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from typing import Literal
 
 import numpy as np
@@ -100,7 +101,7 @@ class FedRef(FedAvg):
     params: FedRefParams
     summary = "FedAvg plus a server-side Bayesian fine-tuning step towards the mean of the last p aggregates (Yoon & Choi 2025)"
     reference = references.FEDREF
-    no_dp = "its server step reads each client's training loss, which DP-FedAvg does not noise"
+    tags = replace(FedAvg.tags, no_dp="its server step reads each client's training loss, which DP-FedAvg does not noise")
 
     def __init__(self, params: FedRefParams, label: str | None = None) -> None:
         super().__init__(params, label)

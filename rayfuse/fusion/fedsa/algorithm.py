@@ -71,6 +71,7 @@ from rayfuse.method import (
     Method,
     MethodParams,
     MethodResult,
+    MethodTags,
     Rejected,
     RunSetup,
     ServerContext,
@@ -288,12 +289,15 @@ def _check_finite(params: dict[str, np.ndarray]) -> bool:
 @register_method
 class Scratch(Method):
     name = "scratch"
-    federated_evaluation = False  # a target-task model scored on the server's target test set: evaluation central only
+    tags = MethodTags(
+        fuses="none",
+        federated_evaluation=False,  # a target-task model scored on the server's target test set: evaluation central only
+        public_labels=True,  # trains on the target set's labels (the server's public sample)
+    )
     Params = StudentParams
     params: StudentParams
     summary = "the target model trained on the server's labelled target set alone (FedSA's Scratch baseline)"
     reference = references.FEDSA
-    public_labels = True  # trains on the target set's labels (the server's public sample)
     # The same network, initialisation and training as FedSA's weak target model (round 0), evaluated as it is.
 
     @classmethod
@@ -320,14 +324,16 @@ class TransferParams(TargetParams):
 @register_method
 class Transfer(Method):
     name = "transfer"
-    federated_evaluation = False  # a target-task model scored on the server's target test set: evaluation central only
+    tags = MethodTags(
+        federated_evaluation=False,  # a target-task model scored on the server's target test set: evaluation central only
+        uses_local_models=True,
+        oracle=True,  # the teachers' weights leave their clients: not possible in FedSA's setting
+        public_labels=True,  # fine-tunes each teacher on the target set's labels (the server's public sample)
+    )
     Params = TransferParams
     params: TransferParams
     summary = "each teacher fine-tuned on the target set (needs the teachers' weights: not federated; FedSA's Transfer)"
     reference = references.FEDSA
-    uses_local_models = True
-    oracle = True  # the teachers' weights leave their clients: not possible in FedSA's setting
-    public_labels = True  # fine-tunes each teacher on the target set's labels (the server's public sample)
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:
@@ -365,13 +371,16 @@ class Transfer(Method):
 @register_method
 class FedSA(Method):
     name = "fedsa"
-    federated_evaluation = False  # a target-task model scored on the server's target test set: evaluation central only
+    tags = MethodTags(
+        fuses="predictions",
+        federated_evaluation=False,  # a target-task model scored on the server's target test set: evaluation central only
+        public_labels=True,  # the weak target model and the student train on the target set's labels (the server's public sample)
+        multi_round=True,  # a checkpoint after each round; ``--resume`` continues mid-method (the round loop, :meth:`ServerContext.rounds`)
+    )
     Params = FedSAParams
     params: FedSAParams
     summary = "saliency-based teacher selection and selective feature amalgamation into a new-task student (Xie et al. 2022)"
     reference = references.FEDSA
-    public_labels = True  # the weak target model and the student train on the target set's labels (the server's public sample)
-    multi_round = True  # a checkpoint after each round; ``--resume`` continues mid-method (the round loop, :meth:`ServerContext.rounds`)
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:

@@ -53,7 +53,17 @@ from rayfuse.fusion.gems.balls import (
     softmax_accuracy,
     unflatten_linear,
 )
-from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, client_step, register_method
+from rayfuse.method import (
+    ClientContext,
+    Method,
+    MethodParams,
+    MethodResult,
+    MethodTags,
+    RunSetup,
+    ServerContext,
+    client_step,
+    register_method,
+)
 from rayfuse.symmetry import ModelStructure, read_structure
 
 __all__ = ["GEMS", "GEMSParams", "build_model_ball", "build_neuron_balls", "transform_features"]
@@ -276,8 +286,11 @@ class GEMS(Method):
     params: GEMSParams
     summary = "good-enough model spaces: intersect clients' balls of good models (Guha & Smith 2019)"
     reference = references.GEMS
-    uses_local_models = True
-    public_labels = True  # fine-tunes the fused model on the public sample's labels (fine_tune, the tuned_* metrics)
+    tags = MethodTags(
+        fuses="statistics",
+        uses_local_models=True,
+        public_labels=True,  # fine-tunes the fused model on the public sample's labels (fine_tune, the tuned_* metrics)
+    )
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:

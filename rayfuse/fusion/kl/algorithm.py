@@ -47,7 +47,7 @@ from rayfuse.fusion.kl.gmm import (
 )
 from rayfuse.fusion.kl.topics import completion_log_likelihood, fit_lda_posterior, split_documents, topic_hausdorff
 from rayfuse.matching import Executor, serial_map, thread_map
-from rayfuse.method import Method, MethodParams, MethodResult, RunSetup, ServerContext, register_method
+from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, RunSetup, ServerContext, register_method
 from rayfuse.seeding import make_rng
 
 __all__ = ["KLFusion", "KLParams", "choose_executor"]
@@ -91,7 +91,10 @@ def choose_executor(server: ServerContext, kind: str, sizes: list[int], n_global
 @register_method
 class KLFusion(Method):
     name = "kl"
-    federated_evaluation = False  # scores on the server's test set and the true parameters (BNN, topics, GMM): central only
+    tags = MethodTags(
+        fuses="posteriors",
+        federated_evaluation=False,  # scores on the server's test set and the true parameters (BNN, topics, GMM): central only
+    )
     aliases = ("kl_fusion",)
     Params = KLParams
     params: KLParams

@@ -26,7 +26,17 @@ from rayfuse.errors import InputError, RunFailure
 from rayfuse.expfam import NormalWishart, normal_wishart_from_sklearn
 from rayfuse.fusion import references
 from rayfuse.fusion.kl.fusion import hausdorff
-from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, client_step, register_method
+from rayfuse.method import (
+    ClientContext,
+    Method,
+    MethodParams,
+    MethodResult,
+    MethodTags,
+    RunSetup,
+    ServerContext,
+    client_step,
+    register_method,
+)
 
 __all__ = ["fit_gmm_posterior", "GMMPosteriorParams", "gather_gmm_posteriors", "gmm_truth", "gmm_metrics", "GMMOracle", "DPCluster",
            "GMMMethod", "check_gmm_dataset", "check_silo_components", "check_local_components"]
@@ -100,7 +110,10 @@ def check_local_components(params: GMMPosteriorParams, setup: RunSetup) -> None:
 class GMMMethod(Method):
     """A method on the ``kl_gmm`` dataset whose clients fit local GMM posteriors: checks both before the run."""
 
-    federated_evaluation = False  # scores against the dataset's true GMM atoms: evaluation central only
+    tags = MethodTags(
+        fuses="posteriors",
+        federated_evaluation=False,  # scores against the dataset's true GMM atoms: evaluation central only
+    )
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:
@@ -150,14 +163,17 @@ def gmm_metrics(server: ServerContext, means: np.ndarray) -> dict[str, float]:
 @register_method
 class GMMOracle(Method):
     name = "gmm_oracle"
-    needs_dataset = True  # reads the whole dataset (data.dataset): not with data.silos
-    federated_evaluation = False  # scores against the dataset's true GMM atoms: evaluation central only
+    tags = MethodTags(
+        fuses="none",
+        needs_dataset=True,  # reads the whole dataset (data.dataset): not with data.silos
+        federated_evaluation=False,  # scores against the dataset's true GMM atoms: evaluation central only
+        oracle=True,
+    )
     aliases = ("vi_oracle",)
     Params = GMMPosteriorParams
     params: GMMPosteriorParams
     summary = "ORACLE: variational GMM on every client's points pooled, with the true number of components (KL-fusion's VI-oracle)"
     reference = references.KLF
-    oracle = True
 
     @classmethod
     def check(cls, params: MethodParams, setup: RunSetup) -> None:
