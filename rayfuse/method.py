@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeVar, cast
 
 import numpy as np
 from pydantic import ConfigDict, ValidationError
@@ -83,6 +83,9 @@ __all__ = [
 T = TypeVar("T")
 R = TypeVar("R")
 S = TypeVar("S")
+#: a method's parameters (its ``Params``) and round state, the two arguments of the generic :class:`Method`
+P = TypeVar("P", bound="MethodParams")
+RS = TypeVar("RS")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -455,12 +458,15 @@ class MethodTags:
     no_dp: str = ""
 
 
-class Method(ABC):
-    """Base class of fusion methods and baselines.
+class Method(ABC, Generic[P, RS]):
+    """Base class of fusion methods and baselines, generic in the method's parameters ``P`` and its round state ``RS``
+    (``None`` for a method without rounds): ``class Median(Method[MedianParams, MedianState])``. ``self.params`` and
+    :meth:`check`'s ``params`` are then of type ``P`` with no re-declaration and no narrowing.
 
-    Class attributes: ``name`` (the registry name), ``aliases``, ``Params`` (a :class:`MethodParams` subclass with the
-    paper's defaults), ``summary`` (one line for ``rayfuse list``), ``reference`` (the paper), and ``tags``
-    (:class:`MethodTags`: what it fuses and what it needs from the run, checked before start by :func:`check_tags`).
+    Class attributes: ``name`` (the registry name), ``aliases``, ``Params`` (the :class:`MethodParams` subclass ``P``,
+    with the paper's defaults: the one runtime record of it, as a ``ClassVar`` cannot hold a type variable),
+    ``summary`` (one line for ``rayfuse list``), ``reference`` (the paper), and ``tags`` (:class:`MethodTags`: what it
+    fuses and what it needs from the run, checked before start by :func:`check_tags`).
     """
 
     name: ClassVar[str]
@@ -470,12 +476,14 @@ class Method(ABC):
     reference: ClassVar[Reference | None] = None
     tags: ClassVar[MethodTags] = MethodTags()
 
-    def __init__(self, params: MethodParams | None = None, label: str | None = None) -> None:
-        self.params = self.Params() if params is None else params
+    params: P
+
+    def __init__(self, params: P | None = None, label: str | None = None) -> None:
+        self.params = cast(P, self.Params()) if params is None else params
         self.label = label or _method_name(type(self))  # an unregistered subclass may have no name: its class name
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: P, setup: RunSetup) -> None:
         """Refuse (raise :class:`InputError`) a run this method cannot do, before anything starts.
 
         An error's path is either absolute (it starts with a config section: ``data.public_size``, ``model.name``)

@@ -27,6 +27,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
+from rayfuse.errors import InputError
+
 __all__ = ["ClientRounds", "KeptState", "RoundLoop", "decode_state", "encode_state", "transient"]
 
 S = TypeVar("S")
@@ -252,6 +254,19 @@ class LoopServer(Protocol):
     def progress(self, message: str, **fields: Any) -> None: ...
 
 
+def _check_layout(template: Any, meta: Mapping[str, Any], label: str) -> None:
+    """Refuse a round checkpoint holding arrays of fields the round state does not have: decoding it would silently
+    start those fields afresh. The one such layout is the FedAvg family's before its typed round states (FedOpt's
+    moments, FedRef's queue as string-prefixed ``server/...`` arrays of one ``server`` field); it is refused, not
+    read: converting it would keep a second decoder for a layout only interrupted runs of that version still hold,
+    and a run restarted without ``--resume`` gives the same numbers."""
+    unknown = sorted(set(meta.get("state_arrays", {})) - {f.name for f in dataclasses.fields(template)})
+    if unknown:
+        old = " (the FedAvg family's older layout: server state as string-prefixed 'server/...' arrays)" if unknown == ["server"] else ""
+        raise InputError(f"checkpoints/{label}", f"a round checkpoint of {type(template).__name__}'s fields", f"arrays of field "
+                         f"{', '.join(map(repr, unknown))}{old}", "resume it with the rayfuse that wrote it, or run it again without --resume")
+
+
 class RoundLoop(Generic[S]):
     """Rounds ``first .. last`` of a method over a typed round state; iterate it for the round numbers to run.
 
@@ -285,6 +300,7 @@ class RoundLoop(Generic[S]):
         self._row: dict[str, float] | None = None
         checkpoint = self._restore()
         if checkpoint is not None:
+            _check_layout(state, checkpoint.meta, server.label)
             self.resumed = True
             self.start = checkpoint.round + 1
             self.state = decode_state(state, checkpoint.params, checkpoint.state, checkpoint.meta)

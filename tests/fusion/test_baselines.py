@@ -10,7 +10,7 @@ from rayfuse.errors import RunFailure
 from rayfuse.federation import Gathered, Update
 from rayfuse.fusion import METHODS, Method
 from rayfuse.fusion.baselines.ensemble import majority_vote
-from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams
+from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams, FedAvgState
 from rayfuse.method import resolve_methods
 from rayfuse.models import params_equal
 
@@ -114,7 +114,7 @@ def test_fedavg_aggregation_is_np_average_and_independent_of_client_order(coordi
     uniform, _ = server.average_updates(Gathered(updates), weighted=False)
     key = "layers.0.weight"
     np.testing.assert_allclose(uniform[key], np.mean([u.params[key] for u in updates.values()], axis=0), rtol=1e-5, atol=1e-6)
-    assert FedAvg(FedAvgParams()).server_update(server, {}, averaged, used, 1) is averaged
+    assert FedAvg(FedAvgParams()).server_update(server, FedAvgState({}), averaged, used, 1) is averaged
 
 
 def test_a_non_finite_update_is_found_through_the_average_and_left_out(coordinator):

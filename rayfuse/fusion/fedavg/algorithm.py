@@ -20,14 +20,15 @@ number of clients per round (``ceil(fraction * N)``) is checked before any clien
 eq. 1 exactly.
 
 Subclasses change the server update by overriding :meth:`FedAvg.server_update` (FedOpt, FedRef) and keep extra
-server state in the round checkpoint through :meth:`FedAvg.server_state` / :meth:`FedAvg.load_server_state`.
-Resume, evaluation cadence, history and round checkpoints are the round loop's (``server.rounds``).
+server state as typed fields of a :class:`FedAvgState` subclass (:meth:`FedAvg.initial_state`; FedOpt's moments,
+FedRef's queue), checkpointed bit for bit by the round loop (``server.rounds``), which owns resume, evaluation
+cadence, history and round checkpoints.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, TypeVar, cast
 
 import numpy as np
 from pydantic import Field
@@ -105,11 +106,23 @@ class FedProxParams(FedAvgParams):
     mu: float = Field(0.01, ge=0, description="proximal coefficient (Li et al. 2020)")
 
 
+@dataclass
+class FedAvgState:
+    """FedAvg's server state between rounds: the global model. Subclasses add typed fields (FedOpt's moments, FedRef's
+    queue); every field round-trips bit for bit through the round checkpoint (:func:`rayfuse.rounds.encode_state`)."""
+
+    params: dict[str, np.ndarray]
+    dp: dict[str, float] = field(default_factory=dict)  # DP-FedAvg: the clip norm of the next round (adaptive clipping moves it)
+
+
+FP = TypeVar("FP", bound=FedAvgParams)
+FS = TypeVar("FS", bound=FedAvgState)
+
+
 @register_method
-class FedAvg(Method):
+class FedAvg(Method[FP, FS]):
     name = "fedavg"
     Params = FedAvgParams
-    params: FedAvgParams
     summary = "federated averaging over rounds (McMahan et al. 2017), sample-weighted"
     reference = references.FEDAVG
     tags = MethodTags(multi_round=True)
@@ -119,9 +132,8 @@ class FedAvg(Method):
         return 0.0
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: FP, setup: RunSetup) -> None:
         """The aggregator's precondition on the clients sampled per round; with ``dp``, what DP-FedAvg needs."""
-        assert isinstance(params, FedAvgParams)
         if params.dp is not None:
             check_dp_params(cls, params, setup.num_clients)
             return
@@ -129,11 +141,16 @@ class FedAvg(Method):
 
     # -- hooks for subclasses ------------------------------------------------------------------------------------
 
-    def server_update(self, server: ServerContext, global_params: dict[str, np.ndarray], averaged: dict[str, np.ndarray],
-                      updates: dict[int, Update], round: int) -> dict[str, np.ndarray]:
+    def initial_state(self, params: dict[str, np.ndarray]) -> FS:
+        """The round state before round 1 from the initial global model (subclasses with more state return theirs)."""
+        return cast(FS, FedAvgState(params))
+
+    def server_update(self, server: ServerContext, state: FS, averaged: dict[str, np.ndarray], updates: dict[int, Update],
+                      round: int) -> dict[str, np.ndarray]:
         """The new global model from this round's average of the accepted updates (FedAvg: the average itself).
 
-        Server optimizers (FedOpt) step along the pseudo-gradient ``averaged - global_params``.
+        ``state`` is the round state (``state.params`` the model broadcast this round); a subclass updates its own
+        fields of it in place. Server optimizers (FedOpt) step along the pseudo-gradient ``averaged - state.params``.
         """
         return averaged
 
@@ -145,13 +162,6 @@ class FedAvg(Method):
         """Extra keyword arguments of the client step :func:`fit` (FedProx: ``mu``; FedRef: ``eval_loss``)."""
         return {"mu": self.mu} if self.mu else {}
 
-    def server_state(self) -> dict[str, np.ndarray]:
-        """Arrays to checkpoint with the global model (optimizer moments, queues...)."""
-        return {}
-
-    def load_server_state(self, state: dict[str, np.ndarray]) -> None:
-        """Restore what :meth:`server_state` saved."""
-
     # -- the server loop -------------------------------------------------------------------------------------------
 
     def run(self, server: ServerContext) -> MethodResult:
@@ -161,11 +171,12 @@ class FedAvg(Method):
         dp = p.dp
         plan = plan_dp(dp, server.num_clients, p.rounds) if dp is not None else None
         last = plan.rounds if plan is not None else p.rounds
-        start = FedAvgState(server.initial_params(), self.server_state(), {"clip_norm": dp.clip_norm} if dp is not None else {})
+        start = self.initial_state(server.initial_params())
+        if dp is not None:
+            start.dp = {"clip_norm": dp.clip_norm}
         rounds = server.rounds(start, last=last, evaluate=lambda rnd: server.evaluate(rounds.state.params),
                                evaluate_every=p.evaluate_every)
         state = rounds.state
-        self.load_server_state(state.server)
         step_args = dict(label=server.label, epochs=p.local_epochs, lr=p.lr or train.lr, batch_size=p.batch_size or train.batch_size,
                          optimizer=p.optimizer or train.optimizer, momentum=train.momentum, weight_decay=train.weight_decay,
                          **self.client_args())
@@ -179,8 +190,7 @@ class FedAvg(Method):
                 averaged, updates = aggregate_updates(server, gathered, p.aggregator, reference=state.params, weighted=p.weighted,
                                                       round=rnd)
                 del gathered
-            state.params = self.server_update(server, state.params, averaged, updates, rnd)
-            state.server = self.server_state()
+            state.params = self.server_update(server, state, averaged, updates, rnd)
             losses = np.array([u.metrics.get("train_loss", np.nan) for u in updates.values()])
             counts = np.array([u.num_examples for u in updates.values()], dtype=float)
             # Client compute of the round: seconds of local work per client (training plus any extra evaluation).
@@ -194,7 +204,7 @@ class FedAvg(Method):
             info["dp"] = describe_plan(dp, plan)
         return MethodResult(rounds.metrics, state.params, info=info)
 
-    def _dp_round(self, server: ServerContext, state: FedAvgState, plan: DPPlan, rnd: int,
+    def _dp_round(self, server: ServerContext, state: FS, plan: DPPlan, rnd: int,
                   step_args: dict[str, object]) -> tuple[dict[str, np.ndarray], dict[int, Update], dict[str, float]]:
         """One DP-FedAvg round: Poisson-sampled clients train, their updates are clipped, summed and noised
         (:func:`rayfuse.fusion.central_dp.apply_dp_round`); returns the noised model, the updates and the round's DP
@@ -218,16 +228,7 @@ class FedAvg(Method):
         return done.params, {c: updates[c] for c in ids}, {**done.metrics, "dp_sampled": float(len(clients)), "dp_epsilon": epsilon}
 
 
-@dataclass
-class FedAvgState:
-    """FedAvg's server state between rounds: the global model and the subclass's server state (:meth:`FedAvg.server_state`)."""
-
-    params: dict[str, np.ndarray]
-    server: dict[str, np.ndarray] = field(default_factory=dict)
-    dp: dict[str, float] = field(default_factory=dict)  # DP-FedAvg: the clip norm of the next round (adaptive clipping moves it)
-
-
-def check_dp_params(cls: type[FedAvg], params: FedAvgParams, num_clients: int) -> None:
+def check_dp_params(cls: type[FedAvg[Any, Any]], params: FedAvgParams, num_clients: int) -> None:
     """Refuse ``dp`` where DP-FedAvg's guarantee would not hold: a method whose server reads more of each client than
     its update (``no_dp``), a robust aggregator or a second clipping (the Gaussian mechanism's sensitivity is that of a
     sum of updates clipped once to ``dp.clip_norm``), ``fraction`` (``dp.sample_rate`` samples the clients) and sample
@@ -249,10 +250,9 @@ def check_dp_params(cls: type[FedAvg], params: FedAvgParams, num_clients: int) -
 
 
 @register_method
-class FedProx(FedAvg):
+class FedProx(FedAvg[FedProxParams, FedAvgState]):
     name = "fedprox"
     Params = FedProxParams
-    params: FedProxParams
     summary = "FedAvg with a proximal term mu/2 ||w - w_t||^2 on each client (Li et al. 2020)"
     reference = references.FEDPROX
 
