@@ -450,11 +450,11 @@ class MethodServer:
 
     def rounds(self, state: S, *, last: int, first: int = 1, evaluate: Callable[[int], Mapping[str, float]] | None = None,
                evaluate_every: int = 1, unit: str = "round", quiet: tuple[str, ...] = (),
-               on_resume: Callable[[S], None] | None = None) -> RoundLoop[S]:
+               on_resume: Callable[[S], None] | None = None, step: int = 1) -> RoundLoop[S]:
         """The rounds ``first .. last`` of this method over its typed round ``state`` (:class:`rayfuse.rounds.RoundLoop`:
         resume, evaluation cadence, history, progress, round checkpoints, state the clients keep)."""
         return RoundLoop(self, state, last=last, first=first, evaluate=evaluate, evaluate_every=evaluate_every, unit=unit,
-                         quiet=quiet, on_resume=on_resume)
+                         quiet=quiet, on_resume=on_resume, step=step)
 
     def resume_checkpoint(self) -> Checkpoint | None:
         """The last round checkpoint of this method when resuming (``None`` on a fresh run)."""

@@ -255,12 +255,17 @@ class LoopServer(Protocol):
 
 
 def _check_layout(template: Any, meta: Mapping[str, Any], label: str) -> None:
-    """Refuse a round checkpoint holding arrays of fields the round state does not have: decoding it would silently
-    start those fields afresh. The one such layout is the FedAvg family's before its typed round states (FedOpt's
-    moments, FedRef's queue as string-prefixed ``server/...`` arrays of one ``server`` field); it is refused, not
-    read: converting it would keep a second decoder for a layout only interrupted runs of that version still hold,
-    and a run restarted without ``--resume`` gives the same numbers."""
-    unknown = sorted(set(meta.get("state_arrays", {})) - {f.name for f in dataclasses.fields(template)})
+    """Refuse a round checkpoint holding arrays of fields the round state does not have (decoding it would silently
+    start those fields afresh), or one the round loop did not write. The older layouts: the FedAvg family's before its
+    typed round states (FedOpt's moments, FedRef's queue as string-prefixed ``server/...`` arrays of one ``server``
+    field), and EP-GAN's oracle's own loop. They are refused with one line, not read: converting them would keep a
+    second decoder for layouts only interrupted runs of an older version hold, and a run started again without
+    ``--resume`` gives the same numbers."""
+    if "state_arrays" not in meta:  # written without the round loop: epgan-oracle's own loop, before it used this one
+        raise InputError(f"checkpoints/{label}", f"a round checkpoint of {type(template).__name__}'s fields", "a checkpoint "
+                         "written without the round loop (epgan-oracle's older layout: 'state/...' arrays)",
+                         "resume it with the rayfuse that wrote it, or run it again without --resume")
+    unknown = sorted(set(meta["state_arrays"]) - {f.name for f in dataclasses.fields(template)})
     if unknown:
         old = " (the FedAvg family's older layout: server state as string-prefixed 'server/...' arrays)" if unknown == ["server"] else ""
         raise InputError(f"checkpoints/{label}", f"a round checkpoint of {type(template).__name__}'s fields", f"arrays of field "
@@ -280,15 +285,18 @@ class RoundLoop(Generic[S]):
     :attr:`store` (an id drawn once per method run, with ``run.model_cache``; else ``None``). A resumed run continues
     mid-method only if every client still holds its state of the checkpointed round; otherwise it restarts from
     ``first`` with a ``warning`` event (the same result, later). ``on_resume(state)`` runs after a mid-method resume
-    (checks that the world is still the interrupted run's). ``unit`` names a round in events ("turn").
+    (checks that the world is still the interrupted run's). ``unit`` names a round in events ("turn"). With ``step``
+    only every ``step``-th round runs, and the last (``step, 2 step, ..., last`` from ``first`` 1): a round then stands
+    for a block of units (EP-GAN's oracle: ``local_epochs`` epochs a block, its rounds numbered by epochs done).
     """
 
     def __init__(self, server: LoopServer, state: S, *, last: int, first: int = 1,
                  evaluate: Callable[[int], Mapping[str, float]] | None = None, evaluate_every: int = 1,
-                 unit: str = "round", quiet: tuple[str, ...] = (), on_resume: Callable[[S], None] | None = None) -> None:
+                 unit: str = "round", quiet: tuple[str, ...] = (), on_resume: Callable[[S], None] | None = None,
+                 step: int = 1) -> None:
         encode_state(state)  # a bad state fails now, not after the first round
         self.server = server
-        self.first, self.last = int(first), int(last)
+        self.first, self.last, self.step = int(first), int(last), max(int(step), 1)
         self.evaluate, self.evaluate_every = evaluate, max(int(evaluate_every), 1)
         self.unit, self.quiet = unit, tuple(quiet)
         self.kept = [value for value in vars(state).values() if isinstance(value, ClientRounds)]
@@ -367,6 +375,8 @@ class RoundLoop(Generic[S]):
     def __iter__(self) -> Iterator[int]:
         server = self.server
         for rnd in range(self.start, self.last + 1):
+            if (rnd - self.first + 1) % self.step and rnd != self.last:
+                continue
             self._row = None
             yield rnd
             row = self._row
