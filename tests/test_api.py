@@ -58,7 +58,7 @@ class MeanParams(MethodParams):
     weighted: bool = True
 
 
-class MeanOfLocals(Method):
+class MeanOfLocals(Method[MeanParams, None]):
     """A tiny method defined in a test module: the (weighted) mean of the clients' local models."""
 
     Params = MeanParams

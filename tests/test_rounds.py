@@ -56,7 +56,7 @@ class CountingState:
     scratch: Any = transient()
 
 
-class Counting(Method):
+class Counting(Method[CountingParams, CountingState]):
     name = "counting"
     Params = CountingParams
     tags = MethodTags(multi_round=True)

@@ -259,11 +259,10 @@ class AlignedState:
 
 
 @register_method
-class Aligned(Method):
+class Aligned(Method[AlignedParams, AlignedState]):
     name = "aligned"
     aliases = ("match",)
     Params = AlignedParams
-    params: AlignedParams
     summary = "aligned fusion of any model: units matched by weights or by the clients' activation statistics, then merged"
     reference = references.REBASIN
     tags = MethodTags(
@@ -272,10 +271,9 @@ class Aligned(Method):
     )
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: AlignedParams, setup: RunSetup) -> None:
         from rayfuse.models import build_model
 
-        assert isinstance(params, AlignedParams)
         if not params.aggregator.is_plain_mean and params.merge != "average":
             raise InputError("aggregator", "the default mean with merge " + repr(params.merge) + " (a robust aggregator or clip_norm "
                              "replaces merge: average only)", params.aggregator.name if params.aggregator.name != "mean" else "clip_norm")

@@ -33,11 +33,10 @@ class AverageParams(MethodParams):
 
 
 @register_method
-class Average(Method):
+class Average(Method[AverageParams, None]):
     name = "average"
     aliases = ("naive-average",)
     Params = AverageParams
-    params: AverageParams
     summary = "one-shot parameter average of the local models (sample-weighted)"
     tags = MethodTags(
         uses_local_models=True,
@@ -45,9 +44,8 @@ class Average(Method):
     )
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: AverageParams, setup: RunSetup) -> None:
         """The aggregator's precondition on the number of clients."""
-        assert isinstance(params, AverageParams)
         check_aggregator(params.aggregator, setup.num_clients, what="clients")
         check_upload_dp(params.dp, setup)
 

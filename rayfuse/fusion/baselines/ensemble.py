@@ -23,10 +23,9 @@ class EnsembleParams(MethodParams):
 
 
 @register_method
-class Ensemble(Method):
+class Ensemble(Method[EnsembleParams, None]):
     name = "ensemble"
     Params = EnsembleParams
-    params: EnsembleParams
     summary = "the local models as an ensemble: probability average and majority vote"
     tags = MethodTags(
         fuses="predictions",

@@ -256,11 +256,10 @@ class FinetuneParams(TuneSettings):
 
 
 @register_method
-class Finetune(Method):
+class Finetune(Method[FinetuneParams, None]):
     name = "finetune"
     aliases = ("tuned",)  # its name before 0.2 (it collides with Ray Tune in every sentence); old jobs still run
     Params = FinetuneParams
-    params: FinetuneParams
     summary = "a local / averaged / fresh (raw) model fine-tuned on the server's public sample (GEMS Section 4.4)"
     reference = references.GEMS
     tags = MethodTags(
@@ -269,9 +268,9 @@ class Finetune(Method):
     )
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: FinetuneParams, setup: RunSetup) -> None:
         """The public sample's size, the raw-only settings, the converged solver and raw dropout against the model."""
-        p = params.resolved()  # type: ignore[attr-defined]
+        p = params.resolved()
         check_public_samples(p.public_samples, setup.public_size)
         raw_only = {"raw_epochs": p.raw_epochs, "raw_dropout": p.raw_dropout, "raw_early_stop": p.raw_early_stop}
         for name, value in raw_only.items():

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from rayfuse.method import Method, MethodResult, MethodTags, ServerContext, register_method
+from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, ServerContext, register_method
 
 
 @register_method
-class Local(Method):
+class Local(Method[MethodParams, None]):
     name = "local"
     summary = "each client's local model on the global test set (each, and mean +- std)"
     tags = MethodTags(

@@ -18,7 +18,7 @@ class GlobalParams(MethodParams):
 
 
 @register_method
-class GlobalOracle(Method):
+class GlobalOracle(Method[GlobalParams, None]):
     name = "global"
     tags = MethodTags(
         fuses="none",
@@ -28,7 +28,6 @@ class GlobalOracle(Method):
     )
     aliases = ("centralized", "pooled")
     Params = GlobalParams
-    params: GlobalParams
     summary = "ORACLE: one model trained on all clients' data pooled (infeasible in a federation)"
 
     def run(self, server: ServerContext) -> MethodResult:

@@ -254,10 +254,9 @@ class _StudentServer:
 
 
 @register_method
-class Distill(Method):
+class Distill(Method[DistillParams, None]):
     name = "distill"
     Params = DistillParams
-    params: DistillParams
     summary = "one-shot ensemble distillation into one student: public unlabeled data or data-free, parameters or predictions only"
     reference = references.FEDDF
     tags = MethodTags(
@@ -268,8 +267,7 @@ class Distill(Method):
     )
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
-        assert isinstance(params, DistillParams)
+    def check(cls, params: DistillParams, setup: RunSetup) -> None:
         if params.transfer == "public" and setup.public_size <= 0:
             raise InputError("data.public_size", "a public sample for transfer: public (data.public_size > 0; data.public with "
                              "data.silos): its inputs are the transfer data, its labels are never read", setup.public_size,

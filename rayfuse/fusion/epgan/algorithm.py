@@ -486,7 +486,7 @@ class EPGANState:
 
 
 @register_method
-class EPGAN(Method):
+class EPGAN(Method[EPGANParams, EPGANState]):
     name = "epgan"
     tags = MethodTags(
         federated_evaluation=False,  # generative scores (FD / IS / D-MSE) against the server's test set: evaluation central only
@@ -494,12 +494,11 @@ class EPGAN(Method):
         public_labels=True,  # with data.silos its image-score classifier trains on data.public's labels (if given)
     )
     Params = EPGANParams
-    params: EPGANParams
     summary = "EP-GAN: federated (Bayesian) GANs, FedAvg of G and D plus a product-of-Gaussians EP prior (Wu et al. 2022)"
     reference = references.EPGAN
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: EPGANParams, setup: RunSetup) -> None:
         """With ``data.silos``, a server test set (``data.test``): EP-GAN scores its generator centrally against it, and
         its evaluation classifier (image data) trains on ``data.public``, else on ``data.test``."""
         if setup.data.is_silos and setup.data.test is None:
@@ -515,7 +514,7 @@ class EPGAN(Method):
         # draws from its trainer's generator, seeded once per client (ctx.step_seed(label, "gan")) and carried across
         # turns as part of its state rather than re-derived from the turn number: re-seeding per turn would change
         # every uninterrupted run's numbers (docs/methods/epgan.md's results).
-        p: EPGANParams = self.params
+        p = self.params
         settings = p.settings(int(np.prod(server.input_shape)))
         fed = server.federation
         scorer = make_scorer(server, p)
@@ -606,7 +605,6 @@ class EPGANOracle(Method[EPGANOracleParams, "EPGANOracleState"]):
     )
     aliases = ("epgan-centralized",)
     Params = EPGANOracleParams
-    params: EPGANOracleParams
     summary = "ORACLE: the EP-GAN backbone trained on all clients' data pooled (the paper's centralised column)"
     reference = references.EPGAN
     # A checkpoint after each block of local_epochs epochs (the round loop, its rounds numbered by epochs done);

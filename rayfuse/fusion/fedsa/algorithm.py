@@ -287,7 +287,7 @@ def _check_finite(params: dict[str, np.ndarray]) -> bool:
 
 
 @register_method
-class Scratch(Method):
+class Scratch(Method[StudentParams, None]):
     name = "scratch"
     tags = MethodTags(
         fuses="none",
@@ -295,16 +295,15 @@ class Scratch(Method):
         public_labels=True,  # trains on the target set's labels (the server's public sample)
     )
     Params = StudentParams
-    params: StudentParams
     summary = "the target model trained on the server's labelled target set alone (FedSA's Scratch baseline)"
     reference = references.FEDSA
     # The same network, initialisation and training as FedSA's weak target model (round 0), evaluated as it is.
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: StudentParams, setup: RunSetup) -> None:
         """A target set, and a student that fits the data."""
         check_target_set(setup.public_size)
-        check_student(params, setup)  # type: ignore[arg-type]
+        check_student(params, setup)
 
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params
@@ -322,7 +321,7 @@ class TransferParams(TargetParams):
 
 
 @register_method
-class Transfer(Method):
+class Transfer(Method[TransferParams, None]):
     name = "transfer"
     tags = MethodTags(
         federated_evaluation=False,  # a target-task model scored on the server's target test set: evaluation central only
@@ -331,12 +330,11 @@ class Transfer(Method):
         public_labels=True,  # fine-tunes each teacher on the target set's labels (the server's public sample)
     )
     Params = TransferParams
-    params: TransferParams
     summary = "each teacher fine-tuned on the target set (needs the teachers' weights: not federated; FedSA's Transfer)"
     reference = references.FEDSA
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: TransferParams, setup: RunSetup) -> None:
         """A target set, and teachers with a classifier to adapt."""
         from rayfuse.models import build_model
 
@@ -369,7 +367,7 @@ class Transfer(Method):
 
 
 @register_method
-class FedSA(Method):
+class FedSA(Method[FedSAParams, "FedSAState"]):
     name = "fedsa"
     tags = MethodTags(
         fuses="predictions",
@@ -378,12 +376,11 @@ class FedSA(Method):
         multi_round=True,  # a checkpoint after each round; ``--resume`` continues mid-method (the round loop, :meth:`ServerContext.rounds`)
     )
     Params = FedSAParams
-    params: FedSAParams
     summary = "saliency-based teacher selection and selective feature amalgamation into a new-task student (Xie et al. 2022)"
     reference = references.FEDSA
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: FedSAParams, setup: RunSetup) -> None:
         """Bad input before any client works: the target set, K, and whether a translator can bridge the features.
 
         The teachers and the student may be any model ``torch.fx`` can trace whose output layer is a Linear after a
@@ -391,7 +388,7 @@ class FedSA(Method):
         flatten, else the features the output layer reads; :func:`rayfuse.fusion.fedsa.kd.features_and_logits`)."""
         from rayfuse.models import build_model
 
-        p: FedSAParams = params  # type: ignore[assignment]
+        p = params
         check_target_set(setup.public_size)
         n = setup.num_clients
         if p.selection != "all" and p.k > n:

@@ -56,7 +56,6 @@ from rayfuse.fusion.gems.balls import (
 from rayfuse.method import (
     ClientContext,
     Method,
-    MethodParams,
     MethodResult,
     MethodTags,
     RunSetup,
@@ -280,10 +279,9 @@ def _check_same_shapes(results: dict[int, dict[str, Any]], key: str, what: str) 
 
 
 @register_method
-class GEMS(Method):
+class GEMS(Method[GEMSParams, None]):
     name = "gems"
     Params = GEMSParams
-    params: GEMSParams
     summary = "good-enough model spaces: intersect clients' balls of good models (Guha & Smith 2019)"
     reference = references.GEMS
     tags = MethodTags(
@@ -293,10 +291,10 @@ class GEMS(Method):
     )
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: GEMSParams, setup: RunSetup) -> None:
         """The model (logreg or mlp), the per-layer settings against its hidden layers, ``m_epsilon`` against the
         neurons across clients, and the fine-tuning settings against the model and the public sample."""
-        p: GEMSParams = params  # type: ignore[assignment]
+        p = params
         cfg = setup.model
         if cfg.name not in ("logreg", "mlp"):
             raise InputError("model.name", "logreg or mlp for method gems", cfg.name)

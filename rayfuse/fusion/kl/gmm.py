@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 from pydantic import Field, field_validator
@@ -107,7 +107,10 @@ def check_local_components(params: GMMPosteriorParams, setup: RunSetup) -> None:
                          params.n_components)
 
 
-class GMMMethod(Method):
+GP = TypeVar("GP", bound=GMMPosteriorParams)
+
+
+class GMMMethod(Method[GP, None]):
     """A method on the ``kl_gmm`` dataset whose clients fit local GMM posteriors: checks both before the run."""
 
     tags = MethodTags(
@@ -116,10 +119,10 @@ class GMMMethod(Method):
     )
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: GP, setup: RunSetup) -> None:
         check_gmm_dataset(setup, cls.name)
-        check_silo_components(params, setup)  # type: ignore[arg-type]
-        check_local_components(params, setup)  # type: ignore[arg-type]
+        check_silo_components(params, setup)
+        check_local_components(params, setup)
 
 
 def gmm_truth(server: ServerContext, path: str) -> dict[str, Any]:
@@ -161,7 +164,7 @@ def gmm_metrics(server: ServerContext, means: np.ndarray) -> dict[str, float]:
 
 
 @register_method
-class GMMOracle(Method):
+class GMMOracle(Method[GMMPosteriorParams, None]):
     name = "gmm_oracle"
     tags = MethodTags(
         fuses="none",
@@ -171,12 +174,11 @@ class GMMOracle(Method):
     )
     aliases = ("vi_oracle",)
     Params = GMMPosteriorParams
-    params: GMMPosteriorParams
     summary = "ORACLE: variational GMM on every client's points pooled, with the true number of components (KL-fusion's VI-oracle)"
     reference = references.KLF
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: GMMPosteriorParams, setup: RunSetup) -> None:
         check_gmm_dataset(setup, cls.name)  # the oracle fits the true number of components, not n_components
 
     def run(self, server: ServerContext) -> MethodResult:
@@ -201,10 +203,9 @@ class DPClusterParams(GMMPosteriorParams):
 
 
 @register_method
-class DPCluster(GMMMethod):
+class DPCluster(GMMMethod[DPClusterParams]):
     name = "dp_cluster"
     Params = DPClusterParams
-    params: DPClusterParams
     summary = "Dirichlet-process mixture on the pooled local posterior means (KL-fusion's DP-cluster baseline)"
     reference = references.KLF
 
