@@ -261,15 +261,15 @@ def _check_layout(template: Any, meta: Mapping[str, Any], label: str) -> None:
     field), and EP-GAN's oracle's own loop. They are refused with one line, not read: converting them would keep a
     second decoder for layouts only interrupted runs of an older version hold, and a run started again without
     ``--resume`` gives the same numbers."""
+    retry = "resume it with the rayfuse that wrote it, or run it again without --resume"
     if "state_arrays" not in meta:  # written without the round loop: epgan-oracle's own loop, before it used this one
-        raise InputError(f"checkpoints/{label}", f"a round checkpoint of {type(template).__name__}'s fields", "a checkpoint "
-                         "written without the round loop (epgan-oracle's older layout: 'state/...' arrays)",
-                         "resume it with the rayfuse that wrote it, or run it again without --resume")
+        raise InputError(f"checkpoints/{label}", f"a round checkpoint of {type(template).__name__}'s fields, not epgan-oracle's older "
+                         "layout (the 'state/...' arrays of its own loop)", "a checkpoint the round loop did not write", retry)
     unknown = sorted(set(meta["state_arrays"]) - {f.name for f in dataclasses.fields(template)})
     if unknown:
-        old = " (the FedAvg family's older layout: server state as string-prefixed 'server/...' arrays)" if unknown == ["server"] else ""
-        raise InputError(f"checkpoints/{label}", f"a round checkpoint of {type(template).__name__}'s fields", f"arrays of field "
-                         f"{', '.join(map(repr, unknown))}{old}", "resume it with the rayfuse that wrote it, or run it again without --resume")
+        old = ", not the FedAvg family's older layout (server state as string-prefixed 'server/...' arrays)" if unknown == ["server"] else ""
+        raise InputError(f"checkpoints/{label}", f"a round checkpoint of {type(template).__name__}'s fields{old}",
+                         f"arrays of field {', '.join(map(repr, unknown))}", retry)
 
 
 class RoundLoop(Generic[S]):
