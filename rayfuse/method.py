@@ -573,6 +573,7 @@ def resolve_methods(methods: Mapping[str, Mapping[str, Any]],
             if entry:
                 raise InputError(path, "no parameters in the config for a method given as an instance (its params are used)",
                                  sorted(entry))
+            _check_declared_tags(type(given), path)
             specs.append(MethodSpec(label, _method_name(type(given)), type(given), given.params))
             continue
         if isinstance(given, type) and issubclass(given, Method):
@@ -586,6 +587,7 @@ def resolve_methods(methods: Mapping[str, Mapping[str, Any]],
             name = METHODS.canonical(name)
         else:
             raise InputError(path, "a method: a registered name, a Method subclass or a Method instance", type(given).__name__)
+        _check_declared_tags(method_cls, path)
         if "dp" in entry and "dp" not in method_cls.Params.model_fields:  # no option to validate: the tags' refusal now
             raise dp_refusal(method_cls, name, f"{path}.dp", entry["dp"])
         try:
@@ -596,6 +598,23 @@ def resolve_methods(methods: Mapping[str, Mapping[str, Any]],
     if not specs:
         raise InputError("methods", "at least one method", "none")
     return specs
+
+
+#: the capability flags a method class set before :class:`MethodTags` held them
+_FLAGS = ("uses_local_models", "oracle", "multi_round", "federated_evaluation", "local_model_only", "needs_dataset",
+          "heterogeneous_clients", "public_labels", "no_dp")
+
+
+def _check_declared_tags(method_cls: type[Method[Any, Any]], path: str) -> None:
+    """A method's ``tags`` is a :class:`MethodTags`, and no class of it sets a capability flag of its own (the old
+    ``uses_local_models = True``...): such a flag would be silently ignored, and the run would go on without it."""
+    if not isinstance(method_cls.tags, MethodTags):
+        raise InputError(path, "a method whose tags are a rayfuse.method.MethodTags", type(method_cls.tags).__name__)
+    for klass in method_cls.__mro__:
+        loose = [flag for flag in _FLAGS if flag in vars(klass)]
+        if loose:
+            raise InputError(path, f"capability flags in the method's tags (tags = MethodTags({loose[0]}=...)), not as class "
+                             f"attributes of {klass.__qualname__}", ", ".join(loose))
 
 
 def resolved_config(cfg: ExperimentConfig, specs: Sequence[MethodSpec] | None = None) -> dict[str, Any]:

@@ -230,3 +230,22 @@ def test_a_method_of_ones_own_with_odd_tags_is_refused_before_start(make_config,
     check_tags(specs, setup_for(make_config()), make_config())  # central evaluation, labelled public sample: accepted
     err = refusal(specs, setup_for(make_config(), public_labeled=False), make_config())
     assert err.path == "data.public.labels" and "for method 'Odd'" in str(err)
+
+
+class OldStyle(Method[OddParams, None]):
+    """A method written before the tags: its loose flag would be silently ignored."""
+
+    Params = OddParams
+    uses_local_models = True
+
+    def run(self, server: ServerContext) -> MethodResult:
+        raise AssertionError("a refused method never runs")
+
+
+def test_a_method_setting_a_loose_capability_flag_is_refused_with_one_line():
+    with pytest.raises(InputError) as raised:
+        resolve_methods({"old": {}}, {"old": OldStyle})
+    assert str(raised.value).startswith("methods.old: expected capability flags in the method's tags (tags = "
+                                        "MethodTags(uses_local_models=...)), not as class attributes of OldStyle")
+    with pytest.raises(InputError):
+        resolve_methods({}, {"old": OldStyle()})
