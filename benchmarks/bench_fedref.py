@@ -74,9 +74,10 @@ def server_cost(repeats: int, clients: int = 10) -> list[dict]:
         updates = {i: Update({}, int(w), {"train_loss": 0.5}) for i, w in enumerate(weights)}
         fedref = FedRef(FedRef.Params.model_validate({"p": 5, "lam": 0.01, "lr": 0.05}))
         fedadam = FedAdam(FedAdam.Params.model_validate({}))
+        ref_state, adam_state = fedref.initial_state(base), fedadam.initial_state(base)  # the broadcast model stays base
         for r in range(1, 8):  # past round p + 1: every timed call below runs the fine-tuning step
-            fedref.server_update(None, base, weighted_average(models, weights), updates, r)
-            fedadam.server_update(None, base, weighted_average(models, weights), updates, r)
+            fedref.server_update(None, ref_state, weighted_average(models, weights), updates, r)
+            fedadam.server_update(None, adam_state, weighted_average(models, weights), updates, r)
         state = {"round": 8}
 
         def average():
@@ -84,10 +85,10 @@ def server_cost(repeats: int, clients: int = 10) -> list[dict]:
 
         def with_fedref():
             state["round"] += 1
-            fedref.server_update(None, base, weighted_average(models, weights), updates, state["round"])
+            fedref.server_update(None, ref_state, weighted_average(models, weights), updates, state["round"])
 
         def with_fedadam():
-            fedadam.server_update(None, base, weighted_average(models, weights), updates, 1)
+            fedadam.server_update(None, adam_state, weighted_average(models, weights), updates, 1)
 
         times = interleaved_times({"fedavg (average)": average, "fedref (average + step)": with_fedref,
                                    "fedadam (average + step)": with_fedadam}, repeats, warmup=1)

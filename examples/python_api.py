@@ -15,7 +15,7 @@ import numpy as np
 from torch import nn
 
 import rayfuse
-from rayfuse.method import Method, MethodParams, MethodResult, Update, client_step
+from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, Update, client_step
 from rayfuse.models import get_params, predict_proba
 
 
@@ -45,7 +45,7 @@ class ValidationWeighted(Method):
     class Params(MethodParams):
         power: float = 2.0
 
-    uses_local_models = True
+    tags = MethodTags(uses_local_models=True)
 
     def run(self, server):
         updates = server.updates.receive(server.federation.run(local_model))  # validated, attacked where configured

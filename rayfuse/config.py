@@ -286,7 +286,7 @@ class SiloSource(StrictModel):
 
     ``labels: false`` says the file holds no labels (``data.public`` only, an ``npz`` file or a ``parquet`` / ``csv``
     file with its ``features`` named): only its inputs are read, and its labels are unknown (``-1``). Methods that read
-    the public sample's labels (``Method.public_labels``) are then refused."""
+    the public sample's labels (``MethodTags.public_labels``) are then refused."""
 
     dataset: str = Field(description="npz | parquet | csv | imagefolder, or a bundled dataset (rayfuse list datasets; for rehearsal)")
     path: str | None = Field(None, description="the file (npz, parquet, csv), the class folders (imagefolder) or a torchvision "

@@ -49,7 +49,7 @@ from rayfuse.evaluation import (
 )
 from rayfuse.federation import Federation, Gathered, Update, step_name
 from rayfuse.fusion.pipeline import UpdatePipeline, check_update_pipeline
-from rayfuse.method import MethodResult, MethodSpec, Rejected, RunSetup, check_methods, resolve_methods, resolved_config
+from rayfuse.method import MethodResult, MethodSpec, Rejected, RunSetup, check_methods, check_tags, resolve_methods, resolved_config
 from rayfuse.metrics import add_metric_sums, check_metric_sums, compute_metrics, majority_vote, metrics_from_sums
 from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
 from rayfuse.rounds import RoundLoop
@@ -186,7 +186,7 @@ class MethodServer:
 
     def pooled_train(self) -> Split:
         """Every client's training data pooled. Only oracle methods may ask: a federation cannot do this."""
-        if not self.method_cls.oracle:
+        if not self.method_cls.tags.oracle:
             raise RunFailure(f"method {self.method!r} asked for pooled client data; only oracle methods may")
         return self._coordinator.pooled_train()
 
@@ -226,7 +226,7 @@ class MethodServer:
         run's metrics are the clients': a method scores through :meth:`evaluate` / :meth:`evaluate_ensemble`)."""
         if self.evaluation == "federated":
             raise RunFailure(f"{self.label}: scores predictions on the server's test set (evaluate_proba), which evaluation: federated "
-                             "does not use; score through evaluate / evaluate_ensemble, or set the method's federated_evaluation = False")
+                             "does not use; score through evaluate / evaluate_ensemble, or tag the method federated_evaluation=False")
         return compute_metrics(proba, self.test.y)
 
     def evaluate(self, params: dict[str, np.ndarray], *, resized: bool = False, model: ModelConfig | None = None) -> dict[str, float]:
@@ -376,11 +376,11 @@ class MethodServer:
 
     def rounds(self, state: S, *, last: int, first: int = 1, evaluate: Callable[[int], Mapping[str, float]] | None = None,
                evaluate_every: int = 1, unit: str = "round", quiet: tuple[str, ...] = (),
-               on_resume: Callable[[S], None] | None = None) -> RoundLoop[S]:
+               on_resume: Callable[[S], None] | None = None, step: int = 1) -> RoundLoop[S]:
         """The rounds ``first .. last`` of this method over its typed round ``state`` (:class:`rayfuse.rounds.RoundLoop`:
         resume, evaluation cadence, history, progress, round checkpoints, state the clients keep)."""
         return RoundLoop(self, state, last=last, first=first, evaluate=evaluate, evaluate_every=evaluate_every, unit=unit,
-                         quiet=quiet, on_resume=on_resume)
+                         quiet=quiet, on_resume=on_resume, step=step)
 
     def resume_checkpoint(self) -> Checkpoint | None:
         """The last round checkpoint of this method when resuming (``None`` on a fresh run)."""
@@ -641,6 +641,7 @@ class Coordinator:
         method_cls = spec.method_cls
         # The check prepare_run made before anything started; again here for a coordinator built directly (tests).
         setup = RunSetup.from_plan(self.cfg, self.plan)
+        check_tags([spec], setup, self.cfg)
         check_methods([spec], setup)
         check_update_pipeline([spec], setup, self.cfg.federation.attacks)
         server = MethodServer(self, spec, resume=resume)
@@ -648,7 +649,7 @@ class Coordinator:
         self.events.emit("method_start", method=label)
         result: MethodResult = spec.build().run(server)
         seconds = time.perf_counter() - started
-        if self.cfg.train.dp is not None and method_cls.uses_local_models and not method_cls.oracle:
+        if self.cfg.train.dp is not None and method_cls.tags.uses_local_models and not method_cls.tags.oracle:
             self._add_local_privacy(result)
         bad = {k: v for k, v in result.metrics.items() if not np.isfinite(v)}
         if bad:
@@ -668,7 +669,7 @@ class Coordinator:
             "evaluation": self.cfg.evaluation,
             **({"client_metrics": server.collect_client_table()} if self.cfg.evaluation != "central" else {}),
             "info": result.info,
-            "oracle": method_cls.oracle,
+            "oracle": method_cls.tags.oracle,
             "history": server.history,
             "seconds": round(seconds, 3),
             "model_file": model_file,

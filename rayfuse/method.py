@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeVar, cast
 
 import numpy as np
 from pydantic import ConfigDict, ValidationError
@@ -62,6 +62,7 @@ __all__ = [
     "MethodParams",
     "MethodResult",
     "MethodSpec",
+    "MethodTags",
     "Reference",
     "Rejected",
     "RoundLoop",
@@ -71,11 +72,10 @@ __all__ = [
     "UpdateService",
     "Aggregate",
     "Fuses",
-    "check_client_models",
-    "check_evaluation",
     "check_methods",
-    "check_public_labels",
+    "check_tags",
     "client_step",
+    "dp_refusal",
     "register_method",
     "resolve_methods",
     "resolved_config",
@@ -86,6 +86,9 @@ __all__ = [
 T = TypeVar("T")
 R = TypeVar("R")
 S = TypeVar("S")
+#: a method's parameters (its ``Params``) and round state, the two arguments of the generic :class:`Method`
+P = TypeVar("P", bound="MethodParams")
+RS = TypeVar("RS")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -161,7 +164,7 @@ class Aggregate:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-#: What a method combines of its clients (``Method.fuses``): the update pipeline's attacks, robust rules and DP act on
+#: What a method combines of its clients (``MethodTags.fuses``): the update pipeline's attacks, robust rules and DP act on
 #: ``parameters`` only; ``nothing``: the method combines no client upload (local models scored one by one, oracles).
 Fuses = Literal["parameters", "posteriors", "statistics", "predictions", "nothing"]
 
@@ -288,7 +291,7 @@ class ServerContext(Protocol):
 
     ``model_cfg`` is the run's model (the server's, and every client's without a model of its own); a client's own
     model is :meth:`client_model` (``federation.client_overrides.<i>.model``; only methods with
-    ``Method.heterogeneous_clients`` run when the clients' models differ). ``class_counts`` is the partition plan's
+    ``MethodTags.heterogeneous_clients`` run when the clients' models differ). ``class_counts`` is the partition plan's
     ``(num_clients, num_classes)`` class counts (train and held-out, as the partition manifest records them).
     """
 
@@ -370,7 +373,7 @@ class ServerContext(Protocol):
 
     def rounds(self, state: S, *, last: int, first: int = 1, evaluate: Callable[[int], Mapping[str, float]] | None = None,
                evaluate_every: int = 1, unit: str = "round", quiet: tuple[str, ...] = (),
-               on_resume: Callable[[S], None] | None = None) -> RoundLoop[S]: ...
+               on_resume: Callable[[S], None] | None = None, step: int = 1) -> RoundLoop[S]: ...
 
     def resume_checkpoint(self) -> Checkpoint | None: ...
 
@@ -395,7 +398,7 @@ class RunSetup:
     ``client_models`` holds each client's model in client order (``federation.client_overrides.<i>.model``, else
     ``model``); empty means every client's model is ``model`` (:meth:`client_model` reads it either way).
     ``public_labeled`` is false when the server's public sample has no labels (a silo config's ``data.public`` with
-    ``labels: false``; its labels are then ``-1``, unknown): methods with ``Method.public_labels`` are refused.
+    ``labels: false``; its labels are then ``-1``, unknown): methods tagged ``public_labels`` are refused.
     """
 
     model: ModelConfig
@@ -470,30 +473,55 @@ class Reference:
     url: str
 
 
-class Method(ABC):
-    """Base class of fusion methods and baselines.
+@dataclass(frozen=True)
+class MethodTags:
+    """What a method is and needs from the run, declared once per class (``tags = MethodTags(...)``; a subclass may
+    ``dataclasses.replace`` its parent's). :func:`check_tags` refuses, before anything starts, every run the tags say
+    the method cannot do.
 
-    Class attributes: ``name`` (the registry name), ``aliases``, ``Params`` (a :class:`MethodParams` subclass with the
-    paper's defaults), ``summary`` (one line for ``rayfuse list``), ``reference`` (the paper), and what the method
-    needs from the run: ``uses_local_models`` (every client's trained local model), ``oracle`` (not feasible in a
-    real federation; reported as an upper reference), ``multi_round`` (checkpoints each round, so ``--resume``
-    continues mid-method), ``federated_evaluation`` (its metrics come from :meth:`ServerContext.evaluate` /
+    ``fuses`` (:data:`Fuses`): what the server combines: ``"parameters"`` (the clients' weights, in one layout, through
+    ``server.updates.collect``), ``"posteriors"`` (distributions over parameters), ``"statistics"`` (summaries other than
+    weights: moments, balls, counts), ``"predictions"`` (the clients' outputs on some inputs) or ``"nothing"`` (no client
+    upload is combined: baselines and oracles). The update pipeline's attacks, robust rules and DP act on parameter
+    updates only, so a run asking for them with a method that fuses something else is refused before start; a method
+    whose answer depends on its parameters gives it as a ``fuses`` property of its ``Params``, which takes precedence.
+    ``needs_dataset``: it reads the run's whole dataset (the clients' data pooled, or the dataset's true parameters); refused with ``data.silos``, where no process holds a dataset. ``uses_local_models``: every client's
+    trained local model is gathered. ``federated_evaluation``: its metrics come from :meth:`ServerContext.evaluate` /
     :meth:`ServerContext.evaluate_ensemble`, so ``evaluation: federated`` or ``both`` can score it on the clients'
-    held-out splits; ``False``: a method scoring on the server's data in its own way, refused with those settings),
-    ``local_model_only`` (it reads the clients' training data only through their trained local models, so local DP-SGD,
-    ``train.dp``, covers everything it releases; methods without it are refused with ``train.dp``),
-    ``needs_dataset`` (it reads the run's whole dataset: the clients' data pooled, or the dataset's true parameters; refused
-    with ``data.silos``, where no process holds a dataset), ``heterogeneous_clients`` (it needs only each client's
-    predictions, never their weights in one layout, so it runs when the clients' models differ,
-    ``federation.client_overrides.<i>.model``: it builds each client's model with :meth:`ServerContext.client_model` and
-    scores it with ``evaluate(..., model=)`` / ``evaluate_ensemble(..., models=)``; methods without it, those that average
-    or match weights, are refused with such clients), ``public_labels`` (it reads the labels of the server's public
-    sample, ``server.public.y``: it trains or tunes on them; refused when that sample has none, a silo config's
-    ``data.public`` with ``labels: false``, whose labels are ``-1``), ``fuses`` (what it combines of its clients,
-    :data:`Fuses`: ``parameters`` for the methods that combine model updates through ``server.updates.collect``; a
-    method that combines posteriors, statistics or predictions declares it, and the run refuses ``federation.attacks``,
-    a robust ``aggregator`` or ``dp`` for it before start; a method whose answer depends on its parameters gives it as
-    a ``fuses`` property of its ``Params``, which takes precedence).
+    held-out splits; ``False``: a method scoring on the server's data in its own way, refused with those settings.
+    ``oracle``: not feasible in a real federation (reported as an upper reference; may read the pooled data).
+    ``multi_round``: it checkpoints each round, so ``--resume`` continues mid-method (and a sweep's ASHA counts its
+    rounds). ``local_model_only``: it reads the clients' training data only through their trained local models, so
+    local DP-SGD (``train.dp``) covers everything it releases; methods without it (and not oracles) are refused with
+    ``train.dp``. ``heterogeneous_clients``: it needs only each client's predictions, never their weights in one
+    layout, so it runs when the clients' models differ (``federation.client_overrides.<i>.model``; it builds each
+    client's model with :meth:`ServerContext.client_model`); methods without it are refused with such clients.
+    ``public_labels``: it reads the labels of the server's public sample (``server.public.y``); refused when that
+    sample has none (a silo config's ``data.public`` with ``labels: false``). ``no_dp``: why a ``dp`` setting does not
+    apply to it (empty: its own ``dp`` option, if it has one, applies); a ``dp`` entry is refused with this reason.
+    """
+
+    fuses: Fuses = "parameters"
+    needs_dataset: bool = False
+    uses_local_models: bool = False
+    federated_evaluation: bool = True
+    oracle: bool = False
+    multi_round: bool = False
+    local_model_only: bool = False
+    heterogeneous_clients: bool = False
+    public_labels: bool = False
+    no_dp: str = ""
+
+
+class Method(ABC, Generic[P, RS]):
+    """Base class of fusion methods and baselines, generic in the method's parameters ``P`` and its round state ``RS``
+    (``None`` for a method without rounds): ``class Median(Method[MedianParams, MedianState])``. ``self.params`` and
+    :meth:`check`'s ``params`` are then of type ``P`` with no re-declaration and no narrowing.
+
+    Class attributes: ``name`` (the registry name), ``aliases``, ``Params`` (the :class:`MethodParams` subclass ``P``,
+    with the paper's defaults: the one runtime record of it, as a ``ClassVar`` cannot hold a type variable),
+    ``summary`` (one line for ``rayfuse list``), ``reference`` (the paper), and ``tags`` (:class:`MethodTags`: what it
+    fuses and what it needs from the run, checked before start by :func:`check_tags`).
     """
 
     name: ClassVar[str]
@@ -501,22 +529,16 @@ class Method(ABC):
     Params: ClassVar[type[MethodParams]] = MethodParams
     summary: ClassVar[str] = ""
     reference: ClassVar[Reference | None] = None
-    uses_local_models: ClassVar[bool] = False
-    oracle: ClassVar[bool] = False
-    multi_round: ClassVar[bool] = False
-    federated_evaluation: ClassVar[bool] = True
-    local_model_only: ClassVar[bool] = False
-    needs_dataset: ClassVar[bool] = False
-    heterogeneous_clients: ClassVar[bool] = False
-    public_labels: ClassVar[bool] = False
-    fuses: ClassVar[Fuses] = "parameters"
+    tags: ClassVar[MethodTags] = MethodTags()
 
-    def __init__(self, params: MethodParams | None = None, label: str | None = None) -> None:
-        self.params = self.Params() if params is None else params
+    params: P
+
+    def __init__(self, params: P | None = None, label: str | None = None) -> None:
+        self.params = cast(P, self.Params()) if params is None else params
         self.label = label or _method_name(type(self))  # an unregistered subclass may have no name: its class name
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: P, setup: RunSetup) -> None:
         """Refuse (raise :class:`InputError`) a run this method cannot do, before anything starts.
 
         An error's path is either absolute (it starts with a config section: ``data.public_size``, ``model.name``)
@@ -606,6 +628,7 @@ def resolve_methods(methods: Mapping[str, Mapping[str, Any]],
             if entry:
                 raise InputError(path, "no parameters in the config for a method given as an instance (its params are used)",
                                  sorted(entry))
+            _check_declared_tags(type(given), path)
             specs.append(MethodSpec(label, _method_name(type(given)), type(given), given.params))
             continue
         if isinstance(given, type) and issubclass(given, Method):
@@ -619,12 +642,9 @@ def resolve_methods(methods: Mapping[str, Mapping[str, Any]],
             name = METHODS.canonical(name)
         else:
             raise InputError(path, "a method: a registered name, a Method subclass or a Method instance", type(given).__name__)
-        if "dp" in entry and "dp" not in method_cls.Params.model_fields:
-            fused = method_cls.fuses  # what the update pipeline would have to noise (its dp acts on parameter updates only)
-            why = (f"it fuses {fused}; dp acts on parameter updates" if fused not in ("parameters", "nothing") else
-                   "it has no differential-privacy option")
-            raise InputError(f"{path}.dp", f"no dp for method {name!r} ({why}; central DP-FedAvg is the dp key of fedavg, fedprox, "
-                             "fedadagrad, fedadam and fedyogi)", entry["dp"])
+        _check_declared_tags(method_cls, path)
+        if "dp" in entry and "dp" not in method_cls.Params.model_fields:  # no option to validate: the tags' refusal now
+            raise dp_refusal(method_cls, name, f"{path}.dp", entry["dp"])
         try:
             params = method_cls.Params.model_validate(entry)
         except ValidationError as exc:
@@ -633,6 +653,23 @@ def resolve_methods(methods: Mapping[str, Mapping[str, Any]],
     if not specs:
         raise InputError("methods", "at least one method", "none")
     return specs
+
+
+#: the capability flags a method class set before :class:`MethodTags` held them
+_FLAGS = ("uses_local_models", "oracle", "multi_round", "federated_evaluation", "local_model_only", "needs_dataset",
+          "heterogeneous_clients", "public_labels", "no_dp")
+
+
+def _check_declared_tags(method_cls: type[Method[Any, Any]], path: str) -> None:
+    """A method's ``tags`` is a :class:`MethodTags`, and no class of it sets a capability flag of its own (the old
+    ``uses_local_models = True``...): such a flag would be silently ignored, and the run would go on without it."""
+    if not isinstance(method_cls.tags, MethodTags):
+        raise InputError(path, "a method whose tags are a rayfuse.method.MethodTags", type(method_cls.tags).__name__)
+    for klass in method_cls.__mro__:
+        loose = [flag for flag in _FLAGS if flag in vars(klass)]
+        if loose:
+            raise InputError(path, f"capability flags in the method's tags (tags = MethodTags({loose[0]}=...)), not as class "
+                             f"attributes of {klass.__qualname__}", ", ".join(loose))
 
 
 def resolved_config(cfg: ExperimentConfig, specs: Sequence[MethodSpec] | None = None) -> dict[str, Any]:
@@ -653,16 +690,8 @@ def _dumped_params(params: MethodParams) -> dict[str, Any]:
 
 
 def check_methods(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
-    """Run every method's :meth:`Method.check` on ``setup``; the first refusal is raised with its full key path.
-
-    With ``evaluation`` other than ``central`` the run is first checked for federated evaluation: the clients hold
-    held-out data of the run's task, and every method scores through :meth:`ServerContext.evaluate`. With clients
-    of different models (``federation.client_overrides.<i>.model``) only methods with ``heterogeneous_clients`` pass
-    (:func:`check_client_models`); with a public sample without labels only methods without ``public_labels``
-    (:func:`check_public_labels`)."""
-    check_evaluation(specs, setup)
-    check_client_models(specs, setup)
-    check_public_labels(specs, setup)
+    """Run every method's own :meth:`Method.check` on ``setup``; the first refusal is raised with its full key path.
+    What the methods' tags refuse is :func:`check_tags`' (the pre-start checks call both, the tags first)."""
     for spec in specs:
         try:
             spec.method_cls.check(spec.params, setup)
@@ -673,60 +702,87 @@ def check_methods(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
             raise exc.at(f"methods.{spec.label}.{exc.path}") from None
 
 
-def check_client_models(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
-    """Refuse, when some client's model is not the run's (``federation.client_overrides.<i>.model``), every method that
-    works on the clients' weights in one layout (``Method.heterogeneous_clients`` false): one line naming the method and
-    the clients whose model differs from client 0's (or, when every client has one other model, that it is not ``model``)."""
-    if not setup.heterogeneous_clients:
-        return
-    models = [setup.client_model(i) for i in range(setup.num_clients)]
-    others = other_model_clients(models)
-    for spec in specs:
-        if spec.method_cls.heterogeneous_clients:
-            continue
-        if others:
-            expected = f"clients of one architecture for method {spec.method!r} (methods.{spec.label} combines the clients' weights)"
-            got = f"client{'s' if len(others) > 1 else ''} {_client_list(others)} with models other than client 0's"
-        else:
-            expected = (f"clients of the run's architecture (model: {setup.model.name}) for method {spec.method!r} "
-                        f"(methods.{spec.label} combines the clients' weights and scores them in the server's model)")
-            got = f"every client with model {models[0].name}"
-        accepted = ", ".join(name for name, cls in METHODS.items() if cls.heterogeneous_clients)
-        raise InputError("federation.client_overrides", f"{expected}, got {got}", hint=f"methods that take clients of different "
-                         f"models: {accepted}")
+#: why a ``dp`` entry is refused on a method without a ``dp`` option (its tags give no reason of their own)
+_NO_DP_OPTION = "it has no differential-privacy option; central DP-FedAvg is the dp key of fedavg, fedprox, fedadagrad, fedadam and fedyogi"
 
 
-def check_public_labels(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
-    """Refuse, when the server's public sample has no labels (``data.public.labels: false``), every method that reads
-    them (``Method.public_labels``): one line at ``data.public.labels`` naming the method."""
-    if setup.public_labeled:
-        return
+def dp_refusal(method_cls: type[Method], name: str, path: str, given: Any = "a dp section") -> InputError:
+    """The one line refusing ``dp`` on a method whose tags say it does not apply (``MethodTags.no_dp``), or that has
+    no ``dp`` option: at ``path`` (``methods.<label>.dp``)."""
+    fused = method_cls.tags.fuses  # what the update pipeline would have to noise (its dp acts on parameter updates only)
+    why = method_cls.tags.no_dp or (f"it fuses {fused}; dp acts on parameter updates; central DP-FedAvg is the dp key of fedavg, "
+                                    "fedprox, fedadagrad, fedadam and fedyogi" if fused not in ("parameters", "nothing") else _NO_DP_OPTION)
+    return InputError(path, f"no dp for method {name!r} ({why})", given,
+                      "use fedavg, fedprox, fedadagrad, fedadam or fedyogi for central DP")
+
+
+def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConfig) -> None:
+    """Refuse, before anything starts, every run the methods' tags (:class:`MethodTags`) say they cannot do; one line,
+    the first refusal. In order:
+
+    * ``needs_dataset`` with ``data.silos`` (no process reads every silo), at ``methods.<label>``;
+    * clients of different models (``federation.client_overrides.<i>.model``) for a method without
+      ``heterogeneous_clients`` (it combines the clients' weights in one layout), naming the clients whose model
+      differs from client 0's (or, when every client has one other model, that it is not ``model``);
+    * a public sample without labels (``data.public.labels: false``) for a method with ``public_labels``;
+    * ``evaluation: federated`` / ``both`` where the clients cannot score: a new task on the server (``data.target``), no
+      held-out data on any client (``data.val_size: 0``), or a method without ``federated_evaluation``;
+    * ``dp`` on a method whose ``no_dp`` says why it does not apply, at ``methods.<label>.dp``;
+    * local DP-SGD (``train.dp``) for a method that is neither ``local_model_only`` nor an ``oracle``: it reads the
+      clients' data other than through their DP-trained local models (oracles, non-private references, pass).
+
+    ``setup`` may be a silo run's before its survey (stand-in sizes: every client holding held-out data)."""
+    if cfg.data.is_silos:
+        for spec in specs:
+            if spec.method_cls.tags.needs_dataset:
+                raise InputError(f"methods.{spec.label}", "methods that run without a dataset of their own with data.silos (no process "
+                                 "reads every silo)", spec.method, "it reads the whole dataset (data.dataset): run it on a simulation config")
+    if setup.heterogeneous_clients:
+        models = [setup.client_model(i) for i in range(setup.num_clients)]
+        others = other_model_clients(models)
+        for spec in specs:
+            if spec.method_cls.tags.heterogeneous_clients:
+                continue
+            if others:
+                expected = f"clients of one architecture for method {spec.method!r} (methods.{spec.label} combines the clients' weights)"
+                got = f"client{'s' if len(others) > 1 else ''} {_client_list(others)} with models other than client 0's"
+            else:
+                expected = (f"clients of the run's architecture (model: {setup.model.name}) for method {spec.method!r} "
+                            f"(methods.{spec.label} combines the clients' weights and scores them in the server's model)")
+                got = f"every client with model {models[0].name}"
+            accepted = ", ".join(name for name, cls in METHODS.items() if cls.tags.heterogeneous_clients)
+            raise InputError("federation.client_overrides", f"{expected}, got {got}", hint=f"methods that take clients of different "
+                             f"models: {accepted}")
+    if not setup.public_labeled:
+        for spec in specs:
+            if spec.method_cls.tags.public_labels:
+                raise InputError("data.public.labels", f"true (a labelled public sample) for method {spec.method!r} (methods.{spec.label} "
+                                 "reads the labels of the server's public sample)", False,
+                                 "give data.public a labelled file, or drop the method (distill with transfer: public reads inputs only)")
+    if setup.evaluation != "central":
+        if setup.target is not None:
+            raise InputError("evaluation", "central with data.target (the clients hold held-out data of their own task, not the "
+                             "server's target task)", setup.evaluation)
+        if sum(setup.val_sizes) == 0:
+            raise InputError("evaluation", "central when no client holds a held-out split (data.val_size is 0)", setup.evaluation,
+                             "set data.val_size, e.g. 0.1")
+        for spec in specs:
+            if not spec.method_cls.tags.federated_evaluation:
+                raise InputError("evaluation", f"central for method {spec.method!r} (methods.{spec.label}: it scores on the server's "
+                                 "data in its own way, not through federated evaluation)", setup.evaluation)
     for spec in specs:
-        if spec.method_cls.public_labels:
-            raise InputError("data.public.labels", f"true (a labelled public sample) for method {spec.method!r} (methods.{spec.label} "
-                             "reads the labels of the server's public sample)", False,
-                             "give data.public a labelled file, or drop the method (distill with transfer: public reads inputs only)")
+        if spec.method_cls.tags.no_dp and getattr(spec.params, "dp", None) is not None:
+            raise dp_refusal(spec.method_cls, spec.method, f"methods.{spec.label}.dp")
+    if cfg.train.dp is not None:
+        for spec in specs:
+            tags = spec.method_cls.tags
+            if not tags.local_model_only and not tags.oracle:
+                raise InputError("train.dp", "methods whose clients release only their DP-trained local models (local, average, "
+                                 f"ensemble), not method {spec.method!r}", f"methods.{spec.label}",
+                                 "drop train.dp or that method; central DP for the FedAvg family is its own dp key")
 
 
 def _client_list(clients: Sequence[int], most: int = 8) -> str:
     """``1, 2, 5`` (and how many more past ``most``)."""
     shown = ", ".join(str(c) for c in clients[:most])
     return shown if len(clients) <= most else f"{shown} and {len(clients) - most} more"
-
-
-def check_evaluation(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
-    """Refuse ``evaluation: federated`` / ``both`` for a run the clients cannot score: a new task on the server
-    (``data.target``), no held-out data on any client (``data.val_size: 0``), or a method that scores on the server's
-    data in its own way (``Method.federated_evaluation`` false)."""
-    if setup.evaluation == "central":
-        return
-    if setup.target is not None:
-        raise InputError("evaluation", "central with data.target (the clients hold held-out data of their own task, not the "
-                         "server's target task)", setup.evaluation)
-    if sum(setup.val_sizes) == 0:
-        raise InputError("evaluation", "central when no client holds a held-out split (data.val_size is 0)", setup.evaluation,
-                         "set data.val_size, e.g. 0.1")
-    for spec in specs:
-        if not spec.method_cls.federated_evaluation:
-            raise InputError("evaluation", f"central for method {spec.method!r} (methods.{spec.label}: it scores on the server's "
-                             "data in its own way, not through federated evaluation)", setup.evaluation)

@@ -27,6 +27,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
+from rayfuse.errors import InputError
+
 __all__ = ["ClientRounds", "KeptState", "RoundLoop", "decode_state", "encode_state", "transient"]
 
 S = TypeVar("S")
@@ -252,6 +254,24 @@ class LoopServer(Protocol):
     def progress(self, message: str, **fields: Any) -> None: ...
 
 
+def _check_layout(template: Any, meta: Mapping[str, Any], label: str) -> None:
+    """Refuse a round checkpoint holding arrays of fields the round state does not have (decoding it would silently
+    start those fields afresh), or one the round loop did not write. The older layouts: the FedAvg family's before its
+    typed round states (FedOpt's moments, FedRef's queue as string-prefixed ``server/...`` arrays of one ``server``
+    field), and EP-GAN's oracle's own loop. They are refused with one line, not read: converting them would keep a
+    second decoder for layouts only interrupted runs of an older version hold, and a run started again without
+    ``--resume`` gives the same numbers."""
+    retry = "resume it with the rayfuse that wrote it, or run it again without --resume"
+    if "state_arrays" not in meta:  # written without the round loop: epgan-oracle's own loop, before it used this one
+        raise InputError(f"checkpoints/{label}", f"a round checkpoint of {type(template).__name__}'s fields, not epgan-oracle's older "
+                         "layout (the 'state/...' arrays of its own loop)", "a checkpoint the round loop did not write", retry)
+    unknown = sorted(set(meta["state_arrays"]) - {f.name for f in dataclasses.fields(template)})
+    if unknown:
+        old = ", not the FedAvg family's older layout (server state as string-prefixed 'server/...' arrays)" if unknown == ["server"] else ""
+        raise InputError(f"checkpoints/{label}", f"a round checkpoint of {type(template).__name__}'s fields{old}",
+                         f"arrays of field {', '.join(map(repr, unknown))}", retry)
+
+
 class RoundLoop(Generic[S]):
     """Rounds ``first .. last`` of a method over a typed round state; iterate it for the round numbers to run.
 
@@ -265,15 +285,18 @@ class RoundLoop(Generic[S]):
     :attr:`store` (an id drawn once per method run, with ``run.model_cache``; else ``None``). A resumed run continues
     mid-method only if every client still holds its state of the checkpointed round; otherwise it restarts from
     ``first`` with a ``warning`` event (the same result, later). ``on_resume(state)`` runs after a mid-method resume
-    (checks that the world is still the interrupted run's). ``unit`` names a round in events ("turn").
+    (checks that the world is still the interrupted run's). ``unit`` names a round in events ("turn"). With ``step``
+    only every ``step``-th round runs, and the last (``step, 2 step, ..., last`` from ``first`` 1): a round then stands
+    for a block of units (EP-GAN's oracle: ``local_epochs`` epochs a block, its rounds numbered by epochs done).
     """
 
     def __init__(self, server: LoopServer, state: S, *, last: int, first: int = 1,
                  evaluate: Callable[[int], Mapping[str, float]] | None = None, evaluate_every: int = 1,
-                 unit: str = "round", quiet: tuple[str, ...] = (), on_resume: Callable[[S], None] | None = None) -> None:
+                 unit: str = "round", quiet: tuple[str, ...] = (), on_resume: Callable[[S], None] | None = None,
+                 step: int = 1) -> None:
         encode_state(state)  # a bad state fails now, not after the first round
         self.server = server
-        self.first, self.last = int(first), int(last)
+        self.first, self.last, self.step = int(first), int(last), max(int(step), 1)
         self.evaluate, self.evaluate_every = evaluate, max(int(evaluate_every), 1)
         self.unit, self.quiet = unit, tuple(quiet)
         self.kept = [value for value in vars(state).values() if isinstance(value, ClientRounds)]
@@ -285,6 +308,7 @@ class RoundLoop(Generic[S]):
         self._row: dict[str, float] | None = None
         checkpoint = self._restore()
         if checkpoint is not None:
+            _check_layout(state, checkpoint.meta, server.label)
             self.resumed = True
             self.start = checkpoint.round + 1
             self.state = decode_state(state, checkpoint.params, checkpoint.state, checkpoint.meta)
@@ -351,6 +375,8 @@ class RoundLoop(Generic[S]):
     def __iter__(self) -> Iterator[int]:
         server = self.server
         for rnd in range(self.start, self.last + 1):
+            if (rnd - self.first + 1) % self.step and rnd != self.last:
+                continue
             self._row = None
             yield rnd
             row = self._row

@@ -39,7 +39,7 @@ from rayfuse.data.roles import DataPlan, load_dataset_from_config, load_target_f
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.fusion.pipeline import check_update_pipeline
 from rayfuse.io import atomic_write_json, atomic_write_text
-from rayfuse.method import MethodSpec, RunSetup, check_evaluation, check_methods, resolve_methods, resolved_config
+from rayfuse.method import MethodSpec, RunSetup, check_methods, check_tags, resolve_methods, resolved_config
 from rayfuse.report import Printer, format_client_summary, format_partition, format_table, plot_comparison, write_metrics_parquet
 from rayfuse.store import RunStore, claim_run_folder
 from rayfuse.version import __version__
@@ -241,18 +241,19 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
     target = load_target_from_config(cfg.data)
     plan = make_plan(dataset, cfg.data, cfg.partition, cfg.run.seed, target=target)
     setup = RunSetup.from_plan(cfg, plan)
+    check_tags(specs, setup, cfg)
     check_methods(specs, setup)
     check_update_pipeline(specs, setup, cfg.federation.attacks)
-    check_local_dp(cfg, specs, setup)
+    check_local_dp(cfg, setup)
     return PreparedRun(cfg, specs, plan, setup, num_params, client_params)
 
 
-def check_local_dp(cfg: ExperimentConfig, specs: Sequence[MethodSpec], setup: RunSetup) -> None:
+def check_local_dp(cfg: ExperimentConfig, setup: RunSetup) -> None:
     """Refuse ``train.dp`` (local DP-SGD) where it cannot hold, before any client trains: a model Opacus cannot train
-    privately (BatchNorm, stock attention: Opacus' ``ModuleValidator``), a delta not below one over the smallest
-    client's number of training examples (the privacy unit is one example), or a method that reads the clients' data
-    other than through their local models (``Method.local_model_only``; oracles, non-private references, are let
-    through). Every client's model is checked (``federation.client_overrides.<i>.model``, else ``model``)."""
+    privately (BatchNorm, stock attention: Opacus' ``ModuleValidator``) or a delta not below one over the smallest
+    client's number of training examples (the privacy unit is one example). Every client's model is checked
+    (``federation.client_overrides.<i>.model``, else ``model``). A method that reads the clients' data other than
+    through their local models is refused from its tags (:func:`rayfuse.method.check_tags`)."""
     dp = cfg.train.dp
     if dp is None:
         return
@@ -285,11 +286,6 @@ def check_local_dp(cfg: ExperimentConfig, specs: Sequence[MethodSpec], setup: Ru
             raise InputError("train.dp", f"a model Opacus can train with DP-SGD (logreg, mlp, cnn, or a custom model without BatchNorm "
                              f"or stock MultiheadAttention), but {whose} has {module}: {kind}", InputError._MISSING,
                              "rayfuse's models have no norm option: use model.name mlp or cnn, or drop train.dp")
-    for spec in specs:
-        if not spec.method_cls.local_model_only and not spec.method_cls.oracle:
-            raise InputError("train.dp", "methods whose clients release only their DP-trained local models (local, average, "
-                             f"ensemble), not method {spec.method!r}", f"methods.{spec.label}",
-                             "drop train.dp or that method; central DP for the FedAvg family is its own dp key")
 
 
 def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> PreparedRun:
@@ -297,27 +293,24 @@ def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> Prepare
     need the data (the model against the input shape, each method against the run) follow the silo survey
     (:func:`finish_silo_run`); the server's own sets (``data.test``, ``data.public``) are read here, on the server's
     node, for their sizes; a method that needs a public sample without ``data.public`` (or a test set without
-    ``data.test``) is refused now, and so is a method that reads the public sample's labels when ``data.public`` has
-    none (``labels: false``: :func:`rayfuse.method.check_public_labels`) and a method that scores on the server's data
-    in its own way with ``evaluation`` federated or both (:func:`rayfuse.method.check_evaluation`)."""
+    ``data.test``) is refused now, and so is every run the methods' tags refuse (:func:`rayfuse.method.check_tags`:
+    a method that needs the whole dataset, reads the public sample's labels when ``data.public`` has none, or scores
+    on the server's data in its own way with ``evaluation`` federated or both...)."""
     from rayfuse.data.silos import make_silo_plan, server_set_size
 
     sizes = {key: 0 if getattr(cfg.data, key) is None else
              server_set_size(getattr(cfg.data, key), key=f"data.{key}", classes=cfg.data.class_names) for key in ("test", "public")}
     plan = make_silo_plan(cfg, test_size=sizes["test"], public_size=sizes["public"])
-    for spec in specs:
-        if spec.method_cls.needs_dataset:
-            raise InputError(f"methods.{spec.label}", "methods that run without a dataset of their own with data.silos (no process reads "
-                             "every silo)", spec.method, "it reads the whole dataset (data.dataset): run it on a simulation config")
-    # what is knowable before any client starts (the silos' shapes and sizes are not): each method's own check on a
-    # probe with stand-in shapes and no sizes, then the evaluation check
+    # what is knowable before any client starts (the silos' shapes and sizes are not): the tags' refusals and each
+    # method's own check on a probe with stand-in shapes and no sizes
     probe = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=(1,), num_classes=2,
                      train_sizes=(), val_sizes=(1,) * plan.num_clients, public_size=sizes["public"], test_size=sizes["test"],
                      seed=cfg.run.seed, model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation), client_models=cfg.client_models(),
                      public_labeled=plan.public_labeled)
+    check_tags(specs, replace(probe, evaluation="central"), cfg)  # the evaluation refusal after the methods' own checks
     _check_before_survey(specs, probe)
     check_update_pipeline(specs, probe, cfg.federation.attacks)  # the number of clients is known; nothing else it reads is a stand-in
-    check_evaluation(specs, probe)  # a method that scores on the server's data in its own way, with evaluation: federated
+    check_tags(specs, probe, cfg)
     setup = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=(), num_classes=0,
                      train_sizes=(), val_sizes=(), public_size=sizes["public"], test_size=sizes["test"], seed=cfg.run.seed,
                      model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation), client_models=cfg.client_models(),
@@ -363,13 +356,14 @@ def finish_silo_run(prepared: PreparedRun, plan: Any) -> PreparedRun:
     num_params = check_model_fits(cfg.model, plan.input_shape, plan.num_classes)
     client_params = check_client_models_fit(cfg, tuple(plan.input_shape), plan.num_classes, num_params)
     setup = RunSetup.from_plan(cfg, plan)
+    check_tags(specs, setup, cfg)
     try:
         check_methods(specs, setup)
     except InputError as exc:
         if exc.path.startswith("data.public") and not exc.path.startswith("data.public."):
             raise _public_error(exc) from None
         raise
-    check_local_dp(cfg, specs, setup)
+    check_local_dp(cfg, setup)
     return PreparedRun(cfg, specs, plan, setup, num_params, client_params)
 
 
@@ -533,7 +527,7 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
             emit("stage_end", stage="startup", seconds=timings["startup"])
             finished = {s.label: store.load_method_state(s.label, warn=_warner(emit, s.label)) for s in specs} if resume_state else {}
             pending = [s for s in specs if finished.get(s.label) is None]
-            if any(s.method_cls.uses_local_models for s in pending):
+            if any(s.method_cls.tags.uses_local_models for s in pending):
                 t0 = time.perf_counter()
                 backend.call("prepare_local_models", resume_state)
                 timings["local_training"] = round(time.perf_counter() - t0, 3)

@@ -294,7 +294,7 @@ def load_space(path: str | Path, *, samples: int | None = None, overrides: list[
 
     scheduler = None
     if spec.scheduler is not None and spec.scheduler.type == "asha":
-        multi = [s for s in base.specs if s.method_cls.multi_round]
+        multi = [s for s in base.specs if s.method_cls.tags.multi_round]
         if len(multi) != 1 or multi[0].label != match.group(1):
             raise InputError(f"{path}: scheduler", "ASHA over exactly one multi-round method in a trial, the one the metric "
                              "names (methods: [<label>], metric: fused/<label>/...)",

@@ -13,7 +13,7 @@ from torch import nn
 
 import rayfuse
 from rayfuse.config import validate_config
-from rayfuse.method import Method, MethodParams, MethodResult, Update, client_step
+from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, Update, client_step
 from tests.conftest import TINY, merge
 
 InputError = rayfuse.InputError
@@ -58,11 +58,11 @@ class MeanParams(MethodParams):
     weighted: bool = True
 
 
-class MeanOfLocals(Method):
+class MeanOfLocals(Method[MeanParams, None]):
     """A tiny method defined in a test module: the (weighted) mean of the clients' local models."""
 
     Params = MeanParams
-    uses_local_models = True
+    tags = MethodTags(uses_local_models=True)
 
     def run(self, server) -> MethodResult:
         gathered = server.federation.run(local_params)

@@ -19,7 +19,7 @@ from rayfuse.config import validate_config
 from rayfuse.data.roles import client_splits, load_dataset_from_config, server_splits
 from rayfuse.errors import InputError
 from rayfuse.io import load_params
-from rayfuse.method import Method, MethodResult, Update, client_step
+from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, Update, client_step
 from rayfuse.metrics import compute_metrics
 from rayfuse.models import build_model, get_params, predict_proba, set_params
 from rayfuse.runner import prepare_run
@@ -230,11 +230,10 @@ def probe(ctx) -> Update:
     return Update(get_params(ctx.local_model()), ctx.num_examples, {"imported": float("tests.test_heterogeneous" in sys.modules)})
 
 
-class Probe(Method):
+class Probe(Method[MethodParams, None]):
     """Each client's local model, accepted against its own model's layout and scored in its own architecture."""
 
-    uses_local_models = True
-    heterogeneous_clients = True
+    tags = MethodTags(uses_local_models=True, heterogeneous_clients=True)
 
     def run(self, server) -> MethodResult:
         updates = server.updates.accept(server.federation.run(probe))

@@ -44,17 +44,17 @@ def caps(cls: type[Method]) -> dict[str, bool]:
     """A method's declared capabilities, read in this one place (the contract checks below derive every refusal from
     these)."""
     return {
-        "uses_local_models": bool(cls.uses_local_models),
-        "heterogeneous_clients": bool(cls.heterogeneous_clients),
-        "local_model_only": bool(cls.local_model_only),
-        "oracle": bool(cls.oracle),
-        "federated_evaluation": bool(cls.federated_evaluation),
-        "needs_dataset": bool(cls.needs_dataset),
-        "public_labels": bool(cls.public_labels),
-        "multi_round": bool(cls.multi_round),
+        "uses_local_models": bool(cls.tags.uses_local_models),
+        "heterogeneous_clients": bool(cls.tags.heterogeneous_clients),
+        "local_model_only": bool(cls.tags.local_model_only),
+        "oracle": bool(cls.tags.oracle),
+        "federated_evaluation": bool(cls.tags.federated_evaluation),
+        "needs_dataset": bool(cls.tags.needs_dataset),
+        "public_labels": bool(cls.tags.public_labels),
+        "multi_round": bool(cls.tags.multi_round),
         # central DP of the FedAvg family or a DP upload (aligned, average): a ``dp`` key in the method's parameters
         # that the method does not refuse (FedRef's ``no_dp``)
-        "dp": "dp" in cls.Params.model_fields and not getattr(cls, "no_dp", ""),
+        "dp": "dp" in cls.Params.model_fields and not cls.tags.no_dp,
         # a robust aggregation rule: the method averages parameter updates (an ``aggregator`` key in its parameters)
         "aggregator": "aggregator" in cls.Params.model_fields,
     }

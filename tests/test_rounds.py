@@ -22,6 +22,7 @@ from rayfuse.method import (
     MethodParams,
     MethodResult,
     MethodSpec,
+    MethodTags,
     Rejected,
     ServerContext,
     client_step,
@@ -55,10 +56,10 @@ class CountingState:
     scratch: Any = transient()
 
 
-class Counting(Method):
+class Counting(Method[CountingParams, CountingState]):
     name = "counting"
     Params = CountingParams
-    multi_round = True
+    tags = MethodTags(multi_round=True)
     fail_at: int | None = None  # a round that raises (an interrupted run)
 
     def run(self, server: ServerContext) -> MethodResult:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +22,7 @@ from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.central_dp import CentralDPSettings, apply_dp_round, plan_dp
 from rayfuse.fusion.pipeline import UpdatePipeline, check_update_pipeline, fused_by
 from rayfuse.fusion.robust import AggregatorSettings, aggregate_median, aggregate_trimmed_mean, clip_updates
-from rayfuse.method import METHODS, Gathered, Method, MethodParams, MethodResult, MethodSpec, RunSetup, Update, resolve_methods
+from rayfuse.method import METHODS, Gathered, Method, MethodParams, MethodResult, MethodSpec, MethodTags, RunSetup, Update, resolve_methods
 from tests.test_bad_inputs import Files, _snapshot, isolated, refused_line, with_base  # noqa: F401  (isolated: a fixture)
 
 ATTACKS = [{"client": 1, "kind": "scale", "scale": 4.0}]
@@ -162,7 +162,7 @@ class Posteriors(Method):
 
     name = "posteriors"
     Params = PosteriorParams
-    fuses: ClassVar[Any] = "posteriors"
+    tags = MethodTags(fuses="posteriors")
 
     def run(self, server: Any) -> MethodResult:
         raise AssertionError("never started")
@@ -175,7 +175,7 @@ def _setup(make_config) -> RunSetup:
 
 
 def test_every_method_declares_what_it_fuses():
-    fused = {name: cls.fuses for name, cls in METHODS.items()}
+    fused = {name: cls.tags.fuses for name, cls in METHODS.items()}
     assert {name for name, kind in fused.items() if kind == "parameters"} == {
         "fedavg", "fedprox", "fedadagrad", "fedadam", "fedyogi", "fedref", "average", "aligned", "finetune"}
     assert fused["gems"] == "statistics" and fused["kl"] == "posteriors" and fused["fedsa"] == "statistics"

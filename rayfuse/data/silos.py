@@ -18,7 +18,7 @@ class, read with PIL; nothing downloads) and the bundled datasets (for rehearsal
 The server's public sample may be a file without labels (``data.public: {..., labels: false}``; npz, or parquet / csv
 with its ``features`` named): only its inputs are read (:func:`load_server_inputs`), and its :class:`Split` carries
 labels of ``-1`` ("unknown") so every code path keeps its types; methods that read those labels are refused before
-the run starts (``Method.public_labels``).
+the run starts (``MethodTags.public_labels``).
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ def silo_config_for(cfg: ExperimentConfig, files: list[dict[str, str]], test_fil
     from rayfuse.method import resolve_methods, resolved_config
 
     specs = resolve_methods(cfg.methods)
-    kept = [spec for spec in specs if not spec.method_cls.oracle]
+    kept = [spec for spec in specs if not spec.method_cls.tags.oracle]
     if not kept:
         raise InputError("methods", "at least one method a federation can run on silos (oracles pool every client's data)",
                          [spec.label for spec in specs])
@@ -153,7 +153,7 @@ def silo_config_text(cfg: ExperimentConfig, files: list[dict[str, str]], test_fi
     from rayfuse.method import resolve_methods
 
     config = silo_config_for(cfg, files, test_file, public_file, plan.num_classes)
-    left_out = [spec.label for spec in resolve_methods(cfg.methods) if spec.method_cls.oracle]
+    left_out = [spec.label for spec in resolve_methods(cfg.methods) if spec.method_cls.tags.oracle]
     notes = [f"# written by rayfuse split: the simulation of {cfg.data.dataset!r} (partition {plan.partition['method']}, "
              f"{plan.num_clients} clients, seed {cfg.run.seed}, partition hash {plan.digest()[:12]}) as silo files.",
              "# The files hold the simulation's standardised"

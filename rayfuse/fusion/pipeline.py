@@ -18,7 +18,7 @@ pfl-research's backend postprocessors, which clip and noise between the clients'
 The pipeline is configured once per method entry: ``federation.attacks`` from the run, ``aggregator`` and ``dp`` from
 the entry's parameters (:func:`pipeline_settings`, the one place that reads them), and it is checked once, before
 anything starts (:func:`check_update_pipeline`, run by the runner's pre-start checks): a method that fuses something
-the pipeline cannot act on (``Method.fuses``: posteriors, statistics, predictions) is refused with attacks, a robust
+the pipeline cannot act on (``MethodTags.fuses``: posteriors, statistics, predictions) is refused with attacks, a robust
 rule or DP, in one line naming the key. The one-shot DP upload (:class:`~rayfuse.fusion.privacy.UploadDP`) is the
 pipeline's too, on the client's side: :meth:`UpdatePipeline.local_models` gathers the clipped, noised uploads instead
 of the raw local models.
@@ -41,7 +41,7 @@ from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.central_dp import CentralDPSettings, DPPlan, apply_dp_round, describe_plan, plan_dp, sample_poisson
 from rayfuse.fusion.privacy import UploadDP, check_upload_dp, gather_dp_uploads
 from rayfuse.fusion.robust import AggregatorSettings, aggregate, check_aggregator, check_enough_updates
-from rayfuse.method import Aggregate, Gathered, Method, MethodParams, MethodSpec, Rejected, RunSetup, ServerContext, Update
+from rayfuse.method import Aggregate, Gathered, Method, MethodParams, MethodSpec, Rejected, RunSetup, ServerContext, Update, dp_refusal
 
 __all__ = ["UpdatePipeline", "check_update_pipeline", "clients_per_round", "combine_models", "fused_by", "pipeline_settings"]
 
@@ -60,10 +60,10 @@ def pipeline_settings(params: MethodParams) -> tuple[AggregatorSettings, DPSetti
 
 
 def fused_by(method_cls: type[Method], params: MethodParams) -> str:
-    """What the method combines of its clients (``Method.fuses``), or its ``Params``' ``fuses`` property where the
+    """What the method combines of its clients (``MethodTags.fuses``), or its ``Params``' ``fuses`` property where the
     answer depends on the parameters (``aligned``'s merge)."""
     own = getattr(params, "fuses", None)
-    return own if isinstance(own, str) else method_cls.fuses
+    return own if isinstance(own, str) else method_cls.tags.fuses
 
 
 def clients_per_round(num_clients: int, fraction: float) -> int:
@@ -80,12 +80,12 @@ def check_update_pipeline(specs: Sequence[MethodSpec], setup: RunSetup, attacks:
     key; raises :class:`InputError`):
 
     * ``federation.attacks``, a robust ``aggregator`` (or ``clip_norm``) or ``dp`` for a method that fuses posteriors,
-      statistics or predictions (``Method.fuses``): they act on parameter updates. Methods that combine no client
+      statistics or predictions (``MethodTags.fuses``): they act on parameter updates. Methods that combine no client
       upload (``fuses = "nothing"``: ``local``, oracles) run as references beside attacked ones;
     * the rule's precondition on the number of models it combines (``ceil(fraction N)`` per round with ``fraction``,
       else every client);
     * central DP-FedAvg where its guarantee would not hold: a method whose server step reads more of each client than
-      its update (``reads_client_metrics``), a robust rule or a second clipping, ``fraction`` or sample weights, and the
+      its update (``MethodTags.no_dp``), a robust rule or a second clipping, ``fraction`` or sample weights, and the
       DP plan itself (:func:`~rayfuse.fusion.central_dp.plan_dp`); the one-shot upload's delta and target epsilon
       (:func:`~rayfuse.fusion.privacy.check_upload_dp`).
     """
@@ -125,10 +125,8 @@ def _check_central_dp(spec: MethodSpec, aggregator: AggregatorSettings, dp: Cent
     of updates clipped once, each weighing 1, the clients sampled by ``dp.sample_rate``; and nothing else of a client
     may reach the server's step un-noised."""
     params = spec.params
-    reads: tuple[str, ...] = tuple(getattr(spec.method_cls, "reads_client_metrics", ()))
-    if reads:
-        raise InputError("dp", f"no dp for method {spec.method!r} (its server step reads each client's {' or '.join(reads)}, which "
-                         "central DP does not noise)", "a dp section", "use fedavg, fedprox, fedadagrad, fedadam or fedyogi for central DP")
+    if spec.method_cls.tags.no_dp:  # check_tags refuses it first; kept so the pipeline's own check is whole
+        raise dp_refusal(spec.method_cls, spec.method, "dp")
     if not aggregator.is_plain_mean:
         raise InputError("aggregator", "mean without clip_norm with dp (DP-FedAvg clips each update to dp.clip_norm and noises "
                          "their sum; a robust rule is not a sum, so the noise would not match its sensitivity)", aggregator.model_dump())

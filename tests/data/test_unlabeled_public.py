@@ -1,6 +1,6 @@
 """A silo run's public sample without labels (``data.public: {..., labels: false}``): read by its inputs only (npz, or
 parquet / csv with the feature columns named), labelled ``-1`` (unknown) in its Split, standardised as the clients are;
-``distill`` with ``transfer: public`` runs on it, the methods that read its labels (``Method.public_labels``) are
+``distill`` with ``transfer: public`` runs on it, the methods that read its labels (``MethodTags.public_labels``) are
 refused before anything starts, and ``labels: false`` where labels are needed is one line.
 
 Every file is small and written to tmp_path; runs are in-process (``federation.backend: local``).
@@ -98,8 +98,8 @@ def test_the_refusal_is_one_line_and_exit_2_with_nothing_written(tmp_path, capsy
 
 
 def test_the_methods_that_read_the_public_labels_say_so():
-    flagged = {name for name, cls in METHODS.items() if cls.public_labels}
-    assert flagged == READERS and not METHODS.get("distill").public_labels
+    flagged = {name for name, cls in METHODS.items() if cls.tags.public_labels}
+    assert flagged == READERS and not METHODS.get("distill").tags.public_labels
 
 
 def test_an_unlabeled_file_shaped_unlike_the_silos_is_one_line_before_training(tmp_path, capsys):

@@ -10,7 +10,7 @@ from rayfuse.errors import RunFailure
 from rayfuse.federation import Gathered, Update
 from rayfuse.fusion import METHODS, Method
 from rayfuse.fusion.baselines.ensemble import majority_vote
-from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams
+from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams, FedAvgState
 from rayfuse.method import resolve_methods
 from rayfuse.models import params_equal
 
@@ -18,7 +18,7 @@ from rayfuse.models import params_equal
 def test_registry_lists_the_baselines_and_resolves_aliases():
     assert {"local", "average", "ensemble", "fedavg", "fedprox", "global"} <= set(METHODS.names())
     assert METHODS.get("centralized") is METHODS.get("global")
-    assert METHODS.get("global").oracle is True
+    assert METHODS.get("global").tags.oracle is True
     assert all(issubclass(cls, Method) and cls.summary for _, cls in METHODS.items())
 
 
@@ -114,7 +114,7 @@ def test_fedavg_aggregation_is_np_average_and_independent_of_client_order(coordi
     uniform, _ = _mean(server, Gathered(updates), weighted=False)
     key = "layers.0.weight"
     np.testing.assert_allclose(uniform[key], np.mean([u.params[key] for u in updates.values()], axis=0), rtol=1e-5, atol=1e-6)
-    assert FedAvg(FedAvgParams()).server_update(server, {}, averaged, used, 1) is averaged
+    assert FedAvg(FedAvgParams()).server_update(server, FedAvgState({}), averaged, used, 1) is averaged
 
 
 def test_a_non_finite_update_is_found_through_the_average_and_left_out(coordinator):

@@ -440,7 +440,7 @@ def test_finished_turns_are_not_redone_on_resume(make_config, tmp_path):
     from rayfuse.fusion import METHODS
     from rayfuse.runner import load_run_config
 
-    assert METHODS.get("epgan").multi_round
+    assert METHODS.get("epgan").tags.multi_round
     methods = {"ep": {"method": "epgan", "backbone": "ep-bgan", **FAST, "rounds": 2}}
     run_dir = tmp_path / "r"
     first = _run(make_config(**TOY, methods=methods), run_dir)

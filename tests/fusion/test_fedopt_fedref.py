@@ -16,6 +16,7 @@ from rayfuse.fusion.fedref.algorithm import FedRef, fedref_step, reference_model
 from rayfuse.io import load_params
 from rayfuse.method import resolve_methods
 from rayfuse.models import params_equal
+from rayfuse.rounds import decode_state, encode_state
 from rayfuse.runner import InProcessBackend, load_run_config, run_experiment
 
 
@@ -29,10 +30,12 @@ D2 = np.array([0.1, 0.2])  # and of round 2
 
 
 def two_steps(cls, **kw):
+    """Two server steps; returns the two models and the round state (the moments)."""
     method = cls(params_of(cls, eta=0.1, beta1=kw.pop("beta1", 0.9), beta2=0.99, tau=1e-3, **kw))
-    x1 = method.server_update(None, X0, {"w": (X0["w"] + D1).astype(np.float32)}, {}, 1)
-    x2 = method.server_update(None, x1, {"w": (x1["w"] + D2).astype(np.float32)}, {}, 2)
-    return x1["w"], x2["w"], method
+    state = method.initial_state(X0)
+    x1 = state.params = method.server_update(None, state, {"w": (X0["w"] + D1).astype(np.float32)}, {}, 1)
+    x2 = state.params = method.server_update(None, state, {"w": (x1["w"] + D2).astype(np.float32)}, {}, 2)
+    return x1["w"], x2["w"], state
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -56,11 +59,11 @@ def test_fedyogi_matches_a_hand_computed_step():
 
 
 def test_fedadagrad_matches_a_hand_computed_step():
-    x1, x2, method = two_steps(FedAdagrad, beta1=0.0)
+    x1, x2, state = two_steps(FedAdagrad, beta1=0.0)
     # m = D (beta1 = 0); v1 = D1^2 = [0.25, 0.01]; v2 = v1 + D2^2 = [0.26, 0.05]
     np.testing.assert_allclose(x1, [1.0 + 0.1 * 0.5 / 0.501, -2.0 - 0.1 * 0.1 / 0.101], rtol=1e-6)
     np.testing.assert_allclose(x2, x1 + 0.1 * D2 / (np.sqrt([0.26, 0.05]) + 1e-3), rtol=1e-5)
-    np.testing.assert_allclose(method.v["w"], [0.26, 0.05], rtol=1e-5)
+    np.testing.assert_allclose(state.v["w"], [0.26, 0.05], rtol=1e-5)
 
 
 def test_fedadam_bias_correction_scales_the_first_step():
@@ -71,13 +74,12 @@ def test_fedadam_bias_correction_scales_the_first_step():
 
 
 def test_fedopt_state_round_trips():
-    _, _, method = two_steps(FedYogi)
-    restored = FedYogi(method.params)
-    restored.load_server_state(method.server_state())
+    _, _, state = two_steps(FedYogi)
+    restored = decode_state(FedYogi().initial_state({}), *encode_state(state))
     assert restored.steps == 2
-    for key in method.m:
-        np.testing.assert_array_equal(restored.m[key], method.m[key])
-        np.testing.assert_array_equal(restored.v[key], method.v[key])
+    for key in state.m:
+        np.testing.assert_array_equal(restored.m[key], state.m[key])
+        np.testing.assert_array_equal(restored.v[key], state.v[key])
 
 
 def test_fedadagrad_refuses_bias_correction():
@@ -98,24 +100,24 @@ def updates_with_losses(losses):
 
 
 def drive(method, rounds, seed=0):
-    """Feed ``rounds`` random aggregates to FedRef's server step; return (aggregates, outputs, references)."""
+    """Feed ``rounds`` random aggregates to FedRef's server step; return (aggregates, outputs, references, round state)."""
     rng = np.random.default_rng(seed)
     aggregates, outputs, references = [], [], []
-    current = random_params(rng)
+    state = method.initial_state(random_params(rng))
     for r in range(1, rounds + 1):
         averaged = random_params(rng)
-        out = method.server_update(None, current, averaged, updates_with_losses(rng.uniform(0.1, 2.0, size=4)), r)
+        out = method.server_update(None, state, averaged, updates_with_losses(rng.uniform(0.1, 2.0, size=4)), r)
         aggregates.append(averaged)
         outputs.append(out)
-        references.append(method.theta2_prev)
-        current = out
-    return aggregates, outputs, references
+        references.append(state.theta2_prev)
+        state.params = out
+    return aggregates, outputs, references, state
 
 
 @pytest.mark.parametrize("p", [1, 3, 5])
 def test_reference_model_is_the_mean_of_the_last_p_aggregates(p):
     method = FedRef(params_of(FedRef, p=p, lam=0.1, lr=0.01))
-    aggregates, _, references = drive(method, p + 4)
+    aggregates, _, references, state = drive(method, p + 4)
     for r in range(1, p + 5):
         if r <= p:
             assert references[r - 1] is None  # the first reference is formed in round p + 1
@@ -123,7 +125,7 @@ def test_reference_model_is_the_mean_of_the_last_p_aggregates(p):
         window = aggregates[r - p:r]
         for key in window[0]:
             np.testing.assert_allclose(references[r - 1][key], np.mean([w[key] for w in window], axis=0), rtol=1e-6, atol=1e-7)
-    assert len(method.queue) == p
+    assert len(state.queue) == p
     np.testing.assert_array_equal(reference_model([aggregates[0]])["a"], aggregates[0]["a"])
 
 
@@ -131,7 +133,7 @@ def test_reference_model_is_the_mean_of_the_last_p_aggregates(p):
 def test_the_first_p_plus_one_rounds_are_plain_fedavg(form):
     p = 3
     method = FedRef(params_of(FedRef, p=p, lam=0.1, lr=0.05, update=form))
-    aggregates, outputs, _ = drive(method, p + 3)
+    aggregates, outputs, _, _ = drive(method, p + 3)
     for r in range(1, p + 2):
         assert params_equal(outputs[r - 1], aggregates[r - 1]), f"round {r} must be the FedAvg aggregate"
     for r in range(p + 2, p + 4):
@@ -140,7 +142,7 @@ def test_the_first_p_plus_one_rounds_are_plain_fedavg(form):
 
 def test_gradient_form_with_lambda_zero_is_fedavg_every_round():
     method = FedRef(params_of(FedRef, p=2, lam=0.0, lr=0.05, update="grad"))
-    aggregates, outputs, _ = drive(method, 7)
+    aggregates, outputs, _, _ = drive(method, 7)
     assert all(params_equal(o, a) for o, a in zip(outputs, aggregates))
 
 
@@ -149,7 +151,8 @@ def test_code_form_by_hand():
     method = FedRef(params_of(FedRef, p=p, lam=lam, lr=lr))
     aggs = [{"w": np.array([v], np.float32)} for v in (1.0, 3.0, 2.0, 6.0)]
     losses = [[1.0, 1.0], [0.8, 0.6], [0.6, 0.4], [0.4, 0.2]]
-    out = [method.server_update(None, aggs[0], a, updates_with_losses(loss), r + 1) for r, (a, loss) in enumerate(zip(aggs, losses))]
+    state = method.initial_state(aggs[0])
+    out = [method.server_update(None, state, a, updates_with_losses(loss), r + 1) for r, (a, loss) in enumerate(zip(aggs, losses))]
     # rounds 1-3 (p + 1) are the aggregates; the first reference (round 3) is mean(3, 2) = 2.5
     assert [float(o["w"][0]) for o in out[:3]] == [1.0, 3.0, 2.0]
     # round 4: theta2 = mean(2, 6) = 4; D1 = 6 - 2 = 4 (the pre-fine-tuning aggregate), D2 = 4 - 2.5 = 1.5; c_loss = -0.2
@@ -161,12 +164,11 @@ def test_code_form_by_hand():
 
 def test_fedref_state_round_trips_mid_run():
     method = FedRef(params_of(FedRef, p=3, lam=0.1, lr=0.05))
-    drive(method, 5)
-    restored = FedRef(method.params)
-    restored.load_server_state(method.server_state())
-    assert len(restored.queue) == 3 and restored.loss_prev == method.loss_prev
-    assert all(params_equal(a, b) for a, b in zip(restored.queue, method.queue))
-    assert params_equal(restored.theta1_prev, method.theta1_prev) and params_equal(restored.theta2_prev, method.theta2_prev)
+    *_, state = drive(method, 5)
+    restored = decode_state(method.initial_state({}), *encode_state(state))
+    assert len(restored.queue) == 3 and restored.loss_prev == state.loss_prev
+    assert all(params_equal(a, b) for a, b in zip(restored.queue, state.queue))
+    assert params_equal(restored.queue[-1], state.queue[-1]) and params_equal(restored.theta2_prev, state.theta2_prev)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -249,4 +251,4 @@ def test_bad_fedopt_parameters_name_the_key(make_config, entry, path):
 
 def test_registry_has_the_new_methods():
     assert {"fedadagrad", "fedadam", "fedyogi", "fedref"} <= set(METHODS.names())
-    assert all(METHODS.get(n).multi_round for n in ("fedadagrad", "fedadam", "fedyogi", "fedref"))
+    assert all(METHODS.get(n).tags.multi_round for n in ("fedadagrad", "fedadam", "fedyogi", "fedref"))

@@ -242,7 +242,7 @@ LABELS2 = {"method": "labels", "num_clients": 2, "groups": [[0, 1, 2, 3, 4], [5,
 
 
 def test_gems_is_registered():
-    assert METHODS.get("gems").uses_local_models and METHODS.get("tuned").summary
+    assert METHODS.get("gems").tags.uses_local_models and METHODS.get("tuned").summary
 
 
 def test_gems_logreg_finds_a_model_in_every_ball(coordinator):

@@ -51,7 +51,18 @@ from rayfuse.fusion import references
 from rayfuse.fusion.pipeline import combine_models
 from rayfuse.fusion.privacy import UploadDP
 from rayfuse.fusion.robust import AggregatorSettings
-from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, Update, client_step, register_method
+from rayfuse.method import (
+    ClientContext,
+    Method,
+    MethodParams,
+    MethodResult,
+    MethodTags,
+    RunSetup,
+    ServerContext,
+    Update,
+    client_step,
+    register_method,
+)
 
 __all__ = ["AlignmentSettings", "AlignedParams", "Aligned", "batchnorm", "derive_run_spec", "read_batchnorm_reply"]
 
@@ -94,7 +105,7 @@ class AlignedParams(AlignmentSettings):
 
     @property
     def fuses(self) -> str:
-        """What the update pipeline sees of the clients (``Method.fuses``): their models, aligned and then merged by the
+        """What the update pipeline sees of the clients (``MethodTags.fuses``): their models, aligned and then merged by the
         pipeline's rule (``average``) or matched into new units (``nonparametric``); with ``fisher`` or ``regmean`` the
         merge weighs them by statistics of the clients' data, which attacks, robust rules and DP do not act on."""
         return "statistics" if self.merge in ("fisher", "regmean") else "parameters"
@@ -257,21 +268,21 @@ class AlignedState:
 
 
 @register_method
-class Aligned(Method):
+class Aligned(Method[AlignedParams, AlignedState]):
     name = "aligned"
     aliases = ("match",)
     Params = AlignedParams
-    params: AlignedParams
     summary = "aligned fusion of any model: units matched by weights or by the clients' activation statistics, then merged"
     reference = references.REBASIN
-    uses_local_models = True
-    multi_round = True
+    tags = MethodTags(
+        uses_local_models=True,
+        multi_round=True,
+    )
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: AlignedParams, setup: RunSetup) -> None:
         from rayfuse.models import build_model
 
-        assert isinstance(params, AlignedParams)
         if not params.aggregator.is_plain_mean and params.merge != "average":
             raise InputError("aggregator", "the default mean with merge " + repr(params.merge) + " (a robust aggregator or clip_norm "
                              "replaces merge: average only)", params.aggregator.name if params.aggregator.name != "mean" else "clip_norm")

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from rayfuse.fusion.privacy import UploadDP
 from rayfuse.fusion.robust import AggregatorSettings
-from rayfuse.method import Method, MethodParams, MethodResult, ServerContext, register_method
+from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, ServerContext, register_method
 
 
 class AverageParams(MethodParams):
@@ -33,14 +33,15 @@ class AverageParams(MethodParams):
 
 
 @register_method
-class Average(Method):
+class Average(Method[AverageParams, None]):
     name = "average"
     aliases = ("naive-average",)
     Params = AverageParams
-    params: AverageParams
     summary = "one-shot parameter average of the local models (sample-weighted)"
-    uses_local_models = True
-    local_model_only = True  # train.dp (local DP-SGD) covers what it releases
+    tags = MethodTags(
+        uses_local_models=True,
+        local_model_only=True,  # train.dp (local DP-SGD) covers what it releases
+    )
 
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params

@@ -12,7 +12,7 @@ their own ``federation.client_overrides.<i>.model``): each is built in its clien
 from __future__ import annotations
 
 from rayfuse.fusion.aggregate import normalize_weights
-from rayfuse.method import Method, MethodParams, MethodResult, ServerContext, register_method
+from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, ServerContext, register_method
 from rayfuse.metrics import majority_vote
 
 __all__ = ["Ensemble", "EnsembleParams", "majority_vote"]
@@ -23,15 +23,16 @@ class EnsembleParams(MethodParams):
 
 
 @register_method
-class Ensemble(Method):
+class Ensemble(Method[EnsembleParams, None]):
     name = "ensemble"
-    fuses = "predictions"  # the local models' predictions
     Params = EnsembleParams
-    params: EnsembleParams
     summary = "the local models as an ensemble: probability average and majority vote"
-    uses_local_models = True
-    local_model_only = True  # train.dp (local DP-SGD) covers what it releases
-    heterogeneous_clients = True  # the members' probabilities are averaged, each member in its own architecture
+    tags = MethodTags(
+        fuses="predictions",
+        uses_local_models=True,
+        local_model_only=True,  # train.dp (local DP-SGD) covers what it releases
+        heterogeneous_clients=True,  # the members' probabilities are averaged, each member in its own architecture
+    )
 
     def run(self, server: ServerContext) -> MethodResult:
         updates = server.updates.accept(server.local_updates())

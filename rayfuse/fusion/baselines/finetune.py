@@ -46,7 +46,7 @@ from rayfuse.data.roles import Split
 from rayfuse.errors import InputError, NonFiniteError
 from rayfuse.evaluation import model_for_params
 from rayfuse.fusion import references
-from rayfuse.method import Method, MethodParams, MethodResult, RunSetup, ServerContext, register_method
+from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, RunSetup, ServerContext, register_method
 from rayfuse.models import get_params, train_model
 from rayfuse.models.registry import build_model
 from rayfuse.symmetry import ModelStructure, build_node_graph, read_structure
@@ -250,7 +250,7 @@ class FinetuneParams(TuneSettings):
 
     @property
     def fuses(self) -> str:
-        """What the update pipeline sees (``Method.fuses``): ``average`` combines the local models through it (attacks
+        """What the update pipeline sees (``MethodTags.fuses``): ``average`` combines the local models through it (attacks
         apply); ``local`` and ``raw`` combine no client upload."""
         return "parameters" if self.base == "average" else "nothing"
 
@@ -262,20 +262,21 @@ class FinetuneParams(TuneSettings):
 
 
 @register_method
-class Finetune(Method):
+class Finetune(Method[FinetuneParams, None]):
     name = "finetune"
     aliases = ("tuned",)  # its name before 0.2 (it collides with Ray Tune in every sentence); old jobs still run
     Params = FinetuneParams
-    params: FinetuneParams
     summary = "a local / averaged / fresh (raw) model fine-tuned on the server's public sample (GEMS Section 4.4)"
     reference = references.GEMS
-    uses_local_models = True
-    public_labels = True  # trains on the public sample's labels
+    tags = MethodTags(
+        uses_local_models=True,
+        public_labels=True,  # trains on the public sample's labels
+    )
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: FinetuneParams, setup: RunSetup) -> None:
         """The public sample's size, the raw-only settings, the converged solver and raw dropout against the model."""
-        p = params.resolved()  # type: ignore[attr-defined]
+        p = params.resolved()
         check_public_samples(p.public_samples, setup.public_size)
         raw_only = {"raw_epochs": p.raw_epochs, "raw_dropout": p.raw_dropout, "raw_early_stop": p.raw_early_stop}
         for name, value in raw_only.items():

@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from rayfuse.method import Method, MethodResult, ServerContext, register_method
+from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, ServerContext, register_method
 
 
 @register_method
-class Local(Method):
+class Local(Method[MethodParams, None]):
     name = "local"
-    fuses = "nothing"  # each local model scored on its own
     summary = "each client's local model on the global test set (each, and mean +- std)"
-    uses_local_models = True
-    local_model_only = True  # train.dp (local DP-SGD) covers what it releases
-    heterogeneous_clients = True  # each client's model is scored in its own architecture
+    tags = MethodTags(
+        fuses="nothing",
+        uses_local_models=True,
+        local_model_only=True,  # train.dp (local DP-SGD) covers what it releases
+        heterogeneous_clients=True,  # each client's model is scored in its own architecture
+    )
 
     def run(self, server: ServerContext) -> MethodResult:
         updates = server.updates.accept(server.local_updates())

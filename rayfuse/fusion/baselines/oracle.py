@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rayfuse.method import Method, MethodParams, MethodResult, ServerContext, register_method
+from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, ServerContext, register_method
 from rayfuse.models import get_params, train_model
 
 
@@ -18,16 +18,17 @@ class GlobalParams(MethodParams):
 
 
 @register_method
-class GlobalOracle(Method):
+class GlobalOracle(Method[GlobalParams, None]):
     name = "global"
-    fuses = "nothing"  # an oracle on the pooled data: no client upload combined
-    needs_dataset = True  # reads the whole dataset (data.dataset): not with data.silos
+    tags = MethodTags(
+        fuses="nothing",
+        needs_dataset=True,  # reads the whole dataset (data.dataset): not with data.silos
+        oracle=True,
+        heterogeneous_clients=True,  # trains the run's own model (model:) on the pooled data: the clients' models play no part
+    )
     aliases = ("centralized", "pooled")
     Params = GlobalParams
-    params: GlobalParams
     summary = "ORACLE: one model trained on all clients' data pooled (infeasible in a federation)"
-    oracle = True
-    heterogeneous_clients = True  # trains the run's own model (model:) on the pooled data: the clients' models play no part
 
     def run(self, server: ServerContext) -> MethodResult:
         data = server.pooled_train()

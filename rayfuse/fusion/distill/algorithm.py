@@ -46,6 +46,7 @@ from rayfuse.method import (
     Method,
     MethodParams,
     MethodResult,
+    MethodTags,
     Rejected,
     RunSetup,
     ServerContext,
@@ -253,20 +254,20 @@ class _StudentServer:
 
 
 @register_method
-class Distill(Method):
+class Distill(Method[DistillParams, None]):
     name = "distill"
-    fuses = "predictions"  # the teachers' predictions, distilled into the student
     Params = DistillParams
-    params: DistillParams
     summary = "one-shot ensemble distillation into one student: public unlabeled data or data-free, parameters or predictions only"
     reference = references.FEDDF
-    uses_local_models = True
-    local_model_only = True  # train.dp covers the predictions (post-processing); input moments are refused with it
-    heterogeneous_clients = True
+    tags = MethodTags(
+        fuses="predictions",
+        uses_local_models=True,
+        local_model_only=True,  # train.dp covers the predictions (post-processing); input moments are refused with it
+        heterogeneous_clients=True,
+    )
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
-        assert isinstance(params, DistillParams)
+    def check(cls, params: DistillParams, setup: RunSetup) -> None:
         if params.transfer == "public" and setup.public_size <= 0:
             raise InputError("data.public_size", "a public sample for transfer: public (data.public_size > 0; data.public with "
                              "data.silos): its inputs are the transfer data, its labels are never read", setup.public_size,

@@ -55,6 +55,7 @@ from rayfuse.method import (
     Method,
     MethodParams,
     MethodResult,
+    MethodTags,
     RunSetup,
     ServerContext,
     Update,
@@ -485,20 +486,20 @@ class EPGANState:
 
 
 @register_method
-class EPGAN(Method):
+class EPGAN(Method[EPGANParams, EPGANState]):
     name = "epgan"
-    fuses = "posteriors"  # the generators' and discriminators' EP posteriors (product of Gaussians)
-    federated_evaluation = False  # generative scores (FD / IS / D-MSE) against the server's test set: evaluation central only
+    tags = MethodTags(
+        fuses="posteriors",  # the generators' and discriminators' EP posteriors (product of Gaussians)
+        federated_evaluation=False,  # generative scores (FD / IS / D-MSE) against the server's test set: evaluation central only
+        multi_round=True,  # a checkpoint after the warm-up (turn 0) and after each turn; --resume continues after the last
+        public_labels=True,  # with data.silos its image-score classifier trains on data.public's labels (if given)
+    )
     Params = EPGANParams
-    params: EPGANParams
     summary = "EP-GAN: federated (Bayesian) GANs, FedAvg of G and D plus a product-of-Gaussians EP prior (Wu et al. 2022)"
     reference = references.EPGAN
-    # A checkpoint after the warm-up (turn 0) and after each turn; ``--resume`` continues after the last one.
-    multi_round = True
-    public_labels = True  # with data.silos its image-score classifier trains on data.public's labels (if given)
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: EPGANParams, setup: RunSetup) -> None:
         """With ``data.silos``, a server test set (``data.test``): EP-GAN scores its generator centrally against it, and
         its evaluation classifier (image data) trains on ``data.public``, else on ``data.test``."""
         if setup.data.is_silos and setup.data.test is None:
@@ -514,7 +515,7 @@ class EPGAN(Method):
         # draws from its trainer's generator, seeded once per client (ctx.step_seed(label, "gan")) and carried across
         # turns as part of its state rather than re-derived from the turn number: re-seeding per turn would change
         # every uninterrupted run's numbers (docs/methods/epgan.md's results).
-        p: EPGANParams = self.params
+        p = self.params
         settings = p.settings(int(np.prod(server.input_shape)))
         fed = server.federation
         scorer = make_scorer(server, p)
@@ -584,47 +585,57 @@ class EPGAN(Method):
         return server.updates.accept(gathered, reference, check=_positive_ep_variances)
 
 
+@dataclass
+class EPGANOracleState:
+    """The oracle's round state: the trainer's parameters, what it carries between blocks besides them
+    (:func:`_gan_state`: Adam moments, random generator, iteration counter, EP site) and the last block's losses."""
+
+    params: dict[str, np.ndarray]
+    gan: dict[str, np.ndarray] = field(default_factory=dict)
+    losses: dict[str, float] = field(default_factory=dict)
+
+
 @register_method
-class EPGANOracle(Method):
+class EPGANOracle(Method[EPGANOracleParams, "EPGANOracleState"]):
     name = "epgan-oracle"
-    fuses = "nothing"  # an oracle on the pooled data: no client upload combined
-    needs_dataset = True  # reads the whole dataset (data.dataset): not with data.silos
-    federated_evaluation = False  # generative scores (FD / IS / D-MSE) against the server's test set: evaluation central only
+    tags = MethodTags(
+        fuses="nothing",
+        needs_dataset=True,  # reads the whole dataset (data.dataset): not with data.silos
+        federated_evaluation=False,  # generative scores (FD / IS / D-MSE) against the server's test set: evaluation central only
+        oracle=True,
+    )
     aliases = ("epgan-centralized",)
     Params = EPGANOracleParams
-    params: EPGANOracleParams
     summary = "ORACLE: the EP-GAN backbone trained on all clients' data pooled (the paper's centralised column)"
     reference = references.EPGAN
-    oracle = True
-    # A checkpoint after each block of local_epochs epochs (the loop's unit); ``--resume`` continues after the last one
-    # (through ServerContext.resume_checkpoint, which does not look at multi_round). multi_round stays False: its other
-    # effect is to make the method an ASHA target in a sweep, with a budget that defaults to ``rounds`` turns, and the
-    # oracle counts epochs, not turns (its progress events carry no round).
+    # A checkpoint after each block of local_epochs epochs (the round loop, its rounds numbered by epochs done);
+    # ``--resume`` continues after the last one (the loop resumes whatever its tags say). It is not tagged multi_round:
+    # that would make it an ASHA target in a sweep, with a budget that defaults to ``rounds`` turns, and the oracle
+    # counts epochs, not turns.
 
     def run(self, server: ServerContext) -> MethodResult:
-        p: EPGANOracleParams = self.params
+        p = self.params
         data = server.pooled_train()
         X = _flat(data.X)
         settings = p.settings(X.shape[1])
         scorer = make_scorer(server, p)
         trainer = GANTrainer(settings, seed=server.step_seed("init"), device=server.device)
         chunk = max(p.local_epochs, 1)
-        done = 0
-        metrics: dict[str, float] = {}
-        losses: dict[str, float] = {}
-        checkpoint = server.resume_checkpoint()
-        if checkpoint is not None:
+        # Rounds are epochs done, one every ``chunk`` (and the last); each block's losses go in the row, its scores are
+        # the loop's evaluation (the progress line shows the scores alone, as before: the losses are quiet).
+        rounds = server.rounds(EPGANOracleState(trainer.get_params()), last=p.epochs, evaluate=lambda done: scorer(trainer),
+                               unit="epoch", quiet=("d_loss", "g_loss"), step=chunk)
+        state = rounds.state
+        if rounds.resumed:
             # Everything the trainer carries between blocks: its parameters, Adam moments, random generator, iteration
             # counter and EP site (its own factor, which is also the global prior here). Its EP prior is not: each
             # block's EP step recomputes it before training. The oracle trains on the server, with every client's data
             # pooled (an upper reference, not a federated method), so its training state is the server's own and is
-            # kept in its checkpoint, unlike a federated EP-GAN client's (which stays on the client, see EPGAN.run).
-            done = checkpoint.round
-            trainer.set_params(checkpoint.params)
-            _load_gan_state(trainer, checkpoint.state)
-            metrics, losses = dict(checkpoint.meta.get("metrics", {})), dict(checkpoint.meta.get("losses", {}))
-        while done < p.epochs:
-            epochs = min(chunk, p.epochs - done)
+            # kept in its round state, unlike a federated EP-GAN client's (which stays on the client, see EPGAN.run).
+            trainer.set_params(state.params)
+            _load_gan_state(trainer, state.gan)
+        done = rounds.start - 1  # epochs trained so far (a resumed run: the checkpoint's)
+        for epoch in rounds:
             if settings.uses_ep and done > 0:
                 # One "client" holding everything: the global prior is its own factor (a product of one factor). As in
                 # the federation, the prior starts at the generator after the first chunk of epochs (the warm-up).
@@ -633,15 +644,12 @@ class EPGANOracle(Method):
                     trainer.update_ep(X, *ep, damping=p.damping, site_mode="paper")
                 else:
                     trainer.update_ep(X, *trainer.site, damping=p.damping, site_mode="paper")
-            stats = trainer.train(X, epochs)
-            done += epochs
-            losses = {"d_loss": stats["d_loss"], "g_loss": stats["g_loss"]}
-            metrics = scorer(trainer)
-            server.log(done, {**losses, **metrics})
-            server.progress(f"epoch {done}/{p.epochs}", metrics={k: round(v, 4) for k, v in metrics.items()})
-            server.save_checkpoint(done, trainer.get_params(), _gan_state(trainer), {"metrics": metrics, "losses": losses})
-        if not metrics:
-            metrics = dict(losses)
+            stats = trainer.train(X, epoch - done)
+            done = epoch
+            state.params, state.gan = trainer.get_params(), _gan_state(trainer)
+            state.losses = {"d_loss": stats["d_loss"], "g_loss": stats["g_loss"]}
+            rounds.log(dict(state.losses))
+        metrics = rounds.metrics or dict(state.losses)
         snap = scorer.snapshot(trainer)
         return MethodResult(metrics, trainer.get_params(), info={
             "note": "trained on all clients' data pooled: infeasible in a federation, an upper reference",

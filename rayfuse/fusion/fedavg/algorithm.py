@@ -20,14 +20,15 @@ and ``dp.stop_at_epsilon`` ends the run before the round that would exceed it. T
 precondition on ``ceil(fraction * N)`` clients per round, what DP-FedAvg needs) run before any client trains.
 
 Subclasses change the server update by overriding :meth:`FedAvg.server_update` (FedOpt, FedRef) and keep extra
-server state in the round checkpoint through :meth:`FedAvg.server_state` / :meth:`FedAvg.load_server_state`.
-Resume, evaluation cadence, history and round checkpoints are the round loop's (``server.rounds``).
+server state as typed fields of a :class:`FedAvgState` subclass (:meth:`FedAvg.initial_state`; FedOpt's moments,
+FedRef's queue), checkpointed bit for bit by the round loop (``server.rounds``), which owns resume, evaluation
+cadence, history and round checkpoints.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Literal, TypeVar, cast
 
 import numpy as np
 from pydantic import Field
@@ -36,7 +37,18 @@ from rayfuse.fusion import references
 from rayfuse.fusion.central_dp import CentralDPSettings
 from rayfuse.fusion.pipeline import clients_per_round
 from rayfuse.fusion.robust import AggregatorSettings
-from rayfuse.method import ClientContext, Gathered, Method, MethodParams, MethodResult, ServerContext, Update, client_step, register_method
+from rayfuse.method import (
+    ClientContext,
+    Gathered,
+    Method,
+    MethodParams,
+    MethodResult,
+    MethodTags,
+    ServerContext,
+    Update,
+    client_step,
+    register_method,
+)
 
 __all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "FedAvgState", "fit", "clients_per_round"]
 
@@ -87,18 +99,26 @@ class FedProxParams(FedAvgParams):
     mu: float = Field(0.01, ge=0, description="proximal coefficient (Li et al. 2020)")
 
 
+@dataclass
+class FedAvgState:
+    """FedAvg's server state between rounds: the global model. Subclasses add typed fields (FedOpt's moments, FedRef's
+    queue); every field round-trips bit for bit through the round checkpoint (:func:`rayfuse.rounds.encode_state`)."""
+
+    params: dict[str, np.ndarray]
+    dp: dict[str, float] = field(default_factory=dict)  # DP-FedAvg: the clip norm of the next round (adaptive clipping moves it)
+
+
+FP = TypeVar("FP", bound=FedAvgParams)
+FS = TypeVar("FS", bound=FedAvgState)
+
+
 @register_method
-class FedAvg(Method):
+class FedAvg(Method[FP, FS]):
     name = "fedavg"
     Params = FedAvgParams
-    params: FedAvgParams
     summary = "federated averaging over rounds (McMahan et al. 2017), sample-weighted"
     reference = references.FEDAVG
-    multi_round = True
-
-    #: the clients' update metrics :meth:`server_update` reads (FedRef: their loss); central DP, which noises only the
-    #: parameters, is refused for a method that reads any (the update pipeline's pre-start check)
-    reads_client_metrics: ClassVar[tuple[str, ...]] = ()
+    tags = MethodTags(multi_round=True)
 
     @property
     def mu(self) -> float:
@@ -106,11 +126,16 @@ class FedAvg(Method):
 
     # -- hooks for subclasses ------------------------------------------------------------------------------------
 
-    def server_update(self, server: ServerContext, global_params: dict[str, np.ndarray], averaged: dict[str, np.ndarray],
-                      updates: dict[int, Update], round: int) -> dict[str, np.ndarray]:
+    def initial_state(self, params: dict[str, np.ndarray]) -> FS:
+        """The round state before round 1 from the initial global model (subclasses with more state return theirs)."""
+        return cast(FS, FedAvgState(params))
+
+    def server_update(self, server: ServerContext, state: FS, averaged: dict[str, np.ndarray], updates: dict[int, Update],
+                      round: int) -> dict[str, np.ndarray]:
         """The new global model from this round's average of the accepted updates (FedAvg: the average itself).
 
-        Server optimizers (FedOpt) step along the pseudo-gradient ``averaged - global_params``.
+        ``state`` is the round state (``state.params`` the model broadcast this round); a subclass updates its own
+        fields of it in place. Server optimizers (FedOpt) step along the pseudo-gradient ``averaged - state.params``.
         """
         return averaged
 
@@ -122,13 +147,6 @@ class FedAvg(Method):
         """Extra keyword arguments of the client step :func:`fit` (FedProx: ``mu``; FedRef: ``eval_loss``)."""
         return {"mu": self.mu} if self.mu else {}
 
-    def server_state(self) -> dict[str, np.ndarray]:
-        """Arrays to checkpoint with the global model (optimizer moments, queues...)."""
-        return {}
-
-    def load_server_state(self, state: dict[str, np.ndarray]) -> None:
-        """Restore what :meth:`server_state` saved."""
-
     # -- the server loop -------------------------------------------------------------------------------------------
 
     def run(self, server: ServerContext) -> MethodResult:
@@ -137,11 +155,11 @@ class FedAvg(Method):
         fed = server.federation
         pipeline = server.updates  # validation, attacks, clipping / central DP, the aggregation rule
         last = pipeline.rounds(p.rounds)  # central DP's stop_at_epsilon may afford fewer
-        start = FedAvgState(server.initial_params(), self.server_state(), pipeline.state())
+        start = self.initial_state(server.initial_params())
+        start.dp = pipeline.state()
         rounds = server.rounds(start, last=last, evaluate=lambda rnd: server.evaluate(rounds.state.params),
                                evaluate_every=p.evaluate_every)
         state = rounds.state
-        self.load_server_state(state.server)
         pipeline.load_state(state.dp)
         step_args = dict(label=server.label, epochs=p.local_epochs, lr=p.lr or train.lr, batch_size=p.batch_size or train.batch_size,
                          optimizer=p.optimizer or train.optimizer, momentum=train.momentum, weight_decay=train.weight_decay,
@@ -154,8 +172,7 @@ class FedAvg(Method):
             del gathered
             state.dp = pipeline.state()
             updates, extra = result.updates, result.metrics
-            state.params = self.server_update(server, state.params, result.params, updates, rnd)
-            state.server = self.server_state()
+            state.params = self.server_update(server, state, result.params, updates, rnd)
             losses = np.array([u.metrics.get("train_loss", np.nan) for u in updates.values()])
             counts = np.array([u.num_examples for u in updates.values()], dtype=float)
             # Client compute of the round: seconds of local work per client (training plus any extra evaluation).
@@ -168,20 +185,11 @@ class FedAvg(Method):
         return MethodResult(rounds.metrics, state.params, info=info)
 
 
-@dataclass
-class FedAvgState:
-    """FedAvg's server state between rounds: the global model and the subclass's server state (:meth:`FedAvg.server_state`)."""
-
-    params: dict[str, np.ndarray]
-    server: dict[str, np.ndarray] = field(default_factory=dict)
-    dp: dict[str, float] = field(default_factory=dict)  # DP-FedAvg: the clip norm of the next round (adaptive clipping moves it)
-
 
 @register_method
-class FedProx(FedAvg):
+class FedProx(FedAvg[FedProxParams, FedAvgState]):
     name = "fedprox"
     Params = FedProxParams
-    params: FedProxParams
     summary = "FedAvg with a proximal term mu/2 ||w - w_t||^2 on each client (Li et al. 2020)"
     reference = references.FEDPROX
 

@@ -14,7 +14,8 @@ direction and applies an adaptive step to it, elementwise::
 ``m`` and ``v`` start at 0 and ``initial_accumulator`` respectively (Flower: 0 for all three; Reddi et al.'s
 Algorithm 2 asks ``v_{-1} >= tau^2``). FedAdam with ``bias_correction`` scales ``eta`` by
 ``sqrt(1 - beta2^t) / (1 - beta1^t)`` with ``t`` the number of server steps taken (Kingma & Ba; Flower's FedAdam does
-the same with ``t = round + 1``). The moments are checkpointed each round, so ``--resume`` continues exactly.
+the same with ``t = round + 1``). The moments are fields of the typed round state (:class:`FedOptState`), checkpointed each round, so ``--resume``
+continues exactly.
 
 Defaults are those of the FedRef authors' comparison [FEDREF HEAD : main.py]: eta = 1e-2, beta1 = 0.9,
 beta2 = 0.99, tau = 1e-4.
@@ -22,17 +23,18 @@ beta2 = 0.99, tau = 1e-4.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import ClassVar, TypeVar
 
 import numpy as np
 from pydantic import Field, model_validator
 
 from rayfuse.errors import NonFiniteError
 from rayfuse.fusion import references
-from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams
+from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams, FedAvgState
 from rayfuse.method import ServerContext, Update, register_method
 
-__all__ = ["FedOpt", "FedAdagrad", "FedAdam", "FedYogi", "FedOptParams", "FedAdagradParams", "fedopt_step"]
+__all__ = ["FedOpt", "FedAdagrad", "FedAdam", "FedYogi", "FedOptParams", "FedOptState", "FedAdagradParams", "fedopt_step"]
 
 
 class FedOptParams(FedAvgParams):
@@ -103,61 +105,59 @@ def fedopt_step(rule: str, x: dict[str, np.ndarray], delta: dict[str, np.ndarray
     return out
 
 
-class FedOpt(FedAvg):
+@dataclass
+class FedOptState(FedAvgState):
+    """FedOpt's round state: the global model, the moments ``m`` and ``v`` (float keys only, in the parameters'
+    dtypes; empty before the first step) and the number of server steps taken (FedAdam's bias correction)."""
+
+    m: dict[str, np.ndarray] = field(default_factory=dict)
+    v: dict[str, np.ndarray] = field(default_factory=dict)
+    steps: int = 0
+
+
+OP = TypeVar("OP", bound=FedOptParams)
+
+
+class FedOpt(FedAvg[OP, FedOptState]):
     """FedAvg's clients with an adaptive server step on the pseudo-gradient; subclasses name the rule."""
 
     Params = FedOptParams
-    params: FedOptParams
     rule: ClassVar[str] = ""
 
-    def __init__(self, params: FedOptParams, label: str | None = None) -> None:
-        super().__init__(params, label)
-        self.m: dict[str, np.ndarray] = {}
-        self.v: dict[str, np.ndarray] = {}
-        self.steps = 0
+    def initial_state(self, params: dict[str, np.ndarray]) -> FedOptState:
+        return FedOptState(params)
 
-    def server_update(self, server: ServerContext, global_params: dict[str, np.ndarray], averaged: dict[str, np.ndarray],
+    def server_update(self, server: ServerContext, state: FedOptState, averaged: dict[str, np.ndarray],
                       updates: dict[int, Update], round: int) -> dict[str, np.ndarray]:
         p = self.params
-        if not self.m:  # moments in the parameters' float dtype (as Flower keeps them)
-            self.m = {k: np.zeros_like(a) for k, a in global_params.items() if a.dtype.kind == "f"}
-            self.v = {k: np.full_like(a, p.initial_accumulator) for k, a in global_params.items() if a.dtype.kind == "f"}
+        global_params = state.params
+        if not state.m:  # moments in the parameters' float dtype (as Flower keeps them)
+            state.m = {k: np.zeros_like(a) for k, a in global_params.items() if a.dtype.kind == "f"}
+            state.v = {k: np.full_like(a, p.initial_accumulator) for k, a in global_params.items() if a.dtype.kind == "f"}
         delta = {k: averaged[k] - global_params[k] for k in global_params}
-        self.steps += 1
+        state.steps += 1
         eta = p.eta
         if p.bias_correction:
-            eta = eta * np.sqrt(1.0 - p.beta2 ** self.steps) / (1.0 - p.beta1 ** self.steps)
-        new = fedopt_step(self.rule, global_params, delta, self.m, self.v, eta=eta, beta1=p.beta1, beta2=p.beta2, tau=p.tau)
+            eta = eta * np.sqrt(1.0 - p.beta2 ** state.steps) / (1.0 - p.beta1 ** state.steps)
+        new = fedopt_step(self.rule, global_params, delta, state.m, state.v, eta=eta, beta1=p.beta1, beta2=p.beta2, tau=p.tau)
         bad = [k for k, a in new.items() if not np.isfinite(a).all()]
         if bad:
             raise NonFiniteError(f"{self.label}: the server step of round {round} produced non-finite values in {bad[0]!r} "
                                  f"(try a smaller eta or a larger tau)")
         return new
 
-    def server_state(self) -> dict[str, np.ndarray]:
-        state: dict[str, np.ndarray] = {"steps": np.array(self.steps, dtype=np.int64)}
-        state.update({f"m/{k}": a for k, a in self.m.items()})
-        state.update({f"v/{k}": a for k, a in self.v.items()})
-        return state
-
-    def load_server_state(self, state: dict[str, np.ndarray]) -> None:
-        self.steps = int(state.get("steps", 0))
-        self.m = {k[2:]: np.array(a) for k, a in state.items() if k.startswith("m/")}
-        self.v = {k[2:]: np.array(a) for k, a in state.items() if k.startswith("v/")}
-
 
 @register_method
-class FedAdagrad(FedOpt):
+class FedAdagrad(FedOpt[FedAdagradParams]):
     name = "fedadagrad"
     Params = FedAdagradParams
-    params: FedAdagradParams
     rule = "adagrad"
     summary = "FedAvg clients, Adagrad server step on the pseudo-gradient (Reddi et al. 2021)"
     reference = references.FEDOPT
 
 
 @register_method
-class FedAdam(FedOpt):
+class FedAdam(FedOpt[FedOptParams]):
     name = "fedadam"
     rule = "adam"
     summary = "FedAvg clients, Adam server step on the pseudo-gradient (Reddi et al. 2021)"
@@ -165,7 +165,7 @@ class FedAdam(FedOpt):
 
 
 @register_method
-class FedYogi(FedOpt):
+class FedYogi(FedOpt[FedOptParams]):
     name = "fedyogi"
     rule = "yogi"
     summary = "FedAvg clients, Yogi server step on the pseudo-gradient (Reddi et al. 2021)"

@@ -31,6 +31,7 @@ their training data once more (one extra forward pass per round).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -38,10 +39,10 @@ from pydantic import Field
 
 from rayfuse.errors import NonFiniteError
 from rayfuse.fusion import references
-from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams
+from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams, FedAvgState
 from rayfuse.method import ServerContext, Update, register_method
 
-__all__ = ["FedRef", "FedRefParams", "reference_model", "fedref_step"]
+__all__ = ["FedRef", "FedRefParams", "FedRefState", "reference_model", "fedref_step"]
 
 
 class FedRefParams(FedAvgParams):
@@ -93,29 +94,39 @@ def fedref_step(form: str, theta1: dict[str, np.ndarray], theta1_prev: dict[str,
     return out
 
 
+@dataclass
+class FedRefState(FedAvgState):
+    """FedRef's round state: the global model; the queue of the last ``p`` aggregates (oldest first, pre-fine-tuning;
+    its newest entry is the previous round's aggregate ``theta1_0``) and its float64 running sum (a resumed run continues
+    the same float sums); the previous reference ``theta2_0`` (``None`` before the first), the previous mean client loss
+    and the number of aggregates formed so far."""
+
+    queue: list[dict[str, np.ndarray]] = field(default_factory=list)
+    queue_sum: dict[str, np.ndarray] = field(default_factory=dict)
+    theta2_prev: dict[str, np.ndarray] | None = None
+    loss_prev: float = float("nan")
+    seen: int = 0
+
+
 @register_method
-class FedRef(FedAvg):
+class FedRef(FedAvg[FedRefParams, FedRefState]):
     name = "fedref"
     Params = FedRefParams
-    params: FedRefParams
     summary = "FedAvg plus a server-side Bayesian fine-tuning step towards the mean of the last p aggregates (Yoon & Choi 2025)"
     reference = references.FEDREF
-    reads_client_metrics = ("train_loss", "eval_loss")  # client_loss picks one: the server step reads each client's loss
+    tags = replace(FedAvg.tags, no_dp="its server step reads each client's training loss, which DP-FedAvg does not noise")
 
-    def __init__(self, params: FedRefParams, label: str | None = None) -> None:
+    def __init__(self, params: FedRefParams | None = None, label: str | None = None) -> None:
         super().__init__(params, label)
-        self.queue: deque[dict[str, np.ndarray]] = deque(maxlen=params.p)
-        self.theta1_prev: dict[str, np.ndarray] | None = None
-        self.theta2_prev: dict[str, np.ndarray] | None = None
-        self.loss_prev = float("nan")
-        self.seen = 0  # aggregates formed so far
-        self.queue_sum: dict[str, np.ndarray] = {}  # float64 running sum of the queue: the reference in O(1) passes
-        self.fine_tuned = False
+        self.fine_tuned = False  # this round's, for round_metrics (not state: each round sets it)
+
+    def initial_state(self, params: dict[str, np.ndarray]) -> FedRefState:
+        return FedRefState(params)
 
     def client_args(self) -> dict[str, object]:
         return {"eval_loss": True} if self.params.client_loss == "eval" else {}
 
-    def server_update(self, server: ServerContext, global_params: dict[str, np.ndarray], averaged: dict[str, np.ndarray],
+    def server_update(self, server: ServerContext, state: FedRefState, averaged: dict[str, np.ndarray],
                       updates: dict[int, Update], round: int) -> dict[str, np.ndarray]:
         p = self.params
         metric = "eval_loss" if p.client_loss == "eval" else "train_loss"
@@ -127,64 +138,41 @@ class FedRef(FedAvg):
         # means: identical in the code's setting, unbiased otherwise.
         loss = float(losses.mean())
         theta1 = averaged
-        self._push(theta1)
-        self.seen += 1
+        theta1_prev = state.queue[-1] if state.queue else None
+        self._push(state, theta1)
+        state.seen += 1
         # The authors' server forms the first reference in round p + 1 (from rounds 2..p+1) and fine-tunes from p + 2.
-        theta2 = self._reference() if self.seen > p.p else None
+        theta2 = self._reference(state) if state.seen > p.p else None
         self.fine_tuned = False
         new = theta1
-        if theta2 is not None and self.theta2_prev is not None:  # round > p + 1
+        if theta2 is not None and state.theta2_prev is not None and theta1_prev is not None:  # round > p + 1
             lr = p.server_lr or p.lr or server.train_cfg.lr
-            new = fedref_step(p.update, theta1, self.theta1_prev, theta2, self.theta2_prev,  # type: ignore[arg-type]
-                              c_loss=loss - self.loss_prev, lam=p.lam, lr=lr, p=p.p)
+            new = fedref_step(p.update, theta1, theta1_prev, theta2, state.theta2_prev,
+                              c_loss=loss - state.loss_prev, lam=p.lam, lr=lr, p=p.p)
             bad = [k for k, a in new.items() if not np.isfinite(a).all()]
             if bad:
                 raise NonFiniteError(f"{self.label}: the fine-tuning step of round {round} produced non-finite values in {bad[0]!r}")
             self.fine_tuned = True
-        self.theta1_prev, self.theta2_prev, self.loss_prev = theta1, theta2, loss
+        state.theta2_prev, state.loss_prev = theta2, loss
         return new
 
-    def _push(self, theta1: dict[str, np.ndarray]) -> None:
+    def _push(self, state: FedRefState, theta1: dict[str, np.ndarray]) -> None:
         """Append to the queue, keeping the running sum: add the new aggregate, subtract the one that falls out."""
-        if not self.queue_sum:
-            self.queue_sum = {k: np.zeros(a.shape, np.float64) for k, a in theta1.items() if a.dtype.kind == "f"}
-        if len(self.queue) == self.queue.maxlen:
-            for key, acc in self.queue_sum.items():
-                acc -= self.queue[0][key]
-        for key, acc in self.queue_sum.items():
+        if not state.queue_sum:
+            state.queue_sum = {k: np.zeros(a.shape, np.float64) for k, a in theta1.items() if a.dtype.kind == "f"}
+        if len(state.queue) == self.params.p:
+            for key, acc in state.queue_sum.items():
+                acc -= state.queue[0][key]
+            del state.queue[0]
+        for key, acc in state.queue_sum.items():
             acc += theta1[key]
-        self.queue.append(theta1)
+        state.queue.append(theta1)
 
-    def _reference(self) -> dict[str, np.ndarray]:
+    def _reference(self, state: FedRefState) -> dict[str, np.ndarray]:
         """Eq. 13-14 from the running sum (equal to :func:`reference_model` of the queue up to float64 rounding)."""
-        n = len(self.queue)
-        newest = self.queue[-1]
-        return {k: (self.queue_sum[k] / n).astype(a.dtype) if k in self.queue_sum else a for k, a in newest.items()}
+        n = len(state.queue)
+        newest = state.queue[-1]
+        return {k: (state.queue_sum[k] / n).astype(a.dtype) if k in state.queue_sum else a for k, a in newest.items()}
 
     def round_metrics(self) -> dict[str, float]:
         return {"fine_tuned": float(self.fine_tuned)}
-
-    # -- checkpointed state: the queue (oldest first), the previous aggregate and reference, the previous loss ----
-
-    def server_state(self) -> dict[str, np.ndarray]:
-        state: dict[str, np.ndarray] = {"queue_len": np.array(len(self.queue), np.int64), "seen": np.array(self.seen, np.int64),
-                                        "loss_prev": np.array(self.loss_prev)}
-        for i, q in enumerate(self.queue):
-            state.update({f"queue/{i}/{k}": a for k, a in q.items()})
-        state.update({f"queue_sum/{k}": a for k, a in self.queue_sum.items()})  # resume continues the same float sums
-        if self.theta2_prev is not None:
-            state.update({f"theta2_prev/{k}": a for k, a in self.theta2_prev.items()})
-        return state  # theta1_prev is the newest queue entry
-
-    def load_server_state(self, state: dict[str, np.ndarray]) -> None:
-        n = int(state.get("queue_len", 0))
-        self.queue.clear()
-        for i in range(n):
-            prefix = f"queue/{i}/"
-            self.queue.append({k[len(prefix):]: np.array(a) for k, a in state.items() if k.startswith(prefix)})
-        self.theta1_prev = self.queue[-1] if self.queue else None
-        self.queue_sum = {k[len("queue_sum/"):]: np.array(a, dtype=np.float64) for k, a in state.items() if k.startswith("queue_sum/")}
-        prev = {k[len("theta2_prev/"):]: np.array(a) for k, a in state.items() if k.startswith("theta2_prev/")}
-        self.theta2_prev = prev or None
-        self.loss_prev = float(state.get("loss_prev", np.nan))
-        self.seen = int(state.get("seen", n))

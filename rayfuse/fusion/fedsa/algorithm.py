@@ -71,6 +71,7 @@ from rayfuse.method import (
     Method,
     MethodParams,
     MethodResult,
+    MethodTags,
     Rejected,
     RunSetup,
     ServerContext,
@@ -286,22 +287,23 @@ def _check_finite(params: dict[str, np.ndarray]) -> bool:
 
 
 @register_method
-class Scratch(Method):
+class Scratch(Method[StudentParams, None]):
     name = "scratch"
-    fuses = "nothing"  # the server's target set alone
-    federated_evaluation = False  # a target-task model scored on the server's target test set: evaluation central only
+    tags = MethodTags(
+        fuses="nothing",
+        federated_evaluation=False,  # a target-task model scored on the server's target test set: evaluation central only
+        public_labels=True,  # trains on the target set's labels (the server's public sample)
+    )
     Params = StudentParams
-    params: StudentParams
     summary = "the target model trained on the server's labelled target set alone (FedSA's Scratch baseline)"
     reference = references.FEDSA
-    public_labels = True  # trains on the target set's labels (the server's public sample)
     # The same network, initialisation and training as FedSA's weak target model (round 0), evaluated as it is.
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: StudentParams, setup: RunSetup) -> None:
         """A target set, and a student that fits the data."""
         check_target_set(setup.public_size)
-        check_student(params, setup)  # type: ignore[arg-type]
+        check_student(params, setup)
 
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params
@@ -319,20 +321,20 @@ class TransferParams(TargetParams):
 
 
 @register_method
-class Transfer(Method):
+class Transfer(Method[TransferParams, None]):
     name = "transfer"
-    fuses = "nothing"  # each teacher fine-tuned on its own: nothing combined
-    federated_evaluation = False  # a target-task model scored on the server's target test set: evaluation central only
+    tags = MethodTags(
+        federated_evaluation=False,  # a target-task model scored on the server's target test set: evaluation central only
+        uses_local_models=True,
+        oracle=True,  # the teachers' weights leave their clients: not possible in FedSA's setting
+        public_labels=True,  # fine-tunes each teacher on the target set's labels (the server's public sample)
+    )
     Params = TransferParams
-    params: TransferParams
     summary = "each teacher fine-tuned on the target set (needs the teachers' weights: not federated; FedSA's Transfer)"
     reference = references.FEDSA
-    uses_local_models = True
-    oracle = True  # the teachers' weights leave their clients: not possible in FedSA's setting
-    public_labels = True  # fine-tunes each teacher on the target set's labels (the server's public sample)
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: TransferParams, setup: RunSetup) -> None:
         """A target set, and teachers with a classifier to adapt."""
         from rayfuse.models import build_model
 
@@ -365,19 +367,20 @@ class Transfer(Method):
 
 
 @register_method
-class FedSA(Method):
+class FedSA(Method[FedSAParams, "FedSAState"]):
     name = "fedsa"
-    fuses = "statistics"  # the teachers' saliency maps and students' features
-    federated_evaluation = False  # a target-task model scored on the server's target test set: evaluation central only
+    tags = MethodTags(
+        fuses="statistics",  # the teachers' saliency maps and students' features
+        federated_evaluation=False,  # a target-task model scored on the server's target test set: evaluation central only
+        public_labels=True,  # the weak target model and the student train on the target set's labels (the server's public sample)
+        multi_round=True,  # a checkpoint after each round; ``--resume`` continues mid-method (the round loop, :meth:`ServerContext.rounds`)
+    )
     Params = FedSAParams
-    params: FedSAParams
     summary = "saliency-based teacher selection and selective feature amalgamation into a new-task student (Xie et al. 2022)"
     reference = references.FEDSA
-    public_labels = True  # the weak target model and the student train on the target set's labels (the server's public sample)
-    multi_round = True  # a checkpoint after each round; ``--resume`` continues mid-method (the round loop, :meth:`ServerContext.rounds`)
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: FedSAParams, setup: RunSetup) -> None:
         """Bad input before any client works: the target set, K, and whether a translator can bridge the features.
 
         The teachers and the student may be any model ``torch.fx`` can trace whose output layer is a Linear after a
@@ -385,7 +388,7 @@ class FedSA(Method):
         flatten, else the features the output layer reads; :func:`rayfuse.fusion.fedsa.kd.features_and_logits`)."""
         from rayfuse.models import build_model
 
-        p: FedSAParams = params  # type: ignore[assignment]
+        p = params
         check_target_set(setup.public_size)
         n = setup.num_clients
         if p.selection != "all" and p.k > n:

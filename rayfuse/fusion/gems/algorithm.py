@@ -53,7 +53,16 @@ from rayfuse.fusion.gems.balls import (
     softmax_accuracy,
     unflatten_linear,
 )
-from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, client_step, register_method
+from rayfuse.method import (
+    ClientContext,
+    Method,
+    MethodResult,
+    MethodTags,
+    RunSetup,
+    ServerContext,
+    client_step,
+    register_method,
+)
 from rayfuse.symmetry import ModelStructure, read_structure
 
 __all__ = ["GEMS", "GEMSParams", "build_model_ball", "build_neuron_balls", "transform_features"]
@@ -270,21 +279,22 @@ def _check_same_shapes(results: dict[int, dict[str, Any]], key: str, what: str) 
 
 
 @register_method
-class GEMS(Method):
+class GEMS(Method[GEMSParams, None]):
     name = "gems"
-    fuses = "statistics"  # the clients' good-enough model sets (balls around their models)
     Params = GEMSParams
-    params: GEMSParams
     summary = "good-enough model spaces: intersect clients' balls of good models (Guha & Smith 2019)"
     reference = references.GEMS
-    uses_local_models = True
-    public_labels = True  # fine-tunes the fused model on the public sample's labels (fine_tune, the tuned_* metrics)
+    tags = MethodTags(
+        fuses="statistics",
+        uses_local_models=True,
+        public_labels=True,  # fine-tunes the fused model on the public sample's labels (fine_tune, the tuned_* metrics)
+    )
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: GEMSParams, setup: RunSetup) -> None:
         """The model (logreg or mlp), the per-layer settings against its hidden layers, ``m_epsilon`` against the
         neurons across clients, and the fine-tuning settings against the model and the public sample."""
-        p: GEMSParams = params  # type: ignore[assignment]
+        p = params
         cfg = setup.model
         if cfg.name not in ("logreg", "mlp"):
             raise InputError("model.name", "logreg or mlp for method gems", cfg.name)

@@ -47,7 +47,7 @@ from rayfuse.fusion.kl.gmm import (
 )
 from rayfuse.fusion.kl.topics import completion_log_likelihood, fit_lda_posterior, split_documents, topic_hausdorff
 from rayfuse.matching import Executor, serial_map, thread_map
-from rayfuse.method import Method, MethodParams, MethodResult, RunSetup, ServerContext, register_method
+from rayfuse.method import Method, MethodResult, MethodTags, RunSetup, ServerContext, register_method
 from rayfuse.seeding import make_rng
 
 __all__ = ["KLFusion", "KLParams", "choose_executor"]
@@ -89,13 +89,14 @@ def choose_executor(server: ServerContext, kind: str, sizes: list[int], n_global
 
 
 @register_method
-class KLFusion(Method):
+class KLFusion(Method[KLParams, None]):
     name = "kl"
-    fuses = "posteriors"  # the clients' exponential-family posteriors
-    federated_evaluation = False  # scores on the server's test set and the true parameters (BNN, topics, GMM): central only
+    tags = MethodTags(
+        fuses="posteriors",
+        federated_evaluation=False,  # scores on the server's test set and the true parameters (BNN, topics, GMM): central only
+    )
     aliases = ("kl_fusion",)
     Params = KLParams
-    params: KLParams
     summary = "KL-fusion: fuse clients' exponential-family posteriors, number of global components inferred (Claici et al. 2020)"
     reference = references.KLF
 
@@ -112,13 +113,13 @@ class KLFusion(Method):
         return result, executor_name, time.perf_counter() - started
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: KLParams, setup: RunSetup) -> None:
         """The dataset the application needs, the number of local components, and ``n_init_components`` against the
         largest local count where the config fixes it. With ``data.silos`` (no generator, so no true parameters) gmm and
         topics fuse any data with a fixed ``n_components`` and report the metrics that need no truth."""
         from rayfuse.data.datasets import DATASETS
 
-        p: KLParams = params  # type: ignore[assignment]
+        p = params
         if p.application == "gmm":
             check_gmm_dataset(setup, cls.name)
             check_silo_components(p, setup)

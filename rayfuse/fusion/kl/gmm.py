@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 from pydantic import Field, field_validator
@@ -26,7 +26,17 @@ from rayfuse.errors import InputError, RunFailure
 from rayfuse.expfam import NormalWishart, normal_wishart_from_sklearn
 from rayfuse.fusion import references
 from rayfuse.fusion.kl.fusion import hausdorff
-from rayfuse.method import ClientContext, Method, MethodParams, MethodResult, RunSetup, ServerContext, client_step, register_method
+from rayfuse.method import (
+    ClientContext,
+    Method,
+    MethodParams,
+    MethodResult,
+    MethodTags,
+    RunSetup,
+    ServerContext,
+    client_step,
+    register_method,
+)
 
 __all__ = ["fit_gmm_posterior", "GMMPosteriorParams", "gather_gmm_posteriors", "gmm_truth", "gmm_metrics", "GMMOracle", "DPCluster",
            "GMMMethod", "check_gmm_dataset", "check_silo_components", "check_local_components"]
@@ -97,17 +107,22 @@ def check_local_components(params: GMMPosteriorParams, setup: RunSetup) -> None:
                          params.n_components)
 
 
-class GMMMethod(Method):
+GP = TypeVar("GP", bound=GMMPosteriorParams)
+
+
+class GMMMethod(Method[GP, None]):
     """A method on the ``kl_gmm`` dataset whose clients fit local GMM posteriors: checks both before the run."""
 
-    federated_evaluation = False  # scores against the dataset's true GMM atoms: evaluation central only
-    fuses = "posteriors"  # the clients' local GMM posteriors
+    tags = MethodTags(
+        fuses="posteriors",
+        federated_evaluation=False,  # scores against the dataset's true GMM atoms: evaluation central only
+    )
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: GP, setup: RunSetup) -> None:
         check_gmm_dataset(setup, cls.name)
-        check_silo_components(params, setup)  # type: ignore[arg-type]
-        check_local_components(params, setup)  # type: ignore[arg-type]
+        check_silo_components(params, setup)
+        check_local_components(params, setup)
 
 
 def gmm_truth(server: ServerContext, path: str) -> dict[str, Any]:
@@ -149,20 +164,21 @@ def gmm_metrics(server: ServerContext, means: np.ndarray) -> dict[str, float]:
 
 
 @register_method
-class GMMOracle(Method):
+class GMMOracle(Method[GMMPosteriorParams, None]):
     name = "gmm_oracle"
-    fuses = "nothing"  # an oracle on the pooled points: no client upload combined
-    needs_dataset = True  # reads the whole dataset (data.dataset): not with data.silos
-    federated_evaluation = False  # scores against the dataset's true GMM atoms: evaluation central only
+    tags = MethodTags(
+        fuses="nothing",
+        needs_dataset=True,  # reads the whole dataset (data.dataset): not with data.silos
+        federated_evaluation=False,  # scores against the dataset's true GMM atoms: evaluation central only
+        oracle=True,
+    )
     aliases = ("vi_oracle",)
     Params = GMMPosteriorParams
-    params: GMMPosteriorParams
     summary = "ORACLE: variational GMM on every client's points pooled, with the true number of components (KL-fusion's VI-oracle)"
     reference = references.KLF
-    oracle = True
 
     @classmethod
-    def check(cls, params: MethodParams, setup: RunSetup) -> None:
+    def check(cls, params: GMMPosteriorParams, setup: RunSetup) -> None:
         check_gmm_dataset(setup, cls.name)  # the oracle fits the true number of components, not n_components
 
     def run(self, server: ServerContext) -> MethodResult:
@@ -187,10 +203,9 @@ class DPClusterParams(GMMPosteriorParams):
 
 
 @register_method
-class DPCluster(GMMMethod):
+class DPCluster(GMMMethod[DPClusterParams]):
     name = "dp_cluster"
     Params = DPClusterParams
-    params: DPClusterParams
     summary = "Dirichlet-process mixture on the pooled local posterior means (KL-fusion's DP-cluster baseline)"
     reference = references.KLF
 

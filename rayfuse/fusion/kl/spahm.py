@@ -134,10 +134,9 @@ class SPAHMParams(GMMPosteriorParams):
 
 
 @register_method
-class SPAHM(GMMMethod):
+class SPAHM(GMMMethod[SPAHMParams]):
     name = "spahm"
     Params = SPAHMParams
-    params: SPAHMParams
     summary = "SPAHM (Yurochkin et al. 2019) on the clients' local posterior means (KL-fusion's GMM baseline)"
     reference = references.SPAHM
 
