@@ -485,8 +485,9 @@ class MethodTags:
     upload is combined: baselines and oracles). The update pipeline's attacks, robust rules and DP act on parameter
     updates only, so a run asking for them with a method that fuses something else is refused before start; a method
     whose answer depends on its parameters gives it as a ``fuses`` property of its ``Params``, which takes precedence.
-    ``needs_dataset``: it reads the run's whole dataset (the clients' data pooled, or the dataset's true parameters); refused with ``data.silos``, where no process holds a dataset. ``uses_local_models``: every client's
-    trained local model is gathered. ``federated_evaluation``: its metrics come from :meth:`ServerContext.evaluate` /
+    ``needs_dataset``: it reads the run's whole dataset (the clients' data pooled, or the dataset's true parameters);
+    refused with ``data.silos``, where no process holds a dataset. ``uses_local_models``: every client's trained local
+    model is gathered. ``federated_evaluation``: its metrics come from :meth:`ServerContext.evaluate` /
     :meth:`ServerContext.evaluate_ensemble`, so ``evaluation: federated`` or ``both`` can score it on the clients'
     held-out splits; ``False``: a method scoring on the server's data in its own way, refused with those settings.
     ``oracle``: not feasible in a real federation (reported as an upper reference; may read the pooled data).
