@@ -324,6 +324,7 @@ class TransferParams(TargetParams):
 class Transfer(Method[TransferParams, None]):
     name = "transfer"
     tags = MethodTags(
+        fuses="nothing",  # each teacher fine-tuned on its own: nothing combined
         federated_evaluation=False,  # a target-task model scored on the server's target test set: evaluation central only
         uses_local_models=True,
         oracle=True,  # the teachers' weights leave their clients: not possible in FedSA's setting
