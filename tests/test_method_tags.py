@@ -187,7 +187,7 @@ def test_dp_is_refused_where_the_tags_say_it_does_not_apply(make_config):
     check_tags(resolve_methods({"avg": {"method": "fedavg", "dp": dp}}), setup_for(cfg), cfg)  # central DP applies to FedAvg
     with pytest.raises(InputError) as raised:  # a method with no dp option at all: refused as its entry is read
         resolve_methods({"gems": {"dp": dp}})
-    assert raised.value.path == "methods.gems.dp" and "no dp for method 'gems' (it has no differential-privacy option" in str(raised.value)
+    assert raised.value.path == "methods.gems.dp" and "no dp for method 'gems' (it fuses statistics; dp acts on parameter updates" in str(raised.value)
 
 
 def test_a_tag_refusal_on_the_command_line_is_one_line_and_starts_nothing(tmp_path, capsys):

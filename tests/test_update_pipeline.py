@@ -213,7 +213,7 @@ def test_fedref_dp_is_refused_from_what_its_server_step_reads(make_config):
     with pytest.raises(InputError) as err:
         prepare_run(make_config(methods={"fedref": {"dp": dp}}))
     assert str(err.value).startswith("methods.fedref.dp: expected no dp for method 'fedref' (its server step reads each client's "
-                                     "train_loss or eval_loss, which central DP does not noise)")
+                                     "training loss, which DP-FedAvg does not noise)")
 
 
 @pytest.mark.parametrize(("methods", "fused"), [({"gems": {}}, "statistics"), ({"ensemble": {}}, "predictions"),
