@@ -42,7 +42,7 @@ from pydantic import (
 )
 
 from rayfuse.accountant import require_one_noise
-from rayfuse.errors import InputError, suggest
+from rayfuse.errors import KEYED_ERROR, InputError, key_error, suggest
 
 __all__ = [
     "ExperimentConfig",
@@ -332,21 +332,21 @@ class SiloSource(StrictModel):
         fmt = repr(self.dataset)
         if kind == "bundled":
             if self.path is not None:
-                raise ValueError(f"@path@ no path for the bundled dataset {fmt} (it ships with rayfuse), got {self.path!r}")
+                raise key_error("path", f"no path for the bundled dataset {fmt} (it ships with rayfuse), got {self.path!r}")
         elif self.path is None:
             what = {"table": f"the {self.dataset} file", "imagefolder": "the folder of class folders",
                     "folder": f"the root folder of the torchvision dataset {fmt}"}[kind]
-            raise ValueError(f"@path@ {what} (dataset is {fmt})")
+            raise key_error("path", f"{what} (dataset is {fmt})")
         if kind != "table":
             for key in ("label", "features"):
                 if getattr(self, key) is not None:
-                    raise ValueError(f"@{key}@ no {key} for dataset {fmt} (only npz, parquet and csv name theirs), got {getattr(self, key)!r}")
+                    raise key_error(key, f"no {key} for dataset {fmt} (only npz, parquet and csv name theirs), got {getattr(self, key)!r}")
         elif self.dataset == "npz" and isinstance(self.features, list):
-            raise ValueError(f"@features@ one array name for an npz file, got {self.features!r}")
+            raise key_error("features", f"one array name for an npz file, got {self.features!r}")
         if kind != "imagefolder":
             for key in ("image_size", "grayscale"):
                 if getattr(self, key) is not None:
-                    raise ValueError(f"@{key}@ no {key} for dataset {fmt} (imagefolder only), got {getattr(self, key)!r}")
+                    raise key_error(key, f"no {key} for dataset {fmt} (imagefolder only), got {getattr(self, key)!r}")
         if self.options:
             if self.dataset == "csv":
                 allowed: tuple[str, ...] = ("delimiter",)
@@ -359,10 +359,10 @@ class SiloSource(StrictModel):
             for key, value in self.options.items():
                 if key not in allowed:
                     expected = f"options among {{{', '.join(allowed)}}}" if allowed else "no options"
-                    raise ValueError(f"@options.{key}@ {expected} for dataset {fmt}, got {value!r}{suggest(key, allowed)}")
+                    raise key_error(("options", key), f"{expected} for dataset {fmt}, got {value!r}{suggest(key, allowed)}")
             delimiter = self.options.get("delimiter", ",")
             if self.dataset == "csv" and (not isinstance(delimiter, str) or len(delimiter) != 1):
-                raise ValueError(f"@options.delimiter@ one character, got {delimiter!r}")
+                raise key_error(("options", "delimiter"), f"one character, got {delimiter!r}")
         return self
 
     @model_validator(mode="after")
@@ -372,11 +372,11 @@ class SiloSource(StrictModel):
             return self
         fmt = repr(self.dataset)
         if silo_source_kind(self.dataset) != "table":
-            raise ValueError(f"@labels@ true for dataset {fmt} (an unlabeled file is npz, or parquet / csv with features named), got False")
+            raise key_error("labels", f"true for dataset {fmt} (an unlabeled file is npz, or parquet / csv with features named), got False")
         if self.label is not None:
-            raise ValueError(f"@label@ no label with labels: false (the file holds none), got {self.label!r}")
+            raise key_error("label", f"no label with labels: false (the file holds none), got {self.label!r}")
         if self.dataset != "npz" and self.features is None:
-            raise ValueError(f"@features@ the feature columns of an unlabeled {self.dataset} file (with labels: false only the "
+            raise key_error("features", f"the feature columns of an unlabeled {self.dataset} file (with labels: false only the "
                              "columns named are read)")
         return self
 
@@ -405,19 +405,19 @@ class SiloSpec(SiloSource):
     def _one_held_out_split(self) -> SiloSpec:
         if self.test_path is not None:
             if silo_source_kind(self.dataset) not in ("table", "imagefolder"):
-                raise ValueError(f"@test_path@ no test_path for dataset {self.dataset!r} (its held-out split is val_size of it), "
+                raise key_error("test_path", f"no test_path for dataset {self.dataset!r} (its held-out split is val_size of it), "
                                  f"got {self.test_path!r}")
             if self.val_size is not None:
-                raise ValueError(f"@val_size@ val_size or test_path, not both (test_path is {self.test_path!r}), got {self.val_size}")
+                raise key_error("val_size", f"val_size or test_path, not both (test_path is {self.test_path!r}), got {self.val_size}")
         elif not self.val_size:
-            raise ValueError(f"@val_size@ a fraction > 0 (the silo's held-out split) or a test_path, got {self.val_size}")
+            raise key_error("val_size", f"a fraction > 0 (the silo's held-out split) or a test_path, got {self.val_size}")
         return self
 
     @model_validator(mode="after")
     def _unlabeled_form(self) -> SiloSpec:
         # replaces SiloSource's: a client trains on its silo's labels, whatever the format
         if not self.labels:
-            raise ValueError("@labels@ true for a client's silo (a client trains on its labels; labels: false is for data.public), "
+            raise key_error("labels", "true for a client's silo (a client trains on its labels; labels: false is for data.public), "
                              "got False")
         return self
 
@@ -462,7 +462,7 @@ class DataConfig(DatasetSource):
     @model_validator(mode="after")
     def _file_datasets_need_path(self) -> DataConfig:
         if self.dataset in ("npz", "parquet") and not self.path:
-            raise ValueError(f"@path@ the {self.dataset} file to load (data.dataset is {self.dataset!r})")
+            raise key_error("path", f"the {self.dataset} file to load (data.dataset is {self.dataset!r})")
         return self
 
     @model_validator(mode="after")
@@ -470,29 +470,29 @@ class DataConfig(DatasetSource):
         if self.silos is None:
             for key in ("test", "public"):
                 if getattr(self, key) is not None:
-                    raise ValueError(f"@{key}@ data.{key} only with data.silos (a simulation's server sets come from data.dataset: "
+                    raise key_error(key, f"data.{key} only with data.silos (a simulation's server sets come from data.dataset: "
                                      "test_size, public_size, target)")
             if self.classes is not None:
-                raise ValueError(f"@classes@ data.classes only with data.silos (a simulation's label values are its dataset's), "
+                raise key_error("classes", f"data.classes only with data.silos (a simulation's label values are its dataset's), "
                                  f"got {self.classes!r}")
             return self
         if not self.silos:
-            raise ValueError("@silos@ at least one silo (one per client), got []")
+            raise key_error("silos", "at least one silo (one per client), got []")
         if self.test is not None and not self.test.labels:
-            raise ValueError("@test.labels@ true for data.test (the server's test set scores the models on its labels; labels: false "
+            raise key_error(("test", "labels"), "true for data.test (the server's test set scores the models on its labels; labels: false "
                              "is for data.public), got False")
         for key in _SIMULATION_DATA_KEYS:
             if key in self.model_fields_set:
-                raise ValueError(f"@{key}@ no data.{key} with data.silos (each client reads its own silo; the server's sets are "
+                raise key_error(key, f"no data.{key} with data.silos (each client reads its own silo; the server's sets are "
                                  f"data.test and data.public), got {getattr(self, key)!r}")
         if self.classes is not None:
             names = [str(c) for c in self.classes]
             if len(names) < 2:
-                raise ValueError(f"@classes@ at least 2 label values, got {self.classes!r}")
+                raise key_error("classes", f"at least 2 label values, got {self.classes!r}")
             values = [label_value(c) for c in self.classes]  # numbers by value: 1 and 1.0 are one label
             repeated = next((c for i, c in enumerate(self.classes) if values[i] in values[:i]), None)
             if repeated is not None:
-                raise ValueError(f"@classes@ distinct label values, got {repeated!r} twice")
+                raise key_error("classes", f"distinct label values, got {repeated!r} twice")
         return self
 
     @property
@@ -564,21 +564,21 @@ class PartitionConfig(StrictModel):
         # config that sets alpha; the resolved partition parameters are the chosen method's only (``params()``).
         if self.canonical_method == "labels":
             if self.groups is None:
-                raise ValueError("@groups@ each client's label list (partition.method is 'labels')")
+                raise key_error("groups", "each client's label list (partition.method is 'labels')")
             if len(self.groups) != self.num_clients:
-                raise ValueError(f"@groups@ one label list per client ({self.num_clients}), got {len(self.groups)} lists")
+                raise key_error("groups", f"one label list per client ({self.num_clients}), got {len(self.groups)} lists")
             for i, group in enumerate(self.groups):
                 if not group:
-                    raise ValueError(f"@groups.{i}@ at least one label for client {i}, got []")
+                    raise key_error(("groups", i), f"at least one label for client {i}, got []")
                 if any(label < 0 for label in group):
-                    raise ValueError(f"@groups.{i}@ labels >= 0, got {group}")
+                    raise key_error(("groups", i), f"labels >= 0, got {group}")
         for client in self.corrupt:
             if not 0 <= client < self.num_clients:
-                raise ValueError(f"@corrupt.{client}@ a client id in 0..{self.num_clients - 1}, got {client}")
+                raise key_error(("corrupt", client), f"a client id in 0..{self.num_clients - 1}, got {client}")
         if self.canonical_method == "subsets":
             low, high = self.subset_fraction
             if not 0 < low <= high <= 1:
-                raise ValueError(f"@subset_fraction@ [low, high] with 0 < low <= high <= 1, got [{low}, {high}]")
+                raise key_error("subset_fraction", f"[low, high] with 0 < low <= high <= 1, got [{low}, {high}]")
         return self
 
     def params(self) -> dict[str, Any]:
@@ -627,7 +627,7 @@ class ModelConfig(StrictModel):
     @model_validator(mode="after")
     def _factory_only_for_custom(self) -> ModelConfig:
         if self.factory is not None and self.name != "custom":
-            raise ValueError(f"@factory@ no factory for model {self.name!r} (only name: custom records one), got {self.factory!r}")
+            raise key_error("factory", f"no factory for model {self.name!r} (only name: custom records one), got {self.factory!r}")
         return self
 
     @property
@@ -779,7 +779,7 @@ class AttackSpec(StrictModel):
         own = {"scale": "scale", "std": "gaussian", "z": "little_is_enough"}
         for key, kind in own.items():
             if getattr(self, key) is not None and self.kind != kind:
-                raise ValueError(f"@{key}@ {key} only with kind {kind} (kind is {self.kind}), got {getattr(self, key)}")
+                raise key_error(key, f"{key} only with kind {kind} (kind is {self.kind}), got {getattr(self, key)}")
         return self
 
     def attacks_round(self, round: int) -> bool:
@@ -870,10 +870,10 @@ class ExperimentConfig(StrictModel):
             return data  # the partition section's own error
         for key, value in partition.items():
             if key != "num_clients":
-                raise ValueError(f"@partition.{key}@ no partition key but num_clients with data.silos (each silo is one client's "
+                raise key_error(("partition", key), f"no partition key but num_clients with data.silos (each silo is one client's "
                                  f"data), got {value!r}")
         if "num_clients" in partition and partition["num_clients"] != n:
-            raise ValueError(f"@partition.num_clients@ len(data.silos) ({n}) or unset, got {partition['num_clients']!r}")
+            raise key_error(("partition", "num_clients"), f"len(data.silos) ({n}) or unset, got {partition['num_clients']!r}")
         # and the server holds no test set unless data.test is given: evaluation defaults to federated
         data = {**data, "partition": {"num_clients": n}, "evaluation": data.get("evaluation", "federated")}
         if data.get("methods") is None:  # the default methods but the oracle (no process may pool the silos) and, without
@@ -900,25 +900,25 @@ class ExperimentConfig(StrictModel):
     def _cross_checks(self) -> ExperimentConfig:
         n = self.partition.num_clients
         if not self.methods:
-            raise ValueError("@methods@ at least one method, got none")
+            raise key_error("methods", "at least one method, got none")
         if self.federation.min_clients > n:
-            raise ValueError(f"@federation.min_clients@ at most partition.num_clients ({n}), got {self.federation.min_clients}")
+            raise key_error(("federation", "min_clients"), f"at most partition.num_clients ({n}), got {self.federation.min_clients}")
         if self.federation.clients_per_actor > 1 and any(o.resource_keys for o in self.federation.client_overrides.values()):
             # (an override that gives a client only its own model is fine: clients of one actor share its resources only)
-            raise ValueError("@federation.clients_per_actor@ 1 when federation.client_overrides gives clients their own "
+            raise key_error(("federation", "clients_per_actor"), "1 when federation.client_overrides gives clients their own "
                              f"resources, got {self.federation.clients_per_actor}")
         for client in self.federation.client_overrides:
             if not 0 <= client < n:
-                raise ValueError(f"@federation.client_overrides.{client}@ a client id in 0..{n - 1}, got {client}")
+                raise key_error(("federation", "client_overrides", client), f"a client id in 0..{n - 1}, got {client}")
         for i, fault in enumerate(self.federation.faults):
             if fault.client >= n:
-                raise ValueError(f"@federation.faults.{i}.client@ a client id in 0..{n - 1}, got {fault.client}")
+                raise key_error(("federation", "faults", i, "client"), f"a client id in 0..{n - 1}, got {fault.client}")
         seen: set[int] = set()
         for i, attack in enumerate(self.federation.attacks):
             if attack.client >= n:
-                raise ValueError(f"@federation.attacks.{i}.client@ a client id in 0..{n - 1}, got {attack.client}")
+                raise key_error(("federation", "attacks", i, "client"), f"a client id in 0..{n - 1}, got {attack.client}")
             if attack.client in seen:
-                raise ValueError(f"@federation.attacks.{i}.client@ one attack per client, got client {attack.client} twice")
+                raise key_error(("federation", "attacks", i, "client"), f"one attack per client, got client {attack.client} twice")
             seen.add(attack.client)
         return self
 
@@ -940,7 +940,7 @@ class ExperimentConfig(StrictModel):
     @model_validator(mode="after")
     def _evaluation(self) -> ExperimentConfig:
         if self.data.is_silos and self.evaluation != "federated" and self.data.test is None:
-            raise ValueError(f"@evaluation@ federated when data.silos comes without data.test (the server holds no test set), "
+            raise key_error("evaluation", f"federated when data.silos comes without data.test (the server holds no test set), "
                              f"got {self.evaluation!r}")
         return self
 
@@ -968,14 +968,12 @@ def pydantic_input_error(exc: ValidationError, prefix: str = "", model: type[Bas
     msg = str(error.get("msg", "invalid value"))
     got = error.get("input", InputError._MISSING)
     kind = error.get("type", "")
-    # Our validators mark a more precise key path with @key@ (relative to the model that raised).
-    # Our cross-field validators start their message with @key.path@ (relative to the model that raised, or absolute
-    # when it starts with a top-level section); the rest of the message is the expected value and what was given.
-    marked = re.search(r"@([A-Za-z0-9_.]+)@ ?", msg)
-    if marked:
-        sub = marked.group(1).split(".")
-        msg = msg[: marked.start()] + msg[marked.end():]
-        loc = sub if sub[0] in ExperimentConfig.model_fields and len(loc) == 0 else loc + sub
+    context = error.get("ctx") or {}
+    if kind == KEYED_ERROR:
+        # a cross-field check's error (rayfuse.errors.key_error): the key it names, relative to the model whose
+        # validator raised it (the top-level config's: an absolute path), and the rest of the line (expected, got)
+        loc = loc + [str(p) for p in context["loc"]]
+        msg = str(context["expected"])
         got = InputError._MISSING
     path = ".".join(p for p in [prefix, *loc] if p) or "config"
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
