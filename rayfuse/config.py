@@ -380,14 +380,6 @@ class SiloSource(StrictModel):
                              "columns named are read)")
         return self
 
-    @model_serializer(mode="wrap")
-    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # a labelled source (the default) dumps as it did before the key existed: silo runs' local models keep their keys
-        data = handler(self)
-        if self.labels and isinstance(data, dict):
-            data.pop("labels", None)
-        return data
-
 
 class SiloSpec(SiloSource):
     """One client's data (``data.silos.<i>``): a :class:`SiloSource` and its held-out split, ``val_size`` of it
@@ -502,15 +494,12 @@ class DataConfig(DatasetSource):
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # A simulation's data section dumps as it always did (its content keys are unchanged); a silo config's holds
-        # only the keys that apply to it, so its dump validates again.
+        # Kept: it changes what a dump is, not only how it reads. A simulation's data section holds no silo keys and a
+        # silo config's no simulation keys: _silos_or_simulation refuses a simulation key given with data.silos, so a
+        # silo config's dump would not validate again with them.
         data = handler(self)
         for key in (("silos", "test", "public", "classes") if self.silos is None else _SIMULATION_DATA_KEYS):
             data.pop(key, None)
-        if data.get("classes", 0) is None:  # undeclared: a silo config dumps as it did before data.classes
-            data.pop("classes")
-        if data.get("layout") == "auto":  # the default dumps as it did before data.layout (same config.yaml, same digests)
-            data.pop("layout")
         return data
 
     @property
@@ -681,14 +670,6 @@ class TrainConfig(StrictModel):
     dp: DPSGDConfig | None = Field(None, description="local DP-SGD (Opacus) for each client's local model: {noise_multiplier | "
                                    "target_epsilon, max_grad_norm, delta, accountant}; null: no DP")
 
-    @model_serializer(mode="wrap")
-    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # a run without DP dumps as it always did: its config.yaml and its local models' cache keys are unchanged
-        data = handler(self)
-        if self.dp is None and isinstance(data, dict):
-            data.pop("dp", None)
-        return data
-
 
 class ResourcesConfig(StrictModel):
     num_cpus: float | Literal["auto"] = Field("auto", description="CPUs reserved per actor; 'auto': Ray's actor default (1 to place it, 0 while it runs)")
@@ -721,6 +702,8 @@ class ClientOverride(ResourcesConfig):
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Kept: the keys given are what the override is (resource_keys reads model_fields_set), so a dump with every
+        # default filled in would read back as an override of every resource
         data = handler(self)
         if isinstance(data, dict):
             data = {k: v for k, v in data.items() if k in self.model_fields_set}
@@ -946,12 +929,10 @@ class ExperimentConfig(StrictModel):
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # A simulation with central evaluation dumps as it always did; a silo config's partition is its client count only.
+        # Kept: a silo config's partition is its client count only (_silo_clients refuses any other partition key with
+        # data.silos), so its dump validates again
         data = handler(self)
-        if not self.data.is_silos:
-            if self.evaluation == "central":
-                data.pop("evaluation", None)
-        elif isinstance(data.get("partition"), dict):
+        if self.data.is_silos and isinstance(data.get("partition"), dict):
             data["partition"] = {k: v for k, v in data["partition"].items() if k == "num_clients"}
         return data
 

@@ -653,7 +653,7 @@ def _check_resume_state(store: RunStore, resolved: Mapping[str, Any], files: Map
         written = None  # no or a damaged config.yaml: load_run_config says so for the command line; nothing to compare
     hint = "resume a run with its own config.yaml (rayfuse run --resume RUN_DIR), or start a new run in a new folder"
     if isinstance(written, Mapping):
-        before, now = state_config(written), state_config(resolved)
+        before, now = state_config(_read_back(written)), state_config(resolved)
         if _canonical(before) != _canonical(now):
             raise InputError("--resume", f"the config the run folder's state was computed with ({store.config_file})",
                              f"another config (it differs at {_first_difference(before, now) or 'the config'})", hint)
@@ -668,10 +668,22 @@ def _check_resume_state(store: RunStore, resolved: Mapping[str, Any], files: Map
     if not isinstance(identity, Mapping) or not isinstance(identity.get("config"), str) or not isinstance(identity.get("data_files"), Mapping):
         raise InputError(str(file), "what the run folder's state was computed from (config, data_files)", "a damaged file",
                          "the state cannot be matched to its config and data; start a new run")
-    if identity["config"] != _state_digest(resolved):
+    # the state's config is config.yaml as written (a dump of an earlier version lists fewer defaults) and, read back,
+    # the config resumed
+    if identity["config"] not in (_state_digest(resolved), _state_digest(written) if isinstance(written, Mapping) else None):
         raise InputError("--resume", f"the config the run folder's state was computed with ({file})",
                          f"another config ({store.config_file.name} is not the config of the state beside it)", hint)
     return changed_files(identity["data_files"], files)
+
+
+def _read_back(written: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A run folder's ``config.yaml`` as this version resolves it (every default filled in), to compare with the config
+    resumed: a folder written by an earlier version, whose dump left some defaults out, is the same config. As written
+    when it does not validate (the comparison then names the first difference)."""
+    try:
+        return resolved_config(validate_config(dict(written)))
+    except InputError:
+        return written
 
 
 def _read_manifest(store: RunStore) -> dict[str, Any]:
