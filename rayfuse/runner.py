@@ -257,7 +257,8 @@ def check_local_dp(cfg: ExperimentConfig, specs: Sequence[MethodSpec], setup: Ru
     from rayfuse.models import build_model
     from rayfuse.models.privacy import find_dp_unsupported
 
-    smallest = min((n for n in setup.train_sizes if n > 0), default=0)
+    sizes = setup.train_sizes or ()  # (None: not known yet, a silo run before its survey; checked after it)
+    smallest = min((n for n in sizes if n > 0), default=0)
     if smallest and dp.delta >= 1.0 / smallest:
         raise InputError("train.dp.delta", f"less than 1 / {smallest} (the smallest client's training examples: the privacy unit is "
                          "one example)", dp.delta, f"e.g. delta: {10 ** -(len(str(smallest)) + 1):g}")
@@ -265,7 +266,7 @@ def check_local_dp(cfg: ExperimentConfig, specs: Sequence[MethodSpec], setup: Ru
         from rayfuse.accountant import UnreachableEpsilon
         from rayfuse.models.privacy import dp_sgd_noise_multiplier
 
-        for batches in sorted({-(-n // cfg.train.batch_size) for n in setup.train_sizes if n > 0}):
+        for batches in sorted({-(-n // cfg.train.batch_size) for n in sizes if n > 0}):
             try:
                 dp_sgd_noise_multiplier(dp.target_epsilon, dp.delta, batches, cfg.train.epochs, dp.accountant)
             except UnreachableEpsilon as exc:
@@ -276,6 +277,8 @@ def check_local_dp(cfg: ExperimentConfig, specs: Sequence[MethodSpec], setup: Ru
         if any(model == m for m in checked):
             continue
         checked.append(model)
+        if setup.input_shape is None or setup.num_classes is None:
+            break  # not known yet (a silo run before its survey): checked after it
         found = find_dp_unsupported(build_model(model, setup.input_shape, setup.num_classes, seed=0))
         if found is not None:
             module, kind = found
@@ -307,41 +310,28 @@ def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> Prepare
         if spec.method_cls.needs_dataset:
             raise InputError(f"methods.{spec.label}", "methods that run without a dataset of their own with data.silos (no process reads "
                              "every silo)", spec.method, "it reads the whole dataset (data.dataset): run it on a simulation config")
-    # what is knowable before any client starts (the silos' shapes and sizes are not): each method's own check on a
-    # probe with stand-in shapes and no sizes, then the evaluation check
-    probe = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=(1,), num_classes=2,
-                     train_sizes=(), val_sizes=(1,) * plan.num_clients, public_size=sizes["public"], test_size=sizes["test"],
-                     seed=cfg.run.seed, model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation), client_models=cfg.client_models(),
-                     public_labeled=plan.public_labeled)
-    _check_before_survey(specs, probe)
-    check_evaluation(specs, probe)  # a method that scores on the server's data in its own way, with evaluation: federated
-    setup = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=(), num_classes=0,
-                     train_sizes=(), val_sizes=(), public_size=sizes["public"], test_size=sizes["test"], seed=cfg.run.seed,
+    # what is knowable before any client starts: the silos' shapes, label counts and sizes are not (None in the setup,
+    # and every check skips what is None); the checks run again with them once the clients report (finish_silo_run)
+    setup = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=None, num_classes=None,
+                     train_sizes=None, val_sizes=None, public_size=sizes["public"], test_size=sizes["test"], seed=cfg.run.seed,
                      model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation), client_models=cfg.client_models(),
                      public_labeled=plan.public_labeled)
+    # each method's own refusal first (it names what to give: data.test for EP-GAN...), then the evaluation's
+    _check_silo_methods(specs, replace(setup, evaluation="central"))
+    check_evaluation(specs, setup)
     return PreparedRun(cfg, specs, plan, setup, 0)  # type: ignore[arg-type]
 
 
-def _check_before_survey(specs: Sequence[MethodSpec], probe: RunSetup) -> None:
-    """Each method's :meth:`~rayfuse.method.Method.check` on ``probe`` (a silo run before its survey: stand-in input
-    shape and class count, no client sizes). A refusal is raised now when it does not depend on the stand-ins: one about
-    the server's sets (``data.public``, ``data.test``), or one the check raises word for word with other stand-ins too
-    (a method key the run cannot have with silos). The rest are the survey's to decide (:func:`finish_silo_run`)."""
-    unscored = replace(probe, evaluation="central")  # each method's own check, not masked by the evaluation check
-    other = replace(unscored, input_shape=(2,), num_classes=3)
-    for spec in specs:
-        try:
-            check_methods([spec], unscored)
-        except InputError as exc:
-            if exc.path.startswith(("data.public.", "data.test")):  # data.public.labels: said as it is
-                raise
-            if exc.path.startswith("data.public"):
-                raise _public_error(exc) from None
-            try:
-                check_methods([spec], other)
-            except InputError as again:
-                if str(again) == str(exc):
-                    raise exc from None
+def _check_silo_methods(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
+    """:func:`~rayfuse.method.check_methods` on a silo run's setup (before its survey, with what is not known yet
+    ``None``; after it, complete). A refusal of the server's sample size is said at ``data.public`` (a silo config
+    gives the server's sample as ``data.public``, not ``data.public_size``)."""
+    try:
+        check_methods(specs, setup)
+    except InputError as exc:
+        if exc.path.startswith("data.public") and not exc.path.startswith("data.public."):
+            raise _public_error(exc) from None
+        raise
 
 
 def _public_error(exc: InputError) -> InputError:
@@ -360,12 +350,7 @@ def finish_silo_run(prepared: PreparedRun, plan: Any) -> PreparedRun:
     num_params = check_model_fits(cfg.model, plan.input_shape, plan.num_classes)
     client_params = check_client_models_fit(cfg, tuple(plan.input_shape), plan.num_classes, num_params)
     setup = RunSetup.from_plan(cfg, plan)
-    try:
-        check_methods(specs, setup)
-    except InputError as exc:
-        if exc.path.startswith("data.public") and not exc.path.startswith("data.public."):
-            raise _public_error(exc) from None
-        raise
+    _check_silo_methods(specs, setup)
     check_local_dp(cfg, specs, setup)
     return PreparedRun(cfg, specs, plan, setup, num_params, client_params)
 

@@ -270,6 +270,8 @@ class Aligned(Method):
         if params.dp is not None:
             _check_dp_fits(params)
             check_upload_dp(params.dp, setup)
+        if setup.input_shape is None or setup.num_classes is None:
+            return  # not known yet (a silo run before its survey): checked after it
         model = build_model(setup.model, setup.input_shape, setup.num_classes, seed=0)
         derive_run_spec(model, setup.input_shape, params.spec)
         if params.alignment == "activation" or params.repair:  # both read the torch.fx graph: refused before any client trains

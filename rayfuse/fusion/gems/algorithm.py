@@ -291,8 +291,8 @@ class GEMS(Method):
             check_tune_solver(p, cfg)
             if setup.public_size:  # without a public sample the tuning is skipped (and said so in the result)
                 check_public_samples(p.public_samples, setup.public_size)
-        if cfg.name != "mlp":
-            return
+        if cfg.name != "mlp" or setup.input_shape is None or setup.num_classes is None:
+            return  # (the shapes not known yet: a silo run before its survey, checked after it)
         hidden = _hidden_widths(_config_structure(cfg, setup.input_shape, setup.num_classes))
         _per_layer(p.hidden_epsilon, len(hidden), "hidden_epsilon")
         m_eps = _per_layer(p.m_epsilon, len(hidden), "m_epsilon")
