@@ -50,7 +50,7 @@ from rayfuse.evaluation import (
 )
 from rayfuse.federation import Federation, Gathered, Update, step_name
 from rayfuse.fusion.aggregate import weighted_average
-from rayfuse.method import MethodResult, MethodSpec, Rejected, RunSetup, check_methods, resolve_methods, resolved_config
+from rayfuse.method import MethodResult, MethodSpec, Rejected, resolve_methods, resolved_config
 from rayfuse.metrics import add_metric_sums, check_metric_sums, compute_metrics, majority_vote, metrics_from_sums
 from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
 from rayfuse.rounds import RoundLoop
@@ -713,8 +713,8 @@ class Coordinator:
         if spec is None:
             raise KeyError(f"no method labelled {label!r} in the config")
         method_cls = spec.method_cls
-        # The check prepare_run made before anything started; again here for a coordinator built directly (tests).
-        check_methods([spec], RunSetup.from_plan(self.cfg, self.plan))
+        # No check here: a run's methods were checked once, before anything started (rayfuse.runner.prepare_run; tests
+        # prepare their coordinators the same way)
         server = MethodServer(self, spec, resume=resume)
         started = time.perf_counter()
         self.events.emit("method_start", method=label)
