@@ -13,6 +13,8 @@ import functools
 import math
 import warnings
 
+from rayfuse.errors import key_error
+
 __all__ = ["UnreachableEpsilon", "compute_epsilon", "noise_multiplier_for", "require_one_noise"]
 
 # Opacus' RDP warning when the optimal order is at the edge of its alpha grid: the bound still holds, it could only be
@@ -22,10 +24,10 @@ _EDGE_OF_ALPHAS = "Optimal order is the"
 
 def require_one_noise(noise_multiplier: float | None, target_epsilon: float | None) -> None:
     """The check of every DP setting that takes ``noise_multiplier`` or ``target_epsilon``: exactly one of the two.
-    Raises ``ValueError`` in the config's ``@key@ expected`` form."""
+    Raises :func:`rayfuse.errors.key_error` at ``noise_multiplier`` (it runs inside the settings' validators)."""
     if (noise_multiplier is None) == (target_epsilon is None):
         given = "both" if noise_multiplier is not None else "neither"
-        raise ValueError(f"@noise_multiplier@ exactly one of noise_multiplier and target_epsilon, got {given}")
+        raise key_error("noise_multiplier", f"exactly one of noise_multiplier and target_epsilon, got {given}")
 
 
 def compute_epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "rdp") -> float:

@@ -48,8 +48,8 @@ from rayfuse.evaluation import (
     read_client_table,
 )
 from rayfuse.federation import Federation, Gathered, Update, step_name
-from rayfuse.fusion.pipeline import UpdatePipeline, check_update_pipeline
-from rayfuse.method import MethodResult, MethodSpec, Rejected, RunSetup, check_methods, check_tags, resolve_methods, resolved_config
+from rayfuse.fusion.pipeline import UpdatePipeline
+from rayfuse.method import MethodResult, MethodSpec, Rejected, resolve_methods, resolved_config
 from rayfuse.metrics import add_metric_sums, check_metric_sums, compute_metrics, majority_vote, metrics_from_sums
 from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
 from rayfuse.rounds import RoundLoop
@@ -639,11 +639,8 @@ class Coordinator:
         if spec is None:
             raise KeyError(f"no method labelled {label!r} in the config")
         method_cls = spec.method_cls
-        # The check prepare_run made before anything started; again here for a coordinator built directly (tests).
-        setup = RunSetup.from_plan(self.cfg, self.plan)
-        check_tags([spec], setup, self.cfg)
-        check_methods([spec], setup)
-        check_update_pipeline([spec], setup, self.cfg.federation.attacks)
+        # No check here: a run's methods were checked once, before anything started (rayfuse.runner.prepare_run; tests
+        # prepare their coordinators the same way)
         server = MethodServer(self, spec, resume=resume)
         started = time.perf_counter()
         self.events.emit("method_start", method=label)

@@ -11,7 +11,7 @@ import difflib
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["InputError", "RunFailure", "NonFiniteError", "suggest"]
+__all__ = ["InputError", "RunFailure", "NonFiniteError", "suggest", "key_error", "KEYED_ERROR"]
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -70,6 +70,25 @@ class InputError(ValueError):
 
 def _rebuild_input_error(cls: type, path: str, expected: str, has_got: bool, got: Any, hint: str) -> InputError:
     return cls(path, expected, got, hint) if has_got else cls(path, expected, hint=hint)
+
+
+# The pydantic error type of :func:`key_error`: its context holds the key path (``loc``) and the message (``expected``).
+KEYED_ERROR = "rayfuse_keyed"
+
+
+def key_error(loc: str | int | tuple[str | int, ...], expected: str) -> ValueError:
+    """The error a cross-field check in a config schema raises for a key other than the one it validates.
+
+    ``loc`` is the key path relative to the model whose validator raises it (``"path"``, ``("groups", 3)``; from the
+    top-level config: ``("federation", "min_clients")``); ``expected`` is the one-line rest of the message (what was
+    expected, and what was given). Raised inside a pydantic validator, it reaches
+    :func:`rayfuse.config.pydantic_input_error` with the path as data, appended to the error's own location
+    (a ``pydantic_core.PydanticCustomError``, a ``ValueError``; pydantic_core is imported when first needed).
+    """
+    from pydantic_core import PydanticCustomError
+
+    path = tuple(loc) if isinstance(loc, tuple) else (loc,)
+    return PydanticCustomError(KEYED_ERROR, "{expected}", {"loc": tuple(str(p) for p in path), "expected": expected})
 
 
 class RunFailure(RuntimeError):

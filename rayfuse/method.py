@@ -399,16 +399,20 @@ class RunSetup:
     ``model``); empty means every client's model is ``model`` (:meth:`client_model` reads it either way).
     ``public_labeled`` is false when the server's public sample has no labels (a silo config's ``data.public`` with
     ``labels: false``; its labels are then ``-1``, unknown): methods tagged ``public_labels`` are refused.
+
+    ``input_shape``, ``num_classes``, ``train_sizes`` and ``val_sizes`` are ``None`` while they are not known: a silo
+    run (``data.silos``) is checked before its clients report what their silos hold, and again after. A check skips
+    what is ``None`` (the second pass decides it).
     """
 
     model: ModelConfig
     train: TrainConfig
     data: DataConfig
     num_clients: int
-    input_shape: tuple[int, ...]
-    num_classes: int
-    train_sizes: tuple[int, ...]
-    val_sizes: tuple[int, ...]
+    input_shape: tuple[int, ...] | None
+    num_classes: int | None
+    train_sizes: tuple[int, ...] | None
+    val_sizes: tuple[int, ...] | None
     public_size: int
     test_size: int
     target: str | None = None
@@ -764,7 +768,7 @@ def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConf
         if setup.target is not None:
             raise InputError("evaluation", "central with data.target (the clients hold held-out data of their own task, not the "
                              "server's target task)", setup.evaluation)
-        if sum(setup.val_sizes) == 0:
+        if setup.val_sizes is not None and sum(setup.val_sizes) == 0:
             raise InputError("evaluation", "central when no client holds a held-out split (data.val_size is 0)", setup.evaluation,
                              "set data.val_size, e.g. 0.1")
         for spec in specs:

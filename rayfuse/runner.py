@@ -260,7 +260,8 @@ def check_local_dp(cfg: ExperimentConfig, setup: RunSetup) -> None:
     from rayfuse.models import build_model
     from rayfuse.models.privacy import find_dp_unsupported
 
-    smallest = min((n for n in setup.train_sizes if n > 0), default=0)
+    sizes = setup.train_sizes or ()  # (None: not known yet, a silo run before its survey; checked after it)
+    smallest = min((n for n in sizes if n > 0), default=0)
     if smallest and dp.delta >= 1.0 / smallest:
         raise InputError("train.dp.delta", f"less than 1 / {smallest} (the smallest client's training examples: the privacy unit is "
                          "one example)", dp.delta, f"e.g. delta: {10 ** -(len(str(smallest)) + 1):g}")
@@ -268,7 +269,7 @@ def check_local_dp(cfg: ExperimentConfig, setup: RunSetup) -> None:
         from rayfuse.accountant import UnreachableEpsilon
         from rayfuse.models.privacy import dp_sgd_noise_multiplier
 
-        for batches in sorted({-(-n // cfg.train.batch_size) for n in setup.train_sizes if n > 0}):
+        for batches in sorted({-(-n // cfg.train.batch_size) for n in sizes if n > 0}):
             try:
                 dp_sgd_noise_multiplier(dp.target_epsilon, dp.delta, batches, cfg.train.epochs, dp.accountant)
             except UnreachableEpsilon as exc:
@@ -279,6 +280,8 @@ def check_local_dp(cfg: ExperimentConfig, setup: RunSetup) -> None:
         if any(model == m for m in checked):
             continue
         checked.append(model)
+        if setup.input_shape is None or setup.num_classes is None:
+            break  # not known yet (a silo run before its survey): checked after it
         found = find_dp_unsupported(build_model(model, setup.input_shape, setup.num_classes, seed=0))
         if found is not None:
             module, kind = found
@@ -301,43 +304,31 @@ def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> Prepare
     sizes = {key: 0 if getattr(cfg.data, key) is None else
              server_set_size(getattr(cfg.data, key), key=f"data.{key}", classes=cfg.data.class_names) for key in ("test", "public")}
     plan = make_silo_plan(cfg, test_size=sizes["test"], public_size=sizes["public"])
-    # what is knowable before any client starts (the silos' shapes and sizes are not): the tags' refusals and each
-    # method's own check on a probe with stand-in shapes and no sizes
-    probe = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=(1,), num_classes=2,
-                     train_sizes=(), val_sizes=(1,) * plan.num_clients, public_size=sizes["public"], test_size=sizes["test"],
-                     seed=cfg.run.seed, model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation), client_models=cfg.client_models(),
-                     public_labeled=plan.public_labeled)
-    check_tags(specs, replace(probe, evaluation="central"), cfg)  # the evaluation refusal after the methods' own checks
-    _check_before_survey(specs, probe)
-    check_update_pipeline(specs, probe, cfg.federation.attacks)  # the number of clients is known; nothing else it reads is a stand-in
-    check_tags(specs, probe, cfg)
-    setup = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=(), num_classes=0,
-                     train_sizes=(), val_sizes=(), public_size=sizes["public"], test_size=sizes["test"], seed=cfg.run.seed,
+    # what is knowable before any client starts: the silos' shapes, label counts and sizes are not (None in the setup,
+    # and every check skips what is None); the checks run again with them once the clients report (finish_silo_run)
+    setup = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=None, num_classes=None,
+                     train_sizes=None, val_sizes=None, public_size=sizes["public"], test_size=sizes["test"], seed=cfg.run.seed,
                      model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation), client_models=cfg.client_models(),
                      public_labeled=plan.public_labeled)
+    # the tags' refusals and each method's own first (it names what to give: data.test for EP-GAN...), then the
+    # evaluation's (a tag refusal too)
+    check_tags(specs, replace(setup, evaluation="central"), cfg)
+    _check_silo_methods(specs, replace(setup, evaluation="central"))
+    check_update_pipeline(specs, setup, cfg.federation.attacks)  # the number of clients is known; it reads nothing else
+    check_tags(specs, setup, cfg)
     return PreparedRun(cfg, specs, plan, setup, 0)  # type: ignore[arg-type]
 
 
-def _check_before_survey(specs: Sequence[MethodSpec], probe: RunSetup) -> None:
-    """Each method's :meth:`~rayfuse.method.Method.check` on ``probe`` (a silo run before its survey: stand-in input
-    shape and class count, no client sizes). A refusal is raised now when it does not depend on the stand-ins: one about
-    the server's sets (``data.public``, ``data.test``), or one the check raises word for word with other stand-ins too
-    (a method key the run cannot have with silos). The rest are the survey's to decide (:func:`finish_silo_run`)."""
-    unscored = replace(probe, evaluation="central")  # each method's own check, not masked by the evaluation check
-    other = replace(unscored, input_shape=(2,), num_classes=3)
-    for spec in specs:
-        try:
-            check_methods([spec], unscored)
-        except InputError as exc:
-            if exc.path.startswith(("data.public.", "data.test")):  # data.public.labels: said as it is
-                raise
-            if exc.path.startswith("data.public"):
-                raise _public_error(exc) from None
-            try:
-                check_methods([spec], other)
-            except InputError as again:
-                if str(again) == str(exc):
-                    raise exc from None
+def _check_silo_methods(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
+    """:func:`~rayfuse.method.check_methods` on a silo run's setup (before its survey, with what is not known yet
+    ``None``; after it, complete). A refusal of the server's sample size is said at ``data.public`` (a silo config
+    gives the server's sample as ``data.public``, not ``data.public_size``)."""
+    try:
+        check_methods(specs, setup)
+    except InputError as exc:
+        if exc.path.startswith("data.public") and not exc.path.startswith("data.public."):
+            raise _public_error(exc) from None
+        raise
 
 
 def _public_error(exc: InputError) -> InputError:
@@ -357,12 +348,7 @@ def finish_silo_run(prepared: PreparedRun, plan: Any) -> PreparedRun:
     client_params = check_client_models_fit(cfg, tuple(plan.input_shape), plan.num_classes, num_params)
     setup = RunSetup.from_plan(cfg, plan)
     check_tags(specs, setup, cfg)
-    try:
-        check_methods(specs, setup)
-    except InputError as exc:
-        if exc.path.startswith("data.public") and not exc.path.startswith("data.public."):
-            raise _public_error(exc) from None
-        raise
+    _check_silo_methods(specs, setup)
     check_local_dp(cfg, setup)
     return PreparedRun(cfg, specs, plan, setup, num_params, client_params)
 
@@ -650,7 +636,7 @@ def _check_resume_state(store: RunStore, resolved: Mapping[str, Any], files: Map
         written = None  # no or a damaged config.yaml: load_run_config says so for the command line; nothing to compare
     hint = "resume a run with its own config.yaml (rayfuse run --resume RUN_DIR), or start a new run in a new folder"
     if isinstance(written, Mapping):
-        before, now = state_config(written), state_config(resolved)
+        before, now = state_config(_read_back(written)), state_config(resolved)
         if _canonical(before) != _canonical(now):
             raise InputError("--resume", f"the config the run folder's state was computed with ({store.config_file})",
                              f"another config (it differs at {_first_difference(before, now) or 'the config'})", hint)
@@ -665,10 +651,22 @@ def _check_resume_state(store: RunStore, resolved: Mapping[str, Any], files: Map
     if not isinstance(identity, Mapping) or not isinstance(identity.get("config"), str) or not isinstance(identity.get("data_files"), Mapping):
         raise InputError(str(file), "what the run folder's state was computed from (config, data_files)", "a damaged file",
                          "the state cannot be matched to its config and data; start a new run")
-    if identity["config"] != _state_digest(resolved):
+    # the state's config is config.yaml as written (a dump of an earlier version lists fewer defaults) and, read back,
+    # the config resumed
+    if identity["config"] not in (_state_digest(resolved), _state_digest(written) if isinstance(written, Mapping) else None):
         raise InputError("--resume", f"the config the run folder's state was computed with ({file})",
                          f"another config ({store.config_file.name} is not the config of the state beside it)", hint)
     return changed_files(identity["data_files"], files)
+
+
+def _read_back(written: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A run folder's ``config.yaml`` as this version resolves it (every default filled in), to compare with the config
+    resumed: a folder written by an earlier version, whose dump left some defaults out, is the same config. As written
+    when it does not validate (the comparison then names the first difference)."""
+    try:
+        return resolved_config(validate_config(dict(written)))
+    except InputError:
+        return written
 
 
 def _read_manifest(store: RunStore) -> dict[str, Any]:

@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     pass
 
 __all__ = ["RunStore", "RunClaim", "claim_run_folder", "Checkpointer", "Checkpoint", "sha256_file",
-           "LocalModelStore", "StepResultCache", "local_model_key", "step_result_key", "note_data_files"]
+           "LocalModelStore", "StepResultCache", "local_model_key", "local_model_inputs", "step_result_key",
+           "run_inputs", "KEY_VERSION", "note_data_files"]
 
 
 @dataclass
@@ -330,21 +331,89 @@ def _load_local_models(folder: Path, client_ids: list[int], warn: Callable[[str]
     return out
 
 
-CACHE_FORMAT = 2  # 2: data files keyed by their content (rayfuse.data.identity), not their names
-LOCAL_MODEL_FORMAT = 3  # 3: likewise
+#: The version of the cache keys' projection (:func:`local_model_inputs`, :func:`run_inputs`): raise it when what a key
+#: covers changes (a field added to the lists below, a new kind of input), so no entry keyed the old way is read as one
+#: keyed the new way. 4: the explicit projection below (1-3 hashed the sections' whole YAML dumps; 3: data files by
+#: their content, rayfuse.data.identity).
+KEY_VERSION = 4
 LOCAL_TRAINING_STEPS = ("train_local", "get_local_params")
 
+# What of each config section a client's trained model depends on, named one by one: a key is computed from these
+# fields only, so a field added to a section later (with a default that keeps today's training) leaves every key as it
+# was; a field that does change training is added here, with KEY_VERSION raised.
+#: ``data`` of a simulation: which dataset (a file by its content), how it is read, and how it is split and scaled
+#: (the split is also keyed by the client's own indices; the settings are kept so indices into another pool differ)
+DATA_KEY_FIELDS = ("dataset", "root", "path", "label", "features", "options", "test_size", "val_size", "public_size",
+                   "standardize", "layout")
+#: ``data`` of a silo config (``data.silos``): the silos' reading settings (their files are keyed by the survey's
+#: content hash of the client's silo), the declared label values, the held-out split and the scaling
+SILO_DATA_KEY_FIELDS = ("silos", "classes", "val_size", "standardize")
+#: ``data.silos.<i>``: how a silo is read (``path`` and ``test_path`` stand for files keyed by their content)
+SILO_KEY_FIELDS = ("dataset", "label", "features", "image_size", "grayscale", "options", "labels", "val_size")
+#: the server's sets, for a step's results over the whole run (:func:`run_inputs`): ``data.target`` (simulation),
+#: ``data.test`` / ``data.public`` (silos), each with its file by content
+TARGET_KEY_FIELDS = ("dataset", "root", "path", "label", "features", "options", "test_size", "resize", "pad")
+SERVER_SET_KEY_FIELDS = ("dataset", "path", "label", "features", "image_size", "grayscale", "options", "labels")
+#: ``model`` (the client's own: ``federation.client_overrides.<i>.model`` or ``model``)
+MODEL_KEY_FIELDS = ("name", "hidden", "channels", "heads", "depth", "patch_size", "dropout", "activation", "factory")
+#: ``train``: every setting of local training
+TRAIN_KEY_FIELDS = ("epochs", "batch_size", "optimizer", "lr", "momentum", "weight_decay", "shared_init", "dp")
+#: ``train.dp``: local DP-SGD
+DP_KEY_FIELDS = ("noise_multiplier", "target_epsilon", "max_grad_norm", "delta", "accountant")
+#: ``partition`` (a step's results over the whole run; a local model is keyed by its client's indices instead)
+PARTITION_KEY_FIELDS = ("method", "num_clients", "alpha", "balance", "min_size", "groups", "classes_per_client",
+                        "shards_per_client", "shard_size", "subset_fraction", "corrupt")
+#: ``federation.faults.<i>``: a fault injected into local training changes the local model
+FAULT_KEY_FIELDS = ("client", "step", "call", "mode", "seconds")
 
-def _run_inputs(config: Mapping[str, Any], partition_hash: str) -> dict[str, Any]:
+
+def _fields(section: Any, names: Iterable[str]) -> dict[str, Any] | None:
+    """``section`` (plain data) projected on ``names``; a name the section lacks is left out (a silo config's data holds
+    no simulation keys); ``None`` stays ``None``."""
+    if section is None:
+        return None
+    return {name: section[name] for name in names if name in section}
+
+
+def _data_inputs(data: Mapping[str, Any], *, local: bool) -> dict[str, Any]:
+    """The data section as a key covers it: :data:`DATA_KEY_FIELDS` (or the silo fields), each file by its content
+    (:func:`rayfuse.data.identity.content_data`); ``local``: without the server's sets, which local training never reads."""
+    data = content_data(data, local=local)
+    if data.get("silos"):
+        out = _fields(data, SILO_DATA_KEY_FIELDS) or {}
+        out["silos"] = [_fields(silo, SILO_KEY_FIELDS) for silo in data["silos"]]
+        if not local:
+            out.update({key: _fields(data.get(key), SERVER_SET_KEY_FIELDS) for key in ("test", "public")})
+        return out
+    out = _fields(data, DATA_KEY_FIELDS) or {}
+    if not local:
+        out["target"] = _fields(data.get("target"), TARGET_KEY_FIELDS)
+    return out
+
+
+def _train_inputs(train: Mapping[str, Any]) -> dict[str, Any]:
+    out = _fields(train, TRAIN_KEY_FIELDS) or {}
+    out["dp"] = _fields(train.get("dp"), DP_KEY_FIELDS)
+    return out
+
+
+def _local_faults(faults: Iterable[Mapping[str, Any]], client: int | None = None) -> list[dict[str, Any] | None]:
+    """The faults injected into local training (of ``client``, or of any client): faults of later steps leave the local
+    models alone."""
+    return [_fields(f, FAULT_KEY_FIELDS) for f in faults
+            if f["step"] in LOCAL_TRAINING_STEPS and (client is None or f["client"] == client)]
+
+
+def run_inputs(config: Mapping[str, Any], partition_hash: str) -> dict[str, Any]:
     """What every client's local training in a run depends on (the base of :func:`step_result_key`): the data and its
-    split (``data``, its files by content, ``partition``, the partition hash), the model, the training settings, the seed and the faults
-    injected into local training; nothing under ``methods``."""
+    split (the data fields, its files by content, the server's sets, ``partition``, the partition hash), the model, the
+    training settings, the seed and the faults injected into local training; nothing under ``methods``."""
     return {
-        "format": CACHE_FORMAT,
-        "data": content_data(config["data"]), "partition": config["partition"], "partition_hash": partition_hash,
-        "model": config["model"], "train": config["train"], "seed": config["run"]["seed"],
-        # faults injected into local training change the local models; faults of later steps do not
-        "faults": [f for f in config["federation"]["faults"] if f["step"] in LOCAL_TRAINING_STEPS],
+        "version": KEY_VERSION,
+        "data": _data_inputs(config["data"], local=False), "partition": _fields(config["partition"], PARTITION_KEY_FIELDS),
+        "partition_hash": partition_hash, "model": _fields(config["model"], MODEL_KEY_FIELDS),
+        "train": _train_inputs(config["train"]), "seed": config["run"]["seed"],
+        "faults": _local_faults(config["federation"]["faults"]),
     }
 
 
@@ -357,32 +426,43 @@ def _hash_arrays(*arrays: Any) -> str:
     return digest.hexdigest()
 
 
-def local_model_key(config: Mapping[str, Any], plan: Any) -> tuple[str, dict[str, Any]]:
-    """The content key of one client's trained local model, and what it is computed from.
+def local_model_inputs(config: Mapping[str, Any], plan: Any) -> dict[str, Any]:
+    """Everything one client's trained local model depends on, and nothing else (the projection
+    :func:`local_model_key` hashes, written beside the model as ``key.json``).
 
-    The one key of a local model: the client names its own copy with it (:meth:`rayfuse.client.ClientContext.
-    local_model`), the coordinator computes the same key from the run's config and the client's plan (the lock of a
-    run's local training, the events). ``config`` holds the sections ``data``, ``model``, ``train``, ``run.seed`` and
+    ``config`` holds the sections ``data``, ``model`` (the client's own), ``train``, ``run.seed`` and
     ``federation.faults`` as plain data (a resolved config, :func:`rayfuse.method.resolved_config`, or a client's own
-    sections dumped the same way); ``plan`` is the client's :class:`~rayfuse.data.ClientPlan` (or silo plan). The key covers the
-    dataset (a data file by its content, :func:`rayfuse.data.identity.content_data`: a file regenerated in place gets
-    another key, a renamed or touched one the same), the client, its train indices, normalisation and corruption, the model, the training settings, the seed
-    and the faults injected into this client's local training; nothing under ``methods``, ``run.name`` or
-    ``run.storage``, so every fusion-only variation of a job (the trials of a Tune sweep) shares it.
+    sections dumped the same way); ``plan`` is the client's :class:`~rayfuse.data.ClientPlan` (or silo plan). Covered:
+    the dataset (:data:`DATA_KEY_FIELDS`, a data file by its content, :func:`rayfuse.data.identity.content_data`: a file
+    regenerated in place gets another key, a renamed or touched one the same), the client, its train indices (a silo
+    client: its silo's content hash), normalisation and corruption, the model (:data:`MODEL_KEY_FIELDS`), the training
+    settings (:data:`TRAIN_KEY_FIELDS`), the seed and the faults injected into this client's local training. Nothing
+    under ``methods``, ``run.name`` or ``run.storage``, so every fusion-only variation of a job (the trials of a Tune
+    sweep) shares it; no field a section gains later unless it is added here (with :data:`KEY_VERSION` raised).
     """
     norm = plan.normalization
-    inputs = {
-        "format": LOCAL_MODEL_FORMAT,
-        "data": content_data(config["data"], local=True), "model": config["model"], "train": config["train"], "seed": config["run"]["seed"],
+    return {
+        "version": KEY_VERSION,
+        "data": _data_inputs(config["data"], local=True), "model": _fields(config["model"], MODEL_KEY_FIELDS),
+        "train": _train_inputs(config["train"]), "seed": config["run"]["seed"],
         "client": int(plan.client_id),
         # a silo client (data.silos) is keyed by its data's content hash: it has no indices
         **({"silo": plan.content_hash} if hasattr(plan, "content_hash") else
            {"train_indices": _hash_arrays(np.asarray(plan.train, dtype=np.int64))}),
         "normalization": None if norm is None else _hash_arrays(norm.mean, norm.std),
         "corruption": plan.corruption, "corruption_seed": int(plan.corruption_seed),
-        "faults": [f for f in config["federation"]["faults"]
-                   if f["client"] == plan.client_id and f["step"] in LOCAL_TRAINING_STEPS],
+        "faults": _local_faults(config["federation"]["faults"], plan.client_id),
     }
+
+
+def local_model_key(config: Mapping[str, Any], plan: Any) -> tuple[str, dict[str, Any]]:
+    """The content key of one client's trained local model, and what it is computed from (:func:`local_model_inputs`).
+
+    The one key of a local model: the client names its own copy with it (:meth:`rayfuse.client.ClientContext.
+    local_model`), the coordinator computes the same key from the run's config and the client's plan (the lock of a
+    run's local training, the events).
+    """
+    inputs = local_model_inputs(config, plan)
     return content_key(inputs), inputs
 
 
@@ -499,10 +579,12 @@ def _unflatten_result(arrays: Mapping[str, np.ndarray], scalars: Mapping[str, An
 
 
 def step_result_key(config: Mapping[str, Any], partition_hash: str, step: str, args: Any, kwargs: Any) -> tuple[str, dict[str, Any]]:
-    """The cache key of one client step's results for a whole run: what the run's local training depends on (data,
-    partition and its hash, model, training settings, seed, local-training faults) plus the step and its arguments."""
-    step_faults = [f for f in config["federation"]["faults"] if f["step"] == step]  # a fault in the step changes its results
-    inputs = {**_run_inputs(config, partition_hash), "step": step, "args": args, "kwargs": kwargs, "step_faults": step_faults}
+    """The cache key of one client step's results for a whole run: what the run's local training depends on
+    (:func:`run_inputs`: data, partition and its hash, model, training settings, seed, local-training faults) plus the
+    step and its arguments."""
+    # a fault in the step changes its results
+    step_faults = [_fields(f, FAULT_KEY_FIELDS) for f in config["federation"]["faults"] if f["step"] == step]
+    inputs = {**run_inputs(config, partition_hash), "step": step, "args": args, "kwargs": kwargs, "step_faults": step_faults}
     return content_key(inputs), inputs
 
 

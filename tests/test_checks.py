@@ -174,24 +174,18 @@ def test_rayfuse_run_local_exits_2_before_any_client_trains(tmp_path, capsys, mo
     assert started == [] and not out.exists()
 
 
-def test_a_coordinator_built_directly_refuses_the_method_before_any_client_works(tmp_path):
-    """The coordinator runs the same check (a safety net for a coordinator built without prepare_run)."""
-    from rayfuse.client import Client
-    from rayfuse.coordinator import Coordinator
-    from rayfuse.data.roles import load_dataset_from_config, make_plan
-    from rayfuse.federation import EventLog, FailurePolicy, InProcessFederation
+def test_a_coordinator_prepared_as_a_run_refuses_the_method_before_any_client_works(tmp_path):
+    """A test's coordinator goes through the run's own preparation (tests/helpers.py): the method is refused there, once,
+    before any client exists (the coordinator does not check again when it runs a method)."""
+    from rayfuse.federation import EventLog
+    from tests.helpers import prepared_coordinator
 
     cfg = validate_config(job({"gems": {}}, model=CNN))
-    plan = make_plan(load_dataset_from_config(cfg.data), cfg.data, cfg.partition, cfg.run.seed)
-
-    def factory(i: int, restarted: bool) -> Client:
-        return Client(i, plan.for_client(i), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=cfg.run.seed)
-
     events = EventLog()
-    coord = Coordinator(cfg, plan, str(tmp_path / "run"), InProcessFederation(factory, plan.num_clients, FailurePolicy.from_config(cfg.federation), events))
     with pytest.raises(InputError, match=r"^model\.name: expected logreg or mlp for method gems"):
-        coord.run_method("gems")
+        prepared_coordinator(cfg, tmp_path / "run", events=events)
     assert [e for e in events.since(0) if e["kind"] in ("client_trained", "method_start")] == []
+    assert not (tmp_path / "run").exists()
 
 
 def test_prepare_run_names_the_label_of_the_refused_entry():

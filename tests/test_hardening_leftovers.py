@@ -320,11 +320,18 @@ def test_a_sequence_model_runs_on_sequences_end_to_end_and_its_config_keeps_the_
     assert again["methods"]["average"]["accuracy"] == results["methods"]["average"]["accuracy"]
 
 
-def test_the_default_layout_is_not_written_so_earlier_run_folders_keep_their_config(tmp_path):
+def test_earlier_run_folders_without_the_layout_key_keep_their_config(tmp_path):
+    # config.yaml lists every default (data.layout: auto); a folder written before the key existed, without it, reads
+    # back as the same config (the run's --resume compares it read back through the schema: tests/test_cache_keys.py)
+    from rayfuse.method import resolved_config
+
     folder = tmp_path / "run"
     run_experiment(validate_config(seq_job(sequences(tmp_path), tmp_path / "runs")), InProcessBackend(), folder,
                    printer=QUIET, show_tables=False)
-    assert "layout" not in yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))["data"]
+    written = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
+    assert written["data"]["layout"] == "auto"
+    earlier = {**written, "data": {k: v for k, v in written["data"].items() if k != "layout"}}
+    assert resolved_config(validate_config(earlier)) == written
 
 
 def test_arrays_from_python_follow_the_layout(tmp_path):

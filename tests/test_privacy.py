@@ -99,10 +99,18 @@ def test_a_run_reports_each_clients_epsilon_in_results(tmp_path, capsys) -> None
     assert "dp" not in results["config"]["methods"]["local"]
 
 
-def test_a_run_without_dp_dumps_its_train_section_as_before() -> None:
+def test_a_run_without_dp_keeps_its_local_models_keys() -> None:
+    # the dump lists train.dp: null; the local model's key is a projection (rayfuse.store.local_model_inputs), the same
+    # with dp null or absent (as a run folder of an earlier version wrote it)
     from rayfuse.config import build_config
+    from rayfuse.store import local_model_inputs
 
-    assert "dp" not in build_config({}).model_dump(mode="json")["train"]
+    train = build_config({}).model_dump(mode="json")["train"]
+    assert train["dp"] is None
+    plan = type("Plan", (), {"client_id": 0, "train": [0, 1], "normalization": None, "corruption": None, "corruption_seed": 0})()
+    config = {"data": {"dataset": "digits"}, "model": {}, "run": {"seed": 0}, "federation": {"faults": []}}
+    earlier = {k: v for k, v in train.items() if k != "dp"}
+    assert local_model_inputs({**config, "train": train}, plan) == local_model_inputs({**config, "train": earlier}, plan)
     assert build_config({}, ["train.dp={noise_multiplier: 1.0}"]).model_dump(mode="json")["train"]["dp"]["noise_multiplier"] == 1.0
 
 

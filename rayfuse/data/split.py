@@ -133,7 +133,9 @@ def silo_config_for(cfg: ExperimentConfig, files: list[dict[str, str]], test_fil
         raise InputError("methods", "at least one method a federation can run on silos (oracles pool every client's data)",
                          [spec.label for spec in specs])
     resolved = resolved_config(cfg, kept)
-    data = {k: v for k, v in resolved["data"].items() if k not in _SIMULATION_ONLY}
+    # the default layout is no setting of a silo config (a silo's npz is read as a simulation's with layout auto);
+    # another layout is kept, and the silo config refuses it as before
+    data = {k: v for k, v in resolved["data"].items() if k not in _SIMULATION_ONLY and (k, v) != ("layout", "auto")}
     data["standardize"] = False  # the files hold the simulation's standardised values already
     data["classes"] = list(range(num_classes))  # the files' label numbers, every one declared: a shard may lack some
     data["silos"] = [{"dataset": "npz", **f} for f in files]

@@ -43,7 +43,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
-from rayfuse.errors import InputError, RunFailure
+from rayfuse.errors import InputError, RunFailure, key_error
 from rayfuse.fusion.aggregate import CHUNK, normalize_weights, weighted_average
 from rayfuse.method import MethodParams
 
@@ -86,7 +86,7 @@ class AggregatorSettings(MethodParams):
         # more); at its default it is harmless.
         for key, owners in _OWN_KEYS.items():
             if self.name not in owners and getattr(self, key) != type(self).model_fields[key].default:
-                raise ValueError(f"@{key}@ no {key} with aggregator {self.name!r} ({key} is a setting of {' and '.join(owners)})")
+                raise key_error(key, f"no {key} with aggregator {self.name!r} ({key} is a setting of {' and '.join(owners)})")
         return self
 
     @model_serializer(mode="wrap")

@@ -308,9 +308,9 @@ def test_silo_config_validates_without_files_and_derives_the_client_count(monkey
     assert validate_config({**SILO_CONFIG, "evaluation": "both"}).evaluation == "both"
 
 
-def test_simulation_configs_dump_as_before():
+def test_simulation_configs_dump_without_silo_keys():
     dumped = resolved_config(validate_config({}))
-    assert "evaluation" not in dumped and not {"silos", "test", "public"} & set(dumped["data"])
+    assert dumped["evaluation"] == "central" and not {"silos", "test", "public"} & set(dumped["data"])
     assert validate_config({}).evaluation == "central"
 
 
@@ -453,4 +453,4 @@ def test_silo_configs_with_data_classes_validate_and_dump():
     cfg = validate_config({**SILO_CONFIG, "data": {**SILO_CONFIG["data"], "classes": [0, 1, "unclear"]}})
     assert cfg.data.classes == [0, 1, "unclear"] and cfg.data.class_names == ("0", "1", "unclear")
     assert cfg.data.model_dump()["classes"] == [0, 1, "unclear"] and validate_config({**SILO_CONFIG, "data": cfg.data.model_dump()}).data == cfg.data
-    assert "classes" not in validate_config(SILO_CONFIG).data.model_dump()  # undeclared: dumps as before
+    assert validate_config(SILO_CONFIG).data.model_dump()["classes"] is None  # undeclared

@@ -78,7 +78,7 @@ def test_distill_runs_end_to_end_on_an_unlabeled_public_file(tmp_path):
     assert roles["public"]["size"] == 60 and roles["public"]["labeled"] is False
     # the run's config.yaml keeps the key, so the written config reads back as an unlabeled public sample
     written = yaml.safe_load((tmp_path / "runs" / "r" / "config.yaml").read_text())
-    assert written["data"]["public"]["labels"] is False and "labels" not in written["data"]["silos"][0]
+    assert written["data"]["public"]["labels"] is False and written["data"]["silos"][0]["labels"] is True
 
 
 @pytest.mark.parametrize("method", sorted(READERS))
@@ -178,8 +178,8 @@ def test_labels_false_where_labels_are_needed_is_one_line(change, pattern):
     assert "\n" not in str(caught.value)
 
 
-def test_a_labelled_public_file_dumps_as_before():
+def test_a_labelled_public_file_dumps_its_labels_key():
     cfg = validate_config({"data": {"silos": [{"dataset": "npz", "path": "/s/a.npz"}],
                                     "public": {"dataset": "npz", "path": "/s/p.npz"}}, "methods": DISTILL})
     data = resolved_config(cfg)["data"]
-    assert "labels" not in data["public"] and cfg.data.public.labels is True
+    assert data["public"]["labels"] is True and cfg.data.public.labels is True

@@ -288,6 +288,8 @@ class Aligned(Method[AlignedParams, AlignedState]):
                              "replaces merge: average only)", params.aggregator.name if params.aggregator.name != "mean" else "clip_norm")
         if params.dp is not None:  # the rule's precondition and the upload's delta are the update pipeline's checks
             _check_dp_fits(params)
+        if setup.input_shape is None or setup.num_classes is None:
+            return  # not known yet (a silo run before its survey): checked after it
         model = build_model(setup.model, setup.input_shape, setup.num_classes, seed=0)
         derive_run_spec(model, setup.input_shape, params.spec)
         if params.alignment == "activation" or params.repair:  # both read the torch.fx graph: refused before any client trains

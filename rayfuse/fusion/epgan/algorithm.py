@@ -43,7 +43,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from rayfuse.errors import InputError, NonFiniteError
+from rayfuse.errors import InputError, NonFiniteError, key_error
 from rayfuse.fusion import references
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.epgan.ep import gaussian_product
@@ -108,7 +108,7 @@ class EPGANParams(MethodParams):
     @model_validator(mode="after")
     def _components_need_ep(self) -> EPGANParams:
         if self.components > 1 and not self.backbone.startswith("ep-"):
-            raise ValueError(f"@components@ 1 for backbone {self.backbone!r} (mixture components need an EP backbone), got {self.components}")
+            raise key_error("components", f"1 for backbone {self.backbone!r} (mixture components need an EP backbone), got {self.components}")
         return self
 
     def settings(self, data_dim: int) -> GANSettings:

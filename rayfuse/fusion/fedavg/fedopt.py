@@ -29,7 +29,7 @@ from typing import ClassVar, TypeVar
 import numpy as np
 from pydantic import Field, model_validator
 
-from rayfuse.errors import NonFiniteError
+from rayfuse.errors import NonFiniteError, key_error
 from rayfuse.fusion import references
 from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams, FedAvgState
 from rayfuse.method import ServerContext, Update, register_method
@@ -52,7 +52,7 @@ class FedAdagradParams(FedOptParams):
     @model_validator(mode="after")
     def _no_bias_correction(self) -> FedAdagradParams:
         if self.bias_correction:
-            raise ValueError("@bias_correction@ false (Adam's bias correction has no meaning for FedAdagrad), got true")
+            raise key_error("bias_correction", "false (Adam's bias correction has no meaning for FedAdagrad), got true")
         return self
 
 

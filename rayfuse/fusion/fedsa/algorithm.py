@@ -218,6 +218,8 @@ def check_student(params: StudentParams, setup: RunSetup) -> Any:
     from rayfuse.models import build_model
     from rayfuse.models.registry import check_model_fits
 
+    if setup.input_shape is None or setup.num_classes is None:
+        return None  # not known yet (a silo run before its survey): checked after it
     if params.student is not None:
         try:
             check_model_fits(params.student, setup.input_shape, setup.num_classes)
@@ -340,6 +342,8 @@ class Transfer(Method[TransferParams, None]):
         from rayfuse.models import build_model
 
         check_target_set(setup.public_size)
+        if setup.input_shape is None or setup.num_classes is None:
+            return  # not known yet (a silo run before its survey): checked after it
         check_head(build_model(setup.model, setup.input_shape, setup.num_classes, seed=0), "model.name")
 
     def run(self, server: ServerContext) -> MethodResult:
@@ -394,6 +398,8 @@ class FedSA(Method[FedSAParams, "FedSAState"]):
         n = setup.num_clients
         if p.selection != "all" and p.k > n:
             raise InputError("k", f"at most the number of teachers ({n}, partition.num_clients)", p.k)
+        if setup.input_shape is None or setup.num_classes is None:
+            return  # not known yet (a silo run before its survey): checked after it
         student = check_student(p, setup)
         # Architectures only (public config): the server never sees a teacher's weights.
         teacher_shape = representation_shape(build_model(setup.model, setup.input_shape, setup.num_classes, seed=0),

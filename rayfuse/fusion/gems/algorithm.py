@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from rayfuse.errors import InputError
+from rayfuse.errors import InputError, key_error
 from rayfuse.fusion import references
 from rayfuse.fusion.baselines.finetune import TuneSettings, check_public_samples, check_tune_solver, evaluate_params, tuning_curve
 from rayfuse.fusion.gems.balls import (
@@ -252,7 +252,7 @@ class GEMSParams(TuneSettings):
         # thousands of steps (each p sampled models per ball), and below r_max's float spacing it never ends.
         for key, tol in (("tol", self.tol), ("neuron_tol", self.neuron_tol)):
             if tol is not None and self.r_max / tol > 2.0 ** MAX_RADIUS_HALVINGS:
-                raise ValueError(f"@{key}@ at least r_max / 2^{MAX_RADIUS_HALVINGS} = {self.r_max / 2.0 ** MAX_RADIUS_HALVINGS:.3g} "
+                raise key_error(key, f"at least r_max / 2^{MAX_RADIUS_HALVINGS} = {self.r_max / 2.0 ** MAX_RADIUS_HALVINGS:.3g} "
                                  f"(the radius search halves [0, r_max = {self.r_max:g}] at most {MAX_RADIUS_HALVINGS} times), got {tol:g}")
         return self
 
@@ -302,8 +302,8 @@ class GEMS(Method[GEMSParams, None]):
             check_tune_solver(p, cfg)
             if setup.public_size:  # without a public sample the tuning is skipped (and said so in the result)
                 check_public_samples(p.public_samples, setup.public_size)
-        if cfg.name != "mlp":
-            return
+        if cfg.name != "mlp" or setup.input_shape is None or setup.num_classes is None:
+            return  # (the shapes not known yet: a silo run before its survey, checked after it)
         hidden = _hidden_widths(_config_structure(cfg, setup.input_shape, setup.num_classes))
         _per_layer(p.hidden_epsilon, len(hidden), "hidden_epsilon")
         m_eps = _per_layer(p.m_epsilon, len(hidden), "m_epsilon")

@@ -1,0 +1,159 @@
+"""The whole experiment config (:class:`ExperimentConfig`): the ``run`` section, the other sections, ``methods`` and
+``evaluation``, and the checks across sections."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
+
+from rayfuse.config.base import StrictModel
+from rayfuse.config.data import DataConfig, PartitionConfig
+from rayfuse.config.federation import FederationConfig
+from rayfuse.config.model import ModelConfig
+from rayfuse.config.train import TrainConfig
+from rayfuse.errors import key_error
+
+__all__ = ["DEFAULT_METHODS", "QUICKSTART_PUBLIC_SIZE", "RunConfig", "CONFIG_SECTIONS", "ExperimentConfig"]
+
+# The quickstart's methods (jobs/quickstart.yaml spells out the same job; a test keeps the two equal).
+DEFAULT_METHODS: dict[str, dict[str, Any]] = {"local": {}, "average": {}, "ensemble": {}, "aligned": {},
+                                               "aligned-wide": {"method": "aligned", "merge": "nonparametric"},
+                                               "distill": {}, "distill-free": {"method": "distill", "transfer": "synthetic"},
+                                               "fedavg": {}, "global": {}}
+# The quickstart's public sample: a config without a data section is the quickstart's data, as one without methods is
+# the quickstart's methods (an empty data section, or one that names its own keys, has no public sample by default).
+QUICKSTART_PUBLIC_SIZE = 300
+
+
+class RunConfig(StrictModel):
+    name: str = Field("quickstart", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="run name; the run folder is <storage>/<name>-<time>")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="the one seed every other seed derives from")
+    storage: str = Field("runs", min_length=1, description="folder that receives run folders")
+    model_cache: str | None = Field(None, min_length=1, description="storage the clients own: each keeps its trained local model there "
+                                    "under a content key, so runs (and Tune trials) with the same data, partition, model, train "
+                                    "config and seed reuse it instead of retraining, and --resume reads it; null: the clients keep nothing")
+
+
+# The top-level sections: an error path starting with one of these is absolute (``Method.check``'s convention).
+CONFIG_SECTIONS = ("run", "data", "partition", "model", "train", "federation", "methods", "evaluation")
+
+
+class ExperimentConfig(StrictModel):
+    run: RunConfig = Field(default_factory=RunConfig)
+    data: DataConfig = Field(default_factory=lambda: DataConfig(public_size=QUICKSTART_PUBLIC_SIZE),
+                             description="the data; without this section, the quickstart's (digits, a public sample of 300)")
+    partition: PartitionConfig = Field(default_factory=PartitionConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    federation: FederationConfig = Field(default_factory=FederationConfig)
+    methods: dict[str, dict[str, Any]] = Field(default_factory=lambda: copy.deepcopy(DEFAULT_METHODS))
+    evaluation: Literal["federated", "central", "both"] = Field(
+        "central", description="where models are scored: central (the server's test set), federated (each client on its own "
+        "held-out split, data.val_size; sums and counts only, aggregated count-weighted) or both (federated under federated_<metric>). "
+        "Default: federated with data.silos, central without")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _silo_clients(cls, data: Any) -> Any:
+        # With data.silos there is one client per silo and no partitioner: partition.num_clients is len(data.silos).
+        if not isinstance(data, Mapping):
+            return data
+        section = data.get("data")
+        silos = section.get("silos") if isinstance(section, Mapping) else getattr(section, "silos", None)
+        if not isinstance(silos, list) or not silos:
+            return data  # a simulation, or data.silos' own error
+        n = len(silos)
+        partition = data.get("partition")
+        if partition is None:
+            partition = {}
+        elif isinstance(partition, BaseModel):
+            partition = partition.model_dump(exclude_unset=True)
+        if not isinstance(partition, Mapping):
+            return data  # the partition section's own error
+        for key, value in partition.items():
+            if key != "num_clients":
+                raise key_error(("partition", key), f"no partition key but num_clients with data.silos (each silo is one client's "
+                                 f"data), got {value!r}")
+        if "num_clients" in partition and partition["num_clients"] != n:
+            raise key_error(("partition", "num_clients"), f"len(data.silos) ({n}) or unset, got {partition['num_clients']!r}")
+        # and the server holds no test set unless data.test is given: evaluation defaults to federated
+        data = {**data, "partition": {"num_clients": n}, "evaluation": data.get("evaluation", "federated")}
+        if data.get("methods") is None:  # the default methods but the oracle (no process may pool the silos) and, without
+            # a server sample (data.public), the distillation on it
+            section = data.get("data")
+            public = section.get("public") if isinstance(section, Mapping) else getattr(section, "public", None)
+            skip = {"global"} | (set() if public is not None else {"distill"})
+            data["methods"] = {k: v for k, v in copy.deepcopy(DEFAULT_METHODS).items() if k not in skip}
+        return data
+
+    @field_validator("methods", mode="before")
+    @classmethod
+    def _methods_list_form(cls, value: Any) -> Any:
+        # ``methods: [local, fedavg]`` is shorthand for ``methods: {local: {}, fedavg: {}}``.
+        if isinstance(value, (list, tuple)):
+            if not all(isinstance(v, str) for v in value):
+                raise ValueError("a list of method names or a mapping of labels to parameters")
+            return {name: {} for name in value}
+        if isinstance(value, Mapping):
+            return {str(k): ({} if v is None else v) for k, v in value.items()}
+        return value
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> ExperimentConfig:
+        n = self.partition.num_clients
+        if not self.methods:
+            raise key_error("methods", "at least one method, got none")
+        if self.federation.min_clients > n:
+            raise key_error(("federation", "min_clients"), f"at most partition.num_clients ({n}), got {self.federation.min_clients}")
+        if self.federation.clients_per_actor > 1 and any(o.resource_keys for o in self.federation.client_overrides.values()):
+            # (an override that gives a client only its own model is fine: clients of one actor share its resources only)
+            raise key_error(("federation", "clients_per_actor"), "1 when federation.client_overrides gives clients their own "
+                             f"resources, got {self.federation.clients_per_actor}")
+        for client in self.federation.client_overrides:
+            if not 0 <= client < n:
+                raise key_error(("federation", "client_overrides", client), f"a client id in 0..{n - 1}, got {client}")
+        for i, fault in enumerate(self.federation.faults):
+            if fault.client >= n:
+                raise key_error(("federation", "faults", i, "client"), f"a client id in 0..{n - 1}, got {fault.client}")
+        seen: set[int] = set()
+        for i, attack in enumerate(self.federation.attacks):
+            if attack.client >= n:
+                raise key_error(("federation", "attacks", i, "client"), f"a client id in 0..{n - 1}, got {attack.client}")
+            if attack.client in seen:
+                raise key_error(("federation", "attacks", i, "client"), f"one attack per client, got client {attack.client} twice")
+            seen.add(attack.client)
+        return self
+
+    def client_model(self, client_id: int) -> ModelConfig:
+        """Client ``client_id``'s model: its ``federation.client_overrides.<i>.model``, else the run's ``model``."""
+        override = self.federation.client_overrides.get(client_id)
+        return override.model if override is not None and override.model is not None else self.model
+
+    def client_models(self) -> tuple[ModelConfig, ...]:
+        """Every client's model, in client order (``range(partition.num_clients)``)."""
+        return tuple(self.client_model(i) for i in range(self.partition.num_clients))
+
+    @property
+    def heterogeneous_clients(self) -> bool:
+        """Whether some client's model is not the run's ``model`` (``federation.client_overrides.<i>.model``): clients of
+        several architectures, or clients of one architecture other than the server's."""
+        return any(model != self.model for model in self.client_models())
+
+    @model_validator(mode="after")
+    def _evaluation(self) -> ExperimentConfig:
+        if self.data.is_silos and self.evaluation != "federated" and self.data.test is None:
+            raise key_error("evaluation", f"federated when data.silos comes without data.test (the server holds no test set), "
+                             f"got {self.evaluation!r}")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Kept: a silo config's partition is its client count only (_silo_clients refuses any other partition key with
+        # data.silos), so its dump validates again
+        data = handler(self)
+        if self.data.is_silos and isinstance(data.get("partition"), dict):
+            data["partition"] = {k: v for k, v in data["partition"].items() if k == "num_clients"}
+        return data
