@@ -51,7 +51,7 @@ from rayfuse.evaluation import (
 from rayfuse.federation import Federation, Gathered, Update, step_name
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.method import MethodResult, MethodSpec, Rejected, RunSetup, check_methods, resolve_methods, resolved_config
-from rayfuse.metrics import add_metric_sums, check_metric_sums, compute_metrics, majority_vote, metrics_from_sums
+from rayfuse.metrics import add_metric_sums, check_metric_sums, compute_metrics, majority_vote, metrics_event, metrics_from_sums
 from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
 from rayfuse.rounds import RoundLoop
 from rayfuse.seeding import derive_seed, make_rng
@@ -418,13 +418,22 @@ class MethodServer:
     # -- logging and checkpoints ------------------------------------------------------------------------------
 
     def log(self, round: int, metrics: dict[str, float], client: int | None = None) -> None:
-        """Record ``metrics`` at ``round`` (rows of ``metrics.parquet``). A row of the method as a whole (``client``
+        """Record ``metrics`` at ``round`` (rows of ``metrics.parquet``) and send them on the metrics channel (one
+        ``metrics`` event, :func:`rayfuse.metrics.metrics_event`). A row of the method as a whole (``client``
         ``None``) also records the per-client tables of the federated evaluations since the last one
         (:meth:`log_client_table`)."""
-        for name, value in metrics.items():
-            self.history.append({"round": int(round), "metric": name, "value": float(value), "client": client})
+        self._record(int(round), {name: float(value) for name, value in metrics.items()}, client)
         if client is None:
             self.log_client_table(round)
+
+    def _record(self, round: int, values: dict[str, float], client: int | None) -> None:
+        """One metric row: the method's history (``metrics.parquet``) and a ``metrics`` event, the same values at full
+        precision (the ``progress`` events the screen prints round them)."""
+        for name, value in values.items():
+            self.history.append({"round": round, "metric": name, "value": value, "client": client})
+        if values:
+            kind, message, fields = metrics_event(self.label, round, values, client)
+            self.events.emit(kind, message, **fields)
 
     def log_client_table(self, round: int) -> None:
         """Record the per-client tables of the federated evaluations not yet logged at ``round``: ``val_<metric>`` rows
@@ -435,9 +444,7 @@ class MethodServer:
         table = average_client_tables(self._evaluations)
         self._evaluations = []
         for row in table:
-            for name, value in row.items():
-                if name != "client":
-                    self.history.append({"round": int(round), "metric": CLIENT_PREFIX + name, "value": float(value), "client": row["client"]})
+            self._record(int(round), {CLIENT_PREFIX + name: float(value) for name, value in row.items() if name != "client"}, row["client"])
 
     def collect_client_table(self) -> list[dict[str, Any]]:
         """The per-client table of the method's last federated evaluation (empty with ``evaluation: central``)."""

@@ -39,6 +39,7 @@ from rayfuse.data.roles import DataPlan, load_dataset_from_config, load_target_f
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.io import atomic_write_json, atomic_write_text
 from rayfuse.method import MethodSpec, RunSetup, check_evaluation, check_methods, resolve_methods, resolved_config
+from rayfuse.metrics import METRICS_EVENT
 from rayfuse.report import Printer, format_client_summary, format_partition, format_table, plot_comparison, write_metrics_parquet
 from rayfuse.store import RunStore, claim_run_folder
 from rayfuse.version import __version__
@@ -458,7 +459,8 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
     timings: dict[str, float] = {}
 
     def on_event(event: dict[str, Any]) -> None:
-        events.append(event)
+        if event.get("kind") != METRICS_EVENT:  # the metrics channel's rows are metrics.parquet's, not results.json's events
+            events.append(event)
         printer(event)
 
     def emit(kind: str, message: str = "", **fields: Any) -> None:
