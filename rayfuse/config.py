@@ -46,6 +46,8 @@ from rayfuse.errors import InputError, suggest
 
 __all__ = [
     "ExperimentConfig",
+    "TrackingConfig",
+    "MlflowConfig",
     "RunConfig",
     "DataConfig",
     "SiloSource",
@@ -832,8 +834,25 @@ class FederationConfig(StrictModel):
         return self.clients.model_copy(update={k: getattr(override, k) for k in override.resource_keys})
 
 
+class MlflowConfig(StrictModel):
+    """``tracking.mlflow``: log each method of the run to MLflow (``rayfuse.tracking``; needs ``pip install 'rayfuse[mlflow]'``)."""
+
+    uri: str | None = Field(None, description="MLflow tracking URI: a folder (relative to the working directory), file:..., "
+                            "http(s)://... of a tracking server. Default: the run folder's mlruns/ (a local file store)")
+    experiment: str | None = Field(None, min_length=1, description="MLflow experiment name. Default: run.name")
+
+
+class TrackingConfig(StrictModel):
+    """``tracking``: experiment-tracking sinks fed by the run's metrics channel. Where results are also sent, not what
+    is computed: no part of a run folder's state or of a cache key."""
+
+    mlflow: MlflowConfig | None = Field(None, description="log each method as an MLflow run (params, per-round metrics, "
+                                        "the fused model and the plots), nested under one run of the experiment; "
+                                        "{} for the defaults")
+
+
 # The top-level sections: an error path starting with one of these is absolute (``Method.check``'s convention).
-CONFIG_SECTIONS = ("run", "data", "partition", "model", "train", "federation", "methods", "evaluation")
+CONFIG_SECTIONS = ("run", "data", "partition", "model", "train", "federation", "methods", "evaluation", "tracking")
 
 
 class ExperimentConfig(StrictModel):
@@ -849,6 +868,7 @@ class ExperimentConfig(StrictModel):
         "central", description="where models are scored: central (the server's test set), federated (each client on its own "
         "held-out split, data.val_size; sums and counts only, aggregated count-weighted) or both (federated under federated_<metric>). "
         "Default: federated with data.silos, central without")
+    tracking: TrackingConfig = Field(default_factory=lambda: TrackingConfig(), description="experiment-tracking sinks (MLflow)")
 
     @model_validator(mode="before")
     @classmethod

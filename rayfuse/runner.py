@@ -14,8 +14,9 @@ Order of work (each a timed stage in ``results.json``):
    copy it keeps under ``run.model_cache``; on ``--resume``, the run folder's copy when its own is gone). The
    coordinator fetches the parameters once, only for methods that fuse them, and checkpoints them.
 4. one stage per method -- the coordinator runs the method's server loop.
-5. ``report`` -- ``metrics.parquet``, ``comparison.png``, then ``results.json`` (status, metrics, timings, events; with
-   ``evaluation: federated`` or ``both``, each method's per-client table, ``client_metrics``).
+5. ``report`` -- ``metrics.parquet``, ``comparison.png``, the MLflow sink with ``tracking.mlflow``
+   (:mod:`rayfuse.tracking`), then ``results.json`` (status, metrics, timings, events; with ``evaluation: federated``
+   or ``both``, each method's per-client table, ``client_metrics``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from rayfuse.method import MethodSpec, RunSetup, check_evaluation, check_methods
 from rayfuse.metrics import METRICS_EVENT
 from rayfuse.report import Printer, format_client_summary, format_partition, format_table, plot_comparison, write_metrics_parquet
 from rayfuse.store import RunStore, claim_run_folder
+from rayfuse.tracking import check_tracking, log_to_mlflow
 from rayfuse.version import __version__
 
 __all__ = ["Backend", "InProcessBackend", "PreparedRun", "prepare_run", "finish_silo_run", "check_local_dp", "check_client_models_fit", "run_experiment",
@@ -233,6 +235,7 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
     from rayfuse.models.registry import check_model_fits
 
     specs = resolve_methods(cfg.methods, methods)
+    check_tracking(cfg)  # a sink the config asks for (tracking.mlflow) must be installed
     if cfg.data.is_silos:
         return _prepare_silo_run(cfg, specs)
     dataset = load_dataset_from_config(cfg.data)
@@ -559,6 +562,10 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
             write_metrics_parquet(store.metrics_file, list(summaries.values()))
             plot_comparison(store.plot_file, methods, list(summaries.values()), title=f"{plan.dataset}, {plan.num_clients} clients",
                             evaluation=cfg.evaluation)
+        tracked = None
+        if cfg.tracking.mlflow is not None and summaries:  # after the files it logs (the models, comparison.png)
+            tracked = log_to_mlflow(cfg.tracking.mlflow, cfg=cfg, run_dir=run_dir, resolved=resolved, summaries=list(summaries.values()),
+                                    warn=lambda message: emit("warning", message))
         timings["report"] = round(time.perf_counter() - t0, 3)
         timings["total"] = round(time.time() - start, 3)
         results = {
@@ -581,6 +588,7 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
             **({"attacks": [a.model_dump(mode="json", exclude_none=True) for a in cfg.federation.attacks]}
                if cfg.federation.attacks else {}),
             "methods": methods,
+            **({"tracking": {"mlflow": tracked}} if cfg.tracking.mlflow is not None else {}),
             "timings": timings,
             "events": events,
             "files": {
@@ -608,10 +616,11 @@ _STATE_FEDERATION = ("client_overrides", "attacks")
 
 def state_config(resolved: Mapping[str, Any]) -> dict[str, Any]:
     """The part of a resolved config a run folder's state is computed from, as plain data: the config without where
-    runs and caches go (``run.storage``, ``run.model_cache``: the cache is keyed by content), the run's name and the
+    runs, caches and tracked results go (``run.storage``, ``run.model_cache``: the cache is keyed by content;
+    ``tracking``), the run's name and the
     ``federation`` keys but :data:`_STATE_FEDERATION`, with data file names left out (:func:`rayfuse.data.identity.content_data`; their content is
     compared on its own, so a renamed copy of a file is the same data)."""
-    out = {k: v for k, v in resolved.items() if k not in ("run", "federation")}
+    out = {k: v for k, v in resolved.items() if k not in ("run", "federation", "tracking")}  # tracking: where results also go
     out["run"] = {k: v for k, v in dict(resolved.get("run") or {}).items() if k not in ("name", "storage", "model_cache")}
     federation = dict(resolved.get("federation") or {})
     out["federation"] = {k: federation.get(k) for k in _STATE_FEDERATION}
