@@ -26,11 +26,11 @@ import hashlib
 import json
 import secrets
 import time
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import yaml
 
@@ -46,27 +46,41 @@ from rayfuse.store import RunStore, claim_run_folder
 from rayfuse.tracking import check_tracking, log_to_mlflow
 from rayfuse.version import __version__
 
+if TYPE_CHECKING:
+    from rayfuse.coordinator import Coordinator
+    from rayfuse.data.silos import SiloPlan
+
 __all__ = ["Backend", "InProcessBackend", "PreparedRun", "prepare_run", "finish_silo_run", "check_local_dp", "check_client_models_fit", "run_experiment",
            "new_run_dir", "check_new_folder", "load_run_config"]
 
 EventSink = Callable[[dict[str, Any]], None]
 
 
-class Backend(ABC):
-    """Starts clients and coordinator, and forwards calls to the coordinator while relaying its events."""
+class Backend(Protocol):
+    """What the runner needs of a backend: start and stop the clients and the coordinator, and the coordinator's
+    calls, typed, each relaying the coordinator's events to ``on_event`` while it runs. :class:`InProcessBackend`
+    and ``actors.RayBackend`` implement it (subclassing it for :meth:`info` and :meth:`check_start`)."""
 
-    name: str = "backend"
+    name: str
 
     @abstractmethod
     def start(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: Path, *, on_event: EventSink, start_time: float,
               specs: list[MethodSpec] | None = None) -> None: ...
 
     @abstractmethod
-    def call(self, name: str, *args: Any) -> Any:
-        """Call ``Coordinator.<name>(*args)`` and return its value."""
+    def stop(self) -> None: ...
 
     @abstractmethod
-    def stop(self) -> None: ...
+    def survey_silos(self) -> SiloPlan:
+        """``Coordinator.survey_silos``: the clients of a silo run report their silos; the completed plan."""
+
+    @abstractmethod
+    def prepare_local_models(self, resume: bool = False) -> dict[str, Any]:
+        """``Coordinator.prepare_local_models``: each client trains its local model once (or restores it)."""
+
+    @abstractmethod
+    def run_method(self, label: str, resume: bool = False) -> dict[str, Any]:
+        """``Coordinator.run_method``: the method's server loop; its summary."""
 
     def info(self) -> dict[str, Any]:
         return {"backend": self.name}
@@ -74,6 +88,7 @@ class Backend(ABC):
     def check_start(self, cfg: ExperimentConfig) -> None:
         """Raise :class:`InputError` for what this backend can tell cannot start, before the run folder is written
         (an unreachable cluster address, more CPUs than the local Ray will have). Nothing to check by default."""
+        return None
 
 
 class InProcessBackend(Backend):
@@ -86,7 +101,7 @@ class InProcessBackend(Backend):
     name = "local"
 
     def __init__(self) -> None:
-        self.coordinator: Any = None
+        self.coordinator: Coordinator | None = None
         self.federation: Any = None
         self._coordinator_threads: int | None = None
 
@@ -114,11 +129,28 @@ class InProcessBackend(Backend):
         self._coordinator_threads = actor_threads(fed_cfg.coordinator.num_cpus)
         self.coordinator = Coordinator(cfg, plan, str(run_dir), self.federation, specs=specs)
 
-    def call(self, name: str, *args: Any) -> Any:
+    def _running(self) -> Coordinator:
+        if self.coordinator is None:
+            raise RuntimeError("the backend is not started")
+        return self.coordinator
+
+    def survey_silos(self) -> SiloPlan:
         from rayfuse.federation import torch_threads
 
         with torch_threads(self._coordinator_threads):
-            return getattr(self.coordinator, name)(*args)
+            return self._running().survey_silos()
+
+    def prepare_local_models(self, resume: bool = False) -> dict[str, Any]:
+        from rayfuse.federation import torch_threads
+
+        with torch_threads(self._coordinator_threads):
+            return self._running().prepare_local_models(resume)
+
+    def run_method(self, label: str, resume: bool = False) -> dict[str, Any]:
+        from rayfuse.federation import torch_threads
+
+        with torch_threads(self._coordinator_threads):
+            return self._running().run_method(label, resume)
 
     def stop(self) -> None:
         self.coordinator = None
@@ -490,7 +522,7 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
     if silos:  # the clients start first: only they read their silos; their reports complete the plan
         try:
             backend.start(cfg, plan, run_dir, on_event=on_event, start_time=start, specs=specs)
-            prepared = finish_silo_run(prepared, backend.call("survey_silos"))
+            prepared = finish_silo_run(prepared, backend.survey_silos())
             plan = prepared.plan
             if manifest is not None:
                 # a silo regenerated in place: its client reported another content hash than the folder records (the
@@ -537,7 +569,7 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
             pending = [s for s in specs if finished.get(s.label) is None]
             if any(s.method_cls.uses_local_models for s in pending):
                 t0 = time.perf_counter()
-                backend.call("prepare_local_models", resume_state)
+                backend.prepare_local_models(resume_state)
                 timings["local_training"] = round(time.perf_counter() - t0, 3)
             for spec in specs:
                 saved = finished.get(spec.label)
@@ -546,7 +578,7 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
                     emit("info", f"{spec.label}: finished in the original run; loaded from state/", method=spec.label)
                     continue
                 t0 = time.perf_counter()
-                summaries[spec.label] = backend.call("run_method", spec.label, resume_state)
+                summaries[spec.label] = backend.run_method(spec.label, resume_state)
                 timings[f"method/{spec.label}"] = round(time.perf_counter() - t0, 3)
         except RunFailure as exc:
             status, error = "failed", str(exc)
