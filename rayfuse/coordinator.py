@@ -507,8 +507,9 @@ class Coordinator:
         self._dataset: Any = None
         self._server_data: tuple[Split, Split] | None = None
         self._ready: list[int] | None = None  # the clients holding their trained local model (prepare_local_models)
-        self._from_run_folder: set[int] = set()  # those installed from checkpoints/local (already saved there)
-        self._local: Gathered[Update] | None = None  # the local models' parameters, fetched once (local_updates)
+        # the clients whose local model the run folder holds (checkpoints/local: installed from there, or saved there
+        # once fetched): the fallback of a client that lost its own (a restarted process); the clients own the models
+        self._in_run_folder: set[int] = set()
         self._references: list[tuple[ModelConfig, dict[str, np.ndarray]]] = []  # reference_for's models, built once
         self._cache_files_noted = False  # note_cache_files ran (once a run)
 
@@ -686,19 +687,43 @@ class Coordinator:
                              keys={str(c): keys[c] for c in trained})
         # A client dropped while training stays out of every method of this run that uses local models.
         self._ready = sorted([*kept, *from_run, *trained])
-        self._from_run_folder = set(from_run)
-        self._local = None
+        self._in_run_folder = set(from_run)
         return {"clients": self._ready, "restored": bool(kept or from_run)}
 
     def local_updates(self) -> Gathered[Update]:
-        """The ready clients' local model parameters, fetched once, for the methods that fuse them; each fetched model
-        missing from the run folder is checkpointed there (``checkpoints/local``, ``--resume``'s fallback)."""
-        if self._local is None:
-            if self._ready is None:  # a method needing local models ran without the local_training stage (tests)
-                self._prepare_local_models(resume=False)
-            self._local = self.federation.run(get_local_update, clients=self._ready)
-            self.store.save_local_models({c: u for c, u in self._local.results.items() if c not in self._from_run_folder})
-        return self._local
+        """The ready clients' local model parameters, for a method that fuses them, asked of the clients each time (the
+        client is the one owner of its local model; the coordinator keeps no copy). A client that no longer holds its
+        model (a restarted process, without a copy of its own under ``run.model_cache``) is given back the run folder's
+        (``checkpoints/local``) and that is its answer; one the run folder does not hold either trains it again. Each
+        fetched model missing from the run folder is checkpointed there (``--resume``'s fallback, and this one)."""
+        if self._ready is None:  # a method needing local models ran without the local_training stage (tests)
+            self._prepare_local_models(resume=False)
+        fed = self.federation
+        gathered = fed.run(get_local_update, clients=self._ready, train=False)
+        results: dict[int, Update] = {c: u for c, u in gathered.results.items() if u is not None}
+        failures = list(gathered.failures)
+        lost = sorted(c for c, u in gathered.results.items() if u is None)
+        if lost:
+            saved = self.store.load_local_models([c for c in lost if c in self._in_run_folder],
+                                                 warn=lambda message: self.events.emit("warning", message))
+            calls = [call for client, (params, stats) in saved.items()
+                     for call in fed.map(set_local_params, fed.put(params), stats, clients=[client])]
+            installed = fed.gather(calls) if calls else Gathered({}, [])
+            for client, num_examples in installed.results.items():
+                params, stats = saved[client]
+                results[client] = Update(params, int(num_examples), dict(stats))
+            failures += installed.failures
+            if installed.results:
+                self.events.emit("local_models_restored", f"{len(installed.results)} local models from checkpoints/local (the clients "
+                                 "had lost theirs)", source="checkpoint", clients=sorted(installed.results))
+            rest = [c for c in lost if c not in installed.results and c not in {f.client for f in installed.failures}]
+            if rest:  # not in the run folder yet: the client trains it again (deterministic: the same model)
+                again = fed.run(get_local_update, clients=rest)
+                results.update(again.results)
+                failures += again.failures
+        self.store.save_local_models({c: u for c, u in results.items() if c not in self._in_run_folder})
+        self._in_run_folder.update(results)
+        return Gathered({c: results[c] for c in sorted(results)}, failures)
 
     def _add_local_privacy(self, result: MethodResult) -> None:
         """Record what local DP-SGD (``train.dp``) spent: each client's epsilon (``info.local_dp.epsilon``, as the

@@ -11,8 +11,10 @@ Order of work (each a timed stage in ``results.json``):
    before any cluster work.
 2. ``startup`` -- start the clients (each loads its own shard) and the coordinator.
 3. ``local_training`` -- when a method needs local models: each client trains its local model once (or reads the
-   copy it keeps under ``run.model_cache``; on ``--resume``, the run folder's copy when its own is gone). The
-   coordinator fetches the parameters once, only for methods that fuse them, and checkpoints them.
+   copy it keeps under ``run.model_cache``; on ``--resume``, the run folder's copy when its own is gone). The client
+   is the one owner of its model: the coordinator keeps no copy, asks the clients for the parameters each time a
+   method fuses them, checkpoints each in the run folder once, and gives that copy back to a client that lost its
+   model (a restarted process) instead of having it train again.
 4. one stage per method -- the coordinator runs the method's server loop.
 5. ``report`` -- ``metrics.parquet``, ``comparison.png``, the MLflow sink with ``tracking.mlflow``
    (:mod:`rayfuse.tracking`), then ``results.json`` (status, metrics, timings, events; with ``evaluation: federated``
