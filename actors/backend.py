@@ -36,6 +36,7 @@ from actors.client import ClientActor, actor_name
 from actors.coordinator import CoordinatorActor
 from rayfuse.config import ExperimentConfig, ResourcesConfig
 from rayfuse.data.roles import DataPlan
+from rayfuse.data.silos import SiloPlan
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.interrupts import reinstall_sigterm
 from rayfuse.method import MethodSpec
@@ -552,7 +553,23 @@ class RayBackend(Backend):
         for event in events:
             self._on_event(event)
 
-    def call(self, name: str, *args: Any) -> Any:
+    # -- the coordinator's calls (rayfuse.runner.Backend), each forwarded to the coordinator actor ----------------------
+
+    def survey_silos(self) -> SiloPlan:
+        plan: SiloPlan = self._call("survey_silos")
+        return plan
+
+    def prepare_local_models(self, resume: bool = False) -> dict[str, Any]:
+        done: dict[str, Any] = self._call("prepare_local_models", resume)
+        return done
+
+    def run_method(self, label: str, resume: bool = False) -> dict[str, Any]:
+        summary: dict[str, Any] = self._call("run_method", label, resume)
+        return summary
+
+    def _call(self, name: str, *args: Any) -> Any:
+        """``CoordinatorActor.<name>(*args)``, relaying the coordinator's events while it runs; an :class:`InputError`
+        or :class:`RunFailure` raised there is raised here, anything else becomes a :class:`RunFailure`."""
         ref = getattr(self.coordinator, name).remote(*args)
         while True:
             ready, _ = ray.wait([ref], timeout=POLL_S)

@@ -1,7 +1,8 @@
 """Ray dashboard metrics of a run (``ray.util.metrics``), exported by the coordinator actor.
 
-The coordinator's event log is the one source: :class:`RunMetrics` listens to it and to the federation's byte
-counts, so the core stays free of Ray. Every metric carries the tags ``run`` (the run folder's name) and ``method``
+The coordinator's event log is the one source: :class:`RunMetrics` listens to it (the fused model's values come from
+the metrics channel's ``metrics`` events, :func:`rayfuse.metrics.metric_row`, never from the rounded ``progress``
+display) and to the federation's byte counts, so the core stays free of Ray. Every metric carries the tags ``run`` (the run folder's name) and ``method``
 (the method label, ``-`` outside a method). Ray exports them through each node's metrics agent in Prometheus format
 with a ``ray_`` prefix (``ray_rayfuse_rounds_total``...): the dashboard's Metrics view, Prometheus and the Grafana
 dashboard ``docs/grafana/rayfuse.json`` read them.
@@ -33,6 +34,8 @@ import threading
 from typing import Any
 
 from ray.util import metrics
+
+from rayfuse.metrics import metric_row
 
 __all__ = ["RunMetrics", "METRIC_NAMES"]
 
@@ -109,7 +112,10 @@ class RunMetrics:
                 self.rounds.inc(1, tags=self._tags())
             if "clients" in event:
                 self.alive.set(float(event["clients"]), tags=self._tags())
-            self._fused(event.get("metrics") or {})
+        elif (row := metric_row(event)) is not None and row.client is None:
+            # the metrics channel (unrounded values), not the progress events' display values
+            self.method = row.method or self.method
+            self._fused(row.values)
         elif kind in _CLIENT_EVENTS:
             self.client_events.inc(1, tags=self._tags(event=_CLIENT_EVENTS[kind]))
             if kind == "client_trained" and "seconds" in event:

@@ -37,6 +37,7 @@ from actors.backend import RayBackend, trial_bundles
 from rayfuse.config import apply_overrides, validate_config
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.method import resolved_config
+from rayfuse.metrics import metric_row
 from rayfuse.sweep import Domain, SweepSpec
 from rayfuse.sweep_seal import PINNED, check_sweep_folder, sealing, verify_sweep
 
@@ -84,10 +85,12 @@ class _TrialReporter:
             self.values["local/trained"] += 1
         elif kind == "local_models_restored":
             self.values["local/cache_hit"] = int(event.get("source") == "cache")
-        elif kind == "progress" and "round" in event and isinstance(event.get("metrics"), dict):
-            label = event.get("method")
-            self.round = int(event["round"])
-            for name, value in event["metrics"].items():
+        elif (row := metric_row(event)) is not None and row.client is None:
+            # the metrics channel (unrounded), never the progress events' display values: ASHA compares trials on
+            # the numbers the method logged
+            label = row.method
+            self.round = row.round
+            for name, value in row.values.items():
                 self.values[f"fused/{label}/{name}"] = value
             if self.metric in self.values and self.metric.startswith(f"fused/{label}/"):
                 self.report({**self.values, "round": self.round, "stage": label})

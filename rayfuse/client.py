@@ -392,10 +392,14 @@ def restore_local(ctx: ClientContext) -> dict[str, float] | None:
 
 
 @client_step("get_local_params")
-def get_local_update(ctx: ClientContext) -> Update:
-    """The local model's parameters (what one-shot fusion methods fuse)."""
+def get_local_update(ctx: ClientContext, train: bool = True) -> Update | None:
+    """The local model's parameters (what one-shot fusion methods fuse). With ``train=False``, ``None`` when the
+    client holds no trained model (a restarted process) and keeps no copy of its own (``run.model_cache``): the
+    coordinator then gives it back the run folder's copy instead of having it train again."""
     from rayfuse.models import get_params
 
+    if not train and not ctx.restore_local_model():
+        return None
     model = ctx.local_model()
     return Update(get_params(model), ctx.num_examples, dict(ctx.local_stats))
 

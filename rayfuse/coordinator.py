@@ -50,7 +50,7 @@ from rayfuse.evaluation import (
 from rayfuse.federation import Federation, Gathered, Update, step_name
 from rayfuse.fusion.pipeline import UpdatePipeline
 from rayfuse.method import MethodResult, MethodSpec, Rejected, resolve_methods, resolved_config
-from rayfuse.metrics import add_metric_sums, check_metric_sums, compute_metrics, majority_vote, metrics_from_sums
+from rayfuse.metrics import add_metric_sums, check_metric_sums, compute_metrics, majority_vote, metrics_event, metrics_from_sums
 from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
 from rayfuse.rounds import RoundLoop
 from rayfuse.seeding import derive_seed, make_rng
@@ -344,13 +344,22 @@ class MethodServer:
     # -- logging and checkpoints ------------------------------------------------------------------------------
 
     def log(self, round: int, metrics: dict[str, float], client: int | None = None) -> None:
-        """Record ``metrics`` at ``round`` (rows of ``metrics.parquet``). A row of the method as a whole (``client``
+        """Record ``metrics`` at ``round`` (rows of ``metrics.parquet``) and send them on the metrics channel (one
+        ``metrics`` event, :func:`rayfuse.metrics.metrics_event`). A row of the method as a whole (``client``
         ``None``) also records the per-client tables of the federated evaluations since the last one
         (:meth:`log_client_table`)."""
-        for name, value in metrics.items():
-            self.history.append({"round": int(round), "metric": name, "value": float(value), "client": client})
+        self._record(int(round), {name: float(value) for name, value in metrics.items()}, client)
         if client is None:
             self.log_client_table(round)
+
+    def _record(self, round: int, values: dict[str, float], client: int | None) -> None:
+        """One metric row: the method's history (``metrics.parquet``) and a ``metrics`` event, the same values at full
+        precision (the ``progress`` events the screen prints round them)."""
+        for name, value in values.items():
+            self.history.append({"round": round, "metric": name, "value": value, "client": client})
+        if values:
+            kind, message, fields = metrics_event(self.label, round, values, client)
+            self.events.emit(kind, message, **fields)
 
     def log_client_table(self, round: int) -> None:
         """Record the per-client tables of the federated evaluations not yet logged at ``round``: ``val_<metric>`` rows
@@ -361,9 +370,7 @@ class MethodServer:
         table = average_client_tables(self._evaluations)
         self._evaluations = []
         for row in table:
-            for name, value in row.items():
-                if name != "client":
-                    self.history.append({"round": int(round), "metric": CLIENT_PREFIX + name, "value": float(value), "client": row["client"]})
+            self._record(int(round), {CLIENT_PREFIX + name: float(value) for name, value in row.items() if name != "client"}, row["client"])
 
     def collect_client_table(self) -> list[dict[str, Any]]:
         """The per-client table of the method's last federated evaluation (empty with ``evaluation: central``)."""
@@ -426,8 +433,9 @@ class Coordinator:
         self._dataset: Any = None
         self._server_data: tuple[Split, Split] | None = None
         self._ready: list[int] | None = None  # the clients holding their trained local model (prepare_local_models)
-        self._from_run_folder: set[int] = set()  # those installed from checkpoints/local (already saved there)
-        self._local: Gathered[Update] | None = None  # the local models' parameters, fetched once (local_updates)
+        # the clients whose local model the run folder holds (checkpoints/local: installed from there, or saved there
+        # once fetched): the fallback of a client that lost its own (a restarted process); the clients own the models
+        self._in_run_folder: set[int] = set()
         self._references: list[tuple[ModelConfig, dict[str, np.ndarray]]] = []  # reference_for's models, built once
         self._cache_files_noted = False  # note_cache_files ran (once a run)
 
@@ -605,19 +613,43 @@ class Coordinator:
                              keys={str(c): keys[c] for c in trained})
         # A client dropped while training stays out of every method of this run that uses local models.
         self._ready = sorted([*kept, *from_run, *trained])
-        self._from_run_folder = set(from_run)
-        self._local = None
+        self._in_run_folder = set(from_run)
         return {"clients": self._ready, "restored": bool(kept or from_run)}
 
     def local_updates(self) -> Gathered[Update]:
-        """The ready clients' local model parameters, fetched once, for the methods that fuse them; each fetched model
-        missing from the run folder is checkpointed there (``checkpoints/local``, ``--resume``'s fallback)."""
-        if self._local is None:
-            if self._ready is None:  # a method needing local models ran without the local_training stage (tests)
-                self._prepare_local_models(resume=False)
-            self._local = self.federation.run(get_local_update, clients=self._ready)
-            self.store.save_local_models({c: u for c, u in self._local.results.items() if c not in self._from_run_folder})
-        return self._local
+        """The ready clients' local model parameters, for a method that fuses them, asked of the clients each time (the
+        client is the one owner of its local model; the coordinator keeps no copy). A client that no longer holds its
+        model (a restarted process, without a copy of its own under ``run.model_cache``) is given back the run folder's
+        (``checkpoints/local``) and that is its answer; one the run folder does not hold either trains it again. Each
+        fetched model missing from the run folder is checkpointed there (``--resume``'s fallback, and this one)."""
+        if self._ready is None:  # a method needing local models ran without the local_training stage (tests)
+            self._prepare_local_models(resume=False)
+        fed = self.federation
+        gathered = fed.run(get_local_update, clients=self._ready, train=False)
+        results: dict[int, Update] = {c: u for c, u in gathered.results.items() if u is not None}
+        failures = list(gathered.failures)
+        lost = sorted(c for c, u in gathered.results.items() if u is None)
+        if lost:
+            saved = self.store.load_local_models([c for c in lost if c in self._in_run_folder],
+                                                 warn=lambda message: self.events.emit("warning", message))
+            calls = [call for client, (params, stats) in saved.items()
+                     for call in fed.map(set_local_params, fed.put(params), stats, clients=[client])]
+            installed = fed.gather(calls) if calls else Gathered({}, [])
+            for client, num_examples in installed.results.items():
+                params, stats = saved[client]
+                results[client] = Update(params, int(num_examples), dict(stats))
+            failures += installed.failures
+            if installed.results:
+                self.events.emit("local_models_restored", f"{len(installed.results)} local models from checkpoints/local (the clients "
+                                 "had lost theirs)", source="checkpoint", clients=sorted(installed.results))
+            rest = [c for c in lost if c not in installed.results and c not in {f.client for f in installed.failures}]
+            if rest:  # not in the run folder yet: the client trains it again (deterministic: the same model)
+                again = fed.run(get_local_update, clients=rest)
+                results.update(again.results)
+                failures += again.failures
+        self.store.save_local_models({c: u for c, u in results.items() if c not in self._in_run_folder})
+        self._in_run_folder.update(results)
+        return Gathered({c: results[c] for c in sorted(results)}, failures)
 
     def _add_local_privacy(self, result: MethodResult) -> None:
         """Record what local DP-SGD (``train.dp``) spent: each client's epsilon (``info.local_dp.epsilon``, as the

@@ -14,16 +14,27 @@ held-out split to :func:`metric_sums` (a count, the number correct, the NLL and 
 a number correct and a confidence sum; nothing per sample), the server adds the clients' sums
 (:func:`add_metric_sums`) and :func:`metrics_from_sums` turns them into the metrics. The metrics of the summed sums
 equal :func:`compute_metrics` on the union of the clients' samples, up to float rounding.
+
+The metrics channel: every metric row a method logs (``server.log(round, values, client)``) is one ``metrics`` event,
+``{"kind": "metrics", "method": <label>, "round": r, "client": <id or None>, "values": {name: float}}``, at full
+float precision (:func:`metrics_event`, read back with :func:`metric_row`). It is separate from the ``progress``
+events the screen prints (rounded to 4 decimals): Ray Tune's per-round reports, the Prometheus gauges, the MLflow
+sink and ``metrics.parquet`` (the same rows, kept as the method's history) read the channel, never the display text.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from rayfuse.errors import NonFiniteError
 
 __all__ = ["compute_metrics", "accuracy", "nll", "entropy", "ece", "METRIC_NAMES", "metric_sums", "add_metric_sums",
-           "metrics_from_sums", "check_metric_sums", "majority_vote", "SUM_KEYS", "ECE_BINS"]
+           "metrics_from_sums", "check_metric_sums", "majority_vote", "SUM_KEYS", "ECE_BINS", "METRICS_EVENT", "MetricRow",
+           "metrics_event", "metric_row"]
 
 METRIC_NAMES = ("accuracy", "nll", "entropy", "ece")
 ECE_BINS = 15
@@ -172,3 +183,35 @@ def majority_vote(probas: np.ndarray, weights: list[float] | np.ndarray) -> np.n
     np.add.at(votes, (np.arange(n)[None, :].repeat(K, 0), probas.argmax(axis=2)), 1.0)
     averaged = np.tensordot(weights, probas, axes=1)  # in [0, 1]: never outweighs one vote
     return (votes + 0.5 * averaged).argmax(axis=1)
+
+
+#: the kind of the metrics channel's events
+METRICS_EVENT = "metrics"
+
+
+@dataclass(frozen=True)
+class MetricRow:
+    """One row of the metrics channel: method ``method``'s ``values`` at ``round``, of client ``client`` (``None``:
+    the method as a whole)."""
+
+    method: str
+    round: int
+    client: int | None
+    values: dict[str, float]
+
+
+def metrics_event(method: str, round: int, values: Mapping[str, float], client: int | None = None) -> tuple[str, str, dict[str, Any]]:
+    """``(kind, message, fields)`` of the ``metrics`` event of one row, for ``EventLog.emit(kind, message, **fields)``:
+    the values as Python floats, unrounded."""
+    fields: dict[str, Any] = {"method": method, "round": int(round), "client": None if client is None else int(client),
+                              "values": {str(name): float(value) for name, value in values.items()}}
+    return METRICS_EVENT, "", fields
+
+
+def metric_row(event: Mapping[str, Any]) -> MetricRow | None:
+    """The row a ``metrics`` event carries; ``None`` for any other event (or a malformed one)."""
+    if event.get("kind") != METRICS_EVENT or not isinstance(event.get("values"), Mapping) or "round" not in event:
+        return None
+    client = event.get("client")
+    return MetricRow(str(event.get("method", "")), int(event["round"]), None if client is None else int(client),
+                     {str(k): float(v) for k, v in event["values"].items()})

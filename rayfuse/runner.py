@@ -11,11 +11,14 @@ Order of work (each a timed stage in ``results.json``):
    before any cluster work.
 2. ``startup`` -- start the clients (each loads its own shard) and the coordinator.
 3. ``local_training`` -- when a method needs local models: each client trains its local model once (or reads the
-   copy it keeps under ``run.model_cache``; on ``--resume``, the run folder's copy when its own is gone). The
-   coordinator fetches the parameters once, only for methods that fuse them, and checkpoints them.
+   copy it keeps under ``run.model_cache``; on ``--resume``, the run folder's copy when its own is gone). The client
+   is the one owner of its model: the coordinator keeps no copy, asks the clients for the parameters each time a
+   method fuses them, checkpoints each in the run folder once, and gives that copy back to a client that lost its
+   model (a restarted process) instead of having it train again.
 4. one stage per method -- the coordinator runs the method's server loop.
-5. ``report`` -- ``metrics.parquet``, ``comparison.png``, then ``results.json`` (status, metrics, timings, events; with
-   ``evaluation: federated`` or ``both``, each method's per-client table, ``client_metrics``).
+5. ``report`` -- ``metrics.parquet``, ``comparison.png``, the MLflow sink with ``tracking.mlflow``
+   (:mod:`rayfuse.tracking`), then ``results.json`` (status, metrics, timings, events; with ``evaluation: federated``
+   or ``both``, each method's per-client table, ``client_metrics``).
 """
 
 from __future__ import annotations
@@ -25,11 +28,11 @@ import hashlib
 import json
 import secrets
 import time
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import yaml
 
@@ -40,9 +43,15 @@ from rayfuse.errors import InputError, RunFailure
 from rayfuse.fusion.pipeline import check_update_pipeline
 from rayfuse.io import atomic_write_json, atomic_write_text
 from rayfuse.method import MethodSpec, RunSetup, check_methods, check_tags, resolve_methods, resolved_config
+from rayfuse.metrics import METRICS_EVENT
 from rayfuse.report import Printer, format_client_summary, format_partition, format_table, plot_comparison, write_metrics_parquet
 from rayfuse.store import RunStore, claim_run_folder
+from rayfuse.tracking import check_tracking, log_to_mlflow
 from rayfuse.version import __version__
+
+if TYPE_CHECKING:
+    from rayfuse.coordinator import Coordinator
+    from rayfuse.data.silos import SiloPlan
 
 __all__ = ["Backend", "InProcessBackend", "PreparedRun", "prepare_run", "finish_silo_run", "check_local_dp", "check_client_models_fit", "run_experiment",
            "new_run_dir", "check_new_folder", "load_run_config"]
@@ -50,21 +59,31 @@ __all__ = ["Backend", "InProcessBackend", "PreparedRun", "prepare_run", "finish_
 EventSink = Callable[[dict[str, Any]], None]
 
 
-class Backend(ABC):
-    """Starts clients and coordinator, and forwards calls to the coordinator while relaying its events."""
+class Backend(Protocol):
+    """What the runner needs of a backend: start and stop the clients and the coordinator, and the coordinator's
+    calls, typed, each relaying the coordinator's events to ``on_event`` while it runs. :class:`InProcessBackend`
+    and ``actors.RayBackend`` implement it (subclassing it for :meth:`info` and :meth:`check_start`)."""
 
-    name: str = "backend"
+    name: str
 
     @abstractmethod
     def start(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: Path, *, on_event: EventSink, start_time: float,
               specs: list[MethodSpec] | None = None) -> None: ...
 
     @abstractmethod
-    def call(self, name: str, *args: Any) -> Any:
-        """Call ``Coordinator.<name>(*args)`` and return its value."""
+    def stop(self) -> None: ...
 
     @abstractmethod
-    def stop(self) -> None: ...
+    def survey_silos(self) -> SiloPlan:
+        """``Coordinator.survey_silos``: the clients of a silo run report their silos; the completed plan."""
+
+    @abstractmethod
+    def prepare_local_models(self, resume: bool = False) -> dict[str, Any]:
+        """``Coordinator.prepare_local_models``: each client trains its local model once (or restores it)."""
+
+    @abstractmethod
+    def run_method(self, label: str, resume: bool = False) -> dict[str, Any]:
+        """``Coordinator.run_method``: the method's server loop; its summary."""
 
     def info(self) -> dict[str, Any]:
         return {"backend": self.name}
@@ -72,6 +91,7 @@ class Backend(ABC):
     def check_start(self, cfg: ExperimentConfig) -> None:
         """Raise :class:`InputError` for what this backend can tell cannot start, before the run folder is written
         (an unreachable cluster address, more CPUs than the local Ray will have). Nothing to check by default."""
+        return None
 
 
 class InProcessBackend(Backend):
@@ -84,7 +104,7 @@ class InProcessBackend(Backend):
     name = "local"
 
     def __init__(self) -> None:
-        self.coordinator: Any = None
+        self.coordinator: Coordinator | None = None
         self.federation: Any = None
         self._coordinator_threads: int | None = None
 
@@ -112,11 +132,28 @@ class InProcessBackend(Backend):
         self._coordinator_threads = actor_threads(fed_cfg.coordinator.num_cpus)
         self.coordinator = Coordinator(cfg, plan, str(run_dir), self.federation, specs=specs)
 
-    def call(self, name: str, *args: Any) -> Any:
+    def _running(self) -> Coordinator:
+        if self.coordinator is None:
+            raise RuntimeError("the backend is not started")
+        return self.coordinator
+
+    def survey_silos(self) -> SiloPlan:
         from rayfuse.federation import torch_threads
 
         with torch_threads(self._coordinator_threads):
-            return getattr(self.coordinator, name)(*args)
+            return self._running().survey_silos()
+
+    def prepare_local_models(self, resume: bool = False) -> dict[str, Any]:
+        from rayfuse.federation import torch_threads
+
+        with torch_threads(self._coordinator_threads):
+            return self._running().prepare_local_models(resume)
+
+    def run_method(self, label: str, resume: bool = False) -> dict[str, Any]:
+        from rayfuse.federation import torch_threads
+
+        with torch_threads(self._coordinator_threads):
+            return self._running().run_method(label, resume)
 
     def stop(self) -> None:
         self.coordinator = None
@@ -233,6 +270,7 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
     from rayfuse.models.registry import check_model_fits
 
     specs = resolve_methods(cfg.methods, methods)
+    check_tracking(cfg)  # a sink the config asks for (tracking.mlflow) must be installed
     if cfg.data.is_silos:
         return _prepare_silo_run(cfg, specs)
     dataset = load_dataset_from_config(cfg.data)
@@ -431,44 +469,72 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
 
     Raises :class:`InputError` for bad input (before any client starts) and :class:`RunFailure` when the run cannot
     go on (after writing ``results.json`` with ``status: failed`` and the methods that finished).
+
+    The stages, each a function: :func:`_check_before_start` (the checks, the silo survey), then inside the folder's
+    claim :func:`_write_run_folder` (config, manifest, identity) and :func:`_print_header`, :func:`_run_stages`
+    (:func:`_start_federation`, :func:`_local_models`, :func:`_run_method` for each method) and :func:`_report`.
     """
-    start = time.time()
-    started_at = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
-    printer = printer or Printer()
-    run_dir = Path(run_dir)
-    store = RunStore(run_dir)
-    events: list[dict[str, Any]] = []
-    timings: dict[str, float] = {}
-
-    def on_event(event: dict[str, Any]) -> None:
-        events.append(event)
-        printer(event)
-
-    def emit(kind: str, message: str = "", **fields: Any) -> None:
-        on_event({"t": round(time.time() - start, 3), "kind": kind, **({"message": message} if message else {}), **fields})
-
-    def say(text: str, always: bool = False) -> None:
-        if show_tables and (always or getattr(printer, "enabled", True)):
-            stream = getattr(printer, "stream", None)
-            print(text, file=stream, flush=True)
-
+    run = _Run(run_dir, printer or Printer(), show_tables, resume)
     # 1. partition (driver side; nothing has started yet, bad input exits with code 2 here)
     t0 = time.perf_counter()
     prepared = cfg if isinstance(cfg, PreparedRun) else prepare_run(cfg)
-    cfg, specs, plan = prepared.cfg, prepared.specs, prepared.plan
-    resolved = prepared.resolved()
-    backend.check_start(cfg)  # before the run folder is written
+    run.resolved = prepared.resolved()
+    backend.check_start(prepared.cfg)  # before the run folder is written
+    prepared, files, changed = _check_before_start(run, prepared, backend)
+    with claim_run_folder(run.dir, resume=resume):  # released at the end; a second run of this folder is refused
+        resume_state = _write_run_folder(run, prepared, files, changed)
+        run.timings["partition"] = round(time.perf_counter() - t0, 3)
+        _print_header(run, prepared)
+        run.emit("stage_end", stage="partition", seconds=run.timings["partition"])
+        summaries, error, backend_info = _run_stages(run, prepared, backend, resume_state)
+        return _report(run, prepared, summaries, error, backend_info)
+
+
+class _Run:
+    """One :func:`run_experiment` call's bookkeeping: the run folder, the events ``results.json`` keeps, the stage
+    timings, the printer."""
+
+    def __init__(self, run_dir: str | Path, printer: Callable[[dict[str, Any]], None], show_tables: bool, resume: bool) -> None:
+        self.start = time.time()
+        self.started_at = _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+        self.printer = printer
+        self.show_tables = show_tables
+        self.resume = resume
+        self.dir = Path(run_dir)
+        self.store = RunStore(self.dir)
+        self.events: list[dict[str, Any]] = []
+        self.timings: dict[str, float] = {}
+        self.resolved: dict[str, Any] = {}
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        if event.get("kind") != METRICS_EVENT:  # the metrics channel's rows are metrics.parquet's, not results.json's events
+            self.events.append(event)
+        self.printer(event)
+
+    def emit(self, kind: str, message: str = "", **fields: Any) -> None:
+        self.on_event({"t": round(time.time() - self.start, 3), "kind": kind, **({"message": message} if message else {}), **fields})
+
+    def say(self, text: str, always: bool = False) -> None:
+        if self.show_tables and (always or getattr(self.printer, "enabled", True)):
+            stream = getattr(self.printer, "stream", None)
+            print(text, file=stream, flush=True)
+
+
+def _check_before_start(run: _Run, prepared: PreparedRun, backend: Backend) -> tuple[PreparedRun, dict[str, Any], list[Any]]:
+    """Before the run folder is claimed: on ``--resume``, the folder's config, data files and split against this run;
+    a silo run's survey (its clients start first: only they read their silos). Returns the run (a silo run's plan
+    completed by the survey), its data files by content and the data files / silos changed since the folder's state."""
+    store, plan = run.store, prepared.plan
     # the files the run's data comes from, by content (rayfuse.data.identity): recorded in identity.json; on --resume,
     # another config than the folder's is refused and a file regenerated since its state was written is recomputed
-    files = data_files(resolved["data"])
-    changed = _check_resume_state(store, resolved, files) if resume else []
+    files = data_files(run.resolved["data"])
+    changed = _check_resume_state(store, run.resolved, files) if run.resume else []
     # the folder's partition manifest is read before anything starts (a missing or damaged one is refused here)
-    manifest = _read_manifest(store) if resume else None
-    silos = cfg.data.is_silos
-    if silos:  # the clients start first: only they read their silos; their reports complete the plan
+    manifest = _read_manifest(store) if run.resume else None
+    if prepared.cfg.data.is_silos:  # the clients start first: only they read their silos; their reports complete the plan
         try:
-            backend.start(cfg, plan, run_dir, on_event=on_event, start_time=start, specs=specs)
-            prepared = finish_silo_run(prepared, backend.call("survey_silos"))
+            backend.start(prepared.cfg, plan, run.dir, on_event=run.on_event, start_time=run.start, specs=prepared.specs)
+            prepared = finish_silo_run(prepared, backend.survey_silos())
             plan = prepared.plan
             if manifest is not None:
                 # a silo regenerated in place: its client reported another content hash than the folder records (the
@@ -481,104 +547,147 @@ def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_di
             raise
     elif manifest is not None:
         _check_same_split(store, manifest, plan, changed, files)
-    with claim_run_folder(run_dir, resume=resume):  # released at the end; a second run of this folder is refused
-        fresh = bool(changed)  # state computed from other data: none of it is read, and it is removed (inside the claim)
-        for key, path, before, now in changed:
-            emit("warning", f"{key} ({path}): content changed since the run folder's state was computed (SHA-256 {before[:12]} -> "
+    return prepared, files, changed
+
+
+def _write_run_folder(run: _Run, prepared: PreparedRun, files: dict[str, Any], changed: list[Any]) -> bool:
+    """Inside the folder's claim: drop state computed from data that changed since (with a warning per file), then
+    write ``config.yaml``, ``partition.json`` and ``identity.json``. Returns whether the folder's state is resumed."""
+    store = run.store
+    fresh = bool(changed)  # state computed from other data: none of it is read, and it is removed (inside the claim)
+    for key, path, before, now in changed:
+        run.emit("warning", f"{key} ({path}): content changed since the run folder's state was computed (SHA-256 {before[:12]} -> "
                  f"{now[:12]}); every method and local model is computed again, nothing of the old state is kept")
-        if fresh:
-            _discard_state(store)
-        resume_state = resume and not fresh
-        config_text = dump_config(resolved)
-        atomic_write_text(store.config_file, config_text)
-        # the config's hash beside the split's: a resume can tell a damaged config.yaml that still parses (a cut at a line end)
-        atomic_write_json(store.partition_file, {**plan.manifest(), "config_sha256": hashlib.sha256(config_text.encode("utf-8")).hexdigest()})
-        atomic_write_json(store.root / IDENTITY_FILE, {"format": 1, "config": _state_digest(resolved), "data_files": files})
-        timings["partition"] = round(time.perf_counter() - t0, 3)
-        say(f"rayfuse {__version__}: run {cfg.run.name!r} -> {run_dir}{'  (resumed)' if resume else ''}")
-        target_note = f" (target task: {plan.target}, {len(plan.public)} public / {len(plan.test)} test)" if plan.target else ""
-        say(f"data: {plan.dataset}{target_note}, {plan.num_classes} classes, input {plan.input_shape}; {prepared.describe_models()}; "
+    if fresh:
+        _discard_state(store)
+    config_text = dump_config(run.resolved)
+    atomic_write_text(store.config_file, config_text)
+    # the config's hash beside the split's: a resume can tell a damaged config.yaml that still parses (a cut at a line end)
+    atomic_write_json(store.partition_file, {**prepared.plan.manifest(), "config_sha256": hashlib.sha256(config_text.encode("utf-8")).hexdigest()})
+    atomic_write_json(store.root / IDENTITY_FILE, {"format": 1, "config": _state_digest(run.resolved), "data_files": files})
+    return run.resume and not fresh
+
+
+def _print_header(run: _Run, prepared: PreparedRun) -> None:
+    """The run's first lines: where it goes, the data and models, the partition's table."""
+    cfg, plan = prepared.cfg, prepared.plan
+    run.say(f"rayfuse {__version__}: run {cfg.run.name!r} -> {run.dir}{'  (resumed)' if run.resume else ''}")
+    target_note = f" (target task: {plan.target}, {len(plan.public)} public / {len(plan.test)} test)" if plan.target else ""
+    run.say(f"data: {plan.dataset}{target_note}, {plan.num_classes} classes, input {plan.input_shape}; {prepared.describe_models()}; "
             f"partition {plan.partition['method']} into {plan.num_clients} clients (hash {plan.digest()[:12]})")
-        if plan.num_clients <= 32:
-            say(format_partition(plan.counts, plan.class_names, [len(v) for v in plan.client_val]))
-        emit("stage_end", stage="partition", seconds=timings["partition"])
+    if plan.num_clients <= 32:
+        run.say(format_partition(plan.counts, plan.class_names, [len(v) for v in plan.client_val]))
 
-        summaries: dict[str, dict[str, Any]] = {}
-        status, error = "succeeded", None
-        try:
-            t0 = time.perf_counter()
-            if not silos:
-                backend.start(cfg, plan, run_dir, on_event=on_event, start_time=start, specs=specs)
-            timings["startup"] = round(time.perf_counter() - t0, 3)
-            emit("stage_end", stage="startup", seconds=timings["startup"])
-            finished = {s.label: store.load_method_state(s.label, warn=_warner(emit, s.label)) for s in specs} if resume_state else {}
-            pending = [s for s in specs if finished.get(s.label) is None]
-            if any(s.method_cls.tags.uses_local_models for s in pending):
-                t0 = time.perf_counter()
-                backend.call("prepare_local_models", resume_state)
-                timings["local_training"] = round(time.perf_counter() - t0, 3)
-            for spec in specs:
-                saved = finished.get(spec.label)
-                if saved is not None:
-                    summaries[spec.label] = saved
-                    emit("info", f"{spec.label}: finished in the original run; loaded from state/", method=spec.label)
-                    continue
-                t0 = time.perf_counter()
-                summaries[spec.label] = backend.call("run_method", spec.label, resume_state)
-                timings[f"method/{spec.label}"] = round(time.perf_counter() - t0, 3)
-        except RunFailure as exc:
-            status, error = "failed", str(exc)
-            emit("run_failed", str(exc))
-        finally:
-            backend_info = backend.info()
-            backend.stop()
 
-        # 5. report
+def _run_stages(run: _Run, prepared: PreparedRun, backend: Backend,
+                resume_state: bool) -> tuple[dict[str, dict[str, Any]], str | None, dict[str, Any]]:
+    """Start the federation, the local models, each method; the backend is stopped at the end, whatever happened.
+    Returns the methods' summaries, the error of a run that failed (``None``: it succeeded) and the backend's info."""
+    summaries: dict[str, dict[str, Any]] = {}
+    error: str | None = None
+    try:
+        _start_federation(run, prepared, backend)
+        specs = prepared.specs
+        finished = {s.label: run.store.load_method_state(s.label, warn=_warner(run.emit, s.label)) for s in specs} if resume_state else {}
+        _local_models(run, [s for s in specs if finished.get(s.label) is None], backend, resume_state)
+        for spec in specs:
+            saved = finished.get(spec.label)
+            if saved is not None:
+                summaries[spec.label] = saved
+                run.emit("info", f"{spec.label}: finished in the original run; loaded from state/", method=spec.label)
+                continue
+            summaries[spec.label] = _run_method(run, spec, backend, resume_state)
+    except RunFailure as exc:
+        error = str(exc)
+        run.emit("run_failed", str(exc))
+    finally:
+        backend_info = backend.info()
+        backend.stop()
+    return summaries, error, backend_info
+
+
+def _start_federation(run: _Run, prepared: PreparedRun, backend: Backend) -> None:
+    """2. ``startup``: the clients and the coordinator (a silo run's started for its survey already)."""
+    t0 = time.perf_counter()
+    if not prepared.cfg.data.is_silos:
+        backend.start(prepared.cfg, prepared.plan, run.dir, on_event=run.on_event, start_time=run.start, specs=prepared.specs)
+    run.timings["startup"] = round(time.perf_counter() - t0, 3)
+    run.emit("stage_end", stage="startup", seconds=run.timings["startup"])
+
+
+def _local_models(run: _Run, pending: Sequence[MethodSpec], backend: Backend, resume_state: bool) -> None:
+    """3. ``local_training``, when a method still to run needs local models."""
+    if any(s.method_cls.tags.uses_local_models for s in pending):
         t0 = time.perf_counter()
-        methods = {label: _method_entry(s) for label, s in summaries.items()}
-        if summaries:
-            write_metrics_parquet(store.metrics_file, list(summaries.values()))
-            plot_comparison(store.plot_file, methods, list(summaries.values()), title=f"{plan.dataset}, {plan.num_clients} clients",
-                            evaluation=cfg.evaluation)
-        timings["report"] = round(time.perf_counter() - t0, 3)
-        timings["total"] = round(time.time() - start, 3)
-        results = {
-            "status": status,
-            "error": error,
-            "rayfuse_version": __version__,
-            "run": {
-                "name": cfg.run.name, "dir": str(run_dir), "started_at": started_at,
-                "finished_at": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-                "seconds": timings["total"], "resumed": resume, **backend_info,
-            },
-            "config": resolved,
-            "evaluation": cfg.evaluation,
-            "partition": {
-                "hash": plan.digest(), "dataset": plan.dataset, **plan.partition,
-                "num_train": [len(t) for t in plan.client_train], "num_val": [len(v) for v in plan.client_val],
-                "class_counts": plan.counts.tolist(), "test_size": int(len(plan.test)), "public_size": int(len(plan.public)),
-                "unassigned": plan.unassigned,
-            },
-            **({"attacks": [a.model_dump(mode="json", exclude_none=True) for a in cfg.federation.attacks]}
-               if cfg.federation.attacks else {}),
-            "methods": methods,
-            "timings": timings,
-            "events": events,
-            "files": {
-                "config": "config.yaml", "partition": "partition.json", "metrics": "metrics.parquet" if summaries else None,
-                "plot": "comparison.png" if summaries else None,
-                "models": {label: s["model_file"] for label, s in summaries.items() if s.get("model_file")},
-            },
-        }
-        atomic_write_json(store.results_file, results)
-        if methods:
-            say("\n" + format_table(methods), always=True)
-            if cfg.evaluation != "central":
-                say(format_client_summary(methods, cfg.evaluation), always=True)
-        say(f"\nresults: {store.results_file}", always=True)
-        if status == "failed":
-            raise RunFailure(error or "run failed")
-        return results
+        backend.prepare_local_models(resume_state)
+        run.timings["local_training"] = round(time.perf_counter() - t0, 3)
+
+
+def _run_method(run: _Run, spec: MethodSpec, backend: Backend, resume_state: bool) -> dict[str, Any]:
+    """4. one method's server loop on the coordinator: its summary."""
+    t0 = time.perf_counter()
+    summary = backend.run_method(spec.label, resume_state)
+    run.timings[f"method/{spec.label}"] = round(time.perf_counter() - t0, 3)
+    return summary
+
+
+def _report(run: _Run, prepared: PreparedRun, summaries: dict[str, dict[str, Any]], error: str | None,
+            backend_info: dict[str, Any]) -> dict[str, Any]:
+    """5. ``report``: ``metrics.parquet``, ``comparison.png``, the MLflow sink, ``results.json`` and the table.
+    Raises :class:`RunFailure` after writing them when the run failed (``error``)."""
+    cfg, plan, store = prepared.cfg, prepared.plan, run.store
+    status = "succeeded" if error is None else "failed"
+    t0 = time.perf_counter()
+    methods = {label: _method_entry(s) for label, s in summaries.items()}
+    if summaries:
+        write_metrics_parquet(store.metrics_file, list(summaries.values()))
+        plot_comparison(store.plot_file, methods, list(summaries.values()), title=f"{plan.dataset}, {plan.num_clients} clients",
+                        evaluation=cfg.evaluation)
+    tracked = None
+    if cfg.tracking.mlflow is not None and summaries:  # after the files it logs (the models, comparison.png)
+        tracked = log_to_mlflow(cfg.tracking.mlflow, cfg=cfg, run_dir=run.dir, resolved=run.resolved, summaries=list(summaries.values()),
+                                warn=lambda message: run.emit("warning", message))
+    timings = run.timings
+    timings["report"] = round(time.perf_counter() - t0, 3)
+    timings["total"] = round(time.time() - run.start, 3)
+    results = {
+        "status": status,
+        "error": error,
+        "rayfuse_version": __version__,
+        "run": {
+            "name": cfg.run.name, "dir": str(run.dir), "started_at": run.started_at,
+            "finished_at": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "seconds": timings["total"], "resumed": run.resume, **backend_info,
+        },
+        "config": run.resolved,
+        "evaluation": cfg.evaluation,
+        "partition": {
+            "hash": plan.digest(), "dataset": plan.dataset, **plan.partition,
+            "num_train": [len(t) for t in plan.client_train], "num_val": [len(v) for v in plan.client_val],
+            "class_counts": plan.counts.tolist(), "test_size": int(len(plan.test)), "public_size": int(len(plan.public)),
+            "unassigned": plan.unassigned,
+        },
+        **({"attacks": [a.model_dump(mode="json", exclude_none=True) for a in cfg.federation.attacks]}
+           if cfg.federation.attacks else {}),
+        "methods": methods,
+        **({"tracking": {"mlflow": tracked}} if cfg.tracking.mlflow is not None else {}),
+        "timings": timings,
+        "events": run.events,
+        "files": {
+            "config": "config.yaml", "partition": "partition.json", "metrics": "metrics.parquet" if summaries else None,
+            "plot": "comparison.png" if summaries else None,
+            "models": {label: s["model_file"] for label, s in summaries.items() if s.get("model_file")},
+        },
+    }
+    atomic_write_json(store.results_file, results)
+    if methods:
+        run.say("\n" + format_table(methods), always=True)
+        if cfg.evaluation != "central":
+            run.say(format_client_summary(methods, cfg.evaluation), always=True)
+    run.say(f"\nresults: {store.results_file}", always=True)
+    if error is not None:
+        raise RunFailure(error or "run failed")
+    return results
 
 
 #: the ``federation`` keys a run folder's state depends on: the clients' own models and the attacks change what is
@@ -589,10 +698,11 @@ _STATE_FEDERATION = ("client_overrides", "attacks")
 
 def state_config(resolved: Mapping[str, Any]) -> dict[str, Any]:
     """The part of a resolved config a run folder's state is computed from, as plain data: the config without where
-    runs and caches go (``run.storage``, ``run.model_cache``: the cache is keyed by content), the run's name and the
+    runs, caches and tracked results go (``run.storage``, ``run.model_cache``: the cache is keyed by content;
+    ``tracking``), the run's name and the
     ``federation`` keys but :data:`_STATE_FEDERATION`, with data file names left out (:func:`rayfuse.data.identity.content_data`; their content is
     compared on its own, so a renamed copy of a file is the same data)."""
-    out = {k: v for k, v in resolved.items() if k not in ("run", "federation")}
+    out = {k: v for k, v in resolved.items() if k not in ("run", "federation", "tracking")}  # tracking: where results also go
     out["run"] = {k: v for k, v in dict(resolved.get("run") or {}).items() if k not in ("name", "storage", "model_cache")}
     federation = dict(resolved.get("federation") or {})
     out["federation"] = {k: federation.get(k) for k in _STATE_FEDERATION}

@@ -144,8 +144,14 @@ class SpyBackend(Backend):
     def start(self, *args: Any, **kwargs: Any) -> None:
         self.calls.append("start")
 
-    def call(self, name: str, *args: Any) -> Any:
-        self.calls.append(name)
+    def survey_silos(self) -> Any:
+        self.calls.append("survey_silos")
+
+    def prepare_local_models(self, resume: bool = False) -> Any:
+        self.calls.append("prepare_local_models")
+
+    def run_method(self, label: str, resume: bool = False) -> Any:
+        self.calls.append("run_method")
 
     def stop(self) -> None:
         self.calls.append("stop")

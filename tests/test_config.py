@@ -38,7 +38,8 @@ class Set(tuple):
         return super().__new__(cls, overrides)
 
 BAD_CONFIGS = [
-    pytest.param({"bogus": 1}, "bogus", r"one of the keys \{data, evaluation, federation, methods, model, partition, run, train\}", id="unknown-top-level-key"),
+    pytest.param({"bogus": 1}, "bogus", r"one of the keys \{data, evaluation, federation, methods, model, partition, run, tracking, train\}",
+                 id="unknown-top-level-key"),
     pytest.param({"partition": {"alpah": 1}}, "partition.alpah", r"did you mean 'alpha'", id="unknown-nested-key-suggests"),
     pytest.param({"federation": {"clients": {"num_gpuz": 1}}}, "federation.clients.num_gpuz", r"did you mean 'num_gpus'", id="unknown-deep-key-suggests"),
     pytest.param({"train": 5}, "train", r"got 5", id="section-not-a-mapping"),

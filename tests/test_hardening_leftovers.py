@@ -66,9 +66,17 @@ class SpyBackend(InProcessBackend):
         self.started += 1
         super().start(*args, **kwargs)
 
-    def call(self, name: str, *args: Any) -> Any:
-        self.calls.append(name)
-        return super().call(name, *args)
+    def survey_silos(self) -> Any:
+        self.calls.append("survey_silos")
+        return super().survey_silos()
+
+    def prepare_local_models(self, resume: bool = False) -> Any:
+        self.calls.append("prepare_local_models")
+        return super().prepare_local_models(resume)
+
+    def run_method(self, label: str, resume: bool = False) -> Any:
+        self.calls.append("run_method")
+        return super().run_method(label, resume)
 
     def stop(self) -> None:
         self.stopped += 1

@@ -51,6 +51,8 @@ def test_events_become_tagged_metrics(recorded):
     m.on_event({"kind": "client_trained", "client": 0, "seconds": 1.5})
     m.on_event({"kind": "stage_end", "stage": "local_training", "seconds": 4.0})
     m.on_event({"kind": "method_start", "method": "fedavg"})
+    m.on_event({"kind": "metrics", "method": "fedavg", "round": 1, "client": None, "values": {"accuracy": 0.5, "train_loss": 1.2}})
+    m.on_event({"kind": "metrics", "method": "fedavg", "round": 1, "client": 0, "values": {"accuracy": 0.1}})  # a client's row: not fused
     m.on_event({"kind": "progress", "method": "fedavg", "round": 1, "clients": 2, "metrics": {"accuracy": 0.5, "train_loss": 1.2}})
     m.on_event({"kind": "client_dropped", "client": 2})
     m.on_event({"kind": "method_done", "method": "fedavg", "seconds": 2.0, "metrics": {"accuracy": 0.6, "nll": float("nan")}})

@@ -118,7 +118,7 @@ def test_standardisation_is_federated_and_its_payloads_are_statistics_only(tmp_p
         assert set(report) == {"schema", "moments"} and set(report["schema"]) >= {"size", "class_counts", "content_hash"}
         count, total, squares = report["moments"]
         assert count == 45 and total.shape == (4,) and squares.shape == (4,)
-    plan = backend.call("survey_silos")
+    plan = backend.survey_silos()
     pooled = np.concatenate([np.load(tmp_path / f"site{i}.npz")["X"] for i in range(3)]).astype(np.float64)
     mean, scale = combine_moments([r["moments"] for r in reports.values()])
     np.testing.assert_allclose(plan.normalization.mean[0], pooled.mean(0), rtol=1e-5)

@@ -141,8 +141,10 @@ def test_a_trial_reports_each_round_of_the_metrics_method_with_the_stages_so_far
     reporter = _TrialReporter("fused/fedprox/accuracy", reports.append)
     reporter({"kind": "stage_end", "stage": "startup", "seconds": 1.5})
     reporter({"kind": "local_models_restored", "source": "cache"})
-    reporter({"kind": "progress", "method": "fedavg", "round": 1, "metrics": {"accuracy": 0.4}})  # another method: no report
-    reporter({"kind": "progress", "method": "fedprox", "round": 1, "metrics": {"train_loss": 2.0}})  # no accuracy yet
-    reporter({"kind": "progress", "method": "fedprox", "round": 2, "metrics": {"accuracy": 0.5, "train_loss": 1.0}})
+    reporter({"kind": "metrics", "method": "fedavg", "round": 1, "client": None, "values": {"accuracy": 0.4}})  # another method: no report
+    reporter({"kind": "metrics", "method": "fedprox", "round": 1, "client": None, "values": {"train_loss": 2.0}})  # no accuracy yet
+    reporter({"kind": "metrics", "method": "fedprox", "round": 2, "client": 0, "values": {"accuracy": 0.1}})  # a client's row: no report
+    reporter({"kind": "progress", "method": "fedprox", "round": 2, "metrics": {"accuracy": 0.9}})  # display text: never read
+    reporter({"kind": "metrics", "method": "fedprox", "round": 2, "client": None, "values": {"accuracy": 0.5, "train_loss": 1.0}})
     assert reports == [{"local/trained": 0, "local/cache_hit": 1, "time/startup": 1.5, "fused/fedavg/accuracy": 0.4,
                         "fused/fedprox/train_loss": 1.0, "fused/fedprox/accuracy": 0.5, "round": 2, "stage": "fedprox"}]

@@ -46,10 +46,13 @@ from rayfuse.config.experiment import CONFIG_SECTIONS, DEFAULT_METHODS, QUICKSTA
 from rayfuse.config.federation import AttackSpec, ClientOverride, FaultSpec, FederationConfig, ResourcesConfig, other_model_clients
 from rayfuse.config.load import apply_overrides, build_config, dump_config, load_config, parse_overrides, read_config_file, validate_config
 from rayfuse.config.model import ModelConfig
+from rayfuse.config.tracking import MlflowConfig, TrackingConfig
 from rayfuse.config.train import DPSGDConfig, TrainConfig
 
 __all__ = [
     "ExperimentConfig",
+    "TrackingConfig",
+    "MlflowConfig",
     "RunConfig",
     "DataConfig",
     "SiloSource",

@@ -13,6 +13,7 @@ from rayfuse.config.base import StrictModel
 from rayfuse.config.data import DataConfig, PartitionConfig
 from rayfuse.config.federation import FederationConfig
 from rayfuse.config.model import ModelConfig
+from rayfuse.config.tracking import TrackingConfig
 from rayfuse.config.train import TrainConfig
 from rayfuse.errors import key_error
 
@@ -38,7 +39,7 @@ class RunConfig(StrictModel):
 
 
 # The top-level sections: an error path starting with one of these is absolute (``Method.check``'s convention).
-CONFIG_SECTIONS = ("run", "data", "partition", "model", "train", "federation", "methods", "evaluation")
+CONFIG_SECTIONS = ("run", "data", "partition", "model", "train", "federation", "methods", "evaluation", "tracking")
 
 
 class ExperimentConfig(StrictModel):
@@ -54,6 +55,7 @@ class ExperimentConfig(StrictModel):
         "central", description="where models are scored: central (the server's test set), federated (each client on its own "
         "held-out split, data.val_size; sums and counts only, aggregated count-weighted) or both (federated under federated_<metric>). "
         "Default: federated with data.silos, central without")
+    tracking: TrackingConfig = Field(default_factory=lambda: TrackingConfig(), description="experiment-tracking sinks (MLflow)")
 
     @model_validator(mode="before")
     @classmethod

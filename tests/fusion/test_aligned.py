@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from rayfuse.federation import Gathered, Update
 from rayfuse.fusion.aligned.algorithm import batchnorm, correlations, derive_run_spec
 from rayfuse.io import load_params
 from rayfuse.models import build_model, set_params
@@ -32,7 +31,6 @@ def test_fusing_copies_of_one_model_returns_the_model(coordinator):
                                  "fisher": {"method": "aligned", "merge": "fisher"}}, **INDEPENDENT)
     coord.prepare_local_models()
     params = coord.reference_params()
-    coord._local = Gathered({i: Update({k: v.copy() for k, v in params.items()}, coord.plan.num_examples(i)) for i in range(3)})
     for i in range(3):  # the clients own their local models: the same model on every client
         coord.federation.client(i).ctx._local_model = set_params(build_model(coord.cfg.model, coord.plan.input_shape, coord.plan.num_classes), params)
     for label in ("act", "wm", "fisher"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from rayfuse.client import set_local_params
 from rayfuse.coordinator import MethodServer
 from rayfuse.errors import RunFailure
 from rayfuse.federation import Gathered, Update
@@ -25,7 +26,8 @@ def test_registry_lists_the_baselines_and_resolves_aliases():
 def test_averaging_identical_models_returns_the_model(coordinator):
     coord = coordinator(methods={"average": {}})
     params = coord.reference_params()
-    coord._local = Gathered({i: Update({k: v.copy() for k, v in params.items()}, coord.plan.num_examples(i)) for i in range(4)})
+    coord.prepare_local_models()
+    coord.federation.run(set_local_params, params)  # the clients own their local models: the same model on every client
     summary = coord.run_method("average")
     from rayfuse.io import load_params
 
@@ -67,7 +69,7 @@ def test_majority_vote_ties_go_to_the_larger_average_probability():
 def test_ensemble_of_identical_models_matches_the_single_model(coordinator):
     coord = coordinator(methods={"ensemble": {}, "average": {}})
     one = coord.local_updates().results[0]
-    coord._local = Gathered({i: Update(one.params, coord.plan.num_examples(i)) for i in range(3)})
+    coord.federation.run(set_local_params, one.params)  # the clients own their local models: client 0's on every client
     ensemble = coord.run_method("ensemble")["metrics"]
     average = coord.run_method("average")["metrics"]
     for metric in ("accuracy", "nll", "entropy", "ece"):
