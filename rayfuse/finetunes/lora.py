@@ -20,15 +20,17 @@ module's weight by ``s_i B_i A_i`` with ``s_i = lora_alpha / r_i`` (``lora_alpha
 ``rank_pattern`` / ``alpha_pattern`` override both per module, matched as PEFT matches them). The weighted update of
 the adapters is ``D = sum_i w_i s_i B_i A_i``. ``combine``:
 
-* ``stack`` (FLoRA): ``B = [w_1 s_1 B_1, ..., w_n s_n B_n]``, ``A = [A_1; ...; A_n]``, so ``B A = D`` exactly, at rank
-  ``sum_i r_i`` (mixed ranks are HetLoRA's setting: nothing needs them equal).
+* ``stack`` ([FLORA : fed_utils/model_aggregation.py]): ``B = [w_1 s_1 B_1, ..., w_n s_n B_n]``, ``A = [A_1; ...; A_n]``,
+  so ``B A = D`` exactly, at rank ``sum_i r_i`` (mixed ranks are HetLoRA's setting [HETLORA]: nothing needs them equal).
 * ``svd``: the best rank-``rank`` approximation of ``D`` (Eckart-Young), from an SVD of ``D`` computed through thin QR
   factorisations of the stacked factors (never forming ``D``); its error is the tail of ``D``'s singular values. At
-  the full stacked rank it is exact. As PEFT's ``add_weighted_adapter(combination_type="svd")``.
+  the full stacked rank it is exact. As PEFT's ``add_weighted_adapter(combination_type="svd")``
+  ([PEFT : src/peft/tuners/lora/model.py]).
 * ``average_factors``: ``B = sum_i w_i s_i B_i``, ``A = sum_i w_i A_i``: the average of the factors Flower and
   FlowerTune send, which is not the average of the updates (``mean(B) mean(A) != mean(B A)``). It is kept as the
   inexact baseline it is: the output's metadata says ``exact: false`` and gives its error against ``D``; mixed ranks
-  are refused (the factors cannot be averaged).
+  are refused (the factors cannot be averaged). When every adapter holds one frozen ``A`` (FFA-LoRA [FFALORA]) it
+  is exact: ``sum_i w_i s B_i A = (sum_i w_i s B_i) A``.
 
 The output adapter stores its factors with the scaling folded in: ``lora_alpha`` equals the rank, ``use_rslora`` is
 off, so PEFT's scaling is 1 and ``PeftModel.from_pretrained(base, output)`` applies exactly ``B A``. The merged output
@@ -257,9 +259,13 @@ def read_adapter(folder: str | Path, where: str = "") -> Adapter:
 # The combinations, one module at a time
 
 
-def _fro_sq(B: np.ndarray, A: np.ndarray) -> float:
-    """``||B A||_F^2`` from the factors: ``trace((B^T B)(A A^T))``, without forming ``B A``."""
-    return max(float(np.sum((B.T @ B) * (A @ A.T))), 0.0)
+def _fro(B: np.ndarray, A: np.ndarray) -> float:
+    """``||B A||_F`` from the factors, without forming ``B A``: with thin QRs ``B = Q_B R_B`` and ``A^T = Q_A R_A``,
+    ``||B A||_F = ||R_B R_A^T||_F`` (orthonormal columns keep the norm), as accurate as the factors (a Gram-matrix
+    trace would lose half the digits to cancellation when ``B A`` is a small difference)."""
+    if B.size == 0 or A.size == 0:
+        return 0.0
+    return float(np.linalg.norm(np.linalg.qr(B, mode="r") @ np.linalg.qr(A.T, mode="r").T))
 
 
 def combine_module(Bs: Sequence[np.ndarray], As: Sequence[np.ndarray], weights: Sequence[float], scalings: Sequence[float],
@@ -271,7 +277,7 @@ def combine_module(Bs: Sequence[np.ndarray], As: Sequence[np.ndarray], weights: 
     B_s = np.concatenate([c * b for c, b in zip(coefficients, Bs)], axis=1)
     A_s = np.concatenate(list(As), axis=0)
     stacked = int(A_s.shape[0])
-    norm = math.sqrt(_fro_sq(B_s, A_s))
+    norm = _fro(B_s, A_s)
     if combine == "stack":
         return ModuleMerge(B_s, A_s, stacked, norm, 0.0)
     if combine == "svd":
@@ -288,7 +294,7 @@ def combine_module(Bs: Sequence[np.ndarray], As: Sequence[np.ndarray], weights: 
         # baseline's own setting); with different scalings each one goes with its B, the only place it can go
         B = np.sum([c * b for c, b in zip(coefficients, Bs)], axis=0)
         A = np.sum([w * a for w, a in zip(weights, As)], axis=0)
-        error = math.sqrt(_fro_sq(np.concatenate([B_s, -B], axis=1), np.concatenate([A_s, A], axis=0)))
+        error = _fro(np.concatenate([B_s, -B], axis=1), np.concatenate([A_s, A], axis=0))
         return ModuleMerge(B, A, stacked, norm, error)
     raise InputError("parameters.combine", "stack, svd or average_factors", combine)
 
@@ -315,14 +321,15 @@ def _rank_limit(adapters: Sequence[Adapter], module: str) -> tuple[int, list[int
 
 
 def combine_adapters(adapters: Sequence[Adapter], weights: Sequence[float], combine: str, rank: int | None = None,
-                     where: Sequence[str] = ()) -> Combined:
+                     where: Sequence[str] = (), config: str = "") -> Combined:
     """Combine adapters (already checked one by one) module by module. The modules are the union of the adapters'
     target modules: an adapter that does not target a module left that weight at the base's value, so its update
     there is exactly zero, and the union with zero there is the faithful sum (refusing would forbid the common case of
     sites adapting different layers). Checks, one line each: the factors' sides agree across adapters, and the rank
     (svd: given, at most the largest stacked rank, a module of a smaller one kept whole at it; average_factors: one rank
-    per module across the adapters)."""
+    per module across the adapters). ``where``: each adapter's name in the messages; ``config``: the fuse file's."""
     where = list(where) or [str(a.folder) for a in adapters]
+    at = f"{config}: " if config else ""
     modules = sorted({m for a in adapters for m in a.A})
     fans = {a.fan_in_fan_out for a in adapters}
     if len(fans) > 1:
@@ -330,10 +337,10 @@ def combine_adapters(adapters: Sequence[Adapter], weights: Sequence[float], comb
         raise InputError(f"{where[first]}: {ADAPTER_CONFIG}: fan_in_fan_out", f"{adapters[0].fan_in_fan_out} as in {where[0]} "
                          "(adapters of one base)", adapters[first].fan_in_fan_out)
     if combine == "svd" and rank is None:
-        raise InputError("parameters.rank", "the output's rank for combine: svd (e.g. rank: 8)", "none",
+        raise InputError(f"{at}parameters.rank", "the output's rank for combine: svd (e.g. rank: 8)", "none",
                          "combine: stack keeps every update exactly at the sum of the ranks")
     if combine != "svd" and rank is not None:
-        raise InputError("parameters.rank", f"no rank with combine: {combine} (its rank follows from the adapters')", rank)
+        raise InputError(f"{at}parameters.rank", f"no rank with combine: {combine} (its rank follows from the adapters')", rank)
     for module in modules:
         present = [(i, a) for i, a in enumerate(adapters) if module in a.A]
         i0, a0 = present[0]
@@ -346,7 +353,7 @@ def combine_adapters(adapters: Sequence[Adapter], weights: Sequence[float], comb
             ranks_by = {where[i]: a.rank[module] for i, a in present}
             if len(set(ranks_by.values())) > 1:
                 named = ", ".join(f"{w} rank {r}" for w, r in ranks_by.items())
-                raise InputError("parameters.combine", "stack or svd for adapters of different ranks (average_factors averages the "
+                raise InputError(f"{at}parameters.combine", "stack or svd for adapters of different ranks (average_factors averages the "
                                  f"factors, which needs one rank; {module}: {named})", "average_factors")
     limits = {module: _rank_limit(adapters, module)[0] for module in modules}
     if combine == "svd" and rank is not None and rank > max(limits.values()):
@@ -355,7 +362,7 @@ def combine_adapters(adapters: Sequence[Adapter], weights: Sequence[float], comb
         module = max(modules, key=lambda m: limits[m])
         _, ranks, shape = _rank_limit(adapters, module)
         capped = f", capped by its weight {shape[0]} x {shape[1]}" if limits[module] < sum(ranks) else ""
-        raise InputError("parameters.rank", f"at most {limits[module]}, the stacked rank of {module} (its adapters' ranks {ranks} summed"
+        raise InputError(f"{at}parameters.rank", f"at most {limits[module]}, the stacked rank of {module} (its adapters' ranks {ranks} summed"
                          f"{capped})", rank)
     out: dict[str, ModuleMerge] = {}
     for module in modules:
@@ -579,7 +586,7 @@ def run_lora(spec: LoraSpec, log: Callable[[str], None] | None = None) -> dict[s
     if spec.base_model is not None:
         check_against_base(adapters, spec.base_model, where)
     p = spec.params
-    combined = combine_adapters(adapters, spec.weights, p.combine, p.rank, where)
+    combined = combine_adapters(adapters, spec.weights, p.combine, p.rank, where, str(spec.config))
     ranks = sorted({m.rank for m in combined.modules.values()})
     meta: dict[str, Any] = {
         "merge_method": "lora", "combine": p.combine, "exact": combined.exact, "relative_error": combined.relative_error,
@@ -601,6 +608,12 @@ def run_lora(spec: LoraSpec, log: Callable[[str], None] | None = None) -> dict[s
                 raise InputError(f"{spec.output}: {key}", f"finite values in {dtype}", "NaN or Inf", "write a wider dtype (dtype: float32); "
                                  "nothing was written")
         meta["dtype"] = dtype
+        # what writing the factors in dtype adds to the combination's error: ||B A - B' A'||_F / ||D||_F (B', A' as written)
+        total = math.sqrt(sum(m.norm ** 2 for m in combined.modules.values()))
+        cast = sum(_fro(np.concatenate([m.B, -tensors[f"{_PREFIX}{k}.lora_B.weight"].double().numpy()], axis=1),
+                        np.concatenate([m.A, tensors[f"{_PREFIX}{k}.lora_A.weight"].double().numpy()], axis=0)) ** 2
+                   for k, m in combined.modules.items())
+        meta["cast_relative_error"] = math.sqrt(cast) / total if total > 0 else 0.0
         count, parameters = len(tensors), int(sum(v.numel() for v in tensors.values()))
 
         def write(folder: Path) -> None:

@@ -21,7 +21,8 @@ import torch  # noqa: E402
 import rayfuse  # noqa: E402
 from rayfuse.errors import InputError  # noqa: E402
 from rayfuse.finetunes.lora import METADATA_FILE, combine_module, read_adapter  # noqa: E402
-from tests.test_bad_inputs import Files, _snapshot, isolated, refused_line  # noqa: E402, F401
+from tests.test_bad_inputs import Files, _snapshot, refused_line  # noqa: E402
+from tests.test_bad_inputs import isolated as isolated  # noqa: E402, F401  (the harness's fixture: the case's folder as cwd)
 
 LLAMA = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2}
@@ -214,6 +215,30 @@ def test_combine_module_against_the_formulas_on_random_factors() -> None:
         np.testing.assert_allclose(svd.error, np.sqrt(np.sum(S[rank:] ** 2)), rtol=1e-9, atol=1e-12)
         np.testing.assert_allclose(np.linalg.norm(D - svd.B @ svd.A), svd.error, rtol=1e-8, atol=1e-10)
     np.testing.assert_allclose(stack.norm, np.linalg.norm(D), rtol=1e-10)
+
+
+def test_average_factors_is_exact_when_the_adapters_share_one_frozen_a() -> None:
+    # FFA-LoRA's federated case: A frozen and the same at every site, only B trained
+    rng = np.random.default_rng(1)
+    A = rng.normal(size=(4, 9))
+    Bs = [rng.normal(size=(12, 4)) for _ in range(3)]
+    weights, scalings = [0.5, 0.3, 0.2], [2.0, 2.0, 2.0]
+    merged = combine_module(Bs, [A, A, A], weights, scalings, "average_factors")
+    np.testing.assert_allclose(merged.B @ merged.A, sum(w * s * b @ A for w, s, b in zip(weights, scalings, Bs)), atol=1e-12)
+    assert merged.error < 1e-9 * merged.norm
+    other = combine_module(Bs, [A, A + rng.normal(size=A.shape), A], weights, scalings, "average_factors")
+    assert other.error > 1e-2 * other.norm
+
+
+def test_the_output_records_what_writing_in_a_narrower_dtype_adds(env) -> None:
+    full = json.loads((fuse(env, "f32", ["e0", "e1"]) / METADATA_FILE).read_text())
+    half = json.loads((fuse(env, "bf16", ["e0", "e1"], dtype="bfloat16") / METADATA_FILE).read_text())
+    assert full["dtype"] == "float32" and half["dtype"] == "bfloat16"
+    assert full["cast_relative_error"] < 1e-6 < 1e-4 < half["cast_relative_error"] < 1e-1
+    from safetensors import safe_open
+
+    with safe_open(str(env / "bf16" / "adapter_model.safetensors"), framework="pt") as handle:
+        assert {handle.get_tensor(k).dtype for k in handle.keys()} == {torch.bfloat16}
 
 
 def test_a_merged_folder_loads_with_from_pretrained_and_matches_peft_merge_and_unload(env) -> None:
