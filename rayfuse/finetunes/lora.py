@@ -265,7 +265,8 @@ def _fro(B: np.ndarray, A: np.ndarray) -> float:
     trace would lose half the digits to cancellation when ``B A`` is a small difference)."""
     if B.size == 0 or A.size == 0:
         return 0.0
-    return float(np.linalg.norm(np.linalg.qr(B, mode="r") @ np.linalg.qr(A.T, mode="r").T))
+    r_b, r_a = np.linalg.qr(B)[1], np.linalg.qr(A.T)[1]
+    return float(np.linalg.norm(r_b @ r_a.T))
 
 
 def combine_module(Bs: Sequence[np.ndarray], As: Sequence[np.ndarray], weights: Sequence[float], scalings: Sequence[float],
