@@ -69,7 +69,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 METADATA_FILE = "rayfuse_lora.json"
 _PREFIX = "base_model.model."
-_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<factor>[AB])\.weight$")
+_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<factor>A|B)\.weight$")
 
 
 class _Schema(StrictSchema):
