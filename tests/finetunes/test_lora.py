@@ -368,3 +368,33 @@ def test_dora_and_modules_to_save_are_refused(env, tmp_path) -> None:
     (tmp_path / "a0" / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": ["lm_head"]}))
     with pytest.raises(InputError, match="modules_to_save"):
         read_adapter(tmp_path / "a0")
+
+
+def test_fan_in_fan_out_layers_of_gpt2_fold_transposed_as_peft_folds_them(tmp_path) -> None:
+    # GPT-2's Conv1D stores its weight as in x out: PEFT's adapters there say fan_in_fan_out and their update is (B A)^T
+    config = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    for seed, rank in enumerate((2, 3)):
+        torch.manual_seed(300 + seed)
+        model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2")
+        lora = peft.LoraConfig(r=rank, lora_alpha=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, init_lora_weights=False)
+        peft.get_peft_model(model, lora).save_pretrained(tmp_path / f"g{seed}")
+    models = [{"model": str(tmp_path / "g0")}, {"model": str(tmp_path / "g1")}]
+    common = {"merge_method": "lora", "base_model": str(tmp_path / "gpt2"), "models": models, "parameters": {"combine": "stack"}}
+    adapter = rayfuse.fuse({**common, "output": str(tmp_path / "adapter")})
+    merged = rayfuse.fuse({**common, "output_kind": "merged", "output": str(tmp_path / "merged")})
+    assert json.loads((adapter / "adapter_config.json").read_text())["fan_in_fan_out"] is True
+    reference = peft.PeftModel.from_pretrained(transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2"), adapter).merge_and_unload()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
+    np.testing.assert_allclose(logits(loaded, IDS), logits(reference.eval(), IDS), atol=1e-5, rtol=0)
+    base = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2").eval()
+    assert np.abs(logits(loaded, IDS) - logits(base, IDS)).max() > 1e-3
+    # and against PEFT's own deltas of the two inputs (get_delta_weight transposes for fan_in_fan_out), averaged
+    with torch.no_grad():
+        for seed in range(2):
+            adapted = peft.PeftModel.from_pretrained(transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2"), tmp_path / f"g{seed}")
+            for name, module in adapted.base_model.model.named_modules():
+                if isinstance(module, peft.tuners.lora.LoraLayer):
+                    base.get_submodule(name).weight += 0.5 * module.get_delta_weight("default")
+    np.testing.assert_allclose(logits(loaded, IDS), logits(base, IDS), atol=1e-5, rtol=0)
