@@ -228,6 +228,13 @@ def fuse(config: str | Path | Mapping[str, Any], out: str | Path | None = None, 
                       "models": [{"model": "a.safetensors"}, {"model": "b.safetensors", "architecture": "mypkg.models:Other"}],
                       "data": {"path": "transfer.npz"}, "parameters": {"init": "aligned", "steps": 2000},
                       "output": "fused.safetensors"}, progress=print)
+
+    PEFT LoRA adapters of one base (``merge_method: lora``, :mod:`rayfuse.finetunes.lora`) go in and come out as folders:
+    the returned path is the output folder (a PEFT adapter, or with ``output_kind: merged`` the base with the update
+    folded in)::
+
+        rayfuse.fuse({"merge_method": "lora", "base_model": "base", "models": [{"model": "site_a"}, {"model": "site_b"}],
+                      "parameters": {"combine": "stack"}, "output": "combined"})
     """
     return Path(fuse_checkpoints(config, out, progress)["output"])
 
