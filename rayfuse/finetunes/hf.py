@@ -120,8 +120,6 @@ class ModelSource:
                 raise InputError(f"{where}: {INDEX}", f"tensors the shards hold ({weight_map[name]} does not hold it)", name)
         if not self.tensors:
             raise InputError(where, "a model with at least one tensor", "an empty checkpoint")
-        self._handles: dict[Path, Any] = {}
-        self._lock = threading.Lock()
 
     def _weight_map(self, index: Path) -> dict[str, str]:
         try:
@@ -137,15 +135,10 @@ class ModelSource:
         """One tensor, as stored (bfloat16 stays bfloat16)."""
         from safetensors import safe_open
 
-        file = self.tensors[name].file
-        with self._lock:
-            handle = self._handles.get(file)
-            if handle is None:
-                handle = self._handles[file] = safe_open(str(file), framework="pt")
-        return handle.get_tensor(name)
-
-    def close(self) -> None:
-        self._handles.clear()
+        # a handle per read: its memory map goes with the tensor, so the pages read do not stay resident (a handle kept
+        # open for the whole merge would keep every page it was read through mapped: the model's whole size)
+        with safe_open(str(self.tensors[name].file), framework="pt") as handle:
+            return handle.get_tensor(name)
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)

@@ -156,9 +156,6 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
     except BaseException:
         writer.abort()
         raise
-    finally:
-        for m in [*models, *([base] if base is not None else [])]:
-            m.close()
     return {"method": method, "models": len(models) + (1 if base is not None else 0), "tensors": len(names), "parameters": total,
             "output": str(spec.output), "resized": {}, "shards": len(writer.shards)}
 
