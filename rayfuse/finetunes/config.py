@@ -112,7 +112,7 @@ def is_finetune(raw: Mapping[str, Any], path: Path, output: str | Path | None) -
     if method not in ("average", "weighted_average", "linear"):
         return False
     out = output if output is not None else raw.get("output")
-    if isinstance(out, str | Path) and str(out) and not str(out).endswith(".safetensors"):
+    if isinstance(out, str | Path) and str(out) and Path(out).suffix == "":  # a folder: the Hugging Face layout
         return True
     entries = raw.get("models")
     for entry in entries if isinstance(entries, list) else []:
@@ -252,6 +252,8 @@ def load_finetune_config(raw: Mapping[str, Any], path: Path, output: str | Path 
         raise InputError(f"{path}: output", "the merged model's folder or .safetensors file (output: ... or rayfuse fuse CONFIG OUT)")
     if not out.is_absolute() and output is None:
         out = path.parent / out
+    if out.suffix not in ("", ".safetensors"):
+        raise InputError(f"{path}: output", "a folder (Hugging Face layout, no suffix) or a .safetensors file", str(out))
     if out.exists():
         raise InputError(f"{path}: output", "a path that does not exist yet (nothing is overwritten)", str(out))
     check_writable_folder(out.parent, key=f"{path}: output")
