@@ -3,6 +3,7 @@
 ::
 
     merge_method: ties                  # task_arithmetic | ties | dare_linear | dare_ties | slerp | linear | average | weighted_average
+                                        # | fisher | regmean (with each model's statistics: file)
     base_model: base/                   # a Hugging Face folder or a .safetensors file
     models:
       - model: site_a/
@@ -36,7 +37,8 @@ from pydantic import Field, ValidationError
 from rayfuse.config import StrictSchema, pydantic_input_error
 from rayfuse.errors import InputError, suggest
 
-__all__ = ["TaskVectorMethod", "TASK_VECTOR_METHODS", "FINETUNE_METHODS", "FinetuneSpec", "is_finetune", "load_finetune_config", "evaluate", "layer_positions"]
+__all__ = ["TaskVectorMethod", "TASK_VECTOR_METHODS", "DATA_AWARE", "FINETUNE_METHODS",
+           "FinetuneSpec", "is_finetune", "load_finetune_config", "evaluate", "layer_positions"]
 
 
 @dataclass(frozen=True)
@@ -57,19 +59,23 @@ TASK_VECTOR_METHODS: dict[str, TaskVectorMethod] = {
     "dare_ties": TaskVectorMethod("random", True, normalize=False, rescale=True),
 }
 
-FINETUNE_METHODS = (*TASK_VECTOR_METHODS, "slerp", "linear", "average", "weighted_average")
+DATA_AWARE = ("fisher", "regmean")
+FINETUNE_METHODS = (*TASK_VECTOR_METHODS, "slerp", "linear", "average", "weighted_average", *DATA_AWARE)
 _NUMBERS = ("weight", "density", "lambda", "t")
 # the keys each method reads: per model, and global (a per-model key may also be given globally, for every model)
 _MODEL_KEYS = {**{m: ("weight", "density") for m in TASK_VECTOR_METHODS}, "slerp": (), "linear": ("weight",),
-               "weighted_average": ("weight",), "average": ()}
+               "weighted_average": ("weight",), "average": (), "fisher": ("weight",), "regmean": ("weight",)}
 _GLOBAL_KEYS = {**{m: ("weight", "density", "lambda", "normalize", "rescale", "int8_mask") for m in TASK_VECTOR_METHODS},
-                "slerp": ("t",), "linear": ("weight", "normalize"), "weighted_average": ("weight", "normalize"), "average": ()}
+                "slerp": ("t",), "linear": ("weight", "normalize"), "weighted_average": ("weight", "normalize"), "average": (),
+                "fisher": ("weight",), "regmean": ("weight", "alpha")}
 _DTYPE = Literal["bfloat16", "float16", "float32", "float64"]
 
 
 class _Entry(StrictSchema):
     model: str = Field(min_length=1, description="a Hugging Face folder or a .safetensors file (relative to the config file)")
     parameters: dict[str, Any] = Field(default_factory=dict, description="this model's weight and density")
+    statistics: str | None = Field(None, min_length=1, description="fisher / regmean: a .safetensors file of this model's diagonal "
+                                   "Fisher (the tensors' names and shapes) or its layers' input Gram matrices (a weight's name -> (in, in))")
 
 
 class _File(StrictSchema):
@@ -101,13 +107,14 @@ class FinetuneSpec:
     threads: int
     seed: int
     config: Path
+    statistics: tuple[Path, ...] = ()
 
 
 def is_finetune(raw: Mapping[str, Any], path: Path, output: str | Path | None) -> bool:
     """Whether a fuse file is a fine-tune merge: a ``base_model:``, a merge method only fine-tunes have, or an average
     of Hugging Face folders (or into one)."""
     method = raw.get("merge_method")
-    if "base_model" in raw or method in (*TASK_VECTOR_METHODS, "slerp"):
+    if "base_model" in raw or method in (*TASK_VECTOR_METHODS, "slerp", *DATA_AWARE):
         return True
     if method not in ("average", "weighted_average", "linear"):
         return False
@@ -217,6 +224,8 @@ def load_finetune_config(raw: Mapping[str, Any], path: Path, output: str | Path 
             raise InputError(f"{path}: parameters.rescale", "true (mergekit's L1-norm rescale), false, l1 or density (1 / density)", value)
         elif key in ("normalize", "int8_mask") and not isinstance(value, bool):
             raise InputError(f"{path}: parameters.{key}", "true or false", value)
+        elif key == "alpha" and (isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1):
+            raise InputError(f"{path}: parameters.alpha", "a number in [0, 1] (the share of the Grams' off-diagonal kept)", value)
     if method == "slerp" and "t" not in spec.parameters:
         raise InputError(f"{path}: parameters.t", "the interpolation position t (0: the base model, 1: the other)")
     base = None
@@ -224,11 +233,20 @@ def load_finetune_config(raw: Mapping[str, Any], path: Path, output: str | Path 
         base = _resolve(spec.base_model, path)
         if not base.exists():
             raise InputError(f"{path}: base_model", "an existing Hugging Face folder or .safetensors file", spec.base_model)
-    models, per_model = [], []
+    models, per_model, statistics = [], [], []
     for i, entry in enumerate(spec.models):
         file = _resolve(entry.model, path)
         if not file.exists():
             raise InputError(f"{path}: models.{i}.model", "an existing Hugging Face folder or .safetensors file", entry.model)
+        if method in DATA_AWARE:
+            stats = _resolve(entry.statistics, path) if entry.statistics is not None else None
+            if stats is None or not stats.is_file() or stats.suffix != ".safetensors":
+                what = "diagonal Fisher" if method == "fisher" else "input Gram matrices"
+                raise InputError(f"{path}: models.{i}.statistics", f"an existing .safetensors file of this model's {what} for {method}",
+                                 entry.statistics or "none")
+            statistics.append(stats)
+        elif entry.statistics is not None:
+            raise InputError(f"{path}: models.{i}.statistics", "statistics only with merge_method fisher or regmean", entry.statistics)
         for key, value in entry.parameters.items():
             if key not in _MODEL_KEYS[method]:
                 allowed = _MODEL_KEYS[method]
@@ -259,4 +277,4 @@ def load_finetune_config(raw: Mapping[str, Any], path: Path, output: str | Path 
     check_writable_folder(out.parent, key=f"{path}: output")
     threads = spec.threads or max(1, min(8, os.cpu_count() or 1))
     return FinetuneSpec(method, base, tuple(models), tuple(per_model), dict(spec.parameters), spec.out_dtype or spec.dtype, out,
-                        parse_size(spec.max_shard_size, f"{path}: max_shard_size"), threads, spec.seed, path)
+                        parse_size(spec.max_shard_size, f"{path}: max_shard_size"), threads, spec.seed, path, tuple(statistics))

@@ -48,6 +48,33 @@ def check_against_base(base: ModelSource, others: list[ModelSource]) -> None:
                              f"{len(extra)} more (e.g. {extra[0]})", "a head added in fine-tuning has no base to merge against")
 
 
+def check_statistics(method: str, reference: ModelSource, stats: list[ModelSource]) -> None:
+    """Each model's statistics cover the same tensors, each one of the models': a diagonal Fisher of the tensor's shape,
+    or a Gram ``(w, w)`` of a 2-d or 4-d weight with ``w`` its fan-in."""
+    keys = set(stats[0].tensors)
+    for own in stats:
+        if set(own.tensors) != keys:
+            name = sorted(set(own.tensors) ^ keys)[0]
+            raise InputError(f"{own.where}: {name}", f"the tensors of models.0's statistics ({len(keys)})", "a different set",
+                             "every model gives statistics for the same tensors")
+        for name, info in own.tensors.items():
+            if name not in reference.tensors:
+                raise InputError(f"{own.where}: {name}", "statistics of a tensor the models hold", "no such tensor in the models")
+            shape = reference.tensors[name].shape
+            if method == "fisher":
+                expected = shape
+            else:
+                if len(shape) not in (2, 4):
+                    raise InputError(f"{own.where}: {name}", "a Gram of a 2-d (Linear) or 4-d (Conv2d) weight", shape)
+                width = 1
+                for d in shape[1:]:
+                    width *= d
+                expected = (width, width)
+            if info.shape != expected:
+                raise InputError(f"{own.where}: {name}", f"shape {expected} ({'the tensor' if method == 'fisher' else 'its fan-in squared'})",
+                                 info.shape)
+
+
 def _seed(seed: int, model: int, name: str) -> int:
     """A random drop's seed for one model's tensor: independent of the order the threads take the tensors in."""
     digest = hashlib.sha256(f"{seed}:{model}:{name}".encode()).digest()
@@ -82,6 +109,9 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
     models = [ModelSource(file, f"{prefix}models.{i}.model ({file.name})") for i, file in enumerate(spec.models)]
     reference = base if base is not None else models[0]
     check_against_base(reference, [m for m in models if m is not reference])
+    stats = [ModelSource(file, f"{prefix}models.{i}.statistics ({file.name})") for i, file in enumerate(spec.statistics)]
+    if stats:
+        check_statistics(spec.method, reference, stats)
     names = list(reference.tensors)
     positions = layer_positions(names)
     method = spec.method
@@ -127,7 +157,9 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
             generators = [torch.Generator().manual_seed(_seed(spec.seed, i, name)) for i in range(len(models))]
             merged = task_vector_merge(tuned[0], tuned[1:], weights, [p["density"] for p in plan["models"]], tv, normalize=normalize,
                                        lam=plan["lambda"], rescale=rescale, generators=generators)
-        else:  # linear / weighted_average / average: the models themselves (the base only names the config to copy)
+        elif stats and name in stats[0].tensors:  # fisher / regmean: rayfuse.alignment's merges, one tensor at a time
+            merged = _data_aware(spec, name, tuned if base is None else tuned[1:], stats, weights)
+        else:  # linear / weighted_average / average, and the tensors without statistics: the models themselves
             own = tuned if base is None else tuned[1:]
             merged = linear(own, [1.0] * len(own) if method == "average" else weights, normalize=method == "average" or normalize)
         out = merged.to(TORCH_DTYPES[out_dtype[name]])
@@ -159,3 +191,23 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
     return {"method": method, "models": len(models) + (1 if base is not None else 0), "tensors": len(names), "parameters": total,
             "output": str(spec.output), "resized": {}, "shards": len(writer.shards)}
 
+
+
+def _data_aware(spec: FinetuneSpec, name: str, own: list[torch.Tensor], stats: list[ModelSource], weights: list[float]) -> torch.Tensor:
+    """Fisher-weighted averaging or RegMean of one tensor (:func:`rayfuse.alignment.merge_fisher` /
+    :func:`~rayfuse.alignment.merge_regmean`, the merges aligned fusion uses), from each model's statistics file."""
+    from rayfuse.alignment.merge import merge_fisher, merge_regmean
+
+    values = [{name: x.double().numpy()} for x in own]
+    given = []
+    for source in stats:
+        s = source.get(name).double()
+        if not torch.isfinite(s).all() or (spec.method == "fisher" and (s < 0).any()):
+            raise InputError(f"{source.where}: {name}", "finite" + (" non-negative" if spec.method == "fisher" else "") + " statistics",
+                             "negative or non-finite entries")
+        given.append({name: s.numpy()})
+    if spec.method == "fisher":
+        merged = merge_fisher(values, given, weights)[name]
+    else:
+        merged = merge_regmean(values, given, weights, alpha=float(spec.params.get("alpha", 0.9)))[name]
+    return torch.from_numpy(merged).to(own[0].dtype)

@@ -179,3 +179,69 @@ def test_fuse_weighted_average_into_a_folder_is_linear(tmp_path: Path) -> None:
     for name in tuned[0]:
         expected = sum((k + 1) * tuned[k][name] for k in range(3)) / 6
         np.testing.assert_allclose(out[name].numpy(), expected.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def _stats(tmp_path: Path, tuned: list[dict[str, torch.Tensor]], kind: str) -> list[str]:
+    g = torch.Generator().manual_seed(7)
+    files = []
+    for k, model in enumerate(tuned):
+        if kind == "fisher":
+            stats = {n: torch.rand(v.shape, generator=g) for n, v in model.items() if "mlp" in n}
+        else:
+            stats = {}
+            for n, v in model.items():
+                if v.dim() == 2:
+                    a = torch.randn(v.shape[1], v.shape[1], generator=g)
+                    stats[n] = a @ a.T + 0.1 * torch.eye(v.shape[1])
+        save_file(stats, str(tmp_path / f"{kind}{k}.safetensors"))
+        files.append(str(tmp_path / f"{kind}{k}.safetensors"))
+    return files
+
+
+def test_fuse_fisher_weights_each_entry_by_the_models_fisher(tmp_path: Path) -> None:
+    base, tuned = _files(tmp_path)
+    files = _stats(tmp_path, tuned, "fisher")
+    config = {"merge_method": "fisher", "base_model": str(tmp_path / "base.safetensors"), "output": str(tmp_path / "f.safetensors"),
+              "models": [{"model": str(tmp_path / f"ft{k}.safetensors"), "statistics": files[k], "parameters": {"weight": float(k + 1)}}
+                         for k in range(3)]}
+    out = load_file(str(rayfuse.fuse(config)))
+    fishers = [load_file(f) for f in files]
+    w = np.array([1.0, 2.0, 3.0]) / 6.0
+    for name in base:
+        x = [m[name].double() for m in tuned]
+        if "mlp" in name:  # sum w_k (F_k + eps) x_k / sum w_k (F_k + eps)
+            num = sum(w[k] * (fishers[k][name].double() + 1e-8) * x[k] for k in range(3))
+            den = sum(w[k] * (fishers[k][name].double() + 1e-8) for k in range(3))
+            expected = num / den
+        else:  # no Fisher: the weighted average
+            expected = sum(w[k] * x[k] for k in range(3))
+        torch.testing.assert_close(out[name].double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_fuse_regmean_solves_the_least_squares_merge_of_each_linear_weight(tmp_path: Path) -> None:
+    base, tuned = _files(tmp_path)
+    files = _stats(tmp_path, tuned, "gram")
+    config = {"merge_method": "regmean", "base_model": str(tmp_path / "base.safetensors"), "output": str(tmp_path / "r"),
+              "parameters": {"alpha": 1.0}, "models": [{"model": str(tmp_path / f"ft{k}.safetensors"), "statistics": files[k]} for k in range(3)]}
+    out = load_file(str(rayfuse.fuse(config) / "model.safetensors"))
+    grams = [load_file(f) for f in files]
+    name = "model.layers.2.self_attn.weight"
+    lhs = sum(grams[k][name].double() for k in range(3))
+    rhs = sum(tuned[k][name].double() @ grams[k][name].double() for k in range(3))
+    torch.testing.assert_close(out[name].double(), rhs @ torch.linalg.inv(lhs), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["model.norm.weight"], sum(m["model.norm.weight"] for m in tuned) / 3)
+
+
+def test_fisher_without_statistics_or_with_a_wrong_shape_is_refused(tmp_path: Path) -> None:
+    _, tuned = _files(tmp_path)
+    files = _stats(tmp_path, tuned, "fisher")
+    models = [{"model": str(tmp_path / f"ft{k}.safetensors"), "statistics": files[k]} for k in range(3)]
+    with pytest.raises(rayfuse.InputError, match=r"models\.1\.statistics"):
+        rayfuse.fuse({"merge_method": "fisher", "models": [models[0], {"model": models[1]["model"]}], "output": str(tmp_path / "x")})
+    save_file({"model.layers.0.mlp.weight": torch.ones(5, 6)}, str(tmp_path / "bad.safetensors"))
+    bad = {**load_file(files[2]), "model.layers.0.mlp.weight": torch.ones(5, 6)}
+    save_file(bad, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(rayfuse.InputError, match=r"model\.layers\.0\.mlp\.weight: expected shape \(6, 5\)"):
+        rayfuse.fuse({"merge_method": "fisher", "models": [*models[:2], {**models[2], "statistics": str(tmp_path / "bad.safetensors")}],
+                      "output": str(tmp_path / "y")})
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
