@@ -46,7 +46,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from rayfuse.config import StrictSchema, pydantic_input_error
 from rayfuse.errors import InputError, NonFiniteError, RunFailure, suggest
-from rayfuse.finetunes.config import FinetuneSpec
+from rayfuse.finetunes.config import FinetuneSpec, is_finetune, load_finetune_config
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.aligned.algorithm import AlignmentSettings, derive_run_spec
 from rayfuse.fusion.distill.algorithm import DistillOptions
@@ -532,8 +532,6 @@ def load_fuse_config(config: str | Path | Mapping[str, Any], output: str | Path 
         raw = read_yaml_file(path, "fuse config YAML")
     if not isinstance(raw, Mapping):
         raise InputError(str(path), "a mapping (merge_method, models, output...)", type(raw).__name__)
-    from rayfuse.finetunes.config import is_finetune, load_finetune_config
-
     if is_finetune(raw, path, output):  # fine-tunes of one base model (base_model:, Hugging Face folders): rayfuse.finetunes
         return load_finetune_config(raw, path, output)
     spec = _validate(_FuseFile, raw, path)
