@@ -83,30 +83,32 @@ def task_vector_merge(base: torch.Tensor, tuned: Sequence[torch.Tensor], weights
                       generators: Sequence[torch.Generator] | None = None) -> torch.Tensor:
     """``base + lambda * combine(sparsify(x_i - base))`` (the module docstring), for float32 tensors of one shape.
     ``generators``: one per model, for the random sparsifier."""
-    deltas = []
+    # the task vectors are written into one stacked tensor and weighted, masked in place: the same operations in the
+    # same order as mergekit's (stack, * weights, * mask, sum), with fewer copies of the stack alive at once
+    stacked = torch.empty((len(tuned), *base.shape), dtype=base.dtype)
     for i, (x, density) in enumerate(zip(tuned, densities)):
-        delta = x.to(base.dtype) - base
+        delta = torch.sub(x.to(base.dtype), base, out=stacked[i])
         if method.sparsify == "magnitude":
-            delta = sparsify_magnitude(delta, density, rescale)
+            stacked[i] = sparsify_magnitude(delta, density, rescale)
         elif method.sparsify == "random":
             if generators is None:
                 raise ValueError("the random sparsifier needs one generator per model")
-            delta = sparsify_random(delta, density, generators[i], rescale)
-        deltas.append(delta)
-    stacked = torch.stack(deltas, dim=0)
+            stacked[i] = sparsify_random(delta, density, generators[i], rescale)
     w = torch.tensor(list(weights), dtype=stacked.dtype)
     while w.dim() < stacked.dim():
         w = w.unsqueeze(-1)
-    weighted = stacked * w
+    weighted = stacked.mul_(w)
     if method.consensus:
         mask = sign_consensus(weighted)
-        mixed = (weighted * mask).sum(dim=0)
         divisor = (w * mask).sum(dim=0)
         divisor[divisor == 0] = 1
+        mixed = weighted.mul_(mask).sum(dim=0)
+        del mask
     else:
         mixed = weighted.sum(dim=0)
         divisor = w.sum(dim=0)
         divisor[divisor.abs() < 1e-8] = 1
+    del weighted, stacked
     if normalize:
         mixed = mixed / divisor
     if lam != 1:
