@@ -212,7 +212,8 @@ def fuse_checkpoints(config: str | Path | Mapping[str, Any], out: str | Path | N
 
 def fuse(config: str | Path | Mapping[str, Any], out: str | Path | None = None, progress: Callable[[str], None] | None = None) -> Path:
     """Fuse the checkpoints a fuse config names (a mergekit-style YAML file, or the same keys as a dict whose relative
-    paths start from the working directory); return the fused ``.safetensors`` file.
+    paths start from the working directory); return the fused ``.safetensors`` file, or the Hugging Face folder a
+    fine-tune merge (``base_model:``, :mod:`rayfuse.finetunes`) was written to.
 
     ``out`` overrides the config's ``output:``. Raises :class:`InputError` before anything is written. For example,
     aligned fusion of three checkpoints of a user's class::

@@ -46,6 +46,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from rayfuse.config import StrictSchema, pydantic_input_error
 from rayfuse.errors import InputError, NonFiniteError, RunFailure, suggest
+from rayfuse.finetunes.config import FinetuneSpec, is_finetune, load_finetune_config
 from rayfuse.finetunes.lora import LoraSpec, load_lora_config, run_lora
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.aligned.algorithm import AlignmentSettings, derive_run_spec
@@ -519,7 +520,7 @@ def _validate(schema: type[_Schema], data: Mapping[str, Any], file: Path, prefix
         raise InputError(f"{file}: {err.path}", err.expected, err.got, err.hint) from None
 
 
-def load_fuse_config(config: str | Path | Mapping[str, Any], output: str | Path | None = None) -> FuseSpec | LoraSpec:
+def load_fuse_config(config: str | Path | Mapping[str, Any], output: str | Path | None = None) -> FuseSpec | LoraSpec | FinetuneSpec:
     """Read and validate a fuse config, a YAML file or the same as a dict (its relative paths then from the working
     directory); files are checked to exist, not yet read."""
     if isinstance(config, Mapping):
@@ -534,6 +535,8 @@ def load_fuse_config(config: str | Path | Mapping[str, Any], output: str | Path 
         raise InputError(str(path), "a mapping (merge_method, models, output...)", type(raw).__name__)
     if raw.get("merge_method") == "lora":  # PEFT adapters, folders in and out (rayfuse.finetunes.lora); run_fuse runs it
         return load_lora_config(raw, path, output)
+    if is_finetune(raw, path, output):  # fine-tunes of one base model (base_model:, Hugging Face folders): rayfuse.finetunes
+        return load_finetune_config(raw, path, output)
     spec = _validate(_FuseFile, raw, path)
     name = _ALIASES.get(spec.merge_method, spec.merge_method)
     if name not in FUSERS:
@@ -729,13 +732,17 @@ def fuse_models(spec: FuseSpec, models: list[dict[str, np.ndarray]], inputs: Fus
     return spec.method.fuse(models, spec.model_params, spec.params, inputs or FuseInputs())
 
 
-def run_fuse(spec: FuseSpec | LoraSpec, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_fuse(spec: FuseSpec | LoraSpec | FinetuneSpec, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Load, check, fuse and write; return a summary (tensors, parameters, output).
 
     Checkpoints in ``bfloat16`` / ``float16`` are fused in float32 and written back in the inputs' dtype (or the fuse
     file's ``dtype:``). LoRA adapters (``merge_method: lora``) go to :func:`rayfuse.finetunes.lora.run_lora`."""
     if isinstance(spec, LoraSpec):
         return run_lora(spec, log)
+    if isinstance(spec, FinetuneSpec):  # streamed tensor by tensor (rayfuse.finetunes.run)
+        from rayfuse.finetunes.run import run_finetune
+
+        return run_finetune(spec, log)
     loaded = [read_checkpoint(file) for file in spec.files]
     models = [params for params, _ in loaded]
     check_floats(models, spec.files)
