@@ -16,6 +16,7 @@ from rayfuse.data.roles import load_dataset_from_config, make_plan
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.evaluation import evaluate_held_out
 from rayfuse.federation import EventLog, FailurePolicy, InProcessFederation
+from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.metrics import (
     ECE_BINS,
     SUM_KEYS,
@@ -100,7 +101,7 @@ def test_federated_metrics_equal_central_metrics_when_the_held_out_splits_partit
     coord = build_coordinator(cfg, tmp_path / "run", val_from_test=True)
     updates = coord.local_updates().results
     server = server_for(coord, "average")
-    averaged = server._average(updates, weighted=True)
+    averaged = weighted_average([u.params for u in updates.values()], [u.num_examples for u in updates.values()])
     members = [u.params for u in updates.values()]
     checks = [server.evaluate(averaged), server.evaluate(members[0], resized=True),
               server_for(coord, "ensemble").evaluate_ensemble(members, [0.1, 0.2, 0.3, 0.4])]
