@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import re
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -76,6 +77,9 @@ __all__ = [
     "check_tags",
     "client_step",
     "dp_refusal",
+    "dp_options",
+    "dp_options_text",
+    "fuses_of",
     "register_method",
     "resolve_methods",
     "resolved_config",
@@ -707,18 +711,55 @@ def check_methods(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
             raise exc.at(f"methods.{spec.label}.{exc.path}") from None
 
 
-#: why a ``dp`` entry is refused on a method without a ``dp`` option (its tags give no reason of their own)
-_NO_DP_OPTION = "it has no differential-privacy option; central DP-FedAvg is the dp key of fedavg, fedprox, fedadagrad, fedadam and fedyogi"
+def fuses_of(method_cls: type[Method[Any, Any]], params: MethodParams | None = None) -> str:
+    """What the method combines of its clients: its ``Params``' ``fuses`` property where the answer depends on the
+    parameters (``aligned``'s merge), else ``MethodTags.fuses``."""
+    own = getattr(params, "fuses", None) if params is not None else None
+    return own if isinstance(own, str) else method_cls.tags.fuses
 
 
-def dp_refusal(method_cls: type[Method], name: str, path: str, given: Any = "a dp section") -> InputError:
-    """The one line refusing ``dp`` on a method whose tags say it does not apply (``MethodTags.no_dp``), or that has
-    no ``dp`` option: at ``path`` (``methods.<label>.dp``)."""
-    fused = method_cls.tags.fuses  # what the update pipeline would have to noise (its dp acts on parameter updates only)
-    why = method_cls.tags.no_dp or (f"it fuses {fused}; dp acts on parameter updates; central DP-FedAvg is the dp key of fedavg, "
-                                    "fedprox, fedadagrad, fedadam and fedyogi" if fused not in ("parameters", "nothing") else _NO_DP_OPTION)
-    return InputError(path, f"no dp for method {name!r} ({why})", given,
-                      "use fedavg, fedprox, fedadagrad, fedadam or fedyogi for central DP")
+def dp_options() -> dict[str, list[str]]:
+    """The registered methods whose ``dp`` key applies (a ``dp`` parameter, no ``MethodTags.no_dp``), by mechanism: the
+    ``mechanism`` of the ``dp`` field's settings class (central DP-FedAvg, the clients' upload DP)."""
+    options: dict[str, list[str]] = {}
+    for name, cls in METHODS.items():
+        field_ = cls.Params.model_fields.get("dp")
+        if field_ is None or cls.tags.no_dp:
+            continue
+        settings = [a for a in typing.get_args(field_.annotation) or (field_.annotation,) if a is not type(None)]
+        mechanism = getattr(settings[0], "mechanism", None) if len(settings) == 1 else None
+        options.setdefault(mechanism if isinstance(mechanism, str) else "a dp option of its own", []).append(name)
+    return options
+
+
+def dp_options_text() -> str:
+    """:func:`dp_options` in one line: ``central DP-FedAvg on fedadagrad, ...; upload DP (...) on aligned, average``."""
+    return "; ".join(f"{mechanism} on {', '.join(names)}" for mechanism, names in sorted(dp_options().items()))
+
+
+def dp_refusal(method_cls: type[Method[Any, Any]], name: str, path: str, given: Any = "a dp section",
+               params: MethodParams | None = None) -> InputError:
+    """The one line refusing ``dp`` at ``path`` (``methods.<label>.dp``) on a method whose tags say it does not apply
+    (``MethodTags.no_dp``), that fuses what the update pipeline's DP does not act on (``MethodTags.fuses``), or that has
+    no ``dp`` option; its hint lists the methods whose ``dp`` applies (:func:`dp_options`)."""
+    fused = fuses_of(method_cls, params)  # what the update pipeline would have to noise (its dp acts on parameter updates only)
+    if method_cls.tags.no_dp:
+        why = method_cls.tags.no_dp
+    elif fused not in ("parameters", "nothing"):
+        why = f"it fuses {fused}; dp acts on parameter updates"
+    else:
+        why = "it has no differential-privacy option"
+    return InputError(path, f"no dp for method {name!r} ({why})", given, f"methods.<label>.dp is {dp_options_text()}")
+
+
+#: what a method combines of its clients (:data:`Fuses`), in the words of the refusal of clients of several models
+_FUSES_ONE_LAYOUT = {
+    "parameters": "combines the clients' weights, in one layout",
+    "posteriors": "fuses posteriors over the clients' weights, in one layout",
+    "statistics": "fuses statistics of the clients' models, in one layout",
+    "predictions": "fuses the clients' predictions, every client's model built in one architecture",
+    "nothing": "builds every model it trains or scores in the run's one architecture",
+}
 
 
 def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConfig) -> None:
@@ -727,7 +768,7 @@ def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConf
 
     * ``needs_dataset`` with ``data.silos`` (no process reads every silo), at ``methods.<label>``;
     * clients of different models (``federation.client_overrides.<i>.model``) for a method without
-      ``heterogeneous_clients`` (it combines the clients' weights in one layout), naming the clients whose model
+      ``heterogeneous_clients`` (it fuses what it fuses, ``MethodTags.fuses``, in one layout), naming the clients whose model
       differs from client 0's (or, when every client has one other model, that it is not ``model``);
     * a public sample without labels (``data.public.labels: false``) for a method with ``public_labels``;
     * ``evaluation: federated`` / ``both`` where the clients cannot score: a new task on the server (``data.target``), no
@@ -748,12 +789,13 @@ def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConf
         for spec in specs:
             if spec.method_cls.tags.heterogeneous_clients:
                 continue
+            what = _FUSES_ONE_LAYOUT.get(fuses_of(spec.method_cls, spec.params), _FUSES_ONE_LAYOUT["parameters"])
             if others:
-                expected = f"clients of one architecture for method {spec.method!r} (methods.{spec.label} combines the clients' weights)"
+                expected = f"clients of one architecture for method {spec.method!r} (methods.{spec.label} {what})"
                 got = f"client{'s' if len(others) > 1 else ''} {_client_list(others)} with models other than client 0's"
             else:
                 expected = (f"clients of the run's architecture (model: {setup.model.name}) for method {spec.method!r} "
-                            f"(methods.{spec.label} combines the clients' weights and scores them in the server's model)")
+                            f"(methods.{spec.label} {what} and scores in the server's model)")
                 got = f"every client with model {models[0].name}"
             accepted = ", ".join(name for name, cls in METHODS.items() if cls.tags.heterogeneous_clients)
             raise InputError("federation.client_overrides", f"{expected}, got {got}", hint=f"methods that take clients of different "
@@ -777,14 +819,15 @@ def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConf
                                  "data in its own way, not through federated evaluation)", setup.evaluation)
     for spec in specs:
         if spec.method_cls.tags.no_dp and getattr(spec.params, "dp", None) is not None:
-            raise dp_refusal(spec.method_cls, spec.method, f"methods.{spec.label}.dp")
+            raise dp_refusal(spec.method_cls, spec.method, f"methods.{spec.label}.dp", params=spec.params)
     if cfg.train.dp is not None:
         for spec in specs:
             tags = spec.method_cls.tags
             if not tags.local_model_only and not tags.oracle:
-                raise InputError("train.dp", "methods whose clients release only their DP-trained local models (local, average, "
-                                 f"ensemble), not method {spec.method!r}", f"methods.{spec.label}",
-                                 "drop train.dp or that method; central DP for the FedAvg family is its own dp key")
+                released = ", ".join(name for name, cls in METHODS.items() if cls.tags.local_model_only)
+                raise InputError("train.dp", f"methods whose clients release only their DP-trained local models ({released}; "
+                                 f"oracles pass as non-private references), not method {spec.method!r}", f"methods.{spec.label}",
+                                 f"drop train.dp or that method (methods.<label>.dp is {dp_options_text()})")
 
 
 def _client_list(clients: Sequence[int], most: int = 8) -> str:

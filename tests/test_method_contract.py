@@ -40,10 +40,13 @@ from rayfuse.runner import InProcessBackend, load_run_config, run_experiment
 from tests.conftest import TINY, merge, scramble_global_rngs
 
 
-def caps(cls: type[Method]) -> dict[str, bool]:
+def caps(cls: type[Method]) -> dict[str, Any]:
     """A method's declared capabilities, read in this one place (the contract checks below derive every refusal from
     these)."""
     return {
+        # what the update pipeline would combine: its attacks, robust rules and DP act on "parameters" only (the cases
+        # run each method's default merge / base, where its Params' fuses is its tags': a test below checks it)
+        "fuses": cls.tags.fuses,
         "uses_local_models": bool(cls.tags.uses_local_models),
         "heterogeneous_clients": bool(cls.tags.heterogeneous_clients),
         "local_model_only": bool(cls.tags.local_model_only),
@@ -421,6 +424,20 @@ def _needs_val(name: str, storage: Path) -> dict[str, Any]:
     return job(name, storage, evaluation="federated", data={"val_size": 0.2})
 
 
+def _dp_says(name: str) -> str:
+    fused = caps(METHODS.get(name))["fuses"]
+    if fused in ("posteriors", "statistics", "predictions"):
+        return f"no dp for method {name!r} (it fuses {fused}; dp acts on parameter updates)"
+    return f"no dp for method {name!r}"
+
+
+def _aggregator_says(name: str) -> str:
+    declared = caps(METHODS.get(name))
+    if not declared["aggregator"]:
+        return "expected a known key"
+    return f"the default mean for method {name!r} (it fuses {declared['fuses']}; a robust rule and clip_norm act on parameter updates)"
+
+
 @dataclass(frozen=True)
 class Rule:
     """One refusal the capabilities decide: the run that asks for it, whether ``caps`` refuses it, the key named and
@@ -450,11 +467,19 @@ RULES: dict[str, Rule] = {
     # dataset is refused on silo data before its labels matter: the rule above)
     "unlabelled-public": Rule(lambda n, s, f: _silo_job(n, s, f, labelled=False), lambda c: c["public_labels"],
                               lambda n: "data.public.labels", lambda n: f"for method {n!r}", applies=lambda c: not c["needs_dataset"]),
-    # a dp key on the method (central DP-FedAvg, a DP upload)
-    "method-dp": Rule(_with_dp, lambda c: not c["dp"], lambda n: f"methods.{n}.dp", lambda n: f"no dp for method {n!r}"),
-    # a robust rule (coordinate-wise median) on what the method fuses: only where it averages parameter updates
-    "robust-aggregator": Rule(_with_median, lambda c: not c["aggregator"], lambda n: f"methods.{n}.aggregator",
-                              lambda n: "expected a known key"),
+    # a dp key on the method (central DP-FedAvg, a DP upload): the pipeline's DP acts on parameter updates, so only a
+    # method fusing parameters with a dp key of its own (and no no_dp) takes it
+    "method-dp": Rule(_with_dp, lambda c: c["fuses"] != "parameters" or not c["dp"], lambda n: f"methods.{n}.dp", _dp_says),
+    # a robust rule (coordinate-wise median): only where the pipeline combines parameter updates and the method has an
+    # aggregator key (else the key is unknown to its parameters)
+    "robust-aggregator": Rule(_with_median, lambda c: c["fuses"] != "parameters" or not c["aggregator"],
+                              lambda n: f"methods.{n}.aggregator", _aggregator_says),
+    # simulated attacks: refused for a method fusing posteriors, statistics or predictions (the pipeline's attacks act
+    # on parameter updates); methods combining no client upload ("nothing": local, oracles) run beside them
+    "attacks": Rule(lambda n, s, f: job(n, s, federation={"attacks": [{"client": 1, "kind": "sign_flip"}]}),
+                    lambda c: c["fuses"] in ("posteriors", "statistics", "predictions"), lambda n: "federation.attacks",
+                    lambda n: f"no attacks with method {n!r} (methods.{n} fuses {caps(METHODS.get(n))['fuses']}; attacks act on "
+                              "parameter updates)"),
 }
 
 
@@ -479,6 +504,16 @@ def test_refused_where_its_capabilities_say_so(tmp_path, capsys, silo_files, nam
     else:
         assert code == 0, err
     assert not (tmp_path / "runs").exists()  # nothing written either way
+
+
+def test_the_cases_fuse_what_the_tags_say():
+    """``caps`` reads ``tags.fuses``; a method whose parameters decide what it fuses (aligned's merge, finetune's base)
+    runs here with parameters under which the two agree."""
+    from rayfuse.method import fuses_of
+
+    for name in NAMES:
+        cls = METHODS.get(name)
+        assert fuses_of(cls, cls.Params.model_validate(case_of(name).params)) == cls.tags.fuses, name
 
 
 def test_the_contract_covers_both_sides_of_every_refusal():

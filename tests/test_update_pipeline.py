@@ -234,8 +234,8 @@ def test_attacks_on_a_method_that_cannot_apply_them_are_refused_before_start(tmp
     err = capsys.readouterr().err.splitlines()
     assert err == [f"rayfuse: error: federation.attacks: expected no attacks with method {entry.get('method', label)!r} "
                    f"(methods.{label} fuses {fused}; attacks act on parameter updates), got '1 attack on clients [2]'; drop the "
-                   "attacks or that method (attacks apply to the FedAvg family, average and aligned with merge: average or "
-                   "nonparametric)"]
+                   "attacks or that method (attacks apply where the update pipeline combines parameter updates: the FedAvg family, "
+                   "average, aligned with merge: average or nonparametric, finetune with base: average)"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml"]  # nothing started, nothing written
 
 

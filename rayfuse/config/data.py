@@ -370,7 +370,8 @@ _PARTITION_PARAMS = {
 
 class PartitionConfig(StrictModel):
     method: str = Field("dirichlet", description="iid | dirichlet | labels | pathological | shards | subsets (aliases homo, hetero-dir)")
-    num_clients: int = Field(5, ge=1, le=100_000)
+    num_clients: int = Field(5, ge=1, le=100_000, description="number of clients the pool is split among (with data.silos: "
+                             "len(data.silos), set for you)")
     alpha: float = Field(0.5, gt=0, description="dirichlet concentration")
     balance: bool = Field(True, description="dirichlet: PFNM balancing rule (stop giving to clients holding >= N/J)")
     min_size: int = Field(10, ge=0, description="dirichlet: redraw until every client holds at least this many samples")

@@ -43,14 +43,19 @@ CONFIG_SECTIONS = ("run", "data", "partition", "model", "train", "federation", "
 
 
 class ExperimentConfig(StrictModel):
-    run: RunConfig = Field(default_factory=RunConfig)
+    run: RunConfig = Field(default_factory=RunConfig, description="the run's name, seed, storage folder and local-model cache")
     data: DataConfig = Field(default_factory=lambda: DataConfig(public_size=QUICKSTART_PUBLIC_SIZE),
                              description="the data; without this section, the quickstart's (digits, a public sample of 300)")
-    partition: PartitionConfig = Field(default_factory=PartitionConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    federation: FederationConfig = Field(default_factory=FederationConfig)
-    methods: dict[str, dict[str, Any]] = Field(default_factory=lambda: copy.deepcopy(DEFAULT_METHODS))
+    partition: PartitionConfig = Field(default_factory=PartitionConfig, description="how a simulation's dataset is split among the "
+                                       "clients (with data.silos: num_clients only, len(data.silos))")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the model architecture of every client (unless its "
+                               "federation.client_overrides.<i>.model says otherwise) and of the server")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="how each client trains its local model (and the pooled "
+                               "oracle its model); methods with local rounds take their defaults from here")
+    federation: FederationConfig = Field(default_factory=FederationConfig, description="how the clients run: backend, Ray "
+                                         "cluster, failure policy, resources, injected faults and simulated attacks")
+    methods: dict[str, dict[str, Any]] = Field(default_factory=lambda: copy.deepcopy(DEFAULT_METHODS), description="the fusion "
+                                               "methods to run, in order: label -> parameters (each method's are listed below)")
     evaluation: Literal["federated", "central", "both"] = Field(
         "central", description="where models are scored: central (the server's test set), federated (each client on its own "
         "held-out split, data.val_size; sums and counts only, aggregated count-weighted) or both (federated under federated_<metric>). "

@@ -63,7 +63,7 @@ def other_model_clients(models: Sequence[ModelConfig]) -> list[int]:
 class FaultSpec(StrictModel):
     """An injected fault, for testing failure policies on a real run (chaos testing)."""
 
-    client: int = Field(ge=0)
+    client: int = Field(ge=0, description="the client whose step fails (a client id)")
     step: str = Field(min_length=1, description="client step name, e.g. fedavg.fit or train_local")
     call: int = Field(1, ge=1, description="the n-th call of that step on that client (per actor life)")
     mode: Literal["raise", "exit", "nan", "nan_metrics", "hang"] = Field(
@@ -74,12 +74,14 @@ class FaultSpec(StrictModel):
 class AttackSpec(StrictModel):
     """An attack on one client's model updates, to measure robust aggregation against (``rayfuse.attacks``).
 
-    Applied by the server to the client's update where a method combines updates (the FedAvg family and ``average``),
-    before aggregation: a simulation of a compromised client, recorded as an ``attack`` event. Never applied unless
+    Applied by the server's update pipeline (``server.updates``) to the client's parameter update wherever it combines
+    parameter updates (the FedAvg family, ``average``, ``aligned``, ``finetune``'s average base), before clipping, DP
+    and the aggregation rule: a simulation of a compromised client, recorded as an ``attack`` event. Refused before
+    start for a method that fuses posteriors, statistics or predictions (``MethodTags.fuses``). Never applied unless
     configured.
     """
 
-    client: int = Field(ge=0)
+    client: int = Field(ge=0, description="the compromised client (a client id; one attack per client)")
     kind: Literal["sign_flip", "scale", "gaussian", "little_is_enough"] = Field(
         description="sign_flip (w_ref - (w - w_ref)), scale (w_ref + scale (w - w_ref)), gaussian (w_ref + N(0, std^2)), "
         "little_is_enough (the colluders send mean - z std of the honest updates, Baruch et al. 2019)")
@@ -125,14 +127,18 @@ class FederationConfig(StrictModel):
     address: str | None = Field(None, description="Ray cluster address; default: RAY_ADDRESS, a running job's cluster, or a new local Ray")
     namespace: str = Field("rayfuse", min_length=1, description="Ray namespace of the run's named actors")
     timeout_s: float = Field(900.0, gt=0, description="how long a gather waits for the clients of one call")
-    on_client_failure: Literal["retry", "drop", "fail"] = "retry"
+    on_client_failure: Literal["retry", "drop", "fail"] = Field(
+        "retry", description="a failed client call: retry (re-submit up to max_retries times, then fail the run), drop (leave "
+        "the client out of that call; fail below min_clients) or fail (the first failure fails the run)")
     max_retries: int = Field(2, ge=0, description="retry: re-submissions of a failed call before the run fails")
     min_clients: int = Field(1, ge=1, description="quorum: fewer surviving clients than this fails the run")
     max_restarts: int = Field(2, ge=-1, description="Ray restarts of a dead client actor (-1: unlimited)")
-    clients: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    clients: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Ray resources of each client actor "
+                                     "(client_overrides changes them per client)")
     client_overrides: dict[int, ClientOverride] = Field(default_factory=dict, description="per-client resources and model by "
                                                         "client id: {<i>: {num_gpus: 1, resources: {site_a: 1}, model: {name: cnn}}}")
-    coordinator: ResourcesConfig = Field(default_factory=lambda: ResourcesConfig(num_cpus=0))
+    coordinator: ResourcesConfig = Field(default_factory=lambda: ResourcesConfig(num_cpus=0), description="Ray resources of the "
+                                         "coordinator actor (the server side of every method)")
     clients_per_actor: int = Field(1, ge=1, description="simulation: clients hosted by one actor process. 1 (default): one named "
                                    "actor per client, the deployment model. More cuts Ray's per-call cost when many clients share few "
                                    "cores, as Flower's actor pool does; the clients of one actor share its process and resources")
@@ -140,9 +146,12 @@ class FederationConfig(StrictModel):
     startup_timeout_s: float = Field(300.0, gt=0, description="how long to wait for the actors to start (resources to appear)")
     ray_init: dict[str, Any] = Field(default_factory=dict,
                                      description="arguments for ray.init when rayfuse starts a local Ray (num_cpus, include_dashboard...)")
-    faults: list[FaultSpec] = Field(default_factory=list)
-    attacks: list[AttackSpec] = Field(default_factory=list, description="attacks on clients' model updates, to measure "
-                                      "robust aggregation against (FedAvg family and average)")
+    faults: list[FaultSpec] = Field(default_factory=list, description="faults injected into client steps, to test the failure "
+                                    "policy on a real run: [{client, step, call, mode}]")
+    attacks: list[AttackSpec] = Field(default_factory=list, description="simulated attacks on clients' model updates, to measure "
+                                      "robust aggregation against: applied by the update pipeline wherever it combines parameter "
+                                      "updates (the FedAvg family, average, aligned, finetune's average base); refused before start "
+                                      "for methods that fuse posteriors, statistics or predictions")
 
     @field_validator("address")
     @classmethod

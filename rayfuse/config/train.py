@@ -36,12 +36,12 @@ class DPSGDConfig(StrictModel):
 class TrainConfig(StrictModel):
     """Local training of each client's model (and of the pooled oracle)."""
 
-    epochs: int = Field(20, ge=0, le=100_000)
-    batch_size: int = Field(32, ge=1)
-    optimizer: Literal["adam", "sgd"] = "adam"
-    lr: float = Field(5e-3, gt=0)
+    epochs: int = Field(20, ge=0, le=100_000, description="epochs of local training (0: the local model stays at its initialisation)")
+    batch_size: int = Field(32, ge=1, description="minibatch size (with dp: the expected size of a Poisson-sampled batch)")
+    optimizer: Literal["adam", "sgd"] = Field("adam", description="adam or sgd (with momentum)")
+    lr: float = Field(5e-3, gt=0, description="learning rate")
     momentum: float = Field(0.0, ge=0, lt=1, description="sgd momentum")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="the optimiser's weight decay (an L2 penalty added to the gradient)")
     shared_init: bool = Field(False, description="all clients start from one seeded initialisation (default: each its own, as "
                                                  "models trained apart do; aligned fusion is for that case)")
     dp: DPSGDConfig | None = Field(None, description="local DP-SGD (Opacus) for each client's local model: {noise_multiplier | "

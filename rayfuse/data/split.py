@@ -25,8 +25,10 @@ What keeps the numbers identical:
   ``data.classes: [0, ..., C-1]``, so a client whose shard lacks some labels (a Dirichlet or label-disjoint
   partition) numbers its labels as the simulation does, and every silo reports the same C label values.
 * Seeds, ``train`` (``shared_init`` included), ``model``, ``federation``, ``methods`` and ``evaluation`` are copied,
-  except oracle methods (``global``: training on every client's data pooled), which a silo run refuses (no process
-  reads every silo): they are left out, and the config's header says so.
+  except the methods that read the whole dataset (``MethodTags.needs_dataset``: the oracles ``global``, training on
+  every client's data pooled, ``gmm_oracle`` and ``epgan-oracle``), which a silo run refuses (no process reads every
+  silo): they are left out, and the config's header says so. An oracle that runs on silos (``transfer``: the
+  teachers' weights leave their clients, but no process reads their data) is kept.
 
 Paths in ``silos.yaml`` are absolute, so the config runs from any working directory. Only what a silo file can say
 is written: a split with no sample (a client's shard or validation split, a silo file holds at least one) is refused,
@@ -128,10 +130,10 @@ def silo_config_for(cfg: ExperimentConfig, files: list[dict[str, str]], test_fil
     from rayfuse.method import resolve_methods, resolved_config
 
     specs = resolve_methods(cfg.methods)
-    kept = [spec for spec in specs if not spec.method_cls.tags.oracle]
+    kept = [spec for spec in specs if not spec.method_cls.tags.needs_dataset]
     if not kept:
-        raise InputError("methods", "at least one method a federation can run on silos (oracles pool every client's data)",
-                         [spec.label for spec in specs])
+        raise InputError("methods", "at least one method a federation can run on silos (methods that read the whole "
+                         "dataset, as oracles pooling every client's data do, cannot)", [spec.label for spec in specs])
     resolved = resolved_config(cfg, kept)
     # the default layout is no setting of a silo config (a silo's npz is read as a simulation's with layout auto);
     # another layout is kept, and the silo config refuses it as before
@@ -155,14 +157,14 @@ def silo_config_text(cfg: ExperimentConfig, files: list[dict[str, str]], test_fi
     from rayfuse.method import resolve_methods
 
     config = silo_config_for(cfg, files, test_file, public_file, plan.num_classes)
-    left_out = [spec.label for spec in resolve_methods(cfg.methods) if spec.method_cls.tags.oracle]
+    left_out = [spec.label for spec in resolve_methods(cfg.methods) if spec.method_cls.tags.needs_dataset]
     notes = [f"# written by rayfuse split: the simulation of {cfg.data.dataset!r} (partition {plan.partition['method']}, "
              f"{plan.num_clients} clients, seed {cfg.run.seed}, partition hash {plan.digest()[:12]}) as silo files.",
              "# The files hold the simulation's standardised"
              + (" and corrupted" if plan.corruptions else "") + " values: standardize is off, and the held-out",
              "# splits are the simulation's validation splits (test_path). Run it with: rayfuse run <this file>"]
     if left_out:
-        notes.append(f"# Left out: the oracle method(s) {', '.join(left_out)} (they pool every client's data; no silo run can).")
+        notes.append(f"# Left out: the method(s) {', '.join(left_out)} (they read the whole dataset; no silo run can).")
     return "\n".join(notes) + "\n" + yaml.safe_dump(config, sort_keys=False)
 
 

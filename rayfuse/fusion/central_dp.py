@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -63,6 +63,8 @@ class AdaptiveClipSettings(MethodParams):
 class CentralDPSettings(MethodParams):
     """Central DP-FedAvg (the ``dp`` key of the FedAvg family): client sampling, clipping, Gaussian noise on the sum."""
 
+    #: the mechanism in the words of a refusal (``rayfuse.method.dp_options``)
+    mechanism: ClassVar[str] = "central DP-FedAvg"
     noise_multiplier: float | None = Field(None, gt=0, description="z: the noise's standard deviation is z C (give this or "
                                            "target_epsilon)")
     target_epsilon: float | None = Field(None, gt=0, description="the epsilon to spend over the planned rounds: the noise "

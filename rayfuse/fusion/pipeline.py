@@ -41,7 +41,20 @@ from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.central_dp import CentralDPSettings, DPPlan, apply_dp_round, describe_plan, plan_dp, sample_poisson
 from rayfuse.fusion.privacy import UploadDP, check_upload_dp, gather_dp_uploads
 from rayfuse.fusion.robust import AggregatorSettings, aggregate, check_aggregator, check_enough_updates
-from rayfuse.method import Aggregate, Gathered, Method, MethodParams, MethodSpec, Rejected, RunSetup, ServerContext, Update, dp_refusal
+from rayfuse.method import (
+    Aggregate,
+    Gathered,
+    Method,
+    MethodParams,
+    MethodSpec,
+    Rejected,
+    RunSetup,
+    ServerContext,
+    Update,
+    dp_options_text,
+    dp_refusal,
+    fuses_of,
+)
 
 __all__ = ["UpdatePipeline", "check_update_pipeline", "clients_per_round", "combine_models", "fused_by", "pipeline_settings"]
 
@@ -62,8 +75,7 @@ def pipeline_settings(params: MethodParams) -> tuple[AggregatorSettings, DPSetti
 def fused_by(method_cls: type[Method], params: MethodParams) -> str:
     """What the method combines of its clients (``MethodTags.fuses``), or its ``Params``' ``fuses`` property where the
     answer depends on the parameters (``aligned``'s merge)."""
-    own = getattr(params, "fuses", None)
-    return own if isinstance(own, str) else method_cls.tags.fuses
+    return fuses_of(method_cls, params)
 
 
 def clients_per_round(num_clients: int, fraction: float) -> int:
@@ -97,14 +109,15 @@ def check_update_pipeline(specs: Sequence[MethodSpec], setup: RunSetup, attacks:
             if attacks and fused != "nothing":
                 count = f"{len(attacks)} attack{'s' if len(attacks) > 1 else ''} on clients {sorted(a.client for a in attacks)}"
                 raise InputError("federation.attacks", f"no attacks with method {spec.method!r} ({where} fuses {fused}; attacks act "
-                                 "on parameter updates)", count, "drop the attacks or that method (attacks apply to the FedAvg "
-                                 "family, average and aligned with merge: average or nonparametric)")
+                                 "on parameter updates)", count, "drop the attacks or that method (attacks apply where the update "
+                                 "pipeline combines parameter updates: the FedAvg family, average, aligned with merge: average or "
+                                 "nonparametric, finetune with base: average)")
             if not aggregator.is_plain_mean:
                 raise InputError(f"{where}.aggregator", f"the default mean for method {spec.method!r} (it fuses {fused}; a robust rule "
                                  "and clip_norm act on parameter updates)", aggregator.name if aggregator.name != "mean" else "clip_norm")
             if dp is not None:
                 raise InputError(f"{where}.dp", f"no dp for method {spec.method!r} (it fuses {fused}; dp acts on parameter updates)",
-                                 "a dp section")
+                                 "a dp section", f"methods.<label>.dp is {dp_options_text()}")
             continue
         try:
             if isinstance(dp, CentralDPSettings):
@@ -126,7 +139,7 @@ def _check_central_dp(spec: MethodSpec, aggregator: AggregatorSettings, dp: Cent
     may reach the server's step un-noised."""
     params = spec.params
     if spec.method_cls.tags.no_dp:  # check_tags refuses it first; kept so the pipeline's own check is whole
-        raise dp_refusal(spec.method_cls, spec.method, "dp")
+        raise dp_refusal(spec.method_cls, spec.method, "dp", params=params)
     if not aggregator.is_plain_mean:
         raise InputError("aggregator", "mean without clip_norm with dp (DP-FedAvg clips each update to dp.clip_norm and noises "
                          "their sum; a robust rule is not a sum, so the noise would not match its sensitivity)", aggregator.model_dump())

@@ -12,7 +12,7 @@ Opacus' accountant with sample rate 1 and one step (:func:`rayfuse.accountant.co
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -30,6 +30,8 @@ __all__ = ["UploadDP", "check_upload_dp", "dp_upload", "gather_dp_uploads"]
 class UploadDP(MethodParams):
     """A one-shot method's ``dp`` key: the clipped and noised upload of each client's parameters."""
 
+    #: the mechanism in the words of a refusal (``rayfuse.method.dp_options``)
+    mechanism: ClassVar[str] = "upload DP (each client clips and noises its upload)"
     clip_norm: float = Field(gt=0, description="C: the upload's L2 norm bound (all parameter arrays together)")
     # z > 0, as central DP-FedAvg has it: z = 0 releases the clipped upload in the clear (epsilon infinite), which the
     # update checks refuse as a non-finite epsilon only after every client trained; refused here, before anything runs

@@ -153,7 +153,7 @@ def test_running_the_written_silo_config_reproduces_the_simulation(tmp_path, eva
                               "fedprox": {"rounds": 2, "local_epochs": 1, "mu": 0.1}, "global": {"epochs": 2}}}
     cfg = validate_config(simulation)
     written = split_simulation(cfg, tmp_path / "silos")
-    assert "# Left out: the oracle method(s) global" in written.read_text()
+    assert "# Left out: the method(s) global (they read the whole dataset" in written.read_text()
     silo_cfg = validate_config(yaml.safe_load(written.read_text()))
     assert silo_cfg.data.is_silos and "global" not in silo_cfg.methods and silo_cfg.evaluation == evaluation
 
@@ -203,3 +203,21 @@ def test_label_skewed_partitions_split_and_run_with_the_simulations_numbers(tmp_
     manifest = json.loads((tmp_path / "silo" / "partition.json").read_text())
     assert manifest["labels"] == [str(c) for c in range(10)]
     assert [np.add(c["class_counts"], c["held_out_class_counts"]).tolist() for c in manifest["clients"]] == plan.counts.tolist()
+
+
+def test_split_leaves_out_only_the_methods_that_read_the_whole_dataset(tmp_path):
+    # transfer is an oracle (the teachers' weights leave their clients) that reads no client's data: it runs on silos
+    # and stays in the silo config; global pools every client's data (needs_dataset) and is left out
+    from rayfuse.method import METHODS
+
+    assert METHODS.get("transfer").tags.oracle and not METHODS.get("transfer").tags.needs_dataset
+    simulation = {**SIMULATION, "methods": {"local": {}, "transfer": {"target_epochs": 1, "adapt_epochs": 1}, "global": {"epochs": 1}}}
+    written = split_simulation(validate_config(simulation), tmp_path / "silos")
+    text = written.read_text()
+    assert "# Left out: the method(s) global (they read the whole dataset; no silo run can)." in text
+    silo_cfg = validate_config(yaml.safe_load(text))
+    assert list(silo_cfg.methods) == ["local", "transfer"]
+    from rayfuse.runner import prepare_run
+
+    prepare_run(silo_cfg)  # the kept oracle passes the silo run's pre-start checks
+

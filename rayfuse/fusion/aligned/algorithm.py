@@ -95,7 +95,7 @@ class AlignedParams(AlignmentSettings):
     samples: int | None = Field(2048, ge=1, description="training samples per client the statistics use (None: all)")
     weighted: bool = Field(True, description="weight each client by its number of training samples")
     spec: dict[str, Any] | None = Field(None, description="an explicit permutation spec (PermutationSpec.to_dict form) instead of the derived one")
-    evaluate_every: int = Field(1, ge=1)
+    evaluate_every: int = Field(1, ge=1, description="evaluate the fused model every this many rounds (and after the last)")
     aggregator: AggregatorSettings = Field(default_factory=AggregatorSettings, description="merge: average: how the aligned "
                                            "models are combined (mean, median, trimmed_mean, krum, bulyan, geometric_median; "
                                            "clip_norm clips first)")

@@ -11,6 +11,8 @@ their own ``federation.client_overrides.<i>.model``): each is built in its clien
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from rayfuse.fusion.aggregate import normalize_weights
 from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, ServerContext, register_method
 from rayfuse.metrics import majority_vote
@@ -19,7 +21,8 @@ __all__ = ["Ensemble", "EnsembleParams", "majority_vote"]
 
 
 class EnsembleParams(MethodParams):
-    weighted: bool = False  # weight each model's probabilities by its client's sample count
+    weighted: bool = Field(False, description="weight each member's probabilities by its client's number of training samples in "
+                           "the probability average (the vote counts each member once)")
 
 
 @register_method

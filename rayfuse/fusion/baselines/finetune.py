@@ -70,7 +70,7 @@ class TuneSettings(MethodParams):
         None, description="public examples to tune on (default: the whole data.public_size sample); a list gives the fine-tuning curve")
     tune_epochs: int = Field(5, ge=1, description="fine-tuning epochs (reference: 5)")
     tune_lr: float = Field(0.01, gt=0, description="Adam learning rate (reference: 0.01)")
-    tune_batch_size: int = Field(32, ge=1)
+    tune_batch_size: int = Field(32, ge=1, description="fine-tuning batch size (tune_solver adam)")
     tune_trials: int = Field(1, ge=1, description="draws of the public subset per size (the paper: 5); metrics are averaged")
     last_layer_only: bool = Field(True, description="networks: tune only the last layer (the reference); logreg has one layer")
     tune_solver: Literal["adam", "lbfgs"] = Field("adam", description="adam: tune_epochs of Adam (the reference); lbfgs: networks' "

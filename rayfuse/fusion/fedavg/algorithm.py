@@ -79,7 +79,7 @@ def fit(ctx: ClientContext, global_params: dict[str, np.ndarray], *, label: str,
 
 
 class FedAvgParams(MethodParams):
-    rounds: int = Field(20, ge=1, le=1_000_000)
+    rounds: int = Field(20, ge=1, le=1_000_000, description="communication rounds (each: sample clients, local training, aggregate)")
     local_epochs: int = Field(2, ge=0, description="epochs of local training per round (0: clients return the model unchanged)")
     lr: float | None = Field(None, gt=0, description="default: train.lr")
     batch_size: int | None = Field(None, ge=1, description="default: train.batch_size")

@@ -171,7 +171,7 @@ class TargetParams(MethodParams):
                                "epochs of Adam 0.1 on a ResNet; a 1 % target set of digits is 1-2 batches an epoch)")
     target_lr: float = Field(0.01, gt=0, description="Adam lr on D_T (code: 0.1 with a ResNet; too large for the small CNN here)")
     target_weight_decay: float = Field(1e-4, ge=0, description="weight decay on D_T (code: 1e-4)")
-    target_batch_size: int = Field(64, ge=1)
+    target_batch_size: int = Field(64, ge=1, description="batch size of every training on D_T (the weak target model, the adaptation)")
     adapt: Literal["head", "whole"] = Field("head", description="target task adaptation: the head (paper) or the whole network (code)")
     adapt_epochs: int = Field(100, ge=1, description="adaptation epochs on D_T (code: 30 on CIFAR; more here, the target sets are tiny)")
     adapt_lr: float = Field(0.01, gt=0, description="Adam lr of the adaptation")
@@ -197,7 +197,7 @@ class FedSAParams(StudentParams):
     lr: float = Field(0.01, gt=0, description="lr of the local distillation (code: Adam 0.1, which diverges on the small CNN here)")
     batch_size: int = Field(64, ge=1, description="local distillation batch (code: 64)")
     optimizer: Literal["adam", "sgd"] = Field("adam", description="local optimiser (code: Adam; Algorithm 1: SGD)")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="weight decay of the local distillation")
     evaluate_every: int = Field(10, ge=1, description="adapt a copy and evaluate every this many rounds (code: 10) and after the last")
 
 
