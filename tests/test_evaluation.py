@@ -102,7 +102,7 @@ def test_federated_metrics_equal_central_metrics_when_the_held_out_splits_partit
     server = server_for(coord, "average")
     averaged = server._average(updates, weighted=True)
     members = [u.params for u in updates.values()]
-    checks = [server.evaluate(averaged), server.evaluate(members[0], resized=True),
+    checks = [server.scoring.evaluate(averaged), server.scoring.evaluate(members[0], resized=True),
               server_for(coord, "ensemble").evaluate_ensemble(members, [0.1, 0.2, 0.3, 0.4])]
     for metrics in checks:
         for name in (*METRICS, *(("vote_accuracy",) if "vote_accuracy" in metrics else ())):
@@ -128,7 +128,7 @@ def test_evaluate_proba_on_the_server_test_set_is_refused_under_federated_evalua
     cfg = make_config(evaluation="federated", methods={"average": {}})
     server = server_for(build_coordinator(cfg, tmp_path / "run"), "average")
     with pytest.raises(RunFailure, match="evaluate_proba"):
-        server.evaluate_proba(np.full((3, 10), 0.1))
+        server.scoring.evaluate_proba(np.full((3, 10), 0.1))
 
 
 # -- every method family -------------------------------------------------------------------------------------------
