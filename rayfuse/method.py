@@ -235,8 +235,9 @@ class ClientContext(Protocol):
 
 
 class UpdateService(Protocol):
-    """The update pipeline (``server.updates``; :class:`rayfuse.fusion.pipeline.UpdatePipeline` implements it): the one
-    path from a round's client replies to an aggregate, owned by the framework, configured once from the run
+    """The update pipeline (``server.updates``; :class:`rayfuse.fusion.pipeline.UpdatePipeline` implements it, with
+    ``run_cached`` from the coordinator's ``MethodUpdates``, its subclass that holds the engine's store): the one path
+    from a round's client replies to an aggregate, owned by the framework, configured once from the run
     (``federation.attacks``) and the method's entry (its ``aggregator`` and ``dp`` keys). Its stages, in order:
 
     1. **validate**: each reply is an :class:`Update` with the reference's keys and shapes, finite values and metrics,
@@ -391,7 +392,7 @@ class ServerContext(Protocol):
     def federation(self) -> FederationView: ...  # read-only: the coordinator's concrete Federation implements the view
 
     @property
-    def updates(self) -> UpdateService: ...  # read-only: the coordinator's UpdatePipeline implements the service
+    def updates(self) -> UpdateService: ...  # read-only: the coordinator's MethodUpdates (an UpdatePipeline)
 
     @property
     def data(self) -> DataRoles: ...
