@@ -8,7 +8,7 @@ coordinator runs the rounds and returns only timings: parameters move through Ra
 the driver (the driver's received bytes are reported). One round does what
 ``rayfuse.fusion.fedavg.algorithm.FedAvg.run`` does:
 
-1. ``server.sample_clients(fraction, round)`` (every client at ``fraction: 1``) and ``federation.put(global_params)``:
+1. ``server.updates.sample_clients(fraction, round)`` (every client at ``fraction: 1``) and ``federation.put(global_params)``:
    one broadcast object;
 2. ``federation.run(echo_step, ref, clients=...)``: every client returns a *copy* of the broadcast in an ``Update``
    (new memory, as a trained update would be); ``gather`` applies the failure policy;
@@ -134,7 +134,7 @@ class RoundCoordinator(CoordinatorActor):
         timings = []
         for rnd in range(warmup + rounds):
             t0 = time.perf_counter()
-            clients = server.sample_clients(p.fraction, rnd + 1)
+            clients = server.updates.sample_clients(p.fraction, rnd + 1)
             broadcast = fed.put(global_params)
             t1 = time.perf_counter()
             gathered = fed.run(echo_step, broadcast, clients=clients)

@@ -53,7 +53,7 @@ class ValidationWeighted(Method):
         weights /= weights.sum()
         keys = next(iter(updates.values())).params
         fused = {k: sum(w * u.params[k] for w, u in zip(weights, updates.values())).astype(np.float32) for k in keys}
-        return MethodResult(server.evaluate(fused), fused, {"weights": weights.round(3).tolist()})
+        return MethodResult(server.scoring.evaluate(fused), fused, {"weights": weights.round(3).tolist()})
 
 
 config = {

@@ -260,7 +260,7 @@ class ClientStateStore:
 @client_step("client_state.has")
 def has_client_state(ctx: ClientContext, *, kind: str, store: str, name: str, round: int) -> bool:
     """Whether this client still keeps ``name`` after ``round`` in its :class:`ClientStateStore` ``kind`` / ``store``
-    (what a resumed method asks before continuing mid-method; see ``ServerContext.clients_missing_state``)."""
+    (what a resumed method asks before continuing mid-method; see ``MethodServer.clients_missing_state``, the round loop's)."""
     return ctx.state_store(kind, store).has(name, round)
 
 

@@ -37,7 +37,7 @@ from rayfuse.data.roles import (
     server_splits,
 )
 from rayfuse.data.silos import SiloPlan, check_schemas, combine_moments, server_split, wants_standardization
-from rayfuse.errors import InputError, NonFiniteError, RunFailure
+from rayfuse.errors import NonFiniteError, RunFailure
 from rayfuse.evaluation import (
     CLIENT_PREFIX,
     FEDERATED_PREFIX,
@@ -65,15 +65,245 @@ from rayfuse.store import (
     step_result_key,
 )
 
-__all__ = ["Coordinator", "MethodServer"]
+__all__ = ["Coordinator", "MethodServer", "MethodUpdates", "ServerData", "ServerModels", "ServerScoring"]
 
 R = TypeVar("R")
 S = TypeVar("S")
 
 
+class ServerData:
+    """``server.data`` (implements :class:`rayfuse.method.DataRoles`): the coordinator's server-side data roles and the
+    run's data settings, as one method sees them."""
+
+    def __init__(self, coordinator: Coordinator, spec: MethodSpec) -> None:
+        self._coordinator = coordinator
+        self._spec = spec
+        cfg = coordinator.cfg
+        self.data_cfg = cfg.data  # the dataset spec (a generator's true distribution for methods that score against it)
+        self.evaluation: str = cfg.evaluation  # central | federated | both (rayfuse.evaluation)
+        self.num_classes = coordinator.plan.num_classes
+        self.input_shape = coordinator.plan.input_shape
+
+    @property
+    def num_clients(self) -> int:
+        return self._coordinator.federation.num_clients
+
+    @property
+    def test(self) -> Split:
+        """The global test set (evaluation only)."""
+        return self._coordinator.server_data()[0]
+
+    @property
+    def public(self) -> Split:
+        """The server's public sample (``data.public_size``; may be empty)."""
+        return self._coordinator.server_data()[1]
+
+    @property
+    def dataset_meta(self) -> dict[str, Any]:
+        """Facts a procedural dataset records about itself (e.g. the true GMM atoms): for evaluation only, like the
+        test set; empty for other datasets."""
+        if isinstance(self._coordinator.plan, SiloPlan):
+            raise RunFailure(f"{self._spec.label}: asked for the dataset's own facts (dataset_meta); a silo run (data.silos) has no dataset")
+        return dict(self._coordinator._load_dataset().meta)
+
+    @property
+    def class_counts(self) -> np.ndarray:
+        """The partition plan's class counts, ``(num_clients, num_classes)``: each client's training and held-out
+        examples of each class together, as the partition manifest records them."""
+        return np.asarray(self._coordinator.plan.counts)
+
+    def pooled_train(self) -> Split:
+        """Every client's training data pooled. Only oracle methods may ask: a federation cannot do this."""
+        if not self._spec.method_cls.tags.oracle:
+            raise RunFailure(f"method {self._spec.method!r} asked for pooled client data; only oracle methods may")
+        return self._coordinator.pooled_train()
+
+
+class ServerModels:
+    """``server.models`` (implements :class:`rayfuse.method.ModelService`): the run's model and a client's own, the
+    training settings, the device and the shared seeded initialisation."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        cfg = coordinator.cfg
+        self._cfg = cfg
+        self._seed = cfg.run.seed
+        self.model_cfg = cfg.model  # the run's model (the server's); a client's own: client_model(client)
+        self.train_cfg = cfg.train
+        self.device = coordinator.device
+        self._input_shape = coordinator.plan.input_shape
+        self._num_classes = coordinator.plan.num_classes
+
+    def build_model(self, seed: int | None = None) -> Any:
+        return build_model(self.model_cfg, self._input_shape, self._num_classes, seed=seed)
+
+    def client_model(self, client: int) -> ModelConfig:
+        """Client ``client``'s model: its ``federation.client_overrides.<i>.model``, else the run's (``model_cfg``)."""
+        return self._cfg.client_model(client)
+
+    def build_client_model(self, client: int, seed: int | None = None) -> Any:
+        """A model of client ``client``'s architecture (:meth:`client_model`)."""
+        return build_model(self.client_model(client), self._input_shape, self._num_classes, seed=seed)
+
+    def initial_params(self) -> dict[str, np.ndarray]:
+        """The shared seeded initialisation (the same as the clients' local models when ``train.shared_init``)."""
+        return get_params(self.build_model(seed=derive_seed(self._seed, "init")))
+
+
+class ServerScoring:
+    """``server.scoring`` (implements :class:`rayfuse.method.Scoring`): evaluation on the server's test set, the
+    clients' held-out splits, or both (``evaluation``). It keeps the per-client tables of the federated evaluations
+    not yet logged (``tables``), which the method's next logged row records (:meth:`MethodServer.log`)."""
+
+    def __init__(self, coordinator: Coordinator, label: str, data: ServerData, models: ServerModels, federation: Federation,
+                 updates: UpdatePipeline) -> None:
+        self._coordinator = coordinator
+        self._label = label
+        self._data = data
+        self._models = models
+        self._federation = federation
+        self._updates = updates
+        self.tables: list[list[dict[str, Any]]] = []  # per-client tables of the federated evaluations not yet logged
+
+    def predict_proba(self, params: dict[str, np.ndarray], X: np.ndarray | None = None) -> np.ndarray:
+        return self._predict(params, self._models.model_cfg, X)
+
+    def _predict(self, params: dict[str, np.ndarray], model_cfg: ModelConfig, X: np.ndarray | None = None) -> np.ndarray:
+        """The class probabilities of ``params`` built into ``model_cfg`` on ``X`` (default: the server's test set)."""
+        model = set_params(build_model(model_cfg, self._data.input_shape, self._data.num_classes), params)
+        return predict_proba(model, self._data.test.X if X is None else X, device=self._models.device)
+
+    def evaluate_proba(self, proba: np.ndarray) -> dict[str, float]:
+        """The metrics of ``proba`` predicted on the server's test set. Refused with ``evaluation: federated`` (the
+        run's metrics are the clients': a method scores through :meth:`evaluate` / :meth:`evaluate_ensemble`)."""
+        if self._data.evaluation == "federated":
+            raise RunFailure(f"{self._label}: scores predictions on the server's test set (evaluate_proba), which evaluation: federated "
+                             "does not use; score through evaluate / evaluate_ensemble, or tag the method federated_evaluation=False")
+        return compute_metrics(proba, self._data.test.y)
+
+    def evaluate(self, params: dict[str, np.ndarray], *, resized: bool = False, model: ModelConfig | None = None) -> dict[str, float]:
+        """Accuracy, NLL, entropy and ECE of ``params`` built into ``model`` (default: the run's model; a client's own
+        is ``server.models.client_model``): on the global test set, the clients' held-out splits, or both
+        (``evaluation``; see :meth:`evaluate_ensemble`). ``resized``: that architecture at other widths (a fused model
+        whose permutation groups grew or shrank; only NaN / Inf are checked then)."""
+        model_cfg = self._models.model_cfg if model is None else model
+        if resized:
+            if not all(np.isfinite(v).all() for v in params.values() if v.dtype.kind == "f"):
+                raise NonFiniteError(f"{self._label}: the model to evaluate has NaN or Inf values")
+        else:
+            problem = check_params(params, self._coordinator.reference_for(model_cfg))
+            if problem:
+                raise NonFiniteError(f"{self._label}: the model to evaluate is invalid: {problem}")
+
+        def central() -> dict[str, float]:
+            if resized:
+                built = model_for_params(params, model_cfg, self._data.input_shape, self._data.num_classes)
+                return self.evaluate_proba(predict_proba(built, self._data.test.X, device=self._models.device))
+            return self.evaluate_proba(self._predict(params, model_cfg))
+
+        return self._evaluate_where(central, [params], None, [model_cfg])
+
+    def evaluate_ensemble(self, members: Sequence[dict[str, np.ndarray]], weights: Sequence[float], *,
+                          models: Sequence[ModelConfig] | None = None) -> dict[str, float]:
+        """The metrics of the ensemble of ``members`` (probabilities averaged with ``weights``) and the accuracy of
+        its majority vote (``vote_accuracy``), where ``evaluation`` says: federated, every client receives the members'
+        parameters (and their model configs) and scores them on its held-out split. ``models``: each member's
+        architecture (members of clients with models of their own: ``[server.models.client_model(c) for c in
+        clients]``); default: the run's model for every member."""
+        configs = [self._models.model_cfg] * len(members) if models is None else list(models)
+        if len(configs) != len(members):
+            raise ValueError(f"{self._label}: evaluate_ensemble got {len(members)} members and {len(configs)} models")
+
+        def central() -> dict[str, float]:
+            probas = np.stack([self._predict(p, m) for p, m in zip(members, configs)])
+            metrics = self.evaluate_proba(np.tensordot(weights, probas, axes=1))
+            metrics["vote_accuracy"] = float(np.mean(majority_vote(probas, list(weights)) == self._data.test.y))
+            return metrics
+
+        return self._evaluate_where(central, list(members), [float(w) for w in weights], configs, vote=True)
+
+    def _evaluate_where(self, central: Callable[[], dict[str, float]], members: list[dict[str, np.ndarray]],
+                        weights: list[float] | None, models: list[ModelConfig], *, vote: bool = False) -> dict[str, float]:
+        """The one dispatch of ``evaluation``: central metrics, the federated aggregate, or both (the federated ones
+        prefixed ``federated_``)."""
+        evaluation = self._data.evaluation
+        if evaluation == "central":
+            return central()
+        metrics = central() if evaluation == "both" else {}
+        federated = self._evaluate_federated(members, weights, models, vote=vote)
+        if evaluation == "federated":
+            return federated
+        return {**metrics, **{FEDERATED_PREFIX + k: v for k, v in federated.items()}}
+
+    def _evaluate_federated(self, members: list[dict[str, np.ndarray]], weights: list[float] | None, models: list[ModelConfig], *,
+                            vote: bool) -> dict[str, float]:
+        """Every client scores ``members``, each built into its model config of ``models``, on its held-out split and
+        replies with sums and counts; the metrics of the summed sums (count-weighted over the clients). A malformed
+        reply is rejected (``update_rejected``); the per-client table is logged with the method's next row."""
+        fed = self._federation
+        gathered = fed.run(evaluate_held_out, fed.put(members), weights, vote=vote, models=models)
+        extra = ("vote_correct",) if vote else ()
+
+        def read(client: int, reply: Any) -> dict[str, Any]:
+            problem = check_metric_sums(reply, extra=extra)
+            if problem is not None:
+                raise Rejected(f"evaluation reply: {problem}")
+            return dict(reply)
+
+        need = min(fed.policy.min_clients, len(gathered.results) + len(gathered.failures))
+        kept = self._updates.accept_replies(gathered, read, need=need, what="evaluation replies")
+        total = add_metric_sums([kept[c] for c in sorted(kept)])
+        if float(total["count"]) <= 0:
+            raise RunFailure(f"{self._label}: federated evaluation: the held-out splits of clients {sorted(kept)} are empty")
+        self.tables.append([make_client_row(c, kept[c]) for c in sorted(kept)])
+        return metrics_from_sums(total)
+
+
+class MethodUpdates(UpdatePipeline):
+    """``server.updates``: the update pipeline (:class:`rayfuse.fusion.pipeline.UpdatePipeline`) with the engine's
+    step-result cache (:meth:`run_cached`), which needs the coordinator's store; together they implement
+    :class:`rayfuse.method.UpdateService`."""
+
+    def __init__(self, server: MethodServer, coordinator: Coordinator, spec: MethodSpec) -> None:
+        super().__init__(server, spec.params, coordinator.cfg.federation.attacks, planned_examples=coordinator.plan.num_examples,
+                         reference_of=coordinator.reference_params, local_updates=coordinator.local_updates)
+        self._coordinator = coordinator
+        self._method_server = server
+
+    def run_cached(self, step: Any, *args: Any, **kwargs: Any) -> Gathered[Any]:
+        """``server.federation.run(step, *args, **kwargs)``, cached across runs when ``run.model_cache`` is set.
+
+        For deterministic client steps that summarise a client's data (a local posterior fit): the results of every
+        client are stored under a key of the data, split, model, training settings, seed, the step and its arguments,
+        and runs that share the key (the trials of a Tune sweep over fusion-only knobs) compute them once. Without
+        ``run.model_cache``, or when a client failed, this is plain ``federation.run``.
+        """
+        coordinator = self._coordinator
+        root = coordinator.cfg.run.model_cache
+        if not root:
+            return self._method_server.federation.run(step, *args, **kwargs)
+        name = step_name(step)
+        coordinator.note_cache_files()
+        key, inputs = step_result_key(coordinator.resolved_config(), coordinator.plan.digest(), name, args, kwargs)
+        cache = StepResultCache(root, key, inputs)
+        clients = self._method_server.federation.client_ids
+        with cache.lock():
+            saved = cache.load(clients)
+            if saved is not None:
+                self._method_server.events.emit("step_results_restored", f"{name}: {len(saved)} clients' results from the model cache ({key})",
+                                 method=self._method_server.label, key=key)
+                return Gathered(saved)
+            gathered = self._method_server.federation.run(step, *args, **kwargs)
+            if sorted(gathered.results) == sorted(clients) and not gathered.failures and cache.save(gathered.results):
+                self._method_server.events.emit("step_results_cached", f"{name}: {len(clients)} clients' results -> {cache.folder}",
+                                 method=self._method_server.label, key=key)
+            return gathered
+
+
 class MethodServer:
-    """The coordinator's implementation of :class:`rayfuse.method.ServerContext`: a method's view of the run (the
-    federation, server-side data, evaluation, logging and checkpoints)."""
+    """The coordinator's implementation of :class:`rayfuse.method.ServerContext` (a method's view of the run: five
+    services, :class:`ServerData`, :class:`ServerModels`, :class:`ServerScoring`, :class:`MethodUpdates` and the
+    federation) and of :class:`rayfuse.rounds.LoopServer` (the round loop's internals: resume, history, checkpoints,
+    state the clients keep)."""
 
     def __init__(self, coordinator: Coordinator, spec: MethodSpec, *, resume: bool) -> None:
         self._coordinator = coordinator
@@ -85,14 +315,8 @@ class MethodServer:
         self.events = coordinator.events
         cfg = coordinator.cfg
         self.seed = cfg.run.seed
-        self.evaluation: str = cfg.evaluation  # central | federated | both (rayfuse.evaluation)
-        self._evaluations: list[list[dict[str, Any]]] = []  # per-client tables of the federated evaluations not yet logged
-        self.data_cfg = cfg.data  # the dataset spec (a generator's true distribution for methods that score against it)
-        self.model_cfg = cfg.model  # the run's model (the server's); a client's own: client_model(client)
-        self.train_cfg = cfg.train
-        self.num_classes = coordinator.plan.num_classes
-        self.input_shape = coordinator.plan.input_shape
-        self.device = coordinator.device
+        self.data = ServerData(coordinator, spec)
+        self.models = ServerModels(coordinator)
         # ``run.model_cache``: storage the clients own, where they keep state for later runs (their trained local
         # models; FedSA's translators, so that ``--resume`` continues mid-method); ``None``: the clients keep nothing
         self.model_cache = cfg.run.model_cache
@@ -100,8 +324,8 @@ class MethodServer:
         self.resume = resume
         self.history: list[dict[str, Any]] = []
         # the update pipeline: validation, attacks, clipping and DP, the aggregation rule (configured once, here)
-        self.updates = UpdatePipeline(self, spec.params, cfg.federation.attacks, planned_examples=coordinator.plan.num_examples,
-                                      reference_of=coordinator.reference_params)
+        self.updates = MethodUpdates(self, coordinator, spec)
+        self.scoring = ServerScoring(coordinator, spec.label, self.data, self.models, self.federation, self.updates)
 
     def clients_missing_state(self, kind: str, store: str, rounds: dict[int, int]) -> list[int]:
         """The clients of ``rounds`` (client -> round) that cannot give back their private state ``kind`` of that round,
@@ -125,221 +349,11 @@ class MethodServer:
         except RunFailure as exc:
             self.events.emit("warning", f"client state {kind} not deleted: {exc}", method=self.label)
 
-    def run_cached(self, step: Any, *args: Any, **kwargs: Any) -> Gathered[Any]:
-        """``federation.run(step, *args, **kwargs)``, cached across runs when ``run.model_cache`` is set.
-
-        For deterministic client steps that summarise a client's data (a local posterior fit): the results of every
-        client are stored under a key of the data, split, model, training settings, seed, the step and its arguments,
-        and runs that share the key (the trials of a Tune sweep over fusion-only knobs) compute them once. Without
-        ``run.model_cache``, or when a client failed, this is plain ``federation.run``.
-        """
-        coordinator = self._coordinator
-        root = coordinator.cfg.run.model_cache
-        if not root:
-            return self.federation.run(step, *args, **kwargs)
-        name = step_name(step)
-        coordinator.note_cache_files()
-        key, inputs = step_result_key(coordinator.resolved_config(), coordinator.plan.digest(), name, args, kwargs)
-        cache = StepResultCache(root, key, inputs)
-        clients = self.federation.client_ids
-        with cache.lock():
-            saved = cache.load(clients)
-            if saved is not None:
-                self.events.emit("step_results_restored", f"{name}: {len(saved)} clients' results from the model cache ({key})",
-                                 method=self.label, key=key)
-                return Gathered(saved)
-            gathered = self.federation.run(step, *args, **kwargs)
-            if sorted(gathered.results) == sorted(clients) and not gathered.failures and cache.save(gathered.results):
-                self.events.emit("step_results_cached", f"{name}: {len(clients)} clients' results -> {cache.folder}",
-                                 method=self.label, key=key)
-            return gathered
-
-    # -- data and models ------------------------------------------------------------------------------------------
-
-    @property
-    def num_clients(self) -> int:
-        return self.federation.num_clients
-
-    @property
-    def test(self) -> Split:
-        """The global test set (evaluation only)."""
-        return self._coordinator.server_data()[0]
-
-    @property
-    def public(self) -> Split:
-        """The server's public sample (``data.public_size``; may be empty)."""
-        return self._coordinator.server_data()[1]
-
-    @property
-    def dataset_meta(self) -> dict[str, Any]:
-        """Facts a procedural dataset records about itself (e.g. the true GMM atoms): for evaluation only, like the
-        test set; empty for other datasets."""
-        if isinstance(self._coordinator.plan, SiloPlan):
-            raise RunFailure(f"{self.label}: asked for the dataset's own facts (dataset_meta); a silo run (data.silos) has no dataset")
-        return dict(self._coordinator._load_dataset().meta)
-
-    @property
-    def class_counts(self) -> np.ndarray:
-        """The partition plan's class counts, ``(num_clients, num_classes)``: each client's training and held-out
-        examples of each class together, as the partition manifest records them."""
-        return np.asarray(self._coordinator.plan.counts)
-
-    def pooled_train(self) -> Split:
-        """Every client's training data pooled. Only oracle methods may ask: a federation cannot do this."""
-        if not self.method_cls.tags.oracle:
-            raise RunFailure(f"method {self.method!r} asked for pooled client data; only oracle methods may")
-        return self._coordinator.pooled_train()
-
-    def build_model(self, seed: int | None = None) -> Any:
-        return build_model(self.model_cfg, self.input_shape, self.num_classes, seed=seed)
-
-    def client_model(self, client: int) -> ModelConfig:
-        """Client ``client``'s model: its ``federation.client_overrides.<i>.model``, else the run's (``model_cfg``)."""
-        return self._coordinator.cfg.client_model(client)
-
-    def build_client_model(self, client: int, seed: int | None = None) -> Any:
-        """A model of client ``client``'s architecture (:meth:`client_model`)."""
-        return build_model(self.client_model(client), self.input_shape, self.num_classes, seed=seed)
-
-    def initial_params(self) -> dict[str, np.ndarray]:
-        """The shared seeded initialisation (the same as the clients' local models when ``train.shared_init``)."""
-        return get_params(self.build_model(seed=derive_seed(self.seed, "init")))
-
     def step_seed(self, *tags: object) -> int:
         return derive_seed(self.seed, "server", self.label, *tags)
 
     def rng(self, *tags: object) -> np.random.Generator:
         return make_rng(self.seed, "server", self.label, *tags)
-
-    # -- evaluation ---------------------------------------------------------------------------------------------
-
-    def predict_proba(self, params: dict[str, np.ndarray], X: np.ndarray | None = None) -> np.ndarray:
-        return self._predict(params, self.model_cfg, X)
-
-    def _predict(self, params: dict[str, np.ndarray], model_cfg: ModelConfig, X: np.ndarray | None = None) -> np.ndarray:
-        """The class probabilities of ``params`` built into ``model_cfg`` on ``X`` (default: the server's test set)."""
-        model = set_params(build_model(model_cfg, self.input_shape, self.num_classes), params)
-        return predict_proba(model, self.test.X if X is None else X, device=self.device)
-
-    def evaluate_proba(self, proba: np.ndarray) -> dict[str, float]:
-        """The metrics of ``proba`` predicted on the server's test set. Refused with ``evaluation: federated`` (the
-        run's metrics are the clients': a method scores through :meth:`evaluate` / :meth:`evaluate_ensemble`)."""
-        if self.evaluation == "federated":
-            raise RunFailure(f"{self.label}: scores predictions on the server's test set (evaluate_proba), which evaluation: federated "
-                             "does not use; score through evaluate / evaluate_ensemble, or tag the method federated_evaluation=False")
-        return compute_metrics(proba, self.test.y)
-
-    def evaluate(self, params: dict[str, np.ndarray], *, resized: bool = False, model: ModelConfig | None = None) -> dict[str, float]:
-        """Accuracy, NLL, entropy and ECE of ``params`` built into ``model`` (default: the run's model; a client's own
-        is :meth:`client_model`): on the global test set, the clients' held-out splits, or both (``evaluation``; see
-        :meth:`evaluate_ensemble`). ``resized``: that architecture at other widths (a fused model whose permutation
-        groups grew or shrank; only NaN / Inf are checked then)."""
-        model_cfg = self.model_cfg if model is None else model
-        if resized:
-            if not all(np.isfinite(v).all() for v in params.values() if v.dtype.kind == "f"):
-                raise NonFiniteError(f"{self.label}: the model to evaluate has NaN or Inf values")
-        else:
-            problem = check_params(params, self._coordinator.reference_for(model_cfg))
-            if problem:
-                raise NonFiniteError(f"{self.label}: the model to evaluate is invalid: {problem}")
-
-        def central() -> dict[str, float]:
-            if resized:
-                built = model_for_params(params, model_cfg, self.input_shape, self.num_classes)
-                return self.evaluate_proba(predict_proba(built, self.test.X, device=self.device))
-            return self.evaluate_proba(self._predict(params, model_cfg))
-
-        return self._evaluate_where(central, [params], None, [model_cfg])
-
-    def evaluate_ensemble(self, members: Sequence[dict[str, np.ndarray]], weights: Sequence[float], *,
-                          models: Sequence[ModelConfig] | None = None) -> dict[str, float]:
-        """The metrics of the ensemble of ``members`` (probabilities averaged with ``weights``) and the accuracy of
-        its majority vote (``vote_accuracy``), where ``evaluation`` says: federated, every client receives the members'
-        parameters (and their model configs) and scores them on its held-out split. ``models``: each member's
-        architecture (members of clients with models of their own: ``[server.client_model(c) for c in clients]``);
-        default: the run's model for every member."""
-        configs = [self.model_cfg] * len(members) if models is None else list(models)
-        if len(configs) != len(members):
-            raise ValueError(f"{self.label}: evaluate_ensemble got {len(members)} members and {len(configs)} models")
-
-        def central() -> dict[str, float]:
-            probas = np.stack([self._predict(p, m) for p, m in zip(members, configs)])
-            metrics = self.evaluate_proba(np.tensordot(weights, probas, axes=1))
-            metrics["vote_accuracy"] = float(np.mean(majority_vote(probas, list(weights)) == self.test.y))
-            return metrics
-
-        return self._evaluate_where(central, list(members), [float(w) for w in weights], configs, vote=True)
-
-    def _evaluate_where(self, central: Callable[[], dict[str, float]], members: list[dict[str, np.ndarray]],
-                        weights: list[float] | None, models: list[ModelConfig], *, vote: bool = False) -> dict[str, float]:
-        """The one dispatch of ``evaluation``: central metrics, the federated aggregate, or both (the federated ones
-        prefixed ``federated_``)."""
-        if self.evaluation == "central":
-            return central()
-        metrics = central() if self.evaluation == "both" else {}
-        federated = self._evaluate_federated(members, weights, models, vote=vote)
-        if self.evaluation == "federated":
-            return federated
-        return {**metrics, **{FEDERATED_PREFIX + k: v for k, v in federated.items()}}
-
-    def _evaluate_federated(self, members: list[dict[str, np.ndarray]], weights: list[float] | None, models: list[ModelConfig], *,
-                            vote: bool) -> dict[str, float]:
-        """Every client scores ``members``, each built into its model config of ``models``, on its held-out split and
-        replies with sums and counts; the metrics of the summed sums (count-weighted over the clients). A malformed
-        reply is rejected (``update_rejected``); the per-client table is logged with the method's next row (:meth:`log`)."""
-        fed = self.federation
-        gathered = fed.run(evaluate_held_out, fed.put(members), weights, vote=vote, models=models)
-        extra = ("vote_correct",) if vote else ()
-
-        def read(client: int, reply: Any) -> dict[str, Any]:
-            problem = check_metric_sums(reply, extra=extra)
-            if problem is not None:
-                raise Rejected(f"evaluation reply: {problem}")
-            return dict(reply)
-
-        need = min(fed.policy.min_clients, len(gathered.results) + len(gathered.failures))
-        kept = self.accept_replies(gathered, read, need=need, what="evaluation replies")
-        total = add_metric_sums([kept[c] for c in sorted(kept)])
-        if float(total["count"]) <= 0:
-            raise RunFailure(f"{self.label}: federated evaluation: the held-out splits of clients {sorted(kept)} are empty")
-        self._evaluations.append([make_client_row(c, kept[c]) for c in sorted(kept)])
-        return metrics_from_sums(total)
-
-    # -- clients ------------------------------------------------------------------------------------------------
-
-    def local_updates(self) -> Gathered[Update]:
-        """Every client's trained local model (gathered once per run and shared by all methods)."""
-        return self._coordinator.local_updates()
-
-    def accept_replies(self, gathered: Gathered[Any], read: Callable[[int, Any], R], *, need: int = 1,
-                       what: str = "client replies") -> dict[int, R]:
-        """The one rejection path: each client's reply through ``read(client, reply)``, which returns what is kept of
-        it or raises :class:`rayfuse.method.Rejected` (or :class:`rayfuse.errors.InputError`) with the reason; a
-        rejected reply is recorded (:meth:`reject`) and never used. Raises :class:`RunFailure` when fewer than
-        ``need`` (at least 1) replies are kept."""
-        kept: dict[int, R] = {}
-        for client, reply in gathered.results.items():
-            try:
-                kept[client] = read(client, reply)
-            except (Rejected, InputError) as exc:
-                self.reject(client, str(exc))
-        need = max(int(need), 1)
-        if len(kept) < need:
-            raise RunFailure(f"{self.label}: {len(kept)} valid {what}, need {need} (rejected {len(gathered.results) - len(kept)}, "
-                             f"failed {len(gathered.failures)}); see the update_rejected events")
-        return kept
-
-    def reject(self, client: int, reason: str) -> None:
-        """Record that ``client``'s reply was rejected (never used): an ``update_rejected`` event."""
-        self.events.emit("update_rejected", reason, method=self.label, client=client)
-
-    def sample_clients(self, fraction: float, round: int) -> list[int]:
-        """A seeded sample of ``ceil(fraction * n)`` client ids for ``round`` (all of them when fraction is 1)."""
-        ids = self.federation.client_ids
-        k = max(1, int(np.ceil(fraction * len(ids))))
-        if k >= len(ids):
-            return list(ids)
-        return sorted(int(c) for c in self.rng("sample", round).choice(ids, size=k, replace=False))
 
     # -- logging and checkpoints ------------------------------------------------------------------------------
 
@@ -365,16 +379,16 @@ class MethodServer:
         """Record the per-client tables of the federated evaluations not yet logged at ``round``: ``val_<metric>`` rows
         with the client's id (``val_count``: its held-out size); several evaluations (``local``: one per model) are
         averaged per client."""
-        if not self._evaluations:
+        if not self.scoring.tables:
             return
-        table = average_client_tables(self._evaluations)
-        self._evaluations = []
+        table = average_client_tables(self.scoring.tables)
+        self.scoring.tables = []
         for row in table:
             self._record(int(round), {CLIENT_PREFIX + name: float(value) for name, value in row.items() if name != "client"}, row["client"])
 
     def collect_client_table(self) -> list[dict[str, Any]]:
         """The per-client table of the method's last federated evaluation (empty with ``evaluation: central``)."""
-        if self._evaluations:
+        if self.scoring.tables:
             self.log_client_table(max((int(r["round"]) for r in self.history), default=0))
         return read_client_table(self.history)
 

@@ -49,13 +49,13 @@ from rayfuse.rounds import ClientRounds, KeptState, RoundLoop, transient
 
 if TYPE_CHECKING:
     from rayfuse.data.roles import DataPlan, Split
-    from rayfuse.store import Checkpoint, Checkpointer
 
 __all__ = [
     "METHODS",
     "ClientContext",
     "ClientError",
     "ClientRounds",
+    "DataRoles",
     "FederationView",
     "Gathered",
     "KeptState",
@@ -64,10 +64,12 @@ __all__ = [
     "MethodResult",
     "MethodSpec",
     "MethodTags",
+    "ModelService",
     "Reference",
     "Rejected",
     "RoundLoop",
     "RunSetup",
+    "Scoring",
     "ServerContext",
     "Update",
     "UpdateService",
@@ -127,7 +129,7 @@ class Update:
 
 
 class Rejected(ValueError):
-    """Raised by a reader given to :meth:`ServerContext.accept_replies`: the reply is not used (its message is the
+    """Raised by a reader given to :meth:`UpdateService.accept_replies`: the reply is not used (its message is the
     reason recorded in the ``update_rejected`` event)."""
 
 
@@ -237,8 +239,9 @@ class ClientContext(Protocol):
 
 
 class UpdateService(Protocol):
-    """The update pipeline (``server.updates``; :class:`rayfuse.fusion.pipeline.UpdatePipeline` implements it): the one
-    path from a round's client replies to an aggregate, owned by the framework, configured once from the run
+    """The update pipeline (``server.updates``; :class:`rayfuse.fusion.pipeline.UpdatePipeline` implements it, with
+    ``run_cached`` from the coordinator's ``MethodUpdates``, its subclass that holds the engine's store): the one path
+    from a round's client replies to an aggregate, owned by the framework, configured once from the run
     (``federation.attacks``) and the method's entry (its ``aggregator`` and ``dp`` keys). Its stages, in order:
 
     1. **validate**: each reply is an :class:`Update` with the reference's keys and shapes, finite values and metrics,
@@ -253,6 +256,15 @@ class UpdateService(Protocol):
     :meth:`local_models` and :meth:`state` are the DP mechanisms' share of the round: who trains (DP-FedAvg's Poisson
     sampling), how many rounds the budget affords, the clipped and noised uploads of one-shot DP, the adaptive clip
     norm to checkpoint.
+
+    The reply path that is not a parameter update lives here too, as the one way a method receives what its clients
+    send: :meth:`accept_replies` (each reply through the method's reader; one the reader refuses is recorded by
+    :meth:`reject` as an ``update_rejected`` event, never used), :meth:`sample_clients` (the seeded sample of a round's
+    clients without DP), :meth:`local_updates` (every client's trained local model, gathered once per run and shared by
+    the methods) and :meth:`run_cached` (a client step's replies, cached across runs under ``run.model_cache``). The
+    last two are here rather than on the transport (``server.federation``) because they are not transport: both are
+    replies the framework keeps for the method (across methods, across runs), as it keeps the rejection record, while
+    the federation only sends calls and gathers what comes back.
     """
 
     def collect(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, round: int = 1, *,
@@ -279,48 +291,30 @@ class UpdateService(Protocol):
 
     def info(self) -> dict[str, Any]: ...
 
+    # the reply path that is not a parameter update
+    def accept_replies(self, gathered: Gathered[Any], read: Callable[[int, Any], R], *, need: int = 1,
+                       what: str = "client replies") -> dict[int, R]: ...
 
-class ServerContext(Protocol):
-    """A method's whole view of the run (the coordinator implements it).
+    def reject(self, client: int, reason: str) -> None: ...
 
-    The federation and the events; the server-side data roles (``test``, ``public``); the run's model, data and
-    training settings; evaluation (:meth:`evaluate` and :meth:`evaluate_ensemble` score on the server's test set, on
-    the clients' held-out splits, or both, as the run's ``evaluation`` says; :meth:`predict_proba` and
-    :meth:`evaluate_proba` are the server's test set only); the update pipeline (``updates``, :class:`UpdateService`:
-    validation, attacks, clipping and DP, the aggregation rule) and the one rejection path under it,
-    :meth:`accept_replies` (a reply the reader refuses is recorded as an ``update_rejected`` event, never used);
-    seeded randomness; logging; round checkpoints
-    (:meth:`rounds`, a :class:`RoundLoop` over a typed round state, owns resume, evaluation cadence, history, progress
-    and checkpoints) and state that clients keep across rounds (:class:`KeptState`).
+    def sample_clients(self, fraction: float, round: int) -> list[int]: ...
 
-    ``model_cfg`` is the run's model (the server's, and every client's without a model of its own); a client's own
-    model is :meth:`client_model` (``federation.client_overrides.<i>.model``; only methods with
-    ``MethodTags.heterogeneous_clients`` run when the clients' models differ). ``class_counts`` is the partition plan's
-    ``(num_clients, num_classes)`` class counts (train and held-out, as the partition manifest records them).
-    """
+    def local_updates(self) -> Gathered[Update]: ...
 
-    label: str
-    method: str
-    params: MethodParams
-    events: Any
-    seed: int
-    evaluation: str
+    def run_cached(self, step: Any, *args: Any, **kwargs: Any) -> Gathered[Any]: ...
+
+
+class DataRoles(Protocol):
+    """The server's data roles (``server.data``): the global test set (evaluation only), the server's public sample,
+    the pooled clients' data (oracles only), the dataset's own facts, the partition plan's class counts, and the run's
+    data settings. ``evaluation`` is where :class:`Scoring` scores (``central``, ``federated`` or ``both``).
+    ``class_counts`` is the partition plan's ``(num_clients, num_classes)`` class counts (train and held-out, as the
+    partition manifest records them)."""
+
     data_cfg: DataConfig
-    model_cfg: ModelConfig
-    train_cfg: TrainConfig
+    evaluation: str
     num_classes: int
     input_shape: tuple[int, ...]
-    device: str
-    model_cache: str | None
-    resume: bool
-    history: list[dict[str, Any]]
-    checkpoint: Checkpointer
-
-    @property
-    def federation(self) -> FederationView: ...  # read-only: the coordinator's concrete Federation implements the view
-
-    @property
-    def updates(self) -> UpdateService: ...  # read-only: the coordinator's UpdatePipeline implements the service
 
     @property
     def num_clients(self) -> int: ...
@@ -339,6 +333,17 @@ class ServerContext(Protocol):
 
     def pooled_train(self) -> Split: ...
 
+
+class ModelService(Protocol):
+    """The run's models (``server.models``): ``model_cfg`` is the run's model (the server's, and every client's without a
+    model of its own); a client's own model is :meth:`client_model` (``federation.client_overrides.<i>.model``; only
+    methods with ``MethodTags.heterogeneous_clients`` run when the clients' models differ); the training settings, the
+    device, and the shared seeded initialisation (:meth:`initial_params`)."""
+
+    model_cfg: ModelConfig
+    train_cfg: TrainConfig
+    device: str
+
     def build_model(self, seed: int | None = None) -> Any: ...
 
     def client_model(self, client: int) -> ModelConfig: ...
@@ -347,29 +352,64 @@ class ServerContext(Protocol):
 
     def initial_params(self) -> dict[str, np.ndarray]: ...
 
-    def step_seed(self, *tags: object) -> int: ...
 
-    def rng(self, *tags: object) -> np.random.Generator: ...
-
-    def predict_proba(self, params: dict[str, np.ndarray], X: np.ndarray | None = None) -> np.ndarray: ...
-
-    def evaluate_proba(self, proba: np.ndarray) -> dict[str, float]: ...
+class Scoring(Protocol):
+    """Evaluation (``server.scoring``): :meth:`evaluate` and :meth:`evaluate_ensemble` score on the server's test set,
+    on the clients' held-out splits, or both, as the run's ``evaluation`` says; :meth:`predict_proba` and
+    :meth:`evaluate_proba` are the server's test set only."""
 
     def evaluate(self, params: dict[str, np.ndarray], *, resized: bool = False, model: ModelConfig | None = None) -> dict[str, float]: ...
 
     def evaluate_ensemble(self, members: Sequence[dict[str, np.ndarray]], weights: Sequence[float], *,
                           models: Sequence[ModelConfig] | None = None) -> dict[str, float]: ...
 
-    def local_updates(self) -> Gathered[Update]: ...
+    def predict_proba(self, params: dict[str, np.ndarray], X: np.ndarray | None = None) -> np.ndarray: ...
 
-    def accept_replies(self, gathered: Gathered[Any], read: Callable[[int, Any], R], *, need: int = 1,
-                       what: str = "client replies") -> dict[int, R]: ...
+    def evaluate_proba(self, proba: np.ndarray) -> dict[str, float]: ...
 
-    def reject(self, client: int, reason: str) -> None: ...
 
-    def sample_clients(self, fraction: float, round: int) -> list[int]: ...
+class ServerContext(Protocol):
+    """A method's whole view of the run (the coordinator implements it): five typed services and the method's own
+    identity, randomness, logging and rounds.
 
-    def run_cached(self, step: Any, *args: Any, **kwargs: Any) -> Gathered[Any]: ...
+    * ``federation`` (:class:`FederationView`): the transport, client steps sent and gathered;
+    * ``updates`` (:class:`UpdateService`): the update pipeline (validation, attacks, clipping and DP, the aggregation
+      rule) and the reply path under it (:meth:`UpdateService.accept_replies`: a reply the reader refuses is recorded as
+      an ``update_rejected`` event, never used);
+    * ``data`` (:class:`DataRoles`): the server-side data roles (``test``, ``public``) and the run's data settings;
+    * ``models`` (:class:`ModelService`): the run's model, a client's own, the training settings, the initialisation;
+    * ``scoring`` (:class:`Scoring`): evaluation, where the run's ``evaluation`` says.
+
+    :meth:`rounds` (a :class:`RoundLoop` over a typed round state) owns resume, evaluation cadence, history, progress,
+    round checkpoints and state that clients keep across rounds (:class:`KeptState`); those internals stay on the loop
+    (``rayfuse.rounds.LoopServer``), not here. ``events`` is the run's event log (a method may record an event of its
+    own: ``server.events.emit(kind, message, method=server.label, ...)``).
+    """
+
+    label: str
+    method: str
+    params: MethodParams
+    events: Any
+    seed: int
+
+    @property
+    def federation(self) -> FederationView: ...  # read-only: the coordinator's concrete Federation implements the view
+
+    @property
+    def updates(self) -> UpdateService: ...  # read-only: the coordinator's MethodUpdates (an UpdatePipeline)
+
+    @property
+    def data(self) -> DataRoles: ...
+
+    @property
+    def models(self) -> ModelService: ...
+
+    @property
+    def scoring(self) -> Scoring: ...
+
+    def step_seed(self, *tags: object) -> int: ...
+
+    def rng(self, *tags: object) -> np.random.Generator: ...
 
     def log(self, round: int, metrics: dict[str, float], client: int | None = None) -> None: ...
 
@@ -378,15 +418,6 @@ class ServerContext(Protocol):
     def rounds(self, state: S, *, last: int, first: int = 1, evaluate: Callable[[int], Mapping[str, float]] | None = None,
                evaluate_every: int = 1, unit: str = "round", quiet: tuple[str, ...] = (),
                on_resume: Callable[[S], None] | None = None, step: int = 1) -> RoundLoop[S]: ...
-
-    def resume_checkpoint(self) -> Checkpoint | None: ...
-
-    def save_checkpoint(self, round: int, params: dict[str, np.ndarray], state: dict[str, np.ndarray] | None = None,
-                        meta: dict[str, Any] | None = None) -> None: ...
-
-    def clients_missing_state(self, kind: str, store: str, rounds: dict[int, int]) -> list[int]: ...
-
-    def forget_client_state(self, kind: str, store: str) -> None: ...
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -495,8 +526,8 @@ class MethodTags:
     whose answer depends on its parameters gives it as a ``fuses`` property of its ``Params``, which takes precedence.
     ``needs_dataset``: it reads the run's whole dataset (the clients' data pooled, or the dataset's true parameters);
     refused with ``data.silos``, where no process holds a dataset. ``uses_local_models``: every client's trained local
-    model is gathered. ``federated_evaluation``: its metrics come from :meth:`ServerContext.evaluate` /
-    :meth:`ServerContext.evaluate_ensemble`, so ``evaluation: federated`` or ``both`` can score it on the clients'
+    model is gathered. ``federated_evaluation``: its metrics come from :meth:`Scoring.evaluate` /
+    :meth:`Scoring.evaluate_ensemble`, so ``evaluation: federated`` or ``both`` can score it on the clients'
     held-out splits; ``False``: a method scoring on the server's data in its own way, refused with those settings.
     ``oracle``: not feasible in a real federation (reported as an upper reference; may read the pooled data).
     ``multi_round``: it checkpoints each round, so ``--resume`` continues mid-method (and a sweep's ASHA counts its
@@ -504,8 +535,8 @@ class MethodTags:
     local DP-SGD (``train.dp``) covers everything it releases; methods without it (and not oracles) are refused with
     ``train.dp``. ``heterogeneous_clients``: it needs only each client's predictions, never their weights in one
     layout, so it runs when the clients' models differ (``federation.client_overrides.<i>.model``; it builds each
-    client's model with :meth:`ServerContext.client_model`); methods without it are refused with such clients.
-    ``public_labels``: it reads the labels of the server's public sample (``server.public.y``); refused when that
+    client's model with :meth:`ModelService.client_model`); methods without it are refused with such clients.
+    ``public_labels``: it reads the labels of the server's public sample (``server.data.public.y``); refused when that
     sample has none (a silo config's ``data.public`` with ``labels: false``). ``no_dp``: why a ``dp`` setting does not
     apply to it (empty: its own ``dp`` option, if it has one, applies); a ``dp`` entry is refused with this reason.
     """

@@ -594,7 +594,7 @@ class StepResultCache:
     One entry of a :class:`rayfuse.cas.ContentCache` under ``<run.model_cache>/step-results/`` (written once,
     complete, renamed into place; a ``filelock`` per key): ``<key>/client-<i>.npz`` (arrays, ``allow_pickle=False``),
     ``client-<i>.json`` (plain values) and ``key.json``. Methods whose clients summarise their data in their own step
-    (KL-fusion's local posteriors) use it through :meth:`rayfuse.coordinator.MethodServer.run_cached`, so a Tune sweep
+    (KL-fusion's local posteriors) use it through :meth:`rayfuse.coordinator.MethodUpdates.run_cached`, so a Tune sweep
     over fusion-only knobs computes the summaries once.
     """
 

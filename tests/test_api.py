@@ -68,7 +68,7 @@ class MeanOfLocals(Method[MeanParams, None]):
         gathered = server.federation.run(local_params)
         result = server.updates.collect(gathered, weighted=self.params.weighted)
         fused, updates = result.params, result.updates
-        metrics = server.evaluate(fused)
+        metrics = server.scoring.evaluate(fused)
         server.log(0, metrics)
         imported = max(u.metrics["imported_test_module"] for u in updates.values())
         return MethodResult(metrics, fused, {"clients": len(updates), "imported_test_module": imported})

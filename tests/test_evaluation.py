@@ -15,8 +15,7 @@ from rayfuse.coordinator import Coordinator, MethodServer
 from rayfuse.data.roles import load_dataset_from_config, make_plan
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.evaluation import evaluate_held_out
-from rayfuse.federation import EventLog, FailurePolicy, InProcessFederation
-from rayfuse.fusion.aggregate import weighted_average
+from rayfuse.federation import EventLog, FailurePolicy, Gathered, InProcessFederation
 from rayfuse.metrics import (
     ECE_BINS,
     SUM_KEYS,
@@ -101,10 +100,10 @@ def test_federated_metrics_equal_central_metrics_when_the_held_out_splits_partit
     coord = build_coordinator(cfg, tmp_path / "run", val_from_test=True)
     updates = coord.local_updates().results
     server = server_for(coord, "average")
-    averaged = weighted_average([u.params for u in updates.values()], [u.num_examples for u in updates.values()])
+    averaged = server.updates.collect(Gathered(updates), weighted=True).params  # the sample-weighted mean of the local models
     members = [u.params for u in updates.values()]
-    checks = [server.evaluate(averaged), server.evaluate(members[0], resized=True),
-              server_for(coord, "ensemble").evaluate_ensemble(members, [0.1, 0.2, 0.3, 0.4])]
+    checks = [server.scoring.evaluate(averaged), server.scoring.evaluate(members[0], resized=True),
+              server_for(coord, "ensemble").scoring.evaluate_ensemble(members, [0.1, 0.2, 0.3, 0.4])]
     for metrics in checks:
         for name in (*METRICS, *(("vote_accuracy",) if "vote_accuracy" in metrics else ())):
             assert metrics[f"federated_{name}"] == pytest.approx(metrics[name], rel=1e-6, abs=1e-9), name
@@ -129,7 +128,7 @@ def test_evaluate_proba_on_the_server_test_set_is_refused_under_federated_evalua
     cfg = make_config(evaluation="federated", methods={"average": {}})
     server = server_for(build_coordinator(cfg, tmp_path / "run"), "average")
     with pytest.raises(RunFailure, match="evaluate_proba"):
-        server.evaluate_proba(np.full((3, 10), 0.1))
+        server.scoring.evaluate_proba(np.full((3, 10), 0.1))
 
 
 # -- every method family -------------------------------------------------------------------------------------------

@@ -237,7 +237,7 @@ class Probe(Method[MethodParams, None]):
 
     def run(self, server) -> MethodResult:
         updates = server.updates.accept(server.federation.run(probe))
-        metrics = {f"accuracy_{c}": server.evaluate(u.params, model=server.client_model(c))["accuracy"] for c, u in updates.items()}
+        metrics = {f"accuracy_{c}": server.scoring.evaluate(u.params, model=server.models.client_model(c))["accuracy"] for c, u in updates.items()}
         layouts = {str(c): sorted(u.params) for c, u in updates.items()}
         imported = max(u.metrics["imported"] for u in updates.values())
         return MethodResult(metrics, info={"layouts": layouts, "imported": imported, "clients": sorted(updates)})

@@ -214,11 +214,11 @@ class Runs:
     def straight(self, name: str) -> Straight:
         if name not in self._done:
             import rayfuse.client as client_module
-            from rayfuse.coordinator import MethodServer
+            from rayfuse.coordinator import ServerData
 
             calls: Counter[tuple[int, str]] = Counter()
             pooled: list[int] = []
-            original, pool = client_module.Client.run, MethodServer.pooled_train
+            original, pool = client_module.Client.run, ServerData.pooled_train
 
             def counted(client: Any, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                 calls[(client.client_id, step_name(step))] += 1
@@ -231,7 +231,7 @@ class Runs:
             run_dir = self.root / name / "straight"
             with pytest.MonkeyPatch.context() as patch:
                 patch.setattr(client_module.Client, "run", counted)
-                patch.setattr(MethodServer, "pooled_train", pooled_train)
+                patch.setattr(ServerData, "pooled_train", pooled_train)
                 results = run(job(name, self.root / name, cache=run_dir.with_name("straight-cache")), run_dir)
             self._done[name] = Straight(results, run_dir, calls, len(pooled))
         return self._done[name]

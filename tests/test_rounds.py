@@ -74,7 +74,7 @@ class Counting(Method[CountingParams, CountingState]):
                 accumulate, float(rnd), clients=[client], label=server.label, round=rnd, held=state.held.get(client),
                 store=state.held.store)])
             state.held.moved(gathered.results, rnd)
-            totals = server.accept_replies(gathered, lambda client, total: np.asarray(total))
+            totals = server.updates.accept_replies(gathered, lambda client, total: np.asarray(total))
             state.params = {"sum": np.sum(list(totals.values()), axis=0)}
             state.noise = float(server.rng("noise", rnd).normal())
             state.noises.append(state.noise)
@@ -211,9 +211,9 @@ def test_rejected_replies_are_recorded_once_and_never_used(make_config, tmp_path
             raise Rejected(f"non-finite value {value}")
         return value
 
-    kept = server.accept_replies(Gathered({0: 1.0, 1: float("nan"), 2: 3.0}), read)
+    kept = server.updates.accept_replies(Gathered({0: 1.0, 1: float("nan"), 2: 3.0}), read)
     assert kept == {0: 1.0, 2: 3.0}
     rejected = [e for e in coord.events.since(0) if e["kind"] == "update_rejected"]
     assert [(e["client"], e["message"]) for e in rejected] == [(1, "non-finite value nan")]
     with pytest.raises(RunFailure, match="1 valid client replies, need 2"):
-        server.accept_replies(Gathered({0: 1.0, 1: float("inf")}), read, need=2)
+        server.updates.accept_replies(Gathered({0: 1.0, 1: float("inf")}), read, need=2)

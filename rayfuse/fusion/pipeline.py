@@ -29,14 +29,14 @@ Nothing here imports Ray: the coordinator builds one pipeline per method run (``
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from rayfuse.accountant import compute_epsilon
 from rayfuse.attacks import apply_attacks
 from rayfuse.config import AttackSpec
-from rayfuse.errors import InputError
+from rayfuse.errors import InputError, RunFailure
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.central_dp import CentralDPSettings, DPPlan, apply_dp_round, describe_plan, plan_dp, sample_poisson
 from rayfuse.fusion.privacy import UploadDP, check_upload_dp, gather_dp_uploads
@@ -59,6 +59,7 @@ from rayfuse.method import (
 __all__ = ["UpdatePipeline", "check_update_pipeline", "clients_per_round", "combine_models", "fused_by", "pipeline_settings"]
 
 Params = dict[str, np.ndarray]
+R = TypeVar("R")
 DPSettings = CentralDPSettings | UploadDP
 
 
@@ -79,7 +80,7 @@ def fused_by(method_cls: type[Method], params: MethodParams) -> str:
 
 
 def clients_per_round(num_clients: int, fraction: float) -> int:
-    """How many clients :meth:`ServerContext.sample_clients` samples each round: ``ceil(fraction * N)``, at least 1."""
+    """How many clients :meth:`UpdatePipeline.sample_clients` samples each round: ``ceil(fraction * N)``, at least 1."""
     return min(num_clients, max(1, int(np.ceil(fraction * num_clients))))
 
 
@@ -176,8 +177,7 @@ class UpdatePipeline:
     Parameters
     ----------
     server : ServerContext
-        The method's server: its federation, events, seeded randomness, initial model and rejection path
-        (:meth:`~rayfuse.method.ServerContext.accept_replies`).
+        The method's server: its federation, events, seeded randomness and initial model.
     params : MethodParams
         The method entry's parameters (its ``aggregator`` and ``dp``: :func:`pipeline_settings`).
     attacks : list of AttackSpec
@@ -187,11 +187,19 @@ class UpdatePipeline:
     reference_of : callable
         A client's model layout (the run's model, or its own ``client_overrides`` model): what an update is checked
         against when the method gives no reference.
+    local_updates : callable
+        Every client's trained local model (the coordinator gathers them once per run and shares them by the methods).
+
+    It also holds the reply path that is not a parameter update (:meth:`accept_replies`, :meth:`reject`,
+    :meth:`sample_clients`, :meth:`local_updates`); the coordinator's subclass adds ``run_cached`` (the step-result
+    cache is the engine's store).
     """
 
     def __init__(self, server: ServerContext, params: MethodParams, attacks: Sequence[AttackSpec], *,
-                 planned_examples: Callable[[int], int], reference_of: Callable[[int], Params]) -> None:
+                 planned_examples: Callable[[int], int], reference_of: Callable[[int], Params],
+                 local_updates: Callable[[], Gathered[Update]]) -> None:
         self._server = server
+        self._local_updates = local_updates
         self.aggregator, self.dp = pipeline_settings(params)
         self.attacks = list(attacks)
         self._planned = planned_examples
@@ -208,18 +216,18 @@ class UpdatePipeline:
         deterministic, so the last affordable round is known before any client trains)."""
         if not isinstance(self.dp, CentralDPSettings):
             return planned
-        self._plan = plan_dp(self.dp, self._server.num_clients, planned)
+        self._plan = plan_dp(self.dp, self._server.federation.num_clients, planned)
         return self._plan.rounds
 
     def sample(self, fraction: float, round: int) -> list[int]:
         """The clients that train in ``round``: DP-FedAvg's Poisson sample at ``dp.sample_rate`` (seeded by
         ``("dp-sample", round)``; possibly none), else ``ceil(fraction N)`` clients
-        (:meth:`~rayfuse.method.ServerContext.sample_clients`)."""
+        (:meth:`sample_clients`)."""
         if isinstance(self.dp, CentralDPSettings):
             clients = sample_poisson(self._server.rng("dp-sample", round), self._server.federation.client_ids, self.dp.sample_rate)
             self._sampled = len(clients)
             return clients
-        return self._server.sample_clients(fraction, round)
+        return self.sample_clients(fraction, round)
 
     def local_models(self) -> Gathered[Update]:
         """Every client's trained local model for a one-shot method; with the one-shot ``dp`` upload, each client's
@@ -227,7 +235,43 @@ class UpdatePipeline:
         if isinstance(self.dp, UploadDP):
             uploads, self._upload = gather_dp_uploads(self._server, self.dp)
             return uploads
-        return self._server.local_updates()
+        return self.local_updates()
+
+    # -- the reply path --------------------------------------------------------------------------------------------
+
+    def local_updates(self) -> Gathered[Update]:
+        """Every client's trained local model (gathered once per run and shared by all methods)."""
+        return self._local_updates()
+
+    def accept_replies(self, gathered: Gathered[Any], read: Callable[[int, Any], R], *, need: int = 1,
+                       what: str = "client replies") -> dict[int, R]:
+        """The one rejection path: each client's reply through ``read(client, reply)``, which returns what is kept of
+        it or raises :class:`rayfuse.method.Rejected` (or :class:`rayfuse.errors.InputError`) with the reason; a
+        rejected reply is recorded (:meth:`reject`) and never used. Raises :class:`RunFailure` when fewer than
+        ``need`` (at least 1) replies are kept."""
+        kept: dict[int, R] = {}
+        for client, reply in gathered.results.items():
+            try:
+                kept[client] = read(client, reply)
+            except (Rejected, InputError) as exc:
+                self.reject(client, str(exc))
+        need = max(int(need), 1)
+        if len(kept) < need:
+            raise RunFailure(f"{self._server.label}: {len(kept)} valid {what}, need {need} (rejected {len(gathered.results) - len(kept)}, "
+                             f"failed {len(gathered.failures)}); see the update_rejected events")
+        return kept
+
+    def reject(self, client: int, reason: str) -> None:
+        """Record that ``client``'s reply was rejected (never used): an ``update_rejected`` event."""
+        self._server.events.emit("update_rejected", reason, method=self._server.label, client=client)
+
+    def sample_clients(self, fraction: float, round: int) -> list[int]:
+        """A seeded sample of ``ceil(fraction * n)`` client ids for ``round`` (all of them when fraction is 1)."""
+        ids = self._server.federation.client_ids
+        k = max(1, int(np.ceil(fraction * len(ids))))
+        if k >= len(ids):
+            return list(ids)
+        return sorted(int(c) for c in self._server.rng("sample", round).choice(ids, size=k, replace=False))
 
     # -- the stages -----------------------------------------------------------------------------------------------
 
@@ -245,7 +289,7 @@ class UpdatePipeline:
         server aligns like any other)."""
         updates = self._accept(gathered, reference)
         if self._attacked(round):
-            origin = start if start is not None else reference if reference is not None else self._server.initial_params()
+            origin = start if start is not None else reference if reference is not None else self._server.models.initial_params()
             updates = self._attack(updates, origin, round)
         return updates
 
@@ -256,7 +300,7 @@ class UpdatePipeline:
         sum of updates)."""
         if isinstance(self.dp, CentralDPSettings):
             raise TypeError("central DP-FedAvg combines the round's updates in collect(), not combine()")
-        return combine_models(models, weights, self.aggregator, start=start, initial=self._server.initial_params, label=self._server.label)
+        return combine_models(models, weights, self.aggregator, start=start, initial=self._server.models.initial_params, label=self._server.label)
 
     def collect(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, round: int = 1, *,
                 start: Mapping[str, np.ndarray] | None = None, weighted: bool = True) -> Aggregate:
@@ -301,7 +345,7 @@ class UpdatePipeline:
         check_enough_updates(self.aggregator, len(ids), self._server.label)
         origin = start if start is not None else reference
         if (self.aggregator.clip_norm is not None or attacked) and origin is None:
-            origin = self._server.initial_params()
+            origin = self._server.models.initial_params()
         if attacked:
             assert origin is not None
             updates = self._attack(updates, origin, round)
@@ -400,7 +444,7 @@ class UpdatePipeline:
             return update
 
         need = min(self._server.federation.policy.min_clients, len(gathered.results) + len(gathered.failures))
-        return self._server.accept_replies(gathered, read, need=need, what="client updates")
+        return self.accept_replies(gathered, read, need=need, what="client updates")
 
 
 def _mean(updates: dict[int, Update], weighted: bool) -> Params:

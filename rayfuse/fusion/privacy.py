@@ -94,5 +94,5 @@ def gather_dp_uploads(server: ServerContext, dp: UploadDP) -> tuple[Gathered[Upd
     epsilon = {str(c): float(u.metrics["dp_epsilon"]) for c, u in sorted(uploads.results.items())}
     info = {"epsilon": epsilon, "delta": dp.delta, "clip_norm": dp.clip_norm, "accountant": dp.accountant,
             "noise_multiplier": max(float(u.metrics["dp_noise_multiplier"]) for u in uploads.results.values()),
-            "relative_to": "shared init" if server.train_cfg.shared_init else "zero"}
+            "relative_to": "shared init" if server.models.train_cfg.shared_init else "zero"}
     return uploads, info

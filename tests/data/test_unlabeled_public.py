@@ -26,7 +26,7 @@ from rayfuse.method import METHODS, resolved_config
 from rayfuse.runner import InProcessBackend, prepare_run, run_experiment
 
 DISTILL = {"distill": {"init": "random", "steps": 60, "epochs": 2}}
-# every method that reads server.public.y (trains or tunes on the public sample's labels)
+# every method that reads server.data.public.y (trains or tunes on the public sample's labels)
 READERS = {"finetune", "gems", "fedsa", "scratch", "transfer", "epgan"}
 
 

@@ -165,17 +165,17 @@ def test_fedavg_improves_on_its_initialisation_and_samples_clients(coordinator):
     clients = [r["value"] for r in summary["history"] if r["metric"] == "clients"]
     assert clients == [2.0, 2.0, 2.0]
     server = MethodServer(coord, resolve_methods(coord.cfg.methods)[0], resume=False)
-    initial = server.evaluate(server.initial_params())["accuracy"]
+    initial = server.scoring.evaluate(server.models.initial_params())["accuracy"]
     assert summary["metrics"]["accuracy"] > initial
-    assert server.sample_clients(0.5, 1) == server.sample_clients(0.5, 1)
-    assert len(server.sample_clients(1.0, 1)) == 4
+    assert server.updates.sample_clients(0.5, 1) == server.updates.sample_clients(0.5, 1)
+    assert len(server.updates.sample_clients(1.0, 1)) == 4
 
 
 def test_only_oracles_may_read_pooled_client_data(coordinator):
     coord = coordinator(methods={"average": {}})
     server = MethodServer(coord, resolve_methods(coord.cfg.methods)[0], resume=False)
     with pytest.raises(RunFailure, match="only oracle methods"):
-        server.pooled_train()
+        server.data.pooled_train()
 
 
 def test_global_oracle_trains_on_the_pooled_training_splits(coordinator):

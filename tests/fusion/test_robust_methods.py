@@ -45,7 +45,7 @@ def test_fedavg_clip_norm_bounds_each_rounds_step(coordinator):
     from rayfuse.method import resolve_methods
 
     coord = coordinator(methods={"fl": {"method": "fedavg", "rounds": 1, "local_epochs": 1, "aggregator": {"clip_norm": 0.01}}})
-    start = MethodServer(coord, resolve_methods(coord.cfg.methods)[0], resume=False).initial_params()
+    start = MethodServer(coord, resolve_methods(coord.cfg.methods)[0], resume=False).models.initial_params()
     fused = fused_params(coord, "fl")
     step = np.sqrt(sum(float(((fused[k].astype(np.float64) - start[k]) ** 2).sum()) for k in start if start[k].dtype.kind == "f"))
     assert 0 < step <= 0.01 * (1 + 1e-5)

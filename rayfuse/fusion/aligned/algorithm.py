@@ -299,10 +299,10 @@ class Aligned(Method[AlignedParams, AlignedState]):
 
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params
-        spec = derive_run_spec(server.build_model(seed=0), server.input_shape, p.spec)
+        spec = derive_run_spec(server.models.build_model(seed=0), server.data.input_shape, p.spec)
         grown = False  # a nonparametric merge made the global model wider than the configuration
-        rounds = server.rounds(AlignedState(server.initial_params()), last=p.rounds,
-                               evaluate=lambda rnd: server.evaluate(rounds.state.params, resized=grown), evaluate_every=p.evaluate_every)
+        rounds = server.rounds(AlignedState(server.models.initial_params()), last=p.rounds,
+                               evaluate=lambda rnd: server.scoring.evaluate(rounds.state.params, resized=grown), evaluate_every=p.evaluate_every)
         state = rounds.state
         info: dict[str, Any] = {}
         fed = server.federation
@@ -310,7 +310,7 @@ class Aligned(Method[AlignedParams, AlignedState]):
         for rnd in rounds:
             if rnd == 1:  # one shot: the local models, aligned and merged
                 # with dp: the clients' clipped, noised uploads (the raw local models never leave them)
-                updates = pipeline.receive(pipeline.local_models(), None, rnd, start=server.initial_params())
+                updates = pipeline.receive(pipeline.local_models(), None, rnd, start=server.models.initial_params())
                 ids = sorted(updates)
                 server.progress(f"{server.label}: {len(spec.groups)} permutation groups, {len(spec.fixed)} fixed axes; "
                                 f"aligning {len(ids)} models")
@@ -325,7 +325,7 @@ class Aligned(Method[AlignedParams, AlignedState]):
                                             combine=pipeline.combine)
             if info.get("new_units"):  # the global model grew: later rounds align onto it at its widths
                 grown = True
-                spec = derive_run_spec(_server_model(server, state.params), server.input_shape)
+                spec = derive_run_spec(_server_model(server, state.params), server.data.input_shape)
             rounds.log({"clients": float(len(ids)), "units_moved": float(info["units_moved"])})
         info.update({"groups": len(spec.groups), "fixed_axes": len(spec.fixed), "rounds": p.rounds})
         metrics = rounds.metrics
@@ -341,12 +341,12 @@ class Aligned(Method[AlignedParams, AlignedState]):
         (``distill``'s ``init: aligned``); returns the merged parameters (at grown widths with ``merge:
         nonparametric``) and the merge's information."""
         p = self.params
-        spec = derive_run_spec(server.build_model(seed=0), server.input_shape, p.spec)
+        spec = derive_run_spec(server.models.build_model(seed=0), server.data.input_shape, p.spec)
         ids = sorted(updates)
         weights = [float(updates[c].num_examples) if p.weighted else 1.0 for c in ids]
 
         def combine(models: Any, weights: Any, *, start: Any = None) -> dict[str, np.ndarray]:  # these settings' own aggregator
-            return combine_models(models, weights, p.aggregator, start=start, initial=server.initial_params, label=server.label)
+            return combine_models(models, weights, p.aggregator, start=start, initial=server.models.initial_params, label=server.label)
 
         return self._fuse(server, spec, [updates[c].params for c in ids], ids, weights, round=1, combine=combine)
 
@@ -373,7 +373,7 @@ class Aligned(Method[AlignedParams, AlignedState]):
         elif p.merge == "nonparametric":
             from rayfuse.alignment import fuse_nonparametric, resolve_cost_keys, width_roles
 
-            roles = width_roles(server.build_model(seed=0), spec)
+            roles = width_roles(server.models.build_model(seed=0), spec)
             fused, plan = fuse_nonparametric(aligned, spec, roles, quality=quality, weights=weights, threshold=p.new_unit_threshold,
                                              max_width=p.max_width, keys=resolve_cost_keys(spec, None))
             info["widths"], info["plan"] = dict(plan.widths), plan
@@ -387,7 +387,7 @@ class Aligned(Method[AlignedParams, AlignedState]):
             gathered = fed.gather([call for c, pk in zip(clients, perms)
                                    for call in fed.map(step, spec_ref, pk, label=server.label, samples=p.samples, batch_size=p.batch_size,
                                                        clients=[c])])
-            stats = server.accept_replies(gathered, lambda c, u: _check_finite(u), need=1, what=f"{p.merge} statistics")
+            stats = server.updates.accept_replies(gathered, lambda c, u: _check_finite(u), need=1, what=f"{p.merge} statistics")
             kept = [i for i, c in enumerate(clients) if c in stats]  # a rejected client's model is left out of the merge
             merged, kept_weights = [aligned[i] for i in kept], [weights[i] for i in kept]
             if p.merge == "fisher":
@@ -416,7 +416,7 @@ class Aligned(Method[AlignedParams, AlignedState]):
         fed = server.federation
         # Cost matrices are matrix products: on the coordinator's GPU when it has one (the solves then stay in its process,
         # threads), else on CPUs, fanned out as the federation's parallel_map (Ray tasks on a cluster).
-        device = server.device if str(server.device).startswith("cuda") else None
+        device = server.models.device if str(server.models.device).startswith("cuda") else None
         executor = fed.parallel_map if device is None else thread_map
         if target is not None:  # later rounds: every update onto the global model
             return executor(_MatchOnto(target, spec, p.inner_sweeps, server.step_seed("align", round), device), models), None
@@ -428,7 +428,7 @@ class Aligned(Method[AlignedParams, AlignedState]):
             gathered = fed.run(correlations, fed.put(reference), fed.put(spec), label=server.label, samples=p.samples,
                                batch_size=p.batch_size, clients=clients)
             # a client whose statistics are rejected (recorded, never used) has its units matched by weights this sweep
-            replies = server.accept_replies(gathered, lambda c, r: _read_stats(r, spec), need=1, what="correlation statistics")
+            replies = server.updates.accept_replies(gathered, lambda c, r: _read_stats(r, spec), need=1, what="correlation statistics")
             return [replies.get(c, {}) for c in clients]
 
         alignment = activation_matching(models, spec, collect, weights=weights, sweeps=p.sweeps, executor=executor)
@@ -440,7 +440,7 @@ class Aligned(Method[AlignedParams, AlignedState]):
         p = self.params
         fed = server.federation
         gathered = fed.run(batchnorm, fed.put(fused), label=server.label, samples=p.samples, batch_size=p.batch_size, clients=clients)
-        stats = server.accept_replies(gathered, lambda c, r: read_batchnorm_reply(r), need=1, what="BatchNorm statistics")
+        stats = server.updates.accept_replies(gathered, lambda c, r: read_batchnorm_reply(r), need=1, what="BatchNorm statistics")
         return apply_batchnorm(fused, combine_batchnorm(list(stats.values())))
 
     def _rescale(self, server: ServerContext, spec: Any, fused: dict[str, np.ndarray], clients: list[int], perms: list[dict[str, np.ndarray]],
@@ -450,7 +450,7 @@ class Aligned(Method[AlignedParams, AlignedState]):
 
         p = self.params
         skipped: dict[str, str] = {}
-        units = repair_units(server.build_model(seed=0), spec, skipped=skipped)
+        units = repair_units(server.models.build_model(seed=0), spec, skipped=skipped)
         for name, why in skipped.items():  # a layer applied several times, or tied to another: one line each
             server.progress(f"{server.label}: repair: {name} left as merged: {why}")
         if not units:
@@ -460,7 +460,7 @@ class Aligned(Method[AlignedParams, AlignedState]):
         gathered = fed.gather([call for c, pk in zip(clients, perms)
                                for call in fed.map(unit_stats, spec_ref, pk, units_ref, label=server.label, samples=p.samples,
                                                    batch_size=p.batch_size, clients=[c])])
-        own = server.accept_replies(gathered, lambda c, r: read_batchnorm_reply(r), need=1, what="REPAIR statistics")
+        own = server.updates.accept_replies(gathered, lambda c, r: read_batchnorm_reply(r), need=1, what="REPAIR statistics")
         kept = [i for i, c in enumerate(clients) if c in own]
         index = [plan.index[i] for i in kept] if plan is not None else None
         targets = repair_targets([own[clients[i]] for i in kept], units, [weights[i] for i in kept], index=index,
@@ -468,7 +468,7 @@ class Aligned(Method[AlignedParams, AlignedState]):
         for _ in range(min(len(units), p.repair_passes)):  # each fold changes the later layers' statistics: measure again
             gathered = fed.run(repair_stats, fed.put(fused), units_ref, label=server.label, samples=p.samples, batch_size=p.batch_size,
                                clients=[clients[i] for i in kept])
-            merged = server.accept_replies(gathered, lambda c, r: read_batchnorm_reply(r), need=1, what="REPAIR statistics")
+            merged = server.updates.accept_replies(gathered, lambda c, r: read_batchnorm_reply(r), need=1, what="REPAIR statistics")
             order = [i for i in kept if clients[i] in merged]
             fused = apply_repair(fused, units, repair_targets([merged[clients[i]] for i in order], units, [weights[i] for i in order]),
                                  targets)
@@ -489,7 +489,7 @@ def _server_model(server: ServerContext, params: dict[str, np.ndarray]) -> Any:
     """The run's architecture holding ``params`` at their widths (a nonparametric merge grows groups)."""
     from rayfuse.evaluation import model_for_params
 
-    return model_for_params(params, server.model_cfg, server.input_shape, server.num_classes)
+    return model_for_params(params, server.models.model_cfg, server.data.input_shape, server.data.num_classes)
 
 
 class _MatchOnto:

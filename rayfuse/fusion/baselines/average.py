@@ -46,10 +46,10 @@ class Average(Method[AverageParams, None]):
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params
         pipeline = server.updates
-        start = server.initial_params() if p.aggregator.clip_norm is not None else None
+        start = server.models.initial_params() if p.aggregator.clip_norm is not None else None
         uploads = pipeline.local_models()  # with dp: the clients' clipped, noised uploads (the raw local models never leave them)
         result = pipeline.collect(uploads, start=start, weighted=p.weighted)
-        metrics = server.evaluate(result.params)
+        metrics = server.scoring.evaluate(result.params)
         info = pipeline.info()
         if "upload_dp" in info:
             metrics["upload_epsilon"] = max(info["upload_dp"]["epsilon"].values())

@@ -5,7 +5,7 @@ Two combinations are reported: the probability average ``p(y|x) = sum_k w_k p_k(
 the larger averaged probability).
 
 With ``evaluation: federated`` every client receives the local models' parameters and scores the ensemble on its own
-held-out split (``ServerContext.evaluate_ensemble``). The members may be of different architectures (clients with
+held-out split (``server.scoring.evaluate_ensemble``). The members may be of different architectures (clients with
 their own ``federation.client_overrides.<i>.model``): each is built in its client's model.
 """
 
@@ -38,9 +38,9 @@ class Ensemble(Method[EnsembleParams, None]):
     )
 
     def run(self, server: ServerContext) -> MethodResult:
-        updates = server.updates.accept(server.local_updates())
+        updates = server.updates.accept(server.updates.local_updates())
         weights = normalize_weights([u.num_examples for u in updates.values()] if self.params.weighted else None, len(updates))
-        metrics = server.evaluate_ensemble([u.params for u in updates.values()], weights,
-                                           models=[server.client_model(c) for c in updates])  # each member in its own architecture
+        metrics = server.scoring.evaluate_ensemble([u.params for u in updates.values()], weights,
+                                           models=[server.models.client_model(c) for c in updates])  # each member in its own architecture
         server.log(1, metrics)
         return MethodResult(metrics, None, info={"clients": list(updates), "members": len(updates)})

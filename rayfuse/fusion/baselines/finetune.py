@@ -56,11 +56,11 @@ __all__ = ["FinetuneParams", "Finetune", "model_for_params", "evaluate_params", 
 
 
 def evaluate_params(server: ServerContext, params: dict[str, np.ndarray]) -> dict[str, float]:
-    """Metrics of a parameter dict of the configured architecture and any widths (``server.evaluate`` with
+    """Metrics of a parameter dict of the configured architecture and any widths (``server.scoring.evaluate`` with
     ``resized=True``: central, federated or both, as the run's ``evaluation`` says)."""
     if not all(np.isfinite(v).all() for v in params.values()):
         raise NonFiniteError(f"{server.label}: the model to evaluate has NaN or Inf values")
-    return server.evaluate(params, resized=True)
+    return server.scoring.evaluate(params, resized=True)
 
 
 class TuneSettings(MethodParams):
@@ -208,7 +208,7 @@ def tuning_curve(server: ServerContext, params: dict[str, np.ndarray] | None, se
 
     Returns the metrics at the largest size (averaged over trials), the curve, and the last tuned parameters.
     """
-    public = server.public
+    public = server.data.public
     curve: list[dict[str, float]] = []
     last: dict[str, np.ndarray] = {}
     metrics: dict[str, float] = {}
@@ -217,17 +217,17 @@ def tuning_curve(server: ServerContext, params: dict[str, np.ndarray] | None, se
         for trial, idx in enumerate(draws):
             seed = server.step_seed("tune", size, trial)
             if params is None:
-                model_cfg = server.model_cfg.model_copy(update={"dropout": raw_dropout}) if raw_dropout else server.model_cfg
-                model = build_model(model_cfg, server.input_shape, server.num_classes, seed=seed)
+                model_cfg = server.models.model_cfg.model_copy(update={"dropout": raw_dropout}) if raw_dropout else server.models.model_cfg
+                model = build_model(model_cfg, server.data.input_shape, server.data.num_classes, seed=seed)
                 train_model(model, public.X[idx], public.y[idx], epochs=raw_epochs or settings.tune_epochs,
-                            batch_size=settings.tune_batch_size, lr=settings.tune_lr, seed=seed, device=server.device,
+                            batch_size=settings.tune_batch_size, lr=settings.tune_lr, seed=seed, device=server.models.device,
                             early_stop_patience=raw_early_stop)
                 last = get_params(model)
             else:
-                last = fine_tune(params, public.X[idx], public.y[idx], model_cfg=server.model_cfg, num_classes=server.num_classes,
+                last = fine_tune(params, public.X[idx], public.y[idx], model_cfg=server.models.model_cfg, num_classes=server.data.num_classes,
                                  epochs=settings.tune_epochs,
                                  lr=settings.tune_lr, batch_size=settings.tune_batch_size, last_layer_only=settings.last_layer_only,
-                                 seed=seed, device=server.device, solver=settings.tune_solver, l2=settings.tune_l2)
+                                 seed=seed, device=server.models.device, solver=settings.tune_solver, l2=settings.tune_l2)
             rows.append(evaluate_params(server, last))
         metrics = _mean_metrics(rows)
         curve.append({"public_samples": float(size), **metrics})
@@ -291,19 +291,19 @@ class Finetune(Method[FinetuneParams, None]):
         p = self.params.resolved()
         key = f"methods.{self.label}.public_samples"
         if p.base == "raw":
-            raw_epochs = p.raw_epochs or (5 if server.model_cfg.name == "logreg" else 50)
+            raw_epochs = p.raw_epochs or (5 if server.models.model_cfg.name == "logreg" else 50)
             metrics, curve, params = tuning_curve(server, None, p, key=key, raw_epochs=raw_epochs, raw_dropout=p.raw_dropout,
                                                   raw_early_stop=p.raw_early_stop)
             server.log(0, metrics)
             return MethodResult(metrics, params, info={"base": "raw", "tuning_curve": curve, "epochs": raw_epochs,
                                                        "dropout": p.raw_dropout, "early_stop": p.raw_early_stop})
         if p.base == "average":
-            result = server.updates.collect(server.local_updates())  # validated, attacked where configured, averaged
+            result = server.updates.collect(server.updates.local_updates())  # validated, attacked where configured, averaged
             averaged, updates = result.params, result.updates
             metrics, curve, params = tuning_curve(server, averaged, p, key=key)
             server.log(0, metrics)
             return MethodResult(metrics, params, info={"base": "average", "tuning_curve": curve, "clients": list(updates)})
-        updates = server.updates.accept(server.local_updates())
+        updates = server.updates.accept(server.updates.local_updates())
         per_client, curves = [], []
         for client, update in updates.items():
             metrics, curve, _ = tuning_curve(server, update.params, p, key=key)

@@ -23,10 +23,10 @@ class Local(Method[MethodParams, None]):
     )
 
     def run(self, server: ServerContext) -> MethodResult:
-        updates = server.updates.accept(server.local_updates())
+        updates = server.updates.accept(server.updates.local_updates())
         per_client = []
         for client, update in updates.items():
-            metrics = server.evaluate(update.params, model=server.client_model(client))  # in the client's own architecture
+            metrics = server.scoring.evaluate(update.params, model=server.models.client_model(client))  # in the client's own architecture
             server.log(0, metrics, client=client)
             per_client.append({"client": client, "num_examples": update.num_examples, **metrics})
         names = [k for k in per_client[0] if k not in ("client", "num_examples")]

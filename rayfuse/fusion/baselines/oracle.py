@@ -31,14 +31,14 @@ class GlobalOracle(Method[GlobalParams, None]):
     summary = "ORACLE: one model trained on all clients' data pooled (infeasible in a federation)"
 
     def run(self, server: ServerContext) -> MethodResult:
-        data = server.pooled_train()
-        cfg = server.train_cfg
-        model = server.build_model(seed=server.step_seed("init"))
+        data = server.data.pooled_train()
+        cfg = server.models.train_cfg
+        model = server.models.build_model(seed=server.step_seed("init"))
         stats = train_model(model, data.X, data.y, epochs=self.params.epochs or cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr,
                             optimizer=cfg.optimizer, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                            seed=server.step_seed("train"), device=server.device)
+                            seed=server.step_seed("train"), device=server.models.device)
         params = get_params(model)
-        metrics = server.evaluate(params)
+        metrics = server.scoring.evaluate(params)
         server.log(0, metrics)
         return MethodResult(metrics, params, info={
             "note": "trained on all clients' data pooled: infeasible in a federation, an upper reference",

@@ -204,7 +204,7 @@ class _ClientTeachers:
                     raise Rejected(f"{what}: non-finite values in {key}")
             return reply
 
-        kept = self.server.accept_replies(gathered, read, need=len(self.clients), what=what)
+        kept = self.server.updates.accept_replies(gathered, read, need=len(self.clients), what=what)
         return [kept[c] for c in self.clients]
 
     def predict(self, X: Any) -> Any:
@@ -231,26 +231,37 @@ class _ClientTeachers:
 # The server
 
 
-class _StudentServer:
-    """The run's server seen with the student's architecture as the run's model (``init: aligned`` of a student whose
-    architecture is not the run's ``model``)."""
+class _StudentModels:
+    """``server.models`` with the student's architecture as the run's model (the rest is the run's)."""
 
     def __init__(self, server: ServerContext, model_cfg: ModelConfig) -> None:
         self._server = server
         self.model_cfg = model_cfg
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._server, name)
+        return getattr(self._server.models, name)
 
     def build_model(self, seed: int | None = None) -> Any:
         from rayfuse.models import build_model
 
-        return build_model(self.model_cfg, self._server.input_shape, self._server.num_classes, seed=seed)
+        return build_model(self.model_cfg, self._server.data.input_shape, self._server.data.num_classes, seed=seed)
 
     def initial_params(self) -> dict[str, np.ndarray]:
         from rayfuse.models import get_params
 
         return get_params(self.build_model(seed=self._server.step_seed("init")))
+
+
+class _StudentServer:
+    """The run's server seen with the student's architecture as the run's model (``init: aligned`` of a student whose
+    architecture is not the run's ``model``): its ``models`` service is the student's (:class:`_StudentModels`)."""
+
+    def __init__(self, server: ServerContext, model_cfg: ModelConfig) -> None:
+        self._server = server
+        self.models = _StudentModels(server, model_cfg)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
 
 
 @register_method
@@ -299,24 +310,25 @@ class Distill(Method[DistillParams, None]):
         from rayfuse.models import get_params
 
         p = self.params
-        student_cfg = p.student or server.model_cfg
+        student_cfg = p.student or server.models.model_cfg
         fed = server.federation
         clients = list(fed.client_ids)
         updates: dict[int, Update] = {}
         if p.teachers == "parameters":
-            updates = server.updates.accept(server.local_updates())
+            updates = server.updates.accept(server.updates.local_updates())
             clients = sorted(updates)
-        counts = np.asarray(server.class_counts, dtype=np.float64)[clients]
+        counts = np.asarray(server.data.class_counts, dtype=np.float64)[clients]
         weights = teacher_weights(p.weighting, counts)
-        settings = p.settings(server.step_seed("distill"), one_architecture=all(server.client_model(c) == server.client_model(clients[0]) for c in clients))
+        models = server.models
+        settings = p.settings(server.step_seed("distill"), one_architecture=all(models.client_model(c) == models.client_model(clients[0]) for c in clients))
         student, start, resized = self._start(server, student_cfg, updates, clients)
-        batched = self._batched(server.device)
+        batched = self._batched(server.models.device)
         if p.teachers == "parameters":
             from rayfuse.fusion.distill.teachers import Teachers
 
-            teachers: Any = Teachers([self._teacher(server, c, updates[c].params) for c in clients], batched=batched, device=server.device)
+            teachers: Any = Teachers([self._teacher(server, c, updates[c].params) for c in clients], batched=batched, device=server.models.device)
         else:
-            teachers = _ClientTeachers(server, clients, server.num_classes)
+            teachers = _ClientTeachers(server, clients, server.data.num_classes)
         epochs = p.epochs
 
         def log(epoch: int, row: dict[str, float]) -> None:
@@ -328,13 +340,13 @@ class Distill(Method[DistillParams, None]):
                                 "weighting": p.weighting, "combine": settings.combine, "student": student_cfg.name, "batched": "vmap" if batched else "loop"}
         try:
             if p.transfer == "public":
-                X = server.public.X
-                history = distill_public(student, teachers, X, weights, settings, device=server.device, log=log)
+                X = server.data.public.X
+                history = distill_public(student, teachers, X, weights, settings, device=server.models.device, log=log)
                 info["transfer_samples"] = int(len(X))
             else:
                 moments = self._moments(server, clients) if p.input_moments else None
-                history, scales = distill_synthetic(student, teachers, server.input_shape, weights, settings, label_prior=counts.sum(0),
-                                                    moments=moments, device=server.device, log=log)
+                history, scales = distill_synthetic(student, teachers, server.data.input_shape, weights, settings, label_prior=counts.sum(0),
+                                                    moments=moments, device=server.models.device, log=log)
                 if p.reweight:
                     info["member_scales"] = {str(c): round(float(s), 4) for c, s in zip(clients, scales)}
         except FloatingPointError as exc:
@@ -348,7 +360,7 @@ class Distill(Method[DistillParams, None]):
         bad = [k for k, v in params.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
         if bad:
             raise RunFailure(f"{server.label}: the distilled student has non-finite values in {bad[0]}")
-        metrics = server.evaluate(params, resized=resized, model=student_cfg)
+        metrics = server.scoring.evaluate(params, resized=resized, model=student_cfg)
         server.log(epochs, metrics)
         return MethodResult(metrics, params, info=info)
 
@@ -363,7 +375,7 @@ class Distill(Method[DistillParams, None]):
     def _teacher(server: ServerContext, client: int, params: dict[str, np.ndarray]) -> Any:
         from rayfuse.evaluation import model_for_params
 
-        return model_for_params(params, server.client_model(client), server.input_shape, server.num_classes)
+        return model_for_params(params, server.models.client_model(client), server.data.input_shape, server.data.num_classes)
 
     def _start(self, server: ServerContext, student_cfg: ModelConfig, updates: dict[int, Update],
                clients: list[int]) -> tuple[Any, str, bool]:
@@ -373,9 +385,9 @@ class Distill(Method[DistillParams, None]):
         from rayfuse.models import build_model
 
         p = self.params
-        same = [c for c in clients if c in updates and server.client_model(c) == student_cfg]
+        same = [c for c in clients if c in updates and server.models.client_model(c) == student_cfg]
         if p.init == "random" or not same:
-            model = build_model(student_cfg, server.input_shape, server.num_classes, seed=server.step_seed("student"))
+            model = build_model(student_cfg, server.data.input_shape, server.data.num_classes, seed=server.step_seed("student"))
             reason = "random" if p.init == "random" else f"random (no client has the student's architecture for init: {p.init})"
             return model, reason, False
         weights = [float(updates[c].num_examples) for c in same]
@@ -385,12 +397,12 @@ class Distill(Method[DistillParams, None]):
         else:
             from rayfuse.fusion.aligned.algorithm import Aligned
 
-            view = server if student_cfg == server.model_cfg else _StudentServer(server, student_cfg)
+            view = server if student_cfg == server.models.model_cfg else _StudentServer(server, student_cfg)
             start, _ = Aligned(p.aligned, server.label).merge_local_models(view, {c: updates[c] for c in same})
             reason = f"aligned merge of clients {same}"
-        reference = build_model(student_cfg, server.input_shape, server.num_classes, seed=0).state_dict()
+        reference = build_model(student_cfg, server.data.input_shape, server.data.num_classes, seed=0).state_dict()
         resized = any(tuple(np.shape(start[k])) != tuple(v.shape) for k, v in reference.items() if k in start)
-        model = model_for_params(start, student_cfg, server.input_shape, server.num_classes)
+        model = model_for_params(start, student_cfg, server.data.input_shape, server.data.num_classes)
         server.progress(f"the student starts from the {reason}" + (" (widened)" if resized else ""))
         return model, reason, resized
 
@@ -402,7 +414,7 @@ class Distill(Method[DistillParams, None]):
         fed = server.federation
         gathered = fed.run(batchnorm, fed.put(params), label=server.label, samples=self.params.aligned.samples, batch_size=256,
                            model_cfg=student_cfg, clients=clients)
-        stats = server.accept_replies(gathered, lambda c, r: read_batchnorm_reply(r), need=1, what="BatchNorm statistics")
+        stats = server.updates.accept_replies(gathered, lambda c, r: read_batchnorm_reply(r), need=1, what="BatchNorm statistics")
         return apply_batchnorm(params, combine_batchnorm([stats[c] for c in sorted(stats)]))
 
     @staticmethod
@@ -410,7 +422,7 @@ class Distill(Method[DistillParams, None]):
         """The clients' pooled input mean and standard deviation per element (each client's count, sum, sum of squares)."""
         from rayfuse.fusion.distill.transfer import pooled_moments
 
-        shape = tuple(server.input_shape)
+        shape = tuple(server.data.input_shape)
 
         def read(client: int, reply: Any) -> tuple[int, np.ndarray, np.ndarray]:
             if not isinstance(reply, dict) or set(reply) != {"count", "sum", "sumsq"}:
@@ -420,5 +432,5 @@ class Distill(Method[DistillParams, None]):
                 raise Rejected(f"input moments: finite sums shaped like one input {shape}")
             return int(reply["count"]), total, squares
 
-        replies = server.accept_replies(server.federation.run(input_moments, clients=clients), read, need=1, what="input moments")
+        replies = server.updates.accept_replies(server.federation.run(input_moments, clients=clients), read, need=1, what="input moments")
         return pooled_moments([replies[c] for c in sorted(replies)])

@@ -323,7 +323,7 @@ class _ImageScorer:
             self.classifier = MLP(int(np.prod(self.shape)), [128], self.num_classes)
         train_model(self.classifier, X, y, epochs=40, batch_size=64, lr=1e-3, seed=self.seed)
         self.classifier.eval()
-        self.real, real_proba = self._features(_flat(server.test.X))
+        self.real, real_proba = self._features(_flat(server.data.test.X))
         share = np.bincount(real_proba.argmax(1), minlength=self.num_classes) / len(real_proba)
         self._reference = {"is": inception_score(real_proba), "classes": float((share >= 0.05).sum())}
 
@@ -332,12 +332,12 @@ class _ImageScorer:
         """The classifier's training data, the input shape and the class count: the whole dataset on a simulation; with
         ``data.silos``, the server's public sample if it has one, else its test set (:meth:`EPGAN.check` refuses a
         silo run with no ``data.test``)."""
-        if server.data_cfg.is_silos:
-            own = server.public if len(server.public) else server.test
-            return own.X, own.y, tuple(server.input_shape), server.num_classes
+        if server.data.data_cfg.is_silos:
+            own = server.data.public if len(server.data.public) else server.data.test
+            return own.X, own.y, tuple(server.data.input_shape), server.data.num_classes
         from rayfuse.data.roles import load_dataset_from_config
 
-        dataset = load_dataset_from_config(server.data_cfg)
+        dataset = load_dataset_from_config(server.data.data_cfg)
         return dataset.X, dataset.y, dataset.input_shape, dataset.num_classes
 
     def _features(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -371,7 +371,7 @@ class _ImageScorer:
 
 def make_scorer(server: ServerContext, params: EPGANParams) -> _Scorer | _ImageScorer:
     """Toy scores for ``gaussians4``; image scores for image datasets; otherwise only losses are logged."""
-    if server.data_cfg.dataset != "gaussians4" and len(server.input_shape) == 3:
+    if server.data.data_cfg.dataset != "gaussians4" and len(server.data.input_shape) == 3:
         return _ImageScorer(server, params)
     return _Scorer(server, params)
 
@@ -386,8 +386,8 @@ class _Scorer:
         self.samples = params.eval_samples
         self.seed = derive_seed(server.seed, "epgan-eval")  # the same instrument and noise for every method of a run
         self.truth = None
-        data = server.data_cfg
-        if data.dataset == "gaussians4" and int(np.prod(server.input_shape)) == 2:
+        data = server.data.data_cfg
+        if data.dataset == "gaussians4" and int(np.prod(server.data.input_shape)) == 2:
             from rayfuse.data.datasets import gaussians4_mixture
 
             options = {k: v for k, v in data.options.items() if k in ("var_low", "var_high", "random_state")}
@@ -516,10 +516,10 @@ class EPGAN(Method[EPGANParams, EPGANState]):
         # turns as part of its state rather than re-derived from the turn number: re-seeding per turn would change
         # every uninterrupted run's numbers (docs/methods/epgan.md's results).
         p = self.params
-        settings = p.settings(int(np.prod(server.input_shape)))
+        settings = p.settings(int(np.prod(server.data.input_shape)))
         fed = server.federation
         scorer = make_scorer(server, p)
-        model = GANTrainer(settings, seed=server.step_seed("init"), device=server.device)  # the shared initialisation
+        model = GANTrainer(settings, seed=server.step_seed("init"), device=server.models.device)  # the shared initialisation
         show = {0, 1, (p.rounds + 1) // 2, p.rounds}
 
         def score(turn: int) -> dict[str, float]:
@@ -615,11 +615,11 @@ class EPGANOracle(Method[EPGANOracleParams, "EPGANOracleState"]):
 
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params
-        data = server.pooled_train()
+        data = server.data.pooled_train()
         X = _flat(data.X)
         settings = p.settings(X.shape[1])
         scorer = make_scorer(server, p)
-        trainer = GANTrainer(settings, seed=server.step_seed("init"), device=server.device)
+        trainer = GANTrainer(settings, seed=server.step_seed("init"), device=server.models.device)
         chunk = max(p.local_epochs, 1)
         # Rounds are epochs done, one every ``chunk`` (and the last); each block's losses go in the row, its scores are
         # the loop's evaluation (the progress line shows the scores alone, as before: the losses are quiet).

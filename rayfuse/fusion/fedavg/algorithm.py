@@ -151,13 +151,13 @@ class FedAvg(Method[FP, FS]):
 
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params
-        train = server.train_cfg
+        train = server.models.train_cfg
         fed = server.federation
         pipeline = server.updates  # validation, attacks, clipping / central DP, the aggregation rule
         last = pipeline.rounds(p.rounds)  # central DP's stop_at_epsilon may afford fewer
-        start = self.initial_state(server.initial_params())
+        start = self.initial_state(server.models.initial_params())
         start.dp = pipeline.state()
-        rounds = server.rounds(start, last=last, evaluate=lambda rnd: server.evaluate(rounds.state.params),
+        rounds = server.rounds(start, last=last, evaluate=lambda rnd: server.scoring.evaluate(rounds.state.params),
                                evaluate_every=p.evaluate_every)
         state = rounds.state
         pipeline.load_state(state.dp)

@@ -146,7 +146,7 @@ class FedRef(FedAvg[FedRefParams, FedRefState]):
         self.fine_tuned = False
         new = theta1
         if theta2 is not None and state.theta2_prev is not None and theta1_prev is not None:  # round > p + 1
-            lr = p.server_lr or p.lr or server.train_cfg.lr
+            lr = p.server_lr or p.lr or server.models.train_cfg.lr
             new = fedref_step(p.update, theta1, theta1_prev, theta2, state.theta2_prev,
                               c_loss=loss - state.loss_prev, lam=p.lam, lr=lr, p=p.p)
             bad = [k for k, a in new.items() if not np.isfinite(a).all()]

@@ -239,20 +239,20 @@ def check_head(model: Any, path: str) -> None:
 
 
 def _target_set(server: ServerContext) -> Split:
-    target = server.public
+    target = server.data.public
     check_target_set(len(target))
     return target
 
 
 def _student_config(server: ServerContext, params: StudentParams) -> ModelConfig:
-    return params.student if params.student is not None else server.model_cfg
+    return params.student if params.student is not None else server.models.model_cfg
 
 
 def _build_student(server: ServerContext, cfg: ModelConfig) -> Any:
     from rayfuse.models import build_model
 
     # One seed for every method of the run: scratch, FedSA and its ablations start from the same weak target model.
-    return build_model(cfg, server.input_shape, server.num_classes, seed=derive_seed(server.seed, "fedsa", "student"))
+    return build_model(cfg, server.data.input_shape, server.data.num_classes, seed=derive_seed(server.seed, "fedsa", "student"))
 
 
 def _train_weak_target(server: ServerContext, model: Any, target: Split, p: TargetParams) -> Any:
@@ -261,23 +261,23 @@ def _train_weak_target(server: ServerContext, model: Any, target: Split, p: Targ
 
     train_model(model, target.X, target.y, epochs=p.target_epochs, batch_size=p.target_batch_size, lr=p.target_lr,
                 optimizer="adam", weight_decay=p.target_weight_decay, seed=derive_seed(server.seed, "fedsa", "weak-target"),
-                device=server.device)
+                device=server.models.device)
     return model
 
 
 def _adapt(server: ServerContext, model: Any, target: Split, p: TargetParams, tag: object) -> Any:
     return adapt_to_target(model, target.X, target.y, mode=p.adapt, epochs=p.adapt_epochs, lr=p.adapt_lr,
                            batch_size=p.target_batch_size, weight_decay=p.target_weight_decay,
-                           seed=derive_seed(server.seed, "fedsa", "adapt", tag), device=server.device)
+                           seed=derive_seed(server.seed, "fedsa", "adapt", tag), device=server.models.device)
 
 
 def _evaluate(server: ServerContext, model: Any) -> dict[str, float]:
     from rayfuse.models import predict_proba
 
-    proba = predict_proba(model, server.test.X, device=server.device)
+    proba = predict_proba(model, server.data.test.X, device=server.models.device)
     if not np.isfinite(proba).all():
         raise NonFiniteError(f"{server.label}: the target model predicts NaN or Inf")
-    return server.evaluate_proba(proba)
+    return server.scoring.evaluate_proba(proba)
 
 
 def _check_finite(params: dict[str, np.ndarray]) -> bool:
@@ -352,8 +352,8 @@ class Transfer(Method[TransferParams, None]):
         p = self.params
         target = _target_set(server)
         rows = []
-        for client, update in server.updates.accept(server.local_updates()).items():
-            teacher = set_params(build_model(server.model_cfg, server.input_shape, server.num_classes), update.params)
+        for client, update in server.updates.accept(server.updates.local_updates()).items():
+            teacher = set_params(build_model(server.models.model_cfg, server.data.input_shape, server.data.num_classes), update.params)
             probe = _evaluate(server, adapt_to_target(teacher, target.X, target.y, mode="head", epochs=p.adapt_epochs, lr=p.adapt_lr,
                                                       batch_size=p.target_batch_size, seed=derive_seed(server.seed, "transfer", client)))
             tuned = _evaluate(server, adapt_to_target(teacher, target.X, target.y, mode="whole", epochs=p.adapt_epochs, lr=p.adapt_lr,
@@ -442,10 +442,10 @@ class FedSA(Method[FedSAParams, "FedSAState"]):
                 if t > 0 and p.retrain_head:  # the paper trains the weak target model on D_T before each selection
                     student = adapt_to_target(student, target.X, target.y, mode="head", epochs=p.target_epochs, lr=p.target_lr,
                                               batch_size=p.target_batch_size, reset_head=False,
-                                              seed=derive_seed(server.seed, "fedsa", "reselect", t), device=server.device)
+                                              seed=derive_seed(server.seed, "fedsa", "reselect", t), device=server.models.device)
                 if state.teacher_maps is None:
                     state.teachers = [c for c in state.teachers if c in self._fetch_teachers(server, target, state)]
-                target_maps = compute_saliency(student, target.X, kind=p.saliency, device=server.device)
+                target_maps = compute_saliency(student, target.X, kind=p.saliency, device=server.models.device)
                 assert state.teacher_maps is not None  # fetched above (or restored on resume)
                 sims, Q = compute_transferability(target_maps, [state.teacher_maps[c] for c in state.teachers],
                                                   similarity=p.similarity)
@@ -509,7 +509,7 @@ class FedSA(Method[FedSAParams, "FedSAState"]):
     def _teacher_maps(self, server: ServerContext, target: Split) -> dict[int, np.ndarray]:
         fed = server.federation
         gathered = fed.run(compute_teacher_saliency, fed.put(target.X), kind=self.params.saliency)
-        shape = server.input_shape
+        shape = server.data.input_shape
         expected = (len(target), int(np.prod(shape)) if self.params.saliency == "grad" else int(np.prod(shape[-2:])))
 
         def read(client: int, result: Any) -> np.ndarray:
@@ -518,7 +518,7 @@ class FedSA(Method[FedSAParams, "FedSAState"]):
                 raise Rejected(f"saliency maps of shape {m.shape} or non-finite, expected {expected}")
             return m
 
-        return server.accept_replies(gathered, read, what="teachers' saliency maps")
+        return server.updates.accept_replies(gathered, read, what="teachers' saliency maps")
 
     def _aggregate(self, server: ServerContext, student: Any, student_cfg: ModelConfig, state: FedSAState, rnd: int,
                    reference: dict[str, np.ndarray]) -> tuple[Any, dict[str, float]]:
@@ -552,7 +552,7 @@ class FedSA(Method[FedSAParams, "FedSAState"]):
                     raise Rejected(problem)
             return list(zip(returned, mine, losses))
 
-        kept = [draw for draws in server.accept_replies(gathered, read, what="replies with local students").values()
+        kept = [draw for draws in server.updates.accept_replies(gathered, read, what="replies with local students").values()
                 for draw in draws]
         averaged = average_students([params for params, _, _ in kept], [w for _, w, _ in kept])
         if not _check_finite(averaged):

@@ -315,7 +315,7 @@ class GEMS(Method[GEMSParams, None]):
                                      f"across clients ({K} x {width} = {K * width})", m)
 
     def run(self, server: ServerContext) -> MethodResult:
-        cfg = server.model_cfg
+        cfg = server.models.model_cfg
         if cfg.name == "mlp" and cfg.activation != "relu":
             server.progress("gems: eq. 3 is stated for ReLU; using the model's activation " + cfg.activation)
         started = time.perf_counter()
@@ -328,7 +328,7 @@ class GEMS(Method[GEMSParams, None]):
         if "hidden_units" in info:
             metrics["hidden_units"] = float(sum(info["hidden_units"]))
         server.log(1, metrics)
-        if self.params.fine_tune and len(server.public):
+        if self.params.fine_tune and len(server.data.public):
             tuned, curve, _ = tuning_curve(server, params, self.params, key=f"methods.{self.label}.public_samples")
             metrics.update({f"tuned_{k}": v for k, v in tuned.items()})
             info["tuning_curve"] = curve
@@ -345,7 +345,7 @@ class GEMS(Method[GEMSParams, None]):
         epsilon = p.epsilon if p.epsilon is not None else (0.7 if network else 0.4)
         tol = p.tol if p.tol is not None else (0.1 if shape == "ellipsoid" else 0.01)
         return dict(label=server.label, epsilon=epsilon, shape=shape, floor=p.floor, num_samples=p.num_samples, r_max=p.r_max,
-                    tol=tol, fisher_samples=p.fisher_samples, fisher_prop=p.fisher_prop, activation=server.model_cfg.activation,
+                    tol=tol, fisher_samples=p.fisher_samples, fisher_prop=p.fisher_prop, activation=server.models.model_cfg.activation,
                     retrain_epochs=p.retrain_epochs, retrain_lr=p.retrain_lr)
 
     def _intersect_model_balls(self, server: ServerContext, balls: dict[int, dict[str, Any]], shape: str) -> tuple[np.ndarray, dict[str, Any]]:
@@ -378,7 +378,7 @@ class GEMS(Method[GEMSParams, None]):
         C, D = next(iter(balls.values()))["shape"]
         weight, bias = unflatten_linear(point, C, D)
         info.update(shape=args["shape"], epsilon=args["epsilon"])
-        output = _config_structure(server.model_cfg, server.input_shape, server.num_classes).output_layer
+        output = _config_structure(server.models.model_cfg, server.data.input_shape, server.data.num_classes).output_layer
         return {output.weight: weight, **({output.bias: bias} if output.bias is not None else {})}, info
 
     # -- networks ----------------------------------------------------------------------------------------------
@@ -386,7 +386,7 @@ class GEMS(Method[GEMSParams, None]):
     def _fuse_network(self, server: ServerContext) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         p = self.params
         fed = server.federation
-        structure = _config_structure(server.model_cfg, server.input_shape, server.num_classes)
+        structure = _config_structure(server.models.model_cfg, server.data.input_shape, server.data.num_classes)
         hidden = _hidden_widths(structure)
         K = fed.num_clients
         eps_hidden = _per_layer(p.hidden_epsilon, len(hidden), f"methods.{self.label}.hidden_epsilon")
@@ -394,7 +394,7 @@ class GEMS(Method[GEMSParams, None]):
         if K == 1:
             # One client: its good-enough space contains its own model, the intersection's natural answer. (Running the
             # neuron step would merge the client's own neurons with each other: there is no same-client constraint.)
-            client, update = next(iter(server.updates.accept(server.local_updates()).items()))
+            client, update = next(iter(server.updates.accept(server.updates.local_updates()).items()))
             return dict(update.params), {"clients": [client], "hidden_units": hidden, "local_hidden_units": hidden,
                                          "ensemble_hidden_units": hidden, "note": "one client: its local model"}
         fused: list[tuple[np.ndarray, np.ndarray]] = []
@@ -403,7 +403,7 @@ class GEMS(Method[GEMSParams, None]):
             server.progress(f"gems: neuron balls of hidden layer {layer}", layer=layer)
             gathered = fed.run(build_neuron_balls, fed.put(fused), label=server.label, layer=layer, hidden=hidden,
                                hidden_epsilon=eps_hidden[layer], num_samples=p.num_samples, r_max=p.r_max, tol=p.neuron_tol,
-                               activation=server.model_cfg.activation, retrain_epochs=p.retrain_epochs, retrain_lr=p.retrain_lr)
+                               activation=server.models.model_cfg.activation, retrain_epochs=p.retrain_epochs, retrain_lr=p.retrain_lr)
             results = gathered.results
             _check_same_shapes(results, "centers", f"hidden layer {layer} [w, b]")
             clients = list(results)

@@ -156,7 +156,7 @@ class KLFusion(Method[KLParams, None]):
         server.log(len(result.objective), metrics)
         info = {
             "clients": list(raw), "local_components": sizes, "global_components": result.num_globals,
-            **({} if server.data_cfg.is_silos else {"true_components": int(len(server.dataset_meta["global_means"]))}),
+            **({} if server.data.data_cfg.is_silos else {"true_components": int(len(server.data.dataset_meta["global_means"]))}),
             "lam_effective": result.lam,
             "counts": np.asarray(result.counts).round(4).tolist(), "means": result.globals.means().tolist(),
             "executor": executor_name, "local_fit_seconds_max": round(local_seconds, 3),
@@ -169,19 +169,19 @@ class KLFusion(Method[KLParams, None]):
         p = self.params
         server.progress(f"kl: clients train Bayesian MLPs ({p.hidden} hidden units, Bayes by backprop)")
         started = time.perf_counter()
-        gathered = server.run_cached(train_bnn, hidden=p.hidden, epochs=p.bnn_epochs, lr=p.bnn_lr, prior_sd=p.prior_sd)
+        gathered = server.updates.run_cached(train_bnn, hidden=p.hidden, epochs=p.bnn_epochs, lr=p.bnn_lr, prior_sd=p.prior_sd)
         # NaN / non-positive variances / wrong shapes (InputError): rejected, never fused
-        kept = server.accept_replies(gathered, lambda client, r: (neurons_of(r["bnn"], where=f"client {client} posterior"), r["bnn"]),
+        kept = server.updates.accept_replies(gathered, lambda client, r: (neurons_of(r["bnn"], where=f"client {client} posterior"), r["bnn"]),
                                      what="client posteriors")
         neurons = [n for n, _ in kept.values()]
         bnns = {client: bnn for client, (_, bnn) in kept.items()}
-        d_in = int(np.prod(server.input_shape))
+        d_in = int(np.prod(server.data.input_shape))
         if any(b["w1_mu"].shape[1] != d_in for b in bnns.values()):
             raise InputError("model", f"Bayesian MLPs with {d_in} inputs on every client", [b["w1_mu"].shape for b in bnns.values()])
         result, executor_name, fuse_seconds = self._fuse(server, neurons)
         b2_mu, b2_var = fuse_output_bias(list(bnns.values()))
         fused = network_of(result.globals, b2_mu, b2_var, d_in)
-        test = server.test
+        test = server.data.test
         rng = server.rng("mc")
         ood = corrupt(test.X, make_rng(server.seed, "kl-bnn-ood"))  # the same OOD set for every method of a run
 
@@ -213,7 +213,7 @@ class KLFusion(Method[KLParams, None]):
     def _run_topics(self, server: ServerContext) -> MethodResult:
         p = self.params
         # a silo run has no generator: no true topics, and a fixed n_components (check_silo_components)
-        meta = None if server.data_cfg.is_silos else server.dataset_meta
+        meta = None if server.data.data_cfg.is_silos else server.data.dataset_meta
         k: dict[int, int] | int
         if p.n_components == "true":
             assert meta is not None
@@ -222,8 +222,8 @@ class KLFusion(Method[KLParams, None]):
             k = int(p.n_components)
         server.progress("kl: clients fit LDA on their documents")
         started = time.perf_counter()
-        gathered = server.run_cached(fit_lda_posterior, k, max_iter=p.vi_max_iter)
-        locals_ = server.accept_replies(gathered, lambda client, r: Dirichlet(r["alpha"], where=f"client {client} posterior"),
+        gathered = server.updates.run_cached(fit_lda_posterior, k, max_iter=p.vi_max_iter)
+        locals_ = server.updates.accept_replies(gathered, lambda client, r: Dirichlet(r["alpha"], where=f"client {client} posterior"),
                                         what="client posteriors")
         posteriors = list(locals_.values())
         if p.homogeneous:
@@ -232,7 +232,7 @@ class KLFusion(Method[KLParams, None]):
             executor_name, fuse_seconds = "threads", time.perf_counter() - fuse_started
         else:
             result, executor_name, fuse_seconds = self._fuse(server, posteriors)
-        test = server.test
+        test = server.data.test
         # the same split for every method of a run (not per label), so their completion scores compare
         seen, held = split_documents(test.X.reshape(len(test), -1), make_rng(server.seed, "kl-topics-completion"))
         fused_topics = result.globals.means()

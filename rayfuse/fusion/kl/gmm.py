@@ -126,7 +126,7 @@ class GMMMethod(Method[GP, None]):
 
 
 def gmm_truth(server: ServerContext, path: str) -> dict[str, Any]:
-    meta = server.dataset_meta
+    meta = server.data.dataset_meta
     if meta.get("kind") != "gmm":
         raise InputError("data.dataset", f"kl_gmm (method {path.split('.')[-1]} needs the generator's true atoms)", server.method)
     return meta
@@ -134,16 +134,16 @@ def gmm_truth(server: ServerContext, path: str) -> dict[str, Any]:
 
 def gather_gmm_posteriors(server: ServerContext, params: GMMPosteriorParams) -> tuple[list[NormalWishart], dict[int, dict[str, Any]]]:
     """Every client's local Normal-Wishart posteriors (validated), by client id."""
-    meta = None if server.data_cfg.is_silos else gmm_truth(server, f"methods.{server.label}")  # a silo run has no generator
+    meta = None if server.data.data_cfg.is_silos else gmm_truth(server, f"methods.{server.label}")  # a silo run has no generator
     if params.n_components == "true":
         assert meta is not None  # n_components: true is refused with data.silos (check_silo_components)
         counts = meta["local_counts"]
         n_components: dict[int, int] | int = {c: int(counts[c]) for c in server.federation.client_ids}
     else:
         n_components = int(params.n_components)
-    gathered = server.run_cached(fit_gmm_posterior, n_components, n_init=params.n_init, max_iter=params.vi_max_iter)
+    gathered = server.updates.run_cached(fit_gmm_posterior, n_components, n_init=params.n_init, max_iter=params.vi_max_iter)
     # NaN / non-positive variances / wrong shapes (InputError): rejected, never fused
-    kept = server.accept_replies(gathered, lambda client, r: (NormalWishart(r["mean"], r["kappa"], r["nu"], r["W"],
+    kept = server.updates.accept_replies(gathered, lambda client, r: (NormalWishart(r["mean"], r["kappa"], r["nu"], r["W"],
                                                                             where=f"client {client} posterior"), r),
                                  what="client posteriors")
     return [q for q, _ in kept.values()], {client: r for client, (_, r) in kept.items()}
@@ -152,11 +152,11 @@ def gather_gmm_posteriors(server: ServerContext, params: GMMPosteriorParams) -> 
 def gmm_metrics(server: ServerContext, means: np.ndarray) -> dict[str, float]:
     """``hausdorff`` and ``size_error`` against the generator's true means, and ``num_components``; a silo run
     (``data.silos``: no generator, no truth) reports ``num_components`` only."""
-    if server.data_cfg.is_silos:
+    if server.data.data_cfg.is_silos:
         if not np.isfinite(means).all():
             raise RunFailure(f"{server.label}: non-finite estimated means")
         return {"num_components": float(len(means))}
-    truth = np.asarray(server.dataset_meta["global_means"])
+    truth = np.asarray(server.data.dataset_meta["global_means"])
     G = len(truth)
     if not np.isfinite(means).all():
         raise RunFailure(f"{server.label}: non-finite estimated means")
@@ -185,7 +185,7 @@ class GMMOracle(Method[GMMPosteriorParams, None]):
         from sklearn.mixture import BayesianGaussianMixture
 
         meta = gmm_truth(server, f"methods.{self.label}")
-        data = server.pooled_train()
+        data = server.data.pooled_train()
         G = len(meta["global_means"])
         model = BayesianGaussianMixture(n_components=G, covariance_type="full", n_init=self.params.n_init, max_iter=self.params.vi_max_iter,
                                         weight_concentration_prior_type="dirichlet_distribution", random_state=server.step_seed("bgmm") % (2**31))
