@@ -19,7 +19,7 @@ from safetensors import safe_open
 from rayfuse.cli import main
 from rayfuse.finetunes.config import TASK_VECTOR_METHODS
 from rayfuse.finetunes.taskvec import task_vector_merge
-from tests.test_bad_inputs import refused_line
+from tests.config.test_bad_inputs import refused_line
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]

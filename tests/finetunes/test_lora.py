@@ -21,8 +21,8 @@ import torch  # noqa: E402
 import rayfuse  # noqa: E402
 from rayfuse.errors import InputError  # noqa: E402
 from rayfuse.finetunes.lora import METADATA_FILE, combine_module, read_adapter  # noqa: E402
-from tests.test_bad_inputs import Files, _snapshot, refused_line  # noqa: E402
-from tests.test_bad_inputs import isolated as isolated  # noqa: E402, F401  (the harness's fixture: the case's folder as cwd)
+from tests.config.test_bad_inputs import Files, _snapshot, refused_line  # noqa: E402
+from tests.config.test_bad_inputs import isolated as isolated  # noqa: E402, F401  (the harness's fixture: the case's folder as cwd)
 
 LLAMA = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2}
@@ -277,7 +277,7 @@ def test_mixed_ranks_stack_and_svd_and_the_cli_summary(env, capsys) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Bad input: one line, exit 2, nothing written (the CLI harness of tests/test_bad_inputs.py)
+# Bad input: one line, exit 2, nothing written (the CLI harness of tests/config/test_bad_inputs.py)
 
 
 def _copy(env: Path, f: Files, *names: str) -> None:

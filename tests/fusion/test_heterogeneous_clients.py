@@ -227,7 +227,7 @@ PREFIX = {0: "wide.", 1: "narrow.", 2: "1."}  # each factory's parameter names (
 @client_step("test_heterogeneous.probe")
 def probe(ctx) -> Update:
     """The client's trained local model, and whether this process imported the test module (it should not need to)."""
-    return Update(get_params(ctx.local_model()), ctx.num_examples, {"imported": float("tests.test_heterogeneous" in sys.modules)})
+    return Update(get_params(ctx.local_model()), ctx.num_examples, {"imported": float("tests.fusion.test_heterogeneous_clients" in sys.modules)})
 
 
 class Probe(Method[MethodParams, None]):
@@ -251,9 +251,9 @@ def _check_factories_run(result, clients: int) -> None:
         assert all(k.startswith(PREFIX[c]) for k in info["layouts"][str(c)]), info["layouts"][str(c)]
         assert 0 <= result.metrics.loc["probe", f"accuracy_{c}"] <= 1
     recorded = yaml.safe_load((result.run_dir / "config.yaml").read_text())
-    assert recorded["model"]["factory"] == "tests.test_heterogeneous.linear"
+    assert recorded["model"]["factory"] == "tests.fusion.test_heterogeneous_clients.linear"
     assert {k: v["model"]["factory"] for k, v in recorded["federation"]["client_overrides"].items()} == {
-        "0": "tests.test_heterogeneous.Wide", "1": "tests.test_heterogeneous.Narrow"}
+        "0": "tests.fusion.test_heterogeneous_clients.Wide", "1": "tests.fusion.test_heterogeneous_clients.Narrow"}
 
 
 def test_a_mapping_of_model_factories_gives_clients_their_own_models(tmp_path):

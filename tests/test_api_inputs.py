@@ -31,8 +31,8 @@ import rayfuse
 from rayfuse import api as rayfuse_api
 from rayfuse.cli import main
 from rayfuse.method import Method, MethodParams, MethodResult, ServerContext
-from tests.test_bad_inputs import ROOT, Files, _snapshot, call, isolated, refused_line, with_base  # noqa: F401  (isolated: a fixture)
-from tests.test_hardening_state import sweep_folder, sweep_space
+from tests.config.test_bad_inputs import ROOT, Files, _snapshot, call, isolated, refused_line, with_base  # noqa: F401  (isolated: a fixture)
+from tests.test_damaged_state import sweep_folder, sweep_space
 
 TIME_LIMIT_S = 120.0  # far above what any case takes (seconds): reached only by a hang
 
@@ -432,7 +432,7 @@ def within_limit(function: Callable[[], Any], root: Path) -> Any:
 
 @pytest.fixture
 def case_dir(isolated):  # noqa: F811  (the fixture imported above)
-    """The case's folder as the working directory, Ray seen as not started (``tests.test_bad_inputs``' ``isolated``)."""
+    """The case's folder as the working directory, Ray seen as not started (``tests.config.test_bad_inputs``' ``isolated``)."""
     return isolated
 
 

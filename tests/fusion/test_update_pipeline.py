@@ -23,7 +23,7 @@ from rayfuse.fusion.central_dp import CentralDPSettings, apply_dp_round, plan_dp
 from rayfuse.fusion.pipeline import UpdatePipeline, check_update_pipeline, fused_by
 from rayfuse.fusion.robust import AggregatorSettings, aggregate_median, aggregate_trimmed_mean, clip_updates
 from rayfuse.method import METHODS, Gathered, Method, MethodParams, MethodResult, MethodSpec, MethodTags, RunSetup, Update, resolve_methods
-from tests.test_bad_inputs import Files, _snapshot, isolated, refused_line, with_base  # noqa: F401  (isolated: a fixture)
+from tests.config.test_bad_inputs import Files, _snapshot, isolated, refused_line, with_base  # noqa: F401  (isolated: a fixture)
 
 ATTACKS = [{"client": 1, "kind": "scale", "scale": 4.0}]
 
@@ -248,7 +248,7 @@ _ATTACKED = {"federation": {"attacks": [{"client": 1, "kind": "sign_flip"}]}}
     ("api", lambda f: lambda: __import__("rayfuse").run(with_base(**_ATTACKED, methods={"gems": {}}), quiet=True)),
 ])
 def test_the_bad_inputs_harness_refuses_attacks_on_a_method_that_cannot_apply_them(kind, command, request, capsys):
-    """Through tests/test_bad_inputs.py's harness: exit 2 (or InputError from the API), one line naming the key, nothing
+    """Through tests/config/test_bad_inputs.py's harness: exit 2 (or InputError from the API), one line naming the key, nothing
     written where the case ran."""
     folder = request.getfixturevalue("isolated")  # the harness's case folder (its fixture, imported above)
     files = Files(folder)

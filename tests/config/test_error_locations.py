@@ -13,7 +13,7 @@ from rayfuse.config import ExperimentConfig, PartitionConfig, pydantic_input_err
 from rayfuse.errors import KEYED_ERROR, InputError, key_error
 from rayfuse.method import resolve_methods
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # what the old protocol wrote at the head of a ValueError's text: "@partition.num_clients@ ..."
 MARKER = re.compile(r"@[A-Za-z0-9_.{}]+@")
 

@@ -29,7 +29,7 @@ import rayfuse
 from rayfuse.cli import main
 from rayfuse.errors import InputError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 BASE: dict[str, Any] = {
     "run": {"name": "bad", "seed": 0},

@@ -29,7 +29,7 @@ import pytest
 import rayfuse
 import rayfuse.api
 from rayfuse.cli import main
-from tests.test_bad_inputs import Files, _snapshot, call, isolated, refused_line  # noqa: F401  (isolated: a fixture)
+from tests.config.test_bad_inputs import Files, _snapshot, call, isolated, refused_line  # noqa: F401  (isolated: a fixture)
 
 SENTINEL = "ran"  # what a command or function that must not run would create
 
@@ -606,7 +606,7 @@ case(5, "api-fuse-checkpoint-above-the-memory-available", "m0.safetensors: expec
 
 @pytest.fixture
 def folder(isolated):  # noqa: F811  (the fixture imported above)
-    """The case's folder as the working directory, Ray seen as not started (``tests.test_bad_inputs``' ``isolated``:
+    """The case's folder as the working directory, Ray seen as not started (``tests.config.test_bad_inputs``' ``isolated``:
     each case shows what a fresh ``rayfuse`` process does)."""
     return isolated
 

@@ -168,7 +168,7 @@ def test_every_parameter_of_the_method_and_of_rayfuse_fuse_is_documented():
     from rayfuse.checkpoints import AlignParams
     from rayfuse.fusion.aligned.algorithm import AlignedParams
 
-    page = (Path(__file__).resolve().parents[2] / "docs" / "methods" / "aligned.md").read_text(encoding="utf-8")
+    page = (Path(__file__).resolve().parents[3] / "docs" / "methods" / "aligned.md").read_text(encoding="utf-8")
     table = page[page.index("## Parameters"):page.index("## What leaves a client")]
     missing = [name for cls in (AlignedParams, AlignParams) for name in cls.model_fields if f"`{name}`" not in table]
     assert not missing, missing

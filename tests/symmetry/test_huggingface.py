@@ -29,7 +29,7 @@ from rayfuse import symmetry as sym
 from rayfuse.api import symmetry as symmetry_api
 from rayfuse.cli import main
 from rayfuse.errors import InputError
-from tests.test_bad_inputs import Files, _snapshot, call, refused_line, with_base
+from tests.config.test_bad_inputs import Files, _snapshot, call, refused_line, with_base
 
 pytest.importorskip("transformers")
 

@@ -33,8 +33,8 @@ from rayfuse.data.silos import server_split
 from rayfuse.errors import InputError
 from rayfuse.report import Printer
 from rayfuse.runner import InProcessBackend, load_run_config, prepare_run, run_experiment
-from tests.test_bad_inputs import refused_line
-from tests.test_hardening_content_state import snapshot
+from tests.config.test_bad_inputs import refused_line
+from tests.test_content_identity import snapshot
 
 QUIET = Printer(enabled=False)
 

@@ -2,7 +2,7 @@
 
 Two tables. ``REFUSED``: bad silo inputs, each refused by ``rayfuse run`` (or ``validate``) with exit 2, one line
 naming the key (and the files), no traceback, nothing written where the case ran (the harness of
-``tests/test_bad_inputs.py``). ``ACCEPTED``: valid but unusual inputs that must be read as they mean: Excel-style csv
+``tests/config/test_bad_inputs.py``). ``ACCEPTED``: valid but unusual inputs that must be read as they mean: Excel-style csv
 (byte-order mark, ``;`` sniffed, CRLF, decimal commas, UTF-16), 16-bit images at their full range, float label values
 declared in ``data.classes``, csv silos without ``data.standardize``, ``(N, L, D)`` sequence data for
 ``rayfuse fuse``, silos whose dtypes differ in width only. Everything runs in-process (``federation.backend: local``).
@@ -25,7 +25,7 @@ from torch import nn
 from rayfuse.cli import main
 from rayfuse.data.datasets import csv_dialect
 from rayfuse.data.silos import check_schemas, dtype_kind, load_silo, silo_schema
-from tests.test_bad_inputs import Files, _snapshot, isolated, refused_line  # noqa: F401  (isolated: the fixture the harness uses)
+from tests.config.test_bad_inputs import Files, _snapshot, isolated, refused_line  # noqa: F401  (isolated: the fixture the harness uses)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Files of a silo config

@@ -31,7 +31,7 @@ from rayfuse.alignment import (
 from rayfuse.errors import InputError
 from rayfuse.matching import serial_map
 from rayfuse.symmetry import AxisRef, PermGroup, PermutationSpec, Probe
-from tests.test_symmetry_spec import mlp_spec  # git re-basin's hand-written spec of the 3-layer MLP below
+from tests.symmetry.test_spec import mlp_spec  # git re-basin's hand-written spec of the 3-layer MLP below
 
 
 def mlp() -> nn.Module:

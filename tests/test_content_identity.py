@@ -31,7 +31,7 @@ from rayfuse.data import identity
 from rayfuse.errors import InputError
 from rayfuse.report import Printer
 from rayfuse.runner import InProcessBackend, load_run_config, run_experiment
-from tests.test_bad_inputs import refused_line
+from tests.config.test_bad_inputs import refused_line
 
 QUIET = Printer(enabled=False)
 CLIENTS = 3

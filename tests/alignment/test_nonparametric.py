@@ -14,7 +14,7 @@ from rayfuse.config import ModelConfig
 from rayfuse.errors import InputError
 from rayfuse.models import build_model, get_params
 from rayfuse.symmetry import derive_spec, read_structure, resize_model
-from tests.test_alignment_derived import randomised
+from tests.alignment.test_derived_specs import randomised
 
 ARCHS = {
     "mlp": (ModelConfig(name="mlp", hidden=[12, 8]), (20,)),

@@ -30,7 +30,7 @@ from rayfuse.cli import main
 from rayfuse.errors import InputError
 from rayfuse.symmetry import AxisRef, PermGroup, PermutationSpec, derive_spec
 from rayfuse.symmetry.invariance import INVARIANCE_REASON, apply_invariance, invariance_failures
-from tests.test_bad_inputs import Files, _snapshot, refused_line
+from tests.config.test_bad_inputs import Files, _snapshot, refused_line
 
 # ---------------------------------------------------------------------------------------------------------------
 # Architectures beyond the registry (tiny widths)

@@ -15,7 +15,7 @@ from rayfuse.runner import prepare_run
 from tests.test_silo_methods import _server_sets
 from tests.test_silo_runs import _job, _run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOT_KNOWN = ("input_shape", "num_classes", "train_sizes", "val_sizes")
 
 

@@ -794,7 +794,7 @@ BAD = [
 @pytest.mark.parametrize("bad", BAD, ids=[b.id for b in BAD])
 def test_bad_input_on_the_symmetry_surfaces_is_one_line_and_leaves_nothing(bad: Bad, tmp_path, monkeypatch, capsys):
     from rayfuse.cli import main
-    from tests.test_bad_inputs import _snapshot
+    from tests.config.test_bad_inputs import _snapshot
 
     modules = tmp_path / "modules"
     modules.mkdir()

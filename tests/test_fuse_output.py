@@ -8,7 +8,7 @@
 * ``rayfuse.load_fused(architecture, path)`` builds the architecture at the widths a nonparametric merge wrote and
   loads the tensors, tied tensors kept as one.
 
-The refusals run through the bad-input harness of ``tests/test_bad_inputs.py`` (exit 2, one line on stderr naming the
+The refusals run through the bad-input harness of ``tests/config/test_bad_inputs.py`` (exit 2, one line on stderr naming the
 key / file / tensor, no traceback, nothing written); the cases that must succeed follow.
 """
 
@@ -29,7 +29,7 @@ import rayfuse
 from rayfuse.checkpoints import check_fused, load_fused, tied_names
 from rayfuse.cli import main
 from rayfuse.io import load_params, save_params
-from tests.test_bad_inputs import Files, _snapshot, call, refused_line
+from tests.config.test_bad_inputs import Files, _snapshot, call, refused_line
 
 NETS = '''
 import torch

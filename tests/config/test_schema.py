@@ -22,7 +22,7 @@ from rayfuse.config import (
 from rayfuse.errors import InputError
 from rayfuse.method import resolve_methods, resolved_config
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "jobs" / "quickstart.yaml"
+QUICKSTART = Path(__file__).resolve().parents[2] / "jobs" / "quickstart.yaml"
 
 # ---------------------------------------------------------------------------------------------------------------
 # Bad configs, one table: (config data or --set overrides, key path the message starts with, another pattern the

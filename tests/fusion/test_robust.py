@@ -335,7 +335,7 @@ def test_the_cli_refuses_f_too_large_in_one_line_and_writes_nothing(tmp_path, ca
 # ---------------------------------------------------------------------------------------------------------------
 # Against Flower's implementation (its own virtualenv, as benchmarks/compare_flower.py uses; nothing is installed)
 
-FLOWER_PYTHON = Path(__file__).resolve().parents[1] / "benchmarks" / ".flwr-venv" / "bin" / "python"
+FLOWER_PYTHON = Path(__file__).resolve().parents[2] / "benchmarks" / ".flwr-venv" / "bin" / "python"
 
 
 @pytest.mark.skipif(not FLOWER_PYTHON.exists(), reason="no Flower environment at benchmarks/.flwr-venv (benchmarks/README.md)")
