@@ -32,10 +32,11 @@ test-unit: setup
 test-ray: setup
 	$(BIN)/python -m pytest -q -m ray $(PYTEST_ARGS)
 
-# ruff's rules (pyproject [tool.ruff]), then mypy over the package (pyproject [tool.mypy]); `ruff format --check` is
-# not part of it until the tree has had its format pass
+# ruff's rules (pyproject [tool.ruff]), the formatter's check (the tree is formatted: `make format`), then mypy over the
+# package (pyproject [tool.mypy])
 lint: setup
 	$(BIN)/ruff check rayfuse actors tests benchmarks docs/hooks.py
+	$(BIN)/ruff format --check rayfuse actors tests benchmarks docs/hooks.py
 	$(BIN)/mypy
 
 # mypy alone (also part of `lint`)
@@ -43,7 +44,7 @@ typecheck: setup
 	$(BIN)/mypy
 
 format: setup
-	$(BIN)/ruff format rayfuse actors tests benchmarks
+	$(BIN)/ruff format rayfuse actors tests benchmarks docs/hooks.py
 
 # the site: docs/ with the generated configuration reference and the API reference from the docstrings
 docs: setup

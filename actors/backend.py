@@ -42,8 +42,19 @@ from rayfuse.interrupts import reinstall_sigterm
 from rayfuse.method import MethodSpec
 from rayfuse.runner import Backend, EventSink
 
-__all__ = ["RayBackend", "actor_options", "check_local_resources", "check_node_resources", "check_reachable_address", "split_address",
-           "client_bundles", "merged_resources", "pickled_by_value", "pinned_resources", "trial_bundles"]
+__all__ = [
+    "RayBackend",
+    "actor_options",
+    "check_local_resources",
+    "check_node_resources",
+    "check_reachable_address",
+    "split_address",
+    "client_bundles",
+    "merged_resources",
+    "pickled_by_value",
+    "pinned_resources",
+    "trial_bundles",
+]
 
 POLL_S = 0.25
 
@@ -110,7 +121,7 @@ PROBE_TIMEOUT_S = 3.0
 def split_address(address: str) -> tuple[str, int] | None:
     """``(host, port)`` of a ``host:port`` or ``ray://host[:port]`` address (Ray Client's default port 10001);
     ``None`` for anything else (``auto``, ``local``, a form this check does not know)."""
-    rest = address[len("ray://"):] if address.startswith("ray://") else address
+    rest = address[len("ray://") :] if address.startswith("ray://") else address
     rest = rest.split("/", 1)[0]
     host, sep, port = rest.rpartition(":")
     if not sep:
@@ -133,8 +144,12 @@ def check_reachable_address(address: str | None, *, key: str, timeout_s: float =
 
             found = get_ray_address_from_environment("auto", None)
         except ConnectionError:
-            raise InputError(key, "a running Ray to attach to ('auto' looks for one on this machine)", address,
-                             "none is running: start one (ray start --head) or leave the address unset for a new local Ray") from None
+            raise InputError(
+                key,
+                "a running Ray to attach to ('auto' looks for one on this machine)",
+                address,
+                "none is running: start one (ray start --head) or leave the address unset for a new local Ray",
+            ) from None
         except Exception:  # another Ray version: let ray.init() decide
             return
         if not found or found == "auto":
@@ -235,14 +250,22 @@ def check_local_resources(cfg: ExperimentConfig) -> None:
         have["GPU"] = float(gpus)
     custom: dict[str, Any] = init["resources"] if isinstance(init.get("resources"), dict) else {}
     n, per_actor = cfg.partition.num_clients, fed.clients_per_actor
-    actors = [(f"federation.client_overrides.{first}" if _sets_resources(cfg, first) else "federation.clients",
-               actor_options(fed.client_resources(first))) for first in range(0, n, per_actor)]
+    actors = [
+        (
+            f"federation.client_overrides.{first}" if _sets_resources(cfg, first) else "federation.clients",
+            actor_options(fed.client_resources(first)),
+        )
+        for first in range(0, n, per_actor)
+    ]
     actors.append(("federation.coordinator", actor_options(fed.coordinator)))
     where = "the local Ray this run starts (federation.ray_init, else this machine)"
     totals: dict[str, float] = {}
     for key, options in actors:
-        needs = {"CPU": float(options.get("num_cpus", 0.0)), "GPU": float(options.get("num_gpus", 0.0)),
-                 **{name: float(v) for name, v in (options.get("resources") or {}).items()}}
+        needs = {
+            "CPU": float(options.get("num_cpus", 0.0)),
+            "GPU": float(options.get("num_gpus", 0.0)),
+            **{name: float(v) for name, v in (options.get("resources") or {}).items()},
+        }
         for name, need in needs.items():
             totals[name] = totals.get(name, 0.0) + need
             field = {"CPU": "num_cpus", "GPU": "num_gpus"}.get(name, f"resources.{name}")
@@ -253,10 +276,13 @@ def check_local_resources(cfg: ExperimentConfig) -> None:
         available = have.get(name) if name in ("CPU", "GPU") else float(custom.get(name, 0.0))
         if available is not None and total > available + 1e-9:
             field = {"CPU": "num_cpus", "GPU": "num_gpus"}.get(name, f"resources.{name}")
-            raise InputError(f"federation.clients.{field}", f"client actors and coordinator asking at most the {available:g} {name} "
-                             f"of {where} in all (each holds its share while it lives)", f"{total:g} in all for {len(actors) - 1} "
-                             "client actors and the coordinator", "ask less per client, or host several clients per actor "
-                             "(federation.clients_per_actor)")
+            raise InputError(
+                f"federation.clients.{field}",
+                f"client actors and coordinator asking at most the {available:g} {name} "
+                f"of {where} in all (each holds its share while it lives)",
+                f"{total:g} in all for {len(actors) - 1} client actors and the coordinator",
+                "ask less per client, or host several clients per actor (federation.clients_per_actor)",
+            )
 
 
 def _sets_resources(cfg: ExperimentConfig, client: int) -> bool:
@@ -284,19 +310,32 @@ def check_node_resources(cfg: ExperimentConfig, nodes: Sequence[dict[str, float]
     The nodes are those alive when the run starts: on an autoscaling cluster keep each site's worker type at
     ``min_workers: 1`` (as ``cluster.yaml`` does), since a site's node holds that site's data."""
     fed = cfg.federation
-    offered = sorted({name for node in nodes for name in node if name not in _BUILTIN_RESOURCES and not name.startswith(("node:", "accelerator_type:"))})
+    offered = sorted(
+        {name for node in nodes for name in node if name not in _BUILTIN_RESOURCES and not name.startswith(("node:", "accelerator_type:"))}
+    )
     for client, needs in pinned_resources(cfg).items():
         if any(all(node.get(name, 0.0) + 1e-9 >= need for name, need in needs.items()) for node in nodes):
             continue
         override = fed.client_overrides.get(client)
-        key = f"federation.client_overrides.{client}" if override is not None and "resources" in override.model_fields_set else "federation.clients"
+        key = (
+            f"federation.client_overrides.{client}"
+            if override is not None and "resources" in override.model_fields_set
+            else "federation.clients"
+        )
         missing = next((name for name, need in needs.items() if not any(node.get(name, 0.0) + 1e-9 >= need for node in nodes)), None)
         if missing is not None:
-            raise InputError(f"{key}.resources.{missing}", f"a Ray node offering {missing} for client {client} (the nodes offer "
-                             f"{offered or 'no custom resources'})", needs[missing],
-                             f"start that site's node with: ray start --address ... --resources '{{\"{missing}\": 1}}'")
-        raise InputError(f"{key}.resources", f"one Ray node offering all of client {client}'s resources together (the nodes offer "
-                         f"{offered})", needs, "a client runs on one node")
+            raise InputError(
+                f"{key}.resources.{missing}",
+                f"a Ray node offering {missing} for client {client} (the nodes offer {offered or 'no custom resources'})",
+                needs[missing],
+                f"start that site's node with: ray start --address ... --resources '{{\"{missing}\": 1}}'",
+            )
+        raise InputError(
+            f"{key}.resources",
+            f"one Ray node offering all of client {client}'s resources together (the nodes offer {offered})",
+            needs,
+            "a client runs on one node",
+        )
 
 
 # resources Ray gives nodes itself (with node:<ip> and accelerator_type:<kind>); the custom ones are the user's (ray start --resources)
@@ -474,15 +513,24 @@ class RayBackend(Backend):
                     have_names = sorted(k for k in total if not k.startswith("node:"))
                     raise InputError(f"{key}.resources.{name}", f"a resource this Ray has (it has {have_names})", need)
 
-    def start(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: Path, *, on_event: EventSink, start_time: float,
-              specs: list[MethodSpec] | None = None) -> None:
+    def start(
+        self,
+        cfg: ExperimentConfig,
+        plan: DataPlan,
+        run_dir: Path,
+        *,
+        on_event: EventSink,
+        start_time: float,
+        specs: list[MethodSpec] | None = None,
+    ) -> None:
         self._on_event = on_event
         self._connect(cfg)
         with pickled_by_value(self._by_value):  # the actors' arguments are pickled when they are created
             self._start_actors(cfg, plan, run_dir, start_time, specs)
 
-    def _start_actors(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: Path, start_time: float,
-                      specs: list[MethodSpec] | None) -> None:
+    def _start_actors(
+        self, cfg: ExperimentConfig, plan: DataPlan, run_dir: Path, start_time: float, specs: list[MethodSpec] | None
+    ) -> None:
         fed = cfg.federation
         run = Path(run_dir).name
         requests = [actor_options(merged_resources(cfg, i)) for i in range(plan.num_clients)]
@@ -502,10 +550,21 @@ class RayBackend(Backend):
                 options["num_cpus"] = bundles[k].get("CPU", 0.0)
                 options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k + 1)
             handle = client_cls.options(
-                name=name, namespace=fed.namespace, max_restarts=fed.max_restarts, max_task_retries=0, **options,
-            ).remote([(i, plan.for_client(i)) for i in members], data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train,
-                     seed=cfg.run.seed, faults=fed.faults, local_cache=cfg.run.model_cache,
-                     client_models={i: cfg.client_model(i) for i in members if cfg.client_model(i) is not cfg.model})
+                name=name,
+                namespace=fed.namespace,
+                max_restarts=fed.max_restarts,
+                max_task_retries=0,
+                **options,
+            ).remote(
+                [(i, plan.for_client(i)) for i in members],
+                data_cfg=cfg.data,
+                model_cfg=cfg.model,
+                train_cfg=cfg.train,
+                seed=cfg.run.seed,
+                faults=fed.faults,
+                local_cache=cfg.run.model_cache,
+                client_models={i: cfg.client_model(i) for i in members if cfg.client_model(i) is not cfg.model},
+            )
             self._actor_names.append(name)
             for i in members:
                 self.clients[i] = handle
@@ -516,33 +575,53 @@ class RayBackend(Backend):
             placement = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
         else:
             placement = NodeAffinitySchedulingStrategy(node_id=here, soft=False)
-        self.coordinator = ray.remote(CoordinatorActor).options(
-            name=f"{run}/coordinator", namespace=fed.namespace, max_concurrency=4, max_restarts=0,
-            scheduling_strategy=placement,
-            # in a trial the coordinator shares bundle 0 with the trial's driver, which holds its resources
-            **(actor_options(fed.coordinator) if pg is None else {"num_cpus": 0}),
-        ).remote(cfg, plan, str(Path(run_dir).resolve()), self.clients, start_time, specs)
+        self.coordinator = (
+            ray.remote(CoordinatorActor)
+            .options(
+                name=f"{run}/coordinator",
+                namespace=fed.namespace,
+                max_concurrency=4,
+                max_restarts=0,
+                scheduling_strategy=placement,
+                # in a trial the coordinator shares bundle 0 with the trial's driver, which holds its resources
+                **(actor_options(fed.coordinator) if pg is None else {"num_cpus": 0}),
+            )
+            .remote(cfg, plan, str(Path(run_dir).resolve()), self.clients, start_time, specs)
+        )
         try:
-            pings = ray.get([c.ping.remote() for c in self._client_actors] + [self.coordinator.ready.remote()],
-                            timeout=fed.startup_timeout_s)
+            pings = ray.get(
+                [c.ping.remote() for c in self._client_actors] + [self.coordinator.ready.remote()], timeout=fed.startup_timeout_s
+            )
         except GetTimeoutError:
-            raise RunFailure(f"the actors did not start within {fed.startup_timeout_s:g} s (federation.startup_timeout_s); "
-                             f"requested per client {requests[0] or 'Ray defaults'}, cluster has {ray.cluster_resources()}") from None
+            raise RunFailure(
+                f"the actors did not start within {fed.startup_timeout_s:g} s (federation.startup_timeout_s); "
+                f"requested per client {requests[0] or 'Ray defaults'}, cluster has {ray.cluster_resources()}"
+            ) from None
         except (RayTaskError, RayActorError) as exc:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, (InputError, RunFailure)):
                 raise cause from None
             raise RunFailure(f"an actor failed to start: {cause or exc}") from None
         nodes = sorted({p["node_id"] for p in pings})
-        self._info = {"backend": "ray", "ray_version": ray.__version__, "namespace": fed.namespace,
-                      "actors": self._actor_names + [f"{run}/coordinator"],
-                      "nodes": len(nodes), "cluster_resources": {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")}}
+        self._info = {
+            "backend": "ray",
+            "ray_version": ray.__version__,
+            "namespace": fed.namespace,
+            "actors": self._actor_names + [f"{run}/coordinator"],
+            "nodes": len(nodes),
+            "cluster_resources": {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")},
+        }
         for note in self._notes:
             self._on_event({"t": round(time.time() - start_time, 3), "kind": "info", "message": note})
         hosted = "" if per_actor == 1 else f" hosting {plan.num_clients} clients ({per_actor} per actor)"
-        self._on_event({"t": round(time.time() - start_time, 3), "kind": "info",
-                        "message": f"{len(groups)} client actors{hosted} and the coordinator up on {len(nodes)} node(s) "
-                                   f"(namespace {fed.namespace!r}, names {self._actor_names[0]}..., {run}/coordinator)"})
+        self._on_event(
+            {
+                "t": round(time.time() - start_time, 3),
+                "kind": "info",
+                "message": f"{len(groups)} client actors{hosted} and the coordinator up on {len(nodes)} node(s) "
+                f"(namespace {fed.namespace!r}, names {self._actor_names[0]}..., {run}/coordinator)",
+            }
+        )
 
     def _drain(self) -> None:
         try:

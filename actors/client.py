@@ -61,8 +61,18 @@ class ClientActor:
         The hosted clients with a model of their own (``federation.client_overrides.<i>.model``).
     """
 
-    def __init__(self, members: Sequence[tuple[int, ClientPlan]], *, data_cfg: Any, model_cfg: Any, train_cfg: Any, seed: int,
-                 faults: Sequence[Any] = (), local_cache: str | None = None, client_models: Mapping[int, Any] | None = None) -> None:
+    def __init__(
+        self,
+        members: Sequence[tuple[int, ClientPlan]],
+        *,
+        data_cfg: Any,
+        model_cfg: Any,
+        train_cfg: Any,
+        seed: int,
+        faults: Sequence[Any] = (),
+        local_cache: str | None = None,
+        client_models: Mapping[int, Any] | None = None,
+    ) -> None:
         with warnings.catch_warnings():  # Ray's own accessor warns about its internals
             warnings.simplefilter("ignore")
             restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
@@ -76,17 +86,31 @@ class ClientActor:
         try:
             dataset = load_dataset_from_config(data_cfg) if len(members) > 1 else None
             self.clients = {
-                client_id: Client(client_id, plan, data_cfg=data_cfg, model_cfg=(client_models or {}).get(client_id, model_cfg),
-                                  train_cfg=train_cfg, seed=seed,
-                                  device=device, faults=faults, restarted=restarted, die=lambda: os._exit(1), dataset=dataset,
-                                  local_cache=local_cache)
+                client_id: Client(
+                    client_id,
+                    plan,
+                    data_cfg=data_cfg,
+                    model_cfg=(client_models or {}).get(client_id, model_cfg),
+                    train_cfg=train_cfg,
+                    seed=seed,
+                    device=device,
+                    faults=faults,
+                    restarted=restarted,
+                    die=lambda: os._exit(1),
+                    dataset=dataset,
+                    local_cache=local_cache,
+                )
                 for client_id, plan in members
             }
         except InputError as exc:
             self._startup_error = exc
 
-    def run_many(self, calls: Sequence[tuple[int, Callable[..., Any], tuple, dict]], *refs: Any,
-                 installs: Sequence[tuple[int, Callable[..., Any], RefArg, int]] = ()) -> list[tuple[bool, Any]]:
+    def run_many(
+        self,
+        calls: Sequence[tuple[int, Callable[..., Any], tuple, dict]],
+        *refs: Any,
+        installs: Sequence[tuple[int, Callable[..., Any], RefArg, int]] = (),
+    ) -> list[tuple[bool, Any]]:
         """Run ``(client id, step, args, kwargs)`` calls in order; ``refs`` are the resolved :class:`RefArg` values.
 
         ``installs`` are ``(client id, step, argument, version)``: state each hosted client must hold
@@ -122,5 +146,10 @@ class ClientActor:
         if self._startup_error is not None:
             raise self._startup_error
         ctx = ray.get_runtime_context()
-        return {"clients": sorted(self.clients), "pid": os.getpid(), "node_id": ctx.get_node_id(),
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "restarted": any(c.restarted for c in self.clients.values())}
+        return {
+            "clients": sorted(self.clients),
+            "pid": os.getpid(),
+            "node_id": ctx.get_node_id(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "restarted": any(c.restarted for c in self.clients.values()),
+        }

@@ -27,11 +27,23 @@ __all__ = ["CoordinatorActor"]
 
 
 class CoordinatorActor:
-    def __init__(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: str, clients: Mapping[int, Any], start_time: float,
-                 specs: list[MethodSpec] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        plan: DataPlan,
+        run_dir: str,
+        clients: Mapping[int, Any],
+        start_time: float,
+        specs: list[MethodSpec] | None = None,
+    ) -> None:
         events = EventLog(start=start_time)
-        federation = RayFederation(clients, FailurePolicy.from_config(cfg.federation), events, task_cpus=cfg.federation.task_cpus,
-                                   restart_timeout_s=cfg.federation.startup_timeout_s)
+        federation = RayFederation(
+            clients,
+            FailurePolicy.from_config(cfg.federation),
+            events,
+            task_cpus=cfg.federation.task_cpus,
+            restart_timeout_s=cfg.federation.startup_timeout_s,
+        )
         device = "cpu"
         if ray.get_gpu_ids():
             import torch

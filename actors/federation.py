@@ -72,8 +72,15 @@ class RayFederation(Federation):
         How long a retry waits for a crashed actor to be restarted.
     """
 
-    def __init__(self, clients: Mapping[int, Any], policy: FailurePolicy, events: EventLog | None = None, *, task_cpus: float = 1.0,
-                 restart_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        clients: Mapping[int, Any],
+        policy: FailurePolicy,
+        events: EventLog | None = None,
+        *,
+        task_cpus: float = 1.0,
+        restart_timeout_s: float = 300.0,
+    ) -> None:
         super().__init__(policy, events)
         self._clients = dict(clients)
         # Any: ray.remote's typed wrapper (its private RemoteFunction1) cannot carry _apply_chunk's type variable
@@ -129,11 +136,21 @@ class RayFederation(Federation):
                     return RefArg(index[value])
                 return value
 
-            specs = [(calls[p].client, calls[p].step, tuple(slot_for(a) for a in calls[p].args),
-                      {k: slot_for(v) for k, v in calls[p].kwargs.items()}) for p in positions]
+            specs = [
+                (
+                    calls[p].client,
+                    calls[p].step,
+                    tuple(slot_for(a) for a in calls[p].args),
+                    {k: slot_for(v) for k, v in calls[p].kwargs.items()},
+                )
+                for p in positions
+            ]
             hosted = sorted({calls[p].client for p in positions})
-            installs = [(c, self._install_refs[c][0], slot_for(self._install_refs[c][1]), self._install_version)
-                        for c in hosted if c in self._install_refs]
+            installs = [
+                (c, self._install_refs[c][0], slot_for(self._install_refs[c][1]), self._install_version)
+                for c in hosted
+                if c in self._install_refs
+            ]
             ref = self._clients[calls[positions[0]].client].run_many.remote(specs, *refs, installs=installs)
             for i, p in enumerate(positions):
                 slots[p] = _Slot(ref, i)
@@ -218,5 +235,5 @@ class RayFederation(Federation):
             return []
         if chunk_size is None:
             chunk_size = max(1, math.ceil(len(items) / (2 * self.parallel_width())))
-        refs = [self._task.remote(fn, items[i:i + chunk_size]) for i in range(0, len(items), chunk_size)]
+        refs = [self._task.remote(fn, items[i : i + chunk_size]) for i in range(0, len(items), chunk_size)]
         return [value for chunk in ray.get(refs) for value in chunk]

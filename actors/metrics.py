@@ -39,11 +39,26 @@ from rayfuse.metrics import metric_row
 
 __all__ = ["RunMetrics", "METRIC_NAMES"]
 
-METRIC_NAMES = ("rayfuse_stage_seconds", "rayfuse_stages_total", "rayfuse_round", "rayfuse_rounds_total", "rayfuse_bytes_total",
-                "rayfuse_clients_alive", "rayfuse_client_events_total", "rayfuse_client_train_seconds", "rayfuse_fused_metric")
+METRIC_NAMES = (
+    "rayfuse_stage_seconds",
+    "rayfuse_stages_total",
+    "rayfuse_round",
+    "rayfuse_rounds_total",
+    "rayfuse_bytes_total",
+    "rayfuse_clients_alive",
+    "rayfuse_client_events_total",
+    "rayfuse_client_train_seconds",
+    "rayfuse_fused_metric",
+)
 
-_CLIENT_EVENTS = {"client_failed": "failed", "client_retry": "retry", "client_dropped": "dropped", "client_restarted": "restarted",
-                  "update_rejected": "rejected", "client_trained": "trained"}
+_CLIENT_EVENTS = {
+    "client_failed": "failed",
+    "client_retry": "retry",
+    "client_dropped": "dropped",
+    "client_restarted": "restarted",
+    "update_rejected": "rejected",
+    "client_trained": "trained",
+}
 
 
 class RunMetrics:
@@ -69,8 +84,12 @@ class RunMetrics:
         self.bytes = metrics.Counter("rayfuse_bytes_total", "Bytes moved through the object store", tag_keys=base + ("direction",))
         self.alive = metrics.Gauge("rayfuse_clients_alive", "Clients that answered the last call", tag_keys=base)
         self.client_events = metrics.Counter("rayfuse_client_events_total", "Client events", tag_keys=base + ("event",))
-        self.train_seconds = metrics.Histogram("rayfuse_client_train_seconds", "Local training time per client (s)",
-                                               boundaries=[0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800], tag_keys=base)
+        self.train_seconds = metrics.Histogram(
+            "rayfuse_client_train_seconds",
+            "Local training time per client (s)",
+            boundaries=[0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800],
+            tag_keys=base,
+        )
         self.fused = metrics.Gauge("rayfuse_fused_metric", "Metrics of the fused model", tag_keys=base + ("metric",))
         self.alive.set(num_clients, tags=self._tags())
 

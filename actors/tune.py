@@ -62,8 +62,14 @@ def sweep_paths(spec: SweepSpec, storage: str | Path | None = None) -> dict[str,
     base_storage = Path((spec.base.get("run") or {}).get("storage", "runs")) / "tune"
     root = Path(storage or spec.storage or base_storage).resolve()
     experiment = root / spec.name
-    return {"storage": root, "experiment": experiment, "runs": experiment / "runs", "cache": root / "model-cache",
-            "results": experiment / "results.parquet", "best": experiment / "best.yaml"}
+    return {
+        "storage": root,
+        "experiment": experiment,
+        "runs": experiment / "runs",
+        "cache": root / "model-cache",
+        "results": experiment / "results.parquet",
+        "best": experiment / "best.yaml",
+    }
 
 
 class _TrialReporter:
@@ -145,9 +151,13 @@ def _check_fits(bundles: list[dict[str, float]], address: str | None) -> None:
             need[key] = need.get(key, 0.0) + value
     for key, value in need.items():
         if value > total.get(key, 0.0) + 1e-9:
-            raise InputError("federation", f"a trial that fits this Ray ({total.get(key, 0.0):g} {key}; a trial needs "
-                                           f"{value:g} for {len(bundles) - 2} client actors + driver + tasks)", bundles,
-                             "give clients fewer CPUs (set: {federation.clients.num_cpus: 0.5}) or use a bigger cluster")
+            raise InputError(
+                "federation",
+                f"a trial that fits this Ray ({total.get(key, 0.0):g} {key}; a trial needs "
+                f"{value:g} for {len(bundles) - 2} client actors + driver + tasks)",
+                bundles,
+                "give clients fewer CPUs (set: {federation.clients.num_cpus: 0.5}) or use a bigger cluster",
+            )
 
 
 def _scalar_table(frame: Any) -> Any:
@@ -159,16 +169,21 @@ def _scalar_table(frame: Any) -> Any:
     return frame
 
 
-def run_sweep(spec: SweepSpec, *, address: str | None = None, resume: bool = False, storage: str | Path | None = None,
-              verbose: int = 1) -> dict[str, Any]:
+def run_sweep(
+    spec: SweepSpec, *, address: str | None = None, resume: bool = False, storage: str | Path | None = None, verbose: int = 1
+) -> dict[str, Any]:
     """Run (or, with ``resume``, continue) the sweep; write the result table and the best config; return a summary."""
     paths = sweep_paths(spec, storage)
     exists = tune.Tuner.can_restore(str(paths["experiment"]))
     if resume and not exists:
         raise InputError("--resume", "a sweep folder to continue", str(paths["experiment"]), "run without --resume to start it")
     if exists and not resume:
-        raise InputError("sweep", "a new sweep name or --resume", f"{paths['experiment']} exists",
-                         "continue it with --resume, or set name: in the space / --storage elsewhere")
+        raise InputError(
+            "sweep",
+            "a new sweep name or --resume",
+            f"{paths['experiment']} exists",
+            "continue it with --resume, or set name: in the space / --storage elsewhere",
+        )
     # Tuner.restore unpickles the folder's state: only a folder this user's rayfuse sealed, that no one else can write
     pinned = verify_sweep(paths["experiment"], paths["storage"]) if resume else {}
     check_sweep_folder(paths["storage"], paths["experiment"])
@@ -176,8 +191,9 @@ def run_sweep(spec: SweepSpec, *, address: str | None = None, resume: bool = Fal
     started = _connect(spec, address)
     try:
         _check_fits(trial_bundles(first), address)
-        trainable = tune.with_parameters(_run_trial, base=spec.base, name=spec.name, runs=str(paths["runs"]),
-                                         cache=str(paths["cache"]), metric=spec.metric)
+        trainable = tune.with_parameters(
+            _run_trial, base=spec.base, name=spec.name, runs=str(paths["runs"]), cache=str(paths["cache"]), metric=spec.metric
+        )
 
         def resources(config: dict[str, Any]) -> tune.PlacementGroupFactory:
             return tune.PlacementGroupFactory(trial_bundles(spec.trial_config(config)), strategy=spec.placement_strategy)
@@ -190,16 +206,29 @@ def run_sweep(spec: SweepSpec, *, address: str | None = None, resume: bool = Fal
             if spec.scheduler is not None:
                 from ray.tune.schedulers import ASHAScheduler
 
-                scheduler = ASHAScheduler(time_attr=spec.scheduler.time_attr, max_t=spec.scheduler.max_t,
-                                          grace_period=spec.scheduler.grace_period, reduction_factor=spec.scheduler.reduction_factor,
-                                          stop_last_trials=False)  # a trial reaching max_t finishes its run and reports
+                scheduler = ASHAScheduler(
+                    time_attr=spec.scheduler.time_attr,
+                    max_t=spec.scheduler.max_t,
+                    grace_period=spec.scheduler.grace_period,
+                    reduction_factor=spec.scheduler.reduction_factor,
+                    stop_last_trials=False,
+                )  # a trial reaching max_t finishes its run and reports
             tuner = tune.Tuner(
                 trainable,
                 param_space=param_space(spec),
-                tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, num_samples=spec.num_samples, scheduler=scheduler,
-                                            max_concurrent_trials=spec.max_concurrent_trials),
-                run_config=tune.RunConfig(name=spec.name, storage_path=str(paths["storage"]), verbose=verbose,
-                                          failure_config=tune.FailureConfig(max_failures=spec.max_failures)),
+                tune_config=tune.TuneConfig(
+                    metric=spec.metric,
+                    mode=spec.mode,
+                    num_samples=spec.num_samples,
+                    scheduler=scheduler,
+                    max_concurrent_trials=spec.max_concurrent_trials,
+                ),
+                run_config=tune.RunConfig(
+                    name=spec.name,
+                    storage_path=str(paths["storage"]),
+                    verbose=verbose,
+                    failure_config=tune.FailureConfig(max_failures=spec.max_failures),
+                ),
             )
         with sealing(paths["experiment"], pinned={k: v for k, v in pinned.items() if k in PINNED}):  # what --resume verifies
             grid = tuner.fit()
@@ -218,22 +247,36 @@ def _write_outputs(spec: SweepSpec, grid: Any, paths: dict[str, Path]) -> dict[s
     _scalar_table(frame).to_parquet(tmp, index=False)
     os.replace(tmp, paths["results"])
     errors = [str(r.error).splitlines()[0] for r in grid if r.error is not None]
-    summary: dict[str, Any] = {"experiment": str(paths["experiment"]), "results": str(paths["results"]), "trials": len(grid),
-                               "errors": errors, "best": None}
-    scored = [r for r in grid if r.metrics and isinstance(r.metrics.get(spec.metric), (int, float)) and math.isfinite(r.metrics[spec.metric])]
+    summary: dict[str, Any] = {
+        "experiment": str(paths["experiment"]),
+        "results": str(paths["results"]),
+        "trials": len(grid),
+        "errors": errors,
+        "best": None,
+    }
+    scored = [
+        r for r in grid if r.metrics and isinstance(r.metrics.get(spec.metric), (int, float)) and math.isfinite(r.metrics[spec.metric])
+    ]
     if scored:
         best = grid.get_best_result(metric=spec.metric, mode=spec.mode, scope="last")
         cfg = spec.trial_config(best.config)
         data = resolved_config(cfg)
         data["run"]["name"] = f"{spec.name}-best"
-        header = (f"# Best trial of sweep {spec.name!r} ({spec.path}): {spec.metric} = {best.metrics[spec.metric]:.6g} ({spec.mode})\n"
-                  f"# swept values: {yaml.safe_dump(best.config, default_flow_style=True).strip()}\n"
-                  f"# rayfuse run {paths['best']}\n")
+        header = (
+            f"# Best trial of sweep {spec.name!r} ({spec.path}): {spec.metric} = {best.metrics[spec.metric]:.6g} ({spec.mode})\n"
+            f"# swept values: {yaml.safe_dump(best.config, default_flow_style=True).strip()}\n"
+            f"# rayfuse run {paths['best']}\n"
+        )
         atomic_write_text(paths["best"], header + yaml.safe_dump(data, sort_keys=False))
         summary["best"] = {"config": best.config, "metric": best.metrics[spec.metric], "file": str(paths["best"])}
     summary["table"] = [
-        {"trial": r.metrics.get("trial_id"), **r.config, spec.metric: r.metrics.get(spec.metric),
-         "local/trained": r.metrics.get("local/trained"), "error": r.error is not None}
+        {
+            "trial": r.metrics.get("trial_id"),
+            **r.config,
+            spec.metric: r.metrics.get(spec.metric),
+            "local/trained": r.metrics.get("local/trained"),
+            "error": r.error is not None,
+        }
         for r in grid
     ]
     if not scored:

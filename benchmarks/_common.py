@@ -17,8 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RESULTS_DIR", "interleaved_times", "machine_info", "median", "memory_bytes", "print_table", "wait_for_quiet",
-           "write_results"]
+__all__ = ["RESULTS_DIR", "interleaved_times", "machine_info", "median", "memory_bytes", "print_table", "wait_for_quiet", "write_results"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 

@@ -157,8 +157,16 @@ def bench_case(case: Case, repeats: int, rng: np.random.Generator) -> tuple[list
     rows = []
     for method, ts in times.items():
         t = median(ts)
-        rows.append({"case": case.name, "method": method, "median_ms": 1e3 * t, "gb_s": case.input_bytes / t / 1e9,
-                     "vs_copyto": copy_s / t, "times_s": ts})
+        rows.append(
+            {
+                "case": case.name,
+                "method": method,
+                "median_ms": 1e3 * t,
+                "gb_s": case.input_bytes / t / 1e9,
+                "vs_copyto": copy_s / t,
+                "times_s": ts,
+            }
+        )
     sweep = []
     if case.sweep_chunks:
         w = normalize_weights(weights, len(params))
@@ -170,8 +178,17 @@ def bench_case(case: Case, repeats: int, rng: np.random.Generator) -> tuple[list
         copy_s = median(chunk_times.pop("np.copyto"))
         for chunk, ts in chunk_times.items():
             t = median(ts)
-            sweep.append({"case": case.name, "chunk": chunk, "chunk_kib_f32": chunk * 4 // 1024, "median_ms": 1e3 * t,
-                          "gb_s": case.input_bytes / t / 1e9, "vs_copyto": copy_s / t, "current": chunk == CHUNK})
+            sweep.append(
+                {
+                    "case": case.name,
+                    "chunk": chunk,
+                    "chunk_kib_f32": chunk * 4 // 1024,
+                    "median_ms": 1e3 * t,
+                    "gb_s": case.input_bytes / t / 1e9,
+                    "vs_copyto": copy_s / t,
+                    "current": chunk == CHUNK,
+                }
+            )
     del params
     gc.collect()
     return rows, sweep
@@ -188,8 +205,10 @@ def main() -> None:
     threadpool_limits(limits=1, user_api="blas")  # every kernel here runs on one thread, as rayfuse's does
     rng = np.random.default_rng(0)
     info = machine_info()
-    print(f"aggregation kernel throughput ({info['cpus']} CPUs, {info['cpu_model']}, numpy {info['numpy']}); "
-          f"GB/s of input bytes read, median of {args.repeats}; CHUNK = {CHUNK}")
+    print(
+        f"aggregation kernel throughput ({info['cpus']} CPUs, {info['cpu_model']}, numpy {info['numpy']}); "
+        f"GB/s of input bytes read, median of {args.repeats}; CHUNK = {CHUNK}"
+    )
     rows, sweep = [], []
     for case in make_cases(args.quick):
         load = wait_for_quiet(args.max_load, args.quiet_timeout)
@@ -206,27 +225,58 @@ def main() -> None:
     for case in {r["case"]: None for r in rows}:
         by = {r["method"]: r for r in rows if r["case"] == case}
         for method in ("weighted_average", "weighted_sum"):
-            targets.append({"case": case, "method": method, "vs_copyto": by[method]["vs_copyto"],
-                            "target_met": by[method]["vs_copyto"] >= 1.0})
-    print_table(targets, [("case", "case"), ("method", "kernel"), ("vs_copyto", "x copyto"), ("target_met", "kernel >= copyto")],
-                "target: kernel throughput >= np.copyto on the same bytes")
+            targets.append(
+                {"case": case, "method": method, "vs_copyto": by[method]["vs_copyto"], "target_met": by[method]["vs_copyto"] >= 1.0}
+            )
+    print_table(
+        targets,
+        [("case", "case"), ("method", "kernel"), ("vs_copyto", "x copyto"), ("target_met", "kernel >= copyto")],
+        "target: kernel throughput >= np.copyto on the same bytes",
+    )
 
     best = {}
     if sweep:
-        print_table(sweep, [("case", "case"), ("chunk", "chunk"), ("chunk_kib_f32", "KiB/f32 chunk"), ("median_ms", "median ms"),
-                            ("gb_s", "GB/s"), ("vs_copyto", "x copyto"), ("current", "current CHUNK")],
-                    "weighted_sum chunk sweep (elements per chunk)")
+        print_table(
+            sweep,
+            [
+                ("case", "case"),
+                ("chunk", "chunk"),
+                ("chunk_kib_f32", "KiB/f32 chunk"),
+                ("median_ms", "median ms"),
+                ("gb_s", "GB/s"),
+                ("vs_copyto", "x copyto"),
+                ("current", "current CHUNK"),
+            ],
+            "weighted_sum chunk sweep (elements per chunk)",
+        )
         for case in {r["case"]: None for r in sweep}:
             case_rows = [r for r in sweep if r["case"] == case]
             fastest = max(case_rows, key=lambda r: r["gb_s"])
             current = next(r for r in case_rows if r["current"])
-            best[case] = {"best_chunk": fastest["chunk"], "best_gb_s": fastest["gb_s"], "current_chunk": CHUNK,
-                          "current_gb_s": current["gb_s"], "speedup_vs_current": fastest["gb_s"] / current["gb_s"]}
-            print(f"  {case}: best chunk {fastest['chunk']} ({fastest['gb_s']:.2f} GB/s) vs current {CHUNK} "
-                  f"({current['gb_s']:.2f} GB/s): x{best[case]['speedup_vs_current']:.2f}")
+            best[case] = {
+                "best_chunk": fastest["chunk"],
+                "best_gb_s": fastest["gb_s"],
+                "current_chunk": CHUNK,
+                "current_gb_s": current["gb_s"],
+                "speedup_vs_current": fastest["gb_s"] / current["gb_s"],
+            }
+            print(
+                f"  {case}: best chunk {fastest['chunk']} ({fastest['gb_s']:.2f} GB/s) vs current {CHUNK} "
+                f"({current['gb_s']:.2f} GB/s): x{best[case]['speedup_vs_current']:.2f}"
+            )
 
-    path = write_results("bench_aggregate", {"machine": info, "repeats": args.repeats, "chunk": CHUNK, "rows": rows,
-                                             "targets": targets, "chunk_sweep": sweep, "best_chunk": best})
+    path = write_results(
+        "bench_aggregate",
+        {
+            "machine": info,
+            "repeats": args.repeats,
+            "chunk": CHUNK,
+            "rows": rows,
+            "targets": targets,
+            "chunk_sweep": sweep,
+            "best_chunk": best,
+        },
+    )
     print(f"\nwrote {path}")
 
 

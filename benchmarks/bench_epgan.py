@@ -45,9 +45,9 @@ def per_epoch(X: np.ndarray, latent: int, hidden: int, repeats: int) -> list[dic
         name = backbone + (f" J={J}" if J > 1 else "")
         trainer, prior = _trainer(backbone, J, X.shape[1], latent, hidden, X)
         trainers[name] = trainer
-        fns[name] = (lambda t=trainer: t.train_epoch(X))
+        fns[name] = lambda t=trainer: t.train_epoch(X)
         if prior is not None:
-            ep_fns[name] = (lambda t=trainer, p=prior: t.update_ep(X, *p, damping=0.5))
+            ep_fns[name] = lambda t=trainer, p=prior: t.update_ep(X, *p, damping=0.5)
     times = interleaved_times(fns, repeats, warmup=1)
     ep_times = interleaved_times(ep_fns, repeats, warmup=1) if ep_fns else {}
     base = median(times["probgan"])
@@ -65,14 +65,26 @@ def server_product(repeats: int, hidden: int, latent: int, data_dim: int, client
     from rayfuse.fusion.epgan.algorithm import combine_factors
     from rayfuse.fusion.epgan.nets import GANSettings, GANTrainer
 
-    trainer = GANTrainer(GANSettings(backbone="ep-probgan", components=components, data_dim=data_dim, latent_dim=latent, hidden=hidden), seed=0)
+    trainer = GANTrainer(
+        GANSettings(backbone="ep-probgan", components=components, data_dim=data_dim, latent_dim=latent, hidden=hidden), seed=0
+    )
     rng = np.random.default_rng(0)
     shapes = trainer.prior_shapes()
-    factors = [({k: rng.normal(size=(components,) + s) for k, s in shapes.items()},
-                {k: rng.uniform(0.1, 1.0, size=(components,) + s) for k, s in shapes.items()}) for _ in range(clients)]
+    factors = [
+        (
+            {k: rng.normal(size=(components,) + s) for k, s in shapes.items()},
+            {k: rng.uniform(0.1, 1.0, size=(components,) + s) for k, s in shapes.items()},
+        )
+        for _ in range(clients)
+    ]
     times = interleaved_times({"product": lambda: combine_factors(factors)}, repeats, warmup=1)
-    return {"hidden": hidden, "components": components, "clients": clients, "prior elements": int(sum(np.prod((components,) + s) for s in shapes.values())),
-            "product ms": 1e3 * median(times["product"])}
+    return {
+        "hidden": hidden,
+        "components": components,
+        "clients": clients,
+        "prior elements": int(sum(np.prod((components,) + s) for s in shapes.values())),
+        "product ms": 1e3 * median(times["product"]),
+    }
 
 
 def main() -> None:
@@ -87,12 +99,21 @@ def main() -> None:
     toy = load_dataset("gaussians4", options={"n_per_mode": 2000}).X[:2000]
     wide = np.random.default_rng(0).random((1000, 64)).astype(np.float32)
     results = {"machine": machine_info(), "repeats": args.repeats}
-    columns = [("backbone", "backbone"), ("G params", "G params"), ("epoch ms", "epoch ms"), ("vs probgan", "x ProbGAN"),
-               ("EP step ms", "EP step (per turn) ms")]
+    columns = [
+        ("backbone", "backbone"),
+        ("G params", "G params"),
+        ("epoch ms", "epoch ms"),
+        ("vs probgan", "x ProbGAN"),
+        ("EP step ms", "EP step (per turn) ms"),
+    ]
     for key, X, latent, hidden in (("toy", toy, 2, 32), ("wide", wide, 64, 512)):
         rows = per_epoch(X, latent, hidden, args.repeats)
         results[key] = rows
-        print_table(rows, columns, title=f"{key}: one local epoch ({len(X)} points, batch 128, hidden {hidden}); the paper: EP-ProbGAN 1.37x ProbGAN")
+        print_table(
+            rows,
+            columns,
+            title=f"{key}: one local epoch ({len(X)} points, batch 128, hidden {hidden}); the paper: EP-ProbGAN 1.37x ProbGAN",
+        )
     results["server_product"] = [server_product(args.repeats, 32, 2, 2), server_product(args.repeats, 512, 64, 64)]
     print_table(results["server_product"], [(k, k) for k in results["server_product"][0]], title="server: product of 4 clients' factors")
     path = write_results("bench_epgan", results)

@@ -45,14 +45,27 @@ def client_compute(repeats: int) -> list[dict]:
             train_model(model, train.X, train.y, proximal_mu=mu, **args)
             if eval_loss:
                 compute_loss(model, train.X, train.y)
+
         return go
 
-    fns = {"fedavg / fedref": local_round(), "fedprox (mu 0.5)": local_round(mu=0.5), "fedref, client_loss eval": local_round(eval_loss=True)}
+    fns = {
+        "fedavg / fedref": local_round(),
+        "fedprox (mu 0.5)": local_round(mu=0.5),
+        "fedref, client_loss eval": local_round(eval_loss=True),
+    }
     times = interleaved_times(fns, repeats, warmup=2)
     prox = median(times["fedprox (mu 0.5)"])
     base = median(times["fedavg / fedref"])
-    return [{"client round": name, "samples": len(train.y), "median ms": 1e3 * median(t), "vs fedavg": median(t) / base,
-             "vs fedprox": median(t) / prox} for name, t in times.items()]
+    return [
+        {
+            "client round": name,
+            "samples": len(train.y),
+            "median ms": 1e3 * median(t),
+            "vs fedavg": median(t) / base,
+            "vs fedprox": median(t) / prox,
+        }
+        for name, t in times.items()
+    ]
 
 
 def server_cost(repeats: int, clients: int = 10) -> list[dict]:
@@ -64,8 +77,10 @@ def server_cost(repeats: int, clients: int = 10) -> list[dict]:
     from rayfuse.models import build_model, get_params
 
     rows = []
-    for name, model_cfg, shape in (("cnn [16, 32] (digits)", ModelConfig(name="cnn", channels=[16, 32]), (1, 8, 8)),
-                                   ("mlp [1024, 1024] (784 in)", ModelConfig(name="mlp", hidden=[1024, 1024]), (784,))):
+    for name, model_cfg, shape in (
+        ("cnn [16, 32] (digits)", ModelConfig(name="cnn", channels=[16, 32]), (1, 8, 8)),
+        ("mlp [1024, 1024] (784 in)", ModelConfig(name="mlp", hidden=[1024, 1024]), (784,)),
+    ):
         base = get_params(build_model(model_cfg, shape, 10, seed=0))
         size = sum(a.size for a in base.values())
         rng = np.random.default_rng(0)
@@ -90,11 +105,16 @@ def server_cost(repeats: int, clients: int = 10) -> list[dict]:
         def with_fedadam():
             fedadam.server_update(None, adam_state, weighted_average(models, weights), updates, 1)
 
-        times = interleaved_times({"fedavg (average)": average, "fedref (average + step)": with_fedref,
-                                   "fedadam (average + step)": with_fedadam}, repeats, warmup=1)
+        times = interleaved_times(
+            {"fedavg (average)": average, "fedref (average + step)": with_fedref, "fedadam (average + step)": with_fedadam},
+            repeats,
+            warmup=1,
+        )
         ref = median(times["fedavg (average)"])
-        rows += [{"model": name, "params": size, "server round": k, "median ms": 1e3 * median(t), "vs average": median(t) / ref}
-                 for k, t in times.items()]
+        rows += [
+            {"model": name, "params": size, "server round": k, "median ms": 1e3 * median(t), "vs average": median(t) / ref}
+            for k, t in times.items()
+        ]
     return rows
 
 
@@ -103,11 +123,29 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     clients = client_compute(args.repeats)
-    print_table(clients, [("client round", "client round"), ("samples", "samples"), ("median ms", "median ms"),
-                          ("vs fedavg", "x fedavg"), ("vs fedprox", "x fedprox")], title="client compute per round (one client, E = 4)")
+    print_table(
+        clients,
+        [
+            ("client round", "client round"),
+            ("samples", "samples"),
+            ("median ms", "median ms"),
+            ("vs fedavg", "x fedavg"),
+            ("vs fedprox", "x fedprox"),
+        ],
+        title="client compute per round (one client, E = 4)",
+    )
     server = server_cost(args.repeats)
-    print_table(server, [("model", "model"), ("params", "params"), ("server round", "server round"), ("median ms", "median ms"),
-                         ("vs average", "x average")], title="server cost per round (10 clients)")
+    print_table(
+        server,
+        [
+            ("model", "model"),
+            ("params", "params"),
+            ("server round", "server round"),
+            ("median ms", "median ms"),
+            ("vs average", "x average"),
+        ],
+        title="server cost per round (10 clients)",
+    )
     path = write_results("bench_fedref", {"machine": machine_info(), "repeats": args.repeats, "client": clients, "server": server})
     print(f"results: {path}")
     return 0

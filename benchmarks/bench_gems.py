@@ -76,7 +76,7 @@ def loop_passes_softmax(X, y, C, epsilon):
         for b in range(samples.shape[0]):
             for s in range(samples.shape[1]):  # one model at a time, stop at the first failure (the reference)
                 w = samples[b, s]
-                acc = np.mean((X @ w[: C * D].reshape(C, D).T + w[C * D:]).argmax(1) == y)
+                acc = np.mean((X @ w[: C * D].reshape(C, D).T + w[C * D :]).argmax(1) == y)
                 if acc < epsilon:
                     break
                 out[b, s] = True
@@ -107,12 +107,12 @@ def reference_convex(model, X, y, center, axes, epsilon, rng, *, num_samples, r_
 
     def sample_one(R):
         g = rng.normal(0.0, axes * R)  # the reference's sample_ellipse: g ~ N(0, (sigma R)^2), scaled to the surface
-        return center + g / np.sqrt(np.sum(g ** 2 / (axes * R) ** 2))
+        return center + g / np.sqrt(np.sum(g**2 / (axes * R) ** 2))
 
     @torch.no_grad()
     def passes_one(w):
         model.linear.weight.copy_(torch.as_tensor(w[: C * D].reshape(C, D)))
-        model.linear.bias.copy_(torch.as_tensor(w[C * D:]))
+        model.linear.bias.copy_(torch.as_tensor(w[C * D :]))
         correct = 0
         for xb, yb in loader:
             correct += int((model(xb).argmax(1) == yb).sum())
@@ -129,7 +129,7 @@ def reference_neurons(X, neurons, targets, epsilon, rng, *, num_samples, r_max, 
 
         def sample_one(R):
             gw, gb = rng.normal(0.0, 1.0, w0.shape), rng.normal(0.0, 1.0, ())
-            norm = np.sqrt(np.sum(gw ** 2) + gb ** 2)
+            norm = np.sqrt(np.sum(gw**2) + gb**2)
             return R * gw / norm + w0, R * gb / norm + b0
 
         def passes_one(wb, z=targets[:, j]):
@@ -179,16 +179,24 @@ def main() -> None:
     targets = np.maximum(Xval @ mp["layers.0.weight"].T + mp["layers.0.bias"], 0)
 
     cells = {
-        "convex": dict(centers=center, axes=axes, tol=0.1,
-                       batched=lambda s, ids: softmax_accuracy(s, Xval, yval, C) >= 0.4,
-                       loop=loop_passes_softmax(Xval, yval, C, 0.4),
-                       reference=lambda rng: np.array([reference_convex(logreg, Xval, yval, center[0], axes[0], 0.4, rng,
-                                                                        num_samples=p, r_max=4000.0, tol=0.1)])),
-        "neurons": dict(centers=neurons, axes=None, tol=1.0,
-                        batched=lambda s, ids: neuron_distance(s, Xval, targets[:, ids]) <= 1.0,
-                        loop=loop_passes_neurons(Xval, targets, 1.0),
-                        reference=lambda rng: reference_neurons(Xval, neurons, targets, 1.0, rng, num_samples=p, r_max=4000.0,
-                                                                tol=1.0)),
+        "convex": dict(
+            centers=center,
+            axes=axes,
+            tol=0.1,
+            batched=lambda s, ids: softmax_accuracy(s, Xval, yval, C) >= 0.4,
+            loop=loop_passes_softmax(Xval, yval, C, 0.4),
+            reference=lambda rng: np.array(
+                [reference_convex(logreg, Xval, yval, center[0], axes[0], 0.4, rng, num_samples=p, r_max=4000.0, tol=0.1)]
+            ),
+        ),
+        "neurons": dict(
+            centers=neurons,
+            axes=None,
+            tol=1.0,
+            batched=lambda s, ids: neuron_distance(s, Xval, targets[:, ids]) <= 1.0,
+            loop=loop_passes_neurons(Xval, targets, 1.0),
+            reference=lambda rng: reference_neurons(Xval, neurons, targets, 1.0, rng, num_samples=p, r_max=4000.0, tol=1.0),
+        ),
     }
     rows, results = [], {}
     for name, cell in cells.items():
@@ -200,22 +208,57 @@ def main() -> None:
                 if variant == "reference":
                     radii[variant] = cell["reference"](np.random.default_rng(1))
                 else:  # rayfuse's client steps draw float32 samples with torch; the tight loop tests float64 numpy draws
-                    radii[variant] = search_radii(cell[variant], cell["centers"], num_samples=p, r_max=4000.0, tol=cell["tol"],
-                                                  rng=np.random.default_rng(1), axes=cell["axes"],
-                                                  dtype="float32" if variant == "batched" else "float64",
-                                                  shared=variant == "batched" and name == "neurons").radius
+                    radii[variant] = search_radii(
+                        cell[variant],
+                        cell["centers"],
+                        num_samples=p,
+                        r_max=4000.0,
+                        tol=cell["tol"],
+                        rng=np.random.default_rng(1),
+                        axes=cell["axes"],
+                        dtype="float32" if variant == "batched" else "float64",
+                        shared=variant == "batched" and name == "neurons",
+                    ).radius
                 times[variant].append(time.perf_counter() - started)
         tb, tr, tl = (float(np.median(times[v])) for v in ("batched", "reference", "loop"))
-        rows.append({"cell": name, "balls": len(cell["centers"]), "p": p, "batched": f"{tb * 1e3:.1f}",
-                     "reference": f"{tr * 1e3:.1f}", "ref_speedup": f"{tr / tb:.1f}x", "loop": f"{tl * 1e3:.1f}",
-                     "speedup": f"{tl / tb:.1f}x",
-                     "radius": " / ".join(f"{np.median(radii[v]):.2f}" for v in ("batched", "reference", "loop"))})
-        results[name] = {"balls": len(cell["centers"]), "p": p, "batched_s": tb, "reference_s": tr, "reference_speedup": tr / tb,
-                         "loop_s": tl, "loop_speedup": tl / tb,
-                         "median_radius": {v: float(np.median(radii[v])) for v in radii}}
-    print_table(rows, [("cell", "cell"), ("balls", "balls"), ("p", "p"), ("batched", "batched (ms)"),
-                       ("reference", "reference (ms)"), ("ref_speedup", "vs reference"), ("loop", "tight loop (ms)"),
-                       ("speedup", "vs tight loop"), ("radius", "median radius (batched / reference / loop)")], title="GEMS ball construction, one client")
+        rows.append(
+            {
+                "cell": name,
+                "balls": len(cell["centers"]),
+                "p": p,
+                "batched": f"{tb * 1e3:.1f}",
+                "reference": f"{tr * 1e3:.1f}",
+                "ref_speedup": f"{tr / tb:.1f}x",
+                "loop": f"{tl * 1e3:.1f}",
+                "speedup": f"{tl / tb:.1f}x",
+                "radius": " / ".join(f"{np.median(radii[v]):.2f}" for v in ("batched", "reference", "loop")),
+            }
+        )
+        results[name] = {
+            "balls": len(cell["centers"]),
+            "p": p,
+            "batched_s": tb,
+            "reference_s": tr,
+            "reference_speedup": tr / tb,
+            "loop_s": tl,
+            "loop_speedup": tl / tb,
+            "median_radius": {v: float(np.median(radii[v])) for v in radii},
+        }
+    print_table(
+        rows,
+        [
+            ("cell", "cell"),
+            ("balls", "balls"),
+            ("p", "p"),
+            ("batched", "batched (ms)"),
+            ("reference", "reference (ms)"),
+            ("ref_speedup", "vs reference"),
+            ("loop", "tight loop (ms)"),
+            ("speedup", "vs tight loop"),
+            ("radius", "median radius (batched / reference / loop)"),
+        ],
+        title="GEMS ball construction, one client",
+    )
 
     # k-means on K x H neurons (K = 5 copies of the neurons, jittered): scikit-learn's KMeans, as GEMS uses it
     rng = np.random.default_rng(2)
@@ -223,8 +266,10 @@ def main() -> None:
     started = time.perf_counter()
     labels = cluster_neurons(all_neurons, 100, random_state=0)
     kmeans_s = time.perf_counter() - started
-    print(f"k-means (scikit-learn KMeans, n_init='auto'): {len(all_neurons)} neurons -> 100 clusters in {kmeans_s * 1e3:.1f} ms "
-          f"({len(set(labels))} non-empty clusters)")
+    print(
+        f"k-means (scikit-learn KMeans, n_init='auto'): {len(all_neurons)} neurons -> 100 clusters in {kmeans_s * 1e3:.1f} ms "
+        f"({len(set(labels))} non-empty clusters)"
+    )
     results["kmeans"] = {"neurons": len(all_neurons), "clusters": 100, "seconds": kmeans_s, "implementation": "sklearn.cluster.KMeans"}
     write_results("bench_gems", {"machine": machine_info(), "threads": 1, **results})
 

@@ -70,18 +70,28 @@ def throughput(cells, repeats: int, ray_fed, cores: int, quiet: tuple[float, flo
         costs = [augmented_cost(globals_, q, snap.lam, snap.counts) for q in locals_]
         build = time.perf_counter() - t0
         items = [(q, q.natural(), np.full(L, -1)) for q in locals_]  # the engine's item: the dataset's own posterior
-        fns = {"serial": lambda: [linear_sum_assignment(c) for c in costs],
-               "serial_sweep": lambda: [_propose(snap, item) for item in items],
-               "threads": lambda: solve_assignments(costs, thread_map),
-               "sweep_threads": lambda: map_chunked(partial(_propose, snap), items, thread_map)}
+        fns = {
+            "serial": lambda: [linear_sum_assignment(c) for c in costs],
+            "serial_sweep": lambda: [_propose(snap, item) for item in items],
+            "threads": lambda: solve_assignments(costs, thread_map),
+            "sweep_threads": lambda: map_chunked(partial(_propose, snap), items, thread_map),
+        }
         if ray_fed is not None:
             if sum(c.nbytes for c in costs) <= 1 << 30:  # shipping > 1 GiB of matrices through the object store: skipped
                 fns["ray"] = lambda: solve_assignments(costs, ray_fed.parallel_map)
             fns["sweep_ray"] = lambda: map_chunked(partial(_propose, snap), items, ray_fed.parallel_map)
         times = {k: median(v) for k, v in interleaved_times(fns, repeats).items()}
-        row = {"D": D, "L": L, "serial_s": times["serial"], "work_per_core_ms": 1000 * times["serial"] / cores,
-               "serial_sweep_s": times["serial_sweep"], "sweep_work_per_core_ms": 1000 * times["serial_sweep"] / cores,
-               "cost_build_s": build, "load": load, "load_after": os.getloadavg()[0]}
+        row = {
+            "D": D,
+            "L": L,
+            "serial_s": times["serial"],
+            "work_per_core_ms": 1000 * times["serial"] / cores,
+            "serial_sweep_s": times["serial_sweep"],
+            "sweep_work_per_core_ms": 1000 * times["serial_sweep"] / cores,
+            "cost_build_s": build,
+            "load": load,
+            "load_after": os.getloadavg()[0],
+        }
         for key in fns:
             if key.startswith("serial"):
                 continue
@@ -102,8 +112,10 @@ def overhead(sizes, repeats: int) -> list[dict]:
         rng = np.random.default_rng(L)
         globals_, locals_, snap = make_problem(1, L, rng)
         cost = augmented_cost(globals_, locals_[0], snap.lam, snap.counts)
-        times = interleaved_times({"scipy": lambda: linear_sum_assignment(cost), "rayfuse": lambda: solve_assignment(cost)},
-                                  repeats if L < 1000 else max(3, repeats // 4))
+        times = interleaved_times(
+            {"scipy": lambda: linear_sum_assignment(cost), "rayfuse": lambda: solve_assignment(cost)},
+            repeats if L < 1000 else max(3, repeats // 4),
+        )
         raw, ours = median(times["scipy"]), median(times["rayfuse"])
         rows.append({"L": L, "scipy_ms": 1000 * raw, "rayfuse_ms": 1000 * ours, "overhead_pct": 100 * (ours / raw - 1)})
         print(rows[-1], flush=True)
@@ -123,8 +135,13 @@ def gmm_problems(separations, seeds, n_init: int):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 for X, atoms in zip(out["groups"], out["atoms"]):
-                    model = BayesianGaussianMixture(n_components=len(atoms), covariance_type="full", n_init=n_init,
-                                                    weight_concentration_prior_type="dirichlet_distribution", random_state=seed).fit(X)
+                    model = BayesianGaussianMixture(
+                        n_components=len(atoms),
+                        covariance_type="full",
+                        n_init=n_init,
+                        weight_concentration_prior_type="dirichlet_distribution",
+                        random_state=seed,
+                    ).fit(X)
                     posteriors.append(normal_wishart_from_sklearn(model))
             yield s, seed, posteriors, out["global_means"]
 
@@ -133,8 +150,10 @@ def exact_vs_relaxed(separations, seeds, n_init: int, lam: float, repeats: int) 
     rows = []
     for s, seed, posteriors, truth in gmm_problems(separations, seeds, n_init):
         results = {}
-        fns = {solver: (lambda solver=solver: results.__setitem__(solver, fuse_heterogeneous(posteriors, lam=lam, solver=solver)))
-               for solver in ("exact", "relaxed")}
+        fns = {
+            solver: (lambda solver=solver: results.__setitem__(solver, fuse_heterogeneous(posteriors, lam=lam, solver=solver)))
+            for solver in ("exact", "relaxed")
+        }
         times = {k: median(v) for k, v in interleaved_times(fns, repeats, warmup=0).items()}
         row = {"separation": s, "seed": seed, "G": len(truth)}
         for solver, r in results.items():
@@ -153,7 +172,9 @@ def main() -> None:
     parser.add_argument("--no-ray", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--cells", nargs="+", default=None, help="throughput cells as DxL (default: the issue's grid, 10-200 x 50-1000)")
-    parser.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], help="which measurements (1 throughput, 2 overhead, 3 exact vs relaxed)")
+    parser.add_argument(
+        "--parts", type=int, nargs="+", default=[1, 2, 3], help="which measurements (1 throughput, 2 overhead, 3 exact vs relaxed)"
+    )
     parser.add_argument("--lam", type=float, default=3.0, help="KL-fusion lambda for part 3 (jobs/kl_gmm.yaml's value)")
     parser.add_argument("--max-load", type=float, default=2.5, help="wait for the 1-minute load to drop below this before each cell")
     parser.add_argument("--quiet-timeout", type=float, default=120.0, help="seconds to wait for that at most")
@@ -186,21 +207,53 @@ def main() -> None:
     print("3. exact vs relaxed on GMM problems")
     seeds = [100, 101] if args.quick else [100, 101, 102]
     er = exact_vs_relaxed([0.15, 0.5, 1.0], seeds, 4 if args.quick else 16, args.lam, 1 if args.quick else 3) if 3 in args.parts else []
-    cols = [("D", "D"), ("L", "L"), ("load", "load"), ("serial_s", "solves s"), ("work_per_core_ms", "ms/core"),
-            ("sweep_work_per_core_ms", "sweep ms/core"), ("threads_eff", "eff threads"), ("ray_eff", "eff ray"),
-            ("sweep_threads_eff_same_work", "eff sweep thr"), ("sweep_ray_eff_same_work", "eff sweep ray"),
-            ("sweep_ray_eff", "eff sweep ray vs solves")]
+    cols = [
+        ("D", "D"),
+        ("L", "L"),
+        ("load", "load"),
+        ("serial_s", "solves s"),
+        ("work_per_core_ms", "ms/core"),
+        ("sweep_work_per_core_ms", "sweep ms/core"),
+        ("threads_eff", "eff threads"),
+        ("ray_eff", "eff ray"),
+        ("sweep_threads_eff_same_work", "eff sweep thr"),
+        ("sweep_ray_eff_same_work", "eff sweep ray"),
+        ("sweep_ray_eff", "eff sweep ray vs solves"),
+    ]
     print_table(tp, cols, f"throughput on {cores} cores (efficiency = serial / (cores x wall))")
-    print_table(ov, [("L", "L"), ("scipy_ms", "scipy ms"), ("rayfuse_ms", "wrapper ms"), ("overhead_pct", "overhead %")], "wrapper overhead")
-    print_table(er, [("separation", "s"), ("seed", "seed"), ("G", "G"), ("exact_s", "exact s"), ("relaxed_s", "relaxed s"), ("speedup", "speedup"),
-                     ("exact_hausdorff", "H exact"), ("relaxed_hausdorff", "H relaxed"), ("exact_G", "G exact"), ("relaxed_G", "G relaxed")],
-                "exact (default) vs relaxed P-step")
-    summary = {"median_speedup": median([r["speedup"] for r in er]), "mean_hausdorff_exact": float(np.mean([r["exact_hausdorff"] for r in er])),
-               "mean_hausdorff_relaxed": float(np.mean([r["relaxed_hausdorff"] for r in er]))} if er else {}
+    print_table(
+        ov, [("L", "L"), ("scipy_ms", "scipy ms"), ("rayfuse_ms", "wrapper ms"), ("overhead_pct", "overhead %")], "wrapper overhead"
+    )
+    print_table(
+        er,
+        [
+            ("separation", "s"),
+            ("seed", "seed"),
+            ("G", "G"),
+            ("exact_s", "exact s"),
+            ("relaxed_s", "relaxed s"),
+            ("speedup", "speedup"),
+            ("exact_hausdorff", "H exact"),
+            ("relaxed_hausdorff", "H relaxed"),
+            ("exact_G", "G exact"),
+            ("relaxed_G", "G relaxed"),
+        ],
+        "exact (default) vs relaxed P-step",
+    )
+    summary = (
+        {
+            "median_speedup": median([r["speedup"] for r in er]),
+            "mean_hausdorff_exact": float(np.mean([r["exact_hausdorff"] for r in er])),
+            "mean_hausdorff_relaxed": float(np.mean([r["relaxed_hausdorff"] for r in er])),
+        }
+        if er
+        else {}
+    )
     print(summary)
-    path = write_results("kl_bench" if args.parts == [1, 2, 3] else "kl_bench_parts" + "".join(map(str, args.parts)),
-                         {"machine": info, "lam": args.lam, "throughput": tp, "overhead": ov, "exact_vs_relaxed": er,
-                          "summary": summary})
+    path = write_results(
+        "kl_bench" if args.parts == [1, 2, 3] else "kl_bench_parts" + "".join(map(str, args.parts)),
+        {"machine": info, "lam": args.lam, "throughput": tp, "overhead": ov, "exact_vs_relaxed": er, "summary": summary},
+    )
     print(f"wrote {path}")
 
 

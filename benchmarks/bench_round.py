@@ -91,8 +91,12 @@ class Cell:
 
 # The issue's two target cells, in the deployment layout (one actor per client) and in the simulation layout
 # (federation.clients_per_actor = clients / CPUs, like Flower's actor pool of a few workers).
-TARGET_CELLS = [Cell(100, 100_000, target=True), Cell(20, 10_000_000, target=True),
-                Cell(100, 100_000, target=True, per_actor=50), Cell(20, 10_000_000, target=True, per_actor=10)]
+TARGET_CELLS = [
+    Cell(100, 100_000, target=True),
+    Cell(20, 10_000_000, target=True),
+    Cell(100, 100_000, target=True, per_actor=50),
+    Cell(20, 10_000_000, target=True, per_actor=10),
+]
 
 
 class RoundCoordinator(CoordinatorActor):
@@ -149,15 +153,25 @@ class RoundCoordinator(CoordinatorActor):
             del gathered, updates
 
             bare_ref = ray.put(global_params)
-            batches = ray.get([h.run_many.remote([(i, echo_step, (RefArg(0),), {}) for i in members], bare_ref)
-                               for h, members in self.groups])
+            batches = ray.get(
+                [h.run_many.remote([(i, echo_step, (RefArg(0),), {}) for i in members], bare_ref) for h, members in self.groups]
+            )
             bare = [value for batch in batches for _, value in batch]
             weighted_average([u.params for u in bare], [u.num_examples for u in bare])
             t5 = time.perf_counter()
             del bare, bare_ref
             if rnd >= warmup:
-                timings.append({"round_s": t4 - t0, "put_s": t1 - t0, "map_gather_s": t2 - t1, "validate_aggregate_s": t4 - t2,
-                                "aggregate_s": aggregate_s, "client_copy_sum_s": float(np.sum(copies)), "bare_round_s": t5 - t_agg - aggregate_s})
+                timings.append(
+                    {
+                        "round_s": t4 - t0,
+                        "put_s": t1 - t0,
+                        "map_gather_s": t2 - t1,
+                        "validate_aggregate_s": t4 - t2,
+                        "aggregate_s": aggregate_s,
+                        "client_copy_sum_s": float(np.sum(copies)),
+                        "bare_round_s": t5 - t_agg - aggregate_s,
+                    }
+                )
         # Echo rounds average identical copies: the model must come back unchanged (up to float32 rounding).
         np.testing.assert_allclose(global_params["w"], start_params["w"], rtol=1e-5)
         return {"rounds": timings}
@@ -177,13 +191,15 @@ class DriverLink:
 
 def bench_config(num_clients: int) -> Any:
     """A validated config: ``num_clients`` iid shards of the numpy-only synthetic dataset."""
-    return validate_config({
-        "run": {"name": "bench-round", "seed": 0},
-        "data": {"dataset": "synthetic", "options": {"n_samples": 20000}},
-        "partition": {"method": "iid", "num_clients": num_clients},
-        "federation": {"on_client_failure": "fail"},
-        "methods": {"fedavg": {"local_epochs": 0}},
-    })
+    return validate_config(
+        {
+            "run": {"name": "bench-round", "seed": 0},
+            "data": {"dataset": "synthetic", "options": {"n_samples": 20000}},
+            "partition": {"method": "iid", "num_clients": num_clients},
+            "federation": {"on_client_failure": "fail"},
+            "methods": {"fedavg": {"local_epochs": 0}},
+        }
+    )
 
 
 def start_actors(num_clients: int, per_actor: int, link: DriverLink) -> tuple[list[Any], Any, float]:
@@ -196,16 +212,28 @@ def start_actors(num_clients: int, per_actor: int, link: DriverLink) -> tuple[li
     groups = [list(range(first, min(first + per_actor, num_clients))) for first in range(0, num_clients, per_actor)]
     clients: dict[int, Any] = {}
     for members in groups:
-        handle = client_cls.options(name=actor_name("bench-round", members), namespace=NAMESPACE, max_restarts=fed.max_restarts,
-                                    max_task_retries=0, **actor_options(fed.clients)).remote(
-            [(i, plan.for_client(i)) for i in members], data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train,
-            seed=cfg.run.seed, faults=fed.faults)
+        handle = client_cls.options(
+            name=actor_name("bench-round", members),
+            namespace=NAMESPACE,
+            max_restarts=fed.max_restarts,
+            max_task_retries=0,
+            **actor_options(fed.clients),
+        ).remote(
+            [(i, plan.for_client(i)) for i in members],
+            data_cfg=cfg.data,
+            model_cfg=cfg.model,
+            train_cfg=cfg.train,
+            seed=cfg.run.seed,
+            faults=fed.faults,
+        )
         clients.update({i: handle for i in members})
     actors = [clients[members[0]] for members in groups]
     # as actors.backend.RayBackend.start creates the coordinator actor (a threaded actor, max_concurrency=4)
-    coordinator = ray.remote(RoundCoordinator).options(name="bench-round/coordinator", namespace=NAMESPACE, max_concurrency=4,
-                                                       max_restarts=0, **actor_options(fed.coordinator)).remote(
-        cfg, plan, str(Path(tempfile.gettempdir()) / "bench-round"), clients, groups)
+    coordinator = (
+        ray.remote(RoundCoordinator)
+        .options(name="bench-round/coordinator", namespace=NAMESPACE, max_concurrency=4, max_restarts=0, **actor_options(fed.coordinator))
+        .remote(cfg, plan, str(Path(tempfile.gettempdir()) / "bench-round"), clients, groups)
+    )
     link.get([a.ping.remote() for a in actors] + [coordinator.ready.remote()], timeout=fed.startup_timeout_s)
     return actors, coordinator, time.perf_counter() - started
 
@@ -236,8 +264,15 @@ def skip_reason(cell: Cell, store_bytes: int) -> str | None:
 def summarize(cell: Cell, timings: list[dict[str, float]], cpus: int) -> dict[str, Any]:
     """Medians of the per-round timings, the overhead and the ratio to the bare Ray round."""
     parallel = max(1, min(cpus, cell.actors))  # the clients of one actor copy one after another
-    row: dict[str, Any] = {"cell": cell.label, "clients": cell.clients, "clients_per_actor": cell.per_actor, "actors": cell.actors,
-                           "param_bytes": cell.param_bytes, "target": cell.target, "rounds_timed": len(timings)}
+    row: dict[str, Any] = {
+        "cell": cell.label,
+        "clients": cell.clients,
+        "clients_per_actor": cell.per_actor,
+        "actors": cell.actors,
+        "param_bytes": cell.param_bytes,
+        "target": cell.target,
+        "rounds_timed": len(timings),
+    }
     for key in TIMED_KEYS:
         row[key] = median([t[key] for t in timings])
     row["client_copy_wall_s"] = median([t["client_copy_sum_s"] / parallel for t in timings])
@@ -253,20 +288,30 @@ def timed_rounds(cell: Cell, rounds: int) -> int:
     return rounds if cell.clients * cell.param_bytes <= 1e9 else max(3, rounds // 2)
 
 
-def run_cells(cells: list[Cell], *, rounds: int, warmup: int, store_bytes: int, cpus: int = 2, max_load: float = 1.0,
-              quiet_timeout_s: float = 60.0) -> dict[str, Any]:
+def run_cells(
+    cells: list[Cell], *, rounds: int, warmup: int, store_bytes: int, cpus: int = 2, max_load: float = 1.0, quiet_timeout_s: float = 60.0
+) -> dict[str, Any]:
     """Start Ray once, run every cell (:func:`run_cells_on_ray`), stop Ray; return rows and skips."""
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, object_store_memory=store_bytes,
-             namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
+    ray.init(
+        address="local",
+        num_cpus=cpus,
+        include_dashboard=False,
+        object_store_memory=store_bytes,
+        namespace=NAMESPACE,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     try:
-        return run_cells_on_ray(cells, rounds=rounds, warmup=warmup, store_bytes=store_bytes, cpus=cpus, max_load=max_load,
-                                quiet_timeout_s=quiet_timeout_s)
+        return run_cells_on_ray(
+            cells, rounds=rounds, warmup=warmup, store_bytes=store_bytes, cpus=cpus, max_load=max_load, quiet_timeout_s=quiet_timeout_s
+        )
     finally:
         ray.shutdown()
 
 
-def run_cells_on_ray(cells: list[Cell], *, rounds: int, warmup: int, store_bytes: int, cpus: int = 2, max_load: float = 1.0,
-                     quiet_timeout_s: float = 60.0) -> dict[str, Any]:
+def run_cells_on_ray(
+    cells: list[Cell], *, rounds: int, warmup: int, store_bytes: int, cpus: int = 2, max_load: float = 1.0, quiet_timeout_s: float = 60.0
+) -> dict[str, Any]:
     """Run every cell on the Ray this process is connected to (actors started once per client count and layout,
     killed after); return rows and skips. ``store_bytes``: that Ray's object store, for :func:`skip_reason`."""
     rows, skipped, startups = [], [], {}
@@ -294,9 +339,12 @@ def run_cells_on_ray(cells: list[Cell], *, rounds: int, warmup: int, store_bytes
                 row = summarize(cell, result["rounds"], cpus)
                 row.update(driver_bytes_received=link.bytes_received - before, startup_s=startup_s, load_avg_1m=load)
                 rows.append(row)
-                print(f"  {cell.label}: median round {row['round_s'] * 1e3:.1f} ms, overhead {row['overhead_s'] * 1e3:.1f} ms, "
-                      f"bare Ray round {row['bare_round_s'] * 1e3:.1f} ms ({n} rounds after {warmup} warm-up, "
-                      f"load {load:.1f})", flush=True)
+                print(
+                    f"  {cell.label}: median round {row['round_s'] * 1e3:.1f} ms, overhead {row['overhead_s'] * 1e3:.1f} ms, "
+                    f"bare Ray round {row['bare_round_s'] * 1e3:.1f} ms ({n} rounds after {warmup} warm-up, "
+                    f"load {load:.1f})",
+                    flush=True,
+                )
         finally:
             stop_actors(actors, coordinator)
     return {"rows": rows, "skipped": skipped, "startup_s": startups}
@@ -304,7 +352,10 @@ def run_cells_on_ray(cells: list[Cell], *, rounds: int, warmup: int, store_bytes
 
 def grid(clients: list[int], sizes: list[str], per_actor: list[int]) -> list[Cell]:
     """The grid plus the target cells (a target cell that is also a grid cell is kept once, marked as a target)."""
-    cells = {(c.clients, c.num_params, c.per_actor): c for c in (Cell(n, SIZES[s], per_actor=k) for n in clients for s in sizes for k in per_actor)}
+    cells = {
+        (c.clients, c.num_params, c.per_actor): c
+        for c in (Cell(n, SIZES[s], per_actor=k) for n in clients for s in sizes for k in per_actor)
+    }
     for target in TARGET_CELLS:
         cells[(target.clients, target.num_params, target.per_actor)] = target
     return sorted(cells.values(), key=lambda c: (c.clients, c.per_actor, c.num_params))
@@ -318,11 +369,25 @@ def default_store_bytes() -> int:
 def print_rows(rows: list[dict[str, Any]]) -> None:
     ms_keys = ("round_s", "put_s", "validate_aggregate_s", "aggregate_s", "client_copy_wall_s", "overhead_s", "bare_round_s")
     shown = [{**r, **{k: 1e3 * r[k] for k in ms_keys}, "target": "yes" if r["target"] else ""} for r in rows]
-    print_table(shown, [("cell", "clients x params"), ("target", "target"), ("round_s", "round ms"), ("put_s", "put ms"),
-                        ("validate_aggregate_s", "validate+aggregate ms"), ("aggregate_s", "bare aggregate ms"), ("client_copy_wall_s", "client copy ms"),
-                        ("overhead_s", "overhead ms"), ("bare_round_s", "bare Ray ms"), ("vs_bare", "x bare"),
-                        ("driver_bytes_received", "driver bytes"), ("startup_s", "startup s"), ("load_avg_1m", "load")],
-                "rayfuse round on Ray (medians; overhead = round - aggregate - client copy wall time)")
+    print_table(
+        shown,
+        [
+            ("cell", "clients x params"),
+            ("target", "target"),
+            ("round_s", "round ms"),
+            ("put_s", "put ms"),
+            ("validate_aggregate_s", "validate+aggregate ms"),
+            ("aggregate_s", "bare aggregate ms"),
+            ("client_copy_wall_s", "client copy ms"),
+            ("overhead_s", "overhead ms"),
+            ("bare_round_s", "bare Ray ms"),
+            ("vs_bare", "x bare"),
+            ("driver_bytes_received", "driver bytes"),
+            ("startup_s", "startup s"),
+            ("load_avg_1m", "load"),
+        ],
+        "rayfuse round on Ray (medians; overhead = round - aggregate - client copy wall time)",
+    )
 
 
 def main() -> None:
@@ -342,15 +407,34 @@ def main() -> None:
     cells = list(TARGET_CELLS) if args.cells == "targets" else grid(args.clients, args.sizes, args.clients_per_actor)
     store_bytes = int(args.object_store_gib * 2**30) if args.object_store_gib else default_store_bytes()
     info = machine_info()
-    print(f"rayfuse round benchmark: {len(cells)} cells, Ray {ray.__version__}, num_cpus={args.cpus}, "
-          f"object store {store_bytes / 2**30:.1f} GiB, {info['cpus']} CPUs, load average {info['load_avg_1m']:.2f}", flush=True)
-    result = run_cells(cells, rounds=args.rounds, warmup=args.warmup, store_bytes=store_bytes, cpus=args.cpus,
-                       max_load=args.max_load, quiet_timeout_s=args.quiet_timeout)
+    print(
+        f"rayfuse round benchmark: {len(cells)} cells, Ray {ray.__version__}, num_cpus={args.cpus}, "
+        f"object store {store_bytes / 2**30:.1f} GiB, {info['cpus']} CPUs, load average {info['load_avg_1m']:.2f}",
+        flush=True,
+    )
+    result = run_cells(
+        cells,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        store_bytes=store_bytes,
+        cpus=args.cpus,
+        max_load=args.max_load,
+        quiet_timeout_s=args.quiet_timeout,
+    )
     print_rows(result["rows"])
     for skip in result["skipped"]:
         print(f"skipped {skip['cell']}: {skip['reason']}")
-    path = write_results("bench_round", {"machine": info, "ray": ray.__version__, "num_cpus": args.cpus,
-                                         "object_store_bytes": store_bytes, "cells": [asdict(c) for c in cells], **result})
+    path = write_results(
+        "bench_round",
+        {
+            "machine": info,
+            "ray": ray.__version__,
+            "num_cpus": args.cpus,
+            "object_store_bytes": store_bytes,
+            "cells": [asdict(c) for c in cells],
+            **result,
+        },
+    )
     print(f"\nwrote {path}")
 
 

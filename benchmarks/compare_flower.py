@@ -42,8 +42,20 @@ def run_flower(python: Path, *, rounds: int, warmup: int, client_cpus: float, st
     if not python.exists():
         return None, f"no Flower environment at {python} (see the usage in this script's docstring)"
     cells = list(dict.fromkeys(f"{c.clients}x{c.num_params}" for c in TARGET_CELLS))  # each layout runs the same Flower cell
-    cmd = [str(python), str(HERE / "flower_round.py"), "--cells", *cells, "--rounds", str(rounds), "--warmup", str(warmup),
-           "--client-cpus", str(client_cpus), "--object-store-gib", str(store_gib)]
+    cmd = [
+        str(python),
+        str(HERE / "flower_round.py"),
+        "--cells",
+        *cells,
+        "--rounds",
+        str(rounds),
+        "--warmup",
+        str(warmup),
+        "--client-cpus",
+        str(client_cpus),
+        "--object-store-gib",
+        str(store_gib),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
@@ -68,14 +80,31 @@ def compare(rayfuse_rows: list[dict[str, Any]], flower: dict[str, Any] | None) -
             references.append(("Flower per the issue (stated, not measured)", ISSUE_FLOWER_ROUND_S[key]))
         target = TARGET_RATIO.get(key)  # None: a cell the issue sets no target for (a smoke run's small cell)
         if not references:
-            rows.append({"cell": row["cell"], "reference": "none (Flower not measured; the issue states no figure)",
-                         "rayfuse_round_s": row["round_s"], "rayfuse_overhead_s": row["overhead_s"],
-                         "target_ratio": target, "target_met": None})
+            rows.append(
+                {
+                    "cell": row["cell"],
+                    "reference": "none (Flower not measured; the issue states no figure)",
+                    "rayfuse_round_s": row["round_s"],
+                    "rayfuse_overhead_s": row["overhead_s"],
+                    "target_ratio": target,
+                    "target_met": None,
+                }
+            )
         for name, reference_s in references:
             ratio = row["overhead_s"] / reference_s
-            rows.append({"cell": row["cell"], "reference": name, "reference_round_s": reference_s, "rayfuse_round_s": row["round_s"],
-                         "rayfuse_overhead_s": row["overhead_s"], "round_ratio": row["round_s"] / reference_s,
-                         "overhead_ratio": ratio, "target_ratio": target, "target_met": None if target is None else ratio <= target})
+            rows.append(
+                {
+                    "cell": row["cell"],
+                    "reference": name,
+                    "reference_round_s": reference_s,
+                    "rayfuse_round_s": row["round_s"],
+                    "rayfuse_overhead_s": row["overhead_s"],
+                    "round_ratio": row["round_s"] / reference_s,
+                    "overhead_ratio": ratio,
+                    "target_ratio": target,
+                    "target_met": None if target is None else ratio <= target,
+                }
+            )
     return rows
 
 
@@ -84,8 +113,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per cell (both engines)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (both engines)")
     parser.add_argument("--flower-python", type=Path, default=FLOWER_PYTHON)
-    parser.add_argument("--flower-client-cpus", type=float, default=0.5,
-                        help="Flower client_resources num_cpus; 0.5 (4 actors on 2 CPUs) was Flower's fastest setting here")
+    parser.add_argument(
+        "--flower-client-cpus",
+        type=float,
+        default=0.5,
+        help="Flower client_resources num_cpus; 0.5 (4 actors on 2 CPUs) was Flower's fastest setting here",
+    )
     parser.add_argument("--object-store-gib", type=float, default=4.0, help="object store of each engine's Ray")
     args = parser.parse_args()
 
@@ -95,23 +128,40 @@ def main() -> None:
     print("rayfuse:", flush=True)
     rayfuse = run_cells(list(TARGET_CELLS), rounds=args.rounds, warmup=args.warmup, store_bytes=store_bytes)
     print("Flower:", flush=True)
-    flower, why_not = run_flower(args.flower_python, rounds=args.rounds, warmup=args.warmup,
-                                 client_cpus=args.flower_client_cpus, store_gib=args.object_store_gib)
+    flower, why_not = run_flower(
+        args.flower_python, rounds=args.rounds, warmup=args.warmup, client_cpus=args.flower_client_cpus, store_gib=args.object_store_gib
+    )
     if flower is None:
         print(f"  Flower not measured: {why_not}")
 
     rows = compare(rayfuse["rows"], flower)
-    shown = [{**r, **{k: 1e3 * r[k] for k in ("rayfuse_round_s", "rayfuse_overhead_s")},
-              "target": "none" if r["target_ratio"] is None else f"<= 1/{round(1 / r['target_ratio'])}",
-              "target_met": "n/a" if r["target_met"] is None else r["target_met"]}
-             for r in rows]
-    print_table(shown, [("cell", "clients x params"), ("reference", "reference"), ("reference_round_s", "ref round s"),
-                        ("rayfuse_round_s", "rayfuse round ms"), ("rayfuse_overhead_s", "rayfuse overhead ms"),
-                        ("round_ratio", "round / ref"), ("overhead_ratio", "overhead / ref"), ("target", "target"),
-                        ("target_met", "met")],
-                "rayfuse overhead against Flower's round time on the same work")
-    path = write_results("compare_flower", {"machine": info, "rayfuse": rayfuse, "flower": flower, "flower_error": why_not or None,
-                                            "comparison": rows})
+    shown = [
+        {
+            **r,
+            **{k: 1e3 * r[k] for k in ("rayfuse_round_s", "rayfuse_overhead_s")},
+            "target": "none" if r["target_ratio"] is None else f"<= 1/{round(1 / r['target_ratio'])}",
+            "target_met": "n/a" if r["target_met"] is None else r["target_met"],
+        }
+        for r in rows
+    ]
+    print_table(
+        shown,
+        [
+            ("cell", "clients x params"),
+            ("reference", "reference"),
+            ("reference_round_s", "ref round s"),
+            ("rayfuse_round_s", "rayfuse round ms"),
+            ("rayfuse_overhead_s", "rayfuse overhead ms"),
+            ("round_ratio", "round / ref"),
+            ("overhead_ratio", "overhead / ref"),
+            ("target", "target"),
+            ("target_met", "met"),
+        ],
+        "rayfuse overhead against Flower's round time on the same work",
+    )
+    path = write_results(
+        "compare_flower", {"machine": info, "rayfuse": rayfuse, "flower": flower, "flower_error": why_not or None, "comparison": rows}
+    )
     print(f"\nwrote {path}")
 
 

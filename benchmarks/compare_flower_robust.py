@@ -68,15 +68,26 @@ def rayfuse_rules(args: argparse.Namespace) -> dict[str, AggregatorSettings]:
     """The rules compared, by name (``mean_clip`` with ``args.clip_norm``)."""
     rules = {"mean": AggregatorSettings(), "median": AggregatorSettings(name="median")}
     rules.update({name: AggregatorSettings(name="trimmed_mean", beta=beta) for name, beta in list_betas(args).items()})
-    rules.update({"krum": AggregatorSettings(name="krum", f=args.f), "multi_krum": AggregatorSettings(name="krum", f=args.f, m=args.m),
-                  "bulyan": AggregatorSettings(name="bulyan", f=args.f), "geometric_median": AggregatorSettings(name="geometric_median")})
+    rules.update(
+        {
+            "krum": AggregatorSettings(name="krum", f=args.f),
+            "multi_krum": AggregatorSettings(name="krum", f=args.f, m=args.m),
+            "bulyan": AggregatorSettings(name="bulyan", f=args.f),
+            "geometric_median": AggregatorSettings(name="geometric_median"),
+        }
+    )
     if getattr(args, "clip_norm", None) is not None:
         rules["mean_clip"] = AggregatorSettings(clip_norm=args.clip_norm)
     return rules
 
 
-def run_flower(models: list[dict[str, np.ndarray]], counts: list[int], args: argparse.Namespace,
-               python: Path = FLOWER_PYTHON, reference: dict[str, np.ndarray] | None = None) -> tuple[dict[str, Any] | None, str]:
+def run_flower(
+    models: list[dict[str, np.ndarray]],
+    counts: list[int],
+    args: argparse.Namespace,
+    python: Path = FLOWER_PYTHON,
+    reference: dict[str, np.ndarray] | None = None,
+) -> tuple[dict[str, Any] | None, str]:
     """Flower's results and median seconds per rule, or ``None`` and why not."""
     if not python.exists():
         return None, f"no Flower environment at {python} (see benchmarks/README.md); Flower not compared"
@@ -87,8 +98,20 @@ def run_flower(models: list[dict[str, np.ndarray]], counts: list[int], args: arg
             arrays.update({f"reference/{k}": a for k, a in reference.items()})
         np.savez(inputs, num_examples=np.array(counts), **arrays)
         betas = [f"{b:g}" for b in list_betas(args).values()]
-        cmd = [str(python), str(HERE / "flower_robust.py"), str(inputs), str(outputs), "--repeats", str(args.repeats), "--f", str(args.f),
-               "--m", str(args.m), "--beta", *betas]
+        cmd = [
+            str(python),
+            str(HERE / "flower_robust.py"),
+            str(inputs),
+            str(outputs),
+            "--repeats",
+            str(args.repeats),
+            "--f",
+            str(args.f),
+            "--m",
+            str(args.m),
+            "--beta",
+            *betas,
+        ]
         if getattr(args, "clip_norm", None) is not None:
             cmd += ["--clip-norm", str(args.clip_norm)]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent)
@@ -110,6 +133,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     reference = make_models(1, args.params, seed=1)[0][0]  # the global model clipping measures updates from
     rules = rayfuse_rules(args)
     ours = {name: aggregate(models, counts, s, reference=reference) for name, s in rules.items()}
+
     def timed(settings: AggregatorSettings) -> Callable[[], Any]:
         return lambda: aggregate(models, counts, settings, reference=reference)
 
@@ -124,13 +148,28 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
             theirs = flower["results"][name]
             diff = max(float(np.max(np.abs(ours[name][k].astype(np.float64) - theirs[k].astype(np.float64)))) for k in theirs)
             scale = max(float(np.max(np.abs(theirs[k]))) for k in theirs)
-            row.update({"flower_s": flower["seconds"][name], "rayfuse_over_flower": times[name] / flower["seconds"][name],
-                        "max_abs_diff": diff, "equal": bool(diff <= 1e-5 * max(scale, 1.0))})
+            row.update(
+                {
+                    "flower_s": flower["seconds"][name],
+                    "rayfuse_over_flower": times[name] / flower["seconds"][name],
+                    "max_abs_diff": diff,
+                    "equal": bool(diff <= 1e-5 * max(scale, 1.0)),
+                }
+            )
         rows.append(row)
-    return {"clients": args.clients, "params": args.params, "f": args.f, "m": args.m, "beta": args.beta,
-            "clip_norm": getattr(args, "clip_norm", None), "rows": rows,
-            "weighted_average_s": times["weighted_average"], "flower": None if flower is None else flower["flwr"], "flower_missing": why,
-            "machine": machine_info()}
+    return {
+        "clients": args.clients,
+        "params": args.params,
+        "f": args.f,
+        "m": args.m,
+        "beta": args.beta,
+        "clip_norm": getattr(args, "clip_norm", None),
+        "rows": rows,
+        "weighted_average_s": times["weighted_average"],
+        "flower": None if flower is None else flower["flwr"],
+        "flower_missing": why,
+        "machine": machine_info(),
+    }
 
 
 def main() -> None:
@@ -147,10 +186,19 @@ def main() -> None:
     payload = compare(args)
     if payload["flower_missing"]:
         print(payload["flower_missing"])
-    print_table(payload["rows"], [("rule", "rule"), ("rayfuse_s", "rayfuse s"), ("vs_weighted_average", "x weighted_average"),
-                                  ("flower_s", "Flower s"), ("rayfuse_over_flower", "rayfuse / Flower"), ("max_abs_diff", "max |diff|"),
-                                  ("equal", "equal")],
-                title=f"{args.clients} clients x {args.params} float32 parameters, f = {args.f}, m = {args.m}, beta = {args.beta}")
+    print_table(
+        payload["rows"],
+        [
+            ("rule", "rule"),
+            ("rayfuse_s", "rayfuse s"),
+            ("vs_weighted_average", "x weighted_average"),
+            ("flower_s", "Flower s"),
+            ("rayfuse_over_flower", "rayfuse / Flower"),
+            ("max_abs_diff", "max |diff|"),
+            ("equal", "equal"),
+        ],
+        title=f"{args.clients} clients x {args.params} float32 parameters, f = {args.f}, m = {args.m}, beta = {args.beta}",
+    )
     print(f"wrote {write_results('compare_flower_robust', payload)}")
 
 

@@ -26,8 +26,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-SCORES = [("d_mse", "D-MSE (critic map, min-max)"), ("d_mse_raw", "D-MSE raw"), ("g_dmse", "D-MSE (G samples)"),
-          ("modes", "modes (of 4)"), ("high_quality", "high-quality samples")]
+SCORES = [
+    ("d_mse", "D-MSE (critic map, min-max)"),
+    ("d_mse_raw", "D-MSE raw"),
+    ("g_dmse", "D-MSE (G samples)"),
+    ("modes", "modes (of 4)"),
+    ("high_quality", "high-quality samples"),
+]
 
 
 def load(run_dir: Path) -> tuple[dict, pd.DataFrame]:
@@ -46,12 +51,22 @@ def load(run_dir: Path) -> tuple[dict, pd.DataFrame]:
         if not path.is_file():
             continue
         state = json.loads(path.read_text())
-        methods[label] = {"method": state["method"], **state["metrics"], "oracle": state.get("oracle", False),
-                          "info": state.get("info", {}), "seconds": state.get("seconds")}
-        rows += [{"method": label, "round": r["round"], "metric": r["metric"], "value": r["value"], "client": r.get("client")}
-                 for r in state.get("history", [])]
-    results = {"methods": methods, "config": config, "run": {"name": config["run"]["name"], "seconds": float("nan"),
-                                                             "backend": "stopped before the end: finished methods only"}}
+        methods[label] = {
+            "method": state["method"],
+            **state["metrics"],
+            "oracle": state.get("oracle", False),
+            "info": state.get("info", {}),
+            "seconds": state.get("seconds"),
+        }
+        rows += [
+            {"method": label, "round": r["round"], "metric": r["metric"], "value": r["value"], "client": r.get("client")}
+            for r in state.get("history", [])
+        ]
+    results = {
+        "methods": methods,
+        "config": config,
+        "run": {"name": config["run"]["name"], "seconds": float("nan"), "backend": "stopped before the end: finished methods only"},
+    }
     metrics = pd.DataFrame(rows)
     return results, metrics[metrics["client"].isna()]
 
@@ -68,10 +83,16 @@ def table(results: dict) -> pd.DataFrame:
             continue
         info = entry.get("info", {})
         cfg = results["config"]["methods"][label]
-        rows.append({"method": label + (" (oracle)" if entry.get("oracle") else ""), "backbone": cfg["backbone"],
-                     "J": cfg["components"] if cfg["backbone"].startswith("ep-") else "-",
-                     **{name: entry.get(key, np.nan) for key, name in scores},
-                     "rejected": info.get("rejected_updates", 0), "seconds": entry.get("seconds")})
+        rows.append(
+            {
+                "method": label + (" (oracle)" if entry.get("oracle") else ""),
+                "backbone": cfg["backbone"],
+                "J": cfg["components"] if cfg["backbone"].startswith("ep-") else "-",
+                **{name: entry.get(key, np.nan) for key, name in scores},
+                "rejected": info.get("rejected_updates", 0),
+                "seconds": entry.get("seconds"),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -149,8 +170,10 @@ def plot_images(results: dict, path: Path) -> None:
         strip = np.concatenate([np.pad(im, 1, constant_values=1.0) for im in images], axis=1)
         ax.imshow(strip, cmap="gray_r", vmin=0, vmax=1)
         ax.set_axis_off()
-        ax.set_title(f"{label}: FD {entry.get('fd', np.nan):.1f}, IS {entry.get('is', np.nan):.2f}, "
-                     f"classes {entry.get('classes', np.nan):.0f}", fontsize=8)
+        ax.set_title(
+            f"{label}: FD {entry.get('fd', np.nan):.1f}, IS {entry.get('is', np.nan):.2f}, classes {entry.get('classes', np.nan):.0f}",
+            fontsize=8,
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -230,8 +253,7 @@ def main() -> None:
         frame = table(results)
         text = markdown(frame)
         seconds = results["run"]["seconds"]
-        where = (f"{seconds:.0f} s ({results['run'].get('backend', '?')} backend)" if np.isfinite(seconds)
-                 else results["run"]["backend"])
+        where = f"{seconds:.0f} s ({results['run'].get('backend', '?')} backend)" if np.isfinite(seconds) else results["run"]["backend"]
         (args.out / f"{name}.md").write_text(f"# {name}\n\nRun folder: `{run_dir}`, {where}.\n\n{text}\n")
         if any("fd" in e for e in results["methods"].values()):
             plot_images(results, args.out / f"{name}_samples.png")

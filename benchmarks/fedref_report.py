@@ -41,18 +41,20 @@ def summarize(results: dict, metrics: pd.DataFrame) -> pd.DataFrame:
             continue
         a = acc[label]
         above = a[a >= 0.9]
-        rows.append({
-            "method": label,
-            "final acc": info["accuracy"],
-            "best acc": float(a.max()),
-            "best round": int(a.idxmax()),
-            "final test loss": info["nll"],
-            "min test loss": float(nll[label].min()),
-            "rounds to 90%": str(int(above.index[0])) if len(above) else "never",
-            # median over rounds: the first method of a run also pays the clients' warm-up (imports, first batches)
-            "client s/round": float(work[label].median()) if label in work else np.nan,
-            "fine-tuned rounds": int(tuned[label].sum()) if label in tuned else 0,
-        })
+        rows.append(
+            {
+                "method": label,
+                "final acc": info["accuracy"],
+                "best acc": float(a.max()),
+                "best round": int(a.idxmax()),
+                "final test loss": info["nll"],
+                "min test loss": float(nll[label].min()),
+                "rounds to 90%": str(int(above.index[0])) if len(above) else "never",
+                # median over rounds: the first method of a run also pays the clients' warm-up (imports, first batches)
+                "client s/round": float(work[label].median()) if label in work else np.nan,
+                "fine-tuned rounds": int(tuned[label].sum()) if label in tuned else 0,
+            }
+        )
     table = pd.DataFrame(rows).set_index("method")
     for ref in ("fedprox", "fedavg"):
         if ref in table.index:
@@ -105,14 +107,22 @@ def plot(path: Path, runs: list[pd.DataFrame], title: str) -> None:
 def seeds_table(tables: list[pd.DataFrame]) -> pd.DataFrame:
     rows = []
     for label in tables[0].index:
+
         def stat(col: str) -> str:
             values = np.array([t.loc[label, col] for t in tables if label in t.index], dtype=float)
             return f"{values.mean():.4f} ± {values.std():.4f}"
 
         reached = [t.loc[label, "rounds to 90%"] for t in tables if label in t.index]
-        rows.append({"method": label, "final acc": stat("final acc"), "best acc": stat("best acc"),
-                     "final test loss": stat("final test loss"), "min test loss": stat("min test loss"),
-                     "rounds to 90%": " / ".join(str(r) for r in reached)})
+        rows.append(
+            {
+                "method": label,
+                "final acc": stat("final acc"),
+                "best acc": stat("best acc"),
+                "final test loss": stat("final test loss"),
+                "min test loss": stat("min test loss"),
+                "rounds to 90%": " / ".join(str(r) for r in reached),
+            }
+        )
     return pd.DataFrame(rows).set_index("method")
 
 
@@ -133,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         seed = int(cfg["run"]["seed"])
         name = job if seed == 0 else f"{job}-s{seed}"
         part = cfg["partition"]
-        title = (f"{name}: {cfg['data']['dataset']}, {part['num_clients']} clients, partition {part['method']}, "
-                 f"{cfg['model']['name']}, {cfg['train']['optimizer']} lr {cfg['train']['lr']}")
+        title = (
+            f"{name}: {cfg['data']['dataset']}, {part['num_clients']} clients, partition {part['method']}, "
+            f"{cfg['model']['name']}, {cfg['train']['optimizer']} lr {cfg['train']['lr']}"
+        )
         table = summarize(results, metrics)
         plot(args.out / f"{name}_curves.png", [metrics], title)
         text = f"# {title}\n\n" + markdown(table) + "\n"

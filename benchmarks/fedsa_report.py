@@ -28,11 +28,21 @@ import numpy as np
 import pandas as pd
 
 # [FEDSA] Table 1 / Table 2, CIFAR-10, 1 % / 5 % / 10 % labelled (the paper's numbers; docs/references.md)
-PAPER_T1 = {"scratch": (40.00, 62.14, 75.43), "transfer": (63.70, 79.38, 83.34), "fedavg+": (69.96, 71.58, 78.04),
-            "fedsa": (77.15, 85.30, 87.57)}
-PAPER_T2 = {"fixed": (73.46, 82.22, 85.28), "top-k": (75.14, 84.15, 85.55), "top-k+pos": (74.65, 79.89, 87.38),
-            "top-k+neg": (76.54, 83.52, 85.87), "least-k+pos": (75.50, 84.44, 85.16), "random+pos": (75.81, 84.15, 86.45),
-            "fedsa": (77.15, 85.30, 87.57)}
+PAPER_T1 = {
+    "scratch": (40.00, 62.14, 75.43),
+    "transfer": (63.70, 79.38, 83.34),
+    "fedavg+": (69.96, 71.58, 78.04),
+    "fedsa": (77.15, 85.30, 87.57),
+}
+PAPER_T2 = {
+    "fixed": (73.46, 82.22, 85.28),
+    "top-k": (75.14, 84.15, 85.55),
+    "top-k+pos": (74.65, 79.89, 87.38),
+    "top-k+neg": (76.54, 83.52, 85.87),
+    "least-k+pos": (75.50, 84.44, 85.16),
+    "random+pos": (75.81, 84.15, 86.45),
+    "fedsa": (77.15, 85.30, 87.57),
+}
 PAPER_FRACTIONS = (0.01, 0.05, 0.10)
 TABLE1 = ["scratch", "transfer", "fedavg+", "fedsa", "fedsa-gradcam"]
 TABLE2 = ["fixed", "top-k", "top-k+pos", "top-k+neg", "least-k+pos", "random+pos", "fedsa", "fedavg+"]
@@ -42,11 +52,16 @@ def load(run_dir: Path) -> dict:
     results = json.loads((run_dir / "results.json").read_text())
     metrics = pd.read_parquet(run_dir / "metrics.parquet")
     cfg = results["config"]
-    return {"dir": run_dir, "results": results, "metrics": metrics, "seed": cfg["run"]["seed"],
-            "fraction": float(cfg["data"]["public_size"]), "target_size": results["partition"]["public_size"],
-            "teachers": teacher_names(cfg["partition"]),
-            "data": cfg["data"]["dataset"] + (f" teachers -> {cfg['data']['target']['dataset']} target"
-                                              if cfg["data"].get("target") else "")}
+    return {
+        "dir": run_dir,
+        "results": results,
+        "metrics": metrics,
+        "seed": cfg["run"]["seed"],
+        "fraction": float(cfg["data"]["public_size"]),
+        "target_size": results["partition"]["public_size"],
+        "teachers": teacher_names(cfg["partition"]),
+        "data": cfg["data"]["dataset"] + (f" teachers -> {cfg['data']['target']['dataset']} target" if cfg["data"].get("target") else ""),
+    }
 
 
 def teacher_names(partition: dict) -> dict[int, str]:
@@ -78,8 +93,11 @@ def accuracy_table(runs: list[dict], labels: list[str], paper: dict[str, tuple[f
         for label, entry in r["results"]["methods"].items():
             by[(label, r["fraction"])].append(entry["accuracy"])
     sizes = {f: sorted({r["target_size"] for r in runs if r["fraction"] == f}) for f in fractions}
-    header = ["method", *(f"{pct(f)} ({'/'.join(map(str, sizes[f]))} labels)" for f in fractions),
-              *(f"paper CIFAR-10 {pct(f)}" for f in PAPER_FRACTIONS)]
+    header = [
+        "method",
+        *(f"{pct(f)} ({'/'.join(map(str, sizes[f]))} labels)" for f in fractions),
+        *(f"paper CIFAR-10 {pct(f)}" for f in PAPER_FRACTIONS),
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for label in labels + sorted({name for name, _ in by} - set(labels) - set(TABLE1) - set(TABLE2)):
         if not any((label, f) in by for f in fractions):
@@ -105,8 +123,9 @@ def paired_table(runs: list[dict], labels: list[str], baselines: tuple[str, ...]
         cells = []
         for f in fractions:
             for base in baselines:
-                diffs = np.array([cell[label] - cell[base] for (ff, _), cell in sorted(acc.items())
-                                  if ff == f and label in cell and base in cell])
+                diffs = np.array(
+                    [cell[label] - cell[base] for (ff, _), cell in sorted(acc.items()) if ff == f and label in cell and base in cell]
+                )
                 if label == base or len(diffs) == 0:
                     cells.append("")
                     continue
@@ -128,9 +147,19 @@ def teacher_rows(runs: list[dict]) -> pd.DataFrame:
         p = dict(zip(first["teachers"], first["p"]))
         for row in methods["transfer"]["info"]["per_teacher"]:
             c = row["client"]
-            rows.append({"fraction": r["fraction"], "seed": r["seed"], "teacher": r["teachers"][c], "client": c,
-                         "probe": row["probe_accuracy"], "finetune": row["finetune_accuracy"], "similarity": similarity.get(c, np.nan),
-                         "normalized": normalized.get(c, np.nan), "p": p.get(c, np.nan)})
+            rows.append(
+                {
+                    "fraction": r["fraction"],
+                    "seed": r["seed"],
+                    "teacher": r["teachers"][c],
+                    "client": c,
+                    "probe": row["probe_accuracy"],
+                    "finetune": row["finetune_accuracy"],
+                    "similarity": similarity.get(c, np.nan),
+                    "normalized": normalized.get(c, np.nan),
+                    "p": p.get(c, np.nan),
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -141,19 +170,32 @@ def correlation_table(rows: pd.DataFrame) -> str:
     for fraction, group in rows.groupby("fraction"):
         mean = group.groupby(["client", "teacher"])[["probe", "finetune", "similarity", "normalized", "p"]].mean().reset_index()
         out.append(f"\n### {pct(fraction)} labelled (mean over {group['seed'].nunique()} seeds)\n")
-        out.append("| teacher | transfer acc % (linear probe) | transfer acc % (fine-tune) | saliency similarity | normalised | p (eq. 3) |")
+        out.append(
+            "| teacher | transfer acc % (linear probe) | transfer acc % (fine-tune) | saliency similarity | normalised | p (eq. 3) |"
+        )
         out.append("|---|---|---|---|---|---|")
         for _, m in mean.iterrows():
-            out.append(f"| {m['teacher']} | {100 * m['probe']:.2f} | {100 * m['finetune']:.2f} | {m['similarity']:.4f} | "
-                       f"{m['normalized']:.2f} | {m['p']:.3f} |")
-        per_run = [(pearsonr(g["probe"], g["similarity"])[0], spearmanr(g["probe"], g["similarity"])[0],
-                    pearsonr(g["finetune"], g["similarity"])[0]) for _, g in group.groupby("seed") if len(g) > 2]
+            out.append(
+                f"| {m['teacher']} | {100 * m['probe']:.2f} | {100 * m['finetune']:.2f} | {m['similarity']:.4f} | "
+                f"{m['normalized']:.2f} | {m['p']:.3f} |"
+            )
+        per_run = [
+            (
+                pearsonr(g["probe"], g["similarity"])[0],
+                spearmanr(g["probe"], g["similarity"])[0],
+                pearsonr(g["finetune"], g["similarity"])[0],
+            )
+            for _, g in group.groupby("seed")
+            if len(g) > 2
+        ]
         per_run = np.asarray(per_run)
         out.append("")
-        out.append(f"Correlation with the saliency similarity, per seed (mean ± std over {len(per_run)} seeds): "
-                   f"Pearson (linear probe) {per_run[:, 0].mean():+.2f} ± {per_run[:, 0].std():.2f}, "
-                   f"Spearman (linear probe) {per_run[:, 1].mean():+.2f} ± {per_run[:, 1].std():.2f}, "
-                   f"Pearson (fine-tune) {per_run[:, 2].mean():+.2f} ± {per_run[:, 2].std():.2f}.")
+        out.append(
+            f"Correlation with the saliency similarity, per seed (mean ± std over {len(per_run)} seeds): "
+            f"Pearson (linear probe) {per_run[:, 0].mean():+.2f} ± {per_run[:, 0].std():.2f}, "
+            f"Spearman (linear probe) {per_run[:, 1].mean():+.2f} ± {per_run[:, 1].std():.2f}, "
+            f"Pearson (fine-tune) {per_run[:, 2].mean():+.2f} ± {per_run[:, 2].std():.2f}."
+        )
     return "\n".join(out)
 
 
@@ -166,8 +208,16 @@ def selection_counts(runs: list[dict], label: str = "fedsa") -> pd.DataFrame:
         m = r["metrics"]
         m = m[(m["method"] == label) & m["metric"].str.startswith("selected_")]
         for _, row in m.iterrows():
-            rows.append({"fraction": r["fraction"], "seed": r["seed"], "round": int(row["round"]),
-                         "client": int(row["metric"].split("_")[1]), "count": row["value"], "teacher": r["teachers"][int(row["metric"].split("_")[1])]})
+            rows.append(
+                {
+                    "fraction": r["fraction"],
+                    "seed": r["seed"],
+                    "round": int(row["round"]),
+                    "client": int(row["metric"].split("_")[1]),
+                    "count": row["value"],
+                    "teacher": r["teachers"][int(row["metric"].split("_")[1])],
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -181,8 +231,7 @@ def plot_selections(path: Path, runs: list[dict]) -> None:
     if counts.empty:
         return
     fractions = sorted(counts["fraction"].unique())
-    fig, axes = plt.subplots(2, len(fractions), figsize=(4.2 * len(fractions), 6.4), squeeze=False,
-                             gridspec_kw={"height_ratios": [3, 2]})
+    fig, axes = plt.subplots(2, len(fractions), figsize=(4.2 * len(fractions), 6.4), squeeze=False, gridspec_kw={"height_ratios": [3, 2]})
     for j, fraction in enumerate(fractions):
         group = counts[counts["fraction"] == fraction]
         seed = group["seed"].min()
@@ -251,27 +300,36 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     seeds = sorted({r["seed"] for r in runs})
     data = ", ".join(sorted({r["data"] for r in runs}))
-    head = (f"Test accuracy % (mean ± std over seeds, number of seeds); {data}, {len(runs)} runs, seeds {seeds}; "
-            "the paper's numbers are CIFAR-10 with ResNet-34 teachers and are shown for the ordering only.\n\n")
+    head = (
+        f"Test accuracy % (mean ± std over seeds, number of seeds); {data}, {len(runs)} runs, seeds {seeds}; "
+        "the paper's numbers are CIFAR-10 with ResNet-34 teachers and are shown for the ordering only.\n\n"
+    )
     t1 = "## Table 1 (style): FedSA against its baselines\n\n" + head + accuracy_table(runs, TABLE1, PAPER_T1)
     t2 = "## Table 2 (style): selection and aggregation ablations\n\n" + head + accuracy_table(runs, TABLE2, {**PAPER_T1, **PAPER_T2})
     rows = teacher_rows(runs)
-    t3 = ("## Table 3 (style): teachers' transfer accuracy against their saliency similarity\n\n"
-          "Similarity: the per-image saliency similarity of each teacher to the weak target model at FedSA's first "
-          "selection (sum_j (0.5 + 0.5 cos) / M); normalised: min-max over the teachers (the paper's Table 3 row); "
-          "transfer accuracy: the `transfer` oracle (each teacher with a new head trained on the target set, or fully "
-          "fine-tuned).\n" + (correlation_table(rows) if not rows.empty else "\n(no run has both transfer and fedsa)"))
+    t3 = (
+        "## Table 3 (style): teachers' transfer accuracy against their saliency similarity\n\n"
+        "Similarity: the per-image saliency similarity of each teacher to the weak target model at FedSA's first "
+        "selection (sum_j (0.5 + 0.5 cos) / M); normalised: min-max over the teachers (the paper's Table 3 row); "
+        "transfer accuracy: the `transfer` oracle (each teacher with a new head trained on the target set, or fully "
+        "fine-tuned).\n" + (correlation_table(rows) if not rows.empty else "\n(no run has both transfer and fedsa)")
+    )
     (args.out / "table1.md").write_text(t1 + "\n")
     (args.out / "table2.md").write_text(t2 + "\n")
     (args.out / "table3.md").write_text(t3 + "\n")
-    tp = ("## Paired differences: each method minus scratch / minus FedAvg+ on the same seed\n\n"
-          "Percentage points, mean ± standard error over the seeds that ran both (same seed = same target set, teachers "
-          "and draw stream); in brackets, the seeds on which the method is ahead.\n\n"
-          + paired_table(runs, TABLE1 + [label for label in TABLE2 if label not in TABLE1] + ["fedavg+whole", "fedsa-whole"]))
+    tp = (
+        "## Paired differences: each method minus scratch / minus FedAvg+ on the same seed\n\n"
+        "Percentage points, mean ± standard error over the seeds that ran both (same seed = same target set, teachers "
+        "and draw stream); in brackets, the seeds on which the method is ahead.\n\n"
+        + paired_table(runs, TABLE1 + [label for label in TABLE2 if label not in TABLE1] + ["fedavg+whole", "fedsa-whole"])
+    )
     (args.out / "paired.md").write_text(tp + "\n")
     plot_selections(args.out / "selections.png", runs)
-    plot_curves(args.out / "curves.png", runs, ["scratch", "fedavg+", "fedsa", "fedsa-gradcam", "top-k", "fixed", "random+pos",
-                                                "fedavg+whole", "fedsa-whole"])
+    plot_curves(
+        args.out / "curves.png",
+        runs,
+        ["scratch", "fedavg+", "fedsa", "fedsa-gradcam", "top-k", "fixed", "random+pos", "fedavg+whole", "fedsa-whole"],
+    )
     print(t1, t2, t3, tp, sep="\n\n")
     print(f"\nwritten: {', '.join(sorted(p.name for p in args.out.iterdir()))} in {args.out}")
 

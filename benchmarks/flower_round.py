@@ -69,24 +69,48 @@ class TimedFedAvg(FedAvg):
         return out
 
 
-def run_cell(clients: int, num_params: int, *, rounds: int, warmup: int, cpus: int, client_cpus: float,
-             store_bytes: int) -> dict:
+def run_cell(clients: int, num_params: int, *, rounds: int, warmup: int, cpus: int, client_cpus: float, store_bytes: int) -> dict:
     """One simulation of ``warmup + rounds`` rounds; timings of the last ``rounds``."""
     initial = [np.random.default_rng(0).uniform(0.5, 1.5, num_params).astype(np.float32)]
-    strategy = TimedFedAvg(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=clients, min_evaluate_clients=0,
-                           min_available_clients=clients, initial_parameters=ndarrays_to_parameters(initial),
-                           fit_metrics_aggregation_fn=lambda metrics: {})
+    strategy = TimedFedAvg(
+        fraction_fit=1.0,
+        fraction_evaluate=0.0,
+        min_fit_clients=clients,
+        min_evaluate_clients=0,
+        min_available_clients=clients,
+        initial_parameters=ndarrays_to_parameters(initial),
+        fit_metrics_aggregation_fn=lambda metrics: {},
+    )
     started = time.perf_counter()
-    start_simulation(client_fn=client_fn, num_clients=clients, config=ServerConfig(num_rounds=warmup + rounds),
-                     strategy=strategy, client_resources={"num_cpus": client_cpus, "num_gpus": 0.0},
-                     ray_init_args={"address": "local", "num_cpus": cpus, "include_dashboard": False,
-                                    "object_store_memory": store_bytes, "log_to_driver": False})
+    start_simulation(
+        client_fn=client_fn,
+        num_clients=clients,
+        config=ServerConfig(num_rounds=warmup + rounds),
+        strategy=strategy,
+        client_resources={"num_cpus": client_cpus, "num_gpus": 0.0},
+        ray_init_args={
+            "address": "local",
+            "num_cpus": cpus,
+            "include_dashboard": False,
+            "object_store_memory": store_bytes,
+            "log_to_driver": False,
+        },
+    )
     total_s = time.perf_counter() - started
     timed = range(warmup + 1, warmup + rounds + 1)
     round_s = [strategy.finished[r] - strategy.started[r] for r in timed]
-    return {"clients": clients, "num_params": num_params, "param_bytes": 4 * num_params, "client_cpus": client_cpus,
-            "rounds_timed": rounds, "round_s": median(round_s), "aggregate_s": median([strategy.aggregate_s[r] for r in timed]),
-            "round_times_s": round_s, "startup_s": strategy.started[1] - started, "total_s": total_s}
+    return {
+        "clients": clients,
+        "num_params": num_params,
+        "param_bytes": 4 * num_params,
+        "client_cpus": client_cpus,
+        "rounds_timed": rounds,
+        "round_s": median(round_s),
+        "aggregate_s": median([strategy.aggregate_s[r] for r in timed]),
+        "round_times_s": round_s,
+        "startup_s": strategy.started[1] - started,
+        "total_s": total_s,
+    }
 
 
 def main() -> None:
@@ -106,12 +130,22 @@ def main() -> None:
     for spec in args.cells:
         clients, num_params = (int(x) for x in spec.split("x"))
         load = wait_for_quiet(args.max_load, args.quiet_timeout)
-        row = run_cell(clients, num_params, rounds=args.rounds, warmup=args.warmup, cpus=args.cpus,
-                       client_cpus=args.client_cpus, store_bytes=int(args.object_store_gib * 2**30))
+        row = run_cell(
+            clients,
+            num_params,
+            rounds=args.rounds,
+            warmup=args.warmup,
+            cpus=args.cpus,
+            client_cpus=args.client_cpus,
+            store_bytes=int(args.object_store_gib * 2**30),
+        )
         row["load_avg_1m"] = load
         rows.append(row)
-        print(f"flower {clients} x {4 * num_params / 1e6:g} MB: median round {row['round_s']:.3f} s "
-              f"(aggregate_fit {row['aggregate_s']:.3f} s), pool start {row['startup_s']:.1f} s, load {load:.1f}", flush=True)
+        print(
+            f"flower {clients} x {4 * num_params / 1e6:g} MB: median round {row['round_s']:.3f} s "
+            f"(aggregate_fit {row['aggregate_s']:.3f} s), pool start {row['startup_s']:.1f} s, load {load:.1f}",
+            flush=True,
+        )
     payload = {"machine": machine_info(), "flwr": flwr.__version__, "ray": ray.__version__, "rows": rows}
     write_results("flower_round", payload)
     print(json.dumps(payload))

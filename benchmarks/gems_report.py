@@ -38,14 +38,24 @@ OUT = ROOT / "docs" / "results" / "gems"
 GROUPS = {2: [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], 3: [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]], 5: [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]}
 JOBS = {"logreg": ROOT / "jobs" / "gems_digits.yaml", "mlp": ROOT / "jobs" / "gems_digits_mlp.yaml"}
 # The paper's MNIST numbers (Tables 1/5 convex, Tables 2/6 network): Global, Local, Averaged, GEMS, GEMS tuned.
-PAPER = {("logreg", 2): (.926, .481, .780, .780, .889), ("logreg", 3): (.926, .325, .705, .647, .878),
-         ("logreg", 5): (.926, .198, .444, .456, .877), ("mlp", 2): (.965, .492, .641, .766, .888),
-         ("mlp", 3): (.965, .329, .422, .754, .926), ("mlp", 5): (.965, .199, .259, .439, .886)}
+PAPER = {
+    ("logreg", 2): (0.926, 0.481, 0.780, 0.780, 0.889),
+    ("logreg", 3): (0.926, 0.325, 0.705, 0.647, 0.878),
+    ("logreg", 5): (0.926, 0.198, 0.444, 0.456, 0.877),
+    ("mlp", 2): (0.965, 0.492, 0.641, 0.766, 0.888),
+    ("mlp", 3): (0.965, 0.329, 0.422, 0.754, 0.926),
+    ("mlp", 5): (0.965, 0.199, 0.259, 0.439, 0.886),
+}
 
 
 def run(model: str, K: int, extra: list[str], methods: dict | None = None, seed: int = 0) -> dict:
-    overrides = [f"partition.num_clients={K}", f"partition.groups={json.dumps(GROUPS[K])}", "federation.backend=local",
-                 f"run.seed={seed}", *extra]
+    overrides = [
+        f"partition.num_clients={K}",
+        f"partition.groups={json.dumps(GROUPS[K])}",
+        "federation.backend=local",
+        f"run.seed={seed}",
+        *extra,
+    ]
     cfg = load_config(JOBS[model], overrides)
     if methods is not None:
         from rayfuse.config import validate_config
@@ -58,12 +68,29 @@ def run(model: str, K: int, extra: list[str], methods: dict | None = None, seed:
         return run_experiment(cfg, InProcessBackend(), Path(tmp) / "run", printer=lambda e: None, show_tables=False)["methods"]
 
 
-COLUMNS = [("global", "Global"), ("local", "Local"), ("average", "Averaged"), ("gems", "GEMS"), ("gems_sphere", "GEMS sphere"),
-           ("gems_tuned", "GEMS tuned"), ("tuned_average", "tuned avg"), ("tuned_local", "tuned local"), ("raw", "raw"), ("raw_reference", "raw (ref.)"),
-           ("gems_converged", "GEMS tuned, conv. head"), ("tuned_average_converged", "tuned avg, conv. head")]
-CURVE_LABELS = {"gems": "GEMS tuned", "tuned-average": "tuned average", "tuned-local": "tuned local", "raw": "raw",
-                "raw-reference": "raw (reference protocol)", "gems-converged": "GEMS tuned, converged head",
-                "tuned-average-converged": "tuned average, converged head"}
+COLUMNS = [
+    ("global", "Global"),
+    ("local", "Local"),
+    ("average", "Averaged"),
+    ("gems", "GEMS"),
+    ("gems_sphere", "GEMS sphere"),
+    ("gems_tuned", "GEMS tuned"),
+    ("tuned_average", "tuned avg"),
+    ("tuned_local", "tuned local"),
+    ("raw", "raw"),
+    ("raw_reference", "raw (ref.)"),
+    ("gems_converged", "GEMS tuned, conv. head"),
+    ("tuned_average_converged", "tuned avg, conv. head"),
+]
+CURVE_LABELS = {
+    "gems": "GEMS tuned",
+    "tuned-average": "tuned average",
+    "tuned-local": "tuned local",
+    "raw": "raw",
+    "raw-reference": "raw (reference protocol)",
+    "gems-converged": "GEMS tuned, converged head",
+    "tuned-average-converged": "tuned average, converged head",
+}
 # the network job's extra entries (networks only): the reference's raw protocol, and the last layer fitted to convergence
 NETWORK_ONLY = ("raw-reference", "gems-converged", "tuned-average-converged")
 
@@ -82,12 +109,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-grid", action="store_true")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="run.seed of each repetition (default 0 1 2)")
-    parser.add_argument("--out", type=Path, default=None, help="default: docs/results/gems/ (digits) or docs/results/gems/<dataset>/; with --quick, "
-                        "benchmarks/results/gems-quick/")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default: docs/results/gems/ (digits) or docs/results/gems/<dataset>/; with --quick, benchmarks/results/gems-quick/",
+    )
     parser.add_argument("--dataset", default="digits", help="data.dataset of the jobs (digits or mnist5k)")
     args = parser.parse_args()
     # --quick never overwrites the committed results: it writes under the (ignored) benchmarks/results/
-    out = args.out or (ROOT / "benchmarks" / "results" / "gems-quick" if args.quick else OUT if args.dataset == "digits" else OUT / args.dataset)
+    out = args.out or (
+        ROOT / "benchmarks" / "results" / "gems-quick" if args.quick else OUT if args.dataset == "digits" else OUT / args.dataset
+    )
     out.mkdir(parents=True, exist_ok=True)
     extra = ["methods.gems.num_samples=100"] if args.quick else []
     mlp_extra: list[str] = []
@@ -96,7 +129,9 @@ def main() -> None:
     if args.dataset == "mnist5k":
         # the paper tunes on up to 1000 MNIST images (Figures 3-4: 100 ... 1000)
         sizes = "[100,200,500,1000]"
-        extra += ["data.public_size=1000"] + [f"methods.{m}.public_samples={sizes}" for m in ("gems", "tuned-local", "tuned-average", "raw")]
+        extra += ["data.public_size=1000"] + [
+            f"methods.{m}.public_samples={sizes}" for m in ("gems", "tuned-local", "tuned-average", "raw")
+        ]
         mlp_extra = [f"methods.{m}.public_samples={sizes}" for m in NETWORK_ONLY]
     if args.quick:
         mlp_extra.append("methods.gems-converged.num_samples=100")
@@ -110,62 +145,107 @@ def main() -> None:
         for K in (2, 3, 5):
             per_seed = []
             # The MLP job's m_epsilon = 100 is the paper's K = 3, 5 value; K = 2 uses 50 (fewer units than the ensemble's 100)
-            cell_extra = extra + (mlp_extra if model == "mlp" else []) + (
-                ["methods.gems.m_epsilon=50", "methods.gems-converged.m_epsilon=50"] if model == "mlp" and K == 2 else [])
+            cell_extra = (
+                extra
+                + (mlp_extra if model == "mlp" else [])
+                + (["methods.gems.m_epsilon=50", "methods.gems-converged.m_epsilon=50"] if model == "mlp" and K == 2 else [])
+            )
             for seed in args.seeds:
                 m = run(model, K, cell_extra, seed=seed)
                 per_seed.append(m)
-                raw[f"{model}-K{K}-seed{seed}"] = {label: {k: v for k, v in e.items() if k != "info"} | {"info": {
-                    k: v for k, v in e.get("info", {}).items()
-                    if k in ("intersection_found", "distance_left", "radii", "hidden_units", "tuning_curve", "layers")}}
-                    for label, e in m.items()}
+                raw[f"{model}-K{K}-seed{seed}"] = {
+                    label: {k: v for k, v in e.items() if k != "info"}
+                    | {
+                        "info": {
+                            k: v
+                            for k, v in e.get("info", {}).items()
+                            if k in ("intersection_found", "distance_left", "radii", "hidden_units", "tuning_curve", "layers")
+                        }
+                    }
+                    for label, e in m.items()
+                }
 
             def values(label: str, key: str = "accuracy") -> list[float | None]:
                 return [m[label].get(key) if label in m else None for m in per_seed]
 
-            row = {"model": model, "K": K, "global": values("global"), "local": values("local"), "average": values("average"),
-                   "gems": values("gems"), "gems_sphere": values("gems-sphere"), "gems_tuned": values("gems", "tuned_accuracy"),
-                   "tuned_average": values("tuned-average"), "tuned_local": values("tuned-local"), "raw": values("raw"),
-                   "raw_reference": values("raw-reference"),
-                   "gems_converged": values("gems-converged", "tuned_accuracy"), "tuned_average_converged": values("tuned-average-converged"),
-                   "found": sum(bool(m["gems"]["info"].get("intersection_found")) for m in per_seed), "paper": PAPER[(model, K)]}
+            row = {
+                "model": model,
+                "K": K,
+                "global": values("global"),
+                "local": values("local"),
+                "average": values("average"),
+                "gems": values("gems"),
+                "gems_sphere": values("gems-sphere"),
+                "gems_tuned": values("gems", "tuned_accuracy"),
+                "tuned_average": values("tuned-average"),
+                "tuned_local": values("tuned-local"),
+                "raw": values("raw"),
+                "raw_reference": values("raw-reference"),
+                "gems_converged": values("gems-converged", "tuned_accuracy"),
+                "tuned_average_converged": values("tuned-average-converged"),
+                "found": sum(bool(m["gems"]["info"].get("intersection_found")) for m in per_seed),
+                "paper": PAPER[(model, K)],
+            }
             rows.append(row)
             if model == "mlp":
-                size_rows.append({"K": K, "gems_units": values("gems", "hidden_units"), "gems": values("gems"),
-                                  "gems_tuned": values("gems", "tuned_accuracy"), "ensemble_units": K * 50,
-                                  "ensemble": values("ensemble")})
-            curves[(model, K)] = {label: [m[label]["info"]["tuning_curve"] for m in per_seed] for label in CURVE_LABELS
-                                  if label in per_seed[0]}  # NETWORK_ONLY: networks only
+                size_rows.append(
+                    {
+                        "K": K,
+                        "gems_units": values("gems", "hidden_units"),
+                        "gems": values("gems"),
+                        "gems_tuned": values("gems", "tuned_accuracy"),
+                        "ensemble_units": K * 50,
+                        "ensemble": values("ensemble"),
+                    }
+                )
+            curves[(model, K)] = {
+                label: [m[label]["info"]["tuning_curve"] for m in per_seed] for label in CURVE_LABELS if label in per_seed[0]
+            }  # NETWORK_ONLY: networks only
             print(model, K, {k: cell(v) for k, v in row.items() if isinstance(v, list)}, flush=True)
     (out / "raw.json").write_text(json.dumps(raw, indent=1, default=str))
 
     n = len(args.seeds)
-    lines = [f"{args.dataset}: test accuracy, mean ± std over {n} seed(s) ({', '.join(map(str, args.seeds))}); tuned columns at the largest public "
-             "sample. The last column is the paper's MNIST numbers (Tables 1/5 convex, 2/6 network).", "",
-             "| model | K | " + " | ".join(title for _, title in COLUMNS) + " | intersect | paper (G/L/A/GEMS/tuned) |",
-             "|---|---|" + "---|" * len(COLUMNS) + "---|---|"]
+    lines = [
+        f"{args.dataset}: test accuracy, mean ± std over {n} seed(s) ({', '.join(map(str, args.seeds))}); tuned columns at the largest public "
+        "sample. The last column is the paper's MNIST numbers (Tables 1/5 convex, 2/6 network).",
+        "",
+        "| model | K | " + " | ".join(title for _, title in COLUMNS) + " | intersect | paper (G/L/A/GEMS/tuned) |",
+        "|---|---|" + "---|" * len(COLUMNS) + "---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['K']} | " + " | ".join(cell(r[key]) for key, _ in COLUMNS)
-                     + f" | {r['found']}/{n} | " + " / ".join(f"{v:.3f}" for v in r["paper"]) + " |")
+        lines.append(
+            f"| {r['model']} | {r['K']} | "
+            + " | ".join(cell(r[key]) for key, _ in COLUMNS)
+            + f" | {r['found']}/{n} | "
+            + " / ".join(f"{v:.3f}" for v in r["paper"])
+            + " |"
+        )
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     lines = ["| K | GEMS hidden units | GEMS | GEMS tuned | ensemble hidden units | ensemble |", "|---|---|---|---|---|---|"]
     for r in size_rows:
-        lines.append(f"| {r['K']} | {np.mean(r['gems_units']):.0f} | {cell(r['gems'])} | {cell(r['gems_tuned'])} | {r['ensemble_units']} | "
-                     f"{cell(r['ensemble'])} |")
+        lines.append(
+            f"| {r['K']} | {np.mean(r['gems_units']):.0f} | {cell(r['gems'])} | {cell(r['gems_tuned'])} | {r['ensemble_units']} | "
+            f"{cell(r['ensemble'])} |"
+        )
     (out / "size.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
     # Figures 3-4 as a table: every model over the public sample sizes, and which non-oracle model is best at each.
     sizes = [c["public_samples"] for c in curves[("logreg", 2)]["gems"][0]]
-    lines = ["| model | K | public samples | " + " | ".join(CURVE_LABELS.values()) + " | best |",
-             "|---|---|---|" + "---|" * len(CURVE_LABELS) + "---|"]
+    lines = [
+        "| model | K | public samples | " + " | ".join(CURVE_LABELS.values()) + " | best |",
+        "|---|---|---|" + "---|" * len(CURVE_LABELS) + "---|",
+    ]
     for (model, K), series in curves.items():
         for i, size in enumerate(sizes):
             accs = {label: [seed_curve[i]["accuracy"] for seed_curve in series[label]] for label in series}
             best = max(accs, key=lambda label: np.mean(accs[label]))
-            lines.append(f"| {model} | {K} | {int(size)} | " + " | ".join(cell(accs.get(label, [])) for label in CURVE_LABELS)
-                         + f" | {CURVE_LABELS[best]} |")
+            lines.append(
+                f"| {model} | {K} | {int(size)} | "
+                + " | ".join(cell(accs.get(label, [])) for label in CURVE_LABELS)
+                + f" | {CURVE_LABELS[best]} |"
+            )
     (out / "tuning_curve.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -205,8 +285,19 @@ def main() -> None:
     axes[0].set_title("logreg, K = 2 (green: intersection found)")
     hid = [0.01, 0.1, 1.0]
     fin = [0.2, 0.4, 0.6, 0.8]
-    methods = {f"h{h}-e{e}": {"method": "gems", "hidden_epsilon": h, "epsilon": e, "retrain_epochs": 30, "retrain_lr": 0.005,
-                              "m_epsilon": 50, **base} for h in hid for e in fin}
+    methods = {
+        f"h{h}-e{e}": {
+            "method": "gems",
+            "hidden_epsilon": h,
+            "epsilon": e,
+            "retrain_epochs": 30,
+            "retrain_lr": 0.005,
+            "m_epsilon": 50,
+            **base,
+        }
+        for h in hid
+        for e in fin
+    }
     m = run("mlp", 2, grid_extra, methods, seed=args.seeds[0])
     for i, h in enumerate(hid):
         for j, e in enumerate(fin):

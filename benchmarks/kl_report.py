@@ -43,8 +43,12 @@ JOB = ROOT / "jobs" / "kl_gmm.yaml"
 SEPARATIONS = [round(0.15 * i, 2) for i in range(11)]
 NOISES = [0.1, 0.25, 0.5, 1.0, 2.0]
 STYLE_ORDER: list[str] = []
-STYLE = {"gmm_oracle": ("VI oracle", "k", "--"), "spahm": ("SPAHM", "tab:orange", "-"), "dp_cluster": ("DP-cluster", "tab:green", "-"),
-         "kl-relaxed": ("KL-fusion (relaxed P-step)", "tab:purple", ":")}
+STYLE = {
+    "gmm_oracle": ("VI oracle", "k", "--"),
+    "spahm": ("SPAHM", "tab:orange", "-"),
+    "dp_cluster": ("DP-cluster", "tab:green", "-"),
+    "kl-relaxed": ("KL-fusion (relaxed P-step)", "tab:purple", ":"),
+}
 
 
 def methods_for(lams: list[float], n_init: int) -> dict:
@@ -57,16 +61,25 @@ def methods_for(lams: list[float], n_init: int) -> dict:
 
 
 def run_cell(separation: float, noise: float, seed: int, methods: dict) -> dict:
-    cfg = load_config(JOB, [f"data.options.separation={separation}", f"data.options.local_sd={noise}", f"data.options.seed={seed}",
-                            "federation.backend=local"])
+    cfg = load_config(
+        JOB,
+        [
+            f"data.options.separation={separation}",
+            f"data.options.local_sd={noise}",
+            f"data.options.seed={seed}",
+            "federation.backend=local",
+        ],
+    )
     data = json.loads(cfg.model_dump_json())
     data["methods"] = methods
     cfg = validate_config(data)
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = run_experiment(cfg, InProcessBackend(), Path(tmp) / "run", printer=lambda e: None, show_tables=False)["methods"]
-    return {label: {k: entry.get(k) for k in ("hausdorff", "size_error", "num_components", "fuse_seconds", "seconds")}
-            for label, entry in out.items()}
+    return {
+        label: {k: entry.get(k) for k in ("hausdorff", "size_error", "num_components", "fuse_seconds", "seconds")}
+        for label, entry in out.items()
+    }
 
 
 def summarise(rows: list[dict], key: str, values: list[float], labels: list[str], metric: str) -> dict:
@@ -136,8 +149,12 @@ def bnn_figure(run_dir: Path, out: Path) -> str:
     rows = [entry] + [info["local"][c] for c in sorted(info["local"], key=int)]
     local_units = info["local_units"] if isinstance(info["local_units"], list) else [info["local_units"]] * len(info["local"])
     units = [info["global_units"]] + list(local_units)
-    panels = [("accuracy", "accuracy (higher is better)"), ("log_likelihood", "test log-likelihood (higher is better)"),
-              ("entropy", "predictive entropy, test set"), ("ood_entropy", "predictive entropy, out of distribution")]
+    panels = [
+        ("accuracy", "accuracy (higher is better)"),
+        ("log_likelihood", "test log-likelihood (higher is better)"),
+        ("entropy", "predictive entropy, test set"),
+        ("ood_entropy", "predictive entropy, out of distribution"),
+    ]
     fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4.2 * (len(panels) + 1), 3.8))
     colors = ["C3"] + ["C0"] * (len(names) - 1)
     for ax, (key, title) in zip(axes, panels):
@@ -149,8 +166,11 @@ def bnn_figure(run_dir: Path, out: Path) -> str:
     axes[-1].set_title("hidden units", fontsize=9)
     axes[-1].set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
     axes[-1].legend(fontsize=7)
-    fig.suptitle(f"KL-fusion of {len(names) - 1} Bayesian MLPs (Table 2 as a figure; {run_dir.name}): {info['global_units']} global units "
-                 f"of {info['concatenated_units']}, lambda x std(KL) = {info['lam_effective']:.3g}", fontsize=10)
+    fig.suptitle(
+        f"KL-fusion of {len(names) - 1} Bayesian MLPs (Table 2 as a figure; {run_dir.name}): {info['global_units']} global units "
+        f"of {info['concatenated_units']}, lambda x std(KL) = {info['lam_effective']:.3g}",
+        fontsize=10,
+    )
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
     fig.savefig(out / "bnn.png", dpi=110)
@@ -167,10 +187,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=None, help="generator seeds per grid point (default 5; --quick 3)")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--lam", type=float, nargs="+", default=[3.0, 0.1],
-                        help="KL-fusion lambdas: the first is the job's (also used by the relaxed solver); 0.1 is the paper's default")
+    parser.add_argument(
+        "--lam",
+        type=float,
+        nargs="+",
+        default=[3.0, 0.1],
+        help="KL-fusion lambdas: the first is the job's (also used by the relaxed solver); 0.1 is the paper's default",
+    )
     parser.add_argument("--only", choices=["separation", "noise"], default=None)
-    parser.add_argument("--bnn", type=Path, default=None, metavar="RUN_DIR", help="write bnn.png / bnn_table.md from a kl_bnn_digits run, then stop")
+    parser.add_argument(
+        "--bnn", type=Path, default=None, metavar="RUN_DIR", help="write bnn.png / bnn_table.md from a kl_bnn_digits run, then stop"
+    )
     args = parser.parse_args()
     if args.bnn is not None:
         print(bnn_figure(args.bnn, OUT))
@@ -192,18 +219,30 @@ def main() -> None:
             for seed in seeds:
                 result = run_cell(separation, noise, seed, methods)
                 rows.append({"sweep": sweep, "separation": separation, "noise": noise, "seed": seed, "methods": result})
-                print(f"{sweep} s={separation:g} tau={noise:g} seed={seed}: " + ", ".join(
-                    f"{label} {r['hausdorff']:.2f}/{r['size_error']:.2f}" for label, r in result.items()), flush=True)
-    (OUT / "sweeps.json").write_text(json.dumps({"seeds": seeds, "n_init": n_init, "methods": methods, "rows": rows,
-                                                 "seconds": round(time.perf_counter() - started, 1)}, indent=1))
+                print(
+                    f"{sweep} s={separation:g} tau={noise:g} seed={seed}: "
+                    + ", ".join(f"{label} {r['hausdorff']:.2f}/{r['size_error']:.2f}" for label, r in result.items()),
+                    flush=True,
+                )
+    (OUT / "sweeps.json").write_text(
+        json.dumps(
+            {"seeds": seeds, "n_init": n_init, "methods": methods, "rows": rows, "seconds": round(time.perf_counter() - started, 1)},
+            indent=1,
+        )
+    )
     for sweep, key, values, xlabel, title in (
-            ("separation", "separation", SEPARATIONS, "mixture-mean separation s", "Figure 2: tau = 0.5"),
-            ("noise", "noise", NOISES, "local noise tau", "Figure 3: s = 0.5")):
+        ("separation", "separation", SEPARATIONS, "mixture-mean separation s", "Figure 2: tau = 0.5"),
+        ("noise", "noise", NOISES, "local noise tau", "Figure 3: s = 0.5"),
+    ):
         sel = [r for r in rows if r["sweep"] == sweep]
         if not sel:
             continue
-        table = plot(sel, key, values, labels, xlabel, f"KL-fusion GMM, {title}, {len(seeds)} seeds (Hausdorff / size error)", OUT / f"{sweep}.png")
-        (OUT / f"{sweep}.md").write_text(f"Hausdorff error / |G_hat - G| / G, mean over {len(seeds)} seeds ({n_init} VI restarts)\n\n{table}\n")
+        table = plot(
+            sel, key, values, labels, xlabel, f"KL-fusion GMM, {title}, {len(seeds)} seeds (Hausdorff / size error)", OUT / f"{sweep}.png"
+        )
+        (OUT / f"{sweep}.md").write_text(
+            f"Hausdorff error / |G_hat - G| / G, mean over {len(seeds)} seeds ({n_init} VI restarts)\n\n{table}\n"
+        )
         print(table)
 
 

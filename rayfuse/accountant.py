@@ -100,11 +100,15 @@ def noise_multiplier_for(target_epsilon: float, delta: float, sample_rate: float
     if not math.isfinite(target) or target <= 0:
         raise UnreachableEpsilon(f"a finite epsilon > 0, not {target!r}")
     if accountant == "rdp" and target < _rdp_floor(float(delta)):  # what the doubling would find, without its calls
-        raise UnreachableEpsilon(f"at least {_fmt(_rdp_floor(float(delta)))}, the least epsilon any noise reaches at delta "
-                                 f"{float(delta):g} with the rdp accountant")
+        raise UnreachableEpsilon(
+            f"at least {_fmt(_rdp_floor(float(delta)))}, the least epsilon any noise reaches at delta "
+            f"{float(delta):g} with the rdp accountant"
+        )
     if accountant == "prv" and target > PRV_MAX_EPSILON:
-        raise UnreachableEpsilon(f"at most {PRV_MAX_EPSILON:g} with the prv accountant (its cost grows without bound as the "
-                                 "noise shrinks; the rdp accountant takes larger targets)")
+        raise UnreachableEpsilon(
+            f"at most {PRV_MAX_EPSILON:g} with the prv accountant (its cost grows without bound as the "
+            "noise shrinks; the rdp accountant takes larger targets)"
+        )
     args = (float(sample_rate), int(steps), float(delta), accountant)
 
     def eps(sigma: float) -> float:
@@ -116,8 +120,9 @@ def noise_multiplier_for(target_epsilon: float, delta: float, sample_rate: float
         sigma_high *= 2
         calls += 1
         if sigma_high > MAX_NOISE or calls > MAX_SEARCH_STEPS:  # Opacus' limit: its largest noise is 655360
-            raise UnreachableEpsilon(f"at least {_fmt(eps(sigma_high / 2))}, the epsilon of the most noise searched "
-                                     f"(noise multiplier {sigma_high / 2:g})")
+            raise UnreachableEpsilon(
+                f"at least {_fmt(eps(sigma_high / 2))}, the epsilon of the most noise searched (noise multiplier {sigma_high / 2:g})"
+            )
         eps_high = eps(sigma_high)
     while target - eps_high > EPSILON_TOLERANCE:
         calls += 1
@@ -131,8 +136,10 @@ def noise_multiplier_for(target_epsilon: float, delta: float, sample_rate: float
                 continue
             if target - least <= EPSILON_TOLERANCE:
                 return MIN_NOISE
-            raise UnreachableEpsilon(f"at most {_fmt(least)}, the epsilon of the least noise searched (noise multiplier "
-                                     f"{MIN_NOISE:g}; give noise_multiplier for less noise)")
+            raise UnreachableEpsilon(
+                f"at most {_fmt(least)}, the epsilon of the least noise searched (noise multiplier "
+                f"{MIN_NOISE:g}; give noise_multiplier for less noise)"
+            )
         found = eps(sigma)
         if found < target:
             sigma_high, eps_high = sigma, found
@@ -167,8 +174,10 @@ def _searched_epsilon(sigma: float, sample_rate: float, steps: int, delta: float
             return math.inf
         return _epsilon(sigma, sample_rate, steps, delta, accountant)
     except (ArithmeticError, MemoryError, RuntimeError, ValueError) as exc:
-        raise UnreachableEpsilon(f"an epsilon Opacus' {accountant} accountant can evaluate (it failed at noise multiplier "
-                                 f"{sigma:g}: {str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__})") from None
+        raise UnreachableEpsilon(
+            f"an epsilon Opacus' {accountant} accountant can evaluate (it failed at noise multiplier "
+            f"{sigma:g}: {str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__})"
+        ) from None
 
 
 def _fmt(value: float) -> str:

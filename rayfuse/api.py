@@ -56,7 +56,18 @@ import numpy as np
 from rayfuse.config import ExperimentConfig, build_config, read_config_file
 from rayfuse.errors import InputError, RunFailure
 
-__all__ = ["InputError", "RunFailure", "RunResult", "fuse", "fuse_checkpoints", "load_fused", "resume", "run", "build_architecture", "symmetry"]
+__all__ = [
+    "InputError",
+    "RunFailure",
+    "RunResult",
+    "fuse",
+    "fuse_checkpoints",
+    "load_fused",
+    "resume",
+    "run",
+    "build_architecture",
+    "symmetry",
+]
 
 BACKENDS = ("ray", "local")
 
@@ -102,16 +113,28 @@ class RunResult:
 
         if label not in self.models:
             with_models = sorted(self.models)
-            raise InputError("label", f"a method that returned a model (one of {with_models})", label,
-                             "this method returned no parameters" if label in self.labels else "")
+            raise InputError(
+                "label",
+                f"a method that returned a model (one of {with_models})",
+                label,
+                "this method returned no parameters" if label in self.labels else "",
+            )
         model = set_params(build_model(self.config.model, self.input_shape, self.num_classes, seed=0), self.models[label])
         return model.eval()
 
 
-def run(config: str | Path | Mapping[str, Any] | ExperimentConfig | None = None, *,
-        model: Callable[..., Any] | Mapping[int | str, Callable[..., Any]] | None = None,
-        dataset: Any = None, methods: Mapping[str, Any] | None = None, backend: str | None = None,
-        run_dir: str | Path | None = None, overrides: Sequence[str] = (), quiet: bool = False, verbose: bool = False) -> RunResult:
+def run(
+    config: str | Path | Mapping[str, Any] | ExperimentConfig | None = None,
+    *,
+    model: Callable[..., Any] | Mapping[int | str, Callable[..., Any]] | None = None,
+    dataset: Any = None,
+    methods: Mapping[str, Any] | None = None,
+    backend: str | None = None,
+    run_dir: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    quiet: bool = False,
+    verbose: bool = False,
+) -> RunResult:
     """Run an experiment and return its results.
 
     Parameters
@@ -192,8 +215,9 @@ def resume(run_dir: str | Path, *, overrides: Sequence[str] = (), quiet: bool = 
     return _execute(prepare_run(cfg), Path(run_dir), resume=True, quiet=quiet, verbose=verbose, by_value=())
 
 
-def fuse_checkpoints(config: str | Path | Mapping[str, Any], out: str | Path | None = None,
-                     progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def fuse_checkpoints(
+    config: str | Path | Mapping[str, Any], out: str | Path | None = None, progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
     """Fuse checkpoints trained elsewhere (``rayfuse fuse``): every check first, then load, fuse and write.
 
     Returns the summary: ``method``, ``models`` (how many), ``tensors``, ``parameters`` and ``output`` (the file).
@@ -202,8 +226,11 @@ def fuse_checkpoints(config: str | Path | Mapping[str, Any], out: str | Path | N
     from rayfuse.checkpoints import load_fuse_config, run_fuse
 
     if isinstance(config, bool) or not isinstance(config, (str, os.PathLike, Mapping)) or (isinstance(config, str) and not config.strip()):
-        raise InputError("config", "a fuse config: a YAML file path or a dict (merge_method, models, output...)",
-                         config if isinstance(config, str) else type(config).__name__)
+        raise InputError(
+            "config",
+            "a fuse config: a YAML file path or a dict (merge_method, models, output...)",
+            config if isinstance(config, str) else type(config).__name__,
+        )
     _check_folder_argument(out, "out", optional=True, what="an output file path")
     if progress is not None and not callable(progress):
         raise InputError("progress", "a callable taking one line of text (e.g. print), or None", type(progress).__name__)
@@ -240,8 +267,9 @@ def fuse(config: str | Path | Mapping[str, Any], out: str | Path | None = None, 
     return Path(fuse_checkpoints(config, out, progress)["output"])
 
 
-def load_fused(architecture: Any, path: str | Path, *, args: Mapping[str, Any] | None = None,
-               input_shape: Sequence[int] | None = None) -> Any:
+def load_fused(
+    architecture: Any, path: str | Path, *, args: Mapping[str, Any] | None = None, input_shape: Sequence[int] | None = None
+) -> Any:
     """The model a fused file holds, in one call (:func:`rayfuse.checkpoints.load_fused`): ``architecture``
     (``"module:Class"``, a class or a function returning the model, or a model) built at the widths the file records
     (a ``merge: nonparametric`` model is wider than the architecture) and loaded, in eval mode, tied tensors kept tied::
@@ -254,8 +282,9 @@ def load_fused(architecture: Any, path: str | Path, *, args: Mapping[str, Any] |
     return load(architecture, path, args=args, input_shape=input_shape)
 
 
-def build_architecture(architecture: str, *, input_shape: Sequence[int] | None = None, dataset: str = "digits",
-                       args: Mapping[str, Any] | None = None) -> tuple[Any, tuple[int, ...]]:
+def build_architecture(
+    architecture: str, *, input_shape: Sequence[int] | None = None, dataset: str = "digits", args: Mapping[str, Any] | None = None
+) -> tuple[Any, tuple[int, ...]]:
     """The model ``architecture`` names and the shape of one of its samples (``rayfuse symmetry``).
 
     Parameters
@@ -275,8 +304,11 @@ def build_architecture(architecture: str, *, input_shape: Sequence[int] | None =
     from rayfuse.models.registry import MODELS, _build_torchvision, build_model, torchvision_model_names
 
     if not isinstance(architecture, str) or not architecture.strip():
-        raise InputError("architecture", "a registry model name, torchvision:<name> or module:Class",
-                         architecture if isinstance(architecture, str) else type(architecture).__name__)
+        raise InputError(
+            "architecture",
+            "a registry model name, torchvision:<name> or module:Class",
+            architecture if isinstance(architecture, str) else type(architecture).__name__,
+        )
     if args is not None and not isinstance(args, Mapping):
         raise InputError("args", "a mapping of keyword arguments (a dict), or None", type(args).__name__)
     if not isinstance(dataset, str):
@@ -288,8 +320,12 @@ def build_architecture(architecture: str, *, input_shape: Sequence[int] | None =
     kwargs = dict(args or {})
     if ":" not in architecture and architecture not in MODELS:
         known = MODELS.names()
-        raise InputError("architecture", f"a registry model ({', '.join(known)}), torchvision:<name> or module:Class",
-                         architecture, suggest(architecture, known).strip(" ()"))
+        raise InputError(
+            "architecture",
+            f"a registry model ({', '.join(known)}), torchvision:<name> or module:Class",
+            architecture,
+            suggest(architecture, known).strip(" ()"),
+        )
     try:
         data = load_dataset(dataset)
     except InputError as exc:
@@ -332,18 +368,32 @@ MAX_SAMPLE_VALUES = 1 << 24  # one example sample of build_architecture / symmet
 def _check_input_shape(input_shape: Any) -> None:
     """One sample's shape: 1 to 8 whole numbers >= 1 (not booleans), at most ``MAX_SAMPLE_VALUES`` values in all
     (the example batch is allocated from it)."""
-    ok = (isinstance(input_shape, Sequence) and not isinstance(input_shape, (str, bytes)) and 1 <= len(input_shape) <= 8
-          and all(isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_)) and n >= 1 for n in input_shape))
+    ok = (
+        isinstance(input_shape, Sequence)
+        and not isinstance(input_shape, (str, bytes))
+        and 1 <= len(input_shape) <= 8
+        and all(isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_)) and n >= 1 for n in input_shape)
+    )
     if not ok:
-        raise InputError("input_shape", "one sample's shape: 1 to 8 whole numbers >= 1, such as (1, 8, 8)",
-                         input_shape if isinstance(input_shape, (str, Sequence)) else type(input_shape).__name__)
+        raise InputError(
+            "input_shape",
+            "one sample's shape: 1 to 8 whole numbers >= 1, such as (1, 8, 8)",
+            input_shape if isinstance(input_shape, (str, Sequence)) else type(input_shape).__name__,
+        )
     values = int(np.prod([int(n) for n in input_shape], dtype=object))
     if values > MAX_SAMPLE_VALUES:
         raise InputError("input_shape", f"at most {MAX_SAMPLE_VALUES:,} values per sample", f"{tuple(input_shape)}: {values:,}")
 
 
-def symmetry(architecture: str, *, input_shape: Sequence[int] | None = None, dataset: str = "digits",
-             args: Mapping[str, Any] | None = None, strict: bool = False, vocab: int | None = None) -> Any:
+def symmetry(
+    architecture: str,
+    *,
+    input_shape: Sequence[int] | None = None,
+    dataset: str = "digits",
+    args: Mapping[str, Any] | None = None,
+    strict: bool = False,
+    vocab: int | None = None,
+) -> Any:
     """The :class:`~rayfuse.symmetry.PermutationSpec` derived from the model ``architecture`` names (see
     :func:`build_architecture`), traced on a random batch of two samples of ``input_shape`` and checked on the model
     (groups that fail the invariance check are fixed, or with ``strict`` refused).
@@ -357,8 +407,9 @@ def symmetry(architecture: str, *, input_shape: Sequence[int] | None = None, dat
     if vocab is not None and (isinstance(vocab, (bool, np.bool_)) or not isinstance(vocab, (int, np.integer)) or vocab < 1):
         raise InputError("vocab", "the number of token ids the model takes: a whole number >= 1, or None", vocab)
     if vocab is not None and input_shape is None:
-        raise InputError("input_shape", "the token ids' shape with vocab, such as (16,) for sequences of 16 tokens "
-                         "(the dataset's shape is an image's)")
+        raise InputError(
+            "input_shape", "the token ids' shape with vocab, such as (16,) for sequences of 16 tokens (the dataset's shape is an image's)"
+        )
     _check_flags(strict=strict)
     model, shape = build_architecture(architecture, input_shape=input_shape, dataset=dataset, args=args)
     generator = torch.Generator().manual_seed(0)
@@ -373,8 +424,11 @@ def symmetry(architecture: str, *, input_shape: Sequence[int] | None = None, dat
         if exc.path != "input" or (vocab is None and not floats_refused):
             raise
         # the model refused the batch: say which choice of ours it was fed (floats, or ids below vocab)
-        fed = f"random token ids in [0, {vocab}): is vocab at most the model's vocabulary size?" if vocab is not None else \
-            "random floats: a model that takes token ids needs vocab (rayfuse symmetry --vocab N)"
+        fed = (
+            f"random token ids in [0, {vocab}): is vocab at most the model's vocabulary size?"
+            if vocab is not None
+            else "random floats: a model that takes token ids needs vocab (rayfuse symmetry --vocab N)"
+        )
         raise InputError(exc.path, exc.expected, exc.got, f"{exc.hint}; fed {fed}" if exc.hint else f"fed {fed}") from None
 
 
@@ -417,8 +471,9 @@ def _check_folder_argument(value: Any, name: str, *, optional: bool = False, wha
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, (str, os.PathLike)) or (isinstance(value, str) and not value.strip()):
-        raise InputError(name, f"{what} (str or Path)" + (" or None" if optional else ""),
-                         value if isinstance(value, str) else type(value).__name__)
+        raise InputError(
+            name, f"{what} (str or Path)" + (" or None" if optional else ""), value if isinstance(value, str) else type(value).__name__
+        )
 
 
 def _overrides(overrides: Any) -> list[str]:
@@ -461,16 +516,21 @@ def _check_method_object(given: Any, where: str) -> None:
         return  # a registered name, or anything else: resolve_methods names what it expects
     abstract = sorted(getattr(cls, "__abstractmethods__", ()) or ())
     if abstract or not callable(getattr(cls, "run", None)):
-        raise InputError(where, "a Method subclass that defines run(self, server) (its server loop)",
-                         f"{cls.__qualname__} without {', '.join(abstract) or 'a callable run'}")
+        raise InputError(
+            where,
+            "a Method subclass that defines run(self, server) (its server loop)",
+            f"{cls.__qualname__} without {', '.join(abstract) or 'a callable run'}",
+        )
     params_cls = getattr(cls, "Params", None)
     if not (inspect.isclass(params_cls) and issubclass(params_cls, MethodParams)):
-        raise InputError(f"{where}.Params", "a params model: a subclass of rayfuse.method.MethodParams (pydantic)",
-                         params_cls if not inspect.isclass(params_cls) else params_cls.__qualname__,
-                         "declare class Params(MethodParams) with typed fields and defaults")
+        raise InputError(
+            f"{where}.Params",
+            "a params model: a subclass of rayfuse.method.MethodParams (pydantic)",
+            params_cls if not inspect.isclass(params_cls) else params_cls.__qualname__,
+            "declare class Params(MethodParams) with typed fields and defaults",
+        )
     if not isinstance(given, type) and not isinstance(getattr(given, "params", None), params_cls):
-        raise InputError(f"{where}.params", f"an instance of {cls.__qualname__}.Params",
-                         type(getattr(given, "params", None)).__name__)
+        raise InputError(f"{where}.params", f"an instance of {cls.__qualname__}.Params", type(getattr(given, "params", None)).__name__)
 
 
 def _check_dataset_is_used(cfg: ExperimentConfig) -> None:
@@ -479,12 +539,20 @@ def _check_dataset_is_used(cfg: ExperimentConfig) -> None:
     of ``data`` (keys the arrays make meaningless)."""
     data = cfg.data
     if data.is_silos:
-        raise InputError("dataset", "no dataset argument with a silo config (data.silos: each client reads its own data)",
-                         "arrays and data.silos", "drop dataset=, or data.silos from the config")
+        raise InputError(
+            "dataset",
+            "no dataset argument with a silo config (data.silos: each client reads its own data)",
+            "arrays and data.silos",
+            "drop dataset=, or data.silos from the config",
+        )
     ignored = [f"data.{key}" for key in ("path", "root", "features", "options") if getattr(data, key)]
     if ignored:
-        raise InputError("dataset", f"arrays, or a config whose data names a source, not both ({', '.join(ignored)} would be ignored)",
-                         ignored[0] + " and dataset=", f"drop dataset= or {', '.join(ignored)}")
+        raise InputError(
+            "dataset",
+            f"arrays, or a config whose data names a source, not both ({', '.join(ignored)} would be ignored)",
+            ignored[0] + " and dataset=",
+            f"drop dataset= or {', '.join(ignored)}",
+        )
 
 
 def _check_factory(model: Any, where: str = "model") -> Any:
@@ -493,8 +561,12 @@ def _check_factory(model: Any, where: str = "model") -> Any:
     from rayfuse.models.registry import factory_arity
 
     if isinstance(model, nn.Module):  # callable (its forward), but one instance every client would share
-        raise InputError(where, "a model factory (the class, or a function returning a new nn.Module), not a model instance",
-                         f"an instance of {type(model).__qualname__}", f"pass model={type(model).__name__} or lambda: {type(model).__name__}(...)")
+        raise InputError(
+            where,
+            "a model factory (the class, or a function returning a new nn.Module), not a model instance",
+            f"an instance of {type(model).__qualname__}",
+            f"pass model={type(model).__name__} or lambda: {type(model).__name__}(...)",
+        )
     if factory_arity(model) < 0:
         raise InputError(where, "a callable returning an nn.Module, taking (input_shape, num_classes) or no arguments", model)
     return model
@@ -549,12 +621,20 @@ def _arrays(dataset: Any, *, as_stored: bool = False) -> Any:
     from rayfuse.data.datasets import dataset_from_arrays
 
     if _is_pandas(dataset):
-        raise InputError("dataset", "(X, y) arrays or a torch Dataset of (x, y) pairs", f"a pandas {type(dataset).__name__}",
-                         "pass (frame.drop(columns=label), frame[label]): which column holds the labels is yours to say")
+        raise InputError(
+            "dataset",
+            "(X, y) arrays or a torch Dataset of (x, y) pairs",
+            f"a pandas {type(dataset).__name__}",
+            "pass (frame.drop(columns=label), frame[label]): which column holds the labels is yours to say",
+        )
     if isinstance(dataset, (tuple, list)) and len(dataset) == 2:
         X, y = dataset
         X, y = _to_numpy(X, "dataset[0] (X)", features=True), _to_numpy(y, "dataset[1] (y)")
-    elif hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__") and not isinstance(dataset, (str, bytes, Mapping, tuple, list, np.ndarray)):
+    elif (
+        hasattr(dataset, "__getitem__")
+        and hasattr(dataset, "__len__")
+        and not isinstance(dataset, (str, bytes, Mapping, tuple, list, np.ndarray))
+    ):
         X, y = _read_pairs(dataset)
     else:
         raise InputError("dataset", "(X, y) arrays or a torch Dataset of (x, y) pairs", type(dataset).__name__)
@@ -617,8 +697,9 @@ def _to_numpy(value: Any, where: str, *, features: bool = False) -> np.ndarray:
     try:
         return np.asarray(value)
     except ValueError as exc:  # ragged nested lists: "inhomogeneous shape"
-        raise InputError(where, "a rectangular array (every sample of one shape)", "ragged sequences",
-                         str(exc).split(". ")[0][:100]) from None
+        raise InputError(
+            where, "a rectangular array (every sample of one shape)", "ragged sequences", str(exc).split(". ")[0][:100]
+        ) from None
 
 
 def _numeric_dtype(dtype: Any) -> bool:
@@ -705,6 +786,14 @@ def _read_result(prepared: Any, folder: Path, results: dict[str, Any]) -> RunRes
 
         manifest = json.loads(store.partition_file.read_text(encoding="utf-8"))
         input_shape, num_classes = tuple(manifest["input_shape"]), int(manifest["num_classes"])
-    return RunResult(run_dir=folder, metrics=metrics, history=history, models=models, results=results, config=prepared.cfg,
-                     input_shape=input_shape, num_classes=num_classes,
-                     labels=tuple(labels))
+    return RunResult(
+        run_dir=folder,
+        metrics=metrics,
+        history=history,
+        models=models,
+        results=results,
+        config=prepared.cfg,
+        input_shape=input_shape,
+        num_classes=num_classes,
+        labels=tuple(labels),
+    )

@@ -38,8 +38,17 @@ from rayfuse.config import AttackSpec
 from rayfuse.method import Update
 from rayfuse.seeding import make_rng
 
-__all__ = ["ATTACKS", "attack_sign_flip", "attack_scale", "attack_gaussian", "attack_little_is_enough", "compute_lie_z",
-           "apply_attacks", "DEFAULT_SCALE", "DEFAULT_STD"]
+__all__ = [
+    "ATTACKS",
+    "attack_sign_flip",
+    "attack_scale",
+    "attack_gaussian",
+    "attack_little_is_enough",
+    "compute_lie_z",
+    "apply_attacks",
+    "DEFAULT_SCALE",
+    "DEFAULT_STD",
+]
 
 ATTACKS = ("sign_flip", "scale", "gaussian", "little_is_enough")
 DEFAULT_SCALE = 10.0
@@ -53,8 +62,9 @@ def _is_float(array: np.ndarray) -> bool:
     return np.asarray(array).dtype.kind == "f"
 
 
-def _around_reference(params: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray],
-                      move: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Params:
+def _around_reference(
+    params: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], move: Callable[[np.ndarray, np.ndarray], np.ndarray]
+) -> Params:
     """``move(w, w_ref)`` (float64) per float tensor, cast back to its dtype; integer tensors: the client's own."""
     out: Params = {}
     for key, value in params.items():
@@ -76,8 +86,7 @@ def attack_sign_flip(params: Mapping[str, np.ndarray], reference: Mapping[str, n
     return attack_scale(params, reference, -1.0)
 
 
-def attack_gaussian(params: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], std: float,
-                    rng: np.random.Generator) -> Params:
+def attack_gaussian(params: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], std: float, rng: np.random.Generator) -> Params:
     """``w_ref + N(0, std^2)`` per coordinate of each float tensor, drawn from ``rng`` in the parameters' key order."""
     return _around_reference(params, reference, lambda w, ref: ref + rng.normal(0.0, std, size=w.shape))
 
@@ -92,8 +101,7 @@ def compute_lie_z(n: int, m: int) -> float:
     return max(0.0, NormalDist().inv_cdf(p)) if p > 0.5 else 0.0
 
 
-def attack_little_is_enough(honest: Sequence[Mapping[str, np.ndarray]], z: float,
-                            own: Mapping[str, np.ndarray] | None = None) -> Params:
+def attack_little_is_enough(honest: Sequence[Mapping[str, np.ndarray]], z: float, own: Mapping[str, np.ndarray] | None = None) -> Params:
     """Per coordinate, ``mean - z std`` of the ``honest`` models (population std, unweighted), each float tensor cast
     back to its dtype; integer tensors are ``own``'s (the colluder's own model; default: the first honest model's)."""
     if not honest:
@@ -110,8 +118,9 @@ def attack_little_is_enough(honest: Sequence[Mapping[str, np.ndarray]], z: float
     return out
 
 
-def apply_attacks(updates: Mapping[int, Update], reference: Mapping[str, np.ndarray], attacks: Sequence[AttackSpec], *,
-                  round: int, seed: int) -> tuple[dict[int, Update], list[AttackSpec]]:
+def apply_attacks(
+    updates: Mapping[int, Update], reference: Mapping[str, np.ndarray], attacks: Sequence[AttackSpec], *, round: int, seed: int
+) -> tuple[dict[int, Update], list[AttackSpec]]:
     """The round's updates with each attacking client's replaced by its attack's, and the attacks applied.
 
     Parameters

@@ -53,8 +53,23 @@ from rayfuse.fusion.aligned.algorithm import AlignmentSettings, derive_run_spec
 from rayfuse.fusion.distill.algorithm import DistillOptions
 from rayfuse.io import TORCH_ONLY_FLOATS, check_writable_folder, read_checkpoint, save_params, save_params_cast
 
-__all__ = ["FuseSpec", "Fuser", "FuseInputs", "FUSERS", "register_fuser", "load_fuse_config", "load_fuse_inputs", "fuse_models", "run_fuse",
-           "check_floats", "fused_dtype", "tied_names", "check_ties", "check_fused", "load_fused"]
+__all__ = [
+    "FuseSpec",
+    "Fuser",
+    "FuseInputs",
+    "FUSERS",
+    "register_fuser",
+    "load_fuse_config",
+    "load_fuse_inputs",
+    "fuse_models",
+    "run_fuse",
+    "check_floats",
+    "fused_dtype",
+    "tied_names",
+    "check_ties",
+    "check_fused",
+    "load_fused",
+]
 
 
 class _FuseSchema(StrictSchema):
@@ -64,8 +79,12 @@ class _FuseSchema(StrictSchema):
 class _Model(_FuseSchema):
     model: str = Field(min_length=1, description="a .safetensors / .pt / .pth / .bin file (relative to the config file)")
     parameters: dict[str, Any] = Field(default_factory=dict, description="per-model parameters (weight: ...)")
-    architecture: str | None = Field(None, min_length=3, description='this model\'s class when it is not the file\'s architecture '
-                                     '(methods that fuse models of different architectures: distill)')
+    architecture: str | None = Field(
+        None,
+        min_length=3,
+        description="this model's class when it is not the file's architecture "
+        "(methods that fuse models of different architectures: distill)",
+    )
     architecture_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for this model's architecture")
 
 
@@ -82,12 +101,18 @@ class _FuseFile(_FuseSchema):
     architecture: str | None = Field(None, min_length=3, description='"module:Class" or "torchvision:<name>": the models\' class')
     architecture_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the architecture")
     input_shape: list[Annotated[int, Field(ge=1)]] | None = Field(
-        None, min_length=1, description="one input's shape, to trace the architecture when no data is given (e.g. [3, 32, 32])")
+        None, min_length=1, description="one input's shape, to trace the architecture when no data is given (e.g. [3, 32, 32])"
+    )
     data: _Data | None = Field(None, description="a sample the methods that need data run on (activation matching, repair)")
-    vocab: int | None = Field(None, ge=1, description="the models take token ids in [0, vocab) (Hugging Face models): input_shape "
-                              "is then the ids' shape (e.g. [16]) and the example batch random ids; data: X must hold such ids")
+    vocab: int | None = Field(
+        None,
+        ge=1,
+        description="the models take token ids in [0, vocab) (Hugging Face models): input_shape "
+        "is then the ids' shape (e.g. [16]) and the example batch random ids; data: X must hold such ids",
+    )
     dtype: Literal["bfloat16", "float16", "float32", "float64"] | None = Field(
-        None, description="the fused model's float dtype (default: the inputs', when they share one)")
+        None, description="the fused model's float dtype (default: the inputs', when they share one)"
+    )
     output: str | None = Field(None, min_length=1)
 
 
@@ -155,7 +180,9 @@ def _average(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], _:
     return weighted_average(params)
 
 
-def _weighted(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], method: BaseModel, inputs: FuseInputs) -> dict[str, np.ndarray]:
+def _weighted(
+    params: list[dict[str, np.ndarray]], per_model: list[BaseModel], method: BaseModel, inputs: FuseInputs
+) -> dict[str, np.ndarray]:
     weights = [m.weight for m in per_model]  # type: ignore[attr-defined]
     fused = weighted_average(params, weights)
     if not method.normalize:  # type: ignore[attr-defined]
@@ -166,12 +193,22 @@ def _weighted(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], m
 
 
 register_fuser(Fuser("average", "uniform parameter average, tensor by tensor (no alignment)", _average))
-register_fuser(Fuser("weighted_average", "w = sum_k a_k w_k / sum_k a_k with each model's weight a_k (mergekit's linear)",
-                     _weighted, WeightedAverageParams, ModelWeight, aliases=("linear",)))
+register_fuser(
+    Fuser(
+        "weighted_average",
+        "w = sum_k a_k w_k / sum_k a_k with each model's weight a_k (mergekit's linear)",
+        _weighted,
+        WeightedAverageParams,
+        ModelWeight,
+        aliases=("linear",),
+    )
+)
 
 
 class KLNeuronParams(_FuseSchema):
-    lam: float = Field(1.0, ge=0, description="lambda of KL-fusion's eq. 9, relative to the std of the KL costs (jobs/kl_bnn_digits.yaml: 1)")
+    lam: float = Field(
+        1.0, ge=0, description="lambda of KL-fusion's eq. 9, relative to the std of the KL costs (jobs/kl_bnn_digits.yaml: 1)"
+    )
     variance: float = Field(0.01, gt=0, description="the variance given to every weight of a point-estimate checkpoint")
     solver: Literal["exact", "relaxed"] = "exact"
     seed: int = 0
@@ -180,7 +217,9 @@ class KLNeuronParams(_FuseSchema):
 _MLP1 = ("layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias")
 
 
-def _kl_neurons(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], method: BaseModel, inputs: FuseInputs) -> dict[str, np.ndarray]:
+def _kl_neurons(
+    params: list[dict[str, np.ndarray]], per_model: list[BaseModel], method: BaseModel, inputs: FuseInputs
+) -> dict[str, np.ndarray]:
     """KL-fusion of the hidden neurons of one-hidden-layer MLPs (Claici et al. 2020, the BNN application).
 
     Every hidden neuron ``[w_in | b | w_out]`` of every model is a diagonal Gaussian (mean: the checkpoint's values;
@@ -202,18 +241,31 @@ def _kl_neurons(params: list[dict[str, np.ndarray]], per_model: list[BaseModel],
     result = fuse_heterogeneous(neurons, lam=method.lam, solver=method.solver, random_state=method.seed)  # type: ignore[attr-defined]
     m = result.globals.means()  # the DiagGaussian's mean
     dtype = params[0]["layers.0.weight"].dtype
-    return {"layers.0.weight": np.ascontiguousarray(m[:, :d_in], dtype=dtype), "layers.0.bias": np.ascontiguousarray(m[:, d_in], dtype=dtype),
-            "layers.1.weight": np.ascontiguousarray(m[:, d_in + 1:].T, dtype=dtype),
-            "layers.1.bias": np.mean([p["layers.1.bias"] for p in params], axis=0).astype(dtype)}
+    return {
+        "layers.0.weight": np.ascontiguousarray(m[:, :d_in], dtype=dtype),
+        "layers.0.bias": np.ascontiguousarray(m[:, d_in], dtype=dtype),
+        "layers.1.weight": np.ascontiguousarray(m[:, d_in + 1 :].T, dtype=dtype),
+        "layers.1.bias": np.mean([p["layers.1.bias"] for p in params], axis=0).astype(dtype),
+    }
 
 
-register_fuser(Fuser("kl_neurons", "KL-fusion of one-hidden-layer MLPs' neurons: matched across models, width inferred (Claici et al. 2020)",
-                     _kl_neurons, KLNeuronParams, aliases=("kl",)))
+register_fuser(
+    Fuser(
+        "kl_neurons",
+        "KL-fusion of one-hidden-layer MLPs' neurons: matched across models, width inferred (Claici et al. 2020)",
+        _kl_neurons,
+        KLNeuronParams,
+        aliases=("kl",),
+    )
+)
 
 
 class AlignParams(AlignmentSettings):
-    repair: bool = Field(False, description="re-estimate the fused model's BatchNorm statistics on the data, and rescale the hidden "
-                         "layers no BatchNorm follows to the aligned models' statistics on it (REPAIR)")
+    repair: bool = Field(
+        False,
+        description="re-estimate the fused model's BatchNorm statistics on the data, and rescale the hidden "
+        "layers no BatchNorm follows to the aligned models' statistics on it (REPAIR)",
+    )
     seed: int = 0
     spec: str | None = Field(None, min_length=1, description="a JSON permutation spec (rayfuse symmetry --json) instead of the derived one")
 
@@ -247,8 +299,11 @@ def _spec_for(inputs: FuseInputs, method: AlignParams) -> Any:
         except InputError as exc:  # name the key as well as the file
             raise exc.at(f"parameters.spec: {exc.path}") from None
     if inputs.example is None:
-        raise InputError("input_shape", "one input's shape (e.g. [3, 32, 32]) or data, to trace the architecture"
-                         + (" and check parameters.spec on it" if explicit is not None else ""))
+        raise InputError(
+            "input_shape",
+            "one input's shape (e.g. [3, 32, 32]) or data, to trace the architecture"
+            + (" and check parameters.spec on it" if explicit is not None else ""),
+        )
     shape = tuple(inputs.example.shape[1:]) if inputs.example is not None else ()
     import torch
 
@@ -275,7 +330,9 @@ def _check_weight_matching_only(kind: str, p: AlignParams, inputs: FuseInputs) -
 
 
 def _aligned(kind: str) -> Callable[[list[dict[str, np.ndarray]], list[BaseModel], BaseModel, FuseInputs], dict[str, np.ndarray]]:
-    def fuse(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], method: BaseModel, inputs: FuseInputs) -> dict[str, np.ndarray]:
+    def fuse(
+        params: list[dict[str, np.ndarray]], per_model: list[BaseModel], method: BaseModel, inputs: FuseInputs
+    ) -> dict[str, np.ndarray]:
         from rayfuse.alignment import activation_matching, merge_average, merge_fisher, merge_regmean, weight_matching
         from rayfuse.matching import thread_map
 
@@ -285,11 +342,13 @@ def _aligned(kind: str) -> Callable[[list[dict[str, np.ndarray]], list[BaseModel
         X, y = inputs.X, inputs.y  # present whenever the parameters need data (Fuser.needs, checked at load)
         weights = [cast(OptionalWeight, m).weight for m in per_model]
         if kind == "weight_matching":
-            alignment = weight_matching(params, spec, weights=weights, max_sweeps=p.max_sweeps, inner_sweeps=p.inner_sweeps,
-                                        seed=p.seed, executor=thread_map)
+            alignment = weight_matching(
+                params, spec, weights=weights, max_sweeps=p.max_sweeps, inner_sweeps=p.inner_sweeps, seed=p.seed, executor=thread_map
+            )
         else:
-            alignment = activation_matching(params, spec, _LocalCorrelations(inputs, params, spec, p.batch_size), weights=weights,
-                                            sweeps=p.sweeps, executor=thread_map)
+            alignment = activation_matching(
+                params, spec, _LocalCorrelations(inputs, params, spec, p.batch_size), weights=weights, sweeps=p.sweeps, executor=thread_map
+            )
         aligned = [spec.apply(m, pk) for m, pk in zip(params, alignment.perms)]
         plan = None
         if p.merge == "average":
@@ -297,8 +356,16 @@ def _aligned(kind: str) -> Callable[[list[dict[str, np.ndarray]], list[BaseModel
         elif p.merge == "nonparametric":
             from rayfuse.alignment import fuse_nonparametric, resolve_cost_keys, width_roles
 
-            fused, plan = fuse_nonparametric(aligned, spec, width_roles(inputs.model, spec), quality=alignment.quality, weights=weights,
-                                             threshold=p.new_unit_threshold, max_width=p.max_width, keys=resolve_cost_keys(spec, None))
+            fused, plan = fuse_nonparametric(
+                aligned,
+                spec,
+                width_roles(inputs.model, spec),
+                quality=alignment.quality,
+                weights=weights,
+                threshold=p.new_unit_threshold,
+                max_width=p.max_width,
+                keys=resolve_cost_keys(spec, None),
+            )
         elif p.merge == "fisher":
             from rayfuse.alignment import diagonal_fisher
 
@@ -321,8 +388,15 @@ def _aligned(kind: str) -> Callable[[list[dict[str, np.ndarray]], list[BaseModel
     return fuse
 
 
-def _rescale(inputs: FuseInputs, spec: Any, aligned: list[dict[str, np.ndarray]], fused: dict[str, np.ndarray], weights: list[float],
-             plan: Any, p: AlignParams) -> dict[str, np.ndarray]:
+def _rescale(
+    inputs: FuseInputs,
+    spec: Any,
+    aligned: list[dict[str, np.ndarray]],
+    fused: dict[str, np.ndarray],
+    weights: list[float],
+    plan: Any,
+    p: AlignParams,
+) -> dict[str, np.ndarray]:
     """REPAIR's rescaling of the layers no BatchNorm follows, on the fuse file's data (every model sees the same data)."""
     from rayfuse.alignment import apply_repair, repair_targets, repair_units, unit_statistics
 
@@ -335,8 +409,9 @@ def _rescale(inputs: FuseInputs, spec: Any, aligned: list[dict[str, np.ndarray]]
         return fused
     X = _given(inputs.X)
     own = [unit_statistics(_with(inputs.model, a), X, units, batch_size=p.batch_size) for a in aligned]
-    targets = repair_targets(own, units, weights, index=plan.index if plan is not None else None,
-                             widths=plan.widths if plan is not None else None)
+    targets = repair_targets(
+        own, units, weights, index=plan.index if plan is not None else None, widths=plan.widths if plan is not None else None
+    )
     for _ in range(min(len(units), p.repair_passes)):
         merged = unit_statistics(_with(inputs.model, fused, spec, inputs.example), X, units, batch_size=p.batch_size)
         fused = apply_repair(fused, units, repair_targets([merged], units, [1.0]), targets)
@@ -383,46 +458,78 @@ class _LocalCorrelations:
         from rayfuse.alignment import collect_correlations
 
         ref = _with(self.inputs.model, reference)
-        return [collect_correlations(ref, own, self.spec, self.graph, self.graph, _given(self.inputs.X), batch_size=self.batch_size)
-                for own in self.own]
+        return [
+            collect_correlations(ref, own, self.spec, self.graph, self.graph, _given(self.inputs.X), batch_size=self.batch_size)
+            for own in self.own
+        ]
 
 
-register_fuser(Fuser("weight_matching", "git re-basin weight matching, N-way (MergeMany), then a merge; any architecture, data-free",
-                     _aligned("weight_matching"), AlignParams, OptionalWeight, needs=_align_needs("weight_matching")))
-register_fuser(Fuser("activation_matching", "units matched by their activations on the given data, N-way, then a merge; any architecture",
-                     _aligned("activation_matching"), AlignParams, OptionalWeight, needs=_align_needs("activation_matching")))
+register_fuser(
+    Fuser(
+        "weight_matching",
+        "git re-basin weight matching, N-way (MergeMany), then a merge; any architecture, data-free",
+        _aligned("weight_matching"),
+        AlignParams,
+        OptionalWeight,
+        needs=_align_needs("weight_matching"),
+    )
+)
+register_fuser(
+    Fuser(
+        "activation_matching",
+        "units matched by their activations on the given data, N-way, then a merge; any architecture",
+        _aligned("activation_matching"),
+        AlignParams,
+        OptionalWeight,
+        needs=_align_needs("activation_matching"),
+    )
+)
 
 
 class DistillFuseParams(DistillOptions):
     """``merge_method: distill``'s parameters: the ``distill`` method's loop parameters, and the choices a fuse file makes
     without a federation."""
 
-    transfer: Literal["public", "synthetic"] | None = Field(None, description="public: the data file's inputs (labels never read); "
-                                                            "synthetic: data-free. Default: public with data, synthetic without")
-    init: Literal["aligned", "average", "random"] = Field("aligned", description="the student's start: the aligned merge or the "
-                                                          "average of the models of the student's architecture, or random")
-    alignment: Literal["activation", "weight"] | None = Field(None, description="init: aligned: activation matching on the data, or "
-                                                              "weight matching (default: activation with data, weight without)")
-    merge: Literal["average", "nonparametric"] = Field("average", description="init: aligned: the aligned merge (nonparametric: "
-                                                       "units that match nothing widen the student)")
+    transfer: Literal["public", "synthetic"] | None = Field(
+        None,
+        description="public: the data file's inputs (labels never read); "
+        "synthetic: data-free. Default: public with data, synthetic without",
+    )
+    init: Literal["aligned", "average", "random"] = Field(
+        "aligned",
+        description="the student's start: the aligned merge or the average of the models of the student's architecture, or random",
+    )
+    alignment: Literal["activation", "weight"] | None = Field(
+        None,
+        description="init: aligned: activation matching on the data, or weight matching (default: activation with data, weight without)",
+    )
+    merge: Literal["average", "nonparametric"] = Field(
+        "average", description="init: aligned: the aligned merge (nonparametric: units that match nothing widen the student)"
+    )
     weighting: Literal["uniform", "weights"] = Field("uniform", description="teacher weights: uniform, or each model's weight")
     combine: Literal["auto", "logits", "probabilities"] = Field(
-        "probabilities", description="the ensemble: weighted probabilities (the default here: without the clients' class counts, "
+        "probabilities",
+        description="the ensemble: weighted probabilities (the default here: without the clients' class counts, "
         "a model's logits for classes it never saw would count as much as its others), logits, or auto (logits when every "
-        "model has the file's architecture)")
+        "model has the file's architecture)",
+    )
     seed: int = 0
 
 
 def _distill_needs(params: BaseModel) -> dict[str, str]:
     p = cast(DistillFuseParams, params)
-    out = {"architecture": "distill (the student's class; each model's unless its entry names its own)",
-           "input_shape": "distill without data (the generator's output shape)"}
+    out = {
+        "architecture": "distill (the student's class; each model's unless its entry names its own)",
+        "input_shape": "distill without data (the generator's output shape)",
+    }
     if p.transfer == "public":
         out["data"] = "transfer: public (its inputs are the transfer set)"
     return out
 
 
-def _distill(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], method: BaseModel, inputs: FuseInputs) -> dict[str, np.ndarray]:
+def _distill(
+    params: list[dict[str, np.ndarray]], per_model: list[BaseModel], method: BaseModel, inputs: FuseInputs
+) -> dict[str, np.ndarray]:
     """Distil the checkpoints' ensemble into one student of the file's architecture (``rayfuse.fusion.distill``): on the
     data file's inputs (public transfer), or data-free."""
     import torch
@@ -458,8 +565,9 @@ def _distill(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], me
     return get_params(student)
 
 
-def _distill_start(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], p: DistillFuseParams, inputs: FuseInputs,
-                   same: list[bool]) -> Any:
+def _distill_start(
+    params: list[dict[str, np.ndarray]], per_model: list[BaseModel], p: DistillFuseParams, inputs: FuseInputs, same: list[bool]
+) -> Any:
     """The student: the file's architecture, started from the aligned merge or the average of the checkpoints of that
     architecture, or at random (also when no checkpoint has it)."""
     import copy
@@ -484,9 +592,19 @@ def _distill_start(params: list[dict[str, np.ndarray]], per_model: list[BaseMode
     return _with(inputs.model, start, _spec_for(inputs, aligned_params), inputs.example).train()
 
 
-register_fuser(Fuser("distill", "the models' ensemble distilled into one student: on the data's inputs (labels unread) or "
-                     "data-free; models of different architectures", _distill, DistillFuseParams, OptionalWeight,
-                     needs=_distill_needs, heterogeneous=True, labels=False))
+register_fuser(
+    Fuser(
+        "distill",
+        "the models' ensemble distilled into one student: on the data's inputs (labels unread) or "
+        "data-free; models of different architectures",
+        _distill,
+        DistillFuseParams,
+        OptionalWeight,
+        needs=_distill_needs,
+        heterogeneous=True,
+        labels=False,
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -541,8 +659,12 @@ def load_fuse_config(config: str | Path | Mapping[str, Any], output: str | Path 
     name = _ALIASES.get(spec.merge_method, spec.merge_method)
     if name not in FUSERS:
         names = sorted([*FUSERS, *_ALIASES])
-        raise InputError(f"{path}: merge_method", f"a fuse method in {{{', '.join(names)}}}", spec.merge_method,
-                         suggest(spec.merge_method, names).strip(" ()") or "methods that need client data run in a federation (rayfuse run)")
+        raise InputError(
+            f"{path}: merge_method",
+            f"a fuse method in {{{', '.join(names)}}}",
+            spec.merge_method,
+            suggest(spec.merge_method, names).strip(" ()") or "methods that need client data run in a federation (rayfuse run)",
+        )
     fuser = FUSERS[name]
     params = _validate(fuser.Params, spec.parameters, path, "parameters")
     if getattr(params, "spec", None):  # a spec file, relative to the config file like the models
@@ -557,9 +679,13 @@ def load_fuse_config(config: str | Path | Mapping[str, Any], output: str | Path 
         if entry.architecture is None and entry.architecture_args:
             raise InputError(f"{path}: models.{i}.architecture", "the class that this model's architecture_args are for", "none")
         if entry.architecture is not None and not fuser.heterogeneous:
-            raise InputError(f"{path}: models.{i}.architecture", f"no architecture of its own with merge_method {fuser.name} (it fuses "
-                             "models of one architecture, the file's architecture:)", entry.architecture,
-                             "models of different architectures fuse with merge_method: distill")
+            raise InputError(
+                f"{path}: models.{i}.architecture",
+                f"no architecture of its own with merge_method {fuser.name} (it fuses "
+                "models of one architecture, the file's architecture:)",
+                entry.architecture,
+                "models of different architectures fuse with merge_method: distill",
+            )
         own.append(None if entry.architecture is None else (entry.architecture, dict(entry.architecture_args)))
         file = Path(entry.model)
         if not file.is_absolute() and not file.is_file():
@@ -600,9 +726,22 @@ def load_fuse_config(config: str | Path | Mapping[str, Any], output: str | Path 
         raise InputError(f"{path}: architecture", "the class that architecture_args / input_shape are for", "none")
     if spec.architecture is None and spec.vocab is not None:
         raise InputError(f"{path}: architecture", "the class that takes the token ids vocab is for", "none")
-    return FuseSpec(fuser, files, per_model, params, spec.dtype, out, spec.architecture, dict(spec.architecture_args),
-                    tuple(spec.input_shape) if spec.input_shape else None, data,
-                    (spec.data.features, spec.data.label) if spec.data else ("X", "y"), path, tuple(own), spec.vocab)
+    return FuseSpec(
+        fuser,
+        files,
+        per_model,
+        params,
+        spec.dtype,
+        out,
+        spec.architecture,
+        dict(spec.architecture_args),
+        tuple(spec.input_shape) if spec.input_shape else None,
+        data,
+        (spec.data.features, spec.data.label) if spec.data else ("X", "y"),
+        path,
+        tuple(own),
+        spec.vocab,
+    )
 
 
 def check_compatible(models: Sequence[Mapping[str, np.ndarray]], files: Sequence[Path]) -> None:
@@ -616,8 +755,12 @@ def check_compatible(models: Sequence[Mapping[str, np.ndarray]], files: Sequence
             raise InputError(str(file), f"the tensor names of {files[0].name} ({len(reference)} tensors)", what)
         for key, ref in reference.items():
             if params[key].shape != ref.shape:
-                raise InputError(f"{file}: {key}", f"shape {tuple(ref.shape)} as in {files[0].name}", tuple(params[key].shape),
-                                 "models of different architectures cannot be fused tensor by tensor")
+                raise InputError(
+                    f"{file}: {key}",
+                    f"shape {tuple(ref.shape)} as in {files[0].name}",
+                    tuple(params[key].shape),
+                    "models of different architectures cannot be fused tensor by tensor",
+                )
             if (params[key].dtype.kind == "f") != (ref.dtype.kind == "f"):
                 raise InputError(f"{file}: {key}", f"a {ref.dtype} tensor as in {files[0].name}", str(params[key].dtype))
         for key, value in params.items():
@@ -638,9 +781,14 @@ def load_fuse_inputs(spec: FuseSpec, models: Sequence[Mapping[str, np.ndarray]],
     prefix = f"{spec.config}: " if spec.config else ""
     model = build_architecture(spec.architecture, spec.architecture_args, where=f"{prefix}architecture")
     own = spec.model_architectures or tuple(None for _ in models)
-    built = [model if arch is None else build_architecture(arch[0], arch[1], where=f"{prefix}models.{i}.architecture",
-                                                           args_where=f"{prefix}models.{i}.architecture_args")
-             for i, arch in enumerate(own)]
+    built = [
+        model
+        if arch is None
+        else build_architecture(
+            arch[0], arch[1], where=f"{prefix}models.{i}.architecture", args_where=f"{prefix}models.{i}.architecture_args"
+        )
+        for i, arch in enumerate(own)
+    ]
     for i, (params, file, arch) in enumerate(zip(models, spec.files, own)):
         ties = tied_names(built[i])
         fill_ties(cast(dict, params), ties)  # a file saved without the duplicate names (safetensors' save_model)
@@ -679,8 +827,9 @@ def load_fuse_inputs(spec: FuseSpec, models: Sequence[Mapping[str, np.ndarray]],
             if arch is not None:
                 check_inputs_fit(teacher, example, where=f"{where} (models.{i}.architecture {arch[0]})", num_outputs=int(outputs[1]))
     heterogeneous = spec.method.heterogeneous
-    return FuseInputs(model, X, y, example, tuple(built) if heterogeneous else (), tuple(arch is None for arch in own) if heterogeneous else (),
-                      log)
+    return FuseInputs(
+        model, X, y, example, tuple(built) if heterogeneous else (), tuple(arch is None for arch in own) if heterogeneous else (), log
+    )
 
 
 def token_ids(X: np.ndarray, vocab: int, *, where: str) -> np.ndarray:
@@ -701,8 +850,7 @@ def check_floats(models: Sequence[Mapping[str, np.ndarray]], files: Sequence[Pat
             raise InputError(str(file), "a model with at least one tensor", "an empty checkpoint")
         if not any(v.dtype.kind == "f" for v in params.values()):
             name, value = next(iter(params.items()))
-            raise InputError(f"{file}: {name}", "a model with floating-point tensors to fuse",
-                             f"integer tensors only ({value.dtype})")
+            raise InputError(f"{file}: {name}", "a model with floating-point tensors to fuse", f"integer tensors only ({value.dtype})")
 
 
 def fused_dtype(stored: Sequence[Mapping[str, str]], given: str | None) -> str | None:
@@ -761,23 +909,37 @@ def run_fuse(spec: FuseSpec | LoraSpec | FinetuneSpec, log: Callable[[str], None
     output = Path(spec.output) if spec.output is not None else Path("fused.safetensors")  # load_fuse_config always sets it
     dtype = fused_dtype([dtypes for _, dtypes in loaded], spec.dtype)
     check_fused(fused, tied_names(inputs.model) if inputs.model is not None else [], dtype, where=str(output), method=spec.method.name)
-    reference = {k: tuple(v.shape) for k, v in inputs.model.state_dict().items()} if inputs.model is not None else \
-        {k: tuple(np.shape(v)) for k, v in models[0].items()}
+    reference = (
+        {k: tuple(v.shape) for k, v in inputs.model.state_dict().items()}
+        if inputs.model is not None
+        else {k: tuple(np.shape(v)) for k, v in models[0].items()}
+    )
     resized = {k: (reference[k], tuple(np.shape(v))) for k, v in fused.items() if k in reference and reference[k] != tuple(np.shape(v))}
     metadata = {"method": spec.method.name, "models": ",".join(f.name for f in spec.files), **_fused_metadata(spec, inputs, fused, resized)}
     if dtype is None:  # every check is done: the file is written whole (a temporary file renamed) or not at all
         save_params(output, fused, metadata)
     else:
         save_params_cast(output, fused, dtype, metadata)
-    return {"method": spec.method.name, "models": len(models), "tensors": len(fused),
-            "parameters": int(sum(v.size for v in fused.values())), "output": str(spec.output), "resized": resized}
+    return {
+        "method": spec.method.name,
+        "models": len(models),
+        "tensors": len(fused),
+        "parameters": int(sum(v.size for v in fused.values())),
+        "output": str(spec.output),
+        "resized": resized,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # What leaves fuse: tied tensors, finite values, and a widened model loadable in one call
 
 _META_ARCHITECTURE, _META_ARGS, _META_SHAPE, _META_SPEC, _META_WIDTHS = (
-    "rayfuse.architecture", "rayfuse.architecture_args", "rayfuse.input_shape", "rayfuse.spec", "rayfuse.widths")
+    "rayfuse.architecture",
+    "rayfuse.architecture_args",
+    "rayfuse.input_shape",
+    "rayfuse.spec",
+    "rayfuse.widths",
+)
 
 
 def tied_names(model: Any) -> list[tuple[str, ...]]:
@@ -809,10 +971,18 @@ def check_ties(params: Mapping[str, np.ndarray], ties: Sequence[tuple[str, ...]]
             first, other = np.asarray(params[present[0]]), np.asarray(params[key])
             if first.shape != other.shape or not np.array_equal(first, other, equal_nan=True):
                 if after:
-                    raise InputError(f"{where}: {key}", f"the values of {present[0]} (the architecture ties them)",
-                                     f"different values after {after}", "nothing was written; a spec must give tied tensors the same groups")
-                raise InputError(f"{where}: {key}", f"the values of {present[0]} (the architecture ties them: one tensor under two names)",
-                                 "different values", "a model of this architecture cannot hold two values there")
+                    raise InputError(
+                        f"{where}: {key}",
+                        f"the values of {present[0]} (the architecture ties them)",
+                        f"different values after {after}",
+                        "nothing was written; a spec must give tied tensors the same groups",
+                    )
+                raise InputError(
+                    f"{where}: {key}",
+                    f"the values of {present[0]} (the architecture ties them: one tensor under two names)",
+                    "different values",
+                    "a model of this architecture cannot hold two values there",
+                )
 
 
 def retie(model: Any, ties: Sequence[tuple[str, ...]]) -> Any:
@@ -849,9 +1019,13 @@ def check_fused(fused: Mapping[str, np.ndarray], ties: Sequence[tuple[str, ...]]
         if value.dtype.kind != "f":
             continue
         if not np.isfinite(value).all():
-            raise InputError(f"{where}: {key}", "finite values in the fused model", f"NaN or Inf after {method}",
-                             "the inputs are finite, so the fusion overflowed (values near the float range, or weights that scale them "
-                             "past it); nothing was written")
+            raise InputError(
+                f"{where}: {key}",
+                "finite values in the fused model",
+                f"NaN or Inf after {method}",
+                "the inputs are finite, so the fusion overflowed (values near the float range, or weights that scale them "
+                "past it); nothing was written",
+            )
         if dtype is None or np.dtype(value.dtype).name == dtype:
             continue
         if dtype in TORCH_ONLY_FLOATS:
@@ -861,8 +1035,12 @@ def check_fused(fused: Mapping[str, np.ndarray], ties: Sequence[tuple[str, ...]]
                 finite = bool(np.isfinite(value.astype(dtype)).all())
         if not finite:
             largest = float(np.abs(value).max())
-            raise InputError(f"{where}: {key}", f"values that {dtype} can hold", f"{largest:.4g} (Inf once written as {dtype})",
-                             "write a wider dtype (dtype: float32); nothing was written")
+            raise InputError(
+                f"{where}: {key}",
+                f"values that {dtype} can hold",
+                f"{largest:.4g} (Inf once written as {dtype})",
+                "write a wider dtype (dtype: float32); nothing was written",
+            )
     check_ties(fused, ties, where=where, after=method)
 
 
@@ -877,12 +1055,15 @@ def _overflowed(spec: FuseSpec, models: Sequence[Mapping[str, np.ndarray]], inpu
     if inputs.X is not None and np.asarray(inputs.X).dtype.kind == "f" and np.size(inputs.X):
         if float(np.abs(inputs.X).max()) > largest:
             where, largest = f"{spec.config}: data.path" if spec.config else "data.path", float(np.abs(inputs.X).max())
-    return InputError(where, f"values {spec.method.name} can compute with (it met a NaN or Inf from these finite inputs)", f"{largest:.3g}",
-                      f"{exc}; nothing was written")
+    return InputError(
+        where,
+        f"values {spec.method.name} can compute with (it met a NaN or Inf from these finite inputs)",
+        f"{largest:.3g}",
+        f"{exc}; nothing was written",
+    )
 
 
-def _fused_metadata(spec: FuseSpec, inputs: FuseInputs, fused: Mapping[str, np.ndarray],
-                    resized: Mapping[str, Any]) -> dict[str, str]:
+def _fused_metadata(spec: FuseSpec, inputs: FuseInputs, fused: Mapping[str, np.ndarray], resized: Mapping[str, Any]) -> dict[str, str]:
     """What :func:`load_fused` needs besides the tensors: the architecture and its arguments, the input shape, and for
     a model whose groups grew (a nonparametric merge) the permutation spec at the architecture's widths and each
     group's width in the file."""
@@ -936,20 +1117,24 @@ def _build_for_load(architecture: Any, args: Mapping[str, Any] | None, meta: Map
             raise InputError("args", "no arguments with a model instance (they are for a class or factory)", sorted(args))
         return copy.deepcopy(architecture).eval()
     if not callable(architecture):
-        raise InputError("architecture", '"module:Class", an nn.Module class or a function returning an nn.Module', type(architecture).__name__)
+        raise InputError(
+            "architecture", '"module:Class", an nn.Module class or a function returning an nn.Module', type(architecture).__name__
+        )
     name = getattr(architecture, "__qualname__", type(architecture).__name__)
     try:
         model = architecture(**dict(args or {}))
     except Exception as exc:  # the user's constructor: one line naming it
-        raise InputError("args", f"keyword arguments {name} accepts",
-                         f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}") from None
+        raise InputError(
+            "args", f"keyword arguments {name} accepts", f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+        ) from None
     if not isinstance(model, nn.Module):
         raise InputError("architecture", "a class or function returning a torch.nn.Module", type(model).__name__)
     return model.eval()
 
 
-def load_fused(architecture: Any, path: str | Path, *, args: Mapping[str, Any] | None = None,
-               input_shape: Sequence[int] | None = None) -> Any:
+def load_fused(
+    architecture: Any, path: str | Path, *, args: Mapping[str, Any] | None = None, input_shape: Sequence[int] | None = None
+) -> Any:
     """The model a fused file holds, in one call: ``architecture`` built and loaded with the file's tensors, in eval mode.
 
     Parameters
@@ -1005,15 +1190,24 @@ def load_fused(architecture: Any, path: str | Path, *, args: Mapping[str, Any] |
         try:
             spec.check({k: tuple(v.shape) for k, v in state.items()}, where="spec")
         except InputError as exc:  # the architecture was built otherwise than the fuse file built it
-            raise InputError(f"{file}: metadata {_META_SPEC}", f"the architecture as the fuse file built it ({exc.path.removeprefix('spec.')}: "
-                             f"{exc.expected})", exc.got, "pass the fuse file's architecture_args as args=") from None
+            raise InputError(
+                f"{file}: metadata {_META_SPEC}",
+                f"the architecture as the fuse file built it ({exc.path.removeprefix('spec.')}: {exc.expected})",
+                exc.got,
+                "pass the fuse file's architecture_args as args=",
+            ) from None
     elif shape is not None:
         spec = derive_spec(model, torch.zeros((2, *shape)))
     else:
         key = next(k for k, v in state.items() if k in params and tuple(np.shape(params[k])) != tuple(v.shape))
-        raise InputError(f"{file}: {key}", f"shape {tuple(state[key].shape)} (the architecture's), or a file that records its widths "
-                         "(rayfuse fuse writes them)", tuple(np.shape(params[key])), "give input_shape= to derive the groups")
+        raise InputError(
+            f"{file}: {key}",
+            f"shape {tuple(state[key].shape)} (the architecture's), or a file that records its widths (rayfuse fuse writes them)",
+            tuple(np.shape(params[key])),
+            "give input_shape= to derive the groups",
+        )
     if shape is None:
-        raise InputError(f"{file}: metadata {_META_SHAPE}", "one input's shape, to check the widened model runs", "none",
-                         "give input_shape=")
+        raise InputError(
+            f"{file}: metadata {_META_SHAPE}", "one input's shape, to check the widened model runs", "none", "give input_shape="
+        )
     return retie(resize_with_spec(model, spec, params, (2, *shape), where=str(file)), ties).eval()

@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", nargs="?", help="experiment YAML (default: jobs/quickstart.yaml)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. partition.num_clients=10")
     run.add_argument("--out", metavar="DIR", help="run folder (default: <run.storage>/<run.name>-<time>-<id>)")
-    run.add_argument("--address", metavar="ADDR", help="Ray cluster to attach to (default: RAY_ADDRESS, a job's cluster, or a new local Ray)")
+    run.add_argument(
+        "--address", metavar="ADDR", help="Ray cluster to attach to (default: RAY_ADDRESS, a job's cluster, or a new local Ray)"
+    )
     run.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted or failed run from its checkpoints")
     run.add_argument("--local", action="store_true", help="in-process clients instead of Ray actors (debugging)")
     run.add_argument("--quiet", action="store_true", help="print only the final table")
@@ -77,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     tun = sub.add_parser("tune", help="a Ray Tune sweep from tune_spaces/<space>.yaml (one trial = one federation)")
     tun.add_argument("space", help="sweep space YAML (see tune_spaces/README.md)")
     tun.add_argument("--samples", type=int, metavar="N", help="samples of the random domains (overrides num_samples)")
-    tun.add_argument("--address", metavar="ADDR", help="Ray cluster to attach to (default: RAY_ADDRESS, a job's cluster, or a new local Ray)")
+    tun.add_argument(
+        "--address", metavar="ADDR", help="Ray cluster to attach to (default: RAY_ADDRESS, a job's cluster, or a new local Ray)"
+    )
     tun.add_argument("--storage", metavar="DIR", help="Tune storage path (default: the space's storage, else <run.storage>/tune)")
     tun.add_argument("--resume", action="store_true", help="continue an interrupted sweep (Tuner.restore)")
     tun.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key of the base job")
@@ -87,13 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     sym = sub.add_parser("symmetry", help="derive and print a model's permutation groups (the weight axes that share one permutation)")
     sym.add_argument("architecture", help="a registry model (rescnn, mlp...), torchvision:<name> or module:Class")
     sym.add_argument("--input-shape", metavar="C,H,W", help="one sample's shape (default: the dataset's)")
-    sym.add_argument("--vocab", metavar="N", help="the model takes token ids (Hugging Face models): feed random integer ids in "
-                     "[0, N) of --input-shape (e.g. --input-shape 16 --vocab 30522) instead of floats")
+    sym.add_argument(
+        "--vocab",
+        metavar="N",
+        help="the model takes token ids (Hugging Face models): feed random integer ids in "
+        "[0, N) of --input-shape (e.g. --input-shape 16 --vocab 30522) instead of floats",
+    )
     sym.add_argument("--dataset", default="digits", help="gives the default input shape and the number of classes (default: digits)")
     sym.add_argument("--args", metavar="JSON", help="model arguments: ModelConfig fields for a registry model, keyword arguments otherwise")
     sym.add_argument("--json", action="store_true", help="print the spec as JSON")
-    sym.add_argument("--strict", action="store_true", help="refuse (exit 2) when a derived group fails the invariance check, "
-                     "instead of listing it fixed")
+    sym.add_argument(
+        "--strict", action="store_true", help="refuse (exit 2) when a derived group fails the invariance check, instead of listing it fixed"
+    )
     sym.set_defaults(func=_cmd_symmetry)
     return parser
 
@@ -131,12 +140,16 @@ def _cmd_fuse(args: argparse.Namespace) -> int:
     from rayfuse.api import fuse_checkpoints
 
     summary = fuse_checkpoints(args.config, args.out, progress=lambda line: print(f"rayfuse fuse: {line}", flush=True))
-    print(f"rayfuse fuse: {summary['method']} of {summary['models']} models, {summary['tensors']} tensors "
-          f"({summary['parameters']:,} parameters) -> {summary['output']}")
+    print(
+        f"rayfuse fuse: {summary['method']} of {summary['models']} models, {summary['tensors']} tensors "
+        f"({summary['parameters']:,} parameters) -> {summary['output']}"
+    )
     if summary.get("resized"):  # a nonparametric merge grew groups: the architecture must be built at these widths
         key, (was, now) = next(iter(summary["resized"].items()))
-        print(f"rayfuse fuse: the fused model is wider than its inputs: {len(summary['resized'])} tensors resized (e.g. {key} "
-              f"{was} -> {now}); load it in one call with rayfuse.load_fused(architecture, {summary['output']!r})")
+        print(
+            f"rayfuse fuse: the fused model is wider than its inputs: {len(summary['resized'])} tensors resized (e.g. {key} "
+            f"{was} -> {now}); load it in one call with rayfuse.load_fused(architecture, {summary['output']!r})"
+        )
     return 0
 
 
@@ -145,8 +158,11 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
     spec = load_space(args.space, samples=args.samples, overrides=args.set)  # every check before Ray starts
     domains = ", ".join(f"{k} {d.to_yaml()}" for k, d in spec.space.items())
-    print(f"rayfuse tune: {spec.name}: base {spec.base_path}, methods {spec.methods}, {spec.num_trials} trials "
-          f"({spec.grid_size} grid points x {spec.num_samples} samples); {domains}; {spec.metric} ({spec.mode})", flush=True)
+    print(
+        f"rayfuse tune: {spec.name}: base {spec.base_path}, methods {spec.methods}, {spec.num_trials} trials "
+        f"({spec.grid_size} grid points x {spec.num_samples} samples); {domains}; {spec.metric} ({spec.mode})",
+        flush=True,
+    )
     if args.check:
         return 0
     from actors.tune import run_sweep
@@ -183,8 +199,10 @@ def _cmd_symmetry(args: argparse.Namespace) -> int:
         if vocab < 1:
             raise InputError("--vocab", "the number of token ids the model takes: a whole number >= 1 such as 30522", args.vocab)
         if shape is None:
-            raise InputError("--input-shape", "the token ids' shape with --vocab, such as 16 for sequences of 16 tokens "
-                             "(the dataset's shape is an image's)")
+            raise InputError(
+                "--input-shape",
+                "the token ids' shape with --vocab, such as 16 for sequences of 16 tokens (the dataset's shape is an image's)",
+            )
     kwargs = None
     if args.args is not None:
         try:
@@ -212,8 +230,10 @@ def _cmd_split(args: argparse.Namespace) -> int:
     from rayfuse.data.split import split_simulation
 
     written = split_simulation(load_config(args.config, args.set), args.out)
-    print(f"rayfuse split: {args.config} -> {written.parent} (one folder per client: train.npz, held_out.npz; server/); "
-          f"run it with: rayfuse run {written}")
+    print(
+        f"rayfuse split: {args.config} -> {written.parent} (one folder per client: train.npz, held_out.npz; server/); "
+        f"run it with: rayfuse run {written}"
+    )
     return 0
 
 
@@ -247,7 +267,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
         sections.append("partitioners:\n" + "\n".join(rows))
     if args.what in (None, "models"):
         rows = [f"  {name:<13} {info.description}" for name, info in MODELS.items()]
-        rows.append(f"  {'torchvision:<name>':<13} any torchvision classification model, e.g. torchvision:resnet18 (image data; no pretrained weights)")
+        rows.append(
+            f"  {'torchvision:<name>':<13} any torchvision classification model, e.g. torchvision:resnet18 (image data; no pretrained weights)"
+        )
         sections.append("models:\n" + "\n".join(rows))
     print("\n\n".join(sections))
     return 0

@@ -33,8 +33,21 @@ from rayfuse.federation import ClientDied, Update, client_step, map_arrays, step
 from rayfuse.guard import RawDataGuard
 from rayfuse.seeding import derive_seed
 
-__all__ = ["Client", "ClientContext", "ClientStateStore", "has_client_state", "forget_client_state", "PrivacyError", "train_local",
-           "restore_local", "get_local_update", "set_local_params", "describe", "report_silo", "join_silo_plan"]
+__all__ = [
+    "Client",
+    "ClientContext",
+    "ClientStateStore",
+    "has_client_state",
+    "forget_client_state",
+    "PrivacyError",
+    "train_local",
+    "restore_local",
+    "get_local_update",
+    "set_local_params",
+    "describe",
+    "report_silo",
+    "join_silo_plan",
+]
 
 
 class PrivacyError(RuntimeError):
@@ -48,8 +61,21 @@ class InjectedFault(RuntimeError):
 class ClientContext:
     """What a client step sees: this client's private data, settings and local model."""
 
-    def __init__(self, client_id: int, plan: ClientPlan, train: Split, val: Split, *, data_cfg: Any, model_cfg: Any,
-                 train_cfg: Any, seed: int, device: str, local_cache: str | None = None, faults: Sequence[Any] = ()) -> None:
+    def __init__(
+        self,
+        client_id: int,
+        plan: ClientPlan,
+        train: Split,
+        val: Split,
+        *,
+        data_cfg: Any,
+        model_cfg: Any,
+        train_cfg: Any,
+        seed: int,
+        device: str,
+        local_cache: str | None = None,
+        faults: Sequence[Any] = (),
+    ) -> None:
         self.client_id = client_id
         self.plan: ClientPlan | SiloClientPlan = plan  # SiloClientPlan: data.silos
         self.train = train
@@ -127,9 +153,13 @@ class ClientContext:
         coordinator computes from the run's config) and its inputs."""
         from rayfuse.store import local_model_key
 
-        config = {"data": self.data_cfg.model_dump(mode="json"), "model": self.model_cfg.model_dump(mode="json"),
-                  "train": self.train_cfg.model_dump(mode="json"), "run": {"seed": self.seed},
-                  "federation": {"faults": [f.model_dump(mode="json") for f in self.faults]}}
+        config = {
+            "data": self.data_cfg.model_dump(mode="json"),
+            "model": self.model_cfg.model_dump(mode="json"),
+            "train": self.train_cfg.model_dump(mode="json"),
+            "run": {"seed": self.seed},
+            "federation": {"faults": [f.model_dump(mode="json") for f in self.faults]},
+        }
         return local_model_key(config, self.plan)
 
     def restore_local_model(self) -> bool:
@@ -157,16 +187,39 @@ class ClientContext:
             from rayfuse.models.privacy import train_model_dp
 
             dp = cfg.dp
-            stats, privacy = train_model_dp(model, self.train.X, self.train.y, epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr,
-                                            optimizer=cfg.optimizer, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                                            noise_multiplier=dp.noise_multiplier, target_epsilon=dp.target_epsilon,
-                                            max_grad_norm=dp.max_grad_norm, delta=dp.delta, accountant=dp.accountant,
-                                            seed=self.step_seed("local-train"), device=self.device)
+            stats, privacy = train_model_dp(
+                model,
+                self.train.X,
+                self.train.y,
+                epochs=cfg.epochs,
+                batch_size=cfg.batch_size,
+                lr=cfg.lr,
+                optimizer=cfg.optimizer,
+                momentum=cfg.momentum,
+                weight_decay=cfg.weight_decay,
+                noise_multiplier=dp.noise_multiplier,
+                target_epsilon=dp.target_epsilon,
+                max_grad_norm=dp.max_grad_norm,
+                delta=dp.delta,
+                accountant=dp.accountant,
+                seed=self.step_seed("local-train"),
+                device=self.device,
+            )
             self.local_stats = {"train_loss": stats.loss, "train_seconds": stats.seconds, "steps": float(stats.steps), **privacy}
             return model
-        stats = train_model(model, self.train.X, self.train.y, epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr,
-                            optimizer=cfg.optimizer, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                            seed=self.step_seed("local-train"), device=self.device)
+        stats = train_model(
+            model,
+            self.train.X,
+            self.train.y,
+            epochs=cfg.epochs,
+            batch_size=cfg.batch_size,
+            lr=cfg.lr,
+            optimizer=cfg.optimizer,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+            seed=self.step_seed("local-train"),
+            device=self.device,
+        )
         self.local_stats = {"train_loss": stats.loss, "train_seconds": stats.seconds, "steps": float(stats.steps)}
         return model
 
@@ -198,8 +251,9 @@ class ClientStateStore:
             raise ValueError(f"a client state store id is alphanumeric, got {store!r}")
         if not kind or not kind.replace("-", "").isalnum():
             raise ValueError(f"a client state kind is alphanumeric with dashes, got {kind!r}")
-        self.folder: Path | None = (Path(ctx.local_cache) / "client-state" / f"client-{ctx.client_id}" / kind / store
-                                    if ctx.local_cache else None)
+        self.folder: Path | None = (
+            Path(ctx.local_cache) / "client-state" / f"client-{ctx.client_id}" / kind / store if ctx.local_cache else None
+        )
 
     def _lock(self) -> contextlib.AbstractContextManager[Any]:
         from rayfuse.cas import key_lock
@@ -226,8 +280,9 @@ class ClientStateStore:
             raise FileNotFoundError(f"client state {path.name} not in {path.parent}")
         return load_params(path)
 
-    def save(self, name: str, round: int, arrays: dict[str, np.ndarray], *, keep: int | None = None,
-             metadata: dict[str, str] | None = None) -> Path | None:
+    def save(
+        self, name: str, round: int, arrays: dict[str, np.ndarray], *, keep: int | None = None, metadata: dict[str, str] | None = None
+    ) -> Path | None:
         """Write ``name`` after ``round`` (nothing without storage) and delete its older rounds, except ``keep``: the
         round this one started from, which the server's checkpoint may still name if the run stops before the server
         records ``round``."""
@@ -240,7 +295,7 @@ class ClientStateStore:
         with self._lock():
             save_params(path, arrays, {"name": name, "round": str(round), **(metadata or {})})
             for old in path.parent.glob(f"{name}-*.safetensors"):
-                if old.name not in kept and old.name[len(name) + 1:-len(".safetensors")].isdigit():
+                if old.name not in kept and old.name[len(name) + 1 : -len(".safetensors")].isdigit():
                     old.unlink(missing_ok=True)
         return path
 
@@ -299,9 +354,22 @@ class Client:
         :meth:`ClientContext.local_model`).
     """
 
-    def __init__(self, client_id: int, plan: ClientPlan, *, data_cfg: Any, model_cfg: Any, train_cfg: Any, seed: int,
-                 device: str = "cpu", faults: Sequence[Any] = (), restarted: bool = False,
-                 die: Callable[[], None] | None = None, dataset: Any = None, local_cache: str | None = None) -> None:
+    def __init__(
+        self,
+        client_id: int,
+        plan: ClientPlan,
+        *,
+        data_cfg: Any,
+        model_cfg: Any,
+        train_cfg: Any,
+        seed: int,
+        device: str = "cpu",
+        faults: Sequence[Any] = (),
+        restarted: bool = False,
+        die: Callable[[], None] | None = None,
+        dataset: Any = None,
+        local_cache: str | None = None,
+    ) -> None:
         labels: tuple[str, ...] = ()
         silo_dtype = ""
         if isinstance(plan, SiloClientPlan):  # data.silos: this client's own silo, read here, on its own node
@@ -315,8 +383,19 @@ class Client:
                 dataset = load_dataset_from_config(data_cfg)
             train, val = client_splits(dataset, plan)
             del dataset  # keep only this client's shard in memory
-        self.ctx = ClientContext(client_id, plan, train, val, data_cfg=data_cfg, model_cfg=model_cfg, train_cfg=train_cfg,
-                                 seed=seed, device=device, local_cache=local_cache, faults=faults)
+        self.ctx = ClientContext(
+            client_id,
+            plan,
+            train,
+            val,
+            data_cfg=data_cfg,
+            model_cfg=model_cfg,
+            train_cfg=train_cfg,
+            seed=seed,
+            device=device,
+            local_cache=local_cache,
+            faults=faults,
+        )
         self.ctx.labels = labels if isinstance(plan, SiloClientPlan) else ()
         self.ctx.silo_dtype = silo_dtype
         self.faults = [f for f in faults if f.client == client_id]

@@ -103,7 +103,9 @@ class ServerData:
         """Facts a procedural dataset records about itself (e.g. the true GMM atoms): for evaluation only, like the
         test set; empty for other datasets."""
         if isinstance(self._coordinator.plan, SiloPlan):
-            raise RunFailure(f"{self._spec.label}: asked for the dataset's own facts (dataset_meta); a silo run (data.silos) has no dataset")
+            raise RunFailure(
+                f"{self._spec.label}: asked for the dataset's own facts (dataset_meta); a silo run (data.silos) has no dataset"
+            )
         return dict(self._coordinator._load_dataset().meta)
 
     @property
@@ -154,8 +156,9 @@ class ServerScoring:
     clients' held-out splits, or both (``evaluation``). It keeps the per-client tables of the federated evaluations
     not yet logged (``tables``), which the method's next logged row records (:meth:`MethodServer.log`)."""
 
-    def __init__(self, coordinator: Coordinator, label: str, data: ServerData, models: ServerModels, federation: Federation,
-                 updates: UpdatePipeline) -> None:
+    def __init__(
+        self, coordinator: Coordinator, label: str, data: ServerData, models: ServerModels, federation: Federation, updates: UpdatePipeline
+    ) -> None:
         self._coordinator = coordinator
         self._label = label
         self._data = data
@@ -176,8 +179,10 @@ class ServerScoring:
         """The metrics of ``proba`` predicted on the server's test set. Refused with ``evaluation: federated`` (the
         run's metrics are the clients': a method scores through :meth:`evaluate` / :meth:`evaluate_ensemble`)."""
         if self._data.evaluation == "federated":
-            raise RunFailure(f"{self._label}: scores predictions on the server's test set (evaluate_proba), which evaluation: federated "
-                             "does not use; score through evaluate / evaluate_ensemble, or tag the method federated_evaluation=False")
+            raise RunFailure(
+                f"{self._label}: scores predictions on the server's test set (evaluate_proba), which evaluation: federated "
+                "does not use; score through evaluate / evaluate_ensemble, or tag the method federated_evaluation=False"
+            )
         return compute_metrics(proba, self._data.test.y)
 
     def evaluate(self, params: dict[str, np.ndarray], *, resized: bool = False, model: ModelConfig | None = None) -> dict[str, float]:
@@ -202,8 +207,9 @@ class ServerScoring:
 
         return self._evaluate_where(central, [params], None, [model_cfg])
 
-    def evaluate_ensemble(self, members: Sequence[dict[str, np.ndarray]], weights: Sequence[float], *,
-                          models: Sequence[ModelConfig] | None = None) -> dict[str, float]:
+    def evaluate_ensemble(
+        self, members: Sequence[dict[str, np.ndarray]], weights: Sequence[float], *, models: Sequence[ModelConfig] | None = None
+    ) -> dict[str, float]:
         """The metrics of the ensemble of ``members`` (probabilities averaged with ``weights``) and the accuracy of
         its majority vote (``vote_accuracy``), where ``evaluation`` says: federated, every client receives the members'
         parameters (and their model configs) and scores them on its held-out split. ``models``: each member's
@@ -221,8 +227,15 @@ class ServerScoring:
 
         return self._evaluate_where(central, list(members), [float(w) for w in weights], configs, vote=True)
 
-    def _evaluate_where(self, central: Callable[[], dict[str, float]], members: list[dict[str, np.ndarray]],
-                        weights: list[float] | None, models: list[ModelConfig], *, vote: bool = False) -> dict[str, float]:
+    def _evaluate_where(
+        self,
+        central: Callable[[], dict[str, float]],
+        members: list[dict[str, np.ndarray]],
+        weights: list[float] | None,
+        models: list[ModelConfig],
+        *,
+        vote: bool = False,
+    ) -> dict[str, float]:
         """The one dispatch of ``evaluation``: central metrics, the federated aggregate, or both (the federated ones
         prefixed ``federated_``)."""
         evaluation = self._data.evaluation
@@ -234,8 +247,9 @@ class ServerScoring:
             return federated
         return {**metrics, **{FEDERATED_PREFIX + k: v for k, v in federated.items()}}
 
-    def _evaluate_federated(self, members: list[dict[str, np.ndarray]], weights: list[float] | None, models: list[ModelConfig], *,
-                            vote: bool) -> dict[str, float]:
+    def _evaluate_federated(
+        self, members: list[dict[str, np.ndarray]], weights: list[float] | None, models: list[ModelConfig], *, vote: bool
+    ) -> dict[str, float]:
         """Every client scores ``members``, each built into its model config of ``models``, on its held-out split and
         replies with sums and counts; the metrics of the summed sums (count-weighted over the clients). A malformed
         reply is rejected (``update_rejected``); the per-client table is logged with the method's next row."""
@@ -264,8 +278,14 @@ class MethodUpdates(UpdatePipeline):
     :class:`rayfuse.method.UpdateService`."""
 
     def __init__(self, server: MethodServer, coordinator: Coordinator, spec: MethodSpec) -> None:
-        super().__init__(server, spec.params, coordinator.cfg.federation.attacks, planned_examples=coordinator.plan.num_examples,
-                         reference_of=coordinator.reference_params, local_updates=coordinator.local_updates)
+        super().__init__(
+            server,
+            spec.params,
+            coordinator.cfg.federation.attacks,
+            planned_examples=coordinator.plan.num_examples,
+            reference_of=coordinator.reference_params,
+            local_updates=coordinator.local_updates,
+        )
         self._coordinator = coordinator
         self._method_server = server
 
@@ -289,13 +309,21 @@ class MethodUpdates(UpdatePipeline):
         with cache.lock():
             saved = cache.load(clients)
             if saved is not None:
-                self._method_server.events.emit("step_results_restored", f"{name}: {len(saved)} clients' results from the model cache ({key})",
-                                 method=self._method_server.label, key=key)
+                self._method_server.events.emit(
+                    "step_results_restored",
+                    f"{name}: {len(saved)} clients' results from the model cache ({key})",
+                    method=self._method_server.label,
+                    key=key,
+                )
                 return Gathered(saved)
             gathered = self._method_server.federation.run(step, *args, **kwargs)
             if sorted(gathered.results) == sorted(clients) and not gathered.failures and cache.save(gathered.results):
-                self._method_server.events.emit("step_results_cached", f"{name}: {len(clients)} clients' results -> {cache.folder}",
-                                 method=self._method_server.label, key=key)
+                self._method_server.events.emit(
+                    "step_results_cached",
+                    f"{name}: {len(clients)} clients' results -> {cache.folder}",
+                    method=self._method_server.label,
+                    key=key,
+                )
             return gathered
 
 
@@ -332,8 +360,12 @@ class MethodServer:
         kept under this method's label in their own ``store`` (``rayfuse.client.ClientStateStore``): gone from the
         federation, failing, or without the file. A resumed method continues mid-method only when this is empty."""
         fed = self.federation
-        calls = [call for client in sorted(rounds) if client in fed.client_ids
-                 for call in fed.map(has_client_state, clients=[client], kind=kind, store=store, name=self.label, round=rounds[client])]
+        calls = [
+            call
+            for client in sorted(rounds)
+            if client in fed.client_ids
+            for call in fed.map(has_client_state, clients=[client], kind=kind, store=store, name=self.label, round=rounds[client])
+        ]
         try:
             gathered = fed.gather(calls) if calls else None
         except RunFailure:
@@ -395,13 +427,33 @@ class MethodServer:
     def progress(self, message: str, **fields: Any) -> None:
         self.events.emit("progress", message, method=self.label, **fields)
 
-    def rounds(self, state: S, *, last: int, first: int = 1, evaluate: Callable[[int], Mapping[str, float]] | None = None,
-               evaluate_every: int = 1, unit: str = "round", quiet: tuple[str, ...] = (),
-               on_resume: Callable[[S], None] | None = None, step: int = 1) -> RoundLoop[S]:
+    def rounds(
+        self,
+        state: S,
+        *,
+        last: int,
+        first: int = 1,
+        evaluate: Callable[[int], Mapping[str, float]] | None = None,
+        evaluate_every: int = 1,
+        unit: str = "round",
+        quiet: tuple[str, ...] = (),
+        on_resume: Callable[[S], None] | None = None,
+        step: int = 1,
+    ) -> RoundLoop[S]:
         """The rounds ``first .. last`` of this method over its typed round ``state`` (:class:`rayfuse.rounds.RoundLoop`:
         resume, evaluation cadence, history, progress, round checkpoints, state the clients keep)."""
-        return RoundLoop(self, state, last=last, first=first, evaluate=evaluate, evaluate_every=evaluate_every, unit=unit,
-                         quiet=quiet, on_resume=on_resume, step=step)
+        return RoundLoop(
+            self,
+            state,
+            last=last,
+            first=first,
+            evaluate=evaluate,
+            evaluate_every=evaluate_every,
+            unit=unit,
+            quiet=quiet,
+            on_resume=on_resume,
+            step=step,
+        )
 
     def resume_checkpoint(self) -> Checkpoint | None:
         """The last round checkpoint of this method when resuming (``None`` on a fresh run)."""
@@ -413,8 +465,9 @@ class MethodServer:
             self.events.emit("resumed", f"from round {checkpoint.round}", method=self.label, round=checkpoint.round)
         return checkpoint
 
-    def save_checkpoint(self, round: int, params: dict[str, np.ndarray], state: dict[str, np.ndarray] | None = None,
-                        meta: dict[str, Any] | None = None) -> None:
+    def save_checkpoint(
+        self, round: int, params: dict[str, np.ndarray], state: dict[str, np.ndarray] | None = None, meta: dict[str, Any] | None = None
+    ) -> None:
         self.checkpoint.save(round, params, state, {**(meta or {}), "history": self.history})
 
 
@@ -434,8 +487,16 @@ class Coordinator:
     device : str
     """
 
-    def __init__(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: str, federation: Federation, *,
-                 specs: list[MethodSpec] | None = None, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        plan: DataPlan,
+        run_dir: str,
+        federation: Federation,
+        *,
+        specs: list[MethodSpec] | None = None,
+        device: str = "cpu",
+    ) -> None:
         self.cfg = cfg
         self.specs = resolve_methods(cfg.methods) if specs is None else list(specs)
         self._resolved: dict[str, Any] | None = None
@@ -477,9 +538,15 @@ class Coordinator:
         plan = self.plan
         if spec is None:
             return Split(np.zeros((0, *plan.input_shape), dtype=np.float32), np.zeros(0, dtype=np.int64))
-        return server_split(spec, key=f"data.{key}", labels=plan.class_names, input_shape=plan.input_shape,
-                            normalization=plan.normalization, classes=self.cfg.data.class_names,
-                            dtype=str(plan.schemas[0]["dtype"]) if isinstance(plan, SiloPlan) and plan.schemas else None)
+        return server_split(
+            spec,
+            key=f"data.{key}",
+            labels=plan.class_names,
+            input_shape=plan.input_shape,
+            normalization=plan.normalization,
+            classes=self.cfg.data.class_names,
+            dtype=str(plan.schemas[0]["dtype"]) if isinstance(plan, SiloPlan) and plan.schemas else None,
+        )
 
     def pooled_train(self) -> Split:
         if isinstance(self.plan, SiloPlan):
@@ -517,9 +584,12 @@ class Coordinator:
         self._server_data = None
         self._references = []
         self.server_data()  # the server's own sets (data.test, data.public) checked against the silos before any training
-        self.events.emit("silos_surveyed", f"{plan.num_clients} silos agree: input {plan.input_shape}, {plan.num_classes} labels"
-                         + (", features standardised (federated)" if normalization is not None else ""),
-                         sizes=[plan.num_examples(c) for c in fed.client_ids])
+        self.events.emit(
+            "silos_surveyed",
+            f"{plan.num_clients} silos agree: input {plan.input_shape}, {plan.num_classes} labels"
+            + (", features standardised (federated)" if normalization is not None else ""),
+            sizes=[plan.num_examples(c) for c in fed.client_ids],
+        )
         return plan
 
     def reference_params(self, client: int | None = None) -> dict[str, np.ndarray]:
@@ -554,11 +624,18 @@ class Coordinator:
         files = data_files(self.resolved_config()["data"])
         if isinstance(self.plan, SiloPlan) and self.plan.schemas:
             # a silo is read on its client's node only: its path as written (per client) and the survey's content hash
-            files.update({f"data.silos.{c}.path": {"path": f"client {c}: {silo.path}", "sha256": str(schema["content_hash"])}
-                          for c, (silo, schema) in enumerate(zip(self.plan.silos, self.plan.schemas))})
+            files.update(
+                {
+                    f"data.silos.{c}.path": {"path": f"client {c}: {silo.path}", "sha256": str(schema["content_hash"])}
+                    for c, (silo, schema) in enumerate(zip(self.plan.silos, self.plan.schemas))
+                }
+            )
         for key, path, before, now in note_data_files(root, files):
-            self.events.emit("warning", f"{key} ({path}): content changed since a run sharing the model cache {root} used it "
-                             f"(SHA-256 {before[:12]} -> {now[:12]}); what was computed from it is computed again, not read")
+            self.events.emit(
+                "warning",
+                f"{key} ({path}): content changed since a run sharing the model cache {root} used it "
+                f"(SHA-256 {before[:12]} -> {now[:12]}); what was computed from it is computed again, not read",
+            )
 
     def resolved_config(self) -> dict[str, Any]:
         """The run's resolved config (cache keys are computed from it)."""
@@ -598,10 +675,14 @@ class Coordinator:
                 kept = sorted(c for c, stats in fed.run(restore_local).results.items() if stats is not None)
             from_run: list[int] = []
             if resume:
-                saved = self.store.load_local_models([c for c in fed.client_ids if c not in kept],
-                                                     warn=lambda message: self.events.emit("warning", message))
-                calls = [call for client, (params, stats) in saved.items()
-                         for call in fed.map(set_local_params, fed.put(params), stats, clients=[client])]
+                saved = self.store.load_local_models(
+                    [c for c in fed.client_ids if c not in kept], warn=lambda message: self.events.emit("warning", message)
+                )
+                calls = [
+                    call
+                    for client, (params, stats) in saved.items()
+                    for call in fed.map(set_local_params, fed.put(params), stats, clients=[client])
+                ]
                 from_run = fed.gather(calls).clients if calls else []
             rest = [c for c in fed.client_ids if c not in kept and c not in from_run]
             trained: list[int] = []
@@ -612,19 +693,28 @@ class Coordinator:
                         continue
                     trained.append(client)
                     spent = f", epsilon {stats['dp_epsilon']:.3g}" if "dp_epsilon" in stats else ""
-                    self.events.emit("client_trained", f"loss {stats.get('train_loss', float('nan')):.4f}{spent}", client=client,
-                                     seconds=round(stats.get("train_seconds", 0.0), 3),
-                                     **({"dp_epsilon": stats["dp_epsilon"]} if "dp_epsilon" in stats else {}))
+                    self.events.emit(
+                        "client_trained",
+                        f"loss {stats.get('train_loss', float('nan')):.4f}{spent}",
+                        client=client,
+                        seconds=round(stats.get("train_seconds", 0.0), 3),
+                        **({"dp_epsilon": stats["dp_epsilon"]} if "dp_epsilon" in stats else {}),
+                    )
         kept.sort()
         if kept:
-            self.events.emit("local_models_restored", f"{len(kept)} local models from the clients' own copies ({root})",
-                             source="cache", clients=kept)
+            self.events.emit(
+                "local_models_restored", f"{len(kept)} local models from the clients' own copies ({root})", source="cache", clients=kept
+            )
         if from_run:
-            self.events.emit("local_models_restored", f"{len(from_run)} local models from checkpoints/local",
-                             source="checkpoint", clients=from_run)
+            self.events.emit(
+                "local_models_restored", f"{len(from_run)} local models from checkpoints/local", source="checkpoint", clients=from_run
+            )
         if trained and root:
-            self.events.emit("local_models_cached", f"{len(trained)} local models kept by their clients in {LocalModelStore(root).root}",
-                             keys={str(c): keys[c] for c in trained})
+            self.events.emit(
+                "local_models_cached",
+                f"{len(trained)} local models kept by their clients in {LocalModelStore(root).root}",
+                keys={str(c): keys[c] for c in trained},
+            )
         # A client dropped while training stays out of every method of this run that uses local models.
         self._ready = sorted([*kept, *from_run, *trained])
         self._in_run_folder = set(from_run)
@@ -644,18 +734,26 @@ class Coordinator:
         failures = list(gathered.failures)
         lost = sorted(c for c, u in gathered.results.items() if u is None)
         if lost:
-            saved = self.store.load_local_models([c for c in lost if c in self._in_run_folder],
-                                                 warn=lambda message: self.events.emit("warning", message))
-            calls = [call for client, (params, stats) in saved.items()
-                     for call in fed.map(set_local_params, fed.put(params), stats, clients=[client])]
+            saved = self.store.load_local_models(
+                [c for c in lost if c in self._in_run_folder], warn=lambda message: self.events.emit("warning", message)
+            )
+            calls = [
+                call
+                for client, (params, stats) in saved.items()
+                for call in fed.map(set_local_params, fed.put(params), stats, clients=[client])
+            ]
             installed = fed.gather(calls) if calls else Gathered({}, [])
             for client, num_examples in installed.results.items():
                 params, stats = saved[client]
                 results[client] = Update(params, int(num_examples), dict(stats))
             failures += installed.failures
             if installed.results:
-                self.events.emit("local_models_restored", f"{len(installed.results)} local models from checkpoints/local (the clients "
-                                 "had lost theirs)", source="checkpoint", clients=sorted(installed.results))
+                self.events.emit(
+                    "local_models_restored",
+                    f"{len(installed.results)} local models from checkpoints/local (the clients had lost theirs)",
+                    source="checkpoint",
+                    clients=sorted(installed.results),
+                )
             rest = [c for c in lost if c not in installed.results and c not in {f.client for f in installed.failures}]
             if rest:  # not in the run folder yet: the client trains it again (deterministic: the same model)
                 again = fed.run(get_local_update, clients=rest)
@@ -675,8 +773,13 @@ class Coordinator:
         epsilon = {str(c): float(m["dp_epsilon"]) for c, m in sorted(stats.items()) if "dp_epsilon" in m}
         if not epsilon:
             return
-        result.info["local_dp"] = {"epsilon": epsilon, "delta": dp.delta, "accountant": dp.accountant, "max_grad_norm": dp.max_grad_norm,
-                                   "noise_multiplier": {c: float(stats[int(c)].get("dp_noise_multiplier", float("nan"))) for c in epsilon}}
+        result.info["local_dp"] = {
+            "epsilon": epsilon,
+            "delta": dp.delta,
+            "accountant": dp.accountant,
+            "max_grad_norm": dp.max_grad_norm,
+            "noise_multiplier": {c: float(stats[int(c)].get("dp_noise_multiplier", float("nan"))) for c in epsilon},
+        }
         result.metrics["dp_sgd_epsilon"] = max(epsilon.values())
 
     def run_method(self, label: str, resume: bool = False) -> dict[str, Any]:

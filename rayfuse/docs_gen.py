@@ -54,8 +54,8 @@ section with keys of its own, listed under it. Bounds are written after the type
 
 SECTION_INTRO = {
     "methods": "Label -> parameters. A label that is not a method name needs `method: <name>`; `methods: [local, fedavg]` "
-               "is shorthand for entries without parameters. Without this section, the quickstart's methods. "
-               "Each method's parameters are listed below, under the method's name (`rayfuse list methods` prints them too).",
+    "is shorthand for entries without parameters. Without this section, the quickstart's methods. "
+    "Each method's parameters are listed below, under the method's name (`rayfuse list methods` prints them too).",
 }
 
 

@@ -64,8 +64,7 @@ class InputError(ValueError):
         # traceback shortening) rebuild an exception from its args, which hold only the message: rebuild from the fields
         # instead, keeping "no got" as it was (the sentinel is not the same object after unpickling).
         has_got = self.got is not InputError._MISSING
-        return _rebuild_input_error, (type(self), self.path, self.expected, has_got, self.got if has_got else None,
-                                      self.hint)
+        return _rebuild_input_error, (type(self), self.path, self.expected, has_got, self.got if has_got else None, self.hint)
 
 
 def _rebuild_input_error(cls: type, path: str, expected: str, has_got: bool, got: Any, hint: str) -> InputError:

@@ -28,8 +28,16 @@ import numpy as np
 from rayfuse.method import ClientContext, client_step
 from rayfuse.metrics import METRIC_NAMES, majority_vote, metric_sums
 
-__all__ = ["EVALUATIONS", "FEDERATED_PREFIX", "CLIENT_PREFIX", "evaluate_held_out", "model_for_params", "make_client_row", "read_client_table",
-           "average_client_tables"]
+__all__ = [
+    "EVALUATIONS",
+    "FEDERATED_PREFIX",
+    "CLIENT_PREFIX",
+    "evaluate_held_out",
+    "model_for_params",
+    "make_client_row",
+    "read_client_table",
+    "average_client_tables",
+]
 
 EVALUATIONS = ("central", "federated", "both")
 FEDERATED_PREFIX = "federated_"  # evaluation: both -- the federated aggregate's keys
@@ -63,8 +71,14 @@ def model_for_params(params: dict[str, np.ndarray], model_cfg: Any, input_shape:
 
 
 @client_step("evaluate")
-def evaluate_held_out(ctx: ClientContext, members: Sequence[dict[str, np.ndarray]], weights: Sequence[float] | None = None, *,
-                      vote: bool = False, models: Sequence[Any] | None = None) -> dict[str, Any]:
+def evaluate_held_out(
+    ctx: ClientContext,
+    members: Sequence[dict[str, np.ndarray]],
+    weights: Sequence[float] | None = None,
+    *,
+    vote: bool = False,
+    models: Sequence[Any] | None = None,
+) -> dict[str, Any]:
     """Score a model on this client's held-out split (``ctx.val``); return metric sums and counts only.
 
     ``members`` holds one parameter dict or several (an ensemble: its probabilities averaged with ``weights``, uniform
@@ -82,8 +96,10 @@ def evaluate_held_out(ctx: ClientContext, members: Sequence[dict[str, np.ndarray
     if len(split) == 0:
         sums: dict[str, Any] = metric_sums(np.zeros((0, ctx.num_classes)), split.y)
     else:
-        probas = [predict_proba(model_for_params(p, m, ctx.input_shape, ctx.num_classes), split.X, device=ctx.device)
-                  for p, m in zip(members, configs)]
+        probas = [
+            predict_proba(model_for_params(p, m, ctx.input_shape, ctx.num_classes), split.X, device=ctx.device)
+            for p, m in zip(members, configs)
+        ]
         w = list(weights) if weights is not None else [1.0 / len(probas)] * len(probas)
         stacked = np.stack(probas)
         proba = probas[0] if len(probas) == 1 else np.tensordot(w, stacked, axes=1)
@@ -128,8 +144,11 @@ def read_client_table(history: Sequence[dict[str, Any]]) -> list[dict[str, Any]]
     table: dict[int, dict[str, Any]] = {}
     for r in rows:
         if int(r["round"]) == last:
-            name = str(r["metric"])[len(CLIENT_PREFIX):]
+            name = str(r["metric"])[len(CLIENT_PREFIX) :]
             entry = table.setdefault(int(r["client"]), {"client": int(r["client"])})
             entry[name] = int(r["value"]) if name == "count" else float(r["value"])
     order = ["client", "count", *METRIC_NAMES]
-    return [dict(sorted(entry.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))) for _, entry in sorted(table.items())]
+    return [
+        dict(sorted(entry.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
+        for _, entry in sorted(table.items())
+    ]

@@ -240,8 +240,13 @@ class NormalWishart(Family):
         quad = np.einsum("ni,nij,nj->n", diff, self.W, diff) * n0  # (m1 - m0)^T (nu0 W0) (m1 - m0)
         gauss = 0.5 * (D * (k1 / k0 - 1.0 + np.log(k0 / k1)) + k1 * quad)
         trace = np.einsum("nij,nji->n", other._W_inv(), self.W)
-        wishart = (-0.5 * n1 * (self._logdet() - other._logdet()) + 0.5 * n0 * (trace - D)
-                   + other._lgamma_D() - self._lgamma_D() + 0.5 * (n0 - n1) * self._psi_D())
+        wishart = (
+            -0.5 * n1 * (self._logdet() - other._logdet())
+            + 0.5 * n0 * (trace - D)
+            + other._lgamma_D()
+            - self._lgamma_D()
+            + 0.5 * (n0 - n1) * self._psi_D()
+        )
         return gauss + wishart
 
     def kl_matrix(self, other: NormalWishart) -> np.ndarray:
@@ -257,8 +262,13 @@ class NormalWishart(Family):
         quad = A.reshape(len(self), D * D) @ outer.T - 2.0 * Am @ other.mean.T + np.einsum("gi,gi->g", Am, self.mean)[:, None]
         gauss = 0.5 * (D * (k1 / k0 - 1.0 + np.log(k0) - np.log(k1)) + k1 * quad)
         trace = self.W.reshape(len(self), D * D) @ other._W_inv().reshape(len(other), D * D).T
-        wishart = (-0.5 * n1 * (self._logdet()[:, None] - other._logdet()[None, :]) + 0.5 * n0 * (trace - D)
-                   + other._lgamma_D()[None, :] - self._lgamma_D()[:, None] + 0.5 * (n0 - n1) * self._psi_D()[:, None])
+        wishart = (
+            -0.5 * n1 * (self._logdet()[:, None] - other._logdet()[None, :])
+            + 0.5 * n0 * (trace - D)
+            + other._lgamma_D()[None, :]
+            - self._lgamma_D()[:, None]
+            + 0.5 * (n0 - n1) * self._psi_D()[:, None]
+        )
         return gauss + wishart
 
     def natural(self) -> np.ndarray:
@@ -272,15 +282,16 @@ class NormalWishart(Family):
     def from_natural(self, eta: np.ndarray) -> NormalWishart:
         D = self.dim
         kappa, nu = eta[:, 0].copy(), eta[:, 1].copy()
-        mean = eta[:, 2:2 + D] / kappa[:, None]
-        W_inv = eta[:, 2 + D:].reshape(-1, D, D) - kappa[:, None, None] * np.einsum("ni,nj->nij", mean, mean)
+        mean = eta[:, 2 : 2 + D] / kappa[:, None]
+        W_inv = eta[:, 2 + D :].reshape(-1, D, D) - kappa[:, None, None] * np.einsum("ni,nj->nij", mean, mean)
         W_inv = 0.5 * (W_inv + np.swapaxes(W_inv, 1, 2))
         return NormalWishart._trusted(mean, kappa, nu, np.linalg.inv(W_inv))
 
     def take(self, index: Any) -> NormalWishart:
         D = self.dim
-        return NormalWishart._trusted(self.mean[index].reshape(-1, D), self.kappa[index].reshape(-1), self.nu[index].reshape(-1),
-                                      self.W[index].reshape(-1, D, D))
+        return NormalWishart._trusted(
+            self.mean[index].reshape(-1, D), self.kappa[index].reshape(-1), self.nu[index].reshape(-1), self.W[index].reshape(-1, D, D)
+        )
 
     def means(self) -> np.ndarray:
         return self.mean
@@ -363,8 +374,12 @@ def concat(batches: Sequence[Family], *, where: str = "posteriors") -> Family:
         return DiagGaussian._trusted(np.concatenate([b.mean for b in gaussians]), np.concatenate([b.var for b in gaussians]))
     if isinstance(first, NormalWishart):
         wisharts = cast("Sequence[NormalWishart]", batches)
-        return NormalWishart._trusted(np.concatenate([b.mean for b in wisharts]), np.concatenate([b.kappa for b in wisharts]),
-                                      np.concatenate([b.nu for b in wisharts]), np.concatenate([b.W for b in wisharts]))
+        return NormalWishart._trusted(
+            np.concatenate([b.mean for b in wisharts]),
+            np.concatenate([b.kappa for b in wisharts]),
+            np.concatenate([b.nu for b in wisharts]),
+            np.concatenate([b.W for b in wisharts]),
+        )
     dirichlets = cast("Sequence[Dirichlet]", batches)
     return Dirichlet._trusted(np.concatenate([b.alpha for b in dirichlets]))
 

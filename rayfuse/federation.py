@@ -298,8 +298,10 @@ class Federation(ABC):
             self.events.emit("client_dropped", error.message, client=call.client, step=call.name)
             return None
         detail = f" after {call.attempt + 1} attempts" if policy == "retry" and retryable else ""
-        raise RunFailure(f"client {call.client} failed in step {call.name}{detail} ({error.kind}): {error.message} "
-                         f"[federation.on_client_failure = {policy}]")
+        raise RunFailure(
+            f"client {call.client} failed in step {call.name}{detail} ({error.kind}): {error.message} "
+            f"[federation.on_client_failure = {policy}]"
+        )
 
     def _on_timeout(self, handle: Any) -> None:
         """Hook: give up on a straggler's handle (Ray cancels it)."""
@@ -381,9 +383,16 @@ class InProcessFederation(Federation):
         equal a Ray run's); ``None``: this process's setting.
     """
 
-    def __init__(self, client_factory: Callable[[int, bool], Any], num_clients: int, policy: FailurePolicy,
-                 events: EventLog | None = None, *, max_restarts: int = 2,
-                 threads: Callable[[int], int | None] | None = None) -> None:
+    def __init__(
+        self,
+        client_factory: Callable[[int, bool], Any],
+        num_clients: int,
+        policy: FailurePolicy,
+        events: EventLog | None = None,
+        *,
+        max_restarts: int = 2,
+        threads: Callable[[int], int | None] | None = None,
+    ) -> None:
         super().__init__(policy, events)
         self._factory = client_factory
         self._clients = {i: client_factory(i, False) for i in range(num_clients)}

@@ -65,12 +65,12 @@ def _row_hashes(rows: np.ndarray) -> np.ndarray:
     step = max(1, _CHUNK_BYTES // max(1, count * 8))
     with np.errstate(over="ignore"):
         for start in range(0, len(rows), step):
-            chunk = words[start:start + step].astype(np.uint64)
+            chunk = words[start : start + step].astype(np.uint64)
             h = chunk[:, 0] * coef[0] if count == 1 else (chunk * coef).sum(axis=1, dtype=np.uint64)
             h ^= h >> np.uint64(31)
             h *= _MIX
             h ^= h >> np.uint64(29)
-            out[start:start + step] = h
+            out[start : start + step] = h
     return out
 
 
@@ -119,8 +119,9 @@ class RawDataGuard:
         A label vector is recognised only with at least this many labels other than its most common one.
     """
 
-    def __init__(self, features: Sequence[np.ndarray], labels: Sequence[np.ndarray], *, min_values: int = 16,
-                 min_label_rows: int = 16) -> None:
+    def __init__(
+        self, features: Sequence[np.ndarray], labels: Sequence[np.ndarray], *, min_values: int = 16, min_label_rows: int = 16
+    ) -> None:
         self._arrays = [a for a in (*features, *labels) if a.size]
         flat = [a.reshape(len(a), -1) for a in features if a.size and a.ndim >= 1]
         self.width = flat[0].shape[1] if flat else 0
@@ -213,7 +214,7 @@ class RawDataGuard:
                         continue
             with np.errstate(invalid="ignore", over="ignore"):
                 values = vector.astype(np.int64)
-            head, tail = y[:length], y[m - length:]
+            head, tail = y[:length], y[m - length :]
             start, end = values == head, values == tail
             if length - int((start | end).sum()) > max(2, length // 100):  # a swapped pair: two mismatches
                 continue
@@ -270,8 +271,20 @@ def _numeric_leaves(result: Any) -> Iterator[tuple[str, np.ndarray, str | None]]
     seen: set[int] = set()
     while stack:
         path, obj = stack.pop()
-        if obj is None or isinstance(obj, (str, bool, numbers.Number, np.generic, type, types.ModuleType,
-                                           types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
+        if obj is None or isinstance(
+            obj,
+            (
+                str,
+                bool,
+                numbers.Number,
+                np.generic,
+                type,
+                types.ModuleType,
+                types.FunctionType,
+                types.BuiltinFunctionType,
+                types.MethodType,
+            ),
+        ):
             continue
         if id(obj) in seen:
             continue

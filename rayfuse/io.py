@@ -66,8 +66,12 @@ def check_writable_folder(path: str | os.PathLike, *, key: str) -> Path:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise InputError(key, "a folder rayfuse can create or write to", str(target),
-                         f"{existing} is a file, not a folder" if existing != Path(os.path.abspath(target)) else "it is a file, not a folder")
+        raise InputError(
+            key,
+            "a folder rayfuse can create or write to",
+            str(target),
+            f"{existing} is a file, not a folder" if existing != Path(os.path.abspath(target)) else "it is a file, not a folder",
+        )
     problem = None
     if not os.access(existing, os.W_OK | os.X_OK):
         problem = "no permission to write"
@@ -205,8 +209,12 @@ def check_file_fits_in_memory(path: Path) -> None:
     size = path.stat().st_size
     memory = available_memory()
     if memory is not None and size * CHECKPOINT_MEMORY_FACTOR > memory:
-        raise InputError(str(path), f"a checkpoint that fits in memory: at most {memory // CHECKPOINT_MEMORY_FACTOR / 2**30:.2f} GiB "
-                         f"({CHECKPOINT_MEMORY_FACTOR} copies in the {memory / 2**30:.2f} GiB available)", f"{size / 2**30:.2f} GiB")
+        raise InputError(
+            str(path),
+            f"a checkpoint that fits in memory: at most {memory // CHECKPOINT_MEMORY_FACTOR / 2**30:.2f} GiB "
+            f"({CHECKPOINT_MEMORY_FACTOR} copies in the {memory / 2**30:.2f} GiB available)",
+            f"{size / 2**30:.2f} GiB",
+        )
 
 
 def _from_torch(path: Path, tensors: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -217,11 +225,16 @@ def _from_torch(path: Path, tensors: Mapping[str, Any]) -> tuple[dict[str, np.nd
     for name, tensor in tensors.items():
         where = f"{path}: {name}"
         if tensor.layout != torch.strided:
-            raise InputError(where, "a dense tensor", f"a sparse tensor ({str(tensor.layout).replace('torch.', '')})",
-                             "save it with .to_dense()")
+            raise InputError(
+                where, "a dense tensor", f"a sparse tensor ({str(tensor.layout).replace('torch.', '')})", "save it with .to_dense()"
+            )
         if tensor.is_quantized:
-            raise InputError(where, "a float or integer tensor", f"a quantized tensor ({str(tensor.dtype).replace('torch.', '')})",
-                             "dequantize it before saving")
+            raise InputError(
+                where,
+                "a float or integer tensor",
+                f"a quantized tensor ({str(tensor.dtype).replace('torch.', '')})",
+                "dequantize it before saving",
+            )
         dtype = str(tensor.dtype).replace("torch.", "")
         value = tensor.detach().cpu()
         if dtype in TORCH_ONLY_FLOATS:
@@ -241,8 +254,9 @@ def _check_real(path: Path, params: Mapping[str, np.ndarray]) -> None:
             raise InputError(f"{path}: {name}", "a float, integer or boolean tensor", str(value.dtype))
 
 
-def save_params_cast(path: str | os.PathLike, params: Mapping[str, np.ndarray], dtype: str,
-                     metadata: Mapping[str, str] | None = None) -> Path:
+def save_params_cast(
+    path: str | os.PathLike, params: Mapping[str, np.ndarray], dtype: str, metadata: Mapping[str, str] | None = None
+) -> Path:
     """:func:`save_params` with every float tensor stored as ``dtype`` (``float16``, ``float32``, ``float64``, or a
     dtype only torch has, such as ``bfloat16``); integer tensors are written as they are."""
     if dtype not in TORCH_ONLY_FLOATS:
@@ -251,7 +265,13 @@ def save_params_cast(path: str | os.PathLike, params: Mapping[str, np.ndarray], 
     from safetensors.torch import save
 
     target = getattr(torch, dtype)
-    tensors = {k: (torch.from_numpy(np.array(v, dtype=np.float32, order="C")).to(target) if v.dtype.kind == "f"
-                   else torch.from_numpy(np.array(v, order="C"))) for k, v in params.items()}
+    tensors = {
+        k: (
+            torch.from_numpy(np.array(v, dtype=np.float32, order="C")).to(target)
+            if v.dtype.kind == "f"
+            else torch.from_numpy(np.array(v, order="C"))
+        )
+        for k, v in params.items()
+    }
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
     return atomic_write_bytes(path, save(tensors, metadata=meta))

@@ -28,8 +28,16 @@ from scipy.optimize import linear_sum_assignment
 
 from rayfuse.errors import InputError, NonFiniteError
 
-__all__ = ["Executor", "thread_map", "serial_map", "solve_assignment", "solve_assignments", "map_chunked",
-           "balanced_chunks", "executor_width"]
+__all__ = [
+    "Executor",
+    "thread_map",
+    "serial_map",
+    "solve_assignment",
+    "solve_assignments",
+    "map_chunked",
+    "balanced_chunks",
+    "executor_width",
+]
 
 T = TypeVar("T")
 Executor = Callable[[Callable[[Any], Any], Sequence[Any]], list]
@@ -105,8 +113,7 @@ def balanced_chunks(n_items: int, workers: int, *, max_waves: int = 4) -> int:
     return best
 
 
-def map_chunked(fn: Callable[[Any], T], items: Sequence[Any], executor: Executor | None = None, *,
-                chunks: int | None = None) -> list[T]:
+def map_chunked(fn: Callable[[Any], T], items: Sequence[Any], executor: Executor | None = None, *, chunks: int | None = None) -> list[T]:
     """``[fn(item) for item in items]`` through ``executor``, batched into ``chunks`` chunks (default
     :func:`balanced_chunks` over :func:`executor_width`)."""
     items = list(items)
@@ -117,7 +124,7 @@ def map_chunked(fn: Callable[[Any], T], items: Sequence[Any], executor: Executor
         return [fn(item) for item in items]
     count = chunks or balanced_chunks(len(items), executor_width(executor))
     size = max(1, math.ceil(len(items) / count))
-    batches = [items[i:i + size] for i in range(0, len(items), size)]
+    batches = [items[i : i + size] for i in range(0, len(items), size)]
     return [value for batch in executor(_ChunkFn(fn), batches) for value in batch]
 
 

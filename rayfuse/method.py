@@ -267,17 +267,36 @@ class UpdateService(Protocol):
     the federation only sends calls and gathers what comes back.
     """
 
-    def collect(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, round: int = 1, *,
-                start: Mapping[str, np.ndarray] | None = None, weighted: bool = True) -> Aggregate: ...
+    def collect(
+        self,
+        gathered: Gathered[Any],
+        reference: dict[str, np.ndarray] | None = None,
+        round: int = 1,
+        *,
+        start: Mapping[str, np.ndarray] | None = None,
+        weighted: bool = True,
+    ) -> Aggregate: ...
 
-    def accept(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, *,
-               check: Callable[[int, Update], str | None] | None = None) -> dict[int, Update]: ...
+    def accept(
+        self,
+        gathered: Gathered[Any],
+        reference: dict[str, np.ndarray] | None = None,
+        *,
+        check: Callable[[int, Update], str | None] | None = None,
+    ) -> dict[int, Update]: ...
 
-    def receive(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, round: int = 1, *,
-                start: Mapping[str, np.ndarray] | None = None) -> dict[int, Update]: ...
+    def receive(
+        self,
+        gathered: Gathered[Any],
+        reference: dict[str, np.ndarray] | None = None,
+        round: int = 1,
+        *,
+        start: Mapping[str, np.ndarray] | None = None,
+    ) -> dict[int, Update]: ...
 
-    def combine(self, models: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float] | None, *,
-                start: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]: ...
+    def combine(
+        self, models: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float] | None, *, start: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]: ...
 
     def sample(self, fraction: float, round: int) -> list[int]: ...
 
@@ -292,8 +311,9 @@ class UpdateService(Protocol):
     def info(self) -> dict[str, Any]: ...
 
     # the reply path that is not a parameter update
-    def accept_replies(self, gathered: Gathered[Any], read: Callable[[int, Any], R], *, need: int = 1,
-                       what: str = "client replies") -> dict[int, R]: ...
+    def accept_replies(
+        self, gathered: Gathered[Any], read: Callable[[int, Any], R], *, need: int = 1, what: str = "client replies"
+    ) -> dict[int, R]: ...
 
     def reject(self, client: int, reason: str) -> None: ...
 
@@ -360,8 +380,9 @@ class Scoring(Protocol):
 
     def evaluate(self, params: dict[str, np.ndarray], *, resized: bool = False, model: ModelConfig | None = None) -> dict[str, float]: ...
 
-    def evaluate_ensemble(self, members: Sequence[dict[str, np.ndarray]], weights: Sequence[float], *,
-                          models: Sequence[ModelConfig] | None = None) -> dict[str, float]: ...
+    def evaluate_ensemble(
+        self, members: Sequence[dict[str, np.ndarray]], weights: Sequence[float], *, models: Sequence[ModelConfig] | None = None
+    ) -> dict[str, float]: ...
 
     def predict_proba(self, params: dict[str, np.ndarray], X: np.ndarray | None = None) -> np.ndarray: ...
 
@@ -415,9 +436,19 @@ class ServerContext(Protocol):
 
     def progress(self, message: str, **fields: Any) -> None: ...
 
-    def rounds(self, state: S, *, last: int, first: int = 1, evaluate: Callable[[int], Mapping[str, float]] | None = None,
-               evaluate_every: int = 1, unit: str = "round", quiet: tuple[str, ...] = (),
-               on_resume: Callable[[S], None] | None = None, step: int = 1) -> RoundLoop[S]: ...
+    def rounds(
+        self,
+        state: S,
+        *,
+        last: int,
+        first: int = 1,
+        evaluate: Callable[[int], Mapping[str, float]] | None = None,
+        evaluate_every: int = 1,
+        unit: str = "round",
+        quiet: tuple[str, ...] = (),
+        on_resume: Callable[[S], None] | None = None,
+        step: int = 1,
+    ) -> RoundLoop[S]: ...
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -459,13 +490,24 @@ class RunSetup:
 
     @classmethod
     def from_plan(cls, cfg: ExperimentConfig, plan: DataPlan) -> RunSetup:
-        return cls(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients,
-                   input_shape=tuple(plan.input_shape), num_classes=plan.num_classes,
-                   train_sizes=tuple(len(t) for t in plan.client_train), val_sizes=tuple(len(v) for v in plan.client_val),
-                   public_size=int(len(plan.public)), test_size=int(len(plan.test)), target=plan.target,
-                   seed=cfg.run.seed, model_cache=cfg.run.model_cache, evaluation=cfg.evaluation,
-                   client_models=tuple(cfg.client_model(i) for i in range(plan.num_clients)),
-                   public_labeled=plan.public_labeled)
+        return cls(
+            model=cfg.model,
+            train=cfg.train,
+            data=cfg.data,
+            num_clients=plan.num_clients,
+            input_shape=tuple(plan.input_shape),
+            num_classes=plan.num_classes,
+            train_sizes=tuple(len(t) for t in plan.client_train),
+            val_sizes=tuple(len(v) for v in plan.client_val),
+            public_size=int(len(plan.public)),
+            test_size=int(len(plan.test)),
+            target=plan.target,
+            seed=cfg.run.seed,
+            model_cache=cfg.run.model_cache,
+            evaluation=cfg.evaluation,
+            client_models=tuple(cfg.client_model(i) for i in range(plan.num_clients)),
+            public_labeled=plan.public_labeled,
+        )
 
     def client_model(self, client: int) -> ModelConfig:
         """Client ``client``'s model (``model`` when ``client_models`` is empty)."""
@@ -642,8 +684,7 @@ def _method_name(cls: type[Method]) -> str:
     return name if isinstance(name, str) and name else cls.__name__
 
 
-def resolve_methods(methods: Mapping[str, Mapping[str, Any]],
-                    objects: Mapping[str, Any] | None = None) -> list[MethodSpec]:
+def resolve_methods(methods: Mapping[str, Mapping[str, Any]], objects: Mapping[str, Any] | None = None) -> list[MethodSpec]:
     """Validate every ``methods`` entry against its method's parameter schema (raises :class:`InputError`).
 
     ``methods`` maps a label to the entry's parameters (``method:`` names the method; default: the label).
@@ -666,8 +707,7 @@ def resolve_methods(methods: Mapping[str, Mapping[str, Any]],
         given = objects.get(label)
         if isinstance(given, Method):
             if entry:
-                raise InputError(path, "no parameters in the config for a method given as an instance (its params are used)",
-                                 sorted(entry))
+                raise InputError(path, "no parameters in the config for a method given as an instance (its params are used)", sorted(entry))
             _check_declared_tags(type(given), path)
             specs.append(MethodSpec(label, _method_name(type(given)), type(given), given.params))
             continue
@@ -696,8 +736,17 @@ def resolve_methods(methods: Mapping[str, Mapping[str, Any]],
 
 
 #: the capability flags a method class set before :class:`MethodTags` held them
-_FLAGS = ("uses_local_models", "oracle", "multi_round", "federated_evaluation", "local_model_only", "needs_dataset",
-          "heterogeneous_clients", "public_labels", "no_dp")
+_FLAGS = (
+    "uses_local_models",
+    "oracle",
+    "multi_round",
+    "federated_evaluation",
+    "local_model_only",
+    "needs_dataset",
+    "heterogeneous_clients",
+    "public_labels",
+    "no_dp",
+)
 
 
 def _check_declared_tags(method_cls: type[Method[Any, Any]], path: str) -> None:
@@ -708,8 +757,12 @@ def _check_declared_tags(method_cls: type[Method[Any, Any]], path: str) -> None:
     for klass in method_cls.__mro__:
         loose = [flag for flag in _FLAGS if flag in vars(klass)]
         if loose:
-            raise InputError(path, f"capability flags in the method's tags (tags = MethodTags({loose[0]}=...)), not as class "
-                             f"attributes of {klass.__qualname__}", ", ".join(loose))
+            raise InputError(
+                path,
+                f"capability flags in the method's tags (tags = MethodTags({loose[0]}=...)), not as class "
+                f"attributes of {klass.__qualname__}",
+                ", ".join(loose),
+            )
 
 
 def resolved_config(cfg: ExperimentConfig, specs: Sequence[MethodSpec] | None = None) -> dict[str, Any]:
@@ -768,8 +821,9 @@ def dp_options_text() -> str:
     return "; ".join(f"{mechanism} on {', '.join(names)}" for mechanism, names in sorted(dp_options().items()))
 
 
-def dp_refusal(method_cls: type[Method[Any, Any]], name: str, path: str, given: Any = "a dp section",
-               params: MethodParams | None = None) -> InputError:
+def dp_refusal(
+    method_cls: type[Method[Any, Any]], name: str, path: str, given: Any = "a dp section", params: MethodParams | None = None
+) -> InputError:
     """The one line refusing ``dp`` at ``path`` (``methods.<label>.dp``) on a method whose tags say it does not apply
     (``MethodTags.no_dp``), that fuses what the update pipeline's DP does not act on (``MethodTags.fuses``), or that has
     no ``dp`` option; its hint lists the methods whose ``dp`` applies (:func:`dp_options`)."""
@@ -812,8 +866,12 @@ def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConf
     if cfg.data.is_silos:
         for spec in specs:
             if spec.method_cls.tags.needs_dataset:
-                raise InputError(f"methods.{spec.label}", "methods that run without a dataset of their own with data.silos (no process "
-                                 "reads every silo)", spec.method, "it reads the whole dataset (data.dataset): run it on a simulation config")
+                raise InputError(
+                    f"methods.{spec.label}",
+                    "methods that run without a dataset of their own with data.silos (no process reads every silo)",
+                    spec.method,
+                    "it reads the whole dataset (data.dataset): run it on a simulation config",
+                )
     if setup.heterogeneous_clients:
         models = [setup.client_model(i) for i in range(setup.num_clients)]
         others = other_model_clients(models)
@@ -825,29 +883,47 @@ def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConf
                 expected = f"clients of one architecture for method {spec.method!r} (methods.{spec.label} {what})"
                 got = f"client{'s' if len(others) > 1 else ''} {_client_list(others)} with models other than client 0's"
             else:
-                expected = (f"clients of the run's architecture (model: {setup.model.name}) for method {spec.method!r} "
-                            f"(methods.{spec.label} {what} and scores in the server's model)")
+                expected = (
+                    f"clients of the run's architecture (model: {setup.model.name}) for method {spec.method!r} "
+                    f"(methods.{spec.label} {what} and scores in the server's model)"
+                )
                 got = f"every client with model {models[0].name}"
             accepted = ", ".join(name for name, cls in METHODS.items() if cls.tags.heterogeneous_clients)
-            raise InputError("federation.client_overrides", f"{expected}, got {got}", hint=f"methods that take clients of different "
-                             f"models: {accepted}")
+            raise InputError(
+                "federation.client_overrides", f"{expected}, got {got}", hint=f"methods that take clients of different models: {accepted}"
+            )
     if not setup.public_labeled:
         for spec in specs:
             if spec.method_cls.tags.public_labels:
-                raise InputError("data.public.labels", f"true (a labelled public sample) for method {spec.method!r} (methods.{spec.label} "
-                                 "reads the labels of the server's public sample)", False,
-                                 "give data.public a labelled file, or drop the method (distill with transfer: public reads inputs only)")
+                raise InputError(
+                    "data.public.labels",
+                    f"true (a labelled public sample) for method {spec.method!r} (methods.{spec.label} "
+                    "reads the labels of the server's public sample)",
+                    False,
+                    "give data.public a labelled file, or drop the method (distill with transfer: public reads inputs only)",
+                )
     if setup.evaluation != "central":
         if setup.target is not None:
-            raise InputError("evaluation", "central with data.target (the clients hold held-out data of their own task, not the "
-                             "server's target task)", setup.evaluation)
+            raise InputError(
+                "evaluation",
+                "central with data.target (the clients hold held-out data of their own task, not the server's target task)",
+                setup.evaluation,
+            )
         if setup.val_sizes is not None and sum(setup.val_sizes) == 0:
-            raise InputError("evaluation", "central when no client holds a held-out split (data.val_size is 0)", setup.evaluation,
-                             "set data.val_size, e.g. 0.1")
+            raise InputError(
+                "evaluation",
+                "central when no client holds a held-out split (data.val_size is 0)",
+                setup.evaluation,
+                "set data.val_size, e.g. 0.1",
+            )
         for spec in specs:
             if not spec.method_cls.tags.federated_evaluation:
-                raise InputError("evaluation", f"central for method {spec.method!r} (methods.{spec.label}: it scores on the server's "
-                                 "data in its own way, not through federated evaluation)", setup.evaluation)
+                raise InputError(
+                    "evaluation",
+                    f"central for method {spec.method!r} (methods.{spec.label}: it scores on the server's "
+                    "data in its own way, not through federated evaluation)",
+                    setup.evaluation,
+                )
     for spec in specs:
         if spec.method_cls.tags.no_dp and getattr(spec.params, "dp", None) is not None:
             raise dp_refusal(spec.method_cls, spec.method, f"methods.{spec.label}.dp", params=spec.params)
@@ -856,9 +932,13 @@ def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConf
             tags = spec.method_cls.tags
             if not tags.local_model_only and not tags.oracle:
                 released = ", ".join(name for name, cls in METHODS.items() if cls.tags.local_model_only)
-                raise InputError("train.dp", f"methods whose clients release only their DP-trained local models ({released}; "
-                                 f"oracles pass as non-private references), not method {spec.method!r}", f"methods.{spec.label}",
-                                 f"drop train.dp or that method (methods.<label>.dp is {dp_options_text()})")
+                raise InputError(
+                    "train.dp",
+                    f"methods whose clients release only their DP-trained local models ({released}; "
+                    f"oracles pass as non-private references), not method {spec.method!r}",
+                    f"methods.{spec.label}",
+                    f"drop train.dp or that method (methods.<label>.dp is {dp_options_text()})",
+                )
 
 
 def _client_list(clients: Sequence[int], most: int = 8) -> str:

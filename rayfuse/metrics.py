@@ -32,9 +32,25 @@ import numpy as np
 
 from rayfuse.errors import NonFiniteError
 
-__all__ = ["compute_metrics", "accuracy", "nll", "entropy", "ece", "METRIC_NAMES", "metric_sums", "add_metric_sums",
-           "metrics_from_sums", "check_metric_sums", "majority_vote", "SUM_KEYS", "ECE_BINS", "METRICS_EVENT", "MetricRow",
-           "metrics_event", "metric_row"]
+__all__ = [
+    "compute_metrics",
+    "accuracy",
+    "nll",
+    "entropy",
+    "ece",
+    "METRIC_NAMES",
+    "metric_sums",
+    "add_metric_sums",
+    "metrics_from_sums",
+    "check_metric_sums",
+    "majority_vote",
+    "SUM_KEYS",
+    "ECE_BINS",
+    "METRICS_EVENT",
+    "MetricRow",
+    "metrics_event",
+    "metric_row",
+]
 
 METRIC_NAMES = ("accuracy", "nll", "entropy", "ece")
 ECE_BINS = 15
@@ -111,8 +127,15 @@ def metric_sums(proba: np.ndarray, y: np.ndarray, *, num_bins: int = ECE_BINS) -
     proba = np.asarray(proba, dtype=np.float64)
     if len(np.asarray(y)) == 0:
         zeros = np.zeros(num_bins)
-        return {"count": 0.0, "correct": 0.0, "nll_sum": 0.0, "entropy_sum": 0.0, "bin_count": zeros, "bin_correct": zeros.copy(),
-                "bin_confidence": zeros.copy()}
+        return {
+            "count": 0.0,
+            "correct": 0.0,
+            "nll_sum": 0.0,
+            "entropy_sum": 0.0,
+            "bin_count": zeros,
+            "bin_correct": zeros.copy(),
+            "bin_confidence": zeros.copy(),
+        }
     proba, y = _check(proba, y)
     confidence = proba.max(axis=1)
     correct = (proba.argmax(axis=1) == y).astype(np.float64)
@@ -156,8 +179,11 @@ def add_metric_sums(parts: list[dict[str, float | np.ndarray]]) -> dict[str, flo
     total: dict[str, float | np.ndarray] = {}
     for key in parts[0]:
         values = [p[key] for p in parts]
-        total[key] = np.sum(np.stack([np.asarray(v, dtype=np.float64) for v in values]), axis=0) if np.ndim(values[0]) \
+        total[key] = (
+            np.sum(np.stack([np.asarray(v, dtype=np.float64) for v in values]), axis=0)
+            if np.ndim(values[0])
             else float(np.sum(np.asarray(values, dtype=np.float64)))
+        )
     return total
 
 
@@ -169,8 +195,12 @@ def metrics_from_sums(sums: dict[str, float | np.ndarray]) -> dict[str, float]:
     counts = np.asarray(sums["bin_count"], dtype=np.float64)
     filled = counts > 0
     gaps = np.abs(np.asarray(sums["bin_correct"])[filled] / counts[filled] - np.asarray(sums["bin_confidence"])[filled] / counts[filled])
-    metrics = {"accuracy": float(sums["correct"]) / n, "nll": float(sums["nll_sum"]) / n,
-               "entropy": float(sums["entropy_sum"]) / n, "ece": float(np.sum(counts[filled] / n * gaps))}
+    metrics = {
+        "accuracy": float(sums["correct"]) / n,
+        "nll": float(sums["nll_sum"]) / n,
+        "entropy": float(sums["entropy_sum"]) / n,
+        "ece": float(np.sum(counts[filled] / n * gaps)),
+    }
     if "vote_correct" in sums:
         metrics["vote_accuracy"] = float(sums["vote_correct"]) / n
     return metrics
@@ -203,8 +233,12 @@ class MetricRow:
 def metrics_event(method: str, round: int, values: Mapping[str, float], client: int | None = None) -> tuple[str, str, dict[str, Any]]:
     """``(kind, message, fields)`` of the ``metrics`` event of one row, for ``EventLog.emit(kind, message, **fields)``:
     the values as Python floats, unrounded."""
-    fields: dict[str, Any] = {"method": method, "round": int(round), "client": None if client is None else int(client),
-                              "values": {str(name): float(value) for name, value in values.items()}}
+    fields: dict[str, Any] = {
+        "method": method,
+        "round": int(round),
+        "client": None if client is None else int(client),
+        "values": {str(name): float(value) for name, value in values.items()},
+    }
     return METRICS_EVENT, "", fields
 
 
@@ -213,5 +247,9 @@ def metric_row(event: Mapping[str, Any]) -> MetricRow | None:
     if event.get("kind") != METRICS_EVENT or not isinstance(event.get("values"), Mapping) or "round" not in event:
         return None
     client = event.get("client")
-    return MetricRow(str(event.get("method", "")), int(event["round"]), None if client is None else int(client),
-                     {str(k): float(v) for k, v in event["values"].items()})
+    return MetricRow(
+        str(event.get("method", "")),
+        int(event["round"]),
+        None if client is None else int(client),
+        {str(k): float(v) for k, v in event["values"].items()},
+    )

@@ -11,7 +11,15 @@ import numpy as np
 
 from rayfuse.io import atomic_write_bytes
 
-__all__ = ["Printer", "format_table", "format_client_summary", "format_partition", "write_metrics_parquet", "plot_comparison", "TABLE_METRICS"]
+__all__ = [
+    "Printer",
+    "format_table",
+    "format_client_summary",
+    "format_partition",
+    "write_metrics_parquet",
+    "plot_comparison",
+    "TABLE_METRICS",
+]
 
 TABLE_METRICS = ("accuracy", "nll", "entropy", "ece")
 # shown in progress lines; the generative methods (epgan) report D-MSE / modes (toy set) or FD / IS (images)
@@ -88,15 +96,22 @@ _EXTRAS: list[tuple[Callable[[Mapping[str, Any]], bool], Callable[[Mapping[str, 
     (_has("upload_epsilon"), lambda e: f"upload epsilon {e['upload_epsilon']:.3g}"),  # a one-shot method's dp upload
     (lambda e: bool(e.get("rounds")), lambda e: f"{e['rounds']} round{'s' if e['rounds'] != 1 else ''}"),
     (lambda e: "transfer_note" in e.get("info", {}), lambda e: e["info"]["transfer_note"]),  # distill: the transfer data
-    (_has("epsilon"), lambda e: f"({e['epsilon']:.3g}, {e['delta']:.0e})-DP"
-     + (" (stopped at the epsilon budget)" if "stopped" in e.get("info", {}).get("dp", {}) else "")),  # central DP-FedAvg
+    (
+        _has("epsilon"),
+        lambda e: (
+            f"({e['epsilon']:.3g}, {e['delta']:.0e})-DP"
+            + (" (stopped at the epsilon budget)" if "stopped" in e.get("info", {}).get("dp", {}) else "")
+        ),
+    ),  # central DP-FedAvg
     (_has("tuned_accuracy"), lambda e: f"tuned acc {e['tuned_accuracy']:.4f}"),  # fine-tuned on the public sample (gems)
     (_has("hidden_units"), lambda e: f"{int(e['hidden_units'])} hidden units"),
     (lambda e: e.get("info", {}).get("intersection_found") is False, lambda e: "no intersection"),
     (_has("hausdorff"), lambda e: f"hausdorff {e['hausdorff']:.3f}"),  # kl gmm and its baselines: distance to the true means
     (_has("completion_ll"), lambda e: f"completion ll {e['completion_ll']:.3f}"),  # kl topics: held-out document completion
-    (_has("num_components"), lambda e: f"{int(e['num_components'])} components"
-     + (f" (size error {e['size_error']:.2f})" if "size_error" in e else "")),
+    (
+        _has("num_components"),
+        lambda e: f"{int(e['num_components'])} components" + (f" (size error {e['size_error']:.2f})" if "size_error" in e else ""),
+    ),
     # epgan on the toy set: critic-map D-MSE and modes covered by the generator; on images: Frechet distance, IS
     (_has("d_mse"), lambda e: f"d_mse {e['d_mse']:.3f}, modes {int(e.get('modes', 0))}, high quality {e.get('high_quality', 0):.2f}"),
     (_has("fd"), lambda e: f"fd {e['fd']:.2f}, is {e['is']:.2f}, classes {int(e.get('classes', 0))}"),
@@ -133,8 +148,10 @@ def format_client_summary(methods: Mapping[str, Mapping[str, Any]], evaluation: 
             continue
         low = min(rows, key=lambda r: r["accuracy"])
         high = max(rows, key=lambda r: r["accuracy"])
-        lines.append(f"  {label}: {_fmt(entry.get(key))} over {len(rows)} clients ({sum(int(r['count']) for r in rows)} samples); "
-                     f"lowest client {low['client']} {low['accuracy']:.4f}, highest client {high['client']} {high['accuracy']:.4f}")
+        lines.append(
+            f"  {label}: {_fmt(entry.get(key))} over {len(rows)} clients ({sum(int(r['count']) for r in rows)} samples); "
+            f"lowest client {low['client']} {low['accuracy']:.4f}, highest client {high['client']} {high['accuracy']:.4f}"
+        )
     if not lines:
         return ""
     return "federated evaluation (accuracy on the clients' held-out splits, count-weighted):\n" + "\n".join(lines)
@@ -154,23 +171,33 @@ def write_metrics_parquet(path: Any, summaries: Sequence[Mapping[str, Any]]) -> 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [(s["label"], s["method"], int(r["round"]), r["metric"], float(r["value"]), r.get("client"))
-            for s in summaries for r in s.get("history", [])]
-    table = pa.table({
-        "method": pa.array([r[0] for r in rows], pa.string()),
-        "method_name": pa.array([r[1] for r in rows], pa.string()),
-        "round": pa.array([r[2] for r in rows], pa.int32()),
-        "metric": pa.array([r[3] for r in rows], pa.string()),
-        "value": pa.array([r[4] for r in rows], pa.float64()),
-        "client": pa.array([r[5] for r in rows], pa.int32()),
-    })
+    rows = [
+        (s["label"], s["method"], int(r["round"]), r["metric"], float(r["value"]), r.get("client"))
+        for s in summaries
+        for r in s.get("history", [])
+    ]
+    table = pa.table(
+        {
+            "method": pa.array([r[0] for r in rows], pa.string()),
+            "method_name": pa.array([r[1] for r in rows], pa.string()),
+            "round": pa.array([r[2] for r in rows], pa.int32()),
+            "metric": pa.array([r[3] for r in rows], pa.string()),
+            "value": pa.array([r[4] for r in rows], pa.float64()),
+            "client": pa.array([r[5] for r in rows], pa.int32()),
+        }
+    )
     buffer = pa.BufferOutputStream()
     pq.write_table(table, buffer)
     atomic_write_bytes(path, buffer.getvalue().to_pybytes())
 
 
-def plot_comparison(path: Any, methods: Mapping[str, Mapping[str, Any]], summaries: Sequence[Mapping[str, Any]], title: str = "",
-                    evaluation: str = "central") -> None:
+def plot_comparison(
+    path: Any,
+    methods: Mapping[str, Mapping[str, Any]],
+    summaries: Sequence[Mapping[str, Any]],
+    title: str = "",
+    evaluation: str = "central",
+) -> None:
     """Final test accuracy per method (local with its spread over clients); with multi-round methods, their test
     accuracy and test loss (NLL) per round. With ``evaluation: federated`` the accuracies are the aggregate over the
     clients' held-out splits, and each client's own accuracy is a dot on its method's bar (``both``: the bars are
@@ -201,25 +228,42 @@ def plot_comparison(path: Any, methods: Mapping[str, Mapping[str, Any]], summari
     for i, (bar, value, err) in enumerate(zip(bars, values, errors)):
         if err:
             ax.errorbar(i, value, yerr=err, color="black", capsize=4, linewidth=1)
-        ax.text(bar.get_x() + bar.get_width() / 2, min(value + (err or 0), 0.97) + 0.01, f"{value:.3f}", ha="center", va="bottom", fontsize=8)
+        ax.text(
+            bar.get_x() + bar.get_width() / 2, min(value + (err or 0), 0.97) + 0.01, f"{value:.3f}", ha="center", va="bottom", fontsize=8
+        )
         dots = [r["accuracy"] for r in methods[labels[i]].get("client_metrics") or [] if "accuracy" in r]
         if dots:
             ax.scatter([i] * len(dots), dots, s=8, color="black", zorder=3)
-    ax.set_xticks(range(len(labels)), [m + ("\n(oracle)" if methods[m].get("oracle") else "") for m in labels], fontsize=8,
-                  rotation=30 if len(labels) > 6 else 0)
+    ax.set_xticks(
+        range(len(labels)),
+        [m + ("\n(oracle)" if methods[m].get("oracle") else "") for m in labels],
+        fontsize=8,
+        rotation=30 if len(labels) > 6 else 0,
+    )
     ax.set_ylim(0, 1.05)
-    what = {"federated": "held-out accuracy (federated)", "both": "test accuracy (dots: clients' held-out)"}.get(evaluation, "test accuracy")
+    what = {"federated": "held-out accuracy (federated)", "both": "test accuracy (dots: clients' held-out)"}.get(
+        evaluation, "test accuracy"
+    )
     ax.set_ylabel(what)
     ax.set_title(f"final {what}" + (f" ({title})" if title else ""), fontsize=10)
-    panels_of = [(curves, "accuracy", "test accuracy"), (losses, "nll", "test loss (NLL)")] if evaluation != "federated" else \
-        [(curves, "accuracy", "held-out accuracy (federated)"), (losses, "nll", "held-out loss (NLL, federated)")]
+    panels_of = (
+        [(curves, "accuracy", "test accuracy"), (losses, "nll", "test loss (NLL)")]
+        if evaluation != "federated"
+        else [(curves, "accuracy", "held-out accuracy (federated)"), (losses, "nll", "held-out loss (NLL, federated)")]
+    )
     for col, (data, metric, name) in enumerate(panels_of, start=1):
         if not data:
             continue
         ax = axes[0, col if curves else col - 1]
         for label, points in data.items():
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o" if len(points) <= 30 else None, markersize=3,
-                    linewidth=1.2, label=label)
+            ax.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                marker="o" if len(points) <= 30 else None,
+                markersize=3,
+                linewidth=1.2,
+                label=label,
+            )
         for m in labels:
             value = methods[m].get(metric, np.nan)
             if m not in data and np.isfinite(value):

@@ -90,11 +90,10 @@ def encode_state(state: Any) -> tuple[dict[str, np.ndarray], dict[str, np.ndarra
 
 def _prefixed(arrays: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
     """The arrays under ``prefix``, the prefix removed (copies: loaded checkpoints may be read-only)."""
-    return {k[len(prefix):]: np.array(v) for k, v in arrays.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: np.array(v) for k, v in arrays.items() if k.startswith(prefix)}
 
 
-def decode_state(template: S, params: Mapping[str, np.ndarray], arrays: Mapping[str, np.ndarray],
-                 meta: Mapping[str, Any]) -> S:
+def decode_state(template: S, params: Mapping[str, np.ndarray], arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> S:
     """The round state :func:`encode_state` wrote, on ``template`` (an instance of the state's class: transient
     fields and fields the checkpoint lacks keep its values; :class:`ClientRounds` keep their kind)."""
     kinds = meta.get("state_arrays", {})
@@ -186,8 +185,16 @@ class KeptState:
             return key, f"{key}/round"
         return (self.key or self.kind, name), (self.key or self.kind, name, "round")
 
-    def take(self, ctx: Any, name: str, round: int | None, store: str | None, *, fresh: Callable[[], T],
-             load: Callable[[dict[str, np.ndarray]], T]) -> T:
+    def take(
+        self,
+        ctx: Any,
+        name: str,
+        round: int | None,
+        store: str | None,
+        *,
+        fresh: Callable[[], T],
+        load: Callable[[dict[str, np.ndarray]], T],
+    ) -> T:
         """On the client: the state ``name`` of ``round`` (``None``: none yet, ``fresh()``), the server's expectation.
 
         From memory when it holds that round's state (of this ``store``), else from the client's own storage
@@ -204,8 +211,9 @@ class KeptState:
         if kept is None or kept.folder is None:
             return held if held is not None else fresh()
         if not kept.has(name, round):
-            raise FileNotFoundError(f"client {ctx.client_id}: no {self.item or self.what} of {name!r} after {self.unit} {round} "
-                                    f"in {kept.folder}")
+            raise FileNotFoundError(
+                f"client {ctx.client_id}: no {self.item or self.what} of {name!r} after {self.unit} {round} in {kept.folder}"
+            )
         return load(kept.load(name, round) or {})
 
     def hold(self, ctx: Any, name: str, value: Any) -> None:
@@ -214,8 +222,18 @@ class KeptState:
         ctx.state[value_key] = value
         ctx.state[round_key] = None
 
-    def keep(self, ctx: Any, name: str, value: Any, round: int, store: str | None, *, previous: int | None,
-             arrays: Callable[[Any], dict[str, np.ndarray]], metadata: dict[str, str] | None = None) -> None:
+    def keep(
+        self,
+        ctx: Any,
+        name: str,
+        value: Any,
+        round: int,
+        store: str | None,
+        *,
+        previous: int | None,
+        arrays: Callable[[Any], dict[str, np.ndarray]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
         """On the client: ``value`` is the state ``name`` of ``round``: kept in memory and, with ``store`` (and
         ``run.model_cache``), written to the client's own storage, keeping ``previous`` too (the round this one started
         from: the server's checkpoint still names it if the run stops before the server records ``round``)."""
@@ -242,8 +260,9 @@ class LoopServer(Protocol):
 
     def resume_checkpoint(self) -> Any: ...
 
-    def save_checkpoint(self, round: int, params: dict[str, np.ndarray], state: dict[str, np.ndarray] | None = None,
-                        meta: dict[str, Any] | None = None) -> None: ...
+    def save_checkpoint(
+        self, round: int, params: dict[str, np.ndarray], state: dict[str, np.ndarray] | None = None, meta: dict[str, Any] | None = None
+    ) -> None: ...
 
     def clients_missing_state(self, kind: str, store: str, rounds: dict[int, int]) -> list[int]: ...
 
@@ -263,13 +282,24 @@ def _check_layout(template: Any, meta: Mapping[str, Any], label: str) -> None:
     ``--resume`` gives the same numbers."""
     retry = "resume it with the rayfuse that wrote it, or run it again without --resume"
     if "state_arrays" not in meta:  # written without the round loop: epgan-oracle's own loop, before it used this one
-        raise InputError(f"checkpoints/{label}", f"a round checkpoint of {type(template).__name__}'s fields, not epgan-oracle's older "
-                         "layout (the 'state/...' arrays of its own loop)", "a checkpoint the round loop did not write", retry)
+        raise InputError(
+            f"checkpoints/{label}",
+            f"a round checkpoint of {type(template).__name__}'s fields, not epgan-oracle's older "
+            "layout (the 'state/...' arrays of its own loop)",
+            "a checkpoint the round loop did not write",
+            retry,
+        )
     unknown = sorted(set(meta["state_arrays"]) - {f.name for f in dataclasses.fields(template)})
     if unknown:
-        old = ", not the FedAvg family's older layout (server state as string-prefixed 'server/...' arrays)" if unknown == ["server"] else ""
-        raise InputError(f"checkpoints/{label}", f"a round checkpoint of {type(template).__name__}'s fields{old}",
-                         f"arrays of field {', '.join(map(repr, unknown))}", retry)
+        old = (
+            ", not the FedAvg family's older layout (server state as string-prefixed 'server/...' arrays)" if unknown == ["server"] else ""
+        )
+        raise InputError(
+            f"checkpoints/{label}",
+            f"a round checkpoint of {type(template).__name__}'s fields{old}",
+            f"arrays of field {', '.join(map(repr, unknown))}",
+            retry,
+        )
 
 
 class RoundLoop(Generic[S]):
@@ -290,10 +320,20 @@ class RoundLoop(Generic[S]):
     for a block of units (EP-GAN's oracle: ``local_epochs`` epochs a block, its rounds numbered by epochs done).
     """
 
-    def __init__(self, server: LoopServer, state: S, *, last: int, first: int = 1,
-                 evaluate: Callable[[int], Mapping[str, float]] | None = None, evaluate_every: int = 1,
-                 unit: str = "round", quiet: tuple[str, ...] = (), on_resume: Callable[[S], None] | None = None,
-                 step: int = 1) -> None:
+    def __init__(
+        self,
+        server: LoopServer,
+        state: S,
+        *,
+        last: int,
+        first: int = 1,
+        evaluate: Callable[[int], Mapping[str, float]] | None = None,
+        evaluate_every: int = 1,
+        unit: str = "round",
+        quiet: tuple[str, ...] = (),
+        on_resume: Callable[[S], None] | None = None,
+        step: int = 1,
+    ) -> None:
         encode_state(state)  # a bad state fails now, not after the first round
         self.server = server
         self.first, self.last, self.step = int(first), int(last), max(int(step), 1)
@@ -352,8 +392,13 @@ class RoundLoop(Generic[S]):
         if checkpoint is not None and checkpoint.round < self.last and self.kept:
             what = " and ".join(sorted({k.kept.what for k in self.kept}))
             clients = sorted({int(c) for k in self.kept for c, _ in checkpoint.meta.get(self._field(k), [])})
-            server.events.emit("info", f"{len(clients)} clients continue from the {what} they kept themselves",
-                               method=server.label, round=checkpoint.round, clients=clients)
+            server.events.emit(
+                "info",
+                f"{len(clients)} clients continue from the {what} they kept themselves",
+                method=server.label,
+                round=checkpoint.round,
+                clients=clients,
+            )
         return checkpoint
 
     def _field(self, kept: ClientRounds) -> str:
@@ -386,10 +431,18 @@ class RoundLoop(Generic[S]):
                 self.metrics = dict(self.evaluate(rnd))
                 row.update(self.metrics)
             server.log(rnd, row)
-            shown = {k: round(v, 4) for k, v in row.items() if not k.startswith(self.quiet)} if self.quiet else \
-                {k: round(v, 4) for k, v in row.items()}
-            server.progress(f"{self.unit} {rnd}/{self.last}", round=rnd, rounds=self.last,
-                            **({"clients": int(row["clients"])} if "clients" in row else {}), metrics=shown)
+            shown = (
+                {k: round(v, 4) for k, v in row.items() if not k.startswith(self.quiet)}
+                if self.quiet
+                else {k: round(v, 4) for k, v in row.items()}
+            )
+            server.progress(
+                f"{self.unit} {rnd}/{self.last}",
+                round=rnd,
+                rounds=self.last,
+                **({"clients": int(row["clients"])} if "clients" in row else {}),
+                metrics=shown,
+            )
             params, arrays, meta = encode_state(self.state)
             server.save_checkpoint(rnd, params, arrays, {**meta, "metrics": self.metrics, "store": self.store})
         self._forget(self.store)  # the method is done: the clients may delete what they kept

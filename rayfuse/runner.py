@@ -53,8 +53,19 @@ if TYPE_CHECKING:
     from rayfuse.coordinator import Coordinator
     from rayfuse.data.silos import SiloPlan
 
-__all__ = ["Backend", "InProcessBackend", "PreparedRun", "prepare_run", "finish_silo_run", "check_local_dp", "check_client_models_fit", "run_experiment",
-           "new_run_dir", "check_new_folder", "load_run_config"]
+__all__ = [
+    "Backend",
+    "InProcessBackend",
+    "PreparedRun",
+    "prepare_run",
+    "finish_silo_run",
+    "check_local_dp",
+    "check_client_models_fit",
+    "run_experiment",
+    "new_run_dir",
+    "check_new_folder",
+    "load_run_config",
+]
 
 EventSink = Callable[[dict[str, Any]], None]
 
@@ -67,8 +78,16 @@ class Backend(Protocol):
     name: str
 
     @abstractmethod
-    def start(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: Path, *, on_event: EventSink, start_time: float,
-              specs: list[MethodSpec] | None = None) -> None: ...
+    def start(
+        self,
+        cfg: ExperimentConfig,
+        plan: DataPlan,
+        run_dir: Path,
+        *,
+        on_event: EventSink,
+        start_time: float,
+        specs: list[MethodSpec] | None = None,
+    ) -> None: ...
 
     @abstractmethod
     def stop(self) -> None: ...
@@ -108,8 +127,16 @@ class InProcessBackend(Backend):
         self.federation: Any = None
         self._coordinator_threads: int | None = None
 
-    def start(self, cfg: ExperimentConfig, plan: DataPlan, run_dir: Path, *, on_event: EventSink, start_time: float,
-              specs: list[MethodSpec] | None = None) -> None:
+    def start(
+        self,
+        cfg: ExperimentConfig,
+        plan: DataPlan,
+        run_dir: Path,
+        *,
+        on_event: EventSink,
+        start_time: float,
+        specs: list[MethodSpec] | None = None,
+    ) -> None:
         from rayfuse.client import Client
         from rayfuse.coordinator import Coordinator
         from rayfuse.federation import EventLog, FailurePolicy, InProcessFederation, actor_threads
@@ -121,14 +148,29 @@ class InProcessBackend(Backend):
         def make_client(client_id: int, restarted: bool) -> Client:
             # as a Ray actor is (re)built: from the plan it started with; the federation gives a restarted client what
             # the run installed since (a silo plan completed by the survey: Federation.install)
-            return Client(client_id, plan.for_client(client_id), data_cfg=cfg.data, model_cfg=cfg.client_model(client_id), train_cfg=cfg.train,
-                          seed=cfg.run.seed, faults=fed_cfg.faults, restarted=restarted, local_cache=cfg.run.model_cache)
+            return Client(
+                client_id,
+                plan.for_client(client_id),
+                data_cfg=cfg.data,
+                model_cfg=cfg.client_model(client_id),
+                train_cfg=cfg.train,
+                seed=cfg.run.seed,
+                faults=fed_cfg.faults,
+                restarted=restarted,
+                local_cache=cfg.run.model_cache,
+            )
 
         def client_threads(client_id: int) -> int | None:
             return actor_threads(fed_cfg.client_resources(client_id).num_cpus)
 
-        self.federation = InProcessFederation(make_client, plan.num_clients, FailurePolicy.from_config(fed_cfg), events,
-                                              max_restarts=fed_cfg.max_restarts, threads=client_threads)
+        self.federation = InProcessFederation(
+            make_client,
+            plan.num_clients,
+            FailurePolicy.from_config(fed_cfg),
+            events,
+            max_restarts=fed_cfg.max_restarts,
+            threads=client_threads,
+        )
         self._coordinator_threads = actor_threads(fed_cfg.coordinator.num_cpus)
         self.coordinator = Coordinator(cfg, plan, str(run_dir), self.federation, specs=specs)
 
@@ -256,8 +298,12 @@ def check_fresh_models(cfg: ExperimentConfig, input_shape: tuple[int, ...], num_
         tensors = {id(t) for t in first.state_dict(keep_vars=True).values()}
         if first is second or any(id(t) in tensors for t in second.state_dict(keep_vars=True).values()):
             shared = "the same instance" if first is second else "models sharing tensors"
-            raise InputError("model", "a factory that builds a new nn.Module on every call (each client trains its own)", name,
-                             f"it returned {shared} twice: construct the module inside it (model=Net, or lambda: Net())")
+            raise InputError(
+                "model",
+                "a factory that builds a new nn.Module on every call (each client trains its own)",
+                name,
+                f"it returned {shared} twice: construct the module inside it (model=Net, or lambda: Net())",
+            )
 
 
 def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = None) -> PreparedRun:
@@ -301,8 +347,12 @@ def check_local_dp(cfg: ExperimentConfig, setup: RunSetup) -> None:
     sizes = setup.train_sizes or ()  # (None: not known yet, a silo run before its survey; checked after it)
     smallest = min((n for n in sizes if n > 0), default=0)
     if smallest and dp.delta >= 1.0 / smallest:
-        raise InputError("train.dp.delta", f"less than 1 / {smallest} (the smallest client's training examples: the privacy unit is "
-                         "one example)", dp.delta, f"e.g. delta: {10 ** -(len(str(smallest)) + 1):g}")
+        raise InputError(
+            "train.dp.delta",
+            f"less than 1 / {smallest} (the smallest client's training examples: the privacy unit is one example)",
+            dp.delta,
+            f"e.g. delta: {10 ** -(len(str(smallest)) + 1):g}",
+        )
     if dp.target_epsilon is not None and cfg.train.epochs > 0:  # each client's noise search, bounded, before any trains
         from rayfuse.accountant import UnreachableEpsilon
         from rayfuse.models.privacy import dp_sgd_noise_multiplier
@@ -311,8 +361,12 @@ def check_local_dp(cfg: ExperimentConfig, setup: RunSetup) -> None:
             try:
                 dp_sgd_noise_multiplier(dp.target_epsilon, dp.delta, batches, cfg.train.epochs, dp.accountant)
             except UnreachableEpsilon as exc:
-                raise InputError("train.dp.target_epsilon", f"an epsilon DP-SGD reaches in {cfg.train.epochs} epochs of {batches} "
-                                 f"batches: {exc}", dp.target_epsilon, "or give noise_multiplier") from None
+                raise InputError(
+                    "train.dp.target_epsilon",
+                    f"an epsilon DP-SGD reaches in {cfg.train.epochs} epochs of {batches} batches: {exc}",
+                    dp.target_epsilon,
+                    "or give noise_multiplier",
+                ) from None
     checked: list[Any] = []
     for client, model in enumerate(cfg.client_models()):
         if any(model == m for m in checked):
@@ -323,10 +377,18 @@ def check_local_dp(cfg: ExperimentConfig, setup: RunSetup) -> None:
         found = find_dp_unsupported(build_model(model, setup.input_shape, setup.num_classes, seed=0))
         if found is not None:
             module, kind = found
-            whose = f"model {model.name!r}" if model == cfg.model else f"client {client}'s model {model.name!r} (federation.client_overrides.{client}.model)"
-            raise InputError("train.dp", f"a model Opacus can train with DP-SGD (logreg, mlp, cnn, or a custom model without BatchNorm "
-                             f"or stock MultiheadAttention), but {whose} has {module}: {kind}", InputError._MISSING,
-                             "rayfuse's models have no norm option: use model.name mlp or cnn, or drop train.dp")
+            whose = (
+                f"model {model.name!r}"
+                if model == cfg.model
+                else f"client {client}'s model {model.name!r} (federation.client_overrides.{client}.model)"
+            )
+            raise InputError(
+                "train.dp",
+                f"a model Opacus can train with DP-SGD (logreg, mlp, cnn, or a custom model without BatchNorm "
+                f"or stock MultiheadAttention), but {whose} has {module}: {kind}",
+                InputError._MISSING,
+                "rayfuse's models have no norm option: use model.name mlp or cnn, or drop train.dp",
+            )
 
 
 def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> PreparedRun:
@@ -339,15 +401,32 @@ def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> Prepare
     on the server's data in its own way with ``evaluation`` federated or both...)."""
     from rayfuse.data.silos import make_silo_plan, server_set_size
 
-    sizes = {key: 0 if getattr(cfg.data, key) is None else
-             server_set_size(getattr(cfg.data, key), key=f"data.{key}", classes=cfg.data.class_names) for key in ("test", "public")}
+    sizes = {
+        key: 0
+        if getattr(cfg.data, key) is None
+        else server_set_size(getattr(cfg.data, key), key=f"data.{key}", classes=cfg.data.class_names)
+        for key in ("test", "public")
+    }
     plan = make_silo_plan(cfg, test_size=sizes["test"], public_size=sizes["public"])
     # what is knowable before any client starts: the silos' shapes, label counts and sizes are not (None in the setup,
     # and every check skips what is None); the checks run again with them once the clients report (finish_silo_run)
-    setup = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=plan.num_clients, input_shape=None, num_classes=None,
-                     train_sizes=None, val_sizes=None, public_size=sizes["public"], test_size=sizes["test"], seed=cfg.run.seed,
-                     model_cache=cfg.run.model_cache, evaluation=str(cfg.evaluation), client_models=cfg.client_models(),
-                     public_labeled=plan.public_labeled)
+    setup = RunSetup(
+        model=cfg.model,
+        train=cfg.train,
+        data=cfg.data,
+        num_clients=plan.num_clients,
+        input_shape=None,
+        num_classes=None,
+        train_sizes=None,
+        val_sizes=None,
+        public_size=sizes["public"],
+        test_size=sizes["test"],
+        seed=cfg.run.seed,
+        model_cache=cfg.run.model_cache,
+        evaluation=str(cfg.evaluation),
+        client_models=cfg.client_models(),
+        public_labeled=plan.public_labeled,
+    )
     # the tags' refusals and each method's own first (it names what to give: data.test for EP-GAN...), then the
     # evaluation's (a tag refusal too)
     check_tags(specs, replace(setup, evaluation="central"), cfg)
@@ -371,8 +450,9 @@ def _check_silo_methods(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
 
 def _public_error(exc: InputError) -> InputError:
     """A method's refusal of an empty public sample, at ``data.public`` (a silo config's server sample)."""
-    return InputError("data.public", f"the server's public / target sample ({exc.expected})", "none given",
-                      "give data.public: {dataset: npz, path: ...}")
+    return InputError(
+        "data.public", f"the server's public / target sample ({exc.expected})", "none given", "give data.public: {dataset: npz, path: ...}"
+    )
 
 
 def finish_silo_run(prepared: PreparedRun, plan: Any) -> PreparedRun:
@@ -420,9 +500,12 @@ def _check_config_hash(store: RunStore) -> None:
     except (OSError, ValueError, AttributeError):
         return
     if isinstance(recorded, str) and recorded != found:
-        raise InputError(str(store.config_file), "the run's resolved config as rayfuse wrote it",
-                         "a file whose SHA-256 differs from the one partition.json records (truncated or edited)",
-                         "restore it from results.json's config, or start a new run")
+        raise InputError(
+            str(store.config_file),
+            "the run's resolved config as rayfuse wrote it",
+            "a file whose SHA-256 differs from the one partition.json records (truncated or edited)",
+            "restore it from results.json's config, or start a new run",
+        )
 
 
 def load_run_config(run_dir: str | Path, overrides: Sequence[tuple[list[str], Any]] = ()) -> ExperimentConfig:
@@ -434,15 +517,27 @@ def load_run_config(run_dir: str | Path, overrides: Sequence[tuple[list[str], An
         raise InputError("--resume", "a run folder with config.yaml", str(run_dir))
     for parts, _ in overrides:
         if parts[0] != "federation":
-            raise InputError("--set " + ".".join(parts), "only federation.* keys when resuming (the experiment itself is fixed)", "a change to the experiment")
+            raise InputError(
+                "--set " + ".".join(parts),
+                "only federation.* keys when resuming (the experiment itself is fixed)",
+                "a change to the experiment",
+            )
     try:
         data = yaml.safe_load(store.config_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise InputError(str(store.config_file), "the run's resolved config (UTF-8 YAML)", f"a damaged file ({type(exc).__name__})",
-                         "restore it from results.json's config, or start a new run") from None
+        raise InputError(
+            str(store.config_file),
+            "the run's resolved config (UTF-8 YAML)",
+            f"a damaged file ({type(exc).__name__})",
+            "restore it from results.json's config, or start a new run",
+        ) from None
     if not isinstance(data, dict):
-        raise InputError(str(store.config_file), "the run's resolved config (a YAML mapping)", f"a damaged file ({type(data).__name__})",
-                         "restore it from results.json's config, or start a new run")
+        raise InputError(
+            str(store.config_file),
+            "the run's resolved config (a YAML mapping)",
+            f"a damaged file ({type(data).__name__})",
+            "restore it from results.json's config, or start a new run",
+        )
     try:
         cfg = validate_config(apply_overrides(data, list(overrides)))
     except InputError as exc:
@@ -452,18 +547,35 @@ def load_run_config(run_dir: str | Path, overrides: Sequence[tuple[list[str], An
     _check_config_hash(store)  # a valid config that is not the one written (cut at a line end, edited)
     # the run's model, then the clients' own (federation.client_overrides.<i>.model): a model given from Python is a
     # factory no config file holds
-    models = [("model", cfg.model), *((f"federation.client_overrides.{c}.model", o.model)
-                                      for c, o in sorted(cfg.federation.client_overrides.items()) if o.model is not None)]
+    models = [
+        ("model", cfg.model),
+        *(
+            (f"federation.client_overrides.{c}.model", o.model)
+            for c, o in sorted(cfg.federation.client_overrides.items())
+            if o.model is not None
+        ),
+    ]
     custom = next((f"{key}.name: custom ({model.factory})" for key, model in models if model.name == "custom"), None)
     if custom is not None or cfg.data.dataset == "arrays":
         given = custom or "data.dataset: arrays"
-        raise InputError("--resume", "a run whose model and data a config file describes", given,
-                         "a run given a Python model or arrays (rayfuse.run) cannot be resumed from the command line")
+        raise InputError(
+            "--resume",
+            "a run whose model and data a config file describes",
+            given,
+            "a run given a Python model or arrays (rayfuse.run) cannot be resumed from the command line",
+        )
     return cfg
 
 
-def run_experiment(cfg: ExperimentConfig | PreparedRun, backend: Backend, run_dir: str | Path, *, resume: bool = False,
-                   printer: Callable[[dict[str, Any]], None] | None = None, show_tables: bool = True) -> dict[str, Any]:
+def run_experiment(
+    cfg: ExperimentConfig | PreparedRun,
+    backend: Backend,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    printer: Callable[[dict[str, Any]], None] | None = None,
+    show_tables: bool = True,
+) -> dict[str, Any]:
     """Run ``cfg`` (or a run already prepared by :func:`prepare_run`) on ``backend``; write the run folder; return
     the content of ``results.json``.
 
@@ -556,14 +668,19 @@ def _write_run_folder(run: _Run, prepared: PreparedRun, files: dict[str, Any], c
     store = run.store
     fresh = bool(changed)  # state computed from other data: none of it is read, and it is removed (inside the claim)
     for key, path, before, now in changed:
-        run.emit("warning", f"{key} ({path}): content changed since the run folder's state was computed (SHA-256 {before[:12]} -> "
-                 f"{now[:12]}); every method and local model is computed again, nothing of the old state is kept")
+        run.emit(
+            "warning",
+            f"{key} ({path}): content changed since the run folder's state was computed (SHA-256 {before[:12]} -> "
+            f"{now[:12]}); every method and local model is computed again, nothing of the old state is kept",
+        )
     if fresh:
         _discard_state(store)
     config_text = dump_config(run.resolved)
     atomic_write_text(store.config_file, config_text)
     # the config's hash beside the split's: a resume can tell a damaged config.yaml that still parses (a cut at a line end)
-    atomic_write_json(store.partition_file, {**prepared.plan.manifest(), "config_sha256": hashlib.sha256(config_text.encode("utf-8")).hexdigest()})
+    atomic_write_json(
+        store.partition_file, {**prepared.plan.manifest(), "config_sha256": hashlib.sha256(config_text.encode("utf-8")).hexdigest()}
+    )
     atomic_write_json(store.root / IDENTITY_FILE, {"format": 1, "config": _state_digest(run.resolved), "data_files": files})
     return run.resume and not fresh
 
@@ -573,14 +690,17 @@ def _print_header(run: _Run, prepared: PreparedRun) -> None:
     cfg, plan = prepared.cfg, prepared.plan
     run.say(f"rayfuse {__version__}: run {cfg.run.name!r} -> {run.dir}{'  (resumed)' if run.resume else ''}")
     target_note = f" (target task: {plan.target}, {len(plan.public)} public / {len(plan.test)} test)" if plan.target else ""
-    run.say(f"data: {plan.dataset}{target_note}, {plan.num_classes} classes, input {plan.input_shape}; {prepared.describe_models()}; "
-            f"partition {plan.partition['method']} into {plan.num_clients} clients (hash {plan.digest()[:12]})")
+    run.say(
+        f"data: {plan.dataset}{target_note}, {plan.num_classes} classes, input {plan.input_shape}; {prepared.describe_models()}; "
+        f"partition {plan.partition['method']} into {plan.num_clients} clients (hash {plan.digest()[:12]})"
+    )
     if plan.num_clients <= 32:
         run.say(format_partition(plan.counts, plan.class_names, [len(v) for v in plan.client_val]))
 
 
-def _run_stages(run: _Run, prepared: PreparedRun, backend: Backend,
-                resume_state: bool) -> tuple[dict[str, dict[str, Any]], str | None, dict[str, Any]]:
+def _run_stages(
+    run: _Run, prepared: PreparedRun, backend: Backend, resume_state: bool
+) -> tuple[dict[str, dict[str, Any]], str | None, dict[str, Any]]:
     """Start the federation, the local models, each method; the backend is stopped at the end, whatever happened.
     Returns the methods' summaries, the error of a run that failed (``None``: it succeeded) and the backend's info."""
     summaries: dict[str, dict[str, Any]] = {}
@@ -631,8 +751,9 @@ def _run_method(run: _Run, spec: MethodSpec, backend: Backend, resume_state: boo
     return summary
 
 
-def _report(run: _Run, prepared: PreparedRun, summaries: dict[str, dict[str, Any]], error: str | None,
-            backend_info: dict[str, Any]) -> dict[str, Any]:
+def _report(
+    run: _Run, prepared: PreparedRun, summaries: dict[str, dict[str, Any]], error: str | None, backend_info: dict[str, Any]
+) -> dict[str, Any]:
     """5. ``report``: ``metrics.parquet``, ``comparison.png``, the MLflow sink, ``results.json`` and the table.
     Raises :class:`RunFailure` after writing them when the run failed (``error``)."""
     cfg, plan, store = prepared.cfg, prepared.plan, run.store
@@ -641,12 +762,23 @@ def _report(run: _Run, prepared: PreparedRun, summaries: dict[str, dict[str, Any
     methods = {label: _method_entry(s) for label, s in summaries.items()}
     if summaries:
         write_metrics_parquet(store.metrics_file, list(summaries.values()))
-        plot_comparison(store.plot_file, methods, list(summaries.values()), title=f"{plan.dataset}, {plan.num_clients} clients",
-                        evaluation=cfg.evaluation)
+        plot_comparison(
+            store.plot_file,
+            methods,
+            list(summaries.values()),
+            title=f"{plan.dataset}, {plan.num_clients} clients",
+            evaluation=cfg.evaluation,
+        )
     tracked = None
     if cfg.tracking.mlflow is not None and summaries:  # after the files it logs (the models, comparison.png)
-        tracked = log_to_mlflow(cfg.tracking.mlflow, cfg=cfg, run_dir=run.dir, resolved=run.resolved, summaries=list(summaries.values()),
-                                warn=lambda message: run.emit("warning", message))
+        tracked = log_to_mlflow(
+            cfg.tracking.mlflow,
+            cfg=cfg,
+            run_dir=run.dir,
+            resolved=run.resolved,
+            summaries=list(summaries.values()),
+            warn=lambda message: run.emit("warning", message),
+        )
     timings = run.timings
     timings["report"] = round(time.perf_counter() - t0, 3)
     timings["total"] = round(time.time() - run.start, 3)
@@ -655,26 +787,36 @@ def _report(run: _Run, prepared: PreparedRun, summaries: dict[str, dict[str, Any
         "error": error,
         "rayfuse_version": __version__,
         "run": {
-            "name": cfg.run.name, "dir": str(run.dir), "started_at": run.started_at,
+            "name": cfg.run.name,
+            "dir": str(run.dir),
+            "started_at": run.started_at,
             "finished_at": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "seconds": timings["total"], "resumed": run.resume, **backend_info,
+            "seconds": timings["total"],
+            "resumed": run.resume,
+            **backend_info,
         },
         "config": run.resolved,
         "evaluation": cfg.evaluation,
         "partition": {
-            "hash": plan.digest(), "dataset": plan.dataset, **plan.partition,
-            "num_train": [len(t) for t in plan.client_train], "num_val": [len(v) for v in plan.client_val],
-            "class_counts": plan.counts.tolist(), "test_size": int(len(plan.test)), "public_size": int(len(plan.public)),
+            "hash": plan.digest(),
+            "dataset": plan.dataset,
+            **plan.partition,
+            "num_train": [len(t) for t in plan.client_train],
+            "num_val": [len(v) for v in plan.client_val],
+            "class_counts": plan.counts.tolist(),
+            "test_size": int(len(plan.test)),
+            "public_size": int(len(plan.public)),
             "unassigned": plan.unassigned,
         },
-        **({"attacks": [a.model_dump(mode="json", exclude_none=True) for a in cfg.federation.attacks]}
-           if cfg.federation.attacks else {}),
+        **({"attacks": [a.model_dump(mode="json", exclude_none=True) for a in cfg.federation.attacks]} if cfg.federation.attacks else {}),
         "methods": methods,
         **({"tracking": {"mlflow": tracked}} if cfg.tracking.mlflow is not None else {}),
         "timings": timings,
         "events": run.events,
         "files": {
-            "config": "config.yaml", "partition": "partition.json", "metrics": "metrics.parquet" if summaries else None,
+            "config": "config.yaml",
+            "partition": "partition.json",
+            "metrics": "metrics.parquet" if summaries else None,
             "plot": "comparison.png" if summaries else None,
             "models": {label: s["model_file"] for label, s in summaries.items() if s.get("model_file")},
         },
@@ -733,7 +875,9 @@ def _state_digest(resolved: Mapping[str, Any]) -> str:
     return hashlib.sha256(_canonical(state_config(resolved)).encode("utf-8")).hexdigest()
 
 
-def _check_resume_state(store: RunStore, resolved: Mapping[str, Any], files: Mapping[str, Mapping[str, str]]) -> list[tuple[str, str, str, str]]:
+def _check_resume_state(
+    store: RunStore, resolved: Mapping[str, Any], files: Mapping[str, Mapping[str, str]]
+) -> list[tuple[str, str, str, str]]:
     """On ``--resume``: refuse a config other than the one the folder's state was computed with (one line naming the
     first key that differs from the folder's ``config.yaml``, or naming ``identity.json`` when ``config.yaml`` itself
     was replaced by another run's). Resuming on another run's state would mix two experiments and starting over would
@@ -748,24 +892,44 @@ def _check_resume_state(store: RunStore, resolved: Mapping[str, Any], files: Map
     if isinstance(written, Mapping):
         before, now = state_config(_read_back(written)), state_config(resolved)
         if _canonical(before) != _canonical(now):
-            raise InputError("--resume", f"the config the run folder's state was computed with ({store.config_file})",
-                             f"another config (it differs at {_first_difference(before, now) or 'the config'})", hint)
+            raise InputError(
+                "--resume",
+                f"the config the run folder's state was computed with ({store.config_file})",
+                f"another config (it differs at {_first_difference(before, now) or 'the config'})",
+                hint,
+            )
     file = store.root / IDENTITY_FILE
     try:
         identity = json.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return []  # a folder of an earlier version: its config.yaml was compared above, its data cannot be
     except (OSError, ValueError) as exc:
-        raise InputError(str(file), "what the run folder's state was computed from (JSON)", f"a damaged file ({type(exc).__name__})",
-                         "the state cannot be matched to its config and data; start a new run") from None
-    if not isinstance(identity, Mapping) or not isinstance(identity.get("config"), str) or not isinstance(identity.get("data_files"), Mapping):
-        raise InputError(str(file), "what the run folder's state was computed from (config, data_files)", "a damaged file",
-                         "the state cannot be matched to its config and data; start a new run")
+        raise InputError(
+            str(file),
+            "what the run folder's state was computed from (JSON)",
+            f"a damaged file ({type(exc).__name__})",
+            "the state cannot be matched to its config and data; start a new run",
+        ) from None
+    if (
+        not isinstance(identity, Mapping)
+        or not isinstance(identity.get("config"), str)
+        or not isinstance(identity.get("data_files"), Mapping)
+    ):
+        raise InputError(
+            str(file),
+            "what the run folder's state was computed from (config, data_files)",
+            "a damaged file",
+            "the state cannot be matched to its config and data; start a new run",
+        )
     # the state's config is config.yaml as written (a dump of an earlier version lists fewer defaults) and, read back,
     # the config resumed
     if identity["config"] not in (_state_digest(resolved), _state_digest(written) if isinstance(written, Mapping) else None):
-        raise InputError("--resume", f"the config the run folder's state was computed with ({file})",
-                         f"another config ({store.config_file.name} is not the config of the state beside it)", hint)
+        raise InputError(
+            "--resume",
+            f"the config the run folder's state was computed with ({file})",
+            f"another config ({store.config_file.name} is not the config of the state beside it)",
+            hint,
+        )
     return changed_files(identity["data_files"], files)
 
 
@@ -791,28 +955,43 @@ def _read_manifest(store: RunStore) -> dict[str, Any]:
         if not isinstance(manifest["hash"], str):
             raise ValueError("hash is not a string")
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise InputError(str(store.partition_file), "the run's partition manifest (JSON with its hash)",
-                         f"a damaged file ({type(exc).__name__})", "the split cannot be checked; start a new run") from None
+        raise InputError(
+            str(store.partition_file),
+            "the run's partition manifest (JSON with its hash)",
+            f"a damaged file ({type(exc).__name__})",
+            "the split cannot be checked; start a new run",
+        ) from None
     return manifest
 
 
-def _check_same_split(store: RunStore, manifest: Mapping[str, Any], plan: Any, changed: Sequence[object],
-                      files: Mapping[str, Mapping[str, str]]) -> None:
+def _check_same_split(
+    store: RunStore, manifest: Mapping[str, Any], plan: Any, changed: Sequence[object], files: Mapping[str, Mapping[str, str]]
+) -> None:
     """On ``--resume``: the split's hash against the one ``manifest`` (the folder's ``partition.json``) records. A
     changed data file (``changed``: the whole state is computed again) is not refused; a split that differs otherwise
     (a silo run whose folder records no content hash per silo, a split of other data) is: :class:`InputError`."""
     from rayfuse.data.silos import SiloPlan
 
     stored = manifest["hash"]
-    if (stored != plan.digest() and not changed and files and (store.root / IDENTITY_FILE).is_file()
-            and isinstance(manifest.get("dataset"), str) and isinstance(plan, DataPlan)):
+    if (
+        stored != plan.digest()
+        and not changed
+        and files
+        and (store.root / IDENTITY_FILE).is_file()
+        and isinstance(manifest.get("dataset"), str)
+        and isinstance(plan, DataPlan)
+    ):
         # a data file renamed with its content unchanged (identity.json): the split's hash names the dataset by
         # its file's stem; the same split of the same content under the old name is the same split
         if replace(plan, dataset=manifest["dataset"]).digest() == stored:
             stored = plan.digest()
     if stored != plan.digest() and not changed:  # (a changed file: the whole state is computed again)
-        hint = ("the silos' data differs from what the run folder's partition.json records, and it names no content hash per "
-                "silo to tell which; start a new run" if isinstance(plan, SiloPlan) else "did the dataset files change?")
+        hint = (
+            "the silos' data differs from what the run folder's partition.json records, and it names no content hash per "
+            "silo to tell which; start a new run"
+            if isinstance(plan, SiloPlan)
+            else "did the dataset files change?"
+        )
         raise InputError("--resume", "the same data split as the original run", "a different partition hash", hint)
 
 

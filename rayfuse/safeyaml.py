@@ -39,8 +39,7 @@ def read_yaml_file(path: str | Path, expected: str = "a YAML file") -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
-        raise InputError(str(file), "UTF-8 text", f"byte 0x{raw[exc.start]:02x} at line {line}",
-                         "save the file as UTF-8") from None
+        raise InputError(str(file), "UTF-8 text", f"byte 0x{raw[exc.start]:02x} at line {line}", "save the file as UTF-8") from None
     return parse_yaml(text, str(file))
 
 
@@ -80,19 +79,26 @@ def _count_nodes(root: yaml.Node, where: str) -> int:
         children = _children(node)
         if not expanded:
             if key in visiting:
-                raise InputError(where, "YAML without recursive aliases", f"an alias inside its own anchor at line {node.start_mark.line + 1}")
+                raise InputError(
+                    where, "YAML without recursive aliases", f"an alias inside its own anchor at line {node.start_mark.line + 1}"
+                )
             visiting.add(key)
             stack.append((node, True))
             stack.extend((child, False) for child in children if id(child) not in sizes)
             continue
         for child in children:
             if id(child) not in sizes:  # a child still being visited: the alias points back up its own branch
-                raise InputError(where, "YAML without recursive aliases", f"an alias inside its own anchor at line {child.start_mark.line + 1}")
+                raise InputError(
+                    where, "YAML without recursive aliases", f"an alias inside its own anchor at line {child.start_mark.line + 1}"
+                )
         total = 1 + sum(sizes[id(child)] for child in children)
         if total > MAX_NODES:
-            raise InputError(where, f"a YAML document of at most {MAX_NODES:,} nodes once its aliases are expanded",
-                             f"more (the node at line {node.start_mark.line + 1} alone expands to {total:,})",
-                             "an alias bomb? write the values out")
+            raise InputError(
+                where,
+                f"a YAML document of at most {MAX_NODES:,} nodes once its aliases are expanded",
+                f"more (the node at line {node.start_mark.line + 1} alone expands to {total:,})",
+                "an alias bomb? write the values out",
+            )
         sizes[key] = total
         visiting.discard(key)
     return sizes[id(root)]
@@ -121,9 +127,12 @@ def _check_unique_keys(node: yaml.Node, where: str, path: list[str], seen: set[i
                 ident = (key_node.tag, key_node.value)
                 name = ".".join([*path, key_node.value])
                 if ident in first:
-                    raise InputError(f"{where}: {name}", "each key once in a mapping",
-                                     f"it again at line {key_node.start_mark.line + 1} (first at line {first[ident]})",
-                                     "YAML keeps only the last; remove one")
+                    raise InputError(
+                        f"{where}: {name}",
+                        "each key once in a mapping",
+                        f"it again at line {key_node.start_mark.line + 1} (first at line {first[ident]})",
+                        "YAML keeps only the last; remove one",
+                    )
                 first[ident] = key_node.start_mark.line + 1
                 _check_unique_keys(value_node, where, [*path, key_node.value], seen)
             else:

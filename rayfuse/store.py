@@ -46,9 +46,22 @@ from rayfuse.io import atomic_write_json, load_params, save_params
 if TYPE_CHECKING:
     pass
 
-__all__ = ["RunStore", "RunClaim", "claim_run_folder", "Checkpointer", "Checkpoint", "sha256_file",
-           "LocalModelStore", "StepResultCache", "local_model_key", "local_model_inputs", "step_result_key",
-           "run_inputs", "KEY_VERSION", "note_data_files"]
+__all__ = [
+    "RunStore",
+    "RunClaim",
+    "claim_run_folder",
+    "Checkpointer",
+    "Checkpoint",
+    "sha256_file",
+    "LocalModelStore",
+    "StepResultCache",
+    "local_model_key",
+    "local_model_inputs",
+    "step_result_key",
+    "run_inputs",
+    "KEY_VERSION",
+    "note_data_files",
+]
 
 
 @dataclass
@@ -77,8 +90,13 @@ class Checkpointer:
     def pointer(self) -> Path:
         return self.folder / "latest.json"
 
-    def save(self, round: int, params: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray] | None = None,
-             meta: Mapping[str, Any] | None = None) -> Path:
+    def save(
+        self,
+        round: int,
+        params: Mapping[str, np.ndarray],
+        state: Mapping[str, np.ndarray] | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> Path:
         arrays = {f"params/{k}": v for k, v in params.items()}
         arrays.update({f"state/{k}": np.asarray(v) for k, v in (state or {}).items()})
         file = self.folder / f"round-{round:05d}.safetensors"
@@ -147,8 +165,8 @@ class Checkpointer:
             arrays = load_params(file)
         except InputError as exc:
             return None, f"{file}: damaged ({exc.got})"
-        params = {k[len("params/"):]: v for k, v in arrays.items() if k.startswith("params/")}
-        state = {k[len("state/"):]: v for k, v in arrays.items() if k.startswith("state/")}
+        params = {k[len("params/") :]: v for k, v in arrays.items() if k.startswith("params/")}
+        state = {k[len("state/") :]: v for k, v in arrays.items() if k.startswith("state/")}
         return Checkpoint(int(record["round"]), params, state, dict(record.get("meta") or {})), ""
 
 
@@ -209,13 +227,18 @@ def claim_run_folder(folder: str | Path, *, resume: bool = False) -> RunClaim:
         except (OSError, ValueError, AttributeError):
             pass
         os.close(fd)
-        raise InputError(str(folder), "a run folder no other rayfuse run is using", f"claimed{holder}",
-                         "wait for that run to end, or pick another folder") from None
+        raise InputError(
+            str(folder),
+            "a run folder no other rayfuse run is using",
+            f"claimed{holder}",
+            "wait for that run to end, or pick another folder",
+        ) from None
     claim = RunClaim(folder, fd)
     if not resume and (folder / "config.yaml").exists():
         claim.release()
-        raise InputError(str(folder), "a new or empty folder", "another run has started in it",
-                         "pick another folder, or continue that run with --resume")
+        raise InputError(
+            str(folder), "a new or empty folder", "another run has started in it", "pick another folder, or continue that run with --resume"
+        )
     record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     os.ftruncate(fd, 0)
     os.pwrite(fd, record.encode(), 0)
@@ -281,8 +304,13 @@ class RunStore:
         model, expected = summary.get("model_file"), summary.get("model_sha256")
         if model and expected:
             path = self.root / model
-            problem = "missing" if not path.is_file() else "damaged (SHA-256 differs from the recorded one)" \
-                if sha256_file(path) != expected else ""
+            problem = (
+                "missing"
+                if not path.is_file()
+                else "damaged (SHA-256 differs from the recorded one)"
+                if sha256_file(path) != expected
+                else ""
+            )
             if problem:
                 if warn is not None:
                     warn(f"{path}: {problem}; running {label} again")
@@ -292,8 +320,11 @@ class RunStore:
     def save_local_models(self, updates: Mapping[int, Any]) -> None:
         _save_local_models(self.root / "checkpoints" / "local", updates)
 
-    def load_local_models(self, client_ids: list[int], warn: Callable[[str], Any] | None = None,
-                          ) -> dict[int, tuple[dict[str, np.ndarray], dict[str, float]]]:
+    def load_local_models(
+        self,
+        client_ids: list[int],
+        warn: Callable[[str], Any] | None = None,
+    ) -> dict[int, tuple[dict[str, np.ndarray], dict[str, float]]]:
         """The checkpointed local models of those of ``client_ids`` the run folder holds: client -> (params, stats).
         A damaged file (unreadable, or its bytes differ from the SHA-256 recorded beside it) is left out, so that
         client trains its (deterministic) model again; ``warn`` says so."""
@@ -307,8 +338,11 @@ def _save_local_models(folder: Path, updates: Mapping[int, Any]) -> None:
         atomic_write_json(file.with_suffix(".json"), {"sha256": sha256_file(file)})  # after the file: the commit point
 
 
-def _load_local_models(folder: Path, client_ids: list[int], warn: Callable[[str], Any] | None = None,
-                       ) -> dict[int, tuple[dict[str, np.ndarray], dict[str, float]]]:
+def _load_local_models(
+    folder: Path,
+    client_ids: list[int],
+    warn: Callable[[str], Any] | None = None,
+) -> dict[int, tuple[dict[str, np.ndarray], dict[str, float]]]:
     files = {c: folder / f"client-{c}.safetensors" for c in client_ids}
     from safetensors import safe_open
 
@@ -326,8 +360,10 @@ def _load_local_models(folder: Path, client_ids: list[int], warn: Callable[[str]
             out[client] = (load_params(file), stats)
         except Exception as exc:  # safetensors raises its own error types (and OSError, ValueError) for a damaged file
             if warn is not None:
-                warn(f"{file}: damaged ({_reason(exc) if not isinstance(exc, InputError) else exc.got}); client {client} "
-                     "trains its local model again")
+                warn(
+                    f"{file}: damaged ({_reason(exc) if not isinstance(exc, InputError) else exc.got}); client {client} "
+                    "trains its local model again"
+                )
     return out
 
 
@@ -343,8 +379,19 @@ LOCAL_TRAINING_STEPS = ("train_local", "get_local_params")
 # was; a field that does change training is added here, with KEY_VERSION raised.
 #: ``data`` of a simulation: which dataset (a file by its content), how it is read, and how it is split and scaled
 #: (the split is also keyed by the client's own indices; the settings are kept so indices into another pool differ)
-DATA_KEY_FIELDS = ("dataset", "root", "path", "label", "features", "options", "test_size", "val_size", "public_size",
-                   "standardize", "layout")
+DATA_KEY_FIELDS = (
+    "dataset",
+    "root",
+    "path",
+    "label",
+    "features",
+    "options",
+    "test_size",
+    "val_size",
+    "public_size",
+    "standardize",
+    "layout",
+)
 #: ``data`` of a silo config (``data.silos``): the silos' reading settings (their files are keyed by the survey's
 #: content hash of the client's silo), the declared label values, the held-out split and the scaling
 SILO_DATA_KEY_FIELDS = ("silos", "classes", "val_size", "standardize")
@@ -361,8 +408,19 @@ TRAIN_KEY_FIELDS = ("epochs", "batch_size", "optimizer", "lr", "momentum", "weig
 #: ``train.dp``: local DP-SGD
 DP_KEY_FIELDS = ("noise_multiplier", "target_epsilon", "max_grad_norm", "delta", "accountant")
 #: ``partition`` (a step's results over the whole run; a local model is keyed by its client's indices instead)
-PARTITION_KEY_FIELDS = ("method", "num_clients", "alpha", "balance", "min_size", "groups", "classes_per_client",
-                        "shards_per_client", "shard_size", "subset_fraction", "corrupt")
+PARTITION_KEY_FIELDS = (
+    "method",
+    "num_clients",
+    "alpha",
+    "balance",
+    "min_size",
+    "groups",
+    "classes_per_client",
+    "shards_per_client",
+    "shard_size",
+    "subset_fraction",
+    "corrupt",
+)
 #: ``federation.faults.<i>``: a fault injected into local training changes the local model
 FAULT_KEY_FIELDS = ("client", "step", "call", "mode", "seconds")
 
@@ -400,8 +458,7 @@ def _train_inputs(train: Mapping[str, Any]) -> dict[str, Any]:
 def _local_faults(faults: Iterable[Mapping[str, Any]], client: int | None = None) -> list[dict[str, Any] | None]:
     """The faults injected into local training (of ``client``, or of any client): faults of later steps leave the local
     models alone."""
-    return [_fields(f, FAULT_KEY_FIELDS) for f in faults
-            if f["step"] in LOCAL_TRAINING_STEPS and (client is None or f["client"] == client)]
+    return [_fields(f, FAULT_KEY_FIELDS) for f in faults if f["step"] in LOCAL_TRAINING_STEPS and (client is None or f["client"] == client)]
 
 
 def run_inputs(config: Mapping[str, Any], partition_hash: str) -> dict[str, Any]:
@@ -410,9 +467,12 @@ def run_inputs(config: Mapping[str, Any], partition_hash: str) -> dict[str, Any]
     training settings, the seed and the faults injected into local training; nothing under ``methods``."""
     return {
         "version": KEY_VERSION,
-        "data": _data_inputs(config["data"], local=False), "partition": _fields(config["partition"], PARTITION_KEY_FIELDS),
-        "partition_hash": partition_hash, "model": _fields(config["model"], MODEL_KEY_FIELDS),
-        "train": _train_inputs(config["train"]), "seed": config["run"]["seed"],
+        "data": _data_inputs(config["data"], local=False),
+        "partition": _fields(config["partition"], PARTITION_KEY_FIELDS),
+        "partition_hash": partition_hash,
+        "model": _fields(config["model"], MODEL_KEY_FIELDS),
+        "train": _train_inputs(config["train"]),
+        "seed": config["run"]["seed"],
         "faults": _local_faults(config["federation"]["faults"]),
     }
 
@@ -443,14 +503,20 @@ def local_model_inputs(config: Mapping[str, Any], plan: Any) -> dict[str, Any]:
     norm = plan.normalization
     return {
         "version": KEY_VERSION,
-        "data": _data_inputs(config["data"], local=True), "model": _fields(config["model"], MODEL_KEY_FIELDS),
-        "train": _train_inputs(config["train"]), "seed": config["run"]["seed"],
+        "data": _data_inputs(config["data"], local=True),
+        "model": _fields(config["model"], MODEL_KEY_FIELDS),
+        "train": _train_inputs(config["train"]),
+        "seed": config["run"]["seed"],
         "client": int(plan.client_id),
         # a silo client (data.silos) is keyed by its data's content hash: it has no indices
-        **({"silo": plan.content_hash} if hasattr(plan, "content_hash") else
-           {"train_indices": _hash_arrays(np.asarray(plan.train, dtype=np.int64))}),
+        **(
+            {"silo": plan.content_hash}
+            if hasattr(plan, "content_hash")
+            else {"train_indices": _hash_arrays(np.asarray(plan.train, dtype=np.int64))}
+        ),
         "normalization": None if norm is None else _hash_arrays(norm.mean, norm.std),
-        "corruption": plan.corruption, "corruption_seed": int(plan.corruption_seed),
+        "corruption": plan.corruption,
+        "corruption_seed": int(plan.corruption_seed),
         "faults": _local_faults(config["federation"]["faults"], plan.client_id),
     }
 
@@ -553,8 +619,7 @@ def note_data_files(root: str | Path, files: Mapping[str, Mapping[str, str]]) ->
 def _flatten_result(value: Any, prefix: str, arrays: dict[str, np.ndarray], scalars: dict[str, Any]) -> bool:
     """Split a client step's result (nested dicts of arrays and plain values) into arrays and JSON values."""
     if isinstance(value, Mapping):
-        return all(isinstance(k, str) and "/" not in k and _flatten_result(v, f"{prefix}{k}/", arrays, scalars)
-                   for k, v in value.items())
+        return all(isinstance(k, str) and "/" not in k and _flatten_result(v, f"{prefix}{k}/", arrays, scalars) for k, v in value.items())
     key = prefix[:-1]
     if isinstance(value, np.ndarray) and value.dtype != object:
         arrays[key] = value

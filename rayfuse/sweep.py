@@ -55,9 +55,18 @@ __all__ = ["Domain", "SchedulerSpec", "SweepSpec", "load_space", "DOMAINS", "res
 
 # name -> number of arguments (None: a non-empty list of values)
 DOMAINS: dict[str, int | None] = {
-    "grid": None, "choice": None,
-    "uniform": 2, "loguniform": 2, "randint": 2, "lograndint": 2, "randn": 2,
-    "quniform": 3, "qloguniform": 3, "qrandint": 3, "qlograndint": 3, "qrandn": 3,
+    "grid": None,
+    "choice": None,
+    "uniform": 2,
+    "loguniform": 2,
+    "randint": 2,
+    "lograndint": 2,
+    "randn": 2,
+    "quniform": 3,
+    "qloguniform": 3,
+    "qrandint": 3,
+    "qlograndint": 3,
+    "qrandn": 3,
 }
 _INTEGER = {"randint", "lograndint", "qrandint", "qlograndint"}
 _LOG = {"loguniform", "qloguniform", "lograndint", "qlograndint"}
@@ -175,15 +184,21 @@ def resolve_job_path(given: str, space_file: Path) -> Path:
 
 
 def _parse_domain(where: str, raw: Any) -> Domain:
-    forms = ", ".join(f"{{{k}: {'[values...]' if n is None else '[' + ', '.join(['low', 'high', 'q'][:n]) + ']'}}}" for k, n in DOMAINS.items())
+    forms = ", ".join(
+        f"{{{k}: {'[values...]' if n is None else '[' + ', '.join(['low', 'high', 'q'][:n]) + ']'}}}" for k, n in DOMAINS.items()
+    )
     if not isinstance(raw, Mapping) or len(raw) != 1:
         raise InputError(where, "one Tune domain, e.g. {grid: [0.1, 0.2]} or {loguniform: [1e-3, 1]}", raw)
-    (kind, args), = raw.items()
+    ((kind, args),) = raw.items()
     if kind not in DOMAINS:
         raise InputError(where, f"a Tune domain in {{{', '.join(DOMAINS)}}}", kind, suggest(kind, DOMAINS).strip(" ()"))
     arity = DOMAINS[kind]
     if not isinstance(args, list) or not args:
-        raise InputError(f"{where}.{kind}", "a non-empty list of values" if arity is None else f"a list [{', '.join(['low', 'high', 'q'][:arity])}]", args)
+        raise InputError(
+            f"{where}.{kind}",
+            "a non-empty list of values" if arity is None else f"a list [{', '.join(['low', 'high', 'q'][:arity])}]",
+            args,
+        )
     if arity is None:
         return Domain(kind, tuple(args))
     names = ["low", "high", "q"] if not kind.endswith("randn") else ["mean", "sd", "q"]
@@ -217,8 +232,11 @@ def _check_key(where: str, key: str, resolved: Mapping[str, Any]) -> None:
             known = sorted(str(k) for k in node) if isinstance(node, Mapping) else []
             prefix = ".".join(parts[:i]) or "the config"
             hint = suggest(part, known).strip(" ()")
-            expected = (f"a key of the base job's config; {prefix} has {{{', '.join(known)}}}" if known
-                        else f"a key of the base job's config ({prefix} is a value, not a section)")
+            expected = (
+                f"a key of the base job's config; {prefix} has {{{', '.join(known)}}}"
+                if known
+                else f"a key of the base job's config ({prefix} is a value, not a section)"
+            )
             raise InputError(where, expected, key, hint or "rayfuse validate <base job> prints every key")
         node = node[part]
 
@@ -264,8 +282,12 @@ def load_space(path: str | Path, *, samples: int | None = None, overrides: list[
         methods = {m: {} for m in methods} if isinstance(methods, list) else dict(methods)
         for label in spec.methods:
             if label not in methods:
-                raise InputError(f"{path}: methods", f"method labels of the base job {{{', '.join(methods)}}}", label,
-                                 suggest(label, methods).strip(" ()"))
+                raise InputError(
+                    f"{path}: methods",
+                    f"method labels of the base job {{{', '.join(methods)}}}",
+                    label,
+                    suggest(label, methods).strip(" ()"),
+                )
         data["methods"] = {label: methods[label] for label in spec.methods}
     try:
         base = prepare_run(validate_config(data))
@@ -283,22 +305,31 @@ def load_space(path: str | Path, *, samples: int | None = None, overrides: list[
             try:  # the schema, the methods' parameters and every method's check against the run (nothing starts)
                 prepare_run(validate_config(apply_overrides(data, [(key.split("."), value)])))
             except InputError as exc:
-                raise InputError(where, f"values the config accepts ({exc.path}: {exc.expected})", value, f"domain {domain.to_yaml()}") from None
+                raise InputError(
+                    where, f"values the config accepts ({exc.path}: {exc.expected})", value, f"domain {domain.to_yaml()}"
+                ) from None
         space[key] = domain
 
     labels = [s.label for s in base.specs]
     match = re.fullmatch(r"fused/([^/]+)/([A-Za-z0-9_]+)", spec.metric)
     if not match or match.group(1) not in labels:
-        raise InputError(f"{path}: metric", f"fused/<method label>/<metric> with a label in {{{', '.join(labels)}}}", spec.metric,
-                         "e.g. fused/" + labels[0] + "/accuracy")
+        raise InputError(
+            f"{path}: metric",
+            f"fused/<method label>/<metric> with a label in {{{', '.join(labels)}}}",
+            spec.metric,
+            "e.g. fused/" + labels[0] + "/accuracy",
+        )
 
     scheduler = None
     if spec.scheduler is not None and spec.scheduler.type == "asha":
         multi = [s for s in base.specs if s.method_cls.tags.multi_round]
         if len(multi) != 1 or multi[0].label != match.group(1):
-            raise InputError(f"{path}: scheduler", "ASHA over exactly one multi-round method in a trial, the one the metric "
-                             "names (methods: [<label>], metric: fused/<label>/...)",
-                             f"multi-round methods {[s.label for s in multi]} and metric {spec.metric}")
+            raise InputError(
+                f"{path}: scheduler",
+                "ASHA over exactly one multi-round method in a trial, the one the metric "
+                "names (methods: [<label>], metric: fused/<label>/...)",
+                f"multi-round methods {[s.label for s in multi]} and metric {spec.metric}",
+            )
         max_t = spec.scheduler.max_t or int(getattr(multi[0].params, "rounds", 1))
         scheduler = SchedulerSpec("asha", spec.scheduler.time_attr, max_t, spec.scheduler.grace_period, spec.scheduler.reduction_factor)
     storage = spec.storage
@@ -308,9 +339,19 @@ def load_space(path: str | Path, *, samples: int | None = None, overrides: list[
     if num_samples < 1:
         raise InputError("--samples", "a number >= 1", num_samples)
     return SweepSpec(
-        name=spec.name or _default_name(path), path=path, base_path=base_path, base=data, space=space,
-        metric=spec.metric, mode=spec.mode, num_samples=num_samples, scheduler=scheduler, max_failures=spec.max_failures,
-        max_concurrent_trials=spec.max_concurrent_trials, storage=storage, placement_strategy=spec.placement_strategy,
+        name=spec.name or _default_name(path),
+        path=path,
+        base_path=base_path,
+        base=data,
+        space=space,
+        metric=spec.metric,
+        mode=spec.mode,
+        num_samples=num_samples,
+        scheduler=scheduler,
+        max_failures=spec.max_failures,
+        max_concurrent_trials=spec.max_concurrent_trials,
+        storage=storage,
+        placement_strategy=spec.placement_strategy,
         methods=labels,
     )
 

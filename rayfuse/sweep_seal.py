@@ -72,11 +72,19 @@ def load_key(*, create: bool = False) -> bytes:
     try:
         info, key = _read_regular(file, limit=33, what="a key file of yours that only you can read and write (mode 0600)")
     except FileNotFoundError:
-        raise InputError(str(file), "this user's sweep key (written when a sweep starts)", "no such file",
-                         "a sweep started by another user or on another machine cannot be resumed here") from None
+        raise InputError(
+            str(file),
+            "this user's sweep key (written when a sweep starts)",
+            "no such file",
+            "a sweep started by another user or on another machine cannot be resumed here",
+        ) from None
     if info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise InputError(str(file), "a key file of yours that only you can read and write (mode 0600)",
-                         f"owner uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o}", f"chmod 600 {file}")
+        raise InputError(
+            str(file),
+            "a key file of yours that only you can read and write (mode 0600)",
+            f"owner uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o}",
+            f"chmod 600 {file}",
+        )
     if len(key) != 32:
         raise InputError(str(file), "a 32-byte sweep key", f"{len(key)} bytes", "delete it (it is written again at the next sweep)")
     return key
@@ -107,9 +115,15 @@ def state_files(experiment: str | os.PathLike) -> dict[str, str]:
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "folder"), (stat.S_ISLNK, "symbolic link"),
-                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device")):
+    for test, name in (
+        (stat.S_ISREG, "regular file"),
+        (stat.S_ISDIR, "folder"),
+        (stat.S_ISLNK, "symbolic link"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
         if test(mode):
             return name
     return f"file of mode {mode:o}"
@@ -211,8 +225,12 @@ def check_sweep_folder(storage: str | os.PathLike, experiment: str | os.PathLike
             continue
         info = os.stat(parent) if parent.exists() else os.lstat(parent)
         if _writable_by_others(info) or (parent == resolved and info.st_uid != os.getuid()):
-            raise InputError(str(parent), "a sweep storage folder only you can write (Tune unpickles what it holds on --resume)",
-                             f"mode {stat.S_IMODE(info.st_mode):04o}, owner uid {info.st_uid}", f"chmod go-w {parent}, or use another --storage")
+            raise InputError(
+                str(parent),
+                "a sweep storage folder only you can write (Tune unpickles what it holds on --resume)",
+                f"mode {stat.S_IMODE(info.st_mode):04o}, owner uid {info.st_uid}",
+                f"chmod go-w {parent}, or use another --storage",
+            )
     if experiment is None or not Path(experiment).exists():
         return
     root = Path(experiment)
@@ -227,11 +245,19 @@ def check_sweep_folder(storage: str | os.PathLike, experiment: str | os.PathLike
 def _check_sweep_entry(path: Path, info: os.stat_result) -> None:
     hint = "a folder others can write may hold planted state: start the sweep anew elsewhere"
     if info.st_uid != os.getuid() or (not stat.S_ISLNK(info.st_mode) and _writable_by_others(info)):
-        raise InputError(str(path), "a sweep file only you can write (Tune unpickles the folder's state on --resume)",
-                         f"mode {stat.S_IMODE(info.st_mode):04o}, owner uid {info.st_uid}", hint)
+        raise InputError(
+            str(path),
+            "a sweep file only you can write (Tune unpickles the folder's state on --resume)",
+            f"mode {stat.S_IMODE(info.st_mode):04o}, owner uid {info.st_uid}",
+            hint,
+        )
     if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode) or stat.S_ISLNK(info.st_mode)):
-        raise InputError(str(path), "a regular file, a folder or a symbolic link in a sweep folder", f"a {_kind(info.st_mode)}",
-                         "rayfuse never reads it (a FIFO would block): remove it, or start the sweep anew elsewhere")
+        raise InputError(
+            str(path),
+            "a regular file, a folder or a symbolic link in a sweep folder",
+            f"a {_kind(info.st_mode)}",
+            "rayfuse never reads it (a FIFO would block): remove it, or start the sweep anew elsewhere",
+        )
 
 
 def _check_link_target(link: Path) -> None:
@@ -244,9 +270,12 @@ def _check_link_target(link: Path) -> None:
     for parent in target.parents:
         info = os.stat(parent)
         if _writable_by_others(info):
-            raise InputError(str(parent), f"a folder only you can write above {target} (reached through the link {link})",
-                             f"mode {stat.S_IMODE(info.st_mode):04o}, owner uid {info.st_uid}",
-                             "a folder others can write may hold planted state: start the sweep anew elsewhere")
+            raise InputError(
+                str(parent),
+                f"a folder only you can write above {target} (reached through the link {link})",
+                f"mode {stat.S_IMODE(info.st_mode):04o}, owner uid {info.st_uid}",
+                "a folder others can write may hold planted state: start the sweep anew elsewhere",
+            )
 
 
 def verify_sweep(experiment: str | os.PathLike, storage: str | os.PathLike | None = None) -> dict[str, str]:
@@ -276,7 +305,13 @@ def verify_sweep(experiment: str | os.PathLike, storage: str | os.PathLike | Non
     now = state_files(root)
     for name in sorted(set(files) | set(now)):
         if files.get(name) != now.get(name):
-            what = "a file added after the seal" if name not in files else "a missing file" if name not in now else "a file changed after the seal"
+            what = (
+                "a file added after the seal"
+                if name not in files
+                else "a missing file"
+                if name not in now
+                else "a file changed after the seal"
+            )
             raise InputError(str(root / name), "the file as this sweep's rayfuse sealed it", what, hint)
     return files
 

@@ -45,8 +45,12 @@ def check_tracking(cfg: ExperimentConfig) -> None:
     """Before anything starts: a sink the config asks for must be importable. Raises :class:`InputError` at
     ``tracking.mlflow`` naming the install command."""
     if cfg.tracking.mlflow is not None and importlib.util.find_spec("mlflow") is None:
-        raise InputError("tracking.mlflow", "MLflow installed (the MLflow sink logs each method to it)", "no module named mlflow",
-                         f"install it: {_INSTALL}; or drop tracking.mlflow")
+        raise InputError(
+            "tracking.mlflow",
+            "MLflow installed (the MLflow sink logs each method to it)",
+            "no module named mlflow",
+            f"install it: {_INSTALL}; or drop tracking.mlflow",
+        )
 
 
 def mlflow_uri(settings: MlflowConfig, run_dir: str | Path) -> str:
@@ -60,8 +64,15 @@ def mlflow_uri(settings: MlflowConfig, run_dir: str | Path) -> str:
     return Path(uri).expanduser().resolve().as_uri()
 
 
-def log_to_mlflow(settings: MlflowConfig, *, cfg: ExperimentConfig, run_dir: str | Path, resolved: Mapping[str, Any],
-                  summaries: Sequence[Mapping[str, Any]], warn: Callable[[str], None]) -> dict[str, Any] | None:
+def log_to_mlflow(
+    settings: MlflowConfig,
+    *,
+    cfg: ExperimentConfig,
+    run_dir: str | Path,
+    resolved: Mapping[str, Any],
+    summaries: Sequence[Mapping[str, Any]],
+    warn: Callable[[str], None],
+) -> dict[str, Any] | None:
     """Log the run in ``run_dir`` (its methods' ``summaries``, as ``results.json``'s methods come from) to MLflow.
     Returns ``{"uri", "experiment", "run_id", "methods": {label: run_id}}``, or ``None`` after a ``warn`` when logging
     failed."""
@@ -92,27 +103,38 @@ def _log(uri: str, experiment: str, run_dir: Path, resolved: Mapping[str, Any], 
     tags = {RUN_TAG: folder, "rayfuse.run_dir": str(run_dir)}
     parent = client.create_run(experiment_id, run_name=run_dir.name, tags=tags)
     parent_id = parent.info.run_id
-    run_params = {"dataset": (resolved.get("data") or {}).get("dataset"), "num_clients": (resolved.get("partition") or {}).get("num_clients"),
-                  "partition": (resolved.get("partition") or {}).get("method"), "model": (resolved.get("model") or {}).get("name"),
-                  "seed": (resolved.get("run") or {}).get("seed"), "methods": ",".join(s["label"] for s in summaries)}
+    run_params = {
+        "dataset": (resolved.get("data") or {}).get("dataset"),
+        "num_clients": (resolved.get("partition") or {}).get("num_clients"),
+        "partition": (resolved.get("partition") or {}).get("method"),
+        "model": (resolved.get("model") or {}).get("name"),
+        "seed": (resolved.get("run") or {}).get("seed"),
+        "methods": ",".join(s["label"] for s in summaries),
+    }
     client.log_batch(parent_id, params=[Param(k, _text(v)) for k, v in run_params.items()])
     _log_files(client, parent_id, run_dir, ["config.yaml", "partition.json", "comparison.png"], "")
     methods: dict[str, str] = {}
     now = int(time.time() * 1000)
     for summary in summaries:
         label = str(summary["label"])
-        child = client.create_run(experiment_id, run_name=label, tags={**tags, "mlflow.parentRunId": parent_id, "rayfuse.method": label,
-                                                                       "rayfuse.method_name": str(summary.get("method"))})
+        child = client.create_run(
+            experiment_id,
+            run_name=label,
+            tags={**tags, "mlflow.parentRunId": parent_id, "rayfuse.method": label, "rayfuse.method_name": str(summary.get("method"))},
+        )
         run_id = child.info.run_id
         params = [Param(k, _text(v)) for k, v in _flatten((resolved.get("methods") or {}).get(label) or {}).items()]
         for i in range(0, len(params), _PARAM_BATCH):
-            client.log_batch(run_id, params=params[i:i + _PARAM_BATCH])
-        metrics = [Metric(_metric_key(row), float(row["value"]), now, int(row["round"])) for row in summary.get("history", [])
-                   if _finite(row.get("value"))]
+            client.log_batch(run_id, params=params[i : i + _PARAM_BATCH])
+        metrics = [
+            Metric(_metric_key(row), float(row["value"]), now, int(row["round"]))
+            for row in summary.get("history", [])
+            if _finite(row.get("value"))
+        ]
         last = max((int(r["round"]) for r in summary.get("history", [])), default=0)
         metrics += [Metric(f"final/{k}", float(v), now, last) for k, v in (summary.get("metrics") or {}).items() if _finite(v)]
         for i in range(0, len(metrics), _BATCH):
-            client.log_batch(run_id, metrics=metrics[i:i + _BATCH])
+            client.log_batch(run_id, metrics=metrics[i : i + _BATCH])
         files = [str(summary["model_file"])] if summary.get("model_file") else []
         _log_files(client, run_id, run_dir, files, "model")
         _log_files(client, run_id, run_dir, ["comparison.png"], "plots")

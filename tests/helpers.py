@@ -18,8 +18,13 @@ from rayfuse.federation import EventLog, FailurePolicy, InProcessFederation
 from rayfuse.runner import PreparedRun, prepare_run
 
 
-def prepared_coordinator(cfg: ExperimentConfig, run_dir: str | Path, *, events: EventLog | None = None,
-                         client: Callable[[PreparedRun, int, bool], Client] | None = None) -> Coordinator:
+def prepared_coordinator(
+    cfg: ExperimentConfig,
+    run_dir: str | Path,
+    *,
+    events: EventLog | None = None,
+    client: Callable[[PreparedRun, int, bool], Client] | None = None,
+) -> Coordinator:
     """A coordinator over in-process clients for ``cfg``, after :func:`rayfuse.runner.prepare_run` (the methods'
     parameters, the model against the data, the split, each method's ``check``: raises :class:`rayfuse.errors.InputError`
     where a run would, before any client exists). ``client(prepared, i, restarted)`` builds client ``i`` (default: the
@@ -28,14 +33,24 @@ def prepared_coordinator(cfg: ExperimentConfig, run_dir: str | Path, *, events: 
     plan = prepared.plan
 
     def default(prepared: PreparedRun, i: int, restarted: bool) -> Client:
-        return Client(i, plan.for_client(i), data_cfg=cfg.data, model_cfg=cfg.client_model(i), train_cfg=cfg.train, seed=cfg.run.seed,
-                      faults=cfg.federation.faults, restarted=restarted, local_cache=cfg.run.model_cache)
+        return Client(
+            i,
+            plan.for_client(i),
+            data_cfg=cfg.data,
+            model_cfg=cfg.client_model(i),
+            train_cfg=cfg.train,
+            seed=cfg.run.seed,
+            faults=cfg.federation.faults,
+            restarted=restarted,
+            local_cache=cfg.run.model_cache,
+        )
 
     make = client or default
 
     def factory(i: int, restarted: bool) -> Any:
         return make(prepared, i, restarted)
 
-    fed = InProcessFederation(factory, plan.num_clients, FailurePolicy.from_config(cfg.federation),
-                              events if events is not None else EventLog())
+    fed = InProcessFederation(
+        factory, plan.num_clients, FailurePolicy.from_config(cfg.federation), events if events is not None else EventLog()
+    )
     return Coordinator(cfg, plan, str(run_dir), fed, specs=prepared.specs)

@@ -19,8 +19,9 @@ from tests.conftest import TINY, merge
 InputError = rayfuse.InputError
 
 # Tiny runs: 3 clients, 1 epoch, two methods.
-SMALL = merge(TINY, {"partition": {"num_clients": 3}, "train": {"epochs": 1},
-                     "methods": {"average": {}, "fedavg": {"rounds": 1, "local_epochs": 1}}})
+SMALL = merge(
+    TINY, {"partition": {"num_clients": 3}, "train": {"epochs": 1}, "methods": {"average": {}, "fedavg": {"rounds": 1, "local_epochs": 1}}}
+)
 
 
 class TinyNet(nn.Module):
@@ -97,8 +98,9 @@ def test_a_path_config_and_an_experiment_config_run_alike(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(merge(SMALL, {"methods": {"average": {}}})))
     from_path = rayfuse.run(path, backend="local", run_dir=tmp_path / "a", quiet=True)
-    from_object = rayfuse.run(validate_config(merge(SMALL, {"methods": {"average": {}}})), backend="local",
-                              run_dir=tmp_path / "b", quiet=True)
+    from_object = rayfuse.run(
+        validate_config(merge(SMALL, {"methods": {"average": {}}})), backend="local", run_dir=tmp_path / "b", quiet=True
+    )
     assert from_path.metrics.equals(from_object.metrics)
 
 
@@ -125,8 +127,13 @@ def test_a_torch_dataset_a_zero_argument_model_and_a_method_instance(tmp_path):
     digits = load_digits()
     pairs = torch.utils.data.TensorDataset(torch.tensor(digits.data[:600], dtype=torch.float32), torch.tensor(digits.target[:600]))
     instance = MeanOfLocals(MeanParams(weighted=False))
-    result = local_run(tmp_path, config={"train": {"epochs": 1}, "partition": {"num_clients": 2}}, model=LinearNoArgs,
-                       dataset=pairs, methods={"plain-mean": instance})
+    result = local_run(
+        tmp_path,
+        config={"train": {"epochs": 1}, "partition": {"num_clients": 2}},
+        model=LinearNoArgs,
+        dataset=pairs,
+        methods={"plain-mean": instance},
+    )
     assert list(result.metrics.index) == ["plain-mean"]  # a config naming no methods runs the given ones only
     assert result.models["plain-mean"]["linear.weight"].shape == (10, 64)
     assert yaml.safe_load((result.run_dir / "config.yaml").read_text())["methods"]["plain-mean"]["weighted"] is False
@@ -155,15 +162,28 @@ def test_a_run_given_a_python_model_cannot_be_resumed_from_the_command_line(tmp_
         pytest.param({}, {"model": lambda a, b, c: None}, r"^model: expected a callable", id="model-signature"),
         pytest.param({}, {"model": lambda: "net"}, r"^model: expected a factory returning a torch\.nn\.Module", id="model-not-a-module"),
         pytest.param({}, {"model": {3: TinyNet}}, r"^model\[3\]: expected a client id in 0\.\.2", id="model-mapping-client-out-of-range"),
-        pytest.param({}, {"model": {"defaults": TinyNet}}, r"^model\['defaults'\]: expected a client id in 0\.\.2 .* or 'default'",
-                     id="model-mapping-bad-key"),
+        pytest.param(
+            {},
+            {"model": {"defaults": TinyNet}},
+            r"^model\['defaults'\]: expected a client id in 0\.\.2 .* or 'default'",
+            id="model-mapping-bad-key",
+        ),
         pytest.param({}, {"model": {1: 42}}, r"^model\[1\]: expected a callable", id="model-mapping-not-callable"),
-        pytest.param({}, {"model": {1: LinearNoArgs}, "dataset": (np.zeros((30, 3)), np.arange(30) % 2)},
-                     r"^federation\.client_overrides\.1\.model\.name: expected a model that accepts inputs of shape \(3,\)",
-                     id="model-mapping-wrong-input"),
-        pytest.param({}, {"model": LinearNoArgs, "dataset": (np.zeros((30, 3)), np.arange(30) % 2)},
-                     r"^model\.name: expected a model that accepts inputs of shape \(3,\)", id="model-wrong-input"),
-        pytest.param({}, {"dataset": (np.zeros((30, 3)), np.zeros(29))}, r"^dataset: expected as many labels as samples", id="dataset-labels"),
+        pytest.param(
+            {},
+            {"model": {1: LinearNoArgs}, "dataset": (np.zeros((30, 3)), np.arange(30) % 2)},
+            r"^federation\.client_overrides\.1\.model\.name: expected a model that accepts inputs of shape \(3,\)",
+            id="model-mapping-wrong-input",
+        ),
+        pytest.param(
+            {},
+            {"model": LinearNoArgs, "dataset": (np.zeros((30, 3)), np.arange(30) % 2)},
+            r"^model\.name: expected a model that accepts inputs of shape \(3,\)",
+            id="model-wrong-input",
+        ),
+        pytest.param(
+            {}, {"dataset": (np.zeros((30, 3)), np.zeros(29))}, r"^dataset: expected as many labels as samples", id="dataset-labels"
+        ),
         pytest.param({}, {"dataset": np.zeros((30, 3))}, r"^dataset: expected \(X, y\) arrays", id="dataset-kind"),
         pytest.param("nowhere.yaml", {}, r"^nowhere\.yaml: expected an existing YAML config file", id="config-file"),
         pytest.param(3, {}, r"^config: expected a YAML file path, a dict or an ExperimentConfig", id="config-kind"),
@@ -189,8 +209,11 @@ def test_fuse_writes_the_fused_checkpoint_and_returns_its_path(tmp_path):
 
     for name, value in (("a", 1.0), ("b", 3.0)):
         save_params(tmp_path / f"{name}.safetensors", {"w": np.full((2, 2), value, np.float32)})
-    (tmp_path / "fuse.yaml").write_text(yaml.safe_dump({"merge_method": "average", "models": [{"model": "a.safetensors"}, {"model": "b.safetensors"}],
-                                                        "output": "fused.safetensors"}))
+    (tmp_path / "fuse.yaml").write_text(
+        yaml.safe_dump(
+            {"merge_method": "average", "models": [{"model": "a.safetensors"}, {"model": "b.safetensors"}], "output": "fused.safetensors"}
+        )
+    )
     out = rayfuse.fuse(tmp_path / "fuse.yaml")
     assert out == tmp_path / "fused.safetensors"
     np.testing.assert_allclose(load_params(out)["w"], 2.0)
@@ -217,8 +240,8 @@ def test_the_python_api_page_example_is_examples_python_api():
 
     root = Path(__file__).resolve().parents[1]
     page = (root / "docs" / "python-api.md").read_text()
-    section = page[page.index("# Python API"):]
-    block = section[section.index("```python\n") + len("```python\n"):]
+    section = page[page.index("# Python API") :]
+    block = section[section.index("```python\n") + len("```python\n") :]
     block = block[: block.index("```\n")]
     example = (root / "examples" / "python_api.py").read_text().replace("backend=backend", 'backend="ray"')
     missing = [line for line in block.splitlines() if line.strip() and line not in example.splitlines()]

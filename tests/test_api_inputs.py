@@ -92,7 +92,9 @@ case("api", "api-run-run-dir-a-number", "run_dir")(lambda f: local_run(run_dir=5
 case("api", "api-run-backend-a-list", "backend")(lambda f: local_run(backend=["local"]))
 case("api", "api-run-verbose-not-a-bool", "verbose")(lambda f: local_run(verbose="yes"))
 case("api", "api-resume-none", "run_dir")(lambda f: call(rayfuse.resume, None))
-case("api", "api-resume-overrides-one-string", "overrides")(lambda f: call(rayfuse.resume, str(f.root), overrides="federation.backend=local"))
+case("api", "api-resume-overrides-one-string", "overrides")(
+    lambda f: call(rayfuse.resume, str(f.root), overrides="federation.backend=local")
+)
 case("api", "api-config-a-number", "config")(lambda f: local_run(7))
 
 # ragged and pandas data
@@ -109,9 +111,11 @@ def _frame(**extra: Any) -> Any:
 
 case("api", "api-dataframe-alone", "dataset: expected (X, y) arrays")(lambda f: local_run(dataset=_frame()))
 case("api", "api-dataframe-text-column", "column 'city'")(
-    lambda f: local_run(dataset=(_frame(city=["a", "b", "c"] * 20).drop(columns="y"), _frame()["y"])))
+    lambda f: local_run(dataset=(_frame(city=["a", "b", "c"] * 20).drop(columns="y"), _frame()["y"]))
+)
 case("api", "api-dataframe-two-label-columns", "dataset[1] (y): expected one label column")(
-    lambda f: local_run(dataset=(_frame().drop(columns="y"), _frame()[["y", "f0"]])))
+    lambda f: local_run(dataset=(_frame().drop(columns="y"), _frame()[["y", "f0"]]))
+)
 
 
 class Pairs:
@@ -135,19 +139,25 @@ class Pairs:
 
 
 case("api", "api-dataset-getitem-raises", "dataset[0]: expected an (x, y) pair, got '__getitem__ raised OSError")(
-    lambda f: local_run(dataset=Pairs(fail=0)))
+    lambda f: local_run(dataset=Pairs(fail=0))
+)
 case("api", "api-dataset-getitem-raises-later", "dataset[17]")(lambda f: local_run(dataset=Pairs(fail=17)))
-case("api", "api-dataset-len-raises", "dataset: expected a torch Dataset whose len() works")(lambda f: local_run(dataset=Pairs(bad_len=True)))
+case("api", "api-dataset-len-raises", "dataset: expected a torch Dataset whose len() works")(
+    lambda f: local_run(dataset=Pairs(bad_len=True))
+)
 case("api", "api-dataset-samples-of-two-shapes", "dataset: expected samples of one shape")(lambda f: local_run(dataset=Pairs(shapes=True)))
 
 # arguments a config would ignore
 _SILOS = {"silos": [{"dataset": "npz", "path": "a.npz"}, {"dataset": "npz", "path": "b.npz"}]}
 case("api", "api-arrays-with-silos", "dataset: expected no dataset argument with a silo config")(
-    lambda f: local_run({**with_base(evaluation="federated"), "data": _SILOS, "partition": {"num_clients": 2}}, dataset=arrays()))
+    lambda f: local_run({**with_base(evaluation="federated"), "data": _SILOS, "partition": {"num_clients": 2}}, dataset=arrays())
+)
 case("api", "api-arrays-with-data-path", "data.path")(
-    lambda f: local_run(with_base(data={"dataset": "npz", "path": f.npz()}), dataset=arrays()))
+    lambda f: local_run(with_base(data={"dataset": "npz", "path": f.npz()}), dataset=arrays())
+)
 case("api", "api-arrays-with-data-features", "data.features")(
-    lambda f: local_run(with_base(data={"dataset": "npz", "path": f.npz(), "features": "X"}), dataset=arrays()))
+    lambda f: local_run(with_base(data={"dataset": "npz", "path": f.npz(), "features": "X"}), dataset=arrays())
+)
 
 
 # methods given as objects
@@ -189,26 +199,37 @@ def _instance_with_dict_params() -> Fine:
 
 
 case("api", "api-method-without-run", "methods['mine']: expected a Method subclass that defines run")(
-    lambda f: local_run(methods={"mine": NoRun}))
+    lambda f: local_run(methods={"mine": NoRun})
+)
 case("api", "api-method-params-a-dict", "methods['mine'].Params: expected a params model")(
-    lambda f: local_run(methods={"mine": DictParams}))
+    lambda f: local_run(methods={"mine": DictParams})
+)
 case("api", "api-method-params-a-dataclass", "methods['mine'].Params")(lambda f: local_run(methods={"mine": DataclassParams}))
-case("api", "api-method-instance-params-a-dict", "methods['mine'].params")(lambda f: local_run(methods={"mine": _instance_with_dict_params()}))
+case("api", "api-method-instance-params-a-dict", "methods['mine'].params")(
+    lambda f: local_run(methods={"mine": _instance_with_dict_params()})
+)
 
 # a model factory that returns one shared instance: refused, the same on both backends (before Ray is reached)
 _SHARED = TinyNet((1, 8, 8), 10)  # digits: 8x8 images, 10 classes
 _LAYER = nn.Linear(64, 10)
 case("api", "api-factory-shared-instance", "model: expected a factory that builds a new nn.Module on every call")(
-    lambda f: local_run(model=lambda: _SHARED))
+    lambda f: local_run(model=lambda: _SHARED)
+)
 case("api", "api-factory-shared-instance-on-ray", "model: expected a factory that builds a new nn.Module")(
-    lambda f: local_run(model=lambda: _SHARED, backend="ray"))
+    lambda f: local_run(model=lambda: _SHARED, backend="ray")
+)
 case("api", "api-factory-shared-layer", "models sharing tensors")(lambda f: local_run(model=lambda: nn.Sequential(nn.Flatten(), _LAYER)))
 case("api", "api-factory-shared-default", "model: expected a factory that builds a new nn.Module")(
-    lambda f: local_run(model={"default": lambda: _SHARED}))
+    lambda f: local_run(model={"default": lambda: _SHARED})
+)
 case("api", "api-factory-shared-for-one-client", "model: expected a factory that builds a new nn.Module")(
-    lambda f: local_run(model={1: lambda shape, classes: _SHARED}))
-case("api", "api-model-an-instance", "model: expected a model factory (the class, or a function returning a new nn.Module), not a model instance")(
-    lambda f: local_run(model=_SHARED))
+    lambda f: local_run(model={1: lambda shape, classes: _SHARED})
+)
+case(
+    "api",
+    "api-model-an-instance",
+    "model: expected a model factory (the class, or a function returning a new nn.Module), not a model instance",
+)(lambda f: local_run(model=_SHARED))
 case("api", "api-model-an-instance-for-a-client", "model[0]: expected a model factory")(lambda f: local_run(model={0: _SHARED}))
 
 
@@ -220,14 +241,17 @@ case("api", "api-symmetry-input-shape-zero", "input_shape")(lambda f: call(rayfu
 case("api", "api-symmetry-input-shape-booleans", "input_shape")(lambda f: call(rayfuse_api.symmetry, "mlp", input_shape=[True, True]))
 case("api", "api-symmetry-input-shape-fractional", "input_shape")(lambda f: call(rayfuse_api.build_architecture, "mlp", input_shape=[2.5]))
 case("api", "api-symmetry-input-shape-huge", "input_shape: expected at most 16,777,216 values per sample")(
-    lambda f: call(rayfuse_api.symmetry, "torchvision:resnet18", input_shape=(3, 40000, 40000)))
+    lambda f: call(rayfuse_api.symmetry, "torchvision:resnet18", input_shape=(3, 40000, 40000))
+)
 case("api", "symmetry-input-shape-huge", "input_shape: expected at most")(
-    lambda f: ["symmetry", "torchvision:resnet18", "--input-shape", "3,40000,40000"])
+    lambda f: ["symmetry", "torchvision:resnet18", "--input-shape", "3,40000,40000"]
+)
 case("api", "api-symmetry-unknown-dataset", "dataset: expected a dataset in")(lambda f: call(rayfuse_api.symmetry, "mlp", dataset="nope"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 6 (dp). The noise search for a target epsilon: bounded, unreachable targets refused before any client trains
+
 
 def run_job(f: Files, *sets: str, command: str = "run") -> list[str]:
     args = [command, f.job()]
@@ -239,39 +263,55 @@ def run_job(f: Files, *sets: str, command: str = "run") -> list[str]:
 _LOCAL = "methods={local: {}}"
 for _target in ("1.0e300", "1.0e-300", "1.0e-9"):
     case("dp", f"run-dp-sgd-target-{_target}", "train.dp.target_epsilon")(
-        lambda f, t=_target: run_job(f, _LOCAL, f"train.dp={{target_epsilon: {t}}}"))
+        lambda f, t=_target: run_job(f, _LOCAL, f"train.dp={{target_epsilon: {t}}}")
+    )
     case("dp", f"run-upload-dp-target-{_target}", "methods.average.dp.target_epsilon")(
-        lambda f, t=_target: run_job(f, f"methods.average.dp={{clip_norm: 1.0, target_epsilon: {t}}}"))
+        lambda f, t=_target: run_job(f, f"methods.average.dp={{clip_norm: 1.0, target_epsilon: {t}}}")
+    )
     case("dp", f"run-central-dp-target-{_target}", "methods.fedavg.dp.target_epsilon")(
-        lambda f, t=_target: run_job(f, f"methods={{fedavg: {{rounds: 2, dp: {{clip_norm: 1.0, sample_rate: 0.5, target_epsilon: {t}}}}}}}"))
+        lambda f, t=_target: run_job(f, f"methods={{fedavg: {{rounds: 2, dp: {{clip_norm: 1.0, sample_rate: 0.5, target_epsilon: {t}}}}}}}")
+    )
 for _target in (".inf", ".nan"):
     case("dp", f"run-dp-sgd-target-{_target[1:]}", "train.dp.target_epsilon")(
-        lambda f, t=_target: run_job(f, _LOCAL, f"train.dp={{target_epsilon: {t}}}"))
+        lambda f, t=_target: run_job(f, _LOCAL, f"train.dp={{target_epsilon: {t}}}")
+    )
     case("dp", f"run-upload-dp-target-{_target[1:]}", "methods.average.dp.target_epsilon")(
-        lambda f, t=_target: run_job(f, f"methods.average.dp={{clip_norm: 1.0, target_epsilon: {t}}}"))
+        lambda f, t=_target: run_job(f, f"methods.average.dp={{clip_norm: 1.0, target_epsilon: {t}}}")
+    )
 case("dp", "validate-dp-sgd-target-1e300", "train.dp.target_epsilon")(
-    lambda f: run_job(f, _LOCAL, "train.dp={target_epsilon: 1.0e300}", command="validate"))
+    lambda f: run_job(f, _LOCAL, "train.dp={target_epsilon: 1.0e300}", command="validate")
+)
 case("dp", "validate-upload-dp-prv-above-its-reach", "methods.average.dp.target_epsilon: expected an epsilon a noise multiplier reaches")(
-    lambda f: run_job(f, "methods.average.dp={clip_norm: 1.0, target_epsilon: 1000.0, accountant: prv}", command="validate"))
+    lambda f: run_job(f, "methods.average.dp={clip_norm: 1.0, target_epsilon: 1000.0, accountant: prv}", command="validate")
+)
 case("dp", "validate-dp-sgd-prv-1e300", "train.dp.target_epsilon")(
-    lambda f: run_job(f, _LOCAL, "train.dp={target_epsilon: 1.0e300, accountant: prv}", command="validate"))
+    lambda f: run_job(f, _LOCAL, "train.dp={target_epsilon: 1.0e300, accountant: prv}", command="validate")
+)
 case("dp", "tune-check-dp-sgd-target-1e300", "train.dp.target_epsilon")(
-    lambda f: ["tune", f.space(base=f.job(methods={"local": {}}, train={"epochs": 1, "dp": {"target_epsilon": 1e300}}),
-                               metric="fused/local/accuracy"), "--check"])
+    lambda f: [
+        "tune",
+        f.space(base=f.job(methods={"local": {}}, train={"epochs": 1, "dp": {"target_epsilon": 1e300}}), metric="fused/local/accuracy"),
+        "--check",
+    ]
+)
 case("dp", "api-dp-sgd-target-1e300", "train.dp.target_epsilon")(
-    lambda f: local_run(with_base(methods={"local": {}}, train={"epochs": 1, "dp": {"target_epsilon": 1e300}})))
+    lambda f: local_run(with_base(methods={"local": {}}, train={"epochs": 1, "dp": {"target_epsilon": 1e300}}))
+)
 case("dp", "api-upload-dp-target-1e-300", "methods.average.dp.target_epsilon")(
-    lambda f: local_run(with_base(methods={"average": {"dp": {"clip_norm": 1.0, "target_epsilon": 1e-300}}})))
+    lambda f: local_run(with_base(methods={"average": {"dp": {"clip_norm": 1.0, "target_epsilon": 1e-300}}}))
+)
 
 
 # GEMS' radius search (a bisection of [0, r_max] down to tol): a tol below r_max's float spacing never ended
 case("dp", "run-gems-tol-below-float-spacing", "methods.gems.tol")(lambda f: run_job(f, "methods={gems: {tol: 1.0e-20}}"))
 case("dp", "validate-gems-neuron-tol-tiny", "methods.gems.neuron_tol")(
-    lambda f: run_job(f, "methods={gems: {neuron_tol: 1.0e-9, r_max: 1.0e6}}", command="validate"))
+    lambda f: run_job(f, "methods={gems: {neuron_tol: 1.0e-9, r_max: 1.0e6}}", command="validate")
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 6 (seal). rayfuse tune --resume: only regular files it owns are opened; a symlinked folder meets the folder's rules
+
 
 def _sealed(f: Files) -> Path:
     """A sealed sweep folder under the case's folder (``RAYFUSE_HOME`` is the case's ``me``); returns it."""
@@ -484,8 +524,14 @@ def test_a_fifo_key_does_not_hang_a_real_rayfuse_process(tmp_path, monkeypatch) 
     seal_sweep(experiment)
     _replace_by_fifo(tmp_path / "me" / "sweep.key")
     try:
-        proc = subprocess.run([sys.executable, "-m", "rayfuse", "tune", str(space), "--resume"], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=TIME_LIMIT_S)
+        proc = subprocess.run(
+            [sys.executable, "-m", "rayfuse", "tune", str(space), "--resume"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIME_LIMIT_S,
+        )
     except subprocess.TimeoutExpired:
         _release_fifos(tmp_path)
         pytest.fail("rayfuse tune --resume hangs on a FIFO key")
@@ -562,9 +608,17 @@ def test_the_default_quickstart_arrays_replace_data_dataset(case_dir) -> None:
     assert rayfuse.run(config, dataset=arrays(), backend="local", quiet=True, run_dir=case_dir / "run").input_shape == (4,)
 
 
-@pytest.mark.parametrize("target, delta, rate, steps, accountant", [
-    (2.0, 1e-5, 0.1, 40, "rdp"), (0.5, 1e-5, 1.0, 1, "rdp"), (8.0, 1e-4, 0.05, 300, "rdp"), (1e4, 1e-5, 1.0, 1, "rdp"),
-    (0.5, 1e-5, 1.0, 1, "prv"), (90.0, 1e-5, 1.0, 1, "prv")])
+@pytest.mark.parametrize(
+    "target, delta, rate, steps, accountant",
+    [
+        (2.0, 1e-5, 0.1, 40, "rdp"),
+        (0.5, 1e-5, 1.0, 1, "rdp"),
+        (8.0, 1e-4, 0.05, 300, "rdp"),
+        (1e4, 1e-5, 1.0, 1, "rdp"),
+        (0.5, 1e-5, 1.0, 1, "prv"),
+        (90.0, 1e-5, 1.0, 1, "prv"),
+    ],
+)
 def test_the_bounded_search_finds_opacus_noise_for_every_reachable_target(target, delta, rate, steps, accountant) -> None:
     from opacus.accountants.utils import get_noise_multiplier
 
@@ -626,8 +680,9 @@ def test_the_radius_search_ends_even_below_the_float_spacing() -> None:
     def passes(samples: Any, ids: Any) -> Any:
         return np.ones(samples.shape[:2], dtype=bool)  # every radius passes: the search climbs to r_max
 
-    found = within_limit(lambda: search_radii(passes, np.zeros((2, 3)), num_samples=4, r_max=4000.0, tol=1e-20,
-                                              rng=np.random.default_rng(0)), Path("."))
+    found = within_limit(
+        lambda: search_radii(passes, np.zeros((2, 3)), num_samples=4, r_max=4000.0, tol=1e-20, rng=np.random.default_rng(0)), Path(".")
+    )
     assert found.steps < 100 and np.allclose(found.radius, 4000.0)
 
 

@@ -69,8 +69,11 @@ def _updates(values: dict[int, list[float]]) -> dict[int, Update]:
 def test_apply_attacks_touches_only_the_attackers_of_the_round():
     updates = _updates({0: [1.0, 1.0], 1: [3.0, 1.0], 2: [5.0, 5.0], 3: [2.0, 2.0]})
     ref = {"w": np.zeros(2)}
-    attacks = [AttackSpec(client=2, kind="sign_flip", rounds=[1, 3]), AttackSpec(client=3, kind="little_is_enough", z=1.0),
-               AttackSpec(client=9, kind="scale")]  # a client not in the round does nothing
+    attacks = [
+        AttackSpec(client=2, kind="sign_flip", rounds=[1, 3]),
+        AttackSpec(client=3, kind="little_is_enough", z=1.0),
+        AttackSpec(client=9, kind="scale"),
+    ]  # a client not in the round does nothing
     out, applied = apply_attacks(updates, ref, attacks, round=1, seed=0)
     assert [(a.client, a.kind) for a in applied] == [(2, "sign_flip"), (3, "little_is_enough")]
     np.testing.assert_array_equal(out[2].params["w"], [-5.0, -5.0])
@@ -103,16 +106,19 @@ def test_flip_labels_maps_y_to_c_minus_1_minus_y():
     np.testing.assert_array_equal(out.X, split.X)
 
 
-@pytest.mark.parametrize(("attacks", "path", "fragment"), [
-    ([{"client": 4, "kind": "sign_flip"}], "federation.attacks.0.client", "a client id in 0..3, got 4"),
-    ([{"client": 1, "kind": "flip"}], "federation.attacks.0.kind", "flip"),
-    ([{"client": 1, "kind": "sign_flip", "scale": 3}], "federation.attacks.0.scale", "scale only with kind scale"),
-    ([{"client": 1, "kind": "gaussian", "std": -1}], "federation.attacks.0.std", "-1"),
-    ([{"client": 1, "kind": "gaussian", "rounds": [0]}], "federation.attacks.0.rounds", "rounds >= 1 (integers) or 'all', got [0]"),
-    ([{"client": 1, "kind": "scale", "rounds": "some"}], "federation.attacks.0.rounds", "or 'all', got 'some'"),
-    ([{"client": 1, "kind": "scale"}, {"client": 1, "kind": "sign_flip"}], "federation.attacks.1.client", "one attack per client"),
-    ([{"kind": "scale"}], "federation.attacks.0.client", ""),
-])
+@pytest.mark.parametrize(
+    ("attacks", "path", "fragment"),
+    [
+        ([{"client": 4, "kind": "sign_flip"}], "federation.attacks.0.client", "a client id in 0..3, got 4"),
+        ([{"client": 1, "kind": "flip"}], "federation.attacks.0.kind", "flip"),
+        ([{"client": 1, "kind": "sign_flip", "scale": 3}], "federation.attacks.0.scale", "scale only with kind scale"),
+        ([{"client": 1, "kind": "gaussian", "std": -1}], "federation.attacks.0.std", "-1"),
+        ([{"client": 1, "kind": "gaussian", "rounds": [0]}], "federation.attacks.0.rounds", "rounds >= 1 (integers) or 'all', got [0]"),
+        ([{"client": 1, "kind": "scale", "rounds": "some"}], "federation.attacks.0.rounds", "or 'all', got 'some'"),
+        ([{"client": 1, "kind": "scale"}, {"client": 1, "kind": "sign_flip"}], "federation.attacks.1.client", "one attack per client"),
+        ([{"kind": "scale"}], "federation.attacks.0.client", ""),
+    ],
+)
 def test_bad_attacks_are_one_line_errors_naming_the_key(make_config, attacks, path, fragment):
     with pytest.raises(InputError) as err:
         make_config(federation={"attacks": attacks})
@@ -133,8 +139,15 @@ def _run(tmp_path: Path, attacks: list[dict], label: str):
 
     fedavg = {"method": "fedavg", "rounds": 5, "local_epochs": 1}
     methods = {"mean": fedavg, "median": {**fedavg, "aggregator": "median"}, "krum": {**fedavg, "aggregator": {"name": "krum", "f": 2}}}
-    cfg = merge(TINY, {"run": {"name": label, "storage": str(tmp_path / "runs")}, "partition": {"method": "iid", "num_clients": 7},
-                       "methods": methods, "federation": {"attacks": attacks}})
+    cfg = merge(
+        TINY,
+        {
+            "run": {"name": label, "storage": str(tmp_path / "runs")},
+            "partition": {"method": "iid", "num_clients": 7},
+            "methods": methods,
+            "federation": {"attacks": attacks},
+        },
+    )
     return rayfuse.run(cfg, quiet=True)
 
 
@@ -151,9 +164,12 @@ def test_sign_flip_attackers_hurt_the_mean_and_robust_rules_recover(tmp_path):
     events = [e for e in attacked.results["events"] if e["kind"] == "attack"]
     assert len(events) == 3 * 5 * 2
     assert {(e["method"], e["client"], e["round"], e["attack"]) for e in events} == {
-        (m, c, r, "sign_flip") for m in ("mean", "median", "krum") for c in (0, 1) for r in range(1, 6)}
-    assert attacked.results["attacks"] == [{"client": 0, "kind": "sign_flip", "rounds": "all"},
-                                           {"client": 1, "kind": "sign_flip", "rounds": "all"}]
+        (m, c, r, "sign_flip") for m in ("mean", "median", "krum") for c in (0, 1) for r in range(1, 6)
+    }
+    assert attacked.results["attacks"] == [
+        {"client": 0, "kind": "sign_flip", "rounds": "all"},
+        {"client": 1, "kind": "sign_flip", "rounds": "all"},
+    ]
     assert "attacks" not in clean.results
     assert not [e for e in clean.results["events"] if e["kind"] == "attack"]
 
@@ -162,10 +178,17 @@ def test_average_is_attacked_in_round_one_relative_to_the_initial_model(tmp_path
     import rayfuse
     from tests.conftest import TINY, merge
 
-    cfg = merge(TINY, {"run": {"storage": str(tmp_path / "runs")}, "partition": {"method": "iid", "num_clients": 4},
-                       "methods": {"average": {}, "once": {"method": "average", "aggregator": "median"}},
-                       "federation": {"attacks": [{"client": 2, "kind": "scale", "scale": 50.0, "rounds": [1]},
-                                                  {"client": 3, "kind": "gaussian", "rounds": [2]}]}})
+    cfg = merge(
+        TINY,
+        {
+            "run": {"storage": str(tmp_path / "runs")},
+            "partition": {"method": "iid", "num_clients": 4},
+            "methods": {"average": {}, "once": {"method": "average", "aggregator": "median"}},
+            "federation": {
+                "attacks": [{"client": 2, "kind": "scale", "scale": 50.0, "rounds": [1]}, {"client": 3, "kind": "gaussian", "rounds": [2]}]
+            },
+        },
+    )
     result = rayfuse.run(cfg, quiet=True)
     events = [(e["method"], e["client"], e["round"], e["attack"]) for e in result.results["events"] if e["kind"] == "attack"]
     assert events == [("average", 2, 1, "scale"), ("once", 2, 1, "scale")]  # no round 2 in a one-shot method
@@ -176,10 +199,14 @@ def test_the_cli_refuses_a_bad_attack_in_one_line_and_writes_nothing(tmp_path, c
     from rayfuse.cli import main
 
     monkeypatch.chdir(tmp_path)
-    job = {"run": {"name": "attack", "seed": 0, "storage": str(tmp_path / "runs")}, "data": {"dataset": "digits"},
-           "partition": {"method": "iid", "num_clients": 4}, "model": {"name": "mlp", "hidden": [8]},
-           "federation": {"backend": "local", "attacks": [{"client": 5, "kind": "sign_flip"}]},
-           "methods": {"fedavg": {"rounds": 1}}}
+    job = {
+        "run": {"name": "attack", "seed": 0, "storage": str(tmp_path / "runs")},
+        "data": {"dataset": "digits"},
+        "partition": {"method": "iid", "num_clients": 4},
+        "model": {"name": "mlp", "hidden": [8]},
+        "federation": {"backend": "local", "attacks": [{"client": 5, "kind": "sign_flip"}]},
+        "methods": {"fedavg": {"rounds": 1}},
+    }
     Path("job.yaml").write_text(yaml.safe_dump(job), encoding="utf-8")
     capsys.readouterr()
     assert main(["run", "job.yaml"]) == 2
@@ -194,9 +221,15 @@ def _aligned_models(tmp_path: Path, attacks: list[dict], label: str) -> tuple[di
     from tests.conftest import TINY, merge
 
     aligned = {"method": "aligned", "alignment": "weight", "merge": "average", "repair": False}
-    cfg = merge(TINY, {"run": {"name": label, "storage": str(tmp_path / "runs")}, "partition": {"method": "iid", "num_clients": 5},
-                       "methods": {"mean": aligned, "median": {**aligned, "aggregator": "median"}},
-                       "federation": {"attacks": attacks}})
+    cfg = merge(
+        TINY,
+        {
+            "run": {"name": label, "storage": str(tmp_path / "runs")},
+            "partition": {"method": "iid", "num_clients": 5},
+            "methods": {"mean": aligned, "median": {**aligned, "aggregator": "median"}},
+            "federation": {"attacks": attacks},
+        },
+    )
     result = rayfuse.run(cfg, quiet=True)
     return result.results, {m: load_params(result.run_dir / result.results["methods"][m]["model_file"]) for m in ("mean", "median")}
 
@@ -224,12 +257,20 @@ def test_aligned_rounds_are_attacked_relative_to_the_broadcast_model_and_other_m
     from tests.conftest import TINY, merge
 
     aligned = {"method": "aligned", "alignment": "weight", "repair": False}
-    cfg = merge(TINY, {"run": {"storage": str(tmp_path / "runs")}, "partition": {"method": "iid", "num_clients": 4},
-                       "methods": {"fedma": {**aligned, "rounds": 2}},
-                       "federation": {"attacks": [{"client": 3, "kind": "scale", "scale": 5.0}]}})
+    cfg = merge(
+        TINY,
+        {
+            "run": {"storage": str(tmp_path / "runs")},
+            "partition": {"method": "iid", "num_clients": 4},
+            "methods": {"fedma": {**aligned, "rounds": 2}},
+            "federation": {"attacks": [{"client": 3, "kind": "scale", "scale": 5.0}]},
+        },
+    )
     result = rayfuse.run(cfg, quiet=True)
     events = [(e["method"], e["client"], e["round"]) for e in result.results["events"] if e["kind"] == "attack"]
     assert events == [("fedma", 3, 1), ("fedma", 3, 2)]
     # a merge by the clients' statistics (regmean) is never attacked: the update pipeline refuses it before start
-    with pytest.raises(InputError, match=r"^federation\.attacks: expected no attacks with method 'aligned' \(methods\.regmean fuses statistics"):
+    with pytest.raises(
+        InputError, match=r"^federation\.attacks: expected no attacks with method 'aligned' \(methods\.regmean fuses statistics"
+    ):
         rayfuse.run(merge(cfg, {"methods": {"regmean": {**aligned, "merge": "regmean"}}}), quiet=True)

@@ -50,14 +50,17 @@ def test_a_new_defaulted_train_field_leaves_the_key_alone(keyed) -> None:
     assert local_model_key({**config, "data": {**config["data"], "new_data_knob": 1}}, plan)[0] == key
 
 
-@pytest.mark.parametrize("section, change", [
-    ("train", {"lr": 0.01}),
-    ("train", {"epochs": 7}),
-    ("train", {"optimizer": "sgd"}),
-    ("train", {"dp": {"noise_multiplier": 1.0}}),
-    ("model", {"hidden": [8]}),
-    ("data", {"val_size": 0.2}),
-])
+@pytest.mark.parametrize(
+    "section, change",
+    [
+        ("train", {"lr": 0.01}),
+        ("train", {"epochs": 7}),
+        ("train", {"optimizer": "sgd"}),
+        ("train", {"dp": {"noise_multiplier": 1.0}}),
+        ("model", {"hidden": [8]}),
+        ("data", {"val_size": 0.2}),
+    ],
+)
 def test_a_setting_of_training_changes_the_key(keyed, section, change) -> None:
     cfg, config, plan = keyed
     changed = {**config, section: {**config[section], **change}}
@@ -92,14 +95,17 @@ NOT_KEYED = {
 }
 
 
-@pytest.mark.parametrize("model, keyed_fields, section", [
-    (TrainConfig, store.TRAIN_KEY_FIELDS, "train"),
-    (DPSGDConfig, store.DP_KEY_FIELDS, "dp"),
-    (ModelConfig, store.MODEL_KEY_FIELDS, "model"),
-    (PartitionConfig, store.PARTITION_KEY_FIELDS, "partition"),
-    (SiloSpec, (*store.SILO_KEY_FIELDS, "path", "test_path"), "silo"),  # the paths: by the silo's content hash
-    (DataConfig, (*store.DATA_KEY_FIELDS, *store.SILO_DATA_KEY_FIELDS), "data"),
-])
+@pytest.mark.parametrize(
+    "model, keyed_fields, section",
+    [
+        (TrainConfig, store.TRAIN_KEY_FIELDS, "train"),
+        (DPSGDConfig, store.DP_KEY_FIELDS, "dp"),
+        (ModelConfig, store.MODEL_KEY_FIELDS, "model"),
+        (PartitionConfig, store.PARTITION_KEY_FIELDS, "partition"),
+        (SiloSpec, (*store.SILO_KEY_FIELDS, "path", "test_path"), "silo"),  # the paths: by the silo's content hash
+        (DataConfig, (*store.DATA_KEY_FIELDS, *store.SILO_DATA_KEY_FIELDS), "data"),
+    ],
+)
 def test_every_field_of_a_section_is_placed(model, keyed_fields, section) -> None:
     assert set(model.model_fields) == set(keyed_fields) | NOT_KEYED.get(section, set())
 
@@ -141,8 +147,7 @@ def test_a_run_folder_whose_dump_left_defaults_out_still_resumes(make_config, tm
     from rayfuse.runner import IDENTITY_FILE, InProcessBackend, _state_digest, load_run_config, run_experiment
 
     def run(cfg, resume=False):
-        return run_experiment(cfg, InProcessBackend(), tmp_path / "run", resume=resume, printer=Printer(enabled=False),
-                              show_tables=False)
+        return run_experiment(cfg, InProcessBackend(), tmp_path / "run", resume=resume, printer=Printer(enabled=False), show_tables=False)
 
     first = run(make_config(methods={"average": {}}))
     folder = tmp_path / "run"

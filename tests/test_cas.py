@@ -123,11 +123,7 @@ def test_the_lock_is_a_filelock_that_excludes_other_processes(tmp_path):
     lock = entry.lock()
     assert isinstance(lock, filelock.FileLock) and lock.lock_file == str(tmp_path / f"{entry.key}.lock")
     script = (
-        "import sys, filelock\n"
-        "try:\n"
-        "    filelock.FileLock(sys.argv[1]).acquire(timeout=0)\n"
-        "except filelock.Timeout:\n"
-        "    sys.exit(3)\n"
+        "import sys, filelock\ntry:\n    filelock.FileLock(sys.argv[1]).acquire(timeout=0)\nexcept filelock.Timeout:\n    sys.exit(3)\n"
     )
     with lock:
         held = subprocess.run([sys.executable, "-c", script, lock.lock_file])

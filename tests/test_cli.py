@@ -22,8 +22,22 @@ def rayfuse(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 def test_list_shows_every_registry(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
-    for word in ("methods:", "fedavg", "fedprox", "global", "datasets:", "digits", "mnist", "parquet",
-                 "partitioners:", "dirichlet", "hetero-dir", "models:", "cnn", "torchvision:<name>"):
+    for word in (
+        "methods:",
+        "fedavg",
+        "fedprox",
+        "global",
+        "datasets:",
+        "digits",
+        "mnist",
+        "parquet",
+        "partitioners:",
+        "dirichlet",
+        "hetero-dir",
+        "models:",
+        "cnn",
+        "torchvision:<name>",
+    ):
         assert word in out
 
 
@@ -44,13 +58,16 @@ def test_default_job_is_the_quickstart():
     assert default_job() == ROOT / "jobs" / "quickstart.yaml"
 
 
-@pytest.mark.parametrize("args, key", [
-    (["run", "--set", "partition.alpha=-1"], "partition.alpha"),
-    (["run", "--set", "methods.fedavg.roundz=3"], "methods.fedavg.roundz"),
-    (["run", "--set", "data.dataset=digitz"], "data.dataset"),
-    (["run", "no-such-file.yaml"], "no-such-file.yaml"),
-    (["run", "--set", "nonsense"], "--set"),
-])
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["run", "--set", "partition.alpha=-1"], "partition.alpha"),
+        (["run", "--set", "methods.fedavg.roundz=3"], "methods.fedavg.roundz"),
+        (["run", "--set", "data.dataset=digitz"], "data.dataset"),
+        (["run", "no-such-file.yaml"], "no-such-file.yaml"),
+        (["run", "--set", "nonsense"], "--set"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line_and_no_traceback(args, key):
     result = rayfuse(*args)
     assert result.returncode == 2, result.stderr
@@ -62,10 +79,16 @@ def test_bad_input_exits_2_with_one_line_and_no_traceback(args, key):
 
 def test_a_local_run_from_the_command_line(tmp_path):
     config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump({
-        "partition": {"num_clients": 3}, "model": {"hidden": [8]}, "train": {"epochs": 2},
-        "methods": {"average": {}, "fedavg": {"rounds": 2, "local_epochs": 1}},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "partition": {"num_clients": 3},
+                "model": {"hidden": [8]},
+                "train": {"epochs": 2},
+                "methods": {"average": {}, "fedavg": {"rounds": 2, "local_epochs": 1}},
+            }
+        )
+    )
     out = tmp_path / "run"
     result = rayfuse("run", str(config), "--local", "--out", str(out))
     assert result.returncode == 0, result.stderr
@@ -76,9 +99,24 @@ def test_a_local_run_from_the_command_line(tmp_path):
 
 def test_a_failed_run_exits_1(tmp_path):
     out = tmp_path / "run"
-    result = rayfuse("run", "--local", "--out", str(out), "--set", "methods=[fedavg]", "--set", "methods.fedavg.rounds=1",
-                     "--set", "federation.on_client_failure=fail", "--set", "partition.num_clients=2", "--set", "train.epochs=1",
-                     "--set", "federation.faults=[{client: 1, step: fedavg.fit, mode: raise}]")
+    result = rayfuse(
+        "run",
+        "--local",
+        "--out",
+        str(out),
+        "--set",
+        "methods=[fedavg]",
+        "--set",
+        "methods.fedavg.rounds=1",
+        "--set",
+        "federation.on_client_failure=fail",
+        "--set",
+        "partition.num_clients=2",
+        "--set",
+        "train.epochs=1",
+        "--set",
+        "federation.faults=[{client: 1, step: fedavg.fit, mode: raise}]",
+    )
     assert result.returncode == 1
     assert "rayfuse: run failed: client 1 failed in step fedavg.fit" in result.stderr
     assert json.loads((out / "results.json").read_text())["status"] == "failed"

@@ -273,20 +273,34 @@ CASES = [
     Case("resume-touched-mtime-only", "resume", touch, "resumed"),
     Case("resume-same-bytes-new-inode", "resume", rewrite_same_bytes, "resumed"),
     Case("resume-renamed-identical", "resume", rename, "resumed"),
-    Case("resume-other-name-storage-and-federation", "resume", lambda p: p, "resumed",
-         config=lambda c: _set("federation", max_restarts=3)(_set("run", name="renamed-run", storage="elsewhere")(c))),
-    Case("resume-another-config-method-rounds", "resume", lambda p: p, "refused",
-         config=lambda c: {**c, "methods": {**METHODS, "fedavg": {"rounds": 3, "local_epochs": 1}}}, names="methods.fedavg.rounds"),
-    Case("resume-another-config-method-set", "resume", lambda p: p, "refused",
-         config=lambda c: {**c, "methods": {"average": {}}}, names="methods.fedavg"),
+    Case(
+        "resume-other-name-storage-and-federation",
+        "resume",
+        lambda p: p,
+        "resumed",
+        config=lambda c: _set("federation", max_restarts=3)(_set("run", name="renamed-run", storage="elsewhere")(c)),
+    ),
+    Case(
+        "resume-another-config-method-rounds",
+        "resume",
+        lambda p: p,
+        "refused",
+        config=lambda c: {**c, "methods": {**METHODS, "fedavg": {"rounds": 3, "local_epochs": 1}}},
+        names="methods.fedavg.rounds",
+    ),
+    Case(
+        "resume-another-config-method-set",
+        "resume",
+        lambda p: p,
+        "refused",
+        config=lambda c: {**c, "methods": {"average": {}}},
+        names="methods.fedavg",
+    ),
     Case("resume-another-config-epochs", "resume", lambda p: p, "refused", config=_set("train", epochs=2), names="train.epochs"),
     Case("resume-another-config-seed", "resume", lambda p: p, "refused", config=_set("run", seed=1), names="run.seed"),
-    Case("resume-another-config-data-setting", "resume", lambda p: p, "refused", config=_set("data", val_size=0.2),
-         names="data.val_size"),
-    Case("resume-another-config-partition", "resume", lambda p: p, "refused", config=_set("partition", alpha=0.5),
-         names="partition.alpha"),
-    Case("resume-another-config-and-renamed-file", "resume", rename, "refused", config=_set("model", hidden=[4]),
-         names="model.hidden"),
+    Case("resume-another-config-data-setting", "resume", lambda p: p, "refused", config=_set("data", val_size=0.2), names="data.val_size"),
+    Case("resume-another-config-partition", "resume", lambda p: p, "refused", config=_set("partition", alpha=0.5), names="partition.alpha"),
+    Case("resume-another-config-and-renamed-file", "resume", rename, "refused", config=_set("model", hidden=[4]), names="model.hidden"),
 ]
 
 
@@ -340,8 +354,14 @@ def test_state_follows_the_datas_content_and_its_config(case: Case, tmp_path: Pa
 def test_the_case_table_covers_both_stores_and_every_outcome() -> None:
     assert len(CASES) >= 15 and len({c.id for c in CASES}) == len(CASES)
     outcomes = {(c.kind, c.expect) for c in CASES}
-    assert outcomes == {("cache", "hit"), ("cache", "miss-warned"), ("cache", "miss-new-file"),
-                        ("resume", "resumed"), ("resume", "recomputed"), ("resume", "refused")}
+    assert outcomes == {
+        ("cache", "hit"),
+        ("cache", "miss-warned"),
+        ("cache", "miss-new-file"),
+        ("resume", "resumed"),
+        ("resume", "recomputed"),
+        ("resume", "refused"),
+    }
 
 
 # -- the command line: another run's config in a folder, a damaged record ------------------------------------------------
@@ -371,9 +391,11 @@ def test_a_folder_given_another_runs_config_is_refused_on_the_command_line(tmp_p
     _refused_in_one_line(["run", "--resume", str(a)], a, "identity.json", capsys)
 
 
-@pytest.mark.parametrize("damage", [lambda f: f.write_text("{not json"), lambda f: f.write_text("[1]"),
-                                    lambda f: f.write_text('{"config": 3, "data_files": {}}')],
-                         ids=["not-json", "not-an-object", "config-not-a-string"])
+@pytest.mark.parametrize(
+    "damage",
+    [lambda f: f.write_text("{not json"), lambda f: f.write_text("[1]"), lambda f: f.write_text('{"config": 3, "data_files": {}}')],
+    ids=["not-json", "not-an-object", "config-not-a-string"],
+)
 def test_a_damaged_identity_record_is_one_line(tmp_path, capsys, damage):
     a, _ = _two_runs(tmp_path)
     damage(a / "identity.json")
@@ -420,15 +442,26 @@ def _silo_job(tmp_path: Path) -> dict[str, Any]:
     for name in ("test", "public"):
         X, y = blobs(20, n=45)
         np.savez(tmp_path / f"{name}.npz", X=X, y=y)
-    return {"run": {"name": "silo", "seed": 0}, "evaluation": "central",
-            "data": {"silos": silos, "test": {"dataset": "npz", "path": str(tmp_path / "test.npz")},
-                     "public": {"dataset": "npz", "path": str(tmp_path / "public.npz")}},
-            "model": {"name": "mlp", "hidden": [8]}, "train": {"epochs": 1, "batch_size": 16, "shared_init": True},
-            "federation": {"backend": "local"}, "methods": {"average": {}}}
+    return {
+        "run": {"name": "silo", "seed": 0},
+        "evaluation": "central",
+        "data": {
+            "silos": silos,
+            "test": {"dataset": "npz", "path": str(tmp_path / "test.npz")},
+            "public": {"dataset": "npz", "path": str(tmp_path / "public.npz")},
+        },
+        "model": {"name": "mlp", "hidden": [8]},
+        "train": {"epochs": 1, "batch_size": 16, "shared_init": True},
+        "federation": {"backend": "local"},
+        "methods": {"average": {}},
+    }
 
 
-@pytest.mark.parametrize("name,key", [("test.npz", "data.test.path"), ("public.npz", "data.public.path"),
-                                      ("site1.npz", "data.silos.1.path")], ids=["test", "public", "silo"])
+@pytest.mark.parametrize(
+    "name,key",
+    [("test.npz", "data.test.path"), ("public.npz", "data.public.path"), ("site1.npz", "data.silos.1.path")],
+    ids=["test", "public", "silo"],
+)
 def test_a_silo_runs_files_regenerated_in_place_are_recomputed_on_resume(tmp_path, name, key):
     config = _silo_job(tmp_path)
     folder = tmp_path / "run"

@@ -72,8 +72,9 @@ def assert_same_numbers(resumed: dict, runs: dict, folder: Path) -> None:
     for label in ("average", "fedavg"):
         assert resumed["methods"][label]["accuracy"] == straight["methods"][label]["accuracy"], label
         assert resumed["methods"][label]["nll"] == straight["methods"][label]["nll"], label
-        assert params_equal(load_params(folder / "models" / f"{label}.safetensors"),
-                            load_params(runs["straight_dir"] / "models" / f"{label}.safetensors")), label
+        assert params_equal(
+            load_params(folder / "models" / f"{label}.safetensors"), load_params(runs["straight_dir"] / "models" / f"{label}.safetensors")
+        ), label
 
 
 # -- ways to damage a file ------------------------------------------------------------------------------------------
@@ -142,8 +143,11 @@ def test_both_kept_rounds_damaged_restarts_the_method_and_ends_equal(runs, tmp_p
     assert_same_numbers(resumed, runs, folder)
 
 
-@pytest.mark.parametrize("damage", [garbage, lambda f: f.write_text("[1, 2]"), lambda f: f.write_text('{"round": "x"}')],
-                         ids=["not-json", "not-an-object", "no-file"])
+@pytest.mark.parametrize(
+    "damage",
+    [garbage, lambda f: f.write_text("[1, 2]"), lambda f: f.write_text('{"round": "x"}')],
+    ids=["not-json", "not-an-object", "no-file"],
+)
 def test_a_damaged_latest_json_restarts_the_method_and_ends_equal(runs, tmp_path, damage):
     folder = interrupted_copy(runs, tmp_path)
     damage(folder / "checkpoints" / "fedavg" / "latest.json")
@@ -173,12 +177,15 @@ def test_a_fallback_keeps_a_previous_round_for_the_next_resume(tmp_path):
 # -- finished methods and local models ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("file, damage, expect", [
-    ("state/average.json", garbage, "average.json: damaged"),
-    ("state/average.json", lambda f: f.write_text('{"label": "average"}'), "average.json: damaged"),
-    ("models/average.safetensors", flip_bit, "average.safetensors: damaged"),
-    ("models/average.safetensors", delete, "average.safetensors: missing"),
-])
+@pytest.mark.parametrize(
+    "file, damage, expect",
+    [
+        ("state/average.json", garbage, "average.json: damaged"),
+        ("state/average.json", lambda f: f.write_text('{"label": "average"}'), "average.json: damaged"),
+        ("models/average.safetensors", flip_bit, "average.safetensors: damaged"),
+        ("models/average.safetensors", delete, "average.safetensors: missing"),
+    ],
+)
 def test_a_damaged_finished_method_runs_again_and_ends_equal(runs, tmp_path, file, damage, expect):
     folder = interrupted_copy(runs, tmp_path)
     damage(folder / file)
@@ -238,8 +245,11 @@ RUN_FOLDER_CORPUS = [
     ("config.yaml", not_a_mapping, "config.yaml: expected the run's resolved config (a YAML mapping)"),
     ("config.yaml", bad_value, "config.yaml: partition.alpha"),
     ("config.yaml", lambda f: f.write_bytes(b"\xff\xfe run: {}"), "config.yaml: expected"),
-    ("config.yaml", lambda f: f.write_text("".join(f.read_text().splitlines(True)[:-3])),  # still a valid config: defaults fill in
-     "config.yaml: expected the run's resolved config as rayfuse wrote it"),
+    (
+        "config.yaml",
+        lambda f: f.write_text("".join(f.read_text().splitlines(True)[:-3])),  # still a valid config: defaults fill in
+        "config.yaml: expected the run's resolved config as rayfuse wrote it",
+    ),
     ("partition.json", garbage, "partition.json: expected the run's partition manifest"),
     ("partition.json", truncate, "partition.json: expected the run's partition manifest"),
     ("partition.json", no_hash, "partition.json: expected the run's partition manifest"),
@@ -247,8 +257,7 @@ RUN_FOLDER_CORPUS = [
 ]
 
 
-@pytest.mark.parametrize("file, damage, expect", RUN_FOLDER_CORPUS,
-                         ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(RUN_FOLDER_CORPUS)])
+@pytest.mark.parametrize("file, damage, expect", RUN_FOLDER_CORPUS, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(RUN_FOLDER_CORPUS)])
 def test_a_damaged_run_description_is_one_line_naming_the_file(runs, tmp_path, capsys, file, damage, expect):
     folder = interrupted_copy(runs, tmp_path)
     damage(folder / file)
@@ -303,8 +312,10 @@ def test_the_claim_of_a_killed_process_does_not_block(tmp_path):
     from rayfuse.store import claim_run_folder
 
     folder = tmp_path / "run"
-    code = (f"from rayfuse.store import claim_run_folder; c = claim_run_folder({str(folder)!r}); print('claimed', flush=True); "
-            "import time; time.sleep(120)")
+    code = (
+        f"from rayfuse.store import claim_run_folder; c = claim_run_folder({str(folder)!r}); print('claimed', flush=True); "
+        "import time; time.sleep(120)"
+    )
     holder = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "claimed"
@@ -337,8 +348,13 @@ def test_sigterm_stops_a_run_like_ctrl_c_and_resume_ends_equal(runs, tmp_path, c
     job.write_text(yaml.safe_dump(data))
     folder = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.Popen([sys.executable, "-m", "rayfuse", "run", str(job), "--local", "--out", str(folder)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rayfuse", "run", str(job), "--local", "--out", str(folder)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert proc.stdout is not None
         selector = selectors.DefaultSelector()
@@ -411,11 +427,21 @@ class Planted:
 
 def sweep_space(tmp_path: Path) -> tuple[Path, Path]:
     """A valid space with its storage under ``tmp_path``; returns (space file, experiment folder)."""
-    job = {"run": {"name": "tiny"}, "partition": {"num_clients": 2}, "model": {"hidden": [8]}, "train": {"epochs": 1},
-           "methods": {"average": {}, "fedprox": {"rounds": 2, "local_epochs": 1}}}
+    job = {
+        "run": {"name": "tiny"},
+        "partition": {"num_clients": 2},
+        "model": {"hidden": [8]},
+        "train": {"epochs": 1},
+        "methods": {"average": {}, "fedprox": {"rounds": 2, "local_epochs": 1}},
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    space = {"base": "job.yaml", "name": "planted", "storage": str(tmp_path / "storage"),
-             "space": {"methods.fedprox.mu": {"grid": [0.01, 0.1]}}, "metric": "fused/fedprox/accuracy"}
+    space = {
+        "base": "job.yaml",
+        "name": "planted",
+        "storage": str(tmp_path / "storage"),
+        "space": {"methods.fedprox.mu": {"grid": [0.01, 0.1]}},
+        "metric": "fused/fedprox/accuracy",
+    }
     (tmp_path / "space.yaml").write_text(yaml.safe_dump(space))
     return tmp_path / "space.yaml", tmp_path / "storage" / "planted"
 
@@ -448,6 +474,7 @@ def sealed_then(change: Callable[[Path], None]) -> Callable[[Path, Path, object]
 
         seal_sweep(experiment)
         change(experiment)
+
     return plant
 
 
@@ -468,15 +495,25 @@ SWEEP_CORPUS: dict[str, tuple[Callable[..., None], str]] = {
     "another-users-key": (with_other_key, "rayfuse-seal.json: expected a seal made with your sweep key"),
     "seal-edited": (sealed_then(edit_seal), "rayfuse-seal.json: expected a seal made with your sweep key"),
     "seal-damaged": (sealed_then(lambda e: garbage(e / "rayfuse-seal.json")), "rayfuse-seal.json: expected a seal written by rayfuse"),
-    "tuner-pkl-replaced": (sealed_then(replace_pickle), "tuner.pkl: expected the file as this sweep's rayfuse sealed it, got 'a file changed"),
-    "error-pkl-added": (sealed_then(lambda e: (e / "trial_0" / "error.pkl").write_bytes(b"x")),
-                        "error.pkl: expected the file as this sweep's rayfuse sealed it, got 'a file added"),
-    "state-removed": (sealed_then(lambda e: (e / "trial_0" / "result.json").unlink()),
-                      "result.json: expected the file as this sweep's rayfuse sealed it, got 'a missing file'"),
+    "tuner-pkl-replaced": (
+        sealed_then(replace_pickle),
+        "tuner.pkl: expected the file as this sweep's rayfuse sealed it, got 'a file changed",
+    ),
+    "error-pkl-added": (
+        sealed_then(lambda e: (e / "trial_0" / "error.pkl").write_bytes(b"x")),
+        "error.pkl: expected the file as this sweep's rayfuse sealed it, got 'a file added",
+    ),
+    "state-removed": (
+        sealed_then(lambda e: (e / "trial_0" / "result.json").unlink()),
+        "result.json: expected the file as this sweep's rayfuse sealed it, got 'a missing file'",
+    ),
     "folder-world-writable": (sealed_then(lambda e: e.chmod(0o777)), "planted: expected a sweep file only you can write"),
     "file-world-writable": (sealed_then(lambda e: (e / "tuner.pkl").chmod(0o666)), "tuner.pkl: expected a sweep file only you can write"),
     "storage-world-writable": (sealed_then(lambda e: e.parent.chmod(0o777)), "storage: expected a sweep storage folder only you can write"),
-    "key-readable-by-others": (sealed_then(lambda e: key_file_of_test().chmod(0o644)), "sweep.key: expected a key file of yours that only you can read"),
+    "key-readable-by-others": (
+        sealed_then(lambda e: key_file_of_test().chmod(0o644)),
+        "sweep.key: expected a key file of yours that only you can read",
+    ),
     "key-missing": (sealed_then(lambda e: key_file_of_test().unlink()), "sweep.key: expected this user's sweep key"),
 }
 

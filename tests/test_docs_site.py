@@ -35,7 +35,7 @@ def load_hooks():
 def test_the_readme_is_a_front_page_of_at_most_200_lines_that_starts_with_the_two_commands():
     text = README.read_text(encoding="utf-8")
     assert len(text.splitlines()) <= 200
-    first_block = text[text.index("```bash\n") + len("```bash\n"):]
+    first_block = text[text.index("```bash\n") + len("```bash\n") :]
     first_block = first_block[: first_block.index("```")]
     assert [line.split()[:2] for line in first_block.splitlines()] == [["make", "run"], ["make", "test"]]
     ci = (ROOT / ".ci" / "run").read_text()
@@ -55,8 +55,8 @@ def test_the_readme_python_example_runs_as_written(tmp_path, monkeypatch):
     """The README's ten-line Python API block, run in-process as printed (its run folder goes under ``runs/`` of the
     working directory, here a temporary one)."""
     text = README.read_text(encoding="utf-8")
-    section = text[text.index("## Python API"):]
-    block = section[section.index("```python\n") + len("```python\n"):]
+    section = text[text.index("## Python API") :]
+    block = section[section.index("```python\n") + len("```python\n") :]
     block = block[: block.index("```\n")]
     assert len(block.strip().splitlines()) <= 10 and 'backend="local"' in block
     monkeypatch.chdir(tmp_path)
@@ -119,9 +119,11 @@ def test_the_hook_turns_repository_links_into_code_spans_and_leaves_broken_ones_
     docs = ROOT / "docs"
     page = SimpleNamespace(file=SimpleNamespace(src_uri="methods/page.md"))
     config = {"docs_dir": str(docs)}
-    text = ("[benchmarks/README.md](../../benchmarks/README.md#x) [the rule](../../rayfuse/fusion/robust.py) "
-            "[gone](../../no/such/file.py) [fedavg](fedavg.md) [plots](../results/gems/) [site](https://example.org)\n"
-            "`[inline](../../rayfuse/fusion/robust.py)`\n```\n[in code](../../rayfuse/fusion/robust.py)\n```\n")
+    text = (
+        "[benchmarks/README.md](../../benchmarks/README.md#x) [the rule](../../rayfuse/fusion/robust.py) "
+        "[gone](../../no/such/file.py) [fedavg](fedavg.md) [plots](../results/gems/) [site](https://example.org)\n"
+        "`[inline](../../rayfuse/fusion/robust.py)`\n```\n[in code](../../rayfuse/fusion/robust.py)\n```\n"
+    )
     out = hooks.on_page_markdown(text, page, config, None)
     assert "`benchmarks/README.md`" in out and "the rule (`rayfuse/fusion/robust.py`)" in out
     assert "[gone](../../no/such/file.py)" in out and "[fedavg](fedavg.md)" in out
@@ -135,19 +137,30 @@ def test_the_results_page_lists_every_result_file():
     needs its line there, and a new page its line in mkdocs.yml's nav: the strict build refuses pages left out)."""
     results = ROOT / "docs" / "results"
     listed = set(LINK.findall((results / "index.md").read_text(encoding="utf-8")))
-    files = {p.relative_to(results).as_posix() for p in results.rglob("*")
-             if p.is_file() and p.suffix in (".md", ".png", ".csv") and p.parent != results}
+    files = {
+        p.relative_to(results).as_posix()
+        for p in results.rglob("*")
+        if p.is_file() and p.suffix in (".md", ".png", ".csv") and p.parent != results
+    }
     assert files and files - listed == set()
     assert all((results / target).exists() for target in listed if not target.startswith(("#", "..")))
 
 
-@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("mkdocs", "material", "mkdocstrings_handlers")),
-                    reason="mkdocs, mkdocs-material or mkdocstrings[python] not installed (pip install -e '.[docs]')")
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("mkdocs", "material", "mkdocstrings_handlers")),
+    reason="mkdocs, mkdocs-material or mkdocstrings[python] not installed (pip install -e '.[docs]')",
+)
 def test_the_site_builds_with_mkdocs_strict(tmp_path):
     """``mkdocs build --strict``: every page in the nav, every link between pages and every anchor resolves, the
     API reference renders from the docstrings."""
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**_env(), "NO_MKDOCS_2_WARNING": "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**_env(), "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     api = (tmp_path / "site" / "api" / "index.html").read_text(encoding="utf-8")
     assert "rayfuse.api.run" in api and "rayfuse.method.Method" in api and "rayfuse.errors.InputError" in api

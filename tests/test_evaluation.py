@@ -40,8 +40,16 @@ def build_coordinator(cfg, run_dir, *, val_from_test: bool = False) -> Coordinat
         plan = dataclasses.replace(plan, client_val=tuple(np.array_split(plan.test, plan.num_clients)))
 
     def factory(i, restarted):
-        return Client(i, plan.for_client(i), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=cfg.run.seed,
-                      faults=cfg.federation.faults, restarted=restarted)
+        return Client(
+            i,
+            plan.for_client(i),
+            data_cfg=cfg.data,
+            model_cfg=cfg.model,
+            train_cfg=cfg.train,
+            seed=cfg.run.seed,
+            faults=cfg.federation.faults,
+            restarted=restarted,
+        )
 
     fed = InProcessFederation(factory, plan.num_clients, FailurePolicy.from_config(cfg.federation), EventLog())
     return Coordinator(cfg, plan, str(run_dir), fed)
@@ -102,8 +110,11 @@ def test_federated_metrics_equal_central_metrics_when_the_held_out_splits_partit
     server = server_for(coord, "average")
     averaged = server.updates.collect(Gathered(updates), weighted=True).params  # the sample-weighted mean of the local models
     members = [u.params for u in updates.values()]
-    checks = [server.scoring.evaluate(averaged), server.scoring.evaluate(members[0], resized=True),
-              server_for(coord, "ensemble").scoring.evaluate_ensemble(members, [0.1, 0.2, 0.3, 0.4])]
+    checks = [
+        server.scoring.evaluate(averaged),
+        server.scoring.evaluate(members[0], resized=True),
+        server_for(coord, "ensemble").scoring.evaluate_ensemble(members, [0.1, 0.2, 0.3, 0.4]),
+    ]
     for metrics in checks:
         for name in (*METRICS, *(("vote_accuracy",) if "vote_accuracy" in metrics else ())):
             assert metrics[f"federated_{name}"] == pytest.approx(metrics[name], rel=1e-6, abs=1e-9), name
@@ -134,20 +145,35 @@ def test_evaluate_proba_on_the_server_test_set_is_refused_under_federated_evalua
 # -- every method family -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("label, methods, sections", [
-    ("fedavg", {"fedavg": {"rounds": 2, "local_epochs": 1}}, {}),
-    ("average", {"average": {}}, {}),
-    ("ensemble", {"ensemble": {}}, {}),
-    ("local", {"local": {}}, {}),
-    ("global", {"global": {"epochs": 2}}, {}),
-    ("aligned", {"aligned": {"merge": "nonparametric", "new_unit_threshold": 1.0, "max_width": 1.5, "repair": False}},
-     {"model": {"name": "mlp", "hidden": [16]}, "train": {"epochs": 3, "shared_init": False}}),
-    ("gems", {"gems": {"num_samples": 50, "r_max": 100.0, "tol": 0.5, "public_samples": 40}},
-     {"partition": {"method": "labels", "num_clients": 2, "groups": [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]}, "model": {"name": "logreg"},
-      "data": {"public_size": 60}}),
-    ("tuned-local", {"tuned-local": {"method": "tuned", "base": "local", "public_samples": 30}},
-     {"model": {"name": "logreg"}, "data": {"public_size": 50}}),
-])
+@pytest.mark.parametrize(
+    "label, methods, sections",
+    [
+        ("fedavg", {"fedavg": {"rounds": 2, "local_epochs": 1}}, {}),
+        ("average", {"average": {}}, {}),
+        ("ensemble", {"ensemble": {}}, {}),
+        ("local", {"local": {}}, {}),
+        ("global", {"global": {"epochs": 2}}, {}),
+        (
+            "aligned",
+            {"aligned": {"merge": "nonparametric", "new_unit_threshold": 1.0, "max_width": 1.5, "repair": False}},
+            {"model": {"name": "mlp", "hidden": [16]}, "train": {"epochs": 3, "shared_init": False}},
+        ),
+        (
+            "gems",
+            {"gems": {"num_samples": 50, "r_max": 100.0, "tol": 0.5, "public_samples": 40}},
+            {
+                "partition": {"method": "labels", "num_clients": 2, "groups": [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]},
+                "model": {"name": "logreg"},
+                "data": {"public_size": 60},
+            },
+        ),
+        (
+            "tuned-local",
+            {"tuned-local": {"method": "tuned", "base": "local", "public_samples": 30}},
+            {"model": {"name": "logreg"}, "data": {"public_size": 50}},
+        ),
+    ],
+)
 def test_every_method_family_is_scored_on_the_clients_held_out_splits(make_config, tmp_path, label, methods, sections):
     cfg = make_config(evaluation="federated", methods=methods, **sections)
     prepare_run(cfg)  # accepted before anything starts
@@ -156,7 +182,9 @@ def test_every_method_family_is_scored_on_the_clients_held_out_splits(make_confi
     n = coord.plan.num_clients
     assert summary["evaluation"] == "federated"
     assert [row["client"] for row in summary["client_metrics"]] == list(range(n))
-    assert all(0.0 <= row["accuracy"] <= 1.0 and row["count"] == len(coord.plan.client_val[row["client"]]) for row in summary["client_metrics"])
+    assert all(
+        0.0 <= row["accuracy"] <= 1.0 and row["count"] == len(coord.plan.client_val[row["client"]]) for row in summary["client_metrics"]
+    )
     assert 0.0 <= summary["metrics"]["accuracy"] <= 1.0 and np.isfinite(summary["metrics"]["nll"])
     rows = [r for r in summary["history"] if r["metric"] == "val_accuracy"]
     assert sorted(r["client"] for r in rows if r["round"] == max(x["round"] for x in rows)) == list(range(n))
@@ -202,13 +230,18 @@ def test_central_is_the_default_and_reports_no_client_table(make_config, tmp_pat
 # -- refusals before anything starts --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sections, match", [
-    ({"evaluation": "federated", "methods": {"kl": {"application": "bnn"}}}, "central for method 'kl'"),
-    ({"evaluation": "both", "methods": {"epgan": {}}}, "central for method 'epgan'"),
-    ({"evaluation": "federated", "data": {"val_size": 0}, "methods": {"average": {}}}, "data.val_size is 0"),
-    ({"evaluation": "federated", "data": {"public_size": 0.05, "target": {"dataset": "digits"}}, "methods": {"average": {}}},
-     "data.target"),
-])
+@pytest.mark.parametrize(
+    "sections, match",
+    [
+        ({"evaluation": "federated", "methods": {"kl": {"application": "bnn"}}}, "central for method 'kl'"),
+        ({"evaluation": "both", "methods": {"epgan": {}}}, "central for method 'epgan'"),
+        ({"evaluation": "federated", "data": {"val_size": 0}, "methods": {"average": {}}}, "data.val_size is 0"),
+        (
+            {"evaluation": "federated", "data": {"public_size": 0.05, "target": {"dataset": "digits"}}, "methods": {"average": {}}},
+            "data.target",
+        ),
+    ],
+)
 def test_federated_evaluation_is_refused_where_the_clients_cannot_score(make_config, sections, match):
     cfg = make_config(**sections)
     with pytest.raises(InputError, match=match) as info:
@@ -219,7 +252,6 @@ def test_federated_evaluation_is_refused_where_the_clients_cannot_score(make_con
 def test_an_unknown_evaluation_is_one_line_naming_the_key(make_config):
     with pytest.raises(InputError, match="evaluation: expected 'federated', 'central' or 'both'"):
         make_config(evaluation="fedrated")
-
 
 
 def test_the_federated_plot_and_summary_show_each_clients_accuracy(tmp_path):

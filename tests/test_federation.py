@@ -185,8 +185,9 @@ def digits_plan():
 
 
 def make_client(cfg, plan, client_id=0, faults=()):
-    return Client(client_id, plan.for_client(client_id), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train,
-                  seed=cfg.run.seed, faults=faults)
+    return Client(
+        client_id, plan.for_client(client_id), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=cfg.run.seed, faults=faults
+    )
 
 
 def test_client_loads_only_its_own_shard(digits_plan):
@@ -250,8 +251,9 @@ def test_injected_faults_fire_on_the_named_call_only(digits_plan, mode):
 def test_exit_faults_do_not_fire_again_after_a_restart(digits_plan):
     cfg, plan = digits_plan
     fault = FaultSpec(client=0, step="test.params2", call=1, mode="exit")
-    restarted = Client(0, plan.for_client(0), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=0,
-                       faults=[fault], restarted=True)
+    restarted = Client(
+        0, plan.for_client(0), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=0, faults=[fault], restarted=True
+    )
 
     @client_step("test.params2")
     def params(ctx):
@@ -269,8 +271,15 @@ def test_a_client_keeps_its_trained_local_model_in_its_own_cache(digits_plan, tm
     cache = str(tmp_path / "cache")
 
     def client(train_cfg=cfg.train, client_id=0):
-        return Client(client_id, plan.for_client(client_id), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=train_cfg,
-                      seed=cfg.run.seed, local_cache=cache)
+        return Client(
+            client_id,
+            plan.for_client(client_id),
+            data_cfg=cfg.data,
+            model_cfg=cfg.model,
+            train_cfg=train_cfg,
+            seed=cfg.run.seed,
+            local_cache=cache,
+        )
 
     first = client()
     trained = get_params(first.ctx.local_model())
@@ -309,8 +318,13 @@ def test_in_process_steps_run_with_the_thread_count_their_ray_actor_would_have(m
     monkeypatch.delenv("OMP_NUM_THREADS")
 
     before = torch.get_num_threads()
-    fed = InProcessFederation(lambda i, restarted: FakeClient(i, {}, Counter()), 2, FailurePolicy("fail", 0, 1, None), EventLog(),
-                              threads=lambda client_id: 1 + client_id)
+    fed = InProcessFederation(
+        lambda i, restarted: FakeClient(i, {}, Counter()),
+        2,
+        FailurePolicy("fail", 0, 1, None),
+        EventLog(),
+        threads=lambda client_id: 1 + client_id,
+    )
     seen = fed.gather(fed.map(torch_thread_count)).results
     assert seen == {0: 1, 1: 2}
     assert torch.get_num_threads() == before  # restored after each step

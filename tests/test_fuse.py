@@ -15,8 +15,12 @@ from rayfuse.io import load_params, save_params
 
 def model(seed, hidden=4):
     rng = np.random.default_rng(seed)
-    return {"0.weight": rng.normal(size=(hidden, 3)).astype(np.float32), "0.bias": rng.normal(size=hidden).astype(np.float32),
-            "1.weight": rng.normal(size=(2, hidden)).astype(np.float32), "bn.num_batches_tracked": np.array(seed + 1, np.int64)}
+    return {
+        "0.weight": rng.normal(size=(hidden, 3)).astype(np.float32),
+        "0.bias": rng.normal(size=hidden).astype(np.float32),
+        "1.weight": rng.normal(size=(2, hidden)).astype(np.float32),
+        "bn.num_batches_tracked": np.array(seed + 1, np.int64),
+    }
 
 
 @pytest.fixture
@@ -29,8 +33,12 @@ def files(tmp_path):
 
 
 def write(tmp_path, **fields):
-    config = {"merge_method": "average", "models": [{"model": "a.safetensors"}, {"model": "b.safetensors"}, {"model": "c.pt"}],
-              "output": "fused.safetensors", **fields}
+    config = {
+        "merge_method": "average",
+        "models": [{"model": "a.safetensors"}, {"model": "b.safetensors"}, {"model": "c.pt"}],
+        "output": "fused.safetensors",
+        **fields,
+    }
     path = tmp_path / "fuse.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -97,8 +105,11 @@ BAD = [
     ("unknown method", lambda t: {"merge_method": "avrage"}, r"merge_method: expected a fuse method.*did you mean 'average'"),
     ("method needing data", lambda t: {"merge_method": "fedavg"}, r"merge_method: .*run in a federation"),
     ("missing weight", lambda t: {"merge_method": "weighted_average"}, r"models\.0\.parameters\.weight: expected this required key"),
-    ("weight on average", lambda t: {"models": [{"model": "a.safetensors", "parameters": {"weight": 2}}]},
-     r"models\.0\.parameters\.weight: expected a known key"),
+    (
+        "weight on average",
+        lambda t: {"models": [{"model": "a.safetensors", "parameters": {"weight": 2}}]},
+        r"models\.0\.parameters\.weight: expected a known key",
+    ),
     ("typo in a key", lambda t: {"ouput": "x.safetensors"}, r"ouput: expected a known key.*did you mean 'output'"),
     ("missing file", lambda t: {"models": [{"model": "nope.safetensors"}]}, r"models\.0\.model: expected an existing model file"),
     ("existing output", lambda t: {"output": "a.safetensors"}, r"output: expected a file that does not exist yet"),
@@ -118,15 +129,27 @@ def test_kl_neurons_matches_permuted_hidden_units_and_rejects_other_architecture
     # Model b is model a with its hidden units shuffled: averaging blurs them, KL-fusion of the neurons undoes the
     # permutation and returns a's network (up to the order of the units).
     rng = np.random.default_rng(0)
-    a = {"layers.0.weight": rng.normal(size=(6, 4)).astype(np.float32) * 3, "layers.0.bias": rng.normal(size=6).astype(np.float32),
-         "layers.1.weight": rng.normal(size=(3, 6)).astype(np.float32), "layers.1.bias": rng.normal(size=3).astype(np.float32)}
+    a = {
+        "layers.0.weight": rng.normal(size=(6, 4)).astype(np.float32) * 3,
+        "layers.0.bias": rng.normal(size=6).astype(np.float32),
+        "layers.1.weight": rng.normal(size=(3, 6)).astype(np.float32),
+        "layers.1.bias": rng.normal(size=3).astype(np.float32),
+    }
     perm = rng.permutation(6)
-    b = {"layers.0.weight": a["layers.0.weight"][perm], "layers.0.bias": a["layers.0.bias"][perm],
-         "layers.1.weight": a["layers.1.weight"][:, perm], "layers.1.bias": a["layers.1.bias"]}
+    b = {
+        "layers.0.weight": a["layers.0.weight"][perm],
+        "layers.0.bias": a["layers.0.bias"][perm],
+        "layers.1.weight": a["layers.1.weight"][:, perm],
+        "layers.1.bias": a["layers.1.bias"],
+    }
     save_params(tmp_path / "a.safetensors", a)
     save_params(tmp_path / "b.safetensors", b)
-    config = {"merge_method": "kl_neurons", "models": [{"model": "a.safetensors"}, {"model": "b.safetensors"}],
-              "parameters": {"lam": 1.0}, "output": "kl.safetensors"}
+    config = {
+        "merge_method": "kl_neurons",
+        "models": [{"model": "a.safetensors"}, {"model": "b.safetensors"}],
+        "parameters": {"lam": 1.0},
+        "output": "kl.safetensors",
+    }
     (tmp_path / "kl.yaml").write_text(yaml.safe_dump(config))
     run_fuse(load_fuse_config(tmp_path / "kl.yaml"))
     fused = load_params(tmp_path / "kl.safetensors")
@@ -143,7 +166,7 @@ def test_kl_neurons_matches_permuted_hidden_units_and_rejects_other_architecture
         run_fuse(load_fuse_config(tmp_path / "bad.yaml"))
 
 
-ARCH = '''
+ARCH = """
 import torch
 from torch import nn
 
@@ -156,7 +179,7 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.fc2(torch.relu(self.fc1(x)))
-'''
+"""
 
 
 @pytest.fixture
@@ -176,8 +199,13 @@ def arch_files(tmp_path, monkeypatch):
 
 def write_arch(tmp_path, **fields):
     """A fuse config over n0 / n1 of ``mynets:Net``; a field given as None is left out of the file."""
-    config = {"merge_method": "average", "architecture": "mynets:Net", "output": "fused.safetensors",
-              "models": [{"model": "n0.safetensors"}, {"model": "n1.safetensors"}], **fields}
+    config = {
+        "merge_method": "average",
+        "architecture": "mynets:Net",
+        "output": "fused.safetensors",
+        "models": [{"model": "n0.safetensors"}, {"model": "n1.safetensors"}],
+        **fields,
+    }
     config = {k: v for k, v in config.items() if v is not None}
     path = tmp_path / "fuse.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -189,15 +217,24 @@ def test_an_architecture_from_the_working_directory_checks_the_checkpoints_and_t
     assert summary["tensors"] == 4 and (arch_files / "fused.safetensors").is_file()
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"architecture": "nosuchmodule:Net"}, r"fuse\.yaml: architecture: expected an importable module 'nosuchmodule'"),
-    ({"architecture": "mynets:Missing"}, r"fuse\.yaml: architecture: expected a name defined in mynets, got 'Missing'"),
-    ({"architecture": "mynets"}, r"fuse\.yaml: architecture: expected \"module:Class\""),
-    ({"architecture_args": {"width": 3}}, r"fuse\.yaml: architecture_args: expected keyword arguments mynets:Net accepts, got \"TypeError"),
-    ({"architecture_args": {"hidden": 5}}, r"n0\.safetensors: fc1\.weight: expected shape \(5, 3\) \(mynets:Net\), got \(4, 3\)"),
-    ({"data": {"path": "bad.npz"}}, r"fuse\.yaml: data\.path: expected inputs the model takes, got 'arrays of shape \(5,\)"),
-    ({"architecture": None, "input_shape": [3]}, r"fuse\.yaml: architecture: expected the class that architecture_args / input_shape are for"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"architecture": "nosuchmodule:Net"}, r"fuse\.yaml: architecture: expected an importable module 'nosuchmodule'"),
+        ({"architecture": "mynets:Missing"}, r"fuse\.yaml: architecture: expected a name defined in mynets, got 'Missing'"),
+        ({"architecture": "mynets"}, r"fuse\.yaml: architecture: expected \"module:Class\""),
+        (
+            {"architecture_args": {"width": 3}},
+            r"fuse\.yaml: architecture_args: expected keyword arguments mynets:Net accepts, got \"TypeError",
+        ),
+        ({"architecture_args": {"hidden": 5}}, r"n0\.safetensors: fc1\.weight: expected shape \(5, 3\) \(mynets:Net\), got \(4, 3\)"),
+        ({"data": {"path": "bad.npz"}}, r"fuse\.yaml: data\.path: expected inputs the model takes, got 'arrays of shape \(5,\)"),
+        (
+            {"architecture": None, "input_shape": [3]},
+            r"fuse\.yaml: architecture: expected the class that architecture_args / input_shape are for",
+        ),
+    ],
+)
 def test_an_architecture_that_does_not_fit_is_one_line_before_anything_is_written(arch_files, fields, message):
     np.savez(arch_files / "bad.npz", X=np.zeros((4, 5), np.float32), y=np.array([0, 1, 0, 1]))
     path = write_arch(arch_files, **fields)
@@ -222,13 +259,22 @@ def test_weight_and_activation_matching_undo_a_permutation_of_a_users_model(arch
             np.testing.assert_allclose(fused[key], value, rtol=1e-6, atol=1e-7, err_msg=f"{method}: {key}")
 
 
-@pytest.mark.parametrize(("fields", "message"), [
-    ({"merge_method": "activation_matching"}, r"fuse\.yaml: data: expected a sample \(data: \{path: sample\.npz\} with arrays X and y\) "
-                                              r"for activation_matching"),
-    ({"merge_method": "weight_matching", "architecture": None}, r"fuse\.yaml: architecture: expected the models' class"),
-    ({"merge_method": "weight_matching", "parameters": {"merge": "fisher"}}, r"fuse\.yaml: data: expected a sample .* for merge: fisher"),
-    ({"merge_method": "weight_matching"}, r"input_shape: expected one input's shape"),
-])
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"merge_method": "activation_matching"},
+            r"fuse\.yaml: data: expected a sample \(data: \{path: sample\.npz\} with arrays X and y\) "
+            r"for activation_matching",
+        ),
+        ({"merge_method": "weight_matching", "architecture": None}, r"fuse\.yaml: architecture: expected the models' class"),
+        (
+            {"merge_method": "weight_matching", "parameters": {"merge": "fisher"}},
+            r"fuse\.yaml: data: expected a sample .* for merge: fisher",
+        ),
+        ({"merge_method": "weight_matching"}, r"input_shape: expected one input's shape"),
+    ],
+)
 def test_matching_without_what_it_needs_is_one_line(arch_files, fields, message):
     path = write_arch(arch_files, **fields)
     with pytest.raises(InputError, match="^(.*/)?" + message):
@@ -239,12 +285,21 @@ def test_matching_without_what_it_needs_is_one_line(arch_files, fields, message)
 def test_the_python_api_fuses_from_a_dict_with_paths_from_the_working_directory(arch_files):
     import rayfuse
 
-    out = rayfuse.fuse({"merge_method": "weight_matching", "architecture": "mynets:Net", "input_shape": [3],
-                        "models": [{"model": "n0.safetensors"}, {"model": "n1.safetensors"}], "output": "api.safetensors"})
+    out = rayfuse.fuse(
+        {
+            "merge_method": "weight_matching",
+            "architecture": "mynets:Net",
+            "input_shape": [3],
+            "models": [{"model": "n0.safetensors"}, {"model": "n1.safetensors"}],
+            "output": "api.safetensors",
+        }
+    )
     assert out == arch_files / "api.safetensors" or out.resolve() == (arch_files / "api.safetensors").resolve()
     assert set(load_params(out)) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
     with pytest.raises(InputError, match=r"^<fuse config>: models\.1\.model: expected an existing model file"):
-        rayfuse.fuse({"merge_method": "average", "models": [{"model": "n0.safetensors"}, {"model": "nope.safetensors"}], "output": "x.safetensors"})
+        rayfuse.fuse(
+            {"merge_method": "average", "models": [{"model": "n0.safetensors"}, {"model": "nope.safetensors"}], "output": "x.safetensors"}
+        )
 
 
 def test_a_nonparametric_merge_writes_the_wider_model_whose_outputs_average_the_inputs_logits(arch_files):
@@ -276,8 +331,11 @@ def test_repair_in_rayfuse_fuse_rescales_the_hidden_layer_of_a_model_without_bat
     outs = {}
     for repair in (False, True):
         out = arch_files / f"repair-{repair}.safetensors"
-        run_fuse(load_fuse_config(write_arch(arch_files, merge_method="weight_matching", data={"path": "sample.npz"},
-                                             parameters={"repair": repair}), out))
+        run_fuse(
+            load_fuse_config(
+                write_arch(arch_files, merge_method="weight_matching", data={"path": "sample.npz"}, parameters={"repair": repair}), out
+            )
+        )
         outs[repair] = load_params(out)
     assert not np.allclose(outs[True]["fc1.bias"], outs[False]["fc1.bias"])
     np.testing.assert_array_equal(outs[True]["fc2.weight"], outs[False]["fc2.weight"])
@@ -300,8 +358,10 @@ def _torch_pair(tmp_path, dtype, suffixes=(".safetensors", ".safetensors")):
     return names
 
 
-@pytest.mark.parametrize("dtype, suffixes", [("bfloat16", (".safetensors", ".safetensors")), ("bfloat16", (".pt", ".safetensors")),
-                                             ("float16", (".safetensors", ".pt"))])
+@pytest.mark.parametrize(
+    "dtype, suffixes",
+    [("bfloat16", (".safetensors", ".safetensors")), ("bfloat16", (".pt", ".safetensors")), ("float16", (".safetensors", ".pt"))],
+)
 def test_half_precision_checkpoints_fuse_in_float32_and_keep_their_dtype(tmp_path, dtype, suffixes):
     from safetensors.torch import load_file
 

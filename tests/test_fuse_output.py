@@ -163,8 +163,9 @@ def _state(nets: Any, cls: str, seed: int, **args: Any) -> dict[str, np.ndarray]
     return {k: v.detach().numpy().copy() for k, v in getattr(nets, cls)(**args).state_dict().items()}
 
 
-def checkpoints(f: Files, cls: str, change: Callable[[int, dict[str, np.ndarray]], None] | None = None, n: int = 2,
-                **args: Any) -> list[str]:
+def checkpoints(
+    f: Files, cls: str, change: Callable[[int, dict[str, np.ndarray]], None] | None = None, n: int = 2, **args: Any
+) -> list[str]:
     """``n`` checkpoints of ``fuse_out_nets:<cls>`` (seeds 0, 1...), ``change(i, params)`` applied before writing."""
     nets = sys.modules[MODULE]
     names = []
@@ -210,52 +211,100 @@ def case(sub: str, id: str, names: str) -> Callable[[Callable[[Files], Any]], Ca
 
 def _linear(f: Files, weight: float, models: list[str] | None = None, **fields: Any) -> str:
     names = models or [_filled(f, f"m{i}.safetensors", "float32", weight=10.0, bias=1.0) for i in range(2)]
-    return f.yaml("fuse.yaml", {"merge_method": "linear", "models": [{"model": m, "parameters": {"weight": weight}} for m in names],
-                                "parameters": {"normalize": False}, "output": "fused.safetensors", **fields})
+    return f.yaml(
+        "fuse.yaml",
+        {
+            "merge_method": "linear",
+            "models": [{"model": m, "parameters": {"weight": weight}} for m in names],
+            "parameters": {"normalize": False},
+            "output": "fused.safetensors",
+            **fields,
+        },
+    )
 
 
 def _filled(f: Files, name: str, dtype: str, **values: float) -> str:
-    tensors = {"weight": torch.full((4, 3), values.get("weight", 1.0), dtype=getattr(torch, dtype)),
-               "bias": torch.full((4,), values.get("bias", 1.0), dtype=getattr(torch, dtype))}
+    tensors = {
+        "weight": torch.full((4, 3), values.get("weight", 1.0), dtype=getattr(torch, dtype)),
+        "bias": torch.full((4,), values.get("bias", 1.0), dtype=getattr(torch, dtype)),
+    }
     return f.params(name, tensors)
 
 
 # non-finite after the merge
 case("non-finite", "fuse-weighted-sum-overflows", "fused.safetensors: weight")(lambda f: ["fuse", _linear(f, 1e38)])
 case("non-finite", "fuse-weighted-sum-overflows-in-the-bias-only", "fused.safetensors: bias")(
-    lambda f: ["fuse", _linear(f, 1e3, [_filled(f, f"b{i}.safetensors", "float32", weight=1.0, bias=3e35) for i in range(2)])])
+    lambda f: ["fuse", _linear(f, 1e3, [_filled(f, f"b{i}.safetensors", "float32", weight=1.0, bias=3e35) for i in range(2)])]
+)
 case("non-finite", "fuse-weighted-sum-overflows-float64", "fused.safetensors: weight")(
-    lambda f: ["fuse", _linear(f, 1e300, [f.params(f"d{i}.pt", {"weight": torch.full((2, 2), 1e10, dtype=torch.float64)}, as_torch=True)
-                                          for i in range(2)])])
+    lambda f: [
+        "fuse",
+        _linear(
+            f, 1e300, [f.params(f"d{i}.pt", {"weight": torch.full((2, 2), 1e10, dtype=torch.float64)}, as_torch=True) for i in range(2)]
+        ),
+    ]
+)
 case("non-finite", "fuse-float16-inputs-sum-past-float16", "fused.safetensors: weight")(
-    lambda f: ["fuse", _linear(f, 1.0, [_filled(f, f"h{i}.safetensors", "float16", weight=40000.0) for i in range(2)])])
+    lambda f: ["fuse", _linear(f, 1.0, [_filled(f, f"h{i}.safetensors", "float16", weight=40000.0) for i in range(2)])]
+)
 case("non-finite", "fuse-dtype-float16-too-narrow", "fused.safetensors: weight")(
-    lambda f: ["fuse", f.fuse(models=[_filled(f, f"w{i}.safetensors", "float32", weight=1e5) for i in range(2)], dtype="float16")])
+    lambda f: ["fuse", f.fuse(models=[_filled(f, f"w{i}.safetensors", "float32", weight=1e5) for i in range(2)], dtype="float16")]
+)
 case("non-finite", "fuse-dtype-bfloat16-rounds-to-inf", "fused.safetensors: bias")(
-    lambda f: ["fuse", f.fuse(models=[_filled(f, f"w{i}.safetensors", "float32", bias=3.4e38) for i in range(2)], dtype="bfloat16")])
+    lambda f: ["fuse", f.fuse(models=[_filled(f, f"w{i}.safetensors", "float32", bias=3.4e38) for i in range(2)], dtype="bfloat16")]
+)
 case("non-finite", "fuse-out-argument-overflow", "x.safetensors: weight")(lambda f: ["fuse", _linear(f, 1e38), "x.safetensors"])
 case("non-finite", "fuse-architecture-weighted-sum-overflows", "fused.safetensors: hid.weight")(
-    lambda f: ["fuse", f.yaml("fuse.yaml", {"merge_method": "linear", "architecture": f"{MODULE}:TiedMLP", "parameters": {"normalize": False},
-                                            "models": [{"model": m, "parameters": {"weight": 1e38}}
-                                                       for m in checkpoints(f, "TiedMLP", lambda i, p: p.update(
-                                                           {"hid.weight": np.full((6, 6), 1e3, np.float32),
-                                                            "hid2.weight": np.full((6, 6), 1e3, np.float32)}))],
-                                            "output": "fused.safetensors"})])
+    lambda f: [
+        "fuse",
+        f.yaml(
+            "fuse.yaml",
+            {
+                "merge_method": "linear",
+                "architecture": f"{MODULE}:TiedMLP",
+                "parameters": {"normalize": False},
+                "models": [
+                    {"model": m, "parameters": {"weight": 1e38}}
+                    for m in checkpoints(
+                        f,
+                        "TiedMLP",
+                        lambda i, p: p.update(
+                            {"hid.weight": np.full((6, 6), 1e3, np.float32), "hid2.weight": np.full((6, 6), 1e3, np.float32)}
+                        ),
+                    )
+                ],
+                "output": "fused.safetensors",
+            },
+        ),
+    ]
+)
 case("non-finite", "api-fuse-overflow", "fused.safetensors: weight")(lambda f: call(rayfuse.fuse, _linear(f, 1e38)))
 case("non-finite", "api-fuse-dtype-too-narrow", "fused.safetensors: weight")(
-    lambda f: call(rayfuse.fuse, f.fuse(models=[_filled(f, f"w{i}.safetensors", "float32", weight=-7e4) for i in range(2)], dtype="float16")))
+    lambda f: call(
+        rayfuse.fuse, f.fuse(models=[_filled(f, f"w{i}.safetensors", "float32", weight=-7e4) for i in range(2)], dtype="float16")
+    )
+)
+
+
 def _huge(i: int, params: dict[str, np.ndarray]) -> None:
     for key in params:
         params[key] = params[key].astype(np.float64) * (1e200 if key != "hid.weight" else 1e205)
 
 
 case("non-finite", "fuse-weight-matching-costs-overflow", ".safetensors: hid.weight")(
-    lambda f: ["fuse", arch_fuse(f, "Twice", "weight_matching", models=checkpoints(f, "Twice", _huge), input_shape=[4])])
+    lambda f: ["fuse", arch_fuse(f, "Twice", "weight_matching", models=checkpoints(f, "Twice", _huge), input_shape=[4])]
+)
 case("non-finite", "api-fuse-weight-matching-costs-overflow", ".safetensors: hid.weight")(
-    lambda f: call(rayfuse.fuse, arch_fuse(f, "Twice", "weight_matching", models=checkpoints(f, "Twice", _huge), input_shape=[4],
-                                           parameters={"merge": "nonparametric"})))
+    lambda f: call(
+        rayfuse.fuse,
+        arch_fuse(
+            f, "Twice", "weight_matching", models=checkpoints(f, "Twice", _huge), input_shape=[4], parameters={"merge": "nonparametric"}
+        ),
+    )
+)
 case("non-finite", "check-fused-nan", "out.safetensors: w")(
-    lambda f: call(check_fused, {"w": np.array([1.0, np.nan], np.float32)}, [], None, where="out.safetensors", method="average"))
+    lambda f: call(check_fused, {"w": np.array([1.0, np.nan], np.float32)}, [], None, where="out.safetensors", method="average")
+)
 
 
 # tied tensors: every input holds one value under each name, and so does the output
@@ -265,25 +314,66 @@ def _untie(i: int, params: dict[str, np.ndarray]) -> None:
 
 
 case("tied", "fuse-tied-inputs-differ", "tiedmlp1.safetensors: hid2.weight")(
-    lambda f: ["fuse", arch_fuse(f, "TiedMLP", models=checkpoints(f, "TiedMLP", _untie))])
+    lambda f: ["fuse", arch_fuse(f, "TiedMLP", models=checkpoints(f, "TiedMLP", _untie))]
+)
 case("tied", "fuse-tied-inputs-differ-weight-matching", "tiedmlp1.safetensors: hid2.weight")(
-    lambda f: ["fuse", arch_fuse(f, "TiedMLP", "weight_matching", models=checkpoints(f, "TiedMLP", _untie), input_shape=[4])])
+    lambda f: ["fuse", arch_fuse(f, "TiedMLP", "weight_matching", models=checkpoints(f, "TiedMLP", _untie), input_shape=[4])]
+)
 case("tied", "fuse-tied-inputs-differ-nonparametric", "tiedmlp1.safetensors: hid2.weight")(
-    lambda f: ["fuse", arch_fuse(f, "TiedMLP", "activation_matching", models=checkpoints(f, "TiedMLP", _untie), data={"path": sample(f)},
-                                 parameters={"merge": "nonparametric"})])
+    lambda f: [
+        "fuse",
+        arch_fuse(
+            f,
+            "TiedMLP",
+            "activation_matching",
+            models=checkpoints(f, "TiedMLP", _untie),
+            data={"path": sample(f)},
+            parameters={"merge": "nonparametric"},
+        ),
+    ]
+)
 case("tied", "fuse-registered-twice-differ", "registered0.safetensors: b.weight")(
-    lambda f: ["fuse", arch_fuse(f, "Registered", models=checkpoints(f, "Registered", lambda i, p: p.update({"b.weight": p["b.weight"] * 2})))])
+    lambda f: [
+        "fuse",
+        arch_fuse(f, "Registered", models=checkpoints(f, "Registered", lambda i, p: p.update({"b.weight": p["b.weight"] * 2}))),
+    ]
+)
 case("tied", "fuse-tied-embedding-differs", "tiedlm0.safetensors: dec.weight")(
-    lambda f: ["fuse", arch_fuse(f, "TiedLM", models=checkpoints(f, "TiedLM", lambda i, p: p.update({"dec.weight": -p["dec.weight"]})))])
+    lambda f: ["fuse", arch_fuse(f, "TiedLM", models=checkpoints(f, "TiedLM", lambda i, p: p.update({"dec.weight": -p["dec.weight"]})))]
+)
 case("tied", "fuse-tied-pt-differ", "tiedmlp0.pt: hid2.weight")(
-    lambda f: ["fuse", arch_fuse(f, "TiedMLP", models=[
-        f.params(f"tiedmlp{i}.pt", {k: torch.as_tensor(v + (1.0 if k == "hid2.weight" else 0.0)) for k, v in _state(sys.modules[MODULE], "TiedMLP", i).items()},
-                 as_torch=True) for i in range(2)])])
+    lambda f: [
+        "fuse",
+        arch_fuse(
+            f,
+            "TiedMLP",
+            models=[
+                f.params(
+                    f"tiedmlp{i}.pt",
+                    {
+                        k: torch.as_tensor(v + (1.0 if k == "hid2.weight" else 0.0))
+                        for k, v in _state(sys.modules[MODULE], "TiedMLP", i).items()
+                    },
+                    as_torch=True,
+                )
+                for i in range(2)
+            ],
+        ),
+    ]
+)
 case("tied", "api-fuse-tied-differ", "tiedmlp1.safetensors: hid2.weight")(
-    lambda f: call(rayfuse.fuse, arch_fuse(f, "TiedMLP", models=checkpoints(f, "TiedMLP", _untie))))
+    lambda f: call(rayfuse.fuse, arch_fuse(f, "TiedMLP", models=checkpoints(f, "TiedMLP", _untie)))
+)
 case("tied", "check-fused-tie-broken", "out.safetensors: b")(
-    lambda f: call(check_fused, {"a": np.ones(3, np.float32), "b": np.zeros(3, np.float32)}, [("a", "b")], None, where="out.safetensors",
-                   method="weight_matching"))
+    lambda f: call(
+        check_fused,
+        {"a": np.ones(3, np.float32), "b": np.zeros(3, np.float32)},
+        [("a", "b")],
+        None,
+        where="out.safetensors",
+        method="weight_matching",
+    )
+)
 
 # load_fused
 case("load", "load-fused-no-such-file", "missing.safetensors")(lambda f: call(load_fused, f"{MODULE}:Twice", "missing.safetensors"))
@@ -291,12 +381,17 @@ case("load", "load-fused-not-an-architecture", "architecture")(lambda f: call(lo
 case("load", "load-fused-factory-returns-no-module", "architecture")(lambda f: call(load_fused, lambda: "model", f.models()[0]))
 case("load", "load-fused-bad-args", "args")(lambda f: call(load_fused, f"{MODULE}:Twice", checkpoints(f, "Twice")[0], args={"width": 3}))
 case("load", "load-fused-args-with-an-instance", "args")(
-    lambda f: call(load_fused, sys.modules[MODULE].Twice(), checkpoints(f, "Twice")[0], args={"h": 3}))
+    lambda f: call(load_fused, sys.modules[MODULE].Twice(), checkpoints(f, "Twice")[0], args={"h": 3})
+)
 case("load", "load-fused-other-architecture", "m0.safetensors: inp.weight")(lambda f: call(load_fused, f"{MODULE}:Twice", f.models()[0]))
 case("load", "load-fused-wider-without-record", "twice0.safetensors: inp.weight")(
-    lambda f: call(load_fused, f"{MODULE}:Twice", checkpoints(f, "Twice", h=8)[0]))
+    lambda f: call(load_fused, f"{MODULE}:Twice", checkpoints(f, "Twice", h=8)[0])
+)
 case("load", "load-fused-tied-differ", "tiedmlp1.safetensors: hid2.weight")(
-    lambda f: call(load_fused, f"{MODULE}:TiedMLP", checkpoints(f, "TiedMLP", _untie)[1]))
+    lambda f: call(load_fused, f"{MODULE}:TiedMLP", checkpoints(f, "TiedMLP", _untie)[1])
+)
+
+
 def _widened(f: Files, **metadata: str) -> str:
     """A fused Twice widened to 12 units (every unit new), its metadata entries replaced by ``metadata``."""
     _fuse(f, arch_fuse(f, "Twice", "weight_matching", input_shape=[4], parameters={"merge": "nonparametric", "new_unit_threshold": 1.0}))
@@ -311,13 +406,15 @@ def _widened(f: Files, **metadata: str) -> str:
 
 
 case("load", "load-fused-damaged-spec-record", "wide.safetensors: metadata rayfuse.spec")(
-    lambda f: call(load_fused, f"{MODULE}:Twice", _widened(f, **{"rayfuse.spec": "{not json"})))
+    lambda f: call(load_fused, f"{MODULE}:Twice", _widened(f, **{"rayfuse.spec": "{not json"}))
+)
 case("load", "load-fused-damaged-shape-record", "wide.safetensors: metadata rayfuse.input_shape")(
-    lambda f: call(load_fused, f"{MODULE}:Twice", _widened(f, **{"rayfuse.input_shape": "[4, \"x\"]"})))
-case("load", "load-fused-other-base-width", "wide.safetensors")(
-    lambda f: call(load_fused, f"{MODULE}:Twice", _widened(f), args={"h": 5}))
+    lambda f: call(load_fused, f"{MODULE}:Twice", _widened(f, **{"rayfuse.input_shape": '[4, "x"]'}))
+)
+case("load", "load-fused-other-base-width", "wide.safetensors")(lambda f: call(load_fused, f"{MODULE}:Twice", _widened(f), args={"h": 5}))
 case("load", "api-load-fused-class-bad-args", "args")(
-    lambda f: call(rayfuse.load_fused, sys.modules[MODULE].Twice, checkpoints(f, "Twice")[0], args={"depth": 2}))
+    lambda f: call(rayfuse.load_fused, sys.modules[MODULE].Twice, checkpoints(f, "Twice")[0], args={"depth": 2})
+)
 
 
 @pytest.mark.parametrize("bad", CASES, ids=[c.id for c in CASES])
@@ -360,11 +457,14 @@ def _ensemble(nets: Any, cls: str, X: np.ndarray, **args: Any) -> np.ndarray:
     return np.mean(outs, axis=0)
 
 
-@pytest.mark.parametrize(("method", "fields"), [
-    ("average", {}),
-    ("weight_matching", {"input_shape": [4]}),
-    ("activation_matching", {"data": "sample", "parameters": {"repair": True}}),
-])
+@pytest.mark.parametrize(
+    ("method", "fields"),
+    [
+        ("average", {}),
+        ("weight_matching", {"input_shape": [4]}),
+        ("activation_matching", {"data": "sample", "parameters": {"repair": True}}),
+    ],
+)
 def test_tied_models_stay_tied(nets, tmp_path, monkeypatch, method, fields) -> None:
     monkeypatch.chdir(tmp_path)
     f = Files(tmp_path)
@@ -388,8 +488,9 @@ def test_a_tied_embedding_and_decoder_stay_tied_and_keep_their_width(nets, tmp_p
     model = nets.TiedLM().eval()
     roles = width_roles(model, derive_spec(model, torch.zeros(2, 3)))
     assert any("emb.weight and dec.weight are one tensor (tied)" in why for why in roles.fixed.values()), roles.fixed
-    summary = _fuse(f, arch_fuse(f, "TiedLM", "weight_matching", input_shape=[3],
-                                 parameters={"merge": "nonparametric", "new_unit_threshold": 1.0}))
+    summary = _fuse(
+        f, arch_fuse(f, "TiedLM", "weight_matching", input_shape=[3], parameters={"merge": "nonparametric", "new_unit_threshold": 1.0})
+    )
     fused = load_params(tmp_path / "fused.safetensors")
     np.testing.assert_array_equal(fused["emb.weight"], fused["dec.weight"])
     assert "emb.weight" not in summary["resized"]  # the tied group kept its width; fc's own units may grow
@@ -462,8 +563,17 @@ def test_a_widened_module_applied_twice_fuses_with_repair_and_loads(nets, tmp_pa
     monkeypatch.chdir(tmp_path)
     f = Files(tmp_path)
     lines: list[str] = []
-    summary = _fuse(f, arch_fuse(f, "Twice", "activation_matching", data={"path": sample(f)},
-                                 parameters={"merge": "nonparametric", "new_unit_threshold": 1.0, "repair": True}), lines)
+    summary = _fuse(
+        f,
+        arch_fuse(
+            f,
+            "Twice",
+            "activation_matching",
+            data={"path": sample(f)},
+            parameters={"merge": "nonparametric", "new_unit_threshold": 1.0, "repair": True},
+        ),
+        lines,
+    )
     assert summary["resized"]["hid.weight"] == ((6, 6), (12, 12))
     assert any(line.startswith("repair: hid left as merged: applied 2 times") for line in lines), lines
     model = load_fused(f"{MODULE}:Twice", tmp_path / "fused.safetensors")
@@ -473,8 +583,13 @@ def test_a_widened_module_applied_twice_fuses_with_repair_and_loads(nets, tmp_pa
 
 
 def test_the_federated_aligned_method_says_which_layers_repair_leaves_as_merged(nets, tmp_path, capsys) -> None:
-    config = {"run": {"name": "twice", "seed": 0}, "data": {"dataset": "digits"}, "partition": {"method": "iid", "num_clients": 2},
-              "train": {"epochs": 1}, "methods": {"aligned": {"repair": True}}}
+    config = {
+        "run": {"name": "twice", "seed": 0},
+        "data": {"dataset": "digits"},
+        "partition": {"method": "iid", "num_clients": 2},
+        "train": {"epochs": 1},
+        "methods": {"aligned": {"repair": True}},
+    }
     result = rayfuse.run(config, model=lambda: nets.TwiceImage(), backend="local", run_dir=tmp_path / "run")
     out = capsys.readouterr().out
     assert "repair: hid left as merged: applied 2 times in forward" in out, out
@@ -522,15 +637,18 @@ def test_a_batchnorm_applied_twice_pools_both_applications(nets, tmp_path, monke
     assert np.isfinite(load_params(tmp_path / "fused.safetensors")["bn.running_var"]).all()
 
 
-@pytest.mark.parametrize(("cls", "method"), [("Twice", "weight_matching"), ("TiedMLP", "activation_matching"),
-                                             ("Twice", "activation_matching")])
+@pytest.mark.parametrize(
+    ("cls", "method"), [("Twice", "weight_matching"), ("TiedMLP", "activation_matching"), ("Twice", "activation_matching")]
+)
 def test_load_fused_round_trips_a_widened_model_whose_outputs_are_the_fused_models(nets, tmp_path, monkeypatch, cls, method) -> None:
     # every unit new (each unit matches with a quality below 1), up to twice the width: the fused model is the two
     # models side by side, whose logits are the average of theirs
     monkeypatch.chdir(tmp_path)
     f = Files(tmp_path)
     extra = {"input_shape": [4]} if method == "weight_matching" else {"data": {"path": sample(f)}}
-    summary = _fuse(f, arch_fuse(f, cls, method, parameters={"merge": "nonparametric", "new_unit_threshold": 1.0, "max_width": 2.0}, **extra))
+    summary = _fuse(
+        f, arch_fuse(f, cls, method, parameters={"merge": "nonparametric", "new_unit_threshold": 1.0, "max_width": 2.0}, **extra)
+    )
     assert summary["resized"]["inp.weight"] == ((6, 4), (12, 4))
     from safetensors import safe_open
 
@@ -566,8 +684,18 @@ def test_load_fused_takes_a_class_a_factory_or_a_model_and_the_recorded_argument
     monkeypatch.chdir(tmp_path)
     f = Files(tmp_path)
     models = checkpoints(f, "Twice", h=5)
-    _fuse(f, arch_fuse(f, "Twice", "weight_matching", models=models, input_shape=[4], architecture_args={"h": 5},
-                       parameters={"merge": "nonparametric", "new_unit_threshold": 1.0}))
+    _fuse(
+        f,
+        arch_fuse(
+            f,
+            "Twice",
+            "weight_matching",
+            models=models,
+            input_shape=[4],
+            architecture_args={"h": 5},
+            parameters={"merge": "nonparametric", "new_unit_threshold": 1.0},
+        ),
+    )
     path = tmp_path / "fused.safetensors"
     X = np.random.default_rng(3).normal(size=(8, 4)).astype(np.float32)
     expected = _ensemble(nets, "Twice", X, h=5)

@@ -75,7 +75,7 @@ EVASIONS = {
     "labels tolist": lambda X, y: y.tolist(),
     "labels bytes": lambda X, y: y.tobytes(),
     "labels with a dropped row": lambda X, y: np.delete(y, 20),
-    "labels with two rows swapped": lambda X, y: y[np.r_[1, 0, 2:len(y)]],
+    "labels with two rows swapped": lambda X, y: y[np.r_[1, 0, 2 : len(y)]],
     "labels as a column": lambda X, y: y.reshape(-1, 1).astype(np.float64),
 }
 
@@ -107,14 +107,23 @@ def test_parameters_statistics_and_counts_pass(guard_and_data):
     guard, X, y, _ = guard_and_data
     rng = np.random.default_rng(5)
     legit = {
-        "params": {"w": rng.normal(size=(8, X.shape[1])).astype(np.float32), "b": np.zeros(8, np.float32),
-                   "w16": torch.randn(8, X.shape[1], dtype=torch.bfloat16)},
+        "params": {
+            "w": rng.normal(size=(8, X.shape[1])).astype(np.float32),
+            "b": np.zeros(8, np.float32),
+            "w16": torch.randn(8, X.shape[1], dtype=torch.bfloat16),
+        },
         "zeros shaped like rows": np.zeros((30, X.shape[1]), np.float32),
-        "mean": X.mean(axis=0), "cov": np.cov(X.T), "gram": X.T @ X,
-        "class counts": np.bincount(y, minlength=4), "counts list": np.bincount(y).tolist(),
+        "mean": X.mean(axis=0),
+        "cov": np.cov(X.T),
+        "gram": X.T @ X,
+        "class counts": np.bincount(y, minlength=4),
+        "counts list": np.bincount(y).tolist(),
         "constant labels": np.full(len(y), np.bincount(y).argmax()),
         "shuffled labels": y[np.random.default_rng(9).permutation(len(y))],  # only what the class counts say
-        "num_examples": len(y), "loss": 0.25, "name": "fedavg", "flags": [True, False],
+        "num_examples": len(y),
+        "loss": 0.25,
+        "name": "fedavg",
+        "flags": [True, False],
         "update": Update({"w": rng.normal(size=(4, 3)).astype(np.float32)}, len(y), {"train_loss": 0.5}),
     }
     assert guard.find(legit) is None

@@ -183,7 +183,9 @@ def test_untrusted_pickle_is_refused_without_running_it(tmp_path):
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.pt"
     path.write_bytes(pickle.dumps({"w": _Payload(str(marker))}, protocol=2))
-    with pytest.raises(InputError, match=r"evil\.pt: expected a PyTorch state_dict loadable with weights_only=True, got 'unreadable \(UnpicklingError\)'"):
+    with pytest.raises(
+        InputError, match=r"evil\.pt: expected a PyTorch state_dict loadable with weights_only=True, got 'unreadable \(UnpicklingError\)'"
+    ):
         load_params(path)
     assert not marker.exists()
 

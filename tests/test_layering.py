@@ -9,9 +9,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE_MODULES = [
-    "rayfuse", "rayfuse.config", "rayfuse.data", "rayfuse.models", "rayfuse.fusion", "rayfuse.metrics", "rayfuse.federation",
-    "rayfuse.client", "rayfuse.coordinator", "rayfuse.runner", "rayfuse.report", "rayfuse.store", "rayfuse.io", "rayfuse.cli",
-    "rayfuse.sweep", "rayfuse.checkpoints", "rayfuse.api", "rayfuse.method",
+    "rayfuse",
+    "rayfuse.config",
+    "rayfuse.data",
+    "rayfuse.models",
+    "rayfuse.fusion",
+    "rayfuse.metrics",
+    "rayfuse.federation",
+    "rayfuse.client",
+    "rayfuse.coordinator",
+    "rayfuse.runner",
+    "rayfuse.report",
+    "rayfuse.store",
+    "rayfuse.io",
+    "rayfuse.cli",
+    "rayfuse.sweep",
+    "rayfuse.checkpoints",
+    "rayfuse.api",
+    "rayfuse.method",
 ]
 
 
@@ -32,7 +47,13 @@ def test_no_core_source_file_imports_ray():
     offenders = []
     for path in (ROOT / "rayfuse").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             if any(n == "ray" or n.startswith("ray.") or n == "actors" or n.startswith("actors.") for n in names):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     # the entry points -- the CLI and the Python API under it -- are the places allowed to reach up into the Ray layer
@@ -134,5 +155,8 @@ def test_methods_import_only_the_contract_not_the_engine():
 
 def test_the_contract_sits_below_the_engine_and_the_schema_below_the_contract():
     graph = _import_graph()
-    assert graph["rayfuse.method"] & {"rayfuse.coordinator", "rayfuse.client", "rayfuse.runner", "rayfuse.federation", "rayfuse.fusion"} == set()
+    assert (
+        graph["rayfuse.method"] & {"rayfuse.coordinator", "rayfuse.client", "rayfuse.runner", "rayfuse.federation", "rayfuse.fusion"}
+        == set()
+    )
     assert not any(m == "rayfuse.method" or m.startswith("rayfuse.fusion") for m in graph["rayfuse.config"])

@@ -35,8 +35,9 @@ def test_the_coordinator_asks_the_clients_each_time_and_keeps_no_copy(make_confi
     assert all(federation.client(c)._calls["get_local_params"] == 2 for c in federation.client_ids)
     assert not any(isinstance(v, type(first)) for v in vars(coordinator).values())  # no Gathered of local models kept
     # each model checkpointed once in the run folder, the fallback
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "local").glob("*.safetensors")) == \
-        [f"client-{c}.safetensors" for c in federation.client_ids]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints" / "local").glob("*.safetensors")) == [
+        f"client-{c}.safetensors" for c in federation.client_ids
+    ]
     backend.stop()
 
 
@@ -73,8 +74,10 @@ def test_a_crash_between_methods_leaves_the_later_methods_numbers_unchanged(make
     methods = {"average": {}, "fedavg": {"rounds": 1, "local_epochs": 1}, "ensemble": {}}
     quiet = {"printer": lambda e: None, "show_tables": False}
     clean = run_experiment(make_config(methods=methods), InProcessBackend(), tmp_path / "clean", **quiet)
-    crashed_cfg = make_config(methods=methods, federation={"on_client_failure": "retry", "max_restarts": 1,
-                                                           "faults": [{"client": 1, "step": "fedavg.fit", "mode": "exit"}]})
+    crashed_cfg = make_config(
+        methods=methods,
+        federation={"on_client_failure": "retry", "max_restarts": 1, "faults": [{"client": 1, "step": "fedavg.fit", "mode": "exit"}]},
+    )
     crashed = run_experiment(crashed_cfg, InProcessBackend(), tmp_path / "crashed", **quiet)
     kinds = [e["kind"] for e in crashed["events"]]
     assert "client_restarted" in kinds and kinds.count("client_trained") == 4

@@ -30,11 +30,14 @@ def test_executors_agree_and_keep_order():
     assert map_chunked(lambda x: x * 2, list(range(11)), thread_map, chunks=3) == [x * 2 for x in range(11)]
 
 
-@pytest.mark.parametrize("cost,error,match", [
-    (np.zeros((3, 2)), InputError, "cost"),
-    (np.zeros(4), InputError, "cost"),
-    (np.array([["a"]]), InputError, "numeric"),
-])
+@pytest.mark.parametrize(
+    "cost,error,match",
+    [
+        (np.zeros((3, 2)), InputError, "cost"),
+        (np.zeros(4), InputError, "cost"),
+        (np.array([["a"]]), InputError, "numeric"),
+    ],
+)
 def test_bad_cost_matrices(cost, error, match):
     with pytest.raises(error, match=match):
         solve_assignment(cost)
@@ -47,15 +50,18 @@ def test_non_finite_costs_are_refused():
         solve_assignments([np.ones((2, 2)), cost], serial_map)
 
 
-@pytest.mark.parametrize("n,workers,chunks", [
-    (10, 2, 2),   # one wave of 5 + 5, not 3 + 3 + 3 + 1
-    (5, 2, 2),    # 3 + 2
-    (200, 2, 2),
-    (9, 4, 3),    # 3 + 3 + 3 on 4 workers: makespan 3, as good as any finer split
-    (1, 8, 1),
-    (0, 2, 0),
-    (7, 1, 1),
-])
+@pytest.mark.parametrize(
+    "n,workers,chunks",
+    [
+        (10, 2, 2),  # one wave of 5 + 5, not 3 + 3 + 3 + 1
+        (5, 2, 2),  # 3 + 2
+        (200, 2, 2),
+        (9, 4, 3),  # 3 + 3 + 3 on 4 workers: makespan 3, as good as any finer split
+        (1, 8, 1),
+        (0, 2, 0),
+        (7, 1, 1),
+    ],
+)
 def test_balanced_chunks_minimise_the_makespan_with_the_fewest_chunks(n, workers, chunks):
     assert balanced_chunks(n, workers) == chunks
 
@@ -63,10 +69,12 @@ def test_balanced_chunks_minimise_the_makespan_with_the_fewest_chunks(n, workers
 def test_balanced_chunks_never_beaten_by_another_count():
     for n in range(1, 60):
         for workers in (1, 2, 3, 4, 8):
+
             def span(count):
                 size = -(-n // count)
                 chunks = -(-n // size)
                 return -(-chunks // workers) * size
+
             best = min(span(count) for count in range(1, min(n, 4 * workers) + 1))
             assert span(balanced_chunks(n, workers)) == best
 
@@ -83,5 +91,7 @@ def test_executor_width_reads_a_federations_parallel_width():
     assert executor_width(fed.parallel_map) == 6
     assert executor_width(thread_map) >= 1
     seen = []
-    assert map_chunked(lambda x: x + 1, list(range(12)), lambda fn, batches: seen.append(len(batches)) or [fn(b) for b in batches]) == list(range(1, 13))
+    assert map_chunked(lambda x: x + 1, list(range(12)), lambda fn, batches: seen.append(len(batches)) or [fn(b) for b in batches]) == list(
+        range(1, 13)
+    )
     assert seen and seen[0] >= 1

@@ -94,10 +94,14 @@ class Case:
     checkpoints: bool | None = None  # checkpoints mid-method (default: the method is multi-round)
 
 
-GMM = {"data": {"dataset": "kl_gmm", "options": {"separation": 30.0, "local_sd": 0.1, "points": 60, "num_groups": 4}, "val_size": 0},
-       "partition": {"method": "labels", "num_clients": 4, "groups": [[0], [1], [2], [3]]}}
-TOY = {"data": {"dataset": "gaussians4", "options": {"n_per_mode": 60}, "val_size": 0.0},
-       "partition": {"method": "labels", "num_clients": 4, "groups": [[0], [1], [2], [3]]}}
+GMM = {
+    "data": {"dataset": "kl_gmm", "options": {"separation": 30.0, "local_sd": 0.1, "points": 60, "num_groups": 4}, "val_size": 0},
+    "partition": {"method": "labels", "num_clients": 4, "groups": [[0], [1], [2], [3]]},
+}
+TOY = {
+    "data": {"dataset": "gaussians4", "options": {"n_per_mode": 60}, "val_size": 0.0},
+    "partition": {"method": "labels", "num_clients": 4, "groups": [[0], [1], [2], [3]]},
+}
 SMALL_CNN = {"name": "cnn", "channels": [4, 8]}
 TEACHERS = {"data": {"dataset": "digits", "public_size": 0.1, "val_size": 0.0}, "model": SMALL_CNN}
 PUBLIC = {"data": {"public_size": 0.1}}
@@ -111,8 +115,7 @@ SILO_STUDENT = {"name": "mlp", "hidden": [8]}
 
 CONTRACT: dict[str, Case] = {
     # a DP upload covers the clients' weights only: aligned with dp is one round aligned by weights, without repair
-    "aligned": Case({"rounds": 2, "samples": 256}, step="aligned.fit",
-                    variants={"method-dp": {"alignment": "weight", "repair": False}}),
+    "aligned": Case({"rounds": 2, "samples": 256}, step="aligned.fit", variants={"method-dp": {"alignment": "weight", "repair": False}}),
     "average": Case({}),
     "distill": Case({"steps": 20, "epochs": 1}, PUBLIC, step="aligned.correlations"),
     "dp_cluster": Case(GMM_FIT, GMM, step="kl.gmm_posterior", fused=None, variants={"silos": SILO_GMM}),
@@ -127,9 +130,23 @@ CONTRACT: dict[str, Case] = {
     "fedprox": Case({**ROUNDS, "mu": 0.1}, step="fedavg.fit"),
     "fedref": Case({**ROUNDS, "p": 1}, step="fedavg.fit"),
     "fedyogi": Case(ROUNDS, step="fedavg.fit"),
-    "fedsa": Case({**TARGET, "student": SMALL_CNN, "rounds": 3, "select_every": 1, "k": 2, "selection": "all", "local_epochs": 1,
-                   "evaluate_every": 1}, TEACHERS, step="fedsa.distill", fused="student", client_state=True,
-                  variants={"silos": {**TARGET, "student": SILO_STUDENT, "rounds": 1, "k": 2, "local_epochs": 1}}),
+    "fedsa": Case(
+        {
+            **TARGET,
+            "student": SMALL_CNN,
+            "rounds": 3,
+            "select_every": 1,
+            "k": 2,
+            "selection": "all",
+            "local_epochs": 1,
+            "evaluate_every": 1,
+        },
+        TEACHERS,
+        step="fedsa.distill",
+        fused="student",
+        client_state=True,
+        variants={"silos": {**TARGET, "student": SILO_STUDENT, "rounds": 1, "k": 2, "local_epochs": 1}},
+    ),
     "finetune": Case({"tune_epochs": 1}, PUBLIC),
     "gems": Case({"tune_epochs": 1, "retrain_epochs": 1, "num_samples": 50}, PUBLIC, step="gems.model_ball"),
     "global": Case({"epochs": 2}),
@@ -314,8 +331,10 @@ def _interrupt(runs: Runs, name: str, folder: Path) -> None:
         call = case.call or (most if caps(METHODS.get(name))["multi_round"] else most // 2 + 1)
         fault = {"client": client, "step": case.step, "call": call, "mode": "raise"}
         with pytest.raises(RunFailure, match=f"injected fault: client {client}, step {case.step}, call {call}"):
-            run(job(name, runs.root / name, cache=folder.with_name("cache"), federation={"on_client_failure": "fail", "faults": [fault]}),
-                folder)
+            run(
+                job(name, runs.root / name, cache=folder.with_name("cache"), federation={"on_client_failure": "fail", "faults": [fault]}),
+                folder,
+            )
         return
     from rayfuse.coordinator import MethodServer
 
@@ -345,8 +364,9 @@ def test_resumes_bit_exact_after_an_interruption(runs, tmp_path, name):
     if caps(METHODS.get(name))["multi_round"] if checkpoints is None else checkpoints:  # stopped after a checkpoint of the method
         assert checkpointed >= 1
     scramble_global_rngs()  # a real resume is a new process
-    resumed = run_experiment(load_run_config(folder, parse_overrides(RESUME_SETS)), InProcessBackend(), folder, resume=True,
-                             printer=QUIET, show_tables=False)
+    resumed = run_experiment(
+        load_run_config(folder, parse_overrides(RESUME_SETS)), InProcessBackend(), folder, resume=True, printer=QUIET, show_tables=False
+    )
     assert resumed["status"] == "succeeded"
     said = [e["message"] for e in resumed["events"] if e["kind"] == "warning"]
     assert said == [e["message"] for e in straight.results["events"] if e["kind"] == "warning"], said  # no fallback, no restart
@@ -393,11 +413,15 @@ def silo_files(tmp_path_factory) -> dict[str, Any]:
 def _silo_job(name: str, storage: Path, silo_files: dict[str, Any], *, labelled: bool = True) -> dict[str, Any]:
     case = case_of(name)
     public = dict(silo_files["public"]) if labelled else {**silo_files["public"], "labels": False}
-    return {"run": {"name": "contract", "seed": 0, "storage": str(storage)},
-            "data": {"silos": silo_files["silos"], "test": silo_files["test"], "public": public},
-            "model": {"name": "mlp", "hidden": [8]}, "train": {"epochs": 1, "batch_size": 16, "shared_init": True},
-            "federation": {"backend": "local"}, "evaluation": "central",
-            "methods": {name: case.variants.get("silos", case.params)}}
+    return {
+        "run": {"name": "contract", "seed": 0, "storage": str(storage)},
+        "data": {"silos": silo_files["silos"], "test": silo_files["test"], "public": public},
+        "model": {"name": "mlp", "hidden": [8]},
+        "train": {"epochs": 1, "batch_size": 16, "shared_init": True},
+        "federation": {"backend": "local"},
+        "evaluation": "central",
+        "methods": {name: case.variants.get("silos", case.params)},
+    }
 
 
 def _dp_entry(name: str) -> dict[str, Any]:
@@ -410,7 +434,10 @@ def _dp_entry(name: str) -> dict[str, Any]:
 
 def _with_dp(name: str, storage: Path, silo_files: dict[str, Any]) -> dict[str, Any]:
     data = job(name, storage, params=case_of(name).variants.get("method-dp"))
-    data["methods"][name] = {**data["methods"][name], "dp": _dp_entry(name) if "dp" in METHODS.get(name).Params.model_fields else CENTRAL_DP}
+    data["methods"][name] = {
+        **data["methods"][name],
+        "dp": _dp_entry(name) if "dp" in METHODS.get(name).Params.model_fields else CENTRAL_DP,
+    }
     return data
 
 
@@ -452,34 +479,55 @@ class Rule:
 
 RULES: dict[str, Rule] = {
     # clients whose model is not the run's: only methods that need each client's predictions, not weights in one layout
-    "client-models": Rule(lambda n, s, f: job(n, s, federation={"client_overrides": {1: {"model": OTHER_MODEL}}}),
-                          lambda c: not c["heterogeneous_clients"], lambda n: "federation.client_overrides", lambda n: f"for method {n!r}"),
+    "client-models": Rule(
+        lambda n, s, f: job(n, s, federation={"client_overrides": {1: {"model": OTHER_MODEL}}}),
+        lambda c: not c["heterogeneous_clients"],
+        lambda n: "federation.client_overrides",
+        lambda n: f"for method {n!r}",
+    ),
     # local DP-SGD covers what a method releases only when it reads the clients' data through their local models
-    "local-dp": Rule(lambda n, s, f: job(n, s, train={"dp": LOCAL_DP}),
-                     lambda c: not (c["local_model_only"] or c["oracle"]), lambda n: "train.dp", lambda n: f"not method {n!r}"),
+    "local-dp": Rule(
+        lambda n, s, f: job(n, s, train={"dp": LOCAL_DP}),
+        lambda c: not (c["local_model_only"] or c["oracle"]),
+        lambda n: "train.dp",
+        lambda n: f"not method {n!r}",
+    ),
     # federated evaluation: only methods that score through the server's evaluate
-    "federated-evaluation": Rule(lambda n, s, f: _needs_val(n, s), lambda c: not c["federated_evaluation"], lambda n: "evaluation",
-                                 lambda n: f"for method {n!r}"),
+    "federated-evaluation": Rule(
+        lambda n, s, f: _needs_val(n, s), lambda c: not c["federated_evaluation"], lambda n: "evaluation", lambda n: f"for method {n!r}"
+    ),
     # silo data: no process holds the whole dataset
-    "silos": Rule(lambda n, s, f: _silo_job(n, s, f), lambda c: c["needs_dataset"], lambda n: f"methods.{n}",
-                  lambda n: f"with data.silos (no process reads every silo), got {n!r}"),
+    "silos": Rule(
+        lambda n, s, f: _silo_job(n, s, f),
+        lambda c: c["needs_dataset"],
+        lambda n: f"methods.{n}",
+        lambda n: f"with data.silos (no process reads every silo), got {n!r}",
+    ),
     # a public sample without labels (silo data): refused for a method that reads them (a method that needs the whole
     # dataset is refused on silo data before its labels matter: the rule above)
-    "unlabelled-public": Rule(lambda n, s, f: _silo_job(n, s, f, labelled=False), lambda c: c["public_labels"],
-                              lambda n: "data.public.labels", lambda n: f"for method {n!r}", applies=lambda c: not c["needs_dataset"]),
+    "unlabelled-public": Rule(
+        lambda n, s, f: _silo_job(n, s, f, labelled=False),
+        lambda c: c["public_labels"],
+        lambda n: "data.public.labels",
+        lambda n: f"for method {n!r}",
+        applies=lambda c: not c["needs_dataset"],
+    ),
     # a dp key on the method (central DP-FedAvg, a DP upload): the pipeline's DP acts on parameter updates, so only a
     # method fusing parameters with a dp key of its own (and no no_dp) takes it
     "method-dp": Rule(_with_dp, lambda c: c["fuses"] != "parameters" or not c["dp"], lambda n: f"methods.{n}.dp", _dp_says),
     # a robust rule (coordinate-wise median): only where the pipeline combines parameter updates and the method has an
     # aggregator key (else the key is unknown to its parameters)
-    "robust-aggregator": Rule(_with_median, lambda c: c["fuses"] != "parameters" or not c["aggregator"],
-                              lambda n: f"methods.{n}.aggregator", _aggregator_says),
+    "robust-aggregator": Rule(
+        _with_median, lambda c: c["fuses"] != "parameters" or not c["aggregator"], lambda n: f"methods.{n}.aggregator", _aggregator_says
+    ),
     # simulated attacks: refused for a method fusing posteriors, statistics or predictions (the pipeline's attacks act
     # on parameter updates); methods combining no client upload ("nothing": local, oracles) run beside them
-    "attacks": Rule(lambda n, s, f: job(n, s, federation={"attacks": [{"client": 1, "kind": "sign_flip"}]}),
-                    lambda c: c["fuses"] in ("posteriors", "statistics", "predictions"), lambda n: "federation.attacks",
-                    lambda n: f"no attacks with method {n!r} (methods.{n} fuses {caps(METHODS.get(n))['fuses']}; attacks act on "
-                              "parameter updates)"),
+    "attacks": Rule(
+        lambda n, s, f: job(n, s, federation={"attacks": [{"client": 1, "kind": "sign_flip"}]}),
+        lambda c: c["fuses"] in ("posteriors", "statistics", "predictions"),
+        lambda n: "federation.attacks",
+        lambda n: f"no attacks with method {n!r} (methods.{n} fuses {caps(METHODS.get(n))['fuses']}; attacks act on parameter updates)",
+    ),
 }
 
 

@@ -28,14 +28,34 @@ from rayfuse.method import (
 )
 
 FUSES = set(typing.get_args(typing.get_type_hints(MethodTags)["fuses"]))
-OLD_FLAGS = ("uses_local_models", "oracle", "multi_round", "federated_evaluation", "local_model_only", "needs_dataset",
-             "heterogeneous_clients", "public_labels", "no_dp")
+OLD_FLAGS = (
+    "uses_local_models",
+    "oracle",
+    "multi_round",
+    "federated_evaluation",
+    "local_model_only",
+    "needs_dataset",
+    "heterogeneous_clients",
+    "public_labels",
+    "no_dp",
+)
 
 
 def setup_for(cfg: Any, **changes: Any) -> RunSetup:
     """A cheap run description of ``cfg`` with 3 clients, each holding train and held-out data (``changes`` on top)."""
-    base = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=3, input_shape=(64,), num_classes=10,
-                    train_sizes=(40, 40, 40), val_sizes=(5, 5, 5), public_size=20, test_size=20, evaluation=str(cfg.evaluation))
+    base = RunSetup(
+        model=cfg.model,
+        train=cfg.train,
+        data=cfg.data,
+        num_clients=3,
+        input_shape=(64,),
+        num_classes=10,
+        train_sizes=(40, 40, 40),
+        val_sizes=(5, 5, 5),
+        public_size=20,
+        test_size=20,
+        evaluation=str(cfg.evaluation),
+    )
     return dataclasses.replace(base, **changes)
 
 
@@ -71,8 +91,17 @@ def test_the_tags_say_what_each_method_was_declared_to_be():
     assert tagged["local_model_only"] == {"local", "average", "ensemble", "distill"}
     assert tagged["heterogeneous_clients"] == {"local", "ensemble", "distill", "global"}
     assert {"fedavg", "fedprox", "fedadagrad", "fedadam", "fedyogi", "fedref", "aligned", "epgan", "fedsa"} == tagged["multi_round"]
-    assert not tagged["federated_evaluation"] & {"kl", "spahm", "dp_cluster", "gmm_oracle", "epgan", "epgan-oracle", "fedsa",
-                                                  "scratch", "transfer"}
+    assert not tagged["federated_evaluation"] & {
+        "kl",
+        "spahm",
+        "dp_cluster",
+        "gmm_oracle",
+        "epgan",
+        "epgan-oracle",
+        "fedsa",
+        "scratch",
+        "transfer",
+    }
     assert [n for n in METHODS.names() if METHODS.get(n).tags.no_dp] == ["fedref"]
     # a subclass derives its tags from its parent's
     assert METHODS.get("fedref").tags == dataclasses.replace(METHODS.get("fedavg").tags, no_dp=METHODS.get("fedref").tags.no_dp)
@@ -182,18 +211,26 @@ def test_dp_is_refused_where_the_tags_say_it_does_not_apply(make_config):
     cfg = make_config()
     dp = {"noise_multiplier": 1.0, "clip_norm": 1.0, "sample_rate": 0.5}
     err = refusal(resolve_methods({"ref": {"method": "fedref", "dp": dp}}), setup_for(cfg), cfg)
-    assert err.path == "methods.ref.dp" and str(err).startswith("methods.ref.dp: expected no dp for method 'fedref' (its server "
-                                                                 "step reads each client's training loss")
+    assert err.path == "methods.ref.dp" and str(err).startswith(
+        "methods.ref.dp: expected no dp for method 'fedref' (its server step reads each client's training loss"
+    )
     check_tags(resolve_methods({"avg": {"method": "fedavg", "dp": dp}}), setup_for(cfg), cfg)  # central DP applies to FedAvg
     with pytest.raises(InputError) as raised:  # a method with no dp option at all: refused as its entry is read
         resolve_methods({"gems": {"dp": dp}})
-    assert raised.value.path == "methods.gems.dp" and "no dp for method 'gems' (it fuses statistics; dp acts on parameter updates" in str(raised.value)
+    assert raised.value.path == "methods.gems.dp" and "no dp for method 'gems' (it fuses statistics; dp acts on parameter updates" in str(
+        raised.value
+    )
 
 
 def test_a_tag_refusal_on_the_command_line_is_one_line_and_starts_nothing(tmp_path, capsys):
-    job = {"run": {"name": "tags", "seed": 0, "storage": str(tmp_path / "runs")}, "data": {"dataset": "digits"},
-           "partition": {"num_clients": 3}, "model": {"name": "mlp", "hidden": [8]}, "evaluation": "federated",
-           "methods": {"average": {}, "kl": {"application": "bnn"}}}
+    job = {
+        "run": {"name": "tags", "seed": 0, "storage": str(tmp_path / "runs")},
+        "data": {"dataset": "digits"},
+        "partition": {"num_clients": 3},
+        "model": {"name": "mlp", "hidden": [8]},
+        "evaluation": "federated",
+        "methods": {"average": {}, "kl": {"application": "bnn"}},
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     assert main(["run", str(tmp_path / "job.yaml")]) == 2
     err = capsys.readouterr().err.strip()
@@ -245,7 +282,9 @@ class OldStyle(Method[OddParams, None]):
 def test_a_method_setting_a_loose_capability_flag_is_refused_with_one_line():
     with pytest.raises(InputError) as raised:
         resolve_methods({"old": {}}, {"old": OldStyle})
-    assert str(raised.value).startswith("methods.old: expected capability flags in the method's tags (tags = "
-                                        "MethodTags(uses_local_models=...)), not as class attributes of OldStyle")
+    assert str(raised.value).startswith(
+        "methods.old: expected capability flags in the method's tags (tags = "
+        "MethodTags(uses_local_models=...)), not as class attributes of OldStyle"
+    )
     with pytest.raises(InputError):
         resolve_methods({}, {"old": OldStyle()})

@@ -96,7 +96,9 @@ def test_compute_metrics_returns_every_metric():
     assert all(isinstance(v, float) for v in metrics.values())
 
 
-@pytest.mark.parametrize("metric", [accuracy, nll, ece, compute_metrics, lambda p, y: entropy(p)], ids=["accuracy", "nll", "ece", "all", "entropy"])
+@pytest.mark.parametrize(
+    "metric", [accuracy, nll, ece, compute_metrics, lambda p, y: entropy(p)], ids=["accuracy", "nll", "ece", "all", "entropy"]
+)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_predictions_raise(metric, bad):
     proba = PROBA.copy()

@@ -33,8 +33,9 @@ def test_a_fusion_only_change_reuses_the_cached_local_models(make_config, tmp_pa
     assert second["methods"]["local"]["accuracy"] == first["methods"]["local"]["accuracy"]
     # one entry per client's model, each kept by its client under its content key (what it was computed from beside it)
     entries = [p for p in (tmp_path / "cache" / "local-models").iterdir() if p.is_dir()]
-    assert len(entries) == 4 and all(sorted(p.name for p in e.iterdir()) == ["key.json", "params.safetensors", "sha256.json", "stats.json"]
-                                      for e in entries)
+    assert len(entries) == 4 and all(
+        sorted(p.name for p in e.iterdir()) == ["key.json", "params.safetensors", "sha256.json", "stats.json"] for e in entries
+    )
     assert sorted(json.loads((e / "key.json").read_text())["client"] for e in entries) == [0, 1, 2, 3]
 
 
@@ -76,8 +77,15 @@ def test_the_client_and_the_coordinator_compute_the_same_key(make_config):
     cfg = make_config(federation={"faults": [fault]})
     plan = _plans(cfg)
     for i in (0, 1):
-        client = Client(i, plan.for_client(i), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=cfg.run.seed,
-                        faults=cfg.federation.faults)
+        client = Client(
+            i,
+            plan.for_client(i),
+            data_cfg=cfg.data,
+            model_cfg=cfg.model,
+            train_cfg=cfg.train,
+            seed=cfg.run.seed,
+            faults=cfg.federation.faults,
+        )
         assert client.ctx.local_model_key() == local_model_key(resolved_config(cfg), plan.for_client(i))
     assert local_model_key(resolved_config(cfg), plan.for_client(1))[1]["faults"] == [{**fault, "seconds": 3600.0}]
 
@@ -116,7 +124,9 @@ def test_parameters_move_only_for_the_methods_that_fuse_them(make_config, tmp_pa
     def client(i, restarted):
         return Client(i, plan.for_client(i), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=cfg.run.seed)
 
-    coord = Coordinator(cfg, plan, str(tmp_path / "run"), InProcessFederation(client, 4, FailurePolicy.from_config(cfg.federation), EventLog()))
+    coord = Coordinator(
+        cfg, plan, str(tmp_path / "run"), InProcessFederation(client, 4, FailurePolicy.from_config(cfg.federation), EventLog())
+    )
     assert coord.prepare_local_models() == {"clients": [0, 1, 2, 3], "restored": False}  # the clients train, keep their models
     assert not (coord.store.root / "checkpoints" / "local").exists()  # and no parameters travelled
     coord.run_method("local")  # `local` evaluates each client's model on the server: their parameters are fetched once
@@ -129,8 +139,10 @@ def test_step_results_round_trip_nested_arrays_and_values(tmp_path):
     from rayfuse.store import StepResultCache
 
     cache = StepResultCache(tmp_path, "k1", {"step": "kl.bnn_posterior"})
-    results = {0: {"bnn": {"w1_mu": np.ones((3, 2)), "b2_var": np.zeros(4)}, "seconds": 1.5, "n": np.int64(7), "note": None},
-               1: {"bnn": {"w1_mu": np.full((3, 2), 2.0), "b2_var": np.ones(4)}, "seconds": 2.0, "n": 3, "note": "x"}}
+    results = {
+        0: {"bnn": {"w1_mu": np.ones((3, 2)), "b2_var": np.zeros(4)}, "seconds": 1.5, "n": np.int64(7), "note": None},
+        1: {"bnn": {"w1_mu": np.full((3, 2), 2.0), "b2_var": np.ones(4)}, "seconds": 2.0, "n": 3, "note": "x"},
+    }
     assert cache.load([0, 1]) is None
     with cache.lock():
         assert cache.save(results)

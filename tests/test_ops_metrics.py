@@ -58,8 +58,10 @@ def test_events_become_tagged_metrics(recorded):
     m.on_event({"kind": "method_done", "method": "fedavg", "seconds": 2.0, "metrics": {"accuracy": 0.6, "nll": float("nan")}})
     m.on_event({"kind": "progress", "method": "gems", "message": "no round"})
     assert calls(m.train_seconds) == [(1.5, {"run": "run-1", "method": "-"})]
-    assert calls(m.stage_seconds) == [(4.0, {"run": "run-1", "method": "-", "stage": "local_training"}),
-                                      (2.0, {"run": "run-1", "method": "fedavg", "stage": "method"})]
+    assert calls(m.stage_seconds) == [
+        (4.0, {"run": "run-1", "method": "-", "stage": "local_training"}),
+        (2.0, {"run": "run-1", "method": "fedavg", "stage": "method"}),
+    ]
     assert calls(m.round) == [(1.0, {"run": "run-1", "method": "fedavg"})] and len(calls(m.rounds)) == 1
     assert calls(m.alive)[-1] == (2.0, {"run": "run-1", "method": "fedavg"})
     assert [t["event"] for _, t in calls(m.client_events)] == ["trained", "dropped"]

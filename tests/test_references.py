@@ -31,8 +31,14 @@ def list_text_files() -> list[Path]:
             files.append(path)
         elif path.is_dir():
             # hidden folders are virtualenvs of peer tools and caches (benchmarks/.venv-rebasin), not the repository's text
-            files += [p for p in sorted(path.rglob("*")) if p.is_file() and p.suffix in TEXT_SUFFIXES
-                      and "__pycache__" not in p.parts and not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
+            files += [
+                p
+                for p in sorted(path.rglob("*"))
+                if p.is_file()
+                and p.suffix in TEXT_SUFFIXES
+                and "__pycache__" not in p.parts
+                and not any(part.startswith(".") for part in p.relative_to(ROOT).parts)
+            ]
     return files
 
 
@@ -42,19 +48,23 @@ def read_reference_keys() -> set[str]:
 
 
 def test_the_tag_pattern_finds_citations_and_skips_code() -> None:
-    text = ("[KLF : src/fusion.py] [GEMS: utils/dnn3.py] [FEDREF @ 737c333] [FEDREF HEAD : main.py] ``[KLF]`` "
-            "list[BNN] TINY[TINY != 1] [A-Za-z0-9_] [None] [C s]")
+    text = (
+        "[KLF : src/fusion.py] [GEMS: utils/dnn3.py] [FEDREF @ 737c333] [FEDREF HEAD : main.py] ``[KLF]`` "
+        "list[BNN] TINY[TINY != 1] [A-Za-z0-9_] [None] [C s]"
+    )
     assert TAG.findall(text) == ["KLF", "GEMS", "FEDREF", "FEDREF", "KLF"]
 
 
 def test_every_tag_used_in_the_repository_resolves_in_docs_references() -> None:
     keys = read_reference_keys()
     assert {"KLF", "GEMS", "KAMAL", "SPAHM", "FEDREF", "PFNM"} <= keys
-    unresolved = [f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, match.start()) + 1}: [{match.group(1)}]"
-                  for path in list_text_files()
-                  for text in [path.read_text(encoding="utf-8", errors="replace")]
-                  for match in TAG.finditer(text)
-                  if match.group(1) not in keys | PLACEHOLDERS]
+    unresolved = [
+        f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, match.start()) + 1}: [{match.group(1)}]"
+        for path in list_text_files()
+        for text in [path.read_text(encoding="utf-8", errors="replace")]
+        for match in TAG.finditer(text)
+        if match.group(1) not in keys | PLACEHOLDERS
+    ]
     assert not unresolved, "tags missing from docs/references.md:\n" + "\n".join(unresolved)
 
 
@@ -79,9 +89,19 @@ def test_every_registered_method_with_a_paper_names_it_with_a_title_and_an_http_
 
 
 def test_the_papers_the_methods_implement_carry_their_reference() -> None:
-    expected = {"kl": "KLF", "gems": "GEMS", "epgan": "EPGAN", "fedref": "FEDREF", "fedsa": "FEDSA",
-                "fedavg": "FEDAVG", "fedprox": "FEDPROX", "fedadam": "FEDOPT", "fedyogi": "FEDOPT",
-                "fedadagrad": "FEDOPT", "spahm": "SPAHM"}
+    expected = {
+        "kl": "KLF",
+        "gems": "GEMS",
+        "epgan": "EPGAN",
+        "fedref": "FEDREF",
+        "fedsa": "FEDSA",
+        "fedavg": "FEDAVG",
+        "fedprox": "FEDPROX",
+        "fedadam": "FEDOPT",
+        "fedyogi": "FEDOPT",
+        "fedadagrad": "FEDOPT",
+        "spahm": "SPAHM",
+    }
     assert {name: METHODS.get(name).reference.key for name in expected} == expected
     assert all(METHODS.get(name).reference is None for name in ("local", "average", "ensemble", "global"))
 
@@ -98,6 +118,11 @@ def test_the_reference_constants_match_docs_references() -> None:
 def test_nothing_points_at_files_outside_the_repository() -> None:
     forbidden = ("../shared", "ALGORITHMS.md")
     this_file = Path(__file__).resolve()
-    hits = [f"{path.relative_to(ROOT)}: {word}" for path in list_text_files() if path.resolve() != this_file
-            for word in forbidden if word in path.read_text(encoding="utf-8", errors="replace")]
+    hits = [
+        f"{path.relative_to(ROOT)}: {word}"
+        for path in list_text_files()
+        if path.resolve() != this_file
+        for word in forbidden
+        if word in path.read_text(encoding="utf-8", errors="replace")
+    ]
     assert not hits, "\n".join(hits)

@@ -18,8 +18,19 @@ DP = {"noise_multiplier": 1.0, "clip_norm": 1.0, "sample_rate": 0.5}
 
 
 def setup_for(cfg: Any, **changes: Any) -> RunSetup:
-    base = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=3, input_shape=(64,), num_classes=10,
-                    train_sizes=(40, 40, 40), val_sizes=(5, 5, 5), public_size=20, test_size=20, evaluation=str(cfg.evaluation))
+    base = RunSetup(
+        model=cfg.model,
+        train=cfg.train,
+        data=cfg.data,
+        num_clients=3,
+        input_shape=(64,),
+        num_classes=10,
+        train_sizes=(40, 40, 40),
+        val_sizes=(5, 5, 5),
+        public_size=20,
+        test_size=20,
+        evaluation=str(cfg.evaluation),
+    )
     return dataclasses.replace(base, **changes)
 
 
@@ -42,23 +53,30 @@ def test_the_train_dp_refusal_lists_every_local_model_only_method_and_lets_oracl
     err = refusal(resolve_methods({"fedavg": {}}), setup_for(cfg), cfg)
     released = [name for name, cls in METHODS.items() if cls.tags.local_model_only]
     assert {"local", "average", "ensemble", "distill"} <= set(released)
-    assert str(err).startswith(f"train.dp: expected methods whose clients release only their DP-trained local models "
-                               f"({', '.join(released)}; oracles pass as non-private references), not method 'fedavg'")
+    assert str(err).startswith(
+        f"train.dp: expected methods whose clients release only their DP-trained local models "
+        f"({', '.join(released)}; oracles pass as non-private references), not method 'fedavg'"
+    )
     assert "upload DP (each client clips and noises its upload) on aligned, average" in str(err)
     check_tags(resolve_methods({"distill": {}, "global": {}}), setup_for(cfg), cfg)  # what the line says passes, passes
 
 
-@pytest.mark.parametrize(("name", "why"), [
-    ("local", "it has no differential-privacy option"),
-    ("gems", "it fuses statistics; dp acts on parameter updates"),
-    ("kl", "it fuses posteriors; dp acts on parameter updates"),
-])
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("local", "it has no differential-privacy option"),
+        ("gems", "it fuses statistics; dp acts on parameter updates"),
+        ("kl", "it fuses posteriors; dp acts on parameter updates"),
+    ],
+)
 def test_a_dp_entry_on_a_method_without_one_names_every_method_whose_dp_applies(name, why):
     with pytest.raises(InputError) as raised:
         resolve_methods({name: {"dp": DP}})
-    assert str(raised.value) == (f"methods.{name}.dp: expected no dp for method {name!r} ({why}), got {DP!r}; methods.<label>.dp is "
-                                 "central DP-FedAvg on fedadagrad, fedadam, fedavg, fedprox, fedyogi; upload DP (each client clips "
-                                 "and noises its upload) on aligned, average")
+    assert str(raised.value) == (
+        f"methods.{name}.dp: expected no dp for method {name!r} ({why}), got {DP!r}; methods.<label>.dp is "
+        "central DP-FedAvg on fedadagrad, fedadam, fedavg, fedprox, fedyogi; upload DP (each client clips "
+        "and noises its upload) on aligned, average"
+    )
 
 
 def test_dp_refusal_reads_what_the_params_fuse():
@@ -74,31 +92,40 @@ def test_the_pipeline_dp_refusal_ends_with_the_methods_whose_dp_applies(make_con
     params = aligned.Params.model_validate({"merge": "fisher", "alignment": "weight", "dp": {"clip_norm": 1.0, "noise_multiplier": 1.0}})
     with pytest.raises(InputError) as raised:
         check_update_pipeline([MethodSpec("a", "aligned", aligned, params)], setup_for(cfg), [])
-    assert str(raised.value).startswith("methods.a.dp: expected no dp for method 'aligned' (it fuses statistics; dp acts on parameter "
-                                        "updates), got 'a dp section'; methods.<label>.dp is central DP-FedAvg on ")
+    assert str(raised.value).startswith(
+        "methods.a.dp: expected no dp for method 'aligned' (it fuses statistics; dp acts on parameter "
+        "updates), got 'a dp section'; methods.<label>.dp is central DP-FedAvg on "
+    )
 
 
-@pytest.mark.parametrize(("name", "words"), [
-    ("fedavg", "combines the clients' weights, in one layout"),
-    ("aligned", "combines the clients' weights, in one layout"),
-    ("kl", "fuses posteriors over the clients' weights, in one layout"),
-    ("spahm", "fuses posteriors over the clients' weights, in one layout"),
-    ("dp_cluster", "fuses posteriors over the clients' weights, in one layout"),
-    ("epgan", "fuses posteriors over the clients' weights, in one layout"),
-    ("fedsa", "fuses statistics of the clients' models, in one layout"),
-    ("gems", "fuses statistics of the clients' models, in one layout"),
-    ("scratch", "builds every model it trains or scores in the run's one architecture"),
-])
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        ("fedavg", "combines the clients' weights, in one layout"),
+        ("aligned", "combines the clients' weights, in one layout"),
+        ("kl", "fuses posteriors over the clients' weights, in one layout"),
+        ("spahm", "fuses posteriors over the clients' weights, in one layout"),
+        ("dp_cluster", "fuses posteriors over the clients' weights, in one layout"),
+        ("epgan", "fuses posteriors over the clients' weights, in one layout"),
+        ("fedsa", "fuses statistics of the clients' models, in one layout"),
+        ("gems", "fuses statistics of the clients' models, in one layout"),
+        ("scratch", "builds every model it trains or scores in the run's one architecture"),
+    ],
+)
 def test_clients_of_different_models_are_refused_in_the_words_of_what_the_method_fuses(make_config, name, words):
     cfg = make_config()
     assert not METHODS.get(name).tags.heterogeneous_clients
     other = ModelConfig(name="mlp", hidden=[8])
     err = refusal(resolve_methods({name: {}}), setup_for(cfg, client_models=(cfg.model, other, cfg.model)), cfg)
-    assert str(err).startswith(f"federation.client_overrides: expected clients of one architecture for method {name!r} "
-                               f"(methods.{name} {words}), got client 1 with models other than client 0's")
+    assert str(err).startswith(
+        f"federation.client_overrides: expected clients of one architecture for method {name!r} "
+        f"(methods.{name} {words}), got client 1 with models other than client 0's"
+    )
     err = refusal(resolve_methods({name: {}}), setup_for(cfg, client_models=(other,) * 3), cfg)
-    assert str(err).startswith(f"federation.client_overrides: expected clients of the run's architecture (model: {cfg.model.name}) "
-                               f"for method {name!r} (methods.{name} {words} and scores in the server's model)")
+    assert str(err).startswith(
+        f"federation.client_overrides: expected clients of the run's architecture (model: {cfg.model.name}) "
+        f"for method {name!r} (methods.{name} {words} and scores in the server's model)"
+    )
 
 
 def test_a_params_dependent_fuse_words_the_client_models_refusal(make_config):

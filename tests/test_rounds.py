@@ -64,15 +64,31 @@ class Counting(Method[CountingParams, CountingState]):
 
     def run(self, server: ServerContext) -> MethodResult:
         fed = server.federation
-        rounds = server.rounds(CountingState({"sum": np.zeros(3)}), last=self.params.rounds, evaluate_every=2,
-                               evaluate=lambda rnd: {"norm": float(np.linalg.norm(state.params["sum"]))})
+        rounds = server.rounds(
+            CountingState({"sum": np.zeros(3)}),
+            last=self.params.rounds,
+            evaluate_every=2,
+            evaluate=lambda rnd: {"norm": float(np.linalg.norm(state.params["sum"]))},
+        )
         state = rounds.state
         for rnd in rounds:
             if rnd == self.fail_at:
                 raise RunFailure("interrupted")
-            gathered = fed.gather([call for client in fed.client_ids for call in fed.map(
-                accumulate, float(rnd), clients=[client], label=server.label, round=rnd, held=state.held.get(client),
-                store=state.held.store)])
+            gathered = fed.gather(
+                [
+                    call
+                    for client in fed.client_ids
+                    for call in fed.map(
+                        accumulate,
+                        float(rnd),
+                        clients=[client],
+                        label=server.label,
+                        round=rnd,
+                        held=state.held.get(client),
+                        store=state.held.store,
+                    )
+                ]
+            )
             state.held.moved(gathered.results, rnd)
             totals = server.updates.accept_replies(gathered, lambda client, total: np.asarray(total))
             state.params = {"sum": np.sum(list(totals.values()), axis=0)}
@@ -87,8 +103,16 @@ def _coordinator(make_config, run_dir, cache, fail_at=None):
     plan = make_plan(load_dataset_from_config(cfg.data), cfg.data, cfg.partition, cfg.run.seed)
 
     def factory(i, restarted):
-        return Client(i, plan.for_client(i), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=cfg.run.seed,
-                      restarted=restarted, local_cache=cfg.run.model_cache)
+        return Client(
+            i,
+            plan.for_client(i),
+            data_cfg=cfg.data,
+            model_cfg=cfg.model,
+            train_cfg=cfg.train,
+            seed=cfg.run.seed,
+            restarted=restarted,
+            local_cache=cfg.run.model_cache,
+        )
 
     fed = InProcessFederation(factory, plan.num_clients, FailurePolicy.from_config(cfg.federation), EventLog())
     method = type("CountingRun", (Counting,), {"fail_at": fail_at})
@@ -168,10 +192,17 @@ def test_a_typed_round_state_round_trips_through_a_checkpoint():
         cache: Any = transient("not saved")
 
     rng = np.random.default_rng(0)
-    state = State({"w": rng.normal(size=(2, 3)).astype(np.float32), "n": np.array(7, np.int64)},
-                  moments={"w/m": rng.normal(size=(2, 3))}, queue=[{"a/b": np.arange(3.0)}, {"a/b": np.ones(3)}],
-                  probs=np.array([0.25, 0.75]), loss=float(np.float64(1) / 3), steps=4, records=[{"round": 1, "p": [0.1]}],
-                  pair=(2, 3), cache="in memory only")
+    state = State(
+        {"w": rng.normal(size=(2, 3)).astype(np.float32), "n": np.array(7, np.int64)},
+        moments={"w/m": rng.normal(size=(2, 3))},
+        queue=[{"a/b": np.arange(3.0)}, {"a/b": np.ones(3)}],
+        probs=np.array([0.25, 0.75]),
+        loss=float(np.float64(1) / 3),
+        steps=4,
+        records=[{"round": 1, "p": [0.1]}],
+        pair=(2, 3),
+        cache="in memory only",
+    )
     state.rounds.moved([3, 1], 2)
     params, arrays, meta = encode_state(state)
     assert set(params) == {"w", "n"} and "cache" not in meta

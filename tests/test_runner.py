@@ -120,7 +120,9 @@ def test_a_client_that_raises_mid_run_under_each_policy(make_config, tmp_path, p
     results = run(cfg, run_dir)
     kinds = [(e["kind"], e.get("client")) for e in results["events"]]
     assert ("client_failed", 2) in kinds
-    rounds = {r["round"]: r["value"] for r in json.loads((run_dir / "state" / "fedavg.json").read_text())["history"] if r["metric"] == "clients"}
+    rounds = {
+        r["round"]: r["value"] for r in json.loads((run_dir / "state" / "fedavg.json").read_text())["history"] if r["metric"] == "clients"
+    }
     if policy == "retry":
         assert ("client_retry", 2) in kinds
         assert rounds == {1: 4, 2: 4, 3: 4}
@@ -131,8 +133,12 @@ def test_a_client_that_raises_mid_run_under_each_policy(make_config, tmp_path, p
 
 def test_a_retried_round_equals_the_undisturbed_round(make_config, tmp_path):
     run(make_config(methods={"fedavg": {"rounds": 2}}), tmp_path / "clean")
-    faulty = run(make_config(methods={"fedavg": {"rounds": 2}},
-                             federation={"faults": [{"client": 0, "step": "fedavg.fit", "call": 1, "mode": "exit"}]}), tmp_path / "faulty")
+    faulty = run(
+        make_config(
+            methods={"fedavg": {"rounds": 2}}, federation={"faults": [{"client": 0, "step": "fedavg.fit", "call": 1, "mode": "exit"}]}
+        ),
+        tmp_path / "faulty",
+    )
     assert any(e["kind"] == "client_restarted" for e in faulty["events"])
     a = load_params(tmp_path / "clean" / "models" / "fedavg.safetensors")
     b = load_params(tmp_path / "faulty" / "models" / "fedavg.safetensors")
@@ -140,8 +146,9 @@ def test_a_retried_round_equals_the_undisturbed_round(make_config, tmp_path):
 
 
 def test_nan_updates_are_rejected_never_averaged(make_config, tmp_path):
-    cfg = make_config(methods={"fedavg": {"rounds": 2}},
-                      federation={"faults": [{"client": 1, "step": "fedavg.fit", "call": 2, "mode": "nan"}]})
+    cfg = make_config(
+        methods={"fedavg": {"rounds": 2}}, federation={"faults": [{"client": 1, "step": "fedavg.fit", "call": 2, "mode": "nan"}]}
+    )
     results = run(cfg, tmp_path / "nan")
     rejected = [e for e in results["events"] if e["kind"] == "update_rejected"]
     assert [e["client"] for e in rejected] == [1] and "NaN" in rejected[0]["message"]
@@ -177,7 +184,9 @@ def test_resume_after_an_interrupted_run_equals_the_uninterrupted_run(make_confi
     assert "local_models_restored" not in kinds  # local finished in the first attempt: loaded from state/
     assert any(e["kind"] == "resumed" and e["round"] == 3 for e in resumed["events"])
     assert resumed["status"] == "succeeded" and resumed["run"]["resumed"] is True
-    assert params_equal(load_params(interrupted / "models" / "fedavg.safetensors"), load_params(tmp_path / "straight" / "models" / "fedavg.safetensors"))
+    assert params_equal(
+        load_params(interrupted / "models" / "fedavg.safetensors"), load_params(tmp_path / "straight" / "models" / "fedavg.safetensors")
+    )
     assert resumed["methods"]["fedavg"]["accuracy"] == straight["methods"]["fedavg"]["accuracy"]
     assert resumed["methods"]["local"]["accuracy"] == straight["methods"]["local"]["accuracy"]
     history = [r for r in json.loads((interrupted / "state" / "fedavg.json").read_text())["history"] if r["metric"] == "accuracy"]

@@ -19,8 +19,16 @@ from tests.fusion.test_update_pipeline import build_coordinator, server_for
 ROOT = Path(__file__).resolve().parents[1]
 
 #: the round loop's internals: on ``rounds.LoopServer`` (MethodServer implements it), never on ``ServerContext``
-LOOP_INTERNALS = {"resume", "history", "checkpoint", "model_cache", "resume_checkpoint", "save_checkpoint", "clients_missing_state",
-                  "forget_client_state"}
+LOOP_INTERNALS = {
+    "resume",
+    "history",
+    "checkpoint",
+    "model_cache",
+    "resume_checkpoint",
+    "save_checkpoint",
+    "clients_missing_state",
+    "forget_client_state",
+}
 
 
 def protocol_members(module: Any, name: str) -> dict[str, str]:
@@ -41,21 +49,70 @@ def protocol_members(module: Any, name: str) -> dict[str, str]:
 def test_server_context_is_small_and_holds_the_five_services() -> None:
     members = protocol_members(method_module, "ServerContext")
     assert len(members) <= 16, sorted(members)
-    assert set(members) == {"label", "method", "params", "events", "seed", "step_seed", "rng", "log", "progress", "rounds",
-                            "federation", "updates", "data", "models", "scoring"}
+    assert set(members) == {
+        "label",
+        "method",
+        "params",
+        "events",
+        "seed",
+        "step_seed",
+        "rng",
+        "log",
+        "progress",
+        "rounds",
+        "federation",
+        "updates",
+        "data",
+        "models",
+        "scoring",
+    }
     assert not LOOP_INTERNALS & set(members)
     for service in ("federation", "updates", "data", "models", "scoring"):
         assert members[service] == "property"  # read-only: a method cannot swap a service
 
 
-@pytest.mark.parametrize("protocol, expected", [
-    ("DataRoles", {"test", "public", "pooled_train", "dataset_meta", "class_counts", "num_classes", "input_shape", "num_clients",
-                   "data_cfg", "evaluation"}),
-    ("ModelService", {"model_cfg", "train_cfg", "device", "build_model", "client_model", "build_client_model", "initial_params"}),
-    ("Scoring", {"evaluate", "evaluate_ensemble", "predict_proba", "evaluate_proba"}),
-    ("UpdateService", {"collect", "accept", "receive", "combine", "sample", "rounds", "local_models", "state", "load_state", "info",
-                       "accept_replies", "reject", "sample_clients", "local_updates", "run_cached"}),
-])
+@pytest.mark.parametrize(
+    "protocol, expected",
+    [
+        (
+            "DataRoles",
+            {
+                "test",
+                "public",
+                "pooled_train",
+                "dataset_meta",
+                "class_counts",
+                "num_classes",
+                "input_shape",
+                "num_clients",
+                "data_cfg",
+                "evaluation",
+            },
+        ),
+        ("ModelService", {"model_cfg", "train_cfg", "device", "build_model", "client_model", "build_client_model", "initial_params"}),
+        ("Scoring", {"evaluate", "evaluate_ensemble", "predict_proba", "evaluate_proba"}),
+        (
+            "UpdateService",
+            {
+                "collect",
+                "accept",
+                "receive",
+                "combine",
+                "sample",
+                "rounds",
+                "local_models",
+                "state",
+                "load_state",
+                "info",
+                "accept_replies",
+                "reject",
+                "sample_clients",
+                "local_updates",
+                "run_cached",
+            },
+        ),
+    ],
+)
 def test_each_service_has_its_members(protocol: str, expected: set[str]) -> None:
     assert set(protocol_members(method_module, protocol)) == expected
 
@@ -73,13 +130,16 @@ def server(make_config: Any, tmp_path: Path) -> MethodServer:
     return server_for(coord, "fedavg")
 
 
-@pytest.mark.parametrize("protocol, attribute, implementation", [
-    ("ServerContext", None, MethodServer),
-    ("DataRoles", "data", ServerData),
-    ("ModelService", "models", ServerModels),
-    ("Scoring", "scoring", ServerScoring),
-    ("UpdateService", "updates", MethodUpdates),
-])
+@pytest.mark.parametrize(
+    "protocol, attribute, implementation",
+    [
+        ("ServerContext", None, MethodServer),
+        ("DataRoles", "data", ServerData),
+        ("ModelService", "models", ServerModels),
+        ("Scoring", "scoring", ServerScoring),
+        ("UpdateService", "updates", MethodUpdates),
+    ],
+)
 def test_method_server_implements_each_protocol(server: MethodServer, protocol: str, attribute: str | None, implementation: type) -> None:
     obj = server if attribute is None else getattr(server, attribute)
     assert type(obj) is implementation

@@ -43,13 +43,26 @@ def _assert_federated(results: dict, labels) -> None:
         assert all(math.isfinite(row["accuracy"]) for row in rows)
 
 
-@pytest.mark.parametrize("methods", [
-    {"fedadam": {"rounds": 2, "local_epochs": 1}, "fedyogi": {"rounds": 2, "local_epochs": 1},
-     "fedref": {"rounds": 2, "local_epochs": 1, "p": 1}},
-    {"median": {"method": "fedavg", "rounds": 2, "local_epochs": 1, "aggregator": "median"},
-     "dp": {"method": "fedavg", "rounds": 2, "local_epochs": 1,
-            "dp": {"noise_multiplier": 0.5, "clip_norm": 1.0, "sample_rate": 1.0, "delta": 0.01}}},
-], ids=["fedopt-fedref", "robust-central-dp"])
+@pytest.mark.parametrize(
+    "methods",
+    [
+        {
+            "fedadam": {"rounds": 2, "local_epochs": 1},
+            "fedyogi": {"rounds": 2, "local_epochs": 1},
+            "fedref": {"rounds": 2, "local_epochs": 1, "p": 1},
+        },
+        {
+            "median": {"method": "fedavg", "rounds": 2, "local_epochs": 1, "aggregator": "median"},
+            "dp": {
+                "method": "fedavg",
+                "rounds": 2,
+                "local_epochs": 1,
+                "dp": {"noise_multiplier": 0.5, "clip_norm": 1.0, "sample_rate": 1.0, "delta": 0.01},
+            },
+        },
+    ],
+    ids=["fedopt-fedref", "robust-central-dp"],
+)
 def test_server_side_fedavg_variants_run_on_silo_data(tmp_path, methods):
     results = _run(tmp_path, _job(tmp_path, methods))
     _assert_federated(results, methods)
@@ -86,9 +99,11 @@ def test_kl_fusion_bnn_runs_on_silo_data_and_scores_on_data_test(tmp_path):
 
 
 def test_kl_fusion_gmm_and_its_baselines_run_on_silo_data_without_the_generators_truth(tmp_path):
-    methods = {"kl": {"application": "gmm", "n_components": 3, "n_init": 1, "vi_max_iter": 20},
-               "spahm": {"n_components": 3, "n_init": 1, "vi_max_iter": 20},
-               "dp_cluster": {"n_components": 3, "n_init": 1, "vi_max_iter": 20}}
+    methods = {
+        "kl": {"application": "gmm", "n_components": 3, "n_init": 1, "vi_max_iter": 20},
+        "spahm": {"n_components": 3, "n_init": 1, "vi_max_iter": 20},
+        "dp_cluster": {"n_components": 3, "n_init": 1, "vi_max_iter": 20},
+    }
     results = _run(tmp_path, {**_job(tmp_path, methods, **_server_sets(tmp_path)), "evaluation": "central"})
     assert results["status"] == "succeeded"
     for label in methods:  # no true atoms: the fused model's own size, no Hausdorff distance to a truth
@@ -105,8 +120,11 @@ def test_kl_fusion_topics_runs_on_silo_documents_scored_by_completion_on_data_te
         np.savez(tmp_path / f"docs{i}.npz", X=docs.astype(np.float32), y=np.arange(30) % 2)
     test = np.stack([rng.multinomial(40, rng.dirichlet(np.ones(3)) @ topics) for _ in range(20)])
     np.savez(tmp_path / "docs_test.npz", X=test.astype(np.float32), y=np.arange(20) % 2)
-    job = _job(tmp_path, {"kl": {"application": "topics", "n_components": 3, "vi_max_iter": 10}},
-               test={"dataset": "npz", "path": str(tmp_path / "docs_test.npz")})
+    job = _job(
+        tmp_path,
+        {"kl": {"application": "topics", "n_components": 3, "vi_max_iter": 10}},
+        test={"dataset": "npz", "path": str(tmp_path / "docs_test.npz")},
+    )
     job["data"]["silos"] = [{"dataset": "npz", "path": str(tmp_path / f"docs{i}.npz")} for i in range(3)]
     results = _run(tmp_path, {**job, "evaluation": "central"})
     entry = results["methods"]["kl"]
@@ -126,6 +144,7 @@ def test_kl_fusion_with_the_true_component_counts_on_silos_is_refused_before_any
 
 def _image_silos(tmp_path) -> tuple[list[dict], dict]:
     """Two silos of 8 x 8 images (bars: class 0 horizontal, class 1 vertical, in [0, 1]) and a server test set."""
+
     def images(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
         rng = np.random.default_rng(seed)
         y = np.arange(n) % 2
@@ -150,8 +169,20 @@ def _image_silos(tmp_path) -> tuple[list[dict], dict]:
 
 def test_epgan_runs_on_silo_images_with_its_classifier_trained_on_the_servers_test_set(tmp_path):
     silos, test = _image_silos(tmp_path)
-    methods = {"ep": {"method": "epgan", "backbone": "wgan", "rounds": 1, "warmup_epochs": 1, "local_epochs": 1, "batch_size": 16,
-                      "hidden": 8, "latent_dim": 2, "out_activation": "sigmoid", "eval_samples": 100}}
+    methods = {
+        "ep": {
+            "method": "epgan",
+            "backbone": "wgan",
+            "rounds": 1,
+            "warmup_epochs": 1,
+            "local_epochs": 1,
+            "batch_size": 16,
+            "hidden": 8,
+            "latent_dim": 2,
+            "out_activation": "sigmoid",
+            "eval_samples": 100,
+        }
+    }
     job = {**_job(tmp_path, methods, test=test), "evaluation": "central"}
     job["data"]["silos"] = silos
     results = _run(tmp_path, job)
@@ -183,8 +214,12 @@ def test_rayfuse_tune_runs_a_sweep_over_a_silo_job(tmp_path, capsys, ray_session
     job = _job(tmp_path, {"fedavg": {"rounds": 1, "local_epochs": 1}})
     job["federation"] = {"clients": {"num_cpus": 0.1}, "coordinator": {"num_cpus": 0.1}, "task_cpus": 0.1}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    space = {"base": "job.yaml", "space": {"methods.fedavg.lr": {"grid": [0.01]}}, "metric": "fused/fedavg/accuracy",
-             "storage": str(tmp_path / "tune")}
+    space = {
+        "base": "job.yaml",
+        "space": {"methods.fedavg.lr": {"grid": [0.01]}},
+        "metric": "fused/fedavg/accuracy",
+        "storage": str(tmp_path / "tune"),
+    }
     (tmp_path / "space.yaml").write_text(yaml.safe_dump(space))
     assert main(["tune", str(tmp_path / "space.yaml")]) == 0
     out = capsys.readouterr().out

@@ -38,21 +38,29 @@ def _silos(tmp_path, n: int = 3, size: int = 45) -> list[dict]:
 
 
 def _job(tmp_path, methods: dict, **data) -> dict:
-    return {"run": {"name": "silo", "seed": 0, "storage": str(tmp_path / "runs")},
-            "data": {"silos": _silos(tmp_path), **data},
-            "model": {"name": "mlp", "hidden": [8]}, "train": {"epochs": 2, "batch_size": 16, "shared_init": True},
-            "federation": {"backend": "local"}, "methods": methods}
+    return {
+        "run": {"name": "silo", "seed": 0, "storage": str(tmp_path / "runs")},
+        "data": {"silos": _silos(tmp_path), **data},
+        "model": {"name": "mlp", "hidden": [8]},
+        "train": {"epochs": 2, "batch_size": 16, "shared_init": True},
+        "federation": {"backend": "local"},
+        "methods": methods,
+    }
 
 
 def _run(tmp_path, job: dict) -> dict:
     return run_experiment(validate_config(job), InProcessBackend(), tmp_path / "runs" / "r", printer=lambda e: None, show_tables=False)
 
 
-@pytest.mark.parametrize("methods", [
-    {"fedavg": {"rounds": 2, "local_epochs": 1}, "fedprox": {"rounds": 1, "local_epochs": 1, "mu": 0.1}},
-    {"local": {}, "average": {}, "ensemble": {}, "aligned": {}},
-    {"gems": {"m_epsilon": 4}},
-], ids=["fedavg-family", "one-shot", "gems"])
+@pytest.mark.parametrize(
+    "methods",
+    [
+        {"fedavg": {"rounds": 2, "local_epochs": 1}, "fedprox": {"rounds": 1, "local_epochs": 1, "mu": 0.1}},
+        {"local": {}, "average": {}, "ensemble": {}, "aligned": {}},
+        {"gems": {"m_epsilon": 4}},
+    ],
+    ids=["fedavg-family", "one-shot", "gems"],
+)
 def test_method_families_run_on_silo_data(tmp_path, methods):
     results = _run(tmp_path, _job(tmp_path, methods))
     assert results["status"] == "succeeded" and results["evaluation"] == "federated"
@@ -69,9 +77,12 @@ def test_methods_needing_server_data_take_data_public(tmp_path):
     X, y = _blobs(30, seed=9)
     np.savez(tmp_path / "public.npz", X=X, y=y)
     np.savez(tmp_path / "test.npz", X=X, y=y)
-    job = _job(tmp_path, {"gems": {"m_epsilon": 4, "fine_tune": True}, "transfer": {"target_epochs": 1}},
-               public={"dataset": "npz", "path": str(tmp_path / "public.npz")},
-               test={"dataset": "npz", "path": str(tmp_path / "test.npz")})
+    job = _job(
+        tmp_path,
+        {"gems": {"m_epsilon": 4, "fine_tune": True}, "transfer": {"target_epochs": 1}},
+        public={"dataset": "npz", "path": str(tmp_path / "public.npz")},
+        test={"dataset": "npz", "path": str(tmp_path / "test.npz")},
+    )
     results = _run(tmp_path, {**job, "evaluation": "central"})
     assert results["status"] == "succeeded"
     assert json.loads((tmp_path / "runs" / "r" / "partition.json").read_text())["roles"]["public"]["size"] == 30
@@ -96,7 +107,9 @@ def test_federated_evaluation_equals_central_when_the_held_out_splits_are_the_te
         silos.append({"dataset": "npz", "path": str(tmp_path / f"train{i}.npz"), "test_path": str(tmp_path / f"test{i}.npz")})
         tests.append((Xt, yt))
     np.savez(tmp_path / "test.npz", X=np.concatenate([t[0] for t in tests]), y=np.concatenate([t[1] for t in tests]))
-    job = _job(tmp_path, {"fedavg": {"rounds": 2, "local_epochs": 1}, "ensemble": {}}, test={"dataset": "npz", "path": str(tmp_path / "test.npz")})
+    job = _job(
+        tmp_path, {"fedavg": {"rounds": 2, "local_epochs": 1}, "ensemble": {}}, test={"dataset": "npz", "path": str(tmp_path / "test.npz")}
+    )
     job["data"]["silos"] = silos
     results = _run(tmp_path, {**job, "evaluation": "both"})
     for label in ("fedavg", "ensemble"):
@@ -131,8 +144,10 @@ def test_standardisation_is_federated_and_its_payloads_are_statistics_only(tmp_p
 
 def _bad_silo(tmp_path, kind: str) -> tuple[dict, str]:
     if kind == "missing":
-        return ({"dataset": "npz", "path": "${SITE_DATA}/nowhere.npz"},
-                r"data\.silos\.1\.path: expected an existing npz file on client 1's node, got '\$\{SITE_DATA\}/nowhere\.npz'")
+        return (
+            {"dataset": "npz", "path": "${SITE_DATA}/nowhere.npz"},
+            r"data\.silos\.1\.path: expected an existing npz file on client 1's node, got '\$\{SITE_DATA\}/nowhere\.npz'",
+        )
     if kind == "no-images":
         for cls in ("a", "b"):
             (tmp_path / "images" / cls).mkdir(parents=True)
@@ -180,11 +195,19 @@ def test_a_restarted_silo_client_takes_the_federated_standardisation_back(tmp_pa
     # actor's constructor); the federation re-installs the completed plan, so its numbers are the fault-free run's
     job = _job(tmp_path, {"local": {}, "fedavg": {"rounds": 2, "local_epochs": 1}}, standardize=True)
     clean = _run(tmp_path, job)
-    faulty = {**job, "run": {**job["run"], "storage": str(tmp_path / "faulty")},
-              "federation": {"backend": "local", "on_client_failure": "retry", "max_restarts": 2,
-                             "faults": [{"client": 1, "step": step, "call": 1, "mode": "exit"}]}}
-    results = run_experiment(validate_config(faulty), InProcessBackend(), tmp_path / "faulty" / "r", printer=lambda e: None,
-                             show_tables=False)
+    faulty = {
+        **job,
+        "run": {**job["run"], "storage": str(tmp_path / "faulty")},
+        "federation": {
+            "backend": "local",
+            "on_client_failure": "retry",
+            "max_restarts": 2,
+            "faults": [{"client": 1, "step": step, "call": 1, "mode": "exit"}],
+        },
+    }
+    results = run_experiment(
+        validate_config(faulty), InProcessBackend(), tmp_path / "faulty" / "r", printer=lambda e: None, show_tables=False
+    )
     assert [e["client"] for e in results["events"] if e["kind"] == "client_restarted"] == [1]
     for label in ("local", "fedavg"):
         for key in ("accuracy", "nll", "client_metrics"):
@@ -198,9 +221,16 @@ def test_on_ray_a_restarted_silo_actor_takes_the_federated_standardisation_back(
 
     job = _job(tmp_path, {"fedavg": {"rounds": 2, "local_epochs": 1}}, standardize=True)
     clean = _run(tmp_path, job)
-    faulty = {**job, "run": {**job["run"], "storage": str(tmp_path / "faulty")},
-              "federation": {"backend": "ray", "on_client_failure": "retry", "max_restarts": 2,
-                             "faults": [{"client": 1, "step": "fedavg.fit", "call": 1, "mode": "exit"}]}}
+    faulty = {
+        **job,
+        "run": {**job["run"], "storage": str(tmp_path / "faulty")},
+        "federation": {
+            "backend": "ray",
+            "on_client_failure": "retry",
+            "max_restarts": 2,
+            "faults": [{"client": 1, "step": "fedavg.fit", "call": 1, "mode": "exit"}],
+        },
+    }
     results = run_experiment(validate_config(faulty), RayBackend(), tmp_path / "faulty" / "r", printer=lambda e: None, show_tables=False)
     assert [e["client"] for e in results["events"] if e["kind"] == "client_restarted"] == [1]
     for key in ("accuracy", "nll", "client_metrics"):

@@ -18,7 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SPACES = sorted((ROOT / "tune_spaces").glob("*.yaml"))
 
 TINY_JOB = {
-    "run": {"name": "tiny"}, "partition": {"num_clients": 2}, "model": {"hidden": [8]}, "train": {"epochs": 1},
+    "run": {"name": "tiny"},
+    "partition": {"num_clients": 2},
+    "model": {"hidden": [8]},
+    "train": {"epochs": 1},
     "methods": {"average": {}, "fedprox": {"rounds": 3, "local_epochs": 1}},
 }
 
@@ -64,6 +67,7 @@ def test_the_default_name_is_a_valid_run_name_start(tmp_path, stem, name):
     assert spec.name == name
     spec.trial_config({"methods.fedprox.mu": 0.1})  # validates
     from rayfuse.config import validate_config
+
     validate_config({**spec.base, "run": {**spec.base["run"], "name": f"{spec.name}-55e08_00000"}})
 
 
@@ -77,19 +81,29 @@ BAD = [
     ("unknown section key", {"space": {"train.epoch": {"randint": [1, 3]}}}, r"space\.train\.epoch: .*did you mean 'epochs'"),
     ("method not in the job", {"space": {"methods.gems.epsilon": {"grid": [0.1]}}}, r"space\.methods\.gems\.epsilon: expected a key"),
     ("unknown domain", {"space": {"methods.fedprox.mu": {"gird": [0.1]}}}, r"space\.methods\.fedprox\.mu: expected a Tune domain.*'grid'"),
-    ("two domains", {"space": {"methods.fedprox.mu": {"grid": [0.1], "choice": [1]}}}, r"space\.methods\.fedprox\.mu: expected one Tune domain"),
+    (
+        "two domains",
+        {"space": {"methods.fedprox.mu": {"grid": [0.1], "choice": [1]}}},
+        r"space\.methods\.fedprox\.mu: expected one Tune domain",
+    ),
     ("reversed range", {"space": {"methods.fedprox.mu": {"uniform": [1, 0.1]}}}, r"mu\.uniform: expected low < high"),
     ("log of zero", {"space": {"methods.fedprox.mu": {"loguniform": [0, 1]}}}, r"mu\.loguniform: expected low > 0"),
     ("wrong arity", {"space": {"methods.fedprox.mu": {"quniform": [0, 1]}}}, r"mu\.quniform: expected 3 numbers"),
-    ("value the config refuses", {"space": {"methods.fedprox.mu": {"grid": [0.1, -1]}}},
-     r"space\.methods\.fedprox\.mu: expected values the config accepts.*got -1"),
+    (
+        "value the config refuses",
+        {"space": {"methods.fedprox.mu": {"grid": [0.1, -1]}}},
+        r"space\.methods\.fedprox\.mu: expected values the config accepts.*got -1",
+    ),
     ("integer range the config refuses", {"space": {"train.epochs": {"randint": [-2, 3]}}}, r"space\.train\.epochs: .*got -2"),
     ("empty grid", {"space": {"methods.fedprox.mu": {"grid": []}}}, r"mu\.grid: expected a non-empty list"),
     ("metric of an unknown method", {"metric": "fused/avg/accuracy"}, r"metric: expected fused/<method label>/<metric>"),
     ("typo in a top-level key", {"schedular": {"type": "asha"}}, r"schedular: expected a known key.*did you mean 'scheduler'"),
     ("unknown scheduler", {"scheduler": {"type": "pbt"}}, r"scheduler\.type"),
-    ("asha over two multi-round methods", {"scheduler": {"type": "asha"}, "set": {"methods.fedavg": {"rounds": 2}}},
-     r"scheduler: expected ASHA over exactly one"),
+    (
+        "asha over two multi-round methods",
+        {"scheduler": {"type": "asha"}, "set": {"methods.fedavg": {"rounds": 2}}},
+        r"scheduler: expected ASHA over exactly one",
+    ),
     ("label filter typo", {"methods": ["fedprx"]}, r"methods: expected method labels of the base job.*did you mean 'fedprox'"),
     ("bad fixed value", {"set": {"train.epochs": -1}}, r"set train\.epochs"),
     ("missing base", {"base": "nope.yaml"}, r"base: expected an existing job YAML"),
@@ -124,8 +138,12 @@ def test_domains_become_tune_objects_and_a_trial_gets_one_bundle_per_client(tmp_
     from actors.backend import trial_bundles
     from actors.tune import param_space
 
-    space = {"methods.fedprox.mu": {"loguniform": [0.001, 1]}, "train.epochs": {"randint": [1, 3]},
-             "train.lr": {"choice": [0.01, 0.1]}, "methods.fedprox.rounds": {"grid": [1, 2]}}
+    space = {
+        "methods.fedprox.mu": {"loguniform": [0.001, 1]},
+        "train.epochs": {"randint": [1, 3]},
+        "train.lr": {"choice": [0.01, 0.1]},
+        "methods.fedprox.rounds": {"grid": [1, 2]},
+    }
     spec = load_space(write_space(tmp_path, space=space, set={"federation.clients.num_cpus": 0.5}))
     domains = param_space(spec)
     assert isinstance(domains["methods.fedprox.mu"], Float) and isinstance(domains["train.epochs"], Integer)
@@ -146,5 +164,15 @@ def test_a_trial_reports_each_round_of_the_metrics_method_with_the_stages_so_far
     reporter({"kind": "metrics", "method": "fedprox", "round": 2, "client": 0, "values": {"accuracy": 0.1}})  # a client's row: no report
     reporter({"kind": "progress", "method": "fedprox", "round": 2, "metrics": {"accuracy": 0.9}})  # display text: never read
     reporter({"kind": "metrics", "method": "fedprox", "round": 2, "client": None, "values": {"accuracy": 0.5, "train_loss": 1.0}})
-    assert reports == [{"local/trained": 0, "local/cache_hit": 1, "time/startup": 1.5, "fused/fedavg/accuracy": 0.4,
-                        "fused/fedprox/train_loss": 1.0, "fused/fedprox/accuracy": 0.5, "round": 2, "stage": "fedprox"}]
+    assert reports == [
+        {
+            "local/trained": 0,
+            "local/cache_hit": 1,
+            "time/startup": 1.5,
+            "fused/fedavg/accuracy": 0.4,
+            "fused/fedprox/train_loss": 1.0,
+            "fused/fedprox/accuracy": 0.5,
+            "round": 2,
+            "stage": "fedprox",
+        }
+    ]

@@ -23,8 +23,9 @@ def _run(cfg, run_dir, **kwargs):
 def test_a_run_with_tracking_mlflow_logs_each_method_nested_with_params_metrics_and_model(make_config, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    cfg = make_config(methods={"local": {}, "fedavg": {"rounds": 2, "local_epochs": 1, "lr": 0.05}},
-                      tracking={"mlflow": {"experiment": "tiny"}})
+    cfg = make_config(
+        methods={"local": {}, "fedavg": {"rounds": 2, "local_epochs": 1, "lr": 0.05}}, tracking={"mlflow": {"experiment": "tiny"}}
+    )
     run_dir = tmp_path / "run"
     results = _run(cfg, run_dir)
     assert (run_dir / "mlruns").is_dir()  # the default store: the run folder's own mlruns/
@@ -64,8 +65,7 @@ def test_logging_the_same_run_folder_again_replaces_its_earlier_record(make_conf
     run_dir = tmp_path / "run"
     results = _run(cfg, run_dir)
     summaries = [RunStore(run_dir).load_method_state("fedavg")]
-    again = log_to_mlflow(cfg.tracking.mlflow, cfg=cfg, run_dir=run_dir, resolved=results["config"], summaries=summaries,
-                          warn=pytest.fail)
+    again = log_to_mlflow(cfg.tracking.mlflow, cfg=cfg, run_dir=run_dir, resolved=results["config"], summaries=summaries, warn=pytest.fail)
     client = MlflowClient(tracking_uri=again["uri"])
     experiment = client.get_experiment_by_name(cfg.run.name)
     live = client.search_runs([experiment.experiment_id])

@@ -33,8 +33,17 @@ def coordinator(make_config, tmp_path):
         plan = make_plan(load_dataset_from_config(cfg.data), cfg.data, cfg.partition, cfg.run.seed)
 
         def factory(i, restarted):
-            return Client(i, plan.for_client(i), data_cfg=cfg.data, model_cfg=cfg.client_model(i), train_cfg=cfg.train, seed=cfg.run.seed,
-                          faults=cfg.federation.faults, restarted=restarted, local_cache=cfg.run.model_cache)
+            return Client(
+                i,
+                plan.for_client(i),
+                data_cfg=cfg.data,
+                model_cfg=cfg.client_model(i),
+                train_cfg=cfg.train,
+                seed=cfg.run.seed,
+                faults=cfg.federation.faults,
+                restarted=restarted,
+                local_cache=cfg.run.model_cache,
+            )
 
         fed = InProcessFederation(factory, plan.num_clients, FailurePolicy.from_config(cfg.federation), EventLog())
         return Coordinator(cfg, plan, str(tmp_path / folder), fed)
@@ -185,8 +194,17 @@ TOY = {
     "data": {"dataset": "gaussians4", "options": {"n_per_mode": 120}, "val_size": 0.0},
     "partition": {"method": "labels", "num_clients": 4, "groups": [[0], [1], [2], [3]]},
 }
-ORACLE = {"oracle": {"method": "epgan-oracle", "backbone": "ep-probgan", "epochs": 5, "local_epochs": 2, "batch_size": 32,
-                     "grid": 20, "eval_samples": 200}}
+ORACLE = {
+    "oracle": {
+        "method": "epgan-oracle",
+        "backbone": "ep-probgan",
+        "epochs": 5,
+        "local_epochs": 2,
+        "batch_size": 32,
+        "grid": 20,
+        "eval_samples": 200,
+    }
+}
 
 
 def test_the_epgan_oracle_resumes_after_its_last_block_of_epochs(coordinator, monkeypatch):
@@ -239,8 +257,10 @@ def test_a_fedadam_checkpoint_of_the_string_prefixed_layout_is_refused_on_resume
         coordinator(methods=methods).run_method("fedadam", resume=True)
     message = str(raised.value)
     assert raised.value.path == "checkpoints/fedadam" and "\n" not in message
-    assert message.startswith("checkpoints/fedadam: expected a round checkpoint of FedOptState's fields, not the FedAvg family's "
-                              "older layout (server state as string-prefixed 'server/...' arrays), got ")
+    assert message.startswith(
+        "checkpoints/fedadam: expected a round checkpoint of FedOptState's fields, not the FedAvg family's "
+        "older layout (server state as string-prefixed 'server/...' arrays), got "
+    )
 
 
 def test_an_epgan_oracle_checkpoint_of_its_own_loop_is_refused_on_resume(coordinator):

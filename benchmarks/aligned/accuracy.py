@@ -88,22 +88,32 @@ ARCHS = ("mlp", "cnn", "rescnn", "transformer")
 DATASETS = ("digits", "mnist5k")
 CLIENTS = (2, 3, 5)
 SEEDS = (0, 1, 2)
-QUICK = {"archs": ["rescnn"], "datasets": ["digits"], "clients": [3], "partitions": ["dirichlet0.5"], "inits": ["independent"],
-         "seeds": [0]}
+QUICK = {
+    "archs": ["rescnn"],
+    "datasets": ["digits"],
+    "clients": [3],
+    "partitions": ["dirichlet0.5"],
+    "inits": ["independent"],
+    "seeds": [0],
+}
 
 MethodFn = Callable[[TrainedCell], dict[str, dict[str, Any]]]
 
 
-def score(trained: TrainedCell, params: Mapping[str, Any], seconds: float, label: str, *, with_bn: bool = True,
-          **extra: Any) -> dict[str, dict[str, Any]]:
+def score(
+    trained: TrainedCell, params: Mapping[str, Any], seconds: float, label: str, *, with_bn: bool = True, **extra: Any
+) -> dict[str, dict[str, Any]]:
     """``{label: ...}`` and, when the model has BatchNorm and ``with_bn``, ``{label+bn: ...}`` (statistics re-estimated
     on the public slice)."""
     out = {label: {"accuracy": accuracy_of(trained.spec, params, trained.test), "seconds": seconds, **extra}}
     if with_bn and any(k.endswith("running_mean") for k in params):
         started = time.perf_counter()
         repaired = reestimate_batchnorm(trained.spec, params, trained.public.X)
-        out[label + "+bn"] = {"accuracy": accuracy_of(trained.spec, repaired, trained.test),
-                              "seconds": seconds + time.perf_counter() - started, **extra}
+        out[label + "+bn"] = {
+            "accuracy": accuracy_of(trained.spec, repaired, trained.test),
+            "seconds": seconds + time.perf_counter() - started,
+            **extra,
+        }
     return out
 
 
@@ -125,16 +135,33 @@ def naive_average(trained: TrainedCell) -> dict[str, dict[str, Any]]:
     return score(trained, average, time.perf_counter() - started, "naive_average")
 
 
-def run_rebasin(folder: Path, arch_file: Path, out: Path, *, modes: Sequence[str] = ("mergemany",), threads: int = 1,
-                python: Path = REBASIN_PYTHON, timeout_s: float = 3600.0) -> dict[str, Any]:
+def run_rebasin(
+    folder: Path,
+    arch_file: Path,
+    out: Path,
+    *,
+    modes: Sequence[str] = ("mergemany",),
+    threads: int = 1,
+    python: Path = REBASIN_PYTHON,
+    timeout_s: float = 3600.0,
+) -> dict[str, Any]:
     """Run ``rebasin_runner.py`` on a checkpoint folder with the rebasin virtualenv's Python; return its result dict.
 
     Raises ``RuntimeError`` (with the runner's last lines) when the environment is missing or the runner fails.
     """
     if not python.exists():
         raise RuntimeError(f"no rebasin environment at {python} (see benchmarks/README.md, 'Aligned fusion')")
-    cmd = [str(python), str(HERE / "rebasin_runner.py"), str(folder), str(arch_file), str(out),
-           "--modes", *modes, "--threads", str(threads)]
+    cmd = [
+        str(python),
+        str(HERE / "rebasin_runner.py"),
+        str(folder),
+        str(arch_file),
+        str(out),
+        "--modes",
+        *modes,
+        "--threads",
+        str(threads),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
@@ -170,8 +197,10 @@ def fedavg(trained: TrainedCell, rounds: Sequence[int] = (1, 5)) -> dict[str, di
     with tempfile.TemporaryDirectory(prefix="fedavg-") as tmp, contextlib.redirect_stdout(io.StringIO()):
         result = rayfuse.run(config, model=factory, backend="local", run_dir=Path(tmp) / "run", quiet=True)
     methods = result.results["methods"]
-    return {label: {"accuracy": float(result.metrics.loc[label, "accuracy"]), "seconds": float(methods[label]["seconds"])}
-            for label in config["methods"]}
+    return {
+        label: {"accuracy": float(result.metrics.loc[label, "accuracy"]), "seconds": float(methods[label]["seconds"])}
+        for label in config["methods"]
+    }
 
 
 def derive_cell_spec(trained: TrainedCell) -> Any:
@@ -199,8 +228,11 @@ def rayfuse_wm(trained: TrainedCell) -> dict[str, dict[str, Any]]:
     if "rayfuse_wm+bn" in out:  # the federated repair, as rayfuse_am gets it: each client's BatchNorm statistics, pooled
         started = time.perf_counter()
         repaired = repair_with_clients(trained, merged, [split.X[:2048] for split in trained.train_sets])
-        out["rayfuse_wm+clients_bn"] = {"accuracy": accuracy_of(trained.spec, repaired, trained.test),
-                                        "seconds": seconds + time.perf_counter() - started, "sweeps": alignment.sweeps}
+        out["rayfuse_wm+clients_bn"] = {
+            "accuracy": accuracy_of(trained.spec, repaired, trained.test),
+            "seconds": seconds + time.perf_counter() - started,
+            "sweeps": alignment.sweeps,
+        }
     return out
 
 
@@ -268,8 +300,10 @@ def rayfuse_am(trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3) ->
     repaired = repair_with_clients(trained, merged, [X for X, _ in data])
     repaired_s = average_s + time.perf_counter() - started
     extra = {"sweeps": alignment.sweeps}
-    out = {"rayfuse_am_norepair": {"accuracy": accuracy_of(trained.spec, merged, trained.test), "seconds": average_s, **extra},
-           "rayfuse_am": {"accuracy": accuracy_of(trained.spec, repaired, trained.test), "seconds": repaired_s, **extra}}
+    out = {
+        "rayfuse_am_norepair": {"accuracy": accuracy_of(trained.spec, merged, trained.test), "seconds": average_s, **extra},
+        "rayfuse_am": {"accuracy": accuracy_of(trained.spec, repaired, trained.test), "seconds": repaired_s, **extra},
+    }
     started = time.perf_counter()
     fishers = [diagonal_fisher(build_model(trained.spec, a), X, y) for a, (X, y) in zip(aligned, data)]
     fused = repair_with_clients(trained, merge_fisher(aligned, fishers, trained.num_examples), [X for X, _ in data])
@@ -281,19 +315,28 @@ def rayfuse_am(trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3) ->
 NP_DEFAULTS = (0.5, 2.0)  # the nonparametric merge's threshold and width cap: the method's defaults
 
 
-def fuse_wide(trained: TrainedCell, found: ActivationAlignment, data: Sequence[Any], roles: Any, threshold: float,
-              max_width: float) -> tuple[dict[str, Any], Any]:
+def fuse_wide(
+    trained: TrainedCell, found: ActivationAlignment, data: Sequence[Any], roles: Any, threshold: float, max_width: float
+) -> tuple[dict[str, Any], Any]:
     """The nonparametric merge of the aligned clients (``rayfuse.alignment.fuse_nonparametric``), then the clients'
     BatchNorm repair and REPAIR's rescaling: the fused parameters and the merge's plan."""
     from rayfuse.alignment import fuse_nonparametric
 
-    merged, plan = fuse_nonparametric(found.aligned, found.spec, roles, quality=found.alignment.quality, weights=trained.num_examples,
-                                      threshold=threshold, max_width=max_width)
+    merged, plan = fuse_nonparametric(
+        found.aligned,
+        found.spec,
+        roles,
+        quality=found.alignment.quality,
+        weights=trained.num_examples,
+        threshold=threshold,
+        max_width=max_width,
+    )
     return rescale_with_clients(trained, found.spec, found.aligned, repair_with_clients(trained, merged, data), data, plan), plan
 
 
-def rayfuse_np(trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3,
-               variants: Sequence[tuple[float, float]] = (NP_DEFAULTS, (0.5, 1.5))) -> dict[str, dict[str, Any]]:
+def rayfuse_np(
+    trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3, variants: Sequence[tuple[float, float]] = (NP_DEFAULTS, (0.5, 1.5))
+) -> dict[str, dict[str, Any]]:
     """rayfuse's activation matching (as ``rayfuse_am`` plays it), then what the merge and the repair add:
 
     * ``rayfuse_np`` (threshold 0.5, width at most 2x: the method's defaults) and ``rayfuse_np_w1.5`` (at most 1.5x):
@@ -318,14 +361,19 @@ def rayfuse_np(trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3,
         repaired, plan = fuse_wide(trained, found, data, roles, threshold, max_width)
         growth = sum(plan.widths.values()) / sum(g.size for g in pspec.groups)
         label = "rayfuse_np" if (threshold, max_width) == variants[0] else f"rayfuse_np_w{max_width:g}"
-        out[label] = {"accuracy": accuracy_of(trained.spec, repaired, trained.test), "seconds": align_s + time.perf_counter() - started,
-                      "width": round(growth, 3)}
+        out[label] = {
+            "accuracy": accuracy_of(trained.spec, repaired, trained.test),
+            "seconds": align_s + time.perf_counter() - started,
+            "width": round(growth, 3),
+        }
     started = time.perf_counter()
     average = repair_with_clients(trained, merge_average(aligned, trained.num_examples), data)
     rescaled = rescale_with_clients(trained, pspec, aligned, average, data, None)
     if rescaled is not average:
-        out["rayfuse_am+rescale"] = {"accuracy": accuracy_of(trained.spec, rescaled, trained.test),
-                                     "seconds": align_s + time.perf_counter() - started}
+        out["rayfuse_am+rescale"] = {
+            "accuracy": accuracy_of(trained.spec, rescaled, trained.test),
+            "seconds": align_s + time.perf_counter() - started,
+        }
     return out
 
 
@@ -353,8 +401,16 @@ def rayfuse_rounds(trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3
         updates = []
         for i, split in enumerate(trained.train_sets):
             model = build_model(trained.spec, start)
-            train_model(model, split.X, split.y, epochs=epochs, batch_size=int(train["batch_size"]), lr=float(train["lr"]),
-                        optimizer=train["optimizer"], seed=derive_seed(trained.cell.seed, "aligned-round", i))
+            train_model(
+                model,
+                split.X,
+                split.y,
+                epochs=epochs,
+                batch_size=int(train["batch_size"]),
+                lr=float(train["lr"]),
+                optimizer=train["optimizer"],
+                seed=derive_seed(trained.cell.seed, "aligned-round", i),
+            )
             updates.append(get_params(model))
         return repair_with_clients(trained, merge_average(updates, trained.num_examples), data)
 
@@ -365,12 +421,15 @@ def rayfuse_rounds(trained: TrainedCell, *, samples: int = 2048, sweeps: int = 3
     started = time.perf_counter()
     wide, _ = fuse_wide(trained, found, data, width_roles(build_arch(trained.spec), found.spec), *NP_DEFAULTS)
     out["rayfuse_np+round"] = second_round(wide), time.perf_counter() - started
-    return {label: {"accuracy": accuracy_of(trained.spec, params, trained.test), "seconds": found.seconds + seconds}
-            for label, (params, seconds) in out.items()}
+    return {
+        label: {"accuracy": accuracy_of(trained.spec, params, trained.test), "seconds": found.seconds + seconds}
+        for label, (params, seconds) in out.items()
+    }
 
 
-def rescale_with_clients(trained: TrainedCell, pspec: Any, aligned: Sequence[dict[str, Any]], params: dict[str, Any],
-                         data: Sequence[Any], plan: Any) -> dict[str, Any]:
+def rescale_with_clients(
+    trained: TrainedCell, pspec: Any, aligned: Sequence[dict[str, Any]], params: dict[str, Any], data: Sequence[Any], plan: Any
+) -> dict[str, Any]:
     """``params`` after REPAIR's rescaling as the federated protocol plays it (``rayfuse.alignment.repair_units``,
     ``unit_statistics`` of each client's aligned model and of the merged model on each client's data, ``repair_targets``,
     ``apply_repair``, one pass per layer, at most 3); ``params`` itself when every hidden layer feeds a BatchNorm."""
@@ -380,12 +439,14 @@ def rescale_with_clients(trained: TrainedCell, pspec: Any, aligned: Sequence[dic
     if not units:
         return params
     own = [unit_statistics(build_model(trained.spec, a), X, units) for a, X in zip(aligned, data)]
-    targets = repair_targets(own, units, trained.num_examples, index=plan.index if plan is not None else None,
-                             widths=plan.widths if plan is not None else None)
+    targets = repair_targets(
+        own, units, trained.num_examples, index=plan.index if plan is not None else None, widths=plan.widths if plan is not None else None
+    )
     for _ in range(min(len(units), 3)):
         model = build_model(trained.spec, params)
-        params = apply_repair(params, units, repair_targets([unit_statistics(model, X, units) for X in data], units, trained.num_examples),
-                              targets)
+        params = apply_repair(
+            params, units, repair_targets([unit_statistics(model, X, units) for X in data], units, trained.num_examples), targets
+        )
     return params
 
 
@@ -415,8 +476,15 @@ METHODS: dict[str, MethodFn] = {
 }
 
 
-def iterate_cells(archs: Sequence[str], datasets: Sequence[str], clients: Sequence[int], partitions: Sequence[str],
-                  inits: Sequence[str], seeds: Sequence[int], epochs: int) -> list[Cell]:
+def iterate_cells(
+    archs: Sequence[str],
+    datasets: Sequence[str],
+    clients: Sequence[int],
+    partitions: Sequence[str],
+    inits: Sequence[str],
+    seeds: Sequence[int],
+    epochs: int,
+) -> list[Cell]:
     """Every cell of the grid, seeds innermost."""
     return [Cell(a, d, p, k, i, s, epochs) for d, a, p, k, i, s in itertools.product(datasets, archs, partitions, clients, inits, seeds)]
 
@@ -443,9 +511,27 @@ def run_grid(cells: Sequence[Cell], methods: Mapping[str, MethodFn]) -> list[dic
 KEYS = ("dataset", "arch", "partition", "num_clients", "init")
 # The tables' column order: references, data-free merges, merges with the clients' statistics, then the methods that
 # take more than one round (labels not listed follow, each base label before its variants).
-LABEL_ORDER = ("best_local", "ensemble", "naive_average", "naive_average+bn", "rebasin_mergemany", "rebasin_mergemany+bn",
-               "rayfuse_wm", "rayfuse_wm+bn", "rayfuse_wm+clients_bn", "rayfuse_am_norepair", "rayfuse_am", "rayfuse_am+rescale",
-               "rayfuse_am_fisher", "rayfuse_np", "rayfuse_np_w1.5", "rayfuse_am+round", "rayfuse_np+round", "fedavg_1", "fedavg_5")
+LABEL_ORDER = (
+    "best_local",
+    "ensemble",
+    "naive_average",
+    "naive_average+bn",
+    "rebasin_mergemany",
+    "rebasin_mergemany+bn",
+    "rayfuse_wm",
+    "rayfuse_wm+bn",
+    "rayfuse_wm+clients_bn",
+    "rayfuse_am_norepair",
+    "rayfuse_am",
+    "rayfuse_am+rescale",
+    "rayfuse_am_fisher",
+    "rayfuse_np",
+    "rayfuse_np_w1.5",
+    "rayfuse_am+round",
+    "rayfuse_np+round",
+    "fedavg_1",
+    "fedavg_5",
+)
 
 
 def read_raw(paths: Sequence[Path]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -455,17 +541,36 @@ def read_raw(paths: Sequence[Path]) -> tuple[list[dict[str, Any]], dict[str, Any
     fields = (*asdict(Cell("", "", "", 0, "", 0)), "method")  # model_width and public_size: None when a row has none
     keyed = {tuple(row.get(k) for k in fields): row for payload in payloads for row in payload["rows"]}
     archs = ("mlp", "cnn", "rescnn", "vgg", "transformer", "resnet18")
-    rows = sorted(keyed.values(), key=lambda r: (r["dataset"], archs.index(r["arch"]) if r["arch"] in archs else len(archs), r["arch"],
-                                                 PARTITIONS.index(r["partition"]), r["num_clients"], INITS.index(r["init"]),
-                                                 r.get("model_width") or 0, r["seed"]))
+    rows = sorted(
+        keyed.values(),
+        key=lambda r: (
+            r["dataset"],
+            archs.index(r["arch"]) if r["arch"] in archs else len(archs),
+            r["arch"],
+            PARTITIONS.index(r["partition"]),
+            r["num_clients"],
+            INITS.index(r["init"]),
+            r.get("model_width") or 0,
+            r["seed"],
+        ),
+    )
     return rows, dict(payloads[0]["machine"])
 
 
-def write_outputs(rows: list[dict[str, Any]], out_dir: Path, info: Mapping[str, Any], *, keys: Sequence[str] = KEYS,
-                  name: str = "accuracy", title: str = "Aligned fusion: one-shot accuracy",
-                  summary: Callable[[Any, Sequence[str]], list[str]] | None = None, x: str = "num_clients",
-                  panels: tuple[str, str] = ("partition", "init"), script: str = "benchmarks/aligned",
-                  order: Sequence[str] = ()) -> list[Path]:
+def write_outputs(
+    rows: list[dict[str, Any]],
+    out_dir: Path,
+    info: Mapping[str, Any],
+    *,
+    keys: Sequence[str] = KEYS,
+    name: str = "accuracy",
+    title: str = "Aligned fusion: one-shot accuracy",
+    summary: Callable[[Any, Sequence[str]], list[str]] | None = None,
+    x: str = "num_clients",
+    panels: tuple[str, str] = ("partition", "init"),
+    script: str = "benchmarks/aligned",
+    order: Sequence[str] = (),
+) -> list[Path]:
     """The CSV, the markdown table (mean and std over seeds, a row per ``keys``) and one plot per dataset and
     architecture (accuracy against ``x``, a panel per ``panels`` pair): ``<name>.csv``, ``<name>.md``,
     ``<name>_<dataset>_<arch>.png``. ``summary``: the markdown after the table (default :func:`summary_lines`)."""
@@ -482,15 +587,23 @@ def write_outputs(rows: list[dict[str, Any]], out_dir: Path, info: Mapping[str, 
     labels = list(dict.fromkeys(frame["method"]))
     methods = [m for m in (*order, *LABEL_ORDER) if m in labels]
     methods = list(dict.fromkeys(methods))
-    methods += [m for base in labels if "+" not in base and base not in methods
-                for m in (base, *[x for x in labels if x.startswith(base + "+") and x not in methods])]
+    methods += [
+        m
+        for base in labels
+        if "+" not in base and base not in methods
+        for m in (base, *[x for x in labels if x.startswith(base + "+") and x not in methods])
+    ]
     methods += [m for m in labels if m not in methods]
     heads = {"num_clients": "K", "model_width": "model width"}
-    lines = [f"# {title}", "",
-             f"Test accuracy, mean (std) over seeds; {info['cpus']} CPUs, {info.get('cpu_model', '')}. "
-             f"Produced by `{script}/{name}.py`; rows per seed in `{name}.csv`.", "",
-             "| " + " | ".join(heads.get(k, k) for k in keys) + " | seeds | " + " | ".join(methods) + " |",
-             "|" + "---|" * (len(keys) + 1 + len(methods))]
+    lines = [
+        f"# {title}",
+        "",
+        f"Test accuracy, mean (std) over seeds; {info['cpus']} CPUs, {info.get('cpu_model', '')}. "
+        f"Produced by `{script}/{name}.py`; rows per seed in `{name}.csv`.",
+        "",
+        "| " + " | ".join(heads.get(k, k) for k in keys) + " | seeds | " + " | ".join(methods) + " |",
+        "|" + "---|" * (len(keys) + 1 + len(methods)),
+    ]
     for key, group in stats.groupby(keys, sort=False):
         by_method = {r["method"]: r for _, r in group.iterrows()}
         seeds = int(max(r["count"] for r in by_method.values()))
@@ -516,29 +629,52 @@ TARGET = {"dataset": "digits", "arch": "rescnn", "partition": "dirichlet0.5", "n
 def summary_lines(stats: Any, methods: Sequence[str]) -> list[str]:
     """Markdown: per (dataset, arch), the mean over cells of each method's accuracy (cells where the method ran), and
     the issue's target cell (:data:`TARGET`) method by method when the grid holds it."""
-    lines = ["", "## Summary: mean over cells", "",
-             "Per dataset and architecture, each method's accuracy averaged over the grid's cells (K, partition, init; "
-             "seed means first).", "",
-             "| dataset | arch | cells | " + " | ".join(methods) + " |", "|" + "---|" * (3 + len(methods))]
+    lines = [
+        "",
+        "## Summary: mean over cells",
+        "",
+        "Per dataset and architecture, each method's accuracy averaged over the grid's cells (K, partition, init; seed means first).",
+        "",
+        "| dataset | arch | cells | " + " | ".join(methods) + " |",
+        "|" + "---|" * (3 + len(methods)),
+    ]
     for (dataset, arch_name), group in stats.groupby(["dataset", "arch"], sort=False):
         means = group.groupby("method")["mean"].mean()
         cells = group.groupby(["partition", "num_clients", "init"]).ngroups
-        lines.append(f"| {dataset} | {arch_name} | {cells} | "
-                     + " | ".join(f"{means[m]:.3f}" if m in means and means[m] == means[m] else "n/a" for m in methods) + " |")
+        lines.append(
+            f"| {dataset} | {arch_name} | {cells} | "
+            + " | ".join(f"{means[m]:.3f}" if m in means and means[m] == means[m] else "n/a" for m in methods)
+            + " |"
+        )
     mask = np.ones(len(stats), dtype=bool)
     for key, value in TARGET.items():
         mask &= (stats[key] == value).to_numpy()
     target = stats[mask]
     if len(target):
-        lines += ["", "## The target cell", "",
-                  "The issue's target: " + ", ".join(f"{k} {v}" for k, v in TARGET.items())
-                  + " (at least 60 % where averaging gives about 10 %).", "", "| method | accuracy | seeds |", "|---|---|---|"]
+        lines += [
+            "",
+            "## The target cell",
+            "",
+            "The issue's target: "
+            + ", ".join(f"{k} {v}" for k, v in TARGET.items())
+            + " (at least 60 % where averaging gives about 10 %).",
+            "",
+            "| method | accuracy | seeds |",
+            "|---|---|---|",
+        ]
         lines += [f"| {r['method']} | {r['mean']:.3f} | {int(r['count'])} |" for _, r in target.iterrows()]
     return lines
 
 
-def plot(stats: Any, methods: Sequence[str], out_dir: Path, *, name: str = "accuracy", x: str = "num_clients",
-         panels: tuple[str, str] = ("partition", "init")) -> list[Path]:
+def plot(
+    stats: Any,
+    methods: Sequence[str],
+    out_dir: Path,
+    *,
+    name: str = "accuracy",
+    x: str = "num_clients",
+    panels: tuple[str, str] = ("partition", "init"),
+) -> list[Path]:
     """One figure per (dataset, arch): accuracy against ``x`` (K), a panel per ``panels`` (partition, init), a line per
     method."""
     import matplotlib
@@ -557,8 +693,16 @@ def plot(stats: Any, methods: Sequence[str], out_dir: Path, *, name: str = "accu
             for i, method in enumerate(methods):
                 line = sub[sub["method"] == method].sort_values(x)
                 if len(line):  # 20 distinguishable colours; dashed: the methods that take more than one round
-                    ax.errorbar(line[x], line["mean"], yerr=line["std"].fillna(0.0), marker="o", capsize=3, label=method,
-                                color=colors(i % 20), linestyle="--" if "round" in method or method.startswith("fedavg") else "-")
+                    ax.errorbar(
+                        line[x],
+                        line["mean"],
+                        yerr=line["std"].fillna(0.0),
+                        marker="o",
+                        capsize=3,
+                        label=method,
+                        color=colors(i % 20),
+                        linestyle="--" if "round" in method or method.startswith("fedavg") else "-",
+                    )
             ax.set_title(f"{a}, {_PANEL_TITLES.get(second, second)} {b}" if second != "init" else f"{a}, {b} init", fontsize=10)
             ax.set_xlabel(_AXIS_TITLES.get(x, x))
             ax.set_xticks(sorted(sub[x].unique()))
@@ -585,12 +729,21 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     parser.add_argument("--epochs", type=int, default=20, help="local epochs of each client")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--out", type=Path, default=None,
-                        help=f"folder of the CSV, markdown table and plots (default {OUT_DIR.relative_to(REPO)}; with --quick, "
-                             f"{QUICK_OUT_DIR.relative_to(REPO)})")
-    parser.add_argument("--render", nargs="+", type=Path, default=None,
-                        help="run nothing: write the outputs from the rows of these raw result files (aligned_accuracy.json); "
-                             "a later file's row replaces an earlier one of the same cell and method label")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"folder of the CSV, markdown table and plots (default {OUT_DIR.relative_to(REPO)}; with --quick, "
+        f"{QUICK_OUT_DIR.relative_to(REPO)})",
+    )
+    parser.add_argument(
+        "--render",
+        nargs="+",
+        type=Path,
+        default=None,
+        help="run nothing: write the outputs from the rows of these raw result files (aligned_accuracy.json); "
+        "a later file's row replaces an earlier one of the same cell and method label",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (more than the free cores slows tiny models 10-30x)")
     args = parser.parse_args()
     if args.out is None:
@@ -611,7 +764,10 @@ def main() -> None:
     print(f"aligned fusion accuracy: {len(cells)} cells x {len(args.methods)} methods, {info['cpus']} CPUs", flush=True)
     rows = run_grid(cells, {name: METHODS[name] for name in args.methods})
     paths = write_outputs(rows, args.out, info)
-    raw = write_results("aligned_accuracy_quick" if args.quick else "aligned_accuracy", {"machine": info, "axes": axes, "methods": args.methods, "rows": rows})
+    raw = write_results(
+        "aligned_accuracy_quick" if args.quick else "aligned_accuracy",
+        {"machine": info, "axes": axes, "methods": args.methods, "rows": rows},
+    )
     for path in [*paths, raw]:
         print(f"wrote {path}")
 

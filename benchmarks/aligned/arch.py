@@ -22,8 +22,19 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ARCHS", "BasicBlock", "CNN", "MLP", "ResCNN", "TransformerClassifier", "build_arch", "build_resnet18", "example_input",
-           "read_arch_spec", "write_arch_spec"]
+__all__ = [
+    "ARCHS",
+    "BasicBlock",
+    "CNN",
+    "MLP",
+    "ResCNN",
+    "TransformerClassifier",
+    "build_arch",
+    "build_resnet18",
+    "example_input",
+    "read_arch_spec",
+    "write_arch_spec",
+]
 
 
 class MLP(nn.Module):
@@ -101,8 +112,17 @@ class TransformerClassifier(nn.Module):
     """A small transformer encoder on image patches: linear patch embedding + learned positions, encoder layers,
     mean pool, linear head."""
 
-    def __init__(self, input_shape: tuple[int, ...], num_classes: int, *, dim: int = 32, heads: int = 4, layers: int = 2,
-                 patch: int = 2, mlp_ratio: int = 2) -> None:
+    def __init__(
+        self,
+        input_shape: tuple[int, ...],
+        num_classes: int,
+        *,
+        dim: int = 32,
+        heads: int = 4,
+        layers: int = 2,
+        patch: int = 2,
+        mlp_ratio: int = 2,
+    ) -> None:
         super().__init__()
         channels, height, width = input_shape
         if height % patch or width % patch:

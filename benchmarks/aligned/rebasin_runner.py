@@ -124,8 +124,13 @@ def run_pcd(models: list[nn.Module], x: torch.Tensor, out: Path, max_iterations:
     seconds = time.perf_counter() - start
     save_state_dict(out / "pcd_aligned.safetensors", model_b.state_dict())
     save_state_dict(out / "pcd.safetensors", average_states([model_a.state_dict(), model_b.state_dict()]))
-    return {"seconds": seconds, "ok": True, "file": "pcd.safetensors", "aligned_file": "pcd_aligned.safetensors",
-            "max_output_change": output_change(models[1], model_b, x)}
+    return {
+        "seconds": seconds,
+        "ok": True,
+        "file": "pcd.safetensors",
+        "aligned_file": "pcd_aligned.safetensors",
+        "max_output_change": output_change(models[1], model_b, x),
+    }
 
 
 def main() -> None:
@@ -149,9 +154,14 @@ def main() -> None:
     x = torch.randn(2, *shape, generator=torch.Generator().manual_seed(args.seed))
     args.out.mkdir(parents=True, exist_ok=True)
 
-    result: dict[str, Any] = {"rebasin": importlib.metadata.version("rebasin"), "torch": torch.__version__,
-                              "threads": torch.get_num_threads(), "num_models": len(models), "arch": spec,
-                              "checkpoints": [p.name for p in files]}
+    result: dict[str, Any] = {
+        "rebasin": importlib.metadata.version("rebasin"),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "num_models": len(models),
+        "arch": spec,
+        "checkpoints": [p.name for p in files],
+    }
     modes = [m for m in args.modes if m != "pcd" or len(models) == 2]
     for mode in modes:
         torch.manual_seed(args.seed)
@@ -161,8 +171,11 @@ def main() -> None:
             else:
                 result[mode] = run_pcd(models, x, args.out, args.max_iterations)
         except Exception as exc:  # rebasin cannot handle every architecture: recorded, not fatal
-            result[mode] = {"ok": False, "error": f"{type(exc).__name__}: {exc}".strip()[:500],
-                            "traceback_tail": traceback.format_exc().strip().splitlines()[-3:]}
+            result[mode] = {
+                "ok": False,
+                "error": f"{type(exc).__name__}: {exc}".strip()[:500],
+                "traceback_tail": traceback.format_exc().strip().splitlines()[-3:],
+            }
         run = result[mode]
         status = f"{run['seconds']:.3f} s, max output change {run['max_output_change']:.2e}" if run.get("ok") else f"failed: {run['error']}"
         print(f"rebasin {mode} on {len(models)} x {spec['arch']}: {status}", flush=True)

@@ -214,15 +214,24 @@ def _ray_parallel_map() -> Any:
         from rayfuse.federation import EventLog, FailurePolicy
 
         if not ray.is_initialized():
-            ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+            ray.init(
+                address="local",
+                num_cpus=os.cpu_count(),
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+            )
         _RAY_MAP.append(RayFederation({}, FailurePolicy(), EventLog(), task_cpus=1.0).parallel_map)
     return _RAY_MAP[0]
 
 
 # N-way matchers timed on the same models: name -> (models, scratch folder, threads) -> {"seconds", "norm_ratio", ...}.
-MATCHERS: dict[str, Callable[..., dict[str, Any]]] = {"rebasin_mergemany": time_rebasin, "rayfuse_wm_serial": time_rayfuse_serial,
-                                                      "rayfuse_wm_threads": time_rayfuse_threads, "rayfuse_wm_ray": time_rayfuse_ray}
+MATCHERS: dict[str, Callable[..., dict[str, Any]]] = {
+    "rebasin_mergemany": time_rebasin,
+    "rayfuse_wm_serial": time_rayfuse_serial,
+    "rayfuse_wm_threads": time_rayfuse_threads,
+    "rayfuse_wm_ray": time_rayfuse_ray,
+}
 
 
 def main() -> None:
@@ -232,8 +241,12 @@ def main() -> None:
     parser.add_argument("--noise", type=float, default=0.01, help="noise added to each copy, in units of each tensor's std")
     parser.add_argument("--matchers", nargs="+", default=list(MATCHERS), choices=list(MATCHERS))
     parser.add_argument("--out", type=Path, default=OUT_DIR)
-    parser.add_argument("--rebasin-max-models", type=int, default=4,
-                        help="run rebasin only up to this N (its N=4 takes minutes on one thread); larger N: a 'not run' row")
+    parser.add_argument(
+        "--rebasin-max-models",
+        type=int,
+        default=4,
+        help="run rebasin only up to this N (its N=4 takes minutes on one thread); larger N: a 'not run' row",
+    )
     args = parser.parse_args()
 
     info = machine_info()
@@ -244,8 +257,15 @@ def main() -> None:
         models, _ = make_models(n, noise=args.noise)
         for name in args.matchers:
             if name == "rebasin_mergemany" and n > args.rebasin_max_models:
-                rows.append({"models": n, "matcher": name, "seconds": float("nan"), "total_s": float("nan"),
-                             "error": f"not run (N > --rebasin-max-models {args.rebasin_max_models})"})
+                rows.append(
+                    {
+                        "models": n,
+                        "matcher": name,
+                        "seconds": float("nan"),
+                        "total_s": float("nan"),
+                        "error": f"not run (N > --rebasin-max-models {args.rebasin_max_models})",
+                    }
+                )
                 print(f"N={n:3d} {name}: not run", flush=True)
                 continue
             started = time.perf_counter()
@@ -253,20 +273,35 @@ def main() -> None:
                 result = MATCHERS[name](models, Path(tmp), threads=args.threads)
             row = {"models": n, "matcher": name, **result, "total_s": time.perf_counter() - started}
             rows.append(row)
-            print(f"N={n:3d} {name}: {row['seconds']:.2f} s, norm ratio {row.get('norm_ratio', float('nan')):.3f}"
-                  + (f" ({row['error']})" if row.get("error") else ""), flush=True)
-    columns = [("models", "N"), ("matcher", "matcher"), ("seconds", "seconds"), ("norm_ratio", "norm ratio"),
-               ("total_s", "with process + I/O s")]
+            print(
+                f"N={n:3d} {name}: {row['seconds']:.2f} s, norm ratio {row.get('norm_ratio', float('nan')):.3f}"
+                + (f" ({row['error']})" if row.get("error") else ""),
+                flush=True,
+            )
+    columns = [
+        ("models", "N"),
+        ("matcher", "matcher"),
+        ("seconds", "seconds"),
+        ("norm_ratio", "norm ratio"),
+        ("total_s", "with process + I/O s"),
+    ]
     print_table(rows, columns, f"N-way weight matching of resnet18s, {args.threads} torch thread(s)")
     args.out.mkdir(parents=True, exist_ok=True)
-    lines = ["# Aligned fusion: N-way matching time on resnet18", "",
-             f"{args.threads} torch thread(s), {info['cpus']} CPUs ({info.get('cpu_model', '')}), load {info['load_avg_1m']:.2f}; "
-             f"copies = a random base permuted + noise {args.noise} std. `seconds`: the matcher's own wall time; "
-             "`norm ratio`: merged weight norm over the inputs' (1.0: aligned). Produced by `benchmarks/aligned/speed.py`.", "",
-             "The spec rayfuse derives from resnet18's graph has the same groups as the hand-written "
-             "`resnet18_permutation_axes`: " + ("yes." if not spec_check else "no: " + "; ".join(spec_check)), "",
-             "`parallel efficiency`: the serial time over (CPUs x this time), for the thread and Ray-task executors.", "",
-             "| N | matcher | seconds | norm ratio | x rebasin time | parallel efficiency |", "|---|---|---|---|---|---|"]
+    lines = [
+        "# Aligned fusion: N-way matching time on resnet18",
+        "",
+        f"{args.threads} torch thread(s), {info['cpus']} CPUs ({info.get('cpu_model', '')}), load {info['load_avg_1m']:.2f}; "
+        f"copies = a random base permuted + noise {args.noise} std. `seconds`: the matcher's own wall time; "
+        "`norm ratio`: merged weight norm over the inputs' (1.0: aligned). Produced by `benchmarks/aligned/speed.py`.",
+        "",
+        "The spec rayfuse derives from resnet18's graph has the same groups as the hand-written "
+        "`resnet18_permutation_axes`: " + ("yes." if not spec_check else "no: " + "; ".join(spec_check)),
+        "",
+        "`parallel efficiency`: the serial time over (CPUs x this time), for the thread and Ray-task executors.",
+        "",
+        "| N | matcher | seconds | norm ratio | x rebasin time | parallel efficiency |",
+        "|---|---|---|---|---|---|",
+    ]
     reference = {r["models"]: r["seconds"] for r in rows if r["matcher"] == "rebasin_mergemany" and r["seconds"] == r["seconds"]}
     serial = {r["models"]: r["seconds"] for r in rows if r["matcher"] == "rayfuse_wm_serial"}
     for r in rows:
@@ -277,12 +312,15 @@ def main() -> None:
         if r.get("error"):
             lines.append(f"| {r['models']} | {r['matcher']} | {r['error']} | | | |")
         else:
-            lines.append(f"| {r['models']} | {r['matcher']} | {r['seconds']:.2f} | {r.get('norm_ratio', float('nan')):.3f} | {ratio} | "
-                         f"{efficiency} |")
+            lines.append(
+                f"| {r['models']} | {r['matcher']} | {r['seconds']:.2f} | {r.get('norm_ratio', float('nan')):.3f} | {ratio} | "
+                f"{efficiency} |"
+            )
     md = args.out / "speed.md"
     md.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    raw = write_results("aligned_speed", {"machine": info, "threads": args.threads, "noise": args.noise, "spec_check": spec_check,
-                                          "rows": rows})
+    raw = write_results(
+        "aligned_speed", {"machine": info, "threads": args.threads, "noise": args.noise, "spec_check": spec_check, "rows": rows}
+    )
     print(f"wrote {md}\nwrote {raw}")
 
 

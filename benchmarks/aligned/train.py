@@ -46,18 +46,44 @@ from rayfuse.seeding import derive_seed
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from arch import build_arch, example_input, write_arch_spec  # noqa: E402
 
-__all__ = ["ARCH_KWARGS", "CACHE_DIR", "WIDTH_KWARG", "Cell", "PARTITIONS", "TrainedCell", "accuracy_of", "arch_spec", "average_params", "build_model",
-           "cell_config", "ensemble_accuracy", "evaluate_baselines", "partition_section", "reestimate_batchnorm", "train_cell"]
+__all__ = [
+    "ARCH_KWARGS",
+    "CACHE_DIR",
+    "WIDTH_KWARG",
+    "Cell",
+    "PARTITIONS",
+    "TrainedCell",
+    "accuracy_of",
+    "arch_spec",
+    "average_params",
+    "build_model",
+    "cell_config",
+    "ensemble_accuracy",
+    "evaluate_baselines",
+    "partition_section",
+    "reestimate_batchnorm",
+    "train_cell",
+]
 
 CACHE_DIR = Path(__file__).resolve().parents[1] / "results" / "aligned" / "checkpoints"
 PARTITIONS = ("iid", "dirichlet0.5", "label-disjoint")
 INITS = ("shared", "independent")
 # Tiny widths: one cell (K=3, one architecture, one seed) trains in seconds on one core.
 ARCH_KWARGS: dict[str, dict[str, dict[str, Any]]] = {
-    "digits": {"mlp": {"hidden": 64}, "cnn": {"width": 16}, "rescnn": {"width": 16},
-               "transformer": {"dim": 32, "heads": 4, "layers": 2, "patch": 2}, "resnet18": {}},
-    "mnist5k": {"mlp": {"hidden": 128}, "cnn": {"width": 16}, "rescnn": {"width": 16},
-                "transformer": {"dim": 32, "heads": 4, "layers": 2, "patch": 4}, "resnet18": {}},
+    "digits": {
+        "mlp": {"hidden": 64},
+        "cnn": {"width": 16},
+        "rescnn": {"width": 16},
+        "transformer": {"dim": 32, "heads": 4, "layers": 2, "patch": 2},
+        "resnet18": {},
+    },
+    "mnist5k": {
+        "mlp": {"hidden": 128},
+        "cnn": {"width": 16},
+        "rescnn": {"width": 16},
+        "transformer": {"dim": 32, "heads": 4, "layers": 2, "patch": 4},
+        "resnet18": {},
+    },
 }
 # The keyword that sets each architecture's width (hidden units, channels, embedding dimension): Cell.model_width.
 WIDTH_KWARG = {"mlp": "hidden", "cnn": "width", "rescnn": "width", "transformer": "dim"}
@@ -203,15 +229,32 @@ def train_cell(cell: Cell, cache_dir: Path = CACHE_DIR, *, retrain: bool = False
     with _torch_threads(1):
         for i, train in enumerate(train_sets):
             model = build_arch(spec, seed=_init_seed(cell, i))
-            train_model(model, train.X, train.y, epochs=cfg.train.epochs, batch_size=cfg.train.batch_size, lr=cfg.train.lr,
-                        optimizer=cfg.train.optimizer, seed=derive_seed(cell.seed, "local-train", i))
+            train_model(
+                model,
+                train.X,
+                train.y,
+                epochs=cfg.train.epochs,
+                batch_size=cfg.train.batch_size,
+                lr=cfg.train.lr,
+                optimizer=cfg.train.optimizer,
+                seed=derive_seed(cell.seed, "local-train", i),
+            )
             params = get_params(model)
             save_params(files[i], params, {"cell": cell.key(), "client": str(i)})
             clients.append(params)
     seconds = time.perf_counter() - started
     write_arch_spec(folder / "arch.json", spec)
-    atomic_write_json(meta_file, {"cell": cell.fields(), "spec": spec, "config": config, "split_hash": plan.digest(),
-                                  "num_examples": sizes, "train_seconds": seconds})
+    atomic_write_json(
+        meta_file,
+        {
+            "cell": cell.fields(),
+            "spec": spec,
+            "config": config,
+            "split_hash": plan.digest(),
+            "num_examples": sizes,
+            "train_seconds": seconds,
+        },
+    )
     return TrainedCell(cell, spec, config, clients, sizes, test, public, folder, seconds, train_sets)
 
 
@@ -252,8 +295,9 @@ def average_params(clients: Sequence[Mapping[str, np.ndarray]], weights: Sequenc
 
 
 @torch.no_grad()
-def reestimate_batchnorm(spec: Mapping[str, Any], params: Mapping[str, np.ndarray], X: np.ndarray, *,
-                         batch_size: int = 50) -> dict[str, np.ndarray]:
+def reestimate_batchnorm(
+    spec: Mapping[str, Any], params: Mapping[str, np.ndarray], X: np.ndarray, *, batch_size: int = 50
+) -> dict[str, np.ndarray]:
     """``params`` with every BatchNorm's running statistics re-estimated on ``X`` (cumulative average over batches of
     ``batch_size``, the model in train mode, no gradient); unchanged for a model without BatchNorm."""
     model = build_model(spec, params)
@@ -265,7 +309,7 @@ def reestimate_batchnorm(spec: Mapping[str, Any], params: Mapping[str, np.ndarra
         m.momentum = None  # cumulative moving average: every batch counts equally
     model.train()
     for start in range(0, len(X), batch_size):
-        batch = X[start:start + batch_size]
+        batch = X[start : start + batch_size]
         if len(batch) > 1:
             model(torch.as_tensor(np.ascontiguousarray(batch)))
     return get_params(model)

@@ -45,11 +45,21 @@ GAP_METHODS = ("rayfuse_am", "rayfuse_np", "rayfuse_am+round", "rayfuse_np+round
 IID_TARGET = 0.05  # the issue's target: within 5 points of the best local model in the i.i.d. cells
 
 
-def iterate_cells(archs: Sequence[str], datasets: Sequence[str], widths: Sequence[int], clients: Sequence[int],
-                  partitions: Sequence[str], inits: Sequence[str], seeds: Sequence[int], epochs: int) -> list[Cell]:
+def iterate_cells(
+    archs: Sequence[str],
+    datasets: Sequence[str],
+    widths: Sequence[int],
+    clients: Sequence[int],
+    partitions: Sequence[str],
+    inits: Sequence[str],
+    seeds: Sequence[int],
+    epochs: int,
+) -> list[Cell]:
     """Every cell of the width grid, seeds innermost."""
-    return [Cell(a, d, p, k, i, s, epochs, model_width=w)
-            for d, a, p, k, i, w, s in itertools.product(datasets, archs, partitions, clients, inits, widths, seeds)]
+    return [
+        Cell(a, d, p, k, i, s, epochs, model_width=w)
+        for d, a, p, k, i, w, s in itertools.product(datasets, archs, partitions, clients, inits, widths, seeds)
+    ]
 
 
 def gap_lines(stats: Any, methods: Sequence[str]) -> list[str]:
@@ -57,10 +67,16 @@ def gap_lines(stats: Any, methods: Sequence[str]) -> list[str]:
     :data:`GAP_METHODS`' (mean over K and init; seed means first), and whether the i.i.d. cells meet the 5-point
     target."""
     shown = [m for m in GAP_METHODS if m in set(stats["method"])]
-    lines = ["", "## Gap to the best local model", "",
-             "Best local model's accuracy minus the method's, averaged over K (seed means first); the worst K in brackets. "
-             "Negative: the fused model is better than every client's.", "",
-             "| dataset | arch | partition | model width | best local | " + " | ".join(shown) + " |", "|" + "---|" * (5 + len(shown))]
+    lines = [
+        "",
+        "## Gap to the best local model",
+        "",
+        "Best local model's accuracy minus the method's, averaged over K (seed means first); the worst K in brackets. "
+        "Negative: the fused model is better than every client's.",
+        "",
+        "| dataset | arch | partition | model width | best local | " + " | ".join(shown) + " |",
+        "|" + "---|" * (5 + len(shown)),
+    ]
     for (dataset, arch, partition, width), group in stats.groupby(["dataset", "arch", "partition", "model_width"], sort=False):
         table = group.pivot_table(index=["num_clients", "init"], columns="method", values="mean")
         if "best_local" not in table:
@@ -76,8 +92,17 @@ def gap_lines(stats: Any, methods: Sequence[str]) -> list[str]:
 
 def render(rows: list[dict[str, Any]], out: Path, info: dict[str, Any]) -> list[Path]:
     """The width grid's CSV, markdown and plots from its raw rows."""
-    return write_outputs(rows, out, info, keys=KEYS, name="width", title="Aligned fusion against model width",
-                         summary=gap_lines, x="model_width", panels=("partition", "num_clients"))
+    return write_outputs(
+        rows,
+        out,
+        info,
+        keys=KEYS,
+        name="width",
+        title="Aligned fusion against model width",
+        summary=gap_lines,
+        x="model_width",
+        panels=("partition", "num_clients"),
+    )
 
 
 def main() -> None:
@@ -92,9 +117,14 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=20, help="local epochs of each client")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--out", type=Path, default=OUT_DIR, help="folder of width.csv, width.md and the plots")
-    parser.add_argument("--render", nargs="+", type=Path, default=None,
-                        help="run nothing: write the outputs from these raw result files (aligned_width.json); a later "
-                             "file's row replaces an earlier one of the same cell, width and method label")
+    parser.add_argument(
+        "--render",
+        nargs="+",
+        type=Path,
+        default=None,
+        help="run nothing: write the outputs from these raw result files (aligned_width.json); a later "
+        "file's row replaces an earlier one of the same cell, width and method label",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     args = parser.parse_args()
     if any(w < 1 for w in args.widths):

@@ -61,8 +61,14 @@ REPO = HERE.parents[1]
 OUT_DIR = REPO / "docs" / "results" / "distill"
 PUBLIC = 300
 ARCHS = ("mlp", "cnn", "rescnn", "transformer")
-QUICK = {"archs": ["rescnn"], "datasets": ["digits"], "clients": [3], "partitions": ["dirichlet0.5"], "inits": ["independent"],
-         "seeds": [0]}
+QUICK = {
+    "archs": ["rescnn"],
+    "datasets": ["digits"],
+    "clients": [3],
+    "partitions": ["dirichlet0.5"],
+    "inits": ["independent"],
+    "seeds": [0],
+}
 # column -> (transfer, init, teachers)
 COLUMNS: dict[str, tuple[str, str, str]] = {
     "distill_public": ("public", "aligned", "parameters"),
@@ -92,14 +98,17 @@ class StandInClients:
         return torch.stack([r[0] for r in replies]), torch.stack([r[1] for r in replies]).sum(0)
 
 
-def distill_columns(trained: TrainedCell, columns: Sequence[str], params: Mapping[str, Any], *,
-                    both_repair: bool = False) -> dict[str, dict[str, Any]]:
+def distill_columns(
+    trained: TrainedCell, columns: Sequence[str], params: Mapping[str, Any], *, both_repair: bool = False
+) -> dict[str, dict[str, Any]]:
     """The distillation columns of one cell (module docstring); ``both_repair``: also each column with the other
     ``repair`` setting (``<column>+repair`` / ``<column>-repair``)."""
     spec, cell = trained.spec, trained.cell
     counts = np.stack([np.bincount(s.y, minlength=spec["num_classes"]) for s in trained.train_sets]).astype(np.float64)
     data = [s.X[:2048] for s in trained.train_sets]
-    moments = pooled_moments([(len(s.X), s.X.astype(np.float64).sum(0), np.square(s.X.astype(np.float64)).sum(0)) for s in trained.train_sets])
+    moments = pooled_moments(
+        [(len(s.X), s.X.astype(np.float64).sum(0), np.square(s.X.astype(np.float64)).sum(0)) for s in trained.train_sets]
+    )
     out: dict[str, dict[str, Any]] = {}
     start: dict[str, Any] | None = None
     for column in columns:
@@ -123,17 +132,29 @@ def distill_columns(trained: TrainedCell, columns: Sequence[str], params: Mappin
         if transfer == "public":
             history = distill_public(student, teachers, trained.public.X, weights, settings)
         else:
-            history, _ = distill_synthetic(student, teachers, spec["input_shape"], weights, settings, label_prior=counts.sum(0),
-                                           moments=moments if p.input_moments else None)
+            history, _ = distill_synthetic(
+                student,
+                teachers,
+                spec["input_shape"],
+                weights,
+                settings,
+                label_prior=counts.sum(0),
+                moments=moments if p.input_moments else None,
+            )
         plain = get_params(student.eval())
         repaired = aligned.repair_with_clients(trained, plain, data)
         repair = p.repair
         fused = repaired if repair else plain
-        out[column] = {"accuracy": accuracy_of(spec, fused, trained.test), "seconds": time.perf_counter() - started,
-                       "agreement": round(history[-1]["agreement"], 4)}
+        out[column] = {
+            "accuracy": accuracy_of(spec, fused, trained.test),
+            "seconds": time.perf_counter() - started,
+            "agreement": round(history[-1]["agreement"], 4),
+        }
         if both_repair and repaired is not plain:
-            out[column + ("-repair" if repair else "+repair")] = {"accuracy": accuracy_of(spec, plain if repair else repaired, trained.test),
-                                                                  "seconds": out[column]["seconds"]}
+            out[column + ("-repair" if repair else "+repair")] = {
+                "accuracy": accuracy_of(spec, plain if repair else repaired, trained.test),
+                "seconds": out[column]["seconds"],
+            }
     return out
 
 
@@ -155,8 +176,15 @@ def reference_columns(trained: TrainedCell, methods: Sequence[str]) -> dict[str,
     return out
 
 
-def run_grid(cells: Sequence[Cell], references: Sequence[str], columns: Sequence[str], params: Mapping[str, Any], *,
-             both_repair: bool = False, save: Any = None) -> list[dict[str, Any]]:
+def run_grid(
+    cells: Sequence[Cell],
+    references: Sequence[str],
+    columns: Sequence[str],
+    params: Mapping[str, Any],
+    *,
+    both_repair: bool = False,
+    save: Any = None,
+) -> list[dict[str, Any]]:
     """Every cell's references and distillation columns; ``save(rows)`` after each cell (a long grid interrupted keeps
     what it finished)."""
     rows: list[dict[str, Any]] = []
@@ -164,8 +192,10 @@ def run_grid(cells: Sequence[Cell], references: Sequence[str], columns: Sequence
         trained = train_cell(cell)
         print(f"{cell.key()} (clients trained in {trained.train_seconds:.1f} s)", flush=True)
         results: dict[str, dict[str, Any]] = {}
-        steps = (("references", lambda t: reference_columns(t, references)),
-                 ("distill", lambda t: distill_columns(t, columns, params, both_repair=both_repair)))
+        steps = (
+            ("references", lambda t: reference_columns(t, references)),
+            ("distill", lambda t: distill_columns(t, columns, params, both_repair=both_repair)),
+        )
         for name, fn in steps:
             try:
                 results.update(fn(trained))
@@ -186,11 +216,18 @@ def summary_lines(stats: Any, methods: Sequence[str]) -> list[str]:
 
     wide = stats.pivot_table(index=["dataset", "arch", "partition", "num_clients", "init"], columns="method", values="mean")
     seeds = int(stats["count"].max())
-    lines = ["", "## Coverage", "",
-             "Cells run, per architecture: "
-             + "; ".join(f"{d}, {i} init: K {sorted(set(g.index.get_level_values('num_clients')))} x "
-                         f"{', '.join(sorted(set(g.index.get_level_values('partition'))))}"
-                         for (d, i), g in wide.groupby(level=["dataset", "init"])) + f"; at most {seeds} seed(s) per cell."]
+    lines = [
+        "",
+        "## Coverage",
+        "",
+        "Cells run, per architecture: "
+        + "; ".join(
+            f"{d}, {i} init: K {sorted(set(g.index.get_level_values('num_clients')))} x "
+            f"{', '.join(sorted(set(g.index.get_level_values('partition'))))}"
+            for (d, i), g in wide.groupby(level=["dataset", "init"])
+        )
+        + f"; at most {seeds} seed(s) per cell.",
+    ]
     lines += aligned.summary_lines(stats, methods)
     lines += ["", "## Targets", ""]
 
@@ -199,45 +236,69 @@ def summary_lines(stats: Any, methods: Sequence[str]) -> list[str]:
 
     public = have("distill_public", "ensemble", "best_local")
     if public is not None:
-        lines += ["**Public transfer (300 samples), `init: aligned`**: mean accuracy per (dataset, architecture) group against the "
-                  "ensemble (target: within 0.03), and the cells above the best local model (target: at least 90 %).", "",
-                  "| dataset | arch | cells | distill_public | ensemble | gap | above best local |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "**Public transfer (300 samples), `init: aligned`**: mean accuracy per (dataset, architecture) group against the "
+            "ensemble (target: within 0.03), and the cells above the best local model (target: at least 90 %).",
+            "",
+            "| dataset | arch | cells | distill_public | ensemble | gap | above best local |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for (dataset, arch_name), group in public.groupby(level=["dataset", "arch"]):
             gap = group["ensemble"].mean() - group["distill_public"].mean()
             above = int((group["distill_public"] > group["best_local"]).sum())
-            lines.append(f"| {dataset} | {arch_name} | {len(group)} | {group['distill_public'].mean():.3f} | {group['ensemble'].mean():.3f} | "
-                         f"{gap:+.3f}{' (missed)' if gap > 0.03 else ''} | {above}/{len(group)} |")
+            lines.append(
+                f"| {dataset} | {arch_name} | {len(group)} | {group['distill_public'].mean():.3f} | {group['ensemble'].mean():.3f} | "
+                f"{gap:+.3f}{' (missed)' if gap > 0.03 else ''} | {above}/{len(group)} |"
+            )
         total_above = int((public["distill_public"] > public["best_local"]).sum())
         lines += ["", f"Above the best local model in {total_above} of {len(public)} cells ({100 * total_above / len(public):.0f} %).", ""]
     free = have("distill_free", "ensemble", "best_merge")
     if free is not None:
-        lines += ["**Data-free, `init: aligned`**: against the best one-shot merge of each cell (target: above it in every cell) and "
-                  "the ensemble (target: within 0.08 on average for mlp, cnn and rescnn).", "",
-                  "| dataset | arch | cells | distill_free | best_merge | ensemble | gap to ensemble | cells above best_merge |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "**Data-free, `init: aligned`**: against the best one-shot merge of each cell (target: above it in every cell) and "
+            "the ensemble (target: within 0.08 on average for mlp, cnn and rescnn).",
+            "",
+            "| dataset | arch | cells | distill_free | best_merge | ensemble | gap to ensemble | cells above best_merge |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for (dataset, arch_name), group in free.groupby(level=["dataset", "arch"]):
             gap = group["ensemble"].mean() - group["distill_free"].mean()
             above = int((group["distill_free"] > group["best_merge"]).sum())
-            lines.append(f"| {dataset} | {arch_name} | {len(group)} | {group['distill_free'].mean():.3f} | {group['best_merge'].mean():.3f} | "
-                         f"{group['ensemble'].mean():.3f} | {gap:+.3f} | {above}/{len(group)} |")
+            lines.append(
+                f"| {dataset} | {arch_name} | {len(group)} | {group['distill_free'].mean():.3f} | {group['best_merge'].mean():.3f} | "
+                f"{group['ensemble'].mean():.3f} | {gap:+.3f} | {above}/{len(group)} |"
+            )
         three = free[free.index.get_level_values("arch").isin(["mlp", "cnn", "rescnn"])]
         if len(three):
             gap3 = float((three["ensemble"] - three["distill_free"]).mean())
-            lines += ["", f"Over the {len(three)} mlp, cnn and rescnn cells: mean gap to the ensemble {gap3:+.3f}"
-                      + (" (target met)" if gap3 <= 0.08 else " (missed)") + "; per architecture: "
-                      + ", ".join(f"{a} {float((g['ensemble'] - g['distill_free']).mean()):+.3f}"
-                                  for a, g in three.groupby(level="arch")) + "."]
+            lines += [
+                "",
+                f"Over the {len(three)} mlp, cnn and rescnn cells: mean gap to the ensemble {gap3:+.3f}"
+                + (" (target met)" if gap3 <= 0.08 else " (missed)")
+                + "; per architecture: "
+                + ", ".join(f"{a} {float((g['ensemble'] - g['distill_free']).mean()):+.3f}" for a, g in three.groupby(level="arch"))
+                + ".",
+            ]
         below = free[free["distill_free"] <= free["best_merge"]]
         if len(below):
             lines += ["", "Cells where data-free distillation is not above the best merge:", ""]
-            lines += [f"- {', '.join(str(k) for k in key)}: distill_free {row['distill_free']:.3f}, best_merge {row['best_merge']:.3f}"
-                      for key, row in below.iterrows()]
+            lines += [
+                f"- {', '.join(str(k) for k in key)}: distill_free {row['distill_free']:.3f}, best_merge {row['best_merge']:.3f}"
+                for key, row in below.iterrows()
+            ]
         lines.append("")
-    pairs = [(a, b) for a, b in (("distill_predictions", "distill_public_random"), ("distill_free_predictions", "distill_free_random"))
-             if a in wide.columns and b in wide.columns]
+    pairs = [
+        (a, b)
+        for a, b in (("distill_predictions", "distill_public_random"), ("distill_free_predictions", "distill_free_random"))
+        if a in wide.columns and b in wide.columns
+    ]
     if pairs:
-        lines += ["**Predictions only** against the parameter upload with the same start (random) and the same seeds (target: "
-                  "within 0.01).", "", "| pair | cells | mean difference | largest |", "|---|---|---|---|"]
+        lines += [
+            "**Predictions only** against the parameter upload with the same start (random) and the same seeds (target: within 0.01).",
+            "",
+            "| pair | cells | mean difference | largest |",
+            "|---|---|---|---|",
+        ]
         for a, b in pairs:
             diff = (wide[a] - wide[b]).dropna()
             lines.append(f"| {a} - {b} | {len(diff)} | {diff.mean():+.4f} | {diff.abs().max():.4f} |")
@@ -266,11 +327,26 @@ def heterogeneous_cell(seed: int, params: Mapping[str, Any]) -> list[dict[str, A
     methods = result.results["methods"]
     cell = "heterogeneous: mlp + cnn + rescnn clients, rescnn student, digits dirichlet0.5, K = 3"
     locals_ = methods["local"]["info"]["per_client"]
-    rows = [{"cell": cell, "seed": seed, "method": "best_local", "accuracy": max(r["accuracy"] for r in locals_),
-             "locals": [round(r["accuracy"], 4) for r in locals_]}]
+    rows = [
+        {
+            "cell": cell,
+            "seed": seed,
+            "method": "best_local",
+            "accuracy": max(r["accuracy"] for r in locals_),
+            "locals": [round(r["accuracy"], 4) for r in locals_],
+        }
+    ]
     for label in ("ensemble", *labels):
-        rows.append({"cell": cell, "seed": seed, "method": label, "accuracy": float(result.metrics.loc[label, "accuracy"]),
-                     "seconds": float(methods[label]["seconds"]), "init": methods[label]["info"].get("init", "")})
+        rows.append(
+            {
+                "cell": cell,
+                "seed": seed,
+                "method": label,
+                "accuracy": float(result.metrics.loc[label, "accuracy"]),
+                "seconds": float(methods[label]["seconds"]),
+                "init": methods[label]["info"].get("init", ""),
+            }
+        )
     return rows
 
 
@@ -280,11 +356,19 @@ def write_heterogeneous(rows: Sequence[Mapping[str, Any]], out_dir: Path) -> Pat
 
     frame = pd.DataFrame(rows)
     stats = frame.groupby("method", sort=False)["accuracy"].agg(["mean", "std", "count"])
-    lines = ["# Distillation: clients of three architectures", "",
-             f"{rows[0]['cell']}; `jobs/distill_heterogeneous.yaml` run in-process, seeds {sorted(set(frame['seed']))}. Test accuracy, "
-             "mean (std) over seeds. `best_local` is the best client's model in its own architecture (an oracle choice).", "",
-             "| method | accuracy | seeds |", "|---|---|---|"]
-    lines += [f"| {m} | {r['mean']:.3f}" + (f" ({r['std']:.3f})" if r["count"] > 1 else "") + f" | {int(r['count'])} |" for m, r in stats.iterrows()]
+    lines = [
+        "# Distillation: clients of three architectures",
+        "",
+        f"{rows[0]['cell']}; `jobs/distill_heterogeneous.yaml` run in-process, seeds {sorted(set(frame['seed']))}. Test accuracy, "
+        "mean (std) over seeds. `best_local` is the best client's model in its own architecture (an oracle choice).",
+        "",
+        "| method | accuracy | seeds |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {m} | {r['mean']:.3f}" + (f" ({r['std']:.3f})" if r["count"] > 1 else "") + f" | {int(r['count'])} |"
+        for m, r in stats.iterrows()
+    ]
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "heterogeneous.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -300,13 +384,21 @@ def main() -> None:
     parser.add_argument("--partitions", nargs="+", default=list(PARTITIONS), choices=PARTITIONS)
     parser.add_argument("--inits", nargs="+", default=["shared", "independent"], choices=("shared", "independent"))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--references", nargs="*", default=["best_local", "ensemble", "best_merge", "fedavg_5"],
-                        choices=("best_local", "ensemble", "best_merge", "fedavg_5"))
+    parser.add_argument(
+        "--references",
+        nargs="*",
+        default=["best_local", "ensemble", "best_merge", "fedavg_5"],
+        choices=("best_local", "ensemble", "best_merge", "fedavg_5"),
+    )
     parser.add_argument("--columns", nargs="*", default=list(COLUMNS), choices=list(COLUMNS))
     parser.add_argument("--params", type=json.loads, default={}, help="distill parameters over the defaults, as JSON")
     parser.add_argument("--out", type=Path, default=OUT_DIR)
-    parser.add_argument("--raw", default=None, help="name of the raw result file under benchmarks/results/ (default distill_accuracy; "
-                        "with --quick, distill_accuracy_quick: a quick run never replaces the grid's rows)")
+    parser.add_argument(
+        "--raw",
+        default=None,
+        help="name of the raw result file under benchmarks/results/ (default distill_accuracy; "
+        "with --quick, distill_accuracy_quick: a quick run never replaces the grid's rows)",
+    )
     parser.add_argument("--render", nargs="+", type=Path, default=None, help="write the outputs from raw result files only")
     parser.add_argument("--heterogeneous", action="store_true", help="the heterogeneous cell (seeds from --seeds)")
     parser.add_argument("--threads", type=int, default=1)
@@ -318,8 +410,9 @@ def main() -> None:
     if args.render:
         rows, info = aligned.read_raw(args.render)
         rows = [r for r in rows if "cell" not in r]
-        paths = aligned.write_outputs(rows, args.out, info, title="Distillation: one-shot accuracy", summary=summary_lines,
-                                      script="benchmarks/distill", order=ORDER)
+        paths = aligned.write_outputs(
+            rows, args.out, info, title="Distillation: one-shot accuracy", summary=summary_lines, script="benchmarks/distill", order=ORDER
+        )
         for path in paths:
             print(f"wrote {path}")
         return
@@ -335,9 +428,19 @@ def main() -> None:
         print(f"wrote {write_heterogeneous(rows, args.out)}")
         return
     axes = dict(QUICK) if args.quick else {k: getattr(args, k) for k in QUICK}
-    cells = [Cell(a, d, p, k, i, s, public_size=PUBLIC) for d in axes["datasets"] for a in axes["archs"] for p in axes["partitions"]
-             for k in axes["clients"] for i in axes["inits"] for s in axes["seeds"]]
-    print(f"distillation accuracy: {len(cells)} cells, references {args.references}, columns {args.columns}, params {args.params}", flush=True)
+    cells = [
+        Cell(a, d, p, k, i, s, public_size=PUBLIC)
+        for d in axes["datasets"]
+        for a in axes["archs"]
+        for p in axes["partitions"]
+        for k in axes["clients"]
+        for i in axes["inits"]
+        for s in axes["seeds"]
+    ]
+    print(
+        f"distillation accuracy: {len(cells)} cells, references {args.references}, columns {args.columns}, params {args.params}", flush=True
+    )
+
     def save(rows: list[dict[str, Any]]) -> Any:
         return write_results(args.raw, {"machine": info, "axes": axes, "params": args.params, "rows": rows})
 

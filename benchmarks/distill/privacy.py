@@ -32,20 +32,31 @@ sys.path.insert(0, str(HERE.parent))
 from _common import machine_info, write_results  # noqa: E402
 
 OUT = HERE.parents[1] / "docs" / "results" / "distill" / "privacy.md"
-METHODS = {"local": {}, "ensemble": {},
-           "distill": {"method": "distill", "teachers": "clients", "init": "random"},
-           "distill-free": {"method": "distill", "teachers": "clients", "init": "random", "transfer": "synthetic", "input_moments": False}}
+METHODS = {
+    "local": {},
+    "ensemble": {},
+    "distill": {"method": "distill", "teachers": "clients", "init": "random"},
+    "distill-free": {"method": "distill", "teachers": "clients", "init": "random", "transfer": "synthetic", "input_moments": False},
+}
 
 
 def run_one(epsilon: float | None, seed: int) -> dict[str, Any]:
     import rayfuse
 
-    config = {"run": {"name": "distill-dp", "seed": seed},
-              "data": {"dataset": "digits", "test_size": 0.2, "val_size": 0.1, "public_size": 300},
-              "partition": {"method": "dirichlet", "num_clients": 5, "alpha": 0.5}, "model": {"name": "mlp", "hidden": [64, 64]},
-              "train": {"epochs": 20, "batch_size": 32, "lr": 0.005,
-                        **({"dp": {"target_epsilon": epsilon, "delta": 1e-4, "max_grad_norm": 1.0}} if epsilon else {})},
-              "federation": {"backend": "local"}, "methods": METHODS}
+    config = {
+        "run": {"name": "distill-dp", "seed": seed},
+        "data": {"dataset": "digits", "test_size": 0.2, "val_size": 0.1, "public_size": 300},
+        "partition": {"method": "dirichlet", "num_clients": 5, "alpha": 0.5},
+        "model": {"name": "mlp", "hidden": [64, 64]},
+        "train": {
+            "epochs": 20,
+            "batch_size": 32,
+            "lr": 0.005,
+            **({"dp": {"target_epsilon": epsilon, "delta": 1e-4, "max_grad_norm": 1.0}} if epsilon else {}),
+        },
+        "federation": {"backend": "local"},
+        "methods": METHODS,
+    }
     with tempfile.TemporaryDirectory(prefix="distill-dp-") as tmp, contextlib.redirect_stdout(io.StringIO()):
         result = rayfuse.run(config, run_dir=Path(tmp) / "run", quiet=True)
     row: dict[str, Any] = {"target_epsilon": epsilon, "seed": seed}
@@ -67,17 +78,23 @@ def main() -> None:
             rows.append(run_one(epsilon, seed))
             print(rows[-1], flush=True)
     info = machine_info()
-    lines = ["# Distillation of DP-trained clients", "",
-             f"{info['cpus']} CPUs; produced by `benchmarks/distill/privacy.py`. Digits, 5 clients (Dirichlet 0.5), MLP [64, 64], "
-             "local DP-SGD (`train.dp`, delta 1e-4, clipping norm 1) at each target epsilon; `distill` with `teachers: clients` "
-             "(predictions only, post-processing of the DP-trained models), public transfer (300 inputs) and data-free (without "
-             "the input moments, which DP-SGD does not cover). Test accuracy.", "",
-             "| target epsilon | spent (max over clients) | seed | local (mean) | ensemble | distill (public) | distill (data-free) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Distillation of DP-trained clients",
+        "",
+        f"{info['cpus']} CPUs; produced by `benchmarks/distill/privacy.py`. Digits, 5 clients (Dirichlet 0.5), MLP [64, 64], "
+        "local DP-SGD (`train.dp`, delta 1e-4, clipping norm 1) at each target epsilon; `distill` with `teachers: clients` "
+        "(predictions only, post-processing of the DP-trained models), public transfer (300 inputs) and data-free (without "
+        "the input moments, which DP-SGD does not cover). Test accuracy.",
+        "",
+        "| target epsilon | spent (max over clients) | seed | local (mean) | ensemble | distill (public) | distill (data-free) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         eps = "no DP" if r["target_epsilon"] is None else f"{r['target_epsilon']:g}"
         spent = f"{r['dp_sgd_epsilon']:.3g}" if "dp_sgd_epsilon" in r else "-"
-        lines.append(f"| {eps} | {spent} | {r['seed']} | {r['local']:.3f} | {r['ensemble']:.3f} | {r['distill']:.3f} | {r['distill-free']:.3f} |")
+        lines.append(
+            f"| {eps} | {spent} | {r['seed']} | {r['local']:.3f} | {r['ensemble']:.3f} | {r['distill']:.3f} | {r['distill-free']:.3f} |"
+        )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"wrote {OUT}\nwrote {write_results('distill_privacy', {'machine': info, 'rows': rows})}")

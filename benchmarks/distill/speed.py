@@ -71,11 +71,13 @@ def batched_vs_loop(arch: str, k: int, device: str, repeats: int) -> dict[str, A
     free = DistillParams(steps=60, epochs=1, generator_steps=10, student_steps=20).settings(0)
     row: dict[str, Any] = {"arch": arch, "teachers": k, "device": device}
     for mode in ("batched", "loop"):
-        for what, run in (("public", lambda t: distill_public(build_arch(spec_of(arch), seed=99), t, X, weights, public, device=device)),
-                          ("synthetic", lambda t: distill_synthetic(build_arch(spec_of(arch), seed=99), t, (1, 8, 8), weights, free,
-                                                                    device=device))):
-            seconds = min(timed(lambda: run(Teachers(teachers_of(arch, k, device), batched=mode == "batched", device=device)))
-                          for _ in range(repeats))
+        for what, run in (
+            ("public", lambda t: distill_public(build_arch(spec_of(arch), seed=99), t, X, weights, public, device=device)),
+            ("synthetic", lambda t: distill_synthetic(build_arch(spec_of(arch), seed=99), t, (1, 8, 8), weights, free, device=device)),
+        ):
+            seconds = min(
+                timed(lambda: run(Teachers(teachers_of(arch, k, device), batched=mode == "batched", device=device))) for _ in range(repeats)
+            )
             row[f"{what}_{mode}_s"] = round(seconds, 3)
     for what in ("public", "synthetic"):
         row[f"{what}_loop_over_batched"] = round(row[f"{what}_loop_s"] / row[f"{what}_batched_s"], 2)
@@ -113,7 +115,7 @@ def bank_vs_per_step(arch: str, k: int, device: str, steps: int = 200, batch: in
         student = build_arch(spec_of(arch), seed=99).to(device)
         opt = torch.optim.Adam(student.parameters(), lr=3e-3)
         for i in range(steps):
-            xb = X[i * batch:(i + 1) * batch]
+            xb = X[i * batch : (i + 1) * batch]
             with torch.no_grad():
                 target = combine_teachers(torch.stack([m(xb) for m in models]), weights)
             loss = distillation_loss(student(xb), target, 4.0)
@@ -126,74 +128,122 @@ def bank_vs_per_step(arch: str, k: int, device: str, steps: int = 200, batch: in
         opt = torch.optim.Adam(student.parameters(), lr=3e-3)
         target = combine_teachers(Teachers(models, batched=False, device=device).predict(X), weights)
         for i in range(steps):
-            loss = distillation_loss(student(X[i * batch:(i + 1) * batch]), target[i * batch:(i + 1) * batch], 4.0)
+            loss = distillation_loss(student(X[i * batch : (i + 1) * batch]), target[i * batch : (i + 1) * batch], 4.0)
             opt.zero_grad()
             loss.backward()
             opt.step()
 
     per_step_s, banked_s = min(timed(per_step) for _ in range(2)), min(timed(banked) for _ in range(2))
-    return {"arch": arch, "teachers": k, "per_step_s": round(per_step_s, 3), "bank_s": round(banked_s, 3),
-            "per_step_over_bank": round(per_step_s / banked_s, 2)}
+    return {
+        "arch": arch,
+        "teachers": k,
+        "per_step_s": round(per_step_s, 3),
+        "bank_s": round(banked_s, 3),
+        "per_step_over_bank": round(per_step_s / banked_s, 2),
+    }
 
 
 def predictions_only_on_ray(clients: int = 5) -> dict[str, Any]:
     """``distill`` with the parameters uploaded and with predictions only, on a local Ray (one run, both methods)."""
     import rayfuse
 
-    config = {"run": {"name": "distill-speed", "seed": 0}, "data": {"dataset": "digits", "public_size": 300},
-              "partition": {"method": "dirichlet", "num_clients": clients, "alpha": 0.5}, "model": {"name": "mlp", "hidden": [64, 64]},
-              "train": {"epochs": 20}, "federation": {"backend": "ray", "ray_init": {"num_cpus": 2, "include_dashboard": False}},
-              "methods": {"parameters": {"method": "distill", "init": "random"},
-                          "clients": {"method": "distill", "init": "random", "teachers": "clients"}}}
+    config = {
+        "run": {"name": "distill-speed", "seed": 0},
+        "data": {"dataset": "digits", "public_size": 300},
+        "partition": {"method": "dirichlet", "num_clients": clients, "alpha": 0.5},
+        "model": {"name": "mlp", "hidden": [64, 64]},
+        "train": {"epochs": 20},
+        "federation": {"backend": "ray", "ray_init": {"num_cpus": 2, "include_dashboard": False}},
+        "methods": {
+            "parameters": {"method": "distill", "init": "random"},
+            "clients": {"method": "distill", "init": "random", "teachers": "clients"},
+        },
+    }
     with tempfile.TemporaryDirectory(prefix="distill-speed-") as tmp, contextlib.redirect_stdout(io.StringIO()):
         result = rayfuse.run(config, run_dir=Path(tmp) / "run", quiet=True)
     methods = result.results["methods"]
-    row = {label: {"seconds": float(methods[label]["seconds"]), "accuracy": float(result.metrics.loc[label, "accuracy"])}
-           for label in ("parameters", "clients")}
+    row = {
+        label: {"seconds": float(methods[label]["seconds"]), "accuracy": float(result.metrics.loc[label, "accuracy"])}
+        for label in ("parameters", "clients")
+    }
     return {"num_clients": clients, **row, "clients_over_parameters": round(row["clients"]["seconds"] / row["parameters"]["seconds"], 2)}
 
 
 def write_markdown(payload: dict[str, Any]) -> Path:
     info = payload["machine"]
-    lines = ["# Distillation: speed", "",
-             f"{info['cpus']} CPUs, {info.get('cpu_model', '')}, torch {torch.__version__}; produced by `benchmarks/distill/speed.py` "
-             "(best of repeated runs; seconds).", ""]
+    lines = [
+        "# Distillation: speed",
+        "",
+        f"{info['cpus']} CPUs, {info.get('cpu_model', '')}, torch {torch.__version__}; produced by `benchmarks/distill/speed.py` "
+        "(best of repeated runs; seconds).",
+        "",
+    ]
     if payload.get("batched"):
-        lines += ["## Teachers batched (`vmap`) against a loop over the teachers", "",
-                  "Public: 200 student steps (2 epochs, 300 inputs); synthetic: 60 student steps and 30 generator steps (every "
-                  "generator step runs the teachers forward and backward).", "",
-                  "| arch | K | device | public batched | public loop | loop / batched | synthetic batched | synthetic loop | loop / batched |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['arch']} | {r['teachers']} | {r['device']} | {r['public_batched_s']} | {r['public_loop_s']} | "
-                  f"{r['public_loop_over_batched']} | {r['synthetic_batched_s']} | {r['synthetic_loop_s']} | {r['synthetic_loop_over_batched']} |"
-                  for r in payload["batched"]]
+        lines += [
+            "## Teachers batched (`vmap`) against a loop over the teachers",
+            "",
+            "Public: 200 student steps (2 epochs, 300 inputs); synthetic: 60 student steps and 30 generator steps (every "
+            "generator step runs the teachers forward and backward).",
+            "",
+            "| arch | K | device | public batched | public loop | loop / batched | synthetic batched | synthetic loop | loop / batched |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['arch']} | {r['teachers']} | {r['device']} | {r['public_batched_s']} | {r['public_loop_s']} | "
+            f"{r['public_loop_over_batched']} | {r['synthetic_batched_s']} | {r['synthetic_loop_s']} | {r['synthetic_loop_over_batched']} |"
+            for r in payload["batched"]
+        ]
     if payload.get("teachers"):
-        lines += ["", "## The teachers alone", "",
-                  "A bank's predictions (12,800 inputs in chunks of 256, no gradient) and one generator step through the teachers "
-                  "(128 inputs, forward with the BatchNorm statistics and backward to the inputs), batched against the loop.", "",
-                  "| arch | K | predict batched | predict loop | loop / batched | step batched | step loop | loop / batched |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['arch']} | {r['teachers']} | {r['predict_batched_s']} | {r['predict_loop_s']} | {r['predict_loop_over_batched']} | "
-                  f"{r['step_batched_s']} | {r['step_loop_s']} | {r['step_loop_over_batched']} |" for r in payload["teachers"]]
+        lines += [
+            "",
+            "## The teachers alone",
+            "",
+            "A bank's predictions (12,800 inputs in chunks of 256, no gradient) and one generator step through the teachers "
+            "(128 inputs, forward with the BatchNorm statistics and backward to the inputs), batched against the loop.",
+            "",
+            "| arch | K | predict batched | predict loop | loop / batched | step batched | step loop | loop / batched |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['arch']} | {r['teachers']} | {r['predict_batched_s']} | {r['predict_loop_s']} | {r['predict_loop_over_batched']} | "
+            f"{r['step_batched_s']} | {r['step_loop_s']} | {r['step_loop_over_batched']} |"
+            for r in payload["teachers"]
+        ]
     if payload.get("bank"):
-        lines += ["", "## The bank against per-step teacher calls (FedDF's loop)", "",
-                  "Public transfer, 200 steps of 64: rayfuse evaluates the teachers once on the epoch's bank; the reference runs the "
-                  "K teachers on each step's batch.", "", "| arch | K | per step | bank | per step / bank |", "|---|---|---|---|---|"]
-        lines += [f"| {r['arch']} | {r['teachers']} | {r['per_step_s']} | {r['bank_s']} | {r['per_step_over_bank']} |" for r in payload["bank"]]
+        lines += [
+            "",
+            "## The bank against per-step teacher calls (FedDF's loop)",
+            "",
+            "Public transfer, 200 steps of 64: rayfuse evaluates the teachers once on the epoch's bank; the reference runs the "
+            "K teachers on each step's batch.",
+            "",
+            "| arch | K | per step | bank | per step / bank |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['arch']} | {r['teachers']} | {r['per_step_s']} | {r['bank_s']} | {r['per_step_over_bank']} |" for r in payload["bank"]
+        ]
     if payload.get("ray"):
         r = payload["ray"]
-        lines += ["", "## Predictions only, on a local Ray", "",
-                  f"`rayfuse.run` on a local Ray, {r['num_clients']} clients, mlp on digits, 300 public inputs, 2000 student steps, 10 "
-                  "epochs: the method's wall time with the local models uploaded (`teachers: parameters`) and with one call per "
-                  "client per epoch (`teachers: clients`).", "",
-                  "| teachers | seconds | accuracy |", "|---|---|---|",
-                  f"| parameters | {r['parameters']['seconds']:.2f} | {r['parameters']['accuracy']:.4f} |",
-                  f"| clients | {r['clients']['seconds']:.2f} | {r['clients']['accuracy']:.4f} |", "",
-                  f"Predictions only takes {r['clients_over_parameters']}x the parameter upload's time. The upload's time includes "
-                  "fetching the clients' local models (once per run) and evaluating the teachers on the coordinator; with "
-                  "predictions only the clients evaluate their own models in parallel and return logits only. The two methods' "
-                  "seeds derive from their labels, so their transfer banks (and accuracies) differ; `tests/fusion/test_distill.py` "
-                  "checks that with one seed the two students are equal."]
+        lines += [
+            "",
+            "## Predictions only, on a local Ray",
+            "",
+            f"`rayfuse.run` on a local Ray, {r['num_clients']} clients, mlp on digits, 300 public inputs, 2000 student steps, 10 "
+            "epochs: the method's wall time with the local models uploaded (`teachers: parameters`) and with one call per "
+            "client per epoch (`teachers: clients`).",
+            "",
+            "| teachers | seconds | accuracy |",
+            "|---|---|---|",
+            f"| parameters | {r['parameters']['seconds']:.2f} | {r['parameters']['accuracy']:.4f} |",
+            f"| clients | {r['clients']['seconds']:.2f} | {r['clients']['accuracy']:.4f} |",
+            "",
+            f"Predictions only takes {r['clients_over_parameters']}x the parameter upload's time. The upload's time includes "
+            "fetching the clients' local models (once per run) and evaluating the teachers on the coordinator; with "
+            "predictions only the clients evaluate their own models in parallel and return logits only. The two methods' "
+            "seeds derive from their labels, so their transfer banks (and accuracies) differ; `tests/fusion/test_distill.py` "
+            "checks that with one seed the two students are equal.",
+        ]
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return OUT

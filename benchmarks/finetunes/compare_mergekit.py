@@ -46,8 +46,15 @@ def build(work: Path, hidden: int, layers: int, models: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                      num_attention_heads=max(1, hidden // 32), num_key_value_heads=max(1, hidden // 32), max_position_embeddings=128)
+    cfg = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 32),
+        num_key_value_heads=max(1, hidden // 32),
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(work / "base", max_shard_size="50MB")
@@ -64,17 +71,36 @@ def configs(work: Path, models: int) -> dict[str, dict[str, Any]]:
     base = str(work / "base")
     fts = [str(work / f"ft{i}") for i in range(models)]
     return {
-        "linear": {"merge_method": "linear", "models": [{"model": m, "parameters": {"weight": float(i + 1)}} for i, m in enumerate(fts)],
-                   "dtype": "float32"},
-        "task_arithmetic": {"merge_method": "task_arithmetic", "base_model": base, "dtype": "float32", "parameters": {"lambda": 0.8},
-                            "models": [{"model": m, "parameters": {"weight": 0.5 + 0.25 * i}} for i, m in enumerate(fts)]},
-        "ties": {"merge_method": "ties", "base_model": base, "dtype": "float32", "parameters": {"normalize": True},
-                 "models": [{"model": m, "parameters": {"weight": 1.0, "density": [{"filter": "mlp", "value": 0.3}, {"value": 0.6}]}}
-                            for m in fts]},
-        "slerp": {"merge_method": "slerp", "base_model": base, "dtype": "float32",
-                  "models": [{"model": base}, {"model": fts[0]}],
-                  "parameters": {"t": [{"filter": "self_attn", "value": [0.0, 0.5, 1.0]}, {"filter": "mlp", "value": [1.0, 0.5, 0.0]},
-                                       {"value": 0.5}]}},
+        "linear": {
+            "merge_method": "linear",
+            "models": [{"model": m, "parameters": {"weight": float(i + 1)}} for i, m in enumerate(fts)],
+            "dtype": "float32",
+        },
+        "task_arithmetic": {
+            "merge_method": "task_arithmetic",
+            "base_model": base,
+            "dtype": "float32",
+            "parameters": {"lambda": 0.8},
+            "models": [{"model": m, "parameters": {"weight": 0.5 + 0.25 * i}} for i, m in enumerate(fts)],
+        },
+        "ties": {
+            "merge_method": "ties",
+            "base_model": base,
+            "dtype": "float32",
+            "parameters": {"normalize": True},
+            "models": [
+                {"model": m, "parameters": {"weight": 1.0, "density": [{"filter": "mlp", "value": 0.3}, {"value": 0.6}]}} for m in fts
+            ],
+        },
+        "slerp": {
+            "merge_method": "slerp",
+            "base_model": base,
+            "dtype": "float32",
+            "models": [{"model": base}, {"model": fts[0]}],
+            "parameters": {
+                "t": [{"filter": "self_attn", "value": [0.0, 0.5, 1.0]}, {"filter": "mlp", "value": [1.0, 0.5, 0.0]}, {"value": 0.5}]
+            },
+        },
     }
 
 
@@ -125,8 +151,22 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     # the models are built in a subprocess and compared after every run: this process stays small while it spawns the
     # runs (a child's ru_maxrss starts from its parent's resident size at the fork)
-    subprocess.run([sys.executable, __file__, "--build", str(work), "--hidden", str(args.hidden), "--layers", str(args.layers),
-                    "--models", str(args.models)], check=True, env=env)
+    subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--build",
+            str(work),
+            "--hidden",
+            str(args.hidden),
+            "--layers",
+            str(args.layers),
+            "--models",
+            str(args.models),
+        ],
+        check=True,
+        env=env,
+    )
     size = sum(f.stat().st_size for f in (work / "base").glob("*.safetensors"))
     runs = {}
     for name, config in configs(work, args.models).items():
@@ -136,8 +176,9 @@ def main() -> None:
         path.write_text(yaml.safe_dump(config))
         for out in ("mk", "rf"):
             shutil.rmtree(work / f"{name}-{out}", ignore_errors=True)
-        mk_wall, mk_rss, _ = timed([str(MERGEKIT), str(path), str(work / f"{name}-mk"), "--out-shard-size", "2B",
-                                    "--no-copy-tokenizer"], env)
+        mk_wall, mk_rss, _ = timed(
+            [str(MERGEKIT), str(path), str(work / f"{name}-mk"), "--out-shard-size", "2B", "--no-copy-tokenizer"], env
+        )
         rf_config = work / f"{name}-rf.yaml"
         rf_config.write_text(yaml.safe_dump({**config, "threads": args.threads}))
         rf_wall, rf_rss, _ = timed([sys.executable, "-m", "rayfuse", "fuse", str(rf_config), str(work / f"{name}-rf")], env)
@@ -147,19 +188,45 @@ def main() -> None:
         a, b = tensors(work / f"{name}-mk"), tensors(work / f"{name}-rf")
         missing = sorted(set(a) ^ set(b))
         diff = max(float((a[k].float() - b[k].float()).abs().max()) for k in a if k in b)
-        rows.append({"method": name, "tensors": len(a), "names_differ": missing[:5], "max_abs_diff": diff, "mergekit_s": mk_wall,
-                     "rayfuse_s": rf_wall, "mergekit_rss_mib": mk_rss / 2**20, "rayfuse_rss_mib": rf_rss / 2**20})
+        rows.append(
+            {
+                "method": name,
+                "tensors": len(a),
+                "names_differ": missing[:5],
+                "max_abs_diff": diff,
+                "mergekit_s": mk_wall,
+                "rayfuse_s": rf_wall,
+                "mergekit_rss_mib": mk_rss / 2**20,
+                "rayfuse_rss_mib": rf_rss / 2**20,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"hidden": args.hidden, "layers": args.layers, "models": args.models, "threads": args.threads,
-                                   "base_mib": size / 2**20, "cpus": os.cpu_count(), "rows": rows}, indent=2))
-    print(f"\nLlama-style, hidden {args.hidden}, {args.layers} layers, {size / 2**20:.1f} MiB per model, {args.models} fine-tunes, "
-          f"rayfuse threads {args.threads}, {os.cpu_count()} CPUs\n")
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "hidden": args.hidden,
+                "layers": args.layers,
+                "models": args.models,
+                "threads": args.threads,
+                "base_mib": size / 2**20,
+                "cpus": os.cpu_count(),
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
+    print(
+        f"\nLlama-style, hidden {args.hidden}, {args.layers} layers, {size / 2**20:.1f} MiB per model, {args.models} fine-tunes, "
+        f"rayfuse threads {args.threads}, {os.cpu_count()} CPUs\n"
+    )
     print("| merge | tensors | max abs difference | mergekit s | rayfuse s | mergekit peak RSS MiB | rayfuse peak RSS MiB |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['tensors']} | {r['max_abs_diff']:.3g} | {r['mergekit_s']:.1f} | {r['rayfuse_s']:.1f} | "
-              f"{r['mergekit_rss_mib']:.0f} | {r['rayfuse_rss_mib']:.0f} |")
+        print(
+            f"| {r['method']} | {r['tensors']} | {r['max_abs_diff']:.3g} | {r['mergekit_s']:.1f} | {r['rayfuse_s']:.1f} | "
+            f"{r['mergekit_rss_mib']:.0f} | {r['rayfuse_rss_mib']:.0f} |"
+        )
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
 

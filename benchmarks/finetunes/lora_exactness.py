@@ -38,7 +38,9 @@ LAYERS = 2
 RANKS = (2, 4, 8, 16)
 
 
-def write_adapter(folder: Path, rank: int, alpha: float, rslora: bool, rng: np.random.Generator) -> dict[str, tuple[np.ndarray, np.ndarray, float]]:
+def write_adapter(
+    folder: Path, rank: int, alpha: float, rslora: bool, rng: np.random.Generator
+) -> dict[str, tuple[np.ndarray, np.ndarray, float]]:
     """A PEFT adapter folder with random factors; returns module -> (B, A, scaling) as written (float32 read back)."""
     from safetensors.numpy import save_file
 
@@ -54,8 +56,18 @@ def write_adapter(folder: Path, rank: int, alpha: float, rslora: bool, rng: np.r
             tensors[f"base_model.model.{module}.lora_B.weight"] = B
             factors[module] = (B.astype(np.float64), A.astype(np.float64), float(scaling))
     save_file(tensors, str(folder / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "use_rslora": rslora, "target_modules": sorted({n.split(".")[-1] for n in SHAPES}),
-              "task_type": "CAUSAL_LM", "bias": "none", "fan_in_fan_out": False, "rank_pattern": {}, "alpha_pattern": {}}
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "use_rslora": rslora,
+        "target_modules": sorted({n.split(".")[-1] for n in SHAPES}),
+        "task_type": "CAUSAL_LM",
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
     (folder / "adapter_config.json").write_text(json.dumps(config))
     return factors
 
@@ -64,16 +76,23 @@ def output_products(folder: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     tensors = load_file(str(folder / "adapter_model.safetensors"))
-    return {k.removeprefix("base_model.model.").removesuffix(".lora_A.weight"):
-            tensors[k.replace("lora_A", "lora_B")].astype(np.float64) @ tensors[k].astype(np.float64)
-            for k in tensors if k.endswith("lora_A.weight")}
+    return {
+        k.removeprefix("base_model.model.").removesuffix(".lora_A.weight"): tensors[k.replace("lora_A", "lora_B")].astype(np.float64)
+        @ tensors[k].astype(np.float64)
+        for k in tensors
+        if k.endswith("lora_A.weight")
+    }
 
 
 def fuse(root: Path, name: str, folders: list[Path], weights: list[float], **parameters: Any) -> tuple[dict[str, np.ndarray], dict, float]:
     import rayfuse
 
-    config = {"merge_method": "lora", "models": [{"model": str(f), "parameters": {"weight": w}} for f, w in zip(folders, weights)],
-              "parameters": parameters, "output": str(root / name)}
+    config = {
+        "merge_method": "lora",
+        "models": [{"model": str(f), "parameters": {"weight": w}} for f, w in zip(folders, weights)],
+        "parameters": parameters,
+        "output": str(root / name),
+    }
     start = time.perf_counter()
     out = rayfuse.fuse(config)
     seconds = time.perf_counter() - start
@@ -81,7 +100,9 @@ def fuse(root: Path, name: str, folders: list[Path], weights: list[float], **par
 
 
 def relative(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> float:
-    return float(np.sqrt(sum(np.linalg.norm(got[m] - want[m]) ** 2 for m in want)) / np.sqrt(sum(np.linalg.norm(want[m]) ** 2 for m in want)))
+    return float(
+        np.sqrt(sum(np.linalg.norm(got[m] - want[m]) ** 2 for m in want)) / np.sqrt(sum(np.linalg.norm(want[m]) ** 2 for m in want))
+    )
 
 
 def max_abs(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> float:
@@ -114,8 +135,15 @@ def case(n: int, seed: int) -> dict[str, Any]:
             best[m] = (U[:, :r] * S[:r]) @ Vt[:r]
             tails.append(float(np.sum(S[r:] ** 2)))
         norm = float(np.sqrt(sum(np.linalg.norm(d) ** 2 for d in D.values())))
-        row.update({"svd_rank": r, "svd_max_abs_vs_best": max_abs(got, best), "svd_rel": relative(got, D), "svd_tail_rel": float(np.sqrt(sum(tails))) / norm,
-                    "svd_reported": meta["relative_error"]})
+        row.update(
+            {
+                "svd_rank": r,
+                "svd_max_abs_vs_best": max_abs(got, best),
+                "svd_rel": relative(got, D),
+                "svd_tail_rel": float(np.sqrt(sum(tails))) / norm,
+                "svd_reported": meta["relative_error"],
+            }
+        )
         got, meta, _ = fuse(root, "svd_full", folders, list(counts), combine="svd", rank=stacked)
         row["svd_full_max_abs"], row["svd_full_exact"] = max_abs(got, D), meta["exact"]
         # average_factors needs one rank: the same sizes, every adapter at the case's largest rank
@@ -130,14 +158,18 @@ def case(n: int, seed: int) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| adapters | ranks (rsLoRA *) | stack: max abs diff to D | stack: rel. error | svd rank | svd: max abs diff to best rank-r | "
-             "svd: rel. error | tail sigma / norm | svd full rank: max abs diff | average_factors (rank): rel. error | stack, same adapters: rel. error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| adapters | ranks (rsLoRA *) | stack: max abs diff to D | stack: rel. error | svd rank | svd: max abs diff to best rank-r | "
+        "svd: rel. error | tail sigma / norm | svd full rank: max abs diff | average_factors (rank): rel. error | stack, same adapters: rel. error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         ranks = ", ".join(f"{k}{'*' if s else ''}" for k, s in zip(r["ranks"], r["rslora"]))
-        lines.append(f"| {r['models']} | {ranks} (sum {r['stacked_rank']}) | {r['stack_max_abs']:.1e} | {r['stack_rel']:.1e} | {r['svd_rank']} | "
-                     f"{r['svd_max_abs_vs_best']:.1e} | {r['svd_rel']:.4f} | {r['svd_tail_rel']:.4f} | {r['svd_full_max_abs']:.1e} | "
-                     f"{r['avg_rel']:.4f} ({r['avg_rank']}) | {r['stack_same_rel']:.1e} |")
+        lines.append(
+            f"| {r['models']} | {ranks} (sum {r['stacked_rank']}) | {r['stack_max_abs']:.1e} | {r['stack_rel']:.1e} | {r['svd_rank']} | "
+            f"{r['svd_max_abs_vs_best']:.1e} | {r['svd_rel']:.4f} | {r['svd_tail_rel']:.4f} | {r['svd_full_max_abs']:.1e} | "
+            f"{r['avg_rel']:.4f} ({r['avg_rank']}) | {r['stack_same_rel']:.1e} |"
+        )
     return "\n".join(lines)
 
 
@@ -154,19 +186,23 @@ def main() -> None:
         assert r["stack_max_abs"] <= 1e-5 and r["svd_max_abs_vs_best"] <= 1e-5 and r["svd_full_max_abs"] <= 1e-5, r
         assert abs(r["svd_rel"] - r["svd_tail_rel"]) <= 1e-4 and abs(r["avg_rel"] - r["avg_reported"]) <= 1e-6, r
     modules = ", ".join(f"{k} {o}x{i}" for k, (o, i) in SHAPES.items())
-    header = (f"# LoRA combinations: exactness on random adapters\n\nProduced by `benchmarks/finetunes/lora_exactness.py` (seed {args.seed}): "
-              f"random PEFT adapters (float32) on {LAYERS} layers of {modules}, mixed ranks from {list(RANKS)}, every third with "
-              "rsLoRA (`*`), lora_alpha = 2r, weights = random sample counts (normalised), each combination run through `rayfuse.fuse` and "
-              "compared here, in float64, with `D = sum_i w_i s_i B_i A_i` computed from the factors as written. `svd` is cut to a quarter "
-              "of the stacked rank; `average_factors` needs one rank, so it runs on a second set of adapters of the same sizes at the case's "
-              "largest rank (where `stack` is shown again). Errors are `||B A - D||_F / ||D||_F` over all modules; the max abs "
-              "differences are over every element of every module.\n\n")
-    notes = ("\n\n## Reading it\n\n* `stack` equals `D` to float32 rounding (the output is written in the adapters' float32), far "
-             "inside 1e-5, at every size and mix of ranks, rsLoRA scalings included.\n* `svd` equals the best rank-r approximation to "
-             "the same rounding, and its error equals the tail of `D`'s singular values (Eckart-Young); at the full stacked rank it is "
-             "exact.\n* `average_factors` (Flower's average of the A's and of the B's) is far from the average of the updates on "
-             "independent adapters, and its error grows with the number of sites; `rayfuse_lora.json` reports it with "
-             "`\"exact\": false`.\n")
+    header = (
+        f"# LoRA combinations: exactness on random adapters\n\nProduced by `benchmarks/finetunes/lora_exactness.py` (seed {args.seed}): "
+        f"random PEFT adapters (float32) on {LAYERS} layers of {modules}, mixed ranks from {list(RANKS)}, every third with "
+        "rsLoRA (`*`), lora_alpha = 2r, weights = random sample counts (normalised), each combination run through `rayfuse.fuse` and "
+        "compared here, in float64, with `D = sum_i w_i s_i B_i A_i` computed from the factors as written. `svd` is cut to a quarter "
+        "of the stacked rank; `average_factors` needs one rank, so it runs on a second set of adapters of the same sizes at the case's "
+        "largest rank (where `stack` is shown again). Errors are `||B A - D||_F / ||D||_F` over all modules; the max abs "
+        "differences are over every element of every module.\n\n"
+    )
+    notes = (
+        "\n\n## Reading it\n\n* `stack` equals `D` to float32 rounding (the output is written in the adapters' float32), far "
+        "inside 1e-5, at every size and mix of ranks, rsLoRA scalings included.\n* `svd` equals the best rank-r approximation to "
+        "the same rounding, and its error equals the tail of `D`'s singular values (Eckart-Young); at the full stacked rank it is "
+        "exact.\n* `average_factors` (Flower's average of the A's and of the B's) is far from the average of the updates on "
+        "independent adapters, and its error grows with the number of sites; `rayfuse_lora.json` reports it with "
+        '`"exact": false`.\n'
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(header + text + notes, encoding="utf-8")
     print(f"wrote {args.out}")

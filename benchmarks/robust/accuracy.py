@@ -48,8 +48,7 @@ PARTITIONS: dict[str, dict[str, Any]] = {"dirichlet0.5": {"method": "dirichlet",
 ATTACKS = ("sign_flip", "scale", "gaussian", "little_is_enough", "flip_labels")
 ATTACKERS = (0, 1, 2, 3)
 SEEDS = (0, 1, 2)
-AGGREGATORS = ("mean", "median", "trimmed_mean_0.1", "trimmed_mean_0.2", "krum", "multi_krum", "bulyan",
-               "geometric_median", "mean_clip")
+AGGREGATORS = ("mean", "median", "trimmed_mean_0.1", "trimmed_mean_0.2", "krum", "multi_krum", "bulyan", "geometric_median", "mean_clip")
 FAMILIES = ("fedavg", "average")
 
 
@@ -136,9 +135,19 @@ def run_cell(partition: str, seed: int, attack: str, k: int) -> list[dict[str, A
         rows = []
         for name, m in result.results["methods"].items():
             family, label = name.split("@", 1)
-            rows.append({"partition": partition, "seed": seed, "attack": attack, "attackers": k, "family": family,
-                         "aggregator": label, "accuracy": m["accuracy"], "attack_events": sum(e["method"] == name for e in events),
-                         "run_seconds": round(seconds, 2)})
+            rows.append(
+                {
+                    "partition": partition,
+                    "seed": seed,
+                    "attack": attack,
+                    "attackers": k,
+                    "family": family,
+                    "aggregator": label,
+                    "accuracy": m["accuracy"],
+                    "attack_events": sum(e["method"] == name for e in events),
+                    "run_seconds": round(seconds, 2),
+                }
+            )
         return rows
     finally:
         shutil.rmtree(storage, ignore_errors=True)
@@ -169,8 +178,9 @@ def format_cell(stats: Mapping[tuple[str, str, str, str, int], tuple[float, floa
     return text if seeds == len(SEEDS) else f"{text} ({seeds} seeds)"
 
 
-def find_worst(stats: Mapping[tuple[str, str, str, str, int], tuple[float, float, int]], partition: str, family: str, label: str,
-               k: int) -> str:
+def find_worst(
+    stats: Mapping[tuple[str, str, str, str, int], tuple[float, float, int]], partition: str, family: str, label: str, k: int
+) -> str:
     """The lowest mean accuracy over the attacks with ``k`` attackers (and which attack), ``n/a``, or ``missing``."""
     if k and find_precondition_failure(label, k) is not None:
         return "n/a"
@@ -201,14 +211,19 @@ def render(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> None:
     """Write ``accuracy.md`` (one table per family and partition), ``accuracy.csv`` and ``accuracy.png``."""
     stats = summarise(rows)
     missing = 0
-    lines = ["# Accuracy under attack: each aggregator, FedAvg and one-shot average", "",
-             f"Digits, {N_CLIENTS} clients, MLP [64, 64] from a shared initialisation (Adam, lr 0.005, batch 32); FedAvg "
-             f"{ROUNDS} rounds x {LOCAL_EPOCHS} local epoch; `average`: local models trained {AVERAGE_EPOCHS} epochs, "
-             "merged once. Attackers are clients 0..k-1; Krum, Multi-Krum (m = n - f) and Bulyan are told "
-             f"f = max(k, 1); `mean_clip` is the mean with `clip_norm: {CLIP_NORM}`. Test accuracy, mean ± std (population) "
-             f"over seeds {', '.join(map(str, SEEDS))}. The 0 column is the clean run (the same for every attack).", "",
-             f"Machine: {meta.get('cpu_model')}, {meta.get('cpus')} CPUs (shared; the grid ran on one core, niced), "
-             f"Python {meta.get('python')}, numpy {meta.get('numpy')}. Date: {meta.get('date')}. Command: `{meta.get('command')}`.", ""]
+    lines = [
+        "# Accuracy under attack: each aggregator, FedAvg and one-shot average",
+        "",
+        f"Digits, {N_CLIENTS} clients, MLP [64, 64] from a shared initialisation (Adam, lr 0.005, batch 32); FedAvg "
+        f"{ROUNDS} rounds x {LOCAL_EPOCHS} local epoch; `average`: local models trained {AVERAGE_EPOCHS} epochs, "
+        "merged once. Attackers are clients 0..k-1; Krum, Multi-Krum (m = n - f) and Bulyan are told "
+        f"f = max(k, 1); `mean_clip` is the mean with `clip_norm: {CLIP_NORM}`. Test accuracy, mean ± std (population) "
+        f"over seeds {', '.join(map(str, SEEDS))}. The 0 column is the clean run (the same for every attack).",
+        "",
+        f"Machine: {meta.get('cpu_model')}, {meta.get('cpus')} CPUs (shared; the grid ran on one core, niced), "
+        f"Python {meta.get('python')}, numpy {meta.get('numpy')}. Date: {meta.get('date')}. Command: `{meta.get('command')}`.",
+        "",
+    ]
     csv = ["family,partition,aggregator,attack,attackers,mean,std,seeds,note"]
     lines += summarise_worst(stats)
     for family in FAMILIES:
@@ -248,8 +263,11 @@ def plot(stats: Mapping[tuple[str, str, str, str, int], tuple[float, float, int]
         for col, attack in enumerate(ATTACKS):
             ax = axes[row][col]
             for label in AGGREGATORS:
-                pts = [(k, stats[(partition, family, label, attack, k)][0]) for k in ATTACKERS
-                       if (partition, family, label, attack, k) in stats]
+                pts = [
+                    (k, stats[(partition, family, label, attack, k)][0])
+                    for k in ATTACKERS
+                    if (partition, family, label, attack, k) in stats
+                ]
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label)
             ax.set_title(f"{family}, {partition}\n{attack}", fontsize=8)

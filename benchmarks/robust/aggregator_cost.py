@@ -31,8 +31,9 @@ def measure(clients: int, sizes: Mapping[int, int], flower_python: Path) -> list
     """One :func:`compare` payload per model size."""
     payloads = []
     for params, repeats in sizes.items():
-        args = argparse.Namespace(clients=clients, params=params, repeats=repeats, f=1, m=clients - 1, beta=[0.1, 0.2], clip_norm=1.0,
-                                  flower_python=flower_python)
+        args = argparse.Namespace(
+            clients=clients, params=params, repeats=repeats, f=1, m=clients - 1, beta=[0.1, 0.2], clip_norm=1.0, flower_python=flower_python
+        )
         payloads.append(compare(args))
         print(f"{params} parameters done", flush=True)
     return payloads
@@ -46,26 +47,38 @@ def render(payloads: Sequence[Mapping[str, Any]], command: str) -> None:
     """Write ``cost.md``, ``cost.csv``, ``cost.json`` and ``cost.png``."""
     machine = payloads[0]["machine"]
     flower = payloads[0]["flower"]
-    lines = ["# Cost of each aggregator per round", "",
-             f"{payloads[0]['clients']} clients' random float32 updates (three tensors), f = 1, Multi-Krum m = {payloads[0]['m']}, "
-             "clipping to norm 1 around a random global model. rayfuse's times: median of interleaved passes with "
-             "`weighted_average` (the plain FedAvg mean) in the same process; Flower's: its `aggregate_*` functions in its "
-             f"own virtualenv (flwr {flower or 'not available'}) on the same arrays. `mean_clip` on Flower's side is its DP "
-             "wrappers' `compute_clip_model_update` per client, then `aggregate`. Flower has no geometric median.", "",
-             f"Machine: {machine['cpu_model']}, {machine['cpus']} CPUs shared with other work (1-minute load "
-             f"{min(p['machine']['load_avg_1m'] for p in payloads):.1f}-{max(p['machine']['load_avg_1m'] for p in payloads):.1f} at the "
-             f"start), one thread, Python {machine['python']}, numpy {machine['numpy']}. Date: {machine['date']}. Command: `{command}`.", ""]
+    lines = [
+        "# Cost of each aggregator per round",
+        "",
+        f"{payloads[0]['clients']} clients' random float32 updates (three tensors), f = 1, Multi-Krum m = {payloads[0]['m']}, "
+        "clipping to norm 1 around a random global model. rayfuse's times: median of interleaved passes with "
+        "`weighted_average` (the plain FedAvg mean) in the same process; Flower's: its `aggregate_*` functions in its "
+        f"own virtualenv (flwr {flower or 'not available'}) on the same arrays. `mean_clip` on Flower's side is its DP "
+        "wrappers' `compute_clip_model_update` per client, then `aggregate`. Flower has no geometric median.",
+        "",
+        f"Machine: {machine['cpu_model']}, {machine['cpus']} CPUs shared with other work (1-minute load "
+        f"{min(p['machine']['load_avg_1m'] for p in payloads):.1f}-{max(p['machine']['load_avg_1m'] for p in payloads):.1f} at the "
+        f"start), one thread, Python {machine['python']}, numpy {machine['numpy']}. Date: {machine['date']}. Command: `{command}`.",
+        "",
+    ]
     csv = ["params,rule,rayfuse_s,x_weighted_average,flower_s,rayfuse_over_flower,max_abs_diff,equal"]
     for p in payloads:
-        lines += [f"## {p['params']:,} parameters per client (`weighted_average`: {p['weighted_average_s']:.3g} s)", "",
-                  "| rule | rayfuse s | x `weighted_average` | Flower s | rayfuse / Flower | max abs diff | equal |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {p['params']:,} parameters per client (`weighted_average`: {p['weighted_average_s']:.3g} s)",
+            "",
+            "| rule | rayfuse s | x `weighted_average` | Flower s | rayfuse / Flower | max abs diff | equal |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in p["rows"]:
             equal = "" if "equal" not in r else ("yes" if r["equal"] else "NO")
-            lines.append(f"| {r['rule']} | {r['rayfuse_s']:.3g} | {r['vs_weighted_average']:.3g} | {_fmt(r.get('flower_s'), '.3g') or '(none)'} | "
-                         f"{_fmt(r.get('rayfuse_over_flower'), '.3g')} | {_fmt(r.get('max_abs_diff'), '.2g')} | {equal} |")
-            csv.append(f"{p['params']},{r['rule']},{r['rayfuse_s']:.6g},{r['vs_weighted_average']:.4g},{_fmt(r.get('flower_s'), '.6g')},"
-                       f"{_fmt(r.get('rayfuse_over_flower'), '.4g')},{_fmt(r.get('max_abs_diff'), '.3g')},{r.get('equal', '')}")
+            lines.append(
+                f"| {r['rule']} | {r['rayfuse_s']:.3g} | {r['vs_weighted_average']:.3g} | {_fmt(r.get('flower_s'), '.3g') or '(none)'} | "
+                f"{_fmt(r.get('rayfuse_over_flower'), '.3g')} | {_fmt(r.get('max_abs_diff'), '.2g')} | {equal} |"
+            )
+            csv.append(
+                f"{p['params']},{r['rule']},{r['rayfuse_s']:.6g},{r['vs_weighted_average']:.4g},{_fmt(r.get('flower_s'), '.6g')},"
+                f"{_fmt(r.get('rayfuse_over_flower'), '.4g')},{_fmt(r.get('max_abs_diff'), '.3g')},{r.get('equal', '')}"
+            )
         lines.append("")
     if payloads[0]["flower_missing"]:
         lines += [f"Flower not measured: {payloads[0]['flower_missing']}", ""]

@@ -40,16 +40,26 @@ def build_config(seed: int, args: argparse.Namespace, storage: str) -> dict[str,
     common = {"rounds": args.rounds, "local_epochs": args.local_epochs, "lr": args.lr, "optimizer": "sgd"}
     methods: dict[str, Any] = {"nonprivate": {"method": "fedavg", **common, "fraction": args.sample_rate, "weighted": False}}
     for eps in args.epsilons:
-        methods[f"eps{eps:g}"] = {"method": "fedavg", **common,
-                                  "dp": {"target_epsilon": eps, "delta": args.delta, "clip_norm": args.clip_norm,
-                                         "sample_rate": args.sample_rate, "accountant": "rdp"}}
-    return {"run": {"name": "dp-epsilon", "seed": seed, "storage": storage},
-            "data": {"dataset": "digits"},
-            "partition": {"method": "iid", "num_clients": args.clients},
-            "model": {"name": "mlp", "hidden": [64]},
-            "train": {"shared_init": True},
-            "federation": {"backend": "local"},
-            "methods": methods}
+        methods[f"eps{eps:g}"] = {
+            "method": "fedavg",
+            **common,
+            "dp": {
+                "target_epsilon": eps,
+                "delta": args.delta,
+                "clip_norm": args.clip_norm,
+                "sample_rate": args.sample_rate,
+                "accountant": "rdp",
+            },
+        }
+    return {
+        "run": {"name": "dp-epsilon", "seed": seed, "storage": storage},
+        "data": {"dataset": "digits"},
+        "partition": {"method": "iid", "num_clients": args.clients},
+        "model": {"name": "mlp", "hidden": [64]},
+        "train": {"shared_init": True},
+        "federation": {"backend": "local"},
+        "methods": methods,
+    }
 
 
 def plot(path: Path, summary: list[dict[str, Any]], title: str) -> None:
@@ -102,9 +112,18 @@ def main(argv: list[str] | None = None) -> int:
             result = rayfuse.run(build_config(seed, args, storage), quiet=True)
             for label, entry in result.results["methods"].items():
                 dp = entry["info"].get("dp") or {}
-                rows.append({"method": label, "seed": seed, "target_epsilon": float(label[3:]) if dp else float("inf"),
-                             "epsilon": dp.get("epsilon", float("inf")), "noise_multiplier": dp.get("noise_multiplier", 0.0),
-                             "rounds": entry["rounds"], "accuracy": entry["accuracy"], "nll": entry["nll"]})
+                rows.append(
+                    {
+                        "method": label,
+                        "seed": seed,
+                        "target_epsilon": float(label[3:]) if dp else float("inf"),
+                        "epsilon": dp.get("epsilon", float("inf")),
+                        "noise_multiplier": dp.get("noise_multiplier", 0.0),
+                        "rounds": entry["rounds"],
+                        "accuracy": entry["accuracy"],
+                        "nll": entry["nll"],
+                    }
+                )
             print(f"seed {seed}: " + ", ".join(f"{r['method']} {r['accuracy']:.3f}" for r in rows if r["seed"] == seed), flush=True)
     seconds = time.perf_counter() - started
 
@@ -117,31 +136,54 @@ def main(argv: list[str] | None = None) -> int:
     for label in dict.fromkeys(r["method"] for r in rows):
         mine = [r for r in rows if r["method"] == label]
         acc = np.array([r["accuracy"] for r in mine])
-        summary.append({"method": label, "target_epsilon": mine[0]["target_epsilon"], "epsilon": max(r["epsilon"] for r in mine),
-                        "noise_multiplier": mine[0]["noise_multiplier"], "accuracy_mean": float(acc.mean()),
-                        "accuracy_std": float(acc.std(ddof=1)) if len(acc) > 1 else 0.0,
-                        "accuracy_min": float(acc.min()), "accuracy_max": float(acc.max())})
-    setting = (f"digits, {args.clients} i.i.d. clients, sample rate {args.sample_rate:g}, {args.rounds} rounds, "
-               f"{args.local_epochs} local epochs (sgd, lr {args.lr:g}), mlp [64], clip norm {args.clip_norm:g}, delta {args.delta:g}")
+        summary.append(
+            {
+                "method": label,
+                "target_epsilon": mine[0]["target_epsilon"],
+                "epsilon": max(r["epsilon"] for r in mine),
+                "noise_multiplier": mine[0]["noise_multiplier"],
+                "accuracy_mean": float(acc.mean()),
+                "accuracy_std": float(acc.std(ddof=1)) if len(acc) > 1 else 0.0,
+                "accuracy_min": float(acc.min()),
+                "accuracy_max": float(acc.max()),
+            }
+        )
+    setting = (
+        f"digits, {args.clients} i.i.d. clients, sample rate {args.sample_rate:g}, {args.rounds} rounds, "
+        f"{args.local_epochs} local epochs (sgd, lr {args.lr:g}), mlp [64], clip norm {args.clip_norm:g}, delta {args.delta:g}"
+    )
     plot(args.out / "dp_epsilon.png", summary, setting)
     machine = machine_info()
     command = "nice -n 10 python benchmarks/robust/dp_epsilon.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = ["# Central DP-FedAvg: accuracy against epsilon", "",
-             f"Setting: {setting}; seeds {', '.join(map(str, args.seeds))}. The noise multiplier of each row is Opacus' "
-             "(RDP) for the target epsilon over the planned rounds; epsilon is what the accountant reports after the "
-             "last round (client-level, delta as above). The non-private row is FedAvg with the same sampling, unclipped.", "",
-             "| method | target epsilon | epsilon spent | noise multiplier z | accuracy (mean ± std) | min | max |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Central DP-FedAvg: accuracy against epsilon",
+        "",
+        f"Setting: {setting}; seeds {', '.join(map(str, args.seeds))}. The noise multiplier of each row is Opacus' "
+        "(RDP) for the target epsilon over the planned rounds; epsilon is what the accountant reports after the "
+        "last round (client-level, delta as above). The non-private row is FedAvg with the same sampling, unclipped.",
+        "",
+        "| method | target epsilon | epsilon spent | noise multiplier z | accuracy (mean ± std) | min | max |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in summary:
         target = "-" if r["method"] == "nonprivate" else f"{r['target_epsilon']:g}"
         spent = "-" if r["method"] == "nonprivate" else f"{r['epsilon']:.3f}"
         z = "-" if r["method"] == "nonprivate" else f"{r['noise_multiplier']:.3f}"
-        lines.append(f"| {r['method']} | {target} | {spent} | {z} | {r['accuracy_mean']:.4f} ± {r['accuracy_std']:.4f} | "
-                     f"{r['accuracy_min']:.4f} | {r['accuracy_max']:.4f} |")
-    lines += ["", f"Machine: {machine['cpu_model']} ({machine['cpus']} CPUs, {machine['memory_gib']} GiB), Python "
-              f"{machine['python']}, numpy {machine['numpy']}, {machine['platform']}; {machine['date']}; {seconds:.0f} s wall "
-              f"(load average {machine['load_avg_1m']:.1f} at the end: the machine was shared).", "",
-              f"Command: `{command.strip()}`", "", "Per-seed rows: `dp_epsilon.csv`; plot: `dp_epsilon.png`.", ""]
+        lines.append(
+            f"| {r['method']} | {target} | {spent} | {z} | {r['accuracy_mean']:.4f} ± {r['accuracy_std']:.4f} | "
+            f"{r['accuracy_min']:.4f} | {r['accuracy_max']:.4f} |"
+        )
+    lines += [
+        "",
+        f"Machine: {machine['cpu_model']} ({machine['cpus']} CPUs, {machine['memory_gib']} GiB), Python "
+        f"{machine['python']}, numpy {machine['numpy']}, {machine['platform']}; {machine['date']}; {seconds:.0f} s wall "
+        f"(load average {machine['load_avg_1m']:.1f} at the end: the machine was shared).",
+        "",
+        f"Command: `{command.strip()}`",
+        "",
+        "Per-seed rows: `dp_epsilon.csv`; plot: `dp_epsilon.png`.",
+        "",
+    ]
     (args.out / "dp_epsilon.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0

@@ -82,7 +82,7 @@ def batches(X: np.ndarray, batch_size: int, dtype: torch.dtype, dev: torch.devic
     """``X`` in batches of ``batch_size`` rows as tensors on ``dev``. Raises :class:`InputError` for a batch size below 1."""
     if batch_size < 1:
         raise InputError("batch_size", "at least 1", batch_size)
-    return (torch.as_tensor(np.asarray(X[lo:lo + batch_size]), dtype=dtype, device=dev) for lo in range(0, len(X), batch_size))
+    return (torch.as_tensor(np.asarray(X[lo : lo + batch_size]), dtype=dtype, device=dev) for lo in range(0, len(X), batch_size))
 
 
 @contextmanager

@@ -191,13 +191,21 @@ def _probe_rows(value: Any, probe: Probe, size: int, where: str) -> torch.Tensor
     if dim is None or probe.start + span > value.shape[dim]:
         raise InputError(where, f"{probe.outer} x {size} x {probe.inner} units from {probe.start} on axis {probe.dim}", tuple(value.shape))
     seg = value.narrow(dim, probe.start, span)
-    seg = seg.reshape(*seg.shape[:dim], probe.outer, size, probe.inner, *seg.shape[dim + 1:])
+    seg = seg.reshape(*seg.shape[:dim], probe.outer, size, probe.inner, *seg.shape[dim + 1 :])
     return seg.movedim(dim + 1, -1).reshape(-1, size)
 
 
-def collect_correlations(reference: nn.Module, own: nn.Module, spec: PermutationSpec, graph_ref: torch.fx.GraphModule | None,
-                         graph_own: torch.fx.GraphModule | None, X: np.ndarray, *, batch_size: int = 256,
-                         device: str | torch.device | None = None) -> dict[str, GroupStats]:
+def collect_correlations(
+    reference: nn.Module,
+    own: nn.Module,
+    spec: PermutationSpec,
+    graph_ref: torch.fx.GraphModule | None,
+    graph_own: torch.fx.GraphModule | None,
+    X: np.ndarray,
+    *,
+    batch_size: int = 256,
+    device: str | torch.device | None = None,
+) -> dict[str, GroupStats]:
     """Per-group activation statistics of ``reference`` against ``own`` on ``X`` (what a client sends).
 
     Parameters
@@ -260,8 +268,10 @@ def collect_correlations(reference: nn.Module, own: nn.Module, spec: Permutation
                         acc[g.name] = [s + p for s, p in zip(acc[g.name], parts)]
                     else:
                         acc[g.name] = parts
-    return {name: GroupStats.from_arrays({"count": parts[0], **{f: p.cpu().numpy() for f, p in zip(_FIELDS, parts[1:])}})
-            for name, parts in acc.items()}
+    return {
+        name: GroupStats.from_arrays({"count": parts[0], **{f: p.cpu().numpy() for f, p in zip(_FIELDS, parts[1:])}})
+        for name, parts in acc.items()
+    }
 
 
 _TIE_WEIGHT = 1e-3
@@ -270,6 +280,7 @@ _TIE_WEIGHT = 1e-3
 def unit_similarity(reference: Mapping[str, np.ndarray], model: Mapping[str, np.ndarray], group: PermGroup) -> np.ndarray:
     """The cosine similarity of the two models' units by their weights, each unit's values along each of the group's
     axes sorted (so the other groups' permutations do not matter): ``(size, size)``, reference units as rows."""
+
     def rows(params: Mapping[str, np.ndarray]) -> np.ndarray:
         views = [torch.as_tensor(axis.view(np.asarray(params[axis.key], dtype=np.float64), group.size)) for axis in group.axes]
         r = sorted_unit_rows(views).numpy()
@@ -285,8 +296,9 @@ def solve_activation_perms(stats: Mapping[str, GroupStats], *, executor: Executo
     return solve_activation_perms_many([stats], executor=executor)[0]
 
 
-def solve_activation_perms_many(stats: Sequence[Mapping[str, GroupStats]], *, executor: Executor | None = None,
-                                ties: Sequence[Mapping[str, np.ndarray]] | None = None) -> list[Perms]:
+def solve_activation_perms_many(
+    stats: Sequence[Mapping[str, GroupStats]], *, executor: Executor | None = None, ties: Sequence[Mapping[str, np.ndarray]] | None = None
+) -> list[Perms]:
     """:func:`solve_activation_perms` for several models at once: every (model, group) problem of a sweep goes to
     ``executor`` in one batched call (on Ray: a few tasks for the whole sweep, not one round trip per model).
 
@@ -307,9 +319,16 @@ def solve_activation_perms_many(stats: Sequence[Mapping[str, GroupStats]], *, ex
     return found
 
 
-def activation_matching(models: Sequence[Mapping[str, np.ndarray]], spec: PermutationSpec,
-                        collect: Callable[[Params], Sequence[Mapping[str, GroupStats]]], *, weights: Sequence[float] | None = None,
-                        sweeps: int = 3, executor: Executor | None = None, fallback: str = "weight") -> Alignment:
+def activation_matching(
+    models: Sequence[Mapping[str, np.ndarray]],
+    spec: PermutationSpec,
+    collect: Callable[[Params], Sequence[Mapping[str, GroupStats]]],
+    *,
+    weights: Sequence[float] | None = None,
+    sweeps: int = 3,
+    executor: Executor | None = None,
+    fallback: str = "weight",
+) -> Alignment:
     """Align N models by activation matching against an evolving reference.
 
     The reference starts as model 0. Each sweep, ``collect(reference_params)`` returns every model's

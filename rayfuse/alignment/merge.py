@@ -44,8 +44,12 @@ def merge_average(aligned: Sequence[Mapping[str, np.ndarray]], weights: Sequence
     return weighted_average(aligned, normalize_weights(weights, len(aligned)))
 
 
-def merge_fisher(aligned: Sequence[Mapping[str, np.ndarray]], fishers: Sequence[Mapping[str, np.ndarray]],
-                 weights: Sequence[float] | None = None, eps: float = 1e-8) -> Params:
+def merge_fisher(
+    aligned: Sequence[Mapping[str, np.ndarray]],
+    fishers: Sequence[Mapping[str, np.ndarray]],
+    weights: Sequence[float] | None = None,
+    eps: float = 1e-8,
+) -> Params:
     """Fisher-weighted averaging: ``theta = sum_k w_k (F_k + eps) theta_k / sum_k w_k (F_k + eps)`` per parameter.
 
     Parameters
@@ -91,8 +95,12 @@ def merge_fisher(aligned: Sequence[Mapping[str, np.ndarray]], fishers: Sequence[
     return out
 
 
-def merge_regmean(aligned: Sequence[Mapping[str, np.ndarray]], grams: Sequence[Mapping[str, np.ndarray]],
-                  weights: Sequence[float] | None = None, alpha: float = 0.9) -> Params:
+def merge_regmean(
+    aligned: Sequence[Mapping[str, np.ndarray]],
+    grams: Sequence[Mapping[str, np.ndarray]],
+    weights: Sequence[float] | None = None,
+    alpha: float = 0.9,
+) -> Params:
     """RegMean: ``W = (sum_k W_k G_k') (sum_k G_k')^-1`` for every weight with a Gram, ``G' = alpha G + (1 - alpha) diag(G)``.
 
     Parameters
@@ -174,8 +182,9 @@ def permute_grams(grams: Mapping[str, np.ndarray], spec: PermutationSpec, perms:
     return out
 
 
-def diagonal_fisher(model: nn.Module, X: np.ndarray, y: np.ndarray, *, batch_size: int = 256,
-                    device: str | torch.device | None = None) -> Params:
+def diagonal_fisher(
+    model: nn.Module, X: np.ndarray, y: np.ndarray, *, batch_size: int = 256, device: str | torch.device | None = None
+) -> Params:
     """The empirical diagonal Fisher of ``model`` on ``(X, y)``: the mean over samples of the squared gradient of each
     sample's log-likelihood of its label (classification: integer labels, the log-softmax of the output; regression:
     float targets, a unit-variance Gaussian). Runs in eval mode; one entry per parameter (float64)."""
@@ -199,7 +208,7 @@ def diagonal_fisher(model: nn.Module, X: np.ndarray, y: np.ndarray, *, batch_siz
         total = {k: torch.zeros(v.shape, dtype=torch.float64, device=dev) for k, v in params.items()}
         labels = np.asarray(y)
         for lo, xb in zip(range(0, len(X), batch_size), data):
-            yb = torch.as_tensor(labels[lo:lo + batch_size], dtype=torch.long if classify else dtype, device=dev)
+            yb = torch.as_tensor(labels[lo : lo + batch_size], dtype=torch.long if classify else dtype, device=dev)
             for k, g in per_sample(params, xb, yb).items():
                 total[k] += (g.to(torch.float64) ** 2).sum(0)
     return {k: (v / len(X)).cpu().numpy() for k, v in total.items()}
@@ -215,8 +224,9 @@ def _conv_padding(conv: nn.Conv2d) -> tuple[int, int] | None:
     return (int(conv.padding[0]), int(conv.padding[1]))
 
 
-def input_grams(model: nn.Module, X: np.ndarray, *, batch_size: int = 256,
-                device: str | torch.device | None = None) -> tuple[dict[str, np.ndarray], int]:
+def input_grams(
+    model: nn.Module, X: np.ndarray, *, batch_size: int = 256, device: str | torch.device | None = None
+) -> tuple[dict[str, np.ndarray], int]:
     """The Gram matrices of the inputs of every ``nn.Linear`` and ``nn.Conv2d`` of ``model`` on ``X`` (eval mode).
 
     Keys are the layers' weight keys (``"<module>.weight"``). A Linear's inputs are its input rows (every leading
@@ -242,6 +252,7 @@ def input_grams(model: nn.Module, X: np.ndarray, *, batch_size: int = 256,
             rows = rows.to(torch.float64)
             gram = rows.T @ rows
             sums[name] = sums[name] + gram if name in sums else gram
+
         return hook
 
     for name, layer in model.named_modules():

@@ -106,8 +106,9 @@ def _tied_reason(g: PermGroup, partners: Mapping[str, list[str]], inputs: set[tu
     return ""
 
 
-def _fixed_reason(g: PermGroup, owners: Mapping[str, nn.Module], shapes: Mapping[str, tuple[int, ...]],
-                  on_dim: Mapping[tuple[str, int], int]) -> str:
+def _fixed_reason(
+    g: PermGroup, owners: Mapping[str, nn.Module], shapes: Mapping[str, tuple[int, ...]], on_dim: Mapping[tuple[str, int], int]
+) -> str:
     if g.fixed_width:  # the model's code fixes the width (a literal size in a view / reshape / expand)
         return g.fixed_width
     if g.kind in ("heads", "head_dims"):
@@ -123,8 +124,13 @@ def _fixed_reason(g: PermGroup, owners: Mapping[str, nn.Module], shapes: Mapping
     return ""
 
 
-def unit_agreement(aligned: Sequence[Mapping[str, np.ndarray]], spec: PermutationSpec, *, weights: Sequence[float] | None = None,
-                   keys: Collection[str] | None = None) -> list[dict[str, np.ndarray]]:
+def unit_agreement(
+    aligned: Sequence[Mapping[str, np.ndarray]],
+    spec: PermutationSpec,
+    *,
+    weights: Sequence[float] | None = None,
+    keys: Collection[str] | None = None,
+) -> list[dict[str, np.ndarray]]:
     """How well each aligned unit matches its counterparts, by weights: per model and group, the cosine similarity of
     each unit's values on the group's axes (the tensors ``keys``, default all the spec permutes) with the same unit of
     the weighted average of the other models. ``(size,)`` per group, in ``[-1, 1]``."""
@@ -173,8 +179,14 @@ class WidthPlan:
         return {g.name: self.widths[g.name] - g.size for g in spec.groups}
 
 
-def plan_widths(quality: Sequence[Mapping[str, np.ndarray]], spec: PermutationSpec, *, threshold: float, max_width: float = 2.0,
-                fixed: Collection[str] = ()) -> WidthPlan:
+def plan_widths(
+    quality: Sequence[Mapping[str, np.ndarray]],
+    spec: PermutationSpec,
+    *,
+    threshold: float,
+    max_width: float = 2.0,
+    fixed: Collection[str] = (),
+) -> WidthPlan:
     """Decide which aligned units become new global units (see the module docstring).
 
     Parameters
@@ -228,7 +240,9 @@ def plan_widths(quality: Sequence[Mapping[str, np.ndarray]], spec: PermutationSp
     return WidthPlan(widths, index)
 
 
-def _dim_maps(key: str, dim: int, ndim: int, length: int, spec: PermutationSpec, plan: WidthPlan, k: int) -> tuple[np.ndarray, int, np.ndarray]:
+def _dim_maps(
+    key: str, dim: int, ndim: int, length: int, spec: PermutationSpec, plan: WidthPlan, k: int
+) -> tuple[np.ndarray, int, np.ndarray]:
     """Along axis ``dim`` of tensor ``key`` (local ``length``): model ``k``'s local-to-global index, the global
     length, and which global positions model ``k`` holds."""
     axes = sorted(((a, g) for g in spec.groups for a in g.axes if a.key == key and a.dim % ndim == dim), key=lambda ag: ag[0].start)
@@ -237,22 +251,28 @@ def _dim_maps(key: str, dim: int, ndim: int, length: int, spec: PermutationSpec,
     held = np.ones(total, dtype=bool)
     local, shift = 0, 0
     for a, g in axes:
-        mapping[local:a.start] = np.arange(local, a.start) + shift
+        mapping[local : a.start] = np.arange(local, a.start) + shift
         width = plan.widths[g.name]
         gstart = a.start + shift
         unit_map = plan.index[k][g.name]
         block = (np.arange(a.outer)[:, None, None] * width + unit_map[None, :, None]) * a.inner + np.arange(a.inner)[None, None, :]
-        mapping[a.start:a.start + a.span(g.size)] = gstart + block.reshape(-1)
+        mapping[a.start : a.start + a.span(g.size)] = gstart + block.reshape(-1)
         mask = np.repeat(np.tile(plan.holders(k, g.name), a.outer).reshape(a.outer, width), a.inner, axis=1).reshape(-1)
-        held[gstart:gstart + a.outer * width * a.inner] = mask
+        held[gstart : gstart + a.outer * width * a.inner] = mask
         local = a.start + a.span(g.size)
         shift += a.outer * (width - g.size) * a.inner
     mapping[local:] = np.arange(local, length) + shift
     return mapping, total, held
 
 
-def merge_nonparametric(aligned: Sequence[Mapping[str, np.ndarray]], spec: PermutationSpec, plan: WidthPlan, roles: WidthRoles, *,
-                        weights: Sequence[float] | None = None) -> Params:
+def merge_nonparametric(
+    aligned: Sequence[Mapping[str, np.ndarray]],
+    spec: PermutationSpec,
+    plan: WidthPlan,
+    roles: WidthRoles,
+    *,
+    weights: Sequence[float] | None = None,
+) -> Params:
     """The global model of ``plan``'s widths from the aligned models (see the module docstring).
 
     Parameters
@@ -287,8 +307,11 @@ def merge_nonparametric(aligned: Sequence[Mapping[str, np.ndarray]], spec: Permu
     for key, first in aligned[0].items():
         first = np.asarray(first)
         if first.dtype.kind not in "fc" or key not in touched:
-            out[key] = first if first.dtype.kind not in "fc" else np.asarray(
-                sum(wk * np.asarray(m[key], dtype=np.float64) for wk, m in zip(w, aligned))).astype(first.dtype, copy=False)
+            out[key] = (
+                first
+                if first.dtype.kind not in "fc"
+                else np.asarray(sum(wk * np.asarray(m[key], dtype=np.float64) for wk, m in zip(w, aligned))).astype(first.dtype, copy=False)
+            )
             continue
         dims = sorted(touched[key])
         shape = list(first.shape)
@@ -313,9 +336,17 @@ def merge_nonparametric(aligned: Sequence[Mapping[str, np.ndarray]], spec: Permu
     return out
 
 
-def fuse_nonparametric(aligned: Sequence[Mapping[str, np.ndarray]], spec: PermutationSpec, roles: WidthRoles, *,
-                       quality: Sequence[Mapping[str, np.ndarray]] | None = None, weights: Sequence[float] | None = None,
-                       threshold: float, max_width: float = 2.0, keys: Collection[str] | None = None) -> tuple[Params, WidthPlan]:
+def fuse_nonparametric(
+    aligned: Sequence[Mapping[str, np.ndarray]],
+    spec: PermutationSpec,
+    roles: WidthRoles,
+    *,
+    quality: Sequence[Mapping[str, np.ndarray]] | None = None,
+    weights: Sequence[float] | None = None,
+    threshold: float,
+    max_width: float = 2.0,
+    keys: Collection[str] | None = None,
+) -> tuple[Params, WidthPlan]:
     """:func:`plan_widths` then :func:`merge_nonparametric`: the global model and where every unit went.
 
     ``quality``: per model and group, each unit's match quality from the alignment (activation matching's

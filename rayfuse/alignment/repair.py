@@ -29,14 +29,23 @@ from rayfuse.alignment._common import ChannelMoments, Params, batches, evaluatin
 from rayfuse.errors import InputError
 from rayfuse.symmetry import PermutationSpec
 
-__all__ = ["batchnorm_statistics", "combine_batchnorm", "apply_batchnorm", "RepairUnit", "repair_units", "unit_statistics", "repair_targets",
-           "apply_repair"]
+__all__ = [
+    "batchnorm_statistics",
+    "combine_batchnorm",
+    "apply_batchnorm",
+    "RepairUnit",
+    "repair_units",
+    "unit_statistics",
+    "repair_targets",
+    "apply_repair",
+]
 
 BNStats = tuple[float, np.ndarray, np.ndarray]
 
 
-def batchnorm_statistics(model: nn.Module, X: np.ndarray, *, batch_size: int = 256,
-                         device: str | torch.device | None = None) -> dict[str, BNStats]:
+def batchnorm_statistics(
+    model: nn.Module, X: np.ndarray, *, batch_size: int = 256, device: str | torch.device | None = None
+) -> dict[str, BNStats]:
     """The statistics of every BatchNorm's inputs on ``X``, as the client would re-estimate its running statistics.
 
     One pass without gradients, the BatchNorm layers in train mode (they normalise with the batch statistics, as when
@@ -52,6 +61,7 @@ def batchnorm_statistics(model: nn.Module, X: np.ndarray, *, batch_size: int = 2
     def hook_for(name: str) -> Callable[[nn.Module, tuple], None]:
         def hook(module: nn.Module, inputs: tuple) -> None:
             moments.add(name, inputs[0], 1)
+
         return hook
 
     data = batches(X, batch_size, param_dtype(model), dev)
@@ -138,8 +148,7 @@ def repair_units(model: nn.Module, spec: PermutationSpec, *, skipped: dict[str, 
     it. ``skipped``, when given, receives those layers' names and the reason (one line each)."""
     from rayfuse.symmetry import trace_structure
 
-    whole = {a.key: g.name for g in spec.groups for a in g.axes
-             if a.dim == 0 and a.start == 0 and a.outer == 1 and a.inner == 1}
+    whole = {a.key: g.name for g in spec.groups for a in g.axes if a.dim == 0 and a.start == 0 and a.outer == 1 and a.inner == 1}
     graph = trace_structure(model, "repair")  # its layers are call_module nodes of the torch.fx graph
     modules = dict(model.named_modules())
     calls: dict[str, int] = {}
@@ -162,10 +171,13 @@ def repair_units(model: nn.Module, spec: PermutationSpec, *, skipped: dict[str, 
         if any(user.op == "call_module" and isinstance(modules.get(user.target), nn.modules.batchnorm._BatchNorm) for user in node.users):
             continue
         partners = sorted({*tied.get(f"{name}.weight", ()), *tied.get(f"{name}.bias", ())})
-        reason = (f"applied {calls[name]} times in forward (one rescaling cannot match each application's statistics)"
-                  if calls[name] > 1 else
-                  f"its tensors are tied to {', '.join(partners[:2])} (one rescaling cannot match both layers' statistics)"
-                  if partners else "")
+        reason = (
+            f"applied {calls[name]} times in forward (one rescaling cannot match each application's statistics)"
+            if calls[name] > 1
+            else f"its tensors are tied to {', '.join(partners[:2])} (one rescaling cannot match both layers' statistics)"
+            if partners
+            else ""
+        )
         if reason:
             if skipped is not None:
                 skipped[name] = reason
@@ -184,8 +196,9 @@ def _tied_keys(model: nn.Module) -> dict[str, list[str]]:
     return {key: [k for k in group if k != key] for group in names.values() if len(group) > 1 for key in group}
 
 
-def unit_statistics(model: nn.Module, X: np.ndarray, units: Sequence[RepairUnit], *, batch_size: int = 256,
-                    device: str | torch.device | None = None) -> dict[str, BNStats]:
+def unit_statistics(
+    model: nn.Module, X: np.ndarray, units: Sequence[RepairUnit], *, batch_size: int = 256, device: str | torch.device | None = None
+) -> dict[str, BNStats]:
     """Per unit layer, ``(count, mean, var)`` of each output channel of ``model`` on ``X`` (over the batch and every
     other axis), in float64, the model in eval mode. The model is left as it was."""
     dev = resolve_device(device)
@@ -195,6 +208,7 @@ def unit_statistics(model: nn.Module, X: np.ndarray, units: Sequence[RepairUnit]
     def hook_for(unit: RepairUnit) -> Callable[[nn.Module, tuple, torch.Tensor], None]:
         def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
             moments.add(unit.module, output, unit.channel_dim)
+
         return hook
 
     data = batches(X, batch_size, param_dtype(model), dev)
@@ -204,9 +218,14 @@ def unit_statistics(model: nn.Module, X: np.ndarray, units: Sequence[RepairUnit]
     return moments.result()
 
 
-def repair_targets(stats: Sequence[Mapping[str, BNStats]], units: Sequence[RepairUnit], weights: Sequence[float], *,
-                   index: Sequence[Mapping[str, np.ndarray]] | None = None, widths: Mapping[str, int] | None = None
-                   ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def repair_targets(
+    stats: Sequence[Mapping[str, BNStats]],
+    units: Sequence[RepairUnit],
+    weights: Sequence[float],
+    *,
+    index: Sequence[Mapping[str, np.ndarray]] | None = None,
+    widths: Mapping[str, int] | None = None,
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per layer and channel, the weighted average of the clients' means and of their standard deviations (each
     client's :func:`unit_statistics` on its own data): REPAIR's targets from the aligned models, and the merged
     model's statistics in the same form (so a merge of identical models is left unchanged).
@@ -237,8 +256,12 @@ def repair_targets(stats: Sequence[Mapping[str, BNStats]], units: Sequence[Repai
     return out
 
 
-def apply_repair(params: Mapping[str, np.ndarray], units: Sequence[RepairUnit], merged: Mapping[str, tuple[np.ndarray, np.ndarray]],
-                 targets: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> Params:
+def apply_repair(
+    params: Mapping[str, np.ndarray],
+    units: Sequence[RepairUnit],
+    merged: Mapping[str, tuple[np.ndarray, np.ndarray]],
+    targets: Mapping[str, tuple[np.ndarray, np.ndarray]],
+) -> Params:
     """``params`` with each layer's output channels moved from the merged model's statistics to the targets (both
     ``(mean, std)`` per layer, :func:`repair_targets`): ``W' = W s``, ``b' = (b - mean) s + target_mean`` with
     ``s = target_std / std`` (1 for a channel that does not vary). A layer without a bias is only rescaled."""

@@ -102,9 +102,17 @@ def _check_pair(target: Mapping[str, np.ndarray], model: Mapping[str, np.ndarray
             raise InputError(f"model.{key}", f"shape {tuple(np.shape(target[key]))} (as in the target)", tuple(np.shape(model[key])))
 
 
-def match_weights(target: Mapping[str, np.ndarray], model: Mapping[str, np.ndarray], spec: PermutationSpec, *,
-                  max_sweeps: int = 100, seed: int = 0, init: Mapping[str, np.ndarray] | None = None,
-                  device: str | torch.device | None = None, cost_keys: Collection[str] | None = None) -> tuple[Perms, int]:
+def match_weights(
+    target: Mapping[str, np.ndarray],
+    model: Mapping[str, np.ndarray],
+    spec: PermutationSpec,
+    *,
+    max_sweeps: int = 100,
+    seed: int = 0,
+    init: Mapping[str, np.ndarray] | None = None,
+    device: str | torch.device | None = None,
+    cost_keys: Collection[str] | None = None,
+) -> tuple[Perms, int]:
     """Permutations of ``model`` that maximise its inner product with ``target`` (git re-basin weight matching).
 
     Parameters
@@ -150,8 +158,9 @@ def match_weights(target: Mapping[str, np.ndarray], model: Mapping[str, np.ndarr
     for g in groups:
         for axis in axes_of[g.name]:
             on_key.setdefault(axis.key, []).append((g.name, axis))
-    target_rows = {g.name: torch.cat([torch_view(a[axis.key], axis, g.size) for axis in axes_of[g.name]], dim=1)
-                   for g in groups if axes_of[g.name]}
+    target_rows = {
+        g.name: torch.cat([torch_view(a[axis.key], axis, g.size) for axis in axes_of[g.name]], dim=1) for g in groups if axes_of[g.name]
+    }
 
     def model_rows(name: str, size: int, axes: Sequence[AxisRef]) -> torch.Tensor:
         views = []
@@ -169,9 +178,14 @@ def match_weights(target: Mapping[str, np.ndarray], model: Mapping[str, np.ndarr
         # Start from the better of the identity and a permutation-invariant guess: a unit's values along its other axes,
         # sorted, do not depend on how the other groups are permuted, so matching the sorted rows solves every group
         # at once without the others' (still unknown) permutations. Coordinate descent then refines from there.
-        guess = {g.name: solve_assignment(-(_sorted_rows(a, axes_of[g.name], g.size) @ _sorted_rows(b, axes_of[g.name], g.size).T)
-                                          .cpu().numpy(), where=f"cost.{g.name}")
-                 for g in groups if g.size >= 2 and axes_of[g.name]}
+        guess = {
+            g.name: solve_assignment(
+                -(_sorted_rows(a, axes_of[g.name], g.size) @ _sorted_rows(b, axes_of[g.name], g.size).T).cpu().numpy(),
+                where=f"cost.{g.name}",
+            )
+            for g in groups
+            if g.size >= 2 and axes_of[g.name]
+        }
         if _agreement(a, b, spec, guess, dev) > _agreement(a, b, spec, perms, dev):
             perms.update(guess)
     rng = np.random.default_rng(seed)
@@ -203,8 +217,9 @@ def _sorted_rows(params: Mapping[str, torch.Tensor], axes: Sequence[AxisRef], si
     return sorted_unit_rows([torch_view(params[axis.key], axis, size) for axis in axes], extremes=_EXTREMES)
 
 
-def _agreement(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: PermutationSpec, perms: Perms,
-               dev: torch.device) -> float:
+def _agreement(
+    a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], spec: PermutationSpec, perms: Perms, dev: torch.device
+) -> float:
     """The weight-matching objective ``sum_keys <a, b permuted>`` at ``perms``."""
     total = 0.0
     for key in a:
@@ -223,8 +238,9 @@ class MatchTask:
 
     Called with ``(target, model, init)``: ``target`` None means the model is the reference itself (identity)."""
 
-    def __init__(self, spec: PermutationSpec, max_sweeps: int, seed: int, device: str | torch.device | None,
-                 cost_keys: Collection[str] | None = None) -> None:
+    def __init__(
+        self, spec: PermutationSpec, max_sweeps: int, seed: int, device: str | torch.device | None, cost_keys: Collection[str] | None = None
+    ) -> None:
         self.spec = spec
         self.max_sweeps = max_sweeps
         self.seed = seed
@@ -235,8 +251,9 @@ class MatchTask:
         target, model, init = item
         if target is None:
             return self.spec.identity()
-        perms, _ = match_weights(target, model, self.spec, max_sweeps=self.max_sweeps, seed=self.seed, init=init, device=self.device,
-                                 cost_keys=self.cost_keys)
+        perms, _ = match_weights(
+            target, model, self.spec, max_sweeps=self.max_sweeps, seed=self.seed, init=init, device=self.device, cost_keys=self.cost_keys
+        )
         return perms
 
 
@@ -248,13 +265,23 @@ def _anchor(perms: list[Perms]) -> list[Perms]:
 
 def _spread(aligned: Sequence[Params], w: np.ndarray, keys: Sequence[str]) -> float:
     center = weighted_average(aligned, w, keys)
-    return float(sum(wk * sum(float(np.sum((np.asarray(m[k], dtype=np.float64) - center[k]) ** 2)) for k in keys)
-                     for wk, m in zip(w, aligned)))
+    return float(
+        sum(wk * sum(float(np.sum((np.asarray(m[k], dtype=np.float64) - center[k]) ** 2)) for k in keys) for wk, m in zip(w, aligned))
+    )
 
 
-def weight_matching(models: Sequence[Mapping[str, np.ndarray]], spec: PermutationSpec, *, weights: Sequence[float] | None = None,
-                    max_sweeps: int = 20, inner_sweeps: int = 100, seed: int = 0, executor: Executor | None = None,
-                    device: str | torch.device | None = None, cost_keys: Collection[str] | None = None) -> Alignment:
+def weight_matching(
+    models: Sequence[Mapping[str, np.ndarray]],
+    spec: PermutationSpec,
+    *,
+    weights: Sequence[float] | None = None,
+    max_sweeps: int = 20,
+    inner_sweeps: int = 100,
+    seed: int = 0,
+    executor: Executor | None = None,
+    device: str | torch.device | None = None,
+    cost_keys: Collection[str] | None = None,
+) -> Alignment:
     """Align N models by weight matching, MergeMany style (Ainsworth et al. 2023, algorithm 3).
 
     The first sweep aligns every model to model 0 (whose frame is the common one). Each further sweep aligns every
@@ -332,4 +359,3 @@ def weight_matching(models: Sequence[Mapping[str, np.ndarray]], spec: Permutatio
     if not converged:
         perms = best_perms
     return Alignment(perms, len(objective), objective, converged)
-

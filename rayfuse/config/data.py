@@ -13,8 +13,19 @@ from pydantic import Field, PrivateAttr, SerializerFunctionWrapHandler, field_va
 from rayfuse.config.base import StrictModel, _registered
 from rayfuse.errors import key_error, suggest
 
-__all__ = ["DatasetSource", "TargetConfig", "SILO_FORMATS", "PATH_VARIABLE", "silo_source_kind", "label_value", "MAX_IMAGE_PIXELS",
-           "SiloSource", "SiloSpec", "DataConfig", "PartitionConfig"]
+__all__ = [
+    "DatasetSource",
+    "TargetConfig",
+    "SILO_FORMATS",
+    "PATH_VARIABLE",
+    "silo_source_kind",
+    "label_value",
+    "MAX_IMAGE_PIXELS",
+    "SiloSource",
+    "SiloSpec",
+    "DataConfig",
+    "PartitionConfig",
+]
 
 
 class DatasetSource(StrictModel):
@@ -24,7 +35,9 @@ class DatasetSource(StrictModel):
     root: str | None = Field(None, description="folder with torchvision datasets (MNIST, FashionMNIST, CIFAR-10)")
     path: str | None = Field(None, description="a user .npz or .parquet file (datasets 'npz', 'parquet')")
     label: str = Field("y", min_length=1, description="label key (npz) or column (parquet)")
-    features: str | list[str] | None = Field(None, description="feature key (npz) or columns (parquet); default: X / all other numeric columns")
+    features: str | list[str] | None = Field(
+        None, description="feature key (npz) or columns (parquet); default: X / all other numeric columns"
+    )
     options: dict[str, Any] = Field(default_factory=dict, description="extra arguments for a procedural generator")
     # ``dataset: arrays``: the in-memory Dataset given to rayfuse.run(dataset=...). It is not config data (not dumped,
     # not in config.yaml) but travels with the section, by value, to every process that loads the data.
@@ -48,8 +61,7 @@ class DatasetSource(StrictModel):
         The copy reads ``dataset: arrays`` with ``options: {sha256: digest}`` (a record of the content: two runs of
         different arrays never share a cache key); the arrays themselves ride along with it.
         """
-        copy_ = self.model_copy(update={"dataset": "arrays", "root": None, "path": None, "features": None,
-                                        "options": {"sha256": digest}})
+        copy_ = self.model_copy(update={"dataset": "arrays", "root": None, "path": None, "features": None, "options": {"sha256": digest}})
         copy_._arrays = dataset
         return copy_
 
@@ -61,7 +73,9 @@ class TargetConfig(DatasetSource):
     dataset: str = Field(description="a registered dataset (rayfuse list datasets)")
     test_size: float = Field(0.2, gt=0, lt=1, description="fraction of the target dataset held out as the test set")
     resize: list[int] | None = Field(None, min_length=2, max_length=2, description="[H, W]: bilinear resize of the target's images")
-    pad: int = Field(0, ge=0, description="zero padding on every side after resizing (e.g. digits 8x8 -> resize [20, 20], pad 4 -> MNIST's 28x28)")
+    pad: int = Field(
+        0, ge=0, description="zero padding on every side after resizing (e.g. digits 8x8 -> resize [20, 20], pad 4 -> MNIST's 28x28)"
+    )
 
     @field_validator("resize")
     @classmethod
@@ -139,19 +153,32 @@ class SiloSource(StrictModel):
     the public sample's labels (``MethodTags.public_labels``) are then refused."""
 
     dataset: str = Field(description="npz | parquet | csv | imagefolder, or a bundled dataset (rayfuse list datasets; for rehearsal)")
-    path: str | None = Field(None, description="the file (npz, parquet, csv), the class folders (imagefolder) or a torchvision "
-                             "dataset's root; ${VAR} expands on the node that reads it. The driver never opens it")
+    path: str | None = Field(
+        None,
+        description="the file (npz, parquet, csv), the class folders (imagefolder) or a torchvision "
+        "dataset's root; ${VAR} expands on the node that reads it. The driver never opens it",
+    )
     label: str | None = Field(None, min_length=1, description="npz, parquet, csv: the label array / column (default y)")
-    features: str | list[str] | None = Field(None, description="npz: the feature array (default X); parquet, csv: the feature columns "
-                                             "(default: every other numeric column)")
-    image_size: list[int] | None = Field(None, min_length=2, max_length=2, description="imagefolder: [H, W] every image is resized to "
-                                         "(default: the images' own size, which must then agree)")
+    features: str | list[str] | None = Field(
+        None, description="npz: the feature array (default X); parquet, csv: the feature columns (default: every other numeric column)"
+    )
+    image_size: list[int] | None = Field(
+        None,
+        min_length=2,
+        max_length=2,
+        description="imagefolder: [H, W] every image is resized to (default: the images' own size, which must then agree)",
+    )
     grayscale: bool | None = Field(None, description="imagefolder: read images as one grey channel (default: RGB)")
-    options: dict[str, Any] = Field(default_factory=dict, description="a bundled dataset's generator arguments; csv: {delimiter: ';'} "
-                                    "(default: sniffed from the header among , ; tab |)")
-    labels: bool = Field(True, description="false: a file without labels (data.public only; npz, or parquet / csv with features "
-                         "named): only its inputs are read, its labels are unknown (-1), for methods that never read them "
-                         "(distill with transfer: public)")
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="a bundled dataset's generator arguments; csv: {delimiter: ';'} (default: sniffed from the header among , ; tab |)",
+    )
+    labels: bool = Field(
+        True,
+        description="false: a file without labels (data.public only; npz, or parquet / csv with features "
+        "named): only its inputs are read, its labels are unknown (-1), for methods that never read them "
+        "(distill with transfer: public)",
+    )
 
     @field_validator("dataset")
     @classmethod
@@ -163,8 +190,10 @@ class SiloSource(StrictModel):
             return value
         if value in DATASETS and DATASETS.canonical(value) in names:
             return DATASETS.canonical(value)
-        raise ValueError(f"a format in {{{', '.join(SILO_FORMATS)}}} or a bundled dataset in {{{', '.join(names[len(SILO_FORMATS):])}}}"
-                         f"{suggest(value, names)}")
+        raise ValueError(
+            f"a format in {{{', '.join(SILO_FORMATS)}}} or a bundled dataset in {{{', '.join(names[len(SILO_FORMATS) :])}}}"
+            f"{suggest(value, names)}"
+        )
 
     @field_validator("path")
     @classmethod
@@ -184,8 +213,11 @@ class SiloSource(StrictModel):
             if self.path is not None:
                 raise key_error("path", f"no path for the bundled dataset {fmt} (it ships with rayfuse), got {self.path!r}")
         elif self.path is None:
-            what = {"table": f"the {self.dataset} file", "imagefolder": "the folder of class folders",
-                    "folder": f"the root folder of the torchvision dataset {fmt}"}[kind]
+            what = {
+                "table": f"the {self.dataset} file",
+                "imagefolder": "the folder of class folders",
+                "folder": f"the root folder of the torchvision dataset {fmt}",
+            }[kind]
             raise key_error("path", f"{what} (dataset is {fmt})")
         if kind != "table":
             for key in ("label", "features"):
@@ -226,8 +258,9 @@ class SiloSource(StrictModel):
         if self.label is not None:
             raise key_error("label", f"no label with labels: false (the file holds none), got {self.label!r}")
         if self.dataset != "npz" and self.features is None:
-            raise key_error("features", f"the feature columns of an unlabeled {self.dataset} file (with labels: false only the "
-                             "columns named are read)")
+            raise key_error(
+                "features", f"the feature columns of an unlabeled {self.dataset} file (with labels: false only the columns named are read)"
+            )
         return self
 
 
@@ -247,8 +280,9 @@ class SiloSpec(SiloSource):
     def _one_held_out_split(self) -> SiloSpec:
         if self.test_path is not None:
             if silo_source_kind(self.dataset) not in ("table", "imagefolder"):
-                raise key_error("test_path", f"no test_path for dataset {self.dataset!r} (its held-out split is val_size of it), "
-                                 f"got {self.test_path!r}")
+                raise key_error(
+                    "test_path", f"no test_path for dataset {self.dataset!r} (its held-out split is val_size of it), got {self.test_path!r}"
+                )
             if self.val_size is not None:
                 raise key_error("val_size", f"val_size or test_path, not both (test_path is {self.test_path!r}), got {self.val_size}")
         elif not self.val_size:
@@ -259,8 +293,9 @@ class SiloSpec(SiloSource):
     def _unlabeled_form(self) -> SiloSpec:
         # replaces SiloSource's: a client trains on its silo's labels, whatever the format
         if not self.labels:
-            raise key_error("labels", "true for a client's silo (a client trains on its labels; labels: false is for data.public), "
-                             "got False")
+            raise key_error(
+                "labels", "true for a client's silo (a client trains on its labels; labels: false is for data.public), got False"
+            )
         return self
 
 
@@ -270,18 +305,27 @@ class DataConfig(DatasetSource):
     public_size: float = Field(0, ge=0, description="server's public sample: a fraction (< 1) or a count (>= 1) of the training pool")
     standardize: bool | None = Field(None, description="z-score features with training-pool statistics; default per dataset")
     layout: Literal["auto", "image", "sequence"] = Field(
-        "auto", description="how an npz file's (N, A, B) array is read: image, grey images (N, 1, A, B); sequence, kept as "
-                            "(N, L, D) for a sequence model; auto (default): image")
-    target: TargetConfig | None = Field(None, description="a new task for the server: its public sample and the test set come from this "
-                                        "dataset (data.test_size is then unused: the clients share all of data.dataset)")
-    silos: list[SiloSpec] | None = Field(None, description="each client's own data, in client order, instead of data.dataset + partition "
-                                         "(read only on the client's node)")
+        "auto",
+        description="how an npz file's (N, A, B) array is read: image, grey images (N, 1, A, B); sequence, kept as "
+        "(N, L, D) for a sequence model; auto (default): image",
+    )
+    target: TargetConfig | None = Field(
+        None,
+        description="a new task for the server: its public sample and the test set come from this "
+        "dataset (data.test_size is then unused: the clients share all of data.dataset)",
+    )
+    silos: list[SiloSpec] | None = Field(
+        None, description="each client's own data, in client order, instead of data.dataset + partition (read only on the client's node)"
+    )
     test: SiloSource | None = Field(None, description="with silos: the server's test set (central evaluation)")
     public: SiloSource | None = Field(None, description="with silos: the server's public / target sample")
     # int | float | str: a float label value (0.5) stays a float (its text "0.5" is what a file's label reads back as)
-    classes: list[int | float | str] | None = Field(None, description="with silos: the task's label values in label order, as they "
-                                                    "appear in the files (a silo may hold some of them; numbers compare by value); "
-                                                    "default: every silo holds the same label values")
+    classes: list[int | float | str] | None = Field(
+        None,
+        description="with silos: the task's label values in label order, as they "
+        "appear in the files (a silo may hold some of them; numbers compare by value); "
+        "default: every silo holds the same label values",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -289,8 +333,12 @@ class DataConfig(DatasetSource):
         # A silo without val_size or test_path keeps data.val_size of its data as its held-out split.
         if isinstance(data, Mapping) and isinstance(data.get("silos"), list):
             default = data.get("val_size", cls.model_fields["val_size"].default)
-            silos = [{**silo, "val_size": default} if isinstance(silo, Mapping) and silo.get("val_size") is None
-                     and silo.get("test_path") is None else silo for silo in data["silos"]]
+            silos = [
+                {**silo, "val_size": default}
+                if isinstance(silo, Mapping) and silo.get("val_size") is None and silo.get("test_path") is None
+                else silo
+                for silo in data["silos"]
+            ]
             data = {**data, "silos": silos}
         return data
 
@@ -312,21 +360,30 @@ class DataConfig(DatasetSource):
         if self.silos is None:
             for key in ("test", "public"):
                 if getattr(self, key) is not None:
-                    raise key_error(key, f"data.{key} only with data.silos (a simulation's server sets come from data.dataset: "
-                                     "test_size, public_size, target)")
+                    raise key_error(
+                        key,
+                        f"data.{key} only with data.silos (a simulation's server sets come from data.dataset: "
+                        "test_size, public_size, target)",
+                    )
             if self.classes is not None:
-                raise key_error("classes", f"data.classes only with data.silos (a simulation's label values are its dataset's), "
-                                 f"got {self.classes!r}")
+                raise key_error(
+                    "classes", f"data.classes only with data.silos (a simulation's label values are its dataset's), got {self.classes!r}"
+                )
             return self
         if not self.silos:
             raise key_error("silos", "at least one silo (one per client), got []")
         if self.test is not None and not self.test.labels:
-            raise key_error(("test", "labels"), "true for data.test (the server's test set scores the models on its labels; labels: false "
-                             "is for data.public), got False")
+            raise key_error(
+                ("test", "labels"),
+                "true for data.test (the server's test set scores the models on its labels; labels: false is for data.public), got False",
+            )
         for key in _SIMULATION_DATA_KEYS:
             if key in self.model_fields_set:
-                raise key_error(key, f"no data.{key} with data.silos (each client reads its own silo; the server's sets are "
-                                 f"data.test and data.public), got {getattr(self, key)!r}")
+                raise key_error(
+                    key,
+                    f"no data.{key} with data.silos (each client reads its own silo; the server's sets are "
+                    f"data.test and data.public), got {getattr(self, key)!r}",
+                )
         if self.classes is not None:
             names = [str(c) for c in self.classes]
             if len(names) < 2:
@@ -348,7 +405,7 @@ class DataConfig(DatasetSource):
         # silo config's no simulation keys: _silos_or_simulation refuses a simulation key given with data.silos, so a
         # silo config's dump would not validate again with them.
         data = handler(self)
-        for key in (("silos", "test", "public", "classes") if self.silos is None else _SIMULATION_DATA_KEYS):
+        for key in ("silos", "test", "public", "classes") if self.silos is None else _SIMULATION_DATA_KEYS:
             data.pop(key, None)
         return data
 
@@ -370,8 +427,9 @@ _PARTITION_PARAMS = {
 
 class PartitionConfig(StrictModel):
     method: str = Field("dirichlet", description="iid | dirichlet | labels | pathological | shards | subsets (aliases homo, hetero-dir)")
-    num_clients: int = Field(5, ge=1, le=100_000, description="number of clients the pool is split among (with data.silos: "
-                             "len(data.silos), set for you)")
+    num_clients: int = Field(
+        5, ge=1, le=100_000, description="number of clients the pool is split among (with data.silos: len(data.silos), set for you)"
+    )
     alpha: float = Field(0.5, gt=0, description="dirichlet concentration")
     balance: bool = Field(True, description="dirichlet: PFNM balancing rule (stop giving to clients holding >= N/J)")
     min_size: int = Field(10, ge=0, description="dirichlet: redraw until every client holds at least this many samples")
@@ -379,11 +437,15 @@ class PartitionConfig(StrictModel):
     classes_per_client: int = Field(2, ge=1, description="pathological: classes per client")
     shards_per_client: int = Field(2, ge=1, description="shards: shards per client")
     shard_size: int | None = Field(None, ge=1, description="shards: samples per shard (default: pool / total shards)")
-    subset_fraction: tuple[float, float] = Field((0.4, 0.9), description="subsets: each client's fraction of the pool ~ U[low, high] (overlapping)")
+    subset_fraction: tuple[float, float] = Field(
+        (0.4, 0.9), description="subsets: each client's fraction of the pool ~ U[low, high] (overlapping)"
+    )
     corrupt: dict[int, Literal["shuffle_labels", "noise", "permute_pixels", "flip_labels"]] = Field(
-        default_factory=dict, description="clients whose private data is corrupted, by client id: shuffle_labels (random labels), "
+        default_factory=dict,
+        description="clients whose private data is corrupted, by client id: shuffle_labels (random labels), "
         "noise (inputs + Gaussian noise, 2x the shard's std), permute_pixels (one fixed feature permutation: an unrelated input domain), "
-        "flip_labels (label y becomes C - 1 - y: the label-flipping attack)")
+        "flip_labels (label y becomes C - 1 - y: the label-flipping attack)",
+    )
 
     @field_validator("method")
     @classmethod

@@ -20,22 +20,35 @@ from rayfuse.errors import key_error
 __all__ = ["DEFAULT_METHODS", "QUICKSTART_PUBLIC_SIZE", "RunConfig", "CONFIG_SECTIONS", "ExperimentConfig"]
 
 # The quickstart's methods (jobs/quickstart.yaml spells out the same job; a test keeps the two equal).
-DEFAULT_METHODS: dict[str, dict[str, Any]] = {"local": {}, "average": {}, "ensemble": {}, "aligned": {},
-                                               "aligned-wide": {"method": "aligned", "merge": "nonparametric"},
-                                               "distill": {}, "distill-free": {"method": "distill", "transfer": "synthetic"},
-                                               "fedavg": {}, "global": {}}
+DEFAULT_METHODS: dict[str, dict[str, Any]] = {
+    "local": {},
+    "average": {},
+    "ensemble": {},
+    "aligned": {},
+    "aligned-wide": {"method": "aligned", "merge": "nonparametric"},
+    "distill": {},
+    "distill-free": {"method": "distill", "transfer": "synthetic"},
+    "fedavg": {},
+    "global": {},
+}
 # The quickstart's public sample: a config without a data section is the quickstart's data, as one without methods is
 # the quickstart's methods (an empty data section, or one that names its own keys, has no public sample by default).
 QUICKSTART_PUBLIC_SIZE = 300
 
 
 class RunConfig(StrictModel):
-    name: str = Field("quickstart", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="run name; the run folder is <storage>/<name>-<time>")
+    name: str = Field(
+        "quickstart", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="run name; the run folder is <storage>/<name>-<time>"
+    )
     seed: int = Field(0, ge=0, le=2**32 - 1, description="the one seed every other seed derives from")
     storage: str = Field("runs", min_length=1, description="folder that receives run folders")
-    model_cache: str | None = Field(None, min_length=1, description="storage the clients own: each keeps its trained local model there "
-                                    "under a content key, so runs (and Tune trials) with the same data, partition, model, train "
-                                    "config and seed reuse it instead of retraining, and --resume reads it; null: the clients keep nothing")
+    model_cache: str | None = Field(
+        None,
+        min_length=1,
+        description="storage the clients own: each keeps its trained local model there "
+        "under a content key, so runs (and Tune trials) with the same data, partition, model, train "
+        "config and seed reuse it instead of retraining, and --resume reads it; null: the clients keep nothing",
+    )
 
 
 # The top-level sections: an error path starting with one of these is absolute (``Method.check``'s convention).
@@ -44,22 +57,38 @@ CONFIG_SECTIONS = ("run", "data", "partition", "model", "train", "federation", "
 
 class ExperimentConfig(StrictModel):
     run: RunConfig = Field(default_factory=RunConfig, description="the run's name, seed, storage folder and local-model cache")
-    data: DataConfig = Field(default_factory=lambda: DataConfig(public_size=QUICKSTART_PUBLIC_SIZE),
-                             description="the data; without this section, the quickstart's (digits, a public sample of 300)")
-    partition: PartitionConfig = Field(default_factory=PartitionConfig, description="how a simulation's dataset is split among the "
-                                       "clients (with data.silos: num_clients only, len(data.silos))")
-    model: ModelConfig = Field(default_factory=ModelConfig, description="the model architecture of every client (unless its "
-                               "federation.client_overrides.<i>.model says otherwise) and of the server")
-    train: TrainConfig = Field(default_factory=TrainConfig, description="how each client trains its local model (and the pooled "
-                               "oracle its model); methods with local rounds take their defaults from here")
-    federation: FederationConfig = Field(default_factory=FederationConfig, description="how the clients run: backend, Ray "
-                                         "cluster, failure policy, resources, injected faults and simulated attacks")
-    methods: dict[str, dict[str, Any]] = Field(default_factory=lambda: copy.deepcopy(DEFAULT_METHODS), description="the fusion "
-                                               "methods to run, in order: label -> parameters (each method's are listed below)")
+    data: DataConfig = Field(
+        default_factory=lambda: DataConfig(public_size=QUICKSTART_PUBLIC_SIZE),
+        description="the data; without this section, the quickstart's (digits, a public sample of 300)",
+    )
+    partition: PartitionConfig = Field(
+        default_factory=PartitionConfig,
+        description="how a simulation's dataset is split among the clients (with data.silos: num_clients only, len(data.silos))",
+    )
+    model: ModelConfig = Field(
+        default_factory=ModelConfig,
+        description="the model architecture of every client (unless its "
+        "federation.client_overrides.<i>.model says otherwise) and of the server",
+    )
+    train: TrainConfig = Field(
+        default_factory=TrainConfig,
+        description="how each client trains its local model (and the pooled "
+        "oracle its model); methods with local rounds take their defaults from here",
+    )
+    federation: FederationConfig = Field(
+        default_factory=FederationConfig,
+        description="how the clients run: backend, Ray cluster, failure policy, resources, injected faults and simulated attacks",
+    )
+    methods: dict[str, dict[str, Any]] = Field(
+        default_factory=lambda: copy.deepcopy(DEFAULT_METHODS),
+        description="the fusion methods to run, in order: label -> parameters (each method's are listed below)",
+    )
     evaluation: Literal["federated", "central", "both"] = Field(
-        "central", description="where models are scored: central (the server's test set), federated (each client on its own "
+        "central",
+        description="where models are scored: central (the server's test set), federated (each client on its own "
         "held-out split, data.val_size; sums and counts only, aggregated count-weighted) or both (federated under federated_<metric>). "
-        "Default: federated with data.silos, central without")
+        "Default: federated with data.silos, central without",
+    )
     tracking: TrackingConfig = Field(default_factory=lambda: TrackingConfig(), description="experiment-tracking sinks (MLflow)")
 
     @model_validator(mode="before")
@@ -82,8 +111,9 @@ class ExperimentConfig(StrictModel):
             return data  # the partition section's own error
         for key, value in partition.items():
             if key != "num_clients":
-                raise key_error(("partition", key), f"no partition key but num_clients with data.silos (each silo is one client's "
-                                 f"data), got {value!r}")
+                raise key_error(
+                    ("partition", key), f"no partition key but num_clients with data.silos (each silo is one client's data), got {value!r}"
+                )
         if "num_clients" in partition and partition["num_clients"] != n:
             raise key_error(("partition", "num_clients"), f"len(data.silos) ({n}) or unset, got {partition['num_clients']!r}")
         # and the server holds no test set unless data.test is given: evaluation defaults to federated
@@ -117,8 +147,10 @@ class ExperimentConfig(StrictModel):
             raise key_error(("federation", "min_clients"), f"at most partition.num_clients ({n}), got {self.federation.min_clients}")
         if self.federation.clients_per_actor > 1 and any(o.resource_keys for o in self.federation.client_overrides.values()):
             # (an override that gives a client only its own model is fine: clients of one actor share its resources only)
-            raise key_error(("federation", "clients_per_actor"), "1 when federation.client_overrides gives clients their own "
-                             f"resources, got {self.federation.clients_per_actor}")
+            raise key_error(
+                ("federation", "clients_per_actor"),
+                f"1 when federation.client_overrides gives clients their own resources, got {self.federation.clients_per_actor}",
+            )
         for client in self.federation.client_overrides:
             if not 0 <= client < n:
                 raise key_error(("federation", "client_overrides", client), f"a client id in 0..{n - 1}, got {client}")
@@ -152,8 +184,9 @@ class ExperimentConfig(StrictModel):
     @model_validator(mode="after")
     def _evaluation(self) -> ExperimentConfig:
         if self.data.is_silos and self.evaluation != "federated" and self.data.test is None:
-            raise key_error("evaluation", f"federated when data.silos comes without data.test (the server holds no test set), "
-                             f"got {self.evaluation!r}")
+            raise key_error(
+                "evaluation", f"federated when data.silos comes without data.test (the server holds no test set), got {self.evaluation!r}"
+            )
         return self
 
     @model_serializer(mode="wrap")

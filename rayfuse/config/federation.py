@@ -17,7 +17,9 @@ __all__ = ["ResourcesConfig", "ClientOverride", "other_model_clients", "FaultSpe
 
 
 class ResourcesConfig(StrictModel):
-    num_cpus: float | Literal["auto"] = Field("auto", description="CPUs reserved per actor; 'auto': Ray's actor default (1 to place it, 0 while it runs)")
+    num_cpus: float | Literal["auto"] = Field(
+        "auto", description="CPUs reserved per actor; 'auto': Ray's actor default (1 to place it, 0 while it runs)"
+    )
     num_gpus: float = Field(0.0, ge=0, description="a fraction of a GPU per actor; torch work runs on it when > 0")
     memory: int | None = Field(None, ge=0, description="bytes of memory to reserve")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources, e.g. {silo_a: 1}")
@@ -36,9 +38,12 @@ class ClientOverride(ResourcesConfig):
     (a section with the schema of the top-level ``model:``), which it trains, keeps and sends instead of the run's.
     Only the keys given are dumped, so a written config reads back with the same overrides."""
 
-    model: ModelConfig | None = Field(None, description="this client's own model (the schema of the top-level model:); "
-                                      "default: the run's model. Only methods that need the clients' predictions alone "
-                                      "(local, ensemble, global) accept clients of different models")
+    model: ModelConfig | None = Field(
+        None,
+        description="this client's own model (the schema of the top-level model:); "
+        "default: the run's model. Only methods that need the clients' predictions alone "
+        "(local, ensemble, global) accept clients of different models",
+    )
 
     @property
     def resource_keys(self) -> list[str]:
@@ -67,7 +72,9 @@ class FaultSpec(StrictModel):
     step: str = Field(min_length=1, description="client step name, e.g. fedavg.fit or train_local")
     call: int = Field(1, ge=1, description="the n-th call of that step on that client (per actor life)")
     mode: Literal["raise", "exit", "nan", "nan_metrics", "hang"] = Field(
-        "raise", description="raise an error, exit the process, NaN every float in the result, NaN the reported metrics (a NaN loss), or hang")
+        "raise",
+        description="raise an error, exit the process, NaN every float in the result, NaN the reported metrics (a NaN loss), or hang",
+    )
     seconds: float = Field(3600.0, gt=0, description="hang: how long to sleep")
 
 
@@ -84,12 +91,16 @@ class AttackSpec(StrictModel):
     client: int = Field(ge=0, description="the compromised client (a client id; one attack per client)")
     kind: Literal["sign_flip", "scale", "gaussian", "little_is_enough"] = Field(
         description="sign_flip (w_ref - (w - w_ref)), scale (w_ref + scale (w - w_ref)), gaussian (w_ref + N(0, std^2)), "
-        "little_is_enough (the colluders send mean - z std of the honest updates, Baruch et al. 2019)")
+        "little_is_enough (the colluders send mean - z std of the honest updates, Baruch et al. 2019)"
+    )
     rounds: list[int] | Literal["all"] = Field("all", description="the rounds attacked (one-shot methods: round 1), or all")
     scale: float | None = Field(None, description="scale: the factor s (default 10)")
     std: float | None = Field(None, gt=0, description="gaussian: the noise's standard deviation (default 1)")
-    z: float | None = Field(None, gt=0, description="little_is_enough: the number of standard deviations (default: the "
-                            "paper's z_max for the round's n and colluders)")
+    z: float | None = Field(
+        None,
+        gt=0,
+        description="little_is_enough: the number of standard deviations (default: the paper's z_max for the round's n and colluders)",
+    )
 
     @field_validator("rounds", mode="before")
     @classmethod
@@ -128,30 +139,47 @@ class FederationConfig(StrictModel):
     namespace: str = Field("rayfuse", min_length=1, description="Ray namespace of the run's named actors")
     timeout_s: float = Field(900.0, gt=0, description="how long a gather waits for the clients of one call")
     on_client_failure: Literal["retry", "drop", "fail"] = Field(
-        "retry", description="a failed client call: retry (re-submit up to max_retries times, then fail the run), drop (leave "
-        "the client out of that call; fail below min_clients) or fail (the first failure fails the run)")
+        "retry",
+        description="a failed client call: retry (re-submit up to max_retries times, then fail the run), drop (leave "
+        "the client out of that call; fail below min_clients) or fail (the first failure fails the run)",
+    )
     max_retries: int = Field(2, ge=0, description="retry: re-submissions of a failed call before the run fails")
     min_clients: int = Field(1, ge=1, description="quorum: fewer surviving clients than this fails the run")
     max_restarts: int = Field(2, ge=-1, description="Ray restarts of a dead client actor (-1: unlimited)")
-    clients: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Ray resources of each client actor "
-                                     "(client_overrides changes them per client)")
-    client_overrides: dict[int, ClientOverride] = Field(default_factory=dict, description="per-client resources and model by "
-                                                        "client id: {<i>: {num_gpus: 1, resources: {site_a: 1}, model: {name: cnn}}}")
-    coordinator: ResourcesConfig = Field(default_factory=lambda: ResourcesConfig(num_cpus=0), description="Ray resources of the "
-                                         "coordinator actor (the server side of every method)")
-    clients_per_actor: int = Field(1, ge=1, description="simulation: clients hosted by one actor process. 1 (default): one named "
-                                   "actor per client, the deployment model. More cuts Ray's per-call cost when many clients share few "
-                                   "cores, as Flower's actor pool does; the clients of one actor share its process and resources")
+    clients: ResourcesConfig = Field(
+        default_factory=ResourcesConfig, description="Ray resources of each client actor (client_overrides changes them per client)"
+    )
+    client_overrides: dict[int, ClientOverride] = Field(
+        default_factory=dict,
+        description="per-client resources and model by client id: {<i>: {num_gpus: 1, resources: {site_a: 1}, model: {name: cnn}}}",
+    )
+    coordinator: ResourcesConfig = Field(
+        default_factory=lambda: ResourcesConfig(num_cpus=0),
+        description="Ray resources of the coordinator actor (the server side of every method)",
+    )
+    clients_per_actor: int = Field(
+        1,
+        ge=1,
+        description="simulation: clients hosted by one actor process. 1 (default): one named "
+        "actor per client, the deployment model. More cuts Ray's per-call cost when many clients share few "
+        "cores, as Flower's actor pool does; the clients of one actor share its process and resources",
+    )
     task_cpus: float = Field(1.0, gt=0, description="CPUs each server-side fan-out task requests (parallel assignment solves...)")
     startup_timeout_s: float = Field(300.0, gt=0, description="how long to wait for the actors to start (resources to appear)")
-    ray_init: dict[str, Any] = Field(default_factory=dict,
-                                     description="arguments for ray.init when rayfuse starts a local Ray (num_cpus, include_dashboard...)")
-    faults: list[FaultSpec] = Field(default_factory=list, description="faults injected into client steps, to test the failure "
-                                    "policy on a real run: [{client, step, call, mode}]")
-    attacks: list[AttackSpec] = Field(default_factory=list, description="simulated attacks on clients' model updates, to measure "
-                                      "robust aggregation against: applied by the update pipeline wherever it combines parameter "
-                                      "updates (the FedAvg family, average, aligned, finetune's average base); refused before start "
-                                      "for methods that fuse posteriors, statistics or predictions")
+    ray_init: dict[str, Any] = Field(
+        default_factory=dict, description="arguments for ray.init when rayfuse starts a local Ray (num_cpus, include_dashboard...)"
+    )
+    faults: list[FaultSpec] = Field(
+        default_factory=list,
+        description="faults injected into client steps, to test the failure policy on a real run: [{client, step, call, mode}]",
+    )
+    attacks: list[AttackSpec] = Field(
+        default_factory=list,
+        description="simulated attacks on clients' model updates, to measure "
+        "robust aggregation against: applied by the update pipeline wherever it combines parameter "
+        "updates (the FedAvg family, average, aligned, finetune's average base); refused before start "
+        "for methods that fuse posteriors, statistics or predictions",
+    )
 
     @field_validator("address")
     @classmethod

@@ -14,17 +14,27 @@ __all__ = ["ModelConfig"]
 
 class ModelConfig(StrictModel):
     name: str = Field("mlp", description="logreg | mlp | cnn | rescnn | vgg | transformer | torchvision:<name> (e.g. torchvision:resnet18)")
-    hidden: list[int] = Field(default_factory=lambda: [64, 64], description="mlp, vgg: hidden layer widths; transformer: [width, feed-forward width]")
+    hidden: list[int] = Field(
+        default_factory=lambda: [64, 64], description="mlp, vgg: hidden layer widths; transformer: [width, feed-forward width]"
+    )
     channels: list[int] = Field(default_factory=lambda: [16, 32], description="cnn, rescnn, vgg: channels of the 3x3 conv layers")
     heads: int = Field(2, ge=1, description="transformer: attention heads (a divisor of hidden[0])")
     depth: int = Field(2, ge=1, le=64, description="transformer: encoder layers")
     patch_size: int = Field(4, ge=1, description="transformer: patch side on image inputs (a divisor of the image size)")
-    dropout: float = Field(0.0, ge=0, lt=1, description="mlp, cnn, rescnn, vgg, transformer: dropout probability (after the "
-                           "hidden layers / on the pooled features); 0: none")
-    activation: Literal["relu", "tanh", "gelu"] = Field("relu", description="mlp, cnn, rescnn, vgg, transformer: the hidden "
-                                                        "layers' nonlinearity")
-    factory: str | None = Field(None, description="name: custom: the qualified name of the model factory given to rayfuse.run(model=...) "
-                                "(a record: a config file cannot hold a Python object, so such a run cannot be resumed from the CLI)")
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="mlp, cnn, rescnn, vgg, transformer: dropout probability (after the hidden layers / on the pooled features); 0: none",
+    )
+    activation: Literal["relu", "tanh", "gelu"] = Field(
+        "relu", description="mlp, cnn, rescnn, vgg, transformer: the hidden layers' nonlinearity"
+    )
+    factory: str | None = Field(
+        None,
+        description="name: custom: the qualified name of the model factory given to rayfuse.run(model=...) "
+        "(a record: a config file cannot hold a Python object, so such a run cannot be resumed from the CLI)",
+    )
     # ``name: custom``: the callable itself; not config data, but it travels with the section (by value) to every
     # process that builds the model.
     _factory: Any = PrivateAttr(None)

@@ -19,13 +19,20 @@ class DPSGDConfig(StrictModel):
     client reports the epsilon it spent at ``delta`` (:mod:`rayfuse.models.privacy`)."""
 
     # > 0: without noise the accountant's epsilon is infinite and every local model was rejected after training
-    noise_multiplier: float | None = Field(None, gt=0, description="the noise's standard deviation over max_grad_norm, > 0 (or give "
-                                           "target_epsilon)")
-    target_epsilon: float | None = Field(None, gt=0, description="the epsilon each client may spend: Opacus picks the noise multiplier "
-                                         "for it from the client's sample rate and steps (or give noise_multiplier)")
+    noise_multiplier: float | None = Field(
+        None, gt=0, description="the noise's standard deviation over max_grad_norm, > 0 (or give target_epsilon)"
+    )
+    target_epsilon: float | None = Field(
+        None,
+        gt=0,
+        description="the epsilon each client may spend: Opacus picks the noise multiplier "
+        "for it from the client's sample rate and steps (or give noise_multiplier)",
+    )
     max_grad_norm: float = Field(1.0, gt=0, description="per-example gradient clipping norm C")
     delta: float = Field(1e-5, gt=0, lt=1, description="delta of the (epsilon, delta) guarantee; below 1 / (smallest client's train size)")
-    accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus' privacy accountant: rdp (Renyi DP) or prv (privacy random variables)")
+    accountant: Literal["rdp", "prv"] = Field(
+        "rdp", description="Opacus' privacy accountant: rdp (Renyi DP) or prv (privacy random variables)"
+    )
 
     @model_validator(mode="after")
     def _one_noise(self) -> DPSGDConfig:
@@ -42,7 +49,13 @@ class TrainConfig(StrictModel):
     lr: float = Field(5e-3, gt=0, description="learning rate")
     momentum: float = Field(0.0, ge=0, lt=1, description="sgd momentum")
     weight_decay: float = Field(0.0, ge=0, description="the optimiser's weight decay (an L2 penalty added to the gradient)")
-    shared_init: bool = Field(False, description="all clients start from one seeded initialisation (default: each its own, as "
-                                                 "models trained apart do; aligned fusion is for that case)")
-    dp: DPSGDConfig | None = Field(None, description="local DP-SGD (Opacus) for each client's local model: {noise_multiplier | "
-                                   "target_epsilon, max_grad_norm, delta, accountant}; null: no DP")
+    shared_init: bool = Field(
+        False,
+        description="all clients start from one seeded initialisation (default: each its own, as "
+        "models trained apart do; aligned fusion is for that case)",
+    )
+    dp: DPSGDConfig | None = Field(
+        None,
+        description="local DP-SGD (Opacus) for each client's local model: {noise_multiplier | "
+        "target_epsilon, max_grad_norm, delta, accountant}; null: no DP",
+    )

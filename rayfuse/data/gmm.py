@@ -46,9 +46,19 @@ def _sample_mixture(rs: np.random.RandomState, centers: np.ndarray, sigmas: np.n
     return data
 
 
-def generate_gmm_groups(*, num_atoms: int = 3, num_groups: int = 10, dim: int = 2, points: int = 300, mu0: float = 0.0,
-                        separation: float = 0.1, local_sd: float = 0.1, local_df: float | None = None, test_fraction: float = 0.2,
-                        seed: int = 17) -> dict[str, Any]:
+def generate_gmm_groups(
+    *,
+    num_atoms: int = 3,
+    num_groups: int = 10,
+    dim: int = 2,
+    points: int = 300,
+    mu0: float = 0.0,
+    separation: float = 0.1,
+    local_sd: float = 0.1,
+    local_df: float | None = None,
+    test_fraction: float = 0.2,
+    seed: int = 17,
+) -> dict[str, Any]:
     """The groups' points and the truth; see the module docstring. Defaults are the reference driver's."""
     checks = (("num_atoms", num_atoms, 1), ("num_groups", num_groups, 1), ("dim", dim, 1), ("points", points, 2), ("seed", seed, 0))
     for key, value, low in checks:
@@ -85,23 +95,61 @@ def generate_gmm_groups(*, num_atoms: int = 3, num_groups: int = 10, dim: int = 
     n_test = int(round(test_fraction * points))
     tests = [_sample_mixture(rs, c, s, n_test, m) for c, s, m in zip(local_centers, local_sigmas, mixings)] if n_test else []
     used = sorted({g for a in atoms for g in a})  # unused atoms are removed from the truth, as in the reference
-    return {"groups": groups, "tests": tests, "global_means": centers[used], "global_covariances": sigmas[used],
-            "atoms": [[used.index(g) for g in a] for a in atoms], "local_means": local_centers, "local_covariances": local_sigmas}
+    return {
+        "groups": groups,
+        "tests": tests,
+        "global_means": centers[used],
+        "global_covariances": sigmas[used],
+        "atoms": [[used.index(g) for g in a] for a in atoms],
+        "local_means": local_centers,
+        "local_covariances": local_sigmas,
+    }
 
 
-@register_dataset("kl_gmm", description="KL-fusion's synthetic GMM groups (label = group); data.options: num_atoms, num_groups, "
-                  "dim, points, mu0, separation, local_sd, local_df, test_fraction, seed", source="generator")
-def _load_kl_gmm(*, num_atoms: int = 3, num_groups: int = 10, dim: int = 2, points: int = 300, mu0: float = 0.0,
-                 separation: float = 0.1, local_sd: float = 0.1, local_df: float | None = None, test_fraction: float = 0.2,
-                 seed: int = 17, **_: Any) -> Dataset:
-    out = generate_gmm_groups(num_atoms=num_atoms, num_groups=num_groups, dim=dim, points=points, mu0=mu0, separation=separation,
-                              local_sd=local_sd, local_df=local_df, test_fraction=test_fraction, seed=seed)
+@register_dataset(
+    "kl_gmm",
+    description="KL-fusion's synthetic GMM groups (label = group); data.options: num_atoms, num_groups, "
+    "dim, points, mu0, separation, local_sd, local_df, test_fraction, seed",
+    source="generator",
+)
+def _load_kl_gmm(
+    *,
+    num_atoms: int = 3,
+    num_groups: int = 10,
+    dim: int = 2,
+    points: int = 300,
+    mu0: float = 0.0,
+    separation: float = 0.1,
+    local_sd: float = 0.1,
+    local_df: float | None = None,
+    test_fraction: float = 0.2,
+    seed: int = 17,
+    **_: Any,
+) -> Dataset:
+    out = generate_gmm_groups(
+        num_atoms=num_atoms,
+        num_groups=num_groups,
+        dim=dim,
+        points=points,
+        mu0=mu0,
+        separation=separation,
+        local_sd=local_sd,
+        local_df=local_df,
+        test_fraction=test_fraction,
+        seed=seed,
+    )
     X = np.concatenate(out["groups"]).astype(np.float32)
     y = np.repeat(np.arange(num_groups), points).astype(np.int64)
     X_test = y_test = None
     if out["tests"]:
         X_test = np.concatenate(out["tests"]).astype(np.float32)
         y_test = np.repeat(np.arange(num_groups), len(out["tests"][0])).astype(np.int64)
-    meta = {"kind": "gmm", "global_means": out["global_means"], "global_covariances": out["global_covariances"],
-            "atoms": out["atoms"], "local_counts": [len(a) for a in out["atoms"]], "local_means": out["local_means"]}
+    meta = {
+        "kind": "gmm",
+        "global_means": out["global_means"],
+        "global_covariances": out["global_covariances"],
+        "atoms": out["atoms"],
+        "local_counts": [len(a) for a in out["atoms"]],
+        "local_means": out["local_means"],
+    }
     return Dataset("kl_gmm", X, y, num_groups, tuple(f"group{j}" for j in range(num_groups)), X_test, y_test, meta=meta)

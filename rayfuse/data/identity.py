@@ -96,8 +96,11 @@ def data_files(data: Mapping[str, Any]) -> dict[str, dict[str, str]]:
     whole torchvision root on every run would cost more than loading it."""
     sources: list[tuple[str, Any]] = []
     if data.get("silos"):
-        sources += [(f"data.{key}.path", _expand(data[key]["path"], f"data.{key}.path"))
-                    for key in ("test", "public") if isinstance(data.get(key), Mapping) and data[key].get("path")]
+        sources += [
+            (f"data.{key}.path", _expand(data[key]["path"], f"data.{key}.path"))
+            for key in ("test", "public")
+            if isinstance(data.get(key), Mapping) and data[key].get("path")
+        ]
     else:
         if data.get("path"):
             sources.append(("data.path", data["path"]))
@@ -135,8 +138,10 @@ def content_data(data: Mapping[str, Any], *, local: bool = False, unnamed: bool 
         return {"sha256": files[key]["sha256"]} if key in files else path
 
     if data.get("silos"):
-        out["silos"] = [{k: v for k, v in silo.items() if k not in ("path", "test_path")} if isinstance(silo, Mapping) else silo
-                        for silo in data["silos"]]
+        out["silos"] = [
+            {k: v for k, v in silo.items() if k not in ("path", "test_path")} if isinstance(silo, Mapping) else silo
+            for silo in data["silos"]
+        ]
         for key in ("test", "public"):
             if local:
                 out.pop(key, None)

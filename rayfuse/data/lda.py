@@ -23,11 +23,30 @@ from rayfuse.errors import InputError
 __all__ = ["generate_lda_groups"]
 
 
-def generate_lda_groups(*, num_topics: int = 20, vocabulary: int = 500, num_groups: int = 5, docs: int = 300, test_docs: int = 200,
-                        doc_length: int = 80, min_topics: int = 5, max_topics: int = 10, eta: float = 0.05, alpha: float = 0.5,
-                        seed: int = 0) -> dict[str, Any]:
-    for key, value, low in (("num_topics", num_topics, 2), ("vocabulary", vocabulary, 2), ("num_groups", num_groups, 1), ("docs", docs, 1),
-                            ("test_docs", test_docs, 0), ("doc_length", doc_length, 1), ("min_topics", min_topics, 1), ("seed", seed, 0)):
+def generate_lda_groups(
+    *,
+    num_topics: int = 20,
+    vocabulary: int = 500,
+    num_groups: int = 5,
+    docs: int = 300,
+    test_docs: int = 200,
+    doc_length: int = 80,
+    min_topics: int = 5,
+    max_topics: int = 10,
+    eta: float = 0.05,
+    alpha: float = 0.5,
+    seed: int = 0,
+) -> dict[str, Any]:
+    for key, value, low in (
+        ("num_topics", num_topics, 2),
+        ("vocabulary", vocabulary, 2),
+        ("num_groups", num_groups, 1),
+        ("docs", docs, 1),
+        ("test_docs", test_docs, 0),
+        ("doc_length", doc_length, 1),
+        ("min_topics", min_topics, 1),
+        ("seed", seed, 0),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise InputError(f"data.options.{key}", f"an integer >= {low}", value)
     if not min_topics <= max_topics <= num_topics:
@@ -44,18 +63,48 @@ def generate_lda_groups(*, num_topics: int = 20, vocabulary: int = 500, num_grou
         word_p = theta @ topics[subset]
         return np.stack([rng.multinomial(m, p / p.sum()) for m, p in zip(lengths, word_p)]).astype(np.float32)
 
-    subsets = [np.sort(rng.choice(num_topics, size=int(rng.integers(min_topics, max_topics + 1)), replace=False)) for _ in range(num_groups)]
+    subsets = [
+        np.sort(rng.choice(num_topics, size=int(rng.integers(min_topics, max_topics + 1)), replace=False)) for _ in range(num_groups)
+    ]
     groups = [write(docs, s) for s in subsets]
     test = write(test_docs, np.arange(num_topics)) if test_docs else np.zeros((0, vocabulary), np.float32)
     return {"groups": groups, "test": test, "topics": topics, "subsets": [s.tolist() for s in subsets]}
 
 
-@register_dataset("kl_lda", description="synthetic LDA corpus, each group (label) on a subset of topics; data.options: num_topics, vocabulary, "
-                  "num_groups, docs, test_docs, doc_length, min_topics, max_topics, eta, alpha, seed", source="generator")
-def _load_kl_lda(*, num_topics: int = 20, vocabulary: int = 500, num_groups: int = 5, docs: int = 300, test_docs: int = 200, doc_length: int = 80,
-                 min_topics: int = 5, max_topics: int = 10, eta: float = 0.05, alpha: float = 0.5, seed: int = 0, **_: Any) -> Dataset:
-    out = generate_lda_groups(num_topics=num_topics, vocabulary=vocabulary, num_groups=num_groups, docs=docs, test_docs=test_docs,
-                              doc_length=doc_length, min_topics=min_topics, max_topics=max_topics, eta=eta, alpha=alpha, seed=seed)
+@register_dataset(
+    "kl_lda",
+    description="synthetic LDA corpus, each group (label) on a subset of topics; data.options: num_topics, vocabulary, "
+    "num_groups, docs, test_docs, doc_length, min_topics, max_topics, eta, alpha, seed",
+    source="generator",
+)
+def _load_kl_lda(
+    *,
+    num_topics: int = 20,
+    vocabulary: int = 500,
+    num_groups: int = 5,
+    docs: int = 300,
+    test_docs: int = 200,
+    doc_length: int = 80,
+    min_topics: int = 5,
+    max_topics: int = 10,
+    eta: float = 0.05,
+    alpha: float = 0.5,
+    seed: int = 0,
+    **_: Any,
+) -> Dataset:
+    out = generate_lda_groups(
+        num_topics=num_topics,
+        vocabulary=vocabulary,
+        num_groups=num_groups,
+        docs=docs,
+        test_docs=test_docs,
+        doc_length=doc_length,
+        min_topics=min_topics,
+        max_topics=max_topics,
+        eta=eta,
+        alpha=alpha,
+        seed=seed,
+    )
     X = np.concatenate(out["groups"])
     y = np.repeat(np.arange(num_groups), docs).astype(np.int64)
     X_test = y_test = None

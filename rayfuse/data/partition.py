@@ -45,8 +45,16 @@ def partition_iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator
     return _finish(np.array_split(order, num_clients))
 
 
-def partition_dirichlet(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, alpha: float = 0.5,
-                        balance: bool = True, min_size: int = 10, max_attempts: int = 1000) -> list[np.ndarray]:
+def partition_dirichlet(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    *,
+    alpha: float = 0.5,
+    balance: bool = True,
+    min_size: int = 10,
+    max_attempts: int = 1000,
+) -> list[np.ndarray]:
     """PFNM's ``hetero-dir`` split (Yurochkin et al. 2019), with the balancing rule optional."""
     n = len(labels)
     classes = np.unique(labels)
@@ -79,11 +87,17 @@ def partition_dirichlet(labels: np.ndarray, num_clients: int, rng: np.random.Gen
                 part.extend(chunk.tolist())
         if min(len(p) for p in parts) >= min_size:
             return _finish(parts)
-    raise InputError("partition.min_size", f"a size every client reaches within {max_attempts} Dirichlet draws", min_size,
-                     "raise partition.alpha or lower partition.min_size")
+    raise InputError(
+        "partition.min_size",
+        f"a size every client reaches within {max_attempts} Dirichlet draws",
+        min_size,
+        "raise partition.alpha or lower partition.min_size",
+    )
 
 
-def partition_labels(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, groups: Sequence[Sequence[int]]) -> list[np.ndarray]:
+def partition_labels(
+    labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, groups: Sequence[Sequence[int]]
+) -> list[np.ndarray]:
     """Explicit label groups; a label shared by several clients is split evenly among them."""
     if len(groups) != num_clients:
         raise InputError("partition.groups", f"one label list per client ({num_clients})", len(groups))
@@ -104,7 +118,9 @@ def partition_labels(labels: np.ndarray, num_clients: int, rng: np.random.Genera
     return _finish(parts)
 
 
-def partition_pathological(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, classes_per_client: int = 2) -> list[np.ndarray]:
+def partition_pathological(
+    labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, classes_per_client: int = 2
+) -> list[np.ndarray]:
     classes = np.unique(labels)
     num_classes = len(classes)
     if classes_per_client > num_classes:
@@ -117,22 +133,27 @@ def partition_pathological(labels: np.ndarray, num_clients: int, rng: np.random.
     return partition_labels(labels, num_clients, rng, groups=groups)
 
 
-def partition_shards(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, shards_per_client: int = 2,
-                     shard_size: int | None = None) -> list[np.ndarray]:
+def partition_shards(
+    labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, shards_per_client: int = 2, shard_size: int | None = None
+) -> list[np.ndarray]:
     total = num_clients * shards_per_client
     size = shard_size or len(labels) // total
     if size < 1 or size * total > len(labels):
-        raise InputError("partition.shard_size" if shard_size else "partition.shards_per_client",
-                         f"shards that fit in the pool ({len(labels)} samples for {total} shards)", shard_size or shards_per_client)
+        raise InputError(
+            "partition.shard_size" if shard_size else "partition.shards_per_client",
+            f"shards that fit in the pool ({len(labels)} samples for {total} shards)",
+            shard_size or shards_per_client,
+        )
     order = rng.permutation(len(labels))
     order = order[np.argsort(labels[order], kind="stable")]  # by label, ties in random order
     shard_ids = rng.permutation(total)
-    parts = [np.concatenate([order[s * size:(s + 1) * size] for s in shard_ids[c::num_clients]]) for c in range(num_clients)]
+    parts = [np.concatenate([order[s * size : (s + 1) * size] for s in shard_ids[c::num_clients]]) for c in range(num_clients)]
     return _finish(parts)
 
 
-def partition_subsets(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
-                      subset_fraction: Sequence[float] = (0.4, 0.9)) -> list[np.ndarray]:
+def partition_subsets(
+    labels: np.ndarray, num_clients: int, rng: np.random.Generator, *, subset_fraction: Sequence[float] = (0.4, 0.9)
+) -> list[np.ndarray]:
     """Independent random subsets, one per client, each of ``round(f * n)`` samples with ``f ~ U[low, high]``.
 
     The authors' code draws ``i = randint(4, 9) / 10`` (tenths); a continuous uniform over the same range is used here
@@ -184,8 +205,9 @@ def partition(labels: np.ndarray, num_clients: int, method: str, *, seed: int | 
     parts = fn(labels, num_clients, rng, **params)
     empty = [i for i, p in enumerate(parts) if len(p) == 0]
     if empty:
-        raise InputError("partition", "every client to receive samples", f"client {empty[0]} got none",
-                         "use fewer clients or another partitioner")
+        raise InputError(
+            "partition", "every client to receive samples", f"client {empty[0]} got none", "use fewer clients or another partitioner"
+        )
     return parts
 
 

@@ -31,8 +31,19 @@ from rayfuse.data.partition import PARTITIONERS, class_counts, partition
 from rayfuse.errors import InputError
 from rayfuse.seeding import derive_seed, make_rng
 
-__all__ = ["ClientPlan", "DataPlan", "Split", "make_plan", "load_dataset_from_config", "load_target_from_config", "client_splits",
-           "server_splits", "pooled_train", "corrupt_split", "CORRUPTIONS"]
+__all__ = [
+    "ClientPlan",
+    "DataPlan",
+    "Split",
+    "make_plan",
+    "load_dataset_from_config",
+    "load_target_from_config",
+    "client_splits",
+    "server_splits",
+    "pooled_train",
+    "corrupt_split",
+    "CORRUPTIONS",
+]
 
 CORRUPTIONS = ("shuffle_labels", "noise", "permute_pixels", "flip_labels")
 
@@ -101,9 +112,16 @@ class DataPlan:
         return True
 
     def for_client(self, client_id: int) -> ClientPlan:
-        return ClientPlan(client_id, self.client_train[client_id], self.client_val[client_id], self.normalization,
-                          self.num_classes, self.input_shape, self.corruptions.get(client_id),
-                          derive_seed(self.seed, "corrupt", client_id))
+        return ClientPlan(
+            client_id,
+            self.client_train[client_id],
+            self.client_val[client_id],
+            self.normalization,
+            self.num_classes,
+            self.input_shape,
+            self.corruptions.get(client_id),
+            derive_seed(self.seed, "corrupt", client_id),
+        )
 
     def num_examples(self, client_id: int) -> int:
         return int(len(self.client_train[client_id]))
@@ -133,15 +151,24 @@ class DataPlan:
             "hash": self.digest(),
             **({"target": self.target} if self.target else {}),
             "roles": {
-                "test": {"source": self.test_source, "size": int(len(self.test)), "held_by": "coordinator (evaluation only)",
-                         **({"dataset": self.target} if self.target else {})},
-                "public": {"size": int(len(self.public)), "held_by": "coordinator (server's public sample)", "indices": self.public.tolist(),
-                           **({"dataset": self.target} if self.target else {})},
+                "test": {
+                    "source": self.test_source,
+                    "size": int(len(self.test)),
+                    "held_by": "coordinator (evaluation only)",
+                    **({"dataset": self.target} if self.target else {}),
+                },
+                "public": {
+                    "size": int(len(self.public)),
+                    "held_by": "coordinator (server's public sample)",
+                    "indices": self.public.tolist(),
+                    **({"dataset": self.target} if self.target else {}),
+                },
                 "clients": "private train / val splits, each loaded only by its own client",
             },
             "unassigned": self.unassigned,
-            "normalization": None if self.normalization is None else {
-                "mean": self.normalization.mean.reshape(-1).tolist(), "std": self.normalization.std.reshape(-1).tolist()},
+            "normalization": None
+            if self.normalization is None
+            else {"mean": self.normalization.mean.reshape(-1).tolist(), "std": self.normalization.std.reshape(-1).tolist()},
             "clients": [
                 {
                     "id": i,
@@ -166,8 +193,18 @@ def load_dataset_from_config(data_cfg: Any) -> Dataset:
     attached = getattr(data_cfg, "arrays", None)
     if attached is not None:
         return check_layout(attached, layout)
-    return check_layout(load_dataset(data_cfg.dataset, root=data_cfg.root, path=data_cfg.path, label=data_cfg.label,
-                                     features=data_cfg.features, options=data_cfg.options, as_stored=layout == "sequence"), layout)
+    return check_layout(
+        load_dataset(
+            data_cfg.dataset,
+            root=data_cfg.root,
+            path=data_cfg.path,
+            label=data_cfg.label,
+            features=data_cfg.features,
+            options=data_cfg.options,
+            as_stored=layout == "sequence",
+        ),
+        layout,
+    )
 
 
 def load_target_from_config(data_cfg: Any) -> Dataset | None:
@@ -237,11 +274,17 @@ def make_plan(dataset: Dataset, data_cfg: Any, partition_cfg: Any, seed: int, ta
         source, test_key, test_size, pool_name = dataset, "data.test_size", data_cfg.test_size, "the training pool"
     else:
         if target.input_shape != dataset.input_shape:
-            raise InputError("data.target", f"inputs shaped like data.dataset's {dataset.input_shape} (data.target.resize / pad)",
-                             f"{target.name} {target.input_shape}")
+            raise InputError(
+                "data.target",
+                f"inputs shaped like data.dataset's {dataset.input_shape} (data.target.resize / pad)",
+                f"{target.name} {target.input_shape}",
+            )
         if target.num_classes != dataset.num_classes:
-            raise InputError("data.target.dataset", f"as many classes as data.dataset ({dataset.num_classes})",
-                             f"{target.name} with {target.num_classes}")
+            raise InputError(
+                "data.target.dataset",
+                f"as many classes as data.dataset ({dataset.num_classes})",
+                f"{target.name} with {target.num_classes}",
+            )
         source, test_key, test_size, pool_name = target, "data.target.test_size", data_cfg.target.test_size, "the target's pool"
     # the test set and the public sample come from `source`; the clients share the rest of it (all of `dataset` with a target)
     test_source, test, pool = _split_test(source, test_size, seed, test_key)
@@ -285,11 +328,25 @@ def make_plan(dataset: Dataset, data_cfg: Any, partition_cfg: Any, seed: int, ta
     counts = class_counts(y, [np.concatenate([t, v]) for t, v in zip(train, val)], dataset.num_classes)
     corrupt = dict(getattr(partition_cfg, "corrupt", None) or {})
     return DataPlan(
-        dataset=dataset.name, num_classes=dataset.num_classes, input_shape=dataset.input_shape, class_names=dataset.class_names,
-        seed=seed, test_source=test_source, test=test, public=public, client_train=tuple(train), client_val=tuple(val),
-        counts=counts, unassigned=int(unassigned), normalization=normalization,
-        partition={"method": method, "num_clients": partition_cfg.num_clients, **params,
-                   **({"corrupt": {int(k): v for k, v in corrupt.items()}} if corrupt else {})},
+        dataset=dataset.name,
+        num_classes=dataset.num_classes,
+        input_shape=dataset.input_shape,
+        class_names=dataset.class_names,
+        seed=seed,
+        test_source=test_source,
+        test=test,
+        public=public,
+        client_train=tuple(train),
+        client_val=tuple(val),
+        counts=counts,
+        unassigned=int(unassigned),
+        normalization=normalization,
+        partition={
+            "method": method,
+            "num_clients": partition_cfg.num_clients,
+            **params,
+            **({"corrupt": {int(k): v for k, v in corrupt.items()}} if corrupt else {}),
+        },
         corruptions={int(k): str(v) for k, v in corrupt.items()},
         target=None if target is None else target.name,
     )
@@ -310,8 +367,10 @@ def client_splits(dataset: Dataset, plan: ClientPlan) -> tuple[Split, Split]:
     train, val = _take(dataset, plan.train, plan.normalization), _take(dataset, plan.val, plan.normalization)
     if plan.corruption is None:
         return train, val
-    return (corrupt_split(train, plan.corruption, plan.corruption_seed, "train", num_classes=plan.num_classes),
-            corrupt_split(val, plan.corruption, plan.corruption_seed, "val", num_classes=plan.num_classes))
+    return (
+        corrupt_split(train, plan.corruption, plan.corruption_seed, "train", num_classes=plan.num_classes),
+        corrupt_split(val, plan.corruption, plan.corruption_seed, "val", num_classes=plan.num_classes),
+    )
 
 
 def corrupt_split(split: Split, kind: str, seed: int, role: str = "train", *, num_classes: int | None = None) -> Split:

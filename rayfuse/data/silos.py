@@ -44,10 +44,30 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-__all__ = ["IMAGE_EXTENSIONS", "SCHEMA_FORMAT", "UNKNOWN_LABEL", "SiloClientPlan", "SiloPlan", "check_schemas", "combine_moments",
-           "dtype_kind", "expand_path", "feature_moments", "label_value", "load_server_inputs", "load_server_set", "load_silo",
-           "load_silo_splits", "make_silo_plan", "stored_dtype",
-           "server_set_size", "silo_manifest", "silo_schema", "wants_standardization", "server_split"]
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "SCHEMA_FORMAT",
+    "UNKNOWN_LABEL",
+    "SiloClientPlan",
+    "SiloPlan",
+    "check_schemas",
+    "combine_moments",
+    "dtype_kind",
+    "expand_path",
+    "feature_moments",
+    "label_value",
+    "load_server_inputs",
+    "load_server_set",
+    "load_silo",
+    "load_silo_splits",
+    "make_silo_plan",
+    "stored_dtype",
+    "server_set_size",
+    "silo_manifest",
+    "silo_schema",
+    "wants_standardization",
+    "server_split",
+]
 
 # the file suffixes torchvision's ImageFolder reads (torchvision.datasets.folder.IMG_EXTENSIONS)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -158,8 +178,16 @@ class SiloPlan:
     def for_client(self, client_id: int) -> SiloClientPlan:
         if not self.schemas:
             return SiloClientPlan(client_id, self.silos[client_id], self.seed, self.classes)
-        return SiloClientPlan(client_id, self.silos[client_id], self.seed, self.classes, self.num_classes, self.input_shape,
-                              self.normalization, str(self.schemas[client_id]["content_hash"]))
+        return SiloClientPlan(
+            client_id,
+            self.silos[client_id],
+            self.seed,
+            self.classes,
+            self.num_classes,
+            self.input_shape,
+            self.normalization,
+            str(self.schemas[client_id]["content_hash"]),
+        )
 
     def with_schemas(self, schemas: Sequence[Mapping[str, Any]], normalization: Normalization | None) -> SiloPlan:
         """The plan completed with the clients' reports (checked to agree: :func:`check_schemas`)."""
@@ -186,13 +214,18 @@ class SiloPlan:
             "num_classes": self.num_classes,
             "seed": self.seed,
             "hash": self.digest(),
-            "roles": {"test": {"source": self.test_source, "size": self.test_size, "held_by": "coordinator (evaluation only)"},
-                      "public": {"size": self.public_size, "held_by": "coordinator (server's public sample)",
-                                 "labeled": self.public_labeled},
-                      "clients": "each client's own silo, read only on its own node"},
-            "normalization": None if self.normalization is None else {
-                "mean": self.normalization.mean.reshape(-1).tolist(), "std": self.normalization.std.reshape(-1).tolist(),
-                "source": "federated (the clients' counts, sums and sums of squares)"},
+            "roles": {
+                "test": {"source": self.test_source, "size": self.test_size, "held_by": "coordinator (evaluation only)"},
+                "public": {"size": self.public_size, "held_by": "coordinator (server's public sample)", "labeled": self.public_labeled},
+                "clients": "each client's own silo, read only on its own node",
+            },
+            "normalization": None
+            if self.normalization is None
+            else {
+                "mean": self.normalization.mean.reshape(-1).tolist(),
+                "std": self.normalization.std.reshape(-1).tolist(),
+                "source": "federated (the clients' counts, sums and sums of squares)",
+            },
         }
 
 
@@ -200,8 +233,14 @@ def make_silo_plan(cfg: ExperimentConfig, *, test_size: int = 0, public_size: in
     """The plan of a silo config before any client reports: the specs as written, nothing read."""
     assert cfg.data.silos is not None
     public_labeled = cfg.data.public is None or cfg.data.public.labels
-    return SiloPlan(tuple(cfg.data.silos), cfg.run.seed, cfg.data.class_names, test_size=test_size, public_size=public_size,
-                    public_labeled=public_labeled)
+    return SiloPlan(
+        tuple(cfg.data.silos),
+        cfg.run.seed,
+        cfg.data.class_names,
+        test_size=test_size,
+        public_size=public_size,
+        public_labeled=public_labeled,
+    )
 
 
 def wants_standardization(cfg: ExperimentConfig) -> bool:
@@ -228,8 +267,16 @@ def load_silo_splits(plan: SiloClientPlan) -> tuple[Split, Split, tuple[str, ...
     return _as_split(train), _as_split(held_out), tuple(str(c) for c in train.class_names), stored_dtype(train)
 
 
-def server_split(spec: SiloSource, *, key: str, labels: Sequence[str], input_shape: Sequence[int],
-                 normalization: Normalization | None, classes: Sequence[str] | None = None, dtype: str | None = None) -> Split:
+def server_split(
+    spec: SiloSource,
+    *,
+    key: str,
+    labels: Sequence[str],
+    input_shape: Sequence[int],
+    normalization: Normalization | None,
+    classes: Sequence[str] | None = None,
+    dtype: str | None = None,
+) -> Split:
     """A server set (``data.test``, ``data.public``) read where the coordinator runs, checked against the silos' input
     shape and label values (``classes``: the declared ``data.classes``, which are then the silos' label values), its
     labels numbered as the silos number them, standardised as the clients are; with ``dtype`` (the silos' stored dtype,
@@ -240,8 +287,12 @@ def server_split(spec: SiloSource, *, key: str, labels: Sequence[str], input_sha
         X, stored = _server_inputs(spec, key=key)
         if dtype is not None and dtype_kind(stored) != dtype_kind(dtype):
             where = f" in {spec.path!r}" if spec.path else ""
-            raise InputError(f"{key}.path" if spec.path else key, f"inputs of the same kind as the silos': {dtype_kind(dtype)} ({dtype})",
-                             f"{stored}{where}", _KIND_HINT)
+            raise InputError(
+                f"{key}.path" if spec.path else key,
+                f"inputs of the same kind as the silos': {dtype_kind(dtype)} ({dtype})",
+                f"{stored}{where}",
+                _KIND_HINT,
+            )
         if tuple(X.shape[1:]) != tuple(input_shape):
             raise InputError(key, f"inputs shaped like the silos' {tuple(input_shape)}", tuple(X.shape[1:]))
         unlabeled = Split(X, np.full(len(X), UNKNOWN_LABEL, dtype=np.int64))
@@ -249,8 +300,12 @@ def server_split(spec: SiloSource, *, key: str, labels: Sequence[str], input_sha
     data = load_server_set(spec, key=key, classes=classes)
     if dtype is not None and dtype_kind(stored_dtype(data)) != dtype_kind(dtype):
         where = f" in {spec.path!r}" if spec.path else ""
-        raise InputError(f"{key}.path" if spec.path else key, f"inputs of the same kind as the silos': {dtype_kind(dtype)} ({dtype})",
-                         f"{stored_dtype(data)}{where}", _KIND_HINT)
+        raise InputError(
+            f"{key}.path" if spec.path else key,
+            f"inputs of the same kind as the silos': {dtype_kind(dtype)} ({dtype})",
+            f"{stored_dtype(data)}{where}",
+            _KIND_HINT,
+        )
     if tuple(data.input_shape) != tuple(input_shape):
         raise InputError(key, f"inputs shaped like the silos' {tuple(input_shape)}", tuple(data.input_shape))
     index = {label_value(name): i for i, name in enumerate(labels)}
@@ -283,8 +338,12 @@ def expand_path(path: str, env: Mapping[str, str] | None = None, *, key: str = "
     def value(match: Any) -> str:
         name = match.group(1)
         if name not in env:
-            raise InputError(key, f"${{{name}}} set in the environment of {where}'s node", path,
-                             f"set {name} where {where} runs (ray start's environment or the runtime_env's env_vars)")
+            raise InputError(
+                key,
+                f"${{{name}}} set in the environment of {where}'s node",
+                path,
+                f"set {name} where {where} runs (ray start's environment or the runtime_env's env_vars)",
+            )
         return str(env[name])
 
     return PATH_VARIABLE.sub(value, path)
@@ -294,8 +353,14 @@ def expand_path(path: str, env: Mapping[str, str] | None = None, *, key: str = "
 # Loading
 
 
-def load_silo(spec: SiloSpec | Mapping[str, Any], *, client: int, env: Mapping[str, str] | None = None,
-              seed: int = 0, classes: Sequence[str] | None = None) -> tuple[Dataset, Dataset]:
+def load_silo(
+    spec: SiloSpec | Mapping[str, Any],
+    *,
+    client: int,
+    env: Mapping[str, str] | None = None,
+    seed: int = 0,
+    classes: Sequence[str] | None = None,
+) -> tuple[Dataset, Dataset]:
     """Read client ``client``'s silo on its own node: its training split and its held-out split.
 
     Parameters
@@ -325,21 +390,35 @@ def load_silo(spec: SiloSpec | Mapping[str, Any], *, client: int, env: Mapping[s
     if silo.test_path is not None:
         held_out = _read_source(silo, key=key, client=client, env=env, field="test_path", classes=classes)
         if dtype_kind(stored_dtype(held_out)) != dtype_kind(stored_dtype(data)):
-            raise InputError(f"{key}.test_path", f"inputs of the same kind as the silo's path: {dtype_kind(stored_dtype(data))} "
-                             f"({stored_dtype(data)} in {silo.path!r})", f"{stored_dtype(held_out)} in {silo.test_path!r}", _KIND_HINT)
+            raise InputError(
+                f"{key}.test_path",
+                f"inputs of the same kind as the silo's path: {dtype_kind(stored_dtype(data))} ({stored_dtype(data)} in {silo.path!r})",
+                f"{stored_dtype(held_out)} in {silo.test_path!r}",
+                _KIND_HINT,
+            )
         if classes is not None:
             if held_out.input_shape != data.input_shape:
-                raise InputError(f"{key}.test_path", f"inputs shaped like the silo's training data {data.input_shape} in "
-                                 f"{silo.test_path!r}", held_out.input_shape)
-            return data, Dataset(data.name + "-held-out", held_out.X, held_out.y, held_out.num_classes, held_out.class_names,
-                                 stored_dtype=held_out.stored_dtype)
+                raise InputError(
+                    f"{key}.test_path",
+                    f"inputs shaped like the silo's training data {data.input_shape} in {silo.test_path!r}",
+                    held_out.input_shape,
+                )
+            return data, Dataset(
+                data.name + "-held-out",
+                held_out.X,
+                held_out.y,
+                held_out.num_classes,
+                held_out.class_names,
+                stored_dtype=held_out.stored_dtype,
+            )
         return data, _aligned_held_out(held_out, data, f"{key}.test_path", silo.test_path)
     assert silo.val_size is not None  # SiloSpec: val_size or test_path
     return _split_held_out(data, float(silo.val_size), key=key, seed=seed, client=client)
 
 
-def load_server_set(spec: SiloSource | Mapping[str, Any], *, key: str, env: Mapping[str, str] | None = None,
-                    classes: Sequence[str] | None = None) -> Dataset:
+def load_server_set(
+    spec: SiloSource | Mapping[str, Any], *, key: str, env: Mapping[str, str] | None = None, classes: Sequence[str] | None = None
+) -> Dataset:
     """Read a server-side set of a silo config (``data.test``, ``data.public``: ``key``) whole, where the server runs;
     with ``classes`` (``data.classes``) its labels numbered by their position there, as :func:`load_silo` does. A set
     without labels (``labels: false``) is read by :func:`load_server_inputs` instead."""
@@ -367,8 +446,12 @@ def _server_inputs(spec: SiloSource | Mapping[str, Any], *, key: str, env: Mappi
     if not resolved.is_file():
         hint = f"the server's node resolves it to {str(resolved)!r}" if str(resolved) != written else ""
         raise InputError(f"{key}.path", f"an existing {source.dataset} file on the server's node", written, hint)
-    return _rekeyed(lambda: read_unlabeled_inputs(resolved, kind=source.dataset, features=source.features,
-                                                  delimiter=source.options.get("delimiter")), key, "path", written)
+    return _rekeyed(
+        lambda: read_unlabeled_inputs(resolved, kind=source.dataset, features=source.features, delimiter=source.options.get("delimiter")),
+        key,
+        "path",
+        written,
+    )
 
 
 def server_set_size(spec: SiloSource, *, key: str, classes: Sequence[str] | None = None) -> int:
@@ -394,8 +477,15 @@ def _validated(spec: Any, model: type[SiloSource], key: str) -> Any:
         raise pydantic_input_error(exc, prefix=key, model=model) from None
 
 
-def _read_source(spec: SiloSource, *, key: str, client: int | None, env: Mapping[str, str] | None, field: str = "path",
-                 classes: Sequence[str] | None = None) -> Dataset:
+def _read_source(
+    spec: SiloSource,
+    *,
+    key: str,
+    client: int | None,
+    env: Mapping[str, str] | None,
+    field: str = "path",
+    classes: Sequence[str] | None = None,
+) -> Dataset:
     """The whole data source ``spec`` (its ``path``, or its ``test_path`` when ``field`` says so), its labels numbered by
     their position in ``classes`` when declared (:func:`_declared`)."""
     data = _read_whole(spec, key=key, client=client, env=env, field=field, min_labels=2 if classes is None else 1)
@@ -415,8 +505,12 @@ def _declared(data: Dataset, classes: Sequence[str], *, key: str, where: str) ->
     names = [str(n) for n in data.class_names]
     unknown = [names[i] for i in np.unique(data.y) if label_value(names[i]) not in index]
     if unknown:
-        raise InputError(key, f"labels among data.classes {list(classes)}{where}", unknown[0],
-                         "add the value to data.classes or leave its rows out of the file")
+        raise InputError(
+            key,
+            f"labels among data.classes {list(classes)}{where}",
+            unknown[0],
+            "add the value to data.classes or leave its rows out of the file",
+        )
     mapping = np.array([index.get(label_value(n), -1) for n in names], dtype=np.int64)
     return Dataset(data.name, data.X, mapping[data.y], len(classes), tuple(str(c) for c in classes), stored_dtype=data.stored_dtype)
 
@@ -438,13 +532,30 @@ def _read_whole(spec: SiloSource, *, key: str, client: int | None, env: Mapping[
         if kind == "folder":
             dataset = _rekeyed(lambda: load_dataset(spec.dataset, root=str(resolved), options=spec.options), key, field, written)
             return Dataset(name, dataset.X, dataset.y, dataset.num_classes, dataset.class_names, stored_dtype=dataset.stored_dtype)
-        return _read_image_folder(resolved, name=name, key=f"{key}.{field}", written=written, image_size=spec.image_size,
-                                  grayscale=bool(spec.grayscale), min_classes=min_labels)
+        return _read_image_folder(
+            resolved,
+            name=name,
+            key=f"{key}.{field}",
+            written=written,
+            image_size=spec.image_size,
+            grayscale=bool(spec.grayscale),
+            min_classes=min_labels,
+        )
     if not resolved.is_file():
         raise InputError(f"{key}.{field}", f"an existing {spec.dataset} file on {where}'s node", written, hint)
-    dataset = _rekeyed(lambda: read_data_file(resolved, label=spec.label or "y", features=spec.features, kind=spec.dataset,
-                                              delimiter=spec.options.get("delimiter"), min_labels=min_labels),
-                       key, field, written)
+    dataset = _rekeyed(
+        lambda: read_data_file(
+            resolved,
+            label=spec.label or "y",
+            features=spec.features,
+            kind=spec.dataset,
+            delimiter=spec.options.get("delimiter"),
+            min_labels=min_labels,
+        ),
+        key,
+        field,
+        written,
+    )
     return Dataset(name, dataset.X, dataset.y, dataset.num_classes, dataset.class_names, stored_dtype=dataset.stored_dtype)
 
 
@@ -491,8 +602,9 @@ def _image_pixels(image: Any, *, grayscale: bool, image_size: list[int] | None) 
     return np.asarray(image, dtype=np.float32) / np.float32(255.0), "uint8"
 
 
-def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image_size: list[int] | None, grayscale: bool,
-                       min_classes: int = 2) -> Dataset:
+def _read_image_folder(
+    folder: Path, *, name: str, key: str, written: str, image_size: list[int] | None, grayscale: bool, min_classes: int = 2
+) -> Dataset:
     """torchvision's ``ImageFolder`` layout: ``folder/<class>/**/<image>``, classes in sorted order; images read
     with PIL (RGB, or one grey channel), resized (bilinear) to ``image_size`` [H, W] when given, scaled to [0, 1] by
     their own bit depth (:func:`_image_pixels`: 16-bit images keep their range)."""
@@ -508,8 +620,11 @@ def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image
         raise InputError(key, f"images ({suffixes}) in every class folder", f"none in {empty[0]!r} of {written!r}")
     _check_image_headers(folder, files, key=key, written=written, image_size=image_size, grayscale=grayscale)
     if len(classes) < min_classes:
-        raise InputError(key, "at least 2 class folders (or data.classes declaring the task's label values)",
-                         f"{len(classes)} ({classes[0]!r}) in {written!r}")
+        raise InputError(
+            key,
+            "at least 2 class folders (or data.classes declaring the task's label values)",
+            f"{len(classes)} ({classes[0]!r}) in {written!r}",
+        )
     arrays, labels, depths = [], [], set()
     first: tuple[str, tuple[int, ...]] | None = None
     for label, cls in enumerate(classes):
@@ -524,8 +639,11 @@ def _read_image_folder(folder: Path, *, name: str, key: str, written: str, image
             if first is None:
                 first = (relative, pixels.shape)
             elif pixels.shape != first[1]:
-                raise InputError(f"{key.rsplit('.', 1)[0]}.image_size", "[H, W] to resize the images to (they differ in size)",
-                                 f"{relative} is {pixels.shape[1]}x{pixels.shape[0]}, {first[0]} is {first[1][1]}x{first[1][0]}")
+                raise InputError(
+                    f"{key.rsplit('.', 1)[0]}.image_size",
+                    "[H, W] to resize the images to (they differ in size)",
+                    f"{relative} is {pixels.shape[1]}x{pixels.shape[0]}, {first[0]} is {first[1][1]}x{first[1][0]}",
+                )
             arrays.append(pixels)
             labels.append(label)
             depths.add(depth)
@@ -555,8 +673,9 @@ def _open_image(file: Path) -> Any:
 IMAGE_BYTES_PER_VALUE = 8
 
 
-def _check_image_headers(folder: Path, files: Mapping[str, Sequence[Path]], *, key: str, written: str, image_size: list[int] | None,
-                         grayscale: bool) -> None:
+def _check_image_headers(
+    folder: Path, files: Mapping[str, Sequence[Path]], *, key: str, written: str, image_size: list[int] | None, grayscale: bool
+) -> None:
     """Before any image of an image folder is decoded: every image's header is read (PIL opens lazily), an image PIL
     cannot identify or one above its decompression-bomb bound (:func:`_open_image`) is one line naming it, and the
     memory the folder needs at the first image's size (or ``image_size``) is bounded (:func:`_check_image_memory`)."""
@@ -568,11 +687,13 @@ def _check_image_headers(folder: Path, files: Mapping[str, Sequence[Path]], *, k
                 with _open_image(file) as image:
                     size = image_size or [image.height, image.width]
             except Exception as exc:  # noqa: BLE001 - PIL's plugins raise many types (OSError, SyntaxError, a bomb's error...)
-                raise InputError(key, f"readable images in {written!r}",
-                                 f"{file.relative_to(folder).as_posix()}: {type(exc).__name__}: {str(exc)[:60]}") from None
+                raise InputError(
+                    key, f"readable images in {written!r}", f"{file.relative_to(folder).as_posix()}: {type(exc).__name__}: {str(exc)[:60]}"
+                ) from None
             if not bounded:
-                _check_image_memory(count, size, 1 if grayscale else 3,
-                                    key=key if image_size is None else f"{key.rsplit('.', 1)[0]}.image_size")
+                _check_image_memory(
+                    count, size, 1 if grayscale else 3, key=key if image_size is None else f"{key.rsplit('.', 1)[0]}.image_size"
+                )
                 bounded = True
 
 
@@ -585,8 +706,12 @@ def _check_image_memory(count: int, size: Sequence[int], channels: int, *, key: 
     need = count * int(size[0]) * int(size[1]) * channels * IMAGE_BYTES_PER_VALUE
     memory = available_memory()
     if memory is not None and need > memory:
-        raise InputError(key, f"images that fit in the {format_bytes(memory)} available ({count} images of {channels} channel(s))",
-                         f"[{size[0]}, {size[1]}]", f"reading them needs {format_bytes(need)}")
+        raise InputError(
+            key,
+            f"images that fit in the {format_bytes(memory)} available ({count} images of {channels} channel(s))",
+            f"[{size[0]}, {size[1]}]",
+            f"reading them needs {format_bytes(need)}",
+        )
 
 
 def _aligned_held_out(held_out: Dataset, train: Dataset, key: str, written: str) -> Dataset:
@@ -599,8 +724,9 @@ def _aligned_held_out(held_out: Dataset, train: Dataset, key: str, written: str)
     if unknown:
         raise InputError(key, f"labels among the silo's training labels {list(train.class_names)} in {written!r}", unknown[0])
     mapping = np.array([index.get(name, -1) for name in held_out.class_names], dtype=np.int64)
-    return Dataset(train.name + "-held-out", held_out.X, mapping[held_out.y], train.num_classes, train.class_names,
-                   stored_dtype=held_out.stored_dtype)
+    return Dataset(
+        train.name + "-held-out", held_out.X, mapping[held_out.y], train.num_classes, train.class_names, stored_dtype=held_out.stored_dtype
+    )
 
 
 def _split_held_out(data: Dataset, val_size: float, *, key: str, seed: int, client: int) -> tuple[Dataset, Dataset]:
@@ -617,14 +743,20 @@ def _split_held_out(data: Dataset, val_size: float, *, key: str, seed: int, clie
         take[c] += 1
     take = np.minimum(take, np.maximum(counts - 1, 0))
     if take.sum() == 0:
-        raise InputError(f"{key}.val_size", "a held-out split of at least one sample (a class with 2 or more samples)",
-                         f"{val_size} of {len(data.y)} samples", "give more data or a test_path")
+        raise InputError(
+            f"{key}.val_size",
+            "a held-out split of at least one sample (a class with 2 or more samples)",
+            f"{val_size} of {len(data.y)} samples",
+            "give more data or a test_path",
+        )
     held = np.zeros(len(data.y), dtype=bool)
     for c in range(data.num_classes):
         members = np.flatnonzero(data.y == c)
         held[rng.permutation(members)[: take[c]]] = True
     train = Dataset(data.name, data.X[~held], data.y[~held], data.num_classes, data.class_names, stored_dtype=data.stored_dtype)
-    held_out = Dataset(data.name + "-held-out", data.X[held], data.y[held], data.num_classes, data.class_names, stored_dtype=data.stored_dtype)
+    held_out = Dataset(
+        data.name + "-held-out", data.X[held], data.y[held], data.num_classes, data.class_names, stored_dtype=data.stored_dtype
+    )
     return train, held_out
 
 
@@ -633,8 +765,10 @@ def _split_held_out(data: Dataset, val_size: float, *, key: str, seed: int, clie
 
 
 _PIXELS = "pixels"
-_KIND_HINT = ("integers (e.g. uint8 pixels, 0..255) and floats (e.g. 0..1) are on different scales: store every silo's inputs "
-              "as one kind (a csv column of whole numbers reads as integers: write 1.0)")
+_KIND_HINT = (
+    "integers (e.g. uint8 pixels, 0..255) and floats (e.g. 0..1) are on different scales: store every silo's inputs "
+    "as one kind (a csv column of whole numbers reads as integers: write 1.0)"
+)
 
 
 def stored_dtype(data: Dataset) -> str:
@@ -696,15 +830,24 @@ def check_schemas(schemas: Sequence[Mapping[str, Any]], silos: Sequence[SiloSour
 
     for i, schema in enumerate(schemas[1:], start=1):
         if dtype_kind(schema["dtype"]) != dtype_kind(base["dtype"]):
-            raise InputError(f"data.silos.{i}", f"inputs of the same kind as data.silos.0's: {dtype_kind(base['dtype'])} "
-                             f"({base['dtype']}{written(0)})", f"{schema['dtype']}{written(i)}", _KIND_HINT)
+            raise InputError(
+                f"data.silos.{i}",
+                f"inputs of the same kind as data.silos.0's: {dtype_kind(base['dtype'])} ({base['dtype']}{written(0)})",
+                f"{schema['dtype']}{written(i)}",
+                _KIND_HINT,
+            )
         for field, what in (("input_shape", "input shape"), ("labels", "label values")):
             mine = list(schema[field]) if isinstance(schema[field], (list, tuple)) else schema[field]
             theirs = list(base[field]) if isinstance(base[field], (list, tuple)) else base[field]
             if mine != theirs:
-                hint = ("every silo must hold the same label values unless the config declares them: data.classes, the task's "
-                        "label values in label order (a silo may then lack some)") if field == "labels" else \
-                    "every silo must hold the same kind of inputs"
+                hint = (
+                    (
+                        "every silo must hold the same label values unless the config declares them: data.classes, the task's "
+                        "label values in label order (a silo may then lack some)"
+                    )
+                    if field == "labels"
+                    else "every silo must hold the same kind of inputs"
+                )
                 raise InputError(f"data.silos.{i}", f"the {what} of data.silos.0 {theirs}", mine, hint)
 
 
@@ -718,9 +861,17 @@ def silo_manifest(schemas: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "num_clients": len(schemas),
         "input_shape": list(schemas[0]["input_shape"]),
         "labels": list(schemas[0]["labels"]),
-        "clients": [{"client": i, "size": int(s["size"]), "held_out_size": int(s["held_out_size"]),
-                     "class_counts": list(s["class_counts"]), "held_out_class_counts": list(s["held_out_class_counts"]),
-                     "content_hash": s["content_hash"]} for i, s in enumerate(schemas)],
+        "clients": [
+            {
+                "client": i,
+                "size": int(s["size"]),
+                "held_out_size": int(s["held_out_size"]),
+                "class_counts": list(s["class_counts"]),
+                "held_out_class_counts": list(s["held_out_class_counts"]),
+                "content_hash": s["content_hash"],
+            }
+            for i, s in enumerate(schemas)
+        ],
     }
 
 

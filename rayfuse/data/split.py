@@ -77,8 +77,12 @@ def split_simulation(cfg: ExperimentConfig, out: str | Path, *, key: str = "--ou
     from rayfuse.io import check_writable_folder
 
     if cfg.data.is_silos:
-        raise InputError("data.silos", "a simulation config (data.dataset + partition) to split into silos",
-                         f"a silo config ({len(cfg.data.silos or [])} silos)", "its data is already one file per client")
+        raise InputError(
+            "data.silos",
+            "a simulation config (data.dataset + partition) to split into silos",
+            f"a silo config ({len(cfg.data.silos or [])} silos)",
+            "its data is already one file per client",
+        )
     if cfg.data.dataset == "arrays":
         raise InputError("data.dataset", "a dataset a config file names (rayfuse split reads the config's own data)", "arrays")
     folder = Path(out)
@@ -88,11 +92,18 @@ def split_simulation(cfg: ExperimentConfig, out: str | Path, *, key: str = "--ou
 
     dataset = load_dataset_from_config(cfg.data)
     if dataset.meta:
-        raise InputError("data.dataset", "a dataset whose evaluation needs only its arrays (silo files carry no generator facts)",
-                         cfg.data.dataset, f"its runs also read {sorted(dataset.meta)[0]!r} and the like, which no silo holds")
+        raise InputError(
+            "data.dataset",
+            "a dataset whose evaluation needs only its arrays (silo files carry no generator facts)",
+            cfg.data.dataset,
+            f"its runs also read {sorted(dataset.meta)[0]!r} and the like, which no silo holds",
+        )
     if dataset.X.ndim == 3:  # (N, L, F): an npz reader takes (N, H, W) for grey images and adds a channel
-        raise InputError("data.dataset", "inputs of shape (N, features) or (N, C, H, W) (what an npz silo reads back as it is)",
-                         f"{cfg.data.dataset} with inputs {dataset.input_shape}")
+        raise InputError(
+            "data.dataset",
+            "inputs of shape (N, features) or (N, C, H, W) (what an npz silo reads back as it is)",
+            f"{cfg.data.dataset} with inputs {dataset.input_shape}",
+        )
     target = load_target_from_config(cfg.data)
     plan = make_plan(dataset, cfg.data, cfg.partition, cfg.run.seed, target=target)
     clients = [client_splits(dataset, plan.for_client(i)) for i in range(plan.num_clients)]
@@ -100,8 +111,10 @@ def split_simulation(cfg: ExperimentConfig, out: str | Path, *, key: str = "--ou
     _check_silo_sizes(clients, test)
 
     folder = folder.resolve()
-    files = [{"path": str(folder / f"client-{i}" / "train.npz"), "test_path": str(folder / f"client-{i}" / "held_out.npz")}
-             for i in range(plan.num_clients)]
+    files = [
+        {"path": str(folder / f"client-{i}" / "train.npz"), "test_path": str(folder / f"client-{i}" / "held_out.npz")}
+        for i in range(plan.num_clients)
+    ]
     test_file, public_file = folder / "server" / "test.npz", (folder / "server" / "public.npz") if len(public) else None
     text = silo_config_text(cfg, files, test_file, public_file, plan)  # checked before anything is written
     created = not folder.exists()
@@ -121,8 +134,9 @@ def split_simulation(cfg: ExperimentConfig, out: str | Path, *, key: str = "--ou
     return config_file
 
 
-def silo_config_for(cfg: ExperimentConfig, files: list[dict[str, str]], test_file: Path, public_file: Path | None,
-                    num_classes: int) -> dict[str, Any]:
+def silo_config_for(
+    cfg: ExperimentConfig, files: list[dict[str, str]], test_file: Path, public_file: Path | None, num_classes: int
+) -> dict[str, Any]:
     """The silo config (plain data, validated) that runs ``cfg`` on the written files: ``files`` holds each client's
     ``path`` and ``test_path``; the server's sets are ``test_file`` and ``public_file``; the labels are
     ``0..num_classes-1`` (``data.classes``)."""
@@ -132,8 +146,12 @@ def silo_config_for(cfg: ExperimentConfig, files: list[dict[str, str]], test_fil
     specs = resolve_methods(cfg.methods)
     kept = [spec for spec in specs if not spec.method_cls.tags.needs_dataset]
     if not kept:
-        raise InputError("methods", "at least one method a federation can run on silos (methods that read the whole "
-                         "dataset, as oracles pooling every client's data do, cannot)", [spec.label for spec in specs])
+        raise InputError(
+            "methods",
+            "at least one method a federation can run on silos (methods that read the whole "
+            "dataset, as oracles pooling every client's data do, cannot)",
+            [spec.label for spec in specs],
+        )
     resolved = resolved_config(cfg, kept)
     # the default layout is no setting of a silo config (a silo's npz is read as a simulation's with layout auto);
     # another layout is kept, and the silo config refuses it as before
@@ -149,8 +167,7 @@ def silo_config_for(cfg: ExperimentConfig, files: list[dict[str, str]], test_fil
     return config
 
 
-def silo_config_text(cfg: ExperimentConfig, files: list[dict[str, str]], test_file: Path, public_file: Path | None,
-                     plan: DataPlan) -> str:
+def silo_config_text(cfg: ExperimentConfig, files: list[dict[str, str]], test_file: Path, public_file: Path | None, plan: DataPlan) -> str:
     """:func:`silo_config_for` as YAML, after a comment saying where it comes from."""
     import yaml
 
@@ -158,11 +175,14 @@ def silo_config_text(cfg: ExperimentConfig, files: list[dict[str, str]], test_fi
 
     config = silo_config_for(cfg, files, test_file, public_file, plan.num_classes)
     left_out = [spec.label for spec in resolve_methods(cfg.methods) if spec.method_cls.tags.needs_dataset]
-    notes = [f"# written by rayfuse split: the simulation of {cfg.data.dataset!r} (partition {plan.partition['method']}, "
-             f"{plan.num_clients} clients, seed {cfg.run.seed}, partition hash {plan.digest()[:12]}) as silo files.",
-             "# The files hold the simulation's standardised"
-             + (" and corrupted" if plan.corruptions else "") + " values: standardize is off, and the held-out",
-             "# splits are the simulation's validation splits (test_path). Run it with: rayfuse run <this file>"]
+    notes = [
+        f"# written by rayfuse split: the simulation of {cfg.data.dataset!r} (partition {plan.partition['method']}, "
+        f"{plan.num_clients} clients, seed {cfg.run.seed}, partition hash {plan.digest()[:12]}) as silo files.",
+        "# The files hold the simulation's standardised"
+        + (" and corrupted" if plan.corruptions else "")
+        + " values: standardize is off, and the held-out",
+        "# splits are the simulation's validation splits (test_path). Run it with: rayfuse run <this file>",
+    ]
     if left_out:
         notes.append(f"# Left out: the method(s) {', '.join(left_out)} (they read the whole dataset; no silo run can).")
     return "\n".join(notes) + "\n" + yaml.safe_dump(config, sort_keys=False)
@@ -175,8 +195,12 @@ def _check_silo_sizes(clients: list[tuple[Split, Split]], test: Split) -> None:
         if not len(train):
             raise InputError("partition", "a training shard of at least one sample on every client (a silo file)", f"client {i} with none")
         if not len(held_out):
-            raise InputError("data.val_size", "a validation split of at least one sample on every client (a silo's held-out file)",
-                             f"client {i} with none of its {len(train)} samples", "raise data.val_size for rayfuse split")
+            raise InputError(
+                "data.val_size",
+                "a validation split of at least one sample on every client (a silo's held-out file)",
+                f"client {i} with none of its {len(train)} samples",
+                "raise data.val_size for rayfuse split",
+            )
     if not len(test):
         raise InputError("data.test_size", "a test set of at least one sample (a silo test file)", "none")
 

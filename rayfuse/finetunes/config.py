@@ -37,8 +37,17 @@ from pydantic import Field, ValidationError
 from rayfuse.config import StrictSchema, pydantic_input_error
 from rayfuse.errors import InputError, suggest
 
-__all__ = ["TaskVectorMethod", "TASK_VECTOR_METHODS", "DATA_AWARE", "FINETUNE_METHODS",
-           "FinetuneSpec", "is_finetune", "load_finetune_config", "evaluate", "layer_positions"]
+__all__ = [
+    "TaskVectorMethod",
+    "TASK_VECTOR_METHODS",
+    "DATA_AWARE",
+    "FINETUNE_METHODS",
+    "FinetuneSpec",
+    "is_finetune",
+    "load_finetune_config",
+    "evaluate",
+    "layer_positions",
+]
 
 
 @dataclass(frozen=True)
@@ -63,19 +72,36 @@ DATA_AWARE = ("fisher", "regmean")
 FINETUNE_METHODS = (*TASK_VECTOR_METHODS, "slerp", "linear", "average", "weighted_average", *DATA_AWARE)
 _NUMBERS = ("weight", "density", "lambda", "t")
 # the keys each method reads: per model, and global (a per-model key may also be given globally, for every model)
-_MODEL_KEYS = {**{m: ("weight", "density") for m in TASK_VECTOR_METHODS}, "slerp": (), "linear": ("weight",),
-               "weighted_average": ("weight",), "average": (), "fisher": ("weight",), "regmean": ("weight",)}
-_GLOBAL_KEYS = {**{m: ("weight", "density", "lambda", "normalize", "rescale", "int8_mask") for m in TASK_VECTOR_METHODS},
-                "slerp": ("t",), "linear": ("weight", "normalize"), "weighted_average": ("weight", "normalize"), "average": (),
-                "fisher": ("weight",), "regmean": ("weight", "alpha")}
+_MODEL_KEYS = {
+    **{m: ("weight", "density") for m in TASK_VECTOR_METHODS},
+    "slerp": (),
+    "linear": ("weight",),
+    "weighted_average": ("weight",),
+    "average": (),
+    "fisher": ("weight",),
+    "regmean": ("weight",),
+}
+_GLOBAL_KEYS = {
+    **{m: ("weight", "density", "lambda", "normalize", "rescale", "int8_mask") for m in TASK_VECTOR_METHODS},
+    "slerp": ("t",),
+    "linear": ("weight", "normalize"),
+    "weighted_average": ("weight", "normalize"),
+    "average": (),
+    "fisher": ("weight",),
+    "regmean": ("weight", "alpha"),
+}
 _DTYPE = Literal["bfloat16", "float16", "float32", "float64"]
 
 
 class _Entry(StrictSchema):
     model: str = Field(min_length=1, description="a Hugging Face folder or a .safetensors file (relative to the config file)")
     parameters: dict[str, Any] = Field(default_factory=dict, description="this model's weight and density")
-    statistics: str | None = Field(None, min_length=1, description="fisher / regmean: a .safetensors file of this model's diagonal "
-                                   "Fisher (the tensors' names and shapes) or its layers' input Gram matrices (a weight's name -> (in, in))")
+    statistics: str | None = Field(
+        None,
+        min_length=1,
+        description="fisher / regmean: a .safetensors file of this model's diagonal "
+        "Fisher (the tensors' names and shapes) or its layers' input Gram matrices (a weight's name -> (in, in))",
+    )
 
 
 class _File(StrictSchema):
@@ -83,8 +109,9 @@ class _File(StrictSchema):
     base_model: str | None = Field(None, min_length=1, description="the model the others are fine-tunes of")
     models: list[_Entry] = Field(min_length=1)
     parameters: dict[str, Any] = Field(default_factory=dict)
-    dtype: _DTYPE | None = Field(None, description="the output's float dtype (default: each tensor's as the base stores it); "
-                                 "the merge computes in float32")
+    dtype: _DTYPE | None = Field(
+        None, description="the output's float dtype (default: each tensor's as the base stores it); the merge computes in float32"
+    )
     out_dtype: _DTYPE | None = Field(None, description="mergekit's name for the output dtype; overrides dtype")
     output: str | None = Field(None, min_length=1)
     max_shard_size: int | str = Field("2GB", description='the largest output shard ("2GB", "500MB", bytes)')
@@ -209,15 +236,27 @@ def load_finetune_config(raw: Mapping[str, Any], path: Path, output: str | Path 
     spec = _validate(raw, path)
     method = spec.merge_method
     if method not in FINETUNE_METHODS:
-        raise InputError(f"{path}: merge_method", f"a fine-tune merge in {{{', '.join(FINETUNE_METHODS)}}} (with base_model:)", method,
-                         suggest(method, FINETUNE_METHODS).strip(" ()"))
+        raise InputError(
+            f"{path}: merge_method",
+            f"a fine-tune merge in {{{', '.join(FINETUNE_METHODS)}}} (with base_model:)",
+            method,
+            suggest(method, FINETUNE_METHODS).strip(" ()"),
+        )
     if spec.base_model is None and (method in TASK_VECTOR_METHODS or method == "slerp"):
-        raise InputError(f"{path}: base_model", f"the model the others are fine-tunes of, for {method} (its task vectors are "
-                         "differences from it)" if method != "slerp" else "the model slerp starts from (t = 0), for slerp")
+        raise InputError(
+            f"{path}: base_model",
+            f"the model the others are fine-tunes of, for {method} (its task vectors are differences from it)"
+            if method != "slerp"
+            else "the model slerp starts from (t = 0), for slerp",
+        )
     for key, value in spec.parameters.items():
         if key not in _GLOBAL_KEYS[method]:
-            raise InputError(f"{path}: parameters.{key}", f"a parameter of {method} in {{{', '.join(_GLOBAL_KEYS[method])}}}", key,
-                             suggest(key, _GLOBAL_KEYS[method]).strip(" ()"))
+            raise InputError(
+                f"{path}: parameters.{key}",
+                f"a parameter of {method} in {{{', '.join(_GLOBAL_KEYS[method])}}}",
+                key,
+                suggest(key, _GLOBAL_KEYS[method]).strip(" ()"),
+            )
         if key in _NUMBERS:
             _check_setting(value, key, f"{path}: parameters.{key}")
         elif key == "rescale" and value not in (True, False, "l1", "density"):
@@ -242,16 +281,24 @@ def load_finetune_config(raw: Mapping[str, Any], path: Path, output: str | Path 
             stats = _resolve(entry.statistics, path) if entry.statistics is not None else None
             if stats is None or not stats.is_file() or stats.suffix != ".safetensors":
                 what = "diagonal Fisher" if method == "fisher" else "input Gram matrices"
-                raise InputError(f"{path}: models.{i}.statistics", f"an existing .safetensors file of this model's {what} for {method}",
-                                 entry.statistics or "none")
+                raise InputError(
+                    f"{path}: models.{i}.statistics",
+                    f"an existing .safetensors file of this model's {what} for {method}",
+                    entry.statistics or "none",
+                )
             statistics.append(stats)
         elif entry.statistics is not None:
             raise InputError(f"{path}: models.{i}.statistics", "statistics only with merge_method fisher or regmean", entry.statistics)
         for key, value in entry.parameters.items():
             if key not in _MODEL_KEYS[method]:
                 allowed = _MODEL_KEYS[method]
-                raise InputError(f"{path}: models.{i}.parameters.{key}", f"a per-model parameter of {method} in {{{', '.join(allowed)}}}"
-                                 if allowed else f"no per-model parameters with {method}", key)
+                raise InputError(
+                    f"{path}: models.{i}.parameters.{key}",
+                    f"a per-model parameter of {method} in {{{', '.join(allowed)}}}"
+                    if allowed
+                    else f"no per-model parameters with {method}",
+                    key,
+                )
             _check_setting(value, key, f"{path}: models.{i}.parameters.{key}")
         if base is not None and file.resolve() == base.resolve() and method in TASK_VECTOR_METHODS:
             continue  # mergekit lists the base among the models too; its task vector is zero and it is skipped
@@ -260,8 +307,12 @@ def load_finetune_config(raw: Mapping[str, Any], path: Path, output: str | Path 
     if method == "slerp":
         others = [m for m in models if base is None or m.resolve() != base.resolve()]
         if len(others) != 1:
-            raise InputError(f"{path}: models", "exactly two models for slerp: the base_model and one other", f"{len(others) + 1} models",
-                             "merge more models with task_arithmetic, ties or linear")
+            raise InputError(
+                f"{path}: models",
+                "exactly two models for slerp: the base_model and one other",
+                f"{len(others) + 1} models",
+                "merge more models with task_arithmetic, ties or linear",
+            )
         models, per_model = others, [{}]
     if not models:
         raise InputError(f"{path}: models", "at least one model besides the base_model", "only the base_model")
@@ -276,5 +327,17 @@ def load_finetune_config(raw: Mapping[str, Any], path: Path, output: str | Path 
         raise InputError(f"{path}: output", "a path that does not exist yet (nothing is overwritten)", str(out))
     check_writable_folder(out.parent, key=f"{path}: output")
     threads = spec.threads or max(1, min(8, os.cpu_count() or 1))
-    return FinetuneSpec(method, base, tuple(models), tuple(per_model), dict(spec.parameters), spec.out_dtype or spec.dtype, out,
-                        parse_size(spec.max_shard_size, f"{path}: max_shard_size"), threads, spec.seed, path, tuple(statistics))
+    return FinetuneSpec(
+        method,
+        base,
+        tuple(models),
+        tuple(per_model),
+        dict(spec.parameters),
+        spec.out_dtype or spec.dtype,
+        out,
+        parse_size(spec.max_shard_size, f"{path}: max_shard_size"),
+        threads,
+        spec.seed,
+        path,
+        tuple(statistics),
+    )

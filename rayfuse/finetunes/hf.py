@@ -31,10 +31,32 @@ __all__ = ["ModelSource", "TensorInfo", "ShardedWriter", "parse_size", "copy_mod
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # the files a Hugging Face folder keeps beside the weights, copied from the base model into the output
-MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-               "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja")
-DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
-          "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+)
+DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES.values()}
 _CODES = {v: k for k, v in DTYPES.items()}
 
@@ -90,17 +112,24 @@ class ModelSource:
                 for name, shard in weight_map.items():
                     file = path / shard
                     if not file.is_file():
-                        raise InputError(f"{where}: {INDEX}", f"shard files that exist in {path}", f"{shard} (named for {name})",
-                                         "the folder is incomplete; copy the missing shard")
+                        raise InputError(
+                            f"{where}: {INDEX}",
+                            f"shard files that exist in {path}",
+                            f"{shard} (named for {name})",
+                            "the folder is incomplete; copy the missing shard",
+                        )
                     if file not in files:
                         files.append(file)
             elif (path / SINGLE).is_file():
                 weight_map, files = {}, [path / SINGLE]
             else:
                 bins = sorted(p.name for p in path.glob("*.bin"))
-                raise InputError(where, f"a Hugging Face folder with {SINGLE} or {INDEX} (safetensors weights)",
-                                 bins[0] if bins else "neither", "convert .bin weights with save_pretrained(safe_serialization=True)"
-                                 if bins else "")
+                raise InputError(
+                    where,
+                    f"a Hugging Face folder with {SINGLE} or {INDEX} (safetensors weights)",
+                    bins[0] if bins else "neither",
+                    "convert .bin weights with save_pretrained(safe_serialization=True)" if bins else "",
+                )
         elif path.suffix == ".safetensors" and path.is_file():
             weight_map, files = {}, [path]
         else:
@@ -177,8 +206,9 @@ class ShardedWriter:
     fits in one), in the order given. :meth:`write` takes a tensor in any order (threads); :meth:`commit` renames the
     temporary folder to the output; :meth:`abort` removes it."""
 
-    def __init__(self, output: Path, plan: Mapping[str, tuple[tuple[int, ...], str]], max_shard_size: int,
-                 metadata: Mapping[str, str]) -> None:
+    def __init__(
+        self, output: Path, plan: Mapping[str, tuple[tuple[int, ...], str]], max_shard_size: int, metadata: Mapping[str, str]
+    ) -> None:
         self.output, self.plan = output, dict(plan)
         self.single = output.suffix == ".safetensors"
         self.tmp = output.parent / f".{output.name}.tmp-{os.getpid()}-{threading.get_ident()}"
@@ -194,8 +224,9 @@ class ShardedWriter:
             shards[-1].tensors.append(name)
             size += n
         for k, shard in enumerate(shards):
-            shard.name = output.name if self.single else SINGLE if len(shards) == 1 else \
-                f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            shard.name = (
+                output.name if self.single else SINGLE if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            )
         self.shards = shards
         self.where = {name: shard for shard in shards for name in shard.tensors}
         self.total = sum(TensorInfo(Path(), s, d).nbytes for s, d in plan.values())

@@ -62,8 +62,21 @@ from rayfuse.config import StrictSchema, pydantic_input_error
 from rayfuse.errors import InputError, suggest
 from rayfuse.io import check_writable_folder, read_checkpoint
 
-__all__ = ["LoraParams", "LoraSpec", "Adapter", "ModuleMerge", "read_adapter", "adapter_scaling", "combine_module", "combine_adapters",
-           "load_lora_config", "run_lora", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "METADATA_FILE"]
+__all__ = [
+    "LoraParams",
+    "LoraSpec",
+    "Adapter",
+    "ModuleMerge",
+    "read_adapter",
+    "adapter_scaling",
+    "combine_module",
+    "combine_adapters",
+    "load_lora_config",
+    "run_lora",
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "METADATA_FILE",
+]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -78,8 +91,10 @@ class _Schema(StrictSchema):
 
 class LoraParams(_Schema):
     combine: Literal["stack", "svd", "average_factors"] = Field(
-        "stack", description="stack: exact, rank = sum of ranks (FLoRA); svd: best approximation at `rank`; average_factors: the "
-        "inexact mean of the A's and of the B's (Flower's baseline)")
+        "stack",
+        description="stack: exact, rank = sum of ranks (FLoRA); svd: best approximation at `rank`; average_factors: the "
+        "inexact mean of the A's and of the B's (Flower's baseline)",
+    )
     rank: int | None = Field(None, ge=1, description="svd: the output's rank (at most each module's stacked rank)")
     normalize: bool = Field(True, description="divide the weights by their sum (False: the weighted sum of the updates)")
 
@@ -98,10 +113,12 @@ class _LoraFile(_Schema):
     models: list[_AdapterEntry] = Field(min_length=1)
     base_model: str | None = Field(None, min_length=1, description="the base's Hugging Face folder (required for output_kind: merged)")
     parameters: LoraParams = Field(default_factory=LoraParams)
-    output_kind: Literal["adapter", "merged"] = Field("adapter", description="adapter: a PEFT adapter folder; merged: the base with the "
-                                                      "update folded in (a Hugging Face folder)")
+    output_kind: Literal["adapter", "merged"] = Field(
+        "adapter", description="adapter: a PEFT adapter folder; merged: the base with the update folded in (a Hugging Face folder)"
+    )
     dtype: Literal["bfloat16", "float16", "float32", "float64"] | None = Field(
-        None, description="the output's float dtype (default: the adapters' for an adapter, the base's for a merged model)")
+        None, description="the output's float dtype (default: the adapters' for an adapter, the base's for a merged model)"
+    )
     output: str | None = Field(None, min_length=1)
 
 
@@ -181,8 +198,12 @@ def adapter_scaling(config: Mapping[str, Any], module: str) -> tuple[int, float]
 def _read_config(folder: Path, where: str) -> dict[str, Any]:
     file = folder / ADAPTER_CONFIG
     if not file.is_file():
-        raise InputError(f"{where}: {file}", f"a PEFT adapter's {ADAPTER_CONFIG}", "no such file",
-                         "an adapter folder is what PeftModel.save_pretrained writes")
+        raise InputError(
+            f"{where}: {file}",
+            f"a PEFT adapter's {ADAPTER_CONFIG}",
+            "no such file",
+            "an adapter folder is what PeftModel.save_pretrained writes",
+        )
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -200,8 +221,11 @@ def _read_config(folder: Path, where: str) -> dict[str, Any]:
         # factors gives the average of the adapted weights
         raise InputError(f"{file}: use_dora", "false (DoRA's magnitude vector makes the update nonlinear in B A)", True)
     if config.get("modules_to_save"):
-        raise InputError(f"{file}: modules_to_save", "none (only the LoRA factors are combined here; fully trained modules are a "
-                         "task-vector merge)", config["modules_to_save"])
+        raise InputError(
+            f"{file}: modules_to_save",
+            "none (only the LoRA factors are combined here; fully trained modules are a task-vector merge)",
+            config["modules_to_save"],
+        )
     if config.get("bias", "none") != "none" or config.get("lora_bias"):
         raise InputError(f"{file}: bias", '"none" (trained biases are not a low-rank update)', config.get("bias"))
     for key in ("rank_pattern", "alpha_pattern"):
@@ -229,8 +253,12 @@ def read_adapter(folder: str | Path, where: str = "") -> Adapter:
     for key, value in tensors.items():
         match = _KEY.match(key)
         if match is None:
-            raise InputError(f"{weights}: {key}", f"LoRA factors of linear layers only ({_PREFIX}<module>.lora_A.weight / .lora_B.weight)",
-                             "another tensor", "embedding, convolution and DoRA adapters are not combined here")
+            raise InputError(
+                f"{weights}: {key}",
+                f"LoRA factors of linear layers only ({_PREFIX}<module>.lora_A.weight / .lora_B.weight)",
+                "another tensor",
+                "embedding, convolution and DoRA adapters are not combined here",
+            )
         if value.dtype.kind != "f":
             raise InputError(f"{weights}: {key}", "a floating-point tensor", str(value.dtype))
         if not np.isfinite(value).all():
@@ -245,12 +273,19 @@ def read_adapter(folder: str | Path, where: str = "") -> Adapter:
             raise InputError(f"{weights}: {module}", "both lora_A and lora_B for every module", f"no {missing}")
         a, b = factors["A"][module], factors["B"][module]
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-            raise InputError(f"{weights}: {module}", "lora_A (r x in) and lora_B (out x r) of one rank r",
-                             f"lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)}")
+            raise InputError(
+                f"{weights}: {module}",
+                "lora_A (r x in) and lora_B (out x r) of one rank r",
+                f"lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)}",
+            )
         r, scaling = adapter_scaling(config, module)
         if a.shape[0] != r:
-            raise InputError(f"{weights}: {module}", f"rank {r} ({ADAPTER_CONFIG}'s r / rank_pattern)", a.shape[0],
-                             "the scaling alpha / r is read from the config, so the two must agree")
+            raise InputError(
+                f"{weights}: {module}",
+                f"rank {r} ({ADAPTER_CONFIG}'s r / rank_pattern)",
+                a.shape[0],
+                "the scaling alpha / r is read from the config, so the two must agree",
+            )
         ranks[module], scalings[module] = r, scaling
     return Adapter(path, config, factors["A"], factors["B"], ranks, scalings, frozenset(stored.values()) or frozenset({"float32"}))
 
@@ -269,8 +304,14 @@ def _fro(B: np.ndarray, A: np.ndarray) -> float:
     return float(np.linalg.norm(r_b @ r_a.T))
 
 
-def combine_module(Bs: Sequence[np.ndarray], As: Sequence[np.ndarray], weights: Sequence[float], scalings: Sequence[float],
-                   combine: str, rank: int | None = None) -> ModuleMerge:
+def combine_module(
+    Bs: Sequence[np.ndarray],
+    As: Sequence[np.ndarray],
+    weights: Sequence[float],
+    scalings: Sequence[float],
+    combine: str,
+    rank: int | None = None,
+) -> ModuleMerge:
     """Combine one module's factors ``B_i`` (out x r_i), ``A_i`` (r_i x in) with weights ``w_i`` and the adapters'
     scalings ``s_i``: the exact update is ``D = sum_i w_i s_i B_i A_i``. Returns the factors (scaling 1), the stacked
     rank and the errors. ``rank`` (svd) is at most the stacked rank and the weight's smaller side (the caller checks)."""
@@ -310,8 +351,8 @@ class Combined:
 
     @property
     def relative_error(self) -> float:
-        total = math.sqrt(sum(m.norm ** 2 for m in self.modules.values()))
-        return math.sqrt(sum(m.error ** 2 for m in self.modules.values())) / total if total > 0 else 0.0
+        total = math.sqrt(sum(m.norm**2 for m in self.modules.values()))
+        return math.sqrt(sum(m.error**2 for m in self.modules.values())) / total if total > 0 else 0.0
 
 
 def _rank_limit(adapters: Sequence[Adapter], module: str) -> tuple[int, list[int], tuple[int, int]]:
@@ -321,8 +362,14 @@ def _rank_limit(adapters: Sequence[Adapter], module: str) -> tuple[int, list[int
     return min(sum(ranks), out, inp), ranks, (out, inp)
 
 
-def combine_adapters(adapters: Sequence[Adapter], weights: Sequence[float], combine: str, rank: int | None = None,
-                     where: Sequence[str] = (), config: str = "") -> Combined:
+def combine_adapters(
+    adapters: Sequence[Adapter],
+    weights: Sequence[float],
+    combine: str,
+    rank: int | None = None,
+    where: Sequence[str] = (),
+    config: str = "",
+) -> Combined:
     """Combine adapters (already checked one by one) module by module. The modules are the union of the adapters'
     target modules: an adapter that does not target a module left that weight at the base's value, so its update
     there is exactly zero, and the union with zero there is the faithful sum (refusing would forbid the common case of
@@ -335,11 +382,18 @@ def combine_adapters(adapters: Sequence[Adapter], weights: Sequence[float], comb
     fans = {a.fan_in_fan_out for a in adapters}
     if len(fans) > 1:
         first = next(i for i, a in enumerate(adapters) if a.fan_in_fan_out != adapters[0].fan_in_fan_out)
-        raise InputError(f"{where[first]}: {ADAPTER_CONFIG}: fan_in_fan_out", f"{adapters[0].fan_in_fan_out} as in {where[0]} "
-                         "(adapters of one base)", adapters[first].fan_in_fan_out)
+        raise InputError(
+            f"{where[first]}: {ADAPTER_CONFIG}: fan_in_fan_out",
+            f"{adapters[0].fan_in_fan_out} as in {where[0]} (adapters of one base)",
+            adapters[first].fan_in_fan_out,
+        )
     if combine == "svd" and rank is None:
-        raise InputError(f"{at}parameters.rank", "the output's rank for combine: svd (e.g. rank: 8)", "none",
-                         "combine: stack keeps every update exactly at the sum of the ranks")
+        raise InputError(
+            f"{at}parameters.rank",
+            "the output's rank for combine: svd (e.g. rank: 8)",
+            "none",
+            "combine: stack keeps every update exactly at the sum of the ranks",
+        )
     if combine != "svd" and rank is not None:
         raise InputError(f"{at}parameters.rank", f"no rank with combine: {combine} (its rank follows from the adapters')", rank)
     for module in modules:
@@ -347,15 +401,23 @@ def combine_adapters(adapters: Sequence[Adapter], weights: Sequence[float], comb
         i0, a0 = present[0]
         for i, a in present[1:]:
             if a.A[module].shape[1] != a0.A[module].shape[1] or a.B[module].shape[0] != a0.B[module].shape[0]:
-                raise InputError(f"{where[i]}: {module}", f"lora_B (out x r) and lora_A (r x in) of shape out x in "
-                                 f"{a0.B[module].shape[0]} x {a0.A[module].shape[1]} as in {where[i0]}",
-                                 f"{a.B[module].shape[0]} x {a.A[module].shape[1]}", "adapters of one base")
+                raise InputError(
+                    f"{where[i]}: {module}",
+                    f"lora_B (out x r) and lora_A (r x in) of shape out x in "
+                    f"{a0.B[module].shape[0]} x {a0.A[module].shape[1]} as in {where[i0]}",
+                    f"{a.B[module].shape[0]} x {a.A[module].shape[1]}",
+                    "adapters of one base",
+                )
         if combine == "average_factors":
             ranks_by = {where[i]: a.rank[module] for i, a in present}
             if len(set(ranks_by.values())) > 1:
                 named = ", ".join(f"{w} rank {r}" for w, r in ranks_by.items())
-                raise InputError(f"{at}parameters.combine", "stack or svd for adapters of different ranks (average_factors averages the "
-                                 f"factors, which needs one rank; {module}: {named})", "average_factors")
+                raise InputError(
+                    f"{at}parameters.combine",
+                    "stack or svd for adapters of different ranks (average_factors averages the "
+                    f"factors, which needs one rank; {module}: {named})",
+                    "average_factors",
+                )
     limits = {module: _rank_limit(adapters, module)[0] for module in modules}
     if combine == "svd" and rank is not None and rank > max(limits.values()):
         # above every module's stacked rank the cut keeps nothing more: refused. Below the largest one, a module that fewer
@@ -363,8 +425,11 @@ def combine_adapters(adapters: Sequence[Adapter], weights: Sequence[float], comb
         module = max(modules, key=lambda m: limits[m])
         _, ranks, shape = _rank_limit(adapters, module)
         capped = f", capped by its weight {shape[0]} x {shape[1]}" if limits[module] < sum(ranks) else ""
-        raise InputError(f"{at}parameters.rank", f"at most {limits[module]}, the stacked rank of {module} (its adapters' ranks {ranks} summed"
-                         f"{capped})", rank)
+        raise InputError(
+            f"{at}parameters.rank",
+            f"at most {limits[module]}, the stacked rank of {module} (its adapters' ranks {ranks} summed{capped})",
+            rank,
+        )
     out: dict[str, ModuleMerge] = {}
     for module in modules:
         if combine == "average_factors":
@@ -375,9 +440,14 @@ def combine_adapters(adapters: Sequence[Adapter], weights: Sequence[float], comb
             out[module] = combine_module(Bs, As, weights, [a.scaling.get(module, 1.0) for a in adapters], combine)
         else:
             ids = [i for i, a in enumerate(adapters) if module in a.A]
-            out[module] = combine_module([adapters[i].B[module] for i in ids], [adapters[i].A[module] for i in ids],
-                                         [weights[i] for i in ids], [adapters[i].scaling[module] for i in ids], combine,
-                                         None if rank is None else min(rank, limits[module]))
+            out[module] = combine_module(
+                [adapters[i].B[module] for i in ids],
+                [adapters[i].A[module] for i in ids],
+                [weights[i] for i in ids],
+                [adapters[i].scaling[module] for i in ids],
+                combine,
+                None if rank is None else min(rank, limits[module]),
+            )
     # stack is exact; svd where the cut keeps every singular value the stacked factors can have; average_factors is not
     exact = combine == "stack" or (combine == "svd" and all(rank is not None and rank >= limits[m] for m in modules))
     return Combined(out, combine, exact)
@@ -413,8 +483,12 @@ def load_lora_config(raw: Mapping[str, Any], path: Path, output: str | Path | No
         if not folder.is_dir():
             raise InputError(key, "a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)", entry.model)
         if not (folder / ADAPTER_CONFIG).is_file():
-            raise InputError(f"{key}: {folder / ADAPTER_CONFIG}", f"a PEFT adapter's {ADAPTER_CONFIG}", "no such file",
-                             "an adapter folder is what PeftModel.save_pretrained writes")
+            raise InputError(
+                f"{key}: {folder / ADAPTER_CONFIG}",
+                f"a PEFT adapter's {ADAPTER_CONFIG}",
+                "no such file",
+                "an adapter folder is what PeftModel.save_pretrained writes",
+            )
         adapters.append(folder)
         where.append(key)
     weights = [m.parameters.weight for m in spec.models]
@@ -424,8 +498,9 @@ def load_lora_config(raw: Mapping[str, Any], path: Path, output: str | Path | No
     if spec.base_model is not None:
         base = _resolve(spec.base_model, path)
         if not base.is_dir() or not (base / "config.json").is_file():
-            raise InputError(f"{path}: base_model", "a Hugging Face folder (config.json + model.safetensors or its sharded index)",
-                             spec.base_model)
+            raise InputError(
+                f"{path}: base_model", "a Hugging Face folder (config.json + model.safetensors or its sharded index)", spec.base_model
+            )
     elif spec.output_kind == "merged":
         raise InputError(f"{path}: base_model", "the base's Hugging Face folder for output_kind: merged (the update is folded into it)")
     out = Path(output) if output is not None else (Path(spec.output) if spec.output else None)
@@ -453,7 +528,9 @@ def base_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             files = sorted(set(weight_map.values()))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise InputError(str(index), "a sharded index (a JSON object with a weight_map)", f"unreadable ({type(exc).__name__})") from None
+            raise InputError(
+                str(index), "a sharded index (a JSON object with a weight_map)", f"unreadable ({type(exc).__name__})"
+            ) from None
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -483,14 +560,22 @@ def check_against_base(adapters: Sequence[Adapter], base: Path, where: Sequence[
             key = f"{module}.weight"
             if key not in shapes:
                 close = suggest(key, list(shapes)).strip(" ()")
-                raise InputError(f"{at}: {module}", f"a module of the base {base} (a tensor {key})", "no such module in the base",
-                                 close or "the adapter was trained on another model")
+                raise InputError(
+                    f"{at}: {module}",
+                    f"a module of the base {base} (a tensor {key})",
+                    "no such module in the base",
+                    close or "the adapter was trained on another model",
+                )
             want = (adapter.B[module].shape[0], adapter.A[module].shape[1])
             if adapter.fan_in_fan_out:
                 want = want[::-1]
             if tuple(shapes[key]) != tuple(want):
-                raise InputError(f"{base}: {key}", f"shape {want} as the adapter {at} gives it (lora_B out x lora_A in)", tuple(shapes[key]),
-                                 "the adapter was trained on another model")
+                raise InputError(
+                    f"{base}: {key}",
+                    f"shape {want} as the adapter {at} gives it (lora_B out x lora_A in)",
+                    tuple(shapes[key]),
+                    "the adapter was trained on another model",
+                )
 
 
 def _output_dtype(adapters: Sequence[Adapter], given: str | None) -> str:
@@ -504,7 +589,9 @@ def _output_dtype(adapters: Sequence[Adapter], given: str | None) -> str:
     return str(functools.reduce(torch.promote_types, [getattr(torch, d) for d in floats])).replace("torch.", "")
 
 
-def _adapter_output(adapters: Sequence[Adapter], combined: Combined, base: Path | None, dtype: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _adapter_output(
+    adapters: Sequence[Adapter], combined: Combined, base: Path | None, dtype: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The output adapter's tensors (torch, in ``dtype``) and ``adapter_config.json``: the first adapter's config with
     the modules, ranks and scalings of the result. The scaling is 1 everywhere (``lora_alpha`` = the rank, no rsLoRA),
     the factors holding it; modules whose rank differs from the commonest one are named in ``rank_pattern`` and
@@ -520,9 +607,20 @@ def _adapter_output(adapters: Sequence[Adapter], combined: Combined, base: Path 
     r = max(set(values), key=lambda v: (values.count(v), -v))
     pattern = {m: k for m, k in ranks.items() if k != r}
     config = dict(adapters[0].config)
-    config.update({"r": r, "lora_alpha": r, "use_rslora": False, "rank_pattern": pattern, "alpha_pattern": dict(pattern),
-                   "target_modules": sorted(ranks), "layers_to_transform": None, "layers_pattern": None, "exclude_modules": None,
-                   "inference_mode": True})
+    config.update(
+        {
+            "r": r,
+            "lora_alpha": r,
+            "use_rslora": False,
+            "rank_pattern": pattern,
+            "alpha_pattern": dict(pattern),
+            "target_modules": sorted(ranks),
+            "layers_to_transform": None,
+            "layers_pattern": None,
+            "exclude_modules": None,
+            "inference_mode": True,
+        }
+    )
     if base is not None:
         config["base_model_name_or_path"] = str(base)
     return tensors, config
@@ -543,7 +641,9 @@ def _load_base(base: Path) -> Any:
         return cls.from_pretrained(str(base), local_files_only=True).eval()
     except Exception as exc:  # noqa: BLE001 - the library's many errors for a folder it cannot load: one line
         first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
-        raise InputError(str(base), f"a Hugging Face folder {cls.__name__}.from_pretrained loads", f"{type(exc).__name__}: {first}") from None
+        raise InputError(
+            str(base), f"a Hugging Face folder {cls.__name__}.from_pretrained loads", f"{type(exc).__name__}: {first}"
+        ) from None
 
 
 def _fold(model: Any, adapters: Sequence[Adapter], combined: Combined, base: Path, dtype: str | None) -> None:
@@ -563,15 +663,28 @@ def _fold(model: Any, adapters: Sequence[Adapter], combined: Combined, base: Pat
             updated = weight.to(work) + delta.to(work)
             target = getattr(torch, dtype) if dtype is not None else weight.dtype
             if not bool(updated.to(target).isfinite().all()):
-                raise InputError(f"{base}: {module}.weight", f"finite values after adding the update ({target})", "NaN or Inf",
-                                 "the update overflows this dtype; nothing was written")
+                raise InputError(
+                    f"{base}: {module}.weight",
+                    f"finite values after adding the update ({target})",
+                    "NaN or Inf",
+                    "the update overflows this dtype; nothing was written",
+                )
             weight.copy_(updated.to(weight.dtype))
     if dtype is not None:
         model.to(getattr(torch, dtype))
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.txt", "vocab.json",
-                    "merges.txt", "added_tokens.json", "chat_template.jinja")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
 
 
 def run_lora(spec: LoraSpec, log: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -582,47 +695,76 @@ def run_lora(spec: LoraSpec, log: Callable[[str], None] | None = None) -> dict[s
     kinds = {a.config.get("task_type") for a in adapters}
     if spec.output_kind == "adapter" and len(kinds) > 1:
         first = next(i for i, a in enumerate(adapters) if a.config.get("task_type") != adapters[0].config.get("task_type"))
-        raise InputError(f"{where[first]}: {ADAPTER_CONFIG}: task_type", f"{adapters[0].config.get('task_type')} as in {where[0]} (one "
-                         "output adapter has one task type)", adapters[first].config.get("task_type"))
+        raise InputError(
+            f"{where[first]}: {ADAPTER_CONFIG}: task_type",
+            f"{adapters[0].config.get('task_type')} as in {where[0]} (one output adapter has one task type)",
+            adapters[first].config.get("task_type"),
+        )
     if spec.base_model is not None:
         check_against_base(adapters, spec.base_model, where)
     p = spec.params
     combined = combine_adapters(adapters, spec.weights, p.combine, p.rank, where, str(spec.config))
     ranks = sorted({m.rank for m in combined.modules.values()})
     meta: dict[str, Any] = {
-        "merge_method": "lora", "combine": p.combine, "exact": combined.exact, "relative_error": combined.relative_error,
-        "output_kind": spec.output_kind, "weights": list(spec.weights), "models": [str(a) for a in spec.adapters],
-        "ranks": ranks, "normalize": p.normalize,
-        "modules": {m: {"rank": v.rank, "stacked_rank": v.stacked_rank, "relative_error": v.error / v.norm if v.norm > 0 else 0.0}
-                    for m, v in combined.modules.items()},
+        "merge_method": "lora",
+        "combine": p.combine,
+        "exact": combined.exact,
+        "relative_error": combined.relative_error,
+        "output_kind": spec.output_kind,
+        "weights": list(spec.weights),
+        "models": [str(a) for a in spec.adapters],
+        "ranks": ranks,
+        "normalize": p.normalize,
+        "modules": {
+            m: {"rank": v.rank, "stacked_rank": v.stacked_rank, "relative_error": v.error / v.norm if v.norm > 0 else 0.0}
+            for m, v in combined.modules.items()
+        },
     }
     if p.combine == "average_factors":
         meta["note"] = "inexact: mean(B) mean(A) is not the mean of the updates B A; relative_error is its distance from it"
     if log is not None:
-        log(f"lora: {p.combine} of {len(adapters)} adapters over {len(combined.modules)} modules, rank {'/'.join(map(str, ranks))}; "
-            f"relative error {combined.relative_error:.3g} against sum w_i s_i B_i A_i ({'exact' if combined.exact else 'inexact'})")
+        log(
+            f"lora: {p.combine} of {len(adapters)} adapters over {len(combined.modules)} modules, rank {'/'.join(map(str, ranks))}; "
+            f"relative error {combined.relative_error:.3g} against sum w_i s_i B_i A_i ({'exact' if combined.exact else 'inexact'})"
+        )
     if spec.output_kind == "adapter":
         dtype = _output_dtype(adapters, spec.dtype)
         tensors, config = _adapter_output(adapters, combined, spec.base_model, dtype)
         for key, value in tensors.items():
             if not bool(value.isfinite().all()):
-                raise InputError(f"{spec.output}: {key}", f"finite values in {dtype}", "NaN or Inf", "write a wider dtype (dtype: float32); "
-                                 "nothing was written")
+                raise InputError(
+                    f"{spec.output}: {key}",
+                    f"finite values in {dtype}",
+                    "NaN or Inf",
+                    "write a wider dtype (dtype: float32); nothing was written",
+                )
         meta["dtype"] = dtype
         # what writing the factors in dtype adds to the combination's error: ||B A - B' A'||_F / ||D||_F (B', A' as written)
-        total = math.sqrt(sum(m.norm ** 2 for m in combined.modules.values()))
-        cast = sum(_fro(np.concatenate([m.B, -tensors[f"{_PREFIX}{k}.lora_B.weight"].double().numpy()], axis=1),
-                        np.concatenate([m.A, tensors[f"{_PREFIX}{k}.lora_A.weight"].double().numpy()], axis=0)) ** 2
-                   for k, m in combined.modules.items())
+        total = math.sqrt(sum(m.norm**2 for m in combined.modules.values()))
+        cast = sum(
+            _fro(
+                np.concatenate([m.B, -tensors[f"{_PREFIX}{k}.lora_B.weight"].double().numpy()], axis=1),
+                np.concatenate([m.A, tensors[f"{_PREFIX}{k}.lora_A.weight"].double().numpy()], axis=0),
+            )
+            ** 2
+            for k, m in combined.modules.items()
+        )
         meta["cast_relative_error"] = math.sqrt(cast) / total if total > 0 else 0.0
         count, parameters = len(tensors), int(sum(v.numel() for v in tensors.values()))
 
         def write(folder: Path) -> None:
             from safetensors.torch import save_file
 
-            save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt", "rayfuse.combine": p.combine,
-                                                                        "rayfuse.exact": str(combined.exact).lower(),
-                                                                        "rayfuse.relative_error": repr(combined.relative_error)})
+            save_file(
+                tensors,
+                str(folder / ADAPTER_WEIGHTS),
+                metadata={
+                    "format": "pt",
+                    "rayfuse.combine": p.combine,
+                    "rayfuse.exact": str(combined.exact).lower(),
+                    "rayfuse.relative_error": repr(combined.relative_error),
+                },
+            )
             (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     else:
         assert spec.base_model is not None  # load_lora_config requires it for output_kind: merged
@@ -649,5 +791,14 @@ def run_lora(spec: LoraSpec, log: Callable[[str], None] | None = None) -> dict[s
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"method": f"lora ({p.combine})", "models": len(adapters), "tensors": count, "parameters": parameters, "output": str(out),
-            "resized": {}, "exact": combined.exact, "relative_error": combined.relative_error, "ranks": ranks}
+    return {
+        "method": f"lora ({p.combine})",
+        "models": len(adapters),
+        "tensors": count,
+        "parameters": parameters,
+        "output": str(out),
+        "resized": {},
+        "exact": combined.exact,
+        "relative_error": combined.relative_error,
+        "ranks": ranks,
+    }

@@ -35,17 +35,29 @@ def check_against_base(base: ModelSource, others: list[ModelSource]) -> None:
         for name, info in base.tensors.items():
             own = model.tensors.get(name)
             if own is None:
-                raise InputError(f"{model.where}: {name}", f"the tensor {name} that the base model ({base.path.name}) holds", "missing",
-                                 "a fine-tune of another architecture cannot be merged tensor by tensor")
+                raise InputError(
+                    f"{model.where}: {name}",
+                    f"the tensor {name} that the base model ({base.path.name}) holds",
+                    "missing",
+                    "a fine-tune of another architecture cannot be merged tensor by tensor",
+                )
             if own.shape != info.shape:
-                raise InputError(f"{model.where}: {name}", f"shape {info.shape} as in the base model ({base.path.name})", own.shape,
-                                 "a fine-tune must keep the base's shapes")
+                raise InputError(
+                    f"{model.where}: {name}",
+                    f"shape {info.shape} as in the base model ({base.path.name})",
+                    own.shape,
+                    "a fine-tune must keep the base's shapes",
+                )
             if ("float" in own.dtype) != ("float" in info.dtype):
                 raise InputError(f"{model.where}: {name}", f"a {info.dtype} tensor as in the base model", own.dtype)
         extra = [n for n in model.tensors if n not in base.tensors]
         if extra:
-            raise InputError(f"{model.where}: {extra[0]}", f"only the tensors the base model ({base.path.name}) holds",
-                             f"{len(extra)} more (e.g. {extra[0]})", "a head added in fine-tuning has no base to merge against")
+            raise InputError(
+                f"{model.where}: {extra[0]}",
+                f"only the tensors the base model ({base.path.name}) holds",
+                f"{len(extra)} more (e.g. {extra[0]})",
+                "a head added in fine-tuning has no base to merge against",
+            )
 
 
 def check_statistics(method: str, reference: ModelSource, stats: list[ModelSource]) -> None:
@@ -55,8 +67,12 @@ def check_statistics(method: str, reference: ModelSource, stats: list[ModelSourc
     for own in stats:
         if set(own.tensors) != keys:
             name = sorted(set(own.tensors) ^ keys)[0]
-            raise InputError(f"{own.where}: {name}", f"the tensors of models.0's statistics ({len(keys)})", "a different set",
-                             "every model gives statistics for the same tensors")
+            raise InputError(
+                f"{own.where}: {name}",
+                f"the tensors of models.0's statistics ({len(keys)})",
+                "a different set",
+                "every model gives statistics for the same tensors",
+            )
         for name, info in own.tensors.items():
             if name not in reference.tensors:
                 raise InputError(f"{own.where}: {name}", "statistics of a tensor the models hold", "no such tensor in the models")
@@ -71,8 +87,9 @@ def check_statistics(method: str, reference: ModelSource, stats: list[ModelSourc
                     width *= d
                 expected = (width, width)
             if info.shape != expected:
-                raise InputError(f"{own.where}: {name}", f"shape {expected} ({'the tensor' if method == 'fisher' else 'its fan-in squared'})",
-                                 info.shape)
+                raise InputError(
+                    f"{own.where}: {name}", f"shape {expected} ({'the tensor' if method == 'fisher' else 'its fan-in squared'})", info.shape
+                )
 
 
 def _seed(seed: int, model: int, name: str) -> int:
@@ -126,8 +143,11 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
         if method == "slerp":
             value = _global(spec, "t", name, t)
             if value is None:
-                raise InputError(f"{prefix}parameters.t", f"a value for every tensor (no filter matches {name})",
-                                 hint="end the list with a {value: ...} for the rest")
+                raise InputError(
+                    f"{prefix}parameters.t",
+                    f"a value for every tensor (no filter matches {name})",
+                    hint="end the list with a {value: ...} for the rest",
+                )
             plan["t"] = value
         lam = _global(spec, "lambda", name, t)
         plan["lambda"] = 1.0 if lam is None else lam
@@ -155,8 +175,17 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
             merged = slerp(plan["t"], tuned[0], tuned[1])
         elif tv is not None:
             generators = [torch.Generator().manual_seed(_seed(spec.seed, i, name)) for i in range(len(models))]
-            merged = task_vector_merge(tuned[0], tuned[1:], weights, [p["density"] for p in plan["models"]], tv, normalize=normalize,
-                                       lam=plan["lambda"], rescale=rescale, generators=generators)
+            merged = task_vector_merge(
+                tuned[0],
+                tuned[1:],
+                weights,
+                [p["density"] for p in plan["models"]],
+                tv,
+                normalize=normalize,
+                lam=plan["lambda"],
+                rescale=rescale,
+                generators=generators,
+            )
         elif stats and name in stats[0].tensors:  # fisher / regmean: rayfuse.alignment's merges, one tensor at a time
             merged = _data_aware(spec, name, tuned if base is None else tuned[1:], stats, weights)
         else:  # linear / weighted_average / average, and the tensors without statistics: the models themselves
@@ -164,9 +193,12 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
             merged = linear(own, [1.0] * len(own) if method == "average" else weights, normalize=method == "average" or normalize)
         out = merged.to(TORCH_DTYPES[out_dtype[name]])
         if not torch.isfinite(out).all():
-            raise InputError(f"{spec.output}: {name}", f"finite values in the merged model ({out_dtype[name]})", f"NaN or Inf after {method}",
-                             "the inputs are finite: the weights or lambda scale them past the range (or write dtype: float32); "
-                             "nothing was written")
+            raise InputError(
+                f"{spec.output}: {name}",
+                f"finite values in the merged model ({out_dtype[name]})",
+                f"NaN or Inf after {method}",
+                "the inputs are finite: the weights or lambda scale them past the range (or write dtype: float32); nothing was written",
+            )
         writer.write(name, out)
         return int(out.numel())
 
@@ -188,9 +220,15 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
     except BaseException:
         writer.abort()
         raise
-    return {"method": method, "models": len(models) + (1 if base is not None else 0), "tensors": len(names), "parameters": total,
-            "output": str(spec.output), "resized": {}, "shards": len(writer.shards)}
-
+    return {
+        "method": method,
+        "models": len(models) + (1 if base is not None else 0),
+        "tensors": len(names),
+        "parameters": total,
+        "output": str(spec.output),
+        "resized": {},
+        "shards": len(writer.shards),
+    }
 
 
 def _data_aware(spec: FinetuneSpec, name: str, own: list[torch.Tensor], stats: list[ModelSource], weights: list[float]) -> torch.Tensor:
@@ -203,8 +241,11 @@ def _data_aware(spec: FinetuneSpec, name: str, own: list[torch.Tensor], stats: l
     for source in stats:
         s = source.get(name).double()
         if not torch.isfinite(s).all() or (spec.method == "fisher" and (s < 0).any()):
-            raise InputError(f"{source.where}: {name}", "finite" + (" non-negative" if spec.method == "fisher" else "") + " statistics",
-                             "negative or non-finite entries")
+            raise InputError(
+                f"{source.where}: {name}",
+                "finite" + (" non-negative" if spec.method == "fisher" else "") + " statistics",
+                "negative or non-finite entries",
+            )
         given.append({name: s.numpy()})
     if spec.method == "fisher":
         merged = merge_fisher(values, given, weights)[name]

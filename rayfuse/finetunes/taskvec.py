@@ -26,8 +26,17 @@ import torch
 
 from rayfuse.finetunes.config import TASK_VECTOR_METHODS, TaskVectorMethod
 
-__all__ = ["TaskVectorMethod", "TASK_VECTOR_METHODS", "sparsify_magnitude", "sparsify_random", "rescale_masked", "sign_consensus",
-           "task_vector_merge", "linear", "slerp"]
+__all__ = [
+    "TaskVectorMethod",
+    "TASK_VECTOR_METHODS",
+    "sparsify_magnitude",
+    "sparsify_random",
+    "rescale_masked",
+    "sign_consensus",
+    "task_vector_merge",
+    "linear",
+    "slerp",
+]
 
 Rescale = Literal["l1", "density"] | None
 
@@ -78,9 +87,18 @@ def sign_consensus(weighted: torch.Tensor) -> torch.Tensor:
     return sign == majority
 
 
-def task_vector_merge(base: torch.Tensor, tuned: Sequence[torch.Tensor], weights: Sequence[float], densities: Sequence[float],
-                      method: TaskVectorMethod, *, normalize: bool, lam: float = 1.0, rescale: Rescale = None,
-                      generators: Sequence[torch.Generator] | None = None) -> torch.Tensor:
+def task_vector_merge(
+    base: torch.Tensor,
+    tuned: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    densities: Sequence[float],
+    method: TaskVectorMethod,
+    *,
+    normalize: bool,
+    lam: float = 1.0,
+    rescale: Rescale = None,
+    generators: Sequence[torch.Generator] | None = None,
+) -> torch.Tensor:
     """``base + lambda * combine(sparsify(x_i - base))`` (the module docstring), for float32 tensors of one shape.
     ``generators``: one per model, for the random sparsifier."""
     # the task vectors are written into one stacked tensor and weighted, masked in place: the same operations in the

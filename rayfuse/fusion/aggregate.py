@@ -32,8 +32,9 @@ def normalize_weights(weights: Sequence[float] | None, n: int) -> list[float]:
     return [float(x) for x in w / w.sum()]  # Python floats: float32 arrays stay float32 (NEP 50)
 
 
-def weighted_sum(arrays: Sequence[np.ndarray], weights: Sequence[float], *, out: np.ndarray | None = None,
-                 chunk: int = CHUNK) -> np.ndarray:
+def weighted_sum(
+    arrays: Sequence[np.ndarray], weights: Sequence[float], *, out: np.ndarray | None = None, chunk: int = CHUNK
+) -> np.ndarray:
     """``sum_k weights[k] * arrays[k]`` for same-shaped arrays (inputs are never modified; read-only inputs are fine).
 
     Float inputs keep their dtype; other inputs are summed in float64. Inputs are assumed validated (same shapes,

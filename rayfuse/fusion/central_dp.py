@@ -44,9 +44,22 @@ from rayfuse.accountant import compute_epsilon, noise_multiplier_for, require_on
 from rayfuse.errors import InputError
 from rayfuse.method import MethodParams
 
-__all__ = ["AdaptiveClipSettings", "CentralDPSettings", "DPPlan", "DPRound", "find_noise_multiplier",
-           "count_affordable_rounds", "compute_update_noise_multiplier", "plan_dp", "check_dp", "sample_poisson",
-           "clip_and_sum", "apply_dp_round", "update_clip_norm", "describe_plan"]
+__all__ = [
+    "AdaptiveClipSettings",
+    "CentralDPSettings",
+    "DPPlan",
+    "DPRound",
+    "find_noise_multiplier",
+    "count_affordable_rounds",
+    "compute_update_noise_multiplier",
+    "plan_dp",
+    "check_dp",
+    "sample_poisson",
+    "clip_and_sum",
+    "apply_dp_round",
+    "update_clip_norm",
+    "describe_plan",
+]
 
 Params = dict[str, np.ndarray]
 
@@ -56,8 +69,9 @@ class AdaptiveClipSettings(MethodParams):
 
     target_quantile: float = Field(0.5, gt=0, lt=1, description="gamma: the fraction of updates left unclipped (paper: 0.5)")
     lr: float = Field(0.2, gt=0, description="eta_C: the geometric step of the clip norm (paper: 0.2)")
-    count_stddev: float | None = Field(None, gt=0, description="sigma_b: the noise on the count of unclipped updates "
-                                       "(default: q N / 20, the paper's choice)")
+    count_stddev: float | None = Field(
+        None, gt=0, description="sigma_b: the noise on the count of unclipped updates (default: q N / 20, the paper's choice)"
+    )
 
 
 class CentralDPSettings(MethodParams):
@@ -65,17 +79,20 @@ class CentralDPSettings(MethodParams):
 
     #: the mechanism in the words of a refusal (``rayfuse.method.dp_options``)
     mechanism: ClassVar[str] = "central DP-FedAvg"
-    noise_multiplier: float | None = Field(None, gt=0, description="z: the noise's standard deviation is z C (give this or "
-                                           "target_epsilon)")
-    target_epsilon: float | None = Field(None, gt=0, description="the epsilon to spend over the planned rounds: the noise "
-                                         "multiplier is found for it (give this or noise_multiplier)")
+    noise_multiplier: float | None = Field(None, gt=0, description="z: the noise's standard deviation is z C (give this or target_epsilon)")
+    target_epsilon: float | None = Field(
+        None,
+        gt=0,
+        description="the epsilon to spend over the planned rounds: the noise multiplier is found for it (give this or noise_multiplier)",
+    )
     clip_norm: float = Field(gt=0, description="C: each client's update is clipped to this L2 norm (adaptive: the initial C)")
     adaptive: AdaptiveClipSettings | None = Field(None, description="adaptive clipping (Andrew et al. 2021); null: fixed C")
     sample_rate: float = Field(gt=0, le=1, description="q: each client takes part in a round with this probability (Poisson)")
     delta: float = Field(1e-5, gt=0, lt=1, description="the delta epsilon is reported at (must be below 1 / number of clients)")
     accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus' accountant: rdp (Renyi DP) or prv (privacy random variables)")
-    stop_at_epsilon: float | None = Field(None, gt=0, description="stop before the round that would spend more than this "
-                                          "epsilon (null: run every round)")
+    stop_at_epsilon: float | None = Field(
+        None, gt=0, description="stop before the round that would spend more than this epsilon (null: run every round)"
+    )
 
     @model_validator(mode="after")
     def _one_noise(self) -> CentralDPSettings:
@@ -95,12 +112,17 @@ def find_noise_multiplier(target_epsilon: float, delta: float, sample_rate: floa
         return noise_multiplier_for(target_epsilon, delta, sample_rate, steps, accountant)
     except ValueError as exc:  # rayfuse.accountant.UnreachableEpsilon: too small, too large, or not finite
         too_small = str(exc).startswith("at least")
-        raise InputError("dp.target_epsilon", f"an epsilon some noise multiplier reaches in {steps} rounds ({exc})",
-                         target_epsilon, "raise target_epsilon or plan fewer rounds" if too_small else "or give noise_multiplier") from None
+        raise InputError(
+            "dp.target_epsilon",
+            f"an epsilon some noise multiplier reaches in {steps} rounds ({exc})",
+            target_epsilon,
+            "raise target_epsilon or plan fewer rounds" if too_small else "or give noise_multiplier",
+        ) from None
 
 
-def count_affordable_rounds(noise_multiplier: float, sample_rate: float, delta: float, budget: float, rounds: int,
-                            accountant: str = "rdp") -> int:
+def count_affordable_rounds(
+    noise_multiplier: float, sample_rate: float, delta: float, budget: float, rounds: int, accountant: str = "rdp"
+) -> int:
     """The most rounds, up to ``rounds``, whose epsilon stays within ``budget`` (epsilon grows with the rounds: a
     binary search)."""
     if compute_epsilon(noise_multiplier, sample_rate, rounds, delta, accountant) <= budget:
@@ -119,10 +141,10 @@ def compute_update_noise_multiplier(noise_multiplier: float, count_stddev: float
     """``z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)`` (Andrew et al. 2021, Theorem 1); ``z`` itself without adaptive clipping."""
     if count_stddev is None:
         return float(noise_multiplier)
-    rest = noise_multiplier ** -2 - (2.0 * count_stddev) ** -2
+    rest = noise_multiplier**-2 - (2.0 * count_stddev) ** -2
     if rest <= 0:
         raise ValueError(f"adaptive clipping needs 2 count_stddev > noise_multiplier, got {count_stddev} and {noise_multiplier}")
-    return float(rest ** -0.5)
+    return float(rest**-0.5)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -149,13 +171,20 @@ def check_dp(settings: CentralDPSettings, num_clients: int, where: str = "dp") -
     """Refuse DP settings the run cannot honour: ``delta >= 1 / N`` (with client-level DP a delta that large allows
     publishing one client's data outright) and adaptive clipping whose count noise is too small for Theorem 1."""
     if settings.delta >= 1.0 / num_clients:
-        raise InputError(f"{where}.delta", f"delta < 1/n = {1.0 / num_clients:.3g} with n = {num_clients} clients (the unit of "
-                         "privacy is a client)", settings.delta, "e.g. 1e-5")
+        raise InputError(
+            f"{where}.delta",
+            f"delta < 1/n = {1.0 / num_clients:.3g} with n = {num_clients} clients (the unit of privacy is a client)",
+            settings.delta,
+            "e.g. 1e-5",
+        )
     if settings.adaptive is not None and settings.noise_multiplier is not None:
         sigma_b = _count_stddev(settings, num_clients)
         if 2.0 * sigma_b <= settings.noise_multiplier:
-            raise InputError(f"{where}.adaptive.count_stddev", f"more than noise_multiplier / 2 = {settings.noise_multiplier / 2:.4g} "
-                             "(z_Delta = (z^-2 - (2 sigma_b)^-2)^-1/2 must exist)", sigma_b)
+            raise InputError(
+                f"{where}.adaptive.count_stddev",
+                f"more than noise_multiplier / 2 = {settings.noise_multiplier / 2:.4g} (z_Delta = (z^-2 - (2 sigma_b)^-2)^-1/2 must exist)",
+                sigma_b,
+            )
 
 
 def _count_stddev(settings: CentralDPSettings, num_clients: int) -> float:
@@ -170,25 +199,43 @@ def plan_dp(settings: CentralDPSettings, num_clients: int, rounds: int, where: s
     check_dp(settings, num_clients, where)
     q, delta, acc = settings.sample_rate, settings.delta, settings.accountant
     try:
-        z = settings.noise_multiplier if settings.noise_multiplier is not None else \
-            find_noise_multiplier(settings.target_epsilon or 0.0, delta, q, rounds, acc)
+        z = (
+            settings.noise_multiplier
+            if settings.noise_multiplier is not None
+            else find_noise_multiplier(settings.target_epsilon or 0.0, delta, q, rounds, acc)
+        )
     except InputError as exc:
         raise exc.at(f"{where}.target_epsilon") from None
     sigma_b = _count_stddev(settings, num_clients) if settings.adaptive is not None else None
     if sigma_b is not None and 2.0 * sigma_b <= z:
-        raise InputError(f"{where}.adaptive.count_stddev", f"more than noise_multiplier / 2 = {z / 2:.4g} (the noise multiplier "
-                         "found for target_epsilon; z_Delta = (z^-2 - (2 sigma_b)^-2)^-1/2 must exist)", sigma_b)
+        raise InputError(
+            f"{where}.adaptive.count_stddev",
+            f"more than noise_multiplier / 2 = {z / 2:.4g} (the noise multiplier "
+            "found for target_epsilon; z_Delta = (z^-2 - (2 sigma_b)^-2)^-1/2 must exist)",
+            sigma_b,
+        )
     run = rounds
     if settings.stop_at_epsilon is not None:
         run = count_affordable_rounds(z, q, delta, settings.stop_at_epsilon, rounds, acc)
         if run == 0:
             first = compute_epsilon(z, q, 1, delta, acc)
-            raise InputError(f"{where}.stop_at_epsilon", f"at least the epsilon of one round ({first:.4g} at delta {delta:g})",
-                             settings.stop_at_epsilon, "raise it, or add noise")
+            raise InputError(
+                f"{where}.stop_at_epsilon",
+                f"at least the epsilon of one round ({first:.4g} at delta {delta:g})",
+                settings.stop_at_epsilon,
+                "raise it, or add noise",
+            )
     next_eps = compute_epsilon(z, q, run + 1, delta, acc) if run < rounds else None
-    return DPPlan(noise_multiplier=float(z), update_noise_multiplier=compute_update_noise_multiplier(z, sigma_b),
-                  count_stddev=sigma_b, expected_clients=q * num_clients, planned_rounds=rounds, rounds=run,
-                  epsilon=compute_epsilon(z, q, run, delta, acc), next_epsilon=next_eps)
+    return DPPlan(
+        noise_multiplier=float(z),
+        update_noise_multiplier=compute_update_noise_multiplier(z, sigma_b),
+        count_stddev=sigma_b,
+        expected_clients=q * num_clients,
+        planned_rounds=rounds,
+        rounds=run,
+        epsilon=compute_epsilon(z, q, run, delta, acc),
+        next_epsilon=next_eps,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -202,8 +249,9 @@ def sample_poisson(rng: np.random.Generator, client_ids: Sequence[int], sample_r
     return [c for c, t in zip(ids, taken) if t]
 
 
-def clip_and_sum(models: Sequence[Mapping[str, np.ndarray]], reference: Mapping[str, np.ndarray],
-                 clip_norm: float) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def clip_and_sum(
+    models: Sequence[Mapping[str, np.ndarray]], reference: Mapping[str, np.ndarray], clip_norm: float
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """The sum of the clipped updates ``sum_k min(1, C / ||Delta_k||) Delta_k`` (float64, the float tensors of
     ``reference``) and each update's norm before clipping.
 
@@ -244,8 +292,14 @@ def update_clip_norm(clip_norm: float, unclipped: float, count_noise: float, exp
     return float(clip_norm * math.exp(-lr * (b_bar - quantile)))
 
 
-def apply_dp_round(models: Sequence[Mapping[str, np.ndarray]], reference: Mapping[str, np.ndarray], settings: CentralDPSettings,
-                   plan: DPPlan, clip_norm: float, rng: np.random.Generator) -> DPRound:
+def apply_dp_round(
+    models: Sequence[Mapping[str, np.ndarray]],
+    reference: Mapping[str, np.ndarray],
+    settings: CentralDPSettings,
+    plan: DPPlan,
+    clip_norm: float,
+    rng: np.random.Generator,
+) -> DPRound:
     """``w_t + (sum_k clip(Delta_k, C) + N(0, (z_Delta C)^2)) / (q N)`` and, with adaptive clipping, the next ``C``.
 
     ``models`` may be empty (no client sampled, or none came back): the noise is added all the same, as the accountant
@@ -276,14 +330,23 @@ def apply_dp_round(models: Sequence[Mapping[str, np.ndarray]], reference: Mappin
 
 def describe_plan(settings: CentralDPSettings, plan: DPPlan) -> dict[str, Any]:
     """The ``dp`` record of ``results.json`` (``info.dp``)."""
-    record: dict[str, Any] = {"epsilon": plan.epsilon, "delta": settings.delta, "accountant": settings.accountant,
-                              "noise_multiplier": plan.noise_multiplier, "sample_rate": settings.sample_rate,
-                              "expected_clients": plan.expected_clients, "rounds": plan.rounds,
-                              "planned_rounds": plan.planned_rounds, "clipping": "adaptive" if settings.adaptive else "fixed"}
+    record: dict[str, Any] = {
+        "epsilon": plan.epsilon,
+        "delta": settings.delta,
+        "accountant": settings.accountant,
+        "noise_multiplier": plan.noise_multiplier,
+        "sample_rate": settings.sample_rate,
+        "expected_clients": plan.expected_clients,
+        "rounds": plan.rounds,
+        "planned_rounds": plan.planned_rounds,
+        "clipping": "adaptive" if settings.adaptive else "fixed",
+    }
     if settings.adaptive is not None:
         record["update_noise_multiplier"] = plan.update_noise_multiplier
         record["count_stddev"] = plan.count_stddev
     if plan.rounds < plan.planned_rounds:
-        record["stopped"] = (f"stopped after round {plan.rounds} of {plan.planned_rounds}: round {plan.rounds + 1} would spend "
-                             f"epsilon {plan.next_epsilon:.4g} > stop_at_epsilon {settings.stop_at_epsilon:g}")
+        record["stopped"] = (
+            f"stopped after round {plan.rounds} of {plan.planned_rounds}: round {plan.rounds + 1} would spend "
+            f"epsilon {plan.next_epsilon:.4g} > stop_at_epsilon {settings.stop_at_epsilon:g}"
+        )
     return record

@@ -69,8 +69,10 @@ def pipeline_settings(params: MethodParams) -> tuple[AggregatorSettings, DPSetti
     can compare rules and budgets side by side (``krum: {method: fedavg, aggregator: ...}`` beside ``fedavg``)."""
     aggregator = getattr(params, "aggregator", None)
     dp = getattr(params, "dp", None)
-    return (aggregator if isinstance(aggregator, AggregatorSettings) else AggregatorSettings(),
-            dp if isinstance(dp, (CentralDPSettings, UploadDP)) else None)
+    return (
+        aggregator if isinstance(aggregator, AggregatorSettings) else AggregatorSettings(),
+        dp if isinstance(dp, (CentralDPSettings, UploadDP)) else None,
+    )
 
 
 def fused_by(method_cls: type[Method], params: MethodParams) -> str:
@@ -109,23 +111,35 @@ def check_update_pipeline(specs: Sequence[MethodSpec], setup: RunSetup, attacks:
         if fused != "parameters":
             if attacks and fused != "nothing":
                 count = f"{len(attacks)} attack{'s' if len(attacks) > 1 else ''} on clients {sorted(a.client for a in attacks)}"
-                raise InputError("federation.attacks", f"no attacks with method {spec.method!r} ({where} fuses {fused}; attacks act "
-                                 "on parameter updates)", count, "drop the attacks or that method (attacks apply where the update "
-                                 "pipeline combines parameter updates: the FedAvg family, average, aligned with merge: average or "
-                                 "nonparametric, finetune with base: average)")
+                raise InputError(
+                    "federation.attacks",
+                    f"no attacks with method {spec.method!r} ({where} fuses {fused}; attacks act on parameter updates)",
+                    count,
+                    "drop the attacks or that method (attacks apply where the update "
+                    "pipeline combines parameter updates: the FedAvg family, average, aligned with merge: average or "
+                    "nonparametric, finetune with base: average)",
+                )
             if not aggregator.is_plain_mean:
-                raise InputError(f"{where}.aggregator", f"the default mean for method {spec.method!r} (it fuses {fused}; a robust rule "
-                                 "and clip_norm act on parameter updates)", aggregator.name if aggregator.name != "mean" else "clip_norm")
+                raise InputError(
+                    f"{where}.aggregator",
+                    f"the default mean for method {spec.method!r} (it fuses {fused}; a robust rule and clip_norm act on parameter updates)",
+                    aggregator.name if aggregator.name != "mean" else "clip_norm",
+                )
             if dp is not None:
-                raise InputError(f"{where}.dp", f"no dp for method {spec.method!r} (it fuses {fused}; dp acts on parameter updates)",
-                                 "a dp section", f"methods.<label>.dp is {dp_options_text()}")
+                raise InputError(
+                    f"{where}.dp",
+                    f"no dp for method {spec.method!r} (it fuses {fused}; dp acts on parameter updates)",
+                    "a dp section",
+                    f"methods.<label>.dp is {dp_options_text()}",
+                )
             continue
         try:
             if isinstance(dp, CentralDPSettings):
                 _check_central_dp(spec, aggregator, dp, setup.num_clients)
             elif (fraction := getattr(spec.params, "fraction", None)) is not None:  # a per-round sample (the FedAvg family)
-                check_aggregator(aggregator, clients_per_round(setup.num_clients, float(fraction)), where="aggregator",
-                                 what="clients per round")
+                check_aggregator(
+                    aggregator, clients_per_round(setup.num_clients, float(fraction)), where="aggregator", what="clients per round"
+                )
             else:
                 check_aggregator(aggregator, setup.num_clients, where="aggregator", what="clients")
             if isinstance(dp, UploadDP):
@@ -142,20 +156,34 @@ def _check_central_dp(spec: MethodSpec, aggregator: AggregatorSettings, dp: Cent
     if spec.method_cls.tags.no_dp:  # check_tags refuses it first; kept so the pipeline's own check is whole
         raise dp_refusal(spec.method_cls, spec.method, "dp", params=params)
     if not aggregator.is_plain_mean:
-        raise InputError("aggregator", "mean without clip_norm with dp (DP-FedAvg clips each update to dp.clip_norm and noises "
-                         "their sum; a robust rule is not a sum, so the noise would not match its sensitivity)", aggregator.model_dump())
+        raise InputError(
+            "aggregator",
+            "mean without clip_norm with dp (DP-FedAvg clips each update to dp.clip_norm and noises "
+            "their sum; a robust rule is not a sum, so the noise would not match its sensitivity)",
+            aggregator.model_dump(),
+        )
     fraction = getattr(params, "fraction", 1.0)
     if "fraction" in params.model_fields_set and fraction != 1.0:
         raise InputError("fraction", "1.0 (unset) with dp (dp.sample_rate samples each client independently)", fraction)
     weighted = getattr(params, "weighted", False)
     if "weighted" in params.model_fields_set and weighted:
-        raise InputError("weighted", "false (unset) with dp (DP-FedAvg weights every client 1: a sample-count weight would be "
-                         "private and unbounded)", weighted)
+        raise InputError(
+            "weighted",
+            "false (unset) with dp (DP-FedAvg weights every client 1: a sample-count weight would be private and unbounded)",
+            weighted,
+        )
     plan_dp(dp, num_clients, int(getattr(params, "rounds", 1)))
 
 
-def combine_models(models: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float] | None, aggregator: AggregatorSettings, *,
-                   start: Mapping[str, np.ndarray] | None, initial: Callable[[], Params], label: str) -> Params:
+def combine_models(
+    models: Sequence[Mapping[str, np.ndarray]],
+    weights: Sequence[float] | None,
+    aggregator: AggregatorSettings,
+    *,
+    start: Mapping[str, np.ndarray] | None,
+    initial: Callable[[], Params],
+    label: str,
+) -> Params:
     """The pipeline's stages 3-4 (clipping, the rule) on models already received: :meth:`UpdatePipeline.combine`, and
     the same for a method that runs ``aligned``'s merge inside its own run (``distill``'s ``init: aligned``, with the
     aligned settings' own ``aggregator``). ``start``: the model clipping measures from (default ``initial()``, the run's
@@ -195,9 +223,16 @@ class UpdatePipeline:
     cache is the engine's store).
     """
 
-    def __init__(self, server: ServerContext, params: MethodParams, attacks: Sequence[AttackSpec], *,
-                 planned_examples: Callable[[int], int], reference_of: Callable[[int], Params],
-                 local_updates: Callable[[], Gathered[Update]]) -> None:
+    def __init__(
+        self,
+        server: ServerContext,
+        params: MethodParams,
+        attacks: Sequence[AttackSpec],
+        *,
+        planned_examples: Callable[[int], int],
+        reference_of: Callable[[int], Params],
+        local_updates: Callable[[], Gathered[Update]],
+    ) -> None:
         self._server = server
         self._local_updates = local_updates
         self.aggregator, self.dp = pipeline_settings(params)
@@ -243,8 +278,9 @@ class UpdatePipeline:
         """Every client's trained local model (gathered once per run and shared by all methods)."""
         return self._local_updates()
 
-    def accept_replies(self, gathered: Gathered[Any], read: Callable[[int, Any], R], *, need: int = 1,
-                       what: str = "client replies") -> dict[int, R]:
+    def accept_replies(
+        self, gathered: Gathered[Any], read: Callable[[int, Any], R], *, need: int = 1, what: str = "client replies"
+    ) -> dict[int, R]:
         """The one rejection path: each client's reply through ``read(client, reply)``, which returns what is kept of
         it or raises :class:`rayfuse.method.Rejected` (or :class:`rayfuse.errors.InputError`) with the reason; a
         rejected reply is recorded (:meth:`reject`) and never used. Raises :class:`RunFailure` when fewer than
@@ -257,8 +293,10 @@ class UpdatePipeline:
                 self.reject(client, str(exc))
         need = max(int(need), 1)
         if len(kept) < need:
-            raise RunFailure(f"{self._server.label}: {len(kept)} valid {what}, need {need} (rejected {len(gathered.results) - len(kept)}, "
-                             f"failed {len(gathered.failures)}); see the update_rejected events")
+            raise RunFailure(
+                f"{self._server.label}: {len(kept)} valid {what}, need {need} (rejected {len(gathered.results) - len(kept)}, "
+                f"failed {len(gathered.failures)}); see the update_rejected events"
+            )
         return kept
 
     def reject(self, client: int, reason: str) -> None:
@@ -275,14 +313,25 @@ class UpdatePipeline:
 
     # -- the stages -----------------------------------------------------------------------------------------------
 
-    def accept(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, *,
-               check: Callable[[int, Update], str | None] | None = None) -> dict[int, Update]:
+    def accept(
+        self,
+        gathered: Gathered[Any],
+        reference: dict[str, np.ndarray] | None = None,
+        *,
+        check: Callable[[int, Update], str | None] | None = None,
+    ) -> dict[int, Update]:
         """Stage 1 alone: the valid updates by client id (see the module docstring); ``check(client, update)`` is the
         method's own reason against an update. For methods that read their clients' models without combining them."""
         return self._accept(gathered, reference, check=check)
 
-    def receive(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, round: int = 1, *,
-                start: Mapping[str, np.ndarray] | None = None) -> dict[int, Update]:
+    def receive(
+        self,
+        gathered: Gathered[Any],
+        reference: dict[str, np.ndarray] | None = None,
+        round: int = 1,
+        *,
+        start: Mapping[str, np.ndarray] | None = None,
+    ) -> dict[int, Update]:
         """Stages 1-2: the valid updates, the attacking clients' replaced by their attacks' relative to ``start`` (the
         model the clients started from; default ``reference``, else the run's initial model). For a method that
         transforms the models before :meth:`combine` (``aligned`` aligns them: an attacker sends a bad model, which the
@@ -293,17 +342,27 @@ class UpdatePipeline:
             updates = self._attack(updates, origin, round)
         return updates
 
-    def combine(self, models: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float] | None, *,
-                start: Mapping[str, np.ndarray] | None = None) -> Params:
+    def combine(
+        self, models: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float] | None, *, start: Mapping[str, np.ndarray] | None = None
+    ) -> Params:
         """Stages 3-4 on received (and transformed) models: clipping against ``start`` (default: the run's initial
         model) and the aggregation rule. Central DP is :meth:`collect`'s alone (its noise is calibrated to the round's
         sum of updates)."""
         if isinstance(self.dp, CentralDPSettings):
             raise TypeError("central DP-FedAvg combines the round's updates in collect(), not combine()")
-        return combine_models(models, weights, self.aggregator, start=start, initial=self._server.models.initial_params, label=self._server.label)
+        return combine_models(
+            models, weights, self.aggregator, start=start, initial=self._server.models.initial_params, label=self._server.label
+        )
 
-    def collect(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, round: int = 1, *,
-                start: Mapping[str, np.ndarray] | None = None, weighted: bool = True) -> Aggregate:
+    def collect(
+        self,
+        gathered: Gathered[Any],
+        reference: dict[str, np.ndarray] | None = None,
+        round: int = 1,
+        *,
+        start: Mapping[str, np.ndarray] | None = None,
+        weighted: bool = True,
+    ) -> Aggregate:
         """The round's aggregate: every stage, in order.
 
         Parameters
@@ -368,12 +427,14 @@ class UpdatePipeline:
             if self._attacked(round):
                 updates = self._attack(updates, reference, round)
         ids = sorted(updates)
-        done = apply_dp_round([updates[c].params for c in ids], reference, dp, self._plan, float(self._clip),
-                              self._server.rng("dp-noise", round))
+        done = apply_dp_round(
+            [updates[c].params for c in ids], reference, dp, self._plan, float(self._clip), self._server.rng("dp-noise", round)
+        )
         self._clip = done.clip_norm
         epsilon = compute_epsilon(self._plan.noise_multiplier, dp.sample_rate, round, dp.delta, dp.accountant)
-        return Aggregate(done.params, {c: updates[c] for c in ids},
-                         {**done.metrics, "dp_sampled": float(self._sampled), "dp_epsilon": epsilon})
+        return Aggregate(
+            done.params, {c: updates[c] for c in ids}, {**done.metrics, "dp_sampled": float(self._sampled), "dp_epsilon": epsilon}
+        )
 
     # -- state and records ----------------------------------------------------------------------------------------
 
@@ -409,12 +470,24 @@ class UpdatePipeline:
         server = self._server
         attacked, applied = apply_attacks(updates, reference, self.attacks, round=round, seed=server.seed)
         for attack in applied:
-            server.events.emit("attack", f"{attack.kind} on client {attack.client}'s update", method=server.label, client=attack.client,
-                               round=round, attack=attack.kind)
+            server.events.emit(
+                "attack",
+                f"{attack.kind} on client {attack.client}'s update",
+                method=server.label,
+                client=attack.client,
+                round=round,
+                attack=attack.kind,
+            )
         return attacked
 
-    def _accept(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None = None, *, check_values: bool = True,
-                check: Callable[[int, Update], str | None] | None = None) -> dict[int, Update]:
+    def _accept(
+        self,
+        gathered: Gathered[Any],
+        reference: dict[str, np.ndarray] | None = None,
+        *,
+        check_values: bool = True,
+        check: Callable[[int, Update], str | None] | None = None,
+    ) -> dict[int, Update]:
         """Keep the valid updates; reject (and record) those with NaN/Inf, wrong keys or shapes, a sample count other
         than the client's training-set size in the partition plan (the weight of its update in an average: the
         coordinator knows it, so a client's word for it is checked, not trusted), and those ``check`` gives a reason
@@ -431,8 +504,7 @@ class UpdatePipeline:
             elif not isinstance(update.num_examples, (int, np.integer)) or update.num_examples <= 0:
                 reason = f"num_examples must be a positive integer, got {update.num_examples!r}"
             elif update.num_examples != planned(client):
-                reason = (f"num_examples {update.num_examples} is not the client's {planned(client)} training examples "
-                          f"of the partition plan")
+                reason = f"num_examples {update.num_examples} is not the client's {planned(client)} training examples of the partition plan"
             else:
                 reason = check_params(update.params, reference_of(client), check_finite=check_values)
                 if reason is None and not all(np.isfinite(v) for v in update.metrics.values()):

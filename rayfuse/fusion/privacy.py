@@ -35,9 +35,15 @@ class UploadDP(MethodParams):
     clip_norm: float = Field(gt=0, description="C: the upload's L2 norm bound (all parameter arrays together)")
     # z > 0, as central DP-FedAvg has it: z = 0 releases the clipped upload in the clear (epsilon infinite), which the
     # update checks refuse as a non-finite epsilon only after every client trained; refused here, before anything runs
-    noise_multiplier: float | None = Field(None, gt=0, description="z > 0: noise standard deviation z C on every coordinate (or "
-                                            "target_epsilon); for clipping without noise use aggregator.clip_norm instead of dp")
-    target_epsilon: float | None = Field(None, gt=0, description="the epsilon of the one release: Opacus picks z for it (or noise_multiplier)")
+    noise_multiplier: float | None = Field(
+        None,
+        gt=0,
+        description="z > 0: noise standard deviation z C on every coordinate (or "
+        "target_epsilon); for clipping without noise use aggregator.clip_norm instead of dp",
+    )
+    target_epsilon: float | None = Field(
+        None, gt=0, description="the epsilon of the one release: Opacus picks z for it (or noise_multiplier)"
+    )
     delta: float = Field(1e-5, gt=0, lt=1, description="delta of the (epsilon, delta) guarantee; below 1 / the number of clients")
     accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus' accountant that converts z into epsilon")
 
@@ -55,19 +61,34 @@ def check_upload_dp(dp: UploadDP | None, setup: RunSetup) -> None:
     if dp is None:
         return
     if dp.delta >= 1.0 / setup.num_clients:
-        raise InputError("dp.delta", f"less than 1 / {setup.num_clients} (the number of clients: the privacy unit of the upload "
-                         "is one client's data)", dp.delta)
+        raise InputError(
+            "dp.delta",
+            f"less than 1 / {setup.num_clients} (the number of clients: the privacy unit of the upload is one client's data)",
+            dp.delta,
+        )
     if dp.target_epsilon is not None:
         try:
             noise_multiplier_for(dp.target_epsilon, dp.delta, 1.0, 1, dp.accountant)
         except UnreachableEpsilon as exc:
-            raise InputError("dp.target_epsilon", f"an epsilon a noise multiplier reaches in the one release: {exc}",
-                             dp.target_epsilon, "or give noise_multiplier") from None
+            raise InputError(
+                "dp.target_epsilon",
+                f"an epsilon a noise multiplier reaches in the one release: {exc}",
+                dp.target_epsilon,
+                "or give noise_multiplier",
+            ) from None
 
 
 @client_step("dp.upload")
-def dp_upload(ctx: ClientContext, *, label: str, clip_norm: float, noise_multiplier: float | None, target_epsilon: float | None,
-              delta: float, accountant: str) -> Update:
+def dp_upload(
+    ctx: ClientContext,
+    *,
+    label: str,
+    clip_norm: float,
+    noise_multiplier: float | None,
+    target_epsilon: float | None,
+    delta: float,
+    accountant: str,
+) -> Update:
     """This client's local model, clipped and noised on the client (:func:`rayfuse.models.privacy.clip_and_noise`);
     reports only the epsilon and noise multiplier of the release, never the norm before clipping."""
     from rayfuse.models import get_params
@@ -75,7 +96,11 @@ def dp_upload(ctx: ClientContext, *, label: str, clip_norm: float, noise_multipl
 
     params = get_params(ctx.local_model())
     reference: dict[str, Any] | None = get_params(ctx.build_model(seed=ctx.init_seed)) if ctx.train_cfg.shared_init else None
-    z = float(noise_multiplier) if noise_multiplier is not None else noise_multiplier_for(float(target_epsilon or 0.0), delta, 1.0, 1, accountant)
+    z = (
+        float(noise_multiplier)
+        if noise_multiplier is not None
+        else noise_multiplier_for(float(target_epsilon or 0.0), delta, 1.0, 1, accountant)
+    )
     rng = np.random.default_rng(ctx.step_seed(label, "dp-upload"))
     noised, _ = clip_and_noise(params, reference, clip_norm=clip_norm, noise_multiplier=z, rng=rng)
     # BatchNorm's running variances are noised like every float tensor; a negative one would make the model NaN.
@@ -89,10 +114,22 @@ def gather_dp_uploads(server: ServerContext, dp: UploadDP) -> tuple[Gathered[Upd
     """Every client's clipped and noised upload (:func:`dp_upload`: the raw local models never leave the clients), and
     what the results record of it: each client's epsilon, delta, C, the accountant, the largest noise multiplier and
     what the upload is relative to."""
-    uploads = server.federation.run(dp_upload, label=server.label, clip_norm=dp.clip_norm, noise_multiplier=dp.noise_multiplier,
-                                    target_epsilon=dp.target_epsilon, delta=dp.delta, accountant=dp.accountant)
+    uploads = server.federation.run(
+        dp_upload,
+        label=server.label,
+        clip_norm=dp.clip_norm,
+        noise_multiplier=dp.noise_multiplier,
+        target_epsilon=dp.target_epsilon,
+        delta=dp.delta,
+        accountant=dp.accountant,
+    )
     epsilon = {str(c): float(u.metrics["dp_epsilon"]) for c, u in sorted(uploads.results.items())}
-    info = {"epsilon": epsilon, "delta": dp.delta, "clip_norm": dp.clip_norm, "accountant": dp.accountant,
-            "noise_multiplier": max(float(u.metrics["dp_noise_multiplier"]) for u in uploads.results.values()),
-            "relative_to": "shared init" if server.models.train_cfg.shared_init else "zero"}
+    info = {
+        "epsilon": epsilon,
+        "delta": dp.delta,
+        "clip_norm": dp.clip_norm,
+        "accountant": dp.accountant,
+        "noise_multiplier": max(float(u.metrics["dp_noise_multiplier"]) for u in uploads.results.values()),
+        "relative_to": "shared init" if server.models.train_cfg.shared_init else "zero",
+    }
     return uploads, info

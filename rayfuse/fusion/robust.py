@@ -47,17 +47,36 @@ from rayfuse.errors import InputError, RunFailure, key_error
 from rayfuse.fusion.aggregate import CHUNK, normalize_weights, weighted_average
 from rayfuse.method import MethodParams
 
-__all__ = ["AggregatorSettings", "aggregate", "aggregate_median", "aggregate_trimmed_mean", "aggregate_krum", "aggregate_bulyan",
-           "aggregate_geometric_median", "clip_updates", "compute_update_norms", "compute_pairwise_distances", "score_krum",
-           "select_krum", "select_bulyan", "check_aggregator", "check_enough_updates"]
+__all__ = [
+    "AggregatorSettings",
+    "aggregate",
+    "aggregate_median",
+    "aggregate_trimmed_mean",
+    "aggregate_krum",
+    "aggregate_bulyan",
+    "aggregate_geometric_median",
+    "clip_updates",
+    "compute_update_norms",
+    "compute_pairwise_distances",
+    "score_krum",
+    "select_krum",
+    "select_bulyan",
+    "check_aggregator",
+    "check_enough_updates",
+]
 
 Params = dict[str, np.ndarray]
 Models = Sequence[Mapping[str, np.ndarray]]
 
 NAMES = ("mean", "median", "trimmed_mean", "krum", "bulyan", "geometric_median")
 # The settings each rule reads (``clip_norm`` applies to every rule).
-_OWN_KEYS = {"f": ("krum", "bulyan"), "m": ("krum",), "beta": ("trimmed_mean",), "nu": ("geometric_median",),
-             "max_iter": ("geometric_median",)}
+_OWN_KEYS = {
+    "f": ("krum", "bulyan"),
+    "m": ("krum",),
+    "beta": ("trimmed_mean",),
+    "nu": ("geometric_median",),
+    "max_iter": ("geometric_median",),
+}
 GM_FTOL = 1e-6  # Weiszfeld stops when the objective improves by less than this fraction of itself (RFA's ftol)
 
 
@@ -66,14 +85,18 @@ class AggregatorSettings(MethodParams):
     ``{name: median}``)."""
 
     name: Literal["mean", "median", "trimmed_mean", "krum", "bulyan", "geometric_median"] = Field(
-        "mean", description="mean: the (sample-weighted) average; the others are robust to a minority of bad updates")
+        "mean", description="mean: the (sample-weighted) average; the others are robust to a minority of bad updates"
+    )
     f: int = Field(1, ge=0, description="krum, bulyan: the number of Byzantine clients tolerated")
     m: int = Field(1, ge=1, description="krum: the number of best-scored models averaged (m > 1: Multi-Krum)")
     beta: float = Field(0.1, ge=0, lt=0.5, description="trimmed_mean: the fraction cut at each end, per coordinate")
     nu: float = Field(1e-6, gt=0, description="geometric_median: the smoothing of the Weiszfeld weights (RFA)")
     max_iter: int = Field(100, ge=1, description="geometric_median: at most this many Weiszfeld iterations")
-    clip_norm: float | None = Field(None, gt=0, description="clip each client's update (its model minus the global model) "
-                                    "to this L2 norm before aggregating (none: no clipping)")
+    clip_norm: float | None = Field(
+        None,
+        gt=0,
+        description="clip each client's update (its model minus the global model) to this L2 norm before aggregating (none: no clipping)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -110,14 +133,22 @@ def check_aggregator(settings: AggregatorSettings, n: int, *, where: str = "aggr
     f = settings.f
     if settings.name == "krum":
         if n < 2 * f + 3:
-            raise InputError(f"{where}.f", f"n >= 2f + 3 for krum, so f <= {max((n - 3) // 2, -1)} with n = {n} {what}", f,
-                             "lower f or use more clients" if n >= 3 else "krum needs at least 3 clients")
+            raise InputError(
+                f"{where}.f",
+                f"n >= 2f + 3 for krum, so f <= {max((n - 3) // 2, -1)} with n = {n} {what}",
+                f,
+                "lower f or use more clients" if n >= 3 else "krum needs at least 3 clients",
+            )
         if settings.m > n - f:
             raise InputError(f"{where}.m", f"m <= n - f = {n - f} for Multi-Krum (n = {n} {what}, f = {f})", settings.m)
     elif settings.name == "bulyan":
         if n < 4 * f + 3:
-            raise InputError(f"{where}.f", f"n >= 4f + 3 for bulyan, so f <= {max((n - 3) // 4, -1)} with n = {n} {what}", f,
-                             "lower f or use more clients" if n >= 3 else "bulyan needs at least 3 clients")
+            raise InputError(
+                f"{where}.f",
+                f"n >= 4f + 3 for bulyan, so f <= {max((n - 3) // 4, -1)} with n = {n} {what}",
+                f,
+                "lower f or use more clients" if n >= 3 else "bulyan needs at least 3 clients",
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -163,9 +194,11 @@ def _coordinatewise(models: Models, rule: Callable[[np.ndarray], np.ndarray], ch
 
 
 def _integer_medians(models: Models, chunk: int) -> Params:
-    return {key: _cast_like(np.concatenate([_median(b) for _, _, b in _blocks(models, key, chunk)] or [np.empty(0)]),
-                            np.asarray(first))
-            for key, first in models[0].items() if np.asarray(first).dtype.kind != "f"}
+    return {
+        key: _cast_like(np.concatenate([_median(b) for _, _, b in _blocks(models, key, chunk)] or [np.empty(0)]), np.asarray(first))
+        for key, first in models[0].items()
+        if np.asarray(first).dtype.kind != "f"
+    }
 
 
 # Up to this many models, a full sort down the client axis is faster than numpy's partition-based median (which
@@ -230,9 +263,9 @@ def aggregate_trimmed_mean(models: Models, beta: float, *, chunk: int = CHUNK) -
         if cut == 0:
             return block.mean(axis=0)
         if n <= SORT_BELOW:
-            return np.sort(block, axis=0)[cut:n - cut].mean(axis=0)
+            return np.sort(block, axis=0)[cut : n - cut].mean(axis=0)
         part = np.partition(block, (cut, n - cut - 1), axis=0)
-        return part[cut:n - cut].mean(axis=0)
+        return part[cut : n - cut].mean(axis=0)
 
     return _coordinatewise(models, trim, chunk)
 
@@ -336,8 +369,15 @@ def aggregate_bulyan(models: Models, f: int, *, chunk: int = CHUNK) -> Params:
     return _coordinatewise(selected, closest_to_median, chunk)
 
 
-def aggregate_geometric_median(models: Models, weights: Sequence[float] | None = None, *, nu: float = 1e-6, max_iter: int = 100,
-                               ftol: float = GM_FTOL, chunk: int = CHUNK) -> Params:
+def aggregate_geometric_median(
+    models: Models,
+    weights: Sequence[float] | None = None,
+    *,
+    nu: float = 1e-6,
+    max_iter: int = 100,
+    ftol: float = GM_FTOL,
+    chunk: int = CHUNK,
+) -> Params:
     """The weighted geometric median of the models' float parameters by RFA's smoothed Weiszfeld iteration.
 
     Starts from the weighted mean ``z``; each iteration sets ``b_k = a_k / max(nu, ||w_k - z||)`` and
@@ -449,8 +489,14 @@ def clip_updates(models: Models, reference: Mapping[str, np.ndarray], clip_norm:
     return out
 
 
-def aggregate(models: Models, weights: Sequence[float] | None = None, settings: AggregatorSettings | None = None, *,
-              reference: Mapping[str, np.ndarray] | None = None, chunk: int = CHUNK) -> Params:
+def aggregate(
+    models: Models,
+    weights: Sequence[float] | None = None,
+    settings: AggregatorSettings | None = None,
+    *,
+    reference: Mapping[str, np.ndarray] | None = None,
+    chunk: int = CHUNK,
+) -> Params:
     """``models`` combined by the rule of ``settings`` (default: the weighted mean, exactly
     :func:`rayfuse.fusion.aggregate.weighted_average`), each first clipped against ``reference`` when
     ``settings.clip_norm`` is set.

@@ -5,7 +5,18 @@ from rayfuse.models.registry import MODELS, build_model, check_model_fits, regis
 from rayfuse.models.training import TrainStats, compute_loss, predict_proba, train_model
 
 __all__ = [
-    "Params", "check_params", "get_params", "num_bytes", "params_equal", "set_params",
-    "MODELS", "build_model", "check_model_fits", "register_model",
-    "TrainStats", "compute_loss", "predict_proba", "train_model",
+    "Params",
+    "check_params",
+    "get_params",
+    "num_bytes",
+    "params_equal",
+    "set_params",
+    "MODELS",
+    "build_model",
+    "check_model_fits",
+    "register_model",
+    "TrainStats",
+    "compute_loss",
+    "predict_proba",
+    "train_model",
 ]

@@ -69,8 +69,11 @@ def resolve_architecture(ref: str, *, where: str = "architecture") -> Any:
         except AttributeError:
             raise InputError(where, f"a name defined in {module_name}", attr) from None
         except Exception as exc:  # a lazy module's import failing
-            raise InputError(where, f"an importable name {attr!r} of {module_name}",
-                             f"the module raised at import: {type(exc).__name__}: {_first_line(str(exc))}") from None
+            raise InputError(
+                where,
+                f"an importable name {attr!r} of {module_name}",
+                f"the module raised at import: {type(exc).__name__}: {_first_line(str(exc))}",
+            ) from None
         if isinstance(found, staticmethod):
             found = found.__func__
         elif isinstance(found, classmethod):  # bound to its class, as attribute access would (no user code runs)
@@ -100,17 +103,28 @@ def _import_user_module(module_name: str, where: str) -> Any:
             module = importlib.import_module(module_name)
     except SystemExit as exc:  # argparse's error on a missing argument, or an explicit sys.exit(): not rayfuse's usage error
         said = _first_line(printed_err.getvalue(), last=True) or _first_line(printed_out.getvalue(), last=True)
-        raise InputError(where, f"a module {module_name!r} that imports without exiting",
-                         f"the module exited at import (sys.exit({exc.code!r}))", f"it printed {said!r}" if said else "") from None
+        raise InputError(
+            where,
+            f"a module {module_name!r} that imports without exiting",
+            f"the module exited at import (sys.exit({exc.code!r}))",
+            f"it printed {said!r}" if said else "",
+        ) from None
     except ModuleNotFoundError as exc:
         if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise InputError(where, f"an importable module {module_name!r} (from the working directory or PYTHONPATH)",
-                             f"no module named {exc.name!r}") from None
-        raise InputError(where, f"an importable module {module_name!r} (from the working directory or PYTHONPATH)",
-                         f"the module raised at import: ModuleNotFoundError: {_first_line(str(exc))}") from None
+            raise InputError(
+                where, f"an importable module {module_name!r} (from the working directory or PYTHONPATH)", f"no module named {exc.name!r}"
+            ) from None
+        raise InputError(
+            where,
+            f"an importable module {module_name!r} (from the working directory or PYTHONPATH)",
+            f"the module raised at import: ModuleNotFoundError: {_first_line(str(exc))}",
+        ) from None
     except Exception as exc:  # the module's own code failing (any exception): one line, not its traceback
-        raise InputError(where, f"an importable module {module_name!r} (from the working directory or PYTHONPATH)",
-                         f"the module raised at import: {type(exc).__name__}: {_first_line(str(exc))}") from None
+        raise InputError(
+            where,
+            f"an importable module {module_name!r} (from the working directory or PYTHONPATH)",
+            f"the module raised at import: {type(exc).__name__}: {_first_line(str(exc))}",
+        ) from None
     finally:
         sys.argv = argv
     for stream, text in ((sys.stdout, printed_out.getvalue()), (sys.stderr, printed_err.getvalue())):
@@ -138,12 +152,19 @@ def _check_builder(obj: Any, module: types.ModuleType, ref: str, where: str) -> 
         owner = obj.__self__.__name__ if isinstance(obj.__self__, type) else type(obj.__self__).__name__
         raise InputError(where, expected, f"{ref} is a method of {owner}, not of an nn.Module")
     if function.__module__ != module_name:
-        raise InputError(where, expected, f"{ref} is defined in {function.__module__}",
-                         f"name it where it is defined: {function.__module__}:{function.__qualname__}")
+        raise InputError(
+            where,
+            expected,
+            f"{ref} is defined in {function.__module__}",
+            f"name it where it is defined: {function.__module__}:{function.__qualname__}",
+        )
     owner = _library_of(module)
     if owner:
-        hint = (f"a torchvision model is named torchvision:{function.__name__}" if module_name.split(".")[0] == "torchvision" else
-                "a function is called only from a module of yours (not the standard library, an installed package or rayfuse)")
+        hint = (
+            f"a torchvision model is named torchvision:{function.__name__}"
+            if module_name.split(".")[0] == "torchvision"
+            else "a function is called only from a module of yours (not the standard library, an installed package or rayfuse)"
+        )
         raise InputError(where, "an nn.Module subclass, or a function of your own module", f"{ref} is a function of {owner}", hint)
 
 
@@ -163,9 +184,11 @@ def _library_of(module: types.ModuleType) -> str:
         return "the interpreter"
     path = Path(file).resolve()
     paths = sysconfig.get_paths()
-    places = {"the standard library": [paths["stdlib"], paths["platstdlib"]],
-              "an installed package": [paths["purelib"], paths["platlib"], *site.getsitepackages(), site.getusersitepackages()],
-              "rayfuse": [str(Path(__file__).resolve().parents[1])]}
+    places = {
+        "the standard library": [paths["stdlib"], paths["platstdlib"]],
+        "an installed package": [paths["purelib"], paths["platlib"], *site.getsitepackages(), site.getusersitepackages()],
+        "rayfuse": [str(Path(__file__).resolve().parents[1])],
+    }
     for owner in ("an installed package", "rayfuse", "the standard library"):  # site-packages lies inside platstdlib
         if any(path.is_relative_to(Path(place).resolve()) for place in places[owner]):
             return owner
@@ -178,16 +201,18 @@ def _first_line(text: str, limit: int = 120, *, last: bool = False) -> str:
     return lines[-1 if last else 0][:limit] if lines else ""
 
 
-def build_architecture(ref: str, args: Mapping[str, Any] | None = None, *, where: str = "architecture",
-                       args_where: str | None = None) -> nn.Module:
+def build_architecture(
+    ref: str, args: Mapping[str, Any] | None = None, *, where: str = "architecture", args_where: str | None = None
+) -> nn.Module:
     """``resolve_architecture(ref)(**args)``, in eval mode; the result must be an ``nn.Module``. Errors name ``where``
     (the reference) and ``args_where`` (the arguments; default ``<where>_args``)."""
     factory = resolve_architecture(ref, where=where)
     try:
         model = factory(**dict(args or {}))
     except Exception as exc:  # the user's constructor: one line naming it
-        raise InputError(args_where or f"{where}_args", f"keyword arguments {ref} accepts",
-                         f"{type(exc).__name__}: {_first_line(str(exc))}") from None
+        raise InputError(
+            args_where or f"{where}_args", f"keyword arguments {ref} accepts", f"{type(exc).__name__}: {_first_line(str(exc))}"
+        ) from None
     except SystemExit as exc:  # a constructor that exits (argparse inside it) is the model's doing, not a rayfuse usage error
         raise InputError(where, "a class or function building a model without exiting", f"{ref} exited (sys.exit({exc.code!r}))") from None
     if not isinstance(model, nn.Module):
@@ -209,8 +234,9 @@ def check_checkpoint_fits(model: nn.Module, params: Mapping[str, np.ndarray], *,
         raise InputError(f"{where}: {extra[0]}", f"only the tensors of {ref}", f"{len(extra)} more, e.g. {extra[0]!r}")
 
 
-def check_inputs_fit(model: nn.Module, X: np.ndarray, *, where: str, num_outputs: int | None = None,
-                     ref: str = "the model") -> Sequence[int]:
+def check_inputs_fit(
+    model: nn.Module, X: np.ndarray, *, where: str, num_outputs: int | None = None, ref: str = "the model"
+) -> Sequence[int]:
     """One forward pass of ``X[:2]``: the data's inputs must be what the model takes. Returns the output shape.
 
     The model must return ``(batch, classes)`` logits, as a tensor, or as the first element of a tuple / list (a model
@@ -226,12 +252,14 @@ def check_inputs_fit(model: nn.Module, X: np.ndarray, *, where: str, num_outputs
             out = model(torch.as_tensor(np.ascontiguousarray(X[:2])))
     except Exception as exc:  # the user's forward: any exception it raises
         first = _first_line(str(exc)) or "no message"
-        raise InputError(where, f"inputs {ref} takes", f"arrays of shape {shape} per sample",
-                         f"the model's forward raised {type(exc).__name__}: {first}") from None
+        raise InputError(
+            where, f"inputs {ref} takes", f"arrays of shape {shape} per sample", f"the model's forward raised {type(exc).__name__}: {first}"
+        ) from None
     logits = _logits(out)
     if logits is None:
-        raise InputError(where, f"{ref} returning (batch, classes) logits: a tensor, the first element of a tuple, or .logits",
-                         _describe_output(out))
+        raise InputError(
+            where, f"{ref} returning (batch, classes) logits: a tensor, the first element of a tuple, or .logits", _describe_output(out)
+        )
     if logits is not out:
         model.register_forward_hook(_logits_hook)
     if logits.ndim != 2 or logits.shape[0] != min(2, len(X)):

@@ -38,7 +38,9 @@ def set_params(model: nn.Module, params: Mapping[str, np.ndarray]) -> nn.Module:
     return model
 
 
-def check_params(params: Mapping[str, object], reference: Mapping[str, np.ndarray | torch.Tensor], *, check_finite: bool = True) -> str | None:
+def check_params(
+    params: Mapping[str, object], reference: Mapping[str, np.ndarray | torch.Tensor], *, check_finite: bool = True
+) -> str | None:
     """Return why ``params`` cannot stand in for ``reference`` (keys, shapes, non-finite values), or ``None``."""
     if not isinstance(params, Mapping):
         return f"expected a mapping of arrays, got {type(params).__name__}"

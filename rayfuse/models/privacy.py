@@ -55,8 +55,14 @@ def find_dp_unsupported(model: nn.Module) -> tuple[str, str] | None:
     return "(the model)", type(model).__name__  # Opacus refuses it, but no single module's validator does
 
 
-def clip_and_noise(params: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray] | None, *, clip_norm: float,
-                   noise_multiplier: float, rng: np.random.Generator) -> tuple[dict[str, np.ndarray], float]:
+def clip_and_noise(
+    params: Mapping[str, np.ndarray],
+    reference: Mapping[str, np.ndarray] | None,
+    *,
+    clip_norm: float,
+    noise_multiplier: float,
+    rng: np.random.Generator,
+) -> tuple[dict[str, np.ndarray], float]:
     """The Gaussian mechanism on a model's parameters: ``ref + clip(params - ref, C) + N(0, (z C)^2 I)``.
 
     The difference to ``reference`` (all zeros when ``None``) over every floating-point array together is scaled to
@@ -65,8 +71,10 @@ def clip_and_noise(params: Mapping[str, np.ndarray], reference: Mapping[str, np.
     parameters and the norm of the difference before clipping.
     """
     keys = [k for k, v in params.items() if np.asarray(v).dtype.kind == "f"]
-    diffs = {k: np.asarray(params[k], dtype=np.float64) - (0.0 if reference is None else np.asarray(reference[k], dtype=np.float64))
-             for k in keys}
+    diffs = {
+        k: np.asarray(params[k], dtype=np.float64) - (0.0 if reference is None else np.asarray(reference[k], dtype=np.float64))
+        for k in keys
+    }
     norm = float(np.sqrt(sum(float(np.sum(d * d)) for d in diffs.values())))
     factor = min(1.0, clip_norm / norm) if norm > 0 else 1.0
     std = noise_multiplier * clip_norm
@@ -81,10 +89,25 @@ def clip_and_noise(params: Mapping[str, np.ndarray], reference: Mapping[str, np.
     return out, norm
 
 
-def train_model_dp(model: nn.Module, X: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, lr: float, optimizer: str = "adam",
-                   momentum: float = 0.0, weight_decay: float = 0.0, noise_multiplier: float | None = None,
-                   target_epsilon: float | None = None, max_grad_norm: float = 1.0, delta: float = 1e-5, accountant: str = "rdp",
-                   seed: int = 0, device: str | torch.device = "cpu") -> tuple[TrainStats, dict[str, float]]:
+def train_model_dp(
+    model: nn.Module,
+    X: np.ndarray,
+    y: np.ndarray,
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    optimizer: str = "adam",
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    noise_multiplier: float | None = None,
+    target_epsilon: float | None = None,
+    max_grad_norm: float = 1.0,
+    delta: float = 1e-5,
+    accountant: str = "rdp",
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> tuple[TrainStats, dict[str, float]]:
     """Train ``model`` in place on ``(X, y)`` with DP-SGD through Opacus' ``PrivacyEngine``.
 
     Batches are drawn by Poisson sampling (each example joins each batch with probability ``q = batch_size / n``;
@@ -107,9 +130,13 @@ def train_model_dp(model: nn.Module, X: np.ndarray, y: np.ndarray, *, epochs: in
     model.to(device)
     n = int(len(y))
     if epochs <= 0 or n == 0:
-        return TrainStats(0.0, 0, 0, time.perf_counter() - started), {"dp_epsilon": 0.0, "dp_delta": delta,
-                                                                       "dp_noise_multiplier": float(noise_multiplier or 0.0),
-                                                                       "dp_sample_rate": 0.0, "dp_steps": 0.0}
+        return TrainStats(0.0, 0, 0, time.perf_counter() - started), {
+            "dp_epsilon": 0.0,
+            "dp_delta": delta,
+            "dp_noise_multiplier": float(noise_multiplier or 0.0),
+            "dp_sample_rate": 0.0,
+            "dp_steps": 0.0,
+        }
     X_t = torch.as_tensor(np.ascontiguousarray(X), device=device)
     y_t = torch.as_tensor(np.ascontiguousarray(y), device=device)
     sampling = torch.Generator(device="cpu").manual_seed(int(seed))
@@ -120,8 +147,15 @@ def train_model_dp(model: nn.Module, X: np.ndarray, y: np.ndarray, *, epochs: in
     with warnings.catch_warnings():  # Opacus warns that secure_mode is off (chosen: seeded runs); torch that inputs need no grad
         warnings.filterwarnings("ignore", message=r"(Secure RNG turned off|Full backward hook is firing|Optimal order is the)")
         engine = PrivacyEngine(accountant=accountant, secure_mode=False)
-        common = {"module": model, "optimizer": opt, "data_loader": loader, "max_grad_norm": max_grad_norm, "poisson_sampling": True,
-                  "noise_generator": noise, "wrap_model": False}
+        common = {
+            "module": model,
+            "optimizer": opt,
+            "data_loader": loader,
+            "max_grad_norm": max_grad_norm,
+            "poisson_sampling": True,
+            "noise_generator": noise,
+            "wrap_model": False,
+        }
         if target_epsilon is not None:
             # Opacus' make_private_with_epsilon, with its unbounded noise search replaced by rayfuse's bounded one (the
             # same noise for every target Opacus reaches: sample rate 1 / batches, int(epochs / rate) steps, as Opacus)
@@ -155,7 +189,11 @@ def train_model_dp(model: nn.Module, X: np.ndarray, y: np.ndarray, *, epochs: in
                 p.grad = None
         privacy_epsilon = float(engine.get_epsilon(delta))
     model.eval()
-    privacy = {"dp_epsilon": privacy_epsilon, "dp_delta": float(delta), "dp_noise_multiplier": float(dp_opt.noise_multiplier),
-               "dp_sample_rate": float(1.0 / len(loader)), "dp_steps": float(steps)}
+    privacy = {
+        "dp_epsilon": privacy_epsilon,
+        "dp_delta": float(delta),
+        "dp_noise_multiplier": float(dp_opt.noise_multiplier),
+        "dp_sample_rate": float(1.0 / len(loader)),
+        "dp_steps": float(steps),
+    }
     return TrainStats(epoch_loss, steps, n * epochs, time.perf_counter() - started), privacy
-

@@ -28,9 +28,20 @@ from rayfuse.models.zoo import build_rescnn, build_transformer, build_vgg
 from rayfuse.registry import Registry
 
 __all__ = [
-    "MODELS", "ModelInfo", "TRAINING_COPIES", "available_memory", "build_model", "check_model_size", "count_parameters_unbuilt",
-    "call_model_factory", "factory_arity", "register_model", "torchvision_model_names",
-    "LogisticRegression", "MLP", "SmallCNN",
+    "MODELS",
+    "ModelInfo",
+    "TRAINING_COPIES",
+    "available_memory",
+    "build_model",
+    "check_model_size",
+    "count_parameters_unbuilt",
+    "call_model_factory",
+    "factory_arity",
+    "register_model",
+    "torchvision_model_names",
+    "LogisticRegression",
+    "MLP",
+    "SmallCNN",
 ]
 
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
@@ -74,7 +85,9 @@ class SmallCNN(nn.Module):
     """3x3 convolutions (each followed by the activation, and a 2x2 max-pool while the map is at least 4x4),
     global average pooling and a linear head."""
 
-    def __init__(self, input_shape: tuple[int, ...], channels: list[int], num_classes: int, *, dropout: float = 0.0, activation: str = "relu") -> None:
+    def __init__(
+        self, input_shape: tuple[int, ...], channels: list[int], num_classes: int, *, dropout: float = 0.0, activation: str = "relu"
+    ) -> None:
         super().__init__()
         in_ch, height, width = input_shape
         self.convs = nn.ModuleList()
@@ -148,22 +161,33 @@ def _build_cnn(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.M
     return SmallCNN(input_shape, list(cfg.channels), num_classes, dropout=cfg.dropout, activation=cfg.activation)
 
 
-@register_model("rescnn", description="residual CNN with BatchNorm: stem, one basic block per model.channels width "
-                "(1x1-conv shortcuts where the width changes), global average pool, linear head", image_only=True)
+@register_model(
+    "rescnn",
+    description="residual CNN with BatchNorm: stem, one basic block per model.channels width "
+    "(1x1-conv shortcuts where the width changes), global average pool, linear head",
+    image_only=True,
+)
 def _build_rescnn(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return build_rescnn(cfg, input_shape, num_classes)
 
 
-@register_model("vgg", description="VGG-style: conv-BN-ReLU stages (model.channels) with 2x2 max-pool, flatten, "
-                "Linear-ReLU layers (model.hidden), linear head", image_only=True)
+@register_model(
+    "vgg",
+    description="VGG-style: conv-BN-ReLU stages (model.channels) with 2x2 max-pool, flatten, "
+    "Linear-ReLU layers (model.hidden), linear head",
+    image_only=True,
+)
 def _build_vgg(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return build_vgg(cfg, input_shape, num_classes)
 
 
-@register_model("transformer", description="small encoder classifier: patch (model.patch_size), sequence ((L, D) inputs: one "
-                "token a position) or feature tokens, cls token, "
-                "learned positions, model.depth encoder layers of width model.hidden[0] (feed-forward model.hidden[1]) "
-                "with model.heads heads, linear head")
+@register_model(
+    "transformer",
+    description="small encoder classifier: patch (model.patch_size), sequence ((L, D) inputs: one "
+    "token a position) or feature tokens, cls token, "
+    "learned positions, model.depth encoder layers of width model.hidden[0] (feed-forward model.hidden[1]) "
+    "with model.heads heads, linear head",
+)
 def _build_transformer(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return build_transformer(cfg, input_shape, num_classes)
 
@@ -172,8 +196,11 @@ def _build_transformer(cfg: Any, input_shape: tuple[int, ...], num_classes: int)
 def _build_custom(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     factory = getattr(cfg, "custom_factory", None)
     if factory is None:  # a config file naming `custom`, or a resumed Python run
-        raise InputError("model.name", "a model a config file can build ('custom' is only a model factory given to "
-                         "rayfuse.run(model=...) from Python)", "custom")
+        raise InputError(
+            "model.name",
+            "a model a config file can build ('custom' is only a model factory given to rayfuse.run(model=...) from Python)",
+            "custom",
+        )
     return call_model_factory(factory, tuple(input_shape), num_classes, where=getattr(cfg, "factory", None) or "model")
 
 
@@ -206,8 +233,11 @@ def call_model_factory(factory: Any, input_shape: tuple[int, ...], num_classes: 
     try:
         model = factory(tuple(input_shape), num_classes) if arity == 2 else factory()
     except Exception as exc:  # the user's code: one line naming it, not a traceback from deep inside a worker
-        raise InputError("model", f"a factory that builds a model for inputs {tuple(input_shape)} and {num_classes} classes",
-                         f"{where} raised {type(exc).__name__}: {exc}") from None
+        raise InputError(
+            "model",
+            f"a factory that builds a model for inputs {tuple(input_shape)} and {num_classes} classes",
+            f"{where} raised {type(exc).__name__}: {exc}",
+        ) from None
     if not isinstance(model, nn.Module):
         raise InputError("model", "a factory returning a torch.nn.Module", f"{where} returned {type(model).__name__}")
     return model
@@ -230,8 +260,20 @@ def _build_torchvision(name: str, input_shape: tuple[int, ...], num_classes: int
             if isinstance(child, nn.Conv2d):
                 if child.in_channels != in_ch:
                     # torch types _ConvNd's kernel_size/stride/padding/dilation as tuple[int, ...]; a Conv2d's are pairs
-                    setattr(parent, child_name, nn.Conv2d(in_ch, child.out_channels, child.kernel_size, child.stride,  # type: ignore[arg-type]
-                                                          child.padding, child.dilation, child.groups, child.bias is not None))  # type: ignore[arg-type]
+                    setattr(
+                        parent,
+                        child_name,
+                        nn.Conv2d(
+                            in_ch,
+                            child.out_channels,
+                            child.kernel_size,  # type: ignore[arg-type]
+                            child.stride,  # type: ignore[arg-type]
+                            child.padding,  # type: ignore[arg-type]
+                            child.dilation,  # type: ignore[arg-type]
+                            child.groups,
+                            child.bias is not None,
+                        ),
+                    )
                 return model
     return model
 
@@ -257,7 +299,9 @@ def build_model(cfg: Any, input_shape: tuple[int, ...], num_classes: int, *, see
     else:
         info = MODELS.get(cfg.name, path="model.name")
         if info.image_only and not image:
-            raise InputError("model.name", f"an image dataset (C, H, W) for {cfg.name!r}", f"inputs of shape {tuple(input_shape)}", "use mlp or logreg")
+            raise InputError(
+                "model.name", f"an image dataset (C, H, W) for {cfg.name!r}", f"inputs of shape {tuple(input_shape)}", "use mlp or logreg"
+            )
         builder = info.builder
     if seed is None:
         # Unseeded: draw from (and advance) the global torch RNG like constructing the module directly. Forking here
@@ -325,8 +369,13 @@ def check_model_size(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -
                 key = f"model.{field}"
                 break
     given = getattr(cfg, key.split(".")[1])
-    raise InputError(key, f"a model that fits in memory: at most {limit:,} parameters ({TRAINING_COPIES} float32 copies to train "
-                     f"in the {memory / 2**30:.1f} GiB available)", given, f"that model has {count:,} parameters")
+    raise InputError(
+        key,
+        f"a model that fits in memory: at most {limit:,} parameters ({TRAINING_COPIES} float32 copies to train "
+        f"in the {memory / 2**30:.1f} GiB available)",
+        given,
+        f"that model has {count:,} parameters",
+    )
 
 
 def check_model_fits(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> int:
@@ -339,7 +388,9 @@ def check_model_fits(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -
         with torch.no_grad():
             out = model(torch.zeros((2, *input_shape)))
     except RuntimeError as exc:
-        raise InputError("model.name", f"a model that accepts inputs of shape {tuple(input_shape)}", cfg.name, str(exc).splitlines()[0][:100]) from None
+        raise InputError(
+            "model.name", f"a model that accepts inputs of shape {tuple(input_shape)}", cfg.name, str(exc).splitlines()[0][:100]
+        ) from None
     if tuple(out.shape) != (2, num_classes):
         raise InputError("model.name", f"a model producing {num_classes} logits", f"output shape {tuple(out.shape)}")
     return sum(p.numel() for p in model.parameters())

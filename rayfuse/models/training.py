@@ -91,7 +91,7 @@ def train_model(
             order = torch.randperm(n, generator=generator).to(device)
             total, seen, correct = 0.0, 0, 0
             for start in range(0, n, batch_size):
-                idx = order[start:start + batch_size]
+                idx = order[start : start + batch_size]
                 if skip_single and idx.numel() == 1:
                     continue  # BatchNorm cannot train on a batch of one
                 logits = model(X_t[idx])
@@ -126,7 +126,7 @@ def predict_proba(model: nn.Module, X: np.ndarray, *, batch_size: int = 4096, de
     model.eval()
     out = []
     for start in range(0, max(len(X), 1), batch_size):  # an empty X still yields shape (0, num_classes)
-        batch = torch.as_tensor(np.ascontiguousarray(X[start:start + batch_size]), device=device)
+        batch = torch.as_tensor(np.ascontiguousarray(X[start : start + batch_size]), device=device)
         out.append(torch.softmax(model(batch).double(), dim=1).cpu().numpy())
     model.train(was_training)
     return np.concatenate(out)
@@ -139,7 +139,7 @@ def compute_loss(model: nn.Module, X: np.ndarray, y: np.ndarray, *, batch_size: 
     model.eval()
     total = 0.0
     for start in range(0, len(X), batch_size):
-        xb = torch.as_tensor(np.ascontiguousarray(X[start:start + batch_size]), device=device)
-        yb = torch.as_tensor(np.ascontiguousarray(y[start:start + batch_size]), device=device)
+        xb = torch.as_tensor(np.ascontiguousarray(X[start : start + batch_size]), device=device)
+        yb = torch.as_tensor(np.ascontiguousarray(y[start : start + batch_size]), device=device)
         total += float(F.cross_entropy(model(xb), yb, reduction="sum"))
     return total / max(len(X), 1)

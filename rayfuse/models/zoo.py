@@ -60,8 +60,9 @@ class ResCNN(nn.Module):
     """A small residual CNN: stem, one basic block per width (stride 2 where the width changes and the map is at
     least 4x4), global average pooling, linear head."""
 
-    def __init__(self, input_shape: tuple[int, ...], channels: list[int], num_classes: int, *, activation: str = "relu",
-                 dropout: float = 0.0) -> None:
+    def __init__(
+        self, input_shape: tuple[int, ...], channels: list[int], num_classes: int, *, activation: str = "relu", dropout: float = 0.0
+    ) -> None:
         super().__init__()
         in_ch, height, width = input_shape
         self.stem = _ConvBN(in_ch, channels[0])
@@ -85,8 +86,16 @@ class ResCNN(nn.Module):
 class VGG(nn.Module):
     """Conv-BN-activation stages with 2x2 max-pools, flatten, a Linear stack and a head (channel blocks on flatten)."""
 
-    def __init__(self, input_shape: tuple[int, ...], channels: list[int], hidden: list[int], num_classes: int, *,
-                 activation: str = "relu", dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        input_shape: tuple[int, ...],
+        channels: list[int],
+        hidden: list[int],
+        num_classes: int,
+        *,
+        activation: str = "relu",
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         in_ch, height, width = input_shape
         self.stages = nn.ModuleList()
@@ -121,8 +130,19 @@ class VGG(nn.Module):
 class TransformerClassifier(nn.Module):
     """A small encoder classifier: patch or feature tokens, cls token, learned positions, encoder layers, head."""
 
-    def __init__(self, input_shape: tuple[int, ...], d_model: int, num_classes: int, *, heads: int = 2, depth: int = 2,
-                 feedforward: int | None = None, patch_size: int = 4, activation: str = "relu", dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        input_shape: tuple[int, ...],
+        d_model: int,
+        num_classes: int,
+        *,
+        heads: int = 2,
+        depth: int = 2,
+        feedforward: int | None = None,
+        patch_size: int = 4,
+        activation: str = "relu",
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         if d_model % heads:
             raise InputError("model.heads", f"a divisor of the model width {d_model} (model.hidden[0])", heads)
@@ -145,7 +165,8 @@ class TransformerClassifier(nn.Module):
         act: Any = "relu" if activation == "relu" else "gelu" if activation == "gelu" else ACTIVATIONS[activation]()
         self.layers = nn.ModuleList(
             nn.TransformerEncoderLayer(d_model, heads, feedforward or 2 * d_model, dropout=dropout, activation=act, batch_first=True)
-            for _ in range(depth))
+            for _ in range(depth)
+        )
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, num_classes)
 
@@ -175,6 +196,14 @@ def build_vgg(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.Mo
 
 def build_transformer(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     hidden = list(cfg.hidden)
-    return TransformerClassifier(tuple(input_shape), hidden[0], num_classes, heads=cfg.heads, depth=cfg.depth,
-                                 feedforward=hidden[1] if len(hidden) > 1 else None, patch_size=cfg.patch_size,
-                                 activation=cfg.activation, dropout=cfg.dropout)
+    return TransformerClassifier(
+        tuple(input_shape),
+        hidden[0],
+        num_classes,
+        heads=cfg.heads,
+        depth=cfg.depth,
+        feedforward=hidden[1] if len(hidden) > 1 else None,
+        patch_size=cfg.patch_size,
+        activation=cfg.activation,
+        dropout=cfg.dropout,
+    )

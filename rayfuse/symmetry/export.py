@@ -44,8 +44,9 @@ def export_graph(model: nn.Module, example_input: torch.Tensor, untraceable: Inp
                 model(example_input)
         except Exception as exc:
             message = (str(exc).strip().splitlines() or [""])[0][:160]
-            raise InputError("input", "an example batch the model accepts", f"shape {tuple(example_input.shape)}",
-                             f"{type(exc).__name__}: {message}") from None
+            raise InputError(
+                "input", "an example batch the model accepts", f"shape {tuple(example_input.shape)}", f"{type(exc).__name__}: {message}"
+            ) from None
         quiet = logging.root.manager.disable
         logging.disable(logging.WARNING)  # export logs its guards and failures as warnings; the error below says it in one line
         try:
@@ -56,8 +57,12 @@ def export_graph(model: nn.Module, example_input: torch.Tensor, untraceable: Inp
             message = (str(exc).strip().splitlines() or [""])[0][:120]
             got = untraceable.got if untraceable is not None and untraceable.got is not InputError._MISSING else type(model).__name__
             fx_reason = f"torch.fx: {untraceable.hint}; " if untraceable is not None and untraceable.hint else ""
-            raise InputError("architecture", "a model torch.fx can trace or torch.export can export", got,
-                             f"{fx_reason}torch.export: {type(exc).__name__}: {message}") from None
+            raise InputError(
+                "architecture",
+                "a model torch.fx can trace or torch.export can export",
+                got,
+                f"{fx_reason}torch.export: {type(exc).__name__}: {message}",
+            ) from None
         finally:
             logging.disable(quiet)
     finally:  # the model's modes as they were, whatever happened

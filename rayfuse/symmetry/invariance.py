@@ -116,8 +116,9 @@ class _Runner:
                     continue
                 return clone, xs, dtype
         message = (str(last).strip().splitlines() or [""])[0][:160]
-        raise InputError("input", "an example batch the model accepts", f"shape {tuple(example.shape)}",
-                         f"{type(last).__name__}: {message}")
+        raise InputError(
+            "input", "an example batch the model accepts", f"shape {tuple(example.shape)}", f"{type(last).__name__}: {message}"
+        )
 
     def outputs(self) -> list[torch.Tensor]:
         with torch.no_grad():
@@ -188,15 +189,16 @@ def invariance_failures(model: nn.Module, spec: PermutationSpec, example: torch.
         return {}
     runner = _Runner(model, example, seed)
     if not runner.deterministic:
-        return {g.name: f"{INVARIANCE_REASON} (the model's output differs between two runs: nothing to compare with)"
-                for g in spec.groups}
+        return {g.name: f"{INVARIANCE_REASON} (the model's output differs between two runs: nothing to compare with)" for g in spec.groups}
     rng = np.random.default_rng(seed)
     failures: dict[str, str] = {}
 
     def fail(name: str, change: float) -> None:
         scale = runner.scale
-        failures[name] = (f"{INVARIANCE_REASON} (a random permutation of its {spec.group(name).size} units changed the output by "
-                          f"{change / scale:.2g} of its scale)")
+        failures[name] = (
+            f"{INVARIANCE_REASON} (a random permutation of its {spec.group(name).size} units changed the output by "
+            f"{change / scale:.2g} of its scale)"
+        )
 
     for g in spec.groups:
         for _ in range(_DRAWS):
@@ -242,6 +244,5 @@ def check_spec(model: nn.Module, spec: PermutationSpec, example: torch.Tensor | 
         failures = invariance_failures(model, spec, example)
         for g in spec.groups:
             if g.name in failures:
-                raise InputError(f"{where}.{g.name}", "a group whose permutations leave the model's output unchanged",
-                                 failures[g.name])
+                raise InputError(f"{where}.{g.name}", "a group whose permutations leave the model's output unchanged", failures[g.name])
     return spec

@@ -35,8 +35,18 @@ import numpy as np
 
 from rayfuse.errors import InputError
 
-__all__ = ["AxisRef", "Probe", "PermGroup", "FixedAxis", "PermutationSpec", "Perms", "invert", "compose", "axes_compatible",
-           "read_spec_json"]
+__all__ = [
+    "AxisRef",
+    "Probe",
+    "PermGroup",
+    "FixedAxis",
+    "PermutationSpec",
+    "Perms",
+    "invert",
+    "compose",
+    "axes_compatible",
+    "read_spec_json",
+]
 
 Perms = dict[str, np.ndarray]
 
@@ -64,8 +74,8 @@ class AxisRef:
         """The gather index along an axis of ``length`` that applies ``perm`` to this axis' units."""
         size = len(perm)
         index = np.arange(length)
-        block = index[self.start:self.start + self.span(size)].reshape(self.outer, size, self.inner)
-        index[self.start:self.start + self.span(size)] = block[:, perm, :].reshape(-1)
+        block = index[self.start : self.start + self.span(size)].reshape(self.outer, size, self.inner)
+        index[self.start : self.start + self.span(size)] = block[:, perm, :].reshape(-1)
         return index
 
     def permute(self, array: np.ndarray, perm: np.ndarray) -> np.ndarray:
@@ -74,7 +84,9 @@ class AxisRef:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"key": self.key, "dim": self.dim}
-        out.update({k: v for k, v in (("start", self.start), ("outer", self.outer), ("inner", self.inner)) if v != (0 if k == "start" else 1)})
+        out.update(
+            {k: v for k, v in (("start", self.start), ("outer", self.outer), ("inner", self.inner)) if v != (0 if k == "start" else 1)}
+        )
         return out
 
 
@@ -101,7 +113,9 @@ class Probe:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"node": self.node, "dim": self.dim}
-        out.update({k: v for k, v in (("start", self.start), ("outer", self.outer), ("inner", self.inner)) if v != (0 if k == "start" else 1)})
+        out.update(
+            {k: v for k, v in (("start", self.start), ("outer", self.outer), ("inner", self.inner)) if v != (0 if k == "start" else 1)}
+        )
         if self.hook:
             out["hook"] = self.hook
         return out
@@ -124,8 +138,13 @@ class PermGroup:
     fixed_width: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"name": self.name, "size": self.size, "kind": self.kind, "axes": [a.to_dict() for a in self.axes],
-               "probes": [p.to_dict() for p in self.probes]}
+        out = {
+            "name": self.name,
+            "size": self.size,
+            "kind": self.kind,
+            "axes": [a.to_dict() for a in self.axes],
+            "probes": [p.to_dict() for p in self.probes],
+        }
         if self.fixed_width:
             out["fixed_width"] = self.fixed_width
         return out
@@ -181,8 +200,9 @@ class PermutationSpec:
     def random(self, rng: np.random.Generator) -> Perms:
         return {g.name: rng.permutation(g.size) for g in self.groups}
 
-    def apply(self, params: Mapping[str, np.ndarray], perms: Mapping[str, np.ndarray], *,
-              only: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+    def apply(
+        self, params: Mapping[str, np.ndarray], perms: Mapping[str, np.ndarray], *, only: Iterable[str] | None = None
+    ) -> dict[str, np.ndarray]:
         """``params`` with every group in ``perms`` applied (groups missing from ``perms`` stay as they are).
 
         ``only``: apply just these groups. Entries no group touches are returned as they are (not copied)."""
@@ -229,9 +249,12 @@ class PermutationSpec:
                 if not -len(shape) <= axis.dim < len(shape):
                     raise InputError(f"{where}.{g.name}.{axis.key}", f"an axis of a {len(shape)}-d tensor", axis.dim)
                 if axis.start < 0 or axis.start + axis.span(g.size) > shape[axis.dim]:
-                    raise InputError(f"{where}.{g.name}.{axis.key}",
-                                     f"{axis.outer} x {g.size} x {axis.inner} units from {axis.start} within axis {axis.dim} of "
-                                     f"length {shape[axis.dim]}", tuple(shape))
+                    raise InputError(
+                        f"{where}.{g.name}.{axis.key}",
+                        f"{axis.outer} x {g.size} x {axis.inner} units from {axis.start} within axis {axis.dim} of "
+                        f"length {shape[axis.dim]}",
+                        tuple(shape),
+                    )
 
     def check_disjoint(self, shapes: Mapping[str, Sequence[int]] | None = None, *, where: str = "spec") -> None:
         """No two groups (and no group with itself) permute overlapping units of one axis: applying both would move a
@@ -246,16 +269,19 @@ class PermutationSpec:
                 for other, ref in seen.get((axis.key, dim), []):
                     if not axes_compatible(axis, ref, g.size, other.size) or (other is g and axis == ref):
                         what = f"group {g.name} twice" if other is g else f"groups {other.name} and {g.name}"
-                        raise InputError(f"{where}.{g.name}", "groups that permute disjoint units of each axis",
-                                         f"{what} on {axis.key}[{dim}]")
+                        raise InputError(
+                            f"{where}.{g.name}", "groups that permute disjoint units of each axis", f"{what} on {axis.key}[{dim}]"
+                        )
                 seen.setdefault((axis.key, dim), []).append((g, axis))
 
     # -- serialisation ----------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {"groups": [g.to_dict() for g in self.groups],
-                "fixed": [{"key": f.key, "dim": f.dim, "reason": f.reason} for f in self.fixed],
-                "notes": list(self.notes)}
+        return {
+            "groups": [g.to_dict() for g in self.groups],
+            "fixed": [{"key": f.key, "dim": f.dim, "reason": f.reason} for f in self.fixed],
+            "notes": list(self.notes),
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "spec") -> PermutationSpec:
@@ -268,28 +294,60 @@ class PermutationSpec:
         groups = []
         for i, g in enumerate(data["groups"]):
             at = f"{where}.groups.{i}"
-            entry = _entry(g, at, "name, size and axes [{key, dim, start?, outer?, inner?}]", ("name", "size", "axes"),
-                           ("probes", "kind", "fixed_width"))
+            entry = _entry(
+                g,
+                at,
+                "name, size and axes [{key, dim, start?, outer?, inner?}]",
+                ("name", "size", "axes"),
+                ("probes", "kind", "fixed_width"),
+            )
             name = _text(entry["name"], f"{at}.name")
             size = _integer(entry["size"], f"{at}.size", 1)
             axes = []
             for j, a in enumerate(_list(entry["axes"], f"{at}.axes", need=True)):
                 a = _entry(a, f"{at}.axes.{j}", "{key, dim, start?, outer?, inner?}", ("key", "dim"), ("start", "outer", "inner"))
-                axes.append(AxisRef(_text(a["key"], f"{at}.axes.{j}.key"), _integer(a["dim"], f"{at}.axes.{j}.dim"),
-                                    **_segment(a, f"{at}.axes.{j}")))
+                axes.append(
+                    AxisRef(
+                        _text(a["key"], f"{at}.axes.{j}.key"), _integer(a["dim"], f"{at}.axes.{j}.dim"), **_segment(a, f"{at}.axes.{j}")
+                    )
+                )
             probes = []
             for j, p in enumerate(_list(entry.get("probes", []), f"{at}.probes")):
-                p = _entry(p, f"{at}.probes.{j}", "{node, dim, start?, outer?, inner?, hook?}", ("node", "dim"),
-                           ("start", "outer", "inner", "hook"))
-                probes.append(Probe(_text(p["node"], f"{at}.probes.{j}.node"), _integer(p["dim"], f"{at}.probes.{j}.dim"),
-                                    hook=_text(p.get("hook", ""), f"{at}.probes.{j}.hook"), **_segment(p, f"{at}.probes.{j}")))
-            groups.append(PermGroup(name, size, tuple(axes), tuple(probes), _text(entry.get("kind", "channels"), f"{at}.kind"),
-                                    _text(entry.get("fixed_width", "") or "", f"{at}.fixed_width")))
+                p = _entry(
+                    p,
+                    f"{at}.probes.{j}",
+                    "{node, dim, start?, outer?, inner?, hook?}",
+                    ("node", "dim"),
+                    ("start", "outer", "inner", "hook"),
+                )
+                probes.append(
+                    Probe(
+                        _text(p["node"], f"{at}.probes.{j}.node"),
+                        _integer(p["dim"], f"{at}.probes.{j}.dim"),
+                        hook=_text(p.get("hook", ""), f"{at}.probes.{j}.hook"),
+                        **_segment(p, f"{at}.probes.{j}"),
+                    )
+                )
+            groups.append(
+                PermGroup(
+                    name,
+                    size,
+                    tuple(axes),
+                    tuple(probes),
+                    _text(entry.get("kind", "channels"), f"{at}.kind"),
+                    _text(entry.get("fixed_width", "") or "", f"{at}.fixed_width"),
+                )
+            )
         fixed = []
         for i, f in enumerate(_list(data.get("fixed", []), f"{where}.fixed")):
             f = _entry(f, f"{where}.fixed.{i}", "{key, dim, reason?}", ("key", "dim"), ("reason",))
-            fixed.append(FixedAxis(_text(f["key"], f"{where}.fixed.{i}.key"), _integer(f["dim"], f"{where}.fixed.{i}.dim"),
-                                   _text(f.get("reason", ""), f"{where}.fixed.{i}.reason")))
+            fixed.append(
+                FixedAxis(
+                    _text(f["key"], f"{where}.fixed.{i}.key"),
+                    _integer(f["dim"], f"{where}.fixed.{i}.dim"),
+                    _text(f.get("reason", ""), f"{where}.fixed.{i}.reason"),
+                )
+            )
         notes = tuple(_text(n, f"{where}.notes.{i}") for i, n in enumerate(_list(data.get("notes", []), f"{where}.notes")))
         return cls(tuple(groups), tuple(fixed), notes)
 
@@ -299,8 +357,9 @@ class PermutationSpec:
         for g in self.groups:
             lines.append(f"{g.name}  ({g.kind}, {g.size})" + (f"  width fixed: {g.fixed_width}" if g.fixed_width else ""))
             for a in g.axes:
-                extra = "".join(f" {k}={v}" for k, v in (("start", a.start), ("outer", a.outer), ("inner", a.inner))
-                                if v != (0 if k == "start" else 1))
+                extra = "".join(
+                    f" {k}={v}" for k, v in (("start", a.start), ("outer", a.outer), ("inner", a.inner)) if v != (0 if k == "start" else 1)
+                )
                 lines.append(f"    {a.key}[{a.dim}]{extra}")
         if self.fixed:
             lines.append(f"fixed axes ({len(self.fixed)}):")
@@ -333,7 +392,7 @@ def read_spec_json(path: str | Path) -> Any:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = raw[:exc.start].count(b"\n") + 1
+        line = raw[: exc.start].count(b"\n") + 1
         raise InputError(str(file), "UTF-8 text", f"byte 0x{raw[exc.start]:02x} at line {line}", "save the file as UTF-8") from None
     try:
         return json.loads(text)
@@ -345,7 +404,10 @@ def read_spec_json(path: str | Path) -> Any:
 
 def _segment(entry: Mapping[str, Any], where: str) -> dict[str, int]:
     """An axis' or a probe's segment fields ``start`` (>= 0), ``outer`` and ``inner`` (>= 1), defaults filled in."""
-    return {key: _integer(entry.get(key, default), f"{where}.{key}", low) for key, default, low in (("start", 0, 0), ("outer", 1, 1), ("inner", 1, 1))}
+    return {
+        key: _integer(entry.get(key, default), f"{where}.{key}", low)
+        for key, default, low in (("start", 0, 0), ("outer", 1, 1), ("inner", 1, 1))
+    }
 
 
 def _kind(value: Any) -> str:

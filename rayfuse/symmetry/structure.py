@@ -36,8 +36,18 @@ from rayfuse.errors import InputError
 from rayfuse.symmetry.spec import PermGroup, PermutationSpec
 from rayfuse.symmetry.trace import derive_spec, trace_model
 
-__all__ = ["Layer", "ModelStructure", "LAYER_TYPES", "read_structure", "read_output_module", "build_node_graph", "resize_model", "resize_with_spec",
-           "read_group_sizes", "trace_structure"]
+__all__ = [
+    "Layer",
+    "ModelStructure",
+    "LAYER_TYPES",
+    "read_structure",
+    "read_output_module",
+    "build_node_graph",
+    "resize_model",
+    "resize_with_spec",
+    "read_group_sizes",
+    "trace_structure",
+]
 
 #: Modules listed as layers: they write the units a permutation group reorders.
 LAYER_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -112,8 +122,9 @@ class ModelStructure:
         return read_group_sizes(self.spec, self.param_shapes, shapes, where=where)
 
 
-def read_group_sizes(spec: PermutationSpec, template: Mapping[str, Sequence[int]], shapes: Mapping[str, Sequence[int]], *,
-                     where: str = "params") -> dict[str, int]:
+def read_group_sizes(
+    spec: PermutationSpec, template: Mapping[str, Sequence[int]], shapes: Mapping[str, Sequence[int]], *, where: str = "params"
+) -> dict[str, int]:
     """Each group's number of units in ``shapes`` (key -> shape) of the architecture whose own shapes are
     ``template``, read from the axes the group covers whole; an :class:`InputError` naming the first tensor that
     disagrees."""
@@ -130,8 +141,11 @@ def read_group_sizes(spec: PermutationSpec, template: Mapping[str, Sequence[int]
             block = axis.outer * axis.inner
             size = length // block
             if length % block or size < 1 or sizes.setdefault(g.name, size) != size:
-                raise InputError(f"{where}.{axis.key}", f"axis {axis.dim} of {sizes.get(g.name, '?')} x {block} units "
-                                 f"(group {g.name})", tuple(shapes[axis.key]))
+                raise InputError(
+                    f"{where}.{axis.key}",
+                    f"axis {axis.dim} of {sizes.get(g.name, '?')} x {block} units (group {g.name})",
+                    tuple(shapes[axis.key]),
+                )
     return sizes
 
 
@@ -161,8 +175,9 @@ def _node_shapes(gm: torch.fx.GraphModule, example: torch.Tensor) -> dict[str, t
             _Shapes(gm).run(example)
     except Exception as exc:
         message = (str(exc).strip().splitlines() or [""])[0][:160]
-        raise InputError("input", "an example batch the model accepts", f"shape {tuple(example.shape)}",
-                         f"{type(exc).__name__}: {message}") from None
+        raise InputError(
+            "input", "an example batch the model accepts", f"shape {tuple(example.shape)}", f"{type(exc).__name__}: {message}"
+        ) from None
     finally:
         for m, training in modes:
             m.training = training
@@ -202,13 +217,21 @@ def _is_global_pool(node: torch.fx.Node, modules: Mapping[str, nn.Module], shape
     return False
 
 
-def _feature_map(features: torch.fx.Node, hidden: set[torch.fx.Node], modules: Mapping[str, nn.Module],
-                 shapes: Mapping[str, tuple[int, ...]], order: Mapping[torch.fx.Node, int]) -> str | None:
+def _feature_map(
+    features: torch.fx.Node,
+    hidden: set[torch.fx.Node],
+    modules: Mapping[str, nn.Module],
+    shapes: Mapping[str, tuple[int, ...]],
+    order: Mapping[torch.fx.Node, int],
+) -> str | None:
     """The last ``(B, C, H, W)`` map the features are computed from, before the global pooling or flatten that makes
     it a vector: the 4-d input of the last node turning a 4-d value into a 2-d one, global pools stepped over."""
     upstream = _ancestors(features) | {features}
-    flat = [n for n in upstream if len(shapes.get(n.name, ())) == 2 and (src := _first_input(n)) is not None
-            and len(shapes.get(src.name, ())) == 4]
+    flat = [
+        n
+        for n in upstream
+        if len(shapes.get(n.name, ())) == 2 and (src := _first_input(n)) is not None and len(shapes.get(src.name, ())) == 4
+    ]
     if not flat:
         return None
     node = _first_input(max(flat, key=order.__getitem__))
@@ -233,8 +256,11 @@ def _output_node(gm: torch.fx.GraphModule, model: nn.Module) -> torch.fx.Node:
             is_layer = parent.op == "call_module" and isinstance(modules[str(parent.target)], LAYER_TYPES)
             (found if is_layer else stack).append(parent)
     if len(found) != 1:
-        raise InputError("architecture", "a model whose output comes from one last Linear or convolution layer",
-                         f"{type(model).__name__} ({', '.join(str(n.target) for n in found) or 'no such layer'})")
+        raise InputError(
+            "architecture",
+            "a model whose output comes from one last Linear or convolution layer",
+            f"{type(model).__name__} ({', '.join(str(n.target) for n in found) or 'no such layer'})",
+        )
     return found[0]
 
 
@@ -251,9 +277,13 @@ def trace_structure(model: nn.Module, what: str, *, where: str = "architecture")
     except InputError as exc:
         if not isinstance(model, nn.Module):
             raise
-        raise InputError(where, f"a model torch.fx can trace for {what}", type(model).__name__,
-                         "a model torch.fx cannot trace (e.g. Hugging Face) is analysed from torch.export, which supports "
-                         f"weight matching only (torch.fx: {exc.hint or exc.got})") from None
+        raise InputError(
+            where,
+            f"a model torch.fx can trace for {what}",
+            type(model).__name__,
+            "a model torch.fx cannot trace (e.g. Hugging Face) is analysed from torch.export, which supports "
+            f"weight matching only (torch.fx: {exc.hint or exc.got})",
+        ) from None
 
 
 def read_output_module(model: nn.Module) -> tuple[str, nn.Module]:
@@ -318,10 +348,16 @@ def read_structure(model: nn.Module, example_input: torch.Tensor, *, spec: bool 
     upstream = _ancestors(features) | {features}
     hidden_nodes = {n for n in layer_nodes if n in upstream}
     return ModelStructure(
-        layers=tuple(layers), output_layer=by_node[out_node.name], features_node=features.name,
-        feature_map_node=_feature_map(features, hidden_nodes, modules, shapes, order), shapes=shapes,
-        hidden=tuple(by_node[n.name] for n in layer_nodes if n in hidden_nodes), param_shapes=param_shapes, spec=derived,
-        graph=gm)
+        layers=tuple(layers),
+        output_layer=by_node[out_node.name],
+        features_node=features.name,
+        feature_map_node=_feature_map(features, hidden_nodes, modules, shapes, order),
+        shapes=shapes,
+        hidden=tuple(by_node[n.name] for n in layer_nodes if n in hidden_nodes),
+        param_shapes=param_shapes,
+        spec=derived,
+        graph=gm,
+    )
 
 
 def build_node_graph(structure: ModelStructure, nodes: Sequence[str]) -> torch.fx.GraphModule:
@@ -384,8 +420,7 @@ def _update_attributes(module: nn.Module, name: str) -> None:
     elif type(module).forward is not nn.Module.forward and any(True for _ in module.children()):
         return  # a container (its own tensors are plain parameters such as a cls token)
     else:
-        raise InputError(f"params.{name}", "widths a known module type can take (Linear, Conv, norms, attention)",
-                         type(module).__name__)
+        raise InputError(f"params.{name}", "widths a known module type can take (Linear, Conv, norms, attention)", type(module).__name__)
 
 
 def _check_runs(model: nn.Module, example_shape: Sequence[int], where: str) -> None:
@@ -398,15 +433,15 @@ def _check_runs(model: nn.Module, example_shape: Sequence[int], where: str) -> N
             model(torch.zeros(tuple(example_shape), device=param.device if param is not None else "cpu"))
     except Exception as exc:
         message = (str(exc).strip().splitlines() or [""])[0][:160]
-        raise InputError(where, "the parameters of one model of this architecture (widths may differ)",
-                         f"{type(exc).__name__}: {message}") from None
+        raise InputError(
+            where, "the parameters of one model of this architecture (widths may differ)", f"{type(exc).__name__}: {message}"
+        ) from None
     finally:
         for m, training in modes:
             m.training = training
 
 
-def resize_model(model: nn.Module, structure: ModelStructure, params: Mapping[str, np.ndarray], *,
-                 where: str = "params") -> nn.Module:
+def resize_model(model: nn.Module, structure: ModelStructure, params: Mapping[str, np.ndarray], *, where: str = "params") -> nn.Module:
     """``model`` with its tensors resized to ``params``' shapes and loaded with them, in place.
 
     ``params`` is a state dict of ``model``'s architecture whose permutation groups may have other sizes (a fused
@@ -424,12 +459,14 @@ def resize_model(model: nn.Module, structure: ModelStructure, params: Mapping[st
     return resize_with_spec(model, structure.spec, params, example, where=where)
 
 
-def resize_with_spec(model: nn.Module, spec: PermutationSpec, params: Mapping[str, np.ndarray], example_shape: Sequence[int], *,
-                     where: str = "params") -> nn.Module:
+def resize_with_spec(
+    model: nn.Module, spec: PermutationSpec, params: Mapping[str, np.ndarray], example_shape: Sequence[int], *, where: str = "params"
+) -> nn.Module:
     """:func:`resize_model` from the model's permutation spec (at its own widths) and the shape of an example batch
     (the resized model is run on zeros of that shape)."""
-    read_group_sizes(spec, {k: tuple(v.shape) for k, v in model.state_dict().items()},
-                     {k: np.shape(v) for k, v in params.items()}, where=where)  # the widths agree
+    read_group_sizes(
+        spec, {k: tuple(v.shape) for k, v in model.state_dict().items()}, {k: np.shape(v) for k, v in params.items()}, where=where
+    )  # the widths agree
     covered = {(a.key, a.dim) for g in spec.groups for a in g.axes}
     resized: set[str] = set()
     for key, tensor in model.state_dict().items():

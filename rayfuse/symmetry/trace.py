@@ -60,7 +60,7 @@ class _Tracer(torch.fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, (nn.RNNBase, nn.RNNCellBase)):  # fx cannot trace their forwards (a subclass's neither): the
-            return True                                   # analysis models the stock ones and fixes any other
+            return True  # analysis models the stock ones and fixes any other
         # a subclass of a leaf type stays a leaf (its forward may branch too); the analysis models it only when it has
         # the stock semantics (_known), and fixes the units it touches otherwise. A subclass of another modelled type
         # with the stock semantics (``class MyLinear(nn.Linear): pass``) is kept whole too, so it is modelled.
@@ -105,8 +105,9 @@ def trace_model(model: nn.Module) -> torch.fx.GraphModule:
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}torch{os.sep}" not in f.filename]
         line = f", {frames[-1].name} line {frames[-1].lineno}" if frames else ""
         message = (str(exc).strip().splitlines() or [""])[0][:160]
-        raise InputError("architecture", "a model torch.fx can trace", f"{module} ({kind}){line}",
-                         f"{type(exc).__name__}: {message}") from None
+        raise InputError(
+            "architecture", "a model torch.fx can trace", f"{module} ({kind}){line}", f"{type(exc).__name__}: {message}"
+        ) from None
     finally:
         _restore(modes)
     gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
@@ -271,39 +272,217 @@ class _Spaces:
 # What the tracer knows
 
 _ACT_MODULES: tuple[type[nn.Module], ...] = (
-    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid, nn.Tanh, nn.LeakyReLU, nn.ELU,
-    nn.CELU, nn.SELU, nn.Mish, nn.Softplus, nn.Hardtanh, nn.Softsign, nn.Tanhshrink, nn.LogSigmoid,
+    nn.ReLU,
+    nn.ReLU6,
+    nn.GELU,
+    nn.SiLU,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.Sigmoid,
+    nn.Tanh,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.CELU,
+    nn.SELU,
+    nn.Mish,
+    nn.Softplus,
+    nn.Hardtanh,
+    nn.Softsign,
+    nn.Tanhshrink,
+    nn.LogSigmoid,
 )
-_PASS_MODULES: tuple[type[nn.Module], ...] = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
-                                               nn.Softmax, nn.LogSoftmax)
+_PASS_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Identity,
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.Softmax,
+    nn.LogSoftmax,
+)
 _POOL_MODULES: dict[type[nn.Module], int] = {
-    nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3, nn.AvgPool1d: 1, nn.AvgPool2d: 2, nn.AvgPool3d: 3,
-    nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3, nn.AdaptiveMaxPool1d: 1,
-    nn.AdaptiveMaxPool2d: 2, nn.AdaptiveMaxPool3d: 3,
+    nn.MaxPool1d: 1,
+    nn.MaxPool2d: 2,
+    nn.MaxPool3d: 3,
+    nn.AvgPool1d: 1,
+    nn.AvgPool2d: 2,
+    nn.AvgPool3d: 3,
+    nn.AdaptiveAvgPool1d: 1,
+    nn.AdaptiveAvgPool2d: 2,
+    nn.AdaptiveAvgPool3d: 3,
+    nn.AdaptiveMaxPool1d: 1,
+    nn.AdaptiveMaxPool2d: 2,
+    nn.AdaptiveMaxPool3d: 3,
 }
-_NORM_MODULES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
-                 nn.LayerNorm, nn.GroupNorm)
+_NORM_MODULES = (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+    nn.LayerNorm,
+    nn.GroupNorm,
+)
 
-_ACT_NAMES = {"relu", "relu_", "relu6", "gelu", "silu", "hardswish", "hardsigmoid", "sigmoid", "sigmoid_", "tanh", "tanh_",
-              "leaky_relu", "elu", "celu", "selu", "mish", "softplus", "hardtanh", "softsign", "logsigmoid"}
-_PASS_NAMES = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "contiguous", "clone", "detach", "float",
-               "double", "half", "bfloat16", "to", "type", "type_as", "softmax", "log_softmax", "exp", "log", "abs", "neg",
-               "sqrt", "rsqrt", "square", "erf", "clamp", "clamp_", "clamp_min", "clamp_max", "clip", "reciprocal",
-               "sin", "cos", "log1p", "expm1", "sign", "requires_grad_"}
-_BINARY_NAMES = {"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "truediv", "maximum", "minimum", "pow",
-                 "true_divide", "multiply", "subtract", "iadd", "isub", "imul", "itruediv", "rsub"}
-_MOVE_NAMES = {"view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "squeeze", "unsqueeze", "expand",
-               "view_as", "reshape_as", "expand_as", "movedim", "moveaxis", "swapaxes", "swapdims", "narrow", "select",
-               "repeat", "chunk", "split", "tensor_split", "unbind", "getitem", "flip", "roll", "tile"}
+_ACT_NAMES = {
+    "relu",
+    "relu_",
+    "relu6",
+    "gelu",
+    "silu",
+    "hardswish",
+    "hardsigmoid",
+    "sigmoid",
+    "sigmoid_",
+    "tanh",
+    "tanh_",
+    "leaky_relu",
+    "elu",
+    "celu",
+    "selu",
+    "mish",
+    "softplus",
+    "hardtanh",
+    "softsign",
+    "logsigmoid",
+}
+_PASS_NAMES = {
+    "dropout",
+    "dropout1d",
+    "dropout2d",
+    "dropout3d",
+    "alpha_dropout",
+    "contiguous",
+    "clone",
+    "detach",
+    "float",
+    "double",
+    "half",
+    "bfloat16",
+    "to",
+    "type",
+    "type_as",
+    "softmax",
+    "log_softmax",
+    "exp",
+    "log",
+    "abs",
+    "neg",
+    "sqrt",
+    "rsqrt",
+    "square",
+    "erf",
+    "clamp",
+    "clamp_",
+    "clamp_min",
+    "clamp_max",
+    "clip",
+    "reciprocal",
+    "sin",
+    "cos",
+    "log1p",
+    "expm1",
+    "sign",
+    "requires_grad_",
+}
+_BINARY_NAMES = {
+    "add",
+    "add_",
+    "sub",
+    "sub_",
+    "mul",
+    "mul_",
+    "div",
+    "div_",
+    "truediv",
+    "maximum",
+    "minimum",
+    "pow",
+    "true_divide",
+    "multiply",
+    "subtract",
+    "iadd",
+    "isub",
+    "imul",
+    "itruediv",
+    "rsub",
+}
+_MOVE_NAMES = {
+    "view",
+    "reshape",
+    "flatten",
+    "unflatten",
+    "permute",
+    "transpose",
+    "t",
+    "squeeze",
+    "unsqueeze",
+    "expand",
+    "view_as",
+    "reshape_as",
+    "expand_as",
+    "movedim",
+    "moveaxis",
+    "swapaxes",
+    "swapdims",
+    "narrow",
+    "select",
+    "repeat",
+    "chunk",
+    "split",
+    "tensor_split",
+    "unbind",
+    "getitem",
+    "flip",
+    "roll",
+    "tile",
+}
 _REDUCE_NAMES = {"mean", "sum", "amax", "amin", "logsumexp", "nansum", "nanmean", "var", "std"}
-_META_NAMES = {"size", "dim", "numel", "ndimension", "shape", "dtype", "device", "ndim", "is_floating_point",
-               "is_contiguous", "zeros_like", "ones_like", "empty_like", "full_like", "_assert", "getattr"}
-_POOL_NAMES = {"max_pool1d": 1, "max_pool2d": 2, "max_pool3d": 3, "avg_pool1d": 1, "avg_pool2d": 2, "avg_pool3d": 3,
-               "adaptive_avg_pool1d": 1, "adaptive_avg_pool2d": 2, "adaptive_avg_pool3d": 3, "adaptive_max_pool1d": 1,
-               "adaptive_max_pool2d": 2, "adaptive_max_pool3d": 3, "_max_pool1d": 1, "_max_pool2d": 2, "_max_pool3d": 3,
-               "_adaptive_max_pool1d": 1, "_adaptive_max_pool2d": 2, "max_pool1d_with_indices": 1, "max_pool2d_with_indices": 2,
-               "max_pool3d_with_indices": 3, "adaptive_max_pool1d_with_indices": 1, "adaptive_max_pool2d_with_indices": 2,
-               "adaptive_max_pool3d_with_indices": 3}
+_META_NAMES = {
+    "size",
+    "dim",
+    "numel",
+    "ndimension",
+    "shape",
+    "dtype",
+    "device",
+    "ndim",
+    "is_floating_point",
+    "is_contiguous",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "_assert",
+    "getattr",
+}
+_POOL_NAMES = {
+    "max_pool1d": 1,
+    "max_pool2d": 2,
+    "max_pool3d": 3,
+    "avg_pool1d": 1,
+    "avg_pool2d": 2,
+    "avg_pool3d": 3,
+    "adaptive_avg_pool1d": 1,
+    "adaptive_avg_pool2d": 2,
+    "adaptive_avg_pool3d": 3,
+    "adaptive_max_pool1d": 1,
+    "adaptive_max_pool2d": 2,
+    "adaptive_max_pool3d": 3,
+    "_max_pool1d": 1,
+    "_max_pool2d": 2,
+    "_max_pool3d": 3,
+    "_adaptive_max_pool1d": 1,
+    "_adaptive_max_pool2d": 2,
+    "max_pool1d_with_indices": 1,
+    "max_pool2d_with_indices": 2,
+    "max_pool3d_with_indices": 3,
+    "adaptive_max_pool1d_with_indices": 1,
+    "adaptive_max_pool2d_with_indices": 2,
+    "adaptive_max_pool3d_with_indices": 3,
+}
 # elementwise ops whose further tensor operands (``clamp(max=alpha)``) are combined elementwise, broadcasting; and ops
 # whose further tensor operand only lends its dtype and device. Any other tensor operand of an activation or
 # pass-through op is not modelled: the units it touches are fixed.
@@ -317,19 +496,46 @@ _KNOWN_MODULES = (torch, F, operator, torch.Tensor, torch.fx)
 _RECURRENT: tuple[type[nn.Module], ...] = (nn.LSTM, nn.GRU, nn.RNN, nn.LSTMCell, nn.GRUCell, nn.RNNCell)
 #: Tensors all of whose elements are equal, whatever the input: any permutation of any axis leaves them as they are, so
 #: they combine with units without fixing them (``x + torch.zeros_like(x)``, ``h0 = x.new_zeros(...)``).
-_UNIFORM_NAMES = {"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full", "zeros", "ones", "full",
-                  "zero_", "fill_"}
+_UNIFORM_NAMES = {"zeros_like", "ones_like", "full_like", "new_zeros", "new_ones", "new_full", "zeros", "ones", "full", "zero_", "fill_"}
 #: ATen ops (torch.export graphs) under the name of the torch function that does the same (same argument order).
-_ATEN_NAMES = {"slice": "narrow", "alias": "clone", "lift_fresh_copy": "clone", "_to_copy": "clone",
-               "_assert_tensor_metadata": "_assert", "_assert_scalar": "_assert", "_assert_async": "_assert",
-               "sym_size": "size", "sym_numel": "numel", "sym_stride": "size", "sym_storage_offset": "size"}
+_ATEN_NAMES = {
+    "slice": "narrow",
+    "alias": "clone",
+    "lift_fresh_copy": "clone",
+    "_to_copy": "clone",
+    "_assert_tensor_metadata": "_assert",
+    "_assert_scalar": "_assert",
+    "_assert_async": "_assert",
+    "sym_size": "size",
+    "sym_numel": "numel",
+    "sym_stride": "size",
+    "sym_storage_offset": "size",
+}
 
 #: What :meth:`_Analysis._module` models, by class. A module is modelled as the class it matches exactly: that type, or
 #: a subclass that overrides none of its methods (``forward`` included) and carries no hooks.
 _MODELLED: tuple[type[nn.Module], ...] = (
-    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d,
-    nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LayerNorm, nn.GroupNorm, nn.Embedding, *_ACT_MODULES, *_PASS_MODULES, nn.PReLU,
-    *_POOL_MODULES, nn.Flatten, nn.Unflatten, *LEAF_MODULES, *_RECURRENT,
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.Embedding,
+    *_ACT_MODULES,
+    *_PASS_MODULES,
+    nn.PReLU,
+    *_POOL_MODULES,
+    nn.Flatten,
+    nn.Unflatten,
+    *LEAF_MODULES,
+    *_RECURRENT,
 )
 # methods a subclass may define without changing what the module computes once built
 _HARMLESS = {"__init__", "reset_parameters", "_reset_parameters", "extra_repr", "__repr__", "__setstate__", "__getstate__"}
@@ -345,7 +551,11 @@ def _known(mod: nn.Module, kinds: tuple[type[nn.Module], ...] = _MODELLED) -> ty
         if cls is base:
             return base
         for attr, value in vars(cls).items():
-            if attr not in _HARMLESS and hasattr(base, attr) and (callable(value) or isinstance(value, (property, staticmethod, classmethod))):
+            if (
+                attr not in _HARMLESS
+                and hasattr(base, attr)
+                and (callable(value) or isinstance(value, (property, staticmethod, classmethod)))
+            ):
                 return None
     return base
 
@@ -446,8 +656,12 @@ class _Analysis(torch.fx.Interpreter):
             mod = self.mods[str(n.target)]
             if isinstance(mod, (nn.TransformerEncoderLayer, nn.TransformerEncoder)):  # ends with a LayerNorm unless norm_first
                 last = mod if isinstance(mod, nn.TransformerEncoderLayer) else mod.layers[-1]
-                return 1 if (isinstance(mod, nn.TransformerEncoder) and mod.norm is not None) or not getattr(last, "norm_first", True) else 2
-            return 0 if isinstance(mod, _ACT_MODULES) else 1 if isinstance(mod, _NORM_MODULES) else 3 if isinstance(mod, _PASS_MODULES) else 2
+                return (
+                    1 if (isinstance(mod, nn.TransformerEncoder) and mod.norm is not None) or not getattr(last, "norm_first", True) else 2
+                )
+            return (
+                0 if isinstance(mod, _ACT_MODULES) else 1 if isinstance(mod, _NORM_MODULES) else 3 if isinstance(mod, _PASS_MODULES) else 2
+            )
         name = _op_name(n)
         return 0 if name in _ACT_NAMES else 3 if name in _PASS_NAMES else 2
 
@@ -539,8 +753,12 @@ class _Analysis(torch.fx.Interpreter):
             if not isinstance(out, torch.Tensor):
                 return None
             reason = f"model input ({n.name})"
-            return _Ann(((),) + tuple(self.sp.pieces(self.sp.new(size, f"{n.name}.{d}", "input", fixed=reason))
-                                      for d, size in enumerate(out.shape) if d > 0))
+            return _Ann(
+                ((),)
+                + tuple(
+                    self.sp.pieces(self.sp.new(size, f"{n.name}.{d}", "input", fixed=reason)) for d, size in enumerate(out.shape) if d > 0
+                )
+            )
         if n.op == "get_attr":
             if not isinstance(out, torch.Tensor):
                 return None
@@ -571,8 +789,11 @@ class _Analysis(torch.fx.Interpreter):
             return self._empty(out)
         if name in ("layer_norm", "group_norm", "linear", "embedding", "scaled_dot_product_attention"):
             # these rules account for every input: they join its units to weight axes, carry them, or fix them
-            result = self._functional(n, name, args, kwargs, tensors, out) if name != "scaled_dot_product_attention" \
+            result = (
+                self._functional(n, name, args, kwargs, tensors, out)
+                if name != "scaled_dot_product_attention"
                 else self._sdpa(n, args, kwargs, tensors, out)
+            )
             self._consume(p for _, a in tensors for p in a.pieces())
             return result
         if name == "getitem" and isinstance(args[0], (list, tuple)):
@@ -629,8 +850,11 @@ class _Analysis(torch.fx.Interpreter):
         unknown = set(kwargs) - _CAT_KEYWORDS
         expected = (len(values) if stack else sum(int(v.shape[dim]) for v in values)) if isinstance(dim, int) and values else -1
         if unknown or len(nodes) != len(values) or not isinstance(dim, int) or int(out.shape[dim]) != expected:
-            self._fix_all(self._tensors(n, args, kwargs), f"{n.name}: {_describe_target(n)} "
-                          + (f"with keyword {sorted(unknown)[0]} is not modelled" if unknown else "is not modelled for these arguments"))
+            self._fix_all(
+                self._tensors(n, args, kwargs),
+                f"{n.name}: {_describe_target(n)} "
+                + (f"with keyword {sorted(unknown)[0]} is not modelled" if unknown else "is not modelled for these arguments"),
+            )
             return _Ann.empty(ndim)
         dim = dim % ndim
         dims: list[tuple[_Piece, ...]] = []
@@ -647,8 +871,9 @@ class _Analysis(torch.fx.Interpreter):
                     offset += v.shape[k]
                 dims.append(tuple(pieces))
             else:
-                dims.append(self._merge_dim(n.name, [(ann.dims[k], v.shape[k]) for v, ann in _varying(list(zip(values, anns)))],
-                                            out.shape[d]))
+                dims.append(
+                    self._merge_dim(n.name, [(ann.dims[k], v.shape[k]) for v, ann in _varying(list(zip(values, anns)))], out.shape[d])
+                )
         return _Ann(tuple(dims))
 
     def _reduce(self, n: torch.fx.Node, args: Any, kwargs: Any, out: Any) -> Any:
@@ -697,15 +922,19 @@ class _Analysis(torch.fx.Interpreter):
         if _op_name(n) in ("expand_as", "view_as", "reshape_as") and len(n.args) > 1:
             self._consume(self._ann(n.args[1], args[1]).pieces())  # only the other tensor's shape is read
         if n.op == "call_method":
+
             def call(lab: torch.Tensor) -> Any:
                 return getattr(lab, str(n.target))(*args[1:], **kwargs)
         else:
+
             def call(lab: torch.Tensor) -> Any:
                 return n.target(lab, *args[1:], **kwargs)  # type: ignore[operator]
+
         return self._relabel(n.name, call, x, ann, out, literal=_has_literal_size((n.args[1:], n.kwargs)))
 
-    def _relabel(self, where: str, call: Callable[[torch.Tensor], Any], x: torch.Tensor, ann: _Ann, out: Any, *,
-                 literal: bool = False) -> Any:
+    def _relabel(
+        self, where: str, call: Callable[[torch.Tensor], Any], x: torch.Tensor, ann: _Ann, out: Any, *, literal: bool = False
+    ) -> Any:
         """``literal``: the op has sizes written in the code (``view(B, 64)``, ``expand(B, 16)``, ``x[:, :16]``, a
         module's own sizes): units it follows are also followed one unit wider, and where the wider units do not come
         out whole and alike, the group's width is fixed by the code (``fixed_width``, kept by a widening merge)."""
@@ -716,7 +945,7 @@ class _Analysis(torch.fx.Interpreter):
                 size = self.sp.size(p.space)
                 units = torch.full((x.shape[d],), -1, dtype=torch.long)
                 span = p.outer * size * p.inner
-                units[p.start:p.start + span] = torch.arange(size).repeat_interleave(p.inner).repeat(p.outer)
+                units[p.start : p.start + span] = torch.arange(size).repeat_interleave(p.inner).repeat(p.outer)
                 shape = [1] * x.ndim
                 shape[d] = -1
                 try:
@@ -751,7 +980,7 @@ class _Analysis(torch.fx.Interpreter):
         """Whether the op follows these units one unit wider (axis ``d`` longer by a unit's span) to the same layout."""
         extra = p.outer * p.inner
         units = torch.full((x.shape[d] + extra,), -1, dtype=torch.long)
-        units[p.start:p.start + p.outer * (size + 1) * p.inner] = torch.arange(size + 1).repeat_interleave(p.inner).repeat(p.outer)
+        units[p.start : p.start + p.outer * (size + 1) * p.inner] = torch.arange(size + 1).repeat_interleave(p.inner).repeat(p.outer)
         shape = list(x.shape)
         shape[d] += extra
         view = [1] * x.ndim
@@ -765,7 +994,11 @@ class _Analysis(torch.fx.Interpreter):
             return False
         for r, found in zip(results, layout):
             wide = _read_units(r, size + 1) if isinstance(r, torch.Tensor) else None
-            if wide is None or (wide and found and (wide[0], wide[2], wide[3]) != (found[0], found[2], found[3])) or bool(wide) != bool(found):
+            if (
+                wide is None
+                or (wide and found and (wide[0], wide[2], wide[3]) != (found[0], found[2], found[3]))
+                or bool(wide) != bool(found)
+            ):
                 return False
         return True
 
@@ -776,12 +1009,17 @@ class _Analysis(torch.fx.Interpreter):
         x = args[0] if args else None
         ann = self._ann(n.args[0], x) if args else _Ann.empty(0)
         base = _known(mod)
-        if base is not None and isinstance(mod, LEAF_MODULES) and any(_known(m, _MODELLED + (nn.ModuleList,)) is None for m in mod.modules()):
+        if (
+            base is not None
+            and isinstance(mod, LEAF_MODULES)
+            and any(_known(m, _MODELLED + (nn.ModuleList,)) is None for m in mod.modules())
+        ):
             base = None  # a stock transformer layer holding a module of another kind: its insides are not the stock ones
         if base is None:
             stock = next((c.__name__ for c in type(mod).__mro__ if c in _MODELLED), None)
-            reason = (f"{where}: module {name} ({type(mod).__name__}) is not modelled"
-                      + (f" (a {stock} with its own methods, hooks or parts: matched by exact type only)" if stock else ""))
+            reason = f"{where}: module {name} ({type(mod).__name__}) is not modelled" + (
+                f" (a {stock} with its own methods, hooks or parts: matched by exact type only)" if stock else ""
+            )
             self._fix_all(tensors, reason)
             self._fix_own(name, mod, reason)
             return self._empty(out)
@@ -1022,8 +1260,11 @@ class _Analysis(torch.fx.Interpreter):
             return None
         if name in _UNIFORM_NAMES:
             return _Uniform.of(out)
-        if tensors and all(isinstance(a, _Uniform) for _, a in tensors) and (
-                name in _ACT_NAMES or name in _PASS_NAMES or name in _BINARY_NAMES or name in _MOVE_NAMES or name in _REDUCE_NAMES):
+        if (
+            tensors
+            and all(isinstance(a, _Uniform) for _, a in tensors)
+            and (name in _ACT_NAMES or name in _PASS_NAMES or name in _BINARY_NAMES or name in _MOVE_NAMES or name in _REDUCE_NAMES)
+        ):
             return _Uniform.of(out)
         return None
 
@@ -1034,8 +1275,7 @@ class _Analysis(torch.fx.Interpreter):
             return n.args[i], args[i]
         return n.kwargs.get(key), kwargs.get(key)
 
-    def _functional(self, n: torch.fx.Node, name: str, args: Any, kwargs: Any, tensors: list[tuple[torch.Tensor, _Ann]],
-                    out: Any) -> Any:
+    def _functional(self, n: torch.fx.Node, name: str, args: Any, kwargs: Any, tensors: list[tuple[torch.Tensor, _Ann]], out: Any) -> Any:
         """``F.layer_norm``, ``F.group_norm``, ``F.linear``, ``F.embedding`` (and their ATen ops in torch.export graphs)."""
         where = n.name
         if name == "embedding":
@@ -1046,9 +1286,11 @@ class _Analysis(torch.fx.Interpreter):
             (i_node, idx), (w_node, weight) = first, second
         else:
             x_node, x = self._arg(n, args, kwargs, 0, "input")
-        if not isinstance(out, torch.Tensor) or (name == "embedding" and not (
-                isinstance(idx, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.ndim == 2)) or (
-                name != "embedding" and not isinstance(x, torch.Tensor)):
+        if (
+            not isinstance(out, torch.Tensor)
+            or (name == "embedding" and not (isinstance(idx, torch.Tensor) and isinstance(weight, torch.Tensor) and weight.ndim == 2))
+            or (name != "embedding" and not isinstance(x, torch.Tensor))
+        ):
             self._fix_all(tensors, f"{where}: {_describe_target(n)} called in a form the tracer does not model")
             return self._empty(out)
 
@@ -1059,7 +1301,9 @@ class _Analysis(torch.fx.Interpreter):
         if name == "layer_norm":
             # the mean and variance over the normalised (last) axes do not depend on the order of their elements, and
             # every other axis is normalised row by row: the units pass; the weight and bias act elementwise
-            inputs = [(tuple(x.shape), self._ann(x_node, x))] + [(tuple(t.shape), a) for t, a in optional(2, "weight") + optional(3, "bias")]
+            inputs = [(tuple(x.shape), self._ann(x_node, x))] + [
+                (tuple(t.shape), a) for t, a in optional(2, "weight") + optional(3, "bias")
+            ]
             return self._elementwise(where, inputs, tuple(out.shape))
         if name == "group_norm":
             groups = int(self._arg(n, args, kwargs, 1, "num_groups")[1])
@@ -1085,8 +1329,9 @@ class _Analysis(torch.fx.Interpreter):
                 # a concatenation, heads and head dims), in place of the plain axis its get_attr gave it
                 key = str(w_node.target)
                 for p in soft:
-                    self.sp.all[p.space].axes = [a for a in self.sp.all[p.space].axes if (a.key, a.dim) not in
-                                                 {(k, 1) for k in self.sp.aliases.get(key, [key])}]
+                    self.sp.all[p.space].axes = [
+                        a for a in self.sp.all[p.space].axes if (a.key, a.dim) not in {(k, 1) for k in self.sp.aliases.get(key, [key])}
+                    ]
                 for p in ann.dims[-1]:
                     self.sp.add_axis(p.space, key, 1, p.start, p.outer, p.inner)
             else:
@@ -1168,10 +1413,18 @@ class _Analysis(torch.fx.Interpreter):
         is_lstm = mod.mode == "LSTM"
         state_node = n.args[1] if len(n.args) > 1 else None
         state_value = args[1] if len(args) > 1 else None
-        given = [(state_node, state_value)] if not is_lstm else (
-            list(zip(state_node, state_value)) if isinstance(state_node, (list, tuple)) and isinstance(state_value, (list, tuple))
-            else [(state_node, state_value)] if state_value is not None else [])
-        states = [(outs, width), (cells, hidden)][:len(given) if given else (2 if is_lstm else 1)]
+        given = (
+            [(state_node, state_value)]
+            if not is_lstm
+            else (
+                list(zip(state_node, state_value))
+                if isinstance(state_node, (list, tuple)) and isinstance(state_value, (list, tuple))
+                else [(state_node, state_value)]
+                if state_value is not None
+                else []
+            )
+        )
+        states = [(outs, width), (cells, hidden)][: len(given) if given else (2 if is_lstm else 1)]
         used = self._state_used(n)
         anns = []
         for k, (spaces, size) in enumerate(states):
@@ -1187,8 +1440,12 @@ class _Analysis(torch.fx.Interpreter):
                         for p in dim:
                             self.sp.fix(p.space, f"{where}: {name}'s initial state along these units")
                     last = ann.dims[-1] if ann.dims else ()
-                    if size > 1 and len(last) == 1 and (last[0].start, last[0].outer, last[0].inner) == (0, 1, 1) \
-                            and self.sp.size(last[0].space) == size:
+                    if (
+                        size > 1
+                        and len(last) == 1
+                        and (last[0].start, last[0].outer, last[0].inner) == (0, 1, 1)
+                        and self.sp.size(last[0].space) == size
+                    ):
                         self.sp.merge(spaces[0], last[0].space, where)
                     elif size > 1:
                         for p in last:
@@ -1217,8 +1474,13 @@ class _Analysis(torch.fx.Interpreter):
         batch = x_ann.dims[:-1]
         state_node = n.args[1] if len(n.args) > 1 else None
         state_value = args[1] if len(args) > 1 else None
-        pairs = list(zip(state_node, state_value)) if isinstance(state_value, (list, tuple)) and isinstance(state_node, (list, tuple)) \
-            else [(state_node, state_value)] if state_value is not None else []
+        pairs = (
+            list(zip(state_node, state_value))
+            if isinstance(state_value, (list, tuple)) and isinstance(state_node, (list, tuple))
+            else [(state_node, state_value)]
+            if state_value is not None
+            else []
+        )
         for node, value in pairs:
             ann = self._ann(node, value)
             if isinstance(ann, _Uniform) or not isinstance(value, torch.Tensor):
@@ -1227,8 +1489,12 @@ class _Analysis(torch.fx.Interpreter):
             for dim in ann.dims[:-1]:
                 for p in dim:
                     self.sp.fix(p.space, f"{where}: {name}'s state along these units")
-            if mod.hidden_size > 1 and len(last) == 1 and (last[0].start, last[0].outer, last[0].inner) == (0, 1, 1) \
-                    and self.sp.size(last[0].space) == mod.hidden_size:
+            if (
+                mod.hidden_size > 1
+                and len(last) == 1
+                and (last[0].start, last[0].outer, last[0].inner) == (0, 1, 1)
+                and self.sp.size(last[0].space) == mod.hidden_size
+            ):
                 self.sp.merge(h, last[0].space, where)
             elif mod.hidden_size > 1:
                 for p in last:
@@ -1247,8 +1513,9 @@ class _Analysis(torch.fx.Interpreter):
         into the two views when the analysis ends. False (nothing done) for any other split."""
         if (p.start, p.outer, p.inner) != (0, 1, 1) or length != size:
             return False
-        varying = [d for d in range(labels.ndim) if labels.shape[d] > 1
-                   and not torch.equal(labels, labels.narrow(d, 0, 1).expand_as(labels))]
+        varying = [
+            d for d in range(labels.ndim) if labels.shape[d] > 1 and not torch.equal(labels, labels.narrow(d, 0, 1).expand_as(labels))
+        ]
         if len(varying) != 2:
             return False
         t1, t2 = varying
@@ -1284,8 +1551,12 @@ class _Analysis(torch.fx.Interpreter):
                     self.sp.fix(p.space, reason)
         mask_node, mask = self._arg(n, args, kwargs, 3, "attn_mask")
         heads = int(q.shape[-3])
-        per_head_mask = isinstance(mask, torch.Tensor) and mask.ndim >= 3 and mask.shape[-3] > 1 \
+        per_head_mask = (
+            isinstance(mask, torch.Tensor)
+            and mask.ndim >= 3
+            and mask.shape[-3] > 1
             and not isinstance(self._ann(mask_node, mask), _Uniform)
+        )
         if isinstance(mask, torch.Tensor):
             self._fix_all([(mask, self._ann(mask_node, mask))], f"{where}: an attention mask")
         if per_head_mask or not (k.shape[-3] == v.shape[-3] == heads):
@@ -1294,8 +1565,12 @@ class _Analysis(torch.fx.Interpreter):
                     self.sp.fix(p.space, f"{where}: a mask per head, or keys and values with other head counts")
             head_pieces: tuple[_Piece, ...] = ()
         else:
-            head_pieces = self._joined(where, [qa.dims[-3], ka.dims[-3], va.dims[-3]], heads,
-                                       "queries, keys and values whose heads are not permuted alike (e.g. shared key/value heads)")
+            head_pieces = self._joined(
+                where,
+                [qa.dims[-3], ka.dims[-3], va.dims[-3]],
+                heads,
+                "queries, keys and values whose heads are not permuted alike (e.g. shared key/value heads)",
+            )
         self._joined(where, [qa.dims[-1], ka.dims[-1]], int(q.shape[-1]), "queries and keys whose head dims are not permuted alike")
         # what the units are (their number is part of the attention: nonparametric fusion keeps their width)
         for pieces, kind in ((head_pieces, "heads"), (qa.dims[-1], "head_dims"), (va.dims[-1], "head_dims")):
@@ -1314,8 +1589,7 @@ class _Analysis(torch.fx.Interpreter):
             return ()
         return self._merge_dim(where, [(pieces, length) for pieces in entries], length)
 
-    def _opaque(self, n: torch.fx.Node, name: str, mod: nn.Module, tensors: list[tuple[torch.Tensor, _Ann]], out: Any,
-                reason: str) -> Any:
+    def _opaque(self, n: torch.fx.Node, name: str, mod: nn.Module, tensors: list[tuple[torch.Tensor, _Ann]], out: Any, reason: str) -> Any:
         """A module the tracer does not model: the units it reads are fixed, and so is every axis of its own
         parameters (listed with the reason, never silently left out)."""
         reason = f"{n.name}: {reason}"
@@ -1532,8 +1806,9 @@ def derive_spec(model: nn.Module, example_input: torch.Tensor, *, check: bool = 
         raise
     except Exception as exc:
         message = (str(exc).strip().splitlines() or [""])[0][:160]
-        raise InputError("input", "an example batch the model accepts", f"shape {tuple(example_input.shape)}",
-                         f"{type(exc).__name__}: {message}") from None
+        raise InputError(
+            "input", "an example batch the model accepts", f"shape {tuple(example_input.shape)}", f"{type(exc).__name__}: {message}"
+        ) from None
     finally:
         _restore(modes)
     sp = analysis.sp
@@ -1559,8 +1834,11 @@ def derive_spec(model: nn.Module, example_input: torch.Tensor, *, check: bool = 
         axes = tuple(dict.fromkeys(space.axes))
         if space.fixed:
             for a in (a for a in axes if a.key in shapes):
-                part = "" if (a.start, a.outer, a.inner) == (0, 1, 1) and a.span(space.size) == shapes[a.key][a.dim] else \
-                    f" (units from {a.start}: {a.outer} x {space.size} x {a.inner})"
+                part = (
+                    ""
+                    if (a.start, a.outer, a.inner) == (0, 1, 1) and a.span(space.size) == shapes[a.key][a.dim]
+                    else f" (units from {a.start}: {a.outer} x {space.size} x {a.inner})"
+                )
                 fixed.setdefault((a.key, a.dim, space.fixed + part), FixedAxis(a.key, a.dim, space.fixed + part))
             continue
         name, k = space.name, 2
@@ -1582,7 +1860,10 @@ def derive_spec(model: nn.Module, example_input: torch.Tensor, *, check: bool = 
         failures = invariance_failures(model, spec, example_input)
         if strict and failures:
             name = next(g.name for g in spec.groups if g.name in failures)
-            raise InputError("architecture", "a model whose derived permutation groups all pass the invariance check (--strict)",
-                             f"group {name} {failures[name]}")
+            raise InputError(
+                "architecture",
+                "a model whose derived permutation groups all pass the invariance check (--strict)",
+                f"group {name} {failures[name]}",
+            )
         spec = apply_invariance(spec, failures)
     return spec

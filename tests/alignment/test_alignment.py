@@ -39,8 +39,16 @@ def mlp() -> nn.Module:
 
 
 def cnn() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 6, 3, padding=1), nn.BatchNorm2d(6),
-                         nn.ReLU(), nn.Flatten(), nn.Linear(6 * 4 * 4, 5))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 6, 3, padding=1),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(6 * 4 * 4, 5),
+    )
 
 
 def bn_axes(prefix: str) -> tuple[AxisRef, ...]:
@@ -49,8 +57,9 @@ def bn_axes(prefix: str) -> tuple[AxisRef, ...]:
 
 def cnn_spec() -> PermutationSpec:
     c0 = PermGroup("C0", 8, (AxisRef("0.weight", 0), AxisRef("0.bias", 0), *bn_axes("1"), AxisRef("3.weight", 1)), (Probe("_1", 1),))
-    c1 = PermGroup("C1", 6, (AxisRef("3.weight", 0), AxisRef("3.bias", 0), *bn_axes("4"), AxisRef("7.weight", 1, inner=16)),
-                   (Probe("_4", 1),))
+    c1 = PermGroup(
+        "C1", 6, (AxisRef("3.weight", 0), AxisRef("3.bias", 0), *bn_axes("4"), AxisRef("7.weight", 1, inner=16)), (Probe("_4", 1),)
+    )
     return PermutationSpec((c0, c1))
 
 
@@ -97,6 +106,7 @@ def local_collect(build, spec, models, X, *, traced: bool = False):
             graphs = (torch.fx.symbolic_trace(ref), torch.fx.symbolic_trace(own)) if traced else (None, None)
             out.append(collect_correlations(ref, own, spec, *graphs, X, batch_size=32))
         return out
+
     return collect
 
 
@@ -125,8 +135,10 @@ def test_weight_matching_matches_on_weights_not_on_batchnorm_statistics():
     assert resolve_cost_keys(spec, None) == sorted(k for k in spec.keys() if "running" not in k)
     perms, _ = match_weights(model, permuted, spec, seed=3)
     back = spec.apply(permuted, perms)
-    assert_same({k: v for k, v in back.items() if "running" not in k and k in spec.keys()},
-                {k: v for k, v in model.items() if "running" not in k and k in spec.keys()})
+    assert_same(
+        {k: v for k, v in back.items() if "running" not in k and k in spec.keys()},
+        {k: v for k, v in model.items() if "running" not in k and k in spec.keys()},
+    )
     result = weight_matching([model, permuted], spec, seed=3, executor=serial_map)
     assert all(np.array_equal(result.perms[1][name], perms[name]) for name in spec.names)
     with pytest.raises(InputError, match=r"^cost_keys\.9\.weight: expected a tensor the spec permutes"):

@@ -39,6 +39,7 @@ def local_collect(cfg, shape, models, X):
             own = set_params(build_model(cfg, shape, 10, seed=0), params).eval()
             out.append(collect_correlations(ref, own, spec_of(cfg, shape), trace_model(ref), trace_model(own), X, batch_size=64))
         return out
+
     return collect
 
 

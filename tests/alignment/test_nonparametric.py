@@ -75,9 +75,14 @@ def test_the_plan_keeps_a_holder_for_every_unit_caps_the_width_and_makes_the_wor
     assert set(range(plan.widths[first.name])) <= set(held.tolist())
     new = [(k, i) for k in range(3) for i in range(first.size) if plan.index[k][first.name][i] >= first.size]
     moved = [quality[k][first.name][i] for k, i in new]
-    stayed_below = [quality[k][first.name][i] for k in range(3) for i in range(first.size)
-                    if plan.index[k][first.name][i] < first.size and quality[k][first.name][i] < 0.5
-                    and sum(quality[j][first.name][i] >= 0.5 or plan.index[j][first.name][i] == i for j in range(3)) > 1]
+    stayed_below = [
+        quality[k][first.name][i]
+        for k in range(3)
+        for i in range(first.size)
+        if plan.index[k][first.name][i] < first.size
+        and quality[k][first.name][i] < 0.5
+        and sum(quality[j][first.name][i] >= 0.5 or plan.index[j][first.name][i] == i for j in range(3)) > 1
+    ]
     assert all(q < 0.5 for q in moved)
     assert not stayed_below or max(moved) <= min(stayed_below)  # the cap keeps the worst matched as new units
 
@@ -111,10 +116,13 @@ def test_attention_heads_and_layernormed_units_keep_their_width_with_the_reason(
     assert out.shape == (3, 5) and torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"threshold": float("nan")}, "threshold: expected a number"),
-    ({"threshold": 0.5, "max_width": 0.5}, "max_width: expected a finite factor >= 1"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"threshold": float("nan")}, "threshold: expected a number"),
+        ({"threshold": 0.5, "max_width": 0.5}, "max_width: expected a finite factor >= 1"),
+    ],
+)
 def test_bad_plan_parameters_are_one_line(kwargs, message):
     _, _, _, params, spec = three_models("mlp")
     with pytest.raises(InputError, match=message):

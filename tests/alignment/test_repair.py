@@ -20,11 +20,14 @@ def models_and_spec(cfg, shape, n=2):
     return models, derive_spec(models[0], torch.zeros((2, *shape)))
 
 
-@pytest.mark.parametrize(("cfg", "shape", "expected"), [
-    (*MLP, ["layers.0", "layers.1"]),
-    (ModelConfig(name="rescnn", channels=[4, 6]), (1, 8, 8), []),  # every convolution feeds a BatchNorm
-    (ModelConfig(name="vgg", channels=[4, 6]), (1, 8, 8), ["classifier.0", "classifier.1"]),
-])
+@pytest.mark.parametrize(
+    ("cfg", "shape", "expected"),
+    [
+        (*MLP, ["layers.0", "layers.1"]),
+        (ModelConfig(name="rescnn", channels=[4, 6]), (1, 8, 8), []),  # every convolution feeds a BatchNorm
+        (ModelConfig(name="vgg", channels=[4, 6]), (1, 8, 8), ["classifier.0", "classifier.1"]),
+    ],
+)
 def test_the_layers_repaired_are_the_hidden_ones_no_batchnorm_follows(cfg, shape, expected):
     models, spec = models_and_spec(cfg, shape)
     assert [u.module for u in repair_units(models[0], spec)] == expected
@@ -54,7 +57,9 @@ def test_repairing_a_merge_of_identical_models_changes_nothing():
     models, spec = models_and_spec(cfg, shape)
     units = repair_units(models[0], spec)
     params = get_params(models[0])
-    per_client = [unit_statistics(models[0], np.random.default_rng(k).normal(size=(64, *shape)).astype(np.float32), units) for k in range(2)]
+    per_client = [
+        unit_statistics(models[0], np.random.default_rng(k).normal(size=(64, *shape)).astype(np.float32), units) for k in range(2)
+    ]
     targets = repair_targets(per_client, units, [3.0, 1.0])
     out = apply_repair(params, units, repair_targets(per_client, units, [3.0, 1.0]), targets)
     for key, value in params.items():
@@ -67,4 +72,6 @@ def test_statistics_of_the_wrong_width_are_one_line():
     units = repair_units(models[0], spec)
     stats = unit_statistics(models[0], np.zeros((4, *shape), np.float32), units)
     with pytest.raises(InputError, match=r"stats\.0\.layers\.0: expected statistics of 24 channels, got 12"):
-        repair_targets([stats], units, [1.0], index=[{g.name: np.arange(24) for g in spec.groups}], widths={g.name: 24 for g in spec.groups})
+        repair_targets(
+            [stats], units, [1.0], index=[{g.name: np.arange(24) for g in spec.groups}], widths={g.name: 24 for g in spec.groups}
+        )

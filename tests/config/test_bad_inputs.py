@@ -40,8 +40,9 @@ BASE: dict[str, Any] = {
     "methods": {"average": {}},
 }
 
-BOMB = "\n".join(["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
-                 + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]) + "\n"
+BOMB = (
+    "\n".join(["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]) + "\n"
+)
 
 
 def closed_port() -> int:
@@ -71,7 +72,9 @@ class Files:
     def job(self, name: str = "job.yaml", **sections: Any) -> str:
         data = {k: dict(v) if isinstance(v, dict) else v for k, v in BASE.items()}
         for key, value in sections.items():
-            data[key] = {**data[key], **value} if isinstance(value, dict) and isinstance(data.get(key), dict) and key != "methods" else value
+            data[key] = (
+                {**data[key], **value} if isinstance(value, dict) and isinstance(data.get(key), dict) and key != "methods" else value
+            )
         return self.yaml(name, data)
 
     def a_file(self) -> str:
@@ -109,8 +112,13 @@ class Files:
         return name
 
     def space(self, name: str = "space.yaml", base: str | None = None, **fields: Any) -> str:
-        data = {"base": str(self.root / (base or self.job())), "space": {"train.lr": {"grid": [0.01]}},
-                "metric": "fused/average/accuracy", "mode": "max", **fields}
+        data = {
+            "base": str(self.root / (base or self.job())),
+            "space": {"train.lr": {"grid": [0.01]}},
+            "metric": "fused/average/accuracy",
+            "mode": "max",
+            **fields,
+        }
         return self.yaml(name, data)
 
     def params(self, name: str, params: dict[str, Any], as_torch: bool = False) -> str:
@@ -130,13 +138,20 @@ class Files:
         gen = torch.Generator().manual_seed(0)
         names = []
         for i in range(2):
-            tensors = {"weight": torch.randn(4, 3, generator=gen).to(getattr(torch, dtype)),
-                       "bias": torch.randn(4, generator=gen).to(getattr(torch, dtype))}
+            tensors = {
+                "weight": torch.randn(4, 3, generator=gen).to(getattr(torch, dtype)),
+                "bias": torch.randn(4, generator=gen).to(getattr(torch, dtype)),
+            }
             names.append(self.params(f"m{i}.safetensors", tensors))
         return names
 
     def fuse(self, models: list[str] | None = None, name: str = "fuse.yaml", **fields: Any) -> str:
-        data = {"merge_method": "average", "models": [{"model": m} for m in (models or self.models())], "output": "fused.safetensors", **fields}
+        data = {
+            "merge_method": "average",
+            "models": [{"model": m} for m in (models or self.models())],
+            "output": "fused.safetensors",
+            **fields,
+        }
         return self.yaml(name, data)
 
 
@@ -199,18 +214,24 @@ for _i, _address in enumerate(["not-an-address", "http://head:8265", "head:99999
     case(3, f"run-address-malformed-{_i}", "federation.address")(run_cli("--address", _address))
 case(3, "validate-address-malformed", "federation.address")(lambda f: ["validate", f.job(), "--set", "federation.address=not-an-address"])
 case(3, "validate-address-port-0", "federation.address")(lambda f: ["validate", f.job(), "--set", "federation.address=head:0"])
-case(3, "tune-check-address-malformed", "federation.address")(lambda f: ["tune", f.space(), "--check", "--set", "federation.address=no address"])
+case(3, "tune-check-address-malformed", "federation.address")(
+    lambda f: ["tune", f.space(), "--check", "--set", "federation.address=no address"]
+)
 case(3, "run-address-closed-port", "federation.address")(lambda f: ["run", f.job(), "--address", f"127.0.0.1:{closed_port()}"])
-case(3, "run-set-address-closed-port", "federation.address")(lambda f: ["run", f.job(), "--set", f"federation.address=127.0.0.1:{closed_port()}"])
+case(3, "run-set-address-closed-port", "federation.address")(
+    lambda f: ["run", f.job(), "--set", f"federation.address=127.0.0.1:{closed_port()}"]
+)
 case(3, "run-ray-client-closed-port", "federation.address")(lambda f: ["run", f.job(), "--address", f"ray://127.0.0.1:{closed_port()}"])
 case(3, "run-config-address-closed-port", "federation.address")(
-    lambda f: ["run", f.job(federation={"address": f"127.0.0.1:{closed_port()}"})])
+    lambda f: ["run", f.job(federation={"address": f"127.0.0.1:{closed_port()}"})]
+)
 case(3, "run-ray-address-env-closed-port", "RAY_ADDRESS", env={"RAY_ADDRESS": "127.0.0.1:{port}"})(run_cli())
 case(3, "tune-address-closed-port", "federation.address")(lambda f: ["tune", f.space(), "--address", f"127.0.0.1:{closed_port()}"])
 case(3, "api-address-closed-port", "federation.address")(api_run(lambda f: with_base(federation={"address": f"127.0.0.1:{closed_port()}"})))
 case(3, "api-address-malformed", "federation.address")(api_run(lambda f: with_base(federation={"address": "nowhere"})))
 case(3, "resume-address-malformed", "federation.address")(
-    lambda f: ["run", "--resume", str(_run_folder(f)), "--set", "federation.address=not-an-address"])
+    lambda f: ["run", "--resume", str(_run_folder(f)), "--set", "federation.address=not-an-address"]
+)
 
 
 def _run_folder(f: Files) -> Path:
@@ -234,7 +255,8 @@ case(5, "run-config-storage-is-a-file", "run.storage")(lambda f: ["run", f.job(r
 case(5, "run-model-cache-is-a-file", "run.model_cache")(lambda f: ["run", f.job(), "--set", f"run.model_cache={f.a_file()}"])
 case(5, "run-model-cache-read-only", "run.model_cache")(lambda f: ["run", f.job(), "--set", f"run.model_cache={f.readonly()}/cache"])
 case(5, "run-storage-checked-before-the-data-loads", "run.storage")(
-    lambda f: ["run", f.job(data={"dataset": "npz", "path": "missing.npz"}), "--set", f"run.storage={f.a_file()}"])
+    lambda f: ["run", f.job(data={"dataset": "npz", "path": "missing.npz"}), "--set", f"run.storage={f.a_file()}"]
+)
 case(5, "api-run-dir-under-a-file", "run_dir")(lambda f: call(rayfuse.run, with_base(), run_dir=f.a_file() + "/run"))
 case(5, "api-run-dir-read-only", "run_dir")(lambda f: call(rayfuse.run, with_base(), run_dir=f.readonly() + "/rayfuse-run"))
 case(5, "api-storage-is-a-file", "run.storage")(api_run(lambda f: with_base(run={"storage": f.a_file()})))
@@ -246,6 +268,7 @@ case(5, "api-fuse-out-read-only", "output")(lambda f: call(rayfuse.fuse, f.fuse(
 
 # ---------------------------------------------------------------------------------------------------------------
 # 6. User data files: one check for run, validate, tune --check, the Python API and rayfuse fuse's data
+
 
 def _nan_labels(f: Files) -> str:
     return f.npz(y=np.where(np.arange(60) == 5, np.nan, np.arange(60) % 3))
@@ -323,36 +346,62 @@ DATA_FILES: dict[str, tuple[Callable[[Files], str], str, str]] = {
 }
 
 for _name, (_write, _kind, _names) in DATA_FILES.items():
-    case(6, f"run-data-{_name}", _names)(
-        lambda f, w=_write, k=_kind: ["run", f.job(data={"dataset": k, "path": w(f)})])
-for _name in ("nan-labels", "npy-named-npz", "empty-file", "empty-archive", "unequal-lengths", "one-class", "pickled-labels",
-              "parquet-null-labels", "parquet-nan-labels", "nan-features"):
+    case(6, f"run-data-{_name}", _names)(lambda f, w=_write, k=_kind: ["run", f.job(data={"dataset": k, "path": w(f)})])
+for _name in (
+    "nan-labels",
+    "npy-named-npz",
+    "empty-file",
+    "empty-archive",
+    "unequal-lengths",
+    "one-class",
+    "pickled-labels",
+    "parquet-null-labels",
+    "parquet-nan-labels",
+    "nan-features",
+):
     _write, _kind, _names = DATA_FILES[_name]
     case(6, f"validate-data-{_name}", _names)(lambda f, w=_write, k=_kind: ["validate", f.job(data={"dataset": k, "path": w(f)})])
 for _name in ("nan-labels", "npy-named-npz", "empty-file", "parquet-null-labels", "one-class", "inf-features"):
     _write, _kind, _names = DATA_FILES[_name]
     case(6, f"tune-check-data-{_name}", _names)(
-        lambda f, w=_write, k=_kind: ["tune", f.space(base=f.job(data={"dataset": k, "path": w(f)})), "--check"])
+        lambda f, w=_write, k=_kind: ["tune", f.space(base=f.job(data={"dataset": k, "path": w(f)})), "--check"]
+    )
 for _name in ("nan-labels", "npy-named-npz", "empty-file"):
     _write, _kind, _names = DATA_FILES[_name]
-    case(6, f"fuse-data-{_name}", _names)(lambda f, w=_write: ["fuse", f.fuse(merge_method="activation_matching", architecture="torch.nn:Linear",
-                                                                            architecture_args={"in_features": 3, "out_features": 4},
-                                                                            data={"path": w(f)})])
+    case(6, f"fuse-data-{_name}", _names)(
+        lambda f, w=_write: [
+            "fuse",
+            f.fuse(
+                merge_method="activation_matching",
+                architecture="torch.nn:Linear",
+                architecture_args={"in_features": 3, "out_features": 4},
+                data={"path": w(f)},
+            ),
+        ]
+    )
 case(6, "validate-data-options-unknown", "data.options.colour")(
-    lambda f: ["validate", f.job(data={"dataset": "npz", "path": f.npz(), "options": {"colour": "red"}})])
+    lambda f: ["validate", f.job(data={"dataset": "npz", "path": f.npz(), "options": {"colour": "red"}})]
+)
 case(6, "validate-synthetic-one-class", "data.options.n_classes")(
-    lambda f: ["validate", f.job(data={"dataset": "synthetic", "options": {"n_classes": 1}})])
+    lambda f: ["validate", f.job(data={"dataset": "synthetic", "options": {"n_classes": 1}})]
+)
 case(6, "validate-synthetic-boolean-count", "data.options.n_samples")(
-    lambda f: ["validate", f.job(data={"dataset": "synthetic", "options": {"n_samples": True}})])
+    lambda f: ["validate", f.job(data={"dataset": "synthetic", "options": {"n_samples": True}})]
+)
 case(6, "tune-check-data-options-unknown", "data.options.colour")(
-    lambda f: ["tune", f.space(base=f.job(data={"dataset": "digits", "options": {"colour": "red"}})), "--check"])
+    lambda f: ["tune", f.space(base=f.job(data={"dataset": "digits", "options": {"colour": "red"}})), "--check"]
+)
 case(6, "api-nan-labels", "dataset")(
-    lambda f: call(rayfuse.run, with_base(), dataset=(np.ones((60, 4)), np.where(np.arange(60) == 1, np.nan, np.arange(60) % 2))))
+    lambda f: call(rayfuse.run, with_base(), dataset=(np.ones((60, 4)), np.where(np.arange(60) == 1, np.nan, np.arange(60) % 2)))
+)
 case(6, "api-null-labels", "dataset")(
-    lambda f: call(rayfuse.run, with_base(), dataset=(np.ones((60, 4)), np.array([None] + ["a", "b"] * 29 + ["a"], dtype=object))))
+    lambda f: call(rayfuse.run, with_base(), dataset=(np.ones((60, 4)), np.array([None] + ["a", "b"] * 29 + ["a"], dtype=object)))
+)
 case(6, "api-inf-features", "dataset")(lambda f: call(rayfuse.run, with_base(), dataset=(np.full((60, 4), np.inf), np.arange(60) % 2)))
 case(6, "api-one-class", "dataset")(lambda f: call(rayfuse.run, with_base(), dataset=(np.ones((60, 4)), np.zeros(60))))
-case(6, "api-mixed-label-kinds", "dataset")(lambda f: call(rayfuse.run, with_base(), dataset=(np.ones((60, 4)), np.array([1, "a"] * 30, dtype=object))))
+case(6, "api-mixed-label-kinds", "dataset")(
+    lambda f: call(rayfuse.run, with_base(), dataset=(np.ones((60, 4)), np.array([1, "a"] * 30, dtype=object)))
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -364,7 +413,10 @@ BAD_TEXTS: dict[str, tuple[Callable[[Files, str], str], str]] = {
     "latin1": (lambda f, n: f.raw(n, LATIN1), ""),
     "utf16": (lambda f, n: f.raw(n, "run: {name: x}\n".encode("utf-16")), ""),
     "duplicate-top-key": (lambda f, n: f.text(n, "run: {name: a}\nmethods: [average]\nrun: {name: b}\n"), "run"),
-    "duplicate-nested-key": (lambda f, n: f.text(n, "partition:\n  num_clients: 2\n  alpha: 0.5\n  num_clients: 3\n"), "partition.num_clients"),
+    "duplicate-nested-key": (
+        lambda f, n: f.text(n, "partition:\n  num_clients: 2\n  alpha: 0.5\n  num_clients: 3\n"),
+        "partition.num_clients",
+    ),
     "alias-bomb": (lambda f, n: f.text(n, BOMB), ""),
     "recursive-alias": (lambda f, n: f.text(n, "run: &r {name: x, again: *r}\n"), ""),
     "deep-nesting": (lambda f, n: f.text(n, "run: " + "[" * 3000 + "]" * 3000 + "\n"), ""),
@@ -380,9 +432,14 @@ for _name in ("latin1", "duplicate-nested-key", "alias-bomb", "recursive-alias")
     case(7, f"fuse-config-{_name}", "fuse.yaml")(lambda f, w=_write: ["fuse", w(f, "fuse.yaml")])
     case(7, f"api-config-file-{_name}", "job.yaml")(lambda f, w=_write: call(rayfuse.run, w(f, "job.yaml")))
 case(7, "tune-base-job-duplicate-key", "job.yaml: partition.num_clients")(
-    lambda f: ["tune", f.space(base=BAD_TEXTS["duplicate-nested-key"][0](f, "job.yaml")), "--check"])
+    lambda f: ["tune", f.space(base=BAD_TEXTS["duplicate-nested-key"][0](f, "job.yaml")), "--check"]
+)
 case(7, "fuse-duplicate-model-key", "fuse.yaml: models.0.model")(
-    lambda f: ["fuse", f.text("fuse.yaml", "merge_method: average\nmodels:\n  - model: a.safetensors\n    model: b.safetensors\noutput: o.safetensors\n")])
+    lambda f: [
+        "fuse",
+        f.text("fuse.yaml", "merge_method: average\nmodels:\n  - model: a.safetensors\n    model: b.safetensors\noutput: o.safetensors\n"),
+    ]
+)
 case(7, "set-value-alias-bomb", "--set run.name")(lambda f: ["validate", f.job(), "--set", "run.name=[" + _flow_bomb() + "]"])
 
 
@@ -392,62 +449,91 @@ def _flow_bomb() -> str:
     return ", ".join(parts)
 
 
-_BOOLEAN_INTS = [("methods.fedavg.rounds", {"fedavg": {"rounds": True}}), ("methods.fedavg.local_epochs", {"fedavg": {"local_epochs": True}}),
-                 ("methods.fedavg.evaluate_every", {"fedavg": {"evaluate_every": False}}), ("methods.global.epochs", {"global": {"epochs": True}})]
+_BOOLEAN_INTS = [
+    ("methods.fedavg.rounds", {"fedavg": {"rounds": True}}),
+    ("methods.fedavg.local_epochs", {"fedavg": {"local_epochs": True}}),
+    ("methods.fedavg.evaluate_every", {"fedavg": {"evaluate_every": False}}),
+    ("methods.global.epochs", {"global": {"epochs": True}}),
+]
 for _key, _methods in _BOOLEAN_INTS:
     case(7, f"run-boolean-for-{_key}", _key)(lambda f, m=_methods: ["run", f.job(methods=m)])
 case(7, "validate-boolean-for-train-epochs", "train.epochs")(lambda f: ["validate", f.job(), "--set", "train.epochs=true"])
-case(7, "validate-boolean-method-int-set", "methods.fedavg.rounds")(lambda f: ["validate", f.job(methods={"fedavg": {}}), "--set", "methods.fedavg.rounds=yes"])
+case(7, "validate-boolean-method-int-set", "methods.fedavg.rounds")(
+    lambda f: ["validate", f.job(methods={"fedavg": {}}), "--set", "methods.fedavg.rounds=yes"]
+)
 case(7, "api-boolean-method-int", "methods.fedavg.rounds")(api_run(lambda f: with_base(methods={"fedavg": {"rounds": True}})))
 case(7, "fuse-boolean-weight", "models.0.parameters.weight")(lambda f: ["fuse", _weighted_fuse(f, True)])
 case(7, "fuse-boolean-seed", "parameters.seed")(lambda f: ["fuse", f.fuse(merge_method="kl_neurons", parameters={"seed": True})])
 case(7, "tune-boolean-samples", "num_samples")(lambda f: ["tune", f.space(num_samples=True), "--check"])
 
-_NON_FINITE = [("train.lr", ".inf"), ("train.lr", "inf"), ("train.lr", ".nan"), ("train.lr", "nan"), ("train.weight_decay", ".inf"),
-               ("partition.alpha", ".inf"), ("federation.timeout_s", ".inf"), ("data.test_size", ".nan"),
-               ("methods.fedavg.lr", ".inf"), ("methods.fedprox.mu", "nan")]
+_NON_FINITE = [
+    ("train.lr", ".inf"),
+    ("train.lr", "inf"),
+    ("train.lr", ".nan"),
+    ("train.lr", "nan"),
+    ("train.weight_decay", ".inf"),
+    ("partition.alpha", ".inf"),
+    ("federation.timeout_s", ".inf"),
+    ("data.test_size", ".nan"),
+    ("methods.fedavg.lr", ".inf"),
+    ("methods.fedprox.mu", "nan"),
+]
 for _key, _value in _NON_FINITE:
     case(7, f"validate-non-finite-{_key}-{_value.replace('.', 'yaml-')}", _key)(
-        lambda f, k=_key, v=_value: ["validate", f.job(methods={"fedavg": {}, "fedprox": {}}), "--set", f"{k}={v}"])
+        lambda f, k=_key, v=_value: ["validate", f.job(methods={"fedavg": {}, "fedprox": {}}), "--set", f"{k}={v}"]
+    )
 case(7, "run-non-finite-lr-in-file", "train.lr")(lambda f: ["run", f.job(train={"lr": float("inf")})])
 case(7, "api-non-finite-lr", "train.lr")(api_run(lambda f: with_base(train={"lr": float("nan")})))
 case(7, "fuse-non-finite-weight", "models.0.parameters.weight")(lambda f: ["fuse", _weighted_fuse(f, float("inf"))])
-case(7, "fuse-non-finite-kl-lambda", "parameters.lam")(lambda f: ["fuse", f.fuse(merge_method="kl_neurons", parameters={"lam": float("nan")})])
+case(7, "fuse-non-finite-kl-lambda", "parameters.lam")(
+    lambda f: ["fuse", f.fuse(merge_method="kl_neurons", parameters={"lam": float("nan")})]
+)
 case(7, "tune-non-finite-reduction-factor", "scheduler.reduction_factor")(
-    lambda f: ["tune", f.space(scheduler={"type": "fifo", "reduction_factor": float("inf")}), "--check"])
+    lambda f: ["tune", f.space(scheduler={"type": "fifo", "reduction_factor": float("inf")}), "--check"]
+)
 case(7, "symmetry-non-finite-dropout", "args.dropout")(lambda f: ["symmetry", "mlp", "--args", '{"dropout": NaN}'])
 
 case(7, "run-model-too-large-hidden", "model.hidden")(lambda f: ["run", f.job(), "--set", "model.hidden=[100000000,100000000]"])
 case(7, "validate-model-too-large-channels", "model.channels")(
-    lambda f: ["validate", f.job(model={"name": "cnn", "channels": [1000000, 1000000]})])
+    lambda f: ["validate", f.job(model={"name": "cnn", "channels": [1000000, 1000000]})]
+)
 case(7, "tune-check-model-too-large", "model.hidden")(lambda f: ["tune", f.space(base=f.job(model={"hidden": [10**9, 10**9]})), "--check"])
 case(7, "symmetry-model-too-large", "args.hidden")(lambda f: ["symmetry", "mlp", "--args", '{"hidden": [100000000, 100000000]}'])
 case(7, "api-model-too-large", "model.hidden")(api_run(lambda f: with_base(model={"hidden": [10**9, 10**9]})))
 
 case(7, "run-more-cpus-than-the-machine", "federation.clients.num_cpus")(run_cli("--set", "federation.clients.num_cpus=100000"))
 case(7, "run-more-gpus-than-ray-init", "federation.clients.num_gpus")(
-    run_cli("--set", "federation.clients.num_gpus=1", "--set", "federation.ray_init.num_gpus=0"))
+    run_cli("--set", "federation.clients.num_gpus=1", "--set", "federation.ray_init.num_gpus=0")
+)
 case(7, "run-clients-together-more-cpus", "federation.clients.num_cpus")(
-    run_cli("--set", "federation.clients.num_cpus=1", "--set", "federation.ray_init.num_cpus=1"))
+    run_cli("--set", "federation.clients.num_cpus=1", "--set", "federation.ray_init.num_cpus=1")
+)
 case(7, "run-coordinator-more-cpus", "federation.coordinator.num_cpus")(
-    run_cli("--set", "federation.coordinator.num_cpus=9", "--set", "federation.ray_init.num_cpus=8"))
+    run_cli("--set", "federation.coordinator.num_cpus=9", "--set", "federation.ray_init.num_cpus=8")
+)
 case(7, "run-client-override-more-gpus", "federation.client_overrides.1.num_gpus")(
-    run_cli("--set", "federation.client_overrides.1.num_gpus=4", "--set", "federation.ray_init.num_gpus=2"))
+    run_cli("--set", "federation.client_overrides.1.num_gpus=4", "--set", "federation.ray_init.num_gpus=2")
+)
 # clients of different models (federation.client_overrides.<i>.model, rayfuse.run(model={...}))
 _OTHER_MODEL = {"client_overrides": {1: {"model": {"name": "cnn", "channels": [4]}}}}
 case(7, "run-client-override-unknown-model", "federation.client_overrides.1.model.name")(
-    run_cli("--set", "federation.client_overrides.1.model.name=cnnn"))
+    run_cli("--set", "federation.client_overrides.1.model.name=cnnn")
+)
 case(7, "validate-client-override-model-does-not-fit", "federation.client_overrides.1.model.patch_size")(
-    lambda f: ["validate", f.job(federation={"client_overrides": {1: {"model": {"name": "transformer", "patch_size": 3}}}})])
+    lambda f: ["validate", f.job(federation={"client_overrides": {1: {"model": {"name": "transformer", "patch_size": 3}}}})]
+)
 case(7, "run-client-models-differ-for-average", "federation.client_overrides: expected clients of one architecture for method 'average'")(
-    lambda f: ["run", f.job(federation=_OTHER_MODEL)])
+    lambda f: ["run", f.job(federation=_OTHER_MODEL)]
+)
 case(7, "tune-check-client-models-differ", "federation.client_overrides: expected clients of one architecture")(
-    lambda f: ["tune", f.space(base=f.job(federation=_OTHER_MODEL)), "--check"])
+    lambda f: ["tune", f.space(base=f.job(federation=_OTHER_MODEL)), "--check"]
+)
 case(7, "api-model-mapping-bad-key", "model['defualt']")(lambda f: call(rayfuse.run, with_base(), model={"defualt": lambda: None}))
 case(7, "api-model-mapping-client-out-of-range", "model[2]")(lambda f: call(rayfuse.run, with_base(), model={2: lambda: None}))
 case(7, "run-custom-resource-missing", "federation.clients.resources.silo_a")(run_cli("--set", "federation.clients.resources.silo_a=1"))
 case(7, "api-more-cpus", "federation.clients.num_cpus")(
-    api_run(lambda f: with_base(federation={"clients": {"num_cpus": 4}, "ray_init": {"num_cpus": 2}})))
+    api_run(lambda f: with_base(federation={"clients": {"num_cpus": 4}, "ray_init": {"num_cpus": 2}}))
+)
 
 case(7, "symmetry-bad-input-shape", "--input-shape")(lambda f: ["symmetry", "mlp", "--input-shape", "a,b"])
 case(7, "symmetry-args-not-json", "--args")(lambda f: ["symmetry", "mlp", "--args", "{hidden: [4]"])
@@ -457,50 +543,64 @@ case(7, "symmetry-boolean-width", "args.hidden")(lambda f: ["symmetry", "mlp", "
 # differential privacy (issue 21): local DP-SGD (train.dp) and the one-shot DP upload (methods.average.dp)
 _DPSGD = "{noise_multiplier: 1.0, delta: 1.0e-5}"
 case(7, "run-dp-sgd-batchnorm-model", "stem.bn")(run_cli("--set", "model.name=rescnn", "--set", "train.dp=" + _DPSGD))
-case(7, "validate-dp-sgd-batchnorm-model", "train.dp")(lambda f: ["validate", f.job(), "--set", "model.name=vgg", "--set", "train.dp=" + _DPSGD])
+case(7, "validate-dp-sgd-batchnorm-model", "train.dp")(
+    lambda f: ["validate", f.job(), "--set", "model.name=vgg", "--set", "train.dp=" + _DPSGD]
+)
 case(7, "run-dp-sgd-negative-noise", "train.dp.noise_multiplier")(run_cli("--set", "train.dp={noise_multiplier: -1.0}"))
 case(7, "run-dp-sgd-negative-clip", "train.dp.max_grad_norm")(run_cli("--set", "train.dp={noise_multiplier: 1.0, max_grad_norm: -1.0}"))
 case(7, "run-dp-sgd-delta-above-one-over-n", "train.dp.delta")(run_cli("--set", "train.dp={noise_multiplier: 1.0, delta: 0.01}"))
 case(7, "run-dp-sgd-no-noise-given", "train.dp.noise_multiplier")(run_cli("--set", "train.dp={max_grad_norm: 1.0}"))
 case(7, "run-dp-sgd-on-fedavg", "train.dp")(run_cli("--set", "methods={fedavg: {rounds: 1}}", "--set", "train.dp=" + _DPSGD))
 case(7, "run-upload-dp-negative-clip", "methods.average.dp.clip_norm")(
-    run_cli("--set", "methods.average.dp={clip_norm: -1.0, noise_multiplier: 1.0}"))
+    run_cli("--set", "methods.average.dp={clip_norm: -1.0, noise_multiplier: 1.0}")
+)
 case(7, "run-upload-dp-negative-noise", "methods.average.dp.noise_multiplier")(
-    run_cli("--set", "methods.average.dp={clip_norm: 1.0, noise_multiplier: -0.5}"))
+    run_cli("--set", "methods.average.dp={clip_norm: 1.0, noise_multiplier: -0.5}")
+)
 case(7, "run-upload-dp-delta-above-one-over-clients", "methods.average.dp.delta")(
-    run_cli("--set", "methods.average.dp={clip_norm: 1.0, noise_multiplier: 1.0, delta: 0.5}"))
+    run_cli("--set", "methods.average.dp={clip_norm: 1.0, noise_multiplier: 1.0, delta: 0.5}")
+)
 # Central DP-FedAvg (issue 21): refused by the schema or the method's check, before any client trains
 _DP = {"noise_multiplier": 1.0, "clip_norm": 1.0, "sample_rate": 0.5}
-_BAD_DP = [("negative-noise", "methods.fedavg.dp.noise_multiplier", "fedavg", {}, {"noise_multiplier": -1.0}),
-           ("zero-noise", "methods.fedavg.dp.noise_multiplier", "fedavg", {}, {"noise_multiplier": 0.0}),
-           ("negative-clip-norm", "methods.fedavg.dp.clip_norm", "fedavg", {}, {"clip_norm": -0.5}),
-           ("zero-clip-norm", "methods.fedprox.dp.clip_norm", "fedprox", {}, {"clip_norm": 0.0}),
-           ("delta-not-below-1-over-n", "methods.fedavg.dp.delta", "fedavg", {}, {"delta": 0.5}),
-           ("zero-sample-rate", "methods.fedadam.dp.sample_rate", "fedadam", {}, {"sample_rate": 0.0}),
-           ("sample-rate-above-one", "methods.fedavg.dp.sample_rate", "fedavg", {}, {"sample_rate": 1.5}),
-           ("zero-target-epsilon", "methods.fedavg.dp.target_epsilon", "fedavg", {}, {"noise_multiplier": None, "target_epsilon": 0.0}),
-           ("noise-and-target", "methods.fedavg.dp.noise_multiplier", "fedavg", {}, {"target_epsilon": 1.0}),
-           ("one-shot-method", "methods.ensemble.dp", "ensemble", {}, {}),
-           ("fedref", "methods.fedref.dp", "fedref", {}, {}),
-           ("robust-aggregator", "methods.fedavg.aggregator", "fedavg", {"aggregator": "median"}, {}),
-           ("fraction", "methods.fedavg.fraction", "fedavg", {"fraction": 0.5}, {}),
-           ("stop-before-one-round", "methods.fedavg.dp.stop_at_epsilon", "fedavg", {}, {"stop_at_epsilon": 0.001})]
+_BAD_DP = [
+    ("negative-noise", "methods.fedavg.dp.noise_multiplier", "fedavg", {}, {"noise_multiplier": -1.0}),
+    ("zero-noise", "methods.fedavg.dp.noise_multiplier", "fedavg", {}, {"noise_multiplier": 0.0}),
+    ("negative-clip-norm", "methods.fedavg.dp.clip_norm", "fedavg", {}, {"clip_norm": -0.5}),
+    ("zero-clip-norm", "methods.fedprox.dp.clip_norm", "fedprox", {}, {"clip_norm": 0.0}),
+    ("delta-not-below-1-over-n", "methods.fedavg.dp.delta", "fedavg", {}, {"delta": 0.5}),
+    ("zero-sample-rate", "methods.fedadam.dp.sample_rate", "fedadam", {}, {"sample_rate": 0.0}),
+    ("sample-rate-above-one", "methods.fedavg.dp.sample_rate", "fedavg", {}, {"sample_rate": 1.5}),
+    ("zero-target-epsilon", "methods.fedavg.dp.target_epsilon", "fedavg", {}, {"noise_multiplier": None, "target_epsilon": 0.0}),
+    ("noise-and-target", "methods.fedavg.dp.noise_multiplier", "fedavg", {}, {"target_epsilon": 1.0}),
+    ("one-shot-method", "methods.ensemble.dp", "ensemble", {}, {}),
+    ("fedref", "methods.fedref.dp", "fedref", {}, {}),
+    ("robust-aggregator", "methods.fedavg.aggregator", "fedavg", {"aggregator": "median"}, {}),
+    ("fraction", "methods.fedavg.fraction", "fedavg", {"fraction": 0.5}, {}),
+    ("stop-before-one-round", "methods.fedavg.dp.stop_at_epsilon", "fedavg", {}, {"stop_at_epsilon": 0.001}),
+]
 for _id, _key, _method, _extra, _dp in _BAD_DP:
-    case(7, f"run-dp-{_id}", _key)(
-        lambda f, m=_method, e=_extra, d=_dp: ["run", f.job(methods={m: {**e, "dp": {**_DP, **d}}})])
+    case(7, f"run-dp-{_id}", _key)(lambda f, m=_method, e=_extra, d=_dp: ["run", f.job(methods={m: {**e, "dp": {**_DP, **d}}})])
 case(7, "validate-dp-delta", "methods.fedavg.dp.delta")(lambda f: ["validate", f.job(methods={"fedavg": {"dp": {**_DP, "delta": 0.9}}})])
 case(7, "api-dp-negative-clip-norm", "methods.fedavg.dp.clip_norm")(
-    api_run(lambda f: with_base(methods={"fedavg": {"dp": {**_DP, "clip_norm": -1.0}}})))
+    api_run(lambda f: with_base(methods={"fedavg": {"dp": {**_DP, "clip_norm": -1.0}}}))
+)
 
 
 def _weighted_fuse(f: Files, weight: Any) -> str:
     models = f.models()
-    return f.yaml("fuse.yaml", {"merge_method": "linear", "models": [{"model": m, "parameters": {"weight": weight}} for m in models],
-                                "output": "fused.safetensors"})
+    return f.yaml(
+        "fuse.yaml",
+        {
+            "merge_method": "linear",
+            "models": [{"model": m, "parameters": {"weight": weight}} for m in models],
+            "output": "fused.safetensors",
+        },
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 8. Checkpoints for rayfuse fuse
+
 
 def _torch_models(f: Files, make: Callable[[], dict[str, Any]], suffix: str = ".pt") -> list[str]:
     names = [f"m{i}{suffix}" for i in range(2)]
@@ -545,9 +645,12 @@ def _bf16_nan() -> dict[str, Any]:
 
 case(8, "fuse-sparse-tensor", "m0.pt: w")(lambda f: ["fuse", f.fuse(models=_torch_models(f, _sparse))])
 case(8, "fuse-sparse-csr-tensor", "m0.pt: w")(
-    lambda f: ["fuse", f.fuse(models=_torch_models(f, lambda: {"w": __import__("torch").eye(4).to_sparse_csr()}))])
+    lambda f: ["fuse", f.fuse(models=_torch_models(f, lambda: {"w": __import__("torch").eye(4).to_sparse_csr()}))]
+)
 case(8, "fuse-integer-only-pt", "m0.pt: steps")(lambda f: ["fuse", f.fuse(models=_torch_models(f, _integers))])
-case(8, "fuse-integer-only-safetensors", "m0.safetensors: steps")(lambda f: ["fuse", f.fuse(models=_torch_models(f, _integers, ".safetensors"))])
+case(8, "fuse-integer-only-safetensors", "m0.safetensors: steps")(
+    lambda f: ["fuse", f.fuse(models=_torch_models(f, _integers, ".safetensors"))]
+)
 case(8, "fuse-quantized-tensor", "m0.pt: w")(lambda f: ["fuse", f.fuse(models=_torch_models(f, _quantized))])
 case(8, "fuse-complex-tensor", "m0.safetensors: w")(lambda f: ["fuse", f.fuse(models=_torch_models(f, _complex, ".safetensors"))])
 case(8, "fuse-empty-checkpoint", "m0.safetensors")(lambda f: ["fuse", f.fuse(models=_torch_models(f, dict, ".safetensors"))])
@@ -555,9 +658,9 @@ case(8, "fuse-bfloat16-nan", ".safetensors: w")(lambda f: ["fuse", f.fuse(models
 case(8, "fuse-bfloat16-shape-mismatch", "m1.safetensors: weight")(lambda f: ["fuse", f.fuse(models=_mismatched_bf16(f))])
 case(8, "fuse-dtype-not-a-float", "dtype")(lambda f: ["fuse", f.fuse(dtype="int8")])
 case(8, "fuse-truncated-bfloat16", "m0.safetensors")(
-    lambda f: ["fuse", f.fuse(models=[f.raw("m0.safetensors", (f.root / f.models("bfloat16")[0]).read_bytes()[:40]), "m1.safetensors"])])
-case(8, "fuse-pickled-object-pt", "m0.pt")(
-    lambda f: ["fuse", f.fuse(models=[_pickle_file(f), _pickle_file(f, "m1.pt")])])
+    lambda f: ["fuse", f.fuse(models=[f.raw("m0.safetensors", (f.root / f.models("bfloat16")[0]).read_bytes()[:40]), "m1.safetensors"])]
+)
+case(8, "fuse-pickled-object-pt", "m0.pt")(lambda f: ["fuse", f.fuse(models=[_pickle_file(f), _pickle_file(f, "m1.pt")])])
 case(8, "api-fuse-sparse", "m0.pt: w")(lambda f: call(rayfuse.fuse, f.fuse(models=_torch_models(f, _sparse))))
 case(8, "api-fuse-integer-only", "m0.pt: steps")(lambda f: call(rayfuse.fuse, f.fuse(models=_torch_models(f, _integers))))
 
@@ -566,7 +669,10 @@ def _mismatched_bf16(f: Files) -> list[str]:
     import torch
 
     first = f.models("bfloat16")[0]
-    return [first, f.params("m1.safetensors", {"weight": torch.ones(5, 3, dtype=torch.bfloat16), "bias": torch.ones(4, dtype=torch.bfloat16)})]
+    return [
+        first,
+        f.params("m1.safetensors", {"weight": torch.ones(5, 3, dtype=torch.bfloat16), "bias": torch.ones(4, dtype=torch.bfloat16)}),
+    ]
 
 
 def _pickle_file(f: Files, name: str = "m0.pt") -> str:
@@ -657,7 +763,9 @@ def test_an_unreachable_address_is_refused_in_seconds_by_a_real_process(tmp_path
     job = Files(tmp_path).job()
     result = _rayfuse(["run", job, "--address", address, "--out", "out"], tmp_path, timeout=45)
     assert result.returncode == 2, result.stderr
-    assert result.stderr.splitlines() == [line for line in result.stderr.splitlines() if line.startswith("rayfuse: error: federation.address")]
+    assert result.stderr.splitlines() == [
+        line for line in result.stderr.splitlines() if line.startswith("rayfuse: error: federation.address")
+    ]
     assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
 

@@ -15,10 +15,24 @@ def test_every_section_and_the_keys_named_in_the_polish_list_have_one():
     rows = {row.path: row.description for section in config_rows().values() for row in section}
     for section in ExperimentConfig.model_fields:
         assert rows[section], section
-    for path in ("partition.num_clients", "model.dropout", "model.activation", "train.epochs", "train.batch_size",
-                 "train.optimizer", "train.lr", "train.weight_decay", "federation.on_client_failure", "federation.clients",
-                 "federation.coordinator", "federation.faults", "federation.faults.<i>.client", "federation.attacks.<i>.client",
-                 "federation.client_overrides.<i>.model.dropout", "federation.client_overrides.<i>.model.activation"):
+    for path in (
+        "partition.num_clients",
+        "model.dropout",
+        "model.activation",
+        "train.epochs",
+        "train.batch_size",
+        "train.optimizer",
+        "train.lr",
+        "train.weight_decay",
+        "federation.on_client_failure",
+        "federation.clients",
+        "federation.coordinator",
+        "federation.faults",
+        "federation.faults.<i>.client",
+        "federation.attacks.<i>.client",
+        "federation.client_overrides.<i>.model.dropout",
+        "federation.client_overrides.<i>.model.activation",
+    ):
         assert rows[path], path
 
 

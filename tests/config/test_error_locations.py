@@ -45,18 +45,27 @@ def test_the_key_path_comes_from_loc_relative_to_the_raising_section() -> None:
     assert line == "data.silos.0.val_size: expected val_size or test_path, not both (test_path is 'b.npz'), got 0.2"
 
 
-@pytest.mark.parametrize("data, path, rest", [
-    # from the top-level config's validators: the path is absolute
-    ({"federation": {"min_clients": 6}}, "federation.min_clients", "expected at most partition.num_clients (5), got 6"),
-    ({"federation": {"attacks": [{"client": 9, "kind": "sign_flip"}]}}, "federation.attacks.0.client",
-     "expected a client id in 0..4, got 9"),
-    ({"methods": {}}, "methods", "expected at least one method, got none"),
-    # from a section's validator: the section's path, then the key
-    ({"partition": {"num_clients": 3, "corrupt": {7: "noise"}}}, "partition.corrupt.7", "expected a client id in 0..2, got 7"),
-    ({"train": {"dp": {"noise_multiplier": 1.0, "target_epsilon": 2.0}}}, "train.dp.noise_multiplier",
-     "expected exactly one of noise_multiplier and target_epsilon, got both"),
-    ({"model": {"name": "mlp", "factory": "x.y"}}, "model.factory", "expected no factory for model 'mlp'"),
-])
+@pytest.mark.parametrize(
+    "data, path, rest",
+    [
+        # from the top-level config's validators: the path is absolute
+        ({"federation": {"min_clients": 6}}, "federation.min_clients", "expected at most partition.num_clients (5), got 6"),
+        (
+            {"federation": {"attacks": [{"client": 9, "kind": "sign_flip"}]}},
+            "federation.attacks.0.client",
+            "expected a client id in 0..4, got 9",
+        ),
+        ({"methods": {}}, "methods", "expected at least one method, got none"),
+        # from a section's validator: the section's path, then the key
+        ({"partition": {"num_clients": 3, "corrupt": {7: "noise"}}}, "partition.corrupt.7", "expected a client id in 0..2, got 7"),
+        (
+            {"train": {"dp": {"noise_multiplier": 1.0, "target_epsilon": 2.0}}},
+            "train.dp.noise_multiplier",
+            "expected exactly one of noise_multiplier and target_epsilon, got both",
+        ),
+        ({"model": {"name": "mlp", "factory": "x.y"}}, "model.factory", "expected no factory for model 'mlp'"),
+    ],
+)
 def test_the_one_line_names_the_key_from_loc(data: dict, path: str, rest: str) -> None:
     with pytest.raises(InputError) as info:
         validate_config(data)

@@ -25,11 +25,18 @@ BASE: dict[str, Any] = {
     "methods": {"local": {}},
 }
 CNN = {"name": "cnn", "channels": [4]}
-GMM = {"data": {"dataset": "kl_gmm", "options": {"num_groups": 2, "points": 20}, "val_size": 0, "public_size": 0},
-       "partition": {"method": "labels", "num_clients": 2, "groups": [[0], [1]]}}
-LDA = {"data": {"dataset": "kl_lda", "options": {"num_topics": 4, "vocabulary": 30, "num_groups": 2, "docs": 20, "test_docs": 10,
-                                                 "min_topics": 2, "max_topics": 2}, "public_size": 0},
-       "partition": {"method": "labels", "num_clients": 2, "groups": [[0], [1]]}}
+GMM = {
+    "data": {"dataset": "kl_gmm", "options": {"num_groups": 2, "points": 20}, "val_size": 0, "public_size": 0},
+    "partition": {"method": "labels", "num_clients": 2, "groups": [[0], [1]]},
+}
+LDA = {
+    "data": {
+        "dataset": "kl_lda",
+        "options": {"num_topics": 4, "vocabulary": 30, "num_groups": 2, "docs": 20, "test_docs": 10, "min_topics": 2, "max_topics": 2},
+        "public_size": 0,
+    },
+    "partition": {"method": "labels", "num_clients": 2, "groups": [[0], [1]]},
+}
 FEDSA = {"method": "fedsa", "k": 2, "student": CNN}
 
 
@@ -46,54 +53,125 @@ def job(methods: dict[str, Any], **sections: Any) -> dict[str, Any]:
 CASES = [
     # GEMS
     ("gems-cnn", job({"gems": {}}, model=CNN), "model.name", "logreg or mlp for method gems"),
-    ("gems-lbfgs-logreg", job({"gems": {"tune_solver": "lbfgs"}}, model={"name": "logreg"}), "methods.gems.tune_solver",
-     "model without hidden layers"),
-    ("gems-lbfgs-every-layer", job({"gems": {"tune_solver": "lbfgs", "last_layer_only": False}}), "methods.gems.tune_solver",
-     "last_layer_only"),
-    ("gems-hidden-epsilon-per-layer", job({"gems": {"hidden_epsilon": [1.0, 2.0]}}), "methods.gems.hidden_epsilon",
-     "one value per hidden layer (1)"),
-    ("gems-m-epsilon-per-layer", job({"gems": {"m_epsilon": [4, 4]}}, model={"hidden": [8]}), "methods.gems.m_epsilon",
-     "one value per hidden layer (1)"),
+    (
+        "gems-lbfgs-logreg",
+        job({"gems": {"tune_solver": "lbfgs"}}, model={"name": "logreg"}),
+        "methods.gems.tune_solver",
+        "model without hidden layers",
+    ),
+    (
+        "gems-lbfgs-every-layer",
+        job({"gems": {"tune_solver": "lbfgs", "last_layer_only": False}}),
+        "methods.gems.tune_solver",
+        "last_layer_only",
+    ),
+    (
+        "gems-hidden-epsilon-per-layer",
+        job({"gems": {"hidden_epsilon": [1.0, 2.0]}}),
+        "methods.gems.hidden_epsilon",
+        "one value per hidden layer (1)",
+    ),
+    (
+        "gems-m-epsilon-per-layer",
+        job({"gems": {"m_epsilon": [4, 4]}}, model={"hidden": [8]}),
+        "methods.gems.m_epsilon",
+        "one value per hidden layer (1)",
+    ),
     ("gems-m-epsilon-neurons", job({"gems": {"m_epsilon": 9}}, model={"hidden": [4]}), "methods.gems.m_epsilon", "(2 x 4 = 8), got 9"),
-    ("gems-public-samples", job({"gems": {"public_samples": [10, 5000]}}), "methods.gems.public_samples",
-     "at most the public sample's size"),
+    (
+        "gems-public-samples",
+        job({"gems": {"public_samples": [10, 5000]}}),
+        "methods.gems.public_samples",
+        "at most the public sample's size",
+    ),
     # finetune
-    ("finetune-no-public-sample", job({"tuned": {"method": "finetune"}}, data={"public_size": 0}), "data.public_size",
-     "a public sample (> 0) for fine-tuning"),
-    ("finetune-public-samples", job({"tuned": {"method": "finetune", "public_samples": 5000}}), "methods.tuned.public_samples",
-     "at most the public sample's size"),
-    ("finetune-raw-epochs", job({"tuned": {"method": "finetune", "base": "average", "raw_epochs": 3}}), "methods.tuned.raw_epochs",
-     "only with base: raw"),
-    ("finetune-raw-dropout-logreg", job({"tuned": {"method": "finetune", "base": "raw", "raw_dropout": 0.5}}, model={"name": "logreg"}),
-     "methods.tuned.raw_dropout", "an mlp model"),
-    ("finetune-lbfgs-raw", job({"tuned": {"method": "finetune", "base": "raw", "tune_solver": "lbfgs"}}), "methods.tuned.tune_solver",
-     "base: raw"),
+    (
+        "finetune-no-public-sample",
+        job({"tuned": {"method": "finetune"}}, data={"public_size": 0}),
+        "data.public_size",
+        "a public sample (> 0) for fine-tuning",
+    ),
+    (
+        "finetune-public-samples",
+        job({"tuned": {"method": "finetune", "public_samples": 5000}}),
+        "methods.tuned.public_samples",
+        "at most the public sample's size",
+    ),
+    (
+        "finetune-raw-epochs",
+        job({"tuned": {"method": "finetune", "base": "average", "raw_epochs": 3}}),
+        "methods.tuned.raw_epochs",
+        "only with base: raw",
+    ),
+    (
+        "finetune-raw-dropout-logreg",
+        job({"tuned": {"method": "finetune", "base": "raw", "raw_dropout": 0.5}}, model={"name": "logreg"}),
+        "methods.tuned.raw_dropout",
+        "an mlp model",
+    ),
+    (
+        "finetune-lbfgs-raw",
+        job({"tuned": {"method": "finetune", "base": "raw", "tune_solver": "lbfgs"}}),
+        "methods.tuned.tune_solver",
+        "base: raw",
+    ),
     # FedSA and its baselines
     ("fedsa-no-target-set", job({"fedsa": FEDSA}, model=CNN, data={"public_size": 0}), "data.public_size", "a labelled target set"),
     ("fedsa-k-teachers", job({"fedsa": {**FEDSA, "k": 3}}, model=CNN), "methods.fedsa.k", "at most the number of teachers (2"),
-    ("fedsa-student-logreg", job({"fedsa": {**FEDSA, "student": {"name": "logreg"}}}, model=CNN), "methods.fedsa.student",
-     "a model with a hidden representation"),
-    ("fedsa-teacher-logreg", job({"fedsa": {**FEDSA, "student": None}}, model={"name": "logreg"}), "model.name",
-     "a model with a hidden representation"),
-    ("fedsa-vector-student-map-teacher", job({"fedsa": {**FEDSA, "student": {"name": "mlp", "hidden": [8]}}}, model=CNN),
-     "methods.fedsa.student", "a student representation a translator can map"),
-    ("fedsa-gradcam-mlp", job({"fedsa": {**FEDSA, "student": None, "saliency": "gradcam"}}), "methods.fedsa.saliency",
-     "grad for models without a convolutional feature map"),
-    ("fedsa-student-does-not-fit", job({"fedsa": FEDSA}, data={"dataset": "iris"}), "methods.fedsa.student.name",
-     "an image dataset"),
+    (
+        "fedsa-student-logreg",
+        job({"fedsa": {**FEDSA, "student": {"name": "logreg"}}}, model=CNN),
+        "methods.fedsa.student",
+        "a model with a hidden representation",
+    ),
+    (
+        "fedsa-teacher-logreg",
+        job({"fedsa": {**FEDSA, "student": None}}, model={"name": "logreg"}),
+        "model.name",
+        "a model with a hidden representation",
+    ),
+    (
+        "fedsa-vector-student-map-teacher",
+        job({"fedsa": {**FEDSA, "student": {"name": "mlp", "hidden": [8]}}}, model=CNN),
+        "methods.fedsa.student",
+        "a student representation a translator can map",
+    ),
+    (
+        "fedsa-gradcam-mlp",
+        job({"fedsa": {**FEDSA, "student": None, "saliency": "gradcam"}}),
+        "methods.fedsa.saliency",
+        "grad for models without a convolutional feature map",
+    ),
+    ("fedsa-student-does-not-fit", job({"fedsa": FEDSA}, data={"dataset": "iris"}), "methods.fedsa.student.name", "an image dataset"),
     ("scratch-no-target-set", job({"scratch": {}}, data={"public_size": 0}), "data.public_size", "a labelled target set"),
     ("transfer-no-target-set", job({"transfer": {}}, data={"public_size": 0}), "data.public_size", "a labelled target set"),
     # KL-fusion and the GMM baselines
     ("kl-gmm-dataset", job({"kl": {}}), "data.dataset", "kl_gmm (method kl needs"),
     ("kl-topics-dataset", job({"kl": {"application": "topics"}}), "data.dataset", "kl_lda (application topics"),
-    ("kl-homogeneous-true", job({"kl": {"application": "topics", "homogeneous": True}}, **LDA), "methods.kl.n_components",
-     "a number of topics every client fits"),
-    ("kl-components-points", job({"kl": {"n_components": 50}}, **GMM), "methods.kl.n_components",
-     "at most the smallest client's number of training points"),
-    ("kl-init-components", job({"kl": {"n_components": 3, "n_init_components": 2}}, **GMM), "methods.kl.n_init_components",
-     "at least the largest local count (3)"),
-    ("kl-bnn-init-components", job({"kl": {"application": "bnn", "hidden": 10, "n_init_components": 4}}),
-     "methods.kl.n_init_components", "at least the largest local count (10)"),
+    (
+        "kl-homogeneous-true",
+        job({"kl": {"application": "topics", "homogeneous": True}}, **LDA),
+        "methods.kl.n_components",
+        "a number of topics every client fits",
+    ),
+    (
+        "kl-components-points",
+        job({"kl": {"n_components": 50}}, **GMM),
+        "methods.kl.n_components",
+        "at most the smallest client's number of training points",
+    ),
+    (
+        "kl-init-components",
+        job({"kl": {"n_components": 3, "n_init_components": 2}}, **GMM),
+        "methods.kl.n_init_components",
+        "at least the largest local count (3)",
+    ),
+    (
+        "kl-bnn-init-components",
+        job({"kl": {"application": "bnn", "hidden": 10, "n_init_components": 4}}),
+        "methods.kl.n_init_components",
+        "at least the largest local count (10)",
+    ),
     ("spahm-dataset", job({"spahm": {}}), "data.dataset", "kl_gmm (method spahm needs"),
     ("spahm-components-points", job({"spahm": {"n_components": 50}}, **GMM), "methods.spahm.n_components", "training points"),
     ("dp-cluster-dataset", job({"dp_cluster": {}}), "data.dataset", "kl_gmm (method dp_cluster needs"),
@@ -114,7 +192,7 @@ def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, err
     assert lines[0].startswith("rayfuse: error: ") and "Traceback" not in err
-    return lines[0][len("rayfuse: error: "):]
+    return lines[0][len("rayfuse: error: ") :]
 
 
 @pytest.mark.parametrize(("data", "path", "fragment"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -128,8 +206,11 @@ def test_validate_refuses_a_method_the_run_cannot_do(tmp_path, capsys, data, pat
 @pytest.mark.parametrize("case", sorted({c[1]["data"]["dataset"] for c in CASES}))
 def test_the_base_jobs_themselves_validate(tmp_path, capsys, case):
     """The refusals above come from the method entries: each dataset's job with a method that fits it validates."""
-    data = {"kl_gmm": job({"kl": {}}, **GMM), "kl_lda": job({"kl": {"application": "topics"}}, **LDA),
-            "iris": job({"gems": {}}, data={"dataset": "iris"})}.get(case, job({"fedsa": FEDSA, "scratch": {}, "transfer": {}}, model=CNN))
+    data = {
+        "kl_gmm": job({"kl": {}}, **GMM),
+        "kl_lda": job({"kl": {"application": "topics"}}, **LDA),
+        "iris": job({"gems": {}}, data={"dataset": "iris"}),
+    }.get(case, job({"fedsa": FEDSA, "scratch": {}, "transfer": {}}, model=CNN))
     assert main(["validate", str(write_job(tmp_path, data))]) == 0, capsys.readouterr().err
 
 

@@ -54,10 +54,10 @@ class Net(nn.Linear):
         return Net()
 '''
 
-RUNS = '''
+RUNS = """
 def _ran(*args, **kwargs):
     open("ran", "w").write("code ran")
-'''
+"""
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,13 @@ def fuse_arch(f: Files, architecture: str, args: dict[str, Any] | None = None, *
 
 
 def fuse_api(f: Files, architecture: str, args: dict[str, Any] | None = None) -> Callable[[], Any]:
-    config = {"merge_method": "weight_matching", "architecture": architecture, "input_shape": [3],
-              "models": [{"model": m} for m in f.models()], "output": "fused.safetensors"}
+    config = {
+        "merge_method": "weight_matching",
+        "architecture": architecture,
+        "input_shape": [3],
+        "models": [{"model": m} for m in f.models()],
+        "output": "fused.safetensors",
+    }
     if args is not None:
         config["architecture_args"] = args
     return call(rayfuse.fuse, config)
@@ -112,73 +117,123 @@ def fuse_api(f: Files, architecture: str, args: dict[str, Any] | None = None) ->
 SHELL = {"command": f"touch {SENTINEL}"}
 case(3, "fuse-os-system", "architecture", SENTINEL)(lambda f: fuse_arch(f, "os:system", SHELL))
 case(3, "fuse-os-popen", "architecture", SENTINEL)(lambda f: fuse_arch(f, "os:popen", {"cmd": f"touch {SENTINEL}"}))
-case(3, "fuse-subprocess-run", "architecture", SENTINEL)(
-    lambda f: fuse_arch(f, "subprocess:run", {"args": ["touch", SENTINEL]}))
-case(3, "fuse-subprocess-popen-class", "architecture", SENTINEL)(
-    lambda f: fuse_arch(f, "subprocess:Popen", {"args": ["touch", SENTINEL]}))
-case(3, "fuse-builtins-exec", "architecture", SENTINEL)(
-    lambda f: fuse_arch(f, "builtins:exec", {"source": f"open({SENTINEL!r}, 'w')"}))
+case(3, "fuse-subprocess-run", "architecture", SENTINEL)(lambda f: fuse_arch(f, "subprocess:run", {"args": ["touch", SENTINEL]}))
+case(3, "fuse-subprocess-popen-class", "architecture", SENTINEL)(lambda f: fuse_arch(f, "subprocess:Popen", {"args": ["touch", SENTINEL]}))
+case(3, "fuse-builtins-exec", "architecture", SENTINEL)(lambda f: fuse_arch(f, "builtins:exec", {"source": f"open({SENTINEL!r}, 'w')"}))
 case(3, "fuse-shutil-copy", "architecture", SENTINEL)(lambda f: fuse_arch(f, "shutil:copy", {"src": "fuse.yaml", "dst": SENTINEL}))
 case(3, "fuse-pathlib-class", "architecture", SENTINEL)(lambda f: fuse_arch(f, "pathlib:Path", {}))
 case(3, "fuse-numpy-save", "architecture", SENTINEL)(lambda f: fuse_arch(f, "numpy:save", {"file": SENTINEL, "arr": [1]}))
 case(3, "fuse-rayfuse-write", "architecture", SENTINEL)(
-    lambda f: fuse_arch(f, "rayfuse.io:atomic_write_text", {"path": SENTINEL, "text": "x"}))
+    lambda f: fuse_arch(f, "rayfuse.io:atomic_write_text", {"path": SENTINEL, "text": "x"})
+)
 case(3, "fuse-torchvision-function", "torchvision:resnet18")(lambda f: fuse_arch(f, "torchvision.models.resnet:resnet18", {}))
 case(3, "fuse-reexported-builtin", "architecture", SENTINEL)(
-    lambda f: fuse_arch(f, module(f, "m_reexport_builtin", "from os import system as build\n") + ":build", SHELL))
+    lambda f: fuse_arch(f, module(f, "m_reexport_builtin", "from os import system as build\n") + ":build", SHELL)
+)
 case(3, "fuse-reexported-function", "defined in shutil", SENTINEL)(
-    lambda f: fuse_arch(f, module(f, "m_reexport_function", "from shutil import copy as build\n") + ":build",
-                        {"src": "fuse.yaml", "dst": SENTINEL}))
+    lambda f: fuse_arch(
+        f, module(f, "m_reexport_function", "from shutil import copy as build\n") + ":build", {"src": "fuse.yaml", "dst": SENTINEL}
+    )
+)
 case(3, "fuse-class-not-a-module", "not an nn.Module", SENTINEL)(
-    lambda f: fuse_arch(f, module(f, "m_plain_class", RUNS + "class Builder:\n    __init__ = _ran\n") + ":Builder", {}))
+    lambda f: fuse_arch(f, module(f, "m_plain_class", RUNS + "class Builder:\n    __init__ = _ran\n") + ":Builder", {})
+)
 case(3, "fuse-callable-instance", "architecture", SENTINEL)(
-    lambda f: fuse_arch(f, module(f, "m_instance", RUNS + "class B:\n    __call__ = _ran\nbuild = B()\n") + ":build", {}))
+    lambda f: fuse_arch(f, module(f, "m_instance", RUNS + "class B:\n    __call__ = _ran\nbuild = B()\n") + ":build", {})
+)
 case(3, "fuse-partial", "architecture", SENTINEL)(
-    lambda f: fuse_arch(f, module(f, "m_partial", RUNS + "import functools\nbuild = functools.partial(_ran, 1)\n") + ":build", {}))
+    lambda f: fuse_arch(f, module(f, "m_partial", RUNS + "import functools\nbuild = functools.partial(_ran, 1)\n") + ":build", {})
+)
 case(3, "fuse-instance-method", "instance method")(lambda f: fuse_arch(f, module(f, "m_method", NET) + ":Net.forward", {}))
 case(3, "fuse-classmethod-of-a-plain-class", "architecture", SENTINEL)(
-    lambda f: fuse_arch(f, module(f, "m_plain_classmethod", RUNS + "class Maker:\n    make = classmethod(_ran)\n") + ":Maker.make", {}))
+    lambda f: fuse_arch(f, module(f, "m_plain_classmethod", RUNS + "class Maker:\n    make = classmethod(_ran)\n") + ":Maker.make", {})
+)
 case(3, "fuse-property-not-run", "architecture", SENTINEL)(
-    lambda f: fuse_arch(f, module(f, "m_property", RUNS + "class Holder:\n    model = property(_ran)\n") + ":Holder.model", {}))
+    lambda f: fuse_arch(f, module(f, "m_property", RUNS + "class Holder:\n    model = property(_ran)\n") + ":Holder.model", {})
+)
 case(3, "fuse-module-value", "architecture")(lambda f: fuse_arch(f, module(f, "m_value", "WIDTH = 3\n") + ":WIDTH", {}))
 case(3, "fuse-module-exits-at-import", "the module exited at import")(
-    lambda f: fuse_arch(f, module(f, "m_argparse", "import argparse\nparser = argparse.ArgumentParser()\n"
-                                  "parser.add_argument('--width', required=True)\nargs = parser.parse_args()\n") + ":Net"))
+    lambda f: fuse_arch(
+        f,
+        module(
+            f,
+            "m_argparse",
+            "import argparse\nparser = argparse.ArgumentParser()\n"
+            "parser.add_argument('--width', required=True)\nargs = parser.parse_args()\n",
+        )
+        + ":Net",
+    )
+)
 case(3, "fuse-module-sys-exit-0", "the module exited at import")(
-    lambda f: fuse_arch(f, module(f, "m_exit0", "import sys\nprint('bye')\nsys.exit(0)\n") + ":Net"))
+    lambda f: fuse_arch(f, module(f, "m_exit0", "import sys\nprint('bye')\nsys.exit(0)\n") + ":Net")
+)
 case(3, "fuse-module-raises-at-import", "the module raised at import: ValueError: no GPU here")(
-    lambda f: fuse_arch(f, module(f, "m_raises", "raise ValueError('no GPU here\\nsecond line')\n") + ":Net"))
+    lambda f: fuse_arch(f, module(f, "m_raises", "raise ValueError('no GPU here\\nsecond line')\n") + ":Net")
+)
 case(3, "fuse-module-missing-dependency", "ModuleNotFoundError")(
-    lambda f: fuse_arch(f, module(f, "m_missing_dep", "import no_such_dependency_31\n") + ":Net"))
+    lambda f: fuse_arch(f, module(f, "m_missing_dep", "import no_such_dependency_31\n") + ":Net")
+)
 case(3, "fuse-module-syntax-error", "the module raised at import: SyntaxError")(
-    lambda f: fuse_arch(f, module(f, "m_syntax", "def broken(:\n") + ":Net"))
+    lambda f: fuse_arch(f, module(f, "m_syntax", "def broken(:\n") + ":Net")
+)
 case(3, "fuse-constructor-exits", "exited")(
-    lambda f: fuse_arch(f, module(f, "m_ctor_exit", "import sys\nfrom torch import nn\n\nclass Net(nn.Module):\n"
-                                  "    def __init__(self):\n        super().__init__()\n        sys.exit(3)\n") + ":Net", {}))
+    lambda f: fuse_arch(
+        f,
+        module(
+            f,
+            "m_ctor_exit",
+            "import sys\nfrom torch import nn\n\nclass Net(nn.Module):\n"
+            "    def __init__(self):\n        super().__init__()\n        sys.exit(3)\n",
+        )
+        + ":Net",
+        {},
+    )
+)
 case(3, "fuse-teacher-architecture-os-system", "models.1.architecture", SENTINEL)(
-    lambda f: ["fuse", f.yaml("fuse.yaml", {"merge_method": "distill", "architecture": "torch.nn:Linear",
-                                            "architecture_args": {"in_features": 3, "out_features": 4}, "input_shape": [3],
-                                            "models": [{"model": f.models()[0]},
-                                                       {"model": "m1.safetensors", "architecture": "os:system", "architecture_args": SHELL}],
-                                            "output": "fused.safetensors"})])
+    lambda f: [
+        "fuse",
+        f.yaml(
+            "fuse.yaml",
+            {
+                "merge_method": "distill",
+                "architecture": "torch.nn:Linear",
+                "architecture_args": {"in_features": 3, "out_features": 4},
+                "input_shape": [3],
+                "models": [{"model": f.models()[0]}, {"model": "m1.safetensors", "architecture": "os:system", "architecture_args": SHELL}],
+                "output": "fused.safetensors",
+            },
+        ),
+    ]
+)
 case(3, "symmetry-os-system", "architecture", SENTINEL)(lambda f: ["symmetry", "os:system", "--args", json.dumps(SHELL)])
 case(3, "symmetry-module-exits-at-import", "the module exited at import")(
-    lambda f: ["symmetry", module(f, "m_sym_argparse", "import argparse\nargparse.ArgumentParser().parse_args(['--x'])\n") + ":Net"])
+    lambda f: ["symmetry", module(f, "m_sym_argparse", "import argparse\nargparse.ArgumentParser().parse_args(['--x'])\n") + ":Net"]
+)
 case(3, "api-fuse-os-system", "architecture", SENTINEL)(lambda f: fuse_api(f, "os:system", SHELL))
 case(3, "api-fuse-subprocess-check-call", "architecture", SENTINEL)(
-    lambda f: fuse_api(f, "subprocess:check_call", {"args": ["touch", SENTINEL]}))
+    lambda f: fuse_api(f, "subprocess:check_call", {"args": ["touch", SENTINEL]})
+)
 case(3, "api-symmetry-subprocess-run", "architecture", SENTINEL)(
-    lambda f: call(rayfuse.api.symmetry, "subprocess:run", input_shape=[3], args={"args": ["touch", SENTINEL]}))
+    lambda f: call(rayfuse.api.symmetry, "subprocess:run", input_shape=[3], args={"args": ["touch", SENTINEL]})
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 5. Model checks: a forward that raises, outputs that are not logits
 
+
 def model_module(f: Files, name: str, forward: str) -> str:
     """A module whose ``Net`` holds the test checkpoints' tensors (a 3 -> 4 Linear, ``self.fc(x)``) and runs ``forward``."""
-    return module(f, name, "import torch\nfrom torch import nn\n\n\nclass Net(nn.Linear):\n    def __init__(self):\n"
-                  "        super().__init__(3, 4)\n\n    def fc(self, x):\n        return super().forward(x)\n\n"
-                  "    def forward(self, x):\n" + "".join(f"        {line}\n" for line in forward.splitlines())) + ":Net"
+    return (
+        module(
+            f,
+            name,
+            "import torch\nfrom torch import nn\n\n\nclass Net(nn.Linear):\n    def __init__(self):\n"
+            "        super().__init__(3, 4)\n\n    def fc(self, x):\n        return super().forward(x)\n\n"
+            "    def forward(self, x):\n" + "".join(f"        {line}\n" for line in forward.splitlines()),
+        )
+        + ":Net"
+    )
 
 
 def fuse_model(f: Files, name: str, forward: str, **fields: Any) -> list[str]:
@@ -186,20 +241,28 @@ def fuse_model(f: Files, name: str, forward: str, **fields: Any) -> list[str]:
 
 
 case(5, "fuse-forward-raises", "the model's forward raised ValueError: expected a mask")(
-    lambda f: fuse_model(f, "m_fwd_raises", "raise ValueError('expected a mask\\nmore')"))
+    lambda f: fuse_model(f, "m_fwd_raises", "raise ValueError('expected a mask\\nmore')")
+)
 case(5, "fuse-forward-raises-on-data", "data.path")(
-    lambda f: fuse_model(f, "m_fwd_raises_data", "raise RuntimeError('shape mismatch')", input_shape=None,
-                         data={"path": f.npz(X=np.ones((60, 3), np.float32))}))
+    lambda f: fuse_model(
+        f,
+        "m_fwd_raises_data",
+        "raise RuntimeError('shape mismatch')",
+        input_shape=None,
+        data={"path": f.npz(X=np.ones((60, 3), np.float32))},
+    )
+)
 case(5, "fuse-forward-returns-none-first", "input_shape: expected the model returning (batch, classes) logits")(
-    lambda f: fuse_model(f, "m_fwd_none_first", "return None, self.fc(x)"))
-case(5, "fuse-forward-returns-dict-without-logits", "input_shape")(
-    lambda f: fuse_model(f, "m_fwd_dict", "return {'scores': self.fc(x)}"))
+    lambda f: fuse_model(f, "m_fwd_none_first", "return None, self.fc(x)")
+)
+case(5, "fuse-forward-returns-dict-without-logits", "input_shape")(lambda f: fuse_model(f, "m_fwd_dict", "return {'scores': self.fc(x)}"))
 case(5, "fuse-forward-returns-3d", "input_shape")(lambda f: fuse_model(f, "m_fwd_3d", "return self.fc(x)[:, None, :]"))
 case(5, "fuse-forward-returns-text", "input_shape")(lambda f: fuse_model(f, "m_fwd_text", "return 'logits'"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 5. Readers: npz archives, bounded before anything is allocated
+
 
 def npy_bytes(array: np.ndarray) -> bytes:
     buffer = io.BytesIO()
@@ -291,8 +354,10 @@ NPZ_FILES: dict[str, tuple[Callable[[Files], str], str]] = {
     "object-array-header": (_object_header, "data.npz: X"),
     "header-syntax-error": (_bad_header_text, "data.npz"),
     "npy-format-3": (_format_3, "data.npz: X"),
-    "header-declares-more-than-held": (lambda f: zip_npz(f, {"X.npy": npy_header((60, 4)) + bytes(100), "y.npy": npy_bytes(LABELS)}),
-                                       "data.npz: X"),
+    "header-declares-more-than-held": (
+        lambda f: zip_npz(f, {"X.npy": npy_header((60, 4)) + bytes(100), "y.npy": npy_bytes(LABELS)}),
+        "data.npz: X",
+    ),
 }
 
 for _name, (_write, _names) in NPZ_FILES.items():
@@ -301,8 +366,16 @@ for _name in ("truncated-half", "header-declares-800-tb-consistently", "corrupt-
     _write, _names = NPZ_FILES[_name]
     case(5, f"run-npz-{_name}", _names)(lambda f, w=_write: ["run", f.job(data={"dataset": "npz", "path": w(f)})])
     case(5, f"fuse-data-npz-{_name}", _names)(
-        lambda f, w=_write: ["fuse", f.fuse(merge_method="activation_matching", architecture="torch.nn:Linear",
-                                            architecture_args={"in_features": 3, "out_features": 4}, data={"path": w(f)})])
+        lambda f, w=_write: [
+            "fuse",
+            f.fuse(
+                merge_method="activation_matching",
+                architecture="torch.nn:Linear",
+                architecture_args={"in_features": 3, "out_features": 4},
+                data={"path": w(f)},
+            ),
+        ]
+    )
 
 
 def _memory_bound(available: int) -> Callable[[Files, pytest.MonkeyPatch], None]:
@@ -328,14 +401,19 @@ class Patched:
 
 
 case(5, "validate-npz-header-declares-200-gb-on-a-64-gib-machine", "data.npz: expected arrays that fit in memory")(
-    Patched(_memory_bound(64 * 2**30), lambda f: ["validate", f.job(data={"dataset": "npz", "path": _consistent(25 * 10**9)(f)})]))
+    Patched(_memory_bound(64 * 2**30), lambda f: ["validate", f.job(data={"dataset": "npz", "path": _consistent(25 * 10**9)(f)})])
+)
 case(5, "validate-npz-above-the-memory-available", "data.npz: expected arrays that fit in memory")(
-    Patched(_memory_bound(64 * 2**10), lambda f: ["validate", f.job(data={"dataset": "npz", "path": f.npz(X=np.zeros((6000, 4)),
-                                                                                                 y=np.arange(6000) % 3)})]))
+    Patched(
+        _memory_bound(64 * 2**10),
+        lambda f: ["validate", f.job(data={"dataset": "npz", "path": f.npz(X=np.zeros((6000, 4)), y=np.arange(6000) % 3)})],
+    )
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 5. Readers: tables (parquet, csv)
+
 
 def _parquet_table(f: Files, name: str = "data.parquet", **columns: Any) -> str:
     import pyarrow as pa
@@ -391,8 +469,11 @@ TABLES: dict[str, tuple[Callable[[Files], str], Any, str]] = {
 }
 for _name, (_write, _features, _names) in TABLES.items():
     case(5, f"validate-parquet-{_name}", _names)(
-        lambda f, w=_write, c=_features: ["validate", f.job(data={"dataset": "parquet", "path": w(f), **({"features": c} if c else {})})])
-case(5, "run-parquet-nested-labels", "data.label")(lambda f: ["run", f.job(data={"dataset": "parquet", "path": TABLES["nested-list-labels"][0](f)})])
+        lambda f, w=_write, c=_features: ["validate", f.job(data={"dataset": "parquet", "path": w(f), **({"features": c} if c else {})})]
+    )
+case(5, "run-parquet-nested-labels", "data.label")(
+    lambda f: ["run", f.job(data={"dataset": "parquet", "path": TABLES["nested-list-labels"][0](f)})]
+)
 
 
 def _read(kind: str, **kwargs: Any) -> Callable[[Files], Callable[[], Any]]:
@@ -404,12 +485,18 @@ def _read(kind: str, **kwargs: Any) -> Callable[[Files], Callable[[], Any]]:
 case(5, "read-csv-duplicate-columns", "data.csv: expected columns with distinct names")(_read("csv"))
 case(5, "read-csv-duplicate-columns-features-named", "data.csv")(_read("csv", features=["a"]))
 case(5, "read-unlabeled-csv-duplicate-columns", "data.csv")(
-    lambda f: call(__import__("rayfuse.data.datasets", fromlist=["x"]).read_unlabeled_file,
-                   f.text("data.csv", "a,a\n1,2\n3,4\n"), kind="csv", features=["a"]))
+    lambda f: call(
+        __import__("rayfuse.data.datasets", fromlist=["x"]).read_unlabeled_file,
+        f.text("data.csv", "a,a\n1,2\n3,4\n"),
+        kind="csv",
+        features=["a"],
+    )
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 5. Readers: silo image folders (decompression bombs, damaged images, sizes)
+
 
 def png_header(width: int, height: int) -> bytes:
     """A PNG that declares ``width`` x ``height`` (grey, 8 bit) and holds one empty image row: PIL reads the size from
@@ -440,10 +527,17 @@ def silo_job(f: Files, silo: dict[str, Any]) -> str:
     """A silo job: client 0 an npz file, client 1 ``silo``; in-process, run folder under ./runs."""
     X = np.random.default_rng(0).normal(size=(40, 3 * 5 * 6)).astype(np.float32).reshape(40, 3, 5, 6)
     np.savez(f.root / "site0.npz", X=X, y=np.arange(40) % 2)
-    return f.yaml("job.yaml", {"run": {"name": "silo", "seed": 0, "storage": "runs"},
-                               "data": {"silos": [{"dataset": "npz", "path": "site0.npz"}, silo]},
-                               "model": {"name": "mlp", "hidden": [8]}, "train": {"epochs": 1},
-                               "federation": {"backend": "local"}, "methods": {"average": {}}})
+    return f.yaml(
+        "job.yaml",
+        {
+            "run": {"name": "silo", "seed": 0, "storage": "runs"},
+            "data": {"silos": [{"dataset": "npz", "path": "site0.npz"}, silo]},
+            "model": {"name": "mlp", "hidden": [8]},
+            "train": {"epochs": 1},
+            "federation": {"backend": "local"},
+            "methods": {"average": {}},
+        },
+    )
 
 
 def load_image_silo(f: Files, odd: tuple[str, bytes] | None = None, **spec: Any) -> Callable[[], Any]:
@@ -455,11 +549,15 @@ def load_image_silo(f: Files, odd: tuple[str, bytes] | None = None, **spec: Any)
 BOMB = ("bomb.png", png_header(100_000, 100_000))  # 10^10 pixels: above twice PIL's bound
 case(5, "silo-image-decompression-bomb-error", "data.silos.1.path: expected readable images")(lambda f: load_image_silo(f, BOMB))
 case(5, "silo-image-decompression-bomb-warning", "DecompressionBombWarning")(
-    lambda f: load_image_silo(f, ("large.png", png_header(10_000, 10_000))))  # 10^8 pixels: above the bound, below twice
+    lambda f: load_image_silo(f, ("large.png", png_header(10_000, 10_000)))
+)  # 10^8 pixels: above the bound, below twice
 case(5, "silo-image-truncated", "img-cut.png")(lambda f: load_image_silo(f, ("img-cut.png", png_header(6, 5)[:30])))
 case(5, "silo-image-not-an-image", "notes.png")(lambda f: load_image_silo(f, ("notes.png", b"these are notes, not pixels")))
 case(5, "silo-image-bad-chunk-crc", "broken.png")(
-    lambda f: load_image_silo(f, ("broken.png", png_header(6, 5)[:29] + b"\x00\x00\x00\x00" + png_header(6, 5)[33:])))
+    lambda f: load_image_silo(f, ("broken.png", png_header(6, 5)[:29] + b"\x00\x00\x00\x00" + png_header(6, 5)[33:]))
+)
+
+
 def _decoder_raises(error: BaseException) -> Callable[[Files, pytest.MonkeyPatch], None]:
     """PIL's decoding of a damaged file raising ``error`` (EOFError, SyntaxError and struct.error come out of PIL's
     plugins on some truncated files): the reader catches what decoding can raise, not a fixed list."""
@@ -475,10 +573,15 @@ def _decoder_raises(error: BaseException) -> Callable[[Files, pytest.MonkeyPatch
     return patch
 
 
-for _error in (EOFError("no more data"), SyntaxError("not a PNG file"), __import__("struct").error("unpack requires 4 bytes"),
-               RuntimeError("decoder failed")):
+for _error in (
+    EOFError("no more data"),
+    SyntaxError("not a PNG file"),
+    __import__("struct").error("unpack requires 4 bytes"),
+    RuntimeError("decoder failed"),
+):
     case(5, f"silo-image-decoder-raises-{type(_error).__name__}", f"{type(_error).__name__}: ")(
-        Patched(_decoder_raises(_error), lambda f: load_image_silo(f)))
+        Patched(_decoder_raises(_error), lambda f: load_image_silo(f))
+    )
 
 
 def _csv_parser_raises(error: BaseException) -> Callable[[Files, pytest.MonkeyPatch], None]:
@@ -495,32 +598,53 @@ def _csv_parser_raises(error: BaseException) -> Callable[[Files, pytest.MonkeyPa
 
 for _error in (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"), MemoryError("csv block")):
     case(5, f"read-csv-parser-raises-{type(_error).__name__}", f"{type(_error).__name__}: ")(
-        Patched(_csv_parser_raises(_error), lambda f: call(__import__("rayfuse.data.datasets", fromlist=["read_data_file"]).read_data_file,
-                                                           f.text("data.csv", "a,b,y\n1,2,0\n3,4,1\n"), kind="csv")))
+        Patched(
+            _csv_parser_raises(_error),
+            lambda f: call(
+                __import__("rayfuse.data.datasets", fromlist=["read_data_file"]).read_data_file,
+                f.text("data.csv", "a,b,y\n1,2,0\n3,4,1\n"),
+                kind="csv",
+            ),
+        )
+    )
 
 
 case(5, "silo-images-above-the-memory-available", "data.silos.1.image_size: expected images that fit")(
-    Patched(_memory_bound(64 * 2**10), lambda f: load_image_silo(f, image_size=[64, 64])))
+    Patched(_memory_bound(64 * 2**10), lambda f: load_image_silo(f, image_size=[64, 64]))
+)
 case(5, "silo-images-own-size-above-the-memory-available", "data.silos.1.path: expected images that fit")(
-    Patched(_memory_bound(2**10), lambda f: load_image_silo(f, None)))
+    Patched(_memory_bound(2**10), lambda f: load_image_silo(f, None))
+)
 case(5, "run-silo-image-bomb", "data.silos.1.path")(
-    lambda f: ["run", silo_job(f, {"dataset": "imagefolder", "path": image_folder(f, BOMB), "image_size": [5, 6]})])
+    lambda f: ["run", silo_job(f, {"dataset": "imagefolder", "path": image_folder(f, BOMB), "image_size": [5, 6]})]
+)
 case(5, "validate-silo-image-size-40000-squared", "data.silos.1.image_size")(
-    lambda f: ["validate", silo_job(f, {"dataset": "imagefolder", "path": "images", "image_size": [40000, 40000]})])
+    lambda f: ["validate", silo_job(f, {"dataset": "imagefolder", "path": "images", "image_size": [40000, 40000]})]
+)
 case(5, "validate-target-resize-40000-squared", "data.target.resize")(
-    lambda f: ["validate", f.job(data={"dataset": "digits", "target": {"dataset": "digits", "resize": [40000, 40000]}})])
+    lambda f: ["validate", f.job(data={"dataset": "digits", "target": {"dataset": "digits", "resize": [40000, 40000]}})]
+)
 case(5, "validate-silo-image-size-one-side-huge", "data.silos.1.image_size")(
-    lambda f: ["validate", silo_job(f, {"dataset": "imagefolder", "path": "images", "image_size": [1, 100_000_000]})])
+    lambda f: ["validate", silo_job(f, {"dataset": "imagefolder", "path": "images", "image_size": [1, 100_000_000]})]
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 5. Readers: permutation spec files and hand-written specs
 
+
 def fuse_spec(f: Files, spec_bytes: bytes) -> list[str]:
     f.raw("spec.json", spec_bytes)
-    return ["fuse", f.fuse(merge_method="weight_matching", architecture="torch.nn:Linear",
-                           architecture_args={"in_features": 3, "out_features": 4}, input_shape=[3],
-                           parameters={"spec": "spec.json"})]
+    return [
+        "fuse",
+        f.fuse(
+            merge_method="weight_matching",
+            architecture="torch.nn:Linear",
+            architecture_args={"in_features": 3, "out_features": 4},
+            input_shape=[3],
+            parameters={"spec": "spec.json"},
+        ),
+    ]
 
 
 def _group(**changes: Any) -> bytes:
@@ -556,17 +680,31 @@ def _deep(depth: int) -> Any:
 
 
 case(5, "symmetry-args-nested-20000-deep", "--args")(
-    lambda f: ["symmetry", "mlp", "--args", '{"hidden": ' + "[" * 20_000 + "]" * 20_000 + "}"])
+    lambda f: ["symmetry", "mlp", "--args", '{"hidden": ' + "[" * 20_000 + "]" * 20_000 + "}"]
+)
 case(5, "fuse-architecture-args-nested-3000-deep", "fuse.yaml")(
-    lambda f: ["fuse", f.text("fuse.yaml", "merge_method: average\narchitecture: torch.nn:Linear\narchitecture_args: {a: "
-                              + "[" * 3000 + "]" * 3000 + "}\nmodels: [{model: m0.safetensors}, {model: m1.safetensors}]\n")])
+    lambda f: [
+        "fuse",
+        f.text(
+            "fuse.yaml",
+            "merge_method: average\narchitecture: torch.nn:Linear\narchitecture_args: {a: "
+            + "[" * 3000
+            + "]" * 3000
+            + "}\nmodels: [{model: m0.safetensors}, {model: m1.safetensors}]\n",
+        ),
+    ]
+)
 case(5, "spec-from-dict-name-nested-5000-deep", "spec.groups.0.name")(
-    lambda f: call(__import__("rayfuse.symmetry", fromlist=["PermutationSpec"]).PermutationSpec.from_dict,
-                   {"groups": [{"name": _deep(5000), "size": 2, "axes": [{"key": "w", "dim": 0}]}]}))
+    lambda f: call(
+        __import__("rayfuse.symmetry", fromlist=["PermutationSpec"]).PermutationSpec.from_dict,
+        {"groups": [{"name": _deep(5000), "size": 2, "axes": [{"key": "w", "dim": 0}]}]},
+    )
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 5. Readers: checkpoints
+
 
 def _safetensors_huge_header(f: Files) -> list[str]:
     models = f.models()
@@ -595,9 +733,11 @@ case(5, "fuse-safetensors-header-length-2-60", "m0.safetensors")(lambda f: ["fus
 case(5, "fuse-safetensors-tensor-beyond-the-file", "m0.safetensors")(lambda f: ["fuse", f.fuse(models=_safetensors_overlong_tensor(f))])
 case(5, "fuse-pt-truncated", "m0.pt")(lambda f: ["fuse", f.fuse(models=_pt_truncated(f))])
 case(5, "fuse-checkpoint-above-the-memory-available", "m0.safetensors: expected a checkpoint that fits in memory")(
-    Patched(_memory_bound(256), lambda f: ["fuse", f.fuse()]))
+    Patched(_memory_bound(256), lambda f: ["fuse", f.fuse()])
+)
 case(5, "api-fuse-checkpoint-above-the-memory-available", "m0.safetensors: expected a checkpoint that fits in memory")(
-    Patched(_memory_bound(256), lambda f: call(rayfuse.fuse, f.fuse())))
+    Patched(_memory_bound(256), lambda f: call(rayfuse.fuse, f.fuse()))
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -758,8 +898,19 @@ def _(f: Files) -> None:
         torch.manual_seed(seed)
         save_file(build_architecture(ref).state_dict(), str(f.root / f"mlp{seed}.safetensors"))
     data = f.npz(X=np.random.default_rng(0).normal(size=(60, 3)).astype(np.float32), y=np.arange(60) % 2)
-    _fused(f, ["fuse", f.fuse(models=["mlp0.safetensors", "mlp1.safetensors"], merge_method="weight_matching", architecture=ref,
-                              data={"path": data}, parameters={"repair": True})])
+    _fused(
+        f,
+        [
+            "fuse",
+            f.fuse(
+                models=["mlp0.safetensors", "mlp1.safetensors"],
+                merge_method="weight_matching",
+                architecture=ref,
+                data={"path": data},
+                parameters={"repair": True},
+            ),
+        ],
+    )
 
 
 @valid("npz-compressed-fortran-big-endian-extra-member")
@@ -854,16 +1005,24 @@ def _(f: Files) -> None:
         torch.manual_seed(seed)
         save_file(sys.modules["m_ok_mlp"].MLP().state_dict(), str(f.root / f"mlp{seed}.safetensors"))
         models.append(f"mlp{seed}.safetensors")
-    _fused(f, ["fuse", f.fuse(models=models, merge_method="weight_matching", architecture=ref, input_shape=[3],
-                              parameters={"spec": "spec.json"})])
+    _fused(
+        f,
+        [
+            "fuse",
+            f.fuse(models=models, merge_method="weight_matching", architecture=ref, input_shape=[3], parameters={"spec": "spec.json"}),
+        ],
+    )
 
 
 @valid("spec-with-fields-of-a-later-version")
 def _(f: Files) -> None:
     from rayfuse.symmetry import PermutationSpec
 
-    data = {"groups": [{"name": "P0", "size": 2, "axes": [{"key": "w", "dim": 0, "start": 0}], "origin": "hand-written"}],
-            "fixed": [{"key": "w", "dim": 1, "reason": "input", "by": "me"}], "version": 2}
+    data = {
+        "groups": [{"name": "P0", "size": 2, "axes": [{"key": "w", "dim": 0, "start": 0}], "origin": "hand-written"}],
+        "fixed": [{"key": "w", "dim": 1, "reason": "input", "by": "me"}],
+        "version": 2,
+    }
     spec = PermutationSpec.from_dict(data)
     assert spec.groups[0].size == 2 and spec.fixed[0].reason == "input"
     assert PermutationSpec.from_dict(spec.to_dict()) == spec

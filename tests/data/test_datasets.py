@@ -92,8 +92,15 @@ def test_gaussians4_is_epgans_toy_set():
         np.testing.assert_allclose(points.var(0), [variances[k]] * 2, rtol=0.1)
 
 
-@pytest.mark.parametrize("options,key", [({"n_per_mode": 1}, "n_per_mode"), ({"var_low": -1.0}, "var_low"),
-                                         ({"var_low": 0.5, "var_high": 0.3}, "var_high"), ({"n_points": 5}, "n_points")])
+@pytest.mark.parametrize(
+    "options,key",
+    [
+        ({"n_per_mode": 1}, "n_per_mode"),
+        ({"var_low": -1.0}, "var_low"),
+        ({"var_low": 0.5, "var_high": 0.3}, "var_high"),
+        ({"n_points": 5}, "n_points"),
+    ],
+)
 def test_gaussians4_bad_options_name_the_key(options, key):
     with pytest.raises(InputError, match=rf"data\.options\.{key}"):
         load_dataset("gaussians4", options=options)
@@ -229,10 +236,19 @@ def test_npz_large_or_negative_integer_labels_are_remapped(tmp_path):
 @pytest.mark.parametrize(
     ("arrays", "kwargs", "match"),
     [
-        pytest.param({"X": np.zeros((3, 2)), "y": [0, 1, 0]}, {"features": "inputs"}, r"^data\.features: .*\(X, y\), got 'inputs'", id="missing-feature-key"),
+        pytest.param(
+            {"X": np.zeros((3, 2)), "y": [0, 1, 0]},
+            {"features": "inputs"},
+            r"^data\.features: .*\(X, y\), got 'inputs'",
+            id="missing-feature-key",
+        ),
         pytest.param({"X": np.zeros((3, 2)), "y": [0, 1, 0]}, {"label": "target"}, r"^data\.label: .*got 'target'", id="missing-label-key"),
-        pytest.param({"X": np.array([["a", "b"]] * 3), "y": [0, 1, 0]}, {}, r"^data\.features: expected a numeric array", id="non-numeric-features"),
-        pytest.param({"X": np.zeros((3, 2)), "y": [0, 1, 0]}, {"features": ["X"]}, r"^data\.features: expected one array name", id="feature-list"),
+        pytest.param(
+            {"X": np.array([["a", "b"]] * 3), "y": [0, 1, 0]}, {}, r"^data\.features: expected a numeric array", id="non-numeric-features"
+        ),
+        pytest.param(
+            {"X": np.zeros((3, 2)), "y": [0, 1, 0]}, {"features": ["X"]}, r"^data\.features: expected one array name", id="feature-list"
+        ),
         pytest.param({"X": np.zeros((3, 2)), "y": [1, 1, 1]}, {}, r"^data\.label: expected at least 2 distinct labels", id="single-class"),
         pytest.param({"X": np.zeros((3, 2)), "y": [0, 1]}, {}, r"as many labels as samples", id="length-mismatch"),
         pytest.param({"X": np.array([[0.0], [np.nan], [1.0]]), "y": [0, 1, 0]}, {}, r"finite feature values", id="nan-features"),
@@ -309,11 +325,22 @@ def test_parquet_explicit_feature_columns(parquet_file):
 @pytest.mark.parametrize(
     ("columns", "kwargs", "match"),
     [
-        pytest.param({"a": [1.0, 2.0], "y": [0, 1]}, {"label": "target"}, r"^data\.label: .*\(a, y\), got 'target'", id="missing-label-column"),
+        pytest.param(
+            {"a": [1.0, 2.0], "y": [0, 1]}, {"label": "target"}, r"^data\.label: .*\(a, y\), got 'target'", id="missing-label-column"
+        ),
         pytest.param({"a": [1.0, 2.0], "y": [0, 1]}, {"features": ["a", "z"]}, r"^data\.features: .*got 'z'", id="missing-feature-column"),
-        pytest.param({"a": ["p", "q"], "y": [0, 1]}, {"features": ["a"]}, r"^data\.features: expected numeric columns", id="non-numeric-feature-column"),
-        pytest.param({"a": ["p", "q"], "y": [0, 1]}, {}, r"^data\.features: expected at least one numeric feature column", id="no-numeric-column"),
-        pytest.param({"a": [1.0, None], "y": [0, 1]}, {}, r"^data\.features: expected numeric columns without nulls.*'a'", id="null-feature"),
+        pytest.param(
+            {"a": ["p", "q"], "y": [0, 1]},
+            {"features": ["a"]},
+            r"^data\.features: expected numeric columns",
+            id="non-numeric-feature-column",
+        ),
+        pytest.param(
+            {"a": ["p", "q"], "y": [0, 1]}, {}, r"^data\.features: expected at least one numeric feature column", id="no-numeric-column"
+        ),
+        pytest.param(
+            {"a": [1.0, None], "y": [0, 1]}, {}, r"^data\.features: expected numeric columns without nulls.*'a'", id="null-feature"
+        ),
     ],
 )
 def test_bad_parquet_raises_input_error_naming_the_key(parquet_file, columns, kwargs, match):

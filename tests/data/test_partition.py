@@ -262,18 +262,44 @@ TINY = np.array([0, 0, 1, 1, 2, 2, 0, 1, 2, 0])  # 10 samples, 3 classes
     [
         pytest.param(TINY, 11, "iid", {}, r"partition\.num_clients: .*at most the pool size \(10\)", id="more-clients-than-samples"),
         pytest.param(TINY, 11, "dirichlet", {}, r"partition\.num_clients", id="more-clients-than-samples-dirichlet"),
-        pytest.param(TINY, 3, "dirichlet", {"min_size": 4}, r"partition\.min_size: .*pool size / num_clients \(3\)", id="min-size-too-large"),
-        pytest.param(LABELS, 10, "dirichlet", {"alpha": 0.01, "min_size": 100, "max_attempts": 3},
-                     r"partition\.min_size: .*within 3 Dirichlet draws.*raise partition\.alpha", id="min-size-unreachable"),
-        pytest.param(TINY, 2, "shards", {"shards_per_client": 2, "shard_size": 3}, r"partition\.shard_size: .*10 samples for 4 shards",
-                     id="shard-size-too-large"),
+        pytest.param(
+            TINY, 3, "dirichlet", {"min_size": 4}, r"partition\.min_size: .*pool size / num_clients \(3\)", id="min-size-too-large"
+        ),
+        pytest.param(
+            LABELS,
+            10,
+            "dirichlet",
+            {"alpha": 0.01, "min_size": 100, "max_attempts": 3},
+            r"partition\.min_size: .*within 3 Dirichlet draws.*raise partition\.alpha",
+            id="min-size-unreachable",
+        ),
+        pytest.param(
+            TINY,
+            2,
+            "shards",
+            {"shards_per_client": 2, "shard_size": 3},
+            r"partition\.shard_size: .*10 samples for 4 shards",
+            id="shard-size-too-large",
+        ),
         pytest.param(TINY, 3, "shards", {"shards_per_client": 4}, r"partition\.shards_per_client", id="too-many-shards"),
-        pytest.param(TINY, 2, "pathological", {"classes_per_client": 4}, r"partition\.classes_per_client: .*number of classes \(3\)",
-                     id="classes-per-client-too-large"),
-        pytest.param(TINY, 2, "labels", {"groups": [[0]]}, r"partition\.groups: .*one label list per client \(2\)", id="wrong-number-of-groups"),
-        pytest.param(TINY, 2, "labels", {"groups": [[0], [1, 3]]}, r"partition\.groups\[1\]\[1\]: .*a label in 0\.\.2", id="group-label-too-large"),
+        pytest.param(
+            TINY,
+            2,
+            "pathological",
+            {"classes_per_client": 4},
+            r"partition\.classes_per_client: .*number of classes \(3\)",
+            id="classes-per-client-too-large",
+        ),
+        pytest.param(
+            TINY, 2, "labels", {"groups": [[0]]}, r"partition\.groups: .*one label list per client \(2\)", id="wrong-number-of-groups"
+        ),
+        pytest.param(
+            TINY, 2, "labels", {"groups": [[0], [1, 3]]}, r"partition\.groups\[1\]\[1\]: .*a label in 0\.\.2", id="group-label-too-large"
+        ),
         pytest.param(TINY, 2, "labels", {"groups": [[-1], [1]]}, r"partition\.groups\[0\]\[0\]", id="group-label-negative"),
-        pytest.param(TINY[TINY != 1], 2, "labels", {"groups": [[1], [0, 2]]}, r"partition: .*client 0 got none", id="group-of-absent-label"),
+        pytest.param(
+            TINY[TINY != 1], 2, "labels", {"groups": [[1], [0, 2]]}, r"partition: .*client 0 got none", id="group-of-absent-label"
+        ),
         pytest.param(TINY, 2, "dirichlett", {}, r"partition\.method: .*dirichlet", id="unknown-method"),
     ],
 )
@@ -307,8 +333,12 @@ def test_subsets_plan_pools_shared_samples_once(make_config):
     plan = make_plan(dataset, cfg.data, cfg.partition, cfg.run.seed)
     union = np.unique(np.concatenate(plan.client_train))
     assert len(pooled_train(dataset, plan).y) == len(union)
-    assert plan.unassigned == len(np.setdiff1d(np.setdiff1d(np.arange(len(dataset.y)), np.concatenate([plan.test, plan.public])),
-                                                np.concatenate([*plan.client_train, *plan.client_val])))
+    assert plan.unassigned == len(
+        np.setdiff1d(
+            np.setdiff1d(np.arange(len(dataset.y)), np.concatenate([plan.test, plan.public])),
+            np.concatenate([*plan.client_train, *plan.client_val]),
+        )
+    )
 
 
 @pytest.mark.parametrize("bad", [[0.0, 0.5], [0.6, 0.5], [0.5, 1.2]])

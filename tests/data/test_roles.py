@@ -36,7 +36,10 @@ def plan_for(dataset, seed=0, *, data=None, partition=None):
 ROLE_CASES = {
     "dirichlet": {"partition": {"method": "dirichlet", "num_clients": 5}},
     "dirichlet+public": {"data": {"public_size": 0.1}, "partition": {"method": "hetero-dir", "num_clients": 4, "alpha": 0.3}},
-    "labels-with-unassigned": {"data": {"public_size": 50}, "partition": {"method": "labels", "num_clients": 3, "groups": [[0, 1], [2, 3], [1, 4, 5]]}},
+    "labels-with-unassigned": {
+        "data": {"public_size": 50},
+        "partition": {"method": "labels", "num_clients": 3, "groups": [[0, 1], [2, 3], [1, 4, 5]]},
+    },
     "pathological": {"partition": {"method": "pathological", "num_clients": 4, "classes_per_client": 2}},
     "shards-partial": {"partition": {"method": "shards", "num_clients": 4, "shards_per_client": 2, "shard_size": 100}},
 }
@@ -218,8 +221,16 @@ def test_digits_are_not_standardised_by_default(digits):
 def test_for_client_exposes_only_that_clients_indices(digits):
     plan = plan_for(digits)
     client = plan.for_client(3)
-    assert {f.name for f in dataclasses.fields(ClientPlan)} == {"client_id", "train", "val", "normalization", "num_classes", "input_shape",
-                                                                "corruption", "corruption_seed"}
+    assert {f.name for f in dataclasses.fields(ClientPlan)} == {
+        "client_id",
+        "train",
+        "val",
+        "normalization",
+        "num_classes",
+        "input_shape",
+        "corruption",
+        "corruption_seed",
+    }
     assert client.client_id == 3 and client.num_classes == 10 and client.input_shape == (1, 8, 8)
     assert np.array_equal(client.train, plan.client_train[3]) and np.array_equal(client.val, plan.client_val[3])
     others = np.concatenate([plan.test, *plan.client_train[:3], *plan.client_val[:3], *plan.client_train[4:], *plan.client_val[4:]])
@@ -244,8 +255,9 @@ def test_server_splits_and_pooled_train(digits):
 
 
 def test_corrupted_clients_load_corrupted_shards_and_the_others_clean_ones(digits):
-    plan = plan_for(digits, partition={"method": "iid", "num_clients": 4,
-                                       "corrupt": {1: "shuffle_labels", 2: "noise", 3: "permute_pixels"}})
+    plan = plan_for(
+        digits, partition={"method": "iid", "num_clients": 4, "corrupt": {1: "shuffle_labels", 2: "noise", 3: "permute_pixels"}}
+    )
     clean = plan_for(digits, partition={"method": "iid", "num_clients": 4})
     assert plan.client_train[1].tolist() == clean.client_train[1].tolist()  # the same indices, only the content changes
     splits = {i: client_splits(digits, plan.for_client(i))[0] for i in range(4)}
@@ -340,14 +352,19 @@ def test_a_target_dataset_supplies_the_test_set_and_public_sample_and_the_client
     manifest = plan.manifest()
     assert manifest["target"] == "digits" and manifest["roles"]["public"]["dataset"] == "digits"
     # the same split without a target has another hash: a resume cannot mix the two
-    assert plan.digest() != make_plan(source, DataConfig(dataset="mnist5k", public_size=0.05), PartitionConfig(method="iid", num_clients=3), 0).digest()
+    assert (
+        plan.digest()
+        != make_plan(source, DataConfig(dataset="mnist5k", public_size=0.05), PartitionConfig(method="iid", num_clients=3), 0).digest()
+    )
 
 
 def test_a_target_of_another_shape_or_class_count_is_refused(digits):
     from rayfuse.data.roles import load_target_from_config
 
     unsized = DataConfig(dataset="mnist5k", target={"dataset": "digits"})
-    with pytest.raises(InputError, match=r"data\.target: expected inputs shaped like data\.dataset's \(1, 28, 28\).*got 'digits \(1, 8, 8\)'"):
+    with pytest.raises(
+        InputError, match=r"data\.target: expected inputs shaped like data\.dataset's \(1, 28, 28\).*got 'digits \(1, 8, 8\)'"
+    ):
         make_plan(load_dataset("mnist5k"), unsized, PartitionConfig(), 0, target=load_target_from_config(unsized))
     four = DataConfig(dataset="synthetic", options={"n_features": 13, "n_classes": 4, "n_informative": 4}, target={"dataset": "wine"})
     source = load_dataset("synthetic", options=four.options)

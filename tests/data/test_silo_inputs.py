@@ -58,8 +58,7 @@ def parquet_silo(f: Files, name: str, integers: bool = False) -> dict[str, Any]:
     return {"dataset": "parquet", "path": name, "val_size": 0.25}
 
 
-def table_text(n: int = 40, *, sep: str = ",", decimal: str = ".", newline: str = "\n", seed: int = 0,
-               integers: bool = False) -> str:
+def table_text(n: int = 40, *, sep: str = ",", decimal: str = ".", newline: str = "\n", seed: int = 0, integers: bool = False) -> str:
     X, y = _blobs(n, seed)
     rows = [sep.join(["a", "b", "c", "y"])]
     for row, label in zip(X, y):
@@ -68,8 +67,9 @@ def table_text(n: int = 40, *, sep: str = ",", decimal: str = ".", newline: str 
     return newline.join(rows) + newline
 
 
-def images(f: Files, folder: str, *, dtype: str = "uint8", mode_suffix: str = "png", size: int = 6, per_class: int = 3,
-           scale: int = 1) -> dict[str, Any]:
+def images(
+    f: Files, folder: str, *, dtype: str = "uint8", mode_suffix: str = "png", size: int = 6, per_class: int = 3, scale: int = 1
+) -> dict[str, Any]:
     """Class folders ``a`` and ``b`` of grey images of ``dtype`` (values ``scale * (0..)``)."""
     for c, cls in enumerate(("a", "b")):
         (f.root / folder / cls).mkdir(parents=True, exist_ok=True)
@@ -79,17 +79,33 @@ def images(f: Files, folder: str, *, dtype: str = "uint8", mode_suffix: str = "p
     return {"dataset": "imagefolder", "path": folder, "val_size": 0.5, "grayscale": True}
 
 
-def job(f: Files, silos: list[dict[str, Any]], name: str = "job.yaml", methods: dict[str, Any] | None = None,
-        **data: Any) -> str:
-    return f.yaml(name, {"run": {"name": "silo", "seed": 0, "storage": "runs"}, "data": {"silos": silos, **data},
-                         "model": {"name": "mlp", "hidden": [8]}, "train": {"epochs": 1, "batch_size": 16, "shared_init": True},
-                         "federation": {"backend": "local"}, "methods": methods or {"average": {}}})
+def job(f: Files, silos: list[dict[str, Any]], name: str = "job.yaml", methods: dict[str, Any] | None = None, **data: Any) -> str:
+    return f.yaml(
+        name,
+        {
+            "run": {"name": "silo", "seed": 0, "storage": "runs"},
+            "data": {"silos": silos, **data},
+            "model": {"name": "mlp", "hidden": [8]},
+            "train": {"epochs": 1, "batch_size": 16, "shared_init": True},
+            "federation": {"backend": "local"},
+            "methods": methods or {"average": {}},
+        },
+    )
 
 
 def tiny_job(f: Files, methods: dict[str, Any]) -> str:
-    return f.yaml("job.yaml", {"run": {"name": "dp", "seed": 0, "storage": "runs"}, "data": {"dataset": "digits"},
-                               "partition": {"method": "iid", "num_clients": 4}, "model": {"name": "mlp", "hidden": [8]},
-                               "train": {"epochs": 1, "shared_init": True}, "federation": {"backend": "local"}, "methods": methods})
+    return f.yaml(
+        "job.yaml",
+        {
+            "run": {"name": "dp", "seed": 0, "storage": "runs"},
+            "data": {"dataset": "digits"},
+            "partition": {"method": "iid", "num_clients": 4},
+            "model": {"name": "mlp", "hidden": [8]},
+            "train": {"epochs": 1, "shared_init": True},
+            "federation": {"backend": "local"},
+            "methods": methods,
+        },
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -118,82 +134,170 @@ def refused(sub: str, id: str, *names: str) -> Callable[[Callable[[Files], list[
 # -- dtype: the files' own dtypes compared, by kind
 
 refused("dtype", "uint8-silo-beside-float-silo", "data.silos.1", "float32", "s0.npz", "uint8", "s1.npz")(
-    lambda f: ["run", job(f, [npz_silo(f, "s0.npz"), npz_silo(f, "s1.npz", X=np.arange(120).reshape(40, 3).astype(np.uint8))])])
+    lambda f: ["run", job(f, [npz_silo(f, "s0.npz"), npz_silo(f, "s1.npz", X=np.arange(120).reshape(40, 3).astype(np.uint8))])]
+)
 refused("dtype", "float-silo-beside-int64-silo", "data.silos.1", "int64", "float64")(
-    lambda f: ["run", job(f, [npz_silo(f, "s0.npz", X=np.arange(120).reshape(40, 3)),
-                              npz_silo(f, "s1.npz", X=np.linspace(0, 1, 120).reshape(40, 3))])])
+    lambda f: [
+        "run",
+        job(f, [npz_silo(f, "s0.npz", X=np.arange(120).reshape(40, 3)), npz_silo(f, "s1.npz", X=np.linspace(0, 1, 120).reshape(40, 3))]),
+    ]
+)
 refused("dtype", "integer-parquet-beside-float-parquet", "data.silos.2", "int32", "float64", "s2.parquet")(
-    lambda f: ["run", job(f, [parquet_silo(f, "s0.parquet"), parquet_silo(f, "s1.parquet"), parquet_silo(f, "s2.parquet", integers=True)])])
+    lambda f: ["run", job(f, [parquet_silo(f, "s0.parquet"), parquet_silo(f, "s1.parquet"), parquet_silo(f, "s2.parquet", integers=True)])]
+)
 refused("dtype", "int8-silo-beside-float16-silo", "data.silos.1", "int8", "float16")(
-    lambda f: ["run", job(f, [npz_silo(f, "s0.npz", X=np.ones((40, 3), np.float16) + np.arange(40)[:, None].astype(np.float16)),
-                              npz_silo(f, "s1.npz", X=np.arange(120).reshape(40, 3).astype(np.int8))])])
+    lambda f: [
+        "run",
+        job(
+            f,
+            [
+                npz_silo(f, "s0.npz", X=np.ones((40, 3), np.float16) + np.arange(40)[:, None].astype(np.float16)),
+                npz_silo(f, "s1.npz", X=np.arange(120).reshape(40, 3).astype(np.int8)),
+            ],
+        ),
+    ]
+)
 refused("dtype", "integer-csv-beside-float-csv", "data.silos.1", "int64", "float64", "s1.csv")(
-    lambda f: ["run", job(f, [csv_silo(f, "s0.csv", table_text()), csv_silo(f, "s1.csv", table_text(integers=True))])])
+    lambda f: ["run", job(f, [csv_silo(f, "s0.csv", table_text()), csv_silo(f, "s1.csv", table_text(integers=True))])]
+)
 refused("dtype", "uint8-npz-beside-images", "data.silos.1", "uint8 pixels", "uint8")(
-    lambda f: ["run", job(f, [images(f, "site0"), npz_silo(f, "s1.npz", X=np.arange(6 * 6 * 12).reshape(12, 1, 6, 6).astype(np.uint8),
-                                                             y=np.arange(12) % 2, val_size=0.5)])])
+    lambda f: [
+        "run",
+        job(
+            f,
+            [
+                images(f, "site0"),
+                npz_silo(f, "s1.npz", X=np.arange(6 * 6 * 12).reshape(12, 1, 6, 6).astype(np.uint8), y=np.arange(12) % 2, val_size=0.5),
+            ],
+        ),
+    ]
+)
 refused("dtype", "test-path-of-another-kind", "data.silos.0.test_path", "uint8", "held.npz")(
-    lambda f: ["run", job(f, [{"dataset": "npz", "path": npz_silo(f, "s0.npz")["path"],
-                               "test_path": npz_silo(f, "held.npz", X=np.arange(120).reshape(40, 3).astype(np.uint8))["path"]},
-                              npz_silo(f, "s1.npz")])])
+    lambda f: [
+        "run",
+        job(
+            f,
+            [
+                {
+                    "dataset": "npz",
+                    "path": npz_silo(f, "s0.npz")["path"],
+                    "test_path": npz_silo(f, "held.npz", X=np.arange(120).reshape(40, 3).astype(np.uint8))["path"],
+                },
+                npz_silo(f, "s1.npz"),
+            ],
+        ),
+    ]
+)
 refused("dtype", "data-test-of-another-kind", "data.test.path", "uint8", "test.npz")(
-    lambda f: ["run", job(f, [npz_silo(f, "s0.npz"), npz_silo(f, "s1.npz")],
-                          test={"dataset": "npz", "path": npz_silo(f, "test.npz", X=np.arange(120).reshape(40, 3).astype(np.uint8))["path"]})])
+    lambda f: [
+        "run",
+        job(
+            f,
+            [npz_silo(f, "s0.npz"), npz_silo(f, "s1.npz")],
+            test={"dataset": "npz", "path": npz_silo(f, "test.npz", X=np.arange(120).reshape(40, 3).astype(np.uint8))["path"]},
+        ),
+    ]
+)
 refused("dtype", "data-public-of-another-kind", "data.public.path", "int64", "public.npz")(
-    lambda f: ["run", job(f, [npz_silo(f, "s0.npz"), npz_silo(f, "s1.npz")], methods={"transfer": {"target_epochs": 1}},
-                          public={"dataset": "npz", "path": npz_silo(f, "public.npz", X=np.arange(120).reshape(40, 3))["path"]},
-                          test={"dataset": "npz", "path": npz_silo(f, "test.npz")["path"]}), "--set", "evaluation=central"])
+    lambda f: [
+        "run",
+        job(
+            f,
+            [npz_silo(f, "s0.npz"), npz_silo(f, "s1.npz")],
+            methods={"transfer": {"target_epochs": 1}},
+            public={"dataset": "npz", "path": npz_silo(f, "public.npz", X=np.arange(120).reshape(40, 3))["path"]},
+            test={"dataset": "npz", "path": npz_silo(f, "test.npz")["path"]},
+        ),
+        "--set",
+        "evaluation=central",
+    ]
+)
 
 # -- images: pixels without a fixed range
 
 refused("images", "32-bit-integer-tiff", "data.silos.0.path", "mode I")(
-    lambda f: ["run", job(f, [images(f, "site0", dtype="int32", mode_suffix="tif", scale=100000), images(f, "site1")])])
+    lambda f: ["run", job(f, [images(f, "site0", dtype="int32", mode_suffix="tif", scale=100000), images(f, "site1")])]
+)
 refused("images", "float-tiff", "data.silos.1.path", "mode F")(
-    lambda f: ["run", job(f, [images(f, "site0"), images(f, "site1", dtype="float32", mode_suffix="tif")])])
+    lambda f: ["run", job(f, [images(f, "site0"), images(f, "site1", dtype="float32", mode_suffix="tif")])]
+)
 
 # -- csv: what a spreadsheet writes, and an explicit delimiter that does not fit
 
 refused("csv", "explicit-delimiter-wins-over-sniffing", "data.silos.0.label", "a;b;c;y")(
-    lambda f: ["run", job(f, [csv_silo(f, "s0.csv", table_text(sep=";"), label="y", options={"delimiter": ","}),
-                              csv_silo(f, "s1.csv", table_text(sep=";"))])])
+    lambda f: [
+        "run",
+        job(
+            f,
+            [csv_silo(f, "s0.csv", table_text(sep=";"), label="y", options={"delimiter": ","}), csv_silo(f, "s1.csv", table_text(sep=";"))],
+        ),
+    ]
+)
 refused("csv", "semicolon-csv-with-a-text-feature", "data.silos.1.features")(
-    lambda f: ["run", job(f, [csv_silo(f, "s0.csv", table_text(sep=";")),
-                              csv_silo(f, "s1.csv", "a;b;y\r\n" + "".join(f"{i},5;n{i};{i % 2}\r\n" for i in range(20)),
-                                       features=["a", "b"])])])
+    lambda f: [
+        "run",
+        job(
+            f,
+            [
+                csv_silo(f, "s0.csv", table_text(sep=";")),
+                csv_silo(f, "s1.csv", "a;b;y\r\n" + "".join(f"{i},5;n{i};{i % 2}\r\n" for i in range(20)), features=["a", "b"]),
+            ],
+        ),
+    ]
+)
 refused("csv", "empty-csv", "data.silos.1.path")(
-    lambda f: ["run", job(f, [csv_silo(f, "s0.csv", table_text()), csv_silo(f, "s1.csv", b"\xef\xbb\xbf")])])
+    lambda f: ["run", job(f, [csv_silo(f, "s0.csv", table_text()), csv_silo(f, "s1.csv", b"\xef\xbb\xbf")])]
+)
 
 # -- label values: float classes matched by value, never rounded
 
 refused("classes", "float-label-not-declared", "data.silos.1.path", "'2.5'")(
-    lambda f: ["run", job(f, [npz_silo(f, "s0.npz", y=np.arange(40) % 2 + 0.5), npz_silo(f, "s1.npz", y=np.arange(40) % 3 + 0.5)],
-                          classes=[0.5, 1.5])])
+    lambda f: [
+        "run",
+        job(f, [npz_silo(f, "s0.npz", y=np.arange(40) % 2 + 0.5), npz_silo(f, "s1.npz", y=np.arange(40) % 3 + 0.5)], classes=[0.5, 1.5]),
+    ]
+)
 refused("classes", "integral-float-label-against-half-classes", "data.silos.0.path", "got '0.0'")(
-    lambda f: ["run", job(f, [npz_silo(f, "s0.npz", y=(np.arange(40) % 2).astype(np.float64)), npz_silo(f, "s1.npz")],
-                          classes=[0.5, 1.5])])
+    lambda f: ["run", job(f, [npz_silo(f, "s0.npz", y=(np.arange(40) % 2).astype(np.float64)), npz_silo(f, "s1.npz")], classes=[0.5, 1.5])]
+)
 refused("classes", "float-label-not-rounded-to-a-declared-int", "data.silos.1.path", "'1.5'")(
-    lambda f: ["run", job(f, [npz_silo(f, "s0.npz"), npz_silo(f, "s1.npz", y=np.where(np.arange(40) % 2 == 0, 0.0, 1.5))],
-                          classes=[0, 1])])
+    lambda f: ["run", job(f, [npz_silo(f, "s0.npz"), npz_silo(f, "s1.npz", y=np.where(np.arange(40) % 2 == 0, 0.0, 1.5))], classes=[0, 1])]
+)
 refused("classes", "declared-classes-equal-by-value", "data.classes", "1.0")(
-    lambda f: ["run", job(f, [npz_silo(f, "s0.npz", y=np.arange(40) % 2 + 1), npz_silo(f, "s1.npz", y=np.arange(40) % 2 + 1)],
-                          classes=["1", "1.0", "2"])])
+    lambda f: [
+        "run",
+        job(f, [npz_silo(f, "s0.npz", y=np.arange(40) % 2 + 1), npz_silo(f, "s1.npz", y=np.arange(40) % 2 + 1)], classes=["1", "1.0", "2"]),
+    ]
+)
 refused("classes", "data-test-float-label-not-among-the-silos", "data.test", "'2.5'")(
-    lambda f: ["run", job(f, [npz_silo(f, "s0.npz", y=np.arange(40) % 2 + 0.5), npz_silo(f, "s1.npz", y=np.arange(40) % 2 + 0.5)],
-                          test={"dataset": "npz", "path": npz_silo(f, "test.npz", y=np.arange(40) % 3 + 0.5)["path"]},
-                          methods={"average": {}})])
+    lambda f: [
+        "run",
+        job(
+            f,
+            [npz_silo(f, "s0.npz", y=np.arange(40) % 2 + 0.5), npz_silo(f, "s1.npz", y=np.arange(40) % 2 + 0.5)],
+            test={"dataset": "npz", "path": npz_silo(f, "test.npz", y=np.arange(40) % 3 + 0.5)["path"]},
+            methods={"average": {}},
+        ),
+    ]
+)
 
 # -- upload DP: noise_multiplier 0 is refused by the schema, before anything runs
 
 refused("dp", "aligned-upload-dp-zero-noise", "methods.aligned.dp.noise_multiplier", "greater than 0")(
-    lambda f: ["run", tiny_job(f, {"aligned": {"alignment": "weight", "repair": False, "dp": {"clip_norm": 1.0, "noise_multiplier": 0}}})])
+    lambda f: ["run", tiny_job(f, {"aligned": {"alignment": "weight", "repair": False, "dp": {"clip_norm": 1.0, "noise_multiplier": 0}}})]
+)
 refused("dp", "average-upload-dp-zero-noise", "methods.average.dp.noise_multiplier")(
-    lambda f: ["run", tiny_job(f, {"average": {"dp": {"clip_norm": 1.0, "noise_multiplier": 0.0}}})])
+    lambda f: ["run", tiny_job(f, {"average": {"dp": {"clip_norm": 1.0, "noise_multiplier": 0.0}}})]
+)
 refused("dp", "validate-upload-dp-zero-noise", "methods.average.dp.noise_multiplier")(
-    lambda f: ["validate", tiny_job(f, {"average": {"dp": {"clip_norm": 1.0, "noise_multiplier": 0}}})])
+    lambda f: ["validate", tiny_job(f, {"average": {"dp": {"clip_norm": 1.0, "noise_multiplier": 0}}})]
+)
 refused("dp", "aligned-upload-dp-negative-noise", "methods.aligned.dp.noise_multiplier")(
-    lambda f: ["run", tiny_job(f, {"aligned": {"alignment": "weight", "repair": False, "dp": {"clip_norm": 1.0, "noise_multiplier": -1}}})])
+    lambda f: ["run", tiny_job(f, {"aligned": {"alignment": "weight", "repair": False, "dp": {"clip_norm": 1.0, "noise_multiplier": -1}}})]
+)
 refused("dp", "dp-sgd-zero-noise", "train.dp.noise_multiplier", "greater than 0")(
-    lambda f: ["run", tiny_job(f, {"local": {}}), "--set", "train.dp={noise_multiplier: 0, max_grad_norm: 1.0}"])
+    lambda f: ["run", tiny_job(f, {"local": {}}), "--set", "train.dp={noise_multiplier: 0, max_grad_norm: 1.0}"]
+)
 
 
 @pytest.mark.parametrize("bad", REFUSED, ids=[c.id for c in REFUSED])
@@ -298,8 +402,9 @@ def _unlabeled_excel(f: Files) -> None:
     from rayfuse.data.silos import load_server_inputs
 
     csv_silo(f, "public.csv", b"\xef\xbb\xbf" + table_text(sep=";", decimal=",", newline="\r\n").encode())
-    X = load_server_inputs({"dataset": "csv", "path": str(f.root / "public.csv"), "features": ["a", "b", "c"], "labels": False},
-                           key="data.public")
+    X = load_server_inputs(
+        {"dataset": "csv", "path": str(f.root / "public.csv"), "features": ["a", "b", "c"], "labels": False}, key="data.public"
+    )
     np.testing.assert_allclose(X[np.argsort(X[:, 0])], _expected_csv(), atol=1e-6)
 
 
@@ -355,8 +460,9 @@ def _widths(f: Files) -> None:
 @accepted("dtype", "float64-test-set-beside-float32-silos")
 def _test_width(f: Files) -> None:
     test = {"dataset": "npz", "path": npz_silo(f, "test.npz", X=_blobs(seed=9)[0].astype(np.float64))["path"]}
-    assert main(["run", job(f, [npz_silo(f, "s0.npz"), npz_silo(f, "s1.npz")], test=test), "--out", "run",
-                 "--set", "evaluation=central"]) == 0
+    assert (
+        main(["run", job(f, [npz_silo(f, "s0.npz"), npz_silo(f, "s1.npz")], test=test), "--out", "run", "--set", "evaluation=central"]) == 0
+    )
     assert json.loads((f.root / "run" / "partition.json").read_text())["roles"]["test"]["size"] == 40
 
 
@@ -408,8 +514,13 @@ def _sequence_fuse(f: Files, method: str, with_labels: bool) -> None:
     if with_labels:
         arrays["y"] = np.arange(12) % 3
     np.savez(f.root / "seq.npz", **arrays)
-    spec = {"merge_method": method, "architecture": f"{__name__}:SequenceNet", "models": [{"model": "m0.safetensors"}, {"model": "m1.safetensors"}],
-            "data": {"path": "seq.npz"}, "output": "fused.safetensors"}
+    spec = {
+        "merge_method": method,
+        "architecture": f"{__name__}:SequenceNet",
+        "models": [{"model": "m0.safetensors"}, {"model": "m1.safetensors"}],
+        "data": {"path": "seq.npz"},
+        "output": "fused.safetensors",
+    }
     if method == "distill":
         spec["parameters"] = {"epochs": 1, "steps": 20, "batch_size": 8, "transfer": "public", "init": "average"}
     assert main(["fuse", f.yaml("fuse.yaml", spec)]) == 0

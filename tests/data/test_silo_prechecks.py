@@ -30,8 +30,18 @@ def test_every_method_check_skips_what_is_not_known(tmp_path, name) -> None:
     """Each registered method's check on a setup whose data fields are None: it passes or refuses with one InputError
     (never a TypeError from a None it did not skip)."""
     cfg = validate_config(_job(tmp_path, {"local": {}}))
-    setup = RunSetup(model=cfg.model, train=cfg.train, data=cfg.data, num_clients=3, input_shape=None, num_classes=None,
-                     train_sizes=None, val_sizes=None, public_size=10, test_size=10)
+    setup = RunSetup(
+        model=cfg.model,
+        train=cfg.train,
+        data=cfg.data,
+        num_clients=3,
+        input_shape=None,
+        num_classes=None,
+        train_sizes=None,
+        val_sizes=None,
+        public_size=10,
+        test_size=10,
+    )
     cls = METHODS.get(name)
     try:
         cls.check(cls.Params(), setup)

@@ -91,10 +91,15 @@ def silo_job(tmp_path: Path, *, storage: Path | None = None) -> dict[str, Any]:
         silos.append({"dataset": "npz", "path": str(tmp_path / f"site{i}.npz")})
     X, y = blobs(20, n=45)
     np.savez(tmp_path / "test.npz", X=X, y=y)
-    return {"run": {"name": "leftover-silo", "seed": 0, "storage": str(storage or tmp_path / "runs")}, "evaluation": "central",
-            "data": {"silos": silos, "test": {"dataset": "npz", "path": str(tmp_path / "test.npz")}},
-            "model": {"name": "mlp", "hidden": [8]}, "train": {"epochs": 1, "batch_size": 16, "shared_init": True},
-            "federation": {"backend": "local"}, "methods": {"average": {}, "fedavg": {"rounds": 1, "local_epochs": 1}}}
+    return {
+        "run": {"name": "leftover-silo", "seed": 0, "storage": str(storage or tmp_path / "runs")},
+        "evaluation": "central",
+        "data": {"silos": silos, "test": {"dataset": "npz", "path": str(tmp_path / "test.npz")}},
+        "model": {"name": "mlp", "hidden": [8]},
+        "train": {"epochs": 1, "batch_size": 16, "shared_init": True},
+        "federation": {"backend": "local"},
+        "methods": {"average": {}, "fedavg": {"rounds": 1, "local_epochs": 1}},
+    }
 
 
 def first_silo_run(tmp_path: Path) -> Path:
@@ -152,12 +157,16 @@ def test_the_same_refusal_on_the_command_line_is_one_line_and_exit_2(tmp_path, c
     assert snapshot(folder) == before
 
 
-@pytest.mark.parametrize("damage,names", [
-    (lambda f: f.unlink(), "--resume"),
-    (lambda f: f.write_text("{not json", encoding="utf-8"), "partition.json"),
-    (lambda f: f.write_text("[1, 2]", encoding="utf-8"), "partition.json"),
-    (lambda f: f.write_text('{"hash": 3}', encoding="utf-8"), "partition.json"),
-], ids=["missing", "not-json", "not-an-object", "hash-not-a-string"])
+@pytest.mark.parametrize(
+    "damage,names",
+    [
+        (lambda f: f.unlink(), "--resume"),
+        (lambda f: f.write_text("{not json", encoding="utf-8"), "partition.json"),
+        (lambda f: f.write_text("[1, 2]", encoding="utf-8"), "partition.json"),
+        (lambda f: f.write_text('{"hash": 3}', encoding="utf-8"), "partition.json"),
+    ],
+    ids=["missing", "not-json", "not-an-object", "hash-not-a-string"],
+)
 def test_a_silo_resume_without_a_readable_partition_json_is_refused_before_any_client_starts(tmp_path, damage, names):
     folder = first_silo_run(tmp_path)
     damage(folder / "partition.json")
@@ -237,10 +246,19 @@ def write_public(tmp_path: Path, kind: str, dtype: str) -> dict[str, Any]:
     return {"dataset": kind, "path": str(tmp_path / f"public.{kind}"), "features": columns}
 
 
-@pytest.mark.parametrize("kind,dtype,stored", [
-    ("npz", "uint8", "uint8"), ("npz", "int32", "int32"), ("npz", "float64", "float64"),
-    ("parquet", "int64", "int64"), ("parquet", "float32", "float32"), ("csv", "int64", "int64"), ("csv", "float64", "float64"),
-], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "kind,dtype,stored",
+    [
+        ("npz", "uint8", "uint8"),
+        ("npz", "int32", "int32"),
+        ("npz", "float64", "float64"),
+        ("parquet", "int64", "int64"),
+        ("parquet", "float32", "float32"),
+        ("csv", "int64", "int64"),
+        ("csv", "float64", "float64"),
+    ],
+    ids=lambda v: str(v),
+)
 def test_the_unlabeled_readers_record_the_stored_dtype(tmp_path, kind, dtype, stored):
     spec = write_public(tmp_path, kind, dtype)
     X, found = read_unlabeled_inputs(spec["path"], kind=kind, features=spec.get("features"))
@@ -270,8 +288,14 @@ ACCEPTED_PUBLIC = [("npz", "float64"), ("npz", "float16"), ("parquet", "float64"
 @pytest.mark.parametrize("kind,dtype", ACCEPTED_PUBLIC, ids=[f"{k}-{d}" for k, d in ACCEPTED_PUBLIC])
 def test_an_unlabeled_public_set_of_the_silos_kind_in_another_width_is_read(tmp_path, kind, dtype):
     spec = write_public(tmp_path, kind, dtype)
-    split = server_split(validate_config(public_job(tmp_path, spec)).data.public, key="data.public", labels=["0", "1", "2"],
-                         input_shape=(4,), normalization=None, dtype="float32")
+    split = server_split(
+        validate_config(public_job(tmp_path, spec)).data.public,
+        key="data.public",
+        labels=["0", "1", "2"],
+        input_shape=(4,),
+        normalization=None,
+        dtype="float32",
+    )
     assert split.X.shape == (40, 4) and (split.y == -1).all()
 
 
@@ -300,13 +324,22 @@ def sequences(tmp_path: Path, shape: tuple[int, ...] = (6, 4), name: str = "seq.
 
 def seq_job(path: str, storage: Path, layout: str | None = None, model: dict[str, Any] | None = None) -> dict[str, Any]:
     data: dict[str, Any] = {"dataset": "npz", "path": path, **({"layout": layout} if layout is not None else {})}
-    return {"run": {"name": "seq", "seed": 0, "storage": str(storage)}, "data": data,
-            "partition": {"method": "iid", "num_clients": 2}, "model": model or {"name": "mlp", "hidden": [8]},
-            "train": {"epochs": 1, "batch_size": 32}, "federation": {"backend": "local"}, "methods": {"average": {}}}
+    return {
+        "run": {"name": "seq", "seed": 0, "storage": str(storage)},
+        "data": data,
+        "partition": {"method": "iid", "num_clients": 2},
+        "model": model or {"name": "mlp", "hidden": [8]},
+        "train": {"epochs": 1, "batch_size": 32},
+        "federation": {"backend": "local"},
+        "methods": {"average": {}},
+    }
 
 
-@pytest.mark.parametrize("layout,shape", [(None, (1, 6, 4)), ("auto", (1, 6, 4)), ("image", (1, 6, 4)), ("sequence", (6, 4))],
-                         ids=["default", "auto", "image", "sequence"])
+@pytest.mark.parametrize(
+    "layout,shape",
+    [(None, (1, 6, 4)), ("auto", (1, 6, 4)), ("image", (1, 6, 4)), ("sequence", (6, 4))],
+    ids=["default", "auto", "image", "sequence"],
+)
 def test_the_layout_decides_how_a_3d_npz_array_is_read(tmp_path, layout, shape):
     prepared = prepare_run(validate_config(seq_job(sequences(tmp_path), tmp_path / "runs", layout)))
     assert prepared.plan.input_shape == shape
@@ -320,8 +353,13 @@ def test_a_sequence_model_runs_on_sequences_end_to_end_and_its_config_keeps_the_
     with pytest.raises(InputError, match=r"^model\.patch_size"):
         prepare_run(validate_config(seq_job(path, tmp_path / "runs", model=transformer)))
     folder = tmp_path / "run"
-    results = run_experiment(validate_config(seq_job(path, tmp_path / "runs", "sequence", transformer)), InProcessBackend(), folder,
-                             printer=QUIET, show_tables=False)
+    results = run_experiment(
+        validate_config(seq_job(path, tmp_path / "runs", "sequence", transformer)),
+        InProcessBackend(),
+        folder,
+        printer=QUIET,
+        show_tables=False,
+    )
     assert results["status"] == "succeeded" and 0.0 <= results["methods"]["average"]["accuracy"] <= 1.0
     assert yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))["data"]["layout"] == "sequence"
     again = resume(folder, InProcessBackend())  # the layout is part of the run's config: it resumes as it ran
@@ -334,8 +372,9 @@ def test_earlier_run_folders_without_the_layout_key_keep_their_config(tmp_path):
     from rayfuse.method import resolved_config
 
     folder = tmp_path / "run"
-    run_experiment(validate_config(seq_job(sequences(tmp_path), tmp_path / "runs")), InProcessBackend(), folder,
-                   printer=QUIET, show_tables=False)
+    run_experiment(
+        validate_config(seq_job(sequences(tmp_path), tmp_path / "runs")), InProcessBackend(), folder, printer=QUIET, show_tables=False
+    )
     written = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
     assert written["data"]["layout"] == "auto"
     earlier = {**written, "data": {k: v for k, v in written["data"].items() if k != "layout"}}

@@ -84,8 +84,9 @@ def test_parquet_silo_reads_its_label_column_and_text_labels(tmp_path):
     names = np.array(["benign", "malignant", "unclear"])[y]
     table = pa.table({"f0": X[:, 0], "f1": X[:, 1], "site": ["a"] * len(y), "diagnosis": names})
     pq.write_table(table, tmp_path / "train.parquet")
-    train, held = load_silo({"dataset": "parquet", "path": str(tmp_path / "train.parquet"), "label": "diagnosis", "val_size": 0.1},
-                            client=2)
+    train, held = load_silo(
+        {"dataset": "parquet", "path": str(tmp_path / "train.parquet"), "label": "diagnosis", "val_size": 0.1}, client=2
+    )
     assert train.input_shape == (2,)  # the text column is not a feature
     assert train.class_names == ("benign", "malignant", "unclear")
     assert len(train.y) + len(held.y) == 60 and np.bincount(held.y, minlength=3).tolist() == [2, 2, 2]
@@ -95,8 +96,9 @@ def test_csv_silo_with_a_delimiter_option(tmp_path):
     X, y = _tabular(n=30, features=2)
     rows = ["a;b;label", *(f"{a};{b};{c}" for (a, b), c in zip(X.tolist(), y.tolist(), strict=True))]
     (tmp_path / "train.csv").write_text("\n".join(rows) + "\n")
-    train, held = load_silo({"dataset": "csv", "path": str(tmp_path / "train.csv"), "label": "label", "options": {"delimiter": ";"},
-                             "val_size": 0.2}, client=0)
+    train, held = load_silo(
+        {"dataset": "csv", "path": str(tmp_path / "train.csv"), "label": "label", "options": {"delimiter": ";"}, "val_size": 0.2}, client=0
+    )
     assert train.input_shape == (2,) and len(train.y) + len(held.y) == 30
     assert np.allclose(np.sort(np.concatenate([train.X, held.X])[:, 0]), np.sort(X[:, 0]), atol=1e-6)
 
@@ -124,7 +126,9 @@ def test_imagefolder_without_image_size_needs_images_of_one_size(tmp_path):
 def test_bundled_dataset_silo_for_rehearsal():
     train, held = load_silo({"dataset": "iris", "val_size": 0.2}, client=0)
     assert train.input_shape == (4,) and (len(train.y), len(held.y)) == (120, 30)
-    synthetic, _ = load_silo({"dataset": "synthetic", "options": {"n_samples": 40, "n_features": 3, "n_informative": 2}, "val_size": 0.25}, client=1)
+    synthetic, _ = load_silo(
+        {"dataset": "synthetic", "options": {"n_samples": 40, "n_features": 3, "n_informative": 2}, "val_size": 0.25}, client=1
+    )
     assert synthetic.input_shape == (3,) and len(synthetic.y) == 30
 
 
@@ -181,8 +185,11 @@ def test_unset_variable_names_the_client_and_the_path_as_written(monkeypatch):
 
 def test_missing_file_on_the_node(tmp_path):
     with pytest.raises(InputError) as info:
-        load_silo({"dataset": "parquet", "path": "${SITE_DATA}/gone.parquet", "label": "y", "val_size": 0.1}, client=2,
-                  env={"SITE_DATA": str(tmp_path)})
+        load_silo(
+            {"dataset": "parquet", "path": "${SITE_DATA}/gone.parquet", "label": "y", "val_size": 0.1},
+            client=2,
+            env={"SITE_DATA": str(tmp_path)},
+        )
     message = str(info.value)
     assert message.startswith("data.silos.2.path: expected an existing parquet file on client 2's node, got '${SITE_DATA}/gone.parquet'")
     assert "\n" not in message
@@ -235,7 +242,9 @@ def test_mismatched_shapes_and_label_sets_name_the_silo_that_differs(tmp_path):
     X, y = _tabular(seed=5)
     np.savez(tmp_path / "two.npz", X=X, y=np.array(["x", "y"])[y % 2])
     two = silo_schema(*load_silo({"dataset": "npz", "path": str(tmp_path / "two.npz"), "val_size": 0.1}, client=1))
-    with pytest.raises(InputError, match=r"^data\.silos\.1: expected the label values of data\.silos\.0 \['0', '1', '2'\], got \['x', 'y'\]"):
+    with pytest.raises(
+        InputError, match=r"^data\.silos\.1: expected the label values of data\.silos\.0 \['0', '1', '2'\], got \['x', 'y'\]"
+    ):
         check_schemas([schemas[0], two])
 
 
@@ -252,8 +261,10 @@ def test_a_silo_too_small_for_a_held_out_split(tmp_path):
 def test_schema_and_manifest_hold_counts_and_hashes_but_no_rows_or_paths(tmp_path):
     _write_npz(tmp_path / "site" / "a.npz")
     _write_npz(tmp_path / "site" / "b.npz", n=90, seed=3)
-    schemas = [silo_schema(*load_silo({"dataset": "npz", "path": str(tmp_path / "site" / f"{n}.npz"), "val_size": 0.1}, client=i))
-               for i, n in enumerate("ab")]
+    schemas = [
+        silo_schema(*load_silo({"dataset": "npz", "path": str(tmp_path / "site" / f"{n}.npz"), "val_size": 0.1}, client=i))
+        for i, n in enumerate("ab")
+    ]
     assert schemas[0]["input_shape"] == [4] and schemas[0]["dtype"] == "float32" and schemas[0]["labels"] == ["0", "1", "2"]
     assert (schemas[0]["size"], schemas[0]["held_out_size"], schemas[0]["class_counts"]) == (54, 6, [18, 18, 18])
     manifest = silo_manifest(schemas)
@@ -286,9 +297,11 @@ def test_combined_moments_equal_the_pooled_mean_and_scale():
 
 SILO_CONFIG = {
     "data": {
-        "silos": [{"dataset": "parquet", "path": "${SITE_DATA}/site_a/train.parquet", "label": "diagnosis"},
-                  {"dataset": "npz", "path": "${SITE_DATA}/site_b/train.npz", "test_path": "${SITE_DATA}/site_b/test.npz"},
-                  {"dataset": "imagefolder", "path": "${SITE_DATA}/site_c/images", "image_size": [64, 64], "grayscale": True}],
+        "silos": [
+            {"dataset": "parquet", "path": "${SITE_DATA}/site_a/train.parquet", "label": "diagnosis"},
+            {"dataset": "npz", "path": "${SITE_DATA}/site_b/train.npz", "test_path": "${SITE_DATA}/site_b/test.npz"},
+            {"dataset": "imagefolder", "path": "${SITE_DATA}/site_c/images", "image_size": [64, 64], "grayscale": True},
+        ],
         "test": {"dataset": "parquet", "path": "${SERVER_DATA}/test.parquet"},
         "val_size": 0.2,
     },
@@ -314,29 +327,48 @@ def test_simulation_configs_dump_without_silo_keys():
     assert validate_config({}).evaluation == "central"
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"data": {"dataset": "digits"}}, r"^data\.dataset: expected no data\.dataset with data\.silos"),
-    ({"partition": {"method": "iid"}}, r"^partition\.method: expected no partition key but num_clients with data\.silos"),
-    ({"partition": {"num_clients": 4}}, r"^partition\.num_clients: expected len\(data\.silos\) \(3\) or unset, got 4"),
-    ({"evaluation": "central", "data": {"test": None}}, r"^evaluation: expected federated when data\.silos comes without data\.test"),
-    ({"data": {"silos": []}}, r"^data\.silos: expected at least one silo"),
-    ({"data": {"silos": [{"dataset": "parqet", "path": "/x"}]}}, r"^data\.silos\.0\.dataset: expected a format in .*did you mean 'parquet'"),
-    ({"data": {"silos": [{"dataset": "npz"}]}}, r"^data\.silos\.0\.path: expected the npz file"),
-    ({"data": {"silos": [{"dataset": "iris", "path": "/x"}]}}, r"^data\.silos\.0\.path: expected no path for the bundled dataset 'iris'"),
-    ({"data": {"silos": [{"dataset": "imagefolder", "path": "/x", "label": "y"}]}}, r"^data\.silos\.0\.label: expected no label"),
-    ({"data": {"silos": [{"dataset": "csv", "path": "/x", "grayscale": True}]}}, r"^data\.silos\.0\.grayscale: expected no grayscale"),
-    ({"data": {"silos": [{"dataset": "npz", "path": "${SITE DATA}/x"}]}}, r"^data\.silos\.0\.path: expected a path whose variables"),
-    ({"data": {"silos": [{"dataset": "npz", "path": "/x", "val_size": 0.1, "test_path": "/y"}]}},
-     r"^data\.silos\.0\.val_size: expected val_size or test_path, not both"),
-    ({"data": {"silos": [{"dataset": "npz", "path": "/x", "val_size": 0}]}}, r"^data\.silos\.0\.val_size: expected a fraction > 0"),
-    ({"data": {"silos": [{"dataset": "npz", "path": "/x", "pth": "/y"}]}}, r"^data\.silos\.0\.pth: expected a known key.*did you mean 'path'"),
-    ({"data": {"silos": [{"dataset": "synthetic", "options": {"n_sample": 3}}]}}, r"^data\.silos\.0\.options\.n_sample: expected options"),
-    ({"data": {"silos": None, "dataset": "iris"}}, r"^data\.test: expected data\.test only with data\.silos"),
-    ({"data": {"silos": None, "test": None, "dataset": "iris", "classes": [0, 1, 2]}},
-     r"^data\.classes: expected data\.classes only with data\.silos"),
-    ({"data": {"classes": [0, 1, "1"]}}, r"^data\.classes: expected distinct label values, got '1' twice"),
-    ({"data": {"classes": ["only"]}}, r"^data\.classes: expected at least 2 label values"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"data": {"dataset": "digits"}}, r"^data\.dataset: expected no data\.dataset with data\.silos"),
+        ({"partition": {"method": "iid"}}, r"^partition\.method: expected no partition key but num_clients with data\.silos"),
+        ({"partition": {"num_clients": 4}}, r"^partition\.num_clients: expected len\(data\.silos\) \(3\) or unset, got 4"),
+        ({"evaluation": "central", "data": {"test": None}}, r"^evaluation: expected federated when data\.silos comes without data\.test"),
+        ({"data": {"silos": []}}, r"^data\.silos: expected at least one silo"),
+        (
+            {"data": {"silos": [{"dataset": "parqet", "path": "/x"}]}},
+            r"^data\.silos\.0\.dataset: expected a format in .*did you mean 'parquet'",
+        ),
+        ({"data": {"silos": [{"dataset": "npz"}]}}, r"^data\.silos\.0\.path: expected the npz file"),
+        (
+            {"data": {"silos": [{"dataset": "iris", "path": "/x"}]}},
+            r"^data\.silos\.0\.path: expected no path for the bundled dataset 'iris'",
+        ),
+        ({"data": {"silos": [{"dataset": "imagefolder", "path": "/x", "label": "y"}]}}, r"^data\.silos\.0\.label: expected no label"),
+        ({"data": {"silos": [{"dataset": "csv", "path": "/x", "grayscale": True}]}}, r"^data\.silos\.0\.grayscale: expected no grayscale"),
+        ({"data": {"silos": [{"dataset": "npz", "path": "${SITE DATA}/x"}]}}, r"^data\.silos\.0\.path: expected a path whose variables"),
+        (
+            {"data": {"silos": [{"dataset": "npz", "path": "/x", "val_size": 0.1, "test_path": "/y"}]}},
+            r"^data\.silos\.0\.val_size: expected val_size or test_path, not both",
+        ),
+        ({"data": {"silos": [{"dataset": "npz", "path": "/x", "val_size": 0}]}}, r"^data\.silos\.0\.val_size: expected a fraction > 0"),
+        (
+            {"data": {"silos": [{"dataset": "npz", "path": "/x", "pth": "/y"}]}},
+            r"^data\.silos\.0\.pth: expected a known key.*did you mean 'path'",
+        ),
+        (
+            {"data": {"silos": [{"dataset": "synthetic", "options": {"n_sample": 3}}]}},
+            r"^data\.silos\.0\.options\.n_sample: expected options",
+        ),
+        ({"data": {"silos": None, "dataset": "iris"}}, r"^data\.test: expected data\.test only with data\.silos"),
+        (
+            {"data": {"silos": None, "test": None, "dataset": "iris", "classes": [0, 1, 2]}},
+            r"^data\.classes: expected data\.classes only with data\.silos",
+        ),
+        ({"data": {"classes": [0, 1, "1"]}}, r"^data\.classes: expected distinct label values, got '1' twice"),
+        ({"data": {"classes": ["only"]}}, r"^data\.classes: expected at least 2 label values"),
+    ],
+)
 def test_bad_silo_configs_are_one_line_naming_the_key(change, message):
     data = json.loads(json.dumps(SILO_CONFIG))
     for section, values in change.items():
@@ -360,8 +392,7 @@ def test_the_driver_reads_no_silo_and_silos_that_differ_stop_the_run_before_trai
     monkeypatch.setenv("SITE_DATA", str(sites))
     monkeypatch.setenv("SERVER_DATA", str(server))
     config = tmp_path / "silos.yaml"
-    config.write_text(yaml.safe_dump({**SILO_CONFIG, "run": {"storage": str(tmp_path / "runs")},
-                                      "federation": {"backend": "local"}}))
+    config.write_text(yaml.safe_dump({**SILO_CONFIG, "run": {"storage": str(tmp_path / "runs")}, "federation": {"backend": "local"}}))
     opened: list[str] = []
     watching = [True]
 
@@ -394,10 +425,15 @@ def test_without_data_classes_a_silo_lacking_a_label_differs_and_the_hint_names_
     np.savez(tmp_path / "skew.npz", X=X[y > 0], y=y[y > 0])  # labels 1 and 2 only: renumbered 0, 1 as its own file reads them
     skew, _ = load_silo({"dataset": "npz", "path": str(tmp_path / "skew.npz"), "val_size": 0.1}, client=1)
     assert skew.class_names == ("1", "2") and set(skew.y.tolist()) == {0, 1}
-    schemas = [silo_schema(*load_silo({"dataset": "npz", "path": str(tmp_path / f), "val_size": 0.1}, client=i))
-               for i, f in enumerate(["full.npz", "skew.npz"])]
-    with pytest.raises(InputError, match=r"^data\.silos\.1: expected the label values of data\.silos\.0 .*got \['1', '2'\]"
-                       r"; .*data\.classes, the task's label values in label order"):
+    schemas = [
+        silo_schema(*load_silo({"dataset": "npz", "path": str(tmp_path / f), "val_size": 0.1}, client=i))
+        for i, f in enumerate(["full.npz", "skew.npz"])
+    ]
+    with pytest.raises(
+        InputError,
+        match=r"^data\.silos\.1: expected the label values of data\.silos\.0 .*got \['1', '2'\]"
+        r"; .*data\.classes, the task's label values in label order",
+    ):
         check_schemas(schemas)
 
 
@@ -430,8 +466,12 @@ def test_declared_text_classes_map_tables_test_paths_and_server_sets(tmp_path):
     spec = {"dataset": "parquet", "path": str(tmp_path / "train.parquet"), "label": "dx", "test_path": str(tmp_path / "test.parquet")}
     train, held = load_silo(spec, client=0, classes=classes)
     assert np.array_equal(train.y, np.where(y[y < 2] == 0, 1, 2)) and set(held.y.tolist()) == {0}
-    assert load_server_set({"dataset": "parquet", "path": str(tmp_path / "test.parquet"), "label": "dx"}, key="data.test",
-                           classes=classes).y.tolist() == [0] * 20
+    assert (
+        load_server_set(
+            {"dataset": "parquet", "path": str(tmp_path / "test.parquet"), "label": "dx"}, key="data.test", classes=classes
+        ).y.tolist()
+        == [0] * 20
+    )
 
 
 @pytest.mark.parametrize("field", ["path", "test_path"])
@@ -441,8 +481,11 @@ def test_a_label_not_declared_names_the_silo_and_the_value(tmp_path, field):
     np.savez(tmp_path / "bad.npz", X=X, y=y + 5)  # labels 5, 6, 7
     spec = {"dataset": "npz", "path": str(tmp_path / "good.npz"), "test_path": str(tmp_path / "good.npz")}
     spec[field] = str(tmp_path / "bad.npz")
-    with pytest.raises(InputError, match=rf"^data\.silos\.3\.{field}: expected labels among data\.classes \['0', '1', '2'\] in "
-                       rf"'.*bad\.npz', got '5'") as info:
+    with pytest.raises(
+        InputError,
+        match=rf"^data\.silos\.3\.{field}: expected labels among data\.classes \['0', '1', '2'\] in "
+        rf"'.*bad\.npz', got '5'",
+    ) as info:
         load_silo(spec, client=3, classes=("0", "1", "2"))
     assert "\n" not in str(info.value)
     with pytest.raises(InputError, match=r"^data\.test\.path: expected labels among data\.classes"):
@@ -452,5 +495,8 @@ def test_a_label_not_declared_names_the_silo_and_the_value(tmp_path, field):
 def test_silo_configs_with_data_classes_validate_and_dump():
     cfg = validate_config({**SILO_CONFIG, "data": {**SILO_CONFIG["data"], "classes": [0, 1, "unclear"]}})
     assert cfg.data.classes == [0, 1, "unclear"] and cfg.data.class_names == ("0", "1", "unclear")
-    assert cfg.data.model_dump()["classes"] == [0, 1, "unclear"] and validate_config({**SILO_CONFIG, "data": cfg.data.model_dump()}).data == cfg.data
+    assert (
+        cfg.data.model_dump()["classes"] == [0, 1, "unclear"]
+        and validate_config({**SILO_CONFIG, "data": cfg.data.model_dump()}).data == cfg.data
+    )
     assert validate_config(SILO_CONFIG).data.model_dump()["classes"] is None  # undeclared

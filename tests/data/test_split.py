@@ -89,8 +89,11 @@ def _one_line_exit_2(capsys, argv: list[str], pattern: str) -> None:
 
 def test_split_refuses_a_silo_config(tmp_path, capsys):
     silos = _write(tmp_path / "silos.yaml", {"data": {"silos": [{"dataset": "iris"}, {"dataset": "iris"}]}})
-    _one_line_exit_2(capsys, ["split", str(silos), "--out", str(tmp_path / "out")],
-                     r"^rayfuse: error: data\.silos: expected a simulation config \(data\.dataset \+ partition\)")
+    _one_line_exit_2(
+        capsys,
+        ["split", str(silos), "--out", str(tmp_path / "out")],
+        r"^rayfuse: error: data\.silos: expected a simulation config \(data\.dataset \+ partition\)",
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -98,28 +101,42 @@ def test_split_refuses_an_out_folder_in_use_or_unwritable(tmp_path, capsys):
     config = _write(tmp_path / "sim.yaml", {**SIMULATION, "data": {"dataset": "iris"}})
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "notes.txt").write_text("mine")
-    _one_line_exit_2(capsys, ["split", str(config), "--out", str(tmp_path / "used")], r"^rayfuse: error: --out: expected a new or empty folder")
+    _one_line_exit_2(
+        capsys, ["split", str(config), "--out", str(tmp_path / "used")], r"^rayfuse: error: --out: expected a new or empty folder"
+    )
     assert os.listdir(tmp_path / "used") == ["notes.txt"]
     (tmp_path / "file").write_text("x")
-    _one_line_exit_2(capsys, ["split", str(config), "--out", str(tmp_path / "file")], r"^rayfuse: error: --out: expected a new or empty folder")
+    _one_line_exit_2(
+        capsys, ["split", str(config), "--out", str(tmp_path / "file")], r"^rayfuse: error: --out: expected a new or empty folder"
+    )
     if os.geteuid() != 0:  # root writes anywhere
         locked = tmp_path / "locked"
         locked.mkdir()
         locked.chmod(stat.S_IRUSR | stat.S_IXUSR)
         try:
-            _one_line_exit_2(capsys, ["split", str(config), "--out", str(locked / "out")],
-                             r"^rayfuse: error: --out: expected a folder rayfuse can create or write to")
+            _one_line_exit_2(
+                capsys,
+                ["split", str(config), "--out", str(locked / "out")],
+                r"^rayfuse: error: --out: expected a folder rayfuse can create or write to",
+            )
         finally:
             locked.chmod(stat.S_IRWXU)
 
 
-@pytest.mark.parametrize(("change", "pattern"), [
-    ({"data": {"dataset": "iris", "val_size": 0}},
-     r"^rayfuse: error: data\.val_size: expected a validation split of at least one sample on every client"),
-    ({"methods": {"global": {"epochs": 1}}}, r"^rayfuse: error: methods: expected at least one method a federation can run on silos"),
-    ({"data": {"dataset": "kl_gmm"}, "partition": {"method": "iid", "num_clients": 2}},
-     r"^rayfuse: error: data\.dataset: expected a dataset whose evaluation needs only its arrays"),
-])
+@pytest.mark.parametrize(
+    ("change", "pattern"),
+    [
+        (
+            {"data": {"dataset": "iris", "val_size": 0}},
+            r"^rayfuse: error: data\.val_size: expected a validation split of at least one sample on every client",
+        ),
+        ({"methods": {"global": {"epochs": 1}}}, r"^rayfuse: error: methods: expected at least one method a federation can run on silos"),
+        (
+            {"data": {"dataset": "kl_gmm"}, "partition": {"method": "iid", "num_clients": 2}},
+            r"^rayfuse: error: data\.dataset: expected a dataset whose evaluation needs only its arrays",
+        ),
+    ],
+)
 def test_split_refuses_what_silo_files_cannot_reproduce_and_leaves_nothing(tmp_path, capsys, change, pattern):
     config = _write(tmp_path / "sim.yaml", {**SIMULATION, "data": {"dataset": "iris"}, **change})
     _one_line_exit_2(capsys, ["split", str(config), "--out", str(tmp_path / "out")], pattern)
@@ -148,9 +165,19 @@ def _run_local(config, run_dir: Path) -> dict:
 def test_running_the_written_silo_config_reproduces_the_simulation(tmp_path, evaluation):
     # standardised (iris), non-IID, two corrupted clients, a public sample; one-shot, round-based and ensemble methods;
     # the oracle is left out of the silo config (no silo run pools the clients' data)
-    simulation = {**SIMULATION, "evaluation": evaluation, "federation": {"backend": "local"},
-                  "methods": {"local": {}, "average": {}, "ensemble": {}, "fedavg": {"rounds": 2, "local_epochs": 1},
-                              "fedprox": {"rounds": 2, "local_epochs": 1, "mu": 0.1}, "global": {"epochs": 2}}}
+    simulation = {
+        **SIMULATION,
+        "evaluation": evaluation,
+        "federation": {"backend": "local"},
+        "methods": {
+            "local": {},
+            "average": {},
+            "ensemble": {},
+            "fedavg": {"rounds": 2, "local_epochs": 1},
+            "fedprox": {"rounds": 2, "local_epochs": 1, "mu": 0.1},
+            "global": {"epochs": 2},
+        },
+    }
     cfg = validate_config(simulation)
     written = split_simulation(cfg, tmp_path / "silos")
     assert "# Left out: the method(s) global (they read the whole dataset" in written.read_text()
@@ -169,23 +196,32 @@ def test_running_the_written_silo_config_reproduces_the_simulation(tmp_path, eva
         if evaluation == "both":
             assert entry["client_metrics"] == want["client_metrics"], label
     models = sorted(p.name for p in (tmp_path / "silo" / "models").iterdir())
-    assert models and all(params_equal(load_params(tmp_path / "sim" / "models" / name), load_params(tmp_path / "silo" / "models" / name))
-                          for name in models)  # the fused models, to the last bit
+    assert models and all(
+        params_equal(load_params(tmp_path / "sim" / "models" / name), load_params(tmp_path / "silo" / "models" / name)) for name in models
+    )  # the fused models, to the last bit
 
 
 QUICKSTART_PARTITION = {"method": "dirichlet", "num_clients": 5, "alpha": 0.5}  # jobs/quickstart.yaml's
 
 
-@pytest.mark.parametrize("partition", [QUICKSTART_PARTITION,
-                                       {"method": "labels", "num_clients": 5, "groups": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]}],
-                         ids=["dirichlet-0.5", "label-disjoint"])
+@pytest.mark.parametrize(
+    "partition",
+    [QUICKSTART_PARTITION, {"method": "labels", "num_clients": 5, "groups": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]}],
+    ids=["dirichlet-0.5", "label-disjoint"],
+)
 def test_label_skewed_partitions_split_and_run_with_the_simulations_numbers(tmp_path, partition):
     # the quickstart's data and partition (digits, 5 clients): shards that lack labels are written, and data.classes
     # declares all ten, so every silo numbers its labels as the simulation does
-    simulation = {"run": {"name": "sim", "seed": 0}, "data": {"dataset": "digits", "test_size": 0.2, "val_size": 0.1},
-                  "partition": partition, "model": {"name": "mlp", "hidden": [16]}, "train": {"epochs": 1, "batch_size": 32},
-                  "federation": {"backend": "local"}, "evaluation": "both",
-                  "methods": {"local": {}, "average": {}, "fedavg": {"rounds": 1, "local_epochs": 1}}}
+    simulation = {
+        "run": {"name": "sim", "seed": 0},
+        "data": {"dataset": "digits", "test_size": 0.2, "val_size": 0.1},
+        "partition": partition,
+        "model": {"name": "mlp", "hidden": [16]},
+        "train": {"epochs": 1, "batch_size": 32},
+        "federation": {"backend": "local"},
+        "evaluation": "both",
+        "methods": {"local": {}, "average": {}, "fedavg": {"rounds": 1, "local_epochs": 1}},
+    }
     cfg = validate_config(simulation)
     written = split_simulation(cfg, tmp_path / "silos")
     silo_cfg = validate_config(yaml.safe_load(written.read_text()))
@@ -220,4 +256,3 @@ def test_split_leaves_out_only_the_methods_that_read_the_whole_dataset(tmp_path)
     from rayfuse.runner import prepare_run
 
     prepare_run(silo_cfg)  # the kept oracle passes the silo run's pre-start checks
-

@@ -47,10 +47,15 @@ def _job(tmp_path, methods: dict, *, features: int = 4) -> dict:
     if features != 4:
         X = np.random.default_rng(9).normal(size=(60, features)).astype(np.float32)
     np.savez(tmp_path / "transfer.npz", X=X)  # inputs only: no label array at all
-    return {"run": {"name": "unlabeled", "seed": 0, "storage": str(tmp_path / "runs")},
-            "data": {"silos": silos, "public": {"dataset": "npz", "path": str(tmp_path / "transfer.npz"), "labels": False}},
-            "model": {"name": "mlp", "hidden": [8]}, "train": {"epochs": 2, "batch_size": 16, "shared_init": True},
-            "federation": {"backend": "local"}, "evaluation": "federated", "methods": methods}
+    return {
+        "run": {"name": "unlabeled", "seed": 0, "storage": str(tmp_path / "runs")},
+        "data": {"silos": silos, "public": {"dataset": "npz", "path": str(tmp_path / "transfer.npz"), "labels": False}},
+        "model": {"name": "mlp", "hidden": [8]},
+        "train": {"epochs": 2, "batch_size": 16, "shared_init": True},
+        "federation": {"backend": "local"},
+        "evaluation": "federated",
+        "methods": methods,
+    }
 
 
 def _refused(tmp_path, capsys, job: dict, command: str = "run") -> str:
@@ -66,8 +71,9 @@ def _refused(tmp_path, capsys, job: dict, command: str = "run") -> str:
 
 
 def test_distill_runs_end_to_end_on_an_unlabeled_public_file(tmp_path):
-    results = run_experiment(validate_config(_job(tmp_path, DISTILL)), InProcessBackend(), tmp_path / "runs" / "r",
-                             printer=lambda e: None, show_tables=False)
+    results = run_experiment(
+        validate_config(_job(tmp_path, DISTILL)), InProcessBackend(), tmp_path / "runs" / "r", printer=lambda e: None, show_tables=False
+    )
     assert results["status"] == "succeeded" and results["evaluation"] == "federated"
     entry = results["methods"]["distill"]
     assert 0.0 <= entry["accuracy"] <= 1.0 and np.isfinite(entry["nll"])
@@ -94,7 +100,8 @@ def test_the_refusal_is_one_line_and_exit_2_with_nothing_written(tmp_path, capsy
     assert err.startswith("rayfuse: error: data.public.labels: expected true (a labelled public sample) for method 'finetune'")
     assert not (tmp_path / "runs").exists()
     assert _refused(tmp_path, capsys, _job(tmp_path, {"gems": {"m_epsilon": 4}}), "validate").startswith(
-        "rayfuse: error: data.public.labels: expected true (a labelled public sample) for method 'gems'")
+        "rayfuse: error: data.public.labels: expected true (a labelled public sample) for method 'gems'"
+    )
 
 
 def test_the_methods_that_read_the_public_labels_say_so():
@@ -133,8 +140,13 @@ def test_a_table_without_labels_is_read_by_its_feature_columns_only(tmp_path, fm
         pq.write_table(table, path)
     else:
         path.write_text("a;note;b;c;empty\n" + "".join(f"{r[0]!r};x;{r[1]!r};{r[2]!r};\n" for r in X.tolist()))
-    spec = {"dataset": fmt, "path": str(path), "labels": False, "features": ["a", "b", "c"],
-            **({"options": {"delimiter": ";"}} if fmt == "csv" else {})}
+    spec = {
+        "dataset": fmt,
+        "path": str(path),
+        "labels": False,
+        "features": ["a", "b", "c"],
+        **({"options": {"delimiter": ";"}} if fmt == "csv" else {}),
+    }
     np.testing.assert_allclose(load_server_inputs(spec, key="data.public"), X, rtol=1e-6)
     with pytest.raises(InputError, match=r"^data\.public\.features: expected columns of public\.\w+ \(a, note, b, c, empty\), got 'd'$"):
         load_server_inputs({**spec, "features": ["a", "d"]}, key="data.public")
@@ -142,8 +154,11 @@ def test_a_table_without_labels_is_read_by_its_feature_columns_only(tmp_path, fm
 
 def test_bad_unlabeled_files_are_one_line_at_data_public(tmp_path, monkeypatch):
     monkeypatch.setenv("SERVER_DATA", str(tmp_path))
-    with pytest.raises(InputError, match=r"^data\.public\.path: expected an existing npz file on the server's node, "
-                                         r"got '\$\{SERVER_DATA\}/gone\.npz'"):
+    with pytest.raises(
+        InputError,
+        match=r"^data\.public\.path: expected an existing npz file on the server's node, "
+        r"got '\$\{SERVER_DATA\}/gone\.npz'",
+    ):
         load_server_inputs({"dataset": "npz", "path": "${SERVER_DATA}/gone.npz", "labels": False}, key="data.public")
     np.savez(tmp_path / "other.npz", Z=np.zeros((3, 4)))
     with pytest.raises(InputError, match=r"^data\.public\.features: expected an array name in other\.npz \(Z\), got 'X'"):
@@ -154,22 +169,38 @@ def test_bad_unlabeled_files_are_one_line_at_data_public(tmp_path, monkeypatch):
 # Where labels: false does not go
 
 
-@pytest.mark.parametrize(("change", "pattern"), [
-    (lambda d: d.update(test={"dataset": "npz", "path": "/s/test.npz", "labels": False}),
-     r"^data\.test\.labels: expected true for data\.test \(the server's test set scores the models on its labels"),
-    (lambda d: d["silos"][1].update(labels=False),
-     r"^data\.silos\.1\.labels: expected true for a client's silo \(a client trains on its labels"),
-    (lambda d: d.update(public={"dataset": "imagefolder", "path": "/s/images", "labels": False}),
-     r"^data\.public\.labels: expected true for dataset 'imagefolder' \(an unlabeled file is npz, or parquet / csv with "
-     r"features named\), got False$"),
-    (lambda d: d.update(public={"dataset": "digits", "labels": False}), r"^data\.public\.labels: expected true for dataset 'digits'"),
-    (lambda d: d.update(public={"dataset": "csv", "path": "/s/public.csv", "labels": False}),
-     r"^data\.public\.features: expected the feature columns of an unlabeled csv file"),
-    (lambda d: d.update(public={"dataset": "npz", "path": "/s/public.npz", "labels": False, "label": "y"}),
-     r"^data\.public\.label: expected no label with labels: false"),
-    (lambda d: d.update(public={"dataset": "npz", "path": "/s/public.npz", "lables": False}),
-     r"^data\.public\.lables: expected a known key.*did you mean 'labels'"),
-], ids=["test", "client-silo", "imagefolder", "bundled", "csv-without-features", "label-named", "typo"])
+@pytest.mark.parametrize(
+    ("change", "pattern"),
+    [
+        (
+            lambda d: d.update(test={"dataset": "npz", "path": "/s/test.npz", "labels": False}),
+            r"^data\.test\.labels: expected true for data\.test \(the server's test set scores the models on its labels",
+        ),
+        (
+            lambda d: d["silos"][1].update(labels=False),
+            r"^data\.silos\.1\.labels: expected true for a client's silo \(a client trains on its labels",
+        ),
+        (
+            lambda d: d.update(public={"dataset": "imagefolder", "path": "/s/images", "labels": False}),
+            r"^data\.public\.labels: expected true for dataset 'imagefolder' \(an unlabeled file is npz, or parquet / csv with "
+            r"features named\), got False$",
+        ),
+        (lambda d: d.update(public={"dataset": "digits", "labels": False}), r"^data\.public\.labels: expected true for dataset 'digits'"),
+        (
+            lambda d: d.update(public={"dataset": "csv", "path": "/s/public.csv", "labels": False}),
+            r"^data\.public\.features: expected the feature columns of an unlabeled csv file",
+        ),
+        (
+            lambda d: d.update(public={"dataset": "npz", "path": "/s/public.npz", "labels": False, "label": "y"}),
+            r"^data\.public\.label: expected no label with labels: false",
+        ),
+        (
+            lambda d: d.update(public={"dataset": "npz", "path": "/s/public.npz", "lables": False}),
+            r"^data\.public\.lables: expected a known key.*did you mean 'labels'",
+        ),
+    ],
+    ids=["test", "client-silo", "imagefolder", "bundled", "csv-without-features", "label-named", "typo"],
+)
 def test_labels_false_where_labels_are_needed_is_one_line(change, pattern):
     job = {"data": {"silos": [{"dataset": "npz", "path": f"/s/site{i}.npz"} for i in range(2)]}, "methods": DISTILL}
     change(job["data"])
@@ -179,7 +210,8 @@ def test_labels_false_where_labels_are_needed_is_one_line(change, pattern):
 
 
 def test_a_labelled_public_file_dumps_its_labels_key():
-    cfg = validate_config({"data": {"silos": [{"dataset": "npz", "path": "/s/a.npz"}],
-                                    "public": {"dataset": "npz", "path": "/s/p.npz"}}, "methods": DISTILL})
+    cfg = validate_config(
+        {"data": {"silos": [{"dataset": "npz", "path": "/s/a.npz"}], "public": {"dataset": "npz", "path": "/s/p.npz"}}, "methods": DISTILL}
+    )
     data = resolved_config(cfg)["data"]
     assert data["public"]["labels"] is True and cfg.data.public.labels is True

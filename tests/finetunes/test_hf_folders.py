@@ -50,8 +50,15 @@ def _finetunes(root: Path, model: torch.nn.Module, n: int = 3, dtype: torch.dtyp
 
 
 def _llama() -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=4, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(1)
     return transformers.AutoModelForCausalLM.from_config(cfg)
 
@@ -65,9 +72,18 @@ def _write(root: Path, config: dict) -> str:
 def test_a_tiny_llama_merged_with_ties_loads_with_from_pretrained_and_runs(tmp_path: Path, capsys) -> None:
     _finetunes(tmp_path, _llama())
     assert (tmp_path / "base" / "model.safetensors.index.json").is_file()  # sharded inputs
-    config = _write(tmp_path, {"merge_method": "ties", "base_model": "base",
-                               "models": [{"model": f"ft{i}", "parameters": {"weight": 1.0, "density": 0.5}} for i in range(3)],
-                               "parameters": {"lambda": 1.0}, "output": "merged", "max_shard_size": "150KB", "threads": 2})
+    config = _write(
+        tmp_path,
+        {
+            "merge_method": "ties",
+            "base_model": "base",
+            "models": [{"model": f"ft{i}", "parameters": {"weight": 1.0, "density": 0.5}} for i in range(3)],
+            "parameters": {"lambda": 1.0},
+            "output": "merged",
+            "max_shard_size": "150KB",
+            "threads": 2,
+        },
+    )
     assert main(["fuse", config]) == 0
     assert "ties of 4 models" in capsys.readouterr().out
     out = tmp_path / "merged"
@@ -84,13 +100,21 @@ def test_a_tiny_llama_merged_with_ties_loads_with_from_pretrained_and_runs(tmp_p
 
 
 def test_a_tiny_bert_merged_with_task_arithmetic_loads_and_runs(tmp_path: Path) -> None:
-    cfg = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                                  max_position_embeddings=64)
+    cfg = transformers.BertConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, max_position_embeddings=64
+    )
     torch.manual_seed(2)
     _finetunes(tmp_path, transformers.AutoModel.from_config(cfg), n=2)
-    config = _write(tmp_path, {"merge_method": "task_arithmetic", "base_model": "base",
-                               "models": [{"model": f"ft{i}", "parameters": {"weight": 0.5}} for i in range(2)],
-                               "parameters": {"lambda": 0.7}, "output": "merged"})
+    config = _write(
+        tmp_path,
+        {
+            "merge_method": "task_arithmetic",
+            "base_model": "base",
+            "models": [{"model": f"ft{i}", "parameters": {"weight": 0.5}} for i in range(2)],
+            "parameters": {"lambda": 0.7},
+            "output": "merged",
+        },
+    )
     assert main(["fuse", config]) == 0
     model = transformers.AutoModel.from_pretrained(tmp_path / "merged")
     hidden = model(input_ids=torch.tensor([[1, 5, 7]])).last_hidden_state
@@ -103,9 +127,16 @@ def test_a_tiny_bert_merged_with_task_arithmetic_loads_and_runs(tmp_path: Path) 
 
 def test_bf16_in_bf16_out_computed_in_float32(tmp_path: Path) -> None:
     _finetunes(tmp_path, _llama(), n=2, dtype=torch.bfloat16)
-    config = _write(tmp_path, {"merge_method": "dare_ties", "base_model": "base", "seed": 5,
-                               "models": [{"model": f"ft{i}", "parameters": {"weight": 1.0, "density": 0.7}} for i in range(2)],
-                               "output": "merged"})
+    config = _write(
+        tmp_path,
+        {
+            "merge_method": "dare_ties",
+            "base_model": "base",
+            "seed": 5,
+            "models": [{"model": f"ft{i}", "parameters": {"weight": 1.0, "density": 0.7}} for i in range(2)],
+            "output": "merged",
+        },
+    )
     assert main(["fuse", config]) == 0
     merged = _tensors(tmp_path / "merged")
     assert {v.dtype for v in merged.values()} == {torch.bfloat16}
@@ -150,8 +181,14 @@ _MEMORY = textwrap.dedent("""
 def test_streaming_keeps_the_peak_memory_far_below_the_inputs(tmp_path: Path) -> None:
     """4 models of 48 MiB (96 tensors of 0.5 MiB): the merge's peak resident memory above what the process held before
     it is a small multiple of one tensor, not the 192 MiB of inputs (measured in a fresh process, VmHWM)."""
-    result = subprocess.run([sys.executable, "-c", _MEMORY, str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [sys.executable, "-c", _MEMORY, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     numbers = json.loads(result.stdout.strip().splitlines()[-1])
     inputs = 4 * 48 * 2**20
@@ -224,8 +261,13 @@ def test_a_sharded_index_naming_a_missing_file_is_refused(folders: Path, capsys)
 
 @pytest.mark.parametrize("models", [["ft0"], ["ft0", "ft1"]])
 def test_slerp_with_other_than_two_models_is_refused(folders: Path, capsys, models: list[str]) -> None:
-    config = {"merge_method": "slerp", "base_model": "base", "models": [{"model": m} for m in ["base", *models]] if len(models) > 1
-              else [{"model": "ft0"}, {"model": "ft1"}, {"model": "base"}], "parameters": {"t": 0.5}, "output": "merged"}
+    config = {
+        "merge_method": "slerp",
+        "base_model": "base",
+        "models": [{"model": m} for m in ["base", *models]] if len(models) > 1 else [{"model": "ft0"}, {"model": "ft1"}, {"model": "base"}],
+        "parameters": {"t": 0.5},
+        "output": "merged",
+    }
     line = _refused(folders, capsys, config)
     assert "exactly two models" in line
 

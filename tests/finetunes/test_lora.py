@@ -24,8 +24,14 @@ from rayfuse.finetunes.lora import METADATA_FILE, combine_module, read_adapter  
 from tests.config.test_bad_inputs import Files, _snapshot, refused_line  # noqa: E402
 from tests.config.test_bad_inputs import isolated as isolated  # noqa: E402, F401  (the harness's fixture: the case's folder as cwd)
 
-LLAMA = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2}
+LLAMA = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 # name: (rank, alpha, target modules, extra LoraConfig arguments); three ranks, rsLoRA, PEFT's per-module patterns and
 # adapters of different target modules
 ADAPTERS: dict[str, tuple[int, int, list[str], dict[str, Any]]] = {
@@ -63,9 +69,15 @@ def env(tmp_path_factory) -> Path:
 
 
 def fuse(env: Path, name: str, models: list[str], weights: list[float] | None = None, **fields: Any) -> Path:
-    config = {"merge_method": "lora", "models": [{"model": str(env / m), **({"parameters": {"weight": w}} if weights else {})}
-                                               for m, w in zip(models, weights or [1.0] * len(models))],
-              "output": str(env / name), **fields}
+    config = {
+        "merge_method": "lora",
+        "models": [
+            {"model": str(env / m), **({"parameters": {"weight": w}} if weights else {})}
+            for m, w in zip(models, weights or [1.0] * len(models))
+        ],
+        "output": str(env / name),
+        **fields,
+    }
     return rayfuse.fuse(config)
 
 
@@ -247,7 +259,9 @@ def test_a_merged_folder_loads_with_from_pretrained_and_matches_peft_merge_and_u
     merged = fuse(env, "merged", models, parameters={"combine": "svd", "rank": 4}, base_model=str(env / "base"), output_kind="merged")
     assert (merged / "config.json").is_file() and json.loads((merged / METADATA_FILE).read_text())["output_kind"] == "merged"
     loaded = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
-    reference = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(env / "base"), adapter).merge_and_unload().eval()
+    reference = (
+        peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(env / "base"), adapter).merge_and_unload().eval()
+    )
     np.testing.assert_allclose(logits(loaded, IDS), logits(reference, IDS), atol=1e-5, rtol=0)
 
 
@@ -266,8 +280,17 @@ def test_mixed_ranks_stack_and_svd_and_the_cli_summary(env, capsys) -> None:
     from rayfuse.cli import main
 
     config = env / "mixed.yaml"
-    config.write_text(yaml.safe_dump({"merge_method": "lora", "base_model": "base", "models": [{"model": "a0"}, {"model": "a1"}],
-                                      "parameters": {"combine": "svd", "rank": 6}, "output": "mixed"}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "merge_method": "lora",
+                "base_model": "base",
+                "models": [{"model": "a0"}, {"model": "a1"}],
+                "parameters": {"combine": "svd", "rank": 6},
+                "output": "mixed",
+            }
+        )
+    )
     assert main(["fuse", str(config)]) == 0
     out = capsys.readouterr().out
     assert "lora: svd of 2 adapters" in out and "(exact)" in out and "lora (svd) of 2 models" in out
@@ -336,9 +359,14 @@ BAD = {
     "lora-target-not-in-base": (_target_not_in_base, ["models.0.model: model.layers.0.self_attn.q_proj", "no such module in the base"]),
     "lora-base-shape-mismatch": (_base_shape, ["base_wide: model.layers.0.self_attn.v_proj.weight", "(32, 64)", "(64, 64)"]),
     "lora-svd-without-rank": (_cli(["a0", "a1"], parameters={"combine": "svd"}), ["parameters.rank", "combine: svd"]),
-    "lora-svd-rank-above-stacked": (_cli(["a0", "a1"], parameters={"combine": "svd", "rank": 7}), ["parameters.rank", "at most 6", "[2, 4]"]),
-    "lora-average-factors-mixed-ranks": (_cli(["a0", "a1"], parameters={"combine": "average_factors"}),
-                                         ["parameters.combine", "models.0.model rank 2", "models.1.model rank 4"]),
+    "lora-svd-rank-above-stacked": (
+        _cli(["a0", "a1"], parameters={"combine": "svd", "rank": 7}),
+        ["parameters.rank", "at most 6", "[2, 4]"],
+    ),
+    "lora-average-factors-mixed-ranks": (
+        _cli(["a0", "a1"], parameters={"combine": "average_factors"}),
+        ["parameters.combine", "models.0.model rank 2", "models.1.model rank 4"],
+    ),
     "lora-merged-without-base": (_cli(["a0"], output_kind="merged"), ["base_model", "output_kind: merged"]),
     "lora-unknown-combine": (_cli(["a0"], parameters={"combine": "mean"}), ["parameters.combine"]),
     "lora-rank-with-stack": (_cli(["a0"], parameters={"combine": "stack", "rank": 2}), ["parameters.rank"]),

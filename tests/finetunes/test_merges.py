@@ -121,8 +121,13 @@ def test_parameters_per_tensor_pattern_and_gradients_over_layers() -> None:
     assert evaluate("x", [0.0, 1.0, 0.0], 0.75) == pytest.approx(0.5)
     assert evaluate("x", [{"filter": "mlp", "value": 1.0}], 0.0) is None
     pos = layer_positions(["model.embed_tokens.weight", "model.layers.0.a", "model.layers.2.a", "model.layers.1.a", "lm_head.weight"])
-    assert pos == {"model.embed_tokens.weight": 0.0, "model.layers.0.a": 0.0, "model.layers.1.a": 0.5, "model.layers.2.a": 1.0,
-                   "lm_head.weight": 0.0}
+    assert pos == {
+        "model.embed_tokens.weight": 0.0,
+        "model.layers.0.a": 0.0,
+        "model.layers.1.a": 0.5,
+        "model.layers.2.a": 1.0,
+        "lm_head.weight": 0.0,
+    }
 
 
 def _files(tmp_path: Path) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
@@ -141,11 +146,16 @@ def _files(tmp_path: Path) -> tuple[dict[str, torch.Tensor], list[dict[str, torc
 def test_fuse_ties_with_per_tensor_weights_matches_the_formula(tmp_path: Path) -> None:
     base, tuned = _files(tmp_path)
     weight = [{"filter": "self_attn", "value": 2.0}, {"value": 1.0}]
-    config = {"merge_method": "ties", "base_model": str(tmp_path / "base.safetensors"),
-              "models": [{"model": str(tmp_path / "base.safetensors")},  # mergekit lists the base too: skipped
-                         *[{"model": str(tmp_path / f"ft{k}.safetensors"), "parameters": {"weight": weight if k == 0 else 1.0}}
-                           for k in range(3)]],
-              "parameters": {"density": [0.2, 1.0], "lambda": 0.9}, "output": str(tmp_path / "out.safetensors")}
+    config = {
+        "merge_method": "ties",
+        "base_model": str(tmp_path / "base.safetensors"),
+        "models": [
+            {"model": str(tmp_path / "base.safetensors")},  # mergekit lists the base too: skipped
+            *[{"model": str(tmp_path / f"ft{k}.safetensors"), "parameters": {"weight": weight if k == 0 else 1.0}} for k in range(3)],
+        ],
+        "parameters": {"density": [0.2, 1.0], "lambda": 0.9},
+        "output": str(tmp_path / "out.safetensors"),
+    }
     out = load_file(str(rayfuse.fuse(config)))
     assert set(out) == set(base)
     for name, value in base.items():
@@ -158,9 +168,13 @@ def test_fuse_ties_with_per_tensor_weights_matches_the_formula(tmp_path: Path) -
 
 def test_fuse_slerp_with_a_gradient_for_attention(tmp_path: Path) -> None:
     base, tuned = _files(tmp_path)
-    config = {"merge_method": "slerp", "base_model": str(tmp_path / "base.safetensors"),
-              "models": [{"model": str(tmp_path / "base.safetensors")}, {"model": str(tmp_path / "ft1.safetensors")}],
-              "parameters": {"t": [{"filter": "self_attn", "value": [0.0, 1.0]}, {"value": 0.5}]}, "output": str(tmp_path / "s.safetensors")}
+    config = {
+        "merge_method": "slerp",
+        "base_model": str(tmp_path / "base.safetensors"),
+        "models": [{"model": str(tmp_path / "base.safetensors")}, {"model": str(tmp_path / "ft1.safetensors")}],
+        "parameters": {"t": [{"filter": "self_attn", "value": [0.0, 1.0]}, {"value": 0.5}]},
+        "output": str(tmp_path / "s.safetensors"),
+    }
     out = load_file(str(rayfuse.fuse(config)))
     pos = layer_positions(list(base))
     for name, value in base.items():
@@ -171,9 +185,11 @@ def test_fuse_slerp_with_a_gradient_for_attention(tmp_path: Path) -> None:
 
 def test_fuse_weighted_average_into_a_folder_is_linear(tmp_path: Path) -> None:
     _, tuned = _files(tmp_path)
-    config = {"merge_method": "weighted_average",
-              "models": [{"model": str(tmp_path / f"ft{k}.safetensors"), "parameters": {"weight": float(k + 1)}} for k in range(3)],
-              "output": str(tmp_path / "avg")}
+    config = {
+        "merge_method": "weighted_average",
+        "models": [{"model": str(tmp_path / f"ft{k}.safetensors"), "parameters": {"weight": float(k + 1)}} for k in range(3)],
+        "output": str(tmp_path / "avg"),
+    }
     folder = rayfuse.fuse(config)
     out = load_file(str(folder / "model.safetensors"))
     for name in tuned[0]:
@@ -201,9 +217,15 @@ def _stats(tmp_path: Path, tuned: list[dict[str, torch.Tensor]], kind: str) -> l
 def test_fuse_fisher_weights_each_entry_by_the_models_fisher(tmp_path: Path) -> None:
     base, tuned = _files(tmp_path)
     files = _stats(tmp_path, tuned, "fisher")
-    config = {"merge_method": "fisher", "base_model": str(tmp_path / "base.safetensors"), "output": str(tmp_path / "f.safetensors"),
-              "models": [{"model": str(tmp_path / f"ft{k}.safetensors"), "statistics": files[k], "parameters": {"weight": float(k + 1)}}
-                         for k in range(3)]}
+    config = {
+        "merge_method": "fisher",
+        "base_model": str(tmp_path / "base.safetensors"),
+        "output": str(tmp_path / "f.safetensors"),
+        "models": [
+            {"model": str(tmp_path / f"ft{k}.safetensors"), "statistics": files[k], "parameters": {"weight": float(k + 1)}}
+            for k in range(3)
+        ],
+    }
     out = load_file(str(rayfuse.fuse(config)))
     fishers = [load_file(f) for f in files]
     w = np.array([1.0, 2.0, 3.0]) / 6.0
@@ -221,8 +243,13 @@ def test_fuse_fisher_weights_each_entry_by_the_models_fisher(tmp_path: Path) -> 
 def test_fuse_regmean_solves_the_least_squares_merge_of_each_linear_weight(tmp_path: Path) -> None:
     base, tuned = _files(tmp_path)
     files = _stats(tmp_path, tuned, "gram")
-    config = {"merge_method": "regmean", "base_model": str(tmp_path / "base.safetensors"), "output": str(tmp_path / "r"),
-              "parameters": {"alpha": 1.0}, "models": [{"model": str(tmp_path / f"ft{k}.safetensors"), "statistics": files[k]} for k in range(3)]}
+    config = {
+        "merge_method": "regmean",
+        "base_model": str(tmp_path / "base.safetensors"),
+        "output": str(tmp_path / "r"),
+        "parameters": {"alpha": 1.0},
+        "models": [{"model": str(tmp_path / f"ft{k}.safetensors"), "statistics": files[k]} for k in range(3)],
+    }
     out = load_file(str(rayfuse.fuse(config) / "model.safetensors"))
     grams = [load_file(f) for f in files]
     name = "model.layers.2.self_attn.weight"
@@ -242,6 +269,11 @@ def test_fisher_without_statistics_or_with_a_wrong_shape_is_refused(tmp_path: Pa
     bad = {**load_file(files[2]), "model.layers.0.mlp.weight": torch.ones(5, 6)}
     save_file(bad, str(tmp_path / "bad.safetensors"))
     with pytest.raises(rayfuse.InputError, match=r"model\.layers\.0\.mlp\.weight: expected shape \(6, 5\)"):
-        rayfuse.fuse({"merge_method": "fisher", "models": [*models[:2], {**models[2], "statistics": str(tmp_path / "bad.safetensors")}],
-                      "output": str(tmp_path / "y")})
+        rayfuse.fuse(
+            {
+                "merge_method": "fisher",
+                "models": [*models[:2], {**models[2], "statistics": str(tmp_path / "bad.safetensors")}],
+                "output": str(tmp_path / "y"),
+            }
+        )
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

@@ -114,8 +114,10 @@ def test_zero_weight_client_is_ignored():
 
 
 def test_integer_buffers_are_averaged_then_rounded_to_their_dtype():
-    params = [{"count": np.array(10, np.int64), "ids": np.array([1, 2, 3], np.int32)},
-              {"count": np.array(13, np.int64), "ids": np.array([2, 2, 8], np.int32)}]
+    params = [
+        {"count": np.array(10, np.int64), "ids": np.array([1, 2, 3], np.int32)},
+        {"count": np.array(13, np.int64), "ids": np.array([2, 2, 8], np.int32)},
+    ]
     out = weighted_average(params, [1, 1])
     assert out["count"].dtype == np.int64 and out["count"].shape == ()
     assert int(out["count"]) == 12  # 11.5 rounds half to even

@@ -46,12 +46,20 @@ def test_the_noise_for_a_target_epsilon_is_opacus_and_spends_at_most_it():
 
 def test_clipping_bounds_every_clients_contribution_to_the_sum():
     rng = np.random.default_rng(0)
-    reference = {"w": rng.normal(size=(30, 20)).astype(np.float32), "b": rng.normal(size=20).astype(np.float32),
-                 "count": np.array(5, dtype=np.int64)}
+    reference = {
+        "w": rng.normal(size=(30, 20)).astype(np.float32),
+        "b": rng.normal(size=20).astype(np.float32),
+        "count": np.array(5, dtype=np.int64),
+    }
     scales = [0.01, 0.5, 1.0, 3.0, 40.0, 1e3]
-    models = [{"w": reference["w"] + s * rng.normal(size=(30, 20)).astype(np.float32),
-               "b": reference["b"] + s * rng.normal(size=20).astype(np.float32), "count": np.array(99, dtype=np.int64)}
-              for s in scales]
+    models = [
+        {
+            "w": reference["w"] + s * rng.normal(size=(30, 20)).astype(np.float32),
+            "b": reference["b"] + s * rng.normal(size=20).astype(np.float32),
+            "count": np.array(99, dtype=np.int64),
+        }
+        for s in scales
+    ]
     clip = 2.5
     total, norms = clip_and_sum(models, reference, clip)
     assert set(total) == {"w", "b"}  # integer counters take no part
@@ -100,8 +108,9 @@ def test_adaptive_clipping_moves_the_clip_norm_to_the_target_quantile(start):
     directions /= np.linalg.norm(directions, axis=1, keepdims=True)
     reference = {"w": np.zeros(dim)}
     models = [{"w": d * r} for d, r in zip(directions, norms)]
-    settings = _settings(noise_multiplier=1.0, sample_rate=1.0, clip_norm=start,
-                         adaptive={"target_quantile": 0.3, "lr": 0.2, "count_stddev": 2.0})
+    settings = _settings(
+        noise_multiplier=1.0, sample_rate=1.0, clip_norm=start, adaptive={"target_quantile": 0.3, "lr": 0.2, "count_stddev": 2.0}
+    )
     plan = plan_dp(settings, num_clients=n, rounds=10)
     clip = start
     for step in range(300):
@@ -139,8 +148,14 @@ def test_a_run_with_stop_at_epsilon_stops_at_the_right_round_and_says_so(tmp_pat
     from tests.conftest import TINY, merge
 
     dp = {"noise_multiplier": 1.5, "clip_norm": 1.0, "sample_rate": 0.5, "stop_at_epsilon": 6.0}
-    cfg = merge(TINY, {"run": {"storage": str(tmp_path / "runs")}, "partition": {"method": "iid", "num_clients": 8},
-                       "methods": {"dp": {"method": "fedavg", "rounds": 20, "local_epochs": 1, "dp": dp}}})
+    cfg = merge(
+        TINY,
+        {
+            "run": {"storage": str(tmp_path / "runs")},
+            "partition": {"method": "iid", "num_clients": 8},
+            "methods": {"dp": {"method": "fedavg", "rounds": 20, "local_epochs": 1, "dp": dp}},
+        },
+    )
     result = rayfuse.run(cfg, quiet=True)
     entry = result.results["methods"]["dp"]
     expected = max(t for t in range(1, 21) if compute_epsilon(1.5, 0.5, t, 1e-5) <= 6.0)

@@ -17,8 +17,10 @@ def server_and_updates(coordinator):
     server = MethodServer(coord, resolve_methods(coord.cfg.methods)[0], resume=False)
     ref = coord.reference_params()
     rng = np.random.default_rng(0)
-    updates = {i: Update({k: rng.normal(size=v.shape).astype(v.dtype) for k, v in ref.items()}, coord.plan.num_examples(i))
-               for i in range(coord.plan.num_clients)}
+    updates = {
+        i: Update({k: rng.normal(size=v.shape).astype(v.dtype) for k, v in ref.items()}, coord.plan.num_examples(i))
+        for i in range(coord.plan.num_clients)
+    }
     return coord, server, updates
 
 
@@ -30,8 +32,12 @@ def rejections(coord):
 def test_a_count_other_than_the_planned_one_is_rejected_and_recorded(server_and_updates, reported):
     coord, server, updates = server_and_updates
     planned = coord.plan.num_examples(1)
-    updates[1].num_examples = {"inflated": planned * 1000, "deflated": 1, "off by one": planned + 1,
-                               "numpy integer off by one": np.int64(planned - 1)}[reported]
+    updates[1].num_examples = {
+        "inflated": planned * 1000,
+        "deflated": 1,
+        "off by one": planned + 1,
+        "numpy integer off by one": np.int64(planned - 1),
+    }[reported]
     accepted = server.updates.accept(Gathered(updates))
     assert sorted(accepted) == [0, 2, 3]
     assert f"not the client's {planned} training examples" in rejections(coord)[1]

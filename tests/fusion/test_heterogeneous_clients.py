@@ -31,8 +31,10 @@ HETERO: dict = {
     "partition": {"method": "iid", "num_clients": 3},
     "model": {"name": "rescnn", "channels": [8, 16]},
     "train": {"epochs": 2},
-    "federation": {"backend": "local", "client_overrides": {0: {"model": {"name": "mlp", "hidden": [32]}},
-                                                            1: {"model": {"name": "cnn", "channels": [8, 16]}}}},
+    "federation": {
+        "backend": "local",
+        "client_overrides": {0: {"model": {"name": "mlp", "hidden": [32]}}, 1: {"model": {"name": "cnn", "channels": [8, 16]}}},
+    },
     "methods": {"local": {}, "ensemble": {}},
 }
 NAMES = ["mlp", "cnn", "rescnn"]
@@ -113,16 +115,28 @@ def test_the_local_model_cache_keys_each_client_by_its_own_model(tmp_path):
     for c in range(3):  # each entry is keyed by its client's model, and the client computes the coordinator's key
         recorded = json.loads((cache / "local-models" / keys[str(c)] / "key.json").read_text())
         assert recorded["client"] == c and recorded["model"]["name"] == NAMES[c]
-        client = Client(c, plan.for_client(c), data_cfg=cfg.data, model_cfg=cfg.client_model(c), train_cfg=cfg.train, seed=cfg.run.seed,
-                        local_cache=str(cache))
+        client = Client(
+            c,
+            plan.for_client(c),
+            data_cfg=cfg.data,
+            model_cfg=cfg.client_model(c),
+            train_cfg=cfg.train,
+            seed=cfg.run.seed,
+            local_cache=str(cache),
+        )
         assert client.ctx.local_model_key()[0] == keys[str(c)]
     # the same clients with the run's model for everyone: other keys for clients 0 and 1, the same for client 2
-    homogeneous = config(tmp_path, run={"name": "hetero", "seed": 0, "model_cache": str(cache)}, methods={"local": {}}, federation={"backend": "local"})
+    homogeneous = config(
+        tmp_path, run={"name": "hetero", "seed": 0, "model_cache": str(cache)}, methods={"local": {}}, federation={"backend": "local"}
+    )
     again = rayfuse.run(homogeneous, run_dir=tmp_path / "b", quiet=True).results
     assert sorted(e["client"] for e in again["events"] if e["kind"] == "client_trained") == [0, 1]
     # a second run of the heterogeneous clients restores every client's model instead of retraining
-    second = rayfuse.run(config(tmp_path, run={"name": "other", "seed": 0, "model_cache": str(cache)}, methods={"local": {}, "ensemble": {}}),
-                         run_dir=tmp_path / "c", quiet=True).results
+    second = rayfuse.run(
+        config(tmp_path, run={"name": "other", "seed": 0, "model_cache": str(cache)}, methods={"local": {}, "ensemble": {}}),
+        run_dir=tmp_path / "c",
+        quiet=True,
+    ).results
     assert not any(e["kind"] == "client_trained" for e in second["events"])
     assert [(e["source"], e["clients"]) for e in second["events"] if e["kind"] == "local_models_restored"] == [("cache", [0, 1, 2])]
     assert second["methods"]["local"]["accuracy"] == first["methods"]["local"]["accuracy"]
@@ -138,7 +152,9 @@ def test_methods_that_combine_weights_are_refused_before_anything_starts(tmp_pat
     assert "got clients 1, 2 with models other than client 0's" in str(raised.value)
     # the command line: exit 2, one line, no run folder
     path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump({**HETERO, "run": {"name": "x", "storage": str(tmp_path / "runs")}, "methods": {"local": {}, method: {}}}))
+    path.write_text(
+        yaml.safe_dump({**HETERO, "run": {"name": "x", "storage": str(tmp_path / "runs")}, "methods": {"local": {}, method: {}}})
+    )
     capsys.readouterr()
     assert main(["run", str(path)]) == 2
     err = capsys.readouterr().err
@@ -148,19 +164,34 @@ def test_methods_that_combine_weights_are_refused_before_anything_starts(tmp_pat
 
 def test_clients_of_one_other_architecture_than_the_servers_are_refused_for_weight_methods(tmp_path):
     everyone = {"client_overrides": {c: {"model": {"name": "mlp", "hidden": [8]}} for c in range(3)}}
-    with pytest.raises(InputError, match=r"^federation\.client_overrides: expected clients of the run's architecture \(model: rescnn\) "
-                                         r"for method 'fedavg'.*got every client with model mlp"):
+    with pytest.raises(
+        InputError,
+        match=r"^federation\.client_overrides: expected clients of the run's architecture \(model: rescnn\) "
+        r"for method 'fedavg'.*got every client with model mlp",
+    ):
         prepare_run(config(tmp_path, federation=everyone, methods={"fedavg": {}}))
 
 
-@pytest.mark.parametrize(("override", "path"), [
-    pytest.param({"name": "transformer", "patch_size": 3}, r"federation\.client_overrides\.1\.model\.patch_size: expected a divisor",
-                 id="does-not-fit-the-data"),
-    pytest.param({"name": "custom"}, r"federation\.client_overrides\.1\.model\.name: expected a model a config file can build",
-                 id="custom-in-a-config-file"),
-    pytest.param({"name": "mlp", "hidden": [10**9, 10**9]}, r"federation\.client_overrides\.1\.model\.hidden: expected a model that fits in memory",
-                 id="too-large"),
-])
+@pytest.mark.parametrize(
+    ("override", "path"),
+    [
+        pytest.param(
+            {"name": "transformer", "patch_size": 3},
+            r"federation\.client_overrides\.1\.model\.patch_size: expected a divisor",
+            id="does-not-fit-the-data",
+        ),
+        pytest.param(
+            {"name": "custom"},
+            r"federation\.client_overrides\.1\.model\.name: expected a model a config file can build",
+            id="custom-in-a-config-file",
+        ),
+        pytest.param(
+            {"name": "mlp", "hidden": [10**9, 10**9]},
+            r"federation\.client_overrides\.1\.model\.hidden: expected a model that fits in memory",
+            id="too-large",
+        ),
+    ],
+)
 def test_a_client_model_is_checked_against_the_data_like_the_runs(tmp_path, override, path):
     with pytest.raises(InputError, match="^" + path):
         prepare_run(config(tmp_path, federation={"client_overrides": {1: {"model": override}}}))
@@ -169,7 +200,9 @@ def test_a_client_model_is_checked_against_the_data_like_the_runs(tmp_path, over
 def test_train_dp_checks_every_clients_model(tmp_path):
     dp = {"epochs": 1, "dp": {"noise_multiplier": 1.0}}
     overrides = {"client_overrides": {1: {"model": {"name": "rescnn"}}}}
-    with pytest.raises(InputError, match=r"^train\.dp: .*client 1's model 'rescnn' \(federation\.client_overrides\.1\.model\) has stem\.bn"):
+    with pytest.raises(
+        InputError, match=r"^train\.dp: .*client 1's model 'rescnn' \(federation\.client_overrides\.1\.model\) has stem\.bn"
+    ):
         prepare_run(config(tmp_path, model={"name": "mlp", "hidden": [8]}, train=dp, federation=overrides, methods={"local": {}}))
 
 
@@ -189,8 +222,11 @@ def test_a_model_only_override_works_with_packed_actors_and_round_trips(tmp_path
     dumped = yaml.safe_load(path.read_text())["federation"]["client_overrides"]
     assert set(dumped["0"]) == {"model"}  # only the keys given: it reads back as a model-only override
     assert load_config(path).client_models() == cfg.client_models()
-    with pytest.raises(InputError, match=r"^federation\.clients_per_actor: expected 1 when federation\.client_overrides gives clients "
-                                         r"their own resources"):
+    with pytest.raises(
+        InputError,
+        match=r"^federation\.clients_per_actor: expected 1 when federation\.client_overrides gives clients "
+        r"their own resources",
+    ):
         config(tmp_path, federation={"clients_per_actor": 2, "client_overrides": {0: {"num_gpus": 0.5, "model": {"name": "cnn"}}}})
 
 
@@ -227,7 +263,9 @@ PREFIX = {0: "wide.", 1: "narrow.", 2: "1."}  # each factory's parameter names (
 @client_step("test_heterogeneous.probe")
 def probe(ctx) -> Update:
     """The client's trained local model, and whether this process imported the test module (it should not need to)."""
-    return Update(get_params(ctx.local_model()), ctx.num_examples, {"imported": float("tests.fusion.test_heterogeneous_clients" in sys.modules)})
+    return Update(
+        get_params(ctx.local_model()), ctx.num_examples, {"imported": float("tests.fusion.test_heterogeneous_clients" in sys.modules)}
+    )
 
 
 class Probe(Method[MethodParams, None]):
@@ -237,7 +275,9 @@ class Probe(Method[MethodParams, None]):
 
     def run(self, server) -> MethodResult:
         updates = server.updates.accept(server.federation.run(probe))
-        metrics = {f"accuracy_{c}": server.scoring.evaluate(u.params, model=server.models.client_model(c))["accuracy"] for c, u in updates.items()}
+        metrics = {
+            f"accuracy_{c}": server.scoring.evaluate(u.params, model=server.models.client_model(c))["accuracy"] for c, u in updates.items()
+        }
         layouts = {str(c): sorted(u.params) for c, u in updates.items()}
         imported = max(u.metrics["imported"] for u in updates.values())
         return MethodResult(metrics, info={"layouts": layouts, "imported": imported, "clients": sorted(updates)})
@@ -253,25 +293,39 @@ def _check_factories_run(result, clients: int) -> None:
     recorded = yaml.safe_load((result.run_dir / "config.yaml").read_text())
     assert recorded["model"]["factory"] == "tests.fusion.test_heterogeneous_clients.linear"
     assert {k: v["model"]["factory"] for k, v in recorded["federation"]["client_overrides"].items()} == {
-        "0": "tests.fusion.test_heterogeneous_clients.Wide", "1": "tests.fusion.test_heterogeneous_clients.Narrow"}
+        "0": "tests.fusion.test_heterogeneous_clients.Wide",
+        "1": "tests.fusion.test_heterogeneous_clients.Narrow",
+    }
 
 
 def test_a_mapping_of_model_factories_gives_clients_their_own_models(tmp_path):
     base = {k: v for k, v in HETERO.items() if k not in ("federation", "methods", "model")}
-    result = rayfuse.run({**base, "federation": {"backend": "local"}}, model=FACTORIES, methods={"probe": Probe, "ensemble": "ensemble"},
-                         run_dir=tmp_path / "run", quiet=True)
+    result = rayfuse.run(
+        {**base, "federation": {"backend": "local"}},
+        model=FACTORIES,
+        methods={"probe": Probe, "ensemble": "ensemble"},
+        run_dir=tmp_path / "run",
+        quiet=True,
+    )
     _check_factories_run(result, 3)
     assert 0 < result.metrics.loc["ensemble", "accuracy"] <= 1
 
 
-@pytest.mark.parametrize(("model", "match"), [
-    pytest.param({3: Wide}, r"^model\[3\]: expected a client id in 0\.\.2 \(partition\.num_clients is 3\) or 'default', got 3", id="id-out-of-range"),
-    pytest.param({"defualt": Wide}, r"^model\['defualt'\]: expected a client id in 0\.\.2", id="misspelt-default"),
-    pytest.param({"0": Wide}, r"^model\['0'\]: expected a client id", id="id-as-text"),
-    pytest.param({0: 42}, r"^model\[0\]: expected a callable returning an nn\.Module", id="not-callable"),
-    pytest.param({"default": "mlp"}, r"^model\['default'\]: expected a callable", id="default-not-callable"),
-    pytest.param({}, r"^model: expected a model factory, or a mapping", id="empty"),
-])
+@pytest.mark.parametrize(
+    ("model", "match"),
+    [
+        pytest.param(
+            {3: Wide},
+            r"^model\[3\]: expected a client id in 0\.\.2 \(partition\.num_clients is 3\) or 'default', got 3",
+            id="id-out-of-range",
+        ),
+        pytest.param({"defualt": Wide}, r"^model\['defualt'\]: expected a client id in 0\.\.2", id="misspelt-default"),
+        pytest.param({"0": Wide}, r"^model\['0'\]: expected a client id", id="id-as-text"),
+        pytest.param({0: 42}, r"^model\[0\]: expected a callable returning an nn\.Module", id="not-callable"),
+        pytest.param({"default": "mlp"}, r"^model\['default'\]: expected a callable", id="default-not-callable"),
+        pytest.param({}, r"^model: expected a model factory, or a mapping", id="empty"),
+    ],
+)
 def test_a_bad_model_mapping_is_one_line_naming_its_key(tmp_path, model, match):
     with pytest.raises(InputError, match=match):
         rayfuse.run({**HETERO, "federation": {"backend": "local"}}, model=model, run_dir=tmp_path / "run", quiet=True)
@@ -294,7 +348,12 @@ def test_a_run_given_client_model_factories_cannot_be_resumed_from_the_command_l
     from rayfuse.api import resume
 
     base = {k: v for k, v in HETERO.items() if k not in ("federation", "methods", "model")}
-    result = rayfuse.run({**base, "train": {"epochs": 1}, "federation": {"backend": "local"}}, model={1: Narrow}, methods={"local": "local"},
-                         run_dir=tmp_path / "run", quiet=True)
+    result = rayfuse.run(
+        {**base, "train": {"epochs": 1}, "federation": {"backend": "local"}},
+        model={1: Narrow},
+        methods={"local": "local"},
+        run_dir=tmp_path / "run",
+        quiet=True,
+    )
     with pytest.raises(InputError, match=r"^--resume: .*federation\.client_overrides\.1\.model\.name: custom \(tests\..*cannot be resumed"):
         resume(result.run_dir)

@@ -29,8 +29,9 @@ def test_dp_sgd_reports_the_accountants_epsilon_for_its_noise_rate_and_steps(acc
     X, y = _digits()
     model = build_model(ModelConfig(name="mlp", hidden=[16]), (1, 8, 8), 10, seed=0)
     before = get_params(model)
-    stats, privacy = train_model_dp(model, X, y, epochs=2, batch_size=24, lr=1e-2, noise_multiplier=1.1, max_grad_norm=1.0,
-                                    delta=1e-4, accountant=accountant, seed=3)
+    stats, privacy = train_model_dp(
+        model, X, y, epochs=2, batch_size=24, lr=1e-2, noise_multiplier=1.1, max_grad_norm=1.0, delta=1e-4, accountant=accountant, seed=3
+    )
     assert privacy["dp_sample_rate"] == pytest.approx(24 / 240) and privacy["dp_steps"] == 20 == stats.steps
     reference = create_accountant(accountant)
     for _ in range(20):
@@ -58,8 +59,11 @@ def test_opacus_refuses_batchnorm_and_names_the_module() -> None:
 
 def test_the_upload_is_clipped_to_c_before_noise_and_the_noise_has_scale_z_c() -> None:
     rng = np.random.default_rng(0)
-    params = {"w": rng.normal(size=(200, 50)).astype(np.float32), "b": rng.normal(size=50).astype(np.float32),
-              "count": np.array(7, dtype=np.int64)}
+    params = {
+        "w": rng.normal(size=(200, 50)).astype(np.float32),
+        "b": rng.normal(size=50).astype(np.float32),
+        "count": np.array(7, dtype=np.int64),
+    }
     reference = {k: (v * 0.5 if v.dtype.kind == "f" else v) for k, v in params.items()}
     clipped, norm = clip_and_noise(params, reference, clip_norm=2.0, noise_multiplier=0.0, rng=np.random.default_rng(1))
     diff = np.sqrt(sum(float(np.sum((clipped[k].astype(np.float64) - reference[k]) ** 2)) for k in ("w", "b")))
@@ -83,10 +87,28 @@ def test_one_release_epsilon_is_the_accountants_for_rate_one_and_one_step() -> N
 
 def test_a_run_reports_each_clients_epsilon_in_results(tmp_path, capsys) -> None:
     out = tmp_path / "run"
-    assert main(["run", "--set", "federation.backend=local", "--set", "partition.num_clients=3", "--set", "train.epochs=1",
-                 "--set", "model.hidden=[16]", "--set", "train.dp={noise_multiplier: 1.0, delta: 1.0e-4}",
-                 "--set", "methods={local: {}, average: {dp: {clip_norm: 10.0, noise_multiplier: 0.5, delta: 1.0e-3}}}",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--set",
+                "federation.backend=local",
+                "--set",
+                "partition.num_clients=3",
+                "--set",
+                "train.epochs=1",
+                "--set",
+                "model.hidden=[16]",
+                "--set",
+                "train.dp={noise_multiplier: 1.0, delta: 1.0e-4}",
+                "--set",
+                "methods={local: {}, average: {dp: {clip_norm: 10.0, noise_multiplier: 0.5, delta: 1.0e-3}}}",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     results = json.loads((out / "results.json").read_text())
     local = results["methods"]["local"]
@@ -117,22 +139,63 @@ def test_a_run_without_dp_keeps_its_local_models_keys() -> None:
 def test_aligned_weight_matching_merges_the_clients_noised_uploads_and_keeps_batchnorm_finite(tmp_path) -> None:
     out = tmp_path / "run"
     dp = "{clip_norm: 5.0, noise_multiplier: 0.5, delta: 1.0e-3}"
-    assert main(["run", "--set", "federation.backend=local", "--set", "partition.num_clients=3", "--set", "train.epochs=1",
-                 "--set", "model.name=cnn", "--set", "model.channels=[4, 8]", "--set", "train.shared_init=true",
-                 "--set", f"methods={{aligned: {{alignment: weight, repair: false, dp: {dp}}}}}", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--set",
+                "federation.backend=local",
+                "--set",
+                "partition.num_clients=3",
+                "--set",
+                "train.epochs=1",
+                "--set",
+                "model.name=cnn",
+                "--set",
+                "model.channels=[4, 8]",
+                "--set",
+                "train.shared_init=true",
+                "--set",
+                f"methods={{aligned: {{alignment: weight, repair: false, dp: {dp}}}}}",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     entry = json.loads((out / "results.json").read_text())["methods"]["aligned"]
     assert entry["upload_epsilon"] == pytest.approx(compute_epsilon(0.5, 1.0, 1, 1e-3))
     assert set(entry["info"]["upload_dp"]["epsilon"]) == {"0", "1", "2"} and entry["info"]["upload_dp"]["relative_to"] == "shared init"
     assert np.isfinite(entry["accuracy"])  # noised running variances are clamped above zero, so evaluation stays finite
 
 
-@pytest.mark.parametrize(("extra", "key"), [("", "methods.aligned.alignment"), ("alignment: weight", "methods.aligned.repair"),
-                                            ("alignment: weight, repair: false, merge: fisher", "methods.aligned.merge"),
-                                            ("alignment: weight, repair: false, rounds: 2", "methods.aligned.rounds")])
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ("", "methods.aligned.alignment"),
+        ("alignment: weight", "methods.aligned.repair"),
+        ("alignment: weight, repair: false, merge: fisher", "methods.aligned.merge"),
+        ("alignment: weight, repair: false, rounds: 2", "methods.aligned.rounds"),
+    ],
+)
 def test_aligned_dp_refuses_settings_that_read_more_than_the_weights(tmp_path, capsys, extra: str, key: str) -> None:
     params = ", ".join(p for p in (extra, "dp: {clip_norm: 5.0, noise_multiplier: 0.5, delta: 1.0e-3}") if p)
     out = tmp_path / "run"
-    assert main(["run", "--set", "federation.backend=local", "--set", "partition.num_clients=3",
-                 "--set", f"methods={{aligned: {{{params}}}}}", "--out", str(out)]) == 2
+    assert (
+        main(
+            [
+                "run",
+                "--set",
+                "federation.backend=local",
+                "--set",
+                "partition.num_clients=3",
+                "--set",
+                f"methods={{aligned: {{{params}}}}}",
+                "--out",
+                str(out),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"rayfuse: error: {key}: expected") and not out.exists()

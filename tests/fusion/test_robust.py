@@ -95,7 +95,9 @@ def test_geometric_median_equals_scipys_minimiser_of_the_weighted_distance_sum()
     def objective(v):
         return float(weights @ np.linalg.norm(points - v, axis=1))
 
-    best = optimize.minimize(objective, points.mean(axis=0), method="Nelder-Mead", options={"xatol": 1e-10, "fatol": 1e-12, "maxiter": 20000})
+    best = optimize.minimize(
+        objective, points.mean(axis=0), method="Nelder-Mead", options={"xatol": 1e-10, "fatol": 1e-12, "maxiter": 20000}
+    )
     assert objective(z) <= best.fun + 1e-8
     np.testing.assert_allclose(z, best.x, atol=1e-3)
 
@@ -132,8 +134,16 @@ def test_pairwise_distances_equal_the_direct_ones_far_from_the_origin():
     np.testing.assert_allclose(dist, direct, rtol=1e-9)
 
 
-@pytest.mark.parametrize("settings", [{"name": "median"}, {"name": "trimmed_mean", "beta": 0.2}, {"name": "krum", "f": 1, "m": 3},
-                                      {"name": "bulyan", "f": 1}, {"name": "geometric_median"}])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"name": "median"},
+        {"name": "trimmed_mean", "beta": 0.2},
+        {"name": "krum", "f": 1, "m": 3},
+        {"name": "bulyan", "f": 1},
+        {"name": "geometric_median"},
+    ],
+)
 def test_every_rule_reads_the_models_a_chunk_at_a_time_with_the_same_result(settings):
     models = random_models(7, seed=4)
     s = AggregatorSettings(**settings)
@@ -222,8 +232,13 @@ def test_fedopts_pseudo_gradient_under_a_robust_rule_is_the_rule_applied_to_the_
     models = random_models(7, seed=10)
     g = random_models(1, seed=11)[0]
     deltas = [{k: m[k] - g[k] for k in m} for m in models]
-    for settings in ({"name": "median"}, {"name": "trimmed_mean", "beta": 0.2}, {"name": "krum", "f": 1, "m": 2}, {"name": "bulyan", "f": 1},
-                     {"name": "geometric_median"}):
+    for settings in (
+        {"name": "median"},
+        {"name": "trimmed_mean", "beta": 0.2},
+        {"name": "krum", "f": 1, "m": 2},
+        {"name": "bulyan", "f": 1},
+        {"name": "geometric_median"},
+    ):
         s = AggregatorSettings(**settings)
         on_models, on_deltas = aggregate(models, settings=s), aggregate(deltas, settings=s)
         for key in SHAPES:
@@ -234,12 +249,15 @@ def test_fedopts_pseudo_gradient_under_a_robust_rule_is_the_rule_applied_to_the_
 # Settings and preconditions
 
 
-@pytest.mark.parametrize(("settings", "n", "path", "fragment"), [
-    ({"name": "krum", "f": 2}, 6, "aggregator.f", "n >= 2f + 3 for krum, so f <= 1 with n = 6"),
-    ({"name": "krum", "f": 1, "m": 6}, 6, "aggregator.m", "m <= n - f = 5"),
-    ({"name": "bulyan", "f": 1}, 6, "aggregator.f", "n >= 4f + 3 for bulyan, so f <= 0 with n = 6"),
-    ({"name": "bulyan", "f": 0}, 2, "aggregator.f", "bulyan needs at least 3 clients"),
-])
+@pytest.mark.parametrize(
+    ("settings", "n", "path", "fragment"),
+    [
+        ({"name": "krum", "f": 2}, 6, "aggregator.f", "n >= 2f + 3 for krum, so f <= 1 with n = 6"),
+        ({"name": "krum", "f": 1, "m": 6}, 6, "aggregator.m", "m <= n - f = 5"),
+        ({"name": "bulyan", "f": 1}, 6, "aggregator.f", "n >= 4f + 3 for bulyan, so f <= 0 with n = 6"),
+        ({"name": "bulyan", "f": 0}, 2, "aggregator.f", "bulyan needs at least 3 clients"),
+    ],
+)
 def test_preconditions_are_one_line_errors_naming_the_key(settings, n, path, fragment):
     with pytest.raises(InputError) as err:
         check_aggregator(AggregatorSettings(**settings), n)
@@ -257,18 +275,21 @@ def test_too_few_updates_at_run_time_is_a_run_failure():
         check_enough_updates(AggregatorSettings(name="bulyan", f=1), 4, "fl")
 
 
-@pytest.mark.parametrize(("entry", "path"), [
-    ({"aggregator": {"name": "medain"}}, "methods.fedavg.aggregator.name"),
-    ({"aggregator": {"name": "krum", "f": -1}}, "methods.fedavg.aggregator.f"),
-    ({"aggregator": {"name": "krum", "m": 0}}, "methods.fedavg.aggregator.m"),
-    ({"aggregator": {"name": "trimmed_mean", "beta": 0.5}}, "methods.fedavg.aggregator.beta"),
-    ({"aggregator": {"name": "trimmed_mean", "beta": -0.1}}, "methods.fedavg.aggregator.beta"),
-    ({"aggregator": {"clip_norm": -1.0}}, "methods.fedavg.aggregator.clip_norm"),
-    ({"aggregator": {"clip_norm": 0}}, "methods.fedavg.aggregator.clip_norm"),
-    ({"aggregator": {"name": "median", "f": 2}}, "methods.fedavg.aggregator.f"),
-    ({"aggregator": {"name": "krum", "beta": 0.3}}, "methods.fedavg.aggregator.beta"),
-    ({"aggregator": {"name": "krum", "k": 1}}, "methods.fedavg.aggregator.k"),
-])
+@pytest.mark.parametrize(
+    ("entry", "path"),
+    [
+        ({"aggregator": {"name": "medain"}}, "methods.fedavg.aggregator.name"),
+        ({"aggregator": {"name": "krum", "f": -1}}, "methods.fedavg.aggregator.f"),
+        ({"aggregator": {"name": "krum", "m": 0}}, "methods.fedavg.aggregator.m"),
+        ({"aggregator": {"name": "trimmed_mean", "beta": 0.5}}, "methods.fedavg.aggregator.beta"),
+        ({"aggregator": {"name": "trimmed_mean", "beta": -0.1}}, "methods.fedavg.aggregator.beta"),
+        ({"aggregator": {"clip_norm": -1.0}}, "methods.fedavg.aggregator.clip_norm"),
+        ({"aggregator": {"clip_norm": 0}}, "methods.fedavg.aggregator.clip_norm"),
+        ({"aggregator": {"name": "median", "f": 2}}, "methods.fedavg.aggregator.f"),
+        ({"aggregator": {"name": "krum", "beta": 0.3}}, "methods.fedavg.aggregator.beta"),
+        ({"aggregator": {"name": "krum", "k": 1}}, "methods.fedavg.aggregator.k"),
+    ],
+)
 def test_bad_aggregator_settings_name_the_key(make_config, entry, path):
     from rayfuse.method import resolve_methods
 
@@ -292,16 +313,29 @@ def test_a_name_alone_is_short_for_the_rule_with_its_defaults(make_config):
     assert spec.params.aggregator == AggregatorSettings(name="median")
 
 
-@pytest.mark.parametrize(("methods", "partition", "message"), [
-    ({"fedavg": {"aggregator": {"name": "krum"}}}, {}, "methods.fedavg.aggregator.f: expected n >= 2f + 3 for krum, so f <= 0 with n = 4 "
-                                                       "clients per round, got 1"),
-    ({"fedavg": {"fraction": 0.5, "aggregator": {"name": "bulyan", "f": 1}}}, {"num_clients": 8},
-     "methods.fedavg.aggregator.f: expected n >= 4f + 3 for bulyan, so f <= 0 with n = 4 clients per round, got 1"),
-    ({"fedadam": {"aggregator": {"name": "krum", "f": 0, "m": 5}}}, {}, "methods.fedadam.aggregator.m: expected m <= n - f = 4"),
-    ({"average": {"aggregator": {"name": "bulyan", "f": 1}}}, {}, "methods.average.aggregator.f: expected n >= 4f + 3"),
-    ({"aligned": {"aggregator": {"name": "krum", "f": 1}}}, {}, "methods.aligned.aggregator.f: expected n >= 2f + 3"),
-    ({"aligned": {"merge": "fisher", "aggregator": "median"}}, {}, "methods.aligned.aggregator: expected the default mean with merge 'fisher'"),
-])
+@pytest.mark.parametrize(
+    ("methods", "partition", "message"),
+    [
+        (
+            {"fedavg": {"aggregator": {"name": "krum"}}},
+            {},
+            "methods.fedavg.aggregator.f: expected n >= 2f + 3 for krum, so f <= 0 with n = 4 clients per round, got 1",
+        ),
+        (
+            {"fedavg": {"fraction": 0.5, "aggregator": {"name": "bulyan", "f": 1}}},
+            {"num_clients": 8},
+            "methods.fedavg.aggregator.f: expected n >= 4f + 3 for bulyan, so f <= 0 with n = 4 clients per round, got 1",
+        ),
+        ({"fedadam": {"aggregator": {"name": "krum", "f": 0, "m": 5}}}, {}, "methods.fedadam.aggregator.m: expected m <= n - f = 4"),
+        ({"average": {"aggregator": {"name": "bulyan", "f": 1}}}, {}, "methods.average.aggregator.f: expected n >= 4f + 3"),
+        ({"aligned": {"aggregator": {"name": "krum", "f": 1}}}, {}, "methods.aligned.aggregator.f: expected n >= 2f + 3"),
+        (
+            {"aligned": {"merge": "fisher", "aggregator": "median"}},
+            {},
+            "methods.aligned.aggregator: expected the default mean with merge 'fisher'",
+        ),
+    ],
+)
 def test_preconditions_are_checked_before_anything_starts(make_config, methods, partition, message):
     from rayfuse.runner import prepare_run
 
@@ -320,15 +354,22 @@ def test_the_cli_refuses_f_too_large_in_one_line_and_writes_nothing(tmp_path, ca
     from rayfuse.cli import main
 
     monkeypatch.chdir(tmp_path)
-    job = {"run": {"name": "robust", "seed": 0, "storage": str(tmp_path / "runs")}, "data": {"dataset": "digits"},
-           "partition": {"method": "iid", "num_clients": 4}, "model": {"name": "mlp", "hidden": [8]}, "train": {"epochs": 1},
-           "methods": {"fedavg": {"rounds": 1, "aggregator": {"name": "bulyan", "f": 1}}}}
+    job = {
+        "run": {"name": "robust", "seed": 0, "storage": str(tmp_path / "runs")},
+        "data": {"dataset": "digits"},
+        "partition": {"method": "iid", "num_clients": 4},
+        "model": {"name": "mlp", "hidden": [8]},
+        "train": {"epochs": 1},
+        "methods": {"fedavg": {"rounds": 1, "aggregator": {"name": "bulyan", "f": 1}}},
+    }
     Path("job.yaml").write_text(yaml.safe_dump(job), encoding="utf-8")
     capsys.readouterr()
     assert main(["run", "job.yaml"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err == ["rayfuse: error: methods.fedavg.aggregator.f: expected n >= 4f + 3 for bulyan, so f <= 0 with n = 4 clients per round, "
-                   "got 1; lower f or use more clients"]
+    assert err == [
+        "rayfuse: error: methods.fedavg.aggregator.f: expected n >= 4f + 3 for bulyan, so f <= 0 with n = 4 clients per round, "
+        "got 1; lower f or use more clients"
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml"]
 
 
@@ -347,5 +388,7 @@ def test_equal_to_flowers_aggregators_on_random_arrays(monkeypatch):
 
     payload = compare(argparse.Namespace(clients=9, params=3000, repeats=1, f=1, m=3, beta=0.2))
     compared = [row for row in payload["rows"] if "equal" in row]
-    assert {row["rule"] for row in compared} == {"mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan"}, payload["flower_missing"]
+    assert {row["rule"] for row in compared} == {"mean", "median", "trimmed_mean", "krum", "multi_krum", "bulyan"}, payload[
+        "flower_missing"
+    ]
     assert all(row["equal"] for row in compared), compared

@@ -14,8 +14,12 @@ def fused_params(coord, label):
 
 
 def test_average_with_krum_returns_one_local_model_and_with_median_their_median(coordinator):
-    coord = coordinator(methods={"krum": {"method": "average", "aggregator": {"name": "krum", "f": 0}},
-                                 "median": {"method": "average", "aggregator": "median"}})
+    coord = coordinator(
+        methods={
+            "krum": {"method": "average", "aggregator": {"name": "krum", "f": 0}},
+            "median": {"method": "average", "aggregator": "median"},
+        }
+    )
     local = [u.params for u in coord.local_updates().results.values()]
     chosen = fused_params(coord, "krum")
     assert sum(params_equal(chosen, m) for m in local) >= 1
@@ -25,10 +29,12 @@ def test_average_with_krum_returns_one_local_model_and_with_median_their_median(
 
 
 def test_fedavg_family_runs_with_robust_aggregators_and_clipping(coordinator):
-    methods = {"med": {"method": "fedavg", "rounds": 2, "local_epochs": 1, "aggregator": {"name": "median", "clip_norm": 5.0}},
-               "gm": {"method": "fedadam", "rounds": 2, "local_epochs": 1, "aggregator": {"name": "geometric_median"}},
-               "plain": {"method": "fedavg", "rounds": 2, "local_epochs": 1},
-               "mean": {"method": "fedavg", "rounds": 2, "local_epochs": 1, "aggregator": {"name": "mean"}}}
+    methods = {
+        "med": {"method": "fedavg", "rounds": 2, "local_epochs": 1, "aggregator": {"name": "median", "clip_norm": 5.0}},
+        "gm": {"method": "fedadam", "rounds": 2, "local_epochs": 1, "aggregator": {"name": "geometric_median"}},
+        "plain": {"method": "fedavg", "rounds": 2, "local_epochs": 1},
+        "mean": {"method": "fedavg", "rounds": 2, "local_epochs": 1, "aggregator": {"name": "mean"}},
+    }
     coord = coordinator(methods=methods)
     for label in ("med", "gm"):
         summary = coord.run_method(label)

@@ -34,8 +34,15 @@ def build_coordinator(make_config, tmp_path: Path, **sections: Any) -> Coordinat
     plan = make_plan(load_dataset_from_config(cfg.data), cfg.data, cfg.partition, cfg.run.seed)
 
     def factory(i: int, restarted: bool) -> Client:
-        return Client(i, plan.for_client(i), data_cfg=cfg.data, model_cfg=cfg.client_model(i), train_cfg=cfg.train, seed=cfg.run.seed,
-                      restarted=restarted)
+        return Client(
+            i,
+            plan.for_client(i),
+            data_cfg=cfg.data,
+            model_cfg=cfg.client_model(i),
+            train_cfg=cfg.train,
+            seed=cfg.run.seed,
+            restarted=restarted,
+        )
 
     fed = InProcessFederation(factory, plan.num_clients, FailurePolicy.from_config(cfg.federation), EventLog())
     return Coordinator(cfg, plan, str(tmp_path / "run"), fed)
@@ -49,9 +56,10 @@ def server_for(coord: Coordinator, label: str) -> MethodServer:
 def synthetic(reference: dict[str, np.ndarray], counts: list[int], seed: int = 0) -> dict[int, Update]:
     """Each client's model: the reference plus a random update (norms of a few units)."""
     rng = np.random.default_rng(seed)
-    return {i: Update({k: (v + rng.normal(scale=0.3, size=v.shape)).astype(v.dtype) for k, v in reference.items()}, int(n),
-                      {"train_loss": 1.0})
-            for i, n in enumerate(counts)}
+    return {
+        i: Update({k: (v + rng.normal(scale=0.3, size=v.shape)).astype(v.dtype) for k, v in reference.items()}, int(n), {"train_loss": 1.0})
+        for i, n in enumerate(counts)
+    }
 
 
 def kinds(coord: Coordinator) -> list[tuple[str, int]]:
@@ -63,8 +71,12 @@ def kinds(coord: Coordinator) -> list[tuple[str, int]]:
 
 
 def test_collect_validates_then_attacks_then_clips_then_applies_the_rule(make_config, tmp_path):
-    coord = build_coordinator(make_config, tmp_path, federation={"attacks": ATTACKS},
-                              methods={"fl": {"method": "fedavg", "aggregator": {"name": "median", "clip_norm": 2.0}}})
+    coord = build_coordinator(
+        make_config,
+        tmp_path,
+        federation={"attacks": ATTACKS},
+        methods={"fl": {"method": "fedavg", "aggregator": {"name": "median", "clip_norm": 2.0}}},
+    )
     server = server_for(coord, "fl")
     reference = coord.reference_params()
     updates = synthetic(reference, [coord.plan.num_examples(i) for i in range(4)])
@@ -103,8 +115,9 @@ def test_the_plain_mean_without_attacks_is_the_weighted_average_in_client_order(
 
 def test_central_dp_samples_clips_noises_and_keeps_its_clip_norm_as_round_state(make_config, tmp_path):
     dp = {"noise_multiplier": 1.0, "clip_norm": 0.5, "sample_rate": 1.0, "delta": 1e-3, "adaptive": {"count_stddev": 2.0}}
-    coord = build_coordinator(make_config, tmp_path, federation={"attacks": ATTACKS},
-                              methods={"dp": {"method": "fedavg", "rounds": 5, "dp": dp}})
+    coord = build_coordinator(
+        make_config, tmp_path, federation={"attacks": ATTACKS}, methods={"dp": {"method": "fedavg", "rounds": 5, "dp": dp}}
+    )
     server = server_for(coord, "dp")
     pipeline = server.updates
     assert pipeline.rounds(5) == 5 and pipeline.state() == {"clip_norm": 0.5}
@@ -131,8 +144,12 @@ def test_central_dp_samples_clips_noises_and_keeps_its_clip_norm_as_round_state(
 
 
 def test_receive_then_combine_is_collect_with_room_for_a_transform_between(make_config, tmp_path):
-    coord = build_coordinator(make_config, tmp_path, federation={"attacks": ATTACKS},
-                              methods={"al": {"method": "aligned", "aggregator": {"name": "trimmed_mean", "beta": 0.25}}})
+    coord = build_coordinator(
+        make_config,
+        tmp_path,
+        federation={"attacks": ATTACKS},
+        methods={"al": {"method": "aligned", "aggregator": {"name": "trimmed_mean", "beta": 0.25}}},
+    )
     server = server_for(coord, "al")
     reference = coord.reference_params()
     updates = synthetic(reference, [coord.plan.num_examples(i) for i in range(4)], seed=7)
@@ -144,8 +161,10 @@ def test_receive_then_combine_is_collect_with_room_for_a_transform_between(make_
     for key in expected:
         np.testing.assert_array_equal(combined[key], expected[key])
     with pytest.raises(RunFailure, match="1 valid updates are too few"):  # the rule's precondition, at run time too
-        server_for(build_coordinator(make_config, tmp_path / "b", methods={"k": {"method": "average", "aggregator": {"name": "krum", "f": 0}}}),
-                   "k").updates.combine(models[:1], None)
+        server_for(
+            build_coordinator(make_config, tmp_path / "b", methods={"k": {"method": "average", "aggregator": {"name": "krum", "f": 0}}}),
+            "k",
+        ).updates.combine(models[:1], None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -177,7 +196,16 @@ def _setup(make_config) -> RunSetup:
 def test_every_method_declares_what_it_fuses():
     fused = {name: cls.tags.fuses for name, cls in METHODS.items()}
     assert {name for name, kind in fused.items() if kind == "parameters"} == {
-        "fedavg", "fedprox", "fedadagrad", "fedadam", "fedyogi", "fedref", "average", "aligned", "finetune"}
+        "fedavg",
+        "fedprox",
+        "fedadagrad",
+        "fedadam",
+        "fedyogi",
+        "fedref",
+        "average",
+        "aligned",
+        "finetune",
+    }
     assert fused["gems"] == "statistics" and fused["kl"] == "posteriors" and fused["fedsa"] == "statistics"
     assert fused["epgan"] == "posteriors" and fused["distill"] == fused["ensemble"] == "predictions" and fused["local"] == "nothing"
     aligned = METHODS.get("aligned")
@@ -187,12 +215,18 @@ def test_every_method_declares_what_it_fuses():
     assert fused_by(finetune, finetune.Params(base="local")) == "nothing" and fused_by(finetune, finetune.Params()) == "parameters"
 
 
-@pytest.mark.parametrize(("params", "path", "fragment"), [
-    ({"aggregator": {"name": "median"}}, "methods.post.aggregator", "the default mean for method 'posteriors' (it fuses posteriors"),
-    ({"aggregator": {"clip_norm": 1.0}}, "methods.post.aggregator", "a robust rule and clip_norm act on parameter updates"),
-    ({"dp": {"noise_multiplier": 1.0, "clip_norm": 1.0, "sample_rate": 0.5}}, "methods.post.dp",
-     "no dp for method 'posteriors' (it fuses posteriors; dp acts on parameter updates)"),
-])
+@pytest.mark.parametrize(
+    ("params", "path", "fragment"),
+    [
+        ({"aggregator": {"name": "median"}}, "methods.post.aggregator", "the default mean for method 'posteriors' (it fuses posteriors"),
+        ({"aggregator": {"clip_norm": 1.0}}, "methods.post.aggregator", "a robust rule and clip_norm act on parameter updates"),
+        (
+            {"dp": {"noise_multiplier": 1.0, "clip_norm": 1.0, "sample_rate": 0.5}},
+            "methods.post.dp",
+            "no dp for method 'posteriors' (it fuses posteriors; dp acts on parameter updates)",
+        ),
+    ],
+)
 def test_a_robust_rule_or_dp_on_a_posterior_method_is_refused_in_one_place(make_config, params, path, fragment):
     spec = MethodSpec("post", "posteriors", Posteriors, PosteriorParams.model_validate(params))
     with pytest.raises(InputError) as err:
@@ -212,41 +246,59 @@ def test_fedref_dp_is_refused_from_what_its_server_step_reads(make_config):
     dp = {"noise_multiplier": 1.0, "clip_norm": 1.0, "sample_rate": 0.5, "delta": 1e-3}
     with pytest.raises(InputError) as err:
         prepare_run(make_config(methods={"fedref": {"dp": dp}}))
-    assert str(err.value).startswith("methods.fedref.dp: expected no dp for method 'fedref' (its server step reads each client's "
-                                     "training loss, which DP-FedAvg does not noise)")
+    assert str(err.value).startswith(
+        "methods.fedref.dp: expected no dp for method 'fedref' (its server step reads each client's "
+        "training loss, which DP-FedAvg does not noise)"
+    )
 
 
-@pytest.mark.parametrize(("methods", "fused"), [({"gems": {}}, "statistics"), ({"ensemble": {}}, "predictions"),
-                                                ({"distill": {"teachers": "clients", "init": "random", "transfer": "synthetic"}}, "predictions"),
-                                                ({"aligned": {"merge": "fisher", "alignment": "weight"}}, "statistics")])
+@pytest.mark.parametrize(
+    ("methods", "fused"),
+    [
+        ({"gems": {}}, "statistics"),
+        ({"ensemble": {}}, "predictions"),
+        ({"distill": {"teachers": "clients", "init": "random", "transfer": "synthetic"}}, "predictions"),
+        ({"aligned": {"merge": "fisher", "alignment": "weight"}}, "statistics"),
+    ],
+)
 def test_attacks_on_a_method_that_cannot_apply_them_are_refused_before_start(tmp_path, capsys, monkeypatch, methods, fused):
     from rayfuse.cli import main
 
     monkeypatch.chdir(tmp_path)
     label, entry = next(iter(methods.items()))
-    job = {"run": {"name": "attacked", "seed": 0, "storage": str(tmp_path / "runs")}, "data": {"dataset": "digits"},
-           "partition": {"method": "iid", "num_clients": 4}, "model": {"name": "mlp", "hidden": [8]}, "train": {"epochs": 1},
-           "federation": {"backend": "local", "attacks": [{"client": 2, "kind": "sign_flip"}]},
-           "methods": {"local": {}, "fedavg": {"rounds": 1}, **methods}}  # local and fedavg alone would run
+    job = {
+        "run": {"name": "attacked", "seed": 0, "storage": str(tmp_path / "runs")},
+        "data": {"dataset": "digits"},
+        "partition": {"method": "iid", "num_clients": 4},
+        "model": {"name": "mlp", "hidden": [8]},
+        "train": {"epochs": 1},
+        "federation": {"backend": "local", "attacks": [{"client": 2, "kind": "sign_flip"}]},
+        "methods": {"local": {}, "fedavg": {"rounds": 1}, **methods},
+    }  # local and fedavg alone would run
     Path("job.yaml").write_text(yaml.safe_dump(job), encoding="utf-8")
     capsys.readouterr()
     assert main(["run", "job.yaml"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err == [f"rayfuse: error: federation.attacks: expected no attacks with method {entry.get('method', label)!r} "
-                   f"(methods.{label} fuses {fused}; attacks act on parameter updates), got '1 attack on clients [2]'; drop the "
-                   "attacks or that method (attacks apply where the update pipeline combines parameter updates: the FedAvg family, "
-                   "average, aligned with merge: average or nonparametric, finetune with base: average)"]
+    assert err == [
+        f"rayfuse: error: federation.attacks: expected no attacks with method {entry.get('method', label)!r} "
+        f"(methods.{label} fuses {fused}; attacks act on parameter updates), got '1 attack on clients [2]'; drop the "
+        "attacks or that method (attacks apply where the update pipeline combines parameter updates: the FedAvg family, "
+        "average, aligned with merge: average or nonparametric, finetune with base: average)"
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml"]  # nothing started, nothing written
 
 
 _ATTACKED = {"federation": {"attacks": [{"client": 1, "kind": "sign_flip"}]}}
 
 
-@pytest.mark.parametrize(("kind", "command"), [
-    ("run", lambda f: ["run", f.job(**_ATTACKED, methods={"average": {}, "gems": {}})]),
-    ("validate", lambda f: ["validate", f.job(**_ATTACKED, methods={"ensemble": {}})]),
-    ("api", lambda f: lambda: __import__("rayfuse").run(with_base(**_ATTACKED, methods={"gems": {}}), quiet=True)),
-])
+@pytest.mark.parametrize(
+    ("kind", "command"),
+    [
+        ("run", lambda f: ["run", f.job(**_ATTACKED, methods={"average": {}, "gems": {}})]),
+        ("validate", lambda f: ["validate", f.job(**_ATTACKED, methods={"ensemble": {}})]),
+        ("api", lambda f: lambda: __import__("rayfuse").run(with_base(**_ATTACKED, methods={"gems": {}}), quiet=True)),
+    ],
+)
 def test_the_bad_inputs_harness_refuses_attacks_on_a_method_that_cannot_apply_them(kind, command, request, capsys):
     """Through tests/config/test_bad_inputs.py's harness: exit 2 (or InputError from the API), one line naming the key, nothing
     written where the case ran."""
@@ -272,21 +324,35 @@ def test_attacks_beside_a_reference_that_combines_nothing_pass_the_check(make_co
 
 # Recorded before the update pipeline replaced the per-method attack and DP code (the same config run on the commit
 # before it): the fused models' accuracy on the test set (a count over 359 samples, so exact) and their NLL.
-RECORDED = {"mean": (0.22841225626740946, 2.235518675141783), "al": (0.14484679665738162, 2.2730964626938195),
-            "dp": (0.15041782729805014, 2.5373632061046756)}
+RECORDED = {
+    "mean": (0.22841225626740946, 2.235518675141783),
+    "al": (0.14484679665738162, 2.2730964626938195),
+    "dp": (0.15041782729805014, 2.5373632061046756),
+}
 
 
 def test_attacks_on_fedavg_and_aligned_change_the_model_exactly_as_before(tmp_path):
     import rayfuse
 
     attacks = [{"client": 1, "kind": "sign_flip"}, {"client": 2, "kind": "gaussian", "std": 0.5}, {"client": 3, "kind": "little_is_enough"}]
-    cfg = {"run": {"storage": str(tmp_path / "runs")}, "data": {"dataset": "digits"}, "partition": {"method": "iid", "num_clients": 7},
-           "model": {"name": "mlp", "hidden": [16]}, "train": {"epochs": 1, "shared_init": True},
-           "federation": {"backend": "local", "attacks": attacks},
-           "methods": {"mean": {"method": "fedavg", "rounds": 3, "local_epochs": 1},
-                       "al": {"method": "aligned", "alignment": "weight", "repair": False, "rounds": 2},
-                       "dp": {"method": "fedavg", "rounds": 3, "local_epochs": 1,
-                              "dp": {"noise_multiplier": 0.8, "clip_norm": 1.0, "sample_rate": 0.6, "delta": 1e-3}}}}
+    cfg = {
+        "run": {"storage": str(tmp_path / "runs")},
+        "data": {"dataset": "digits"},
+        "partition": {"method": "iid", "num_clients": 7},
+        "model": {"name": "mlp", "hidden": [16]},
+        "train": {"epochs": 1, "shared_init": True},
+        "federation": {"backend": "local", "attacks": attacks},
+        "methods": {
+            "mean": {"method": "fedavg", "rounds": 3, "local_epochs": 1},
+            "al": {"method": "aligned", "alignment": "weight", "repair": False, "rounds": 2},
+            "dp": {
+                "method": "fedavg",
+                "rounds": 3,
+                "local_epochs": 1,
+                "dp": {"noise_multiplier": 0.8, "clip_norm": 1.0, "sample_rate": 0.6, "delta": 1e-3},
+            },
+        },
+    }
     result = rayfuse.run(cfg, quiet=True)
     for label, (accuracy, nll) in RECORDED.items():
         metrics = result.results["methods"][label]
@@ -302,6 +368,8 @@ def test_an_update_pipeline_is_one_per_method_run_and_reads_the_entry_once(make_
     pipeline = server_for(coord, "krum").updates
     assert isinstance(pipeline, UpdatePipeline)
     assert pipeline.aggregator == AggregatorSettings(name="krum", f=0) and pipeline.dp is None and pipeline.attacks == []
-    assert dataclasses.is_dataclass(pipeline.collect(Gathered(synthetic(coord.reference_params(),
-                                                                         [coord.plan.num_examples(i) for i in range(4)])),
-                                                     coord.reference_params(), 1))
+    assert dataclasses.is_dataclass(
+        pipeline.collect(
+            Gathered(synthetic(coord.reference_params(), [coord.plan.num_examples(i) for i in range(4)])), coord.reference_params(), 1
+        )
+    )

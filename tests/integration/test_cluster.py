@@ -38,8 +38,20 @@ def cluster():
 def submit_job(cluster, submission: str, *command: str) -> str:
     """``ray job submit --no-wait`` of ``command`` (the checkout as the working dir), poll ``ray job status`` until it
     ends, assert it succeeded, and return ``ray job logs``."""
-    out = cluster.run("ray", "job", "submit", "--address", cluster.dashboard_url, "--working-dir", str(ROOT),
-                      "--submission-id", submission, "--no-wait", "--", *command)
+    out = cluster.run(
+        "ray",
+        "job",
+        "submit",
+        "--address",
+        cluster.dashboard_url,
+        "--working-dir",
+        str(ROOT),
+        "--submission-id",
+        submission,
+        "--no-wait",
+        "--",
+        *command,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
 
     def finished():
@@ -66,10 +78,15 @@ def test_ray_job_submit_runs_a_job_on_both_nodes_with_named_actors_and_metrics(c
     namespace = f"ops-{uuid.uuid4().hex[:6]}"
     job = {
         "run": {"name": "job", "storage": str(tmp_path / "runs")},
-        "partition": {"num_clients": 3}, "model": {"hidden": [8]}, "train": {"epochs": 2},
+        "partition": {"num_clients": 3},
+        "model": {"hidden": [8]},
+        "train": {"epochs": 2},
         # actors that cannot be placed fail the job (its own message, in its logs) before the test stops waiting
-        "federation": {"namespace": namespace, "startup_timeout_s": WAIT_S / 2,
-                       "client_overrides": {0: {"resources": {"silo_a": 0.1}}, 1: {"resources": {"silo_b": 0.1}}}},
+        "federation": {
+            "namespace": namespace,
+            "startup_timeout_s": WAIT_S / 2,
+            "client_overrides": {0: {"resources": {"silo_a": 0.1}}, 1: {"resources": {"silo_b": 0.1}}},
+        },
         "methods": {"average": {}, "fedavg": {"rounds": 3, "local_epochs": 1}},
     }
     config = tmp_path / "job.yaml"
@@ -84,8 +101,20 @@ def test_ray_job_submit_runs_a_job_on_both_nodes_with_named_actors_and_metrics(c
     assert (run_dir / "models" / "fedavg.safetensors").is_file() and (run_dir / "metrics.parquet").is_file()
 
     # the state API keeps the run's named actors (dead now: the run ended and removed them)
-    listed = cluster.run("ray", "list", "actors", "--address", cluster.dashboard_url, "--filter", f"ray_namespace={namespace}",
-                         "--format", "json", "--detail", "--limit", "100")
+    listed = cluster.run(
+        "ray",
+        "list",
+        "actors",
+        "--address",
+        cluster.dashboard_url,
+        "--filter",
+        f"ray_namespace={namespace}",
+        "--format",
+        "json",
+        "--detail",
+        "--limit",
+        "100",
+    )
     assert listed.returncode == 0, listed.stderr[-2000:]
     actors = {a["name"]: a for a in json.loads(listed.stdout)}
     run = run_dir.name
@@ -119,13 +148,24 @@ def test_ray_job_submit_runs_a_job_on_both_nodes_with_named_actors_and_metrics(c
 
 
 def test_a_tune_sweep_on_the_cluster_trains_the_clients_once(cluster, tmp_path):
-    job = {"run": {"name": "sweep"}, "partition": {"num_clients": 2}, "model": {"hidden": [8]}, "train": {"epochs": 2},
-           "federation": {"clients": {"num_cpus": 0.5}, "task_cpus": 0.5},
-           "methods": {"average": {}, "fedprox": {"rounds": 2, "local_epochs": 1}, "ensemble": {}}}
+    job = {
+        "run": {"name": "sweep"},
+        "partition": {"num_clients": 2},
+        "model": {"hidden": [8]},
+        "train": {"epochs": 2},
+        "federation": {"clients": {"num_cpus": 0.5}, "task_cpus": 0.5},
+        "methods": {"average": {}, "fedprox": {"rounds": 2, "local_epochs": 1}, "ensemble": {}},
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     storage = tmp_path / "tune"
-    space = {"base": "job.yaml", "methods": ["average", "fedprox"], "space": {"methods.fedprox.mu": {"grid": [0.0, 0.01, 0.1]}},
-             "metric": "fused/fedprox/accuracy", "scheduler": {"type": "asha", "grace_period": 1}, "storage": str(storage)}
+    space = {
+        "base": "job.yaml",
+        "methods": ["average", "fedprox"],
+        "space": {"methods.fedprox.mu": {"grid": [0.0, 0.01, 0.1]}},
+        "metric": "fused/fedprox/accuracy",
+        "scheduler": {"type": "asha", "grace_period": 1},
+        "storage": str(storage),
+    }
     (tmp_path / "space.yaml").write_text(yaml.safe_dump(space))
     tune = ("python", "-m", "rayfuse", "tune", "space.yaml", "--address", cluster.address)
     out = cluster.run(*tune, cwd=tmp_path, timeout=WAIT_S)
@@ -152,8 +192,15 @@ def test_a_tune_sweep_on_the_cluster_trains_the_clients_once(cluster, tmp_path):
     # This sweep runs as a Ray job (`ray job submit -- python -m rayfuse tune`, docs/operations.md): its driver
     # attaches to the job's cluster (RAY_ADDRESS), absolute paths for the base job and the storage.
     fault = {"client": 0, "step": "fedavg.fit", "call": 2, "mode": "raise"}  # FedProx runs FedAvg's client step
-    retry = {**space, "name": "retry", "base": str(tmp_path / "job.yaml"), "methods": ["fedprox"],
-             "set": {"federation.on_client_failure": "fail"}, "space": {"federation.faults": {"grid": [[fault]]}}, "max_failures": 1}
+    retry = {
+        **space,
+        "name": "retry",
+        "base": str(tmp_path / "job.yaml"),
+        "methods": ["fedprox"],
+        "set": {"federation.on_client_failure": "fail"},
+        "space": {"federation.faults": {"grid": [[fault]]}},
+        "max_failures": 1,
+    }
     retry.pop("scheduler")
     (tmp_path / "retry.yaml").write_text(yaml.safe_dump(retry))
     logs = submit_job(cluster, f"rayfuse-tune-{uuid.uuid4().hex[:6]}", "python", "-m", "rayfuse", "tune", str(tmp_path / "retry.yaml"))

@@ -27,7 +27,7 @@ WAIT_S = 300  # an upper bound for the subprocess, not a performance assertion
 
 def parse_address(hex_address: str) -> str:
     """``/proc/net/tcp{,6}``'s hexadecimal local address (each 32-bit word in host byte order) as text."""
-    words = [bytes.fromhex(hex_address[i:i + 8])[::-1] for i in range(0, len(hex_address), 8)]
+    words = [bytes.fromhex(hex_address[i : i + 8])[::-1] for i in range(0, len(hex_address), 8)]
     raw = b"".join(words)
     return str(ipaddress.ip_address(raw))
 
@@ -106,15 +106,17 @@ def probe_a_local_run(out: Path) -> None:
             if event.get("kind") == "method_start" and not self.sockets:
                 self.sockets = listening_sockets(process_tree(os.getpid()))
 
-    cfg = validate_config({
-        "run": {"name": "exposure", "seed": 0, "storage": str(out)},
-        "data": {"dataset": "digits"},
-        "partition": {"method": "iid", "num_clients": 2},
-        "model": {"name": "mlp", "hidden": [8]},
-        "train": {"epochs": 1},
-        "federation": {"backend": "ray", "ray_init": {"num_cpus": 2}},
-        "methods": {"fedavg": {"rounds": 1, "local_epochs": 1}},
-    })
+    cfg = validate_config(
+        {
+            "run": {"name": "exposure", "seed": 0, "storage": str(out)},
+            "data": {"dataset": "digits"},
+            "partition": {"method": "iid", "num_clients": 2},
+            "model": {"name": "mlp", "hidden": [8]},
+            "train": {"epochs": 1},
+            "federation": {"backend": "ray", "ray_init": {"num_cpus": 2}},
+            "methods": {"fedavg": {"rounds": 1, "local_epochs": 1}},
+        }
+    )
     snapshot = Snapshot()
     results = run_experiment(cfg, RayBackend(), out / "run", printer=snapshot, show_tables=False)
     print(json.dumps({"status": results["status"], "sockets": snapshot.sockets}))
@@ -126,8 +128,14 @@ def test_a_local_run_listens_on_loopback_only(tmp_path):
     env = {**os.environ, "RAY_TMPDIR": str(short), "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)  # a new local Ray, never one already running on this machine
     try:
-        done = subprocess.run([sys.executable, "-m", "tests.integration.test_exposure", str(tmp_path)], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=WAIT_S)
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.integration.test_exposure", str(tmp_path)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=WAIT_S,
+        )
     finally:
         shutil.rmtree(short, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -54,8 +54,9 @@ def test_a_ray_run_equals_the_in_process_run(ray_session, make_config, tmp_path)
     assert on_ray["status"] == "succeeded" and on_ray["run"]["backend"] == "ray"
     for label, entry in in_process["methods"].items():
         assert on_ray["methods"][label]["accuracy"] == entry["accuracy"], label
-    assert params_equal(load_params(tmp_path / "ray" / "models" / "fedavg.safetensors"),
-                        load_params(tmp_path / "local" / "models" / "fedavg.safetensors"))
+    assert params_equal(
+        load_params(tmp_path / "ray" / "models" / "fedavg.safetensors"), load_params(tmp_path / "local" / "models" / "fedavg.safetensors")
+    )
     # named actors: <run>/client-<i> and <run>/coordinator, alive during the run, gone after it
     expected = {f"ray/client-{i}" for i in range(4)} | {"ray/coordinator"}
     assert expected <= spy.seen
@@ -70,7 +71,9 @@ def test_a_crashed_client_actor_is_restarted_reloads_its_shard_and_the_round_is_
     results = ray_run(make_config(methods=methods, federation=crash), tmp_path / "crash")
     kinds = [(e["kind"], e.get("client")) for e in results["events"]]
     assert ("client_failed", 1) in kinds and ("client_restarted", 1) in kinds and ("client_retry", 1) in kinds
-    clean = run_experiment(make_config(methods=methods), InProcessBackend(), tmp_path / "clean", printer=Printer(enabled=False), show_tables=False)
+    clean = run_experiment(
+        make_config(methods=methods), InProcessBackend(), tmp_path / "clean", printer=Printer(enabled=False), show_tables=False
+    )
     assert results["methods"]["fedavg"]["accuracy"] == clean["methods"]["fedavg"]["accuracy"]
 
 
@@ -102,13 +105,25 @@ def test_parallel_map_runs_as_ray_tasks(ray_session):
 def test_the_cli_attaches_to_a_running_ray_and_leaves_it_running(ray_session, tmp_path):
     address = ray_session.get_runtime_context().gcs_address
     config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump({
-        "run": {"name": "cli"}, "partition": {"num_clients": 3}, "model": {"hidden": [8]}, "train": {"epochs": 2},
-        "methods": {"average": {}, "fedavg": {"rounds": 2, "local_epochs": 1}},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "run": {"name": "cli"},
+                "partition": {"num_clients": 3},
+                "model": {"hidden": [8]},
+                "train": {"epochs": 2},
+                "methods": {"average": {}, "fedavg": {"rounds": 2, "local_epochs": 1}},
+            }
+        )
+    )
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "rayfuse", "run", str(config), "--address", address, "--out", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "rayfuse", "run", str(config), "--address", address, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
     assert results["status"] == "succeeded" and results["run"]["backend"] == "ray"
@@ -132,9 +147,15 @@ def test_packed_clients_give_the_same_run(ray_session, make_config, tmp_path):
 
 
 def test_a_failing_client_does_not_fail_the_clients_sharing_its_actor(ray_session, make_config, tmp_path):
-    federation = {"backend": "ray", "clients_per_actor": 2, "on_client_failure": "drop",
-                  "faults": [{"client": 1, "step": "fedavg.fit", "call": 1, "mode": "raise"},
-                             {"client": 2, "step": "fedavg.fit", "call": 2, "mode": "exit"}]}
+    federation = {
+        "backend": "ray",
+        "clients_per_actor": 2,
+        "on_client_failure": "drop",
+        "faults": [
+            {"client": 1, "step": "fedavg.fit", "call": 1, "mode": "raise"},
+            {"client": 2, "step": "fedavg.fit", "call": 2, "mode": "exit"},
+        ],
+    }
     results = ray_run(make_config(methods={"fedavg": {"rounds": 3, "local_epochs": 1}}, federation=federation), tmp_path / "p")
     dropped = Counter(e["client"] for e in results["events"] if e["kind"] == "client_dropped")
     # round 1: only client 1 fails; its actor-mate 0 goes on. Round 2: the crash takes clients 2 and 3 (one process);
@@ -172,11 +193,14 @@ def test_a_stale_ray_start_address_is_detected(tmp_path, alive):
 def test_fedref_and_fedadam_on_ray_equal_the_in_process_run(ray_session, make_config, tmp_path):
     methods = {"fedadam": {"rounds": 3, "local_epochs": 1}, "fedref": {"rounds": 4, "local_epochs": 1, "p": 1, "lam": 0.1}}
     on_ray = ray_run(make_config(methods=methods, federation={"backend": "ray"}), tmp_path / "ray")
-    in_process = run_experiment(make_config(methods=methods), InProcessBackend(), tmp_path / "local", printer=Printer(enabled=False),
-                                show_tables=False)
+    in_process = run_experiment(
+        make_config(methods=methods), InProcessBackend(), tmp_path / "local", printer=Printer(enabled=False), show_tables=False
+    )
     for label in methods:
-        assert params_equal(load_params(tmp_path / "ray" / "models" / f"{label}.safetensors"),
-                            load_params(tmp_path / "local" / "models" / f"{label}.safetensors")), label
+        assert params_equal(
+            load_params(tmp_path / "ray" / "models" / f"{label}.safetensors"),
+            load_params(tmp_path / "local" / "models" / f"{label}.safetensors"),
+        ), label
         assert on_ray["methods"][label]["accuracy"] == in_process["methods"][label]["accuracy"]
 
 
@@ -185,8 +209,12 @@ def test_aligned_fusion_on_ray_equals_the_in_process_run(ray_session, make_confi
     methods = {"act": {"method": "aligned", "sweeps": 2}, "wm": {"method": "aligned", "alignment": "weight", "merge": "fisher"}}
     sections = {"methods": methods, "train": {"epochs": 2, "shared_init": False}}
     on_ray = ray_run(make_config(federation={"backend": "ray"}, **sections), tmp_path / "ray")
-    local = run_experiment(make_config(**sections), InProcessBackend(), tmp_path / "local", printer=Printer(enabled=False), show_tables=False)
+    local = run_experiment(
+        make_config(**sections), InProcessBackend(), tmp_path / "local", printer=Printer(enabled=False), show_tables=False
+    )
     for label in methods:
         assert on_ray["methods"][label]["accuracy"] == local["methods"][label]["accuracy"], label
-        assert params_equal(load_params(tmp_path / "ray" / "models" / f"{label}.safetensors"),
-                            load_params(tmp_path / "local" / "models" / f"{label}.safetensors")), label
+        assert params_equal(
+            load_params(tmp_path / "ray" / "models" / f"{label}.safetensors"),
+            load_params(tmp_path / "local" / "models" / f"{label}.safetensors"),
+        ), label

@@ -60,31 +60,63 @@ def test_a_silo_run_across_two_sites_pins_each_client_to_its_node_and_the_driver
     namespace = f"sites-{uuid.uuid4().hex[:6]}"
     config = {
         "run": {"name": "sites", "seed": 0, "storage": str(tmp_path / "runs")},
-        "data": {"silos": [{"dataset": "npz", "path": "${SITE_DATA}/clinic_a.npz"},
-                           {"dataset": "npz", "path": "${SITE_DATA}/clinic_b.npz"}], "val_size": 0.2, "standardize": True},
+        "data": {
+            "silos": [{"dataset": "npz", "path": "${SITE_DATA}/clinic_a.npz"}, {"dataset": "npz", "path": "${SITE_DATA}/clinic_b.npz"}],
+            "val_size": 0.2,
+            "standardize": True,
+        },
         "model": {"name": "mlp", "hidden": [8]},
         "train": {"epochs": 2, "shared_init": True},
-        "federation": {"namespace": namespace, "startup_timeout_s": 300,
-                       "client_overrides": {0: {"resources": {"site_a": 1}}, 1: {"resources": {"site_b": 1}}}},
+        "federation": {
+            "namespace": namespace,
+            "startup_timeout_s": 300,
+            "client_overrides": {0: {"resources": {"site_a": 1}}, 1: {"resources": {"site_b": 1}}},
+        },
         "methods": {"average": {}, "fedavg": {"rounds": 2, "local_epochs": 1}},
     }
     (tmp_path / "silos.yaml").write_text(yaml.safe_dump(config))
     (tmp_path / "driver.py").write_text(DRIVER)
     run_dir, report = tmp_path / "runs" / "sites", tmp_path / "driver.json"
 
-    cluster = TwoNodeCluster(cpus_per_node=1, resources=({"site_a": 1}, {"site_b": 1}),
-                             node_env=({"SITE_DATA": str(site_a)}, {"SITE_DATA": str(site_b)}))
+    cluster = TwoNodeCluster(
+        cpus_per_node=1, resources=({"site_a": 1}, {"site_b": 1}), node_env=({"SITE_DATA": str(site_a)}, {"SITE_DATA": str(site_b)})
+    )
     cluster.env.pop("SITE_DATA", None)  # the driver has no SITE_DATA: only the sites' nodes do
     cluster.start()
     try:
-        out = cluster.run("python", str(tmp_path / "driver.py"), str(tmp_path), str(report), "run", str(tmp_path / "silos.yaml"),
-                          "--address", cluster.address, "--out", str(run_dir), "--quiet", timeout=WAIT_S, cwd=tmp_path)
+        out = cluster.run(
+            "python",
+            str(tmp_path / "driver.py"),
+            str(tmp_path),
+            str(report),
+            "run",
+            str(tmp_path / "silos.yaml"),
+            "--address",
+            cluster.address,
+            "--out",
+            str(run_dir),
+            "--quiet",
+            timeout=WAIT_S,
+            cwd=tmp_path,
+        )
         driver = json.loads(report.read_text()) if report.is_file() else {}
         assert out.returncode == 0 and driver.get("exit") == 0, (out.stdout + out.stderr)[-4000:]
 
         # the state API: where each client's actor ran, and which site's resource that node carries
-        actors = cluster.run("ray", "list", "actors", "--address", cluster.dashboard_url, "--filter", f"ray_namespace={namespace}",
-                             "--format", "json", "--detail", "--limit", "100")
+        actors = cluster.run(
+            "ray",
+            "list",
+            "actors",
+            "--address",
+            cluster.dashboard_url,
+            "--filter",
+            f"ray_namespace={namespace}",
+            "--format",
+            "json",
+            "--detail",
+            "--limit",
+            "100",
+        )
         nodes = cluster.run("ray", "list", "nodes", "--address", cluster.dashboard_url, "--format", "json", "--detail")
         assert actors.returncode == 0 and nodes.returncode == 0, (actors.stderr + nodes.stderr)[-2000:]
     finally:

@@ -101,8 +101,12 @@ class TwoNodeCluster:
         Extra environment of the head's and of the worker's processes (``SITE_DATA``: where that node keeps its data).
     """
 
-    def __init__(self, cpus_per_node: int = 4, resources: tuple[dict[str, float], dict[str, float]] = ({"silo_a": 1}, {"silo_b": 1}),
-                 node_env: tuple[dict[str, str], dict[str, str]] = ({}, {})) -> None:
+    def __init__(
+        self,
+        cpus_per_node: int = 4,
+        resources: tuple[dict[str, float], dict[str, float]] = ({"silo_a": 1}, {"silo_b": 1}),
+        node_env: tuple[dict[str, str], dict[str, str]] = ({}, {}),
+    ) -> None:
         self.cpus_per_node = cpus_per_node
         self.resources = resources
         self.node_env = node_env
@@ -114,8 +118,14 @@ class TwoNodeCluster:
         bin_dir = str(Path(sys.executable).parent)
         # The nodes run in the environment where rayfuse is installed: this interpreter's bin first on PATH (a job's
         # `python` is this one) and this checkout on PYTHONPATH (Tune trials import actors.tune on every node).
-        self.env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "PYTHONPATH": str(ROOT),
-                    "RAY_AUTH_MODE": "token", "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+        self.env = {
+            **os.environ,
+            "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
+            "PYTHONPATH": str(ROOT),
+            "RAY_AUTH_MODE": "token",
+            "OMP_NUM_THREADS": "1",
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
         self.env.pop("RAY_ADDRESS", None)
         self.ray = str(Path(sys.executable).parent / "ray")
 
@@ -129,20 +139,42 @@ class TwoNodeCluster:
 
     def _node_ports(self, metrics_port: int) -> list[str]:
         low, high = self.ports.block()
-        return [f"--metrics-export-port={metrics_port}", f"--dashboard-agent-listen-port={self.ports.one()}",
-                f"--dashboard-agent-grpc-port={self.ports.one()}", f"--runtime-env-agent-port={self.ports.one()}",
-                f"--node-manager-port={self.ports.one()}", f"--object-manager-port={self.ports.one()}",
-                f"--min-worker-port={low}", f"--max-worker-port={high}"]
+        return [
+            f"--metrics-export-port={metrics_port}",
+            f"--dashboard-agent-listen-port={self.ports.one()}",
+            f"--dashboard-agent-grpc-port={self.ports.one()}",
+            f"--runtime-env-agent-port={self.ports.one()}",
+            f"--node-manager-port={self.ports.one()}",
+            f"--object-manager-port={self.ports.one()}",
+            f"--min-worker-port={low}",
+            f"--max-worker-port={high}",
+        ]
 
     def start(self) -> TwoNodeCluster:
         common = ["--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus_per_node}", "--disable-usage-stats"]
         # Each node is a "silo" (custom resources, as in cluster.yaml): a config pins clients to nodes with them.
-        head = [self.ray, "start", "--head", f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1",
-                f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={self.ports.one()}",
-                f"--temp-dir={self.temp_dir}", "--include-dashboard=true", f"--resources={json.dumps(self.resources[0])}", *common,
-                *self._node_ports(self.metrics_ports[0])]
-        worker = [self.ray, "start", f"--address={self.address}", f"--resources={json.dumps(self.resources[1])}", *common,
-                  *self._node_ports(self.metrics_ports[1])]
+        head = [
+            self.ray,
+            "start",
+            "--head",
+            f"--port={self.gcs_port}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard_port}",
+            f"--ray-client-server-port={self.ports.one()}",
+            f"--temp-dir={self.temp_dir}",
+            "--include-dashboard=true",
+            f"--resources={json.dumps(self.resources[0])}",
+            *common,
+            *self._node_ports(self.metrics_ports[0]),
+        ]
+        worker = [
+            self.ray,
+            "start",
+            f"--address={self.address}",
+            f"--resources={json.dumps(self.resources[1])}",
+            *common,
+            *self._node_ports(self.metrics_ports[1]),
+        ]
         try:
             for command, extra in ((head, self.node_env[0]), (worker, self.node_env[1])):
                 # a node's processes (raylet, workers, actors) inherit the environment `ray start` runs in
@@ -161,9 +193,11 @@ class TwoNodeCluster:
         ``ray start`` returns before every process of its node is up: a node whose agent then dies never joins, and a
         test would otherwise find out only as a job waiting, unplaced, for that node's resource.
         """
+
         def alive() -> bool:
-            out = self.run("ray", "list", "nodes", "--address", self.dashboard_url, "--format", "json",
-                           "--filter", "state=ALIVE", timeout=60)
+            out = self.run(
+                "ray", "list", "nodes", "--address", self.dashboard_url, "--format", "json", "--filter", "state=ALIVE", timeout=60
+            )
             try:
                 return out.returncode == 0 and len(json.loads(out.stdout)) >= count
             except json.JSONDecodeError:

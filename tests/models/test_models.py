@@ -52,15 +52,21 @@ def test_parameter_names_and_shapes_are_the_documented_ones():
     assert {k: v.shape for k, v in logreg.items()} == {"linear.weight": (10, 64), "linear.bias": (10,)}
     mlp = get_params(build_model(ModelConfig(name="mlp", hidden=[32, 16]), DIGITS, 10, seed=0))
     assert {k: v.shape for k, v in mlp.items()} == {
-        "layers.0.weight": (32, 64), "layers.0.bias": (32,),
-        "layers.1.weight": (16, 32), "layers.1.bias": (16,),
-        "layers.2.weight": (10, 16), "layers.2.bias": (10,),
+        "layers.0.weight": (32, 64),
+        "layers.0.bias": (32,),
+        "layers.1.weight": (16, 32),
+        "layers.1.bias": (16,),
+        "layers.2.weight": (10, 16),
+        "layers.2.bias": (10,),
     }
     cnn = get_params(build_model(ModelConfig(name="cnn", channels=[4, 8]), DIGITS, 10, seed=0))
     assert {k: v.shape for k, v in cnn.items()} == {
-        "convs.0.weight": (4, 1, 3, 3), "convs.0.bias": (4,),
-        "convs.1.weight": (8, 4, 3, 3), "convs.1.bias": (8,),
-        "head.weight": (10, 8), "head.bias": (10,),
+        "convs.0.weight": (4, 1, 3, 3),
+        "convs.0.bias": (4,),
+        "convs.1.weight": (8, 4, 3, 3),
+        "convs.1.bias": (8,),
+        "head.weight": (10, 8),
+        "head.bias": (10,),
     }
 
 
@@ -198,8 +204,11 @@ def test_set_params_keeps_buffers():
     [
         pytest.param(lambda p: p.pop("layers.1.bias"), r"missing keys \['layers\.1\.bias'\]", id="missing-key"),
         pytest.param(lambda p: p.update(extra=np.zeros(1, np.float32)), r"unexpected keys \['extra'\]", id="extra-key"),
-        pytest.param(lambda p: p.update({"layers.0.weight": np.zeros((16, 63), np.float32)}), r"layers\.0\.weight: shape \(16, 63\), expected \(16, 64\)",
-                     id="wrong-shape"),
+        pytest.param(
+            lambda p: p.update({"layers.0.weight": np.zeros((16, 63), np.float32)}),
+            r"layers\.0\.weight: shape \(16, 63\), expected \(16, 64\)",
+            id="wrong-shape",
+        ),
     ],
 )
 def test_set_params_rejects_wrong_keys_and_shapes(edit, match):

@@ -80,8 +80,18 @@ class Recurrent(nn.Module):
     """A recurrent layer, then a Linear on the last step's output (``head="last"``), on the final state
     (``head="state"``: ``h_n[-1]``), or on the mean over time (``head="mean"``)."""
 
-    def __init__(self, kind: type[nn.RNNBase], *, hidden: int = 6, layers: int = 1, bidirectional: bool = False,
-                 batch_first: bool = True, head: str = "last", state: str = "none", **extra) -> None:
+    def __init__(
+        self,
+        kind: type[nn.RNNBase],
+        *,
+        hidden: int = 6,
+        layers: int = 1,
+        bidirectional: bool = False,
+        batch_first: bool = True,
+        head: str = "last",
+        state: str = "none",
+        **extra,
+    ) -> None:
         super().__init__()
         self.rnn = kind(5, hidden, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first, **extra)
         width = (extra.get("proj_size") or hidden) * (2 if bidirectional else 1)
@@ -399,16 +409,31 @@ class ChannelShuffle(nn.Module):
 def tiny_bert() -> nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
-    config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
-                        max_position_embeddings=16, num_labels=3)
+    config = BertConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=16,
+        num_labels=3,
+    )
     return randomize(BertForSequenceClassification(config), seed=3)
 
 
 def tiny_llama(kv_heads: int = 1) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=kv_heads,
-                         intermediate_size=24, max_position_embeddings=16, use_cache=False)
+    config = LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=kv_heads,
+        intermediate_size=24,
+        max_position_embeddings=16,
+        use_cache=False,
+    )
     model = LlamaForCausalLM(config)
     g = torch.Generator().manual_seed(4)
     with torch.no_grad():  # random weights; the rotary frequencies are buffers and stay as they are
@@ -452,109 +477,359 @@ def vec(n: int = 5) -> Callable[[], torch.Tensor]:
 
 COV = [
     # recurrent: per layer and direction one group of hidden units across the gate blocks
-    Cov("gru", "recurrent", lambda: randomize(Recurrent(nn.GRU)), seq(), 1,
-        has=[("rnn.weight_ih_l0", 0, 0, 3, 1), ("rnn.weight_hh_l0", 0, 0, 3, 1), ("rnn.weight_hh_l0", 1, 0, 1, 1),
-             ("rnn.bias_ih_l0", 0, 0, 3, 1), ("rnn.bias_hh_l0", 0, 0, 3, 1), ("head.weight", 1, 0, 1, 1)],
-        fixed=[("rnn.weight_ih_l0", 1, "model input")]),
-    Cov("lstm-2-layers", "recurrent", lambda: randomize(Recurrent(nn.LSTM, layers=2)), seq(), 2,
-        has=[("rnn.weight_ih_l0", 0, 0, 4, 1), ("rnn.weight_ih_l1", 1, 0, 1, 1), ("rnn.weight_hh_l1", 0, 0, 4, 1)]),
-    Cov("rnn-tanh-time-first", "recurrent", lambda: randomize(Recurrent(nn.RNN, batch_first=False, layers=2)),
-        seq(batch_first=False), 2, has=[("rnn.weight_hh_l1", 1, 0, 1, 1)]),
+    Cov(
+        "gru",
+        "recurrent",
+        lambda: randomize(Recurrent(nn.GRU)),
+        seq(),
+        1,
+        has=[
+            ("rnn.weight_ih_l0", 0, 0, 3, 1),
+            ("rnn.weight_hh_l0", 0, 0, 3, 1),
+            ("rnn.weight_hh_l0", 1, 0, 1, 1),
+            ("rnn.bias_ih_l0", 0, 0, 3, 1),
+            ("rnn.bias_hh_l0", 0, 0, 3, 1),
+            ("head.weight", 1, 0, 1, 1),
+        ],
+        fixed=[("rnn.weight_ih_l0", 1, "model input")],
+    ),
+    Cov(
+        "lstm-2-layers",
+        "recurrent",
+        lambda: randomize(Recurrent(nn.LSTM, layers=2)),
+        seq(),
+        2,
+        has=[("rnn.weight_ih_l0", 0, 0, 4, 1), ("rnn.weight_ih_l1", 1, 0, 1, 1), ("rnn.weight_hh_l1", 0, 0, 4, 1)],
+    ),
+    Cov(
+        "rnn-tanh-time-first",
+        "recurrent",
+        lambda: randomize(Recurrent(nn.RNN, batch_first=False, layers=2)),
+        seq(batch_first=False),
+        2,
+        has=[("rnn.weight_hh_l1", 1, 0, 1, 1)],
+    ),
     Cov("rnn-relu", "recurrent", lambda: randomize(Recurrent(nn.RNN, nonlinearity="relu")), seq(), 1),
     # bidirectional: a segment of the next layer's (or the head's) input columns per direction
-    Cov("lstm-bidirectional", "recurrent", lambda: randomize(Recurrent(nn.LSTM, layers=2, bidirectional=True, head="mean")),
-        seq(), 4, has=[("rnn.weight_ih_l1", 1, 0, 1, 1), ("rnn.weight_ih_l1", 1, 6, 1, 1), ("rnn.weight_ih_l1_reverse", 1, 6, 1, 1),
-                       ("head.weight", 1, 6, 1, 1)]),
+    Cov(
+        "lstm-bidirectional",
+        "recurrent",
+        lambda: randomize(Recurrent(nn.LSTM, layers=2, bidirectional=True, head="mean")),
+        seq(),
+        4,
+        has=[
+            ("rnn.weight_ih_l1", 1, 0, 1, 1),
+            ("rnn.weight_ih_l1", 1, 6, 1, 1),
+            ("rnn.weight_ih_l1_reverse", 1, 6, 1, 1),
+            ("head.weight", 1, 6, 1, 1),
+        ],
+    ),
     Cov("gru-bidirectional-no-bias", "recurrent", lambda: randomize(Recurrent(nn.GRU, bidirectional=True, bias=False)), seq(), 2),
     # the final state read: every layer's (and direction's) units share one order
-    Cov("rnn-final-state", "recurrent", lambda: randomize(Recurrent(nn.RNN, layers=3, head="state")), seq(), 1,
-        has=[("rnn.weight_hh_l0", 1, 0, 1, 1), ("rnn.weight_hh_l2", 1, 0, 1, 1), ("head.weight", 1, 0, 1, 1)]),
-    Cov("lstm-final-state-bidirectional", "recurrent",
-        lambda: randomize(Recurrent(nn.LSTM, layers=2, bidirectional=True, head="state")), seq(), 1),
+    Cov(
+        "rnn-final-state",
+        "recurrent",
+        lambda: randomize(Recurrent(nn.RNN, layers=3, head="state")),
+        seq(),
+        1,
+        has=[("rnn.weight_hh_l0", 1, 0, 1, 1), ("rnn.weight_hh_l2", 1, 0, 1, 1), ("head.weight", 1, 0, 1, 1)],
+    ),
+    Cov(
+        "lstm-final-state-bidirectional",
+        "recurrent",
+        lambda: randomize(Recurrent(nn.LSTM, layers=2, bidirectional=True, head="state")),
+        seq(),
+        1,
+    ),
     # proj_size: the cell units and the projected units are two groups per layer
-    Cov("lstm-proj-size", "recurrent", lambda: randomize(Recurrent(nn.LSTM, layers=2, hidden=7, proj_size=4)), seq(), 4,
-        has=[("rnn.weight_hr_l0", 1, 0, 1, 1), ("rnn.weight_hr_l0", 0, 0, 1, 1), ("rnn.weight_hh_l0", 1, 0, 1, 1),
-             ("rnn.weight_ih_l1", 1, 0, 1, 1)]),
+    Cov(
+        "lstm-proj-size",
+        "recurrent",
+        lambda: randomize(Recurrent(nn.LSTM, layers=2, hidden=7, proj_size=4)),
+        seq(),
+        4,
+        has=[
+            ("rnn.weight_hr_l0", 1, 0, 1, 1),
+            ("rnn.weight_hr_l0", 0, 0, 1, 1),
+            ("rnn.weight_hh_l0", 1, 0, 1, 1),
+            ("rnn.weight_ih_l1", 1, 0, 1, 1),
+        ],
+    ),
     # initial states: zeros built from the input fix nothing; a learned one is permuted with the units it feeds
     Cov("gru-zero-state", "recurrent", lambda: randomize(Recurrent(nn.GRU, layers=2, state="zeros")), seq(), 2),
     Cov("lstm-zero-state", "recurrent", lambda: randomize(Recurrent(nn.LSTM, state="zeros")), seq(), 1),
-    Cov("gru-learned-state", "recurrent", lambda: randomize(Recurrent(nn.GRU, layers=2, state="learned")), seq(), 1,
-        has=[("h0", 2, 0, 1, 1), ("rnn.weight_hh_l1", 1, 0, 1, 1)]),
-    Cov("gru-subclass-same-forward", "recurrent", lambda: randomize(Subclassed(PlainGRU)), seq(), 2,
-        has=[("rnn.weight_hh_l0", 0, 0, 3, 1), ("rnn.weight_ih_l0", 1, 0, 1, 1)]),
-    Cov("gru-subclass-own-forward", "recurrent", lambda: randomize(Subclassed(ClippedGRU)), seq(), 0,
-        fixed=[("inp.weight", 0, "(ClippedGRU) is not modelled (a GRU with its own methods"), ("rnn.weight_hh_l0", 1, "is not modelled"),
-               ("rnn.weight_ih_l0", 0, "is not modelled"), ("rnn.bias_hh_l0", 0, "is not modelled")]),
-    Cov("embedding-gru", "recurrent", lambda: randomize(Embedded()), lambda: ids(3, 5, 20), 3,
-        has=[("embed.weight", 1, 0, 1, 1), ("gru.weight_ih_l0", 1, 0, 1, 1)]),
-    Cov("gru-cell-loop", "recurrent", lambda: randomize(CellLoop(nn.GRUCell)), lambda: torch.randn(2, 3, 4), 2,
-        has=[("cell.weight_ih", 0, 0, 3, 1), ("cell.weight_hh", 1, 0, 1, 1), ("head.weight", 1, 0, 1, 1)]),
+    Cov(
+        "gru-learned-state",
+        "recurrent",
+        lambda: randomize(Recurrent(nn.GRU, layers=2, state="learned")),
+        seq(),
+        1,
+        has=[("h0", 2, 0, 1, 1), ("rnn.weight_hh_l1", 1, 0, 1, 1)],
+    ),
+    Cov(
+        "gru-subclass-same-forward",
+        "recurrent",
+        lambda: randomize(Subclassed(PlainGRU)),
+        seq(),
+        2,
+        has=[("rnn.weight_hh_l0", 0, 0, 3, 1), ("rnn.weight_ih_l0", 1, 0, 1, 1)],
+    ),
+    Cov(
+        "gru-subclass-own-forward",
+        "recurrent",
+        lambda: randomize(Subclassed(ClippedGRU)),
+        seq(),
+        0,
+        fixed=[
+            ("inp.weight", 0, "(ClippedGRU) is not modelled (a GRU with its own methods"),
+            ("rnn.weight_hh_l0", 1, "is not modelled"),
+            ("rnn.weight_ih_l0", 0, "is not modelled"),
+            ("rnn.bias_hh_l0", 0, "is not modelled"),
+        ],
+    ),
+    Cov(
+        "embedding-gru",
+        "recurrent",
+        lambda: randomize(Embedded()),
+        lambda: ids(3, 5, 20),
+        3,
+        has=[("embed.weight", 1, 0, 1, 1), ("gru.weight_ih_l0", 1, 0, 1, 1)],
+    ),
+    Cov(
+        "gru-cell-loop",
+        "recurrent",
+        lambda: randomize(CellLoop(nn.GRUCell)),
+        lambda: torch.randn(2, 3, 4),
+        2,
+        has=[("cell.weight_ih", 0, 0, 3, 1), ("cell.weight_hh", 1, 0, 1, 1), ("head.weight", 1, 0, 1, 1)],
+    ),
     Cov("lstm-cell-loop", "recurrent", lambda: randomize(CellLoop(nn.LSTMCell)), lambda: torch.randn(2, 3, 4), 2),
     Cov("rnn-cell-loop", "recurrent", lambda: randomize(CellLoop(nn.RNNCell)), lambda: torch.randn(2, 3, 4), 2),
     Cov("lstm-unbatched", "recurrent", lambda: randomize(SequenceShapes("unbatched")), lambda: torch.randn(3, 5), 1),
-    Cov("gru-flattened-over-time", "recurrent", lambda: randomize(SequenceShapes("flatten")), seq(2, 3), 1,
-        has=[("head.weight", 1, 0, 3, 1)]),
-    Cov("bigru-directions-sliced", "recurrent", lambda: randomize(SequenceShapes("split")), seq(), 2,
-        has=[("head.weight", 1, 0, 1, 1), ("back.weight", 1, 0, 1, 1), ("rnn.weight_hh_l0_reverse", 1, 0, 1, 1)]),
+    Cov(
+        "gru-flattened-over-time",
+        "recurrent",
+        lambda: randomize(SequenceShapes("flatten")),
+        seq(2, 3),
+        1,
+        has=[("head.weight", 1, 0, 3, 1)],
+    ),
+    Cov(
+        "bigru-directions-sliced",
+        "recurrent",
+        lambda: randomize(SequenceShapes("split")),
+        seq(),
+        2,
+        has=[("head.weight", 1, 0, 1, 1), ("back.weight", 1, 0, 1, 1), ("rnn.weight_hh_l0_reverse", 1, 0, 1, 1)],
+    ),
     # norms: functional layer_norm / group_norm / linear; GroupNorm with several groups splits into blocks
-    Cov("functional-norms", "norms", lambda: randomize(FunctionalNorms()), image, 1 + 1 + 2,
-        has=[("w", 0, 0, 1, 1), ("b", 0, 0, 1, 1), ("weight", 1, 0, 1, 1), ("weight", 0, 0, 1, 1), ("bias", 0, 0, 1, 1),
-             ("gw", 0, 0, 1, 1), ("gw", 0, 4, 1, 1), ("conv.weight", 0, 4, 1, 1)]),
+    Cov(
+        "functional-norms",
+        "norms",
+        lambda: randomize(FunctionalNorms()),
+        image,
+        1 + 1 + 2,
+        has=[
+            ("w", 0, 0, 1, 1),
+            ("b", 0, 0, 1, 1),
+            ("weight", 1, 0, 1, 1),
+            ("weight", 0, 0, 1, 1),
+            ("bias", 0, 0, 1, 1),
+            ("gw", 0, 0, 1, 1),
+            ("gw", 0, 4, 1, 1),
+            ("conv.weight", 0, 4, 1, 1),
+        ],
+    ),
     Cov("functional-layer-norm-no-affine", "norms", lambda: randomize(FunctionalNorms(affine=False, groups=1)), image, 3),
     Cov("functional-group-norm-per-channel", "norms", lambda: randomize(FunctionalNorms(groups=8)), image, 3),
-    Cov("group-norm-blocks", "norms", lambda: randomize(GroupNormNet((2, 4))), image, 2 + 4,
-        has=[("c1.weight", 0, 0, 1, 1), ("c1.weight", 0, 4, 1, 1), ("n1.weight", 0, 4, 1, 1), ("c2.weight", 1, 4, 1, 1),
-             ("n2.bias", 0, 9, 1, 1), ("fc.weight", 1, 9, 1, 1)]),
-    Cov("group-norm-blocks-flatten", "norms", lambda: randomize(GroupNormNet((4, 3), flatten=True)), image, 4 + 3,
-        has=[("fc.weight", 1, 4 * 16, 1, 16), ("n2.weight", 0, 8, 1, 1)]),
+    Cov(
+        "group-norm-blocks",
+        "norms",
+        lambda: randomize(GroupNormNet((2, 4))),
+        image,
+        2 + 4,
+        has=[
+            ("c1.weight", 0, 0, 1, 1),
+            ("c1.weight", 0, 4, 1, 1),
+            ("n1.weight", 0, 4, 1, 1),
+            ("c2.weight", 1, 4, 1, 1),
+            ("n2.bias", 0, 9, 1, 1),
+            ("fc.weight", 1, 9, 1, 1),
+        ],
+    ),
+    Cov(
+        "group-norm-blocks-flatten",
+        "norms",
+        lambda: randomize(GroupNormNet((4, 3), flatten=True)),
+        image,
+        4 + 3,
+        has=[("fc.weight", 1, 4 * 16, 1, 16), ("n2.weight", 0, 8, 1, 1)],
+    ),
     Cov("group-norm-one-and-all", "norms", lambda: randomize(GroupNormNet((1, 12))), image, 2),
-    Cov("norm-shapes", "norms", lambda: randomize(NormShapes()), lambda: torch.randn(3, 3, 4), 3 + 2 + 2,
-        has=[("gn1.weight", 0, 4, 1, 1), ("fc.weight", 1, 4 * 4, 1, 4), ("gn2.bias", 0, 4, 1, 1), ("out.weight", 1, 2 * 2, 1, 2)]),
+    Cov(
+        "norm-shapes",
+        "norms",
+        lambda: randomize(NormShapes()),
+        lambda: torch.randn(3, 3, 4),
+        3 + 2 + 2,
+        has=[("gn1.weight", 0, 4, 1, 1), ("fc.weight", 1, 4 * 4, 1, 4), ("gn2.bias", 0, 4, 1, 1), ("out.weight", 1, 2 * 2, 1, 2)],
+    ),
     # constants whose elements are all equal fix no group
-    Cov("uniform-constants", "constants", lambda: randomize(Constants()), vec(), 2,
-        has=[("a.weight", 0, 0, 1, 1), ("b.weight", 1, 0, 1, 1), ("c.weight", 1, 0, 1, 1)]),
+    Cov(
+        "uniform-constants",
+        "constants",
+        lambda: randomize(Constants()),
+        vec(),
+        2,
+        has=[("a.weight", 0, 0, 1, 1), ("b.weight", 1, 0, 1, 1), ("c.weight", 1, 0, 1, 1)],
+    ),
     Cov("baked-uniform-constants", "constants", lambda: randomize(BakedConstants()), vec(), 1, has=[("a.weight", 0, 0, 1, 1)]),
-    Cov("baked-arange-fixes", "constants", lambda: randomize(BakedConstants(uniform=False)), vec(), 0,
-        fixed=[("a.weight", 0, "_tensor_constant0 is not in the state dict")]),  # a constant of the graph, not a weight
-    Cov("zero-state-lstm-cell", "constants", lambda: randomize(CellLoop(nn.LSTMCell)), lambda: torch.randn(4, 3, 4), 2,
-        has=[("cell.weight_hh", 1, 0, 1, 1)]),
+    Cov(
+        "baked-arange-fixes",
+        "constants",
+        lambda: randomize(BakedConstants(uniform=False)),
+        vec(),
+        0,
+        fixed=[("a.weight", 0, "_tensor_constant0 is not in the state dict")],
+    ),  # a constant of the graph, not a weight
+    Cov(
+        "zero-state-lstm-cell",
+        "constants",
+        lambda: randomize(CellLoop(nn.LSTMCell)),
+        lambda: torch.randn(4, 3, 4),
+        2,
+        has=[("cell.weight_hh", 1, 0, 1, 1)],
+    ),
     # a tensor by keyword traces
-    Cov("keyword-layers", "keywords", lambda: randomize(KeywordLayers()), lambda: torch.randn(2, 3, 4), 1 + 3 + 1,
-        has=[("conv.weight", 0, 0, 1, 1), ("w", 0, 0, 1, 1), ("attn.in_proj_weight", 1, 0, 1, 1), ("gru.weight_ih_l0", 1, 0, 1, 1),
-             ("head.weight", 1, 0, 1, 1)]),
-    Cov("keyword-tensors", "keywords", lambda: randomize(Keywords()), vec(), 1,
-        has=[("fc.weight", 0, 0, 1, 1), ("norm.weight", 0, 0, 1, 1), ("out.weight", 1, 0, 1, 1)]),
+    Cov(
+        "keyword-layers",
+        "keywords",
+        lambda: randomize(KeywordLayers()),
+        lambda: torch.randn(2, 3, 4),
+        1 + 3 + 1,
+        has=[
+            ("conv.weight", 0, 0, 1, 1),
+            ("w", 0, 0, 1, 1),
+            ("attn.in_proj_weight", 1, 0, 1, 1),
+            ("gru.weight_ih_l0", 1, 0, 1, 1),
+            ("head.weight", 1, 0, 1, 1),
+        ],
+    ),
+    Cov(
+        "keyword-tensors",
+        "keywords",
+        lambda: randomize(Keywords()),
+        vec(),
+        1,
+        has=[("fc.weight", 0, 0, 1, 1), ("norm.weight", 0, 0, 1, 1), ("out.weight", 1, 0, 1, 1)],
+    ),
     # attention written with a reshape into heads and scaled_dot_product_attention: heads, Q/K dims, V/out dims
-    Cov("hand-written-attention", "attention", lambda: randomize(HandAttention()), seq(3, 4, 5), 1 + 3,
-        has=[("q.weight", 0, 0, 1, 4), ("k.weight", 0, 0, 2, 1), ("v.weight", 0, 0, 2, 1), ("o.weight", 1, 0, 1, 4),
-             ("o.weight", 1, 0, 2, 1)]),
-    Cov("hand-written-attention-4-heads", "attention", lambda: randomize(HandAttention(heads=4)), seq(3, 4, 5), 1 + 3,
-        has=[("q.weight", 0, 0, 1, 2), ("o.weight", 1, 0, 4, 1)]),
-    Cov("attention-scale-per-head-dim", "attention", lambda: randomize(HandAttention(scale=True)), seq(3, 4, 5), 1 + 3,
-        has=[("scale", 0, 0, 1, 4), ("scale", 0, 0, 2, 1)]),
-    Cov("attention-mask-per-head", "attention", lambda: randomize(HandAttention(mask="per-head")), seq(3, 4, 5), 1 + 2,
-        fixed=[("q.weight", 0, "a mask per head")]),
-    Cov("channel-shuffle", "attention", lambda: randomize(ChannelShuffle()), image, 2 + 1,
-        has=[("a.weight", 0, 0, 1, 3), ("a.weight", 0, 0, 2, 1), ("b.weight", 1, 0, 3, 1), ("b.weight", 1, 0, 1, 2)]),
+    Cov(
+        "hand-written-attention",
+        "attention",
+        lambda: randomize(HandAttention()),
+        seq(3, 4, 5),
+        1 + 3,
+        has=[
+            ("q.weight", 0, 0, 1, 4),
+            ("k.weight", 0, 0, 2, 1),
+            ("v.weight", 0, 0, 2, 1),
+            ("o.weight", 1, 0, 1, 4),
+            ("o.weight", 1, 0, 2, 1),
+        ],
+    ),
+    Cov(
+        "hand-written-attention-4-heads",
+        "attention",
+        lambda: randomize(HandAttention(heads=4)),
+        seq(3, 4, 5),
+        1 + 3,
+        has=[("q.weight", 0, 0, 1, 2), ("o.weight", 1, 0, 4, 1)],
+    ),
+    Cov(
+        "attention-scale-per-head-dim",
+        "attention",
+        lambda: randomize(HandAttention(scale=True)),
+        seq(3, 4, 5),
+        1 + 3,
+        has=[("scale", 0, 0, 1, 4), ("scale", 0, 0, 2, 1)],
+    ),
+    Cov(
+        "attention-mask-per-head",
+        "attention",
+        lambda: randomize(HandAttention(mask="per-head")),
+        seq(3, 4, 5),
+        1 + 2,
+        fixed=[("q.weight", 0, "a mask per head")],
+    ),
+    Cov(
+        "channel-shuffle",
+        "attention",
+        lambda: randomize(ChannelShuffle()),
+        image,
+        2 + 1,
+        has=[("a.weight", 0, 0, 1, 3), ("a.weight", 0, 0, 2, 1), ("b.weight", 1, 0, 3, 1), ("b.weight", 1, 0, 1, 2)],
+    ),
     # torch.export: what torch.fx cannot trace
-    Cov("export-shape-branch", "export", lambda: randomize(ShapeBranch()), vec(), 1,
-        has=[("fc.weight", 0, 0, 1, 1), ("out.weight", 1, 0, 1, 1)], fixed=[("out.weight", 0, "model output")]),
-    Cov("export-bert", "export", tiny_bert, ids, 1 + 2 * (3 + 1) + 1,
-        has=[("bert.embeddings.word_embeddings.weight", 1, 0, 1, 1), ("bert.embeddings.LayerNorm.weight", 0, 0, 1, 1),
-             ("bert.encoder.layer.0.intermediate.dense.weight", 0, 0, 1, 1), ("bert.encoder.layer.1.output.dense.weight", 1, 0, 1, 1),
-             ("bert.pooler.dense.weight", 0, 0, 1, 1), ("classifier.weight", 1, 0, 1, 1)],
-        fixed=[("classifier.weight", 0, "model output")], atol=1e-4),
-    Cov("export-llama", "export", tiny_llama, ids, None,
-        has=[("model.embed_tokens.weight", 1, 0, 1, 1), ("model.layers.0.input_layernorm.weight", 0, 0, 1, 1),
-             ("model.layers.1.mlp.gate_proj.weight", 0, 0, 1, 1), ("model.layers.1.mlp.up_proj.weight", 0, 0, 1, 1),
-             ("model.layers.1.mlp.down_proj.weight", 1, 0, 1, 1), ("model.norm.weight", 0, 0, 1, 1), ("lm_head.weight", 1, 0, 1, 1)],
+    Cov(
+        "export-shape-branch",
+        "export",
+        lambda: randomize(ShapeBranch()),
+        vec(),
+        1,
+        has=[("fc.weight", 0, 0, 1, 1), ("out.weight", 1, 0, 1, 1)],
+        fixed=[("out.weight", 0, "model output")],
+    ),
+    Cov(
+        "export-bert",
+        "export",
+        tiny_bert,
+        ids,
+        1 + 2 * (3 + 1) + 1,
+        has=[
+            ("bert.embeddings.word_embeddings.weight", 1, 0, 1, 1),
+            ("bert.embeddings.LayerNorm.weight", 0, 0, 1, 1),
+            ("bert.encoder.layer.0.intermediate.dense.weight", 0, 0, 1, 1),
+            ("bert.encoder.layer.1.output.dense.weight", 1, 0, 1, 1),
+            ("bert.pooler.dense.weight", 0, 0, 1, 1),
+            ("classifier.weight", 1, 0, 1, 1),
+        ],
+        fixed=[("classifier.weight", 0, "model output")],
+        atol=1e-4,
+    ),
+    Cov(
+        "export-llama",
+        "export",
+        tiny_llama,
+        ids,
+        None,
+        has=[
+            ("model.embed_tokens.weight", 1, 0, 1, 1),
+            ("model.layers.0.input_layernorm.weight", 0, 0, 1, 1),
+            ("model.layers.1.mlp.gate_proj.weight", 0, 0, 1, 1),
+            ("model.layers.1.mlp.up_proj.weight", 0, 0, 1, 1),
+            ("model.layers.1.mlp.down_proj.weight", 1, 0, 1, 1),
+            ("model.norm.weight", 0, 0, 1, 1),
+            ("lm_head.weight", 1, 0, 1, 1),
+        ],
         fixed=[("lm_head.weight", 0, "model output"), ("model.layers.0.self_attn.q_proj.weight", 0, "shared key/value heads")],
-        atol=1e-4),
+        atol=1e-4,
+    ),
     # without grouped-query attention the heads are a group (RoPE, which rotates pairs of head dims, fixes those)
-    Cov("export-llama-mha", "export", lambda: tiny_llama(kv_heads=2), ids, None,
-        has=[("model.layers.0.self_attn.q_proj.weight", 0, 0, 1, 8), ("model.layers.0.self_attn.k_proj.weight", 0, 0, 1, 8),
-             ("model.layers.0.self_attn.v_proj.weight", 0, 0, 2, 1), ("model.layers.0.self_attn.o_proj.weight", 1, 0, 1, 8)],
-        atol=1e-4),
+    Cov(
+        "export-llama-mha",
+        "export",
+        lambda: tiny_llama(kv_heads=2),
+        ids,
+        None,
+        has=[
+            ("model.layers.0.self_attn.q_proj.weight", 0, 0, 1, 8),
+            ("model.layers.0.self_attn.k_proj.weight", 0, 0, 1, 8),
+            ("model.layers.0.self_attn.v_proj.weight", 0, 0, 2, 1),
+            ("model.layers.0.self_attn.o_proj.weight", 1, 0, 1, 8),
+        ],
+        atol=1e-4,
+    ),
 ]
 
 
@@ -595,8 +870,11 @@ def test_a_group_norm_with_several_groups_splits_its_units_into_one_group_per_no
     names = sorted(spec.names)
     assert names == ["c1.block0", "c1.block1", "c2.block0", "c2.block1", "c2.block2", "c2.block3"]
     block = spec.group("c2.block2")
-    assert block.size == 3 and {(a.key, a.dim, a.start) for a in block.axes} >= {("c2.weight", 0, 6), ("n2.weight", 0, 6),
-                                                                                ("fc.weight", 1, 6)}
+    assert block.size == 3 and {(a.key, a.dim, a.start) for a in block.axes} >= {
+        ("c2.weight", 0, 6),
+        ("n2.weight", 0, 6),
+        ("fc.weight", 1, 6),
+    }
     # a permutation across two norm groups would change the output: the split is needed, not just allowed
     model = randomize(GroupNormNet((2, 4)))
     x = image()
@@ -696,7 +974,8 @@ def test_an_exported_bert_has_the_groups_of_multi_head_attention_and_no_probes()
     assert heads.kind == "heads" and heads.size == 2
     assert {(a.key, a.dim, a.start, a.outer, a.inner) for a in heads.axes} == {
         *((f"{at}.self.{p}.{w}", 0, 0, 1, 8) for p in ("query", "key", "value") for w in ("weight", "bias")),
-        (f"{at}.output.dense.weight", 1, 0, 1, 8)}
+        (f"{at}.output.dense.weight", 1, 0, 1, 8),
+    }
     qk, vo = spec.group(f"{at}.self.query.head_dims"), spec.group(f"{at}.self.value.head_dims")
     assert {a.key for a in qk.axes} == {f"{at}.self.{p}.{w}" for p in ("query", "key") for w in ("weight", "bias")}
     assert (f"{at}.output.dense.weight", 1, 0, 2, 1) in {(a.key, a.dim, a.start, a.outer, a.inner) for a in vo.axes}
@@ -706,7 +985,7 @@ def test_an_exported_bert_has_the_groups_of_multi_head_attention_and_no_probes()
     assert len(stream) == 1
 
 
-MODULE = '''
+MODULE = """
 import torch
 from torch import nn
 
@@ -738,7 +1017,7 @@ class DataBranch(nn.Module):
 
     def forward(self, x):
         return self.fc(x) if x.sum() > 0 else -self.fc(x)
-'''
+"""
 
 
 def test_the_symmetry_command_on_recurrent_and_exported_models(capsys, tmp_path, monkeypatch):
@@ -760,7 +1039,9 @@ def test_the_symmetry_command_on_recurrent_and_exported_models(capsys, tmp_path,
 # ---------------------------------------------------------------------------------------------------------------
 # Bad input on these surfaces: exit 2, one line naming the key, no traceback, nothing written
 
-BAD_MODULE = MODULE + '''
+BAD_MODULE = (
+    MODULE
+    + """
 class Tokens(nn.Module):
     def __init__(self):
         super().__init__()
@@ -771,7 +1052,8 @@ class Tokens(nn.Module):
     def forward(self, ids):
         out, _ = self.gru(self.embed(ids))
         return self.fc(out[:, -1])
-'''
+"""
+)
 
 
 @dataclass(frozen=True)
@@ -782,12 +1064,19 @@ class Bad:
 
 
 BAD = [
-    Bad("untraceable-and-unexportable", ["symmetry", "badnets:DataBranch", "--input-shape", "5"],
-        "architecture: expected a model torch.fx can trace or torch.export can export"),
+    Bad(
+        "untraceable-and-unexportable",
+        ["symmetry", "badnets:DataBranch", "--input-shape", "5"],
+        "architecture: expected a model torch.fx can trace or torch.export can export",
+    ),
     Bad("gru-wrong-feature-count", ["symmetry", "badnets:GRUNet", "--input-shape", "4,6"], "input: expected an example batch"),
     Bad("exported-model-wrong-width", ["symmetry", "badnets:ShapeBranch", "--input-shape", "6"], "input: expected an example batch"),
     Bad("token-model-given-floats", ["symmetry", "badnets:Tokens", "--input-shape", "5"], "input: expected an example batch"),
-    Bad("gru-bad-hidden-arg", ["symmetry", "badnets:GRUNet", "--input-shape", "4,5", "--args", '{"hidden": "six"}'], "args: expected keyword arguments"),
+    Bad(
+        "gru-bad-hidden-arg",
+        ["symmetry", "badnets:GRUNet", "--input-shape", "4,5", "--args", '{"hidden": "six"}'],
+        "args: expected keyword arguments",
+    ),
 ]
 
 

@@ -37,7 +37,7 @@ MODULE = "hf_arch"
 VOCAB, LENGTH = 40, 6
 ONLY = "weight matching only"
 
-SOURCE = f'''
+SOURCE = f"""
 from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
 
 
@@ -50,7 +50,7 @@ def llama():
     return LlamaForSequenceClassification(LlamaConfig(vocab_size={VOCAB}, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                                                       num_key_value_heads=2, intermediate_size=24, max_position_embeddings=16,
                                                       use_cache=False, num_labels=3, pad_token_id=0))
-'''
+"""
 
 
 def build(name: str) -> torch.nn.Module:
@@ -77,9 +77,14 @@ class HFFiles(Files):
         return name
 
     def hf_fuse(self, model: str = "bert", name: str = "fuse.yaml", **fields: Any) -> str:
-        data = {"merge_method": "weight_matching", "architecture": f"{MODULE}:{model}",
-                "models": [{"model": str(self.checkpoints / f"{model}{i}.safetensors")} for i in range(2)],
-                "input_shape": [int(LENGTH)], "vocab": VOCAB, "output": "fused.safetensors"}
+        data = {
+            "merge_method": "weight_matching",
+            "architecture": f"{MODULE}:{model}",
+            "models": [{"model": str(self.checkpoints / f"{model}{i}.safetensors")} for i in range(2)],
+            "input_shape": [int(LENGTH)],
+            "vocab": VOCAB,
+            "output": "fused.safetensors",
+        }
         data.update(fields)
         return self.yaml(name, {k: v for k, v in data.items() if v is not None})
 
@@ -170,53 +175,117 @@ HF_CASES = [
     HFCase("structure-output-module-bert", "structure", _structure(_read_output("bert")), "architecture", ONLY),
     HFCase("structure-output-module-llama", "structure", _structure(_read_output("llama")), "architecture", ONLY),
     HFCase("structure-repair-units-bert", "structure", _structure(_repair_units("bert")), "architecture", ONLY),
-    HFCase("structure-fuse-activation-matching", "structure",
-           lambda f: ["fuse", f.hf_fuse(merge_method="activation_matching", data={"path": f.ids_npz()}, input_shape=None)],
-           "merge_method", ONLY),
-    HFCase("structure-fuse-activation-matching-llama", "structure",
-           lambda f: ["fuse", f.hf_fuse("llama", merge_method="activation_matching", data={"path": f.ids_npz()}, input_shape=None)],
-           "merge_method", ONLY),
-    HFCase("structure-fuse-repair", "structure",
-           lambda f: ["fuse", f.hf_fuse(parameters={"repair": True}, data={"path": f.ids_npz()}, input_shape=None)],
-           "parameters.repair", ONLY),
-    HFCase("structure-fuse-nonparametric", "structure", lambda f: ["fuse", f.hf_fuse(parameters={"merge": "nonparametric"})],
-           "parameters.merge", ONLY),
-    HFCase("structure-fuse-fisher-on-ids", "structure",
-           lambda f: ["fuse", f.hf_fuse(parameters={"merge": "fisher"}, data={"path": f.ids_npz()}, input_shape=None)],
-           "parameters.merge", "fisher"),
-    HFCase("structure-fuse-regmean-on-ids", "structure",
-           lambda f: ["fuse", f.hf_fuse(parameters={"merge": "regmean"}, data={"path": f.ids_npz()}, input_shape=None)],
-           "parameters.merge", "regmean"),
+    HFCase(
+        "structure-fuse-activation-matching",
+        "structure",
+        lambda f: ["fuse", f.hf_fuse(merge_method="activation_matching", data={"path": f.ids_npz()}, input_shape=None)],
+        "merge_method",
+        ONLY,
+    ),
+    HFCase(
+        "structure-fuse-activation-matching-llama",
+        "structure",
+        lambda f: ["fuse", f.hf_fuse("llama", merge_method="activation_matching", data={"path": f.ids_npz()}, input_shape=None)],
+        "merge_method",
+        ONLY,
+    ),
+    HFCase(
+        "structure-fuse-repair",
+        "structure",
+        lambda f: ["fuse", f.hf_fuse(parameters={"repair": True}, data={"path": f.ids_npz()}, input_shape=None)],
+        "parameters.repair",
+        ONLY,
+    ),
+    HFCase(
+        "structure-fuse-nonparametric",
+        "structure",
+        lambda f: ["fuse", f.hf_fuse(parameters={"merge": "nonparametric"})],
+        "parameters.merge",
+        ONLY,
+    ),
+    HFCase(
+        "structure-fuse-fisher-on-ids",
+        "structure",
+        lambda f: ["fuse", f.hf_fuse(parameters={"merge": "fisher"}, data={"path": f.ids_npz()}, input_shape=None)],
+        "parameters.merge",
+        "fisher",
+    ),
+    HFCase(
+        "structure-fuse-regmean-on-ids",
+        "structure",
+        lambda f: ["fuse", f.hf_fuse(parameters={"merge": "regmean"}, data={"path": f.ids_npz()}, input_shape=None)],
+        "parameters.merge",
+        "regmean",
+    ),
     HFCase("structure-run-aligned-activation", "structure", _aligned_run(), "model.name", "alignment: activation"),
     HFCase("structure-run-aligned-repair", "structure", _aligned_run(alignment="weight"), "model.name", "repair: true"),
     # symmetry: --vocab
-    HFCase("symmetry-vocab-not-a-number", "symmetry", lambda f: ["symmetry", f"{MODULE}:bert", "--input-shape", "6", "--vocab", "x"], "--vocab"),
+    HFCase(
+        "symmetry-vocab-not-a-number", "symmetry", lambda f: ["symmetry", f"{MODULE}:bert", "--input-shape", "6", "--vocab", "x"], "--vocab"
+    ),
     HFCase("symmetry-vocab-zero", "symmetry", lambda f: ["symmetry", f"{MODULE}:bert", "--input-shape", "6", "--vocab", "0"], "--vocab"),
     HFCase("symmetry-vocab-negative", "symmetry", lambda f: ["symmetry", f"{MODULE}:bert", "--input-shape", "6", "--vocab=-3"], "--vocab"),
-    HFCase("symmetry-vocab-fraction", "symmetry", lambda f: ["symmetry", f"{MODULE}:bert", "--input-shape", "6", "--vocab", "2.5"], "--vocab"),
-    HFCase("symmetry-vocab-without-shape", "symmetry", lambda f: ["symmetry", f"{MODULE}:bert", "--vocab", "40"], "--input-shape", "token ids"),
-    HFCase("symmetry-vocab-beyond-the-model", "symmetry",
-           lambda f: ["symmetry", f"{MODULE}:bert", "--input-shape", "6", "--vocab", "1000"], "input", "vocab at most"),
-    HFCase("symmetry-floats-to-a-token-model", "symmetry", lambda f: ["symmetry", f"{MODULE}:bert", "--input-shape", "6"], "input", "--vocab N"),
-    HFCase("symmetry-sequence-too-long", "symmetry",
-           lambda f: ["symmetry", f"{MODULE}:bert", "--input-shape", "64", "--vocab", "40"], "input"),
+    HFCase(
+        "symmetry-vocab-fraction", "symmetry", lambda f: ["symmetry", f"{MODULE}:bert", "--input-shape", "6", "--vocab", "2.5"], "--vocab"
+    ),
+    HFCase(
+        "symmetry-vocab-without-shape", "symmetry", lambda f: ["symmetry", f"{MODULE}:bert", "--vocab", "40"], "--input-shape", "token ids"
+    ),
+    HFCase(
+        "symmetry-vocab-beyond-the-model",
+        "symmetry",
+        lambda f: ["symmetry", f"{MODULE}:bert", "--input-shape", "6", "--vocab", "1000"],
+        "input",
+        "vocab at most",
+    ),
+    HFCase(
+        "symmetry-floats-to-a-token-model", "symmetry", lambda f: ["symmetry", f"{MODULE}:bert", "--input-shape", "6"], "input", "--vocab N"
+    ),
+    HFCase(
+        "symmetry-sequence-too-long", "symmetry", lambda f: ["symmetry", f"{MODULE}:bert", "--input-shape", "64", "--vocab", "40"], "input"
+    ),
     HFCase("symmetry-api-vocab-bool", "symmetry", lambda f: call(symmetry_api, f"{MODULE}:bert", input_shape=(6,), vocab=True), "vocab"),
     HFCase("symmetry-api-vocab-string", "symmetry", lambda f: call(symmetry_api, f"{MODULE}:bert", input_shape=(6,), vocab="40"), "vocab"),
     HFCase("symmetry-api-vocab-without-shape", "symmetry", lambda f: call(symmetry_api, f"{MODULE}:bert", vocab=40), "input_shape"),
     # fuse: vocab and the ids
     HFCase("fuse-vocab-zero", "fuse", lambda f: ["fuse", f.hf_fuse(vocab=0)], "vocab"),
     HFCase("fuse-vocab-a-string", "fuse", lambda f: ["fuse", f.hf_fuse(vocab="many")], "vocab"),
-    HFCase("fuse-vocab-without-architecture", "fuse",
-           lambda f: ["fuse", f.hf_fuse(merge_method="average", architecture=None, input_shape=None)], "architecture", "vocab"),
+    HFCase(
+        "fuse-vocab-without-architecture",
+        "fuse",
+        lambda f: ["fuse", f.hf_fuse(merge_method="average", architecture=None, input_shape=None)],
+        "architecture",
+        "vocab",
+    ),
     HFCase("fuse-vocab-with-distill", "fuse", lambda f: ["fuse", f.hf_fuse(merge_method="distill")], "vocab", "distill"),
-    HFCase("fuse-ids-beyond-vocab", "fuse",
-           lambda f: ["fuse", f.hf_fuse(data={"path": f.ids_npz(X=np.full((4, LENGTH), VOCAB))}, input_shape=None)], "data.path", "token ids"),
-    HFCase("fuse-ids-negative", "fuse",
-           lambda f: ["fuse", f.hf_fuse(data={"path": f.ids_npz(X=-np.ones((4, LENGTH), np.int64))}, input_shape=None)], "data.path", "token ids"),
-    HFCase("fuse-ids-fractional", "fuse",
-           lambda f: ["fuse", f.hf_fuse(data={"path": f.ids_npz(X=np.full((4, LENGTH), 1.5))}, input_shape=None)], "data.path", "token ids"),
-    HFCase("fuse-ids-without-vocab", "fuse",
-           lambda f: ["fuse", f.hf_fuse(vocab=None, data={"path": f.ids_npz()}, input_shape=None)], "data.path", "indices"),
+    HFCase(
+        "fuse-ids-beyond-vocab",
+        "fuse",
+        lambda f: ["fuse", f.hf_fuse(data={"path": f.ids_npz(X=np.full((4, LENGTH), VOCAB))}, input_shape=None)],
+        "data.path",
+        "token ids",
+    ),
+    HFCase(
+        "fuse-ids-negative",
+        "fuse",
+        lambda f: ["fuse", f.hf_fuse(data={"path": f.ids_npz(X=-np.ones((4, LENGTH), np.int64))}, input_shape=None)],
+        "data.path",
+        "token ids",
+    ),
+    HFCase(
+        "fuse-ids-fractional",
+        "fuse",
+        lambda f: ["fuse", f.hf_fuse(data={"path": f.ids_npz(X=np.full((4, LENGTH), 1.5))}, input_shape=None)],
+        "data.path",
+        "token ids",
+    ),
+    HFCase(
+        "fuse-ids-without-vocab",
+        "fuse",
+        lambda f: ["fuse", f.hf_fuse(vocab=None, data={"path": f.ids_npz()}, input_shape=None)],
+        "data.path",
+        "indices",
+    ),
     HFCase("fuse-shape-without-vocab", "fuse", lambda f: ["fuse", f.hf_fuse(vocab=None)], "input_shape", "indices"),
     HFCase("fuse-no-shape-no-data", "fuse", lambda f: ["fuse", f.hf_fuse(input_shape=None)], "input_shape"),
 ]
@@ -272,8 +341,10 @@ def test_fuse_weight_matching_of_a_hf_model_loads_and_runs(model: str, how: str,
         logits = fused(ids(4)).logits
     assert logits.shape == (4, 3) and torch.isfinite(logits).all()
     # the models were aligned, not only averaged: some hidden units were reordered
-    a, b, out = (load_file(str(p)) for p in (f.checkpoints / f"{model}0.safetensors", f.checkpoints / f"{model}1.safetensors",
-                                             f.root / "fused.safetensors"))
+    a, b, out = (
+        load_file(str(p))
+        for p in (f.checkpoints / f"{model}0.safetensors", f.checkpoints / f"{model}1.safetensors", f.root / "fused.safetensors")
+    )
     assert set(out) == set(a)
     assert any(not np.allclose(out[k], (a[k] + b[k]) / 2) for k in out if out[k].dtype.kind == "f")
 
@@ -298,8 +369,9 @@ def test_weight_matching_on_a_hf_model_is_invariant(hf_isolated: HFFiles) -> Non
 
 
 def test_a_run_aligns_such_a_model_by_weight_matching_without_repair(hf_isolated: HFFiles) -> None:
-    result = rayfuse.run(with_base(methods={"aligned": {"alignment": "weight", "repair": False}}), model=Branchy, backend="local",
-                         quiet=True)
+    result = rayfuse.run(
+        with_base(methods={"aligned": {"alignment": "weight", "repair": False}}), model=Branchy, backend="local", quiet=True
+    )
     assert np.isfinite(result.metrics.loc["aligned", "accuracy"])
 
 

@@ -751,9 +751,13 @@ class SymFiles(Files):
             self.raw("spec.json", raw)
         elif spec is not None:
             self.text("spec.json", json.dumps(spec))
-        config: dict[str, Any] = {"merge_method": "weight_matching", "architecture": f"{module}:Net",
-                                  "models": [{"model": m} for m in models], "output": "fused.safetensors",
-                                  "parameters": {"spec": "spec.json", **params}}
+        config: dict[str, Any] = {
+            "merge_method": "weight_matching",
+            "architecture": f"{module}:Net",
+            "models": [{"model": m} for m in models],
+            "output": "fused.safetensors",
+            "parameters": {"spec": "spec.json", **params},
+        }
         if input_shape is not None:
             config["input_shape"] = list(input_shape)
         return ["fuse", self.yaml("fuse.yaml", config)]
@@ -791,19 +795,28 @@ SYM_CASES = [
     # groups that overlap: one unit moved twice
     spec_case("overlap-two-groups", "parameters.spec.b", {"groups": [_group("a"), _group("b", axes=[{"key": "fc1.weight", "dim": 0}])]}),
     spec_case("overlap-same-axis-twice", "parameters.spec.h", {"groups": [_group(axes=HIDDEN + [{"key": "fc1.weight", "dim": 0}])]}),
-    spec_case("overlap-segments", "parameters.spec.b", {"groups": [
-        _group("a", 4, [{"key": "fc1.weight", "dim": 0}]), _group("b", 4, [{"key": "fc1.weight", "dim": 0, "start": 2}])]}),
-    spec_case("overlap-negative-dim", "parameters.spec.b", {"groups": [
-        _group("a", 8, [{"key": "fc2.weight", "dim": 1}]), _group("b", 8, [{"key": "fc2.weight", "dim": -1}])]}),
+    spec_case(
+        "overlap-segments",
+        "parameters.spec.b",
+        {"groups": [_group("a", 4, [{"key": "fc1.weight", "dim": 0}]), _group("b", 4, [{"key": "fc1.weight", "dim": 0, "start": 2}])]},
+    ),
+    spec_case(
+        "overlap-negative-dim",
+        "parameters.spec.b",
+        {"groups": [_group("a", 8, [{"key": "fc2.weight", "dim": 1}]), _group("b", 8, [{"key": "fc2.weight", "dim": -1}])]},
+    ),
     # groups whose permutation changes what the model computes
-    spec_case("invariance-forgets-the-next-layer", "parameters.spec.h",
-              {"groups": [_group(axes=HIDDEN[:2])]}),
+    spec_case("invariance-forgets-the-next-layer", "parameters.spec.h", {"groups": [_group(axes=HIDDEN[:2])]}),
     spec_case("invariance-forgets-the-bias", "parameters.spec.h", {"groups": [_group(axes=[HIDDEN[0], HIDDEN[2]])]}),
-    spec_case("invariance-permutes-the-output", "parameters.spec.out", {"groups": [
-        _group("out", 3, [{"key": "fc2.weight", "dim": 0}, {"key": "fc2.bias", "dim": 0}])]}),
+    spec_case(
+        "invariance-permutes-the-output",
+        "parameters.spec.out",
+        {"groups": [_group("out", 3, [{"key": "fc2.weight", "dim": 0}, {"key": "fc2.bias", "dim": 0}])]},
+    ),
     spec_case("invariance-permutes-the-input", "parameters.spec.in", {"groups": [_group("in", 6, [{"key": "fc1.weight", "dim": 1}])]}),
-    spec_case("invariance-segments-that-differ", "parameters.spec.h",
-              {"groups": [_group(size=4, axes=[*HIDDEN[:2], {**HIDDEN[2], "start": 4}])]}),
+    spec_case(
+        "invariance-segments-that-differ", "parameters.spec.h", {"groups": [_group(size=4, axes=[*HIDDEN[:2], {**HIDDEN[2], "start": 4}])]}
+    ),
     spec_case("invariance-blocks-of-two", "parameters.spec.h", {"groups": [_group(size=4, axes=[*HIDDEN[:2], {**HIDDEN[2], "inner": 2}])]}),
     # malformed specs
     spec_case("unknown-tensor", "parameters.spec.h", {"groups": [_group(axes=[{"key": "fc9.weight", "dim": 0}])]}),
@@ -813,7 +826,9 @@ SYM_CASES = [
     spec_case("size-float", "parameters.spec.groups.0.size", {"groups": [_group(size=7.5)]}),
     spec_case("size-boolean", "parameters.spec.groups.0.size", {"groups": [_group(size=True)]}),
     spec_case("dim-string", "parameters.spec.groups.0.axes.0.dim", {"groups": [_group(axes=[{"key": "fc1.weight", "dim": "0"}])]}),
-    spec_case("outer-zero", "parameters.spec.groups.0.axes.0.outer", {"groups": [_group(axes=[{"key": "fc1.weight", "dim": 0, "outer": 0}])]}),
+    spec_case(
+        "outer-zero", "parameters.spec.groups.0.axes.0.outer", {"groups": [_group(axes=[{"key": "fc1.weight", "dim": 0, "outer": 0}])]}
+    ),
     spec_case("axes-empty", "parameters.spec.groups.0.axes", {"groups": [_group(axes=[])]}),
     spec_case("axes-missing", "parameters.spec.groups.0", {"groups": [{"name": "h", "size": 8}]}),
     spec_case("group-not-a-mapping", "parameters.spec.groups.0", {"groups": ["h"]}),
@@ -822,16 +837,18 @@ SYM_CASES = [
     spec_case("duplicate-group-names", "spec.groups", {"groups": [_group(), _group()]}),
     spec_case("fixed-malformed", "parameters.spec.fixed", {"groups": [_group()], "fixed": [{"dim": 0}]}),
     spec_case("probe-malformed", "parameters.spec.groups.0.probes", {"groups": [_group(probes=[{"nod": "x"}])]}),
-    spec_case("spec-not-utf8", "parameters.spec", raw=b"\xff\xfe{\"groups\": []}"),
+    spec_case("spec-not-utf8", "parameters.spec", raw=b'\xff\xfe{"groups": []}'),
     spec_case("spec-not-json", "parameters.spec", raw=b"{groups: [}"),
     spec_case("spec-nested-deeply", "parameters.spec", raw=b"[" * 200_000 + b"]" * 200_000),
     spec_case("spec-without-an-input-shape", "input_shape", {"groups": [_group()]}, input_shape=None),
     # the same checks on a federation's aligned method (spec: in its parameters), by rayfuse validate
     run_spec_case("validate-overlap", "methods.aligned.spec.b", {"groups": [_mlp_group("a"), _mlp_group("b")]}),
-    run_spec_case("validate-invariance-forgets-the-next-layer", "methods.aligned.spec.h",
-                  {"groups": [_mlp_group(axes=MLP_HIDDEN[:2])]}),
-    run_spec_case("validate-invariance-permutes-the-output", "methods.aligned.spec.out",
-                  {"groups": [_mlp_group("out", 10, [{"key": "layers.1.weight", "dim": 0}, {"key": "layers.1.bias", "dim": 0}])]}),
+    run_spec_case("validate-invariance-forgets-the-next-layer", "methods.aligned.spec.h", {"groups": [_mlp_group(axes=MLP_HIDDEN[:2])]}),
+    run_spec_case(
+        "validate-invariance-permutes-the-output",
+        "methods.aligned.spec.out",
+        {"groups": [_mlp_group("out", 10, [{"key": "layers.1.weight", "dim": 0}, {"key": "layers.1.bias", "dim": 0}])]},
+    ),
     run_spec_case("validate-size-a-string", "methods.aligned.spec.groups.0.size", {"groups": [_mlp_group(size="8")]}),
     # --strict: a group the graph cannot see through fails the invariance check
     strict_case("strict-hook-on-a-container", "Hooked"),
@@ -874,17 +891,46 @@ def test_the_case_table_covers_both_kinds():
 VALID_SPECS = {
     "the-derived-group": {"groups": [_group()]},
     "half-the-units": {"groups": [_group(size=4)]},
-    "heads-and-dims-share-an-axis": {"groups": [
-        _group("blocks", 4, [{"key": "fc1.weight", "dim": 0, "inner": 2}, {"key": "fc1.bias", "dim": 0, "inner": 2},
-                             {"key": "fc2.weight", "dim": 1, "inner": 2}]),
-        _group("within", 2, [{"key": "fc1.weight", "dim": 0, "outer": 4}, {"key": "fc1.bias", "dim": 0, "outer": 4},
-                             {"key": "fc2.weight", "dim": 1, "outer": 4}])]},
-    "disjoint-segments": {"groups": [
-        _group("lo", 4, [{"key": "fc1.weight", "dim": 0}, {"key": "fc1.bias", "dim": 0}, {"key": "fc2.weight", "dim": 1}]),
-        _group("hi", 4, [{"key": "fc1.weight", "dim": 0, "start": 4}, {"key": "fc1.bias", "dim": 0, "start": 4},
-                         {"key": "fc2.weight", "dim": 1, "start": 4}])]},
-    "negative-dim-and-a-fixed-list": {"groups": [_group(axes=[*HIDDEN[:2], {"key": "fc2.weight", "dim": -1}])],
-                                      "fixed": [{"key": "fc2.weight", "dim": 0, "reason": "the output"}]},
+    "heads-and-dims-share-an-axis": {
+        "groups": [
+            _group(
+                "blocks",
+                4,
+                [
+                    {"key": "fc1.weight", "dim": 0, "inner": 2},
+                    {"key": "fc1.bias", "dim": 0, "inner": 2},
+                    {"key": "fc2.weight", "dim": 1, "inner": 2},
+                ],
+            ),
+            _group(
+                "within",
+                2,
+                [
+                    {"key": "fc1.weight", "dim": 0, "outer": 4},
+                    {"key": "fc1.bias", "dim": 0, "outer": 4},
+                    {"key": "fc2.weight", "dim": 1, "outer": 4},
+                ],
+            ),
+        ]
+    },
+    "disjoint-segments": {
+        "groups": [
+            _group("lo", 4, [{"key": "fc1.weight", "dim": 0}, {"key": "fc1.bias", "dim": 0}, {"key": "fc2.weight", "dim": 1}]),
+            _group(
+                "hi",
+                4,
+                [
+                    {"key": "fc1.weight", "dim": 0, "start": 4},
+                    {"key": "fc1.bias", "dim": 0, "start": 4},
+                    {"key": "fc2.weight", "dim": 1, "start": 4},
+                ],
+            ),
+        ]
+    },
+    "negative-dim-and-a-fixed-list": {
+        "groups": [_group(axes=[*HIDDEN[:2], {"key": "fc2.weight", "dim": -1}])],
+        "fixed": [{"key": "fc2.weight", "dim": 0, "reason": "the output"}],
+    },
 }
 
 

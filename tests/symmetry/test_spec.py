@@ -18,8 +18,14 @@ def mlp_spec(widths=(8, 6)) -> PermutationSpec:
     groups = []
     for i, width in enumerate(widths):
         layer, nxt = 2 * i, 2 * (i + 1)
-        groups.append(PermGroup(f"P{i}", width, (AxisRef(f"{layer}.weight", 0), AxisRef(f"{layer}.bias", 0), AxisRef(f"{nxt}.weight", 1)),
-                                (Probe(f"_{layer + 1}", 1),)))
+        groups.append(
+            PermGroup(
+                f"P{i}",
+                width,
+                (AxisRef(f"{layer}.weight", 0), AxisRef(f"{layer}.bias", 0), AxisRef(f"{nxt}.weight", 1)),
+                (Probe(f"_{layer + 1}", 1),),
+            )
+        )
     return PermutationSpec(tuple(groups))
 
 

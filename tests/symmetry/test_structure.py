@@ -22,10 +22,24 @@ CASES = [
     ("mlp", {"hidden": [16, 8]}, "layers.2", "dropout_1", None, ["layers.0", "layers.1"], [16, 8]),
     ("logreg", {}, "linear", "flatten", None, [], []),
     ("cnn", {"channels": [4, 8]}, "head", "dropout", "max_pool2d_1", ["convs.0", "convs.1"], [4, 8]),
-    ("rescnn", {"channels": [4, 8]}, "head", "dropout", "blocks_1_act_1",
-     ["stem.conv", "blocks.0.conv1", "blocks.0.conv2", "blocks.1.conv1", "blocks.1.conv2", "blocks.1.shortcut.conv"], [4, 4, 8, 8]),
-    ("vgg", {"channels": [4, 8], "hidden": [16]}, "head", "dropout", "max_pool2d_1", ["stages.0.conv", "stages.1.conv", "classifier.0"],
-     [4, 8, 16]),
+    (
+        "rescnn",
+        {"channels": [4, 8]},
+        "head",
+        "dropout",
+        "blocks_1_act_1",
+        ["stem.conv", "blocks.0.conv1", "blocks.0.conv2", "blocks.1.conv1", "blocks.1.conv2", "blocks.1.shortcut.conv"],
+        [4, 4, 8, 8],
+    ),
+    (
+        "vgg",
+        {"channels": [4, 8], "hidden": [16]},
+        "head",
+        "dropout",
+        "max_pool2d_1",
+        ["stages.0.conv", "stages.1.conv", "classifier.0"],
+        [4, 8, 16],
+    ),
     ("transformer", {"hidden": [8], "heads": 2, "depth": 1, "patch_size": 4}, "head", "getitem_1", None, ["embed"], [8]),
     ("torchvision:resnet18", {}, "fc", "flatten", "layer4_1_relu_1", ["conv1", "layer1.0.conv1"], None),
     ("torchvision:mobilenet_v3_small", {}, "classifier.3", "classifier_2", "features_12_2", ["features.0.0", "features.1.block.0.0"], None),
@@ -45,7 +59,7 @@ def test_the_structure_of_each_model_is_read_from_its_graph(name, fields, output
     assert structure.output_layer.out_group is None  # the classes are fixed
     assert structure.features_node == features
     assert structure.feature_map_node == fmap
-    assert [layer.module for layer in structure.hidden][:len(hidden)] == hidden
+    assert [layer.module for layer in structure.hidden][: len(hidden)] == hidden
     assert structure.layers[-1] == structure.output_layer
     state = model.state_dict()
     assert all(k in state for layer in structure.layers for k in layer.keys)
@@ -102,7 +116,11 @@ RESIZE = [
     ("cnn", {"channels": [4, 8]}, {"channels": [6, 3]}),
     ("rescnn", {"channels": [4, 8]}, {"channels": [3, 5]}),
     ("vgg", {"channels": [4, 8], "hidden": [16]}, {"channels": [2, 6], "hidden": [7]}),
-    ("transformer", {"hidden": [8, 16], "heads": 2, "depth": 1, "patch_size": 4}, {"hidden": [12, 10], "heads": 2, "depth": 1, "patch_size": 4}),
+    (
+        "transformer",
+        {"hidden": [8, 16], "heads": 2, "depth": 1, "patch_size": 4},
+        {"hidden": [12, 10], "heads": 2, "depth": 1, "patch_size": 4},
+    ),
 ]
 
 
@@ -152,8 +170,9 @@ def test_a_model_without_one_output_layer_is_an_input_error():
 
 
 def test_a_custom_sequential_cnn_has_its_last_conv_map():
-    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 6, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                          nn.Flatten(), nn.Linear(6, 3))
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 6, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 3)
+    )
     structure = read_structure(model, torch.zeros(2, *DIGITS))
     assert structure.feature_map_node == "_3" and structure.shapes["_3"] == (2, 6, 6, 6)
     assert structure.output_layer.module == "6" and [g.size for g in structure.hidden_groups()] == [4, 6]

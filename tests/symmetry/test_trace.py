@@ -56,8 +56,9 @@ def registry(name: str, shape: tuple[int, ...] = DIGITS, **fields) -> nn.Module:
 
 
 def tiny_vit() -> nn.Module:
-    return torchvision.models.VisionTransformer(image_size=16, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32,
-                                                num_classes=10)
+    return torchvision.models.VisionTransformer(
+        image_size=16, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32, num_classes=10
+    )
 
 
 # name, model factory, input shape, groups (hand-counted; None: not counted)
@@ -183,8 +184,11 @@ def test_concatenation_depthwise_squeeze_excitation_and_grouped_convs():
     spec = derive_spec(model, x)
     assert sorted(spec.names) == ["a", "b", "se"]
     assert axes_of(spec.group("a")) >= {AxisRefLike("se.weight", 1), AxisRefLike("se2.weight", 0), AxisRefLike("dw.weight", 0, 0, 1, 2)}
-    assert axes_of(spec.group("b")) >= {AxisRefLike("dw.weight", 0, 6, 1, 2), AxisRefLike("gn.weight", 0, 6, 1, 2),
-                                        AxisRefLike("head.weight", 1, 6, 1, 2)}
+    assert axes_of(spec.group("b")) >= {
+        AxisRefLike("dw.weight", 0, 6, 1, 2),
+        AxisRefLike("gn.weight", 0, 6, 1, 2),
+        AxisRefLike("head.weight", 1, 6, 1, 2),
+    }
     fixed = {(f.key, f.dim): f.reason for f in spec.fixed}
     assert fixed[("grouped.weight", 0)] == "grouped: grouped convolution grouped (2 groups of 2 channels)"
     assert fixed[("a.weight", 1)] == "model input (x)"
@@ -199,8 +203,10 @@ def test_an_unknown_op_leaves_its_units_fixed_and_says_why():
     assert fixed[("b.weight", 0)] == "cumsum: torch.cumsum is not known to commute with a permutation of these units"
     assert fixed[("a.weight", 0)] == fixed[("b.weight", 0)]
     # a segment of an axis: the reason says which units
-    assert {f.reason for f in spec.fixed if f.key == "dw.weight"} == {f"{fixed[('a.weight', 0)]} (units from 0: 1 x 3 x 2)",
-                                                                       f"{fixed[('a.weight', 0)]} (units from 6: 1 x 4 x 2)"}
+    assert {f.reason for f in spec.fixed if f.key == "dw.weight"} == {
+        f"{fixed[('a.weight', 0)]} (units from 0: 1 x 3 x 2)",
+        f"{fixed[('a.weight', 0)]} (units from 6: 1 x 4 x 2)",
+    }
     assert spec.names == ["se"]
     assert_invariant(model, x, spec)
 
@@ -227,9 +233,12 @@ class Gate(nn.Module):
 
 def test_a_model_fx_cannot_trace_gives_one_line():
     # torch.export is tried next (its error follows, naming the data-dependent branch)
-    with pytest.raises(InputError, match=r"^architecture: expected a model torch.fx can trace or torch.export can export, got 'gate "
-                                         r"\(Gate\), forward line \d+'; torch.fx: TraceError: symbolically traced variables cannot be "
-                                         r"used as inputs to control flow; torch.export: \w+: [^\n]+$"):
+    with pytest.raises(
+        InputError,
+        match=r"^architecture: expected a model torch.fx can trace or torch.export can export, got 'gate "
+        r"\(Gate\), forward line \d+'; torch.fx: TraceError: symbolically traced variables cannot be "
+        r"used as inputs to control flow; torch.export: \w+: [^\n]+$",
+    ):
         derive_spec(Branchy(), torch.randn(2, 4))
     with pytest.raises(InputError, match=r"^input: expected an example batch the model accepts, got 'shape \(2, 5\)'; RuntimeError"):
         derive_spec(nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)), torch.randn(2, 5))
@@ -270,8 +279,11 @@ def test_the_registry_models_train_on_digits():
 
     data = load_dataset("digits")
     X, y = data.X[:64], data.y[:64]
-    for name, fields in (("rescnn", {"channels": [4, 6]}), ("vgg", {"channels": [4, 6], "hidden": [8]}),
-                         ("transformer", {"hidden": [8, 12], "depth": 1})):
+    for name, fields in (
+        ("rescnn", {"channels": [4, 6]}),
+        ("vgg", {"channels": [4, 6], "hidden": [8]}),
+        ("transformer", {"hidden": [8, 12], "depth": 1}),
+    ):
         model = build_model(ModelConfig(name=name, **fields), DIGITS, 10, seed=0)
         stats = train_model(model, X, y, epochs=2, batch_size=32, lr=1e-2)
         assert np.isfinite(stats.loss), name
@@ -287,15 +299,19 @@ def test_the_symmetry_command(capsys, tmp_path, monkeypatch):
     data = json.loads(capsys.readouterr().out)
     assert len(data["groups"]) == 12 and data["groups"][0]["name"] == "conv1"
     monkeypatch.syspath_prepend(str(tmp_path))
-    (tmp_path / "mynet.py").write_text("from torch import nn\n\nclass Net(nn.Sequential):\n"
-                                       "    def __init__(self, width=3):\n"
-                                       "        super().__init__(nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))\n")
+    (tmp_path / "mynet.py").write_text(
+        "from torch import nn\n\nclass Net(nn.Sequential):\n"
+        "    def __init__(self, width=3):\n"
+        "        super().__init__(nn.Flatten(), nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))\n"
+    )
     assert main(["symmetry", "mynet:Net", "--args", '{"width": 5}']) == 0
     assert capsys.readouterr().out.startswith("1 permutation groups, 5 units")
-    for argv, message in ((["symmetry", "rescn"], "architecture: expected a registry model"),
-                          (["symmetry", "nosuchmodule:Net"], "architecture: expected an importable module 'nosuchmodule'"),
-                          (["symmetry", "mynet:Net", "--args", "{"], "--args: expected a JSON object"),
-                          (["symmetry", "mlp", "--input-shape", "1,x"], "--input-shape: expected comma-separated")):
+    for argv, message in (
+        (["symmetry", "rescn"], "architecture: expected a registry model"),
+        (["symmetry", "nosuchmodule:Net"], "architecture: expected an importable module 'nosuchmodule'"),
+        (["symmetry", "mynet:Net", "--args", "{"], "--args: expected a JSON object"),
+        (["symmetry", "mlp", "--input-shape", "1,x"], "--input-shape: expected comma-separated"),
+    ):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"rayfuse: error: {message}") and err.count("\n") == 1, err
@@ -327,7 +343,17 @@ def test_feed_forward_units_inside_an_encoder_layer_are_observed_through_a_hook(
     assert (ff.sum_a >= 0).all()
     with pytest.raises(InputError, match=r"^probe layers\.0\.linear2\.hook: expected '', 'input' or 'output', got 'inside'"):
         Probe("layers.0.linear2", -1, hook="inside")
-    bad = PermutationSpec.from_dict({"groups": [{"name": "ff", "size": 12, "axes": [{"key": "layers.0.linear1.weight", "dim": 0}],
-                                                 "probes": [{"node": "layers.0.linear9", "dim": -1, "hook": "input"}]}]})
+    bad = PermutationSpec.from_dict(
+        {
+            "groups": [
+                {
+                    "name": "ff",
+                    "size": 12,
+                    "axes": [{"key": "layers.0.linear1.weight", "dim": 0}],
+                    "probes": [{"node": "layers.0.linear9", "dim": -1, "hook": "input"}],
+                }
+            ]
+        }
+    )
     with pytest.raises(InputError, match=r"^spec\.ff\.probes: expected a submodule of both models, got 'layers\.0\.linear9'"):
         collect_correlations(model, model, bad, trace_model(model), trace_model(model), X)

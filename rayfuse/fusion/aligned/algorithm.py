@@ -71,37 +71,57 @@ class AlignmentSettings(MethodParams):
     """How models are aligned and merged: shared by the ``aligned`` method and ``rayfuse fuse``'s matching."""
 
     merge: Literal["average", "fisher", "regmean", "nonparametric"] = Field(
-        "average", description="how the aligned models are combined (fisher, regmean: statistics of the data; nonparametric: "
-        "units that match nothing become new global units, PFNM-style)")
-    new_unit_threshold: float = Field(0.5, ge=-1, le=1, description="nonparametric: a unit whose match quality (activation "
-                                      "correlation, or weight cosine) is below this becomes a new global unit")
+        "average",
+        description="how the aligned models are combined (fisher, regmean: statistics of the data; nonparametric: "
+        "units that match nothing become new global units, PFNM-style)",
+    )
+    new_unit_threshold: float = Field(
+        0.5,
+        ge=-1,
+        le=1,
+        description="nonparametric: a unit whose match quality (activation "
+        "correlation, or weight cosine) is below this becomes a new global unit",
+    )
     max_width: float = Field(2.0, ge=1, le=64, description="nonparametric: a group's global width is at most this factor of its width")
     sweeps: int = Field(3, ge=1, description="activation matching: reference-solve-average sweeps")
     max_sweeps: int = Field(20, ge=1, description="weight matching: MergeMany sweeps over the models")
     inner_sweeps: int = Field(100, ge=1, description="weight matching: coordinate-descent sweeps over the groups per model")
     batch_size: int = Field(256, ge=1, description="batch size of the passes over the data")
     regmean_alpha: float = Field(0.9, ge=0, le=1, description="regmean: weight of the Gram's off-diagonal part")
-    repair_passes: int = Field(3, ge=1, le=64, description="repair: REPAIR's measure-and-fold passes (pass p makes the first p "
-                               "layers exact)")
+    repair_passes: int = Field(
+        3, ge=1, le=64, description="repair: REPAIR's measure-and-fold passes (pass p makes the first p layers exact)"
+    )
 
 
 class AlignedParams(AlignmentSettings):
     alignment: Literal["weight", "activation"] = Field(
-        "activation", description="weight: data-free weight matching; activation: matching on the clients' activation statistics")
-    repair: bool = Field(True, description="re-estimate the fused model's BatchNorm statistics on the clients' data, and rescale "
-                         "the hidden layers no BatchNorm follows to the aligned models' statistics (REPAIR)")
+        "activation", description="weight: data-free weight matching; activation: matching on the clients' activation statistics"
+    )
+    repair: bool = Field(
+        True,
+        description="re-estimate the fused model's BatchNorm statistics on the clients' data, and rescale "
+        "the hidden layers no BatchNorm follows to the aligned models' statistics (REPAIR)",
+    )
     rounds: int = Field(1, ge=1, description="1: one shot; more: align, merge and repair after each round of local training")
     local_epochs: int = Field(1, ge=1, description="local epochs per round after the first")
     samples: int | None = Field(2048, ge=1, description="training samples per client the statistics use (None: all)")
     weighted: bool = Field(True, description="weight each client by its number of training samples")
-    spec: dict[str, Any] | None = Field(None, description="an explicit permutation spec (PermutationSpec.to_dict form) instead of the derived one")
+    spec: dict[str, Any] | None = Field(
+        None, description="an explicit permutation spec (PermutationSpec.to_dict form) instead of the derived one"
+    )
     evaluate_every: int = Field(1, ge=1, description="evaluate the fused model every this many rounds (and after the last)")
-    aggregator: AggregatorSettings = Field(default_factory=AggregatorSettings, description="merge: average: how the aligned "
-                                           "models are combined (mean, median, trimmed_mean, krum, bulyan, geometric_median; "
-                                           "clip_norm clips first)")
-    dp: UploadDP | None = Field(None, description="each client clips its upload to clip_norm and adds N(0, (z clip_norm)^2) before "
-                                "it leaves; only with what reads nothing else of the clients (alignment: weight, repair: false, "
-                                "rounds: 1, merge: average or nonparametric)")
+    aggregator: AggregatorSettings = Field(
+        default_factory=AggregatorSettings,
+        description="merge: average: how the aligned "
+        "models are combined (mean, median, trimmed_mean, krum, bulyan, geometric_median; "
+        "clip_norm clips first)",
+    )
+    dp: UploadDP | None = Field(
+        None,
+        description="each client clips its upload to clip_norm and adds N(0, (z clip_norm)^2) before "
+        "it leaves; only with what reads nothing else of the clients (alignment: weight, repair: false, "
+        "rounds: 1, merge: average or nonparametric)",
+    )
 
     @property
     def fuses(self) -> str:
@@ -111,8 +131,15 @@ class AlignedParams(AlignmentSettings):
         return "statistics" if self.merge in ("fisher", "regmean") else "parameters"
 
 
-def derive_run_spec(model: Any, input_shape: tuple[int, ...], explicit: dict[str, Any] | None = None, *, where: str = "model.name",
-                    spec_where: str = "spec", example: Any = None) -> Any:
+def derive_run_spec(
+    model: Any,
+    input_shape: tuple[int, ...],
+    explicit: dict[str, Any] | None = None,
+    *,
+    where: str = "model.name",
+    spec_where: str = "spec",
+    example: Any = None,
+) -> Any:
     """The permutation spec of ``model`` (derived from its graph on a zero batch), or the explicit one checked
     against its tensors, for overlapping groups and, given an input shape, by the invariance check (a group whose
     permutation changes the model's output is refused). Errors name ``where`` (the model) or ``spec_where`` (the
@@ -172,8 +199,9 @@ def _own_aligned(ctx: ClientContext, spec: Any, perms: dict[str, np.ndarray] | N
 
 
 @client_step("aligned.correlations")
-def correlations(ctx: ClientContext, reference: dict[str, np.ndarray], spec: Any, *, label: str, samples: int | None,
-                 batch_size: int) -> dict[str, dict[str, np.ndarray]]:
+def correlations(
+    ctx: ClientContext, reference: dict[str, np.ndarray], spec: Any, *, label: str, samples: int | None, batch_size: int
+) -> dict[str, dict[str, np.ndarray]]:
     """Per permutation group, the cross-correlation sums of the reference model's units and this client's local
     model's units over its training data (counts, sums, sums of squares, the ``d x d`` cross sums)."""
     from rayfuse.alignment import collect_correlations
@@ -210,8 +238,9 @@ def grams(ctx: ClientContext, spec: Any, perms: dict[str, np.ndarray], *, label:
 
 
 @client_step("aligned.batchnorm")
-def batchnorm(ctx: ClientContext, fused: dict[str, np.ndarray], *, label: str, samples: int | None, batch_size: int,
-              model_cfg: Any = None) -> dict[str, Any]:
+def batchnorm(
+    ctx: ClientContext, fused: dict[str, np.ndarray], *, label: str, samples: int | None, batch_size: int, model_cfg: Any = None
+) -> dict[str, Any]:
     """The fused model's BatchNorm input statistics (count, mean, variance per layer) on this client's data; the model
     is built in ``model_cfg``'s architecture when given (a distilled student's, which need not be this client's)."""
     from rayfuse.alignment import batchnorm_statistics
@@ -224,8 +253,9 @@ def batchnorm(ctx: ClientContext, fused: dict[str, np.ndarray], *, label: str, s
 
 
 @client_step("aligned.unit_stats")
-def unit_stats(ctx: ClientContext, spec: Any, perms: dict[str, np.ndarray], units: list[Any], *, label: str, samples: int | None,
-               batch_size: int) -> dict[str, Any]:
+def unit_stats(
+    ctx: ClientContext, spec: Any, perms: dict[str, np.ndarray], units: list[Any], *, label: str, samples: int | None, batch_size: int
+) -> dict[str, Any]:
     """REPAIR, first half: the output-channel statistics (count, mean, variance) of this client's aligned local model's
     layers ``units`` on its data."""
     from rayfuse.alignment import unit_statistics
@@ -236,8 +266,9 @@ def unit_stats(ctx: ClientContext, spec: Any, perms: dict[str, np.ndarray], unit
 
 
 @client_step("aligned.repair_stats")
-def repair_stats(ctx: ClientContext, fused: dict[str, np.ndarray], units: list[Any], *, label: str, samples: int | None,
-                 batch_size: int) -> dict[str, Any]:
+def repair_stats(
+    ctx: ClientContext, fused: dict[str, np.ndarray], units: list[Any], *, label: str, samples: int | None, batch_size: int
+) -> dict[str, Any]:
     """REPAIR, second half: the fused model's layer output statistics on this client's data."""
     from rayfuse.alignment import unit_statistics
 
@@ -252,9 +283,19 @@ def fit(ctx: ClientContext, global_params: dict[str, np.ndarray], *, label: str,
     from rayfuse.models import get_params, train_model
 
     model = _model_for(ctx, global_params)
-    stats = train_model(model, ctx.train.X, ctx.train.y, epochs=epochs, batch_size=ctx.train_cfg.batch_size, lr=ctx.train_cfg.lr,
-                        optimizer=ctx.train_cfg.optimizer, momentum=ctx.train_cfg.momentum, weight_decay=ctx.train_cfg.weight_decay,
-                        seed=ctx.step_seed(label, round), device=ctx.device)
+    stats = train_model(
+        model,
+        ctx.train.X,
+        ctx.train.y,
+        epochs=epochs,
+        batch_size=ctx.train_cfg.batch_size,
+        lr=ctx.train_cfg.lr,
+        optimizer=ctx.train_cfg.optimizer,
+        momentum=ctx.train_cfg.momentum,
+        weight_decay=ctx.train_cfg.weight_decay,
+        seed=ctx.step_seed(label, round),
+        device=ctx.device,
+    )
     return Update(get_params(model), ctx.num_examples, {"train_loss": stats.loss})
 
 
@@ -284,8 +325,11 @@ class Aligned(Method[AlignedParams, AlignedState]):
         from rayfuse.models import build_model
 
         if not params.aggregator.is_plain_mean and params.merge != "average":
-            raise InputError("aggregator", "the default mean with merge " + repr(params.merge) + " (a robust aggregator or clip_norm "
-                             "replaces merge: average only)", params.aggregator.name if params.aggregator.name != "mean" else "clip_norm")
+            raise InputError(
+                "aggregator",
+                "the default mean with merge " + repr(params.merge) + " (a robust aggregator or clip_norm replaces merge: average only)",
+                params.aggregator.name if params.aggregator.name != "mean" else "clip_norm",
+            )
         if params.dp is not None:  # the rule's precondition and the upload's delta are the update pipeline's checks
             _check_dp_fits(params)
         if setup.input_shape is None or setup.num_classes is None:
@@ -301,8 +345,12 @@ class Aligned(Method[AlignedParams, AlignedState]):
         p = self.params
         spec = derive_run_spec(server.models.build_model(seed=0), server.data.input_shape, p.spec)
         grown = False  # a nonparametric merge made the global model wider than the configuration
-        rounds = server.rounds(AlignedState(server.models.initial_params()), last=p.rounds,
-                               evaluate=lambda rnd: server.scoring.evaluate(rounds.state.params, resized=grown), evaluate_every=p.evaluate_every)
+        rounds = server.rounds(
+            AlignedState(server.models.initial_params()),
+            last=p.rounds,
+            evaluate=lambda rnd: server.scoring.evaluate(rounds.state.params, resized=grown),
+            evaluate_every=p.evaluate_every,
+        )
         state = rounds.state
         info: dict[str, Any] = {}
         fed = server.federation
@@ -312,17 +360,20 @@ class Aligned(Method[AlignedParams, AlignedState]):
                 # with dp: the clients' clipped, noised uploads (the raw local models never leave them)
                 updates = pipeline.receive(pipeline.local_models(), None, rnd, start=server.models.initial_params())
                 ids = sorted(updates)
-                server.progress(f"{server.label}: {len(spec.groups)} permutation groups, {len(spec.fixed)} fixed axes; "
-                                f"aligning {len(ids)} models")
+                server.progress(
+                    f"{server.label}: {len(spec.groups)} permutation groups, {len(spec.fixed)} fixed axes; aligning {len(ids)} models"
+                )
                 target = None
             else:  # FedMA-style: local training from the global model, each update aligned onto it, merged
-                updates = pipeline.receive(fed.run(fit, fed.put(state.params), label=server.label, round=rnd, epochs=p.local_epochs),
-                                           state.params, rnd)
+                updates = pipeline.receive(
+                    fed.run(fit, fed.put(state.params), label=server.label, round=rnd, epochs=p.local_epochs), state.params, rnd
+                )
                 ids = sorted(updates)
                 target = state.params
             weights = [float(updates[c].num_examples) if p.weighted else 1.0 for c in ids]
-            state.params, info = self._fuse(server, spec, [updates[c].params for c in ids], ids, weights, round=rnd, target=target,
-                                            combine=pipeline.combine)
+            state.params, info = self._fuse(
+                server, spec, [updates[c].params for c in ids], ids, weights, round=rnd, target=target, combine=pipeline.combine
+            )
             if info.get("new_units"):  # the global model grew: later rounds align onto it at its widths
                 grown = True
                 spec = derive_run_spec(_server_model(server, state.params), server.data.input_shape)
@@ -352,9 +403,18 @@ class Aligned(Method[AlignedParams, AlignedState]):
 
     # -- one alignment + merge + repair ---------------------------------------------------------------------------
 
-    def _fuse(self, server: ServerContext, spec: Any, models: list[dict[str, np.ndarray]], clients: list[int],
-              weights: list[float], *, round: int, combine: Callable[..., dict[str, np.ndarray]],
-              target: dict[str, np.ndarray] | None = None) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def _fuse(
+        self,
+        server: ServerContext,
+        spec: Any,
+        models: list[dict[str, np.ndarray]],
+        clients: list[int],
+        weights: list[float],
+        *,
+        round: int,
+        combine: Callable[..., dict[str, np.ndarray]],
+        target: dict[str, np.ndarray] | None = None,
+    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """Align ``models``, merge them and repair; ``combine(aligned, weights, start=)`` is the update pipeline's
         clipping and robust rule (``merge: average`` with an ``aggregator`` other than the plain mean)."""
         from rayfuse.alignment import merge_average, merge_fisher, merge_regmean
@@ -362,8 +422,12 @@ class Aligned(Method[AlignedParams, AlignedState]):
         p = self.params
         perms, quality = self._align(server, spec, models, clients, weights, round=round, target=target)
         aligned = [spec.apply(m, pk) for m, pk in zip(models, perms)]
-        info: dict[str, Any] = {"alignment": p.alignment, "merge": p.merge, "repair": p.repair,
-                                "units_moved": int(sum(int((pk[g] != np.arange(len(pk[g]))).sum()) for pk in perms for g in pk))}
+        info: dict[str, Any] = {
+            "alignment": p.alignment,
+            "merge": p.merge,
+            "repair": p.repair,
+            "units_moved": int(sum(int((pk[g] != np.arange(len(pk[g]))).sum()) for pk in perms for g in pk)),
+        }
         if p.merge == "average" and not p.aggregator.is_plain_mean:  # the update pipeline's clipping and robust rule
             fused = combine(aligned, weights, start=target)
             info["aggregator"] = p.aggregator.name
@@ -374,8 +438,16 @@ class Aligned(Method[AlignedParams, AlignedState]):
             from rayfuse.alignment import fuse_nonparametric, resolve_cost_keys, width_roles
 
             roles = width_roles(server.models.build_model(seed=0), spec)
-            fused, plan = fuse_nonparametric(aligned, spec, roles, quality=quality, weights=weights, threshold=p.new_unit_threshold,
-                                             max_width=p.max_width, keys=resolve_cost_keys(spec, None))
+            fused, plan = fuse_nonparametric(
+                aligned,
+                spec,
+                roles,
+                quality=quality,
+                weights=weights,
+                threshold=p.new_unit_threshold,
+                max_width=p.max_width,
+                keys=resolve_cost_keys(spec, None),
+            )
             info["widths"], info["plan"] = dict(plan.widths), plan
             info["new_units"] = int(sum(plan.new_units(spec).values()))
             info["fixed_width"] = dict(roles.fixed)
@@ -384,9 +456,13 @@ class Aligned(Method[AlignedParams, AlignedState]):
             step = fisher if p.merge == "fisher" else grams
             fed = server.federation
             spec_ref = fed.put(spec)  # one broadcast; each client gets its own permutations (a few integers per group)
-            gathered = fed.gather([call for c, pk in zip(clients, perms)
-                                   for call in fed.map(step, spec_ref, pk, label=server.label, samples=p.samples, batch_size=p.batch_size,
-                                                       clients=[c])])
+            gathered = fed.gather(
+                [
+                    call
+                    for c, pk in zip(clients, perms)
+                    for call in fed.map(step, spec_ref, pk, label=server.label, samples=p.samples, batch_size=p.batch_size, clients=[c])
+                ]
+            )
             stats = server.updates.accept_replies(gathered, lambda c, u: _check_finite(u), need=1, what=f"{p.merge} statistics")
             kept = [i for i, c in enumerate(clients) if c in stats]  # a rejected client's model is left out of the merge
             merged, kept_weights = [aligned[i] for i in kept], [weights[i] for i in kept]
@@ -405,8 +481,17 @@ class Aligned(Method[AlignedParams, AlignedState]):
         info.pop("plan", None)
         return fused, info
 
-    def _align(self, server: ServerContext, spec: Any, models: list[dict[str, np.ndarray]], clients: list[int], weights: list[float], *,
-               round: int, target: dict[str, np.ndarray] | None) -> tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]] | None]:
+    def _align(
+        self,
+        server: ServerContext,
+        spec: Any,
+        models: list[dict[str, np.ndarray]],
+        clients: list[int],
+        weights: list[float],
+        *,
+        round: int,
+        target: dict[str, np.ndarray] | None,
+    ) -> tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]] | None]:
         """Every model's permutations onto the common frame, and (activation matching) each aligned unit's correlation
         with its reference unit."""
         from rayfuse.alignment import activation_matching, weight_matching
@@ -421,12 +506,27 @@ class Aligned(Method[AlignedParams, AlignedState]):
         if target is not None:  # later rounds: every update onto the global model
             return executor(_MatchOnto(target, spec, p.inner_sweeps, server.step_seed("align", round), device), models), None
         if p.alignment == "weight":
-            return weight_matching(models, spec, weights=weights, max_sweeps=p.max_sweeps, inner_sweeps=p.inner_sweeps,
-                                   seed=server.step_seed("align", round), executor=executor, device=device).perms, None
+            return weight_matching(
+                models,
+                spec,
+                weights=weights,
+                max_sweeps=p.max_sweeps,
+                inner_sweeps=p.inner_sweeps,
+                seed=server.step_seed("align", round),
+                executor=executor,
+                device=device,
+            ).perms, None
 
         def collect(reference: dict[str, np.ndarray]) -> list[dict[str, Any]]:
-            gathered = fed.run(correlations, fed.put(reference), fed.put(spec), label=server.label, samples=p.samples,
-                               batch_size=p.batch_size, clients=clients)
+            gathered = fed.run(
+                correlations,
+                fed.put(reference),
+                fed.put(spec),
+                label=server.label,
+                samples=p.samples,
+                batch_size=p.batch_size,
+                clients=clients,
+            )
             # a client whose statistics are rejected (recorded, never used) has its units matched by weights this sweep
             replies = server.updates.accept_replies(gathered, lambda c, r: _read_stats(r, spec), need=1, what="correlation statistics")
             return [replies.get(c, {}) for c in clients]
@@ -443,8 +543,16 @@ class Aligned(Method[AlignedParams, AlignedState]):
         stats = server.updates.accept_replies(gathered, lambda c, r: read_batchnorm_reply(r), need=1, what="BatchNorm statistics")
         return apply_batchnorm(fused, combine_batchnorm(list(stats.values())))
 
-    def _rescale(self, server: ServerContext, spec: Any, fused: dict[str, np.ndarray], clients: list[int], perms: list[dict[str, np.ndarray]],
-                 weights: list[float], plan: Any) -> tuple[dict[str, np.ndarray], list[str]]:
+    def _rescale(
+        self,
+        server: ServerContext,
+        spec: Any,
+        fused: dict[str, np.ndarray],
+        clients: list[int],
+        perms: list[dict[str, np.ndarray]],
+        weights: list[float],
+        plan: Any,
+    ) -> tuple[dict[str, np.ndarray], list[str]]:
         """REPAIR's rescaling (module docstring of :mod:`rayfuse.alignment.repair`): two client steps, statistics only."""
         from rayfuse.alignment import apply_repair, repair_targets, repair_units
 
@@ -457,32 +565,58 @@ class Aligned(Method[AlignedParams, AlignedState]):
             return fused, []
         fed = server.federation
         spec_ref, units_ref = fed.put(spec), fed.put(units)
-        gathered = fed.gather([call for c, pk in zip(clients, perms)
-                               for call in fed.map(unit_stats, spec_ref, pk, units_ref, label=server.label, samples=p.samples,
-                                                   batch_size=p.batch_size, clients=[c])])
+        gathered = fed.gather(
+            [
+                call
+                for c, pk in zip(clients, perms)
+                for call in fed.map(
+                    unit_stats, spec_ref, pk, units_ref, label=server.label, samples=p.samples, batch_size=p.batch_size, clients=[c]
+                )
+            ]
+        )
         own = server.updates.accept_replies(gathered, lambda c, r: read_batchnorm_reply(r), need=1, what="REPAIR statistics")
         kept = [i for i, c in enumerate(clients) if c in own]
         index = [plan.index[i] for i in kept] if plan is not None else None
-        targets = repair_targets([own[clients[i]] for i in kept], units, [weights[i] for i in kept], index=index,
-                                 widths=plan.widths if plan is not None else None)
+        targets = repair_targets(
+            [own[clients[i]] for i in kept],
+            units,
+            [weights[i] for i in kept],
+            index=index,
+            widths=plan.widths if plan is not None else None,
+        )
         for _ in range(min(len(units), p.repair_passes)):  # each fold changes the later layers' statistics: measure again
-            gathered = fed.run(repair_stats, fed.put(fused), units_ref, label=server.label, samples=p.samples, batch_size=p.batch_size,
-                               clients=[clients[i] for i in kept])
+            gathered = fed.run(
+                repair_stats,
+                fed.put(fused),
+                units_ref,
+                label=server.label,
+                samples=p.samples,
+                batch_size=p.batch_size,
+                clients=[clients[i] for i in kept],
+            )
             merged = server.updates.accept_replies(gathered, lambda c, r: read_batchnorm_reply(r), need=1, what="REPAIR statistics")
             order = [i for i in kept if clients[i] in merged]
-            fused = apply_repair(fused, units, repair_targets([merged[clients[i]] for i in order], units, [weights[i] for i in order]),
-                                 targets)
+            fused = apply_repair(
+                fused, units, repair_targets([merged[clients[i]] for i in order], units, [weights[i] for i in order]), targets
+            )
         return fused, [u.module for u in units]
 
 
 def _check_dp_fits(params: AlignedParams) -> None:
     """``dp`` covers the clients' uploaded weights only: refuse every setting that reads more of the clients (activation
     statistics, BatchNorm and REPAIR statistics, Fisher / Gram merges, further rounds of training)."""
-    for key, ok, want in (("alignment", params.alignment == "weight", "weight"), ("repair", not params.repair, "false"),
-                          ("rounds", params.rounds == 1, "1"), ("merge", params.merge in ("average", "nonparametric"), "average or nonparametric")):
+    for key, ok, want in (
+        ("alignment", params.alignment == "weight", "weight"),
+        ("repair", not params.repair, "false"),
+        ("rounds", params.rounds == 1, "1"),
+        ("merge", params.merge in ("average", "nonparametric"), "average or nonparametric"),
+    ):
         if not ok:
-            raise InputError(key, f"{want} with dp (the DP upload covers the clients' weights only; this setting reads more of the "
-                             "clients' data)", getattr(params, key))
+            raise InputError(
+                key,
+                f"{want} with dp (the DP upload covers the clients' weights only; this setting reads more of the clients' data)",
+                getattr(params, key),
+            )
 
 
 def _server_model(server: ServerContext, params: dict[str, np.ndarray]) -> Any:

@@ -26,10 +26,15 @@ from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, Serve
 
 class AverageParams(MethodParams):
     weighted: bool = Field(True, description="weight each client by its number of training samples (false: a plain mean)")
-    aggregator: AggregatorSettings = Field(default_factory=AggregatorSettings, description="how the local models are combined: "
-                                           "mean, median, trimmed_mean, krum, bulyan, geometric_median; clip_norm clips first")
-    dp: UploadDP | None = Field(None, description="each client clips its upload to clip_norm and adds N(0, (z clip_norm)^2) before "
-                                "it leaves: {clip_norm, noise_multiplier | target_epsilon, delta, accountant}; null: no DP")
+    aggregator: AggregatorSettings = Field(
+        default_factory=AggregatorSettings,
+        description="how the local models are combined: mean, median, trimmed_mean, krum, bulyan, geometric_median; clip_norm clips first",
+    )
+    dp: UploadDP | None = Field(
+        None,
+        description="each client clips its upload to clip_norm and adds N(0, (z clip_norm)^2) before "
+        "it leaves: {clip_norm, noise_multiplier | target_epsilon, delta, accountant}; null: no DP",
+    )
 
 
 @register_method

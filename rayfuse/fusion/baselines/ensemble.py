@@ -21,8 +21,11 @@ __all__ = ["Ensemble", "EnsembleParams", "majority_vote"]
 
 
 class EnsembleParams(MethodParams):
-    weighted: bool = Field(False, description="weight each member's probabilities by its client's number of training samples in "
-                           "the probability average (the vote counts each member once)")
+    weighted: bool = Field(
+        False,
+        description="weight each member's probabilities by its client's number of training samples in "
+        "the probability average (the vote counts each member once)",
+    )
 
 
 @register_method
@@ -40,7 +43,8 @@ class Ensemble(Method[EnsembleParams, None]):
     def run(self, server: ServerContext) -> MethodResult:
         updates = server.updates.accept(server.updates.local_updates())
         weights = normalize_weights([u.num_examples for u in updates.values()] if self.params.weighted else None, len(updates))
-        metrics = server.scoring.evaluate_ensemble([u.params for u in updates.values()], weights,
-                                           models=[server.models.client_model(c) for c in updates])  # each member in its own architecture
+        metrics = server.scoring.evaluate_ensemble(
+            [u.params for u in updates.values()], weights, models=[server.models.client_model(c) for c in updates]
+        )  # each member in its own architecture
         server.log(1, metrics)
         return MethodResult(metrics, None, info={"clients": list(updates), "members": len(updates)})

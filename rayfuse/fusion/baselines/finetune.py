@@ -51,8 +51,18 @@ from rayfuse.models import get_params, train_model
 from rayfuse.models.registry import build_model
 from rayfuse.symmetry import ModelStructure, build_node_graph, read_structure
 
-__all__ = ["FinetuneParams", "Finetune", "model_for_params", "evaluate_params", "fine_tune", "fit_last_layer", "check_tune_solver",
-           "check_public_samples", "public_subsets", "TuneSettings"]
+__all__ = [
+    "FinetuneParams",
+    "Finetune",
+    "model_for_params",
+    "evaluate_params",
+    "fine_tune",
+    "fit_last_layer",
+    "check_tune_solver",
+    "check_public_samples",
+    "public_subsets",
+    "TuneSettings",
+]
 
 
 def evaluate_params(server: ServerContext, params: dict[str, np.ndarray]) -> dict[str, float]:
@@ -67,16 +77,24 @@ class TuneSettings(MethodParams):
     """Fine-tuning on the public sample (shared by ``tuned`` and ``gems``)."""
 
     public_samples: int | list[int] | None = Field(
-        None, description="public examples to tune on (default: the whole data.public_size sample); a list gives the fine-tuning curve")
+        None, description="public examples to tune on (default: the whole data.public_size sample); a list gives the fine-tuning curve"
+    )
     tune_epochs: int = Field(5, ge=1, description="fine-tuning epochs (reference: 5)")
     tune_lr: float = Field(0.01, gt=0, description="Adam learning rate (reference: 0.01)")
     tune_batch_size: int = Field(32, ge=1, description="fine-tuning batch size (tune_solver adam)")
     tune_trials: int = Field(1, ge=1, description="draws of the public subset per size (the paper: 5); metrics are averaged")
     last_layer_only: bool = Field(True, description="networks: tune only the last layer (the reference); logreg has one layer")
-    tune_solver: Literal["adam", "lbfgs"] = Field("adam", description="adam: tune_epochs of Adam (the reference); lbfgs: networks' "
-                                                  "last layer fitted to convergence on the frozen features (a convex problem)")
-    tune_l2: float = Field(1.0, ge=0, description="tune_solver lbfgs: L2 penalty on the last layer's weights, as scikit-learn's 1 / C "
-                                                   "(mean cross-entropy + tune_l2 |W|^2 / (2 n))")
+    tune_solver: Literal["adam", "lbfgs"] = Field(
+        "adam",
+        description="adam: tune_epochs of Adam (the reference); lbfgs: networks' "
+        "last layer fitted to convergence on the frozen features (a convex problem)",
+    )
+    tune_l2: float = Field(
+        1.0,
+        ge=0,
+        description="tune_solver lbfgs: L2 penalty on the last layer's weights, as scikit-learn's 1 / C "
+        "(mean cross-entropy + tune_l2 |W|^2 / (2 n))",
+    )
 
     @field_validator("public_samples")
     @classmethod
@@ -100,8 +118,11 @@ def check_tune_solver(settings: TuneSettings, model_cfg: Any, *, base: str | Non
     key = "tune_solver"
     if model_cfg.name != "mlp" or not model_cfg.hidden:
         # for a model with one layer a converged convex fit forgets the model it started from (every base would tie)
-        raise InputError(key, "adam for a model without hidden layers (lbfgs fits a network's last layer on its features)",
-                         f"lbfgs with model {model_cfg.name}")
+        raise InputError(
+            key,
+            "adam for a model without hidden layers (lbfgs fits a network's last layer on its features)",
+            f"lbfgs with model {model_cfg.name}",
+        )
     if base == "raw":
         raise InputError(key, "adam with base: raw (a fresh network has no features to fit a last layer on)", "lbfgs")
     if not settings.last_layer_only:
@@ -134,8 +155,15 @@ def fit_last_layer(model: nn.Module, X: np.ndarray, y: np.ndarray, *, l2: float,
     target = torch.as_tensor(y, dtype=torch.long, device=device)
     weight = head.weight.detach().double().requires_grad_(True)
     bias = head.bias.detach().double().requires_grad_(True)
-    opt = torch.optim.LBFGS([weight, bias], lr=1.0, max_iter=max_iter, tolerance_grad=1e-9, tolerance_change=1e-12,
-                            history_size=20, line_search_fn="strong_wolfe")
+    opt = torch.optim.LBFGS(
+        [weight, bias],
+        lr=1.0,
+        max_iter=max_iter,
+        tolerance_grad=1e-9,
+        tolerance_change=1e-12,
+        history_size=20,
+        line_search_fn="strong_wolfe",
+    )
     scale = l2 / (2.0 * len(y))
 
     def closure() -> torch.Tensor:
@@ -153,9 +181,22 @@ def fit_last_layer(model: nn.Module, X: np.ndarray, y: np.ndarray, *, l2: float,
     model.cpu()
 
 
-def fine_tune(params: dict[str, np.ndarray], X: np.ndarray, y: np.ndarray, *, model_cfg: Any, num_classes: int, epochs: int,
-              lr: float, batch_size: int, last_layer_only: bool, seed: int, device: str = "cpu", solver: str = "adam",
-              l2: float = 1.0) -> dict[str, np.ndarray]:
+def fine_tune(
+    params: dict[str, np.ndarray],
+    X: np.ndarray,
+    y: np.ndarray,
+    *,
+    model_cfg: Any,
+    num_classes: int,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    last_layer_only: bool,
+    seed: int,
+    device: str = "cpu",
+    solver: str = "adam",
+    l2: float = 1.0,
+) -> dict[str, np.ndarray]:
     """``params`` after ``epochs`` of Adam on ``(X, y)``; with ``last_layer_only`` only the output layer moves (the
     output layer of the model's graph; a model without hidden layers has only that one).
 
@@ -177,8 +218,9 @@ def fine_tune(params: dict[str, np.ndarray], X: np.ndarray, y: np.ndarray, *, mo
     return get_params(model)
 
 
-def public_subsets(public: Split, sizes: int | list[int] | None, trials: int, rng: np.random.Generator, *,
-                   key: str) -> list[tuple[int, list[np.ndarray]]]:
+def public_subsets(
+    public: Split, sizes: int | list[int] | None, trials: int, rng: np.random.Generator, *, key: str
+) -> list[tuple[int, list[np.ndarray]]]:
     """For each size, ``trials`` uniform index draws from the public sample (``key`` names the parameter in errors)."""
     n = len(public)
     wanted = check_public_samples(sizes, n, key=key)
@@ -189,8 +231,7 @@ def check_public_samples(sizes: int | list[int] | None, public_size: int, *, key
     """The public sample sizes to tune on (sorted), or an :class:`InputError` when the public sample is empty or
     smaller than a size asked for (``key`` names the parameter)."""
     if public_size == 0:
-        raise InputError("data.public_size", f"a public sample (> 0) for fine-tuning ({key})", 0,
-                         "set data.public_size, e.g. 200")
+        raise InputError("data.public_size", f"a public sample (> 0) for fine-tuning ({key})", 0, "set data.public_size, e.g. 200")
     wanted = [public_size] if sizes is None else ([sizes] if isinstance(sizes, int) else sorted(set(sizes)))
     if max(wanted) > public_size:
         raise InputError(key, f"at most the public sample's size ({public_size}, data.public_size)", max(wanted))
@@ -201,9 +242,16 @@ def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
 
 
-def tuning_curve(server: ServerContext, params: dict[str, np.ndarray] | None, settings: TuneSettings, *, key: str,
-                 raw_epochs: int | None = None, raw_dropout: float = 0.0,
-                 raw_early_stop: int = 0) -> tuple[dict[str, float], list[dict[str, float]], dict[str, np.ndarray]]:
+def tuning_curve(
+    server: ServerContext,
+    params: dict[str, np.ndarray] | None,
+    settings: TuneSettings,
+    *,
+    key: str,
+    raw_epochs: int | None = None,
+    raw_dropout: float = 0.0,
+    raw_early_stop: int = 0,
+) -> tuple[dict[str, float], list[dict[str, float]], dict[str, np.ndarray]]:
     """Fine-tune ``params`` (``None``: a fresh model trained for ``raw_epochs``) at each public size.
 
     Returns the metrics at the largest size (averaged over trials), the curve, and the last tuned parameters.
@@ -219,15 +267,34 @@ def tuning_curve(server: ServerContext, params: dict[str, np.ndarray] | None, se
             if params is None:
                 model_cfg = server.models.model_cfg.model_copy(update={"dropout": raw_dropout}) if raw_dropout else server.models.model_cfg
                 model = build_model(model_cfg, server.data.input_shape, server.data.num_classes, seed=seed)
-                train_model(model, public.X[idx], public.y[idx], epochs=raw_epochs or settings.tune_epochs,
-                            batch_size=settings.tune_batch_size, lr=settings.tune_lr, seed=seed, device=server.models.device,
-                            early_stop_patience=raw_early_stop)
+                train_model(
+                    model,
+                    public.X[idx],
+                    public.y[idx],
+                    epochs=raw_epochs or settings.tune_epochs,
+                    batch_size=settings.tune_batch_size,
+                    lr=settings.tune_lr,
+                    seed=seed,
+                    device=server.models.device,
+                    early_stop_patience=raw_early_stop,
+                )
                 last = get_params(model)
             else:
-                last = fine_tune(params, public.X[idx], public.y[idx], model_cfg=server.models.model_cfg, num_classes=server.data.num_classes,
-                                 epochs=settings.tune_epochs,
-                                 lr=settings.tune_lr, batch_size=settings.tune_batch_size, last_layer_only=settings.last_layer_only,
-                                 seed=seed, device=server.models.device, solver=settings.tune_solver, l2=settings.tune_l2)
+                last = fine_tune(
+                    params,
+                    public.X[idx],
+                    public.y[idx],
+                    model_cfg=server.models.model_cfg,
+                    num_classes=server.data.num_classes,
+                    epochs=settings.tune_epochs,
+                    lr=settings.tune_lr,
+                    batch_size=settings.tune_batch_size,
+                    last_layer_only=settings.last_layer_only,
+                    seed=seed,
+                    device=server.models.device,
+                    solver=settings.tune_solver,
+                    l2=settings.tune_l2,
+                )
             rows.append(evaluate_params(server, last))
         metrics = _mean_metrics(rows)
         curve.append({"public_samples": float(size), **metrics})
@@ -239,14 +306,25 @@ _BASE_DEFAULTS = {"average": (0.01, True), "local": (1e-3, False), "raw": (1e-3,
 
 
 class FinetuneParams(TuneSettings):
-    base: Literal["local", "average", "raw"] = Field("average", description="what to fine-tune: each local model, their average, or a fresh model")
+    base: Literal["local", "average", "raw"] = Field(
+        "average", description="what to fine-tune: each local model, their average, or a fresh model"
+    )
     # None until resolved() fills in the per-base default; only resolved params reach the TuneSettings functions
-    tune_lr: float | None = Field(None, gt=0, description="Adam learning rate (default: the reference's per base: average 0.01, local / raw 1e-3)")  # type: ignore[assignment]
-    last_layer_only: bool | None = Field(None, description="networks: tune only the last layer (default: the reference's per base: average yes, local no)")  # type: ignore[assignment]
-    raw_epochs: int | None = Field(None, ge=1, description="base raw: training epochs (default: 5 for logreg, 50 for networks, as the reference)")
-    raw_dropout: float = Field(0.0, ge=0, lt=1, description="base raw, networks: dropout after each hidden layer (the reference's learn_dnn2: 0.5)")
+    tune_lr: float | None = Field(
+        None, gt=0, description="Adam learning rate (default: the reference's per base: average 0.01, local / raw 1e-3)"
+    )  # type: ignore[assignment]
+    last_layer_only: bool | None = Field(
+        None, description="networks: tune only the last layer (default: the reference's per base: average yes, local no)"
+    )  # type: ignore[assignment]
+    raw_epochs: int | None = Field(
+        None, ge=1, description="base raw: training epochs (default: 5 for logreg, 50 for networks, as the reference)"
+    )
+    raw_dropout: float = Field(
+        0.0, ge=0, lt=1, description="base raw, networks: dropout after each hidden layer (the reference's learn_dnn2: 0.5)"
+    )
     raw_early_stop: int = Field(
-        0, ge=0, description="base raw: stop once the training accuracy has not improved for this many epochs (0: off; the reference: 3)")
+        0, ge=0, description="base raw: stop once the training accuracy has not improved for this many epochs (0: off; the reference: 3)"
+    )
 
     @property
     def fuses(self) -> str:
@@ -257,8 +335,9 @@ class FinetuneParams(TuneSettings):
     def resolved(self) -> FinetuneParams:
         """These parameters with ``tune_lr`` / ``last_layer_only`` filled in from the reference's per-base defaults."""
         lr, last_only = _BASE_DEFAULTS[self.base]
-        return self.model_copy(update={"tune_lr": self.tune_lr or lr,
-                                       "last_layer_only": last_only if self.last_layer_only is None else self.last_layer_only})
+        return self.model_copy(
+            update={"tune_lr": self.tune_lr or lr, "last_layer_only": last_only if self.last_layer_only is None else self.last_layer_only}
+        )
 
 
 @register_method
@@ -284,19 +363,24 @@ class Finetune(Method[FinetuneParams, None]):
                 raise InputError(name, "only with base: raw", f"{value} with base: {p.base}")
         check_tune_solver(p, setup.model, base=p.base)
         if p.raw_dropout and setup.model.name != "mlp":
-            raise InputError("raw_dropout", "an mlp model (dropout after its hidden layers)",
-                             f"{p.raw_dropout} with model {setup.model.name}")
+            raise InputError(
+                "raw_dropout", "an mlp model (dropout after its hidden layers)", f"{p.raw_dropout} with model {setup.model.name}"
+            )
 
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params.resolved()
         key = f"methods.{self.label}.public_samples"
         if p.base == "raw":
             raw_epochs = p.raw_epochs or (5 if server.models.model_cfg.name == "logreg" else 50)
-            metrics, curve, params = tuning_curve(server, None, p, key=key, raw_epochs=raw_epochs, raw_dropout=p.raw_dropout,
-                                                  raw_early_stop=p.raw_early_stop)
+            metrics, curve, params = tuning_curve(
+                server, None, p, key=key, raw_epochs=raw_epochs, raw_dropout=p.raw_dropout, raw_early_stop=p.raw_early_stop
+            )
             server.log(0, metrics)
-            return MethodResult(metrics, params, info={"base": "raw", "tuning_curve": curve, "epochs": raw_epochs,
-                                                       "dropout": p.raw_dropout, "early_stop": p.raw_early_stop})
+            return MethodResult(
+                metrics,
+                params,
+                info={"base": "raw", "tuning_curve": curve, "epochs": raw_epochs, "dropout": p.raw_dropout, "early_stop": p.raw_early_stop},
+            )
         if p.base == "average":
             result = server.updates.collect(server.updates.local_updates())  # validated, attacked where configured, averaged
             averaged, updates = result.params, result.updates

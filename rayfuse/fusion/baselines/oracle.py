@@ -34,12 +34,29 @@ class GlobalOracle(Method[GlobalParams, None]):
         data = server.data.pooled_train()
         cfg = server.models.train_cfg
         model = server.models.build_model(seed=server.step_seed("init"))
-        stats = train_model(model, data.X, data.y, epochs=self.params.epochs or cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr,
-                            optimizer=cfg.optimizer, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                            seed=server.step_seed("train"), device=server.models.device)
+        stats = train_model(
+            model,
+            data.X,
+            data.y,
+            epochs=self.params.epochs or cfg.epochs,
+            batch_size=cfg.batch_size,
+            lr=cfg.lr,
+            optimizer=cfg.optimizer,
+            momentum=cfg.momentum,
+            weight_decay=cfg.weight_decay,
+            seed=server.step_seed("train"),
+            device=server.models.device,
+        )
         params = get_params(model)
         metrics = server.scoring.evaluate(params)
         server.log(0, metrics)
-        return MethodResult(metrics, params, info={
-            "note": "trained on all clients' data pooled: infeasible in a federation, an upper reference",
-            "num_examples": len(data), "train_loss": stats.loss, "train_seconds": round(stats.seconds, 3)})
+        return MethodResult(
+            metrics,
+            params,
+            info={
+                "note": "trained on all clients' data pooled: infeasible in a federation, an upper reference",
+                "num_examples": len(data),
+                "train_loss": stats.loss,
+                "train_seconds": round(stats.seconds, 3),
+            },
+        )

@@ -63,13 +63,19 @@ class DistillOptions(StrictSchema):
     share (the loops' :class:`~rayfuse.fusion.distill.student.DistillSettings`, less the seed)."""
 
     combine: Literal["auto", "logits", "probabilities"] = Field(
-        "auto", description="the ensemble: weighted logits (FedDF) or weighted probabilities; auto: logits when every teacher has "
+        "auto",
+        description="the ensemble: weighted logits (FedDF) or weighted probabilities; auto: logits when every teacher has "
         "one architecture, probabilities when they differ (their logits' scales differ: averaged, the most confident "
-        "architecture's would decide)")
+        "architecture's would decide)",
+    )
     temperature: float = Field(4.0, gt=0, le=100, description="distillation temperature T")
     steps: int = Field(2000, ge=1, le=10_000_000, description="student optimisation steps")
-    epochs: int = Field(10, ge=1, description="passes: one progress line and, with teachers: clients, one call per client each "
-                        "(public: a bank of steps / epochs * batch_size inputs; synthetic: steps / epochs student steps)")
+    epochs: int = Field(
+        10,
+        ge=1,
+        description="passes: one progress line and, with teachers: clients, one call per client each "
+        "(public: a bank of steps / epochs * batch_size inputs; synthetic: steps / epochs student steps)",
+    )
     batch_size: int = Field(64, ge=2, description="student batch size")
     lr: float = Field(3e-3, gt=0, le=10, description="student learning rate (Adam, cosine schedule)")
     shift: int = Field(1, ge=0, le=64, description="public, images: random shifts of up to this many pixels")
@@ -79,8 +85,12 @@ class DistillOptions(StrictSchema):
     student_steps: int = Field(20, ge=1, description="synthetic: student steps per round")
     generator_lr: float = Field(1e-3, gt=0, le=10, description="synthetic: generator learning rate (Adam, betas 0.5, 0.999)")
     latent_dim: int = Field(256, ge=1, le=65536, description="synthetic: the generator's noise dimension")
-    generator_width: int = Field(32, ge=1, le=4096, description="synthetic: the generator's channels (DENSE's is 64: four times the "
-                                 "work of the default's widest convolutions)")
+    generator_width: int = Field(
+        32,
+        ge=1,
+        le=4096,
+        description="synthetic: the generator's channels (DENSE's is 64: four times the work of the default's widest convolutions)",
+    )
     ce_weight: float = Field(1.0, ge=0, description="synthetic: weight of the ensemble's cross-entropy on the sampled labels")
     bn_weight: float = Field(1.0, ge=0, description="synthetic: weight of the teachers' BatchNorm statistic matching")
     adversarial_weight: float = Field(1.0, ge=0, description="synthetic: weight of the student-ensemble disagreement term")
@@ -88,8 +98,11 @@ class DistillOptions(StrictSchema):
     reweight: bool = Field(False, description="synthetic: Co-Boosting's re-weighting of the ensemble's members each round")
     reweight_lr: float = Field(0.01, gt=0, le=1, description="synthetic, reweight: the members' weights' step")
     bank_samples: int = Field(20000, ge=1, description="synthetic: past generated inputs kept for the student")
-    batched: Literal["auto", "vmap", "loop"] = Field("auto", description="teachers of one architecture evaluated in one vmapped call "
-                                                     "or a loop; auto: vmap on a GPU, the loop on the CPU (where it measures faster)")
+    batched: Literal["auto", "vmap", "loop"] = Field(
+        "auto",
+        description="teachers of one architecture evaluated in one vmapped call "
+        "or a loop; auto: vmap on a GPU, the loop on the CPU (where it measures faster)",
+    )
 
     def settings(self, seed: int, *, one_architecture: bool = True) -> Any:
         """The loops' settings (:class:`~rayfuse.fusion.distill.student.DistillSettings`): every parameter of the same
@@ -106,22 +119,39 @@ class DistillOptions(StrictSchema):
 class DistillParams(DistillOptions, MethodParams):
     """The ``distill`` method's parameters (defaults: a first try on small models, about a minute on 2 CPU cores)."""
 
-    transfer: Literal["public", "synthetic"] = Field("public", description="public: the server's unlabeled public sample, "
-                                                     "augmented; synthetic: data-free, from a generator trained against the ensemble")
-    teachers: Literal["parameters", "clients"] = Field("parameters", description="parameters: the local models are uploaded and "
-                                                       "evaluated on the server; clients: predictions only, no parameter leaves a client")
-    init: Literal["aligned", "average", "random"] = Field("aligned", description="the student's start: the aligned merge (or "
-                                                          "the average) of the clients of its architecture, or a random initialisation")
+    transfer: Literal["public", "synthetic"] = Field(
+        "public",
+        description="public: the server's unlabeled public sample, "
+        "augmented; synthetic: data-free, from a generator trained against the ensemble",
+    )
+    teachers: Literal["parameters", "clients"] = Field(
+        "parameters",
+        description="parameters: the local models are uploaded and "
+        "evaluated on the server; clients: predictions only, no parameter leaves a client",
+    )
+    init: Literal["aligned", "average", "random"] = Field(
+        "aligned",
+        description="the student's start: the aligned merge (or "
+        "the average) of the clients of its architecture, or a random initialisation",
+    )
     student: ModelConfig | None = Field(None, description="the student's architecture (a model section); default: the run's model")
-    aligned: AlignedParams = Field(default_factory=AlignedParams, description="init: aligned: the aligned method's settings "
-                                   "(alignment, merge, repair...; one shot)")
-    weighting: Literal["uniform", "samples", "classes"] = Field("classes", description="teacher weights: uniform, by sample count, "
-                                                                "or per class by each client's class counts")
-    input_moments: bool = Field(True, description="synthetic: the clients report their inputs' per-element count, sum and sum of "
-                                "squares, and generated inputs take the pooled mean and variance")
-    repair: bool = Field(False, description="re-estimate the distilled student's BatchNorm statistics on the clients' data (each "
-                         "client's per-channel counts, means and variances, pooled); off by default: the student's own statistics, "
-                         "learnt with its weights on the transfer inputs, measured better (docs/methods/distill.md)")
+    aligned: AlignedParams = Field(
+        default_factory=AlignedParams, description="init: aligned: the aligned method's settings (alignment, merge, repair...; one shot)"
+    )
+    weighting: Literal["uniform", "samples", "classes"] = Field(
+        "classes", description="teacher weights: uniform, by sample count, or per class by each client's class counts"
+    )
+    input_moments: bool = Field(
+        True,
+        description="synthetic: the clients report their inputs' per-element count, sum and sum of "
+        "squares, and generated inputs take the pooled mean and variance",
+    )
+    repair: bool = Field(
+        False,
+        description="re-estimate the distilled student's BatchNorm statistics on the clients' data (each "
+        "client's per-channel counts, means and variances, pooled); off by default: the student's own statistics, "
+        "learnt with its weights on the transfer inputs, measured better (docs/methods/distill.md)",
+    )
 
 
 def transfer_note(params: DistillParams, samples: int | None) -> str:
@@ -149,8 +179,9 @@ def predict(ctx: ClientContext, X: np.ndarray, *, chunk_size: int = 256) -> dict
 
 
 @client_step("distill.signal")
-def signal(ctx: ClientContext, X: np.ndarray, labels: np.ndarray, class_weights: np.ndarray, *, num_teachers: int,
-           settings: dict[str, Any]) -> dict[str, np.ndarray]:
+def signal(
+    ctx: ClientContext, X: np.ndarray, labels: np.ndarray, class_weights: np.ndarray, *, num_teachers: int, settings: dict[str, Any]
+) -> dict[str, np.ndarray]:
     """For the data-free generator: this client's logits ``(G, B, C)`` on the server's generated batches ``X``
     ``(G, B, ...)`` and the gradient ``(G, B, ...)`` of its own term of the generator's objective with respect to those
     inputs (:func:`rayfuse.fusion.distill.student.teacher_signal`)."""
@@ -160,10 +191,14 @@ def signal(ctx: ClientContext, X: np.ndarray, labels: np.ndarray, class_weights:
 
     # arrays read from Ray's object store are read-only: copied, never written through
     X, labels = (np.array(a, order="C") if not a.flags.writeable else np.ascontiguousarray(a) for a in (np.asarray(X), np.asarray(labels)))
-    logits, grad = teacher_signal(ctx.local_model().to(ctx.device), torch.as_tensor(X, device=ctx.device),
-                                  torch.as_tensor(labels, device=ctx.device),
-                                  torch.as_tensor(class_weights, dtype=torch.float32, device=ctx.device),
-                                  num_teachers=num_teachers, settings=DistillSettings(**settings))
+    logits, grad = teacher_signal(
+        ctx.local_model().to(ctx.device),
+        torch.as_tensor(X, device=ctx.device),
+        torch.as_tensor(labels, device=ctx.device),
+        torch.as_tensor(class_weights, dtype=torch.float32, device=ctx.device),
+        num_teachers=num_teachers,
+        settings=DistillSettings(**settings),
+    )
     return {"logits": logits.float().cpu().numpy(), "grad": grad.float().cpu().numpy()}
 
 
@@ -184,18 +219,23 @@ class _ClientTeachers:
         self.server, self.clients, self.num_classes = server, list(clients), num_classes
         self.num_teachers = len(self.clients)
 
-    def _gather(self, step: Any, what: str, expect: dict[str, tuple[int, ...]], *args: Any, per_client: Sequence[Any] | None = None,
-                **kwargs: Any) -> list[dict[str, np.ndarray]]:
+    def _gather(
+        self, step: Any, what: str, expect: dict[str, tuple[int, ...]], *args: Any, per_client: Sequence[Any] | None = None, **kwargs: Any
+    ) -> list[dict[str, np.ndarray]]:
         fed = self.server.federation
         refs = [fed.put(a) for a in args]
         if per_client is None:
             gathered = fed.run(step, *refs, clients=self.clients, **kwargs)
         else:
-            gathered = fed.gather([call for c, extra in zip(self.clients, per_client) for call in fed.map(step, *refs, extra, clients=[c], **kwargs)])
+            gathered = fed.gather(
+                [call for c, extra in zip(self.clients, per_client) for call in fed.map(step, *refs, extra, clients=[c], **kwargs)]
+            )
 
         def read(client: int, reply: Any) -> dict[str, np.ndarray]:
             if not isinstance(reply, dict) or set(reply) != set(expect):
-                raise Rejected(f"{what}: a dict of {sorted(expect)}, got {sorted(reply) if isinstance(reply, dict) else type(reply).__name__}")
+                raise Rejected(
+                    f"{what}: a dict of {sorted(expect)}, got {sorted(reply) if isinstance(reply, dict) else type(reply).__name__}"
+                )
             for key, shape in expect.items():
                 value = np.asarray(reply[key])
                 if value.shape != shape:
@@ -221,9 +261,16 @@ class _ClientTeachers:
 
         X_np, y_np, W = X.detach().cpu().numpy(), labels.detach().cpu().numpy(), weights.detach().cpu().numpy()
         G, B = y_np.shape
-        replies = self._gather(signal, "generator signals", {"logits": (G, B, self.num_classes), "grad": X_np.shape}, X_np, y_np,
-                               per_client=[W[k] for k in range(self.num_teachers)], num_teachers=self.num_teachers,
-                               settings=dataclasses.asdict(settings))
+        replies = self._gather(
+            signal,
+            "generator signals",
+            {"logits": (G, B, self.num_classes), "grad": X_np.shape},
+            X_np,
+            y_np,
+            per_client=[W[k] for k in range(self.num_teachers)],
+            num_teachers=self.num_teachers,
+            settings=dataclasses.asdict(settings),
+        )
         return (torch.as_tensor(np.stack([r["logits"] for r in replies])), torch.as_tensor(np.sum([r["grad"] for r in replies], axis=0)))
 
 
@@ -280,18 +327,32 @@ class Distill(Method[DistillParams, None]):
     @classmethod
     def check(cls, params: DistillParams, setup: RunSetup) -> None:
         if params.transfer == "public" and setup.public_size <= 0:
-            raise InputError("data.public_size", "a public sample for transfer: public (data.public_size > 0; data.public with "
-                             "data.silos): its inputs are the transfer data, its labels are never read", setup.public_size,
-                             "or set transfer: synthetic (data-free)")
+            raise InputError(
+                "data.public_size",
+                "a public sample for transfer: public (data.public_size > 0; data.public with "
+                "data.silos): its inputs are the transfer data, its labels are never read",
+                setup.public_size,
+                "or set transfer: synthetic (data-free)",
+            )
         if params.teachers == "clients" and params.init != "random":
-            raise InputError("init", "random with teachers: clients (predictions only: no client's parameters reach the server to "
-                             "start from)", params.init)
+            raise InputError(
+                "init",
+                "random with teachers: clients (predictions only: no client's parameters reach the server to start from)",
+                params.init,
+            )
         if params.transfer == "synthetic" and params.input_moments and setup.train.dp is not None:
-            raise InputError("input_moments", "false with train.dp (local DP-SGD covers the clients' models and what they predict, "
-                             "not the moments of their inputs)", True)
+            raise InputError(
+                "input_moments",
+                "false with train.dp (local DP-SGD covers the clients' models and what they predict, not the moments of their inputs)",
+                True,
+            )
         if params.repair and params.teachers == "clients":
-            raise InputError("repair", "false with teachers: clients (predictions only: the clients return predictions on the server's "
-                             "inputs, not statistics of their data)", True)
+            raise InputError(
+                "repair",
+                "false with teachers: clients (predictions only: the clients return predictions on the server's "
+                "inputs, not statistics of their data)",
+                True,
+            )
         if params.aligned.rounds != 1:
             raise InputError("aligned.rounds", "1 (the student's start is the one-shot aligned merge)", params.aligned.rounds)
         if params.aligned.dp is not None:
@@ -320,24 +381,37 @@ class Distill(Method[DistillParams, None]):
         counts = np.asarray(server.data.class_counts, dtype=np.float64)[clients]
         weights = teacher_weights(p.weighting, counts)
         models = server.models
-        settings = p.settings(server.step_seed("distill"), one_architecture=all(models.client_model(c) == models.client_model(clients[0]) for c in clients))
+        settings = p.settings(
+            server.step_seed("distill"), one_architecture=all(models.client_model(c) == models.client_model(clients[0]) for c in clients)
+        )
         student, start, resized = self._start(server, student_cfg, updates, clients)
         batched = self._batched(server.models.device)
         if p.teachers == "parameters":
             from rayfuse.fusion.distill.teachers import Teachers
 
-            teachers: Any = Teachers([self._teacher(server, c, updates[c].params) for c in clients], batched=batched, device=server.models.device)
+            teachers: Any = Teachers(
+                [self._teacher(server, c, updates[c].params) for c in clients], batched=batched, device=server.models.device
+            )
         else:
             teachers = _ClientTeachers(server, clients, server.data.num_classes)
         epochs = p.epochs
 
         def log(epoch: int, row: dict[str, float]) -> None:
             server.log(epoch, {"distill_loss": row["loss"], "agreement": row["agreement"]})
-            server.progress(f"epoch {epoch}/{epochs}: loss {row['loss']:.4f}, agreement with the ensemble {row['agreement']:.3f}",
-                            epoch=epoch)
+            server.progress(
+                f"epoch {epoch}/{epochs}: loss {row['loss']:.4f}, agreement with the ensemble {row['agreement']:.3f}", epoch=epoch
+            )
 
-        info: dict[str, Any] = {"transfer": p.transfer, "teachers": p.teachers, "init": start, "clients": clients,
-                                "weighting": p.weighting, "combine": settings.combine, "student": student_cfg.name, "batched": "vmap" if batched else "loop"}
+        info: dict[str, Any] = {
+            "transfer": p.transfer,
+            "teachers": p.teachers,
+            "init": start,
+            "clients": clients,
+            "weighting": p.weighting,
+            "combine": settings.combine,
+            "student": student_cfg.name,
+            "batched": "vmap" if batched else "loop",
+        }
         try:
             if p.transfer == "public":
                 X = server.data.public.X
@@ -345,8 +419,17 @@ class Distill(Method[DistillParams, None]):
                 info["transfer_samples"] = int(len(X))
             else:
                 moments = self._moments(server, clients) if p.input_moments else None
-                history, scales = distill_synthetic(student, teachers, server.data.input_shape, weights, settings, label_prior=counts.sum(0),
-                                                    moments=moments, device=server.models.device, log=log)
+                history, scales = distill_synthetic(
+                    student,
+                    teachers,
+                    server.data.input_shape,
+                    weights,
+                    settings,
+                    label_prior=counts.sum(0),
+                    moments=moments,
+                    device=server.models.device,
+                    log=log,
+                )
                 if p.reweight:
                     info["member_scales"] = {str(c): round(float(s), 4) for c, s in zip(clients, scales)}
         except FloatingPointError as exc:
@@ -377,8 +460,9 @@ class Distill(Method[DistillParams, None]):
 
         return model_for_params(params, server.models.client_model(client), server.data.input_shape, server.data.num_classes)
 
-    def _start(self, server: ServerContext, student_cfg: ModelConfig, updates: dict[int, Update],
-               clients: list[int]) -> tuple[Any, str, bool]:
+    def _start(
+        self, server: ServerContext, student_cfg: ModelConfig, updates: dict[int, Update], clients: list[int]
+    ) -> tuple[Any, str, bool]:
         """The student model, how it started, and whether its widths differ from its configuration's."""
         from rayfuse.evaluation import model_for_params
         from rayfuse.fusion.aggregate import weighted_average
@@ -406,14 +490,23 @@ class Distill(Method[DistillParams, None]):
         server.progress(f"the student starts from the {reason}" + (" (widened)" if resized else ""))
         return model, reason, resized
 
-    def _repair(self, server: ServerContext, params: dict[str, np.ndarray], student_cfg: ModelConfig, clients: list[int]) -> dict[str, np.ndarray]:
+    def _repair(
+        self, server: ServerContext, params: dict[str, np.ndarray], student_cfg: ModelConfig, clients: list[int]
+    ) -> dict[str, np.ndarray]:
         """The student's BatchNorm running statistics replaced by the clients' pooled statistics of its inputs."""
         from rayfuse.alignment import apply_batchnorm, combine_batchnorm
         from rayfuse.fusion.aligned.algorithm import batchnorm, read_batchnorm_reply
 
         fed = server.federation
-        gathered = fed.run(batchnorm, fed.put(params), label=server.label, samples=self.params.aligned.samples, batch_size=256,
-                           model_cfg=student_cfg, clients=clients)
+        gathered = fed.run(
+            batchnorm,
+            fed.put(params),
+            label=server.label,
+            samples=self.params.aligned.samples,
+            batch_size=256,
+            model_cfg=student_cfg,
+            clients=clients,
+        )
         stats = server.updates.accept_replies(gathered, lambda c, r: read_batchnorm_reply(r), need=1, what="BatchNorm statistics")
         return apply_batchnorm(params, combine_batchnorm([stats[c] for c in sorted(stats)]))
 

@@ -61,8 +61,7 @@ from torch import nn
 from rayfuse.fusion.distill.teachers import combine_teachers, distillation_loss
 from rayfuse.fusion.distill.transfer import Generator, SyntheticBank, augment_bank
 
-__all__ = ["DistillSettings", "ExactTeachers", "SignalTeachers", "distill_public", "distill_synthetic", "teacher_signal",
-           "agreement"]
+__all__ = ["DistillSettings", "ExactTeachers", "SignalTeachers", "distill_public", "distill_synthetic", "teacher_signal", "agreement"]
 
 Log = Callable[[int, dict[str, float]], None]
 
@@ -112,7 +111,9 @@ class SignalTeachers(Protocol):
 
     def predict(self, X: torch.Tensor) -> torch.Tensor: ...
 
-    def signal(self, X: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, settings: DistillSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    def signal(
+        self, X: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, settings: DistillSettings
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Member logits ``(K, G, B, C)`` on the batches ``X`` ``(G, B, ...)`` and the summed input gradient of the members'
         generator terms ``(G, B, ...)`` (:func:`teacher_signal` per member)."""
         ...
@@ -134,8 +135,9 @@ def _optimizer(student: nn.Module, settings: DistillSettings) -> tuple[torch.opt
     return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, settings.steps))
 
 
-def _student_step(student: nn.Module, opt: torch.optim.Optimizer, sched: Any, x: torch.Tensor, target: torch.Tensor,
-                  temperature: float) -> float:
+def _student_step(
+    student: nn.Module, opt: torch.optim.Optimizer, sched: Any, x: torch.Tensor, target: torch.Tensor, temperature: float
+) -> float:
     loss = distillation_loss(student(x), target, temperature)
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -149,8 +151,16 @@ def _check_finite(value: float, what: str) -> None:
         raise FloatingPointError(f"distillation diverged: the {what} is {value}; lower lr / generator_lr")
 
 
-def distill_public(student: nn.Module, teachers: ExactTeachers | SignalTeachers, X: np.ndarray, weights: np.ndarray,
-                   settings: DistillSettings, *, device: str = "cpu", log: Log | None = None) -> list[dict[str, float]]:
+def distill_public(
+    student: nn.Module,
+    teachers: ExactTeachers | SignalTeachers,
+    X: np.ndarray,
+    weights: np.ndarray,
+    settings: DistillSettings,
+    *,
+    device: str = "cpu",
+    log: Log | None = None,
+) -> list[dict[str, float]]:
     """Train ``student`` in place on augmented banks of the unlabeled inputs ``X`` ``(N, *input_shape)`` to match the
     teachers' ensemble (per-class ``weights`` ``(K, C)``). Returns one row per epoch (one bank, one teacher call):
     ``loss`` (mean distillation loss of the epoch), ``agreement`` (student and ensemble top-1 on the epoch's bank),
@@ -173,13 +183,17 @@ def distill_public(student: nn.Module, teachers: ExactTeachers | SignalTeachers,
         for start in range(0, bank.shape[0], settings.batch_size):
             if done >= settings.steps:
                 break
-            idx = order[start:start + settings.batch_size]
+            idx = order[start : start + settings.batch_size]
             if idx.numel() < 2:
                 continue  # BatchNorm cannot train on a batch of one
             losses.append(_student_step(student, opt, sched, bank[idx], target[idx], settings.temperature))
             done += 1
-        row = {"epoch": float(epoch), "loss": float(np.mean(losses)) if losses else 0.0, "agreement": agreement(student, bank, target),
-               "seconds": time.perf_counter() - started}
+        row = {
+            "epoch": float(epoch),
+            "loss": float(np.mean(losses)) if losses else 0.0,
+            "agreement": agreement(student, bank, target),
+            "seconds": time.perf_counter() - started,
+        }
         _check_finite(row["loss"], "student's loss")
         history.append(row)
         if log is not None:
@@ -194,7 +208,9 @@ def _adversarial(student_logits: torch.Tensor, ensemble_logits: torch.Tensor) ->
     return -(distillation_loss(student_logits, ensemble_logits, 3.0, reduction="none") / 9.0 * mask).mean()
 
 
-def _hard_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, hardness: float, class_weights: torch.Tensor | None = None) -> torch.Tensor:
+def _hard_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, hardness: float, class_weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """Cross-entropy, each sample weighted by ``(1 - p_y)^hardness`` (Co-Boosting's hard-sample weighting; 0: plain)
     and, given ``class_weights`` ``(C,)``, by its label's weight; the mean over the batch."""
     ce = F.cross_entropy(logits, labels, reduction="none")
@@ -206,8 +222,9 @@ def _hard_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, hardness: fl
     return ce.mean()
 
 
-def teacher_signal(model: nn.Module, X: torch.Tensor, labels: torch.Tensor, class_weights: torch.Tensor, *, num_teachers: int,
-                   settings: DistillSettings) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_signal(
+    model: nn.Module, X: torch.Tensor, labels: torch.Tensor, class_weights: torch.Tensor, *, num_teachers: int, settings: DistillSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One teacher's reply to the generator (run by the client that holds the model): its logits ``(G, B, C)`` on the
     batches ``X`` ``(G, B, ...)`` and the gradient ``(G, B, ...)``, per batch, of
 
@@ -223,17 +240,28 @@ def teacher_signal(model: nn.Module, X: torch.Tensor, labels: torch.Tensor, clas
         with torch.enable_grad():
             member, gap = teacher.forward(x, with_bn=settings.bn_weight > 0)
             z = member[0]
-            loss = (settings.ce_weight * _hard_cross_entropy(z, y_batch, settings.hardness, class_weights)
-                    + settings.bn_weight / num_teachers * gap[0])
+            loss = (
+                settings.ce_weight * _hard_cross_entropy(z, y_batch, settings.hardness, class_weights)
+                + settings.bn_weight / num_teachers * gap[0]
+            )
             (grad,) = torch.autograd.grad(loss, x)
         logits.append(z.detach())
         grads.append(grad.detach())
     return torch.stack(logits), torch.stack(grads)
 
 
-def _generator_round(gen: Generator, opt_g: torch.optim.Optimizer, student: nn.Module, teachers: ExactTeachers | SignalTeachers,
-                     bank: SyntheticBank, W: torch.Tensor, prior: torch.Tensor, generator: torch.Generator, settings: DistillSettings,
-                     device: str) -> list[float]:
+def _generator_round(
+    gen: Generator,
+    opt_g: torch.optim.Optimizer,
+    student: nn.Module,
+    teachers: ExactTeachers | SignalTeachers,
+    bank: SyntheticBank,
+    W: torch.Tensor,
+    prior: torch.Tensor,
+    generator: torch.Generator,
+    settings: DistillSettings,
+    device: str,
+) -> list[float]:
     """``generator_steps`` steps of the generator against the ensemble (per-class weights ``W``); every batch it
     generates joins ``bank`` with the teachers' logits on it. Returns the generator's losses."""
     B, G = settings.synthetic_batch, settings.generator_steps
@@ -282,7 +310,7 @@ def _reweight(scale: torch.Tensor, bank: SyntheticBank, W: torch.Tensor, setting
     _, member, labels = bank.tensors()
     recent = settings.synthetic_batch * settings.generator_steps
     member, labels = member[:, -recent:], labels[-recent:]
-    step = settings.reweight_lr * 0.99 ** round_
+    step = settings.reweight_lr * 0.99**round_
     for start in range(0, member.shape[1], settings.synthetic_batch):
         idx = torch.arange(start, min(start + settings.synthetic_batch, member.shape[1]))
         s = scale.detach().clone().requires_grad_(True)
@@ -300,10 +328,18 @@ def _scaled(W: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return scaled / scaled.sum(0, keepdim=True).clamp_min(1e-12)
 
 
-def distill_synthetic(student: nn.Module, teachers: ExactTeachers | SignalTeachers, input_shape: Sequence[int], weights: np.ndarray,
-                      settings: DistillSettings, *, label_prior: np.ndarray | None = None,
-                      moments: tuple[np.ndarray, np.ndarray] | None = None, device: str = "cpu",
-                      log: Log | None = None) -> tuple[list[dict[str, float]], np.ndarray]:
+def distill_synthetic(
+    student: nn.Module,
+    teachers: ExactTeachers | SignalTeachers,
+    input_shape: Sequence[int],
+    weights: np.ndarray,
+    settings: DistillSettings,
+    *,
+    label_prior: np.ndarray | None = None,
+    moments: tuple[np.ndarray, np.ndarray] | None = None,
+    device: str = "cpu",
+    log: Log | None = None,
+) -> tuple[list[dict[str, float]], np.ndarray]:
     """Train ``student`` in place, data-free: a generator trained against the teachers' ensemble supplies the
     transfer inputs (module docstring). ``teachers`` with ``forward`` are differentiated through exactly; others are
     asked for their :func:`teacher_signal` once per round. Returns one row per epoch (``loss``, ``agreement`` on the
@@ -359,9 +395,15 @@ def distill_synthetic(student: nn.Module, teachers: ExactTeachers | SignalTeache
         if not losses:
             break
         X_bank, member_bank, _ = bank.tensors()
-        row = {"epoch": float(epoch), "loss": float(np.mean(losses)),
-               "agreement": agreement(student, X_bank[-B * G:], combine_teachers(member_bank[:, -B * G:], _scaled(W, scale), settings.combine)),
-               "generator_loss": float(np.mean(g_losses)), "seconds": time.perf_counter() - started}
+        row = {
+            "epoch": float(epoch),
+            "loss": float(np.mean(losses)),
+            "agreement": agreement(
+                student, X_bank[-B * G :], combine_teachers(member_bank[:, -B * G :], _scaled(W, scale), settings.combine)
+            ),
+            "generator_loss": float(np.mean(g_losses)),
+            "seconds": time.perf_counter() - started,
+        }
         _check_finite(row["loss"], "student's loss")
         _check_finite(row["generator_loss"], "generator's loss")
         history.append(row)

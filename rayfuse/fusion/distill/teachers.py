@@ -86,12 +86,14 @@ def combine_teachers(member_logits: torch.Tensor, weights: torch.Tensor, how: st
     raise ValueError(f"combine: expected one of {COMBINES}, got {how!r}")
 
 
-def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float,
-                      reduction: Literal["mean", "none"] = "mean") -> torch.Tensor:
+def distillation_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float, reduction: Literal["mean", "none"] = "mean"
+) -> torch.Tensor:
     """Hinton's distillation loss ``T^2 KL(softmax(t / T) || softmax(s / T))`` (mean over the batch, or per sample)."""
     T = float(temperature)
-    per_sample = F.kl_div(F.log_softmax(student_logits / T, dim=1), F.log_softmax(teacher_logits / T, dim=1), reduction="none",
-                          log_target=True).sum(1) * (T * T)
+    per_sample = F.kl_div(
+        F.log_softmax(student_logits / T, dim=1), F.log_softmax(teacher_logits / T, dim=1), reduction="none", log_target=True
+    ).sum(1) * (T * T)
     return per_sample.mean() if reduction == "mean" else per_sample
 
 
@@ -155,7 +157,9 @@ class _Group:
         if self.batched:
             from torch.func import functional_call, vmap
 
-            def one(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            def one(
+                params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], inputs: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
                 return self._run(lambda: functional_call(self.template, (params, buffers), (inputs,)), with_bn)
 
             return vmap(one, in_dims=(0, 0, None))(self.params, self.buffers, x)
@@ -167,8 +171,11 @@ def _norms(model: nn.Module | None) -> list[nn.modules.batchnorm._BatchNorm]:
     """The BatchNorm layers of ``model`` that keep running statistics."""
     if model is None:
         return []
-    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-            and m.running_mean is not None]
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats and m.running_mean is not None
+    ]
 
 
 class Teachers:
@@ -188,8 +195,9 @@ class Teachers:
         only). ``False`` leaves a model that is not the caller's to change as it is (a client's local model).
     """
 
-    def __init__(self, models: Sequence[nn.Module], *, batched: bool = True, device: str = "cpu", chunk_size: int = 256,
-                 freeze: bool = True) -> None:
+    def __init__(
+        self, models: Sequence[nn.Module], *, batched: bool = True, device: str = "cpu", chunk_size: int = 256, freeze: bool = True
+    ) -> None:
         if not models:
             raise ValueError("at least one teacher")
         self.device = device
@@ -228,6 +236,5 @@ class Teachers:
         if isinstance(X, np.ndarray):  # read-only arrays (Ray's object store) are copied, not written through
             X = np.ascontiguousarray(X) if X.flags.writeable else np.array(X, order="C")
         X_t = torch.as_tensor(X, device=self.device)
-        chunks = [self.forward(X_t[start:start + self.chunk_size])[0] for start in range(0, max(len(X_t), 1), self.chunk_size)]
+        chunks = [self.forward(X_t[start : start + self.chunk_size])[0] for start in range(0, max(len(X_t), 1), self.chunk_size)]
         return torch.cat(chunks, dim=1)
-

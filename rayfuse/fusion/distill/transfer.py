@@ -65,7 +65,7 @@ def pooled_moments(moments: Sequence[tuple[int, np.ndarray, np.ndarray]]) -> tup
     if count <= 0:
         raise ValueError("input moments: no samples")
     mean = np.sum([np.asarray(s, np.float64) for _, s, _ in moments], axis=0) / count
-    var = np.maximum(np.sum([np.asarray(q, np.float64) for _, _, q in moments], axis=0) / count - mean ** 2, 0.0)
+    var = np.maximum(np.sum([np.asarray(q, np.float64) for _, _, q in moments], axis=0) / count - mean**2, 0.0)
     return mean.astype(np.float32), np.sqrt(var).astype(np.float32)
 
 
@@ -80,8 +80,9 @@ class Generator(nn.Module):
     shaped like one input). Without moments the last BatchNorm learns its affine parameters instead.
     """
 
-    def __init__(self, input_shape: Sequence[int], latent_dim: int = 256, width: int = 32,
-                 moments: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    def __init__(
+        self, input_shape: Sequence[int], latent_dim: int = 256, width: int = 32, moments: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> None:
         super().__init__()
         self.input_shape = tuple(int(d) for d in input_shape)
         self.latent_dim = int(latent_dim)
@@ -93,16 +94,29 @@ class Generator(nn.Module):
             self.project = nn.Linear(self.latent_dim, 2 * self.width * self.start[0] * self.start[1])
             self.body = nn.Sequential(
                 nn.BatchNorm2d(2 * self.width),
-                nn.Upsample(scale_factor=2), nn.Conv2d(2 * self.width, 2 * self.width, 3, padding=1, bias=False),
-                nn.BatchNorm2d(2 * self.width), nn.LeakyReLU(0.2),
-                nn.Upsample(scale_factor=2), nn.Conv2d(2 * self.width, self.width, 3, padding=1, bias=False),
-                nn.BatchNorm2d(self.width), nn.LeakyReLU(0.2),
-                nn.Conv2d(self.width, c, 3, padding=1), nn.BatchNorm2d(c, affine=False))
+                nn.Upsample(scale_factor=2),
+                nn.Conv2d(2 * self.width, 2 * self.width, 3, padding=1, bias=False),
+                nn.BatchNorm2d(2 * self.width),
+                nn.LeakyReLU(0.2),
+                nn.Upsample(scale_factor=2),
+                nn.Conv2d(2 * self.width, self.width, 3, padding=1, bias=False),
+                nn.BatchNorm2d(self.width),
+                nn.LeakyReLU(0.2),
+                nn.Conv2d(self.width, c, 3, padding=1),
+                nn.BatchNorm2d(c, affine=False),
+            )
         else:
             d, hidden = int(np.prod(self.input_shape)), 8 * int(width)
             self.project = nn.Linear(self.latent_dim, hidden)
-            self.body = nn.Sequential(nn.BatchNorm1d(hidden), nn.LeakyReLU(0.2), nn.Linear(hidden, hidden), nn.BatchNorm1d(hidden),
-                                      nn.LeakyReLU(0.2), nn.Linear(hidden, d), nn.BatchNorm1d(d, affine=False))
+            self.body = nn.Sequential(
+                nn.BatchNorm1d(hidden),
+                nn.LeakyReLU(0.2),
+                nn.Linear(hidden, hidden),
+                nn.BatchNorm1d(hidden),
+                nn.LeakyReLU(0.2),
+                nn.Linear(hidden, d),
+                nn.BatchNorm1d(d, affine=False),
+            )
         mean, scale = (np.zeros(self.input_shape, np.float32), np.ones(self.input_shape, np.float32)) if moments is None else moments
         if moments is None:  # no statistics of the data: the output's per-channel scale and shift are learnt
             last = self.body[-1]
@@ -115,7 +129,7 @@ class Generator(nn.Module):
         h = self.project(z)
         if self.image:
             h = h.view(z.shape[0], 2 * self.width, *self.start)
-            out = self.body(h)[:, :, :self.input_shape[1], :self.input_shape[2]]
+            out = self.body(h)[:, :, : self.input_shape[1], : self.input_shape[2]]
         else:
             out = self.body(h).view(z.shape[0], *self.input_shape)
         return out * self.scale + self.mean

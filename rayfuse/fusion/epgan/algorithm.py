@@ -64,8 +64,18 @@ from rayfuse.method import (
 )
 from rayfuse.seeding import derive_seed
 
-__all__ = ["EPGAN", "EPGANOracle", "EPGANParams", "EPGANOracleParams", "train_gan", "combine_factors", "grid_points",
-           "mixture_density", "density_mse", "score_toy"]
+__all__ = [
+    "EPGAN",
+    "EPGANOracle",
+    "EPGANParams",
+    "EPGANOracleParams",
+    "train_gan",
+    "combine_factors",
+    "grid_points",
+    "mixture_density",
+    "density_mse",
+    "score_toy",
+]
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -74,7 +84,8 @@ __all__ = ["EPGAN", "EPGANOracle", "EPGANParams", "EPGANOracleParams", "train_ga
 
 class EPGANParams(MethodParams):
     backbone: Literal["wgan", "probgan", "ep-bgan", "ep-probgan"] = Field(
-        "ep-probgan", description="wgan / probgan: the FedAvg baselines; ep-bgan, ep-probgan: with the EP prior")
+        "ep-probgan", description="wgan / probgan: the FedAvg baselines; ep-bgan, ep-probgan: with the EP prior"
+    )
     components: int = Field(1, ge=1, le=64, description="J, EP-prior mixture components (J > 1: Mixture-EP-ProbGAN)")
     num_generators: int = Field(4, ge=1, le=64, description="generator samples N (Bayesian backbones)")
     num_discriminators: int = Field(4, ge=1, le=64, description="discriminator samples M (Bayesian backbones)")
@@ -92,12 +103,18 @@ class EPGANParams(MethodParams):
     hist_every: int = Field(10, ge=1, description="iterations between discriminator-history updates")
     lambda_ep: float = Field(1e-3, ge=0, description="weight of the EP-prior term in the generator loss")
     f_weight: float = Field(
-        1.0, ge=0, description="weight of f's objective in the critic loss (its objective is UNRECOVERABLE; 0: f stays at its initialisation)")
+        1.0,
+        ge=0,
+        description="weight of f's objective in the critic loss (its objective is UNRECOVERABLE; 0: f stays at its initialisation)",
+    )
     prior_var: float = Field(1.0, gt=0, description="variance of the initial global EP prior")
     component_spread: float = Field(0.05, ge=0, description="std of the seeded offsets of components j > 0 at initialisation")
     damping: float = Field(0.5, gt=0, le=1, description="damping rho of the EP factor update (natural parameters)")
-    site: Literal["paper", "ep"] = Field("paper", description="paper: clients upload the tilted Gaussian (Algorithm 2); "
-                                         "ep: they upload tilted / cavity, the server multiplies in the initial prior once")
+    site: Literal["paper", "ep"] = Field(
+        "paper",
+        description="paper: clients upload the tilted Gaussian (Algorithm 2); "
+        "ep: they upload tilted / cavity, the server multiplies in the initial prior once",
+    )
     warmup_epochs: int = Field(50, ge=0, description="local epochs before the first aggregation")
     rounds: int = Field(10, ge=1, le=100_000, description="FedAvg turns after the warm-up")
     local_epochs: int = Field(20, ge=0, description="local epochs per turn")
@@ -108,16 +125,33 @@ class EPGANParams(MethodParams):
     @model_validator(mode="after")
     def _components_need_ep(self) -> EPGANParams:
         if self.components > 1 and not self.backbone.startswith("ep-"):
-            raise key_error("components", f"1 for backbone {self.backbone!r} (mixture components need an EP backbone), got {self.components}")
+            raise key_error(
+                "components", f"1 for backbone {self.backbone!r} (mixture components need an EP backbone), got {self.components}"
+            )
         return self
 
     def settings(self, data_dim: int) -> GANSettings:
         return GANSettings(
-            backbone=self.backbone, data_dim=data_dim, latent_dim=self.latent_dim, hidden=self.hidden,
-            num_generators=self.num_generators, num_discriminators=self.num_discriminators, components=self.components,
-            out_activation=self.out_activation, lr_g=self.lr_g, lr_d=self.lr_d, batch_size=self.batch_size,
-            d_steps=self.d_steps, gp_weight=self.gp_weight, noise_weight=self.noise_weight, sghmc_alpha=self.sghmc_alpha,
-            hist_weight=self.hist_weight, hist_every=self.hist_every, lambda_ep=self.lambda_ep, f_weight=self.f_weight)
+            backbone=self.backbone,
+            data_dim=data_dim,
+            latent_dim=self.latent_dim,
+            hidden=self.hidden,
+            num_generators=self.num_generators,
+            num_discriminators=self.num_discriminators,
+            components=self.components,
+            out_activation=self.out_activation,
+            lr_g=self.lr_g,
+            lr_d=self.lr_d,
+            batch_size=self.batch_size,
+            d_steps=self.d_steps,
+            gp_weight=self.gp_weight,
+            noise_weight=self.noise_weight,
+            sghmc_alpha=self.sghmc_alpha,
+            hist_weight=self.hist_weight,
+            hist_every=self.hist_every,
+            lambda_ep=self.lambda_ep,
+            f_weight=self.f_weight,
+        )
 
 
 class EPGANOracleParams(EPGANParams):
@@ -138,9 +172,20 @@ KEPT_GAN = KeptState(STATE, "GAN state", unit="turn", key="epgan/{name}")
 
 
 @client_step("epgan.train")
-def train_gan(ctx: ClientContext, broadcast: dict[str, Any], *, label: str, round: int, settings: dict[str, Any],
-              epochs: int, beta: float, damping: float, site: str, state_turn: int | None = None,
-              store: str | None = None) -> Update:
+def train_gan(
+    ctx: ClientContext,
+    broadcast: dict[str, Any],
+    *,
+    label: str,
+    round: int,
+    settings: dict[str, Any],
+    epochs: int,
+    beta: float,
+    damping: float,
+    site: str,
+    state_turn: int | None = None,
+    store: str | None = None,
+) -> Update:
     """One turn of a client (Algorithm 2, lines 5-8): EP step, local GAN training, upload.
 
     The client's GAN (optimiser states, random generator, iteration counter, EP site) lives in ``ctx.state`` between
@@ -154,6 +199,7 @@ def train_gan(ctx: ClientContext, broadcast: dict[str, Any], *, label: str, roun
     ``run.model_cache`` on the client) the client also writes its state to its own storage after the turn, and reads it
     back when memory does not hold that turn (a resumed run's or a restarted actor's client; :data:`KEPT_GAN`).
     """
+
     def fresh() -> GANTrainer:
         return GANTrainer(GANSettings(**settings), seed=ctx.step_seed(label, "gan"), device=ctx.device)
 
@@ -207,15 +253,17 @@ def _load_gan_state(trainer: GANTrainer, saved: dict[str, np.ndarray]) -> None:
 
 def _prefixed(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
     """The arrays under ``prefix``, the prefix removed (copies: broadcasts and loaded checkpoints may be read-only)."""
-    return {k[len(prefix):]: np.array(v) for k, v in arrays.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: np.array(v) for k, v in arrays.items() if k.startswith(prefix)}
 
 
 # -----------------------------------------------------------------------------------------------------------------
 # Server math
 
 
-def combine_factors(factors: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]],
-                    prior: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def combine_factors(
+    factors: list[tuple[dict[str, np.ndarray], dict[str, np.ndarray]]],
+    prior: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Algorithm 2, line 10 (corrected): the product of the clients' Gaussian factors, key by key, elementwise.
 
     ``s = 1 / sum_k (1 / s_k)``, ``m = s sum_k m_k / s_k``. With ``prior`` (site mode ``ep``) the initial prior is one
@@ -255,8 +303,9 @@ def density_mse(f_p: np.ndarray, f_q: np.ndarray, *, normalise: bool = True) -> 
     return float(np.mean((f_p - f_q) ** 2))
 
 
-def score_toy(critic: np.ndarray, samples: np.ndarray, truth: np.ndarray, centres: np.ndarray, variances: np.ndarray, *,
-              grid: int, limit: float = 5.0) -> dict[str, float]:
+def score_toy(
+    critic: np.ndarray, samples: np.ndarray, truth: np.ndarray, centres: np.ndarray, variances: np.ndarray, *, grid: int, limit: float = 5.0
+) -> dict[str, float]:
     """The toy scores of one model: ``critic`` on :func:`grid_points`, ``truth`` the mixture density there."""
     metrics = {"d_mse": density_mse(truth, critic), "d_mse_raw": density_mse(truth, critic, normalise=False)}
     finite = np.isfinite(samples).all(axis=1)
@@ -427,13 +476,14 @@ class _Scorer:
 
 def _split(params: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None]:
     model = {k: v for k, v in params.items() if not k.startswith("ep_")}
-    means = {k[len("ep_mean/"):]: v for k, v in params.items() if k.startswith("ep_mean/")}
-    variances = {k[len("ep_var/"):]: v for k, v in params.items() if k.startswith("ep_var/")}
+    means = {k[len("ep_mean/") :]: v for k, v in params.items() if k.startswith("ep_mean/")}
+    variances = {k[len("ep_var/") :]: v for k, v in params.items() if k.startswith("ep_var/")}
     return model, ((means, variances) if means else None)
 
 
-def initial_ep_prior(trainer: GANTrainer, components: int, prior_var: float, spread: float,
-                     rng: np.random.Generator) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def initial_ep_prior(
+    trainer: GANTrainer, components: int, prior_var: float, spread: float, rng: np.random.Generator
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """The global EP prior at the first aggregation (Algorithm 2, line 2): centred at the averaged generator.
 
     Where to centre it is not in the paper (UNRECOVERABLE); the averaged warm-up generator is the model the federated
@@ -503,9 +553,13 @@ class EPGAN(Method[EPGANParams, EPGANState]):
         """With ``data.silos``, a server test set (``data.test``): EP-GAN scores its generator centrally against it, and
         its evaluation classifier (image data) trains on ``data.public``, else on ``data.test``."""
         if setup.data.is_silos and setup.data.test is None:
-            raise InputError("data.test", "the server's test set with data.silos (EP-GAN scores its generator centrally against it, "
-                             "evaluation: central; its image-score classifier trains on data.public, else on data.test)", "none given",
-                             "give data.test: {dataset: npz, path: ...} and evaluation: central")
+            raise InputError(
+                "data.test",
+                "the server's test set with data.silos (EP-GAN scores its generator centrally against it, "
+                "evaluation: central; its image-score classifier trains on data.public, else on data.test)",
+                "none given",
+                "give data.test: {dataset: npz, path: ...} and evaluation: central",
+            )
 
     def run(self, server: ServerContext) -> MethodResult:
         # Each client's GAN state (Adam moments of G and D, its random generator, its iteration counter -- the PSA
@@ -533,14 +587,27 @@ class EPGAN(Method[EPGANParams, EPGANState]):
         state = rounds.state
         if rounds.resumed:
             model.set_params(state.params)
-        step_args = dict(label=server.label, settings=asdict(settings), beta=p.beta, damping=p.damping, site=p.site,
-                         store=state.state_turns.store)
+        step_args = dict(
+            label=server.label, settings=asdict(settings), beta=p.beta, damping=p.damping, site=p.site, store=state.state_turns.store
+        )
         for turn in rounds:  # turn 0: the warm-up; turns 1..rounds: Algorithm 2
             broadcast = fed.put({"params": state.params, "ep_mean": state.ep_mean, "ep_var": state.ep_var})
             epochs = p.warmup_epochs if turn == 0 else p.local_epochs
-            gathered = fed.gather([call for client in fed.client_ids for call in fed.map(
-                train_gan, broadcast, clients=[client], round=turn, epochs=epochs,
-                state_turn=state.state_turns.get(client), **step_args)])
+            gathered = fed.gather(
+                [
+                    call
+                    for client in fed.client_ids
+                    for call in fed.map(
+                        train_gan,
+                        broadcast,
+                        clients=[client],
+                        round=turn,
+                        epochs=epochs,
+                        state_turn=state.state_turns.get(client),
+                        **step_args,
+                    )
+                ]
+            )
             state.state_turns.moved(gathered.results, turn)  # accepted or not, its GAN state moved on to this turn
             updates = self.accept(server, gathered, state.reference(settings.uses_ep))
             state.rejected += len(gathered.results) - len(updates)
@@ -550,13 +617,15 @@ class EPGAN(Method[EPGANParams, EPGANState]):
             model.set_params(state.params)
             if settings.uses_ep:
                 if state.ep_mean is None:  # after the warm-up: the global EP prior starts at the averaged generator
-                    state.ep_mean, state.ep_var = initial_ep_prior(model, p.components, p.prior_var, p.component_spread,
-                                                                   server.rng("ep-init"))
+                    state.ep_mean, state.ep_var = initial_ep_prior(
+                        model, p.components, p.prior_var, p.component_spread, server.rng("ep-init")
+                    )
                     state.ep0_mean, state.ep0_var = state.ep_mean, state.ep_var
                 else:  # Algorithm 2, line 10 (corrected variance)
                     state.ep_mean, state.ep_var = combine_factors(
                         [part[1] for part in parts if part[1] is not None],
-                        (state.ep0_mean, state.ep0_var) if p.site == "ep" else None)  # type: ignore[arg-type]
+                        (state.ep0_mean, state.ep0_var) if p.site == "ep" else None,  # type: ignore[arg-type]
+                    )
             row = {
                 "clients": float(len(updates)),
                 "d_loss": float(np.average([u.metrics["d_loss"] for u in updates.values()], weights=weights)),
@@ -574,10 +643,19 @@ class EPGAN(Method[EPGANParams, EPGANState]):
         if state.ep_mean is not None and state.ep_var is not None:
             final.update({f"ep_mean/{k}": v.astype(np.float32) for k, v in state.ep_mean.items()})
             final.update({f"ep_var/{k}": v.astype(np.float32) for k, v in state.ep_var.items()})
-        return MethodResult(metrics, final, info={
-            "rounds": p.rounds, "backbone": p.backbone, "components": p.components, "rejected_updates": state.rejected,
-            "maps": state.maps, "truth": scorer.truth_snapshot(), "real_data_scores": scorer.reference()})
-
+        return MethodResult(
+            metrics,
+            final,
+            info={
+                "rounds": p.rounds,
+                "backbone": p.backbone,
+                "components": p.components,
+                "rejected_updates": state.rejected,
+                "maps": state.maps,
+                "truth": scorer.truth_snapshot(),
+                "real_data_scores": scorer.reference(),
+            },
+        )
 
     @staticmethod
     def accept(server: ServerContext, gathered: Any, reference: dict[str, np.ndarray]) -> dict[int, Update]:
@@ -623,8 +701,14 @@ class EPGANOracle(Method[EPGANOracleParams, "EPGANOracleState"]):
         chunk = max(p.local_epochs, 1)
         # Rounds are epochs done, one every ``chunk`` (and the last); each block's losses go in the row, its scores are
         # the loop's evaluation (the progress line shows the scores alone, as before: the losses are quiet).
-        rounds = server.rounds(EPGANOracleState(trainer.get_params()), last=p.epochs, evaluate=lambda done: scorer(trainer),
-                               unit="epoch", quiet=("d_loss", "g_loss"), step=chunk)
+        rounds = server.rounds(
+            EPGANOracleState(trainer.get_params()),
+            last=p.epochs,
+            evaluate=lambda done: scorer(trainer),
+            unit="epoch",
+            quiet=("d_loss", "g_loss"),
+            step=chunk,
+        )
         state = rounds.state
         if rounds.resumed:
             # Everything the trainer carries between blocks: its parameters, Adam moments, random generator, iteration
@@ -651,7 +735,16 @@ class EPGANOracle(Method[EPGANOracleParams, "EPGANOracleState"]):
             rounds.log(dict(state.losses))
         metrics = rounds.metrics or dict(state.losses)
         snap = scorer.snapshot(trainer)
-        return MethodResult(metrics, trainer.get_params(), info={
-            "note": "trained on all clients' data pooled: infeasible in a federation, an upper reference",
-            "backbone": p.backbone, "epochs": p.epochs, "num_examples": len(X), "maps": {"oracle": snap} if snap else {},
-            "truth": scorer.truth_snapshot(), "real_data_scores": scorer.reference()})
+        return MethodResult(
+            metrics,
+            trainer.get_params(),
+            info={
+                "note": "trained on all clients' data pooled: infeasible in a federation, an upper reference",
+                "backbone": p.backbone,
+                "epochs": p.epochs,
+                "num_examples": len(X),
+                "maps": {"oracle": snap} if snap else {},
+                "truth": scorer.truth_snapshot(),
+                "real_data_scores": scorer.reference(),
+            },
+        )

@@ -27,8 +27,18 @@ import math
 import numpy as np
 from scipy.special import expit
 
-__all__ = ["ZETA2", "probit_coefficients", "sigmoid_power_mean", "stein_moments", "tilted_moments", "paper_second_moment",
-           "gaussian_product", "cavity", "site_update", "MIN_VARIANCE"]
+__all__ = [
+    "ZETA2",
+    "probit_coefficients",
+    "sigmoid_power_mean",
+    "stein_moments",
+    "tilted_moments",
+    "paper_second_moment",
+    "gaussian_product",
+    "cavity",
+    "site_update",
+    "MIN_VARIANCE",
+]
 
 ZETA2 = math.pi / 8.0  # probit matching: sigma(x) ~ Phi(zeta x)
 MIN_VARIANCE = 1e-8  # the variance floor (docs/methods/epgan.md)
@@ -50,8 +60,9 @@ def sigmoid_power_mean(d: int, c_mean: np.ndarray, c_var: np.ndarray) -> np.ndar
     return expit(a * (c_mean + b) / np.sqrt(1.0 + ZETA2 * a * a * c_var))
 
 
-def stein_moments(c_mean: np.ndarray, c_var: np.ndarray, e1: np.ndarray, e2: np.ndarray,
-                  e3: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def stein_moments(
+    c_mean: np.ndarray, c_var: np.ndarray, e1: np.ndarray, e2: np.ndarray, e3: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``E[C sigma]``, ``E[C sigma^2]`` and ``E[C^2 sigma]`` from ``E_d = E[sigma^d(C)]`` (eq. 31, 37, 35; exact given
     exact ``E_d``: Stein's lemma ``E[g(C)(C - C_m)] = C_s E[g'(C)]`` with ``sigma' = sigma - sigma^2``)."""
     c_sigma = (c_mean + c_var) * e1 - c_var * e2  # E[C s] = C_m E1 + C_s E[s'] and s' = s - s^2
@@ -117,8 +128,9 @@ def gaussian_product(means: list[np.ndarray] | np.ndarray, variances: list[np.nd
     return var * (means / variances).sum(axis=0), var
 
 
-def cavity(global_mean: np.ndarray, global_var: np.ndarray, site_mean: np.ndarray | None,
-           site_var: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+def cavity(
+    global_mean: np.ndarray, global_var: np.ndarray, site_mean: np.ndarray | None, site_var: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
     """The cavity ``q_{-k} = q_global / q_k`` in natural parameters; the global prior where that is not a Gaussian.
 
     ``lambda_{-k} = 1/s_g - 1/s_k``, ``eta_{-k} = m_g/s_g - m_k/s_k``. Where ``lambda_{-k} <= 0`` (the site holds
@@ -136,8 +148,9 @@ def cavity(global_mean: np.ndarray, global_var: np.ndarray, site_mean: np.ndarra
     return np.where(ok, eta / safe, global_mean), np.where(ok, 1.0 / safe, global_var)
 
 
-def site_update(old_mean: np.ndarray | None, old_var: np.ndarray | None, new_mean: np.ndarray, new_var: np.ndarray,
-                damping: float = 0.5) -> tuple[np.ndarray, np.ndarray]:
+def site_update(
+    old_mean: np.ndarray | None, old_var: np.ndarray | None, new_mean: np.ndarray, new_var: np.ndarray, damping: float = 0.5
+) -> tuple[np.ndarray, np.ndarray]:
     """Damped update in natural parameters: ``(1 - rho) old + rho new`` for precision and precision-mean."""
     if not 0.0 < damping <= 1.0:
         raise ValueError(f"damping must be in (0, 1], got {damping}")

@@ -50,8 +50,7 @@ from torch.nn import functional as F
 
 from rayfuse.fusion.epgan.ep import cavity, site_update, tilted_moments
 
-__all__ = ["BACKBONES", "GANSettings", "Generator", "Discriminator", "GANTrainer", "ep_energy", "noise_loss",
-           "gradient_penalty"]
+__all__ = ["BACKBONES", "GANSettings", "Generator", "Discriminator", "GANTrainer", "ep_energy", "noise_loss", "gradient_penalty"]
 
 BACKBONES = ("wgan", "probgan", "ep-bgan", "ep-probgan")
 
@@ -189,8 +188,13 @@ def gradient_penalty(critic: nn.Module, real: torch.Tensor, fake: torch.Tensor, 
     return ((grad.flatten(1).norm(dim=1) - 1.0) ** 2).mean()
 
 
-def ep_energy(named: Mapping[str, torch.Tensor], means: dict[str, torch.Tensor], half_precisions: dict[str, torch.Tensor],
-              num_samples: int, per_sample: set[str]) -> torch.Tensor:
+def ep_energy(
+    named: Mapping[str, torch.Tensor],
+    means: dict[str, torch.Tensor],
+    half_precisions: dict[str, torch.Tensor],
+    num_samples: int,
+    per_sample: set[str],
+) -> torch.Tensor:
     """``E_j = sum_n sum_i (m_{j,i} - theta_{n,i})^2 / (2 s_{j,i})`` for each component ``j``, shape ``(J,)``.
 
     ``means[name]`` / ``half_precisions[name]`` (``1 / (2 s)``) have a leading component axis ``J``. A per-sample
@@ -253,7 +257,7 @@ class GANTrainer:
 
     def set_params(self, params: dict[str, np.ndarray]) -> None:
         for prefix, module in (("G/", self.G), ("D/", self.D)):
-            state = {k[len(prefix):]: torch.as_tensor(np.array(v)) for k, v in params.items() if k.startswith(prefix)}
+            state = {k[len(prefix) :]: torch.as_tensor(np.array(v)) for k, v in params.items() if k.startswith(prefix)}
             module.load_state_dict(state)
         if "pi/logits" in params:
             with torch.no_grad():
@@ -295,8 +299,9 @@ class GANTrainer:
         )
         # mean(m_j) over every prior element: the scalar f's objective multiplies f_j(x) with
         size = sum(v[0].size for v in means.values())
-        self._mbar = torch.as_tensor(sum(v.reshape(v.shape[0], -1).sum(1) for v in means.values()) / size,
-                                     dtype=torch.float32, device=self.device)
+        self._mbar = torch.as_tensor(
+            sum(v.reshape(v.shape[0], -1).sum(1) for v in means.values()) / size, dtype=torch.float32, device=self.device
+        )
 
     @torch.no_grad()
     def likelihood_scalars(self, X: np.ndarray, max_items: int = 512) -> np.ndarray:
@@ -308,8 +313,15 @@ class GANTrainer:
         self.D.train()
         return f.double().cpu().numpy()
 
-    def update_ep(self, X: np.ndarray, global_means: dict[str, np.ndarray], global_vars: dict[str, np.ndarray], *,
-                  damping: float, site_mode: str = "paper") -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray]:
+    def update_ep(
+        self,
+        X: np.ndarray,
+        global_means: dict[str, np.ndarray],
+        global_vars: dict[str, np.ndarray],
+        *,
+        damping: float,
+        site_mode: str = "paper",
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray]:
         """One EP step of client ``k`` for every component (Algorithm 2, line 5; Theorem 4.1 with the corrected S2).
 
         Cavity ``q_{-k} = q_global / q_k`` (natural parameters; the global prior where that is improper); tilted
@@ -450,15 +462,16 @@ class GANTrainer:
         d_sum = g_sum = 0.0
         steps = 0
         for start in range(0, len(order), self.settings.batch_size):
-            idx = order[start:start + self.settings.batch_size]
+            idx = order[start : start + self.settings.batch_size]
             if len(idx) < 2:
                 continue
             d, g = self.train_step(data[idx])
             d_sum, g_sum, steps = d_sum + d, g_sum + g, steps + 1
         return d_sum / max(steps, 1), g_sum / max(steps, 1)
 
-    def train(self, X: np.ndarray, epochs: int, *, interpolate_to: dict[str, np.ndarray] | None = None,
-              beta: float = 0.5) -> dict[str, float]:
+    def train(
+        self, X: np.ndarray, epochs: int, *, interpolate_to: dict[str, np.ndarray] | None = None, beta: float = 0.5
+    ) -> dict[str, float]:
         """``epochs`` local epochs; with ``interpolate_to`` the historical interpolation after each epoch."""
         started = time.perf_counter()
         d = g = float("nan")

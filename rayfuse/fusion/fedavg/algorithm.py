@@ -52,10 +52,23 @@ from rayfuse.method import (
 
 __all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "FedAvgState", "fit", "clients_per_round"]
 
+
 @client_step("fedavg.fit")
-def fit(ctx: ClientContext, global_params: dict[str, np.ndarray], *, label: str, round: int, epochs: int, lr: float,
-        batch_size: int, optimizer: Literal["adam", "sgd"], momentum: float, weight_decay: float, mu: float = 0.0,
-        eval_loss: bool = False) -> Update:
+def fit(
+    ctx: ClientContext,
+    global_params: dict[str, np.ndarray],
+    *,
+    label: str,
+    round: int,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    optimizer: Literal["adam", "sgd"],
+    momentum: float,
+    weight_decay: float,
+    mu: float = 0.0,
+    eval_loss: bool = False,
+) -> Update:
     """Local training from the broadcast global model; returns the new parameters, the sample count and the loss.
 
     ``train_loss`` is the mean data loss over the last local epoch (free: computed while training). With ``eval_loss``
@@ -67,9 +80,20 @@ def fit(ctx: ClientContext, global_params: dict[str, np.ndarray], *, label: str,
     from rayfuse.models import compute_loss, get_params, set_params, train_model
 
     model = set_params(ctx.build_model(seed=0), global_params)
-    stats = train_model(model, ctx.train.X, ctx.train.y, epochs=epochs, batch_size=batch_size, lr=lr, optimizer=optimizer,
-                        momentum=momentum, weight_decay=weight_decay, proximal_mu=mu, seed=ctx.step_seed(label, round),
-                        device=ctx.device)
+    stats = train_model(
+        model,
+        ctx.train.X,
+        ctx.train.y,
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        optimizer=optimizer,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        proximal_mu=mu,
+        seed=ctx.step_seed(label, round),
+        device=ctx.device,
+    )
     metrics = {"train_loss": stats.loss, "train_seconds": stats.seconds}
     if eval_loss:
         started = time.perf_counter()
@@ -87,12 +111,18 @@ class FedAvgParams(MethodParams):
     fraction: float = Field(1.0, gt=0, le=1, description="fraction of clients sampled per round (Flower's fraction_train)")
     weighted: bool = Field(True, description="weight clients by their sample counts")
     evaluate_every: int = Field(1, ge=1, description="evaluate the global model every this many rounds (and after the last)")
-    aggregator: AggregatorSettings = Field(default_factory=AggregatorSettings, description="how the clients' models are "
-                                           "combined: mean (eq. 1), median, trimmed_mean, krum, bulyan, geometric_median; "
-                                           "clip_norm clips each update first")
-    dp: CentralDPSettings | None = Field(None, description="central DP-FedAvg (McMahan et al. 2018): noise_multiplier or "
-                                         "target_epsilon, clip_norm, adaptive, sample_rate, delta, accountant, stop_at_epsilon; "
-                                         "null: no DP")
+    aggregator: AggregatorSettings = Field(
+        default_factory=AggregatorSettings,
+        description="how the clients' models are "
+        "combined: mean (eq. 1), median, trimmed_mean, krum, bulyan, geometric_median; "
+        "clip_norm clips each update first",
+    )
+    dp: CentralDPSettings | None = Field(
+        None,
+        description="central DP-FedAvg (McMahan et al. 2018): noise_multiplier or "
+        "target_epsilon, clip_norm, adaptive, sample_rate, delta, accountant, stop_at_epsilon; "
+        "null: no DP",
+    )
 
 
 class FedProxParams(FedAvgParams):
@@ -130,8 +160,9 @@ class FedAvg(Method[FP, FS]):
         """The round state before round 1 from the initial global model (subclasses with more state return theirs)."""
         return cast(FS, FedAvgState(params))
 
-    def server_update(self, server: ServerContext, state: FS, averaged: dict[str, np.ndarray], updates: dict[int, Update],
-                      round: int) -> dict[str, np.ndarray]:
+    def server_update(
+        self, server: ServerContext, state: FS, averaged: dict[str, np.ndarray], updates: dict[int, Update], round: int
+    ) -> dict[str, np.ndarray]:
         """The new global model from this round's average of the accepted updates (FedAvg: the average itself).
 
         ``state`` is the round state (``state.params`` the model broadcast this round); a subclass updates its own
@@ -157,13 +188,21 @@ class FedAvg(Method[FP, FS]):
         last = pipeline.rounds(p.rounds)  # central DP's stop_at_epsilon may afford fewer
         start = self.initial_state(server.models.initial_params())
         start.dp = pipeline.state()
-        rounds = server.rounds(start, last=last, evaluate=lambda rnd: server.scoring.evaluate(rounds.state.params),
-                               evaluate_every=p.evaluate_every)
+        rounds = server.rounds(
+            start, last=last, evaluate=lambda rnd: server.scoring.evaluate(rounds.state.params), evaluate_every=p.evaluate_every
+        )
         state = rounds.state
         pipeline.load_state(state.dp)
-        step_args = dict(label=server.label, epochs=p.local_epochs, lr=p.lr or train.lr, batch_size=p.batch_size or train.batch_size,
-                         optimizer=p.optimizer or train.optimizer, momentum=train.momentum, weight_decay=train.weight_decay,
-                         **self.client_args())
+        step_args = dict(
+            label=server.label,
+            epochs=p.local_epochs,
+            lr=p.lr or train.lr,
+            batch_size=p.batch_size or train.batch_size,
+            optimizer=p.optimizer or train.optimizer,
+            momentum=train.momentum,
+            weight_decay=train.weight_decay,
+            **self.client_args(),
+        )
         for rnd in rounds:
             clients = pipeline.sample(p.fraction, rnd)
             # central DP may sample no client: the round is then noise alone, as its accountant assumes
@@ -179,11 +218,17 @@ class FedAvg(Method[FP, FS]):
             work = [u.metrics.get("train_seconds", np.nan) + u.metrics.get("eval_seconds", 0.0) for u in updates.values()]
             del result  # release this round's objects before the next round arrives
             loss = float(np.sum(losses * counts) / counts.sum()) if updates else float("nan")
-            rounds.log({"train_loss": loss, "clients": float(len(updates)), "client_seconds": float(np.mean(work)) if work else 0.0,
-                        **extra, **self.round_metrics()})
+            rounds.log(
+                {
+                    "train_loss": loss,
+                    "clients": float(len(updates)),
+                    "client_seconds": float(np.mean(work)) if work else 0.0,
+                    **extra,
+                    **self.round_metrics(),
+                }
+            )
         info: dict[str, object] = {"rounds": last, "mu": self.mu, **pipeline.info()}
         return MethodResult(rounds.metrics, state.params, info=info)
-
 
 
 @register_method

@@ -56,8 +56,18 @@ class FedAdagradParams(FedOptParams):
         return self
 
 
-def fedopt_step(rule: str, x: dict[str, np.ndarray], delta: dict[str, np.ndarray], m: dict[str, np.ndarray],
-                v: dict[str, np.ndarray], *, eta: float, beta1: float, beta2: float, tau: float) -> dict[str, np.ndarray]:
+def fedopt_step(
+    rule: str,
+    x: dict[str, np.ndarray],
+    delta: dict[str, np.ndarray],
+    m: dict[str, np.ndarray],
+    v: dict[str, np.ndarray],
+    *,
+    eta: float,
+    beta1: float,
+    beta2: float,
+    tau: float,
+) -> dict[str, np.ndarray]:
     """One adaptive server step, in place on ``m`` and ``v``; returns the new model (``x``'s dtypes).
 
     Parameters
@@ -127,8 +137,9 @@ class FedOpt(FedAvg[OP, FedOptState]):
     def initial_state(self, params: dict[str, np.ndarray]) -> FedOptState:
         return FedOptState(params)
 
-    def server_update(self, server: ServerContext, state: FedOptState, averaged: dict[str, np.ndarray],
-                      updates: dict[int, Update], round: int) -> dict[str, np.ndarray]:
+    def server_update(
+        self, server: ServerContext, state: FedOptState, averaged: dict[str, np.ndarray], updates: dict[int, Update], round: int
+    ) -> dict[str, np.ndarray]:
         p = self.params
         global_params = state.params
         if not state.m:  # moments in the parameters' float dtype (as Flower keeps them)
@@ -138,12 +149,14 @@ class FedOpt(FedAvg[OP, FedOptState]):
         state.steps += 1
         eta = p.eta
         if p.bias_correction:
-            eta = eta * np.sqrt(1.0 - p.beta2 ** state.steps) / (1.0 - p.beta1 ** state.steps)
+            eta = eta * np.sqrt(1.0 - p.beta2**state.steps) / (1.0 - p.beta1**state.steps)
         new = fedopt_step(self.rule, global_params, delta, state.m, state.v, eta=eta, beta1=p.beta1, beta2=p.beta2, tau=p.tau)
         bad = [k for k, a in new.items() if not np.isfinite(a).all()]
         if bad:
-            raise NonFiniteError(f"{self.label}: the server step of round {round} produced non-finite values in {bad[0]!r} "
-                                 f"(try a smaller eta or a larger tau)")
+            raise NonFiniteError(
+                f"{self.label}: the server step of round {round} produced non-finite values in {bad[0]!r} "
+                f"(try a smaller eta or a larger tau)"
+            )
         return new
 
 

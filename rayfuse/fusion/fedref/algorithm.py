@@ -48,10 +48,14 @@ __all__ = ["FedRef", "FedRefParams", "FedRefState", "reference_model", "fedref_s
 class FedRefParams(FedAvgParams):
     p: int = Field(5, ge=1, le=10_000, description="aggregates kept for the reference model (paper: 3-5; MNIST: 5)")
     lam: float = Field(0.01, ge=0, description="lambda of eq. 12 (MNIST: 0.01)")
-    server_lr: float | None = Field(None, gt=0, description="step size of the fine-tuning step (default: the clients' lr, as in the authors' code)")
+    server_lr: float | None = Field(
+        None, gt=0, description="step size of the fine-tuning step (default: the clients' lr, as in the authors' code)"
+    )
     update: Literal["code", "grad"] = Field("code", description="code: the authors' elementwise |.| step; grad: a gradient step on eq. 12")
     client_loss: Literal["running", "eval"] = Field(
-        "running", description="F_k: running = mean loss of the last local epoch (free); eval = a forward pass after training (authors' code)")
+        "running",
+        description="F_k: running = mean loss of the last local epoch (free); eval = a forward pass after training (authors' code)",
+    )
 
 
 def reference_model(queue: list[dict[str, np.ndarray]] | deque[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -67,8 +71,18 @@ def reference_model(queue: list[dict[str, np.ndarray]] | deque[dict[str, np.ndar
     return out
 
 
-def fedref_step(form: str, theta1: dict[str, np.ndarray], theta1_prev: dict[str, np.ndarray], theta2: dict[str, np.ndarray],
-                theta2_prev: dict[str, np.ndarray], *, c_loss: float, lam: float, lr: float, p: int) -> dict[str, np.ndarray]:
+def fedref_step(
+    form: str,
+    theta1: dict[str, np.ndarray],
+    theta1_prev: dict[str, np.ndarray],
+    theta2: dict[str, np.ndarray],
+    theta2_prev: dict[str, np.ndarray],
+    *,
+    c_loss: float,
+    lam: float,
+    lr: float,
+    p: int,
+) -> dict[str, np.ndarray]:
     """The fine-tuning step of eq. 12 applied to this round's aggregate ``theta1`` (see the module docstring)."""
     if form not in ("code", "grad"):
         raise ValueError(f"unknown FedRef update form {form!r}")
@@ -126,8 +140,9 @@ class FedRef(FedAvg[FedRefParams, FedRefState]):
     def client_args(self) -> dict[str, object]:
         return {"eval_loss": True} if self.params.client_loss == "eval" else {}
 
-    def server_update(self, server: ServerContext, state: FedRefState, averaged: dict[str, np.ndarray],
-                      updates: dict[int, Update], round: int) -> dict[str, np.ndarray]:
+    def server_update(
+        self, server: ServerContext, state: FedRefState, averaged: dict[str, np.ndarray], updates: dict[int, Update], round: int
+    ) -> dict[str, np.ndarray]:
         p = self.params
         metric = "eval_loss" if p.client_loss == "eval" else "train_loss"
         losses = np.array([u.metrics.get(metric, np.nan) for u in updates.values()], dtype=np.float64)
@@ -147,8 +162,9 @@ class FedRef(FedAvg[FedRefParams, FedRefState]):
         new = theta1
         if theta2 is not None and state.theta2_prev is not None and theta1_prev is not None:  # round > p + 1
             lr = p.server_lr or p.lr or server.models.train_cfg.lr
-            new = fedref_step(p.update, theta1, theta1_prev, theta2, state.theta2_prev,
-                              c_loss=loss - state.loss_prev, lam=p.lam, lr=lr, p=p.p)
+            new = fedref_step(
+                p.update, theta1, theta1_prev, theta2, state.theta2_prev, c_loss=loss - state.loss_prev, lam=p.lam, lr=lr, p=p.p
+            )
             bad = [k for k, a in new.items() if not np.isfinite(a).all()]
             if bad:
                 raise NonFiniteError(f"{self.label}: the fine-tuning step of round {round} produced non-finite values in {bad[0]!r}")

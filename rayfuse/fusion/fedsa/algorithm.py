@@ -81,8 +81,17 @@ from rayfuse.method import (
 )
 from rayfuse.seeding import derive_seed, make_rng
 
-__all__ = ["FedSA", "FedSAParams", "Scratch", "Transfer", "TargetParams", "check_student", "check_target_set",
-           "compute_teacher_saliency", "distill_student"]
+__all__ = [
+    "FedSA",
+    "FedSAParams",
+    "Scratch",
+    "Transfer",
+    "TargetParams",
+    "check_student",
+    "check_target_set",
+    "compute_teacher_saliency",
+    "distill_student",
+]
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -108,7 +117,7 @@ def _teacher_features(ctx: ClientContext) -> Any:
         teacher.eval()
         X = torch.as_tensor(np.ascontiguousarray(ctx.train.X), device=ctx.device)
         with torch.no_grad():
-            cached = torch.cat([hidden_representation(teacher, X[i:i + 1024]) for i in range(0, len(X), 1024)]).cpu()
+            cached = torch.cat([hidden_representation(teacher, X[i : i + 1024]) for i in range(0, len(X), 1024)]).cpu()
         ctx.state["fedsa.teacher_features"] = cached
     return cached
 
@@ -119,9 +128,22 @@ KEPT_TRANSLATORS = KeptState(TRANSLATORS, "translators", item="translator", key=
 
 
 @client_step("fedsa.distill")
-def distill_student(ctx: ClientContext, student_params: dict[str, np.ndarray], *, label: str, round: int, copies: int,
-                    student_cfg: Any, epochs: int, lr: float, batch_size: int, optimizer: str = "adam",
-                    weight_decay: float = 0.0, translator_round: int = 0, store: str | None = None) -> dict[str, Any]:
+def distill_student(
+    ctx: ClientContext,
+    student_params: dict[str, np.ndarray],
+    *,
+    label: str,
+    round: int,
+    copies: int,
+    student_cfg: Any,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    optimizer: str = "adam",
+    weight_decay: float = 0.0,
+    translator_round: int = 0,
+    store: str | None = None,
+) -> dict[str, Any]:
     """SelectiveKA(n, theta^t) of Algorithm 1: ``copies`` local students distilled from this client's teacher.
 
     Each copy starts from the broadcast student and from this client's translator for ``label`` (created on first
@@ -142,21 +164,43 @@ def distill_student(ctx: ClientContext, student_params: dict[str, np.ndarray], *
     for c in range(copies):
         student = set_params(build_model(student_cfg, ctx.input_shape, ctx.num_classes, seed=0), student_params)
         if c == 0:
+
             def build(student: Any = student) -> Any:
                 shape = representation_shape(student, ctx.input_shape)
                 return build_translator(shape, tuple(features.shape[1:]), seed=ctx.step_seed(label, "translator"))
 
-            translator = KEPT_TRANSLATORS.take(ctx, label, translator_round or None, store, fresh=build,
-                                               load=lambda arrays: set_params(build(), arrays))
+            translator = KEPT_TRANSLATORS.take(
+                ctx, label, translator_round or None, store, fresh=build, load=lambda arrays: set_params(build(), arrays)
+            )
         assert translator is not None  # taken (kept or fresh) at c == 0
         local_translator = copy.deepcopy(translator)
-        losses.append(distill_features(student, local_translator, ctx.train.X, features, epochs=epochs, lr=lr,
-                                       batch_size=batch_size, optimizer=optimizer, weight_decay=weight_decay,
-                                       seed=ctx.step_seed(label, round, c), device=ctx.device))
+        losses.append(
+            distill_features(
+                student,
+                local_translator,
+                ctx.train.X,
+                features,
+                epochs=epochs,
+                lr=lr,
+                batch_size=batch_size,
+                optimizer=optimizer,
+                weight_decay=weight_decay,
+                seed=ctx.step_seed(label, round, c),
+                device=ctx.device,
+            )
+        )
         students.append(get_params(student))
         if c == 0:
-            KEPT_TRANSLATORS.keep(ctx, label, local_translator.cpu(), round, store, previous=translator_round or None,
-                                  arrays=get_params, metadata={"label": label})
+            KEPT_TRANSLATORS.keep(
+                ctx,
+                label,
+                local_translator.cpu(),
+                round,
+                store,
+                previous=translator_round or None,
+                arrays=get_params,
+                metadata={"label": label},
+            )
     return {"students": students, "kd_loss": losses, "num_examples": ctx.num_examples, "seconds": time.perf_counter() - started}
 
 
@@ -167,8 +211,12 @@ def distill_student(ctx: ClientContext, student_params: dict[str, np.ndarray], *
 class TargetParams(MethodParams):
     """Training on the server's labelled target set (shared by ``fedsa``, ``scratch`` and ``transfer``)."""
 
-    target_epochs: int = Field(100, ge=0, description="epochs training the weak target model on D_T before the rounds (code: 10 "
-                               "epochs of Adam 0.1 on a ResNet; a 1 % target set of digits is 1-2 batches an epoch)")
+    target_epochs: int = Field(
+        100,
+        ge=0,
+        description="epochs training the weak target model on D_T before the rounds (code: 10 "
+        "epochs of Adam 0.1 on a ResNet; a 1 % target set of digits is 1-2 batches an epoch)",
+    )
     target_lr: float = Field(0.01, gt=0, description="Adam lr on D_T (code: 0.1 with a ResNet; too large for the small CNN here)")
     target_weight_decay: float = Field(1e-4, ge=0, description="weight decay on D_T (code: 1e-4)")
     target_batch_size: int = Field(64, ge=1, description="batch size of every training on D_T (the weak target model, the adaptation)")
@@ -186,10 +234,13 @@ class FedSAParams(StudentParams):
     select_every: int = Field(10, ge=1, description="E_g: re-select the teachers every this many rounds (code: 10)")
     k: int = Field(3, ge=1, description="K draws per selection (paper: 3 of 10; code: 2)")
     selection: Literal["saliency", "random", "fixed", "top_k", "least_k", "all"] = Field(
-        "saliency", description="saliency (FedSA), fixed (FedSA's first draw kept), top_k, least_k, random, all (FedAvg+)")
+        "saliency", description="saliency (FedSA), fixed (FedSA's first draw kept), top_k, least_k, random, all (FedAvg+)"
+    )
     weighting: Literal["uniform", "positive", "negative"] = Field("uniform", description="aggregation weights of the draws (Table 2)")
     saliency: Literal["grad", "gradcam"] = Field("grad", description="input gradients of the representation (paper) or Grad-CAM (code)")
-    similarity: Literal["per_image", "mean_map"] = Field("per_image", description="per-image cosines (code) or the averaged maps' cosine (eq. 2)")
+    similarity: Literal["per_image", "mean_map"] = Field(
+        "per_image", description="per-image cosines (code) or the averaged maps' cosine (eq. 2)"
+    )
     normalize: bool = Field(True, description="min-max normalise Q before the softmax (code; eq. 3 as written: false)")
     temperature: float = Field(1.0, gt=0, description="softmax temperature of eq. 3 (1: the paper)")
     retrain_head: bool = Field(True, description="re-train the target model's head on D_T before each re-selection (paper)")
@@ -208,8 +259,12 @@ class FedSAParams(StudentParams):
 def check_target_set(public_size: int) -> None:
     """Refuse an empty target set (the server's public sample, ``data.public_size``)."""
     if public_size == 0:
-        raise InputError("data.public_size", "a labelled target set on the server (> 0; e.g. 0.01, 0.05 or 0.1 of the pool)", 0,
-                         "FedSA's target set is the server's public sample")
+        raise InputError(
+            "data.public_size",
+            "a labelled target set on the server (> 0; e.g. 0.01, 0.05 or 0.1 of the pool)",
+            0,
+            "FedSA's target set is the server's public sample",
+        )
 
 
 def check_student(params: StudentParams, setup: RunSetup) -> Any:
@@ -259,16 +314,34 @@ def _train_weak_target(server: ServerContext, model: Any, target: Split, p: Targ
     """The weak target model: the whole network trained on D_T (the code's warm-up; Algorithm 1, line 4)."""
     from rayfuse.models import train_model
 
-    train_model(model, target.X, target.y, epochs=p.target_epochs, batch_size=p.target_batch_size, lr=p.target_lr,
-                optimizer="adam", weight_decay=p.target_weight_decay, seed=derive_seed(server.seed, "fedsa", "weak-target"),
-                device=server.models.device)
+    train_model(
+        model,
+        target.X,
+        target.y,
+        epochs=p.target_epochs,
+        batch_size=p.target_batch_size,
+        lr=p.target_lr,
+        optimizer="adam",
+        weight_decay=p.target_weight_decay,
+        seed=derive_seed(server.seed, "fedsa", "weak-target"),
+        device=server.models.device,
+    )
     return model
 
 
 def _adapt(server: ServerContext, model: Any, target: Split, p: TargetParams, tag: object) -> Any:
-    return adapt_to_target(model, target.X, target.y, mode=p.adapt, epochs=p.adapt_epochs, lr=p.adapt_lr,
-                           batch_size=p.target_batch_size, weight_decay=p.target_weight_decay,
-                           seed=derive_seed(server.seed, "fedsa", "adapt", tag), device=server.models.device)
+    return adapt_to_target(
+        model,
+        target.X,
+        target.y,
+        mode=p.adapt,
+        epochs=p.adapt_epochs,
+        lr=p.adapt_lr,
+        batch_size=p.target_batch_size,
+        weight_decay=p.target_weight_decay,
+        seed=derive_seed(server.seed, "fedsa", "adapt", tag),
+        device=server.models.device,
+    )
 
 
 def _evaluate(server: ServerContext, model: Any) -> dict[str, float]:
@@ -354,19 +427,49 @@ class Transfer(Method[TransferParams, None]):
         rows = []
         for client, update in server.updates.accept(server.updates.local_updates()).items():
             teacher = set_params(build_model(server.models.model_cfg, server.data.input_shape, server.data.num_classes), update.params)
-            probe = _evaluate(server, adapt_to_target(teacher, target.X, target.y, mode="head", epochs=p.adapt_epochs, lr=p.adapt_lr,
-                                                      batch_size=p.target_batch_size, seed=derive_seed(server.seed, "transfer", client)))
-            tuned = _evaluate(server, adapt_to_target(teacher, target.X, target.y, mode="whole", epochs=p.adapt_epochs, lr=p.adapt_lr,
-                                                      batch_size=p.target_batch_size, weight_decay=p.target_weight_decay,
-                                                      seed=derive_seed(server.seed, "transfer", client)))
+            probe = _evaluate(
+                server,
+                adapt_to_target(
+                    teacher,
+                    target.X,
+                    target.y,
+                    mode="head",
+                    epochs=p.adapt_epochs,
+                    lr=p.adapt_lr,
+                    batch_size=p.target_batch_size,
+                    seed=derive_seed(server.seed, "transfer", client),
+                ),
+            )
+            tuned = _evaluate(
+                server,
+                adapt_to_target(
+                    teacher,
+                    target.X,
+                    target.y,
+                    mode="whole",
+                    epochs=p.adapt_epochs,
+                    lr=p.adapt_lr,
+                    batch_size=p.target_batch_size,
+                    weight_decay=p.target_weight_decay,
+                    seed=derive_seed(server.seed, "transfer", client),
+                ),
+            )
             server.log(0, {"probe_accuracy": probe["accuracy"], "accuracy": tuned["accuracy"]}, client=client)
-            rows.append({"client": client, "probe_accuracy": probe["accuracy"], "finetune_accuracy": tuned["accuracy"],
-                         "finetune_nll": tuned["nll"]})
-        metrics = {"accuracy": float(np.mean([r["finetune_accuracy"] for r in rows])),
-                   "nll": float(np.mean([r["finetune_nll"] for r in rows])),
-                   "probe_accuracy": float(np.mean([r["probe_accuracy"] for r in rows])),
-                   "best_accuracy": float(np.max([r["finetune_accuracy"] for r in rows])),
-                   "best_probe_accuracy": float(np.max([r["probe_accuracy"] for r in rows]))}
+            rows.append(
+                {
+                    "client": client,
+                    "probe_accuracy": probe["accuracy"],
+                    "finetune_accuracy": tuned["accuracy"],
+                    "finetune_nll": tuned["nll"],
+                }
+            )
+        metrics = {
+            "accuracy": float(np.mean([r["finetune_accuracy"] for r in rows])),
+            "nll": float(np.mean([r["finetune_nll"] for r in rows])),
+            "probe_accuracy": float(np.mean([r["probe_accuracy"] for r in rows])),
+            "best_accuracy": float(np.max([r["finetune_accuracy"] for r in rows])),
+            "best_probe_accuracy": float(np.max([r["probe_accuracy"] for r in rows])),
+        }
         server.log(0, metrics)
         return MethodResult(metrics, info={"per_teacher": rows, "note": "needs the teachers' weights (model access)"})
 
@@ -402,8 +505,7 @@ class FedSA(Method[FedSAParams, "FedSAState"]):
             return  # not known yet (a silo run before its survey): checked after it
         student = check_student(p, setup)
         # Architectures only (public config): the server never sees a teacher's weights.
-        teacher_shape = representation_shape(build_model(setup.model, setup.input_shape, setup.num_classes, seed=0),
-                                             setup.input_shape)
+        teacher_shape = representation_shape(build_model(setup.model, setup.input_shape, setup.num_classes, seed=0), setup.input_shape)
         try:
             student_shape = representation_shape(student, setup.input_shape)
         except InputError as exc:
@@ -427,9 +529,14 @@ class FedSA(Method[FedSAParams, "FedSAState"]):
             state.adapted = get_params(adapted)
             return _evaluate(server, adapted)
 
-        rounds = server.rounds(FedSAState(get_params(student), teachers, np.full(len(teachers), 1.0 / len(teachers))),
-                               last=p.rounds, evaluate=evaluate, evaluate_every=p.evaluate_every, quiet=("p_", "selected_"),
-                               on_resume=lambda resumed: self._check_teachers(server, target, resumed))
+        rounds = server.rounds(
+            FedSAState(get_params(student), teachers, np.full(len(teachers), 1.0 / len(teachers))),
+            last=p.rounds,
+            evaluate=evaluate,
+            evaluate_every=p.evaluate_every,
+            quiet=("p_", "selected_"),
+            on_resume=lambda resumed: self._check_teachers(server, target, resumed),
+        )
         state = rounds.state
         if rounds.resumed:
             set_params(student, state.params)
@@ -440,15 +547,23 @@ class FedSA(Method[FedSAParams, "FedSAState"]):
             t = rnd - 1
             if t % p.select_every == 0 and not (p.selection == "fixed" and t > 0):  # knowledge selection (eq. 1-3)
                 if t > 0 and p.retrain_head:  # the paper trains the weak target model on D_T before each selection
-                    student = adapt_to_target(student, target.X, target.y, mode="head", epochs=p.target_epochs, lr=p.target_lr,
-                                              batch_size=p.target_batch_size, reset_head=False,
-                                              seed=derive_seed(server.seed, "fedsa", "reselect", t), device=server.models.device)
+                    student = adapt_to_target(
+                        student,
+                        target.X,
+                        target.y,
+                        mode="head",
+                        epochs=p.target_epochs,
+                        lr=p.target_lr,
+                        batch_size=p.target_batch_size,
+                        reset_head=False,
+                        seed=derive_seed(server.seed, "fedsa", "reselect", t),
+                        device=server.models.device,
+                    )
                 if state.teacher_maps is None:
                     state.teachers = [c for c in state.teachers if c in self._fetch_teachers(server, target, state)]
                 target_maps = compute_saliency(student, target.X, kind=p.saliency, device=server.models.device)
                 assert state.teacher_maps is not None  # fetched above (or restored on resume)
-                sims, Q = compute_transferability(target_maps, [state.teacher_maps[c] for c in state.teachers],
-                                                  similarity=p.similarity)
+                sims, Q = compute_transferability(target_maps, [state.teacher_maps[c] for c in state.teachers], similarity=p.similarity)
                 state.probs = selection_probabilities(Q, normalize=p.normalize, temperature=p.temperature)
                 # One draw stream for every label of the run (common random numbers): ``fixed`` keeps exactly FedSA's first
                 # draw, and the ablations differ from FedSA by their rule, not by their luck. Seeded by the round, so a
@@ -464,9 +579,18 @@ class FedSA(Method[FedSAParams, "FedSAState"]):
             row.update({f"p_{c}": float(state.probs[i]) for i, c in enumerate(state.teachers)})
             rounds.log(row)
         # the last round is always evaluated: ``state.adapted`` / ``rounds.metrics`` are the final target model and its accuracy
-        info = {"rounds": p.rounds, "k": p.k, "selection": p.selection, "weighting": p.weighting, "saliency": p.saliency,
-                "teachers": state.teachers, "selections": state.selections, "target_size": len(target),
-                "student": student_cfg.model_dump(mode="json"), "kd_seconds": round(state.kd_seconds, 3)}
+        info = {
+            "rounds": p.rounds,
+            "k": p.k,
+            "selection": p.selection,
+            "weighting": p.weighting,
+            "saliency": p.saliency,
+            "teachers": state.teachers,
+            "selections": state.selections,
+            "target_size": len(target),
+            "student": student_cfg.model_dump(mode="json"),
+            "kd_seconds": round(state.kd_seconds, 3),
+        }
         return MethodResult(rounds.metrics, state.adapted, info=info)
 
     # -- helpers of the rounds -------------------------------------------------------------------------------------
@@ -475,10 +599,17 @@ class FedSA(Method[FedSAParams, "FedSAState"]):
     def _record_selection(server: ServerContext, state: FedSAState, rnd: int, sims: np.ndarray) -> None:
         """A selection's record (``info.selections``) and its progress event."""
         span = sims.max() - sims.min()
-        state.selections.append({
-            "round": rnd, "teachers": state.teachers, "draws": state.draws, "weights": [round(w, 6) for w in state.weights],
-            "p": state.probs.round(6).tolist(), "similarity": sims.round(6).tolist(),
-            "similarity_normalized": ((sims - sims.min()) / span if span > 0 else np.zeros_like(sims)).round(6).tolist()})
+        state.selections.append(
+            {
+                "round": rnd,
+                "teachers": state.teachers,
+                "draws": state.draws,
+                "weights": [round(w, 6) for w in state.weights],
+                "p": state.probs.round(6).tolist(),
+                "similarity": sims.round(6).tolist(),
+                "similarity_normalized": ((sims - sims.min()) / span if span > 0 else np.zeros_like(sims)).round(6).tolist(),
+            }
+        )
         server.progress(f"round {rnd}: selected teachers {state.draws}", round=rnd, draws=state.draws)
 
     def _fetch_teachers(self, server: ServerContext, target: Split, state: FedSAState) -> dict[int, np.ndarray]:
@@ -499,12 +630,19 @@ class FedSA(Method[FedSAParams, "FedSAState"]):
             saved = saved_maps.get(str(client))
             now = maps.get(client)
             if now is None:
-                raise RunFailure(f"{server.label}: teacher {client} returned no saliency maps on resume; it cannot be checked "
-                                 "against the interrupted run's teacher")
-            if saved is None or saved.shape != now.shape[1:] or not np.allclose(
-                    now.mean(axis=0), saved, rtol=1e-4, atol=1e-6 * float(np.abs(saved).max(initial=0.0))):
-                raise RunFailure(f"{server.label}: teacher {client} is not the interrupted run's teacher (its saliency maps "
-                                 "differ); run the experiment again without --resume")
+                raise RunFailure(
+                    f"{server.label}: teacher {client} returned no saliency maps on resume; it cannot be checked "
+                    "against the interrupted run's teacher"
+                )
+            if (
+                saved is None
+                or saved.shape != now.shape[1:]
+                or not np.allclose(now.mean(axis=0), saved, rtol=1e-4, atol=1e-6 * float(np.abs(saved).max(initial=0.0)))
+            ):
+                raise RunFailure(
+                    f"{server.label}: teacher {client} is not the interrupted run's teacher (its saliency maps "
+                    "differ); run the experiment again without --resume"
+                )
 
     def _teacher_maps(self, server: ServerContext, target: Split) -> dict[int, np.ndarray]:
         fed = server.federation
@@ -520,8 +658,9 @@ class FedSA(Method[FedSAParams, "FedSAState"]):
 
         return server.updates.accept_replies(gathered, read, what="teachers' saliency maps")
 
-    def _aggregate(self, server: ServerContext, student: Any, student_cfg: ModelConfig, state: FedSAState, rnd: int,
-                   reference: dict[str, np.ndarray]) -> tuple[Any, dict[str, float]]:
+    def _aggregate(
+        self, server: ServerContext, student: Any, student_cfg: ModelConfig, state: FedSAState, rnd: int, reference: dict[str, np.ndarray]
+    ) -> tuple[Any, dict[str, float]]:
         """One round of selective aggregation: one broadcast, local students from the drawn teachers, eq. 5.
 
         Returns the new student and the round's numbers; the clients that distilled moved their translators on.
@@ -533,10 +672,26 @@ class FedSA(Method[FedSAParams, "FedSAState"]):
         started = time.perf_counter()
         broadcast = fed.put(get_params(student))
         counts = Counter(state.draws)
-        calls = [call for client in sorted(counts) for call in fed.map(
-            distill_student, broadcast, clients=[client], label=server.label, round=rnd, copies=counts[client],
-            student_cfg=student_cfg, epochs=p.local_epochs, lr=p.lr, batch_size=p.batch_size, optimizer=p.optimizer,
-            weight_decay=p.weight_decay, translator_round=state.translator_rounds.get(client, 0), store=state.translator_rounds.store)]
+        calls = [
+            call
+            for client in sorted(counts)
+            for call in fed.map(
+                distill_student,
+                broadcast,
+                clients=[client],
+                label=server.label,
+                round=rnd,
+                copies=counts[client],
+                student_cfg=student_cfg,
+                epochs=p.local_epochs,
+                lr=p.lr,
+                batch_size=p.batch_size,
+                optimizer=p.optimizer,
+                weight_decay=p.weight_decay,
+                translator_round=state.translator_rounds.get(client, 0),
+                store=state.translator_rounds.store,
+            )
+        ]
         gathered = fed.gather(calls)
         state.translator_rounds.moved(gathered.results, rnd)
 
@@ -552,8 +707,9 @@ class FedSA(Method[FedSAParams, "FedSAState"]):
                     raise Rejected(problem)
             return list(zip(returned, mine, losses))
 
-        kept = [draw for draws in server.updates.accept_replies(gathered, read, what="replies with local students").values()
-                for draw in draws]
+        kept = [
+            draw for draws in server.updates.accept_replies(gathered, read, what="replies with local students").values() for draw in draws
+        ]
         averaged = average_students([params for params, _, _ in kept], [w for _, w, _ in kept])
         if not _check_finite(averaged):
             raise NonFiniteError(f"{server.label}: round {rnd}: the averaged student has NaN or Inf values")

@@ -44,9 +44,22 @@ from rayfuse.models.training import make_optimizer, train_model
 from rayfuse.symmetry import build_node_graph, read_output_module, read_structure
 
 __all__ = [
-    "hidden_representation", "features_and_logits", "representation_shape", "compute_saliency", "compute_transferability",
-    "selection_probabilities", "select_teachers", "draw_weights", "Translator", "build_translator", "distill_features",
-    "find_head", "adapt_to_target", "average_students", "SELECTIONS", "WEIGHTINGS",
+    "hidden_representation",
+    "features_and_logits",
+    "representation_shape",
+    "compute_saliency",
+    "compute_transferability",
+    "selection_probabilities",
+    "select_teachers",
+    "draw_weights",
+    "Translator",
+    "build_translator",
+    "distill_features",
+    "find_head",
+    "adapt_to_target",
+    "average_students",
+    "SELECTIONS",
+    "WEIGHTINGS",
 ]
 
 SELECTIONS = ("saliency", "random", "fixed", "top_k", "least_k", "all")
@@ -81,11 +94,15 @@ def _representation(model: nn.Module, sample_shape: tuple[int, ...]) -> _Represe
     except InputError as exc:
         raise exc.at("model.name") if exc.path in ("architecture", "input") else exc from None
     if not structure.hidden:
-        raise InputError("model.name", "a model with a hidden representation for FedSA (a layer before its output layer)",
-                         type(model).__name__)
+        raise InputError(
+            "model.name", "a model with a hidden representation for FedSA (a layer before its output layer)", type(model).__name__
+        )
     node = structure.representation_node
-    found = _Representation(tuple(structure.shapes[node][1:]), build_node_graph(structure, [node]),
-                            build_node_graph(structure, [node, structure.output_layer.node]))
+    found = _Representation(
+        tuple(structure.shapes[node][1:]),
+        build_node_graph(structure, [node]),
+        build_node_graph(structure, [node, structure.output_layer.node]),
+    )
     with _GRAPHS_LOCK:
         _GRAPHS.setdefault(model, {})[sample_shape] = found
     return found
@@ -114,8 +131,9 @@ def representation_shape(model: nn.Module, input_shape: Sequence[int]) -> tuple[
 # Saliency and transferability (eq. 1-3)
 
 
-def compute_saliency(model: nn.Module, X: np.ndarray, *, kind: Literal["grad", "gradcam"] = "grad", batch_size: int = 256,
-                     device: str = "cpu") -> np.ndarray:
+def compute_saliency(
+    model: nn.Module, X: np.ndarray, *, kind: Literal["grad", "gradcam"] = "grad", batch_size: int = 256, device: str = "cpu"
+) -> np.ndarray:
     """One saliency map per probe image, flattened: float32 ``(n, prod(input_shape))`` (gradcam: ``(n, H * W)``).
 
     ``grad``: ``|d sum(r^k) / d x_j|`` (eq. 1 of [1]); ``gradcam``: Grad-CAM of the predicted class at the last feature
@@ -126,7 +144,7 @@ def compute_saliency(model: nn.Module, X: np.ndarray, *, kind: Literal["grad", "
     model.eval()  # per-image maps: no batch statistics coupling the images
     out = []
     for start in range(0, len(X), batch_size):
-        x = torch.tensor(np.asarray(X[start:start + batch_size]), dtype=torch.float32, device=device).requires_grad_(True)
+        x = torch.tensor(np.asarray(X[start : start + batch_size]), dtype=torch.float32, device=device).requires_grad_(True)
         if kind == "grad":
             rep = hidden_representation(model, x)
             (grad,) = torch.autograd.grad(rep.sum(), x)
@@ -134,8 +152,11 @@ def compute_saliency(model: nn.Module, X: np.ndarray, *, kind: Literal["grad", "
         elif kind == "gradcam":
             fmap, logits = features_and_logits(model, x)
             if fmap.dim() != 4:
-                raise InputError("saliency", "a model with a convolutional feature map for Grad-CAM (or saliency: grad)",
-                                 f"a representation of shape {tuple(fmap.shape[1:])}")
+                raise InputError(
+                    "saliency",
+                    "a model with a convolutional feature map for Grad-CAM (or saliency: grad)",
+                    f"a representation of shape {tuple(fmap.shape[1:])}",
+                )
             score = logits.gather(1, logits.argmax(1, keepdim=True)).sum()  # the model's own predicted class
             (dfmap,) = torch.autograd.grad(score, fmap)
             cam = F.relu((dfmap.mean(dim=(2, 3), keepdim=True) * fmap).sum(dim=1, keepdim=True))
@@ -160,8 +181,9 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.divide(num, den, out=np.zeros_like(num, dtype=np.float64), where=den > 0)
 
 
-def compute_transferability(target_maps: np.ndarray, teacher_maps: Sequence[np.ndarray], *,
-                            similarity: Literal["per_image", "mean_map"] = "per_image") -> tuple[np.ndarray, np.ndarray]:
+def compute_transferability(
+    target_maps: np.ndarray, teacher_maps: Sequence[np.ndarray], *, similarity: Literal["per_image", "mean_map"] = "per_image"
+) -> tuple[np.ndarray, np.ndarray]:
     """Saliency similarity ``sim_n / M`` in [0, 1] and transferability ``Q_n = 1 / d(M_n, M_T)`` (eq. 2 of [1]).
 
     ``per_image`` (code): ``sim_n = sum_j (0.5 + 0.5 cos(a_T,j, a_n,j))``, ``d = M / sim_n``, so ``Q_n = sim_n / M``.
@@ -279,20 +301,27 @@ class Translator(nn.Module):
         return self.blocks(x)
 
 
-def build_translator(student_shape: Sequence[int], teacher_shape: Sequence[int], *, path: str = "student",
-                     seed: int | None = None) -> Translator:
+def build_translator(
+    student_shape: Sequence[int], teacher_shape: Sequence[int], *, path: str = "student", seed: int | None = None
+) -> Translator:
     """A :class:`Translator`, or an :class:`InputError` (naming ``path``) when no translator can bridge the shapes.
 
     Bridgeable: map -> map with the student's height and width integer multiples of the teacher's; vector -> vector;
     map -> vector. A vector cannot be turned into a teacher's spatial map, nor can a smaller map be blown up.
     """
     s, t = tuple(student_shape), tuple(teacher_shape)
-    ok = (len(s) == 1 and len(t) == 1) or (len(s) == 3 and len(t) == 1) or (
-        len(s) == 3 and len(t) == 3 and t[1] > 0 and t[2] > 0 and s[1] % t[1] == 0 and s[2] % t[2] == 0)
+    ok = (
+        (len(s) == 1 and len(t) == 1)
+        or (len(s) == 3 and len(t) == 1)
+        or (len(s) == 3 and len(t) == 3 and t[1] > 0 and t[2] > 0 and s[1] % t[1] == 0 and s[2] % t[2] == 0)
+    )
     if not ok:
-        raise InputError(path, "a student representation a translator can map onto the teacher's (map -> map with the "
-                         "student's height / width multiples of the teacher's, vector -> vector, or map -> vector)",
-                         f"student {s}, teacher {t}")
+        raise InputError(
+            path,
+            "a student representation a translator can map onto the teacher's (map -> map with the "
+            "student's height / width multiples of the teacher's, vector -> vector, or map -> vector)",
+            f"student {s}, teacher {t}",
+        )
     if seed is None:
         return Translator(s, t)
     with torch.random.fork_rng(devices=[]):
@@ -300,9 +329,20 @@ def build_translator(student_shape: Sequence[int], teacher_shape: Sequence[int],
         return Translator(s, t)
 
 
-def distill_features(student: nn.Module, translator: Translator, X: np.ndarray, teacher_features: torch.Tensor, *,
-                     epochs: int, lr: float, batch_size: int, optimizer: str = "adam", weight_decay: float = 0.0,
-                     seed: int = 0, device: str = "cpu") -> float:
+def distill_features(
+    student: nn.Module,
+    translator: Translator,
+    X: np.ndarray,
+    teacher_features: torch.Tensor,
+    *,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    optimizer: str = "adam",
+    weight_decay: float = 0.0,
+    seed: int = 0,
+    device: str = "cpu",
+) -> float:
     """Feature KD of a teacher into ``student`` on the teacher's unlabelled data (eq. 4 of [1]), in place.
 
     Minimises ``MSE(translator(r_s(x)), r_t(x))`` over the student and its translator: the FitNets ``Hint`` loss of the
@@ -330,7 +370,7 @@ def distill_features(student: nn.Module, translator: Translator, X: np.ndarray, 
             order = torch.randperm(n, generator=generator).to(device)
             total, seen = 0.0, 0
             for start in range(0, n, batch_size):
-                idx = order[start:start + batch_size]
+                idx = order[start : start + batch_size]
                 if idx.numel() < 2:
                     continue  # BatchNorm cannot train on a batch of one
                 loss = F.mse_loss(translator(hidden_representation(student, X_t[idx])), target[idx])
@@ -370,16 +410,27 @@ def _head_inputs(model: nn.Module, head: nn.Linear, X: np.ndarray, *, batch_size
     try:
         with torch.no_grad():
             for start in range(0, len(X), batch_size):
-                model(torch.as_tensor(np.ascontiguousarray(X[start:start + batch_size]), device=device))
+                model(torch.as_tensor(np.ascontiguousarray(X[start : start + batch_size]), device=device))
     finally:
         handle.remove()
         model.train(was_training)
     return torch.cat(captured).numpy() if captured else np.zeros((0, head.in_features), np.float32)
 
 
-def adapt_to_target(model: nn.Module, X: np.ndarray, y: np.ndarray, *, mode: Literal["head", "whole"], epochs: int, lr: float,
-                    batch_size: int, weight_decay: float = 0.0, reset_head: bool = True, seed: int = 0,
-                    device: str = "cpu") -> nn.Module:
+def adapt_to_target(
+    model: nn.Module,
+    X: np.ndarray,
+    y: np.ndarray,
+    *,
+    mode: Literal["head", "whole"],
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    weight_decay: float = 0.0,
+    reset_head: bool = True,
+    seed: int = 0,
+    device: str = "cpu",
+) -> nn.Module:
     """Target task adaptation on the labelled target set; returns an adapted copy of ``model``.
 
     ``head`` (the paper): only the decoder (the last linear layer) is trained, on the features of the frozen network
@@ -394,11 +445,22 @@ def adapt_to_target(model: nn.Module, X: np.ndarray, y: np.ndarray, *, mode: Lit
             head.reset_parameters()
     if mode == "head":
         feats = _head_inputs(model, head, X, device=device)
-        train_model(head, feats, y, epochs=epochs, batch_size=batch_size, lr=lr, optimizer="adam", weight_decay=weight_decay,
-                    seed=seed, device=device)
+        train_model(
+            head,
+            feats,
+            y,
+            epochs=epochs,
+            batch_size=batch_size,
+            lr=lr,
+            optimizer="adam",
+            weight_decay=weight_decay,
+            seed=seed,
+            device=device,
+        )
     elif mode == "whole":
-        train_model(model, X, y, epochs=epochs, batch_size=batch_size, lr=lr, optimizer="adam", weight_decay=weight_decay,
-                    seed=seed, device=device)
+        train_model(
+            model, X, y, epochs=epochs, batch_size=batch_size, lr=lr, optimizer="adam", weight_decay=weight_decay, seed=seed, device=device
+        )
     else:
         raise InputError("adapt", "head or whole", mode)
     model.eval()

@@ -79,7 +79,9 @@ def transform_features(X: np.ndarray, layers: list[tuple[np.ndarray, np.ndarray]
     out = torch.as_tensor(np.ascontiguousarray(X, dtype=np.float32).reshape(len(X), -1))
     with torch.no_grad():
         for weight, bias in layers:
-            out = _ACTIVATIONS[activation](out @ torch.tensor(np.asarray(weight), dtype=torch.float32).T + torch.tensor(np.asarray(bias), dtype=torch.float32))
+            out = _ACTIVATIONS[activation](
+                out @ torch.tensor(np.asarray(weight), dtype=torch.float32).T + torch.tensor(np.asarray(bias), dtype=torch.float32)
+            )
     return out.numpy()
 
 
@@ -107,15 +109,31 @@ def _hidden_widths(structure: ModelStructure) -> list[int]:
     """The widths of the hidden layers GEMS fuses one by one: the sizes of their output units' permutation groups (a
     layer of one unit has no group: its one row)."""
     assert structure.spec is not None
-    return [structure.spec.group(layer.out_group).size if layer.out_group is not None else structure.param_shapes[layer.weight][0]
-            for layer in structure.hidden]
+    return [
+        structure.spec.group(layer.out_group).size if layer.out_group is not None else structure.param_shapes[layer.weight][0]
+        for layer in structure.hidden
+    ]
 
 
 @client_step("gems.model_ball")
-def build_model_ball(ctx: ClientContext, fused_layers: list[tuple[np.ndarray, np.ndarray]] | None, *, label: str,
-                     epsilon: float, shape: str, floor: float, num_samples: int, r_max: float, tol: float,
-                     fisher_samples: int, fisher_prop: float, activation: str = "relu", retrain_epochs: int = 10,
-                     retrain_lr: float = 1e-3, retrain_batch_size: int = 32) -> dict[str, Any]:
+def build_model_ball(
+    ctx: ClientContext,
+    fused_layers: list[tuple[np.ndarray, np.ndarray]] | None,
+    *,
+    label: str,
+    epsilon: float,
+    shape: str,
+    floor: float,
+    num_samples: int,
+    r_max: float,
+    tol: float,
+    fisher_samples: int,
+    fisher_prop: float,
+    activation: str = "relu",
+    retrain_epochs: int = 10,
+    retrain_lr: float = 1e-3,
+    retrain_batch_size: int = 32,
+) -> dict[str, Any]:
     """The good-enough ball of a softmax regression (eq. 1, Algorithm 2, App. A).
 
     ``fused_layers`` ``None``: the client's local logreg model. Otherwise the client trains a fresh softmax
@@ -136,8 +154,9 @@ def build_model_ball(ctx: ClientContext, fused_layers: list[tuple[np.ndarray, np
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             head = LogisticRegression(X_train.shape[1], ctx.num_classes)
-        train_model(head, X_train, ctx.train.y, epochs=retrain_epochs, batch_size=retrain_batch_size, lr=retrain_lr,
-                    seed=seed, device=ctx.device)
+        train_model(
+            head, X_train, ctx.train.y, epochs=retrain_epochs, batch_size=retrain_batch_size, lr=retrain_lr, seed=seed, device=ctx.device
+        )
         weight, bias = _layer_arrays(head, (X_train.shape[1],), "output")
     C, D = weight.shape
     center = flatten_linear(weight, bias)
@@ -151,21 +170,48 @@ def build_model_ball(ctx: ClientContext, fused_layers: list[tuple[np.ndarray, np
         return softmax_accuracy(samples, X_val, y_val, C, device=ctx.device) >= epsilon
 
     val_accuracy = float(softmax_accuracy(center[None, None, :], X_val, y_val, C, device=ctx.device)[0, 0]) if len(y_val) else 0.0
-    search = search_radii(passes, center[None, :], num_samples=num_samples, r_max=r_max, tol=tol, rng=rng,
-                          axes=None if axes is None else axes[None, :], masks=None if mask is None else mask[None, :],
-                          dtype="float32", device=ctx.device)
+    search = search_radii(
+        passes,
+        center[None, :],
+        num_samples=num_samples,
+        r_max=r_max,
+        tol=tol,
+        rng=rng,
+        axes=None if axes is None else axes[None, :],
+        masks=None if mask is None else mask[None, :],
+        dtype="float32",
+        device=ctx.device,
+    )
     return {
-        "center": center, "radius": float(search.radius[0]), "shape": (C, D),
-        "axes": axes, "mask": mask, "val_accuracy": val_accuracy,
-        "steps": search.steps, "evaluations": search.evaluations, "seconds": time.perf_counter() - started,
+        "center": center,
+        "radius": float(search.radius[0]),
+        "shape": (C, D),
+        "axes": axes,
+        "mask": mask,
+        "val_accuracy": val_accuracy,
+        "steps": search.steps,
+        "evaluations": search.evaluations,
+        "seconds": time.perf_counter() - started,
     }
 
 
 @client_step("gems.neuron_balls")
-def build_neuron_balls(ctx: ClientContext, fused_layers: list[tuple[np.ndarray, np.ndarray]], *, label: str, layer: int,
-                       hidden: list[int], hidden_epsilon: float, num_samples: int, r_max: float, tol: float,
-                       activation: str = "relu", retrain_epochs: int = 10, retrain_lr: float = 1e-3,
-                       retrain_batch_size: int = 32) -> dict[str, Any]:
+def build_neuron_balls(
+    ctx: ClientContext,
+    fused_layers: list[tuple[np.ndarray, np.ndarray]],
+    *,
+    label: str,
+    layer: int,
+    hidden: list[int],
+    hidden_epsilon: float,
+    num_samples: int,
+    r_max: float,
+    tol: float,
+    activation: str = "relu",
+    retrain_epochs: int = 10,
+    retrain_lr: float = 1e-3,
+    retrain_batch_size: int = 32,
+) -> dict[str, Any]:
     """One ball per hidden neuron of layer ``layer`` (eq. 3 of [1]), all neurons searched at once.
 
     Layer 0 is the client's local model's first layer. For a deeper layer the client first retrains the layers above
@@ -185,8 +231,9 @@ def build_neuron_balls(ctx: ClientContext, fused_layers: list[tuple[np.ndarray, 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             above = MLP(X_train.shape[1], list(hidden[layer:]), ctx.num_classes, activation=activation)
-        train_model(above, X_train, ctx.train.y, epochs=retrain_epochs, batch_size=retrain_batch_size, lr=retrain_lr,
-                    seed=seed, device=ctx.device)
+        train_model(
+            above, X_train, ctx.train.y, epochs=retrain_epochs, batch_size=retrain_batch_size, lr=retrain_lr, seed=seed, device=ctx.device
+        )
         weight, bias = _layer_arrays(above, (X_train.shape[1],), "first")
     centers = np.concatenate([weight, bias[:, None]], axis=1).astype(np.float64)  # (H, D + 1) rows [w_l, b_l]
     targets = transform_features(X_val, [(weight, bias)], activation)  # z_l: the neuron's own activations, (n, H)
@@ -197,10 +244,16 @@ def build_neuron_balls(ctx: ClientContext, fused_layers: list[tuple[np.ndarray, 
 
     # One set of draws per step for all the layer's neurons (shared=True): each neuron's search sees p independent
     # uniform directions per radius, as in the reference; only different neurons' draws are correlated.
-    search = search_radii(passes, centers, num_samples=num_samples, r_max=r_max, tol=tol, rng=rng, dtype="float32",
-                          device=ctx.device, shared=True)
-    return {"centers": centers, "radii": search.radius, "steps": search.steps, "evaluations": search.evaluations,
-            "seconds": time.perf_counter() - started}
+    search = search_radii(
+        passes, centers, num_samples=num_samples, r_max=r_max, tol=tol, rng=rng, dtype="float32", device=ctx.device, shared=True
+    )
+    return {
+        "centers": centers,
+        "radii": search.radius,
+        "steps": search.steps,
+        "evaluations": search.evaluations,
+        "seconds": time.perf_counter() - started,
+    }
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -211,10 +264,16 @@ MAX_RADIUS_HALVINGS = 40  # r_max / tol <= 2^40: the radius search ends in at mo
 
 
 class GEMSParams(TuneSettings):
-    epsilon: float | None = Field(None, ge=0, le=1, description="validation accuracy a model in a ball must reach "
-                                                                "(default 0.4 for logreg, Table 1; 0.7 for a network's output layer, Table 2)")
+    epsilon: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="validation accuracy a model in a ball must reach "
+        "(default 0.4 for logreg, Table 1; 0.7 for a network's output layer, Table 2)",
+    )
     shape: Literal["auto", "sphere", "ellipsoid"] = Field(
-        "auto", description="auto: the Fisher ellipsoid for logreg (Table 1), a sphere for a network's output layer (the reference code)")
+        "auto", description="auto: the Fisher ellipsoid for logreg (Table 1), a sphere for a network's output layer (the reference code)"
+    )
     floor: float = Field(0.1, gt=0, le=1, description="ellipsoid axis floor c (eq. 5)")
     num_samples: int = Field(500, ge=1, description="p: models sampled on the surface per radius")
     r_max: float = Field(4000.0, gt=0, description="R_max: upper end of the radius search")
@@ -251,9 +310,12 @@ class GEMSParams(TuneSettings):
         # The radius search halves [0, r_max] until it is narrower than tol: a tol too small against r_max takes
         # thousands of steps (each p sampled models per ball), and below r_max's float spacing it never ends.
         for key, tol in (("tol", self.tol), ("neuron_tol", self.neuron_tol)):
-            if tol is not None and self.r_max / tol > 2.0 ** MAX_RADIUS_HALVINGS:
-                raise key_error(key, f"at least r_max / 2^{MAX_RADIUS_HALVINGS} = {self.r_max / 2.0 ** MAX_RADIUS_HALVINGS:.3g} "
-                                 f"(the radius search halves [0, r_max = {self.r_max:g}] at most {MAX_RADIUS_HALVINGS} times), got {tol:g}")
+            if tol is not None and self.r_max / tol > 2.0**MAX_RADIUS_HALVINGS:
+                raise key_error(
+                    key,
+                    f"at least r_max / 2^{MAX_RADIUS_HALVINGS} = {self.r_max / 2.0**MAX_RADIUS_HALVINGS:.3g} "
+                    f"(the radius search halves [0, r_max = {self.r_max:g}] at most {MAX_RADIUS_HALVINGS} times), got {tol:g}",
+                )
         return self
 
 
@@ -270,8 +332,11 @@ def _check_same_shapes(results: dict[int, dict[str, Any]], key: str, what: str) 
     first_client, first = next(iter(shapes.items()))
     for client, shape in shapes.items():
         if shape != first:
-            raise InputError("model", "the same architecture on every client (GEMS fuses layer by layer)",
-                             f"{what}: client {first_client} {first}, client {client} {shape}")
+            raise InputError(
+                "model",
+                "the same architecture on every client (GEMS fuses layer by layer)",
+                f"{what}: client {first_client} {first}, client {client} {shape}",
+            )
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -311,8 +376,11 @@ class GEMS(Method[GEMSParams, None]):
         if p.m_epsilon is not None and K > 1:
             for layer, (m, width) in enumerate(zip(m_eps, hidden)):
                 if m > K * width:
-                    raise InputError("m_epsilon", f"at most the number of neurons of hidden layer {layer} "
-                                     f"across clients ({K} x {width} = {K * width})", m)
+                    raise InputError(
+                        "m_epsilon",
+                        f"at most the number of neurons of hidden layer {layer} across clients ({K} x {width} = {K * width})",
+                        m,
+                    )
 
     def run(self, server: ServerContext) -> MethodResult:
         cfg = server.models.model_cfg
@@ -344,11 +412,24 @@ class GEMS(Method[GEMSParams, None]):
         shape = p.shape if p.shape != "auto" else ("sphere" if network else "ellipsoid")
         epsilon = p.epsilon if p.epsilon is not None else (0.7 if network else 0.4)
         tol = p.tol if p.tol is not None else (0.1 if shape == "ellipsoid" else 0.01)
-        return dict(label=server.label, epsilon=epsilon, shape=shape, floor=p.floor, num_samples=p.num_samples, r_max=p.r_max,
-                    tol=tol, fisher_samples=p.fisher_samples, fisher_prop=p.fisher_prop, activation=server.models.model_cfg.activation,
-                    retrain_epochs=p.retrain_epochs, retrain_lr=p.retrain_lr)
+        return dict(
+            label=server.label,
+            epsilon=epsilon,
+            shape=shape,
+            floor=p.floor,
+            num_samples=p.num_samples,
+            r_max=p.r_max,
+            tol=tol,
+            fisher_samples=p.fisher_samples,
+            fisher_prop=p.fisher_prop,
+            activation=server.models.model_cfg.activation,
+            retrain_epochs=p.retrain_epochs,
+            retrain_lr=p.retrain_lr,
+        )
 
-    def _intersect_model_balls(self, server: ServerContext, balls: dict[int, dict[str, Any]], shape: str) -> tuple[np.ndarray, dict[str, Any]]:
+    def _intersect_model_balls(
+        self, server: ServerContext, balls: dict[int, dict[str, Any]], shape: str
+    ) -> tuple[np.ndarray, dict[str, Any]]:
         _check_same_shapes(balls, "center", "output layer parameters" if shape == "network" else "model parameters")
         rows = list(balls.values())
         centers = np.stack([r["center"] for r in rows])
@@ -357,16 +438,29 @@ class GEMS(Method[GEMSParams, None]):
         masks = np.stack([r["mask"] for r in rows]) if rows[0]["mask"] is not None else None
         for client, r in balls.items():
             if r["radius"] == 0.0:
-                server.events.emit("gems_empty_ball", f"client {client}: its own model fails epsilon on its validation "
-                                   f"split (accuracy {r['val_accuracy']:.3f}); lower epsilon", method=server.label, client=client)
+                server.events.emit(
+                    "gems_empty_ball",
+                    f"client {client}: its own model fails epsilon on its validation "
+                    f"split (accuracy {r['val_accuracy']:.3f}); lower epsilon",
+                    method=server.label,
+                    client=client,
+                )
         result = intersect_balls(centers, radii, axes=axes, masks=masks, max_iter=self.params.max_iter)
-        info = {"clients": list(balls), "radii": radii.round(4).tolist(), "intersection_found": result.found,
-                "distance_left": result.distance_left, "intersection_iterations": result.iterations,
-                "client_val_accuracy": [round(r["val_accuracy"], 4) for r in rows],
-                "ball_seconds": [round(r["seconds"], 3) for r in rows], "ball_evaluations": [int(r["evaluations"]) for r in rows]}
+        info = {
+            "clients": list(balls),
+            "radii": radii.round(4).tolist(),
+            "intersection_found": result.found,
+            "distance_left": result.distance_left,
+            "intersection_iterations": result.iterations,
+            "client_val_accuracy": [round(r["val_accuracy"], 4) for r in rows],
+            "ball_seconds": [round(r["seconds"], 3) for r in rows],
+            "ball_evaluations": [int(r["evaluations"]) for r in rows],
+        }
         if not result.found:
-            server.progress(f"gems: the good-enough balls do not intersect (distance left {result.distance_left:.4g}); "
-                            "using the closest point; lower epsilon for a common model")
+            server.progress(
+                f"gems: the good-enough balls do not intersect (distance left {result.distance_left:.4g}); "
+                "using the closest point; lower epsilon for a common model"
+            )
         return result.point, info
 
     def _fuse_convex(self, server: ServerContext) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -395,15 +489,31 @@ class GEMS(Method[GEMSParams, None]):
             # One client: its good-enough space contains its own model, the intersection's natural answer. (Running the
             # neuron step would merge the client's own neurons with each other: there is no same-client constraint.)
             client, update = next(iter(server.updates.accept(server.updates.local_updates()).items()))
-            return dict(update.params), {"clients": [client], "hidden_units": hidden, "local_hidden_units": hidden,
-                                         "ensemble_hidden_units": hidden, "note": "one client: its local model"}
+            return dict(update.params), {
+                "clients": [client],
+                "hidden_units": hidden,
+                "local_hidden_units": hidden,
+                "ensemble_hidden_units": hidden,
+                "note": "one client: its local model",
+            }
         fused: list[tuple[np.ndarray, np.ndarray]] = []
         layers_info = []
         for layer, width in enumerate(hidden):
             server.progress(f"gems: neuron balls of hidden layer {layer}", layer=layer)
-            gathered = fed.run(build_neuron_balls, fed.put(fused), label=server.label, layer=layer, hidden=hidden,
-                               hidden_epsilon=eps_hidden[layer], num_samples=p.num_samples, r_max=p.r_max, tol=p.neuron_tol,
-                               activation=server.models.model_cfg.activation, retrain_epochs=p.retrain_epochs, retrain_lr=p.retrain_lr)
+            gathered = fed.run(
+                build_neuron_balls,
+                fed.put(fused),
+                label=server.label,
+                layer=layer,
+                hidden=hidden,
+                hidden_epsilon=eps_hidden[layer],
+                num_samples=p.num_samples,
+                r_max=p.r_max,
+                tol=p.neuron_tol,
+                activation=server.models.model_cfg.activation,
+                retrain_epochs=p.retrain_epochs,
+                retrain_lr=p.retrain_lr,
+            )
             results = gathered.results
             _check_same_shapes(results, "centers", f"hidden layer {layer} [w, b]")
             clients = list(results)
@@ -417,11 +527,21 @@ class GEMS(Method[GEMSParams, None]):
             bias = np.ascontiguousarray(fusion.vectors[:, -1], dtype=np.float32)
             fused.append((weight, bias))
             merged = [g for g in fusion.groups if len(g) > 1]
-            layers_info.append({"layer": layer, "units": len(fusion.groups), "clusters": int(m), "merged_units": len(merged),
-                                "neurons_merged": int(sum(len(g) for g in merged)), "unmatched": len(fusion.groups) - len(merged),
-                                "merged_found": int(sum(fusion.found)), "dropped": len(fusion.dropped),
-                                "radius_median": float(np.median(radii)), "radius_max": float(np.max(radii)),
-                                "ball_seconds": [round(results[c]["seconds"], 3) for c in clients]})
+            layers_info.append(
+                {
+                    "layer": layer,
+                    "units": len(fusion.groups),
+                    "clusters": int(m),
+                    "merged_units": len(merged),
+                    "neurons_merged": int(sum(len(g) for g in merged)),
+                    "unmatched": len(fusion.groups) - len(merged),
+                    "merged_found": int(sum(fusion.found)),
+                    "dropped": len(fusion.dropped),
+                    "radius_median": float(np.median(radii)),
+                    "radius_max": float(np.max(radii)),
+                    "ball_seconds": [round(results[c]["seconds"], 3) for c in clients],
+                }
+            )
         server.progress("gems: output layer balls on the fused features")
         args = self._ball_args(server, network=True)
         balls = fed.run(build_model_ball, fed.put(fused), **args).results
@@ -433,6 +553,12 @@ class GEMS(Method[GEMSParams, None]):
             params[graph_layer.weight] = w
             if graph_layer.bias is not None:
                 params[graph_layer.bias] = b
-        info.update(shape=args["shape"], epsilon=args["epsilon"], hidden_units=[len(b) for _, b in fused], layers=layers_info,
-                    local_hidden_units=hidden, ensemble_hidden_units=[K * h for h in hidden])
+        info.update(
+            shape=args["shape"],
+            epsilon=args["epsilon"],
+            hidden_units=[len(b) for _, b in fused],
+            layers=layers_info,
+            local_hidden_units=hidden,
+            ensemble_hidden_units=[K * h for h in hidden],
+        )
         return params, info

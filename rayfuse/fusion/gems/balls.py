@@ -33,10 +33,22 @@ import torch
 from rayfuse.errors import InputError
 
 __all__ = [
-    "RadiusSearch", "Intersection", "FusedNeurons",
-    "sample_surface", "search_radii", "ellipsoid_axes", "compute_fisher", "fisher_mask",
-    "softmax_accuracy", "neuron_distance", "intersect_balls", "balls_intersect_pairwise",
-    "cluster_neurons", "fuse_neurons", "flatten_linear", "unflatten_linear",
+    "RadiusSearch",
+    "Intersection",
+    "FusedNeurons",
+    "sample_surface",
+    "search_radii",
+    "ellipsoid_axes",
+    "compute_fisher",
+    "fisher_mask",
+    "softmax_accuracy",
+    "neuron_distance",
+    "intersect_balls",
+    "balls_intersect_pairwise",
+    "cluster_neurons",
+    "fuse_neurons",
+    "flatten_linear",
+    "unflatten_linear",
 ]
 
 
@@ -53,16 +65,25 @@ def unflatten_linear(vector: np.ndarray, out_features: int, in_features: int) ->
     """Inverse of :func:`flatten_linear`: ``(W (out, in), b (out,))`` as float32."""
     n = out_features * in_features
     weight = np.asarray(vector[:n], dtype=np.float32).reshape(out_features, in_features)
-    return np.ascontiguousarray(weight), np.ascontiguousarray(vector[n:n + out_features], dtype=np.float32)
+    return np.ascontiguousarray(weight), np.ascontiguousarray(vector[n : n + out_features], dtype=np.float32)
 
 
 # -----------------------------------------------------------------------------------------------------------------
 # Sampling on the surface and the binary search on the radius (Algorithm 2)
 
 
-def sample_surface(centers: np.ndarray, radii: np.ndarray, num_samples: int, rng: np.random.Generator, *,
-                   axes: np.ndarray | None = None, masks: np.ndarray | None = None, dtype: str = "float64",
-                   device: str | torch.device = "cpu", shared: bool = False) -> np.ndarray | torch.Tensor:
+def sample_surface(
+    centers: np.ndarray,
+    radii: np.ndarray,
+    num_samples: int,
+    rng: np.random.Generator,
+    *,
+    axes: np.ndarray | None = None,
+    masks: np.ndarray | None = None,
+    dtype: str = "float64",
+    device: str | torch.device = "cpu",
+    shared: bool = False,
+) -> np.ndarray | torch.Tensor:
     """``num_samples`` points on the surface of each of ``B`` balls or ellipsoids, shape ``(B, p, d)``.
 
     For ball ``b`` with centre ``c``, radius ``R``, axes ``sigma`` and mask ``m``::
@@ -112,10 +133,18 @@ def sample_surface(centers: np.ndarray, radii: np.ndarray, num_samples: int, rng
 
 
 @torch.no_grad()
-def _sample_surface_torch(centers: np.ndarray, radii: np.ndarray, num_samples: int, rng: np.random.Generator, *,
-                          axes: np.ndarray | None, masks: np.ndarray | None, device: str | torch.device,
-                          shared: bool = False) -> torch.Tensor:
-    gen = torch.Generator(device=device).manual_seed(int(rng.integers(2 ** 63 - 1)))
+def _sample_surface_torch(
+    centers: np.ndarray,
+    radii: np.ndarray,
+    num_samples: int,
+    rng: np.random.Generator,
+    *,
+    axes: np.ndarray | None,
+    masks: np.ndarray | None,
+    device: str | torch.device,
+    shared: bool = False,
+) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(int(rng.integers(2**63 - 1)))
     c = _as_tensor(centers, device)
     B, d = c.shape
     z = torch.randn((1 if shared else B, num_samples, d), generator=gen, dtype=torch.float32, device=device)
@@ -143,10 +172,21 @@ class RadiusSearch:
     history: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)  # (ball ids, R, passed)
 
 
-def search_radii(passes: Callable[[np.ndarray | torch.Tensor, np.ndarray], np.ndarray], centers: np.ndarray, *, num_samples: int,
-                 r_max: float, tol: float, rng: np.random.Generator, axes: np.ndarray | None = None,
-                 masks: np.ndarray | None = None, record: bool = False, dtype: str = "float64",
-                 device: str | torch.device = "cpu", shared: bool = False) -> RadiusSearch:
+def search_radii(
+    passes: Callable[[np.ndarray | torch.Tensor, np.ndarray], np.ndarray],
+    centers: np.ndarray,
+    *,
+    num_samples: int,
+    r_max: float,
+    tol: float,
+    rng: np.random.Generator,
+    axes: np.ndarray | None = None,
+    masks: np.ndarray | None = None,
+    record: bool = False,
+    dtype: str = "float64",
+    device: str | torch.device = "cpu",
+    shared: bool = False,
+) -> RadiusSearch:
     """Binary search on each ball's radius (Algorithm 2 of [1]), all balls at once.
 
     ::
@@ -202,9 +242,17 @@ def search_radii(passes: Callable[[np.ndarray | torch.Tensor, np.ndarray], np.nd
             if count == 0 or todo.size == 0:
                 continue
             ids = active[todo]
-            samples = sample_surface(centers[ids], R[todo], count, rng, axes=None if axes is None else axes[ids],
-                                     masks=None if masks is None else masks[ids], dtype=dtype, device=device,
-                                     shared=shared)
+            samples = sample_surface(
+                centers[ids],
+                R[todo],
+                count,
+                rng,
+                axes=None if axes is None else axes[ids],
+                masks=None if masks is None else masks[ids],
+                dtype=dtype,
+                device=device,
+                shared=shared,
+            )
             passed[todo] = np.asarray(passes(samples, ids), dtype=bool).all(axis=1)
             evaluations += samples.shape[0] * samples.shape[1]
         lo[active[passed]] = R[passed]
@@ -227,8 +275,9 @@ def _as_tensor(array: np.ndarray | torch.Tensor, device: str | torch.device, dty
 
 
 @torch.no_grad()
-def softmax_accuracy(samples: np.ndarray | torch.Tensor, X: np.ndarray, y: np.ndarray, num_classes: int, *,
-                     device: str | torch.device = "cpu") -> np.ndarray:
+def softmax_accuracy(
+    samples: np.ndarray | torch.Tensor, X: np.ndarray, y: np.ndarray, num_classes: int, *, device: str | torch.device = "cpu"
+) -> np.ndarray:
     """Accuracy on ``(X, y)`` of every sampled softmax-regression model, shape ``(B, p)``.
 
     ``samples`` ``(B, p, C*D + C)`` in the :func:`flatten_linear` layout; the logits of all ``B*p`` models are one
@@ -239,7 +288,7 @@ def softmax_accuracy(samples: np.ndarray | torch.Tensor, X: np.ndarray, y: np.nd
     C = num_classes
     s = _as_tensor(samples, device)
     weights = s[..., : C * D].reshape(B, p, C, D)
-    bias = s[..., C * D:]
+    bias = s[..., C * D :]
     Xt = _as_tensor(X, device)
     logits = torch.einsum("nd,bpcd->bpnc", Xt, weights) + bias[:, :, None, :]
     correct = logits.argmax(dim=-1) == torch.as_tensor(y, device=device)[None, None, :]
@@ -250,8 +299,9 @@ _ACTIVATIONS = {"relu": torch.relu, "tanh": torch.tanh, "gelu": torch.nn.functio
 
 
 @torch.no_grad()
-def neuron_distance(samples: np.ndarray | torch.Tensor, X: np.ndarray, targets: np.ndarray, *, activation: str = "relu",
-                    device: str | torch.device = "cpu") -> np.ndarray:
+def neuron_distance(
+    samples: np.ndarray | torch.Tensor, X: np.ndarray, targets: np.ndarray, *, activation: str = "relu", device: str | torch.device = "cpu"
+) -> np.ndarray:
     """Eq. (3) of [1] for every sampled neuron: ``|| act(X w' + b') - z ||_2 / n``, shape ``(B, p)``.
 
     ``samples`` ``(B, p, D + 1)`` are ``[w, b]`` of neuron ``b``'s samples; ``targets`` ``(n, B)`` the activations
@@ -284,8 +334,8 @@ def compute_fisher(weight: np.ndarray, bias: np.ndarray, X: np.ndarray, num_samp
     c = (p.cumsum(axis=1) > rng.random((num_samples, 1))).argmax(axis=1)
     e = -p
     e[np.arange(num_samples), c] += 1.0
-    fisher_w = (e ** 2).T @ (x ** 2) / num_samples  # mean over samples of (e_i x_j)^2
-    fisher_b = (e ** 2).mean(axis=0)
+    fisher_w = (e**2).T @ (x**2) / num_samples  # mean over samples of (e_i x_j)^2
+    fisher_b = (e**2).mean(axis=0)
     return np.concatenate([fisher_w.ravel(), fisher_b])
 
 
@@ -343,9 +393,16 @@ def _check_balls(centers: np.ndarray, radii: np.ndarray, axes: np.ndarray | None
             raise InputError(name, f"the centres' shape {centers.shape}", f"shape {arr.shape}")
 
 
-def intersect_balls(centers: np.ndarray, radii: np.ndarray, *, axes: np.ndarray | None = None,
-                    masks: np.ndarray | None = None, max_iter: int = 1000, margin: float = 1e-3,
-                    init: np.ndarray | None = None) -> Intersection:
+def intersect_balls(
+    centers: np.ndarray,
+    radii: np.ndarray,
+    *,
+    axes: np.ndarray | None = None,
+    masks: np.ndarray | None = None,
+    max_iter: int = 1000,
+    margin: float = 1e-3,
+    init: np.ndarray | None = None,
+) -> Intersection:
     """A point in the intersection of ``K`` balls / ellipsoids, or the closest one (eq. 2 of [1]).
 
     The paper minimises ``sum_k max(0, || a_k (w - c_k) || - 1)`` by plain gradient descent from the average of the
@@ -379,7 +436,7 @@ def intersect_balls(centers: np.ndarray, radii: np.ndarray, *, axes: np.ndarray 
     masks = None if masks is None else np.asarray(masks, dtype=np.float64)
     _check_balls(centers, radii, axes, masks)
     inv = _inverse_scales(radii, axes, masks, centers.shape)
-    inv2 = inv ** 2
+    inv2 = inv**2
 
     def distances(w: np.ndarray) -> np.ndarray:
         return np.linalg.norm(inv * (w[None, :] - centers), axis=1)
@@ -395,7 +452,7 @@ def intersect_balls(centers: np.ndarray, radii: np.ndarray, *, axes: np.ndarray 
         dist = np.linalg.norm(inv * diff, axis=1)
         excess = np.maximum(dist - target, 0.0)
         coef = np.where(excess > 0, 2 * excess / np.maximum(dist, 1e-300), 0.0)
-        return float(np.sum(excess ** 2)), (coef[:, None] * inv2 * diff).sum(axis=0)
+        return float(np.sum(excess**2)), (coef[:, None] * inv2 * diff).sum(axis=0)
 
     result = minimize(objective, start, jac=True, method="L-BFGS-B", options={"maxiter": max_iter, "gtol": 1e-12, "ftol": 1e-15})
     point = result.x
@@ -403,8 +460,12 @@ def intersect_balls(centers: np.ndarray, radii: np.ndarray, *, axes: np.ndarray 
     found = bool(np.all(dist <= 1.0 + 1e-9))
     left = float(np.sum(radii * np.maximum(dist - 1.0, 0.0)))
     if not found and result.status == 1:  # hit max_iter while still improving: the balls may still intersect
-        warnings.warn(f"GEMS intersection: no point found in {max_iter} L-BFGS iterations (distance left {left:.4g}); "
-                      "raise max_iter to tell an empty intersection from slow convergence", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"GEMS intersection: no point found in {max_iter} L-BFGS iterations (distance left {left:.4g}); "
+            "raise max_iter to tell an empty intersection from slow convergence",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return Intersection(point, found, dist, left, int(result.nit))
 
 
@@ -448,8 +509,9 @@ class FusedNeurons:
     dropped: list[int] = field(default_factory=list)
 
 
-def fuse_neurons(centers: np.ndarray, radii: np.ndarray, labels: np.ndarray, *, skip_first_cluster: bool = False,
-                 max_iter: int = 1000) -> FusedNeurons:
+def fuse_neurons(
+    centers: np.ndarray, radii: np.ndarray, labels: np.ndarray, *, skip_first_cluster: bool = False, max_iter: int = 1000
+) -> FusedNeurons:
     """Greedy intersection of neuron balls inside each k-means cluster (Section 3.2 of [1]).
 
     Visit the cluster's neurons in index order; neuron ``i`` joins the set ``A`` if its ball meets every ball already

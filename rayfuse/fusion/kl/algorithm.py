@@ -58,24 +58,35 @@ PARALLEL_WORK = 5e7
 
 class KLParams(GMMPosteriorParams):
     application: Literal["gmm", "bnn", "topics"] = Field(
-        "gmm", description="what the clients' posteriors are: gmm = local variational GMMs (Normal-Wishart); bnn = Bayesian MLP "
-        "neurons (diagonal Gaussians); topics = LDA topics (Dirichlet)")
-    homogeneous: bool = Field(False, description="topics: the parametric variant (eq. 3): every client fits n_components topics, fused by permutation")
+        "gmm",
+        description="what the clients' posteriors are: gmm = local variational GMMs (Normal-Wishart); bnn = Bayesian MLP "
+        "neurons (diagonal Gaussians); topics = LDA topics (Dirichlet)",
+    )
+    homogeneous: bool = Field(
+        False, description="topics: the parametric variant (eq. 3): every client fits n_components topics, fused by permutation"
+    )
     lam: float = Field(0.1, ge=0, description="lambda of eq. 9, relative to the standard deviation of the KL costs (paper: 0.1)")
     solver: Literal["exact", "relaxed"] = Field(
-        "exact", description="exact: per-dataset augmented Hungarian (binary); relaxed: the convex P-step (Frank-Wolfe)")
+        "exact", description="exact: per-dataset augmented Hungarian (binary); relaxed: the convex P-step (Frank-Wolfe)"
+    )
     max_iter: int | None = Field(None, ge=1, description="sweeps (exact, default 20) or P/theta alternations (relaxed, default 10)")
-    n_init_components: int | None = Field(None, ge=1, description="G_init of the KL-k-means++ initialisation (default min(sum L_j, 2 max L_j))")
+    n_init_components: int | None = Field(
+        None, ge=1, description="G_init of the KL-k-means++ initialisation (default min(sum L_j, 2 max L_j))"
+    )
     fw_iterations: int = Field(100, ge=1, description="relaxed: Frank-Wolfe iterations per P-step")
     reg_weights: Literal["code", "uniform"] = Field(
-        "code", description="relaxed: group weights sqrt(max(0, rank + 1 - Lmax)) (reference code; default) or uniform (paper; degenerate, see kl_fusion)")
+        "code",
+        description="relaxed: group weights sqrt(max(0, rank + 1 - Lmax)) (reference code; default) or uniform (paper; degenerate, see kl_fusion)",
+    )
     hidden: int = Field(150, ge=1, description="bnn: hidden units of each client's Bayesian MLP (paper: 150)")
     bnn_epochs: int = Field(100, ge=1, description="bnn: Bayes-by-backprop epochs")
     bnn_lr: float = Field(1e-3, gt=0, description="bnn: Adam learning rate (docs/methods/kl.md: 1e-3)")
     prior_sd: float = Field(1.0, gt=0, description="bnn: N(0, prior_sd^2) prior on every weight")
     mc_samples: int = Field(100, ge=1, description="bnn: Monte-Carlo weight samples of the predictive (paper: 100)")
     executor: Literal["auto", "federation", "threads", "serial"] = Field(
-        "auto", description="where the per-dataset solves run: federation = Ray tasks on Ray (threads in-process); auto = federation for large sweeps")
+        "auto",
+        description="where the per-dataset solves run: federation = Ray tasks on Ray (threads in-process); auto = federation for large sweeps",
+    )
 
 
 def choose_executor(server: ServerContext, kind: str, sizes: list[int], n_globals: int) -> tuple[Executor, str]:
@@ -107,9 +118,17 @@ class KLFusion(Method[KLParams, None]):
         executor, executor_name = choose_executor(server, p.executor, sizes, g_init)
         server.progress(f"kl: fusing {sum(sizes)} local components from {len(posteriors)} clients ({p.solver} solver, {executor_name})")
         started = time.perf_counter()
-        result = fuse_heterogeneous(posteriors, lam=p.lam, solver=p.solver, max_iter=p.max_iter, n_init_components=p.n_init_components,
-                                    executor=executor, random_state=server.step_seed("fuse") % (2**31), fw_iterations=p.fw_iterations,
-                                    reg_weights=p.reg_weights)
+        result = fuse_heterogeneous(
+            posteriors,
+            lam=p.lam,
+            solver=p.solver,
+            max_iter=p.max_iter,
+            n_init_components=p.n_init_components,
+            executor=executor,
+            random_state=server.step_seed("fuse") % (2**31),
+            fw_iterations=p.fw_iterations,
+            reg_weights=p.reg_weights,
+        )
         return result, executor_name, time.perf_counter() - started
 
     @classmethod
@@ -127,15 +146,19 @@ class KLFusion(Method[KLParams, None]):
         elif p.application == "topics":
             check_silo_components(p, setup)
             if not setup.data.is_silos and DATASETS.canonical(setup.data.dataset) != "kl_lda":
-                raise InputError("data.dataset", "kl_lda (application topics needs the synthetic corpus' true topics)",
-                                 setup.data.dataset)
+                raise InputError("data.dataset", "kl_lda (application topics needs the synthetic corpus' true topics)", setup.data.dataset)
             if p.homogeneous and p.n_components == "true":
                 raise InputError("n_components", "a number of topics every client fits (homogeneous fusion)", "true")
         local = p.hidden if p.application == "bnn" else None if p.n_components == "true" else int(p.n_components)
-        if p.n_init_components is not None and local is not None and p.n_init_components < local \
-                and not (p.application == "topics" and p.homogeneous):
-            raise InputError("n_init_components", f"at least the largest local count ({local}) so every dataset can be assigned",
-                             p.n_init_components)
+        if (
+            p.n_init_components is not None
+            and local is not None
+            and p.n_init_components < local
+            and not (p.application == "topics" and p.homogeneous)
+        ):
+            raise InputError(
+                "n_init_components", f"at least the largest local count ({local}) so every dataset can be assigned", p.n_init_components
+            )
 
     def run(self, server: ServerContext) -> MethodResult:
         run = {"gmm": self._run_gmm, "bnn": self._run_bnn, "topics": self._run_topics}[self.params.application]
@@ -155,11 +178,15 @@ class KLFusion(Method[KLParams, None]):
             server.log(step, {"objective": value})
         server.log(len(result.objective), metrics)
         info = {
-            "clients": list(raw), "local_components": sizes, "global_components": result.num_globals,
+            "clients": list(raw),
+            "local_components": sizes,
+            "global_components": result.num_globals,
             **({} if server.data.data_cfg.is_silos else {"true_components": int(len(server.data.dataset_meta["global_means"]))}),
             "lam_effective": result.lam,
-            "counts": np.asarray(result.counts).round(4).tolist(), "means": result.globals.means().tolist(),
-            "executor": executor_name, "local_fit_seconds_max": round(local_seconds, 3),
+            "counts": np.asarray(result.counts).round(4).tolist(),
+            "means": result.globals.means().tolist(),
+            "executor": executor_name,
+            "local_fit_seconds_max": round(local_seconds, 3),
             "total_seconds": round(time.perf_counter() - started, 3),
             **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.info.items()},
         }
@@ -171,8 +198,9 @@ class KLFusion(Method[KLParams, None]):
         started = time.perf_counter()
         gathered = server.updates.run_cached(train_bnn, hidden=p.hidden, epochs=p.bnn_epochs, lr=p.bnn_lr, prior_sd=p.prior_sd)
         # NaN / non-positive variances / wrong shapes (InputError): rejected, never fused
-        kept = server.updates.accept_replies(gathered, lambda client, r: (neurons_of(r["bnn"], where=f"client {client} posterior"), r["bnn"]),
-                                     what="client posteriors")
+        kept = server.updates.accept_replies(
+            gathered, lambda client, r: (neurons_of(r["bnn"], where=f"client {client} posterior"), r["bnn"]), what="client posteriors"
+        )
         neurons = [n for n, _ in kept.values()]
         bnns = {client: bnn for client, (_, bnn) in kept.items()}
         d_in = int(np.prod(server.data.input_shape))
@@ -200,13 +228,19 @@ class KLFusion(Method[KLParams, None]):
             values = [m[name] for m in local.values()]
             metrics[f"local_{name}_mean"], metrics[f"local_{name}_max"] = float(np.mean(values)), float(np.max(values))
         server.log(1, metrics)
-        info = {"clients": list(bnns), "global_units": result.num_globals, "local_units": [len(n) for n in neurons],
-                "concatenated_units": int(sum(len(n) for n in neurons)), "lam_effective": result.lam, "executor": executor_name,
-                "local": {str(c): {k: round(v, 4) for k, v in m.items()} for c, m in local.items()},
-                "local_train_seconds_max": round(max(r["seconds"] for r in gathered.results.values()), 3),
-                "class_counts": {str(c): gathered.results[c]["class_counts"] for c in bnns},
-                "total_seconds": round(time.perf_counter() - started, 3),
-                **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.info.items()}}
+        info = {
+            "clients": list(bnns),
+            "global_units": result.num_globals,
+            "local_units": [len(n) for n in neurons],
+            "concatenated_units": int(sum(len(n) for n in neurons)),
+            "lam_effective": result.lam,
+            "executor": executor_name,
+            "local": {str(c): {k: round(v, 4) for k, v in m.items()} for c, m in local.items()},
+            "local_train_seconds_max": round(max(r["seconds"] for r in gathered.results.values()), 3),
+            "class_counts": {str(c): gathered.results[c]["class_counts"] for c in bnns},
+            "total_seconds": round(time.perf_counter() - started, 3),
+            **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in result.info.items()},
+        }
         params = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in fused.items()}
         return MethodResult(metrics, params=params, info=info)
 
@@ -223,8 +257,9 @@ class KLFusion(Method[KLParams, None]):
         server.progress("kl: clients fit LDA on their documents")
         started = time.perf_counter()
         gathered = server.updates.run_cached(fit_lda_posterior, k, max_iter=p.vi_max_iter)
-        locals_ = server.updates.accept_replies(gathered, lambda client, r: Dirichlet(r["alpha"], where=f"client {client} posterior"),
-                                        what="client posteriors")
+        locals_ = server.updates.accept_replies(
+            gathered, lambda client, r: Dirichlet(r["alpha"], where=f"client {client} posterior"), what="client posteriors"
+        )
         posteriors = list(locals_.values())
         if p.homogeneous:
             fuse_started = time.perf_counter()
@@ -238,23 +273,36 @@ class KLFusion(Method[KLParams, None]):
         fused_topics = result.globals.means()
         if meta is None:  # silos: held-out completion on the server's test documents, no truth to compare with
             truth = None
-            metrics = {"completion_ll": completion_log_likelihood(fused_topics, seen, held), "num_components": float(result.num_globals),
-                       "fuse_seconds": fuse_seconds}
+            metrics = {
+                "completion_ll": completion_log_likelihood(fused_topics, seen, held),
+                "num_components": float(result.num_globals),
+                "fuse_seconds": fuse_seconds,
+            }
         else:
             used = sorted({t for subset in meta["subsets"] for t in subset})  # topics no client writes about are not recoverable
             truth = np.asarray(meta["topics"])[used]
-            metrics = {"completion_ll": completion_log_likelihood(fused_topics, seen, held), "topic_hausdorff": topic_hausdorff(fused_topics, truth),
-                       "num_components": float(result.num_globals), "size_error": abs(result.num_globals - len(truth)) / len(truth),
-                       "fuse_seconds": fuse_seconds}
+            metrics = {
+                "completion_ll": completion_log_likelihood(fused_topics, seen, held),
+                "topic_hausdorff": topic_hausdorff(fused_topics, truth),
+                "num_components": float(result.num_globals),
+                "size_error": abs(result.num_globals - len(truth)) / len(truth),
+                "fuse_seconds": fuse_seconds,
+            }
         local_ll = {c: completion_log_likelihood(q.means(), seen, held) for c, q in locals_.items()}
         metrics["local_completion_ll_mean"] = float(np.mean(list(local_ll.values())))
         metrics["local_completion_ll_max"] = float(np.max(list(local_ll.values())))
         if meta is not None:  # all generating topics: upper reference
             metrics["truth_completion_ll"] = completion_log_likelihood(np.asarray(meta["topics"]), seen, held)
         server.log(1, metrics)
-        info = {"clients": list(locals_), "local_topics": [len(q) for q in posteriors], "global_topics": result.num_globals,
-                **({} if truth is None else {"true_topics": int(len(truth))}),
-                "local_completion_ll": {str(c): round(v, 4) for c, v in local_ll.items()},
-                "executor": executor_name, "homogeneous": p.homogeneous, "total_seconds": round(time.perf_counter() - started, 3),
-                **{k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in result.info.items()}}
+        info = {
+            "clients": list(locals_),
+            "local_topics": [len(q) for q in posteriors],
+            "global_topics": result.num_globals,
+            **({} if truth is None else {"true_topics": int(len(truth))}),
+            "local_completion_ll": {str(c): round(v, 4) for c, v in local_ll.items()},
+            "executor": executor_name,
+            "homogeneous": p.homogeneous,
+            "total_seconds": round(time.perf_counter() - started, 3),
+            **{k2: (round(v, 4) if isinstance(v, float) else v) for k2, v in result.info.items()},
+        }
         return MethodResult(metrics, info=info)

@@ -28,8 +28,16 @@ BNN = dict[str, np.ndarray]  # {"w1_mu", "w1_var", "b1_mu", "b1_var", "w2_mu", "
 
 
 @client_step("kl.bnn_posterior")
-def train_bnn(ctx: ClientContext, *, hidden: int = 150, epochs: int = 100, lr: float = 1e-3, batch_size: int = 32,
-              prior_sd: float = 1.0, init_rho: float = -5.0) -> dict[str, Any]:
+def train_bnn(
+    ctx: ClientContext,
+    *,
+    hidden: int = 150,
+    epochs: int = 100,
+    lr: float = 1e-3,
+    batch_size: int = 32,
+    prior_sd: float = 1.0,
+    init_rho: float = -5.0,
+) -> dict[str, Any]:
     """Bayes by backprop on this client's shard; returns the posterior means and variances (cached per settings)."""
     import torch
     import torch.nn.functional as F
@@ -54,7 +62,7 @@ def train_bnn(ctx: ClientContext, *, hidden: int = 150, epochs: int = 100, lr: f
         order = torch.randperm(n, generator=batches)
         total = 0.0
         for start in range(0, n, batch_size):
-            idx = order[start:start + batch_size]
+            idx = order[start : start + batch_size]
             var = {k: F.softplus(rho[k]) ** 2 for k in shapes}
             # local reparameterisation: sample pre-activations, not weights
             xb = X[idx]
@@ -75,8 +83,13 @@ def train_bnn(ctx: ClientContext, *, hidden: int = 150, epochs: int = 100, lr: f
         for k in shapes:
             out[f"{k}_mu"] = mu[k].detach().numpy().astype(np.float64)
             out[f"{k}_var"] = (F.softplus(rho[k]) ** 2).detach().numpy().astype(np.float64)
-    result = {"bnn": out, "num_examples": int(n), "loss": last, "seconds": time.perf_counter() - started,
-              "class_counts": np.bincount(ctx.train.y, minlength=C).tolist()}
+    result = {
+        "bnn": out,
+        "num_examples": int(n),
+        "loss": last,
+        "seconds": time.perf_counter() - started,
+        "class_counts": np.bincount(ctx.train.y, minlength=C).tolist(),
+    }
     ctx.state[key] = result
     return dict(result)
 
@@ -91,8 +104,16 @@ def neurons_of(bnn: BNN, *, where: str = "posterior") -> DiagGaussian:
 def network_of(neurons: DiagGaussian, b2_mu: np.ndarray, b2_var: np.ndarray, d_in: int) -> BNN:
     """The BNN whose hidden neurons are ``neurons`` (inverse of :func:`neurons_of`) with output bias ``b2``."""
     m, v = neurons.mean, neurons.var
-    return {"w1_mu": m[:, :d_in], "w1_var": v[:, :d_in], "b1_mu": m[:, d_in], "b1_var": v[:, d_in],
-            "w2_mu": m[:, d_in + 1:].T.copy(), "w2_var": v[:, d_in + 1:].T.copy(), "b2_mu": b2_mu, "b2_var": b2_var}
+    return {
+        "w1_mu": m[:, :d_in],
+        "w1_var": v[:, :d_in],
+        "b1_mu": m[:, d_in],
+        "b1_var": v[:, d_in],
+        "w2_mu": m[:, d_in + 1 :].T.copy(),
+        "w2_var": v[:, d_in + 1 :].T.copy(),
+        "b2_mu": b2_mu,
+        "b2_var": b2_var,
+    }
 
 
 def fuse_output_bias(bnns: list[BNN]) -> tuple[np.ndarray, np.ndarray]:

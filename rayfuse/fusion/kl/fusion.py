@@ -93,7 +93,9 @@ class FusionResult:
 def check_posteriors(posteriors: Sequence[Family], *, where: str = "posteriors", min_components: int = 1) -> Family:
     """Validate a list of per-dataset batches (one family and dimension, finite, non-empty) and return them concatenated."""
     if not isinstance(posteriors, (list, tuple)) or not posteriors:
-        raise InputError(where, "a non-empty list of per-dataset posterior batches", posteriors if not isinstance(posteriors, (list, tuple)) else "[]")
+        raise InputError(
+            where, "a non-empty list of per-dataset posterior batches", posteriors if not isinstance(posteriors, (list, tuple)) else "[]"
+        )
     flat = concat(list(posteriors), where=where)
     for j, batch in enumerate(posteriors):
         if len(batch) < min_components:
@@ -132,6 +134,7 @@ def kl_kmeanspp(components: Family, k: int, rng: np.random.Generator) -> np.ndar
     if k >= n:
         return np.arange(n)
     centers = [int(rng.integers(n))]
+
     def divergences(idx: Any) -> np.ndarray:  # KL from candidate centres; rounding noise of identical pairs -> 0
         kl = components.take(idx).kl_matrix(components)
         return np.where(kl > 1e-8, kl, 0.0)
@@ -158,8 +161,7 @@ def _assign_to(centers: Family, local: Family) -> np.ndarray:
     return solve_assignment(centers.kl_matrix(local).T)
 
 
-def fuse_homogeneous(posteriors: Sequence[Family], *, max_iter: int = 20, executor: Executor | None = None,
-                     init: int = 0) -> FusionResult:
+def fuse_homogeneous(posteriors: Sequence[Family], *, max_iter: int = 20, executor: Executor | None = None, init: int = 0) -> FusionResult:
     """Permutation fusion, eq. (3): every dataset has the same number ``L`` of components, each matched to one global.
 
     Initialised with dataset ``init``'s components; alternates the per-dataset Hungarian solves (fanned out through
@@ -186,8 +188,7 @@ def fuse_homogeneous(posteriors: Sequence[Family], *, max_iter: int = 20, execut
         assignments = new
         if not changed:
             break
-    return FusionResult(centers, [np.asarray(a) for a in assignments], np.full(L, D), objective=objective,
-                        info={"iterations": it + 1})
+    return FusionResult(centers, [np.asarray(a) for a in assignments], np.full(L, D), objective=objective, info={"iterations": it + 1})
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -337,10 +338,21 @@ def _initial_globals(flat: Family, posteriors: Sequence[Family], n_init: int | N
     return flat.take(chosen), k
 
 
-def fuse_heterogeneous(posteriors: Sequence[Family], *, lam: float = 0.1, solver: str = "exact", max_iter: int | None = None,
-                       n_init_components: int | None = None, executor: Executor | None = None,
-                       random_state: int | np.random.Generator | None = 0, fw_iterations: int = 100, eps: float = 1e-3,
-                       min_mass: float = 0.999, reg_weights: str = "code", tol: float = 1e-6) -> FusionResult:
+def fuse_heterogeneous(
+    posteriors: Sequence[Family],
+    *,
+    lam: float = 0.1,
+    solver: str = "exact",
+    max_iter: int | None = None,
+    n_init_components: int | None = None,
+    executor: Executor | None = None,
+    random_state: int | np.random.Generator | None = 0,
+    fw_iterations: int = 100,
+    eps: float = 1e-3,
+    min_mass: float = 0.999,
+    reg_weights: str = "code",
+    tol: float = 1e-6,
+) -> FusionResult:
     """Nonparametric KL-fusion, eq. (9): the number of global components is inferred.
 
     Parameters
@@ -387,7 +399,9 @@ def fuse_heterogeneous(posteriors: Sequence[Family], *, lam: float = 0.1, solver
     else:
         if reg_weights not in ("uniform", "code"):
             raise InputError("reg_weights", "'uniform' or 'code'", reg_weights)
-        result = _fuse_relaxed(posteriors, flat, centers, init, lam_eff, max_iter or 10, executor, fw_iterations, eps, min_mass, reg_weights)
+        result = _fuse_relaxed(
+            posteriors, flat, centers, init, lam_eff, max_iter or 10, executor, fw_iterations, eps, min_mass, reg_weights
+        )
     result.lam = lam_eff
     result.info.update(solver=solver, n_init_components=int(len(centers)), kl_std=scale, seconds=time.perf_counter() - started)
     if not np.isfinite(result.globals.natural()).all():
@@ -395,8 +409,17 @@ def fuse_heterogeneous(posteriors: Sequence[Family], *, lam: float = 0.1, solver
     return result
 
 
-def _fuse_exact(posteriors: Sequence[Family], flat: Family, centers: Family, init: list[np.ndarray], lam: float, max_iter: int,
-                executor: Executor | None, rng: np.random.Generator, tol: float) -> FusionResult:
+def _fuse_exact(
+    posteriors: Sequence[Family],
+    flat: Family,
+    centers: Family,
+    init: list[np.ndarray],
+    lam: float,
+    max_iter: int,
+    executor: Executor | None,
+    rng: np.random.Generator,
+    tol: float,
+) -> FusionResult:
     etas = [p.natural() for p in posteriors]
     state = _State(flat, etas[0].shape[1], lam)
     # start from the centres' assignment: every centre that received components becomes a global
@@ -443,9 +466,13 @@ def _fuse_exact(posteriors: Sequence[Family], flat: Family, centers: Family, ini
     remap = np.full(len(state.counts), -1)
     remap[ids] = np.arange(len(ids))
     globals_ = flat.from_natural(state.sums[ids] / state.counts[ids, None])
-    return FusionResult(globals_, [remap[a] for a in assignments], state.counts[ids].copy(), objective=objective,
-                        info={"sweeps": sweeps, "proposals_accepted": accepted, "resolved": resolved,
-                              "converged": sweeps < max_iter or not changed})
+    return FusionResult(
+        globals_,
+        [remap[a] for a in assignments],
+        state.counts[ids].copy(),
+        objective=objective,
+        info={"sweeps": sweeps, "proposals_accepted": accepted, "resolved": resolved, "converged": sweeps < max_iter or not changed},
+    )
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -465,8 +492,9 @@ def _relaxed_objective(P: list[np.ndarray], C: list[np.ndarray], lam: np.ndarray
     return float(sum((p * c).sum() for p, c in zip(P, C)) + (lam * np.sqrt(sq + eps**2)).sum())
 
 
-def _frank_wolfe(P: list[np.ndarray], C: list[np.ndarray], lam: np.ndarray, eps: float, iterations: int,
-                 executor: Executor | None) -> list[np.ndarray]:
+def _frank_wolfe(
+    P: list[np.ndarray], C: list[np.ndarray], lam: np.ndarray, eps: float, iterations: int, executor: Executor | None
+) -> list[np.ndarray]:
     """Minimise ``sum_j <P^j, C^j> + sum_g lam_g sqrt(sum_{j,l} (P^j_lg)^2 + eps^2)`` over the assignment polytopes."""
     P = [p.copy() for p in P]
     for _t in range(iterations):
@@ -498,8 +526,19 @@ def _frank_wolfe(P: list[np.ndarray], C: list[np.ndarray], lam: np.ndarray, eps:
     return P
 
 
-def _fuse_relaxed(posteriors: Sequence[Family], flat: Family, centers: Family, init: list[np.ndarray], lam: float, max_iter: int,
-                  executor: Executor | None, fw_iterations: int, eps: float, min_mass: float, reg_weights: str) -> FusionResult:
+def _fuse_relaxed(
+    posteriors: Sequence[Family],
+    flat: Family,
+    centers: Family,
+    init: list[np.ndarray],
+    lam: float,
+    max_iter: int,
+    executor: Executor | None,
+    fw_iterations: int,
+    eps: float,
+    min_mass: float,
+    reg_weights: str,
+) -> FusionResult:
     G = len(centers)
     P = []
     for a, p in zip(init, posteriors):
@@ -535,5 +574,11 @@ def _fuse_relaxed(posteriors: Sequence[Family], flat: Family, centers: Family, i
     remap = np.full(G, -1)
     remap[keep] = np.arange(len(keep))
     assignments = [remap[np.argmax(p, axis=1)] for p in P]
-    return FusionResult(globals_.take(keep), assignments, mass[keep], objective=objective, weights=[p[:, keep] for p in P],
-                        info={"iterations": max_iter, "pruned": int(G - len(keep))})
+    return FusionResult(
+        globals_.take(keep),
+        assignments,
+        mass[keep],
+        objective=objective,
+        weights=[p[:, keep] for p in P],
+        info={"iterations": max_iter, "pruned": int(G - len(keep))},
+    )

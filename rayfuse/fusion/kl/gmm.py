@@ -38,13 +38,31 @@ from rayfuse.method import (
     register_method,
 )
 
-__all__ = ["fit_gmm_posterior", "GMMPosteriorParams", "gather_gmm_posteriors", "gmm_truth", "gmm_metrics", "GMMOracle", "DPCluster",
-           "GMMMethod", "check_gmm_dataset", "check_silo_components", "check_local_components"]
+__all__ = [
+    "fit_gmm_posterior",
+    "GMMPosteriorParams",
+    "gather_gmm_posteriors",
+    "gmm_truth",
+    "gmm_metrics",
+    "GMMOracle",
+    "DPCluster",
+    "GMMMethod",
+    "check_gmm_dataset",
+    "check_silo_components",
+    "check_local_components",
+]
 
 
 @client_step("kl.gmm_posterior")
-def fit_gmm_posterior(ctx: ClientContext, n_components: dict[int, int] | int, *, n_init: int = 16, max_iter: int = 100,
-                      covariance_type: str = "full", weight_prior: str = "dirichlet_distribution") -> dict[str, Any]:
+def fit_gmm_posterior(
+    ctx: ClientContext,
+    n_components: dict[int, int] | int,
+    *,
+    n_init: int = 16,
+    max_iter: int = 100,
+    covariance_type: str = "full",
+    weight_prior: str = "dirichlet_distribution",
+) -> dict[str, Any]:
     """Fit local VI (``BayesianGaussianMixture``) on this client's points; return its Normal-Wishart posteriors."""
     from sklearn.mixture import BayesianGaussianMixture
 
@@ -55,21 +73,37 @@ def fit_gmm_posterior(ctx: ClientContext, n_components: dict[int, int] | int, *,
         if len(X) < k:
             raise RunFailure(f"client {ctx.client_id}: {len(X)} points for {k} mixture components")
         started = time.perf_counter()
-        model = BayesianGaussianMixture(n_components=k, covariance_type=covariance_type, n_init=n_init, max_iter=max_iter,
-                                        weight_concentration_prior_type=weight_prior, random_state=ctx.step_seed("bgmm") % (2**31))
+        model = BayesianGaussianMixture(
+            n_components=k,
+            covariance_type=covariance_type,
+            n_init=n_init,
+            max_iter=max_iter,
+            weight_concentration_prior_type=weight_prior,
+            random_state=ctx.step_seed("bgmm") % (2**31),
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # ConvergenceWarning on some restarts: the best restart is kept
             model.fit(X)
         nw = normal_wishart_from_sklearn(model, where=f"client {ctx.client_id} posterior")
-        ctx.state[key] = {"mean": nw.mean, "kappa": nw.kappa, "nu": nw.nu, "W": nw.W, "weights": np.asarray(model.weights_),
-                          "num_examples": len(X), "seconds": time.perf_counter() - started, "converged": bool(model.converged_)}
+        ctx.state[key] = {
+            "mean": nw.mean,
+            "kappa": nw.kappa,
+            "nu": nw.nu,
+            "W": nw.W,
+            "weights": np.asarray(model.weights_),
+            "num_examples": len(X),
+            "seconds": time.perf_counter() - started,
+            "converged": bool(model.converged_),
+        }
     return dict(ctx.state[key])
 
 
 class GMMPosteriorParams(MethodParams):
     """How the clients fit their local posteriors (the same values in every GMM method share one fit per client)."""
 
-    n_components: int | Literal["true"] = Field("true", description="local mixture components: 'true' = each group's true atom count (the paper), or a number")
+    n_components: int | Literal["true"] = Field(
+        "true", description="local mixture components: 'true' = each group's true atom count (the paper), or a number"
+    )
     n_init: int = Field(16, ge=1, description="BayesianGaussianMixture restarts (reference driver: 16)")
     vi_max_iter: int = Field(100, ge=1, description="BayesianGaussianMixture iterations")
 
@@ -96,15 +130,21 @@ def check_silo_components(params: GMMPosteriorParams, setup: RunSetup) -> None:
     """Refuse ``n_components: true`` with ``data.silos``: it is each client's count in the synthetic generator (``kl_gmm``,
     ``kl_lda``), and a silo run has no generator."""
     if setup.data.is_silos and params.n_components == "true":
-        raise InputError("n_components", "a number of local components with data.silos ('true' is each client's count in the "
-                         "synthetic generator, kl_gmm / kl_lda; silos have none)", "true", "e.g. n_components: 3")
+        raise InputError(
+            "n_components",
+            "a number of local components with data.silos ('true' is each client's count in the "
+            "synthetic generator, kl_gmm / kl_lda; silos have none)",
+            "true",
+            "e.g. n_components: 3",
+        )
 
 
 def check_local_components(params: GMMPosteriorParams, setup: RunSetup) -> None:
     """Refuse a fixed number of local components larger than a client's training split (its points)."""
     if params.n_components != "true" and setup.train_sizes and params.n_components > min(setup.train_sizes):
-        raise InputError("n_components", f"at most the smallest client's number of training points ({min(setup.train_sizes)})",
-                         params.n_components)
+        raise InputError(
+            "n_components", f"at most the smallest client's number of training points ({min(setup.train_sizes)})", params.n_components
+        )
 
 
 GP = TypeVar("GP", bound=GMMPosteriorParams)
@@ -143,9 +183,11 @@ def gather_gmm_posteriors(server: ServerContext, params: GMMPosteriorParams) -> 
         n_components = int(params.n_components)
     gathered = server.updates.run_cached(fit_gmm_posterior, n_components, n_init=params.n_init, max_iter=params.vi_max_iter)
     # NaN / non-positive variances / wrong shapes (InputError): rejected, never fused
-    kept = server.updates.accept_replies(gathered, lambda client, r: (NormalWishart(r["mean"], r["kappa"], r["nu"], r["W"],
-                                                                            where=f"client {client} posterior"), r),
-                                 what="client posteriors")
+    kept = server.updates.accept_replies(
+        gathered,
+        lambda client, r: (NormalWishart(r["mean"], r["kappa"], r["nu"], r["W"], where=f"client {client} posterior"), r),
+        what="client posteriors",
+    )
     return [q for q, _ in kept.values()], {client: r for client, (_, r) in kept.items()}
 
 
@@ -187,15 +229,22 @@ class GMMOracle(Method[GMMPosteriorParams, None]):
         meta = gmm_truth(server, f"methods.{self.label}")
         data = server.data.pooled_train()
         G = len(meta["global_means"])
-        model = BayesianGaussianMixture(n_components=G, covariance_type="full", n_init=self.params.n_init, max_iter=self.params.vi_max_iter,
-                                        weight_concentration_prior_type="dirichlet_distribution", random_state=server.step_seed("bgmm") % (2**31))
+        model = BayesianGaussianMixture(
+            n_components=G,
+            covariance_type="full",
+            n_init=self.params.n_init,
+            max_iter=self.params.vi_max_iter,
+            weight_concentration_prior_type="dirichlet_distribution",
+            random_state=server.step_seed("bgmm") % (2**31),
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.fit(np.asarray(data.X, dtype=np.float64).reshape(len(data), -1))
         metrics = gmm_metrics(server, model.means_)
         server.log(0, metrics)
-        return MethodResult(metrics, info={"note": "VI on the pooled data with the true G: infeasible in a federation",
-                                           "means": model.means_.tolist()})
+        return MethodResult(
+            metrics, info={"note": "VI on the pooled data with the true G: infeasible in a federation", "means": model.means_.tolist()}
+        )
 
 
 class DPClusterParams(GMMPosteriorParams):
@@ -214,8 +263,14 @@ class DPCluster(GMMMethod[DPClusterParams]):
 
         posteriors, _ = gather_gmm_posteriors(server, self.params)
         X = np.concatenate([p.means() for p in posteriors])
-        model = BayesianGaussianMixture(n_components=len(X), covariance_type="full", weight_concentration_prior_type="dirichlet_process",
-                                        n_init=1, max_iter=500, random_state=server.step_seed("dp") % (2**31))
+        model = BayesianGaussianMixture(
+            n_components=len(X),
+            covariance_type="full",
+            weight_concentration_prior_type="dirichlet_process",
+            n_init=1,
+            max_iter=500,
+            random_state=server.step_seed("dp") % (2**31),
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.fit(X)

@@ -52,8 +52,17 @@ def _cost(x: np.ndarray, S: np.ndarray, m: np.ndarray, mu0: np.ndarray, s: np.nd
     return np.concatenate([param, new], axis=1)
 
 
-def spahm_match(atoms: Sequence[np.ndarray], *, sigma: float = 1.0, sigma0: float = 1.0, mu0: float = 0.0, gamma: float = 1.0,
-                iterations: int = 10, optimize_hyper: bool = True, random_state: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
+def spahm_match(
+    atoms: Sequence[np.ndarray],
+    *,
+    sigma: float = 1.0,
+    sigma0: float = 1.0,
+    mu0: float = 0.0,
+    gamma: float = 1.0,
+    iterations: int = 10,
+    optimize_hyper: bool = True,
+    random_state: int = 0,
+) -> tuple[np.ndarray, list[np.ndarray]]:
     """Global atoms (MAP) and each group's assignment (global index per local atom). Defaults: [SPAHM : simulation/main.py]."""
     if not atoms or any(np.ndim(a) != 2 for a in atoms):
         raise InputError("atoms", "a non-empty list of (atoms, dims) arrays", [np.shape(a) for a in atoms] if atoms else atoms)
@@ -124,6 +133,7 @@ def spahm_match(atoms: Sequence[np.ndarray], *, sigma: float = 1.0, sigma0: floa
 # -----------------------------------------------------------------------------------------------------------------
 # The method (GMM application: matches the clients' local posterior means)
 
+
 class SPAHMParams(GMMPosteriorParams):
     sigma: float = Field(1.0, gt=0, description="initial local noise variance")
     sigma0: float = Field(1.0, gt=0, description="initial prior variance")
@@ -143,8 +153,16 @@ class SPAHM(GMMMethod[SPAHMParams]):
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params
         posteriors, _ = gather_gmm_posteriors(server, p)
-        means, _ = spahm_match([q.means() for q in posteriors], sigma=p.sigma, sigma0=p.sigma0, mu0=p.mu0, gamma=p.gamma,
-                               iterations=p.iterations, optimize_hyper=p.optimize_hyper, random_state=server.step_seed("spahm") % (2**31))
+        means, _ = spahm_match(
+            [q.means() for q in posteriors],
+            sigma=p.sigma,
+            sigma0=p.sigma0,
+            mu0=p.mu0,
+            gamma=p.gamma,
+            iterations=p.iterations,
+            optimize_hyper=p.optimize_hyper,
+            random_state=server.step_seed("spahm") % (2**31),
+        )
         metrics = gmm_metrics(server, means)
         server.log(0, metrics)
         return MethodResult(metrics, info={"means": means.tolist()})

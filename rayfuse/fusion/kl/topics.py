@@ -23,7 +23,9 @@ __all__ = ["fit_lda_posterior", "split_documents", "completion_log_likelihood", 
 
 
 @client_step("kl.lda_posterior")
-def fit_lda_posterior(ctx: ClientContext, n_components: dict[int, int] | int, *, max_iter: int = 50, topic_word_prior: float | None = None) -> dict[str, Any]:
+def fit_lda_posterior(
+    ctx: ClientContext, n_components: dict[int, int] | int, *, max_iter: int = 50, topic_word_prior: float | None = None
+) -> dict[str, Any]:
     """Fit LDA on this client's documents; return the topics' Dirichlet parameters (cached per settings)."""
     from sklearn.decomposition import LatentDirichletAllocation
 
@@ -32,13 +34,21 @@ def fit_lda_posterior(ctx: ClientContext, n_components: dict[int, int] | int, *,
     if key not in ctx.state:
         started = time.perf_counter()
         X = np.asarray(ctx.train.X, dtype=np.float64).reshape(len(ctx.train), -1)
-        model = LatentDirichletAllocation(n_components=k, learning_method="batch", max_iter=max_iter, topic_word_prior=topic_word_prior,
-                                          random_state=ctx.step_seed("lda") % (2**31))
+        model = LatentDirichletAllocation(
+            n_components=k,
+            learning_method="batch",
+            max_iter=max_iter,
+            topic_word_prior=topic_word_prior,
+            random_state=ctx.step_seed("lda") % (2**31),
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.fit(X)
-        ctx.state[key] = {"alpha": np.asarray(model.components_, dtype=np.float64), "num_examples": len(X),
-                          "seconds": time.perf_counter() - started}
+        ctx.state[key] = {
+            "alpha": np.asarray(model.components_, dtype=np.float64),
+            "num_examples": len(X),
+            "seconds": time.perf_counter() - started,
+        }
     return dict(ctx.state[key])
 
 
@@ -49,7 +59,9 @@ def split_documents(X: np.ndarray, rng: np.random.Generator, observed: float = 0
     return seen.astype(np.float64), (X - seen).astype(np.float64)
 
 
-def completion_log_likelihood(topics: np.ndarray, seen: np.ndarray, held: np.ndarray, *, iterations: int = 100, smoothing: float = 1e-3) -> float:
+def completion_log_likelihood(
+    topics: np.ndarray, seen: np.ndarray, held: np.ndarray, *, iterations: int = 100, smoothing: float = 1e-3
+) -> float:
     """Mean log p(held-out token) under ``theta_d . topics`` with ``theta_d`` folded in from the observed tokens by EM
     (``topics`` fixed, rows on the simplex); ``smoothing`` keeps unseen words finite."""
     beta = (topics + smoothing / topics.shape[1]) / (1 + smoothing)

@@ -10,8 +10,11 @@ from rayfuse.fusion.aligned.algorithm import batchnorm, correlations, derive_run
 from rayfuse.io import load_params
 from rayfuse.models import build_model, set_params
 
-INDEPENDENT = {"train": {"epochs": 8, "shared_init": False}, "model": {"name": "mlp", "hidden": [32]},
-               "partition": {"method": "iid", "num_clients": 3}}
+INDEPENDENT = {
+    "train": {"epochs": 8, "shared_init": False},
+    "model": {"name": "mlp", "hidden": [32]},
+    "partition": {"method": "iid", "num_clients": 3},
+}
 
 
 def accuracy(coord, label):
@@ -19,20 +22,27 @@ def accuracy(coord, label):
 
 
 def test_aligned_fusion_of_independently_initialised_models_beats_averaging(coordinator):
-    methods = {"average": {}, "act": {"method": "aligned", "alignment": "activation"},
-               "wm": {"method": "aligned", "alignment": "weight"}}
+    methods = {"average": {}, "act": {"method": "aligned", "alignment": "activation"}, "wm": {"method": "aligned", "alignment": "weight"}}
     coord = coordinator(methods=methods, **INDEPENDENT)
     average, act, wm = (accuracy(coord, label) for label in methods)
     assert act > average + 0.1 and wm > average + 0.05, (average, act, wm)
 
 
 def test_fusing_copies_of_one_model_returns_the_model(coordinator):
-    coord = coordinator(methods={"act": {"method": "aligned"}, "wm": {"method": "aligned", "alignment": "weight"},
-                                 "fisher": {"method": "aligned", "merge": "fisher"}}, **INDEPENDENT)
+    coord = coordinator(
+        methods={
+            "act": {"method": "aligned"},
+            "wm": {"method": "aligned", "alignment": "weight"},
+            "fisher": {"method": "aligned", "merge": "fisher"},
+        },
+        **INDEPENDENT,
+    )
     coord.prepare_local_models()
     params = coord.reference_params()
     for i in range(3):  # the clients own their local models: the same model on every client
-        coord.federation.client(i).ctx._local_model = set_params(build_model(coord.cfg.model, coord.plan.input_shape, coord.plan.num_classes), params)
+        coord.federation.client(i).ctx._local_model = set_params(
+            build_model(coord.cfg.model, coord.plan.input_shape, coord.plan.num_classes), params
+        )
     for label in ("act", "wm", "fisher"):
         fused = load_params(coord.store.root / coord.run_method(label)["model_file"])
         for key in params:
@@ -51,14 +61,24 @@ def test_a_clients_correlation_reply_holds_per_group_sums_only(coordinator):
         assert set(reply) == {g.name for g in spec.groups if g.probes}
         for name, arrays in reply.items():
             d = sizes[name]
-            assert {k: np.shape(v) for k, v in arrays.items()} == {"count": (), "sum_a": (d,), "sum_b": (d,), "sumsq_a": (d,),
-                                                                 "sumsq_b": (d,), "cross": (d, d)}
+            assert {k: np.shape(v) for k, v in arrays.items()} == {
+                "count": (),
+                "sum_a": (d,),
+                "sum_b": (d,),
+                "sumsq_a": (d,),
+                "sumsq_b": (d,),
+                "cross": (d, d),
+            }
             assert float(arrays["count"]) == n_train[client]  # a sum over the client's samples, not the samples
 
 
 def test_the_batchnorm_reply_is_a_count_a_mean_and_a_variance_per_layer(coordinator):
-    coord = coordinator(methods={"aligned": {}}, model={"name": "cnn", "channels": [4, 6]}, partition={"method": "iid", "num_clients": 2},
-                        train={"epochs": 1})
+    coord = coordinator(
+        methods={"aligned": {}},
+        model={"name": "cnn", "channels": [4, 6]},
+        partition={"method": "iid", "num_clients": 2},
+        train={"epochs": 1},
+    )
     fused = coord.reference_params()
     reply = coord.federation.run(batchnorm, fused, label="aligned", samples=None, batch_size=64).results
     for stats in reply.values():
@@ -105,8 +125,12 @@ class UserNet(torch.nn.Module):
 def test_a_users_model_class_is_aligned_and_fused_through_the_python_api(tmp_path):
     import rayfuse
 
-    config = {"data": {"dataset": "digits"}, "partition": {"method": "iid", "num_clients": 2}, "train": {"epochs": 3},
-              "methods": {"average": {}, "aligned": {"sweeps": 2}}}
+    config = {
+        "data": {"dataset": "digits"},
+        "partition": {"method": "iid", "num_clients": 2},
+        "train": {"epochs": 3},
+        "methods": {"average": {}, "aligned": {"sweeps": 2}},
+    }
     result = rayfuse.run(config, model=UserNet, backend="local", run_dir=tmp_path / "run", quiet=True)
     info = result.results["methods"]["aligned"]["info"]
     assert info["groups"] == 2 and info["repaired"] is True  # conv, bn and both sides of the addition (side reads and writes them); fc
@@ -115,8 +139,10 @@ def test_a_users_model_class_is_aligned_and_fused_through_the_python_api(tmp_pat
 
 
 def test_the_nonparametric_merge_grows_the_global_model_and_trains_it_at_its_widths(coordinator):
-    methods = {"np": {"method": "aligned", "merge": "nonparametric", "new_unit_threshold": 1.0, "max_width": 2.0, "repair": False},
-               "np-rounds": {"method": "aligned", "merge": "nonparametric", "rounds": 2, "new_unit_threshold": 1.0, "max_width": 1.5}}
+    methods = {
+        "np": {"method": "aligned", "merge": "nonparametric", "new_unit_threshold": 1.0, "max_width": 2.0, "repair": False},
+        "np-rounds": {"method": "aligned", "merge": "nonparametric", "rounds": 2, "new_unit_threshold": 1.0, "max_width": 1.5},
+    }
     coord = coordinator(methods=methods, **INDEPENDENT)
     one = coord.run_method("np")
     fused = load_params(coord.store.root / one["model_file"])
@@ -129,9 +155,12 @@ def test_the_nonparametric_merge_grows_the_global_model_and_trains_it_at_its_wid
 
 
 def test_a_grown_model_with_batchnorm_is_repaired_by_the_clients_at_its_widths(coordinator):
-    coord = coordinator(methods={"np": {"method": "aligned", "merge": "nonparametric", "new_unit_threshold": 1.0, "max_width": 1.5}},
-                        train={"epochs": 1, "shared_init": False}, model={"name": "rescnn", "channels": [4, 6]},
-                        partition={"method": "iid", "num_clients": 2})
+    coord = coordinator(
+        methods={"np": {"method": "aligned", "merge": "nonparametric", "new_unit_threshold": 1.0, "max_width": 1.5}},
+        train={"epochs": 1, "shared_init": False},
+        model={"name": "rescnn", "channels": [4, 6]},
+        partition={"method": "iid", "num_clients": 2},
+    )
     result = coord.run_method("np")
     fused = load_params(coord.store.root / result["model_file"])
     widths = result["info"]["widths"]
@@ -157,8 +186,9 @@ def test_repair_rescales_the_hidden_layers_of_a_model_without_batchnorm_from_per
     for step, args in ((unit_stats, (spec, spec.identity(), units)), (repair_stats, (coord.reference_params(), units))):
         gathered = coord.federation.run(step, *args, label="act", samples=None, batch_size=64)
         for client, reply in gathered.results.items():  # a count, a mean and a variance per layer: nothing per sample
-            assert {k: {f: np.shape(v) for f, v in r.items()} for k, r in reply.items()} == \
-                {"layers.0": {"count": (), "mean": (32,), "var": (32,)}}
+            assert {k: {f: np.shape(v) for f, v in r.items()} for k, r in reply.items()} == {
+                "layers.0": {"count": (), "mean": (32,), "var": (32,)}
+            }
             assert float(reply["layers.0"]["count"]) == len(coord.plan.client_train[client])
 
 
@@ -169,6 +199,6 @@ def test_every_parameter_of_the_method_and_of_rayfuse_fuse_is_documented():
     from rayfuse.fusion.aligned.algorithm import AlignedParams
 
     page = (Path(__file__).resolve().parents[3] / "docs" / "methods" / "aligned.md").read_text(encoding="utf-8")
-    table = page[page.index("## Parameters"):page.index("## What leaves a client")]
+    table = page[page.index("## Parameters") : page.index("## What leaves a client")]
     missing = [name for cls in (AlignedParams, AlignParams) for name in cls.model_fields if f"`{name}`" not in table]
     assert not missing, missing

@@ -52,11 +52,13 @@ def test_average_is_the_sample_weighted_mean_of_the_local_models(coordinator):
 
 def test_majority_vote_by_hand():
     # 3 models, 2 samples, 3 classes. Sample 0: votes 0, 0, 1 -> 0. Sample 1: votes 2, 1, 1 -> 1.
-    probas = np.array([
-        [[0.6, 0.3, 0.1], [0.1, 0.2, 0.7]],
-        [[0.5, 0.4, 0.1], [0.1, 0.8, 0.1]],
-        [[0.2, 0.7, 0.1], [0.2, 0.6, 0.2]],
-    ])
+    probas = np.array(
+        [
+            [[0.6, 0.3, 0.1], [0.1, 0.2, 0.7]],
+            [[0.5, 0.4, 0.1], [0.1, 0.8, 0.1]],
+            [[0.2, 0.7, 0.1], [0.2, 0.6, 0.2]],
+        ]
+    )
     assert majority_vote(probas, [1 / 3] * 3).tolist() == [0, 1]
 
 
@@ -97,8 +99,7 @@ def test_local_models_are_trained_once_and_shared_by_methods(coordinator):
 
 def random_updates(reference, counts, seed=0):
     rng = np.random.default_rng(seed)
-    return {i: Update({k: rng.normal(size=v.shape).astype(v.dtype) for k, v in reference.items()}, int(n))
-            for i, n in enumerate(counts)}
+    return {i: Update({k: rng.normal(size=v.shape).astype(v.dtype) for k, v in reference.items()}, int(n)) for i, n in enumerate(counts)}
 
 
 def test_fedavg_aggregation_is_np_average_and_independent_of_client_order(coordinator):

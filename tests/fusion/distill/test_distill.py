@@ -19,14 +19,20 @@ from rayfuse.io import load_params
 from rayfuse.models import build_model, get_params, train_model
 from rayfuse.runner import prepare_run
 
-PUBLIC = {"data": {"dataset": "digits", "public_size": 200}, "model": {"name": "mlp", "hidden": [32]},
-          "partition": {"method": "dirichlet", "num_clients": 3, "alpha": 0.5}, "train": {"epochs": 8, "shared_init": False}}
+PUBLIC = {
+    "data": {"dataset": "digits", "public_size": 200},
+    "model": {"name": "mlp", "hidden": [32]},
+    "partition": {"method": "dirichlet", "num_clients": 3, "alpha": 0.5},
+    "train": {"epochs": 8, "shared_init": False},
+}
 QUICK = {"steps": 120, "epochs": 3}
 
 
 def _cnn(seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)
+    )
 
 
 def _mlp(seed: int) -> nn.Module:
@@ -62,8 +68,8 @@ def test_batched_teachers_equal_the_loop_across_architectures():
     torch.testing.assert_close(lb, ll, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gb, gl, rtol=1e-5, atol=1e-5)
     assert (gb > 0).all()  # every teacher has BatchNorm: a random batch does not match its statistics
-    grad_b, = torch.autograd.grad(lb.sum() + gb.sum(), x)
-    grad_l, = torch.autograd.grad(ll.sum() + gl.sum(), x)
+    (grad_b,) = torch.autograd.grad(lb.sum() + gb.sum(), x)
+    (grad_l,) = torch.autograd.grad(ll.sum() + gl.sum(), x)
     torch.testing.assert_close(grad_b, grad_l, rtol=1e-4, atol=1e-5)
     for i, model in enumerate(models):  # member i's logits are model i's, in the given order
         torch.testing.assert_close(lb[i], model(x), rtol=1e-5, atol=1e-5)
@@ -141,7 +147,9 @@ def test_the_public_loop_is_reproducible_and_the_same_through_predictions_only(t
 def test_data_free_distillation_runs_exact_and_from_client_signals(trained_digits_mlp):
     model, X = trained_digits_mlp
     weights = np.full((2, 10), 0.5, np.float32)
-    settings = DistillSettings(steps=40, epochs=2, generator_steps=2, student_steps=10, synthetic_batch=32, seed=1, reweight=True, hardness=1.0)
+    settings = DistillSettings(
+        steps=40, epochs=2, generator_steps=2, student_steps=10, synthetic_batch=32, seed=1, reweight=True, hardness=1.0
+    )
     moments = (X.mean(0), X.std(0))
 
     class FromClients:
@@ -172,7 +180,7 @@ def test_a_teachers_signal_is_the_gradient_of_its_term(trained_digits_mlp):
     assert all(p.requires_grad for p in model.parameters())  # the client's model is left as it was
     x = X[1].clone().requires_grad_(True)
     z = model(x)
-    expected, = torch.autograd.grad((w[y[1]] * torch.nn.functional.cross_entropy(z, y[1], reduction="none")).mean(), x)
+    (expected,) = torch.autograd.grad((w[y[1]] * torch.nn.functional.cross_entropy(z, y[1], reduction="none")).mean(), x)
     torch.testing.assert_close(grad[1], expected)
     torch.testing.assert_close(logits[1], z.detach())
 
@@ -213,10 +221,18 @@ def test_the_student_starts_from_the_clients_merge(coordinator, init):
 
 
 def test_data_free_in_a_run_with_client_signals(coordinator):
-    settings = {"transfer": "synthetic", "init": "random", "steps": 40, "epochs": 2, "generator_steps": 2, "student_steps": 10,
-                "synthetic_batch": 32}
-    coord = coordinator(methods={"exact": {"method": "distill", **settings},
-                                 "clients": {"method": "distill", "teachers": "clients", **settings}}, **PUBLIC)
+    settings = {
+        "transfer": "synthetic",
+        "init": "random",
+        "steps": 40,
+        "epochs": 2,
+        "generator_steps": 2,
+        "student_steps": 10,
+        "synthetic_batch": 32,
+    }
+    coord = coordinator(
+        methods={"exact": {"method": "distill", **settings}, "clients": {"method": "distill", "teachers": "clients", **settings}}, **PUBLIC
+    )
     for label, note in (("exact", "synthetic (data-free)"), ("clients", "synthetic (data-free), predictions only")):
         summary = coord.run_method(label)
         assert summary["info"]["transfer_note"] == note
@@ -237,22 +253,26 @@ def test_a_predictions_only_reply_holds_predictions_on_the_transfer_inputs_only(
         np.testing.assert_allclose(reply["logits"], expected, rtol=1e-5, atol=1e-5)  # the model's outputs on the server's inputs
     batches = X[:32].reshape(2, 16, 1, 8, 8)
     labels = np.zeros((2, 16), dtype=np.int64)
-    for reply in fed.gather(fed.map(signal, batches, labels, np.full(10, 1 / 3, np.float32), clients=[0], num_teachers=3,
-                                            settings={})).results.values():
+    for reply in fed.gather(
+        fed.map(signal, batches, labels, np.full(10, 1 / 3, np.float32), clients=[0], num_teachers=3, settings={})
+    ).results.values():
         assert set(reply) == {"logits", "grad"} and reply["logits"].shape == (2, 16, 10) and reply["grad"].shape == batches.shape
     for reply in fed.run(input_moments).results.values():  # statistics: per-element sums and a count, never samples
         assert set(reply) == {"count", "sum", "sumsq"} and reply["sum"].shape == (1, 8, 8)
 
 
-@pytest.mark.parametrize("section,entry,path", [
-    ({"data": {"dataset": "digits", "public_size": 0}}, {"transfer": "public"}, "data.public_size"),
-    ({}, {"teachers": "clients", "init": "aligned"}, "methods.d.init"),
-    ({"train": {"dp": {"noise_multiplier": 1.0}}}, {"transfer": "synthetic"}, "methods.d.input_moments"),
-    ({}, {"aligned": {"rounds": 3}}, "methods.d.aligned.rounds"),
-    ({}, {"teachers": "clients", "init": "random", "repair": True}, "methods.d.repair"),
-    ({}, {"student": {"name": "nope"}}, "methods.d.student.name"),
-    ({}, {"steps": 0}, "methods.d.steps"),
-])
+@pytest.mark.parametrize(
+    "section,entry,path",
+    [
+        ({"data": {"dataset": "digits", "public_size": 0}}, {"transfer": "public"}, "data.public_size"),
+        ({}, {"teachers": "clients", "init": "aligned"}, "methods.d.init"),
+        ({"train": {"dp": {"noise_multiplier": 1.0}}}, {"transfer": "synthetic"}, "methods.d.input_moments"),
+        ({}, {"aligned": {"rounds": 3}}, "methods.d.aligned.rounds"),
+        ({}, {"teachers": "clients", "init": "random", "repair": True}, "methods.d.repair"),
+        ({}, {"student": {"name": "nope"}}, "methods.d.student.name"),
+        ({}, {"steps": 0}, "methods.d.steps"),
+    ],
+)
 def test_distill_refuses_before_start(make_config, section, entry, path):
     with pytest.raises(InputError) as info:  # the parameters' own checks (make_config resolves them), then the run's
         prepare_run(make_config(**{**PUBLIC, **section, "methods": {"d": {"method": "distill", **entry}}}))
@@ -267,10 +287,16 @@ def test_the_student_key_sets_the_students_architecture(coordinator):
     assert {k: v.shape for k, v in fused.items()} == {k: v.shape for k, v in expected.items()}
 
 
-HETERO = {"model": {"name": "rescnn", "channels": [8, 16]}, "train": {"epochs": 4, "shared_init": False},
-          "data": {"dataset": "digits", "public_size": 200}, "partition": {"method": "dirichlet", "num_clients": 3, "alpha": 0.5},
-          "federation": {"backend": "local", "client_overrides": {0: {"model": {"name": "mlp", "hidden": [32]}},
-                                                                  1: {"model": {"name": "cnn", "channels": [8, 16]}}}}}
+HETERO = {
+    "model": {"name": "rescnn", "channels": [8, 16]},
+    "train": {"epochs": 4, "shared_init": False},
+    "data": {"dataset": "digits", "public_size": 200},
+    "partition": {"method": "dirichlet", "num_clients": 3, "alpha": 0.5},
+    "federation": {
+        "backend": "local",
+        "client_overrides": {0: {"model": {"name": "mlp", "hidden": [32]}}, 1: {"model": {"name": "cnn", "channels": [8, 16]}}},
+    },
+}
 
 
 @pytest.mark.parametrize("init", ["aligned", "random"])
@@ -303,14 +329,17 @@ def test_repair_gives_the_student_the_clients_batchnorm_statistics(coordinator):
 
 def test_with_no_client_of_the_students_architecture_the_aligned_start_is_random(coordinator):
     student = {"name": "mlp", "hidden": [24]}
-    coord = coordinator(methods={"d": {"method": "distill", "init": "aligned", "student": student, "teachers": "parameters", **QUICK}},
-                        **HETERO)
+    coord = coordinator(
+        methods={"d": {"method": "distill", "init": "aligned", "student": student, "teachers": "parameters", **QUICK}}, **HETERO
+    )
     assert coord.run_method("d")["info"]["init"].startswith("random (no client has the student's architecture")
 
 
 def test_a_nonparametric_aligned_start_keeps_its_width(coordinator):
-    coord = coordinator(methods={"d": {"method": "distill", "init": "aligned", "aligned": {"merge": "nonparametric"}, **QUICK}},
-                        **{**PUBLIC, "train": {"epochs": 8, "shared_init": False}})
+    coord = coordinator(
+        methods={"d": {"method": "distill", "init": "aligned", "aligned": {"merge": "nonparametric"}, **QUICK}},
+        **{**PUBLIC, "train": {"epochs": 8, "shared_init": False}},
+    )
     summary = coord.run_method("d")
     fused = load_params(coord.store.root / summary["model_file"])
     reference = coord.reference_params()
@@ -320,8 +349,10 @@ def test_a_nonparametric_aligned_start_keeps_its_width(coordinator):
 
 
 def test_predictions_of_dp_trained_clients_report_their_epsilon(coordinator):
-    coord = coordinator(methods={"d": {"method": "distill", "init": "random", "teachers": "clients", **QUICK}},
-                        **{**PUBLIC, "train": {"epochs": 2, "dp": {"noise_multiplier": 1.0, "delta": 1e-4}}})
+    coord = coordinator(
+        methods={"d": {"method": "distill", "init": "random", "teachers": "clients", **QUICK}},
+        **{**PUBLIC, "train": {"epochs": 2, "dp": {"noise_multiplier": 1.0, "delta": 1e-4}}},
+    )
     summary = coord.run_method("d")
     assert summary["metrics"]["dp_sgd_epsilon"] > 0  # post-processing of the DP-trained models: the run's guarantee
 
@@ -333,11 +364,17 @@ def test_predictions_only_on_ray_equals_the_in_process_run(ray_session, make_con
     from rayfuse.runner import InProcessBackend, run_experiment
 
     synthetic = {"transfer": "synthetic", "steps": 40, "epochs": 2, "generator_steps": 2, "student_steps": 10, "synthetic_batch": 32}
-    methods = {"public": {"method": "distill", "teachers": "clients", "init": "random", **QUICK},
-               "free": {"method": "distill", "teachers": "clients", "init": "random", **synthetic}}
+    methods = {
+        "public": {"method": "distill", "teachers": "clients", "init": "random", **QUICK},
+        "free": {"method": "distill", "teachers": "clients", "init": "random", **synthetic},
+    }
     quiet = dict(printer=Printer(enabled=False), show_tables=False)
-    on_ray = run_experiment(make_config(**{**PUBLIC, "federation": {"backend": "ray", "clients_per_actor": 3}}, methods=methods),
-                            RayBackend(), tmp_path / "ray", **quiet)
+    on_ray = run_experiment(
+        make_config(**{**PUBLIC, "federation": {"backend": "ray", "clients_per_actor": 3}}, methods=methods),
+        RayBackend(),
+        tmp_path / "ray",
+        **quiet,
+    )
     local = run_experiment(make_config(**PUBLIC, methods=methods), InProcessBackend(), tmp_path / "local", **quiet)
     assert on_ray["status"] == "succeeded"
     for label in methods:

@@ -16,7 +16,7 @@ from rayfuse.errors import InputError
 from rayfuse.io import load_params, save_params
 from rayfuse.models import get_params, set_params, train_model
 
-MODULE = '''
+MODULE = """
 import torch
 from torch import nn
 
@@ -48,7 +48,7 @@ class WideInput(nn.Module):
 
     def forward(self, x):
         return self.fc(x.flatten(1))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +80,18 @@ def checkpoints(tmp_path_factory):
 
 
 def config(folder, **fields):
-    base = {"merge_method": "distill", "architecture": "distill_fuse_models:Student",
-            "models": [{"model": "m0.safetensors"}, {"model": "m1.safetensors"},
-                       {"model": "m2.safetensors", "architecture": "distill_fuse_models:Other"}],
-            "data": {"path": "transfer.npz"}, "parameters": {"steps": 300, "epochs": 3}, "output": "fused.safetensors"}
+    base = {
+        "merge_method": "distill",
+        "architecture": "distill_fuse_models:Student",
+        "models": [
+            {"model": "m0.safetensors"},
+            {"model": "m1.safetensors"},
+            {"model": "m2.safetensors", "architecture": "distill_fuse_models:Other"},
+        ],
+        "data": {"path": "transfer.npz"},
+        "parameters": {"steps": 300, "epochs": 3},
+        "output": "fused.safetensors",
+    }
     base.update(fields)
     path = folder / "fuse.yaml"
     path.write_text(yaml.safe_dump(base))
@@ -110,25 +118,42 @@ def test_distill_of_three_teachers_with_an_unlabeled_transfer_file(checkpoints, 
 
 def test_data_free_distill_needs_only_the_input_shape(checkpoints):
     folder, mods, models, test = checkpoints
-    path = rayfuse.fuse({"merge_method": "distill", "architecture": "distill_fuse_models:Student", "input_shape": [1, 8, 8],
-                         "models": [{"model": str(folder / f"m{i}.safetensors")} for i in range(2)]
-                         + [{"model": str(folder / "m2.safetensors"), "architecture": "distill_fuse_models:Other"}],
-                         "parameters": {"steps": 100, "epochs": 2, "init": "random"}, "output": str(folder / "free.safetensors")})
+    path = rayfuse.fuse(
+        {
+            "merge_method": "distill",
+            "architecture": "distill_fuse_models:Student",
+            "input_shape": [1, 8, 8],
+            "models": [{"model": str(folder / f"m{i}.safetensors")} for i in range(2)]
+            + [{"model": str(folder / "m2.safetensors"), "architecture": "distill_fuse_models:Other"}],
+            "parameters": {"steps": 100, "epochs": 2, "init": "random"},
+            "output": str(folder / "free.safetensors"),
+        }
+    )
     fused = load_params(path)
     assert set(fused) == set(mods.Student().state_dict()) and all(np.isfinite(v).all() for v in fused.values())
     assert accuracy(set_params(mods.Student(), fused).eval(), test) > 0.15  # above chance, from noise and the teachers alone
 
 
-@pytest.mark.parametrize("fields,path", [
-    ({"data": None, "input_shape": None}, "input_shape"),
-    ({"models": [{"model": "m0.safetensors"}, {"model": "m2.safetensors", "architecture": "distill_fuse_models:Missing"}]},
-     "models.1.architecture"),
-    ({"models": [{"model": "m0.safetensors"}, {"model": "m2.safetensors", "architecture": "no_such_module_x:Net"}]}, "models.1.architecture"),
-    ({"models": [{"model": "m0.safetensors"}, {"model": "m2.safetensors", "architecture": "distill_fuse_models:WideInput"}]},
-     "m2.safetensors: fc.weight"),
-    ({"parameters": {"transfer": "public"}, "data": None, "input_shape": [1, 8, 8]}, "data"),
-    ({"parameters": {"steps": 0}}, "parameters.steps"),
-])
+@pytest.mark.parametrize(
+    "fields,path",
+    [
+        ({"data": None, "input_shape": None}, "input_shape"),
+        (
+            {"models": [{"model": "m0.safetensors"}, {"model": "m2.safetensors", "architecture": "distill_fuse_models:Missing"}]},
+            "models.1.architecture",
+        ),
+        (
+            {"models": [{"model": "m0.safetensors"}, {"model": "m2.safetensors", "architecture": "no_such_module_x:Net"}]},
+            "models.1.architecture",
+        ),
+        (
+            {"models": [{"model": "m0.safetensors"}, {"model": "m2.safetensors", "architecture": "distill_fuse_models:WideInput"}]},
+            "m2.safetensors: fc.weight",
+        ),
+        ({"parameters": {"transfer": "public"}, "data": None, "input_shape": [1, 8, 8]}, "data"),
+        ({"parameters": {"steps": 0}}, "parameters.steps"),
+    ],
+)
 def test_bad_distill_input_is_one_line_before_anything_trains(checkpoints, fields, path):
     folder, *_ = checkpoints
     data = {k: v for k, v in fields.items() if v is not None}

@@ -87,11 +87,13 @@ def test_corrected_variance_stays_positive_where_the_papers_goes_negative():
     paper_var = paper_second_moment(1.0, m, s) - s1 * s1
     assert (paper_var < 0).any()
     # the case of docs/methods/epgan.md: (C_m, C_s) = (1, 0.5)
-    exact_var = expect(lambda t: t * t * expit(t), 1.0, 0.5) / expect(expit, 1.0, 0.5) - (
-        expect(lambda t: t * expit(t), 1.0, 0.5) / expect(expit, 1.0, 0.5)) ** 2
+    exact_var = (
+        expect(lambda t: t * t * expit(t), 1.0, 0.5) / expect(expit, 1.0, 0.5)
+        - (expect(lambda t: t * expit(t), 1.0, 0.5) / expect(expit, 1.0, 0.5)) ** 2
+    )
     mean1, var1 = tilted_moments(1.0, np.array(1.0), np.array(0.5))
     assert float(var1) == pytest.approx(exact_var, rel=0.02)
-    assert float(paper_second_moment(1.0, np.array(1.0), np.array(0.5)) - mean1 ** 2) < 0
+    assert float(paper_second_moment(1.0, np.array(1.0), np.array(0.5)) - mean1**2) < 0
 
 
 def test_an_uninformative_f_returns_the_cavity():
@@ -110,7 +112,7 @@ def test_product_of_two_gaussians_closed_form():
     assert v[0] == pytest.approx(0.75) and m[0] == pytest.approx(0.75 * (1.0 / 1.0 + 3.0 / 3.0))
     # pointwise: N(x; m1, v1) N(x; m2, v2) ∝ N(x; m, v)
     x = np.linspace(-3, 5, 7)
-    log_ratio = (-(x - 1) ** 2 / 2 - (x - 3) ** 2 / 6) - (-(x - m[0]) ** 2 / (2 * v[0]))
+    log_ratio = (-((x - 1) ** 2) / 2 - (x - 3) ** 2 / 6) - (-((x - m[0]) ** 2) / (2 * v[0]))
     assert np.ptp(log_ratio) < 1e-12
     with pytest.raises(ValueError, match="positive"):
         gaussian_product([np.zeros(2)], [np.array([1.0, -1.0])])

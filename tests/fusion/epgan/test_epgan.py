@@ -140,21 +140,27 @@ def test_toy_scores_count_modes():
 # Bad input and rejections
 
 
-@pytest.mark.parametrize("entry,key", [
-    ({"components": 0}, "components"),
-    ({"backbone": "probgan", "components": 4}, "components"),
-    ({"backbone": "dcgan"}, "backbone"),
-    ({"damping": 0.0}, "damping"),
-    ({"prior_var": -1.0}, "prior_var"),
-])
+@pytest.mark.parametrize(
+    "entry,key",
+    [
+        ({"components": 0}, "components"),
+        ({"backbone": "probgan", "components": 4}, "components"),
+        ({"backbone": "dcgan"}, "backbone"),
+        ({"damping": 0.0}, "damping"),
+        ({"prior_var": -1.0}, "prior_var"),
+    ],
+)
 def test_bad_parameters_name_the_key(make_config, entry, key):
     with pytest.raises(InputError, match=rf"methods\.ep\.{key}"):
         make_config(**TOY, methods={"ep": {"method": "epgan", **entry}})
 
 
 def _update(var: float, mean: float = 0.0, count: int = 10) -> Update:
-    return Update({"G/w": np.zeros(2, np.float32), "ep_mean/w": np.full((1, 2), mean), "ep_var/w": np.full((1, 2), var)}, count,
-                  {"d_loss": 0.0, "g_loss": 0.0})
+    return Update(
+        {"G/w": np.zeros(2, np.float32), "ep_mean/w": np.full((1, 2), mean), "ep_var/w": np.full((1, 2), var)},
+        count,
+        {"d_loss": 0.0, "g_loss": 0.0},
+    )
 
 
 def test_a_client_with_nan_moments_or_non_positive_variances_is_rejected_and_recorded(coordinator):
@@ -165,8 +171,14 @@ def test_a_client_with_nan_moments_or_non_positive_variances_is_rejected_and_rec
     server = MethodServer(coord, spec, resume=False)
     reference = _update(1.0).params
     n = coord.plan.num_examples
-    gathered = Gathered({0: _update(1.0, count=n(0)), 1: _update(np.nan, count=n(1)), 2: _update(-0.5, count=n(2)),
-                         3: _update(1.0, mean=np.nan, count=n(3))})
+    gathered = Gathered(
+        {
+            0: _update(1.0, count=n(0)),
+            1: _update(np.nan, count=n(1)),
+            2: _update(-0.5, count=n(2)),
+            3: _update(1.0, mean=np.nan, count=n(3)),
+        }
+    )
     kept = EPGAN.accept(server, gathered, reference)
     assert list(kept) == [0]
     rejected = [e for e in coord.events.since(0) if e["kind"] == "update_rejected"]
@@ -182,11 +194,24 @@ def test_tiny_end_to_end_run_in_process(coordinator):
     methods = {
         "wgan": {"method": "epgan", "backbone": "wgan", **FAST},
         "mix": {"method": "epgan", "backbone": "ep-probgan", "components": 2, **FAST},
-        "oracle": {"method": "epgan-oracle", "backbone": "ep-probgan", "epochs": 2, "local_epochs": 1,
-                   "batch_size": 32, "grid": 20, "eval_samples": 200},
+        "oracle": {
+            "method": "epgan-oracle",
+            "backbone": "ep-probgan",
+            "epochs": 2,
+            "local_epochs": 1,
+            "batch_size": 32,
+            "grid": 20,
+            "eval_samples": 200,
+        },
     }
-    coord = coordinator(**TOY, methods=methods, federation={"faults": [{"client": 2, "step": "epgan.train", "call": c, "mode": "nan"} for c in (2, 5)],
-                                                          "on_client_failure": "drop"})
+    coord = coordinator(
+        **TOY,
+        methods=methods,
+        federation={
+            "faults": [{"client": 2, "step": "epgan.train", "call": c, "mode": "nan"} for c in (2, 5)],
+            "on_client_failure": "drop",
+        },
+    )
     wgan = coord.run_method("wgan")
     mix = coord.run_method("mix")
     oracle = coord.run_method("oracle")
@@ -220,9 +245,11 @@ def test_frechet_distance_and_inception_score_properties():
 
 def test_tiny_digits_run_reports_image_scores(coordinator):
     fast = {**FAST, "hidden": 16, "latent_dim": 4, "out_activation": "sigmoid", "eval_samples": 200}
-    coord = coordinator(data={"dataset": "digits", "val_size": 0.0},
-                        partition={"method": "labels", "num_clients": 2, "groups": [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]},
-                        methods={"ep": {"method": "epgan", "backbone": "ep-probgan", **fast}})
+    coord = coordinator(
+        data={"dataset": "digits", "val_size": 0.0},
+        partition={"method": "labels", "num_clients": 2, "groups": [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]},
+        methods={"ep": {"method": "epgan", "backbone": "ep-probgan", **fast}},
+    )
     summary = coord.run_method("ep")
     assert {"fd", "is", "classes"} <= set(summary["metrics"]) and all(np.isfinite(v) for v in summary["metrics"].values())
     assert summary["info"]["real_data_scores"]["is"] > 5  # the scoring classifier separates the real digits
@@ -281,7 +308,9 @@ def _turns_run(results):
 
 
 @pytest.mark.parametrize("components,site", [(1, "paper"), (2, "ep")])
-def test_an_interrupted_ep_probgan_run_resumes_after_its_last_turn_and_equals_the_uninterrupted_run(make_config, tmp_path, components, site):
+def test_an_interrupted_ep_probgan_run_resumes_after_its_last_turn_and_equals_the_uninterrupted_run(
+    make_config, tmp_path, components, site
+):
     import json
 
     methods = {"ep": {"method": "epgan", "backbone": "ep-probgan", "components": components, "site": site, **FAST, "rounds": 3}}
@@ -293,15 +322,17 @@ def test_an_interrupted_ep_probgan_run_resumes_after_its_last_turn_and_equals_th
     # the server's checkpoint records only which turn each client's state is of, and where (the store id).
     meta = _checkpoint(interrupted, "ep").meta
     assert meta["state_turns"] == [[0, 1], [1, 1], [2, 1], [3, 1]] and meta["store"].isalnum()
-    assert _stored(cache) == sorted(f"client-state/client-{c}/epgan-state/{meta['store']}/ep-{t:05d}.safetensors"
-                                    for c in range(4) for t in ((0, 1) if c == 1 else (1, 2)))
+    assert _stored(cache) == sorted(
+        f"client-state/client-{c}/epgan-state/{meta['store']}/ep-{t:05d}.safetensors"
+        for c in range(4)
+        for t in ((0, 1) if c == 1 else (1, 2))
+    )
 
     resumed = _resume(interrupted)
     assert resumed["status"] == "succeeded"
     events = resumed["events"]
     assert any(e["kind"] == "resumed" and e.get("method") == "ep" and e["round"] == 1 for e in events)
-    assert any(e["kind"] == "info" and "4 clients continue from the GAN state they kept themselves" in e.get("message", "")
-               for e in events)
+    assert any(e["kind"] == "info" and "4 clients continue from the GAN state they kept themselves" in e.get("message", "") for e in events)
     assert not [e for e in events if e["kind"] == "warning"]
     # the finished turns 0 and 1 are not redone: the resumed run trains turns 2 and 3 only, each once
     assert _turns_run(resumed) == [2, 3]
@@ -317,8 +348,9 @@ def test_an_interrupted_ep_probgan_run_resumes_after_its_last_turn_and_equals_th
     assert a.round == b.round == 3
     for mine, theirs in ((b.params, a.params), (b.state, a.state)):
         assert sorted(mine) == sorted(theirs)
-        assert all(np.array_equal(mine[k], theirs[k]) and mine[k].dtype == theirs[k].dtype for k in mine), \
-            [k for k in mine if not np.array_equal(mine[k], theirs[k])]
+        assert all(np.array_equal(mine[k], theirs[k]) and mine[k].dtype == theirs[k].dtype for k in mine), [
+            k for k in mine if not np.array_equal(mine[k], theirs[k])
+        ]
     assert any(k.startswith("ep_mean/") for k in b.state) and b.state["ep_mean/first_weight"].shape[0] == components
     assert "ep0_mean/mid.weight" in b.state and ("pi/logits" in b.params) == (components > 1)
     # nothing of any client's in the server's checkpoint: no optimiser moments, random generator, iteration counter
@@ -370,8 +402,12 @@ def test_resuming_after_a_rejected_update_equals_the_uninterrupted_run(make_conf
     from rayfuse.errors import RunFailure
 
     with pytest.raises(RunFailure):
-        _run(make_config(**TOY, methods=methods, federation={"on_client_failure": "fail", "faults": [nan, crash]},
-                         run={"model_cache": str(cache)}), run_dir)
+        _run(
+            make_config(
+                **TOY, methods=methods, federation={"on_client_failure": "fail", "faults": [nan, crash]}, run={"model_cache": str(cache)}
+            ),
+            run_dir,
+        )
     assert _checkpoint(run_dir, "ep").meta["state_turns"] == [[c, 1] for c in range(4)]
     resumed = _resume(run_dir)
     assert _turns_run(resumed) == [2, 3]
@@ -393,8 +429,7 @@ def test_a_client_keeps_its_gan_state_itself_and_uploads_none_of_it(make_config,
     cache = tmp_path / "cache"
 
     def new_client():
-        return Client(0, plan.for_client(0), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=0,
-                      local_cache=str(cache))
+        return Client(0, plan.for_client(0), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=0, local_cache=str(cache))
 
     settings = EPGANParams(backbone="ep-probgan", components=2, batch_size=32).settings(2)
     model = GANTrainer(settings, seed=1)
@@ -424,7 +459,8 @@ def test_a_client_keeps_its_gan_state_itself_and_uploads_none_of_it(make_config,
     assert sorted(f.name for f in kept.iterdir()) == ["ep-00001.safetensors", "ep-00002.safetensors"]
     again = new_client()
     assert again.run(has_client_state, kind=STATE, name="ep", round=1, store="abc123") and not again.run(
-        has_client_state, kind=STATE, name="ep", round=0, store="abc123")
+        has_client_state, kind=STATE, name="ep", round=0, store="abc123"
+    )
     resumed = again.run(train_gan, broadcast, round=2, state_turn=1, **args)
     assert all(np.array_equal(straight.params[k], resumed.params[k]) for k in straight.params)
     with pytest.raises(FileNotFoundError, match="no GAN state of 'ep' after turn 0"):  # never silently a fresh one
@@ -456,8 +492,17 @@ def test_finished_turns_are_not_redone_on_resume(make_config, tmp_path):
 
 
 def test_the_oracle_resumes_after_its_last_block_of_epochs(coordinator, monkeypatch):
-    methods = {"oracle": {"method": "epgan-oracle", "backbone": "ep-probgan", "epochs": 3, "local_epochs": 1,
-                          "batch_size": 32, "grid": 20, "eval_samples": 200}}
+    methods = {
+        "oracle": {
+            "method": "epgan-oracle",
+            "backbone": "ep-probgan",
+            "epochs": 3,
+            "local_epochs": 1,
+            "batch_size": 32,
+            "grid": 20,
+            "eval_samples": 200,
+        }
+    }
     straight = coordinator(**TOY, methods=methods).run_method("oracle")
     from rayfuse.fusion.epgan import nets as epgan_nets
 

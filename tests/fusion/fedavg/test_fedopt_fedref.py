@@ -122,7 +122,7 @@ def test_reference_model_is_the_mean_of_the_last_p_aggregates(p):
         if r <= p:
             assert references[r - 1] is None  # the first reference is formed in round p + 1
             continue
-        window = aggregates[r - p:r]
+        window = aggregates[r - p : r]
         for key in window[0]:
             np.testing.assert_allclose(references[r - 1][key], np.mean([w[key] for w in window], axis=0), rtol=1e-6, atol=1e-7)
     assert len(state.queue) == p
@@ -213,14 +213,18 @@ def test_resume_mid_run_reproduces_the_uninterrupted_run(make_config, tmp_path, 
     cfg = load_run_config(interrupted, parse_overrides(["federation.faults=[]", "federation.on_client_failure=retry"]))
     resumed = run(cfg, interrupted, resume=True)
     assert any(e["kind"] == "resumed" and e["round"] == 4 for e in resumed["events"])
-    assert params_equal(load_params(interrupted / "models" / f"{method}.safetensors"),
-                        load_params(tmp_path / "straight" / "models" / f"{method}.safetensors"))
+    assert params_equal(
+        load_params(interrupted / "models" / f"{method}.safetensors"),
+        load_params(tmp_path / "straight" / "models" / f"{method}.safetensors"),
+    )
     assert resumed["methods"][method]["accuracy"] == straight["methods"][method]["accuracy"]
 
 
 def test_a_client_reporting_a_nan_loss_is_rejected_and_recorded(make_config, tmp_path):
-    cfg = make_config(methods={"fedref": {"rounds": 4, "local_epochs": 1, "p": 1}},
-                      federation={"faults": [{"client": 1, "step": "fedavg.fit", "call": 3, "mode": "nan_metrics"}]})
+    cfg = make_config(
+        methods={"fedref": {"rounds": 4, "local_epochs": 1, "p": 1}},
+        federation={"faults": [{"client": 1, "step": "fedavg.fit", "call": 3, "mode": "nan_metrics"}]},
+    )
     results = run(cfg, tmp_path / "nanloss")
     rejected = [e for e in results["events"] if e["kind"] == "update_rejected"]
     assert [e["client"] for e in rejected] == [1] and "train_loss" in rejected[0]["message"]
@@ -229,20 +233,24 @@ def test_a_client_reporting_a_nan_loss_is_rejected_and_recorded(make_config, tmp
     assert [r["value"] for r in history if r["metric"] == "clients"] == [4.0, 4.0, 3.0, 4.0]
 
 
-@pytest.mark.parametrize("entry,path", [
-    ({"p": 0}, "methods.fedref.p"),
-    ({"lam": -0.1}, "methods.fedref.lam"),
-    ({"update": "adam"}, "methods.fedref.update"),
-    ({"server_lr": 0}, "methods.fedref.server_lr"),
-])
+@pytest.mark.parametrize(
+    "entry,path",
+    [
+        ({"p": 0}, "methods.fedref.p"),
+        ({"lam": -0.1}, "methods.fedref.lam"),
+        ({"update": "adam"}, "methods.fedref.update"),
+        ({"server_lr": 0}, "methods.fedref.server_lr"),
+    ],
+)
 def test_bad_fedref_parameters_name_the_key(make_config, entry, path):
     with pytest.raises(InputError) as err:
         resolve_methods(make_config(methods={"fedref": entry}).methods)
     assert err.value.path == path
 
 
-@pytest.mark.parametrize("entry,path", [({"tau": 0}, "methods.fedadam.tau"), ({"beta2": 1.0}, "methods.fedadam.beta2"),
-                                        ({"eta": -1}, "methods.fedadam.eta")])
+@pytest.mark.parametrize(
+    "entry,path", [({"tau": 0}, "methods.fedadam.tau"), ({"beta2": 1.0}, "methods.fedadam.beta2"), ({"eta": -1}, "methods.fedadam.eta")]
+)
 def test_bad_fedopt_parameters_name_the_key(make_config, entry, path):
     with pytest.raises(InputError) as err:
         resolve_methods(make_config(methods={"fedadam": entry}).methods)

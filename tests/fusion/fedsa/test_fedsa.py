@@ -45,8 +45,12 @@ def teacher_job(**extra):
     labelled target set on the server."""
     base = {
         "data": {"dataset": "digits", "public_size": 0.1, "val_size": 0.0},
-        "partition": {"method": "labels", "num_clients": 4, "groups": [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [0, 1, 2, 3, 4], [5, 6, 7, 8, 9]],
-                      "corrupt": {2: "shuffle_labels", 3: "permute_pixels"}},
+        "partition": {
+            "method": "labels",
+            "num_clients": 4,
+            "groups": [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [0, 1, 2, 3, 4], [5, 6, 7, 8, 9]],
+            "corrupt": {2: "shuffle_labels", 3: "permute_pixels"},
+        },
         "model": CNN,
         "train": {"epochs": 3},
     }
@@ -55,8 +59,17 @@ def teacher_job(**extra):
     return base
 
 
-FAST = {"method": "fedsa", "student": SMALL, "rounds": 2, "select_every": 1, "k": 2, "local_epochs": 1, "target_epochs": 2,
-        "adapt_epochs": 2, "evaluate_every": 1}
+FAST = {
+    "method": "fedsa",
+    "student": SMALL,
+    "rounds": 2,
+    "select_every": 1,
+    "k": 2,
+    "local_epochs": 1,
+    "target_epochs": 2,
+    "adapt_epochs": 2,
+    "evaluate_every": 1,
+}
 
 
 # -- saliency and transferability ----------------------------------------------------------------------------------
@@ -102,7 +115,9 @@ def test_probabilities_sum_to_one_and_favour_the_teacher_whose_saliency_matches_
     _, Q = compute_transferability(target, teachers[:1])
     assert Q[0] == pytest.approx(1.0 / (20 / np.sum(0.5 + 0.5 * cos)))
     # eq. 3 as written is a softmax of Q; the code's min-max normalisation maps Q onto [0, 1] first
-    np.testing.assert_allclose(selection_probabilities(np.array([0.2, 0.4]), normalize=False), np.exp([0.2, 0.4]) / np.exp([0.2, 0.4]).sum())
+    np.testing.assert_allclose(
+        selection_probabilities(np.array([0.2, 0.4]), normalize=False), np.exp([0.2, 0.4]) / np.exp([0.2, 0.4]).sum()
+    )
     np.testing.assert_allclose(selection_probabilities(np.array([0.2, 0.4])), np.exp([0.0, 1.0]) / np.exp([0.0, 1.0]).sum())
     np.testing.assert_allclose(selection_probabilities(np.array([0.3, 0.3, 0.3])), 1 / 3)
 
@@ -153,8 +168,12 @@ def test_averaging_counts_a_teacher_drawn_twice_twice():
 # -- translator and distillation -------------------------------------------------------------------------------------
 
 
-BRIDGEABLE = [(s, t) for s in [(1, 2, 2), (7, 2, 2), (32, 2, 2), (64, 2, 2), (5, 4, 4), (12,), (3, 4, 4)]
-              for t in [(16, 2, 2), (64, 2, 2), (24,)] if not (len(s) == 1 and len(t) == 3)]  # vector -> map: the bad-input test
+BRIDGEABLE = [
+    (s, t)
+    for s in [(1, 2, 2), (7, 2, 2), (32, 2, 2), (64, 2, 2), (5, 4, 4), (12,), (3, 4, 4)]
+    for t in [(16, 2, 2), (64, 2, 2), (24,)]
+    if not (len(s) == 1 and len(t) == 3)
+]  # vector -> map: the bad-input test
 
 
 @pytest.mark.parametrize(("student_shape", "teacher_shape"), BRIDGEABLE)
@@ -165,7 +184,10 @@ def test_translator_maps_any_student_width_onto_the_teachers(student_shape, teac
     convs = [m for m in translator.modules() if isinstance(m, torch.nn.Conv2d)]
     if len(teacher_shape) == 3:  # three 1x1 convolutions Cs -> Cs -> Ct -> Ct (the code's translator, ft_k = 1)
         assert [(c.in_channels, c.out_channels, c.kernel_size) for c in convs] == [
-            (student_shape[0], student_shape[0], (1, 1)), (student_shape[0], teacher_shape[0], (1, 1)), (teacher_shape[0], teacher_shape[0], (1, 1))]
+            (student_shape[0], student_shape[0], (1, 1)),
+            (student_shape[0], teacher_shape[0], (1, 1)),
+            (teacher_shape[0], teacher_shape[0], (1, 1)),
+        ]
 
 
 @pytest.mark.parametrize(("student_shape", "teacher_shape"), [((12,), (16, 2, 2)), ((8, 2, 2), (8, 4, 4)), ((8, 3, 3), (8, 2, 2))])
@@ -217,8 +239,9 @@ class TinyConvNet(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 6, 3, stride=2, padding=1),
-                                        torch.nn.ReLU())
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 6, 3, stride=2, padding=1), torch.nn.ReLU()
+        )
         self.pool = torch.nn.AdaptiveMaxPool2d(1)
         self.classify = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 10))
 
@@ -226,12 +249,20 @@ class TinyConvNet(torch.nn.Module):
         return self.classify(self.pool(self.body(x)).flatten(1))
 
 
-@pytest.mark.parametrize(("model", "shape", "head"), [
-    (lambda: TinyConvNet(), (6, 4, 4), "classify.2"),
-    (lambda: build_model(ModelConfig(name="rescnn", channels=[4, 8]), (1, 8, 8), 10, seed=0), (8, 4, 4), "head"),
-    (lambda: build_model(ModelConfig(name="vgg", channels=[4, 8], hidden=[16]), (1, 8, 8), 10, seed=0), (8, 2, 2), "head"),
-    (lambda: build_model(ModelConfig(name="transformer", hidden=[8], heads=2, depth=1, patch_size=4), (1, 8, 8), 10, seed=0), (8,), "head"),
-], ids=["custom", "rescnn", "vgg", "transformer"])
+@pytest.mark.parametrize(
+    ("model", "shape", "head"),
+    [
+        (lambda: TinyConvNet(), (6, 4, 4), "classify.2"),
+        (lambda: build_model(ModelConfig(name="rescnn", channels=[4, 8]), (1, 8, 8), 10, seed=0), (8, 4, 4), "head"),
+        (lambda: build_model(ModelConfig(name="vgg", channels=[4, 8], hidden=[16]), (1, 8, 8), 10, seed=0), (8, 2, 2), "head"),
+        (
+            lambda: build_model(ModelConfig(name="transformer", hidden=[8], heads=2, depth=1, patch_size=4), (1, 8, 8), 10, seed=0),
+            (8,),
+            "head",
+        ),
+    ],
+    ids=["custom", "rescnn", "vgg", "transformer"],
+)
 def test_the_representation_of_any_traceable_model_is_read_from_its_graph(model, shape, head):
     model = model().eval()
     x = torch.randn(3, 1, 8, 8)
@@ -273,8 +304,9 @@ def test_returned_payloads_hold_no_teacher_weights_and_no_private_data(teacher_c
     student = build_model(student_cfg, (1, 8, 8), 10, seed=5)
     probe = np.random.default_rng(0).random((12, 1, 8, 8)).astype(np.float32)
     maps = client.run(compute_teacher_saliency, probe, kind="grad")
-    out = client.run(distill_student, get_params(student), label="fedsa", round=1, copies=2, student_cfg=student_cfg,
-                     epochs=1, lr=1e-3, batch_size=32)
+    out = client.run(
+        distill_student, get_params(student), label="fedsa", round=1, copies=2, student_cfg=student_cfg, epochs=1, lr=1e-3, batch_size=32
+    )
     teacher = get_params(client.ctx.local_model())
     private = [client.ctx.train.X, client.ctx.train.y]
     assert set(maps) == {"maps", "seconds"} and maps["maps"].shape == (12, 64)
@@ -299,8 +331,13 @@ def test_returned_payloads_hold_no_teacher_weights_and_no_private_data(teacher_c
 
 
 def test_fedsa_and_its_baselines_run_end_to_end(coordinator):
-    methods = {"fedsa": FAST, "fedavg+": {**FAST, "selection": "all"}, "topk-pos": {**FAST, "selection": "top_k", "weighting": "positive"},
-               "scratch": {"student": SMALL, "target_epochs": 2}, "transfer": {"adapt_epochs": 2}}
+    methods = {
+        "fedsa": FAST,
+        "fedavg+": {**FAST, "selection": "all"},
+        "topk-pos": {**FAST, "selection": "top_k", "weighting": "positive"},
+        "scratch": {"student": SMALL, "target_epochs": 2},
+        "transfer": {"adapt_epochs": 2},
+    }
     coord = coordinator(**teacher_job(methods=methods))
     out = {label: coord.run_method(label) for label in methods}
     for label, summary in out.items():
@@ -325,18 +362,21 @@ def test_gradcam_selection_runs(coordinator):
     assert summary["info"]["saliency"] == "gradcam" and len(summary["info"]["selections"][0]["similarity"]) == 4
 
 
-@pytest.mark.parametrize(("teachers", "student"), [
-    (CNN, {"name": "cnn", "channels": [4, 8, 8]}),                      # deeper and narrower than the teachers
-    ({"name": "mlp", "hidden": [32, 16]}, {"name": "mlp", "hidden": [8]}),  # vectors: a linear translator
-    ({"name": "mlp", "hidden": [32]}, {"name": "torchvision:resnet18"}),     # a torchvision map pooled onto MLP vectors
-    ({"name": "vgg", "channels": [4, 8], "hidden": [16]}, {"name": "rescnn", "channels": [4, 8]}),  # maps found in the graphs
-], ids=["deeper-cnn", "mlp", "resnet18-from-mlp", "rescnn-from-vgg"])
+@pytest.mark.parametrize(
+    ("teachers", "student"),
+    [
+        (CNN, {"name": "cnn", "channels": [4, 8, 8]}),  # deeper and narrower than the teachers
+        ({"name": "mlp", "hidden": [32, 16]}, {"name": "mlp", "hidden": [8]}),  # vectors: a linear translator
+        ({"name": "mlp", "hidden": [32]}, {"name": "torchvision:resnet18"}),  # a torchvision map pooled onto MLP vectors
+        ({"name": "vgg", "channels": [4, 8], "hidden": [16]}, {"name": "rescnn", "channels": [4, 8]}),  # maps found in the graphs
+    ],
+    ids=["deeper-cnn", "mlp", "resnet18-from-mlp", "rescnn-from-vgg"],
+)
 def test_heterogeneous_students_are_distilled(coordinator, teachers, student):
     methods = {"fedsa": {**FAST, "rounds": 1, "k": 1, "student": student, "target_epochs": 1, "adapt_epochs": 1}}
     coord = coordinator(**teacher_job(model=teachers, methods=methods))
     summary = coord.run_method("fedsa")
     assert np.isfinite(summary["metrics"]["accuracy"]) and summary["info"]["student"]["name"] == student["name"]
-
 
 
 # -- resume ------------------------------------------------------------------------------------------------------------
@@ -366,6 +406,7 @@ def _resume(run_dir):
 
 def _fault_in_round(selections, rnd):
     """A fault that fails the distillation of round ``rnd`` and nothing before: (client, its fedsa.distill call)."""
+
     def draws(r):
         return next(s["draws"] for s in reversed(selections) if s["round"] <= r)
 
@@ -416,7 +457,9 @@ def test_an_interrupted_fedsa_run_resumes_mid_method_with_the_same_result(straig
     # the same selections (probabilities, similarities, draws) and the same final model as the uninterrupted run
     assert resumed["methods"]["fedsa"]["info"]["selections"] == selections
     assert resumed["methods"]["fedsa"]["accuracy"] == straight["methods"]["fedsa"]["accuracy"]
-    assert params_equal(load_params(run_dir / "models" / "fedsa.safetensors"), load_params(root / "straight" / "models" / "fedsa.safetensors"))
+    assert params_equal(
+        load_params(run_dir / "models" / "fedsa.safetensors"), load_params(root / "straight" / "models" / "fedsa.safetensors")
+    )
     history = json.loads((run_dir / "state" / "fedsa.json").read_text())["history"]
     assert history == json.loads((root / "straight" / "state" / "fedsa.json").read_text())["history"]
     assert [r["round"] for r in history if r["metric"] == "accuracy"] == [2, 4]
@@ -495,8 +538,7 @@ def test_a_new_client_continues_from_the_translator_its_predecessor_stored(teach
     cfg = validate_config(teacher_job(train={"epochs": 2}))
 
     def new_client():
-        return Client(0, plan.for_client(0), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=0,
-                      local_cache=str(tmp_path))
+        return Client(0, plan.for_client(0), data_cfg=cfg.data, model_cfg=cfg.model, train_cfg=cfg.train, seed=0, local_cache=str(tmp_path))
 
     student_cfg = ModelConfig(**SMALL)
     params = get_params(build_model(student_cfg, (1, 8, 8), 10, seed=3))
@@ -511,7 +553,8 @@ def test_a_new_client_continues_from_the_translator_its_predecessor_stored(teach
     # a new client (a resumed run's) continues from round 3's translator: the same student as the first client's round 4
     again = new_client()
     assert again.run(has_client_state, kind=TRANSLATORS, name="fedsa", round=3, store="abc123") and not again.run(
-        has_client_state, kind=TRANSLATORS, name="fedsa", round=1, store="abc123")
+        has_client_state, kind=TRANSLATORS, name="fedsa", round=1, store="abc123"
+    )
     resumed = again.run(distill_student, params, round=4, translator_round=3, **args)
     assert all(np.array_equal(straight["students"][0][k], resumed["students"][0][k]) for k in params)
     with pytest.raises(FileNotFoundError, match="no translator of 'fedsa' after round 2"):  # never silently a new one
@@ -521,6 +564,7 @@ def test_a_new_client_continues_from_the_translator_its_predecessor_stored(teach
     assert not all(np.array_equal(straight["students"][0][k], fresh["students"][0][k]) for k in params)
     files = len(list(kept.iterdir()))
     assert files > 0 and new_client().run(forget_client_state, kind=TRANSLATORS, store="abc123") == files and not kept.exists()
+
 
 def test_teachers_retrained_by_new_clients_are_identical(teacher_client):
     """Without a model cache a resumed run's new clients retrain their teachers: from the run seed, bit for bit."""
@@ -549,18 +593,37 @@ def test_a_resumed_run_refuses_other_teachers(straight_fedsa, monkeypatch):
     with pytest.raises(RunFailure, match="teacher 1 is not the interrupted run's teacher"):
         _resume(run_dir)
 
+
 BAD = [
-    pytest.param({"methods": {"fedsa": {**FAST, "k": 5}}}, r"^methods\.fedsa\.k: expected at most the number of teachers \(4", id="k-too-large"),
-    pytest.param({"data": {"public_size": 0}, "methods": {"fedsa": FAST}}, r"^data\.public_size: expected a labelled target set", id="empty-target-set"),
+    pytest.param(
+        {"methods": {"fedsa": {**FAST, "k": 5}}}, r"^methods\.fedsa\.k: expected at most the number of teachers \(4", id="k-too-large"
+    ),
+    pytest.param(
+        {"data": {"public_size": 0}, "methods": {"fedsa": FAST}},
+        r"^data\.public_size: expected a labelled target set",
+        id="empty-target-set",
+    ),
     pytest.param({"data": {"public_size": 0}, "methods": {"scratch": {}}}, r"^data\.public_size: ", id="scratch-empty-target-set"),
-    pytest.param({"methods": {"fedsa": {**FAST, "student": {"name": "mlp", "hidden": [16]}}}},
-                 r"^methods\.fedsa\.student: expected a student representation a translator can map", id="vector-student-map-teacher"),
-    pytest.param({"methods": {"fedsa": {**FAST, "student": {"name": "logreg"}}}}, r"^methods\.fedsa\.student: expected a model with a hidden",
-                 id="student-without-hidden-layer"),
-    pytest.param({"model": {"name": "logreg"}, "methods": {"fedsa": {**FAST, "student": None}}}, r"^model\.name: expected a model with a hidden",
-                 id="teacher-without-hidden-layer"),
-    pytest.param({"model": {"name": "mlp", "hidden": [16]}, "methods": {"fedsa": {**FAST, "student": None, "saliency": "gradcam"}}},
-                 r"^methods\.fedsa\.saliency: expected grad", id="gradcam-without-feature-map"),
+    pytest.param(
+        {"methods": {"fedsa": {**FAST, "student": {"name": "mlp", "hidden": [16]}}}},
+        r"^methods\.fedsa\.student: expected a student representation a translator can map",
+        id="vector-student-map-teacher",
+    ),
+    pytest.param(
+        {"methods": {"fedsa": {**FAST, "student": {"name": "logreg"}}}},
+        r"^methods\.fedsa\.student: expected a model with a hidden",
+        id="student-without-hidden-layer",
+    ),
+    pytest.param(
+        {"model": {"name": "logreg"}, "methods": {"fedsa": {**FAST, "student": None}}},
+        r"^model\.name: expected a model with a hidden",
+        id="teacher-without-hidden-layer",
+    ),
+    pytest.param(
+        {"model": {"name": "mlp", "hidden": [16]}, "methods": {"fedsa": {**FAST, "student": None, "saliency": "gradcam"}}},
+        r"^methods\.fedsa\.saliency: expected grad",
+        id="gradcam-without-feature-map",
+    ),
 ]
 
 
@@ -572,9 +635,15 @@ def test_bad_input_is_a_one_line_input_error(make_config, extra, match):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize(("entry", "path"), [({"selection": "best"}, "methods.fedsa.selection"), ({"k": 0}, "methods.fedsa.k"),
-                                              ({"student": {"name": "cnn", "channels": [0]}}, "methods.fedsa.student.channels"),
-                                              ({"temperature": 0}, "methods.fedsa.temperature")])
+@pytest.mark.parametrize(
+    ("entry", "path"),
+    [
+        ({"selection": "best"}, "methods.fedsa.selection"),
+        ({"k": 0}, "methods.fedsa.k"),
+        ({"student": {"name": "cnn", "channels": [0]}}, "methods.fedsa.student.channels"),
+        ({"temperature": 0}, "methods.fedsa.temperature"),
+    ],
+)
 def test_bad_parameters_are_rejected_by_the_config(entry, path):
     with pytest.raises(InputError, match="^" + re.escape(path) + ": expected"):
         resolve_methods(validate_config({"methods": {"fedsa": entry}}).methods)
@@ -591,8 +660,13 @@ def test_fedsa_on_ray_equals_the_in_process_run(ray_session, make_config, tmp_pa
     methods = {"fedsa": {**FAST, "rounds": 2}}
     job = teacher_job(methods=methods)
     job["federation"] = {"clients_per_actor": 2}
-    on_ray = run_experiment(make_config(**{**job, "federation": {**job["federation"], "backend": "ray"}}), RayBackend(), tmp_path / "ray",
-                            printer=Printer(enabled=False), show_tables=False)
+    on_ray = run_experiment(
+        make_config(**{**job, "federation": {**job["federation"], "backend": "ray"}}),
+        RayBackend(),
+        tmp_path / "ray",
+        printer=Printer(enabled=False),
+        show_tables=False,
+    )
     # Ray's actors run torch on one thread; the in-process run must too for bit-equal convolutions (the sums of a
     # multi-threaded conv backward are ordered differently).
     import torch
@@ -600,12 +674,16 @@ def test_fedsa_on_ray_equals_the_in_process_run(ray_session, make_config, tmp_pa
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        local = run_experiment(make_config(**job), InProcessBackend(), tmp_path / "local", printer=Printer(enabled=False), show_tables=False)
+        local = run_experiment(
+            make_config(**job), InProcessBackend(), tmp_path / "local", printer=Printer(enabled=False), show_tables=False
+        )
     finally:
         torch.set_num_threads(threads)
     assert on_ray["status"] == "succeeded" and on_ray["run"]["backend"] == "ray"
     assert on_ray["methods"]["fedsa"]["accuracy"] == local["methods"]["fedsa"]["accuracy"]
-    assert params_equal(load_params(tmp_path / "ray" / "models" / "fedsa.safetensors"), load_params(tmp_path / "local" / "models" / "fedsa.safetensors"))
+    assert params_equal(
+        load_params(tmp_path / "ray" / "models" / "fedsa.safetensors"), load_params(tmp_path / "local" / "models" / "fedsa.safetensors")
+    )
 
 
 def test_fedsa_interrupted_on_ray_resumes_with_the_translators_its_client_actors_kept(ray_session, straight_fedsa):
@@ -632,8 +710,9 @@ def test_fedsa_interrupted_on_ray_resumes_with_the_translators_its_client_actors
     with pytest.raises(RunFailure):
         on_ray(config("ray", federation={**ray_fed, "on_client_failure": "fail", "faults": [fault]}), run_dir)
     assert list((root / "cache-ray").glob("client-state/*/fedsa-translators/*/*.safetensors"))  # written by the actors
-    resumed = on_ray(load_run_config(run_dir, parse_overrides(["federation.faults=[]", "federation.on_client_failure=retry"])),
-                     run_dir, resume=True)
+    resumed = on_ray(
+        load_run_config(run_dir, parse_overrides(["federation.faults=[]", "federation.on_client_failure=retry"])), run_dir, resume=True
+    )
     assert resumed["status"] == "succeeded" and resumed["run"]["backend"] == "ray"
     assert [e["round"] for e in resumed["events"] if e["kind"] == "resumed" and e.get("method") == "fedsa"] == [1]
     assert _rounds_run(resumed) == [2, 3, 4]

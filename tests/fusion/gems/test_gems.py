@@ -68,7 +68,7 @@ def test_float32_samples_lie_on_the_surface_and_replay_from_the_seed():
     diff = points.double().numpy() - centers[:, None]
     assert np.all(np.abs(diff[mask[:, None, :].repeat(100, 1) == 0]) < 1e-5)
     scaled = np.where(mask[:, None] > 0, diff / (axes[:, None] * np.array([2.0, 7.0])[:, None, None]), 0.0)
-    np.testing.assert_allclose(np.sum(scaled ** 2, axis=2), 1.0, rtol=1e-4)
+    np.testing.assert_allclose(np.sum(scaled**2, axis=2), 1.0, rtol=1e-4)
     again = sample_surface(centers, np.array([2.0, 7.0]), 100, np.random.default_rng(5), axes=axes, masks=mask, dtype="float32")
     assert torch.equal(points, again)
     with pytest.raises(ValueError, match="dtype"):
@@ -246,8 +246,7 @@ def test_gems_is_registered():
 
 
 def test_gems_logreg_finds_a_model_in_every_ball(coordinator):
-    coord = coordinator(partition=LABELS2, model={"name": "logreg"}, data={"public_size": 60},
-                        methods={"gems": {**FAST, "tol": 0.5}})
+    coord = coordinator(partition=LABELS2, model={"name": "logreg"}, data={"public_size": 60}, methods={"gems": {**FAST, "tol": 0.5}})
     summary = coord.run_method("gems")
     info = summary["info"]
     assert info["intersection_found"] and info["distance_left"] == 0.0
@@ -258,8 +257,9 @@ def test_gems_logreg_finds_a_model_in_every_ball(coordinator):
 
 
 def test_gems_with_one_client_returns_its_model(coordinator):
-    coord = coordinator(partition={"method": "iid", "num_clients": 1}, model={"name": "logreg"},
-                        methods={"gems": {**FAST, "fine_tune": False}})
+    coord = coordinator(
+        partition={"method": "iid", "num_clients": 1}, model={"name": "logreg"}, methods={"gems": {**FAST, "fine_tune": False}}
+    )
     local = next(iter(coord.local_updates().values())).params
     summary = coord.run_method("gems")
     fused = load_params(coord.store.root / summary["model_file"])
@@ -268,9 +268,11 @@ def test_gems_with_one_client_returns_its_model(coordinator):
 
 
 def test_gems_mlp_fuses_layer_by_layer(coordinator):
-    coord = coordinator(partition=LABELS2, model={"name": "mlp", "hidden": [12, 8]},
-                        methods={"gems": {**FAST, "tol": 0.5, "neuron_tol": 2.0, "m_epsilon": [6, 4], "fine_tune": False,
-                                          "retrain_epochs": 2}})
+    coord = coordinator(
+        partition=LABELS2,
+        model={"name": "mlp", "hidden": [12, 8]},
+        methods={"gems": {**FAST, "tol": 0.5, "neuron_tol": 2.0, "m_epsilon": [6, 4], "fine_tune": False, "retrain_epochs": 2}},
+    )
     summary = coord.run_method("gems")
     info = summary["info"]
     units = info["hidden_units"]
@@ -285,9 +287,15 @@ def test_gems_mlp_fuses_layer_by_layer(coordinator):
 
 
 def test_tuned_baselines_run(coordinator):
-    coord = coordinator(partition=LABELS2, model={"name": "logreg"}, data={"public_size": 50},
-                        methods={"raw": {"method": "tuned", "base": "raw", "public_samples": [20, 50]},
-                                 "tuned-local": {"method": "tuned", "base": "local", "public_samples": 30}})
+    coord = coordinator(
+        partition=LABELS2,
+        model={"name": "logreg"},
+        data={"public_size": 50},
+        methods={
+            "raw": {"method": "tuned", "base": "raw", "public_samples": [20, 50]},
+            "tuned-local": {"method": "tuned", "base": "local", "public_samples": 30},
+        },
+    )
     raw = coord.run_method("raw")
     assert [row["public_samples"] for row in raw["info"]["tuning_curve"]] == [20.0, 50.0]
     local = coord.run_method("tuned-local")
@@ -296,22 +304,29 @@ def test_tuned_baselines_run(coordinator):
 
 def test_raw_reference_protocol_trains_with_dropout_and_stops_early(coordinator):
     # the reference's raw network (learn_dnn2): dropout 0.5 and EarlyStopping on the training accuracy, patience 3
-    coord = coordinator(partition=LABELS2, model={"name": "mlp", "hidden": [8]}, data={"public_size": 50},
-                        methods={"raw-reference": {"method": "tuned", "base": "raw", "public_samples": [50],
-                                                   "raw_dropout": 0.5, "raw_early_stop": 3}})
+    coord = coordinator(
+        partition=LABELS2,
+        model={"name": "mlp", "hidden": [8]},
+        data={"public_size": 50},
+        methods={"raw-reference": {"method": "tuned", "base": "raw", "public_samples": [50], "raw_dropout": 0.5, "raw_early_stop": 3}},
+    )
     raw = coord.run_method("raw-reference")
     assert raw["info"]["dropout"] == 0.5 and raw["info"]["early_stop"] == 3
     assert 0.0 < raw["metrics"]["accuracy"] <= 1.0
 
 
-@pytest.mark.parametrize("params, key", [
-    ({"base": "average", "raw_early_stop": 3}, "raw_early_stop"),
-    ({"base": "local", "raw_epochs": 10}, "raw_epochs"),
-    ({"base": "raw", "raw_dropout": 0.5}, "raw_dropout"),  # a logreg has no hidden layer to drop
-])
+@pytest.mark.parametrize(
+    "params, key",
+    [
+        ({"base": "average", "raw_early_stop": 3}, "raw_early_stop"),
+        ({"base": "local", "raw_epochs": 10}, "raw_epochs"),
+        ({"base": "raw", "raw_dropout": 0.5}, "raw_dropout"),  # a logreg has no hidden layer to drop
+    ],
+)
 def test_raw_only_settings_are_refused_elsewhere(make_config, params, key):
-    cfg = make_config(partition=LABELS2, model={"name": "logreg"}, data={"public_size": 50},
-                      methods={"tuned": {**params, "public_samples": [50]}})
+    cfg = make_config(
+        partition=LABELS2, model={"name": "logreg"}, data={"public_size": 50}, methods={"tuned": {**params, "public_samples": [50]}}
+    )
     with pytest.raises(InputError, match=rf"methods\.tuned\.{key}"):
         prepare_run(cfg)
 
@@ -343,10 +358,23 @@ def test_converged_last_layer_matches_scikit_learns_logistic_regression_from_any
 
 
 def test_gems_and_tuned_fit_the_last_layer_to_convergence_on_request(coordinator):
-    coord = coordinator(partition=LABELS2, model={"name": "mlp", "hidden": [12]}, data={"public_size": 60},
-                        methods={"gems": {**FAST, "tol": 0.5, "neuron_tol": 2.0, "m_epsilon": 6, "retrain_epochs": 2,
-                                          "tune_solver": "lbfgs", "public_samples": [30, 60]},
-                                 "tuned": {"base": "average", "tune_solver": "lbfgs", "public_samples": 60}})
+    coord = coordinator(
+        partition=LABELS2,
+        model={"name": "mlp", "hidden": [12]},
+        data={"public_size": 60},
+        methods={
+            "gems": {
+                **FAST,
+                "tol": 0.5,
+                "neuron_tol": 2.0,
+                "m_epsilon": 6,
+                "retrain_epochs": 2,
+                "tune_solver": "lbfgs",
+                "public_samples": [30, 60],
+            },
+            "tuned": {"base": "average", "tune_solver": "lbfgs", "public_samples": 60},
+        },
+    )
     gems = coord.run_method("gems")
     assert [row["public_samples"] for row in gems["info"]["tuning_curve"]] == [30.0, 60.0]
     assert 0.1 < gems["metrics"]["tuned_accuracy"] <= 1
@@ -355,16 +383,20 @@ def test_gems_and_tuned_fit_the_last_layer_to_convergence_on_request(coordinator
     assert 0.1 < coord.run_method("tuned")["metrics"]["accuracy"] <= 1
 
 
-@pytest.mark.parametrize("model, params, expected", [
-    ({"name": "logreg"}, {"method": "gems"}, "model without hidden layers"),
-    ({"name": "logreg"}, {"method": "tuned", "base": "average"}, "model without hidden layers"),
-    ({"name": "mlp", "hidden": [8]}, {"method": "tuned", "base": "raw"}, "base: raw"),
-    ({"name": "mlp", "hidden": [8]}, {"method": "tuned", "base": "local"}, "last_layer_only"),  # local tunes every layer
-    ({"name": "mlp", "hidden": [8]}, {"method": "gems", "last_layer_only": False}, "last_layer_only"),
-])
+@pytest.mark.parametrize(
+    "model, params, expected",
+    [
+        ({"name": "logreg"}, {"method": "gems"}, "model without hidden layers"),
+        ({"name": "logreg"}, {"method": "tuned", "base": "average"}, "model without hidden layers"),
+        ({"name": "mlp", "hidden": [8]}, {"method": "tuned", "base": "raw"}, "base: raw"),
+        ({"name": "mlp", "hidden": [8]}, {"method": "tuned", "base": "local"}, "last_layer_only"),  # local tunes every layer
+        ({"name": "mlp", "hidden": [8]}, {"method": "gems", "last_layer_only": False}, "last_layer_only"),
+    ],
+)
 def test_converged_fit_is_refused_where_there_is_no_last_layer_to_fit(make_config, model, params, expected):
-    cfg = make_config(partition=LABELS2, model=model, data={"public_size": 50},
-                      methods={"m": {**params, "tune_solver": "lbfgs", "public_samples": [50]}})
+    cfg = make_config(
+        partition=LABELS2, model=model, data={"public_size": 50}, methods={"m": {**params, "tune_solver": "lbfgs", "public_samples": [50]}}
+    )
     with pytest.raises(InputError, match=r"methods\.m\.tune_solver") as err:
         prepare_run(cfg)
     assert expected in str(err.value)
@@ -383,14 +415,17 @@ def test_tuned_baselines_use_the_reference_optimiser_per_base():
 # -- bad input -------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("params, key", [
-    ({"epsilon": 1.5}, "methods.gems.epsilon"),
-    ({"epsilon": -0.1}, "methods.gems.epsilon"),
-    ({"m_epsilon": 0}, "methods.gems.m_epsilon"),
-    ({"hidden_epsilon": -1}, "methods.gems.hidden_epsilon"),
-    ({"floor": 0}, "methods.gems.floor"),
-    ({"public_samples": [0, 10]}, "methods.gems.public_samples"),
-])
+@pytest.mark.parametrize(
+    "params, key",
+    [
+        ({"epsilon": 1.5}, "methods.gems.epsilon"),
+        ({"epsilon": -0.1}, "methods.gems.epsilon"),
+        ({"m_epsilon": 0}, "methods.gems.m_epsilon"),
+        ({"hidden_epsilon": -1}, "methods.gems.hidden_epsilon"),
+        ({"floor": 0}, "methods.gems.floor"),
+        ({"public_samples": [0, 10]}, "methods.gems.public_samples"),
+    ],
+)
 def test_bad_parameters_are_rejected_with_their_key(make_config, params, key):
     with pytest.raises(InputError, match=key.replace(".", r"\.")):
         resolve_methods(make_config(methods={"gems": params}).methods)
@@ -446,4 +481,3 @@ def test_fine_tuning_any_registry_model_moves_only_the_output_layer_its_graph_na
     narrow = build_model(ModelConfig(name="rescnn", channels=[3, 5]), (1, 8, 8), 10, seed=1).eval()
     model = model_for_params(get_params(narrow), cfg, (1, 8, 8), 10)
     np.testing.assert_array_equal(predict_proba(model, X), predict_proba(narrow, X))
-

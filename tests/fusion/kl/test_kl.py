@@ -26,7 +26,9 @@ def planted(rng, G=6, d=3, D=8, noise=0.05, scale=10.0, subsets=True):
 
 def test_fusing_identical_posteriors_returns_them():
     rng = np.random.default_rng(0)
-    base = NormalWishart(rng.normal(0, 10, (4, 2)), [50.0, 80, 60, 90], [40.0, 50, 60, 70], np.stack([np.eye(2) * s for s in (0.1, 0.2, 0.3, 0.4)]))
+    base = NormalWishart(
+        rng.normal(0, 10, (4, 2)), [50.0, 80, 60, 90], [40.0, 50, 60, 70], np.stack([np.eye(2) * s for s in (0.1, 0.2, 0.3, 0.4)])
+    )
     copies = [base.take(np.arange(4)) for _ in range(5)]
     for solver in ("exact", "relaxed"):
         result = fuse_heterogeneous(copies, solver=solver)
@@ -99,7 +101,10 @@ def test_kl_kmeanspp_picks_one_centre_per_well_separated_cluster():
 def test_dirichlet_topics_fuse():
     rng = np.random.default_rng(7)
     topics = rng.dirichlet(np.full(30, 0.1), size=5) * 500 + 0.01
-    posteriors = [Dirichlet(topics[idx] * rng.uniform(0.9, 1.1, (len(idx), 30))) for idx in (np.array([0, 1, 2]), np.array([2, 3, 4]), np.array([0, 4]))]
+    posteriors = [
+        Dirichlet(topics[idx] * rng.uniform(0.9, 1.1, (len(idx), 30)))
+        for idx in (np.array([0, 1, 2]), np.array([2, 3, 4]), np.array([0, 4]))
+    ]
     result = fuse_heterogeneous(posteriors)
     assert result.num_globals == 5
 
@@ -115,11 +120,19 @@ def test_spahm_recovers_well_separated_atoms():
 BAD = [
     ("empty", lambda: fuse_heterogeneous([]), "posteriors"),
     ("mixed families", lambda: fuse_heterogeneous([DiagGaussian([[0.0]], [[1.0]]), Dirichlet([[1.0, 2.0]])]), r"posteriors\[1\]"),
-    ("wrong dims", lambda: fuse_heterogeneous([DiagGaussian([[0.0]], [[1.0]]), DiagGaussian([[0.0, 1.0]], [[1.0, 1.0]])]), r"posteriors\[1\]"),
+    (
+        "wrong dims",
+        lambda: fuse_heterogeneous([DiagGaussian([[0.0]], [[1.0]]), DiagGaussian([[0.0, 1.0]], [[1.0, 1.0]])]),
+        r"posteriors\[1\]",
+    ),
     ("solver", lambda: fuse_heterogeneous([DiagGaussian([[0.0]], [[1.0]])], solver="cvxpy"), "solver"),
     ("lambda", lambda: fuse_heterogeneous([DiagGaussian([[0.0]], [[1.0]])], lam=-1.0), "lam"),
     ("G_init", lambda: fuse_heterogeneous([DiagGaussian(np.zeros((3, 1)), np.ones((3, 1)))], n_init_components=2), "n_init_components"),
-    ("homogeneous sizes", lambda: fuse_homogeneous([DiagGaussian(np.zeros((3, 1)), np.ones((3, 1))), DiagGaussian([[0.0]], [[1.0]])]), "same number"),
+    (
+        "homogeneous sizes",
+        lambda: fuse_homogeneous([DiagGaussian(np.zeros((3, 1)), np.ones((3, 1))), DiagGaussian([[0.0]], [[1.0]])]),
+        "same number",
+    ),
     ("not a batch", lambda: fuse_heterogeneous([np.zeros((2, 2))]), r"posteriors\[0\]"),
 ]
 
@@ -141,8 +154,13 @@ GMM = {
 
 
 def test_gmm_job_recovers_the_true_number_of_components(coordinator):
-    methods = {"kl": {"n_init": 2}, "kl-relaxed": {"method": "kl", "solver": "relaxed", "n_init": 2},
-               "spahm": {"n_init": 2}, "dp_cluster": {"n_init": 2}, "gmm_oracle": {"n_init": 2}}
+    methods = {
+        "kl": {"n_init": 2},
+        "kl-relaxed": {"method": "kl", "solver": "relaxed", "n_init": 2},
+        "spahm": {"n_init": 2},
+        "dp_cluster": {"n_init": 2},
+        "gmm_oracle": {"n_init": 2},
+    }
     coord = coordinator(**GMM, methods=methods)
     out = {label: coord.run_method(label) for label in methods}
     for label in ("kl", "kl-relaxed", "gmm_oracle"):
@@ -168,12 +186,17 @@ def test_local_posteriors_are_computed_once_per_model_cache(coordinator, tmp_pat
     assert not [k for k in second.federation.client(0).ctx.state if k[0] == "kl.gmm_posterior"]  # nothing fitted
     assert a["info"]["local_components"] == b["info"]["local_components"]
     # a fault injected into the step is part of the key: the faulty run fits again
-    third = coordinator(**{**GMM, "run": {**GMM["run"], "model_cache": cache}}, methods={"kl": {"n_init": 1}},
-                        federation={"faults": [{"client": 1, "step": "kl.gmm_posterior", "mode": "nan"}]})
+    third = coordinator(
+        **{**GMM, "run": {**GMM["run"], "model_cache": cache}},
+        methods={"kl": {"n_init": 1}},
+        federation={"faults": [{"client": 1, "step": "kl.gmm_posterior", "mode": "nan"}]},
+    )
     assert third.run_method("kl")["info"]["clients"] == [0, 2, 3, 4]
 
 
-@pytest.mark.parametrize("key,value", [("lam", -1.0), ("n_components", 0), ("solver", "cvxpy"), ("application", "hmm"), ("executor", "gpu")])
+@pytest.mark.parametrize(
+    "key,value", [("lam", -1.0), ("n_components", 0), ("solver", "cvxpy"), ("application", "hmm"), ("executor", "gpu")]
+)
 def test_bad_method_parameters_name_their_key(make_config, key, value):
     with pytest.raises(InputError, match=f"methods.kl.{key}"):
         make_config(**GMM, methods={"kl": {key: value}})
@@ -185,7 +208,9 @@ def test_gmm_methods_need_the_gmm_dataset(make_config):
 
 
 def test_a_client_posterior_with_nan_is_rejected(coordinator):
-    coord = coordinator(**GMM, methods={"kl": {"n_init": 1}}, federation={"faults": [{"client": 1, "step": "kl.gmm_posterior", "mode": "nan"}]})
+    coord = coordinator(
+        **GMM, methods={"kl": {"n_init": 1}}, federation={"faults": [{"client": 1, "step": "kl.gmm_posterior", "mode": "nan"}]}
+    )
     out = coord.run_method("kl")
     assert out["info"]["clients"] == [0, 2, 3, 4]
     assert any(e["kind"] == "update_rejected" and e.get("client") == 1 for e in coord.events.since(0))
@@ -199,7 +224,9 @@ def test_kl_on_ray_fans_the_solves_out_as_tasks_and_equals_the_in_process_run(ra
 
     methods = {"kl": {"n_init": 2, "executor": "federation"}, "spahm": {"n_init": 2}}
     quiet = dict(printer=Printer(enabled=False), show_tables=False)
-    on_ray = run_experiment(make_config(**GMM, methods=methods, federation={"backend": "ray", "clients_per_actor": 5}), RayBackend(), tmp_path / "ray", **quiet)
+    on_ray = run_experiment(
+        make_config(**GMM, methods=methods, federation={"backend": "ray", "clients_per_actor": 5}), RayBackend(), tmp_path / "ray", **quiet
+    )
     local = run_experiment(make_config(**GMM, methods=methods), InProcessBackend(), tmp_path / "local", **quiet)
     assert on_ray["status"] == "succeeded" and on_ray["methods"]["kl"]["info"]["executor"] == "federation"
     for label in methods:
@@ -215,8 +242,16 @@ def test_bnn_neurons_round_trip_and_output_bias_fusion():
     from rayfuse.fusion.kl.bnn import fuse_output_bias, network_of, neurons_of
 
     rng = np.random.default_rng(9)
-    bnn = {"w1_mu": rng.normal(size=(4, 3)), "w1_var": rng.uniform(0.1, 1, (4, 3)), "b1_mu": rng.normal(size=4), "b1_var": rng.uniform(0.1, 1, 4),
-           "w2_mu": rng.normal(size=(2, 4)), "w2_var": rng.uniform(0.1, 1, (2, 4)), "b2_mu": rng.normal(size=2), "b2_var": rng.uniform(0.1, 1, 2)}
+    bnn = {
+        "w1_mu": rng.normal(size=(4, 3)),
+        "w1_var": rng.uniform(0.1, 1, (4, 3)),
+        "b1_mu": rng.normal(size=4),
+        "b1_var": rng.uniform(0.1, 1, 4),
+        "w2_mu": rng.normal(size=(2, 4)),
+        "w2_var": rng.uniform(0.1, 1, (2, 4)),
+        "b2_mu": rng.normal(size=2),
+        "b2_var": rng.uniform(0.1, 1, 2),
+    }
     neurons = neurons_of(bnn)
     assert neurons.mean.shape == (4, 3 + 1 + 2)
     back = network_of(neurons, bnn["b2_mu"], bnn["b2_var"], 3)
@@ -243,10 +278,25 @@ def test_bnn_job_fuses_the_clients_neurons(coordinator):
 def test_topics_job_fuses_dirichlet_topics_above_every_local_model(coordinator):
     from rayfuse.fusion.kl.topics import completion_log_likelihood, split_documents
 
-    data = {"dataset": "kl_lda", "options": {"num_topics": 6, "vocabulary": 60, "num_groups": 3, "docs": 80, "test_docs": 40, "min_topics": 2,
-                                             "max_topics": 3, "doc_length": 60, "eta": 0.02}, "val_size": 0}
-    methods = {"kl": {"application": "topics", "lam": 1.0, "vi_max_iter": 30},
-               "homo": {"method": "kl", "application": "topics", "homogeneous": True, "n_components": 6, "vi_max_iter": 30}}
+    data = {
+        "dataset": "kl_lda",
+        "options": {
+            "num_topics": 6,
+            "vocabulary": 60,
+            "num_groups": 3,
+            "docs": 80,
+            "test_docs": 40,
+            "min_topics": 2,
+            "max_topics": 3,
+            "doc_length": 60,
+            "eta": 0.02,
+        },
+        "val_size": 0,
+    }
+    methods = {
+        "kl": {"application": "topics", "lam": 1.0, "vi_max_iter": 30},
+        "homo": {"method": "kl", "application": "topics", "homogeneous": True, "n_components": 6, "vi_max_iter": 30},
+    }
     coord = coordinator(data=data, partition={"method": "labels", "num_clients": 3, "groups": [[0], [1], [2]]}, methods=methods)
     out = {label: coord.run_method(label) for label in methods}
     for entry in out.values():
@@ -262,8 +312,14 @@ def test_topics_job_fuses_dirichlet_topics_above_every_local_model(coordinator):
 
 
 def test_homogeneous_topics_need_a_fixed_count(make_config):
-    data = {"dataset": "kl_lda", "options": {"num_topics": 4, "vocabulary": 30, "num_groups": 2, "docs": 20, "test_docs": 10, "min_topics": 2, "max_topics": 2}}
-    cfg = make_config(data=data, partition={"method": "labels", "num_clients": 2, "groups": [[0], [1]]},
-                      methods={"kl": {"application": "topics", "homogeneous": True}})
+    data = {
+        "dataset": "kl_lda",
+        "options": {"num_topics": 4, "vocabulary": 30, "num_groups": 2, "docs": 20, "test_docs": 10, "min_topics": 2, "max_topics": 2},
+    }
+    cfg = make_config(
+        data=data,
+        partition={"method": "labels", "num_clients": 2, "groups": [[0], [1]]},
+        methods={"kl": {"application": "topics", "homogeneous": True}},
+    )
     with pytest.raises(InputError, match="methods.kl.n_components"):
         prepare_run(cfg)
