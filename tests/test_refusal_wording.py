@@ -4,7 +4,6 @@ clients' upload DP), and clients of different models are refused in the words of
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
@@ -13,25 +12,9 @@ from rayfuse.config import ModelConfig
 from rayfuse.errors import InputError
 from rayfuse.fusion.pipeline import check_update_pipeline
 from rayfuse.method import METHODS, MethodSpec, RunSetup, check_tags, dp_options, dp_refusal, resolve_methods
+from tests.test_method_tags import setup_for
 
 DP = {"noise_multiplier": 1.0, "clip_norm": 1.0, "sample_rate": 0.5}
-
-
-def setup_for(cfg: Any, **changes: Any) -> RunSetup:
-    base = RunSetup(
-        model=cfg.model,
-        train=cfg.train,
-        data=cfg.data,
-        num_clients=3,
-        input_shape=(64,),
-        num_classes=10,
-        train_sizes=(40, 40, 40),
-        val_sizes=(5, 5, 5),
-        public_size=20,
-        test_size=20,
-        evaluation=str(cfg.evaluation),
-    )
-    return dataclasses.replace(base, **changes)
 
 
 def refusal(specs: Any, setup: RunSetup, cfg: Any) -> InputError:

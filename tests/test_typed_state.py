@@ -11,17 +11,15 @@ import json
 import numpy as np
 import pytest
 
-from rayfuse.client import Client
-from rayfuse.coordinator import Coordinator
-from rayfuse.data.roles import load_dataset_from_config, make_plan
 from rayfuse.errors import InputError
-from rayfuse.federation import EventLog, FailurePolicy, InProcessFederation, Update
+from rayfuse.federation import Update
 from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgState
 from rayfuse.fusion.fedavg.fedopt import FedAdam, FedOptState, FedYogi
 from rayfuse.fusion.fedref.algorithm import FedRef, FedRefState
 from rayfuse.io import load_params
 from rayfuse.rounds import decode_state, encode_state
 from rayfuse.store import Checkpointer
+from tests.helpers import prepared_coordinator
 
 
 @pytest.fixture
@@ -29,24 +27,7 @@ def coordinator(make_config, tmp_path):
     """A coordinator over in-process clients for a tiny config (``folder`` names its run folder)."""
 
     def build(folder="run", **sections):
-        cfg = make_config(**sections)
-        plan = make_plan(load_dataset_from_config(cfg.data), cfg.data, cfg.partition, cfg.run.seed)
-
-        def factory(i, restarted):
-            return Client(
-                i,
-                plan.for_client(i),
-                data_cfg=cfg.data,
-                model_cfg=cfg.client_model(i),
-                train_cfg=cfg.train,
-                seed=cfg.run.seed,
-                faults=cfg.federation.faults,
-                restarted=restarted,
-                local_cache=cfg.run.model_cache,
-            )
-
-        fed = InProcessFederation(factory, plan.num_clients, FailurePolicy.from_config(cfg.federation), EventLog())
-        return Coordinator(cfg, plan, str(tmp_path / folder), fed)
+        return prepared_coordinator(make_config(**sections), tmp_path / folder)
 
     return build
 

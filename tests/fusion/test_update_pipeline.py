@@ -13,39 +13,23 @@ import yaml
 from pydantic import Field
 
 from rayfuse.attacks import apply_attacks
-from rayfuse.client import Client
 from rayfuse.coordinator import Coordinator, MethodServer
 from rayfuse.data.roles import load_dataset_from_config, make_plan
 from rayfuse.errors import InputError, RunFailure
-from rayfuse.federation import EventLog, FailurePolicy, InProcessFederation
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.central_dp import CentralDPSettings, apply_dp_round, plan_dp
 from rayfuse.fusion.pipeline import UpdatePipeline, check_update_pipeline, fused_by
 from rayfuse.fusion.robust import AggregatorSettings, aggregate_median, aggregate_trimmed_mean, clip_updates
 from rayfuse.method import METHODS, Gathered, Method, MethodParams, MethodResult, MethodSpec, MethodTags, RunSetup, Update, resolve_methods
 from tests.config.test_bad_inputs import Files, _snapshot, isolated, refused_line, with_base  # noqa: F401  (isolated: a fixture)
+from tests.helpers import prepared_coordinator
 
 ATTACKS = [{"client": 1, "kind": "scale", "scale": 4.0}]
 
 
 def build_coordinator(make_config, tmp_path: Path, **sections: Any) -> Coordinator:
-    """A coordinator over in-process clients for the tiny digits config (as tests/fusion's fixture builds it)."""
-    cfg = make_config(**sections)
-    plan = make_plan(load_dataset_from_config(cfg.data), cfg.data, cfg.partition, cfg.run.seed)
-
-    def factory(i: int, restarted: bool) -> Client:
-        return Client(
-            i,
-            plan.for_client(i),
-            data_cfg=cfg.data,
-            model_cfg=cfg.client_model(i),
-            train_cfg=cfg.train,
-            seed=cfg.run.seed,
-            restarted=restarted,
-        )
-
-    fed = InProcessFederation(factory, plan.num_clients, FailurePolicy.from_config(cfg.federation), EventLog())
-    return Coordinator(cfg, plan, str(tmp_path / "run"), fed)
+    """A coordinator over in-process clients for the tiny digits config, prepared as a run is (tests/helpers.py)."""
+    return prepared_coordinator(make_config(**sections), tmp_path / "run")
 
 
 def server_for(coord: Coordinator, label: str) -> MethodServer:
