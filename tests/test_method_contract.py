@@ -127,6 +127,7 @@ CONTRACT: dict[str, Case] = {
     "fedadagrad": Case(ROUNDS, step="fedavg.fit"),
     "fedadam": Case(ROUNDS, step="fedavg.fit"),
     "fedavg": Case(ROUNDS, step="fedavg.fit"),
+    "fedlora": Case({"rounds": 2, "local_epochs": 1, "r": 2}, step="fedlora.fit"),
     "fedprox": Case({**ROUNDS, "mu": 0.1}, step="fedavg.fit"),
     "fedref": Case({**ROUNDS, "p": 1}, step="fedavg.fit"),
     "fedyogi": Case(ROUNDS, step="fedavg.fit"),
