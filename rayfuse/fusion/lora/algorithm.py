@@ -255,17 +255,17 @@ def _read_base(path: str, reference: dict[str, np.ndarray]) -> dict[str, np.ndar
     from rayfuse.io import read_checkpoint
 
     if not Path(path).is_file():
-        raise InputError("base", "an existing safetensors / PyTorch state dict of the run's model", f"{path} (no such file)")
+        raise InputError("base", "an existing safetensors / PyTorch state dict of the run's model", f"no such file: {path}")
     try:
         params, _ = read_checkpoint(path)
     except InputError as exc:
         raise exc.at("base") from None
     missing, extra = sorted(set(reference) - set(params)), sorted(set(params) - set(reference))
     if missing or extra:
-        raise InputError("base", "the run model's tensors", f"{path}: missing {missing[:3]}, unexpected {extra[:3]}")
+        raise InputError("base", "the run model's tensors", f"missing {missing[:3]}, unexpected {extra[:3]} in {path}")
     for key, ref in reference.items():
         if tuple(params[key].shape) != tuple(ref.shape):
-            raise InputError("base", f"tensor {key} of shape {tuple(ref.shape)}", f"{path}: shape {tuple(params[key].shape)}")
+            raise InputError("base", f"tensor {key} of shape {tuple(ref.shape)}", f"shape {tuple(params[key].shape)} in {path}")
     return {k: np.asarray(params[k]).astype(reference[k].dtype) for k in reference}
 
 
