@@ -27,7 +27,7 @@ def refusal(specs: Any, setup: RunSetup, cfg: Any) -> InputError:
 def test_dp_options_are_read_from_the_params_and_tags():
     options = dp_options()
     assert sorted(options) == ["central DP-FedAvg", "upload DP (each client clips and noises its upload)"]
-    assert options["central DP-FedAvg"] == ["fedadagrad", "fedadam", "fedavg", "fedprox", "fedyogi"]  # fedref: its no_dp
+    assert options["central DP-FedAvg"] == ["fedadagrad", "fedadam", "fedavg", "fedlora", "fedprox", "fedyogi"]  # fedref: its no_dp
     assert options["upload DP (each client clips and noises its upload)"] == ["aligned", "average"]
 
 
@@ -57,7 +57,7 @@ def test_a_dp_entry_on_a_method_without_one_names_every_method_whose_dp_applies(
         resolve_methods({name: {"dp": DP}})
     assert str(raised.value) == (
         f"methods.{name}.dp: expected no dp for method {name!r} ({why}), got {DP!r}; methods.<label>.dp is "
-        "central DP-FedAvg on fedadagrad, fedadam, fedavg, fedprox, fedyogi; upload DP (each client clips "
+        "central DP-FedAvg on fedadagrad, fedadam, fedavg, fedlora, fedprox, fedyogi; upload DP (each client clips "
         "and noises its upload) on aligned, average"
     )
 
