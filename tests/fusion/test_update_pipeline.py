@@ -189,6 +189,7 @@ def test_every_method_declares_what_it_fuses():
         "average",
         "aligned",
         "finetune",
+        "fedlora",
     }
     assert fused["gems"] == "statistics" and fused["kl"] == "posteriors" and fused["fedsa"] == "statistics"
     assert fused["epgan"] == "posteriors" and fused["distill"] == fused["ensemble"] == "predictions" and fused["local"] == "nothing"
@@ -197,6 +198,8 @@ def test_every_method_declares_what_it_fuses():
     assert fused_by(aligned, aligned.Params(merge="nonparametric")) == "parameters"
     finetune = METHODS.get("finetune")
     assert fused_by(finetune, finetune.Params(base="local")) == "nothing" and fused_by(finetune, finetune.Params()) == "parameters"
+    fedlora = METHODS.get("fedlora")
+    assert fused_by(fedlora, fedlora.Params()) == "parameters" and fused_by(fedlora, fedlora.Params(combine="stack")) == "adapter factors"
 
 
 @pytest.mark.parametrize(
