@@ -25,7 +25,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
@@ -178,6 +178,9 @@ def fit(
     from rayfuse.models import set_params, train_model
 
     model = set_params(ctx.build_model(seed=0), base)
+    # Buffers (BatchNorm's running statistics) of the frozen base still move in training mode, as under PEFT; they stay
+    # on the client, so the server scores base + update with the base's buffers (the most faithful reading of "only
+    # adapter tensors leave a client").
     wrappers = _wrap(model, targets, adapter, adapter, scale, train_A)
     stats = train_model(
         model,
@@ -244,12 +247,6 @@ class FedLoraState:
     dp: dict[str, float] = field(default_factory=dict)
 
 
-def _build(setup_or_models: Any, input_shape: Any = None, num_classes: Any = None) -> Any:
-    from rayfuse.models import build_model
-
-    return build_model(setup_or_models, input_shape, num_classes, seed=0)
-
-
 def _read_base(path: str, reference: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """``base:`` read with :func:`rayfuse.io.read_checkpoint`, checked against the model's keys and shapes."""
     from rayfuse.io import read_checkpoint
@@ -281,9 +278,9 @@ class FedLora(Method[FedLoraParams, FedLoraState]):
     def check(cls, params: FedLoraParams, setup: RunSetup) -> None:
         if setup.input_shape is None or setup.num_classes is None:
             return  # a silo run's first check: the model's shape is not known yet
-        from rayfuse.models import get_params
+        from rayfuse.models import build_model, get_params
 
-        model = _build(setup.model, setup.input_shape, setup.num_classes)
+        model = build_model(setup.model, setup.input_shape, setup.num_classes, seed=0)
         targets = lora_targets(model, params.target_modules)
         modules = dict(model.named_modules())
         smallest = min(min(modules[t].weight.shape) for t in targets)
@@ -374,4 +371,4 @@ class FedLora(Method[FedLoraParams, FedLoraState]):
             "base": p.base or "shared init",
             **pipeline.info(),
         }
-        return MethodResult(rounds.metrics, merged_params(base, cast(dict[str, np.ndarray], state.delta)), info=info)
+        return MethodResult(rounds.metrics, merged_params(base, state.delta), info=info)
