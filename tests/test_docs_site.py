@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-
 from rayfuse import docs_gen
 from rayfuse.config import ExperimentConfig
 from rayfuse.method import METHODS
@@ -146,10 +144,6 @@ def test_the_results_page_lists_every_result_file():
     assert all((results / target).exists() for target in listed if not target.startswith(("#", "..")))
 
 
-@pytest.mark.skipif(
-    any(importlib.util.find_spec(m) is None for m in ("mkdocs", "material", "mkdocstrings_handlers")),
-    reason="mkdocs, mkdocs-material or mkdocstrings[python] not installed (pip install -e '.[docs]')",
-)
 def test_the_site_builds_with_mkdocs_strict(tmp_path):
     """``mkdocs build --strict``: every page in the nav, every link between pages and every anchor resolves, the
     API reference renders from the docstrings."""

@@ -13,8 +13,6 @@ from rayfuse.runner import InProcessBackend, prepare_run, run_experiment
 from rayfuse.store import RunStore
 from rayfuse.tracking import RUN_TAG, mlflow_uri
 
-pytest.importorskip("mlflow")
-
 
 def _run(cfg, run_dir, **kwargs):
     return run_experiment(cfg, InProcessBackend(), run_dir, printer=lambda e: None, show_tables=False, **kwargs)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 import yaml
 from safetensors import safe_open
 
@@ -21,7 +22,6 @@ from rayfuse.finetunes.config import TASK_VECTOR_METHODS
 from rayfuse.finetunes.taskvec import task_vector_merge
 from tests.config.test_bad_inputs import refused_line
 
-transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
 
 

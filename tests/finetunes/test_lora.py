@@ -10,19 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import peft
 import pytest
+import torch
+import transformers
 import yaml
 
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
-
-import torch  # noqa: E402
-
-import rayfuse  # noqa: E402
-from rayfuse.errors import InputError  # noqa: E402
-from rayfuse.finetunes.lora import METADATA_FILE, combine_module, read_adapter  # noqa: E402
-from tests.config.test_bad_inputs import Files, _snapshot, refused_line  # noqa: E402
-from tests.config.test_bad_inputs import isolated as isolated  # noqa: E402, F401  (the harness's fixture: the case's folder as cwd)
+import rayfuse
+from rayfuse.errors import InputError
+from rayfuse.finetunes.lora import METADATA_FILE, combine_module, read_adapter
+from tests.config.test_bad_inputs import Files, _snapshot, refused_line
+from tests.config.test_bad_inputs import isolated as isolated  # noqa: F401  (the harness's fixture: the case's folder as cwd)
 
 LLAMA = {
     "vocab_size": 128,

@@ -31,8 +31,6 @@ from rayfuse.cli import main
 from rayfuse.errors import InputError
 from tests.config.test_bad_inputs import Files, _snapshot, call, refused_line, with_base
 
-pytest.importorskip("transformers")
-
 MODULE = "hf_arch"
 VOCAB, LENGTH = 40, 6
 ONLY = "weight matching only"
