@@ -519,36 +519,10 @@ def load_lora_config(raw: Mapping[str, Any], path: Path, output: str | Path | No
 
 def base_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     """The tensor names and shapes of a Hugging Face folder, from the safetensors headers only (``model.safetensors``,
-    or the shards ``model.safetensors.index.json`` names)."""
-    from safetensors import safe_open
+    or the shards ``model.safetensors.index.json`` names): the reader the fine-tune merges use."""
+    from rayfuse.finetunes.hf import ModelSource
 
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            files = sorted(set(weight_map.values()))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise InputError(
-                str(index), "a sharded index (a JSON object with a weight_map)", f"unreadable ({type(exc).__name__})"
-            ) from None
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise InputError(str(folder), "a Hugging Face folder with model.safetensors or model.safetensors.index.json", "neither")
-    shapes: dict[str, tuple[int, ...]] = {}
-    for name in files:
-        file = folder / name
-        if not file.is_file():
-            raise InputError(f"{index}: {name}", "a shard in the folder", "no such file")
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                for key in handle.keys():
-                    shapes[key] = tuple(int(n) for n in handle.get_slice(key).get_shape())
-        except InputError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a damaged file: one line, whatever the reader raises
-            raise InputError(str(file), "a valid safetensors file", f"unreadable ({type(exc).__name__})") from None
-    return shapes
+    return {name: info.shape for name, info in ModelSource(folder, str(folder)).tensors.items()}
 
 
 def check_against_base(adapters: Sequence[Adapter], base: Path, where: Sequence[str]) -> None:
