@@ -44,7 +44,6 @@ from rayfuse.fusion.robust import AggregatorSettings, aggregate, check_aggregato
 from rayfuse.method import (
     Aggregate,
     Gathered,
-    Method,
     MethodParams,
     MethodSpec,
     Rejected,
@@ -56,7 +55,7 @@ from rayfuse.method import (
     fuses_of,
 )
 
-__all__ = ["UpdatePipeline", "check_update_pipeline", "clients_per_round", "combine_models", "fused_by", "pipeline_settings"]
+__all__ = ["UpdatePipeline", "check_update_pipeline", "clients_per_round", "combine_models", "pipeline_settings"]
 
 Params = dict[str, np.ndarray]
 R = TypeVar("R")
@@ -73,12 +72,6 @@ def pipeline_settings(params: MethodParams) -> tuple[AggregatorSettings, DPSetti
         aggregator if isinstance(aggregator, AggregatorSettings) else AggregatorSettings(),
         dp if isinstance(dp, (CentralDPSettings, UploadDP)) else None,
     )
-
-
-def fused_by(method_cls: type[Method], params: MethodParams) -> str:
-    """What the method combines of its clients (``MethodTags.fuses``), or its ``Params``' ``fuses`` property where the
-    answer depends on the parameters (``aligned``'s merge)."""
-    return fuses_of(method_cls, params)
 
 
 def clients_per_round(num_clients: int, fraction: float) -> int:
@@ -106,7 +99,7 @@ def check_update_pipeline(specs: Sequence[MethodSpec], setup: RunSetup, attacks:
     """
     for spec in specs:
         where = f"methods.{spec.label}"
-        fused = fused_by(spec.method_cls, spec.params)
+        fused = fuses_of(spec.method_cls, spec.params)
         aggregator, dp = pipeline_settings(spec.params)
         if fused != "parameters":
             if attacks and fused != "nothing":

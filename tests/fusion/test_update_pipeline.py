@@ -18,9 +18,21 @@ from rayfuse.data.roles import load_dataset_from_config, make_plan
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.central_dp import CentralDPSettings, apply_dp_round, plan_dp
-from rayfuse.fusion.pipeline import UpdatePipeline, check_update_pipeline, fused_by
+from rayfuse.fusion.pipeline import UpdatePipeline, check_update_pipeline
 from rayfuse.fusion.robust import AggregatorSettings, aggregate_median, aggregate_trimmed_mean, clip_updates
-from rayfuse.method import METHODS, Gathered, Method, MethodParams, MethodResult, MethodSpec, MethodTags, RunSetup, Update, resolve_methods
+from rayfuse.method import (
+    METHODS,
+    Gathered,
+    Method,
+    MethodParams,
+    MethodResult,
+    MethodSpec,
+    MethodTags,
+    RunSetup,
+    Update,
+    fuses_of,
+    resolve_methods,
+)
 from tests.config.test_bad_inputs import Files, _snapshot, isolated, refused_line, with_base  # noqa: F401  (isolated: a fixture)
 from tests.helpers import prepared_coordinator
 
@@ -194,12 +206,12 @@ def test_every_method_declares_what_it_fuses():
     assert fused["gems"] == "statistics" and fused["kl"] == "posteriors" and fused["fedsa"] == "statistics"
     assert fused["epgan"] == "posteriors" and fused["distill"] == fused["ensemble"] == "predictions" and fused["local"] == "nothing"
     aligned = METHODS.get("aligned")
-    assert fused_by(aligned, aligned.Params(merge="regmean")) == "statistics" == fused_by(aligned, aligned.Params(merge="fisher"))
-    assert fused_by(aligned, aligned.Params(merge="nonparametric")) == "parameters"
+    assert fuses_of(aligned, aligned.Params(merge="regmean")) == "statistics" == fuses_of(aligned, aligned.Params(merge="fisher"))
+    assert fuses_of(aligned, aligned.Params(merge="nonparametric")) == "parameters"
     finetune = METHODS.get("finetune")
-    assert fused_by(finetune, finetune.Params(base="local")) == "nothing" and fused_by(finetune, finetune.Params()) == "parameters"
+    assert fuses_of(finetune, finetune.Params(base="local")) == "nothing" and fuses_of(finetune, finetune.Params()) == "parameters"
     fedlora = METHODS.get("fedlora")
-    assert fused_by(fedlora, fedlora.Params()) == "parameters" and fused_by(fedlora, fedlora.Params(combine="stack")) == "adapter factors"
+    assert fuses_of(fedlora, fedlora.Params()) == "parameters" and fuses_of(fedlora, fedlora.Params(combine="stack")) == "adapter factors"
 
 
 @pytest.mark.parametrize(
