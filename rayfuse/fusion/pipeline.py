@@ -51,7 +51,6 @@ from rayfuse.method import (
     ServerContext,
     Update,
     dp_options_text,
-    dp_refusal,
     fuses_of,
 )
 
@@ -92,9 +91,8 @@ def check_update_pipeline(specs: Sequence[MethodSpec], setup: RunSetup, attacks:
       upload (``fuses = "nothing"``: ``local``, oracles) run as references beside attacked ones;
     * the rule's precondition on the number of models it combines (``ceil(fraction N)`` per round with ``fraction``,
       else every client);
-    * central DP-FedAvg where its guarantee would not hold: a method whose server step reads more of each client than
-      its update (``MethodTags.no_dp``), a robust rule or a second clipping, ``fraction`` or sample weights, and the
-      DP plan itself (:func:`~rayfuse.fusion.central_dp.plan_dp`); the one-shot upload's delta and target epsilon
+    * central DP-FedAvg where its guarantee would not hold: a robust rule or a second clipping, ``fraction`` or sample
+      weights, and the DP plan itself (:func:`~rayfuse.fusion.central_dp.plan_dp`); the one-shot upload's delta and target epsilon
       (:func:`~rayfuse.fusion.privacy.check_upload_dp`).
     """
     for spec in specs:
@@ -143,11 +141,10 @@ def check_update_pipeline(specs: Sequence[MethodSpec], setup: RunSetup, attacks:
 
 def _check_central_dp(spec: MethodSpec, aggregator: AggregatorSettings, dp: CentralDPSettings, num_clients: int) -> None:
     """DP-FedAvg's conditions (paths relative to the entry): its noise is calibrated to the sensitivity ``C`` of a sum
-    of updates clipped once, each weighing 1, the clients sampled by ``dp.sample_rate``; and nothing else of a client
-    may reach the server's step un-noised."""
+    of updates clipped once, each weighing 1, the clients sampled by ``dp.sample_rate`` (a method whose server step reads
+    more of each client than its update, ``MethodTags.no_dp``, is refused before this by
+    :func:`rayfuse.method.check_tags`)."""
     params = spec.params
-    if spec.method_cls.tags.no_dp:  # check_tags refuses it first; kept so the pipeline's own check is whole
-        raise dp_refusal(spec.method_cls, spec.method, "dp", params=params)
     if not aggregator.is_plain_mean:
         raise InputError(
             "aggregator",
