@@ -187,7 +187,7 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
                 generators=generators,
             )
         elif stats and name in stats[0].tensors:  # fisher / regmean: rayfuse.alignment's merges, one tensor at a time
-            merged = _data_aware(spec, name, tuned if base is None else tuned[1:], stats, weights)
+            merged = _data_aware(spec, name, tuned if base is None else tuned[1:], stats, weights, None if base is None else tuned[0])
         else:  # linear / weighted_average / average, and the tensors without statistics: the models themselves
             own = tuned if base is None else tuned[1:]
             merged = linear(own, [1.0] * len(own) if method == "average" else weights, normalize=method == "average" or normalize)
@@ -231,12 +231,19 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
     }
 
 
-def _data_aware(spec: FinetuneSpec, name: str, own: list[torch.Tensor], stats: list[ModelSource], weights: list[float]) -> torch.Tensor:
-    """Fisher-weighted averaging or RegMean of one tensor (:func:`rayfuse.alignment.merge_fisher` /
-    :func:`~rayfuse.alignment.merge_regmean`, the merges aligned fusion uses), from each model's statistics file."""
-    from rayfuse.alignment.merge import merge_fisher, merge_regmean
+def _data_aware(
+    spec: FinetuneSpec, name: str, own: list[torch.Tensor], stats: list[ModelSource], weights: list[float], base: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Fisher-weighted averaging or RegMean of one tensor (:func:`rayfuse.finetunes.statistics.merge_task_vectors`:
+    :func:`rayfuse.alignment.merge_fisher` / :func:`~rayfuse.alignment.merge_regmean`, the merges aligned fusion and
+    the federated ``fedmerge`` use), from each model's statistics file. With a ``base``, the task vectors ``x_i - base``
+    are merged and the base added: the same as merging the models where the statistics determine the result, and the
+    base's value where they do not (a RegMean Gram singular along inputs no site's data excites keeps the base there,
+    where the least-squares merge of the models would zero it)."""
+    from rayfuse.finetunes.statistics import merge_task_vectors
 
-    values = [{name: x.double().numpy()} for x in own]
+    origin = base.double().numpy() if base is not None else None
+    values = [{name: x.double().numpy() - (origin if origin is not None else 0.0)} for x in own]
     given = []
     for source in stats:
         s = source.get(name).double()
@@ -247,8 +254,9 @@ def _data_aware(spec: FinetuneSpec, name: str, own: list[torch.Tensor], stats: l
                 "negative or non-finite entries",
             )
         given.append({name: s.numpy()})
-    if spec.method == "fisher":
-        merged = merge_fisher(values, given, weights)[name]
-    else:
-        merged = merge_regmean(values, given, weights, alpha=float(spec.params.get("alpha", 0.9)))[name]
+    merged = merge_task_vectors(
+        values, given, weights, "fisher" if spec.method == "fisher" else "regmean", regmean_alpha=float(spec.params.get("alpha", 0.9))
+    )[name]
+    if origin is not None:
+        merged = origin + merged
     return torch.from_numpy(merged).to(own[0].dtype)
