@@ -74,7 +74,12 @@ class FedLoraParams(MethodParams):
         "re-factored to rank r by SVD for the next round), svd (best rank-r approximation), average_factors "
         "(averages A and B separately: inexact baseline)",
     )
-    base: str | None = Field(None, description="a safetensors / PyTorch state dict of the run's model; default: the run's shared init")
+    base: str | None = Field(
+        None,
+        description="a safetensors / PyTorch state dict of the run's model, or a Hugging Face folder (config.json and its "
+        "weights, read with from_pretrained: nothing downloaded; the run's model: rayfuse.fusion.lora.hf_model(folder)); "
+        "default: the run's shared init",
+    )
     lr: float | None = Field(None, gt=0, description="default: train.lr")
     batch_size: int | None = Field(None, ge=1, description="default: train.batch_size")
     fraction: float = Field(1.0, gt=0, le=1, description="fraction of clients sampled per round")
@@ -113,7 +118,8 @@ def lora_targets(model: Any, patterns: list[str] | None, where: str = "target_mo
         except re.error as exc:
             raise InputError(f"{where}.{i}", "a module name or a regular expression", f"{pattern!r} ({exc})") from None
         if not hits:
-            raise InputError(f"{where}.{i}", f"a pattern matching an nn.Linear of the model ({', '.join(linears)})", pattern)
+            shown = ", ".join(linears[:8]) + (f", ... ({len(linears)} in all)" if len(linears) > 8 else "")
+            raise InputError(f"{where}.{i}", f"a pattern matching an nn.Linear of the model ({shown})", pattern)
         chosen += [n for n in hits if n not in chosen]
     return [n for n in linears if n in chosen]  # the model's order
 
@@ -247,12 +253,27 @@ class FedLoraState:
     dp: dict[str, float] = field(default_factory=dict)
 
 
-def _read_base(path: str, reference: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``base:`` read with :func:`rayfuse.io.read_checkpoint`, checked against the model's keys and shapes."""
+def _read_base(
+    path: str, reference: dict[str, np.ndarray], targets: list[str] | None = None, where: str = "target_modules"
+) -> dict[str, np.ndarray]:
+    """``base:`` read and checked against the run model's keys and shapes: a file with :func:`rayfuse.io.read_checkpoint`,
+    a Hugging Face folder with ``from_pretrained`` (:func:`rayfuse.fusion.lora.hf.read_hf_base`; ``targets``, the
+    ``target_modules`` patterns, must then name ``nn.Linear`` modules of the model it loads)."""
     from rayfuse.io import read_checkpoint
 
+    if Path(path).is_dir():
+        from rayfuse.fusion.lora.hf import read_hf_base
+
+        params, model = read_hf_base(path, reference)
+        try:
+            lora_targets(model, targets, where)
+        except InputError as exc:
+            raise InputError(exc.path, exc.expected.replace("of the model", f"of the base in {path}"), exc.got) from None
+        return params
     if not Path(path).is_file():
-        raise InputError("base", "an existing safetensors / PyTorch state dict of the run's model", f"no such file: {path}")
+        raise InputError(
+            "base", "an existing safetensors / PyTorch state dict of the run's model, or a Hugging Face folder", f"no such file: {path}"
+        )
     try:
         params, _ = read_checkpoint(path)
     except InputError as exc:
@@ -281,13 +302,13 @@ class FedLora(Method[FedLoraParams, FedLoraState]):
         from rayfuse.models import build_model, get_params
 
         model = build_model(setup.model, setup.input_shape, setup.num_classes, seed=0)
+        if params.base is not None:  # first: a Hugging Face folder's refusals name the folder
+            _read_base(params.base, get_params(model), params.target_modules)
         targets = lora_targets(model, params.target_modules)
         modules = dict(model.named_modules())
         smallest = min(min(modules[t].weight.shape) for t in targets)
         if params.r > smallest:
             raise InputError("r", f"at most {smallest} (the smallest side of a target's weight)", params.r)
-        if params.base is not None:
-            _read_base(params.base, get_params(model))
 
     def run(self, server: ServerContext) -> MethodResult:
         from rayfuse.models import get_params
@@ -298,7 +319,7 @@ class FedLora(Method[FedLoraParams, FedLoraState]):
         pipeline = server.updates
         model = server.models.build_model(seed=0)
         targets = lora_targets(model, p.target_modules)
-        base = _read_base(p.base, get_params(model)) if p.base is not None else server.models.initial_params()
+        base = _read_base(p.base, get_params(model), p.target_modules) if p.base is not None else server.models.initial_params()
         scale = p.alpha / p.r
         modules = dict(model.named_modules())
         rng = server.rng("fedlora-A")
