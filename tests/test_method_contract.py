@@ -128,6 +128,7 @@ CONTRACT: dict[str, Case] = {
     "fedadam": Case(ROUNDS, step="fedavg.fit"),
     "fedavg": Case(ROUNDS, step="fedavg.fit"),
     "fedlora": Case({"rounds": 2, "local_epochs": 1, "r": 2}, step="fedlora.fit"),
+    "fedmerge": Case({"local_epochs": 1}, step="fedmerge.fit"),
     "fedprox": Case({**ROUNDS, "mu": 0.1}, step="fedavg.fit"),
     "fedref": Case({**ROUNDS, "p": 1}, step="fedavg.fit"),
     "fedyogi": Case(ROUNDS, step="fedavg.fit"),

@@ -1,0 +1,331 @@
+"""``fedmerge``: clients fine-tune one shared base on their own data and compute their statistics there; the server
+merges the task vectors Fisher- or RegMean-weighted.
+
+One shot. Each client starts from the base (the run's shared init, or ``base:``: a state dict or a Hugging Face
+folder), fine-tunes the ``nn.Linear`` layers ``target_modules`` names (``finetune: full``: their weights and biases,
+every other parameter frozen; ``finetune: lora``: LoRA adapters on them, ``W x + s B A x``, the base frozen) for
+``local_epochs`` on its training split, and then computes on that split, with the update folded into the model, the
+statistic the merge needs, with the functions aligned fusion's clients use: the diagonal Fisher of the fine-tuned
+tensors (``merge: fisher``) or the input Gram matrices of the fine-tuned Linear weights (``merge: regmean``).
+
+A client returns its task vector (``full``: ``x_i - base`` of the fine-tuned tensors) or its adapter factors
+(``lora``: ``A_i``, ``B_i``), its statistics and its sample count; never a sample or an activation. The server forms
+each client's update of a weight (``full``: the task vector; ``lora``: the product ``s B_i A_i``) and merges them with
+:func:`rayfuse.finetunes.statistics.merge_task_vectors` (``rayfuse fuse``'s ``fisher`` / ``regmean``), weighted by the
+sample counts; the fused model is the base plus the merged update. ``merge: average`` is the statistics-free reference
+(the weighted average of the updates: for adapters, of the products, which is exact where averaging the factors is not).
+
+With ``export:`` each client also writes, into that folder on its own machine, its fine-tuned model
+(``client-<id>.safetensors``) and its statistics (``client-<id>.<merge>.safetensors``), and the server the base
+(``base.safetensors``): the files ``rayfuse fuse``'s ``fisher`` / ``regmean`` read (with ``base_model:``), so the
+offline merge of those files gives the federated one.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import Field
+
+from rayfuse.errors import InputError
+from rayfuse.method import (
+    ClientContext,
+    Method,
+    MethodParams,
+    MethodResult,
+    MethodTags,
+    Reference,
+    RunSetup,
+    ServerContext,
+    Update,
+    client_step,
+    register_method,
+)
+
+__all__ = ["FedMerge", "FedMergeParams", "fit", "payload_keys", "REGMEAN"]
+
+REGMEAN = Reference(
+    "REGMEAN",
+    "Jin, Ren, Preotiuc-Pietro, Cheng. Dataless Knowledge Fusion by Merging Weights of Language Models. ICLR 2023",
+    "https://arxiv.org/abs/2212.09849",
+)
+
+# prefixes of a reply's keys: the update's tensors, then the statistics
+UPDATE, LORA_A, LORA_B, FISHER, GRAM = "delta/", "lora_A/", "lora_B/", "fisher/", "gram/"
+
+
+class FedMergeParams(MethodParams):
+    merge: Literal["fisher", "regmean", "average"] = Field(
+        "fisher",
+        description="fisher (Fisher-weighted average of the updates, the clients' diagonal Fishers), regmean (RegMean "
+        "with the clients' input Gram matrices) or average (the weighted average of the updates: no statistics)",
+    )
+    finetune: Literal["full", "lora"] = Field(
+        "full", description="what a client trains: full (the target layers' weights and biases) or lora (adapters on them)"
+    )
+    target_modules: list[str] | None = Field(
+        None, description="nn.Linear modules fine-tuned, by name or regex (full match); default: every Linear but the last"
+    )
+    local_epochs: int = Field(3, ge=1, description="epochs of local fine-tuning")
+    r: int = Field(4, ge=1, description="finetune: lora: the adapters' rank")
+    alpha: float = Field(8.0, gt=0, description="finetune: lora: the update is (alpha / r) B A")
+    base: str | None = Field(
+        None,
+        description="a safetensors / PyTorch state dict of the run's model, or a Hugging Face folder (config.json and "
+        "its weights, read with from_pretrained: nothing downloaded); default: the run's shared init",
+    )
+    lr: float | None = Field(None, gt=0, description="default: train.lr")
+    batch_size: int | None = Field(None, ge=1, description="default: train.batch_size")
+    samples: int | None = Field(None, ge=1, description="statistics on at most this many of a client's training samples; default: all")
+    stats_batch_size: int = Field(256, ge=1, description="batch size of the statistics' passes")
+    regmean_alpha: float = Field(0.9, ge=0, le=1, description="regmean: the share of the Grams' off-diagonal kept (1: exact least squares)")
+    weighted: bool = Field(True, description="weight clients by their sample counts")
+    export: str | None = Field(
+        None,
+        description="a folder where each client writes its fine-tuned model and its statistics (client-<id>.safetensors, "
+        "client-<id>.<merge>.safetensors): the files rayfuse fuse's fisher / regmean read",
+    )
+
+    @property
+    def fuses(self) -> str:
+        """What the server combines: updates weighted by the clients' statistics; ``average``'s plain mean of the task
+        vectors is combined here too, not by the update pipeline, so its attacks, robust rules and DP do not act on it."""
+        return "statistics" if self.merge != "average" else "task vectors"
+
+
+def payload_keys(
+    base: dict[str, np.ndarray], targets: list[str], finetune: str, merge: str, r: int, update_dtype: Any = None
+) -> dict[str, np.ndarray]:
+    """The keys, shapes and dtypes of a client's reply (zeros): what the server accepts and nothing else."""
+    out: dict[str, np.ndarray] = {}
+    tuned = _tuned_keys(base, targets, finetune)
+    for t in targets:
+        w = base[f"{t}.weight"]
+        dtype = update_dtype or w.dtype
+        if finetune == "lora":
+            out[f"{LORA_A}{t}"] = np.zeros((r, w.shape[1]), dtype=dtype)
+            out[f"{LORA_B}{t}"] = np.zeros((w.shape[0], r), dtype=dtype)
+    if finetune == "full":
+        out.update({f"{UPDATE}{k}": np.zeros(base[k].shape, dtype=update_dtype or base[k].dtype) for k in tuned})
+    if merge == "fisher":
+        out.update({f"{FISHER}{k}": np.zeros(base[k].shape, dtype=np.float64) for k in tuned})
+    elif merge == "regmean":
+        for t in targets:
+            width = base[f"{t}.weight"].shape[1]
+            out[f"{GRAM}{t}.weight"] = np.zeros((width, width), dtype=np.float64)
+    return out
+
+
+def _tuned_keys(base: dict[str, np.ndarray], targets: list[str], finetune: str) -> list[str]:
+    """The tensors a client's update changes: the targets' weights (and, fully fine-tuned, their biases)."""
+    keys = []
+    for t in targets:
+        keys.append(f"{t}.weight")
+        if finetune == "full" and f"{t}.bias" in base:
+            keys.append(f"{t}.bias")
+    return keys
+
+
+@client_step("fedmerge.fit")
+def fit(
+    ctx: ClientContext,
+    base: dict[str, np.ndarray],
+    adapter: dict[str, np.ndarray] | None,
+    *,
+    label: str,
+    targets: list[str],
+    finetune: str,
+    merge: str,
+    scale: float,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    optimizer: Literal["adam", "sgd"],
+    momentum: float,
+    weight_decay: float,
+    samples: int | None,
+    stats_batch_size: int,
+    export: str | None,
+) -> Update:
+    """Fine-tune the base on this client's training split, compute the merge's statistic on it (the update folded into
+    the model), and return the update (task vector or adapter factors), the statistic and the sample count."""
+    from rayfuse.finetunes.statistics import STATISTIC_OF, compute_statistics, write_statistics
+    from rayfuse.fusion.lora.algorithm import _wrap, merged_params
+    from rayfuse.models import get_params, set_params, train_model
+
+    model = set_params(ctx.build_model(seed=0), base)
+    tuned = _tuned_keys(base, targets, finetune)
+    wrappers: dict[str, Any] = {}
+    if finetune == "lora":
+        assert adapter is not None
+        wrappers = _wrap(model, targets, adapter, adapter, scale, True)
+    else:
+        for name, p in model.named_parameters():
+            p.requires_grad_(name in tuned)
+    stats = train_model(
+        model,
+        ctx.train.X,
+        ctx.train.y,
+        epochs=epochs,
+        batch_size=batch_size,
+        lr=lr,
+        optimizer=optimizer,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        seed=ctx.step_seed(label, "finetune"),
+        device=ctx.device,
+    )
+    out: dict[str, np.ndarray] = {}
+    if finetune == "lora":
+        delta = {}
+        for t, w in wrappers.items():
+            a, b = w.lora_A.detach().cpu().numpy().copy(), w.lora_B.detach().cpu().numpy().copy()
+            out[f"{LORA_A}{t}"], out[f"{LORA_B}{t}"] = a, b
+            delta[t] = scale * (b.astype(np.float64) @ a.astype(np.float64))
+        own = merged_params(base, delta)  # the base with this client's update folded in: the model it fine-tuned
+    else:
+        trained = get_params(model)
+        # the base with this client's fine-tuned tensors: its buffers (BatchNorm's running statistics, moved in training
+        # mode) stay the base's, as under fedlora, so the exported model is exactly what the server merges
+        own = {**base, **{k: trained[k] for k in tuned}}
+        for k in tuned:
+            out[f"{UPDATE}{k}"] = (own[k].astype(np.float64) - base[k].astype(np.float64)).astype(base[k].dtype)
+    X, y = ctx.train.X, ctx.train.y
+    if samples is not None and len(X) > samples:  # a seeded subset of the client's own split
+        idx = np.sort(np.random.default_rng(ctx.step_seed(label, "stats")).choice(len(X), samples, replace=False))
+        X, y = X[idx], y[idx]
+    statistic = STATISTIC_OF.get(merge)
+    found: dict[str, np.ndarray] = {}
+    if statistic is not None:  # on the fine-tuned model, its update folded in (what the merge combines)
+        folded = set_params(ctx.build_model(seed=0), own)
+        found = compute_statistics(folded, X, y, statistic, tuned, batch_size=stats_batch_size, device=ctx.device)
+        out.update({f"{FISHER if statistic == 'fisher' else GRAM}{k}": v for k, v in found.items()})
+    if export is not None:
+        folder = Path(export)
+        folder.mkdir(parents=True, exist_ok=True)
+        from rayfuse.io import save_params
+
+        save_params(folder / f"client-{ctx.client_id}.safetensors", own, {"rayfuse.base_update": finetune})
+        if statistic is not None:
+            write_statistics(folder / f"client-{ctx.client_id}.{merge}.safetensors", found, statistic, len(X))
+    return Update(out, ctx.num_examples, {"train_loss": stats.loss, "train_seconds": stats.seconds})
+
+
+@register_method
+class FedMerge(Method[FedMergeParams, None]):
+    name = "fedmerge"
+    Params = FedMergeParams
+    summary = (
+        "clients fine-tune one shared base (full or LoRA) and compute Fisher / RegMean statistics; the server merges the updates with them"
+    )
+    reference = REGMEAN
+    # the server weighs the updates by statistics (not a parameter average): attacks, robust rules and DP do not apply
+    tags = MethodTags(fuses="statistics")
+
+    @classmethod
+    def check(cls, params: FedMergeParams, setup: RunSetup) -> None:
+        if setup.input_shape is None or setup.num_classes is None:
+            return  # a silo run's first check: the model's shape is not known yet
+        from rayfuse.fusion.lora.algorithm import _read_base, lora_targets
+        from rayfuse.models import build_model, get_params
+
+        model = build_model(setup.model, setup.input_shape, setup.num_classes, seed=0)
+        if params.base is not None:  # first: a Hugging Face folder's refusals name the folder
+            _read_base(params.base, get_params(model), params.target_modules)
+        targets = lora_targets(model, params.target_modules)
+        modules = dict(model.named_modules())
+        if params.finetune == "lora":
+            smallest = min(min(modules[t].weight.shape) for t in targets)
+            if params.r > smallest:
+                raise InputError("r", f"at most {smallest} (the smallest side of a target's weight)", params.r)
+        if params.export is not None:
+            from rayfuse.io import check_writable_folder
+
+            target = Path(params.export)
+            check_writable_folder(target if target.is_dir() else target.parent, key="export")
+
+    def run(self, server: ServerContext) -> MethodResult:
+        from rayfuse.finetunes.statistics import merge_task_vectors
+        from rayfuse.fusion.lora.algorithm import _read_base, lora_targets
+        from rayfuse.models import get_params
+
+        p = self.params
+        train = server.models.train_cfg
+        fed = server.federation
+        model = server.models.build_model(seed=0)
+        targets = lora_targets(model, p.target_modules)
+        base = _read_base(p.base, get_params(model), p.target_modules) if p.base is not None else server.models.initial_params()
+        scale = p.alpha / p.r
+        adapter: dict[str, np.ndarray] | None = None
+        if p.finetune == "lora":
+            rng = server.rng("fedmerge-A")
+            adapter = {}
+            for t in targets:
+                out_f, in_f = base[f"{t}.weight"].shape
+                dtype = base[f"{t}.weight"].dtype
+                # PEFT's init: A ~ U(-1/sqrt(in), 1/sqrt(in)), B = 0 (each client starts at the base)
+                adapter[f"{t}.lora_A"] = rng.uniform(-1 / math.sqrt(in_f), 1 / math.sqrt(in_f), size=(p.r, in_f)).astype(dtype)
+                adapter[f"{t}.lora_B"] = np.zeros((out_f, p.r), dtype=dtype)
+        if p.export is not None:  # the base beside the clients' files: the base_model of the offline merge
+            from rayfuse.io import save_params
+
+            Path(p.export).mkdir(parents=True, exist_ok=True)
+            save_params(Path(p.export) / "base.safetensors", base)
+        clients = server.updates.sample(1.0, 1)
+        gathered = fed.run(
+            fit,
+            fed.put(base),
+            adapter,
+            clients=clients,
+            label=server.label,
+            targets=targets,
+            finetune=p.finetune,
+            merge=p.merge,
+            scale=scale,
+            epochs=p.local_epochs,
+            lr=p.lr or train.lr,
+            batch_size=p.batch_size or train.batch_size,
+            optimizer=train.optimizer,
+            momentum=train.momentum,
+            weight_decay=train.weight_decay,
+            samples=p.samples,
+            stats_batch_size=p.stats_batch_size,
+            export=p.export,
+        )
+        updates = server.updates.accept(gathered, payload_keys(base, targets, p.finetune, p.merge, p.r))
+        counts = np.array([u.num_examples for u in updates.values()], dtype=float)
+        weights = [float(w) for w in (counts / counts.sum() if p.weighted else np.full(len(counts), 1.0 / len(counts)))]
+        deltas, stats = [], []
+        for u in updates.values():
+            deltas.append(client_update(u.params, targets, p.finetune, scale))
+            prefix = FISHER if p.merge == "fisher" else GRAM
+            stats.append({k.removeprefix(prefix): v for k, v in u.params.items() if k.startswith(prefix)})
+        merged = merge_task_vectors(deltas, stats if p.merge != "average" else None, weights, p.merge, regmean_alpha=p.regmean_alpha)
+        fused = dict(base)
+        for k, d in merged.items():
+            fused[k] = (base[k].astype(np.float64) + d).astype(base[k].dtype)
+        metrics = server.scoring.evaluate(fused)
+        losses = np.array([u.metrics.get("train_loss", np.nan) for u in updates.values()])
+        server.log(1, {"train_loss": float(np.sum(losses * counts) / counts.sum()), "clients": float(len(updates))})
+        info: dict[str, object] = {
+            "merge": p.merge,
+            "finetune": p.finetune,
+            "targets": targets,
+            "clients": list(updates),
+            "weights": weights,
+            "base": p.base or "shared init",
+            "export": p.export,
+        }
+        return MethodResult(metrics, fused, info=info)
+
+
+def client_update(params: dict[str, np.ndarray], targets: list[str], finetune: str, scale: float) -> dict[str, np.ndarray]:
+    """A client's update of each fine-tuned tensor from its reply: the task vector, or the adapter's ``s B A``."""
+    if finetune == "lora":
+        return {
+            f"{t}.weight": scale * (params[f"{LORA_B}{t}"].astype(np.float64) @ params[f"{LORA_A}{t}"].astype(np.float64)) for t in targets
+        }
+    return {k.removeprefix(UPDATE): v.astype(np.float64) for k, v in params.items() if k.startswith(UPDATE)}
