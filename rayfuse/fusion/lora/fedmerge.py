@@ -31,13 +31,13 @@ import numpy as np
 from pydantic import Field
 
 from rayfuse.errors import InputError
+from rayfuse.fusion.references import REGMEAN
 from rayfuse.method import (
     ClientContext,
     Method,
     MethodParams,
     MethodResult,
     MethodTags,
-    Reference,
     RunSetup,
     ServerContext,
     Update,
@@ -45,13 +45,8 @@ from rayfuse.method import (
     register_method,
 )
 
-__all__ = ["FedMerge", "FedMergeParams", "fit", "payload_keys", "REGMEAN"]
+__all__ = ["FedMerge", "FedMergeParams", "fit", "payload_keys", "client_update"]
 
-REGMEAN = Reference(
-    "REGMEAN",
-    "Jin, Ren, Preotiuc-Pietro, Cheng. Dataless Knowledge Fusion by Merging Weights of Language Models. ICLR 2023",
-    "https://arxiv.org/abs/2212.09849",
-)
 
 # prefixes of a reply's keys: the update's tensors, then the statistics
 UPDATE, LORA_A, LORA_B, FISHER, GRAM = "delta/", "lora_A/", "lora_B/", "fisher/", "gram/"

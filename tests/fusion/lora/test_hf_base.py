@@ -67,7 +67,9 @@ def test_fedlora_fine_tunes_a_hugging_face_folder_in_process(tmp_path):
     assert set(fused) == set(base)
     changed = {k for k in fused if not np.array_equal(fused[k], base[k].numpy())}
     # the adapted Linears' weights moved, and nothing else: the base came from the folder, the update only to them
-    assert changed == {f"bert.encoder.layer.{i}.attention.self.{m}.weight" for i in range(2) for m in ("query", "value")} | {"classifier.weight"}
+    assert changed == {f"bert.encoder.layer.{i}.attention.self.{m}.weight" for i in range(2) for m in ("query", "value")} | {
+        "classifier.weight"
+    }
     # the fused weights run in the folder's own class
     model = transformers.BertForSequenceClassification.from_pretrained(folder, local_files_only=True)
     model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in fused.items()})
