@@ -199,3 +199,96 @@ def test_bad_inputs_are_one_line_before_start(tmp_path):
     assert line.startswith("methods.fedmerge.base: ") and "no config.json" in line
     line = refusal(merge(config(tmp_path, merge="fisher"), {"federation": {"attacks": [{"client": 0, "kind": "sign_flip"}]}}))
     assert "statistics" in line
+
+
+@pytest.mark.ray
+def test_fedmerge_on_ray_equals_the_in_process_run(ray_session, make_config, tmp_path):
+    """The statistics computed by client actors on a real local Ray, the exports written by them: the same model."""
+    from actors.backend import RayBackend
+    from rayfuse.models import params_equal
+    from rayfuse.report import Printer
+    from rayfuse.runner import InProcessBackend, run_experiment
+
+    def methods(where: str) -> dict[str, Any]:
+        common = {"method": "fedmerge", "local_epochs": 1, "target_modules": [".*"], "r": 2}
+        return {"fisher": {**common, "merge": "fisher"}, "regmean": {**common, "merge": "regmean", "finetune": "lora", "export": where}}
+
+    quiet = Printer(enabled=False)
+    on_ray = run_experiment(
+        make_config(methods=methods(str(tmp_path / "ray-export")), federation={"backend": "ray"}),
+        RayBackend(),
+        tmp_path / "ray",
+        printer=quiet,
+        show_tables=False,
+    )
+    local = run_experiment(
+        make_config(methods=methods(str(tmp_path / "local-export"))),
+        InProcessBackend(),
+        tmp_path / "local",
+        printer=quiet,
+        show_tables=False,
+    )
+    assert on_ray["status"] == "succeeded" and on_ray["run"]["backend"] == "ray"
+    for label in ("fisher", "regmean"):
+        assert on_ray["methods"][label]["accuracy"] == local["methods"][label]["accuracy"], label
+        assert params_equal(
+            load_params(tmp_path / "ray" / "models" / f"{label}.safetensors"),
+            load_params(tmp_path / "local" / "models" / f"{label}.safetensors"),
+        ), label
+    written = sorted(p.name for p in (tmp_path / "ray-export").iterdir())
+    assert written == sorted(p.name for p in (tmp_path / "local-export").iterdir()) and "base.safetensors" in written
+    assert len([n for n in written if n.endswith(".regmean.safetensors")]) == 4
+
+
+@pytest.mark.parametrize(("finetune", "merge_"), [("full", "fisher"), ("lora", "regmean")])
+def test_fedmerge_on_a_hugging_face_folder(tmp_path, finetune, merge_):
+    """A tiny BERT saved with save_pretrained as the base: the clients' Fisher (per-sample gradients through the
+    transformer) and Grams (the attention projections' inputs, every position a row) come back model-shaped."""
+    import transformers
+
+    from rayfuse.fusion.lora import hf_model
+    from tests.fusion.lora.test_hf_base import TARGETS, sequences, tiny_bert
+
+    folder = tiny_bert(tmp_path / "base")
+    base = {
+        k: v.numpy()
+        for k, v in transformers.BertForSequenceClassification.from_pretrained(folder, local_files_only=True).state_dict().items()
+    }
+    cfg = merge(TINY, {"partition": {"num_clients": 3, "method": "iid"}, "train": {"lr": 0.01, "batch_size": 32}})
+    cfg.pop("data")
+    cfg["run"] = {**cfg["run"], "storage": str(tmp_path / "runs")}
+    cfg["methods"] = {
+        "fedmerge": {
+            "merge": merge_,
+            "finetune": finetune,
+            "local_epochs": 1,
+            "r": 2,
+            "base": str(folder),
+            "target_modules": TARGETS,
+            "samples": 48,
+        }
+    }
+    import rayfuse.client as client_module
+
+    replies: list[Any] = []
+    original = client_module.Client.run
+
+    def recording(client: Any, step: Any, *args: Any, **kwargs: Any) -> Any:
+        reply = original(client, step, *args, **kwargs)
+        if step_name(step) == "fedmerge.fit":
+            replies.append(reply)
+        return reply
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(client_module.Client, "run", recording)
+        result = rayfuse.run(cfg, model=hf_model(folder), dataset=sequences(), backend="local")
+    targets = [f"bert.encoder.layer.{i}.attention.self.{m}" for i in range(2) for m in ("query", "value")] + ["classifier"]
+    expected = payload_keys(base, targets, finetune, merge_, 2)
+    assert len(replies) == 3
+    for update in replies:
+        assert {k: v.shape for k, v in update.params.items()} == {k: v.shape for k, v in expected.items()}
+        assert all(np.isfinite(v).all() for v in update.params.values())
+    fused = result.models["fedmerge"]
+    changed = {k for k in fused if not np.array_equal(fused[k], base[k])}
+    assert changed and changed <= {k for t in targets for k in (f"{t}.weight", f"{t}.bias")}
+    assert np.isfinite(float(result.metrics.loc["fedmerge"]["nll"]))
