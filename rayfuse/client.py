@@ -93,6 +93,9 @@ class ClientContext:
         self.local_stats: dict[str, float] = {}
         self.local_cache = local_cache
         self.labels: tuple[str, ...] = ()  # data.silos: the silo's label values, in label order
+        # Kept on the device between steps (work_model, device_split): built or copied there once, not every step
+        self._work_models: dict[str, Any] = {}
+        self._device_splits: dict[str, tuple[Split, Any, Any]] = {}
         self.silo_dtype = ""  # data.silos: the dtype the silo's file stores its inputs in (the survey compares it)
 
     @property
@@ -112,6 +115,36 @@ class ClientContext:
         from rayfuse.models import build_model
 
         return build_model(self.model_cfg, self.input_shape, self.num_classes, seed=seed)
+
+    def work_model(self, params: dict[str, np.ndarray], *, slot: str = "work") -> Any:
+        """A model of this client's architecture holding ``params``, on :attr:`device`: built and moved there on the
+        first call, then kept between steps (one per ``slot``) and only loaded with the new ``params`` (a copy into
+        its device tensors). A client runs one step at a time (a Ray actor's calls are serial; the local backend calls
+        each client in turn), so a step has the model to itself. What a step returns goes back to the CPU
+        (``get_params``); the model stays here. Raises ``ValueError`` when ``params`` do not fit the architecture
+        (as :func:`rayfuse.models.set_params`)."""
+        from rayfuse.models import set_params
+
+        model = self._work_models.get(slot)
+        if model is None:
+            model = self.build_model(seed=0).to(self.device)
+            self._work_models[slot] = model
+        for p in model.parameters():
+            p.grad = None  # the last step's gradients: nothing of one step reaches the next
+        return set_params(model, params)
+
+    def device_split(self, name: str = "train") -> tuple[Any, Any]:
+        """This client's ``train`` or ``val`` split as ``(X, y)`` tensors on :attr:`device`, copied there once and
+        kept between steps (again only if the split is replaced: the silo survey's standardisation). On the CPU they
+        share the split's arrays (no copy). They never leave the client."""
+        from rayfuse.devices import to_device
+
+        split = self.train if name == "train" else self.val
+        kept = self._device_splits.get(name)
+        if kept is None or kept[0] is not split:
+            kept = (split, to_device(split.X, self.device), to_device(split.y, self.device))
+            self._device_splits[name] = kept
+        return kept[1], kept[2]
 
     @property
     def has_local_model(self) -> bool:
@@ -209,8 +242,7 @@ class ClientContext:
             return model
         stats = train_model(
             model,
-            self.train.X,
-            self.train.y,
+            *self.device_split(),
             epochs=cfg.epochs,
             batch_size=cfg.batch_size,
             lr=cfg.lr,
