@@ -643,6 +643,7 @@ class RayBackend(Backend):
             "namespace": fed.namespace,
             "actors": self._actor_names + [f"{run}/coordinator"],
             "nodes": len(nodes),
+            "client_devices": sorted({d for p in pings[:-1] for d in p.get("devices", [])}),  # cpu, cuda:0 (num_gpus > 0)
             "cluster_resources": {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")},
         }
         for note in self._notes:

@@ -148,5 +148,6 @@ class ClientActor:
             "pid": os.getpid(),
             "node_id": ctx.get_node_id(),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "devices": sorted({c.ctx.device for c in self.clients.values()}),  # where the hosted clients' torch work runs
             "restarted": any(c.restarted for c in self.clients.values()),
         }

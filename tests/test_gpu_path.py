@@ -4,6 +4,7 @@ that keeps its model and data on its device between steps while returning the sa
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -289,3 +290,54 @@ def test_aligned_rounds_after_the_one_shot_keep_the_model_and_return_the_same_pa
     b2 = _client(cfg, 1).run(fit, a2.params, label="aligned", round=3, epochs=1)
     assert all(np.array_equal(b.params[k], b2.params[k]) for k in b.params)
     assert b.metrics["train_loss"] == b2.metrics["train_loss"]
+
+
+# -- benchmarks/gpu/check.sh keeps running where there is no GPU ---------------------------------------------------
+
+
+def test_the_gpu_check_runs_on_the_cpu_and_prints_its_table(tmp_path):
+    """``check.sh --cpu`` on the in-process checks (aligned, distill, the FedAvg round; the quickstart check is a
+    ``rayfuse.run`` on Ray, which ``make run`` and the Ray tests cover): each row finite and the paths in agreement."""
+    out = tmp_path / "gpu_check.json"
+    done = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu" / "check.sh"), "--cpu", "--only", "aligned", "distill", "fedavg", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**_env(), "PYTHON": sys.executable},
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "GPU path check, CPU (--cpu, small sizes)" in done.stdout and "CPU/device" in done.stdout
+    rows = {row["check"].split(",")[0]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"aligned", "distill", "fedavg"}
+    for row in rows.values():
+        assert row["device"] == "cpu" and np.isfinite(row["seconds"]) and row["seconds"] > 0 and row["rss_mib"] > 0
+    assert rows["aligned"]["result"].startswith("same permutations, max |diff| 0.0e+00")  # the device path is the CPU path
+    agreement = rows["distill"]["result"].split()
+    assert agreement[1] == agreement[3].rstrip(")")  # distillation on the "device" (the CPU) equals the CPU run
+    assert "kept on device" in rows["fedavg"]["result"]
+
+
+def test_regmean_with_torch_on_a_device_equals_the_numpy_and_scipy_merge():
+    from rayfuse.alignment import merge_regmean
+
+    rng = np.random.default_rng(7)
+    models = [{"fc.weight": rng.normal(size=(6, 5)).astype(np.float32), "fc.bias": rng.normal(size=6).astype(np.float32)} for _ in range(3)]
+    inputs = [rng.normal(size=(40, 5)) for _ in models]
+    grams = [{"fc.weight": x.T @ x} for x in inputs]
+    for alpha in (0.0, 0.5, 1.0):
+        on_cpu = merge_regmean(models, grams, [1.0, 2.0, 3.0], alpha=alpha)
+        on_device = merge_regmean(models, grams, [1.0, 2.0, 3.0], alpha=alpha, device="cpu")
+        assert on_device["fc.weight"].dtype == np.float32 and np.isfinite(on_device["fc.weight"]).all()
+        np.testing.assert_allclose(on_device["fc.weight"], on_cpu["fc.weight"], rtol=1e-5, atol=1e-6)
+        assert np.array_equal(on_device["fc.bias"], on_cpu["fc.bias"])  # no Gram: the weighted average on both paths
+    singular = [{"fc.weight": np.outer(x[0], x[0])} for x in inputs]  # rank one: the least-squares fallback
+    np.testing.assert_allclose(
+        merge_regmean(models, singular, alpha=1.0, device="cpu")["fc.weight"],
+        merge_regmean(models, singular, alpha=1.0)["fc.weight"],
+        rtol=1e-4,
+        atol=1e-5,
+    )
+    zero = [{"fc.weight": np.zeros((5, 5))} for _ in models]  # no data: the average
+    assert np.array_equal(merge_regmean(models, zero, device="cpu")["fc.weight"], merge_regmean(models, zero)["fc.weight"])

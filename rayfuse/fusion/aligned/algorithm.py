@@ -469,7 +469,11 @@ class Aligned(Method[AlignedParams, AlignedState]):
             if p.merge == "fisher":
                 fused = merge_fisher(merged, [stats[clients[i]].params for i in kept], kept_weights)
             else:
-                fused = merge_regmean(merged, [stats[clients[i]].params for i in kept], kept_weights, alpha=p.regmean_alpha)
+                from rayfuse.devices import is_cuda
+
+                # RegMean's products and solves on the coordinator's GPU when it has one
+                device = server.models.device if is_cuda(server.models.device) else None
+                fused = merge_regmean(merged, [stats[clients[i]].params for i in kept], kept_weights, alpha=p.regmean_alpha, device=device)
             info["merged_clients"] = [clients[i] for i in kept]
         if p.repair and any(k.endswith("running_mean") for k in fused):
             fused = self._repair(server, fused, clients)
