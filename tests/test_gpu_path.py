@@ -231,6 +231,33 @@ def _fit(client, params, round: int, **extra):
     return client.run(fit, params, **{**kwargs, **extra})
 
 
+def _fit_building_the_model(client, params, round: int, *, mu: float = 0.0, eval_loss: bool = False):
+    """``fedavg.fit`` as it was before clients kept their model: a model built for the step, the split's arrays."""
+    from rayfuse.federation import Update
+    from rayfuse.models import compute_loss, get_params, set_params, train_model
+
+    ctx = client.ctx
+    model = set_params(ctx.build_model(seed=0), params)
+    stats = train_model(
+        model,
+        ctx.train.X,
+        ctx.train.y,
+        epochs=1,
+        batch_size=32,
+        lr=0.01,
+        optimizer="adam",
+        momentum=0.0,
+        weight_decay=0.0,
+        proximal_mu=mu,
+        seed=ctx.step_seed("fedavg", round),
+        device=ctx.device,
+    )
+    metrics = {"train_loss": stats.loss}
+    if eval_loss:
+        metrics["eval_loss"] = compute_loss(model, ctx.train.X, ctx.train.y, device=ctx.device)
+    return Update(get_params(model), ctx.num_examples, metrics)
+
+
 def test_a_client_keeps_its_model_and_data_between_steps_and_returns_the_same_payload(make_config):
     from rayfuse.models import build_model, get_params
 
@@ -247,9 +274,13 @@ def test_a_client_keeps_its_model_and_data_between_steps_and_returns_the_same_pa
     assert any(p.grad is not None for p in model.parameters())  # the last step's gradients are still there...
     kept.ctx.work_model(start)
     assert all(p.grad is None for p in model.parameters())  # ...until the next step loads its parameters
-    # the same steps on fresh clients (each building its model, as every step did before): the same bytes come back
+    # the same steps as every step ran before (a model built from the config, the split's arrays): the same bytes back
     replies = [first, second, third]
-    fresh = [_fit(_client(cfg), start, 1, eval_loss=True), _fit(_client(cfg), first.params, 2, mu=0.1), _fit(_client(cfg), start, 3)]
+    fresh = [
+        _fit_building_the_model(_client(cfg), start, 1, eval_loss=True),
+        _fit_building_the_model(_client(cfg), first.params, 2, mu=0.1),
+        _fit_building_the_model(_client(cfg), start, 3),
+    ]
     for a, b in zip(replies, fresh):
         assert a.num_examples == b.num_examples
         assert set(a.params) == set(b.params)
@@ -262,6 +293,27 @@ def test_a_client_keeps_its_model_and_data_between_steps_and_returns_the_same_pa
         for p in model.parameters():
             p.add_(1.0)
     assert all(np.array_equal(third.params[k], fresh[2].params[k]) for k in third.params)
+
+
+def test_the_clients_of_one_process_share_one_kept_model_per_architecture(make_config):
+    """Hosting k clients in one actor keeps one model, not k (their steps run one after another in its thread)."""
+    from rayfuse.models import build_model, get_params
+
+    cfg = make_config(model={"name": "mlp", "hidden": [12]})
+    a, b = _client(cfg, 0), _client(cfg, 1)
+    start = get_params(build_model(cfg.model, a.ctx.input_shape, a.ctx.num_classes, seed=3))
+    ra, rb = _fit(a, start, 1), _fit(b, start, 1)
+    assert a.ctx._work_models["work"] is b.ctx._work_models["work"]
+    assert not all(np.array_equal(ra.params[k], rb.params[k]) for k in ra.params)  # each trained on its own data
+    assert all(np.array_equal(rb.params[k], _fit_building_the_model(_client(cfg, 1), start, 1).params[k]) for k in rb.params)
+    other = _client(make_config(model={"name": "mlp", "hidden": [10]}), 0)
+    _fit(other, get_params(build_model(other.ctx.model_cfg, other.ctx.input_shape, other.ctx.num_classes, seed=3)), 1)
+    assert other.ctx._work_models["work"] is not a.ctx._work_models["work"]  # another architecture: its own
+    from rayfuse.client import release_kept_models
+
+    kept = a.ctx._work_models["work"]
+    release_kept_models()  # a local run ends: its process forgets the kept models
+    assert a.ctx.work_model(start) is not kept
 
 
 def test_the_kept_split_follows_a_replaced_split(make_config):
@@ -278,18 +330,35 @@ def test_the_kept_split_follows_a_replaced_split(make_config):
 
 def test_aligned_rounds_after_the_one_shot_keep_the_model_and_return_the_same_payload(make_config):
     from rayfuse.fusion.aligned.algorithm import fit
-    from rayfuse.models import build_model, get_params
+    from rayfuse.models import build_model, get_params, set_params, train_model
 
     cfg = make_config()
     kept = _client(cfg, 1)
     start = get_params(build_model(cfg.model, kept.ctx.input_shape, kept.ctx.num_classes, seed=2))
     a = kept.run(fit, start, label="aligned", round=2, epochs=1)
     b = kept.run(fit, a.params, label="aligned", round=3, epochs=1)
-    fresh = _client(cfg, 1)
-    a2 = fresh.run(fit, start, label="aligned", round=2, epochs=1)
-    b2 = _client(cfg, 1).run(fit, a2.params, label="aligned", round=3, epochs=1)
-    assert all(np.array_equal(b.params[k], b2.params[k]) for k in b.params)
-    assert b.metrics["train_loss"] == b2.metrics["train_loss"]
+    assert kept.ctx._work_models["work"] is not None and b.params.keys() == start.keys()
+    # as before: a model built for each step, trained on the split's arrays
+    ctx = _client(cfg, 1).ctx
+    reference = start
+    for round in (2, 3):
+        model = set_params(ctx.build_model(seed=0), reference)
+        train_model(
+            model,
+            ctx.train.X,
+            ctx.train.y,
+            epochs=1,
+            batch_size=ctx.train_cfg.batch_size,
+            lr=ctx.train_cfg.lr,
+            optimizer=ctx.train_cfg.optimizer,
+            momentum=ctx.train_cfg.momentum,
+            weight_decay=ctx.train_cfg.weight_decay,
+            seed=ctx.step_seed("aligned", round),
+            device=ctx.device,
+        )
+        reference = get_params(model)
+    assert all(np.array_equal(b.params[k], reference[k]) for k in b.params)
+    assert np.isfinite(b.metrics["train_loss"]) and a.params.keys() == b.params.keys()
 
 
 # -- benchmarks/gpu/check.sh keeps running where there is no GPU ---------------------------------------------------
