@@ -15,7 +15,7 @@
    it), peak GPU memory (``torch.cuda.max_memory_allocated``) and the process's peak RSS.
 
 ``--cpu``: the same checks and the same table on the CPU, with small sizes (resnet18 becomes the quickstart MLP, the
-1 GB model a 4 MB one), in about a minute: what CI runs so that the script keeps working where no GPU is.
+1 GB model a 4.5 MB one), in one to two minutes on 2 cores: what CI runs so that the script keeps working where no GPU is.
 
 Usage (repository root)::
 
@@ -341,7 +341,7 @@ def run_part(name: str, cpu: bool, timeout: float) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cpu", action="store_true", help="the same checks on the CPU, small sizes (about a minute)")
+    parser.add_argument("--cpu", action="store_true", help="the same checks on the CPU, small sizes (one to two minutes on 2 cores)")
     parser.add_argument("--part", choices=PARTS, help="run one check and print its row as JSON (the driver's own call)")
     parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), help="the checks to run (default: all four)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds each check may take")

@@ -2,7 +2,7 @@
 # The GPU path, measured in one table (benchmarks/gpu/check.py): the quickstart with GPU clients (num_gpus 0.25),
 # aligned fusion of 8 resnet18s with the cost matrices on the GPU against the CPU path, a distillation run and a
 # FedAvg round of a 1 GB model. On a machine with a CUDA GPU: under 8 minutes. --cpu: the same table on the CPU with
-# small sizes (about a minute), as CI runs it.
+# small sizes (one to two minutes on 2 cores), as CI runs it.
 #
 #   benchmarks/gpu/check.sh [--cpu] [--only quickstart aligned distill fedavg] [--timeout 300]
 #
