@@ -147,6 +147,9 @@ class ClientContext:
         key = (threading.get_ident(), slot, str(self.device), arch, factory, tuple(self.input_shape), int(self.num_classes))
         model = _KEPT_MODELS.get(key)
         if model is None:
+            alive = {t.ident for t in threading.enumerate()}
+            for stale in [k for k in _KEPT_MODELS if k[0] not in alive]:  # kept by threads that have ended
+                del _KEPT_MODELS[stale]
             model = self.build_model(seed=0).to(self.device)
             _KEPT_MODELS[key] = model
         self._work_models[slot] = model

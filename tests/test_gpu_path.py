@@ -410,3 +410,21 @@ def test_regmean_with_torch_on_a_device_equals_the_numpy_and_scipy_merge():
     )
     zero = [{"fc.weight": np.zeros((5, 5))} for _ in models]  # no data: the average
     assert np.array_equal(merge_regmean(models, zero, device="cpu")["fc.weight"], merge_regmean(models, zero)["fc.weight"])
+
+
+def test_a_model_kept_by_a_thread_that_ended_is_forgotten(make_config):
+    import threading
+
+    from rayfuse.client import _KEPT_MODELS
+    from rayfuse.models import build_model, get_params
+
+    cfg = make_config(model={"name": "mlp", "hidden": [9]})
+    client = _client(cfg)
+    start = get_params(build_model(cfg.model, client.ctx.input_shape, client.ctx.num_classes, seed=0))
+    worker = threading.Thread(target=lambda: client.ctx.work_model(start))
+    worker.start()
+    worker.join()
+    ended = worker.ident
+    assert any(k[0] == ended for k in _KEPT_MODELS)
+    client.ctx.work_model(start)  # this thread builds its own: the ended thread's model goes
+    assert not any(k[0] == ended for k in _KEPT_MODELS)
