@@ -47,6 +47,8 @@ __all__ = [
     "actor_options",
     "check_local_resources",
     "check_node_resources",
+    "check_node_gpus",
+    "gpu_requests",
     "check_reachable_address",
     "split_address",
     "client_bundles",
@@ -310,6 +312,7 @@ def check_node_resources(cfg: ExperimentConfig, nodes: Sequence[dict[str, float]
     The nodes are those alive when the run starts: on an autoscaling cluster keep each site's worker type at
     ``min_workers: 1`` (as ``cluster.yaml`` does), since a site's node holds that site's data."""
     fed = cfg.federation
+    check_node_gpus(cfg, nodes)
     offered = sorted(
         {name for node in nodes for name in node if name not in _BUILTIN_RESOURCES and not name.startswith(("node:", "accelerator_type:"))}
     )
@@ -336,6 +339,36 @@ def check_node_resources(cfg: ExperimentConfig, nodes: Sequence[dict[str, float]
             needs,
             "a client runs on one node",
         )
+
+
+def gpu_requests(cfg: ExperimentConfig) -> list[tuple[str, float]]:
+    """The GPUs each actor of the run asks for, with the key that asks (``federation.client_overrides.<i>`` for a client
+    whose override sets its resources, else ``federation.clients``; ``federation.coordinator``); actors asking none
+    are left out."""
+    fed = cfg.federation
+    asks = [
+        (
+            f"federation.client_overrides.{first}" if _sets_resources(cfg, first) else "federation.clients",
+            fed.client_resources(first).num_gpus,
+        )
+        for first in range(0, cfg.partition.num_clients, fed.clients_per_actor)
+    ]
+    asks.append(("federation.coordinator", fed.coordinator.num_gpus))
+    return [(key, float(need)) for key, need in asks if need]
+
+
+def check_node_gpus(cfg: ExperimentConfig, nodes: Sequence[dict[str, float]]) -> None:
+    """Refuse an actor asking for more GPUs than any one live node offers (an actor runs on one node), above all a GPU
+    asked for on a cluster that has none: such an actor would wait, unplaced, until ``federation.startup_timeout_s``.
+    Raises :class:`InputError` naming the key. As for custom resources, the nodes are those alive when the run starts:
+    on an autoscaling cluster keep a GPU worker type at ``min_workers: 1``."""
+    most = max((float(node.get("GPU", 0.0)) for node in nodes), default=0.0)
+    for key, need in gpu_requests(cfg):
+        if need > most + 1e-9:
+            where = (
+                "a Ray node with GPUs (this cluster has none)" if most == 0 else f"at most the {most:g} GPUs of this cluster's largest node"
+            )
+            raise InputError(f"{key}.num_gpus", where, need, "start a node with GPUs (ray start --num-gpus N), or ask for num_gpus: 0")
 
 
 # resources Ray gives nodes itself (with node:<ip> and accelerator_type:<kind>); the custom ones are the user's (ray start --resources)
@@ -457,9 +490,10 @@ class RayBackend(Backend):
             if env == "auto" or split_address(env) is not None:  # another form: ray.init reads it as it does
                 check_reachable_address(env, key="RAY_ADDRESS")
         check_local_resources(cfg)
-        if pinned_resources(cfg):
-            # Clients pinned to sites (custom resources): connect now and look at the nodes, so that a site with no node
-            # is one line here, before the run folder is written, not a wait of startup_timeout_s for an unplaceable actor.
+        if pinned_resources(cfg) or gpu_requests(cfg):
+            # Clients pinned to sites (custom resources), or actors asking for GPUs: connect now and look at the nodes, so
+            # that a site or a GPU with no node is one line here, before the run folder is written, not a wait of
+            # startup_timeout_s for an unplaceable actor.
             self._connect(cfg)
             try:
                 check_node_resources(cfg, live_node_resources())
@@ -609,6 +643,7 @@ class RayBackend(Backend):
             "namespace": fed.namespace,
             "actors": self._actor_names + [f"{run}/coordinator"],
             "nodes": len(nodes),
+            "client_devices": sorted({d for p in pings[:-1] for d in p.get("devices", [])}),  # cpu, cuda:0 (num_gpus > 0)
             "cluster_resources": {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")},
         }
         for note in self._notes:

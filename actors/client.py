@@ -24,6 +24,7 @@ import ray
 
 from rayfuse.client import Client
 from rayfuse.data.roles import ClientPlan, load_dataset_from_config
+from rayfuse.devices import assigned_device
 from rayfuse.errors import InputError
 
 __all__ = ["ClientActor", "RefArg", "actor_name"]
@@ -42,12 +43,8 @@ def actor_name(run: str, client_ids: Sequence[int]) -> str:
 
 
 def _assigned_device() -> str:
-    if ray.get_gpu_ids():
-        import torch
-
-        if torch.cuda.is_available():
-            return "cuda:0"  # Ray sets CUDA_VISIBLE_DEVICES to the assigned GPU(s)
-    return "cpu"
+    """This actor's torch device: ``cuda:0`` when Ray assigned it a GPU (or a fraction of one), else the CPU."""
+    return assigned_device(ray.get_gpu_ids())
 
 
 class ClientActor:
@@ -151,5 +148,6 @@ class ClientActor:
             "pid": os.getpid(),
             "node_id": ctx.get_node_id(),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "devices": sorted({c.ctx.device for c in self.clients.values()}),  # where the hosted clients' torch work runs
             "restarted": any(c.restarted for c in self.clients.values()),
         }

@@ -20,6 +20,7 @@ from actors.metrics import RunMetrics
 from rayfuse.config import ExperimentConfig
 from rayfuse.coordinator import Coordinator
 from rayfuse.data.roles import DataPlan
+from rayfuse.devices import assigned_device
 from rayfuse.federation import EventLog, FailurePolicy
 from rayfuse.method import MethodSpec
 
@@ -44,11 +45,7 @@ class CoordinatorActor:
             task_cpus=cfg.federation.task_cpus,
             restart_timeout_s=cfg.federation.startup_timeout_s,
         )
-        device = "cpu"
-        if ray.get_gpu_ids():
-            import torch
-
-            device = "cuda:0" if torch.cuda.is_available() else "cpu"
+        device = assigned_device(ray.get_gpu_ids())  # federation.coordinator.num_gpus: cost matrices, merges, distillation
         # ``specs`` carry the methods' classes: one given as an object (a notebook's Method subclass) arrives by value.
         self.coordinator = Coordinator(cfg, plan, run_dir, federation, specs=specs, device=device)
         # Dashboard metrics (actors.metrics): fed by the event log and the federation's byte counts.

@@ -40,6 +40,7 @@ __all__ = [
     "has_client_state",
     "forget_client_state",
     "PrivacyError",
+    "release_kept_models",
     "train_local",
     "restore_local",
     "get_local_update",
@@ -56,6 +57,16 @@ class PrivacyError(RuntimeError):
 
 class InjectedFault(RuntimeError):
     """Raised by a ``federation.faults`` entry with ``mode: raise``."""
+
+
+# ClientContext.work_model's models, by (thread, slot, device, architecture): one per process and architecture
+_KEPT_MODELS: dict[tuple[Any, ...], Any] = {}
+
+
+def release_kept_models() -> None:
+    """Forget the models :meth:`ClientContext.work_model` keeps in this process (a run in a process that outlives it,
+    ``federation.backend: local``, ends; a Ray actor's process ends with its run)."""
+    _KEPT_MODELS.clear()
 
 
 class ClientContext:
@@ -93,6 +104,9 @@ class ClientContext:
         self.local_stats: dict[str, float] = {}
         self.local_cache = local_cache
         self.labels: tuple[str, ...] = ()  # data.silos: the silo's label values, in label order
+        # Kept on the device between steps (work_model, device_split): built or copied there once, not every step
+        self._work_models: dict[str, Any] = {}  # the kept models this client last used (shared: _KEPT_MODELS)
+        self._device_splits: dict[str, tuple[Split, Any, Any]] = {}
         self.silo_dtype = ""  # data.silos: the dtype the silo's file stores its inputs in (the survey compares it)
 
     @property
@@ -112,6 +126,49 @@ class ClientContext:
         from rayfuse.models import build_model
 
         return build_model(self.model_cfg, self.input_shape, self.num_classes, seed=seed)
+
+    def work_model(self, params: dict[str, np.ndarray], *, slot: str = "work") -> Any:
+        """A model of this client's architecture holding ``params``, on :attr:`device`: built and moved there on the
+        first call, then kept between steps (one per ``slot``) and only loaded with the new ``params`` (a copy into
+        its device tensors). What a step returns goes back to the CPU (``get_params``); the model stays here.
+
+        The model is kept per process, thread and architecture, not per client: the clients one actor hosts
+        (``federation.clients_per_actor``) run their steps one after another in its thread and share one kept model,
+        so an actor keeps one model's memory however many clients it hosts, as when each step built its own. A step
+        has the model to itself while it runs. Raises ``ValueError`` when ``params`` do not fit the architecture (as
+        :func:`rayfuse.models.set_params`)."""
+        import json
+        import threading
+
+        from rayfuse.models import set_params
+
+        arch = json.dumps(self.model_cfg.model_dump(mode="json"), sort_keys=True)
+        factory = id(getattr(self.model_cfg, "custom_factory", None))  # a notebook's class: its object, not only its name
+        key = (threading.get_ident(), slot, str(self.device), arch, factory, tuple(self.input_shape), int(self.num_classes))
+        model = _KEPT_MODELS.get(key)
+        if model is None:
+            alive = {t.ident for t in threading.enumerate()}
+            for stale in [k for k in _KEPT_MODELS if k[0] not in alive]:  # kept by threads that have ended
+                del _KEPT_MODELS[stale]
+            model = self.build_model(seed=0).to(self.device)
+            _KEPT_MODELS[key] = model
+        self._work_models[slot] = model
+        for p in model.parameters():
+            p.grad = None  # the last step's gradients: nothing of one step reaches the next
+        return set_params(model, params)
+
+    def device_split(self, name: str = "train") -> tuple[Any, Any]:
+        """This client's ``train`` or ``val`` split as ``(X, y)`` tensors on :attr:`device`, copied there once and
+        kept between steps (again only if the split is replaced: the silo survey's standardisation). On the CPU they
+        share the split's arrays (no copy). They never leave the client."""
+        from rayfuse.devices import to_device
+
+        split = self.train if name == "train" else self.val
+        kept = self._device_splits.get(name)
+        if kept is None or kept[0] is not split:
+            kept = (split, to_device(split.X, self.device), to_device(split.y, self.device))
+            self._device_splits[name] = kept
+        return kept[1], kept[2]
 
     @property
     def has_local_model(self) -> bool:
@@ -209,8 +266,7 @@ class ClientContext:
             return model
         stats = train_model(
             model,
-            self.train.X,
-            self.train.y,
+            *self.device_split(),
             epochs=cfg.epochs,
             batch_size=cfg.batch_size,
             lr=cfg.lr,

@@ -198,8 +198,11 @@ class InProcessBackend(Backend):
             return self._running().run_method(label, resume)
 
     def stop(self) -> None:
+        from rayfuse.client import release_kept_models
+
         self.coordinator = None
         self.federation = None
+        release_kept_models()  # the clients' kept models (ClientContext.work_model): this process outlives the run
 
 
 @dataclass(frozen=True)

@@ -74,8 +74,12 @@ class GroupStats:
     def size(self) -> int:
         return int(self.cross.shape[0])
 
-    def correlation(self) -> np.ndarray:
-        """Pearson correlation of reference unit ``i`` (rows) with own unit ``j`` (columns); 0 where a unit is constant."""
+    def correlation(self, device: str | torch.device | None = None) -> np.ndarray:
+        """Pearson correlation of reference unit ``i`` (rows) with own unit ``j`` (columns); 0 where a unit is constant.
+
+        ``device``: computed there with torch (float64, the same operations; the coordinator's GPU), else with numpy."""
+        if device is not None:
+            return self._correlation_torch(resolve_device(device))
         n = max(float(self.count), 1.0)
         mean_a, mean_b = self.sum_a / n, self.sum_b / n
         cov = self.cross / n - np.outer(mean_a, mean_b)
@@ -85,6 +89,23 @@ class GroupStats:
         tiny = 1e-12 * max(float(denom.max(initial=0.0)), 1e-300)
         safe = denom > tiny
         return np.where(safe, cov / np.where(safe, denom, 1.0), 0.0)
+
+    def _correlation_torch(self, dev: torch.device) -> np.ndarray:
+        """:meth:`correlation` with torch on ``dev``, operation for operation, returned to the CPU as numpy."""
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(a, dtype=np.float64), device=dev)
+
+        n = max(float(self.count), 1.0)
+        mean_a, mean_b = t(self.sum_a) / n, t(self.sum_b) / n
+        cov = t(self.cross) / n - torch.outer(mean_a, mean_b)
+        std_a = torch.sqrt(torch.clamp(t(self.sumsq_a) / n - mean_a**2, min=0.0))
+        std_b = torch.sqrt(torch.clamp(t(self.sumsq_b) / n - mean_b**2, min=0.0))
+        denom = torch.outer(std_a, std_b)
+        tiny = 1e-12 * max(float(denom.max()) if denom.numel() else 0.0, 1e-300)
+        safe = denom > tiny
+        corr = torch.where(safe, cov / torch.where(safe, denom, torch.ones_like(denom)), torch.zeros_like(cov))
+        return corr.cpu().numpy()
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """Plain arrays (for shipping from a client)."""
@@ -277,9 +298,23 @@ def collect_correlations(
 _TIE_WEIGHT = 1e-3
 
 
-def unit_similarity(reference: Mapping[str, np.ndarray], model: Mapping[str, np.ndarray], group: PermGroup) -> np.ndarray:
+def unit_similarity(
+    reference: Mapping[str, np.ndarray], model: Mapping[str, np.ndarray], group: PermGroup, *, device: str | torch.device | None = None
+) -> np.ndarray:
     """The cosine similarity of the two models' units by their weights, each unit's values along each of the group's
-    axes sorted (so the other groups' permutations do not matter): ``(size, size)``, reference units as rows."""
+    axes sorted (so the other groups' permutations do not matter): ``(size, size)``, reference units as rows.
+    ``device``: the sorts and the product computed there with torch (float64), else the product with numpy."""
+    if device is not None:
+        dev = resolve_device(device)
+
+        def device_rows(params: Mapping[str, np.ndarray]) -> torch.Tensor:
+            views = [
+                torch.as_tensor(axis.view(np.asarray(params[axis.key], dtype=np.float64), group.size), device=dev) for axis in group.axes
+            ]
+            r = sorted_unit_rows(views)
+            return r / torch.clamp(torch.linalg.vector_norm(r, dim=1, keepdim=True), min=1e-12)
+
+        return (device_rows(reference) @ device_rows(model).T).cpu().numpy()
 
     def rows(params: Mapping[str, np.ndarray]) -> np.ndarray:
         views = [torch.as_tensor(axis.view(np.asarray(params[axis.key], dtype=np.float64), group.size)) for axis in group.axes]
@@ -297,18 +332,23 @@ def solve_activation_perms(stats: Mapping[str, GroupStats], *, executor: Executo
 
 
 def solve_activation_perms_many(
-    stats: Sequence[Mapping[str, GroupStats]], *, executor: Executor | None = None, ties: Sequence[Mapping[str, np.ndarray]] | None = None
+    stats: Sequence[Mapping[str, GroupStats]],
+    *,
+    executor: Executor | None = None,
+    ties: Sequence[Mapping[str, np.ndarray]] | None = None,
+    device: str | torch.device | None = None,
 ) -> list[Perms]:
     """:func:`solve_activation_perms` for several models at once: every (model, group) problem of a sweep goes to
     ``executor`` in one batched call (on Ray: a few tasks for the whole sweep, not one round trip per model).
 
     ``ties``: per model and group, a similarity in ``[-1, 1]`` that decides between units the activations cannot tell
     apart (a unit that never varies on the data correlates with nothing); weighted ``1e-3``, it changes no assignment
-    the correlations decide."""
+    the correlations decide. ``device``: where the correlations are computed (:meth:`GroupStats.correlation`); the
+    assignments are solved on CPUs (scipy) whatever it is."""
     problems = [(k, name) for k, model_stats in enumerate(stats) for name in model_stats]
     costs = []
     for k, name in problems:
-        corr = stats[k][name].correlation()
+        corr = stats[k][name].correlation(device)
         if not np.isfinite(corr).all():
             raise InputError(f"stats.{k}.{name}", "finite statistics", "NaN or infinite correlations")
         tie = ties[k].get(name) if ties is not None else None
@@ -328,6 +368,7 @@ def activation_matching(
     sweeps: int = 3,
     executor: Executor | None = None,
     fallback: str = "weight",
+    device: str | torch.device | None = None,
 ) -> Alignment:
     """Align N models by activation matching against an evolving reference.
 
@@ -355,6 +396,9 @@ def activation_matching(
         Runs the assignment solves (default threads).
     fallback : {"weight", "identity"}
         What aligns the groups without statistics.
+    device : str or torch.device, optional
+        Where the cost matrices (correlations, weight similarities, the fallback's weight matching) are computed with
+        torch (the coordinator's GPU); default: numpy (and torch) on the CPU. The assignments are solved by scipy on CPUs.
 
     Returns
     -------
@@ -388,15 +432,19 @@ def activation_matching(
         new: list[Perms] = []
         scores = []
         quality = []
-        ties = [{name: unit_similarity(reference, model, spec.group(name)) for name in stats} for model, stats in zip(models, collected)]
-        for model, stats, found in zip(models, collected, solve_activation_perms_many(collected, executor=executor, ties=ties)):
-            quality.append({n: stats[n].correlation()[np.arange(sizes[n]), p] for n, p in found.items()})
+        ties = [
+            {name: unit_similarity(reference, model, spec.group(name), device=device) for name in stats}
+            for model, stats in zip(models, collected)
+        ]
+        solved = solve_activation_perms_many(collected, executor=executor, ties=ties, device=device)
+        for model, stats, found in zip(models, collected, solved):
+            quality.append({n: stats[n].correlation(device)[np.arange(sizes[n]), p] for n, p in found.items()})
             scores.append(float(np.mean([q.mean() for q in quality[-1].values()])) if found else 0.0)
             model_perms = {**spec.identity(), **found}
             rest = [g for g in spec.groups if g.name not in found]
             if rest and fallback == "weight":
                 partial = spec.apply(model, found)
-                extra, _ = match_weights(reference, partial, PermutationSpec(tuple(rest)))
+                extra, _ = match_weights(reference, partial, PermutationSpec(tuple(rest)), device=device)
                 model_perms.update(extra)
             new.append(model_perms)
         changed = any(not np.array_equal(a[n], b[n]) for a, b in zip(new, perms) for n in a)

@@ -100,6 +100,8 @@ def merge_regmean(
     grams: Sequence[Mapping[str, np.ndarray]],
     weights: Sequence[float] | None = None,
     alpha: float = 0.9,
+    *,
+    device: str | torch.device | None = None,
 ) -> Params:
     """RegMean: ``W = (sum_k W_k G_k') (sum_k G_k')^-1`` for every weight with a Gram, ``G' = alpha G + (1 - alpha) diag(G)``.
 
@@ -115,6 +117,9 @@ def merge_regmean(
         Multiply each model's Gram (default: none; sums over more data weigh more, as in the paper).
     alpha : float
         In ``[0, 1]``: the share of the off-diagonal Gram entries kept (1: the exact least-squares merge).
+    device : str or torch.device, optional
+        Where the products and the solves run with torch, in float64 (the coordinator's GPU); default: numpy and
+        scipy on the CPU. The two agree to float rounding.
     """
     check_models(aligned, where="aligned")
     if len(grams) != len(aligned):
@@ -134,6 +139,9 @@ def merge_regmean(
         if first.ndim not in (2, 4):
             raise InputError(f"grams.0.{key}", "the key of a 2-d (Linear) or 4-d (Conv2d) weight", first.shape)
         width = int(np.prod(first.shape[1:]))
+        if device is not None:
+            out[key] = _regmean_torch(aligned, grams, scale, key, first, width, alpha, out[key], resolve_device(device))
+            continue
         lhs = np.zeros((width, width))
         rhs = np.zeros((first.shape[0], width))
         for k, (s, model) in enumerate(zip(scale, aligned)):
@@ -145,6 +153,42 @@ def merge_regmean(
             rhs += s * np.asarray(model[key], dtype=np.float64).reshape(first.shape[0], width) @ g
         out[key] = _solve_right(rhs, lhs, out[key].reshape(first.shape[0], width)).reshape(first.shape).astype(first.dtype, copy=False)
     return out
+
+
+def _regmean_torch(
+    aligned: Sequence[Mapping[str, np.ndarray]],
+    grams: Sequence[Mapping[str, np.ndarray]],
+    scale: np.ndarray,
+    key: str,
+    first: np.ndarray,
+    width: int,
+    alpha: float,
+    default: np.ndarray,
+    dev: torch.device,
+) -> np.ndarray:
+    """One weight of :func:`merge_regmean` with torch on ``dev`` (float64): the same sums, then ``rhs @ inv(lhs)`` by a
+    Cholesky solve (least squares where ``lhs`` is singular; ``default`` where it is 0)."""
+    lhs = torch.zeros((width, width), dtype=torch.float64, device=dev)
+    rhs = torch.zeros((first.shape[0], width), dtype=torch.float64, device=dev)
+    for k, (s, model) in enumerate(zip(scale, aligned)):
+        g_np = np.asarray(grams[k][key], dtype=np.float64)
+        if g_np.shape != (width, width):
+            raise InputError(f"grams.{k}.{key}", f"a ({width}, {width}) Gram matrix", g_np.shape)
+        g = torch.as_tensor(g_np, device=dev)
+        g = alpha * g + (1.0 - alpha) * torch.diag(torch.diagonal(g))
+        lhs += float(s) * g
+        w = torch.as_tensor(np.asarray(model[key], dtype=np.float64).reshape(first.shape[0], width), device=dev)
+        rhs += float(s) * (w @ g)
+    if not bool(lhs.any()):
+        merged = np.asarray(default, dtype=np.float64).reshape(first.shape[0], width)
+    else:
+        factor, info = torch.linalg.cholesky_ex(lhs)
+        if int(info) == 0:
+            solved = torch.cholesky_solve(rhs.T, factor).T
+        else:  # not positive definite: least squares, as the CPU path falls back to
+            solved = torch.linalg.lstsq(lhs.cpu(), rhs.T.cpu(), driver="gelsd").solution.T  # gelsd: CPU only, like numpy's
+        merged = solved.cpu().numpy()
+    return merged.reshape(first.shape).astype(first.dtype, copy=False)
 
 
 def _solve_right(rhs: np.ndarray, lhs: np.ndarray, default: np.ndarray) -> np.ndarray:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rayfuse.devices import to_device
+
 __all__ = ["TrainStats", "train_model", "predict_proba", "compute_loss", "make_optimizer"]
 
 
@@ -42,8 +44,8 @@ def _has_batchnorm(model: nn.Module) -> bool:
 
 def train_model(
     model: nn.Module,
-    X: np.ndarray,
-    y: np.ndarray,
+    X: np.ndarray | torch.Tensor,
+    y: np.ndarray | torch.Tensor,
     *,
     epochs: int,
     batch_size: int,
@@ -56,7 +58,8 @@ def train_model(
     seed: int = 0,
     device: str | torch.device = "cpu",
 ) -> TrainStats:
-    """Minimise the cross-entropy of ``model`` on ``(X, y)`` in place.
+    """Minimise the cross-entropy of ``model`` on ``(X, y)`` in place (arrays, or tensors: those on ``device`` already are
+    used as they are, not copied).
 
     With ``proximal_mu > 0`` the FedProx objective (Li et al. 2020, eq. 2) is minimised instead::
 
@@ -70,11 +73,10 @@ def train_model(
     """
     started = time.perf_counter()
     model.to(device)
-    X_t = torch.as_tensor(np.ascontiguousarray(X), device=device)
-    y_t = torch.as_tensor(np.ascontiguousarray(y), device=device)
+    X_t, y_t = to_device(X, device), to_device(y, device)  # tensors already there (ClientContext.device_split) stay as they are
     n = int(y_t.shape[0])
     if epochs <= 0 or n == 0:
-        return TrainStats(compute_loss(model, X, y, device=device) if n else 0.0, 0, 0, time.perf_counter() - started)
+        return TrainStats(compute_loss(model, X_t, y_t, device=device) if n else 0.0, 0, 0, time.perf_counter() - started)
     params = [p for p in model.parameters() if p.requires_grad]
     anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
     opt = make_optimizer(params, optimizer=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay)
@@ -119,27 +121,36 @@ def train_model(
 
 
 @torch.no_grad()
-def predict_proba(model: nn.Module, X: np.ndarray, *, batch_size: int = 4096, device: str | torch.device = "cpu") -> np.ndarray:
+def predict_proba(
+    model: nn.Module, X: np.ndarray | torch.Tensor, *, batch_size: int = 4096, device: str | torch.device = "cpu"
+) -> np.ndarray:
     """Class probabilities, float64 ``(n, num_classes)``, computed in eval mode."""
     model.to(device)
     was_training = model.training
     model.eval()
     out = []
     for start in range(0, max(len(X), 1), batch_size):  # an empty X still yields shape (0, num_classes)
-        batch = torch.as_tensor(np.ascontiguousarray(X[start : start + batch_size]), device=device)
+        batch = to_device(X[start : start + batch_size], device)
         out.append(torch.softmax(model(batch).double(), dim=1).cpu().numpy())
     model.train(was_training)
     return np.concatenate(out)
 
 
 @torch.no_grad()
-def compute_loss(model: nn.Module, X: np.ndarray, y: np.ndarray, *, batch_size: int = 4096, device: str | torch.device = "cpu") -> float:
+def compute_loss(
+    model: nn.Module,
+    X: np.ndarray | torch.Tensor,
+    y: np.ndarray | torch.Tensor,
+    *,
+    batch_size: int = 4096,
+    device: str | torch.device = "cpu",
+) -> float:
     """Mean cross-entropy of ``model`` on ``(X, y)`` in eval mode."""
     model.to(device)
     model.eval()
     total = 0.0
     for start in range(0, len(X), batch_size):
-        xb = torch.as_tensor(np.ascontiguousarray(X[start : start + batch_size]), device=device)
-        yb = torch.as_tensor(np.ascontiguousarray(y[start : start + batch_size]), device=device)
+        xb = to_device(X[start : start + batch_size], device)
+        yb = to_device(y[start : start + batch_size], device)
         total += float(F.cross_entropy(model(xb), yb, reduction="sum"))
     return total / max(len(X), 1)

@@ -174,9 +174,10 @@ def _sample(ctx: ClientContext, samples: int | None, label: str) -> tuple[np.nda
     return X, y
 
 
-def _model_for(ctx: ClientContext, params: dict[str, np.ndarray]) -> Any:
+def _model_for(ctx: ClientContext, params: dict[str, np.ndarray], *, keep: bool = False) -> Any:
     """This run's architecture holding ``params``, whose widths may differ from the configuration's (a nonparametric
-    merge grows groups)."""
+    merge grows groups). ``keep``: at the configured widths, the model the client keeps on its device between steps
+    (:meth:`~rayfuse.client.ClientContext.work_model`; for training, which leaves nothing of the model's set-up changed)."""
     import torch
 
     from rayfuse.models import set_params
@@ -185,7 +186,7 @@ def _model_for(ctx: ClientContext, params: dict[str, np.ndarray]) -> Any:
     model = ctx.build_model(seed=0)
     state = model.state_dict()
     if all(k in params and np.shape(params[k]) == tuple(v.shape) for k, v in state.items()):
-        return set_params(model, params)
+        return ctx.work_model(params) if keep else set_params(model, params)
     return resize_model(model, read_structure(model, torch.zeros((2, *ctx.input_shape))), params)
 
 
@@ -282,11 +283,10 @@ def fit(ctx: ClientContext, global_params: dict[str, np.ndarray], *, label: str,
     """Local training from the global model (the rounds after the one-shot fusion)."""
     from rayfuse.models import get_params, train_model
 
-    model = _model_for(ctx, global_params)
+    model = _model_for(ctx, global_params, keep=True)
     stats = train_model(
         model,
-        ctx.train.X,
-        ctx.train.y,
+        *ctx.device_split(),
         epochs=epochs,
         batch_size=ctx.train_cfg.batch_size,
         lr=ctx.train_cfg.lr,
@@ -469,7 +469,11 @@ class Aligned(Method[AlignedParams, AlignedState]):
             if p.merge == "fisher":
                 fused = merge_fisher(merged, [stats[clients[i]].params for i in kept], kept_weights)
             else:
-                fused = merge_regmean(merged, [stats[clients[i]].params for i in kept], kept_weights, alpha=p.regmean_alpha)
+                from rayfuse.devices import is_cuda
+
+                # RegMean's products and solves on the coordinator's GPU when it has one
+                device = server.models.device if is_cuda(server.models.device) else None
+                fused = merge_regmean(merged, [stats[clients[i]].params for i in kept], kept_weights, alpha=p.regmean_alpha, device=device)
             info["merged_clients"] = [clients[i] for i in kept]
         if p.repair and any(k.endswith("running_mean") for k in fused):
             fused = self._repair(server, fused, clients)
@@ -495,13 +499,14 @@ class Aligned(Method[AlignedParams, AlignedState]):
         """Every model's permutations onto the common frame, and (activation matching) each aligned unit's correlation
         with its reference unit."""
         from rayfuse.alignment import activation_matching, weight_matching
+        from rayfuse.devices import is_cuda
         from rayfuse.matching import thread_map
 
         p = self.params
         fed = server.federation
         # Cost matrices are matrix products: on the coordinator's GPU when it has one (the solves then stay in its process,
         # threads), else on CPUs, fanned out as the federation's parallel_map (Ray tasks on a cluster).
-        device = server.models.device if str(server.models.device).startswith("cuda") else None
+        device = server.models.device if is_cuda(server.models.device) else None
         executor = fed.parallel_map if device is None else thread_map
         if target is not None:  # later rounds: every update onto the global model
             return executor(_MatchOnto(target, spec, p.inner_sweeps, server.step_seed("align", round), device), models), None
@@ -531,7 +536,7 @@ class Aligned(Method[AlignedParams, AlignedState]):
             replies = server.updates.accept_replies(gathered, lambda c, r: _read_stats(r, spec), need=1, what="correlation statistics")
             return [replies.get(c, {}) for c in clients]
 
-        alignment = activation_matching(models, spec, collect, weights=weights, sweeps=p.sweeps, executor=executor)
+        alignment = activation_matching(models, spec, collect, weights=weights, sweeps=p.sweeps, executor=executor, device=device)
         return alignment.perms, alignment.quality
 
     def _repair(self, server: ServerContext, fused: dict[str, np.ndarray], clients: list[int]) -> dict[str, np.ndarray]:

@@ -77,13 +77,15 @@ def fit(
     """
     import time
 
-    from rayfuse.models import compute_loss, get_params, set_params, train_model
+    from rayfuse.models import compute_loss, get_params, train_model
 
-    model = set_params(ctx.build_model(seed=0), global_params)
+    # the model and the training split stay on the client's device between rounds; only the parameters come back (CPU)
+    model = ctx.work_model(global_params)
+    X, y = ctx.device_split()
     stats = train_model(
         model,
-        ctx.train.X,
-        ctx.train.y,
+        X,
+        y,
         epochs=epochs,
         batch_size=batch_size,
         lr=lr,
@@ -97,7 +99,7 @@ def fit(
     metrics = {"train_loss": stats.loss, "train_seconds": stats.seconds}
     if eval_loss:
         started = time.perf_counter()
-        metrics["eval_loss"] = compute_loss(model, ctx.train.X, ctx.train.y, device=ctx.device)
+        metrics["eval_loss"] = compute_loss(model, X, y, device=ctx.device)
         metrics["eval_seconds"] = time.perf_counter() - started
     return Update(get_params(model), ctx.num_examples, metrics)
 
