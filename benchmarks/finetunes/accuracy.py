@@ -65,6 +65,8 @@ CLS = 81  # the [CLS] token; the 81 patch tokens are 0..80
 SEQ = 17
 LORA_TARGETS = ["query", "key", "value", "dense", "classifier"]
 FED_COMBINES = ("ffa", "stack", "svd", "average_factors")
+NOTES = ""  # the reading of the full run's numbers, appended to the page (set below the table once measured)
+SHRUNK = "LoRA one shot stack, shrunk to average_factors' update norm"
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ FULL = Setting(
     lora_lr=3e-3,
     rank=4,
     fed_rounds=5,
-    lambdas=(0.3, 0.5, 0.7, 1.0),
+    lambdas=(0.1, 0.3, 0.5, 0.7, 1.0),
     density=0.5,
 )
 QUICK = Setting(
@@ -189,11 +191,23 @@ def accuracy(model: Any, X: np.ndarray, y: np.ndarray) -> float:
     return float((logits.argmax(1).numpy() == y).mean())
 
 
-def hf_accuracy(folder: Path, X: np.ndarray, y: np.ndarray) -> float:
-    """Load a Hugging Face folder with ``from_pretrained`` (what a user of the merge does) and score it."""
+def load_hf(folder: Path) -> TokenBert:
+    """A Hugging Face folder loaded with ``from_pretrained`` (what a user of the merge does)."""
     from transformers import BertForSequenceClassification
 
-    return accuracy(TokenBert(BertForSequenceClassification.from_pretrained(str(folder))), X, y)
+    return TokenBert(BertForSequenceClassification.from_pretrained(str(folder)))
+
+
+def hf_accuracy(folder: Path, X: np.ndarray, y: np.ndarray) -> float:
+    return accuracy(load_hf(folder), X, y)
+
+
+def update_norm(params: Any, base: Any) -> float:
+    """``||params - base||_F`` over the floating tensors both hold (names with or without the wrapper's ``net.``)."""
+    theirs = {k.removeprefix("net."): np.asarray(v, dtype=np.float64) for k, v in params.items()}
+    ours = {k.removeprefix("net."): np.asarray(v, dtype=np.float64) for k, v in base.items()}
+    total = sum(float(np.sum((theirs[k] - ours[k]) ** 2)) for k in ours if k in theirs and ours[k].dtype.kind == "f")
+    return math.sqrt(total)
 
 
 def strip(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -226,6 +240,8 @@ def run_seed(seed: int, setting: Setting, root: Path, log: Callable[[str], None]
     parts = data["parts"]
     counts = [len(p) for p in parts]
     acc: dict[str, float] = {}
+    norms: dict[str, float] = {}  # ||merged - base||_F over every tensor: the size of the combined update
+    errors: dict[str, float] = {}  # rayfuse_lora.json's relative error against sum_i w_i s B_i A_i
     t0 = time.perf_counter()
 
     base = new_model(seed)
@@ -304,6 +320,7 @@ def run_seed(seed: int, setting: Setting, root: Path, log: Callable[[str], None]
     model = lora_model(seed * 100 + 99)
     train(model, X_pool, y_pool, setting, setting.site_epochs, setting.lora_lr, seed * 100 + 99)
     acc["LoRA pooled"] = accuracy(model, X_test, y_test)
+    base_params = base.net.state_dict()
     for combine in ("average_factors", "stack", "svd"):
         parameters: dict[str, Any] = {"combine": combine, **({"rank": setting.rank} if combine == "svd" else {})}
         config = {
@@ -314,23 +331,49 @@ def run_seed(seed: int, setting: Setting, root: Path, log: Callable[[str], None]
             "output_kind": "merged",
             "output": str(root / "merged" / f"lora_{combine}"),
         }
-        acc[f"LoRA one shot {combine}"] = hf_accuracy(fuse(config), X_test, y_test)
+        folder = fuse(config)
+        merged = load_hf(folder)
+        acc[f"LoRA one shot {combine}"] = accuracy(merged, X_test, y_test)
+        norms[f"LoRA one shot {combine}"] = update_norm(merged.net.state_dict(), base_params)
+        errors[f"LoRA one shot {combine}"] = float(json.loads((folder / "rayfuse_lora.json").read_text())["relative_error"])
+    # the exact update shrunk to average_factors' norm, through task_arithmetic on the merged folder (one model:
+    # base + lambda (stack - base)): is average_factors' lead its direction or only its smaller step?
+    shrink = norms["LoRA one shot average_factors"] / norms["LoRA one shot stack"] if norms["LoRA one shot stack"] > 0 else 1.0
+    config = {
+        "merge_method": "task_arithmetic",
+        "base_model": str(root / "base"),
+        "models": [{"model": str(root / "merged" / "lora_stack")}],
+        "parameters": {"lambda": shrink},
+        "output": str(root / "merged" / "lora_stack_shrunk"),
+    }
+    acc[SHRUNK] = hf_accuracy(fuse(config), X_test, y_test)
+    norms[SHRUNK] = shrink * norms["LoRA one shot stack"]
     log(f"LoRA done ({time.perf_counter() - t0:.0f} s)")
 
     # federated LoRA: fedlora through rayfuse.run, in-process clients
     base_file = root / "base-params.safetensors"
     save_file({k: np.ascontiguousarray(v) for k, v in get_params(base).items()}, str(base_file))
-    acc.update(federated_lora(seed, setting, X_pool, y_pool, base_file, root, X_test, y_test))
+    fed_acc, fed_norms = federated_lora(seed, setting, X_pool, y_pool, base_file, root, X_test, y_test)
+    acc.update(fed_acc)
+    norms.update(fed_norms)
     log(f"fedlora done ({time.perf_counter() - t0:.0f} s)")
     for key, value in acc.items():
         if not math.isfinite(value) or not 0.0 <= value <= 1.0:
             raise RuntimeError(f"{key}: accuracy {value}")
-    return {"seed": seed, "site_samples": counts, "accuracy": acc, "seconds": time.perf_counter() - t0}
+    return {
+        "seed": seed,
+        "site_samples": counts,
+        "accuracy": acc,
+        "update_norm": norms,
+        "lora_relative_error": errors,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def federated_lora(
     seed: int, setting: Setting, X_pool: np.ndarray, y_pool: np.ndarray, base_file: Path, root: Path, X_test: np.ndarray, y_test: np.ndarray
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, float]]:
+    """fedlora's eight cells: accuracy on the test set and the size of the final update, by cell name."""
     import rayfuse
     from rayfuse.models import set_params
 
@@ -358,13 +401,17 @@ def federated_lora(
         "methods": methods,
     }
     result = rayfuse.run(config, model=TokenBert, dataset=(X_pool.astype(np.float32), y_pool), run_dir=root / "fedlora", quiet=True)
-    out = {}
+    from safetensors.numpy import load_file
+
+    base = load_file(str(base_file))
+    out, norms = {}, {}
     for label in methods:
         prefix, rounds_text = label.rsplit("_", 1)
         combine, rounds = prefix.removeprefix("fedlora_"), int(rounds_text)
         name = f"fedlora {'one shot' if rounds == 1 else f'{rounds} rounds'} {combine}"
         out[name] = accuracy(set_params(TokenBert(), result.models[label]), X_test, y_test)
-    return out
+        norms[name] = update_norm(result.models[label], base)
+    return out, norms
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -446,7 +493,17 @@ def markdown(
         + ("met in every cell" if goal["exact_lora_above_average_factors_in_every_cell"] else "not met in every cell")
         + ".\n\n| cell | exact | average_factors | difference |\n|---|---|---|---|\n"
         + cells
+        + "\n\n## The size of the combined LoRA updates\n\n`||merged - base||_F` over every tensor (mean over seeds), and for "
+        "the one-shot combinations `rayfuse_lora.json`'s relative error against the exact `sum_i w_i s B_i A_i`:\n\n"
+        "| cell | accuracy | update norm | relative error |\n|---|---|---|---|\n"
+        + "\n".join(
+            f"| {k} | {summary[k][0]:.3f} | {np.mean([r['update_norm'][k] for r in rows]):.3f} | "
+            + (f"{np.mean([r['lora_relative_error'][k] for r in rows]):.3f}" if k in rows[0]["lora_relative_error"] else "")
+            + " |"
+            for k in rows[0]["update_norm"]
+        )
         + "\n"
+        + NOTES
     )
 
 
