@@ -88,3 +88,8 @@ def test_quick_run_writes_a_complete_finite_table(bench, tmp_path):
     table = (tmp_path / "accuracy.md").read_text(encoding="utf-8")
     for key in rows:
         assert f"| {key} | {report['summary'][key][0]:.3f} |" in table, key
+    # the page is rendered again from the JSON alone (no training): the same text
+    again = tmp_path / "again"
+    again.mkdir()
+    bench.main(["--render", str(tmp_path / "finetunes_accuracy.json"), "--out-dir", str(again)])
+    assert (again / "accuracy.md").read_text(encoding="utf-8") == table
