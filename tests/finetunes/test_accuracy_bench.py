@@ -35,7 +35,7 @@ def expected_rows(bench) -> list[str]:
     rows = ["base", *(f"site {i}" for i in range(sites)), "pooled fine-tune", "average"]
     for lam in setting.lambdas:
         rows += [f"{m} lambda={lam}" for m in ("task_arithmetic", "ties", "dare_linear", "dare_ties")]
-    rows += ["fisher", "regmean", *(f"LoRA site {i}" for i in range(sites)), "LoRA pooled"]
+    rows += ["fisher", "regmean", bench.SELECTED, *(f"LoRA site {i}" for i in range(sites)), "LoRA pooled"]
     rows += [f"LoRA one shot {c}" for c in ("average_factors", "stack", "svd")] + [bench.SHRUNK]
     for combine in bench.FED_COMBINES:
         rows += [f"fedlora one shot {combine}", f"fedlora {setting.fed_rounds} rounds {combine}"]
@@ -58,6 +58,11 @@ def test_sites_see_only_their_label_groups(bench):
     for group, part in zip(bench.GROUPS, data["parts"]):
         assert len(part) > 0 and set(np.unique(y_pool[part]).tolist()) <= set(group)
     assert set(np.unique(data["test"][1]).tolist()) == set(range(10))  # the union of the tasks
+    # the parts index the training pool site by site; each site's validation share is held out of it
+    assert np.array_equal(np.concatenate(data["parts"]), np.arange(len(y_pool)))
+    y_val = data["validation"][1]
+    assert set(np.unique(y_val).tolist()) == set(range(10))
+    assert len(y_val) == pytest.approx(bench.VALIDATION * (len(y_val) + len(y_pool)), abs=len(bench.GROUPS))
 
 
 def test_quick_run_writes_a_complete_finite_table(bench, tmp_path):
@@ -77,6 +82,11 @@ def test_quick_run_writes_a_complete_finite_table(bench, tmp_path):
         for kind in ("LoRA one shot", "fedlora one shot", f"fedlora {bench.QUICK.fed_rounds} rounds")
         for exact in ("stack", "svd")
     ]
+    merges = [k for k in rows if k.split(" ")[0] in ("average", "task_arithmetic", "ties", "dare_linear", "dare_ties", "fisher", "regmean")]
+    assert list(run["validation_accuracy"]) == merges and run["chosen_merge"] in merges
+    assert run["accuracy"][bench.SELECTED] == run["accuracy"][run["chosen_merge"]]
+    assert run["validation_accuracy"][run["chosen_merge"]] == max(run["validation_accuracy"].values())
+    assert goal["chosen_merges"] == [run["chosen_merge"]] and len(goal["chosen_merge_above_every_site_per_seed"]) == 1
     norms = run["update_norm"]
     assert set(norms) == {k for k in rows if k.startswith(("LoRA one shot", "fedlora"))}
     assert all(math.isfinite(v) and v >= 0 for v in norms.values())
