@@ -70,28 +70,29 @@ FED_COMBINES = ("ffa", "stack", "svd", "average_factors")
 NOTES = """
 ## Reading it (the run recorded here: seeds 0, 1, 2)
 
-* **Best merge above every single site: met**, on every seed and by a wide margin (ties at lambda 0.1, 0.628, against
-  the best site's 0.460). The sites fine-tuned on 4-5 classes forget the others (0.36-0.46 on all 10 classes, below
-  the base's 0.615) and a merge keeps the base's knowledge of every class. But the best merge is only 0.013 above the
-  base itself (below it on seed 0: 0.676 against 0.678; above on seeds 1 and 2), far below the pooled fine-tune
-  (0.714): merging undoes the sites' forgetting but keeps little of what they learned. Task arithmetic and DARE fall
-  fast with lambda (0.62 at 0.1, under 0.19 at 1.0: the sum of four task vectors that each push down, in the one
-  shared 10-way head, the classes their site never saw); TIES's sign election and disjoint mean make it the least
-  sensitive (0.365 at 1.0). Fisher (0.617) and RegMean (0.614) need no lambda, so they reach the best merges' level
-  without the test-set choice of lambda that the "best" of the sweep makes. The task-arithmetic, TIES and DARE papers
-  evaluate each task with its own head (or a zero-shot text head); one head shared by label-skewed sites, as here, is
-  the hard case for them.
-* **Exact LoRA combination above `average_factors` in every cell: missed**, in every cell: by 0.049 one shot (both
-  `stack` and `svd`), by 0.034-0.040 in fedlora's one shot and by 0.012-0.013 after 5 rounds. Not because the exact
-  update is wrong (`stack`'s relative error is 0): the weighted average of label-skewed updates is itself a worse model
-  than a smaller step from the base, as the lambda sweep shows for the full fine-tunes. `average_factors` takes a
-  smaller step: the sites' adapters start from their own PEFT initialisations of `A`, so `mean(B) mean(A)` loses the
-  cross terms (relative error 0.83 from the exact update) and its update is 0.44x the exact one's norm. The exact
-  `stack` update shrunk to that norm (task_arithmetic of the one merged folder, lambda = the norms' ratio) scores
-  0.624 against `average_factors`' 0.625: its lead is the size of its step, not its direction. In fedlora, where the
-  clients share each round's `A`, the gap is smaller and narrows with rounds; FFA-LoRA (A frozen and shared, exact)
-  is the best LoRA cell one shot (0.636) and ties `average_factors` after 5 rounds (0.631).
-* The full run takes about 6 minutes on 2 shared cores (362 s for 3 seeds at a load average of 15 to 38 from the
+* **Best merge above every single site: met**, on every seed and by a wide margin: ties at lambda 0.1 scores 0.631
+  against the best site's 0.475, and the merge the sites would choose on their own validation data (fisher on seeds
+  0 and 2, regmean on seed 1) 0.625. The sites fine-tuned on 4-5 classes forget the others (0.35-0.48 on all 10
+  classes, below the base's 0.615), and a merge keeps the base's knowledge of every class. But the best merge is only
+  0.016 above the base itself (the chosen one 0.010, and below the base on seed 0: 0.644 against 0.678), far below
+  the pooled fine-tune (0.712): merging undoes the sites' forgetting but keeps little of what they learned. Task
+  arithmetic and DARE fall fast with lambda (0.63 at 0.1, under 0.19 at 1.0: the sum of four task vectors, each
+  pushing down, in the one shared 10-way head, the classes its site never saw); TIES's sign election and disjoint
+  mean make it the least sensitive (0.348 at 1.0). Fisher (0.622) and RegMean (0.617) need no lambda, and the sites'
+  validation data picks one of them on every seed. The task-arithmetic, TIES and DARE papers evaluate each task with
+  its own head (or a zero-shot text head); one head shared by label-skewed sites, as here, is the hard case for them.
+* **Exact LoRA combination above `average_factors` in every cell: missed** in the one-shot cells, by 0.044-0.049
+  (`stack`, `svd` of the sites' PEFT adapters) and by 0.013-0.030 (fedlora's one shot); after 5 fedlora rounds the
+  exact combinations are level with it (+0.002 `stack`, +0.005 `svd`, within the seeds' spread of about 0.02). Not
+  because the exact update is wrong (`stack`'s relative error is 0): the weighted average of label-skewed updates is
+  itself a worse model than a smaller step from the base, as the lambda sweep shows for the full fine-tunes.
+  `average_factors` takes a smaller step: the sites' adapters start from their own PEFT initialisations of `A`, so
+  `mean(B) mean(A)` loses the cross terms (relative error 0.83 from the exact update) and its update has 0.45x the
+  exact one's norm. The exact `stack` update shrunk to that norm (task_arithmetic of the one merged folder, lambda =
+  the ratio of the norms) scores 0.620 against `average_factors`' 0.624: its lead is the size of its step, not its
+  direction. In fedlora the clients share each round's `A`, so the gap is smaller one shot and gone after 5 rounds;
+  FFA-LoRA (A frozen and shared, exact) is the best of the LoRA combinations (0.633 one shot, 0.628 after 5 rounds).
+* The full run takes about 4-6 minutes on 2 shared cores (255 s for 3 seeds at a load average of 15 to 26 from the
   other work on the machine); `--quick` runs the whole pipeline on a tiny setting in 14 s of CPU time (about a minute
   of wall time at a load average of 11; its test's job).
 """
