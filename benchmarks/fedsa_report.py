@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(t1, t2, t3, tp, sep="\n\n")
     if args.quick:  # each method's accuracy, checked: a quick run is a test that the whole path still works
-        report = {str(r["dir"]): {label: e["accuracy"] for label, e in r["results"]["methods"].items()} for r in runs}
+        report = {r["dir"].name: {label: e["accuracy"] for label, e in r["results"]["methods"].items()} for r in runs}
         check_finite(report, "report")
         (args.out / "report.json").write_text(json.dumps(report, indent=1, default=float) + "\n")
     print(f"\nwritten: {', '.join(sorted(p.name for p in args.out.iterdir()))} in {args.out}")
