@@ -14,7 +14,7 @@ measurement.
 
 Usage::
 
-    python -m venv benchmarks/.flwr-venv && benchmarks/.flwr-venv/bin/pip install "flwr[simulation]" numpy
+    python -m venv benchmarks/.flwr-venv && benchmarks/.flwr-venv/bin/pip install "flwr[simulation]<2" numpy
     python benchmarks/compare_flower.py [--rounds 5] [--flower-client-cpus 0.5] [--out DIR]
     python benchmarks/compare_flower.py --quick   # 4 clients x 100 k (both layouts), 2 rounds; no load wait
 
