@@ -13,7 +13,7 @@ for several generator seeds, and writes under ``benchmarks/results/kl/`` (curate
 * ``separation.md`` / ``noise.md`` -- the same numbers as tables; ``sweeps.json`` -- every run's metrics.
 
 Usage: ``python benchmarks/kl_report.py [--seeds N] [--restarts N] [--lam 0.1 ...] [--out DIR]`` (``--restarts 4
---seeds 3``: a cheaper whole grid; ``--quick``: one grid point of each sweep, s = 0.5 and tau = 1, one seed, 4 VI
+--seeds 3``: a cheaper whole grid; ``--quick``: one grid point of each sweep, s = 0.5 and tau = 1, one seed, 2 VI
 restarts, written to a temporary folder). About 10 s per grid point on 2 cores with 16 restarts.
 
 ``python benchmarks/kl_report.py --bnn RUN_DIR`` instead reads a run of ``jobs/kl_bnn_digits.yaml`` and writes
@@ -190,8 +190,8 @@ def bnn_figure(run_dir: Path, out: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=None, help="generator seeds per grid point (default 5; --quick 1)")
-    parser.add_argument("--restarts", type=int, default=None, help="VI restarts of each local fit (default the paper's 16; --quick 4)")
-    add_quick_arguments(parser, "s = 0.5 at tau = 0.5 and tau = 1 at s = 0.5, one seed, 4 VI restarts")
+    parser.add_argument("--restarts", type=int, default=None, help="VI restarts of each local fit (default the paper's 16; --quick 2)")
+    add_quick_arguments(parser, "s = 0.5 at tau = 0.5 and tau = 1 at s = 0.5, one seed, 2 VI restarts")
     parser.add_argument(
         "--lam",
         type=float,
@@ -208,7 +208,7 @@ def main() -> None:
     if args.bnn is not None:
         print(bnn_figure(args.bnn, out))
         return
-    n_init = args.restarts or (4 if args.quick else 16)
+    n_init = args.restarts or (2 if args.quick else 16)
     # lambda for jobs/kl_gmm.yaml was chosen on seeds 17-18 (4 restarts); the reported sweeps use other seeds
     seeds = list(range(100, 100 + (args.seeds or (1 if args.quick else 5))))
     methods = methods_for(args.lam, n_init)
