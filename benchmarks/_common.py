@@ -161,15 +161,16 @@ def add_quick_arguments(parser: argparse.ArgumentParser, cell: str, *, quick: bo
         )
 
 
-def out_dir(out: Path | None, quick: bool, default: Path = RESULTS_DIR) -> Path:
+def out_dir(out: Path | None, quick: bool, default: Path | None = None) -> Path:
     """The folder a run writes to: ``out`` if given; for a quick run without it a new temporary folder, so a smoke run
-    never writes over the results of a full run (or the committed tables under ``docs/results/``); else ``default``."""
+    never writes over the results of a full run (or the committed tables under ``docs/results/``); else ``default``
+    (``RESULTS_DIR`` when not given, read at the call)."""
     if out is not None:
         out = Path(out)
     elif quick:
         out = Path(tempfile.mkdtemp(prefix="rayfuse-bench-quick-"))
     else:
-        out = default
+        out = RESULTS_DIR if default is None else default
     out.mkdir(parents=True, exist_ok=True)
     return out
 
