@@ -8,7 +8,7 @@
 # PYTHON selects the interpreter (default: .venv/bin/python); Flower runs only if benchmarks/.flwr-venv exists.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-.venv/bin/python}"
+export PYTHON="${PYTHON:-.venv/bin/python}"  # exported: a .sh benchmark (gpu/check.sh) runs its Python with it too
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if [[ "${1:-}" == "--quick" ]]; then

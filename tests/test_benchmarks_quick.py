@@ -179,6 +179,7 @@ def test_quick_mode_runs_and_writes_finite_results(script: str, args: list[str],
     command = [*runner, script, *(a.replace("{out}", str(out)) for a in args)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     env.setdefault("MPLBACKEND", "Agg")
+    env["PYTHON"] = sys.executable  # the interpreter a .sh script runs its Python with (benchmarks/gpu/check.sh reads it)
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(command)} exited with {proc.returncode}:\n{output[-4000:]}"
