@@ -5,11 +5,14 @@ The scripts run as ``python benchmarks/<script>.py``, so this module is imported
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -17,7 +20,20 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RESULTS_DIR", "interleaved_times", "machine_info", "median", "memory_bytes", "print_table", "wait_for_quiet", "write_results"]
+__all__ = [
+    "RESULTS_DIR",
+    "add_quick_arguments",
+    "check_finite",
+    "interleaved_times",
+    "machine_info",
+    "median",
+    "memory_bytes",
+    "out_dir",
+    "print_table",
+    "quick_run",
+    "wait_for_quiet",
+    "write_results",
+]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -119,9 +135,86 @@ def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, 
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
 
 
-def write_results(name: str, payload: Mapping[str, Any]) -> Path:
-    """Write ``payload`` to ``benchmarks/results/<name>.json`` and return the path."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+def write_results(name: str, payload: Mapping[str, Any], folder: Path | None = None) -> Path:
+    """Write ``payload`` to ``<folder>/<name>.json`` (default ``benchmarks/results/``) and return the path."""
+    folder = RESULTS_DIR if folder is None else Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
     return path
+
+
+def add_quick_arguments(parser: argparse.ArgumentParser, cell: str, *, quick: bool = True, out: bool = True) -> None:
+    """The options every benchmark shares for its smoke run: ``--quick`` (one small cell, ``cell``, in seconds, through
+    the same code as the full run) and ``--out`` (where the results go; see ``out_dir``).
+
+    ``quick=False`` / ``out=False`` leave out an option the script already defines.
+    """
+    if quick:
+        parser.add_argument("--quick", action="store_true", help=f"one small cell ({cell}), in seconds; results go to --out")
+    if out:
+        parser.add_argument(
+            "--out",
+            type=Path,
+            default=None,
+            help="folder for the results (default: the full run's place; with --quick a new temporary folder)",
+        )
+
+
+def out_dir(out: Path | None, quick: bool, default: Path | None = None) -> Path:
+    """The folder a run writes to: ``out`` if given; for a quick run without it a new temporary folder, so a smoke run
+    never writes over the results of a full run (or the committed tables under ``docs/results/``); else ``default``
+    (``RESULTS_DIR`` when not given, read at the call)."""
+    if out is not None:
+        out = Path(out)
+    elif quick:
+        out = Path(tempfile.mkdtemp(prefix="rayfuse-bench-quick-"))
+    else:
+        out = RESULTS_DIR if default is None else default
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def check_finite(payload: Any, where: str = "results") -> int:
+    """Raise ``ValueError`` if any number in ``payload`` (nested dicts, lists, numpy scalars) is NaN or infinite; return
+    how many numbers were checked. Booleans and ``None`` are not numbers here."""
+    if isinstance(payload, Mapping):
+        return sum(check_finite(v, f"{where}.{k}") for k, v in payload.items())
+    if isinstance(payload, (list, tuple)):
+        return sum(check_finite(v, f"{where}[{i}]") for i, v in enumerate(payload))
+    if isinstance(payload, np.ndarray):
+        return sum(check_finite(v, f"{where}[{i}]") for i, v in enumerate(payload.tolist()))
+    if isinstance(payload, (bool, np.bool_)) or payload is None:
+        return 0
+    if isinstance(payload, (int, float, np.integer, np.floating)):
+        if not math.isfinite(float(payload)):
+            raise ValueError(f"{where}: {payload} is not a finite number")
+        return 1
+    return 0
+
+
+def quick_run(job: str | Path, methods: Mapping[str, Mapping[str, Any]], out: Path, updates: Mapping[str, Any] | None = None) -> Path:
+    """Run a small version of a shipped job in this process (``backend: local``) and return its finished run folder.
+
+    For the ``--quick`` mode of the scripts that report on a finished run: ``job`` is the YAML file, ``methods`` the
+    entries kept (label to the job's entry's keys to override, e.g. ``{"fedavg": {"rounds": 2}}``), ``updates`` more
+    dotted keys (``{"partition.num_clients": 3}``). The run folder is ``<out>/run-<job name>``.
+    """
+    import yaml
+
+    import rayfuse
+
+    config = yaml.safe_load(Path(job).read_text())
+    missing = [label for label in methods if label not in config.get("methods", {})]
+    if missing:
+        raise KeyError(f"{job}: no methods {missing} (has {sorted(config.get('methods', {}))})")
+    config["methods"] = {label: {**(config["methods"][label] or {}), **changes} for label, changes in methods.items()}
+    for dotted, value in (updates or {}).items():
+        *parents, leaf = dotted.split(".")
+        node = config
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    run_dir = Path(out) / f"run-{Path(job).stem}"
+    rayfuse.run(config, backend="local", run_dir=run_dir, quiet=True)
+    return run_dir

@@ -16,7 +16,7 @@ Usage::
 
     python benchmarks/bench_aggregate.py [--repeats 7] [--quick]
 
-Writes ``benchmarks/results/bench_aggregate.json``.
+Writes ``benchmarks/results/bench_aggregate.json`` (``--out``; ``--quick``: small cases, to a temporary folder).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from _common import interleaved_times, machine_info, median, print_table, wait_for_quiet, write_results
+from _common import add_quick_arguments, interleaved_times, machine_info, median, out_dir, print_table, wait_for_quiet, write_results
 from threadpoolctl import threadpool_limits
 
 from rayfuse.fusion.aggregate import CHUNK, normalize_weights, weighted_average, weighted_sum
@@ -200,6 +200,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small cases only (a smoke run)")
     parser.add_argument("--max-load", type=float, default=1.0, help="before each case, wait for the 1-min load average to drop below this")
     parser.add_argument("--quiet-timeout", type=float, default=60.0, help="... for at most this many seconds")
+    add_quick_arguments(parser, "small cases", quick=False)
     args = parser.parse_args()
 
     threadpool_limits(limits=1, user_api="blas")  # every kernel here runs on one thread, as rayfuse's does
@@ -276,6 +277,7 @@ def main() -> None:
             "chunk_sweep": sweep,
             "best_chunk": best,
         },
+        out_dir(args.out, args.quick),
     )
     print(f"\nwrote {path}")
 

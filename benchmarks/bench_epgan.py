@@ -7,9 +7,10 @@ cavity, tilted moments, damped update over every generator parameter) is timed s
 of 4 factors. Also a wider network (hidden 512, z 64, 64-dimensional data: the size of a digits MLP-GAN) where the
 EP term's per-parameter work weighs more.
 
-    python benchmarks/bench_epgan.py [--repeats 7]
+    python benchmarks/bench_epgan.py [--repeats 7] [--out DIR]
+    python benchmarks/bench_epgan.py --quick    # the toy network on 500 points and the small product, one pass
 
-Writes benchmarks/results/bench_epgan.json.
+Writes benchmarks/results/bench_epgan.json (``--out``; ``--quick``: a temporary folder).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import interleaved_times, machine_info, median, print_table, write_results  # noqa: E402
+from _common import add_quick_arguments, interleaved_times, machine_info, median, out_dir, print_table, write_results  # noqa: E402
 
 VARIANTS = [("wgan", 1), ("probgan", 1), ("ep-bgan", 1), ("ep-probgan", 1), ("ep-probgan", 4)]
 
@@ -89,8 +90,11 @@ def server_product(repeats: int, hidden: int, latent: int, data_dim: int, client
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=None, help="timed passes (default 7; --quick 1)")
+    add_quick_arguments(parser, "the toy network on 500 points, the small server product")
     args = parser.parse_args()
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 7
     import torch
 
     torch.set_num_threads(1)  # what a Ray actor with one CPU gets (OMP_NUM_THREADS=1)
@@ -106,7 +110,10 @@ def main() -> None:
         ("vs probgan", "x ProbGAN"),
         ("EP step ms", "EP step (per turn) ms"),
     ]
-    for key, X, latent, hidden in (("toy", toy, 2, 32), ("wide", wide, 64, 512)):
+    networks = [("toy", toy, 2, 32), ("wide", wide, 64, 512)]
+    if args.quick:  # the same per-epoch and EP-step code on one small network
+        networks = [("toy", toy[:500], 2, 32)]
+    for key, X, latent, hidden in networks:
         rows = per_epoch(X, latent, hidden, args.repeats)
         results[key] = rows
         print_table(
@@ -114,9 +121,12 @@ def main() -> None:
             columns,
             title=f"{key}: one local epoch ({len(X)} points, batch 128, hidden {hidden}); the paper: EP-ProbGAN 1.37x ProbGAN",
         )
-    results["server_product"] = [server_product(args.repeats, 32, 2, 2), server_product(args.repeats, 512, 64, 64)]
+    results["server_product"] = [server_product(args.repeats, 32, 2, 2)]
+    if not args.quick:
+        results["server_product"].append(server_product(args.repeats, 512, 64, 64))
     print_table(results["server_product"], [(k, k) for k in results["server_product"][0]], title="server: product of 4 clients' factors")
-    path = write_results("bench_epgan", results)
+    results["quick"] = args.quick
+    path = write_results("bench_epgan", results, out_dir(args.out, args.quick))
     print(f"-> {path}")
 
 

@@ -6,9 +6,10 @@
 2. Server cost per round: the sample-weighted average of K client models alone (FedAvg), then plus FedRef's step
    (queue, reference model, eq. 12) and plus FedAdam's step, for a small CNN and for a ~2.5M-parameter MLP.
 
-    python benchmarks/bench_fedref.py [--repeats 15]
+    python benchmarks/bench_fedref.py [--repeats 15] [--out DIR]
+    python benchmarks/bench_fedref.py --quick   # one local epoch, the small CNN's server round, 2 passes
 
-Writes benchmarks/results/bench_fedref.json.
+Writes benchmarks/results/bench_fedref.json (``--out``; ``--quick``: a temporary folder).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import interleaved_times, machine_info, median, print_table, write_results  # noqa: E402
+from _common import add_quick_arguments, interleaved_times, machine_info, median, out_dir, print_table, write_results  # noqa: E402
 
 
-def client_compute(repeats: int) -> list[dict]:
+def client_compute(repeats: int, epochs: int = 4) -> list[dict]:
     import torch
 
     from rayfuse.config import load_config
@@ -37,7 +38,7 @@ def client_compute(repeats: int) -> list[dict]:
     plan = make_plan(dataset, cfg.data, cfg.partition, cfg.run.seed)
     train, _ = client_splits(dataset, plan.for_client(0))
     start = get_params(build_model(cfg.model, plan.input_shape, plan.num_classes, seed=1))
-    args = dict(epochs=4, batch_size=cfg.train.batch_size, lr=cfg.train.lr, optimizer="sgd", seed=0)
+    args = dict(epochs=epochs, batch_size=cfg.train.batch_size, lr=cfg.train.lr, optimizer="sgd", seed=0)
 
     def local_round(mu: float = 0.0, eval_loss: bool = False):
         def go():
@@ -53,7 +54,7 @@ def client_compute(repeats: int) -> list[dict]:
         "fedprox (mu 0.5)": local_round(mu=0.5),
         "fedref, client_loss eval": local_round(eval_loss=True),
     }
-    times = interleaved_times(fns, repeats, warmup=2)
+    times = interleaved_times(fns, repeats, warmup=min(2, repeats))
     prox = median(times["fedprox (mu 0.5)"])
     base = median(times["fedavg / fedref"])
     return [
@@ -68,7 +69,7 @@ def client_compute(repeats: int) -> list[dict]:
     ]
 
 
-def server_cost(repeats: int, clients: int = 10) -> list[dict]:
+def server_cost(repeats: int, clients: int = 10, quick: bool = False) -> list[dict]:
     from rayfuse.config import ModelConfig
     from rayfuse.federation import Update
     from rayfuse.fusion.aggregate import weighted_average
@@ -77,10 +78,11 @@ def server_cost(repeats: int, clients: int = 10) -> list[dict]:
     from rayfuse.models import build_model, get_params
 
     rows = []
-    for name, model_cfg, shape in (
+    models_timed = [
         ("cnn [16, 32] (digits)", ModelConfig(name="cnn", channels=[16, 32]), (1, 8, 8)),
         ("mlp [1024, 1024] (784 in)", ModelConfig(name="mlp", hidden=[1024, 1024]), (784,)),
-    ):
+    ]
+    for name, model_cfg, shape in models_timed[:1] if quick else models_timed:
         base = get_params(build_model(model_cfg, shape, 10, seed=0))
         size = sum(a.size for a in base.values())
         rng = np.random.default_rng(0)
@@ -120,9 +122,13 @@ def server_cost(repeats: int, clients: int = 10) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=None, help="timed passes (default 15; --quick 2)")
+    add_quick_arguments(parser, "one local epoch, the small CNN's server round")
     args = parser.parse_args()
-    clients = client_compute(args.repeats)
+    if args.repeats is None:
+        args.repeats = 2 if args.quick else 15
+    epochs = 1 if args.quick else 4
+    clients = client_compute(args.repeats, epochs)
     print_table(
         clients,
         [
@@ -132,9 +138,9 @@ def main() -> int:
             ("vs fedavg", "x fedavg"),
             ("vs fedprox", "x fedprox"),
         ],
-        title="client compute per round (one client, E = 4)",
+        title=f"client compute per round (one client, E = {epochs})",
     )
-    server = server_cost(args.repeats)
+    server = server_cost(args.repeats, quick=args.quick)
     print_table(
         server,
         [
@@ -146,7 +152,15 @@ def main() -> int:
         ],
         title="server cost per round (10 clients)",
     )
-    path = write_results("bench_fedref", {"machine": machine_info(), "repeats": args.repeats, "client": clients, "server": server})
+    payload = {
+        "machine": machine_info(),
+        "repeats": args.repeats,
+        "epochs": epochs,
+        "quick": args.quick,
+        "client": clients,
+        "server": server,
+    }
+    path = write_results("bench_fedref", payload, out_dir(args.out, args.quick))
     print(f"results: {path}")
     return 0
 

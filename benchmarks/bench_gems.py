@@ -26,7 +26,8 @@ Cells: one client of the K = 5 label-disjoint digits split (labels {0, 1}):
 
 k-means: GEMS uses scikit-learn's ``KMeans`` directly (allowed by the issue); its time on the K x H neurons is shown.
 
-Usage: ``python benchmarks/bench_gems.py [--quick]``; writes ``benchmarks/results/bench_gems.json``.
+Usage: ``python benchmarks/bench_gems.py [--quick]``; writes ``benchmarks/results/bench_gems.json``
+(``--out``; ``--quick``: a temporary folder).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import machine_info, print_table, write_results  # noqa: E402
+from _common import add_quick_arguments, machine_info, out_dir, print_table, write_results  # noqa: E402
 
 from rayfuse.fusion.gems.balls import (  # noqa: E402
     cluster_neurons,
@@ -157,6 +158,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="p = 100 instead of 500")
     parser.add_argument("--repeats", type=int, default=3)
+    add_quick_arguments(parser, "p = 100", quick=False)
     args = parser.parse_args()
     p = 100 if args.quick else 500
     torch.set_num_threads(1)  # both variants on one core: the ratio is the batching, not the thread count
@@ -271,7 +273,10 @@ def main() -> None:
         f"({len(set(labels))} non-empty clusters)"
     )
     results["kmeans"] = {"neurons": len(all_neurons), "clusters": 100, "seconds": kmeans_s, "implementation": "sklearn.cluster.KMeans"}
-    write_results("bench_gems", {"machine": machine_info(), "threads": 1, **results})
+    path = write_results(
+        "bench_gems", {"machine": machine_info(), "threads": 1, "quick": args.quick, **results}, out_dir(args.out, args.quick)
+    )
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -14,10 +14,13 @@ measurement.
 
 Usage::
 
-    python -m venv benchmarks/.flwr-venv && benchmarks/.flwr-venv/bin/pip install "flwr[simulation]" numpy
-    python benchmarks/compare_flower.py [--rounds 5] [--flower-client-cpus 0.5]
+    python -m venv benchmarks/.flwr-venv && benchmarks/.flwr-venv/bin/pip install "flwr[simulation]<2" numpy
+    python benchmarks/compare_flower.py [--rounds 5] [--flower-client-cpus 0.5] [--out DIR]
+    python benchmarks/compare_flower.py --quick   # 4 clients x 100 k (both layouts), 2 rounds; no load wait
 
-Writes ``benchmarks/results/compare_flower.json``.
+Writes ``benchmarks/results/compare_flower.json`` (``--out``; ``--quick``: a temporary folder). ``--quick`` runs
+both engines on one small cell that the issue sets no target for (the same code paths as the target cells), so its
+table compares the rounds without a target.
 """
 
 from __future__ import annotations
@@ -28,25 +31,37 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from _common import machine_info, print_table, write_results
-from bench_round import TARGET_CELLS, run_cells
+from _common import add_quick_arguments, machine_info, out_dir, print_table, write_results
+from bench_round import TARGET_CELLS, Cell, run_cells
 
 HERE = Path(__file__).resolve().parent
 FLOWER_PYTHON = HERE / ".flwr-venv" / "bin" / "python"
 TARGET_RATIO = {(100, 100_000): 1 / 10, (20, 10_000_000): 1 / 20}
 ISSUE_FLOWER_ROUND_S = {(100, 100_000): 4.5}  # the issue's stated figure for Flower, not a measurement
+QUICK_CELLS = [Cell(4, 100_000), Cell(4, 100_000, per_actor=2)]  # --quick: both layouts of one small cell
 
 
-def run_flower(python: Path, *, rounds: int, warmup: int, client_cpus: float, store_gib: float) -> tuple[dict[str, Any] | None, str]:
-    """Run ``flower_round.py`` with ``python``; return its JSON payload, or ``None`` and why not."""
+def run_flower(
+    python: Path,
+    *,
+    rounds: int,
+    warmup: int,
+    client_cpus: float,
+    store_gib: float,
+    cells: list[Cell] | None = None,
+    quiet_timeout_s: float | None = None,
+    out: Path | None = None,
+) -> tuple[dict[str, Any] | None, str]:
+    """Run ``flower_round.py`` with ``python`` on ``cells`` (default the target cells); return its JSON payload, or
+    ``None`` and why not."""
     if not python.exists():
         return None, f"no Flower environment at {python} (see the usage in this script's docstring)"
-    cells = list(dict.fromkeys(f"{c.clients}x{c.num_params}" for c in TARGET_CELLS))  # each layout runs the same Flower cell
+    specs = list(dict.fromkeys(f"{c.clients}x{c.num_params}" for c in cells or TARGET_CELLS))  # each layout runs the same Flower cell
     cmd = [
         str(python),
         str(HERE / "flower_round.py"),
         "--cells",
-        *cells,
+        *specs,
         "--rounds",
         str(rounds),
         "--warmup",
@@ -55,6 +70,8 @@ def run_flower(python: Path, *, rounds: int, warmup: int, client_cpus: float, st
         str(client_cpus),
         "--object-store-gib",
         str(store_gib),
+        *([] if quiet_timeout_s is None else ["--quiet-timeout", str(quiet_timeout_s)]),
+        *([] if out is None else ["--out", str(out)]),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent)
     lines = proc.stdout.strip().splitlines()
@@ -120,16 +137,30 @@ def main() -> None:
         help="Flower client_resources num_cpus; 0.5 (4 actors on 2 CPUs) was Flower's fastest setting here",
     )
     parser.add_argument("--object-store-gib", type=float, default=4.0, help="object store of each engine's Ray")
+    add_quick_arguments(parser, "4 clients x 100 k float32 in both layouts, 2 rounds after 1 warm-up, no wait for a quiet machine")
     args = parser.parse_args()
+    out = out_dir(args.out, args.quick)
+    cells = QUICK_CELLS if args.quick else list(TARGET_CELLS)
+    if args.quick:
+        args.rounds = min(args.rounds, 2)
+        args.object_store_gib = min(args.object_store_gib, 1.0)
+    quiet = {"max_load": 1e9, "quiet_timeout_s": 0.0} if args.quick else {}  # a smoke run measures whatever the load is
 
     info = machine_info()
     store_bytes = int(args.object_store_gib * 2**30)
     print(f"rayfuse vs Flower, {info['cpus']} CPUs, load average {info['load_avg_1m']:.2f}", flush=True)
     print("rayfuse:", flush=True)
-    rayfuse = run_cells(list(TARGET_CELLS), rounds=args.rounds, warmup=args.warmup, store_bytes=store_bytes)
+    rayfuse = run_cells(cells, rounds=args.rounds, warmup=args.warmup, store_bytes=store_bytes, **quiet)
     print("Flower:", flush=True)
     flower, why_not = run_flower(
-        args.flower_python, rounds=args.rounds, warmup=args.warmup, client_cpus=args.flower_client_cpus, store_gib=args.object_store_gib
+        args.flower_python,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        client_cpus=args.flower_client_cpus,
+        store_gib=args.object_store_gib,
+        cells=cells,
+        quiet_timeout_s=0.0 if args.quick else None,
+        out=out if args.quick else None,
     )
     if flower is None:
         print(f"  Flower not measured: {why_not}")
@@ -160,7 +191,9 @@ def main() -> None:
         "rayfuse overhead against Flower's round time on the same work",
     )
     path = write_results(
-        "compare_flower", {"machine": info, "rayfuse": rayfuse, "flower": flower, "flower_error": why_not or None, "comparison": rows}
+        "compare_flower",
+        {"machine": info, "quick": args.quick, "rayfuse": rayfuse, "flower": flower, "flower_error": why_not or None, "comparison": rows},
+        out,
     )
     print(f"\nwrote {path}")
 

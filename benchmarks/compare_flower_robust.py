@@ -18,12 +18,13 @@ the time of each and their ratio. Without the Flower environment the script says
 Usage::
 
     python benchmarks/compare_flower_robust.py [--clients 10] [--params 1000000] [--repeats 3] [--f 1] [--m 3] [--beta 0.2 ...]
-                                               [--clip-norm C]
+                                               [--clip-norm C] [--out DIR]
+    python benchmarks/compare_flower_robust.py --quick   # 10 clients x 10,000 parameters, clipping at 1.0, one pass
 
 ``benchmarks/robust/aggregator_cost.py`` runs :func:`compare` on two model sizes and writes the tables to
 ``docs/results/robust/``.
 
-Writes ``benchmarks/results/compare_flower_robust.json``.
+Writes ``benchmarks/results/compare_flower_robust.json`` (``--out``; ``--quick``: a temporary folder).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import interleaved_times, machine_info, median, print_table, write_results
+from _common import add_quick_arguments, interleaved_times, machine_info, median, out_dir, print_table, write_results
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # rayfuse from this checkout
@@ -175,14 +176,21 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=10)
-    parser.add_argument("--params", type=int, default=1_000_000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--params", type=int, default=None, help="float32 parameters of each model (default 1,000,000; --quick 10,000)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed passes (default 3; --quick 1)")
     parser.add_argument("--f", type=int, default=1)
     parser.add_argument("--m", type=int, default=3)
     parser.add_argument("--beta", type=float, nargs="+", default=[0.2], help="trimmed mean's beta; several: one rule each")
     parser.add_argument("--clip-norm", type=float, default=None, help="also compare the mean after update-norm clipping to this norm")
     parser.add_argument("--flower-python", type=Path, default=FLOWER_PYTHON, help="the Python of Flower's environment")
+    add_quick_arguments(parser, "10 clients x 10,000 parameters, every rule and clipping at norm 1.0, one pass")
     args = parser.parse_args()
+    if args.params is None:
+        args.params = 10_000 if args.quick else 1_000_000
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    if args.quick and args.clip_norm is None:
+        args.clip_norm = 1.0
     payload = compare(args)
     if payload["flower_missing"]:
         print(payload["flower_missing"])
@@ -199,7 +207,7 @@ def main() -> None:
         ],
         title=f"{args.clients} clients x {args.params} float32 parameters, f = {args.f}, m = {args.m}, beta = {args.beta}",
     )
-    print(f"wrote {write_results('compare_flower_robust', payload)}")
+    print(f"wrote {write_results('compare_flower_robust', payload, out_dir(args.out, args.quick))}")
 
 
 if __name__ == "__main__":

@@ -15,16 +15,28 @@ turn and ``<out>/N_samples.png`` shows 16 samples of every method's final genera
 
 With several runs of one job (different ``run.seed``), ``--summary NAME`` also writes ``<out>/NAME.md``: every score
 as mean ± std over the runs, per method, with the number of runs and the per-seed values of ``modes`` / ``classes``.
+
+    python benchmarks/epgan_report.py --quick [--out DIR]
+
+``--quick`` runs a small jobs/epgan_toy.yaml in this process first (500 points per mode; WGAN-GP, EP-ProbGAN and the
+WGAN-GP oracle; 2 warm-up epochs, 2 turns of 1 epoch, a 30 x 30 map) and reports on it, to ``--out`` or a temporary
+folder; it also writes ``report.json`` (the table's numbers, checked finite).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_quick_arguments, check_finite, out_dir, quick_run  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SCORES = [
     ("d_mse", "D-MSE (critic map, min-max)"),
@@ -239,18 +251,29 @@ def summary(frames: list[tuple[int, pd.DataFrame]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path)
-    parser.add_argument("--out", type=Path, default=Path("docs/results/epgan"))
+    parser.add_argument("runs", nargs="*", type=Path)
     parser.add_argument("--suffix", default="", help="appended to the output names (several runs of one job)")
     parser.add_argument("--summary", default=None, metavar="NAME", help="also write NAME.md: mean ± std over the runs")
+    add_quick_arguments(parser, "a small epgan_toy run: wgan, ep-probgan and wgan-central, 2 warm-up epochs, 2 turns of 1 epoch")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.runs and not args.quick:
+        parser.error("give a finished run folder (or --quick)")
+    args.out = out_dir(args.out, args.quick, Path("docs/results/epgan"))
+    if args.quick:
+        small = {"warmup_epochs": 2, "rounds": 2, "local_epochs": 1, "grid": 30, "eval_samples": 500}
+        methods = {"wgan": small, "ep-probgan": small, "wgan-central": {**small, "epochs": 2}}
+        args.runs = [quick_run(ROOT / "jobs" / "epgan_toy.yaml", methods, args.out, {"data.options.n_per_mode": 500})]
+    report = {}
     frames = []
     for run_dir in args.runs:
         results, metrics = load(run_dir)
         frames.append((int(results["config"]["run"]["seed"]), table(results)))
         name = results["run"]["name"] + (f"-{args.suffix}" if args.suffix else "") + f"-s{results['config']['run']['seed']}"
         frame = table(results)
+        report[name] = [
+            {k: v for k, v in row.items() if k == "method" or (isinstance(v, (int, float)) and not isinstance(v, bool))}
+            for row in frame.to_dict("records")
+        ]
         text = markdown(frame)
         seconds = results["run"]["seconds"]
         where = f"{seconds:.0f} s ({results['run'].get('backend', '?')} backend)" if np.isfinite(seconds) else results["run"]["backend"]
@@ -266,6 +289,10 @@ def main() -> None:
         text = summary(frames)
         (args.out / f"{args.summary}.md").write_text(f"# {args.summary}\n\nRuns: {', '.join(f'`{r}`' for r in args.runs)}.\n\n{text}\n")
         print(f"{args.summary}\n{text}")
+    if args.quick:  # the table's numbers, checked: a quick run is a test that the whole path still works
+        check_finite(report, "report")
+        (args.out / "report.json").write_text(json.dumps(report, indent=1, default=float) + "\n")
+        print(f"wrote {args.out / 'report.json'}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ the median client compute per round and its ratio to FedProx's and FedAvg's in t
 Runs of the same job with different seeds (``--set run.seed=N``) are also summarised together:
 ``<out>/<run name>_seeds.md`` (mean +- std over seeds) and ``<out>/<run name>_seeds_curves.png`` (mean curves, one
 standard deviation shaded).
+
+    python benchmarks/fedref_report.py --quick [--out DIR]
+
+``--quick`` runs a small jobs/fedref_digits.yaml in this process first (3 clients; FedAvg, FedProx and FedRef p = 3,
+5 rounds of 1 local epoch) and reports on it, to ``--out`` or a temporary folder; it also writes ``report.json``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,11 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_quick_arguments, check_finite, out_dir, quick_run  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def load(run_dir: Path) -> tuple[dict, pd.DataFrame]:
@@ -128,10 +138,17 @@ def seeds_table(tables: list[pd.DataFrame]) -> pd.DataFrame:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", type=Path)
-    parser.add_argument("--out", type=Path, default=Path("docs/results/fedref"))
+    parser.add_argument("runs", nargs="*", type=Path)
+    add_quick_arguments(parser, "a small fedref_digits run: 3 clients, fedavg / fedprox / fedref_p3, 5 rounds of 1 epoch")
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.runs and not args.quick:
+        parser.error("give a finished run folder (or --quick)")
+    args.out = out_dir(args.out, args.quick, Path("docs/results/fedref"))
+    if args.quick:
+        small = {"rounds": 5, "local_epochs": 1}  # FedRef p = 3 fine-tunes from round p + 1
+        methods = {"fedavg": small, "fedprox": small, "fedref_p3": small}
+        args.runs = [quick_run(ROOT / "jobs" / "fedref_digits.yaml", methods, args.out, {"partition.num_clients": 3})]
+    report = {}
     groups: dict[str, list[tuple[int, pd.DataFrame, pd.DataFrame, str]]] = {}
     for run_dir in args.runs:
         if not (run_dir / "results.json").is_file():
@@ -148,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{cfg['model']['name']}, {cfg['train']['optimizer']} lr {cfg['train']['lr']}"
         )
         table = summarize(results, metrics)
+        report[name] = {label: {k: v for k, v in row.items() if not isinstance(v, str)} for label, row in table.to_dict("index").items()}
         plot(args.out / f"{name}_curves.png", [metrics], title)
         text = f"# {title}\n\n" + markdown(table) + "\n"
         (args.out / f"{name}.md").write_text(text)
@@ -163,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         text = f"# {title} (mean ± std over seeds)\n\n" + markdown(seeds_table([r[1] for r in runs])) + "\n"
         (args.out / f"{job}_seeds.md").write_text(text)
         print(text)
+    if args.quick:  # the numbers the tables hold, checked: a quick run is a test that the whole path still works
+        check_finite(report, "report")
+        (args.out / "report.json").write_text(json.dumps(report, indent=1, default=float) + "\n")
+        print(f"wrote {args.out / 'report.json'}")
     return 0
 
 

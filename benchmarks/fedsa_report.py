@@ -15,17 +15,29 @@ Writes to ``--out`` and prints:
 * ``curves.png`` -- test accuracy after adaptation over the rounds (mean over seeds), per labelled fraction;
 * ``paired.md`` -- each method minus scratch and minus FedAvg+ on the same seed (same target set, same teachers):
   mean ± standard error of the paired differences and the number of seeds where the method is ahead.
+
+    python benchmarks/fedsa_report.py --quick [--out DIR]
+
+``--quick`` runs a small jobs/fedsa_digits.yaml in this process first (teachers trained 2 epochs; scratch, transfer,
+FedAvg+ and FedSA, 2 rounds of 1 local epoch, re-selected every round) and reports on it, to ``--out`` or a temporary
+folder; it also writes ``report.json`` (each method's accuracy, checked finite).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import add_quick_arguments, check_finite, out_dir, quick_run  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # [FEDSA] Table 1 / Table 2, CIFAR-10, 1 % / 5 % / 10 % labelled (the paper's numbers; docs/references.md)
 PAPER_T1 = {
@@ -291,13 +303,19 @@ def plot_curves(path: Path, runs: list[dict], labels: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path)
-    parser.add_argument("--out", type=Path, default=Path("docs/results/fedsa"))
+    parser.add_argument("runs", nargs="*", type=Path)
+    add_quick_arguments(parser, "a small fedsa_digits run: teachers trained 2 epochs, scratch / transfer / fedavg+ / fedsa, 2 rounds")
     args = parser.parse_args(argv)
+    if not args.runs and not args.quick:
+        parser.error("give finished run folders (or --quick)")
+    args.out = out_dir(args.out, args.quick, Path("docs/results/fedsa"))
+    if args.quick:
+        small = {"rounds": 2, "select_every": 1, "local_epochs": 1, "evaluate_every": 1}
+        methods = {"scratch": {}, "transfer": {}, "fedavg+": small, "fedsa": small}
+        args.runs = [quick_run(ROOT / "jobs" / "fedsa_digits.yaml", methods, args.out, {"train.epochs": 2})]
     runs = sorted((load(d) for d in args.runs if (d / "results.json").is_file()), key=lambda r: (r["fraction"], r["seed"]))
     if not runs:
         raise SystemExit("no finished runs (results.json) among the given folders")
-    args.out.mkdir(parents=True, exist_ok=True)
     seeds = sorted({r["seed"] for r in runs})
     data = ", ".join(sorted({r["data"] for r in runs}))
     head = (
@@ -331,6 +349,10 @@ def main(argv: list[str] | None = None) -> None:
         ["scratch", "fedavg+", "fedsa", "fedsa-gradcam", "top-k", "fixed", "random+pos", "fedavg+whole", "fedsa-whole"],
     )
     print(t1, t2, t3, tp, sep="\n\n")
+    if args.quick:  # each method's accuracy, checked: a quick run is a test that the whole path still works
+        report = {r["dir"].name: {label: e["accuracy"] for label, e in r["results"]["methods"].items()} for r in runs}
+        check_finite(report, "report")
+        (args.out / "report.json").write_text(json.dumps(report, indent=1, default=float) + "\n")
     print(f"\nwritten: {', '.join(sorted(p.name for p in args.out.iterdir()))} in {args.out}")
 
 

@@ -9,7 +9,7 @@ received parameters (like ``bench_round``'s echo step), Flower's ``FedAvg`` with
 (``fraction_fit=1``, ``min_fit_clients = min_available_clients = N``) and no evaluation. A round is timed from the
 strategy's ``configure_fit`` to the end of its ``aggregate_fit`` (the aggregation itself is reported too); the
 first ``--warmup`` rounds are not timed. Writes ``benchmarks/results/flower_round.json`` (and prints the same
-JSON as the last line of its output for ``compare_flower.py``).
+JSON as the last line of its output for ``compare_flower.py``); ``--out DIR`` writes there instead.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # no network here; set before flwr is imported
 
 import flwr
 import numpy as np
 import ray
-from _common import machine_info, median, wait_for_quiet, write_results
+from _common import machine_info, median, out_dir, wait_for_quiet, write_results
 from flwr.client import NumPyClient
 from flwr.common import Context, ndarrays_to_parameters
 from flwr.server import ServerConfig
@@ -123,6 +124,7 @@ def main() -> None:
     parser.add_argument("--object-store-gib", type=float, default=4.0)
     parser.add_argument("--max-load", type=float, default=1.0, help="before each cell, wait for the 1-min load average to drop below this")
     parser.add_argument("--quiet-timeout", type=float, default=60.0, help="... for at most this many seconds")
+    parser.add_argument("--out", type=Path, default=None, help="folder for flower_round.json (default benchmarks/results/)")
     args = parser.parse_args()
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -147,7 +149,7 @@ def main() -> None:
             flush=True,
         )
     payload = {"machine": machine_info(), "flwr": flwr.__version__, "ray": ray.__version__, "rows": rows}
-    write_results("flower_round", payload)
+    write_results("flower_round", payload, out_dir(args.out, False))
     print(json.dumps(payload))
 
 

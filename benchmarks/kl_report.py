@@ -12,8 +12,9 @@ for several generator seeds, and writes under ``benchmarks/results/kl/`` (curate
   of KL-fusion (exact and relaxed solvers), SPAHM, DP-cluster and the pooled VI oracle;
 * ``separation.md`` / ``noise.md`` -- the same numbers as tables; ``sweeps.json`` -- every run's metrics.
 
-Usage: ``python benchmarks/kl_report.py [--seeds N] [--quick] [--lam 0.1 ...]`` (``--quick``: 4 VI restarts instead of
-the paper's 16, 3 seeds). About 10 s per grid point on 2 cores with 16 restarts.
+Usage: ``python benchmarks/kl_report.py [--seeds N] [--restarts N] [--lam 0.1 ...] [--out DIR]`` (``--restarts 4
+--seeds 3``: a cheaper whole grid; ``--quick``: one grid point of each sweep, s = 0.5 and tau = 1, one seed, 2 VI
+restarts, written to a temporary folder). About 10 s per grid point on 2 cores with 16 restarts.
 
 ``python benchmarks/kl_report.py --bnn RUN_DIR`` instead reads a run of ``jobs/kl_bnn_digits.yaml`` and writes
 ``bnn.png`` (Table 2 as a figure: accuracy, test log-likelihood, entropy in and out of distribution, and hidden units
@@ -34,6 +35,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _common import add_quick_arguments, check_finite, out_dir  # noqa: E402
 
 from rayfuse.config import load_config, validate_config  # noqa: E402
 from rayfuse.runner import InProcessBackend, run_experiment  # noqa: E402
@@ -185,8 +189,9 @@ def bnn_figure(run_dir: Path, out: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=None, help="generator seeds per grid point (default 5; --quick 3)")
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--seeds", type=int, default=None, help="generator seeds per grid point (default 5; --quick 1)")
+    parser.add_argument("--restarts", type=int, default=None, help="VI restarts of each local fit (default the paper's 16; --quick 2)")
+    add_quick_arguments(parser, "s = 0.5 at tau = 0.5 and tau = 1 at s = 0.5, one seed, 2 VI restarts")
     parser.add_argument(
         "--lam",
         type=float,
@@ -199,18 +204,19 @@ def main() -> None:
         "--bnn", type=Path, default=None, metavar="RUN_DIR", help="write bnn.png / bnn_table.md from a kl_bnn_digits run, then stop"
     )
     args = parser.parse_args()
+    out = out_dir(args.out, args.quick, OUT)
     if args.bnn is not None:
-        print(bnn_figure(args.bnn, OUT))
+        print(bnn_figure(args.bnn, out))
         return
-    n_init = 4 if args.quick else 16
-    # lambda for jobs/kl_gmm.yaml was chosen on seeds 17-18 (--quick); the reported sweeps use other seeds
-    seeds = list(range(100, 100 + (args.seeds or (3 if args.quick else 5))))
+    n_init = args.restarts or (2 if args.quick else 16)
+    # lambda for jobs/kl_gmm.yaml was chosen on seeds 17-18 (4 restarts); the reported sweeps use other seeds
+    seeds = list(range(100, 100 + (args.seeds or (1 if args.quick else 5))))
     methods = methods_for(args.lam, n_init)
     labels = list(methods)
     STYLE_ORDER[:] = labels
-    OUT.mkdir(parents=True, exist_ok=True)
     rows = []
-    sweeps = {"separation": [(s, 0.5) for s in SEPARATIONS], "noise": [(0.5, t) for t in NOISES]}
+    separations, noises = ([0.5], [1.0]) if args.quick else (SEPARATIONS, NOISES)
+    sweeps = {"separation": [(s, 0.5) for s in separations], "noise": [(0.5, t) for t in noises]}
     started = time.perf_counter()
     for sweep, grid in sweeps.items():
         if args.only and sweep != args.only:
@@ -224,26 +230,28 @@ def main() -> None:
                     + ", ".join(f"{label} {r['hausdorff']:.2f}/{r['size_error']:.2f}" for label, r in result.items()),
                     flush=True,
                 )
-    (OUT / "sweeps.json").write_text(
+    check_finite(rows, "sweeps")
+    (out / "sweeps.json").write_text(
         json.dumps(
             {"seeds": seeds, "n_init": n_init, "methods": methods, "rows": rows, "seconds": round(time.perf_counter() - started, 1)},
             indent=1,
         )
     )
     for sweep, key, values, xlabel, title in (
-        ("separation", "separation", SEPARATIONS, "mixture-mean separation s", "Figure 2: tau = 0.5"),
-        ("noise", "noise", NOISES, "local noise tau", "Figure 3: s = 0.5"),
+        ("separation", "separation", separations, "mixture-mean separation s", "Figure 2: tau = 0.5"),
+        ("noise", "noise", noises, "local noise tau", "Figure 3: s = 0.5"),
     ):
         sel = [r for r in rows if r["sweep"] == sweep]
         if not sel:
             continue
         table = plot(
-            sel, key, values, labels, xlabel, f"KL-fusion GMM, {title}, {len(seeds)} seeds (Hausdorff / size error)", OUT / f"{sweep}.png"
+            sel, key, values, labels, xlabel, f"KL-fusion GMM, {title}, {len(seeds)} seeds (Hausdorff / size error)", out / f"{sweep}.png"
         )
-        (OUT / f"{sweep}.md").write_text(
+        (out / f"{sweep}.md").write_text(
             f"Hausdorff error / |G_hat - G| / G, mean over {len(seeds)} seeds ({n_init} VI restarts)\n\n{table}\n"
         )
         print(table)
+    print(f"wrote {out / 'sweeps.json'}")
 
 
 if __name__ == "__main__":

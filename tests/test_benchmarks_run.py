@@ -85,12 +85,11 @@ def test_compare_flower_runs_without_flower_and_says_so_in_one_line(ray_session,
 
 def test_bench_aggregate_quick_runs(bench_round, monkeypatch, tmp_path, capsys):
     """bench_aggregate.py --quick with one pass: every kernel checked against np.average and timed (no Ray)."""
-    import _common
     import bench_aggregate
     from threadpoolctl import threadpool_info, threadpool_limits
 
-    monkeypatch.setattr(_common, "RESULTS_DIR", tmp_path)
-    monkeypatch.setattr(sys, "argv", ["bench_aggregate.py", "--quick", "--repeats", "1", "--quiet-timeout", "0"])
+    # a quick run writes to --out (default: a new temporary folder), never over the full run's results
+    monkeypatch.setattr(sys, "argv", ["bench_aggregate.py", "--quick", "--repeats", "1", "--quiet-timeout", "0", "--out", str(tmp_path)])
     before = [lib["num_threads"] for lib in threadpool_info()]
     with threadpool_limits(limits=None, user_api="blas"):  # restores the BLAS threads main() limits to one
         bench_aggregate.main()

@@ -2,8 +2,8 @@
 
 Grid: K in {2, 3, 5} x partition {iid, dirichlet0.5, label-disjoint} x init {shared, independent} x architectures
 {mlp, cnn, rescnn, transformer} x datasets {digits, mnist5k} x seeds {0, 1, 2} (``resnet18`` on request:
-``--archs resnet18``). ``--quick``: K=3, rescnn, dirichlet0.5, independent init, digits, seed 0, written under
-``benchmarks/results/aligned-quick/`` (not over the committed tables).
+``--archs resnet18``). ``--quick``: K=3, rescnn, dirichlet0.5, independent init, digits, seed 0, 5 local epochs, the
+clients trained afresh into ``--out`` (default: a new temporary folder), never over the committed tables or the cache.
 
 Each cell's clients are trained once (``train.py``, cached); then every method in :data:`METHODS` fuses them and the
 fused model is scored on the cell's test set. A method is a callable ``(TrainedCell) -> {label: {"accuracy": ...,
@@ -39,7 +39,8 @@ Usage (project virtualenv, repository root)::
 
 Writes ``<out>/accuracy.csv`` (one row per cell, seed and method label), ``<out>/accuracy.md`` (mean and standard
 deviation over seeds) and ``<out>/accuracy_<dataset>_<arch>.png``, and the raw rows to
-``benchmarks/results/aligned_accuracy.json``.
+``benchmarks/results/aligned_accuracy.json`` (``--quick``: ``<out>/aligned_accuracy_quick.json``). Without the rebasin
+environment its methods are left out, with a printed line.
 """
 
 from __future__ import annotations
@@ -63,9 +64,10 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from _common import machine_info, write_results  # noqa: E402
+from _common import machine_info, out_dir, write_results  # noqa: E402
 from arch import build_arch  # noqa: E402
 from train import (  # noqa: E402
+    CACHE_DIR,
     INITS,
     PARTITIONS,
     Cell,
@@ -83,7 +85,6 @@ from rayfuse.io import load_params  # noqa: E402
 REPO = HERE.parents[1]
 REBASIN_PYTHON = HERE.parent / ".venv-rebasin" / "bin" / "python"
 OUT_DIR = REPO / "docs" / "results" / "aligned"
-QUICK_OUT_DIR = REPO / "benchmarks" / "results" / "aligned-quick"  # --quick never overwrites the committed tables
 ARCHS = ("mlp", "cnn", "rescnn", "transformer")
 DATASETS = ("digits", "mnist5k")
 CLIENTS = (2, 3, 5)
@@ -489,11 +490,11 @@ def iterate_cells(
     return [Cell(a, d, p, k, i, s, epochs) for d, a, p, k, i, s in itertools.product(datasets, archs, partitions, clients, inits, seeds)]
 
 
-def run_grid(cells: Sequence[Cell], methods: Mapping[str, MethodFn]) -> list[dict[str, Any]]:
-    """Train (or read back) each cell's clients, run every method; one row per cell and method label."""
+def run_grid(cells: Sequence[Cell], methods: Mapping[str, MethodFn], cache_dir: Path = CACHE_DIR) -> list[dict[str, Any]]:
+    """Train (or read back from ``cache_dir``) each cell's clients, run every method; one row per cell and method label."""
     rows = []
     for cell in cells:
-        trained = train_cell(cell)
+        trained = train_cell(cell, cache_dir)
         print(f"{cell.key()} (clients trained in {trained.train_seconds:.1f} s)", flush=True)
         for name, method in methods.items():
             try:
@@ -727,14 +728,14 @@ def main() -> None:
     parser.add_argument("--partitions", nargs="+", default=list(PARTITIONS), choices=PARTITIONS)
     parser.add_argument("--inits", nargs="+", default=list(INITS), choices=INITS)
     parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
-    parser.add_argument("--epochs", type=int, default=20, help="local epochs of each client")
+    parser.add_argument("--epochs", type=int, default=None, help="local epochs of each client (default 20; --quick 5)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument(
         "--out",
         type=Path,
         default=None,
-        help=f"folder of the CSV, markdown table and plots (default {OUT_DIR.relative_to(REPO)}; with --quick, "
-        f"{QUICK_OUT_DIR.relative_to(REPO)})",
+        help=f"folder of the CSV, markdown table and plots (default {OUT_DIR.relative_to(REPO)}; with --quick, a new temporary "
+        "folder, which also holds the quick cell's checkpoints)",
     )
     parser.add_argument(
         "--render",
@@ -746,8 +747,9 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (more than the free cores slows tiny models 10-30x)")
     args = parser.parse_args()
-    if args.out is None:
-        args.out = QUICK_OUT_DIR if args.quick else OUT_DIR
+    args.out = out_dir(args.out, args.quick, OUT_DIR)
+    if args.epochs is None:
+        args.epochs = 5 if args.quick else 20
     import torch
 
     torch.set_num_threads(args.threads)
@@ -760,13 +762,19 @@ def main() -> None:
     if args.quick:
         axes = dict(QUICK)
     cells = iterate_cells(axes["archs"], axes["datasets"], axes["clients"], axes["partitions"], axes["inits"], axes["seeds"], args.epochs)
+    if "rebasin_mergemany" in args.methods and not REBASIN_PYTHON.exists():
+        print(f"rebasin not run: no rebasin environment at {REBASIN_PYTHON} (benchmarks/README.md, 'Aligned fusion')", flush=True)
+        args.methods = [m for m in args.methods if m != "rebasin_mergemany"]
     info = machine_info()
     print(f"aligned fusion accuracy: {len(cells)} cells x {len(args.methods)} methods, {info['cpus']} CPUs", flush=True)
-    rows = run_grid(cells, {name: METHODS[name] for name in args.methods})
+    # a quick run trains its cell afresh in its own folder: the same training code, and never the grid's cache
+    cache_dir = args.out / "checkpoints" if args.quick else CACHE_DIR
+    rows = run_grid(cells, {name: METHODS[name] for name in args.methods}, cache_dir)
     paths = write_outputs(rows, args.out, info)
     raw = write_results(
         "aligned_accuracy_quick" if args.quick else "aligned_accuracy",
-        {"machine": info, "axes": axes, "methods": args.methods, "rows": rows},
+        {"machine": info, "axes": axes, "epochs": args.epochs, "methods": args.methods, "rows": rows},
+        args.out if args.quick else None,
     )
     for path in [*paths, raw]:
         print(f"wrote {path}")

@@ -17,8 +17,10 @@ with the serial executor (``rayfuse_wm_serial``) and with threads (``rayfuse_wm_
 Usage (project virtualenv, repository root)::
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/aligned/speed.py [--models 2 4 8 16] [--threads 1] [--noise 0.01]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/aligned/speed.py --quick   # N = 2, every matcher, to a temporary folder
 
-Writes ``benchmarks/results/aligned_speed.json`` and ``docs/results/aligned/speed.md``.
+Writes ``benchmarks/results/aligned_speed.json`` and ``docs/results/aligned/speed.md`` (``--quick`` or ``--out DIR``:
+both to that folder). Without the rebasin environment its rows are left out, with a printed line.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from _common import machine_info, print_table, write_results  # noqa: E402
-from accuracy import OUT_DIR, run_rebasin  # noqa: E402
+from _common import add_quick_arguments, machine_info, out_dir, print_table, write_results  # noqa: E402
+from accuracy import OUT_DIR, REBASIN_PYTHON, run_rebasin  # noqa: E402
 from arch import build_arch, write_arch_spec  # noqa: E402
 
 from rayfuse.io import load_params, save_params  # noqa: E402
@@ -236,11 +238,14 @@ MATCHERS: dict[str, Callable[..., dict[str, Any]]] = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", type=int, default=[2, 4, 8, 16], help="N, the number of models merged")
+    parser.add_argument("--models", nargs="+", type=int, default=None, help="N, the number of models merged (default 2 4 8 16; --quick 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every matcher")
     parser.add_argument("--noise", type=float, default=0.01, help="noise added to each copy, in units of each tensor's std")
     parser.add_argument("--matchers", nargs="+", default=list(MATCHERS), choices=list(MATCHERS))
-    parser.add_argument("--out", type=Path, default=OUT_DIR)
+    add_quick_arguments(parser, "N = 2, every matcher", out=False)
+    parser.add_argument(
+        "--out", type=Path, default=None, help="folder of speed.md (default docs/results/aligned; the raw rows go there too)"
+    )
     parser.add_argument(
         "--rebasin-max-models",
         type=int,
@@ -248,6 +253,13 @@ def main() -> None:
         help="run rebasin only up to this N (its N=4 takes minutes on one thread); larger N: a 'not run' row",
     )
     args = parser.parse_args()
+    raw_dir = None if args.out is None and not args.quick else out_dir(args.out, args.quick)
+    args.out = raw_dir or OUT_DIR
+    if args.models is None:
+        args.models = [2] if args.quick else [2, 4, 8, 16]
+    if "rebasin_mergemany" in args.matchers and not REBASIN_PYTHON.exists():
+        print(f"rebasin not run: no rebasin environment at {REBASIN_PYTHON} (benchmarks/README.md, 'Aligned fusion')", flush=True)
+        args.matchers = [m for m in args.matchers if m != "rebasin_mergemany"]
 
     info = machine_info()
     spec_check = compare_spec_with_axes(derive_resnet18_spec(), resnet18_permutation_axes(make_models(1, noise=0.0)[0][0]))
@@ -319,7 +331,7 @@ def main() -> None:
     md = args.out / "speed.md"
     md.write_text("\n".join(lines) + "\n", encoding="utf-8")
     raw = write_results(
-        "aligned_speed", {"machine": info, "threads": args.threads, "noise": args.noise, "spec_check": spec_check, "rows": rows}
+        "aligned_speed", {"machine": info, "threads": args.threads, "noise": args.noise, "spec_check": spec_check, "rows": rows}, raw_dir
     )
     print(f"wrote {md}\nwrote {raw}")
 

@@ -17,7 +17,9 @@ Usage (project virtualenv, repository root)::
         --partition dirichlet0.5 --clients 3 --init independent --seed 0
 
 prints the cell's baselines (each local model, best local, ensemble, naive average with and without BatchNorm
-re-estimation on the public slice).
+re-estimation on the public slice). ``--out DIR`` puts the checkpoints under ``DIR`` instead of the cache and writes
+the baselines to ``DIR/train.json``; ``--quick`` trains the default cell for 2 epochs, afresh, into ``--out`` or a new
+temporary folder.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from rayfuse.models import get_params, predict_proba, set_params, train_model
 from rayfuse.seeding import derive_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+from _common import add_quick_arguments, machine_info, out_dir, write_results  # noqa: E402
 from arch import build_arch, example_input, write_arch_spec  # noqa: E402
 
 __all__ = [
@@ -336,14 +340,22 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--init", default="independent", choices=INITS)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument("--epochs", type=int, default=None, help=f"local epochs (default {EPOCHS}; --quick 2)")
     parser.add_argument("--retrain", action="store_true", help="ignore the cache")
+    add_quick_arguments(parser, "the default cell, 2 epochs, trained afresh")
     args = parser.parse_args()
+    if args.epochs is None:
+        args.epochs = 2 if args.quick else EPOCHS
+    out = out_dir(args.out, args.quick) if args.out is not None or args.quick else None
     cell = Cell(args.arch, args.dataset, args.partition, args.clients, args.init, args.seed, args.epochs)
-    trained = train_cell(cell, retrain=args.retrain)
+    trained = train_cell(cell, CACHE_DIR if out is None else out / "checkpoints", retrain=args.retrain)
     print(f"{cell.key()}: trained in {trained.train_seconds:.1f} s, checkpoints in {trained.folder}")
-    for name, value in evaluate_baselines(trained).items():
+    baselines = evaluate_baselines(trained)
+    for name, value in baselines.items():
         print(f"  {name:18s} {value:.4f}")
+    if out is not None:
+        payload = {"machine": machine_info(), "cell": cell.key(), "train_seconds": trained.train_seconds, "baselines": baselines}
+        print(f"wrote {write_results('train', payload, out)}")
 
 
 if __name__ == "__main__":

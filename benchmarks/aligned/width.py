@@ -16,10 +16,13 @@ Usage (project virtualenv, repository root)::
     PYTHONPATH=$PWD .venv/bin/python benchmarks/aligned/width.py [--archs rescnn] [--widths 16 32 64] \\
         [--clients 2 3 5] [--partitions iid dirichlet0.5] [--seeds 0 1 2] [--methods ...] [--out docs/results/aligned]
     PYTHONPATH=$PWD .venv/bin/python benchmarks/aligned/width.py --render RAW.json [RAW2.json ...]   # outputs only
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/aligned/width.py --quick   # widths 8, 16; K = 2, i.i.d., seed 0, 2 epochs
 
 Writes ``<out>/width.csv``, ``<out>/width.md`` (mean and std over seeds per cell and width, then the gap to the best
 local model) and ``<out>/width_<dataset>_<arch>.png`` (accuracy against width, a panel per partition and K), and the
-raw rows to ``benchmarks/results/aligned_width.json``.
+raw rows to ``benchmarks/results/aligned_width.json``. ``--quick`` (widths 8 and 16, K = 2, i.i.d., seed 0, 2 local
+epochs; best local, naive average, rayfuse's weight and activation matching) trains its cells afresh and writes
+everything, the raw rows included, to ``--out`` or a new temporary folder.
 """
 
 from __future__ import annotations
@@ -34,9 +37,13 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from _common import machine_info, write_results  # noqa: E402
+from _common import add_quick_arguments, machine_info, out_dir, write_results  # noqa: E402
 from accuracy import METHODS, OUT_DIR, read_raw, run_grid, write_outputs  # noqa: E402
-from train import PARTITIONS, WIDTH_KWARG, Cell  # noqa: E402
+from train import CACHE_DIR, PARTITIONS, WIDTH_KWARG, Cell  # noqa: E402
+
+# --quick: two widths of one small cell, the cheap one-shot methods (accuracy.py --quick runs every method)
+QUICK = {"widths": [8, 16], "clients": [2], "partitions": ["iid"], "seeds": [0], "epochs": 2}
+QUICK_METHODS = ["best_local", "naive_average", "rayfuse_wm", "rayfuse_am"]
 
 KEYS = ("dataset", "arch", "partition", "num_clients", "init", "model_width")
 WIDTHS = (16, 32, 64)
@@ -116,7 +123,8 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=20, help="local epochs of each client")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--out", type=Path, default=OUT_DIR, help="folder of width.csv, width.md and the plots")
+    add_quick_arguments(parser, f"{QUICK}, methods {QUICK_METHODS}", out=False)
+    parser.add_argument("--out", type=Path, default=None, help="folder of width.csv, width.md and the plots (default docs/results/aligned)")
     parser.add_argument(
         "--render",
         nargs="+",
@@ -127,6 +135,9 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     args = parser.parse_args()
+    args.out = out_dir(args.out, args.quick, OUT_DIR)
+    if args.quick:
+        vars(args).update(QUICK, methods=QUICK_METHODS)
     if any(w < 1 for w in args.widths):
         parser.error(f"--widths: expected positive integers, got {args.widths}")
     import torch
@@ -140,10 +151,11 @@ def main() -> None:
     cells = iterate_cells(args.archs, args.datasets, args.widths, args.clients, args.partitions, args.inits, args.seeds, args.epochs)
     info = machine_info()
     print(f"aligned fusion against width: {len(cells)} cells x {len(args.methods)} methods, {info['cpus']} CPUs", flush=True)
-    rows = run_grid(cells, {name: METHODS[name] for name in args.methods})
+    # a quick run trains its cells afresh in its own folder: the same training code, and never the grid's cache
+    rows = run_grid(cells, {name: METHODS[name] for name in args.methods}, args.out / "checkpoints" if args.quick else CACHE_DIR)
     for path in render(rows, args.out, info):
         print(f"wrote {path}")
-    print(f"wrote {write_results('aligned_width', {'machine': info, 'rows': rows})}")
+    print(f"wrote {write_results('aligned_width', {'machine': info, 'rows': rows}, args.out if args.quick else None)}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ Usage (project virtualenv, repository root)::
     PYTHONPATH=$PWD .venv/bin/python benchmarks/distill/accuracy.py --heterogeneous      # mlp + cnn + rescnn clients
 
 Writes ``<out>/accuracy.{csv,md}`` and ``<out>/accuracy_<dataset>_<arch>.png`` and the raw rows to
-``benchmarks/results/distill_accuracy.json``.
+``benchmarks/results/distill_accuracy.json``. ``--quick``: the quick cell with 3 local epochs and 100 student steps
+(``--params`` over that), its clients trained afresh; the raw rows (``distill_accuracy_quick.json``) and nothing else go
+to ``--out`` or a new temporary folder.
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "aligned"))
 sys.path.insert(0, str(HERE.parent))
 import accuracy as aligned  # noqa: E402
-from _common import machine_info, write_results  # noqa: E402
+from _common import machine_info, out_dir, write_results  # noqa: E402
 from arch import build_arch  # noqa: E402
-from train import PARTITIONS, Cell, TrainedCell, accuracy_of, build_model, train_cell  # noqa: E402
+from train import CACHE_DIR, PARTITIONS, Cell, TrainedCell, accuracy_of, build_model, train_cell  # noqa: E402
 
 from rayfuse.fusion.distill.algorithm import DistillParams  # noqa: E402
 from rayfuse.fusion.distill.student import distill_public, distill_synthetic, teacher_signal  # noqa: E402
@@ -184,12 +186,13 @@ def run_grid(
     *,
     both_repair: bool = False,
     save: Any = None,
+    cache_dir: Path = CACHE_DIR,
 ) -> list[dict[str, Any]]:
     """Every cell's references and distillation columns; ``save(rows)`` after each cell (a long grid interrupted keeps
-    what it finished)."""
+    what it finished). The clients' checkpoints are cached in ``cache_dir``."""
     rows: list[dict[str, Any]] = []
     for cell in cells:
-        trained = train_cell(cell)
+        trained = train_cell(cell, cache_dir)
         print(f"{cell.key()} (clients trained in {trained.train_seconds:.1f} s)", flush=True)
         results: dict[str, dict[str, Any]] = {}
         steps = (
@@ -392,7 +395,7 @@ def main() -> None:
     )
     parser.add_argument("--columns", nargs="*", default=list(COLUMNS), choices=list(COLUMNS))
     parser.add_argument("--params", type=json.loads, default={}, help="distill parameters over the defaults, as JSON")
-    parser.add_argument("--out", type=Path, default=OUT_DIR)
+    parser.add_argument("--out", type=Path, default=None, help="default docs/results/distill; --quick: a new temporary folder")
     parser.add_argument(
         "--raw",
         default=None,
@@ -404,6 +407,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--both-repair", action="store_true", help="also record each column with the other repair setting")
     args = parser.parse_args()
+    args.out = out_dir(args.out, args.quick, OUT_DIR)
+    raw_dir = args.out if args.quick else None  # a quick run's raw rows stay in its own folder
+    epochs = 3 if args.quick else Cell.epochs
+    if args.quick:
+        args.params = {"steps": 100, **args.params}
     if args.raw is None:
         args.raw = "distill_accuracy_quick" if args.quick else "distill_accuracy"
     torch.set_num_threads(args.threads)
@@ -429,7 +437,7 @@ def main() -> None:
         return
     axes = dict(QUICK) if args.quick else {k: getattr(args, k) for k in QUICK}
     cells = [
-        Cell(a, d, p, k, i, s, public_size=PUBLIC)
+        Cell(a, d, p, k, i, s, epochs, public_size=PUBLIC)
         for d in axes["datasets"]
         for a in axes["archs"]
         for p in axes["partitions"]
@@ -442,9 +450,11 @@ def main() -> None:
     )
 
     def save(rows: list[dict[str, Any]]) -> Any:
-        return write_results(args.raw, {"machine": info, "axes": axes, "params": args.params, "rows": rows})
+        return write_results(args.raw, {"machine": info, "axes": axes, "params": args.params, "rows": rows}, raw_dir)
 
-    rows = run_grid(cells, args.references, args.columns, args.params, both_repair=args.both_repair, save=save)
+    # a quick run trains its cell afresh in its own folder: the same training code, and never the grid's cache
+    cache_dir = args.out / "checkpoints" if args.quick else CACHE_DIR
+    rows = run_grid(cells, args.references, args.columns, args.params, both_repair=args.both_repair, save=save, cache_dir=cache_dir)
     print(f"wrote {save(rows)}")
 
 

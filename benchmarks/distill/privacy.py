@@ -13,8 +13,10 @@ cannot), 300 public inputs, 20 local epochs.
 Usage (project virtualenv, repository root)::
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/distill/privacy.py [--epsilons 1 4 8] [--seeds 0]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/distill/privacy.py --quick   # epsilon 8 and no DP, 3 clients, 2 epochs
 
-Writes ``docs/results/distill/privacy.md`` and ``benchmarks/results/distill_privacy.json``.
+Writes ``docs/results/distill/privacy.md`` and ``benchmarks/results/distill_privacy.json`` (``--quick`` or ``--out
+DIR``: both to that folder; ``--quick``: 3 clients trained 2 local epochs, 100 student steps).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from _common import machine_info, write_results  # noqa: E402
+from _common import add_quick_arguments, machine_info, out_dir, write_results  # noqa: E402
 
 OUT = HERE.parents[1] / "docs" / "results" / "distill" / "privacy.md"
 METHODS = {
@@ -40,22 +42,25 @@ METHODS = {
 }
 
 
-def run_one(epsilon: float | None, seed: int) -> dict[str, Any]:
+def run_one(epsilon: float | None, seed: int, *, quick: bool = False) -> dict[str, Any]:
     import rayfuse
 
+    methods = METHODS
+    if quick:  # the same run, smaller: 3 clients, 2 local epochs, 100 student steps
+        methods = {label: {**entry, "steps": 100} if entry.get("method") == "distill" else entry for label, entry in METHODS.items()}
     config = {
         "run": {"name": "distill-dp", "seed": seed},
         "data": {"dataset": "digits", "test_size": 0.2, "val_size": 0.1, "public_size": 300},
-        "partition": {"method": "dirichlet", "num_clients": 5, "alpha": 0.5},
+        "partition": {"method": "dirichlet", "num_clients": 3 if quick else 5, "alpha": 0.5},
         "model": {"name": "mlp", "hidden": [64, 64]},
         "train": {
-            "epochs": 20,
+            "epochs": 2 if quick else 20,
             "batch_size": 32,
             "lr": 0.005,
             **({"dp": {"target_epsilon": epsilon, "delta": 1e-4, "max_grad_norm": 1.0}} if epsilon else {}),
         },
         "federation": {"backend": "local"},
-        "methods": METHODS,
+        "methods": methods,
     }
     with tempfile.TemporaryDirectory(prefix="distill-dp-") as tmp, contextlib.redirect_stdout(io.StringIO()):
         result = rayfuse.run(config, run_dir=Path(tmp) / "run", quiet=True)
@@ -69,13 +74,18 @@ def run_one(epsilon: float | None, seed: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epsilons", nargs="+", type=float, default=[1.0, 4.0, 8.0])
+    parser.add_argument("--epsilons", nargs="+", type=float, default=None, help="default 1 4 8; --quick 8")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    add_quick_arguments(parser, "epsilon 8 and no DP, 3 clients trained 2 epochs, 100 student steps")
     args = parser.parse_args()
+    if args.epsilons is None:
+        args.epsilons = [8.0] if args.quick else [1.0, 4.0, 8.0]
+    raw_dir = None if args.out is None and not args.quick else out_dir(args.out, args.quick)
+    markdown = OUT if raw_dir is None else raw_dir / "privacy.md"
     rows = []
     for seed in args.seeds:
         for epsilon in [*args.epsilons, None]:
-            rows.append(run_one(epsilon, seed))
+            rows.append(run_one(epsilon, seed, quick=args.quick))
             print(rows[-1], flush=True)
     info = machine_info()
     lines = [
@@ -95,9 +105,9 @@ def main() -> None:
         lines.append(
             f"| {eps} | {spent} | {r['seed']} | {r['local']:.3f} | {r['ensemble']:.3f} | {r['distill']:.3f} | {r['distill-free']:.3f} |"
         )
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print(f"wrote {OUT}\nwrote {write_results('distill_privacy', {'machine': info, 'rows': rows})}")
+    markdown.parent.mkdir(parents=True, exist_ok=True)
+    markdown.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print(f"wrote {markdown}\nwrote {write_results('distill_privacy', {'machine': info, 'quick': args.quick, 'rows': rows}, raw_dir)}")
 
 
 if __name__ == "__main__":

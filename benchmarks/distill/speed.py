@@ -17,8 +17,10 @@ Usage (project virtualenv, repository root)::
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/distill/speed.py [--teachers 2 5 10] [--archs cnn rescnn] [--device cuda]
     PYTHONPATH=$PWD .venv/bin/python benchmarks/distill/speed.py --ray      # the predictions-only measurement only
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/distill/speed.py --quick    # mlp, K = 2, one pass; a small run on Ray
 
-Writes ``docs/results/distill/speed.md`` and ``benchmarks/results/distill_speed.json``.
+Writes ``docs/results/distill/speed.md`` and ``benchmarks/results/distill_speed.json`` (``--quick`` or ``--out DIR``:
+both to that folder; ``--quick``'s run on Ray: 3 clients trained 2 epochs, 100 student steps).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "aligned"))
 sys.path.insert(0, str(HERE.parent))
-from _common import machine_info, write_results  # noqa: E402
+from _common import add_quick_arguments, machine_info, out_dir, write_results  # noqa: E402
 from arch import build_arch  # noqa: E402
 
 from rayfuse.fusion.distill.algorithm import DistillParams  # noqa: E402
@@ -143,8 +145,11 @@ def bank_vs_per_step(arch: str, k: int, device: str, steps: int = 200, batch: in
     }
 
 
-def predictions_only_on_ray(clients: int = 5) -> dict[str, Any]:
-    """``distill`` with the parameters uploaded and with predictions only, on a local Ray (one run, both methods)."""
+def predictions_only_on_ray(clients: int = 5, *, quick: bool = False) -> dict[str, Any]:
+    """``distill`` with the parameters uploaded and with predictions only, on a local Ray (one run, both methods);
+    ``quick``: 3 clients trained 2 epochs, 100 student steps."""
+    if quick:
+        clients = 3
     import rayfuse
 
     config = {
@@ -152,11 +157,11 @@ def predictions_only_on_ray(clients: int = 5) -> dict[str, Any]:
         "data": {"dataset": "digits", "public_size": 300},
         "partition": {"method": "dirichlet", "num_clients": clients, "alpha": 0.5},
         "model": {"name": "mlp", "hidden": [64, 64]},
-        "train": {"epochs": 20},
+        "train": {"epochs": 2 if quick else 20},
         "federation": {"backend": "ray", "ray_init": {"num_cpus": 2, "include_dashboard": False}},
         "methods": {
-            "parameters": {"method": "distill", "init": "random"},
-            "clients": {"method": "distill", "init": "random", "teachers": "clients"},
+            "parameters": {"method": "distill", "init": "random", **({"steps": 100} if quick else {})},
+            "clients": {"method": "distill", "init": "random", "teachers": "clients", **({"steps": 100} if quick else {})},
         },
     }
     with tempfile.TemporaryDirectory(prefix="distill-speed-") as tmp, contextlib.redirect_stdout(io.StringIO()):
@@ -169,7 +174,7 @@ def predictions_only_on_ray(clients: int = 5) -> dict[str, Any]:
     return {"num_clients": clients, **row, "clients_over_parameters": round(row["clients"]["seconds"] / row["parameters"]["seconds"], 2)}
 
 
-def write_markdown(payload: dict[str, Any]) -> Path:
+def write_markdown(payload: dict[str, Any], path: Path = OUT) -> Path:
     info = payload["machine"]
     lines = [
         "# Distillation: speed",
@@ -244,27 +249,34 @@ def write_markdown(payload: dict[str, Any]) -> Path:
             "seeds derive from their labels, so their transfer banks (and accuracies) differ; `tests/fusion/test_distill.py` "
             "checks that with one seed the two students are equal.",
         ]
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return OUT
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--teachers", nargs="+", type=int, default=[2, 5, 10])
-    parser.add_argument("--archs", nargs="+", default=["mlp", "cnn", "rescnn"], choices=sorted(KWARGS))
+    parser.add_argument("--teachers", nargs="+", type=int, default=None, help="K (default 2 5 10; --quick 2)")
+    parser.add_argument("--archs", nargs="+", default=None, choices=sorted(KWARGS), help="default mlp cnn rescnn; --quick mlp")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=None, help="default 2; --quick 1")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--ray", action="store_true", help="only the predictions-only measurement on a local Ray")
     parser.add_argument("--no-ray", action="store_true", help="skip the measurement on Ray")
     parser.add_argument("--render", action="store_true", help="only write the markdown from benchmarks/results/distill_speed.json")
+    add_quick_arguments(parser, "mlp, K = 2, one pass, and a small predictions-only run on Ray")
     args = parser.parse_args()
+    for key, full, quick in (("teachers", [2, 5, 10], [2]), ("archs", ["mlp", "cnn", "rescnn"], ["mlp"]), ("repeats", 2, 1)):
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
+    raw_dir = None if args.out is None and not args.quick else out_dir(args.out, args.quick)
+    markdown = OUT if raw_dir is None else raw_dir / "speed.md"
     torch.set_num_threads(args.threads)
     if args.render:
         import json
 
-        print(f"wrote {write_markdown(json.loads((HERE.parent / 'results' / 'distill_speed.json').read_text(encoding='utf-8')))}")
+        raw = (raw_dir or HERE.parent / "results") / "distill_speed.json"
+        print(f"wrote {write_markdown(json.loads(raw.read_text(encoding='utf-8')), markdown)}")
         return
     payload: dict[str, Any] = {"machine": machine_info(), "batched": [], "teachers": [], "bank": []}
     if not args.ray:
@@ -277,9 +289,9 @@ def main() -> None:
             payload["bank"].append(bank_vs_per_step(arch, max(args.teachers), args.device))
             print(payload["bank"][-1], flush=True)
     if not args.no_ray:
-        payload["ray"] = predictions_only_on_ray()
+        payload["ray"] = predictions_only_on_ray(quick=args.quick)
         print(payload["ray"], flush=True)
-    print(f"wrote {write_markdown(payload)}\nwrote {write_results('distill_speed', payload)}")
+    print(f"wrote {write_markdown(payload, markdown)}\nwrote {write_results('distill_speed', payload, raw_dir)}")
 
 
 if __name__ == "__main__":

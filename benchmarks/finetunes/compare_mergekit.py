@@ -18,8 +18,11 @@ Set-up (mergekit in its own environment, sharing this one's torch and transforme
 Usage::
 
     python benchmarks/finetunes/compare_mergekit.py [--hidden 64 --layers 2] [--models 3] [--threads 2]
+    python benchmarks/finetunes/compare_mergekit.py --quick   # hidden 32, 1 layer, 2 fine-tunes, linear and ties
 
-Writes ``benchmarks/results/finetunes/compare_mergekit.json`` and prints a markdown table.
+Writes ``benchmarks/results/finetunes/compare_mergekit.json`` (``--quick`` or ``--out DIR``: to that folder, with the
+models) and prints a markdown table. Without mergekit's environment only rayfuse's merges run (a line says so), and
+each output is checked: every tensor of the base is there, finite.
 """
 
 from __future__ import annotations
@@ -131,19 +134,31 @@ def tensors(folder: Path) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--models", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=None, help="default 64; --quick 32")
+    parser.add_argument("--layers", type=int, default=None, help="default 2; --quick 1")
+    parser.add_argument("--models", type=int, default=None, help="default 3; --quick 2")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--methods", nargs="*", default=["linear", "task_arithmetic", "ties", "slerp"])
+    parser.add_argument("--methods", nargs="*", default=None, help="default linear task_arithmetic ties slerp; --quick linear ties")
     parser.add_argument("--work", type=Path, default=None, help="a folder for the models (default: a temporary one, removed)")
     parser.add_argument("--build", type=Path, default=None, help=argparse.SUPPRESS)  # the subprocess that builds the models
+    parser.add_argument("--quick", action="store_true", help="hidden 32, 1 layer, 2 fine-tunes, linear and ties; to --out")
+    parser.add_argument("--out", type=Path, default=None, help="folder for the results and the models (--quick: a temporary one)")
     args = parser.parse_args()
+    quick = {"hidden": 32, "layers": 1, "models": 2, "methods": ["linear", "ties"]}
+    full = {"hidden": 64, "layers": 2, "models": 3, "methods": ["linear", "task_arithmetic", "ties", "slerp"]}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.build is not None:
         build(args.build, args.hidden, args.layers, args.models)
         return
+    results = RESULTS
+    if args.quick or args.out is not None:
+        args.out = Path(args.out or tempfile.mkdtemp(prefix="rayfuse-bench-quick-"))
+        args.work = args.work or args.out / "models"
+        results = args.out / "compare_mergekit.json"
     if not MERGEKIT.exists():
-        sys.exit(f"mergekit is not installed in {MERGEKIT.parent.parent} (see this script's docstring)")
+        print(f"mergekit not run: it is not installed in {MERGEKIT.parent.parent} (see this script's docstring); rayfuse's merges only")
     import yaml
 
     work = args.work or Path(tempfile.mkdtemp(prefix="rayfuse-mergekit-"))
@@ -176,33 +191,36 @@ def main() -> None:
         path.write_text(yaml.safe_dump(config))
         for out in ("mk", "rf"):
             shutil.rmtree(work / f"{name}-{out}", ignore_errors=True)
-        mk_wall, mk_rss, _ = timed(
-            [str(MERGEKIT), str(path), str(work / f"{name}-mk"), "--out-shard-size", "2B", "--no-copy-tokenizer"], env
-        )
+        mk_wall, mk_rss = float("nan"), 0
+        if MERGEKIT.exists():
+            mk_wall, mk_rss, _ = timed(
+                [str(MERGEKIT), str(path), str(work / f"{name}-mk"), "--out-shard-size", "2B", "--no-copy-tokenizer"], env
+            )
         rf_config = work / f"{name}-rf.yaml"
         rf_config.write_text(yaml.safe_dump({**config, "threads": args.threads}))
         rf_wall, rf_rss, _ = timed([sys.executable, "-m", "rayfuse", "fuse", str(rf_config), str(work / f"{name}-rf")], env)
         runs[name] = (mk_wall, mk_rss, rf_wall, rf_rss)
     rows = []
     for name, (mk_wall, mk_rss, rf_wall, rf_rss) in runs.items():
-        a, b = tensors(work / f"{name}-mk"), tensors(work / f"{name}-rf")
-        missing = sorted(set(a) ^ set(b))
-        diff = max(float((a[k].float() - b[k].float()).abs().max()) for k in a if k in b)
-        rows.append(
-            {
-                "method": name,
-                "tensors": len(a),
-                "names_differ": missing[:5],
-                "max_abs_diff": diff,
-                "mergekit_s": mk_wall,
-                "rayfuse_s": rf_wall,
-                "mergekit_rss_mib": mk_rss / 2**20,
-                "rayfuse_rss_mib": rf_rss / 2**20,
-            }
-        )
+        b = tensors(work / f"{name}-rf")
+        base = tensors(work / "base")
+        lost = sorted(set(base) - set(b))
+        nonfinite = sorted(k for k, t in b.items() if not bool(t.float().isfinite().all()))
+        if lost or nonfinite:
+            sys.exit(f"{name}: rayfuse's output lacks {lost[:5]} or has non-finite tensors {nonfinite[:5]}")
+        row: dict[str, Any] = {"method": name, "tensors": len(b), "rayfuse_s": rf_wall, "rayfuse_rss_mib": rf_rss / 2**20}
+        if MERGEKIT.exists():
+            a = tensors(work / f"{name}-mk")
+            row.update(
+                names_differ=sorted(set(a) ^ set(b))[:5],
+                max_abs_diff=max(float((a[k].float() - b[k].float()).abs().max()) for k in a if k in b),
+                mergekit_s=mk_wall,
+                mergekit_rss_mib=mk_rss / 2**20,
+            )
+        rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(
         json.dumps(
             {
                 "hidden": args.hidden,
@@ -211,6 +229,7 @@ def main() -> None:
                 "threads": args.threads,
                 "base_mib": size / 2**20,
                 "cpus": os.cpu_count(),
+                "mergekit": MERGEKIT.exists(),
                 "rows": rows,
             },
             indent=2,
@@ -223,10 +242,10 @@ def main() -> None:
     print("| merge | tensors | max abs difference | mergekit s | rayfuse s | mergekit peak RSS MiB | rayfuse peak RSS MiB |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(
-            f"| {r['method']} | {r['tensors']} | {r['max_abs_diff']:.3g} | {r['mergekit_s']:.1f} | {r['rayfuse_s']:.1f} | "
-            f"{r['mergekit_rss_mib']:.0f} | {r['rayfuse_rss_mib']:.0f} |"
-        )
+        mk = f"{r['max_abs_diff']:.3g} | {r['mergekit_s']:.1f}" if "mergekit_s" in r else "(mergekit not run) | -"
+        mk_rss = f"{r['mergekit_rss_mib']:.0f}" if "mergekit_rss_mib" in r else "-"
+        print(f"| {r['method']} | {r['tensors']} | {mk} | {r['rayfuse_s']:.1f} | {mk_rss} | {r['rayfuse_rss_mib']:.0f} |")
+    print(f"wrote {results}")
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
 

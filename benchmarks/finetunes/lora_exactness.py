@@ -16,8 +16,10 @@ each output adapter's ``B A`` (its scaling is 1) is compared with it:
 Usage (repository root)::
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/finetunes/lora_exactness.py [--models 3 5 8] [--seed 0]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/finetunes/lora_exactness.py --quick [--out DIR/lora_exactness.md]
 
-Prints the table and writes ``docs/results/finetunes/lora_exactness.md``.
+Prints the table and writes ``docs/results/finetunes/lora_exactness.md`` (``--quick``: 3 adapters, the same checks;
+the table and its rows, ``lora_exactness.json``, go to ``--out`` or a temporary folder).
 """
 
 from __future__ import annotations
@@ -175,10 +177,16 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", type=int, nargs="+", default=[3, 5, 8])
+    parser.add_argument("--models", type=int, nargs="+", default=None, help="default 3 5 8; --quick 3")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "finetunes" / "lora_exactness.md")
+    parser.add_argument("--out", type=Path, default=None, help="the markdown file (default docs/results/finetunes/lora_exactness.md)")
+    parser.add_argument("--quick", action="store_true", help="3 adapters only; the table to --out or a temporary folder")
     args = parser.parse_args()
+    if args.models is None:
+        args.models = [3] if args.quick else [3, 5, 8]
+    if args.out is None:
+        folder = Path(tempfile.mkdtemp(prefix="rayfuse-bench-quick-")) if args.quick else ROOT / "docs" / "results" / "finetunes"
+        args.out = folder / "lora_exactness.md"
     rows = [case(n, args.seed) for n in args.models]
     text = table(rows)
     print(text)
@@ -206,6 +214,9 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(header + text + notes, encoding="utf-8")
     print(f"wrote {args.out}")
+    if args.quick:  # the rows too, for a check of the numbers (the full run's committed output stays the table)
+        args.out.with_suffix(".json").write_text(json.dumps({"seed": args.seed, "rows": rows}, indent=1, default=float) + "\n")
+        print(f"wrote {args.out.with_suffix('.json')}")
 
 
 if __name__ == "__main__":

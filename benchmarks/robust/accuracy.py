@@ -14,7 +14,7 @@ rows to ``RAW`` (JSON lines), so an interrupted grid resumes where it stopped; `
 csv and the plot from ``RAW`` alone::
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/robust/accuracy.py   # the grid (~25 min, 1 core)
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/robust/accuracy.py --quick               # one cell, a smoke run
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/robust/accuracy.py --quick               # one cell, a smoke run (--out)
     PYTHONPATH=$PWD .venv/bin/python benchmarks/robust/accuracy.py --render              # tables from the raw rows
 """
 
@@ -35,7 +35,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from _common import machine_info  # noqa: E402
+from _common import add_quick_arguments, machine_info, out_dir, write_results  # noqa: E402
 
 OUT_DIR = HERE.parent.parent / "docs" / "results" / "robust"
 RAW = OUT_DIR / "accuracy_raw.jsonl"
@@ -286,16 +286,20 @@ def plot(stats: Mapping[tuple[str, str, str, str, int], tuple[float, float, int]
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the missing cells of the grid (or ``--quick``'s one), then render."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one cell (Dirichlet, seed 0, one sign-flipper); writes nothing")
     parser.add_argument("--render", action="store_true", help="only rebuild the tables from the raw rows")
+    add_quick_arguments(parser, "Dirichlet, seed 0, one sign-flipper; its rows go to --out/robust_accuracy.json, not to the grid's")
     args = parser.parse_args(argv)
     meta_path = OUT_DIR / "accuracy_meta.json"
     if args.render:
         render(read_raw(), json.loads(meta_path.read_text()) if meta_path.exists() else {})
         return 0
     if args.quick:
-        for row in run_cell(*list_cells(True)[0]):
+        rows = run_cell(*list_cells(True)[0])
+        for row in rows:
             print(row)
+        print(
+            f"wrote {write_results('robust_accuracy', {'machine': machine_info(), 'quick': True, 'rows': rows}, out_dir(args.out, True))}"
+        )
         return 0
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     meta = {**machine_info(), "command": "PYTHONPATH=$PWD OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/robust/accuracy.py"}

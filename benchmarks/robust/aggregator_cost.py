@@ -7,6 +7,7 @@ Multi-Krum m = n - f = 9, trimmed mean beta 0.1 and 0.2, clipping to norm 1 arou
 ``docs/results/robust/cost.{md,csv,json,png}``::
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/robust/aggregator_cost.py   # ~2 min
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/robust/aggregator_cost.py --quick   # the quickstart size, 2 passes, to a temporary folder
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+from _common import add_quick_arguments, out_dir  # noqa: E402
 from compare_flower_robust import FLOWER_PYTHON, compare  # noqa: E402
 
 OUT_DIR = HERE.parent.parent / "docs" / "results" / "robust"
 QUICKSTART_PARAMS = 8_970  # rayfuse's quickstart MLP [64, 64] on digits
 SIZES = {QUICKSTART_PARAMS: 50, 1_000_000: 5}  # parameters: timed repeats
+QUICK_SIZES = {QUICKSTART_PARAMS: 2}
 
 
 def measure(clients: int, sizes: Mapping[int, int], flower_python: Path) -> list[dict[str, Any]]:
@@ -43,8 +46,8 @@ def _fmt(value: Any, spec: str) -> str:
     return "" if value is None else format(value, spec)
 
 
-def render(payloads: Sequence[Mapping[str, Any]], command: str) -> None:
-    """Write ``cost.md``, ``cost.csv``, ``cost.json`` and ``cost.png``."""
+def render(payloads: Sequence[Mapping[str, Any]], command: str, out: Path = OUT_DIR) -> None:
+    """Write ``cost.md``, ``cost.csv``, ``cost.json`` and ``cost.png`` to ``out``."""
     machine = payloads[0]["machine"]
     flower = payloads[0]["flower"]
     lines = [
@@ -82,14 +85,15 @@ def render(payloads: Sequence[Mapping[str, Any]], command: str) -> None:
         lines.append("")
     if payloads[0]["flower_missing"]:
         lines += [f"Flower not measured: {payloads[0]['flower_missing']}", ""]
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    (OUT_DIR / "cost.md").write_text("\n".join(lines))
-    (OUT_DIR / "cost.csv").write_text("\n".join(csv) + "\n")
-    (OUT_DIR / "cost.json").write_text(json.dumps({"command": command, "payloads": payloads}, indent=2, default=float) + "\n")
-    plot(payloads)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cost.md").write_text("\n".join(lines))
+    (out / "cost.csv").write_text("\n".join(csv) + "\n")
+    (out / "cost.json").write_text(json.dumps({"command": command, "payloads": payloads}, indent=2, default=float) + "\n")
+    plot(payloads, out)
+    print(f"wrote {out / 'cost.md'}, cost.csv, cost.json, cost.png")
 
 
-def plot(payloads: Sequence[Mapping[str, Any]]) -> None:
+def plot(payloads: Sequence[Mapping[str, Any]], out: Path = OUT_DIR) -> None:
     """``cost.png``: each rule's time over ``weighted_average``'s and over Flower's, one panel per size (log scale)."""
     import matplotlib
 
@@ -110,7 +114,7 @@ def plot(payloads: Sequence[Mapping[str, Any]]) -> None:
         ax.set_ylabel("time ratio")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(OUT_DIR / "cost.png", dpi=110)
+    fig.savefig(out / "cost.png", dpi=110)
     plt.close(fig)
 
 
@@ -119,9 +123,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--flower-python", type=Path, default=FLOWER_PYTHON)
+    add_quick_arguments(parser, f"{QUICKSTART_PARAMS:,} parameters only, 2 passes")
     args = parser.parse_args(argv)
-    command = "PYTHONPATH=$PWD OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/robust/aggregator_cost.py"
-    render(measure(args.clients, SIZES, args.flower_python), command)
+    command = "PYTHONPATH=$PWD OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/robust/aggregator_cost.py" + (
+        " --quick" if args.quick else ""
+    )
+    render(measure(args.clients, QUICK_SIZES if args.quick else SIZES, args.flower_python), command, out_dir(args.out, args.quick, OUT_DIR))
     return 0
 
 

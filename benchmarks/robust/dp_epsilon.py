@@ -10,9 +10,11 @@ planned rounds; the non-private reference is FedAvg with the same clients, round
 Usage (niced, in-process)::
 
     nice -n 10 python benchmarks/robust/dp_epsilon.py [--seeds 0 1 2] [--rounds 40] [--out docs/results/robust]
+    python benchmarks/robust/dp_epsilon.py --quick   # seed 0, epsilon 8, 20 clients, 2 rounds of 1 epoch; a temporary --out
 
 Writes ``dp_epsilon.csv`` (one row per method x seed), ``dp_epsilon.md`` (mean and spread, the machine, the
-command) and ``dp_epsilon.png`` (accuracy against epsilon) under ``--out``.
+command), ``dp_epsilon.json`` (the same summary; epsilon ``null`` for the non-private row) and ``dp_epsilon.png``
+(accuracy against epsilon) under ``--out``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from _common import machine_info  # noqa: E402
+from _common import add_quick_arguments, machine_info, out_dir, write_results  # noqa: E402
 
 EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0)
 
@@ -91,17 +93,23 @@ def plot(path: Path, summary: list[dict[str, Any]], title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--epsilons", type=float, nargs="+", default=list(EPSILONS))
-    parser.add_argument("--clients", type=int, default=100)
-    parser.add_argument("--sample-rate", type=float, default=0.1)
-    parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--local-epochs", type=int, default=2)
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (--quick: 0)")
+    parser.add_argument("--epsilons", type=float, nargs="+", default=None, help=f"default {' '.join(map(str, EPSILONS))} (--quick: 8)")
+    parser.add_argument("--clients", type=int, default=None, help="default 100 (--quick: 20)")
+    parser.add_argument("--sample-rate", type=float, default=None, help="default 0.1 (--quick: 0.25)")
+    parser.add_argument("--rounds", type=int, default=None, help="default 40 (--quick: 2)")
+    parser.add_argument("--local-epochs", type=int, default=None, help="default 2 (--quick: 1)")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--clip-norm", type=float, default=1.0)
     parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "robust")
+    add_quick_arguments(parser, "seed 0, epsilon 8, 20 clients sampled at 0.25, 2 rounds of 1 local epoch")
     args = parser.parse_args(argv)
+    quick_defaults = {"seeds": [0], "epsilons": [8.0], "clients": 20, "sample_rate": 0.25, "rounds": 2, "local_epochs": 1}
+    full_defaults = {"seeds": [0, 1, 2], "epsilons": list(EPSILONS), "clients": 100, "sample_rate": 0.1, "rounds": 40, "local_epochs": 2}
+    for key, value in (quick_defaults if args.quick else full_defaults).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.out = out_dir(args.out, args.quick, ROOT / "docs" / "results" / "robust")
 
     import rayfuse
 
@@ -127,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"seed {seed}: " + ", ".join(f"{r['method']} {r['accuracy']:.3f}" for r in rows if r["seed"] == seed), flush=True)
     seconds = time.perf_counter() - started
 
-    args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "dp_epsilon.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -154,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     plot(args.out / "dp_epsilon.png", summary, setting)
     machine = machine_info()
+    private = [{k: (None if r["method"] == "nonprivate" and "epsilon" in k else v) for k, v in r.items()} for r in summary]
+    write_results("dp_epsilon", {"machine": machine, "setting": setting, "seeds": args.seeds, "summary": private}, args.out)
     command = "nice -n 10 python benchmarks/robust/dp_epsilon.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
         "# Central DP-FedAvg: accuracy against epsilon",
@@ -186,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     (args.out / "dp_epsilon.md").write_text("\n".join(lines))
     print("\n".join(lines))
+    print(f"wrote {args.out}/dp_epsilon.{{md,csv,json,png}}")
     return 0
 
 

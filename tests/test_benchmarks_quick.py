@@ -1,0 +1,196 @@
+"""Every benchmark entry script under ``benchmarks/`` has a quick mode, and each quick mode runs on the current engine.
+
+A benchmark that no check runs rots: a refactor broke ``bench_round.py`` and ``compare_flower.py`` once and nothing
+noticed. ``benchmarks/quick.txt`` lists one quick command per entry script (``benchmarks/run_all.sh --quick`` runs
+the same list); this module finds every entry script (a ``.py`` with a ``__main__`` block, or a ``.sh``), fails for one
+that the list lacks (so a new benchmark must add its quick mode), and runs each listed command as a subprocess, as a
+person would from the repository root: exit status 0, no traceback, and the results it wrote under ``{out}`` hold the
+expected keys and only finite numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+QUICK_LIST = BENCHMARKS / "quick.txt"
+MAIN_BLOCK = re.compile(r"^if __name__ == [\"']__main__[\"']:", re.MULTILINE)
+
+# Files under benchmarks/ that are not benchmarks of their own, each with why (a new one must be added here on purpose).
+NOT_ENTRY_SCRIPTS = {
+    "benchmarks/_common.py": "helpers shared by the scripts",
+    "benchmarks/_steps.py": "the round benchmark's client step, importable by Ray workers",
+    "benchmarks/aligned/arch.py": "the aligned benchmark's models, imported by both virtualenvs",
+    "benchmarks/aligned/rebasin_runner.py": "rebasin's side of aligned/accuracy.py and aligned/speed.py, in rebasin's virtualenv",
+    "benchmarks/flower_round.py": "Flower's side of compare_flower.py, in Flower's virtualenv",
+    "benchmarks/flower_robust.py": "Flower's side of compare_flower_robust.py, in Flower's virtualenv",
+    "benchmarks/run_all.sh": "runs benchmarks/quick.txt itself (--quick)",
+    "benchmarks/gpu/check.py": "the GPU check's driver, run by benchmarks/gpu/check.sh",
+}
+
+# Quick modes other branches are adding now (bench_round.py's --quick, bench_large.py and the GPU check of issue 29,
+# the fine-tune accuracy benchmark of issue 28): listed in quick.txt with the command they will have, and skipped ONLY
+# while the script (or, for bench_round.py, its --quick) is not there yet. Once the lead has merged them, they run like
+# every other line. Script -> the text the script must hold for its line to run (None: the file alone).
+PENDING = {
+    "benchmarks/bench_round.py": "--quick",
+    "benchmarks/bench_large.py": None,
+    "benchmarks/gpu/check.sh": None,
+    "benchmarks/finetunes/accuracy.py": None,
+}
+# helpers of those pending scripts, not required to exist before them
+PENDING_HELPERS = {"benchmarks/gpu/check.py"}
+
+# What each quick run that writes under {out} must write: a JSON file there and the top-level keys it holds.
+EXPECTED: dict[str, tuple[str, set[str]]] = {
+    "benchmarks/bench_aggregate.py": ("bench_aggregate.json", {"machine", "rows", "targets", "chunk_sweep"}),
+    "benchmarks/bench_epgan.py": ("bench_epgan.json", {"machine", "toy", "server_product"}),
+    "benchmarks/bench_fedref.py": ("bench_fedref.json", {"machine", "client", "server"}),
+    "benchmarks/bench_gems.py": ("bench_gems.json", {"machine", "convex", "neurons", "kmeans"}),
+    "benchmarks/bench_kl.py": ("kl_bench.json", {"machine", "throughput", "overhead", "exact_vs_relaxed", "summary"}),
+    "benchmarks/kl_report.py": ("sweeps.json", {"rows", "methods", "seeds"}),
+    "benchmarks/gems_report.py": ("raw.json", {"logreg-K2-seed0", "mlp-K2-seed0"}),
+    "benchmarks/epgan_report.py": ("report.json", {"epgan-toy-s0"}),
+    "benchmarks/fedref_report.py": ("report.json", {"fedref-digits"}),
+    "benchmarks/fedsa_report.py": ("report.json", {"run-fedsa_digits"}),
+    "benchmarks/compare_flower.py": ("compare_flower.json", {"machine", "rayfuse", "flower", "comparison"}),
+    "benchmarks/compare_flower_robust.py": ("compare_flower_robust.json", {"machine", "rows", "weighted_average_s"}),
+    "benchmarks/robust/aggregator_cost.py": ("cost.json", {"command", "payloads"}),
+    "benchmarks/robust/accuracy.py": ("robust_accuracy.json", {"machine", "rows"}),
+    "benchmarks/robust/dp_epsilon.py": ("dp_epsilon.json", {"machine", "summary"}),
+    "benchmarks/aligned/train.py": ("train.json", {"cell", "baselines"}),
+    "benchmarks/aligned/accuracy.py": ("aligned_accuracy_quick.json", {"machine", "rows"}),
+    "benchmarks/aligned/width.py": ("aligned_width.json", {"machine", "rows"}),
+    "benchmarks/aligned/speed.py": ("aligned_speed.json", {"machine", "rows", "spec_check"}),
+    "benchmarks/distill/accuracy.py": ("distill_accuracy_quick.json", {"machine", "rows"}),
+    "benchmarks/distill/speed.py": ("distill_speed.json", {"machine", "batched", "teachers", "bank", "ray"}),
+    "benchmarks/distill/privacy.py": ("distill_privacy.json", {"machine", "rows"}),
+    "benchmarks/finetunes/compare_mergekit.py": ("compare_mergekit.json", {"rows", "mergekit"}),
+    "benchmarks/finetunes/lora_exactness.py": ("lora_exactness.json", {"rows"}),
+    "benchmarks/finetunes/accuracy.py": ("finetunes_accuracy.json", {"summary", "runs", "meta"}),
+}
+
+# Quick runs that start a local Ray of their own (in the subprocess): marked like the other tests that need Ray.
+STARTS_RAY = {
+    "benchmarks/bench_kl.py",
+    "benchmarks/compare_flower.py",
+    "benchmarks/aligned/speed.py",
+    "benchmarks/distill/speed.py",
+    "benchmarks/bench_round.py",
+    "benchmarks/bench_large.py",
+    "benchmarks/gpu/check.sh",
+}
+
+
+def quick_lines() -> list[tuple[str, list[str]]]:
+    """``(script, arguments)`` of each command in ``benchmarks/quick.txt``."""
+    lines = []
+    for line in QUICK_LIST.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            script, *args = shlex.split(line)
+            lines.append((script, args))
+    return lines
+
+
+def entry_scripts() -> set[str]:
+    """Every benchmark script a person runs: a ``.sh``, or a ``.py`` with a ``__main__`` block (virtualenvs and results,
+    ignored by git, left out)."""
+    found = set()
+    for path in BENCHMARKS.rglob("*"):
+        rel = path.relative_to(ROOT)
+        if not path.is_file() or any(part.startswith(".") or part == "results" for part in rel.parts[1:]):
+            continue
+        if path.suffix == ".sh" or (path.suffix == ".py" and MAIN_BLOCK.search(path.read_text(encoding="utf-8"))):
+            found.add(rel.as_posix())
+    return found
+
+
+def pending_reason(script: str) -> str | None:
+    """Why a pending line is skipped now, or ``None`` when it can run."""
+    if script not in PENDING:
+        return None
+    path = ROOT / script
+    if not path.exists():
+        return f"{script} is being added in another branch of issue 29 (not merged yet)"
+    needed = PENDING[script]
+    if needed is not None and needed not in path.read_text(encoding="utf-8"):
+        return f"{script}'s {needed} is being added in another branch of issue 29 (not merged yet)"
+    return None
+
+
+def finite_numbers(payload: Any, where: str = "") -> int:
+    """How many numbers ``payload`` holds; fails on NaN or infinity (``json`` reads both)."""
+    if isinstance(payload, dict):
+        return sum(finite_numbers(v, f"{where}.{k}") for k, v in payload.items())
+    if isinstance(payload, list):
+        return sum(finite_numbers(v, f"{where}[{i}]") for i, v in enumerate(payload))
+    if isinstance(payload, (int, float)) and not isinstance(payload, bool):
+        assert math.isfinite(payload), f"{where} = {payload}"
+        return 1
+    return 0
+
+
+def test_every_entry_script_has_a_quick_line_and_every_line_a_script():
+    listed = [script for script, _ in quick_lines()]
+    assert len(listed) == len(set(listed)), "one line per script"
+    missing = entry_scripts() - set(NOT_ENTRY_SCRIPTS) - set(listed)
+    assert not missing, f"benchmark scripts without a quick line in benchmarks/quick.txt: {sorted(missing)}"
+    unknown = [s for s in listed if not (ROOT / s).exists() and s not in PENDING]
+    assert not unknown, f"quick.txt names scripts that do not exist: {unknown}"
+    gone = [s for s in NOT_ENTRY_SCRIPTS if not (ROOT / s).exists() and s not in PENDING_HELPERS]
+    assert not gone, f"NOT_ENTRY_SCRIPTS names files that are gone: {gone}"
+    assert set(PENDING) <= set(listed)
+    # every line that writes under {out} says what it writes, and only those lines do
+    assert {s for s, args in quick_lines() if any("{out}" in a for a in args)} == set(EXPECTED)
+
+
+def test_run_all_quick_reads_the_same_list():
+    text = (BENCHMARKS / "run_all.sh").read_text()
+    assert "quick.txt" in text and "--quick" in text
+
+
+def _params() -> list[Any]:
+    params = []
+    for script, args in quick_lines():
+        marks = [pytest.mark.ray] if script in STARTS_RAY else []
+        params.append(pytest.param(script, args, id=script.removeprefix("benchmarks/"), marks=marks))
+    return params
+
+
+@pytest.mark.parametrize(("script", "args"), _params())
+def test_quick_mode_runs_and_writes_finite_results(script: str, args: list[str], tmp_path: Path) -> None:
+    reason = pending_reason(script)
+    if reason is not None:
+        pytest.skip(reason)
+    out = tmp_path / "out"
+    out.mkdir()
+    runner = ["bash"] if script.endswith(".sh") else [sys.executable]
+    command = [*runner, script, *(a.replace("{out}", str(out)) for a in args)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env.setdefault("MPLBACKEND", "Agg")
+    env["PYTHON"] = sys.executable  # the interpreter a .sh script runs its Python with (benchmarks/gpu/check.sh reads it)
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(command)} exited with {proc.returncode}:\n{output[-4000:]}"
+    assert "Traceback" not in output, output[-4000:]
+    assert proc.stdout.strip(), "a quick run prints its result"
+    if script in EXPECTED:
+        name, keys = EXPECTED[script]
+        path = out / name
+        assert path.is_file(), f"{script} wrote {sorted(p.name for p in out.iterdir())}, not {name}"
+        payload = json.loads(path.read_text())
+        assert keys <= set(payload), f"{name} lacks {sorted(keys - set(payload))}"
+        assert finite_numbers(payload, name) > 0, f"{name} holds no numbers"
+        for other in out.glob("*.json"):  # whatever else it wrote as JSON: finite too
+            finite_numbers(json.loads(other.read_text()), other.name)
