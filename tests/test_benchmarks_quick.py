@@ -46,11 +46,9 @@ NOT_ENTRY_SCRIPTS = {
 PENDING = {
     "benchmarks/bench_round.py": "--quick",
     "benchmarks/bench_large.py": None,
-    "benchmarks/gpu/check.sh": None,
-    "benchmarks/finetunes/accuracy.py": None,
 }
 # helpers of those pending scripts, not required to exist before them
-PENDING_HELPERS = {"benchmarks/gpu/check.py"}
+PENDING_HELPERS: set[str] = set()
 
 # What each quick run that writes under {out} must write: a JSON file there and the top-level keys it holds.
 EXPECTED: dict[str, tuple[str, set[str]]] = {
@@ -79,6 +77,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "benchmarks/finetunes/compare_mergekit.py": ("compare_mergekit.json", {"rows", "mergekit"}),
     "benchmarks/finetunes/lora_exactness.py": ("lora_exactness.json", {"rows"}),
     "benchmarks/finetunes/accuracy.py": ("finetunes_accuracy.json", {"summary", "runs", "meta"}),
+    "benchmarks/gpu/check.sh": ("gpu_check.json", {"machine", "mode", "rows"}),
 }
 
 # Quick runs that start a local Ray of their own (in the subprocess): marked like the other tests that need Ray.
