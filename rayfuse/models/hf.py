@@ -131,9 +131,6 @@ class HFModel:
                 "a sequence classifier (config.json architectures: a ...ForSequenceClassification class) giving one logit a class",
                 f"{cls.__name__} in {self.folder}",
             )
-        labels = getattr(config, "num_labels", None)
-        if labels is not None and labels != num_classes:
-            raise InputError(self.where, f"a classifier of the data's {num_classes} classes", f"num_labels {labels} in {self.folder}")
         length = getattr(config, "max_position_embeddings", None)
         if len(input_shape) != 1 or (isinstance(length, int) and input_shape[0] > length):
             raise InputError(
@@ -142,6 +139,9 @@ class HFModel:
                 f"inputs of shape {tuple(input_shape)}",
                 "a token-sequence dataset: data.dataset: tokens",
             )
+        labels = getattr(config, "num_labels", None)
+        if labels is not None and labels != num_classes:
+            raise InputError(self.where, f"a classifier of the data's {num_classes} classes", f"num_labels {labels} in {self.folder}")
         return _token_ids_forward(cls.from_config(config) if cls.__name__.startswith("Auto") else cls(config))
 
 
