@@ -227,3 +227,11 @@ def test_the_cli_prints_one_line_and_exits_2(tmp_path, capsys):
     assert main(["validate", str(job)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("rayfuse: error: model.name: expected an existing Hugging Face folder") and "\n" not in err
+
+
+def test_rayfuse_list_names_the_hf_model_and_the_tokens_dataset(capsys):
+    from rayfuse.cli import main
+
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "hf:<folder>" in out.split("models:")[1] and "tokens" in out.split("datasets:")[1].split("partitioners:")[0]
