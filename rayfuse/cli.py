@@ -270,6 +270,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
         rows.append(
             f"  {'torchvision:<name>':<13} any torchvision classification model, e.g. torchvision:resnet18 (image data; no pretrained weights)"
         )
+        rows.append(
+            f"  {'hf:<folder>':<13} a local Hugging Face sequence classifier (token-id data, e.g. dataset tokens; nothing downloaded)"
+        )
         sections.append("models:\n" + "\n".join(rows))
     print("\n\n".join(sections))
     return 0

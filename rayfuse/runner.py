@@ -316,6 +316,7 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
     ``rayfuse validate``, ``rayfuse tune --check`` and ``rayfuse run`` all call this before anything starts. The
     dataset is loaded here in the driver (its labels decide the split; bundled datasets load in well under a second).
     """
+    from rayfuse.models.hf import check_model_data
     from rayfuse.models.registry import check_model_fits
 
     specs = resolve_methods(cfg.methods, methods)
@@ -324,6 +325,7 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
         return _prepare_silo_run(cfg, specs)
     dataset = load_dataset_from_config(cfg.data)
     num_params = check_model_fits(cfg.model, dataset.input_shape, dataset.num_classes)
+    check_model_data(cfg.model, dataset.X, dataset.X_test)  # a Hugging Face model's data: token ids below its vocab_size
     client_params = check_client_models_fit(cfg, tuple(dataset.input_shape), dataset.num_classes, num_params)
     target = load_target_from_config(cfg.data)
     plan = make_plan(dataset, cfg.data, cfg.partition, cfg.run.seed, target=target)

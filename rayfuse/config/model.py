@@ -13,7 +13,12 @@ __all__ = ["ModelConfig"]
 
 
 class ModelConfig(StrictModel):
-    name: str = Field("mlp", description="logreg | mlp | cnn | rescnn | vgg | transformer | torchvision:<name> (e.g. torchvision:resnet18)")
+    name: str = Field(
+        "mlp",
+        description="logreg | mlp | cnn | rescnn | vgg | transformer | torchvision:<name> (e.g. torchvision:resnet18) | "
+        "hf:<folder> (a local Hugging Face sequence classifier: config.json and its weights; relative to the working "
+        "directory; its data: token ids)",
+    )
     hidden: list[int] = Field(
         default_factory=lambda: [64, 64], description="mlp, vgg: hidden layer widths; transformer: [width, feed-forward width]"
     )
@@ -49,8 +54,11 @@ class ModelConfig(StrictModel):
     @field_validator("name")
     @classmethod
     def _known_model(cls, value: str) -> str:
+        from rayfuse.models.hf import HF_PREFIX, absolute_hf_name
         from rayfuse.models.registry import MODELS, torchvision_model_names
 
+        if value.startswith(HF_PREFIX):
+            return absolute_hf_name(value)  # the folder itself is checked where the model is built, before any client
         if value.startswith("torchvision:"):
             tv_name = value.split(":", 1)[1]
             names = torchvision_model_names()
@@ -58,7 +66,7 @@ class ModelConfig(StrictModel):
                 raise ValueError(f"a torchvision classification model name{suggest(tv_name, names)}")
             return value
         if value not in MODELS:
-            known = MODELS.names() + ["torchvision:<name>"]
+            known = MODELS.names() + ["torchvision:<name>", "hf:<folder>"]
             raise ValueError(f"a model in {{{', '.join(known)}}}{suggest(value, known)}")
         return value
 
@@ -70,7 +78,7 @@ class ModelConfig(StrictModel):
 
     @property
     def family(self) -> str:
-        return "torchvision" if self.name.startswith("torchvision:") else self.name
+        return "torchvision" if self.name.startswith("torchvision:") else "hf" if self.name.startswith("hf:") else self.name
 
     @property
     def custom_factory(self) -> Any:

@@ -7,6 +7,7 @@ Parameter names are stable and readable so fusion methods can describe a model's
 * ``cnn``: ``convs.{i}.weight`` ``(out, in, 3, 3)``, ``convs.{i}.bias``, then ``head.weight`` / ``head.bias``;
 * ``rescnn``, ``vgg``, ``transformer``: see :mod:`rayfuse.models.zoo`;
 * ``torchvision:<name>``: torchvision's own names (first convolution adapted to the input channels);
+* ``hf:<folder>``: a local Hugging Face sequence classifier (:mod:`rayfuse.models.hf`), taking token ids: its own names;
 * ``custom``: a factory given from Python (``rayfuse.run(model=...)``): its own names.
 
 Every model maps a float32 batch ``(B, *input_shape)`` to logits ``(B, num_classes)`` and exposes
@@ -296,6 +297,11 @@ def build_model(cfg: Any, input_shape: tuple[int, ...], num_classes: int, *, see
             raise InputError("model.name", "an image dataset (C, H, W) for torchvision models", f"inputs of shape {tuple(input_shape)}")
         tv_name = cfg.name.split(":", 1)[1]
         builder = lambda _cfg, shape, n: _build_torchvision(tv_name, shape, n)  # noqa: E731
+    elif cfg.name.startswith("hf:"):
+        from rayfuse.models.hf import HFModel
+
+        factory = HFModel(cfg.name[3:], where="model.name")
+        builder = lambda _cfg, shape, n: factory(shape, n)  # noqa: E731
     else:
         info = MODELS.get(cfg.name, path="model.name")
         if info.image_only and not image:

@@ -1,7 +1,8 @@
 """``fedlora``: clients fine-tune LoRA adapters of one shared base on their own data; the server combines them.
 
 The base is the run's model (``model:``), initialised from the run's shared init or read from ``base:`` (a
-safetensors / PyTorch state dict of that model; nothing is downloaded). Each client wraps the base's ``nn.Linear``
+safetensors / PyTorch state dict of that model, or a Hugging Face folder; by default the folder of a
+``model.name: hf:<folder>``; nothing is downloaded). Each client wraps the base's ``nn.Linear``
 layers that ``target_modules`` names with ``W x + s B A x`` (``A``: r x in, ``B``: out x r, ``s = alpha / r``),
 trains only the factors (the base frozen) for ``local_epochs`` from the round's global adapter, and returns only the
 adapter tensors (``<module>.lora_A``, ``<module>.lora_B``) and its sample count. Per round the server combines
@@ -77,8 +78,8 @@ class FedLoraParams(MethodParams):
     base: str | None = Field(
         None,
         description="a safetensors / PyTorch state dict of the run's model, or a Hugging Face folder (config.json and its "
-        "weights, read with from_pretrained: nothing downloaded; the run's model: rayfuse.fusion.lora.hf_model(folder)); "
-        "default: the run's shared init",
+        "weights, read with from_pretrained: nothing downloaded; the run's model: hf:<folder>); "
+        "default: the folder of model.name hf:<folder>, else the run's shared init",
     )
     lr: float | None = Field(None, gt=0, description="default: train.lr")
     batch_size: int | None = Field(None, ge=1, description="default: train.batch_size")
@@ -253,6 +254,17 @@ class FedLoraState:
     dp: dict[str, float] = field(default_factory=dict)
 
 
+def base_of(base: str | None, model_cfg: Any) -> str | None:
+    """``base:`` as given, else the folder of a Hugging Face model (``model.name: hf:<folder>``, or ``hf_model(folder)``
+    from Python): its weights are the pretrained base; ``None`` (the run's shared init) for any other model."""
+    if base is not None:
+        return base
+    from rayfuse.models.hf import hf_factory
+
+    factory = hf_factory(model_cfg)
+    return None if factory is None else factory.folder
+
+
 def _read_base(
     path: str, reference: dict[str, np.ndarray], targets: list[str] | None = None, where: str = "target_modules"
 ) -> dict[str, np.ndarray]:
@@ -302,8 +314,9 @@ class FedLora(Method[FedLoraParams, FedLoraState]):
         from rayfuse.models import build_model, get_params
 
         model = build_model(setup.model, setup.input_shape, setup.num_classes, seed=0)
-        if params.base is not None:  # first: a Hugging Face folder's refusals name the folder
-            _read_base(params.base, get_params(model), params.target_modules)
+        base = base_of(params.base, setup.model)
+        if base is not None:  # first: a Hugging Face folder's refusals name the folder
+            _read_base(base, get_params(model), params.target_modules)
         targets = lora_targets(model, params.target_modules)
         modules = dict(model.named_modules())
         smallest = min(min(modules[t].weight.shape) for t in targets)
@@ -319,7 +332,8 @@ class FedLora(Method[FedLoraParams, FedLoraState]):
         pipeline = server.updates
         model = server.models.build_model(seed=0)
         targets = lora_targets(model, p.target_modules)
-        base = _read_base(p.base, get_params(model), p.target_modules) if p.base is not None else server.models.initial_params()
+        base_path = base_of(p.base, server.models.model_cfg)
+        base = _read_base(base_path, get_params(model), p.target_modules) if base_path is not None else server.models.initial_params()
         scale = p.alpha / p.r
         modules = dict(model.named_modules())
         rng = server.rng("fedlora-A")
@@ -389,7 +403,7 @@ class FedLora(Method[FedLoraParams, FedLoraState]):
             "r": p.r,
             "targets": targets,
             "exact": p.combine in ("ffa", "stack"),
-            "base": p.base or "shared init",
+            "base": base_path or "shared init",
             **pipeline.info(),
         }
         return MethodResult(rounds.metrics, merged_params(base, state.delta), info=info)

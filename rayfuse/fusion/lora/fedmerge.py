@@ -1,12 +1,13 @@
 """``fedmerge``: clients fine-tune one shared base on their own data and compute their statistics there; the server
 merges the task vectors Fisher- or RegMean-weighted.
 
-One shot. Each client starts from the base (the run's shared init, or ``base:``: a state dict or a Hugging Face
-folder), fine-tunes the ``nn.Linear`` layers ``target_modules`` names (``finetune: full``: their weights and biases,
-every other parameter frozen; ``finetune: lora``: LoRA adapters on them, ``W x + s B A x``, the base frozen) for
-``local_epochs`` on its training split, and then computes on that split, with the update folded into the model, the
-statistic the merge needs, with the functions aligned fusion's clients use: the diagonal Fisher of the fine-tuned
-tensors (``merge: fisher``) or the input Gram matrices of the fine-tuned Linear weights (``merge: regmean``).
+One shot. Each client starts from the base (``base:``: a state dict or a Hugging Face folder; by default the folder of
+a ``model.name: hf:<folder>``, else the run's shared init), fine-tunes the ``nn.Linear`` layers ``target_modules``
+names (``finetune: full``: their weights and biases, every other parameter frozen; ``finetune: lora``: LoRA adapters
+on them, ``W x + s B A x``, the base frozen) for ``local_epochs`` on its training split, and then computes on that
+split, with the update folded into the model, the statistic the merge needs, with the functions aligned fusion's
+clients use: the diagonal Fisher of the fine-tuned tensors (``merge: fisher``) or the input Gram matrices of the
+fine-tuned Linear weights (``merge: regmean``).
 
 A client returns its task vector (``full``: ``x_i - base`` of the fine-tuned tensors) or its adapter factors
 (``lora``: ``A_i``, ``B_i``), its statistics and its sample count; never a sample or an activation. The server forms
@@ -70,7 +71,8 @@ class FedMergeParams(MethodParams):
     base: str | None = Field(
         None,
         description="a safetensors / PyTorch state dict of the run's model, or a Hugging Face folder (config.json and "
-        "its weights, read with from_pretrained: nothing downloaded); default: the run's shared init",
+        "its weights, read with from_pretrained: nothing downloaded); default: the folder of model.name hf:<folder>, else "
+        "the run's shared init",
     )
     lr: float | None = Field(None, gt=0, description="default: train.lr")
     batch_size: int | None = Field(None, ge=1, description="default: train.batch_size")
@@ -224,12 +226,13 @@ class FedMerge(Method[FedMergeParams, None]):
     def check(cls, params: FedMergeParams, setup: RunSetup) -> None:
         if setup.input_shape is None or setup.num_classes is None:
             return  # a silo run's first check: the model's shape is not known yet
-        from rayfuse.fusion.lora.algorithm import _read_base, lora_targets
+        from rayfuse.fusion.lora.algorithm import _read_base, base_of, lora_targets
         from rayfuse.models import build_model, get_params
 
         model = build_model(setup.model, setup.input_shape, setup.num_classes, seed=0)
-        if params.base is not None:  # first: a Hugging Face folder's refusals name the folder
-            _read_base(params.base, get_params(model), params.target_modules)
+        base = base_of(params.base, setup.model)
+        if base is not None:  # first: a Hugging Face folder's refusals name the folder
+            _read_base(base, get_params(model), params.target_modules)
         targets = lora_targets(model, params.target_modules)
         modules = dict(model.named_modules())
         if params.finetune == "lora":
@@ -244,7 +247,7 @@ class FedMerge(Method[FedMergeParams, None]):
 
     def run(self, server: ServerContext) -> MethodResult:
         from rayfuse.finetunes.statistics import merge_task_vectors
-        from rayfuse.fusion.lora.algorithm import _read_base, lora_targets
+        from rayfuse.fusion.lora.algorithm import _read_base, base_of, lora_targets
         from rayfuse.models import get_params
 
         p = self.params
@@ -252,7 +255,8 @@ class FedMerge(Method[FedMergeParams, None]):
         fed = server.federation
         model = server.models.build_model(seed=0)
         targets = lora_targets(model, p.target_modules)
-        base = _read_base(p.base, get_params(model), p.target_modules) if p.base is not None else server.models.initial_params()
+        base_path = base_of(p.base, server.models.model_cfg)
+        base = _read_base(base_path, get_params(model), p.target_modules) if base_path is not None else server.models.initial_params()
         scale = p.alpha / p.r
         adapter: dict[str, np.ndarray] | None = None
         if p.finetune == "lora":
@@ -311,7 +315,7 @@ class FedMerge(Method[FedMergeParams, None]):
             "targets": targets,
             "clients": list(updates),
             "weights": weights,
-            "base": p.base or "shared init",
+            "base": base_path or "shared init",
             "export": p.export,
         }
         return MethodResult(metrics, fused, info=info)
