@@ -336,7 +336,7 @@ class UpdatePipeline:
     ) -> None:
         self._server = server
         self.streaming = streaming
-        self._aggregation = aggregation
+        self.aggregation = aggregation
         self._per_actor = clients_per_actor
         self._rounds_collected = False  # collect_round ran: info() records the aggregation mode
         self._last_mode: str | None = None
@@ -574,7 +574,7 @@ class UpdatePipeline:
             return "gathered", f"aggregator {self.aggregator.name!r} needs every update at once"
         if self._attacked(round):
             return "gathered", f"round {round} is attacked (federation.attacks): each client's update is needed"
-        if self._aggregation == "flat" or self._per_actor < 2:
+        if self.aggregation == "flat" or self._per_actor < 2:
             return "flat", None
         return "per_actor", None
 

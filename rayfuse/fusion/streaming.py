@@ -35,7 +35,10 @@ Params = dict[str, np.ndarray]
 #: sums them: sequential ``axpy`` in float32. So the running sum of a float32 model costs 1 x the model, not 2 x (float64
 #: would double it and break the 2-3 x bound), and it differs from the gathered path's sum only by the order of the
 #: additions (arrival order instead of client order) and one final scaling: a few float32 ulps times K at most
-#: (``tests/fusion/test_streaming.py`` bounds it).
+#: (``tests/fusion/test_streaming.py`` bounds it). In float64, a float32 value times an integer weight (a sample count)
+#: is exact, and so are the sums of such terms while their exponents span fewer than 53 bits, so the small tensors'
+#: sums do not depend on the order the replies arrive in; the large tensors' float32 sums do, in the last bits, on Ray
+#: (``federation.streaming: false`` gathers and sums in client order, bit for bit reproducible).
 SMALL_TENSOR = 1 << 16
 
 
@@ -95,7 +98,8 @@ class RunningSum:
         acc = self.total.get(key)
         if acc is None:
             acc = np.empty(value.shape, dtype=self._acc_dtype(value))
-            np.multiply(value, weight, out=acc, casting="unsafe")
+            # in the sum's dtype: a float32 product would round the first reply's term differently from the others'
+            np.multiply(value.astype(acc.dtype, copy=False), weight, out=acc)
             self.total[key] = acc
             return
         flat = acc.reshape(-1)

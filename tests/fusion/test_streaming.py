@@ -61,7 +61,7 @@ def one_round(coord: Coordinator, *, streaming: bool, aggregation: str | None = 
     server = MethodServer(coord, spec, resume=False)
     pipeline = server.updates
     pipeline.streaming = streaming
-    pipeline._aggregation = aggregation  # type: ignore[attr-defined]
+    pipeline.aggregation = aggregation  # type: ignore[assignment]
     pipeline._per_actor = getattr(coord.federation, "_per_process", 1)  # type: ignore[attr-defined]
     pipeline.rounds(1)
     reference = coord.reference_params()
@@ -218,7 +218,8 @@ def test_a_gathered_aggregation_that_does_not_fit_the_coordinator_is_refused_bef
     params = 64 * 1100 + 1100 + 1100 * 10 + 10
     bound, what = round_memory(specs[0], cfg.federation, 4, 4 * params)
     assert bound == 6 * 4 * params and what == "gathered: 4 updates"
-    with pytest.raises(InputError, match=r"^federation\.streaming: expected an aggregation within the coordinator's memory .*, got '2 MiB \(gathered: 4 updates\)'; set federation\.streaming: true"):
+    refused = r"^federation\.streaming: expected an aggregation within the coordinator's memory .*, got '2 MiB \(gathered: 4 updates\)'"
+    with pytest.raises(InputError, match=refused + r"; set federation\.streaming: true"):
         check_round_memory(specs, cfg.federation, 4, params, available=5 * 4 * params)
     streamed = make_config(model=MODEL, federation={"backend": "local"}, methods={"fl": {"method": "fedavg"}})
     check_round_memory(resolve_methods(streamed.methods), streamed.federation, 4, params, available=5 * 4 * params)  # 3 x fits
