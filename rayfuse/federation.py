@@ -290,18 +290,18 @@ class Federation(ABC):
         """:meth:`map`, with the replies of the clients one process hosts folded there by ``reducer`` into one
         (:func:`reduce_replies`): :meth:`stream` then gives that value once and nothing for the clients folded into
         it. A retried call runs alone, unfolded. A transport that hosts one client per process folds each reply alone."""
-        calls = self.map(step, *args, clients=clients, **kwargs)  # validates the clients
-        for call in calls:
-            call.reducer = reducer
-        return calls
+        return self._start_many([dataclasses.replace(c, reducer=reducer) for c in self._calls(step, args, clients, kwargs)])
 
     def map(self, step: Callable[..., Any], *args: Any, clients: Iterable[int] | None = None, **kwargs: Any) -> list[Call]:
         """Run ``step(ctx, *args, **kwargs)`` on each of ``clients`` (default: all); returns the pending calls."""
+        return self._start_many(self._calls(step, args, clients, kwargs))
+
+    def _calls(self, step: Callable[..., Any], args: tuple, clients: Iterable[int] | None, kwargs: dict[str, Any]) -> list[Call]:
         targets = self.client_ids if clients is None else sorted(set(int(c) for c in clients))
         unknown = set(targets) - set(self.client_ids)
         if unknown:
             raise ValueError(f"unknown client ids {sorted(unknown)}")
-        return self._start_many([Call(c, step, args, dict(kwargs)) for c in targets])
+        return [Call(c, step, args, dict(kwargs)) for c in targets]
 
     def gather(self, calls: Sequence[Call]) -> Gathered[Any]:
         """Wait for ``calls``, applying the failure policy; raise :class:`RunFailure` when it says so."""

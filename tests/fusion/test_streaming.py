@@ -57,6 +57,26 @@ def coordinator(
 
 
 def one_round(coord: Coordinator, *, streaming: bool, aggregation: str | None = None, weighted: bool = True, **step: Any):
+    """One round through ``collect_round``; records on ``coord.arrived`` the type of every value the stream handed
+    the pipeline (an Update per client flat, a PartialSum per process per_actor)."""
+    fed = coord.federation
+    stream = fed.stream
+    coord.arrived = []  # type: ignore[attr-defined]
+
+    def recording(calls: Any) -> Any:
+        replies = stream(calls)
+
+        class Recorded:
+            failures = property(lambda self: replies.failures)
+
+            def __iter__(self):
+                for client, value in replies:
+                    coord.arrived.append(type(value).__name__)  # type: ignore[attr-defined]
+                    yield client, value
+
+        return Recorded()
+
+    fed.stream = recording  # type: ignore[method-assign]
     spec = next(s for s in resolve_methods(coord.cfg.methods) if s.label == "fl")
     server = MethodServer(coord, spec, resume=False)
     pipeline = server.updates
@@ -101,6 +121,7 @@ def test_streaming_and_per_actor_sums_equal_the_gathered_aggregate(make_config, 
     streamed, _, flat_coord = one_round(coordinator(make_config, tmp_path, method=method), streaming=True, weighted=weighted)
     partial, _, actor_coord = one_round(coordinator(make_config, tmp_path, per_process=2, method=method), streaming=True, weighted=weighted)
     assert modes(flat_coord) == ["flat"] and modes(actor_coord) == ["per_actor"]
+    assert flat_coord.arrived == ["Update"] * 4 and actor_coord.arrived == ["PartialSum"] * 2  # one per process of 2 clients
     assert assert_close(streamed.params, gathered.params) < 1e-6
     assert assert_close(partial.params, gathered.params) < 1e-6
     # the same clients, counts and metrics; a streamed round keeps no client's parameters
@@ -117,7 +138,8 @@ def test_central_dp_streamed_and_per_actor_equal_the_gathered_round_with_the_sam
     method = {"dp": dp, "weighted": False}
     gathered, gp, _ = one_round(coordinator(make_config, tmp_path, method=method), streaming=False, weighted=False)
     streamed, sp, _ = one_round(coordinator(make_config, tmp_path, method=method), streaming=True, weighted=False)
-    partial, pp, _ = one_round(coordinator(make_config, tmp_path, per_process=2, method=method), streaming=True, weighted=False)
+    partial, pp, actor_coord = one_round(coordinator(make_config, tmp_path, per_process=2, method=method), streaming=True, weighted=False)
+    assert actor_coord.arrived == ["PartialSum"] * 2  # clipped per client in the process; the noise added once, here
     for result, pipeline in ((streamed, sp), (partial, pp)):
         assert assert_close(result.params, gathered.params) < 1e-6
         assert result.metrics == gathered.metrics  # dp_clip_norm, the noised unclipped fraction, epsilon
@@ -140,6 +162,7 @@ def test_a_robust_rule_still_gets_every_update(make_config, tmp_path):
 def test_a_rejected_reply_is_recorded_and_not_folded(make_config, tmp_path, per_process):
     coord = coordinator(make_config, tmp_path, per_process=per_process, method={})
     result, _, coord = one_round(coord, streaming=True, bad=(2,))
+    assert coord.arrived == (["Update"] * 4 if per_process == 1 else ["PartialSum"] * 2)  # client 2 rejected in its process
     assert list(result.updates) == [0, 1, 3]
     rejected = [(e["client"], e["message"]) for e in coord.events.since(0) if e["kind"] == "update_rejected"]
     assert [c for c, _ in rejected] == [2] and "NaN" in rejected[0][1]
@@ -155,6 +178,7 @@ def test_the_failure_policy_applies_to_a_streamed_round(make_config, tmp_path, p
         coordinator(make_config, tmp_path, per_process=per_process, policy=drop, method={}), streaming=True, fail=(1,)
     )
     assert list(result.updates) == [0, 2, 3]
+    assert coord.arrived == (["Update"] * 3 if per_process == 1 else ["PartialSum"] * 2)
     assert [e["client"] for e in coord.events.since(0) if e["kind"] == "client_dropped"] == [1]
     expected = weighted_average(
         [synthetic_update(_Ctx(coord, c), coord.reference_params(), seed=7).params for c in (0, 2, 3)],
