@@ -26,7 +26,7 @@ from scipy.linalg.blas import get_blas_funcs
 
 from rayfuse.method import Update
 
-__all__ = ["PartialSum", "RoundFold", "RunningSum", "partial_problem", "update_problem", "SMALL_TENSOR"]
+__all__ = ["PartialSum", "RoundFold", "RunningSum", "nonfinite", "partial_problem", "update_problem", "SMALL_TENSOR"]
 
 Params = dict[str, np.ndarray]
 
@@ -54,10 +54,30 @@ def update_problem(update: Any, planned: int, reference: Mapping[str, np.ndarray
         return f"num_examples must be a positive integer, got {update.num_examples!r}"
     if update.num_examples != planned:
         return f"num_examples {update.num_examples} is not the client's {planned} training examples of the partition plan"
-    reason = check_params(update.params, reference, check_finite=check_finite)
+    reason = check_params(update.params, reference, check_finite=False)
+    if reason is None and check_finite:
+        reason = nonfinite(update.params)
     if reason is None and not all(np.isfinite(v) for v in update.metrics.values()):
         reason = "non-finite metric values " + str({k: v for k, v in update.metrics.items() if not np.isfinite(v)})
     return reason
+
+
+def nonfinite(params: Mapping[str, Any]) -> str | None:
+    """``"<key>: NaN or Inf values"`` for the first tensor of ``params`` holding one, else ``None``. A float32/float64
+    tensor is screened with one BLAS dot product of it with itself (finite when every value is; no temporary array,
+    a fraction of ``np.isfinite``'s time: a streamed round screens every reply, not only the average); only a
+    non-finite product (a NaN/Inf, or squares that overflow) is checked value by value."""
+    for key, value in params.items():
+        array = np.asarray(value)
+        if array.dtype.kind not in "fc":
+            continue
+        if array.dtype in (np.float32, np.float64) and array.flags.c_contiguous:
+            flat = array.reshape(-1)
+            if np.isfinite(np.dot(flat, flat)):
+                continue
+        if not np.isfinite(array).all():
+            return f"{key}: NaN or Inf values"
+    return None
 
 
 @dataclass
@@ -197,9 +217,8 @@ def partial_problem(
         value = np.asarray(partial.total[key])
         if value.shape != shape:
             return f"partial sum {key}: shape {value.shape}, expected {shape}"
-        if not np.isfinite(value).all():
-            return f"partial sum {key}: NaN or Inf values"
-    return None
+    problem = nonfinite(partial.total)
+    return None if problem is None else f"partial sum {problem}"
 
 
 @dataclass(frozen=True)

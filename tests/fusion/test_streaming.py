@@ -16,7 +16,7 @@ from rayfuse.errors import InputError, RunFailure
 from rayfuse.federation import EventLog, FailurePolicy, Folded, InProcessFederation, reduce_replies
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.pipeline import check_aggregation, check_round_memory, round_memory
-from rayfuse.fusion.streaming import SMALL_TENSOR, PartialSum, RoundFold, RunningSum
+from rayfuse.fusion.streaming import SMALL_TENSOR, PartialSum, RoundFold, RunningSum, nonfinite
 from rayfuse.method import Update, client_step, resolve_methods
 from rayfuse.runner import prepare_run
 
@@ -265,3 +265,13 @@ def test_an_explicit_per_actor_with_a_rule_that_is_not_a_sum_is_refused_in_one_l
         check_aggregation(resolve_methods(cfg.methods), cfg.federation)
     with pytest.raises(Exception, match="per_actor only with clients_per_actor > 1"):
         make_config(federation={"backend": "local", "aggregation": "per_actor"})
+
+
+def test_the_finiteness_screen_finds_nan_and_inf_and_passes_large_finite_values():
+    big = np.full(1000, 3e30, np.float32)  # its squares overflow the dot product: the value-by-value check decides
+    assert nonfinite({"a": np.ones(10, np.float32), "b": big, "c": np.arange(5)}) is None
+    for bad in (np.nan, np.inf, -np.inf):
+        x = np.ones(100_000, np.float32)
+        x[77_777] = bad
+        assert nonfinite({"a": np.ones(3), "b": x}) == "b: NaN or Inf values"
+    assert nonfinite({"h": np.array([1.0, np.nan], np.float16)}) == "h: NaN or Inf values"
