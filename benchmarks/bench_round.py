@@ -376,7 +376,8 @@ def skip_reason(cell: Cell, store_bytes: int) -> str | None:
     store_need = 2 * (cell.clients + 1) * cell.param_bytes
     if store_need > 0.8 * store_bytes:
         return f"needs ~{store_need / 2**30:.1f} GiB of object store at peak; the store has {store_bytes / 2**30:.1f} GiB"
-    heap_need = cell.clients * (WORKER_BYTES + cell.param_bytes) + COORDINATOR_BYTES + 2 * cell.param_bytes
+    # one worker process per actor (clients_per_actor > 1 share one), each holding its clients' copies
+    heap_need = cell.actors * WORKER_BYTES + cell.clients * cell.param_bytes + COORDINATOR_BYTES + 2 * cell.param_bytes
     available = memory_bytes()[1]
     if store_need + heap_need > 0.8 * available:
         return f"needs ~{(store_need + heap_need) / 2**30:.1f} GiB of RAM; {available / 2**30:.1f} GiB available"
