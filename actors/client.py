@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from rayfuse.client import Client
 from rayfuse.data.roles import ClientPlan, load_dataset_from_config
 from rayfuse.devices import assigned_device
 from rayfuse.errors import InputError
+from rayfuse.federation import Reducer, reduce_replies
 
 __all__ = ["ClientActor", "RefArg", "actor_name"]
 
@@ -107,6 +108,7 @@ class ClientActor:
         calls: Sequence[tuple[int, Callable[..., Any], tuple, dict]],
         *refs: Any,
         installs: Sequence[tuple[int, Callable[..., Any], RefArg, int]] = (),
+        reducer: Reducer | None = None,
     ) -> list[tuple[bool, Any]]:
         """Run ``(client id, step, args, kwargs)`` calls in order; ``refs`` are the resolved :class:`RefArg` values.
 
@@ -115,7 +117,9 @@ class ClientActor:
         before the calls (an actor that never restarted ran it as an ordinary call already).
 
         Returns ``(True, value)`` or ``(False, "ErrorType: message")`` per call: one client's failing step does not
-        fail the others hosted here.
+        fail the others hosted here. With a ``reducer`` (:meth:`rayfuse.federation.Federation.map_reduced`) the
+        successful values are folded here into one (:func:`rayfuse.federation.reduce_replies`): the first carries it,
+        the others a ``Folded`` marker, so one value leaves this process instead of one per client.
         """
         failed: dict[int, str] = {}
         for client_id, step, arg, version in installs:
@@ -126,18 +130,24 @@ class ClientActor:
                 self._installed[client_id] = version
             except Exception as exc:  # this client's calls fail; the federation's failure policy decides
                 failed[client_id] = f"{type(exc).__name__}: restarted, could not take back the run's state: {exc}"
-        out: list[tuple[bool, Any]] = []
-        for client_id, step, args, kwargs in calls:
-            if client_id in failed:
-                out.append((False, failed[client_id]))
-                continue
-            args = tuple(refs[a.index] if isinstance(a, RefArg) else a for a in args)
-            kwargs = {k: refs[v.index] if isinstance(v, RefArg) else v for k, v in kwargs.items()}
-            try:
-                out.append((True, self.clients[client_id].run(step, *args, **kwargs)))
-            except Exception as exc:  # reported per call, classified by the federation's failure policy
-                out.append((False, f"{type(exc).__name__}: {exc}"))
-        return out
+
+        def outcomes() -> Iterator[tuple[int, bool, Any, tuple]]:
+            for client_id, step, args, kwargs in calls:
+                if client_id in failed:
+                    yield client_id, False, failed[client_id], ()
+                    continue
+                args = tuple(refs[a.index] if isinstance(a, RefArg) else a for a in args)
+                kwargs = {k: refs[v.index] if isinstance(v, RefArg) else v for k, v in kwargs.items()}
+                try:
+                    outcome: tuple[bool, Any] = (True, self.clients[client_id].run(step, *args, **kwargs))
+                except Exception as exc:  # reported per call, classified by the federation's failure policy
+                    outcome = (False, f"{type(exc).__name__}: {exc}")
+                yield client_id, outcome[0], outcome[1], args
+                del outcome
+
+        if reducer is not None:  # each reply folded as soon as its step returns: one reply in hand at a time
+            return reduce_replies(reducer, outcomes())
+        return [(ok, value) for _, ok, value, _ in outcomes()]
 
     def ping(self) -> dict[str, Any]:
         if self._startup_error is not None:

@@ -151,21 +151,23 @@ class RayFederation(Federation):
                 for c in hosted
                 if c in self._install_refs
             ]
-            ref = self._clients[calls[positions[0]].client].run_many.remote(specs, *refs, installs=installs)
+            reducer = calls[positions[0]].reducer  # the calls of one map share it (a retry runs alone, without one)
+            extra = {"reducer": reducer} if reducer is not None else {}
+            ref = self._clients[calls[positions[0]].client].run_many.remote(specs, *refs, installs=installs, **extra)
             for i, p in enumerate(positions):
                 slots[p] = _Slot(ref, i)
         return slots  # type: ignore[return-value]
 
     # -- waiting and results ---------------------------------------------------------------------------------------
 
-    def _wait(self, handles: list[_Slot], timeout: float | None) -> list[_Slot]:
+    def _wait(self, handles: list[_Slot], timeout: float | None, *, one: bool = False) -> list[_Slot]:
         refs = list(dict.fromkeys(slot.ref for slot in handles))
         ready, rest = ray.wait(refs, num_returns=1, timeout=timeout)
-        if ready and rest:  # collect everything else that is already done, without waiting
+        if ready and rest and not one:  # collect everything else that is already done, without waiting
             more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
             ready += more
         # One ray.get for every ready actor call (one round trip, not one per client); if any failed, _result fetches
-        # each again and classifies the failure.
+        # each again and classifies the failure. ``one`` (streaming): one actor call's results at a time.
         try:
             self._fetched = dict(zip(ready, ray.get(ready)))
         except Exception:
@@ -174,9 +176,8 @@ class RayFederation(Federation):
         return [slot for slot in handles if slot.ref in done]
 
     def _result(self, handle: _Slot) -> Any:
-        if handle.ref in self._fetched:
-            results = self._fetched[handle.ref]
-        else:
+        results = self._fetched.get(handle.ref)
+        if results is None:
             try:
                 results = ray.get(handle.ref)
             except RayTaskError as exc:  # the batch itself failed (e.g. a step that cannot be unpickled)
@@ -184,7 +185,16 @@ class RayFederation(Federation):
                 raise ClientFailed(ClientError(-1, "error", f"{type(cause).__name__}: {cause}")) from None
             except RayActorError as exc:
                 raise ClientFailed(ClientError(-1, "died", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")) from None
-        ok, value = results[handle.index]
+            ok, value = results[handle.index]
+        else:
+            # Handed out once: drop this federation's reference to the value (ray.get gave a list of our own), and to
+            # the actor call's results once every slot of it is out, so a consumer that drops the value frees it (its
+            # object store copy too).
+            ok, value = results[handle.index]
+            results[handle.index] = (ok, None)
+            if all(v is None for _, v in results):
+                del self._fetched[handle.ref]
+        del results
         if not ok:
             raise ClientFailed(ClientError(-1, "error", value))
         if self.on_bytes is not None:

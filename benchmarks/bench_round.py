@@ -6,25 +6,32 @@ coordinator actor (:class:`RoundCoordinator`, an ``actors.coordinator.Coordinato
 client handles, its ``rayfuse.coordinator.Coordinator``) with a real ``MethodServer`` of the config's ``fedavg``. The
 coordinator runs the rounds and returns only timings: parameters move through Ray's object store and never through
 the driver (the driver's received bytes are reported). One round does what
-``rayfuse.fusion.fedavg.algorithm.FedAvg.run`` does:
+``rayfuse.fusion.fedavg.algorithm.FedAvg.run`` does: ``server.updates.sample_clients(fraction, round)`` (every client at
+``fraction: 1``), then ``server.updates.collect_round(echo_step, global_params, clients, round)``, FedAvg's round:
+one broadcast (``federation.put``), every client returns a *copy* of the broadcast in an ``Update`` (new memory, as a
+trained update would be), and the update pipeline aggregates them with FedAvg's default aggregator (the weighted mean)
+in the cell's mode:
 
-1. ``server.updates.sample_clients(fraction, round)`` (every client at ``fraction: 1``) and ``federation.put(global_params)``:
-   one broadcast object;
-2. ``federation.run(echo_step, ref, clients=...)``: every client returns a *copy* of the broadcast in an ``Update``
-   (new memory, as a trained update would be); ``gather`` applies the failure policy;
-3. + 4. ``server.updates.collect`` (the update pipeline, :mod:`rayfuse.fusion.pipeline`) with FedAvg's default
-   aggregator (the plain mean), as FedAvg's round calls it: each update's structure is checked (keys, shapes, dtypes,
-   sample counts against the partition plan, metrics) through ``accept_replies``, the updates are averaged with
-   ``weighted_average`` weighted by their sample counts, and the average is scanned for NaN / Inf (a non-finite
-   average would send every update through the full scan).
+* ``flat`` (streaming, the default): the coordinator folds each reply into a running sum as it arrives (``ray.wait``
+  one actor call at a time), after validating it (keys, shapes, dtypes, finite values, sample counts against the
+  partition plan, metrics), and drops it;
+* ``per_actor`` (streaming, ``clients_per_actor > 1``): each actor validates and sums its clients' copies and sends one
+  partial sum;
+* ``gathered`` (``federation.streaming: false``): every reply is gathered first, then validated and averaged.
 
-Reported per cell: the median round time, the time of ``collect`` (validate + aggregate), the time of the
-bare ``weighted_average`` on the same updates (measured after the round, outside it), the clients' copy time and
-the *overhead* = round - bare aggregation - client copy wall time. The copy wall time is the clients' summed copy CPU time
-divided by the CPUs that run them at once: a lower bound on what the copies cost the round, so the overhead is not
-understated. As a reference measured in the same run, every federation round is followed by a *bare Ray* round on
-the same actors: ``ray.put``, one ``ClientActor.run`` call per client, one ``ray.get`` of all results and the same
-``weighted_average``, with no failure policy and no validation; ``rayfuse / bare`` is the engine's cost over Ray's.
+Reported per cell: the median round time; the bare aggregation (``weighted_average`` of the bare round's updates); the
+clients' copy time and the *overhead* = round - bare aggregation - client copy wall time. The copy wall time is the
+clients' summed copy CPU time divided by the CPUs that run them at once: a lower bound on what the copies cost the
+round, so the overhead is not understated. As a reference measured in the same run on the same actors, each cell's
+rounds are followed by as many *bare Ray* rounds: ``ray.put``, one ``ClientActor.run_many`` call per actor, one
+``ray.get`` of all results and the same ``weighted_average``, with no failure policy and no validation; ``rayfuse /
+bare`` is the ratio of the medians. (The bare rounds run after the timed rounds, not interleaved, so that the peak
+memory below is the engine's alone: a bare round gathers every update in the coordinator.)
+
+Peak memory per process (Linux): before the timed rounds the driver resets each process's peak resident set
+(``echo 5 > /proc/<pid>/clear_refs``) and records its resident set; after them it reads ``VmHWM`` from
+``/proc/<pid>/status``. Reported: the peak over that resting size, in MB and in multiples of the model, for the
+coordinator, the largest client actor and the driver (the pids come from the actors themselves).
 
 Actor startup is measured separately. Cells whose objects would not fit the object store or the available memory
 are skipped, and the output says so.
@@ -32,8 +39,10 @@ are skipped, and the output says so.
 Usage::
 
     python benchmarks/bench_round.py                      # the grid and the two target cells
-    python benchmarks/bench_round.py --cells targets      # 100 x 400 KB and 20 x 40 MB only
+    python benchmarks/bench_round.py --cells targets      # 100 x 400 KB and 20 x 40 MB only, every mode
+    python benchmarks/bench_round.py --cells targets --aggregation per_actor --streaming
     python benchmarks/bench_round.py --clients 10 50 --sizes 100KB 10MB --rounds 5
+    python benchmarks/bench_round.py --quick              # one small cell in every mode, seconds
 
 Writes ``benchmarks/results/bench_round.json``. Ray workers import ``_steps`` (the echo step) and this module from
 ``benchmarks/``, which Ray puts on their ``sys.path`` as the driver script's folder.
@@ -42,6 +51,7 @@ Writes ``benchmarks/results/bench_round.json``. Ray workers import ``_steps`` (t
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -64,7 +74,8 @@ NAMESPACE = "rayfuse-bench"
 WORKER_BYTES = 100 * 2**20  # memory budget per client worker (measured: ~65 MB proportional set size)
 COORDINATOR_BYTES = 600 * 2**20  # the coordinator imports torch through rayfuse.coordinator (measured: ~450 MB)
 SIZES = {"100KB": 25_000, "400KB": 100_000, "10MB": 2_500_000, "40MB": 10_000_000, "100MB": 25_000_000}  # float32 counts
-TIMED_KEYS = ("round_s", "put_s", "map_gather_s", "validate_aggregate_s", "aggregate_s", "client_copy_sum_s", "bare_round_s")
+TIMED_KEYS = ("round_s", "client_copy_sum_s")
+MODES = ("flat", "per_actor", "gathered")
 
 
 @dataclass(frozen=True)
@@ -73,10 +84,15 @@ class Cell:
     num_params: int  # float32 values per client
     target: bool = False
     per_actor: int = 1  # federation.clients_per_actor: 1 is one actor per client (deployment), more is the simulation mode
+    mode: str = "flat"  # flat, per_actor (streaming; clients_per_actor > 1) or gathered (federation.streaming: false)
 
     @property
     def param_bytes(self) -> int:
         return 4 * self.num_params
+
+    @property
+    def streaming(self) -> bool:
+        return self.mode != "gathered"
 
     @property
     def actors(self) -> int:
@@ -86,17 +102,22 @@ class Cell:
     def label(self) -> str:
         mb = self.param_bytes / 1e6
         size = f"{self.clients} x {mb:g} MB" if mb >= 1 else f"{self.clients} x {self.param_bytes / 1e3:g} KB"
-        return size if self.per_actor == 1 else f"{size} ({self.per_actor}/actor)"
+        return (size if self.per_actor == 1 else f"{size} ({self.per_actor}/actor)") + f" {self.mode}"
+
+
+def cell_modes(per_actor: int, modes: tuple[str, ...] = MODES) -> list[str]:
+    """The modes a layout can run: per_actor needs several clients per actor."""
+    return [m for m in modes if m != "per_actor" or per_actor > 1]
 
 
 # The issue's two target cells, in the deployment layout (one actor per client) and in the simulation layout
 # (federation.clients_per_actor = clients / CPUs, like Flower's actor pool of a few workers).
 TARGET_CELLS = [
-    Cell(100, 100_000, target=True),
-    Cell(20, 10_000_000, target=True),
-    Cell(100, 100_000, target=True, per_actor=50),
-    Cell(20, 10_000_000, target=True, per_actor=10),
+    Cell(n, size, target=True, per_actor=k, mode=mode)
+    for n, size, k in [(100, 100_000, 1), (20, 10_000_000, 1), (100, 100_000, 50), (20, 10_000_000, 10)]
+    for mode in cell_modes(k)
 ]
+QUICK_CELLS = [Cell(4, 25_000, per_actor=2, mode=mode) for mode in MODES]
 
 
 class RoundCoordinator(CoordinatorActor):
@@ -126,55 +147,153 @@ class RoundCoordinator(CoordinatorActor):
         self.federation = self.coordinator.federation
         self.groups = [(clients[members[0]], members) for members in groups]  # (actor handle, hosted clients)
         self.server = MethodServer(self.coordinator, self.coordinator.specs[0], resume=False)  # the config's fedavg
+        self.start: dict[str, np.ndarray] | None = None  # the global model of round 1 (run_rounds)
 
-    def run_rounds(self, num_params: int, rounds: int, warmup: int, seed: int = 0) -> dict[str, Any]:
-        """Run ``warmup + rounds`` pairs of (federation round, bare Ray round); return the last ``rounds`` timings."""
-        from rayfuse.fusion.aggregate import weighted_average
-
-        fed, server = self.federation, self.server
+    def run_rounds(self, num_params: int, rounds: int, mode: str = "flat", seed: int = 0) -> dict[str, Any]:
+        """Run ``rounds`` FedAvg rounds in ``mode`` (flat, per_actor or gathered); return their timings."""
+        server = self.server
+        pipeline = server.updates
+        pipeline.streaming = mode != "gathered"  # federation.streaming
+        pipeline.aggregation = "flat" if mode == "flat" else None  # federation.aggregation (unset: per_actor when k > 1)
         p = server.params  # FedAvgParams: fraction, aggregator and weighting as FedAvg.run reads them
-        start_params = {"w": np.random.default_rng(seed).uniform(0.5, 1.5, num_params).astype(np.float32)}
+        if self.start is None or self.start["w"].size != num_params:  # kept across calls: part of the resting size
+            self.start = {"w": np.random.default_rng(seed).uniform(0.5, 1.5, num_params).astype(np.float32)}
+        start_params = self.start
         global_params = start_params
         timings = []
-        for rnd in range(warmup + rounds):
+        for rnd in range(rounds):
             t0 = time.perf_counter()
-            clients = server.updates.sample_clients(p.fraction, rnd + 1)
-            broadcast = fed.put(global_params)
-            t1 = time.perf_counter()
-            gathered = fed.run(echo_step, broadcast, clients=clients)
-            t2 = time.perf_counter()
-            result = server.updates.collect(gathered, global_params, rnd + 1, weighted=p.weighted)
+            clients = pipeline.sample_clients(p.fraction, rnd + 1)
+            result = pipeline.collect_round(echo_step, global_params, clients, rnd + 1, weighted=p.weighted)
             global_params, updates = result.params, result.updates
-            t4 = time.perf_counter()
-            copies = [u.metrics["copy_s"] for u in updates.values()]
-            t_agg = time.perf_counter()  # the bare aggregation on the same updates, outside the round
-            weighted_average([u.params for u in updates.values()], [u.num_examples for u in updates.values()])
-            aggregate_s = time.perf_counter() - t_agg
-            del gathered, updates
+            t1 = time.perf_counter()
+            timings.append({"round_s": t1 - t0, "client_copy_sum_s": float(np.sum([u.metrics["copy_s"] for u in updates.values()]))})
+            del result, updates
+        if rounds:
+            assert pipeline.round_mode(1)[0] == mode, (pipeline.round_mode(1), mode)
+            # Echo rounds average identical copies: the model must come back unchanged (up to float32 rounding);
+            # checked a slice at a time, so the check's temporaries do not count in the rounds' peak memory
+            for i in range(0, num_params, 1 << 18):
+                np.testing.assert_allclose(global_params["w"][i : i + (1 << 18)], start_params["w"][i : i + (1 << 18)], rtol=1e-5)
+        return {"rounds": timings}
 
+    def bare_rounds(self, num_params: int, rounds: int, seed: int = 0) -> dict[str, Any]:
+        """The reference: ``rounds`` bare Ray rounds on the same actors (put, one ``run_many`` per actor, one
+        ``ray.get`` of everything, ``weighted_average``); their times and the aggregation's."""
+        from rayfuse.fusion.aggregate import weighted_average
+
+        global_params = {"w": np.random.default_rng(seed).uniform(0.5, 1.5, num_params).astype(np.float32)}
+        timings = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
             bare_ref = ray.put(global_params)
             batches = ray.get(
                 [h.run_many.remote([(i, echo_step, (RefArg(0),), {}) for i in members], bare_ref) for h, members in self.groups]
             )
             bare = [value for batch in batches for _, value in batch]
+            t1 = time.perf_counter()
             weighted_average([u.params for u in bare], [u.num_examples for u in bare])
-            t5 = time.perf_counter()
-            del bare, bare_ref
-            if rnd >= warmup:
-                timings.append(
-                    {
-                        "round_s": t4 - t0,
-                        "put_s": t1 - t0,
-                        "map_gather_s": t2 - t1,
-                        "validate_aggregate_s": t4 - t2,
-                        "aggregate_s": aggregate_s,
-                        "client_copy_sum_s": float(np.sum(copies)),
-                        "bare_round_s": t5 - t_agg - aggregate_s,
-                    }
-                )
-        # Echo rounds average identical copies: the model must come back unchanged (up to float32 rounding).
-        np.testing.assert_allclose(global_params["w"], start_params["w"], rtol=1e-5)
+            t2 = time.perf_counter()
+            timings.append({"bare_round_s": t2 - t0, "aggregate_s": t2 - t1})
+            del bare, bare_ref, batches
         return {"rounds": timings}
+
+
+def _status_bytes(pid: int) -> dict[str, int]:
+    """``VmHWM`` and ``VmRSS`` of ``pid`` in bytes (Linux ``/proc``); empty where it cannot be read."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+class AnonSampler:
+    """Samples each process's private resident memory (``RssAnon``) every ``interval_s`` in a thread, keeping the
+    peak: ``VmHWM`` also counts the object store's shared pages a process has mapped (every object it put or read
+    zero-copy stays in its resident set while the store keeps those pages), which are the store's memory, not the
+    process's; the private peak is what the process itself allocates (sampled, so a spike shorter than the interval
+    can be missed)."""
+
+    def __init__(self, pids: dict[str, int], interval_s: float = 0.005) -> None:
+        import threading
+
+        self.pids = pids
+        self.interval_s = interval_s
+        self.rest = {name: _anon_bytes(pid) for name, pid in pids.items()}
+        self.peak = dict(self.rest)
+        self.store_rest = self.store_peak = _store_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for name, pid in self.pids.items():
+                self.peak[name] = max(self.peak[name], _anon_bytes(pid))
+            self.store_peak = max(self.store_peak, _store_bytes())  # one GCS call, ~20 ms
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> AnonSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _store_bytes() -> int:
+    """The object store's used bytes (Ray's memory summary; MiB resolution), 0 where it cannot be read."""
+    try:
+        from ray._private.internal_api import memory_summary
+
+        summary = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
+    except Exception:  # a private API: the benchmark goes on without the store's figure
+        return 0
+    for line in summary.splitlines():
+        if line.startswith("Plasma memory usage"):
+            return int(line.split()[3]) * 2**20
+    return 0
+
+
+def _anon_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def reset_peaks(pids: dict[str, int]) -> dict[str, int]:
+    """Reset each process's peak resident set (``clear_refs`` 5) and return its resident set now (bytes); processes
+    whose peak cannot be reset here (not Linux, another user) are left out."""
+    rest = {}
+    for name, pid in pids.items():
+        try:
+            Path(f"/proc/{pid}/clear_refs").write_text("5")
+        except OSError:
+            continue
+        status = _status_bytes(pid)
+        if "VmRSS" in status:
+            rest[name] = status["VmRSS"]
+    return rest
+
+
+def read_peaks(pids: dict[str, int], rest: dict[str, int]) -> dict[str, dict[str, int]]:
+    """Each reset process's peak resident set since the reset (``VmHWM``) and its resting size then (bytes)."""
+    out = {}
+    for name, base in rest.items():
+        status = _status_bytes(pids[name])
+        if "VmHWM" in status:
+            out[name] = {"peak_bytes": status["VmHWM"], "rest_bytes": base}
+    return out
 
 
 class DriverLink:
@@ -189,22 +308,23 @@ class DriverLink:
         return value
 
 
-def bench_config(num_clients: int) -> Any:
-    """A validated config: ``num_clients`` iid shards of the numpy-only synthetic dataset."""
+def bench_config(num_clients: int, per_actor: int = 1) -> Any:
+    """A validated config: ``num_clients`` iid shards of the numpy-only synthetic dataset, ``per_actor`` to an actor."""
     return validate_config(
         {
             "run": {"name": "bench-round", "seed": 0},
             "data": {"dataset": "synthetic", "options": {"n_samples": 20000}},
             "partition": {"method": "iid", "num_clients": num_clients},
-            "federation": {"on_client_failure": "fail"},
+            "federation": {"on_client_failure": "fail", "clients_per_actor": per_actor},
             "methods": {"fedavg": {"local_epochs": 0}},
         }
     )
 
 
-def start_actors(num_clients: int, per_actor: int, link: DriverLink) -> tuple[list[Any], Any, float]:
-    """Start the client actors (as ``actors.backend.RayBackend.start`` does) and the coordinator; wait for all."""
-    cfg = bench_config(num_clients)
+def start_actors(num_clients: int, per_actor: int, link: DriverLink) -> tuple[list[Any], Any, float, dict[str, int]]:
+    """Start the client actors (as ``actors.backend.RayBackend.start`` does) and the coordinator; wait for all. Returns
+    them, the startup time and the pid of each process (``coordinator``, ``driver``, ``actor-<k>``)."""
+    cfg = bench_config(num_clients, per_actor)
     plan = make_plan(load_dataset_from_config(cfg.data), cfg.data, cfg.partition, cfg.run.seed)
     fed = cfg.federation
     started = time.perf_counter()
@@ -234,8 +354,10 @@ def start_actors(num_clients: int, per_actor: int, link: DriverLink) -> tuple[li
         .options(name="bench-round/coordinator", namespace=NAMESPACE, max_concurrency=4, max_restarts=0, **actor_options(fed.coordinator))
         .remote(cfg, plan, str(Path(tempfile.gettempdir()) / "bench-round"), clients, groups)
     )
-    link.get([a.ping.remote() for a in actors] + [coordinator.ready.remote()], timeout=fed.startup_timeout_s)
-    return actors, coordinator, time.perf_counter() - started
+    replies = link.get([a.ping.remote() for a in actors] + [coordinator.ready.remote()], timeout=fed.startup_timeout_s)
+    pids = {f"actor-{k}": int(r["pid"]) for k, r in enumerate(replies[:-1])}
+    pids.update(coordinator=int(replies[-1]["pid"]), driver=os.getpid())
+    return actors, coordinator, time.perf_counter() - started, pids
 
 
 def stop_actors(actors: list[Any], coordinator: Any) -> None:
@@ -254,20 +376,25 @@ def skip_reason(cell: Cell, store_bytes: int) -> str | None:
     store_need = 2 * (cell.clients + 1) * cell.param_bytes
     if store_need > 0.8 * store_bytes:
         return f"needs ~{store_need / 2**30:.1f} GiB of object store at peak; the store has {store_bytes / 2**30:.1f} GiB"
-    heap_need = cell.clients * (WORKER_BYTES + cell.param_bytes) + COORDINATOR_BYTES + 2 * cell.param_bytes
+    # one worker process per actor (clients_per_actor > 1 share one), each holding its clients' copies
+    heap_need = cell.actors * WORKER_BYTES + cell.clients * cell.param_bytes + COORDINATOR_BYTES + 2 * cell.param_bytes
     available = memory_bytes()[1]
     if store_need + heap_need > 0.8 * available:
         return f"needs ~{(store_need + heap_need) / 2**30:.1f} GiB of RAM; {available / 2**30:.1f} GiB available"
     return None
 
 
-def summarize(cell: Cell, timings: list[dict[str, float]], cpus: int) -> dict[str, Any]:
-    """Medians of the per-round timings, the overhead and the ratio to the bare Ray round."""
+def summarize(
+    cell: Cell, timings: list[dict[str, float]], bare: list[dict[str, float]], cpus: int, peaks: dict[str, dict[str, int]]
+) -> dict[str, Any]:
+    """Medians of the per-round timings, the overhead, the ratio to the bare Ray round and the peak memory."""
     parallel = max(1, min(cpus, cell.actors))  # the clients of one actor copy one after another
+    aggregate_s = median([t["aggregate_s"] for t in bare])
     row: dict[str, Any] = {
         "cell": cell.label,
         "clients": cell.clients,
         "clients_per_actor": cell.per_actor,
+        "mode": cell.mode,
         "actors": cell.actors,
         "param_bytes": cell.param_bytes,
         "target": cell.target,
@@ -275,11 +402,28 @@ def summarize(cell: Cell, timings: list[dict[str, float]], cpus: int) -> dict[st
     }
     for key in TIMED_KEYS:
         row[key] = median([t[key] for t in timings])
+    row["aggregate_s"] = aggregate_s
+    row["bare_round_s"] = median([t["bare_round_s"] for t in bare])
     row["client_copy_wall_s"] = median([t["client_copy_sum_s"] / parallel for t in timings])
-    row["overhead_s"] = median([t["round_s"] - t["aggregate_s"] - t["client_copy_sum_s"] / parallel for t in timings])
-    row["vs_bare"] = median([t["round_s"] / t["bare_round_s"] for t in timings])
+    row["overhead_s"] = median([t["round_s"] - aggregate_s - t["client_copy_sum_s"] / parallel for t in timings])
+    row["vs_bare"] = row["round_s"] / row["bare_round_s"]
     row["object_store_bytes_per_round"] = (cell.clients + 1) * cell.param_bytes
     row["round_times_s"] = [t["round_s"] for t in timings]
+    row["peak_memory"] = peaks  # per process: peak_bytes (VmHWM) and rest_bytes (VmRSS at the reset); the store's use
+    if "object_store" in peaks:
+        store = peaks["object_store"]
+        row["store_peak_x_model"] = (store["peak_bytes"] - store["rest_bytes"]) / cell.param_bytes
+    for prefix, field in (("", "peak_bytes"), ("anon_", "anon_peak_bytes")):
+        rest_field = field.replace("peak", "rest")
+        for name in ("coordinator", "driver"):
+            if name in peaks and field in peaks[name]:
+                extra = peaks[name][field] - peaks[name][rest_field]
+                row[f"{name}_{prefix}peak_mb"] = extra / 2**20
+                row[f"{name}_{prefix}peak_x_model"] = extra / cell.param_bytes
+        actors = [v[field] - v[rest_field] for k, v in peaks.items() if k.startswith("actor-") and field in v]
+        if actors:
+            row[f"client_actor_{prefix}peak_mb"] = max(actors) / 2**20
+            row[f"client_actor_{prefix}peak_x_model"] = max(actors) / cell.param_bytes
     return row
 
 
@@ -327,7 +471,7 @@ def run_cells_on_ray(
                 runnable.append(cell)
         if not runnable:
             continue
-        actors, coordinator, startup_s = start_actors(num_clients, per_actor, link)
+        actors, coordinator, startup_s, pids = start_actors(num_clients, per_actor, link)
         startups[f"{num_clients}/{per_actor}"] = startup_s
         print(f"  {len(actors)} client actors ({num_clients} clients) + coordinator up in {startup_s:.1f} s", flush=True)
         try:
@@ -335,13 +479,26 @@ def run_cells_on_ray(
                 n = timed_rounds(cell, rounds)
                 load = wait_for_quiet(max_load, quiet_timeout_s)
                 before = link.bytes_received
-                result = link.get(coordinator.run_rounds.remote(cell.num_params, n, warmup))
-                row = summarize(cell, result["rounds"], cpus)
+                link.get(coordinator.run_rounds.remote(cell.num_params, warmup, cell.mode))  # warm-up, untimed
+                rest = reset_peaks(pids)  # the peaks of the timed rounds alone
+                with AnonSampler(pids) as private:
+                    result = link.get(coordinator.run_rounds.remote(cell.num_params, n, cell.mode))
+                peaks = read_peaks(pids, rest)
+                for name in peaks:
+                    peaks[name].update(anon_peak_bytes=private.peak.get(name, 0), anon_rest_bytes=private.rest.get(name, 0))
+                peaks["object_store"] = {"peak_bytes": private.store_peak, "rest_bytes": private.store_rest}
+                bare = link.get(coordinator.bare_rounds.remote(cell.num_params, warmup + n))["rounds"][warmup:]
+                row = summarize(cell, result["rounds"], bare, cpus, peaks)
                 row.update(driver_bytes_received=link.bytes_received - before, startup_s=startup_s, load_avg_1m=load)
                 rows.append(row)
+                peak = (
+                    f", coordinator peak {row['coordinator_peak_x_model']:.1f} x model (private {row['coordinator_anon_peak_x_model']:.1f} x)"
+                    if "coordinator_anon_peak_x_model" in row
+                    else ""
+                )
                 print(
                     f"  {cell.label}: median round {row['round_s'] * 1e3:.1f} ms, overhead {row['overhead_s'] * 1e3:.1f} ms, "
-                    f"bare Ray round {row['bare_round_s'] * 1e3:.1f} ms ({n} rounds after {warmup} warm-up, "
+                    f"bare Ray round {row['bare_round_s'] * 1e3:.1f} ms{peak} ({n} rounds after {warmup} warm-up, "
                     f"load {load:.1f})",
                     flush=True,
                 )
@@ -350,15 +507,27 @@ def run_cells_on_ray(
     return {"rows": rows, "skipped": skipped, "startup_s": startups}
 
 
-def grid(clients: list[int], sizes: list[str], per_actor: list[int]) -> list[Cell]:
-    """The grid plus the target cells (a target cell that is also a grid cell is kept once, marked as a target)."""
+def grid(clients: list[int], sizes: list[str], per_actor: list[int], modes: tuple[str, ...] = MODES) -> list[Cell]:
+    """The grid plus the target cells (a target cell that is also a grid cell is kept once, marked as a target), in
+    ``modes`` (per_actor where a layout hosts several clients per actor)."""
     cells = {
-        (c.clients, c.num_params, c.per_actor): c
-        for c in (Cell(n, SIZES[s], per_actor=k) for n in clients for s in sizes for k in per_actor)
+        (c.clients, c.num_params, c.per_actor, c.mode): c
+        for c in (Cell(n, SIZES[s], per_actor=k, mode=m) for n in clients for s in sizes for k in per_actor for m in cell_modes(k, modes))
     }
-    for target in TARGET_CELLS:
-        cells[(target.clients, target.num_params, target.per_actor)] = target
-    return sorted(cells.values(), key=lambda c: (c.clients, c.per_actor, c.num_params))
+    for target in select_modes(TARGET_CELLS, modes):
+        cells[(target.clients, target.num_params, target.per_actor, target.mode)] = target
+    return sorted(cells.values(), key=lambda c: (c.clients, c.per_actor, c.num_params, MODES.index(c.mode)))
+
+
+def select_modes(cells: list[Cell], modes: tuple[str, ...]) -> list[Cell]:
+    return [c for c in cells if c.mode in modes]
+
+
+def wanted_modes(aggregation: list[str], streaming: bool | None) -> tuple[str, ...]:
+    """The modes ``--aggregation`` and ``--streaming/--no-streaming`` ask for: streaming rounds in each aggregation
+    named, and the gathered round (``--no-streaming``); both when neither flag is given."""
+    streamed = tuple(aggregation) if streaming in (None, True) else ()
+    return streamed + (("gathered",) if streaming in (None, False) else ())
 
 
 def default_store_bytes() -> int:
@@ -367,7 +536,7 @@ def default_store_bytes() -> int:
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
-    ms_keys = ("round_s", "put_s", "validate_aggregate_s", "aggregate_s", "client_copy_wall_s", "overhead_s", "bare_round_s")
+    ms_keys = ("round_s", "aggregate_s", "client_copy_wall_s", "overhead_s", "bare_round_s")
     shown = [{**r, **{k: 1e3 * r[k] for k in ms_keys}, "target": "yes" if r["target"] else ""} for r in rows]
     print_table(
         shown,
@@ -375,24 +544,43 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
             ("cell", "clients x params"),
             ("target", "target"),
             ("round_s", "round ms"),
-            ("put_s", "put ms"),
-            ("validate_aggregate_s", "validate+aggregate ms"),
             ("aggregate_s", "bare aggregate ms"),
             ("client_copy_wall_s", "client copy ms"),
             ("overhead_s", "overhead ms"),
             ("bare_round_s", "bare Ray ms"),
             ("vs_bare", "x bare"),
+            ("coordinator_peak_x_model", "coord. peak x model"),
+            ("coordinator_anon_peak_x_model", "coord. private x model"),
+            ("client_actor_peak_x_model", "actor peak x model"),
+            ("client_actor_anon_peak_x_model", "actor private x model"),
+            ("store_peak_x_model", "store x model"),
+            ("driver_peak_mb", "driver peak MB"),
             ("driver_bytes_received", "driver bytes"),
             ("startup_s", "startup s"),
             ("load_avg_1m", "load"),
         ],
-        "rayfuse round on Ray (medians; overhead = round - aggregate - client copy wall time)",
+        "rayfuse round on Ray (medians; overhead = round - aggregate - client copy wall time; peaks: over each process's resting size)",
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cells", choices=["grid", "targets"], default="grid", help="targets: only the two target cells")
+    parser.add_argument(
+        "--cells",
+        choices=["grid", "targets", "grid-only"],
+        default="grid",
+        help="targets: only the two target cells; grid-only: no targets",
+    )
+    parser.add_argument("--quick", action="store_true", help="one small cell (4 x 100 KB, 2 per actor) in each mode, 2 rounds")
+    parser.add_argument(
+        "--aggregation", nargs="+", default=["flat", "per_actor"], choices=["flat", "per_actor"], help="streaming rounds' aggregation"
+    )
+    parser.add_argument(
+        "--streaming",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--streaming: streamed rounds only; --no-streaming: gathered rounds only; default: both",
+    )
     parser.add_argument("--clients", type=int, nargs="+", default=[10, 50, 100])
     parser.add_argument("--sizes", nargs="+", default=["100KB", "10MB", "100MB"], choices=sorted(SIZES))
     parser.add_argument("--clients-per-actor", type=int, nargs="+", default=[1], help="federation.clients_per_actor values for the grid")
@@ -404,7 +592,21 @@ def main() -> None:
     parser.add_argument("--quiet-timeout", type=float, default=60.0, help="... for at most this many seconds")
     args = parser.parse_args()
 
-    cells = list(TARGET_CELLS) if args.cells == "targets" else grid(args.clients, args.sizes, args.clients_per_actor)
+    modes = wanted_modes(args.aggregation, args.streaming)
+    if args.quick:
+        cells = select_modes(QUICK_CELLS, modes)
+        args.rounds, args.warmup = 2, 1
+    elif args.cells == "targets":
+        cells = select_modes(TARGET_CELLS, modes)
+    else:
+        cells = grid(args.clients, args.sizes, args.clients_per_actor, modes)
+        if args.cells == "grid-only":
+            cells = [
+                c
+                for c in cells
+                if (c.clients, c.num_params, c.per_actor)
+                in {(n, SIZES[z], k) for n in args.clients for z in args.sizes for k in args.clients_per_actor}
+            ]
     store_bytes = int(args.object_store_gib * 2**30) if args.object_store_gib else default_store_bytes()
     info = machine_info()
     print(

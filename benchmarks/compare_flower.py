@@ -3,7 +3,8 @@
 1. rayfuse: ``bench_round.run_cells`` on 100 clients x 100 k float32 (400 KB) and 20 clients x 10 M float32
    (40 MB), in this process (Ray started and stopped here), in both layouts: one actor per client (the deployment
    model) and ``federation.clients_per_actor = clients / CPUs`` (the simulation mode; Flower likewise runs its
-   clients on a pool of a few actors).
+   clients on a pool of a few actors), each in bench_round's aggregation modes (``flat`` and, packed, ``per_actor``
+   streaming; ``gathered``), each row compared with the same Flower cell.
 2. Flower: ``flower_round.py`` in a subprocess with the Python of ``benchmarks/.flwr-venv`` (Flower pins its own
    Ray), after rayfuse's Ray has stopped, so the two never share the machine.
 

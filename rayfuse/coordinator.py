@@ -285,6 +285,9 @@ class MethodUpdates(UpdatePipeline):
             planned_examples=coordinator.plan.num_examples,
             reference_of=coordinator.reference_params,
             local_updates=coordinator.local_updates,
+            streaming=coordinator.cfg.federation.streaming,
+            aggregation=coordinator.cfg.federation.aggregation,
+            clients_per_actor=coordinator.cfg.federation.clients_per_actor,
         )
         self._coordinator = coordinator
         self._method_server = server

@@ -13,6 +13,7 @@ The interface is small::
     calls = federation.map(fit, ref, epochs=2)           # run client step ``fit`` on every (or selected) client
     gathered = federation.gather(calls)                  # wait, apply the failure policy, check the quorum
     gathered.results  -> {client_id: value}; gathered.failures -> [ClientError, ...]
+    for client, value in federation.stream(calls): ...   # the replies one at a time as they arrive (same policy)
     federation.parallel_map(solve, items)                # server-side fan-out (assignment solves, restarts...)
 
 A *client step* is a module-level function ``step(ctx, *args, **kwargs)`` that runs inside a client with its
@@ -20,7 +21,13 @@ A *client step* is a module-level function ``step(ctx, *args, **kwargs)`` that r
 losses and counts, never raw data. Decorate steps with :func:`client_step` to give them a stable name (used in
 events and fault injection).
 
-Failure policy (``federation.on_client_failure``), applied in :meth:`Federation.gather`, the one place it lives:
+:meth:`Federation.stream` hands the replies out one at a time, in arrival order, and keeps none of them: a streaming
+aggregation folds each into a running sum and drops it, so the coordinator holds one reply at a time, not K.
+:meth:`Federation.map_reduced` lets the process that hosts several clients fold their replies into one (a
+*reducer*, :func:`reduce_replies`): it returns one value for them, and each other client of it a :class:`Folded` marker.
+
+Failure policy (``federation.on_client_failure``), applied in :meth:`Federation.gather` and :meth:`Federation.stream`
+(one generator, :meth:`Federation._replies`, the one place it lives):
 
 * ``retry`` -- re-submit a failed call up to ``max_retries`` times (a dead Ray actor is restarted by Ray and reloads
   its shard first); a call still failing after that fails the run. Timeouts are not retried.
@@ -45,7 +52,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -66,6 +73,10 @@ __all__ = [
     "step_name",
     "freeze",
     "map_arrays",
+    "Folded",
+    "ReplyStream",
+    "Reducer",
+    "reduce_replies",
 ]
 
 T = TypeVar("T")
@@ -117,6 +128,55 @@ class ClientDied(RuntimeError):
     """In-process stand-in for a client process that died (a Ray actor would be restarted by Ray)."""
 
 
+@dataclass(frozen=True)
+class Folded:
+    """The reply of a client whose result its process folded, with the other clients it hosts, into the reply of
+    client ``into`` (:meth:`Federation.map_reduced`): the client returned, its contribution travels in that reply."""
+
+    into: int
+
+
+class Reducer(Protocol):
+    """Folds the successful replies of the clients one process hosts into one value (run in that process).
+
+    ``reduce`` gets an iterator of ``(client, value, args)`` per successful call, ``args`` the call's positional
+    arguments as the step received them (resolved); it must consume all of it, dropping each value once folded (the
+    next call runs only when it asks for the next reply, so the process holds one client's reply at a time), and
+    returns the one value sent back for all of them."""
+
+    def reduce(self, replies: Iterator[tuple[int, Any, tuple]]) -> Any: ...
+
+
+def reduce_replies(reducer: Reducer, outcomes: Iterable[tuple[int, bool, Any, tuple]]) -> list[tuple[bool, Any]]:
+    """One process's calls folded by ``reducer``: ``outcomes`` gives ``(client, ok, value or message, args)`` per call,
+    in order (lazily: a generator that runs each call when asked). Returns ``(ok, value or message)`` per call: the
+    first successful call's entry carries the folded value, every other successful call's a :class:`Folded` marker
+    naming it; failed calls are kept as they are (the failure policy handles each client). A reducer that raises
+    fails every call it was folding."""
+    out: list[tuple[bool, Any]] = []
+    clients: list[int] = []
+
+    def successes() -> Iterator[tuple[int, Any, tuple]]:
+        for client, ok, value, args in outcomes:
+            clients.append(client)
+            out.append((ok, None if ok else value))
+            if ok:
+                yield client, value, args
+            del value
+
+    replies = successes()
+    try:
+        folded, error = reducer.reduce(replies), None
+    except Exception as exc:  # reported per client; the policy decides
+        folded, error = None, f"{type(exc).__name__}: folding the replies of this process's clients: {exc}"
+    for _ in replies:  # the calls the reducer did not ask for (it raised) still run, and fail with it
+        pass
+    ok = [i for i, (good, _) in enumerate(out) if good]
+    for i in ok:
+        out[i] = (False, error) if error is not None else (True, folded if i == ok[0] else Folded(clients[ok[0]]))
+    return out
+
+
 @dataclass
 class Call:
     """One submitted client call; kept so the policy can re-submit it."""
@@ -128,6 +188,7 @@ class Call:
     attempt: int = 0
     handle: Any = None
     deadline: float | None = None
+    reducer: Any = None  # a Reducer: the calls of one process are folded there into one reply (map_reduced)
 
     @property
     def name(self) -> str:
@@ -187,12 +248,14 @@ class Federation(ABC):
         """Start ``call`` on its client and return a handle."""
 
     @abstractmethod
-    def _wait(self, handles: list[Any], timeout: float | None) -> list[Any]:
-        """Return the handles among ``handles`` that are done (waiting at most ``timeout`` seconds for one)."""
+    def _wait(self, handles: list[Any], timeout: float | None, *, one: bool = False) -> list[Any]:
+        """Return the handles among ``handles`` that are done (waiting at most ``timeout`` seconds for one); ``one``:
+        at most one process's replies (streaming: the coordinator holds one reply at a time)."""
 
     @abstractmethod
     def _result(self, handle: Any) -> Any:
-        """The value of a done handle; raise :class:`ClientFailed` with a classified :class:`ClientError` if it failed."""
+        """The value of a done handle; raise :class:`ClientFailed` with a classified :class:`ClientError` if it failed.
+        Called once per handle: the transport releases its own reference to the value here."""
 
     def parallel_width(self) -> int:
         """How many items :meth:`parallel_map` runs at once (chunking uses it; see ``rayfuse.matching``)."""
@@ -208,14 +271,6 @@ class Federation(ABC):
     def num_clients(self) -> int:
         return len(self.client_ids)
 
-    def map(self, step: Callable[..., Any], *args: Any, clients: Iterable[int] | None = None, **kwargs: Any) -> list[Call]:
-        """Run ``step(ctx, *args, **kwargs)`` on each of ``clients`` (default: all); returns the pending calls."""
-        targets = self.client_ids if clients is None else sorted(set(int(c) for c in clients))
-        unknown = set(targets) - set(self.client_ids)
-        if unknown:
-            raise ValueError(f"unknown client ids {sorted(unknown)}")
-        return self._start_many([Call(c, step, args, dict(kwargs)) for c in targets])
-
     def _start_many(self, calls: list[Call]) -> list[Call]:
         deadline = None if self.policy.timeout_s is None else time.monotonic() + self.policy.timeout_s
         for call, handle in zip(calls, self._submit_many(calls)):
@@ -229,41 +284,81 @@ class Federation(ABC):
         """Start several calls at once (a transport may batch the calls that go to the same process)."""
         return [self._submit(call) for call in calls]
 
+    def map_reduced(
+        self, step: Callable[..., Any], *args: Any, reducer: Reducer, clients: Iterable[int] | None = None, **kwargs: Any
+    ) -> list[Call]:
+        """:meth:`map`, with the replies of the clients one process hosts folded there by ``reducer`` into one
+        (:func:`reduce_replies`): :meth:`stream` then gives that value once and nothing for the clients folded into
+        it. A retried call runs alone, unfolded. A transport that hosts one client per process folds each reply alone."""
+        return self._start_many([dataclasses.replace(c, reducer=reducer) for c in self._calls(step, args, clients, kwargs)])
+
+    def map(self, step: Callable[..., Any], *args: Any, clients: Iterable[int] | None = None, **kwargs: Any) -> list[Call]:
+        """Run ``step(ctx, *args, **kwargs)`` on each of ``clients`` (default: all); returns the pending calls."""
+        return self._start_many(self._calls(step, args, clients, kwargs))
+
+    def _calls(self, step: Callable[..., Any], args: tuple, clients: Iterable[int] | None, kwargs: dict[str, Any]) -> list[Call]:
+        targets = self.client_ids if clients is None else sorted(set(int(c) for c in clients))
+        unknown = set(targets) - set(self.client_ids)
+        if unknown:
+            raise ValueError(f"unknown client ids {sorted(unknown)}")
+        return [Call(c, step, args, dict(kwargs)) for c in targets]
+
     def gather(self, calls: Sequence[Call]) -> Gathered[Any]:
         """Wait for ``calls``, applying the failure policy; raise :class:`RunFailure` when it says so."""
-        pending: dict[Any, Call] = {call.handle: call for call in calls}
-        results: dict[int, Any] = {}
         failures: list[ClientError] = []
+        results = dict(self._replies(calls, failures, one_at_a_time=False))
+        ordered = {c: results[c] for c in sorted(results)}
+        return Gathered(ordered, sorted(failures, key=lambda e: e.client))
+
+    def stream(self, calls: Sequence[Call]) -> ReplyStream:
+        """The replies of ``calls`` one at a time, as they arrive: ``(client, value)``, with :meth:`gather`'s failure
+        policy, deadlines, retries and quorum (checked when the last reply is in; raises :class:`RunFailure`). The
+        federation keeps no reference to a reply it handed out, so a consumer that drops it frees it. A value folded
+        by a reducer (:meth:`map_reduced`) comes once, from its first client; the clients folded into it give nothing."""
+        return ReplyStream(self, calls)
+
+    def _replies(self, calls: Sequence[Call], failures: list[ClientError], *, one_at_a_time: bool) -> Iterator[tuple[int, Any]]:
+        """The one policy loop of :meth:`gather` and :meth:`stream`: yields ``(client, value)`` as replies arrive,
+        records failures in ``failures``, and raises :class:`RunFailure` when the policy or the quorum says so."""
+        pending: dict[Any, Call] = {call.handle: call for call in calls}
+        received = 0
+        total = len(calls)
+        name = calls[0].name if calls else "a step"
         while pending:
             deadlines = [c.deadline for c in pending.values() if c.deadline is not None]
             timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
-            ready = self._wait(list(pending), timeout)
+            ready = self._wait(list(pending), timeout, one=one_at_a_time)
             for handle in ready:
                 call = pending.pop(handle)
+                call.handle = None  # the reply is the consumer's alone from here
                 try:
-                    results[call.client] = self._result(handle)
+                    value = self._result(handle)
                 except ClientFailed as failed:
                     error = dataclasses.replace(failed.error, client=call.client, step=call.name, attempt=call.attempt)
                     retry = self._on_failure(call, error, failures)
                     if retry is not None:
                         pending[retry.handle] = retry
+                    continue
+                del handle
+                received += 1
+                if not isinstance(value, Folded):
+                    yield call.client, value
+                del value
             now = time.monotonic()
             for handle, call in list(pending.items()):
                 if call.deadline is not None and now >= call.deadline:
                     del pending[handle]
+                    call.handle = None
                     self._on_timeout(handle)
                     error = ClientError(call.client, "timeout", f"no reply within {self.policy.timeout_s:g} s", call.name, call.attempt)
                     self._on_failure(call, error, failures)
-        need = min(self.policy.min_clients, len(calls))
-        if len(results) < need:
+        need = min(self.policy.min_clients, total)
+        if received < need:
             raise RunFailure(
-                f"only {len(results)} of {len(calls)} clients returned from {calls[0].name if calls else 'a step'} "
-                f"(federation.min_clients = {self.policy.min_clients})"
+                f"only {received} of {total} clients returned from {name} (federation.min_clients = {self.policy.min_clients})"
             )
         for error in failures:  # dropped (policy drop): the round is settled, the transport may now look at the client
             self._after_drop(error)
-        ordered = {c: results[c] for c in sorted(results)}
-        return Gathered(ordered, sorted(failures, key=lambda e: e.client))
 
     def run(self, step: Callable[..., Any], *args: Any, clients: Iterable[int] | None = None, **kwargs: Any) -> Gathered[Any]:
         """:meth:`map` then :meth:`gather`."""
@@ -323,10 +418,30 @@ class ClientFailed(Exception):
         self.error = error
 
 
+class ReplyStream:
+    """:meth:`Federation.stream`'s iterator of ``(client, value)``; ``failures`` (the dropped clients' errors, in
+    client order) is complete once the iteration ended."""
+
+    def __init__(self, federation: Federation, calls: Sequence[Call]) -> None:
+        self._failures: list[ClientError] = []
+        self._iterator = federation._replies(calls, self._failures, one_at_a_time=True)
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        return self._iterator
+
+    @property
+    def failures(self) -> list[ClientError]:
+        return sorted(self._failures, key=lambda e: e.client)
+
+
 @dataclass(eq=False)  # identity-hashed: used as a dict key while pending
 class _Done:
     value: Any = None
     error: ClientError | None = None
+
+
+def _outcome(done: _Done) -> tuple[bool, Any]:
+    return (True, done.value) if done.error is None else (False, done.error.message)
 
 
 def actor_threads(num_cpus: float | str) -> int | None:
@@ -381,6 +496,9 @@ class InProcessFederation(Federation):
     threads : callable ``client_id -> int | None``, optional
         The torch thread count each client's steps run with (:func:`actor_threads` of its resources, so the numbers
         equal a Ray run's); ``None``: this process's setting.
+    clients_per_process : int
+        How the clients would be grouped into processes on Ray (``federation.clients_per_actor``: consecutive ids):
+        the calls of one group are folded together by a reducer (:meth:`Federation.map_reduced`), as an actor folds them.
     """
 
     def __init__(
@@ -392,8 +510,10 @@ class InProcessFederation(Federation):
         *,
         max_restarts: int = 2,
         threads: Callable[[int], int | None] | None = None,
+        clients_per_process: int = 1,
     ) -> None:
         super().__init__(policy, events)
+        self._per_process = max(1, int(clients_per_process))
         self._factory = client_factory
         self._clients = {i: client_factory(i, False) for i in range(num_clients)}
         self._restarts = {i: 0 for i in range(num_clients)}
@@ -430,6 +550,22 @@ class InProcessFederation(Federation):
             return _Done(error=ClientError(call.client, "timeout", f"no reply within {self.policy.timeout_s:g} s", call.name, call.attempt))
         return _Done(value=value)
 
+    def _submit_many(self, calls: list[Call]) -> list[Any]:
+        done = [self._submit(call) for call in calls]
+        groups: dict[int, list[int]] = {}
+        for i, call in enumerate(calls):
+            if call.reducer is not None:
+                groups.setdefault(call.client // self._per_process, []).append(i)
+        for positions in groups.values():  # the calls one process would run, folded there (reduce_replies)
+            outcomes = [(calls[i].client, *_outcome(done[i]), calls[i].args) for i in positions]
+            folded = reduce_replies(calls[positions[0]].reducer, outcomes)
+            for i, (ok, value) in zip(positions, folded):
+                if ok:
+                    done[i] = _Done(value=value)
+                elif done[i].error is None:  # the reducer failed
+                    done[i] = _Done(error=ClientError(calls[i].client, "error", value, calls[i].name, calls[i].attempt))
+        return done
+
     def _restart(self, client_id: int) -> None:
         if self._max_restarts != -1 and self._restarts[client_id] >= self._max_restarts:
             self._dead.add(client_id)
@@ -447,13 +583,14 @@ class InProcessFederation(Federation):
                 return
         self.events.emit("client_restarted", f"restart {self._restarts[client_id]}; shard reloaded", client=client_id)
 
-    def _wait(self, handles: list[Any], timeout: float | None) -> list[Any]:
-        return list(handles)
+    def _wait(self, handles: list[Any], timeout: float | None, *, one: bool = False) -> list[Any]:
+        return list(handles[:1]) if one else list(handles)
 
     def _result(self, handle: _Done) -> Any:
         if handle.error is not None:
             raise ClientFailed(handle.error)
-        return handle.value
+        value, handle.value = handle.value, None  # handed out once; the federation keeps no reference
+        return value
 
     def parallel_map(self, fn: Callable[[Any], T], items: Sequence[Any], *, chunk_size: int | None = None) -> list[T]:
         items = list(items)

@@ -198,6 +198,12 @@ class FederationView(Protocol):
 
     def gather(self, calls: Sequence[Any]) -> Gathered[Any]: ...
 
+    def map_reduced(
+        self, step: Callable[..., Any], *args: Any, reducer: Any, clients: Iterable[int] | None = None, **kwargs: Any
+    ) -> list[Any]: ...
+
+    def stream(self, calls: Sequence[Any]) -> Any: ...  # a rayfuse.federation.ReplyStream
+
     def run(self, step: Callable[..., Any], *args: Any, clients: Iterable[int] | None = None, **kwargs: Any) -> Gathered[Any]: ...
 
     def parallel_map(self, fn: Callable[[Any], T], items: Sequence[Any], *, chunk_size: int | None = None) -> list[T]: ...
@@ -254,7 +260,9 @@ class UpdateService(Protocol):
     3. **clipping and central DP noise**: ``aggregator.clip_norm``, or DP-FedAvg's clipping and noised sum (``dp``);
     4. **the aggregation rule**: ``aggregator.name`` (mean, median, trimmed mean, Krum, Bulyan, geometric median).
 
-    :meth:`collect` runs all four. :meth:`accept` is stage 1 alone, for methods that read their clients' models
+    :meth:`collect` runs all four on gathered replies; :meth:`collect_round` runs a whole averaging round (broadcast,
+    client step, all four stages), folding each reply into a running sum as it arrives where the rule is a sum
+    (``federation.streaming``). :meth:`accept` is stage 1 alone, for methods that read their clients' models
     without combining them; :meth:`receive` stages 1-2 and :meth:`combine` stages 3-4, for a method that transforms
     the received models before they are combined (``aligned`` aligns them). :meth:`sample`, :meth:`rounds`,
     :meth:`local_models` and :meth:`state` are the DP mechanisms' share of the round: who trains (DP-FedAvg's Poisson
@@ -279,6 +287,17 @@ class UpdateService(Protocol):
         *,
         start: Mapping[str, np.ndarray] | None = None,
         weighted: bool = True,
+    ) -> Aggregate: ...
+
+    def collect_round(
+        self,
+        step: Callable[..., Any],
+        reference: dict[str, np.ndarray],
+        clients: Sequence[int],
+        round: int,
+        *,
+        weighted: bool = True,
+        step_kwargs: Mapping[str, Any] | None = None,
     ) -> Aggregate: ...
 
     def accept(

@@ -40,7 +40,7 @@ from rayfuse.config import ExperimentConfig, dump_config, validate_config
 from rayfuse.data.identity import changed_files, content_data, data_files
 from rayfuse.data.roles import DataPlan, load_dataset_from_config, load_target_from_config, make_plan
 from rayfuse.errors import InputError, RunFailure
-from rayfuse.fusion.pipeline import check_update_pipeline
+from rayfuse.fusion.pipeline import check_aggregation, check_round_memory, check_update_pipeline
 from rayfuse.io import atomic_write_json, atomic_write_text
 from rayfuse.method import MethodSpec, RunSetup, check_methods, check_tags, resolve_methods, resolved_config
 from rayfuse.metrics import METRICS_EVENT
@@ -170,6 +170,7 @@ class InProcessBackend(Backend):
             events,
             max_restarts=fed_cfg.max_restarts,
             threads=client_threads,
+            clients_per_process=fed_cfg.clients_per_actor,  # per_actor partial sums fold the same groups as on Ray
         )
         self._coordinator_threads = actor_threads(fed_cfg.coordinator.num_cpus)
         self.coordinator = Coordinator(cfg, plan, str(run_dir), self.federation, specs=specs)
@@ -333,6 +334,8 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
     check_tags(specs, setup, cfg)
     check_methods(specs, setup)
     check_update_pipeline(specs, setup, cfg.federation.attacks)
+    check_aggregation(specs, cfg.federation)
+    check_round_memory(specs, cfg.federation, plan.num_clients, num_params)
     check_local_dp(cfg, setup)
     return PreparedRun(cfg, specs, plan, setup, num_params, client_params)
 
@@ -437,6 +440,7 @@ def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> Prepare
     check_tags(specs, replace(setup, evaluation="central"), cfg)
     _check_silo_methods(specs, replace(setup, evaluation="central"))
     check_update_pipeline(specs, setup, cfg.federation.attacks)  # the number of clients is known; it reads nothing else
+    check_aggregation(specs, cfg.federation)
     check_tags(specs, setup, cfg)
     return PreparedRun(cfg, specs, plan, setup, 0)  # type: ignore[arg-type]
 

@@ -35,18 +35,22 @@ def bench_round():
 def test_bench_round_runs_its_rounds_on_ray(ray_session, bench_round, per_actor):
     from actors.backend import pickled_by_value
 
-    cells = [bench_round.Cell(3, 1_000, per_actor=per_actor)]
+    cells = [bench_round.Cell(3, 1_000, per_actor=per_actor, mode=mode) for mode in bench_round.cell_modes(per_actor)]
     with pickled_by_value(["bench_round", "_steps", "_common"]):
         result = bench_round.run_cells_on_ray(cells, rounds=2, warmup=1, store_bytes=2**30, cpus=2, max_load=1e9, quiet_timeout_s=0)
     assert result["skipped"] == []
-    [row] = result["rows"]
-    assert row["cell"] == cells[0].label and row["actors"] == (3 if per_actor == 1 else 2)
-    assert row["rounds_timed"] == 2 and len(row["round_times_s"]) == 2
-    for key in ("round_s", "validate_aggregate_s", "aggregate_s", "bare_round_s"):
-        assert row[key] > 0, key
-    assert row["round_s"] >= row["validate_aggregate_s"]
-    # only the timing dict reaches the driver: the parameters moved through the object store
-    assert 0 < row["driver_bytes_received"] < 20_000
+    assert [row["mode"] for row in result["rows"]] == (["flat", "gathered"] if per_actor == 1 else ["flat", "per_actor", "gathered"])
+    for row, cell in zip(result["rows"], cells):
+        assert row["cell"] == cell.label and row["actors"] == (3 if per_actor == 1 else 2)
+        assert row["rounds_timed"] == 2 and len(row["round_times_s"]) == 2
+        for key in ("round_s", "aggregate_s", "bare_round_s"):
+            assert row[key] > 0, key
+        # each process's peak resident set over the timed rounds (Linux): coordinator, driver, every client actor
+        processes = {k: v for k, v in row["peak_memory"].items() if k != "object_store"}  # and the store's use
+        assert {"coordinator", "driver"} <= set(processes) and len(processes) == 2 + row["actors"]
+        assert all(p["peak_bytes"] >= p["rest_bytes"] > 0 and p["anon_peak_bytes"] >= p["anon_rest_bytes"] > 0 for p in processes.values())
+        # only the timing dict reaches the driver: the parameters moved through the object store
+        assert 0 < row["driver_bytes_received"] < 20_000
     assert not {a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)} & {"bench-round/coordinator"}
 
 
@@ -79,7 +83,7 @@ def test_compare_flower_runs_without_flower_and_says_so_in_one_line(ray_session,
     payload = json.loads((tmp_path / "compare_flower.json").read_text())
     assert payload["flower"] is None and payload["flower_error"].startswith("no Flower environment")
     [row] = payload["comparison"]
-    assert row["cell"] == "3 x 4 KB" and row["reference"].startswith("none") and row["target_met"] is None
+    assert row["cell"] == "3 x 4 KB flat" and row["reference"].startswith("none") and row["target_met"] is None
     assert row["rayfuse_round_s"] > 0
 
 

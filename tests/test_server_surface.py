@@ -95,6 +95,7 @@ def test_server_context_is_small_and_holds_the_five_services() -> None:
             "UpdateService",
             {
                 "collect",
+                "collect_round",
                 "accept",
                 "receive",
                 "combine",

@@ -164,6 +164,20 @@ class FederationConfig(StrictModel):
         "actor per client, the deployment model. More cuts Ray's per-call cost when many clients share few "
         "cores, as Flower's actor pool does; the clients of one actor share its process and resources",
     )
+    streaming: bool = Field(
+        True,
+        description="fold each client's reply into a running sum as it arrives and drop it (rules that are a sum: "
+        "mean, weighted mean, clip_norm, central DP), so the coordinator holds about 2-3 x the model whatever the "
+        "number of clients; false: gather every reply first, then aggregate (the path robust rules and attacked "
+        "rounds always take; for comparison)",
+    )
+    aggregation: Literal["flat", "per_actor"] | None = Field(
+        None,
+        description="where a streaming round is summed: flat (every client's reply folded by the coordinator) or "
+        "per_actor (an actor hosting clients_per_actor > 1 clients validates, clips and sums theirs and sends one "
+        "partial sum); unset: per_actor when clients_per_actor > 1, else flat (a rule that is not a sum, or an attacked "
+        "round, gathers)",
+    )
     task_cpus: float = Field(1.0, gt=0, description="CPUs each server-side fan-out task requests (parallel assignment solves...)")
     startup_timeout_s: float = Field(300.0, gt=0, description="how long to wait for the actors to start (resources to appear)")
     ray_init: dict[str, Any] = Field(
@@ -180,6 +194,19 @@ class FederationConfig(StrictModel):
         "updates (the FedAvg family, average, aligned, finetune's average base); refused before start "
         "for methods that fuse posteriors, statistics or predictions",
     )
+
+    @model_validator(mode="after")
+    def _aggregation_needs(self) -> FederationConfig:
+        if self.aggregation == "per_actor" and self.clients_per_actor < 2:
+            raise key_error(
+                "aggregation",
+                f"per_actor only with clients_per_actor > 1 (one partial sum per actor), got clients_per_actor {self.clients_per_actor}",
+            )
+        if self.aggregation == "per_actor" and not self.streaming:
+            raise key_error(
+                "aggregation", "per_actor only with streaming: true (partial sums are folded as they arrive), got streaming: false"
+            )
+        return self
 
     @field_validator("address")
     @classmethod

@@ -57,6 +57,7 @@ __all__ = [
     "sample_poisson",
     "clip_and_sum",
     "apply_dp_round",
+    "noise_dp_round",
     "update_clip_norm",
     "describe_plan",
 ]
@@ -307,6 +308,21 @@ def apply_dp_round(
     (the noised ``b_bar``): nothing un-noised about the clients.
     """
     total, norms = clip_and_sum(models, reference, clip_norm)
+    return noise_dp_round(total, int(np.sum(norms <= clip_norm)), reference, settings, plan, clip_norm, rng)
+
+
+def noise_dp_round(
+    total: Mapping[str, np.ndarray],
+    unclipped: int,
+    reference: Mapping[str, np.ndarray],
+    settings: CentralDPSettings,
+    plan: DPPlan,
+    clip_norm: float,
+    rng: np.random.Generator,
+) -> DPRound:
+    """:func:`apply_dp_round` from the clipped updates' sum already formed (``total``: float64, the float tensors of
+    ``reference``; a streaming round folds it reply by reply) and the number of updates within ``C``
+    (``unclipped``): the same noise, drawn in the same order from ``rng``."""
     std = plan.update_noise_multiplier * clip_norm
     out: Params = {}
     for key, g in reference.items():
@@ -321,10 +337,9 @@ def apply_dp_round(
     adaptive = settings.adaptive
     if adaptive is not None:
         assert plan.count_stddev is not None
-        unclipped = float(np.sum(norms <= clip_norm))
         noise = float(rng.normal(0.0, plan.count_stddev))
-        metrics["dp_unclipped_fraction"] = (unclipped + noise) / plan.expected_clients
-        next_clip = update_clip_norm(clip_norm, unclipped, noise, plan.expected_clients, adaptive.target_quantile, adaptive.lr)
+        metrics["dp_unclipped_fraction"] = (float(unclipped) + noise) / plan.expected_clients
+        next_clip = update_clip_norm(clip_norm, float(unclipped), noise, plan.expected_clients, adaptive.target_quantile, adaptive.lr)
     return DPRound(out, next_clip, metrics)
 
 

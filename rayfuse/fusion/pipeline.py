@@ -28,8 +28,9 @@ Nothing here imports Ray: the coordinator builds one pipeline per method run (``
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
@@ -38,9 +39,10 @@ from rayfuse.attacks import apply_attacks
 from rayfuse.config import AttackSpec
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.fusion.aggregate import weighted_average
-from rayfuse.fusion.central_dp import CentralDPSettings, DPPlan, apply_dp_round, describe_plan, plan_dp, sample_poisson
+from rayfuse.fusion.central_dp import CentralDPSettings, DPPlan, apply_dp_round, describe_plan, noise_dp_round, plan_dp, sample_poisson
 from rayfuse.fusion.privacy import UploadDP, check_upload_dp, gather_dp_uploads
 from rayfuse.fusion.robust import AggregatorSettings, aggregate, check_aggregator, check_enough_updates
+from rayfuse.fusion.streaming import PartialSum, RoundFold, RunningSum, partial_problem, update_problem
 from rayfuse.method import (
     Aggregate,
     Gathered,
@@ -54,7 +56,16 @@ from rayfuse.method import (
     fuses_of,
 )
 
-__all__ = ["UpdatePipeline", "check_update_pipeline", "clients_per_round", "combine_models", "pipeline_settings"]
+__all__ = [
+    "UpdatePipeline",
+    "check_aggregation",
+    "check_round_memory",
+    "check_update_pipeline",
+    "clients_per_round",
+    "combine_models",
+    "pipeline_settings",
+    "round_memory",
+]
 
 Params = dict[str, np.ndarray]
 R = TypeVar("R")
@@ -139,6 +150,97 @@ def check_update_pipeline(specs: Sequence[MethodSpec], setup: RunSetup, attacks:
             raise exc.at(f"{where}.{exc.path}") from None
 
 
+def check_aggregation(specs: Sequence[MethodSpec], federation: Any) -> None:
+    """Refuse an explicit ``federation.aggregation: per_actor`` that no round could use (one line; raises
+    :class:`InputError`): with ``federation.attacks`` (an attacked round needs each client's update) or with a method
+    whose rule is not a sum (a robust ``aggregator``). Unset, the mode falls back per round instead (an
+    ``aggregation`` event says so)."""
+    if federation.aggregation != "per_actor":
+        return
+    if federation.attacks:
+        raise InputError(
+            "federation.aggregation",
+            "flat or unset with federation.attacks (an attacked round needs each client's update, not a partial sum)",
+            "per_actor",
+        )
+    for spec in specs:
+        aggregator, dp = pipeline_settings(spec.params)
+        if getattr(spec.method_cls, "streams_rounds", False) and not isinstance(dp, CentralDPSettings) and aggregator.name != "mean":
+            raise InputError(
+                "federation.aggregation",
+                f"flat or unset with methods.{spec.label}.aggregator {aggregator.name!r} (per_actor partial sums need a "
+                "rule that is a sum: mean, mean with clip_norm, central DP)",
+                "per_actor",
+            )
+
+
+def available_memory() -> int:
+    """Bytes of memory available on this machine (``MemAvailable`` of ``/proc/meminfo``; elsewhere the free pages)."""
+    try:
+        with open("/proc/meminfo") as lines:
+            for line in lines:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def round_memory(spec: MethodSpec, federation: Any, num_clients: int, model_bytes: int) -> tuple[int, str]:
+    """The coordinator's memory bound for one method entry's aggregation (bytes) and what sets it.
+
+    Streamed (a FedAvg-family round whose rule is a sum, with ``federation.streaming`` and no attacks): the global
+    model, the running sum and the reply in hand, 3 x the model (central DP sums in float64: 4 x). Gathered: the K
+    replies of a round (K = ``ceil(fraction N)``, every client for a one-shot method), the global model and the rule's
+    output, plus the rule's working memory: K clipped copies with ``clip_norm``, one more model for the geometric
+    median's iterate (the other rules work chunk by chunk)."""
+    aggregator, dp = pipeline_settings(spec.params)
+    central = isinstance(dp, CentralDPSettings)
+    sum_rule = central or aggregator.name == "mean"
+    if getattr(spec.method_cls, "streams_rounds", False) and federation.streaming and not federation.attacks and sum_rule:
+        return (4 if central else 3) * model_bytes, "streamed"
+    fraction = getattr(spec.params, "fraction", None)
+    k = clients_per_round(num_clients, float(fraction)) if fraction is not None else num_clients
+    copies = k + 2 + (k if aggregator.clip_norm is not None or central else 0) + (1 if aggregator.name == "geometric_median" else 0)
+    return copies * model_bytes, f"gathered: {k} updates"
+
+
+def check_round_memory(
+    specs: Sequence[MethodSpec], federation: Any, num_clients: int, num_params: int, *, available: int | None = None
+) -> None:
+    """Refuse, before anything starts, a method entry whose aggregation would not fit the coordinator's memory
+    (:func:`round_memory`): ``federation.coordinator.memory`` when set, else this machine's available memory (the
+    coordinator runs on the driver's node). Raises :class:`InputError` naming the key that makes it gather."""
+    # float32: the models are torch modules in their default dtype; num_params is their parameter count
+    model_bytes = 4 * int(num_params)
+    if federation.coordinator.memory is not None:
+        limit, source = int(federation.coordinator.memory), "federation.coordinator.memory"
+    else:
+        limit, source = (available if available is not None else available_memory()), "the available memory"
+    for spec in specs:
+        if fuses_of(spec.method_cls, spec.params) != "parameters":
+            continue
+        bound, what = round_memory(spec, federation, num_clients, model_bytes)
+        if bound <= limit:
+            continue
+        aggregator, _ = pipeline_settings(spec.params)
+        if getattr(spec.method_cls, "streams_rounds", False) and not federation.streaming:
+            key, hint = "federation.streaming", "set federation.streaming: true (the rule is a sum)"
+        elif getattr(spec.method_cls, "streams_rounds", False) and federation.attacks:
+            key, hint = "federation.attacks", "attacked rounds gather every update: drop the attacks or use fewer clients"
+        elif not aggregator.is_plain_mean:
+            key, hint = f"methods.{spec.label}.aggregator", "a rule that is a sum (mean) streams, or give the coordinator more memory"
+        else:
+            key, hint = f"methods.{spec.label}", "this method gathers every client's model: fewer clients or a smaller model"
+        raise InputError(
+            key,
+            f"an aggregation within the coordinator's memory ({source}: {limit / 2**20:,.0f} MiB; a "
+            f"{model_bytes / 2**20:,.1f} MiB model, its updates, the result and the rule's working memory)",
+            f"{bound / 2**20:,.0f} MiB ({what})",
+            hint,
+        )
+
+
 def _check_central_dp(spec: MethodSpec, aggregator: AggregatorSettings, dp: CentralDPSettings, num_clients: int) -> None:
     """DP-FedAvg's conditions (paths relative to the entry): its noise is calibrated to the sensitivity ``C`` of a sum
     of updates clipped once, each weighing 1, the clients sampled by ``dp.sample_rate`` (a method whose server step reads
@@ -207,6 +309,12 @@ class UpdatePipeline:
         against when the method gives no reference.
     local_updates : callable
         Every client's trained local model (the coordinator gathers them once per run and shares them by the methods).
+    streaming : bool
+        ``federation.streaming``: :meth:`collect_round` folds a sum-decomposable round reply by reply.
+    aggregation : "flat", "per_actor" or None
+        ``federation.aggregation`` (``None``: chosen by :meth:`round_mode`).
+    clients_per_actor : int
+        ``federation.clients_per_actor``: per-actor partial sums need more than 1.
 
     It also holds the reply path that is not a parameter update (:meth:`accept_replies`, :meth:`reject`,
     :meth:`sample_clients`, :meth:`local_updates`); the coordinator's subclass adds ``run_cached`` (the step-result
@@ -222,8 +330,16 @@ class UpdatePipeline:
         planned_examples: Callable[[int], int],
         reference_of: Callable[[int], Params],
         local_updates: Callable[[], Gathered[Update]],
+        streaming: bool = True,
+        aggregation: Literal["flat", "per_actor"] | None = None,
+        clients_per_actor: int = 1,
     ) -> None:
         self._server = server
+        self.streaming = streaming
+        self.aggregation = aggregation
+        self._per_actor = clients_per_actor
+        self._rounds_collected = False  # collect_round ran: info() records the aggregation mode
+        self._last_mode: str | None = None
         self._local_updates = local_updates
         self.aggregator, self.dp = pipeline_settings(params)
         self.attacks = list(attacks)
@@ -420,11 +536,161 @@ class UpdatePipeline:
         done = apply_dp_round(
             [updates[c].params for c in ids], reference, dp, self._plan, float(self._clip), self._server.rng("dp-noise", round)
         )
+        return self._dp_aggregate(done, {c: updates[c] for c in ids}, round)
+
+    def _finish_dp(
+        self, total: dict[str, np.ndarray], unclipped: int, reference: dict[str, np.ndarray], round: int, updates: dict[int, Update]
+    ) -> Aggregate:
+        """A streamed central DP round: the folded sum of clipped updates noised as :meth:`_collect_dp` noises it
+        (the same seed, the same draws)."""
+        dp = self.dp
+        assert isinstance(dp, CentralDPSettings)
+        if self._plan is None:
+            raise RuntimeError("central DP needs its plan: call server.updates.rounds(planned) before the first round")
+        done = noise_dp_round(total, unclipped, reference, dp, self._plan, float(self._clip), self._server.rng("dp-noise", round))
+        return self._dp_aggregate(done, updates, round)
+
+    def _dp_aggregate(self, done: Any, updates: dict[int, Update], round: int) -> Aggregate:
+        dp = self.dp
+        assert isinstance(dp, CentralDPSettings) and self._plan is not None
         self._clip = done.clip_norm
         epsilon = compute_epsilon(self._plan.noise_multiplier, dp.sample_rate, round, dp.delta, dp.accountant)
-        return Aggregate(
-            done.params, {c: updates[c] for c in ids}, {**done.metrics, "dp_sampled": float(self._sampled), "dp_epsilon": epsilon}
+        return Aggregate(done.params, updates, {**done.metrics, "dp_sampled": float(self._sampled), "dp_epsilon": epsilon})
+
+    # -- streaming rounds -----------------------------------------------------------------------------------------
+
+    def decomposes(self) -> bool:
+        """Whether the method's rule is a sum of per-client terms (the plain or weighted mean, the mean with
+        ``clip_norm``, central DP's clipped sum): the rounds it can fold reply by reply."""
+        return isinstance(self.dp, CentralDPSettings) or self.aggregator.name == "mean"
+
+    def round_mode(self, round: int) -> tuple[str, str | None]:
+        """How :meth:`collect_round` aggregates ``round``: ``gathered`` (every reply first, then :meth:`collect`),
+        ``flat`` (the coordinator folds each reply as it arrives) or ``per_actor`` (each actor hosting several clients
+        folds theirs and sends one partial sum), with why it is not what the config asked for (``None``: it is)."""
+        if not self.streaming:
+            return "gathered", None
+        if not self.decomposes():
+            return "gathered", f"aggregator {self.aggregator.name!r} needs every update at once"
+        if self._attacked(round):
+            return "gathered", f"round {round} is attacked (federation.attacks): each client's update is needed"
+        if self.aggregation == "flat" or self._per_actor < 2:
+            return "flat", None
+        return "per_actor", None
+
+    def collect_round(
+        self,
+        step: Callable[..., Any],
+        reference: dict[str, np.ndarray],
+        clients: Sequence[int],
+        round: int,
+        *,
+        weighted: bool = True,
+        step_kwargs: Mapping[str, Any] | None = None,
+    ) -> Aggregate:
+        """A round of a method that averages its clients' models (the FedAvg family): broadcast ``reference`` (one
+        ``put``), run ``step(ctx, reference_ref, **step_kwargs)`` on ``clients`` and aggregate their replies: what
+        ``collect(federation.run(...), reference, round)`` gives, within float rounding, without holding every update
+        at once where the rule is a sum (:meth:`round_mode`). The mode of each round is recorded: an ``aggregation``
+        event when it changes, and ``info()["aggregation"]``.
+
+        The returned ``updates`` of a streamed round carry each client's count and metrics, not its parameters (they
+        were folded and dropped)."""
+        fed = self._server.federation
+        kwargs = dict(step_kwargs or {})
+        mode, why = self.round_mode(round)
+        self._record_mode(mode, why, round)
+        if not clients:  # central DP may sample no client: the round is noise alone, as its accountant assumes
+            return self.collect(Gathered({}), reference, round, weighted=weighted)
+        ref = fed.put(reference)
+        if mode == "gathered":
+            gathered = fed.run(step, ref, clients=clients, **kwargs)
+            del ref
+            return self.collect(gathered, reference, round, weighted=weighted)
+        dp = isinstance(self.dp, CentralDPSettings)
+        fold = RoundFold(
+            "dp" if dp else "mean",
+            weighted and not dp,
+            {int(c): int(self._planned(int(c))) for c in clients},
+            float(self._clip) if dp else self.aggregator.clip_norm,
         )
+        calls = (
+            fed.map_reduced(step, ref, reducer=fold, clients=clients, **kwargs)
+            if mode == "per_actor"
+            else fed.map(step, ref, clients=clients, **kwargs)
+        )
+        del ref
+        stream = fed.stream(calls)
+        del calls
+        return self._collect_stream(stream, reference, round, fold)
+
+    def _collect_stream(
+        self,
+        replies: Any,  # the federation's stream (rayfuse.federation.ReplyStream): (client, value) pairs, then .failures
+        reference: dict[str, np.ndarray],
+        round: int,
+        fold: RoundFold,
+    ) -> Aggregate:
+        """Stages 1-4 folded reply by reply: each reply validated as :meth:`accept` validates it (a rejected one is
+        recorded and never folded), clipped where the rule clips, and added to the running sum; a partial sum from an
+        actor is checked (its clients' counts, its total's layout and values) and added whole."""
+        total = RunningSum(reference, fold.kind, fold.clip_norm)
+        kept: dict[int, Update] = {}
+        received = 0
+        for client, value in replies:
+            if isinstance(value, PartialSum):
+                received += len(value.clients) + len(value.rejected)
+                for other, reason in sorted(value.rejected.items()):
+                    self.reject(other, reason)
+                if not value.clients:
+                    continue
+                problem = partial_problem(value, reference, fold.planned, weighted=fold.weighted, kind=fold.kind)
+                if problem is not None:
+                    for other in sorted(value.clients):
+                        self.reject(other, problem)
+                    continue
+                total.add_partial(value)
+                kept.update({c: Update({}, n, metrics) for c, (n, metrics) in value.clients.items()})
+            else:
+                received += 1
+                problem = update_problem(value, int(self._planned(client)), reference)
+                if problem is not None:
+                    self.reject(client, problem)
+                    continue
+                total.add(value.params, fold.weight(value))
+                kept[client] = Update({}, int(value.num_examples), dict(value.metrics))
+            del value
+        failed = replies.failures
+        need = max(1, min(self._server.federation.policy.min_clients, received + len(failed)))
+        if len(kept) < need:
+            raise RunFailure(
+                f"{self._server.label}: {len(kept)} valid client updates, need {need} (rejected {received - len(kept)}, "
+                f"failed {len(failed)}); see the update_rejected events"
+            )
+        updates = {c: kept[c] for c in sorted(kept)}
+        if fold.kind == "mean":
+            return Aggregate(total.mean(), updates)
+        return self._finish_dp(total.dp_total(), total.unclipped, reference, round, updates)
+
+    def aggregation_record(self) -> dict[str, str]:
+        """``info()["aggregation"]``: the mode of the rounds without an attack (and ``attacked_rounds: gathered`` when
+        ``federation.attacks`` is set), with the reason where it is not what the config asked for. Fixed by the
+        config, so a resumed run records what the uninterrupted one does."""
+        unattacked = self.attacks
+        self.attacks = []
+        try:
+            mode, why = self.round_mode(1)
+        finally:
+            self.attacks = unattacked
+        record = {"mode": mode, **({"reason": why} if why else {})}
+        return {**record, "attacked_rounds": "gathered"} if self.attacks and mode != "gathered" else record
+
+    def _record_mode(self, mode: str, why: str | None, round: int) -> None:
+        self._rounds_collected = True
+        if mode != self._last_mode:
+            message = f"round {round}: {mode}" + (f" ({why})" if why else "")
+            self._server.events.emit("aggregation", message, method=self._server.label, round=round, mode=mode)
+            self._last_mode = mode
 
     # -- state and records ----------------------------------------------------------------------------------------
 
@@ -441,11 +707,12 @@ class UpdatePipeline:
     def info(self) -> dict[str, Any]:
         """The pipeline's record for ``results.json``: ``dp`` (central DP's plan and epsilon) or ``upload_dp`` (each
         client's epsilon of the one-shot upload); empty without DP."""
+        record: dict[str, Any] = {"aggregation": self.aggregation_record()} if self._rounds_collected else {}
         if isinstance(self.dp, CentralDPSettings) and self._plan is not None:
-            return {"dp": describe_plan(self.dp, self._plan)}
+            return {**record, "dp": describe_plan(self.dp, self._plan)}
         if self._upload is not None:
-            return {"upload_dp": self._upload}
-        return {}
+            return {**record, "upload_dp": self._upload}
+        return record
 
     # -- internals ------------------------------------------------------------------------------------------------
 
@@ -481,26 +748,16 @@ class UpdatePipeline:
         """Keep the valid updates; reject (and record) those with NaN/Inf, wrong keys or shapes, a sample count other
         than the client's training-set size in the partition plan (the weight of its update in an average: the
         coordinator knows it, so a client's word for it is checked, not trusted), and those ``check`` gives a reason
-        against. ``check_values=False``: keys, shapes, dtypes, counts and metrics only, not every parameter value."""
-        from rayfuse.models import check_params
-
+        against (:func:`~rayfuse.fusion.streaming.update_problem`, which a streaming round applies to each reply as it
+        arrives). ``check_values=False``: keys, shapes, dtypes, counts and metrics only, not every parameter value."""
         given = reference
         reference_of: Callable[[int], dict[str, np.ndarray]] = self._reference_of if given is None else lambda client: given
         planned = self._planned
 
         def read(client: int, update: Any) -> Update:
-            if not isinstance(update, Update):
-                reason: str | None = f"expected an Update, got {type(update).__name__}"
-            elif not isinstance(update.num_examples, (int, np.integer)) or update.num_examples <= 0:
-                reason = f"num_examples must be a positive integer, got {update.num_examples!r}"
-            elif update.num_examples != planned(client):
-                reason = f"num_examples {update.num_examples} is not the client's {planned(client)} training examples of the partition plan"
-            else:
-                reason = check_params(update.params, reference_of(client), check_finite=check_values)
-                if reason is None and not all(np.isfinite(v) for v in update.metrics.values()):
-                    reason = "non-finite metric values " + str({k: v for k, v in update.metrics.items() if not np.isfinite(v)})
-                if reason is None and check is not None:
-                    reason = check(client, update)
+            reason = update_problem(update, planned(client), reference_of(client), check_finite=check_values)
+            if reason is None and check is not None:
+                reason = check(client, update)
             if reason is not None:
                 raise Rejected(reason)
             return update

@@ -39,7 +39,6 @@ from rayfuse.fusion.pipeline import clients_per_round
 from rayfuse.fusion.robust import AggregatorSettings
 from rayfuse.method import (
     ClientContext,
-    Gathered,
     Method,
     MethodParams,
     MethodResult,
@@ -151,6 +150,8 @@ class FedAvg(Method[FP, FS]):
     summary = "federated averaging over rounds (McMahan et al. 2017), sample-weighted"
     reference = references.FEDAVG
     tags = MethodTags(multi_round=True)
+    #: its rounds go through ``server.updates.collect_round``: streamed where the rule is a sum (the memory check)
+    streams_rounds = True
 
     @property
     def mu(self) -> float:
@@ -185,7 +186,6 @@ class FedAvg(Method[FP, FS]):
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params
         train = server.models.train_cfg
-        fed = server.federation
         pipeline = server.updates  # validation, attacks, clipping / central DP, the aggregation rule
         last = pipeline.rounds(p.rounds)  # central DP's stop_at_epsilon may afford fewer
         start = self.initial_state(server.models.initial_params())
@@ -207,10 +207,9 @@ class FedAvg(Method[FP, FS]):
         )
         for rnd in rounds:
             clients = pipeline.sample(p.fraction, rnd)
-            # central DP may sample no client: the round is then noise alone, as its accountant assumes
-            gathered = fed.run(fit, fed.put(state.params), clients=clients, round=rnd, **step_args) if clients else Gathered({})
-            result = pipeline.collect(gathered, state.params, rnd, weighted=p.weighted)
-            del gathered
+            # broadcast, local training, the pipeline's four stages: each reply folded into a running sum as it arrives
+            # where the rule is a sum (federation.streaming), else gathered; central DP may sample no client (noise alone)
+            result = pipeline.collect_round(fit, state.params, clients, rnd, weighted=p.weighted, step_kwargs={"round": rnd, **step_args})
             state.dp = pipeline.state()
             updates, extra = result.updates, result.metrics
             state.params = self.server_update(server, state, result.params, updates, rnd)
