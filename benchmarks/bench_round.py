@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 import ray
-from _common import machine_info, median, memory_bytes, print_table, wait_for_quiet, write_results
+from _common import add_quick_arguments, machine_info, median, memory_bytes, out_dir, print_table, wait_for_quiet, write_results
 from _steps import echo_step
 from ray import cloudpickle
 
@@ -571,7 +571,7 @@ def main() -> None:
         default="grid",
         help="targets: only the two target cells; grid-only: no targets",
     )
-    parser.add_argument("--quick", action="store_true", help="one small cell (4 x 100 KB, 2 per actor) in each mode, 2 rounds")
+    add_quick_arguments(parser, "4 x 100 KB, 2 per actor, in each mode, 2 rounds")
     parser.add_argument(
         "--aggregation", nargs="+", default=["flat", "per_actor"], choices=["flat", "per_actor"], help="streaming rounds' aggregation"
     )
@@ -636,6 +636,7 @@ def main() -> None:
             "cells": [asdict(c) for c in cells],
             **result,
         },
+        out_dir(args.out, args.quick),
     )
     print(f"\nwrote {path}")
 
