@@ -216,12 +216,16 @@ def resume(run_dir: str | Path, *, overrides: Sequence[str] = (), quiet: bool = 
 
 
 def fuse_checkpoints(
-    config: str | Path | Mapping[str, Any], out: str | Path | None = None, progress: Callable[[str], None] | None = None
+    config: str | Path | Mapping[str, Any],
+    out: str | Path | None = None,
+    progress: Callable[[str], None] | None = None,
+    max_shard_size: int | None = None,
 ) -> dict[str, Any]:
     """Fuse checkpoints trained elsewhere (``rayfuse fuse``): every check first, then load, fuse and write.
 
     Returns the summary: ``method``, ``models`` (how many), ``tensors``, ``parameters`` and ``output`` (the file).
-    ``progress`` receives a line per stage of a long fusion (``distill``: one per epoch).
+    ``progress`` receives a line per stage of a long fusion (``distill``: one per epoch). ``max_shard_size`` (bytes)
+    overrides the fuse file's ``max_shard_size:``: an output above it is written as a shard folder.
     """
     from rayfuse.checkpoints import load_fuse_config, run_fuse
 
@@ -234,7 +238,9 @@ def fuse_checkpoints(
     _check_folder_argument(out, "out", optional=True, what="an output file path")
     if progress is not None and not callable(progress):
         raise InputError("progress", "a callable taking one line of text (e.g. print), or None", type(progress).__name__)
-    return run_fuse(load_fuse_config(config, None if out is None else str(out)), progress)
+    if max_shard_size is not None and (isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1):
+        raise InputError("max_shard_size", "a positive number of bytes", max_shard_size)
+    return run_fuse(load_fuse_config(config, None if out is None else str(out), max_shard_size), progress)
 
 
 def fuse(config: str | Path | Mapping[str, Any], out: str | Path | None = None, progress: Callable[[str], None] | None = None) -> Path:

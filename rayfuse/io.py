@@ -463,13 +463,17 @@ def _torch_state_dict(path: Path) -> Mapping[str, Any]:
 TORCH_ONLY_FLOATS = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 
 
-def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def read_checkpoint(path: str | os.PathLike, *, mapped: bool = False) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """A checkpoint trained elsewhere (``rayfuse fuse``): its tensors as numpy arrays and each tensor's stored dtype.
 
     ``.safetensors`` files and PyTorch files (``torch.load(weights_only=True)``) are read as :func:`load_params` does;
     tensors of a float dtype numpy cannot hold (``bfloat16``, the ``float8`` types) come back as float32 arrays, their
     stored dtype recorded, so they can be fused and written back in it (:func:`save_params_cast`). A sparse, quantized
     or complex tensor is an :class:`InputError` naming the file and the tensor.
+
+    A shard folder or its index (:func:`save_params`) is read shard by shard. With ``mapped``, a safetensors file of
+    numpy dtypes comes back as read-only arrays over a memory map of it (no copy in the process's own memory: what
+    ``rayfuse fuse`` reads many models with); without, as copies.
     """
     path = Path(path)
     index = params_index(path)
@@ -478,7 +482,7 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dic
         dtypes: dict[str, str] = {}
 
         def shard(file: Path) -> dict[str, np.ndarray]:
-            params, stored = _read_checkpoint_file(file)
+            params, stored = _read_checkpoint_file(file, mapped)
             dtypes.update(stored)
             return params
 
@@ -486,10 +490,61 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dic
         return params, {k: dtypes[k] for k in params if k in dtypes}
     if path.is_file():
         check_file_fits_in_memory(path)
-    return _read_checkpoint_file(path)
+    return _read_checkpoint_file(path, mapped)
 
 
-def _read_checkpoint_file(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+_NUMPY_DTYPES = {code: name for name, code in _SAFETENSORS_DTYPES.items()}
+
+
+def _mapped_safetensors(path: Path) -> dict[str, np.ndarray] | None:
+    """The tensors of a safetensors file as read-only arrays over a memory map of it (no copy: pages are read as the
+    arrays are used, and stay the page cache's, which the kernel can drop); ``None`` when a tensor has a dtype numpy
+    lacks or the header does not describe the file exactly (the callers' readers then say what is wrong)."""
+    import mmap
+
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            n = int.from_bytes(handle.read(8), "little")
+            if size < 8 or n > size - 8:
+                return None
+            header = json.loads(handle.read(n))
+            mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size > 8 + n else None
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(header, dict):
+        return None
+    header.pop("__metadata__", None)
+    out: dict[str, np.ndarray] = {}
+    end = 0
+    for name, info in sorted(
+        header.items(), key=lambda item: tuple(item[1].get("data_offsets", (0, 0))) if isinstance(item[1], dict) else (0, 0)
+    ):
+        try:
+            dtype = np.dtype(_NUMPY_DTYPES[info["dtype"]])
+            shape = tuple(int(d) for d in info["shape"])
+            start, stop = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if start != end or stop - start != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            return None
+        end = stop
+        if stop == start:
+            out[name] = np.zeros(shape, dtype)
+        else:
+            array = np.ndarray(shape, dtype, buffer=mapped, offset=8 + n + start)  # type: ignore[call-overload]
+            array.flags.writeable = False
+            out[name] = array
+    if 8 + n + end != size:
+        return None
+    return out  # in the file's order, as safetensors' own reader lists them
+
+
+def _read_checkpoint_file(path: Path, mapped: bool) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    arrays = _mapped_safetensors(path) if mapped and path.suffix == ".safetensors" and path.is_file() else None
+    if arrays is not None:
+        _check_real(path, arrays)
+        return arrays, {k: str(v.dtype) for k, v in arrays.items()}
     if path.suffix == ".safetensors" and path.is_file():
         from safetensors.numpy import load_file as load_numpy
 
