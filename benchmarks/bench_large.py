@@ -129,12 +129,36 @@ class Peak:
         }
 
 
-class MemorySampler:
-    """Samples ``/proc/<pid>/status`` of ``root`` and all its descendants every ``interval`` seconds (a thread)."""
+def available_bytes() -> int:
+    with open("/proc/meminfo", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
-    def __init__(self, root: int | None = None, interval: float = 0.05) -> None:
+
+def reset_peak(pid: int | None = None) -> None:
+    """Reset a process's ``VmHWM`` to its current resident set (``/proc/<pid>/clear_refs``), for a per-phase peak."""
+    try:
+        Path(f"/proc/{os.getpid() if pid is None else pid}/clear_refs").write_text("5")
+    except OSError:
+        pass  # not allowed here (another user's process, no procfs): the peak is then the process's lifetime peak
+
+
+class MemorySampler:
+    """Samples ``/proc/<pid>/status`` of ``root`` and all its descendants every ``interval`` seconds (a thread).
+
+    With ``floor``: when the machine's available memory falls below ``floor`` bytes, the descendants that are Ray
+    actors (this run's own, by pid) are killed, so the run fails instead of the machine swapping or the kernel's OOM
+    killer choosing a process of someone else; :attr:`aborted` then says so.
+    """
+
+    def __init__(self, root: int | None = None, interval: float = 0.05, floor: int = 0) -> None:
         self.root = os.getpid() if root is None else root
         self.interval = interval
+        self.floor = floor
+        self.aborted = ""
+        self.lowest_available = available_bytes()
         self.peaks: dict[int, Peak] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -172,6 +196,18 @@ class MemorySampler:
             peak.anon = max(peak.anon, status.get("RssAnon", 0))
             peak.shmem = max(peak.shmem, status.get("RssShmem", 0))
             peak.file = max(peak.file, status.get("RssFile", 0))
+        available = available_bytes()
+        self.lowest_available = min(self.lowest_available, available)
+        if self.floor and available < self.floor and not self.aborted:
+            self.aborted = f"available memory {available / GiB:.1f} GiB < {self.floor / GiB:.1f} GiB: the run's actors were stopped"
+            import signal
+
+            for pid, peak in self.peaks.items():
+                if pid != self.root and "Actor" in peak.label:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
 
     def rows(self, min_bytes: int = 50 * 2**20) -> list[dict[str, Any]]:
         """The processes that peaked above ``min_bytes`` (Ray's many small helpers left out), largest first."""
@@ -194,6 +230,7 @@ def large_config(
     batch_size: int,
     storage: Path,
     cpus: int,
+    methods: tuple[str, ...] = ("average", "fedavg"),
 ) -> dict[str, Any]:
     h = width_for(params)
     return {
@@ -208,7 +245,11 @@ def large_config(
             "clients_per_actor": per_actor,
             "ray_init": {"num_cpus": cpus, "object_store_memory": int(store_bytes), "include_dashboard": False},
         },
-        "methods": {"average": {}, "fedavg": {"rounds": rounds, "local_epochs": 1, "evaluate_every": rounds}},
+        "methods": {
+            name: spec
+            for name, spec in {"average": {}, "fedavg": {"rounds": rounds, "local_epochs": 1, "evaluate_every": rounds}}.items()
+            if name in methods
+        },
     }
 
 
@@ -254,6 +295,8 @@ def run_large(
     cpus: int = 2,
     storage: Path | None = None,
     keep: bool = False,
+    methods: tuple[str, ...] = ("average", "fedavg"),
+    floor: int = 0,
 ) -> dict[str, Any]:
     """Run, resume and fuse at one size; return the timings, the files' layout, the checks and each process's peaks.
 
@@ -262,7 +305,7 @@ def run_large(
     import numpy as np
 
     import rayfuse
-    from rayfuse.io import load_params, params_size
+    from rayfuse.io import load_params, params_sha256, params_size
     from rayfuse.store import RunStore
 
     own = storage is None
@@ -277,6 +320,7 @@ def run_large(
         batch_size=batch_size,
         storage=storage,
         cpus=cpus,
+        methods=methods,
     )
     h = int(config["model"]["hidden"][0])
     count = mlp_params(h)
@@ -289,19 +333,27 @@ def run_large(
         "rounds": rounds,
         "object_store_bytes": store_bytes,
         "max_shard_size": shard_size,
+        "methods": list(methods),
+        "available_before": available_bytes(),
     }
     try:
         run_dir = storage / "run"
-        with MemorySampler() as sampler:
+        reset_peak()
+        with MemorySampler(floor=floor) as sampler:
             started = time.perf_counter()
-            result = rayfuse.run(config, run_dir=run_dir, quiet=True)
+            try:
+                result = rayfuse.run(config, run_dir=run_dir, quiet=True)
+            except Exception:
+                if sampler.aborted:
+                    raise RuntimeError(sampler.aborted) from None
+                raise
             out["run_seconds"] = round(time.perf_counter() - started, 2)
         out["run_processes"] = sampler.rows()
+        out["run_lowest_available"] = sampler.lowest_available
         store = RunStore(run_dir)
         files = {
-            "fedavg": store.model_file("fedavg"),
-            "average": store.model_file("average"),
-            **{f"local-{c}": store.local_model_file(c) for c in range(clients)},
+            **{label: store.model_file(label) for label in methods},
+            **{f"local-{c}": store.local_model_file(c) for c in range(clients) if "average" in methods},
         }
         checkpoint = run_dir / "checkpoints" / "fedavg" / f"round-{rounds:05d}.safetensors"
         out["files"] = {
@@ -313,20 +365,25 @@ def run_large(
         out["fedavg_shapes_ok"] = fedavg["layers.1.weight"].shape == (h, h) if "layers.1.weight" in fedavg else None
         del fedavg, result
 
-        # resume from the round checkpoint: the finished method's record goes, its model is written again from it
-        (run_dir / "state" / "fedavg.json").unlink()
-        before = load_params(files["fedavg"])
-        store.model_file("fedavg").rename(storage / "fedavg-before.safetensors")
-        with MemorySampler() as sampler:
-            started = time.perf_counter()
-            rayfuse.resume(run_dir, quiet=True)
-            out["resume_seconds"] = round(time.perf_counter() - started, 2)
-        out["resume_processes"] = sampler.rows()
-        after = load_params(files["fedavg"])
-        out["resume_same_model"] = bool(set(before) == set(after) and all(np.array_equal(before[k], after[k]) for k in before))
-        del before, after
+        if "fedavg" in methods:
+            # resume from the round checkpoint: the finished method's record goes, its model is written again from it
+            (run_dir / "state" / "fedavg.json").unlink()
+            before = params_sha256(files["fedavg"])
+            store.model_file("fedavg").rename(storage / "fedavg-before.safetensors")
+            reset_peak()
+            with MemorySampler(floor=floor) as sampler:
+                started = time.perf_counter()
+                rayfuse.resume(run_dir, quiet=True)
+                out["resume_seconds"] = round(time.perf_counter() - started, 2)
+            out["resume_processes"] = sampler.rows()
+            out["resume_same_model"] = params_sha256(files["fedavg"]) == before  # the same bytes: the same model
 
-        locals_ = [files[f"local-{c}"] for c in range(clients)]
+        # the fuse's inputs: the clients' local models the run checkpointed (average), else copies of the fedavg model
+        locals_ = [files[f"local-{c}"] for c in range(clients)] if "average" in methods else []
+        if not locals_:
+            for c in range(clients):
+                locals_.append(storage / f"copy-{c}.safetensors")
+                shutil.copytree(files["fedavg"], locals_[-1]) if files["fedavg"].is_dir() else shutil.copy(files["fedavg"], locals_[-1])
         out["fuse"] = _fuse(locals_, storage / "fused.safetensors", shard_size, storage)
         fused = load_params(storage / "fused.safetensors")
         first = load_params(locals_[0])
@@ -345,7 +402,7 @@ def report(out: dict[str, Any]) -> None:
     model = out["model_bytes"]
     rows = []
     for phase in ("run", "resume"):
-        for row in out[f"{phase}_processes"]:
+        for row in out.get(f"{phase}_processes", []):
             rows.append(
                 {
                     "phase": phase,
@@ -374,9 +431,9 @@ def report(out: dict[str, Any]) -> None:
         rows,
         cols,
         title=f"{out['clients']} clients x {model / 1e9:.2f} GB ({out['params']:,} parameters), {out['clients_per_actor']} per actor: "
-        f"run {out['run_seconds']} s, resume {out['resume_seconds']} s, fuse {out['fuse']['seconds']} s",
+        f"run {out['run_seconds']} s, resume {out.get('resume_seconds')} s, fuse {out['fuse']['seconds']} s",
     )
-    print(json.dumps({k: out[k] for k in ("files", "resume_same_model", "fedavg_finite", "fuse_finite", "fuse_shapes_ok")}, indent=1))
+    print(json.dumps({k: out.get(k) for k in ("files", "resume_same_model", "fedavg_finite", "fuse_finite", "fuse_shapes_ok")}, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -391,6 +448,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpus", type=int, default=2)
     parser.add_argument("--storage", help="folder for the run and the fused file (default: a temporary folder, deleted after)")
     parser.add_argument("--quick", action="store_true", help="a ~50 MB model with 16 MB shards: seconds")
+    parser.add_argument("--methods", default="average,fedavg", help="average,fedavg (default) or one of them")
+    parser.add_argument(
+        "--min-available-gb", type=float, default=2.0, help="stop the run's actors when the machine's available memory falls below this"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.params, args.shard_size = 12.5e6, float(16 * 2**20)
@@ -408,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size,
         cpus=args.cpus,
         storage=Path(args.storage) if args.storage else None,
+        methods=tuple(m for m in ("average", "fedavg") if m in args.methods.split(",")),
+        floor=int(args.min_available_gb * GiB),
     )
     out["load_before"] = list(load)
     out["load_after"] = list(os.getloadavg())
@@ -415,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_results("large_quick" if args.quick else "large", {"machine": machine_info(), "result": out})
     print(f"results: {path}")
     checks = ("resume_same_model", "fedavg_finite", "fuse_finite", "fuse_shapes_ok")
-    return 0 if all(out[c] for c in checks) else 1
+    return 0 if all(out.get(c, True) for c in checks) else 1
 
 
 if __name__ == "__main__":
