@@ -189,8 +189,8 @@ class MemorySampler:
                 continue
             label = "driver" if pid == self.root else _label(pid)
             peak = self.peaks.setdefault(pid, Peak(pid, label))
-            if label and label not in ("IDLE", "ray-worker") and peak.label in ("IDLE", "ray-worker", ""):
-                peak.label = label  # a worker becomes an actor once it is given one
+            if "Actor" in label or (label and label != "IDLE" and "Actor" not in peak.label):
+                peak.label = label  # a worker becomes an actor once it is given one (its title says which)
             peak.labels.add(label)
             peak.hwm = max(peak.hwm, status.get("VmHWM", 0))
             peak.anon = max(peak.anon, status.get("RssAnon", 0))
