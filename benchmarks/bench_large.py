@@ -21,7 +21,7 @@ pressure). The fuse runs as a subprocess (``python -m rayfuse fuse``), sampled t
     python benchmarks/bench_large.py --quick               # 4 clients x ~50 MB, seconds
     python benchmarks/bench_large.py --params 250e6 --clients 4 --clients-per-actor 2
 
-Results: ``benchmarks/results/large.json`` (``--quick``: ``large_quick.json``).
+Results: ``benchmarks/results/large_<clients>x<GB>gb_<methods>.json`` (``--quick``: ``large_quick.json``).
 """
 
 from __future__ import annotations
@@ -398,6 +398,80 @@ def run_large(
     return out
 
 
+def files_only(*, params: float, clients: int = 4, shard_size: int = 2 * GiB, storage: Path | None = None) -> dict[str, Any]:
+    """The file side alone, at a size whose Ray round this machine cannot hold: ``clients`` models of the MLP's shapes
+    (seeded normal values) written with ``save_params``, a round checkpoint written and read back
+    (``Checkpointer``, what a resume reads), then ``rayfuse fuse`` (average) of the models. Peaks of this process per
+    phase (``VmHWM`` reset between phases) and of the fuse subprocess."""
+    import numpy as np
+
+    from rayfuse.io import load_params, params_size, save_params
+    from rayfuse.store import Checkpointer
+
+    own = storage is None
+    storage = Path(tempfile.mkdtemp(prefix="rayfuse-large-files-")) if storage is None else Path(storage)
+    h = width_for(params)
+    inputs, classes = DIGITS
+    shapes = {
+        "layers.0.weight": (h, inputs),
+        "layers.0.bias": (h,),
+        "layers.1.weight": (h, h),
+        "layers.1.bias": (h,),
+        "layers.2.weight": (classes, h),
+        "layers.2.bias": (classes,),
+    }
+    count = mlp_params(h)
+    out: dict[str, Any] = {"params": count, "model_bytes": 4 * count, "hidden": h, "clients": clients, "max_shard_size": shard_size}
+    phases: dict[str, dict[str, Any]] = {}
+
+    def phase(name: str, started: float, sampler: MemorySampler) -> None:
+        peak = sampler.peaks[os.getpid()].row()
+        phases[name] = {"seconds": round(time.perf_counter() - started, 2), **{k: v for k, v in peak.items() if k != "pid"}}
+
+    try:
+        files = [storage / f"model-{c}.safetensors" for c in range(clients)]
+        reset_peak()
+        with MemorySampler(interval=0.02) as sampler:
+            started = time.perf_counter()
+            for c, file in enumerate(files):
+                rng = np.random.default_rng(c)
+                model = {k: rng.standard_normal(shape, dtype=np.float32) * 0.01 for k, shape in shapes.items()}
+                save_params(file, model, {"client": str(c)}, max_shard_size=shard_size)
+                del model
+        phase("write models", started, sampler)
+        out["model_files"] = {"bytes": params_size(files[0]), "shards": _sharded(files[0])}
+        model = load_params(files[0])
+        checkpoints = Checkpointer(storage / "checkpoints", max_shard_size=shard_size)
+        reset_peak()
+        with MemorySampler(interval=0.02) as sampler:
+            started = time.perf_counter()
+            checkpoints.save(1, model, {"round_count": np.array(1.0)}, {"note": "bench"})
+        phase("write checkpoint (model in memory)", started, sampler)
+        del model
+        reset_peak()
+        with MemorySampler(interval=0.02) as sampler:
+            started = time.perf_counter()
+            loaded = checkpoints.load()
+        phase("read checkpoint (resume)", started, sampler)
+        assert loaded is not None
+        out["checkpoint"] = {"round": loaded.round, "bytes": params_size(storage / "checkpoints" / "round-00001.safetensors")}
+        out["checkpoint"]["shards"] = _sharded(storage / "checkpoints" / "round-00001.safetensors")
+        out["checkpoint_finite"] = bool(all(np.isfinite(v).all() for v in loaded.params.values()))
+        del loaded
+        out["fuse"] = _fuse(files, storage / "fused.safetensors", shard_size, storage)
+        out["fused_bytes"] = params_size(storage / "fused.safetensors")
+        out["fused_shards"] = _sharded(storage / "fused.safetensors")
+        fused = load_params(storage / "fused.safetensors")
+        out["fuse_finite"] = bool(all(np.isfinite(v).all() for v in fused.values()))
+        out["fuse_shapes_ok"] = {k: v.shape for k, v in fused.items()} == shapes
+        del fused
+        out["phases"] = phases
+    finally:
+        if own:
+            shutil.rmtree(storage, ignore_errors=True)
+    return out
+
+
 def report(out: dict[str, Any]) -> None:
     model = out["model_bytes"]
     rows = []
@@ -449,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--storage", help="folder for the run and the fused file (default: a temporary folder, deleted after)")
     parser.add_argument("--quick", action="store_true", help="a ~50 MB model with 16 MB shards: seconds")
     parser.add_argument("--methods", default="average,fedavg", help="average,fedavg (default) or one of them")
+    parser.add_argument("--files-only", action="store_true", help="no Ray round: write the models, a checkpoint and read it, fuse")
     parser.add_argument(
         "--min-available-gb", type=float, default=2.0, help="stop the run's actors when the machine's available memory falls below this"
     )
@@ -459,6 +534,25 @@ def main(argv: list[str] | None = None) -> int:
     store = int(args.object_store_gb * 1e9) if args.object_store_gb else max(int(2.2 * model), 10**9)
     load = os.getloadavg()
     print(f"model {model / 1e9:.2f} GB, object store {store / 1e9:.2f} GB, load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    if args.files_only:
+        out = files_only(
+            params=args.params,
+            clients=args.clients,
+            shard_size=int(args.shard_size),
+            storage=Path(args.storage) if args.storage else None,
+        )
+        out["load_before"], out["load_after"] = list(load), list(os.getloadavg())
+        rows = [{"phase": k, **v} for k, v in out["phases"].items()] + [{"phase": "rayfuse fuse (subprocess)", **out["fuse"]["process"]}]
+        for row in rows:
+            row.update({f"{k} GB": row[f"{k}_bytes"] / 1e9 for k in ("vmhwm", "peak_anon", "peak_file")})
+            row["x model"] = row["vmhwm_bytes"] / out["model_bytes"]
+        cols = [(c, c) for c in ("phase", "seconds", "vmhwm GB", "x model", "peak_anon GB", "peak_file GB")]
+        print_table(
+            rows, cols, title=f"files of {out['model_bytes'] / 1e9:.2f} GB, {out['clients']} models; fuse {out['fuse']['seconds']} s"
+        )
+        name = "large_files_quick" if args.quick else f"large_files_{args.clients}x{model / 1e9:.1f}gb"
+        print(f"results: {write_results(name, {'machine': machine_info(), 'result': out})}")
+        return 0 if out["checkpoint_finite"] and out["fuse_finite"] and out["fuse_shapes_ok"] else 1
     out = run_large(
         params=args.params,
         clients=args.clients,
@@ -475,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     out["load_before"] = list(load)
     out["load_after"] = list(os.getloadavg())
     report(out)
-    path = write_results("large_quick" if args.quick else "large", {"machine": machine_info(), "result": out})
+    name = "large_quick" if args.quick else f"large_{args.clients}x{model / 1e9:.1f}gb_{'_'.join(out['methods'])}"
+    path = write_results(name, {"machine": machine_info(), "result": out})
     print(f"results: {path}")
     checks = ("resume_same_model", "fedavg_finite", "fuse_finite", "fuse_shapes_ok")
     return 0 if all(out.get(c, True) for c in checks) else 1

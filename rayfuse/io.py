@@ -196,7 +196,7 @@ def _write_safetensors(handle: Any, tensors: Mapping[str, _Tensor], metadata: Ma
             raw = tensor.raw()
             if raw.nbytes != tensor.nbytes:  # a converter that produced other bytes than the header promised
                 raise ValueError(f"tensor of {raw.nbytes} bytes where {tensor.nbytes} were announced")
-            handle.write(memoryview(raw))
+            handle.write(raw.data)
             del raw
 
 
@@ -532,7 +532,7 @@ def _mapped_safetensors(path: Path) -> dict[str, np.ndarray] | None:
         if stop == start:
             out[name] = np.zeros(shape, dtype)
         else:
-            array = np.ndarray(shape, dtype, buffer=mapped, offset=8 + n + start)  # type: ignore[call-overload]
+            array = np.ndarray(shape, dtype, buffer=mapped, offset=8 + n + start)
             array.flags.writeable = False
             out[name] = array
     if 8 + n + end != size:
@@ -652,8 +652,8 @@ def save_params_cast(
     import torch
 
     target = getattr(torch, dtype)
-    code = _TORCH_DTYPES.get(dtype)
-    if code is None:
+    torch_code = _TORCH_DTYPES.get(dtype)
+    if torch_code is None:
         raise ValueError(f"dtype {dtype} cannot be stored in a parameter file")
     itemsize = torch.empty((), dtype=target).element_size()
 
@@ -664,7 +664,7 @@ def save_params_cast(
     for name, value in params.items():
         array = np.asarray(value)
         if array.dtype.kind == "f":
-            tensors[str(name)] = _Tensor(code, tuple(int(d) for d in array.shape), int(array.size * itemsize), cast(array))
+            tensors[str(name)] = _Tensor(torch_code, tuple(int(d) for d in array.shape), int(array.size * itemsize), cast(array))
         else:
             tensors[str(name)] = _numpy_tensor(str(name), array)
     return _save_tensors(path, tensors, metadata, max_shard_size)

@@ -17,6 +17,10 @@
 
 The coordinator writes checkpoints and models; on Ray it is placed on the driver's node so it shares this folder.
 
+A model file above ``run.max_shard_size`` bytes is a shard folder at the same path (``rayfuse.io.save_params``:
+``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``); every reader here takes either, and a
+folder's SHA-256 (``rayfuse.io.params_sha256``) covers its index and every shard.
+
 :class:`LocalModelStore` keeps trained local models on the clients' side (``run.model_cache``), one
 content-addressed entry per client model (``<cache>/local-models/<key>/``, :func:`local_model_key`): each client
 writes and reads its own, and runs that share a key (the trials of a Tune sweep over fusion-only knobs) train once.
