@@ -526,13 +526,18 @@ def _mapped_safetensors(path: Path) -> dict[str, np.ndarray] | None:
             start, stop = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             return None
-        if start != end or stop - start != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+        if start != end or stop - start != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize or 8 + n + stop > size:
             return None
         end = stop
+        if any(d < 0 for d in shape):
+            return None
         if stop == start:
             out[name] = np.zeros(shape, dtype)
         else:
-            array = np.ndarray(shape, dtype, buffer=mapped, offset=8 + n + start)
+            try:
+                array = np.ndarray(shape, dtype, buffer=mapped, offset=8 + n + start)
+            except (TypeError, ValueError):  # a header describing what the file does not hold: the readers say what
+                return None
             array.flags.writeable = False
             out[name] = array
     if 8 + n + end != size:
