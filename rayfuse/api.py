@@ -46,7 +46,7 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +72,31 @@ __all__ = [
 BACKENDS = ("ray", "local")
 
 
+class ModelFiles(Mapping[str, dict[str, np.ndarray]]):
+    """A run's fused models by label, each read from its file (or shard folder) the first time it is asked for and
+    kept from then on."""
+
+    def __init__(self, files: Mapping[str, Path]) -> None:
+        self.files = dict(files)
+        self._loaded: dict[str, dict[str, np.ndarray]] = {}
+
+    def __getitem__(self, label: str) -> dict[str, np.ndarray]:
+        if label not in self._loaded:
+            from rayfuse.io import load_params
+
+            self._loaded[label] = load_params(self.files[label])
+        return self._loaded[label]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __repr__(self) -> str:
+        return f"ModelFiles({sorted(self.files)})"
+
+
 @dataclass
 class RunResult:
     """What :func:`run` returns: the run folder and its results, read back as data frames and parameter dicts.
@@ -85,8 +110,9 @@ class RunResult:
     history : pandas.DataFrame
         Every logged metric (``metrics.parquet``): columns ``method`` (the label), ``method_name``, ``round``,
         ``metric``, ``value``, ``client``.
-    models : dict
-        The fused parameters by method label (methods that return a model; an ensemble returns none).
+    models : mapping
+        The fused parameters by method label (methods that return a model; an ensemble returns none), each read from
+        its file in the run folder when first asked for (a run of several-GB models costs no memory until then).
     results : dict
         ``results.json``: status, timings, events, the partition, each method's summary.
     config : ExperimentConfig
@@ -100,7 +126,7 @@ class RunResult:
     run_dir: Path
     metrics: Any
     history: Any
-    models: dict[str, dict[str, np.ndarray]]
+    models: Mapping[str, dict[str, np.ndarray]]
     results: dict[str, Any]
     config: ExperimentConfig
     input_shape: tuple[int, ...] = ()
@@ -216,12 +242,16 @@ def resume(run_dir: str | Path, *, overrides: Sequence[str] = (), quiet: bool = 
 
 
 def fuse_checkpoints(
-    config: str | Path | Mapping[str, Any], out: str | Path | None = None, progress: Callable[[str], None] | None = None
+    config: str | Path | Mapping[str, Any],
+    out: str | Path | None = None,
+    progress: Callable[[str], None] | None = None,
+    max_shard_size: int | None = None,
 ) -> dict[str, Any]:
     """Fuse checkpoints trained elsewhere (``rayfuse fuse``): every check first, then load, fuse and write.
 
     Returns the summary: ``method``, ``models`` (how many), ``tensors``, ``parameters`` and ``output`` (the file).
-    ``progress`` receives a line per stage of a long fusion (``distill``: one per epoch).
+    ``progress`` receives a line per stage of a long fusion (``distill``: one per epoch). ``max_shard_size`` (bytes)
+    overrides the fuse file's ``max_shard_size:``: an output above it is written as a shard folder.
     """
     from rayfuse.checkpoints import load_fuse_config, run_fuse
 
@@ -234,7 +264,9 @@ def fuse_checkpoints(
     _check_folder_argument(out, "out", optional=True, what="an output file path")
     if progress is not None and not callable(progress):
         raise InputError("progress", "a callable taking one line of text (e.g. print), or None", type(progress).__name__)
-    return run_fuse(load_fuse_config(config, None if out is None else str(out)), progress)
+    if max_shard_size is not None and (isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1):
+        raise InputError("max_shard_size", "a positive number of bytes", max_shard_size)
+    return run_fuse(load_fuse_config(config, None if out is None else str(out), max_shard_size), progress)
 
 
 def fuse(config: str | Path | Mapping[str, Any], out: str | Path | None = None, progress: Callable[[str], None] | None = None) -> Path:
@@ -766,7 +798,6 @@ def _execute(prepared: Any, folder: Path, *, resume: bool, quiet: bool, verbose:
 def _read_result(prepared: Any, folder: Path, results: dict[str, Any]) -> RunResult:
     import pandas as pd
 
-    from rayfuse.io import load_params
     from rayfuse.store import RunStore
 
     store = RunStore(folder)
@@ -779,7 +810,7 @@ def _read_result(prepared: Any, folder: Path, results: dict[str, Any]) -> RunRes
     metrics.index.name = "label"
     history_columns = ["method", "method_name", "round", "metric", "value", "client"]
     history = pd.read_parquet(store.metrics_file) if store.metrics_file.is_file() else pd.DataFrame(columns=history_columns)
-    models = {label: load_params(folder / file) for label, file in (results.get("files", {}).get("models") or {}).items()}
+    models = ModelFiles({label: folder / file for label, file in (results.get("files", {}).get("models") or {}).items()})
     input_shape, num_classes = tuple(prepared.plan.input_shape), int(prepared.plan.num_classes)
     if prepared.cfg.data.is_silos:  # known once the clients reported: the silo manifest records it
         import json

@@ -51,7 +51,16 @@ from rayfuse.finetunes.lora import LoraSpec, load_lora_config, run_lora
 from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.aligned.algorithm import AlignmentSettings, derive_run_spec
 from rayfuse.fusion.distill.algorithm import DistillOptions
-from rayfuse.io import TORCH_ONLY_FLOATS, check_writable_folder, read_checkpoint, save_params, save_params_cast
+from rayfuse.io import (
+    DEFAULT_MAX_SHARD_SIZE,
+    TORCH_ONLY_FLOATS,
+    check_writable_folder,
+    params_exist,
+    read_checkpoint,
+    read_params_metadata,
+    save_params,
+    save_params_cast,
+)
 
 __all__ = [
     "FuseSpec",
@@ -114,6 +123,12 @@ class _FuseFile(_FuseSchema):
         None, description="the fused model's float dtype (default: the inputs', when they share one)"
     )
     output: str | None = Field(None, min_length=1)
+    max_shard_size: int = Field(
+        DEFAULT_MAX_SHARD_SIZE,
+        ge=1,
+        description="bytes: an output above this size is a folder at output: of model-0000k-of-0000n.safetensors "
+        "shards and their model.safetensors.index.json (default 2 GiB; rayfuse fuse --max-shard-size)",
+    )
 
 
 class WeightedAverageParams(_FuseSchema):
@@ -625,6 +640,7 @@ class FuseSpec:
     config: Path | None = None
     model_architectures: tuple[tuple[str, Mapping[str, Any]] | None, ...] = ()
     vocab: int | None = None
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
 
 
 _Schema = TypeVar("_Schema", bound=BaseModel)
@@ -638,7 +654,9 @@ def _validate(schema: type[_Schema], data: Mapping[str, Any], file: Path, prefix
         raise InputError(f"{file}: {err.path}", err.expected, err.got, err.hint) from None
 
 
-def load_fuse_config(config: str | Path | Mapping[str, Any], output: str | Path | None = None) -> FuseSpec | LoraSpec | FinetuneSpec:
+def load_fuse_config(
+    config: str | Path | Mapping[str, Any], output: str | Path | None = None, max_shard_size: int | None = None
+) -> FuseSpec | LoraSpec | FinetuneSpec:
     """Read and validate a fuse config, a YAML file or the same as a dict (its relative paths then from the working
     directory); files are checked to exist, not yet read."""
     if isinstance(config, Mapping):
@@ -690,9 +708,11 @@ def load_fuse_config(config: str | Path | Mapping[str, Any], output: str | Path 
         file = Path(entry.model)
         if not file.is_absolute() and not file.is_file():
             file = path.parent / file
-        if not file.is_file():
+        if not params_exist(file):
             raise InputError(f"{path}: models.{i}.model", "an existing model file", entry.model)
-        if file.suffix not in (".safetensors", ".pt", ".pth", ".bin"):
+        if file.is_dir() or file.name.endswith(".index.json"):  # shards (rayfuse.io.save_params): each must exist
+            read_params_metadata(file)
+        elif file.suffix not in (".safetensors", ".pt", ".pth", ".bin"):
             raise InputError(f"{path}: models.{i}.model", "a .safetensors, .pt, .pth or .bin file", entry.model)
         files.append(file)
         per_model.append(_validate(fuser.ModelParams, entry.parameters, path, f"models.{i}.parameters"))
@@ -741,6 +761,7 @@ def load_fuse_config(config: str | Path | Mapping[str, Any], output: str | Path 
         path,
         tuple(own),
         spec.vocab,
+        spec.max_shard_size if max_shard_size is None else max_shard_size,
     )
 
 
@@ -875,7 +896,7 @@ def fuse_models(spec: FuseSpec, models: list[dict[str, np.ndarray]], inputs: Fus
     """Fuse already loaded, compatible models. Float tensors are fused in their common dtype, at least float32
     (float16 inputs are fused in float32; :func:`fused_dtype` says what to write them in)."""
     common = np.result_type(np.float32, *[v.dtype for m in models for v in m.values() if v.dtype.kind == "f"]) if models else np.float32
-    models = [{k: v.astype(common) if v.dtype.kind == "f" else v for k, v in m.items()} for m in models]
+    models = [{k: v.astype(common, copy=False) if v.dtype.kind == "f" else v for k, v in m.items()} for m in models]
     # the fuse file's dtype: is applied when the model is written (run_fuse), after check_fused has seen the values in it
     return spec.method.fuse(models, spec.model_params, spec.params, inputs or FuseInputs())
 
@@ -891,7 +912,7 @@ def run_fuse(spec: FuseSpec | LoraSpec | FinetuneSpec, log: Callable[[str], None
         from rayfuse.finetunes.run import run_finetune
 
         return run_finetune(spec, log)
-    loaded = [read_checkpoint(file) for file in spec.files]
+    loaded = [read_checkpoint(file, mapped=True) for file in spec.files]  # memory-mapped: pages, not copies
     models = [params for params, _ in loaded]
     check_floats(models, spec.files)
     # with an architecture, each checkpoint is checked against it first, which also gives every name of a tied tensor
@@ -916,13 +937,15 @@ def run_fuse(spec: FuseSpec | LoraSpec | FinetuneSpec, log: Callable[[str], None
     )
     resized = {k: (reference[k], tuple(np.shape(v))) for k, v in fused.items() if k in reference and reference[k] != tuple(np.shape(v))}
     metadata = {"method": spec.method.name, "models": ",".join(f.name for f in spec.files), **_fused_metadata(spec, inputs, fused, resized)}
-    if dtype is None:  # every check is done: the file is written whole (a temporary file renamed) or not at all
-        save_params(output, fused, metadata)
+    del loaded, models  # the inputs' maps: the output is written from the fused arrays alone
+    # every check is done: the file (or shard folder, past max_shard_size) is staged and renamed, whole or not at all
+    if dtype is None:
+        save_params(output, fused, metadata, max_shard_size=spec.max_shard_size)
     else:
-        save_params_cast(output, fused, dtype, metadata)
+        save_params_cast(output, fused, dtype, metadata, max_shard_size=spec.max_shard_size)
     return {
         "method": spec.method.name,
-        "models": len(models),
+        "models": len(spec.files),
         "tensors": len(fused),
         "parameters": int(sum(v.size for v in fused.values())),
         "output": str(spec.output),
@@ -1089,12 +1112,9 @@ def _fused_metadata(spec: FuseSpec, inputs: FuseInputs, fused: Mapping[str, np.n
 def _read_fused(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """A model file's tensors and (safetensors) metadata."""
     params, _ = read_checkpoint(path)
-    if path.suffix != ".safetensors":
+    if path.suffix != ".safetensors" and not path.is_dir() and not path.name.endswith(".index.json"):
         return dict(params), {}
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as handle:  # read_checkpoint has read it: the header is valid
-        return dict(params), dict(handle.metadata() or {})
+    return dict(params), read_params_metadata(path)  # read_checkpoint has read it: the header is valid
 
 
 def _build_for_load(architecture: Any, args: Mapping[str, Any] | None, meta: Mapping[str, str], where: str) -> Any:
@@ -1162,7 +1182,7 @@ def load_fused(
     from rayfuse.models.architecture import check_checkpoint_fits
 
     file = Path(path)
-    if not file.is_file():
+    if not params_exist(file):
         raise InputError(str(path), "an existing model file (.safetensors, .pt, .pth, .bin)", "no such file")
     params, meta = _read_fused(file)
     model = _build_for_load(architecture, args, meta, str(file))

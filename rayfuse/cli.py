@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     fus = sub.add_parser("fuse", help="fuse checkpoints trained elsewhere (mergekit-style YAML; methods that need no client data)")
     fus.add_argument("config", help="fuse config YAML: merge_method, models, parameters, output")
     fus.add_argument("out", nargs="?", help="output .safetensors (overrides output:)")
+    fus.add_argument(
+        "--max-shard-size",
+        type=int,
+        metavar="BYTES",
+        help="an output above this size is a folder of model-0000k-of-0000n.safetensors shards and their index "
+        "(overrides max_shard_size:; default 2 GiB)",
+    )
     fus.set_defaults(func=_cmd_fuse)
 
     tun = sub.add_parser("tune", help="a Ray Tune sweep from tune_spaces/<space>.yaml (one trial = one federation)")
@@ -139,7 +146,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_fuse(args: argparse.Namespace) -> int:
     from rayfuse.api import fuse_checkpoints
 
-    summary = fuse_checkpoints(args.config, args.out, progress=lambda line: print(f"rayfuse fuse: {line}", flush=True))
+    summary = fuse_checkpoints(
+        args.config, args.out, progress=lambda line: print(f"rayfuse fuse: {line}", flush=True), max_shard_size=args.max_shard_size
+    )
     print(
         f"rayfuse fuse: {summary['method']} of {summary['models']} models, {summary['tensors']} tensors "
         f"({summary['parameters']:,} parameters) -> {summary['output']}"

@@ -61,7 +61,6 @@ from rayfuse.store import (
     StepResultCache,
     local_model_key,
     note_data_files,
-    sha256_file,
     step_result_key,
 )
 
@@ -504,7 +503,7 @@ class Coordinator:
         self.specs = resolve_methods(cfg.methods) if specs is None else list(specs)
         self._resolved: dict[str, Any] | None = None
         self.plan = plan
-        self.store = RunStore(run_dir)
+        self.store = RunStore(run_dir, max_shard_size=cfg.run.max_shard_size)
         self.federation = federation
         self.events = federation.events
         self.device = device
@@ -806,11 +805,11 @@ class Coordinator:
         model_file = None
         if result.params is not None:
             path = self.store.model_file(label)
-            from rayfuse.io import save_params
+            from rayfuse.io import params_sha256, save_params
 
-            save_params(path, result.params, {"method": spec.method, "label": label})
+            save_params(path, result.params, {"method": spec.method, "label": label}, max_shard_size=self.store.max_shard_size)
             model_file = str(path.relative_to(self.store.root))
-            model_sha256 = sha256_file(path)
+            model_sha256 = params_sha256(path)
         summary = {
             "label": label,
             "method": spec.method,

@@ -17,6 +17,10 @@
 
 The coordinator writes checkpoints and models; on Ray it is placed on the driver's node so it shares this folder.
 
+A model file above ``run.max_shard_size`` bytes is a shard folder at the same path (``rayfuse.io.save_params``:
+``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``); every reader here takes either, and a
+folder's SHA-256 (``rayfuse.io.params_sha256``) covers its index and every shard.
+
 :class:`LocalModelStore` keeps trained local models on the clients' side (``run.model_cache``), one
 content-addressed entry per client model (``<cache>/local-models/<key>/``, :func:`local_model_key`): each client
 writes and reads its own, and runs that share a key (the trials of a Tune sweep over fusion-only knobs) train once.
@@ -41,7 +45,7 @@ import numpy as np
 from rayfuse.cas import CacheEntry, ContentCache, content_key, discard_entry
 from rayfuse.data.identity import content_data, sha256_file
 from rayfuse.errors import InputError
-from rayfuse.io import atomic_write_json, load_params, save_params
+from rayfuse.io import atomic_write_json, load_params, params_exist, params_sha256, read_params_metadata, remove_params, save_params
 
 if TYPE_CHECKING:
     pass
@@ -82,9 +86,10 @@ class Checkpointer:
     is missing or damaged (``None``, a restart of the method, when neither is usable), and says so through ``warn``.
     """
 
-    def __init__(self, folder: Path, keep: int = 2) -> None:
+    def __init__(self, folder: Path, keep: int = 2, max_shard_size: int | None = None) -> None:
         self.folder = folder
         self.keep = keep  # kept for callers that pass it: the newest round's file and the previous round's are kept
+        self.max_shard_size = max_shard_size  # a round file above it is a shard folder (rayfuse.io.save_params)
 
     @property
     def pointer(self) -> Path:
@@ -100,14 +105,14 @@ class Checkpointer:
         arrays = {f"params/{k}": v for k, v in params.items()}
         arrays.update({f"state/{k}": np.asarray(v) for k, v in (state or {}).items()})
         file = self.folder / f"round-{round:05d}.safetensors"
-        save_params(file, arrays)
+        save_params(file, arrays, max_shard_size=self.max_shard_size)
         previous = self._previous_record(round)
-        record = {"round": round, "file": file.name, "sha256": sha256_file(file), "meta": dict(meta or {}), "previous": previous}
+        record = {"round": round, "file": file.name, "sha256": params_sha256(file), "meta": dict(meta or {}), "previous": previous}
         atomic_write_json(self.pointer, record)
         kept = {file.name, *([previous["file"]] if previous else [])}
         for old in self.folder.glob("round-*.safetensors"):
             if old.name not in kept:
-                old.unlink(missing_ok=True)
+                remove_params(old)
         return file
 
     def _previous_record(self, round: int) -> dict[str, Any] | None:
@@ -156,10 +161,10 @@ class Checkpointer:
         if not isinstance(record, dict) or not isinstance(record.get("round"), int) or not isinstance(record.get("file"), str):
             return None, f"{self.pointer}: damaged (a round record without round / file)"
         file = self.folder / Path(record["file"]).name
-        if not file.is_file():
+        if not params_exist(file):
             return None, f"{file}: missing"
         expected = record.get("sha256")
-        if expected is not None and sha256_file(file) != expected:  # records written before checksums carry none
+        if expected is not None and params_sha256(file) != expected:  # records written before checksums carry none
             return None, f"{file}: damaged (SHA-256 differs from the one recorded in latest.json)"
         try:
             arrays = load_params(file)
@@ -248,8 +253,9 @@ def claim_run_folder(folder: str | Path, *, resume: bool = False) -> RunClaim:
 class RunStore:
     """Paths of one run folder and the writes into it."""
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, max_shard_size: int | None = None) -> None:
         self.root = Path(root)
+        self.max_shard_size = max_shard_size  # ``run.max_shard_size``: model files above it are shard folders
 
     @property
     def config_file(self) -> Path:
@@ -278,7 +284,7 @@ class RunStore:
         return self.root / "checkpoints" / "local" / f"client-{client_id}.safetensors"
 
     def checkpointer(self, label: str) -> Checkpointer:
-        return Checkpointer(self.root / "checkpoints" / label)
+        return Checkpointer(self.root / "checkpoints" / label, max_shard_size=self.max_shard_size)
 
     def method_state_file(self, label: str) -> Path:
         return self.root / "state" / f"{label}.json"
@@ -306,9 +312,9 @@ class RunStore:
             path = self.root / model
             problem = (
                 "missing"
-                if not path.is_file()
+                if not params_exist(path)
                 else "damaged (SHA-256 differs from the recorded one)"
-                if sha256_file(path) != expected
+                if params_sha256(path) != expected
                 else ""
             )
             if problem:
@@ -318,7 +324,7 @@ class RunStore:
         return summary
 
     def save_local_models(self, updates: Mapping[int, Any]) -> None:
-        _save_local_models(self.root / "checkpoints" / "local", updates)
+        _save_local_models(self.root / "checkpoints" / "local", updates, self.max_shard_size)
 
     def load_local_models(
         self,
@@ -331,11 +337,11 @@ class RunStore:
         return _load_local_models(self.root / "checkpoints" / "local", client_ids, warn)
 
 
-def _save_local_models(folder: Path, updates: Mapping[int, Any]) -> None:
+def _save_local_models(folder: Path, updates: Mapping[int, Any], max_shard_size: int | None = None) -> None:
     for client, update in updates.items():
         meta = {"num_examples": update.num_examples, **{k: repr(float(v)) for k, v in update.metrics.items()}}
-        file = save_params(folder / f"client-{client}.safetensors", update.params, meta)
-        atomic_write_json(file.with_suffix(".json"), {"sha256": sha256_file(file)})  # after the file: the commit point
+        file = save_params(folder / f"client-{client}.safetensors", update.params, meta, max_shard_size=max_shard_size)
+        atomic_write_json(file.with_suffix(".json"), {"sha256": params_sha256(file)})  # after the file: the commit point
 
 
 def _load_local_models(
@@ -344,18 +350,15 @@ def _load_local_models(
     warn: Callable[[str], Any] | None = None,
 ) -> dict[int, tuple[dict[str, np.ndarray], dict[str, float]]]:
     files = {c: folder / f"client-{c}.safetensors" for c in client_ids}
-    from safetensors import safe_open
-
     out = {}
     for client, file in files.items():
-        if not file.is_file():
+        if not params_exist(file):
             continue
         try:
             record = file.with_suffix(".json")
-            if record.is_file() and json.loads(record.read_text(encoding="utf-8")).get("sha256") != sha256_file(file):
+            if record.is_file() and json.loads(record.read_text(encoding="utf-8")).get("sha256") != params_sha256(file):
                 raise ValueError("SHA-256 differs from the recorded one")
-            with safe_open(str(file), framework="numpy") as handle:
-                meta = handle.metadata() or {}
+            meta = read_params_metadata(file)
             stats = {k: float(v) for k, v in meta.items() if k != "num_examples"}
             out[client] = (load_params(file), stats)
         except Exception as exc:  # safetensors raises its own error types (and OSError, ValueError) for a damaged file
@@ -542,8 +545,9 @@ class LocalModelStore:
     train, so concurrent Tune trials sharing the keys train once and the others read.
     """
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, max_shard_size: int | None = None) -> None:
         self.cache = ContentCache(Path(root) / "local-models")
+        self.max_shard_size = max_shard_size  # a model above it is kept as a shard folder (rayfuse.io.save_params)
 
     @property
     def root(self) -> Path:
@@ -559,7 +563,7 @@ class LocalModelStore:
             return None
         try:
             record = entry.folder / "sha256.json"
-            if record.is_file() and json.loads(record.read_text()).get("sha256") != sha256_file(entry.folder / "params.safetensors"):
+            if record.is_file() and json.loads(record.read_text()).get("sha256") != params_sha256(entry.folder / "params.safetensors"):
                 raise ValueError("SHA-256 differs from the recorded one")
             stats = json.loads((entry.folder / "stats.json").read_text())
             return load_params(entry.folder / "params.safetensors"), {k: float(v) for k, v in stats.items()}
@@ -571,8 +575,8 @@ class LocalModelStore:
         """Keep ``params`` and ``stats`` under ``key``; ``False`` when the entry existed already (it stands)."""
 
         def write(staging: Path) -> None:
-            file = save_params(staging / "params.safetensors", params)
-            atomic_write_json(staging / "sha256.json", {"sha256": sha256_file(file)})
+            file = save_params(staging / "params.safetensors", params, max_shard_size=self.max_shard_size)
+            atomic_write_json(staging / "sha256.json", {"sha256": params_sha256(file)})
             atomic_write_json(staging / "stats.json", {k: float(v) for k, v in stats.items()})
 
         return self.entry(key, inputs).publish(write)

@@ -16,6 +16,7 @@ from rayfuse.config.model import ModelConfig
 from rayfuse.config.tracking import TrackingConfig
 from rayfuse.config.train import TrainConfig
 from rayfuse.errors import key_error
+from rayfuse.io import DEFAULT_MAX_SHARD_SIZE
 
 __all__ = ["DEFAULT_METHODS", "QUICKSTART_PUBLIC_SIZE", "RunConfig", "CONFIG_SECTIONS", "ExperimentConfig"]
 
@@ -48,6 +49,13 @@ class RunConfig(StrictModel):
         description="storage the clients own: each keeps its trained local model there "
         "under a content key, so runs (and Tune trials) with the same data, partition, model, train "
         "config and seed reuse it instead of retraining, and --resume reads it; null: the clients keep nothing",
+    )
+    max_shard_size: int = Field(
+        DEFAULT_MAX_SHARD_SIZE,
+        ge=1,
+        description="bytes: a model file the run writes (fused models, round checkpoints, checkpoints/local) above "
+        "this size is a folder of model-0000k-of-0000n.safetensors shards of at most this size and their "
+        "model.safetensors.index.json, read back wherever a file is (default 2 GiB)",
     )
 
 

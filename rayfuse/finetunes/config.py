@@ -36,6 +36,7 @@ from pydantic import Field, ValidationError
 
 from rayfuse.config import StrictSchema, pydantic_input_error
 from rayfuse.errors import InputError, suggest
+from rayfuse.io import SHARD_INDEX
 
 __all__ = [
     "TaskVectorMethod",
@@ -151,7 +152,9 @@ def is_finetune(raw: Mapping[str, Any], path: Path, output: str | Path | None) -
     entries = raw.get("models")
     for entry in entries if isinstance(entries, list) else []:
         model = entry.get("model") if isinstance(entry, Mapping) else None
-        if isinstance(model, str) and model and (_resolve(model, path).is_dir()):
+        folder = _resolve(model, path) if isinstance(model, str) and model else None
+        # a folder of shards alone (rayfuse.io.save_params: no config.json) is a model file rayfuse fuse reads itself
+        if folder is not None and folder.is_dir() and not ((folder / SHARD_INDEX).is_file() and not (folder / "config.json").is_file()):
             return True
     return False
 

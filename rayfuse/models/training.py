@@ -116,6 +116,8 @@ def train_model(
                 best_acc, stale = (acc, 0) if acc > best_acc else (best_acc, stale + 1)
                 if stale >= early_stop_patience:
                     break
+    opt.zero_grad(set_to_none=True)  # the gradients (one more copy of the model) go before the caller copies it out
+    del opt, anchor
     model.eval()
     return TrainStats(epoch_loss, steps, n * epochs_done, time.perf_counter() - started)
 

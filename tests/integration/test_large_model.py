@@ -1,0 +1,68 @@
+"""A round of a large model on a real local Ray: ``benchmarks/bench_large.py``'s run, resume and fuse, with sharding.
+
+The slow test is the benchmark's own case (4 clients x 2.5 GB; skipped in CI, and where the machine has not the
+memory for it: ~28 GiB available with today's aggregation, which the 24 GiB development machine never has); its
+twin runs the same code path in CI at ~20 MB with a 4 MB shard size, so every model file the run writes (fused
+models, round checkpoints, the clients' local models, the fuse output) is a shard folder.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ray
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench_large():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_large
+
+        yield bench_large
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def check(out: dict, *, sharded: bool) -> None:
+    assert out["resume_same_model"] is True
+    assert out["fedavg_finite"] and out["fedavg_shapes_ok"]
+    assert out["fuse_finite"] and out["fuse_shapes_ok"]
+    for name, layout in out["files"].items():
+        assert layout["bytes"] >= out["model_bytes"], name
+        assert (layout["shards"] > 1) is sharded, (name, layout)
+    assert (out["fused_shards"] > 1) is sharded
+    processes = {row["process"] for row in out["run_processes"]}
+    assert "driver" in processes
+    assert any("ClientActor" in p for p in processes) and any("CoordinatorActor" in p for p in processes), processes
+    for row in out["run_processes"] + out["resume_processes"] + [out["fuse"]["process"]]:
+        assert row["vmhwm_bytes"] > 0 and row["peak_anon_bytes"] <= row["vmhwm_bytes"] + 2**20, row
+
+
+def test_a_small_model_runs_resumes_and_fuses_through_shard_folders(ray_session, bench_large, tmp_path):
+    out = bench_large.run_large(params=5e6, clients=4, per_actor=2, shard_size=4 * 2**20, storage=tmp_path)
+    assert 19e6 < out["model_bytes"] < 21e6
+    check(out, sharded=True)
+    assert out["files"]["fedavg"]["shards"] == 3  # the 19 MB hidden layer alone, the small tensors before and after it
+    # every shard folder was renamed into place: no staging folder left beside any of them
+    assert not [p for p in tmp_path.rglob(".*.tmp")]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("RAYFUSE_SLOW"), reason="slow (4 x 2.5 GB, ~28 GiB of memory): RAYFUSE_SLOW=1 runs it")
+def test_a_model_above_2_gb_runs_resumes_and_fuses(ray_session, bench_large, tmp_path):
+    from rayfuse.models.registry import available_memory
+
+    # measured at 4 x 1 GB (docs/results/large): the actor hosting the 4 clients holds ~5.7 x the model of its own and
+    # the coordinator ~3.5 x while the engine returns one update per client and gathers them all: ~24 GB at 2.5 GB
+    memory = available_memory()
+    if memory is not None and memory < 28 * 2**30:
+        pytest.skip(f"needs ~28 GiB of available memory (client actor ~14 GB, coordinator ~9 GB), {memory / 2**30:.1f} GiB now")
+    out = bench_large.run_large(params=625e6, clients=4, per_actor=4, storage=tmp_path, methods=("fedavg",), floor=2 * 2**30)
+    assert out["model_bytes"] > 2 * 2**30
+    check(out, sharded=True)  # 2.5 GB in shards of at most 2 GiB
