@@ -21,7 +21,7 @@ pressure). The fuse runs as a subprocess (``python -m rayfuse fuse``), sampled t
     python benchmarks/bench_large.py --quick               # 4 clients x ~50 MB, seconds
     python benchmarks/bench_large.py --params 250e6 --clients 4 --clients-per-actor 2
 
-Results: ``benchmarks/results/large_<clients>x<GB>gb_<methods>.json`` (``--quick``: ``large_quick.json``).
+Results: ``benchmarks/results/large_<clients>x<GB>gb_<methods>.json`` (``--quick``: ``large_quick.json`` under ``--out``, a temporary folder by default).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from _common import machine_info, print_table, write_results  # noqa: E402
+from _common import add_quick_arguments, machine_info, out_dir, print_table, write_results  # noqa: E402
 
 GiB = 2**30
 DIGITS = (64, 10)  # digits: 64 inputs, 10 classes
@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-size", type=float, default=float(2 * GiB), help="run.max_shard_size and fuse's, bytes (default 2 GiB)")
     parser.add_argument("--cpus", type=int, default=2)
     parser.add_argument("--storage", help="folder for the run and the fused file (default: a temporary folder, deleted after)")
-    parser.add_argument("--quick", action="store_true", help="a ~50 MB model with 16 MB shards: seconds")
+    add_quick_arguments(parser, "a ~50 MB model with 16 MB shards")
     parser.add_argument("--methods", default="average,fedavg", help="average,fedavg (default) or one of them")
     parser.add_argument("--files-only", action="store_true", help="no Ray round: write the models, a checkpoint and read it, fuse")
     parser.add_argument(
@@ -551,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
             rows, cols, title=f"files of {out['model_bytes'] / 1e9:.2f} GB, {out['clients']} models; fuse {out['fuse']['seconds']} s"
         )
         name = "large_files_quick" if args.quick else f"large_files_{args.clients}x{model / 1e9:.1f}gb"
-        print(f"results: {write_results(name, {'machine': machine_info(), 'result': out})}")
+        print(f"results: {write_results(name, {'machine': machine_info(), 'result': out}, out_dir(args.out, args.quick))}")
         return 0 if out["checkpoint_finite"] and out["fuse_finite"] and out["fuse_shapes_ok"] else 1
     out = run_large(
         params=args.params,
@@ -570,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     out["load_after"] = list(os.getloadavg())
     report(out)
     name = "large_quick" if args.quick else f"large_{args.clients}x{model / 1e9:.1f}gb_{'_'.join(out['methods'])}"
-    path = write_results(name, {"machine": machine_info(), "result": out})
+    path = write_results(name, {"machine": machine_info(), "result": out}, out_dir(args.out, args.quick))
     print(f"results: {path}")
     checks = ("resume_same_model", "fedavg_finite", "fuse_finite", "fuse_shapes_ok")
     return 0 if all(out.get(c, True) for c in checks) else 1

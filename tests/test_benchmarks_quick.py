@@ -39,16 +39,6 @@ NOT_ENTRY_SCRIPTS = {
     "benchmarks/gpu/check.py": "the GPU check's driver, run by benchmarks/gpu/check.sh",
 }
 
-# Quick modes other branches are adding now (bench_round.py's --quick, bench_large.py and the GPU check of issue 29,
-# the fine-tune accuracy benchmark of issue 28): listed in quick.txt with the command they will have, and skipped ONLY
-# while the script (or, for bench_round.py, its --quick) is not there yet. Once the lead has merged them, they run like
-# every other line. Script -> the text the script must hold for its line to run (None: the file alone).
-PENDING = {
-    "benchmarks/bench_large.py": None,
-}
-# helpers of those pending scripts, not required to exist before them
-PENDING_HELPERS: set[str] = set()
-
 # What each quick run that writes under {out} must write: a JSON file there and the top-level keys it holds.
 EXPECTED: dict[str, tuple[str, set[str]]] = {
     "benchmarks/bench_aggregate.py": ("bench_aggregate.json", {"machine", "rows", "targets", "chunk_sweep"}),
@@ -78,6 +68,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "benchmarks/finetunes/accuracy.py": ("finetunes_accuracy.json", {"summary", "runs", "meta"}),
     "benchmarks/gpu/check.sh": ("gpu_check.json", {"machine", "mode", "rows"}),
     "benchmarks/bench_round.py": ("bench_round.json", {"machine", "rows", "cells"}),
+    "benchmarks/bench_large.py": ("large_quick.json", {"machine", "result"}),
 }
 
 # Quick runs that start a local Ray of their own (in the subprocess): marked like the other tests that need Ray.
@@ -115,19 +106,6 @@ def entry_scripts() -> set[str]:
     return found
 
 
-def pending_reason(script: str) -> str | None:
-    """Why a pending line is skipped now, or ``None`` when it can run."""
-    if script not in PENDING:
-        return None
-    path = ROOT / script
-    if not path.exists():
-        return f"{script} is being added in another branch of issue 29 (not merged yet)"
-    needed = PENDING[script]
-    if needed is not None and needed not in path.read_text(encoding="utf-8"):
-        return f"{script}'s {needed} is being added in another branch of issue 29 (not merged yet)"
-    return None
-
-
 def finite_numbers(payload: Any, where: str = "") -> int:
     """How many numbers ``payload`` holds; fails on NaN or infinity (``json`` reads both)."""
     if isinstance(payload, dict):
@@ -145,11 +123,10 @@ def test_every_entry_script_has_a_quick_line_and_every_line_a_script():
     assert len(listed) == len(set(listed)), "one line per script"
     missing = entry_scripts() - set(NOT_ENTRY_SCRIPTS) - set(listed)
     assert not missing, f"benchmark scripts without a quick line in benchmarks/quick.txt: {sorted(missing)}"
-    unknown = [s for s in listed if not (ROOT / s).exists() and s not in PENDING]
+    unknown = [s for s in listed if not (ROOT / s).exists()]
     assert not unknown, f"quick.txt names scripts that do not exist: {unknown}"
-    gone = [s for s in NOT_ENTRY_SCRIPTS if not (ROOT / s).exists() and s not in PENDING_HELPERS]
+    gone = [s for s in NOT_ENTRY_SCRIPTS if not (ROOT / s).exists()]
     assert not gone, f"NOT_ENTRY_SCRIPTS names files that are gone: {gone}"
-    assert set(PENDING) <= set(listed)
     # every line that writes under {out} says what it writes, and only those lines do
     assert {s for s, args in quick_lines() if any("{out}" in a for a in args)} == set(EXPECTED)
 
@@ -169,9 +146,6 @@ def _params() -> list[Any]:
 
 @pytest.mark.parametrize(("script", "args"), _params())
 def test_quick_mode_runs_and_writes_finite_results(script: str, args: list[str], tmp_path: Path) -> None:
-    reason = pending_reason(script)
-    if reason is not None:
-        pytest.skip(reason)
     out = tmp_path / "out"
     out.mkdir()
     runner = ["bash"] if script.endswith(".sh") else [sys.executable]
