@@ -4,25 +4,35 @@ A Llama-style model is built from a config (random weights, nothing downloaded),
 ``--models`` perturbed copies stand for its fine-tunes. Each merge (linear, task_arithmetic, ties, slerp) runs twice
 from the same YAML, each in a subprocess of its own: mergekit (``mergekit-yaml``, with the Python of
 ``benchmarks/.mergekit-venv``) and ``rayfuse fuse``. Reported: the largest absolute difference between the two
-outputs' tensors (float32), and each run's wall time and peak RSS (``wait4``'s ``ru_maxrss`` of the process and the
-children it waited for). DARE is left out: the two draw their random masks from different generators.
+outputs' tensors (float32), and each run's wall time and peak memory: ``wait4``'s ``ru_maxrss`` (the high-water mark
+of the largest process among the run and the children it waited for) and the whole process tree's resident size,
+summed over its processes every 20 ms (psutil). rayfuse's merge is also set against its memory bound: its peak less
+what a process importing what ``rayfuse fuse`` imports holds, over ``(models + 2) x`` the largest tensor in float32
+(``models`` counting the base). DARE is left out: the two draw their random masks from different generators.
 
-Set-up (mergekit in its own environment, sharing this one's torch and transformers)::
+Set-up (mergekit in its own environment, sharing this one's torch and transformers; commit ``a6e4028`` of
+arcee-ai/mergekit, the one rayfuse's merges follow: the PyPI release 0.1.5 computes ``linear`` in another order and
+``slerp`` row by row, so its outputs differ from rayfuse's by up to ~1e-7)::
 
     python -m venv benchmarks/.mergekit-venv
     python -c "import site; print(site.getsitepackages()[0])" > \\
         benchmarks/.mergekit-venv/lib/python3.11/site-packages/rayfuse-main-venv.pth
-    benchmarks/.mergekit-venv/bin/pip install --no-deps <a checkout of arcee-ai/mergekit> && \\
+    benchmarks/.mergekit-venv/bin/pip install --no-deps <a checkout of arcee-ai/mergekit at a6e4028> && \\
         benchmarks/.mergekit-venv/bin/pip install immutables==0.21 "pydantic~=2.10.6"
 
 Usage::
 
     python benchmarks/finetunes/compare_mergekit.py [--hidden 64 --layers 2] [--models 3] [--threads 2]
+    # the issue's ~1 GB Llama-style model (1.06 GiB in float32, vocabulary 32000, 3 layers)
+    python benchmarks/finetunes/compare_mergekit.py --hidden 2048 --intermediate 5632 --vocab 32000 --layers 3
+    # the memory bound alone (rayfuse only), at 8 fine-tunes
+    python benchmarks/finetunes/compare_mergekit.py --models 8 --rayfuse-only --methods linear task_arithmetic ties
+
     python benchmarks/finetunes/compare_mergekit.py --quick   # hidden 32, 1 layer, 2 fine-tunes, linear and ties
 
 Writes ``benchmarks/results/finetunes/compare_mergekit.json`` (``--quick`` or ``--out DIR``: to that folder, with the
-models) and prints a markdown table. Without mergekit's environment only rayfuse's merges run (a line says so), and
-each output is checked: every tensor of the base is there, finite.
+models) and prints a markdown table. Without mergekit's environment only rayfuse's merges run (a line says so; also
+``--rayfuse-only``), and each output is checked: every tensor of the base is there, finite.
 """
 
 from __future__ import annotations
@@ -44,15 +54,15 @@ MERGEKIT = ROOT / "benchmarks" / ".mergekit-venv" / "bin" / "mergekit-yaml"
 RESULTS = ROOT / "benchmarks" / "results" / "finetunes" / "compare_mergekit.json"
 
 
-def build(work: Path, hidden: int, layers: int, models: int) -> None:
+def build(work: Path, hidden: int, layers: int, models: int, vocab: int = 1024, intermediate: int | None = None) -> None:
     """The base and its perturbed copies as sharded folders."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(
-        vocab_size=1024,
+        vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=hidden * 2,
+        intermediate_size=intermediate or hidden * 2,
         num_hidden_layers=layers,
         num_attention_heads=max(1, hidden // 32),
         num_key_value_heads=max(1, hidden // 32),
@@ -107,18 +117,74 @@ def configs(work: Path, models: int) -> dict[str, dict[str, Any]]:
     }
 
 
-def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int, str]:
-    """Run ``cmd``; return its wall time, peak RSS (bytes, the process and the children it waited for) and stderr's tail."""
+def _tree_rss(pid: int) -> int:
+    """The resident size of ``pid`` and all its descendants, summed (bytes; 0 once it is gone)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for proc in procs:
+        try:
+            total += proc.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int, str, int]:
+    """Run ``cmd``; return its wall time, peak RSS (bytes, ``ru_maxrss``: the largest of the process and the children it
+    waited for), stderr's tail and the process tree's summed RSS at its largest (sampled every 20 ms)."""
+    import threading
+
     start = time.perf_counter()
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        tree = [0]
+        running = threading.Event()
+        running.set()
+
+        def sample() -> None:
+            while running.is_set():
+                tree[0] = max(tree[0], _tree_rss(proc.pid))
+                time.sleep(0.02)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
+        running.clear()
+        sampler.join()
         err.seek(0)
         tail = err.read().decode(errors="replace")[-1500:]
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"{cmd[0]} failed: {tail}")
-    return wall, usage.ru_maxrss * 1024, tail
+    return wall, usage.ru_maxrss * 1024, tail, tree[0]
+
+
+def import_rss(env: dict[str, str]) -> int:
+    """The peak RSS of a process that imports what ``rayfuse fuse`` imports and merges nothing (bytes)."""
+    code = "import rayfuse.cli, rayfuse.finetunes.run, rayfuse.finetunes.config, safetensors, torch, yaml"
+    return timed([sys.executable, "-c", code], env)[1]
+
+
+def largest_tensor(folder: Path) -> tuple[str, int]:
+    """The base's largest tensor: its name and its size in float32 (bytes), from the shards' headers."""
+    from rayfuse.finetunes.hf import ModelSource
+
+    source = ModelSource(folder, str(folder))
+    name = max(source.tensors, key=lambda n: source.tensors[n].nbytes // torch_itemsize(source.tensors[n].dtype))
+    info = source.tensors[name]
+    return name, info.nbytes // torch_itemsize(info.dtype) * 4
+
+
+def torch_itemsize(dtype: str) -> int:
+    import torch
+
+    return int(getattr(torch, dtype).itemsize)
 
 
 def tensors(folder: Path) -> dict[str, Any]:
@@ -136,13 +202,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, default=None, help="default 64; --quick 32")
     parser.add_argument("--layers", type=int, default=None, help="default 2; --quick 1")
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=None, help="the MLP's width (default: 2 x hidden)")
     parser.add_argument("--models", type=int, default=None, help="default 3; --quick 2")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--methods", nargs="*", default=None, help="default linear task_arithmetic ties slerp; --quick linear ties")
+    parser.add_argument("--rayfuse-only", action="store_true", help="run rayfuse alone (its memory bound; no mergekit, no equality)")
     parser.add_argument("--work", type=Path, default=None, help="a folder for the models (default: a temporary one, removed)")
+    parser.add_argument("--out", type=Path, default=None, help="a folder for the JSON (and, with --quick, the models)")
+    parser.add_argument(
+        "--quick", action="store_true", help="hidden 32, 1 layer, 2 fine-tunes, linear and ties; to --out or a temporary folder"
+    )
     parser.add_argument("--build", type=Path, default=None, help=argparse.SUPPRESS)  # the subprocess that builds the models
-    parser.add_argument("--quick", action="store_true", help="hidden 32, 1 layer, 2 fine-tunes, linear and ties; to --out")
-    parser.add_argument("--out", type=Path, default=None, help="folder for the results and the models (--quick: a temporary one)")
     args = parser.parse_args()
     quick = {"hidden": 32, "layers": 1, "models": 2, "methods": ["linear", "ties"]}
     full = {"hidden": 64, "layers": 2, "models": 3, "methods": ["linear", "task_arithmetic", "ties", "slerp"]}
@@ -150,15 +221,16 @@ def main() -> None:
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.build is not None:
-        build(args.build, args.hidden, args.layers, args.models)
+        build(args.build, args.hidden, args.layers, args.models, args.vocab, args.intermediate)
         return
     results = RESULTS
     if args.quick or args.out is not None:
         args.out = Path(args.out or tempfile.mkdtemp(prefix="rayfuse-bench-quick-"))
         args.work = args.work or args.out / "models"
         results = args.out / "compare_mergekit.json"
-    if not MERGEKIT.exists():
+    if not args.rayfuse_only and not MERGEKIT.exists():
         print(f"mergekit not run: it is not installed in {MERGEKIT.parent.parent} (see this script's docstring); rayfuse's merges only")
+        args.rayfuse_only = True
     import yaml
 
     work = args.work or Path(tempfile.mkdtemp(prefix="rayfuse-mergekit-"))
@@ -166,23 +238,17 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     # the models are built in a subprocess and compared after every run: this process stays small while it spawns the
     # runs (a child's ru_maxrss starts from its parent's resident size at the fork)
-    subprocess.run(
-        [
-            sys.executable,
-            __file__,
-            "--build",
-            str(work),
-            "--hidden",
-            str(args.hidden),
-            "--layers",
-            str(args.layers),
-            "--models",
-            str(args.models),
-        ],
-        check=True,
-        env=env,
-    )
+    if not (work / f"ft{args.models - 1}").is_dir():
+        subprocess.run(
+            [sys.executable, __file__, "--build", str(work), "--hidden", str(args.hidden), "--layers", str(args.layers)]
+            + ["--models", str(args.models), "--vocab", str(args.vocab)]
+            + (["--intermediate", str(args.intermediate)] if args.intermediate else []),
+            check=True,
+            env=env,
+        )
     size = sum(f.stat().st_size for f in (work / "base").glob("*.safetensors"))
+    largest_name, largest = largest_tensor(work / "base")
+    baseline = import_rss(env)
     runs = {}
     for name, config in configs(work, args.models).items():
         if name not in args.methods:
@@ -191,60 +257,90 @@ def main() -> None:
         path.write_text(yaml.safe_dump(config))
         for out in ("mk", "rf"):
             shutil.rmtree(work / f"{name}-{out}", ignore_errors=True)
-        mk_wall, mk_rss = float("nan"), 0
-        if MERGEKIT.exists():
-            mk_wall, mk_rss, _ = timed(
-                [str(MERGEKIT), str(path), str(work / f"{name}-mk"), "--out-shard-size", "2B", "--no-copy-tokenizer"], env
-            )
+        mk: tuple[float, int, str, int] = (float("nan"), 0, "", 0)
+        if not args.rayfuse_only:
+            mk = timed([str(MERGEKIT), str(path), str(work / f"{name}-mk"), "--out-shard-size", "2B", "--no-copy-tokenizer"], env)
         rf_config = work / f"{name}-rf.yaml"
         rf_config.write_text(yaml.safe_dump({**config, "threads": args.threads}))
-        rf_wall, rf_rss, _ = timed([sys.executable, "-m", "rayfuse", "fuse", str(rf_config), str(work / f"{name}-rf")], env)
-        runs[name] = (mk_wall, mk_rss, rf_wall, rf_rss)
+        rf = timed([sys.executable, "-m", "rayfuse", "fuse", str(rf_config), str(work / f"{name}-rf")], env)
+        runs[name] = (mk, rf, len(config["models"]) + (1 if "base_model" in config and name != "slerp" else 0))
+        # the times and peaks as soon as they are known (the tensors are compared at the end, so that this process stays
+        # small while it spawns the runs)
+        print(
+            json.dumps({"method": name, "mergekit_s": mk[0], "rayfuse_s": rf[0], "mergekit_rss": mk[1], "rayfuse_rss": rf[1]}), flush=True
+        )
     rows = []
-    for name, (mk_wall, mk_rss, rf_wall, rf_rss) in runs.items():
-        b = tensors(work / f"{name}-rf")
-        base = tensors(work / "base")
-        lost = sorted(set(base) - set(b))
-        nonfinite = sorted(k for k, t in b.items() if not bool(t.float().isfinite().all()))
+    for name, (mk, rf, models) in runs.items():
+        row: dict[str, Any] = {"method": name, "models_read": models}
+        out_tensors, base_tensors = tensors(work / f"{name}-rf"), tensors(work / "base")
+        lost = sorted(set(base_tensors) - set(out_tensors))
+        nonfinite = sorted(k for k, t in out_tensors.items() if not bool(t.float().isfinite().all()))
         if lost or nonfinite:
             sys.exit(f"{name}: rayfuse's output lacks {lost[:5]} or has non-finite tensors {nonfinite[:5]}")
-        row: dict[str, Any] = {"method": name, "tensors": len(b), "rayfuse_s": rf_wall, "rayfuse_rss_mib": rf_rss / 2**20}
-        if MERGEKIT.exists():
-            a = tensors(work / f"{name}-mk")
+        del out_tensors, base_tensors
+        if not args.rayfuse_only:
+            a, b = tensors(work / f"{name}-mk"), tensors(work / f"{name}-rf")
+            missing = sorted(set(a) ^ set(b))
             row.update(
-                names_differ=sorted(set(a) ^ set(b))[:5],
+                tensors=len(a),
+                names_differ=missing[:5],
                 max_abs_diff=max(float((a[k].float() - b[k].float()).abs().max()) for k in a if k in b),
-                mergekit_s=mk_wall,
-                mergekit_rss_mib=mk_rss / 2**20,
             )
+            del a, b
+        bound = (models + 2) * largest
+        if not args.rayfuse_only:
+            row.update(mergekit_s=mk[0], speedup=mk[0] / rf[0], mergekit_rss_mib=mk[1] / 2**20, mergekit_tree_rss_mib=mk[3] / 2**20)
+        row.update(
+            rayfuse_s=rf[0],
+            rayfuse_rss_mib=rf[1] / 2**20,
+            rayfuse_tree_rss_mib=rf[3] / 2**20,
+            rayfuse_merge_mib=(rf[1] - baseline) / 2**20,
+            bound_mib=bound / 2**20,
+            merge_over_bound=(rf[1] - baseline) / bound,
+        )
         rows.append(row)
-        print(json.dumps(rows[-1]), flush=True)
+        print(json.dumps(row), flush=True)
+        for out in ("mk", "rf"):
+            shutil.rmtree(work / f"{name}-{out}", ignore_errors=True)
+    load = os.getloadavg()
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(
         json.dumps(
             {
                 "hidden": args.hidden,
                 "layers": args.layers,
+                "vocab": args.vocab,
+                "intermediate": args.intermediate or 2 * args.hidden,
                 "models": args.models,
                 "threads": args.threads,
                 "base_mib": size / 2**20,
+                "largest_tensor": largest_name,
+                "largest_f32_mib": largest / 2**20,
+                "import_rss_mib": baseline / 2**20,
                 "cpus": os.cpu_count(),
-                "mergekit": MERGEKIT.exists(),
+                "loadavg_at_end": load,
+                "mergekit": not args.rayfuse_only,
                 "rows": rows,
             },
             indent=2,
         )
     )
     print(
-        f"\nLlama-style, hidden {args.hidden}, {args.layers} layers, {size / 2**20:.1f} MiB per model, {args.models} fine-tunes, "
-        f"rayfuse threads {args.threads}, {os.cpu_count()} CPUs\n"
+        f"\nLlama-style, hidden {args.hidden}, {args.layers} layers, vocabulary {args.vocab}, {size / 2**20:.1f} MiB per model, "
+        f"{args.models} fine-tunes, largest tensor {largest_name} ({largest / 2**20:.0f} MiB in float32), rayfuse threads "
+        f"{args.threads}, {os.cpu_count()} CPUs, imports {baseline / 2**20:.0f} MiB, load average at the end {load[0]:.1f}\n"
     )
-    print("| merge | tensors | max abs difference | mergekit s | rayfuse s | mergekit peak RSS MiB | rayfuse peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| merge | max abs difference | mergekit s | rayfuse s | speed-up | mergekit peak RSS MiB | rayfuse peak RSS MiB "
+        "| rayfuse merge MiB (peak - imports) | bound (models + 2) x largest MiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        mk = f"{r['max_abs_diff']:.3g} | {r['mergekit_s']:.1f}" if "mergekit_s" in r else "(mergekit not run) | -"
-        mk_rss = f"{r['mergekit_rss_mib']:.0f}" if "mergekit_rss_mib" in r else "-"
-        print(f"| {r['method']} | {r['tensors']} | {mk} | {r['rayfuse_s']:.1f} | {mk_rss} | {r['rayfuse_rss_mib']:.0f} |")
+        print(
+            f"| {r['method']} | {r.get('max_abs_diff', float('nan')):.3g} | {r.get('mergekit_s', float('nan')):.1f} | "
+            f"{r['rayfuse_s']:.1f} | {r.get('speedup', float('nan')):.2f}x | {r.get('mergekit_rss_mib', float('nan')):.0f} | "
+            f"{r['rayfuse_rss_mib']:.0f} | {r['rayfuse_merge_mib']:.0f} | {r['bound_mib']:.0f} |"
+        )
     print(f"wrote {results}")
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)

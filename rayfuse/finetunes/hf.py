@@ -2,8 +2,9 @@
 
 A model is a ``.safetensors`` file or a Hugging Face folder: ``config.json`` with ``model.safetensors``, or sharded
 ``model-0000x-of-0000y.safetensors`` files named by ``model.safetensors.index.json``. :class:`ModelSource` reads the
-headers only (names, shapes, dtypes: nothing is loaded) and then one tensor at a time from the memory-mapped file
-(safetensors' ``safe_open(..., framework="pt")``, which also reads bfloat16). :class:`ShardedWriter` plans the output's
+headers only (names, shapes, dtypes, byte offsets: nothing is loaded) and then reads one tensor at a time straight
+into a tensor of its own (one ``readinto`` at the tensor's offset: the tensor's bytes once in memory, no memory map
+whose pages would also count, bfloat16 included). :class:`ShardedWriter` plans the output's
 shards from the tensors' shapes and dtypes before any value is known, writes each file's header first and then every
 tensor at its offset as soon as it is merged, so a shard is never held in memory whole; the files are written in a
 temporary folder renamed to the output at the end (nothing at the output on failure).
@@ -68,6 +69,8 @@ class TensorInfo:
     file: Path
     shape: tuple[int, ...]
     dtype: str
+    # where the tensor's bytes start in ``file`` (the data section's start plus its first data offset)
+    offset: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -79,6 +82,11 @@ class TensorInfo:
 
 def read_header(file: Path, where: str) -> dict[str, Any]:
     """A safetensors file's JSON header (one line naming ``where`` for a file that is not one)."""
+    return _header_and_start(file, where)[0]
+
+
+def _header_and_start(file: Path, where: str) -> tuple[dict[str, Any], int]:
+    """The JSON header and where the data section starts (after the 8-byte length and the header)."""
     try:
         with open(file, "rb") as handle:
             head = handle.read(8)
@@ -90,7 +98,7 @@ def read_header(file: Path, where: str) -> dict[str, Any]:
             header = json.loads(handle.read(n))
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
-        return header
+        return header, 8 + n
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise InputError(where, "a safetensors file", f"{type(exc).__name__}: {str(exc)[:80]}") from None
 
@@ -135,7 +143,8 @@ class ModelSource:
         else:
             raise InputError(where, "a .safetensors file or a Hugging Face folder (config.json and model.safetensors)", str(path))
         for file in files:
-            header = read_header(file, f"{where}: {file.name}")
+            header, start = _header_and_start(file, f"{where}: {file.name}")
+            size = file.stat().st_size
             for name, entry in header.items():
                 if name == "__metadata__":
                     continue
@@ -143,7 +152,22 @@ class ModelSource:
                     continue  # the index decides which shard holds a tensor
                 if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES or not isinstance(entry.get("shape"), list):
                     raise InputError(f"{where}: {file.name}: {name}", f"a tensor entry with a dtype in {sorted(DTYPES)}", entry)
-                self.tensors[name] = TensorInfo(file, tuple(int(d) for d in entry["shape"]), DTYPES[entry["dtype"]])
+                info = TensorInfo(file, tuple(int(d) for d in entry["shape"]), DTYPES[entry["dtype"]])
+                offsets = entry.get("data_offsets")
+                if (
+                    not isinstance(offsets, list)
+                    or len(offsets) != 2
+                    or not all(isinstance(o, int) and o >= 0 for o in offsets)
+                    or offsets[1] - offsets[0] != info.nbytes
+                    or start + offsets[1] > size
+                ):
+                    raise InputError(
+                        f"{where}: {file.name}: {name}",
+                        f"data_offsets spanning {info.nbytes} bytes ({info.dtype} {list(info.shape)}) inside the file",
+                        offsets,
+                        "the file is truncated or not a safetensors file",
+                    )
+                self.tensors[name] = TensorInfo(info.file, info.shape, info.dtype, start + offsets[0])
         for name in weight_map:
             if name not in self.tensors:
                 raise InputError(f"{where}: {INDEX}", f"tensors the shards hold ({weight_map[name]} does not hold it)", name)
@@ -161,13 +185,27 @@ class ModelSource:
         return weight_map
 
     def get(self, name: str) -> torch.Tensor:
-        """One tensor, as stored (bfloat16 stays bfloat16)."""
-        from safetensors import safe_open
+        """One tensor, as stored (bfloat16 stays bfloat16), in memory of its own (the caller may overwrite it).
 
-        # a handle per read: its memory map goes with the tensor, so the pages read do not stay resident (a handle kept
-        # open for the whole merge would keep every page it was read through mapped: the model's whole size)
-        with safe_open(str(self.tensors[name].file), framework="pt") as handle:
-            return handle.get_tensor(name)
+        Read with one ``readinto`` at the tensor's offset: the process holds the tensor's bytes once. (safetensors'
+        ``get_tensor`` copies out of a memory map, whose pages count in the resident size too while the handle is
+        open: twice the tensor at the moment of the read.) safetensors stores little-endian, as torch on this CPU."""
+        info = self.tensors[name]
+        out = torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])
+        if info.nbytes == 0:
+            return out
+        view = out.reshape(-1).view(torch.uint8).numpy().data
+        with open(info.file, "rb", buffering=0) as handle:
+            handle.seek(info.offset)
+            got = 0
+            while got < info.nbytes:
+                n = handle.readinto(view[got:])
+                if not n:
+                    raise InputError(
+                        f"{self.where}: {info.file.name}: {name}", f"{info.nbytes} bytes", f"{got} (the file shrank while merging)"
+                    )
+                got += n
+        return out
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*((?:K|M|G|T)i?B|B)?\s*$", re.IGNORECASE)

@@ -2,10 +2,15 @@
 
 Before anything is written, every model's tensor names, shapes and dtypes are read from the file headers (no values)
 and checked against the base's, and every parameter is evaluated for every tensor. Then a thread pool merges the
-tensors, a bounded number at a time: a worker loads one tensor of each model (memory-mapped), upcasts them to float32,
-merges, casts to the output dtype, checks the result finite there and writes it at its place in its shard. Peak
-memory is then about ``threads * (models + 2)`` times the largest tensor, not the models' total size. On any refusal
-the temporary output is removed: nothing is left at the output.
+tensors: a worker reads one model's tensor at a time (upcast to float32, checked finite) into the streaming merges of
+:mod:`rayfuse.finetunes.taskvec`, casts the result to the output dtype, checks it finite there and writes it at its
+place in its shard. One tensor's merge holds a fixed number of tensors of its size in float32
+(:func:`~rayfuse.finetunes.taskvec.peak_tensors`: 2 to 3.5 for the averages and task arithmetic, about 6 for TIES),
+and the pool admits a tensor only while the merges in flight fit in a budget of ``max(models + 2, that number)`` times
+the largest tensor (``models`` counting the base), so the peak memory of the merge stays within
+``(models + 2) x`` the largest float32 tensor (``6.5 x`` for TIES with fewer than 5 models), whatever the thread count
+and the models' total size, and small tensors are merged ``threads`` at a time. On any refusal the temporary output is
+removed: nothing is left at the output.
 """
 
 from __future__ import annotations
@@ -20,9 +25,16 @@ import torch
 from rayfuse.errors import InputError
 from rayfuse.finetunes.config import FinetuneSpec, evaluate, layer_positions
 from rayfuse.finetunes.hf import TORCH_DTYPES, ModelSource, ShardedWriter, copy_model_files
-from rayfuse.finetunes.taskvec import TASK_VECTOR_METHODS, Rescale, linear, slerp, task_vector_merge
+from rayfuse.finetunes.taskvec import (
+    TASK_VECTOR_METHODS,
+    Rescale,
+    linear_stream,
+    peak_tensors,
+    slerp_owned,
+    task_vector_merge_stream,
+)
 
-__all__ = ["run_finetune", "check_against_base"]
+__all__ = ["run_finetune", "check_against_base", "all_finite"]
 
 # mergekit's defaults for what a file leaves out (mergekit/merge_methods/registry.py, linear.py)
 _DEFAULTS = {"weight": 1.0, "density": 1.0, "lambda": 1.0}
@@ -119,6 +131,35 @@ def _global(spec: FinetuneSpec, key: str, name: str, t: float) -> float | None:
     return None if value is None else float(value)
 
 
+def _return_freed_memory() -> None:
+    """Make glibc give every block of 1 MiB or more back to the system when it is freed.
+
+    By default glibc raises its mmap threshold each time a mapped block is freed (up to 32 MiB), after which blocks of
+    that size come from its heaps and stay resident when freed: a merge's temporaries (a tensor's masks, the next
+    smaller tensors) then pile up as resident memory that no tensor uses (measured: +0.75 of a tensor per model in
+    TIES's last pass). A fixed threshold (``mallopt(M_MMAP_THRESHOLD)``, which also stops the raising) maps each block
+    of 1 MiB or more on its own and unmaps it on free. Process-wide and harmless to the rest (only where a block lives
+    changes); skipped where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(ctypes.c_int(-3), ctypes.c_int(1 << 20))  # M_MMAP_THRESHOLD (glibc's malloc.h)
+    except (OSError, AttributeError):
+        pass
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every entry is finite, without ``torch.isfinite(x).all()``'s work space (its magnitude copy and boolean
+    masks: nearly 2 tensors of ``x``'s size at once): a finite sum proves it (NaN and Inf carry into the sum); only
+    when the sum is not finite (a NaN, an Inf, or an overflow of finite entries) are the entries looked at, a million at
+    a time."""
+    if bool(torch.isfinite(x.sum())):
+        return True
+    return all(bool(torch.isfinite(part).all()) for part in x.reshape(-1).split(1 << 20))
+
+
 def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Check, merge and write; return a summary (method, models, tensors, parameters, output)."""
     prefix = f"{spec.config}: "
@@ -157,27 +198,47 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
     metadata = {"method": method, "models": ",".join(p.name for p in sources)}
     writer = ShardedWriter(spec.output, {n: (reference.tensors[n].shape, out_dtype[n]) for n in names}, spec.max_shard_size, metadata)
 
-    def merge_one(name: str) -> int:
-        stored = reference.get(name)
-        if not stored.is_floating_point():  # integer buffers (ids, counters) are the base's
-            writer.write(name, stored.contiguous())
-            return int(stored.numel())
-        compute = torch.float64 if stored.dtype == torch.float64 else torch.float32
-        tuned = []
-        for model in [reference, *[m for m in models if m is not reference]]:
-            x = (stored if model is reference else model.get(name)).to(compute)
-            if not torch.isfinite(x).all():
+    order = [reference, *[m for m in models if m is not reference]]  # the reference first, as the merges take them
+    elements = {n: TORCH_DTYPES[i.dtype].itemsize for n, i in reference.tensors.items()}
+
+    def compute_dtype(name: str) -> torch.dtype:
+        return torch.float64 if reference.tensors[name].dtype == "float64" else torch.float32
+
+    factor = peak_tensors(method, len(order))
+
+    def cost(name: str) -> float:
+        """The bytes one tensor's merge holds at its peak (a copy of the base's for an integer buffer)."""
+        info = reference.tensors[name]
+        if "float" not in info.dtype:
+            return float(info.nbytes)
+        return factor * (info.nbytes // elements[name]) * compute_dtype(name).itemsize
+
+    def loader(model: ModelSource, name: str) -> Callable[[], torch.Tensor]:
+        def load() -> torch.Tensor:
+            x = model.get(name)  # a tensor of its own, read from the file
+            if x.dtype != compute_dtype(name):
+                x = x.to(compute_dtype(name))
+            if not all_finite(x):
                 raise InputError(f"{model.where}: {name}", "finite values", "NaN or Inf")
-            tuned.append(x)
+            return x
+
+        return load
+
+    def merge_one(name: str) -> int:
+        if "float" not in reference.tensors[name].dtype:  # integer buffers (ids, counters) are the base's
+            stored = reference.get(name)
+            writer.write(name, stored)
+            return int(stored.numel())
         plan = plans[name]
         weights = [p["weight"] for p in plan["models"]]
+        loaders = [loader(m, name) for m in order]
         if method == "slerp":
-            merged = slerp(plan["t"], tuned[0], tuned[1])
+            merged = slerp_owned(plan["t"], loaders[0](), loaders[1]())
         elif tv is not None:
             generators = [torch.Generator().manual_seed(_seed(spec.seed, i, name)) for i in range(len(models))]
-            merged = task_vector_merge(
-                tuned[0],
-                tuned[1:],
+            merged = task_vector_merge_stream(
+                loaders[0],
+                loaders[1:],
                 weights,
                 [p["density"] for p in plan["models"]],
                 tv,
@@ -187,12 +248,15 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
                 generators=generators,
             )
         elif stats and name in stats[0].tensors:  # fisher / regmean: rayfuse.alignment's merges, one tensor at a time
+            tuned = [load() for load in loaders]
             merged = _data_aware(spec, name, tuned if base is None else tuned[1:], stats, weights, None if base is None else tuned[0])
+            del tuned
         else:  # linear / weighted_average / average, and the tensors without statistics: the models themselves
-            own = tuned if base is None else tuned[1:]
-            merged = linear(own, [1.0] * len(own) if method == "average" else weights, normalize=method == "average" or normalize)
+            own = loaders if base is None else loaders[1:]
+            merged = linear_stream(own, [1.0] * len(own) if method == "average" else weights, normalize=method == "average" or normalize)
         out = merged.to(TORCH_DTYPES[out_dtype[name]])
-        if not torch.isfinite(out).all():
+        del merged
+        if not all_finite(out):
             raise InputError(
                 f"{spec.output}: {name}",
                 f"finite values in the merged model ({out_dtype[name]})",
@@ -202,15 +266,22 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
         writer.write(name, out)
         return int(out.numel())
 
+    _return_freed_memory()
+    costs = {name: cost(name) for name in names}
+    # the merges in flight share a budget of (models + 2) x the largest tensor (or the largest tensor's own merge, where
+    # that is more): small tensors go `threads` at a time, the largest alone where two would not fit
+    budget = max(costs.values(), default=0) * max(1.0, (len(order) + 2) / factor)
     total = 0
     try:
         with ThreadPoolExecutor(max_workers=spec.threads) as pool:
-            pending: set[Future[int]] = set()
+            pending: dict[Future[int], float] = {}
             for k, name in enumerate(names):
-                if len(pending) >= spec.threads:  # a bounded window: at most `threads` tensors in memory at once
-                    done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    total += sum(f.result() for f in done)
-                pending.add(pool.submit(merge_one, name))
+                while pending and (len(pending) >= spec.threads or sum(pending.values()) + costs[name] > budget):
+                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                    for f in done:
+                        del pending[f]
+                        total += f.result()
+                pending[pool.submit(merge_one, name)] = costs[name]
                 if log is not None and (k + 1) % 100 == 0:
                     log(f"{method}: {k + 1}/{len(names)} tensors")
             done, _ = wait(pending)

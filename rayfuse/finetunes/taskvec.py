@@ -14,11 +14,21 @@ mergekit's ``linear`` (the weighted average of the models themselves) and :func:
 with the colinear fallback to ``lerp``. Everything is computed on float32 tensors (the caller upcasts); the operations
 and their order follow mergekit (the repository and commit are in docs/references.md) so that the same inputs give the
 same tensors.
+
+Memory: the streaming forms (:func:`task_vector_merge_stream`, :func:`linear_stream`, :func:`slerp_owned`) take each
+model's tensor from a loader, one at a time, and work in place on what the loaders return, so one tensor's merge holds
+a fixed number of tensors of its size whatever the number of models (:func:`peak_tensors`): 2 for the averages (the
+running sum and the model being added), 3 for task arithmetic (and the base), about 6 for TIES (one task vector while
+torch's sort trims it: its float32 magnitudes, int64 indices and the sort's own buffer) and DARE-TIES, whose sign
+election reads each model three times instead of holding every task vector (one bit per entry is kept between the
+passes). The sums run model by model from zero, which is what ``torch.stack(...).sum(dim=0)`` computes for fewer than
+16 models (tested against it), so the results stay mergekit's to the bit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import numpy as np
@@ -29,16 +39,34 @@ from rayfuse.finetunes.config import TASK_VECTOR_METHODS, TaskVectorMethod
 __all__ = [
     "TaskVectorMethod",
     "TASK_VECTOR_METHODS",
+    "peak_tensors",
     "sparsify_magnitude",
     "sparsify_random",
     "rescale_masked",
     "sign_consensus",
     "task_vector_merge",
+    "task_vector_merge_stream",
     "linear",
+    "linear_stream",
     "slerp",
+    "slerp_owned",
 ]
 
 Rescale = Literal["l1", "density"] | None
+# a loader gives one model's tensor as a fresh tensor of the compute dtype that the merge may overwrite
+Loader = Callable[[], torch.Tensor]
+
+
+def peak_tensors(method: str, models: int) -> float:
+    """How many tensors of a tensor's size (in the compute dtype) its merge holds at its peak, measured with a little
+    margin (tests/finetunes/test_merge_memory.py): the running sum and one model for the averages, the base besides for
+    task arithmetic, a random mask besides for DARE, 4 for slerp (both tensors and their directions), and for TIES and
+    DARE-TIES the trim of one task vector (torch's sort: the magnitudes, int64 indices and its own buffer) or the last
+    pass (sum, divisor, base, one task vector, the boolean masks), whatever the number of models. ``models``: every
+    model read, the base included; the data-aware merges (their own code) are counted as every model plus 2."""
+    factors = {"linear": 2.5, "average": 2.5, "weighted_average": 2.5, "task_arithmetic": 3.5, "dare_linear": 4.5}
+    factors.update({"slerp": 4.5, "ties": 6.5, "dare_ties": 6.5})
+    return factors.get(method, models + 2.0)
 
 
 def rescale_masked(tensor: torch.Tensor, mask: torch.Tensor, rescale: Rescale, density: float, eps: float = 1e-7) -> torch.Tensor:
@@ -61,12 +89,58 @@ def sparsify_magnitude(delta: torch.Tensor, density: float, rescale: Rescale = N
     breaks them, as in mergekit), zero the rest."""
     if density >= 1:
         return delta
-    k = int(density * delta.numel())
-    mask = torch.zeros_like(delta)
+    out = delta.clone(memory_format=torch.contiguous_format)
+    _magnitude_(out, density, rescale)
+    return out
+
+
+def _magnitude_(delta: torch.Tensor, density: float, rescale: Rescale) -> Scale:
+    """:func:`sparsify_magnitude` in place on a contiguous ``delta``, with less work space than mergekit's
+    ``argsort`` and 0/1 mask: the float32 magnitudes are sorted in place (``torch.sort`` with the magnitudes as its
+    values output: the same permutation as ``argsort``, tested), and the entries past the ``k`` kept are zeroed
+    through the indices (``x * 0`` and ``0`` differ only in the sign of a zero). Peak: ``delta`` plus 3 tensors of
+    its size (float32 magnitudes and int64 indices) and torch's sort's own buffer (measured: 2 more). Returns the
+    rescale applied (:func:`_rescale_`)."""
+    if density >= 1:
+        return None
+    flat = delta.view(-1)
+    k = int(density * flat.numel())
+    before = flat.abs().sum() if rescale == "l1" else None
     if k > 0:  # mergekit asserts k > 0; here a tensor too small to keep one entry at this density contributes nothing
-        top = torch.argsort(delta.abs().reshape(-1).float(), descending=True)[:k]
-        mask.view(-1)[top] = 1
-    return rescale_masked(delta, mask, rescale, density)
+        magnitudes = flat.abs().float()  # mergekit sorts float32 magnitudes on the CPU
+        order = torch.empty(flat.numel(), dtype=torch.long)
+        torch.sort(magnitudes, descending=True, out=(magnitudes, order))
+        del magnitudes
+        flat.index_fill_(0, order[k:], 0)
+        del order
+    else:
+        flat.zero_()
+    return _rescale_(flat, rescale, density, before)
+
+
+# a rescale as applied: ("div", density) or ("mul", the L1 ratio), or None (none)
+Scale = tuple[str, "float | torch.Tensor"] | None
+
+
+def _rescale_(masked: torch.Tensor, rescale: Rescale, density: float, before: torch.Tensor | None, eps: float = 1e-7) -> Scale:
+    """:func:`rescale_masked`'s rescale in place (``before``: the L1 norm before masking, for ``"l1"``); returns what
+    it applied, for :func:`_apply_scale_` to apply again to the same masked tensor."""
+    scale: Scale = None
+    if rescale == "density":
+        scale = ("div", density)
+    elif rescale == "l1":
+        assert before is not None
+        after = masked.abs().sum()
+        if not (before < eps or after < eps):
+            scale = ("mul", before / after)
+    _apply_scale_(masked, scale)
+    return scale
+
+
+def _apply_scale_(masked: torch.Tensor, scale: Scale) -> None:
+    if scale is not None:
+        op, value = scale
+        masked.div_(value) if op == "div" else masked.mul_(value)
 
 
 def sparsify_random(delta: torch.Tensor, density: float, generator: torch.Generator, rescale: Rescale = None) -> torch.Tensor:
@@ -76,6 +150,27 @@ def sparsify_random(delta: torch.Tensor, density: float, generator: torch.Genera
         return delta
     mask = torch.bernoulli(torch.full_like(delta, density, dtype=torch.float32), generator=generator)
     return rescale_masked(delta.to(torch.float32), mask, rescale, density).to(delta.dtype)
+
+
+def _random_(delta: torch.Tensor, density: float, generator: torch.Generator, rescale: Rescale) -> Scale:
+    """:func:`sparsify_random` in place: the same draws (``bernoulli_`` into the probabilities' own tensor gives
+    ``torch.bernoulli``'s mask from the same generator state, tested). Peak: ``delta`` plus one float32 mask."""
+    if density >= 1:
+        return None
+    if delta.dtype != torch.float32:  # float64 inputs: the out-of-place form's float32 round trip, as it is
+        delta.copy_(sparsify_random(delta, density, generator, rescale))
+        return _REDONE
+    before = delta.abs().sum() if rescale == "l1" else None  # first: its magnitude copy is gone before the mask is made
+    mask = torch.full_like(delta, density, dtype=torch.float32)
+    mask.bernoulli_(mask, generator=generator)
+    delta.mul_(mask)
+    del mask
+    return _rescale_(delta, rescale, density, before)
+
+
+# the float64 random drop: its float32 round trip cannot be applied again from the kept entries; the stream keeps the
+# whole task vector instead (float64 tensors are rare; the bound does not hold for them)
+_REDONE: Scale = ("redone", 1.0)
 
 
 def sign_consensus(weighted: torch.Tensor) -> torch.Tensor:
@@ -100,49 +195,151 @@ def task_vector_merge(
     generators: Sequence[torch.Generator] | None = None,
 ) -> torch.Tensor:
     """``base + lambda * combine(sparsify(x_i - base))`` (the module docstring), for float32 tensors of one shape.
-    ``generators``: one per model, for the random sparsifier."""
-    # the task vectors are written into one stacked tensor and weighted, masked in place: the same operations in the
-    # same order as mergekit's (stack, * weights, * mask, sum), with fewer copies of the stack alive at once
-    stacked = torch.empty((len(tuned), *base.shape), dtype=base.dtype)
-    for i, (x, density) in enumerate(zip(tuned, densities)):
-        delta = torch.sub(x.to(base.dtype), base, out=stacked[i])
+    ``generators``: one per model, for the random sparsifier. The inputs are left as they are (copies are merged)."""
+    return task_vector_merge_stream(
+        lambda: base.clone(memory_format=torch.contiguous_format),
+        [lambda x=x: x.to(base.dtype, copy=True, memory_format=torch.contiguous_format) for x in tuned],  # type: ignore[misc]
+        weights,
+        densities,
+        method,
+        normalize=normalize,
+        lam=lam,
+        rescale=rescale,
+        generators=generators,
+    )
+
+
+def task_vector_merge_stream(
+    base: Loader,
+    tuned: Sequence[Loader],
+    weights: Sequence[float],
+    densities: Sequence[float],
+    method: TaskVectorMethod,
+    *,
+    normalize: bool,
+    lam: float = 1.0,
+    rescale: Rescale = None,
+    generators: Sequence[torch.Generator] | None = None,
+) -> torch.Tensor:
+    """:func:`task_vector_merge` from loaders, one model's tensor at a time, in place (the module docstring's memory).
+
+    mergekit stacks the task vectors and computes ``(stack * w).sum(0)`` (and, for the sign election, the sum, then
+    ``(stack * w * mask).sum(0)`` and ``(w * mask).sum(0)``); here each weighted task vector is added to a running sum
+    from zero, in the models' order: the same float32 operations in the same order.
+
+    The sign election needs every task vector twice (its sum elects the signs, then each is masked by them); rather
+    than holding them all, each is trimmed once (the costly sort, or the random draw) and only which entries it kept
+    (one bit each) and the rescale applied are kept; both later passes read the model's tensor again and redo the
+    subtraction, the mask and the rescale, which give the same values (a trimmed entry is 0 either way)."""
+    if method.sparsify == "random" and generators is None:
+        raise ValueError("the random sparsifier needs one generator per model")
+
+    def delta(i: int, b: torch.Tensor) -> torch.Tensor:
+        x = tuned[i]()
+        x.sub_(b)
+        return x
+
+    def sparsify(i: int, x: torch.Tensor) -> Scale:
         if method.sparsify == "magnitude":
-            stacked[i] = sparsify_magnitude(delta, density, rescale)
-        elif method.sparsify == "random":
-            if generators is None:
-                raise ValueError("the random sparsifier needs one generator per model")
-            stacked[i] = sparsify_random(delta, density, generators[i], rescale)
-    w = torch.tensor(list(weights), dtype=stacked.dtype)
-    while w.dim() < stacked.dim():
-        w = w.unsqueeze(-1)
-    weighted = stacked.mul_(w)
-    if method.consensus:
-        mask = sign_consensus(weighted)
-        divisor = (w * mask).sum(dim=0)
-        divisor[divisor == 0] = 1
-        mixed = weighted.mul_(mask).sum(dim=0)
-        del mask
-    else:
-        mixed = weighted.sum(dim=0)
-        divisor = w.sum(dim=0)
+            return _magnitude_(x, densities[i], rescale)
+        if method.sparsify == "random":
+            assert generators is not None
+            return _random_(x, densities[i], generators[i], rescale)
+        return None
+
+    if not method.consensus:
+        b = base()
+        dtype, shape = b.dtype, b.shape
+        w = torch.tensor(list(weights), dtype=dtype)
+        mixed = torch.zeros(shape, dtype=dtype)
+        for i in range(len(tuned)):
+            x = delta(i, b)
+            sparsify(i, x)
+            mixed.add_(x.mul_(w[i]))
+            del x
+        divisor = w.reshape(-1, *([1] * len(shape))).sum(dim=0)
         divisor[divisor.abs() < 1e-8] = 1
-    del weighted, stacked
+    else:
+        # each task vector trimmed once, the base read again for each (so that the sort runs beside nothing else)
+        kept: list[tuple[np.ndarray | None, Scale, torch.Tensor | None]] = []
+        for i in range(len(tuned)):
+            b = base()
+            x = delta(i, b)
+            del b
+            scale = sparsify(i, x)
+            if scale == _REDONE:
+                kept.append((None, None, x))
+            elif method.sparsify is None or densities[i] >= 1:
+                kept.append((None, None, None))  # nothing trimmed: the task vector is computed again as it is
+            else:
+                # the entries kept are the nonzero ones (a kept zero is a zero either way; a rescale only multiplies
+                # by a factor >= 1, so it makes no entry zero)
+                kept.append((np.packbits((x != 0).numpy().reshape(-1)), scale, None))
+            del x
+        b = base()
+        dtype, shape = b.dtype, b.shape
+        w = torch.tensor(list(weights), dtype=dtype)
+        numel = b.numel()
+
+        def weighted(i: int) -> torch.Tensor:
+            """Model ``i``'s trimmed, rescaled, weighted task vector, computed again."""
+            bits, scale, whole = kept[i]
+            if whole is not None:
+                x = whole.clone()
+            else:
+                x = delta(i, b)
+                if bits is not None:
+                    x.mul_(torch.from_numpy(np.unpackbits(bits, count=numel)).view(torch.bool).reshape(shape))
+                    _apply_scale_(x, scale)
+            return x.mul_(w[i])
+
+        mixed = torch.zeros(shape, dtype=dtype)
+        for i in range(len(tuned)):
+            mixed.add_(weighted(i))
+        positive = mixed >= 0  # the elected sign (sum >= 0: positive)
+        mixed.zero_()
+        divisor = torch.zeros(shape, dtype=dtype)
+        for i in range(len(tuned)):
+            x = weighted(i)
+            agree = torch.where(positive, x > 0, x < 0)  # sign(x) == elected sign; a zero entry never agrees
+            mixed.add_(x.mul_(agree))
+            divisor.add_(agree, alpha=float(w[i]))  # w_i * agree, exact (agree is 0 or 1)
+            del x, agree
+        del positive, kept
+        divisor.masked_fill_(divisor == 0, 1)
     if normalize:
-        mixed = mixed / divisor
+        mixed.div_(divisor)
+    del divisor
     if lam != 1:
-        mixed = mixed * lam
-    return (base + mixed).to(base.dtype)
+        mixed.mul_(lam)
+    return mixed.add_(b).to(dtype)
 
 
 def linear(tensors: Sequence[torch.Tensor], weights: Sequence[float], *, normalize: bool = True) -> torch.Tensor:
     """mergekit's ``linear``: ``sum_i w_i x_i`` (divided by ``sum_i w_i`` with ``normalize``)."""
-    stacked = torch.stack(list(tensors), dim=0)
-    w = torch.tensor(list(weights), dtype=stacked.dtype)
-    while w.dim() < stacked.dim():
-        w = w.unsqueeze(-1)
-    out = (w * stacked).sum(dim=0)
+    dtype = functools.reduce(torch.promote_types, [x.dtype for x in tensors])  # torch.stack's
+    return linear_stream(
+        [lambda x=x: x.to(dtype, copy=True, memory_format=torch.contiguous_format) for x in tensors],  # type: ignore[misc]
+        weights,
+        normalize=normalize,
+    )
+
+
+def linear_stream(tensors: Sequence[Loader], weights: Sequence[float], *, normalize: bool = True) -> torch.Tensor:
+    """:func:`linear` from loaders, one model's tensor at a time, in place: ``w_i * x_i`` added to a running sum from
+    zero in the models' order (what mergekit's ``(w * stack).sum(0)`` computes)."""
+    out: torch.Tensor | None = None
+    w: torch.Tensor | None = None
+    for i, load in enumerate(tensors):
+        x = load()
+        if out is None or w is None:
+            out = torch.zeros_like(x)
+            w = torch.tensor(list(weights), dtype=x.dtype)
+        out.add_(x.mul_(w[i]))
+        del x
+    assert out is not None and w is not None
     if normalize:
-        out = out / w.sum(dim=0)
+        out.div_(w.reshape(-1, *([1] * out.dim())).sum(dim=0))
     return out
 
 
@@ -150,20 +347,35 @@ def slerp(t: float, v0: torch.Tensor, v1: torch.Tensor, dot_threshold: float = 0
     """Spherical interpolation from ``v0`` (``t = 0``) to ``v1`` (``t = 1``) of the two tensors seen as flat vectors;
     ``lerp`` when their directions are within ``arccos(dot_threshold)`` of colinear. Computed in numpy float32 as
     mergekit computes it, returned in ``v0``'s dtype."""
-    a = v0.detach().cpu().float().numpy()
-    b = v1.detach().cpu().float().numpy()
-    a_dir, b_dir = _unit(a, eps), _unit(b, eps)
-    dot = np.sum(a_dir * b_dir)
+    return slerp_owned(t, v0.detach().cpu().float().clone(), v1.detach().cpu().float().clone(), dot_threshold, eps, dtype=v0.dtype)
+
+
+def slerp_owned(
+    t: float, v0: torch.Tensor, v1: torch.Tensor, dot_threshold: float = 0.9995, eps: float = 1e-8, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """:func:`slerp` of two contiguous float32 tensors that it may overwrite (the result is computed into ``v0``'s
+    memory): at most 4 tensors of their size at once (both inputs, the two directions while their dot product is
+    taken). The same numpy float32 operations as :func:`slerp`'s out-of-place form, in place. ``dtype``: the result's
+    (``v0``'s own by default)."""
+    a, b = v0.numpy(), v1.numpy()
+    norm = np.linalg.norm(a)
+    a_dir = a / norm if norm > eps else a.copy()  # _unit(a), in memory of its own
+    b_dir = _unit(b, eps)
+    a_dir *= b_dir
+    del b_dir
+    dot = np.sum(a_dir)
+    del a_dir
     if np.abs(dot) > dot_threshold:
-        res = (1 - t) * a + t * b
+        a *= 1 - t
+        b *= t
     else:
         theta_0 = np.arccos(dot)
         sin_theta_0 = np.sin(theta_0)
         theta_t = theta_0 * t
-        s0 = np.sin(theta_0 - theta_t) / sin_theta_0
-        s1 = np.sin(theta_t) / sin_theta_0
-        res = s0 * a + s1 * b
-    return torch.from_numpy(np.asarray(res)).to(v0.dtype)
+        a *= np.sin(theta_0 - theta_t) / sin_theta_0
+        b *= np.sin(theta_t) / sin_theta_0
+    a += b
+    return v0.to(dtype or v0.dtype)
 
 
 def _unit(v: np.ndarray, eps: float) -> np.ndarray:
