@@ -755,7 +755,7 @@ class UpdatePipeline:
         planned = self._planned
 
         def read(client: int, update: Any) -> Update:
-            reason = update_problem(update, planned(client), reference_of(client), check_finite=check_values)
+            reason = update_problem(update, lambda: planned(client), reference_of(client), check_finite=check_values)
             if reason is None and check is not None:
                 reason = check(client, update)
             if reason is not None:

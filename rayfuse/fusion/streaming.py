@@ -17,7 +17,7 @@ Nothing here imports Ray.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -42,16 +42,21 @@ Params = dict[str, np.ndarray]
 SMALL_TENSOR = 1 << 16
 
 
-def update_problem(update: Any, planned: int, reference: Mapping[str, np.ndarray], *, check_finite: bool = True) -> str | None:
+def update_problem(
+    update: Any, planned: int | Callable[[], int], reference: Mapping[str, np.ndarray], *, check_finite: bool = True
+) -> str | None:
     """Why ``update`` is not a valid reply (the update pipeline's stage 1), or ``None``: an :class:`Update` whose
-    count is the client's ``planned`` training-set size, with ``reference``'s keys, shapes and dtypes, finite values
-    (``check_finite``) and finite metrics."""
+    count is the client's ``planned`` training-set size (or a callable giving it, asked only for an update with a
+    positive count: a reply that is no update is refused without looking the client up in the plan), with
+    ``reference``'s keys, shapes and dtypes, finite values (``check_finite``) and finite metrics."""
     from rayfuse.models import check_params
 
     if not isinstance(update, Update):
         return f"expected an Update, got {type(update).__name__}"
     if not isinstance(update.num_examples, (int, np.integer)) or update.num_examples <= 0:
         return f"num_examples must be a positive integer, got {update.num_examples!r}"
+    if callable(planned):
+        planned = planned()
     if update.num_examples != planned:
         return f"num_examples {update.num_examples} is not the client's {planned} training examples of the partition plan"
     reason = check_params(update.params, reference, check_finite=False)
