@@ -292,7 +292,9 @@ def read_peaks(pids: dict[str, int], rest: dict[str, int]) -> dict[str, dict[str
     for name, base in rest.items():
         status = _status_bytes(pids[name])
         if "VmHWM" in status:
-            out[name] = {"peak_bytes": status["VmHWM"], "rest_bytes": base}
+            # the peak since the reset includes the reset's own moment; the kernel's RSS counters are per-CPU batched, so
+            # a VmHWM read later can fall a few pages short of the VmRSS read at the reset: the larger of the two
+            out[name] = {"peak_bytes": max(status["VmHWM"], base), "rest_bytes": base}
     return out
 
 
