@@ -187,9 +187,10 @@ class RayFederation(Federation):
             actors: dict[Any, list[int]] = {}
             for c in missing:
                 actors.setdefault(self._clients[c], []).append(c)
-            for handle, hosted in actors.items():
+            pings = [(handle.ping.remote(), hosted) for handle, hosted in actors.items()]  # all at once, then each reply
+            for ping, hosted in pings:
                 try:
-                    node = ray.get(handle.ping.remote(), timeout=self._restart_timeout_s)["node_id"]
+                    node = ray.get(ping, timeout=self._restart_timeout_s)["node_id"]
                 except Exception:  # a dead or restarting actor: asked again next round
                     continue
                 self._nodes.update({c: node for c in hosted})
