@@ -187,7 +187,12 @@ class RayFederation(Federation):
             actors: dict[Any, list[int]] = {}
             for c in missing:
                 actors.setdefault(self._clients[c], []).append(c)
-            pings = [(handle.ping.remote(), hosted) for handle, hosted in actors.items()]  # all at once, then each reply
+            pings = []
+            for handle, hosted in actors.items():  # all at once, then each reply
+                try:
+                    pings.append((handle.ping.remote(), hosted))
+                except Exception:  # a handle without ping (a stand-in): its clients are not located, so not folded per node
+                    continue
             for ping, hosted in pings:
                 try:
                     node = ray.get(ping, timeout=self._restart_timeout_s)["node_id"]
