@@ -44,6 +44,8 @@ class CoordinatorActor:
             events,
             task_cpus=cfg.federation.task_cpus,
             restart_timeout_s=cfg.federation.startup_timeout_s,
+            run=Path(run_dir).name,
+            namespace=cfg.federation.namespace,
         )
         device = assigned_device(ray.get_gpu_ids())  # federation.coordinator.num_gpus: cost matrices, merges, distillation
         # ``specs`` carry the methods' classes: one given as an object (a notebook's Method subclass) arrives by value.

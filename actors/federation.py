@@ -20,12 +20,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.aggregator import NodeAggregator, aggregator_name
 from actors.client import RefArg
 from rayfuse.federation import Call, ClientError, ClientFailed, EventLog, FailurePolicy, Federation, map_arrays
 
@@ -53,10 +55,14 @@ def _apply_chunk(fn: Callable[[Any], T], chunk: Sequence[Any]) -> list[T]:
 
 @dataclass(frozen=True)
 class _Slot:
-    """One client's call inside a batched actor call: the actor call's reference and the position of its result."""
+    """One client's call inside a batched actor call: the actor call's reference and the position of its result.
+    Folded per node, ``ref`` is the node aggregator's call and ``origin`` the actor call's slot (read instead, flat,
+    if the aggregator died)."""
 
     ref: ray.ObjectRef
     index: int
+    origin: _Slot | None = field(default=None, compare=False)
+    node: str | None = field(default=None, compare=False)
 
 
 class RayFederation(Federation):
@@ -70,6 +76,9 @@ class RayFederation(Federation):
         CPUs each ``parallel_map`` task requests.
     restart_timeout_s : float
         How long a retry waits for a crashed actor to be restarted.
+    run, namespace : str
+        The run's name and Ray namespace: the node aggregators (``federation.aggregation: per_node``) are named
+        ``<run>/aggregator-<node>`` in it.
     """
 
     def __init__(
@@ -80,6 +89,8 @@ class RayFederation(Federation):
         *,
         task_cpus: float = 1.0,
         restart_timeout_s: float = 300.0,
+        run: str = "rayfuse",
+        namespace: str | None = None,
     ) -> None:
         super().__init__(policy, events)
         self._clients = dict(clients)
@@ -91,6 +102,11 @@ class RayFederation(Federation):
         self._install_refs: dict[int, tuple[Callable[..., Any], ray.ObjectRef]] = {}
         self._install_version = 0
         self.on_bytes: Callable[[str, int], None] | None = None  # ("broadcast" | "upload", bytes): dashboard metrics
+        self._run = run
+        self._namespace = namespace
+        self._nodes: dict[int, str] = {}  # client -> node id of its actor (asked once; again after a restart)
+        self._aggregators: dict[str, Any] = {}  # node id -> its NodeAggregator (per_node), created on first use
+        self._dead_folds: set[str] = set()  # hex ids of aggregator calls that died: their clients are read flat
 
     @property
     def client_ids(self) -> list[int]:
@@ -156,7 +172,84 @@ class RayFederation(Federation):
             ref = self._clients[calls[positions[0]].client].run_many.remote(specs, *refs, installs=installs, **extra)
             for i, p in enumerate(positions):
                 slots[p] = _Slot(ref, i)
+        folding = [p for p, call in enumerate(calls) if call.reducer is not None and call.node_reducer is not None]
+        if folding:
+            self._fold_per_node(calls, slots, folding)  # type: ignore[arg-type]
         return slots  # type: ignore[return-value]
+
+    # -- per-node partial sums (federation.aggregation: per_node) ----------------------------------------------------
+
+    def client_nodes(self) -> dict[int, str]:
+        """The node id of each client's actor (each actor asked once with ``ping``; again after it restarted). A
+        client whose actor does not answer is left out (its calls are not folded per node)."""
+        missing = [c for c in self._clients if c not in self._nodes]
+        if missing:
+            actors: dict[Any, list[int]] = {}
+            for c in missing:
+                actors.setdefault(self._clients[c], []).append(c)
+            pings = []
+            for handle, hosted in actors.items():  # all at once, then each reply
+                try:
+                    pings.append((handle.ping.remote(), hosted))
+                except Exception:  # a handle without ping (a stand-in): its clients are not located, so not folded per node
+                    continue
+            for ping, hosted in pings:
+                try:
+                    node = ray.get(ping, timeout=self._restart_timeout_s)["node_id"]
+                except Exception:  # a dead or restarting actor: asked again next round
+                    continue
+                self._nodes.update({c: node for c in hosted})
+        return dict(self._nodes)
+
+    def _aggregator(self, node: str) -> Any:
+        """This run's aggregator actor on ``node``, created (pinned there, owned by the coordinator) on first use."""
+        if node not in self._aggregators:
+            self._aggregators[node] = (
+                ray.remote(NodeAggregator)
+                .options(
+                    name=aggregator_name(self._run, node),
+                    namespace=self._namespace,
+                    get_if_exists=True,
+                    num_cpus=0,  # it folds while the node's clients wait for the next round: no CPU reserved
+                    max_restarts=0,  # a dead aggregator's node is read flat (an event says so); the next round makes a new one
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+                )
+                .remote()
+            )
+        return self._aggregators[node]
+
+    def _fold_per_node(self, calls: list[Call], slots: list[_Slot], folding: list[int]) -> None:
+        """Hand each node's actor calls to that node's aggregator: the folding calls' slots point at its call, with
+        the actor call's slot kept as ``origin``. Calls of a client whose node is unknown stay as they are (flat)."""
+        nodes = self.client_nodes()
+        by_node: dict[str, list[int]] = {}
+        for p in folding:
+            if calls[p].client in nodes:
+                by_node.setdefault(nodes[calls[p].client], []).append(p)
+        for node, positions in by_node.items():
+            actor_refs: list[ray.ObjectRef] = []
+            ref_index: dict[ray.ObjectRef, int] = {}
+            resolved: list[ray.ObjectRef] = []
+            resolved_index: dict[ray.ObjectRef, int] = {}
+
+            def arg_slot(value: Any) -> Any:
+                if isinstance(value, ray.ObjectRef):
+                    if value not in resolved_index:
+                        resolved_index[value] = len(resolved)
+                        resolved.append(value)
+                    return RefArg(resolved_index[value])
+                return value
+
+            specs = []
+            for p in positions:
+                ref = slots[p].ref
+                if ref not in ref_index:
+                    ref_index[ref] = len(actor_refs)
+                    actor_refs.append(ref)
+                specs.append((calls[p].client, ref_index[ref], slots[p].index, tuple(arg_slot(a) for a in calls[p].args)))
+            fold_ref = self._aggregator(node).fold.remote(calls[positions[0]].node_reducer, specs, actor_refs, *resolved)
+            for i, p in enumerate(positions):
+                slots[p] = _Slot(fold_ref, i, origin=slots[p], node=node)
 
     # -- waiting and results ---------------------------------------------------------------------------------------
 
@@ -176,6 +269,8 @@ class RayFederation(Federation):
         return [slot for slot in handles if slot.ref in done]
 
     def _result(self, handle: _Slot) -> Any:
+        if handle.origin is not None and handle.ref.hex() in self._dead_folds:
+            return self._result(handle.origin)  # this node's aggregator died: its clients' replies are read flat
         results = self._fetched.get(handle.ref)
         if results is None:
             try:
@@ -184,6 +279,16 @@ class RayFederation(Federation):
                 cause = exc.cause if exc.cause is not None else exc
                 raise ClientFailed(ClientError(-1, "error", f"{type(cause).__name__}: {cause}")) from None
             except RayActorError as exc:
+                if handle.origin is not None:  # the node's aggregator died, not the client: fall back to flat
+                    self._dead_folds.add(handle.ref.hex())
+                    self._aggregators.pop(handle.node or "", None)  # the next round creates a new one there
+                    self.events.emit(
+                        "aggregation",
+                        f"a node aggregator died ({type(exc).__name__}); its node's replies are folded by the coordinator "
+                        "this round (flat)",
+                        mode="flat",
+                    )
+                    return self._result(handle.origin)
                 raise ClientFailed(ClientError(-1, "died", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")) from None
             ok, value = results[handle.index]
         else:
@@ -196,16 +301,20 @@ class RayFederation(Federation):
                 del self._fetched[handle.ref]
         del results
         if not ok:
-            raise ClientFailed(ClientError(-1, "error", value))
+            kind, message = value if isinstance(value, tuple) else ("error", value)  # ("died", ...): from a node aggregator
+            raise ClientFailed(ClientError(-1, kind, message))
         if self.on_bytes is not None:
             self.on_bytes("upload", count_nbytes(value))
         return value
 
     def _on_timeout(self, handle: _Slot) -> None:
-        try:
-            ray.cancel(handle.ref)
-        except Exception:  # cancelling a running sync actor task is not supported; the result is ignored anyway
-            pass
+        for slot in (handle, handle.origin):
+            if slot is None:
+                continue
+            try:
+                ray.cancel(slot.ref)
+            except Exception:  # cancelling a running sync actor task is not supported; the result is ignored anyway
+                pass
 
     def _before_retry(self, call: Call, error: ClientError) -> None:
         """After a crash, wait until Ray has restarted the actor (its constructor reloads the shards)."""
@@ -221,6 +330,8 @@ class RayFederation(Federation):
         """Wait (at most ``restart_timeout_s``) until Ray has restarted ``client``'s crashed actor; record the restart
         (``client_restarted``) or that it has no restarts left (``client_dead``)."""
         deadline = time.monotonic() + self._restart_timeout_s
+        actor = self._clients[client]
+        self._nodes = {c: n for c, n in self._nodes.items() if self._clients[c] is not actor}  # it may restart elsewhere
         while time.monotonic() < deadline:
             try:
                 ray.get(self._clients[client].ping.remote(), timeout=max(1.0, deadline - time.monotonic()))

@@ -189,6 +189,7 @@ class Call:
     handle: Any = None
     deadline: float | None = None
     reducer: Any = None  # a Reducer: the calls of one process are folded there into one reply (map_reduced)
+    node_reducer: Any = None  # a Reducer: the folded replies of one node's processes are folded once more there (per_node)
 
     @property
     def name(self) -> str:
@@ -285,12 +286,25 @@ class Federation(ABC):
         return [self._submit(call) for call in calls]
 
     def map_reduced(
-        self, step: Callable[..., Any], *args: Any, reducer: Reducer, clients: Iterable[int] | None = None, **kwargs: Any
+        self,
+        step: Callable[..., Any],
+        *args: Any,
+        reducer: Reducer,
+        clients: Iterable[int] | None = None,
+        node_reducer: Reducer | None = None,
+        **kwargs: Any,
     ) -> list[Call]:
         """:meth:`map`, with the replies of the clients one process hosts folded there by ``reducer`` into one
         (:func:`reduce_replies`): :meth:`stream` then gives that value once and nothing for the clients folded into
-        it. A retried call runs alone, unfolded. A transport that hosts one client per process folds each reply alone."""
-        return self._start_many([dataclasses.replace(c, reducer=reducer) for c in self._calls(step, args, clients, kwargs)])
+        it. A retried call runs alone, unfolded. A transport that hosts one client per process folds each reply alone.
+        ``node_reducer``: the folded values of the processes on one node are folded once more, on that node, by it
+        (``federation.aggregation: per_node``; a transport without nodes, :meth:`client_nodes` ``None``, ignores it)."""
+        calls = self._calls(step, args, clients, kwargs)
+        return self._start_many([dataclasses.replace(c, reducer=reducer, node_reducer=node_reducer) for c in calls])
+
+    def client_nodes(self) -> Mapping[int, str] | None:
+        """The node each client's process runs on (a node id), or ``None`` for a transport without nodes."""
+        return None
 
     def map(self, step: Callable[..., Any], *args: Any, clients: Iterable[int] | None = None, **kwargs: Any) -> list[Call]:
         """Run ``step(ctx, *args, **kwargs)`` on each of ``clients`` (default: all); returns the pending calls."""
@@ -499,6 +513,10 @@ class InProcessFederation(Federation):
     clients_per_process : int
         How the clients would be grouped into processes on Ray (``federation.clients_per_actor``: consecutive ids):
         the calls of one group are folded together by a reducer (:meth:`Federation.map_reduced`), as an actor folds them.
+    processes_per_node : int, optional
+        Tests only: group the processes into simulated nodes (consecutive processes), so a ``node_reducer``
+        (:meth:`Federation.map_reduced`, ``federation.aggregation: per_node``) folds each node's replies as the node's
+        aggregator actor does on Ray. ``None`` (a run's in-process backend): no nodes; per_node is refused for it.
     """
 
     def __init__(
@@ -511,9 +529,11 @@ class InProcessFederation(Federation):
         max_restarts: int = 2,
         threads: Callable[[int], int | None] | None = None,
         clients_per_process: int = 1,
+        processes_per_node: int | None = None,
     ) -> None:
         super().__init__(policy, events)
         self._per_process = max(1, int(clients_per_process))
+        self._per_node = None if processes_per_node is None else max(1, int(processes_per_node))
         self._factory = client_factory
         self._clients = {i: client_factory(i, False) for i in range(num_clients)}
         self._restarts = {i: 0 for i in range(num_clients)}
@@ -564,7 +584,28 @@ class InProcessFederation(Federation):
                     done[i] = _Done(value=value)
                 elif done[i].error is None:  # the reducer failed
                     done[i] = _Done(error=ClientError(calls[i].client, "error", value, calls[i].name, calls[i].attempt))
+        nodes = self.client_nodes()
+        if nodes is None:
+            return done
+        by_node: dict[str, list[int]] = {}
+        for i, call in enumerate(calls):
+            if call.reducer is not None and call.node_reducer is not None:
+                by_node.setdefault(nodes[call.client], []).append(i)
+        for positions in by_node.values():  # the processes of one simulated node, folded once more (per_node)
+            outcomes = [(calls[i].client, *_outcome(done[i]), calls[i].args) for i in positions]
+            folded = reduce_replies(calls[positions[0]].node_reducer, outcomes)
+            for i, (ok, value) in zip(positions, folded):
+                if ok:
+                    done[i] = _Done(value=value)
+                elif done[i].error is None:
+                    done[i] = _Done(error=ClientError(calls[i].client, "error", value, calls[i].name, calls[i].attempt))
         return done
+
+    def client_nodes(self) -> Mapping[int, str] | None:
+        """``processes_per_node`` set (tests): the simulated node of each client (consecutive processes share one)."""
+        if self._per_node is None:
+            return None
+        return {c: f"node-{c // self._per_process // self._per_node}" for c in self._clients}
 
     def _restart(self, client_id: int) -> None:
         if self._max_restarts != -1 and self._restarts[client_id] >= self._max_restarts:

@@ -199,8 +199,16 @@ class FederationView(Protocol):
     def gather(self, calls: Sequence[Any]) -> Gathered[Any]: ...
 
     def map_reduced(
-        self, step: Callable[..., Any], *args: Any, reducer: Any, clients: Iterable[int] | None = None, **kwargs: Any
+        self,
+        step: Callable[..., Any],
+        *args: Any,
+        reducer: Any,
+        clients: Iterable[int] | None = None,
+        node_reducer: Any = None,
+        **kwargs: Any,
     ) -> list[Any]: ...
+
+    def client_nodes(self) -> Mapping[int, str] | None: ...
 
     def stream(self, calls: Sequence[Any]) -> Any: ...  # a rayfuse.federation.ReplyStream
 

@@ -171,11 +171,13 @@ class FederationConfig(StrictModel):
         "number of clients; false: gather every reply first, then aggregate (the path robust rules and attacked "
         "rounds always take; for comparison)",
     )
-    aggregation: Literal["flat", "per_actor"] | None = Field(
+    aggregation: Literal["flat", "per_actor", "per_node"] | None = Field(
         None,
-        description="where a streaming round is summed: flat (every client's reply folded by the coordinator) or "
+        description="where a streaming round is summed: flat (every client's reply folded by the coordinator), "
         "per_actor (an actor hosting clients_per_actor > 1 clients validates, clips and sums theirs and sends one "
-        "partial sum); unset: per_actor when clients_per_actor > 1, else flat (a rule that is not a sum, or an attacked "
+        "partial sum) or per_node (Ray only: each actor sends its partial sum to an aggregator actor on its own node, "
+        "which folds them, so one partial sum per node crosses the network); unset: per_node when the clients span "
+        "several nodes, else per_actor when clients_per_actor > 1, else flat (a rule that is not a sum, or an attacked "
         "round, gathers)",
     )
     task_cpus: float = Field(1.0, gt=0, description="CPUs each server-side fan-out task requests (parallel assignment solves...)")
@@ -202,9 +204,10 @@ class FederationConfig(StrictModel):
                 "aggregation",
                 f"per_actor only with clients_per_actor > 1 (one partial sum per actor), got clients_per_actor {self.clients_per_actor}",
             )
-        if self.aggregation == "per_actor" and not self.streaming:
+        if self.aggregation in ("per_actor", "per_node") and not self.streaming:
             raise key_error(
-                "aggregation", "per_actor only with streaming: true (partial sums are folded as they arrive), got streaming: false"
+                "aggregation",
+                f"{self.aggregation} only with streaming: true (partial sums are folded as they arrive), got streaming: false",
             )
         return self
 

@@ -42,7 +42,7 @@ from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.central_dp import CentralDPSettings, DPPlan, apply_dp_round, describe_plan, noise_dp_round, plan_dp, sample_poisson
 from rayfuse.fusion.privacy import UploadDP, check_upload_dp, gather_dp_uploads
 from rayfuse.fusion.robust import AggregatorSettings, aggregate, check_aggregator, check_enough_updates
-from rayfuse.fusion.streaming import PartialSum, RoundFold, RunningSum, partial_problem, update_problem
+from rayfuse.fusion.streaming import NodeFold, PartialSum, RoundFold, RunningSum, partial_problem, update_problem
 from rayfuse.method import (
     Aggregate,
     Gathered,
@@ -151,26 +151,33 @@ def check_update_pipeline(specs: Sequence[MethodSpec], setup: RunSetup, attacks:
 
 
 def check_aggregation(specs: Sequence[MethodSpec], federation: Any) -> None:
-    """Refuse an explicit ``federation.aggregation: per_actor`` that no round could use (one line; raises
-    :class:`InputError`): with ``federation.attacks`` (an attacked round needs each client's update) or with a method
-    whose rule is not a sum (a robust ``aggregator``). Unset, the mode falls back per round instead (an
-    ``aggregation`` event says so)."""
-    if federation.aggregation != "per_actor":
+    """Refuse an explicit ``federation.aggregation: per_actor`` or ``per_node`` that no round could use (one line;
+    raises :class:`InputError`): with ``federation.attacks`` (an attacked round needs each client's update) or with a
+    method whose rule is not a sum (a robust ``aggregator``); ``per_node`` also on the in-process backend (it has no
+    nodes). Unset, the mode falls back per round instead (an ``aggregation`` event says so)."""
+    mode = federation.aggregation
+    if mode not in ("per_actor", "per_node"):
         return
+    if mode == "per_node" and federation.backend == "local":
+        raise InputError(
+            "federation.aggregation",
+            "flat, per_actor or unset with the in-process backend (per_node folds on each node of a Ray cluster)",
+            "per_node",
+        )
     if federation.attacks:
         raise InputError(
             "federation.aggregation",
             "flat or unset with federation.attacks (an attacked round needs each client's update, not a partial sum)",
-            "per_actor",
+            mode,
         )
     for spec in specs:
         aggregator, dp = pipeline_settings(spec.params)
         if getattr(spec.method_cls, "streams_rounds", False) and not isinstance(dp, CentralDPSettings) and aggregator.name != "mean":
             raise InputError(
                 "federation.aggregation",
-                f"flat or unset with methods.{spec.label}.aggregator {aggregator.name!r} (per_actor partial sums need a "
+                f"flat or unset with methods.{spec.label}.aggregator {aggregator.name!r} ({mode} partial sums need a "
                 "rule that is a sum: mean, mean with clip_norm, central DP)",
-                "per_actor",
+                mode,
             )
 
 
@@ -311,7 +318,7 @@ class UpdatePipeline:
         Every client's trained local model (the coordinator gathers them once per run and shares them by the methods).
     streaming : bool
         ``federation.streaming``: :meth:`collect_round` folds a sum-decomposable round reply by reply.
-    aggregation : "flat", "per_actor" or None
+    aggregation : "flat", "per_actor", "per_node" or None
         ``federation.aggregation`` (``None``: chosen by :meth:`round_mode`).
     clients_per_actor : int
         ``federation.clients_per_actor``: per-actor partial sums need more than 1.
@@ -331,7 +338,7 @@ class UpdatePipeline:
         reference_of: Callable[[int], Params],
         local_updates: Callable[[], Gathered[Update]],
         streaming: bool = True,
-        aggregation: Literal["flat", "per_actor"] | None = None,
+        aggregation: Literal["flat", "per_actor", "per_node"] | None = None,
         clients_per_actor: int = 1,
     ) -> None:
         self._server = server
@@ -566,15 +573,27 @@ class UpdatePipeline:
 
     def round_mode(self, round: int) -> tuple[str, str | None]:
         """How :meth:`collect_round` aggregates ``round``: ``gathered`` (every reply first, then :meth:`collect`),
-        ``flat`` (the coordinator folds each reply as it arrives) or ``per_actor`` (each actor hosting several clients
-        folds theirs and sends one partial sum), with why it is not what the config asked for (``None``: it is)."""
+        ``flat`` (the coordinator folds each reply as it arrives), ``per_actor`` (each actor hosting several clients
+        folds theirs and sends one partial sum) or ``per_node`` (each actor folds its clients, then an aggregator on
+        each node folds that node's partial sums: one per node reaches the coordinator; chosen when unset and the
+        clients span several nodes), with why it is not what the config asked for (``None``: it is)."""
         if not self.streaming:
             return "gathered", None
         if not self.decomposes():
             return "gathered", f"aggregator {self.aggregator.name!r} needs every update at once"
         if self._attacked(round):
             return "gathered", f"round {round} is attacked (federation.attacks): each client's update is needed"
-        if self.aggregation == "flat" or self._per_actor < 2:
+        if self.aggregation == "flat":
+            return "flat", None
+        located = getattr(self._server.federation, "client_nodes", None)  # a stand-in federation may not locate clients
+        nodes = located() if located is not None else None
+        if self.aggregation == "per_node":
+            if nodes is None:  # refused before start for the in-process backend; a federation without nodes folds flat
+                return "flat", "this federation has no nodes (per_node needs Ray)"
+            return "per_node", None
+        if self.aggregation is None and nodes is not None and len(set(nodes.values())) > 1:
+            return "per_node", None  # clients on several nodes: one partial sum per node crosses the network
+        if self._per_actor < 2:
             return "flat", None
         return "per_actor", None
 
@@ -614,11 +633,12 @@ class UpdatePipeline:
             {int(c): int(self._planned(int(c))) for c in clients},
             float(self._clip) if dp else self.aggregator.clip_norm,
         )
-        calls = (
-            fed.map_reduced(step, ref, reducer=fold, clients=clients, **kwargs)
-            if mode == "per_actor"
-            else fed.map(step, ref, clients=clients, **kwargs)
-        )
+        if mode == "per_node":
+            calls = fed.map_reduced(step, ref, reducer=fold, node_reducer=NodeFold(fold), clients=clients, **kwargs)
+        elif mode == "per_actor":
+            calls = fed.map_reduced(step, ref, reducer=fold, clients=clients, **kwargs)
+        else:
+            calls = fed.map(step, ref, clients=clients, **kwargs)
         del ref
         stream = fed.stream(calls)
         del calls

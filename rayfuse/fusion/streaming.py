@@ -9,7 +9,9 @@ broadcast, whatever the number of clients.
 The same fold runs where the clients are (``federation.aggregation: per_actor``): :class:`RoundFold` is the
 :class:`rayfuse.federation.Reducer` an actor hosting several clients runs over their replies, and it sends one
 :class:`PartialSum` (the weighted sum, its total weight, each client's count and metrics, never its parameters)
-instead of k updates; the coordinator folds partial sums into the same running sum.
+instead of k updates; the coordinator folds partial sums into the same running sum. On a cluster
+(``federation.aggregation: per_node``) an aggregator on each node folds that node's partial sums once more
+(:class:`NodeFold`), so one partial sum per node crosses the network.
 
 Nothing here imports Ray.
 """
@@ -26,7 +28,7 @@ from scipy.linalg.blas import get_blas_funcs
 
 from rayfuse.method import Update
 
-__all__ = ["PartialSum", "RoundFold", "RunningSum", "nonfinite", "partial_problem", "update_problem", "SMALL_TENSOR"]
+__all__ = ["NodeFold", "PartialSum", "RoundFold", "RunningSum", "nonfinite", "partial_problem", "update_problem", "SMALL_TENSOR"]
 
 Params = dict[str, np.ndarray]
 
@@ -257,6 +259,62 @@ class RoundFold:
                 acc = RunningSum(reference, self.kind, self.clip_norm)
             acc.add(value.params, self.weight(value))
             clients[client] = (int(value.num_examples), {k: float(v) for k, v in value.metrics.items()})
+            del value
+        if acc is None:
+            return PartialSum({}, 0.0, {}, rejected)
+        return PartialSum(acc.total, acc.weight, clients, rejected, acc.unclipped)
+
+
+def _folded(value: Any) -> bool:
+    """Whether ``value`` is a :class:`rayfuse.federation.Folded` marker (recognised by its form: the fusion package
+    imports the method contract, never the engine's federation module)."""
+    return type(value).__name__ == "Folded" and isinstance(getattr(value, "into", None), int)
+
+
+@dataclass(frozen=True)
+class NodeFold:
+    """``federation.aggregation: per_node``: the :class:`rayfuse.federation.Reducer` that folds the replies of every
+    process on one node (each a :class:`PartialSum` from :class:`RoundFold`, or a single client's reply) into one
+    :class:`PartialSum`, with the same running sum: one partial sum per node crosses the network to the coordinator.
+
+    Each partial sum is checked as the coordinator checks it (:func:`partial_problem`: a bad one rejects its clients,
+    it is not folded); a single reply is validated and clipped as :class:`RoundFold` does. ``Folded`` markers (the
+    other clients of a process) carry nothing and are skipped. ``fold``: the round's per-process fold (its kind,
+    weights, clip norm, plan and the position of the broadcast model among the call's arguments)."""
+
+    fold: RoundFold
+
+    def reduce(self, replies: Any) -> PartialSum:
+        fold = self.fold
+        acc: RunningSum | None = None
+        clients: dict[int, tuple[int, dict[str, float]]] = {}
+        rejected: dict[int, str] = {}
+        for client, value, args in replies:
+            if isinstance(value, PartialSum):
+                rejected.update(value.rejected)
+                if not value.clients:
+                    continue
+                reference = args[fold.reference_arg]
+                problem = partial_problem(value, reference, fold.planned, weighted=fold.weighted, kind=fold.kind)
+                if problem is not None:
+                    rejected.update({c: problem for c in value.clients})
+                    continue
+                if acc is None:
+                    acc = RunningSum(reference, fold.kind, fold.clip_norm)
+                acc.add_partial(value)
+                clients.update(value.clients)
+            elif isinstance(value, Update):
+                reference = args[fold.reference_arg]
+                reason = update_problem(value, int(fold.planned.get(client, -1)), reference)
+                if reason is not None:
+                    rejected[client] = reason
+                    continue
+                if acc is None:
+                    acc = RunningSum(reference, fold.kind, fold.clip_norm)
+                acc.add(value.params, fold.weight(value))
+                clients[client] = (int(value.num_examples), {k: float(v) for k, v in value.metrics.items()})
+            elif not _folded(value):  # a Folded client's contribution is in its process's partial sum
+                rejected[client] = f"expected a partial sum or an Update, got {type(value).__name__}"
             del value
         if acc is None:
             return PartialSum({}, 0.0, {}, rejected)

@@ -85,6 +85,9 @@ def test_ray_job_submit_runs_a_job_on_both_nodes_with_named_actors_and_metrics(c
         "federation": {
             "namespace": namespace,
             "startup_timeout_s": WAIT_S / 2,
+            # flat: the coordinator receives each client's update (the byte counts below); unset would sum per node
+            # (tests/integration/test_per_node_cluster.py)
+            "aggregation": "flat",
             "client_overrides": {0: {"resources": {"silo_a": 0.1}}, 1: {"resources": {"silo_b": 0.1}}},
         },
         "methods": {"average": {}, "fedavg": {"rounds": 3, "local_epochs": 1}},
