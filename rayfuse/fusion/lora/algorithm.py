@@ -299,6 +299,39 @@ def _read_base(
     return {k: np.asarray(params[k]).astype(reference[k].dtype) for k in reference}
 
 
+def check_base_and_targets(setup: RunSetup, base: str | None, target_modules: Any, r: int | None) -> None:
+    """Before start (``fedlora`` / ``fedmerge``): the base folder's refusals (first: they name the folder), target
+    modules that exist in the run's model, and a rank ``r`` (``None``: no adapter) no larger than the smallest side of a
+    target's weight."""
+    from rayfuse.models import build_model, get_params
+
+    assert setup.input_shape is not None and setup.num_classes is not None
+    model = build_model(setup.model, setup.input_shape, setup.num_classes, seed=0)
+    folder = base_of(base, setup.model)
+    if folder is not None:
+        _read_base(folder, get_params(model), target_modules)
+    targets = lora_targets(model, target_modules)
+    if r is not None:
+        modules = dict(model.named_modules())
+        smallest = min(min(modules[t].weight.shape) for t in targets)
+        if r > smallest:
+            raise InputError("r", f"at most {smallest} (the smallest side of a target's weight)", r)
+
+
+def model_targets_and_base(
+    server: ServerContext, base: str | None, target_modules: Any
+) -> tuple[Any, list[str], dict[str, np.ndarray], str | None]:
+    """The run's model, its target modules, the base's parameters (the folder's, else the run's initial model) and the
+    base folder (``None``: the run's initial model)."""
+    from rayfuse.models import get_params
+
+    model = server.models.build_model(seed=0)
+    targets = lora_targets(model, target_modules)
+    folder = base_of(base, server.models.model_cfg)
+    params = _read_base(folder, get_params(model), target_modules) if folder is not None else server.models.initial_params()
+    return model, targets, params, folder
+
+
 @register_method
 class FedLora(Method[FedLoraParams, FedLoraState]):
     name = "fedlora"
@@ -311,29 +344,15 @@ class FedLora(Method[FedLoraParams, FedLoraState]):
     def check(cls, params: FedLoraParams, setup: RunSetup) -> None:
         if setup.input_shape is None or setup.num_classes is None:
             return  # a silo run's first check: the model's shape is not known yet
-        from rayfuse.models import build_model, get_params
-
-        model = build_model(setup.model, setup.input_shape, setup.num_classes, seed=0)
-        base = base_of(params.base, setup.model)
-        if base is not None:  # first: a Hugging Face folder's refusals name the folder
-            _read_base(base, get_params(model), params.target_modules)
-        targets = lora_targets(model, params.target_modules)
-        modules = dict(model.named_modules())
-        smallest = min(min(modules[t].weight.shape) for t in targets)
-        if params.r > smallest:
-            raise InputError("r", f"at most {smallest} (the smallest side of a target's weight)", params.r)
+        check_base_and_targets(setup, params.base, params.target_modules, params.r)
 
     def run(self, server: ServerContext) -> MethodResult:
-        from rayfuse.models import get_params
 
         p = self.params
         train = server.models.train_cfg
         fed = server.federation
         pipeline = server.updates
-        model = server.models.build_model(seed=0)
-        targets = lora_targets(model, p.target_modules)
-        base_path = base_of(p.base, server.models.model_cfg)
-        base = _read_base(base_path, get_params(model), p.target_modules) if base_path is not None else server.models.initial_params()
+        model, targets, base, base_path = model_targets_and_base(server, p.base, p.target_modules)
         scale = p.alpha / p.r
         modules = dict(model.named_modules())
         rng = server.rng("fedlora-A")

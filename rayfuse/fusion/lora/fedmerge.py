@@ -31,7 +31,6 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from rayfuse.errors import InputError
 from rayfuse.fusion.references import REGMEAN
 from rayfuse.method import (
     ClientContext,
@@ -226,19 +225,9 @@ class FedMerge(Method[FedMergeParams, None]):
     def check(cls, params: FedMergeParams, setup: RunSetup) -> None:
         if setup.input_shape is None or setup.num_classes is None:
             return  # a silo run's first check: the model's shape is not known yet
-        from rayfuse.fusion.lora.algorithm import _read_base, base_of, lora_targets
-        from rayfuse.models import build_model, get_params
+        from rayfuse.fusion.lora.algorithm import check_base_and_targets
 
-        model = build_model(setup.model, setup.input_shape, setup.num_classes, seed=0)
-        base = base_of(params.base, setup.model)
-        if base is not None:  # first: a Hugging Face folder's refusals name the folder
-            _read_base(base, get_params(model), params.target_modules)
-        targets = lora_targets(model, params.target_modules)
-        modules = dict(model.named_modules())
-        if params.finetune == "lora":
-            smallest = min(min(modules[t].weight.shape) for t in targets)
-            if params.r > smallest:
-                raise InputError("r", f"at most {smallest} (the smallest side of a target's weight)", params.r)
+        check_base_and_targets(setup, params.base, params.target_modules, params.r if params.finetune == "lora" else None)
         if params.export is not None:
             from rayfuse.io import check_writable_folder
 
@@ -247,16 +236,12 @@ class FedMerge(Method[FedMergeParams, None]):
 
     def run(self, server: ServerContext) -> MethodResult:
         from rayfuse.finetunes.statistics import merge_task_vectors
-        from rayfuse.fusion.lora.algorithm import _read_base, base_of, lora_targets
-        from rayfuse.models import get_params
+        from rayfuse.fusion.lora.algorithm import model_targets_and_base
 
         p = self.params
         train = server.models.train_cfg
         fed = server.federation
-        model = server.models.build_model(seed=0)
-        targets = lora_targets(model, p.target_modules)
-        base_path = base_of(p.base, server.models.model_cfg)
-        base = _read_base(base_path, get_params(model), p.target_modules) if base_path is not None else server.models.initial_params()
+        model, targets, base, base_path = model_targets_and_base(server, p.base, p.target_modules)
         scale = p.alpha / p.r
         adapter: dict[str, np.ndarray] | None = None
         if p.finetune == "lora":
