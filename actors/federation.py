@@ -53,6 +53,25 @@ def _apply_chunk(fn: Callable[[Any], T], chunk: Sequence[Any]) -> list[T]:
     return [fn(item) for item in chunk]
 
 
+class _Refs:
+    """Object references gathered for one remote call, each once, in order: a value that is a reference stands in the
+    call's specs as its position (``RefArg``) and the references travel as the call's top-level arguments, so Ray
+    resolves each once per call."""
+
+    def __init__(self) -> None:
+        self.refs: list[ray.ObjectRef] = []
+        self._index: dict[ray.ObjectRef, int] = {}
+
+    def position(self, ref: ray.ObjectRef) -> int:
+        if ref not in self._index:
+            self._index[ref] = len(self.refs)
+            self.refs.append(ref)
+        return self._index[ref]
+
+    def slot(self, value: Any) -> Any:
+        return RefArg(self.position(value)) if isinstance(value, ray.ObjectRef) else value
+
+
 @dataclass(frozen=True)
 class _Slot:
     """One client's call inside a batched actor call: the actor call's reference and the position of its result.
@@ -141,17 +160,8 @@ class RayFederation(Federation):
             groups.setdefault(getattr(handle, "_actor_id", id(handle)), []).append(position)  # clients sharing an actor
         slots: list[_Slot | None] = [None] * len(calls)
         for positions in groups.values():
-            refs: list[ray.ObjectRef] = []
-            index: dict[ray.ObjectRef, int] = {}
-
-            def slot_for(value: Any) -> Any:
-                if isinstance(value, ray.ObjectRef):
-                    if value not in index:
-                        index[value] = len(refs)
-                        refs.append(value)
-                    return RefArg(index[value])
-                return value
-
+            args = _Refs()
+            slot_for = args.slot
             specs = [
                 (
                     calls[p].client,
@@ -169,7 +179,7 @@ class RayFederation(Federation):
             ]
             reducer = calls[positions[0]].reducer  # the calls of one map share it (a retry runs alone, without one)
             extra = {"reducer": reducer} if reducer is not None else {}
-            ref = self._clients[calls[positions[0]].client].run_many.remote(specs, *refs, installs=installs, **extra)
+            ref = self._clients[calls[positions[0]].client].run_many.remote(specs, *args.refs, installs=installs, **extra)
             for i, p in enumerate(positions):
                 slots[p] = _Slot(ref, i)
         folding = [p for p, call in enumerate(calls) if call.reducer is not None and call.node_reducer is not None]
@@ -227,27 +237,12 @@ class RayFederation(Federation):
             if calls[p].client in nodes:
                 by_node.setdefault(nodes[calls[p].client], []).append(p)
         for node, positions in by_node.items():
-            actor_refs: list[ray.ObjectRef] = []
-            ref_index: dict[ray.ObjectRef, int] = {}
-            resolved: list[ray.ObjectRef] = []
-            resolved_index: dict[ray.ObjectRef, int] = {}
-
-            def arg_slot(value: Any) -> Any:
-                if isinstance(value, ray.ObjectRef):
-                    if value not in resolved_index:
-                        resolved_index[value] = len(resolved)
-                        resolved.append(value)
-                    return RefArg(resolved_index[value])
-                return value
-
+            actor_calls, resolved = _Refs(), _Refs()  # the actor calls' results (read by the aggregator as they finish)
             specs = []
             for p in positions:
-                ref = slots[p].ref
-                if ref not in ref_index:
-                    ref_index[ref] = len(actor_refs)
-                    actor_refs.append(ref)
-                specs.append((calls[p].client, ref_index[ref], slots[p].index, tuple(arg_slot(a) for a in calls[p].args)))
-            fold_ref = self._aggregator(node).fold.remote(calls[positions[0]].node_reducer, specs, actor_refs, *resolved)
+                position = actor_calls.position(slots[p].ref)
+                specs.append((calls[p].client, position, slots[p].index, tuple(resolved.slot(a) for a in calls[p].args)))
+            fold_ref = self._aggregator(node).fold.remote(calls[positions[0]].node_reducer, specs, actor_calls.refs, *resolved.refs)
             for i, p in enumerate(positions):
                 slots[p] = _Slot(fold_ref, i, origin=slots[p], node=node)
 
