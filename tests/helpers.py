@@ -54,3 +54,27 @@ def prepared_coordinator(
         factory, plan.num_clients, FailurePolicy.from_config(cfg.federation), events if events is not None else EventLog()
     )
     return Coordinator(cfg, plan, str(run_dir), fed, specs=prepared.specs)
+
+
+def recorded_run(cfg: Any, step: str, **run_kwargs: Any) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
+    """``rayfuse.run(cfg, backend="local", **run_kwargs)`` recording each call of the client step named ``step`` (e.g.
+    ``"fedlora.fit"``): its arguments and its reply, in call order."""
+    import pytest
+
+    import rayfuse
+    import rayfuse.client as client_module
+    from rayfuse.method import step_name
+
+    calls: list[tuple[tuple[Any, ...], Any]] = []
+    original = client_module.Client.run
+
+    def recording(client: Any, called: Any, *args: Any, **kwargs: Any) -> Any:
+        reply = original(client, called, *args, **kwargs)
+        if step_name(called) == step:
+            calls.append((args, reply))
+        return reply
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(client_module.Client, "run", recording)
+        result = rayfuse.run(cfg, backend="local", **run_kwargs)
+    return result, calls

@@ -17,13 +17,17 @@ from rayfuse.errors import InputError
 from rayfuse.finetunes.statistics import compute_statistics, merge_task_vectors, write_statistics
 from rayfuse.fusion.lora.fedmerge import payload_keys
 from rayfuse.io import load_params
-from rayfuse.method import step_name
 from rayfuse.models import build_model, get_params
 from rayfuse.runner import prepare_run
 from tests.conftest import TINY, merge
+from tests.helpers import recorded_run
 
 SHAPE, CLASSES = (64,), 10
 MODEL = {"name": "mlp", "hidden": [16]}
+
+
+def recorded_run_fit(cfg: dict[str, Any]) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
+    return recorded_run(cfg, "fedmerge.fit")
 
 
 def config(tmp_path: Path, **params: Any) -> dict[str, Any]:
@@ -31,25 +35,6 @@ def config(tmp_path: Path, **params: Any) -> dict[str, Any]:
     cfg["methods"] = {"fedmerge": {"local_epochs": 2, **params}}
     cfg["run"] = {**cfg["run"], "storage": str(tmp_path / "runs")}
     return cfg
-
-
-def recorded_run(cfg: dict[str, Any]) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
-    """Run in-process, recording each ``fedmerge.fit`` call's arguments and reply."""
-    import rayfuse.client as client_module
-
-    calls: list[tuple[tuple[Any, ...], Any]] = []
-    original = client_module.Client.run
-
-    def recording(client: Any, step: Any, *args: Any, **kwargs: Any) -> Any:
-        reply = original(client, step, *args, **kwargs)
-        if step_name(step) == "fedmerge.fit":
-            calls.append((args, reply))
-        return reply
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(client_module.Client, "run", recording)
-        result = rayfuse.run(cfg, backend="local")
-    return result, calls
 
 
 def base_of(result: Any) -> dict[str, np.ndarray]:
@@ -62,7 +47,7 @@ def base_of(result: Any) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize(("finetune", "merge_"), [("full", "fisher"), ("lora", "regmean"), ("full", "average")])
 def test_a_reply_holds_the_update_its_statistics_and_its_count_only(tmp_path, finetune, merge_):
-    result, calls = recorded_run(config(tmp_path, finetune=finetune, merge=merge_, target_modules=[".*"], r=2))
+    result, calls = recorded_run_fit(config(tmp_path, finetune=finetune, merge=merge_, target_modules=[".*"], r=2))
     assert len(calls) == 3
     base = base_of(result)
     expected = payload_keys(base, ["layers.0", "layers.1"] if "layers.0.weight" in base else [], finetune, merge_, 2)
@@ -82,7 +67,7 @@ def test_a_reply_holds_the_update_its_statistics_and_its_count_only(tmp_path, fi
 
 
 def test_fisher_merge_of_full_fine_tunes_follows_its_formula(tmp_path):
-    result, calls = recorded_run(config(tmp_path, merge="fisher", target_modules=["layers\\.0"]))
+    result, calls = recorded_run_fit(config(tmp_path, merge="fisher", target_modules=["layers\\.0"]))
     base, fused = base_of(result), result.models["fedmerge"]
     counts = np.array([u.num_examples for _, u in calls], dtype=float)
     w = counts / counts.sum()
@@ -96,7 +81,7 @@ def test_fisher_merge_of_full_fine_tunes_follows_its_formula(tmp_path):
 
 
 def test_regmean_merge_of_adapters_is_on_the_products(tmp_path):
-    result, calls = recorded_run(
+    result, calls = recorded_run_fit(
         config(tmp_path, merge="regmean", finetune="lora", r=2, alpha=4.0, regmean_alpha=1.0, target_modules=["layers\\.0"])
     )
     base, fused = base_of(result), result.models["fedmerge"]
@@ -150,7 +135,7 @@ def test_the_task_vector_merge_is_the_model_merge():
 @pytest.mark.parametrize(("finetune", "merge_"), [("full", "fisher"), ("lora", "regmean")])
 def test_exported_files_merged_by_rayfuse_fuse_give_the_federated_model(tmp_path, finetune, merge_):
     export = tmp_path / "export"
-    result, calls = recorded_run(config(tmp_path, merge=merge_, finetune=finetune, r=2, target_modules=[".*"], export=str(export)))
+    result, calls = recorded_run_fit(config(tmp_path, merge=merge_, finetune=finetune, r=2, target_modules=[".*"], export=str(export)))
     fused = result.models["fedmerge"]
     clients = sorted(int(p.name.split("-")[1].split(".")[0]) for p in export.glob(f"client-*.{merge_}.safetensors"))
     assert len(clients) == 3
@@ -268,20 +253,8 @@ def test_fedmerge_on_a_hugging_face_folder(tmp_path, finetune, merge_):
             "samples": 48,
         }
     }
-    import rayfuse.client as client_module
-
-    replies: list[Any] = []
-    original = client_module.Client.run
-
-    def recording(client: Any, step: Any, *args: Any, **kwargs: Any) -> Any:
-        reply = original(client, step, *args, **kwargs)
-        if step_name(step) == "fedmerge.fit":
-            replies.append(reply)
-        return reply
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(client_module.Client, "run", recording)
-        result = rayfuse.run(cfg, model=hf_model(folder), dataset=sequences(), backend="local")
+    result, calls = recorded_run(cfg, "fedmerge.fit", model=hf_model(folder), dataset=sequences())
+    replies = [reply for _, reply in calls]
     targets = [f"bert.encoder.layer.{i}.attention.self.{m}" for i in range(2) for m in ("query", "value")] + ["classifier"]
     expected = payload_keys(base, targets, finetune, merge_, 2)
     assert len(replies) == 3

@@ -13,13 +13,17 @@ from rayfuse.config import validate_config
 from rayfuse.errors import InputError
 from rayfuse.fusion.lora import combine_round, lora_targets
 from rayfuse.io import save_params
-from rayfuse.method import step_name
 from rayfuse.models import build_model, get_params
 from rayfuse.runner import prepare_run
 from tests.conftest import TINY, merge
+from tests.helpers import recorded_run
 
 SHAPE, CLASSES = (1, 8, 8), 10
 MODEL = {"name": "mlp", "hidden": [16]}
+
+
+def recorded_run_fit(cfg: dict[str, Any]) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
+    return recorded_run(cfg, "fedlora.fit")
 
 
 def config(tmp_path: Path, **params: Any) -> dict[str, Any]:
@@ -29,25 +33,6 @@ def config(tmp_path: Path, **params: Any) -> dict[str, Any]:
     return cfg
 
 
-def recorded_run(cfg: dict[str, Any]) -> tuple[Any, list[tuple[tuple[Any, ...], Any]]]:
-    """Run in-process, recording each ``fedlora.fit`` call's arguments and reply."""
-    import rayfuse.client as client_module
-
-    calls: list[tuple[tuple[Any, ...], Any]] = []
-    original = client_module.Client.run
-
-    def recording(client: Any, step: Any, *args: Any, **kwargs: Any) -> Any:
-        reply = original(client, step, *args, **kwargs)
-        if step_name(step) == "fedlora.fit":
-            calls.append((args, reply))
-        return reply
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(client_module.Client, "run", recording)
-        result = rayfuse.run(cfg, backend="local")
-    return result, calls
-
-
 def base_file(tmp_path: Path, seed: int = 3) -> tuple[Path, dict[str, np.ndarray]]:
     base = get_params(build_model(validate_config(merge(TINY, {"model": MODEL})).model, SHAPE, CLASSES, seed=seed))
     return save_params(tmp_path / "base.safetensors", base), base
@@ -55,7 +40,7 @@ def base_file(tmp_path: Path, seed: int = 3) -> tuple[Path, dict[str, np.ndarray
 
 @pytest.mark.parametrize("combine", ["ffa", "stack"])
 def test_a_clients_reply_holds_adapter_tensors_and_its_count_only(tmp_path, combine):
-    result, calls = recorded_run(config(tmp_path, combine=combine, rounds=1))
+    result, calls = recorded_run_fit(config(tmp_path, combine=combine, rounds=1))
     assert len(calls) == 3
     base_keys = set(result.models["fedlora"])
     for _, update in calls:
@@ -71,7 +56,7 @@ def test_a_clients_reply_holds_adapter_tensors_and_its_count_only(tmp_path, comb
 
 def test_ffa_combines_to_the_exact_average_of_the_updates(tmp_path):
     path, base = base_file(tmp_path)
-    result, calls = recorded_run(config(tmp_path, combine="ffa", rounds=1, base=str(path), alpha=4.0))
+    result, calls = recorded_run_fit(config(tmp_path, combine="ffa", rounds=1, base=str(path), alpha=4.0))
     counts = np.array([u.num_examples for _, u in calls], dtype=float)
     w = counts / counts.sum()
     fused = result.models["fedlora"]
