@@ -50,15 +50,27 @@ GiB = 2**30
 DIGITS = (64, 10)  # digits: 64 inputs, 10 classes
 
 
-def width_for(params: float) -> int:
-    """The hidden width ``h`` of an MLP 64 -> h -> h -> 10 with about ``params`` parameters."""
-    a, b = 1.0, 64 + 1 + 1 + 10 + 1.0  # h^2 + (64 + 1 + 1 + 10 + 1) h + 10
-    return max(1, int((-b + math.sqrt(b * b + 4 * a * max(params - 10, 1))) / (2 * a)))
-
-
-def mlp_params(h: int) -> int:
+def width_for(params: float, layers: int = 2) -> int:
+    """The hidden width ``h`` of an MLP 64 -> h (x ``layers``) -> 10 with about ``params`` parameters."""
     inputs, classes = DIGITS
-    return inputs * h + h + h * h + h + h * classes + classes
+    a, b, c = float(layers - 1), float(inputs + layers + classes + (layers - 1)), float(classes) - params
+    if a == 0:
+        return max(1, int(-c / b))
+    return max(1, int((-b + math.sqrt(b * b - 4 * a * min(c, -1.0))) / (2 * a)))
+
+
+def mlp_shapes(h: int, layers: int = 2) -> dict[str, tuple[int, ...]]:
+    """The ``state_dict`` shapes of the registry's ``mlp`` with ``layers`` hidden layers ``h`` wide, on digits."""
+    inputs, classes = DIGITS
+    widths = [inputs] + [h] * layers + [classes]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i, (n_in, n_out) in enumerate(zip(widths, widths[1:])):
+        shapes[f"layers.{i}.weight"], shapes[f"layers.{i}.bias"] = (n_out, n_in), (n_out,)
+    return shapes
+
+
+def mlp_params(h: int, layers: int = 2) -> int:
+    return sum(math.prod(shape) for shape in mlp_shapes(h, layers).values())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -231,13 +243,14 @@ def large_config(
     storage: Path,
     cpus: int,
     methods: tuple[str, ...] = ("average", "fedavg"),
+    layers: int = 2,
 ) -> dict[str, Any]:
-    h = width_for(params)
+    h = width_for(params, layers)
     return {
         "run": {"name": "large", "seed": 0, "storage": str(storage), "max_shard_size": int(shard_size)},
         "data": {"dataset": "digits"},
         "partition": {"num_clients": clients, "method": "iid"},
-        "model": {"name": "mlp", "hidden": [h, h]},
+        "model": {"name": "mlp", "hidden": [h] * layers},
         # one epoch of plain SGD: params + grads while training, no optimizer state; batch_size caps the steps
         "train": {"epochs": 1, "batch_size": batch_size, "optimizer": "sgd", "lr": 1e-3},
         "federation": {
@@ -297,6 +310,7 @@ def run_large(
     keep: bool = False,
     methods: tuple[str, ...] = ("average", "fedavg"),
     floor: int = 0,
+    layers: int = 2,
 ) -> dict[str, Any]:
     """Run, resume and fuse at one size; return the timings, the files' layout, the checks and each process's peaks.
 
@@ -321,13 +335,16 @@ def run_large(
         storage=storage,
         cpus=cpus,
         methods=methods,
+        layers=layers,
     )
     h = int(config["model"]["hidden"][0])
-    count = mlp_params(h)
+    count = mlp_params(h, layers)
     out: dict[str, Any] = {
         "params": count,
         "model_bytes": 4 * count,
         "hidden": h,
+        "layers": layers,
+        "largest_tensor_bytes": 4 * max(math.prod(shape) for shape in mlp_shapes(h, layers).values()),
         "clients": clients,
         "clients_per_actor": per_actor,
         "rounds": rounds,
@@ -362,7 +379,7 @@ def run_large(
         out["metrics"] = {label: {k: float(v) for k, v in row.items()} for label, row in result.metrics.to_dict(orient="index").items()}
         fedavg = load_params(files["fedavg"])
         out["fedavg_finite"] = bool(all(np.isfinite(v).all() for v in fedavg.values()))
-        out["fedavg_shapes_ok"] = fedavg["layers.1.weight"].shape == (h, h) if "layers.1.weight" in fedavg else None
+        out["fedavg_shapes_ok"] = {k: v.shape for k, v in fedavg.items()} == mlp_shapes(h, layers)
         del fedavg, result
 
         if "fedavg" in methods:
@@ -398,7 +415,9 @@ def run_large(
     return out
 
 
-def files_only(*, params: float, clients: int = 4, shard_size: int = 2 * GiB, storage: Path | None = None) -> dict[str, Any]:
+def files_only(
+    *, params: float, clients: int = 4, shard_size: int = 2 * GiB, storage: Path | None = None, layers: int = 2
+) -> dict[str, Any]:
     """The file side alone, at a size whose Ray round this machine cannot hold: ``clients`` models of the MLP's shapes
     (seeded normal values) written with ``save_params``, a round checkpoint written and read back
     (``Checkpointer``, what a resume reads), then ``rayfuse fuse`` (average) of the models. Peaks of this process per
@@ -410,18 +429,17 @@ def files_only(*, params: float, clients: int = 4, shard_size: int = 2 * GiB, st
 
     own = storage is None
     storage = Path(tempfile.mkdtemp(prefix="rayfuse-large-files-")) if storage is None else Path(storage)
-    h = width_for(params)
-    inputs, classes = DIGITS
-    shapes = {
-        "layers.0.weight": (h, inputs),
-        "layers.0.bias": (h,),
-        "layers.1.weight": (h, h),
-        "layers.1.bias": (h,),
-        "layers.2.weight": (classes, h),
-        "layers.2.bias": (classes,),
+    h = width_for(params, layers)
+    shapes = mlp_shapes(h, layers)
+    count = mlp_params(h, layers)
+    out: dict[str, Any] = {
+        "params": count,
+        "model_bytes": 4 * count,
+        "hidden": h,
+        "layers": layers,
+        "clients": clients,
+        "max_shard_size": shard_size,
     }
-    count = mlp_params(h)
-    out: dict[str, Any] = {"params": count, "model_bytes": 4 * count, "hidden": h, "clients": clients, "max_shard_size": shard_size}
     phases: dict[str, dict[str, Any]] = {}
 
     def phase(name: str, started: float, sampler: MemorySampler) -> None:
@@ -513,6 +531,13 @@ def report(out: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=float, default=625e6, help="model parameters (float32; default 625e6 = 2.5 GB)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=6,
+        help="hidden layers of the MLP (default 6: the largest tensor is a fifth of the model, so training, which steps "
+        "each tensor inside the backward pass at this size, holds about one tensor's gradient)",
+    )
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--clients-per-actor", type=int, default=4, help="clients hosted by one actor process (default 4)")
     parser.add_argument("--rounds", type=int, default=1, help="fedavg rounds")
@@ -530,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.params, args.shard_size = 12.5e6, float(16 * 2**20)
-    model = 4 * mlp_params(width_for(args.params))
+    model = 4 * mlp_params(width_for(args.params, args.layers), args.layers)
     store = int(args.object_store_gb * 1e9) if args.object_store_gb else max(int(2.2 * model), 10**9)
     load = os.getloadavg()
     print(f"model {model / 1e9:.2f} GB, object store {store / 1e9:.2f} GB, load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
@@ -540,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
             clients=args.clients,
             shard_size=int(args.shard_size),
             storage=Path(args.storage) if args.storage else None,
+            layers=args.layers,
         )
         out["load_before"], out["load_after"] = list(load), list(os.getloadavg())
         rows = [{"phase": k, **v} for k, v in out["phases"].items()] + [{"phase": "rayfuse fuse (subprocess)", **out["fuse"]["process"]}]
@@ -565,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         storage=Path(args.storage) if args.storage else None,
         methods=tuple(m for m in ("average", "fedavg") if m in args.methods.split(",")),
         floor=int(args.min_available_gb * GiB),
+        layers=args.layers,
     )
     out["load_before"] = list(load)
     out["load_after"] = list(os.getloadavg())

@@ -140,7 +140,7 @@ class ClientContext:
         import json
         import threading
 
-        from rayfuse.models import set_params
+        from rayfuse.models import restore_taken, set_params
 
         arch = json.dumps(self.model_cfg.model_dump(mode="json"), sort_keys=True)
         factory = id(getattr(self.model_cfg, "custom_factory", None))  # a notebook's class: its object, not only its name
@@ -153,9 +153,19 @@ class ClientContext:
             model = self.build_model(seed=0).to(self.device)
             _KEPT_MODELS[key] = model
         self._work_models[slot] = model
+        restore_taken(model)  # the last step gave its parameters' memory to its reply (take_params)
         for p in model.parameters():
             p.grad = None  # the last step's gradients: nothing of one step reaches the next
         return set_params(model, params)
+
+    def take_params(self, model: Any) -> dict[str, np.ndarray]:
+        """The parameters of ``model`` (this step's :meth:`work_model`, which the step is done with) for its reply,
+        without a copy where the model can give its memory away (on the CPU; :func:`rayfuse.models.take_params`): the
+        next :meth:`work_model` call gives the kept model new memory. On a GPU the parameters are copied to the CPU
+        and the model stays on the device."""
+        from rayfuse.models import take_params
+
+        return take_params(model)
 
     def device_split(self, name: str = "train") -> tuple[Any, Any]:
         """This client's ``train`` or ``val`` split as ``(X, y)`` tensors on :attr:`device`, copied there once and

@@ -51,7 +51,7 @@ from rayfuse.federation import Federation, Gathered, Update, step_name
 from rayfuse.fusion.pipeline import UpdatePipeline
 from rayfuse.method import MethodResult, MethodSpec, Rejected, resolve_methods, resolved_config
 from rayfuse.metrics import add_metric_sums, check_metric_sums, compute_metrics, majority_vote, metrics_event, metrics_from_sums
-from rayfuse.models import build_model, check_params, get_params, predict_proba, set_params
+from rayfuse.models import build_model, check_params, model_with_params, params_layout, predict_proba, take_params
 from rayfuse.rounds import RoundLoop
 from rayfuse.seeding import derive_seed, make_rng
 from rayfuse.store import (
@@ -147,7 +147,7 @@ class ServerModels:
 
     def initial_params(self) -> dict[str, np.ndarray]:
         """The shared seeded initialisation (the same as the clients' local models when ``train.shared_init``)."""
-        return get_params(self.build_model(seed=derive_seed(self._seed, "init")))
+        return take_params(self.build_model(seed=derive_seed(self._seed, "init")))  # the built model's own memory: no copy
 
 
 class ServerScoring:
@@ -171,7 +171,8 @@ class ServerScoring:
 
     def _predict(self, params: dict[str, np.ndarray], model_cfg: ModelConfig, X: np.ndarray | None = None) -> np.ndarray:
         """The class probabilities of ``params`` built into ``model_cfg`` on ``X`` (default: the server's test set)."""
-        model = set_params(build_model(model_cfg, self._data.input_shape, self._data.num_classes), params)
+        # params' own memory, no second copy of the model (of several GB, possibly) nor its random initialisation
+        model = model_with_params(lambda: build_model(model_cfg, self._data.input_shape, self._data.num_classes), params)
         return predict_proba(model, self._data.test.X if X is None else X, device=self._models.device)
 
     def evaluate_proba(self, proba: np.ndarray) -> dict[str, float]:
@@ -604,7 +605,8 @@ class Coordinator:
         for known, params in self._references:
             if known == model:
                 return params
-        params = get_params(build_model(model, self.plan.input_shape, self.plan.num_classes, seed=0))
+        # keys, shapes and dtypes only: arrays that hold no memory (a model of several GB is described for free)
+        params = params_layout(lambda: build_model(model, self.plan.input_shape, self.plan.num_classes, seed=0))
         self._references.append((model, params))
         return params
 

@@ -104,7 +104,9 @@ def decode_state(template: S, params: Mapping[str, np.ndarray], arrays: Mapping[
         name, mine = f.name, getattr(template, f.name)
         kind = kinds.get(name)
         if name == "params":
-            values[name] = {k: np.array(v) for k, v in params.items()}
+            # the checkpoint's arrays were just read into memory of their own: taken as they are (a model of several GB
+            # is not copied a second time); read-only ones (a memory map) are copied, the state is the method's to change
+            values[name] = {k: v if isinstance(v, np.ndarray) and v.flags.writeable else np.array(v) for k, v in params.items()}
         elif kind == "array":
             values[name] = np.array(arrays[name])
         elif kind == "float":

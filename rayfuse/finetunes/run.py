@@ -33,6 +33,7 @@ from rayfuse.finetunes.taskvec import (
     slerp_owned,
     task_vector_merge_stream,
 )
+from rayfuse.memory import return_freed_memory
 
 __all__ = ["run_finetune", "check_against_base", "all_finite"]
 
@@ -129,25 +130,6 @@ def _global(spec: FinetuneSpec, key: str, name: str, t: float) -> float | None:
         return None
     value = evaluate(name, spec.params[key], t)
     return None if value is None else float(value)
-
-
-def _return_freed_memory() -> None:
-    """Make glibc give every block of 1 MiB or more back to the system when it is freed.
-
-    By default glibc raises its mmap threshold each time a mapped block is freed (up to 32 MiB), after which blocks of
-    that size come from its heaps and stay resident when freed: a merge's temporaries (a tensor's masks, the next
-    smaller tensors) then pile up as resident memory that no tensor uses (measured: +0.75 of a tensor per model in
-    TIES's last pass). A fixed threshold (``mallopt(M_MMAP_THRESHOLD)``, which also stops the raising) maps each block
-    of 1 MiB or more on its own and unmaps it on free. Process-wide and harmless to the rest (only where a block lives
-    changes); skipped where the C library is not glibc."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(ctypes.c_int(-3), ctypes.c_int(1 << 20))  # M_MMAP_THRESHOLD (glibc's malloc.h)
-    except (OSError, AttributeError):
-        pass
 
 
 def all_finite(x: torch.Tensor) -> bool:
@@ -266,7 +248,7 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
         writer.write(name, out)
         return int(out.numel())
 
-    _return_freed_memory()
+    return_freed_memory()  # merges allocate and free tensor-sized temporaries: give them back
     costs = {name: cost(name) for name in names}
     # the merges in flight share a budget of (models + 2) x the largest tensor (or the largest tensor's own merge, where
     # that is more): small tensors go `threads` at a time, the largest alone where two would not fit

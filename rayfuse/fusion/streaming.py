@@ -26,6 +26,7 @@ from typing import Any, Literal
 import numpy as np
 from scipy.linalg.blas import get_blas_funcs
 
+from rayfuse.memory import LARGE_MODEL_BYTES, return_freed_memory
 from rayfuse.method import Update
 
 __all__ = ["NodeFold", "PartialSum", "RoundFold", "RunningSum", "nonfinite", "partial_problem", "update_problem", "SMALL_TENSOR"]
@@ -115,6 +116,8 @@ class RunningSum:
         self.total: Params = {}
         self.weight = 0.0
         self.unclipped = 0
+        if sum(np.asarray(v).nbytes for v in reference.values()) >= LARGE_MODEL_BYTES:
+            return_freed_memory()  # the folded replies and the round's temporaries, freed, leave the resident set
 
     def _acc_dtype(self, value: np.ndarray) -> np.dtype:
         if self.kind == "dp" or value.dtype.kind != "f" or value.size < SMALL_TENSOR:

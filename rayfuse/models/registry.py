@@ -388,6 +388,14 @@ def check_model_fits(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -
     """Build the model and run one dummy batch; return the parameter count. Raises :class:`InputError` if it cannot
     (a model too large for the memory is refused before it is built: :func:`check_model_size`)."""
     check_model_size(cfg, input_shape, num_classes)
+    try:  # on PyTorch's meta device first: shapes without memory or initialisation (a model of several GB is free)
+        with torch.device("meta"), torch.no_grad():
+            meta = build_model(cfg, input_shape, num_classes, seed=0).eval()
+            out = meta(torch.zeros((2, *input_shape)))
+        if tuple(out.shape) == (2, num_classes):
+            return sum(p.numel() for p in meta.parameters())
+    except Exception:  # noqa: BLE001 -- a model the meta device cannot run is checked for real below, with its own errors
+        pass
     model = build_model(cfg, input_shape, num_classes, seed=0)
     model.eval()
     try:

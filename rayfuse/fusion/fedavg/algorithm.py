@@ -76,7 +76,7 @@ def fit(
     """
     import time
 
-    from rayfuse.models import compute_loss, get_params, train_model
+    from rayfuse.models import compute_loss, train_model
 
     # the model and the training split stay on the client's device between rounds; only the parameters come back (CPU)
     model = ctx.work_model(global_params)
@@ -100,7 +100,7 @@ def fit(
         started = time.perf_counter()
         metrics["eval_loss"] = compute_loss(model, X, y, device=ctx.device)
         metrics["eval_seconds"] = time.perf_counter() - started
-    return Update(get_params(model), ctx.num_examples, metrics)
+    return Update(ctx.take_params(model), ctx.num_examples, metrics)  # the model's memory itself on the CPU: no second copy
 
 
 class FedAvgParams(MethodParams):
