@@ -247,7 +247,15 @@ def large_config(
 ) -> dict[str, Any]:
     h = width_for(params, layers)
     return {
-        "run": {"name": "large", "seed": 0, "storage": str(storage), "max_shard_size": int(shard_size)},
+        # run.model_cache: each client keeps its trained local model on its own storage, and one of at least 256 MiB
+        # only there (read back memory-mapped when a method asks), not in its actor's memory between methods
+        "run": {
+            "name": "large",
+            "seed": 0,
+            "storage": str(storage),
+            "max_shard_size": int(shard_size),
+            "model_cache": str(storage / "cache"),
+        },
         "data": {"dataset": "digits"},
         "partition": {"num_clients": clients, "method": "iid"},
         "model": {"name": "mlp", "hidden": [h] * layers},

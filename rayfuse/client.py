@@ -31,6 +31,7 @@ from rayfuse.data.roles import ClientPlan, Split, client_splits, load_dataset_fr
 from rayfuse.data.silos import SiloClientPlan, feature_moments, load_silo_splits, silo_schema
 from rayfuse.federation import ClientDied, Update, client_step, map_arrays, step_name
 from rayfuse.guard import RawDataGuard
+from rayfuse.memory import LARGE_MODEL_BYTES
 from rayfuse.seeding import derive_seed
 
 __all__ = [
@@ -101,6 +102,7 @@ class ClientContext:
         self.input_shape = plan.input_shape
         self.state: dict[str, Any] = {}
         self._local_model: Any = None
+        self._local_on_disk: str | None = None  # a large local model kept only in local_cache: its key (local_model)
         self.local_stats: dict[str, float] = {}
         self.local_cache = local_cache
         self.labels: tuple[str, ...] = ()  # data.silos: the silo's label values, in label order
@@ -182,7 +184,7 @@ class ClientContext:
 
     @property
     def has_local_model(self) -> bool:
-        return self._local_model is not None
+        return self._local_model is not None or self._local_on_disk is not None
 
     def local_model(self) -> Any:
         """The client's local model, trained on its train split the first time it is asked for.
@@ -194,6 +196,8 @@ class ClientContext:
         (concurrent trials train once): methods whose local models must not leave the client (FedSA's teachers) keep
         them on the client's side, with ``run.model_cache`` on storage the client owns.
         """
+        if self._local_model is None and self._local_on_disk is not None:
+            return self._read_local_model()
         if self._local_model is None:
             store = self.local_model_store()
             if store is None:
@@ -203,10 +207,49 @@ class ClientContext:
             with store.lock(key):
                 if not self.restore_local_model():
                     self._local_model = self._train_local_model()
-                    from rayfuse.models import get_params
-
-                    store.save(key, inputs, get_params(self._local_model), self.local_stats)
+                    store.save(key, inputs, _params_view(self._local_model), self.local_stats)
+                    if _model_bytes(self._local_model) >= LARGE_MODEL_BYTES:
+                        # a large model is kept on the client's own storage only, and read from it when asked for:
+                        # k hosted clients do not hold k models of several GB between the methods that use them
+                        model, self._local_model, self._local_on_disk = self._local_model, None, key
+                        return model
+            if self._local_model is None:  # restored onto the client's storage only (large)
+                return self._read_local_model()
         return self._local_model
+
+    def local_params(self) -> dict[str, np.ndarray]:
+        """The local model's parameters (what one-shot methods fuse): a copy of the model in memory, or, for a large
+        model kept on the client's own storage, read-only arrays over a memory map of its file (no copy)."""
+        from rayfuse.models import get_params
+
+        if self._local_model is None and self._local_on_disk is None:
+            model = self.local_model()  # trained (or restored) now
+            if self._local_on_disk is None:
+                return get_params(model)
+            del model
+        if self._local_model is None:
+            return self._kept_on_disk()[0]
+        return get_params(self._local_model)
+
+    def _kept_on_disk(self) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        store = self.local_model_store()
+        kept = None if store is None or self._local_on_disk is None else store.load(self._local_on_disk, mapped=True)
+        if kept is None:  # removed or damaged since (the store discards a damaged entry): trained again, deterministically
+            self._local_on_disk = None
+            self.local_model()
+            assert store is not None and self._local_on_disk is not None
+            kept = store.load(self._local_on_disk, mapped=True)
+            assert kept is not None
+        return kept
+
+    def _read_local_model(self) -> Any:
+        """A model holding the local model kept on the client's storage (a copy of its file in memory of its own, no
+        initialisation), on :attr:`device`; nothing of it is kept here after the caller is done with it."""
+        from rayfuse.models import model_with_params
+
+        params = {k: np.array(v) for k, v in self._kept_on_disk()[0].items()}  # writable: the caller may change it
+        model = model_with_params(lambda: self.build_model(seed=self.init_seed), params)
+        return model.to(self.device).eval()
 
     def local_model_store(self) -> Any:
         """Where this client keeps its trained local model (a :class:`rayfuse.store.LocalModelStore`); ``None`` without
@@ -232,17 +275,20 @@ class ClientContext:
     def restore_local_model(self) -> bool:
         """Install the local model this client kept (``local_cache``) without training; ``False`` when it keeps none.
         A model already in memory counts as restored."""
-        if self._local_model is not None:
+        if self._local_model is not None or self._local_on_disk is not None:
             return True
         store = self.local_model_store()
-        kept = None if store is None else store.load(self.local_model_key()[0])
+        kept = None if store is None else store.load(self.local_model_key()[0], mapped=True)
         if kept is None:
             return False
         from rayfuse.models import set_params
 
         params, stats = kept
-        self._local_model = set_params(self.build_model(seed=self.init_seed), params)
         self.local_stats = {**stats, "cached": 1.0}
+        if sum(np.asarray(v).nbytes for v in params.values()) >= LARGE_MODEL_BYTES:
+            self._local_on_disk = self.local_model_key()[0]  # large: read from the client's storage when asked for
+            return True
+        self._local_model = set_params(self.build_model(seed=self.init_seed), params)
         return True
 
     def _train_local_model(self) -> Any:
@@ -291,6 +337,7 @@ class ClientContext:
 
     def set_local_model(self, model: Any) -> None:
         self._local_model = model
+        self._local_on_disk = None
 
     def state_store(self, kind: str, store: str) -> ClientStateStore:
         """This client's private state of one method run on storage it owns (see :class:`ClientStateStore`)."""
@@ -511,6 +558,16 @@ class Client:
         return {"client": self.client_id, "pid": os.getpid(), "device": self.ctx.device, "restarted": self.restarted}
 
 
+def _model_bytes(model: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def _params_view(model: Any) -> dict[str, np.ndarray]:
+    """The model's ``state_dict`` as numpy arrays over its own memory where it is on the CPU (copied from a GPU): to
+    write it out, not to keep (the model changes them if it trains again)."""
+    return {k: t.detach().cpu().numpy() for k, t in model.state_dict().items()}
+
+
 def _poison(obj: Any) -> Any:
     """Replace every float array in ``obj`` by NaNs (fault mode ``nan``)."""
     return map_arrays(obj, lambda a: np.full_like(a, np.nan) if a.dtype.kind == "f" else a)
@@ -541,12 +598,10 @@ def get_local_update(ctx: ClientContext, train: bool = True) -> Update | None:
     """The local model's parameters (what one-shot fusion methods fuse). With ``train=False``, ``None`` when the
     client holds no trained model (a restarted process) and keeps no copy of its own (``run.model_cache``): the
     coordinator then gives it back the run folder's copy instead of having it train again."""
-    from rayfuse.models import get_params
-
     if not train and not ctx.restore_local_model():
         return None
-    model = ctx.local_model()
-    return Update(get_params(model), ctx.num_examples, dict(ctx.local_stats))
+    params = ctx.local_params()  # trained here if it was not yet (its statistics with it)
+    return Update(params, ctx.num_examples, dict(ctx.local_stats))
 
 
 @client_step("set_local_params")

@@ -45,7 +45,16 @@ import numpy as np
 from rayfuse.cas import CacheEntry, ContentCache, content_key, discard_entry
 from rayfuse.data.identity import content_data, sha256_file
 from rayfuse.errors import InputError
-from rayfuse.io import atomic_write_json, load_params, params_exist, params_sha256, read_params_metadata, remove_params, save_params
+from rayfuse.io import (
+    atomic_write_json,
+    load_params,
+    params_exist,
+    params_sha256,
+    read_checkpoint,
+    read_params_metadata,
+    remove_params,
+    save_params,
+)
 
 if TYPE_CHECKING:
     pass
@@ -556,8 +565,10 @@ class LocalModelStore:
     def entry(self, key: str, inputs: Mapping[str, Any] | None = None) -> CacheEntry:
         return CacheEntry(self.cache.root, key, dict(inputs or {}))
 
-    def load(self, key: str) -> tuple[dict[str, np.ndarray], dict[str, float]] | None:
-        """The kept parameters and training statistics of ``key``; ``None`` when nothing is kept."""
+    def load(self, key: str, *, mapped: bool = False) -> tuple[dict[str, np.ndarray], dict[str, float]] | None:
+        """The kept parameters and training statistics of ``key``; ``None`` when nothing is kept. ``mapped``: the
+        parameters as read-only arrays over a memory map of the file (no copy in the process's own memory: a model of
+        several GB is read as it is used, its pages the page cache's)."""
         entry = self.entry(key)
         if not entry.exists:
             return None
@@ -566,7 +577,9 @@ class LocalModelStore:
             if record.is_file() and json.loads(record.read_text()).get("sha256") != params_sha256(entry.folder / "params.safetensors"):
                 raise ValueError("SHA-256 differs from the recorded one")
             stats = json.loads((entry.folder / "stats.json").read_text())
-            return load_params(entry.folder / "params.safetensors"), {k: float(v) for k, v in stats.items()}
+            file = entry.folder / "params.safetensors"
+            params = read_checkpoint(file, mapped=True)[0] if mapped else load_params(file)
+            return params, {k: float(v) for k, v in stats.items()}
         except (InputError, OSError, ValueError, TypeError, AttributeError):
             discard_entry(entry.folder)  # damaged: the client trains the (deterministic) model again and republishes
             return None
