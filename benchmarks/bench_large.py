@@ -1,11 +1,11 @@
 """A round of a model of several GB on this machine's local Ray, and the peak memory of every process it uses.
 
-One run of ``rayfuse.run`` on Ray: an MLP on digits whose two hidden layers are ``h`` wide (``h * h`` weights between
-them, so ``--params`` sets the model's size from its config: 625 M float32 parameters = 2.5 GB), ``--clients``
-clients through ``average`` (local models trained once, averaged) and ``fedavg`` (``--rounds`` rounds), with round
-checkpoints, then a resume from the fedavg checkpoint (its finished state removed, so the method reloads its last
-round checkpoint and writes its model again), then ``rayfuse fuse`` (``average``) of the clients' local models the
-run checkpointed. Model files above ``--shard-size`` are written as shards (``run.max_shard_size``).
+One run of ``rayfuse.run`` on Ray: an MLP on digits of ``--layers`` hidden layers ``h`` wide (so ``--params`` sets
+the model's size from its config: 625 M float32 parameters = 2.5 GB), ``--clients`` clients through ``average`` (local
+models trained once, kept on the clients' own storage with ``run.model_cache``, averaged) and ``fedavg`` (``--rounds``
+rounds), with round checkpoints, then a resume from the fedavg checkpoint (its finished state removed, so the method
+reloads its last round checkpoint and writes its model again), then ``rayfuse fuse`` (``average``) of the clients'
+local models the run checkpointed. Model files above ``--shard-size`` are written as shards (``run.max_shard_size``).
 
 Local training is capped by the config: one epoch of SGD (no momentum: no optimizer state) with batches of
 ``--batch-size`` (on digits' ~360 samples per client of 4, one step per round at the default 512).
