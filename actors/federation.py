@@ -6,6 +6,9 @@
   client in the default one-client-per-actor layout) and keeps the ``ObjectRef`` s; ``gather`` waits with
   ``ray.wait`` and a deadline, then resolves the results in the coordinator: parameters never pass through the
   driver.
+* ``stream`` hands out, per wake-up, every actor call already finished whose results fit ``fetch_bytes`` together
+  (fetched with one ``ray.get``; a result above it alone), releasing each reply as it is handed out: the coordinator
+  holds at most ``fetch_bytes`` of replies, or one reply larger than that, at a time.
 * Failures are classified per client: a step that raised -> ``error`` (reported by the actor for that client only);
   ``RayActorError`` -> ``died`` for every client of the actor (Ray restarts it when it has restarts left); the policy
   in :class:`rayfuse.federation.Federation` decides.
@@ -25,15 +28,22 @@ from typing import Any, TypeVar
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
+from ray.experimental import get_local_object_locations
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.aggregator import NodeAggregator, aggregator_name
 from actors.client import RefArg
 from rayfuse.federation import Call, ClientError, ClientFailed, EventLog, FailurePolicy, Federation, map_arrays
 
-__all__ = ["RayFederation"]
+__all__ = ["FETCH_BYTES", "RayFederation"]
 
 T = TypeVar("T")
+
+#: A streamed round fetches the finished replies together while they add up to at most this many bytes (their sizes
+#: as Ray records them); a larger reply comes alone. 64 MiB: a model of 32 MB or more is still fetched one reply at a
+#: time (the memory bound of streaming is unchanged for the models it matters for), while a round of many small
+#: replies (100 x 400 KB) costs one ``ray.get`` per wake-up instead of one per reply.
+FETCH_BYTES = 64 * 2**20
 
 
 def count_nbytes(obj: Any) -> int:
@@ -98,6 +108,9 @@ class RayFederation(Federation):
     run, namespace : str
         The run's name and Ray namespace: the node aggregators (``federation.aggregation: per_node``) are named
         ``<run>/aggregator-<node>`` in it.
+    fetch_bytes : int
+        :meth:`stream`'s budget: the finished replies fetched at one wake-up add up to at most this many bytes (one
+        reply larger than it comes alone); 0: one actor call's results per wake-up.
     """
 
     def __init__(
@@ -110,8 +123,10 @@ class RayFederation(Federation):
         restart_timeout_s: float = 300.0,
         run: str = "rayfuse",
         namespace: str | None = None,
+        fetch_bytes: int = FETCH_BYTES,
     ) -> None:
         super().__init__(policy, events)
+        self.fetch_bytes = int(fetch_bytes)
         self._clients = dict(clients)
         # Any: ray.remote's typed wrapper (its private RemoteFunction1) cannot carry _apply_chunk's type variable
         self._task: Any = ray.remote(num_cpus=task_cpus)(_apply_chunk)
@@ -251,17 +266,43 @@ class RayFederation(Federation):
     def _wait(self, handles: list[_Slot], timeout: float | None, *, one: bool = False) -> list[_Slot]:
         refs = list(dict.fromkeys(slot.ref for slot in handles))
         ready, rest = ray.wait(refs, num_returns=1, timeout=timeout)
-        if ready and rest and not one:  # collect everything else that is already done, without waiting
+        if ready and rest and (not one or self.fetch_bytes > 0):  # everything else already done, without waiting
             more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
             ready += more
+        if one:  # streaming: the finished actor calls whose results fit the fetch budget (at least one)
+            ready = self._within_budget(ready)
         # One ray.get for every ready actor call (one round trip, not one per client); if any failed, _result fetches
-        # each again and classifies the failure. ``one`` (streaming): one actor call's results at a time.
+        # each again and classifies the failure.
         try:
             self._fetched = dict(zip(ready, ray.get(ready)))
         except Exception:
             self._fetched = {}
         done = set(ready)
         return [slot for slot in handles if slot.ref in done]
+
+    def _finished(self, handles: list[_Slot]) -> list[_Slot]:
+        refs = list(dict.fromkeys(slot.ref for slot in handles))
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        arrived = set(done)
+        return [slot for slot in handles if slot.ref in arrived]
+
+    def _within_budget(self, ready: list[ray.ObjectRef]) -> list[ray.ObjectRef]:
+        """The first of ``ready`` and, after it, each other whose result still fits ``fetch_bytes`` with those taken
+        (sizes as this process's core worker records them for the calls it submitted: no round trip); a result of
+        unknown size waits for a later wake-up. The others stay pending and are taken at the next wake-up, at once."""
+        if len(ready) < 2 or self.fetch_bytes <= 0:
+            return ready[:1]
+        sizes = {ref: (entry or {}).get("object_size") for ref, entry in get_local_object_locations(ready).items()}
+        first = sizes.get(ready[0])
+        if first is None or first > self.fetch_bytes:
+            return ready[:1]  # a large reply alone: never more than one of them in hand
+        taken, total = [ready[0]], first
+        for ref in ready[1:]:
+            size = sizes.get(ref)
+            if size is not None and total + size <= self.fetch_bytes:
+                taken.append(ref)
+                total += size
+        return taken
 
     def _result(self, handle: _Slot) -> Any:
         if handle.origin is not None and handle.ref.hex() in self._dead_folds:

@@ -12,9 +12,10 @@ one broadcast (``federation.put``), every client returns a *copy* of the broadca
 trained update would be), and the update pipeline aggregates them with FedAvg's default aggregator (the weighted mean)
 in the cell's mode:
 
-* ``flat`` (streaming, the default): the coordinator folds each reply into a running sum as it arrives (``ray.wait``
-  one actor call at a time), after validating it (keys, shapes, dtypes, finite values, sample counts against the
-  partition plan, metrics), and drops it;
+* ``flat`` (streaming, the default): the coordinator folds each reply into a running sum as it arrives (at each
+  wake-up, every finished actor call whose replies fit the federation's fetch budget, one ``ray.get``; ``--fetch-bytes
+  0`` adds flat cells that take one actor call per wake-up, the stream before batching), after validating it (keys,
+  shapes, dtypes, finite values, sample counts against the partition plan, metrics), and drops it;
 * ``per_actor`` (streaming, ``clients_per_actor > 1``): each actor validates and sums its clients' copies and sends one
   partial sum;
 * ``gathered`` (``federation.streaming: false``): every reply is gathered first, then validated and averaged.
@@ -51,6 +52,7 @@ Writes ``benchmarks/results/bench_round.json``. Ray workers import ``_steps`` (t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 import time
@@ -85,6 +87,7 @@ class Cell:
     target: bool = False
     per_actor: int = 1  # federation.clients_per_actor: 1 is one actor per client (deployment), more is the simulation mode
     mode: str = "flat"  # flat, per_actor (streaming; clients_per_actor > 1) or gathered (federation.streaming: false)
+    fetch_bytes: int | None = None  # the coordinator federation's stream fetch budget (None: its default)
 
     @property
     def param_bytes(self) -> int:
@@ -102,7 +105,8 @@ class Cell:
     def label(self) -> str:
         mb = self.param_bytes / 1e6
         size = f"{self.clients} x {mb:g} MB" if mb >= 1 else f"{self.clients} x {self.param_bytes / 1e3:g} KB"
-        return (size if self.per_actor == 1 else f"{size} ({self.per_actor}/actor)") + f" {self.mode}"
+        fetch = "" if self.fetch_bytes is None else f" (fetch {self.fetch_bytes} B)"
+        return (size if self.per_actor == 1 else f"{size} ({self.per_actor}/actor)") + f" {self.mode}{fetch}"
 
 
 def cell_modes(per_actor: int, modes: tuple[str, ...] = MODES) -> list[str]:
@@ -149,8 +153,12 @@ class RoundCoordinator(CoordinatorActor):
         self.server = MethodServer(self.coordinator, self.coordinator.specs[0], resume=False)  # the config's fedavg
         self.start: dict[str, np.ndarray] | None = None  # the global model of round 1 (run_rounds)
 
-    def run_rounds(self, num_params: int, rounds: int, mode: str = "flat", seed: int = 0) -> dict[str, Any]:
-        """Run ``rounds`` FedAvg rounds in ``mode`` (flat, per_actor or gathered); return their timings."""
+    def run_rounds(self, num_params: int, rounds: int, mode: str = "flat", seed: int = 0, fetch_bytes: int | None = None) -> dict[str, Any]:
+        """Run ``rounds`` FedAvg rounds in ``mode`` (flat, per_actor or gathered) with the stream's fetch budget
+        ``fetch_bytes`` (``None``: the federation's default); return their timings."""
+        from actors.federation import FETCH_BYTES
+
+        self.federation.fetch_bytes = FETCH_BYTES if fetch_bytes is None else fetch_bytes
         server = self.server
         pipeline = server.updates
         pipeline.streaming = mode != "gathered"  # federation.streaming
@@ -397,6 +405,7 @@ def summarize(
         "clients": cell.clients,
         "clients_per_actor": cell.per_actor,
         "mode": cell.mode,
+        "fetch_bytes": cell.fetch_bytes,
         "actors": cell.actors,
         "param_bytes": cell.param_bytes,
         "target": cell.target,
@@ -481,10 +490,10 @@ def run_cells_on_ray(
                 n = timed_rounds(cell, rounds)
                 load = wait_for_quiet(max_load, quiet_timeout_s)
                 before = link.bytes_received
-                link.get(coordinator.run_rounds.remote(cell.num_params, warmup, cell.mode))  # warm-up, untimed
+                link.get(coordinator.run_rounds.remote(cell.num_params, warmup, cell.mode, 0, cell.fetch_bytes))  # warm-up, untimed
                 rest = reset_peaks(pids)  # the peaks of the timed rounds alone
                 with AnonSampler(pids) as private:
-                    result = link.get(coordinator.run_rounds.remote(cell.num_params, n, cell.mode))
+                    result = link.get(coordinator.run_rounds.remote(cell.num_params, n, cell.mode, 0, cell.fetch_bytes))
                 peaks = read_peaks(pids, rest)
                 for name in peaks:
                     peaks[name].update(anon_peak_bytes=private.peak.get(name, 0), anon_rest_bytes=private.rest.get(name, 0))
@@ -583,6 +592,13 @@ def main() -> None:
         default=None,
         help="--streaming: streamed rounds only; --no-streaming: gathered rounds only; default: both",
     )
+    parser.add_argument(
+        "--fetch-bytes",
+        type=int,
+        nargs="+",
+        default=[],
+        help="also run each flat cell with these stream fetch budgets (0: one actor call per wake-up, the stream before batching)",
+    )
     parser.add_argument("--clients", type=int, nargs="+", default=[10, 50, 100])
     parser.add_argument("--sizes", nargs="+", default=["100KB", "10MB", "100MB"], choices=sorted(SIZES))
     parser.add_argument("--clients-per-actor", type=int, nargs="+", default=[1], help="federation.clients_per_actor values for the grid")
@@ -609,6 +625,13 @@ def main() -> None:
                 if (c.clients, c.num_params, c.per_actor)
                 in {(n, SIZES[z], k) for n in args.clients for z in args.sizes for k in args.clients_per_actor}
             ]
+    if args.fetch_bytes:  # the same flat cells again with each fetch budget, on the same actors, in the same run
+        cells += [
+            dataclasses.replace(c, fetch_bytes=b) for b in args.fetch_bytes for c in cells if c.mode == "flat" and c.fetch_bytes is None
+        ]
+        cells.sort(
+            key=lambda c: (c.clients, c.per_actor, c.num_params, MODES.index(c.mode), -1 if c.fetch_bytes is None else c.fetch_bytes)
+        )
     store_bytes = int(args.object_store_gib * 2**30) if args.object_store_gib else default_store_bytes()
     info = machine_info()
     print(

@@ -250,8 +250,14 @@ class Federation(ABC):
 
     @abstractmethod
     def _wait(self, handles: list[Any], timeout: float | None, *, one: bool = False) -> list[Any]:
-        """Return the handles among ``handles`` that are done (waiting at most ``timeout`` seconds for one); ``one``:
-        at most one process's replies (streaming: the coordinator holds one reply at a time)."""
+        """Return the handles among ``handles`` that are done (waiting at most ``timeout`` seconds for one); ``one``
+        (streaming): a bounded batch of them, at least one (the coordinator holds a bounded number of replies at a
+        time: one process's replies in-process; on Ray, those that fit its fetch budget)."""
+
+    def _finished(self, handles: list[Any]) -> list[Any]:
+        """Those of ``handles`` whose reply is in, without waiting or fetching it (a deadline passed while the reply
+        waited in a batch is not a timeout). In-process every submitted call has run."""
+        return list(handles)
 
     @abstractmethod
     def _result(self, handle: Any) -> Any:
@@ -342,7 +348,9 @@ class Federation(ABC):
             deadlines = [c.deadline for c in pending.values() if c.deadline is not None]
             timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
             ready = self._wait(list(pending), timeout, one=one_at_a_time)
-            for handle in ready:
+            ready.reverse()
+            while ready:  # each handle dropped as its reply is handed out (a batch pins none of the replies it passed)
+                handle = ready.pop()
                 call = pending.pop(handle)
                 call.handle = None  # the reply is the consumer's alone from here
                 try:
@@ -359,8 +367,11 @@ class Federation(ABC):
                     yield call.client, value
                 del value
             now = time.monotonic()
-            for handle, call in list(pending.items()):
-                if call.deadline is not None and now >= call.deadline:
+            expired = [handle for handle, call in pending.items() if call.deadline is not None and now >= call.deadline]
+            arrived = set(self._finished(expired)) if expired else set()
+            for handle in expired:
+                call = pending[handle]
+                if handle not in arrived:  # a reply that is in (not yet handed out) is taken at the next wake-up
                     del pending[handle]
                     call.handle = None
                     self._on_timeout(handle)
