@@ -8,7 +8,9 @@
   driver.
 * ``stream`` hands out, per wake-up, every actor call already finished whose results fit ``fetch_bytes`` together
   (fetched with one ``ray.get``; a result above it alone), releasing each reply as it is handed out: the coordinator
-  holds at most ``fetch_bytes`` of replies, or one reply larger than that, at a time.
+  holds at most ``fetch_bytes`` of replies, or one reply larger than that, at a time. It wakes up when as many calls
+  have finished as fit the budget at the size of the last reply it fetched (one for replies of 64 MiB or more, every
+  pending call for 100 replies of 400 KB), so small replies cost one ``ray.wait`` per batch, not one per reply.
 * Failures are classified per client: a step that raised -> ``error`` (reported by the actor for that client only);
   ``RayActorError`` -> ``died`` for every client of the actor (Ray restarts it when it has restarts left); the policy
   in :class:`rayfuse.federation.Federation` decides.
@@ -127,6 +129,7 @@ class RayFederation(Federation):
     ) -> None:
         super().__init__(policy, events)
         self.fetch_bytes = int(fetch_bytes)
+        self._reply_bytes = 0  # the size of the last reply stream fetched: how many replies one wake-up waits for
         self._clients = dict(clients)
         # Any: ray.remote's typed wrapper (its private RemoteFunction1) cannot carry _apply_chunk's type variable
         self._task: Any = ray.remote(num_cpus=task_cpus)(_apply_chunk)
@@ -265,7 +268,12 @@ class RayFederation(Federation):
 
     def _wait(self, handles: list[_Slot], timeout: float | None, *, one: bool = False) -> list[_Slot]:
         refs = list(dict.fromkeys(slot.ref for slot in handles))
-        ready, rest = ray.wait(refs, num_returns=1, timeout=timeout)
+        want = 1
+        if one and self.fetch_bytes > 0 and self._reply_bytes > 0:
+            # as many finished calls as one fetch can take at the last reply's size: waiting on 100 references once
+            # instead of 100 times (the deadline still ends the wait; what is fetched is still capped by the budget)
+            want = max(1, min(len(refs), self.fetch_bytes // self._reply_bytes))
+        ready, rest = ray.wait(refs, num_returns=want, timeout=timeout)
         if ready and rest and (not one or self.fetch_bytes > 0):  # everything else already done, without waiting
             more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
             ready += more
@@ -290,10 +298,11 @@ class RayFederation(Federation):
         """The first of ``ready`` and, after it, each other whose result still fits ``fetch_bytes`` with those taken
         (sizes as this process's core worker records them for the calls it submitted: no round trip); a result of
         unknown size waits for a later wake-up. The others stay pending and are taken at the next wake-up, at once."""
-        if len(ready) < 2 or self.fetch_bytes <= 0:
+        if self.fetch_bytes <= 0:
             return ready[:1]
         sizes = {ref: (entry or {}).get("object_size") for ref, entry in get_local_object_locations(ready).items()}
         first = sizes.get(ready[0])
+        self._reply_bytes = int(first or 0)
         if first is None or first > self.fetch_bytes:
             return ready[:1]  # a large reply alone: never more than one of them in hand
         taken, total = [ready[0]], first
