@@ -73,6 +73,13 @@ def mlp_params(h: int, layers: int = 2) -> int:
     return sum(math.prod(shape) for shape in mlp_shapes(h, layers).values())
 
 
+def model_fields(h: int, layers: int) -> dict[str, int]:
+    """The model's size as the results report it: parameters, bytes (float32), width, depth, largest tensor."""
+    count = mlp_params(h, layers)
+    largest = 4 * max(math.prod(shape) for shape in mlp_shapes(h, layers).values())
+    return {"params": count, "model_bytes": 4 * count, "hidden": h, "layers": layers, "largest_tensor_bytes": largest}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Per-process peak memory
 
@@ -346,13 +353,8 @@ def run_large(
         layers=layers,
     )
     h = int(config["model"]["hidden"][0])
-    count = mlp_params(h, layers)
     out: dict[str, Any] = {
-        "params": count,
-        "model_bytes": 4 * count,
-        "hidden": h,
-        "layers": layers,
-        "largest_tensor_bytes": 4 * max(math.prod(shape) for shape in mlp_shapes(h, layers).values()),
+        **model_fields(h, layers),
         "clients": clients,
         "clients_per_actor": per_actor,
         "rounds": rounds,
@@ -439,15 +441,7 @@ def files_only(
     storage = Path(tempfile.mkdtemp(prefix="rayfuse-large-files-")) if storage is None else Path(storage)
     h = width_for(params, layers)
     shapes = mlp_shapes(h, layers)
-    count = mlp_params(h, layers)
-    out: dict[str, Any] = {
-        "params": count,
-        "model_bytes": 4 * count,
-        "hidden": h,
-        "layers": layers,
-        "clients": clients,
-        "max_shard_size": shard_size,
-    }
+    out: dict[str, Any] = {**model_fields(h, layers), "clients": clients, "max_shard_size": shard_size}
     phases: dict[str, dict[str, Any]] = {}
 
     def phase(name: str, started: float, sampler: MemorySampler) -> None:

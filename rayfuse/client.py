@@ -246,9 +246,10 @@ class ClientContext:
         """A model holding the local model kept on the client's storage (a copy of its file in memory of its own, no
         initialisation), on :attr:`device`; nothing of it is kept here after the caller is done with it."""
         from rayfuse.models import model_with_params
+        from rayfuse.models.registry import builds_on_meta
 
         params = {k: np.array(v) for k, v in self._kept_on_disk()[0].items()}  # writable: the caller may change it
-        model = model_with_params(lambda: self.build_model(seed=self.init_seed), params)
+        model = model_with_params(lambda: self.build_model(seed=self.init_seed), params, meta=builds_on_meta(self.model_cfg))
         return model.to(self.device).eval()
 
     def local_model_store(self) -> Any:

@@ -52,6 +52,7 @@ from rayfuse.fusion.pipeline import UpdatePipeline
 from rayfuse.method import MethodResult, MethodSpec, Rejected, resolve_methods, resolved_config
 from rayfuse.metrics import add_metric_sums, check_metric_sums, compute_metrics, majority_vote, metrics_event, metrics_from_sums
 from rayfuse.models import build_model, check_params, model_with_params, params_layout, predict_proba, take_params
+from rayfuse.models.registry import builds_on_meta
 from rayfuse.rounds import RoundLoop
 from rayfuse.seeding import derive_seed, make_rng
 from rayfuse.store import (
@@ -172,7 +173,9 @@ class ServerScoring:
     def _predict(self, params: dict[str, np.ndarray], model_cfg: ModelConfig, X: np.ndarray | None = None) -> np.ndarray:
         """The class probabilities of ``params`` built into ``model_cfg`` on ``X`` (default: the server's test set)."""
         # params' own memory, no second copy of the model (of several GB, possibly) nor its random initialisation
-        model = model_with_params(lambda: build_model(model_cfg, self._data.input_shape, self._data.num_classes), params)
+        model = model_with_params(
+            lambda: build_model(model_cfg, self._data.input_shape, self._data.num_classes), params, meta=builds_on_meta(model_cfg)
+        )
         return predict_proba(model, self._data.test.X if X is None else X, device=self._models.device)
 
     def evaluate_proba(self, proba: np.ndarray) -> dict[str, float]:
@@ -606,7 +609,7 @@ class Coordinator:
             if known == model:
                 return params
         # keys, shapes and dtypes only: arrays that hold no memory (a model of several GB is described for free)
-        params = params_layout(lambda: build_model(model, self.plan.input_shape, self.plan.num_classes, seed=0))
+        params = params_layout(lambda: build_model(model, self.plan.input_shape, self.plan.num_classes, seed=0), meta=builds_on_meta(model))
         self._references.append((model, params))
         return params
 

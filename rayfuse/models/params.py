@@ -87,7 +87,7 @@ def set_params(model: nn.Module, params: Mapping[str, np.ndarray]) -> nn.Module:
     return model
 
 
-def model_with_params(build: Callable[[], nn.Module], params: Mapping[str, np.ndarray]) -> nn.Module:
+def model_with_params(build: Callable[[], nn.Module], params: Mapping[str, np.ndarray], *, meta: bool = True) -> nn.Module:
     """The model ``build()`` makes, holding ``params`` *in their own memory*, to predict with: built on PyTorch's meta
     device (no memory, no initialisation) and given tensors over ``params``' arrays (``load_state_dict(assign=True)``),
     so evaluating a model of several GB costs no second copy of it nor the time to initialise one. Keys, shapes and
@@ -96,8 +96,11 @@ def model_with_params(build: Callable[[], nn.Module], params: Mapping[str, np.nd
     outside its ``state_dict``) is built for real and loaded by copy (:func:`set_params`) instead.
 
     The model's tensors are ``params``' memory, which may be read-only (Ray's object store): predict with it, never
-    train it."""
+    train it. ``meta=False`` (a model whose building code rayfuse does not own:
+    :func:`rayfuse.models.registry.builds_on_meta`) builds it for real and copies."""
     try:
+        if not meta:
+            raise LookupError("built for real")
         with torch.device("meta"):
             model = build()
     except Exception:  # noqa: BLE001 -- any failure here only means "build it for real" below, which raises its own errors
@@ -116,12 +119,15 @@ def model_with_params(build: Callable[[], nn.Module], params: Mapping[str, np.nd
     return set_params(build(), params)
 
 
-def params_layout(build: Callable[[], nn.Module]) -> Params:
+def params_layout(build: Callable[[], nn.Module], *, meta: bool = True) -> Params:
     """The keys, shapes and dtypes of the model ``build()`` makes, as arrays that hold no memory (read-only zeros
     broadcast to each shape: ``nbytes`` is still the tensor's size): what :func:`check_params` compares a reply or a
     fused model against. Built on PyTorch's meta device, so a model of several GB costs nothing to describe; a model
-    that cannot be built there, or has a dtype numpy lacks, is built for real and described from that."""
+    that cannot be built there, or has a dtype numpy lacks, is built for real and described from that, as is every
+    model with ``meta=False`` (:func:`rayfuse.models.registry.builds_on_meta`)."""
     try:
+        if not meta:
+            raise LookupError("built for real")
         with torch.device("meta"):
             state = build().state_dict()
         dtypes = {k: torch.empty((), dtype=t.dtype).numpy().dtype for k, t in state.items()}

@@ -318,6 +318,23 @@ def build_model(cfg: Any, input_shape: tuple[int, ...], num_classes: int, *, see
         return builder(cfg, tuple(input_shape), num_classes)
 
 
+def builds_on_meta(cfg: Any) -> bool:
+    """Whether the model ``cfg`` describes may be built on PyTorch's meta device (to describe it, check it or fill it
+    with given parameters, without memory or initialisation): only where rayfuse owns the code that builds it (its
+    registry's own builders, torchvision's). A user's factory (``name: custom``) or registered builder, and a Hugging
+    Face folder, may keep state across builds -- a tensor cached on the meta device by one build would break every
+    later real one -- so they are always built for real."""
+    if getattr(cfg, "custom_factory", None) is not None or cfg.name == "custom" or cfg.name.startswith("hf:"):
+        return False
+    if cfg.name.startswith("torchvision:"):
+        return True
+    try:
+        info = MODELS.get(cfg.name, path="model.name")
+    except InputError:
+        return False
+    return str(getattr(info.builder, "__module__", "")).startswith("rayfuse.")
+
+
 def count_parameters_unbuilt(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -> int | None:
     """The parameter count of the model ``cfg`` describes, built on torch's ``meta`` device (shapes only, no memory,
     no random numbers drawn). ``None`` for a model given from Python (``name: custom``: its factory is the user's
@@ -388,7 +405,9 @@ def check_model_fits(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -
     """Build the model and run one dummy batch; return the parameter count. Raises :class:`InputError` if it cannot
     (a model too large for the memory is refused before it is built: :func:`check_model_size`)."""
     check_model_size(cfg, input_shape, num_classes)
-    try:  # on PyTorch's meta device first: shapes without memory or initialisation (a model of several GB is free)
+    try:  # on PyTorch's meta device first, where rayfuse builds it: shapes without memory or initialisation (a model of several GB is free)
+        if not builds_on_meta(cfg):
+            raise LookupError("built for real")
         with torch.device("meta"), torch.no_grad():
             meta = build_model(cfg, input_shape, num_classes, seed=0).eval()
             out = meta(torch.zeros((2, *input_shape)))

@@ -6,6 +6,7 @@ path it replaces, on small models (forced where a size decides)."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -194,3 +195,26 @@ def test_the_pre_flight_check_counts_the_same_parameters_on_the_meta_device():
     ]:
         count = check_model_fits(cfg, shape, 10)
         assert count == sum(p.numel() for p in build_model(cfg, shape, 10, seed=0).parameters())
+
+
+def test_only_models_rayfuse_builds_are_built_on_the_meta_device():
+    """A user's factory or registered builder may cache state across builds (a tensor made on the meta device would
+    break every later real build): only rayfuse's own builders and torchvision's run there."""
+    from rayfuse.models import register_model
+    from rayfuse.models.registry import MODELS, builds_on_meta
+
+    for name in ("mlp", "cnn", "rescnn", "logreg", "torchvision:resnet18"):
+        assert builds_on_meta(ModelConfig(name=name)), name
+    for name in ("custom", "hf:/some/folder"):
+        assert not builds_on_meta(ModelConfig(name=name)), name
+    assert not builds_on_meta(SimpleNamespace(name="no-such-model"))
+
+    @register_model("user-net-meta-test", description="a user's builder")
+    def _user(cfg, shape, classes):  # noqa: ARG001
+        return nn.Linear(int(np.prod(shape)), classes)
+
+    try:
+        assert not builds_on_meta(ModelConfig(name="user-net-meta-test"))
+        assert check_model_fits(ModelConfig(name="user-net-meta-test"), (12,), 3) == 39  # checked by a real build
+    finally:
+        MODELS._items.pop("user-net-meta-test", None)
