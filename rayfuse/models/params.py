@@ -133,7 +133,7 @@ def params_layout(build: Callable[[], nn.Module], *, meta: bool = True) -> Param
         dtypes = {k: torch.empty((), dtype=t.dtype).numpy().dtype for k, t in state.items()}
     except Exception:  # noqa: BLE001 -- any failure here only means "build it for real" below, which raises its own errors
         real = get_params(build())
-        state, dtypes = real, {k: v.dtype for k, v in real.items()}  # type: ignore[assignment]
+        state, dtypes = real, {k: v.dtype for k, v in real.items()}
     return {k: np.broadcast_to(np.zeros((), dtype=dtypes[k]), tuple(t.shape)) for k, t in state.items()}
 
 

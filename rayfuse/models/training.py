@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -121,14 +121,14 @@ def train_model(
         return TrainStats(compute_loss(model, X_t, y_t, device=device) if n else 0.0, 0, 0, time.perf_counter() - started)
     params = [p for p in model.parameters() if p.requires_grad]
     anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
-    options = dict(optimizer=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    options: dict[str, Any] = dict(optimizer=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if step_in_backward is None:
         step_in_backward = sum(p.numel() * p.element_size() for p in params) >= STEP_IN_BACKWARD_BYTES
     if step_in_backward:
         return_freed_memory()  # the steps' activations and gradients, freed, leave the resident set
     opt: torch.optim.Optimizer | _StepInBackward = (
         _StepInBackward(params, **options) if step_in_backward else make_optimizer(params, **options)
-    )  # type: ignore[arg-type]
+    )
     generator = torch.Generator(device="cpu").manual_seed(int(seed))
     skip_single = _has_batchnorm(model)
     steps = 0
