@@ -87,6 +87,19 @@ def set_params(model: nn.Module, params: Mapping[str, np.ndarray]) -> nn.Module:
     return model
 
 
+def build_on_meta(build: Callable[[], nn.Module], *, meta: bool = True) -> nn.Module | None:
+    """``build()`` on PyTorch's meta device (shapes and dtypes, no memory, no initialisation), or ``None`` where
+    ``meta`` is false (:func:`rayfuse.models.registry.builds_on_meta`) or the build fails there: the caller then builds
+    the model for real, which raises the build's own errors."""
+    if not meta:
+        return None
+    try:
+        with torch.device("meta"):
+            return build()
+    except Exception:  # noqa: BLE001 -- any failure here only means "build it for real", which raises its own errors
+        return None
+
+
 def model_with_params(build: Callable[[], nn.Module], params: Mapping[str, np.ndarray], *, meta: bool = True) -> nn.Module:
     """The model ``build()`` makes, holding ``params`` *in their own memory*, to predict with: built on PyTorch's meta
     device (no memory, no initialisation) and given tensors over ``params``' arrays (``load_state_dict(assign=True)``),
@@ -98,13 +111,7 @@ def model_with_params(build: Callable[[], nn.Module], params: Mapping[str, np.nd
     The model's tensors are ``params``' memory, which may be read-only (Ray's object store): predict with it, never
     train it. ``meta=False`` (a model whose building code rayfuse does not own:
     :func:`rayfuse.models.registry.builds_on_meta`) builds it for real and copies."""
-    try:
-        if not meta:
-            raise LookupError("built for real")
-        with torch.device("meta"):
-            model = build()
-    except Exception:  # noqa: BLE001 -- any failure here only means "build it for real" below, which raises its own errors
-        model = None
+    model = build_on_meta(build, meta=meta)
     if model is not None:
         problem = check_params(params, model.state_dict(), check_finite=False)
         if problem:
@@ -125,13 +132,13 @@ def params_layout(build: Callable[[], nn.Module], *, meta: bool = True) -> Param
     fused model against. Built on PyTorch's meta device, so a model of several GB costs nothing to describe; a model
     that cannot be built there, or has a dtype numpy lacks, is built for real and described from that, as is every
     model with ``meta=False`` (:func:`rayfuse.models.registry.builds_on_meta`)."""
+    model = build_on_meta(build, meta=meta)
     try:
-        if not meta:
-            raise LookupError("built for real")
-        with torch.device("meta"):
-            state = build().state_dict()
+        state = model.state_dict() if model is not None else {}
         dtypes = {k: torch.empty((), dtype=t.dtype).numpy().dtype for k, t in state.items()}
-    except Exception:  # noqa: BLE001 -- any failure here only means "build it for real" below, which raises its own errors
+    except TypeError:  # a dtype numpy lacks (bfloat16): described from a real build
+        model = None
+    if model is None:
         real = get_params(build())
         state, dtypes = real, {k: v.dtype for k, v in real.items()}
     return {k: np.broadcast_to(np.zeros((), dtype=dtypes[k]), tuple(t.shape)) for k, t in state.items()}

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from rayfuse.errors import InputError
+from rayfuse.models.params import build_on_meta
 from rayfuse.models.zoo import build_rescnn, build_transformer, build_vgg
 from rayfuse.registry import Registry
 
@@ -405,16 +406,17 @@ def check_model_fits(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -
     """Build the model and run one dummy batch; return the parameter count. Raises :class:`InputError` if it cannot
     (a model too large for the memory is refused before it is built: :func:`check_model_size`)."""
     check_model_size(cfg, input_shape, num_classes)
-    try:  # on PyTorch's meta device first, where rayfuse builds it: shapes without memory or initialisation (a model of several GB is free)
-        if not builds_on_meta(cfg):
-            raise LookupError("built for real")
-        with torch.device("meta"), torch.no_grad():
-            meta = build_model(cfg, input_shape, num_classes, seed=0).eval()
-            out = meta(torch.zeros((2, *input_shape)))
-        if tuple(out.shape) == (2, num_classes):
-            return sum(p.numel() for p in meta.parameters())
-    except Exception:  # noqa: BLE001 -- a model the meta device cannot run is checked for real below, with its own errors
-        pass
+    # on PyTorch's meta device first, where rayfuse builds it: shapes without memory or initialisation (a model of
+    # several GB is free); a model the meta device cannot build or run is checked for real below, with its own errors
+    meta = build_on_meta(lambda: build_model(cfg, input_shape, num_classes, seed=0), meta=builds_on_meta(cfg))
+    if meta is not None:
+        try:
+            with torch.device("meta"), torch.no_grad():
+                out = meta.eval()(torch.zeros((2, *input_shape)))
+            if tuple(out.shape) == (2, num_classes):
+                return sum(p.numel() for p in meta.parameters())
+        except Exception:  # noqa: BLE001 -- see above: the real check decides
+            pass
     model = build_model(cfg, input_shape, num_classes, seed=0)
     model.eval()
     try:
