@@ -103,6 +103,7 @@ class ClientContext:
         self.state: dict[str, Any] = {}
         self._local_model: Any = None
         self._local_on_disk: str | None = None  # a large local model kept only in local_cache: its key (local_model)
+        self._local_mapped: tuple[dict[str, np.ndarray], dict[str, float]] | None = None  # its file, mapped and checked once
         self.local_stats: dict[str, float] = {}
         self.local_cache = local_cache
         self.labels: tuple[str, ...] = ()  # data.silos: the silo's label values, in label order
@@ -232,6 +233,10 @@ class ClientContext:
         return get_params(self._local_model)
 
     def _kept_on_disk(self) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """The large local model's parameters (memory-mapped) and statistics, read and checked (SHA-256) once per
+        process: the map costs file pages, not memory of the process's own."""
+        if self._local_mapped is not None:
+            return self._local_mapped
         store = self.local_model_store()
         kept = None if store is None or self._local_on_disk is None else store.load(self._local_on_disk, mapped=True)
         if kept is None:  # removed or damaged since (the store discards a damaged entry): trained again, deterministically
@@ -240,6 +245,7 @@ class ClientContext:
             assert store is not None and self._local_on_disk is not None
             kept = store.load(self._local_on_disk, mapped=True)
             assert kept is not None
+        self._local_mapped = kept
         return kept
 
     def _read_local_model(self) -> Any:
@@ -288,6 +294,7 @@ class ClientContext:
         self.local_stats = {**stats, "cached": 1.0}
         if sum(np.asarray(v).nbytes for v in params.values()) >= LARGE_MODEL_BYTES:
             self._local_on_disk = self.local_model_key()[0]  # large: read from the client's storage when asked for
+            self._local_mapped = kept  # checked just now: not read again for the upload
             return True
         self._local_model = set_params(self.build_model(seed=self.init_seed), params)
         return True
@@ -338,7 +345,7 @@ class ClientContext:
 
     def set_local_model(self, model: Any) -> None:
         self._local_model = model
-        self._local_on_disk = None
+        self._local_on_disk = self._local_mapped = None
 
     def state_store(self, kind: str, store: str) -> ClientStateStore:
         """This client's private state of one method run on storage it owns (see :class:`ClientStateStore`)."""
