@@ -6,17 +6,33 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rayfuse-installed
 ARGS   ?=
 PYTEST_ARGS ?=
+# The tested versions: `make run`, `make test` and CI install exactly these (a pip constraints file, every platform and
+# Python >= 3.10 in one file), so a fresh machine gets what the suite passed on. pyproject.toml keeps the open ranges
+# for users who install rayfuse elsewhere. `make lock` refreshes it from pyproject.toml; `make test LOCK=
+# VENV=.venv-latest` tests the newest versions the ranges allow instead, in a virtualenv of their own.
+LOCK   ?= requirements-lock.txt
+# torch and torchvision as tested (their builds must match each other; the lock holds them to these)
+TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+CONSTRAINT := $(if $(LOCK),-c $(LOCK),)
 
-.PHONY: setup run test test-unit test-ray lint typecheck format docs docs-config bench clean
+.PHONY: setup run test test-unit test-ray lint typecheck format docs docs-config bench clean lock
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	# torch and torchvision together from PyPI so their builds match (a CPU-only torch from elsewhere breaks
 	# torchvision's compiled ops); the standard build runs on CPU too.
-	$(BIN)/python -m pip install "torch>=2.4" "torchvision>=0.19"
-	$(BIN)/python -m pip install -e ".[dev]"
+	$(BIN)/python -m pip install $(CONSTRAINT) "torch>=2.4" "torchvision>=0.19"
+	$(BIN)/python -m pip install $(CONSTRAINT) -e ".[dev]"
 	$(BIN)/python -c "import torch, torchvision, torchvision.ops; print('torch', torch.__version__, '| torchvision', torchvision.__version__)"
 	touch $(STAMP)
+
+# Rewrite the lock from pyproject.toml with uv's resolver (every platform, Python >= 3.10), torch as TORCH_PINS says.
+lock:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q "uv>=0.9"
+	printf '%s\n' $(TORCH_PINS) > $(VENV)/torch-pins.txt
+	$(BIN)/uv pip compile pyproject.toml --all-extras --universal --python-version 3.10 --constraint $(VENV)/torch-pins.txt \
+		--custom-compile-command "make lock" --quiet -o $(LOCK)
 
 setup: $(STAMP)
 
