@@ -4,7 +4,7 @@ dependency of every extra, and holds torch and torchvision at the Makefile's pin
 from __future__ import annotations
 
 import re
-import tomllib
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +14,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
+tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")  # tomli: the same parser before 3.11
 
 
 def _locked() -> dict[str, list[tuple[Version, Marker | None]]]:
