@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import pytest
@@ -97,3 +98,14 @@ def ray_session():
     yield ray
     if started:
         ray.shutdown()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` (minutes of a 2-core machine, or many GB) run only with ``RAYFUSE_SLOW=1``; each names the
+    fast twin that runs in every suite."""
+    if os.environ.get("RAYFUSE_SLOW"):
+        return
+    skip = pytest.mark.skip(reason="slow: RAYFUSE_SLOW=1 runs it (a fast twin runs in every suite)")
+    for item in items:
+        if item.get_closest_marker("slow"):
+            item.add_marker(skip)

@@ -71,6 +71,10 @@ def actor_nodes(cluster, namespace: str) -> dict[str, str]:
     return {a["name"]: a["node_id"] for a in json.loads(listed.stdout)}
 
 
+# Slow (90 s and a second two-node cluster on 2 cores): RAYFUSE_SLOW=1 runs it. Its fast twins, in every suite:
+# tests/integration/test_per_node_ray.py (the node aggregator's one partial sum per node, failures kept per client, the
+# fallback to flat) and tests/integration/test_aggregation_modes.py (flat, per_actor and gathered rounds give one model).
+@pytest.mark.slow
 def test_per_node_sends_one_partial_sum_per_node_and_gives_the_flat_model(cluster, tmp_path):
     overrides = {i: {"resources": {"silo_a" if i < PER_NODE else "silo_b": 0.1}} for i in range(2 * PER_NODE)}
     results, models, received, nodes = {}, {}, {}, {}
@@ -117,8 +121,9 @@ def test_per_node_sends_one_partial_sum_per_node_and_gives_the_flat_model(cluste
     for key, value in models["flat"].items():
         got = models["per_node"][key]
         assert got.dtype == value.dtype and np.isfinite(got).all()
-        # two rounds of training from aggregates that differ in the last bits (the order of the additions)
-        np.testing.assert_allclose(got, value, rtol=1e-4, atol=1e-5, err_msg=key)
+        # two rounds of training from aggregates that differ in the last bits (the order of the additions): float32
+        # rounding carried through a round of SGD moved one of 20480 weights by 1.8e-5 once, so 1e-4 absolute
+        np.testing.assert_allclose(got, value, rtol=1e-4, atol=1e-4, err_msg=key)
 
     # The head received, per round, the worker's 3 client updates (flat) or its one partial sum (per_node: its small
     # tensors are summed in float64, so it is a little larger than the model). Printed for the record (pytest -s).

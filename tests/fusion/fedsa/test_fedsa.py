@@ -686,6 +686,10 @@ def test_fedsa_on_ray_equals_the_in_process_run(ray_session, make_config, tmp_pa
     )
 
 
+# Slow (three FedSA runs on Ray, ~50 s on 2 cores): RAYFUSE_SLOW=1 runs it. Its fast twins, in every suite: the same
+# interruption and resume in-process (test_an_interrupted_fedsa_run_resumes_mid_method_with_the_same_result) and FedSA
+# on Ray equal to the in-process run (test_fedsa_on_ray_equals_the_in_process_run).
+@pytest.mark.slow
 def test_fedsa_interrupted_on_ray_resumes_with_the_translators_its_client_actors_kept(ray_session, straight_fedsa):
     """On Ray the client actors write their translators to their own storage: a run interrupted in round 2 and
     resumed with new actors ends where the uninterrupted run does."""
