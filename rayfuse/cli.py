@@ -237,8 +237,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_split(args: argparse.Namespace) -> int:
     from rayfuse.config import load_config
     from rayfuse.data.split import split_simulation
+    from rayfuse.method import resolve_methods, with_public_default
 
-    written = split_simulation(load_config(args.config, args.set), args.out)
+    cfg = load_config(args.config, args.set)
+    written = split_simulation(with_public_default(cfg, resolve_methods(cfg.methods)), args.out)
     print(
         f"rayfuse split: {args.config} -> {written.parent} (one folder per client: train.npz, held_out.npz; server/); "
         f"run it with: rayfuse run {written}"

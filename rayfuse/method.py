@@ -35,6 +35,7 @@ from pydantic import ConfigDict, ValidationError
 
 from rayfuse.config import (
     CONFIG_SECTIONS,
+    QUICKSTART_PUBLIC_SIZE,
     DataConfig,
     ExperimentConfig,
     ModelConfig,
@@ -614,7 +615,10 @@ class MethodTags:
     layout, so it runs when the clients' models differ (``federation.client_overrides.<i>.model``; it builds each
     client's model with :meth:`ModelService.client_model`); methods without it are refused with such clients.
     ``public_labels``: it reads the labels of the server's public sample (``server.data.public.y``); refused when that
-    sample has none (a silo config's ``data.public`` with ``labels: false``). ``no_dp``: why a ``dp`` setting does not
+    sample has none (a silo config's ``data.public`` with ``labels: false``). ``public_sample``: it reads the inputs of
+    the server's public sample (``public_labels`` implies it); a config without a data section draws the quickstart's
+    public sample only when a configured method reads one (a ``public_sample`` property of its ``Params`` takes
+    precedence, as ``fuses``'s does). ``no_dp``: why a ``dp`` setting does not
     apply to it (empty: its own ``dp`` option, if it has one, applies); a ``dp`` entry is refused with this reason.
     """
 
@@ -627,6 +631,7 @@ class MethodTags:
     local_model_only: bool = False
     heterogeneous_clients: bool = False
     public_labels: bool = False
+    public_sample: bool = False
     no_dp: str = ""
 
 
@@ -803,7 +808,7 @@ def _check_declared_tags(method_cls: type[Method[Any, Any]], path: str) -> None:
 def resolved_config(cfg: ExperimentConfig, specs: Sequence[MethodSpec] | None = None) -> dict[str, Any]:
     """The config as plain data with every default filled in, the methods' parameters too (``config.yaml``)."""
     specs = resolve_methods(cfg.methods) if specs is None else specs
-    data = cfg.model_dump(mode="json")
+    data = with_public_default(cfg, specs).model_dump(mode="json")
     data["methods"] = {spec.label: {"method": spec.method, **_dumped_params(spec.params)} for spec in specs}
     return data
 
@@ -828,6 +833,23 @@ def check_methods(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
             if head in CONFIG_SECTIONS:
                 raise
             raise exc.at(f"methods.{spec.label}.{exc.path}") from None
+
+
+def reads_public_sample(method_cls: type[Method[Any, Any]], params: MethodParams | None = None) -> bool:
+    """Whether the method reads the server's public sample: its ``Params``' own ``public_sample`` property (distill:
+    only with ``transfer: public``), else ``MethodTags.public_sample`` or ``public_labels``."""
+    own = getattr(params, "public_sample", None) if params is not None else None
+    return own if isinstance(own, bool) else (method_cls.tags.public_sample or method_cls.tags.public_labels)
+
+
+def with_public_default(cfg: ExperimentConfig, specs: Sequence[MethodSpec]) -> ExperimentConfig:
+    """``cfg`` with the quickstart's public sample resolved: a config without a data section (``data.public_size``
+    None) gets :data:`QUICKSTART_PUBLIC_SIZE` when one of ``specs`` reads a public sample, else none, so a default is
+    drawn (and its size checked against the data) only where a method uses it."""
+    if cfg.data.public_size is not None:
+        return cfg
+    size = QUICKSTART_PUBLIC_SIZE if any(reads_public_sample(s.method_cls, s.params) for s in specs) else 0
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"public_size": size})})
 
 
 def fuses_of(method_cls: type[Method[Any, Any]], params: MethodParams | None = None) -> str:

@@ -23,6 +23,7 @@ Order of work (each a timed stage in ``results.json``):
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import hashlib
 import json
@@ -42,7 +43,7 @@ from rayfuse.data.roles import DataPlan, load_dataset_from_config, load_target_f
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.fusion.pipeline import check_aggregation, check_round_memory, check_update_pipeline
 from rayfuse.io import atomic_write_json, atomic_write_text
-from rayfuse.method import MethodSpec, RunSetup, check_methods, check_tags, resolve_methods, resolved_config
+from rayfuse.method import MethodSpec, RunSetup, check_methods, check_tags, resolve_methods, resolved_config, with_public_default
 from rayfuse.metrics import METRICS_EVENT
 from rayfuse.report import Printer, format_client_summary, format_partition, format_table, plot_comparison, write_metrics_parquet
 from rayfuse.store import RunStore, claim_run_folder
@@ -321,11 +322,15 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
     from rayfuse.models.registry import check_model_fits
 
     specs = resolve_methods(cfg.methods, methods)
+    cfg = with_public_default(cfg, specs)  # the quickstart's public sample only where a method reads one
     check_tracking(cfg)  # a sink the config asks for (tracking.mlflow) must be installed
     if cfg.data.is_silos:
         return _prepare_silo_run(cfg, specs)
     dataset = load_dataset_from_config(cfg.data)
-    num_params = check_model_fits(cfg.model, dataset.input_shape, dataset.num_classes)
+    try:
+        num_params = check_model_fits(cfg.model, dataset.input_shape, dataset.num_classes)
+    except InputError as exc:
+        cfg, dataset, num_params = _as_sequences(cfg, dataset, exc)
     check_model_data(cfg.model, dataset.X, dataset.X_test)  # a Hugging Face model's data: token ids below its vocab_size
     client_params = check_client_models_fit(cfg, tuple(dataset.input_shape), dataset.num_classes, num_params)
     target = load_target_from_config(cfg.data)
@@ -338,6 +343,32 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
     check_round_memory(specs, cfg.federation, plan.num_clients, num_params)
     check_local_dp(cfg, setup)
     return PreparedRun(cfg, specs, plan, setup, num_params, client_params)
+
+
+def _as_sequences(cfg: ExperimentConfig, dataset: Any, refusal: InputError) -> tuple[ExperimentConfig, Any, int]:
+    """The data read as sequences when the model refused it as images: with ``data.layout: auto`` a 3-d array
+    ``(N, A, B)`` is read as grey images ``(N, 1, A, B)``; a model that takes ``(A, B)`` (a Conv1d's channels and
+    length, a sequence model's steps and features) and not the image runs with ``data.layout: sequence``, which the
+    run's config then says. Else ``refusal``, naming that setting where it could apply. Returns ``(cfg, dataset,
+    number of parameters)``."""
+    from rayfuse.data.datasets import arrays_digest
+    from rayfuse.models.registry import check_model_fits
+
+    if cfg.data.layout != "auto" or not dataset.grey_axis_added:
+        raise refusal
+    data = cfg.data.model_copy(update={"layout": "sequence"})
+    if cfg.data.arrays is not None:  # arrays from Python: the same values, as given
+        stored = dataclasses.replace(
+            dataset, X=dataset.X[:, 0], X_test=None if dataset.X_test is None else dataset.X_test[:, 0], grey_axis_added=False
+        )
+        data = data.with_arrays(stored, arrays_digest(stored))
+    sequences = load_dataset_from_config(data)
+    try:
+        num_params = check_model_fits(cfg.model, sequences.input_shape, sequences.num_classes)
+    except InputError:
+        hint = f"data.layout: sequence reads the (N, {', '.join(map(str, sequences.input_shape))}) array as it is, not as grey images"
+        raise InputError(refusal.path, refusal.expected, refusal.got, f"{refusal.hint}; {hint}" if refusal.hint else hint) from None
+    return cfg.model_copy(update={"data": data}), sequences, num_params
 
 
 def check_local_dp(cfg: ExperimentConfig, setup: RunSetup) -> None:

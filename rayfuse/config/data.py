@@ -302,7 +302,12 @@ class SiloSpec(SiloSource):
 class DataConfig(DatasetSource):
     test_size: float = Field(0.2, gt=0, lt=1, description="fraction held out as the global test set (datasets without one)")
     val_size: float = Field(0.1, ge=0, lt=1, description="fraction of each client's shard kept as its private validation split")
-    public_size: float = Field(0, ge=0, description="server's public sample: a fraction (< 1) or a count (>= 1) of the training pool")
+    public_size: float | None = Field(
+        0,
+        ge=0,
+        description="server's public sample: a fraction (< 1) or a count (>= 1) of the training pool; without a data "
+        "section, the quickstart's 300 when a configured method reads a public sample, else none",
+    )
     standardize: bool | None = Field(None, description="z-score features with training-pool statistics; default per dataset")
     layout: Literal["auto", "image", "sequence"] = Field(
         "auto",
@@ -344,8 +349,8 @@ class DataConfig(DatasetSource):
 
     @field_validator("public_size")
     @classmethod
-    def _public_size(cls, value: float) -> float:
-        if value >= 1 and value != int(value):
+    def _public_size(cls, value: float | None) -> float | None:
+        if value is not None and value >= 1 and value != int(value):
             raise ValueError("a fraction below 1 or a whole count")
         return value
 

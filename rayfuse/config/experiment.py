@@ -34,6 +34,8 @@ DEFAULT_METHODS: dict[str, dict[str, Any]] = {
 }
 # The quickstart's public sample: a config without a data section is the quickstart's data, as one without methods is
 # the quickstart's methods (an empty data section, or one that names its own keys, has no public sample by default).
+# It is drawn only when a configured method reads a public sample (rayfuse.method.with_public_default): a run of
+# methods that read none keeps every sample for the clients, and a dataset smaller than it is not refused for it.
 QUICKSTART_PUBLIC_SIZE = 300
 
 
@@ -66,8 +68,9 @@ CONFIG_SECTIONS = ("run", "data", "partition", "model", "train", "federation", "
 class ExperimentConfig(StrictModel):
     run: RunConfig = Field(default_factory=RunConfig, description="the run's name, seed, storage folder and local-model cache")
     data: DataConfig = Field(
-        default_factory=lambda: DataConfig(public_size=QUICKSTART_PUBLIC_SIZE),
-        description="the data; without this section, the quickstart's (digits, a public sample of 300)",
+        default_factory=lambda: DataConfig(public_size=None),
+        description="the data; without this section, the quickstart's (digits, and a public sample of 300 when a "
+        "configured method reads one)",
     )
     partition: PartitionConfig = Field(
         default_factory=PartitionConfig,

@@ -58,6 +58,9 @@ class Dataset:
     # the dtype the source stores its inputs in, before the float32 cast (an npz array's, a table's feature columns', an
     # image's pixels'); "" where unknown. The silo survey compares silos by it (rayfuse.data.silos.check_schemas)
     stored_dtype: str = ""
+    # an (N, A, B) array read as grey images (N, 1, A, B) by default (data.layout: auto); a model that takes (A, B)
+    # runs it as sequences instead (rayfuse.runner's pre-start model check)
+    grey_axis_added: bool = False
 
     def __post_init__(self) -> None:
         _check_arrays(self.name, self.X, self.y, self.num_classes)
@@ -698,14 +701,15 @@ def dataset_from_arrays(
         raise InputError(features_key, "at least one sample with at least one feature", f"shape {X.shape}")
     if labels.ndim != 1 or len(labels) != len(X):
         raise InputError(label_key, f"as many labels as samples: shape ({len(X)},)", f"shape {labels.shape}")
-    if X.ndim == 3 and not as_stored:  # (N, H, W) grey images
+    grey = X.ndim == 3 and not as_stored
+    if grey:  # (N, H, W) grey images
         X = X[:, None]
     y_int, names = _labels_to_int(labels, label_key, min_labels)
     stored = str(X.dtype)
     X = np.ascontiguousarray(X, dtype=np.float32)
     if not np.isfinite(X).all():
         raise InputError(features_key, "finite feature values", "NaN or Inf")
-    return Dataset(name, X, y_int, len(names), names, stored_dtype=stored)
+    return Dataset(name, X, y_int, len(names), names, stored_dtype=stored, grey_axis_added=grey)
 
 
 def arrays_digest(dataset: Dataset) -> str:

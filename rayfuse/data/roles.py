@@ -288,7 +288,7 @@ def make_plan(dataset: Dataset, data_cfg: Any, partition_cfg: Any, seed: int, ta
         source, test_key, test_size, pool_name = target, "data.target.test_size", data_cfg.target.test_size, "the target's pool"
     # the test set and the public sample come from `source`; the clients share the rest of it (all of `dataset` with a target)
     test_source, test, pool = _split_test(source, test_size, seed, test_key)
-    public_size = data_cfg.public_size
+    public_size = data_cfg.public_size or 0  # None (no data section) left unresolved by the caller: no public sample
     n_public = int(round(public_size * len(pool))) if public_size < 1 else int(public_size)
     if n_public >= len(pool):
         raise InputError("data.public_size", f"fewer samples than {pool_name} ({len(pool)})", public_size)

@@ -422,10 +422,18 @@ def check_model_fits(cfg: Any, input_shape: tuple[int, ...], num_classes: int) -
     try:
         with torch.no_grad():
             out = model(torch.zeros((2, *input_shape)))
-    except RuntimeError as exc:
+    except Exception as exc:  # noqa: BLE001 -- the model's forward (a user's code): whatever it raises is one line
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "no message")[:100]
+        reason = first if isinstance(exc, RuntimeError) else f"the model's forward raised {type(exc).__name__}: {first}"
+        raise InputError("model.name", f"a model that accepts inputs of shape {tuple(input_shape)}", cfg.name, reason) from None
+    if not isinstance(out, torch.Tensor):  # a tuple (logits, features), a dict, a ModelOutput: training reads a tensor
+        kind = f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) else type(out).__name__
         raise InputError(
-            "model.name", f"a model that accepts inputs of shape {tuple(input_shape)}", cfg.name, str(exc).splitlines()[0][:100]
-        ) from None
+            "model.name",
+            f"a model whose forward returns its {num_classes} logits as one tensor (batch, classes)",
+            f"{cfg.name} returning {kind}",
+            "return the logits alone (keep features for a forward hook or another method)",
+        )
     if tuple(out.shape) != (2, num_classes):
         raise InputError("model.name", f"a model producing {num_classes} logits", f"output shape {tuple(out.shape)}")
     return sum(p.numel() for p in model.parameters())

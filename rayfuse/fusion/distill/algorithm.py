@@ -153,6 +153,11 @@ class DistillParams(DistillOptions, MethodParams):
         "learnt with its weights on the transfer inputs, measured better (docs/methods/distill.md)",
     )
 
+    @property
+    def public_sample(self) -> bool:
+        """It reads the server's public sample (its inputs only) with ``transfer: public``; data-free reads none."""
+        return self.transfer == "public"
+
 
 def transfer_note(params: DistillParams, samples: int | None) -> str:
     """How the table's ``extra`` column names the transfer data: ``public sample (300)``, ``synthetic (data-free)``,
@@ -319,6 +324,7 @@ class Distill(Method[DistillParams, None]):
     reference = references.FEDDF
     tags = MethodTags(
         fuses="predictions",
+        public_sample=True,  # transfer: public (DistillParams.public_sample); data-free reads none
         uses_local_models=True,
         local_model_only=True,  # train.dp covers the predictions (post-processing); input moments are refused with it
         heterogeneous_clients=True,

@@ -1,0 +1,176 @@
+"""Defaults apply to what uses them, and the data's layout is inferred from the model (issue: hardening, round 4).
+
+A config without a data section is the quickstart's data; its public sample of 300 is drawn only when a configured
+method reads one (``MethodTags.public_sample`` / ``public_labels``, or the method's ``Params.public_sample``), so a
+small dataset with methods that read none runs. An ``(N, C, L)`` array read as grey images by default runs as
+sequences when the model takes ``(C, L)`` and not the image, or the refusal names ``data.layout: sequence``. A model
+whose forward raises or returns a tuple is one ``InputError`` line through the Python API, as through the CLI."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch.nn as nn
+from sklearn.datasets import load_wine
+
+import rayfuse
+from rayfuse.config import QUICKSTART_PUBLIC_SIZE, ExperimentConfig, validate_config
+from rayfuse.errors import InputError
+from rayfuse.method import METHODS, reads_public_sample, resolve_methods, resolved_config, with_public_default
+from rayfuse.runner import prepare_run
+
+
+def _wine() -> tuple[np.ndarray, np.ndarray]:
+    X, y = load_wine(return_X_y=True)
+    return X.astype(np.float32), y
+
+
+def _run(tmp_path, methods, **kwargs):
+    cfg = {"run": {"storage": str(tmp_path / "runs")}, "train": {"epochs": 1}, "methods": methods}
+    return rayfuse.run(cfg, backend="local", quiet=True, **kwargs)
+
+
+def test_wine_with_fedavg_and_average_runs_without_a_data_section(tmp_path):
+    # 178 samples, a training pool of 142: the quickstart's 300 public samples would not fit, and neither method reads one
+    result = _run(tmp_path, {"fedavg": {"rounds": 1}, "average": {}}, dataset=_wine())
+    assert result.results["status"] == "succeeded"
+    assert result.results["config"]["data"]["public_size"] == 0
+    assert all(np.isfinite(result.results["methods"][m]["accuracy"]) for m in ("fedavg", "average"))
+
+
+@pytest.mark.parametrize(
+    ("methods", "size"),
+    [
+        ({"fedavg": {}, "average": {}}, 0),
+        ({"local": {}, "ensemble": {}, "aligned": {}, "global": {}}, 0),
+        ({"distill": {"transfer": "synthetic"}}, 0),  # data-free: no public sample
+        ({"distill": {}}, QUICKSTART_PUBLIC_SIZE),  # transfer: public
+        ({"fedavg": {}, "finetune": {}}, QUICKSTART_PUBLIC_SIZE),
+        ({"gems": {}}, QUICKSTART_PUBLIC_SIZE),
+    ],
+)
+def test_the_quickstart_public_sample_is_drawn_only_for_a_method_that_reads_one(methods, size):
+    cfg = validate_config({"methods": methods})
+    assert cfg.data.public_size is None  # no data section: resolved against the methods
+    resolved = with_public_default(cfg, resolve_methods(cfg.methods))
+    assert resolved.data.public_size == size
+    assert resolved_config(cfg)["data"]["public_size"] == size
+
+
+def test_an_explicit_public_size_is_kept_and_checked_whatever_the_methods():
+    cfg = validate_config({"data": {"dataset": "digits", "public_size": 50}, "methods": {"fedavg": {}}})
+    assert with_public_default(cfg, resolve_methods(cfg.methods)).data.public_size == 50
+    assert validate_config({"data": {"dataset": "digits"}}).data.public_size == 0  # a data section: none by default
+
+
+def test_a_method_that_reads_the_public_sample_still_refuses_one_too_large_for_the_data(tmp_path):
+    with pytest.raises(InputError) as raised:
+        _run(tmp_path, {"distill": {}}, dataset=_wine())
+    assert str(raised.value).startswith("data.public_size: expected fewer samples than the training pool (142), got 300")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_every_reader_of_the_public_sample_says_so_in_its_tags():
+    readers = {name for name, cls in METHODS.items() if reads_public_sample(cls)}
+    assert {"distill", "finetune", "gems", "fedsa"} <= readers
+    assert not readers & {"fedavg", "average", "local", "ensemble", "aligned", "global"}
+    assert ExperimentConfig().data.public_size is None and resolved_config(ExperimentConfig())["data"]["public_size"] == 300
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (N, C, L) arrays with a model that takes sequences
+
+
+def _conv1d(channels: int, length: int) -> type[nn.Module]:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv1d(channels, 4, 3)
+            self.fc = nn.Linear(4 * (length - 2), 3)
+
+        def forward(self, x):
+            return self.fc(self.conv(x).relu().flatten(1))
+
+    return Net
+
+
+def _sequences(channels: int, length: int = 40) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 3, 240)
+    return (rng.normal(size=(240, channels, length)) + y[:, None, None]).astype(np.float32), y
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_an_n_c_l_array_with_a_conv1d_model_runs_as_sequences(tmp_path, channels):
+    result = _run(tmp_path, {"fedavg": {"rounds": 1}}, model=_conv1d(channels, 40), dataset=_sequences(channels))
+    assert result.results["status"] == "succeeded" and result.results["config"]["data"]["layout"] == "sequence"
+    assert np.isfinite(result.results["methods"]["fedavg"]["accuracy"])
+
+
+def test_a_model_that_takes_neither_reading_is_refused_naming_data_layout(tmp_path):
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(7, 3)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    with pytest.raises(InputError) as raised:
+        _run(tmp_path, {"fedavg": {}}, model=Flat, dataset=_sequences(1))
+    line = str(raised.value)
+    assert "\n" not in line and line.startswith("model.name: expected a model that accepts inputs of shape (1, 1, 40)")
+    assert line.endswith("data.layout: sequence reads the (N, 1, 40) array as it is, not as grey images")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_grey_images_stay_images(make_config):
+    prepared = prepare_run(make_config(data={"dataset": "digits"}, model={"name": "cnn"}, methods={"fedavg": {}}))
+    assert prepared.cfg.data.layout == "auto" and prepared.plan is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The API's model check: one line, as the CLI's
+
+
+class _Raises(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(13, 3)
+
+    def forward(self, x):
+        raise ValueError("boom")
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(13, 3)
+
+    def forward(self, x):
+        return self.fc(x), x
+
+
+class _Dict(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(13, 3)
+
+    def forward(self, x):
+        return {"logits": self.fc(x)}
+
+
+@pytest.mark.parametrize(
+    ("model", "says"),
+    [
+        (_Raises, "expected a model that accepts inputs of shape (13,), got 'custom'; the model's forward raised ValueError: boom"),
+        (_Pair, "got 'custom returning a tuple of 2'; return the logits alone"),
+        (_Dict, "got 'custom returning dict'; return the logits alone"),
+    ],
+)
+def test_a_model_whose_forward_raises_or_returns_more_than_logits_is_one_line(tmp_path, model, says):
+    with pytest.raises(InputError) as raised:
+        _run(tmp_path, {"average": {}}, model=model, dataset=_wine())
+    line = str(raised.value)
+    assert "\n" not in line and line.startswith("model.name: expected") and says in line, line
+    assert not (tmp_path / "runs").exists()
