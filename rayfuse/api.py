@@ -387,8 +387,14 @@ def build_architecture(
             raise InputError("input_shape", "an image shape C,H,W for a torchvision model", shape)
         try:
             return _build_torchvision(name, shape, num_classes, **kwargs), shape
-        except (TypeError, ValueError) as exc:
-            raise InputError("args", f"arguments torchvision's {name} accepts", kwargs, str(exc).splitlines()[0][:120]) from None
+        except InputError:
+            raise
+        except (TypeError, ValueError, AssertionError) as exc:  # torchvision's checks of its arguments (torch._assert)
+            first = (str(exc).splitlines() or [type(exc).__name__])[0][:120]
+            patch = name.rsplit("_", 1)[-1]
+            if name.startswith("vit_") and "patch" in first and patch.isdigit():  # vit_b_16: 16-pixel patches
+                first += f"; a ViT's image_size is a multiple of its patch size {patch}, e.g. {int(patch) * 14}"
+            raise InputError("args", f"arguments torchvision's {name} accepts", kwargs, first) from None
     from rayfuse.models.architecture import build_architecture as build_named
 
     return build_named(architecture, kwargs, where="architecture", args_where="args"), shape
@@ -434,11 +440,14 @@ def symmetry(
     of ``input_shape`` (e.g. ``(16,)``: a sequence length; required then), instead of floats."""
     import torch
 
+    from rayfuse.data.tokens import MAX_VOCAB
     from rayfuse.symmetry import derive_spec
 
-    if vocab is not None and (isinstance(vocab, (bool, np.bool_)) or not isinstance(vocab, (int, np.integer)) or vocab < 1):
-        raise InputError("vocab", "the number of token ids the model takes: a whole number >= 1, or None", vocab)
-    if vocab is not None and input_shape is None:
+    if vocab is not None and (
+        isinstance(vocab, (bool, np.bool_)) or not isinstance(vocab, (int, np.integer)) or not 1 <= vocab <= MAX_VOCAB
+    ):
+        raise InputError("vocab", f"the number of token ids the model takes: a whole number in [1, {MAX_VOCAB}], or None", vocab)
+    if vocab is not None and input_shape is None and dataset == "digits":  # another dataset gives the ids' shape
         raise InputError(
             "input_shape", "the token ids' shape with vocab, such as (16,) for sequences of 16 tokens (the dataset's shape is an image's)"
         )

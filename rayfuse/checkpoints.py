@@ -843,7 +843,15 @@ def load_fuse_inputs(spec: FuseSpec, models: Sequence[Mapping[str, np.ndarray]],
     else:
         example = None
     if example is not None:
-        outputs = check_inputs_fit(model, example, where=where)
+        try:
+            outputs = check_inputs_fit(model, example, where=where)
+        except InputError:
+            rows = _embedding_rows(model) if spec.vocab is not None else None
+            if rows is not None and spec.vocab is not None and spec.vocab > rows:
+                raise InputError(
+                    f"{prefix}vocab", f"at most the model's vocabulary ({rows} rows in its input embedding)", spec.vocab
+                ) from None
+            raise
         for i, (arch, teacher) in enumerate(zip(own, built)):
             if arch is not None:
                 check_inputs_fit(teacher, example, where=f"{where} (models.{i}.architecture {arch[0]})", num_outputs=int(outputs[1]))
@@ -851,6 +859,17 @@ def load_fuse_inputs(spec: FuseSpec, models: Sequence[Mapping[str, np.ndarray]],
     return FuseInputs(
         model, X, y, example, tuple(built) if heterogeneous else (), tuple(arch is None for arch in own) if heterogeneous else (), log
     )
+
+
+def _embedding_rows(model: Any) -> int | None:
+    """The number of token ids ``model`` embeds: its input embedding's rows (a Hugging Face model's
+    ``get_input_embeddings()``, else its first ``nn.Embedding``); ``None`` without one."""
+    import torch.nn as nn
+
+    embedding = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    if not isinstance(embedding, nn.Embedding):
+        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return int(embedding.num_embeddings) if embedding is not None else None
 
 
 def token_ids(X: np.ndarray, vocab: int, *, where: str) -> np.ndarray:

@@ -190,6 +190,7 @@ def _cmd_symmetry(args: argparse.Namespace) -> int:
     import json
 
     from rayfuse.api import symmetry
+    from rayfuse.data.tokens import MAX_VOCAB
 
     shape = None
     if args.input_shape is not None:
@@ -205,9 +206,11 @@ def _cmd_symmetry(args: argparse.Namespace) -> int:
             vocab = int(args.vocab)
         except ValueError:
             vocab = 0
-        if vocab < 1:
-            raise InputError("--vocab", "the number of token ids the model takes: a whole number >= 1 such as 30522", args.vocab)
-        if shape is None:
+        if not 1 <= vocab <= MAX_VOCAB:
+            raise InputError(
+                "--vocab", f"the number of token ids the model takes: a whole number in [1, {MAX_VOCAB}] such as 30522", args.vocab
+            )
+        if shape is None and args.dataset == "digits":  # another --dataset gives the ids' shape (tokens: its length)
             raise InputError(
                 "--input-shape",
                 "the token ids' shape with --vocab, such as 16 for sequences of 16 tokens (the dataset's shape is an image's)",
@@ -220,7 +223,11 @@ def _cmd_symmetry(args: argparse.Namespace) -> int:
             kwargs = None
         if not isinstance(kwargs, dict):
             raise InputError("--args", "a JSON object such as '{\"num_classes\": 10}'", args.args)
-    spec = symmetry(args.architecture, input_shape=shape, dataset=args.dataset, args=kwargs, strict=args.strict, vocab=vocab)
+    try:
+        spec = symmetry(args.architecture, input_shape=shape, dataset=args.dataset, args=kwargs, strict=args.strict, vocab=vocab)
+    except InputError as exc:  # the API's keyword arguments, said as this command's flags
+        flag = {"dataset": "--dataset", "input_shape": "--input-shape", "vocab": "--vocab", "args": "--args"}.get(exc.path)
+        raise exc.at(flag) if flag else exc from None
     print(json.dumps(spec.to_dict(), indent=1) if args.json else spec.describe())
     return 0
 

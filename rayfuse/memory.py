@@ -15,7 +15,9 @@ the C library is not glibc. Nothing here imports Ray.
 
 from __future__ import annotations
 
-__all__ = ["LARGE_MODEL_BYTES", "return_freed_memory"]
+from typing import Any
+
+__all__ = ["LARGE_MODEL_BYTES", "available_memory", "check_fits_memory", "return_freed_memory"]
 
 #: A model (or merge) at least this large sets :func:`return_freed_memory` in the process that holds it, and trains
 #: with its optimizer steps inside the backward pass (:func:`rayfuse.models.train_model`).
@@ -38,3 +40,36 @@ def return_freed_memory() -> None:
     except (OSError, AttributeError):
         pass
     _done = True
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation now (``MemAvailable`` on Linux); ``None`` when unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import os
+
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_fits_memory(key: str, given: Any, need_bytes: float, what: str) -> None:
+    """Refuse, before anything is allocated, a setting whose memory (``need_bytes``, estimated from it: ``what`` says
+    of what) exceeds what this machine has available now: one :class:`~rayfuse.errors.InputError` at ``key`` instead
+    of the allocator's traceback (or the kernel's OOM killer) later. Unknown available memory passes."""
+    from rayfuse.errors import InputError
+
+    free = available_memory()
+    if free is not None and need_bytes > free:
+        raise InputError(
+            key,
+            f"a value whose memory fits in the {free / 2**30:.1f} GiB available",
+            given,
+            f"{what} would need about {need_bytes / 2**30:.1f} GiB",
+        )

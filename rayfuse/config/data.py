@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import Field, PrivateAttr, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
 
@@ -26,6 +26,9 @@ __all__ = [
     "DataConfig",
     "PartitionConfig",
 ]
+
+
+_Source = TypeVar("_Source", bound="DatasetSource")  # with_arrays returns a copy of its own class
 
 
 class DatasetSource(StrictModel):
@@ -55,7 +58,7 @@ class DatasetSource(StrictModel):
         """The in-memory :class:`rayfuse.data.datasets.Dataset` of ``dataset: arrays`` (``None`` otherwise)."""
         return self._arrays
 
-    def with_arrays(self, dataset: Any, digest: str) -> DatasetSource:
+    def with_arrays(self: _Source, dataset: Any, digest: str) -> _Source:
         """A copy that loads ``dataset`` (arrays given from Python) instead of a registered source.
 
         The copy reads ``dataset: arrays`` with ``options: {sha256: digest}`` (a record of the content: two runs of

@@ -17,8 +17,16 @@ import numpy as np
 
 from rayfuse.data.datasets import Dataset, register_dataset
 from rayfuse.errors import InputError
+from rayfuse.memory import check_fits_memory
 
-__all__ = ["token_sequences"]
+__all__ = ["token_sequences", "MAX_VOCAB"]
+
+#: The largest ``vocab``: token ids are stored in the dataset's float32 inputs, exact for integers up to 2^24.
+MAX_VOCAB = 2**24
+#: The least share of rows with a marker (a row without one is redrawn).
+MIN_MARKED = 0.01
+#: Rows drawn for each row kept before the options are refused (rows with tied markers are redrawn).
+MAX_DRAWS_PER_ROW = 200
 
 
 def token_sequences(
@@ -35,14 +43,39 @@ def token_sequences(
             raise InputError(f"data.options.{key}", f"an integer >= {low}", value)
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < n_classes + 2:
         raise InputError("data.options.vocab", f"an integer >= n_classes + 2 ({n_classes + 2}: token 0, the markers and a filler)", vocab)
+    if vocab > MAX_VOCAB:
+        raise InputError(
+            "data.options.vocab",
+            f"an integer <= {MAX_VOCAB} (2^24: a dataset's inputs are float32, exact for integers up to 2^24)",
+            vocab,
+            "ids above it would be stored as other ids",
+        )
     if isinstance(marker_rate, bool) or not isinstance(marker_rate, (int, float)) or not 0 < marker_rate <= 1:
         raise InputError("data.options.marker_rate", "a probability in (0, 1]", marker_rate)
+    # a row without a marker is redrawn: below this rate most rows are, and the generator would draw for ever
+    lowest = 1 - (1 - MIN_MARKED) ** (1 / length)
+    if marker_rate < lowest:
+        raise InputError(
+            "data.options.marker_rate",
+            f"a rate that puts a marker in at least {MIN_MARKED:.0%} of the rows of length {length} (>= {lowest:.3g})",
+            marker_rate,
+        )
+    # the rows, their float32 copy (the Dataset's inputs) and a draw's temporaries: about 40 bytes a token
+    check_fits_memory("data.options.n_samples", n_samples, 40.0 * n_samples * length, f"{n_samples:,} rows of {length} tokens")
     rng = np.random.default_rng(random_state)
     rows: list[np.ndarray] = []
     labels: list[np.ndarray] = []
-    kept = 0
+    kept = drawn = 0
     while kept < n_samples:
-        batch = max(2 * (n_samples - kept), 64)
+        if drawn > MAX_DRAWS_PER_ROW * n_samples:  # ties between markers discard almost every row (many classes, long rows)
+            raise InputError(
+                "data.options.marker_rate",
+                f"a rate at which a row's most frequent marker is unique in at least 1 of {MAX_DRAWS_PER_ROW} rows "
+                f"(n_classes {n_classes}, length {length})",
+                marker_rate,
+            )
+        batch = min(max(2 * (n_samples - kept), 64), 2**20 // length + 64)
+        drawn += batch
         marker = rng.random((batch, length)) < marker_rate
         X = np.where(
             marker,

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from rayfuse.errors import InputError
+from rayfuse.memory import available_memory  # also imported from here by the data readers and io
 from rayfuse.models.params import build_on_meta
 from rayfuse.models.zoo import build_rescnn, build_transformer, build_vgg
 from rayfuse.registry import Registry
@@ -350,23 +351,6 @@ def count_parameters_unbuilt(cfg: Any, input_shape: tuple[int, ...], num_classes
     except Exception:  # a builder that needs real tensors: the real build below decides
         return None
     return sum(p.numel() for p in model.parameters())
-
-
-def available_memory() -> int | None:
-    """Bytes of memory available to a new allocation now (``MemAvailable`` on Linux); ``None`` when unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        import os
-
-        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 # Training a model holds its parameters, their gradients and (Adam) two moments: four float32 copies.

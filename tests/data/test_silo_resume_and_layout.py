@@ -346,12 +346,12 @@ def test_the_layout_decides_how_a_3d_npz_array_is_read(tmp_path, layout, shape):
 
 
 def test_a_sequence_model_runs_on_sequences_end_to_end_and_its_config_keeps_the_layout(tmp_path):
-    """The transformer takes (L, D) sequences (one token a position); auto would read the array as a 6x4 image,
-    which its patches cannot cut (the refusal below), so data.layout: sequence is what makes the run possible."""
+    """The transformer takes (L, D) sequences (one token a position); auto reads the array as a 6x4 image first,
+    which its patches cannot cut, then as the sequences the model takes (and says so: layout sequence); the layout
+    named runs the same."""
     transformer = {"name": "transformer", "hidden": [8, 16], "heads": 2, "depth": 1}
     path = sequences(tmp_path)
-    with pytest.raises(InputError, match=r"^model\.patch_size"):
-        prepare_run(validate_config(seq_job(path, tmp_path / "runs", model=transformer)))
+    assert prepare_run(validate_config(seq_job(path, tmp_path / "runs", model=transformer))).cfg.data.layout == "sequence"
     folder = tmp_path / "run"
     results = run_experiment(
         validate_config(seq_job(path, tmp_path / "runs", "sequence", transformer)),

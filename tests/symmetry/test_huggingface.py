@@ -236,6 +236,23 @@ HF_CASES = [
         "input",
         "vocab at most",
     ),
+    # bounds: ids held as float32 (exact to 2^24) and drawn as int64; a vocabulary larger than the model's embedding
+    HFCase(
+        "symmetry-vocab-overflows-int64",
+        "symmetry",
+        lambda f: ["symmetry", f"{MODULE}:bert", "--input-shape", "6", "--vocab", str(10**30)],
+        "--vocab",
+        "[1, 16777216]",
+    ),
+    HFCase(
+        "symmetry-vocab-beyond-float32",
+        "symmetry",
+        lambda f: ["symmetry", f"{MODULE}:bert", "--input-shape", "6", "--vocab", str(2**24 + 1)],
+        "--vocab",
+        "[1, 16777216]",
+    ),
+    HFCase("symmetry-api-vocab-huge", "symmetry", lambda f: call(symmetry_api, f"{MODULE}:bert", input_shape=(6,), vocab=2**63), "vocab"),
+    HFCase("fuse-vocab-beyond-the-model", "fuse", lambda f: ["fuse", f.hf_fuse(vocab=1000)], "vocab", "at most the model's vocabulary"),
     HFCase(
         "symmetry-floats-to-a-token-model", "symmetry", lambda f: ["symmetry", f"{MODULE}:bert", "--input-shape", "6"], "input", "--vocab N"
     ),

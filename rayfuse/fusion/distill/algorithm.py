@@ -31,6 +31,7 @@ inputs. Never a sample, a label or an activation of its own data. Local DP-SGD (
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -41,6 +42,7 @@ from rayfuse.config import ModelConfig, StrictSchema
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.fusion import references
 from rayfuse.fusion.aligned.algorithm import AlignedParams
+from rayfuse.memory import check_fits_memory
 from rayfuse.method import (
     ClientContext,
     Method,
@@ -157,6 +159,28 @@ class DistillParams(DistillOptions, MethodParams):
     def public_sample(self) -> bool:
         """It reads the server's public sample (its inputs only) with ``transfer: public``; data-free reads none."""
         return self.transfer == "public"
+
+
+# A batch's float32 copies besides its inputs: mixed and shifted inputs, the student's and the teachers' activations and
+# their gradients (a small model's; a deep one holds more, so this refuses only settings no machine here could run).
+BATCH_COPIES = 16
+
+
+def check_distill_memory(params: DistillParams, setup: RunSetup) -> None:
+    """Refuse, before start, a batch or a bank whose memory exceeds what the machine has: the inputs of the bank the
+    student draws from (public: ``steps / epochs * batch_size``; synthetic: ``bank_samples``) and ``BATCH_COPIES``
+    float32 copies of a batch, with every teacher's and the student's logits per input. Skipped while the input shape
+    is not known (silos, before their survey)."""
+    if setup.input_shape is None:
+        return
+    per_input = 4.0 * (math.prod(setup.input_shape) + (setup.num_classes or 1) * (setup.num_clients + 1))
+    if params.transfer == "public":
+        bank, key, batch = -(-params.steps // params.epochs) * params.batch_size, "batch_size", params.batch_size
+    else:
+        bank, batch = params.bank_samples, params.synthetic_batch
+        key = "synthetic_batch" if batch * BATCH_COPIES >= bank else "bank_samples"
+    given = getattr(params, key)
+    check_fits_memory(key, given, per_input * (bank + batch * BATCH_COPIES), f"distillation's inputs at {key} {given}")
 
 
 def transfer_note(params: DistillParams, samples: int | None) -> str:
@@ -332,6 +356,7 @@ class Distill(Method[DistillParams, None]):
 
     @classmethod
     def check(cls, params: DistillParams, setup: RunSetup) -> None:
+        check_distill_memory(params, setup)
         if params.transfer == "public" and setup.public_size <= 0:
             raise InputError(
                 "data.public_size",
