@@ -1219,7 +1219,7 @@ def load_fused(
     if shape is None and _META_SHAPE in meta:
         try:
             shape = tuple(int(n) for n in json.loads(meta[_META_SHAPE]))
-        except (json.JSONDecodeError, TypeError, ValueError):
+        except (json.JSONDecodeError, TypeError, ValueError, RecursionError):
             raise InputError(f"{file}: metadata {_META_SHAPE}", "a JSON list of integers", meta[_META_SHAPE][:40]) from None
     if _META_SPEC in meta:
         try:

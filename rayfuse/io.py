@@ -366,7 +366,7 @@ def _read_index(index: Path) -> dict[str, str]:
         weight_map = info["weight_map"]
         if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
             raise ValueError("weight_map is not a non-empty mapping of tensor names to shard files")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, RecursionError, KeyError, TypeError) as exc:
         raise InputError(str(index), "a shard index with a weight_map", f"unreadable ({type(exc).__name__}: {str(exc)[:80]})") from None
     for shard in dict.fromkeys(weight_map.values()):
         if Path(shard).name != shard:
@@ -510,7 +510,7 @@ def _mapped_safetensors(path: Path) -> dict[str, np.ndarray] | None:
                 return None
             header = json.loads(handle.read(n))
             mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size > 8 + n else None
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, RecursionError, UnicodeDecodeError):
         return None
     if not isinstance(header, dict):
         return None

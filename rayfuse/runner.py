@@ -537,7 +537,7 @@ def _check_config_hash(store: RunStore) -> None:
     try:
         recorded = json.loads(store.partition_file.read_text(encoding="utf-8")).get("config_sha256")
         found = hashlib.sha256(store.config_file.read_bytes()).hexdigest()
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, RecursionError, AttributeError):
         return
     if isinstance(recorded, str) and recorded != found:
         raise InputError(
@@ -943,7 +943,7 @@ def _check_resume_state(
         identity = json.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return []  # a folder of an earlier version: its config.yaml was compared above, its data cannot be
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested past the parser's depth
         raise InputError(
             str(file),
             "what the run folder's state was computed from (JSON)",
@@ -994,7 +994,7 @@ def _read_manifest(store: RunStore) -> dict[str, Any]:
             raise ValueError("not a JSON object")
         if not isinstance(manifest["hash"], str):
             raise ValueError("hash is not a string")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, RecursionError, KeyError, TypeError) as exc:
         raise InputError(
             str(store.partition_file),
             "the run's partition manifest (JSON with its hash)",

@@ -128,7 +128,7 @@ class Checkpointer:
         """The record of the latest checkpointed round before ``round`` (``latest.json`` or its ``previous``)."""
         try:
             info = json.loads(self.pointer.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             return None
         for record in (info, info.get("previous") if isinstance(info, dict) else None):
             if isinstance(record, dict) and isinstance(record.get("round"), int) and record["round"] < round:
@@ -149,7 +149,7 @@ class Checkpointer:
             info = json.loads(self.pointer.read_text(encoding="utf-8"))
             if not isinstance(info, dict):
                 raise ValueError("not a JSON object")
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             warn(f"{self.pointer}: damaged ({_reason(exc)}); restarting the method from its first round")
             return None
         problems: list[str] = []
@@ -238,7 +238,7 @@ def claim_run_folder(folder: str | Path, *, resume: bool = False) -> RunClaim:
         try:
             info = json.loads(os.pread(fd, 4096, 0) or b"{}")
             holder = f" by process {info.get('pid')} on {info.get('host')} since {info.get('since')}"
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, RecursionError, AttributeError):
             pass
         os.close(fd)
         raise InputError(
@@ -312,7 +312,7 @@ class RunStore:
             summary = json.loads(file.read_text(encoding="utf-8"))
             if not isinstance(summary, dict) or not isinstance(summary.get("metrics"), dict):
                 raise ValueError("not a method summary")
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             if warn is not None:
                 warn(f"{file}: damaged ({_reason(exc)}); running {label} again")
             return None
@@ -580,7 +580,7 @@ class LocalModelStore:
             file = entry.folder / "params.safetensors"
             params = read_checkpoint(file, mapped=True)[0] if mapped else load_params(file)
             return params, {k: float(v) for k, v in stats.items()}
-        except (InputError, OSError, ValueError, TypeError, AttributeError):
+        except (InputError, OSError, ValueError, RecursionError, TypeError, AttributeError):
             discard_entry(entry.folder)  # damaged: the client trains the (deterministic) model again and republishes
             return None
 
@@ -620,7 +620,7 @@ def note_data_files(root: str | Path, files: Mapping[str, Mapping[str, str]]) ->
         record = folder / f"{content_key({'key': key, 'path': now['path']})}.json"
         try:
             before = json.loads(record.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             before = None  # first use of this file with this cache (or a damaged record: rewritten below)
         if isinstance(before, dict):
             changed += changed_files({key: before}, {key: now})

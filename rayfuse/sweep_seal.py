@@ -298,7 +298,7 @@ def verify_sweep(experiment: str | os.PathLike, storage: str | os.PathLike | Non
             raise ValueError("unknown seal format")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
             raise ValueError("malformed file list")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: nested past the parser's depth
         raise InputError(str(seal), "a seal written by rayfuse", f"a damaged file ({type(exc).__name__})", hint) from None
     if not hmac.compare_digest(_mac(load_key(), files), mac):
         raise InputError(str(seal), "a seal made with your sweep key", "a seal that does not verify (another user's, or edited)", hint)

@@ -254,6 +254,8 @@ RUN_FOLDER_CORPUS = [
     ("partition.json", truncate, "partition.json: expected the run's partition manifest"),
     ("partition.json", no_hash, "partition.json: expected the run's partition manifest"),
     ("partition.json", lambda f: f.write_text('{"hash": 7}'), "partition.json: expected"),
+    ("partition.json", lambda f: f.write_text("[" * 100_000), "partition.json: expected the run's partition manifest"),  # RecursionError
+    ("identity.json", lambda f: f.write_text("{" * 100_000), "identity.json: expected"),
 ]
 
 
@@ -495,6 +497,10 @@ SWEEP_CORPUS: dict[str, tuple[Callable[..., None], str]] = {
     "another-users-key": (with_other_key, "rayfuse-seal.json: expected a seal made with your sweep key"),
     "seal-edited": (sealed_then(edit_seal), "rayfuse-seal.json: expected a seal made with your sweep key"),
     "seal-damaged": (sealed_then(lambda e: garbage(e / "rayfuse-seal.json")), "rayfuse-seal.json: expected a seal written by rayfuse"),
+    "seal-nested-too-deep": (  # json.loads recurses: a RecursionError, not a ValueError
+        sealed_then(lambda e: (e / "rayfuse-seal.json").write_text("[" * 100_000)),
+        "rayfuse-seal.json: expected a seal written by rayfuse, got 'a damaged file (RecursionError)'",
+    ),
     "tuner-pkl-replaced": (
         sealed_then(replace_pickle),
         "tuner.pkl: expected the file as this sweep's rayfuse sealed it, got 'a file changed",

@@ -99,7 +99,7 @@ def _header_and_start(file: Path, where: str) -> tuple[dict[str, Any], int]:
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
         return header, 8 + n
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
+    except (OSError, ValueError, RecursionError, UnicodeDecodeError) as exc:
         raise InputError(where, "a safetensors file", f"{type(exc).__name__}: {str(exc)[:80]}") from None
 
 
@@ -177,7 +177,7 @@ class ModelSource:
     def _weight_map(self, index: Path) -> dict[str, str]:
         try:
             data = json.loads(index.read_text())
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             raise InputError(f"{self.where}: {INDEX}", "a JSON index (weight_map)", f"{type(exc).__name__}: {str(exc)[:80]}") from None
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
