@@ -86,6 +86,13 @@ def split_simulation(cfg: ExperimentConfig, out: str | Path, *, key: str = "--ou
     if cfg.data.dataset == "arrays":
         raise InputError("data.dataset", "a dataset a config file names (rayfuse split reads the config's own data)", "arrays")
     folder = Path(out)
+    if "${" in str(folder.resolve()):  # silos.yaml holds absolute paths, and its reader expands ${NAME} in them
+        raise InputError(
+            key,
+            "a folder whose absolute path holds no '${' (the silo config's paths expand ${NAME} on each node)",
+            str(folder.resolve()),
+            "pick a folder elsewhere",
+        )
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise InputError(key, "a new or empty folder", str(folder), "pick another folder")
     check_writable_folder(folder, key=key)

@@ -256,3 +256,22 @@ def test_split_leaves_out_only_the_methods_that_read_the_whole_dataset(tmp_path)
     from rayfuse.runner import prepare_run
 
     prepare_run(silo_cfg)  # the kept oracle passes the silo run's pre-start checks
+
+
+@pytest.mark.parametrize("parent", ["${HOME}", "a${b", "${NOPE}"])
+def test_split_refuses_an_out_folder_below_a_literal_dollar_brace(tmp_path, capsys, parent):
+    # silos.yaml writes absolute paths, and its reader expands ${NAME}: such a folder would write a config that does not run
+    config = _write(tmp_path / "sim.yaml", {**SIMULATION, "data": {"dataset": "iris"}})
+    out = tmp_path / parent / "silos"
+    _one_line_exit_2(
+        capsys, ["split", str(config), "--out", str(out)], r"^rayfuse: error: --out: expected a folder whose absolute path holds no"
+    )
+    assert not (tmp_path / parent).exists()
+
+
+def test_split_without_a_data_section_keeps_the_quickstarts_public_sample_only_for_a_method_that_reads_one(tmp_path, capsys):
+    for methods, public in (({"fedavg": {}}, False), ({"distill": {}}, True)):
+        config = _write(tmp_path / "sim.yaml", {"partition": {"num_clients": 2}, "methods": methods})
+        out = tmp_path / f"silos-{public}"
+        assert main(["split", str(config), "--out", str(out)]) == 0
+        assert (out / "server" / "public.npz").exists() == public
