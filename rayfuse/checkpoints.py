@@ -539,6 +539,8 @@ def _distill_needs(params: BaseModel) -> dict[str, str]:
     }
     if p.transfer == "public":
         out["data"] = "transfer: public (its inputs are the transfer set)"
+    elif p.init == "aligned" and p.alignment == "activation":
+        out["data"] = "alignment: activation (the models' activations on it are matched for the student's start)"
     return out
 
 
@@ -852,6 +854,15 @@ def load_fuse_inputs(spec: FuseSpec, models: Sequence[Mapping[str, np.ndarray]],
                     f"{prefix}vocab", f"at most the model's vocabulary ({rows} rows in its input embedding)", spec.vocab
                 ) from None
             raise
+        labels = np.asarray(y) if y is not None else None
+        if labels is not None and labels.dtype.kind in "iu" and len(outputs) == 2 and labels.size:
+            # class labels (a Fisher's log-likelihood reads the output at each label): within the model's outputs
+            if labels.min() < 0 or labels.max() >= outputs[1]:
+                raise InputError(
+                    f"{prefix}data.path",
+                    f"class labels in [0, {outputs[1]}) (the model's {outputs[1]} outputs)",
+                    f"labels {int(labels.min())}..{int(labels.max())}",
+                )
         for i, (arch, teacher) in enumerate(zip(own, built)):
             if arch is not None:
                 check_inputs_fit(teacher, example, where=f"{where} (models.{i}.architecture {arch[0]})", num_outputs=int(outputs[1]))

@@ -170,6 +170,16 @@ def check_aggregation(specs: Sequence[MethodSpec], federation: Any) -> None:
             "flat or unset with federation.attacks (an attacked round needs each client's update, not a partial sum)",
             mode,
         )
+    if not any(getattr(spec.method_cls, "streams_rounds", False) for spec in specs):
+        from rayfuse.method import METHODS
+
+        streaming = sorted(name for name, cls in METHODS.items() if getattr(cls, "streams_rounds", False))
+        raise InputError(
+            "federation.aggregation",
+            f"flat or unset when no configured method folds rounds of updates into sums ({mode} serves "
+            f"{', '.join(streaming)}), not with {', '.join(spec.label for spec in specs)}",
+            mode,
+        )
     for spec in specs:
         aggregator, dp = pipeline_settings(spec.params)
         if getattr(spec.method_cls, "streams_rounds", False) and not isinstance(dp, CentralDPSettings) and aggregator.name != "mean":
@@ -225,13 +235,19 @@ def check_round_memory(
     else:
         limit, source = (available if available is not None else available_memory()), "the available memory"
     for spec in specs:
-        if fuses_of(spec.method_cls, spec.params) != "parameters":
+        gathers = spec.method_cls.tags.uses_local_models and getattr(spec.params, "teachers", None) != "clients"
+        if fuses_of(spec.method_cls, spec.params) != "parameters" and not gathers:
             continue
-        bound, what = round_memory(spec, federation, num_clients, model_bytes)
+        if fuses_of(spec.method_cls, spec.params) == "parameters":
+            bound, what = round_memory(spec, federation, num_clients, model_bytes)
+        else:  # every client's local model on the coordinator (distill's teachers, GEMS' models), the result, one more
+            bound, what = (num_clients + 2) * model_bytes, f"gathered: {num_clients} local models"
         if bound <= limit:
             continue
         aggregator, _ = pipeline_settings(spec.params)
-        if getattr(spec.method_cls, "streams_rounds", False) and not federation.streaming:
+        if not hasattr(spec.params, "aggregator") and getattr(spec.params, "teachers", None) == "parameters":
+            key, hint = f"methods.{spec.label}.teachers", "teachers: clients keeps each local model on its client (predictions only)"
+        elif getattr(spec.method_cls, "streams_rounds", False) and not federation.streaming:
             key, hint = "federation.streaming", "set federation.streaming: true (the rule is a sum)"
         elif getattr(spec.method_cls, "streams_rounds", False) and federation.attacks:
             key, hint = "federation.attacks", "attacked rounds gather every update: drop the attacks or use fewer clients"

@@ -183,6 +183,25 @@ def check_distill_memory(params: DistillParams, setup: RunSetup) -> None:
     check_fits_memory(key, given, per_input * (bank + batch * BATCH_COPIES), f"distillation's inputs at {key} {given}")
 
 
+def check_nested_aligned(params: AlignedParams, setup: RunSetup) -> None:
+    """The ``aligned:`` block (``init: aligned``) checked as an ``aligned`` entry of its own is, before start: the
+    method's own check (its spec, its graph) and the update pipeline's (an aggregator's precondition, its DP), with
+    the errors at ``aligned.<key>`` below this entry."""
+    from rayfuse.config import CONFIG_SECTIONS
+    from rayfuse.fusion.aligned.algorithm import Aligned
+    from rayfuse.fusion.pipeline import check_update_pipeline
+    from rayfuse.method import MethodSpec
+
+    try:
+        Aligned.check(params, setup)
+        check_update_pipeline([MethodSpec("aligned", "aligned", Aligned, params)], setup, ())
+    except InputError as exc:
+        path = exc.path.removeprefix("methods.aligned.")
+        if path.split(".", 1)[0].split("[", 1)[0] in CONFIG_SECTIONS:
+            raise
+        raise exc.at(f"aligned.{path}") from None
+
+
 def transfer_note(params: DistillParams, samples: int | None) -> str:
     """How the table's ``extra`` column names the transfer data: ``public sample (300)``, ``synthetic (data-free)``,
     and ``, predictions only`` with ``teachers: clients``."""
@@ -357,6 +376,8 @@ class Distill(Method[DistillParams, None]):
     @classmethod
     def check(cls, params: DistillParams, setup: RunSetup) -> None:
         check_distill_memory(params, setup)
+        if params.init == "aligned" and params.teachers == "parameters":
+            check_nested_aligned(params.aligned, setup)
         if params.transfer == "public" and setup.public_size <= 0:
             raise InputError(
                 "data.public_size",
