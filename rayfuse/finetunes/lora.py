@@ -60,7 +60,7 @@ from pydantic import Field, ValidationError
 
 from rayfuse.config import StrictSchema, pydantic_input_error
 from rayfuse.errors import InputError, suggest
-from rayfuse.io import check_writable_folder, read_checkpoint
+from rayfuse.io import check_new_output, read_checkpoint
 
 __all__ = [
     "LoraParams",
@@ -511,9 +511,7 @@ def load_lora_config(raw: Mapping[str, Any], path: Path, output: str | Path | No
     if out.suffix in (".safetensors", ".pt", ".pth", ".bin", ".json"):
         kind = "a PEFT adapter" if spec.output_kind == "adapter" else "a Hugging Face model"
         raise InputError(f"{path}: output", f"a folder (merge_method: lora writes {kind} folder)", str(out))
-    if out.exists():
-        raise InputError(f"{path}: output", "a folder that does not exist yet (nothing is overwritten)", str(out))
-    check_writable_folder(out.parent, key=f"{path}: output")
+    check_new_output(out, key=f"{path}: output", what="a folder")
     return LoraSpec(adapters, weights, spec.parameters, base, spec.output_kind, spec.dtype, out, path, where)
 
 
