@@ -600,8 +600,12 @@ def _adapter_output(
 
 def _load_base(base: Path) -> Any:
     """The base model: the class its ``config.json`` names (``architectures``), else ``AutoModel``, from the local
-    folder (``local_files_only``: nothing is downloaded)."""
+    folder (``local_files_only``: nothing is downloaded), quietly; a config that does not describe the folder's
+    safetensors weights is refused first (``from_pretrained`` would fail, or reinitialise what they lack)."""
     import transformers
+
+    from rayfuse.finetunes.hf import INDEX, SINGLE, ModelSource, check_config_describes
+    from rayfuse.models.hf import quiet_transformers
 
     try:
         names = json.loads((base / "config.json").read_text(encoding="utf-8")).get("architectures") or []
@@ -609,8 +613,11 @@ def _load_base(base: Path) -> Any:
         raise InputError(f"{base / 'config.json'}", "a Hugging Face model config (JSON)", f"unreadable ({type(exc).__name__})") from None
     cls = getattr(transformers, names[0], None) if names and isinstance(names[0], str) else None
     cls = cls if cls is not None and hasattr(cls, "from_pretrained") else transformers.AutoModel
+    if (base / SINGLE).is_file() or (base / INDEX).is_file():
+        check_config_describes(base, ModelSource(base, str(base)).tensors)
     try:
-        return cls.from_pretrained(str(base), local_files_only=True).eval()
+        with quiet_transformers():
+            return cls.from_pretrained(str(base), local_files_only=True).eval()
     except Exception as exc:  # noqa: BLE001 - the library's many errors for a folder it cannot load: one line
         first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
         raise InputError(
@@ -747,7 +754,10 @@ def run_lora(spec: LoraSpec, log: Callable[[str], None] | None = None) -> dict[s
         count, parameters = len(state), int(sum(v.numel() for v in state.values()))
 
         def write(folder: Path) -> None:
-            model.save_pretrained(str(folder))
+            from rayfuse.models.hf import quiet_transformers
+
+            with quiet_transformers():  # its "Writing model shards" bars
+                model.save_pretrained(str(folder))
             for name in _TOKENIZER_FILES:  # the base's tokenizer goes with it, as mergekit copies it
                 if (base / name).is_file():
                     shutil.copy2(base / name, folder / name)
