@@ -54,7 +54,7 @@ from rayfuse.fusion.distill.algorithm import DistillOptions
 from rayfuse.io import (
     DEFAULT_MAX_SHARD_SIZE,
     TORCH_ONLY_FLOATS,
-    check_writable_folder,
+    check_new_output,
     params_exist,
     read_checkpoint,
     read_params_metadata,
@@ -725,9 +725,7 @@ def load_fuse_config(
         out = path.parent / out
     if out.suffix != ".safetensors":
         raise InputError(f"{path}: output", "a .safetensors file", str(out))
-    if out.exists():
-        raise InputError(f"{path}: output", "a file that does not exist yet (nothing is overwritten)", str(out))
-    check_writable_folder(out.parent, key=f"{path}: output")
+    check_new_output(out, key=f"{path}: output", what="a file")
     data = None
     if spec.data is not None:
         data = Path(spec.data.path)

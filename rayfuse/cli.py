@@ -18,6 +18,7 @@ config defaults). Exit codes: 0 success, 2 bad input (one line naming the key pa
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -129,6 +130,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rayfuse.runner import check_new_folder
 
     sets = list(args.set) + _operational_overrides(args)
+    if args.verbose:  # transformers' own warnings and bars too (rayfuse.models.hf.quiet_transformers leaves them)
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "warning")
     if args.resume:
         if args.config:
             raise InputError("CONFIG", "no config file with --resume (the run's own config.yaml is used)", args.config)

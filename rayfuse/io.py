@@ -24,6 +24,7 @@ __all__ = [
     "atomic_write_text",
     "atomic_write_json",
     "check_writable_folder",
+    "check_new_output",
     "save_params",
     "load_params",
     "DEFAULT_MAX_SHARD_SIZE",
@@ -91,6 +92,17 @@ def check_writable_folder(path: str | os.PathLike, *, key: str) -> Path:
     if problem:
         where = "" if existing == Path(os.path.abspath(target)) else f" in {existing}"
         raise InputError(key, "a folder rayfuse can create or write to", str(target), f"{problem.lower()}{where}")
+    return target
+
+
+def check_new_output(path: str | os.PathLike, *, key: str, what: str) -> Path:
+    """Check, before anything starts, an output rayfuse creates whole (``what``: "a folder", "a .safetensors file"...):
+    nothing is at ``path`` yet, so nothing is overwritten or mixed with an earlier output's files, and its folder can be
+    written (:func:`check_writable_folder`). Raises :class:`InputError` at ``key``; returns ``path``."""
+    target = Path(path)
+    if target.exists():
+        raise InputError(key, f"{what} that does not exist yet (nothing is overwritten)", str(target))
+    check_writable_folder(target.parent, key=key)
     return target
 
 

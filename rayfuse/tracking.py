@@ -13,8 +13,14 @@ in the experiment (``tracking.mlflow.experiment``, default ``run.name``) with th
 Without ``tracking.mlflow.uri`` the store is the run folder's ``mlruns/`` (MLflow's local file store: every run keeps
 its own record beside its results; ``mlflow ui --backend-store-uri <run>/mlruns`` shows it). A resumed run replaces
 what an earlier attempt of the same run folder logged (its runs are deleted first), so the record matches
-``results.json``. A failure to log (a tracking server that does not answer) is a ``warning`` event: the run's results
-are in its folder already.
+``results.json``.
+
+``tracking.mlflow.uri`` is checked before anything starts (:func:`check_tracking`): a folder (or ``file:`` URI) rayfuse
+can create or write to, a scheme MLflow stores runs at, and for ``http(s)://`` a server that answers a TCP connect
+within :data:`PROBE_TIMEOUT_S` (a run of hours whose record would be lost at its end is refused in seconds instead).
+A failure to log at the end (a server gone down meanwhile) is a ``warning`` event, the run's results being in its
+folder already; it costs seconds, not MLflow's default retries of about 4 minutes: the server is probed again first,
+and rayfuse's own requests retry once with a 10 s timeout (:data:`HTTP_SETTINGS`, unless set in the environment).
 """
 
 from __future__ import annotations
@@ -24,33 +30,78 @@ import importlib.util
 import json
 import math
 import os
+import re
+import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from rayfuse.config import ExperimentConfig, MlflowConfig
-from rayfuse.errors import InputError
+from rayfuse.errors import InputError, suggest
+from rayfuse.io import check_writable_folder
 
-__all__ = ["check_tracking", "mlflow_uri", "log_to_mlflow", "RUN_TAG"]
+__all__ = ["check_tracking", "check_mlflow_uri", "mlflow_uri", "log_to_mlflow", "RUN_TAG", "PROBE_TIMEOUT_S", "HTTP_SETTINGS"]
 
 #: the tag naming the run folder (a hash of its absolute path) on every MLflow run rayfuse logs for it
 RUN_TAG = "rayfuse.run_folder"
 _INSTALL = "pip install 'rayfuse[mlflow]' (or pip install mlflow-skinny)"
 _BATCH = 1000  # MLflow's limit of metrics per log_batch call
 _PARAM_BATCH = 100  # and of params
+_KEY = "tracking.mlflow.uri"
+#: seconds a tracking server has to accept a TCP connection, before start and again before logging
+PROBE_TIMEOUT_S = 3.0
+#: MLflow's HTTP settings for rayfuse's own requests (MLflow's defaults: 7 retries with backoff, 120 s timeout, about 4
+#: minutes against a dead server); a value set in the environment wins
+HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+#: the keywords MLflow takes as a whole URI
+_KEYWORDS = ("databricks", "databricks-uc", "uc")
+# a URI's scheme; one letter is a Windows drive, as MLflow reads it
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):")
 
 
 def check_tracking(cfg: ExperimentConfig) -> None:
-    """Before anything starts: a sink the config asks for must be importable. Raises :class:`InputError` at
-    ``tracking.mlflow`` naming the install command."""
-    if cfg.tracking.mlflow is not None and importlib.util.find_spec("mlflow") is None:
+    """Before anything starts: a sink the config asks for must be importable (:class:`InputError` at
+    ``tracking.mlflow`` naming the install command), and its URI usable (:func:`check_mlflow_uri`)."""
+    settings = cfg.tracking.mlflow
+    if settings is None:
+        return
+    if importlib.util.find_spec("mlflow") is None:
         raise InputError(
             "tracking.mlflow",
             "MLflow installed (the MLflow sink logs each method to it)",
             "no module named mlflow",
             f"install it: {_INSTALL}; or drop tracking.mlflow",
         )
+    if settings.uri is not None:
+        check_mlflow_uri(settings.uri)
+
+
+def check_mlflow_uri(uri: str, *, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """``tracking.mlflow.uri`` before start: a folder or ``file:`` URI rayfuse can create or write to (not a file, nor
+    below one), another scheme one MLflow stores runs at, and an ``http(s)://`` server that accepts a TCP connection
+    within ``timeout_s`` (unless a proxy carries the requests: the proxy decides). Raises :class:`InputError` at
+    ``tracking.mlflow.uri``."""
+    if not uri.strip():
+        raise InputError(_KEY, "a folder, a file: URI or an http(s):// tracking server", uri, "leave uri out for the run folder's mlruns/")
+    scheme = _scheme(uri)
+    if scheme in (None, "file"):
+        check_writable_folder(_local_path(uri), key=_KEY)
+        return
+    supported = _supported_schemes()
+    if scheme not in supported:
+        where = ", ".join(f"{s}:" for s in supported)
+        hint = suggest(scheme, supported).strip(" ()")
+        raise InputError(
+            _KEY, f"a folder or a URI MLflow stores runs at ({where})", uri, hint or f"a folder whose name holds a colon: ./{uri}"
+        )
+    if scheme in ("http", "https"):
+        problem = _unreachable(uri, timeout_s)
+        if problem:
+            raise InputError(_KEY, f"an MLflow tracking server answering within {timeout_s:g} s", uri, problem)
 
 
 def mlflow_uri(settings: MlflowConfig, run_dir: str | Path) -> str:
@@ -59,9 +110,67 @@ def mlflow_uri(settings: MlflowConfig, run_dir: str | Path) -> str:
     uri = settings.uri
     if uri is None:
         return (Path(run_dir) / "mlruns").resolve().as_uri()
-    if "://" in uri or uri.startswith("file:") or uri in ("databricks", "databricks-uc"):
+    if _scheme(uri) is not None:
         return uri
     return Path(uri).expanduser().resolve().as_uri()
+
+
+def _scheme(uri: str) -> str | None:
+    """The scheme of ``uri`` (lower case; a keyword MLflow takes whole is its own), ``None`` for a folder."""
+    if uri in _KEYWORDS:
+        return uri
+    found = _SCHEME.match(uri)
+    return found.group(1).lower() if found else None
+
+
+def _local_path(uri: str) -> Path:
+    """The folder of a plain folder or ``file:`` URI (as :func:`mlflow_uri` reads it)."""
+    if _scheme(uri) is None:
+        return Path(uri).expanduser()
+    return Path(urllib.request.url2pathname(urllib.parse.urlsplit(uri).path))
+
+
+def _supported_schemes() -> list[str]:
+    """The schemes this MLflow stores runs at (its registry: plugins and installed database drivers included)."""
+    try:
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry  # not a public API
+
+        found = sorted(s for s in getattr(_tracking_store_registry, "_registry", {}) if s)
+    except Exception:
+        found = []
+    return found or ["file", "http", "https", *_KEYWORDS]
+
+
+def _unreachable(uri: str, timeout_s: float) -> str | None:
+    """Why nothing answers at an ``http(s)://`` URI (a TCP connect within ``timeout_s``), else ``None``."""
+    parts = urllib.parse.urlsplit(uri)
+    try:
+        host, port = parts.hostname, parts.port or (443 if parts.scheme.lower() == "https" else 80)
+    except ValueError:
+        return "not a port"
+    if not host:
+        return "no host"
+    if urllib.request.getproxies().get(parts.scheme.lower()) and not urllib.request.proxy_bypass(host):
+        return None  # requests go through the proxy, which may reach what this machine cannot
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        reason = "no answer" if isinstance(exc, TimeoutError) else (exc.strerror or type(exc).__name__)
+        return reason.lower()
+
+
+@contextmanager
+def _bounded_http() -> Iterator[None]:
+    """:data:`HTTP_SETTINGS` in the environment (where not set) while rayfuse logs, restored after: MLflow reads them at
+    each request."""
+    added = [k for k in HTTP_SETTINGS if k not in os.environ]
+    os.environ.update({k: HTTP_SETTINGS[k] for k in added})
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def log_to_mlflow(
@@ -84,7 +193,10 @@ def log_to_mlflow(
         # mlruns/ folder is exactly the local, server-less record this sink is for
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     try:
-        return _log(uri, experiment, run_dir, resolved, summaries)
+        if _scheme(uri) in ("http", "https") and (problem := _unreachable(uri, PROBE_TIMEOUT_S)):
+            raise ConnectionError(problem)  # gone since the run started: warn now, not after MLflow's retries
+        with _bounded_http():
+            return _log(uri, experiment, run_dir, resolved, summaries)
     except Exception as exc:  # a tracking server down, a store that refuses: the run's results stand without it
         warn(f"tracking.mlflow: not logged to {uri}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         return None

@@ -4,14 +4,24 @@ its metric rows at ``step=round`` and its fused model; refused before start when
 from __future__ import annotations
 
 import importlib.util
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
 
+import rayfuse
+from rayfuse import tracking
+from rayfuse.config import ExperimentConfig
 from rayfuse.errors import InputError
 from rayfuse.runner import InProcessBackend, prepare_run, run_experiment
 from rayfuse.store import RunStore
-from rayfuse.tracking import RUN_TAG, mlflow_uri
+from rayfuse.tracking import HTTP_SETTINGS, RUN_TAG, check_mlflow_uri, log_to_mlflow, mlflow_uri
+from tests.config.test_bad_inputs import Files, _snapshot, call, closed_port, refused_line
+from tests.config.test_bad_inputs import isolated as isolated  # noqa: F401  (the harness's fixture: the case's folder as cwd)
 
 
 def _run(cfg, run_dir, **kwargs):
@@ -93,3 +103,77 @@ def test_the_uri_a_folder_a_file_uri_or_a_server(tmp_path, monkeypatch):
     assert mlflow_uri(MlflowConfig(uri="mlruns"), tmp_path / "run") == (tmp_path / "mlruns").as_uri()
     assert mlflow_uri(MlflowConfig(uri="http://mlflow:5000"), tmp_path) == "http://mlflow:5000"
     assert mlflow_uri(MlflowConfig(uri="file:///srv/mlruns"), tmp_path) == "file:///srv/mlruns"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tracking.mlflow.uri checked before start (issue 39): one line naming the key, exit 2, nothing written
+
+
+def _job(uri: Callable[[Files], str], command: str = "run") -> Callable[[Files], Any]:
+    def make(f: Files) -> Any:
+        job = f.job(tracking={"mlflow": {"uri": uri(f)}})
+        return call(rayfuse.run, str(f.root / job)) if command == "api" else [command, job]
+
+    return make
+
+
+URI_CASES: dict[str, tuple[Callable[[Files], Any], str]] = {
+    "empty": (_job(lambda f: ""), "expected a folder, a file: URI or an http(s):// tracking server, got ''"),
+    "a-file": (_job(lambda f: f.a_file()), "expected a folder rayfuse can create or write to, got 'a-file'; it is a file, not a folder"),
+    "a-file-uri": (_job(lambda f: (f.root / f.a_file()).as_uri()), "it is a file, not a folder"),
+    "below-a-file-uri": (_job(lambda f: (f.root / f.a_file()).as_uri() + "/sub"), "a-file is a file, not a folder"),
+    "below-a-file": (_job(lambda f: f.a_file() + "/mlruns"), "expected a folder rayfuse can create or write to, got 'a-file/mlruns'"),
+    "read-only": (_job(lambda f: f.readonly() + "/mlruns"), "expected a folder rayfuse can create or write to"),
+    "misspelt-http": (_job(lambda f: "htp://127.0.0.1:5000"), "got 'htp://127.0.0.1:5000'; did you mean 'http'?"),
+    "misspelt-file": (_job(lambda f: "fiel:mlruns"), "expected a folder or a URI MLflow stores runs at ("),
+    "unknown-scheme": (_job(lambda f: "foo:bar"), "got 'foo:bar'; a folder whose name holds a colon: ./foo:bar"),
+    "no-host": (_job(lambda f: "https://"), "expected an MLflow tracking server answering within 3 s, got 'https://'; no host"),
+    "closed-port": (_job(lambda f: f"http://127.0.0.1:{closed_port()}"), "expected an MLflow tracking server answering within 3 s"),
+    "validate-closed-port": (_job(lambda f: f"http://127.0.0.1:{closed_port()}", "validate"), "; connection refused"),
+    "api-misspelt-file": (_job(lambda f: "fiel:mlruns", "api"), "did you mean 'file'?"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(URI_CASES))
+def test_a_bad_uri_is_refused_before_start_in_one_line(name: str, isolated: Path, capsys) -> None:
+    make, expected = URI_CASES[name]
+    command = make(Files(isolated))
+    capsys.readouterr()
+    before = _snapshot(isolated)
+    line = refused_line(command, capsys)
+    assert "tracking.mlflow.uri: expected " in line and expected in line, line
+    assert _snapshot(isolated) == before
+
+
+@pytest.mark.parametrize("uri", ["mlruns", "./a:b", "file:mlruns", "databricks"])
+def test_good_uris_pass_the_check_and_write_nothing(uri: str, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    check_mlflow_uri(uri)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_server_gone_by_the_end_of_the_run_costs_seconds_and_a_warning(make_config, tmp_path) -> None:
+    cfg = make_config(methods={"fedavg": {"rounds": 1}}, tracking={"mlflow": {"uri": f"http://127.0.0.1:{closed_port()}"}})
+    warnings: list[str] = []
+    t0 = time.perf_counter()
+    got = log_to_mlflow(cfg.tracking.mlflow, cfg=cfg, run_dir=tmp_path, resolved={}, summaries=[{"label": "x"}], warn=warnings.append)
+    assert got is None and time.perf_counter() - t0 < 5
+    assert len(warnings) == 1 and warnings[0].startswith("tracking.mlflow: not logged to http://127.0.0.1:") and "refused" in warnings[0]
+
+
+def test_mlflows_requests_are_bounded_while_rayfuse_logs_and_restored_after(monkeypatch) -> None:
+    from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT
+
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")  # the user's own setting wins
+    seen = {}
+
+    def fake_log(*args: Any) -> dict[str, Any]:
+        seen.update(retries=MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(), timeout=MLFLOW_HTTP_REQUEST_TIMEOUT.get())
+        return {}
+
+    monkeypatch.setattr(tracking, "_log", fake_log)
+    cfg = ExperimentConfig.model_validate({"data": {"dataset": "digits"}, "methods": {"average": {}}, "tracking": {"mlflow": {}}})
+    assert tracking.log_to_mlflow(cfg.tracking.mlflow, cfg=cfg, run_dir=".", resolved={}, summaries=[], warn=pytest.fail) == {}
+    assert seen == {"retries": int(HTTP_SETTINGS["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]), "timeout": 30}
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ and os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "30"

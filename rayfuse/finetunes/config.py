@@ -234,7 +234,7 @@ def load_finetune_config(raw: Mapping[str, Any], path: Path, output: str | Path 
     import os
 
     from rayfuse.finetunes.hf import parse_size
-    from rayfuse.io import check_writable_folder
+    from rayfuse.io import check_new_output
 
     spec = _validate(raw, path)
     method = spec.merge_method
@@ -326,9 +326,7 @@ def load_finetune_config(raw: Mapping[str, Any], path: Path, output: str | Path 
         out = path.parent / out
     if out.suffix not in ("", ".safetensors"):
         raise InputError(f"{path}: output", "a folder (Hugging Face layout, no suffix) or a .safetensors file", str(out))
-    if out.exists():
-        raise InputError(f"{path}: output", "a path that does not exist yet (nothing is overwritten)", str(out))
-    check_writable_folder(out.parent, key=f"{path}: output")
+    check_new_output(out, key=f"{path}: output", what="a path")
     threads = spec.threads or max(1, min(8, os.cpu_count() or 1))
     return FinetuneSpec(
         method,

@@ -27,7 +27,17 @@ import torch
 
 from rayfuse.errors import InputError
 
-__all__ = ["ModelSource", "TensorInfo", "ShardedWriter", "parse_size", "copy_model_files", "DTYPES", "TORCH_DTYPES", "MODEL_FILES"]
+__all__ = [
+    "ModelSource",
+    "TensorInfo",
+    "ShardedWriter",
+    "parse_size",
+    "copy_model_files",
+    "check_config_describes",
+    "DTYPES",
+    "TORCH_DTYPES",
+    "MODEL_FILES",
+]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -316,3 +326,49 @@ def copy_model_files(folder: Path | None) -> list[Path]:
     if folder is None:
         return []
     return [folder / name for name in MODEL_FILES if (folder / name).is_file()]
+
+
+def check_config_describes(folder: Path, tensors: Mapping[str, TensorInfo]) -> None:
+    """Before an output folder is written with ``folder``'s ``config.json`` copied beside ``tensors`` (the output's
+    names and shapes): the model that config builds (the class its ``architectures`` names, on the meta device: no
+    memory, no values) holds exactly these tensors, so ``from_pretrained`` loads the output; else one line naming the
+    config. Tied tensors count once; the keys the class itself lets a checkpoint lack or add are ignored, as
+    ``from_pretrained`` ignores them. A config transformers cannot build here (an architecture it does not have: custom
+    code, which rayfuse never runs) is not checked."""
+    import transformers
+
+    from rayfuse.models.hf import quiet_transformers
+
+    file = folder / "config.json"
+    with quiet_transformers():
+        try:
+            config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+            names = getattr(config, "architectures", None) or []
+            cls = getattr(transformers, names[0], None) if names and isinstance(names[0], str) else None
+            if cls is None or not hasattr(cls, "_from_config"):
+                return
+            with torch.device("meta"):
+                model = cls._from_config(config)
+        except Exception:  # noqa: BLE001 - a config transformers cannot build: the output is written as before
+            return
+    state = model.state_dict(keep_vars=True)
+    prefix = getattr(cls, "base_model_prefix", "")
+    if prefix and not set(tensors) & set(state):  # from_pretrained adds or strips the base model's prefix
+        added = {f"{prefix}.{k}": v for k, v in tensors.items()}
+        tensors = added if set(added) & set(state) else {k.removeprefix(f"{prefix}."): v for k, v in tensors.items()}
+    groups: dict[int, list[str]] = {}  # tied tensors: one object under several names
+    for key, value in state.items():
+        groups.setdefault(id(value), []).append(key)
+    ignored = [re.compile(p) for p in (getattr(cls, "_keys_to_ignore_on_load_missing", None) or [])]
+    extra_ok = [re.compile(p) for p in (getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    what = "a config.json describing the weights beside it (from_pretrained would fail, or reinitialise what they lack)"
+    name = cls.__name__
+    for key, info in tensors.items():
+        if key in state and tuple(state[key].shape) != info.shape:
+            raise InputError(str(file), what, f"{name} with {key} {tuple(state[key].shape)}, in the weights {info.shape}")
+    unexpected = [k for k in tensors if k not in state and not any(p.search(k) for p in extra_ok)]
+    if unexpected:
+        raise InputError(str(file), what, f"{name} without {unexpected[0]} ({len(unexpected)} such)")
+    missing = [keys[0] for keys in groups.values() if not any(k in tensors for k in keys) and not any(p.search(keys[0]) for p in ignored)]
+    if missing:
+        raise InputError(str(file), what, f"{name} with {missing[0]}, not in the weights ({len(missing)} such)")

@@ -60,7 +60,7 @@ from pydantic import Field, ValidationError
 
 from rayfuse.config import StrictSchema, pydantic_input_error
 from rayfuse.errors import InputError, suggest
-from rayfuse.io import check_writable_folder, read_checkpoint
+from rayfuse.io import check_new_output, read_checkpoint
 
 __all__ = [
     "LoraParams",
@@ -511,9 +511,7 @@ def load_lora_config(raw: Mapping[str, Any], path: Path, output: str | Path | No
     if out.suffix in (".safetensors", ".pt", ".pth", ".bin", ".json"):
         kind = "a PEFT adapter" if spec.output_kind == "adapter" else "a Hugging Face model"
         raise InputError(f"{path}: output", f"a folder (merge_method: lora writes {kind} folder)", str(out))
-    if out.exists():
-        raise InputError(f"{path}: output", "a folder that does not exist yet (nothing is overwritten)", str(out))
-    check_writable_folder(out.parent, key=f"{path}: output")
+    check_new_output(out, key=f"{path}: output", what="a folder")
     return LoraSpec(adapters, weights, spec.parameters, base, spec.output_kind, spec.dtype, out, path, where)
 
 
@@ -602,8 +600,12 @@ def _adapter_output(
 
 def _load_base(base: Path) -> Any:
     """The base model: the class its ``config.json`` names (``architectures``), else ``AutoModel``, from the local
-    folder (``local_files_only``: nothing is downloaded)."""
+    folder (``local_files_only``: nothing is downloaded), quietly; a config that does not describe the folder's
+    safetensors weights is refused first (``from_pretrained`` would fail, or reinitialise what they lack)."""
     import transformers
+
+    from rayfuse.finetunes.hf import INDEX, SINGLE, ModelSource, check_config_describes
+    from rayfuse.models.hf import quiet_transformers
 
     try:
         names = json.loads((base / "config.json").read_text(encoding="utf-8")).get("architectures") or []
@@ -611,8 +613,11 @@ def _load_base(base: Path) -> Any:
         raise InputError(f"{base / 'config.json'}", "a Hugging Face model config (JSON)", f"unreadable ({type(exc).__name__})") from None
     cls = getattr(transformers, names[0], None) if names and isinstance(names[0], str) else None
     cls = cls if cls is not None and hasattr(cls, "from_pretrained") else transformers.AutoModel
+    if (base / SINGLE).is_file() or (base / INDEX).is_file():
+        check_config_describes(base, ModelSource(base, str(base)).tensors)
     try:
-        return cls.from_pretrained(str(base), local_files_only=True).eval()
+        with quiet_transformers():
+            return cls.from_pretrained(str(base), local_files_only=True).eval()
     except Exception as exc:  # noqa: BLE001 - the library's many errors for a folder it cannot load: one line
         first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
         raise InputError(
@@ -749,7 +754,10 @@ def run_lora(spec: LoraSpec, log: Callable[[str], None] | None = None) -> dict[s
         count, parameters = len(state), int(sum(v.numel() for v in state.values()))
 
         def write(folder: Path) -> None:
-            model.save_pretrained(str(folder))
+            from rayfuse.models.hf import quiet_transformers
+
+            with quiet_transformers():  # its "Writing model shards" bars
+                model.save_pretrained(str(folder))
             for name in _TOKENIZER_FILES:  # the base's tokenizer goes with it, as mergekit copies it
                 if (base / name).is_file():
                     shutil.copy2(base / name, folder / name)

@@ -24,7 +24,7 @@ import torch
 
 from rayfuse.errors import InputError
 from rayfuse.finetunes.config import FinetuneSpec, evaluate, layer_positions
-from rayfuse.finetunes.hf import TORCH_DTYPES, ModelSource, ShardedWriter, copy_model_files
+from rayfuse.finetunes.hf import TORCH_DTYPES, ModelSource, ShardedWriter, check_config_describes, copy_model_files
 from rayfuse.finetunes.taskvec import (
     TASK_VECTOR_METHODS,
     Rescale,
@@ -178,6 +178,11 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
     out_dtype = {n: (spec.dtype if spec.dtype is not None and "float" in i.dtype else i.dtype) for n, i in reference.tensors.items()}
     sources = [m.path for m in models] + ([spec.base] if spec.base is not None else [])
     metadata = {"method": method, "models": ",".join(p.name for p in sources)}
+    # the folder whose config.json (and tokenizer) the output copies: its model must be the merged tensors'
+    folder = spec.base if spec.base is not None and spec.base.is_dir() else next((m for m in spec.models if m.is_dir()), None)
+    extra = copy_model_files(folder) if spec.output.suffix != ".safetensors" else []
+    if folder is not None and folder / "config.json" in extra:
+        check_config_describes(folder, reference.tensors)
     writer = ShardedWriter(spec.output, {n: (reference.tensors[n].shape, out_dtype[n]) for n in names}, spec.max_shard_size, metadata)
 
     order = [reference, *[m for m in models if m is not reference]]  # the reference first, as the merges take them
@@ -268,8 +273,7 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
                     log(f"{method}: {k + 1}/{len(names)} tensors")
             done, _ = wait(pending)
             total += sum(f.result() for f in done)
-        folder = spec.base if spec.base is not None and spec.base.is_dir() else next((m for m in spec.models if m.is_dir()), None)
-        writer.commit(copy_model_files(folder) if not writer.single else [])
+        writer.commit(extra)
     except BaseException:
         writer.abort()
         raise

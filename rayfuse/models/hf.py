@@ -11,6 +11,8 @@ names. Its weights are the base of ``fedlora`` / ``fedmerge`` (their ``base:``, 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +30,36 @@ __all__ = [
     "hf_factory",
     "hf_folder_of",
     "hf_model",
+    "quiet_transformers",
 ]
 
 #: ``model.name`` of a Hugging Face folder: ``hf:<folder>``
 HF_PREFIX = "hf:"
 
 _TOKEN_CLASSES: dict[type, type] = {}
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' log at error level and its progress bars off while rayfuse builds, loads or saves a model, restored
+    after: its load report (missing / unexpected keys, 20 lines) and "Loading weights" bars would print before
+    rayfuse's own one-line refusal or summary, which says what matters. ``TRANSFORMERS_VERBOSITY`` set in the
+    environment (``rayfuse run --verbose`` sets ``warning``, transformers' default, where it is unset) leaves them as the
+    user asked."""
+    if os.environ.get("TRANSFORMERS_VERBOSITY"):
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def hf_folder_of(name: str) -> str | None:
@@ -71,7 +97,8 @@ def _architecture(folder: Path, where: str) -> tuple[Any, Any]:
     import transformers
 
     try:
-        config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        with quiet_transformers():
+            config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - transformers' many errors for an unreadable config: one line
         first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
         raise InputError(where, f"a Hugging Face config in {folder / 'config.json'}", f"{type(exc).__name__}: {first}") from None
@@ -142,7 +169,8 @@ class HFModel:
         labels = getattr(config, "num_labels", None)
         if labels is not None and labels != num_classes:
             raise InputError(self.where, f"a classifier of the data's {num_classes} classes", f"num_labels {labels} in {self.folder}")
-        return _token_ids_forward(cls.from_config(config) if cls.__name__.startswith("Auto") else cls(config))
+        with quiet_transformers():
+            return _token_ids_forward(cls.from_config(config) if cls.__name__.startswith("Auto") else cls(config))
 
 
 def hf_model(folder: str | Path) -> HFModel:
@@ -157,7 +185,8 @@ def check_token_ids(factory: HFModel, X: np.ndarray, where: str = "data") -> Non
     one line saying what the data must be. The shape (rows no longer than its positions) is the builder's check."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(factory.folder, local_files_only=True)
+    with quiet_transformers():
+        config = transformers.AutoConfig.from_pretrained(factory.folder, local_files_only=True)
     vocab = getattr(config, "vocab_size", None)
     if X.size == 0:
         return

@@ -104,9 +104,14 @@ class FedLoraParams(MethodParams):
 
 def lora_targets(model: Any, patterns: list[str] | None, where: str = "target_modules") -> list[str]:
     """The names of ``model``'s ``nn.Linear`` modules to adapt: those a pattern names (exactly or as a full-match
-    regex), or every Linear but the last. A pattern that matches no Linear is an :class:`InputError`."""
+    regex), or every Linear but the last. A pattern that matches no Linear, or no pattern at all (an empty list adapts
+    nothing), is an :class:`InputError`."""
     from torch import nn
 
+    if patterns is not None and not patterns:
+        raise InputError(
+            where, "at least one module name or pattern (an empty list matches nothing)", [], "leave it out for every Linear but the last"
+        )
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if patterns is None:
         if len(linears) < 2:

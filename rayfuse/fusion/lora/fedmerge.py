@@ -16,10 +16,10 @@ each client's update of a weight (``full``: the task vector; ``lora``: the produ
 sample counts; the fused model is the base plus the merged update. ``merge: average`` is the statistics-free reference
 (the weighted average of the updates: for adapters, of the products, which is exact where averaging the factors is not).
 
-With ``export:`` each client also writes, into that folder on its own machine, its fine-tuned model
-(``client-<id>.safetensors``) and its statistics (``client-<id>.<merge>.safetensors``), and the server the base
-(``base.safetensors``): the files ``rayfuse fuse``'s ``fisher`` / ``regmean`` read (with ``base_model:``), so the
-offline merge of those files gives the federated one.
+With ``export:`` (a folder that does not exist yet) each client also writes, into that folder on its own machine,
+its fine-tuned model (``client-<id>.safetensors``) and its statistics (``client-<id>.<merge>.safetensors``), and the
+server the base (``base.safetensors``): the files ``rayfuse fuse``'s ``fisher`` / ``regmean`` read (with
+``base_model:``), so the offline merge of those files gives the federated one.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class FedMergeParams(MethodParams):
     weighted: bool = Field(True, description="weight clients by their sample counts")
     export: str | None = Field(
         None,
-        description="a folder where each client writes its fine-tuned model and its statistics (client-<id>.safetensors, "
+        description="a new folder (nothing is overwritten) where each client writes its fine-tuned model and its statistics (client-<id>.safetensors, "
         "client-<id>.<merge>.safetensors): the files rayfuse fuse's fisher / regmean read",
     )
 
@@ -228,11 +228,10 @@ class FedMerge(Method[FedMergeParams, None]):
         from rayfuse.fusion.lora.algorithm import check_base_and_targets
 
         check_base_and_targets(setup, params.base, params.target_modules, params.r if params.finetune == "lora" else None)
-        if params.export is not None:
-            from rayfuse.io import check_writable_folder
+        if params.export is not None:  # as rayfuse fuse's output: a new folder, so no earlier run's files mix in
+            from rayfuse.io import check_new_output
 
-            target = Path(params.export)
-            check_writable_folder(target if target.is_dir() else target.parent, key="export")
+            check_new_output(params.export, key="export", what="a folder")
 
     def run(self, server: ServerContext) -> MethodResult:
         from rayfuse.finetunes.statistics import merge_task_vectors
