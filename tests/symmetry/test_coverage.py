@@ -1075,7 +1075,7 @@ BAD = [
     Bad(
         "gru-bad-hidden-arg",
         ["symmetry", "badnets:GRUNet", "--input-shape", "4,5", "--args", '{"hidden": "six"}'],
-        "args: expected keyword arguments",
+        "--args: expected keyword arguments",  # the command's own flag
     ),
 ]
 
