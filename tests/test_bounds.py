@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 HUGE = 10**12
 
 
-def _job(tmp_path: Path, **sections: Any) -> str:
+def job(tmp_path: Path, **sections: Any) -> str:
+    """A job file under ``tmp_path`` whose runs would go to ``tmp_path / "runs"`` (which a refusal leaves absent)."""
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump({"run": {"storage": str(tmp_path / "runs")}, **sections}))
     return str(path)
@@ -43,7 +44,7 @@ CASES = [
     ("distill-bank-samples", lambda t: _quickstart_with(t, transfer="synthetic", bank_samples=HUGE), "methods.distill.bank_samples", "GiB"),
     (
         "tokens-n-samples",
-        lambda t: ["validate", _job(t, data={"dataset": "tokens", "options": {"n_samples": HUGE}}, methods={"fedavg": {}})],
+        lambda t: ["validate", job(t, data={"dataset": "tokens", "options": {"n_samples": HUGE}}, methods={"fedavg": {}})],
         "data.options.n_samples",
         "GiB available",
     ),
@@ -51,7 +52,7 @@ CASES = [
         "tokens-n-samples-times-length",
         lambda t: [
             "validate",
-            _job(t, data={"dataset": "tokens", "options": {"n_samples": 10**6, "length": 10**7}}, methods={"fedavg": {}}),
+            job(t, data={"dataset": "tokens", "options": {"n_samples": 10**6, "length": 10**7}}, methods={"fedavg": {}}),
         ],
         "data.options.n_samples",
         "GiB available",
@@ -59,13 +60,13 @@ CASES = [
     # 2. the tokens generator: bounded, exact ids
     (
         "tokens-marker-rate-tiny",
-        lambda t: ["validate", _job(t, data={"dataset": "tokens", "options": {"marker_rate": 1e-9}}, methods={"fedavg": {}})],
+        lambda t: ["validate", job(t, data={"dataset": "tokens", "options": {"marker_rate": 1e-9}}, methods={"fedavg": {}})],
         "data.options.marker_rate",
         "at least 1% of the rows",
     ),
     (
         "tokens-vocab-beyond-float32",
-        lambda t: ["validate", _job(t, data={"dataset": "tokens", "options": {"vocab": MAX_VOCAB + 1}}, methods={"fedavg": {}})],
+        lambda t: ["validate", job(t, data={"dataset": "tokens", "options": {"vocab": MAX_VOCAB + 1}}, methods={"fedavg": {}})],
         "data.options.vocab",
         "2^24",
     ),
@@ -80,11 +81,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("make", "key", "words"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_a_setting_beyond_its_bound_is_one_line_before_anything_starts(tmp_path, capsys, make, key, words):
-    line = refused_line(make(tmp_path), capsys)
+def refused_before_start(tmp_path: Path, capsys: Any, argv: list[str], key: str, words: str) -> None:
+    """``argv`` exits 2 with one line at ``key`` holding ``words``, and no run folder was made."""
+    line = refused_line(argv, capsys)
     assert line.startswith(f"rayfuse: error: {key}: expected") and words in line, line
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("make", "key", "words"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_a_setting_beyond_its_bound_is_one_line_before_anything_starts(tmp_path, capsys, make, key, words):
+    refused_before_start(tmp_path, capsys, make(tmp_path), key, words)
 
 
 @pytest.mark.parametrize("rate", [1e-9, 1e-4])
