@@ -243,7 +243,7 @@ case("api", "api-symmetry-input-shape-fractional", "input_shape")(lambda f: call
 case("api", "api-symmetry-input-shape-huge", "input_shape: expected at most 16,777,216 values per sample")(
     lambda f: call(rayfuse_api.symmetry, "torchvision:resnet18", input_shape=(3, 40000, 40000))
 )
-case("api", "symmetry-input-shape-huge", "input_shape: expected at most")(
+case("api", "symmetry-input-shape-huge", "--input-shape: expected at most")(
     lambda f: ["symmetry", "torchvision:resnet18", "--input-shape", "3,40000,40000"]
 )
 case("api", "api-symmetry-unknown-dataset", "dataset: expected a dataset in")(lambda f: call(rayfuse_api.symmetry, "mlp", dataset="nope"))
