@@ -334,6 +334,9 @@ class DataConfig(DatasetSource):
         "appear in the files (a silo may hold some of them; numbers compare by value); "
         "default: every silo holds the same label values",
     )
+    # The labels of the methods the quickstart's public sample is drawn for (with_public_default): the config states no
+    # size, so the refusal of one too large for the data names them. Not config data (not dumped).
+    _public_readers: tuple[str, ...] = PrivateAttr(())
 
     @model_validator(mode="before")
     @classmethod
@@ -356,6 +359,18 @@ class DataConfig(DatasetSource):
         if value is not None and value >= 1 and value != int(value):
             raise ValueError("a fraction below 1 or a whole count")
         return value
+
+    @property
+    def public_readers(self) -> tuple[str, ...]:
+        """The method labels the quickstart's public sample is drawn for; empty where the config states ``public_size``."""
+        return self._public_readers
+
+    def with_public_default(self, size: int, readers: tuple[str, ...]) -> DataConfig:
+        """A copy whose unstated ``public_size`` (no data section) is ``size``, drawn for the methods ``readers``
+        (:func:`rayfuse.method.with_public_default` decides both)."""
+        copy_ = self.model_copy(update={"public_size": size})
+        copy_._public_readers = readers
+        return copy_
 
     @model_validator(mode="after")
     def _file_datasets_need_path(self) -> DataConfig:
