@@ -837,7 +837,8 @@ def check_methods(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
 
 def reads_public_sample(method_cls: type[Method[Any, Any]], params: MethodParams | None = None) -> bool:
     """Whether the method reads the server's public sample: its ``Params``' own ``public_sample`` property (distill:
-    only with ``transfer: public``), else ``MethodTags.public_sample`` or ``public_labels``."""
+    only with ``transfer: public``; gems: only with ``fine_tune``; epgan: a simulation's never), else
+    ``MethodTags.public_sample`` or ``public_labels``."""
     own = getattr(params, "public_sample", None) if params is not None else None
     return own if isinstance(own, bool) else (method_cls.tags.public_sample or method_cls.tags.public_labels)
 
