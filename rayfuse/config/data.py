@@ -314,8 +314,9 @@ class DataConfig(DatasetSource):
     standardize: bool | None = Field(None, description="z-score features with training-pool statistics; default per dataset")
     layout: Literal["auto", "image", "sequence"] = Field(
         "auto",
-        description="how an npz file's (N, A, B) array is read: image, grey images (N, 1, A, B); sequence, kept as "
-        "(N, L, D) for a sequence model; auto (default): image",
+        description="how an (N, A, B) array (an npz file's, or arrays from Python) is read: image, grey images "
+        "(N, 1, A, B); sequence, kept as (N, L, D) for a sequence model or (N, C, L) for a Conv1d; auto (default): "
+        "image, or sequence when the model takes (A, B) and not the image",
     )
     target: TargetConfig | None = Field(
         None,
