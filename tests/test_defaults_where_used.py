@@ -101,7 +101,7 @@ _QUICKSTART = (
     [
         ({"methods": {"distill": {}}}, _TOO_LARGE + _QUICKSTART.format("distill")),
         ({"methods": {"fedavg": {}, "finetune": {}}}, _TOO_LARGE + _QUICKSTART.format("finetune")),
-        ({"methods": {"gems": {}}}, _TOO_LARGE + _QUICKSTART.format("gems")),
+        ({"methods": {"gems": {}, "fedsa": {}}}, _TOO_LARGE + _QUICKSTART.format("gems, methods.fedsa")),
         ({}, _TOO_LARGE + _QUICKSTART.format("distill")),  # the quickstart's methods: distill reads it
         ({"data": {"public_size": 300}, "methods": {"fedavg": {}}}, _TOO_LARGE),  # stated: checked whoever reads it
     ],

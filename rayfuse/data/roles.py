@@ -293,7 +293,7 @@ def make_plan(dataset: Dataset, data_cfg: Any, partition_cfg: Any, seed: int, ta
     if n_public >= len(pool):
         readers = data_cfg.public_readers
         hint = (
-            f"the quickstart's public sample (a config without a data section), read by methods.{readers[0]}: set "
+            f"the quickstart's public sample (a config without a data section), read by {', '.join(f'methods.{r}' for r in readers)}: set "
             f"data.public_size below {len(pool)} (or a fraction, e.g. 0.2), or run methods that read none"
             if readers
             else ""
