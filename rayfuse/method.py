@@ -837,7 +837,8 @@ def check_methods(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
 
 def reads_public_sample(method_cls: type[Method[Any, Any]], params: MethodParams | None = None) -> bool:
     """Whether the method reads the server's public sample: its ``Params``' own ``public_sample`` property (distill:
-    only with ``transfer: public``), else ``MethodTags.public_sample`` or ``public_labels``."""
+    only with ``transfer: public``; gems: only with ``fine_tune``; epgan: a simulation's never), else
+    ``MethodTags.public_sample`` or ``public_labels``."""
     own = getattr(params, "public_sample", None) if params is not None else None
     return own if isinstance(own, bool) else (method_cls.tags.public_sample or method_cls.tags.public_labels)
 
@@ -845,11 +846,13 @@ def reads_public_sample(method_cls: type[Method[Any, Any]], params: MethodParams
 def with_public_default(cfg: ExperimentConfig, specs: Sequence[MethodSpec]) -> ExperimentConfig:
     """``cfg`` with the quickstart's public sample resolved: a config without a data section (``data.public_size``
     None) gets :data:`QUICKSTART_PUBLIC_SIZE` when one of ``specs`` reads a public sample, else none, so a default is
-    drawn (and its size checked against the data) only where a method uses it."""
+    drawn (and its size checked against the data) only where a method uses it; the data section keeps the labels of
+    the methods it is drawn for, which a refusal of its size names (the config never states it)."""
     if cfg.data.public_size is not None:
         return cfg
-    size = QUICKSTART_PUBLIC_SIZE if any(reads_public_sample(s.method_cls, s.params) for s in specs) else 0
-    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"public_size": size})})
+    readers = tuple(s.label for s in specs if reads_public_sample(s.method_cls, s.params))
+    data = cfg.data.with_public_default(QUICKSTART_PUBLIC_SIZE if readers else 0, readers)
+    return cfg.model_copy(update={"data": data})
 
 
 def fuses_of(method_cls: type[Method[Any, Any]], params: MethodParams | None = None) -> str:

@@ -30,12 +30,33 @@ def _run(tmp_path, methods, **kwargs):
     return rayfuse.run(cfg, backend="local", quiet=True, **kwargs)
 
 
-def test_wine_with_fedavg_and_average_runs_without_a_data_section(tmp_path):
-    # 178 samples, a training pool of 142: the quickstart's 300 public samples would not fit, and neither method reads one
-    result = _run(tmp_path, {"fedavg": {"rounds": 1}, "average": {}}, dataset=_wine())
+@pytest.mark.parametrize(
+    "methods",
+    [
+        {"fedavg": {"rounds": 1}, "average": {}},
+        {"gems": {"fine_tune": False}},  # GEMS reads the public sample only to fine-tune
+        {"epgan": {"warmup_epochs": 1, "rounds": 1, "local_epochs": 1, "eval_samples": 100}},  # a simulation's: never
+    ],
+)
+def test_wine_runs_without_a_data_section_with_methods_that_read_no_public_sample(tmp_path, methods):
+    # 178 samples, a training pool of 142: the quickstart's 300 public samples would not fit, and no method reads one
+    result = _run(tmp_path, methods, dataset=_wine())
     assert result.results["status"] == "succeeded"
     assert result.results["config"]["data"]["public_size"] == 0
-    assert all(np.isfinite(result.results["methods"][m]["accuracy"]) for m in ("fedavg", "average"))
+
+
+def test_methods_that_read_no_public_sample_score_as_with_public_size_0(tmp_path):
+    # no sample carved out of the clients' pool: the same shards, the same models, the same scores
+    methods = {"fedavg": {"rounds": 2}, "average": {}}
+    default = _run(tmp_path / "default", methods, dataset=_wine()).results["methods"]
+    stated = rayfuse.run(
+        {"run": {"storage": str(tmp_path / "stated")}, "data": {"public_size": 0}, "train": {"epochs": 1}, "methods": methods},
+        dataset=_wine(),
+        backend="local",
+        quiet=True,
+    ).results["methods"]
+    for label in methods:
+        assert default[label]["accuracy"] == stated[label]["accuracy"] and np.isfinite(default[label]["accuracy"])
 
 
 @pytest.mark.parametrize(
@@ -47,6 +68,11 @@ def test_wine_with_fedavg_and_average_runs_without_a_data_section(tmp_path):
         ({"distill": {}}, QUICKSTART_PUBLIC_SIZE),  # transfer: public
         ({"fedavg": {}, "finetune": {}}, QUICKSTART_PUBLIC_SIZE),
         ({"gems": {}}, QUICKSTART_PUBLIC_SIZE),
+        ({"gems": {"fine_tune": False}}, 0),  # its tuning is the only reader
+        ({"epgan": {}}, 0),  # reads a silo config's data.public only
+        ({"finetune": {}}, QUICKSTART_PUBLIC_SIZE),
+        ({"fedsa": {}}, QUICKSTART_PUBLIC_SIZE),
+        ({"scratch": {}, "transfer": {}}, QUICKSTART_PUBLIC_SIZE),
     ],
 )
 def test_the_quickstart_public_sample_is_drawn_only_for_a_method_that_reads_one(methods, size):
@@ -63,17 +89,34 @@ def test_an_explicit_public_size_is_kept_and_checked_whatever_the_methods():
     assert validate_config({"data": {"dataset": "digits"}}).data.public_size == 0  # a data section: none by default
 
 
-def test_a_method_that_reads_the_public_sample_still_refuses_one_too_large_for_the_data(tmp_path):
+_TOO_LARGE = "data.public_size: expected fewer samples than the training pool (142), got 300"
+_QUICKSTART = (
+    "; the quickstart's public sample (a config without a data section), read by methods.{}: set data.public_size "
+    "below 142 (or a fraction, e.g. 0.2), or run methods that read none"
+)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "line"),
+    [
+        ({"methods": {"distill": {}}}, _TOO_LARGE + _QUICKSTART.format("distill")),
+        ({"methods": {"fedavg": {}, "finetune": {}}}, _TOO_LARGE + _QUICKSTART.format("finetune")),
+        ({"methods": {"gems": {}, "fedsa": {}}}, _TOO_LARGE + _QUICKSTART.format("gems, methods.fedsa")),
+        ({}, _TOO_LARGE + _QUICKSTART.format("distill")),  # the quickstart's methods: distill reads it
+        ({"data": {"public_size": 300}, "methods": {"fedavg": {}}}, _TOO_LARGE),  # stated: checked whoever reads it
+    ],
+)
+def test_a_public_sample_too_large_for_the_data_is_refused_where_read_or_stated(tmp_path, cfg, line):
     with pytest.raises(InputError) as raised:
-        _run(tmp_path, {"distill": {}}, dataset=_wine())
-    assert str(raised.value).startswith("data.public_size: expected fewer samples than the training pool (142), got 300")
+        rayfuse.run({"run": {"storage": str(tmp_path / "runs")}, **cfg}, dataset=_wine(), backend="local", quiet=True)
+    assert str(raised.value) == line
     assert not (tmp_path / "runs").exists()
 
 
 def test_every_reader_of_the_public_sample_says_so_in_its_tags():
     readers = {name for name, cls in METHODS.items() if reads_public_sample(cls)}
-    assert {"distill", "finetune", "gems", "fedsa"} <= readers
-    assert not readers & {"fedavg", "average", "local", "ensemble", "aligned", "global"}
+    assert {"distill", "finetune", "gems", "fedsa", "scratch", "transfer"} <= readers
+    assert not readers & {"fedavg", "average", "local", "ensemble", "aligned", "global", "epgan-oracle"}
     assert ExperimentConfig().data.public_size is None and resolved_config(ExperimentConfig())["data"]["public_size"] == 300
 
 

@@ -314,8 +314,9 @@ class DataConfig(DatasetSource):
     standardize: bool | None = Field(None, description="z-score features with training-pool statistics; default per dataset")
     layout: Literal["auto", "image", "sequence"] = Field(
         "auto",
-        description="how an npz file's (N, A, B) array is read: image, grey images (N, 1, A, B); sequence, kept as "
-        "(N, L, D) for a sequence model; auto (default): image",
+        description="how an (N, A, B) array (an npz file's, or arrays from Python) is read: image, grey images "
+        "(N, 1, A, B); sequence, kept as (N, L, D) for a sequence model or (N, C, L) for a Conv1d; auto (default): "
+        "image, or sequence when the model takes (A, B) and not the image",
     )
     target: TargetConfig | None = Field(
         None,
@@ -334,6 +335,9 @@ class DataConfig(DatasetSource):
         "appear in the files (a silo may hold some of them; numbers compare by value); "
         "default: every silo holds the same label values",
     )
+    # The labels of the methods the quickstart's public sample is drawn for (with_public_default): the config states no
+    # size, so the refusal of one too large for the data names them. Not config data (not dumped).
+    _public_readers: tuple[str, ...] = PrivateAttr(())
 
     @model_validator(mode="before")
     @classmethod
@@ -356,6 +360,18 @@ class DataConfig(DatasetSource):
         if value is not None and value >= 1 and value != int(value):
             raise ValueError("a fraction below 1 or a whole count")
         return value
+
+    @property
+    def public_readers(self) -> tuple[str, ...]:
+        """The method labels the quickstart's public sample is drawn for; empty where the config states ``public_size``."""
+        return self._public_readers
+
+    def with_public_default(self, size: int, readers: tuple[str, ...]) -> DataConfig:
+        """A copy whose unstated ``public_size`` (no data section) is ``size``, drawn for the methods ``readers``
+        (:func:`rayfuse.method.with_public_default` decides both)."""
+        copy_ = self.model_copy(update={"public_size": size})
+        copy_._public_readers = readers
+        return copy_
 
     @model_validator(mode="after")
     def _file_datasets_need_path(self) -> DataConfig:

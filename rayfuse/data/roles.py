@@ -291,7 +291,15 @@ def make_plan(dataset: Dataset, data_cfg: Any, partition_cfg: Any, seed: int, ta
     public_size = data_cfg.public_size or 0  # None (no data section) left unresolved by the caller: no public sample
     n_public = int(round(public_size * len(pool))) if public_size < 1 else int(public_size)
     if n_public >= len(pool):
-        raise InputError("data.public_size", f"fewer samples than {pool_name} ({len(pool)})", public_size)
+        readers = data_cfg.public_readers
+        hint = (
+            f"the quickstart's public sample (a config without a data section), read by {', '.join(f'methods.{r}' for r in readers)}: set "
+            f"data.public_size below {len(pool)} (or a fraction, e.g. 0.2), or run methods that read none"
+            if readers
+            else ""
+        )
+        got = public_size if public_size < 1 else n_public  # a count as written (300, not the float field's 300.0)
+        raise InputError("data.public_size", f"fewer samples than {pool_name} ({len(pool)})", got, hint)
     taken, rest = _stratified_take(source.y[pool], n_public, make_rng(seed, "public-split"))
     public, pool = pool[taken], (pool[rest] if target is None else np.arange(len(y), dtype=np.int64))
 

@@ -122,6 +122,12 @@ class EPGANParams(MethodParams):
     grid: int = Field(100, ge=10, le=1000, description="grid points per axis of the D-MSE map")
     eval_samples: int = Field(10_000, ge=100, description="generator samples for the sample scores")
 
+    @property
+    def public_sample(self) -> bool:
+        """A simulation's public sample (``data.public_size``) is never read: the scores' classifier trains on the
+        whole dataset; only a silo config's ``data.public`` is (``MethodTags.public_labels``)."""
+        return False
+
     @model_validator(mode="after")
     def _components_need_ep(self) -> EPGANParams:
         if self.components > 1 and not self.backbone.startswith("ep-"):

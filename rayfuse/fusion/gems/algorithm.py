@@ -289,6 +289,11 @@ class GEMSParams(TuneSettings):
     max_iter: int = Field(1000, ge=1, description="L-BFGS iterations of the intersection (eq. 2)")
     fine_tune: bool = Field(True, description="also report the fused model fine-tuned on the public sample (tuned_* metrics)")
 
+    @property
+    def public_sample(self) -> bool:
+        """It reads the server's public sample (and its labels) only to fine-tune: ``fine_tune: false`` reads none."""
+        return self.fine_tune
+
     @field_validator("hidden_epsilon")
     @classmethod
     def _nonnegative(cls, value: float | list[float]) -> float | list[float]:
