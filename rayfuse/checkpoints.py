@@ -533,14 +533,15 @@ class DistillFuseParams(DistillOptions):
 
 def _distill_needs(params: BaseModel) -> dict[str, str]:
     p = cast(DistillFuseParams, params)
-    out = {
-        "architecture": "distill (the student's class; each model's unless its entry names its own)",
-        "input_shape": "distill without data (the generator's output shape)",
-    }
+    out = {"architecture": "distill (the student's class; each model's unless its entry names its own)"}
+    # the data gives the inputs' shape: input_shape is named only where no parameter needs data, so a file lacking both
+    # is refused once, at the key that makes it run
     if p.transfer == "public":
         out["data"] = "transfer: public (its inputs are the transfer set)"
     elif p.init == "aligned" and p.alignment == "activation":
         out["data"] = "alignment: activation (the models' activations on it are matched for the student's start)"
+    else:
+        out["input_shape"] = "distill without data (the generator's output shape)"
     return out
 
 
