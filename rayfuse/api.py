@@ -822,9 +822,9 @@ def _read_result(prepared: Any, folder: Path, results: dict[str, Any]) -> RunRes
     models = ModelFiles({label: folder / file for label, file in (results.get("files", {}).get("models") or {}).items()})
     input_shape, num_classes = tuple(prepared.plan.input_shape), int(prepared.plan.num_classes)
     if prepared.cfg.data.is_silos:  # known once the clients reported: the silo manifest records it
-        import json
+        from rayfuse.io import read_json
 
-        manifest = json.loads(store.partition_file.read_text(encoding="utf-8"))
+        manifest = read_json(store.partition_file, "the run's partition manifest")
         input_shape, num_classes = tuple(manifest["input_shape"]), int(manifest["num_classes"])
     return RunResult(
         run_dir=folder,

@@ -56,6 +56,7 @@ from rayfuse.io import (
     TORCH_ONLY_FLOATS,
     check_new_output,
     params_exist,
+    parse_json,
     read_checkpoint,
     read_params_metadata,
     save_params,
@@ -533,14 +534,15 @@ class DistillFuseParams(DistillOptions):
 
 def _distill_needs(params: BaseModel) -> dict[str, str]:
     p = cast(DistillFuseParams, params)
-    out = {
-        "architecture": "distill (the student's class; each model's unless its entry names its own)",
-        "input_shape": "distill without data (the generator's output shape)",
-    }
+    out = {"architecture": "distill (the student's class; each model's unless its entry names its own)"}
+    # the data gives the inputs' shape: input_shape is named only where no parameter needs data, so a file lacking both
+    # is refused once, at the key that makes it run
     if p.transfer == "public":
         out["data"] = "transfer: public (its inputs are the transfer set)"
     elif p.init == "aligned" and p.alignment == "activation":
         out["data"] = "alignment: activation (the models' activations on it are matched for the student's start)"
+    else:
+        out["input_shape"] = "distill without data (the generator's output shape)"
     return out
 
 
@@ -1147,7 +1149,6 @@ def _read_fused(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
 
 def _build_for_load(architecture: Any, args: Mapping[str, Any] | None, meta: Mapping[str, str], where: str) -> Any:
     import copy
-    import json
 
     from torch import nn
 
@@ -1155,10 +1156,7 @@ def _build_for_load(architecture: Any, args: Mapping[str, Any] | None, meta: Map
         from rayfuse.models.architecture import build_architecture
 
         if args is None and meta.get(_META_ARCHITECTURE) == architecture and _META_ARGS in meta:
-            try:
-                args = json.loads(meta[_META_ARGS])
-            except json.JSONDecodeError:
-                raise InputError(f"{where}: metadata {_META_ARGS}", "a JSON object", meta[_META_ARGS][:40]) from None
+            args = parse_json(meta[_META_ARGS], f"{where}: metadata {_META_ARGS}", "a JSON object")
         return build_architecture(architecture, args, where="architecture", args_where="args")
     if isinstance(architecture, nn.Module):  # an instance: a copy of it receives the tensors
         if args:
@@ -1203,7 +1201,6 @@ def load_fused(
     widths (each layer's size attributes follow) and tied tensors stay one tensor. Raises :class:`InputError` (one
     line naming the file and tensor) for a file that does not fit the architecture.
     """
-    import json
 
     import torch
 
@@ -1226,15 +1223,14 @@ def load_fused(
 
     shape = tuple(int(n) for n in input_shape) if input_shape is not None else None
     if shape is None and _META_SHAPE in meta:
+        listed = parse_json(meta[_META_SHAPE], f"{file}: metadata {_META_SHAPE}", "a JSON list of integers")
         try:
-            shape = tuple(int(n) for n in json.loads(meta[_META_SHAPE]))
-        except (json.JSONDecodeError, TypeError, ValueError, RecursionError):
+            shape = tuple(int(n) for n in listed)
+        except (TypeError, ValueError):
             raise InputError(f"{file}: metadata {_META_SHAPE}", "a JSON list of integers", meta[_META_SHAPE][:40]) from None
     if _META_SPEC in meta:
-        try:
-            spec = PermutationSpec.from_dict(json.loads(meta[_META_SPEC]), where=f"{file}: metadata {_META_SPEC}")
-        except json.JSONDecodeError:
-            raise InputError(f"{file}: metadata {_META_SPEC}", "a JSON permutation spec", meta[_META_SPEC][:40]) from None
+        where_spec = f"{file}: metadata {_META_SPEC}"
+        spec = PermutationSpec.from_dict(parse_json(meta[_META_SPEC], where_spec, "a JSON permutation spec"), where=where_spec)
         try:
             spec.check({k: tuple(v.shape) for k, v in state.items()}, where="spec")
         except InputError as exc:  # the architecture was built otherwise than the fuse file built it

@@ -38,6 +38,8 @@ __all__ = [
     "read_checkpoint",
     "save_params_cast",
     "to_jsonable",
+    "parse_json",
+    "read_json",
     "check_file_fits_in_memory",
 ]
 
@@ -108,6 +110,27 @@ def check_new_output(path: str | os.PathLike, *, key: str, what: str) -> Path:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def parse_json(text: str | bytes, where: str, expected: str, hint: str = "") -> Any:
+    """JSON a user can touch (a file, a file's metadata field), or one :class:`InputError` at ``where``: json's
+    ``ValueError`` (invalid JSON, bytes that are not UTF-8) and the ``RecursionError`` of nesting deeper than the
+    parser recurses (``"[" * 100000``), which is no ``ValueError``. Every reader of such JSON goes through it."""
+    try:
+        return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+    except (ValueError, RecursionError) as exc:
+        raise InputError(where, expected, f"a damaged file ({type(exc).__name__})", hint) from None
+
+
+def read_json(path: str | os.PathLike, expected: str, hint: str = "", *, where: str | None = None) -> Any:
+    """:func:`parse_json` of the file at ``path`` (named by ``where``, default the path), an unreadable file one
+    :class:`InputError` too."""
+    where = str(path) if where is None else where
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise InputError(where, expected, f"unreadable ({exc.strerror or type(exc).__name__})", hint) from None
+    return parse_json(raw, where, expected, hint)
 
 
 def to_jsonable(value: Any) -> Any:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rayfuse.errors import InputError
-from rayfuse.io import atomic_write_json
+from rayfuse.io import atomic_write_json, parse_json
 
 __all__ = ["SEAL_FILE", "key_file", "load_key", "state_files", "seal_sweep", "verify_sweep", "check_sweep_folder", "sealing"]
 
@@ -291,14 +291,14 @@ def verify_sweep(experiment: str | os.PathLike, storage: str | os.PathLike | Non
     _, text = _read_regular(seal, limit=MAX_SEAL_BYTES + 1, what="the seal rayfuse writes while a sweep runs (a regular file)")
     if len(text) > MAX_SEAL_BYTES:
         raise InputError(str(seal), f"a seal of at most {MAX_SEAL_BYTES >> 20} MiB (rayfuse's own are far smaller)", "a larger file", hint)
+    record = parse_json(text, str(seal), "a seal written by rayfuse", hint)
     try:
-        record = json.loads(text.decode("utf-8"))
         files, mac = record["files"], record["mac"]
         if record.get("format") != SEAL_FORMAT or not isinstance(files, dict) or not isinstance(mac, str):
             raise ValueError("unknown seal format")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
             raise ValueError("malformed file list")
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: nested past the parser's depth
+    except (ValueError, KeyError, TypeError) as exc:
         raise InputError(str(seal), "a seal written by rayfuse", f"a damaged file ({type(exc).__name__})", hint) from None
     if not hmac.compare_digest(_mac(load_key(), files), mac):
         raise InputError(str(seal), "a seal made with your sweep key", "a seal that does not verify (another user's, or edited)", hint)

@@ -85,19 +85,31 @@ def test_distill_with_teachers_on_their_clients_gathers_no_model(tmp_path, capsy
     assert main(argv) == 0, capsys.readouterr().err
 
 
-def test_fuse_distill_aligned_by_activations_without_data_names_the_data_key(tmp_path, capsys, monkeypatch):
-    # 10. refused from the fuse file alone, before a model is read: no torch warning, the key named
+FUSE_DISTILL_WITHOUT_DATA = [
+    ("activation-synthetic", {"input_shape": [3]}, {"transfer": "synthetic", "alignment": "activation"}, "alignment: activation"),
+    ("activation-no-input-shape", {}, {"alignment": "activation"}, "alignment: activation"),
+    ("activation-nonparametric", {}, {"alignment": "activation", "merge": "nonparametric"}, "alignment: activation"),
+    ("public-no-input-shape", {}, {"transfer": "public"}, "transfer: public"),
+]
+
+
+@pytest.mark.parametrize(
+    ("shape", "parameters", "why"), [c[1:] for c in FUSE_DISTILL_WITHOUT_DATA], ids=[c[0] for c in FUSE_DISTILL_WITHOUT_DATA]
+)
+def test_fuse_distill_that_reads_data_without_it_names_the_data_key(tmp_path, capsys, monkeypatch, shape, parameters, why):
+    # 10. refused from the fuse file alone, before a model is read: no torch warning, the data key named (not
+    # input_shape, which the data would give)
     monkeypatch.chdir(tmp_path)
     f = Files(tmp_path)
     fuse = f.fuse(
         merge_method="distill",
         architecture="torch.nn:Linear",
         architecture_args={"in_features": 3, "out_features": 4},
-        input_shape=[3],
-        parameters={"transfer": "synthetic", "alignment": "activation"},
+        parameters=parameters,
+        **shape,
     )
     line = refused_line(["fuse", fuse], capsys)
-    assert line.startswith("rayfuse: error: fuse.yaml: data: expected a sample") and "alignment: activation" in line, line
+    assert line.startswith("rayfuse: error: fuse.yaml: data: expected a sample") and why in line, line
     assert not (tmp_path / "fused.safetensors").exists()
 
 

@@ -60,7 +60,7 @@ from pydantic import Field, ValidationError
 
 from rayfuse.config import StrictSchema, pydantic_input_error
 from rayfuse.errors import InputError, suggest
-from rayfuse.io import check_new_output, read_checkpoint
+from rayfuse.io import check_new_output, read_checkpoint, read_json
 
 __all__ = [
     "LoraParams",
@@ -204,10 +204,7 @@ def _read_config(folder: Path, where: str) -> dict[str, Any]:
             "no such file",
             "an adapter folder is what PeftModel.save_pretrained writes",
         )
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(str(file), "a JSON object (a PEFT LoraConfig)", f"unreadable ({type(exc).__name__})") from None
+    config = read_json(file, "a JSON object (a PEFT LoraConfig)")
     if not isinstance(config, dict):
         raise InputError(str(file), "a JSON object (a PEFT LoraConfig)", type(config).__name__)
     if config.get("peft_type", "LORA") != "LORA":
@@ -607,10 +604,10 @@ def _load_base(base: Path) -> Any:
     from rayfuse.finetunes.hf import INDEX, SINGLE, ModelSource, check_config_describes
     from rayfuse.models.hf import quiet_transformers
 
-    try:
-        names = json.loads((base / "config.json").read_text(encoding="utf-8")).get("architectures") or []
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
-        raise InputError(f"{base / 'config.json'}", "a Hugging Face model config (JSON)", f"unreadable ({type(exc).__name__})") from None
+    config = read_json(base / "config.json", "a Hugging Face model config (JSON)")
+    if not isinstance(config, dict):
+        raise InputError(f"{base / 'config.json'}", "a Hugging Face model config (a JSON object)", type(config).__name__)
+    names = config.get("architectures") or []
     cls = getattr(transformers, names[0], None) if names and isinstance(names[0], str) else None
     cls = cls if cls is not None and hasattr(cls, "from_pretrained") else transformers.AutoModel
     if (base / SINGLE).is_file() or (base / INDEX).is_file():

@@ -11,13 +11,13 @@ local_files_only=True)``; nothing is downloaded.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rayfuse.errors import InputError
+from rayfuse.io import read_json
 from rayfuse.models.hf import HFModel, check_hf_folder, hf_model
 
 __all__ = ["hf_model", "HFModel", "read_hf_base", "check_hf_folder"]
@@ -31,12 +31,7 @@ def read_hf_base(path: str | Path, reference: dict[str, np.ndarray]) -> tuple[di
     from rayfuse.models import get_params
 
     folder = check_hf_folder(path)
-    try:
-        json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(
-            "base", f"a Hugging Face model config (JSON) in {folder / 'config.json'}", f"unreadable ({type(exc).__name__})"
-        ) from None
+    read_json(folder / "config.json", f"a Hugging Face model config (JSON) in {folder / 'config.json'}", where="base")
     try:
         model = _load_base(folder)
     except InputError as exc:
