@@ -54,7 +54,9 @@ section with keys of its own, listed under it. Bounds are written after the type
 
 SECTION_INTRO = {
     "methods": "Label -> parameters. A label that is not a method name needs `method: <name>`; `methods: [local, fedavg]` "
-    "is shorthand for entries without parameters. Without this section, the quickstart's methods. "
+    "is shorthand for entries without parameters. Without this section, the quickstart's methods that the data can run: "
+    "less `distill` (transfer: public) where the data section gives no public sample (`public_size` 0, a data section's "
+    "default; `data.silos` without `data.public`), less the oracle `global` with `data.silos`. "
     "Each method's parameters are listed below, under the method's name (`rayfuse list methods` prints them too).",
 }
 

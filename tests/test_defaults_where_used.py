@@ -14,7 +14,8 @@ import torch.nn as nn
 from sklearn.datasets import load_wine
 
 import rayfuse
-from rayfuse.config import QUICKSTART_PUBLIC_SIZE, ExperimentConfig, validate_config
+from rayfuse.config import DEFAULT_METHODS, QUICKSTART_PUBLIC_SIZE, ExperimentConfig, build_config, validate_config
+from rayfuse.config.experiment import DEFAULT_PUBLIC_READERS
 from rayfuse.errors import InputError
 from rayfuse.method import METHODS, reads_public_sample, resolve_methods, resolved_config, with_public_default
 from rayfuse.runner import prepare_run
@@ -118,6 +119,53 @@ def test_every_reader_of_the_public_sample_says_so_in_its_tags():
     assert {"distill", "finetune", "gems", "fedsa", "scratch", "transfer"} <= readers
     assert not readers & {"fedavg", "average", "local", "ensemble", "aligned", "global", "epgan-oracle"}
     assert ExperimentConfig().data.public_size is None and resolved_config(ExperimentConfig())["data"]["public_size"] == 300
+
+
+_SILOS = [{"dataset": "npz", "path": "/silo-a.npz"}, {"dataset": "npz", "path": "/silo-b.npz"}]
+_QUICKSTART_METHODS = list(DEFAULT_METHODS)
+_NO_DISTILL = [m for m in DEFAULT_METHODS if m != "distill"]
+
+
+@pytest.mark.parametrize(
+    ("cfg", "methods"),
+    [
+        ({}, _QUICKSTART_METHODS),  # the quickstart's data: its public sample is drawn for distill
+        ({"data": {"public_size": None}}, _QUICKSTART_METHODS),  # the same, stated
+        ({"data": {"dataset": "wine"}}, _NO_DISTILL),  # a data section states its own public sample: none
+        ({"data": {"dataset": "digits", "public_size": 0}}, _NO_DISTILL),
+        ({"data": {"dataset": "digits", "public_size": 0.2}}, _QUICKSTART_METHODS),
+        ({"data": {"silos": _SILOS}}, [m for m in _NO_DISTILL if m != "global"]),  # no data.public, no pooling
+        ({"data": {"silos": _SILOS, "public": {"dataset": "npz", "path": "/public.npz"}}}, [m for m in DEFAULT_METHODS if m != "global"]),
+        ({"data": {"dataset": "wine"}, "methods": {"distill": {}}}, ["distill"]),  # named: kept, and checked
+    ],
+)
+def test_the_default_methods_are_those_the_data_section_can_run(cfg, methods):
+    assert list(validate_config(cfg).methods) == methods
+
+
+@pytest.mark.parametrize(
+    ("overrides", "has_distill"),
+    [
+        (["methods.fedavg.rounds=3"], True),
+        (["data.dataset=wine", "methods.fedavg.rounds=3"], False),  # --set data.* counts as the data section
+        (["data.public_size=50", "methods.fedavg.rounds=3"], True),
+    ],
+)
+def test_editing_the_default_methods_with_set_keeps_those_the_data_can_run(overrides, has_distill):
+    cfg = build_config({}, overrides)
+    assert cfg.methods["fedavg"] == {"rounds": 3} and ("distill" in cfg.methods) is has_distill
+
+
+def test_a_data_section_without_methods_prepares_without_the_public_sample_it_does_not_give():
+    # the quickstart's distill (transfer: public) would be refused for data.public_size 0; its data-free twin stays
+    prepared = prepare_run(validate_config({"data": {"dataset": "wine"}, "federation": {"backend": "local"}}))
+    labels = [spec.label for spec in prepared.specs]
+    assert "distill" not in labels and "distill-free" in labels and len(prepared.plan.public) == 0
+
+
+def test_the_default_methods_that_read_a_public_sample_are_those_their_tags_say():
+    specs = resolve_methods(DEFAULT_METHODS)
+    assert {s.label for s in specs if reads_public_sample(s.method_cls, s.params)} == DEFAULT_PUBLIC_READERS
 
 
 # ---------------------------------------------------------------------------------------------------------------

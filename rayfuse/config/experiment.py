@@ -18,7 +18,15 @@ from rayfuse.config.train import TrainConfig
 from rayfuse.errors import key_error
 from rayfuse.io import DEFAULT_MAX_SHARD_SIZE
 
-__all__ = ["DEFAULT_METHODS", "QUICKSTART_PUBLIC_SIZE", "RunConfig", "CONFIG_SECTIONS", "ExperimentConfig"]
+__all__ = [
+    "DEFAULT_METHODS",
+    "DEFAULT_PUBLIC_READERS",
+    "QUICKSTART_PUBLIC_SIZE",
+    "default_methods",
+    "RunConfig",
+    "CONFIG_SECTIONS",
+    "ExperimentConfig",
+]
 
 # The quickstart's methods (jobs/quickstart.yaml spells out the same job; a test keeps the two equal).
 DEFAULT_METHODS: dict[str, dict[str, Any]] = {
@@ -37,6 +45,30 @@ DEFAULT_METHODS: dict[str, dict[str, Any]] = {
 # It is drawn only when a configured method reads a public sample (rayfuse.method.with_public_default): a run of
 # methods that read none keeps every sample for the clients, and a dataset smaller than it is not refused for it.
 QUICKSTART_PUBLIC_SIZE = 300
+# The quickstart's methods that read the server's public sample (distill with transfer: public; a test keeps this equal
+# to their tags, rayfuse.method.reads_public_sample): not among the default methods where the data gives none.
+DEFAULT_PUBLIC_READERS = frozenset({"distill"})
+
+
+def default_methods(section: Any) -> dict[str, dict[str, Any]]:
+    """The methods of a config without a methods section, given its data section as written (``None``: none, the
+    quickstart's data, whose public sample is drawn for them): the quickstart's, less the oracle with ``data.silos`` (no
+    process may pool the silos) and less :data:`DEFAULT_PUBLIC_READERS` where the data gives no public sample (a data
+    section without ``public_size``, or ``public_size: 0``; ``data.silos`` without ``data.public``)."""
+
+    def key(name: str, default: Any = None) -> Any:
+        return section.get(name, default) if isinstance(section, Mapping) else getattr(section, name, default)
+
+    skip: set[str] = set()
+    if section is not None:
+        silos = key("silos")
+        if isinstance(silos, list) and silos:
+            skip = {"global"} | (set() if key("public") is not None else DEFAULT_PUBLIC_READERS)
+        else:
+            size = key("public_size", 0)  # None: the quickstart's sample; a value of another type: its own error
+            if isinstance(size, (int, float)) and not isinstance(size, bool) and size == 0:
+                skip = set(DEFAULT_PUBLIC_READERS)
+    return {k: v for k, v in copy.deepcopy(DEFAULT_METHODS).items() if k not in skip}
 
 
 class RunConfig(StrictModel):
@@ -104,6 +136,14 @@ class ExperimentConfig(StrictModel):
 
     @model_validator(mode="before")
     @classmethod
+    def _default_methods(cls, data: Any) -> Any:
+        # Without a methods section, the quickstart's methods that the data section can run (default_methods).
+        if isinstance(data, Mapping) and data.get("methods") is None and data.get("data") is not None:
+            data = {**data, "methods": default_methods(data["data"])}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
     def _silo_clients(cls, data: Any) -> Any:
         # With data.silos there is one client per silo and no partitioner: partition.num_clients is len(data.silos).
         if not isinstance(data, Mapping):
@@ -128,14 +168,7 @@ class ExperimentConfig(StrictModel):
         if "num_clients" in partition and partition["num_clients"] != n:
             raise key_error(("partition", "num_clients"), f"len(data.silos) ({n}) or unset, got {partition['num_clients']!r}")
         # and the server holds no test set unless data.test is given: evaluation defaults to federated
-        data = {**data, "partition": {"num_clients": n}, "evaluation": data.get("evaluation", "federated")}
-        if data.get("methods") is None:  # the default methods but the oracle (no process may pool the silos) and, without
-            # a server sample (data.public), the distillation on it
-            section = data.get("data")
-            public = section.get("public") if isinstance(section, Mapping) else getattr(section, "public", None)
-            skip = {"global"} | (set() if public is not None else {"distill"})
-            data["methods"] = {k: v for k, v in copy.deepcopy(DEFAULT_METHODS).items() if k not in skip}
-        return data
+        return {**data, "partition": {"num_clients": n}, "evaluation": data.get("evaluation", "federated")}
 
     @field_validator("methods", mode="before")
     @classmethod

@@ -13,7 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from rayfuse.config.errors import pydantic_input_error
-from rayfuse.config.experiment import DEFAULT_METHODS, ExperimentConfig
+from rayfuse.config.experiment import ExperimentConfig, default_methods
 from rayfuse.errors import InputError
 
 __all__ = ["parse_overrides", "apply_overrides", "validate_config", "load_config", "read_config_file", "build_config", "dump_config"]
@@ -105,8 +105,10 @@ def build_config(data: Mapping[str, Any] | None, overrides: Sequence[str] = ()) 
     data = dict(data)
     parsed = parse_overrides(overrides)
     if "methods" not in data and any(parts[0] == "methods" and len(parts) > 1 for parts, _ in parsed):
-        # The empty config is the quickstart: `--set methods.fedavg.rounds=3` edits its methods, not replaces them.
-        data["methods"] = copy.deepcopy(DEFAULT_METHODS)
+        # The empty config is the quickstart: `--set methods.fedavg.rounds=3` edits its methods (those its data
+        # section, --set data.* included, can run), not replaces them.
+        section = apply_overrides(data, [(parts, value) for parts, value in parsed if parts[0] == "data"]).get("data")
+        data["methods"] = default_methods(section)
     return validate_config(apply_overrides(data, parsed))
 
 
