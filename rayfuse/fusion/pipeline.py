@@ -235,7 +235,8 @@ def local_model_copies(spec: MethodSpec) -> int:
     distillation), else one (the uploads; a member is built one at a time where it is evaluated)."""
     if not spec.method_cls.tags.uses_local_models:
         return 0
-    return {"clients": 0, "parameters": 2}.get(getattr(spec.params, "teachers", None), 1)
+    teachers = getattr(spec.params, "teachers", None)
+    return 0 if teachers == "clients" else 2 if teachers == "parameters" else 1
 
 
 def check_round_memory(
