@@ -340,7 +340,7 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
     check_methods(specs, setup)
     check_update_pipeline(specs, setup, cfg.federation.attacks)
     check_aggregation(specs, cfg.federation)
-    check_round_memory(specs, cfg.federation, plan.num_clients, num_params)
+    check_round_memory(specs, cfg.federation, plan.num_clients, num_params, client_params=client_params)
     check_local_dp(cfg, setup)
     return PreparedRun(cfg, specs, plan, setup, num_params, client_params)
 
@@ -498,7 +498,8 @@ def _public_error(exc: InputError) -> InputError:
 def finish_silo_run(prepared: PreparedRun, plan: Any) -> PreparedRun:
     """The checks of :func:`prepare_run` that a silo config can make only once its clients reported (``plan``, the
     surveyed :class:`rayfuse.data.silos.SiloPlan`): the model against the silos' input shape and label count, each
-    method against the run. Raises :class:`InputError`; nothing has trained yet."""
+    method against the run, the coordinator's memory for what each method gathers. Raises :class:`InputError`;
+    nothing has trained yet."""
     from rayfuse.models.registry import check_model_fits
 
     cfg, specs = prepared.cfg, prepared.specs
@@ -507,6 +508,7 @@ def finish_silo_run(prepared: PreparedRun, plan: Any) -> PreparedRun:
     setup = RunSetup.from_plan(cfg, plan)
     check_tags(specs, setup, cfg)
     _check_silo_methods(specs, setup)
+    check_round_memory(specs, cfg.federation, plan.num_clients, num_params, client_params=client_params)
     check_local_dp(cfg, setup)
     return PreparedRun(cfg, specs, plan, setup, num_params, client_params)
 

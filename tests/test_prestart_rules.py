@@ -1,7 +1,8 @@
 """Pre-start rules added in hardening round 4, one table row each: settings no method of the run can use, the
-coordinator's memory for a method that gathers every client's model, distill's nested ``aligned:`` block checked as
-an ``aligned`` entry, and ``rayfuse fuse`` distill's activation alignment without data. Exit 2, one line naming the
-key, nothing written."""
+coordinator's memory for a method that gathers every client's model (each client's own model counted), distill's
+nested ``aligned:`` block checked as the ``aligned`` entry it runs as (over the student's architecture and the clients
+that have it), and ``rayfuse fuse`` distill's activation alignment without data. Exit 2, one line naming the key,
+nothing written."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ def _job(tmp_path: Path, **sections: Any) -> list[str]:
 
 PER_ACTOR = {"aggregation": "per_actor", "clients_per_actor": 2, "streaming": True}
 TINY_COORDINATOR = {"coordinator": {"memory": 100_000}}
+# clients 0 and 1 train a model of about 150 KB of their own; the other three the run's of about 36 KB
+WIDE = {"model": {"name": "mlp", "hidden": [512]}}
+WIDE_CLIENTS = {"client_overrides": {0: WIDE, 1: WIDE}}
+# within (5 + 2) x the run's model, below what the clients' own models take
+COORDINATOR_400K = {"coordinator": {"memory": 400_000}, **WIDE_CLIENTS}
 
 CASES = [
     # 7. an aggregation mode no round can use
@@ -36,6 +42,30 @@ CASES = [
         "federation.aggregation",
         "not with distill",
     ),
+    (
+        "per-actor-with-another-multi-round-method",  # fedlora's rounds are its own, not summed by the pipeline
+        lambda t: _job(t, federation=PER_ACTOR, methods={"fedlora": {}}),
+        "federation.aggregation",
+        "not with fedlora",
+    ),
+    (
+        "per-node-on-ray-without-rounds",
+        lambda t: _job(t, federation={"backend": "ray", "aggregation": "per_node"}, methods={"local": {}, "aligned": {}}),
+        "federation.aggregation",
+        "(per_node serves fedadagrad, fedadam, fedavg",
+    ),
+    (
+        "per-actor-with-a-robust-rule-only",  # the FedAvg family, but every round would gather
+        lambda t: _job(t, federation=PER_ACTOR, methods={"tm": {"method": "fedavg", "aggregator": {"name": "trimmed_mean", "beta": 0.2}}}),
+        "federation.aggregation",
+        "flat or unset with methods.tm.aggregator 'trimmed_mean'",
+    ),
+    (
+        "per-actor-with-a-robust-rule-beside-the-mean",
+        lambda t: _job(t, federation=PER_ACTOR, methods={"fedavg": {}, "med": {"method": "fedprox", "aggregator": {"name": "median"}}}),
+        "federation.aggregation",
+        "methods.med.aggregator 'median' (per_actor partial sums need a rule that is a sum",
+    ),
     # 8. the coordinator's memory holds distill's teachers
     (
         "distill-gathers-beyond-coordinator-memory",
@@ -48,6 +78,18 @@ CASES = [
         lambda t: _job(t, federation=TINY_COORDINATOR, methods={"free": {"method": "distill", "transfer": "synthetic"}}),
         "methods.free.teachers",
         "teachers: clients keeps each local model on its client",
+    ),
+    (
+        "distill-teachers-of-their-own-size",  # each client's own model counted, held twice (uploads and teachers)
+        lambda t: _job(t, federation=COORDINATOR_400K, methods={"distill": {"init": "random"}}),
+        "methods.distill.teachers",
+        "held twice: the uploads and the teachers built from them), got '880.5 KiB (gathered: 5 local models, 405.2 KiB)'",
+    ),
+    (
+        "ensemble-members-of-their-own-size",
+        lambda t: _job(t, federation=COORDINATOR_400K, methods={"ensemble": {}}),
+        "methods.ensemble",
+        "(federation.coordinator.memory: 390.6 KiB), got '475.3 KiB (gathered: 5 local models, 405.2 KiB)'",
     ),
     # 9. distill's nested aligned: the aligned method's own checks and the pipeline's
     (
@@ -70,6 +112,21 @@ CASES = [
         "methods.distill.aligned.aggregator",
         "the default mean with merge 'nonparametric'",
     ),
+    (
+        "nested-aligned-krum-over-the-clients-of-the-students-architecture",  # 3 of the 5 clients have it
+        lambda t: _job(t, federation=WIDE_CLIENTS, methods={"distill": {"aligned": {"aggregator": {"name": "krum", "f": 1}}}}),
+        "methods.distill.aligned.aggregator.f",
+        "with n = 3 clients, got 1; lower f or use more clients; the aligned start merges the 3 clients of the student's "
+        "architecture, [2, 3, 4]",
+    ),
+    (
+        "nested-aligned-krum-for-a-student-of-two-clients",
+        lambda t: _job(
+            t, federation=WIDE_CLIENTS, methods={"distill": {"student": WIDE["model"], "aligned": {"aggregator": {"name": "krum", "f": 0}}}}
+        ),
+        "methods.distill.aligned.aggregator.f",
+        "the aligned start merges the 2 clients of the student's architecture, [0, 1]",
+    ),
 ]
 
 
@@ -78,11 +135,45 @@ def test_a_setting_the_run_cannot_use_is_one_line_before_start(tmp_path, capsys,
     refused_before_start(tmp_path, capsys, make(tmp_path), key, words)
 
 
-def test_distill_with_teachers_on_their_clients_gathers_no_model(tmp_path, capsys):
+ACCEPTED = [
+    (
+        "distill-with-teachers-on-their-clients-gathers-no-model",
+        {**TINY_COORDINATOR},
+        {"distill": {"teachers": "clients", "init": "random"}},
+    ),
+    (
+        "per-actor-with-central-dp",
+        PER_ACTOR,
+        {"dp": {"method": "fedavg", "dp": {"noise_multiplier": 1.0, "clip_norm": 1.0, "sample_rate": 0.5}}},
+    ),
+    ("per-actor-with-the-mean-and-clip-norm", PER_ACTOR, {"c": {"method": "fedavg", "aggregator": {"clip_norm": 1.0}}}),
+    (  # no client has the student's architecture: the student starts at random and the aligned block is unused
+        "nested-aligned-block-of-a-student-no-client-has",
+        {},
+        {"distill": {"student": WIDE["model"], "aligned": {"aggregator": {"name": "krum", "f": 5}}}},
+    ),
+]
+
+
+@pytest.mark.parametrize(("federation", "methods"), [c[1:] for c in ACCEPTED], ids=[c[0] for c in ACCEPTED])
+def test_what_the_run_can_use_passes_validate(tmp_path, capsys, federation, methods):
     from rayfuse.cli import main
 
-    argv = _job(tmp_path, federation=TINY_COORDINATOR, methods={"distill": {"teachers": "clients", "init": "random"}})
-    assert main(argv) == 0, capsys.readouterr().err
+    assert main(_job(tmp_path, federation=federation, methods=methods)) == 0, capsys.readouterr().err
+
+
+def test_a_silo_runs_gathered_models_are_held_to_the_coordinators_memory_after_its_survey(tmp_path):
+    # the models' sizes are known once the silos reported their shape: refused then, before any client trains
+    from rayfuse.errors import InputError
+    from tests.test_silo_runs import _job as silo_job
+    from tests.test_silo_runs import _run
+
+    job = silo_job(tmp_path, {"ensemble": {}})
+    job["federation"] = {**job["federation"], "coordinator": {"memory": 1000}}
+    with pytest.raises(InputError) as info:
+        _run(tmp_path, job)
+    assert info.value.path == "methods.ensemble" and "gathered: 3 local models" in str(info.value)
+    assert not (tmp_path / "runs" / "r" / "results.json").exists()
 
 
 FUSE_DISTILL_WITHOUT_DATA = [

@@ -86,11 +86,15 @@ def split_simulation(cfg: ExperimentConfig, out: str | Path, *, key: str = "--ou
     if cfg.data.dataset == "arrays":
         raise InputError("data.dataset", "a dataset a config file names (rayfuse split reads the config's own data)", "arrays")
     folder = Path(out)
-    if "${" in str(folder.resolve()):  # silos.yaml holds absolute paths, and its reader expands ${NAME} in them
+    absolute = str(folder.resolve())
+    # silos.yaml holds absolute paths, read back by the silo config's rules: its reader expands ${NAME} in them, and a
+    # line break is no path there
+    if "${" in absolute or any(c in absolute for c in "\n\r"):
         raise InputError(
             key,
-            "a folder whose absolute path holds no '${' (the silo config's paths expand ${NAME} on each node)",
-            str(folder.resolve()),
+            "a folder whose absolute path holds no '${' and no line break (the silo config's paths expand ${NAME} on "
+            "each node, and hold no line break)",
+            absolute,
             "pick a folder elsewhere",
         )
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):

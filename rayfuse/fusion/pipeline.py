@@ -28,7 +28,6 @@ Nothing here imports Ray: the coordinator builds one pipeline per method run (``
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -43,6 +42,7 @@ from rayfuse.fusion.central_dp import CentralDPSettings, DPPlan, apply_dp_round,
 from rayfuse.fusion.privacy import UploadDP, check_upload_dp, gather_dp_uploads
 from rayfuse.fusion.robust import AggregatorSettings, aggregate, check_aggregator, check_enough_updates
 from rayfuse.fusion.streaming import NodeFold, PartialSum, RoundFold, RunningSum, partial_problem, update_problem
+from rayfuse.memory import available_memory
 from rayfuse.method import (
     Aggregate,
     Gathered,
@@ -63,6 +63,9 @@ __all__ = [
     "check_update_pipeline",
     "clients_per_round",
     "combine_models",
+    "folds_rounds",
+    "is_sum",
+    "local_model_copies",
     "pipeline_settings",
     "round_memory",
 ]
@@ -82,6 +85,20 @@ def pipeline_settings(params: MethodParams) -> tuple[AggregatorSettings, DPSetti
         aggregator if isinstance(aggregator, AggregatorSettings) else AggregatorSettings(),
         dp if isinstance(dp, (CentralDPSettings, UploadDP)) else None,
     )
+
+
+def is_sum(aggregator: AggregatorSettings, dp: DPSettings | None) -> bool:
+    """Whether a rule is a sum of per-client terms (the plain or weighted mean, the mean with ``clip_norm``, central
+    DP's clipped sum): the one test of whether a round can be folded reply by reply, or in partial sums where the
+    clients are (:meth:`UpdatePipeline.round_mode`), and of what the pre-start checks assume of it
+    (:func:`check_aggregation`, :func:`round_memory`)."""
+    return isinstance(dp, CentralDPSettings) or aggregator.name == "mean"
+
+
+def folds_rounds(spec: MethodSpec) -> bool:
+    """Whether a method entry's rounds can be folded into sums: its class sends them through
+    ``server.updates.collect_round`` (``streams_rounds``, the FedAvg family) and its rule :func:`is_sum`."""
+    return bool(getattr(spec.method_cls, "streams_rounds", False)) and is_sum(*pipeline_settings(spec.params))
 
 
 def clients_per_round(num_clients: int, fraction: float) -> int:
@@ -152,9 +169,12 @@ def check_update_pipeline(specs: Sequence[MethodSpec], setup: RunSetup, attacks:
 
 def check_aggregation(specs: Sequence[MethodSpec], federation: Any) -> None:
     """Refuse an explicit ``federation.aggregation: per_actor`` or ``per_node`` that no round could use (one line;
-    raises :class:`InputError`): with ``federation.attacks`` (an attacked round needs each client's update) or with a
-    method whose rule is not a sum (a robust ``aggregator``); ``per_node`` also on the in-process backend (it has no
-    nodes). Unset, the mode falls back per round instead (an ``aggregation`` event says so)."""
+    raises :class:`InputError`), by the test :meth:`UpdatePipeline.round_mode` applies to each round
+    (:func:`folds_rounds`): with ``federation.attacks`` (an attacked round needs each client's update), with an entry
+    of the FedAvg family whose rule is not a sum (a robust ``aggregator``: its rounds would gather), or when no
+    configured entry folds rounds at all (one-shot methods, other multi-round ones); ``per_node`` also on the
+    in-process backend (it has no nodes). Unset, the mode falls back per round instead (an ``aggregation`` event says
+    so)."""
     mode = federation.aggregation
     if mode not in ("per_actor", "per_node"):
         return
@@ -170,7 +190,15 @@ def check_aggregation(specs: Sequence[MethodSpec], federation: Any) -> None:
             "flat or unset with federation.attacks (an attacked round needs each client's update, not a partial sum)",
             mode,
         )
-    if not any(getattr(spec.method_cls, "streams_rounds", False) for spec in specs):
+    for spec in specs:  # a round of this entry would gather every update (UpdatePipeline.round_mode)
+        if getattr(spec.method_cls, "streams_rounds", False) and not folds_rounds(spec):
+            raise InputError(
+                "federation.aggregation",
+                f"flat or unset with methods.{spec.label}.aggregator {pipeline_settings(spec.params)[0].name!r} ({mode} "
+                "partial sums need a rule that is a sum: mean, mean with clip_norm, central DP)",
+                mode,
+            )
+    if not any(folds_rounds(spec) for spec in specs):
         from rayfuse.method import METHODS
 
         streaming = sorted(name for name, cls in METHODS.items() if getattr(cls, "streams_rounds", False))
@@ -180,27 +208,6 @@ def check_aggregation(specs: Sequence[MethodSpec], federation: Any) -> None:
             f"{', '.join(streaming)}), not with {', '.join(spec.label for spec in specs)}",
             mode,
         )
-    for spec in specs:
-        aggregator, dp = pipeline_settings(spec.params)
-        if getattr(spec.method_cls, "streams_rounds", False) and not isinstance(dp, CentralDPSettings) and aggregator.name != "mean":
-            raise InputError(
-                "federation.aggregation",
-                f"flat or unset with methods.{spec.label}.aggregator {aggregator.name!r} ({mode} partial sums need a "
-                "rule that is a sum: mean, mean with clip_norm, central DP)",
-                mode,
-            )
-
-
-def available_memory() -> int:
-    """Bytes of memory available on this machine (``MemAvailable`` of ``/proc/meminfo``; elsewhere the free pages)."""
-    try:
-        with open("/proc/meminfo") as lines:
-            for line in lines:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def round_memory(spec: MethodSpec, federation: Any, num_clients: int, model_bytes: int) -> tuple[int, str]:
@@ -213,8 +220,7 @@ def round_memory(spec: MethodSpec, federation: Any, num_clients: int, model_byte
     median's iterate (the other rules work chunk by chunk)."""
     aggregator, dp = pipeline_settings(spec.params)
     central = isinstance(dp, CentralDPSettings)
-    sum_rule = central or aggregator.name == "mean"
-    if getattr(spec.method_cls, "streams_rounds", False) and federation.streaming and not federation.attacks and sum_rule:
+    if folds_rounds(spec) and federation.streaming and not federation.attacks:
         return (4 if central else 3) * model_bytes, "streamed"
     fraction = getattr(spec.params, "fraction", None)
     k = clients_per_round(num_clients, float(fraction)) if fraction is not None else num_clients
@@ -222,30 +228,63 @@ def round_memory(spec: MethodSpec, federation: Any, num_clients: int, model_byte
     return copies * model_bytes, f"gathered: {k} updates"
 
 
+def local_model_copies(spec: MethodSpec) -> int:
+    """How many copies of every client's local model a method entry holds on the coordinator at once: none where it
+    gathers none (not ``MethodTags.uses_local_models``, or distill's ``teachers: clients``: predictions only), two for
+    distill's ``teachers: parameters`` (the uploads, and the teacher models built from them for the whole
+    distillation), else one (the uploads; a member is built one at a time where it is evaluated)."""
+    if not spec.method_cls.tags.uses_local_models:
+        return 0
+    teachers = getattr(spec.params, "teachers", None)
+    return 0 if teachers == "clients" else 2 if teachers == "parameters" else 1
+
+
 def check_round_memory(
-    specs: Sequence[MethodSpec], federation: Any, num_clients: int, num_params: int, *, available: int | None = None
+    specs: Sequence[MethodSpec],
+    federation: Any,
+    num_clients: int,
+    num_params: int,
+    *,
+    client_params: Sequence[int] = (),
+    available: int | None = None,
 ) -> None:
-    """Refuse, before anything starts, a method entry whose aggregation would not fit the coordinator's memory
-    (:func:`round_memory`): ``federation.coordinator.memory`` when set, else this machine's available memory (the
-    coordinator runs on the driver's node). Raises :class:`InputError` naming the key that makes it gather."""
+    """Refuse, before anything starts, a method entry whose aggregation (:func:`round_memory`), or whose gathering of
+    every client's local model (:func:`local_model_copies`: distill's teachers, an ensemble's members...), would not fit
+    the coordinator's memory: ``federation.coordinator.memory`` when set, else this machine's available memory (the
+    coordinator runs on the driver's node). ``client_params``: each client's parameter count (its own model's, with
+    ``federation.client_overrides.<i>.model``); default ``num_params`` each. Raises :class:`InputError` naming the key
+    that makes it gather."""
+    from rayfuse.data.datasets import format_bytes
+
     # float32: the models are torch modules in their default dtype; num_params is their parameter count
     model_bytes = 4 * int(num_params)
+    local_bytes = 4 * int(sum(client_params)) if client_params else num_clients * model_bytes
     if federation.coordinator.memory is not None:
         limit, source = int(federation.coordinator.memory), "federation.coordinator.memory"
     else:
-        limit, source = (available if available is not None else available_memory()), "the available memory"
+        free = available if available is not None else available_memory()
+        if free is None:  # not known here: nothing to hold the run to
+            return
+        limit, source = free, "the available memory"
     for spec in specs:
-        gathers = spec.method_cls.tags.uses_local_models and getattr(spec.params, "teachers", None) != "clients"
-        if fuses_of(spec.method_cls, spec.params) != "parameters" and not gathers:
-            continue
-        if fuses_of(spec.method_cls, spec.params) == "parameters":
+        copies = local_model_copies(spec)
+        if fuses_of(spec.method_cls, spec.params) == "parameters":  # one layout: every client's model is the run's
             bound, what = round_memory(spec, federation, num_clients, model_bytes)
-        else:  # every client's local model on the coordinator (distill's teachers, GEMS' models), the result, one more
-            bound, what = (num_clients + 2) * model_bytes, f"gathered: {num_clients} local models"
+            expected = (
+                f"an aggregation within the coordinator's memory ({source}: {format_bytes(limit)}; a "
+                f"{format_bytes(model_bytes)} model, its updates, the result and the rule's working memory)"
+            )
+        elif copies:  # every client's local model, each of its own size, the result and one more
+            bound = copies * local_bytes + 2 * model_bytes
+            what = f"gathered: {num_clients} local models, {format_bytes(local_bytes)}"
+            twice = "; held twice: the uploads and the teachers built from them" if copies == 2 else ""
+            expected = f"every client's local model within the coordinator's memory ({source}: {format_bytes(limit)}{twice})"
+        else:
+            continue
         if bound <= limit:
             continue
         aggregator, _ = pipeline_settings(spec.params)
-        if not hasattr(spec.params, "aggregator") and getattr(spec.params, "teachers", None) == "parameters":
+        if copies == 2:
             key, hint = f"methods.{spec.label}.teachers", "teachers: clients keeps each local model on its client (predictions only)"
         elif getattr(spec.method_cls, "streams_rounds", False) and not federation.streaming:
             key, hint = "federation.streaming", "set federation.streaming: true (the rule is a sum)"
@@ -255,13 +294,7 @@ def check_round_memory(
             key, hint = f"methods.{spec.label}.aggregator", "a rule that is a sum (mean) streams, or give the coordinator more memory"
         else:
             key, hint = f"methods.{spec.label}", "this method gathers every client's model: fewer clients or a smaller model"
-        raise InputError(
-            key,
-            f"an aggregation within the coordinator's memory ({source}: {limit / 2**20:,.0f} MiB; a "
-            f"{model_bytes / 2**20:,.1f} MiB model, its updates, the result and the rule's working memory)",
-            f"{bound / 2**20:,.0f} MiB ({what})",
-            hint,
-        )
+        raise InputError(key, expected, f"{format_bytes(bound)} ({what})", hint)
 
 
 def _check_central_dp(spec: MethodSpec, aggregator: AggregatorSettings, dp: CentralDPSettings, num_clients: int) -> None:
@@ -585,7 +618,7 @@ class UpdatePipeline:
     def decomposes(self) -> bool:
         """Whether the method's rule is a sum of per-client terms (the plain or weighted mean, the mean with
         ``clip_norm``, central DP's clipped sum): the rounds it can fold reply by reply."""
-        return isinstance(self.dp, CentralDPSettings) or self.aggregator.name == "mean"
+        return is_sum(self.aggregator, self.dp)
 
     def round_mode(self, round: int) -> tuple[str, str | None]:
         """How :meth:`collect_round` aggregates ``round``: ``gathered`` (every reply first, then :meth:`collect`),

@@ -258,15 +258,20 @@ def test_split_leaves_out_only_the_methods_that_read_the_whole_dataset(tmp_path)
     prepare_run(silo_cfg)  # the kept oracle passes the silo run's pre-start checks
 
 
-@pytest.mark.parametrize("parent", ["${HOME}", "a${b", "${NOPE}"])
-def test_split_refuses_an_out_folder_below_a_literal_dollar_brace(tmp_path, capsys, parent):
-    # silos.yaml writes absolute paths, and its reader expands ${NAME}: such a folder would write a config that does not run
+@pytest.mark.parametrize("relative", [False, True], ids=["absolute", "relative-in-that-folder"])
+@pytest.mark.parametrize("parent", ["${HOME}", "a${b", "${NOPE}", "a\nb"])
+def test_split_refuses_an_out_folder_below_a_literal_dollar_brace(tmp_path, capsys, monkeypatch, parent, relative):
+    # silos.yaml writes absolute paths, and its reader expands ${NAME} and refuses line breaks: such a folder would
+    # write a config that does not run (a relative --out is written absolute: the working directory counts)
     config = _write(tmp_path / "sim.yaml", {**SIMULATION, "data": {"dataset": "iris"}})
-    out = tmp_path / parent / "silos"
+    if relative:
+        (tmp_path / parent).mkdir()
+        monkeypatch.chdir(tmp_path / parent)
+    out = Path("silos") if relative else tmp_path / parent / "silos"
     _one_line_exit_2(
         capsys, ["split", str(config), "--out", str(out)], r"^rayfuse: error: --out: expected a folder whose absolute path holds no"
     )
-    assert not (tmp_path / parent).exists()
+    assert not (tmp_path / parent / "silos").exists() and (relative or not (tmp_path / parent).exists())
 
 
 def test_split_without_a_data_section_keeps_the_quickstarts_public_sample_only_for_a_method_that_reads_one(tmp_path, capsys):

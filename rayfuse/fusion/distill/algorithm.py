@@ -31,6 +31,7 @@ inputs. Never a sample, a label or an activation of its own data. Local DP-SGD (
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -183,23 +184,43 @@ def check_distill_memory(params: DistillParams, setup: RunSetup) -> None:
     check_fits_memory(key, given, per_input * (bank + batch * BATCH_COPIES), f"distillation's inputs at {key} {given}")
 
 
-def check_nested_aligned(params: AlignedParams, setup: RunSetup) -> None:
-    """The ``aligned:`` block (``init: aligned``) checked as an ``aligned`` entry of its own is, before start: the
-    method's own check (its spec, its graph) and the update pipeline's (an aggregator's precondition, its DP), with
-    the errors at ``aligned.<key>`` below this entry."""
+def check_nested_aligned(params: DistillParams, setup: RunSetup) -> None:
+    """The ``aligned:`` block of ``init: aligned`` checked, before start, as the ``aligned`` entry it runs as
+    (:meth:`Distill._start`): over the student's architecture (``student``, default the run's model) and the clients
+    whose model it is, the method's own check (its spec, its graph) and the update pipeline's (an aggregator's
+    precondition on that number of models). Errors at ``aligned.<key>`` below this entry, the student's at
+    ``student.<key>``. No client of the student's architecture: the student starts at random, the block is unused."""
     from rayfuse.config import CONFIG_SECTIONS
     from rayfuse.fusion.aligned.algorithm import Aligned
     from rayfuse.fusion.pipeline import check_update_pipeline
     from rayfuse.method import MethodSpec
 
+    student = params.student or setup.model
+    same = [c for c in range(setup.num_clients) if setup.client_model(c) == student]
+    if not same:
+        return
+    merged = dataclasses.replace(
+        setup,
+        model=student,
+        num_clients=len(same),
+        client_models=(),
+        train_sizes=None if setup.train_sizes is None else tuple(setup.train_sizes[c] for c in same),
+        val_sizes=None if setup.val_sizes is None else tuple(setup.val_sizes[c] for c in same),
+    )
     try:
-        Aligned.check(params, setup)
-        check_update_pipeline([MethodSpec("aligned", "aligned", Aligned, params)], setup, ())
+        Aligned.check(params.aligned, merged)
+        check_update_pipeline([MethodSpec("aligned", "aligned", Aligned, params.aligned)], merged, ())
     except InputError as exc:
         path = exc.path.removeprefix("methods.aligned.")
-        if path.split(".", 1)[0].split("[", 1)[0] in CONFIG_SECTIONS:
+        section = path.split(".", 1)[0].split("[", 1)[0]
+        if section == "model" and params.student is not None:  # the model it checked is the student
+            raise exc.at("student" + path.removeprefix("model")) from None
+        if section in CONFIG_SECTIONS:
             raise
-        raise exc.at(f"aligned.{path}") from None
+        if len(same) == setup.num_clients:
+            raise exc.at(f"aligned.{path}") from None
+        whose = f"the aligned start merges the {len(same)} clients of the student's architecture, {same}"
+        raise InputError(f"aligned.{path}", exc.expected, exc.got, f"{exc.hint}; {whose}" if exc.hint else whose) from None
 
 
 def transfer_note(params: DistillParams, samples: int | None) -> str:
@@ -376,8 +397,6 @@ class Distill(Method[DistillParams, None]):
     @classmethod
     def check(cls, params: DistillParams, setup: RunSetup) -> None:
         check_distill_memory(params, setup)
-        if params.init == "aligned" and params.teachers == "parameters":
-            check_nested_aligned(params.aligned, setup)
         if params.transfer == "public" and setup.public_size <= 0:
             raise InputError(
                 "data.public_size",
@@ -416,6 +435,8 @@ class Distill(Method[DistillParams, None]):
                 check_model_fits(params.student, setup.input_shape, setup.num_classes)
             except InputError as exc:
                 raise exc.at("student." + exc.path.split(".", 1)[-1]) from None
+        if params.init == "aligned" and params.teachers == "parameters":
+            check_nested_aligned(params, setup)
 
     def run(self, server: ServerContext) -> MethodResult:
         from rayfuse.fusion.distill.student import distill_public, distill_synthetic
