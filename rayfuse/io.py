@@ -115,7 +115,9 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 def parse_json(text: str | bytes, where: str, expected: str, hint: str = "") -> Any:
     """JSON a user can touch (a file, a file's metadata field), or one :class:`InputError` at ``where``: json's
     ``ValueError`` (invalid JSON, bytes that are not UTF-8) and the ``RecursionError`` of nesting deeper than the
-    parser recurses (``"[" * 100000``), which is no ``ValueError``. Every reader of such JSON goes through it."""
+    parser recurses (``"[" * 100000``), which is no ``ValueError``. Readers that refuse such a file go through it;
+    the run folder's own state files, which fall back on damage (a checkpoint pointer, a method summary, the step
+    cache: :mod:`rayfuse.store`) catch ``RecursionError`` beside ``ValueError`` where they read."""
     try:
         return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
     except (ValueError, RecursionError) as exc:
