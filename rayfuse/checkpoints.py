@@ -445,7 +445,7 @@ def _with(model: Any, params: Mapping[str, np.ndarray], spec: Any = None, exampl
     nonparametric merge grows groups)."""
     import copy
 
-    import torch
+    from rayfuse.models.params import tensors_over
 
     clone = copy.deepcopy(model)
     state = clone.state_dict()
@@ -454,7 +454,7 @@ def _with(model: Any, params: Mapping[str, np.ndarray], spec: Any = None, exampl
 
         ties = tied_names(clone)
         return retie(resize_with_spec(clone, spec, params, example.shape), ties).eval()
-    clone.load_state_dict({k: torch.as_tensor(np.ascontiguousarray(v)) for k, v in params.items()})
+    clone.load_state_dict(tensors_over(params))
     return clone.eval()
 
 
@@ -1205,6 +1205,7 @@ def load_fused(
     import torch
 
     from rayfuse.models.architecture import check_checkpoint_fits
+    from rayfuse.models.params import tensors_over
 
     file = Path(path)
     if not params_exist(file):
@@ -1217,7 +1218,7 @@ def load_fused(
     state = model.state_dict()
     if not any(k in params and tuple(np.shape(params[k])) != tuple(v.shape) for k, v in state.items()):
         check_checkpoint_fits(model, params, where=file, ref="the architecture")
-        model.load_state_dict({k: torch.as_tensor(np.ascontiguousarray(v)) for k, v in params.items()})
+        model.load_state_dict(tensors_over(params))
         return model.eval()
     from rayfuse.symmetry import PermutationSpec, derive_spec, resize_with_spec
 

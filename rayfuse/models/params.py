@@ -74,16 +74,22 @@ def restore_taken(model: nn.Module) -> nn.Module:
     return model
 
 
+def tensors_over(params: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Tensors over ``params``' arrays (no copy where an array is contiguous), for ``load_state_dict``, which copies
+    them into the module (or, with ``assign=True``, only reads them). Arrays read from Ray's object store or
+    memory-mapped from a checkpoint are read-only; nothing writes through these tensors, so PyTorch's warning about
+    non-writable arrays, which would print before any one-line message, is silenced here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return {k: torch.as_tensor(np.ascontiguousarray(v)) for k, v in params.items()}
+
+
 def set_params(model: nn.Module, params: Mapping[str, np.ndarray]) -> nn.Module:
     """Load ``params`` into ``model`` (copying). Keys and shapes must match exactly."""
     problem = check_params(params, {k: v for k, v in model.state_dict().items()}, check_finite=False)
     if problem:
         raise ValueError(f"parameters do not fit the model: {problem}")
-    with warnings.catch_warnings():
-        # Arrays read from Ray's object store are read-only; load_state_dict copies them, nothing writes through.
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        state = {k: torch.as_tensor(v) for k, v in params.items()}
-    model.load_state_dict(state)
+    model.load_state_dict(tensors_over(params))
     return model
 
 
@@ -116,11 +122,7 @@ def model_with_params(build: Callable[[], nn.Module], params: Mapping[str, np.nd
         problem = check_params(params, model.state_dict(), check_finite=False)
         if problem:
             raise ValueError(f"parameters do not fit the model: {problem}")
-        with warnings.catch_warnings():
-            # Arrays read from Ray's object store are read-only: the model only reads them (it predicts)
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            state = {k: torch.as_tensor(v) for k, v in params.items()}
-        model.load_state_dict(state, assign=True)
+        model.load_state_dict(tensors_over(params), assign=True)  # the model only reads them (it predicts)
         if not any(t.is_meta for t in chain(model.parameters(), model.buffers())):
             return model
     return set_params(build(), params)

@@ -33,6 +33,7 @@ import torch.fx
 from torch import nn
 
 from rayfuse.errors import InputError
+from rayfuse.models.params import tensors_over
 from rayfuse.symmetry.spec import PermGroup, PermutationSpec
 from rayfuse.symmetry.trace import derive_spec, trace_model
 
@@ -491,7 +492,7 @@ def resize_with_spec(
     for owner in sorted(resized):
         _update_attributes(model.get_submodule(owner) if owner else model, owner)
     with torch.no_grad():
-        model.load_state_dict({k: torch.as_tensor(np.asarray(v)) for k, v in params.items()})
+        model.load_state_dict(tensors_over(params))
     if resized:
         _check_runs(model, example_shape, where)
     return model

@@ -12,6 +12,7 @@ values, 8 checkpoints for ``rayfuse fuse``.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -793,6 +794,30 @@ def test_bad_checkpoints_and_data_exit_2_in_a_real_process(tmp_path) -> None:
     result = _rayfuse(["run", job, "--local"], tmp_path)
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1 and "data.label" in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def _tensor(rng: np.random.Generator, *shape: int) -> Any:
+    import torch
+
+    return torch.from_numpy(rng.normal(size=shape).astype(np.float32))
+
+
+def test_a_probe_on_a_node_the_model_lacks_is_one_line_in_a_real_process(tmp_path) -> None:
+    # Activation matching loads the memory-mapped (read-only) checkpoints into the architecture before it checks the
+    # spec's probes; PyTorch's warning about non-writable arrays (printed once per process, so only a fresh process
+    # shows it) came before the one line.
+    f = Files(tmp_path)
+    f.text("m_probe.py", "import torch\nclass M(torch.nn.Sequential):\n    def __init__(self):\n        super().__init__(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))\n")
+    rng = np.random.default_rng(0)
+    models = [f.params(f"m{i}.safetensors", {"0.weight": _tensor(rng, 4, 3), "0.bias": _tensor(rng, 4), "2.weight": _tensor(rng, 2, 4), "2.bias": _tensor(rng, 2)}) for i in range(2)]
+    group = {"name": "P0", "size": 4, "axes": [{"key": "0.weight", "dim": 0}, {"key": "0.bias", "dim": 0}, {"key": "2.weight", "dim": 1}], "probes": [{"node": "nope", "dim": 1}]}
+    f.text("spec.json", json.dumps({"groups": [group]}))
+    data = f.npz(X=rng.normal(size=(60, 3)).astype(np.float32), y=np.arange(60) % 2)
+    fuse = f.fuse(models=models, merge_method="activation_matching", architecture="m_probe:M", parameters={"spec": "spec.json"}, data={"path": data})
+    result = _rayfuse(["fuse", fuse], tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == ["rayfuse: error: spec.P0.probes: expected a node of both traced models, got 'nope'"], result.stderr
+    assert not (tmp_path / "fused.safetensors").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------
