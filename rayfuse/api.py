@@ -253,7 +253,7 @@ def fuse_checkpoints(
     ``progress`` receives a line per stage of a long fusion (``distill``: one per epoch). ``max_shard_size`` (bytes)
     overrides the fuse file's ``max_shard_size:``: an output above it is written as a shard folder.
     """
-    from rayfuse.checkpoints import load_fuse_config, run_fuse
+    from rayfuse.merging import load_fuse_config, run_fuse
 
     if isinstance(config, bool) or not isinstance(config, (str, os.PathLike, Mapping)) or (isinstance(config, str) and not config.strip()):
         raise InputError(
@@ -302,14 +302,14 @@ def fuse(config: str | Path | Mapping[str, Any], out: str | Path | None = None, 
 def load_fused(
     architecture: Any, path: str | Path, *, args: Mapping[str, Any] | None = None, input_shape: Sequence[int] | None = None
 ) -> Any:
-    """The model a fused file holds, in one call (:func:`rayfuse.checkpoints.load_fused`): ``architecture``
+    """The model a fused file holds, in one call (:func:`rayfuse.merging.load_fused`): ``architecture``
     (``"module:Class"``, a class or a function returning the model, or a model) built at the widths the file records
     (a ``merge: nonparametric`` model is wider than the architecture) and loaded, in eval mode, tied tensors kept tied::
 
         fused = rayfuse.fuse("fuse.yaml")
         model = rayfuse.load_fused("mypkg.models:Net", fused)   # the fuse file's architecture_args by default
     """
-    from rayfuse.checkpoints import load_fused as load
+    from rayfuse.merging import load_fused as load
 
     return load(architecture, path, args=args, input_shape=input_shape)
 

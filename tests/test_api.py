@@ -217,7 +217,7 @@ def test_fuse_writes_the_fused_checkpoint_and_returns_its_path(tmp_path):
     out = rayfuse.fuse(tmp_path / "fuse.yaml")
     assert out == tmp_path / "fused.safetensors"
     np.testing.assert_allclose(load_params(out)["w"], 2.0)
-    with pytest.raises(InputError, match=r"output: expected a file that does not exist yet"):
+    with pytest.raises(InputError, match=r"output: expected a path that does not exist yet"):
         rayfuse.fuse(tmp_path / "fuse.yaml")
 
 

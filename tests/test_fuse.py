@@ -7,10 +7,10 @@ import pytest
 import torch
 import yaml
 
-from rayfuse.checkpoints import load_fuse_config, run_fuse
 from rayfuse.cli import main
 from rayfuse.errors import InputError
 from rayfuse.io import load_params, save_params
+from rayfuse.merging import load_fuse_config, run_fuse
 
 
 def model(seed, hidden=4):
@@ -98,21 +98,37 @@ def nan_file(tmp_path):
 
 
 BAD = [
-    ("mismatched shapes", bad_shape, r"wide\.safetensors: 0\.bias: expected shape \(4,\) as in a\.safetensors, got \(6,\)"),
-    ("mismatched names", bad_keys, r"extra\.safetensors: expected the tensor names of a\.safetensors.*unexpected \['extra\.weight'\]"),
+    (
+        "mismatched shapes",
+        bad_shape,
+        r"models\.1\.model \(wide\.safetensors\): 0\.bias: expected shape \(4,\) as in the base model \(a\.safetensors\), got \(6,\)",
+    ),
+    (
+        "mismatched names",
+        bad_keys,
+        r"models\.1\.model \(extra\.safetensors\): extra\.weight: expected only the tensors the base model \(a\.safetensors\) holds",
+    ),
     ("pickled objects", pickle_file, r"evil\.pt: expected a PyTorch state_dict loadable with weights_only=True"),
-    ("NaN values", nan_file, r"nan\.safetensors: 0\.bias: expected finite values"),
-    ("unknown method", lambda t: {"merge_method": "avrage"}, r"merge_method: expected a fuse method.*did you mean 'average'"),
+    ("NaN values", nan_file, r"models\.1\.model \(nan\.safetensors\): 0\.bias: expected finite values"),
+    ("unknown method", lambda t: {"merge_method": "avrage"}, r"merge_method: expected a merge in .*did you mean 'average'"),
     ("method needing data", lambda t: {"merge_method": "fedavg"}, r"merge_method: .*run in a federation"),
-    ("missing weight", lambda t: {"merge_method": "weighted_average"}, r"models\.0\.parameters\.weight: expected this required key"),
+    (
+        "missing weight",
+        lambda t: {"merge_method": "weighted_average"},
+        r"models\.0\.parameters\.weight: expected this model's weight for weighted_average",
+    ),
     (
         "weight on average",
         lambda t: {"models": [{"model": "a.safetensors", "parameters": {"weight": 2}}]},
-        r"models\.0\.parameters\.weight: expected a known key",
+        r"models\.0\.parameters\.weight: expected no per-model parameters with average",
     ),
     ("typo in a key", lambda t: {"ouput": "x.safetensors"}, r"ouput: expected a known key.*did you mean 'output'"),
-    ("missing file", lambda t: {"models": [{"model": "nope.safetensors"}]}, r"models\.0\.model: expected an existing model file"),
-    ("existing output", lambda t: {"output": "a.safetensors"}, r"output: expected a file that does not exist yet"),
+    (
+        "missing file",
+        lambda t: {"models": [{"model": "nope.safetensors"}]},
+        r"models\.0\.model: expected an existing Hugging Face folder or model file",
+    ),
+    ("existing output", lambda t: {"output": "a.safetensors"}, r"output: expected a path that does not exist yet"),
     ("no models", lambda t: {"models": []}, r"models: expected"),
 ]
 
@@ -231,7 +247,7 @@ def test_an_architecture_from_the_working_directory_checks_the_checkpoints_and_t
         ({"data": {"path": "bad.npz"}}, r"fuse\.yaml: data\.path: expected inputs the model takes, got 'arrays of shape \(5,\)"),
         (
             {"architecture": None, "input_shape": [3]},
-            r"fuse\.yaml: architecture: expected the class that architecture_args / input_shape are for",
+            r"fuse\.yaml: architecture: expected the class that input_shape is for \(merge_method average reads it with one\)",
         ),
     ],
 )
@@ -296,7 +312,7 @@ def test_the_python_api_fuses_from_a_dict_with_paths_from_the_working_directory(
     )
     assert out == arch_files / "api.safetensors" or out.resolve() == (arch_files / "api.safetensors").resolve()
     assert set(load_params(out)) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
-    with pytest.raises(InputError, match=r"^<fuse config>: models\.1\.model: expected an existing model file"):
+    with pytest.raises(InputError, match=r"^<fuse config>: models\.1\.model: expected an existing Hugging Face folder or model file"):
         rayfuse.fuse(
             {"merge_method": "average", "models": [{"model": "n0.safetensors"}, {"model": "nope.safetensors"}], "output": "x.safetensors"}
         )

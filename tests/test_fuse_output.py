@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 import rayfuse
-from rayfuse.checkpoints import check_fused, load_fused, tied_names
 from rayfuse.cli import main
 from rayfuse.io import load_params, save_params
+from rayfuse.merging import check_fused, load_fused, tied_names
 from tests.config.test_bad_inputs import Files, _snapshot, call, refused_line
 
 NETS = '''
@@ -659,7 +659,7 @@ def test_load_fused_round_trips_a_widened_model_whose_outputs_are_the_fused_mode
     assert model.inp.out_features == 12 and model.out.in_features == 12 and not model.training
     X = np.random.default_rng(2).normal(size=(16, 4)).astype(np.float32)
     np.testing.assert_allclose(_outputs(model, X), _ensemble(nets, cls, X), rtol=1e-4, atol=1e-5)
-    from rayfuse.checkpoints import _with
+    from rayfuse.merging.fusers import _with
     from rayfuse.symmetry import PermutationSpec
 
     arch = getattr(nets, cls)().eval()

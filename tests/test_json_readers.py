@@ -42,7 +42,7 @@ def _fused(key: str) -> Callable[[Path, str], Callable[[], Any]]:
     def make(tmp_path: Path, text: str) -> Callable[[], Any]:
         from safetensors.numpy import save_file
 
-        from rayfuse.checkpoints import load_fused
+        from rayfuse.merging import load_fused
 
         file = tmp_path / "fused.safetensors"
         # a Linear(3, 2) widened to 4 outputs: its shape and spec are read only for a file whose widths grew

@@ -24,7 +24,7 @@ CORE_MODULES = [
     "rayfuse.io",
     "rayfuse.cli",
     "rayfuse.sweep",
-    "rayfuse.checkpoints",
+    "rayfuse.merging",
     "rayfuse.api",
     "rayfuse.method",
 ]

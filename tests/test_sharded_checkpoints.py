@@ -245,7 +245,7 @@ def test_rayfuse_fuse_reads_shard_folders_and_shards_its_output(tmp_path):
     done = subprocess.run([*cli, str(tmp_path / "other.safetensors")], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2
     assert done.stderr.startswith("rayfuse: error: ") and done.stderr.count("\n") == 1
-    assert "missing shard model-00001-of-" in done.stderr
+    assert "got 'model-00001-of-" in done.stderr and "copy the missing shard" in done.stderr
     assert not (tmp_path / "other.safetensors").exists()
 
 

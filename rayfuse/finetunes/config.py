@@ -30,21 +30,18 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, ValidationError
-
-from rayfuse.config import StrictSchema, pydantic_input_error
 from rayfuse.errors import InputError, suggest
-from rayfuse.io import SHARD_INDEX
+
+if TYPE_CHECKING:
+    from rayfuse.finetunes.tensor_merge import TensorMerge
+    from rayfuse.merging.schema import FuseFile
 
 __all__ = [
     "TaskVectorMethod",
     "TASK_VECTOR_METHODS",
-    "DATA_AWARE",
-    "FINETUNE_METHODS",
     "FinetuneSpec",
-    "is_finetune",
     "load_finetune_config",
     "evaluate",
     "layer_positions",
@@ -69,60 +66,16 @@ TASK_VECTOR_METHODS: dict[str, TaskVectorMethod] = {
     "dare_ties": TaskVectorMethod("random", True, normalize=False, rescale=True),
 }
 
-DATA_AWARE = ("fisher", "regmean")
-FINETUNE_METHODS = (*TASK_VECTOR_METHODS, "slerp", "linear", "average", "weighted_average", *DATA_AWARE)
-_NUMBERS = ("weight", "density", "lambda", "t")
-# the keys each method reads: per model, and global (a per-model key may also be given globally, for every model)
-_MODEL_KEYS = {
-    **{m: ("weight", "density") for m in TASK_VECTOR_METHODS},
-    "slerp": (),
-    "linear": ("weight",),
-    "weighted_average": ("weight",),
-    "average": (),
-    "fisher": ("weight",),
-    "regmean": ("weight",),
+# value bounds of the numeric parameters that have one: (low, high, whether low is included, what the value is)
+_BOUNDS: dict[str, tuple[float, float, bool, str]] = {
+    "density": (0.0, 1.0, False, "a density in (0, 1] (the fraction of each task vector kept)"),
+    "alpha": (0.0, 1.0, True, "a number in [0, 1] (the share of the Grams' off-diagonal kept)"),
 }
-_GLOBAL_KEYS = {
-    **{m: ("weight", "density", "lambda", "normalize", "rescale", "int8_mask") for m in TASK_VECTOR_METHODS},
-    "slerp": ("t",),
-    "linear": ("weight", "normalize"),
-    "weighted_average": ("weight", "normalize"),
-    "average": (),
-    "fisher": ("weight",),
-    "regmean": ("weight", "alpha"),
-}
-_DTYPE = Literal["bfloat16", "float16", "float32", "float64"]
-
-
-class _Entry(StrictSchema):
-    model: str = Field(min_length=1, description="a Hugging Face folder or a .safetensors file (relative to the config file)")
-    parameters: dict[str, Any] = Field(default_factory=dict, description="this model's weight and density")
-    statistics: str | None = Field(
-        None,
-        min_length=1,
-        description="fisher / regmean: a .safetensors file of this model's diagonal "
-        "Fisher (the tensors' names and shapes) or its layers' input Gram matrices (a weight's name -> (in, in))",
-    )
-
-
-class _File(StrictSchema):
-    merge_method: str = Field(min_length=1)
-    base_model: str | None = Field(None, min_length=1, description="the model the others are fine-tunes of")
-    models: list[_Entry] = Field(min_length=1)
-    parameters: dict[str, Any] = Field(default_factory=dict)
-    dtype: _DTYPE | None = Field(
-        None, description="the output's float dtype (default: each tensor's as the base stores it); the merge computes in float32"
-    )
-    out_dtype: _DTYPE | None = Field(None, description="mergekit's name for the output dtype; overrides dtype")
-    output: str | None = Field(None, min_length=1)
-    max_shard_size: int | str = Field("2GB", description='the largest output shard ("2GB", "500MB", bytes)')
-    threads: int | None = Field(None, ge=1, description="tensors merged at once (default: the CPU count, at most 8)")
-    seed: int = Field(0, description="the seed of DARE's random drop")
 
 
 @dataclass(frozen=True)
 class FinetuneSpec:
-    """A validated fine-tune merge."""
+    """A validated tensor-by-tensor merge (``merge``: the registered merge, ``method`` its name)."""
 
     method: str
     base: Path | None
@@ -136,27 +89,7 @@ class FinetuneSpec:
     seed: int
     config: Path
     statistics: tuple[Path, ...] = ()
-
-
-def is_finetune(raw: Mapping[str, Any], path: Path, output: str | Path | None) -> bool:
-    """Whether a fuse file is a fine-tune merge: a ``base_model:``, a merge method only fine-tunes have, or an average
-    of Hugging Face folders (or into one)."""
-    method = raw.get("merge_method")
-    if "base_model" in raw or method in (*TASK_VECTOR_METHODS, "slerp", *DATA_AWARE):
-        return True
-    if method not in ("average", "weighted_average", "linear"):
-        return False
-    out = output if output is not None else raw.get("output")
-    if isinstance(out, str | Path) and str(out) and Path(out).suffix == "":  # a folder: the Hugging Face layout
-        return True
-    entries = raw.get("models")
-    for entry in entries if isinstance(entries, list) else []:
-        model = entry.get("model") if isinstance(entry, Mapping) else None
-        folder = _resolve(model, path) if isinstance(model, str) and model else None
-        # a folder of shards alone (rayfuse.io.save_params: no config.json) is a model file rayfuse fuse reads itself
-        if folder is not None and folder.is_dir() and not ((folder / SHARD_INDEX).is_file() and not (folder / "config.json").is_file()):
-            return True
-    return False
+    merge: TensorMerge | None = None
 
 
 def _resolve(name: str, config: Path) -> Path:
@@ -184,8 +117,11 @@ def _check_setting(value: Any, key: str, where: str) -> None:
     for n in numbers:
         if isinstance(n, bool) or not isinstance(n, int | float) or not math.isfinite(n):
             raise InputError(where, "a finite number, a list of numbers (over the layers) or a list of {filter, value}", n)
-        if key == "density" and not 0 < n <= 1:
-            raise InputError(where, "a density in (0, 1] (the fraction of each task vector kept)", n)
+        bound = _BOUNDS.get(key)
+        if bound is not None:
+            low, high, closed, what = bound
+            if not (low <= n if closed else low < n) or n > high:
+                raise InputError(where, what, n)
 
 
 def evaluate(name: str, setting: Any, t: float) -> float | None:
@@ -220,70 +156,67 @@ def layer_positions(names: list[str]) -> dict[str, float]:
     return {n: (index[n] / (count - 1) if count > 1 else 1.0) if n in index else 0.0 for n in names}
 
 
-def _validate(raw: Mapping[str, Any], path: Path) -> _File:
-    try:
-        return _File.model_validate(dict(raw))
-    except ValidationError as exc:
-        err = pydantic_input_error(exc, model=_File)
-        raise InputError(f"{path}: {err.path}", err.expected, err.got, err.hint) from None
+def _check_parameter(merge: TensorMerge, key: str, value: Any, where: str) -> None:
+    """One parameter's value: one of the merge's ``choices`` for it; else a boolean where its default is one; else a
+    number (or a gradient / filter list of numbers)."""
+    default = merge.globals.get(key, merge.per_model.get(key))
+    if key in merge.choices:
+        if not any(value is c or (not isinstance(c, bool) and value == c) for c in merge.choices[key]):
+            raise InputError(
+                where, "one of " + ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in merge.choices[key]), value
+            )
+    elif isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise InputError(where, "true or false", value)
+    else:
+        _check_setting(value, key, where)
 
 
-def load_finetune_config(raw: Mapping[str, Any], path: Path, output: str | Path | None = None) -> FinetuneSpec:
-    """Validate a fine-tune merge's fuse file (``raw``: the parsed YAML; ``path``: the file, for messages and relative
-    paths); files are checked to exist, not yet read."""
+def load_finetune_config(file: FuseFile, path: Path, merge: TensorMerge, output: str | Path | None = None) -> FinetuneSpec:
+    """Validate a tensor-by-tensor merge's fuse file (``file``: the fuse file, validated; ``path``: where it was read,
+    for messages and relative paths) against the registered ``merge``: its parameters, its base, its models and their
+    statistics. Files are checked to exist, not yet read."""
     import os
 
     from rayfuse.finetunes.hf import parse_size
     from rayfuse.io import check_new_output
 
-    spec = _validate(raw, path)
-    method = spec.merge_method
-    if method not in FINETUNE_METHODS:
-        raise InputError(
-            f"{path}: merge_method",
-            f"a fine-tune merge in {{{', '.join(FINETUNE_METHODS)}}} (with base_model:)",
-            method,
-            suggest(method, FINETUNE_METHODS).strip(" ()"),
-        )
-    if spec.base_model is None and (method in TASK_VECTOR_METHODS or method == "slerp"):
+    method = merge.name
+    if file.base_model is None and merge.base == "required":
         raise InputError(
             f"{path}: base_model",
             f"the model the others are fine-tunes of, for {method} (its task vectors are differences from it)"
             if method != "slerp"
             else "the model slerp starts from (t = 0), for slerp",
         )
-    for key, value in spec.parameters.items():
-        if key not in _GLOBAL_KEYS[method]:
+    allowed = (*merge.globals, *(k for k in merge.per_model if k not in merge.globals))
+    for key, value in file.parameters.items():
+        if key not in allowed:
             raise InputError(
                 f"{path}: parameters.{key}",
-                f"a parameter of {method} in {{{', '.join(_GLOBAL_KEYS[method])}}}",
+                f"a parameter of {method} in {{{', '.join(allowed)}}}" if allowed else f"no parameters with {method}",
                 key,
-                suggest(key, _GLOBAL_KEYS[method]).strip(" ()"),
+                suggest(key, allowed).strip(" ()"),
             )
-        if key in _NUMBERS:
-            _check_setting(value, key, f"{path}: parameters.{key}")
-        elif key == "rescale" and value not in (True, False, "l1", "density"):
-            raise InputError(f"{path}: parameters.rescale", "true (mergekit's L1-norm rescale), false, l1 or density (1 / density)", value)
-        elif key in ("normalize", "int8_mask") and not isinstance(value, bool):
-            raise InputError(f"{path}: parameters.{key}", "true or false", value)
-        elif key == "alpha" and (isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1):
-            raise InputError(f"{path}: parameters.alpha", "a number in [0, 1] (the share of the Grams' off-diagonal kept)", value)
-    if method == "slerp" and "t" not in spec.parameters:
-        raise InputError(f"{path}: parameters.t", "the interpolation position t (0: the base model, 1: the other)")
+        _check_parameter(merge, key, value, f"{path}: parameters.{key}")
+    for key, default in merge.globals.items():
+        if default is None and key not in file.parameters:
+            what = "the interpolation position t (0: the base model, 1: the other)" if key == "t" else f"a value of {key} for {method}"
+            raise InputError(f"{path}: parameters.{key}", what)
     base = None
-    if spec.base_model is not None:
-        base = _resolve(spec.base_model, path)
+    if file.base_model is not None:
+        base = _resolve(file.base_model, path)
         if not base.exists():
-            raise InputError(f"{path}: base_model", "an existing Hugging Face folder or .safetensors file", spec.base_model)
+            raise InputError(f"{path}: base_model", "an existing Hugging Face folder or model file", file.base_model)
     models, per_model, statistics = [], [], []
-    for i, entry in enumerate(spec.models):
-        file = _resolve(entry.model, path)
-        if not file.exists():
-            raise InputError(f"{path}: models.{i}.model", "an existing Hugging Face folder or .safetensors file", entry.model)
-        if method in DATA_AWARE:
+    for i, entry in enumerate(file.models):
+        model = _resolve(entry.model, path)
+        if not model.exists():
+            raise InputError(f"{path}: models.{i}.model", "an existing Hugging Face folder or model file", entry.model)
+        if merge.statistics is not None:
             stats = _resolve(entry.statistics, path) if entry.statistics is not None else None
             if stats is None or not stats.is_file() or stats.suffix != ".safetensors":
-                what = "diagonal Fisher" if method == "fisher" else "input Gram matrices"
+                what = "diagonal Fisher" if merge.statistics == "fisher" else "input Gram matrices"
                 raise InputError(
                     f"{path}: models.{i}.statistics",
                     f"an existing .safetensors file of this model's {what} for {method}",
@@ -293,33 +226,35 @@ def load_finetune_config(raw: Mapping[str, Any], path: Path, output: str | Path 
         elif entry.statistics is not None:
             raise InputError(f"{path}: models.{i}.statistics", "statistics only with merge_method fisher or regmean", entry.statistics)
         for key, value in entry.parameters.items():
-            if key not in _MODEL_KEYS[method]:
-                allowed = _MODEL_KEYS[method]
+            if key not in merge.per_model:
+                names = tuple(merge.per_model)
                 raise InputError(
                     f"{path}: models.{i}.parameters.{key}",
-                    f"a per-model parameter of {method} in {{{', '.join(allowed)}}}"
-                    if allowed
-                    else f"no per-model parameters with {method}",
+                    f"a per-model parameter of {method} in {{{', '.join(names)}}}" if names else f"no per-model parameters with {method}",
                     key,
                 )
-            _check_setting(value, key, f"{path}: models.{i}.parameters.{key}")
-        if base is not None and file.resolve() == base.resolve() and method in TASK_VECTOR_METHODS:
+            _check_parameter(merge, key, value, f"{path}: models.{i}.parameters.{key}")
+        if base is not None and model.resolve() == base.resolve() and merge.base == "required":
             continue  # mergekit lists the base among the models too; its task vector is zero and it is skipped
-        models.append(file)
+        for key, default in merge.per_model.items():
+            if default is None and key not in entry.parameters and key not in file.parameters:
+                raise InputError(f"{path}: models.{i}.parameters.{key}", f"this model's {key} for {method} (or a global parameters.{key})")
+        models.append(model)
         per_model.append(dict(entry.parameters))
-    if method == "slerp":
-        others = [m for m in models if base is None or m.resolve() != base.resolve()]
-        if len(others) != 1:
+    if not models:
+        raise InputError(f"{path}: models", "at least one model besides the base_model", "only the base_model")
+    low, high = merge.models
+    if len(models) < low or (high is not None and len(models) > high):
+        if method == "slerp":
             raise InputError(
                 f"{path}: models",
                 "exactly two models for slerp: the base_model and one other",
-                f"{len(others) + 1} models",
+                f"{len(models) + 1} models",
                 "merge more models with task_arithmetic, ties or linear",
             )
-        models, per_model = others, [{}]
-    if not models:
-        raise InputError(f"{path}: models", "at least one model besides the base_model", "only the base_model")
-    out = Path(output) if output is not None else (Path(spec.output) if spec.output else None)
+        count = f"{low}" if high == low else f"at least {low}" if high is None else f"{low} to {high}"
+        raise InputError(f"{path}: models", f"{count} fine-tuned models for {method} (besides the base_model)", f"{len(models)} models")
+    out = Path(output) if output is not None else (Path(file.output) if file.output else None)
     if out is None:
         raise InputError(f"{path}: output", "the merged model's folder or .safetensors file (output: ... or rayfuse fuse CONFIG OUT)")
     if not out.is_absolute() and output is None:
@@ -327,18 +262,20 @@ def load_finetune_config(raw: Mapping[str, Any], path: Path, output: str | Path 
     if out.suffix not in ("", ".safetensors"):
         raise InputError(f"{path}: output", "a folder (Hugging Face layout, no suffix) or a .safetensors file", str(out))
     check_new_output(out, key=f"{path}: output", what="a path")
-    threads = spec.threads or max(1, min(8, os.cpu_count() or 1))
+    threads = file.threads or max(1, min(8, os.cpu_count() or 1))
+    shard = file.max_shard_size if file.max_shard_size is not None else "2GB"
     return FinetuneSpec(
         method,
         base,
         tuple(models),
         tuple(per_model),
-        dict(spec.parameters),
-        spec.out_dtype or spec.dtype,
+        dict(file.parameters),
+        file.out_dtype or file.dtype,
         out,
-        parse_size(spec.max_shard_size, f"{path}: max_shard_size"),
+        parse_size(shard, f"{path}: max_shard_size"),
         threads,
-        spec.seed,
+        file.seed if file.seed is not None else 0,
         path,
         tuple(statistics),
+        merge,
     )

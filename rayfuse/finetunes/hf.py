@@ -114,14 +114,22 @@ def _header_and_start(file: Path, where: str) -> tuple[dict[str, Any], int]:
 
 
 class ModelSource:
-    """A model to merge: a ``.safetensors`` file or a Hugging Face folder, read from its headers; :meth:`get` loads one
-    tensor (memory-mapped) on demand. ``where``: how errors name it (the config key)."""
+    """A model to merge: a ``.safetensors`` file, a Hugging Face or shard folder, read from its headers; :meth:`get`
+    loads one tensor on demand. A PyTorch file (``.pt`` / ``.pth`` / ``.bin``, ``torch.load(weights_only=True)``) has no
+    header to read tensors from one by one: it is read whole, once, and held while the merge runs (its size counts once
+    per model; large models are merged from safetensors). ``where``: how errors name it (the config key)."""
 
     def __init__(self, path: Path, where: str) -> None:
         self.path, self.where = path, where
         self.tensors: dict[str, TensorInfo] = {}
         self.folder = path if path.is_dir() else None
+        self._held: dict[str, Any] = {}
         files: list[Path]
+        if path.is_file() and path.suffix in (".pt", ".pth", ".bin"):
+            self._read_torch(path)
+            return
+        if path.is_file() and path.name.endswith(".index.json"):  # a shard folder's index, named instead of its folder
+            path = path.parent
         if path.is_dir():
             index = path / INDEX
             if index.is_file():
@@ -151,7 +159,9 @@ class ModelSource:
         elif path.suffix == ".safetensors" and path.is_file():
             weight_map, files = {}, [path]
         else:
-            raise InputError(where, "a .safetensors file or a Hugging Face folder (config.json and model.safetensors)", str(path))
+            raise InputError(
+                where, "a .safetensors / .pt / .pth / .bin file or a Hugging Face folder (config.json and model.safetensors)", str(path)
+            )
         for file in files:
             header, start = _header_and_start(file, f"{where}: {file.name}")
             size = file.stat().st_size
@@ -184,6 +194,19 @@ class ModelSource:
         if not self.tensors:
             raise InputError(where, "a model with at least one tensor", "an empty checkpoint")
 
+    def _read_torch(self, path: Path) -> None:
+        """A PyTorch file, read and checked as ``rayfuse fuse`` reads any checkpoint (dense real tensors; bfloat16
+        held as float32 with its stored dtype recorded)."""
+        from rayfuse.io import read_checkpoint
+
+        arrays, stored = read_checkpoint(path)  # its refusals name the file and the tensor
+        for name, array in arrays.items():
+            dtype = stored.get(name, str(array.dtype))
+            self.tensors[name] = TensorInfo(path, tuple(array.shape), dtype if dtype in TORCH_DTYPES else str(array.dtype))
+            self._held[name] = array
+        if not self.tensors:
+            raise InputError(self.where, "a model with at least one tensor", "an empty checkpoint")
+
     def _weight_map(self, index: Path) -> dict[str, str]:
         try:
             data = json.loads(index.read_text())
@@ -201,6 +224,8 @@ class ModelSource:
         ``get_tensor`` copies out of a memory map, whose pages count in the resident size too while the handle is
         open: twice the tensor at the moment of the read.) safetensors stores little-endian, as torch on this CPU."""
         info = self.tensors[name]
+        if name in self._held:  # a PyTorch file's tensor, held since it was read: a copy of its own
+            return torch.tensor(self._held[name]).to(TORCH_DTYPES[info.dtype])
         out = torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])
         if info.nbytes == 0:
             return out
@@ -249,7 +274,7 @@ class _Shard:
 
 class ShardedWriter:
     """Writes tensors whose names, shapes and dtypes are known in advance into ``output``: one ``.safetensors`` file
-    (``output`` ends in ``.safetensors``) or a Hugging Face folder, sharded past ``max_shard_size`` bytes
+    (``output`` ends in ``.safetensors`` and the tensors fit in ``max_shard_size``) or a folder, sharded past ``max_shard_size`` bytes
     (``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``; one ``model.safetensors`` when it all
     fits in one), in the order given. :meth:`write` takes a tensor in any order (threads); :meth:`commit` renames the
     temporary folder to the output; :meth:`abort` removes it."""
@@ -258,7 +283,9 @@ class ShardedWriter:
         self, output: Path, plan: Mapping[str, tuple[tuple[int, ...], str]], max_shard_size: int, metadata: Mapping[str, str]
     ) -> None:
         self.output, self.plan = output, dict(plan)
-        self.single = output.suffix == ".safetensors"
+        # a .safetensors output is one file up to max_shard_size; past it, a folder of shards at that path (as
+        # rayfuse.io.save_params writes one, which every reader of model files takes)
+        self.single = output.suffix == ".safetensors" and sum(TensorInfo(Path(), s, d).nbytes for s, d in plan.values()) <= max_shard_size
         self.tmp = output.parent / f".{output.name}.tmp-{os.getpid()}-{threading.get_ident()}"
         self.tmp.mkdir(parents=True)
         shards: list[_Shard] = []

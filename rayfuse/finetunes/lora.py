@@ -53,7 +53,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 from pydantic import Field, ValidationError
@@ -61,6 +61,9 @@ from pydantic import Field, ValidationError
 from rayfuse.config import StrictSchema, pydantic_input_error
 from rayfuse.errors import InputError, suggest
 from rayfuse.io import check_new_output, read_checkpoint, read_json
+
+if TYPE_CHECKING:
+    from rayfuse.merging.schema import FuseFile
 
 __all__ = [
     "LoraParams",
@@ -89,6 +92,9 @@ class _Schema(StrictSchema):
     """The ``merge_method: lora`` fuse file's schema."""
 
 
+_S = TypeVar("_S", bound=_Schema)
+
+
 class LoraParams(_Schema):
     combine: Literal["stack", "svd", "average_factors"] = Field(
         "stack",
@@ -101,25 +107,6 @@ class LoraParams(_Schema):
 
 class AdapterWeight(_Schema):
     weight: float = Field(1.0, gt=0, description="this adapter's weight (e.g. its site's number of training samples)")
-
-
-class _AdapterEntry(_Schema):
-    model: str = Field(min_length=1, description="a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)")
-    parameters: AdapterWeight = Field(default_factory=AdapterWeight)
-
-
-class _LoraFile(_Schema):
-    merge_method: Literal["lora"]
-    models: list[_AdapterEntry] = Field(min_length=1)
-    base_model: str | None = Field(None, min_length=1, description="the base's Hugging Face folder (required for output_kind: merged)")
-    parameters: LoraParams = Field(default_factory=LoraParams)
-    output_kind: Literal["adapter", "merged"] = Field(
-        "adapter", description="adapter: a PEFT adapter folder; merged: the base with the update folded in (a Hugging Face folder)"
-    )
-    dtype: Literal["bfloat16", "float16", "float32", "float64"] | None = Field(
-        None, description="the output's float dtype (default: the adapters' for an adapter, the base's for a merged model)"
-    )
-    output: str | None = Field(None, min_length=1)
 
 
 @dataclass(frozen=True)
@@ -454,11 +441,11 @@ def combine_adapters(
 # The fuse file, the base, the output
 
 
-def _validate(raw: Mapping[str, Any], path: Path) -> _LoraFile:
+def _validate(schema: type[_S], data: Mapping[str, Any], path: Path, prefix: str) -> _S:
     try:
-        return _LoraFile.model_validate(dict(raw))
+        return schema.model_validate(dict(data))
     except ValidationError as exc:
-        err = pydantic_input_error(exc, model=_LoraFile)
+        err = pydantic_input_error(exc, prefix=prefix, model=schema)
         raise InputError(f"{path}: {err.path}", err.expected, err.got, err.hint) from None
 
 
@@ -468,12 +455,13 @@ def _resolve(given: str, path: Path) -> Path:
     return file if file.is_absolute() or file.exists() else path.parent / file
 
 
-def load_lora_config(raw: Mapping[str, Any], path: Path, output: str | Path | None = None) -> LoraSpec:
-    """Validate a ``merge_method: lora`` fuse file (``raw``, read from ``path``; ``output`` overrides its ``output:``):
-    the keys, every adapter folder holding its ``adapter_config.json``, the base a Hugging Face folder, the output a
-    folder that does not exist yet where one can be written. Nothing is read beyond that."""
-    spec = _validate(raw, path)
-    adapters, where = [], []
+def load_lora_config(spec: FuseFile, path: Path, output: str | Path | None = None) -> LoraSpec:
+    """Validate a ``merge_method: lora`` fuse file (``spec``, validated, read from ``path``; ``output`` overrides its
+    ``output:``): the parameters, every adapter folder holding its ``adapter_config.json``, the base a Hugging Face
+    folder, the output a folder that does not exist yet where one can be written. Nothing is read beyond that."""
+    params = _validate(LoraParams, spec.parameters, path, "parameters")
+    output_kind = spec.output_kind or "adapter"
+    adapters, where, weights = [], [], []
     for i, entry in enumerate(spec.models):
         folder = _resolve(entry.model, path)
         key = f"{path}: models.{i}.model"
@@ -488,8 +476,8 @@ def load_lora_config(raw: Mapping[str, Any], path: Path, output: str | Path | No
             )
         adapters.append(folder)
         where.append(key)
-    weights = [m.parameters.weight for m in spec.models]
-    if spec.parameters.normalize:
+        weights.append(_validate(AdapterWeight, entry.parameters, path, f"models.{i}.parameters").weight)
+    if params.normalize:
         weights = [w / sum(weights) for w in weights]
     base = None
     if spec.base_model is not None:
@@ -498,7 +486,7 @@ def load_lora_config(raw: Mapping[str, Any], path: Path, output: str | Path | No
             raise InputError(
                 f"{path}: base_model", "a Hugging Face folder (config.json + model.safetensors or its sharded index)", spec.base_model
             )
-    elif spec.output_kind == "merged":
+    elif output_kind == "merged":
         raise InputError(f"{path}: base_model", "the base's Hugging Face folder for output_kind: merged (the update is folded into it)")
     out = Path(output) if output is not None else (Path(spec.output) if spec.output else None)
     if out is None:
@@ -506,10 +494,10 @@ def load_lora_config(raw: Mapping[str, Any], path: Path, output: str | Path | No
     if not out.is_absolute() and output is None:
         out = path.parent / out
     if out.suffix in (".safetensors", ".pt", ".pth", ".bin", ".json"):
-        kind = "a PEFT adapter" if spec.output_kind == "adapter" else "a Hugging Face model"
+        kind = "a PEFT adapter" if output_kind == "adapter" else "a Hugging Face model"
         raise InputError(f"{path}: output", f"a folder (merge_method: lora writes {kind} folder)", str(out))
     check_new_output(out, key=f"{path}: output", what="a folder")
-    return LoraSpec(adapters, weights, spec.parameters, base, spec.output_kind, spec.dtype, out, path, where)
+    return LoraSpec(adapters, weights, params, base, output_kind, spec.out_dtype or spec.dtype, out, path, where)
 
 
 def base_shapes(folder: Path) -> dict[str, tuple[int, ...]]:

@@ -18,27 +18,18 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from rayfuse.errors import InputError
 from rayfuse.finetunes.config import FinetuneSpec, evaluate, layer_positions
 from rayfuse.finetunes.hf import TORCH_DTYPES, ModelSource, ShardedWriter, check_config_describes, copy_model_files
-from rayfuse.finetunes.taskvec import (
-    TASK_VECTOR_METHODS,
-    Rescale,
-    linear_stream,
-    peak_tensors,
-    slerp_owned,
-    task_vector_merge_stream,
-)
+from rayfuse.finetunes.taskvec import linear_stream
+from rayfuse.finetunes.tensor_merge import TensorMerge
 from rayfuse.memory import return_freed_memory
 
 __all__ = ["run_finetune", "check_against_base", "all_finite"]
-
-# mergekit's defaults for what a file leaves out (mergekit/merge_methods/registry.py, linear.py)
-_DEFAULTS = {"weight": 1.0, "density": 1.0, "lambda": 1.0}
 
 
 def check_against_base(base: ModelSource, others: list[ModelSource]) -> None:
@@ -111,25 +102,35 @@ def _seed(seed: int, model: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def _tensor_params(spec: FinetuneSpec, name: str, t: float) -> list[dict[str, Any]]:
-    """Each model's weight and density for tensor ``name``: its own value, else the global one, else the default."""
+def _tensor_params(spec: FinetuneSpec, merge: TensorMerge, name: str, t: float) -> list[dict[str, Any]]:
+    """Each model's parameters for tensor ``name``: its own value, else the global one, else the merge's default."""
     out = []
     for own in spec.model_params:
         values: dict[str, Any] = {}
-        for key in ("weight", "density"):
+        for key, default in merge.per_model.items():
             value = evaluate(name, own[key], t) if key in own else None
             if value is None and key in spec.params:
                 value = evaluate(name, spec.params[key], t)
-            values[key] = _DEFAULTS[key] if value is None else float(value)
+            values[key] = default if value is None else float(value)
         out.append(values)
     return out
 
 
-def _global(spec: FinetuneSpec, key: str, name: str, t: float) -> float | None:
-    if key not in spec.params:
-        return None
-    value = evaluate(name, spec.params[key], t)
-    return None if value is None else float(value)
+def _globals(spec: FinetuneSpec, merge: TensorMerge, name: str, t: float) -> dict[str, Any]:
+    """The global parameters for tensor ``name``: numbers evaluated there (gradients, filters), the others as given,
+    the merge's defaults for the rest. A required one that no filter gives for this tensor is refused."""
+    out: dict[str, Any] = {}
+    for key, default in merge.globals.items():
+        given = spec.params.get(key)
+        value = given if isinstance(given, bool | str) or key in merge.choices else evaluate(name, given, t) if given is not None else None
+        if value is None and default is None:
+            raise InputError(
+                f"{spec.config}: parameters.{key}",
+                f"a value for every tensor (no filter matches {name})",
+                hint="end the list with a {value: ...} for the rest",
+            )
+        out[key] = default if value is None else value if isinstance(value, bool | str) else float(value)
+    return out
 
 
 def all_finite(x: torch.Tensor) -> bool:
@@ -153,29 +154,25 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
     if stats:
         check_statistics(spec.method, reference, stats)
     names = list(reference.tensors)
+    if not any("float" in info.dtype for info in reference.tensors.values()):
+        first = names[0]
+        raise InputError(
+            f"{reference.where}: {first}",
+            "a model with floating-point tensors to fuse",
+            f"integer tensors only ({reference.tensors[first].dtype})",
+        )
     positions = layer_positions(names)
     method = spec.method
-    tv = TASK_VECTOR_METHODS.get(method)
-    normalize = bool(spec.params.get("normalize", tv.normalize if tv is not None else True))
-    rescale_key = spec.params.get("rescale", tv.rescale if tv is not None else False)
-    rescale = cast(Rescale, "l1" if rescale_key is True else None if rescale_key is False else rescale_key)
-    plans: dict[str, dict[str, Any]] = {}
-    for name in names:  # every parameter for every tensor, before anything is written
-        t = positions[name]
-        plan: dict[str, Any] = {"models": _tensor_params(spec, name, t)}
-        if method == "slerp":
-            value = _global(spec, "t", name, t)
-            if value is None:
-                raise InputError(
-                    f"{prefix}parameters.t",
-                    f"a value for every tensor (no filter matches {name})",
-                    hint="end the list with a {value: ...} for the rest",
-                )
-            plan["t"] = value
-        lam = _global(spec, "lambda", name, t)
-        plan["lambda"] = 1.0 if lam is None else lam
-        plans[name] = plan
+    merge = spec.merge
+    if merge is None:
+        raise ValueError(f"{method}: a FinetuneSpec made by rayfuse.merging.load_fuse_config (it names its merge)")
+    # every parameter for every tensor, before anything is written
+    plans = {name: (_tensor_params(spec, merge, name, positions[name]), _globals(spec, merge, name, positions[name])) for name in names}
     out_dtype = {n: (spec.dtype if spec.dtype is not None and "float" in i.dtype else i.dtype) for n, i in reference.tensors.items()}
+    if spec.dtype is None and base is None:  # no base whose dtypes the output keeps: float32 where the models' differ
+        for n, info in reference.tensors.items():
+            if "float" in info.dtype and len({m.tensors[n].dtype for m in models}) > 1:
+                out_dtype[n] = "float32"
     sources = [m.path for m in models] + ([spec.base] if spec.base is not None else [])
     metadata = {"method": method, "models": ",".join(p.name for p in sources)}
     # the folder whose config.json (and tokenizer) the output copies: its model must be the merged tensors'
@@ -183,7 +180,6 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
     extra = copy_model_files(folder) if spec.output.suffix != ".safetensors" else []
     if folder is not None and folder / "config.json" in extra:
         check_config_describes(folder, reference.tensors)
-    writer = ShardedWriter(spec.output, {n: (reference.tensors[n].shape, out_dtype[n]) for n in names}, spec.max_shard_size, metadata)
 
     order = [reference, *[m for m in models if m is not reference]]  # the reference first, as the merges take them
     elements = {n: TORCH_DTYPES[i.dtype].itemsize for n, i in reference.tensors.items()}
@@ -191,7 +187,7 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
     def compute_dtype(name: str) -> torch.dtype:
         return torch.float64 if reference.tensors[name].dtype == "float64" else torch.float32
 
-    factor = peak_tensors(method, len(order))
+    factor = merge.peak(len(order))
 
     def cost(name: str) -> float:
         """The bytes one tensor's merge holds at its peak (a copy of the base's for an integer buffer)."""
@@ -200,47 +196,40 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
             return float(info.nbytes)
         return factor * (info.nbytes // elements[name]) * compute_dtype(name).itemsize
 
-    def loader(model: ModelSource, name: str) -> Callable[[], torch.Tensor]:
+    def loader(model: ModelSource, name: str, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
         def load() -> torch.Tensor:
             x = model.get(name)  # a tensor of its own, read from the file
-            if x.dtype != compute_dtype(name):
-                x = x.to(compute_dtype(name))
+            if x.dtype != dtype:
+                x = x.to(dtype)
             if not all_finite(x):
                 raise InputError(f"{model.where}: {name}", "finite values", "NaN or Inf")
             return x
 
         return load
 
+    def computed(name: str, dtype: torch.dtype) -> torch.Tensor:
+        per_model, globals_ = plans[name]
+        loaders = [loader(m, name, dtype) for m in order]
+        own = loaders if base is None else loaders[1:]
+        if merge.statistics is not None and name in stats[0].tensors:  # fisher / regmean, from each model's statistic
+            statistics = [_statistic(spec, source, name) for source in stats]
+            return merge.fn(loaders[0]() if base is not None else None, [load() for load in own], per_model, globals_, statistics)
+        if merge.statistics is not None:  # a tensor no statistic covers: the weighted average of the models themselves
+            return linear_stream(own, [p["weight"] for p in per_model], normalize=True)
+        generators = [torch.Generator().manual_seed(_seed(spec.seed, i, name)) for i in range(len(models))]
+        return merge.merge(loaders[0] if base is not None else None, own, per_model, globals_, generators)
+
     def merge_one(name: str) -> int:
         if "float" not in reference.tensors[name].dtype:  # integer buffers (ids, counters) are the base's
             stored = reference.get(name)
             writer.write(name, stored)
             return int(stored.numel())
-        plan = plans[name]
-        weights = [p["weight"] for p in plan["models"]]
-        loaders = [loader(m, name) for m in order]
-        if method == "slerp":
-            merged = slerp_owned(plan["t"], loaders[0](), loaders[1]())
-        elif tv is not None:
-            generators = [torch.Generator().manual_seed(_seed(spec.seed, i, name)) for i in range(len(models))]
-            merged = task_vector_merge_stream(
-                loaders[0],
-                loaders[1:],
-                weights,
-                [p["density"] for p in plan["models"]],
-                tv,
-                normalize=normalize,
-                lam=plan["lambda"],
-                rescale=rescale,
-                generators=generators,
-            )
-        elif stats and name in stats[0].tensors:  # fisher / regmean: rayfuse.alignment's merges, one tensor at a time
-            tuned = [load() for load in loaders]
-            merged = _data_aware(spec, name, tuned if base is None else tuned[1:], stats, weights, None if base is None else tuned[0])
-            del tuned
-        else:  # linear / weighted_average / average, and the tensors without statistics: the models themselves
-            own = loaders if base is None else loaders[1:]
-            merged = linear_stream(own, [1.0] * len(own) if method == "average" else weights, normalize=method == "average" or normalize)
+        merged = computed(name, compute_dtype(name))
+        if merged.dtype == torch.float32 and not all_finite(merged):
+            # finite inputs whose float32 sums overflowed (values near the end of float32's range): computed again in
+            # float64, which holds them (twice this tensor's memory, for this tensor only); the output dtype decides
+            del merged
+            merged = computed(name, torch.float64)
         out = merged.to(TORCH_DTYPES[out_dtype[name]])
         del merged
         if not all_finite(out):
@@ -258,6 +247,8 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
     # the merges in flight share a budget of (models + 2) x the largest tensor (or the largest tensor's own merge, where
     # that is more): small tensors go `threads` at a time, the largest alone where two would not fit
     budget = max(costs.values(), default=0) * max(1.0, (len(order) + 2) / factor)
+    _check_memory(reference, costs, budget, method, factor)
+    writer = ShardedWriter(spec.output, {n: (reference.tensors[n].shape, out_dtype[n]) for n in names}, spec.max_shard_size, metadata)
     total = 0
     try:
         with ThreadPoolExecutor(max_workers=spec.threads) as pool:
@@ -288,32 +279,29 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
     }
 
 
-def _data_aware(
-    spec: FinetuneSpec, name: str, own: list[torch.Tensor], stats: list[ModelSource], weights: list[float], base: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Fisher-weighted averaging or RegMean of one tensor (:func:`rayfuse.finetunes.statistics.merge_task_vectors`:
-    :func:`rayfuse.alignment.merge_fisher` / :func:`~rayfuse.alignment.merge_regmean`, the merges aligned fusion and
-    the federated ``fedmerge`` use), from each model's statistics file. With a ``base``, the task vectors ``x_i - base``
-    are merged and the base added: the same as merging the models where the statistics determine the result, and the
-    base's value where they do not (a RegMean Gram singular along inputs no site's data excites keeps the base there,
-    where the least-squares merge of the models would zero it)."""
-    from rayfuse.finetunes.statistics import merge_task_vectors
+def _check_memory(reference: ModelSource, costs: dict[str, float], budget: float, method: str, factor: float) -> None:
+    """Refuse, before anything is written, a merge whose tensors in flight would not fit in the memory available now
+    (the PyTorch files, read whole, are in memory already): one line naming the largest tensor."""
+    from rayfuse.models.registry import available_memory  # read when called (the memory bounds' one source)
 
-    origin = base.double().numpy() if base is not None else None
-    values = [{name: x.double().numpy() - (origin if origin is not None else 0.0)} for x in own]
-    given = []
-    for source in stats:
-        s = source.get(name).double()
-        if not torch.isfinite(s).all() or (spec.method == "fisher" and (s < 0).any()):
-            raise InputError(
-                f"{source.where}: {name}",
-                "finite" + (" non-negative" if spec.method == "fisher" else "") + " statistics",
-                "negative or non-finite entries",
-            )
-        given.append({name: s.numpy()})
-    merged = merge_task_vectors(
-        values, given, weights, "fisher" if spec.method == "fisher" else "regmean", regmean_alpha=float(spec.params.get("alpha", 0.9))
-    )[name]
-    if origin is not None:
-        merged = origin + merged
-    return torch.from_numpy(merged).to(own[0].dtype)
+    free = available_memory()
+    if free is None or budget <= free or not costs:
+        return
+    largest = max(costs, key=lambda n: costs[n])
+    raise InputError(
+        f"{reference.where}: {largest}",
+        f"a merge that fits in memory: {free / 2**30:.2f} GiB available",
+        f"about {budget / 2**30:.2f} GiB in flight",
+        f"{method} holds about {factor:g} x a tensor's size at once; the largest tensor sets the peak",
+    )
+
+
+def _statistic(spec: FinetuneSpec, source: ModelSource, name: str) -> torch.Tensor:
+    """One model's statistic for tensor ``name``, checked: finite, and for a diagonal Fisher non-negative."""
+    s = source.get(name).double()
+    fisher = spec.merge is not None and spec.merge.statistics == "fisher"
+    if not torch.isfinite(s).all() or (fisher and (s < 0).any()):
+        raise InputError(
+            f"{source.where}: {name}", "finite" + (" non-negative" if fisher else "") + " statistics", "negative or non-finite entries"
+        )
+    return s

@@ -648,22 +648,30 @@ case(8, "fuse-sparse-tensor", "m0.pt: w")(lambda f: ["fuse", f.fuse(models=_torc
 case(8, "fuse-sparse-csr-tensor", "m0.pt: w")(
     lambda f: ["fuse", f.fuse(models=_torch_models(f, lambda: {"w": __import__("torch").eye(4).to_sparse_csr()}))]
 )
-case(8, "fuse-integer-only-pt", "m0.pt: steps")(lambda f: ["fuse", f.fuse(models=_torch_models(f, _integers))])
-case(8, "fuse-integer-only-safetensors", "m0.safetensors: steps")(
+case(8, "fuse-integer-only-pt", "(m0.pt): steps: expected a model with floating-point tensors")(
+    lambda f: ["fuse", f.fuse(models=_torch_models(f, _integers))]
+)
+case(8, "fuse-integer-only-safetensors", "(m0.safetensors): steps: expected a model with floating-point tensors")(
     lambda f: ["fuse", f.fuse(models=_torch_models(f, _integers, ".safetensors"))]
 )
 case(8, "fuse-quantized-tensor", "m0.pt: w")(lambda f: ["fuse", f.fuse(models=_torch_models(f, _quantized))])
 case(8, "fuse-complex-tensor", "m0.safetensors: w")(lambda f: ["fuse", f.fuse(models=_torch_models(f, _complex, ".safetensors"))])
 case(8, "fuse-empty-checkpoint", "m0.safetensors")(lambda f: ["fuse", f.fuse(models=_torch_models(f, dict, ".safetensors"))])
-case(8, "fuse-bfloat16-nan", ".safetensors: w")(lambda f: ["fuse", f.fuse(models=_torch_models(f, _bf16_nan, ".safetensors"))])
-case(8, "fuse-bfloat16-shape-mismatch", "m1.safetensors: weight")(lambda f: ["fuse", f.fuse(models=_mismatched_bf16(f))])
+case(8, "fuse-bfloat16-nan", ".safetensors): w: expected finite values")(
+    lambda f: ["fuse", f.fuse(models=_torch_models(f, _bf16_nan, ".safetensors"))]
+)
+case(8, "fuse-bfloat16-shape-mismatch", "(m1.safetensors): weight: expected shape (4, 3)")(
+    lambda f: ["fuse", f.fuse(models=_mismatched_bf16(f))]
+)
 case(8, "fuse-dtype-not-a-float", "dtype")(lambda f: ["fuse", f.fuse(dtype="int8")])
 case(8, "fuse-truncated-bfloat16", "m0.safetensors")(
     lambda f: ["fuse", f.fuse(models=[f.raw("m0.safetensors", (f.root / f.models("bfloat16")[0]).read_bytes()[:40]), "m1.safetensors"])]
 )
 case(8, "fuse-pickled-object-pt", "m0.pt")(lambda f: ["fuse", f.fuse(models=[_pickle_file(f), _pickle_file(f, "m1.pt")])])
 case(8, "api-fuse-sparse", "m0.pt: w")(lambda f: call(rayfuse.fuse, f.fuse(models=_torch_models(f, _sparse))))
-case(8, "api-fuse-integer-only", "m0.pt: steps")(lambda f: call(rayfuse.fuse, f.fuse(models=_torch_models(f, _integers))))
+case(8, "api-fuse-integer-only", "(m0.pt): steps: expected a model with floating-point tensors")(
+    lambda f: call(rayfuse.fuse, f.fuse(models=_torch_models(f, _integers)))
+)
 
 
 def _mismatched_bf16(f: Files) -> list[str]:
@@ -807,16 +815,32 @@ def test_a_probe_on_a_node_the_model_lacks_is_one_line_in_a_real_process(tmp_pat
     # spec's probes; PyTorch's warning about non-writable arrays (printed once per process, so only a fresh process
     # shows it) came before the one line.
     f = Files(tmp_path)
-    f.text("m_probe.py", "import torch\nclass M(torch.nn.Sequential):\n    def __init__(self):\n        super().__init__(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))\n")
+    layers = "torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)"
+    f.text("m_probe.py", f"import torch\nclass M(torch.nn.Sequential):\n    def __init__(self):\n        super().__init__({layers})\n")
     rng = np.random.default_rng(0)
-    models = [f.params(f"m{i}.safetensors", {"0.weight": _tensor(rng, 4, 3), "0.bias": _tensor(rng, 4), "2.weight": _tensor(rng, 2, 4), "2.bias": _tensor(rng, 2)}) for i in range(2)]
-    group = {"name": "P0", "size": 4, "axes": [{"key": "0.weight", "dim": 0}, {"key": "0.bias", "dim": 0}, {"key": "2.weight", "dim": 1}], "probes": [{"node": "nope", "dim": 1}]}
+    models = [
+        f.params(
+            f"m{i}.safetensors",
+            {"0.weight": _tensor(rng, 4, 3), "0.bias": _tensor(rng, 4), "2.weight": _tensor(rng, 2, 4), "2.bias": _tensor(rng, 2)},
+        )
+        for i in range(2)
+    ]
+    group = {
+        "name": "P0",
+        "size": 4,
+        "axes": [{"key": "0.weight", "dim": 0}, {"key": "0.bias", "dim": 0}, {"key": "2.weight", "dim": 1}],
+        "probes": [{"node": "nope", "dim": 1}],
+    }
     f.text("spec.json", json.dumps({"groups": [group]}))
     data = f.npz(X=rng.normal(size=(60, 3)).astype(np.float32), y=np.arange(60) % 2)
-    fuse = f.fuse(models=models, merge_method="activation_matching", architecture="m_probe:M", parameters={"spec": "spec.json"}, data={"path": data})
+    fuse = f.fuse(
+        models=models, merge_method="activation_matching", architecture="m_probe:M", parameters={"spec": "spec.json"}, data={"path": data}
+    )
     result = _rayfuse(["fuse", fuse], tmp_path)
     assert result.returncode == 2, result.stderr
-    assert result.stderr.splitlines() == ["rayfuse: error: spec.P0.probes: expected a node of both traced models, got 'nope'"], result.stderr
+    assert result.stderr.splitlines() == ["rayfuse: error: spec.P0.probes: expected a node of both traced models, got 'nope'"], (
+        result.stderr
+    )
     assert not (tmp_path / "fused.safetensors").exists()
 
 

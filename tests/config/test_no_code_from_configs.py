@@ -732,11 +732,11 @@ def _pt_truncated(f: Files) -> list[str]:
 case(5, "fuse-safetensors-header-length-2-60", "m0.safetensors")(lambda f: ["fuse", f.fuse(models=_safetensors_huge_header(f))])
 case(5, "fuse-safetensors-tensor-beyond-the-file", "m0.safetensors")(lambda f: ["fuse", f.fuse(models=_safetensors_overlong_tensor(f))])
 case(5, "fuse-pt-truncated", "m0.pt")(lambda f: ["fuse", f.fuse(models=_pt_truncated(f))])
-case(5, "fuse-checkpoint-above-the-memory-available", "m0.safetensors: expected a checkpoint that fits in memory")(
-    Patched(_memory_bound(256), lambda f: ["fuse", f.fuse()])
+case(5, "fuse-checkpoint-above-the-memory-available", "(m0.safetensors): weight: expected a merge that fits in memory")(
+    Patched(_memory_bound(64), lambda f: ["fuse", f.fuse()])
 )
-case(5, "api-fuse-checkpoint-above-the-memory-available", "m0.safetensors: expected a checkpoint that fits in memory")(
-    Patched(_memory_bound(256), lambda f: call(rayfuse.fuse, f.fuse()))
+case(5, "api-fuse-checkpoint-above-the-memory-available", "(m0.safetensors): weight: expected a merge that fits in memory")(
+    Patched(_memory_bound(64), lambda f: call(rayfuse.fuse, f.fuse()))
 )
 
 

@@ -162,7 +162,7 @@ _MEMORY = textwrap.dedent("""
     del base
     code = '''
     import json, os, sys
-    import rayfuse, rayfuse.checkpoints, rayfuse.finetunes.run, safetensors.torch, torch  # everything the merge imports, first
+    import rayfuse, rayfuse.merging, rayfuse.finetunes.run, safetensors.torch, torch  # everything the merge imports, first
     root = sys.argv[1]
     rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     # the high-water mark of this process's memory map (VmHWM: ru_maxrss would carry the parent's over exec)

@@ -78,7 +78,7 @@ CASES: dict[str, tuple[Make, str]] = {
     "fuse-ties-output-under-a-file": (_in_a_file(_fuse_output("ties"), "/merged"), "fuse.yaml: output: expected a folder rayfuse can"),
     "fuse-average-output-is-a-file": (
         lambda f: _fuse_output("average")(f, f.text("fused.safetensors", "x"))(f),
-        "fuse.yaml: output: expected a file that does not exist yet",
+        "fuse.yaml: output: expected a path that does not exist yet",
     ),
 }
 

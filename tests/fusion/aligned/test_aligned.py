@@ -195,8 +195,8 @@ def test_repair_rescales_the_hidden_layers_of_a_model_without_batchnorm_from_per
 def test_every_parameter_of_the_method_and_of_rayfuse_fuse_is_documented():
     from pathlib import Path
 
-    from rayfuse.checkpoints import AlignParams
     from rayfuse.fusion.aligned.algorithm import AlignedParams
+    from rayfuse.merging.fusers import AlignParams
 
     page = (Path(__file__).resolve().parents[3] / "docs" / "methods" / "aligned.md").read_text(encoding="utf-8")
     table = page[page.index("## Parameters") : page.index("## What leaves a client")]
