@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--verbose", action="store_true", help="print every event")
     run.set_defaults(func=_cmd_run)
 
-    lst = sub.add_parser("list", help="list methods, datasets, partitioners and models")
-    lst.add_argument("what", nargs="?", choices=["methods", "datasets", "partitioners", "models"], help="only this kind")
+    lst = sub.add_parser("list", help="list methods, datasets, partitioners, models and rayfuse fuse's merges")
+    lst.add_argument("what", nargs="?", choices=["methods", "datasets", "partitioners", "models", "merges"], help="only this kind")
     lst.set_defaults(func=_cmd_list)
 
     val = sub.add_parser("validate", help="validate a config and print it resolved (every default filled in)")
@@ -295,6 +295,19 @@ def _cmd_list(args: argparse.Namespace) -> int:
             f"  {'hf:<folder>':<13} a local Hugging Face sequence classifier (token-id data, e.g. dataset tokens; nothing downloaded)"
         )
         sections.append("models:\n" + "\n".join(rows))
+    if args.what in (None, "merges"):
+        from rayfuse.merging import MERGES, merge_names
+
+        merge_names()  # fills the registry
+        rows = []
+        for name, merge in MERGES.items():
+            glob, own = merge.parameters()
+            aliases = f" (aliases: {', '.join(merge.aliases)})" if merge.aliases else ""
+            params = ", ".join(glob) + (f"; per model: {', '.join(own)}" if own else "")
+            rows.append(
+                f"  {name:<19} {merge.summary}{aliases}\n  {'':<19} reads: {merge.inputs}; base: {merge.base}; params: {params or '-'}"
+            )
+        sections.append("merges (rayfuse fuse):\n" + "\n".join(rows))
     print("\n\n".join(sections))
     return 0
 

@@ -76,6 +76,15 @@ def test_the_committed_configuration_reference_is_the_generated_one():
     assert committed == docs_gen.render(), f"docs/configuration.md is stale: run `{docs_gen.REGENERATE}` (or `make docs-config`)"
 
 
+def test_the_committed_merges_table_is_the_generated_one_and_lists_every_registered_merge():
+    committed = docs_gen.MERGES_PAGE.read_text(encoding="utf-8")
+    assert committed == docs_gen.render_merges(), f"docs/methods/merges.md is stale: run `{docs_gen.REGENERATE}`"
+    from rayfuse.merging import MERGES
+
+    for name in MERGES:
+        assert f"| `{name}`" in committed, name
+
+
 def test_the_reference_lists_every_section_key_and_shipped_method_with_its_description():
     page = docs_gen.render()
     for section in ExperimentConfig.model_fields:
