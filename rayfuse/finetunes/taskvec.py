@@ -95,27 +95,46 @@ def sparsify_magnitude(delta: torch.Tensor, density: float, rescale: Rescale = N
 
 
 def _magnitude_(delta: torch.Tensor, density: float, rescale: Rescale) -> Scale:
-    """:func:`sparsify_magnitude` in place on a contiguous ``delta``, with less work space than mergekit's
-    ``argsort`` and 0/1 mask: the float32 magnitudes are sorted in place (``torch.sort`` with the magnitudes as its
-    values output: the same permutation as ``argsort``, tested), and the entries past the ``k`` kept are zeroed
-    through the indices (``x * 0`` and ``0`` differ only in the sign of a zero). Peak: ``delta`` plus 3 tensors of
-    its size (float32 magnitudes and int64 indices) and torch's sort's own buffer (measured: 2 more). Returns the
-    rescale applied (:func:`_rescale_`)."""
+    """:func:`sparsify_magnitude` in place on a contiguous ``delta``, by selection rather than mergekit's sort: the
+    ``k``-th largest float32 magnitude is found with ``numpy.partition`` (introselect, linear time: about 8x faster than
+    the sort on tens of millions of entries) and every entry below it is zeroed. That keeps exactly mergekit's top
+    ``k`` (``argsort`` then a 0/1 mask) whenever the entries at that magnitude are all kept (no tie to break) or that
+    magnitude is 0 (what is trimmed then is zeros, whose value trimming does not change); only when nonzero entries
+    tie across the cut does the order argsort would give them decide, and then the magnitudes are sorted as mergekit
+    sorts them (:func:`_magnitude_sorted_`). A trimmed entry becomes ``0`` (mergekit's ``x * 0`` differs only in the
+    sign of a zero). Peak: ``delta`` plus 2 float32 tensors of its size (the magnitudes and the partition's copy) and
+    one boolean mask; the sort fallback's is the module docstring's. Returns the rescale applied (:func:`_rescale_`)."""
     if density >= 1:
         return None
     flat = delta.view(-1)
-    k = int(density * flat.numel())
+    n = flat.numel()
+    k = int(density * n)
     before = flat.abs().sum() if rescale == "l1" else None
     if k > 0:  # mergekit asserts k > 0; here a tensor too small to keep one entry at this density contributes nothing
         magnitudes = flat.abs().float()  # mergekit sorts float32 magnitudes on the CPU
-        order = torch.empty(flat.numel(), dtype=torch.long)
-        torch.sort(magnitudes, descending=True, out=(magnitudes, order))
+        cut = float(np.partition(magnitudes.numpy(), n - k)[n - k])  # the k-th largest magnitude
+        if cut > 0:
+            kept = magnitudes >= cut
+            if int(kept.sum()) == k:
+                flat.masked_fill_(kept.logical_not_(), 0)
+            else:  # nonzero magnitudes tie across the cut: which of them are kept is argsort's order
+                del kept
+                _magnitude_sorted_(flat, magnitudes, k)
         del magnitudes
-        flat.index_fill_(0, order[k:], 0)
-        del order
     else:
         flat.zero_()
     return _rescale_(flat, rescale, density, before)
+
+
+def _magnitude_sorted_(flat: torch.Tensor, magnitudes: torch.Tensor, k: int) -> None:
+    """Zero the entries of ``flat`` past the ``k`` of largest ``magnitudes`` in the order mergekit's ``argsort`` gives
+    (the magnitudes are sorted in place, ``torch.sort`` with them as its values output: the same permutation as
+    ``argsort``, tested). Peak: 3 tensors of ``flat``'s size besides it (float32 magnitudes, int64 indices) and torch's
+    sort's own buffer (measured: 2 more)."""
+    order = torch.empty(flat.numel(), dtype=torch.long)
+    torch.sort(magnitudes, descending=True, out=(magnitudes, order))
+    flat.index_fill_(0, order[k:], 0)
+    del order
 
 
 # a rescale as applied: ("div", density) or ("mul", the L1 ratio), or None (none)

@@ -140,6 +140,31 @@ def test_the_streaming_merge_is_the_stacked_formula_to_the_bit(name: str, models
         assert loads == [-1, *range(models)]
 
 
+@pytest.mark.parametrize("kind", ["continuous", "zeros-at-the-cut", "ties-at-the-cut"])
+def test_the_trim_by_selection_keeps_argsorts_top_k_and_sorts_only_to_break_a_tie(kind: str, monkeypatch) -> None:
+    """TIES's trim finds the k-th largest magnitude by selection; it sorts (as mergekit does) only where nonzero
+    magnitudes tie across the cut."""
+    import rayfuse.finetunes.taskvec as taskvec
+
+    g = torch.Generator().manual_seed(3)
+    delta = torch.randn(5000, generator=g)
+    if kind == "zeros-at-the-cut":
+        delta[torch.randperm(5000, generator=g)[:3000]] = 0.0  # 40 % nonzero, 60 % kept: the cut is at 0
+    elif kind == "ties-at-the-cut":
+        delta = (delta * 4).round() / 4  # a coarse grid: runs of equal magnitudes
+    density = 0.6 if kind == "zeros-at-the-cut" else 0.3
+    k = int(density * delta.numel())
+    mask = torch.zeros_like(delta)
+    mask[torch.argsort(delta.abs().float(), descending=True)[:k]] = 1  # mergekit's trim
+    expected = delta * mask
+    sorted_calls: list[int] = []
+    sort = taskvec._magnitude_sorted_
+    monkeypatch.setattr(taskvec, "_magnitude_sorted_", lambda *a: (sorted_calls.append(1), sort(*a))[1])
+    got = taskvec.sparsify_magnitude(delta, density)
+    assert torch.equal(got, expected)
+    assert bool(sorted_calls) == (kind == "ties-at-the-cut")
+
+
 def test_linear_and_slerp_in_place_equal_their_formulas() -> None:
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(64, 33, generator=g) for _ in range(8)]
