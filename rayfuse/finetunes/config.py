@@ -70,6 +70,7 @@ TASK_VECTOR_METHODS: dict[str, TaskVectorMethod] = {
 _BOUNDS: dict[str, tuple[float, float, bool, str]] = {
     "density": (0.0, 1.0, False, "a density in (0, 1] (the fraction of each task vector kept)"),
     "alpha": (0.0, 1.0, True, "a number in [0, 1] (the share of the Grams' off-diagonal kept)"),
+    "common_space_fraction": (0.0, 1.0, True, "a fraction in [0, 1] (the share of each layer's rank given to the common subspace)"),
 }
 
 

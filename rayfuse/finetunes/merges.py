@@ -26,7 +26,9 @@ Globals = Mapping[str, float | bool]
 
 
 def _given(x: torch.Tensor) -> Loader:
-    return lambda: x
+    """A loader of a tensor already read: a fresh copy each call, as a file's loader gives (the streaming merges work
+    in place on what a loader returns, and the sign election reads each model more than once)."""
+    return lambda: x.clone()
 
 
 def _loaders(base: torch.Tensor | None, tuned: Sequence[torch.Tensor]) -> tuple[Loader | None, list[Loader]]:

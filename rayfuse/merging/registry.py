@@ -125,13 +125,14 @@ def _static() -> list[MergeMethod]:
     """Every merge rayfuse ships, in the order the docs list them."""
     import rayfuse.merging.fusers as fusers
     from rayfuse.finetunes.merges import MERGES as BUILTIN
+    from rayfuse.finetunes.spectral import MERGES as SPECTRAL
 
     entries = [
         _tensor_entry(BUILTIN["average"], fusers.AVERAGE),
         _tensor_entry(BUILTIN["weighted_average"], fusers.WEIGHTED_AVERAGE),
         *(_tensor_entry(BUILTIN[name]) for name in ("task_arithmetic", "ties", "dare_linear", "dare_ties", "slerp")),
     ]
-    for module in ("rayfuse.finetunes.mergekit_set", "rayfuse.finetunes.spectral"):
+    for module in ("rayfuse.finetunes.mergekit_set",):  # until it lands
         import importlib
 
         try:
@@ -139,6 +140,7 @@ def _static() -> list[MergeMethod]:
         except ModuleNotFoundError:
             continue
         entries += [_tensor_entry(merge) for merge in extra.values()]
+    entries += [_tensor_entry(merge) for merge in SPECTRAL.values()]
     entries += [
         _tensor_entry(BUILTIN["fisher"]),
         _tensor_entry(BUILTIN["regmean"]),
