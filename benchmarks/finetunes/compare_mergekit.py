@@ -1,14 +1,27 @@
 """rayfuse's fine-tune merges against mergekit's on the same Hugging Face folders: equal tensors, wall time, peak RSS.
 
 A Llama-style model is built from a config (random weights, nothing downloaded), saved as a sharded folder, and
-``--models`` perturbed copies stand for its fine-tunes. Each merge (linear, task_arithmetic, ties, slerp) runs twice
-from the same YAML, each in a subprocess of its own: mergekit (``mergekit-yaml``, with the Python of
-``benchmarks/.mergekit-venv``) and ``rayfuse fuse``. Reported: the largest absolute difference between the two
-outputs' tensors (float32), and each run's wall time and peak memory: ``wait4``'s ``ru_maxrss`` (the high-water mark
-of the largest process among the run and the children it waited for) and the whole process tree's resident size,
-summed over its processes every 20 ms (psutil). rayfuse's merge is also set against its memory bound: its peak less
-what a process importing what ``rayfuse fuse`` imports holds, over ``(models + 2) x`` the largest tensor in float32
-(``models`` counting the base). DARE is left out: the two draw their random masks from different generators.
+``--models`` perturbed copies stand for its fine-tunes. Each merge (linear, task_arithmetic, ties, slerp, and
+mergekit's others that :mod:`rayfuse.finetunes.mergekit_set` computes: breadcrumbs, breadcrumbs_ties, della,
+della_linear, sce, model_stock, karcher, multislerp, nuslerp, nearswap) runs twice from the same YAML, each in a
+subprocess of its own: mergekit (``mergekit-yaml``, with the Python of ``benchmarks/.mergekit-venv``) and
+``rayfuse fuse``. Reported: the largest absolute difference between the two outputs' tensors (float32), and each
+run's wall time and peak memory: ``wait4``'s ``ru_maxrss`` (the high-water mark of the largest process among the run
+and the children it waited for) and the whole process tree's resident size, summed over its processes every 20 ms
+(psutil). rayfuse's merge is also set against its memory bound: its peak less what a process importing what
+``rayfuse fuse`` imports holds, over ``(models + 2) x`` the largest tensor in float32 (``models`` counting the base).
+DARE is left out: the two draw their random masks from different generators. DELLA draws too: for ``della`` and
+``della_linear`` the difference is no equality check; the row gives instead the ratio of the merged task vectors'
+L1 norms (rayfuse's over mergekit's, over all tensors), which the same drop rates put near 1.
+
+Until the fuse registry holds the merges of :mod:`rayfuse.finetunes.mergekit_set`, they run through
+:func:`adapter` (``--adapter``), not ``rayfuse fuse``: each tensor merged by its ``TensorMerge`` with its parameters
+evaluated as ``rayfuse fuse`` evaluates them, the whole output held and written as one file; its times and peaks are
+the adapter's (no memory bound is set against them). Their YAML keep breadcrumbs' ``gamma`` at or above one entry of
+the smallest tensor: below (mergekit's default 0.01 on a tensor under 100 entries) mergekit drops the whole task
+vector, rayfuse no outlier (``rayfuse/finetunes/mergekit_set.py``). mergekit orders the models of ``sce`` and
+``multislerp`` as a Python set does (its order changes with the hash seed of each run), rayfuse as listed: their sums
+then differ in the last bits (up to ~6e-8 here); in mergekit's order they are equal to the bit.
 
 Set-up (mergekit in its own environment, sharing this one's torch and transformers; commit ``a6e4028`` of
 arcee-ai/mergekit, the one rayfuse's merges follow: the PyPI release 0.1.5 computes ``linear`` in another order and
@@ -24,7 +37,8 @@ Usage::
 
     python benchmarks/finetunes/compare_mergekit.py [--hidden 64 --layers 2] [--models 3] [--threads 2]
     # the issue's ~1 GB Llama-style model (1.06 GiB in float32, vocabulary 32000, 3 layers)
-    python benchmarks/finetunes/compare_mergekit.py --hidden 2048 --intermediate 5632 --vocab 32000 --layers 3
+    python benchmarks/finetunes/compare_mergekit.py --hidden 2048 --intermediate 5632 --vocab 32000 --layers 3 \
+        --methods linear task_arithmetic ties slerp
     # the memory bound alone (rayfuse only), at 8 fine-tunes
     python benchmarks/finetunes/compare_mergekit.py --models 8 --rayfuse-only --methods linear task_arithmetic ties
 
@@ -114,7 +128,118 @@ def configs(work: Path, models: int) -> dict[str, dict[str, Any]]:
                 "t": [{"filter": "self_attn", "value": [0.0, 0.5, 1.0]}, {"filter": "mlp", "value": [1.0, 0.5, 0.0]}, {"value": 0.5}]
             },
         },
+        # mergekit's other merges (rayfuse.finetunes.mergekit_set; ADAPTED below)
+        "breadcrumbs": {
+            "merge_method": "breadcrumbs",
+            "base_model": base,
+            "dtype": "float32",
+            "parameters": {"lambda": 0.9},
+            "models": [
+                {
+                    "model": m,
+                    "parameters": {"weight": 0.5 + 0.25 * i, "density": [{"filter": "mlp", "value": 0.4}, {"value": 0.7}], "gamma": 0.05},
+                }
+                for i, m in enumerate(fts)
+            ],
+        },
+        "breadcrumbs_ties": {
+            "merge_method": "breadcrumbs_ties",
+            "base_model": base,
+            "dtype": "float32",
+            "parameters": {"normalize": True, "rescale": True, "density": 0.5, "gamma": 0.1},
+            "models": [{"model": m, "parameters": {"weight": 1.0 + 0.5 * i}} for i, m in enumerate(fts)],
+        },
+        "della": {
+            "merge_method": "della",
+            "base_model": base,
+            "dtype": "float32",
+            "parameters": {"density": 0.5, "epsilon": 0.2},
+            "models": [{"model": m, "parameters": {"weight": 1.0}} for m in fts],
+        },
+        "della_linear": {
+            "merge_method": "della_linear",
+            "base_model": base,
+            "dtype": "float32",
+            "parameters": {"density": 0.6, "epsilon": 0.15, "lambda": 0.8},
+            "models": [{"model": m, "parameters": {"weight": 0.5 + 0.25 * i}} for i, m in enumerate(fts)],
+        },
+        "sce": {
+            "merge_method": "sce",
+            "base_model": base,
+            "dtype": "float32",
+            "parameters": {"select_topk": 0.5},
+            "models": [{"model": m} for m in fts],
+        },
+        "model_stock": {"merge_method": "model_stock", "base_model": base, "dtype": "float32", "models": [{"model": m} for m in fts]},
+        "karcher": {"merge_method": "karcher", "base_model": base, "dtype": "float32", "models": [{"model": m} for m in fts]},
+        "multislerp": {
+            "merge_method": "multislerp",
+            "base_model": base,
+            "dtype": "float32",
+            "models": [{"model": m, "parameters": {"weight": float(i + 1)}} for i, m in enumerate(fts)],
+        },
+        "nuslerp": {
+            "merge_method": "nuslerp",
+            "base_model": base,
+            "dtype": "float32",
+            "models": [{"model": fts[0], "parameters": {"weight": 1.0}}, {"model": fts[-1], "parameters": {"weight": 2.0}}],
+        },
+        "nearswap": {
+            "merge_method": "nearswap",
+            "base_model": base,
+            "dtype": "float32",
+            "parameters": {"t": 0.008},
+            "models": [{"model": fts[0]}],
+        },
     }
+
+
+# the merges rayfuse computes (rayfuse.finetunes.mergekit_set) that ``rayfuse fuse`` does not run yet: run by
+# adapter() instead (to be switched to ``rayfuse fuse`` once its registry holds them)
+ADAPTED = ("breadcrumbs", "breadcrumbs_ties", "della", "della_linear", "sce", "model_stock", "karcher", "multislerp", "nuslerp", "nearswap")
+RANDOM = ("della", "della_linear")
+
+
+def adapter(config: Path, out: Path) -> None:
+    """Stands in for ``rayfuse fuse`` on one YAML of :data:`ADAPTED`: every tensor of the base merged by the method's
+    ``TensorMerge`` from the float32 tensors of the base and the models, each model's parameters and the global ones
+    evaluated for the tensor as ``rayfuse fuse`` evaluates them (the model's own value, else the global one, else
+    the merge's default; filters and gradients over the layers), generators seeded as ``rayfuse fuse`` seeds them
+    (seed 0); the output written as one safetensors file in ``out``."""
+    import torch
+    import yaml
+    from safetensors.torch import save_file
+
+    from rayfuse.finetunes.config import evaluate, layer_positions
+    from rayfuse.finetunes.hf import ModelSource
+    from rayfuse.finetunes.mergekit_set import MERGES
+    from rayfuse.finetunes.run import _seed
+
+    raw = yaml.safe_load(config.read_text())
+    merge = MERGES[raw["merge_method"]]
+    glob = raw.get("parameters", {})
+    base = ModelSource(Path(raw["base_model"]), "base_model") if raw.get("base_model") else None
+    entries = [e for e in raw["models"] if e["model"] != raw.get("base_model")]
+    models = [ModelSource(Path(e["model"]), e["model"]) for e in entries]
+    names = sorted((base or models[0]).tensors)
+    positions = layer_positions(names)
+
+    def value(name: str, own: dict[str, Any], key: str, default: Any) -> Any:
+        for setting in (own.get(key), glob.get(key)):
+            got = None if setting is None else evaluate(name, setting, positions[name])
+            if got is not None:
+                return got
+        return default
+
+    merged = {}
+    for name in names:
+        per_model = [{k: value(name, e.get("parameters", {}), k, d) for k, d in merge.per_model.items()} for e in entries]
+        g = {k: value(name, {}, k, d) for k, d in merge.globals.items()}
+        generators = [torch.Generator().manual_seed(_seed(0, i, name)) for i in range(len(models))]
+        tuned = [m.get(name).float() for m in models]
+        merged[name] = merge.fn(None if base is None else base.get(name).float(), tuned, per_model, g, generators).contiguous()
+    out.mkdir(parents=True)
+    save_file(merged, str(out / "model.safetensors"))
 
 
 def _tree_rss(pid: int) -> int:
@@ -206,7 +331,7 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=None, help="the MLP's width (default: 2 x hidden)")
     parser.add_argument("--models", type=int, default=None, help="default 3; --quick 2")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--methods", nargs="*", default=None, help="default linear task_arithmetic ties slerp; --quick linear ties")
+    parser.add_argument("--methods", nargs="*", default=None, help="default all; --quick linear ties")
     parser.add_argument("--rayfuse-only", action="store_true", help="run rayfuse alone (its memory bound; no mergekit, no equality)")
     parser.add_argument("--work", type=Path, default=None, help="a folder for the models (default: a temporary one, removed)")
     parser.add_argument("--out", type=Path, default=None, help="a folder for the JSON (and, with --quick, the models)")
@@ -214,9 +339,13 @@ def main() -> None:
         "--quick", action="store_true", help="hidden 32, 1 layer, 2 fine-tunes, linear and ties; to --out or a temporary folder"
     )
     parser.add_argument("--build", type=Path, default=None, help=argparse.SUPPRESS)  # the subprocess that builds the models
+    parser.add_argument("--adapter", type=Path, nargs=2, default=None, help=argparse.SUPPRESS)  # CONFIG OUT: adapter()
     args = parser.parse_args()
+    if args.adapter is not None:
+        adapter(*args.adapter)
+        return
     quick = {"hidden": 32, "layers": 1, "models": 2, "methods": ["linear", "ties"]}
-    full = {"hidden": 64, "layers": 2, "models": 3, "methods": ["linear", "task_arithmetic", "ties", "slerp"]}
+    full = {"hidden": 64, "layers": 2, "models": 3, "methods": ["linear", "task_arithmetic", "ties", "slerp", *ADAPTED]}
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -262,16 +391,21 @@ def main() -> None:
             mk = timed([str(MERGEKIT), str(path), str(work / f"{name}-mk"), "--out-shard-size", "2B", "--no-copy-tokenizer"], env)
         rf_config = work / f"{name}-rf.yaml"
         rf_config.write_text(yaml.safe_dump({**config, "threads": args.threads}))
-        rf = timed([sys.executable, "-m", "rayfuse", "fuse", str(rf_config), str(work / f"{name}-rf")], env)
+        if name in ADAPTED:
+            rf = timed([sys.executable, __file__, "--adapter", str(rf_config), str(work / f"{name}-rf")], env)
+        else:
+            rf = timed([sys.executable, "-m", "rayfuse", "fuse", str(rf_config), str(work / f"{name}-rf")], env)
         runs[name] = (mk, rf, len(config["models"]) + (1 if "base_model" in config and name != "slerp" else 0))
         # the times and peaks as soon as they are known (the tensors are compared at the end, so that this process stays
         # small while it spawns the runs)
         print(
             json.dumps({"method": name, "mergekit_s": mk[0], "rayfuse_s": rf[0], "mergekit_rss": mk[1], "rayfuse_rss": rf[1]}), flush=True
         )
+    import torch  # after the runs (this process stays small while it spawns them)
+
     rows = []
     for name, (mk, rf, models) in runs.items():
-        row: dict[str, Any] = {"method": name, "models_read": models}
+        row: dict[str, Any] = {"method": name, "models_read": models, "via": "adapter" if name in ADAPTED else "rayfuse fuse"}
         out_tensors, base_tensors = tensors(work / f"{name}-rf"), tensors(work / "base")
         lost = sorted(set(base_tensors) - set(out_tensors))
         nonfinite = sorted(k for k, t in out_tensors.items() if not bool(t.float().isfinite().all()))
@@ -284,10 +418,16 @@ def main() -> None:
             row.update(
                 tensors=len(a),
                 names_differ=missing[:5],
+                equal_tensors=sum(bool(torch.equal(a[k], b[k])) for k in a if k in b),
                 max_abs_diff=max(float((a[k].float() - b[k].float()).abs().max()) for k in a if k in b),
             )
+            if name in RANDOM:  # the merged task vectors' L1 norms, rayfuse's over mergekit's: the drop rates' check
+                origin = tensors(work / "base")
+                mk_l1 = sum(float((a[k].float() - origin[k].float()).abs().sum()) for k in a if k in b)
+                row.update(random=True, l1_ratio=sum(float((b[k].float() - origin[k].float()).abs().sum()) for k in a if k in b) / mk_l1)
+                del origin
             del a, b
-        bound = (models + 2) * largest
+        bound = (models + 2) * largest if name not in ADAPTED else None  # the adapter holds the whole output
         if not args.rayfuse_only:
             row.update(mergekit_s=mk[0], speedup=mk[0] / rf[0], mergekit_rss_mib=mk[1] / 2**20, mergekit_tree_rss_mib=mk[3] / 2**20)
         row.update(
@@ -295,8 +435,8 @@ def main() -> None:
             rayfuse_rss_mib=rf[1] / 2**20,
             rayfuse_tree_rss_mib=rf[3] / 2**20,
             rayfuse_merge_mib=(rf[1] - baseline) / 2**20,
-            bound_mib=bound / 2**20,
-            merge_over_bound=(rf[1] - baseline) / bound,
+            bound_mib=None if bound is None else bound / 2**20,
+            merge_over_bound=None if bound is None else (rf[1] - baseline) / bound,
         )
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -336,10 +476,15 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        diff = f"{r.get('max_abs_diff', float('nan')):.3g}"
+        if r.get("random"):
+            diff += f" (random draws; L1 ratio {r['l1_ratio']:.4f})"
+        method = r["method"] + (" (adapter)" if r["via"] == "adapter" else "")
+        bound_cell = "n/a" if r["bound_mib"] is None else f"{r['bound_mib']:.0f}"
         print(
-            f"| {r['method']} | {r.get('max_abs_diff', float('nan')):.3g} | {r.get('mergekit_s', float('nan')):.1f} | "
+            f"| {method} | {diff} | {r.get('mergekit_s', float('nan')):.1f} | "
             f"{r['rayfuse_s']:.1f} | {r.get('speedup', float('nan')):.2f}x | {r.get('mergekit_rss_mib', float('nan')):.0f} | "
-            f"{r['rayfuse_rss_mib']:.0f} | {r['rayfuse_merge_mib']:.0f} | {r['bound_mib']:.0f} |"
+            f"{r['rayfuse_rss_mib']:.0f} | {r['rayfuse_merge_mib']:.0f} | {bound_cell} |"
         )
     print(f"wrote {results}")
     if args.work is None:
