@@ -9,15 +9,13 @@ subprocess of its own: mergekit (``mergekit-yaml``, with the Python of ``benchma
 run's wall time and peak memory: ``wait4``'s ``ru_maxrss`` (the high-water mark of the largest process among the run
 and the children it waited for) and the whole process tree's resident size, summed over its processes every 20 ms
 (psutil). rayfuse's merge is also set against its memory bound: its peak less what a process importing what
-``rayfuse fuse`` imports holds, over ``(models + 2) x`` the largest tensor in float32 (``models`` counting the base).
+``rayfuse fuse`` imports holds, over ``max(models + 2, peak) x`` the largest tensor in float32 (``models`` counting the
+base; ``peak`` the tensors the merge's registry entry declares it holds at once: ``TensorMerge.peak``).
 DARE is left out: the two draw their random masks from different generators. DELLA draws too: for ``della`` and
 ``della_linear`` the difference is no equality check; the row gives instead the ratio of the merged task vectors'
 L1 norms (rayfuse's over mergekit's, over all tensors), which the same drop rates put near 1.
 
-Until the fuse registry holds the merges of :mod:`rayfuse.finetunes.mergekit_set`, they run through
-:func:`adapter` (``--adapter``), not ``rayfuse fuse``: each tensor merged by its ``TensorMerge`` with its parameters
-evaluated as ``rayfuse fuse`` evaluates them, the whole output held and written as one file; its times and peaks are
-the adapter's (no memory bound is set against them). Their YAML keep breadcrumbs' ``gamma`` at or above one entry of
+The YAML keep breadcrumbs' ``gamma`` at or above one entry of
 the smallest tensor: below (mergekit's default 0.01 on a tensor under 100 entries) mergekit drops the whole task
 vector, rayfuse no outlier (``rayfuse/finetunes/mergekit_set.py``). mergekit orders the models of ``sce`` and
 ``multislerp`` as a Python set does (its order changes with the hash seed of each run), rayfuse as listed: their sums
@@ -128,7 +126,7 @@ def configs(work: Path, models: int) -> dict[str, dict[str, Any]]:
                 "t": [{"filter": "self_attn", "value": [0.0, 0.5, 1.0]}, {"filter": "mlp", "value": [1.0, 0.5, 0.0]}, {"value": 0.5}]
             },
         },
-        # mergekit's other merges (rayfuse.finetunes.mergekit_set; ADAPTED below)
+        # mergekit's other merges (rayfuse.finetunes.mergekit_set: MERGEKIT_SET below)
         "breadcrumbs": {
             "merge_method": "breadcrumbs",
             "base_model": base,
@@ -194,52 +192,29 @@ def configs(work: Path, models: int) -> dict[str, dict[str, Any]]:
     }
 
 
-# the merges rayfuse computes (rayfuse.finetunes.mergekit_set) that ``rayfuse fuse`` does not run yet: run by
-# adapter() instead (to be switched to ``rayfuse fuse`` once its registry holds them)
-ADAPTED = ("breadcrumbs", "breadcrumbs_ties", "della", "della_linear", "sce", "model_stock", "karcher", "multislerp", "nuslerp", "nearswap")
+MERGEKIT_SET = (
+    "breadcrumbs",
+    "breadcrumbs_ties",
+    "della",
+    "della_linear",
+    "sce",
+    "model_stock",
+    "karcher",
+    "multislerp",
+    "nuslerp",
+    "nearswap",
+)
+
+
+def peak_of(name: str, models: int) -> float:
+    """The tensors of the largest one's size a merge declares it holds at once (its registry entry's ``peak``)."""
+    from rayfuse.merging import get_merge
+
+    merge = get_merge(name).tensor
+    return merge.peak(models) if merge is not None else models + 2.0
+
+
 RANDOM = ("della", "della_linear")
-
-
-def adapter(config: Path, out: Path) -> None:
-    """Stands in for ``rayfuse fuse`` on one YAML of :data:`ADAPTED`: every tensor of the base merged by the method's
-    ``TensorMerge`` from the float32 tensors of the base and the models, each model's parameters and the global ones
-    evaluated for the tensor as ``rayfuse fuse`` evaluates them (the model's own value, else the global one, else
-    the merge's default; filters and gradients over the layers), generators seeded as ``rayfuse fuse`` seeds them
-    (seed 0); the output written as one safetensors file in ``out``."""
-    import torch
-    import yaml
-    from safetensors.torch import save_file
-
-    from rayfuse.finetunes.config import evaluate, layer_positions
-    from rayfuse.finetunes.hf import ModelSource
-    from rayfuse.finetunes.mergekit_set import MERGES
-    from rayfuse.finetunes.run import _seed
-
-    raw = yaml.safe_load(config.read_text())
-    merge = MERGES[raw["merge_method"]]
-    glob = raw.get("parameters", {})
-    base = ModelSource(Path(raw["base_model"]), "base_model") if raw.get("base_model") else None
-    entries = [e for e in raw["models"] if e["model"] != raw.get("base_model")]
-    models = [ModelSource(Path(e["model"]), e["model"]) for e in entries]
-    names = sorted((base or models[0]).tensors)
-    positions = layer_positions(names)
-
-    def value(name: str, own: dict[str, Any], key: str, default: Any) -> Any:
-        for setting in (own.get(key), glob.get(key)):
-            got = None if setting is None else evaluate(name, setting, positions[name])
-            if got is not None:
-                return got
-        return default
-
-    merged = {}
-    for name in names:
-        per_model = [{k: value(name, e.get("parameters", {}), k, d) for k, d in merge.per_model.items()} for e in entries]
-        g = {k: value(name, {}, k, d) for k, d in merge.globals.items()}
-        generators = [torch.Generator().manual_seed(_seed(0, i, name)) for i in range(len(models))]
-        tuned = [m.get(name).float() for m in models]
-        merged[name] = merge.fn(None if base is None else base.get(name).float(), tuned, per_model, g, generators).contiguous()
-    out.mkdir(parents=True)
-    save_file(merged, str(out / "model.safetensors"))
 
 
 def _tree_rss(pid: int) -> int:
@@ -339,13 +314,9 @@ def main() -> None:
         "--quick", action="store_true", help="hidden 32, 1 layer, 2 fine-tunes, linear and ties; to --out or a temporary folder"
     )
     parser.add_argument("--build", type=Path, default=None, help=argparse.SUPPRESS)  # the subprocess that builds the models
-    parser.add_argument("--adapter", type=Path, nargs=2, default=None, help=argparse.SUPPRESS)  # CONFIG OUT: adapter()
     args = parser.parse_args()
-    if args.adapter is not None:
-        adapter(*args.adapter)
-        return
     quick = {"hidden": 32, "layers": 1, "models": 2, "methods": ["linear", "ties"]}
-    full = {"hidden": 64, "layers": 2, "models": 3, "methods": ["linear", "task_arithmetic", "ties", "slerp", *ADAPTED]}
+    full = {"hidden": 64, "layers": 2, "models": 3, "methods": ["linear", "task_arithmetic", "ties", "slerp", *MERGEKIT_SET]}
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -391,10 +362,7 @@ def main() -> None:
             mk = timed([str(MERGEKIT), str(path), str(work / f"{name}-mk"), "--out-shard-size", "2B", "--no-copy-tokenizer"], env)
         rf_config = work / f"{name}-rf.yaml"
         rf_config.write_text(yaml.safe_dump({**config, "threads": args.threads}))
-        if name in ADAPTED:
-            rf = timed([sys.executable, __file__, "--adapter", str(rf_config), str(work / f"{name}-rf")], env)
-        else:
-            rf = timed([sys.executable, "-m", "rayfuse", "fuse", str(rf_config), str(work / f"{name}-rf")], env)
+        rf = timed([sys.executable, "-m", "rayfuse", "fuse", str(rf_config), str(work / f"{name}-rf")], env)
         runs[name] = (mk, rf, len(config["models"]) + (1 if "base_model" in config and name != "slerp" else 0))
         # the times and peaks as soon as they are known (the tensors are compared at the end, so that this process stays
         # small while it spawns the runs)
@@ -405,7 +373,7 @@ def main() -> None:
 
     rows = []
     for name, (mk, rf, models) in runs.items():
-        row: dict[str, Any] = {"method": name, "models_read": models, "via": "adapter" if name in ADAPTED else "rayfuse fuse"}
+        row: dict[str, Any] = {"method": name, "models_read": models}
         out_tensors, base_tensors = tensors(work / f"{name}-rf"), tensors(work / "base")
         lost = sorted(set(base_tensors) - set(out_tensors))
         nonfinite = sorted(k for k, t in out_tensors.items() if not bool(t.float().isfinite().all()))
@@ -427,7 +395,7 @@ def main() -> None:
                 row.update(random=True, l1_ratio=sum(float((b[k].float() - origin[k].float()).abs().sum()) for k in a if k in b) / mk_l1)
                 del origin
             del a, b
-        bound = (models + 2) * largest if name not in ADAPTED else None  # the adapter holds the whole output
+        bound = max(models + 2, peak_of(name, models)) * largest  # the runner's budget (rayfuse.finetunes.run)
         if not args.rayfuse_only:
             row.update(mergekit_s=mk[0], speedup=mk[0] / rf[0], mergekit_rss_mib=mk[1] / 2**20, mergekit_tree_rss_mib=mk[3] / 2**20)
         row.update(
@@ -472,14 +440,14 @@ def main() -> None:
     )
     print(
         "| merge | max abs difference | mergekit s | rayfuse s | speed-up | mergekit peak RSS MiB | rayfuse peak RSS MiB "
-        "| rayfuse merge MiB (peak - imports) | bound (models + 2) x largest MiB |"
+        "| rayfuse merge MiB (peak - imports) | bound max(models + 2, peak) x largest MiB |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         diff = f"{r.get('max_abs_diff', float('nan')):.3g}"
         if r.get("random"):
             diff += f" (random draws; L1 ratio {r['l1_ratio']:.4f})"
-        method = r["method"] + (" (adapter)" if r["via"] == "adapter" else "")
+        method = r["method"]
         bound_cell = "n/a" if r["bound_mib"] is None else f"{r['bound_mib']:.0f}"
         print(
             f"| {method} | {diff} | {r.get('mergekit_s', float('nan')):.1f} | "

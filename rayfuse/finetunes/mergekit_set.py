@@ -40,6 +40,7 @@ model_stock, ``2 models + 5`` for karcher, ``3 models + 1`` for multislerp, ``mo
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -497,4 +498,21 @@ MERGES: dict[str, TensorMerge] = {
         globals={"t": None},
         peak=lambda models: models + 5.0,
     ),
+}
+
+
+def _della_window(per_model: PerModel, g: Globals) -> tuple[str, str, object] | None:
+    """DELLA keeps each entry with a probability from ``density - epsilon`` (the smallest magnitude of its row) to
+    ``density + epsilon`` (the largest; :func:`della_magprune`): that window must lie inside (0, 1) wherever the
+    density trims at all."""
+    for i, p in enumerate(per_model):
+        density, epsilon = float(p["density"]), float(p["epsilon"])
+        if 0 < density < 1 and not (0 < density - epsilon and density + epsilon < 1):
+            return (f"models.{i}.parameters.epsilon", f"density +/- epsilon inside (0, 1) (density {density:g})", epsilon)
+    return None
+
+
+MERGES = {
+    name: replace(merge, models=MODEL_COUNTS[name], check=_della_window if name.startswith("della") else None)
+    for name, merge in MERGES.items()
 }

@@ -168,6 +168,12 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
         raise ValueError(f"{method}: a FinetuneSpec made by rayfuse.merging.load_fuse_config (it names its merge)")
     # every parameter for every tensor, before anything is written
     plans = {name: (_tensor_params(spec, merge, name, positions[name]), _globals(spec, merge, name, positions[name])) for name in names}
+    if merge.check is not None:
+        for name, (per_model, globals_) in plans.items():
+            broken = merge.check(per_model, globals_)
+            if broken is not None:
+                key, expected, got = broken
+                raise InputError(f"{prefix}{key}", expected, got, f"at tensor {name}")
     out_dtype = {n: (spec.dtype if spec.dtype is not None and "float" in i.dtype else i.dtype) for n, i in reference.tensors.items()}
     if spec.dtype is None and base is None:  # no base whose dtypes the output keeps: float32 where the models' differ
         for n, info in reference.tensors.items():

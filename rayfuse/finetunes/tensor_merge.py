@@ -47,7 +47,8 @@ class TensorMerge:
     ``fn`` where given; ``models``: how many fine-tuned models it takes (at least, at most: ``None`` for no bound);
     ``statistics``: the statistic each model's ``statistics:`` file holds ("fisher" or "gram") for the data-aware
     merges, which the runner hands them instead of generators; ``choices``: the values a parameter that is not a number
-    may take; ``aliases``: other names it answers to."""
+    may take; ``aliases``: other names it answers to; ``check``: a rule between its parameters, run on every tensor's
+    values before anything is written."""
 
     name: str
     fn: MergeFn
@@ -64,6 +65,8 @@ class TensorMerge:
     statistics: str | None = None
     choices: Mapping[str, tuple[object, ...]] = field(default_factory=dict)
     aliases: tuple[str, ...] = ()
+    # a rule between parameters no single bound says, on one tensor's values: (key, expected, got) when broken
+    check: Callable[[Sequence[Mapping[str, float]], Mapping[str, float | bool]], tuple[str, str, object] | None] | None = None
 
     def merge(
         self,

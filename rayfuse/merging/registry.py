@@ -124,6 +124,7 @@ def _fuser_entry(fuser: Fuser, reference: str, exact: bool = True) -> MergeMetho
 def _static() -> list[MergeMethod]:
     """Every merge rayfuse ships, in the order the docs list them."""
     import rayfuse.merging.fusers as fusers
+    from rayfuse.finetunes.mergekit_set import MERGES as MERGEKIT_SET
     from rayfuse.finetunes.merges import MERGES as BUILTIN
     from rayfuse.finetunes.spectral import MERGES as SPECTRAL
 
@@ -132,14 +133,7 @@ def _static() -> list[MergeMethod]:
         _tensor_entry(BUILTIN["weighted_average"], fusers.WEIGHTED_AVERAGE),
         *(_tensor_entry(BUILTIN[name]) for name in ("task_arithmetic", "ties", "dare_linear", "dare_ties", "slerp")),
     ]
-    for module in ("rayfuse.finetunes.mergekit_set",):  # until it lands
-        import importlib
-
-        try:
-            extra = importlib.import_module(module).MERGES
-        except ModuleNotFoundError:
-            continue
-        entries += [_tensor_entry(merge) for merge in extra.values()]
+    entries += [_tensor_entry(merge) for merge in MERGEKIT_SET.values()]
     entries += [_tensor_entry(merge) for merge in SPECTRAL.values()]
     entries += [
         _tensor_entry(BUILTIN["fisher"]),

@@ -145,6 +145,19 @@ def test_a_file_is_routed_by_its_merge_and_keys_whatever_its_paths(tmp_path: Pat
             {"merge_method": "tsv_m", "models": [{"model": "ft0", "statistics": "s.safetensors"}]},
             r"models\.0\.statistics: expected statistics only with",
         ),
+        (
+            {"merge_method": "nuslerp", "models": [{"model": f"ft{i}", "parameters": {"weight": 1}} for i in range(3)]},
+            r"models: expected 2 fine-tuned models for nuslerp",
+        ),
+        ({"merge_method": "model_stock", "models": [{"model": "ft0"}]}, r"models: expected at least 2 fine-tuned models for model_stock"),
+        (
+            {"merge_method": "della", "models": [{"model": "ft0", "parameters": {"weight": 1, "density": 0.5, "epsilon": 0.6}}]},
+            r"models\.0\.parameters\.epsilon: expected density \+/- epsilon inside \(0, 1\) \(density 0\.5\), got 0\.6; at tensor",
+        ),
+        (
+            {"merge_method": "breadcrumbs", "models": [{"model": "ft0"}]},
+            r"models\.0\.parameters\.weight: expected this model's weight for breadcrumbs",
+        ),
     ],
 )
 def test_a_key_or_parameter_the_merge_does_not_take_is_one_line_before_anything_is_written(
