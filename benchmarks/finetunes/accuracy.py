@@ -16,8 +16,9 @@ The setting (issue 28's accuracy benchmark), all built here, offline:
   Each fine-tune is saved as a Hugging Face folder; the **pooled** fine-tune (every site's training data in one
   place, the oracle no federation has) from the same base, same epochs.
 * **Merges** through the real ``rayfuse.fuse`` path (the same as ``rayfuse fuse merge.yaml``) on those folders:
-  ``average``, ``task_arithmetic`` / ``ties`` / ``dare_linear`` / ``dare_ties`` over a small ``lambda`` sweep,
-  ``fisher`` and ``regmean`` with each site's statistics computed on its own data by the functions the clients use
+  ``average``, ``task_arithmetic`` / ``ties`` / ``dare_linear`` / ``dare_ties``, the spectral ``tsv_m`` / ``iso_c`` /
+  ``iso_cts`` / ``wudi`` and mergekit's ``breadcrumbs`` / ``della`` over a small ``lambda`` sweep (each site counted
+  once), ``model_stock``, ``sce``, ``karcher`` and ``multislerp`` once, ``fisher`` and ``regmean`` with each site's statistics computed on its own data by the functions the clients use
   (``rayfuse.alignment.diagonal_fisher``, ``rayfuse.alignment.input_grams``) and written as ``.safetensors``, weights
   the sites' sample counts.
 * **LoRA**: each site trains a PEFT LoRA adapter (rank 4 on every attention, MLP, pooler and classifier
@@ -99,6 +100,26 @@ NOTES = """
 VALIDATION = 0.2  # of each site's part
 SELECTED = "merge chosen on the sites' validation data"
 SHRUNK = "LoRA one shot stack, shrunk to average_factors' update norm"
+
+
+SPECTRAL = ("tsv_m", "iso_c", "iso_cts", "wudi")
+# every merge of fine-tunes this benchmark runs (a row's first word)
+MERGES = (
+    "average",
+    "task_arithmetic",
+    "ties",
+    "dare_linear",
+    "dare_ties",
+    *SPECTRAL,
+    "breadcrumbs",
+    "della",
+    "model_stock",
+    "sce",
+    "karcher",
+    "multislerp",
+    "fisher",
+    "regmean",
+)
 
 
 @dataclass(frozen=True)
@@ -282,6 +303,7 @@ def run_seed(seed: int, setting: Setting, root: Path, log: Callable[[str], None]
     from safetensors.numpy import save_file
 
     from rayfuse.alignment import diagonal_fisher, input_grams
+    from rayfuse.merging import get_merge
     from rayfuse.models import get_params
 
     data = split(seed, setting)
@@ -330,8 +352,9 @@ def run_seed(seed: int, setting: Setting, root: Path, log: Callable[[str], None]
             entry: dict[str, Any] = {"model": str(folder), "parameters": {"weight": float(counts[i])}}
             if statistics is not None:
                 entry["statistics"] = str(root / f"site{i}-{statistics}.safetensors")
-            if method in ("average", "task_arithmetic", "ties", "dare_linear", "dare_ties"):
-                entry["parameters"] = {}  # every site counts once (the methods' published form); weights below for the data-aware ones
+            if statistics is None:  # every site counts once (the methods' published form); weights for the data-aware ones
+                required = (get_merge(method).tensor.per_model or {}).get("weight", 0.0) is None  # type: ignore[union-attr]
+                entry["parameters"] = {"weight": 1.0} if required else {}
             models.append(entry)
         out = root / "merged" / name.replace(" ", "_").replace("=", "").replace(".", "p")  # no suffix: a folder
         config: dict[str, Any] = {
@@ -353,6 +376,12 @@ def run_seed(seed: int, setting: Setting, root: Path, log: Callable[[str], None]
         merge(f"ties lambda={lam}", "ties", {"lambda": lam, "density": setting.density})
         merge(f"dare_linear lambda={lam}", "dare_linear", {"lambda": lam, "density": setting.density})
         merge(f"dare_ties lambda={lam}", "dare_ties", {"lambda": lam, "density": setting.density})
+        for spectral in SPECTRAL:
+            merge(f"{spectral} lambda={lam}", spectral, {"lambda": lam})
+        merge(f"breadcrumbs lambda={lam}", "breadcrumbs", {"lambda": lam, "density": setting.density})
+        merge(f"della lambda={lam}", "della", {"lambda": lam, "density": setting.density})
+    for whole in ("model_stock", "sce", "karcher", "multislerp"):
+        merge(whole, whole)
     merge("fisher", "fisher", statistics="fisher")
     merge("regmean", "regmean", {"alpha": 0.9}, statistics="grams")
     chosen = max(validation, key=validation.__getitem__)  # the first of equals, in the order above
@@ -489,9 +518,7 @@ def best(summary: dict[str, tuple[float, float]], prefix: str) -> tuple[str, flo
 
 def targets(summary: dict[str, tuple[float, float]], rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The issue's two targets, on the seeds' means (and per seed)."""
-    merges = [
-        k for k in summary if k.split(" ")[0] in ("average", "task_arithmetic", "ties", "dare_linear", "dare_ties", "fisher", "regmean")
-    ]
+    merges = [k for k in summary if k.split(" ")[0] in MERGES]
     best_merge = max(merges, key=lambda k: summary[k][0])
     site_keys = [k for k in summary if k.startswith("site ")]
     best_site = max(site_keys, key=lambda k: summary[k][0])
