@@ -447,11 +447,13 @@ class MethodServer:
         step: int = 1,
     ) -> RoundLoop[S]:
         """The rounds ``first .. last`` of this method over its typed round ``state`` (:class:`rayfuse.rounds.RoundLoop`:
-        resume, evaluation cadence, history, progress, round checkpoints, state the clients keep)."""
+        resume, evaluation cadence, history, progress, round checkpoints with the update pipeline's own state, state
+        the clients keep). Central DP is planned here for a method that did not plan it (``server.updates.rounds``):
+        ``last`` is then the last round its budget affords."""
         return RoundLoop(
             self,
             state,
-            last=last,
+            last=self.updates.rounds(last),
             first=first,
             evaluate=evaluate,
             evaluate_every=evaluate_every,
@@ -802,6 +804,8 @@ class Coordinator:
         self.events.emit("method_start", method=label)
         result: MethodResult = spec.build().run(server)
         seconds = time.perf_counter() - started
+        for key, value in server.updates.info().items():  # the pipeline's record (central DP's epsilon...), asked or not
+            result.info.setdefault(key, value)
         if self.cfg.train.dp is not None and method_cls.tags.uses_local_models and not method_cls.tags.oracle:
             self._add_local_privacy(result)
         bad = {k: v for k, v in result.metrics.items() if not np.isfinite(v)}

@@ -620,6 +620,10 @@ class MethodTags:
     public sample only when a configured method reads one (a ``public_sample`` property of its ``Params`` takes
     precedence, as ``fuses``'s does). ``no_dp``: why a ``dp`` setting does not
     apply to it (empty: its own ``dp`` option, if it has one, applies); a ``dp`` entry is refused with this reason.
+    ``cohort``: each of its rounds trains exactly the clients ``server.updates.sample(fraction, round)`` draws (the
+    framework's cohort), the precondition of central DP-FedAvg, whose noise and accountant assume the clients that
+    train are the ones it Poisson-samples: a central ``dp`` entry for a method without it is refused before start, and
+    a round of a method with it that trains a client the sample did not draw stops the run.
     """
 
     fuses: Fuses = "parameters"
@@ -633,6 +637,7 @@ class MethodTags:
     public_labels: bool = False
     public_sample: bool = False
     no_dp: str = ""
+    cohort: bool = False
 
 
 class Method(ABC, Generic[P, RS]):

@@ -356,6 +356,9 @@ class RoundLoop(Generic[S]):
             self.state = decode_state(state, checkpoint.params, checkpoint.state, checkpoint.meta)
             self.metrics = dict(checkpoint.meta.get("metrics", {}))
             self.store = checkpoint.meta.get("store") or self.store
+            pipeline = getattr(server, "updates", None)  # the update pipeline's carried state (central DP's clip norm)
+            if pipeline is not None and checkpoint.meta.get("pipeline"):
+                pipeline.load_state(checkpoint.meta["pipeline"])
         for value in vars(self.state).values():
             if isinstance(value, ClientRounds):
                 value.store = self.store
@@ -446,5 +449,7 @@ class RoundLoop(Generic[S]):
                 metrics=shown,
             )
             params, arrays, meta = encode_state(self.state)
-            server.save_checkpoint(rnd, params, arrays, {**meta, "metrics": self.metrics, "store": self.store})
+            pipeline = getattr(server, "updates", None)
+            carried = {"pipeline": dict(pipeline.state())} if pipeline is not None and pipeline.state() else {}
+            server.save_checkpoint(rnd, params, arrays, {**meta, "metrics": self.metrics, "store": self.store, **carried})
         self._forget(self.store)  # the method is done: the clients may delete what they kept

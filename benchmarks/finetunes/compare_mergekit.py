@@ -267,7 +267,7 @@ def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int
 
 def import_rss(env: dict[str, str]) -> int:
     """The peak RSS of a process that imports what ``rayfuse fuse`` imports and merges nothing (bytes)."""
-    code = "import rayfuse.cli, rayfuse.finetunes.run, rayfuse.finetunes.config, safetensors, torch, yaml"
+    code = "import rayfuse.cli, rayfuse.merging, rayfuse.finetunes.run, safetensors, torch, yaml; rayfuse.merging.merge_names()"
     return timed([sys.executable, "-c", code], env)[1]
 
 

@@ -152,6 +152,15 @@ def check_update_pipeline(specs: Sequence[MethodSpec], setup: RunSetup, attacks:
                     f"methods.<label>.dp is {dp_options_text()}",
                 )
             continue
+        if isinstance(dp, CentralDPSettings) and not spec.method_cls.tags.cohort:
+            raise InputError(
+                f"{where}.dp",
+                f"no central dp for method {spec.method!r} (DP-FedAvg's noise and accountant assume each round trains "
+                "the clients server.updates.sample draws, which this method does not declare: MethodTags.cohort)",
+                "a dp section",
+                "a method whose rounds train exactly server.updates.sample(fraction, round)'s clients declares "
+                "tags = MethodTags(cohort=True) (docs/writing-a-method.md)",
+            )
         try:
             if isinstance(dp, CentralDPSettings):
                 _check_central_dp(spec, aggregator, dp, setup.num_clients)
@@ -404,6 +413,7 @@ class UpdatePipeline:
         self._plan: DPPlan | None = None  # central DP: the plan of the run (rounds())
         self._clip = self.dp.clip_norm if isinstance(self.dp, CentralDPSettings) else 0.0  # the next round's clip norm (adaptive)
         self._sampled = 0  # central DP: the clients the last sample() drew
+        self._cohort: tuple[int, frozenset[int]] | None = None  # central DP: (round, the clients sample() drew for it)
         self._upload: dict[str, Any] | None = None  # the one-shot DP upload's record (local_models())
 
     # -- the round's clients --------------------------------------------------------------------------------------
@@ -413,8 +423,9 @@ class UpdatePipeline:
         deterministic, so the last affordable round is known before any client trains)."""
         if not isinstance(self.dp, CentralDPSettings):
             return planned
-        self._plan = plan_dp(self.dp, self._server.federation.num_clients, planned)
-        return self._plan.rounds
+        if self._plan is None:  # planned once (the round loop plans it too, for a method that did not)
+            self._plan = plan_dp(self.dp, self._server.federation.num_clients, planned)
+        return min(self._plan.rounds, planned)
 
     def sample(self, fraction: float, round: int) -> list[int]:
         """The clients that train in ``round``: DP-FedAvg's Poisson sample at ``dp.sample_rate`` (seeded by
@@ -423,8 +434,24 @@ class UpdatePipeline:
         if isinstance(self.dp, CentralDPSettings):
             clients = sample_poisson(self._server.rng("dp-sample", round), self._server.federation.client_ids, self.dp.sample_rate)
             self._sampled = len(clients)
+            self._cohort = (int(round), frozenset(int(c) for c in clients))
             return clients
         return self.sample_clients(fraction, round)
+
+    def _check_cohort(self, clients: Sequence[int], round: int) -> None:
+        """Central DP: the clients of ``round``'s replies are among those :meth:`sample` drew for that round (its
+        accountant's Poisson sample); anything else would spend privacy the reported epsilon does not count."""
+        if self._cohort is None or self._cohort[0] != int(round):
+            raise RunFailure(
+                f"{self._server.label}: central DP round {round}: no clients were sampled for it; a method with dp trains "
+                f"the clients server.updates.sample(fraction, {round}) draws (the accountant's Poisson sample)"
+            )
+        extra = sorted(int(c) for c in clients if int(c) not in self._cohort[1])
+        if extra:
+            raise RunFailure(
+                f"{self._server.label}: central DP round {round}: clients {extra} trained but were not sampled (the "
+                f"accountant drew {sorted(self._cohort[1])}); nothing of the round was used"
+            )
 
     def local_models(self) -> Gathered[Update]:
         """Every client's trained local model for a one-shot method; with the one-shot ``dp`` upload, each client's
@@ -583,6 +610,7 @@ class UpdatePipeline:
             raise ValueError("central DP needs the global model the clients started from (reference)")
         if self._plan is None:
             raise RuntimeError("central DP needs its plan: call server.updates.rounds(planned) before the first round")
+        self._check_cohort([*gathered.results, *gathered.failures], round)
         updates: dict[int, Update] = {}
         if gathered.results or gathered.failures:  # no client sampled: the round is noise alone, as the accountant assumes
             updates = self._accept(gathered, reference)
@@ -668,6 +696,8 @@ class UpdatePipeline:
         kwargs = dict(step_kwargs or {})
         mode, why = self.round_mode(round)
         self._record_mode(mode, why, round)
+        if isinstance(self.dp, CentralDPSettings):
+            self._check_cohort(clients, round)
         if not clients:  # central DP may sample no client: the round is noise alone, as its accountant assumes
             return self.collect(Gathered({}), reference, round, weighted=weighted)
         ref = fed.put(reference)

@@ -149,7 +149,7 @@ class FedAvg(Method[FP, FS]):
     Params = FedAvgParams
     summary = "federated averaging over rounds (McMahan et al. 2017), sample-weighted"
     reference = references.FEDAVG
-    tags = MethodTags(multi_round=True)
+    tags = MethodTags(multi_round=True, cohort=True)
     #: its rounds go through ``server.updates.collect_round``: streamed where the rule is a sum (the memory check)
     streams_rounds = True
 

@@ -343,7 +343,7 @@ class FedLora(Method[FedLoraParams, FedLoraState]):
     Params = FedLoraParams
     summary = "federated LoRA of one shared base: FFA-LoRA (exact, through the update pipeline), stack, svd or average_factors"
     reference = FFALORA
-    tags = MethodTags(multi_round=True)
+    tags = MethodTags(multi_round=True, cohort=True)
 
     @classmethod
     def check(cls, params: FedLoraParams, setup: RunSetup) -> None:
