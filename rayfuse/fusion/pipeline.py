@@ -610,7 +610,7 @@ class UpdatePipeline:
             raise ValueError("central DP needs the global model the clients started from (reference)")
         if self._plan is None:
             raise RuntimeError("central DP needs its plan: call server.updates.rounds(planned) before the first round")
-        self._check_cohort([*gathered.results, *gathered.failures], round)
+        self._check_cohort([*gathered.results, *(f.client for f in gathered.failures)], round)
         updates: dict[int, Update] = {}
         if gathered.results or gathered.failures:  # no client sampled: the round is noise alone, as the accountant assumes
             updates = self._accept(gathered, reference)
