@@ -1,9 +1,10 @@
-"""The fuse file of fine-tune merges, in mergekit's spelling.
+"""A tensor-by-tensor merge's fuse file checked against its registered merge (:func:`load_fuse_config` of
+:mod:`rayfuse.merging` validates the file against the one schema and routes it here), in mergekit's spelling.
 
 ::
 
-    merge_method: ties                  # task_arithmetic | ties | dare_linear | dare_ties | slerp | linear | average | weighted_average
-                                        # | fisher | regmean (with each model's statistics: file)
+    merge_method: ties                  # a registered merge that reads model files (rayfuse list merges); fisher and
+                                        # regmean with each model's statistics: file
     base_model: base/                   # a Hugging Face folder or a .safetensors file
     models:
       - model: site_a/
