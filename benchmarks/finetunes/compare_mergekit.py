@@ -4,7 +4,8 @@ A Llama-style model is built from a config (random weights, nothing downloaded),
 ``--models`` perturbed copies stand for its fine-tunes. Each merge (linear, task_arithmetic, ties, slerp, and
 mergekit's others that :mod:`rayfuse.finetunes.mergekit_set` computes: breadcrumbs, breadcrumbs_ties, della,
 della_linear, sce, model_stock, karcher, multislerp, nuslerp, nearswap) runs twice from the same YAML, each in a
-subprocess of its own: mergekit (``mergekit-yaml``, with the Python of ``benchmarks/.mergekit-venv``) and
+subprocess of its own (the spectral ``tsv_m``, ``iso_c``, ``iso_cts`` and ``wudi``, which mergekit lacks, run in rayfuse
+alone: their time and memory against the bound): mergekit (``mergekit-yaml``, with the Python of ``benchmarks/.mergekit-venv``) and
 ``rayfuse fuse``. Reported: the largest absolute difference between the two outputs' tensors (float32), and each
 run's wall time and peak memory: ``wait4``'s ``ru_maxrss`` (the high-water mark of the largest process among the run
 and the children it waited for) and the whole process tree's resident size, summed over its processes every 20 ms
@@ -189,7 +190,22 @@ def configs(work: Path, models: int) -> dict[str, dict[str, Any]]:
             "parameters": {"t": 0.008},
             "models": [{"model": fts[0]}],
         },
+        # the spectral merges mergekit lacks (rayfuse.finetunes.spectral: SPECTRAL below): rayfuse's run alone
+        **{
+            name: {
+                "merge_method": name,
+                "base_model": base,
+                "dtype": "float32",
+                "parameters": {"lambda": 0.5},
+                "models": [{"model": m} for m in fts],
+            }
+            for name in ("tsv_m", "iso_c", "iso_cts", "wudi")
+        },
     }
+
+
+# mergekit has none of these: their rows give rayfuse's time and memory against its bound, no equality
+SPECTRAL = ("tsv_m", "iso_c", "iso_cts", "wudi")
 
 
 MERGEKIT_SET = (
@@ -266,8 +282,14 @@ def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int
 
 
 def import_rss(env: dict[str, str]) -> int:
-    """The peak RSS of a process that imports what ``rayfuse fuse`` imports and merges nothing (bytes)."""
-    code = "import rayfuse.cli, rayfuse.merging, rayfuse.finetunes.run, safetensors, torch, yaml; rayfuse.merging.merge_names()"
+    """The peak RSS of a process that imports what ``rayfuse fuse`` imports and merges nothing (bytes): the registry
+    filled, and transformers with the Llama model's module, which the merge imports to check that the base's
+    ``config.json`` describes the merged tensors before it copies it (``rayfuse.finetunes.hf.check_config_describes``,
+    on the meta device: ~220 MiB of RSS, the same whatever the model's size)."""
+    code = (
+        "import rayfuse.cli, rayfuse.merging, rayfuse.finetunes.run, safetensors, torch, yaml; "
+        "import transformers.models.llama.modeling_llama; rayfuse.merging.merge_names()"
+    )
     return timed([sys.executable, "-c", code], env)[1]
 
 
@@ -316,7 +338,7 @@ def main() -> None:
     parser.add_argument("--build", type=Path, default=None, help=argparse.SUPPRESS)  # the subprocess that builds the models
     args = parser.parse_args()
     quick = {"hidden": 32, "layers": 1, "models": 2, "methods": ["linear", "ties"]}
-    full = {"hidden": 64, "layers": 2, "models": 3, "methods": ["linear", "task_arithmetic", "ties", "slerp", *MERGEKIT_SET]}
+    full = {"hidden": 64, "layers": 2, "models": 3, "methods": ["linear", "task_arithmetic", "ties", "slerp", *MERGEKIT_SET, *SPECTRAL]}
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -358,7 +380,7 @@ def main() -> None:
         for out in ("mk", "rf"):
             shutil.rmtree(work / f"{name}-{out}", ignore_errors=True)
         mk: tuple[float, int, str, int] = (float("nan"), 0, "", 0)
-        if not args.rayfuse_only:
+        if not args.rayfuse_only and name not in SPECTRAL:
             mk = timed([str(MERGEKIT), str(path), str(work / f"{name}-mk"), "--out-shard-size", "2B", "--no-copy-tokenizer"], env)
         rf_config = work / f"{name}-rf.yaml"
         rf_config.write_text(yaml.safe_dump({**config, "threads": args.threads}))
@@ -380,7 +402,7 @@ def main() -> None:
         if lost or nonfinite:
             sys.exit(f"{name}: rayfuse's output lacks {lost[:5]} or has non-finite tensors {nonfinite[:5]}")
         del out_tensors, base_tensors
-        if not args.rayfuse_only:
+        if not args.rayfuse_only and name not in SPECTRAL:
             a, b = tensors(work / f"{name}-mk"), tensors(work / f"{name}-rf")
             missing = sorted(set(a) ^ set(b))
             row.update(
@@ -396,7 +418,7 @@ def main() -> None:
                 del origin
             del a, b
         bound = max(models + 2, peak_of(name, models)) * largest  # the runner's budget (rayfuse.finetunes.run)
-        if not args.rayfuse_only:
+        if not args.rayfuse_only and name not in SPECTRAL:
             row.update(mergekit_s=mk[0], speedup=mk[0] / rf[0], mergekit_rss_mib=mk[1] / 2**20, mergekit_tree_rss_mib=mk[3] / 2**20)
         row.update(
             rayfuse_s=rf[0],
