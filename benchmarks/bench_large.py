@@ -18,7 +18,7 @@ pages mapped into the process) and ``RssFile`` (file pages: memory-mapped model 
 pressure). The fuse runs as a subprocess (``python -m rayfuse fuse``), sampled the same way.
 
     python benchmarks/bench_large.py                       # 4 clients x 2.5 GB (needs ~16 GiB free memory)
-    python benchmarks/bench_large.py --quick               # 4 clients x ~50 MB, seconds
+    python benchmarks/bench_large.py --quick               # 4 clients x ~25 MB, seconds
     python benchmarks/bench_large.py --params 250e6 --clients 4 --clients-per-actor 2
 
 Results: ``benchmarks/results/large_<clients>x<GB>gb_<methods>.json`` (``--quick``: ``large_quick.json`` under ``--out``, a temporary folder by default).
@@ -548,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-size", type=float, default=float(2 * GiB), help="run.max_shard_size and fuse's, bytes (default 2 GiB)")
     parser.add_argument("--cpus", type=int, default=2)
     parser.add_argument("--storage", help="folder for the run and the fused file (default: a temporary folder, deleted after)")
-    add_quick_arguments(parser, "a ~50 MB model with 16 MB shards")
+    add_quick_arguments(parser, "a ~25 MB model with 8 MB shards")
     parser.add_argument("--methods", default="average,fedavg", help="average,fedavg (default) or one of them")
     parser.add_argument("--files-only", action="store_true", help="no Ray round: write the models, a checkpoint and read it, fuse")
     parser.add_argument(
@@ -556,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.quick:
-        args.params, args.shard_size = 12.5e6, float(16 * 2**20)
+        args.params, args.shard_size = 6.25e6, float(8 * 2**20)
     model = 4 * mlp_params(width_for(args.params, args.layers), args.layers)
     store = int(args.object_store_gb * 1e9) if args.object_store_gb else max(int(2.2 * model), 10**9)
     load = os.getloadavg()

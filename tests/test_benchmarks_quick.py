@@ -137,9 +137,18 @@ def test_run_all_quick_reads_the_same_list():
     assert "quick.txt" in text and "--quick" in text
 
 
+# Entry scripts whose quick mode a test of their own runs, with the same arguments and more checks: listed in quick.txt
+# (run_all.sh runs them), not run a second time here.
+RUN_ELSEWHERE = {
+    "benchmarks/finetunes/accuracy.py": "tests/finetunes/test_accuracy_bench.py::test_quick_run_writes_a_complete_finite_table",
+}
+
+
 def _params() -> list[Any]:
     params = []
     for script, args in quick_lines():
+        if script in RUN_ELSEWHERE:
+            continue
         marks = [pytest.mark.ray] if script in STARTS_RAY else []
         params.append(pytest.param(script, args, id=script.removeprefix("benchmarks/"), marks=marks))
     return params
@@ -230,3 +239,10 @@ def test_quick_mode_runs_and_writes_finite_results(script: str, args: list[str],
         assert finite_numbers(payload, name) > 0, f"{name} holds no numbers"
         for other in out.glob("*.json"):  # whatever else it wrote as JSON: finite too
             finite_numbers(json.loads(other.read_text()), other.name)
+
+
+def test_the_quick_modes_run_elsewhere_are_listed_and_their_tests_exist() -> None:
+    listed = {script for script, _ in quick_lines()}
+    for script, test in RUN_ELSEWHERE.items():
+        file, name = test.split("::")
+        assert script in listed and f"def {name}(" in (ROOT / file).read_text(), (script, test)

@@ -166,19 +166,8 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
     merge = spec.merge
     if merge is None:
         raise ValueError(f"{method}: a FinetuneSpec made by rayfuse.merging.load_fuse_config (it names its merge)")
-    # every parameter for every tensor, before anything is written
-    plans = {name: (_tensor_params(spec, merge, name, positions[name]), _globals(spec, merge, name, positions[name])) for name in names}
-    if merge.check is not None:
-        for name, (per_model, globals_) in plans.items():
-            broken = merge.check(per_model, globals_)
-            if broken is not None:
-                key, expected, got = broken
-                raise InputError(f"{prefix}{key}", expected, got, f"at tensor {name}")
-    out_dtype = {n: (spec.dtype if spec.dtype is not None and "float" in i.dtype else i.dtype) for n, i in reference.tensors.items()}
-    if spec.dtype is None and base is None:  # no base whose dtypes the output keeps: float32 where the models' differ
-        for n, info in reference.tensors.items():
-            if "float" in info.dtype and len({m.tensors[n].dtype for m in models}) > 1:
-                out_dtype[n] = "float32"
+    plans = _plans(spec, merge, names, positions)
+    out_dtype = _output_dtypes(spec, reference, models, base is None)
     sources = [m.path for m in models] + ([spec.base] if spec.base is not None else [])
     metadata = {"method": method, "models": ",".join(p.name for p in sources)}
     # the folder whose config.json (and tokenizer) the output copies: its model must be the merged tensors'
@@ -255,21 +244,8 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
     budget = max(costs.values(), default=0) * max(1.0, (len(order) + 2) / factor)
     _check_memory(reference, costs, budget, method, factor)
     writer = ShardedWriter(spec.output, {n: (reference.tensors[n].shape, out_dtype[n]) for n in names}, spec.max_shard_size, metadata)
-    total = 0
     try:
-        with ThreadPoolExecutor(max_workers=spec.threads) as pool:
-            pending: dict[Future[int], float] = {}
-            for k, name in enumerate(names):
-                while pending and (len(pending) >= spec.threads or sum(pending.values()) + costs[name] > budget):
-                    done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                    for f in done:
-                        del pending[f]
-                        total += f.result()
-                pending[pool.submit(merge_one, name)] = costs[name]
-                if log is not None and (k + 1) % 100 == 0:
-                    log(f"{method}: {k + 1}/{len(names)} tensors")
-            done, _ = wait(pending)
-            total += sum(f.result() for f in done)
+        total = _pool(names, merge_one, costs, budget, spec.threads, lambda k: log(f"{method}: {k}/{len(names)} tensors") if log else None)
         writer.commit(extra)
     except BaseException:
         writer.abort()
@@ -283,6 +259,54 @@ def run_finetune(spec: FinetuneSpec, log: Callable[[str], None] | None = None) -
         "resized": {},
         "shards": len(writer.shards),
     }
+
+
+def _plans(
+    spec: FinetuneSpec, merge: TensorMerge, names: list[str], positions: dict[str, float]
+) -> dict[str, tuple[list[dict[str, Any]], dict[str, Any]]]:
+    """Every parameter for every tensor (each model's, the global ones), before anything is written; a rule between
+    them the merge states (``TensorMerge.check``) broken for some tensor is refused there, naming the key."""
+    plans = {name: (_tensor_params(spec, merge, name, positions[name]), _globals(spec, merge, name, positions[name])) for name in names}
+    if merge.check is not None:
+        for name, (per_model, globals_) in plans.items():
+            broken = merge.check(per_model, globals_)
+            if broken is not None:
+                key, expected, got = broken
+                raise InputError(f"{spec.config}: {key}", expected, got, f"at tensor {name}")
+    return plans
+
+
+def _output_dtypes(spec: FinetuneSpec, reference: ModelSource, models: list[ModelSource], no_base: bool) -> dict[str, str]:
+    """Each tensor's dtype in the output: the file's ``dtype:`` for float tensors, else the reference's (the base's); with
+    no base, float32 where the models store a tensor in different float dtypes."""
+    out = {n: (spec.dtype if spec.dtype is not None and "float" in i.dtype else i.dtype) for n, i in reference.tensors.items()}
+    if spec.dtype is None and no_base:
+        for n, info in reference.tensors.items():
+            if "float" in info.dtype and len({m.tensors[n].dtype for m in models}) > 1:
+                out[n] = "float32"
+    return out
+
+
+def _pool(
+    names: list[str], merge_one: Callable[[str], int], costs: dict[str, float], budget: float, threads: int, progress: Callable[[int], None]
+) -> int:
+    """Merge every tensor on ``threads`` threads, admitting one while the merges in flight fit in ``budget`` bytes (the
+    largest alone where two would not fit); ``progress(k)`` every 100 tensors. Returns the parameters written."""
+    total = 0
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        pending: dict[Future[int], float] = {}
+        for k, name in enumerate(names):
+            while pending and (len(pending) >= threads or sum(pending.values()) + costs[name] > budget):
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for f in done:
+                    del pending[f]
+                    total += f.result()
+            pending[pool.submit(merge_one, name)] = costs[name]
+            if (k + 1) % 100 == 0:
+                progress(k + 1)
+        done, _ = wait(pending)
+        total += sum(f.result() for f in done)
+    return total
 
 
 def _check_memory(reference: ModelSource, costs: dict[str, float], budget: float, method: str, factor: float) -> None:

@@ -34,7 +34,10 @@ def expected_rows(bench) -> list[str]:
     sites = len(bench.GROUPS)
     rows = ["base", *(f"site {i}" for i in range(sites)), "pooled fine-tune", "average"]
     for lam in setting.lambdas:
-        rows += [f"{m} lambda={lam}" for m in ("task_arithmetic", "ties", "dare_linear", "dare_ties")]
+        rows += [
+            f"{m} lambda={lam}" for m in ("task_arithmetic", "ties", "dare_linear", "dare_ties", *bench.SPECTRAL, "breadcrumbs", "della")
+        ]
+    rows += ["model_stock", "sce", "karcher", "multislerp"]
     rows += ["fisher", "regmean", bench.SELECTED, *(f"LoRA site {i}" for i in range(sites)), "LoRA pooled"]
     rows += [f"LoRA one shot {c}" for c in ("average_factors", "stack", "svd")] + [bench.SHRUNK]
     for combine in bench.FED_COMBINES:
@@ -82,7 +85,7 @@ def test_quick_run_writes_a_complete_finite_table(bench, tmp_path):
         for kind in ("LoRA one shot", "fedlora one shot", f"fedlora {bench.QUICK.fed_rounds} rounds")
         for exact in ("stack", "svd")
     ]
-    merges = [k for k in rows if k.split(" ")[0] in ("average", "task_arithmetic", "ties", "dare_linear", "dare_ties", "fisher", "regmean")]
+    merges = [k for k in rows if k.split(" ")[0] in bench.MERGES]
     assert list(run["validation_accuracy"]) == merges and run["chosen_merge"] in merges
     assert run["accuracy"][bench.SELECTED] == run["accuracy"][run["chosen_merge"]]
     assert run["validation_accuracy"][run["chosen_merge"]] == max(run["validation_accuracy"].values())
