@@ -296,16 +296,13 @@ def _cmd_list(args: argparse.Namespace) -> int:
         )
         sections.append("models:\n" + "\n".join(rows))
     if args.what in (None, "merges"):
-        from rayfuse.merging import MERGES, merge_names
+        from rayfuse.merging import MERGES
 
-        merge_names()  # fills the registry
         rows = []
         for name, merge in MERGES.items():
-            glob, own = merge.parameters()
             aliases = f" (aliases: {', '.join(merge.aliases)})" if merge.aliases else ""
-            params = ", ".join(glob) + (f"; per model: {', '.join(own)}" if own else "")
             rows.append(
-                f"  {name:<19} {merge.summary}{aliases}\n  {'':<19} reads: {merge.inputs}; base: {merge.base}; params: {params or '-'}"
+                f"  {name:<19} {merge.summary}{aliases}\n  {'':<19} reads: {merge.inputs}; base: {merge.base}; params: {merge.parameters_text}"
             )
         sections.append("merges (rayfuse fuse):\n" + "\n".join(rows))
     print("\n\n".join(sections))

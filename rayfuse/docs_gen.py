@@ -268,15 +268,10 @@ training, is not). Parameters use mergekit's names; a per-model parameter may al
 
 
 def _merge_rows() -> list[list[str]]:
-    from rayfuse.merging import MERGES, merge_names
+    from rayfuse.merging import MERGES
 
-    merge_names()  # fills the registry
     rows = []
     for name, method in MERGES.items():
-        glob, own = method.parameters()
-        params = ", ".join(glob) or "-"
-        if own:
-            params += "; per model: " + ", ".join(own)
         rows.append(
             [
                 f"`{name}`" + (" (" + ", ".join(f"`{a}`" for a in method.aliases) + ")" if method.aliases else ""),
@@ -285,7 +280,7 @@ def _merge_rows() -> list[list[str]]:
                 method.base,
                 method.data,
                 "yes" if method.deterministic else "no",
-                params,
+                method.parameters_text,
                 method.reference,
             ]
         )

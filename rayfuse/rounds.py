@@ -450,6 +450,7 @@ class RoundLoop(Generic[S]):
             )
             params, arrays, meta = encode_state(self.state)
             pipeline = getattr(server, "updates", None)
-            carried = {"pipeline": dict(pipeline.state())} if pipeline is not None and pipeline.state() else {}
-            server.save_checkpoint(rnd, params, arrays, {**meta, "metrics": self.metrics, "store": self.store, **carried})
+            carried = dict(pipeline.state()) if pipeline is not None else {}
+            meta = {**meta, "metrics": self.metrics, "store": self.store, **({"pipeline": carried} if carried else {})}
+            server.save_checkpoint(rnd, params, arrays, meta)
         self._forget(self.store)  # the method is done: the clients may delete what they kept

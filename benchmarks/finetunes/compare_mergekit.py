@@ -288,7 +288,7 @@ def import_rss(env: dict[str, str]) -> int:
     on the meta device: ~220 MiB of RSS, the same whatever the model's size)."""
     code = (
         "import rayfuse.cli, rayfuse.merging, rayfuse.finetunes.run, safetensors, torch, yaml; "
-        "import transformers.models.llama.modeling_llama; rayfuse.merging.merge_names()"
+        "import transformers.models.llama.modeling_llama"
     )
     return timed([sys.executable, "-c", code], env)[1]
 

@@ -41,7 +41,7 @@ from rayfuse.config.data import (
     label_value,
     silo_source_kind,
 )
-from rayfuse.config.errors import pydantic_input_error
+from rayfuse.config.errors import pydantic_input_error, validate_file_section
 from rayfuse.config.experiment import CONFIG_SECTIONS, DEFAULT_METHODS, QUICKSTART_PUBLIC_SIZE, ExperimentConfig, RunConfig
 from rayfuse.config.federation import AttackSpec, ClientOverride, FaultSpec, FederationConfig, ResourcesConfig, other_model_clients
 from rayfuse.config.load import apply_overrides, build_config, dump_config, load_config, parse_overrides, read_config_file, validate_config
@@ -72,6 +72,7 @@ __all__ = [
     "AttackSpec",
     "CONFIG_SECTIONS",
     "pydantic_input_error",
+    "validate_file_section",
     "refuse_boolean_number",
     "StrictSchema",
     "build_config",

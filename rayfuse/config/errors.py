@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from rayfuse.config.experiment import ExperimentConfig
 from rayfuse.errors import KEYED_ERROR, InputError, suggest
 
-__all__ = ["pydantic_input_error"]
+__all__ = ["pydantic_input_error", "validate_file_section"]
+
+_Schema = TypeVar("_Schema", bound=BaseModel)
+
+
+def validate_file_section(schema: type[_Schema], data: Mapping[str, Any], file: object, prefix: str = "") -> _Schema:
+    """``data`` (a part of a file, at key path ``prefix``) validated against ``schema``; its first problem is one
+    :class:`InputError` naming the file and the key path."""
+    try:
+        return schema.model_validate(dict(data))
+    except ValidationError as exc:
+        err = pydantic_input_error(exc, prefix=prefix, model=schema)
+        raise InputError(f"{file}: {err.path}", err.expected, err.got, err.hint) from None
 
 
 def pydantic_input_error(exc: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> InputError:

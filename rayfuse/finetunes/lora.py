@@ -53,12 +53,12 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from rayfuse.config import StrictSchema, pydantic_input_error
+from rayfuse.config import StrictSchema, validate_file_section
 from rayfuse.errors import InputError, suggest
 from rayfuse.io import check_new_output, read_checkpoint, read_json
 
@@ -90,9 +90,6 @@ _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<factor>A|B)\.we
 
 class _Schema(StrictSchema):
     """The ``merge_method: lora`` fuse file's schema."""
-
-
-_S = TypeVar("_S", bound=_Schema)
 
 
 class LoraParams(_Schema):
@@ -441,14 +438,6 @@ def combine_adapters(
 # The fuse file, the base, the output
 
 
-def _validate(schema: type[_S], data: Mapping[str, Any], path: Path, prefix: str) -> _S:
-    try:
-        return schema.model_validate(dict(data))
-    except ValidationError as exc:
-        err = pydantic_input_error(exc, prefix=prefix, model=schema)
-        raise InputError(f"{path}: {err.path}", err.expected, err.got, err.hint) from None
-
-
 def _resolve(given: str, path: Path) -> Path:
     """A path of the fuse file: as given when it exists (or is absolute), else relative to the file's folder."""
     file = Path(given)
@@ -459,7 +448,7 @@ def load_lora_config(spec: FuseFile, path: Path, output: str | Path | None = Non
     """Validate a ``merge_method: lora`` fuse file (``spec``, validated, read from ``path``; ``output`` overrides its
     ``output:``): the parameters, every adapter folder holding its ``adapter_config.json``, the base a Hugging Face
     folder, the output a folder that does not exist yet where one can be written. Nothing is read beyond that."""
-    params = _validate(LoraParams, spec.parameters, path, "parameters")
+    params = validate_file_section(LoraParams, spec.parameters, path, "parameters")
     output_kind = spec.output_kind or "adapter"
     adapters, where, weights = [], [], []
     for i, entry in enumerate(spec.models):
@@ -476,7 +465,7 @@ def load_lora_config(spec: FuseFile, path: Path, output: str | Path | None = Non
             )
         adapters.append(folder)
         where.append(key)
-        weights.append(_validate(AdapterWeight, entry.parameters, path, f"models.{i}.parameters").weight)
+        weights.append(validate_file_section(AdapterWeight, entry.parameters, path, f"models.{i}.parameters").weight)
     if params.normalize:
         weights = [w / sum(weights) for w in weights]
     base = None

@@ -31,9 +31,13 @@ def _given(x: torch.Tensor) -> Loader:
     return lambda: x.clone()
 
 
-def _loaders(base: torch.Tensor | None, tuned: Sequence[torch.Tensor]) -> tuple[Loader | None, list[Loader]]:
-    """Loaders of tensors already read (a streaming merge called with tensors)."""
-    return (None if base is None else _given(base)), [_given(x) for x in tuned]
+def _tensor_form(stream: StreamFn) -> MergeFn:
+    """A streaming merge called with tensors already read (``TensorMerge.fn``): each given through a loader of copies."""
+
+    def fn(base: torch.Tensor | None, tuned: Sequence[torch.Tensor], per_model: PerModel, g: Globals, extra: Sequence[Any]) -> torch.Tensor:
+        return stream(None if base is None else _given(base), [_given(x) for x in tuned], per_model, g, extra)
+
+    return fn
 
 
 def _rescale(value: object) -> Rescale:
@@ -61,14 +65,9 @@ def _task_vectors(method: TaskVectorMethod) -> TensorMerge:
             generators=list(generators),
         )
 
-    def fn(
-        base: torch.Tensor | None, tuned: Sequence[torch.Tensor], per_model: PerModel, g: Globals, generators: Sequence[Any]
-    ) -> torch.Tensor:
-        return stream(*_loaders(base, tuned), per_model, g, generators)
-
     return TensorMerge(
         "",
-        fn,
+        _tensor_form(stream),
         "",
         _MERGEKIT,
         per_model={"weight": 1.0, "density": 1.0},
@@ -131,14 +130,9 @@ _TV_SUMMARY = {
 def _linear(name: str, normalized: bool, summary: str, aliases: tuple[str, ...] = ()) -> TensorMerge:
     stream = _linear_stream(normalized)
 
-    def fn(
-        base: torch.Tensor | None, tuned: Sequence[torch.Tensor], per_model: PerModel, g: Globals, generators: Sequence[Any]
-    ) -> torch.Tensor:
-        return stream(*_loaders(base, tuned), per_model, g, generators)
-
     return TensorMerge(
         name,
-        fn,
+        _tensor_form(stream),
         summary,
         _MERGEKIT,
         per_model={} if normalized else {"weight": None},  # required, as mergekit's linear requires it
@@ -157,7 +151,7 @@ MERGES: dict[str, TensorMerge] = {
     },
     "slerp": TensorMerge(
         "slerp",
-        lambda base, tuned, per_model, g, generators: slerp_owned(float(g["t"]), cast(torch.Tensor, base), tuned[0]),
+        _tensor_form(_slerp_stream),
         "spherical interpolation from the base (t = 0) to the other model (t = 1), linear where they are colinear",
         _MERGEKIT,
         globals={"t": None},

@@ -75,7 +75,9 @@ class Fuser:
     ``needs(params)``: what the fuse file must give besides the models for these parameters, as
     ``{"architecture" | "data" | "input_shape": why}``. ``heterogeneous``: the models may have architectures of their
     own (each model entry's ``architecture``), each checkpoint then checked against its own; ``labels``: whether the
-    method reads the data's labels (``False``: an ``.npz`` of inputs only is enough)."""
+    method reads the data's labels (``False``: an ``.npz`` of inputs only is enough); ``data``: whether it reads a
+    ``data:`` sample always ("required"), with some parameters ("optional": ``needs`` says which) or never ("none"),
+    for the table of merges."""
 
     name: str
     summary: str
@@ -86,6 +88,7 @@ class Fuser:
     needs: Callable[[BaseModel], dict[str, str]] = lambda params: {}
     heterogeneous: bool = False
     labels: bool = True
+    data: Literal["none", "optional", "required"] = "none"
 
 
 def _average(params: list[dict[str, np.ndarray]], per_model: list[BaseModel], _: BaseModel, inputs: FuseInputs) -> dict[str, np.ndarray]:
@@ -379,6 +382,7 @@ WEIGHT_MATCHING = Fuser(
     AlignParams,
     OptionalWeight,
     needs=_align_needs("weight_matching"),
+    data="optional",
 )
 ACTIVATION_MATCHING = Fuser(
     "activation_matching",
@@ -387,6 +391,7 @@ ACTIVATION_MATCHING = Fuser(
     AlignParams,
     OptionalWeight,
     needs=_align_needs("activation_matching"),
+    data="required",
 )
 
 
@@ -506,6 +511,7 @@ DISTILL = Fuser(
     DistillFuseParams,
     OptionalWeight,
     needs=_distill_needs,
+    data="optional",
     heterogeneous=True,
     labels=False,
 )

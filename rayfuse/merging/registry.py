@@ -13,13 +13,13 @@ A :class:`MergeMethod` is one of three kinds of implementation, which decide wha
 A merge that has both a tensor form and a checkpoint form (the averages) runs the checkpoint form when the file
 names an ``architecture:`` (the checkpoints are then checked against the class and the output records it for
 :func:`rayfuse.load_fused`), the tensor form otherwise: what routes a file is the registered merge and the keys the
-file sets, never the shape of its paths. :data:`MERGES` is filled from one static list (:func:`_static`);
+file sets, never the shape of its paths. :data:`MERGES` is filled from one static list (:func:`_static`) when this module is imported;
 :func:`register_merge` adds a plug-in's. ``docs/methods/merges.md`` is generated from it (``rayfuse.docs_gen``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -83,10 +83,8 @@ class MergeMethod:
     def data(self) -> str:
         if self.tensor is not None and self.tensor.statistics is not None:
             return f"each model's statistics ({'diagonal Fisher' if self.tensor.statistics == 'fisher' else 'input Gram matrices'})"
-        if self.fuser is not None and self.fuser.name == "activation_matching":
-            return "a sample (data:)"
-        if self.fuser is not None and self.fuser.name in ("weight_matching", "distill"):
-            return "optional sample (data:)"
+        if self.fuser is not None and self.fuser.data != "none":
+            return "a sample (data:)" if self.fuser.data == "required" else "optional sample (data:)"
         return "none"
 
     @property
@@ -111,6 +109,12 @@ class MergeMethod:
             glob += list(LoraParams.model_fields)
             own += list(AdapterWeight.model_fields)
         return glob, own
+
+    @property
+    def parameters_text(self) -> str:
+        """Its parameters in one line, as the table of merges and ``rayfuse list merges`` show them."""
+        glob, own = self.parameters()
+        return (", ".join(glob) or "-") + (f"; per model: {', '.join(own)}" if own else "")
 
 
 def _tensor_entry(merge: TensorMerge, fuser: Fuser | None = None, aliases: Iterable[str] = ()) -> MergeMethod:
@@ -170,21 +174,13 @@ def register_merge(method: MergeMethod) -> MergeMethod:
     return method
 
 
-def _fill() -> None:
-    if not MERGES:
-        for method in _static():
-            register_merge(method)
-
-
 def merge_names() -> list[str]:
     """Every registered name and alias, sorted."""
-    _fill()
     return sorted([*MERGES, *_ALIASES])
 
 
 def get_merge(name: str, path: Path | str | None = None) -> MergeMethod:
     """The registered merge called ``name`` (or one of its aliases); one line naming ``merge_method`` otherwise."""
-    _fill()
     key = MERGES.get(_ALIASES.get(name, name))
     if key is None:
         names = merge_names()
@@ -198,7 +194,5 @@ def get_merge(name: str, path: Path | str | None = None) -> MergeMethod:
     return key
 
 
-def merges() -> Mapping[str, MergeMethod]:
-    """The registry, filled."""
-    _fill()
-    return MERGES
+for _method in _static():
+    register_merge(_method)

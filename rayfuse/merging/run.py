@@ -44,12 +44,12 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import numpy as np
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from rayfuse.config import pydantic_input_error
+from rayfuse.config import validate_file_section
 from rayfuse.errors import InputError, NonFiniteError
 from rayfuse.finetunes.config import FinetuneSpec, load_finetune_config
 from rayfuse.finetunes.hf import parse_size
@@ -128,17 +128,6 @@ class FuseSpec:
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
 
 
-_Schema = TypeVar("_Schema", bound=BaseModel)
-
-
-def _validate(schema: type[_Schema], data: Mapping[str, Any], file: Path, prefix: str = "") -> _Schema:
-    try:
-        return schema.model_validate(dict(data))
-    except ValidationError as exc:
-        err = pydantic_input_error(exc, prefix=prefix, model=schema)
-        raise InputError(f"{file}: {err.path}", err.expected, err.got, err.hint) from None
-
-
 def load_fuse_config(
     config: str | Path | Mapping[str, Any], output: str | Path | None = None, max_shard_size: int | None = None
 ) -> FuseSpec | LoraSpec | FinetuneSpec:
@@ -155,7 +144,7 @@ def load_fuse_config(
         raw = read_yaml_file(path, "fuse config YAML")
     if not isinstance(raw, Mapping):
         raise InputError(str(path), "a mapping (merge_method, models, output...)", type(raw).__name__)
-    file = _validate(FuseFile, raw, path)
+    file = validate_file_section(FuseFile, raw, path)
     method = get_merge(file.merge_method, path)
     route = method.route(file)
     _check_keys(file, method, route, path)
@@ -197,7 +186,7 @@ def _load_checkpoints(spec: FuseFile, path: Path, fuser: Fuser, output: str | Pa
     its parameters, every model file, the output, the data and what the parameters need (architecture, data, input
     shape). Files are checked to exist, not yet read."""
     name = fuser.name
-    params = _validate(fuser.Params, spec.parameters, path, "parameters")
+    params = validate_file_section(fuser.Params, spec.parameters, path, "parameters")
     if getattr(params, "spec", None):  # a spec file, relative to the config file like the models
         spec_file = Path(params.spec)  # type: ignore[attr-defined]
         if not spec_file.is_absolute() and not spec_file.is_file():
@@ -228,7 +217,7 @@ def _load_checkpoints(spec: FuseFile, path: Path, fuser: Fuser, output: str | Pa
         elif file.suffix not in (".safetensors", ".pt", ".pth", ".bin"):
             raise InputError(f"{path}: models.{i}.model", "a .safetensors, .pt, .pth or .bin file", entry.model)
         files.append(file)
-        per_model.append(_validate(fuser.ModelParams, entry.parameters, path, f"models.{i}.parameters"))
+        per_model.append(validate_file_section(fuser.ModelParams, entry.parameters, path, f"models.{i}.parameters"))
     shard_size = DEFAULT_MAX_SHARD_SIZE if spec.max_shard_size is None else parse_size(spec.max_shard_size, f"{path}: max_shard_size")
     out = Path(output) if output is not None else (Path(spec.output) if spec.output else None)
     if out is None:

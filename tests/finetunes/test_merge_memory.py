@@ -236,7 +236,6 @@ _MEASURE = textwrap.dedent("""
     code = (
         "import json, os, sys\\n"
         "import rayfuse, rayfuse.finetunes.run, rayfuse.merging\\n"  # everything the merge imports, before the measurement
-        "rayfuse.merging.merge_names()\\n"  # the registry filled (it imports every merge's module)
         "folder, models, method, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]\\n"
         "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')\\n"
         "hwm = lambda: int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) * 1024\\n"

@@ -20,7 +20,6 @@ from rayfuse.merging import MERGES, MergeMethod, load_fuse_config, merge_names, 
 from rayfuse.merging.run import FuseSpec
 from tests.finetunes.test_hf_folders import _finetunes, _tensors
 
-merge_names()  # the registry, filled
 TENSOR_MERGES = sorted(name for name, m in MERGES.items() if m.tensor is not None and m.tensor.statistics is None)
 
 
