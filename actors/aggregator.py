@@ -5,7 +5,7 @@ One per node that hosts clients, named ``<run>/aggregator-<node>`` and pinned to
 first time a round is folded per node, owned by the coordinator actor, so it ends with the run. Each round it is
 handed the object references of its node's client actor calls (each a per-actor partial sum and the ``Folded``
 markers of the actor's other clients, or the failures), fetches them from its own node's object store as they finish
-and folds them with the round's reducer (:class:`rayfuse.fusion.streaming.NodeFold`: the same running sum). It
+and folds them with the round's reducer (:class:`rayfuse.updates.streaming.NodeFold`: the same running sum). It
 returns one entry per client: the first client that returned carries the node's partial sum, the others a marker,
 and a failed client its failure (``("died", message)`` when its actor died), which the coordinator's failure policy
 handles as on the flat path.

@@ -1,4 +1,4 @@
-"""Throughput of the aggregation kernel (``rayfuse.fusion.aggregate``) against copying the same bytes.
+"""Throughput of the aggregation kernel (``rayfuse.updates.aggregate``) against copying the same bytes.
 
 For each case (K client parameter dicts of a given layout) it measures, in interleaved passes:
 
@@ -30,7 +30,7 @@ import numpy as np
 from _common import add_quick_arguments, interleaved_times, machine_info, median, out_dir, print_table, wait_for_quiet, write_results
 from threadpoolctl import threadpool_limits
 
-from rayfuse.fusion.aggregate import CHUNK, normalize_weights, weighted_average, weighted_sum
+from rayfuse.updates.aggregate import CHUNK, normalize_weights, weighted_average, weighted_sum
 
 Layout = dict[str, tuple[tuple[int, ...], np.dtype]]
 

@@ -72,10 +72,10 @@ def client_compute(repeats: int, epochs: int = 4) -> list[dict]:
 def server_cost(repeats: int, clients: int = 10, quick: bool = False) -> list[dict]:
     from rayfuse.config import ModelConfig
     from rayfuse.federation import Update
-    from rayfuse.fusion.aggregate import weighted_average
     from rayfuse.fusion.fedavg.fedopt import FedAdam
     from rayfuse.fusion.fedref.algorithm import FedRef
     from rayfuse.models import build_model, get_params
+    from rayfuse.updates.aggregate import weighted_average
 
     rows = []
     models_timed = [

@@ -188,7 +188,7 @@ class RoundCoordinator(CoordinatorActor):
     def bare_rounds(self, num_params: int, rounds: int, seed: int = 0) -> dict[str, Any]:
         """The reference: ``rounds`` bare Ray rounds on the same actors (put, one ``run_many`` per actor, one
         ``ray.get`` of everything, ``weighted_average``); their times and the aggregation's."""
-        from rayfuse.fusion.aggregate import weighted_average
+        from rayfuse.updates.aggregate import weighted_average
 
         global_params = {"w": np.random.default_rng(seed).uniform(0.5, 1.5, num_params).astype(np.float32)}
         timings = []

@@ -1,6 +1,6 @@
 """rayfuse's robust aggregators against Flower's on the same random arrays: equal results, and the time ratio.
 
-1. rayfuse: each rule of :mod:`rayfuse.fusion.robust` on ``--clients`` random models of ``--params`` float32
+1. rayfuse: each rule of :mod:`rayfuse.updates.robust` on ``--clients`` random models of ``--params`` float32
    parameters (three tensors), and ``weighted_average`` on the same models (the cost reference), timed in
    interleaved passes in this process. With ``--clip-norm C``, also the mean after update-norm clipping
    (``mean_clip``) around a random global model; with several ``--beta``, one trimmed mean per value.
@@ -44,8 +44,8 @@ from _common import add_quick_arguments, interleaved_times, machine_info, median
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # rayfuse from this checkout
 
-from rayfuse.fusion.aggregate import weighted_average  # noqa: E402
-from rayfuse.fusion.robust import AggregatorSettings, aggregate  # noqa: E402
+from rayfuse.updates.aggregate import weighted_average  # noqa: E402
+from rayfuse.updates.robust import AggregatorSettings, aggregate  # noqa: E402
 
 FLOWER_PYTHON = HERE / ".flwr-venv" / "bin" / "python"
 

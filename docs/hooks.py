@@ -1,7 +1,7 @@
 """MkDocs hook (``mkdocs.yml``: ``hooks``): links from the docs to repository files outside ``docs/``.
 
 The pages are written to be read on a forge as well as on the site, so they link repository files by relative path
-(``[benchmarks/README.md](../benchmarks/README.md)``, ``[robust.py](../rayfuse/fusion/robust.py)``). The site holds
+(``[benchmarks/README.md](../benchmarks/README.md)``, ``[robust.py](../rayfuse/updates/robust.py)``). The site holds
 only ``docs/``, so such a link would be a dead link there and ``mkdocs build --strict`` would fail on it. This hook
 turns a link whose target is a file or folder of the repository outside ``docs/`` into a code span naming the path;
 a link to a path that does not exist is left alone, so ``--strict`` still fails on it. A link to a folder of

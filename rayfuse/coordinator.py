@@ -48,7 +48,6 @@ from rayfuse.evaluation import (
     read_client_table,
 )
 from rayfuse.federation import Federation, Gathered, Update, step_name
-from rayfuse.fusion.pipeline import UpdatePipeline
 from rayfuse.method import MethodResult, MethodSpec, Rejected, resolve_methods, resolved_config
 from rayfuse.metrics import add_metric_sums, check_metric_sums, compute_metrics, majority_vote, metrics_event, metrics_from_sums
 from rayfuse.models import build_model, check_params, model_with_params, params_layout, predict_proba, take_params
@@ -64,6 +63,7 @@ from rayfuse.store import (
     note_data_files,
     step_result_key,
 )
+from rayfuse.updates.pipeline import UpdatePipeline
 
 __all__ = ["Coordinator", "MethodServer", "MethodUpdates", "ServerData", "ServerModels", "ServerScoring"]
 
@@ -276,7 +276,7 @@ class ServerScoring:
 
 
 class MethodUpdates(UpdatePipeline):
-    """``server.updates``: the update pipeline (:class:`rayfuse.fusion.pipeline.UpdatePipeline`) with the engine's
+    """``server.updates``: the update pipeline (:class:`rayfuse.updates.pipeline.UpdatePipeline`) with the engine's
     step-result cache (:meth:`run_cached`), which needs the coordinator's store; together they implement
     :class:`rayfuse.method.UpdateService`."""
 

@@ -57,7 +57,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from rayfuse.errors import RunFailure
-from rayfuse.method import ClientError, Gathered, Update, client_step, step_name
+from rayfuse.method import ClientError, Folded, Gathered, Update, client_step, step_name
 
 __all__ = [
     "Federation",
@@ -126,14 +126,6 @@ class EventLog:
 
 class ClientDied(RuntimeError):
     """In-process stand-in for a client process that died (a Ray actor would be restarted by Ray)."""
-
-
-@dataclass(frozen=True)
-class Folded:
-    """The reply of a client whose result its process folded, with the other clients it hosts, into the reply of
-    client ``into`` (:meth:`Federation.map_reduced`): the client returned, its contribution travels in that reply."""
-
-    into: int
 
 
 class Reducer(Protocol):

@@ -160,6 +160,14 @@ class Gathered(Generic[T]):
         return list(self.results.values())
 
 
+@dataclass(frozen=True)
+class Folded:
+    """The reply of a client whose result its process folded, with the other clients it hosts, into the reply of
+    client ``into`` (:meth:`FederationView.map_reduced`): the client returned, its contribution travels in that reply."""
+
+    into: int
+
+
 @dataclass
 class Aggregate:
     """What :meth:`UpdateService.collect` makes of a round's replies: the combined model ``params``, the ``updates``
@@ -262,7 +270,7 @@ class ClientContext(Protocol):
 
 
 class UpdateService(Protocol):
-    """The update pipeline (``server.updates``; :class:`rayfuse.fusion.pipeline.UpdatePipeline` implements it, with
+    """The update pipeline (``server.updates``; :class:`rayfuse.updates.pipeline.UpdatePipeline` implements it, with
     ``run_cached`` from the coordinator's ``MethodUpdates``, its subclass that holds the engine's store): the one path
     from a round's client replies to an aggregate, owned by the framework, configured once from the run
     (``federation.attacks``) and the method's entry (its ``aggregator`` and ``dp`` keys). Its stages, in order:

@@ -41,13 +41,13 @@ from rayfuse.config import ExperimentConfig, dump_config, validate_config
 from rayfuse.data.identity import changed_files, content_data, data_files
 from rayfuse.data.roles import DataPlan, load_dataset_from_config, load_target_from_config, make_plan
 from rayfuse.errors import InputError, RunFailure
-from rayfuse.fusion.pipeline import check_aggregation, check_round_memory, check_update_pipeline
 from rayfuse.io import atomic_write_json, atomic_write_text
 from rayfuse.method import MethodSpec, RunSetup, check_methods, check_tags, resolve_methods, resolved_config, with_public_default
 from rayfuse.metrics import METRICS_EVENT
 from rayfuse.report import Printer, format_client_summary, format_partition, format_table, plot_comparison, write_metrics_parquet
 from rayfuse.store import RunStore, claim_run_folder
 from rayfuse.tracking import check_tracking, log_to_mlflow
+from rayfuse.updates.pipeline import check_aggregation, check_round_memory, check_update_pipeline
 from rayfuse.version import __version__
 
 if TYPE_CHECKING:
@@ -393,8 +393,8 @@ def check_local_dp(cfg: ExperimentConfig, setup: RunSetup) -> None:
             f"e.g. delta: {10 ** -(len(str(smallest)) + 1):g}",
         )
     if dp.target_epsilon is not None and cfg.train.epochs > 0:  # each client's noise search, bounded, before any trains
-        from rayfuse.accountant import UnreachableEpsilon
         from rayfuse.models.privacy import dp_sgd_noise_multiplier
+        from rayfuse.updates.accountant import UnreachableEpsilon
 
         for batches in sorted({-(-n // cfg.train.batch_size) for n in sizes if n > 0}):
             try:

@@ -622,7 +622,7 @@ def test_the_default_quickstart_arrays_replace_data_dataset(case_dir) -> None:
 def test_the_bounded_search_finds_opacus_noise_for_every_reachable_target(target, delta, rate, steps, accountant) -> None:
     from opacus.accountants.utils import get_noise_multiplier
 
-    from rayfuse.accountant import compute_epsilon, noise_multiplier_for
+    from rayfuse.updates.accountant import compute_epsilon, noise_multiplier_for
 
     z = noise_multiplier_for(target, delta, rate, steps, accountant)
     assert z == get_noise_multiplier(target_epsilon=target, target_delta=delta, sample_rate=rate, steps=steps, accountant=accountant)
@@ -643,7 +643,7 @@ def test_dp_sgd_takes_make_private_with_epsilons_noise() -> None:
 def test_the_search_ends_quickly_on_any_target(target) -> None:
     import time
 
-    from rayfuse.accountant import UnreachableEpsilon, noise_multiplier_for
+    from rayfuse.updates.accountant import UnreachableEpsilon, noise_multiplier_for
 
     started = time.perf_counter()
     for accountant in ("rdp", "prv"):

@@ -127,16 +127,16 @@ def test_the_hook_turns_repository_links_into_code_spans_and_leaves_broken_ones_
     page = SimpleNamespace(file=SimpleNamespace(src_uri="methods/page.md"))
     config = {"docs_dir": str(docs)}
     text = (
-        "[benchmarks/README.md](../../benchmarks/README.md#x) [the rule](../../rayfuse/fusion/robust.py) "
+        "[benchmarks/README.md](../../benchmarks/README.md#x) [the rule](../../rayfuse/updates/robust.py) "
         "[gone](../../no/such/file.py) [fedavg](fedavg.md) [plots](../results/gems/) [site](https://example.org)\n"
-        "`[inline](../../rayfuse/fusion/robust.py)`\n```\n[in code](../../rayfuse/fusion/robust.py)\n```\n"
+        "`[inline](../../rayfuse/updates/robust.py)`\n```\n[in code](../../rayfuse/updates/robust.py)\n```\n"
     )
     out = hooks.on_page_markdown(text, page, config, None)
-    assert "`benchmarks/README.md`" in out and "the rule (`rayfuse/fusion/robust.py`)" in out
+    assert "`benchmarks/README.md`" in out and "the rule (`rayfuse/updates/robust.py`)" in out
     assert "[gone](../../no/such/file.py)" in out and "[fedavg](fedavg.md)" in out
     assert "[plots](../results/index.md#resultsgems)" in out and "[site](https://example.org)" in out
-    assert "[in code](../../rayfuse/fusion/robust.py)" in out  # fenced code is not touched, nor inline code
-    assert "`[inline](../../rayfuse/fusion/robust.py)`" in out
+    assert "[in code](../../rayfuse/updates/robust.py)" in out  # fenced code is not touched, nor inline code
+    assert "`[inline](../../rayfuse/updates/robust.py)`" in out
 
 
 def test_the_results_page_lists_every_result_file():

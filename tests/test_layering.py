@@ -14,6 +14,7 @@ CORE_MODULES = [
     "rayfuse.data",
     "rayfuse.models",
     "rayfuse.fusion",
+    "rayfuse.updates",
     "rayfuse.metrics",
     "rayfuse.federation",
     "rayfuse.client",
@@ -160,3 +161,24 @@ def test_the_contract_sits_below_the_engine_and_the_schema_below_the_contract():
         == set()
     )
     assert not any(m == "rayfuse.method" or m.startswith("rayfuse.fusion") for m in graph["rayfuse.config"])
+
+
+def test_the_update_layer_sits_between_the_contract_and_the_methods_and_fusion_holds_only_methods():
+    """``rayfuse.updates`` (the pipeline, streaming folds, robust rules, DP, attacks) imports the contract and the maths,
+    never a method or the engine; the contract never imports it; ``rayfuse/fusion/`` holds method packages only (and the
+    citations they share)."""
+    graph = _import_graph()
+    engine = {"rayfuse.coordinator", "rayfuse.client", "rayfuse.runner", "rayfuse.federation", "rayfuse.cli", "rayfuse.sweep"}
+    updates = [m for m in graph if m == "rayfuse.updates" or m.startswith("rayfuse.updates.")]
+    assert len(updates) >= 8
+    offenders = {m: sorted(t for t in graph[m] if t in engine or t.startswith("rayfuse.fusion")) for m in updates}
+    assert {m: t for m, t in offenders.items() if t} == {}
+    assert not any(t.startswith("rayfuse.updates") for t in graph["rayfuse.method"])
+    fusion = ROOT / "rayfuse" / "fusion"
+    modules = {p.name for p in fusion.iterdir() if p.suffix == ".py"}
+    assert modules == {"__init__.py", "references.py"}, "framework code in the methods' folder"
+    packages = sorted(p.name for p in fusion.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    from rayfuse.fusion import METHODS
+
+    homes = {METHODS.get(name).__module__.split(".")[2] for name in METHODS.names()}
+    assert set(packages) <= homes, f"a package under rayfuse/fusion/ registers no method: {sorted(set(packages) - homes)}"

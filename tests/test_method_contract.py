@@ -428,7 +428,7 @@ def _silo_job(name: str, storage: Path, silo_files: dict[str, Any], *, labelled:
 
 def _dp_entry(name: str) -> dict[str, Any]:
     """A valid ``dp`` section of the kind the method's parameters declare (central DP-FedAvg or a DP upload)."""
-    from rayfuse.fusion.privacy import UploadDP
+    from rayfuse.updates.privacy import UploadDP
 
     annotation = str(METHODS.get(name).Params.model_fields["dp"].annotation)
     return UPLOAD_DP if UploadDP.__name__ in annotation else CENTRAL_DP

@@ -10,8 +10,8 @@ import pytest
 
 from rayfuse.config import ModelConfig
 from rayfuse.errors import InputError
-from rayfuse.fusion.pipeline import check_update_pipeline
 from rayfuse.method import METHODS, MethodSpec, RunSetup, check_tags, dp_options, dp_refusal, resolve_methods
+from rayfuse.updates.pipeline import check_update_pipeline
 from tests.test_method_tags import setup_for
 
 DP = {"noise_multiplier": 1.0, "clip_norm": 1.0, "sample_rate": 0.5}

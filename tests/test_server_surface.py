@@ -14,7 +14,7 @@ import pytest
 from rayfuse import method as method_module
 from rayfuse import rounds as rounds_module
 from rayfuse.coordinator import MethodServer, MethodUpdates, ServerData, ServerModels, ServerScoring
-from tests.fusion.test_update_pipeline import build_coordinator, server_for
+from tests.updates.test_update_pipeline import build_coordinator, server_for
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -246,7 +246,7 @@ def write_markdown(payload: dict[str, Any], path: Path = OUT) -> Path:
             f"Predictions only takes {r['clients_over_parameters']}x the parameter upload's time. The upload's time includes "
             "fetching the clients' local models (once per run) and evaluating the teachers on the coordinator; with "
             "predictions only the clients evaluate their own models in parallel and return logits only. The two methods' "
-            "seeds derive from their labels, so their transfer banks (and accuracies) differ; `tests/fusion/test_distill.py` "
+            "seeds derive from their labels, so their transfer banks (and accuracies) differ; `tests/fusion/distill/test_distill.py` "
             "checks that with one seed the two students are equal.",
         ]
     path.parent.mkdir(parents=True, exist_ok=True)

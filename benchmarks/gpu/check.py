@@ -267,10 +267,10 @@ def part_fedavg(cpu: bool) -> dict[str, Any]:
 
     from rayfuse.client import Client
     from rayfuse.config import validate_config
-    from rayfuse.fusion.aggregate import weighted_average
     from rayfuse.fusion.fedavg.algorithm import fit
     from rayfuse.models import build_model, get_params
     from rayfuse.runner import prepare_run
+    from rayfuse.updates.aggregate import weighted_average
 
     device = _device(cpu)
     hidden = [1024, 1024] if cpu else [16384, 16384]

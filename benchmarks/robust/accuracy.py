@@ -2,7 +2,7 @@
 
 Not a timing. Digits, 10 clients (Dirichlet 0.5 and i.i.d.), the quickstart MLP (hidden [64, 64]) from a shared
 initialisation; FedAvg 15 rounds of 1 local epoch; one-shot ``average`` of local models trained 5 epochs. Each
-aggregator of :mod:`rayfuse.fusion.robust` (and the mean with update-norm clipping) under 0, 1, 2, 3 attacking clients
+aggregator of :mod:`rayfuse.updates.robust` (and the mean with update-norm clipping) under 0, 1, 2, 3 attacking clients
 (clients ``0..k-1``) for each attack (``sign_flip``, ``scale``, ``gaussian``, ``little_is_enough`` through
 ``federation.attacks``; label flipping through ``partition.corrupt``), 3 seeds. Krum, Multi-Krum and Bulyan are told
 ``f = max(k, 1)`` (a defender configured for one bad client when none attacks); a rule whose precondition fails for

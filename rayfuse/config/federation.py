@@ -79,7 +79,7 @@ class FaultSpec(StrictModel):
 
 
 class AttackSpec(StrictModel):
-    """An attack on one client's model updates, to measure robust aggregation against (``rayfuse.attacks``).
+    """An attack on one client's model updates, to measure robust aggregation against (``rayfuse.updates.attacks``).
 
     Applied by the server's update pipeline (``server.updates``) to the client's parameter update wherever it combines
     parameter updates (the FedAvg family, ``average``, ``aligned``, ``finetune``'s average base), before clipping, DP

@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rayfuse.accountant import require_one_noise
 from rayfuse.config.base import StrictModel
+from rayfuse.updates.accountant import require_one_noise
 
 __all__ = ["DPSGDConfig", "TrainConfig"]
 

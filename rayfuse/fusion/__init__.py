@@ -2,8 +2,10 @@
 
 ``kl/`` KL-fusion and its GMM / BNN / topic applications; ``gems/``; ``fedsa/``; ``epgan/``; ``fedavg/`` the FedAvg
 family (FedProx, FedOpt); ``fedref/``; ``baselines/`` (local, average, ensemble, the pooled oracle, finetune).
-``aggregate`` holds the averaging math every method shares. The contract the methods implement is
-:mod:`rayfuse.method`; ``METHODS`` there is the registry (``rayfuse list methods``), filled from these packages.
+Only methods live here: the path from client replies to an aggregate that every method shares (validation, attacks,
+clipping and DP, the robust rules, streaming folds, the averaging maths) is the framework's, :mod:`rayfuse.updates`.
+The contract the methods implement is :mod:`rayfuse.method`; ``METHODS`` there is the registry (``rayfuse list
+methods``), filled from these packages.
 """
 
 from rayfuse.method import METHODS, Method, MethodParams, MethodResult, register_method

@@ -17,10 +17,10 @@ from pydantic import BaseModel, Field
 
 from rayfuse.config import StrictSchema
 from rayfuse.errors import InputError, RunFailure
-from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.aligned.algorithm import AlignmentSettings, derive_run_spec
 from rayfuse.fusion.distill.algorithm import DistillOptions
 from rayfuse.merging.output import retie, tied_names
+from rayfuse.updates.aggregate import weighted_average
 
 __all__ = [
     "Fuser",

@@ -8,7 +8,7 @@ Every privacy number here comes from Opacus (its ``PrivacyEngine`` and accountan
   the epsilon the accountant gives for the steps taken.
 - :func:`clip_and_noise`: one release of the Gaussian mechanism on a parameter vector (the one-shot DP upload): the
   vector is scaled to L2 norm at most ``C`` and ``N(0, (z C)^2)`` is added to every coordinate; its epsilon is the
-  accountant's for sample rate 1 and one step (:func:`rayfuse.accountant.compute_epsilon`). The privacy unit is the client's whole
+  accountant's for sample rate 1 and one step (:func:`rayfuse.updates.accountant.compute_epsilon`). The privacy unit is the client's whole
   dataset (its upload is one release).
 - :func:`find_dp_unsupported`: the first module of a model Opacus cannot train privately (BatchNorm, stock
   ``MultiheadAttention``), by Opacus' own ``ModuleValidator``.
@@ -33,9 +33,9 @@ __all__ = ["train_model_dp", "clip_and_noise", "find_dp_unsupported", "dp_sgd_no
 def dp_sgd_noise_multiplier(target_epsilon: float, delta: float, batches: int, epochs: int, accountant: str = "rdp") -> float:
     """The noise multiplier with which DP-SGD spends ``target_epsilon`` at ``delta`` over ``epochs`` of ``batches``
     Poisson batches: Opacus' ``make_private_with_epsilon`` (sample rate ``1 / batches``, ``int(epochs / rate)`` steps)
-    through the bounded search of :func:`rayfuse.accountant.noise_multiplier_for`. Raises
-    :class:`rayfuse.accountant.UnreachableEpsilon` for a target that search cannot reach."""
-    from rayfuse.accountant import noise_multiplier_for
+    through the bounded search of :func:`rayfuse.updates.accountant.noise_multiplier_for`. Raises
+    :class:`rayfuse.updates.accountant.UnreachableEpsilon` for a target that search cannot reach."""
+    from rayfuse.updates.accountant import noise_multiplier_for
 
     sample_rate = 1 / batches
     return noise_multiplier_for(float(target_epsilon), float(delta), sample_rate, int(epochs / sample_rate), accountant)

@@ -18,8 +18,8 @@ import pytest
 from actors.aggregator import NodeAggregator, aggregator_name
 from actors.client import RefArg
 from rayfuse.federation import EventLog, FailurePolicy, reduce_replies
-from rayfuse.fusion.streaming import NodeFold, PartialSum, RoundFold
 from rayfuse.method import Update, client_step
+from rayfuse.updates.streaming import NodeFold, PartialSum, RoundFold
 
 pytestmark = pytest.mark.ray
 REFERENCE = {"w": np.zeros((300, 300), np.float32), "b": np.zeros(4, np.float32)}  # w above the float32 sum's threshold

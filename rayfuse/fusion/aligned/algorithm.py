@@ -15,7 +15,7 @@ One shot (``rounds: 1``):
      assignments (through ``parallel_map``) and the reference becomes the average of the aligned models;
 
 4. **merge** of the aligned models: ``average`` (sample-weighted; ``aggregator`` replaces it by a robust rule of
-   :mod:`rayfuse.fusion.robust`, optionally clipping each aligned model's distance to the global model first: the
+   :mod:`rayfuse.updates.robust`, optionally clipping each aligned model's distance to the global model first: the
    run's initial model in the one-shot fusion, the broadcast model in later rounds; ``federation.attacks`` replace the
    attacking clients' models before alignment, relative to the same model), ``fisher`` (each client's diagonal Fisher of its
    aligned model on its data), ``regmean`` (each client's input Gram matrices of its aligned model's linear and
@@ -48,9 +48,6 @@ from pydantic import Field
 
 from rayfuse.errors import InputError
 from rayfuse.fusion import references
-from rayfuse.fusion.pipeline import combine_models
-from rayfuse.fusion.privacy import UploadDP
-from rayfuse.fusion.robust import AggregatorSettings
 from rayfuse.method import (
     ClientContext,
     Method,
@@ -63,6 +60,9 @@ from rayfuse.method import (
     client_step,
     register_method,
 )
+from rayfuse.updates.pipeline import combine_models
+from rayfuse.updates.privacy import UploadDP
+from rayfuse.updates.robust import AggregatorSettings
 
 __all__ = ["AlignmentSettings", "AlignedParams", "Aligned", "batchnorm", "derive_run_spec", "read_batchnorm_reply"]
 

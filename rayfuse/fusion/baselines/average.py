@@ -4,13 +4,13 @@
 permutation symmetry of hidden units, which is exactly what matching-based fusion (PFNM, KL-fusion, GEMS) fixes;
 with ``train.shared_init`` the local models start from one initialisation, the friendliest case for averaging.
 
-The combination is the framework's update pipeline (``server.updates``, :mod:`rayfuse.fusion.pipeline`):
-``aggregator`` replaces the average by a robust rule (:mod:`rayfuse.fusion.robust`); its ``clip_norm`` clips each
+The combination is the framework's update pipeline (``server.updates``, :mod:`rayfuse.updates.pipeline`):
+``aggregator`` replaces the average by a robust rule (:mod:`rayfuse.updates.robust`); its ``clip_norm`` clips each
 local model's distance to the run's initial model (the clients' common start with ``train.shared_init``). The
 default, ``mean``, is the average above. ``federation.attacks`` replace the attacking clients' models (relative to the
 same initial model) before the rule.
 
-``dp`` makes each client clip and noise its upload on its own side before it leaves (:mod:`rayfuse.fusion.privacy`):
+``dp`` makes each client clip and noise its upload on its own side before it leaves (:mod:`rayfuse.updates.privacy`):
 the difference to the shared initialisation with ``train.shared_init``, else the parameters themselves; the server
 averages the noised uploads and records each client's epsilon.
 """
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rayfuse.fusion.privacy import UploadDP
-from rayfuse.fusion.robust import AggregatorSettings
 from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, ServerContext, register_method
+from rayfuse.updates.privacy import UploadDP
+from rayfuse.updates.robust import AggregatorSettings
 
 
 class AverageParams(MethodParams):

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rayfuse.fusion.aggregate import normalize_weights
 from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, ServerContext, register_method
 from rayfuse.metrics import majority_vote
+from rayfuse.updates.aggregate import normalize_weights
 
 __all__ = ["Ensemble", "EnsembleParams", "majority_vote"]
 

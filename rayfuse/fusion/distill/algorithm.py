@@ -192,8 +192,8 @@ def check_nested_aligned(params: DistillParams, setup: RunSetup) -> None:
     ``student.<key>``. No client of the student's architecture: the student starts at random, the block is unused."""
     from rayfuse.config import CONFIG_SECTIONS
     from rayfuse.fusion.aligned.algorithm import Aligned
-    from rayfuse.fusion.pipeline import check_update_pipeline
     from rayfuse.method import MethodSpec
+    from rayfuse.updates.pipeline import check_update_pipeline
 
     student = params.student or setup.model
     same = [c for c in range(setup.num_clients) if setup.client_model(c) == student]
@@ -538,8 +538,8 @@ class Distill(Method[DistillParams, None]):
     ) -> tuple[Any, str, bool]:
         """The student model, how it started, and whether its widths differ from its configuration's."""
         from rayfuse.evaluation import model_for_params
-        from rayfuse.fusion.aggregate import weighted_average
         from rayfuse.models import build_model
+        from rayfuse.updates.aggregate import weighted_average
 
         p = self.params
         same = [c for c in clients if c in updates and server.models.client_model(c) == student_cfg]

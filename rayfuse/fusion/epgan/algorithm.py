@@ -45,7 +45,6 @@ from pydantic import Field, model_validator
 
 from rayfuse.errors import InputError, NonFiniteError, key_error
 from rayfuse.fusion import references
-from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.fusion.epgan.ep import gaussian_product
 from rayfuse.fusion.epgan.nets import GANSettings, GANTrainer
 from rayfuse.method import (
@@ -63,6 +62,7 @@ from rayfuse.method import (
     register_method,
 )
 from rayfuse.seeding import derive_seed
+from rayfuse.updates.aggregate import weighted_average
 
 __all__ = [
     "EPGAN",

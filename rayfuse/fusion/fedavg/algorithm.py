@@ -9,10 +9,10 @@ FedProx (Li et al. 2020) adds the proximal term to each client's objective, ``F_
 (eq. 2), and aggregates the same way.
 
 Each round's aggregate comes from the framework's update pipeline (``server.updates``,
-:mod:`rayfuse.fusion.pipeline`), which the ``aggregator`` and ``dp`` keys configure and ``federation.attacks`` feeds:
-``aggregator`` replaces eq. 1's average by a robust rule (:mod:`rayfuse.fusion.robust`: median, trimmed mean, Krum,
+:mod:`rayfuse.updates.pipeline`), which the ``aggregator`` and ``dp`` keys configure and ``federation.attacks`` feeds:
+``aggregator`` replaces eq. 1's average by a robust rule (:mod:`rayfuse.updates.robust`: median, trimmed mean, Krum,
 Bulyan, geometric median) and optionally clips each update ``w_t^k - w_t`` first (the default, ``mean``, is eq. 1
-exactly); ``dp`` makes the round central DP-FedAvg (McMahan et al. 2018; :mod:`rayfuse.fusion.central_dp`): Poisson
+exactly); ``dp`` makes the round central DP-FedAvg (McMahan et al. 2018; :mod:`rayfuse.updates.central_dp`): Poisson
 client sampling with ``dp.sample_rate``, each update clipped to ``dp.clip_norm`` (fixed or adaptive, Andrew et al.
 2021), Gaussian noise on the sum, divided by the expected number of clients; the server update (FedOpt's adaptive
 step) then acts on the noised model. Opacus' accountant gives the epsilon spent after each round (``dp_epsilon``),
@@ -34,9 +34,6 @@ import numpy as np
 from pydantic import Field
 
 from rayfuse.fusion import references
-from rayfuse.fusion.central_dp import CentralDPSettings
-from rayfuse.fusion.pipeline import clients_per_round
-from rayfuse.fusion.robust import AggregatorSettings
 from rayfuse.method import (
     ClientContext,
     Method,
@@ -48,6 +45,9 @@ from rayfuse.method import (
     client_step,
     register_method,
 )
+from rayfuse.updates.central_dp import CentralDPSettings
+from rayfuse.updates.pipeline import clients_per_round
+from rayfuse.updates.robust import AggregatorSettings
 
 __all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "FedAvgState", "fit", "clients_per_round"]
 

@@ -39,9 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayfuse.errors import InputError
-from rayfuse.fusion.aggregate import normalize_weights, weighted_average
 from rayfuse.models.training import make_optimizer, train_model
 from rayfuse.symmetry import build_node_graph, read_output_module, read_structure
+from rayfuse.updates.aggregate import normalize_weights, weighted_average
 
 __all__ = [
     "hidden_representation",

@@ -33,8 +33,6 @@ from pydantic import Field
 
 from rayfuse.errors import InputError
 from rayfuse.finetunes.lora import combine_module
-from rayfuse.fusion.central_dp import CentralDPSettings
-from rayfuse.fusion.robust import AggregatorSettings
 from rayfuse.method import (
     ClientContext,
     Gathered,
@@ -49,6 +47,8 @@ from rayfuse.method import (
     client_step,
     register_method,
 )
+from rayfuse.updates.central_dp import CentralDPSettings
+from rayfuse.updates.robust import AggregatorSettings
 
 __all__ = ["FedLora", "FedLoraParams", "FedLoraState", "fit", "combine_round", "lora_targets", "merged_params", "FFALORA"]
 

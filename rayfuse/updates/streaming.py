@@ -27,18 +27,18 @@ import numpy as np
 from scipy.linalg.blas import get_blas_funcs
 
 from rayfuse.memory import LARGE_MODEL_BYTES, return_freed_memory
-from rayfuse.method import Update
+from rayfuse.method import Folded, Update
 
-__all__ = ["NodeFold", "PartialSum", "RoundFold", "RunningSum", "nonfinite", "partial_problem", "update_problem", "SMALL_TENSOR"]
+__all__ = ["Fold", "NodeFold", "PartialSum", "RoundFold", "RunningSum", "nonfinite", "partial_problem", "update_problem", "SMALL_TENSOR"]
 
 Params = dict[str, np.ndarray]
 
 #: Tensors with fewer elements than this are summed in float64 (their memory is negligible); larger float tensors in
-#: their own dtype (float16/bfloat16-like: float32), as the gathered kernel (:func:`rayfuse.fusion.aggregate.weighted_sum`)
+#: their own dtype (float16/bfloat16-like: float32), as the gathered kernel (:func:`rayfuse.updates.aggregate.weighted_sum`)
 #: sums them: sequential ``axpy`` in float32. So the running sum of a float32 model costs 1 x the model, not 2 x (float64
 #: would double it and break the 2-3 x bound), and it differs from the gathered path's sum only by the order of the
 #: additions (arrival order instead of client order) and one final scaling: a few float32 ulps times K at most
-#: (``tests/fusion/test_streaming.py`` bounds it). In float64, a float32 value times an integer weight (a sample count)
+#: (``tests/updates/test_streaming.py`` bounds it). In float64, a float32 value times an integer weight (a sample count)
 #: is exact, and so are the sums of such terms while their exponents span fewer than 53 bits, so the small tensors'
 #: sums do not depend on the order the replies arrive in; the large tensors' float32 sums do, in the last bits, on Ray
 #: (``federation.streaming: false`` gathers and sums in client order, bit for bit reproducible).
@@ -107,7 +107,7 @@ class RunningSum:
     float64 with the count of updates within ``C`` (``kind="dp"``).
 
     ``mean`` with ``clip_norm`` clips each model against ``reference`` first, exactly as
-    :func:`rayfuse.fusion.robust.clip_updates` does on the gathered path."""
+    :func:`rayfuse.updates.robust.clip_updates` does on the gathered path."""
 
     def __init__(self, reference: Mapping[str, np.ndarray], kind: Literal["mean", "dp"], clip_norm: float | None) -> None:
         self.reference = reference
@@ -146,7 +146,7 @@ class RunningSum:
             self._add_dp(params)
             return
         if self.clip_norm is not None:
-            from rayfuse.fusion.robust import clip_updates
+            from rayfuse.updates.robust import clip_updates
 
             params = clip_updates([params], self.reference, self.clip_norm)[0]
         for key, value in params.items():
@@ -190,7 +190,7 @@ class RunningSum:
 
     def mean(self) -> Params:
         """The weighted mean ``sum_k w_k x_k / sum_k w_k`` in the reference's dtypes (integer buffers rounded, as
-        :func:`rayfuse.fusion.aggregate.weighted_average` rounds them). Consumes the running sum (scaled in place)."""
+        :func:`rayfuse.updates.aggregate.weighted_average` rounds them). Consumes the running sum (scaled in place)."""
         if self.weight <= 0:
             raise ValueError("nothing to average")
         out: Params = {}
@@ -249,76 +249,75 @@ class RoundFold:
         return float(update.num_examples) if self.weighted and self.kind == "mean" else 1.0
 
     def reduce(self, replies: Any) -> PartialSum:
-        acc: RunningSum | None = None
-        clients: dict[int, tuple[int, dict[str, float]]] = {}
-        rejected: dict[int, str] = {}
+        fold = Fold(self, partials=False)  # a client's own reply is an Update: it cannot speak for other clients
         for client, value, args in replies:
-            reference = args[self.reference_arg]
-            reason = update_problem(value, int(self.planned.get(client, -1)), reference)
-            if reason is not None:
-                rejected[client] = reason
-                continue
-            if acc is None:
-                acc = RunningSum(reference, self.kind, self.clip_norm)
-            acc.add(value.params, self.weight(value))
-            clients[client] = (int(value.num_examples), {k: float(v) for k, v in value.metrics.items()})
+            fold.add(client, value, args[self.reference_arg])
             del value
-        if acc is None:
-            return PartialSum({}, 0.0, {}, rejected)
-        return PartialSum(acc.total, acc.weight, clients, rejected, acc.unclipped)
+        return fold.partial()
 
 
-def _folded(value: Any) -> bool:
-    """Whether ``value`` is a :class:`rayfuse.federation.Folded` marker (recognised by its form: the fusion package
-    imports the method contract, never the engine's federation module)."""
-    return type(value).__name__ == "Folded" and isinstance(getattr(value, "into", None), int)
+class Fold:
+    """The one fold of a round's replies, wherever it runs (an actor hosting several clients, a node's aggregator, the
+    coordinator): each :class:`Update` validated (:func:`update_problem`) and added to one :class:`RunningSum` with
+    its weight, or recorded as rejected with its reason; with ``partials``, a :class:`PartialSum` from a process is
+    checked (:func:`partial_problem`: a bad one rejects its clients) and added whole, and a
+    :class:`~rayfuse.method.Folded` marker (a client whose contribution travels in another's partial sum) is skipped.
+    Each value is dropped once added: the fold holds the running sum and the reply in hand, never the round."""
+
+    def __init__(self, spec: RoundFold, *, partials: bool) -> None:
+        self.spec = spec
+        self.partials = partials
+        self.sum: RunningSum | None = None
+        self.clients: dict[int, tuple[int, dict[str, float]]] = {}
+        self.rejected: dict[int, str] = {}  # in the order the rejections were found
+
+    def _sum(self, reference: Mapping[str, np.ndarray]) -> RunningSum:
+        if self.sum is None:
+            self.sum = RunningSum(reference, self.spec.kind, self.spec.clip_norm)
+        return self.sum
+
+    def add(self, client: int, value: Any, reference: Mapping[str, np.ndarray]) -> None:
+        spec = self.spec
+        if self.partials and isinstance(value, PartialSum):
+            self.rejected.update(value.rejected)
+            if not value.clients:
+                return
+            problem = partial_problem(value, reference, spec.planned, weighted=spec.weighted, kind=spec.kind)
+            if problem is not None:
+                self.rejected.update({c: problem for c in sorted(value.clients)})
+                return
+            self._sum(reference).add_partial(value)
+            self.clients.update(value.clients)
+        elif self.partials and isinstance(value, Folded):
+            return  # its contribution is in its process's partial sum
+        else:
+            reason = update_problem(value, int(spec.planned.get(client, -1)), reference)
+            if reason is not None:
+                self.rejected[client] = reason
+                return
+            self._sum(reference).add(value.params, spec.weight(value))
+            self.clients[client] = (int(value.num_examples), {k: float(v) for k, v in value.metrics.items()})
+
+    def partial(self) -> PartialSum:
+        """What was folded, as one :class:`PartialSum` (empty when nothing valid arrived)."""
+        if self.sum is None:
+            return PartialSum({}, 0.0, {}, dict(self.rejected))
+        return PartialSum(self.sum.total, self.sum.weight, dict(self.clients), dict(self.rejected), self.sum.unclipped)
 
 
 @dataclass(frozen=True)
 class NodeFold:
     """``federation.aggregation: per_node``: the :class:`rayfuse.federation.Reducer` that folds the replies of every
     process on one node (each a :class:`PartialSum` from :class:`RoundFold`, or a single client's reply) into one
-    :class:`PartialSum`, with the same running sum: one partial sum per node crosses the network to the coordinator.
-
-    Each partial sum is checked as the coordinator checks it (:func:`partial_problem`: a bad one rejects its clients,
-    it is not folded); a single reply is validated and clipped as :class:`RoundFold` does. ``Folded`` markers (the
-    other clients of a process) carry nothing and are skipped. ``fold``: the round's per-process fold (its kind,
-    weights, clip norm, plan and the position of the broadcast model among the call's arguments)."""
+    :class:`PartialSum`, with the same :class:`Fold`: one partial sum per node crosses the network to the coordinator.
+    ``fold``: the round's per-process fold (its kind, weights, clip norm, plan and the position of the broadcast model
+    among the call's arguments)."""
 
     fold: RoundFold
 
     def reduce(self, replies: Any) -> PartialSum:
-        fold = self.fold
-        acc: RunningSum | None = None
-        clients: dict[int, tuple[int, dict[str, float]]] = {}
-        rejected: dict[int, str] = {}
+        fold = Fold(self.fold, partials=True)
         for client, value, args in replies:
-            if isinstance(value, PartialSum):
-                rejected.update(value.rejected)
-                if not value.clients:
-                    continue
-                reference = args[fold.reference_arg]
-                problem = partial_problem(value, reference, fold.planned, weighted=fold.weighted, kind=fold.kind)
-                if problem is not None:
-                    rejected.update({c: problem for c in value.clients})
-                    continue
-                if acc is None:
-                    acc = RunningSum(reference, fold.kind, fold.clip_norm)
-                acc.add_partial(value)
-                clients.update(value.clients)
-            elif isinstance(value, Update):
-                reference = args[fold.reference_arg]
-                reason = update_problem(value, int(fold.planned.get(client, -1)), reference)
-                if reason is not None:
-                    rejected[client] = reason
-                    continue
-                if acc is None:
-                    acc = RunningSum(reference, fold.kind, fold.clip_norm)
-                acc.add(value.params, fold.weight(value))
-                clients[client] = (int(value.num_examples), {k: float(v) for k, v in value.metrics.items()})
-            elif not _folded(value):  # a Folded client's contribution is in its process's partial sum
-                rejected[client] = f"expected a partial sum or an Update, got {type(value).__name__}"
+            fold.add(client, value, args[self.fold.reference_arg])
             del value
-        if acc is None:
-            return PartialSum({}, 0.0, {}, rejected)
-        return PartialSum(acc.total, acc.weight, clients, rejected, acc.unclipped)
+        return fold.partial()

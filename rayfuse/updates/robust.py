@@ -1,4 +1,4 @@
-"""Byzantine-robust aggregators and update-norm clipping, beside :func:`rayfuse.fusion.aggregate.weighted_average`.
+"""Byzantine-robust aggregators and update-norm clipping, beside :func:`rayfuse.updates.aggregate.weighted_average`.
 
 Every function takes the clients' models as a list of parameter dicts with the same keys and shapes (validated
 updates) and returns one parameter dict. The float tensors are read in a fixed key order (the first model's) as one
@@ -19,8 +19,8 @@ stays small whatever the model's size), and the result is cast back to each tens
   ``C`` (``g + min(1, C / ||w_k - g||) (w_k - g)``), before any aggregator.
 
 :func:`aggregate` applies an :class:`AggregatorSettings` (the ``aggregator`` key of the methods that average updates,
-read by the update pipeline, :mod:`rayfuse.fusion.pipeline`, whose last stage it is); its default, ``{name: mean}``,
-is :func:`rayfuse.fusion.aggregate.weighted_average` itself, so the results of a run that does not set it are
+read by the update pipeline, :mod:`rayfuse.updates.pipeline`, whose last stage it is); its default, ``{name: mean}``,
+is :func:`rayfuse.updates.aggregate.weighted_average` itself, so the results of a run that does not set it are
 unchanged. :func:`check_aggregator` is each rule's precondition on the number ``n`` of models (run by the pipeline's
 pre-start check, before any client trains).
 
@@ -31,7 +31,7 @@ Multi-Krum averages its ``m`` selected models with their sample weights (as Flow
 Integer tensors (BatchNorm's ``num_batches_tracked``) are counters, not parameters: they take no part in distances,
 norms or clipping. ``median``, ``trimmed_mean``, ``bulyan`` and ``geometric_median`` give them their rounded
 coordinate-wise median; Krum keeps the chosen model's; ``mean`` and Multi-Krum average them (rounded) as
-:func:`~rayfuse.fusion.aggregate.weighted_average` does.
+:func:`~rayfuse.updates.aggregate.weighted_average` does.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ import numpy as np
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from rayfuse.errors import InputError, RunFailure, key_error
-from rayfuse.fusion.aggregate import CHUNK, normalize_weights, weighted_average
 from rayfuse.method import MethodParams
+from rayfuse.updates.aggregate import CHUNK, normalize_weights, weighted_average
 
 __all__ = [
     "AggregatorSettings",
@@ -498,7 +498,7 @@ def aggregate(
     chunk: int = CHUNK,
 ) -> Params:
     """``models`` combined by the rule of ``settings`` (default: the weighted mean, exactly
-    :func:`rayfuse.fusion.aggregate.weighted_average`), each first clipped against ``reference`` when
+    :func:`rayfuse.updates.aggregate.weighted_average`), each first clipped against ``reference`` when
     ``settings.clip_norm`` is set.
 
     Parameters

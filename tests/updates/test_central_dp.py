@@ -1,4 +1,4 @@
-"""Central DP-FedAvg (rayfuse.fusion.central_dp and the FedAvg family's ``dp`` key): the accountant is Opacus' own,
+"""Central DP-FedAvg (rayfuse.updates.central_dp and the FedAvg family's ``dp`` key): the accountant is Opacus' own,
 every client's contribution is clipped, the noise has the stated scale, adaptive clipping finds the quantile, and a
 run with ``stop_at_epsilon`` stops before the round that would exceed it."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rayfuse.accountant import compute_epsilon
 from rayfuse.errors import InputError
-from rayfuse.fusion.central_dp import (
+from rayfuse.updates.accountant import compute_epsilon
+from rayfuse.updates.central_dp import (
     CentralDPSettings,
     apply_dp_round,
     clip_and_sum,

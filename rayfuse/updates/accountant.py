@@ -1,6 +1,6 @@
 """The privacy accountant every DP option of rayfuse uses: Opacus' own, behind two cached functions.
 
-Central DP-FedAvg (:mod:`rayfuse.fusion.central_dp`), the one-shot DP upload (:mod:`rayfuse.fusion.privacy`) and the
+Central DP-FedAvg (:mod:`rayfuse.updates.central_dp`), the one-shot DP upload (:mod:`rayfuse.updates.privacy`) and the
 ``train.dp`` / ``dp`` settings in the config all turn a noise multiplier into an epsilon, or a target epsilon into a
 noise multiplier, here. Nothing is derived by hand: :func:`compute_epsilon` asks Opacus' ``RDPAccountant`` or
 ``PRVAccountant`` for the sampled Gaussian mechanism composed ``steps`` times, and :func:`noise_multiplier_for`

@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 import yaml
 
-from rayfuse.attacks import (
+from rayfuse.config import AttackSpec
+from rayfuse.data.roles import Split, corrupt_split
+from rayfuse.errors import InputError
+from rayfuse.method import Update
+from rayfuse.seeding import make_rng
+from rayfuse.updates.attacks import (
     apply_attacks,
     attack_gaussian,
     attack_little_is_enough,
@@ -16,11 +21,6 @@ from rayfuse.attacks import (
     attack_sign_flip,
     compute_lie_z,
 )
-from rayfuse.config import AttackSpec
-from rayfuse.data.roles import Split, corrupt_split
-from rayfuse.errors import InputError
-from rayfuse.method import Update
-from rayfuse.seeding import make_rng
 
 REF = {"w": np.array([1.0, 2.0, -1.0], dtype=np.float32), "count": np.array(3, dtype=np.int64)}
 MINE = {"w": np.array([1.5, 1.0, -1.0], dtype=np.float32), "count": np.array(7, dtype=np.int64)}

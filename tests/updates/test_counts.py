@@ -7,8 +7,8 @@ import pytest
 
 from rayfuse.coordinator import MethodServer
 from rayfuse.federation import Gathered, Update, client_step
-from rayfuse.fusion.aggregate import weighted_average
 from rayfuse.method import resolve_methods
+from rayfuse.updates.aggregate import weighted_average
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ themselves), scales it to L2 norm at most ``C = clip_norm`` and adds ``N(0, (z C
 noise is drawn on the client, so the guarantee needs no trusted server. The privacy unit is the client's whole
 dataset, under add/remove (Opacus' accountants' neighbouring relation): with or without a client, its clipped upload
 moves the released vector by at most ``C``. The client reports the epsilon of that one release at ``delta``, by
-Opacus' accountant with sample rate 1 and one step (:func:`rayfuse.accountant.compute_epsilon`).
+Opacus' accountant with sample rate 1 and one step (:func:`rayfuse.updates.accountant.compute_epsilon`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from rayfuse.accountant import UnreachableEpsilon, compute_epsilon, noise_multiplier_for, require_one_noise
 from rayfuse.errors import InputError
 from rayfuse.method import ClientContext, Gathered, MethodParams, RunSetup, ServerContext, Update, client_step
+from rayfuse.updates.accountant import UnreachableEpsilon, compute_epsilon, noise_multiplier_for, require_one_noise
 
 # the smallest BatchNorm running variance a noised upload keeps (BatchNorm's own eps is 1e-5)
 VARIANCE_FLOOR = 1e-5
@@ -56,7 +56,7 @@ class UploadDP(MethodParams):
 def check_upload_dp(dp: UploadDP | None, setup: RunSetup) -> None:
     """Refuse a ``dp`` upload whose delta is not below one over the number of clients (the privacy unit is one
     client's data), or whose ``target_epsilon`` no noise multiplier reaches in its one release (the bounded search of
-    :func:`rayfuse.accountant.noise_multiplier_for`, run here before any client trains; the clients' own search then
+    :func:`rayfuse.updates.accountant.noise_multiplier_for`, run here before any client trains; the clients' own search then
     finds the same noise)."""
     if dp is None:
         return

@@ -7,19 +7,19 @@ pfl-research's backend postprocessors, which clip and noise between the clients'
 1. **validate** (:meth:`UpdatePipeline.accept`): each reply is an :class:`~rayfuse.method.Update` with the reference's
    keys, shapes and dtypes, finite values and metrics, and the client's planned sample count; a bad one is recorded
    (``update_rejected``) and never used; fewer than ``federation.min_clients`` valid updates stop the run;
-2. **simulated attacks** (``federation.attacks``, :mod:`rayfuse.attacks`): the attacking clients' updates replaced by
+2. **simulated attacks** (``federation.attacks``, :mod:`rayfuse.updates.attacks`): the attacking clients' updates replaced by
    their attacks', relative to the model the clients started from; each recorded as an ``attack`` event;
 3. **clipping and central DP noise**: ``aggregator.clip_norm`` clips each update, or, with central DP-FedAvg
-   (:class:`~rayfuse.fusion.central_dp.CentralDPSettings`), the clipped updates' sum is noised and divided by the
-   expected number of clients (:func:`~rayfuse.fusion.central_dp.apply_dp_round`);
-4. **the aggregation rule** (``aggregator.name``, :func:`rayfuse.fusion.robust.aggregate`): mean, median, trimmed
+   (:class:`~rayfuse.updates.central_dp.CentralDPSettings`), the clipped updates' sum is noised and divided by the
+   expected number of clients (:func:`~rayfuse.updates.central_dp.apply_dp_round`);
+4. **the aggregation rule** (``aggregator.name``, :func:`rayfuse.updates.robust.aggregate`): mean, median, trimmed
    mean, Krum, Bulyan, geometric median.
 
 The pipeline is configured once per method entry: ``federation.attacks`` from the run, ``aggregator`` and ``dp`` from
 the entry's parameters (:func:`pipeline_settings`, the one place that reads them), and it is checked once, before
 anything starts (:func:`check_update_pipeline`, run by the runner's pre-start checks): a method that fuses something
 the pipeline cannot act on (``MethodTags.fuses``: posteriors, statistics, predictions) is refused with attacks, a robust
-rule or DP, in one line naming the key. The one-shot DP upload (:class:`~rayfuse.fusion.privacy.UploadDP`) is the
+rule or DP, in one line naming the key. The one-shot DP upload (:class:`~rayfuse.updates.privacy.UploadDP`) is the
 pipeline's too, on the client's side: :meth:`UpdatePipeline.local_models` gathers the clipped, noised uploads instead
 of the raw local models.
 
@@ -33,15 +33,8 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
-from rayfuse.accountant import compute_epsilon
-from rayfuse.attacks import apply_attacks
 from rayfuse.config import AttackSpec
 from rayfuse.errors import InputError, RunFailure
-from rayfuse.fusion.aggregate import weighted_average
-from rayfuse.fusion.central_dp import CentralDPSettings, DPPlan, apply_dp_round, describe_plan, noise_dp_round, plan_dp, sample_poisson
-from rayfuse.fusion.privacy import UploadDP, check_upload_dp, gather_dp_uploads
-from rayfuse.fusion.robust import AggregatorSettings, aggregate, check_aggregator, check_enough_updates
-from rayfuse.fusion.streaming import NodeFold, PartialSum, RoundFold, RunningSum, partial_problem, update_problem
 from rayfuse.memory import available_memory
 from rayfuse.method import (
     Aggregate,
@@ -55,6 +48,13 @@ from rayfuse.method import (
     dp_options_text,
     fuses_of,
 )
+from rayfuse.updates.accountant import compute_epsilon
+from rayfuse.updates.aggregate import weighted_average
+from rayfuse.updates.attacks import apply_attacks
+from rayfuse.updates.central_dp import CentralDPSettings, DPPlan, apply_dp_round, describe_plan, noise_dp_round, plan_dp, sample_poisson
+from rayfuse.updates.privacy import UploadDP, check_upload_dp, gather_dp_uploads
+from rayfuse.updates.robust import AggregatorSettings, aggregate, check_aggregator, check_enough_updates
+from rayfuse.updates.streaming import Fold, NodeFold, RoundFold, RunningSum, update_problem
 
 __all__ = [
     "UpdatePipeline",
@@ -120,8 +120,8 @@ def check_update_pipeline(specs: Sequence[MethodSpec], setup: RunSetup, attacks:
     * the rule's precondition on the number of models it combines (``ceil(fraction N)`` per round with ``fraction``,
       else every client);
     * central DP-FedAvg where its guarantee would not hold: a robust rule or a second clipping, ``fraction`` or sample
-      weights, and the DP plan itself (:func:`~rayfuse.fusion.central_dp.plan_dp`); the one-shot upload's delta and target epsilon
-      (:func:`~rayfuse.fusion.privacy.check_upload_dp`).
+      weights, and the DP plan itself (:func:`~rayfuse.updates.central_dp.plan_dp`); the one-shot upload's delta and target epsilon
+      (:func:`~rayfuse.updates.privacy.check_upload_dp`).
     """
     for spec in specs:
         where = f"methods.{spec.label}"
@@ -603,7 +603,7 @@ class UpdatePipeline:
 
     def _collect_dp(self, gathered: Gathered[Any], reference: dict[str, np.ndarray] | None, round: int) -> Aggregate:
         """Central DP-FedAvg's round: the sampled clients' valid (and attacked) updates clipped, summed and noised
-        (:func:`~rayfuse.fusion.central_dp.apply_dp_round`, seeded ``("dp-noise", round)``), with the round's DP numbers."""
+        (:func:`~rayfuse.updates.central_dp.apply_dp_round`, seeded ``("dp-noise", round)``), with the round's DP numbers."""
         dp = self.dp
         assert isinstance(dp, CentralDPSettings)
         if reference is None:
@@ -730,35 +730,19 @@ class UpdatePipeline:
         round: int,
         fold: RoundFold,
     ) -> Aggregate:
-        """Stages 1-4 folded reply by reply: each reply validated as :meth:`accept` validates it (a rejected one is
-        recorded and never folded), clipped where the rule clips, and added to the running sum; a partial sum from an
-        actor is checked (its clients' counts, its total's layout and values) and added whole."""
-        total = RunningSum(reference, fold.kind, fold.clip_norm)
-        kept: dict[int, Update] = {}
-        received = 0
+        """Stages 1-4 folded reply by reply with the same :class:`~rayfuse.updates.streaming.Fold` an actor or a node
+        runs: each reply validated as :meth:`accept` validates it (a rejected one is recorded and never folded),
+        clipped where the rule clips, and added to the running sum; a partial sum from an actor is checked (its clients'
+        counts, its total's layout and values) and added whole."""
+        folded = Fold(fold, partials=True)
         for client, value in replies:
-            if isinstance(value, PartialSum):
-                received += len(value.clients) + len(value.rejected)
-                for other, reason in sorted(value.rejected.items()):
-                    self.reject(other, reason)
-                if not value.clients:
-                    continue
-                problem = partial_problem(value, reference, fold.planned, weighted=fold.weighted, kind=fold.kind)
-                if problem is not None:
-                    for other in sorted(value.clients):
-                        self.reject(other, problem)
-                    continue
-                total.add_partial(value)
-                kept.update({c: Update({}, n, metrics) for c, (n, metrics) in value.clients.items()})
-            else:
-                received += 1
-                problem = update_problem(value, int(self._planned(client)), reference)
-                if problem is not None:
-                    self.reject(client, problem)
-                    continue
-                total.add(value.params, fold.weight(value))
-                kept[client] = Update({}, int(value.num_examples), dict(value.metrics))
+            folded.add(client, value, reference)
             del value
+        for client, reason in folded.rejected.items():
+            self.reject(client, reason)
+        kept = {c: Update({}, n, metrics) for c, (n, metrics) in folded.clients.items()}
+        received = len(folded.clients) + len(folded.rejected)
+        total = folded.sum if folded.sum is not None else RunningSum(reference, fold.kind, fold.clip_norm)
         failed = replies.failures
         need = max(1, min(self._server.federation.policy.min_clients, received + len(failed)))
         if len(kept) < need:
@@ -819,7 +803,7 @@ class UpdatePipeline:
         return any(a.attacks_round(round) for a in self.attacks)
 
     def _attack(self, updates: dict[int, Update], reference: Mapping[str, np.ndarray], round: int) -> dict[int, Update]:
-        """``updates`` with the attacking clients' replaced by their attacks' (:func:`rayfuse.attacks.apply_attacks`),
+        """``updates`` with the attacking clients' replaced by their attacks' (:func:`rayfuse.updates.attacks.apply_attacks`),
         each recorded as an ``attack`` event."""
         if not self.attacks:
             return updates
@@ -847,7 +831,7 @@ class UpdatePipeline:
         """Keep the valid updates; reject (and record) those with NaN/Inf, wrong keys or shapes, a sample count other
         than the client's training-set size in the partition plan (the weight of its update in an average: the
         coordinator knows it, so a client's word for it is checked, not trusted), and those ``check`` gives a reason
-        against (:func:`~rayfuse.fusion.streaming.update_problem`, which a streaming round applies to each reply as it
+        against (:func:`~rayfuse.updates.streaming.update_problem`, which a streaming round applies to each reply as it
         arrives). ``check_values=False``: keys, shapes, dtypes, counts and metrics only, not every parameter value."""
         given = reference
         reference_of: Callable[[int], dict[str, np.ndarray]] = self._reference_of if given is None else lambda client: given

@@ -1,4 +1,4 @@
-"""Robust aggregators (rayfuse.fusion.robust): each rule against its formula on hand-computed cases and against
+"""Robust aggregators (rayfuse.updates.robust): each rule against its formula on hand-computed cases and against
 independent implementations (np.median, scipy's trim_mean, scipy's minimiser for the geometric median), their
 behaviour under planted outliers, clipping's bound, the default ``mean`` being today's average byte for byte, the
 ``aggregator`` setting of fedavg / fedopt / average / aligned, and its preconditions refused before anything runs."""
@@ -13,8 +13,9 @@ import yaml
 from scipy import optimize, stats
 
 from rayfuse.errors import InputError, RunFailure
-from rayfuse.fusion.aggregate import weighted_average
-from rayfuse.fusion.robust import (
+from rayfuse.models import params_equal
+from rayfuse.updates.aggregate import weighted_average
+from rayfuse.updates.robust import (
     AggregatorSettings,
     aggregate,
     aggregate_bulyan,
@@ -29,7 +30,6 @@ from rayfuse.fusion.robust import (
     compute_update_norms,
     select_krum,
 )
-from rayfuse.models import params_equal
 
 SHAPES = {"w": (5, 3), "b": (7,), "conv": (2, 3, 2, 2)}
 

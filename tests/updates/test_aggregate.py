@@ -1,4 +1,4 @@
-"""Aggregation kernels (rayfuse.fusion.aggregate): weighted averages checked against np.average, invariants of FedAvg's
+"""Aggregation kernels (rayfuse.updates.aggregate): weighted averages checked against np.average, invariants of FedAvg's
 aggregation (client order, uniform default, identical models), and the weights it refuses."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rayfuse.fusion.aggregate import CHUNK, normalize_weights, weighted_average, weighted_sum
+from rayfuse.updates.aggregate import CHUNK, normalize_weights, weighted_average, weighted_sum
 
 SHAPES = {
     "scalar": (),

@@ -1,6 +1,6 @@
 """Attacks on clients' model updates, to measure robust aggregation against (``federation.attacks``).
 
-A simulation of compromised clients. The update pipeline (:mod:`rayfuse.fusion.pipeline`, its second stage) applies
+A simulation of compromised clients. The update pipeline (:mod:`rayfuse.updates.pipeline`, its second stage) applies
 them wherever a method combines the clients' parameter updates (the FedAvg family, ``average``, ``finetune``'s
 ``base: average``; ``aligned`` with ``merge: average`` or ``nonparametric``, before alignment): the server replaces
 the accepted update of each attacking client by the attack's, before aggregation, and records an ``attack`` event

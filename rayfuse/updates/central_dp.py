@@ -40,9 +40,9 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from rayfuse.accountant import compute_epsilon, noise_multiplier_for, require_one_noise
 from rayfuse.errors import InputError
 from rayfuse.method import MethodParams
+from rayfuse.updates.accountant import compute_epsilon, noise_multiplier_for, require_one_noise
 
 __all__ = [
     "AdaptiveClipSettings",
@@ -107,11 +107,11 @@ class CentralDPSettings(MethodParams):
 
 def find_noise_multiplier(target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str = "rdp") -> float:
     """The noise multiplier that spends ``target_epsilon`` at ``delta`` in ``steps`` rounds
-    (:func:`rayfuse.accountant.noise_multiplier_for`). Raises :class:`InputError` at ``dp.target_epsilon`` when no
+    (:func:`rayfuse.updates.accountant.noise_multiplier_for`). Raises :class:`InputError` at ``dp.target_epsilon`` when no
     noise up to Opacus' limit reaches it."""
     try:
         return noise_multiplier_for(target_epsilon, delta, sample_rate, steps, accountant)
-    except ValueError as exc:  # rayfuse.accountant.UnreachableEpsilon: too small, too large, or not finite
+    except ValueError as exc:  # rayfuse.updates.accountant.UnreachableEpsilon: too small, too large, or not finite
         too_small = str(exc).startswith("at least")
         raise InputError(
             "dp.target_epsilon",

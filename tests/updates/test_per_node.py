@@ -1,4 +1,4 @@
-"""Per-node partial sums (``federation.aggregation: per_node``, rayfuse/fusion/streaming.py ``NodeFold``): each
+"""Per-node partial sums (``federation.aggregation: per_node``, rayfuse/updates/streaming.py ``NodeFold``): each
 process folds its clients (``RoundFold``), then one fold per node folds that node's partial sums, and the
 coordinator folds one partial sum per node. In-process, the federation's test-only ``processes_per_node`` groups
 processes into simulated nodes and folds them exactly as a node's aggregator actor does on Ray (the same
@@ -15,10 +15,10 @@ import pytest
 from rayfuse.coordinator import Coordinator
 from rayfuse.errors import InputError
 from rayfuse.federation import Folded, reduce_replies
-from rayfuse.fusion.pipeline import check_aggregation
-from rayfuse.fusion.streaming import NodeFold, PartialSum, RoundFold
 from rayfuse.method import Update, resolve_methods
-from tests.fusion.test_streaming import DP, METHODS, _Ctx, assert_close, coordinator, modes, one_round, synthetic_update
+from rayfuse.updates.pipeline import check_aggregation
+from rayfuse.updates.streaming import NodeFold, PartialSum, RoundFold
+from tests.updates.test_streaming import DP, METHODS, _Ctx, assert_close, coordinator, modes, one_round, synthetic_update
 
 
 def nodes(make_config, tmp_path: Path, *, per_process: int, per_node: int, **kwargs: Any) -> Coordinator:

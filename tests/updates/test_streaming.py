@@ -1,4 +1,4 @@
-"""Streaming aggregation and per-actor partial sums (rayfuse/fusion/streaming.py, ``UpdatePipeline.collect_round``):
+"""Streaming aggregation and per-actor partial sums (rayfuse/updates/streaming.py, ``UpdatePipeline.collect_round``):
 the same aggregate as the gathered path within float rounding, for the rules that are a sum; the rules that are not
 still get every update; rejected replies are never folded; the failure policy applies; the memory refusal."""
 
@@ -14,11 +14,11 @@ from rayfuse.client import Client
 from rayfuse.coordinator import Coordinator, MethodServer
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.federation import EventLog, FailurePolicy, Folded, InProcessFederation, reduce_replies
-from rayfuse.fusion.aggregate import weighted_average
-from rayfuse.fusion.pipeline import check_aggregation, check_round_memory, round_memory
-from rayfuse.fusion.streaming import SMALL_TENSOR, PartialSum, RoundFold, RunningSum, nonfinite
 from rayfuse.method import Update, client_step, resolve_methods
 from rayfuse.runner import prepare_run
+from rayfuse.updates.aggregate import weighted_average
+from rayfuse.updates.pipeline import check_aggregation, check_round_memory, round_memory
+from rayfuse.updates.streaming import SMALL_TENSOR, PartialSum, RoundFold, RunningSum, nonfinite
 
 # a first layer of 64 x 1100 = 70400 values: above SMALL_TENSOR, so the float32 running sum is exercised
 MODEL = {"name": "mlp", "hidden": [1100]}

@@ -13,9 +13,9 @@ from pydantic import Field
 
 import rayfuse
 from rayfuse.errors import InputError, RunFailure
-from rayfuse.fusion.central_dp import CentralDPSettings
 from rayfuse.fusion.fedavg.algorithm import fit
 from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, ServerContext
+from rayfuse.updates.central_dp import CentralDPSettings
 from tests.conftest import TINY, merge
 
 

@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from rayfuse.accountant import compute_epsilon
 from rayfuse.cli import main
 from rayfuse.config import ModelConfig
 from rayfuse.models import build_model, get_params
 from rayfuse.models.privacy import clip_and_noise, find_dp_unsupported, train_model_dp
+from rayfuse.updates.accountant import compute_epsilon
 
 
 def _digits(n: int = 240) -> tuple[np.ndarray, np.ndarray]:

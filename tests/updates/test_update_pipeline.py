@@ -1,4 +1,4 @@
-"""The update pipeline (``server.updates``, rayfuse/fusion/pipeline.py): its stages in order on synthetic updates,
+"""The update pipeline (``server.updates``, rayfuse/updates/pipeline.py): its stages in order on synthetic updates,
 what it refuses before anything starts, and attacked runs whose numbers are those recorded before the pipeline."""
 
 from __future__ import annotations
@@ -12,14 +12,9 @@ import pytest
 import yaml
 from pydantic import Field
 
-from rayfuse.attacks import apply_attacks
 from rayfuse.coordinator import Coordinator, MethodServer
 from rayfuse.data.roles import load_dataset_from_config, make_plan
 from rayfuse.errors import InputError, RunFailure
-from rayfuse.fusion.aggregate import weighted_average
-from rayfuse.fusion.central_dp import CentralDPSettings, apply_dp_round, plan_dp
-from rayfuse.fusion.pipeline import UpdatePipeline, check_update_pipeline
-from rayfuse.fusion.robust import AggregatorSettings, aggregate_median, aggregate_trimmed_mean, clip_updates
 from rayfuse.method import (
     METHODS,
     Gathered,
@@ -33,6 +28,11 @@ from rayfuse.method import (
     fuses_of,
     resolve_methods,
 )
+from rayfuse.updates.aggregate import weighted_average
+from rayfuse.updates.attacks import apply_attacks
+from rayfuse.updates.central_dp import CentralDPSettings, apply_dp_round, plan_dp
+from rayfuse.updates.pipeline import UpdatePipeline, check_update_pipeline
+from rayfuse.updates.robust import AggregatorSettings, aggregate_median, aggregate_trimmed_mean, clip_updates
 from tests.config.test_bad_inputs import Files, _snapshot, isolated, refused_line, with_base  # noqa: F401  (isolated: a fixture)
 from tests.helpers import prepared_coordinator
 
