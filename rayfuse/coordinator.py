@@ -116,7 +116,7 @@ class ServerData:
 
     def pooled_train(self) -> Split:
         """Every client's training data pooled. Only oracle methods may ask: a federation cannot do this."""
-        if not self._spec.method_cls.tags.oracle:
+        if not self._spec.tags.oracle:
             raise RunFailure(f"method {self._spec.method!r} asked for pooled client data; only oracle methods may")
         return self._coordinator.pooled_train()
 
@@ -283,7 +283,7 @@ class MethodUpdates(UpdatePipeline):
     def __init__(self, server: MethodServer, coordinator: Coordinator, spec: MethodSpec) -> None:
         super().__init__(
             server,
-            spec.params,
+            spec,
             coordinator.cfg.federation.attacks,
             planned_examples=coordinator.plan.num_examples,
             reference_of=coordinator.reference_params,
@@ -448,7 +448,8 @@ class MethodServer:
     ) -> RoundLoop[S]:
         """The rounds ``first .. last`` of this method over its typed round ``state`` (:class:`rayfuse.rounds.RoundLoop`:
         resume, evaluation cadence, history, progress, round checkpoints with the update pipeline's own state, state
-        the clients keep). Central DP is planned here for a method that did not plan it (``server.updates.rounds``):
+        the clients keep). Central DP is planned here, before round 1 (the pipeline's ``rounds``), and each round's cohort is
+        the pipeline's (:meth:`RoundLoop.cohorts`):
         ``last`` is then the last round its budget affords."""
         return RoundLoop(
             self,
@@ -796,7 +797,6 @@ class Coordinator:
         spec = next((s for s in self.specs if s.label == label), None)
         if spec is None:
             raise KeyError(f"no method labelled {label!r} in the config")
-        method_cls = spec.method_cls
         # No check here: a run's methods were checked once, before anything started (rayfuse.runner.prepare_run; tests
         # prepare their coordinators the same way)
         server = MethodServer(self, spec, resume=resume)
@@ -806,7 +806,7 @@ class Coordinator:
         seconds = time.perf_counter() - started
         for key, value in server.updates.info().items():  # the pipeline's record (central DP's epsilon...), asked or not
             result.info.setdefault(key, value)
-        if self.cfg.train.dp is not None and method_cls.tags.uses_local_models and not method_cls.tags.oracle:
+        if self.cfg.train.dp is not None and spec.tags.uses_local_models and not spec.tags.oracle:
             self._add_local_privacy(result)
         bad = {k: v for k, v in result.metrics.items() if not np.isfinite(v)}
         if bad:
@@ -826,7 +826,7 @@ class Coordinator:
             "evaluation": self.cfg.evaluation,
             **({"client_metrics": server.collect_client_table()} if self.cfg.evaluation != "central" else {}),
             "info": result.info,
-            "oracle": method_cls.tags.oracle,
+            "oracle": spec.tags.oracle,
             "history": server.history,
             "seconds": round(seconds, 3),
             "model_file": model_file,

@@ -20,6 +20,7 @@ instance passed as an object (``rayfuse.run(..., methods={"mine": MyMethod})``) 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 import re
@@ -82,7 +83,7 @@ __all__ = [
     "dp_refusal",
     "dp_options",
     "dp_options_text",
-    "fuses_of",
+    "update_setting",
     "register_method",
     "resolve_methods",
     "resolved_config",
@@ -180,8 +181,16 @@ class Aggregate:
 
 
 #: What a method combines of its clients (``MethodTags.fuses``): the update pipeline's attacks, robust rules and DP act on
-#: ``parameters`` only; ``nothing``: the method combines no client upload (local models scored one by one, oracles).
-Fuses = Literal["parameters", "posteriors", "statistics", "predictions", "nothing"]
+#: ``parameters`` only; ``adapter factors``: low-rank factors combined by their products, not averaged (FedLoRA's stack and
+#: flora); ``task vectors``: fine-tunes' differences from a base, combined by the method itself; ``nothing``: the method
+#: combines no client upload (local models scored one by one, oracles).
+Fuses = Literal["parameters", "posteriors", "statistics", "predictions", "adapter factors", "task vectors", "nothing"]
+FUSES: tuple[str, ...] = typing.get_args(Fuses)
+
+#: The update layer's settings a method entry may take (``MethodTags.updates``): its aggregation rule (``aggregator``),
+#: differential privacy (``dp``: central DP-FedAvg for a method with ``cohort``, else the clients' one-shot upload DP),
+#: the fraction of clients of a round (``fraction``) and sample-count weights (``weighted``).
+UPDATE_KEYS: tuple[str, ...] = ("aggregator", "dp", "fraction", "weighted")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -285,19 +294,23 @@ class UpdateService(Protocol):
     client step, all four stages), folding each reply into a running sum as it arrives where the rule is a sum
     (``federation.streaming``). :meth:`accept` is stage 1 alone, for methods that read their clients' models
     without combining them; :meth:`receive` stages 1-2 and :meth:`combine` stages 3-4, for a method that transforms
-    the received models before they are combined (``aligned`` aligns them). :meth:`sample`, :meth:`rounds`,
-    :meth:`local_models` and :meth:`state` are the DP mechanisms' share of the round: who trains (DP-FedAvg's Poisson
-    sampling), how many rounds the budget affords, the clipped and noised uploads of one-shot DP, the adaptive clip
-    norm to checkpoint.
+    the received models before they are combined (``aligned`` aligns them). :meth:`local_models` gives every client's
+    trained local model, or with the one-shot upload DP their clipped and noised uploads; :meth:`info` is the
+    pipeline's record (central DP's plan and epsilon, the upload's epsilons), which the framework writes into
+    ``results.json`` whether or not the method reads it.
+
+    The round itself is the framework's, not the method's: the round loop (``server.rounds(...)``,
+    :class:`rayfuse.rounds.RoundLoop`) plans central DP before round 1, hands each round its cohort
+    (``for rnd, cohort in rounds.cohorts():``: the accountant's Poisson sample under DP, ``ceil(fraction N)`` clients
+    otherwise) and checkpoints the pipeline's own state (the adaptive clip norm) beside the method's round state.
 
     The reply path that is not a parameter update lives here too, as the one way a method receives what its clients
     send: :meth:`accept_replies` (each reply through the method's reader; one the reader refuses is recorded by
-    :meth:`reject` as an ``update_rejected`` event, never used), :meth:`sample_clients` (the seeded sample of a round's
-    clients without DP), :meth:`local_updates` (every client's trained local model, gathered once per run and shared by
-    the methods) and :meth:`run_cached` (a client step's replies, cached across runs under ``run.model_cache``). The
-    last two are here rather than on the transport (``server.federation``) because they are not transport: both are
-    replies the framework keeps for the method (across methods, across runs), as it keeps the rejection record, while
-    the federation only sends calls and gathers what comes back.
+    :meth:`reject` as an ``update_rejected`` event, never used), :meth:`local_updates` (every client's trained local
+    model, gathered once per run and shared by the methods) and :meth:`run_cached` (a client step's replies, cached
+    across runs under ``run.model_cache``). The last two are here rather than on the transport (``server.federation``)
+    because they are not transport: both are replies the framework keeps for the method (across methods, across
+    runs), as it keeps the rejection record, while the federation only sends calls and gathers what comes back.
     """
 
     def collect(
@@ -342,15 +355,7 @@ class UpdateService(Protocol):
         self, models: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float] | None, *, start: Mapping[str, np.ndarray] | None = None
     ) -> dict[str, np.ndarray]: ...
 
-    def sample(self, fraction: float, round: int) -> list[int]: ...
-
-    def rounds(self, planned: int) -> int: ...
-
     def local_models(self) -> Gathered[Update]: ...
-
-    def state(self) -> dict[str, float]: ...
-
-    def load_state(self, state: Mapping[str, float]) -> None: ...
 
     def info(self) -> dict[str, Any]: ...
 
@@ -360,8 +365,6 @@ class UpdateService(Protocol):
     ) -> dict[int, R]: ...
 
     def reject(self, client: int, reason: str) -> None: ...
-
-    def sample_clients(self, fraction: float, round: int) -> list[int]: ...
 
     def local_updates(self) -> Gathered[Update]: ...
 
@@ -609,7 +612,7 @@ class MethodTags:
     weights: moments, balls, counts), ``"predictions"`` (the clients' outputs on some inputs) or ``"nothing"`` (no client
     upload is combined: baselines and oracles). The update pipeline's attacks, robust rules and DP act on parameter
     updates only, so a run asking for them with a method that fuses something else is refused before start; a method
-    whose answer depends on its parameters gives it as a ``fuses`` property of its ``Params``, which takes precedence.
+    whose answer depends on its parameters gives it from :meth:`Method.tags_for`.
     ``needs_dataset``: it reads the run's whole dataset (the clients' data pooled, or the dataset's true parameters);
     refused with ``data.silos``, where no process holds a dataset. ``uses_local_models``: every client's trained local
     model is gathered. ``federated_evaluation``: its metrics come from :meth:`Scoring.evaluate` /
@@ -624,14 +627,27 @@ class MethodTags:
     client's model with :meth:`ModelService.client_model`); methods without it are refused with such clients.
     ``public_labels``: it reads the labels of the server's public sample (``server.data.public.y``); refused when that
     sample has none (a silo config's ``data.public`` with ``labels: false``). ``public_sample``: it reads the inputs of
-    the server's public sample (``public_labels`` implies it); a config without a data section draws the quickstart's
-    public sample only when a configured method reads one (a ``public_sample`` property of its ``Params`` takes
-    precedence, as ``fuses``'s does). ``no_dp``: why a ``dp`` setting does not
+    the server's public sample; a config without a data section draws the quickstart's public sample only when a
+    configured method reads one (``public_labels`` alone does not: EP-GAN reads a silo's ``data.public`` labels but no
+    simulation's public sample). ``no_dp``: why a ``dp`` setting does not
     apply to it (empty: its own ``dp`` option, if it has one, applies); a ``dp`` entry is refused with this reason.
-    ``cohort``: each of its rounds trains exactly the clients ``server.updates.sample(fraction, round)`` draws (the
-    framework's cohort), the precondition of central DP-FedAvg, whose noise and accountant assume the clients that
+    ``cohort``: each of its rounds trains exactly the clients the round loop hands it (``for rnd, cohort in
+    rounds.cohorts():``, the framework's cohort), the precondition of central DP-FedAvg, whose noise and accountant assume the clients that
     train are the ones it Poisson-samples: a central ``dp`` entry for a method without it is refused before start, and
     a round of a method with it that trains a client the sample did not draw stops the run.
+    ``streams_rounds``: its rounds go through ``server.updates.collect_round`` (broadcast, train, fold), so a round whose
+    rule is a sum is folded reply by reply (``federation.streaming``, ``federation.aggregation``).
+    ``updates`` (:data:`UPDATE_KEYS`): the update layer's settings its entry takes, each a field of its ``Params``
+    (``aggregator``, ``dp``, ``fraction``, ``weighted``); the framework reads these and no other field by name (a
+    method with ``cohort`` also declares its ``rounds``, which central DP's plan reads before start).
+    ``local_model_copies``: with ``uses_local_models``, how many copies of every client's local model the coordinator
+    holds at once (the memory check): 1, the uploads; 2, the uploads and models built from them (distill's ``teachers:
+    parameters``); 0, none gathered (distill's ``teachers: clients``: predictions only).
+
+    The vocabulary is closed: ``fuses`` one of :data:`FUSES`, ``updates`` of :data:`UPDATE_KEYS`, the flags booleans
+    (a ``TypeError`` or ``ValueError`` when the class is defined). Where an answer depends on the entry's parameters
+    (``aligned``'s merge, ``distill``'s transfer), the method overrides :meth:`Method.tags_for`, after scikit-learn's
+    ``__sklearn_tags__``.
     """
 
     fuses: Fuses = "parameters"
@@ -646,6 +662,26 @@ class MethodTags:
     public_sample: bool = False
     no_dp: str = ""
     cohort: bool = False
+    streams_rounds: bool = False
+    updates: frozenset[str] = frozenset()
+    local_model_copies: int = 1
+
+    def __post_init__(self) -> None:
+        if self.fuses not in FUSES:
+            raise ValueError(f"MethodTags.fuses: expected one of {', '.join(FUSES)}, got {self.fuses!r}")
+        if not isinstance(self.no_dp, str):
+            raise TypeError(f"MethodTags.no_dp: expected a reason (a string), got {type(self.no_dp).__name__}")
+        for flag in dataclasses.fields(self):
+            value = getattr(self, flag.name)
+            if flag.type in ("bool", bool) and not isinstance(value, bool):
+                raise TypeError(f"MethodTags.{flag.name}: expected true or false, got {value!r}")
+        if not isinstance(self.local_model_copies, int) or isinstance(self.local_model_copies, bool) or self.local_model_copies < 0:
+            raise TypeError(f"MethodTags.local_model_copies: expected a count (0, 1, 2...), got {self.local_model_copies!r}")
+        updates = frozenset(self.updates)
+        unknown = sorted(updates - set(UPDATE_KEYS))
+        if unknown:
+            raise ValueError(f"MethodTags.updates: expected keys among {', '.join(UPDATE_KEYS)}, got {', '.join(map(repr, unknown))}")
+        object.__setattr__(self, "updates", updates)
 
 
 class Method(ABC, Generic[P, RS]):
@@ -671,6 +707,13 @@ class Method(ABC, Generic[P, RS]):
     def __init__(self, params: P | None = None, label: str | None = None) -> None:
         self.params = cast(P, self.Params()) if params is None else params
         self.label = label or _method_name(type(self))  # an unregistered subclass may have no name: its class name
+
+    @classmethod
+    def tags_for(cls, params: P | None = None) -> MethodTags:
+        """The tags of an entry with ``params`` (``None``: the class's declaration, :attr:`tags`). A method whose
+        answer depends on its parameters overrides this (``dataclasses.replace(cls.tags, fuses=...)``); the framework
+        reads a method's capabilities here and nowhere else."""
+        return cls.tags
 
     @classmethod
     def check(cls, params: P, setup: RunSetup) -> None:
@@ -727,6 +770,11 @@ class MethodSpec:
 
     def build(self) -> Method:
         return self.method_cls(self.params, self.label)
+
+    @property
+    def tags(self) -> MethodTags:
+        """The entry's tags (:meth:`Method.tags_for` of its parameters)."""
+        return self.method_cls.tags_for(self.params)
 
 
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@+-]*")
@@ -799,12 +847,17 @@ _FLAGS = (
     "heterogeneous_clients",
     "public_labels",
     "no_dp",
+    "cohort",
+    "streams_rounds",
 )
 
 
 def _check_declared_tags(method_cls: type[Method[Any, Any]], path: str) -> None:
-    """A method's ``tags`` is a :class:`MethodTags`, and no class of it sets a capability flag of its own (the old
-    ``uses_local_models = True``...): such a flag would be silently ignored, and the run would go on without it."""
+    """A method's capabilities are declared one way, in its tags: ``tags`` is a :class:`MethodTags` (and
+    :meth:`Method.tags_for` gives one), no class of it sets a capability flag of its own (the old ``uses_local_models =
+    True``, ``streams_rounds = True``), and its ``Params`` has no ``fuses`` or ``public_sample`` property (the old
+    duck-typed answers): each would be silently ignored, and the run would go on without it. The update keys its tags
+    name are fields of its ``Params``."""
     if not isinstance(method_cls.tags, MethodTags):
         raise InputError(path, "a method whose tags are a rayfuse.method.MethodTags", type(method_cls.tags).__name__)
     for klass in method_cls.__mro__:
@@ -816,6 +869,34 @@ def _check_declared_tags(method_cls: type[Method[Any, Any]], path: str) -> None:
                 f"attributes of {klass.__qualname__}",
                 ", ".join(loose),
             )
+    duck = [name for name in ("fuses", "public_sample") if isinstance(getattr(method_cls.Params, name, None), property)]
+    if duck:
+        raise InputError(
+            path,
+            f"parameter-dependent tags from the method's tags_for(params) (dataclasses.replace(cls.tags, {duck[0]}=...)), "
+            f"not a property of {method_cls.Params.__qualname__}",
+            ", ".join(duck),
+        )
+    undeclared = [key for key in ("aggregator", "dp") if key in method_cls.Params.model_fields and key not in method_cls.tags.updates]
+    if undeclared:  # the update layer's settings by name: a field the framework would not read would silently do nothing
+        raise InputError(
+            path,
+            f"the update layer's settings declared in the method's tags (tags = MethodTags(updates=frozenset({{{undeclared[0]!r}}})), "
+            f"so the framework applies them), not a field of {method_cls.Params.__qualname__} it does not read",
+            ", ".join(undeclared),
+        )
+    missing = sorted(key for key in method_cls.tags.updates if key not in method_cls.Params.model_fields)
+    if method_cls.tags.cohort and "rounds" not in method_cls.Params.model_fields:
+        missing.append("rounds")
+    if missing:
+        raise InputError(path, f"a field of {method_cls.Params.__qualname__} for each update key its tags name", ", ".join(missing))
+
+
+def update_setting(spec: MethodSpec, key: str, default: Any = None) -> Any:
+    """The value of the update layer's setting ``key`` (:data:`~rayfuse.method.UPDATE_KEYS`) in a method entry, or
+    ``default`` where the method's tags do not take it (``MethodTags.updates``): the framework reads these fields of
+    an entry by their declared names and no other."""
+    return getattr(spec.params, key) if key in spec.tags.updates else default
 
 
 def resolved_config(cfg: ExperimentConfig, specs: Sequence[MethodSpec] | None = None) -> dict[str, Any]:
@@ -849,11 +930,9 @@ def check_methods(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
 
 
 def reads_public_sample(method_cls: type[Method[Any, Any]], params: MethodParams | None = None) -> bool:
-    """Whether the method reads the server's public sample: its ``Params``' own ``public_sample`` property (distill:
-    only with ``transfer: public``; gems: only with ``fine_tune``; epgan: a simulation's never), else
-    ``MethodTags.public_sample`` or ``public_labels``."""
-    own = getattr(params, "public_sample", None) if params is not None else None
-    return own if isinstance(own, bool) else (method_cls.tags.public_sample or method_cls.tags.public_labels)
+    """Whether the method reads the server's public sample: ``public_sample`` of its tags for ``params`` (distill: only
+    with ``transfer: public``; gems: only with ``fine_tune``; epgan: a simulation's never)."""
+    return method_cls.tags_for(params).public_sample
 
 
 def with_public_default(cfg: ExperimentConfig, specs: Sequence[MethodSpec]) -> ExperimentConfig:
@@ -868,20 +947,13 @@ def with_public_default(cfg: ExperimentConfig, specs: Sequence[MethodSpec]) -> E
     return cfg.model_copy(update={"data": data})
 
 
-def fuses_of(method_cls: type[Method[Any, Any]], params: MethodParams | None = None) -> str:
-    """What the method combines of its clients: its ``Params``' ``fuses`` property where the answer depends on the
-    parameters (``aligned``'s merge), else ``MethodTags.fuses``."""
-    own = getattr(params, "fuses", None) if params is not None else None
-    return own if isinstance(own, str) else method_cls.tags.fuses
-
-
 def dp_options() -> dict[str, list[str]]:
     """The registered methods whose ``dp`` key applies (a ``dp`` parameter, no ``MethodTags.no_dp``), by mechanism: the
     ``mechanism`` of the ``dp`` field's settings class (central DP-FedAvg, the clients' upload DP)."""
     options: dict[str, list[str]] = {}
     for name, cls in METHODS.items():
         field_ = cls.Params.model_fields.get("dp")
-        if field_ is None or cls.tags.no_dp:
+        if field_ is None or "dp" not in cls.tags.updates or cls.tags.no_dp:
             continue
         settings = [a for a in typing.get_args(field_.annotation) or (field_.annotation,) if a is not type(None)]
         mechanism = getattr(settings[0], "mechanism", None) if len(settings) == 1 else None
@@ -900,9 +972,10 @@ def dp_refusal(
     """The one line refusing ``dp`` at ``path`` (``methods.<label>.dp``) on a method whose tags say it does not apply
     (``MethodTags.no_dp``), that fuses what the update pipeline's DP does not act on (``MethodTags.fuses``), or that has
     no ``dp`` option; its hint lists the methods whose ``dp`` applies (:func:`dp_options`)."""
-    fused = fuses_of(method_cls, params)  # what the update pipeline would have to noise (its dp acts on parameter updates only)
-    if method_cls.tags.no_dp:
-        why = method_cls.tags.no_dp
+    tags = method_cls.tags_for(params)
+    fused = tags.fuses  # what the update pipeline would have to noise (its dp acts on parameter updates only)
+    if tags.no_dp:
+        why = tags.no_dp
     elif fused not in ("parameters", "nothing"):
         why = f"it fuses {fused}; dp acts on parameter updates"
     else:
@@ -913,6 +986,8 @@ def dp_refusal(
 #: what a method combines of its clients (:data:`Fuses`), in the words of the refusal of clients of several models
 _FUSES_ONE_LAYOUT = {
     "parameters": "combines the clients' weights, in one layout",
+    "adapter factors": "combines the clients' low-rank factors, in one layout",
+    "task vectors": "combines the clients' task vectors, in one layout",
     "posteriors": "fuses posteriors over the clients' weights, in one layout",
     "statistics": "fuses statistics of the clients' models, in one layout",
     "predictions": "fuses the clients' predictions, every client's model built in one architecture",
@@ -938,7 +1013,7 @@ def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConf
     ``setup`` may be a silo run's before its survey (stand-in sizes: every client holding held-out data)."""
     if cfg.data.is_silos:
         for spec in specs:
-            if spec.method_cls.tags.needs_dataset:
+            if spec.tags.needs_dataset:
                 raise InputError(
                     f"methods.{spec.label}",
                     "methods that run without a dataset of their own with data.silos (no process reads every silo)",
@@ -949,9 +1024,9 @@ def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConf
         models = [setup.client_model(i) for i in range(setup.num_clients)]
         others = other_model_clients(models)
         for spec in specs:
-            if spec.method_cls.tags.heterogeneous_clients:
+            if spec.tags.heterogeneous_clients:
                 continue
-            what = _FUSES_ONE_LAYOUT.get(fuses_of(spec.method_cls, spec.params), _FUSES_ONE_LAYOUT["parameters"])
+            what = _FUSES_ONE_LAYOUT.get(spec.tags.fuses, _FUSES_ONE_LAYOUT["parameters"])
             if others:
                 expected = f"clients of one architecture for method {spec.method!r} (methods.{spec.label} {what})"
                 got = f"client{'s' if len(others) > 1 else ''} {_client_list(others)} with models other than client 0's"
@@ -967,7 +1042,7 @@ def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConf
             )
     if not setup.public_labeled:
         for spec in specs:
-            if spec.method_cls.tags.public_labels:
+            if spec.tags.public_labels:
                 raise InputError(
                     "data.public.labels",
                     f"true (a labelled public sample) for method {spec.method!r} (methods.{spec.label} "
@@ -990,7 +1065,7 @@ def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConf
                 "set data.val_size, e.g. 0.1",
             )
         for spec in specs:
-            if not spec.method_cls.tags.federated_evaluation:
+            if not spec.tags.federated_evaluation:
                 raise InputError(
                     "evaluation",
                     f"central for method {spec.method!r} (methods.{spec.label}: it scores on the server's "
@@ -998,11 +1073,11 @@ def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConf
                     setup.evaluation,
                 )
     for spec in specs:
-        if spec.method_cls.tags.no_dp and getattr(spec.params, "dp", None) is not None:
+        if spec.tags.no_dp and update_setting(spec, "dp") is not None:
             raise dp_refusal(spec.method_cls, spec.method, f"methods.{spec.label}.dp", params=spec.params)
     if cfg.train.dp is not None:
         for spec in specs:
-            tags = spec.method_cls.tags
+            tags = spec.tags
             if not tags.local_model_only and not tags.oracle:
                 released = ", ".join(name for name, cls in METHODS.items() if cls.tags.local_model_only)
                 raise InputError(

@@ -250,11 +250,27 @@ class KeptState:
 # The round loop
 
 
+class RoundUpdates(Protocol):
+    """What :class:`RoundLoop` uses of the update pipeline (:class:`rayfuse.updates.pipeline.UpdatePipeline`): each
+    round's cohort, and the state it carries from round to round (central DP's adaptive clip norm), which the loop
+    checkpoints beside the method's round state and restores on ``--resume``."""
+
+    def cohort(self, round: int) -> list[int]: ...
+
+    def state(self) -> dict[str, float]: ...
+
+    def load_state(self, state: Mapping[str, float]) -> None: ...
+
+
 class LoopServer(Protocol):
     """What :class:`RoundLoop` uses of the method's server (``rayfuse.coordinator.MethodServer`` implements it)."""
 
     label: str
     events: Any
+
+    @property
+    def updates(self) -> RoundUpdates: ...
+
     resume: bool
     model_cache: str | None
     checkpoint: Any
@@ -356,9 +372,8 @@ class RoundLoop(Generic[S]):
             self.state = decode_state(state, checkpoint.params, checkpoint.state, checkpoint.meta)
             self.metrics = dict(checkpoint.meta.get("metrics", {}))
             self.store = checkpoint.meta.get("store") or self.store
-            pipeline = getattr(server, "updates", None)  # the update pipeline's carried state (central DP's clip norm)
-            if pipeline is not None and checkpoint.meta.get("pipeline"):
-                pipeline.load_state(checkpoint.meta["pipeline"])
+            if checkpoint.meta.get("pipeline"):  # the update pipeline's carried state (central DP's clip norm)
+                server.updates.load_state(checkpoint.meta["pipeline"])
         for value in vars(self.state).values():
             if isinstance(value, ClientRounds):
                 value.store = self.store
@@ -422,6 +437,15 @@ class RoundLoop(Generic[S]):
         """Whether ``round`` is evaluated: every ``evaluate_every`` rounds and the last."""
         return round % self.evaluate_every == 0 or round == self.last
 
+    def cohorts(self) -> Iterator[tuple[int, list[int]]]:
+        """The rounds with the clients each one trains, drawn by the framework (``server.updates.cohort``): under
+        central DP the accountant's Poisson sample (possibly none: the round is noise alone), else ``ceil(fraction N)``
+        clients with the entry's ``fraction``, else every client. A method with ``MethodTags.cohort`` iterates this
+        (``for rnd, cohort in rounds.cohorts():``) and trains exactly ``cohort``; DP's plan and state are the loop's."""
+        updates: RoundUpdates = self.server.updates
+        for rnd in self:
+            yield rnd, updates.cohort(rnd)
+
     def __iter__(self) -> Iterator[int]:
         server = self.server
         for rnd in range(self.start, self.last + 1):
@@ -449,8 +473,7 @@ class RoundLoop(Generic[S]):
                 metrics=shown,
             )
             params, arrays, meta = encode_state(self.state)
-            pipeline = getattr(server, "updates", None)
-            carried = dict(pipeline.state()) if pipeline is not None else {}
+            carried = dict(server.updates.state())
             meta = {**meta, "metrics": self.metrics, "store": self.store, **({"pipeline": carried} if carried else {})}
             server.save_checkpoint(rnd, params, arrays, meta)
         self._forget(self.store)  # the method is done: the clients may delete what they kept

@@ -779,7 +779,7 @@ def _start_federation(run: _Run, prepared: PreparedRun, backend: Backend) -> Non
 
 def _local_models(run: _Run, pending: Sequence[MethodSpec], backend: Backend, resume_state: bool) -> None:
     """3. ``local_training``, when a method still to run needs local models."""
-    if any(s.method_cls.tags.uses_local_models for s in pending):
+    if any(s.tags.uses_local_models for s in pending):
         t0 = time.perf_counter()
         backend.prepare_local_models(resume_state)
         run.timings["local_training"] = round(time.perf_counter() - t0, 3)

@@ -322,7 +322,7 @@ def load_space(path: str | Path, *, samples: int | None = None, overrides: list[
 
     scheduler = None
     if spec.scheduler is not None and spec.scheduler.type == "asha":
-        multi = [s for s in base.specs if s.method_cls.tags.multi_round]
+        multi = [s for s in base.specs if s.tags.multi_round]
         if len(multi) != 1 or multi[0].label != match.group(1):
             raise InputError(
                 f"{path}: scheduler",

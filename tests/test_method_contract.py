@@ -559,11 +559,9 @@ def test_refused_where_its_capabilities_say_so(tmp_path, capsys, silo_files, nam
 def test_the_cases_fuse_what_the_tags_say():
     """``caps`` reads ``tags.fuses``; a method whose parameters decide what it fuses (aligned's merge, finetune's base)
     runs here with parameters under which the two agree."""
-    from rayfuse.method import fuses_of
-
     for name in NAMES:
         cls = METHODS.get(name)
-        assert fuses_of(cls, cls.Params.model_validate(case_of(name).params)) == cls.tags.fuses, name
+        assert cls.tags_for(cls.Params.model_validate(case_of(name).params)).fuses == cls.tags.fuses, name
 
 
 def test_the_contract_covers_both_sides_of_every_refusal():

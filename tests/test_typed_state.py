@@ -84,10 +84,9 @@ def drive(method, steps, seed=0):
 
 
 def test_fedavg_state_round_trips_bit_for_bit(tmp_path):
-    state = FedAvgState(model(np.random.default_rng(1)), dp={"clip_norm": 0.1 + 0.2})
+    state = FedAvgState(model(np.random.default_rng(1)))  # central DP's clip norm is the round loop's, not the method's
     back = through_a_checkpoint(state, FedAvg().initial_state({}), tmp_path)
     same_state(state, back)
-    assert back.dp["clip_norm"] == 0.1 + 0.2
 
 
 @pytest.mark.parametrize("cls", [FedAdam, FedYogi])

@@ -155,7 +155,7 @@ def silo_config_for(
     from rayfuse.method import resolve_methods, resolved_config
 
     specs = resolve_methods(cfg.methods)
-    kept = [spec for spec in specs if not spec.method_cls.tags.needs_dataset]
+    kept = [spec for spec in specs if not spec.tags.needs_dataset]
     if not kept:
         raise InputError(
             "methods",
@@ -185,7 +185,7 @@ def silo_config_text(cfg: ExperimentConfig, files: list[dict[str, str]], test_fi
     from rayfuse.method import resolve_methods
 
     config = silo_config_for(cfg, files, test_file, public_file, plan.num_classes)
-    left_out = [spec.label for spec in resolve_methods(cfg.methods) if spec.method_cls.tags.needs_dataset]
+    left_out = [spec.label for spec in resolve_methods(cfg.methods) if spec.tags.needs_dataset]
     notes = [
         f"# written by rayfuse split: the simulation of {cfg.data.dataset!r} (partition {plan.partition['method']}, "
         f"{plan.num_clients} clients, seed {cfg.run.seed}, partition hash {plan.digest()[:12]}) as silo files.",

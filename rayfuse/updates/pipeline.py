@@ -39,14 +39,13 @@ from rayfuse.memory import available_memory
 from rayfuse.method import (
     Aggregate,
     Gathered,
-    MethodParams,
     MethodSpec,
     Rejected,
     RunSetup,
     ServerContext,
     Update,
     dp_options_text,
-    fuses_of,
+    update_setting,
 )
 from rayfuse.updates.accountant import compute_epsilon
 from rayfuse.updates.aggregate import weighted_average
@@ -75,12 +74,13 @@ R = TypeVar("R")
 DPSettings = CentralDPSettings | UploadDP
 
 
-def pipeline_settings(params: MethodParams) -> tuple[AggregatorSettings, DPSettings | None]:
+def pipeline_settings(spec: MethodSpec) -> tuple[AggregatorSettings, DPSettings | None]:
     """The pipeline's settings in a method's entry: its ``aggregator`` (default: the plain mean) and its ``dp`` (central
-    DP-FedAvg or the one-shot upload; ``None``: no DP). The one place that reads them: they stay method keys, so a run
-    can compare rules and budgets side by side (``krum: {method: fedavg, aggregator: ...}`` beside ``fedavg``)."""
-    aggregator = getattr(params, "aggregator", None)
-    dp = getattr(params, "dp", None)
+    DP-FedAvg or the one-shot upload; ``None``: no DP), where its tags take them. The one place that reads them: they
+    stay method keys, so a run can compare rules and budgets side by side (``krum: {method: fedavg, aggregator: ...}``
+    beside ``fedavg``)."""
+    aggregator = update_setting(spec, "aggregator")
+    dp = update_setting(spec, "dp")
     return (
         aggregator if isinstance(aggregator, AggregatorSettings) else AggregatorSettings(),
         dp if isinstance(dp, (CentralDPSettings, UploadDP)) else None,
@@ -97,8 +97,8 @@ def is_sum(aggregator: AggregatorSettings, dp: DPSettings | None) -> bool:
 
 def folds_rounds(spec: MethodSpec) -> bool:
     """Whether a method entry's rounds can be folded into sums: its class sends them through
-    ``server.updates.collect_round`` (``streams_rounds``, the FedAvg family) and its rule :func:`is_sum`."""
-    return bool(getattr(spec.method_cls, "streams_rounds", False)) and is_sum(*pipeline_settings(spec.params))
+    ``server.updates.collect_round`` (``MethodTags.streams_rounds``, the FedAvg family) and its rule :func:`is_sum`."""
+    return spec.tags.streams_rounds and is_sum(*pipeline_settings(spec))
 
 
 def clients_per_round(num_clients: int, fraction: float) -> int:
@@ -125,8 +125,8 @@ def check_update_pipeline(specs: Sequence[MethodSpec], setup: RunSetup, attacks:
     """
     for spec in specs:
         where = f"methods.{spec.label}"
-        fused = fuses_of(spec.method_cls, spec.params)
-        aggregator, dp = pipeline_settings(spec.params)
+        fused = spec.tags.fuses
+        aggregator, dp = pipeline_settings(spec)
         if fused != "parameters":
             if attacks and fused != "nothing":
                 count = f"{len(attacks)} attack{'s' if len(attacks) > 1 else ''} on clients {sorted(a.client for a in attacks)}"
@@ -152,19 +152,19 @@ def check_update_pipeline(specs: Sequence[MethodSpec], setup: RunSetup, attacks:
                     f"methods.<label>.dp is {dp_options_text()}",
                 )
             continue
-        if isinstance(dp, CentralDPSettings) and not spec.method_cls.tags.cohort:
+        if isinstance(dp, CentralDPSettings) and not spec.tags.cohort:
             raise InputError(
                 f"{where}.dp",
                 f"no central dp for method {spec.method!r} (DP-FedAvg's noise and accountant assume each round trains "
-                "the clients server.updates.sample draws, which this method does not declare: MethodTags.cohort)",
+                "the cohort the round loop draws, which this method does not declare: MethodTags.cohort)",
                 "a dp section",
-                "a method whose rounds train exactly server.updates.sample(fraction, round)'s clients declares "
+                "a method whose rounds train exactly the cohort of rounds.cohorts() declares "
                 "tags = MethodTags(cohort=True) (docs/writing-a-method.md)",
             )
         try:
             if isinstance(dp, CentralDPSettings):
                 _check_central_dp(spec, aggregator, dp, setup.num_clients)
-            elif (fraction := getattr(spec.params, "fraction", None)) is not None:  # a per-round sample (the FedAvg family)
+            elif (fraction := update_setting(spec, "fraction")) is not None:  # a per-round sample (the FedAvg family)
                 check_aggregator(
                     aggregator, clients_per_round(setup.num_clients, float(fraction)), where="aggregator", what="clients per round"
                 )
@@ -200,17 +200,17 @@ def check_aggregation(specs: Sequence[MethodSpec], federation: Any) -> None:
             mode,
         )
     for spec in specs:  # a round of this entry would gather every update (UpdatePipeline.round_mode)
-        if getattr(spec.method_cls, "streams_rounds", False) and not folds_rounds(spec):
+        if spec.tags.streams_rounds and not folds_rounds(spec):
             raise InputError(
                 "federation.aggregation",
-                f"flat or unset with methods.{spec.label}.aggregator {pipeline_settings(spec.params)[0].name!r} ({mode} "
+                f"flat or unset with methods.{spec.label}.aggregator {pipeline_settings(spec)[0].name!r} ({mode} "
                 "partial sums need a rule that is a sum: mean, mean with clip_norm, central DP)",
                 mode,
             )
     if not any(folds_rounds(spec) for spec in specs):
         from rayfuse.method import METHODS
 
-        streaming = sorted(name for name, cls in METHODS.items() if getattr(cls, "streams_rounds", False))
+        streaming = sorted(name for name, cls in METHODS.items() if cls.tags.streams_rounds)
         raise InputError(
             "federation.aggregation",
             f"flat or unset when no configured method folds rounds of updates into sums ({mode} serves "
@@ -227,11 +227,11 @@ def round_memory(spec: MethodSpec, federation: Any, num_clients: int, model_byte
     replies of a round (K = ``ceil(fraction N)``, every client for a one-shot method), the global model and the rule's
     output, plus the rule's working memory: K clipped copies with ``clip_norm``, one more model for the geometric
     median's iterate (the other rules work chunk by chunk)."""
-    aggregator, dp = pipeline_settings(spec.params)
+    aggregator, dp = pipeline_settings(spec)
     central = isinstance(dp, CentralDPSettings)
     if folds_rounds(spec) and federation.streaming and not federation.attacks:
         return (4 if central else 3) * model_bytes, "streamed"
-    fraction = getattr(spec.params, "fraction", None)
+    fraction = update_setting(spec, "fraction")
     k = clients_per_round(num_clients, float(fraction)) if fraction is not None else num_clients
     copies = k + 2 + (k if aggregator.clip_norm is not None or central else 0) + (1 if aggregator.name == "geometric_median" else 0)
     return copies * model_bytes, f"gathered: {k} updates"
@@ -242,10 +242,8 @@ def local_model_copies(spec: MethodSpec) -> int:
     gathers none (not ``MethodTags.uses_local_models``, or distill's ``teachers: clients``: predictions only), two for
     distill's ``teachers: parameters`` (the uploads, and the teacher models built from them for the whole
     distillation), else one (the uploads; a member is built one at a time where it is evaluated)."""
-    if not spec.method_cls.tags.uses_local_models:
-        return 0
-    teachers = getattr(spec.params, "teachers", None)
-    return 0 if teachers == "clients" else 2 if teachers == "parameters" else 1
+    tags = spec.tags
+    return tags.local_model_copies if tags.uses_local_models else 0
 
 
 def check_round_memory(
@@ -277,7 +275,7 @@ def check_round_memory(
         limit, source = free, "the available memory"
     for spec in specs:
         copies = local_model_copies(spec)
-        if fuses_of(spec.method_cls, spec.params) == "parameters":  # one layout: every client's model is the run's
+        if spec.tags.fuses == "parameters":  # one layout: every client's model is the run's
             bound, what = round_memory(spec, federation, num_clients, model_bytes)
             expected = (
                 f"an aggregation within the coordinator's memory ({source}: {format_bytes(limit)}; a "
@@ -292,12 +290,12 @@ def check_round_memory(
             continue
         if bound <= limit:
             continue
-        aggregator, _ = pipeline_settings(spec.params)
+        aggregator, _ = pipeline_settings(spec)
         if copies == 2:
             key, hint = f"methods.{spec.label}.teachers", "teachers: clients keeps each local model on its client (predictions only)"
-        elif getattr(spec.method_cls, "streams_rounds", False) and not federation.streaming:
+        elif spec.tags.streams_rounds and not federation.streaming:
             key, hint = "federation.streaming", "set federation.streaming: true (the rule is a sum)"
-        elif getattr(spec.method_cls, "streams_rounds", False) and federation.attacks:
+        elif spec.tags.streams_rounds and federation.attacks:
             key, hint = "federation.attacks", "attacked rounds gather every update: drop the attacks or use fewer clients"
         elif not aggregator.is_plain_mean:
             key, hint = f"methods.{spec.label}.aggregator", "a rule that is a sum (mean) streams, or give the coordinator more memory"
@@ -319,17 +317,17 @@ def _check_central_dp(spec: MethodSpec, aggregator: AggregatorSettings, dp: Cent
             "their sum; a robust rule is not a sum, so the noise would not match its sensitivity)",
             aggregator.model_dump(),
         )
-    fraction = getattr(params, "fraction", 1.0)
+    fraction = update_setting(spec, "fraction", 1.0)
     if "fraction" in params.model_fields_set and fraction != 1.0:
         raise InputError("fraction", "1.0 (unset) with dp (dp.sample_rate samples each client independently)", fraction)
-    weighted = getattr(params, "weighted", False)
+    weighted = update_setting(spec, "weighted", False)
     if "weighted" in params.model_fields_set and weighted:
         raise InputError(
             "weighted",
             "false (unset) with dp (DP-FedAvg weights every client 1: a sample-count weight would be private and unbounded)",
             weighted,
         )
-    plan_dp(dp, num_clients, int(getattr(params, "rounds", 1)))
+    plan_dp(dp, num_clients, int(params.model_dump()["rounds"]))  # a method with cohort declares its rounds (checked at resolve)
 
 
 def combine_models(
@@ -363,8 +361,8 @@ class UpdatePipeline:
     ----------
     server : ServerContext
         The method's server: its federation, events, seeded randomness and initial model.
-    params : MethodParams
-        The method entry's parameters (its ``aggregator`` and ``dp``: :func:`pipeline_settings`).
+    spec : MethodSpec
+        The method entry (its ``aggregator`` and ``dp``, where its tags take them: :func:`pipeline_settings`).
     attacks : list of AttackSpec
         ``federation.attacks``.
     planned_examples : callable
@@ -389,7 +387,7 @@ class UpdatePipeline:
     def __init__(
         self,
         server: ServerContext,
-        params: MethodParams,
+        spec: MethodSpec,
         attacks: Sequence[AttackSpec],
         *,
         planned_examples: Callable[[int], int],
@@ -406,7 +404,8 @@ class UpdatePipeline:
         self._rounds_collected = False  # collect_round ran: info() records the aggregation mode
         self._last_mode: str | None = None
         self._local_updates = local_updates
-        self.aggregator, self.dp = pipeline_settings(params)
+        self.aggregator, self.dp = pipeline_settings(spec)
+        self.fraction = float(update_setting(spec, "fraction", 1.0))
         self.attacks = list(attacks)
         self._planned = planned_examples
         self._reference_of = reference_of
@@ -427,6 +426,12 @@ class UpdatePipeline:
             self._plan = plan_dp(self.dp, self._server.federation.num_clients, planned)
         return min(self._plan.rounds, planned)
 
+    def cohort(self, round: int) -> list[int]:
+        """The clients that train in ``round`` (the round loop's :meth:`~rayfuse.rounds.RoundLoop.cohorts` hands them to
+        the method): DP-FedAvg's Poisson sample at ``dp.sample_rate`` (possibly none), else ``ceil(fraction N)`` of them
+        with the entry's ``fraction`` (every client at 1, or where the method takes no ``fraction``)."""
+        return self.sample(self.fraction, round)
+
     def sample(self, fraction: float, round: int) -> list[int]:
         """The clients that train in ``round``: DP-FedAvg's Poisson sample at ``dp.sample_rate`` (seeded by
         ``("dp-sample", round)``; possibly none), else ``ceil(fraction N)`` clients
@@ -444,7 +449,7 @@ class UpdatePipeline:
         if self._cohort is None or self._cohort[0] != int(round):
             raise RunFailure(
                 f"{self._server.label}: central DP round {round}: no clients were sampled for it; a method with dp trains "
-                f"the clients server.updates.sample(fraction, {round}) draws (the accountant's Poisson sample)"
+                f"the cohort the round loop hands it (for rnd, cohort in rounds.cohorts(): the accountant's Poisson sample)"
             )
         extra = sorted(int(c) for c in clients if int(c) not in self._cohort[1])
         if extra:
@@ -609,7 +614,7 @@ class UpdatePipeline:
         if reference is None:
             raise ValueError("central DP needs the global model the clients started from (reference)")
         if self._plan is None:
-            raise RuntimeError("central DP needs its plan: call server.updates.rounds(planned) before the first round")
+            raise RuntimeError("central DP needs its plan: the round loop (server.rounds) makes it before the first round")
         self._check_cohort([*gathered.results, *(f.client for f in gathered.failures)], round)
         updates: dict[int, Update] = {}
         if gathered.results or gathered.failures:  # no client sampled: the round is noise alone, as the accountant assumes
@@ -630,7 +635,7 @@ class UpdatePipeline:
         dp = self.dp
         assert isinstance(dp, CentralDPSettings)
         if self._plan is None:
-            raise RuntimeError("central DP needs its plan: call server.updates.rounds(planned) before the first round")
+            raise RuntimeError("central DP needs its plan: the round loop (server.rounds) makes it before the first round")
         done = noise_dp_round(total, unclipped, reference, dp, self._plan, float(self._clip), self._server.rng("dp-noise", round))
         return self._dp_aggregate(done, updates, round)
 

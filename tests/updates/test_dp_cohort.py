@@ -41,15 +41,17 @@ class ServerMomentum(Method[MomentumParams, MomentumState]):
     name = "server_momentum"
     Params = MomentumParams
 
+    tags = MethodTags(multi_round=True, updates=frozenset({"dp"}))
+
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params
         start = server.models.initial_params()
         rounds = server.rounds(MomentumState(start, {k: np.zeros_like(v) for k, v in start.items()}), last=p.rounds)
         state = rounds.state
         train = server.models.train_cfg
-        for rnd in rounds:
-            sampled = server.updates.sample(1.0, rnd) if p.wrong != "no_sample" else []
-            clients = server.federation.client_ids if p.wrong else sampled
+        # the framework's cohort, or (the wrong methods) every client, or rounds that never ask for their cohort
+        for rnd, cohort in rounds.cohorts() if p.wrong != "no_sample" else ((r, []) for r in rounds):
+            clients = server.federation.client_ids if p.wrong else cohort
             TRAINED[rnd] = sorted(int(c) for c in clients)
             step = dict(label=server.label, round=rnd, epochs=1, lr=train.lr, batch_size=train.batch_size, optimizer=train.optimizer)
             gathered = server.federation.run(
@@ -65,6 +67,12 @@ class ServerMomentum(Method[MomentumParams, MomentumState]):
 
 
 class ServerMomentumCohort(ServerMomentum):
+    tags = MethodTags(multi_round=True, cohort=True, updates=frozenset({"dp"}))
+
+
+class ServerMomentumUndeclared(ServerMomentum):
+    """Declares a ``dp`` field but not in its tags: the framework would never read it."""
+
     tags = MethodTags(multi_round=True, cohort=True)
 
 
@@ -112,3 +120,12 @@ def test_a_method_declaring_the_cohort_trains_exactly_the_clients_the_accountant
 def test_a_method_declaring_the_cohort_that_trains_other_clients_stops_at_that_round(tmp_path, wrong, message) -> None:
     with pytest.raises(RunFailure, match=message):
         rayfuse.run(_config(tmp_path, wrong=wrong), methods={"momentum": ServerMomentumCohort}, backend="local", quiet=True)
+
+
+def test_a_dp_field_the_tags_do_not_declare_is_refused_before_start_in_one_line(tmp_path) -> None:
+    with pytest.raises(InputError) as raised:
+        rayfuse.run(_config(tmp_path), methods={"momentum": ServerMomentumUndeclared}, backend="local", quiet=True)
+    line = str(raised.value)
+    assert line.startswith("methods.momentum: expected the update layer's settings declared in the method's tags") and "\n" not in line
+    assert line.endswith("got 'dp'")
+    assert not (tmp_path / "runs").exists()

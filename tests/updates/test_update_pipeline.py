@@ -25,7 +25,6 @@ from rayfuse.method import (
     MethodTags,
     RunSetup,
     Update,
-    fuses_of,
     resolve_methods,
 )
 from rayfuse.updates.aggregate import weighted_average
@@ -178,7 +177,7 @@ class Posteriors(Method):
 
     name = "posteriors"
     Params = PosteriorParams
-    tags = MethodTags(fuses="posteriors")
+    tags = MethodTags(fuses="posteriors", updates=frozenset({"aggregator", "dp"}))
 
     def run(self, server: Any) -> MethodResult:
         raise AssertionError("never started")
@@ -207,12 +206,17 @@ def test_every_method_declares_what_it_fuses():
     assert fused["gems"] == "statistics" and fused["kl"] == "posteriors" and fused["fedsa"] == "statistics"
     assert fused["epgan"] == "posteriors" and fused["distill"] == fused["ensemble"] == "predictions" and fused["local"] == "nothing"
     aligned = METHODS.get("aligned")
-    assert fuses_of(aligned, aligned.Params(merge="regmean")) == "statistics" == fuses_of(aligned, aligned.Params(merge="fisher"))
-    assert fuses_of(aligned, aligned.Params(merge="nonparametric")) == "parameters"
+    assert aligned.tags_for(aligned.Params(merge="regmean")).fuses == "statistics" == aligned.tags_for(aligned.Params(merge="fisher")).fuses
+    assert aligned.tags_for(aligned.Params(merge="nonparametric")).fuses == "parameters"
     finetune = METHODS.get("finetune")
-    assert fuses_of(finetune, finetune.Params(base="local")) == "nothing" and fuses_of(finetune, finetune.Params()) == "parameters"
+    assert (
+        finetune.tags_for(finetune.Params(base="local")).fuses == "nothing" and finetune.tags_for(finetune.Params()).fuses == "parameters"
+    )
     fedlora = METHODS.get("fedlora")
-    assert fuses_of(fedlora, fedlora.Params()) == "parameters" and fuses_of(fedlora, fedlora.Params(combine="stack")) == "adapter factors"
+    assert (
+        fedlora.tags_for(fedlora.Params()).fuses == "parameters"
+        and fedlora.tags_for(fedlora.Params(combine="stack")).fuses == "adapter factors"
+    )
 
 
 @pytest.mark.parametrize(

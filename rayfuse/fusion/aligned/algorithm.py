@@ -40,7 +40,7 @@ with counts. Nothing per sample.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -122,13 +122,6 @@ class AlignedParams(AlignmentSettings):
         "it leaves; only with what reads nothing else of the clients (alignment: weight, repair: false, "
         "rounds: 1, merge: average or nonparametric)",
     )
-
-    @property
-    def fuses(self) -> str:
-        """What the update pipeline sees of the clients (``MethodTags.fuses``): their models, aligned and then merged by the
-        pipeline's rule (``average``) or matched into new units (``nonparametric``); with ``fisher`` or ``regmean`` the
-        merge weighs them by statistics of the clients' data, which attacks, robust rules and DP do not act on."""
-        return "statistics" if self.merge in ("fisher", "regmean") else "parameters"
 
 
 def derive_run_spec(
@@ -318,7 +311,17 @@ class Aligned(Method[AlignedParams, AlignedState]):
     tags = MethodTags(
         uses_local_models=True,
         multi_round=True,
+        updates=frozenset({"aggregator", "dp", "weighted"}),
     )
+
+    @classmethod
+    def tags_for(cls, params: AlignedParams | None = None) -> MethodTags:
+        """What the update pipeline sees of the clients: their models, aligned and then merged by the pipeline's rule
+        (``average``) or matched into new units (``nonparametric``); with ``fisher`` or ``regmean`` the merge weighs
+        them by statistics of the clients' data, which attacks, robust rules and DP do not act on."""
+        if params is not None and params.merge in ("fisher", "regmean"):
+            return replace(cls.tags, fuses="statistics")
+        return cls.tags
 
     @classmethod
     def check(cls, params: AlignedParams, setup: RunSetup) -> None:

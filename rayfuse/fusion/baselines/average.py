@@ -46,6 +46,7 @@ class Average(Method[AverageParams, None]):
     tags = MethodTags(
         uses_local_models=True,
         local_model_only=True,  # train.dp (local DP-SGD) covers what it releases
+        updates=frozenset({"aggregator", "dp", "weighted"}),
     )
 
     def run(self, server: ServerContext) -> MethodResult:

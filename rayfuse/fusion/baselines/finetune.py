@@ -35,6 +35,7 @@ subset of it (uniformly, seeded), or a list of sizes for the fine-tuning curve o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import numpy as np
@@ -326,12 +327,6 @@ class FinetuneParams(TuneSettings):
         0, ge=0, description="base raw: stop once the training accuracy has not improved for this many epochs (0: off; the reference: 3)"
     )
 
-    @property
-    def fuses(self) -> str:
-        """What the update pipeline sees (``MethodTags.fuses``): ``average`` combines the local models through it (attacks
-        apply); ``local`` and ``raw`` combine no client upload."""
-        return "parameters" if self.base == "average" else "nothing"
-
     def resolved(self) -> FinetuneParams:
         """These parameters with ``tune_lr`` / ``last_layer_only`` filled in from the reference's per-base defaults."""
         lr, last_only = _BASE_DEFAULTS[self.base]
@@ -349,8 +344,17 @@ class Finetune(Method[FinetuneParams, None]):
     reference = references.GEMS
     tags = MethodTags(
         uses_local_models=True,
+        public_sample=True,
         public_labels=True,  # trains on the public sample's labels
     )
+
+    @classmethod
+    def tags_for(cls, params: FinetuneParams | None = None) -> MethodTags:
+        """What the update pipeline sees: ``average`` combines the local models through it (attacks apply); ``local``
+        and ``raw`` combine no client upload."""
+        if params is not None and params.base != "average":
+            return replace(cls.tags, fuses="nothing")
+        return cls.tags
 
     @classmethod
     def check(cls, params: FinetuneParams, setup: RunSetup) -> None:

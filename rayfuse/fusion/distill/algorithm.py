@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import numpy as np
@@ -155,11 +156,6 @@ class DistillParams(DistillOptions, MethodParams):
         "client's per-channel counts, means and variances, pooled); off by default: the student's own statistics, "
         "learnt with its weights on the transfer inputs, measured better (docs/methods/distill.md)",
     )
-
-    @property
-    def public_sample(self) -> bool:
-        """It reads the server's public sample (its inputs only) with ``transfer: public``; data-free reads none."""
-        return self.transfer == "public"
 
 
 # A batch's float32 copies besides its inputs: mixed and shifted inputs, the student's and the teachers' activations and
@@ -388,11 +384,21 @@ class Distill(Method[DistillParams, None]):
     reference = references.FEDDF
     tags = MethodTags(
         fuses="predictions",
-        public_sample=True,  # transfer: public (DistillParams.public_sample); data-free reads none
+        public_sample=True,  # transfer: public (tags_for); data-free reads none
         uses_local_models=True,
         local_model_only=True,  # train.dp covers the predictions (post-processing); input moments are refused with it
         heterogeneous_clients=True,
     )
+
+    @classmethod
+    def tags_for(cls, params: DistillParams | None = None) -> MethodTags:
+        """It reads the server's public sample (its inputs only) with ``transfer: public``, data-free none; the coordinator
+        holds no local model with ``teachers: clients`` (predictions only), two copies with ``teachers: parameters`` (the
+        uploads and the teachers built from them)."""
+        if params is None:
+            return cls.tags
+        copies = {"clients": 0, "parameters": 2}.get(params.teachers, 1)  # clients: predictions only; parameters: uploads + teachers
+        return replace(cls.tags, public_sample=params.transfer == "public", local_model_copies=copies)
 
     @classmethod
     def check(cls, params: DistillParams, setup: RunSetup) -> None:

@@ -122,12 +122,6 @@ class EPGANParams(MethodParams):
     grid: int = Field(100, ge=10, le=1000, description="grid points per axis of the D-MSE map")
     eval_samples: int = Field(10_000, ge=100, description="generator samples for the sample scores")
 
-    @property
-    def public_sample(self) -> bool:
-        """A simulation's public sample (``data.public_size``) is never read: the scores' classifier trains on the
-        whole dataset; only a silo config's ``data.public`` is (``MethodTags.public_labels``)."""
-        return False
-
     @model_validator(mode="after")
     def _components_need_ep(self) -> EPGANParams:
         if self.components > 1 and not self.backbone.startswith("ep-"):
@@ -549,6 +543,8 @@ class EPGAN(Method[EPGANParams, EPGANState]):
         federated_evaluation=False,  # generative scores (FD / IS / D-MSE) against the server's test set: evaluation central only
         multi_round=True,  # a checkpoint after the warm-up (turn 0) and after each turn; --resume continues after the last
         public_labels=True,  # with data.silos its image-score classifier trains on data.public's labels (if given)
+        # public_sample stays false: a simulation's public sample is never read (the scores' classifier trains on the
+        # whole dataset), so none is drawn for it
     )
     Params = EPGANParams
     summary = "EP-GAN: federated (Bayesian) GANs, FedAvg of G and D plus a product-of-Gaussians EP prior (Wu et al. 2022)"

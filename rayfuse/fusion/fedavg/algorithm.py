@@ -27,7 +27,7 @@ cadence, history and round checkpoints.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, TypeVar, cast
 
 import numpy as np
@@ -136,7 +136,6 @@ class FedAvgState:
     queue); every field round-trips bit for bit through the round checkpoint (:func:`rayfuse.rounds.encode_state`)."""
 
     params: dict[str, np.ndarray]
-    dp: dict[str, float] = field(default_factory=dict)  # DP-FedAvg: the clip norm of the next round (adaptive clipping moves it)
 
 
 FP = TypeVar("FP", bound=FedAvgParams)
@@ -149,9 +148,8 @@ class FedAvg(Method[FP, FS]):
     Params = FedAvgParams
     summary = "federated averaging over rounds (McMahan et al. 2017), sample-weighted"
     reference = references.FEDAVG
-    tags = MethodTags(multi_round=True, cohort=True)
-    #: its rounds go through ``server.updates.collect_round``: streamed where the rule is a sum (the memory check)
-    streams_rounds = True
+    # its rounds go through server.updates.collect_round: streamed where the rule is a sum (the memory check)
+    tags = MethodTags(multi_round=True, cohort=True, streams_rounds=True, updates=frozenset({"aggregator", "dp", "fraction", "weighted"}))
 
     @property
     def mu(self) -> float:
@@ -187,14 +185,15 @@ class FedAvg(Method[FP, FS]):
         p = self.params
         train = server.models.train_cfg
         pipeline = server.updates  # validation, attacks, clipping / central DP, the aggregation rule
-        last = pipeline.rounds(p.rounds)  # central DP's stop_at_epsilon may afford fewer
-        start = self.initial_state(server.models.initial_params())
-        start.dp = pipeline.state()
+        # the loop plans central DP (stop_at_epsilon may afford fewer rounds), checkpoints the pipeline's state and hands
+        # each round its cohort: the accountant's Poisson sample under DP, else ceil(fraction N) clients
         rounds = server.rounds(
-            start, last=last, evaluate=lambda rnd: server.scoring.evaluate(rounds.state.params), evaluate_every=p.evaluate_every
+            self.initial_state(server.models.initial_params()),
+            last=p.rounds,
+            evaluate=lambda rnd: server.scoring.evaluate(rounds.state.params),
+            evaluate_every=p.evaluate_every,
         )
         state = rounds.state
-        pipeline.load_state(state.dp)
         step_args = dict(
             label=server.label,
             epochs=p.local_epochs,
@@ -205,12 +204,10 @@ class FedAvg(Method[FP, FS]):
             weight_decay=train.weight_decay,
             **self.client_args(),
         )
-        for rnd in rounds:
-            clients = pipeline.sample(p.fraction, rnd)
+        for rnd, clients in rounds.cohorts():
             # broadcast, local training, the pipeline's four stages: each reply folded into a running sum as it arrives
             # where the rule is a sum (federation.streaming), else gathered; central DP may sample no client (noise alone)
             result = pipeline.collect_round(fit, state.params, clients, rnd, weighted=p.weighted, step_kwargs={"round": rnd, **step_args})
-            state.dp = pipeline.state()
             updates, extra = result.updates, result.metrics
             state.params = self.server_update(server, state, result.params, updates, rnd)
             losses = np.array([u.metrics.get("train_loss", np.nan) for u in updates.values()])
@@ -228,7 +225,7 @@ class FedAvg(Method[FP, FS]):
                     **self.round_metrics(),
                 }
             )
-        info: dict[str, object] = {"rounds": last, "mu": self.mu, **pipeline.info()}
+        info: dict[str, object] = {"rounds": rounds.last, "mu": self.mu}  # the pipeline's record is added by the framework
         return MethodResult(rounds.metrics, state.params, info=info)
 
 

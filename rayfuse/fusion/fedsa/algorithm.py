@@ -367,6 +367,7 @@ class Scratch(Method[StudentParams, None]):
     tags = MethodTags(
         fuses="nothing",
         federated_evaluation=False,  # a target-task model scored on the server's target test set: evaluation central only
+        public_sample=True,
         public_labels=True,  # trains on the target set's labels (the server's public sample)
     )
     Params = StudentParams
@@ -403,6 +404,7 @@ class Transfer(Method[TransferParams, None]):
         federated_evaluation=False,  # a target-task model scored on the server's target test set: evaluation central only
         uses_local_models=True,
         oracle=True,  # the teachers' weights leave their clients: not possible in FedSA's setting
+        public_sample=True,
         public_labels=True,  # fine-tunes each teacher on the target set's labels (the server's public sample)
     )
     Params = TransferParams
@@ -480,6 +482,7 @@ class FedSA(Method[FedSAParams, "FedSAState"]):
     tags = MethodTags(
         fuses="statistics",  # the teachers' saliency maps and students' features
         federated_evaluation=False,  # a target-task model scored on the server's target test set: evaluation central only
+        public_sample=True,
         public_labels=True,  # the weak target model and the student train on the target set's labels (the server's public sample)
         multi_round=True,  # a checkpoint after each round; ``--resume`` continues mid-method (the round loop, :meth:`ServerContext.rounds`)
     )

@@ -31,6 +31,7 @@ paper's and its notebooks' ([GEMS] in docs/references.md; departures: docs/metho
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Literal
 
 import numpy as np
@@ -289,11 +290,6 @@ class GEMSParams(TuneSettings):
     max_iter: int = Field(1000, ge=1, description="L-BFGS iterations of the intersection (eq. 2)")
     fine_tune: bool = Field(True, description="also report the fused model fine-tuned on the public sample (tuned_* metrics)")
 
-    @property
-    def public_sample(self) -> bool:
-        """It reads the server's public sample (and its labels) only to fine-tune: ``fine_tune: false`` reads none."""
-        return self.fine_tune
-
     @field_validator("hidden_epsilon")
     @classmethod
     def _nonnegative(cls, value: float | list[float]) -> float | list[float]:
@@ -357,8 +353,16 @@ class GEMS(Method[GEMSParams, None]):
     tags = MethodTags(
         fuses="statistics",
         uses_local_models=True,
+        public_sample=True,
         public_labels=True,  # fine-tunes the fused model on the public sample's labels (fine_tune, the tuned_* metrics)
     )
+
+    @classmethod
+    def tags_for(cls, params: GEMSParams | None = None) -> MethodTags:
+        """It reads the server's public sample (and its labels) only to fine-tune: ``fine_tune: false`` reads none."""
+        if params is not None and not params.fine_tune:
+            return replace(cls.tags, public_sample=False, public_labels=False)
+        return cls.tags
 
     @classmethod
     def check(cls, params: GEMSParams, setup: RunSetup) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -90,12 +90,6 @@ class FedLoraParams(MethodParams):
         default_factory=AggregatorSettings, description="combine: ffa only: how the B updates are combined (robust rules, clip_norm)"
     )
     dp: CentralDPSettings | None = Field(None, description="combine: ffa only: central DP-FedAvg on the B updates; null: no DP")
-
-    @property
-    def fuses(self) -> str:
-        """What the update pipeline sees: ``ffa``'s B matrices are parameters it averages; the other combines multiply
-        factors (not a parameter average), so attacks, robust rules and DP do not act on them."""
-        return "parameters" if self.combine == "ffa" else "adapter factors"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -252,11 +246,10 @@ def combine_round(
 @dataclass
 class FedLoraState:
     """The global adapter (``adapter``: every ``lora_A`` and ``lora_B``, used with scaling ``alpha / r``), the last
-    round's combined update per module (``delta``: what the merged model adds to the base) and DP's clip norm."""
+    round's combined update per module (``delta``: what the merged model adds to the base)."""
 
     adapter: dict[str, np.ndarray]
     delta: dict[str, np.ndarray]
-    dp: dict[str, float] = field(default_factory=dict)
 
 
 def base_of(base: str | None, model_cfg: Any) -> str | None:
@@ -343,7 +336,15 @@ class FedLora(Method[FedLoraParams, FedLoraState]):
     Params = FedLoraParams
     summary = "federated LoRA of one shared base: FFA-LoRA (exact, through the update pipeline), stack, svd or average_factors"
     reference = FFALORA
-    tags = MethodTags(multi_round=True, cohort=True)
+    tags = MethodTags(multi_round=True, cohort=True, updates=frozenset({"aggregator", "dp", "fraction", "weighted"}))
+
+    @classmethod
+    def tags_for(cls, params: FedLoraParams | None = None) -> MethodTags:
+        """What the update pipeline sees: ``ffa``'s B matrices are parameters it averages; the other combines multiply
+        factors (not a parameter average), so attacks, robust rules and DP do not act on them."""
+        if params is not None and params.combine != "ffa":
+            return replace(cls.tags, fuses="adapter factors")
+        return cls.tags
 
     @classmethod
     def check(cls, params: FedLoraParams, setup: RunSetup) -> None:
@@ -369,16 +370,13 @@ class FedLora(Method[FedLoraParams, FedLoraState]):
             start[f"{t}.lora_A"] = rng.uniform(-1 / math.sqrt(in_f), 1 / math.sqrt(in_f), size=(p.r, in_f)).astype(dtype)
             start[f"{t}.lora_B"] = np.zeros((out_f, p.r), dtype=dtype)
         ffa = p.combine == "ffa"
-        last = pipeline.rounds(p.rounds)
-        initial = FedLoraState(start, {}, pipeline.state())
-        rounds = server.rounds(
-            initial,
-            last=last,
+        rounds = server.rounds(  # plans central DP, checkpoints the pipeline's state, hands each round its cohort
+            FedLoraState(start, {}),
+            last=p.rounds,
             evaluate=lambda rnd: server.scoring.evaluate(merged_params(base, rounds.state.delta)),
             evaluate_every=p.evaluate_every,
         )
         state = rounds.state
-        pipeline.load_state(state.dp)
         base_ref = fed.put(base)
         step_args = dict(
             label=server.label,
@@ -392,8 +390,7 @@ class FedLora(Method[FedLoraParams, FedLoraState]):
             momentum=train.momentum,
             weight_decay=train.weight_decay,
         )
-        for rnd in rounds:
-            clients = pipeline.sample(p.fraction, rnd)
+        for rnd, clients in rounds.cohorts():
             gathered = fed.run(fit, base_ref, fed.put(state.adapter), clients=clients, round=rnd, **step_args) if clients else Gathered({})
             extra: dict[str, float] = {}
             if ffa:
@@ -411,7 +408,6 @@ class FedLora(Method[FedLoraParams, FedLoraState]):
                         [u.params for u in updates.values()], [float(x) for x in w], targets, scale, p.combine, p.r
                     )
                     extra["adapter_error"] = error
-            state.dp = pipeline.state()
             losses = np.array([u.metrics.get("train_loss", np.nan) for u in updates.values()])
             counts = np.array([u.num_examples for u in updates.values()], dtype=float)
             rounds.log(
@@ -422,12 +418,11 @@ class FedLora(Method[FedLoraParams, FedLoraState]):
                 }
             )
         info: dict[str, object] = {
-            "rounds": last,
+            "rounds": rounds.last,
             "combine": p.combine,
             "r": p.r,
             "targets": targets,
             "exact": p.combine in ("ffa", "stack"),
             "base": base_path or "shared init",
-            **pipeline.info(),
-        }
+        }  # the pipeline's record (central DP's plan and epsilon) is added by the framework
         return MethodResult(rounds.metrics, merged_params(base, state.delta), info=info)

@@ -25,6 +25,7 @@ server the base (``base.safetensors``): the files ``rayfuse fuse``'s ``fisher`` 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -84,12 +85,6 @@ class FedMergeParams(MethodParams):
         description="a new folder (nothing is overwritten) where each client writes its fine-tuned model and its statistics (client-<id>.safetensors, "
         "client-<id>.<merge>.safetensors): the files rayfuse fuse's fisher / regmean read",
     )
-
-    @property
-    def fuses(self) -> str:
-        """What the server combines: updates weighted by the clients' statistics; ``average``'s plain mean of the task
-        vectors is combined here too, not by the update pipeline, so its attacks, robust rules and DP do not act on it."""
-        return "statistics" if self.merge != "average" else "task vectors"
 
 
 def payload_keys(
@@ -222,6 +217,14 @@ class FedMerge(Method[FedMergeParams, None]):
     tags = MethodTags(fuses="statistics")
 
     @classmethod
+    def tags_for(cls, params: FedMergeParams | None = None) -> MethodTags:
+        """What the server combines: updates weighted by the clients' statistics; ``average``'s plain mean of the task
+        vectors is combined here too, not by the update pipeline, so its attacks, robust rules and DP do not act on it."""
+        if params is not None and params.merge == "average":
+            return replace(cls.tags, fuses="task vectors")
+        return cls.tags
+
+    @classmethod
     def check(cls, params: FedMergeParams, setup: RunSetup) -> None:
         if setup.input_shape is None or setup.num_classes is None:
             return  # a silo run's first check: the model's shape is not known yet
@@ -257,7 +260,7 @@ class FedMerge(Method[FedMergeParams, None]):
 
             Path(p.export).mkdir(parents=True, exist_ok=True)
             save_params(Path(p.export) / "base.safetensors", base)
-        clients = server.updates.sample(1.0, 1)
+        clients = server.federation.client_ids
         gathered = fed.run(
             fit,
             fed.put(base),
