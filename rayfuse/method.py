@@ -995,22 +995,8 @@ _FUSES_ONE_LAYOUT = {
 }
 
 
-def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConfig) -> None:
-    """Refuse, before anything starts, every run the methods' tags (:class:`MethodTags`) say they cannot do; one line,
-    the first refusal. In order:
-
-    * ``needs_dataset`` with ``data.silos`` (no process reads every silo), at ``methods.<label>``;
-    * clients of different models (``federation.client_overrides.<i>.model``) for a method without
-      ``heterogeneous_clients`` (it fuses what it fuses, ``MethodTags.fuses``, in one layout), naming the clients whose model
-      differs from client 0's (or, when every client has one other model, that it is not ``model``);
-    * a public sample without labels (``data.public.labels: false``) for a method with ``public_labels``;
-    * ``evaluation: federated`` / ``both`` where the clients cannot score: a new task on the server (``data.target``), no
-      held-out data on any client (``data.val_size: 0``), or a method without ``federated_evaluation``;
-    * ``dp`` on a method whose ``no_dp`` says why it does not apply, at ``methods.<label>.dp``;
-    * local DP-SGD (``train.dp``) for a method that is neither ``local_model_only`` nor an ``oracle``: it reads the
-      clients' data other than through their DP-trained local models (oracles, non-private references, pass).
-
-    ``setup`` may be a silo run's before its survey (stand-in sizes: every client holding held-out data)."""
+def refuse_dataset_readers_with_silos(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConfig) -> None:
+    """``needs_dataset`` with ``data.silos`` (no process reads every silo), at ``methods.<label>``."""
     if cfg.data.is_silos:
         for spec in specs:
             if spec.tags.needs_dataset:
@@ -1020,6 +1006,12 @@ def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConf
                     spec.method,
                     "it reads the whole dataset (data.dataset): run it on a simulation config",
                 )
+
+
+def refuse_one_layout_methods_with_mixed_clients(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConfig) -> None:
+    """Clients of different models (``federation.client_overrides.<i>.model``) for a method without
+    ``heterogeneous_clients`` (it fuses what it fuses, ``MethodTags.fuses``, in one layout), naming the clients whose
+    model differs from client 0's (or, when every client has one other model, that it is not ``model``)."""
     if setup.heterogeneous_clients:
         models = [setup.client_model(i) for i in range(setup.num_clients)]
         others = other_model_clients(models)
@@ -1040,6 +1032,10 @@ def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConf
             raise InputError(
                 "federation.client_overrides", f"{expected}, got {got}", hint=f"methods that take clients of different models: {accepted}"
             )
+
+
+def refuse_public_labels_without_labels(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConfig) -> None:
+    """A public sample without labels (``data.public.labels: false``) for a method with ``public_labels``."""
     if not setup.public_labeled:
         for spec in specs:
             if spec.tags.public_labels:
@@ -1050,6 +1046,13 @@ def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConf
                     False,
                     "give data.public a labelled file, or drop the method (distill with transfer: public reads inputs only)",
                 )
+
+
+def refuse_federated_evaluation_without_scores(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConfig) -> None:
+    """``evaluation: federated`` / ``both`` where the clients cannot score: a new task on the server
+    (``data.target``), no held-out data on any client (``data.val_size: 0``), or a method without
+    ``federated_evaluation``. A silo run's setup before its survey holds stand-in sizes (every client holding held-out
+    data)."""
     if setup.evaluation != "central":
         if setup.target is not None:
             raise InputError(
@@ -1072,9 +1075,18 @@ def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConf
                     "data in its own way, not through federated evaluation)",
                     setup.evaluation,
                 )
+
+
+def refuse_dp_the_tags_exclude(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConfig) -> None:
+    """``dp`` on a method whose ``no_dp`` says why it does not apply, at ``methods.<label>.dp``."""
     for spec in specs:
         if spec.tags.no_dp and update_setting(spec, "dp") is not None:
             raise dp_refusal(spec.method_cls, spec.method, f"methods.{spec.label}.dp", params=spec.params)
+
+
+def refuse_local_dp_for_other_readers(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConfig) -> None:
+    """Local DP-SGD (``train.dp``) for a method that is neither ``local_model_only`` nor an ``oracle``: it reads the
+    clients' data other than through their DP-trained local models (oracles, non-private references, pass)."""
     if cfg.train.dp is not None:
         for spec in specs:
             tags = spec.tags
@@ -1087,6 +1099,27 @@ def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConf
                     f"methods.{spec.label}",
                     f"drop train.dp or that method (methods.<label>.dp is {dp_options_text()})",
                 )
+
+
+#: The tags' pre-start rules, in the order the pre-start table runs them (``rayfuse.prestart.PRE_START_RULES``, with
+#: the methods' own checks between the data rules and the evaluation's): each reads the entries' tags and the setup,
+#: and raises one :class:`InputError`.
+TAG_RULES = (
+    refuse_dataset_readers_with_silos,
+    refuse_one_layout_methods_with_mixed_clients,
+    refuse_public_labels_without_labels,
+    refuse_federated_evaluation_without_scores,
+    refuse_dp_the_tags_exclude,
+    refuse_local_dp_for_other_readers,
+)
+
+
+def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConfig) -> None:
+    """Refuse, before anything starts, every run the methods' tags (:class:`MethodTags`) say they cannot do: the
+    rules of :data:`TAG_RULES` in order, one line, the first refusal (a run's checks are the pre-start table,
+    ``rayfuse.prestart``, which runs these among the others)."""
+    for rule in TAG_RULES:
+        rule(specs, setup, cfg)
 
 
 def _client_list(clients: Sequence[int], most: int = 8) -> str:

@@ -42,12 +42,12 @@ from rayfuse.data.identity import changed_files, content_data, data_files
 from rayfuse.data.roles import DataPlan, load_dataset_from_config, load_target_from_config, make_plan
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.io import atomic_write_json, atomic_write_text
-from rayfuse.method import MethodSpec, RunSetup, check_methods, check_tags, resolve_methods, resolved_config, with_public_default
+from rayfuse.method import MethodSpec, RunSetup, resolve_methods, resolved_config, with_public_default
 from rayfuse.metrics import METRICS_EVENT
+from rayfuse.prestart import StartFacts, check_before_start, check_local_dp
 from rayfuse.report import Printer, format_client_summary, format_partition, format_table, plot_comparison, write_metrics_parquet
 from rayfuse.store import RunStore, claim_run_folder
 from rayfuse.tracking import check_tracking, log_to_mlflow
-from rayfuse.updates.pipeline import check_aggregation, check_round_memory, check_update_pipeline
 from rayfuse.version import __version__
 
 if TYPE_CHECKING:
@@ -336,12 +336,7 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
     target = load_target_from_config(cfg.data)
     plan = make_plan(dataset, cfg.data, cfg.partition, cfg.run.seed, target=target)
     setup = RunSetup.from_plan(cfg, plan)
-    check_tags(specs, setup, cfg)
-    check_methods(specs, setup)
-    check_update_pipeline(specs, setup, cfg.federation.attacks)
-    check_aggregation(specs, cfg.federation)
-    check_round_memory(specs, cfg.federation, plan.num_clients, num_params, client_params=client_params)
-    check_local_dp(cfg, setup)
+    check_before_start(StartFacts(cfg, specs, setup, num_params, tuple(client_params)))
     return PreparedRun(cfg, specs, plan, setup, num_params, client_params)
 
 
@@ -369,65 +364,6 @@ def _as_sequences(cfg: ExperimentConfig, dataset: Any, refusal: InputError) -> t
         hint = f"data.layout: sequence reads the (N, {', '.join(map(str, sequences.input_shape))}) array as it is, not as grey images"
         raise InputError(refusal.path, refusal.expected, refusal.got, f"{refusal.hint}; {hint}" if refusal.hint else hint) from None
     return cfg.model_copy(update={"data": data}), sequences, num_params
-
-
-def check_local_dp(cfg: ExperimentConfig, setup: RunSetup) -> None:
-    """Refuse ``train.dp`` (local DP-SGD) where it cannot hold, before any client trains: a model Opacus cannot train
-    privately (BatchNorm, stock attention: Opacus' ``ModuleValidator``) or a delta not below one over the smallest
-    client's number of training examples (the privacy unit is one example). Every client's model is checked
-    (``federation.client_overrides.<i>.model``, else ``model``). A method that reads the clients' data other than
-    through their local models is refused from its tags (:func:`rayfuse.method.check_tags`)."""
-    dp = cfg.train.dp
-    if dp is None:
-        return
-    from rayfuse.models import build_model
-    from rayfuse.models.privacy import find_dp_unsupported
-
-    sizes = setup.train_sizes or ()  # (None: not known yet, a silo run before its survey; checked after it)
-    smallest = min((n for n in sizes if n > 0), default=0)
-    if smallest and dp.delta >= 1.0 / smallest:
-        raise InputError(
-            "train.dp.delta",
-            f"less than 1 / {smallest} (the smallest client's training examples: the privacy unit is one example)",
-            dp.delta,
-            f"e.g. delta: {10 ** -(len(str(smallest)) + 1):g}",
-        )
-    if dp.target_epsilon is not None and cfg.train.epochs > 0:  # each client's noise search, bounded, before any trains
-        from rayfuse.models.privacy import dp_sgd_noise_multiplier
-        from rayfuse.updates.accountant import UnreachableEpsilon
-
-        for batches in sorted({-(-n // cfg.train.batch_size) for n in sizes if n > 0}):
-            try:
-                dp_sgd_noise_multiplier(dp.target_epsilon, dp.delta, batches, cfg.train.epochs, dp.accountant)
-            except UnreachableEpsilon as exc:
-                raise InputError(
-                    "train.dp.target_epsilon",
-                    f"an epsilon DP-SGD reaches in {cfg.train.epochs} epochs of {batches} batches: {exc}",
-                    dp.target_epsilon,
-                    "or give noise_multiplier",
-                ) from None
-    checked: list[Any] = []
-    for client, model in enumerate(cfg.client_models()):
-        if any(model == m for m in checked):
-            continue
-        checked.append(model)
-        if setup.input_shape is None or setup.num_classes is None:
-            break  # not known yet (a silo run before its survey): checked after it
-        found = find_dp_unsupported(build_model(model, setup.input_shape, setup.num_classes, seed=0))
-        if found is not None:
-            module, kind = found
-            whose = (
-                f"model {model.name!r}"
-                if model == cfg.model
-                else f"client {client}'s model {model.name!r} (federation.client_overrides.{client}.model)"
-            )
-            raise InputError(
-                "train.dp",
-                f"a model Opacus can train with DP-SGD (logreg, mlp, cnn, or a custom model without BatchNorm "
-                f"or stock MultiheadAttention), but {whose} has {module}: {kind}",
-                InputError._MISSING,
-                "rayfuse's models have no norm option: use model.name mlp or cnn, or drop train.dp",
-            )
 
 
 def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> PreparedRun:
@@ -466,33 +402,9 @@ def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> Prepare
         client_models=cfg.client_models(),
         public_labeled=plan.public_labeled,
     )
-    # the tags' refusals and each method's own first (it names what to give: data.test for EP-GAN...), then the
-    # evaluation's (a tag refusal too)
-    check_tags(specs, replace(setup, evaluation="central"), cfg)
-    _check_silo_methods(specs, replace(setup, evaluation="central"))
-    check_update_pipeline(specs, setup, cfg.federation.attacks)  # the number of clients is known; it reads nothing else
-    check_aggregation(specs, cfg.federation)
-    check_tags(specs, setup, cfg)
+    # the same table as a simulation's, what is not known yet None (each rule skips it); again after the survey
+    check_before_start(StartFacts(cfg, specs, setup, None, None))
     return PreparedRun(cfg, specs, plan, setup, 0)  # type: ignore[arg-type]
-
-
-def _check_silo_methods(specs: Sequence[MethodSpec], setup: RunSetup) -> None:
-    """:func:`~rayfuse.method.check_methods` on a silo run's setup (before its survey, with what is not known yet
-    ``None``; after it, complete). A refusal of the server's sample size is said at ``data.public`` (a silo config
-    gives the server's sample as ``data.public``, not ``data.public_size``)."""
-    try:
-        check_methods(specs, setup)
-    except InputError as exc:
-        if exc.path.startswith("data.public") and not exc.path.startswith("data.public."):
-            raise _public_error(exc) from None
-        raise
-
-
-def _public_error(exc: InputError) -> InputError:
-    """A method's refusal of an empty public sample, at ``data.public`` (a silo config's server sample)."""
-    return InputError(
-        "data.public", f"the server's public / target sample ({exc.expected})", "none given", "give data.public: {dataset: npz, path: ...}"
-    )
 
 
 def finish_silo_run(prepared: PreparedRun, plan: Any) -> PreparedRun:
@@ -506,10 +418,7 @@ def finish_silo_run(prepared: PreparedRun, plan: Any) -> PreparedRun:
     num_params = check_model_fits(cfg.model, plan.input_shape, plan.num_classes)
     client_params = check_client_models_fit(cfg, tuple(plan.input_shape), plan.num_classes, num_params)
     setup = RunSetup.from_plan(cfg, plan)
-    check_tags(specs, setup, cfg)
-    _check_silo_methods(specs, setup)
-    check_round_memory(specs, cfg.federation, plan.num_clients, num_params, client_params=client_params)
-    check_local_dp(cfg, setup)
+    check_before_start(StartFacts(cfg, specs, setup, num_params, tuple(client_params)))  # the table again, all known
     return PreparedRun(cfg, specs, plan, setup, num_params, client_params)
 
 
