@@ -6,8 +6,8 @@ coordinator actor (:class:`RoundCoordinator`, an ``actors.coordinator.Coordinato
 client handles, its ``rayfuse.coordinator.Coordinator``) with a real ``MethodServer`` of the config's ``fedavg``. The
 coordinator runs the rounds and returns only timings: parameters move through Ray's object store and never through
 the driver (the driver's received bytes are reported). One round does what
-``rayfuse.fusion.fedavg.algorithm.FedAvg.run`` does: ``server.updates.sample_clients(fraction, round)`` (every client at
-``fraction: 1``), then ``server.updates.collect_round(echo_step, global_params, clients, round)``, FedAvg's round:
+``rayfuse.fusion.fedavg.algorithm.FedAvg.run`` does: the round's cohort (``server.updates.cohort(round)``, what the round
+loop's ``cohorts()`` hands the method: every client at ``fraction: 1``), then ``server.updates.collect_round(echo_step, global_params, clients, round)``, FedAvg's round:
 one broadcast (``federation.put``), every client returns a *copy* of the broadcast in an ``Update`` (new memory, as a
 trained update would be), and the update pipeline aggregates them with FedAvg's default aggregator (the weighted mean)
 in the cell's mode:
@@ -171,7 +171,7 @@ class RoundCoordinator(CoordinatorActor):
         timings = []
         for rnd in range(rounds):
             t0 = time.perf_counter()
-            clients = pipeline.sample_clients(p.fraction, rnd + 1)
+            clients = pipeline.cohort(rnd + 1)  # the round loop's cohort: every client at fraction 1
             result = pipeline.collect_round(echo_step, global_params, clients, rnd + 1, weighted=p.weighted)
             global_params, updates = result.params, result.updates
             t1 = time.perf_counter()

@@ -761,12 +761,14 @@ METHODS.add_loader(_discover_methods)
 @dataclass(frozen=True)
 class MethodSpec:
     """A resolved ``methods`` entry: its label, the method's registered name (or its class name for an
-    unregistered class), the class, and the validated parameters."""
+    unregistered class), the class, the validated parameters, and which update settings it grouped under ``updates:``
+    (a refusal names the key where the entry gave it)."""
 
     label: str
     method: str
     method_cls: type[Method]
     params: MethodParams
+    grouped: frozenset[str] = frozenset()  # the update settings the entry gave under ``updates:`` (refusals name them there)
 
     def build(self) -> Method:
         return self.method_cls(self.params, self.label)
@@ -824,16 +826,48 @@ def resolve_methods(methods: Mapping[str, Mapping[str, Any]], objects: Mapping[s
         else:
             raise InputError(path, "a method: a registered name, a Method subclass or a Method instance", type(given).__name__)
         _check_declared_tags(method_cls, path)
+        grouped = _hoist_updates(entry, method_cls, name, path)
         if "dp" in entry and "dp" not in method_cls.Params.model_fields:  # no option to validate: the tags' refusal now
-            raise dp_refusal(method_cls, name, f"{path}.dp", entry["dp"])
+            raise dp_refusal(method_cls, name, f"{path}.updates.dp" if "dp" in grouped else f"{path}.dp", entry["dp"])
         try:
             params = method_cls.Params.model_validate(entry)
         except ValidationError as exc:
-            raise pydantic_input_error(exc, prefix=path, model=method_cls.Params) from None
-        specs.append(MethodSpec(label, name, method_cls, params))
+            error = pydantic_input_error(exc, prefix=path, model=method_cls.Params)
+            key = error.path.removeprefix(f"{path}.").split(".", 1)[0].split("[", 1)[0]
+            if key in grouped:  # said where the user wrote it
+                error = error.at(f"{path}.updates.{error.path.removeprefix(f'{path}.')}")
+            raise error from None
+        specs.append(MethodSpec(label, name, method_cls, params, frozenset(grouped)))
     if not specs:
         raise InputError("methods", "at least one method", "none")
     return specs
+
+
+def _hoist_updates(entry: dict[str, Any], method_cls: type[Method[Any, Any]], name: str, path: str) -> set[str]:
+    """Move an entry's ``updates:`` block (the update layer's settings grouped: ``aggregator``, ``dp``, ``fraction``,
+    ``weighted``) to the entry's top level, where the method's ``Params`` reads them as they have always been spelt;
+    returns the keys moved. Refused in one line: a block that is not a mapping, a key the method's tags do not take
+    (``MethodTags.updates``), a key given both in the block and at the top level."""
+    if "updates" not in entry or "updates" in method_cls.Params.model_fields:
+        return set()
+    block = entry.pop("updates")
+    takes = sorted(method_cls.tags.updates)
+    if not isinstance(block, Mapping):
+        raise InputError(f"{path}.updates", f"a mapping of the update layer's settings ({', '.join(UPDATE_KEYS)})", block)
+    for key, value in block.items():
+        if key not in takes:
+            expected = (
+                f"one of {', '.join(takes)} (the update settings method {name!r} takes)"
+                if takes
+                else f"no updates block for method {name!r} (it takes none of {', '.join(UPDATE_KEYS)}: its tags' updates are empty)"
+            )
+            raise InputError(f"{path}.updates.{key}" if takes else f"{path}.updates", expected, key)
+        if key in entry:
+            raise InputError(
+                f"{path}.updates.{key}", f"{key} given once: under updates or at the entry's top level (the older spelling)", "both"
+            )
+        entry[key] = value
+    return set(block)
 
 
 #: the capability flags a method class set before :class:`MethodTags` held them

@@ -179,5 +179,18 @@ PRE_START_RULES: tuple[Callable[[StartFacts], None], ...] = (
 
 def check_before_start(facts: StartFacts, rules: Sequence[Callable[[StartFacts], None]] | None = None) -> None:
     """Run the pre-start table (:data:`PRE_START_RULES`, or ``rules``) on ``facts``: the first refusal is raised."""
-    for rule in PRE_START_RULES if rules is None else rules:
-        rule(facts)
+    try:
+        for rule in PRE_START_RULES if rules is None else rules:
+            rule(facts)
+    except InputError as exc:
+        raise _where_given(exc, facts.specs) from None
+
+
+def _where_given(exc: InputError, specs: Sequence[MethodSpec]) -> InputError:
+    """``exc`` at ``methods.<label>.updates.<key>...`` when that entry gave ``<key>`` in its ``updates:`` block."""
+    for spec in specs:
+        prefix = f"methods.{spec.label}."
+        key = exc.path.removeprefix(prefix).split(".", 1)[0] if exc.path.startswith(prefix) else None
+        if key in spec.grouped:
+            return exc.at(f"{prefix}updates.{exc.path.removeprefix(prefix)}")
+    return exc

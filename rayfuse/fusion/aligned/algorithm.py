@@ -61,8 +61,7 @@ from rayfuse.method import (
     register_method,
 )
 from rayfuse.updates.pipeline import combine_models
-from rayfuse.updates.privacy import UploadDP
-from rayfuse.updates.robust import AggregatorSettings
+from rayfuse.updates.settings import OneShotUpdates
 
 __all__ = ["AlignmentSettings", "AlignedParams", "Aligned", "batchnorm", "derive_run_spec", "read_batchnorm_reply"]
 
@@ -93,7 +92,7 @@ class AlignmentSettings(MethodParams):
     )
 
 
-class AlignedParams(AlignmentSettings):
+class AlignedParams(AlignmentSettings, OneShotUpdates):
     alignment: Literal["weight", "activation"] = Field(
         "activation", description="weight: data-free weight matching; activation: matching on the clients' activation statistics"
     )
@@ -105,23 +104,10 @@ class AlignedParams(AlignmentSettings):
     rounds: int = Field(1, ge=1, description="1: one shot; more: align, merge and repair after each round of local training")
     local_epochs: int = Field(1, ge=1, description="local epochs per round after the first")
     samples: int | None = Field(2048, ge=1, description="training samples per client the statistics use (None: all)")
-    weighted: bool = Field(True, description="weight each client by its number of training samples")
     spec: dict[str, Any] | None = Field(
         None, description="an explicit permutation spec (PermutationSpec.to_dict form) instead of the derived one"
     )
     evaluate_every: int = Field(1, ge=1, description="evaluate the fused model every this many rounds (and after the last)")
-    aggregator: AggregatorSettings = Field(
-        default_factory=AggregatorSettings,
-        description="merge: average: how the aligned "
-        "models are combined (mean, median, trimmed_mean, krum, bulyan, geometric_median; "
-        "clip_norm clips first)",
-    )
-    dp: UploadDP | None = Field(
-        None,
-        description="each client clips its upload to clip_norm and adds N(0, (z clip_norm)^2) before "
-        "it leaves; only with what reads nothing else of the clients (alignment: weight, repair: false, "
-        "rounds: 1, merge: average or nonparametric)",
-    )
 
 
 def derive_run_spec(

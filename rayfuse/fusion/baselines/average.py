@@ -17,24 +17,12 @@ averages the noised uploads and records each client's epsilon.
 
 from __future__ import annotations
 
-from pydantic import Field
-
-from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, ServerContext, register_method
-from rayfuse.updates.privacy import UploadDP
-from rayfuse.updates.robust import AggregatorSettings
+from rayfuse.method import Method, MethodResult, MethodTags, ServerContext, register_method
+from rayfuse.updates.settings import OneShotUpdates
 
 
-class AverageParams(MethodParams):
-    weighted: bool = Field(True, description="weight each client by its number of training samples (false: a plain mean)")
-    aggregator: AggregatorSettings = Field(
-        default_factory=AggregatorSettings,
-        description="how the local models are combined: mean, median, trimmed_mean, krum, bulyan, geometric_median; clip_norm clips first",
-    )
-    dp: UploadDP | None = Field(
-        None,
-        description="each client clips its upload to clip_norm and adds N(0, (z clip_norm)^2) before "
-        "it leaves: {clip_norm, noise_multiplier | target_epsilon, delta, accountant}; null: no DP",
-    )
+class AverageParams(OneShotUpdates):
+    """The update layer's settings only (:class:`~rayfuse.updates.settings.OneShotUpdates`: weighted, aggregator, dp)."""
 
 
 @register_method

@@ -37,7 +37,6 @@ from rayfuse.fusion import references
 from rayfuse.method import (
     ClientContext,
     Method,
-    MethodParams,
     MethodResult,
     MethodTags,
     ServerContext,
@@ -45,9 +44,8 @@ from rayfuse.method import (
     client_step,
     register_method,
 )
-from rayfuse.updates.central_dp import CentralDPSettings
 from rayfuse.updates.pipeline import clients_per_round
-from rayfuse.updates.robust import AggregatorSettings
+from rayfuse.updates.settings import CohortUpdates
 
 __all__ = ["FedAvg", "FedProx", "FedAvgParams", "FedProxParams", "FedAvgState", "fit", "clients_per_round"]
 
@@ -103,27 +101,13 @@ def fit(
     return Update(ctx.take_params(model), ctx.num_examples, metrics)  # the model's memory itself on the CPU: no second copy
 
 
-class FedAvgParams(MethodParams):
+class FedAvgParams(CohortUpdates):
     rounds: int = Field(20, ge=1, le=1_000_000, description="communication rounds (each: sample clients, local training, aggregate)")
     local_epochs: int = Field(2, ge=0, description="epochs of local training per round (0: clients return the model unchanged)")
     lr: float | None = Field(None, gt=0, description="default: train.lr")
     batch_size: int | None = Field(None, ge=1, description="default: train.batch_size")
     optimizer: Literal["adam", "sgd"] | None = Field(None, description="default: train.optimizer")
-    fraction: float = Field(1.0, gt=0, le=1, description="fraction of clients sampled per round (Flower's fraction_train)")
-    weighted: bool = Field(True, description="weight clients by their sample counts")
     evaluate_every: int = Field(1, ge=1, description="evaluate the global model every this many rounds (and after the last)")
-    aggregator: AggregatorSettings = Field(
-        default_factory=AggregatorSettings,
-        description="how the clients' models are "
-        "combined: mean (eq. 1), median, trimmed_mean, krum, bulyan, geometric_median; "
-        "clip_norm clips each update first",
-    )
-    dp: CentralDPSettings | None = Field(
-        None,
-        description="central DP-FedAvg (McMahan et al. 2018): noise_multiplier or "
-        "target_epsilon, clip_norm, adaptive, sample_rate, delta, accountant, stop_at_epsilon; "
-        "null: no DP",
-    )
 
 
 class FedProxParams(FedAvgParams):

@@ -37,7 +37,6 @@ from rayfuse.method import (
     ClientContext,
     Gathered,
     Method,
-    MethodParams,
     MethodResult,
     MethodTags,
     Reference,
@@ -47,8 +46,7 @@ from rayfuse.method import (
     client_step,
     register_method,
 )
-from rayfuse.updates.central_dp import CentralDPSettings
-from rayfuse.updates.robust import AggregatorSettings
+from rayfuse.updates.settings import CohortUpdates
 
 __all__ = ["FedLora", "FedLoraParams", "FedLoraState", "fit", "combine_round", "lora_targets", "merged_params", "FFALORA"]
 
@@ -61,7 +59,7 @@ FFALORA = Reference(
 Combine = Literal["ffa", "stack", "svd", "average_factors"]
 
 
-class FedLoraParams(MethodParams):
+class FedLoraParams(CohortUpdates):
     rounds: int = Field(5, ge=1, description="communication rounds (1: one shot)")
     local_epochs: int = Field(1, ge=1, description="epochs of local adapter training per round")
     r: int = Field(4, ge=1, description="LoRA rank of each adapter")
@@ -83,13 +81,7 @@ class FedLoraParams(MethodParams):
     )
     lr: float | None = Field(None, gt=0, description="default: train.lr")
     batch_size: int | None = Field(None, ge=1, description="default: train.batch_size")
-    fraction: float = Field(1.0, gt=0, le=1, description="fraction of clients sampled per round")
-    weighted: bool = Field(True, description="weight clients by their sample counts")
     evaluate_every: int = Field(1, ge=1, description="evaluate base + merged update every this many rounds (and after the last)")
-    aggregator: AggregatorSettings = Field(
-        default_factory=AggregatorSettings, description="combine: ffa only: how the B updates are combined (robust rules, clip_norm)"
-    )
-    dp: CentralDPSettings | None = Field(None, description="combine: ffa only: central DP-FedAvg on the B updates; null: no DP")
 
 
 # ---------------------------------------------------------------------------------------------------------------
