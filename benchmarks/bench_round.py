@@ -6,8 +6,9 @@ coordinator actor (:class:`RoundCoordinator`, an ``actors.coordinator.Coordinato
 client handles, its ``rayfuse.coordinator.Coordinator``) with a real ``MethodServer`` of the config's ``fedavg``. The
 coordinator runs the rounds and returns only timings: parameters move through Ray's object store and never through
 the driver (the driver's received bytes are reported). One round does what
-``rayfuse.fusion.fedavg.algorithm.FedAvg.run`` does: the round's cohort (``server.updates.cohort(round)``, what the round
-loop's ``cohorts()`` hands the method: every client at ``fraction: 1``), then ``server.updates.collect_round(echo_step, global_params, clients, round)``, FedAvg's round:
+``rayfuse.fusion.fedavg.algorithm.FedAvg.run`` does: the round's cohort (``server.updates.cohort(round)``, what the
+round loop's ``cohorts()`` hands the method: every client at ``fraction: 1``), then
+``server.updates.collect_round(echo_step, global_params, clients, round)``, FedAvg's round:
 one broadcast (``federation.put``), every client returns a *copy* of the broadcast in an ``Update`` (new memory, as a
 trained update would be), and the update pipeline aggregates them with FedAvg's default aggregator (the weighted mean)
 in the cell's mode:

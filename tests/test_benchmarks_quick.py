@@ -5,8 +5,9 @@ noticed. ``benchmarks/quick.txt`` lists one quick command per entry script (``be
 the same list); this module finds every entry script (a ``.py`` with a ``__main__`` block, or a ``.sh``), fails for one
 that the list lacks (so a new benchmark must add its quick mode), and runs each listed command in a process of its
 own, as a person would from the repository root (a shell script or one that starts a local Ray as a subprocess, the
-others forked from a process that has done their common imports once: 2 minutes instead of 3 for those): exit
-status 0, no traceback, and the results it wrote under ``{out}`` hold the expected keys and only finite numbers.
+others forked from a process that has done their common imports once: 2 minutes instead of 3 for those, and run on a
+thread beside the ones that start Ray): exit status 0, no traceback, and the results it wrote under ``{out}`` hold
+the expected keys and only finite numbers.
 """
 
 from __future__ import annotations
@@ -75,12 +76,11 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
 # Quick runs that start a local Ray of their own (in the subprocess): marked like the other tests that need Ray.
 STARTS_RAY = {
     "benchmarks/bench_kl.py",
-    "benchmarks/compare_flower.py",
+    "benchmarks/compare_flower.py",  # run elsewhere, on the session's Ray
     "benchmarks/aligned/speed.py",
     "benchmarks/distill/speed.py",
     "benchmarks/bench_round.py",
     "benchmarks/bench_large.py",
-    "benchmarks/gpu/check.sh",
 }
 
 
@@ -141,6 +141,8 @@ def test_run_all_quick_reads_the_same_list():
 # (run_all.sh runs them), not run a second time here.
 RUN_ELSEWHERE = {
     "benchmarks/finetunes/accuracy.py": "tests/finetunes/test_accuracy_bench.py::test_quick_run_writes_a_complete_finite_table",
+    "benchmarks/gpu/check.sh": "tests/test_gpu_path.py::test_the_gpu_check_runs_on_the_cpu_and_prints_its_table",
+    "benchmarks/compare_flower.py": "tests/test_benchmarks_run.py::test_compare_flower_runs_without_flower_and_says_so_in_one_line",
 }
 
 
@@ -211,14 +213,47 @@ def _run_forked(context: Any, script: str, argv: list[str], folder: Path) -> tup
     return int(process.exitcode if process.exitcode is not None else -9), stdout.read_text(), stderr.read_text()
 
 
+def _forked(script: str) -> bool:
+    return script.endswith(".py") and script not in STARTS_RAY
+
+
+@pytest.fixture(scope="module")
+def background(forkserver: Any, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Any:
+    """The forked quick runs of this session, started at once, one at a time, on a thread of their own: they run while
+    the quick runs that start a Ray of their own (mostly waiting on Ray's processes) run in the foreground, so the
+    module takes about the longer of the two sequences instead of their sum. ``script -> (future, folder, out)``;
+    only the runs the session selected are started."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    selected = {
+        item.callspec.params["script"]
+        for item in request.session.items
+        if getattr(item, "originalname", "") == "test_quick_mode_runs_and_writes_finite_results" and hasattr(item, "callspec")
+    }
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quick-forked")
+    started: dict[str, tuple[Any, Path, Path]] = {}
+    for script, args in quick_lines():
+        if script in RUN_ELSEWHERE or not _forked(script) or script not in selected:
+            continue
+        folder = tmp_path_factory.mktemp("quick-" + Path(script).stem)
+        out = folder / "out"
+        out.mkdir()
+        argv = [a.replace("{out}", str(out)) for a in args]
+        started[script] = (pool.submit(_run_forked, forkserver, script, argv, folder), folder, out)
+    yield started
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.mark.parametrize(("script", "args"), _params())
 def test_quick_mode_runs_and_writes_finite_results(script: str, args: list[str], tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    started = request.getfixturevalue("background")  # whichever test comes first starts the forked runs
     out = tmp_path / "out"
     out.mkdir()
     argv = [a.replace("{out}", str(out)) for a in args]
-    if script.endswith(".py") and script not in STARTS_RAY:
-        command = [sys.executable, script, *argv]
-        code, stdout, stderr = _run_forked(request.getfixturevalue("forkserver"), script, argv, tmp_path)
+    if _forked(script):
+        future, _, out = started[script]  # run in the background, into a folder of its own
+        command = [sys.executable, script, *[a.replace("{out}", str(out)) for a in args]]
+        code, stdout, stderr = future.result()
     else:
         command = [*(["bash"] if script.endswith(".sh") else [sys.executable]), script, *argv]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}

@@ -8,7 +8,6 @@ lacks that folder (``actors.backend.pickled_by_value``, as a run does for a scri
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from pathlib import Path
@@ -62,29 +61,30 @@ def test_bench_round_skips_a_cell_the_object_store_cannot_hold(bench_round):
 
 @pytest.mark.ray
 def test_compare_flower_runs_without_flower_and_says_so_in_one_line(ray_session, bench_round, monkeypatch, tmp_path, capsys):
-    """compare_flower.py at a tiny size (one 3-client cell the issue sets no target for), no Flower environment: the
-    rayfuse side runs, one line says why Flower was not measured, and the comparison is written."""
-    import _common
+    """compare_flower.py's quick mode (its line in benchmarks/quick.txt, run here rather than there: on the session's
+    Ray instead of one of its own), no Flower environment: the rayfuse side runs, one line says why Flower was not
+    measured, and the comparison is written, finite."""
+    import _common  # noqa: F401  (the script's sibling, imported as the script imports it)
     import compare_flower
 
     from actors.backend import pickled_by_value
+    from tests.test_benchmarks_quick import EXPECTED, finite_numbers
 
-    monkeypatch.setattr(compare_flower, "TARGET_CELLS", [bench_round.Cell(3, 1_000, target=True)])
-    monkeypatch.setattr(compare_flower, "run_cells", functools.partial(bench_round.run_cells_on_ray, max_load=1e9, quiet_timeout_s=0))
-    monkeypatch.setattr(_common, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(compare_flower, "run_cells", bench_round.run_cells_on_ray)  # the session's Ray, not a new one
     missing = tmp_path / "no-flwr-venv" / "bin" / "python"
-    monkeypatch.setattr(sys, "argv", ["compare_flower.py", "--rounds", "1", "--warmup", "0", "--flower-python", str(missing)])
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["compare_flower.py", "--quick", "--out", str(out), "--flower-python", str(missing)])
     with pickled_by_value(["bench_round", "_steps", "_common"]):
         compare_flower.main()
-    out = capsys.readouterr().out
-    [line] = [line for line in out.splitlines() if line.strip().startswith("Flower not measured")]
+    printed = capsys.readouterr().out
+    [line] = [line for line in printed.splitlines() if line.strip().startswith("Flower not measured")]
     assert line.strip() == f"Flower not measured: no Flower environment at {missing} (see the usage in this script's docstring)"
-    assert "Traceback" not in out
-    payload = json.loads((tmp_path / "compare_flower.json").read_text())
-    assert payload["flower"] is None and payload["flower_error"].startswith("no Flower environment")
-    [row] = payload["comparison"]
-    assert row["cell"] == "3 x 4 KB flat" and row["reference"].startswith("none") and row["target_met"] is None
-    assert row["rayfuse_round_s"] > 0
+    assert "Traceback" not in printed
+    name, keys = EXPECTED["benchmarks/compare_flower.py"]
+    payload = json.loads((out / name).read_text())
+    assert keys <= set(payload) and finite_numbers(payload, name) > 0
+    assert payload["quick"] is True and payload["flower"] is None and payload["flower_error"].startswith("no Flower environment")
+    assert payload["comparison"] and all(row["rayfuse_round_s"] > 0 and row["target_met"] is None for row in payload["comparison"])
 
 
 def test_bench_aggregate_quick_runs(bench_round, monkeypatch, tmp_path, capsys):
