@@ -20,22 +20,161 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rayfuse.config import ExperimentConfig
+from rayfuse.config import ExperimentConfig, other_model_clients
 from rayfuse.errors import InputError
-from rayfuse.method import (
-    MethodSpec,
-    RunSetup,
-    check_methods,
-    refuse_dataset_readers_with_silos,
-    refuse_dp_the_tags_exclude,
-    refuse_federated_evaluation_without_scores,
-    refuse_local_dp_for_other_readers,
-    refuse_one_layout_methods_with_mixed_clients,
-    refuse_public_labels_without_labels,
-)
+from rayfuse.method import METHODS, MethodSpec, RunSetup, check_methods, dp_options_text, dp_refusal, update_setting
 from rayfuse.updates.pipeline import check_aggregation, check_round_memory, check_update_pipeline
 
-__all__ = ["PRE_START_RULES", "StartFacts", "check_before_start", "check_local_dp"]
+__all__ = ["PRE_START_RULES", "TAG_RULES", "StartFacts", "check_before_start", "check_local_dp", "check_tags"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tags' rules: what the methods' tags (MethodTags) say they cannot do
+
+
+#: what a method combines of its clients (:data:`Fuses`), in the words of the refusal of clients of several models
+_FUSES_ONE_LAYOUT = {
+    "parameters": "combines the clients' weights, in one layout",
+    "adapter factors": "combines the clients' low-rank factors, in one layout",
+    "task vectors": "combines the clients' task vectors, in one layout",
+    "posteriors": "fuses posteriors over the clients' weights, in one layout",
+    "statistics": "fuses statistics of the clients' models, in one layout",
+    "predictions": "fuses the clients' predictions, every client's model built in one architecture",
+    "nothing": "builds every model it trains or scores in the run's one architecture",
+}
+
+
+def refuse_dataset_readers_with_silos(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConfig) -> None:
+    """``needs_dataset`` with ``data.silos`` (no process reads every silo), at ``methods.<label>``."""
+    if cfg.data.is_silos:
+        for spec in specs:
+            if spec.tags.needs_dataset:
+                raise InputError(
+                    f"methods.{spec.label}",
+                    "methods that run without a dataset of their own with data.silos (no process reads every silo)",
+                    spec.method,
+                    "it reads the whole dataset (data.dataset): run it on a simulation config",
+                )
+
+
+def refuse_one_layout_methods_with_mixed_clients(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConfig) -> None:
+    """Clients of different models (``federation.client_overrides.<i>.model``) for a method without
+    ``heterogeneous_clients`` (it fuses what it fuses, ``MethodTags.fuses``, in one layout), naming the clients whose
+    model differs from client 0's (or, when every client has one other model, that it is not ``model``)."""
+    if setup.heterogeneous_clients:
+        models = [setup.client_model(i) for i in range(setup.num_clients)]
+        others = other_model_clients(models)
+        for spec in specs:
+            if spec.tags.heterogeneous_clients:
+                continue
+            what = _FUSES_ONE_LAYOUT.get(spec.tags.fuses, _FUSES_ONE_LAYOUT["parameters"])
+            if others:
+                expected = f"clients of one architecture for method {spec.method!r} (methods.{spec.label} {what})"
+                got = f"client{'s' if len(others) > 1 else ''} {_client_list(others)} with models other than client 0's"
+            else:
+                expected = (
+                    f"clients of the run's architecture (model: {setup.model.name}) for method {spec.method!r} "
+                    f"(methods.{spec.label} {what} and scores in the server's model)"
+                )
+                got = f"every client with model {models[0].name}"
+            accepted = ", ".join(name for name, cls in METHODS.items() if cls.tags.heterogeneous_clients)
+            raise InputError(
+                "federation.client_overrides", f"{expected}, got {got}", hint=f"methods that take clients of different models: {accepted}"
+            )
+
+
+def refuse_public_labels_without_labels(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConfig) -> None:
+    """A public sample without labels (``data.public.labels: false``) for a method with ``public_labels``."""
+    if not setup.public_labeled:
+        for spec in specs:
+            if spec.tags.public_labels:
+                raise InputError(
+                    "data.public.labels",
+                    f"true (a labelled public sample) for method {spec.method!r} (methods.{spec.label} "
+                    "reads the labels of the server's public sample)",
+                    False,
+                    "give data.public a labelled file, or drop the method (distill with transfer: public reads inputs only)",
+                )
+
+
+def refuse_federated_evaluation_without_scores(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConfig) -> None:
+    """``evaluation: federated`` / ``both`` where the clients cannot score: a new task on the server
+    (``data.target``), no held-out data on any client (``data.val_size: 0``), or a method without
+    ``federated_evaluation``. A silo run's setup before its survey holds stand-in sizes (every client holding held-out
+    data)."""
+    if setup.evaluation != "central":
+        if setup.target is not None:
+            raise InputError(
+                "evaluation",
+                "central with data.target (the clients hold held-out data of their own task, not the server's target task)",
+                setup.evaluation,
+            )
+        if setup.val_sizes is not None and sum(setup.val_sizes) == 0:
+            raise InputError(
+                "evaluation",
+                "central when no client holds a held-out split (data.val_size is 0)",
+                setup.evaluation,
+                "set data.val_size, e.g. 0.1",
+            )
+        for spec in specs:
+            if not spec.tags.federated_evaluation:
+                raise InputError(
+                    "evaluation",
+                    f"central for method {spec.method!r} (methods.{spec.label}: it scores on the server's "
+                    "data in its own way, not through federated evaluation)",
+                    setup.evaluation,
+                )
+
+
+def refuse_dp_the_tags_exclude(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConfig) -> None:
+    """``dp`` on a method whose ``no_dp`` says why it does not apply, at ``methods.<label>.dp``."""
+    for spec in specs:
+        if spec.tags.no_dp and update_setting(spec, "dp") is not None:
+            raise dp_refusal(spec.method_cls, spec.method, f"methods.{spec.label}.dp", params=spec.params)
+
+
+def refuse_local_dp_for_other_readers(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConfig) -> None:
+    """Local DP-SGD (``train.dp``) for a method that is neither ``local_model_only`` nor an ``oracle``: it reads the
+    clients' data other than through their DP-trained local models (oracles, non-private references, pass)."""
+    if cfg.train.dp is not None:
+        for spec in specs:
+            tags = spec.tags
+            if not tags.local_model_only and not tags.oracle:
+                released = ", ".join(name for name, cls in METHODS.items() if cls.tags.local_model_only)
+                raise InputError(
+                    "train.dp",
+                    f"methods whose clients release only their DP-trained local models ({released}; "
+                    f"oracles pass as non-private references), not method {spec.method!r}",
+                    f"methods.{spec.label}",
+                    f"drop train.dp or that method (methods.<label>.dp is {dp_options_text()})",
+                )
+
+
+#: The tags' pre-start rules, in the order the pre-start table runs them (:data:`PRE_START_RULES`, with
+#: the methods' own checks between the data rules and the evaluation's): each reads the entries' tags and the setup,
+#: and raises one :class:`InputError`.
+TAG_RULES = (
+    refuse_dataset_readers_with_silos,
+    refuse_one_layout_methods_with_mixed_clients,
+    refuse_public_labels_without_labels,
+    refuse_federated_evaluation_without_scores,
+    refuse_dp_the_tags_exclude,
+    refuse_local_dp_for_other_readers,
+)
+
+
+def check_tags(specs: Sequence[MethodSpec], setup: RunSetup, cfg: ExperimentConfig) -> None:
+    """Refuse, before anything starts, every run the methods' tags (:class:`MethodTags`) say they cannot do: the
+    rules of :data:`TAG_RULES` in order, one line, the first refusal (a run's checks are the pre-start table,
+    :data:`PRE_START_RULES`, which runs these among the others)."""
+    for rule in TAG_RULES:
+        rule(specs, setup, cfg)
+
+
+def _client_list(clients: Sequence[int], most: int = 8) -> str:
+    """``1, 2, 5`` (and how many more past ``most``)."""
+    shown = ", ".join(str(c) for c in clients[:most])
+    return shown if len(clients) <= most else f"{shown} and {len(clients) - most} more"
 
 
 @dataclass(frozen=True)
@@ -101,7 +240,7 @@ def check_local_dp(cfg: ExperimentConfig, setup: RunSetup) -> None:
     privately (BatchNorm, stock attention: Opacus' ``ModuleValidator``) or a delta not below one over the smallest
     client's number of training examples (the privacy unit is one example). Every client's model is checked
     (``federation.client_overrides.<i>.model``, else ``model``). A method that reads the clients' data other than
-    through their local models is refused from its tags (:func:`rayfuse.method.check_tags`)."""
+    through their local models is refused from its tags (:func:`rayfuse.prestart.check_tags`)."""
     dp = cfg.train.dp
     if dp is None:
         return

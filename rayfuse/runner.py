@@ -371,7 +371,7 @@ def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> Prepare
     need the data (the model against the input shape, each method against the run) follow the silo survey
     (:func:`finish_silo_run`); the server's own sets (``data.test``, ``data.public``) are read here, on the server's
     node, for their sizes; a method that needs a public sample without ``data.public`` (or a test set without
-    ``data.test``) is refused now, and so is every run the methods' tags refuse (:func:`rayfuse.method.check_tags`:
+    ``data.test``) is refused now, and so is every run the methods' tags refuse (:func:`rayfuse.prestart.check_tags`:
     a method that needs the whole dataset, reads the public sample's labels when ``data.public`` has none, or scores
     on the server's data in its own way with ``evaluation`` federated or both...)."""
     from rayfuse.data.silos import make_silo_plan, server_set_size

@@ -23,9 +23,9 @@ from rayfuse.method import (
     MethodTags,
     RunSetup,
     ServerContext,
-    check_tags,
     resolve_methods,
 )
+from rayfuse.prestart import check_tags
 
 FUSES = set(typing.get_args(typing.get_type_hints(MethodTags)["fuses"]))
 OLD_FLAGS = (

@@ -10,7 +10,8 @@ import pytest
 
 from rayfuse.config import ModelConfig
 from rayfuse.errors import InputError
-from rayfuse.method import METHODS, MethodSpec, RunSetup, check_tags, dp_options, dp_refusal, resolve_methods
+from rayfuse.method import METHODS, MethodSpec, RunSetup, dp_options, dp_refusal, resolve_methods
+from rayfuse.prestart import check_tags
 from rayfuse.updates.pipeline import check_update_pipeline
 from tests.test_method_tags import setup_for
 

@@ -308,7 +308,7 @@ def _check_central_dp(spec: MethodSpec, aggregator: AggregatorSettings, dp: Cent
     """DP-FedAvg's conditions (paths relative to the entry): its noise is calibrated to the sensitivity ``C`` of a sum
     of updates clipped once, each weighing 1, the clients sampled by ``dp.sample_rate`` (a method whose server step reads
     more of each client than its update, ``MethodTags.no_dp``, is refused before this by
-    :func:`rayfuse.method.check_tags`)."""
+    :func:`rayfuse.prestart.check_tags`)."""
     params = spec.params
     if not aggregator.is_plain_mean:
         raise InputError(
