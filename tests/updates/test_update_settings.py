@@ -25,9 +25,22 @@ def test_each_method_takes_the_settings_its_tags_name_from_the_framework(name):
         assert issubclass(cls.Params, owner), f"{name}: {key} is not the framework's ({owner.__name__})"
 
 
-def test_every_method_that_fuses_parameters_through_the_pipeline_takes_its_aggregator():
-    takers = {n for n in METHODS.names() if "aggregator" in METHODS.get(n).tags.updates}
-    assert takers and all(METHODS.get(n).tags.fuses == "parameters" for n in takers)
+def test_the_aggregator_is_offered_to_exactly_the_methods_that_fuse_parameters():
+    # every method whose (default) entry fuses parameters combines them through the pipeline, with its rule
+    for name in METHODS.names():
+        tags = METHODS.get(name).tags
+        assert ("aggregator" in tags.updates) == (tags.fuses == "parameters"), name
+
+
+def test_finetune_on_the_average_takes_a_robust_rule_and_only_there(make_config):
+    (spec,) = resolve_methods({"finetune": {"updates": {"aggregator": {"name": "median"}}}})
+    assert spec.params.aggregator.name == "median"
+    cfg = make_config(data={"public_size": 0.1}, methods={"finetune": {"base": "local", "updates": {"aggregator": {"name": "median"}}}})
+    with pytest.raises(InputError) as raised:
+        prepare_run(cfg)
+    assert str(raised.value).startswith(
+        "methods.finetune.updates.aggregator: expected the default mean for method 'finetune' (it fuses nothing"
+    )
 
 
 GROUPED = [

@@ -51,6 +51,7 @@ from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, RunSe
 from rayfuse.models import get_params, train_model
 from rayfuse.models.registry import build_model
 from rayfuse.symmetry import ModelStructure, build_node_graph, read_structure
+from rayfuse.updates.settings import AggregatorUpdates, WeightedUpdates
 
 __all__ = [
     "FinetuneParams",
@@ -306,7 +307,7 @@ def tuning_curve(
 _BASE_DEFAULTS = {"average": (0.01, True), "local": (1e-3, False), "raw": (1e-3, False)}
 
 
-class FinetuneParams(TuneSettings):
+class FinetuneParams(TuneSettings, WeightedUpdates, AggregatorUpdates):
     base: Literal["local", "average", "raw"] = Field(
         "average", description="what to fine-tune: each local model, their average, or a fresh model"
     )
@@ -346,6 +347,7 @@ class Finetune(Method[FinetuneParams, None]):
         uses_local_models=True,
         public_sample=True,
         public_labels=True,  # trains on the public sample's labels
+        updates=frozenset({"aggregator", "weighted"}),  # base: average combines the local models through the pipeline
     )
 
     @classmethod
@@ -386,7 +388,9 @@ class Finetune(Method[FinetuneParams, None]):
                 info={"base": "raw", "tuning_curve": curve, "epochs": raw_epochs, "dropout": p.raw_dropout, "early_stop": p.raw_early_stop},
             )
         if p.base == "average":
-            result = server.updates.collect(server.updates.local_updates())  # validated, attacked where configured, averaged
+            start = server.models.initial_params() if p.aggregator.clip_norm is not None else None  # what clip_norm clips from
+            # validated, attacked where configured, combined by the entry's aggregator (default: the weighted mean)
+            result = server.updates.collect(server.updates.local_updates(), start=start, weighted=p.weighted)
             averaged, updates = result.params, result.updates
             metrics, curve, params = tuning_curve(server, averaged, p, key=key)
             server.log(0, metrics)
