@@ -61,6 +61,7 @@ __all__ = [
     "Gathered",
     "KeptState",
     "Method",
+    "MethodCase",
     "MethodParams",
     "MethodResult",
     "MethodSpec",
@@ -682,6 +683,38 @@ class MethodTags:
         object.__setattr__(self, "updates", updates)
 
 
+@dataclass(frozen=True)
+class MethodCase:
+    """How to run a method tiny: what :mod:`rayfuse.testing`'s checks (:func:`rayfuse.testing.check_method`) run it
+    with, declared on its class (``test_case = MethodCase(...)``; a subclass inherits its parent's or declares its own).
+
+    ``params``: the method's entry, tiny (few rounds and epochs); ``sections``: config sections merged over
+    :data:`rayfuse.testing.BASE` (a data or model section of its own). ``step``: the method's own client step
+    (``@client_step``) the resume check interrupts, at its ``call``-th call on a client (default: the last, so at least
+    one round is checkpointed, for a ``multi_round`` method; else the middle one); a method without a client step of
+    its own is interrupted on the server instead: ``Interrupted`` (what SIGTERM raises) at the ``call``-th call of
+    ``server_hook`` (a ``ServerContext`` method; default: ``log``, the server logging the method's metrics).
+    ``fused``: the model its fused file loads into (``"model"``: the run's; a parameter's name such as ``"student"``:
+    the model config that parameter holds; ``None``: a file of other tensors, checked finite only). ``variants``: the
+    method's entry in the runs of some refusal checks (``"silos"``: the silo runs', on their 3 classes of 4 features;
+    ``"method-dp"``: the run given a ``dp`` key; :data:`rayfuse.testing.RULES`). ``client_state``: its clients keep
+    state across rounds (``KeptState``), which outlives their process only under ``run.model_cache``: each run gets a
+    cache of its own, so a resume continues mid-method.
+    ``checkpoints``: the interruption comes after a round checkpoint of the method (default: its tags'
+    ``multi_round``).
+    """
+
+    params: dict[str, Any] = field(default_factory=dict)
+    sections: dict[str, Any] = field(default_factory=dict)
+    step: str | None = None
+    call: int | None = None
+    server_hook: str = "log"
+    fused: str | None = "model"
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    client_state: bool = False
+    checkpoints: bool | None = None
+
+
 class Method(ABC, Generic[P, RS]):
     """Base class of fusion methods and baselines, generic in the method's parameters ``P`` and its round state ``RS``
     (``None`` for a method without rounds): ``class Median(Method[MedianParams, MedianState])``. ``self.params`` and
@@ -689,8 +722,9 @@ class Method(ABC, Generic[P, RS]):
 
     Class attributes: ``name`` (the registry name), ``aliases``, ``Params`` (the :class:`MethodParams` subclass ``P``,
     with the paper's defaults: the one runtime record of it, as a ``ClassVar`` cannot hold a type variable),
-    ``summary`` (one line for ``rayfuse list``), ``reference`` (the paper), and ``tags`` (:class:`MethodTags`: what it
-    fuses and what it needs from the run, checked before start by ``rayfuse.prestart.check_tags``).
+    ``summary`` (one line for ``rayfuse list``), ``reference`` (the paper), ``tags`` (:class:`MethodTags`: what it
+    fuses and what it needs from the run, checked before start by ``rayfuse.prestart.check_tags``), and ``test_case``
+    (:class:`MethodCase`: how :func:`rayfuse.testing.check_method` runs it tiny; ``None``: the checks fail asking for one).
     """
 
     name: ClassVar[str]
@@ -699,6 +733,7 @@ class Method(ABC, Generic[P, RS]):
     summary: ClassVar[str] = ""
     reference: ClassVar[Reference | None] = None
     tags: ClassVar[MethodTags] = MethodTags()
+    test_case: ClassVar[MethodCase | None] = None
 
     params: P
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any
 
@@ -10,6 +9,7 @@ import pytest
 
 from rayfuse.config import ExperimentConfig, validate_config
 from rayfuse.method import resolve_methods
+from rayfuse.testing import merge, scramble_global_rngs  # noqa: F401  (tests import both from here)
 
 TINY: dict[str, Any] = {
     "run": {"name": "t", "seed": 0},
@@ -26,34 +26,6 @@ TINY: dict[str, Any] = {
         "global": {"epochs": 3},
     },
 }
-
-
-def scramble_global_rngs(seed: int = 987654) -> None:
-    """Put Python's, numpy's and torch's global random generators in a state no run would leave them in: a resumed run
-    checked after this cannot lean on the interrupted run's process-wide random state (a real resume is a new
-    process)."""
-    import random
-
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed % (2**32))
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return
-    torch.manual_seed(seed)
-
-
-def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """Deep merge; a key whose value is a dict merges, anything else replaces (``methods`` replaces)."""
-    out = copy.deepcopy(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "methods":
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 @pytest.fixture(autouse=True, scope="session")

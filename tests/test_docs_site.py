@@ -167,6 +167,7 @@ def test_the_site_builds_with_mkdocs_strict(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     api = (tmp_path / "site" / "api" / "index.html").read_text(encoding="utf-8")
     assert "rayfuse.api.run" in api and "rayfuse.method.Method" in api and "rayfuse.errors.InputError" in api
+    assert "rayfuse.testing.check_method" in api and "rayfuse.method.MethodCase" in api
     assert (tmp_path / "site" / "configuration" / "index.html").exists()
 
 

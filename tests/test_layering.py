@@ -28,6 +28,7 @@ CORE_MODULES = [
     "rayfuse.merging",
     "rayfuse.api",
     "rayfuse.method",
+    "rayfuse.testing",
 ]
 
 

@@ -51,6 +51,7 @@ from rayfuse.fusion import references
 from rayfuse.method import (
     ClientContext,
     Method,
+    MethodCase,
     MethodParams,
     MethodResult,
     MethodTags,
@@ -298,6 +299,10 @@ class Aligned(Method[AlignedParams, AlignedState]):
         uses_local_models=True,
         multi_round=True,
         updates=frozenset({"aggregator", "dp", "weighted"}),
+    )
+    # a DP upload covers the clients' weights only: the entry given dp is one round aligned by weights, without repair
+    test_case = MethodCase(
+        {"rounds": 2, "samples": 256}, step="aligned.fit", variants={"method-dp": {"alignment": "weight", "repair": False}}
     )
 
     @classmethod

@@ -17,7 +17,7 @@ averages the noised uploads and records each client's epsilon.
 
 from __future__ import annotations
 
-from rayfuse.method import Method, MethodResult, MethodTags, ServerContext, register_method
+from rayfuse.method import Method, MethodCase, MethodResult, MethodTags, ServerContext, register_method
 from rayfuse.updates.settings import OneShotUpdates
 
 
@@ -36,6 +36,7 @@ class Average(Method[AverageParams, None]):
         local_model_only=True,  # train.dp (local DP-SGD) covers what it releases
         updates=frozenset({"aggregator", "dp", "weighted"}),
     )
+    test_case = MethodCase()
 
     def run(self, server: ServerContext) -> MethodResult:
         p = self.params

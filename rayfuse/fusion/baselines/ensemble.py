@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, ServerContext, register_method
+from rayfuse.method import Method, MethodCase, MethodParams, MethodResult, MethodTags, ServerContext, register_method
 from rayfuse.metrics import majority_vote
 from rayfuse.updates.aggregate import normalize_weights
 
@@ -39,6 +39,7 @@ class Ensemble(Method[EnsembleParams, None]):
         local_model_only=True,  # train.dp (local DP-SGD) covers what it releases
         heterogeneous_clients=True,  # the members' probabilities are averaged, each member in its own architecture
     )
+    test_case = MethodCase(fused=None)
 
     def run(self, server: ServerContext) -> MethodResult:
         updates = server.updates.accept(server.updates.local_updates())

@@ -47,7 +47,7 @@ from rayfuse.data.roles import Split
 from rayfuse.errors import InputError, NonFiniteError
 from rayfuse.evaluation import model_for_params
 from rayfuse.fusion import references
-from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, RunSetup, ServerContext, register_method
+from rayfuse.method import Method, MethodCase, MethodParams, MethodResult, MethodTags, RunSetup, ServerContext, register_method
 from rayfuse.models import get_params, train_model
 from rayfuse.models.registry import build_model
 from rayfuse.symmetry import ModelStructure, build_node_graph, read_structure
@@ -349,6 +349,7 @@ class Finetune(Method[FinetuneParams, None]):
         public_labels=True,  # trains on the public sample's labels
         updates=frozenset({"aggregator", "weighted"}),  # base: average combines the local models through the pipeline
     )
+    test_case = MethodCase({"tune_epochs": 1}, {"data": {"public_size": 0.1}})
 
     @classmethod
     def tags_for(cls, params: FinetuneParams | None = None) -> MethodTags:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, ServerContext, register_method
+from rayfuse.method import Method, MethodCase, MethodParams, MethodResult, MethodTags, ServerContext, register_method
 
 
 @register_method
@@ -21,6 +21,7 @@ class Local(Method[MethodParams, None]):
         local_model_only=True,  # train.dp (local DP-SGD) covers what it releases
         heterogeneous_clients=True,  # each client's model is scored in its own architecture
     )
+    test_case = MethodCase(fused=None)
 
     def run(self, server: ServerContext) -> MethodResult:
         updates = server.updates.accept(server.updates.local_updates())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rayfuse.method import Method, MethodParams, MethodResult, MethodTags, ServerContext, register_method
+from rayfuse.method import Method, MethodCase, MethodParams, MethodResult, MethodTags, ServerContext, register_method
 from rayfuse.models import get_params, train_model
 
 
@@ -26,6 +26,7 @@ class GlobalOracle(Method[GlobalParams, None]):
         oracle=True,
         heterogeneous_clients=True,  # trains the run's own model (model:) on the pooled data: the clients' models play no part
     )
+    test_case = MethodCase({"epochs": 2})
     aliases = ("centralized", "pooled")
     Params = GlobalParams
     summary = "ORACLE: one model trained on all clients' data pooled (infeasible in a federation)"

@@ -48,6 +48,7 @@ from rayfuse.memory import check_fits_memory
 from rayfuse.method import (
     ClientContext,
     Method,
+    MethodCase,
     MethodParams,
     MethodResult,
     MethodTags,
@@ -389,6 +390,7 @@ class Distill(Method[DistillParams, None]):
         local_model_only=True,  # train.dp covers the predictions (post-processing); input moments are refused with it
         heterogeneous_clients=True,
     )
+    test_case = MethodCase({"steps": 20, "epochs": 1}, {"data": {"public_size": 0.1}}, step="aligned.correlations")
 
     @classmethod
     def tags_for(cls, params: DistillParams | None = None) -> MethodTags:

@@ -52,6 +52,7 @@ from rayfuse.method import (
     ClientRounds,
     KeptState,
     Method,
+    MethodCase,
     MethodParams,
     MethodResult,
     MethodTags,
@@ -535,6 +536,14 @@ class EPGANState:
         return reference
 
 
+#: the GAN methods' tiny runs (their ``test_case``, rayfuse.testing): four Gaussian modes, one per client
+_TINY_DATA: dict[str, Any] = {
+    "data": {"dataset": "gaussians4", "options": {"n_per_mode": 60}, "val_size": 0.0},
+    "partition": {"method": "labels", "num_clients": 4, "groups": [[0], [1], [2], [3]]},
+}
+_TINY_GAN: dict[str, Any] = {"warmup_epochs": 1, "rounds": 2, "local_epochs": 1, "batch_size": 32, "grid": 20, "eval_samples": 200}
+
+
 @register_method
 class EPGAN(Method[EPGANParams, EPGANState]):
     name = "epgan"
@@ -546,6 +555,7 @@ class EPGAN(Method[EPGANParams, EPGANState]):
         # public_sample stays false: a simulation's public sample is never read (the scores' classifier trains on the
         # whole dataset), so none is drawn for it
     )
+    test_case = MethodCase(_TINY_GAN, _TINY_DATA, step="epgan.train", fused=None, client_state=True)
     Params = EPGANParams
     summary = "EP-GAN: federated (Bayesian) GANs, FedAvg of G and D plus a product-of-Gaussians EP prior (Wu et al. 2022)"
     reference = references.EPGAN
@@ -684,6 +694,9 @@ class EPGANOracle(Method[EPGANOracleParams, "EPGANOracleState"]):
         federated_evaluation=False,  # generative scores (FD / IS / D-MSE) against the server's test set: evaluation central only
         oracle=True,
     )
+    # the oracle trains on the pooled data on the server, a checkpoint per block of local_epochs epochs: interrupted at
+    # its second block's log, after block 1's checkpoint
+    test_case = MethodCase({**_TINY_GAN, "epochs": 3}, _TINY_DATA, call=2, fused=None, checkpoints=True)
     aliases = ("epgan-centralized",)
     Params = EPGANOracleParams
     summary = "ORACLE: the EP-GAN backbone trained on all clients' data pooled (the paper's centralised column)"

@@ -37,6 +37,7 @@ from rayfuse.fusion import references
 from rayfuse.method import (
     ClientContext,
     Method,
+    MethodCase,
     MethodResult,
     MethodTags,
     ServerContext,
@@ -134,6 +135,7 @@ class FedAvg(Method[FP, FS]):
     reference = references.FEDAVG
     # its rounds go through server.updates.collect_round: streamed where the rule is a sum (the memory check)
     tags = MethodTags(multi_round=True, cohort=True, streams_rounds=True, updates=frozenset({"aggregator", "dp", "fraction", "weighted"}))
+    test_case = MethodCase({"rounds": 3, "local_epochs": 1}, step="fedavg.fit")  # its subclasses' too, unless they declare one
 
     @property
     def mu(self) -> float:
@@ -219,6 +221,7 @@ class FedProx(FedAvg[FedProxParams, FedAvgState]):
     Params = FedProxParams
     summary = "FedAvg with a proximal term mu/2 ||w - w_t||^2 on each client (Li et al. 2020)"
     reference = references.FEDPROX
+    test_case = MethodCase({"rounds": 3, "local_epochs": 1, "mu": 0.1}, step="fedavg.fit")
 
     @property
     def mu(self) -> float:

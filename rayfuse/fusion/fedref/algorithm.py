@@ -40,7 +40,7 @@ from pydantic import Field
 from rayfuse.errors import NonFiniteError
 from rayfuse.fusion import references
 from rayfuse.fusion.fedavg.algorithm import FedAvg, FedAvgParams, FedAvgState
-from rayfuse.method import ServerContext, Update, register_method
+from rayfuse.method import MethodCase, ServerContext, Update, register_method
 
 __all__ = ["FedRef", "FedRefParams", "FedRefState", "reference_model", "fedref_step"]
 
@@ -129,6 +129,7 @@ class FedRef(FedAvg[FedRefParams, FedRefState]):
     summary = "FedAvg plus a server-side Bayesian fine-tuning step towards the mean of the last p aggregates (Yoon & Choi 2025)"
     reference = references.FEDREF
     tags = replace(FedAvg.tags, no_dp="its server step reads each client's training loss, which DP-FedAvg does not noise")
+    test_case = MethodCase({"rounds": 3, "local_epochs": 1, "p": 1}, step="fedavg.fit")
 
     def __init__(self, params: FedRefParams | None = None, label: str | None = None) -> None:
         super().__init__(params, label)

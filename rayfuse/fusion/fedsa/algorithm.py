@@ -69,6 +69,7 @@ from rayfuse.method import (
     ClientRounds,
     KeptState,
     Method,
+    MethodCase,
     MethodParams,
     MethodResult,
     MethodTags,
@@ -360,6 +361,13 @@ def _check_finite(params: dict[str, np.ndarray]) -> bool:
 # -----------------------------------------------------------------------------------------------------------------
 # Methods
 
+#: the teacher-student methods' tiny runs (their ``test_case``, rayfuse.testing): digits with a public sample, a small
+#: CNN, one epoch of each stage; on silo data (4 features) a vector student
+_TINY_CNN: dict[str, Any] = {"name": "cnn", "channels": [4, 8]}
+_TINY_TEACHERS: dict[str, Any] = {"data": {"dataset": "digits", "public_size": 0.1, "val_size": 0.0}, "model": _TINY_CNN}
+_TINY_TARGET: dict[str, Any] = {"target_epochs": 1, "adapt_epochs": 1}
+_TINY_SILO_STUDENT: dict[str, Any] = {"name": "mlp", "hidden": [8]}
+
 
 @register_method
 class Scratch(Method[StudentParams, None]):
@@ -369,6 +377,12 @@ class Scratch(Method[StudentParams, None]):
         federated_evaluation=False,  # a target-task model scored on the server's target test set: evaluation central only
         public_sample=True,
         public_labels=True,  # trains on the target set's labels (the server's public sample)
+    )
+    test_case = MethodCase(
+        {**_TINY_TARGET, "student": _TINY_CNN},
+        _TINY_TEACHERS,
+        fused="student",
+        variants={"silos": {**_TINY_TARGET, "student": _TINY_SILO_STUDENT}},
     )
     Params = StudentParams
     summary = "the target model trained on the server's labelled target set alone (FedSA's Scratch baseline)"
@@ -407,6 +421,7 @@ class Transfer(Method[TransferParams, None]):
         public_sample=True,
         public_labels=True,  # fine-tunes each teacher on the target set's labels (the server's public sample)
     )
+    test_case = MethodCase(_TINY_TARGET, _TINY_TEACHERS, fused=None)
     Params = TransferParams
     summary = "each teacher fine-tuned on the target set (needs the teachers' weights: not federated; FedSA's Transfer)"
     reference = references.FEDSA
@@ -485,6 +500,23 @@ class FedSA(Method[FedSAParams, "FedSAState"]):
         public_sample=True,
         public_labels=True,  # the weak target model and the student train on the target set's labels (the server's public sample)
         multi_round=True,  # a checkpoint after each round; ``--resume`` continues mid-method (the round loop, :meth:`ServerContext.rounds`)
+    )
+    test_case = MethodCase(
+        {
+            **_TINY_TARGET,
+            "student": _TINY_CNN,
+            "rounds": 3,
+            "select_every": 1,
+            "k": 2,
+            "selection": "all",
+            "local_epochs": 1,
+            "evaluate_every": 1,
+        },
+        _TINY_TEACHERS,
+        step="fedsa.distill",
+        fused="student",
+        client_state=True,
+        variants={"silos": {**_TINY_TARGET, "student": _TINY_SILO_STUDENT, "rounds": 1, "k": 2, "local_epochs": 1}},
     )
     Params = FedSAParams
     summary = "saliency-based teacher selection and selective feature amalgamation into a new-task student (Xie et al. 2022)"

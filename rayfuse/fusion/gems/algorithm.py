@@ -57,6 +57,7 @@ from rayfuse.fusion.gems.balls import (
 from rayfuse.method import (
     ClientContext,
     Method,
+    MethodCase,
     MethodResult,
     MethodTags,
     RunSetup,
@@ -355,6 +356,9 @@ class GEMS(Method[GEMSParams, None]):
         uses_local_models=True,
         public_sample=True,
         public_labels=True,  # fine-tunes the fused model on the public sample's labels (fine_tune, the tuned_* metrics)
+    )
+    test_case = MethodCase(
+        {"tune_epochs": 1, "retrain_epochs": 1, "num_samples": 50}, {"data": {"public_size": 0.1}}, step="gems.model_ball"
     )
 
     @classmethod

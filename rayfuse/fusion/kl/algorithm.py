@@ -38,6 +38,8 @@ from rayfuse.fusion import references
 from rayfuse.fusion.kl.bnn import corrupt, fuse_output_bias, network_of, neurons_of, predictive, predictive_metrics, train_bnn
 from rayfuse.fusion.kl.fusion import fuse_heterogeneous, fuse_homogeneous
 from rayfuse.fusion.kl.gmm import (
+    TINY_GMM_DATA,
+    TINY_GMM_SILOS,
     GMMPosteriorParams,
     check_gmm_dataset,
     check_local_components,
@@ -47,7 +49,7 @@ from rayfuse.fusion.kl.gmm import (
 )
 from rayfuse.fusion.kl.topics import completion_log_likelihood, fit_lda_posterior, split_documents, topic_hausdorff
 from rayfuse.matching import Executor, serial_map, thread_map
-from rayfuse.method import Method, MethodResult, MethodTags, RunSetup, ServerContext, register_method
+from rayfuse.method import Method, MethodCase, MethodResult, MethodTags, RunSetup, ServerContext, register_method
 from rayfuse.seeding import make_rng
 
 __all__ = ["KLFusion", "KLParams", "choose_executor"]
@@ -105,6 +107,9 @@ class KLFusion(Method[KLParams, None]):
     tags = MethodTags(
         fuses="posteriors",
         federated_evaluation=False,  # scores on the server's test set and the true parameters (BNN, topics, GMM): central only
+    )
+    test_case = MethodCase(
+        {"n_init": 1, "vi_max_iter": 20}, TINY_GMM_DATA, step="kl.gmm_posterior", fused=None, variants={"silos": TINY_GMM_SILOS}
     )
     aliases = ("kl_fusion",)
     Params = KLParams

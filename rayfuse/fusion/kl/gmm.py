@@ -29,6 +29,7 @@ from rayfuse.fusion.kl.fusion import hausdorff
 from rayfuse.method import (
     ClientContext,
     Method,
+    MethodCase,
     MethodParams,
     MethodResult,
     MethodTags,
@@ -149,6 +150,15 @@ def check_local_components(params: GMMPosteriorParams, setup: RunSetup) -> None:
 
 GP = TypeVar("GP", bound=GMMPosteriorParams)
 
+#: the GMM methods' tiny runs (their ``test_case``, rayfuse.testing): four well-separated groups, one per client, and a
+#: quick variational fit; on silo data (rayfuse.testing's three silos of 3 classes) 3 components
+TINY_GMM_DATA: dict[str, Any] = {
+    "data": {"dataset": "kl_gmm", "options": {"separation": 30.0, "local_sd": 0.1, "points": 60, "num_groups": 4}, "val_size": 0},
+    "partition": {"method": "labels", "num_clients": 4, "groups": [[0], [1], [2], [3]]},
+}
+TINY_GMM_FIT: dict[str, Any] = {"n_components": 4, "n_init": 1, "vi_max_iter": 20}
+TINY_GMM_SILOS: dict[str, Any] = {"n_components": 3, "n_init": 1, "vi_max_iter": 20}
+
 
 class GMMMethod(Method[GP, None]):
     """A method on the ``kl_gmm`` dataset whose clients fit local GMM posteriors: checks both before the run."""
@@ -157,6 +167,7 @@ class GMMMethod(Method[GP, None]):
         fuses="posteriors",
         federated_evaluation=False,  # scores against the dataset's true GMM atoms: evaluation central only
     )
+    test_case = MethodCase(TINY_GMM_FIT, TINY_GMM_DATA, step="kl.gmm_posterior", fused=None, variants={"silos": TINY_GMM_SILOS})
 
     @classmethod
     def check(cls, params: GP, setup: RunSetup) -> None:
@@ -214,6 +225,7 @@ class GMMOracle(Method[GMMPosteriorParams, None]):
         federated_evaluation=False,  # scores against the dataset's true GMM atoms: evaluation central only
         oracle=True,
     )
+    test_case = MethodCase(TINY_GMM_FIT, TINY_GMM_DATA, fused=None)
     aliases = ("vi_oracle",)
     Params = GMMPosteriorParams
     summary = "ORACLE: variational GMM on every client's points pooled, with the true number of components (KL-fusion's VI-oracle)"

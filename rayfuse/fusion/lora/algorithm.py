@@ -37,6 +37,7 @@ from rayfuse.method import (
     ClientContext,
     Gathered,
     Method,
+    MethodCase,
     MethodResult,
     MethodTags,
     Reference,
@@ -329,6 +330,7 @@ class FedLora(Method[FedLoraParams, FedLoraState]):
     summary = "federated LoRA of one shared base: FFA-LoRA (exact, through the update pipeline), stack, svd or average_factors"
     reference = FFALORA
     tags = MethodTags(multi_round=True, cohort=True, updates=frozenset({"aggregator", "dp", "fraction", "weighted"}))
+    test_case = MethodCase({"rounds": 2, "local_epochs": 1, "r": 2}, step="fedlora.fit")
 
     @classmethod
     def tags_for(cls, params: FedLoraParams | None = None) -> MethodTags:

@@ -36,6 +36,7 @@ from rayfuse.fusion.references import REGMEAN
 from rayfuse.method import (
     ClientContext,
     Method,
+    MethodCase,
     MethodParams,
     MethodResult,
     MethodTags,
@@ -215,6 +216,7 @@ class FedMerge(Method[FedMergeParams, None]):
     reference = REGMEAN
     # the server weighs the updates by statistics (not a parameter average): attacks, robust rules and DP do not apply
     tags = MethodTags(fuses="statistics")
+    test_case = MethodCase({"local_epochs": 1}, step="fedmerge.fit")
 
     @classmethod
     def tags_for(cls, params: FedMergeParams | None = None) -> MethodTags:

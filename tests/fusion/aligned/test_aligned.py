@@ -8,6 +8,7 @@ import torch
 
 from rayfuse.fusion.aligned.algorithm import batchnorm, correlations, derive_run_spec
 from rayfuse.io import load_params
+from rayfuse.method import METHODS
 from rayfuse.models import build_model, set_params
 
 INDEPENDENT = {
@@ -202,3 +203,13 @@ def test_every_parameter_of_the_method_and_of_rayfuse_fuse_is_documented():
     table = page[page.index("## Parameters") : page.index("## What leaves a client")]
     missing = [name for cls in (AlignedParams, AlignParams) for name in cls.model_fields if f"`{name}`" not in table]
     assert not missing, missing
+
+
+def test_aligned_tags_are_its_papers():
+    """Rounds of aligning the clients' models; merged by the pipeline's rule (average) or matched into new units
+    (nonparametric) it combines weights, weighed by statistics of the clients' data (fisher, regmean) it does not."""
+    aligned = METHODS.get("aligned")
+    assert aligned.tags.multi_round and aligned.tags.uses_local_models and not aligned.tags.local_model_only
+    assert not (aligned.tags.oracle or aligned.tags.heterogeneous_clients)
+    assert aligned.tags_for(aligned.Params(merge="regmean")).fuses == "statistics" == aligned.tags_for(aligned.Params(merge="fisher")).fuses
+    assert aligned.tags_for(aligned.Params(merge="nonparametric")).fuses == "parameters" == aligned.tags_for(aligned.Params()).fuses

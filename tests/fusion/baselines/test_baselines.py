@@ -212,3 +212,25 @@ def _mean(server, gathered, weighted=True):
     """The update pipeline's plain mean (``server.updates.collect``): the averaged model and the updates it used."""
     result = server.updates.collect(gathered, weighted=weighted)
     return result.params, result.updates
+
+
+def test_the_baselines_tags_are_what_they_are():
+    """global pools the clients' data (an oracle needing the whole dataset, its own model); local, average and ensemble
+    read the clients' data only through their local models; local and ensemble score each client's model in its own
+    architecture; finetune combines the clients' weights only when its base is their average."""
+    tags = {name: METHODS.get(name).tags for name in ("global", "local", "average", "ensemble", "finetune")}
+    assert (
+        tags["global"].oracle
+        and tags["global"].needs_dataset
+        and tags["global"].heterogeneous_clients
+        and tags["global"].fuses == "nothing"
+    )
+    for name in ("local", "average", "ensemble"):
+        assert tags[name].local_model_only and not tags[name].oracle and not tags[name].multi_round, name
+    assert tags["local"].heterogeneous_clients and tags["ensemble"].heterogeneous_clients and not tags["average"].heterogeneous_clients
+    assert (tags["local"].fuses, tags["average"].fuses, tags["ensemble"].fuses) == ("nothing", "parameters", "predictions")
+    finetune = METHODS.get("finetune")
+    assert not (finetune.tags.oracle or finetune.tags.local_model_only or finetune.tags.multi_round)
+    assert (
+        finetune.tags_for(finetune.Params(base="local")).fuses == "nothing" and finetune.tags_for(finetune.Params()).fuses == "parameters"
+    )

@@ -16,6 +16,7 @@ from rayfuse.fusion.distill.algorithm import input_moments, predict, signal
 from rayfuse.fusion.distill.student import DistillSettings, distill_public, distill_synthetic, teacher_signal
 from rayfuse.fusion.distill.teachers import Teachers, combine_teachers, teacher_weights
 from rayfuse.io import load_params
+from rayfuse.method import METHODS
 from rayfuse.models import build_model, get_params, train_model
 from rayfuse.runner import prepare_run
 
@@ -382,3 +383,11 @@ def test_predictions_only_on_ray_equals_the_in_process_run(ray_session, make_con
         local_model = load_params(tmp_path / "local" / local["methods"][label]["model_file"])
         for key, value in local_model.items():
             np.testing.assert_allclose(ray_model[key], value, rtol=1e-4, atol=1e-5, err_msg=f"{label}: {key}")
+
+
+def test_distill_tags_are_its_papers():
+    """Ensemble distillation reads the clients only through their local models' predictions: any architecture each,
+    and local DP-SGD covers what it releases."""
+    tags = METHODS.get("distill").tags
+    assert tags.fuses == "predictions" and tags.local_model_only and tags.heterogeneous_clients and tags.uses_local_models
+    assert not (tags.oracle or tags.multi_round or tags.needs_dataset)

@@ -12,7 +12,7 @@ from rayfuse.errors import InputError
 from rayfuse.federation import Gathered, Update
 from rayfuse.fusion.epgan.algorithm import EPGAN, combine_factors, density_mse, grid_points, mixture_density, score_toy
 from rayfuse.fusion.epgan.nets import Discriminator, GANSettings, GANTrainer, Generator, ep_energy
-from rayfuse.method import resolve_methods
+from rayfuse.method import METHODS, resolve_methods
 
 TOY = {
     "data": {"dataset": "gaussians4", "options": {"n_per_mode": 120}, "val_size": 0.0},
@@ -527,3 +527,11 @@ def test_the_oracle_resumes_after_its_last_block_of_epochs(coordinator, monkeypa
     assert [e.get("message") for e in coord.events.since(0) if e["kind"] == "progress"] == ["epoch 3/3"]
     assert resumed["metrics"] == straight["metrics"]
     assert _deterministic(resumed["history"]) == _deterministic(straight["history"])
+
+
+def test_the_epgan_tags_are_its_papers():
+    """EP-GAN: rounds of GAN training whose EP factors (Gaussian posteriors) the server multiplies, scored generatively
+    (central only); its centralised column pools the clients' data."""
+    tags, oracle = METHODS.get("epgan").tags, METHODS.get("epgan-oracle").tags
+    assert tags.fuses == "posteriors" and tags.multi_round and not tags.federated_evaluation and not tags.oracle
+    assert oracle.oracle and oracle.needs_dataset and not oracle.federated_evaluation and not oracle.multi_round

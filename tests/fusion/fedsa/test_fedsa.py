@@ -31,7 +31,7 @@ from rayfuse.fusion.fedsa.kd import (
     select_teachers,
     selection_probabilities,
 )
-from rayfuse.method import resolve_methods
+from rayfuse.method import METHODS, resolve_methods
 from rayfuse.models import build_model, get_params
 from rayfuse.models.registry import MLP
 from rayfuse.runner import prepare_run
@@ -723,3 +723,14 @@ def test_fedsa_interrupted_on_ray_resumes_with_the_translators_its_client_actors
     assert resumed["methods"]["fedsa"]["info"]["selections"] == reference["methods"]["fedsa"]["info"]["selections"]
     assert resumed["methods"]["fedsa"]["accuracy"] == reference["methods"]["fedsa"]["accuracy"]
     assert not list((root / "cache-ray").glob("client-state/*/fedsa-translators/*/*"))
+
+
+def test_the_fedsa_methods_tags_are_their_papers():
+    """FedSA amalgamates selected teachers' features into a new-task student over rounds, scoring on the target task
+    (central only); Transfer needs the teachers' weights (not federated: an oracle); Scratch trains on the target set
+    alone."""
+    tags = {name: METHODS.get(name).tags for name in ("fedsa", "scratch", "transfer")}
+    assert tags["fedsa"].fuses == "statistics" and tags["fedsa"].multi_round and not tags["fedsa"].oracle
+    assert tags["transfer"].oracle and not tags["transfer"].needs_dataset and not tags["scratch"].oracle
+    for name, t in tags.items():
+        assert not t.federated_evaluation and t.public_labels and not t.local_model_only and not t.heterogeneous_clients, name

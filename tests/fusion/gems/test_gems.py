@@ -481,3 +481,9 @@ def test_fine_tuning_any_registry_model_moves_only_the_output_layer_its_graph_na
     narrow = build_model(ModelConfig(name="rescnn", channels=[3, 5]), (1, 8, 8), 10, seed=1).eval()
     model = model_for_params(get_params(narrow), cfg, (1, 8, 8), 10)
     np.testing.assert_array_equal(predict_proba(model, X), predict_proba(narrow, X))
+
+
+def test_gems_tags_are_its_papers():
+    """GEMS intersects the clients' balls of good models (statistics, not weights), one shot."""
+    tags = METHODS.get("gems").tags
+    assert tags.fuses == "statistics" and tags.uses_local_models and not (tags.oracle or tags.multi_round or tags.local_model_only)

@@ -10,6 +10,7 @@ from rayfuse.expfam import DiagGaussian, Dirichlet, NormalWishart
 from rayfuse.fusion.kl.fusion import fuse_heterogeneous, fuse_homogeneous, hausdorff, kl_kmeanspp
 from rayfuse.fusion.kl.spahm import spahm_match
 from rayfuse.matching import serial_map, thread_map
+from rayfuse.method import METHODS
 from rayfuse.runner import prepare_run
 
 
@@ -323,3 +324,14 @@ def test_homogeneous_topics_need_a_fixed_count(make_config):
     )
     with pytest.raises(InputError, match="methods.kl.n_components"):
         prepare_run(cfg)
+
+
+def test_the_gmm_methods_tags_are_their_papers():
+    """KL-fusion and its baselines fuse posteriors and score against the dataset's true parameters (central only); the
+    VI-oracle fits the clients' points pooled."""
+    for name in ("kl", "spahm", "dp_cluster"):
+        tags = METHODS.get(name).tags
+        assert tags.fuses == "posteriors" and not tags.federated_evaluation, name
+        assert not (tags.oracle or tags.needs_dataset or tags.multi_round or tags.local_model_only or tags.heterogeneous_clients), name
+    oracle = METHODS.get("gmm_oracle").tags
+    assert oracle.oracle and oracle.needs_dataset and oracle.fuses == "nothing" and not oracle.federated_evaluation

@@ -158,3 +158,18 @@ def test_ffa_runs_through_the_pipelines_central_dp_and_robust_rules(tmp_path):
     result = rayfuse.run(cfg, backend="local")
     assert np.isfinite(result.metrics[["accuracy", "nll"]].to_numpy(dtype=float)).all()
     assert result.results["methods"]["fedlora"]["info"]["dp"]["epsilon"] > 0
+
+
+def test_the_lora_methods_tags_are_their_papers():
+    """FFA-LoRA averages the trainable factor exactly (parameters, through the update pipeline) over rounds of the
+    round loop's cohort; stacking combines the factors themselves; FedMerge weighs the updates by the clients'
+    statistics, one shot."""
+    from rayfuse.method import METHODS
+
+    fedlora, fedmerge = METHODS.get("fedlora"), METHODS.get("fedmerge")
+    assert fedlora.tags.multi_round and fedlora.tags.cohort and not fedlora.tags.oracle
+    assert (
+        fedlora.tags_for(fedlora.Params()).fuses == "parameters"
+        and fedlora.tags_for(fedlora.Params(combine="stack")).fuses == "adapter factors"
+    )
+    assert fedmerge.tags.fuses == "statistics" and not (fedmerge.tags.multi_round or fedmerge.tags.oracle)
