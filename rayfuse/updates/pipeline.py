@@ -134,9 +134,8 @@ def check_update_pipeline(specs: Sequence[MethodSpec], setup: RunSetup, attacks:
                     "federation.attacks",
                     f"no attacks with method {spec.method!r} ({where} fuses {fused}; attacks act on parameter updates)",
                     count,
-                    "drop the attacks or that method (attacks apply where the update "
-                    "pipeline combines parameter updates: the FedAvg family, average, aligned with merge: average or "
-                    "nonparametric, finetune with base: average)",
+                    "drop the attacks or that method (attacks apply where the update pipeline combines parameter "
+                    f"updates: {_parameter_fusers()})",
                 )
             if not aggregator.is_plain_mean:
                 raise InputError(
@@ -174,6 +173,13 @@ def check_update_pipeline(specs: Sequence[MethodSpec], setup: RunSetup, attacks:
                 check_upload_dp(dp, setup)
         except InputError as exc:
             raise exc.at(f"{where}.{exc.path}") from None
+
+
+def _parameter_fusers() -> str:
+    """The registered methods whose default entry fuses parameters (``MethodTags.fuses``), for a refusal's hint."""
+    from rayfuse.method import METHODS
+
+    return ", ".join(sorted(name for name, cls in METHODS.items() if cls.tags.fuses == "parameters"))
 
 
 def check_aggregation(specs: Sequence[MethodSpec], federation: Any) -> None:
