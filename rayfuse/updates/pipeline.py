@@ -135,7 +135,7 @@ def check_update_pipeline(specs: Sequence[MethodSpec], setup: RunSetup, attacks:
                     f"no attacks with method {spec.method!r} ({where} fuses {fused}; attacks act on parameter updates)",
                     count,
                     "drop the attacks or that method (attacks apply where the update pipeline combines parameter "
-                    f"updates: {_parameter_fusers()})",
+                    f"updates: {_parameter_fusers()}, with their default parameters)",
                 )
             if not aggregator.is_plain_mean:
                 raise InputError(

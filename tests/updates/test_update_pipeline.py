@@ -31,7 +31,7 @@ from rayfuse.method import (
 from rayfuse.updates.aggregate import weighted_average
 from rayfuse.updates.attacks import apply_attacks
 from rayfuse.updates.central_dp import CentralDPSettings, apply_dp_round, plan_dp
-from rayfuse.updates.pipeline import UpdatePipeline, check_update_pipeline
+from rayfuse.updates.pipeline import UpdatePipeline, _parameter_fusers, check_update_pipeline
 from rayfuse.updates.robust import AggregatorSettings, aggregate_median, aggregate_trimmed_mean, clip_updates
 from tests.config.test_bad_inputs import Files, _snapshot, isolated, refused_line, with_base  # noqa: F401  (isolated: a fixture)
 from tests.helpers import prepared_coordinator
@@ -269,9 +269,10 @@ def test_attacks_on_a_method_that_cannot_apply_them_are_refused_before_start(tmp
     assert err == [
         f"rayfuse: error: federation.attacks: expected no attacks with method {entry.get('method', label)!r} "
         f"(methods.{label} fuses {fused}; attacks act on parameter updates), got '1 attack on clients [2]'; drop the "
-        "attacks or that method (attacks apply where the update pipeline combines parameter updates: the FedAvg family, "
-        "average, aligned with merge: average or nonparametric, finetune with base: average)"
+        "attacks or that method (attacks apply where the update pipeline combines parameter updates: "
+        f"{_parameter_fusers()}, with their default parameters)"
     ]
+    assert {"fedavg", "average", "aligned", "finetune"} <= set(_parameter_fusers().split(", "))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.yaml"]  # nothing started, nothing written
 
 
