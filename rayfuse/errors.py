@@ -11,7 +11,7 @@ import difflib
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["InputError", "RunFailure", "NonFiniteError", "suggest", "key_error", "KEYED_ERROR"]
+__all__ = ["InputError", "RunFailure", "NonFiniteError", "SecAggFailure", "suggest", "key_error", "KEYED_ERROR"]
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -96,3 +96,19 @@ class RunFailure(RuntimeError):
 
 class NonFiniteError(RunFailure):
     """A model produced NaN or Inf where a finite number was required."""
+
+
+class SecAggFailure(RunFailure):
+    """Secure aggregation could not finish: too few holders left to reconstruct a secret, or a malformed message.
+
+    ``client`` names the client whose message was malformed (``None`` when no one client is to blame, e.g. too many
+    dropped); the message is one line naming the clients and, for dropouts, the reconstruction threshold.
+    """
+
+    def __init__(self, message: str, client: Any = None) -> None:
+        self.client = client
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple:
+        # Rebuild with the client too (the default rebuilds from args, which hold only the message).
+        return type(self), (str(self), self.client)

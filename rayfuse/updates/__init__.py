@@ -9,6 +9,8 @@ the maths, shared by every method (the methods themselves live in :mod:`rayfuse.
 - :mod:`~rayfuse.updates.central_dp` and :mod:`~rayfuse.updates.privacy`: central DP-FedAvg and the one-shot DP upload,
   with :mod:`~rayfuse.updates.accountant` (the privacy accountant glue);
 - :mod:`~rayfuse.updates.attacks`: simulated attacks on clients' updates (``federation.attacks``);
+- :mod:`~rayfuse.updates.secagg`: secure aggregation, the SecAgg+ protocol's clients and server (the server learns
+  only the sum);
 - :mod:`~rayfuse.updates.aggregate`: the averaging maths.
 
 It imports the method contract (:mod:`rayfuse.method`) and never a method or the engine (``tests/test_layering.py``).
