@@ -27,7 +27,9 @@ smallest Mersenne prime above 2^256, so a 32-byte secret is one field element wi
 reduction modulo p is cheap; quantisation rounds to nearest (Flower: stochastically), so the error bound is
 deterministic; the share's sender and receiver are bound into the HKDF info, so each AES-GCM key encrypts one message
 and a ciphertext routed to another client fails authentication; a rebuilt mask secret key is checked against the
-public key its owner sent at setup, and surplus shares against the interpolated polynomial, naming a liar.
+public key its owner sent at setup, and surplus shares against the interpolated polynomial, naming a liar (with
+exactly t shares a bad one is still caught, unattributed, with probability 1 - 2^-265: the secret rebuilt is then a
+uniform field element, above 2^256 but for that chance).
 
 Encoding and its error: each entry is clipped to ``[-c, c]`` (``c = clipping_range``) and rounded to a multiple of
 ``delta = 2c / quantization_range``, so one client's entry is off by at most ``delta / 2`` and the decoded sum of ``n``
@@ -58,7 +60,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from rayfuse.errors import InputError, SecAggFailure
+from rayfuse.errors import InputError, NonFiniteError, SecAggFailure
 
 __all__ = [
     "SecAggParams",
@@ -415,6 +417,8 @@ class SecAggClient:
                 f"fewer than reconstruction_threshold - 1 = {t - 1}"
             )
         flat, _ = flatten(vector)
+        if not np.all(np.isfinite(flat)):  # NaN would encode to an arbitrary ring element and spoil the sum unseen
+            raise NonFiniteError(f"secure aggregation: client {self.cid!r}'s vector holds NaN or infinity")
         ratio = None
         if self.params.max_weight is not None:
             if weight is None or not (0 < weight <= self.params.max_weight):

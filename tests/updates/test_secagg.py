@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from rayfuse.errors import InputError, SecAggFailure
+from rayfuse.errors import InputError, NonFiniteError, SecAggFailure
 from rayfuse.updates.secagg import (
     PRIME,
     SecAggClient,
@@ -296,6 +296,13 @@ def test_bad_settings_raise_one_line_input_error(kwargs, path, expected):
     message = str(info.value)
     assert info.value.path == f"secure_aggregation.{path}" and "\n" not in message
     assert message.startswith(f"secure_aggregation.{path}: expected {expected}")
+
+
+def test_a_non_finite_vector_is_refused_not_summed():
+    vectors = _vectors(3, "flat")
+    vectors[1][4] = np.nan
+    with pytest.raises(NonFiniteError, match="client 1's vector holds NaN"):
+        secure_sum(vectors, SecAggParams(3, 2, 2), seed=1)
 
 
 def test_a_weight_above_max_weight_is_refused():
