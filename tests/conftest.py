@@ -9,23 +9,22 @@ import pytest
 
 from rayfuse.config import ExperimentConfig, validate_config
 from rayfuse.method import resolve_methods
-from rayfuse.testing import merge, scramble_global_rngs  # noqa: F401  (tests import both from here)
+from rayfuse.testing import BASE, merge, scramble_global_rngs  # noqa: F401  (tests import both from here)
 
-TINY: dict[str, Any] = {
-    "run": {"name": "t", "seed": 0},
-    "data": {"dataset": "digits"},
-    "partition": {"method": "dirichlet", "num_clients": 4, "alpha": 0.5},
-    "model": {"name": "mlp", "hidden": [16]},
-    "train": {"epochs": 3, "shared_init": True},
-    "federation": {"backend": "local", "ray_init": {"num_cpus": 2, "include_dashboard": False}},
-    "methods": {
-        "local": {},
-        "average": {},
-        "ensemble": {},
-        "fedavg": {"rounds": 3, "local_epochs": 1},
-        "global": {"epochs": 3},
+#: the contract checks' tiny run (rayfuse.testing.BASE) with 3 local epochs and a method of each family
+TINY: dict[str, Any] = merge(
+    BASE,
+    {
+        "train": {"epochs": 3},
+        "methods": {
+            "local": {},
+            "average": {},
+            "ensemble": {},
+            "fedavg": {"rounds": 3, "local_epochs": 1},
+            "global": {"epochs": 3},
+        },
     },
-}
+)
 
 
 @pytest.fixture(autouse=True, scope="session")

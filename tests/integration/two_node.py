@@ -90,6 +90,74 @@ class _Ports:
         raise RuntimeError(f"no free block of {self.WORKER_BLOCK} ports in [{self.LOW}, {self.high})")
 
 
+def node_addresses() -> list[str]:
+    """The IPv4 addresses a node of this machine may be reached at: loopback, and the address of the default route
+    (the one Ray's processes advertise to each other even with ``--node-ip-address=127.0.0.1``)."""
+    found = ["127.0.0.1"]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.254", 9))  # no packet is sent: connect only picks the route's source address
+            found.append(s.getsockname()[0])
+        except OSError:
+            pass
+    return sorted(set(found))
+
+
+def make_tls_files(folder: Path, addresses: list[str]) -> dict[str, str]:
+    """A certificate authority and one node certificate it signs (for every node: Ray's TLS is mutual, each process
+    presents it), valid for ``addresses``, as the recipe in docs/security.md makes them with openssl; returns Ray's
+    TLS environment (``RAY_USE_TLS`` and the three files)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import NameOID
+
+    def key() -> rsa.RSAPrivateKey:
+        return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, node_key = key(), key()
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "rayfuse-test-ca")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    names = [x509.IPAddress(ipaddress.ip_address(a)) for a in addresses] + [x509.DNSName("localhost")]
+    node = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, addresses[0])]))
+        .issuer_name(ca_name)
+        .public_key(node_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {"ca.crt": ca.public_bytes(serialization.Encoding.PEM), "node.crt": node.public_bytes(serialization.Encoding.PEM)}
+    files["node.key"] = node_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    (folder / "node.key").chmod(0o600)
+    return {
+        "RAY_USE_TLS": "1",
+        "RAY_TLS_SERVER_CERT": str(folder / "node.crt"),
+        "RAY_TLS_SERVER_KEY": str(folder / "node.key"),
+        "RAY_TLS_CA_CERT": str(folder / "ca.crt"),
+    }
+
+
 class TwoNodeCluster:
     """Parameters
     ----------
@@ -99,6 +167,10 @@ class TwoNodeCluster:
         The custom resources of the head and of the worker node (each node stands for one site or silo).
     node_env : (dict, dict)
         Extra environment of the head's and of the worker's processes (``SITE_DATA``: where that node keeps its data).
+    secured : bool
+        Token authentication and TLS on both nodes (docs/security.md's recipe): a token of this cluster's own
+        (``RAY_AUTH_TOKEN``, not the machine's ``~/.ray/auth_token``) and certificates made for it
+        (:func:`make_tls_files`); :attr:`env`, what its commands run with, holds both, as a member's shell would.
     """
 
     def __init__(
@@ -106,6 +178,7 @@ class TwoNodeCluster:
         cpus_per_node: int = 4,
         resources: tuple[dict[str, float], dict[str, float]] = ({"silo_a": 1}, {"silo_b": 1}),
         node_env: tuple[dict[str, str], dict[str, str]] = ({}, {}),
+        secured: bool = False,
     ) -> None:
         self.cpus_per_node = cpus_per_node
         self.resources = resources
@@ -127,6 +200,12 @@ class TwoNodeCluster:
             "RAY_USAGE_STATS_ENABLED": "0",
         }
         self.env.pop("RAY_ADDRESS", None)
+        self.secured = secured
+        if secured:
+            import secrets
+
+            self.env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+            self.env.update(make_tls_files(self.temp_dir / "tls", node_addresses()))
         self.ray = str(Path(sys.executable).parent / "ray")
 
     @property
