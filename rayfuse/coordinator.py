@@ -448,9 +448,8 @@ class MethodServer:
     ) -> RoundLoop[S]:
         """The rounds ``first .. last`` of this method over its typed round ``state`` (:class:`rayfuse.rounds.RoundLoop`:
         resume, evaluation cadence, history, progress, round checkpoints with the update pipeline's own state, state
-        the clients keep). Central DP is planned here, before round 1 (the pipeline's ``rounds``), and each round's cohort is
-        the pipeline's (:meth:`RoundLoop.cohorts`):
-        ``last`` is then the last round its budget affords."""
+        the clients keep). Central DP is planned here, before round 1 (the pipeline's ``rounds``): ``last`` is then the
+        last round its budget affords; each round's cohort is the pipeline's (:meth:`RoundLoop.cohorts`)."""
         return RoundLoop(
             self,
             state,

@@ -82,7 +82,9 @@ __all__ = [
     "dp_refusal",
     "dp_options",
     "dp_options_text",
+    "method_name",
     "update_setting",
+    "where_given",
     "register_method",
     "resolve_methods",
     "resolved_config",
@@ -739,7 +741,7 @@ class Method(ABC, Generic[P, RS]):
 
     def __init__(self, params: P | None = None, label: str | None = None) -> None:
         self.params = cast(P, self.Params()) if params is None else params
-        self.label = label or _method_name(type(self))  # an unregistered subclass may have no name: its class name
+        self.label = label or method_name(type(self))  # an unregistered subclass may have no name: its class name
 
     @classmethod
     def tags_for(cls, params: P | None = None) -> MethodTags:
@@ -815,7 +817,8 @@ class MethodSpec:
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@+-]*")
 
 
-def _method_name(cls: type[Method]) -> str:
+def method_name(cls: type[Method]) -> str:
+    """A method class's registered name, else its class name (an unregistered subclass may have none)."""
     name = getattr(cls, "name", None)
     return name if isinstance(name, str) and name else cls.__name__
 
@@ -845,11 +848,11 @@ def resolve_methods(methods: Mapping[str, Mapping[str, Any]], objects: Mapping[s
             if entry:
                 raise InputError(path, "no parameters in the config for a method given as an instance (its params are used)", sorted(entry))
             _check_declared_tags(type(given), path)
-            specs.append(MethodSpec(label, _method_name(type(given)), type(given), given.params))
+            specs.append(MethodSpec(label, method_name(type(given)), type(given), given.params))
             continue
         if isinstance(given, type) and issubclass(given, Method):
             entry.pop("method", None)
-            method_cls, name = given, _method_name(given)
+            method_cls, name = given, method_name(given)
         elif given is None or isinstance(given, str):
             name = entry.pop("method", given or label)
             if not isinstance(name, str):
@@ -865,15 +868,21 @@ def resolve_methods(methods: Mapping[str, Mapping[str, Any]], objects: Mapping[s
         try:
             params = method_cls.Params.model_validate(entry)
         except ValidationError as exc:
-            error = pydantic_input_error(exc, prefix=path, model=method_cls.Params)
-            key = error.path.removeprefix(f"{path}.").split(".", 1)[0].split("[", 1)[0]
-            if key in grouped:  # said where the user wrote it
-                error = error.at(f"{path}.updates.{error.path.removeprefix(f'{path}.')}")
-            raise error from None
+            raise where_given(pydantic_input_error(exc, prefix=path, model=method_cls.Params), label, grouped) from None
         specs.append(MethodSpec(label, name, method_cls, params, frozenset(grouped)))
     if not specs:
         raise InputError("methods", "at least one method", "none")
     return specs
+
+
+def where_given(error: InputError, label: str, grouped: Iterable[str]) -> InputError:
+    """``error`` at ``methods.<label>.updates.<key>...`` when that entry gave ``<key>`` in its ``updates:`` block
+    (``grouped``), so a refusal names the key where the user wrote it; else ``error`` as it is."""
+    prefix = f"methods.{label}."
+    if not error.path.startswith(prefix):
+        return error
+    rest = error.path.removeprefix(prefix)
+    return error.at(f"{prefix}updates.{rest}") if rest.split(".", 1)[0].split("[", 1)[0] in set(grouped) else error
 
 
 def _hoist_updates(entry: dict[str, Any], method_cls: type[Method[Any, Any]], name: str, path: str) -> set[str]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from rayfuse.config import ExperimentConfig, other_model_clients
 from rayfuse.errors import InputError
-from rayfuse.method import METHODS, MethodSpec, RunSetup, check_methods, dp_options_text, dp_refusal, update_setting
+from rayfuse.method import METHODS, MethodSpec, RunSetup, check_methods, dp_options_text, dp_refusal, update_setting, where_given
 from rayfuse.updates.pipeline import check_aggregation, check_round_memory, check_update_pipeline
 
 __all__ = ["PRE_START_RULES", "TAG_RULES", "StartFacts", "check_before_start", "check_local_dp", "check_tags"]
@@ -322,14 +322,6 @@ def check_before_start(facts: StartFacts, rules: Sequence[Callable[[StartFacts],
         for rule in PRE_START_RULES if rules is None else rules:
             rule(facts)
     except InputError as exc:
-        raise _where_given(exc, facts.specs) from None
-
-
-def _where_given(exc: InputError, specs: Sequence[MethodSpec]) -> InputError:
-    """``exc`` at ``methods.<label>.updates.<key>...`` when that entry gave ``<key>`` in its ``updates:`` block."""
-    for spec in specs:
-        prefix = f"methods.{spec.label}."
-        key = exc.path.removeprefix(prefix).split(".", 1)[0] if exc.path.startswith(prefix) else None
-        if key in spec.grouped:
-            return exc.at(f"{prefix}updates.{exc.path.removeprefix(prefix)}")
-    return exc
+        for spec in facts.specs:  # named where the entry gave it (methods.<label>.updates.<key>...)
+            exc = where_given(exc, spec.label, spec.grouped)
+        raise exc from None

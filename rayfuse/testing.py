@@ -49,7 +49,7 @@ import numpy as np
 
 from rayfuse.config import parse_overrides, validate_config
 from rayfuse.errors import InputError, RunFailure
-from rayfuse.method import Method, MethodCase, MethodTags, step_name
+from rayfuse.method import Method, MethodCase, MethodTags, method_name, step_name
 
 __all__ = [
     "BASE",
@@ -122,17 +122,11 @@ def case_of(method_cls: type[Method[Any, Any]]) -> MethodCase:
     when it has none."""
     case = getattr(method_cls, "test_case", None)
     assert isinstance(case, MethodCase), (
-        f"method {_name(method_cls)!r} ({method_cls.__module__}.{method_cls.__qualname__}) declares no test case: set "
+        f"method {method_name(method_cls)!r} ({method_cls.__module__}.{method_cls.__qualname__}) declares no test case: set "
         "test_case = MethodCase(...) on its class (rayfuse.method.MethodCase: its tiny parameters, the config sections "
         f"it needs, the client step to interrupt), got {case!r}"
     )
     return case
-
-
-def _name(method_cls: type[Method[Any, Any]]) -> str:
-    """The label a check runs the method under: its registered name, else its class name."""
-    name = getattr(method_cls, "name", None)
-    return name if isinstance(name, str) and name else method_cls.__name__
 
 
 def _tags(method_cls: type[Method[Any, Any]], params: dict[str, Any]) -> MethodTags:
@@ -150,7 +144,7 @@ def _job(
     **sections: Any,
 ) -> dict[str, Any]:
     data = merge(merge(BASE, case.sections), sections)
-    data["methods"] = {_name(method_cls): dict(case.params if params is None else params)}
+    data["methods"] = {method_name(method_cls): dict(case.params if params is None else params)}
     data["run"]["storage"] = str(storage)
     if case.client_state and cache is not None:
         data["run"]["model_cache"] = str(cache)
@@ -161,7 +155,7 @@ def _prepare(method_cls: type[Method[Any, Any]], cfg: Any) -> Any:
     """Every pre-start check of ``cfg``, the method given as an object (no registry)."""
     from rayfuse.runner import prepare_run
 
-    return prepare_run(cfg, methods={_name(method_cls): method_cls})
+    return prepare_run(cfg, methods={method_name(method_cls): method_cls})
 
 
 def _run(method_cls: type[Method[Any, Any]], data: dict[str, Any], run_dir: Path) -> dict[str, Any]:
@@ -231,7 +225,7 @@ class Runs:
 
     def folder(self, method_cls: type[Method[Any, Any]]) -> Path:
         """The storage of the method's runs (its uninterrupted run's folder is ``straight`` in it)."""
-        return self.root / _name(method_cls)
+        return self.root / method_name(method_cls)
 
     def straight(self, method_cls: type[Method[Any, Any]], case: MethodCase | None = None) -> Straight:
         case = case or case_of(method_cls)
@@ -284,7 +278,7 @@ def check_runs(
 
 
 def _check_runs(method_cls: type[Method[Any, Any]], case: MethodCase, runs: Runs) -> None:
-    name = _name(method_cls)
+    name = method_name(method_cls)
     straight = runs.straight(method_cls, case)
     results = straight.results
     assert results["status"] == "succeeded", f"{name}: the run did not succeed: {results.get('error')}"
@@ -342,7 +336,7 @@ def _check_runs(method_cls: type[Method[Any, Any]], case: MethodCase, runs: Runs
 
 def _interrupt(method_cls: type[Method[Any, Any]], case: MethodCase, straight: Straight, storage: Path, folder: Path) -> None:
     """Run the method into ``folder`` and stop it in the middle of the method."""
-    name = _name(method_cls)
+    name = method_name(method_cls)
     cache = folder.with_name(folder.name + "-cache")
     if case.step is not None:
         counts = {client: n for (client, step), n in straight.calls.items() if step == case.step}
@@ -391,7 +385,7 @@ def check_resumes(
     with ExitStack() as stack:
         scratch = _scratch(tmp_path, stack)
         runs = runs or Runs(scratch / "straight")
-        _check_resumes(method_cls, case, runs, scratch / "resumed" / _name(method_cls))
+        _check_resumes(method_cls, case, runs, scratch / "resumed" / method_name(method_cls))
 
 
 def _check_resumes(method_cls: type[Method[Any, Any]], case: MethodCase, runs: Runs, storage: Path) -> None:
@@ -400,7 +394,7 @@ def _check_resumes(method_cls: type[Method[Any, Any]], case: MethodCase, runs: R
     from rayfuse.report import Printer
     from rayfuse.runner import InProcessBackend, load_run_config, run_experiment
 
-    name = _name(method_cls)
+    name = method_name(method_cls)
     straight = runs.straight(method_cls, case)
     folder = storage / "run"
     _interrupt(method_cls, case, straight, storage, folder)
@@ -474,7 +468,7 @@ def _silo_job(
         "train": {"epochs": 1, "batch_size": 16, "shared_init": True},
         "federation": {"backend": "local"},
         "evaluation": "central",
-        "methods": {_name(method_cls): dict(params)},
+        "methods": {method_name(method_cls): dict(params)},
     }
 
 
@@ -631,7 +625,7 @@ def check_refusal(
     case = case or case_of(method_cls)
     if rule not in RULES:
         raise ValueError(f"rule: expected one of {', '.join(sorted(RULES))}, got {rule!r}")
-    name, spec = _name(method_cls), RULES[rule]
+    name, spec = method_name(method_cls), RULES[rule]
     tags = _rule_tags(method_cls, rule, case)
     with ExitStack() as stack:
         scratch = _scratch(tmp_path, stack) / "refusals" / name / rule
@@ -686,6 +680,6 @@ def check_method(
         if "runs" in checks:
             _check_runs(method_cls, case, runs)
         if "resumes" in checks:
-            _check_resumes(method_cls, case, runs, scratch / "resumed" / _name(method_cls))
+            _check_resumes(method_cls, case, runs, scratch / "resumed" / method_name(method_cls))
         if "refusals" in checks:
             check_refusals(method_cls, case=case, tmp_path=scratch)

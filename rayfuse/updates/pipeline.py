@@ -333,7 +333,8 @@ def _check_central_dp(spec: MethodSpec, aggregator: AggregatorSettings, dp: Cent
             "false (unset) with dp (DP-FedAvg weights every client 1: a sample-count weight would be private and unbounded)",
             weighted,
         )
-    plan_dp(dp, num_clients, int(params.model_dump()["rounds"]))  # a method with cohort declares its rounds (checked at resolve)
+    rounds = params.model_dump(include={"rounds"})["rounds"]  # a method with cohort declares its rounds (checked at resolve)
+    plan_dp(dp, num_clients, int(rounds))
 
 
 def combine_models(
@@ -417,8 +418,8 @@ class UpdatePipeline:
         self._reference_of = reference_of
         self._plan: DPPlan | None = None  # central DP: the plan of the run (rounds())
         self._clip = self.dp.clip_norm if isinstance(self.dp, CentralDPSettings) else 0.0  # the next round's clip norm (adaptive)
-        self._sampled = 0  # central DP: the clients the last sample() drew
-        self._cohort: tuple[int, frozenset[int]] | None = None  # central DP: (round, the clients sample() drew for it)
+        self._sampled = 0  # central DP: the clients the last cohort() drew
+        self._cohort: tuple[int, frozenset[int]] | None = None  # central DP: (round, the clients cohort() drew for it)
         self._upload: dict[str, Any] | None = None  # the one-shot DP upload's record (local_models())
 
     # -- the round's clients --------------------------------------------------------------------------------------
@@ -428,29 +429,24 @@ class UpdatePipeline:
         deterministic, so the last affordable round is known before any client trains)."""
         if not isinstance(self.dp, CentralDPSettings):
             return planned
-        if self._plan is None:  # planned once (the round loop plans it too, for a method that did not)
+        if self._plan is None:  # planned once, by the round loop before round 1 (server.rounds)
             self._plan = plan_dp(self.dp, self._server.federation.num_clients, planned)
         return min(self._plan.rounds, planned)
 
     def cohort(self, round: int) -> list[int]:
         """The clients that train in ``round`` (the round loop's :meth:`~rayfuse.rounds.RoundLoop.cohorts` hands them to
-        the method): DP-FedAvg's Poisson sample at ``dp.sample_rate`` (possibly none), else ``ceil(fraction N)`` of them
-        with the entry's ``fraction`` (every client at 1, or where the method takes no ``fraction``)."""
-        return self.sample(self.fraction, round)
-
-    def sample(self, fraction: float, round: int) -> list[int]:
-        """The clients that train in ``round``: DP-FedAvg's Poisson sample at ``dp.sample_rate`` (seeded by
-        ``("dp-sample", round)``; possibly none), else ``ceil(fraction N)`` clients
-        (:meth:`sample_clients`)."""
+        the method): DP-FedAvg's Poisson sample at ``dp.sample_rate`` (seeded by ``("dp-sample", round)``; possibly
+        none), else ``ceil(fraction N)`` of them with the entry's ``fraction`` (:meth:`sample_clients`; every client at
+        1, or where the method takes no ``fraction``)."""
         if isinstance(self.dp, CentralDPSettings):
             clients = sample_poisson(self._server.rng("dp-sample", round), self._server.federation.client_ids, self.dp.sample_rate)
             self._sampled = len(clients)
             self._cohort = (int(round), frozenset(int(c) for c in clients))
             return clients
-        return self.sample_clients(fraction, round)
+        return self.sample_clients(self.fraction, round)
 
     def _check_cohort(self, clients: Sequence[int], round: int) -> None:
-        """Central DP: the clients of ``round``'s replies are among those :meth:`sample` drew for that round (its
+        """Central DP: the clients of ``round``'s replies are among those :meth:`cohort` drew for that round (its
         accountant's Poisson sample); anything else would spend privacy the reported epsilon does not count."""
         if self._cohort is None or self._cohort[0] != int(round):
             raise RunFailure(
@@ -568,7 +564,7 @@ class UpdatePipeline:
         Parameters
         ----------
         gathered : Gathered
-            The clients' replies (central DP: of the clients :meth:`sample` drew; empty when it drew none).
+            The clients' replies (central DP: of the clients :meth:`cohort` drew; empty when it drew none).
         reference : dict of ndarray, optional
             The model the updates' keys and shapes are checked against (default: each client's model layout); the
             global model the clients started from, for clipping, attacks and DP, unless ``start`` is given.

@@ -249,11 +249,7 @@ class RoundFold:
         return float(update.num_examples) if self.weighted and self.kind == "mean" else 1.0
 
     def reduce(self, replies: Any) -> PartialSum:
-        fold = Fold(self, partials=False)  # a client's own reply is an Update: it cannot speak for other clients
-        for client, value, args in replies:
-            fold.add(client, value, args[self.reference_arg])
-            del value
-        return fold.partial()
+        return Fold(self, partials=False).over(replies)  # a client's own reply is an Update: it speaks for no other
 
 
 class Fold:
@@ -298,6 +294,14 @@ class Fold:
             self._sum(reference).add(value.params, spec.weight(value))
             self.clients[client] = (int(value.num_examples), {k: float(v) for k, v in value.metrics.items()})
 
+    def over(self, replies: Any) -> PartialSum:
+        """A :class:`rayfuse.federation.Reducer`'s replies ``(client, value, args)`` folded, each against the broadcast
+        model among its call's arguments (``reference_arg``), and dropped once added: :meth:`partial`."""
+        for client, value, args in replies:
+            self.add(client, value, args[self.spec.reference_arg])
+            del value
+        return self.partial()
+
     def partial(self) -> PartialSum:
         """What was folded, as one :class:`PartialSum` (empty when nothing valid arrived)."""
         if self.sum is None:
@@ -316,8 +320,4 @@ class NodeFold:
     fold: RoundFold
 
     def reduce(self, replies: Any) -> PartialSum:
-        fold = Fold(self.fold, partials=True)
-        for client, value, args in replies:
-            fold.add(client, value, args[self.fold.reference_arg])
-            del value
-        return fold.partial()
+        return Fold(self.fold, partials=True).over(replies)

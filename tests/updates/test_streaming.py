@@ -85,7 +85,7 @@ def one_round(coord: Coordinator, *, streaming: bool, aggregation: str | None = 
     pipeline._per_actor = getattr(coord.federation, "_per_process", 1)  # type: ignore[attr-defined]
     pipeline.rounds(1)
     reference = coord.reference_params()
-    clients = pipeline.sample(1.0, 1)
+    clients = pipeline.cohort(1)
     result = pipeline.collect_round(synthetic_update, reference, clients, 1, weighted=weighted, step_kwargs={"seed": 7, **step})
     return result, pipeline, coord
 

@@ -117,7 +117,7 @@ def test_central_dp_samples_clips_noises_and_keeps_its_clip_norm_as_round_state(
     server = server_for(coord, "dp")
     pipeline = server.updates
     assert pipeline.rounds(5) == 5 and pipeline.state() == {"clip_norm": 0.5}
-    clients = pipeline.sample(1.0, 1)
+    clients = pipeline.cohort(1)
     assert clients == [0, 1, 2, 3]  # sample_rate 1: everyone
     reference = coord.reference_params()
     updates = synthetic(reference, [coord.plan.num_examples(i) for i in clients], seed=5)
@@ -134,7 +134,7 @@ def test_central_dp_samples_clips_noises_and_keeps_its_clip_norm_as_round_state(
     assert kinds(coord) == [("attack", 1)]
     pipeline.load_state({"clip_norm": 0.25})  # a resumed run continues from its checkpointed clip norm
     assert pipeline.state() == {"clip_norm": 0.25}
-    pipeline.sample(1.0, 2)  # round 2's cohort drawn (every round's replies must come from it)
+    pipeline.cohort(2)  # round 2's cohort drawn (every round's replies must come from it)
     empty = pipeline.collect(Gathered({}), reference, 2)  # no client replied: noise alone, as the accountant assumes
     assert empty.updates == {} and empty.metrics["dp_clip_norm"] == 0.25
     assert "dp" in pipeline.info() and pipeline.info()["dp"]["rounds"] == 5
