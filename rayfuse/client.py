@@ -110,6 +110,7 @@ class ClientContext:
         # Kept on the device between steps (work_model, device_split): built or copied there once, not every step
         self._work_models: dict[str, Any] = {}  # the kept models this client last used (shared: _KEPT_MODELS)
         self._device_splits: dict[str, tuple[Split, Any, Any]] = {}
+        self.secure_sessions: dict[str, Any] = {}  # federation.secure_aggregation: each open round's SecAgg+ state
         self.silo_dtype = ""  # data.silos: the dtype the silo's file stores its inputs in (the survey compares it)
 
     @property

@@ -291,6 +291,7 @@ class MethodUpdates(UpdatePipeline):
             streaming=coordinator.cfg.federation.streaming,
             aggregation=coordinator.cfg.federation.aggregation,
             clients_per_actor=coordinator.cfg.federation.clients_per_actor,
+            secure=coordinator.cfg.federation.secure_aggregation,
         )
         self._coordinator = coordinator
         self._method_server = server

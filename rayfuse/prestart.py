@@ -23,7 +23,7 @@ from typing import Any
 from rayfuse.config import ExperimentConfig, other_model_clients
 from rayfuse.errors import InputError
 from rayfuse.method import METHODS, MethodSpec, RunSetup, check_methods, dp_options_text, dp_refusal, update_setting, where_given
-from rayfuse.updates.pipeline import check_aggregation, check_round_memory, check_update_pipeline
+from rayfuse.updates.pipeline import check_aggregation, check_round_memory, check_secure_aggregation, check_update_pipeline
 
 __all__ = ["PRE_START_RULES", "TAG_RULES", "StartFacts", "check_before_start", "check_local_dp", "check_tags"]
 
@@ -225,6 +225,12 @@ def aggregation_mode(facts: StartFacts) -> None:
     check_aggregation(facts.specs, facts.cfg.federation)
 
 
+def secure_aggregation(facts: StartFacts) -> None:
+    """``federation.secure_aggregation`` with what cannot be summed securely
+    (:func:`rayfuse.updates.pipeline.check_secure_aggregation`)."""
+    check_secure_aggregation(facts.specs, facts.setup, facts.cfg.federation)
+
+
 def coordinator_memory(facts: StartFacts) -> None:
     """The coordinator's memory for each entry's aggregation or gathered models
     (:func:`rayfuse.updates.pipeline.check_round_memory`); needs the model's size."""
@@ -311,6 +317,7 @@ PRE_START_RULES: tuple[Callable[[StartFacts], None], ...] = (
     _tags(refuse_local_dp_for_other_readers),
     update_pipeline,
     aggregation_mode,
+    secure_aggregation,
     coordinator_memory,
     local_dp_sgd,
 )

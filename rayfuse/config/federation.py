@@ -13,7 +13,15 @@ from rayfuse.config.base import StrictModel
 from rayfuse.config.model import ModelConfig
 from rayfuse.errors import key_error
 
-__all__ = ["ResourcesConfig", "ClientOverride", "other_model_clients", "FaultSpec", "AttackSpec", "FederationConfig"]
+__all__ = [
+    "ResourcesConfig",
+    "ClientOverride",
+    "other_model_clients",
+    "FaultSpec",
+    "AttackSpec",
+    "SecureAggregationConfig",
+    "FederationConfig",
+]
 
 
 class ResourcesConfig(StrictModel):
@@ -128,6 +136,35 @@ class AttackSpec(StrictModel):
         return self.rounds == "all" or round in self.rounds
 
 
+class SecureAggregationConfig(StrictModel):
+    """``federation.secure_aggregation``: SecAgg+ (Bell et al. 2020) on every round whose server needs only a sum; the
+    server learns the sum of a round's cohort and nothing else about any one client. ``true`` takes every default."""
+
+    num_neighbours: int | Literal["auto"] = Field(
+        "auto",
+        description="k, each client's neighbours in SecAgg+'s graph (its masks and shares go to them); auto: every other "
+        "client up to 16 clients (plain SecAgg), else 4 ceil(log2 N) (the paper's O(log N))",
+    )
+    reconstruction_threshold: int | Literal["auto"] = Field(
+        "auto",
+        description="t, the shares of a client's secrets needed to unmask (a majority of k + 1); a round survives "
+        "k + 1 - t dropped neighbours of any client; auto: the smallest majority above two thirds of k + 1",
+    )
+    clipping_range: float = Field(
+        8.0, gt=0, description="c: each entry a client sends (an update's change, a statistic) is clipped to [-c, c]"
+    )
+    quantization_range: int = Field(
+        2**22, ge=2, description="levels across [-c, c]: the step is 2c / quantization_range, each client's entry off by half a step"
+    )
+
+    @field_validator("num_neighbours", "reconstruction_threshold")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if not isinstance(value, str) and value < 1:
+            raise ValueError("an integer >= 1 or 'auto'")
+        return value
+
+
 _HOST = r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])"
 _PORT = r"(?:6553[0-5]|655[0-2]\d|65[0-4]\d\d|6[0-4]\d{3}|[1-5]\d{4}|[1-9]\d{0,3})"
 _RAY_ADDRESS = re.compile(rf"auto|local|ray://{_HOST}(?::{_PORT})?|{_HOST}:{_PORT}")
@@ -189,6 +226,13 @@ class FederationConfig(StrictModel):
         default_factory=list,
         description="faults injected into client steps, to test the failure policy on a real run: [{client, step, call, mode}]",
     )
+    secure_aggregation: SecureAggregationConfig | None = Field(
+        None,
+        description="secure aggregation (SecAgg+): the server receives only the sum of a round's masked client "
+        "uploads (the FedAvg family's weighted mean; methods whose server needs more are refused before start); "
+        "true for the defaults, or its options: {num_neighbours, reconstruction_threshold, clipping_range, "
+        "quantization_range}",
+    )
     attacks: list[AttackSpec] = Field(
         default_factory=list,
         description="simulated attacks on clients' model updates, to measure "
@@ -196,6 +240,16 @@ class FederationConfig(StrictModel):
         "updates (the FedAvg family, average, aligned, finetune's average base); refused before start "
         "for methods that fuse posteriors, statistics or predictions",
     )
+
+    @field_validator("secure_aggregation", mode="before")
+    @classmethod
+    def _secure_switch(cls, value: Any) -> Any:
+        # true: every default; false: off (as null)
+        if value is True:
+            return {}
+        if value is False:
+            return None
+        return value
 
     @model_validator(mode="after")
     def _aggregation_needs(self) -> FederationConfig:

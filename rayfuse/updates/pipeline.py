@@ -53,6 +53,7 @@ from rayfuse.updates.attacks import apply_attacks
 from rayfuse.updates.central_dp import CentralDPSettings, DPPlan, apply_dp_round, describe_plan, noise_dp_round, plan_dp, sample_poisson
 from rayfuse.updates.privacy import UploadDP, check_upload_dp, gather_dp_uploads
 from rayfuse.updates.robust import AggregatorSettings, aggregate, check_aggregator, check_enough_updates
+from rayfuse.updates.secure import SumEncoding, secure_round
 from rayfuse.updates.streaming import Fold, NodeFold, RoundFold, RunningSum, update_problem
 
 __all__ = [
@@ -225,6 +226,52 @@ def check_aggregation(specs: Sequence[MethodSpec], federation: Any) -> None:
         )
 
 
+def check_secure_aggregation(specs: Sequence[MethodSpec], setup: RunSetup, federation: Any) -> None:
+    """``federation.secure_aggregation`` where it cannot hold, in one line: a method whose server needs more than a sum
+    (its tags' ``sums``), an aggregation rule that is not a sum (median, Krum...: every update at once), simulated
+    attacks (the server never holds an update to attack), a round of fewer than 2 clients (a sum of one is that
+    client's update) or SecAgg+ settings the cohort cannot meet (a threshold outside its neighbourhood's majorities)."""
+    from rayfuse.method import METHODS
+    from rayfuse.updates.secure import secure_params
+
+    config = federation.secure_aggregation
+    if config is None:
+        return
+    if federation.attacks:
+        raise InputError(
+            "federation.attacks",
+            "no simulated attacks with federation.secure_aggregation (the server never holds one client's update to attack)",
+            [attack.kind for attack in federation.attacks],
+            "drop federation.attacks or federation.secure_aggregation",
+        )
+    summing = ", ".join(name for name, cls in METHODS.items() if cls.tags.sums)
+    for spec in specs:
+        if not spec.tags.sums:
+            raise InputError(
+                f"methods.{spec.label}",
+                f"methods whose server needs only a sum of the clients' updates with federation.secure_aggregation ({summing})",
+                spec.method,
+                f"it combines the clients' {spec.tags.fuses} otherwise than by a sum; run it without federation.secure_aggregation",
+            )
+        aggregator, dp = pipeline_settings(spec)
+        if not is_sum(aggregator, dp):
+            raise InputError(
+                f"methods.{spec.label}.aggregator",
+                "an aggregator that is a sum with federation.secure_aggregation (mean, with or without clip_norm)",
+                aggregator.name,
+                f"{aggregator.name} needs every client's update at once, which secure aggregation never reveals",
+            )
+        cohort = clients_per_round(setup.num_clients, float(update_setting(spec, "fraction", 1.0)))
+        if cohort < 2 and not isinstance(dp, CentralDPSettings):
+            raise InputError(
+                f"methods.{spec.label}.fraction",
+                "a fraction whose rounds train at least 2 clients with federation.secure_aggregation (a sum of one is that client's update)",
+                update_setting(spec, "fraction", 1.0),
+            )
+        if cohort >= 2:  # the counts weigh the metrics (and the models, where weighted)
+            secure_params(config, cohort, max(setup.train_sizes) if setup.train_sizes else 1, 1)
+
+
 def round_memory(spec: MethodSpec, federation: Any, num_clients: int, model_bytes: int) -> tuple[int, str]:
     """The coordinator's memory bound for one method entry's aggregation (bytes) and what sets it.
 
@@ -385,6 +432,9 @@ class UpdatePipeline:
         ``federation.aggregation`` (``None``: chosen by :meth:`round_mode`).
     clients_per_actor : int
         ``federation.clients_per_actor``: per-actor partial sums need more than 1.
+    secure : SecureAggregationConfig, optional
+        ``federation.secure_aggregation``: :meth:`collect_round` sums the cohort's updates under SecAgg+
+        (:mod:`rayfuse.updates.secure`), so the server never holds one client's update.
 
     It also holds the reply path that is not a parameter update (:meth:`accept_replies`, :meth:`reject`,
     :meth:`sample_clients`, :meth:`local_updates`); the coordinator's subclass adds ``run_cached`` (the step-result
@@ -403,8 +453,11 @@ class UpdatePipeline:
         streaming: bool = True,
         aggregation: Literal["flat", "per_actor", "per_node"] | None = None,
         clients_per_actor: int = 1,
+        secure: Any = None,
     ) -> None:
         self._server = server
+        self.secure = secure
+        self._secure: dict[str, Any] = {}  # the secure rounds' record (info()["secure_aggregation"])
         self.streaming = streaming
         self.aggregation = aggregation
         self._per_actor = clients_per_actor
@@ -661,6 +714,8 @@ class UpdatePipeline:
         folds theirs and sends one partial sum) or ``per_node`` (each actor folds its clients, then an aggregator on
         each node folds that node's partial sums: one per node reaches the coordinator; chosen when unset and the
         clients span several nodes), with why it is not what the config asked for (``None``: it is)."""
+        if self.secure is not None:
+            return "secure", None  # SecAgg+: the server receives masked vectors; their sum is all it unmasks
         if not self.streaming:
             return "gathered", None
         if not self.decomposes():
@@ -707,6 +762,8 @@ class UpdatePipeline:
             self._check_cohort(clients, round)
         if not clients:  # central DP may sample no client: the round is noise alone, as its accountant assumes
             return self.collect(Gathered({}), reference, round, weighted=weighted)
+        if mode == "secure":
+            return self._collect_secure(step, reference, clients, round, weighted=weighted, step_kwargs=kwargs)
         ref = fed.put(reference)
         if mode == "gathered":
             gathered = fed.run(step, ref, clients=clients, **kwargs)
@@ -762,6 +819,75 @@ class UpdatePipeline:
             return Aggregate(total.mean(), updates)
         return self._finish_dp(total.dp_total(), total.unclipped, reference, round, updates)
 
+    def _collect_secure(
+        self,
+        step: Callable[..., Any],
+        reference: dict[str, np.ndarray],
+        clients: Sequence[int],
+        round: int,
+        *,
+        weighted: bool,
+        step_kwargs: Mapping[str, Any],
+    ) -> Aggregate:
+        """A round under secure aggregation (:func:`~rayfuse.updates.secure.secure_round`): each client validates,
+        clips (where the rule or central DP clips) and encodes its own update and masks it; the server unmasks only the
+        sum. The weighted mean (or central DP's noised sum) follows from the sum as on the other paths, within half a
+        quantisation step per entry. The kept clients' records carry their planned counts and the cohort's mean metrics."""
+        server = self._server
+        dp = isinstance(self.dp, CentralDPSettings)
+        if len(clients) < 2:  # a sum of one client is that client's update: never unmasked
+            if not dp:
+                raise RunFailure(f"{server.label}: secure aggregation: round {round} has {len(clients)} client; a sum needs at least 2")
+            server.events.emit(
+                "secure_aggregation",
+                f"round {round}: the DP sample drew {len(clients)} client, too few to sum securely; the round is noise alone",
+                method=server.label,
+                round=round,
+            )
+            return self.collect(Gathered({}), reference, round, weighted=weighted)
+        encoding = SumEncoding.of(
+            reference, "dp" if dp else "mean", weighted, float(self._clip) if dp else self.aggregator.clip_norm, self.secure
+        )
+        done = secure_round(
+            server.federation,
+            step,
+            reference,
+            clients,
+            session=f"{server.label}/{round}",
+            encoding=encoding,
+            config=self.secure,
+            planned=self._planned,
+            step_kwargs=step_kwargs,
+        )
+        kept = done.contributors
+        need = max(1, min(server.federation.policy.min_clients, len(clients)))
+        if len(kept) < need:
+            raise RunFailure(f"{server.label}: {len(kept)} clients in round {round}'s secure sum, need {need} (federation.min_clients)")
+        clipped = done.counts["clipped_entries"]
+        if clipped:
+            server.events.emit(
+                "secure_aggregation",
+                f"round {round}: {clipped} entries of the clients' updates were beyond clipping_range "
+                f"{self.secure.clipping_range} and clipped (raise federation.secure_aggregation.clipping_range)",
+                method=server.label,
+                round=round,
+                clipped_entries=clipped,
+            )
+        record = self._secure
+        record.update(
+            num_neighbours=done.params.num_neighbours,
+            reconstruction_threshold=done.params.reconstruction_threshold,
+            modulus_bits=done.params.modulus_bits,
+            step=encoding.step,
+            error_bound=encoding.error_bound,
+        )
+        record["clipped_entries"] = int(record.get("clipped_entries", 0)) + clipped
+        record["dropped"] = int(record.get("dropped", 0)) + len(clients) - len(kept)
+        updates = {c: Update({}, n, dict(done.metrics)) for c, n in kept.items()}
+        if dp:
+            return self._finish_dp(done.total, done.counts["unclipped"], reference, round, updates)
+        return Aggregate(encoding.mean(done.total, done.counts["weight"], reference), updates)
+
     def aggregation_record(self) -> dict[str, str]:
         """``info()["aggregation"]``: the mode of the rounds without an attack (and ``attacked_rounds: gathered`` when
         ``federation.attacks`` is set), with the reason where it is not what the config asked for. Fixed by the
@@ -798,6 +924,8 @@ class UpdatePipeline:
         """The pipeline's record for ``results.json``: ``dp`` (central DP's plan and epsilon) or ``upload_dp`` (each
         client's epsilon of the one-shot upload); empty without DP."""
         record: dict[str, Any] = {"aggregation": self.aggregation_record()} if self._rounds_collected else {}
+        if self._secure:
+            record["secure_aggregation"] = dict(self._secure)
         if isinstance(self.dp, CentralDPSettings) and self._plan is not None:
             return {**record, "dp": describe_plan(self.dp, self._plan)}
         if self._upload is not None:

@@ -78,7 +78,7 @@ PRIME = 2**521 - 1  # Shamir's field: the smallest Mersenne prime above 2^256 (a
 _ELEM = 66  # bytes of one field element (521 bits)
 _SHARE = 4 + 2 * _ELEM  # a share plaintext: the receiver's x coordinate, then the shares of b and of the mask key
 _KEY = 32  # X25519 keys, self-mask seeds, AES-256 keys
-_PREFIX = "secure_aggregation"
+_PREFIX = "federation.secure_aggregation"
 
 Vector = np.ndarray | Mapping[str, np.ndarray]
 Layout = tuple[tuple[str, tuple[int, ...]], ...]
@@ -230,7 +230,9 @@ def _prg(seed: bytes, length: int, params: SecAggParams) -> np.ndarray:
     """``length`` ring elements from AES-256-CTR keyed by the 32-byte seed (zero nonce: each seed keys one stream)."""
     encryptor = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
     stream = encryptor.update(bytes(8 * length)) + encryptor.finalize()
-    return np.frombuffer(stream, dtype="<u8").astype(np.uint64) & params.ring_mask
+    out = np.frombuffer(stream, dtype="<u8").astype(np.uint64)  # a writable copy (native byte order)
+    out &= params.ring_mask
+    return out
 
 
 def _hkdf(secret: bytes, info: bytes) -> bytes:
@@ -392,6 +394,33 @@ class SecAggClient:
         ``vector``: a dict of arrays (flattened in sorted key order) or a flat array; ``weight`` when ``max_weight``
         is set. A share that fails to decrypt or is malformed raises :class:`SecAggFailure` naming its sender.
         """
+        self._take_shares(received_shares)
+        flat, _ = flatten(vector)
+        if not np.all(np.isfinite(flat)):  # NaN would encode to an arbitrary ring element and spoil the sum unseen
+            raise NonFiniteError(f"secure aggregation: client {self.cid!r}'s vector holds NaN or infinity")
+        ratio = None
+        if self.params.max_weight is not None:
+            if weight is None or not (0 < weight <= self.params.max_weight):
+                raise InputError(
+                    f"{_PREFIX}.max_weight", f"every client weight in (0, {self.params.max_weight}]", weight, hint="raise max_weight"
+                )
+            half = self.params.quantization_range / 2  # the ratio's level: an integer, so the weight sum is exact
+            ratio = round(weight / self.params.max_weight * half) / half
+        elif weight is not None:
+            raise InputError(f"{_PREFIX}.max_weight", "a number when clients send weights", None)
+        return self._mask(_encode(flat, self.params, ratio))
+
+    def stage_collect_masked_levels(self, received_shares: Mapping[int, bytes], levels: np.ndarray) -> np.ndarray:
+        """Stage 3 for a vector the caller encoded itself: ``levels``, signed integers (int64) whose sum over the
+        clients stays below ``2^(modulus_bits - 1)`` in magnitude (the caller's bound; the server decodes the sum with
+        :meth:`SecAggServer.unmask_levels`). The engine encodes this way to weight by exact integer counts."""
+        self._take_shares(received_shares)
+        levels = np.asarray(levels)
+        if levels.dtype != np.int64 or levels.ndim != 1:
+            raise TypeError(f"secure aggregation: levels must be a 1-D int64 array, got {levels.dtype} {levels.shape}")
+        return self._mask(levels.view(np.uint64) & self.params.ring_mask)
+
+    def _take_shares(self, received_shares: Mapping[int, bytes]) -> None:
         t = self.params.reconstruction_threshold
         me = self._index[self.cid]
         for src, blob in received_shares.items():
@@ -416,25 +445,21 @@ class SecAggClient:
                 f"secure aggregation: client {self.cid!r} got shares from {len(received_shares)} neighbours, "
                 f"fewer than reconstruction_threshold - 1 = {t - 1}"
             )
-        flat, _ = flatten(vector)
-        if not np.all(np.isfinite(flat)):  # NaN would encode to an arbitrary ring element and spoil the sum unseen
-            raise NonFiniteError(f"secure aggregation: client {self.cid!r}'s vector holds NaN or infinity")
-        ratio = None
-        if self.params.max_weight is not None:
-            if weight is None or not (0 < weight <= self.params.max_weight):
-                raise InputError(
-                    f"{_PREFIX}.max_weight", f"every client weight in (0, {self.params.max_weight}]", weight, hint="raise max_weight"
-                )
-            half = self.params.quantization_range / 2  # the ratio's level: an integer, so the weight sum is exact
-            ratio = round(weight / self.params.max_weight * half) / half
-        elif weight is not None:
-            raise InputError(f"{_PREFIX}.max_weight", "a number when clients send weights", None)
-        masked = _encode(flat, self.params, ratio) + _prg(self._b, flat.size + (ratio is not None), self.params)
         self._masked_with = frozenset(received_shares)
+
+    def _mask(self, encoded: np.ndarray) -> np.ndarray:
+        """The encoded vector plus the self mask and the pairwise masks with the neighbours whose shares arrived."""
+        masked = _prg(self._b, encoded.size, self.params)
+        masked += encoded  # uint64 arithmetic wraps modulo 2^64; the ring's mask is applied once, at the end
         for other in sorted(self._masked_with):
             mask = _prg(_mask_seed(self._mask_sk, self._keys[other][0]), masked.size, self.params)
-            masked = masked + mask if self._index[self.cid] > self._index[other] else masked - mask
-        return masked & self.params.ring_mask
+            if self._index[self.cid] > self._index[other]:
+                masked += mask
+            else:
+                masked -= mask
+            del mask
+        masked &= self.params.ring_mask
+        return masked
 
     def stage_unmask(self, survivors: Iterable[int], dropped: Iterable[int]) -> dict[int, bytes]:
         """Stage 4: ``{owner: share}``: of the self-mask seed for each survivor, of the mask key for each dropped."""
@@ -540,7 +565,10 @@ class SecAggServer:
                 raise SecAggFailure(f"secure aggregation: client {cid!r} sent a malformed masked vector", client=cid)
             if np.any(arr > self.params.ring_mask):
                 raise SecAggFailure(f"secure aggregation: client {cid!r} sent a masked vector outside the ring", client=cid)
-            total = arr.copy() if total is None else total + arr
+            if total is None:
+                total = arr.copy()
+            else:
+                total += arr
         t = self.params.reconstruction_threshold
         if len(masked) < t:  # unmasking fewer would expose a lone client's vector (the paper's clients abort too)
             raise SecAggFailure(
@@ -553,6 +581,30 @@ class SecAggServer:
 
     def receive_unmask(self, responses: Mapping[int, Mapping[int, bytes]], layout: Layout | None = None) -> SecAggResult:
         """Stage 4's replies ``{holder: {owner: share}}``; rebuilds the secrets, unmasks and decodes the sum."""
+        decoded = _decode(self._unmask(responses), self.params)
+        n = len(self._s2)
+        bound = n * self.params.delta / 2
+        weight = None
+        if self.params.max_weight is not None:
+            scale = self.params.max_weight / self.params.clipping_range  # the ratio entry is ratio * clipping_range
+            weight = float(decoded[-1] * scale)
+            decoded = decoded[:-1] * self.params.max_weight
+            bound *= self.params.max_weight
+        return SecAggResult(unflatten(decoded, layout), weight, tuple(sorted(self._s2)), bound)
+
+    def unmask_levels(self, responses: Mapping[int, Mapping[int, bytes]]) -> np.ndarray:
+        """Stage 4 for vectors sent with :meth:`SecAggClient.stage_collect_masked_levels`: the survivors' sum of levels
+        (int64, exact), unmasked and sign-extended; the contributors are :attr:`survivors`."""
+        shift = np.uint64(64 - int(self.params.modulus_bits))
+        return (self._unmask(responses) << shift).view(np.int64) >> np.int64(shift)
+
+    @property
+    def survivors(self) -> tuple[int, ...]:
+        """The clients whose masked vectors are in the sum (stage 3's survivors)."""
+        return tuple(sorted(self._s2))
+
+    def _unmask(self, responses: Mapping[int, Mapping[int, bytes]]) -> np.ndarray:
+        """The masked sum with every self mask and every dropped client's pairwise masks removed (in the ring)."""
         assert self._sum is not None, "receive_masked first"
         t = self.params.reconstruction_threshold
         dropped = self._s1 - self._s2
@@ -574,10 +626,10 @@ class SecAggServer:
                 f"secure aggregation: too few shares to unmask clients {short} (reconstruction_threshold {t}; "
                 f"dropped {sorted(set(self.ids) - set(responses))})"
             )
-        ring = self._sum
+        ring = self._sum.copy()  # unmasked in place (uint64 wraps modulo 2^64; the ring's mask is applied at the end)
         mask = self.params.ring_mask
         for owner in sorted(self._s2):
-            ring = ring - _prg(_reconstruct(points[owner], t, owner), ring.size, self.params)
+            ring -= _prg(_reconstruct(points[owner], t, owner), ring.size, self.params)
         for owner in sorted(dropped):
             secret = _reconstruct(points[owner], t, owner)
             if _public(secret) != self._keys[owner][0]:
@@ -585,17 +637,12 @@ class SecAggServer:
             for other in sorted(self.graph[owner] & self._s2):
                 if owner in self._routed.get(other, ()):
                     pair = _prg(_mask_seed(secret, self._keys[other][0]), ring.size, self.params)
-                    ring = ring - pair if self._index[other] > self._index[owner] else ring + pair
-        decoded = _decode(ring & mask, self.params)
-        n = len(self._s2)
-        bound = n * self.params.delta / 2
-        weight = None
-        if self.params.max_weight is not None:
-            scale = self.params.max_weight / self.params.clipping_range  # the ratio entry is ratio * clipping_range
-            weight = float(decoded[-1] * scale)
-            decoded = decoded[:-1] * self.params.max_weight
-            bound *= self.params.max_weight
-        return SecAggResult(unflatten(decoded, layout), weight, tuple(sorted(self._s2)), bound)
+                    if self._index[other] > self._index[owner]:
+                        ring -= pair
+                    else:
+                        ring += pair
+        ring &= mask
+        return ring
 
     def _known(self, cid: int) -> None:
         if cid not in self._index:

@@ -1,6 +1,7 @@
 """Real Ray: a FedAvg run aggregated flat (the coordinator folds every reply as it arrives), per actor (each actor
-hosting several clients sends one partial sum) and gathered (``federation.streaming: false``) gives the same model
-within float rounding, and each run records its mode.
+hosting several clients sends one partial sum), gathered (``federation.streaming: false``) and under secure aggregation
+(``federation.secure_aggregation``: the masked sum, exact to half a quantisation step) gives the same model within
+float rounding, and each run records its mode.
 
 One local Ray (2 CPUs) is started for the whole session by the ``ray_session`` fixture.
 """
@@ -24,10 +25,12 @@ MODES = {
     "gathered": {"clients_per_actor": 2, "streaming": False},
     "flat": {"clients_per_actor": 2, "aggregation": "flat"},
     "per_actor": {"clients_per_actor": 2},  # unset: per_actor, since clients_per_actor > 1
+    # SecAgg+ over the actors (rayfuse.updates.secure): the four stages' calls, within half a quantisation step a round
+    "secure": {"clients_per_actor": 2, "secure_aggregation": True},
 }
 
 
-def test_flat_per_actor_and_gathered_rounds_give_the_same_model_on_ray(ray_session, make_config, tmp_path):
+def test_flat_per_actor_gathered_and_secure_rounds_give_the_same_model_on_ray(ray_session, make_config, tmp_path):
     from actors.backend import RayBackend
 
     results, models = {}, {}

@@ -294,8 +294,8 @@ def test_bad_settings_raise_one_line_input_error(kwargs, path, expected):
     with pytest.raises(InputError) as info:
         SecAggParams(**settings)
     message = str(info.value)
-    assert info.value.path == f"secure_aggregation.{path}" and "\n" not in message
-    assert message.startswith(f"secure_aggregation.{path}: expected {expected}")
+    assert info.value.path == f"federation.secure_aggregation.{path}" and "\n" not in message
+    assert message.startswith(f"federation.secure_aggregation.{path}: expected {expected}")
 
 
 def test_a_non_finite_vector_is_refused_not_summed():
@@ -307,5 +307,5 @@ def test_a_non_finite_vector_is_refused_not_summed():
 
 def test_a_weight_above_max_weight_is_refused():
     params = SecAggParams(3, 2, 2, max_weight=2.0)
-    with pytest.raises(InputError, match=r"^secure_aggregation.max_weight: expected every client weight in \(0, 2.0\]"):
+    with pytest.raises(InputError, match=r"^federation.secure_aggregation.max_weight: expected every client weight in \(0, 2.0\]"):
         secure_sum(_vectors(3, "flat"), params, weights={0: 1.0, 1: 3.0, 2: 1.0}, seed=1)

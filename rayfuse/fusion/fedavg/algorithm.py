@@ -134,7 +134,9 @@ class FedAvg(Method[FP, FS]):
     summary = "federated averaging over rounds (McMahan et al. 2017), sample-weighted"
     reference = references.FEDAVG
     # its rounds go through server.updates.collect_round: streamed where the rule is a sum (the memory check)
-    tags = MethodTags(multi_round=True, cohort=True, streams_rounds=True, updates=frozenset({"aggregator", "dp", "fraction", "weighted"}))
+    tags = MethodTags(
+        multi_round=True, cohort=True, streams_rounds=True, sums=True, updates=frozenset({"aggregator", "dp", "fraction", "weighted"})
+    )
     test_case = MethodCase({"rounds": 3, "local_epochs": 1}, step="fedavg.fit")  # its subclasses' too, unless they declare one
 
     @property

@@ -1,0 +1,355 @@
+"""Secure aggregation over the engine: a round's sum computed with SecAgg+ (:mod:`rayfuse.updates.secagg`), so the
+server learns the sum of the cohort's uploads and nothing else about any one client (``federation.secure_aggregation``).
+
+A secure round is four calls on the cohort through the federation (its failure policy, retries and timeouts apply to
+each): ``secagg.setup`` (each client makes its key pairs; the server sends ids and the graph seed),
+``secagg.share_keys`` (each client secret-shares its self-mask seed and mask key to its neighbours, encrypted for
+them), ``secagg.masked`` (each client runs the method's own step, e.g. ``fedavg.fit``, validates and encodes its
+update, masks it and sends the masked vector and its count) and ``secagg.unmask`` (the survivors send the shares that
+remove the masks). Each stage's message is one broadcast object in which every client finds its own part (the public
+keys; the shares, encrypted for their receiver). A client that fails a stage is left out of the rest of the round
+(``on_client_failure: drop``); its pairwise masks are removed with its neighbours' shares when it dropped after sharing
+keys; with fewer than ``reconstruction_threshold`` survivors the round fails (a :class:`~rayfuse.errors.SecAggFailure`),
+and ``rayfuse run --resume`` repeats it.
+
+What a client sends, as signed integer levels (:class:`SumEncoding`): its update's change from the broadcast model,
+each entry clipped to ``[-c, c]`` and rounded to a multiple of the step ``2c / quantization_range`` (integer buffers
+exactly), multiplied by its integer weight (its sample count for a weighted mean, else 1); its weight; how many of
+its entries were clipped; under central DP whether its update was within the clip norm; and its metrics
+(``train_loss``...) at a step of 2^-10, weighted by its count. The weights are exact integers, so the server's weighted mean is off
+from the plain one by at most half a step per entry (against the clipped updates; :attr:`SumEncoding.error_bound`),
+and every count it reads is exact. The server knows a client's count from the partition plan; it sends it in the clear,
+and the sum's weight must equal the survivors' planned counts. It never sees one client's update or metrics: each
+kept client's record carries its count and the cohort's mean metrics.
+
+Nothing here imports Ray: the engine's federation runs the steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from rayfuse.errors import InputError, RunFailure, SecAggFailure
+from rayfuse.method import Update, client_step
+from rayfuse.updates.secagg import SecAggClient, SecAggParams, SecAggServer
+from rayfuse.updates.streaming import update_problem
+
+__all__ = [
+    "METRICS",
+    "Masked",
+    "SecureRound",
+    "SumEncoding",
+    "neighbourhood",
+    "ring_bits",
+    "secure_params",
+    "secure_round",
+]
+
+Params = dict[str, np.ndarray]
+
+#: the metrics a secure round sums (weighted by the clients' counts): the cohort's means are all the server learns
+METRICS = ("train_loss", "train_seconds", "eval_seconds")
+METRIC_STEP = 2.0**-10  # a metric's resolution in the sum
+METRIC_LIMIT = 2.0**20  # a metric's magnitude is clipped to this (a loss or seconds are far below)
+_KEEP_SESSIONS = 4  # a client keeps the state of this many recent secure rounds (a stale one is dropped)
+
+
+def neighbourhood(config: Any, cohort: int) -> tuple[int, int]:
+    """``(num_neighbours, reconstruction_threshold)`` for a cohort of ``cohort`` clients: ``auto`` neighbours are every
+    other client up to 16 clients (plain SecAgg), else ``4 ceil(log2 N)`` (SecAgg+'s O(log N)); a configured number
+    is capped at ``cohort - 1``; an ``auto`` threshold is the smallest majority of ``k + 1``."""
+    k_cfg = config.num_neighbours
+    k = (cohort - 1 if cohort <= 16 else 4 * math.ceil(math.log2(cohort))) if k_cfg == "auto" else int(k_cfg)
+    k = max(1, min(k, cohort - 1))
+    t_cfg = config.reconstruction_threshold
+    t = (k + 1) // 2 + 1 if t_cfg == "auto" else int(t_cfg)
+    return k, t
+
+
+def ring_bits(cohort: int, max_weight: int, entries: int, quantization_range: int) -> int:
+    """The ring's bits for a sum of ``cohort`` clients' levels: each weighted entry is at most ``max_weight`` times the
+    larger of the clipping range's level and a metric's, the clipped-entry count at most ``entries`` per client; the
+    sum's magnitude must stay below ``2^(bits - 1)`` (at least 32 bits: the PRG draws 8 bytes an entry anyway)."""
+    level = max((int(quantization_range) + 1) // 2, int(METRIC_LIMIT / METRIC_STEP))
+    bound = int(cohort) * max(int(max_weight) * level, int(entries), 1)
+    return max(32, bound.bit_length() + 1)
+
+
+def secure_params(config: Any, cohort: int, max_weight: int, entries: int) -> SecAggParams:
+    """The :class:`SecAggParams` of one secure sum over ``cohort`` clients (raises :class:`InputError` naming the
+    ``federation.secure_aggregation`` key a setting breaks, e.g. a threshold outside the neighbourhood's majorities)."""
+    k, t = neighbourhood(config, cohort)
+    bits = ring_bits(cohort, max_weight, entries, config.quantization_range)
+    if bits > 64:
+        raise InputError(
+            "federation.secure_aggregation.quantization_range",
+            f"a range whose sum over {cohort} clients weighted up to {max_weight} fits 64 bits",
+            config.quantization_range,
+            hint="lower quantization_range",
+        )
+    return SecAggParams(
+        num_clients=int(cohort),
+        num_neighbours=k,
+        reconstruction_threshold=t,
+        clipping_range=float(config.clipping_range),
+        quantization_range=int(config.quantization_range),
+        modulus_bits=bits,
+    )
+
+
+@dataclass(frozen=True)
+class SumEncoding:
+    """How a client turns its update into the levels of a secure sum, and how the server reads the sum back.
+
+    ``kind``: ``mean`` (the change from the broadcast model, clipped to ``clip_norm`` first where the rule clips,
+    weighted by the count if ``weighted``, else 1) or ``dp`` (central DP: the change clipped to the L2 norm
+    ``clip_norm`` in float64, weight 1, and whether it was within it). ``keys``: the model's keys in order (central
+    DP: its float tensors), with shapes and whether each holds integers (summed exactly, not quantised).
+    """
+
+    kind: Literal["mean", "dp"]
+    weighted: bool
+    clip_norm: float | None
+    keys: tuple[tuple[str, tuple[int, ...], bool], ...]
+    clipping_range: float
+    quantization_range: int
+
+    @classmethod
+    def of(
+        cls, reference: Mapping[str, np.ndarray], kind: Literal["mean", "dp"], weighted: bool, clip_norm: float | None, config: Any
+    ) -> SumEncoding:
+        keys = tuple(
+            (str(k), tuple(np.shape(v)), np.asarray(v).dtype.kind not in "fc")
+            for k, v in reference.items()
+            if kind == "mean" or np.asarray(v).dtype.kind == "f"
+        )
+        return cls(kind, weighted and kind == "mean", clip_norm, keys, float(config.clipping_range), int(config.quantization_range))
+
+    @property
+    def step(self) -> float:
+        return 2.0 * self.clipping_range / self.quantization_range
+
+    @property
+    def entries(self) -> int:
+        """The model's entries (the levels hold 3 + 2 per metric more)."""
+        return sum(math.prod(shape) for _, shape, _ in self.keys)
+
+    @property
+    def error_bound(self) -> float:
+        """The largest gap of one entry of the decoded mean (or, central DP, of the sum per contributor) from the exact
+        one over the clipped updates: half a step (each client's entry is rounded once; integer weights are exact)."""
+        return self.step / 2
+
+    def encode(self, update: Update, reference: Mapping[str, np.ndarray], planned: int) -> np.ndarray:
+        """The client's levels (int64). Its update is validated first, as the server validates a reply in the clear
+        (:func:`~rayfuse.updates.streaming.update_problem`); an invalid one raises and the client leaves the round."""
+        reason = update_problem(update, planned, reference)
+        if reason is not None:
+            raise ValueError(f"secure aggregation: this client's update is not valid: {reason}")
+        params: Mapping[str, np.ndarray] = update.params
+        limit = (self.quantization_range + 1) // 2
+        changes = {k: np.asarray(params[k], dtype=np.float64) - np.asarray(reference[k], dtype=np.float64) for k, _, _ in self.keys}
+        unclipped = 1
+        if self.kind == "dp":
+            assert self.clip_norm is not None
+            norm = math.sqrt(sum(float(np.vdot(d, d)) for d in changes.values()))
+            scale = min(1.0, self.clip_norm / norm) if norm > 0 else 1.0
+            changes = {k: d * scale for k, d in changes.items()}
+            unclipped = int(norm <= self.clip_norm)
+        elif self.clip_norm is not None:
+            from rayfuse.updates.robust import clip_updates
+
+            clipped_model = clip_updates([dict(params)], reference, self.clip_norm)[0]
+            changes = {
+                k: np.asarray(clipped_model[k], dtype=np.float64) - np.asarray(reference[k], dtype=np.float64) for k, _, _ in self.keys
+            }
+        weight = int(update.num_examples) if self.weighted else 1
+        parts, clipped = [], 0
+        for key, _, integer in self.keys:
+            d = changes[key].ravel()
+            levels = np.rint(d) if integer else np.rint(np.clip(d, -self.clipping_range, self.clipping_range) / self.step)
+            over = np.abs(levels) > limit if integer else np.abs(d) > self.clipping_range
+            clipped += int(np.count_nonzero(over))
+            parts.append(np.clip(levels, -limit, limit).astype(np.int64) * weight)
+        tail = [weight, clipped, unclipped]
+        count = int(update.num_examples)  # metrics are weighted by the count whatever the model's weight (as rounds log them)
+        for name in METRICS:
+            value = update.metrics.get(name)
+            if value is None:
+                tail += [0, 0]
+                continue
+            level = int(np.rint(np.clip(float(value), -METRIC_LIMIT, METRIC_LIMIT) / METRIC_STEP))
+            tail += [level * count, count]
+        parts.append(np.asarray(tail, dtype=np.int64))
+        return np.concatenate(parts)
+
+    def decode(self, levels: np.ndarray, reference: Mapping[str, np.ndarray]) -> tuple[Params, dict[str, int], dict[str, float]]:
+        """The sum's parts: the summed changes per key (float64; integers exact), the counts (``weight``,
+        ``clipped_entries``, ``unclipped``) and the weighted mean of each metric some client reported."""
+        total: Params = {}
+        start = 0
+        for key, shape, integer in self.keys:
+            size = math.prod(shape)
+            part = levels[start : start + size].astype(np.float64)
+            total[key] = (part if integer else part * self.step).reshape(shape)
+            start += size
+        weight, clipped, unclipped = (int(v) for v in levels[start : start + 3])
+        metrics: dict[str, float] = {}
+        for i, name in enumerate(METRICS):
+            value, present = int(levels[start + 3 + 2 * i]), int(levels[start + 4 + 2 * i])
+            if present > 0:
+                metrics[name] = value * METRIC_STEP / present
+        return total, {"weight": weight, "clipped_entries": clipped, "unclipped": unclipped}, metrics
+
+    def mean(self, total: Params, weight: int, reference: Mapping[str, np.ndarray]) -> Params:
+        """The new model: the broadcast one plus the weighted mean change, in the reference's dtypes (integers rounded)."""
+        out: Params = {}
+        for key, ref in reference.items():
+            ref = np.asarray(ref)
+            value = ref.astype(np.float64) + total[key] / weight
+            out[key] = (np.rint(value) if ref.dtype.kind not in "fc" else value).astype(ref.dtype)
+        return out
+
+
+@dataclass
+class Masked:
+    """A client's reply to ``secagg.masked``: its masked levels and its count (known to the server from the plan)."""
+
+    masked: np.ndarray
+    num_examples: int
+
+
+# -- the client's side: four steps -------------------------------------------------------------------------------
+
+
+def _session(ctx: Any, session: str) -> SecAggClient:
+    client = ctx.secure_sessions.get(session)
+    if client is None:  # a process that restarted mid-round lost its secrets: it cannot go on in this round
+        raise SecAggFailure(f"secure aggregation: client {ctx.client_id} holds no state of round {session!r} (its process restarted?)")
+    return client
+
+
+@client_step("secagg.setup")
+def secagg_setup(ctx: Any, session: str, params: SecAggParams, client_ids: Sequence[int], graph_seed: int) -> tuple[bytes, bytes]:
+    """Stage 1: fresh key pairs for this round (kept in the client's process); the public keys."""
+    sessions = ctx.secure_sessions
+    while len(sessions) >= _KEEP_SESSIONS:  # a round that failed midway left its state: the oldest goes
+        sessions.pop(next(iter(sessions)))
+    client = SecAggClient(int(ctx.client_id), params)
+    sessions[session] = client
+    return client.stage_setup(client_ids, graph_seed)
+
+
+@client_step("secagg.share_keys")
+def secagg_share_keys(ctx: Any, session: str, keys: Mapping[int, Mapping[int, tuple[bytes, bytes]]]) -> dict[int, bytes]:
+    """Stage 2: this client's secrets shared among its live neighbours, each share encrypted for its receiver."""
+    return _session(ctx, session).stage_share_keys(keys[int(ctx.client_id)])
+
+
+@client_step("secagg.masked")
+def secagg_masked(
+    ctx: Any,
+    session: str,
+    routed: Mapping[int, Mapping[int, bytes]],
+    encoding: SumEncoding,
+    step: Callable[..., Update],
+    reference: Params,
+    kwargs: Mapping[str, Any],
+) -> Masked:
+    """Stage 3: the method's step (``step(ctx, reference, **kwargs)``: local training), its update validated and
+    encoded (:meth:`SumEncoding.encode`), then masked; only the masked levels and the count leave."""
+    client = _session(ctx, session)
+    update = step(ctx, reference, **kwargs)
+    levels = encoding.encode(update, reference, int(ctx.num_examples))
+    return Masked(client.stage_collect_masked_levels(routed.get(int(ctx.client_id), {}), levels), int(update.num_examples))
+
+
+@client_step("secagg.unmask")
+def secagg_unmask(ctx: Any, session: str, survivors: Sequence[int], dropped: Sequence[int]) -> dict[int, bytes]:
+    """Stage 4: the shares that remove the survivors' self masks and the dropped clients' pairwise masks."""
+    out = _session(ctx, session).stage_unmask(survivors, dropped)
+    ctx.secure_sessions.pop(session, None)
+    return out
+
+
+# -- the server's side ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SecureRound:
+    """What a secure round gives the server: the summed changes, the counts, the cohort's mean metrics, the clients
+    in the sum (with their planned counts) and the clients that failed a stage (with why)."""
+
+    total: Params
+    counts: dict[str, int]
+    metrics: dict[str, float]
+    contributors: dict[int, int]
+    failures: list[Any]
+    params: SecAggParams
+
+
+def secure_round(
+    federation: Any,
+    step: Callable[..., Update],
+    reference: Params,
+    clients: Sequence[int],
+    *,
+    session: str,
+    encoding: SumEncoding,
+    config: Any,
+    planned: Callable[[int], int],
+    step_kwargs: Mapping[str, Any] | None = None,
+) -> SecureRound:
+    """Run ``step`` on ``clients`` under SecAgg+ and return the sum of their encoded updates (see the module's text).
+
+    Raises
+    ------
+    SecAggFailure
+        Fewer than ``reconstruction_threshold`` clients left at a stage, or a malformed message (naming its client).
+    RunFailure
+        The sum's weight is not the survivors' planned counts (a client sent a count its update does not carry).
+    """
+    clients = sorted(int(c) for c in clients)
+    counts = {c: int(planned(c)) for c in clients}
+    params = secure_params(config, len(clients), max(counts.values()), encoding.entries)  # metrics weigh by the counts
+    server = SecAggServer(params, clients)
+    failures: list[Any] = []
+
+    def run(stage_step: Callable[..., Any], *args: Any, among: Sequence[int]) -> dict[int, Any]:
+        gathered = federation.run(stage_step, session, *args, clients=among)
+        failures.extend(gathered.failures)
+        return dict(gathered.results)
+
+    ids, graph_seed = server.setup_message()
+    keys = run(secagg_setup, params, ids, graph_seed, among=clients)
+    key_msgs = server.receive_public_keys(keys)
+    shares = run(secagg_share_keys, federation.put(key_msgs), among=sorted(key_msgs))
+    routed = server.receive_shares(shares)
+    ref = federation.put(reference)
+    masked = run(secagg_masked, federation.put(routed), encoding, step, ref, dict(step_kwargs or {}), among=sorted(routed))
+    del ref
+    for client, reply in masked.items():
+        if not isinstance(reply, Masked) or reply.num_examples != counts[client]:
+            got = reply.num_examples if isinstance(reply, Masked) else type(reply).__name__
+            raise SecAggFailure(
+                f"secure aggregation: client {client} sent {got!r}, not a masked vector with its planned count {counts[client]}",
+                client=client,
+            )
+    survivors, dropped = server.receive_masked({c: r.masked for c, r in masked.items()})
+    del masked
+    responses = run(secagg_unmask, survivors, dropped, among=survivors)
+    levels = server.unmask_levels(responses)
+    total, sums, metrics = encoding.decode(levels, reference)
+    contributors = {c: counts[c] for c in server.survivors}
+    expected = sum(contributors.values()) if encoding.weighted else len(contributors)
+    if sums["weight"] != expected:
+        raise RunFailure(
+            f"secure aggregation: the sum's weight {sums['weight']} is not the {len(contributors)} contributors' "
+            f"{'planned counts' if encoding.weighted else 'number'} {expected}: a client encoded another count"
+        )
+    return SecureRound(total, sums, metrics, contributors, failures, params)

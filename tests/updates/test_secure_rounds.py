@@ -1,0 +1,160 @@
+"""Secure aggregation over the engine (``federation.secure_aggregation``): a FedAvg-family round under SecAgg+ gives
+the plain round's model within half a quantisation step, the coordinator receives only keys, ciphertexts, masked ring
+vectors and shares (never an update or a metric of one client), dropped clients are recovered while enough remain,
+one more is a clean failure that resumes, and what cannot be summed is refused before start. In-process runs (the
+same steps run on Ray actors: tests/integration/test_ray_backend.py runs one there)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+import rayfuse
+from rayfuse.errors import InputError, RunFailure
+from rayfuse.federation import Federation
+from rayfuse.testing import BASE, merge
+from rayfuse.updates.secure import METRIC_STEP, Masked
+
+ONE_ROUND = merge(BASE, {"methods": {"fedavg": {"rounds": 1, "local_epochs": 1}}})
+SECURE = {"federation": {"secure_aggregation": True}}
+ROOT = Path(__file__).resolve().parents[2]
+STEP = 2 * 8.0 / 2**22  # the default clipping range's quantisation step
+
+
+def _run(tmp_path, name, cfg, **kwargs):
+    return rayfuse.run(cfg, run_dir=tmp_path / name, quiet=True, **kwargs)
+
+
+def _gap(a, b):
+    return max(float(np.max(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)))) for k in a)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"rounds": 1, "local_epochs": 1},
+        {"rounds": 1, "local_epochs": 1, "weighted": False},
+        {"rounds": 1, "local_epochs": 1, "aggregator": {"name": "mean", "clip_norm": 0.5}},
+        {"method": "fedadam", "rounds": 1, "local_epochs": 1},
+    ],
+    ids=["weighted", "unweighted", "clip_norm", "fedadam"],
+)
+def test_a_secure_round_gives_the_plain_rounds_model_within_half_a_step(tmp_path, entry):
+    cfg = merge(BASE, {"methods": {"m": {"method": "fedavg", **entry}}})
+    plain = _run(tmp_path, "plain", cfg)
+    secure = _run(tmp_path, "secure", merge(cfg, SECURE))
+    info = secure.results["methods"]["m"]["info"]
+    assert info["aggregation"] == {"mode": "secure"}
+    record = info["secure_aggregation"]
+    assert record["error_bound"] == pytest.approx(STEP / 2) and record["clipped_entries"] == 0 and record["dropped"] == 0
+    # fedadam's server step divides by sqrt(v) ~ |mean change|: its model moves by lr per entry either way, so its
+    # gap is bounded by the step's effect on the change, not the step itself; the means' gap is checked on the others
+    bound = STEP / 2 + 1e-6 if "method" not in entry else 2e-3
+    assert _gap(plain.models["m"], secure.models["m"]) <= bound
+    # the round's loss is the cohort's weighted mean, summed securely at a step of 2^-10
+    loss = lambda r: float(r.history.query("method == 'm' and metric == 'train_loss'")["value"].iloc[-1])  # noqa: E731
+    assert abs(loss(plain) - loss(secure)) <= METRIC_STEP
+
+
+def test_central_dp_noises_the_secure_sum_as_it_noises_the_plain_one(tmp_path):
+    dp = {"noise_multiplier": 0.5, "clip_norm": 1.0, "sample_rate": 1.0, "delta": 1e-3}
+    cfg = merge(BASE, {"methods": {"dp": {"method": "fedavg", "rounds": 1, "local_epochs": 1, "dp": dp}}})
+    plain = _run(tmp_path, "plain", cfg)
+    secure = _run(tmp_path, "secure", merge(cfg, SECURE))
+    # the same clipped sum (within 4 clients x half a step) and the same seeded noise, divided by the expected count
+    assert _gap(plain.models["dp"], secure.models["dp"]) <= 4 * STEP / 2 + 1e-6
+    assert secure.results["methods"]["dp"]["info"]["dp"]["epsilon"] == plain.results["methods"]["dp"]["info"]["dp"]["epsilon"]
+
+
+def test_the_coordinator_receives_no_update_and_no_metric_of_any_one_client(tmp_path, monkeypatch):
+    received: list[tuple[str, int, object]] = []
+    gather = Federation.gather
+
+    def recording(self, calls):
+        gathered = gather(self, calls)
+        received.extend((calls[0].name if calls else "", c, v) for c, v in gathered.results.items())
+        return gathered
+
+    monkeypatch.setattr(Federation, "gather", recording)
+    run = _run(tmp_path, "secure", merge(ONE_ROUND, SECURE))
+    stages = [name for name, _, _ in received if name.startswith("secagg.")]
+    assert stages.count("secagg.masked") == 4 and set(stages) == {"secagg.setup", "secagg.share_keys", "secagg.masked", "secagg.unmask"}
+    bits = run.results["methods"]["fedavg"]["info"]["secure_aggregation"]["modulus_bits"]
+    for name, client, value in received:
+        if not name.startswith("secagg."):
+            continue
+        if name == "secagg.masked":
+            assert isinstance(value, Masked) and value.masked.dtype == np.uint64
+            assert {f.name for f in dataclasses.fields(value)} == {"masked", "num_examples"}  # no metrics travel
+            # uniform on the ring whatever the update: the masked entries' mean is half the ring within 5 sigma
+            u = value.masked.astype(np.float64) / 2.0**bits
+            assert abs(u.mean() - 0.5) < 5 * np.sqrt(1 / 12 / u.size)
+        else:  # public keys, ciphertexts and Shamir shares: bytes only, no array of numbers
+            leaves = value.values() if isinstance(value, dict) else value
+            assert all(isinstance(leaf, bytes) for leaf in leaves), (name, client)
+
+
+def _faults(*faults):
+    return {"federation": {"on_client_failure": "drop", "faults": [dict(client=c, step=s, call=1) for c, s in faults]}}
+
+
+def test_a_client_that_drops_before_or_after_sending_its_masked_update_is_recovered(tmp_path):
+    # 4 clients: 3 neighbours each, threshold 3 of 4: one client may drop
+    secure = merge(ONE_ROUND, SECURE)
+    without_1 = _run(tmp_path, "plain_without_1", merge(ONE_ROUND, _faults((1, "fedavg.fit"))))
+    before = _run(tmp_path, "before", merge(secure, _faults((1, "secagg.masked"))))
+    assert _gap(without_1.models["fedavg"], before.models["fedavg"]) <= STEP / 2 + 1e-6
+    assert before.results["methods"]["fedavg"]["info"]["secure_aggregation"]["dropped"] == 1
+    # a client that sent its masked update and dropped before unmasking is in the sum: the run with every client
+    everyone = _run(tmp_path, "plain", ONE_ROUND)
+    after = _run(tmp_path, "after", merge(secure, _faults((2, "secagg.unmask"))))
+    assert _gap(everyone.models["fedavg"], after.models["fedavg"]) <= STEP / 2 + 1e-6
+
+
+def test_one_drop_too_many_fails_the_round_cleanly_and_the_run_resumes_to_the_same_model(tmp_path):
+    cfg = merge(BASE, {"methods": {"fedavg": {"rounds": 2, "local_epochs": 1}}, **SECURE})
+    whole = _run(tmp_path, "whole", cfg)
+    faults = {"federation": {"on_client_failure": "drop", "faults": [dict(client=c, step="secagg.masked", call=2) for c in (0, 3)]}}
+    with pytest.raises(RunFailure, match="fewer than reconstruction_threshold 3"):
+        _run(tmp_path, "cut", merge(cfg, faults))
+    resumed = rayfuse.resume(tmp_path / "cut", overrides=["federation.faults=[]"], quiet=True)
+    for key, value in whole.models["fedavg"].items():
+        assert np.array_equal(value, resumed.models["fedavg"][key]), key  # the decoded sum is exact: bit for bit
+
+
+REFUSED = [
+    ({"methods": {"m": {"method": "fedavg", "rounds": 1, "aggregator": {"name": "median"}}}}, "methods.m.aggregator", "'median'"),
+    ({"methods": {"e": {"method": "ensemble"}}}, "methods.e", "'ensemble'"),
+    ({"methods": {"a": {"method": "aligned"}}}, "methods.a", "'aligned'"),
+    ({"methods": {"g": {"method": "gems"}}}, "methods.g", "'gems'"),
+    (
+        {"methods": {"f": {"method": "fedavg", "rounds": 1}}, "federation": {"attacks": [{"client": 0, "kind": "sign_flip"}]}},
+        "federation.attacks",
+        "['sign_flip']",
+    ),
+    ({"methods": {"f": {"method": "fedavg", "rounds": 1, "fraction": 0.25}}}, "methods.f.fraction", "0.25"),
+    (
+        {"methods": {"f": {"method": "fedavg", "rounds": 1}}, "federation": {"secure_aggregation": {"reconstruction_threshold": 1}}},
+        "federation.secure_aggregation.reconstruction_threshold",
+        "1",
+    ),
+]
+
+
+def _kl_job() -> dict:
+    job = yaml.safe_load((ROOT / "jobs" / "kl_gmm.yaml").read_text())
+    return merge({k: v for k, v in job.items() if k != "methods"}, {"methods": {"k": {"method": "kl"}}})
+
+
+@pytest.mark.parametrize("sections, path, got", [*REFUSED, (None, "methods.k", "'kl'")], ids=[r[1] + ":" + r[2] for r in REFUSED] + ["kl"])
+def test_what_secure_aggregation_cannot_sum_is_refused_before_start_in_one_line(tmp_path, sections, path, got):
+    cfg = merge(merge(BASE, SECURE), sections) if sections is not None else merge(_kl_job(), SECURE)
+    with pytest.raises(InputError) as info:
+        _run(tmp_path, "refused", cfg)
+    message = str(info.value)
+    assert message.startswith(f"{path}: expected ") and f"got {got}" in message and "\n" not in message
+    assert not (tmp_path / "refused").exists()
