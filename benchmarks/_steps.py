@@ -22,8 +22,9 @@ def echo_step(ctx: Any, global_params: dict[str, np.ndarray]) -> Update:
     """A client with no local training: return a copy of the broadcast (new memory, like a trained update).
 
     ``metrics["copy_s"]`` is the CPU time of the copy (the clients share the CPUs, so their wall time would count
-    the time they wait for each other).
+    the time they wait for each other); ``train_seconds`` too, the one a secure round sums (its mean reaches the server).
     """
     start = time.thread_time()
     params = {k: v.copy() for k, v in global_params.items()}
-    return Update(params=params, num_examples=ctx.num_examples, metrics={"copy_s": time.thread_time() - start})
+    copy_s = time.thread_time() - start
+    return Update(params=params, num_examples=ctx.num_examples, metrics={"copy_s": copy_s, "train_seconds": copy_s})

@@ -19,7 +19,11 @@ in the cell's mode:
   shapes, dtypes, finite values, sample counts against the partition plan, metrics), and drops it;
 * ``per_actor`` (streaming, ``clients_per_actor > 1``): each actor validates and sums its clients' copies and sends one
   partial sum;
-* ``gathered`` (``federation.streaming: false``): every reply is gathered first, then validated and averaged.
+* ``gathered`` (``federation.streaming: false``): every reply is gathered first, then validated and averaged;
+* ``secure`` (``federation.secure_aggregation: true``, ``--aggregation secure``): SecAgg+ over the same actors
+  (``rayfuse.updates.secure``): four calls on the cohort (keys, encrypted shares, the echo step with its copy encoded
+  and masked, the unmasking shares) and the server's unmasking of the sum; ``x plain`` is its round time over the same
+  cell's streamed round (per_actor where the actors host several clients, else flat), run on the same actors.
 
 Reported per cell: the median round time; the bare aggregation (``weighted_average`` of the bare round's updates); the
 clients' copy time and the *overhead* = round - bare aggregation - client copy wall time. The copy wall time is the
@@ -44,6 +48,7 @@ Usage::
     python benchmarks/bench_round.py --cells targets      # 100 x 400 KB and 20 x 40 MB only, every mode
     python benchmarks/bench_round.py --cells targets --aggregation per_actor --streaming
     python benchmarks/bench_round.py --clients 10 50 --sizes 100KB 10MB --rounds 5
+    python benchmarks/bench_round.py --cells targets --aggregation per_actor flat secure --streaming   # secure vs plain
     python benchmarks/bench_round.py --quick              # one small cell in every mode, seconds
 
 Writes ``benchmarks/results/bench_round.json``. Ray workers import ``_steps`` (the echo step) and this module from
@@ -78,7 +83,7 @@ WORKER_BYTES = 100 * 2**20  # memory budget per client worker (measured: ~65 MB 
 COORDINATOR_BYTES = 600 * 2**20  # the coordinator imports torch through rayfuse.coordinator (measured: ~450 MB)
 SIZES = {"100KB": 25_000, "400KB": 100_000, "10MB": 2_500_000, "40MB": 10_000_000, "100MB": 25_000_000}  # float32 counts
 TIMED_KEYS = ("round_s", "client_copy_sum_s")
-MODES = ("flat", "per_actor", "gathered")
+MODES = ("flat", "per_actor", "gathered", "secure")
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,7 @@ class Cell:
     num_params: int  # float32 values per client
     target: bool = False
     per_actor: int = 1  # federation.clients_per_actor: 1 is one actor per client (deployment), more is the simulation mode
-    mode: str = "flat"  # flat, per_actor (streaming; clients_per_actor > 1) or gathered (federation.streaming: false)
+    mode: str = "flat"  # flat, per_actor (streaming; clients_per_actor > 1), gathered (streaming: false) or secure (SecAgg+)
     fetch_bytes: int | None = None  # the coordinator federation's stream fetch budget (None: its default)
 
     @property
@@ -155,15 +160,17 @@ class RoundCoordinator(CoordinatorActor):
         self.start: dict[str, np.ndarray] | None = None  # the global model of round 1 (run_rounds)
 
     def run_rounds(self, num_params: int, rounds: int, mode: str = "flat", seed: int = 0, fetch_bytes: int | None = None) -> dict[str, Any]:
-        """Run ``rounds`` FedAvg rounds in ``mode`` (flat, per_actor or gathered) with the stream's fetch budget
-        ``fetch_bytes`` (``None``: the federation's default); return their timings."""
+        """Run ``rounds`` FedAvg rounds in ``mode`` (flat, per_actor, gathered or secure) with the stream's fetch
+        budget ``fetch_bytes`` (``None``: the federation's default); return their timings."""
         from actors.federation import FETCH_BYTES
+        from rayfuse.config import SecureAggregationConfig
 
         self.federation.fetch_bytes = FETCH_BYTES if fetch_bytes is None else fetch_bytes
         server = self.server
         pipeline = server.updates
         pipeline.streaming = mode != "gathered"  # federation.streaming
         pipeline.aggregation = "flat" if mode == "flat" else None  # federation.aggregation (unset: per_actor when k > 1)
+        pipeline.secure = SecureAggregationConfig() if mode == "secure" else None  # federation.secure_aggregation: true
         p = server.params  # FedAvgParams: fraction, aggregator and weighting as FedAvg.run reads them
         if self.start is None or self.start["w"].size != num_params:  # kept across calls: part of the resting size
             self.start = {"w": np.random.default_rng(seed).uniform(0.5, 1.5, num_params).astype(np.float32)}
@@ -176,7 +183,9 @@ class RoundCoordinator(CoordinatorActor):
             result = pipeline.collect_round(echo_step, global_params, clients, rnd + 1, weighted=p.weighted)
             global_params, updates = result.params, result.updates
             t1 = time.perf_counter()
-            timings.append({"round_s": t1 - t0, "client_copy_sum_s": float(np.sum([u.metrics["copy_s"] for u in updates.values()]))})
+            # under secure aggregation each client's record carries the cohort's mean train_seconds (the copy's time)
+            copies = [u.metrics.get("copy_s", u.metrics.get("train_seconds", 0.0)) for u in updates.values()]
+            timings.append({"round_s": t1 - t0, "client_copy_sum_s": float(np.sum(copies))})
             del result, updates
         if rounds:
             assert pipeline.round_mode(1)[0] == mode, (pipeline.round_mode(1), mode)
@@ -547,6 +556,19 @@ def default_store_bytes() -> int:
     return int(min(8 * 2**30, memory_bytes()[1] / 3))
 
 
+def add_secure_ratios(rows: list[dict[str, Any]]) -> None:
+    """``x_plain`` of each secure row: its round time over the same cell's streamed plain round (per_actor where the
+    actors host several clients, else flat), when that cell ran too."""
+    for row in rows:
+        if row["mode"] != "secure":
+            continue
+        plain_mode = "per_actor" if row["clients_per_actor"] > 1 else "flat"
+        for other in rows:
+            same = all(other[k] == row[k] for k in ("clients", "clients_per_actor", "param_bytes"))
+            if same and other["mode"] == plain_mode and other["fetch_bytes"] is None:
+                row["x_plain"] = row["round_s"] / other["round_s"]
+
+
 def print_rows(rows: list[dict[str, Any]]) -> None:
     ms_keys = ("round_s", "aggregate_s", "client_copy_wall_s", "overhead_s", "bare_round_s")
     shown = [{**r, **{k: 1e3 * r[k] for k in ms_keys}, "target": "yes" if r["target"] else ""} for r in rows]
@@ -561,6 +583,7 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
             ("overhead_s", "overhead ms"),
             ("bare_round_s", "bare Ray ms"),
             ("vs_bare", "x bare"),
+            ("x_plain", "secure x plain"),
             ("coordinator_peak_x_model", "coord. peak x model"),
             ("coordinator_anon_peak_x_model", "coord. private x model"),
             ("client_actor_peak_x_model", "actor peak x model"),
@@ -585,7 +608,11 @@ def main() -> None:
     )
     add_quick_arguments(parser, "4 x 100 KB, 2 per actor, in each mode, 2 rounds")
     parser.add_argument(
-        "--aggregation", nargs="+", default=["flat", "per_actor"], choices=["flat", "per_actor"], help="streaming rounds' aggregation"
+        "--aggregation",
+        nargs="+",
+        default=["flat", "per_actor"],
+        choices=["flat", "per_actor", "secure"],
+        help="streaming rounds' aggregation (secure: SecAgg+, federation.secure_aggregation)",
     )
     parser.add_argument(
         "--streaming",
@@ -649,6 +676,7 @@ def main() -> None:
         max_load=args.max_load,
         quiet_timeout_s=args.quiet_timeout,
     )
+    add_secure_ratios(result["rows"])
     print_rows(result["rows"])
     for skip in result["skipped"]:
         print(f"skipped {skip['cell']}: {skip['reason']}")

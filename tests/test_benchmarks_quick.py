@@ -59,6 +59,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "benchmarks/robust/accuracy.py": ("robust_accuracy.json", {"machine", "rows"}),
     "benchmarks/robust/dp_epsilon.py": ("dp_epsilon.json", {"machine", "summary"}),
     "benchmarks/secagg_cost.py": ("secagg_cost.json", {"machine", "rows"}),
+    "benchmarks/secure_round.py": ("secure_round.json", {"machine", "rows"}),
     "benchmarks/aligned/train.py": ("train.json", {"cell", "baselines"}),
     "benchmarks/aligned/accuracy.py": ("aligned_accuracy_quick.json", {"machine", "rows"}),
     "benchmarks/aligned/width.py": ("aligned_width.json", {"machine", "rows"}),

@@ -43,7 +43,15 @@ from rayfuse.config.data import (
 )
 from rayfuse.config.errors import pydantic_input_error, validate_file_section
 from rayfuse.config.experiment import CONFIG_SECTIONS, DEFAULT_METHODS, QUICKSTART_PUBLIC_SIZE, ExperimentConfig, RunConfig
-from rayfuse.config.federation import AttackSpec, ClientOverride, FaultSpec, FederationConfig, ResourcesConfig, other_model_clients
+from rayfuse.config.federation import (
+    AttackSpec,
+    ClientOverride,
+    FaultSpec,
+    FederationConfig,
+    ResourcesConfig,
+    SecureAggregationConfig,
+    other_model_clients,
+)
 from rayfuse.config.load import apply_overrides, build_config, dump_config, load_config, parse_overrides, read_config_file, validate_config
 from rayfuse.config.model import ModelConfig
 from rayfuse.config.tracking import MlflowConfig, TrackingConfig
@@ -66,6 +74,7 @@ __all__ = [
     "DPSGDConfig",
     "FederationConfig",
     "ResourcesConfig",
+    "SecureAggregationConfig",
     "ClientOverride",
     "other_model_clients",
     "FaultSpec",

@@ -148,7 +148,7 @@ class SecureAggregationConfig(StrictModel):
     reconstruction_threshold: int | Literal["auto"] = Field(
         "auto",
         description="t, the shares of a client's secrets needed to unmask (a majority of k + 1); a round survives "
-        "k + 1 - t dropped neighbours of any client; auto: the smallest majority above two thirds of k + 1",
+        "k + 1 - t dropped neighbours of any client; auto: the smallest majority of k + 1",
     )
     clipping_range: float = Field(
         8.0, gt=0, description="c: each entry a client sends (an update's change, a statistic) is clipped to [-c, c]"

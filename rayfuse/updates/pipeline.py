@@ -722,6 +722,11 @@ class UpdatePipeline:
             return "gathered", f"aggregator {self.aggregator.name!r} needs every update at once"
         if self._attacked(round):
             return "gathered", f"round {round} is attacked (federation.attacks): each client's update is needed"
+        return self._placement()
+
+    def _placement(self) -> tuple[str, str | None]:
+        """Where a sum is folded (``flat``, ``per_actor`` or ``per_node``; a streamed round's mode and a secure round's
+        partial sums of masked vectors), with why it is not what ``federation.aggregation`` asked for."""
         if self.aggregation == "flat":
             return "flat", None
         located = getattr(self._server.federation, "client_nodes", None)  # a stand-in federation may not locate clients
@@ -858,6 +863,7 @@ class UpdatePipeline:
             config=self.secure,
             planned=self._planned,
             step_kwargs=step_kwargs,
+            partial_sums=self._placement()[0],  # type: ignore[arg-type]
         )
         kept = done.contributors
         need = max(1, min(server.federation.policy.min_clients, len(clients)))
@@ -924,6 +930,8 @@ class UpdatePipeline:
         """The pipeline's record for ``results.json``: ``dp`` (central DP's plan and epsilon) or ``upload_dp`` (each
         client's epsilon of the one-shot upload); empty without DP."""
         record: dict[str, Any] = {"aggregation": self.aggregation_record()} if self._rounds_collected else {}
+        if self._rounds_collected and self.secure is not None:  # where the masked vectors were added up
+            record["aggregation"]["partial_sums"] = self._placement()[0]
         if self._secure:
             record["secure_aggregation"] = dict(self._secure)
         if isinstance(self.dp, CentralDPSettings) and self._plan is not None:

@@ -44,6 +44,7 @@ weights, exact), so :meth:`SecAggResult.mean` is the weighted mean for ``w'`` wi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -226,27 +227,43 @@ def neighbours(ids: Sequence[int], num_neighbours: int, graph_seed: int) -> dict
     return {cid: frozenset(nbrs) for cid, nbrs in graph.items()}
 
 
-def _prg(seed: bytes, length: int, params: SecAggParams) -> np.ndarray:
-    """``length`` ring elements from AES-256-CTR keyed by the 32-byte seed (zero nonce: each seed keys one stream)."""
-    encryptor = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
-    stream = encryptor.update(bytes(8 * length)) + encryptor.finalize()
-    out = np.frombuffer(stream, dtype="<u8").astype(np.uint64)  # a writable copy (native byte order)
-    out &= params.ring_mask
-    return out
+class _Stream:
+    """A reusable buffer of ``length`` 64-bit words of AES-256-CTR keystream (zero nonce: each seed keys one stream).
+
+    A mask is added in full 64-bit words and the ring's mask applied once at the end: 2^bits divides 2^64, so the sum
+    modulo 2^bits is the same, and no per-mask copy or reduction is made (the masking's cost is the keystream)."""
+
+    def __init__(self, length: int) -> None:
+        self._zeros = bytes(8 * length)
+        self._buffer = bytearray(8 * length + 15)  # update_into wants room for a block more
+        self._words = np.frombuffer(self._buffer, dtype="<u8", count=length)
+
+    def draw(self, seed: bytes) -> np.ndarray:
+        """The stream of ``seed`` (a view of the buffer, overwritten by the next draw)."""
+        encryptor = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
+        encryptor.update_into(self._zeros, self._buffer)
+        encryptor.finalize()
+        return self._words
 
 
 def _hkdf(secret: bytes, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=_KEY, salt=None, info=info).derive(secret)
 
 
-def _mask_seed(private: bytes, public: bytes) -> bytes:
-    shared = X25519PrivateKey.from_private_bytes(private).exchange(X25519PublicKey.from_public_bytes(public))
+def _private(private: bytes | X25519PrivateKey | None) -> X25519PrivateKey:
+    if private is None:
+        raise SecAggFailure("secure aggregation: a client was asked for a later stage before its setup")
+    return private if isinstance(private, X25519PrivateKey) else X25519PrivateKey.from_private_bytes(private)
+
+
+def _mask_seed(private: bytes | X25519PrivateKey | None, public: bytes) -> bytes:
+    shared = _private(private).exchange(X25519PublicKey.from_public_bytes(public))
     return _hkdf(shared, b"rayfuse-secagg pairwise mask")
 
 
-def _share_key(private: bytes, public: bytes, src: int, dst: int) -> bytes:
+def _share_key(private: bytes | X25519PrivateKey | None, public: bytes, src: int, dst: int) -> bytes:
     """The AES-GCM key of the one share message from ``src`` to ``dst`` (client indices, bound in)."""
-    shared = X25519PrivateKey.from_private_bytes(private).exchange(X25519PublicKey.from_public_bytes(public))
+    shared = _private(private).exchange(X25519PublicKey.from_public_bytes(public))
     return _hkdf(shared, b"rayfuse-secagg share" + struct.pack(">II", src, dst))
 
 
@@ -268,21 +285,39 @@ def _shamir_split(secret: bytes, xs: Iterable[int], threshold: int, randbytes) -
     return shares
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _inverse(d: int) -> int:
+    """``d^-1`` modulo PRIME; the x coordinates are client indices, so their differences repeat: cached."""
+    return pow(d, -1, PRIME)
+
+
+class _Polynomial:
+    """The polynomial of degree ``len(points) - 1`` through ``points`` over GF(PRIME), in Newton's form: built once in
+    O(t^2) (divided differences, with the cached inverses of the x differences), evaluated in O(t) (Horner)."""
+
+    def __init__(self, points: Sequence[tuple[int, int]]) -> None:
+        self.xs = [x for x, _ in points]
+        c = [y % PRIME for _, y in points]
+        for j in range(1, len(c)):
+            for i in range(len(c) - 1, j - 1, -1):
+                c[i] = (c[i] - c[i - 1]) * _inverse((self.xs[i] - self.xs[i - j]) % PRIME) % PRIME
+        self.c = c
+
+    def __call__(self, at: int) -> int:
+        value = self.c[-1]
+        for i in range(len(self.c) - 2, -1, -1):
+            value = (value * (at - self.xs[i]) + self.c[i]) % PRIME
+        return value
+
+
 def _lagrange_at(points: Sequence[tuple[int, int]], at: int) -> int:
-    total = 0
-    for j, (xj, yj) in enumerate(points):
-        num, den = 1, 1
-        for m, (xm, _) in enumerate(points):
-            if m != j:
-                num = num * (at - xm) % PRIME
-                den = den * (xj - xm) % PRIME
-        total = (total + yj * num * pow(den, -1, PRIME)) % PRIME
-    return total
+    """The value at ``at`` of the polynomial through ``points``."""
+    return _Polynomial(points)(at)
 
 
 def _consistent(points: Sequence[tuple[int, int]], threshold: int) -> bool:
-    base = points[:threshold]
-    return all(_lagrange_at(base, x) == y for x, y in points[threshold:])
+    f = _Polynomial(points[:threshold])
+    return all(f(x) == y % PRIME for x, y in points[threshold:])
 
 
 def _reconstruct(points_by_holder: Mapping[int, tuple[int, int]], threshold: int, owner: int) -> bytes:
@@ -337,6 +372,8 @@ class SecAggClient:
         self._graph: frozenset[int] = frozenset()
         self._mask_sk = b""
         self._enc_sk = b""
+        self._mask_key: X25519PrivateKey | None = None
+        self._enc_key: X25519PrivateKey | None = None
         self._b = b""
         self._keys: dict[int, tuple[bytes, bytes]] = {}
         self._b_shares: dict[int, int] = {}  # owner -> this client's share of the owner's self-mask seed
@@ -351,6 +388,7 @@ class SecAggClient:
         self._index = {cid: i for i, cid in enumerate(self._ids)}
         self._graph = neighbours(self._ids, self.params.num_neighbours, graph_seed)[self.cid]
         self._mask_sk, self._enc_sk = self._rand(_KEY), self._rand(_KEY)
+        self._mask_key, self._enc_key = _private(self._mask_sk), _private(self._enc_sk)  # parsed once, used per neighbour
         return _public(self._mask_sk), _public(self._enc_sk)
 
     def stage_share_keys(self, public_keys: Mapping[int, tuple[bytes, bytes]]) -> dict[int, bytes]:
@@ -383,7 +421,7 @@ class SecAggClient:
         for dst in sorted(keys):
             x = self._index[dst] + 1
             plain = struct.pack(">I", x) + b_shares[x].to_bytes(_ELEM, "big") + sk_shares[x].to_bytes(_ELEM, "big")
-            key = _share_key(self._enc_sk, keys[dst][1], me, self._index[dst])
+            key = _share_key(self._enc_key, keys[dst][1], me, self._index[dst])
             nonce = self._rand(12)
             out[dst] = nonce + AESGCM(key).encrypt(nonce, plain, None)
         return out
@@ -427,7 +465,7 @@ class SecAggClient:
             if src not in self._keys:
                 raise SecAggFailure(f"secure aggregation: client {self.cid!r} got a share from non-neighbour {src!r}", client=src)
             try:
-                key = _share_key(self._enc_sk, self._keys[src][1], self._index[src], me)
+                key = _share_key(self._enc_key, self._keys[src][1], self._index[src], me)
                 plain = AESGCM(key).decrypt(blob[:12], blob[12:], None)
             except (InvalidTag, ValueError, TypeError):
                 raise SecAggFailure(
@@ -449,15 +487,15 @@ class SecAggClient:
 
     def _mask(self, encoded: np.ndarray) -> np.ndarray:
         """The encoded vector plus the self mask and the pairwise masks with the neighbours whose shares arrived."""
-        masked = _prg(self._b, encoded.size, self.params)
-        masked += encoded  # uint64 arithmetic wraps modulo 2^64; the ring's mask is applied once, at the end
+        stream = _Stream(encoded.size)
+        masked = encoded.astype(np.uint64, copy=True)
+        masked += stream.draw(self._b)  # uint64 arithmetic wraps modulo 2^64; the ring's mask is applied once, at the end
         for other in sorted(self._masked_with):
-            mask = _prg(_mask_seed(self._mask_sk, self._keys[other][0]), masked.size, self.params)
+            mask = stream.draw(_mask_seed(self._mask_key, self._keys[other][0]))
             if self._index[self.cid] > self._index[other]:
                 masked += mask
             else:
                 masked -= mask
-            del mask
         masked &= self.params.ring_mask
         return masked
 
@@ -557,26 +595,43 @@ class SecAggServer:
 
     def receive_masked(self, masked: Mapping[int, np.ndarray]) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Stage 3's replies; returns stage 4's message: (survivors whose vectors arrived, dropped after sharing keys)."""
+        return self.receive_masked_sums({(cid,): vec for cid, vec in masked.items()})
+
+    def receive_masked_sums(self, parts: Mapping[tuple[int, ...], np.ndarray]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Stage 3's replies, some already added up where several clients are hosted (an actor's or a node's partial
+        sum of its clients' masked vectors, in the ring: their masks still hide each of them, and cancel only in the
+        total): ``{clients: masked vector or sum}``; returns stage 4's message as :meth:`receive_masked` does."""
         total = None
-        for cid, vec in masked.items():
-            self._known(cid)
+        seen: set[int] = set()
+        for clients, vec in parts.items():
+            for cid in clients:
+                self._known(cid)
+            blame = clients[0] if len(clients) == 1 else None
+            who = f"client {clients[0]!r}" if len(clients) == 1 else f"the partial sum of clients {list(clients)}"
             arr = np.asarray(vec)
-            if cid not in self._s1 or arr.dtype != np.uint64 or arr.ndim != 1 or (total is not None and arr.shape != total.shape):
-                raise SecAggFailure(f"secure aggregation: client {cid!r} sent a malformed masked vector", client=cid)
+            if (
+                not clients
+                or any(cid not in self._s1 or cid in seen for cid in clients)
+                or arr.dtype != np.uint64
+                or arr.ndim != 1
+                or (total is not None and arr.shape != total.shape)
+            ):
+                raise SecAggFailure(f"secure aggregation: {who} sent a malformed masked vector", client=blame)
             if np.any(arr > self.params.ring_mask):
-                raise SecAggFailure(f"secure aggregation: client {cid!r} sent a masked vector outside the ring", client=cid)
+                raise SecAggFailure(f"secure aggregation: {who} sent a masked vector outside the ring", client=blame)
+            seen.update(clients)
             if total is None:
                 total = arr.copy()
             else:
                 total += arr
         t = self.params.reconstruction_threshold
-        if len(masked) < t:  # unmasking fewer would expose a lone client's vector (the paper's clients abort too)
+        if len(seen) < t:  # unmasking fewer would expose a lone client's vector (the paper's clients abort too)
             raise SecAggFailure(
-                f"secure aggregation: {len(masked)} clients sent masked vectors ({sorted(masked)}), fewer than reconstruction_threshold {t}"
+                f"secure aggregation: {len(seen)} clients sent masked vectors ({sorted(seen)}), fewer than reconstruction_threshold {t}"
             )
         assert total is not None
         self._sum = total
-        self._s2 = frozenset(masked)
+        self._s2 = frozenset(seen)
         return tuple(sorted(self._s2)), tuple(sorted(self._s1 - self._s2))
 
     def receive_unmask(self, responses: Mapping[int, Mapping[int, bytes]], layout: Layout | None = None) -> SecAggResult:
@@ -628,15 +683,17 @@ class SecAggServer:
             )
         ring = self._sum.copy()  # unmasked in place (uint64 wraps modulo 2^64; the ring's mask is applied at the end)
         mask = self.params.ring_mask
+        stream = _Stream(ring.size)
         for owner in sorted(self._s2):
-            ring -= _prg(_reconstruct(points[owner], t, owner), ring.size, self.params)
+            ring -= stream.draw(_reconstruct(points[owner], t, owner))
         for owner in sorted(dropped):
             secret = _reconstruct(points[owner], t, owner)
             if _public(secret) != self._keys[owner][0]:
                 raise SecAggFailure(f"secure aggregation: client {owner!r}'s mask key rebuilt from shares does not match its public key")
+            key = _private(secret)
             for other in sorted(self.graph[owner] & self._s2):
                 if owner in self._routed.get(other, ()):
-                    pair = _prg(_mask_seed(secret, self._keys[other][0]), ring.size, self.params)
+                    pair = stream.draw(_mask_seed(key, self._keys[other][0]))
                     if self._index[other] > self._index[owner]:
                         ring -= pair
                     else:

@@ -35,13 +35,15 @@ from typing import Any, Literal
 import numpy as np
 
 from rayfuse.errors import InputError, RunFailure, SecAggFailure
-from rayfuse.method import Update, client_step
+from rayfuse.method import Folded, Update, client_step
 from rayfuse.updates.secagg import SecAggClient, SecAggParams, SecAggServer
 from rayfuse.updates.streaming import update_problem
 
 __all__ = [
     "METRICS",
     "Masked",
+    "MaskedFold",
+    "MaskedSum",
     "SecureRound",
     "SumEncoding",
     "neighbourhood",
@@ -224,6 +226,47 @@ class Masked:
     num_examples: int
 
 
+@dataclass
+class MaskedSum:
+    """The masked vectors of the clients one process (or one node) hosts, added in the ring, with their counts: each
+    client's vector stays hidden by its self mask and its masks with neighbours elsewhere; the masks cancel only in
+    the total the server unmasks."""
+
+    masked: np.ndarray
+    counts: dict[int, int]
+
+
+@dataclass(frozen=True)
+class MaskedFold:
+    """The :class:`rayfuse.federation.Reducer` of a secure round's stage 3 where several clients are hosted
+    (``federation.clients_per_actor > 1``, or per node): their :class:`Masked` replies (or a process's
+    :class:`MaskedSum`) added in the ring of ``2^bits``, one :class:`MaskedSum` sent on."""
+
+    bits: int
+
+    def reduce(self, replies: Any) -> MaskedSum:
+        total: np.ndarray | None = None
+        counts: dict[int, int] = {}
+        for client, value, _ in replies:
+            if isinstance(value, Folded):
+                continue  # its vector is in its process's partial sum
+            if isinstance(value, Masked):
+                vector, part = value.masked, {int(client): int(value.num_examples)}
+            elif isinstance(value, MaskedSum):
+                vector, part = value.masked, value.counts
+            else:
+                raise TypeError(f"secure aggregation: expected a masked vector, got {type(value).__name__}")
+            if total is None:
+                total = np.array(vector, dtype=np.uint64)
+            else:
+                total += vector
+            counts.update(part)
+            del value, vector
+        assert total is not None, "a reducer is called with at least one reply"
+        total &= np.uint64((1 << self.bits) - 1)
+        return MaskedSum(total, counts)
+
+
 # -- the client's side: four steps -------------------------------------------------------------------------------
 
 
@@ -304,8 +347,11 @@ def secure_round(
     config: Any,
     planned: Callable[[int], int],
     step_kwargs: Mapping[str, Any] | None = None,
+    partial_sums: Literal["flat", "per_actor", "per_node"] = "flat",
 ) -> SecureRound:
     """Run ``step`` on ``clients`` under SecAgg+ and return the sum of their encoded updates (see the module's text).
+    ``partial_sums``: where the masked vectors are added before the coordinator (``per_actor``: in each process
+    hosting several clients; ``per_node``: then on each node too; :class:`MaskedFold`).
 
     Raises
     ------
@@ -330,18 +376,31 @@ def secure_round(
     key_msgs = server.receive_public_keys(keys)
     shares = run(secagg_share_keys, federation.put(key_msgs), among=sorted(key_msgs))
     routed = server.receive_shares(shares)
-    ref = federation.put(reference)
-    masked = run(secagg_masked, federation.put(routed), encoding, step, ref, dict(step_kwargs or {}), among=sorted(routed))
-    del ref
-    for client, reply in masked.items():
-        if not isinstance(reply, Masked) or reply.num_examples != counts[client]:
-            got = reply.num_examples if isinstance(reply, Masked) else type(reply).__name__
+    args = (session, federation.put(routed), encoding, step, federation.put(reference), dict(step_kwargs or {}))
+    if partial_sums == "flat":
+        calls = federation.map(secagg_masked, *args, clients=sorted(routed))
+    else:
+        fold = MaskedFold(params.modulus_bits)
+        node_fold = fold if partial_sums == "per_node" else None
+        calls = federation.map_reduced(secagg_masked, *args, reducer=fold, node_reducer=node_fold, clients=sorted(routed))
+    del args
+    gathered = federation.gather(calls)
+    del calls
+    failures.extend(gathered.failures)
+    parts: dict[tuple[int, ...], np.ndarray] = {}
+    for client, reply in gathered.results.items():
+        if isinstance(reply, Folded):
+            continue
+        sent = reply.counts if isinstance(reply, MaskedSum) else {client: reply.num_examples} if isinstance(reply, Masked) else None
+        if sent is None or any(counts.get(c) != n for c, n in sent.items()):
             raise SecAggFailure(
-                f"secure aggregation: client {client} sent {got!r}, not a masked vector with its planned count {counts[client]}",
+                f"secure aggregation: client {client} sent {type(reply).__name__} {sent!r}, not masked vectors with the planned counts",
                 client=client,
             )
-    survivors, dropped = server.receive_masked({c: r.masked for c, r in masked.items()})
-    del masked
+        parts[tuple(sorted(sent))] = reply.masked
+    del gathered
+    survivors, dropped = server.receive_masked_sums(parts)
+    del parts
     responses = run(secagg_unmask, survivors, dropped, among=survivors)
     levels = server.unmask_levels(responses)
     total, sums, metrics = encoding.decode(levels, reference)

@@ -48,7 +48,7 @@ def test_a_secure_round_gives_the_plain_rounds_model_within_half_a_step(tmp_path
     plain = _run(tmp_path, "plain", cfg)
     secure = _run(tmp_path, "secure", merge(cfg, SECURE))
     info = secure.results["methods"]["m"]["info"]
-    assert info["aggregation"] == {"mode": "secure"}
+    assert info["aggregation"] == {"mode": "secure", "partial_sums": "flat"}
     record = info["secure_aggregation"]
     assert record["error_bound"] == pytest.approx(STEP / 2) and record["clipped_entries"] == 0 and record["dropped"] == 0
     # fedadam's server step divides by sqrt(v) ~ |mean change|: its model moves by lr per entry either way, so its
@@ -58,6 +58,16 @@ def test_a_secure_round_gives_the_plain_rounds_model_within_half_a_step(tmp_path
     # the round's loss is the cohort's weighted mean, summed securely at a step of 2^-10
     loss = lambda r: float(r.history.query("method == 'm' and metric == 'train_loss'")["value"].iloc[-1])  # noqa: E731
     assert abs(loss(plain) - loss(secure)) <= METRIC_STEP
+
+
+def test_masked_vectors_added_where_several_clients_are_hosted_give_the_same_model(tmp_path):
+    # two clients per process: each adds its clients' masked vectors in the ring and sends one partial sum, whose
+    # masks cancel only in the coordinator's total
+    flat = _run(tmp_path, "flat", merge(ONE_ROUND, SECURE))
+    packed = _run(tmp_path, "packed", merge(ONE_ROUND, {"federation": {"secure_aggregation": True, "clients_per_actor": 2}}))
+    assert packed.results["methods"]["fedavg"]["info"]["aggregation"] == {"mode": "secure", "partial_sums": "per_actor"}
+    for key, value in flat.models["fedavg"].items():
+        assert np.array_equal(value, packed.models["fedavg"][key]), key  # the decoded sum is exact either way
 
 
 def test_central_dp_noises_the_secure_sum_as_it_noises_the_plain_one(tmp_path):
