@@ -269,7 +269,8 @@ def check_secure_aggregation(specs: Sequence[MethodSpec], setup: RunSetup, feder
                 update_setting(spec, "fraction", 1.0),
             )
         if cohort >= 2:  # the counts weigh the metrics (and the models, where weighted)
-            secure_params(config, cohort, max(setup.train_sizes) if setup.train_sizes else 1, 1)
+            max_count = max(setup.train_sizes) if setup.train_sizes else 1
+            secure_params(config, cohort, SumEncoding.level_bound(config.quantization_range, max_count, 1))
 
 
 def round_memory(spec: MethodSpec, federation: Any, num_clients: int, model_bytes: int) -> tuple[int, str]:
@@ -851,12 +852,17 @@ class UpdatePipeline:
             )
             return self.collect(Gathered({}), reference, round, weighted=weighted)
         encoding = SumEncoding.of(
-            reference, "dp" if dp else "mean", weighted, float(self._clip) if dp else self.aggregator.clip_norm, self.secure
+            reference,
+            "dp" if dp else "mean",
+            weighted,
+            float(self._clip) if dp else self.aggregator.clip_norm,
+            self.secure,
+            max(int(self._planned(int(c))) for c in clients),
         )
         done = secure_round(
             server.federation,
             step,
-            reference,
+            (reference,),
             clients,
             session=f"{server.label}/{round}",
             encoding=encoding,
@@ -866,10 +872,17 @@ class UpdatePipeline:
             partial_sums=self._placement()[0],  # type: ignore[arg-type]
         )
         kept = done.contributors
+        total, counts, metrics = encoding.decode(done.levels)
+        expected = sum(kept.values()) if encoding.weighted else len(kept)
+        if counts["weight"] != expected:  # each client encodes its own count: the sum must be the survivors' plan
+            raise RunFailure(
+                f"{server.label}: secure aggregation: round {round}'s sum has weight {counts['weight']}, not the "
+                f"{len(kept)} contributors' {'planned counts' if encoding.weighted else 'number'} {expected}"
+            )
         need = max(1, min(server.federation.policy.min_clients, len(clients)))
         if len(kept) < need:
             raise RunFailure(f"{server.label}: {len(kept)} clients in round {round}'s secure sum, need {need} (federation.min_clients)")
-        clipped = done.counts["clipped_entries"]
+        clipped = counts["clipped_entries"]
         if clipped:
             server.events.emit(
                 "secure_aggregation",
@@ -889,10 +902,10 @@ class UpdatePipeline:
         )
         record["clipped_entries"] = int(record.get("clipped_entries", 0)) + clipped
         record["dropped"] = int(record.get("dropped", 0)) + len(clients) - len(kept)
-        updates = {c: Update({}, n, dict(done.metrics)) for c, n in kept.items()}
+        updates = {c: Update({}, n, dict(metrics)) for c, n in kept.items()}
         if dp:
-            return self._finish_dp(done.total, done.counts["unclipped"], reference, round, updates)
-        return Aggregate(encoding.mean(done.total, done.counts["weight"], reference), updates)
+            return self._finish_dp(total, counts["unclipped"], reference, round, updates)
+        return Aggregate(encoding.mean(total, counts["weight"], reference), updates)
 
     def aggregation_record(self) -> dict[str, str]:
         """``info()["aggregation"]``: the mode of the rounds without an attack (and ``attacked_rounds: gathered`` when

@@ -22,6 +22,10 @@ and every count it reads is exact. The server knows a client's count from the pa
 and the sum's weight must equal the survivors' planned counts. It never sees one client's update or metrics: each
 kept client's record carries its count and the cohort's mean metrics.
 
+Beyond the round's model update: :func:`secure_round` takes any client step and an :class:`Encoding` of its reply
+(:class:`ArraySum`: a dict of float arrays, each key with its own fixed-point step and range), so a method whose
+server needs only a sum of statistics or predictions runs it the same way and reads back the sums alone.
+
 Nothing here imports Ray: the engine's federation runs the steps.
 """
 
@@ -30,21 +34,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from rayfuse.errors import InputError, RunFailure, SecAggFailure
-from rayfuse.method import Folded, Update, client_step
+from rayfuse.errors import InputError, SecAggFailure
+from rayfuse.method import Folded, client_step
 from rayfuse.updates.secagg import SecAggClient, SecAggParams, SecAggServer
 from rayfuse.updates.streaming import update_problem
 
 __all__ = [
+    "ArraySum",
+    "Encoding",
     "METRICS",
     "Masked",
     "MaskedFold",
     "MaskedSum",
-    "SecureRound",
+    "SecureSum",
     "SumEncoding",
     "neighbourhood",
     "ring_bits",
@@ -73,24 +79,23 @@ def neighbourhood(config: Any, cohort: int) -> tuple[int, int]:
     return k, t
 
 
-def ring_bits(cohort: int, max_weight: int, entries: int, quantization_range: int) -> int:
-    """The ring's bits for a sum of ``cohort`` clients' levels: each weighted entry is at most ``max_weight`` times the
-    larger of the clipping range's level and a metric's, the clipped-entry count at most ``entries`` per client; the
-    sum's magnitude must stay below ``2^(bits - 1)`` (at least 32 bits: the PRG draws 8 bytes an entry anyway)."""
-    level = max((int(quantization_range) + 1) // 2, int(METRIC_LIMIT / METRIC_STEP))
-    bound = int(cohort) * max(int(max_weight) * level, int(entries), 1)
-    return max(32, bound.bit_length() + 1)
+def ring_bits(cohort: int, max_level: int) -> int:
+    """The ring's bits for a sum of ``cohort`` clients' levels, each at most ``max_level`` in magnitude: the sum's
+    magnitude stays below ``2^(bits - 1)`` (at least 32 bits: the PRG draws 8 bytes an entry anyway)."""
+    return max(32, (int(cohort) * max(int(max_level), 1)).bit_length() + 1)
 
 
-def secure_params(config: Any, cohort: int, max_weight: int, entries: int) -> SecAggParams:
-    """The :class:`SecAggParams` of one secure sum over ``cohort`` clients (raises :class:`InputError` naming the
-    ``federation.secure_aggregation`` key a setting breaks, e.g. a threshold outside the neighbourhood's majorities)."""
+def secure_params(config: Any, cohort: int, max_level: int) -> SecAggParams:
+    """The :class:`SecAggParams` of one secure sum over ``cohort`` clients whose levels are at most ``max_level`` in
+    magnitude (an encoding's :attr:`Encoding.max_level`); raises :class:`InputError` naming the
+    ``federation.secure_aggregation`` key a setting breaks (a threshold outside the neighbourhood's majorities, a
+    quantization range whose sum overflows 64 bits)."""
     k, t = neighbourhood(config, cohort)
-    bits = ring_bits(cohort, max_weight, entries, config.quantization_range)
+    bits = ring_bits(cohort, max_level)
     if bits > 64:
         raise InputError(
             "federation.secure_aggregation.quantization_range",
-            f"a range whose sum over {cohort} clients weighted up to {max_weight} fits 64 bits",
+            f"a range whose sum over {cohort} clients fits 64 bits (a client's levels reach {max_level})",
             config.quantization_range,
             hint="lower quantization_range",
         )
@@ -102,6 +107,59 @@ def secure_params(config: Any, cohort: int, max_weight: int, entries: int) -> Se
         quantization_range=int(config.quantization_range),
         modulus_bits=bits,
     )
+
+
+class Encoding(Protocol):
+    """How a client turns a step's reply into the signed integer levels of a secure sum (in its own process), and how
+    large they can be: the contract :func:`secure_round` needs (:class:`SumEncoding` for a round's model update,
+    :class:`ArraySum` for a dict of arrays). ``encode(value, args, planned)``: ``value`` the step's reply, ``args`` the
+    step's positional arguments (resolved), ``planned`` the client's training-set size; it validates the reply and
+    raises where it is not valid (the client then leaves the round)."""
+
+    @property
+    def max_level(self) -> int: ...
+
+    def encode(self, value: Any, args: tuple, planned: int) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class ArraySum:
+    """A reply that is a dict of float arrays, summed over the cohort: each key's entries clipped to ``[-limit,
+    limit]`` and rounded to a multiple of its ``step`` (``keys``: ``(key, shape, step, limit)``; the method chooses
+    each key's step and range for its quantity, logits or statistics), plus how many entries were clipped. The server
+    reads the sums with :meth:`decode`, each entry within ``cohort x step / 2`` of the exact sum of the clipped values."""
+
+    keys: tuple[tuple[str, tuple[int, ...], float, float], ...]
+
+    @property
+    def max_level(self) -> int:
+        size = sum(math.prod(shape) for _, shape, _, _ in self.keys)
+        return max(max(int(math.ceil(limit / step)) for _, _, step, limit in self.keys), size)
+
+    def encode(self, value: Any, args: tuple, planned: int) -> np.ndarray:
+        if not isinstance(value, Mapping) or set(value) != {k for k, _, _, _ in self.keys}:
+            got = sorted(value) if isinstance(value, Mapping) else type(value).__name__
+            raise ValueError(f"secure aggregation: expected a dict of {sorted(k for k, _, _, _ in self.keys)}, got {got}")
+        parts, clipped = [], 0
+        for key, shape, step, limit in self.keys:
+            array = np.asarray(value[key], dtype=np.float64)
+            if array.shape != shape:
+                raise ValueError(f"secure aggregation: {key} of shape {shape}, got {array.shape}")
+            if not np.isfinite(array).all():
+                raise ValueError(f"secure aggregation: non-finite values in {key}")
+            clipped += int(np.count_nonzero(np.abs(array) > limit))
+            parts.append(np.rint(np.clip(array, -limit, limit).ravel() / step).astype(np.int64))
+        parts.append(np.asarray([clipped], dtype=np.int64))
+        return np.concatenate(parts)
+
+    def decode(self, levels: np.ndarray) -> tuple[dict[str, np.ndarray], int]:
+        """The summed arrays (float64) and how many entries the clients clipped in all."""
+        out, start = {}, 0
+        for key, shape, step, _ in self.keys:
+            size = math.prod(shape)
+            out[key] = (levels[start : start + size].astype(np.float64) * step).reshape(shape)
+            start += size
+        return out, int(levels[start])
 
 
 @dataclass(frozen=True)
@@ -120,17 +178,37 @@ class SumEncoding:
     keys: tuple[tuple[str, tuple[int, ...], bool], ...]
     clipping_range: float
     quantization_range: int
+    max_count: int = 1  # the cohort's largest training-set size (a weight, and the metrics' weight)
+
+    @staticmethod
+    def level_bound(quantization_range: int, max_count: int, entries: int) -> int:
+        """The largest level a client sends: a weighted entry (the clipping range's level, or a metric's) times its
+        count, or the count of its clipped entries."""
+        level = max((int(quantization_range) + 1) // 2, int(METRIC_LIMIT / METRIC_STEP))
+        return max(int(max_count) * level, int(entries))
+
+    @property
+    def max_level(self) -> int:
+        return self.level_bound(self.quantization_range, self.max_count, self.entries)
 
     @classmethod
     def of(
-        cls, reference: Mapping[str, np.ndarray], kind: Literal["mean", "dp"], weighted: bool, clip_norm: float | None, config: Any
+        cls,
+        reference: Mapping[str, np.ndarray],
+        kind: Literal["mean", "dp"],
+        weighted: bool,
+        clip_norm: float | None,
+        config: Any,
+        max_count: int,
     ) -> SumEncoding:
         keys = tuple(
             (str(k), tuple(np.shape(v)), np.asarray(v).dtype.kind not in "fc")
             for k, v in reference.items()
             if kind == "mean" or np.asarray(v).dtype.kind == "f"
         )
-        return cls(kind, weighted and kind == "mean", clip_norm, keys, float(config.clipping_range), int(config.quantization_range))
+        return cls(
+            kind, weighted and kind == "mean", clip_norm, keys, float(config.clipping_range), int(config.quantization_range), int(max_count)
+        )
 
     @property
     def step(self) -> float:
@@ -147,9 +225,11 @@ class SumEncoding:
         one over the clipped updates: half a step (each client's entry is rounded once; integer weights are exact)."""
         return self.step / 2
 
-    def encode(self, update: Update, reference: Mapping[str, np.ndarray], planned: int) -> np.ndarray:
-        """The client's levels (int64). Its update is validated first, as the server validates a reply in the clear
+    def encode(self, update: Any, args: tuple, planned: int) -> np.ndarray:
+        """The client's levels (int64) of its ``update`` against the broadcast model ``args[0]``. The update is
+        validated first, as the server validates a reply in the clear
         (:func:`~rayfuse.updates.streaming.update_problem`); an invalid one raises and the client leaves the round."""
+        reference: Mapping[str, np.ndarray] = args[0]
         reason = update_problem(update, planned, reference)
         if reason is not None:
             raise ValueError(f"secure aggregation: this client's update is not valid: {reason}")
@@ -190,7 +270,7 @@ class SumEncoding:
         parts.append(np.asarray(tail, dtype=np.int64))
         return np.concatenate(parts)
 
-    def decode(self, levels: np.ndarray, reference: Mapping[str, np.ndarray]) -> tuple[Params, dict[str, int], dict[str, float]]:
+    def decode(self, levels: np.ndarray) -> tuple[Params, dict[str, int], dict[str, float]]:
         """The sum's parts: the summed changes per key (float64; integers exact), the counts (``weight``,
         ``clipped_entries``, ``unclipped``) and the weighted mean of each metric some client reported."""
         total: Params = {}
@@ -299,17 +379,18 @@ def secagg_masked(
     ctx: Any,
     session: str,
     routed: Mapping[int, Mapping[int, bytes]],
-    encoding: SumEncoding,
-    step: Callable[..., Update],
-    reference: Params,
+    encoding: Encoding,
+    step: Callable[..., Any],
     kwargs: Mapping[str, Any],
+    *args: Any,
 ) -> Masked:
-    """Stage 3: the method's step (``step(ctx, reference, **kwargs)``: local training), its update validated and
-    encoded (:meth:`SumEncoding.encode`), then masked; only the masked levels and the count leave."""
+    """Stage 3: the method's step (``step(ctx, *args, **kwargs)``: local training, predictions...), its reply
+    validated and encoded (``encoding.encode``), then masked; only the masked levels and the count leave. (``args``
+    come last, as the call's own positional arguments, so the transport resolves the broadcast objects among them.)"""
     client = _session(ctx, session)
-    update = step(ctx, reference, **kwargs)
-    levels = encoding.encode(update, reference, int(ctx.num_examples))
-    return Masked(client.stage_collect_masked_levels(routed.get(int(ctx.client_id), {}), levels), int(update.num_examples))
+    value = step(ctx, *args, **kwargs)
+    levels = encoding.encode(value, args, int(ctx.num_examples))
+    return Masked(client.stage_collect_masked_levels(routed.get(int(ctx.client_id), {}), levels), int(ctx.num_examples))
 
 
 @client_step("secagg.unmask")
@@ -324,13 +405,12 @@ def secagg_unmask(ctx: Any, session: str, survivors: Sequence[int], dropped: Seq
 
 
 @dataclass
-class SecureRound:
-    """What a secure round gives the server: the summed changes, the counts, the cohort's mean metrics, the clients
-    in the sum (with their planned counts) and the clients that failed a stage (with why)."""
+class SecureSum:
+    """What a secure round gives the server: the sum of the survivors' levels (int64, exact; the encoding decodes
+    it), the clients in the sum (with their planned counts), the clients that failed a stage (with why) and the
+    SecAgg+ settings used."""
 
-    total: Params
-    counts: dict[str, int]
-    metrics: dict[str, float]
+    levels: np.ndarray
     contributors: dict[int, int]
     failures: list[Any]
     params: SecAggParams
@@ -338,18 +418,19 @@ class SecureRound:
 
 def secure_round(
     federation: Any,
-    step: Callable[..., Update],
-    reference: Params,
+    step: Callable[..., Any],
+    args: Sequence[Any],
     clients: Sequence[int],
     *,
     session: str,
-    encoding: SumEncoding,
+    encoding: Encoding,
     config: Any,
     planned: Callable[[int], int],
     step_kwargs: Mapping[str, Any] | None = None,
     partial_sums: Literal["flat", "per_actor", "per_node"] = "flat",
-) -> SecureRound:
-    """Run ``step`` on ``clients`` under SecAgg+ and return the sum of their encoded updates (see the module's text).
+) -> SecureSum:
+    """Run ``step(ctx, *args, **step_kwargs)`` on ``clients`` under SecAgg+ and return the sum of their encoded replies
+    (``encoding``; see the module's text). ``args`` are broadcast once each (``federation.put``).
     ``partial_sums``: where the masked vectors are added before the coordinator (``per_actor``: in each process
     hosting several clients; ``per_node``: then on each node too; :class:`MaskedFold`).
 
@@ -357,12 +438,10 @@ def secure_round(
     ------
     SecAggFailure
         Fewer than ``reconstruction_threshold`` clients left at a stage, or a malformed message (naming its client).
-    RunFailure
-        The sum's weight is not the survivors' planned counts (a client sent a count its update does not carry).
     """
     clients = sorted(int(c) for c in clients)
     counts = {c: int(planned(c)) for c in clients}
-    params = secure_params(config, len(clients), max(counts.values()), encoding.entries)  # metrics weigh by the counts
+    params = secure_params(config, len(clients), encoding.max_level)
     server = SecAggServer(params, clients)
     failures: list[Any] = []
 
@@ -376,14 +455,14 @@ def secure_round(
     key_msgs = server.receive_public_keys(keys)
     shares = run(secagg_share_keys, federation.put(key_msgs), among=sorted(key_msgs))
     routed = server.receive_shares(shares)
-    args = (session, federation.put(routed), encoding, step, federation.put(reference), dict(step_kwargs or {}))
+    call_args = (session, federation.put(routed), encoding, step, dict(step_kwargs or {}), *(federation.put(a) for a in args))
     if partial_sums == "flat":
-        calls = federation.map(secagg_masked, *args, clients=sorted(routed))
+        calls = federation.map(secagg_masked, *call_args, clients=sorted(routed))
     else:
         fold = MaskedFold(params.modulus_bits)
         node_fold = fold if partial_sums == "per_node" else None
-        calls = federation.map_reduced(secagg_masked, *args, reducer=fold, node_reducer=node_fold, clients=sorted(routed))
-    del args
+        calls = federation.map_reduced(secagg_masked, *call_args, reducer=fold, node_reducer=node_fold, clients=sorted(routed))
+    del call_args
     gathered = federation.gather(calls)
     del calls
     failures.extend(gathered.failures)
@@ -403,12 +482,4 @@ def secure_round(
     del parts
     responses = run(secagg_unmask, survivors, dropped, among=survivors)
     levels = server.unmask_levels(responses)
-    total, sums, metrics = encoding.decode(levels, reference)
-    contributors = {c: counts[c] for c in server.survivors}
-    expected = sum(contributors.values()) if encoding.weighted else len(contributors)
-    if sums["weight"] != expected:
-        raise RunFailure(
-            f"secure aggregation: the sum's weight {sums['weight']} is not the {len(contributors)} contributors' "
-            f"{'planned counts' if encoding.weighted else 'number'} {expected}: a client encoded another count"
-        )
-    return SecureRound(total, sums, metrics, contributors, failures, params)
+    return SecureSum(levels, {c: counts[c] for c in server.survivors}, failures, params)

@@ -17,7 +17,7 @@ import rayfuse
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.federation import Federation
 from rayfuse.testing import BASE, merge
-from rayfuse.updates.secure import METRIC_STEP, Masked
+from rayfuse.updates.secure import METRIC_STEP, ArraySum, Masked
 
 ONE_ROUND = merge(BASE, {"methods": {"fedavg": {"rounds": 1, "local_epochs": 1}}})
 SECURE = {"federation": {"secure_aggregation": True}}
@@ -168,3 +168,20 @@ def test_what_secure_aggregation_cannot_sum_is_refused_before_start_in_one_line(
     message = str(info.value)
     assert message.startswith(f"{path}: expected ") and f"got {got}" in message and "\n" not in message
     assert not (tmp_path / "refused").exists()
+
+
+def test_an_array_sum_encodes_each_key_at_its_own_step_and_counts_what_it_clipped():
+    encoding = ArraySum((("logits", (2, 3), 2.0**-12, 64.0), ("grad", (4,), 2.0**-20, 1.0)))
+    rng = np.random.default_rng(0)
+    replies = [{"logits": rng.normal(0, 10, (2, 3)), "grad": rng.normal(0, 0.3, 4)} for _ in range(5)]
+    replies[0]["grad"][0] = 3.0  # beyond its range: clipped to 1 and counted
+    levels = sum(encoding.encode(r, (), 1) for r in replies)
+    sums, clipped = encoding.decode(levels)
+    assert clipped == 1 and encoding.max_level >= 64 * 2**12
+    exact_logits = sum(r["logits"] for r in replies)
+    exact_grad = sum(np.clip(r["grad"], -1, 1) for r in replies)
+    assert np.abs(sums["logits"] - exact_logits).max() <= 5 * 2.0**-12 / 2
+    assert np.abs(sums["grad"] - exact_grad).max() <= 5 * 2.0**-20 / 2
+    for bad, why in [({"logits": np.zeros((2, 3))}, "expected a dict of"), ({**replies[1], "grad": np.full(4, np.nan)}, "non-finite")]:
+        with pytest.raises(ValueError, match=why):
+            encoding.encode(bad, (), 1)
