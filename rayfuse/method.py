@@ -312,6 +312,11 @@ class UpdateService(Protocol):
     across runs under ``run.model_cache``). The last two are here rather than on the transport (``server.federation``)
     because they are not transport: both are replies the framework keeps for the method (across methods, across
     runs), as it keeps the rejection record, while the federation only sends calls and gathers what comes back.
+
+    Under ``federation.secure_aggregation`` (:attr:`secure` set), :meth:`collect_round` runs each round under SecAgg+,
+    and :meth:`secure_sum` is the one way any other method whose tags say ``sums`` receives what its clients send: a
+    client step's replies, each encoded on its client (:class:`rayfuse.updates.secure.ArraySum`...), of which the
+    server unmasks the sum alone (:class:`rayfuse.updates.secure.SecureSum`).
     """
 
     def collect(
@@ -370,6 +375,20 @@ class UpdateService(Protocol):
     def local_updates(self) -> Gathered[Update]: ...
 
     def run_cached(self, step: Any, *args: Any, **kwargs: Any) -> Gathered[Any]: ...
+
+    # secure aggregation (federation.secure_aggregation; None: off): a sum the server unmasks, never one client's reply
+    secure: Any
+
+    def secure_sum(
+        self,
+        step: Callable[..., Any],
+        args: Sequence[Any],
+        encoding: Any,
+        *,
+        clients: Sequence[int] | None = None,
+        step_kwargs: Mapping[str, Any] | None = None,
+        what: str = "sum",
+    ) -> Any: ...
 
 
 class DataRoles(Protocol):

@@ -859,18 +859,7 @@ class UpdatePipeline:
             self.secure,
             max(int(self._planned(int(c))) for c in clients),
         )
-        done = secure_round(
-            server.federation,
-            step,
-            (reference,),
-            clients,
-            session=f"{server.label}/{round}",
-            encoding=encoding,
-            config=self.secure,
-            planned=self._planned,
-            step_kwargs=step_kwargs,
-            partial_sums=self._placement()[0],  # type: ignore[arg-type]
-        )
+        done = self.secure_sum(step, (reference,), encoding, clients=clients, step_kwargs=step_kwargs, what=f"round {round}")
         kept = done.contributors
         total, counts, metrics = encoding.decode(done.levels)
         expected = sum(kept.values()) if encoding.weighted else len(kept)
@@ -879,9 +868,6 @@ class UpdatePipeline:
                 f"{server.label}: secure aggregation: round {round}'s sum has weight {counts['weight']}, not the "
                 f"{len(kept)} contributors' {'planned counts' if encoding.weighted else 'number'} {expected}"
             )
-        need = max(1, min(server.federation.policy.min_clients, len(clients)))
-        if len(kept) < need:
-            raise RunFailure(f"{server.label}: {len(kept)} clients in round {round}'s secure sum, need {need} (federation.min_clients)")
         clipped = counts["clipped_entries"]
         if clipped:
             server.events.emit(
@@ -893,19 +879,61 @@ class UpdatePipeline:
                 clipped_entries=clipped,
             )
         record = self._secure
-        record.update(
-            num_neighbours=done.params.num_neighbours,
-            reconstruction_threshold=done.params.reconstruction_threshold,
-            modulus_bits=done.params.modulus_bits,
-            step=encoding.step,
-            error_bound=encoding.error_bound,
-        )
+        record.update(step=encoding.step, error_bound=encoding.error_bound)
         record["clipped_entries"] = int(record.get("clipped_entries", 0)) + clipped
-        record["dropped"] = int(record.get("dropped", 0)) + len(clients) - len(kept)
         updates = {c: Update({}, n, dict(metrics)) for c, n in kept.items()}
         if dp:
             return self._finish_dp(total, counts["unclipped"], reference, round, updates)
         return Aggregate(encoding.mean(total, counts["weight"], reference), updates)
+
+    def secure_sum(
+        self,
+        step: Callable[..., Any],
+        args: Sequence[Any],
+        encoding: Any,
+        *,
+        clients: Sequence[int] | None = None,
+        step_kwargs: Mapping[str, Any] | None = None,
+        what: str = "sum",
+    ) -> Any:
+        """``step(ctx, *args, **step_kwargs)`` on ``clients`` (default: every client) under SecAgg+
+        (:func:`~rayfuse.updates.secure.secure_round`): each reply encoded on its client by ``encoding`` (an
+        :class:`~rayfuse.updates.secure.Encoding`: :class:`~rayfuse.updates.secure.ArraySum` for a dict of arrays),
+        masked, and only the sum unmasked; returns the :class:`~rayfuse.updates.secure.SecureSum` (its ``levels`` for
+        ``encoding.decode``, the clients in it). A client that fails a stage is left out (the federation's failure
+        policy); fewer than ``federation.min_clients`` in the sum, or fewer than the reconstruction threshold, fails the
+        run. Recorded in :meth:`info` (``secure_aggregation``: the settings, the sums run, the clients dropped)."""
+        server = self._server
+        if self.secure is None:
+            raise RuntimeError(f"{server.label}: secure_sum needs federation.secure_aggregation")
+        clients = sorted(int(c) for c in (server.federation.client_ids if clients is None else clients))
+        if len(clients) < 2:
+            raise RunFailure(f"{server.label}: secure aggregation: {what} has {len(clients)} client; a sum needs at least 2")
+        record = self._secure
+        record["sums"] = int(record.get("sums", 0)) + 1
+        done = secure_round(
+            server.federation,
+            step,
+            args,
+            clients,
+            session=f"{server.label}/{what}/{record['sums']}",
+            encoding=encoding,
+            config=self.secure,
+            planned=self._planned,
+            step_kwargs=step_kwargs,
+            partial_sums=self._placement()[0],  # type: ignore[arg-type]
+        )
+        kept = done.contributors
+        need = max(1, min(server.federation.policy.min_clients, len(clients)))
+        if len(kept) < need:
+            raise RunFailure(f"{server.label}: {len(kept)} clients in the secure {what}, need {need} (federation.min_clients)")
+        record.update(
+            num_neighbours=done.params.num_neighbours,
+            reconstruction_threshold=done.params.reconstruction_threshold,
+            modulus_bits=done.params.modulus_bits,
+        )
+        record["dropped"] = int(record.get("dropped", 0)) + len(clients) - len(kept)
+        return done
 
     def aggregation_record(self) -> dict[str, str]:
         """``info()["aggregation"]``: the mode of the rounds without an attack (and ``attacked_rounds: gathered`` when
