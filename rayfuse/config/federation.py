@@ -156,6 +156,13 @@ class SecureAggregationConfig(StrictModel):
     quantization_range: int = Field(
         2**22, ge=2, description="levels across [-c, c]: the step is 2c / quantization_range, each client's entry off by half a step"
     )
+    distributed_dp: bool = Field(
+        False,
+        description="central DP's noise added by the clients instead of the server: each adds its share of discrete "
+        "Gaussian noise to its encoded update, calibrated so that any reconstruction_threshold of them add the noise "
+        "the accountant counts, so the server never holds the noiseless sum (methods entries with dp and fixed "
+        "clipping; the others run secure without noise)",
+    )
 
     @field_validator("num_neighbours", "reconstruction_threshold")
     @classmethod

@@ -319,11 +319,14 @@ def noise_dp_round(
     plan: DPPlan,
     clip_norm: float,
     rng: np.random.Generator,
+    *,
+    noised: bool = False,
 ) -> DPRound:
     """:func:`apply_dp_round` from the clipped updates' sum already formed (``total``: float64, the float tensors of
     ``reference``; a streaming round folds it reply by reply) and the number of updates within ``C``
-    (``unclipped``): the same noise, drawn in the same order from ``rng``."""
-    std = plan.update_noise_multiplier * clip_norm
+    (``unclipped``): the same noise, drawn in the same order from ``rng``. ``noised``: the sum already carries the
+    noise (distributed DP: the clients added it under secure aggregation), so none is drawn for it here."""
+    std = 0.0 if noised else plan.update_noise_multiplier * clip_norm
     out: Params = {}
     for key, g in reference.items():
         g = np.asarray(g)

@@ -53,7 +53,7 @@ from rayfuse.updates.attacks import apply_attacks
 from rayfuse.updates.central_dp import CentralDPSettings, DPPlan, apply_dp_round, describe_plan, noise_dp_round, plan_dp, sample_poisson
 from rayfuse.updates.privacy import UploadDP, check_upload_dp, gather_dp_uploads
 from rayfuse.updates.robust import AggregatorSettings, aggregate, check_aggregator, check_enough_updates
-from rayfuse.updates.secure import SumEncoding, secure_round
+from rayfuse.updates.secure import SumEncoding, neighbourhood, secure_round
 from rayfuse.updates.streaming import Fold, NodeFold, RoundFold, RunningSum, update_problem
 
 __all__ = [
@@ -245,6 +245,13 @@ def check_secure_aggregation(specs: Sequence[MethodSpec], setup: RunSetup, feder
             "drop federation.attacks or federation.secure_aggregation",
         )
     summing = ", ".join(name for name, cls in METHODS.items() if cls.tags.sums)
+    if config.distributed_dp and not any(isinstance(pipeline_settings(s)[1], CentralDPSettings) for s in specs):
+        raise InputError(
+            "federation.secure_aggregation.distributed_dp",
+            "a methods entry with dp (central DP-FedAvg: the clients add its noise)",
+            True,
+            "give an entry dp: {noise_multiplier, clip_norm, sample_rate}, or drop distributed_dp",
+        )
     for spec in specs:
         if not spec.tags.sums:
             raise InputError(
@@ -260,6 +267,13 @@ def check_secure_aggregation(specs: Sequence[MethodSpec], setup: RunSetup, feder
                 "an aggregator that is a sum with federation.secure_aggregation (mean, with or without clip_norm)",
                 aggregator.name,
                 f"{aggregator.name} needs every client's update at once, which secure aggregation never reveals",
+            )
+        if config.distributed_dp and isinstance(dp, CentralDPSettings) and dp.adaptive is not None:
+            raise InputError(
+                f"methods.{spec.label}.dp.adaptive",
+                "fixed clipping with federation.secure_aggregation.distributed_dp (adaptive clipping's noised count is the server's)",
+                "adaptive clipping",
+                "drop dp.adaptive or distributed_dp",
             )
         cohort = clients_per_round(setup.num_clients, float(update_setting(spec, "fraction", 1.0)))
         if cohort < 2 and not isinstance(dp, CentralDPSettings):
@@ -684,15 +698,23 @@ class UpdatePipeline:
         return self._dp_aggregate(done, {c: updates[c] for c in ids}, round)
 
     def _finish_dp(
-        self, total: dict[str, np.ndarray], unclipped: int, reference: dict[str, np.ndarray], round: int, updates: dict[int, Update]
+        self,
+        total: dict[str, np.ndarray],
+        unclipped: int,
+        reference: dict[str, np.ndarray],
+        round: int,
+        updates: dict[int, Update],
+        *,
+        noised: bool = False,
     ) -> Aggregate:
         """A streamed central DP round: the folded sum of clipped updates noised as :meth:`_collect_dp` noises it
-        (the same seed, the same draws)."""
+        (the same seed, the same draws); ``noised``: the clients noised it (distributed DP), nothing is added."""
         dp = self.dp
         assert isinstance(dp, CentralDPSettings)
         if self._plan is None:
             raise RuntimeError("central DP needs its plan: the round loop (server.rounds) makes it before the first round")
-        done = noise_dp_round(total, unclipped, reference, dp, self._plan, float(self._clip), self._server.rng("dp-noise", round))
+        rng = self._server.rng("dp-noise", round)
+        done = noise_dp_round(total, unclipped, reference, dp, self._plan, float(self._clip), rng, noised=noised)
         return self._dp_aggregate(done, updates, round)
 
     def _dp_aggregate(self, done: Any, updates: dict[int, Update], round: int) -> Aggregate:
@@ -859,6 +881,10 @@ class UpdatePipeline:
             self.secure,
             max(int(self._planned(int(c))) for c in clients),
         )
+        distributed = dp and bool(self.secure.distributed_dp)
+        if distributed:
+            assert self._plan is not None
+            encoding = encoding.with_distributed_noise(self._plan.update_noise_multiplier, neighbourhood(self.secure, len(clients))[1])
         done = self.secure_sum(step, (reference,), encoding, clients=clients, step_kwargs=step_kwargs, what=f"round {round}")
         kept = done.contributors
         total, counts, metrics = encoding.decode(done.levels)
@@ -880,10 +906,12 @@ class UpdatePipeline:
             )
         record = self._secure
         record.update(step=encoding.step, error_bound=encoding.error_bound)
+        if distributed:  # each client's share of the noise, in the update's units, and the sensitivity it is for
+            record.update(distributed_dp={"client_noise_std": encoding.noise_std * encoding.step, "sensitivity": encoding.sensitivity})
         record["clipped_entries"] = int(record.get("clipped_entries", 0)) + clipped
         updates = {c: Update({}, n, dict(metrics)) for c, n in kept.items()}
         if dp:
-            return self._finish_dp(total, counts["unclipped"], reference, round, updates)
+            return self._finish_dp(total, counts["unclipped"], reference, round, updates, noised=distributed)
         return Aggregate(encoding.mean(total, counts["weight"], reference), updates)
 
     def secure_sum(
@@ -976,7 +1004,12 @@ class UpdatePipeline:
         if self._secure:
             record["secure_aggregation"] = dict(self._secure)
         if isinstance(self.dp, CentralDPSettings) and self._plan is not None:
-            return {**record, "dp": describe_plan(self.dp, self._plan)}
+            noise = (
+                "distributed: the clients' shares, under secure aggregation"
+                if self.secure is not None and self.secure.distributed_dp
+                else "server"
+            )
+            return {**record, "dp": {**describe_plan(self.dp, self._plan), "noise": noise}}
         if self._upload is not None:
             return {**record, "upload_dp": self._upload}
         return record

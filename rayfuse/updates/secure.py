@@ -31,6 +31,7 @@ Nothing here imports Ray: the engine's federation runs the steps.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from rayfuse.updates.streaming import update_problem
 __all__ = [
     "ArraySum",
     "Encoding",
+    "discrete_gaussian",
     "METRICS",
     "Masked",
     "MaskedFold",
@@ -64,6 +66,7 @@ Params = dict[str, np.ndarray]
 METRICS = ("train_loss", "train_seconds", "eval_seconds")
 METRIC_STEP = 2.0**-10  # a metric's resolution in the sum
 METRIC_LIMIT = 2.0**20  # a metric's magnitude is clipped to this (a loss or seconds are far below)
+NOISE_TAIL = 12.0  # distributed DP: a client's noise is truncated at this many standard deviations (the ring's bound)
 _KEEP_SESSIONS = 4  # a client keeps the state of this many recent secure rounds (a stale one is dropped)
 
 
@@ -179,6 +182,7 @@ class SumEncoding:
     clipping_range: float
     quantization_range: int
     max_count: int = 1  # the cohort's largest training-set size (a weight, and the metrics' weight)
+    noise_std: float = 0.0  # distributed DP: each client's discrete Gaussian noise, in levels (with_distributed_noise)
 
     @staticmethod
     def level_bound(quantization_range: int, max_count: int, entries: int) -> int:
@@ -189,7 +193,23 @@ class SumEncoding:
 
     @property
     def max_level(self) -> int:
-        return self.level_bound(self.quantization_range, self.max_count, self.entries)
+        return self.level_bound(self.quantization_range, self.max_count, self.entries) + math.ceil(NOISE_TAIL * self.noise_std)
+
+    @property
+    def sensitivity(self) -> float:
+        """Central DP: the L2 norm of one client's encoded update at most: the clip norm plus the rounding's half step
+        per float entry (``C + step sqrt(d) / 2``)."""
+        assert self.clip_norm is not None
+        floats = sum(math.prod(shape) for _, shape, integer in self.keys if not integer)
+        return float(self.clip_norm) + self.step * math.sqrt(floats) / 2
+
+    def with_distributed_noise(self, noise_multiplier: float, threshold: int) -> SumEncoding:
+        """Distributed DP (``federation.secure_aggregation.distributed_dp``): each client adds discrete Gaussian noise of
+        standard deviation ``z Delta / sqrt(t)`` (in levels), so any ``t`` survivors' sum carries at least the noise
+        ``z Delta`` the accountant counts for the sum (``Delta``: :attr:`sensitivity`, with the rounding; more
+        survivors add more noise, never less). The server adds none and never holds the noiseless sum."""
+        std = float(noise_multiplier) * self.sensitivity / self.step / math.sqrt(int(threshold))
+        return dataclasses.replace(self, noise_std=std)
 
     @classmethod
     def of(
@@ -251,13 +271,17 @@ class SumEncoding:
                 k: np.asarray(clipped_model[k], dtype=np.float64) - np.asarray(reference[k], dtype=np.float64) for k, _, _ in self.keys
             }
         weight = int(update.num_examples) if self.weighted else 1
+        noise = np.random.default_rng() if self.noise_std > 0 else None  # the OS's entropy: the server must not know it
         parts, clipped = [], 0
         for key, _, integer in self.keys:
             d = changes[key].ravel()
             levels = np.rint(d) if integer else np.rint(np.clip(d, -self.clipping_range, self.clipping_range) / self.step)
             over = np.abs(levels) > limit if integer else np.abs(d) > self.clipping_range
             clipped += int(np.count_nonzero(over))
-            parts.append(np.clip(levels, -limit, limit).astype(np.int64) * weight)
+            part = np.clip(levels, -limit, limit).astype(np.int64) * weight
+            if noise is not None and not integer:
+                part += discrete_gaussian(self.noise_std, part.size, noise)
+            parts.append(part)
         tail = [weight, clipped, unclipped]
         count = int(update.num_examples)  # metrics are weighted by the count whatever the model's weight (as rounds log them)
         for name in METRICS:
@@ -296,6 +320,24 @@ class SumEncoding:
             value = ref.astype(np.float64) + total[key] / weight
             out[key] = (np.rint(value) if ref.dtype.kind not in "fc" else value).astype(ref.dtype)
         return out
+
+
+def discrete_gaussian(sigma: float, size: int, rng: np.random.Generator) -> np.ndarray:
+    """``size`` draws of the discrete Gaussian ``N_Z(0, sigma^2)`` (int64), truncated at ``NOISE_TAIL`` sigma (a tail of
+    probability below 1e-30, so that the ring's bound holds): Canonne, Kamath and Steinke's sampler (NeurIPS 2020,
+    Algorithm 3), a discrete Laplace proposal of scale ``floor(sigma) + 1`` accepted with probability
+    ``exp(-(|y| - sigma^2 / t)^2 / (2 sigma^2))``, vectorised; the acceptance test runs in floating point (their exact
+    sampler's integer Bernoulli trials are not reproduced), which is the one approximation."""
+    t = math.floor(sigma) + 1
+    p = -math.expm1(-1.0 / t)  # a geometric's success probability: the difference of two is discrete Laplace of scale t
+    out = np.empty(0, dtype=np.int64)
+    while out.size < size:
+        n = 2 * (size - out.size) + 16
+        y = rng.geometric(p, n).astype(np.int64) - rng.geometric(p, n).astype(np.int64)
+        keep = rng.random(n) < np.exp(-((np.abs(y) - sigma**2 / t) ** 2) / (2 * sigma**2))
+        keep &= np.abs(y) <= NOISE_TAIL * sigma
+        out = np.concatenate([out, y[keep]])
+    return out[:size]
 
 
 @dataclass

@@ -17,7 +17,7 @@ import rayfuse
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.federation import Federation
 from rayfuse.testing import BASE, merge
-from rayfuse.updates.secure import METRIC_STEP, ArraySum, Masked
+from rayfuse.updates.secure import METRIC_STEP, NOISE_TAIL, ArraySum, Masked, discrete_gaussian
 
 ONE_ROUND = merge(BASE, {"methods": {"fedavg": {"rounds": 1, "local_epochs": 1}}})
 SECURE = {"federation": {"secure_aggregation": True}}
@@ -78,6 +78,39 @@ def test_central_dp_noises_the_secure_sum_as_it_noises_the_plain_one(tmp_path):
     # the same clipped sum (within 4 clients x half a step) and the same seeded noise, divided by the expected count
     assert _gap(plain.models["dp"], secure.models["dp"]) <= 4 * STEP / 2 + 1e-6
     assert secure.results["methods"]["dp"]["info"]["dp"]["epsilon"] == plain.results["methods"]["dp"]["info"]["dp"]["epsilon"]
+
+
+def test_distributed_dp_has_the_clients_add_the_noise_the_accountant_counts(tmp_path):
+    # 4 clients, threshold 3: each adds discrete Gaussian noise of std z Delta / sqrt(3) (in levels), so the 4 add
+    # z Delta sqrt(4/3): two runs' models differ by noise alone, of std sqrt(2 x 4 / 3) z Delta / expected clients
+    dp = {"noise_multiplier": 0.5, "clip_norm": 1.0, "sample_rate": 1.0, "delta": 1e-3}
+    cfg = merge(BASE, {"methods": {"dp": {"method": "fedavg", "rounds": 1, "local_epochs": 1, "dp": dp}}})
+    secure = merge(cfg, {"federation": {"secure_aggregation": {"distributed_dp": True}}})
+    runs = [_run(tmp_path, f"run{i}", secure) for i in range(2)]
+    info = runs[0].results["methods"]["dp"]["info"]
+    assert (
+        info["dp"]["noise"].startswith("distributed")
+        and info["dp"]["epsilon"] == _run(tmp_path, "central", cfg).results["methods"]["dp"]["info"]["dp"]["epsilon"]
+    )
+    delta = info["secure_aggregation"]["distributed_dp"]["sensitivity"]
+    assert 1.0 < delta < 1.001  # the clip norm plus the rounding's half step per entry
+    gaps = np.concatenate(
+        [
+            (runs[0].models["dp"][k].astype(np.float64) - runs[1].models["dp"][k]).ravel()
+            for k in runs[0].models["dp"]
+            if k.endswith("weight")
+        ]
+    )
+    expected = np.sqrt(2 * 4 / 3) * 0.5 * delta / 4
+    assert 0.9 * expected < gaps.std() < 1.1 * expected  # about a thousand weights: the estimate is within a few %
+
+
+def test_the_discrete_gaussian_sampler_has_the_asked_spread_and_a_bounded_tail():
+    rng = np.random.default_rng(0)
+    for sigma in (0.8, 3.5, 1000.0):
+        draws = discrete_gaussian(sigma, 200_000, rng)
+        assert draws.dtype == np.int64 and np.abs(draws).max() <= NOISE_TAIL * sigma
+        assert abs(draws.mean()) < 5 * sigma / np.sqrt(draws.size) and 0.98 < draws.std() / sigma < 1.02
 
 
 def test_the_coordinator_receives_no_update_and_no_metric_of_any_one_client(tmp_path, monkeypatch):
@@ -147,6 +180,25 @@ REFUSED = [
         "['sign_flip']",
     ),
     ({"methods": {"f": {"method": "fedavg", "rounds": 1, "fraction": 0.25}}}, "methods.f.fraction", "0.25"),
+    (
+        {"methods": {"f": {"method": "fedavg", "rounds": 1}}, "federation": {"secure_aggregation": {"distributed_dp": True}}},
+        "federation.secure_aggregation.distributed_dp",
+        "True",
+    ),
+    (
+        {
+            "methods": {
+                "f": {
+                    "method": "fedavg",
+                    "rounds": 1,
+                    "dp": {"noise_multiplier": 0.3, "clip_norm": 1.0, "sample_rate": 1.0, "delta": 1e-3, "adaptive": {}},
+                }
+            },
+            "federation": {"secure_aggregation": {"distributed_dp": True}},
+        },
+        "methods.f.dp.adaptive",
+        "'adaptive clipping'",
+    ),
     (
         {"methods": {"f": {"method": "fedavg", "rounds": 1}}, "federation": {"secure_aggregation": {"reconstruction_threshold": 1}}},
         "federation.secure_aggregation.reconstruction_threshold",
