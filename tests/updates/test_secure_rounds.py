@@ -237,3 +237,28 @@ def test_an_array_sum_encodes_each_key_at_its_own_step_and_counts_what_it_clippe
     for bad, why in [({"logits": np.zeros((2, 3))}, "expected a dict of"), ({**replies[1], "grad": np.full(4, np.nan)}, "non-finite")]:
         with pytest.raises(ValueError, match=why):
             encoding.encode(bad, (), 1)
+
+
+def test_masked_vectors_folded_per_process_then_per_node_unmask_to_the_same_sum():
+    # the reducers an actor hosting two clients and a node's aggregator run (rayfuse.federation.reduce_replies): the
+    # partial sums of masked vectors still hide each client, and the server unmasks the total from them
+    from rayfuse.federation import reduce_replies
+    from rayfuse.updates.secagg import SecAggClient, SecAggParams, SecAggServer
+    from rayfuse.updates.secure import MaskedFold, MaskedSum
+
+    params = SecAggParams(num_clients=4, num_neighbours=3, reconstruction_threshold=3, modulus_bits=40)
+    server = SecAggServer(params, [0, 1, 2, 3], seed=1)
+    clients = {c: SecAggClient(c, params, seed=b"s") for c in range(4)}
+    keys = server.receive_public_keys({c: clients[c].stage_setup(*server.setup_message()) for c in range(4)})
+    routed = server.receive_shares({c: clients[c].stage_share_keys(keys[c]) for c in range(4)})
+    levels = {c: np.arange(10, dtype=np.int64) * (c + 1) - 7 for c in range(4)}
+    replies = {c: Masked(clients[c].stage_collect_masked_levels(routed[c], levels[c]), 5) for c in range(4)}
+    fold = MaskedFold(params.modulus_bits)
+    per_process = [reduce_replies(fold, [(c, True, replies[c], ()) for c in pair]) for pair in ([0, 1], [2, 3])]
+    partials = [out[0][1] for out in per_process]  # the first call of each process carries the folded value
+    assert all(isinstance(p, MaskedSum) for p in partials) and [sorted(p.counts) for p in partials] == [[0, 1], [2, 3]]
+    node = reduce_replies(fold, [(0, True, partials[0], ()), (2, True, partials[1], ())])[0][1]
+    assert sorted(node.counts) == [0, 1, 2, 3]
+    survivors, dropped = server.receive_masked_sums({(0, 1, 2, 3): node.masked})
+    responses = {c: clients[c].stage_unmask(survivors, dropped) for c in survivors}
+    assert np.array_equal(server.unmask_levels(responses), sum(levels.values()))
