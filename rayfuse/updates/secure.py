@@ -73,12 +73,17 @@ _KEEP_SESSIONS = 4  # a client keeps the state of this many recent secure rounds
 def neighbourhood(config: Any, cohort: int) -> tuple[int, int]:
     """``(num_neighbours, reconstruction_threshold)`` for a cohort of ``cohort`` clients: ``auto`` neighbours are every
     other client up to 16 clients (plain SecAgg), else ``4 ceil(log2 N)`` (SecAgg+'s O(log N)); a configured number
-    is capped at ``cohort - 1``; an ``auto`` threshold is the smallest majority of ``k + 1``."""
+    is capped at ``cohort - 1``; an ``auto`` threshold is the smallest majority of ``k + 1``, a configured one is capped
+    at ``k + 1`` (a smaller cohort than the run's, a DP sample's) and otherwise kept (:class:`SecAggParams` refuses one
+    below a majority)."""
     k_cfg = config.num_neighbours
     k = (cohort - 1 if cohort <= 16 else 4 * math.ceil(math.log2(cohort))) if k_cfg == "auto" else int(k_cfg)
     k = max(1, min(k, cohort - 1))
     t_cfg = config.reconstruction_threshold
-    t = (k + 1) // 2 + 1 if t_cfg == "auto" else int(t_cfg)
+    majority = (k + 1) // 2 + 1
+    # a configured threshold is kept where the cohort's neighbourhood allows it (a DP sample may draw a small cohort):
+    # at most k + 1 shares exist, and below a majority a server could rebuild both secrets of one client
+    t = majority if t_cfg == "auto" else min(int(t_cfg), k + 1)
     return k, t
 
 
