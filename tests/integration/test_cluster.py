@@ -46,8 +46,9 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def open_cluster():
-    """An unsecured cluster, for the slow sweeps only: on the secured one, their retry job once failed in Tune's
-    ExperimentAnalysis with a FileNotFoundError (the job's working dir gone); not investigated further."""
+    """An unsecured cluster for the slow sweeps, as they ran before the shared one was secured. Their retry job
+    sometimes fails at the end of ``tuner.fit()`` (Tune's ExperimentAnalysis: FileNotFoundError from ``os.getcwd()``,
+    the job driver's working directory gone), seen on the secured cluster and on this one alike; cause not found."""
     nodes = TwoNodeCluster(cpus_per_node=4).start()
     try:
         yield nodes
