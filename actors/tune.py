@@ -38,10 +38,11 @@ from rayfuse.config import apply_overrides, validate_config
 from rayfuse.errors import InputError, RunFailure
 from rayfuse.method import resolved_config
 from rayfuse.metrics import metric_row
+from rayfuse.runner import Backend, run_experiment
 from rayfuse.sweep import Domain, SweepSpec
 from rayfuse.sweep_seal import PINNED, check_sweep_folder, sealing, verify_sweep
 
-__all__ = ["run_sweep", "to_tune_domain", "param_space", "sweep_paths"]
+__all__ = ["run_sweep", "run_trial", "to_tune_domain", "param_space", "sweep_paths"]
 
 
 def to_tune_domain(domain: Domain) -> Any:
@@ -103,8 +104,27 @@ class _TrialReporter:
 
 
 def _run_trial(config: dict[str, Any], *, base: dict[str, Any], name: str, runs: str, cache: str, metric: str) -> None:
-    """One Tune trial: the base job with this trial's values, run as a federation in the trial's placement group."""
+    """One Tune trial: :func:`run_trial` on Ray in the trial's placement group, reporting to Tune."""
+    backend = RayBackend(placement_group=ray.util.get_current_placement_group())
     trial_id = tune.get_context().get_trial_id()
+    run_trial(config, trial_id=trial_id, backend=backend, report=tune.report, base=base, name=name, runs=runs, cache=cache, metric=metric)
+
+
+def run_trial(
+    config: dict[str, Any],
+    *,
+    trial_id: str,
+    backend: Backend,
+    report: Callable[[dict[str, Any]], None],
+    base: dict[str, Any],
+    name: str,
+    runs: str,
+    cache: str,
+    metric: str,
+) -> None:
+    """The base job with one trial's values, run as a federation on ``backend`` in the run folder
+    ``<runs>/<trial_id>`` (resumed where an earlier attempt of the trial left one: Tune's retry) with the sweep's model
+    cache; ``report`` gets every round of the metric's method and a final report (``stage: done``)."""
     data = apply_overrides(base, [(key.split("."), value) for key, value in config.items()])
     run = data.setdefault("run", {})
     run.update(name=f"{name}-{trial_id}", storage=runs, model_cache=cache)
@@ -112,10 +132,7 @@ def _run_trial(config: dict[str, Any], *, base: dict[str, Any], name: str, runs:
     cfg = validate_config(data)
     run_dir = Path(runs) / trial_id
     resume = (run_dir / "config.yaml").is_file() and (run_dir / "partition.json").is_file()  # a retry of this trial
-    reporter = _TrialReporter(metric, tune.report)
-    from rayfuse.runner import run_experiment
-
-    backend = RayBackend(placement_group=ray.util.get_current_placement_group())
+    reporter = _TrialReporter(metric, report)
     results = run_experiment(cfg, backend, run_dir, resume=resume, printer=reporter, show_tables=False)
     final = dict(reporter.values)
     for stage, seconds in results["timings"].items():
@@ -127,7 +144,7 @@ def _run_trial(config: dict[str, Any], *, base: dict[str, Any], name: str, runs:
     if reporter.round is not None:
         final["round"] = reporter.round
     final["resumed"] = int(resume)
-    tune.report({**final, "stage": "done"})
+    report({**final, "stage": "done"})
 
 
 def _connect(spec: SweepSpec, address: str | None) -> bool:
