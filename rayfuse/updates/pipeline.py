@@ -258,7 +258,8 @@ def check_secure_aggregation(specs: Sequence[MethodSpec], setup: RunSetup, feder
                 f"methods.{spec.label}",
                 f"methods whose server needs only a sum of the clients' updates with federation.secure_aggregation ({summing})",
                 spec.method,
-                f"it combines the clients' {spec.tags.fuses} otherwise than by a sum; run it without federation.secure_aggregation",
+                f"its server reads more than the sum of the clients' uploads (each client's {spec.tags.fuses}, or its "
+                "metrics); run it without federation.secure_aggregation",
             )
         aggregator, dp = pipeline_settings(spec)
         if not is_sum(aggregator, dp):

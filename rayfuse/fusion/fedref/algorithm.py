@@ -128,7 +128,8 @@ class FedRef(FedAvg[FedRefParams, FedRefState]):
     Params = FedRefParams
     summary = "FedAvg plus a server-side Bayesian fine-tuning step towards the mean of the last p aggregates (Yoon & Choi 2025)"
     reference = references.FEDREF
-    tags = replace(FedAvg.tags, no_dp="its server step reads each client's training loss, which DP-FedAvg does not noise")
+    # its server step reads each client's loss: neither DP-FedAvg's noise nor secure aggregation's sum covers it
+    tags = replace(FedAvg.tags, no_dp="its server step reads each client's training loss, which DP-FedAvg does not noise", sums=False)
     test_case = MethodCase({"rounds": 3, "local_epochs": 1, "p": 1}, step="fedavg.fit")
 
     def __init__(self, params: FedRefParams | None = None, label: str | None = None) -> None:
