@@ -214,9 +214,10 @@ def _solve_bound(lhs: np.ndarray, value: np.ndarray, e_lhs: float, e_rhs: float)
     """A bound on ``|X - X_exact|`` entrywise for ``X = rhs lhs^-1`` (``value``) where each entry of ``lhs``, ``rhs``
     is within ``e_lhs``, ``e_rhs`` of the exact one: ``X - X_exact = (dR - X dL) L_exact^-1``, so its spectral norm is
     at most ``(|dR| + |X| |dL|) / (lambda_min(lhs) - |dL|)`` (Weyl), with ``|dL| <= n e_lhs`` and ``|dR| <= sqrt(out n)
-    e_rhs`` (Frobenius). On the rows and columns where the summed Gram's diagonal is non-zero (where it is zero, every
-    site's Gram is zero at the sums' resolution: both solves' least squares leave them out); ``inf`` where the rest is
-    not separate or ``lambda_min`` is within the error."""
+    e_rhs`` (Frobenius). On the rows and columns where the summed Gram's diagonal is non-zero: where it is zero, every
+    site's diagonal is below half a step there (for :class:`~rayfuse.updates.secure.ScaledSum`, about 2^-61 of the
+    largest entry), far below the least-squares cutoff of the exact sums' solve, which leaves those directions out as
+    this one does. ``inf`` where those rows hold other non-zero entries, or ``lambda_min`` is within the error."""
     keep = np.diag(lhs) > 0
     if lhs[~keep].any():
         return math.inf
