@@ -37,6 +37,9 @@ from rayfuse.symmetry import Perms, PermutationSpec
 
 __all__ = ["merge_average", "merge_fisher", "merge_regmean", "diagonal_fisher", "input_grams", "permute_fisher", "permute_grams"]
 
+#: :func:`merge_fisher`'s default floor added to every Fisher entry
+FISHER_EPS = 1e-8
+
 
 def merge_average(aligned: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float] | None = None) -> Params:
     """The weighted average of aligned models, per tensor (non-float tensors: model 0's)."""
@@ -48,7 +51,7 @@ def merge_fisher(
     aligned: Sequence[Mapping[str, np.ndarray]],
     fishers: Sequence[Mapping[str, np.ndarray]],
     weights: Sequence[float] | None = None,
-    eps: float = 1e-8,
+    eps: float = FISHER_EPS,
 ) -> Params:
     """Fisher-weighted averaging: ``theta = sum_k w_k (F_k + eps) theta_k / sum_k w_k (F_k + eps)`` per parameter.
 

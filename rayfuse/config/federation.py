@@ -151,7 +151,7 @@ class SecureAggregationConfig(StrictModel):
         "k + 1 - t dropped neighbours of any client; auto: the smallest majority of k + 1",
     )
     clipping_range: float = Field(
-        8.0, gt=0, description="c: each entry a client sends (an update's change, a statistic) is clipped to [-c, c]"
+        8.0, gt=0, description="c: each entry of a model update a client sends is clipped to [-c, c] (fedmerge's sums set their own ranges)"
     )
     quantization_range: int = Field(
         2**22, ge=2, description="levels across [-c, c]: the step is 2c / quantization_range, each client's entry off by half a step"
@@ -235,8 +235,8 @@ class FederationConfig(StrictModel):
     )
     secure_aggregation: SecureAggregationConfig | None = Field(
         None,
-        description="secure aggregation (SecAgg+): the server receives only the sum of a round's masked client "
-        "uploads (the FedAvg family's weighted mean; methods whose server needs more are refused before start); "
+        description="secure aggregation (SecAgg+): the server receives only sums of masked client uploads (the "
+        "FedAvg family's weighted mean, fedmerge's statistics; methods whose server needs more are refused before start); "
         "true for the defaults, or its options: {num_neighbours, reconstruction_threshold, clipping_range, "
         "quantization_range}",
     )

@@ -277,6 +277,12 @@ def check_secure_aggregation(specs: Sequence[MethodSpec], setup: RunSetup, feder
                 "drop dp.adaptive or distributed_dp",
             )
         cohort = clients_per_round(setup.num_clients, float(update_setting(spec, "fraction", 1.0)))
+        if setup.num_clients < 2 and not isinstance(dp, CentralDPSettings):  # no fraction gives a sum of 2
+            raise InputError(
+                "partition.num_clients",
+                "at least 2 clients with federation.secure_aggregation (a sum of one is that client's reply)",
+                setup.num_clients,
+            )
         if cohort < 2 and not isinstance(dp, CentralDPSettings):
             raise InputError(
                 f"methods.{spec.label}.fraction",

@@ -24,7 +24,9 @@ kept client's record carries its count and the cohort's mean metrics.
 
 Beyond the round's model update: :func:`secure_round` takes any client step and an :class:`Encoding` of its reply
 (:class:`ArraySum`: a dict of float arrays, each key with its own fixed-point step and range), so a method whose
-server needs only a sum of statistics or predictions runs it the same way and reads back the sums alone.
+server needs only a sum of statistics or predictions runs it the same way and reads back the sums alone. Where no
+one knows the arrays' scale in advance (a Fisher, a Gram), :class:`ScaledSum` runs two sums: the power-of-two band of
+each key's largest entry, then the arrays at a step set from the highest band.
 
 Nothing here imports Ray: the engine's federation runs the steps.
 """
@@ -52,8 +54,10 @@ __all__ = [
     "Masked",
     "MaskedFold",
     "MaskedSum",
+    "ScaledSum",
     "SecureSum",
     "SumEncoding",
+    "level_bits",
     "neighbourhood",
     "ring_bits",
     "secure_params",
@@ -168,6 +172,75 @@ class ArraySum:
             out[key] = (levels[start : start + size].astype(np.float64) * step).reshape(shape)
             start += size
         return out, int(levels[start])
+
+    def error_bounds(self, contributors: int) -> dict[str, float]:
+        """Per key, the largest gap of an entry of the decoded sum of ``contributors`` clients from the exact sum of
+        their clipped values: each client's entry is rounded once, by half a step at most (float rounding aside)."""
+        return {key: int(contributors) * step / 2 for key, _, step, _ in self.keys}
+
+
+#: a scale pass's power-of-two bands (:class:`ScaledSum`): a largest magnitude in ``[2^(e-1), 2^e)`` is band ``e``;
+#: one below ``2^(BANDS[0] - 1)`` counts as band ``BANDS[0]`` (still a bound above it), one of ``2^BANDS[1]`` or more
+#: as band ``BANDS[1]`` (then clipped in the sum, and counted)
+BANDS = (-256, 256)
+
+
+def level_bits(cohort: int) -> int:
+    """The bits of one client's levels in a sum of ``cohort`` clients that fits the 64-bit ring, its sign included
+    (:func:`ring_bits` of ``cohort`` levels of ``2^bits`` is 64)."""
+    return 63 - int(cohort).bit_length()
+
+
+@dataclass(frozen=True)
+class ScaledSum:
+    """A secure sum of float arrays whose scale no one knows in advance (a Fisher, a Gram: tiny or huge), in two sums.
+
+    1. The scale pass (:attr:`bands_encoding`): each client sends, per key, a one-hot row marking the power-of-two band
+       of its largest ``|entry|`` (:meth:`bands`; a row of its own for all zeros). The server learns how many clients'
+       largest entries fall in each band, per key: never which client's, nor more than a factor of 2 of any one.
+    2. The sum itself (:meth:`arrays`): each key at range ``2^E``, ``E`` the highest band any client marked, so no
+       entry is clipped, and step ``2^(E - level_bits(cohort))``: each client's entry is rounded to ``2^-bits`` of the
+       cohort's largest (``bits`` about 60: float64's rounding of that largest entry), the sum within ``cohort x
+       step / 2`` per entry (:meth:`ArraySum.error_bounds`). A key every client sent as zeros is left out: its sum is
+       zero exactly (:meth:`decode` gives it so).
+
+    ``keys``: ``(key, shape)`` in the order both passes use."""
+
+    keys: tuple[tuple[str, tuple[int, ...]], ...]
+
+    @property
+    def bands_encoding(self) -> ArraySum:
+        return ArraySum((("bands", (len(self.keys), BANDS[1] - BANDS[0] + 2), 1.0, 1.0),))
+
+    def bands(self, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A client's scale-pass reply for its ``values`` (every key): row ``i`` marks key ``i``'s band (column 0: all
+        zeros; column ``1 + e - BANDS[0]``: band ``e``)."""
+        rows = np.zeros((len(self.keys), BANDS[1] - BANDS[0] + 2))
+        for i, (key, shape) in enumerate(self.keys):
+            array = np.asarray(values[key], dtype=np.float64)
+            if array.shape != shape or not np.isfinite(array).all():
+                raise ValueError(f"secure aggregation: {key} must be finite of shape {shape}, got {array.shape}")
+            largest = float(np.max(np.abs(array))) if array.size else 0.0
+            rows[i, 0 if largest == 0 else 1 + min(max(math.frexp(largest)[1], BANDS[0]), BANDS[1]) - BANDS[0]] = 1.0
+        return {"bands": rows}
+
+    def arrays(self, counts: np.ndarray, cohort: int) -> ArraySum:
+        """The second sum's encoding from the scale pass's summed ``counts`` (its ``bands``), for ``cohort`` clients
+        (those of the scale pass: a client outside it could exceed the ranges)."""
+        bits = level_bits(cohort)
+        out = []
+        for (key, shape), row in zip(self.keys, np.rint(np.asarray(counts)).astype(np.int64)):
+            marked = np.flatnonzero(row[1:])
+            if marked.size:
+                top = BANDS[0] + int(marked[-1])
+                out.append((key, shape, 2.0 ** (top - bits), 2.0**top))
+        return ArraySum(tuple(out))
+
+    def decode(self, encoding: ArraySum, levels: np.ndarray | None) -> tuple[dict[str, np.ndarray], int]:
+        """Every key's sum (zeros for those :meth:`arrays` left out; ``levels`` None where it left out all) and how
+        many entries the clients clipped."""
+        sums, clipped = encoding.decode(levels) if levels is not None else ({}, 0)
+        return {key: sums.get(key, np.zeros(shape)) for key, shape in self.keys}, clipped
 
 
 @dataclass(frozen=True)

@@ -205,6 +205,14 @@ REFUSED = [
         "federation.secure_aggregation.reconstruction_threshold",
         "1",
     ),
+    # a sum of one client is that client's reply, whatever the method: fedmerge has no fraction to name
+    ({"methods": {"fm": {"method": "fedmerge"}}, "partition": {"method": "iid", "num_clients": 1}}, "partition.num_clients", "1"),
+    ({"methods": {"f": {"method": "fedavg", "rounds": 1}}, "partition": {"method": "iid", "num_clients": 1}}, "partition.num_clients", "1"),
+    (
+        {"methods": {"fm": {"method": "fedmerge"}}, "federation": {"attacks": [{"client": 0, "kind": "sign_flip"}]}},
+        "federation.attacks",
+        "'1 attack on clients [0]'",
+    ),
 ]
 
 

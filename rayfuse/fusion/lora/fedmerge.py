@@ -20,6 +20,14 @@ With ``export:`` (a folder that does not exist yet) each client also writes, int
 its fine-tuned model (``client-<id>.safetensors``) and its statistics (``client-<id>.<merge>.safetensors``), and the
 server the base (``base.safetensors``): the files ``rayfuse fuse``'s ``fisher`` / ``regmean`` read (with
 ``base_model:``), so the offline merge of those files gives the federated one.
+
+Under ``federation.secure_aggregation`` the server receives no client's update or statistic: each merge is a function
+of sums over the clients (:func:`rayfuse.finetunes.statistics.merge_sums`), and each client forms its share of them
+(weighted by its count, or 1: ``w d``; Fisher: ``w F``, ``w F d``; RegMean: ``w G'``, ``w d G'``) after fine-tuning
+(:func:`secure_scales`), sends in a first secure sum only the power-of-two band of each term's largest entry, and in a
+second (:func:`secure_terms`) the terms at the fixed-point step the bands set (:class:`rayfuse.updates.secure.ScaledSum`:
+about 2^-60 of the cohort's largest entry of each term). The merged update is the plain merge's of the same clients
+within ``info.secure_aggregation.error_bound``, computed from the sums.
 """
 
 from __future__ import annotations
@@ -27,11 +35,12 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import Field
 
+from rayfuse.errors import SecAggFailure
 from rayfuse.fusion.references import REGMEAN
 from rayfuse.method import (
     ClientContext,
@@ -47,11 +56,16 @@ from rayfuse.method import (
     register_method,
 )
 
-__all__ = ["FedMerge", "FedMergeParams", "fit", "payload_keys", "client_update"]
+if TYPE_CHECKING:
+    from rayfuse.updates.secure import ScaledSum
+
+__all__ = ["FedMerge", "FedMergeParams", "fit", "payload_keys", "client_update", "secure_scales", "secure_terms"]
 
 
 # prefixes of a reply's keys: the update's tensors, then the statistics
 UPDATE, LORA_A, LORA_B, FISHER, GRAM = "delta/", "lora_A/", "lora_B/", "fisher/", "gram/"
+LOSS = "metric/train_loss"  # a secure sum's term: the count times the training loss
+SECURE_STATE = "fedmerge.secure"  # a client's terms between its two secure sums (its state's key, with the label)
 
 
 class FedMergeParams(MethodParams):
@@ -122,7 +136,15 @@ def _tuned_keys(base: dict[str, np.ndarray], targets: list[str], finetune: str) 
 
 
 @client_step("fedmerge.fit")
-def fit(
+def fit(ctx: ClientContext, base: dict[str, np.ndarray], adapter: dict[str, np.ndarray] | None, **kwargs: Any) -> Update:
+    """Fine-tune the base on this client's training split, compute the merge's statistic on it (the update folded into
+    the model), and return the update (task vector or adapter factors), the statistic and the sample count
+    (``kwargs``: :func:`_finetune`'s)."""
+    out, metrics = _finetune(ctx, base, adapter, **kwargs)
+    return Update(out, ctx.num_examples, metrics)
+
+
+def _finetune(
     ctx: ClientContext,
     base: dict[str, np.ndarray],
     adapter: dict[str, np.ndarray] | None,
@@ -141,9 +163,9 @@ def fit(
     samples: int | None,
     stats_batch_size: int,
     export: str | None,
-) -> Update:
-    """Fine-tune the base on this client's training split, compute the merge's statistic on it (the update folded into
-    the model), and return the update (task vector or adapter factors), the statistic and the sample count."""
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """A client's fine-tune and statistics (the export written where asked): its reply's arrays (:func:`payload_keys`)
+    and its metrics."""
     from rayfuse.finetunes.statistics import STATISTIC_OF, compute_statistics, write_statistics
     from rayfuse.fusion.lora.algorithm import _wrap, merged_params
     from rayfuse.models import get_params, set_params, train_model
@@ -203,7 +225,47 @@ def fit(
         save_params(folder / f"client-{ctx.client_id}.safetensors", own, {"rayfuse.base_update": finetune})
         if statistic is not None:
             write_statistics(folder / f"client-{ctx.client_id}.{merge}.safetensors", found, statistic, len(X))
-    return Update(out, ctx.num_examples, {"train_loss": stats.loss, "train_seconds": stats.seconds})
+    return out, {"train_loss": stats.loss, "train_seconds": stats.seconds}
+
+
+@client_step("fedmerge.scales")
+def secure_scales(
+    ctx: ClientContext,
+    base: dict[str, np.ndarray],
+    adapter: dict[str, np.ndarray] | None,
+    *,
+    scaled: ScaledSum,
+    weighted: bool,
+    regmean_alpha: float,
+    **kwargs: Any,
+) -> dict[str, np.ndarray]:
+    """Under secure aggregation, the first of a client's two sums: its fine-tune and statistics (as :func:`fit`), its
+    share of the merge's sums formed here (:func:`~rayfuse.finetunes.statistics.weighted_terms`, weighted by its count
+    or 1; its count times its training loss) and kept in its process for :func:`secure_terms`; it sends the
+    power-of-two band of each term's largest entry (:meth:`ScaledSum.bands`)."""
+    from rayfuse.finetunes.statistics import weighted_terms
+
+    out, metrics = _finetune(ctx, base, adapter, **kwargs)
+    merge = kwargs["merge"]
+    prefix = FISHER if merge == "fisher" else GRAM
+    stats = {k.removeprefix(prefix): v for k, v in out.items() if k.startswith(prefix)} if merge != "average" else None
+    delta = client_update(out, kwargs["targets"], kwargs["finetune"], kwargs["scale"])
+    terms = weighted_terms(delta, stats, float(ctx.num_examples) if weighted else 1.0, merge, regmean_alpha=regmean_alpha)
+    terms[LOSS] = np.asarray(ctx.num_examples * float(metrics["train_loss"]))
+    if set(terms) != {k for k, _ in scaled.keys}:
+        raise ValueError(f"fedmerge: this client's terms {sorted(set(terms) ^ {k for k, _ in scaled.keys})[:3]} are not the server's")
+    ctx.state[(SECURE_STATE, kwargs["label"])] = terms
+    return scaled.bands(terms)
+
+
+@client_step("fedmerge.terms")
+def secure_terms(ctx: ClientContext, keys: list[str], *, label: str) -> dict[str, np.ndarray]:
+    """The second sum: the terms :func:`secure_scales` kept, those the server sums (the others are zero in every
+    client, or not needed)."""
+    terms = ctx.state.pop((SECURE_STATE, label), None)
+    if terms is None:  # a process that restarted between the sums lost them: this client leaves the second
+        raise SecAggFailure(f"fedmerge: client {ctx.client_id} holds no terms of {label!r} (its process restarted?)")
+    return {k: terms[k] for k in keys}
 
 
 @register_method
@@ -214,8 +276,9 @@ class FedMerge(Method[FedMergeParams, None]):
         "clients fine-tune one shared base (full or LoRA) and compute Fisher / RegMean statistics; the server merges the updates with them"
     )
     reference = REGMEAN
-    # the server weighs the updates by statistics (not a parameter average): attacks, robust rules and DP do not apply
-    tags = MethodTags(fuses="statistics")
+    # the server weighs the updates by statistics (not a parameter average): attacks, robust rules and DP do not apply;
+    # every merge is a function of sums over the clients, so it runs under secure aggregation (two secure sums)
+    tags = MethodTags(fuses="statistics", sums=True)
     test_case = MethodCase({"local_epochs": 1}, step="fedmerge.fit")
 
     @classmethod
@@ -239,12 +302,10 @@ class FedMerge(Method[FedMergeParams, None]):
             check_new_output(params.export, key="export", what="a folder")
 
     def run(self, server: ServerContext) -> MethodResult:
-        from rayfuse.finetunes.statistics import merge_task_vectors
         from rayfuse.fusion.lora.algorithm import model_targets_and_base
 
         p = self.params
         train = server.models.train_cfg
-        fed = server.federation
         model, targets, base, base_path = model_targets_and_base(server, p.base, p.target_modules)
         scale = p.alpha / p.r
         adapter: dict[str, np.ndarray] | None = None
@@ -262,12 +323,7 @@ class FedMerge(Method[FedMergeParams, None]):
 
             Path(p.export).mkdir(parents=True, exist_ok=True)
             save_params(Path(p.export) / "base.safetensors", base)
-        clients = server.federation.client_ids
-        gathered = fed.run(
-            fit,
-            fed.put(base),
-            adapter,
-            clients=clients,
+        kwargs: dict[str, Any] = dict(
             label=server.label,
             targets=targets,
             finetune=p.finetune,
@@ -283,31 +339,120 @@ class FedMerge(Method[FedMergeParams, None]):
             stats_batch_size=p.stats_batch_size,
             export=p.export,
         )
-        updates = server.updates.accept(gathered, payload_keys(base, targets, p.finetune, p.merge, p.r))
-        counts = np.array([u.num_examples for u in updates.values()], dtype=float)
-        weights = [float(w) for w in (counts / counts.sum() if p.weighted else np.full(len(counts), 1.0 / len(counts)))]
-        deltas, stats = [], []
-        for u in updates.values():
-            deltas.append(client_update(u.params, targets, p.finetune, scale))
-            prefix = FISHER if p.merge == "fisher" else GRAM
-            stats.append({k.removeprefix(prefix): v for k, v in u.params.items() if k.startswith(prefix)})
-        merged = merge_task_vectors(deltas, stats if p.merge != "average" else None, weights, p.merge, regmean_alpha=p.regmean_alpha)
+        secure: dict[str, object] = {}
+        if server.updates.secure is not None:
+            merged, kept, loss = self._merge_sums(server, base, adapter, kwargs, secure)
+        else:
+            merged, kept, loss = self._merge_replies(server, base, adapter, kwargs)
+        weights = _weights(kept.values(), p.weighted)
         fused = dict(base)
         for k, d in merged.items():
             fused[k] = (base[k].astype(np.float64) + d).astype(base[k].dtype)
         metrics = server.scoring.evaluate(fused)
-        losses = np.array([u.metrics.get("train_loss", np.nan) for u in updates.values()])
-        server.log(1, {"train_loss": float(np.sum(losses * counts) / counts.sum()), "clients": float(len(updates))})
+        server.log(1, {"train_loss": loss, "clients": float(len(kept))})
         info: dict[str, object] = {
             "merge": p.merge,
             "finetune": p.finetune,
             "targets": targets,
-            "clients": list(updates),
+            "clients": list(kept),
             "weights": weights,
             "base": base_path or "shared init",
             "export": p.export,
         }
+        if secure:  # the pipeline's record of the secure sums, with the merge's error
+            info["secure_aggregation"] = {**server.updates.info().get("secure_aggregation", {}), **secure}
         return MethodResult(metrics, fused, info=info)
+
+    def _merge_replies(
+        self, server: ServerContext, base: dict[str, np.ndarray], adapter: dict[str, np.ndarray] | None, kwargs: dict[str, Any]
+    ) -> tuple[dict[str, np.ndarray], dict[int, int], float]:
+        """The merge from every client's reply (:func:`fit`): the merged update, the clients merged with their counts,
+        and their count-weighted training loss."""
+        from rayfuse.finetunes.statistics import merge_task_vectors
+
+        p, fed = self.params, server.federation
+        gathered = fed.run(fit, fed.put(base), adapter, clients=fed.client_ids, **kwargs)
+        updates = server.updates.accept(gathered, payload_keys(base, kwargs["targets"], p.finetune, p.merge, p.r))
+        weights = _weights([u.num_examples for u in updates.values()], p.weighted)
+        deltas, stats = [], []
+        for u in updates.values():
+            deltas.append(client_update(u.params, kwargs["targets"], p.finetune, kwargs["scale"]))
+            prefix = FISHER if p.merge == "fisher" else GRAM
+            stats.append({k.removeprefix(prefix): v for k, v in u.params.items() if k.startswith(prefix)})
+        merged = merge_task_vectors(deltas, stats if p.merge != "average" else None, weights, p.merge, regmean_alpha=p.regmean_alpha)
+        losses = np.array([u.metrics.get("train_loss", np.nan) for u in updates.values()])
+        counts = np.array([u.num_examples for u in updates.values()], dtype=float)
+        return merged, {c: int(u.num_examples) for c, u in updates.items()}, float(np.sum(losses * counts) / counts.sum())
+
+    def _merge_sums(
+        self,
+        server: ServerContext,
+        base: dict[str, np.ndarray],
+        adapter: dict[str, np.ndarray] | None,
+        kwargs: dict[str, Any],
+        record: dict[str, object],
+    ) -> tuple[dict[str, np.ndarray], dict[int, int], float]:
+        """The merge from secure sums (``federation.secure_aggregation``): :func:`secure_scales`, then
+        :func:`secure_terms` (:class:`~rayfuse.updates.secure.ScaledSum`'s two sums), then
+        :func:`~rayfuse.finetunes.statistics.merge_sums`. As :meth:`_merge_replies`, with ``record`` filled: the
+        levels' bits, the entries clipped (none, but beyond ``2^256``) and the bound on the merged update's gap from
+        the plain merge of the same clients."""
+        from rayfuse.finetunes.statistics import merge_sums, term_shapes, terms_needed
+        from rayfuse.updates.secure import BANDS, ArraySum, ScaledSum, level_bits
+
+        p, updates = self.params, server.updates
+        payload = payload_keys(base, kwargs["targets"], p.finetune, p.merge, p.r)
+        shapes = {k: v.shape for k, v in client_update(payload, kwargs["targets"], p.finetune, kwargs["scale"]).items()}
+        prefix = FISHER if p.merge == "fisher" else GRAM
+        stat_keys = [k.removeprefix(prefix) for k in payload if k.startswith(prefix)]
+        terms = {**term_shapes(shapes, stat_keys, p.merge), LOSS: ()}
+        scaled = ScaledSum(tuple(sorted(terms.items())))
+        extra = {"scaled": scaled, "weighted": p.weighted, "regmean_alpha": p.regmean_alpha}
+        first = updates.secure_sum(secure_scales, (base, adapter), scaled.bands_encoding, step_kwargs={**kwargs, **extra}, what="scales")
+        bands, _ = scaled.bands_encoding.decode(first.levels)
+        found = scaled.arrays(bands["bands"], len(first.contributors))
+        needed = set(terms_needed([k for k, _, _, _ in found.keys]))
+        encoding = ArraySum(tuple(entry for entry in found.keys if entry[0] in needed))
+        kept, levels = dict(first.contributors), None
+        if encoding.keys:  # else every client's every term is zero: so are the sums
+            done = updates.secure_sum(
+                secure_terms,
+                ([k for k, _, _, _ in encoding.keys],),
+                encoding,
+                clients=sorted(kept),
+                step_kwargs={"label": server.label},
+                what="sums",
+            )
+            kept, levels = dict(done.contributors), done.levels
+        sums, clipped = scaled.decode(encoding, levels)
+        if clipped:
+            server.events.emit(
+                "secure_aggregation",
+                f"{clipped} entries of the clients' terms were beyond 2^{BANDS[1]} and clipped in the sum",
+                method=server.label,
+                clipped_entries=clipped,
+            )
+        total = sum(kept.values()) if p.weighted else len(kept)
+        merged, bounds = merge_sums(sums, total, shapes, p.merge, encoding.error_bounds(len(kept)))
+        worst = max(bounds.values(), default=0.0)
+        if not math.isfinite(worst):
+            unbounded = sorted(k for k, b in bounds.items() if not math.isfinite(b))
+            server.events.emit(
+                "secure_aggregation",
+                f"the sums' resolution bounds no gap of RegMean's solve of {', '.join(unbounded)}: the summed Gram is "
+                "singular within the sums' error",
+                method=server.label,
+            )
+        record.update(
+            level_bits=level_bits(len(first.contributors)), error_bound=worst if math.isfinite(worst) else None, clipped_entries=clipped
+        )
+        return merged, kept, float(sums[LOSS]) / sum(kept.values())
+
+
+def _weights(counts: Any, weighted: bool) -> list[float]:
+    """The clients' weights in the merge: their sample counts normalised (``weighted``), else equal."""
+    c = np.array(list(counts), dtype=float)
+    return [float(w) for w in (c / c.sum() if weighted else np.full(len(c), 1.0 / len(c)))]
 
 
 def client_update(params: dict[str, np.ndarray], targets: list[str], finetune: str, scale: float) -> dict[str, np.ndarray]:
