@@ -244,6 +244,13 @@ def check_secure_aggregation(specs: Sequence[MethodSpec], setup: RunSetup, feder
             [attack.kind for attack in federation.attacks],
             "drop federation.attacks or federation.secure_aggregation",
         )
+    if setup.evaluation != "central":  # each client's held-out scores would reach the server in the clear
+        raise InputError(
+            "evaluation",
+            "central with federation.secure_aggregation (federated evaluation sends each client's held-out scores in the clear)",
+            setup.evaluation,
+            "score on the server's test set, or run federated evaluation without secure aggregation",
+        )
     summing = ", ".join(name for name, cls in METHODS.items() if cls.tags.sums)
     if config.distributed_dp and not any(isinstance(pipeline_settings(s)[1], CentralDPSettings) for s in specs):
         raise InputError(

@@ -175,6 +175,7 @@ REFUSED = [
     ({"methods": {"a": {"method": "aligned"}}}, "methods.a", "'aligned'"),
     ({"methods": {"g": {"method": "gems"}}}, "methods.g", "'gems'"),
     ({"methods": {"r": {"method": "fedref", "rounds": 1}}}, "methods.r", "'fedref'"),  # its server reads each client's loss
+    ({"methods": {"f": {"method": "fedavg", "rounds": 1}}, "evaluation": "federated"}, "evaluation", "'federated'"),
     (
         {"methods": {"f": {"method": "fedavg", "rounds": 1}}, "federation": {"attacks": [{"client": 0, "kind": "sign_flip"}]}},
         "federation.attacks",
