@@ -141,6 +141,13 @@ REFUSED = [
     ({"methods": {"e": {"method": "ensemble"}}}, "methods.e", "'ensemble'"),
     ({"methods": {"a": {"method": "aligned"}}}, "methods.a", "'aligned'"),
     ({"methods": {"g": {"method": "gems"}}}, "methods.g", "'gems'"),
+    # distill sums with teachers: clients (tests/fusion/distill/test_secure_distill.py); parameters are each model
+    ({"methods": {"d": {"method": "distill", "teachers": "parameters"}}, "data": {"public_size": 0.1}}, "methods.d", "'distill'"),
+    (
+        {"methods": {"d": {"method": "distill", "teachers": "clients", "init": "random", "transfer": "synthetic", "reweight": True}}},
+        "methods.d",
+        "'distill'",
+    ),
     (
         {"methods": {"f": {"method": "fedavg", "rounds": 1}}, "federation": {"attacks": [{"client": 0, "kind": "sign_flip"}]}},
         "federation.attacks",
