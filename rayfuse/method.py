@@ -663,11 +663,11 @@ class MethodTags:
     ``local_model_copies``: with ``uses_local_models``, how many copies of every client's local model the coordinator
     holds at once (the memory check): 1, the uploads; 2, the uploads and models built from them (distill's ``teachers:
     parameters``); 0, none gathered (distill's ``teachers: clients``: predictions only).
-    ``sums``: its server needs only sums over its clients (each round's updates, through
-    ``server.updates.collect_round`` with a rule that is a sum; or any reply, through ``server.updates.secure_sum``
-    where ``server.updates.secure`` is set: ``fedmerge``'s statistics), so ``federation.secure_aggregation`` applies to
-    it (SecAgg+: the server unmasks the cohort's sum and never one client's reply); methods without it are refused with
-    that setting.
+    ``sums``: its server needs only sums of what its clients send: each round's updates (it aggregates through
+    ``server.updates.collect_round`` with a rule that is a sum), or any other reply, through
+    ``server.updates.secure_sum`` where ``server.updates.secure`` is set (``fedmerge``'s statistics, ``distill``'s
+    ensemble with ``teachers: clients``), so ``federation.secure_aggregation`` applies to it (SecAgg+: the server
+    unmasks the cohort's sum and never one client's reply); methods without it are refused with that setting.
 
     The vocabulary is closed: ``fuses`` one of :data:`FUSES`, ``updates`` of :data:`UPDATE_KEYS`, the flags booleans
     (a ``TypeError`` or ``ValueError`` when the class is defined). Where an answer depends on the entry's parameters

@@ -176,6 +176,13 @@ REFUSED = [
     ({"methods": {"g": {"method": "gems"}}}, "methods.g", "'gems'"),
     ({"methods": {"r": {"method": "fedref", "rounds": 1}}}, "methods.r", "'fedref'"),  # its server reads each client's loss
     ({"methods": {"f": {"method": "fedavg", "rounds": 1}}, "evaluation": "federated"}, "evaluation", "'federated'"),
+    # distill sums with teachers: clients (tests/fusion/distill/test_secure_distill.py); parameters are each model
+    ({"methods": {"d": {"method": "distill", "teachers": "parameters"}}, "data": {"public_size": 0.1}}, "methods.d", "'distill'"),
+    (
+        {"methods": {"d": {"method": "distill", "teachers": "clients", "init": "random", "transfer": "synthetic", "reweight": True}}},
+        "methods.d",
+        "'distill'",
+    ),
     (
         {"methods": {"f": {"method": "fedavg", "rounds": 1}}, "federation": {"attacks": [{"client": 0, "kind": "sign_flip"}]}},
         "federation.attacks",

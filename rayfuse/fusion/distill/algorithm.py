@@ -26,14 +26,17 @@ What leaves a client, by mode (``docs/methods/distill.md``): ``parameters``: its
 aligned``, the ``aligned`` method's statistics); ``clients``: its logits on the server's transfer inputs, and with
 ``transfer: synthetic`` the input gradients above; ``input_moments``: per-element count, sum and sum of squares of its
 inputs. Never a sample, a label or an activation of its own data. Local DP-SGD (``train.dp``) covers the predictions
-(post-processing of a DP-trained model), not the input moments, which are then refused.
+(post-processing of a DP-trained model), not the input moments, which are then refused. Under secure aggregation
+(``federation.secure_aggregation``, ``teachers: clients``) each client masks its term of the ensemble (its logits or
+probabilities times its row of the teacher weights), its gradient term and its moments, and the server unmasks only
+their sums (:class:`_SecureTeachers`, :data:`SECURE_STEPS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -278,6 +281,71 @@ def input_moments(ctx: ClientContext) -> dict[str, np.ndarray]:
     return {"count": np.asarray(count, dtype=np.int64), "sum": total, "sumsq": squares}
 
 
+# Under secure aggregation (federation.secure_aggregation): each client sends its term of the ensemble (its logits or
+# probabilities times its row of the teacher weights, which the server knows from the plan and sends), its gradient
+# term, its input moments over the pooled count; only their sums are unmasked (rayfuse.updates.secure, ArraySum)
+
+
+@client_step("distill.secure_predict")
+def secure_predict(
+    ctx: ClientContext, X: np.ndarray, weights: Mapping[int, np.ndarray], *, combine: str, chunk_size: int = 256
+) -> dict[str, np.ndarray]:
+    """This client's term of the ensemble on the server's inputs ``X``, ``(N, C)``: its :func:`predict` logits through
+    :func:`~rayfuse.fusion.distill.teachers.ensemble_term` with its row of the teacher weights ``weights[client]``."""
+    from rayfuse.fusion.distill.teachers import ensemble_term
+
+    w = weights[int(ctx.client_id)]
+    return {"ensemble": ensemble_term(predict(ctx, X, chunk_size=chunk_size)["logits"], w, combine)}
+
+
+@client_step("distill.secure_signal")
+def secure_signal(
+    ctx: ClientContext,
+    X: np.ndarray,
+    labels: np.ndarray,
+    weights: Mapping[int, np.ndarray],
+    *,
+    num_teachers: int,
+    settings: dict[str, Any],
+    combine: str,
+) -> dict[str, np.ndarray]:
+    """This client's :func:`signal` with its row of the teacher weights ``weights[client]``: its term of the ensemble on
+    the generated batches ``(G, B, C)`` and its gradient term ``(G, B, ...)`` (the server needs only their sums)."""
+    from rayfuse.fusion.distill.teachers import ensemble_term
+
+    w = np.array(weights[int(ctx.client_id)], dtype=np.float32)  # a copy: a broadcast array is read-only
+    reply = signal(ctx, X, labels, w, num_teachers=num_teachers, settings=settings)
+    return {"ensemble": ensemble_term(reply["logits"], w, combine), "grad": reply["grad"]}
+
+
+@client_step("distill.secure_input_moments")
+def secure_input_moments(ctx: ClientContext, total: float) -> dict[str, np.ndarray]:
+    """This client's :func:`input_moments` with the sums divided by ``total`` (at least the clients' pooled count, so
+    each summed entry is within the inputs' range: a fixed-point range fits any dataset's size)."""
+    reply = input_moments(ctx)
+    return {"count": np.asarray([reply["count"]], np.float64), "sum": reply["sum"] / total, "sumsq": reply["sumsq"] / total}
+
+
+#: each secure sum's fixed-point ``(step, limit)`` per key (ArraySum): every reply is a float32 quantity, summed exactly
+#: as integers, so the decoded sum is off by at most half a step per client per entry
+SECURE_STEPS: dict[str, tuple[float, float]] = {
+    # w_kc z_kc: a trained model's logits are tens at most (beyond 4096 clipped and counted); 2^-24 is float32's
+    # resolution at 1, finer than its at the logits' scale
+    "logits": (2.0**-24, 2.0**12),
+    # w_kc softmax(z_k)_c in [0, 1]: absolute error, 2^-40 ~ 1e-12 (the floor of the ensemble's log), so the ensemble
+    # holds the probabilities its temperature-scaled log makes matter
+    "probabilities": (2.0**-40, 2.0),
+    # d/dx of a member's generator term (a mean over the batch of w CE' plus lambda_bn / K BN'): measured on digits
+    # (mlp, cnn) at most 1.4e-2 an entry, median 1e-4..3e-4; 2^-40 ~ 9e-13 is finer than float32 at the median, and
+    # the range 256 leaves room for far steeper teachers (the ring: 2^48 levels, + log2 K bits)
+    "grad": (2.0**-40, 2.0**8),
+    # an input's mean and mean square pooled (each client's sums over the pooled count): within the inputs' range and
+    # its square, 2^16 (pixel values up to 255, standardised features); 2^-32 so that a nearly constant element's
+    # variance, a difference of two such sums, keeps its digits
+    "moments": (2.0**-32, 2.0**16),
+}
+
+
 class _ClientTeachers:
     """The clients as teachers: one federation call per pass; each reply checked (shapes, finite values) before use."""
 
@@ -340,6 +408,139 @@ class _ClientTeachers:
         return (torch.as_tensor(np.stack([r["logits"] for r in replies])), torch.as_tensor(np.sum([r["grad"] for r in replies], axis=0)))
 
 
+class _SecureTeachers:
+    """The clients as teachers under secure aggregation: the server learns only the ensemble, each pass's sum of the
+    clients' :func:`~rayfuse.fusion.distill.teachers.ensemble_term` (``server.updates.secure_sum``), and for the
+    generator the sum of their gradient terms, which is what the plain path combines from their replies.
+
+    To the loops it is one teacher, the ensemble: its logits are the combined ones, so the loops take per-class
+    weights of ones ``(1, C)`` and ``combine: logits`` (:attr:`loop_weights`), under which
+    :func:`~rayfuse.fusion.distill.teachers.combine_teachers` returns the ensemble's logits as they are. The teacher
+    weights the clients use are ``weights`` as the plain loops use them: as given for the public transfer, renormalised
+    per class for the generator (``scaled_weights`` with unit scales, as :func:`distill_synthetic` weighs its members).
+
+    A client that drops out of a sum (``on_client_failure: drop``) leaves the others' sum with its weight missing: the
+    pass is summed again among the clients in it, with their weights renormalised per class and ``K`` their number, so
+    that it is exactly the plain ensemble (and generator objective) of those teachers; the next pass asks every client
+    again. Entries beyond a key's range are clipped by the clients, counted, and reported (an event and
+    :attr:`record`)."""
+
+    def __init__(self, server: ServerContext, clients: Sequence[int], weights: np.ndarray, combine: str) -> None:
+        self.server, self.clients, self.combine = server, list(clients), combine
+        self.weights = np.asarray(weights, dtype=np.float32)
+        self.num_teachers = 1  # the ensemble
+        self.num_classes = self.weights.shape[1]
+        self.loop_weights = np.ones((1, self.num_classes), dtype=np.float32)
+        # each summed key's step, range and error bound (K half steps an entry of the sum), the clipped entries, the
+        # sums done again after a dropout: info()["secure_sums"]
+        self.record: dict[str, Any] = {"steps": {}, "limits": {}, "error_bounds": {}, "clipped_entries": 0, "summed_again": 0}
+
+    def _rows(self, clients: list[int], renormalise: bool) -> dict[int, np.ndarray]:
+        import torch
+
+        from rayfuse.fusion.distill.student import scaled_weights
+
+        index = [self.clients.index(c) for c in clients]
+        W = torch.as_tensor(self.weights[index])
+        if renormalise or len(clients) < len(self.clients):
+            W = scaled_weights(W, torch.ones(len(index)))
+        return {c: row for c, row in zip(clients, W.numpy())}
+
+    def _decode(self, encoding: Any, done: Any, what: str) -> dict[str, np.ndarray]:
+        """The decoded sums; each key's step and bound, and the entries the clients clipped (also an event), recorded
+        in :attr:`record`."""
+        sums, clipped = encoding.decode(done.levels)
+        for key, _, step, limit in encoding.keys:
+            name = self.combine if key == "ensemble" else key
+            self.record["steps"][name], self.record["limits"][name] = step, limit
+            self.record["error_bounds"][name] = max(self.record["error_bounds"].get(name, 0.0), len(done.contributors) * step / 2)
+        if clipped:
+            self.record["clipped_entries"] += clipped
+            limits = {key: limit for key, _, _, limit in encoding.keys}
+            self.server.events.emit(
+                "secure_aggregation",
+                f"{what}: {clipped} entries of the clients' replies were beyond their fixed-point ranges {limits} and clipped",
+                method=self.server.label,
+                clipped_entries=clipped,
+            )
+        return sums
+
+    def _sum(
+        self, step: Any, what: str, keys: dict[str, tuple[int, ...]], args: tuple, kwargs: dict[str, Any], *, generator: bool = False
+    ) -> dict[str, np.ndarray]:
+        """``step``'s replies summed securely over the teachers (each key at its :data:`SECURE_STEPS`; ``ensemble`` at
+        the combine's), summed again among the clients left where one dropped (the class docstring)."""
+        from rayfuse.updates.secure import ArraySum
+
+        server = self.server
+        encoding = ArraySum(tuple((k, shape, *SECURE_STEPS[self.combine if k == "ensemble" else k]) for k, shape in keys.items()))
+        clients = list(self.clients)
+        while True:
+            extra = {"num_teachers": len(clients)} if generator else {}
+            rows = self._rows(clients, renormalise=generator)
+            done = server.updates.secure_sum(step, (*args, rows), encoding, clients=clients, step_kwargs={**kwargs, **extra}, what=what)
+            sums = self._decode(encoding, done, what)
+            if len(done.contributors) == len(clients):
+                return sums
+            left = sorted(done.contributors)
+            server.events.emit(
+                "secure_aggregation",
+                f"{what}: clients {sorted(set(clients) - set(left))} dropped out of the sum; summed again among {left} "
+                "with their weights renormalised",
+                method=server.label,
+            )
+            self.record["summed_again"] += 1
+            clients = left
+
+    def predict(self, X: Any) -> Any:
+        import torch
+
+        from rayfuse.fusion.distill.teachers import ensemble_of_sum
+
+        X_np = X.detach().cpu().numpy() if hasattr(X, "detach") else np.asarray(X)
+        sums = self._sum(
+            secure_predict, "teacher predictions", {"ensemble": (len(X_np), self.num_classes)}, (X_np,), {"combine": self.combine}
+        )
+        return torch.as_tensor(ensemble_of_sum(sums["ensemble"], self.combine))[None]
+
+    def signal(self, X: Any, labels: Any, weights: Any, settings: Any) -> tuple[Any, Any]:
+        """The ensemble's logits ``(1, G, B, C)`` and the summed gradient terms; ``weights`` (the loops' ones) unused:
+        the clients' weights are the teachers' own (the class docstring)."""
+        import torch
+
+        from rayfuse.fusion.distill.teachers import ensemble_of_sum
+
+        X_np, y_np = X.detach().cpu().numpy(), labels.detach().cpu().numpy()
+        G, B = y_np.shape
+        sums = self._sum(
+            secure_signal,
+            "generator signals",
+            {"ensemble": (G, B, self.num_classes), "grad": X_np.shape},
+            (X_np, y_np),
+            {"settings": dataclasses.asdict(settings), "combine": self.combine},
+            generator=True,
+        )
+        ensemble = torch.as_tensor(ensemble_of_sum(sums["ensemble"], self.combine))[None]
+        return ensemble, torch.as_tensor(sums["grad"].astype(np.float32))
+
+    def moments(self, input_shape: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The clients' pooled input mean and standard deviation per element, from the secure sum of their counts and
+        their sums and sums of squares over ``total`` (the plan's count of their samples, train and held-out: at least
+        theirs); a client that drops is left out of the pool, as its count is."""
+        from rayfuse.fusion.distill.transfer import pooled_moments
+        from rayfuse.updates.secure import ArraySum
+
+        server = self.server
+        total = float(np.asarray(server.data.class_counts, dtype=np.float64)[self.clients].sum())
+        shape = tuple(int(d) for d in input_shape)
+        step, limit = SECURE_STEPS["moments"]
+        encoding = ArraySum((("count", (1,), 1.0, total), ("sum", shape, step, limit), ("sumsq", shape, step, limit)))
+        done = server.updates.secure_sum(secure_input_moments, (total,), encoding, clients=self.clients, what="input moments")
+        sums = self._decode(encoding, done, "input moments")
+        count = int(round(float(sums["count"][0])))
+        return pooled_moments([(count, sums["sum"] * total, sums["sumsq"] * total)])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The server
 
@@ -396,11 +597,15 @@ class Distill(Method[DistillParams, None]):
     def tags_for(cls, params: DistillParams | None = None) -> MethodTags:
         """It reads the server's public sample (its inputs only) with ``transfer: public``, data-free none; the coordinator
         holds no local model with ``teachers: clients`` (predictions only), two copies with ``teachers: parameters`` (the
-        uploads and the teachers built from them)."""
+        uploads and the teachers built from them); its server needs only sums (``sums``: secure aggregation applies)
+        with ``teachers: clients``, unless the data-free ``reweight`` re-weighs each member by its own predictions."""
         if params is None:
             return cls.tags
         copies = {"clients": 0, "parameters": 2}.get(params.teachers, 1)  # clients: predictions only; parameters: uploads + teachers
-        return replace(cls.tags, public_sample=params.transfer == "public", local_model_copies=copies)
+        # predictions only: the ensemble (and the generator's signal, the input moments) is a weighted sum of what the
+        # clients send, so secure aggregation sums it; reweight reads each member's predictions, parameters each model
+        sums = params.teachers == "clients" and not (params.transfer == "synthetic" and params.reweight)
+        return replace(cls.tags, public_sample=params.transfer == "public", local_model_copies=copies, sums=sums)
 
     @classmethod
     def check(cls, params: DistillParams, setup: RunSetup) -> None:
@@ -467,12 +672,17 @@ class Distill(Method[DistillParams, None]):
         )
         student, start, resized = self._start(server, student_cfg, updates, clients)
         batched = self._batched(server.models.device)
+        combine = settings.combine
+        secure: _SecureTeachers | None = None
         if p.teachers == "parameters":
             from rayfuse.fusion.distill.teachers import Teachers
 
             teachers: Any = Teachers(
                 [self._teacher(server, c, updates[c].params) for c in clients], batched=batched, device=server.models.device
             )
+        elif server.updates.secure is not None:  # the ensemble alone: one teacher to the loops (_SecureTeachers)
+            teachers = secure = _SecureTeachers(server, clients, weights, combine)
+            weights, settings = secure.loop_weights, replace(settings, combine="logits")
         else:
             teachers = _ClientTeachers(server, clients, server.data.num_classes)
         epochs = p.epochs
@@ -489,7 +699,7 @@ class Distill(Method[DistillParams, None]):
             "init": start,
             "clients": clients,
             "weighting": p.weighting,
-            "combine": settings.combine,
+            "combine": combine,
             "student": student_cfg.name,
             "batched": "vmap" if batched else "loop",
         }
@@ -499,7 +709,9 @@ class Distill(Method[DistillParams, None]):
                 history = distill_public(student, teachers, X, weights, settings, device=server.models.device, log=log)
                 info["transfer_samples"] = int(len(X))
             else:
-                moments = self._moments(server, clients) if p.input_moments else None
+                moments = None
+                if p.input_moments:
+                    moments = secure.moments(server.data.input_shape) if secure is not None else self._moments(server, clients)
                 history, scales = distill_synthetic(
                     student,
                     teachers,
@@ -515,6 +727,8 @@ class Distill(Method[DistillParams, None]):
                     info["member_scales"] = {str(c): round(float(s), 4) for c, s in zip(clients, scales)}
         except FloatingPointError as exc:
             raise RunFailure(f"{server.label}: {exc}") from None
+        if secure is not None:
+            info["secure_sums"] = secure.record
         info["transfer_note"] = transfer_note(p, info.get("transfer_samples"))
         info["final"] = {k: round(v, 4) for k, v in history[-1].items()} if history else {}
         params = get_params(student.cpu())

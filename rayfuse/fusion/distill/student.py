@@ -61,7 +61,16 @@ from torch import nn
 from rayfuse.fusion.distill.teachers import combine_teachers, distillation_loss
 from rayfuse.fusion.distill.transfer import Generator, SyntheticBank, augment_bank
 
-__all__ = ["DistillSettings", "ExactTeachers", "SignalTeachers", "distill_public", "distill_synthetic", "teacher_signal", "agreement"]
+__all__ = [
+    "DistillSettings",
+    "ExactTeachers",
+    "SignalTeachers",
+    "distill_public",
+    "distill_synthetic",
+    "teacher_signal",
+    "agreement",
+    "scaled_weights",
+]
 
 Log = Callable[[int, dict[str, float]], None]
 
@@ -314,7 +323,7 @@ def _reweight(scale: torch.Tensor, bank: SyntheticBank, W: torch.Tensor, setting
     for start in range(0, member.shape[1], settings.synthetic_batch):
         idx = torch.arange(start, min(start + settings.synthetic_batch, member.shape[1]))
         s = scale.detach().clone().requires_grad_(True)
-        loss = F.cross_entropy(combine_teachers(member[:, idx], _scaled(W, s), settings.combine), labels[idx])
+        loss = F.cross_entropy(combine_teachers(member[:, idx], scaled_weights(W, s), settings.combine), labels[idx])
         (grad,) = torch.autograd.grad(loss, s)
         scale = (scale - step * grad.sign()).clamp(0.0, 1.0)
     if float(scale.max()) <= 0:
@@ -322,8 +331,9 @@ def _reweight(scale: torch.Tensor, bank: SyntheticBank, W: torch.Tensor, setting
     return scale
 
 
-def _scaled(W: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Per-class weights ``W`` ``(K, C)`` times the members' scales, renormalised per class."""
+def scaled_weights(W: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per-class weights ``W`` ``(K, C)`` times the members' scales, renormalised per class (the data-free loop's
+    members' weights; secure aggregation's teachers left after a dropout)."""
     scaled = W * scale[:, None]
     return scaled / scaled.sum(0, keepdim=True).clamp_min(1e-12)
 
@@ -378,11 +388,11 @@ def distill_synthetic(
             if round_ >= rounds:
                 break
             round_ += 1
-            W_eff = _scaled(W, scale)
+            W_eff = scaled_weights(W, scale)
             g_losses.extend(_generator_round(gen, opt_g, student, teachers, bank, W_eff, prior, generator, settings, device))
             if settings.reweight and round_ > 1:
                 scale = _reweight(scale, bank, W, settings, round_)
-                W_eff = _scaled(W, scale)
+                W_eff = scaled_weights(W, scale)
             X_bank, member_bank, _ = bank.tensors()
             student.train()
             for _ in range(settings.student_steps):
@@ -399,7 +409,7 @@ def distill_synthetic(
             "epoch": float(epoch),
             "loss": float(np.mean(losses)),
             "agreement": agreement(
-                student, X_bank[-B * G :], combine_teachers(member_bank[:, -B * G :], _scaled(W, scale), settings.combine)
+                student, X_bank[-B * G :], combine_teachers(member_bank[:, -B * G :], scaled_weights(W, scale), settings.combine)
             ),
             "generator_loss": float(np.mean(g_losses)),
             "seconds": time.perf_counter() - started,

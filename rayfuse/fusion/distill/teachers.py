@@ -25,11 +25,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Teachers", "teacher_weights", "combine_teachers", "distillation_loss", "WEIGHTINGS", "COMBINES"]
+__all__ = [
+    "Teachers",
+    "teacher_weights",
+    "combine_teachers",
+    "ensemble_term",
+    "ensemble_of_sum",
+    "distillation_loss",
+    "WEIGHTINGS",
+    "COMBINES",
+]
 
 WEIGHTINGS = ("uniform", "samples", "classes")
 COMBINES = ("logits", "probabilities")
 _EPS = 1e-3  # class-count smoothing: a class no client holds gets uniform weights, not 0 / 0
+_FLOOR = 1e-12  # the weighted probabilities' floor before their log (combine: probabilities)
 
 
 def teacher_weights(kind: Literal["uniform", "samples", "classes"], class_counts: np.ndarray) -> np.ndarray:
@@ -82,7 +92,32 @@ def combine_teachers(member_logits: torch.Tensor, weights: torch.Tensor, how: st
     if how == "logits":
         return (w * member_logits).sum(0)
     if how == "probabilities":
-        return torch.log((w * torch.softmax(member_logits, dim=2)).sum(0).clamp_min(1e-12))
+        return torch.log((w * torch.softmax(member_logits, dim=2)).sum(0).clamp_min(_FLOOR))
+    raise ValueError(f"combine: expected one of {COMBINES}, got {how!r}")
+
+
+def ensemble_term(logits: np.ndarray, weights: np.ndarray, how: str = "logits") -> np.ndarray:
+    """One member's term of :func:`combine_teachers`'s sum, float64: ``w_c z_c`` (``logits``) or ``w_c softmax(z)_c``
+    (``probabilities``), over the last axis of ``logits`` with the member's per-class ``weights`` ``(C,)``. The members'
+    terms summed (secure aggregation sums them) give the ensemble through :func:`ensemble_of_sum`."""
+    z = np.asarray(logits, dtype=np.float64)
+    w = np.asarray(weights, dtype=np.float64)
+    if how == "logits":
+        return w * z
+    if how == "probabilities":
+        e = np.exp(z - z.max(axis=-1, keepdims=True))
+        return w * (e / e.sum(axis=-1, keepdims=True))
+    raise ValueError(f"combine: expected one of {COMBINES}, got {how!r}")
+
+
+def ensemble_of_sum(total: np.ndarray, how: str = "logits") -> np.ndarray:
+    """The ensemble's logits (float32) from the sum of the members' :func:`ensemble_term`: what
+    :func:`combine_teachers` gives from their logits."""
+    total = np.asarray(total, dtype=np.float64)
+    if how == "logits":
+        return total.astype(np.float32)
+    if how == "probabilities":
+        return np.log(np.maximum(total, _FLOOR)).astype(np.float32)
     raise ValueError(f"combine: expected one of {COMBINES}, got {how!r}")
 
 
