@@ -587,9 +587,13 @@ def _poison(obj: Any) -> Any:
 
 
 @client_step("train_local")
-def train_local(ctx: ClientContext) -> dict[str, float]:
-    """Train the local model (once per client life) and report its cost; no parameters travel."""
+def train_local(ctx: ClientContext, report: bool = True) -> dict[str, float]:
+    """Train the local model (once per client life) and report its cost; no parameters travel. ``report=False``
+    (``federation.secure_aggregation``): the count and whether it was read from the client's own copy only, no loss
+    or time of this client's (a statistic of its data the server is not to hold one client's of)."""
     ctx.local_model()
+    if not report:
+        return {"num_examples": float(ctx.num_examples), **({"cached": 1.0} if ctx.local_stats.get("cached") == 1.0 else {})}
     return {"num_examples": float(ctx.num_examples), **ctx.local_stats}
 
 

@@ -697,7 +697,8 @@ class Coordinator:
             rest = [c for c in fed.client_ids if c not in kept and c not in from_run]
             trained: list[int] = []
             if rest:
-                for client, stats in fed.run(train_local, clients=rest).results.items():
+                report = self.cfg.federation.secure_aggregation is None  # secure: no client's own loss or time
+                for client, stats in fed.run(train_local, report=report, clients=rest).results.items():
                     if stats.get("cached") == 1.0:  # the client read the copy it kept
                         kept.append(client)
                         continue
@@ -705,7 +706,9 @@ class Coordinator:
                     spent = f", epsilon {stats['dp_epsilon']:.3g}" if "dp_epsilon" in stats else ""
                     self.events.emit(
                         "client_trained",
-                        f"loss {stats.get('train_loss', float('nan')):.4f}{spent}",
+                        f"loss {stats['train_loss']:.4f}{spent}"
+                        if "train_loss" in stats
+                        else "trained (secure aggregation: no loss reported)",
                         client=client,
                         seconds=round(stats.get("train_seconds", 0.0), 3),
                         **({"dp_epsilon": stats["dp_epsilon"]} if "dp_epsilon" in stats else {}),

@@ -157,7 +157,7 @@ def test_the_coordinator_receives_no_prediction_gradient_or_moment_of_any_one_cl
     sums = run.results["methods"]["d"]["info"]["secure_aggregation"]["sums"]
     assert sums == (2 if entry is PUBLIC else 5)  # an epoch each; the moments and a round each
     # the distillation's replies come only through the four secure stages (no distill.* reply); the one other reply is
-    # the run's local-training stage (every method's, before any): the client's count and training statistics
+    # the run's local-training stage (every method's, before any): the client's count alone, no loss or time of its own
     names = {name for name, _, _ in received}
     assert names == {"train_local", "secagg.setup", "secagg.share_keys", "secagg.masked", "secagg.unmask"}, names
     bits = run.results["methods"]["d"]["info"]["secure_aggregation"]["modulus_bits"]
@@ -169,7 +169,7 @@ def test_the_coordinator_receives_no_prediction_gradient_or_moment_of_any_one_cl
             u = value.masked.astype(np.float64) / 2.0**bits  # uniform on the ring whatever the client's logits
             assert abs(u.mean() - 0.5) < 5 * np.sqrt(1 / 12 / u.size)
         elif name == "train_local":
-            assert all(isinstance(v, float) for v in value.values()), value  # scalars: no array, no prediction
+            assert set(value) <= {"num_examples", "cached"}, value  # the planned count: nothing of the client's data
         else:  # public keys, ciphertexts and Shamir shares: bytes only
             leaves = value.values() if isinstance(value, dict) else value
             assert all(isinstance(leaf, bytes) for leaf in leaves), (name, client)
