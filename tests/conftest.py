@@ -58,6 +58,25 @@ def make_config(tmp_path):
     return make
 
 
+@pytest.fixture
+def received_replies(monkeypatch) -> list[tuple[str, int, object]]:
+    """Every reply the coordinator's federation gathers while the test runs, as ``(step name, client, value)``: what
+    the server receives (the secure aggregation tests check that it holds no one client's update, statistic or
+    prediction)."""
+    from rayfuse.federation import Federation
+
+    received: list[tuple[str, int, object]] = []
+    gather = Federation.gather
+
+    def recording(self, calls):
+        gathered = gather(self, calls)
+        received.extend((calls[0].name if calls else "", c, v) for c, v in gathered.results.items())
+        return gathered
+
+    monkeypatch.setattr(Federation, "gather", recording)
+    return received
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One real local Ray for the whole session (starting Ray costs seconds; never per test)."""
