@@ -264,12 +264,13 @@ def test_registry_has_the_new_methods():
 
 
 def test_the_fedavg_familys_tags_are_their_papers():
-    """Rounds that average the weights of the cohort each round trains (central DP's precondition); FedRef's server
-    step reads each client's loss, which DP-FedAvg does not noise: its tags are FedAvg's but for that."""
+    """Rounds that average the weights of the cohort each round trains (central DP's precondition; a sum, so secure
+    aggregation applies); FedRef's server step reads each client's loss, which neither DP-FedAvg's noise nor a secure
+    sum covers: its tags are FedAvg's but for that."""
     for name in ("fedavg", "fedprox", "fedadagrad", "fedadam", "fedyogi", "fedref"):
         tags = METHODS.get(name).tags
         assert tags.fuses == "parameters" and tags.multi_round and tags.cohort and tags.federated_evaluation, name
         assert not (tags.oracle or tags.uses_local_models or tags.local_model_only or tags.heterogeneous_clients), name
-        assert bool(tags.no_dp) is (name == "fedref"), name
+        assert bool(tags.no_dp) is (name == "fedref") and tags.sums is (name != "fedref"), name
     fedref = METHODS.get("fedref").tags
-    assert fedref == dataclasses.replace(METHODS.get("fedavg").tags, no_dp=fedref.no_dp)
+    assert fedref == dataclasses.replace(METHODS.get("fedavg").tags, no_dp=fedref.no_dp, sums=False)
