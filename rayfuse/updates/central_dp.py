@@ -250,6 +250,18 @@ def sample_poisson(rng: np.random.Generator, client_ids: Sequence[int], sample_r
     return [c for c, t in zip(ids, taken) if t]
 
 
+def clipped_update(
+    model: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], clip_norm: float
+) -> tuple[dict[str, np.ndarray], float]:
+    """One client's clipped update ``min(1, C / ||Delta||) Delta`` (float64, the float tensors of ``reference``) and
+    its norm before clipping: what :func:`clip_and_sum` adds up, and what a client encodes for a secure sum."""
+    keys = [k for k, v in reference.items() if np.asarray(v).dtype.kind == "f"]
+    deltas = {k: np.asarray(model[k], dtype=np.float64) - np.asarray(reference[k], dtype=np.float64) for k in keys}
+    norm = math.sqrt(sum(float(np.vdot(d, d)) for d in deltas.values()))
+    scale = min(1.0, clip_norm / norm) if norm > 0 else 1.0
+    return {k: scale * d for k, d in deltas.items()}, norm
+
+
 def clip_and_sum(
     models: Sequence[Mapping[str, np.ndarray]], reference: Mapping[str, np.ndarray], clip_norm: float
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -269,12 +281,9 @@ def clip_and_sum(
     total = {k: np.zeros(np.asarray(reference[k]).shape, dtype=np.float64) for k in keys}
     norms = np.zeros(len(models))
     for i, model in enumerate(models):
-        deltas = {k: np.asarray(model[k], dtype=np.float64) - np.asarray(reference[k], dtype=np.float64) for k in keys}
-        norm = math.sqrt(sum(float(np.vdot(d, d)) for d in deltas.values()))
-        norms[i] = norm
-        scale = min(1.0, clip_norm / norm) if norm > 0 else 1.0
+        clipped, norms[i] = clipped_update(model, reference, clip_norm)
         for k in keys:
-            total[k] += scale * deltas[k]
+            total[k] += clipped[k]
     return total, norms
 
 

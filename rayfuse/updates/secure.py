@@ -333,21 +333,19 @@ class SumEncoding:
             raise ValueError(f"secure aggregation: this client's update is not valid: {reason}")
         params: Mapping[str, np.ndarray] = update.params
         limit = (self.quantization_range + 1) // 2
-        changes = {k: np.asarray(params[k], dtype=np.float64) - np.asarray(reference[k], dtype=np.float64) for k, _, _ in self.keys}
         unclipped = 1
-        if self.kind == "dp":
-            assert self.clip_norm is not None
-            norm = math.sqrt(sum(float(np.vdot(d, d)) for d in changes.values()))
-            scale = min(1.0, self.clip_norm / norm) if norm > 0 else 1.0
-            changes = {k: d * scale for k, d in changes.items()}
-            unclipped = int(norm <= self.clip_norm)
-        elif self.clip_norm is not None:
-            from rayfuse.updates.robust import clip_updates
+        if self.kind == "dp":  # clipped as the server clips each update in the clear (its float tensors, as self.keys)
+            from rayfuse.updates.central_dp import clipped_update
 
-            clipped_model = clip_updates([dict(params)], reference, self.clip_norm)[0]
-            changes = {
-                k: np.asarray(clipped_model[k], dtype=np.float64) - np.asarray(reference[k], dtype=np.float64) for k, _, _ in self.keys
-            }
+            assert self.clip_norm is not None
+            changes, norm = clipped_update(params, reference, self.clip_norm)
+            unclipped = int(norm <= self.clip_norm)
+        else:
+            if self.clip_norm is not None:  # the mean's clip_norm, as the plain fold clips a model
+                from rayfuse.updates.robust import clip_updates
+
+                params = clip_updates([dict(params)], reference, self.clip_norm)[0]
+            changes = {k: np.asarray(params[k], dtype=np.float64) - np.asarray(reference[k], dtype=np.float64) for k, _, _ in self.keys}
         weight = int(update.num_examples) if self.weighted else 1
         noise = np.random.default_rng() if self.noise_std > 0 else None  # the OS's entropy: the server must not know it
         parts, clipped = [], 0
