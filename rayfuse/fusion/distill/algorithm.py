@@ -450,10 +450,11 @@ class _SecureTeachers:
         """The decoded sums; each key's step and bound, and the entries the clients clipped (also an event), recorded
         in :attr:`record`."""
         sums, clipped = encoding.decode(done.levels)
+        bounds = encoding.error_bounds(len(done.contributors))
         for key, _, step, limit in encoding.keys:
             name = self.combine if key == "ensemble" else key
             self.record["steps"][name], self.record["limits"][name] = step, limit
-            self.record["error_bounds"][name] = max(self.record["error_bounds"].get(name, 0.0), len(done.contributors) * step / 2)
+            self.record["error_bounds"][name] = max(self.record["error_bounds"].get(name, 0.0), bounds[key])
         if clipped:
             self.record["clipped_entries"] += clipped
             limits = {key: limit for key, _, _, limit in encoding.keys}
