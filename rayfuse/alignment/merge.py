@@ -251,7 +251,17 @@ def diagonal_fisher(
                 return torch.log_softmax(out, dim=-1).reshape(-1).gather(0, target.reshape(1))[0]
             return -0.5 * ((out.reshape(-1) - target.reshape(-1)) ** 2).sum()
 
-        per_sample = torch.func.vmap(torch.func.grad(loglik), in_dims=(None, 0, 0))
+        grad = torch.func.grad(loglik)
+        per_sample: Callable[..., dict[str, torch.Tensor]] = torch.func.vmap(grad, in_dims=(None, 0, 0))
+        if getattr(model, "masks_padding", False) and bool(np.any(np.asarray(X) < 0)):
+            # padded texts: transformers builds the attention mask with data-dependent branches vmap cannot trace,
+            # so each sample's gradient is taken on its own (same numbers, a loop)
+            def looped(p: dict[str, torch.Tensor], xb: torch.Tensor, yb: torch.Tensor) -> dict[str, torch.Tensor]:
+                grads = [grad(p, x, t) for x, t in zip(xb, yb)]
+                return {k: torch.stack([g[k] for g in grads]) for k in p}
+
+            per_sample = looped
+
         total = {k: torch.zeros(v.shape, dtype=torch.float64, device=dev) for k, v in params.items()}
         labels = np.asarray(y)
         for lo, xb in zip(range(0, len(X), batch_size), data):

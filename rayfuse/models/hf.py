@@ -115,6 +115,18 @@ def _architecture(folder: Path, where: str) -> tuple[Any, Any]:
     return config, cls
 
 
+def _under_vmap(x: Any) -> bool:
+    """Whether ``x`` is batched by ``torch.func.vmap`` at any of the functorch levels wrapping it."""
+    import torch
+
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(x):
+        if functorch.is_batchedtensor(x):
+            return True
+        x = functorch.get_unwrapped(x)
+    return False
+
+
 def _token_ids_forward(model: Any) -> Any:
     """``model`` with a ``forward(x)`` taking token ids and returning the logits: its class swapped for a subclass that
     only changes ``forward``, so its parameters and state-dict names stay the class's."""
@@ -123,11 +135,22 @@ def _token_ids_forward(model: Any) -> Any:
     if sub is None:
 
         def forward(self: Any, x: Any) -> Any:
-            # the run's data are float arrays; token ids are whole numbers stored exactly in them
-            out = base_cls.forward(self, input_ids=x.long())
+            # the run's data are float arrays; token ids are whole numbers stored exactly in them, a padded position
+            # of a text is -1 (rayfuse.data.text.PAD): the attention mask. Under vmap (Fisher's per-sample gradients)
+            # transformers' mask code cannot be traced; there the rows carry no padding (diagonal_fisher loops over
+            # padded ones) and no mask is passed
+            if _under_vmap(x):
+                out = base_cls.forward(self, input_ids=x.long())
+            else:
+                mask = x >= 0
+                pad = getattr(self.config, "pad_token_id", None)
+                ids = x.masked_fill(~mask, float(pad if isinstance(pad, int) and pad >= 0 else 0)).long()
+                out = base_cls.forward(self, input_ids=ids, attention_mask=mask.long())
             return out.logits if hasattr(out, "logits") else out[0]
 
-        sub = type(f"TokenIds{base_cls.__name__}", (base_cls,), {"forward": forward})
+        # masks_padding: its forward masks padded positions with transformers' attention mask, which vmap cannot
+        # trace (rayfuse.alignment.merge.diagonal_fisher loops over padded samples instead)
+        sub = type(f"TokenIds{base_cls.__name__}", (base_cls,), {"forward": forward, "masks_padding": True})
         _TOKEN_CLASSES[base_cls] = sub
     model.__class__ = sub
     return model
@@ -190,7 +213,8 @@ def check_token_ids(factory: HFModel, X: np.ndarray, where: str = "data") -> Non
     vocab = getattr(config, "vocab_size", None)
     if X.size == 0:
         return
-    low, high = float(np.min(X)), float(np.max(X))
+    # -1 marks a text's padded positions (rayfuse.data.text.PAD)
+    low, high = float(np.min(np.where(X == -1, 0, X))), float(np.max(X))
     whole = bool(np.all(np.floor(X) == X))
     if not whole or low < 0 or (isinstance(vocab, int) and high >= vocab):
         found = "values that are not whole numbers" if not whole else f"values in {low:g}..{high:g}"
