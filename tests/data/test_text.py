@@ -144,3 +144,18 @@ def test_a_folder_without_a_tokenizer_is_one_line(tmp_path):
         InputError, match=r"^data.tokenizer: expected a folder with a tokenizer \(tokenizer.json, vocab.txt, ...\), got 'none in"
     ):
         text_tokenizer(tmp_path)
+
+
+def test_teachers_of_padded_texts_run_in_the_loop_and_match_each_model(folder):
+    from rayfuse.fusion.distill.teachers import Teachers
+    from rayfuse.models.hf import hf_model
+
+    X = torch.as_tensor(encode_texts(text_tokenizer(folder), TEXTS, 12))
+    torch.manual_seed(1)
+    models = [hf_model(folder)((12,), 2).eval() for _ in range(2)]
+    teachers = Teachers(models, batched=True)
+    assert not any(group.batched for group in teachers.groups)
+    with torch.no_grad():
+        expected = torch.stack([m(X) for m in models])
+        out = teachers.groups[0].forward(X, with_bn=False)[0]
+    torch.testing.assert_close(out, expected)

@@ -156,7 +156,9 @@ class _Group:
     def __init__(self, index: list[int], models: list[nn.Module], batched: bool) -> None:
         self.index = index
         self.models = models
-        self.batched = batched and len(models) > 1
+        # a model that masks padded token rows (rayfuse.models.hf) cannot run under vmap: transformers' attention-mask
+        # code branches on the data; its group runs in the loop
+        self.batched = batched and len(models) > 1 and not getattr(models[0], "masks_padding", False)
         self._recording = False
         self._collected: list[torch.Tensor] = []
         if self.batched:
