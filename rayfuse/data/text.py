@@ -228,7 +228,9 @@ def build_word_tokenizer(texts: Sequence[str], folder: str | Path, *, vocab_size
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    # BERT's special tokens, by role: padding (id 0), unknown, class, separator, mask
+    token = {role: "[" + role.upper() + "]" for role in ("pad", "unk", "cls", "sep", "mask")}
+    specials = list(token.values())
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= len(specials):
         raise InputError("vocab_size", f"an integer > {len(specials)}", vocab_size)
     normalizer = normalizers.BertNormalizer(lowercase=True)
@@ -237,16 +239,15 @@ def build_word_tokenizer(texts: Sequence[str], folder: str | Path, *, vocab_size
     for text in texts:
         counts.update(word for word, _ in splitter.pre_tokenize_str(normalizer.normalize_str(text)))
     words = sorted(counts, key=lambda w: (-counts[w], w))[: vocab_size - len(specials)]
-    vocab = {token: i for i, token in enumerate([*specials, *words])}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    vocab = {word: i for i, word in enumerate([*specials, *words])}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=token["unk"]))
     tokenizer.normalizer = normalizer
     tokenizer.pre_tokenizer = splitter
+    cls, sep = token["cls"], token["sep"]
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])]
+        single=f"{cls} $A {sep}", special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])]
     )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]"
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, **{f"{role}_token": value for role, value in token.items()})
     Path(folder).mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(folder))
     return fast
