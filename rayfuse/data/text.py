@@ -222,7 +222,8 @@ def build_word_tokenizer(texts: Sequence[str], folder: str | Path, *, vocab_size
     """A small word-level tokenizer learnt from ``texts`` and saved in ``folder`` (``tokenizer.json`` and its config,
     read back by :func:`text_tokenizer`): lower-cased words and punctuation marks, the ``vocab_size - 5`` most frequent
     (ties in alphabetical order, so the same texts give the same ids) after five special tokens: padding (id 0),
-    unknown, class (prepended), separator (appended) and mask, written as BERT writes them. For corpora and tests built offline; a user's model folder brings its own."""
+    unknown, class (prepended), separator (appended) and mask, written as BERT writes them. For corpora and tests built
+    offline; a user's model folder brings its own."""
     from collections import Counter
 
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors

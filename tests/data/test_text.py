@@ -48,7 +48,7 @@ def test_texts_are_padded_with_minus_one_and_the_model_masks_the_padding(folder)
 
     X = encode_texts(text_tokenizer(folder), ["what is ai", "the science of mixing chemicals"], 10)
     assert X.dtype == np.float32 and X.shape == (2, 10)
-    assert X[0, 0] == 2 and (X[0, 5:] == PAD).all() and (X[1, :7] >= 0).all()  # [CLS] what is ai [SEP], then padding
+    assert X[0, 0] == 2 and (X[0, 5:] == PAD).all() and (X[1, :7] >= 0).all()  # class token, what is ai, separator, then padding
     net = hf_model(folder)((10,), 2).eval()
     from transformers import BertForSequenceClassification
 
