@@ -217,6 +217,15 @@ def load_text_fuse_config(file: FuseFile, path: Path, method: MergeMethod, outpu
     reference = ModelSource(reference_folder, f"{path}: {'base_model' if base is not None else 'models.0.model'}")
     _check_models(path, reference, [m for m, a in zip(models, adapters) if not a], [m for m, a in zip(models, adapters) if a], file)
     X, y = _read_text(path, data, reference_folder, "base_model" if base is not None else "models.0.model", merge)
+    if merge.Params is not None:  # the tensor merges' streaming keys; these merges run in memory and seed themselves
+        for key in ("threads", "seed"):
+            if getattr(file, key) is not None:
+                raise InputError(
+                    f"{path}: {key}",
+                    f"no {key} with merge_method {name} on text (it runs the models in memory)",
+                    getattr(file, key),
+                    "parameters.seed seeds it" if key == "seed" else "",
+                )
     params = validate_file_section(merge.Params, file.parameters, path, "parameters") if merge.Params is not None else None
     weights = []
     for i, entry in enumerate(file.models):
@@ -498,6 +507,25 @@ def _adamerging(
     return {**{k: v.detach() for k, v in base.items()}, **final}, start, end
 
 
+def _weighted_average(
+    base: Mapping[str, torch.Tensor], models: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
+) -> dict[str, torch.Tensor]:
+    """The models' weighted average (float64 sums), in each tensor's dtype; integer buffers the base's."""
+    import torch
+
+    total = float(sum(weights))
+    out: dict[str, torch.Tensor] = {}
+    for k, v in base.items():
+        if not v.is_floating_point():
+            out[k] = v
+            continue
+        acc = torch.zeros(v.shape, dtype=torch.float64)
+        for wk, m in zip(weights, models):
+            acc += wk * m[k].to(torch.float64)
+        out[k] = (acc / total).to(v.dtype)
+    return out
+
+
 def _distill(
     template: Any,
     base: Mapping[str, torch.Tensor],
@@ -519,14 +547,7 @@ def _distill(
     w = np.asarray(weights if p.weighting == "weights" else [1.0] * len(models), dtype=np.float64)
     counts = np.repeat(w[:, None], classes, axis=1)
     tw = teacher_weights("samples" if p.weighting == "weights" else "uniform", counts)
-    if p.init == "average":
-        total = float(sum(weights))
-        start = {
-            k: (sum(wk * m[k].to(torch.float64) for wk, m in zip(weights, models)) / total).to(v.dtype) if v.is_floating_point() else v
-            for k, v in base.items()
-        }
-    else:
-        start = dict(base)
+    start = _weighted_average(base, models, weights) if p.init == "average" else dict(base)
     student = _with_state(template, start).train()
     for par in student.parameters():
         par.requires_grad_(True)

@@ -127,12 +127,23 @@ def _task_arithmetic(folders: dict[str, Path], tmp_path: Path, lam: float) -> Pa
     return out
 
 
-@pytest.mark.parametrize("method", ["fisher", "regmean"])
-def test_statistics_merges_from_text_load_with_their_tokenizer(folders, tmp_path, method):
-    out = rayfuse.fuse(_config(folders, method, tmp_path))
+@pytest.mark.parametrize(("method", "kind"), [("fisher", "jsonl"), ("regmean", "csv"), ("regmean", "parquet")])
+def test_statistics_merges_from_text_load_with_their_tokenizer(folders, tmp_path, method, kind):
+    config = _config(folders, method, tmp_path)
+    if kind != "jsonl":
+        import pyarrow as pa
+        import pyarrow.csv
+        import pyarrow.parquet
+
+        table = pa.table({"body": PUBLIC, "id": list(range(len(PUBLIC)))})
+        file = tmp_path / f"public.{kind}"
+        pyarrow.csv.write_csv(table, file) if kind == "csv" else pyarrow.parquet.write_table(table, file)
+        config["data"] = {"path": str(file), "text": "body"}
+    out = rayfuse.fuse(config)
     _load(out)
     assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # the statistics' work folder is gone
+    assert (out / "vocab.txt").is_file() or (out / "tokenizer.json").is_file()
 
 
 def test_regmean_from_text_equals_regmean_from_its_statistics_files(folders, tmp_path):
@@ -277,6 +288,11 @@ BAD = [
         "statistics and text",
         {"merge_method": "regmean", "models": [{"model": "{sport}", "statistics": "x.safetensors"}, {"model": "{code}"}]},
         "{cfg}: models.0.statistics: expected no statistics file with text data",
+    ),
+    (
+        "seed of a merge that seeds itself",
+        {"seed": 3},
+        "{cfg}: seed: expected no seed with merge_method adamerging on text (it runs the models in memory), got 3; parameters.seed seeds it",
     ),
     ("a model file, not a folder", {"models": [{"model": "{file}"}]}, "{cfg}: models.0.model: expected a Hugging Face folder"),
 ]
