@@ -29,7 +29,8 @@ model is checked against the base (tensor names and shapes, or an adapter's modu
 * ``distill``: the models' ensemble distilled into one student (the base's architecture, started from the models'
   average) on the unlabeled text (:func:`rayfuse.fusion.distill.student.distill_public`, no mixing of token ids).
 
-A LoRA adapter model is folded into the base (``W + s B A`` per module) and merged as the full model it gives.
+A LoRA adapter model is folded into the base (``W + s B A`` per module; the modules it trains in full, PEFT's
+``modules_to_save`` such as a classifier head, replace the base's) and merged as the full model it gives.
 Activation matching, REPAIR and the nonparametric merge are refused: they permute a layer's hidden units, which a
 BERT-style model ties across every layer through its residual stream and splits per attention head. Never imports Ray.
 """
@@ -295,7 +296,18 @@ def _check_models(path: Path, reference: Any, full: Sequence[Path], adapters: Se
     check_against_base(reference, [s for s in sources if s.path.resolve() != reference.path.resolve()])
     if adapters:
         wheres = [f"{path}: models.{index.get(str(a), 0)}.model" for a in adapters]
-        check_adapters([read_adapter(a, w) for a, w in zip(adapters, wheres)], reference.path, wheres)
+        read = [read_adapter(a, w, saved=True) for a, w in zip(adapters, wheres)]
+        check_adapters(read, reference.path, wheres)
+        for adapter, at in zip(read, wheres):  # a head trained in full (modules_to_save) replaces the base's
+            for name, value in adapter.saved.items():
+                info = reference.tensors.get(name)
+                if info is None or tuple(info.shape) != tuple(value.shape):
+                    raise InputError(
+                        f"{at}: {name}",
+                        f"a tensor of the base {reference.path} of shape {tuple(value.shape)} (modules_to_save)",
+                        "no such tensor" if info is None else tuple(info.shape),
+                        "the adapter was trained on another model",
+                    )
 
 
 def _read_text(path: Path, data: Any, folder: Path, folder_key: str, merge: TextMerge) -> tuple[np.ndarray, np.ndarray | None]:
@@ -356,8 +368,10 @@ def _weights(spec: TextFuseSpec, i: int, base_state: Mapping[str, torch.Tensor] 
     if not spec.adapters[i]:
         return {k: v.detach().clone() for k, v in _load(spec.models[i]).state_dict().items()}
     assert base_state is not None
-    adapter = read_adapter(spec.models[i])
+    adapter = read_adapter(spec.models[i], saved=True)
     state = {k: v.detach().clone() for k, v in base_state.items()}
+    for name, value in adapter.saved.items():  # modules_to_save: trained in full
+        state[name] = torch.as_tensor(value).to(state[name].dtype)
     for module in adapter.A:
         delta = torch.from_numpy(adapter.delta(module))
         key = f"{module}.weight"

@@ -68,8 +68,9 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         out[name] = root / name
     torch.manual_seed(3)
     lora = get_peft_model(
-        BertForSequenceClassification.from_pretrained(base), LoraConfig(r=2, lora_alpha=4, target_modules=["query", "value"])
-    )
+        BertForSequenceClassification.from_pretrained(base),
+        LoraConfig(r=2, lora_alpha=4, target_modules=["query", "value"], task_type="SEQ_CLS"),
+    )  # the classifier head trained in full (modules_to_save), as PEFT does for a sequence classifier
     _train(lora, tokenizer, SPORT + CODE, [0] * 4 + [1] * 4, steps=6)
     lora.save_pretrained(root / "lora")
     out["lora"] = root / "lora"
@@ -237,6 +238,25 @@ def test_lora_adapters_are_folded_into_the_base_and_merged(folders, tmp_path, me
     if method == "adamerging":
         config["parameters"] = {"steps": 3}
     _load(rayfuse.fuse(config))
+
+
+def test_a_folded_adapter_is_pefts_merge_and_unload_with_its_trained_head(folders, tmp_path):
+    from peft import PeftModel
+    from transformers import BertForSequenceClassification
+
+    from rayfuse.finetunes.text_fuse import _load as load_token_model
+    from rayfuse.finetunes.text_fuse import _weights
+    from rayfuse.merging import load_fuse_config
+
+    models = [{"model": str(folders["lora"])}, {"model": str(folders["code"])}]
+    spec = load_fuse_config(_config(folders, "regmean", tmp_path, models=models))
+    base_state = load_token_model(folders["base"]).state_dict()
+    folded = _weights(spec, 0, base_state)
+    peft = PeftModel.from_pretrained(BertForSequenceClassification.from_pretrained(folders["base"]), folders["lora"])
+    expected = peft.merge_and_unload().state_dict()
+    assert not torch.equal(folded["classifier.weight"], base_state["classifier.weight"])
+    for key, value in folded.items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6)
 
 
 def test_fisher_with_labels_is_the_empirical_fisher(folders, tmp_path):
