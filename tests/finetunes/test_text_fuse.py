@@ -205,7 +205,7 @@ def test_fisher_is_the_expectation_over_the_models_own_softmax(folders):
 
 def test_adamerging_lowers_the_entropy_below_task_arithmetics_at_its_start(folders, tmp_path):
     summary = rayfuse.api.fuse_checkpoints(
-        _config(folders, "adamerging", tmp_path, parameters={"lambda_init": 0.3, "steps": 25, "lr": 0.05, "batch_size": 8})
+        _config(folders, "adamerging", tmp_path, parameters={"lambda_init": 0.3, "steps": 12, "lr": 0.05, "batch_size": 8})
     )
     out = Path(summary["output"])
     _load(out)
@@ -230,6 +230,29 @@ def test_distill_of_full_fine_tunes_through_the_cli(folders, tmp_path, capsys):
     assert "distill of 3 models" in capsys.readouterr().out
     _load(tmp_path / "merged")
     assert (tmp_path / "merged" / "tokenizer_config.json").is_file()
+
+
+def test_distill_moves_the_student_from_the_average_toward_the_ensemble(folders, tmp_path):
+    from rayfuse.finetunes.text_fuse import _load as load_token_model
+
+    config = _config(
+        folders,
+        "distill",
+        tmp_path,
+        parameters={"steps": 30, "epochs": 3, "batch_size": 8, "lr": 3e-3, "temperature": 1.0, "combine": "probabilities"},
+    )
+    out = rayfuse.fuse(config)
+    average = tmp_path / "average"
+    rayfuse.fuse({"merge_method": "average", "models": [{"model": str(folders[n])} for n in ("sport", "code")], "output": str(average)})
+    X = torch.as_tensor(encode_texts(text_tokenizer(folders["base"]), PUBLIC, 12))
+    with torch.no_grad():
+        ensemble = torch.stack([torch.softmax(load_token_model(folders[n])(X), -1) for n in ("sport", "code")]).mean(0)
+
+        def kl(folder: Path) -> float:
+            logq = torch.log_softmax(load_token_model(folder)(X), -1)
+            return float((ensemble * (ensemble.log() - logq)).sum(-1).mean())
+
+        assert kl(out) < kl(average)
 
 
 @pytest.mark.parametrize("method", ["regmean", "fisher", "adamerging"])
