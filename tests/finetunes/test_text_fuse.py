@@ -204,7 +204,9 @@ def test_fisher_is_the_expectation_over_the_models_own_softmax(folders):
 
 
 def test_adamerging_lowers_the_entropy_below_task_arithmetics_at_its_start(folders, tmp_path):
-    summary = rayfuse.api.fuse_checkpoints(
+    from rayfuse.api import fuse_checkpoints
+
+    summary = fuse_checkpoints(
         _config(folders, "adamerging", tmp_path, parameters={"lambda_init": 0.3, "steps": 12, "lr": 0.05, "batch_size": 8})
     )
     out = Path(summary["output"])
