@@ -599,6 +599,13 @@ def _write(spec: TextFuseSpec, state: Mapping[str, torch.Tensor], metadata: Mapp
     extra = copy_model_files(spec.tokenizer_folder) if spec.output.suffix != ".safetensors" else []
     if extra:
         check_config_describes(spec.tokenizer_folder, reference.tensors)
+    missing = [n for n, info in reference.tensors.items() if n not in state and "float" in info.dtype]
+    if missing:  # a name the class's state_dict spells otherwise: never silently the base's values
+        raise InputError(
+            f"{spec.tokenizer_folder}: {missing[0]}",
+            f"a tensor of the state_dict of the class its config.json names ({spec.method} computes those)",
+            f"{len(missing)} tensors of the file not in it",
+        )
     writer = ShardedWriter(spec.output, plan, spec.max_shard_size, metadata)
     total = 0
     try:
