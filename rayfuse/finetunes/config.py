@@ -174,10 +174,13 @@ def _check_parameter(merge: TensorMerge, key: str, value: Any, where: str) -> No
         _check_setting(value, key, where)
 
 
-def load_finetune_config(file: FuseFile, path: Path, merge: TensorMerge, output: str | Path | None = None) -> FinetuneSpec:
+def load_finetune_config(
+    file: FuseFile, path: Path, merge: TensorMerge, output: str | Path | None = None, *, computed_statistics: bool = False
+) -> FinetuneSpec:
     """Validate a tensor-by-tensor merge's fuse file (``file``: the fuse file, validated; ``path``: where it was read,
     for messages and relative paths) against the registered ``merge``: its parameters, its base, its models and their
-    statistics. Files are checked to exist, not yet read."""
+    statistics (``computed_statistics``: rayfuse computes them from text data, :mod:`rayfuse.finetunes.text_fuse`,
+    and fills ``statistics`` before the merge runs). Files are checked to exist, not yet read."""
     import os
 
     from rayfuse.finetunes.hf import parse_size
@@ -215,7 +218,7 @@ def load_finetune_config(file: FuseFile, path: Path, merge: TensorMerge, output:
         model = _resolve(entry.model, path)
         if not model.exists():
             raise InputError(f"{path}: models.{i}.model", "an existing Hugging Face folder or model file", entry.model)
-        if merge.statistics is not None:
+        if merge.statistics is not None and not computed_statistics:
             stats = _resolve(entry.statistics, path) if entry.statistics is not None else None
             if stats is None or not stats.is_file() or stats.suffix != ".safetensors":
                 what = "diagonal Fisher" if merge.statistics == "fisher" else "input Gram matrices"

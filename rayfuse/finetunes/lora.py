@@ -133,6 +133,9 @@ class Adapter:
     rank: Mapping[str, int]
     scaling: Mapping[str, float]
     dtypes: frozenset[str]
+    # whole tensors of the modules the adapter trains in full (PEFT's modules_to_save: a classifier head), by their
+    # name in the base; read only where asked (read_adapter(saved=True)), refused otherwise
+    saved: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def fan_in_fan_out(self) -> bool:
@@ -179,7 +182,8 @@ def adapter_scaling(config: Mapping[str, Any], module: str) -> tuple[int, float]
     return r, alpha / (math.sqrt(r) if config.get("use_rslora") else r)
 
 
-def _read_config(folder: Path, where: str) -> dict[str, Any]:
+def _read_config(folder: Path, where: str, saved: bool = False) -> dict[str, Any]:
+    """The adapter's config, checked (``saved``: ``modules_to_save`` allowed, see :func:`read_adapter`)."""
     file = folder / ADAPTER_CONFIG
     if not file.is_file():
         raise InputError(
@@ -201,7 +205,7 @@ def _read_config(folder: Path, where: str) -> dict[str, Any]:
         # DoRA rescales each column of W + s B A by a learned magnitude: the update is not linear in B A, so no sum of
         # factors gives the average of the adapted weights
         raise InputError(f"{file}: use_dora", "false (DoRA's magnitude vector makes the update nonlinear in B A)", True)
-    if config.get("modules_to_save"):
+    if config.get("modules_to_save") and not saved:
         raise InputError(
             f"{file}: modules_to_save",
             "none (only the LoRA factors are combined here; fully trained modules are a task-vector merge)",
@@ -215,15 +219,17 @@ def _read_config(folder: Path, where: str) -> dict[str, Any]:
     return config
 
 
-def read_adapter(folder: str | Path, where: str = "") -> Adapter:
+def read_adapter(folder: str | Path, where: str = "", *, saved: bool = False) -> Adapter:
     """Read a PEFT LoRA adapter folder and check it: the config, every key a LoRA factor of a linear layer, each module's
     A (r x in) and B (out x r) agreeing with each other and with the config's rank, every value finite. One line
-    (:class:`InputError`) naming the file, module or key otherwise."""
+    (:class:`InputError`) naming the file, module or key otherwise. ``saved``: the whole tensors of the config's
+    ``modules_to_save`` (a sequence classifier's head) are read into :attr:`Adapter.saved` instead of refused (a
+    merge that folds the adapter into its base, :mod:`rayfuse.finetunes.text_fuse`, takes them)."""
     path = Path(folder)
     where = where or str(path)
     if not path.is_dir():
         raise InputError(where, "a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)", str(path))
-    config = _read_config(path, where)
+    config = _read_config(path, where, saved)
     weights = path / ADAPTER_WEIGHTS
     if not weights.is_file() and (path / "adapter_model.bin").is_file():
         weights = path / "adapter_model.bin"  # PeftModel.save_pretrained(safe_serialization=False)
@@ -231,8 +237,20 @@ def read_adapter(folder: str | Path, where: str = "") -> Adapter:
         raise InputError(f"{where}: {path / ADAPTER_WEIGHTS}", "the adapter's factors", "no such file")
     tensors, stored = read_checkpoint(weights)
     factors: dict[str, dict[str, np.ndarray]] = {"A": {}, "B": {}}
+    whole: dict[str, np.ndarray] = {}
+    kept = [str(m) for m in (config.get("modules_to_save") or [])] if saved else []
     for key, value in tensors.items():
         match = _KEY.match(key)
+        name = key.removeprefix(_PREFIX)
+        if (
+            match is None
+            and key.startswith(_PREFIX)
+            and any(name.rsplit(".", 1)[0] == m or name.rsplit(".", 1)[0].endswith(f".{m}") for m in kept)
+        ):
+            if value.dtype.kind != "f" or not np.isfinite(value).all():
+                raise InputError(f"{weights}: {key}", "finite floating-point values", "NaN, Inf or integers")
+            whole[name] = np.asarray(value)
+            continue
         if match is None:
             raise InputError(
                 f"{weights}: {key}",
@@ -245,7 +263,7 @@ def read_adapter(folder: str | Path, where: str = "") -> Adapter:
         if not np.isfinite(value).all():
             raise InputError(f"{weights}: {key}", "finite values", "NaN or Inf")
         factors[match["factor"]][match["module"]] = np.asarray(value, dtype=np.float64)
-    if not factors["A"] and not factors["B"]:
+    if not factors["A"] and not factors["B"] and not whole:
         raise InputError(str(weights), "an adapter with at least one LoRA module", "no tensors")
     ranks, scalings = {}, {}
     for module in sorted(set(factors["A"]) | set(factors["B"])):
@@ -268,7 +286,7 @@ def read_adapter(folder: str | Path, where: str = "") -> Adapter:
                 "the scaling alpha / r is read from the config, so the two must agree",
             )
         ranks[module], scalings[module] = r, scaling
-    return Adapter(path, config, factors["A"], factors["B"], ranks, scalings, frozenset(stored.values()) or frozenset({"float32"}))
+    return Adapter(path, config, factors["A"], factors["B"], ranks, scalings, frozenset(stored.values()) or frozenset({"float32"}), whole)
 
 
 # ---------------------------------------------------------------------------------------------------------------

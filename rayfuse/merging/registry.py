@@ -8,7 +8,11 @@ A :class:`MergeMethod` is one of three kinds of implementation, which decide wha
 * ``checkpoints``: a :class:`~rayfuse.merging.fusers.Fuser`, which reads whole checkpoints of one class in memory with
   the ``architecture:`` they are checked against (and, where it needs one, a ``data:`` sample): aligned fusion,
   KL-fusion of neurons, distillation;
-* ``adapters``: PEFT LoRA adapters of one base (:mod:`rayfuse.finetunes.lora`).
+* ``adapters``: PEFT LoRA adapters of one base (:mod:`rayfuse.finetunes.lora`);
+* ``text``: Hugging Face folders (and LoRA adapters of a base) run on a ``data:`` file of texts
+  (:mod:`rayfuse.finetunes.text_fuse`): Fisher and RegMean with statistics rayfuse computes, AdaMerging, distillation.
+  A file whose ``data:`` names a ``text`` column is routed here whatever its merge (one that reads no text is refused
+  there, saying why).
 
 A merge that has both a tensor form and a checkpoint form (the averages) runs the checkpoint form when the file
 names an ``architecture:`` (the checkpoints are then checked against the class and the output records it for
@@ -28,18 +32,20 @@ from rayfuse.errors import InputError, suggest
 
 if TYPE_CHECKING:
     from rayfuse.finetunes.tensor_merge import TensorMerge
+    from rayfuse.finetunes.text_fuse import TextMerge
     from rayfuse.merging.fusers import Fuser
     from rayfuse.merging.schema import FuseFile
 
 __all__ = ["MergeMethod", "MERGES", "register_merge", "get_merge", "merge_names", "Route"]
 
-Route = Literal["tensors", "checkpoints", "adapters"]
+Route = Literal["tensors", "checkpoints", "adapters", "text"]
 
 
 @dataclass(frozen=True)
 class MergeMethod:
     """One registered merge: ``tensor`` (its tensor-by-tensor form), ``fuser`` (its form over whole checkpoints of a
-    class) or ``adapters`` (LoRA adapters); ``reference`` the paper and code it follows; ``aliases`` other names."""
+    class), ``adapters`` (LoRA adapters) or ``text`` (its form on Hugging Face folders with text data); ``reference``
+    the paper and code it follows; ``aliases`` other names."""
 
     name: str
     summary: str
@@ -47,12 +53,16 @@ class MergeMethod:
     tensor: TensorMerge | None = None
     fuser: Fuser | None = None
     adapters: bool = False
+    text: TextMerge | None = None
     aliases: tuple[str, ...] = ()
     exact: bool | None = None  # None: the tensor form's (deterministic unless it draws at random)
 
     def route(self, file: FuseFile) -> Route:
         """Which form reads ``file``: the adapters', or the checkpoint form where there is no tensor form or the file
-        names the models' ``architecture:``, else the tensor form."""
+        names the models' ``architecture:``, else the tensor form; the text form for a file with text data (or a merge
+        that has no other form)."""
+        if (file.data is not None and file.data.text is not None) or (self.text is not None and self.tensor is None and self.fuser is None):
+            return "text"
         if self.adapters:
             return "adapters"
         if self.fuser is not None and (self.tensor is None or file.architecture is not None):
@@ -66,6 +76,8 @@ class MergeMethod:
         """Whether it needs a ``base_model:`` ("required"), may take one ("optional") or takes none ("none")."""
         if self.tensor is not None:
             return self.tensor.base
+        if self.text is not None and self.fuser is None:
+            return self.text.base
         return "optional" if self.adapters else "none"
 
     @property
@@ -77,14 +89,19 @@ class MergeMethod:
             forms.append("checkpoints of an architecture" + (" (each its own)" if self.fuser.heterogeneous else ""))
         if self.adapters:
             forms.append("PEFT LoRA adapters")
+        if self.text is not None:
+            forms.append("Hugging Face folders or LoRA adapters with text (data: {path, text})")
         return "; ".join(forms)
 
     @property
     def data(self) -> str:
         if self.tensor is not None and self.tensor.statistics is not None:
-            return f"each model's statistics ({'diagonal Fisher' if self.tensor.statistics == 'fisher' else 'input Gram matrices'})"
+            what = "diagonal Fisher" if self.tensor.statistics == "fisher" else "input Gram matrices"
+            return f"each model's statistics ({what}), or text (data: {{path, text}}) rayfuse computes them on"
         if self.fuser is not None and self.fuser.data != "none":
             return "a sample (data:)" if self.fuser.data == "required" else "optional sample (data:)"
+        if self.text is not None:
+            return "unlabeled text (data: {path, text})"
         return "none"
 
     @property
@@ -108,6 +125,9 @@ class MergeMethod:
 
             glob += list(LoraParams.model_fields)
             own += list(AdapterWeight.model_fields)
+        if self.text is not None and self.text.Params is not None:
+            glob += [k for k in self.text.Params.model_fields if k not in glob]
+            own += [k for k in self.text.ModelParams.model_fields if k not in own]
         return glob, own
 
     @property
@@ -117,12 +137,14 @@ class MergeMethod:
         return (", ".join(glob) or "-") + (f"; per model: {', '.join(own)}" if own else "")
 
 
-def _tensor_entry(merge: TensorMerge, fuser: Fuser | None = None, aliases: Iterable[str] = ()) -> MergeMethod:
-    return MergeMethod(merge.name, merge.summary, merge.reference, tensor=merge, fuser=fuser, aliases=(*merge.aliases, *aliases))
+def _tensor_entry(
+    merge: TensorMerge, fuser: Fuser | None = None, aliases: Iterable[str] = (), text: TextMerge | None = None
+) -> MergeMethod:
+    return MergeMethod(merge.name, merge.summary, merge.reference, tensor=merge, fuser=fuser, text=text, aliases=(*merge.aliases, *aliases))
 
 
-def _fuser_entry(fuser: Fuser, reference: str, exact: bool = True) -> MergeMethod:
-    return MergeMethod(fuser.name, fuser.summary, reference, fuser=fuser, aliases=fuser.aliases, exact=exact)
+def _fuser_entry(fuser: Fuser, reference: str, exact: bool = True, text: TextMerge | None = None) -> MergeMethod:
+    return MergeMethod(fuser.name, fuser.summary, reference, fuser=fuser, text=text, aliases=fuser.aliases, exact=exact)
 
 
 def _static() -> list[MergeMethod]:
@@ -131,6 +153,7 @@ def _static() -> list[MergeMethod]:
     from rayfuse.finetunes.mergekit_set import MERGES as MERGEKIT_SET
     from rayfuse.finetunes.merges import MERGES as BUILTIN
     from rayfuse.finetunes.spectral import MERGES as SPECTRAL
+    from rayfuse.finetunes.text_fuse import TEXT_MERGES
 
     entries = [
         _tensor_entry(BUILTIN["average"], fusers.AVERAGE),
@@ -140,14 +163,26 @@ def _static() -> list[MergeMethod]:
     entries += [_tensor_entry(merge) for merge in MERGEKIT_SET.values()]
     entries += [_tensor_entry(merge) for merge in SPECTRAL.values()]
     entries += [
-        _tensor_entry(BUILTIN["fisher"]),
-        _tensor_entry(BUILTIN["regmean"]),
+        _tensor_entry(BUILTIN["fisher"], text=TEXT_MERGES["fisher"]),
+        _tensor_entry(BUILTIN["regmean"], text=TEXT_MERGES["regmean"]),
+        MergeMethod(
+            "adamerging",
+            TEXT_MERGES["adamerging"].summary,
+            "ADAMERGING (EnnengYang/AdaMerging at cea1165)",
+            text=TEXT_MERGES["adamerging"],
+            exact=False,
+        ),
         _fuser_entry(fusers.KL_NEURONS, "Claici et al., Model Fusion with Kullback-Leibler Divergence, ICML 2020"),
         _fuser_entry(fusers.WEIGHT_MATCHING, "Ainsworth et al., Git Re-Basin, ICLR 2023 (weight matching, MergeMany)"),
         _fuser_entry(
             fusers.ACTIVATION_MATCHING, "Ainsworth et al., Git Re-Basin, ICLR 2023; Singh & Jaggi, Model Fusion via Optimal Transport, 2020"
         ),
-        _fuser_entry(fusers.DISTILL, "Lin et al., Ensemble Distillation for Robust Model Fusion (FedDF), NeurIPS 2020", exact=False),
+        _fuser_entry(
+            fusers.DISTILL,
+            "Lin et al., Ensemble Distillation for Robust Model Fusion (FedDF), NeurIPS 2020",
+            exact=False,
+            text=TEXT_MERGES["distill"],
+        ),
         MergeMethod(
             "lora",
             "PEFT LoRA adapters of one base combined: stack (exact), svd (best at a rank) or average_factors; as an "

@@ -54,6 +54,7 @@ from rayfuse.errors import InputError, NonFiniteError
 from rayfuse.finetunes.config import FinetuneSpec, load_finetune_config
 from rayfuse.finetunes.hf import parse_size
 from rayfuse.finetunes.lora import LoraSpec, load_lora_config, run_lora
+from rayfuse.finetunes.text_fuse import TextFuseSpec, load_text_fuse_config, run_text_fuse
 from rayfuse.io import (
     DEFAULT_MAX_SHARD_SIZE,
     check_new_output,
@@ -94,16 +95,19 @@ _KEYS: dict[Route, tuple[str, ...]] = {
     "tensors": ("base_model", "dtype", "out_dtype", "output", "max_shard_size", "threads", "seed"),
     "checkpoints": ("architecture", "architecture_args", "input_shape", "data", "vocab", "dtype", "out_dtype", "output", "max_shard_size"),
     "adapters": ("base_model", "dtype", "out_dtype", "output", "output_kind"),
+    "text": ("base_model", "data", "dtype", "out_dtype", "output", "max_shard_size", "threads", "seed"),
 }
 _MODEL_KEYS: dict[Route, tuple[str, ...]] = {
     "tensors": ("statistics",),
     "checkpoints": ("architecture", "architecture_args"),
     "adapters": (),
+    "text": (),
 }
 _WHY: dict[Route, str] = {
     "tensors": "it merges model files tensor by tensor",
     "checkpoints": "it merges checkpoints of the file's architecture",
     "adapters": "it combines PEFT LoRA adapters",
+    "text": "it runs Hugging Face folders on text data",
 }
 
 
@@ -130,7 +134,7 @@ class FuseSpec:
 
 def load_fuse_config(
     config: str | Path | Mapping[str, Any], output: str | Path | None = None, max_shard_size: int | None = None
-) -> FuseSpec | LoraSpec | FinetuneSpec:
+) -> FuseSpec | LoraSpec | FinetuneSpec | TextFuseSpec:
     """Read and validate a fuse config, a YAML file or the same as a dict (its relative paths then from the working
     directory), for the registered merge it names; files are checked to exist, not yet read. ``output`` and
     ``max_shard_size`` (bytes) override the file's."""
@@ -150,6 +154,9 @@ def load_fuse_config(
     _check_keys(file, method, route, path)
     if route == "adapters":
         return load_lora_config(file, path, output)
+    if route == "text":
+        text = load_text_fuse_config(file, path, method, output)
+        return text if max_shard_size is None else dataclasses.replace(text, max_shard_size=max_shard_size)
     if route == "tensors":
         assert method.tensor is not None
         finetune = load_finetune_config(file, path, method.tensor, output)
@@ -176,6 +183,13 @@ def _check_keys(file: FuseFile, method: MergeMethod, route: Route, path: Path) -
         raise InputError(f"{path}: {key}", f"no {key} with merge_method {method.name} ({why})", getattr(file, key))
     for i, entry in enumerate(file.models):
         for key in sorted(entry.model_fields_set - {"model", "parameters"} - set(_MODEL_KEYS[route])):
+            if key == "statistics" and route == "text" and method.tensor is not None and method.tensor.statistics is not None:
+                raise InputError(
+                    f"{path}: models.{i}.statistics",
+                    f"no statistics file with text data (rayfuse computes {method.name}'s statistics from data:)",
+                    entry.statistics,
+                    "give either the statistics files or the text",
+                )
             if key == "statistics":
                 raise InputError(f"{path}: models.{i}.statistics", "statistics only with merge_method fisher or regmean", entry.statistics)
             raise InputError(f"{path}: models.{i}.{key}", f"no {key} with merge_method {method.name} ({_WHY[route]})", getattr(entry, key))
@@ -228,6 +242,10 @@ def _load_checkpoints(spec: FuseFile, path: Path, fuser: Fuser, output: str | Pa
         raise InputError(f"{path}: output", "a .safetensors file", str(out))
     check_new_output(out, key=f"{path}: output", what="a file")
     data = None
+    if spec.data is not None and spec.data.max_length is not None:
+        raise InputError(
+            f"{path}: data.max_length", "no max_length without data.text (it is the texts' length in tokens)", spec.data.max_length
+        )
     if spec.data is not None:
         data = Path(spec.data.path)
         if not data.is_absolute() and not data.is_file():
@@ -258,7 +276,7 @@ def _load_checkpoints(spec: FuseFile, path: Path, fuser: Fuser, output: str | Pa
         dict(spec.architecture_args),
         tuple(spec.input_shape) if spec.input_shape else None,
         data,
-        (spec.data.features, spec.data.label) if spec.data else ("X", "y"),
+        (spec.data.features, spec.data.label or "y") if spec.data else ("X", "y"),
         path,
         tuple(own),
         spec.vocab,
@@ -430,13 +448,15 @@ def fuse_models(spec: FuseSpec, models: list[dict[str, np.ndarray]], inputs: Fus
     return spec.method.fuse(models, spec.model_params, spec.params, inputs or FuseInputs())
 
 
-def run_fuse(spec: FuseSpec | LoraSpec | FinetuneSpec, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_fuse(spec: FuseSpec | LoraSpec | FinetuneSpec | TextFuseSpec, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Load, check, fuse and write; return a summary (tensors, parameters, output).
 
     Checkpoints in ``bfloat16`` / ``float16`` are fused in float32 and written back in the inputs' dtype (or the fuse
     file's ``dtype:``). LoRA adapters (``merge_method: lora``) go to :func:`rayfuse.finetunes.lora.run_lora`."""
     if isinstance(spec, LoraSpec):
         return run_lora(spec, log)
+    if isinstance(spec, TextFuseSpec):  # Hugging Face folders on text (rayfuse.finetunes.text_fuse)
+        return run_text_fuse(spec, log)
     if isinstance(spec, FinetuneSpec):  # streamed tensor by tensor (rayfuse.finetunes.run)
         from rayfuse.finetunes.run import run_finetune
 

@@ -43,9 +43,27 @@ class FuseModel(StrictSchema):
 
 
 class FuseData(StrictSchema):
-    path: str = Field(min_length=1, description="an .npz file (relative to the fuse file) with the inputs as the model takes them")
-    features: str = Field("X", min_length=1, description="the inputs' array name")
-    label: str = Field("y", min_length=1, description="the labels' array name (merges that read no labels ignore it: distill)")
+    path: str = Field(
+        min_length=1,
+        description="an .npz file (relative to the fuse file) with the inputs as the model takes them; with text: a .jsonl, "
+        ".csv, .parquet or .txt file of texts (Hugging Face folders: fisher, regmean, adamerging, distill)",
+    )
+    features: str = Field("X", min_length=1, description="the inputs' array name (.npz)")
+    label: str | None = Field(
+        None,
+        min_length=1,
+        description="the labels' array name (.npz; default y), or with text the label column (fisher only: the empirical "
+        "Fisher at these labels); merges that read no labels ignore it (.npz) or refuse it (text)",
+    )
+    text: str | None = Field(
+        None,
+        min_length=1,
+        description="the text column of a .jsonl / .csv / .parquet file (a .txt file: any name, one text a line): the data "
+        "are texts, tokenised with the base_model's (else the first model's) tokenizer",
+    )
+    max_length: int | None = Field(
+        None, ge=2, description="text: tokens a text is padded or truncated to (default: the longest text's, at most the model's positions)"
+    )
 
 
 class FuseFile(StrictSchema):
