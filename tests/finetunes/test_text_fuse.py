@@ -175,7 +175,7 @@ def test_grams_leave_out_the_padded_positions(folders):
 
     model = load_token_model(folders["sport"])
     tokenizer = text_tokenizer(folders["base"])
-    short = encode_texts(tokenizer, ["what a game"], 5)  # [CLS] what a game [SEP]: no padding
+    short = encode_texts(tokenizer, ["what a game"], 5)  # class token, what a game, separator: no padding
     padded = encode_texts(tokenizer, ["what a game"], 12)
     a, b = masked_grams(model, short), masked_grams(model, padded)
     for key in a:
