@@ -323,9 +323,11 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
 
     specs = resolve_methods(cfg.methods, methods)
     cfg = with_public_default(cfg, specs)  # the quickstart's public sample only where a method reads one
+    cfg = cfg.with_text_encoding()  # text data: the tokenizer and max_length every reader of a text source uses
     check_tracking(cfg)  # a sink the config asks for (tracking.mlflow) must be installed
     if cfg.data.is_silos:
         return _prepare_silo_run(cfg, specs)
+    _check_text_model(cfg)
     dataset = load_dataset_from_config(cfg.data)
     try:
         num_params = check_model_fits(cfg.model, dataset.input_shape, dataset.num_classes)
@@ -338,6 +340,19 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
     setup = RunSetup.from_plan(cfg, plan)
     check_before_start(StartFacts(cfg, specs, setup, num_params, tuple(client_params)))
     return PreparedRun(cfg, specs, plan, setup, num_params, client_params)
+
+
+def _check_text_model(cfg: ExperimentConfig) -> None:
+    """Text data take a Hugging Face classifier (its forward masks the -1 padding): a factory given from Python
+    (``name: custom``) must be :func:`rayfuse.models.hf.hf_model`'s; ``hf:<folder>`` names are the config's check."""
+    from rayfuse.models.hf import hf_factory
+
+    if cfg.data.uses_text and hf_factory(cfg.model) is None:
+        raise InputError(
+            "model.name",
+            "a Hugging Face classifier for text data (hf:<folder>, or rayfuse.models.hf.hf_model(folder) from Python)",
+            cfg.model.factory or cfg.model.name,
+        )
 
 
 def _as_sequences(cfg: ExperimentConfig, dataset: Any, refusal: InputError) -> tuple[ExperimentConfig, Any, int]:
@@ -374,12 +389,13 @@ def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> Prepare
     ``data.test``) is refused now, and so is every run the methods' tags refuse (:func:`rayfuse.prestart.check_tags`:
     a method that needs the whole dataset, reads the public sample's labels when ``data.public`` has none, or scores
     on the server's data in its own way with ``evaluation`` federated or both...)."""
-    from rayfuse.data.silos import make_silo_plan, server_set_size
+    from rayfuse.data.silos import make_silo_plan, server_set_size, text_encoding
 
+    _check_text_model(cfg)
     sizes = {
         key: 0
         if getattr(cfg.data, key) is None
-        else server_set_size(getattr(cfg.data, key), key=f"data.{key}", classes=cfg.data.class_names)
+        else server_set_size(getattr(cfg.data, key), key=f"data.{key}", classes=cfg.data.class_names, text=text_encoding(cfg.data))
         for key in ("test", "public")
     }
     plan = make_silo_plan(cfg, test_size=sizes["test"], public_size=sizes["public"])

@@ -226,6 +226,51 @@ class ExperimentConfig(StrictModel):
         return any(model != self.model for model in self.client_models())
 
     @model_validator(mode="after")
+    def _text_encoding(self) -> ExperimentConfig:
+        # Text data are tokenised where they are read, with data.tokenizer (default: the model's folder) to
+        # data.max_length tokens (default: min(128, the model's positions)): refused here when neither names a
+        # tokenizer, or max_length exceeds the model's positions; with_text_encoding fills both in
+        if not self.data.uses_text:
+            return self
+        from rayfuse.data.text import model_positions
+        from rayfuse.models.hf import hf_folder_of
+
+        folder = hf_folder_of(self.model.name)
+        if folder is None and self.model.name != "custom":  # (a factory given from Python is checked where it is built)
+            raise key_error(
+                ("model", "name"), f"a Hugging Face classifier hf:<folder> for text data (token-id rows), got {self.model.name!r}"
+            )
+        if self.data.tokenizer is None and folder is None:
+            raise key_error(
+                ("data", "tokenizer"), "the Hugging Face folder whose tokenizer reads the texts (model.name names no hf:<folder>), got None"
+            )
+        positions = model_positions(folder) if folder is not None else None
+        if self.data.max_length is not None and positions is not None and self.data.max_length > positions:
+            raise key_error(
+                ("data", "max_length"), f"at most the model's max_position_embeddings ({positions}) in {folder}, got {self.data.max_length}"
+            )
+        return self
+
+    def with_text_encoding(self) -> ExperimentConfig:
+        """A copy whose text data section states its tokenizer and ``max_length`` (``data.tokenizer``: default the
+        model's ``hf:<folder>``; ``data.max_length``: default min(128, the model's ``max_position_embeddings``)), so
+        every process that reads a text source holds them and the run's config.yaml records them; ``self`` where the
+        data are not texts or both are given."""
+        if not self.data.uses_text or (self.data.tokenizer is not None and self.data.max_length is not None):
+            return self
+        from rayfuse.data.text import DEFAULT_MAX_LENGTH, model_positions
+        from rayfuse.models.hf import hf_folder_of
+
+        folder = hf_folder_of(self.model.name)
+        positions = model_positions(folder) if folder is not None else None
+        update = {
+            "tokenizer": self.data.tokenizer or folder,
+            "max_length": self.data.max_length or min(DEFAULT_MAX_LENGTH, positions or DEFAULT_MAX_LENGTH),
+        }
+        data = self.data.model_copy(update=update)
+        return self.model_copy(update={"data": data})
+
+    @model_validator(mode="after")
     def _evaluation(self) -> ExperimentConfig:
         if self.data.is_silos and self.evaluation != "federated" and self.data.test is None:
             raise key_error(

@@ -156,7 +156,8 @@ class _Group:
     def __init__(self, index: list[int], models: list[nn.Module], batched: bool) -> None:
         self.index = index
         self.models = models
-        self.batched = batched and len(models) > 1
+        # a model that masks padding (Hugging Face on texts: rayfuse.models.hf) cannot pass its mask under vmap: looped
+        self.batched = batched and len(models) > 1 and not getattr(models[0], "masks_padding", False)
         self._recording = False
         self._collected: list[torch.Tensor] = []
         if self.batched:
