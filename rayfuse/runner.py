@@ -344,15 +344,21 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
 
 def _check_text_model(cfg: ExperimentConfig) -> None:
     """Text data take a Hugging Face classifier (its forward masks the -1 padding): a factory given from Python
-    (``name: custom``) must be :func:`rayfuse.models.hf.hf_model`'s; ``hf:<folder>`` names are the config's check."""
+    (``name: custom``) must be :func:`rayfuse.models.hf.hf_model`'s (``hf:<folder>`` names are the config's check);
+    and ``data.tokenizer`` must hold a tokenizer transformers reads, checked here, before any site tokenises."""
+    from rayfuse.data.text import text_tokenizer
     from rayfuse.models.hf import hf_factory
 
-    if cfg.data.uses_text and hf_factory(cfg.model) is None:
+    if not cfg.data.uses_text:
+        return
+    if hf_factory(cfg.model) is None:
         raise InputError(
             "model.name",
             "a Hugging Face classifier for text data (hf:<folder>, or rayfuse.models.hf.hf_model(folder) from Python)",
             cfg.model.factory or cfg.model.name,
         )
+    assert cfg.data.tokenizer is not None  # ExperimentConfig.with_text_encoding
+    text_tokenizer(cfg.data.tokenizer)  # a folder without a tokenizer (or one transformers cannot read): refused here
 
 
 def _as_sequences(cfg: ExperimentConfig, dataset: Any, refusal: InputError) -> tuple[ExperimentConfig, Any, int]:

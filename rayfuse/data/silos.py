@@ -482,7 +482,12 @@ def _server_inputs(
         from rayfuse.data.text import read_text_inputs
 
         encoding = _encoding(text, key)
-        return _rekeyed(lambda: read_text_inputs(resolved, text=source.text, encoding=encoding, kind=source.dataset), key, "path", written)
+        return _rekeyed(
+            lambda: read_text_inputs(resolved, text=source.text, encoding=encoding, kind=source.dataset, key=f"{key}.path"),
+            key,
+            "path",
+            written,
+        )
     return _rekeyed(
         lambda: read_unlabeled_inputs(resolved, kind=source.dataset, features=source.features, delimiter=source.options.get("delimiter")),
         key,
@@ -606,7 +611,14 @@ def _read_whole(
         encoding = _encoding(text, key)
         data = _rekeyed(
             lambda: read_text_dataset(
-                resolved, text=spec.text, label=spec.label or "y", encoding=encoding, kind=spec.dataset, min_labels=min_labels, name=name
+                resolved,
+                text=spec.text,
+                label=spec.label or "y",
+                encoding=encoding,
+                kind=spec.dataset,
+                key=f"{key}.{field}",
+                min_labels=min_labels,
+                name=name,
             ),
             key,
             field,
@@ -636,7 +648,9 @@ def _rekeyed(read: Callable[[], T], key: str, field: str, written: str | None) -
         return read()
     except InputError as exc:
         path = exc.path
-        if path.startswith("data.") and path[5:].split(".", 1)[0] in ("label", "features", "options", "dataset"):
+        if path.startswith(f"{key}.") or path in ("data.tokenizer", "data.max_length"):
+            raise  # already at the source's key (a text file's reader is given it), or the run's tokenizer
+        if path.startswith("data.") and path[5:].split(".", 1)[0] in ("label", "features", "options", "dataset", "text"):
             raise exc.at(f"{key}.{path[5:]}") from None
         if written is None:
             raise exc.at(f"{key}.{field}") from None
