@@ -487,6 +487,8 @@ class DataConfig(DatasetSource):
                     f"a text source (jsonl, txt, or csv / parquet with text named) as data.{first} is (a run's data are "
                     f"texts or not), got {odd[1].dataset!r}",
                 )
+        if self.uses_text and self.standardize:
+            raise key_error("standardize", "false or unset for text data (token ids are never scaled), got True")
         if not self.uses_text:
             for key in ("tokenizer", "max_length"):
                 if getattr(self, key) is not None:

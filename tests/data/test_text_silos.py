@@ -221,6 +221,11 @@ CASES: list[tuple[str, Callable[[Files, Path], list[str]], str]] = [
         "data are texts or not), got 'npz'",
     ),
     (
+        "standardized-token-ids",
+        lambda f, b: ["run", text_job(f, b, two_silos(f), standardize=True)],
+        "data.standardize: expected false or unset for text data (token ids are never scaled), got True",
+    ),
+    (
         "tokenizer-without-text-data",
         lambda f, b: ["validate", f.job(data={"dataset": "digits", "tokenizer": str(b)})],
         "data.tokenizer: expected no tokenizer without text data (dataset: text, or text silos), got '{bert}'",
@@ -340,3 +345,29 @@ def test_the_single_file_mode_partitions_one_text_file(bert, tmp_path) -> None:
     prepared = prepare_run(cfg)
     assert prepared.setup.input_shape == (12,) and prepared.setup.num_classes == 2
     assert prepared.cfg.data.standardize in (None, False)  # token ids are never standardised
+
+
+def test_a_local_model_key_covers_the_text_column_the_tokenizer_files_and_max_length(bert, tmp_path) -> None:
+    import shutil
+
+    from rayfuse.store import local_model_key
+
+    f = Files(tmp_path)
+    path = tmp_path / jsonl(f, "all.jsonl", [{**r, "body": r["q"] + " today"} for r in texts(30)])
+    copied = shutil.copytree(bert, tmp_path / "copy")
+
+    def key(**data: Any) -> str:
+        job = {
+            "data": {"dataset": "text", "path": str(path), "text": "q", "label": "cat", **data},
+            "partition": {"method": "iid", "num_clients": 2},
+            "model": {"name": f"hf:{bert}"},
+            "methods": {"local": {}},
+        }
+        prepared = prepare_run(validate_config(job))
+        return local_model_key(prepared.resolved(), prepared.plan.for_client(0))[0]
+
+    base = key()
+    assert key(tokenizer=str(copied)) == base  # a copy of the same tokenizer files: the same key
+    assert len({base, key(text="body"), key(max_length=12)}) == 3
+    (copied / "tokenizer_config.json").write_text((copied / "tokenizer_config.json").read_text().replace("[UNK]", "[UNK]", 1) + " ")
+    assert key(tokenizer=str(copied)) != base  # changed in place: another key
