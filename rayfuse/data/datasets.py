@@ -99,7 +99,7 @@ class DatasetInfo:
 
 DATASETS: Registry[DatasetInfo] = Registry("dataset")
 # generators in their own modules register on first lookup
-DATASETS.add_loader(lambda: [__import__(f"rayfuse.data.{name}") for name in ("gmm", "lda", "tokens")])
+DATASETS.add_loader(lambda: [__import__(f"rayfuse.data.{name}") for name in ("gmm", "lda", "tokens", "text")])
 
 
 def register_dataset(name: str, *, description: str, source: str, standardize: bool = False, aliases: tuple[str, ...] = ()):
@@ -734,30 +734,6 @@ def _load_arrays(*, sha256: str | None = None, **_: Any) -> Dataset:
         "data.dataset",
         "a dataset a config file can load ('arrays' are only the arrays given to rayfuse.run(dataset=...) from Python)",
         "arrays",
-    )
-
-
-@register_dataset(
-    "text",
-    description="a .jsonl, .csv or .parquet file at data.path: texts in column data.text (tokenised with data.tokenizer "
-    "to data.max_length tokens), labels in data.label",
-    source="user file",
-)
-def _load_text(
-    *,
-    path: str | None = None,
-    label: str = "y",
-    text: str | None = None,
-    tokenizer: str | None = None,
-    max_length: int | None = None,
-    **_: Any,
-) -> Dataset:
-    from rayfuse.data.text import TextEncoding, read_text_dataset
-
-    if tokenizer is None or max_length is None:  # the config resolves both (ExperimentConfig: data.tokenizer, data.max_length)
-        raise InputError("data.tokenizer", "a tokenizer folder and data.max_length for dataset 'text'", tokenizer)
-    return read_text_dataset(
-        _existing_file(path, Path(str(path)).suffix), text=text, label=label, encoding=TextEncoding(tokenizer, max_length)
     )
 
 

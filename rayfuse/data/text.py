@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from rayfuse.data.datasets import Dataset, _existing_file, _labels_to_int, csv_dialect, register_dataset
 from rayfuse.errors import InputError
 
 __all__ = [
@@ -105,8 +106,6 @@ def _table_columns(file: Path, kind: str, key: str) -> tuple[list[str], dict[str
             table = pq.read_table(file)
         else:
             import pyarrow.csv as pacsv
-
-            from rayfuse.data.datasets import csv_dialect
 
             dialect = csv_dialect(file)
             # every column as text: a label column of numbers is read as its numbers below
@@ -318,13 +317,11 @@ def read_text_dataset(
     key: str = "data.path",
     min_labels: int = 2,
     name: str | None = None,
-) -> Any:
+) -> Dataset:
     """A labelled text file (``.jsonl``, ``.csv``, ``.parquet``) as a :class:`rayfuse.data.datasets.Dataset`: its texts
     tokenised (:func:`encode_texts`), its labels numbered as a table's are (0-based integers kept, anything else in
     sorted order, the values as class names); stored dtype :data:`TEXT_DTYPE`, ``meta["text"]`` the tokenizer's
     fingerprint and ``max_length``. A ``.txt`` file holds no labels (one line at ``data.label``)."""
-    from rayfuse.data.datasets import Dataset, _labels_to_int
-
     texts, labels = read_texts(path, text=text, label=label, kind=kind, key=key)
     assert labels is not None  # read_texts: a label column named, or one line
     kinds = {type(v) for v in labels}
@@ -342,3 +339,25 @@ def read_text_inputs(
     token-id rows, with the stored dtype (:data:`TEXT_DTYPE`)."""
     texts, _ = read_texts(path, text=text, kind=kind, key=key)
     return _encoded(texts, encoding)[0], TEXT_DTYPE
+
+
+@register_dataset(
+    "text",
+    description="a .jsonl, .csv or .parquet file at data.path: texts in column data.text (tokenised with data.tokenizer "
+    "to data.max_length tokens), labels in data.label",
+    source="user file",
+)
+def _load_text_dataset(
+    *,
+    path: str | None = None,
+    label: str = "y",
+    text: str | None = None,
+    tokenizer: str | None = None,
+    max_length: int | None = None,
+    **_: Any,
+) -> Dataset:
+    if tokenizer is None or max_length is None:  # the config resolves both (ExperimentConfig: data.tokenizer, data.max_length)
+        raise InputError("data.tokenizer", "a tokenizer folder and data.max_length for dataset 'text'", tokenizer)
+    return read_text_dataset(
+        _existing_file(path, Path(str(path)).suffix), text=text, label=label, encoding=TextEncoding(tokenizer, max_length)
+    )
