@@ -461,7 +461,7 @@ def _data_inputs(data: Mapping[str, Any], *, local: bool) -> dict[str, Any]:
     out = _fields(data, DATA_KEY_FIELDS) or {}
     if not local:
         out["target"] = _fields(data.get("target"), TARGET_KEY_FIELDS)
-    return {**_with_text(out, data), **_text_encoding(data)}
+    return {**out, **({"text": data["text"]} if data.get("text") is not None else {}), **_text_encoding(data)}
 
 
 def _with_text(fields: dict[str, Any] | None, section: Any) -> dict[str, Any] | None:
