@@ -323,11 +323,10 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
 
     specs = resolve_methods(cfg.methods, methods)
     cfg = with_public_default(cfg, specs)  # the quickstart's public sample only where a method reads one
-    cfg = cfg.with_text_encoding()  # text data: the tokenizer and max_length every reader of a text source uses
+    cfg = _text_run(cfg)  # text data: the model, and the tokenizer and max_length every reader of a text source uses
     check_tracking(cfg)  # a sink the config asks for (tracking.mlflow) must be installed
     if cfg.data.is_silos:
         return _prepare_silo_run(cfg, specs)
-    _check_text_model(cfg)
     dataset = load_dataset_from_config(cfg.data)
     try:
         num_params = check_model_fits(cfg.model, dataset.input_shape, dataset.num_classes)
@@ -342,23 +341,26 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
     return PreparedRun(cfg, specs, plan, setup, num_params, client_params)
 
 
-def _check_text_model(cfg: ExperimentConfig) -> None:
-    """Text data take a Hugging Face classifier (its forward masks the -1 padding): a factory given from Python
-    (``name: custom``) must be :func:`rayfuse.models.hf.hf_model`'s (``hf:<folder>`` names are the config's check);
-    and ``data.tokenizer`` must hold a tokenizer transformers reads, checked here, before any site tokenises."""
+def _text_run(cfg: ExperimentConfig) -> ExperimentConfig:
+    """A run of text data: its model is a Hugging Face classifier (its forward masks the -1 padding; ``hf:<folder>``, or
+    :func:`rayfuse.models.hf.hf_model` given from Python), and the copy it runs with states its tokenizer and
+    ``max_length`` (:meth:`ExperimentConfig.with_text_encoding`), the tokenizer read here, before any site tokenises.
+    ``cfg`` itself for other data."""
     from rayfuse.data.text import text_tokenizer
     from rayfuse.models.hf import hf_factory
 
     if not cfg.data.uses_text:
-        return
+        return cfg
     if hf_factory(cfg.model) is None:
         raise InputError(
             "model.name",
             "a Hugging Face classifier for text data (hf:<folder>, or rayfuse.models.hf.hf_model(folder) from Python)",
             cfg.model.factory or cfg.model.name,
         )
+    cfg = cfg.with_text_encoding()
     assert cfg.data.tokenizer is not None  # ExperimentConfig.with_text_encoding
     text_tokenizer(cfg.data.tokenizer)  # a folder without a tokenizer (or one transformers cannot read): refused here
+    return cfg
 
 
 def _as_sequences(cfg: ExperimentConfig, dataset: Any, refusal: InputError) -> tuple[ExperimentConfig, Any, int]:
@@ -397,7 +399,6 @@ def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> Prepare
     on the server's data in its own way with ``evaluation`` federated or both...)."""
     from rayfuse.data.silos import make_silo_plan, server_set_size, text_encoding
 
-    _check_text_model(cfg)
     sizes = {
         key: 0
         if getattr(cfg.data, key) is None

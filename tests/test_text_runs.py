@@ -110,3 +110,13 @@ def test_a_text_run_cut_by_a_failed_client_resumes_to_the_same_model(sites, tmp_
     for key, value in whole.models["fedavg"].items():
         assert np.array_equal(value, resumed.models["fedavg"][key]), key
     assert resumed.results["methods"]["fedavg"]["accuracy"] == whole.results["methods"]["fedavg"]["accuracy"]
+
+
+def test_the_server_scores_on_its_own_labeled_texts(sites, tmp_path) -> None:
+    test = tmp_path / "test.jsonl"
+    test.write_text("".join(json.dumps(row) + "\n" for row in texts(16, seed=11)), encoding="utf-8")
+    job = _job(sites, {"fedavg": METHODS["fedavg"]}, data={"test": {"dataset": "jsonl", "path": str(test), "text": "q", "label": "cat"}})
+    job["evaluation"] = "central"
+    run = rayfuse.run(job, run_dir=tmp_path / "r", quiet=True)
+    assert run.results["evaluation"] == "central" and 0.0 <= run.results["methods"]["fedavg"]["accuracy"] <= 1.0
+    assert json.loads((tmp_path / "r" / "partition.json").read_text())["roles"]["test"]["size"] == 16

@@ -371,3 +371,33 @@ def test_a_local_model_key_covers_the_text_column_the_tokenizer_files_and_max_le
     assert len({base, key(text="body"), key(max_length=12)}) == 3
     (copied / "tokenizer_config.json").write_text((copied / "tokenizer_config.json").read_text().replace("[UNK]", "[UNK]", 1) + " ")
     assert key(tokenizer=str(copied)) != base  # changed in place: another key
+
+
+def linear() -> torch.nn.Module:
+    return torch.nn.Linear(16, 2)
+
+
+def test_a_model_given_from_python_must_be_a_hugging_face_one(bert, tmp_path) -> None:
+    import rayfuse
+    from rayfuse.models.hf import hf_model
+
+    f = Files(tmp_path)
+    silos = [{**s, "path": str(tmp_path / s["path"])} for s in two_silos(f)]
+    job = {"data": {"silos": silos}, "methods": {"local": {}}, "train": {"epochs": 1}, "federation": {"backend": "local"}}
+    for model, line in (
+        (
+            linear,
+            "model.name: expected a Hugging Face classifier for text data (hf:<folder>, or rayfuse.models.hf.hf_model(folder) "
+            f"from Python), got '{__name__}.linear'",
+        ),
+        (
+            None,
+            "model.name: expected a Hugging Face classifier for text data (hf:<folder>, or rayfuse.models.hf.hf_model(folder) from Python), got 'mlp'",
+        ),
+    ):
+        with pytest.raises(InputError) as info:
+            rayfuse.run(job, model=model, run_dir=tmp_path / "refused", quiet=True)
+        assert str(info.value) == line
+    assert not (tmp_path / "refused").exists()
+    run = rayfuse.run(job, model=hf_model(bert), run_dir=tmp_path / "r", quiet=True)  # its folder's tokenizer, by default
+    assert run.results["status"] == "succeeded" and f"tokenizer: {bert}" in (tmp_path / "r" / "config.yaml").read_text()
