@@ -555,6 +555,7 @@ class Coordinator:
             normalization=plan.normalization,
             classes=self.cfg.data.class_names,
             dtype=str(plan.schemas[0]["dtype"]) if isinstance(plan, SiloPlan) and plan.schemas else None,
+            text=plan.text if isinstance(plan, SiloPlan) else None,
         )
 
     def pooled_train(self) -> Split:

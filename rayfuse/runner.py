@@ -323,6 +323,7 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
 
     specs = resolve_methods(cfg.methods, methods)
     cfg = with_public_default(cfg, specs)  # the quickstart's public sample only where a method reads one
+    cfg = _text_run(cfg)  # text data: the model, and the tokenizer and max_length every reader of a text source uses
     check_tracking(cfg)  # a sink the config asks for (tracking.mlflow) must be installed
     if cfg.data.is_silos:
         return _prepare_silo_run(cfg, specs)
@@ -338,6 +339,28 @@ def prepare_run(cfg: ExperimentConfig, *, methods: Mapping[str, Any] | None = No
     setup = RunSetup.from_plan(cfg, plan)
     check_before_start(StartFacts(cfg, specs, setup, num_params, tuple(client_params)))
     return PreparedRun(cfg, specs, plan, setup, num_params, client_params)
+
+
+def _text_run(cfg: ExperimentConfig) -> ExperimentConfig:
+    """A run of text data: its model is a Hugging Face classifier (its forward masks the -1 padding; ``hf:<folder>``, or
+    :func:`rayfuse.models.hf.hf_model` given from Python), and the copy it runs with states its tokenizer and
+    ``max_length`` (:meth:`ExperimentConfig.with_text_encoding`), the tokenizer read here, before any site tokenises.
+    ``cfg`` itself for other data."""
+    from rayfuse.data.text import text_tokenizer
+    from rayfuse.models.hf import hf_factory
+
+    if not cfg.data.uses_text:
+        return cfg
+    if hf_factory(cfg.model) is None:
+        raise InputError(
+            "model.name",
+            "a Hugging Face classifier for text data (hf:<folder>, or rayfuse.models.hf.hf_model(folder) from Python)",
+            cfg.model.factory or cfg.model.name,
+        )
+    cfg = cfg.with_text_encoding()
+    assert cfg.data.tokenizer is not None  # ExperimentConfig.with_text_encoding
+    text_tokenizer(cfg.data.tokenizer)  # a folder without a tokenizer (or one transformers cannot read): refused here
+    return cfg
 
 
 def _as_sequences(cfg: ExperimentConfig, dataset: Any, refusal: InputError) -> tuple[ExperimentConfig, Any, int]:
@@ -374,12 +397,12 @@ def _prepare_silo_run(cfg: ExperimentConfig, specs: list[MethodSpec]) -> Prepare
     ``data.test``) is refused now, and so is every run the methods' tags refuse (:func:`rayfuse.prestart.check_tags`:
     a method that needs the whole dataset, reads the public sample's labels when ``data.public`` has none, or scores
     on the server's data in its own way with ``evaluation`` federated or both...)."""
-    from rayfuse.data.silos import make_silo_plan, server_set_size
+    from rayfuse.data.silos import make_silo_plan, server_set_size, text_encoding
 
     sizes = {
         key: 0
         if getattr(cfg.data, key) is None
-        else server_set_size(getattr(cfg.data, key), key=f"data.{key}", classes=cfg.data.class_names)
+        else server_set_size(getattr(cfg.data, key), key=f"data.{key}", classes=cfg.data.class_names, text=text_encoding(cfg.data))
         for key in ("test", "public")
     }
     plan = make_silo_plan(cfg, test_size=sizes["test"], public_size=sizes["public"])

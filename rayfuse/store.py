@@ -413,6 +413,9 @@ SILO_KEY_FIELDS = ("dataset", "label", "features", "image_size", "grayscale", "o
 #: ``data.test`` / ``data.public`` (silos), each with its file by content
 TARGET_KEY_FIELDS = ("dataset", "root", "path", "label", "features", "options", "test_size", "resize", "pad")
 SERVER_SET_KEY_FIELDS = ("dataset", "path", "label", "features", "image_size", "grayscale", "options", "labels")
+#: text data (``data.text`` or a silo's / server set's ``text``, ``data.tokenizer`` by its files, ``data.max_length``):
+#: keyed only where the data are texts, so the keys of other data stay as they were (:func:`_text_encoding`)
+TEXT_KEY_FIELDS = ("text", "tokenizer", "max_length")
 #: ``model`` (the client's own: ``federation.client_overrides.<i>.model`` or ``model``)
 MODEL_KEY_FIELDS = ("name", "hidden", "channels", "heads", "depth", "patch_size", "dropout", "activation", "factory")
 #: ``train``: every setting of local training
@@ -451,14 +454,31 @@ def _data_inputs(data: Mapping[str, Any], *, local: bool) -> dict[str, Any]:
     data = content_data(data, local=local)
     if data.get("silos"):
         out = _fields(data, SILO_DATA_KEY_FIELDS) or {}
-        out["silos"] = [_fields(silo, SILO_KEY_FIELDS) for silo in data["silos"]]
+        out["silos"] = [_with_text(_fields(silo, SILO_KEY_FIELDS), silo) for silo in data["silos"]]
         if not local:
-            out.update({key: _fields(data.get(key), SERVER_SET_KEY_FIELDS) for key in ("test", "public")})
-        return out
+            out.update({key: _with_text(_fields(data.get(key), SERVER_SET_KEY_FIELDS), data.get(key)) for key in ("test", "public")})
+        return {**out, **_text_encoding(data)}
     out = _fields(data, DATA_KEY_FIELDS) or {}
     if not local:
         out["target"] = _fields(data.get("target"), TARGET_KEY_FIELDS)
-    return out
+    return {**out, **({"text": data["text"]} if data.get("text") is not None else {}), **_text_encoding(data)}
+
+
+def _with_text(fields: dict[str, Any] | None, section: Any) -> dict[str, Any] | None:
+    """``fields`` with the section's text column where it names one (other data keep the keys they had)."""
+    if fields is None or not isinstance(section, Mapping) or section.get("text") is None:
+        return fields
+    return {**fields, "text": section["text"]}
+
+
+def _text_encoding(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Text data's tokenisation: the tokenizer by its files' content (a folder changed in place gets another key, a
+    copy the same) and ``max_length``; nothing for other data (their keys stay as they were)."""
+    if data.get("tokenizer") is None:
+        return {}
+    from rayfuse.data.text import tokenizer_fingerprint
+
+    return {"tokenizer": {"files": tokenizer_fingerprint(data["tokenizer"])}, "max_length": data.get("max_length")}
 
 
 def _train_inputs(train: Mapping[str, Any]) -> dict[str, Any]:

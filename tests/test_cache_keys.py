@@ -102,8 +102,8 @@ NOT_KEYED = {
         (DPSGDConfig, store.DP_KEY_FIELDS, "dp"),
         (ModelConfig, store.MODEL_KEY_FIELDS, "model"),
         (PartitionConfig, store.PARTITION_KEY_FIELDS, "partition"),
-        (SiloSpec, (*store.SILO_KEY_FIELDS, "path", "test_path"), "silo"),  # the paths: by the silo's content hash
-        (DataConfig, (*store.DATA_KEY_FIELDS, *store.SILO_DATA_KEY_FIELDS), "data"),
+        (SiloSpec, (*store.SILO_KEY_FIELDS, "path", "test_path", "text"), "silo"),  # the paths: by the silo's content hash
+        (DataConfig, (*store.DATA_KEY_FIELDS, *store.SILO_DATA_KEY_FIELDS, *store.TEXT_KEY_FIELDS), "data"),
     ],
 )
 def test_every_field_of_a_section_is_placed(model, keyed_fields, section) -> None:

@@ -89,19 +89,37 @@ class TargetConfig(DatasetSource):
 # ----------------------------------------------------------------------------------------------------------------
 # Silos: each client's own data where it lives (data.silos), and the server's optional sets (data.test, data.public)
 
-SILO_FORMATS = ("npz", "parquet", "csv", "imagefolder")
+SILO_FORMATS = ("npz", "parquet", "csv", "imagefolder", "jsonl", "txt")
+# formats that hold texts (tokenised where the file is read): jsonl always, txt (one text a line, no labels), and a
+# csv or parquet file whose text column is named (``text``)
+TEXT_SILO_FORMATS = ("jsonl", "csv", "parquet", "txt")
 # ``${NAME}`` in a silo path: expanded on the node that reads the silo (rayfuse.data.silos.expand_path)
 PATH_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # data keys of a simulation (one dataset + a partitioner); a silo config gives each client its own data instead
-_SIMULATION_DATA_KEYS = ("dataset", "root", "path", "label", "features", "options", "target", "test_size", "public_size", "layout")
+_SIMULATION_DATA_KEYS = (
+    "dataset",
+    "root",
+    "path",
+    "label",
+    "features",
+    "options",
+    "target",
+    "test_size",
+    "public_size",
+    "layout",
+    "text",
+)
 
 
 def silo_source_kind(dataset: str) -> str:
-    """How a silo's ``dataset`` is read: ``"table"`` (npz, parquet, csv: a file with a label), ``"imagefolder"`` (class
-    folders of images), ``"folder"`` (a torchvision dataset whose ``path`` is its root folder) or ``"bundled"`` (a
-    bundled or generated dataset: no path; for rehearsal)."""
+    """How a silo's ``dataset`` is read: ``"table"`` (npz, parquet, csv: a file with a label; parquet and csv hold texts
+    when ``text`` names their column), ``"text"`` (jsonl, txt: texts), ``"imagefolder"`` (class folders of images),
+    ``"folder"`` (a torchvision dataset whose ``path`` is its root folder) or ``"bundled"`` (a bundled or generated
+    dataset: no path; for rehearsal)."""
     if dataset in ("npz", "parquet", "csv"):
         return "table"
+    if dataset in ("jsonl", "txt"):
+        return "text"
     if dataset == "imagefolder":
         return "imagefolder"
     from rayfuse.data.datasets import DATASETS
@@ -155,13 +173,21 @@ class SiloSource(StrictModel):
     file with its ``features`` named): only its inputs are read, and its labels are unknown (``-1``). Methods that read
     the public sample's labels (``MethodTags.public_labels``) are then refused."""
 
-    dataset: str = Field(description="npz | parquet | csv | imagefolder, or a bundled dataset (rayfuse list datasets; for rehearsal)")
+    dataset: str = Field(
+        description="npz | parquet | csv | imagefolder | jsonl | txt, or a bundled dataset (rayfuse list datasets; for rehearsal)"
+    )
     path: str | None = Field(
         None,
         description="the file (npz, parquet, csv), the class folders (imagefolder) or a torchvision "
         "dataset's root; ${VAR} expands on the node that reads it. The driver never opens it",
     )
-    label: str | None = Field(None, min_length=1, description="npz, parquet, csv: the label array / column (default y)")
+    label: str | None = Field(None, min_length=1, description="npz, parquet, csv, jsonl: the label array / column (default y)")
+    text: str | None = Field(
+        None,
+        min_length=1,
+        description="jsonl, csv, parquet: the text column (texts tokenised on the node that reads the file, with "
+        "data.tokenizer; required for jsonl)",
+    )
     features: str | list[str] | None = Field(
         None, description="npz: the feature array (default X); parquet, csv: the feature columns (default: every other numeric column)"
     )
@@ -212,17 +238,26 @@ class SiloSource(StrictModel):
     def _keys_fit_format(self) -> SiloSource:
         kind = silo_source_kind(self.dataset)
         fmt = repr(self.dataset)
+        if self.text is not None and self.dataset not in TEXT_SILO_FORMATS[:3]:
+            raise key_error("text", f"no text column for dataset {fmt} (only jsonl, csv and parquet name theirs), got {self.text!r}")
+        if self.dataset == "jsonl" and self.text is None:
+            raise key_error("text", "the text column of the jsonl file (dataset is 'jsonl')")
+        if self.is_text and self.features is not None:
+            raise key_error("features", f"no features for a text file (its inputs are the texts of column text), got {self.features!r}")
+        if self.dataset == "txt" and self.label is not None:
+            raise key_error("label", f"no label for a txt file (one unlabeled text a line; use jsonl, csv or parquet), got {self.label!r}")
         if kind == "bundled":
             if self.path is not None:
                 raise key_error("path", f"no path for the bundled dataset {fmt} (it ships with rayfuse), got {self.path!r}")
         elif self.path is None:
             what = {
                 "table": f"the {self.dataset} file",
+                "text": f"the {self.dataset} file",
                 "imagefolder": "the folder of class folders",
                 "folder": f"the root folder of the torchvision dataset {fmt}",
             }[kind]
             raise key_error("path", f"{what} (dataset is {fmt})")
-        if kind != "table":
+        if kind not in ("table", "text"):
             for key in ("label", "features"):
                 if getattr(self, key) is not None:
                     raise key_error(key, f"no {key} for dataset {fmt} (only npz, parquet and csv name theirs), got {getattr(self, key)!r}")
@@ -253,9 +288,15 @@ class SiloSource(StrictModel):
     @model_validator(mode="after")
     def _unlabeled_form(self) -> SiloSource:
         # labels: false (a file without labels) is read by its inputs only: a file format whose inputs can be named
+        if self.dataset == "txt" and self.labels:
+            raise key_error("labels", "false for a txt file (one unlabeled text a line: data.public only), got True")
         if self.labels:
             return self
         fmt = repr(self.dataset)
+        if self.is_text:
+            if self.label is not None:
+                raise key_error("label", f"no label with labels: false (the file holds none), got {self.label!r}")
+            return self
         if silo_source_kind(self.dataset) != "table":
             raise key_error("labels", f"true for dataset {fmt} (an unlabeled file is npz, or parquet / csv with features named), got False")
         if self.label is not None:
@@ -265,6 +306,11 @@ class SiloSource(StrictModel):
                 "features", f"the feature columns of an unlabeled {self.dataset} file (with labels: false only the columns named are read)"
             )
         return self
+
+    @property
+    def is_text(self) -> bool:
+        """Whether the source holds texts (jsonl, txt, or csv / parquet with ``text`` named): tokenised where it is read."""
+        return self.dataset in ("jsonl", "txt") or self.text is not None
 
 
 class SiloSpec(SiloSource):
@@ -282,7 +328,7 @@ class SiloSpec(SiloSource):
     @model_validator(mode="after")
     def _one_held_out_split(self) -> SiloSpec:
         if self.test_path is not None:
-            if silo_source_kind(self.dataset) not in ("table", "imagefolder"):
+            if silo_source_kind(self.dataset) not in ("table", "text", "imagefolder"):
                 raise key_error(
                     "test_path", f"no test_path for dataset {self.dataset!r} (its held-out split is val_size of it), got {self.test_path!r}"
                 )
@@ -295,6 +341,11 @@ class SiloSpec(SiloSource):
     @model_validator(mode="after")
     def _unlabeled_form(self) -> SiloSpec:
         # replaces SiloSource's: a client trains on its silo's labels, whatever the format
+        if self.dataset == "txt":
+            raise key_error(
+                "dataset",
+                "jsonl, csv or parquet with a text column for a client's silo (a txt file holds no labels: data.public only), got 'txt'",
+            )
         if not self.labels:
             raise key_error(
                 "labels", "true for a client's silo (a client trains on its labels; labels: false is for data.public), got False"
@@ -328,6 +379,20 @@ class DataConfig(DatasetSource):
     )
     test: SiloSource | None = Field(None, description="with silos: the server's test set (central evaluation)")
     public: SiloSource | None = Field(None, description="with silos: the server's public / target sample")
+    text: str | None = Field(
+        None, min_length=1, description="dataset text: the text column of data.path (.jsonl, .csv, .parquet), labels in data.label"
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="text data: the Hugging Face folder whose tokenizer tokenises the texts, where they are read "
+        "(default: the folder of model.name: hf:<folder>)",
+    )
+    max_length: int | None = Field(
+        None,
+        ge=2,
+        description="text data: tokens a text is truncated / padded (with -1) to; default min(128, the model's "
+        "max_position_embeddings), at most that",
+    )
     # int | float | str: a float label value (0.5) stays a float (its text "0.5" is what a file's label reads back as)
     classes: list[int | float | str] | None = Field(
         None,
@@ -373,11 +438,69 @@ class DataConfig(DatasetSource):
         copy_._public_readers = readers
         return copy_
 
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_folder(cls, value: str | None) -> str | None:
+        # absolute, as model.name's hf:<folder> is: the processes that tokenise start elsewhere
+        import os
+
+        if value is None:
+            return value
+        if not value.strip() or any(c in value for c in "\0\n\r"):
+            raise ValueError("a local Hugging Face folder with a tokenizer")
+        return os.path.abspath(os.path.expanduser(value))
+
     @model_validator(mode="after")
     def _file_datasets_need_path(self) -> DataConfig:
-        if self.dataset in ("npz", "parquet") and not self.path:
+        if self.dataset in ("npz", "parquet", "text") and not self.path:
             raise key_error("path", f"the {self.dataset} file to load (data.dataset is {self.dataset!r})")
         return self
+
+    @model_validator(mode="after")
+    def _text_keys(self) -> DataConfig:
+        if self.silos is None:
+            if self.dataset == "text":
+                suffix = (self.path or "").rsplit(".", 1)[-1].lower()
+                if suffix not in TEXT_SILO_FORMATS[:3]:
+                    raise key_error(
+                        "path",
+                        f"a .jsonl, .csv or .parquet file of labeled texts for dataset 'text' (a .txt file holds no labels), got {self.path!r}",
+                    )
+                if self.text is None:
+                    raise key_error("text", f"the text column of {self.path!r} (data.dataset is 'text')")
+                if self.options:
+                    raise key_error(
+                        "options",
+                        f"no options for dataset 'text' (data.text, data.tokenizer, data.max_length say how it is read), got {self.options!r}",
+                    )
+            elif self.text is not None:
+                raise key_error("text", f"dataset: text for a text column (data.dataset is {self.dataset!r}), got {self.text!r}")
+        else:
+            sources: list[tuple[tuple[str | int, ...], SiloSource]] = [(("silos", i), s) for i, s in enumerate(self.silos)]
+            sources += [((key,), getattr(self, key)) for key in ("test", "public") if getattr(self, key) is not None]
+            texts = [loc for loc, source in sources if source.is_text]
+            odd = next((pair for pair in sources if not pair[1].is_text), None)
+            if texts and odd is not None:
+                first = ".".join(map(str, texts[0]))
+                raise key_error(
+                    (*odd[0], "dataset"),
+                    f"a text source (jsonl, txt, or csv / parquet with text named) as data.{first} is (a run's data are "
+                    f"texts or not), got {odd[1].dataset!r}",
+                )
+        if self.uses_text and self.standardize:
+            raise key_error("standardize", "false or unset for text data (token ids are never scaled), got True")
+        if not self.uses_text:
+            for key in ("tokenizer", "max_length"):
+                if getattr(self, key) is not None:
+                    raise key_error(key, f"no {key} without text data (dataset: text, or text silos), got {getattr(self, key)!r}")
+        return self
+
+    @property
+    def uses_text(self) -> bool:
+        """Whether the run's data are texts (``dataset: text``, or silos of texts), tokenised where they are read."""
+        if self.silos is None:
+            return self.dataset == "text"
+        return any(s.is_text for s in self.silos)
 
     @model_validator(mode="after")
     def _silos_or_simulation(self) -> DataConfig:

@@ -226,6 +226,55 @@ class ExperimentConfig(StrictModel):
         return any(model != self.model for model in self.client_models())
 
     @model_validator(mode="after")
+    def _text_encoding(self) -> ExperimentConfig:
+        # Text data take a Hugging Face classifier: a model named here that is not one is refused (a factory given from
+        # Python, or no model named, is checked before start: rayfuse.runner), and so is data.max_length beyond the
+        # model folder's positions; with_text_encoding fills in the defaults
+        if not self.data.uses_text:
+            return self
+        from rayfuse.data.text import model_positions
+        from rayfuse.models.hf import hf_folder_of
+
+        folder = hf_folder_of(self.model.name)
+        if folder is None and self.model.name != "custom" and "name" in self.model.model_fields_set:
+            raise key_error(
+                ("model", "name"), f"a Hugging Face classifier hf:<folder> for text data (token-id rows), got {self.model.name!r}"
+            )
+        positions = model_positions(folder) if folder is not None else None
+        if self.data.max_length is not None and positions is not None and self.data.max_length > positions:
+            raise key_error(
+                ("data", "max_length"), f"at most the model's max_position_embeddings ({positions}) in {folder}, got {self.data.max_length}"
+            )
+        return self
+
+    def with_text_encoding(self) -> ExperimentConfig:
+        """A copy whose text data section states its tokenizer and ``max_length`` (``data.tokenizer``: default the
+        model's folder, ``hf:<folder>`` or :func:`rayfuse.models.hf.hf_model`'s; ``data.max_length``: default
+        min(128, the model's ``max_position_embeddings``), at most that), so every process that reads a text source
+        holds them and the run's config.yaml records them; ``self`` where the data are not texts. Raises
+        :class:`InputError` when no tokenizer is named and the model has no folder, or for a ``max_length`` beyond
+        the positions of a model given from Python."""
+        if not self.data.uses_text:
+            return self
+        from rayfuse.data.text import DEFAULT_MAX_LENGTH, model_positions
+        from rayfuse.errors import InputError
+        from rayfuse.models.hf import hf_factory
+
+        factory = hf_factory(self.model)
+        folder = None if factory is None else factory.folder
+        tokenizer = self.data.tokenizer or folder
+        if tokenizer is None:
+            raise InputError("data.tokenizer", "the Hugging Face folder whose tokenizer reads the texts (the model names no folder)", None)
+        positions = model_positions(folder) if folder is not None else None
+        max_length = self.data.max_length or min(DEFAULT_MAX_LENGTH, positions or DEFAULT_MAX_LENGTH)
+        if positions is not None and max_length > positions:
+            raise InputError("data.max_length", f"at most the model's max_position_embeddings ({positions}) in {folder}", max_length)
+        if (tokenizer, max_length) == (self.data.tokenizer, self.data.max_length):
+            return self
+        data = self.data.model_copy(update={"tokenizer": tokenizer, "max_length": max_length})
+        return self.model_copy(update={"data": data})
+
+    @model_validator(mode="after")
     def _evaluation(self) -> ExperimentConfig:
         if self.data.is_silos and self.evaluation != "federated" and self.data.test is None:
             raise key_error(

@@ -193,6 +193,13 @@ def load_dataset_from_config(data_cfg: Any) -> Dataset:
     attached = getattr(data_cfg, "arrays", None)
     if attached is not None:
         return check_layout(attached, layout)
+    if data_cfg.dataset == "text":  # texts tokenised here, with the run's tokenizer and max_length
+        return load_dataset(
+            "text",
+            path=data_cfg.path,
+            label=data_cfg.label,
+            options={"text": data_cfg.text, "tokenizer": data_cfg.tokenizer, "max_length": data_cfg.max_length},
+        )
     return check_layout(
         load_dataset(
             data_cfg.dataset,

@@ -36,6 +36,7 @@ import numpy as np
 from rayfuse.config import PATH_VARIABLE, SiloSource, SiloSpec, label_value, silo_source_kind
 from rayfuse.data.datasets import Dataset, load_dataset, read_data_file
 from rayfuse.data.roles import Normalization, Split
+from rayfuse.data.text import TEXT_DTYPE, TextEncoding
 from rayfuse.errors import InputError
 from rayfuse.seeding import make_rng
 
@@ -93,6 +94,7 @@ class SiloClientPlan:
     content_hash: str = ""
     corruption: str | None = None  # (a silo is never corrupted by rayfuse; the field a ClientPlan has)
     corruption_seed: int = 0
+    text: TextEncoding | None = None  # text silos: the run's tokenizer and max_length (tokenised here, on the client)
 
     @property
     def joined(self) -> bool:
@@ -124,6 +126,7 @@ class SiloPlan:
     target: str | None = None
     unassigned: int = 0
     public_labeled: bool = True
+    text: TextEncoding | None = None
 
     @property
     def surveyed(self) -> bool:
@@ -177,7 +180,7 @@ class SiloPlan:
 
     def for_client(self, client_id: int) -> SiloClientPlan:
         if not self.schemas:
-            return SiloClientPlan(client_id, self.silos[client_id], self.seed, self.classes)
+            return SiloClientPlan(client_id, self.silos[client_id], self.seed, self.classes, text=self.text)
         return SiloClientPlan(
             client_id,
             self.silos[client_id],
@@ -187,6 +190,7 @@ class SiloPlan:
             self.input_shape,
             self.normalization,
             str(self.schemas[client_id]["content_hash"]),
+            text=self.text,
         )
 
     def with_schemas(self, schemas: Sequence[Mapping[str, Any]], normalization: Normalization | None) -> SiloPlan:
@@ -240,7 +244,17 @@ def make_silo_plan(cfg: ExperimentConfig, *, test_size: int = 0, public_size: in
         test_size=test_size,
         public_size=public_size,
         public_labeled=public_labeled,
+        text=text_encoding(cfg.data),
     )
+
+
+def text_encoding(data: Any) -> TextEncoding | None:
+    """The run's :class:`~rayfuse.data.text.TextEncoding` (``data.tokenizer``, ``data.max_length``, which the config
+    resolves) where its data are texts; ``None`` otherwise."""
+    if not getattr(data, "uses_text", False):
+        return None
+    assert data.tokenizer is not None and data.max_length is not None  # ExperimentConfig._text_encoding
+    return TextEncoding(str(data.tokenizer), int(data.max_length))
 
 
 def wants_standardization(cfg: ExperimentConfig) -> bool:
@@ -250,6 +264,8 @@ def wants_standardization(cfg: ExperimentConfig) -> bool:
     if cfg.data.standardize is not None:
         return bool(cfg.data.standardize)
     assert cfg.data.silos is not None
+    if cfg.data.uses_text:  # token ids: never standardised
+        return False
     from rayfuse.data.datasets import DATASETS
 
     name = cfg.data.silos[0].dataset
@@ -263,7 +279,7 @@ def wants_standardization(cfg: ExperimentConfig) -> bool:
 def load_silo_splits(plan: SiloClientPlan) -> tuple[Split, Split, tuple[str, ...], str]:
     """A client's silo read on its own node (:func:`load_silo`) as float32 train / held-out splits, its label values
     (``data.classes`` when declared) and the dtype its file stores the inputs in (what the silo survey compares)."""
-    train, held_out = load_silo(plan.spec, client=plan.client_id, seed=plan.seed, classes=plan.classes)
+    train, held_out = load_silo(plan.spec, client=plan.client_id, seed=plan.seed, classes=plan.classes, text=plan.text)
     return _as_split(train), _as_split(held_out), tuple(str(c) for c in train.class_names), stored_dtype(train)
 
 
@@ -276,6 +292,7 @@ def server_split(
     normalization: Normalization | None,
     classes: Sequence[str] | None = None,
     dtype: str | None = None,
+    text: TextEncoding | None = None,
 ) -> Split:
     """A server set (``data.test``, ``data.public``) read where the coordinator runs, checked against the silos' input
     shape and label values (``classes``: the declared ``data.classes``, which are then the silos' label values), its
@@ -284,7 +301,7 @@ def server_split(
     (``labels: false``) is its inputs only (:func:`load_server_inputs`), every label :data:`UNKNOWN_LABEL`; its
     readers record the dtype its file stores the inputs in, checked against ``dtype`` as a labelled set's is."""
     if not spec.labels:
-        X, stored = _server_inputs(spec, key=key)
+        X, stored = _server_inputs(spec, key=key, text=text)
         if dtype is not None and dtype_kind(stored) != dtype_kind(dtype):
             where = f" in {spec.path!r}" if spec.path else ""
             raise InputError(
@@ -297,7 +314,7 @@ def server_split(
             raise InputError(key, f"inputs shaped like the silos' {tuple(input_shape)}", tuple(X.shape[1:]))
         unlabeled = Split(X, np.full(len(X), UNKNOWN_LABEL, dtype=np.int64))
         return unlabeled if normalization is None else Split(normalization.apply(unlabeled.X), unlabeled.y)
-    data = load_server_set(spec, key=key, classes=classes)
+    data = load_server_set(spec, key=key, classes=classes, text=text)
     if dtype is not None and dtype_kind(stored_dtype(data)) != dtype_kind(dtype):
         where = f" in {spec.path!r}" if spec.path else ""
         raise InputError(
@@ -360,6 +377,7 @@ def load_silo(
     env: Mapping[str, str] | None = None,
     seed: int = 0,
     classes: Sequence[str] | None = None,
+    text: TextEncoding | None = None,
 ) -> tuple[Dataset, Dataset]:
     """Read client ``client``'s silo on its own node: its training split and its held-out split.
 
@@ -377,6 +395,9 @@ def load_silo(
         The declared label values (``data.classes`` as text, in label order). With them each label is numbered by its
         position there (a silo may hold some of them, one at least) and a label not among them is an
         :class:`InputError`; without them the silo's label values are those its file holds (two at least).
+    text : TextEncoding, optional
+        A text silo's tokenizer and ``max_length`` (the run's ``data.tokenizer``, ``data.max_length``): its texts are
+        tokenised here.
 
     Returns
     -------
@@ -386,9 +407,9 @@ def load_silo(
     """
     key = f"data.silos.{client}"
     silo: SiloSpec = _validated(spec, SiloSpec, key)
-    data = _read_source(silo, key=key, client=client, env=env, classes=classes)
+    data = _read_source(silo, key=key, client=client, env=env, classes=classes, text=text)
     if silo.test_path is not None:
-        held_out = _read_source(silo, key=key, client=client, env=env, field="test_path", classes=classes)
+        held_out = _read_source(silo, key=key, client=client, env=env, field="test_path", classes=classes, text=text)
         if dtype_kind(stored_dtype(held_out)) != dtype_kind(stored_dtype(data)):
             raise InputError(
                 f"{key}.test_path",
@@ -410,6 +431,7 @@ def load_silo(
                 held_out.num_classes,
                 held_out.class_names,
                 stored_dtype=held_out.stored_dtype,
+                meta=held_out.meta,
             )
         return data, _aligned_held_out(held_out, data, f"{key}.test_path", silo.test_path)
     assert silo.val_size is not None  # SiloSpec: val_size or test_path
@@ -417,7 +439,12 @@ def load_silo(
 
 
 def load_server_set(
-    spec: SiloSource | Mapping[str, Any], *, key: str, env: Mapping[str, str] | None = None, classes: Sequence[str] | None = None
+    spec: SiloSource | Mapping[str, Any],
+    *,
+    key: str,
+    env: Mapping[str, str] | None = None,
+    classes: Sequence[str] | None = None,
+    text: TextEncoding | None = None,
 ) -> Dataset:
     """Read a server-side set of a silo config (``data.test``, ``data.public``: ``key``) whole, where the server runs;
     with ``classes`` (``data.classes``) its labels numbered by their position there, as :func:`load_silo` does. A set
@@ -425,17 +452,22 @@ def load_server_set(
     source: SiloSource = _validated(spec, SiloSource, key)
     if not source.labels:
         raise InputError(f"{key}.labels", "a labelled set here (read a set without labels with load_server_inputs)", False)
-    return _read_source(source, key=key, client=None, env=env, classes=classes)
+    return _read_source(source, key=key, client=None, env=env, classes=classes, text=text)
 
 
-def load_server_inputs(spec: SiloSource | Mapping[str, Any], *, key: str, env: Mapping[str, str] | None = None) -> np.ndarray:
+def load_server_inputs(
+    spec: SiloSource | Mapping[str, Any], *, key: str, env: Mapping[str, str] | None = None, text: TextEncoding | None = None
+) -> np.ndarray:
     """The inputs of a server-side set without labels (``data.public`` with ``labels: false``), read where the server
     runs: an ``npz`` file's ``features`` array (default ``X``), or a ``parquet`` / ``csv`` file's ``features`` columns;
-    nothing else of the file is read. Float32 ``(N, *input_shape)``; bad files are one line at ``key``."""
-    return _server_inputs(spec, key=key, env=env)[0]
+    nothing else of the file is read; a text file's texts (``.txt``: its lines; else column ``text``) tokenised with
+    ``text``. Float32 ``(N, *input_shape)``; bad files are one line at ``key``."""
+    return _server_inputs(spec, key=key, env=env, text=text)[0]
 
 
-def _server_inputs(spec: SiloSource | Mapping[str, Any], *, key: str, env: Mapping[str, str] | None = None) -> tuple[np.ndarray, str]:
+def _server_inputs(
+    spec: SiloSource | Mapping[str, Any], *, key: str, env: Mapping[str, str] | None = None, text: TextEncoding | None = None
+) -> tuple[np.ndarray, str]:
     """:func:`load_server_inputs` with the dtype the file stores the inputs in (what the survey's kind check compares)."""
     from rayfuse.data.datasets import read_unlabeled_inputs
 
@@ -446,6 +478,16 @@ def _server_inputs(spec: SiloSource | Mapping[str, Any], *, key: str, env: Mappi
     if not resolved.is_file():
         hint = f"the server's node resolves it to {str(resolved)!r}" if str(resolved) != written else ""
         raise InputError(f"{key}.path", f"an existing {source.dataset} file on the server's node", written, hint)
+    if source.is_text:
+        from rayfuse.data.text import read_text_inputs
+
+        encoding = _encoding(text, key)
+        return _rekeyed(
+            lambda: read_text_inputs(resolved, text=source.text, encoding=encoding, kind=source.dataset, key=f"{key}.path"),
+            key,
+            "path",
+            written,
+        )
     return _rekeyed(
         lambda: read_unlabeled_inputs(resolved, kind=source.dataset, features=source.features, delimiter=source.options.get("delimiter")),
         key,
@@ -454,12 +496,19 @@ def _server_inputs(spec: SiloSource | Mapping[str, Any], *, key: str, env: Mappi
     )
 
 
-def server_set_size(spec: SiloSource, *, key: str, classes: Sequence[str] | None = None) -> int:
+def server_set_size(spec: SiloSource, *, key: str, classes: Sequence[str] | None = None, text: TextEncoding | None = None) -> int:
     """The number of samples of a server-side set (``data.test``, ``data.public``), read where the server runs (bad
     files are one line at ``key``)."""
     if not spec.labels:
-        return int(len(load_server_inputs(spec, key=key)))
-    return int(len(load_server_set(spec, key=key, classes=classes).y))
+        return int(len(load_server_inputs(spec, key=key, text=text)))
+    return int(len(load_server_set(spec, key=key, classes=classes, text=text).y))
+
+
+def _encoding(text: TextEncoding | None, key: str) -> TextEncoding:
+    """The run's text encoding for a text source at ``key`` (the config resolves it for every run of text data)."""
+    if text is None:
+        raise InputError(key, "a text source read with the run's tokenizer (data.tokenizer, data.max_length)", None)
+    return text
 
 
 def _validated(spec: Any, model: type[SiloSource], key: str) -> Any:
@@ -485,10 +534,11 @@ def _read_source(
     env: Mapping[str, str] | None,
     field: str = "path",
     classes: Sequence[str] | None = None,
+    text: TextEncoding | None = None,
 ) -> Dataset:
     """The whole data source ``spec`` (its ``path``, or its ``test_path`` when ``field`` says so), its labels numbered by
     their position in ``classes`` when declared (:func:`_declared`)."""
-    data = _read_whole(spec, key=key, client=client, env=env, field=field, min_labels=2 if classes is None else 1)
+    data = _read_whole(spec, key=key, client=client, env=env, field=field, min_labels=2 if classes is None else 1, text=text)
     if classes is None:
         return data
     written = f" in {getattr(spec, field)!r}" if getattr(spec, field, None) is not None else ""
@@ -512,11 +562,23 @@ def _declared(data: Dataset, classes: Sequence[str], *, key: str, where: str) ->
             "add the value to data.classes or leave its rows out of the file",
         )
     mapping = np.array([index.get(label_value(n), -1) for n in names], dtype=np.int64)
-    return Dataset(data.name, data.X, mapping[data.y], len(classes), tuple(str(c) for c in classes), stored_dtype=data.stored_dtype)
+    return Dataset(
+        data.name, data.X, mapping[data.y], len(classes), tuple(str(c) for c in classes), stored_dtype=data.stored_dtype, meta=data.meta
+    )
 
 
-def _read_whole(spec: SiloSource, *, key: str, client: int | None, env: Mapping[str, str] | None, field: str, min_labels: int) -> Dataset:
-    """The whole data source as its file numbers its labels (``min_labels`` distinct at least: files and class folders)."""
+def _read_whole(
+    spec: SiloSource,
+    *,
+    key: str,
+    client: int | None,
+    env: Mapping[str, str] | None,
+    field: str,
+    min_labels: int,
+    text: TextEncoding | None = None,
+) -> Dataset:
+    """The whole data source as its file numbers its labels (``min_labels`` distinct at least: files and class folders);
+    a text file's texts tokenised here with ``text`` (:func:`rayfuse.data.text.read_text_dataset`)."""
     kind = silo_source_kind(spec.dataset)
     name = "server" if client is None else f"silo{client}"
     where = "the server" if client is None else f"client {client}"
@@ -543,6 +605,26 @@ def _read_whole(spec: SiloSource, *, key: str, client: int | None, env: Mapping[
         )
     if not resolved.is_file():
         raise InputError(f"{key}.{field}", f"an existing {spec.dataset} file on {where}'s node", written, hint)
+    if spec.is_text:
+        from rayfuse.data.text import read_text_dataset
+
+        encoding = _encoding(text, key)
+        data = _rekeyed(
+            lambda: read_text_dataset(
+                resolved,
+                text=spec.text,
+                label=spec.label or "y",
+                encoding=encoding,
+                kind=spec.dataset,
+                key=f"{key}.{field}",
+                min_labels=min_labels,
+                name=name,
+            ),
+            key,
+            field,
+            written,
+        )
+        return data
     dataset = _rekeyed(
         lambda: read_data_file(
             resolved,
@@ -566,7 +648,9 @@ def _rekeyed(read: Callable[[], T], key: str, field: str, written: str | None) -
         return read()
     except InputError as exc:
         path = exc.path
-        if path.startswith("data.") and path[5:].split(".", 1)[0] in ("label", "features", "options", "dataset"):
+        if path.startswith(f"{key}.") or path in ("data.tokenizer", "data.max_length"):
+            raise  # already at the source's key (a text file's reader is given it), or the run's tokenizer
+        if path.startswith("data.") and path[5:].split(".", 1)[0] in ("label", "features", "options", "dataset", "text"):
             raise exc.at(f"{key}.{path[5:]}") from None
         if written is None:
             raise exc.at(f"{key}.{field}") from None
@@ -725,7 +809,13 @@ def _aligned_held_out(held_out: Dataset, train: Dataset, key: str, written: str)
         raise InputError(key, f"labels among the silo's training labels {list(train.class_names)} in {written!r}", unknown[0])
     mapping = np.array([index.get(name, -1) for name in held_out.class_names], dtype=np.int64)
     return Dataset(
-        train.name + "-held-out", held_out.X, mapping[held_out.y], train.num_classes, train.class_names, stored_dtype=held_out.stored_dtype
+        train.name + "-held-out",
+        held_out.X,
+        mapping[held_out.y],
+        train.num_classes,
+        train.class_names,
+        stored_dtype=held_out.stored_dtype,
+        meta=held_out.meta,
     )
 
 
@@ -753,9 +843,17 @@ def _split_held_out(data: Dataset, val_size: float, *, key: str, seed: int, clie
     for c in range(data.num_classes):
         members = np.flatnonzero(data.y == c)
         held[rng.permutation(members)[: take[c]]] = True
-    train = Dataset(data.name, data.X[~held], data.y[~held], data.num_classes, data.class_names, stored_dtype=data.stored_dtype)
+    train = Dataset(
+        data.name, data.X[~held], data.y[~held], data.num_classes, data.class_names, stored_dtype=data.stored_dtype, meta=data.meta
+    )
     held_out = Dataset(
-        data.name + "-held-out", data.X[held], data.y[held], data.num_classes, data.class_names, stored_dtype=data.stored_dtype
+        data.name + "-held-out",
+        data.X[held],
+        data.y[held],
+        data.num_classes,
+        data.class_names,
+        stored_dtype=data.stored_dtype,
+        meta=data.meta,
     )
     return train, held_out
 
@@ -784,6 +882,8 @@ def dtype_kind(dtype: str) -> str:
     know is its own kind."""
     if str(dtype).endswith(f" {_PIXELS}"):
         return "image pixels scaled to [0, 1]"
+    if str(dtype) == TEXT_DTYPE:  # texts tokenised where they are read: padded with -1, never scaled
+        return "token ids of texts"
     try:
         kind = np.dtype(dtype).kind
     except TypeError:
@@ -810,6 +910,7 @@ def silo_schema(train: Dataset, held_out: Dataset) -> dict[str, Any]:
         "class_counts": np.bincount(train.y, minlength=train.num_classes).astype(int).tolist(),
         "held_out_class_counts": np.bincount(held_out.y, minlength=train.num_classes).astype(int).tolist(),
         "content_hash": digest.hexdigest(),
+        **({"text": dict(train.meta["text"])} if "text" in train.meta else {}),
     }
 
 
@@ -835,6 +936,13 @@ def check_schemas(schemas: Sequence[Mapping[str, Any]], silos: Sequence[SiloSour
                 f"inputs of the same kind as data.silos.0's: {dtype_kind(base['dtype'])} ({base['dtype']}{written(0)})",
                 f"{schema['dtype']}{written(i)}",
                 _KIND_HINT,
+            )
+        if schema.get("text") != base.get("text"):
+            raise InputError(
+                f"data.silos.{i}",
+                f"texts tokenised as data.silos.0's {base.get('text')}{written(0)}",
+                f"{schema.get('text')}{written(i)}",
+                "every client must tokenise with the same tokenizer files (data.tokenizer) and max_length",
             )
         for field, what in (("input_shape", "input shape"), ("labels", "label values")):
             mine = list(schema[field]) if isinstance(schema[field], (list, tuple)) else schema[field]

@@ -54,7 +54,21 @@ __all__ = ["SILO_CONFIG_NAME", "silo_config_for", "silo_config_text", "split_sim
 
 SILO_CONFIG_NAME = "silos.yaml"
 # data keys of a simulation that a silo config refuses (rayfuse.config: each client reads its own silo instead)
-_SIMULATION_ONLY = ("dataset", "root", "path", "label", "features", "options", "target", "test_size", "public_size")
+# (text, tokenizer, max_length: the files hold a text dataset's token ids, tokenised already)
+_SIMULATION_ONLY = (
+    "dataset",
+    "root",
+    "path",
+    "label",
+    "features",
+    "options",
+    "target",
+    "test_size",
+    "public_size",
+    "text",
+    "tokenizer",
+    "max_length",
+)
 
 
 def split_simulation(cfg: ExperimentConfig, out: str | Path, *, key: str = "--out") -> Path:

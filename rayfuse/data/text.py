@@ -15,22 +15,30 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from rayfuse.data.datasets import Dataset, _existing_file, _labels_to_int, csv_dialect, register_dataset
 from rayfuse.errors import InputError
 
 __all__ = [
     "PAD",
+    "TEXT_DTYPE",
     "TEXT_FORMATS",
     "TOKENIZER_FILES",
+    "TextEncoding",
     "attention_mask",
     "build_word_tokenizer",
     "encode_texts",
     "has_tokenizer",
+    "model_positions",
+    "read_text_dataset",
+    "read_text_inputs",
     "read_texts",
+    "tokenizer_fingerprint",
     "text_format",
     "text_tokenizer",
 ]
@@ -43,6 +51,10 @@ TEXT_FORMATS = ("jsonl", "csv", "parquet", "txt")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
 #: Token ids are stored in float32 inputs, exact for integers up to 2^24.
 _MAX_ID = 2**24
+#: The stored dtype of a text source's inputs (what the silo survey compares: rayfuse.data.silos.dtype_kind).
+TEXT_DTYPE = "int64 token ids"
+#: The default ``data.max_length`` where the model's positions allow it.
+DEFAULT_MAX_LENGTH = 128
 
 
 def text_format(path: str | Path, kind: str | None = None, *, key: str = "data.path") -> str:
@@ -94,8 +106,6 @@ def _table_columns(file: Path, kind: str, key: str) -> tuple[list[str], dict[str
             table = pq.read_table(file)
         else:
             import pyarrow.csv as pacsv
-
-            from rayfuse.data.datasets import csv_dialect
 
             dialect = csv_dialect(file)
             # every column as text: a label column of numbers is read as its numbers below
@@ -252,3 +262,104 @@ def build_word_tokenizer(texts: Sequence[str], folder: str | Path, *, vocab_size
     Path(folder).mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(folder))
     return fast
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Text sources of a run: a file read and tokenised where it is (a client's silo, the server's public sample, the
+# single file a simulation partitions)
+
+
+@dataclass(frozen=True)
+class TextEncoding:
+    """How a run turns texts into token-id rows: the tokenizer's folder (``data.tokenizer``, absolute) and
+    ``data.max_length``; every process that reads a text source holds it (the silo plans, the data section)."""
+
+    tokenizer: str
+    max_length: int
+
+
+def model_positions(folder: str | Path) -> int | None:
+    """The ``max_position_embeddings`` of a Hugging Face folder's ``config.json`` (read as JSON: nothing built);
+    ``None`` where the folder, its config or the field is missing (the model's own checks name those)."""
+    try:
+        value = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def tokenizer_fingerprint(folder: str | Path) -> str:
+    """A SHA-256 of a tokenizer folder's own files (its vocabulary, ``tokenizer.json``, its configs): two nodes whose
+    folders at the same path hold different tokenizers tokenise differently, and the silo survey refuses them."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in sorted({*TOKENIZER_FILES, "tokenizer_config.json", "special_tokens_map.json", "merges.txt", "added_tokens.json"}):
+        file = Path(folder) / name
+        if file.is_file():
+            digest.update(f"{name}|".encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _encoded(texts: Sequence[str], encoding: TextEncoding) -> tuple[np.ndarray, dict[str, Any]]:
+    """``texts`` as token-id rows with the run's tokenizer, and the facts the silo survey compares (``meta["text"]``)."""
+    tokenizer = text_tokenizer(encoding.tokenizer)
+    X = encode_texts(tokenizer, texts, encoding.max_length)
+    return X, {"text": {"tokenizer": tokenizer_fingerprint(encoding.tokenizer), "max_length": int(encoding.max_length)}}
+
+
+def read_text_dataset(
+    path: str | Path,
+    *,
+    text: str | None,
+    label: str,
+    encoding: TextEncoding,
+    kind: str | None = None,
+    key: str = "data.path",
+    min_labels: int = 2,
+    name: str | None = None,
+) -> Dataset:
+    """A labelled text file (``.jsonl``, ``.csv``, ``.parquet``) as a :class:`rayfuse.data.datasets.Dataset`: its texts
+    tokenised (:func:`encode_texts`), its labels numbered as a table's are (0-based integers kept, anything else in
+    sorted order, the values as class names); stored dtype :data:`TEXT_DTYPE`, ``meta["text"]`` the tokenizer's
+    fingerprint and ``max_length``. A ``.txt`` file holds no labels (one line at ``data.label``)."""
+    texts, labels = read_texts(path, text=text, label=label, kind=kind, key=key)
+    assert labels is not None  # read_texts: a label column named, or one line
+    kinds = {type(v) for v in labels}
+    # one kind of label as numpy stores it (text, or numbers); mixed kinds stay objects, which check_labels refuses
+    values = np.asarray(labels, dtype=object) if len(kinds) > 1 and str in kinds else np.asarray(labels)
+    y, classes = _labels_to_int(values, "data.label", min_labels)
+    X, meta = _encoded(texts, encoding)
+    return Dataset(name or Path(path).stem, X, y, len(classes), classes, meta=meta, stored_dtype=TEXT_DTYPE)
+
+
+def read_text_inputs(
+    path: str | Path, *, text: str | None, encoding: TextEncoding, kind: str | None = None, key: str = "data.path"
+) -> tuple[np.ndarray, str]:
+    """The texts of an unlabeled file (``.txt``: its lines; ``.jsonl`` / ``.csv`` / ``.parquet``: column ``text``) as
+    token-id rows, with the stored dtype (:data:`TEXT_DTYPE`)."""
+    texts, _ = read_texts(path, text=text, kind=kind, key=key)
+    return _encoded(texts, encoding)[0], TEXT_DTYPE
+
+
+@register_dataset(
+    "text",
+    description="a .jsonl, .csv or .parquet file at data.path: texts in column data.text (tokenised with data.tokenizer "
+    "to data.max_length tokens), labels in data.label",
+    source="user file",
+)
+def _load_text_dataset(
+    *,
+    path: str | None = None,
+    label: str = "y",
+    text: str | None = None,
+    tokenizer: str | None = None,
+    max_length: int | None = None,
+    **_: Any,
+) -> Dataset:
+    if tokenizer is None or max_length is None:  # the config resolves both (ExperimentConfig: data.tokenizer, data.max_length)
+        raise InputError("data.tokenizer", "a tokenizer folder and data.max_length for dataset 'text'", tokenizer)
+    return read_text_dataset(
+        _existing_file(path, Path(str(path)).suffix), text=text, label=label, encoding=TextEncoding(tokenizer, max_length)
+    )

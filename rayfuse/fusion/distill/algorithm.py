@@ -87,7 +87,12 @@ class DistillOptions(StrictSchema):
     batch_size: int = Field(64, ge=2, description="student batch size")
     lr: float = Field(3e-3, gt=0, le=10, description="student learning rate (Adam, cosine schedule)")
     shift: int = Field(1, ge=0, le=64, description="public, images: random shifts of up to this many pixels")
-    mixup: float = Field(0.5, ge=0, le=1, description="public: fraction of transfer inputs mixed with a second one (ratio ~ U(0, 1))")
+    mixup: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="public: fraction of transfer inputs mixed with a second one (ratio ~ U(0, 1)); never token ids (texts)",
+    )
     synthetic_batch: int = Field(128, ge=2, description="synthetic: inputs per generated batch")
     generator_steps: int = Field(5, ge=1, description="synthetic: generator steps per round")
     student_steps: int = Field(20, ge=1, description="synthetic: student steps per round")

@@ -181,11 +181,13 @@ def distill_public(
     student.to(device).train()
     opt, sched = _optimizer(student, settings)
     per_pass = math.ceil(settings.steps / settings.epochs)
+    # token-id rows (texts: a model that masks their -1 padding) are drawn as they are: a mix of two texts' ids is no text
+    mixup = 0.0 if getattr(student, "masks_padding", False) else settings.mixup
     history: list[dict[str, float]] = []
     done = 0
     started = time.perf_counter()
     for epoch in range(1, settings.epochs + 1):
-        bank = augment_bank(X_t, per_pass * settings.batch_size, shift=settings.shift, mixup=settings.mixup, generator=generator)
+        bank = augment_bank(X_t, per_pass * settings.batch_size, shift=settings.shift, mixup=mixup, generator=generator)
         target = combine_teachers(teachers.predict(bank).to(device), W, settings.combine)
         order = torch.randperm(bank.shape[0], generator=generator).to(device)
         losses = []
