@@ -55,7 +55,6 @@ if TYPE_CHECKING:
     import torch
 
     from rayfuse.finetunes.config import FinetuneSpec
-    from rayfuse.merging.registry import MergeMethod
     from rayfuse.merging.schema import FuseFile
 
 __all__ = [
@@ -163,8 +162,9 @@ def _resolve(name: str, config: Path) -> Path:
     return file
 
 
-def _refuse_method(method: MergeMethod, path: Path) -> InputError:
-    """The one line for a merge that has no text form."""
+def _refuse_method(method: Any, path: Path) -> InputError:
+    """The one line for a merge (a :class:`rayfuse.merging.registry.MergeMethod`: the registry imports this module, so
+    it is not imported here) that has no text form."""
     names = ", ".join(TEXT_MERGES)
     if method.fuser is not None and method.name.endswith("matching") or method.name == "kl_neurons":
         hint = f"{_NO_ALIGNMENT}; fuse BERT-style models with {names}"
@@ -175,7 +175,7 @@ def _refuse_method(method: MergeMethod, path: Path) -> InputError:
     return InputError(f"{path}: merge_method", f"a merge that reads text data ({names})", method.name, hint)
 
 
-def load_text_fuse_config(file: FuseFile, path: Path, method: MergeMethod, output: str | Path | None = None) -> TextFuseSpec:
+def load_text_fuse_config(file: FuseFile, path: Path, method: Any, output: str | Path | None = None) -> TextFuseSpec:
     """Validate a fuse file whose ``data:`` is text, read and tokenise the text and check every model against the
     base: everything a merge could refuse, before anything runs or is written."""
     from rayfuse.finetunes.hf import ModelSource, parse_size
