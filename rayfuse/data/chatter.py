@@ -76,10 +76,18 @@ def _lines() -> tuple[tuple[str, str], ...]:
     return tuple(lines)
 
 
-def chatter_texts(classes: Mapping[str, Sequence[str]] | None = None) -> tuple[list[str], np.ndarray, tuple[str, ...]]:
+def chatter_texts(
+    classes: Mapping[str, Sequence[str]] | None = None, *, max_per_class: int | None = None
+) -> tuple[list[str], np.ndarray, tuple[str, ...]]:
     """``(texts, labels, class_names)``: the distinct lines of the files ``classes`` names (default :data:`CLASSES`),
-    a text found in two classes dropped, sorted by text; ``labels`` (int64) index ``class_names`` (alphabetical)."""
+    a text found in two classes dropped, sorted by text; ``labels`` (int64) index ``class_names`` (alphabetical).
+    ``max_per_class`` keeps at most that many texts a class (the first by SHA-256 of the text: the same for every
+    seed), so that no class dominates the accuracy (``knowledge`` alone is 46 % of the corpus)."""
+    import hashlib
+
     classes = CLASSES if classes is None else classes
+    if max_per_class is not None and (isinstance(max_per_class, bool) or not isinstance(max_per_class, int) or max_per_class < 10):
+        raise InputError("--max-per-class", "an integer >= 10", max_per_class)
     names = tuple(sorted(classes))
     of_file: dict[str, str] = {}
     for name in names:
@@ -96,6 +104,11 @@ def chatter_texts(classes: Mapping[str, Sequence[str]] | None = None) -> tuple[l
         if stem in of_file:
             found.setdefault(text, set()).add(of_file[stem])
     texts = sorted(t for t, c in found.items() if len(c) == 1)
+    if max_per_class is not None:
+        by_class: dict[str, list[str]] = {}
+        for text in sorted(texts, key=lambda t: hashlib.sha256(t.encode("utf-8")).hexdigest()):
+            by_class.setdefault(next(iter(found[text])), []).append(text)
+        texts = sorted(t for kept in by_class.values() for t in kept[:max_per_class])
     labels = np.array([names.index(next(iter(found[t]))) for t in texts], dtype=np.int64)
     return texts, labels, names
 
@@ -110,7 +123,9 @@ def label_groups(n_classes: int, sites: int) -> list[list[int]]:
     return [sorted({(k * n_classes // sites + j) % n_classes for j in range(size)}) for k in range(sites)]
 
 
-def split_chatter(*, sites: int = 4, seed: int = 0, test: float = 0.2, public: float = 0.15, pretrain: float = 0.1) -> dict[str, Any]:
+def split_chatter(
+    *, sites: int = 4, seed: int = 0, test: float = 0.2, public: float = 0.15, pretrain: float = 0.1, max_per_class: int | None = None
+) -> dict[str, Any]:
     """The task's parts, deterministic for ``seed``: stratified ``test``, ``public`` (its labels kept here, not
     written) and ``pretrain`` fractions of the corpus, and the rest split among ``sites`` by :func:`label_groups`
     (``rayfuse.data.partition``'s ``labels`` partitioner: a class two sites hold is split evenly between them).
@@ -125,7 +140,7 @@ def split_chatter(*, sites: int = 4, seed: int = 0, test: float = 0.2, public: f
             raise InputError(key, "a fraction in (0, 1)", value)
     if test + public + pretrain >= 0.9:
         raise InputError("--test", "test + public + pretrain below 0.9 (the rest is the sites')", round(test + public + pretrain, 6))
-    texts, labels, names = chatter_texts()
+    texts, labels, names = chatter_texts(max_per_class=max_per_class)
     groups = label_groups(len(names), sites)
     index = np.arange(len(texts))
     rest, test_idx = train_test_split(index, test_size=test, stratify=labels, random_state=seed)
@@ -161,6 +176,7 @@ def prepare(
     test: float = 0.2,
     public: float = 0.15,
     pretrain: float = 0.1,
+    max_per_class: int | None = None,
     vocab_size: int = 2000,
     max_length: int = 32,
     hidden: int = 64,
@@ -199,19 +215,20 @@ def prepare(
         raise InputError("--max-length", "at most 64 (the base's positions)", max_length)
     if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 4 or hidden % 4:
         raise InputError("--hidden", "a multiple of 4 (4 attention heads), >= 4", hidden)
-    parts = split_chatter(sites=sites, seed=seed, test=test, public=public, pretrain=pretrain)
+    parts = split_chatter(sites=sites, seed=seed, test=test, public=public, pretrain=pretrain, max_per_class=max_per_class)
     names = parts["classes"]
     training = [t for texts, _ in parts["sites"] for t in texts] + parts["pretrain"][0]
     folder.mkdir(parents=True, exist_ok=True)
     for k, (texts, labels) in enumerate(parts["sites"]):
         _write_jsonl(folder / f"site{k}.jsonl", texts, labels, names)
-    _write_jsonl(folder / "test.jsonl", *parts["test"], names)
-    _write_jsonl(folder / "pretrain.jsonl", *parts["pretrain"], names)
+    for name in ("test", "pretrain"):
+        texts, labels = parts[name]
+        _write_jsonl(folder / f"{name}.jsonl", texts, labels, names)
     (folder / "public.txt").write_text("".join(t + "\n" for t in parts["public"][0]), encoding="utf-8")
 
     base = folder / "base"
     tokenizer = build_word_tokenizer(training, base, vocab_size=vocab_size)
-    config = BertConfig(
+    config = BertConfig(  # type: ignore[call-arg]  # num_labels, id2label...: PretrainedConfig's keyword arguments
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -258,6 +275,7 @@ def prepare(
             "test": test,
             "public": public,
             "pretrain": pretrain,
+            "max_per_class": max_per_class,
             "vocab_size": vocab_size,
             "max_length": max_length,
             "hidden": hidden,
@@ -289,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--test", type=float, default=0.2)
     p.add_argument("--public", type=float, default=0.15)
     p.add_argument("--pretrain", type=float, default=0.1)
+    p.add_argument("--max-per-class", type=int, default=None, help="at most this many texts a class (default: all)")
     p.add_argument("--vocab-size", type=int, default=2000)
     p.add_argument("--max-length", type=int, default=32)
     p.add_argument("--hidden", type=int, default=64)
