@@ -95,6 +95,7 @@ def test_a_different_seed_gives_different_sites(tmp_path):
         (["--max-length", "100"], "--max-length: expected at most 64 (the base's positions), got 100"),
         (["--hidden", "10"], "--hidden: expected a multiple of 4 (4 attention heads), >= 4, got 10"),
         (["--vocab-size", "3"], "--vocab-size: expected an integer > 5 (the 5 special tokens), got 3"),
+        (["--max-per-class", "5"], "--max-per-class: expected an integer >= 10, got 5"),
     ],
 )
 def test_bad_prepare_options_are_one_line_and_write_nothing(tmp_path, capsys, args, message):
@@ -110,3 +111,12 @@ def test_prepare_refuses_a_folder_with_files(tmp_path):
     with pytest.raises(InputError, match="^out: expected a new or empty folder"):
         prepare(tmp_path, **TINY)
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_max_per_class_keeps_the_same_texts_of_each_class():
+    texts, labels, names = chatter_texts()
+    capped, capped_labels, _ = chatter_texts(max_per_class=150)
+    counts = np.bincount(capped_labels, minlength=len(names))
+    assert counts.max() == 150 and (counts == np.minimum(np.bincount(labels), 150)).all()
+    assert set(capped) < set(texts) and capped == sorted(capped)
+    assert chatter_texts(max_per_class=150)[0] == capped
