@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from rayfuse.data.datasets import Dataset, register_dataset
 from rayfuse.errors import InputError
 
 __all__ = ["CLASSES", "chatter_lines", "chatter_texts", "label_groups", "prepare", "split_chatter"]
@@ -78,7 +79,7 @@ def _lines() -> tuple[tuple[str, str], ...]:
 
 
 def chatter_texts(
-    classes: Mapping[str, Sequence[str]] | None = None, *, max_per_class: int | None = None
+    classes: Mapping[str, Sequence[str]] | None = None, *, max_per_class: int | None = None, key: str = "--max-per-class"
 ) -> tuple[list[str], np.ndarray, tuple[str, ...]]:
     """``(texts, labels, class_names)``: the distinct lines of the files ``classes`` names (default :data:`CLASSES`),
     a text found in two classes dropped, sorted by text; ``labels`` (int64) index ``class_names`` (alphabetical).
@@ -88,7 +89,7 @@ def chatter_texts(
 
     classes = CLASSES if classes is None else classes
     if max_per_class is not None and (isinstance(max_per_class, bool) or not isinstance(max_per_class, int) or max_per_class < 10):
-        raise InputError("--max-per-class", "an integer >= 10", max_per_class)
+        raise InputError(key, "an integer >= 10", max_per_class)
     names = tuple(sorted(classes))
     of_file: dict[str, str] = {}
     for name in names:
@@ -112,6 +113,30 @@ def chatter_texts(
         texts = sorted(t for kept in by_class.values() for t in kept[:max_per_class])
     labels = np.array([names.index(next(iter(found[t]))) for t in texts], dtype=np.int64)
     return texts, labels, names
+
+
+@register_dataset(
+    "chatter",
+    source="bundled",
+    description="the English chatterbot corpus (chatterbot-corpus), 6 topic classes of conversation lines as token-id "
+    "rows; data.options: tokenizer (a folder, required), max_length, max_per_class",
+)
+def _load_chatter(*, tokenizer: str | None = None, max_length: int = 32, max_per_class: int | None = 300, **_: Any) -> Dataset:
+    """The corpus (:func:`chatter_texts`) tokenised with the tokenizer of the folder ``tokenizer`` (a model folder's,
+    e.g. ``prepare``'s ``base/``), ``-1``-padded rows of ``max_length`` ids (:mod:`rayfuse.data.text`)."""
+    from rayfuse.data.text import encode_texts, text_tokenizer
+
+    if not isinstance(tokenizer, str) or not tokenizer.strip():
+        raise InputError(
+            "data.options.tokenizer",
+            "the folder of the tokenizer that turns the texts into the model's token ids",
+            tokenizer,
+            "e.g. the model's own folder, or base/ of python -m rayfuse.data.chatter prepare",
+        )
+    encoder = text_tokenizer(tokenizer, key="data.options.tokenizer")
+    texts, labels, names = chatter_texts(max_per_class=max_per_class, key="data.options.max_per_class")
+    X = encode_texts(encoder, texts, max_length, key="data.options.max_length")
+    return Dataset("chatter", X, labels, len(names), names)
 
 
 def label_groups(n_classes: int, sites: int) -> list[list[int]]:

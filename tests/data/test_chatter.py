@@ -120,3 +120,69 @@ def test_max_per_class_keeps_the_same_texts_of_each_class():
     assert counts.max() == 150 and (counts == np.minimum(np.bincount(labels), 150)).all()
     assert set(capped) < set(texts) and capped == sorted(capped)
     assert chatter_texts(max_per_class=150)[0] == capped
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("chatter") / "task"
+    prepare(folder, seed=0, **{**TINY, "pretrain_epochs": 0})
+    return folder
+
+
+def test_the_bundled_dataset_is_the_corpus_as_token_rows_of_a_folders_tokenizer(task):
+    from rayfuse.data.datasets import load_dataset
+
+    data = load_dataset("chatter", options={"tokenizer": str(task / "base"), "max_length": 16, "max_per_class": 100})
+    texts, labels, names = chatter_texts(max_per_class=100)
+    assert data.X.shape == (len(texts), 16) and data.X.dtype == np.float32 and data.class_names == names
+    assert (data.y == labels).all() and (data.X[:, 0] == 2).all()  # [CLS] first
+    assert ((data.X == -1) | (data.X >= 0)).all() and (data.X == -1).any()
+
+
+def _job(tmp_path, task, **options):
+    import yaml
+
+    path = tmp_path / "job.yaml"
+    given = {"tokenizer": str(task / "base"), "max_length": 16, **options}
+    data = {"dataset": "chatter", "options": {k: v for k, v in given.items() if v is not None}}  # None: left out
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "run": {"storage": str(tmp_path / "runs")},
+                "data": data,
+                "model": {"name": f"hf:{task / 'base'}"},
+                "methods": {"fedavg": {}},
+            }
+        )
+    )
+    return str(path)
+
+
+def test_a_federated_config_on_the_bundled_dataset_validates(tmp_path, task, capsys):
+    from rayfuse.cli import main as cli
+
+    assert cli(["validate", _job(tmp_path, task)]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"tokenizer": None},
+            "data.options.tokenizer: expected the folder of the tokenizer that turns the texts into the model's token ids, got None",
+        ),
+        (
+            {"tokenizer": "/nonexistent/folder"},
+            "data.options.tokenizer: expected an existing Hugging Face folder with a tokenizer, got '/nonexistent/folder'",
+        ),
+        ({"max_length": 1}, "data.options.max_length: expected an integer >= 2, got 1"),
+        ({"max_per_class": 3}, "data.options.max_per_class: expected an integer >= 10, got 3"),
+    ],
+)
+def test_bad_options_of_the_bundled_dataset_are_one_line_before_anything_starts(tmp_path, task, capsys, options, message):
+    from rayfuse.cli import main as cli
+
+    assert cli(["validate", _job(tmp_path, task, **options)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rayfuse: error: {message}") and err.count("\n") == 1, err
+    assert not (tmp_path / "runs").exists()
