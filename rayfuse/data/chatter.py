@@ -139,18 +139,31 @@ def _load_chatter(*, tokenizer: str | None = None, max_length: int = 32, max_per
     return Dataset("chatter", X, labels, len(names), names)
 
 
-def label_groups(n_classes: int, sites: int) -> list[list[int]]:
-    """Each site's classes: overlapping windows of ``ceil(n_classes / sites) + 1`` consecutive classes (wrapping),
-    starting at ``floor(k n_classes / sites)``, so every class is held by at least one site and most by two
-    (6 classes, 4 sites: ``[0, 1, 2], [1, 2, 3], [3, 4, 5], [4, 5, 0]``)."""
+def label_groups(n_classes: int, sites: int, per_site: int | None = None) -> list[list[int]]:
+    """Each site's classes: windows of ``per_site`` consecutive classes (wrapping; default ``ceil(n_classes / sites)
+    + 1``, so that most classes are held by two sites), starting at ``floor(k n_classes / sites)``: every class is
+    held by at least one site (6 classes, 4 sites: ``[0, 1, 2], [1, 2, 3], [3, 4, 5], [4, 5, 0]``; ``per_site`` 2:
+    ``[0, 1], [1, 2], [3, 4], [4, 5]``)."""
     if isinstance(sites, bool) or not isinstance(sites, int) or sites < 1:
         raise InputError("--sites", "an integer >= 1", sites)
-    size = min(n_classes, math.ceil(n_classes / sites) + 1)
+    least = math.ceil(n_classes / sites)
+    if per_site is None:
+        per_site = min(n_classes, least + 1)
+    if isinstance(per_site, bool) or not isinstance(per_site, int) or not least <= per_site <= n_classes:
+        raise InputError("--classes-per-site", f"an integer in {least}..{n_classes} (every class at a site)", per_site)
+    size = per_site
     return [sorted({(k * n_classes // sites + j) % n_classes for j in range(size)}) for k in range(sites)]
 
 
 def split_chatter(
-    *, sites: int = 4, seed: int = 0, test: float = 0.2, public: float = 0.15, pretrain: float = 0.1, max_per_class: int | None = None
+    *,
+    sites: int = 4,
+    seed: int = 0,
+    test: float = 0.2,
+    public: float = 0.15,
+    pretrain: float = 0.1,
+    max_per_class: int | None = None,
+    classes_per_site: int | None = None,
 ) -> dict[str, Any]:
     """The task's parts, deterministic for ``seed``: stratified ``test``, ``public`` (its labels kept here, not
     written) and ``pretrain`` fractions of the corpus, and the rest split among ``sites`` by :func:`label_groups`
@@ -167,7 +180,7 @@ def split_chatter(
     if test + public + pretrain >= 0.9:
         raise InputError("--test", "test + public + pretrain below 0.9 (the rest is the sites')", round(test + public + pretrain, 6))
     texts, labels, names = chatter_texts(max_per_class=max_per_class)
-    groups = label_groups(len(names), sites)
+    groups = label_groups(len(names), sites, classes_per_site)
     index = np.arange(len(texts))
     rest, test_idx = train_test_split(index, test_size=test, stratify=labels, random_state=seed)
     rest, public_idx = train_test_split(rest, test_size=public / (1 - test), stratify=labels[rest], random_state=seed)
@@ -203,6 +216,7 @@ def prepare(
     public: float = 0.15,
     pretrain: float = 0.1,
     max_per_class: int | None = 300,
+    classes_per_site: int | None = None,
     vocab_size: int = 2000,
     max_length: int = 32,
     hidden: int = 64,
@@ -242,7 +256,9 @@ def prepare(
         raise InputError("--max-length", "at most 64 (the base's positions)", max_length)
     if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 4 or hidden % 4:
         raise InputError("--hidden", "a multiple of 4 (4 attention heads), >= 4", hidden)
-    parts = split_chatter(sites=sites, seed=seed, test=test, public=public, pretrain=pretrain, max_per_class=max_per_class)
+    parts = split_chatter(
+        sites=sites, seed=seed, test=test, public=public, pretrain=pretrain, max_per_class=max_per_class, classes_per_site=classes_per_site
+    )
     names = parts["classes"]
     training = [t for texts, _ in parts["sites"] for t in texts] + parts["pretrain"][0]
     folder.mkdir(parents=True, exist_ok=True)
@@ -303,6 +319,7 @@ def prepare(
             "public": public,
             "pretrain": pretrain,
             "max_per_class": max_per_class,
+            "classes_per_site": classes_per_site,
             "vocab_size": vocab_size,
             "max_length": max_length,
             "hidden": hidden,
@@ -335,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--public", type=float, default=0.15)
     p.add_argument("--pretrain", type=float, default=0.1)
     p.add_argument("--max-per-class", type=int, default=300, help="at most this many texts a class (0: all)")
+    p.add_argument("--classes-per-site", type=int, default=None, help="classes a site holds (default: ceil(classes / sites) + 1)")
     p.add_argument("--vocab-size", type=int, default=2000)
     p.add_argument("--max-length", type=int, default=32)
     p.add_argument("--hidden", type=int, default=64)

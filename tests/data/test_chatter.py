@@ -38,13 +38,15 @@ def test_every_corpus_file_is_in_one_class():
     ("n_classes", "sites", "groups"),
     [
         (6, 4, [[0, 1, 2], [1, 2, 3], [3, 4, 5], [0, 4, 5]]),
+        ((6, 2), 4, [[0, 1], [1, 2], [3, 4], [4, 5]]),
         (6, 2, [[0, 1, 2, 3], [0, 3, 4, 5]]),
         (6, 1, [[0, 1, 2, 3, 4, 5]]),
         (4, 8, [[0, 1], [0, 1], [1, 2], [1, 2], [2, 3], [2, 3], [0, 3], [0, 3]]),
     ],
 )
 def test_label_groups_cover_every_class(n_classes, sites, groups):
-    assert label_groups(n_classes, sites) == groups
+    n_classes, per_site = n_classes if isinstance(n_classes, tuple) else (n_classes, None)
+    assert label_groups(n_classes, sites, per_site) == groups
     assert set().union(*map(set, groups)) == set(range(n_classes))
 
 
@@ -96,6 +98,7 @@ def test_a_different_seed_gives_different_sites(tmp_path):
         (["--hidden", "10"], "--hidden: expected a multiple of 4 (4 attention heads), >= 4, got 10"),
         (["--vocab-size", "3"], "--vocab-size: expected an integer > 5 (the 5 special tokens), got 3"),
         (["--max-per-class", "5"], "--max-per-class: expected an integer >= 10, got 5"),
+        (["--classes-per-site", "1"], "--classes-per-site: expected an integer in 2..6 (every class at a site), got 1"),
     ],
 )
 def test_bad_prepare_options_are_one_line_and_write_nothing(tmp_path, capsys, args, message):
