@@ -83,9 +83,9 @@ NOTES = """
   sites 0.19-0.37, ensembles 0.33-0.46, on two seeds of three at most 0.05 above the best site); distillation
   with the teachers' mean logits (the default) scored above their mean probabilities (0.617 against 0.602 on seed
   0) and 600 steps above 1200 (0.534): the defaults were kept.
-* The full run takes 305 s for 3 seeds on 2 cores at a load average of 3 to 3.5 (86-112 s a seed: 16 s of it the
-  public-text Fisher, 20-25 s each distillation); `--quick` runs the whole pipeline on a tiny setting in about
-  15 s.
+* The full run takes 205 s for 3 seeds on 2 cores at a load average of 2 to 2.7 (64-75 s a seed: 10-12 s of it the
+  public-text Fisher, 14-19 s each distillation; a first run at a load average of 3 to 3.5 took 305 s and gave the
+  same numbers: every step is seeded); `--quick` runs the whole pipeline on a tiny setting in about 10 s.
 """
 
 
