@@ -70,6 +70,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "benchmarks/finetunes/compare_mergekit.py": ("compare_mergekit.json", {"rows", "mergekit"}),
     "benchmarks/finetunes/lora_exactness.py": ("lora_exactness.json", {"rows"}),
     "benchmarks/finetunes/accuracy.py": ("finetunes_accuracy.json", {"summary", "runs", "meta"}),
+    "benchmarks/text/accuracy.py": ("text_accuracy.json", {"summary", "runs", "meta", "targets"}),
     "benchmarks/gpu/check.sh": ("gpu_check.json", {"machine", "mode", "rows"}),
     "benchmarks/bench_round.py": ("bench_round.json", {"machine", "rows", "cells"}),
     "benchmarks/bench_large.py": ("large_quick.json", {"machine", "result"}),
