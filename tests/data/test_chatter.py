@@ -138,7 +138,7 @@ def test_the_bundled_dataset_is_the_corpus_as_token_rows_of_a_folders_tokenizer(
     data = load_dataset("chatter", options={"tokenizer": str(task / "base"), "max_length": 16, "max_per_class": 100})
     texts, labels, names = chatter_texts(max_per_class=100)
     assert data.X.shape == (len(texts), 16) and data.X.dtype == np.float32 and data.class_names == names
-    assert (data.y == labels).all() and (data.X[:, 0] == 2).all()  # [CLS] first
+    assert (data.y == labels).all() and (data.X[:, 0] == 2).all()  # the class token first
     assert ((data.X == -1) | (data.X >= 0)).all() and (data.X == -1).any()
 
 
