@@ -74,6 +74,32 @@ def test_each_method_runs_on_text_silos_in_process(sites, methods, tmp_path) -> 
     assert manifest["input_shape"] == [10] and "site0" not in json.dumps(manifest)
 
 
+def test_predictions_only_distill_on_public_texts_sends_the_server_no_parameters(sites, tmp_path, received_replies) -> None:
+    """``teachers: clients``: each site scores the server's public texts with its own model; only the predictions come back."""
+    method = {"method": "distill", "teachers": "clients", "transfer": "public", "init": "random", "epochs": 2, "steps": 40}
+    run = rayfuse.run(_job(sites, {"distill_clients": method}), run_dir=tmp_path / "r", quiet=True)
+    entry = run.results["methods"]["distill_clients"]
+    assert run.results["status"] == "succeeded" and 0.0 <= entry["accuracy"] <= 1.0
+    state = run.models["distill_clients"]
+    assert all(np.isfinite(v).all() for v in state.values())
+    shapes = {tuple(v.shape) for v in state.values() if np.ndim(v) >= 1 and np.size(v) > 64}
+    steps = {step for step, _, _ in received_replies}
+    assert any("predict" in step or "logits" in step for step in steps), steps
+    for step, client, reply in received_replies:  # no tensor of the model's (a weight matrix, an embedding) comes back
+        assert not _arrays(reply) & shapes, (step, client, sorted(_arrays(reply) & shapes))
+
+
+def _arrays(value: Any) -> set[tuple[int, ...]]:
+    """The shapes of every array anywhere in a reply."""
+    if isinstance(value, np.ndarray):
+        return {tuple(value.shape)}
+    if isinstance(value, dict):
+        return set().union(*(_arrays(v) for v in value.values())) if value else set()
+    if isinstance(value, (list, tuple)):
+        return set().union(*(_arrays(v) for v in value)) if value else set()
+    return {tuple(value.shape)} if hasattr(value, "shape") and hasattr(value, "dtype") else set()
+
+
 def test_distill_on_public_texts_reaches_the_local_models(sites, tmp_path) -> None:
     run = rayfuse.run(_job(sites, {"local": {}, "distill": METHODS["distill"]}, train={"epochs": 4}), run_dir=tmp_path / "r", quiet=True)
     accuracy = {k: v["accuracy"] for k, v in run.results["methods"].items()}
