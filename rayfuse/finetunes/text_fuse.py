@@ -50,6 +50,7 @@ from pydantic import BaseModel, Field
 
 from rayfuse.config import StrictSchema, validate_file_section
 from rayfuse.errors import InputError
+from rayfuse.finetunes.config import _resolve
 
 if TYPE_CHECKING:
     import torch
@@ -153,13 +154,6 @@ class TextFuseSpec:
     config: Path
     tokenizer_folder: Path
     finetune: FinetuneSpec | None = None
-
-
-def _resolve(name: str, config: Path) -> Path:
-    file = Path(name)
-    if not file.is_absolute() and not file.exists():
-        file = config.parent / file
-    return file
 
 
 def _refuse_method(method: Any, path: Path) -> InputError:
