@@ -101,6 +101,22 @@ def _resolve(name: str, config: Path) -> Path:
     return file
 
 
+def merged_output(file: FuseFile, path: Path, output: str | Path | None) -> Path:
+    """The merged model's path (``rayfuse fuse CONFIG OUT``'s ``OUT``, else the file's ``output`` relative to it): a
+    folder or a ``.safetensors`` file that does not exist yet; one line otherwise."""
+    from rayfuse.io import check_new_output
+
+    out = Path(output) if output is not None else (Path(file.output) if file.output else None)
+    if out is None:
+        raise InputError(f"{path}: output", "the merged model's folder or .safetensors file (output: ... or rayfuse fuse CONFIG OUT)")
+    if not out.is_absolute() and output is None:
+        out = path.parent / out
+    if out.suffix not in ("", ".safetensors"):
+        raise InputError(f"{path}: output", "a folder (Hugging Face layout, no suffix) or a .safetensors file", str(out))
+    check_new_output(out, key=f"{path}: output", what="a path")
+    return out
+
+
 def _check_setting(value: Any, key: str, where: str) -> None:
     """A parameter value: a number, a gradient (list of numbers) or a list of {filter, value} (checked recursively)."""
     numbers: list[Any]
@@ -184,7 +200,6 @@ def load_finetune_config(
     import os
 
     from rayfuse.finetunes.hf import parse_size
-    from rayfuse.io import check_new_output
 
     method = merge.name
     if file.base_model is None and merge.base == "required":
@@ -259,14 +274,7 @@ def load_finetune_config(
             )
         count = f"{low}" if high == low else f"at least {low}" if high is None else f"{low} to {high}"
         raise InputError(f"{path}: models", f"{count} fine-tuned models for {method} (besides the base_model)", f"{len(models)} models")
-    out = Path(output) if output is not None else (Path(file.output) if file.output else None)
-    if out is None:
-        raise InputError(f"{path}: output", "the merged model's folder or .safetensors file (output: ... or rayfuse fuse CONFIG OUT)")
-    if not out.is_absolute() and output is None:
-        out = path.parent / out
-    if out.suffix not in ("", ".safetensors"):
-        raise InputError(f"{path}: output", "a folder (Hugging Face layout, no suffix) or a .safetensors file", str(out))
-    check_new_output(out, key=f"{path}: output", what="a path")
+    out = merged_output(file, path, output)
     threads = file.threads or max(1, min(8, os.cpu_count() or 1))
     shard = file.max_shard_size if file.max_shard_size is not None else "2GB"
     return FinetuneSpec(

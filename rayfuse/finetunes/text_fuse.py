@@ -50,7 +50,7 @@ from pydantic import BaseModel, Field
 
 from rayfuse.config import StrictSchema, validate_file_section
 from rayfuse.errors import InputError
-from rayfuse.finetunes.config import _resolve
+from rayfuse.finetunes.config import _resolve, merged_output
 
 if TYPE_CHECKING:
     import torch
@@ -173,7 +173,6 @@ def load_text_fuse_config(file: FuseFile, path: Path, method: Any, output: str |
     """Validate a fuse file whose ``data:`` is text, read and tokenise the text and check every model against the
     base: everything a merge could refuse, before anything runs or is written."""
     from rayfuse.finetunes.hf import ModelSource, parse_size
-    from rayfuse.io import check_new_output
 
     merge = method.text
     if merge is None:
@@ -236,14 +235,7 @@ def load_text_fuse_config(file: FuseFile, path: Path, method: Any, output: str |
         finetune = load_finetune_config(file.model_copy(update={"data": None}), path, method.tensor, output, computed_statistics=True)
         out = finetune.output
     else:
-        out = Path(output) if output is not None else (Path(file.output) if file.output else None)  # type: ignore[assignment]
-        if out is None:
-            raise InputError(f"{path}: output", "the merged model's folder or .safetensors file (output: ... or rayfuse fuse CONFIG OUT)")
-        if not out.is_absolute() and output is None:
-            out = path.parent / out
-        if out.suffix not in ("", ".safetensors"):
-            raise InputError(f"{path}: output", "a folder (Hugging Face layout, no suffix) or a .safetensors file", str(out))
-        check_new_output(out, key=f"{path}: output", what="a path")
+        out = merged_output(file, path, output)
     shard = file.max_shard_size if file.max_shard_size is not None else "2GB"
     return TextFuseSpec(
         name,
