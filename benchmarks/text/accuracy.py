@@ -104,10 +104,13 @@ class Setting:
     distill_epochs: int
     distill_steps: int
     distill_lr: float
+    distill_word_dropout: float = 0.0  # text_fuse's distill word_dropout: each epoch's public texts with tokens dropped
     batch_size: int = 32
     vocab_size: int = 2000
     max_per_class: int | None = 300  # the corpus's texts a class at most (rayfuse.data.chatter.chatter_texts)
     classes_per_site: int | None = None  # rayfuse.data.chatter.label_groups' default: 3 of the 6
+    site_lr: float | None = None  # the sites' and the pooled fine-tune's Adam lr (None: ``lr``, the base's)
+    public_surplus: bool = False  # rayfuse.data.chatter.prepare's: the texts beyond the cap added to the public text
 
 
 FULL = Setting(
@@ -194,7 +197,8 @@ def fine_tune(base: Path, X: np.ndarray, y: np.ndarray, setting: Setting, seed: 
     model = load_hf(base)
     net = hf_model(base)((X.shape[1],), model.config.num_labels)
     net.load_state_dict(model.state_dict())
-    train_model(net, X, y, epochs=setting.site_epochs, batch_size=setting.batch_size, lr=setting.lr, optimizer="adam", seed=seed)
+    lr = setting.lr if setting.site_lr is None else setting.site_lr
+    train_model(net, X, y, epochs=setting.site_epochs, batch_size=setting.batch_size, lr=lr, optimizer="adam", seed=seed)
     model.load_state_dict(net.state_dict())
     with quiet_transformers():
         model.save_pretrained(str(out))
@@ -253,6 +257,7 @@ def run_seed(seed: int, setting: Setting, root: Path, log: Callable[[str], None]
         vocab_size=setting.vocab_size,
         max_per_class=setting.max_per_class,
         classes_per_site=setting.classes_per_site,
+        public_surplus=setting.public_surplus,
         max_length=setting.max_length,
         hidden=setting.hidden,
         layers=setting.layers,
@@ -354,7 +359,13 @@ def run_seed(seed: int, setting: Setting, root: Path, log: Callable[[str], None]
         sweep("regmean (public text)", "regmean", "alpha", setting.alphas, {}, text=True)
         sweep("regmean (each site's own texts)", "regmean", "alpha", setting.alphas, {}, statistics="gram")
         merge("adamerging (public text)", "adamerging", {"steps": setting.ada_steps, "seed": seed}, text=True)
-        distill = {"epochs": setting.distill_epochs, "steps": setting.distill_steps, "lr": setting.distill_lr, "seed": seed}
+        distill = {
+            "epochs": setting.distill_epochs,
+            "steps": setting.distill_steps,
+            "lr": setting.distill_lr,
+            "word_dropout": setting.distill_word_dropout,
+            "seed": seed,
+        }
         merge(DISTILL, "distill", {**distill, "init": "average"}, text=True)
         merge(DISTILL_PREDICTIONS, "distill", {**distill, "init": "base"}, text=True)
         log(f"text merges done ({time.perf_counter() - t0:.0f} s)")
@@ -475,6 +486,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--out-dir", type=Path, default=None, help="where the JSON and the table go (default: the repository's, full runs only)"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the machine is shared)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE", help="probes: the setting's fields overridden (JSON values)")
     parser.add_argument("--render", type=Path, default=None, help="rewrite the table from a saved JSON of this script (no training)")
     args = parser.parse_args(argv)
     if args.render is not None:
@@ -484,6 +496,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     hf_logging.disable_progress_bar()
     setting = QUICK if args.quick else FULL
+    if args.set:
+        import dataclasses
+
+        over = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
+        setting = dataclasses.replace(setting, **{k: tuple(v) if isinstance(v, list) else v for k, v in over.items()})
     load_before = os.getloadavg()
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []
