@@ -79,12 +79,17 @@ def _lines() -> tuple[tuple[str, str], ...]:
 
 
 def chatter_texts(
-    classes: Mapping[str, Sequence[str]] | None = None, *, max_per_class: int | None = None, key: str = "--max-per-class"
+    classes: Mapping[str, Sequence[str]] | None = None,
+    *,
+    max_per_class: int | None = None,
+    key: str = "--max-per-class",
+    surplus: bool = False,
 ) -> tuple[list[str], np.ndarray, tuple[str, ...]]:
     """``(texts, labels, class_names)``: the distinct lines of the files ``classes`` names (default :data:`CLASSES`),
     a text found in two classes dropped, sorted by text; ``labels`` (int64) index ``class_names`` (alphabetical).
     ``max_per_class`` keeps at most that many texts a class (the first by SHA-256 of the text: the same for every
-    seed), so that no class dominates the accuracy (``knowledge`` alone is 46 % of the corpus)."""
+    seed), so that no class dominates the accuracy (``knowledge`` alone is 46 % of the corpus). ``surplus``: the texts
+    the cap leaves out instead (sorted, no labels: ``labels`` is empty), disjoint from the kept ones."""
     import hashlib
 
     classes = CLASSES if classes is None else classes
@@ -111,6 +116,10 @@ def chatter_texts(
         for text in sorted(texts, key=lambda t: hashlib.sha256(t.encode("utf-8")).hexdigest()):
             by_class.setdefault(next(iter(found[text])), []).append(text)
         texts = sorted(t for kept in by_class.values() for t in kept[:max_per_class])
+        if surplus:
+            return sorted(t for kept in by_class.values() for t in kept[max_per_class:]), np.zeros(0, np.int64), names
+    elif surplus:
+        return [], np.zeros(0, np.int64), names
     labels = np.array([names.index(next(iter(found[t]))) for t in texts], dtype=np.int64)
     return texts, labels, names
 
@@ -217,6 +226,7 @@ def prepare(
     pretrain: float = 0.1,
     max_per_class: int | None = 300,
     classes_per_site: int | None = None,
+    public_surplus: bool = False,
     vocab_size: int = 2000,
     max_length: int = 32,
     hidden: int = 64,
@@ -229,7 +239,9 @@ def prepare(
     * ``site{k}.jsonl`` (``text``, ``label``: the class name), label-skewed (:func:`split_chatter`; at most
       ``max_per_class`` texts a class, :func:`chatter_texts`),
     * ``test.jsonl``, the held-out test set, and ``pretrain.jsonl``, the base's training slice,
-    * ``public.txt``: an unlabeled sample, one text a line (distillation's transfer set),
+    * ``public.txt``: an unlabeled sample, one text a line (distillation's transfer set); ``public_surplus``: with the
+      texts beyond ``max_per_class`` after it (:func:`chatter_texts`' ``surplus``: in no other part, the test set's
+      included; the cap balances the labeled task, unlabeled text need not be balanced),
     * ``base/``: a ``BertForSequenceClassification`` (``hidden`` wide, ``layers`` layers, 64 positions, one logit a
       class, ``id2label`` the class names) with a word-level tokenizer (:func:`rayfuse.data.text.build_word_tokenizer`)
       learnt from the training texts only (the sites' and the pretraining slice), trained for ``pretrain_epochs``
@@ -267,7 +279,10 @@ def prepare(
     for name in ("test", "pretrain"):
         texts, labels = parts[name]
         _write_jsonl(folder / f"{name}.jsonl", texts, labels, names)
-    (folder / "public.txt").write_text("".join(t + "\n" for t in parts["public"][0]), encoding="utf-8")
+    public_texts = list(parts["public"][0])
+    if public_surplus:
+        public_texts += chatter_texts(max_per_class=max_per_class, surplus=True)[0]
+    (folder / "public.txt").write_text("".join(t + "\n" for t in public_texts), encoding="utf-8")
 
     base = folder / "base"
     tokenizer = build_word_tokenizer(training, base, vocab_size=vocab_size)
@@ -310,7 +325,8 @@ def prepare(
         "groups": parts["groups"],
         "sizes": {
             **{f"site{k}": len(texts) for k, (texts, _) in enumerate(parts["sites"])},
-            **{name: len(parts[name][0]) for name in ("test", "public", "pretrain")},
+            **{name: len(parts[name][0]) for name in ("test", "pretrain")},
+            "public": len(public_texts),
         },
         "settings": {
             "sites": sites,
@@ -320,6 +336,7 @@ def prepare(
             "pretrain": pretrain,
             "max_per_class": max_per_class,
             "classes_per_site": classes_per_site,
+            "public_surplus": public_surplus,
             "vocab_size": vocab_size,
             "max_length": max_length,
             "hidden": hidden,
@@ -353,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pretrain", type=float, default=0.1)
     p.add_argument("--max-per-class", type=int, default=300, help="at most this many texts a class (0: all)")
     p.add_argument("--classes-per-site", type=int, default=None, help="classes a site holds (default: ceil(classes / sites) + 1)")
+    p.add_argument("--public-surplus", action="store_true", help="the texts beyond --max-per-class added to public.txt (unlabeled)")
     p.add_argument("--vocab-size", type=int, default=2000)
     p.add_argument("--max-length", type=int, default=32)
     p.add_argument("--hidden", type=int, default=64)

@@ -95,6 +95,9 @@ class TextDistillParams(_Schema):
     combine: Literal["logits", "probabilities"] = Field("logits", description="the ensemble: weighted logits (FedDF) or probabilities")
     weighting: Literal["uniform", "weights"] = Field("uniform", description="teacher weights: uniform, or each model's weight")
     init: Literal["average", "base"] = Field("average", description="the student's start: the models' weighted average, or the base_model")
+    word_dropout: float = Field(
+        0.0, ge=0, lt=1, description="each epoch's texts: each token but the first and last dropped with this probability (word dropout)"
+    )
     seed: int = 0
 
 
@@ -535,7 +538,10 @@ def _distill(
     p: TextDistillParams,
     log: Any,
 ) -> dict[str, torch.Tensor]:
-    """The ensemble distilled into a student of the base's class on the text (no shifts, no mixing: token ids)."""
+    """The ensemble distilled into a student of the base's class on the text (no shifts, no mixing of token ids; word
+    dropout where asked)."""
+    import dataclasses
+
     import torch
 
     from rayfuse.fusion.distill.algorithm import DistillOptions
@@ -567,7 +573,8 @@ def _distill(
         if log is not None:
             log(f"distill: epoch {epoch}/{p.epochs}: loss {row['loss']:.4f}, agreement with the ensemble {row['agreement']:.3f}")
 
-    distill_public(student, teachers, X, tw, options.settings(p.seed), log=report)
+    settings = dataclasses.replace(options.settings(p.seed), word_dropout=p.word_dropout)
+    distill_public(student, teachers, X, tw, settings, log=report)
     return {k: v.detach() for k, v in student.state_dict().items()}
 
 

@@ -125,6 +125,22 @@ def test_max_per_class_keeps_the_same_texts_of_each_class():
     assert chatter_texts(max_per_class=150)[0] == capped
 
 
+def test_the_surplus_is_the_texts_the_cap_leaves_out_and_public_surplus_appends_it(tmp_path):
+    from rayfuse.data.text import read_texts
+
+    texts, _, _ = chatter_texts()
+    capped, _, _ = chatter_texts(max_per_class=150)
+    surplus, labels, _ = chatter_texts(max_per_class=150, surplus=True)
+    assert sorted(capped + surplus) == texts and not set(capped) & set(surplus) and len(labels) == 0
+    assert chatter_texts(surplus=True)[0] == []
+    info = prepare(tmp_path / "a", seed=0, public_surplus=True, **{**TINY, "pretrain_epochs": 0})
+    prepare(tmp_path / "b", seed=0, **{**TINY, "pretrain_epochs": 0})
+    public, _ = read_texts(tmp_path / "a" / "public.txt", text=None)
+    plain, _ = read_texts(tmp_path / "b" / "public.txt", text=None)
+    extra = chatter_texts(max_per_class=300, surplus=True)[0]  # prepare's default cap
+    assert public == plain + extra and info["sizes"]["public"] == len(public) and info["settings"]["public_surplus"]
+
+
 @pytest.fixture(scope="module")
 def task(tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("chatter") / "task"

@@ -257,6 +257,30 @@ def test_distill_moves_the_student_from_the_average_toward_the_ensemble(folders,
         assert kl(out) < kl(average)
 
 
+def test_word_dropout_keeps_each_rows_ends_and_order_and_pads_again():
+    from rayfuse.fusion.distill.transfer import drop_tokens
+
+    X = torch.tensor([[2.0, 10, 11, 12, 13, 3, -1, -1], [2.0, 20, 3, -1, -1, -1, -1, -1], [2.0, 30, 31, 32, 33, 34, 35, 36]])
+    generator = torch.Generator().manual_seed(0)
+    assert torch.equal(drop_tokens(X, 0.0, generator), X)
+    for _ in range(20):
+        out = drop_tokens(X, 0.5, generator)
+        for row, new in zip(X.tolist(), out.tolist()):
+            kept = [v for v in new if v >= 0]
+            real = [v for v in row if v >= 0]
+            assert new[: len(kept)] == kept  # kept tokens first, padding after
+            assert kept[0] == real[0] and kept[-1] == real[-1]
+            assert all(v in real[1:-1] for v in kept[1:-1]) and kept[1:-1] == sorted(kept[1:-1])  # a subsequence
+    assert (drop_tokens(X, 0.999, generator) >= 0).sum(1).tolist() == [2, 2, 2]
+
+
+def test_distill_with_word_dropout_writes_a_model_that_loads(folders, tmp_path):
+    parameters = {"steps": 6, "epochs": 2, "batch_size": 4, "lr": 1e-3, "word_dropout": 0.2}
+    out = rayfuse.fuse(_config(folders, "distill", tmp_path, parameters=parameters))
+    _load(out)
+    assert (out / "tokenizer_config.json").is_file()
+
+
 @pytest.mark.parametrize("method", ["regmean", "fisher", "adamerging"])
 def test_lora_adapters_are_folded_into_the_base_and_merged(folders, tmp_path, method):
     config = _config(folders, method, tmp_path, models=[{"model": str(folders["lora"])}, {"model": str(folders["code"])}])

@@ -124,7 +124,8 @@ class DistillOptions(StrictSchema):
 
         from rayfuse.fusion.distill.student import DistillSettings
 
-        names = {f.name for f in dataclasses.fields(DistillSettings)} - {"seed", "combine"}
+        # word dropout: the text fuse's option (rayfuse.finetunes.text_fuse), left at its default here
+        names = {f.name for f in dataclasses.fields(DistillSettings)} - {"seed", "combine", "word_dropout"}
         combine = self.combine if self.combine != "auto" else ("logits" if one_architecture else "probabilities")
         return DistillSettings(**{name: getattr(self, name) for name in names}, seed=seed, combine=combine)
 

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayfuse.fusion.distill.teachers import combine_teachers, distillation_loss
-from rayfuse.fusion.distill.transfer import Generator, SyntheticBank, augment_bank
+from rayfuse.fusion.distill.transfer import Generator, SyntheticBank, augment_bank, drop_tokens
 
 __all__ = [
     "DistillSettings",
@@ -87,6 +87,7 @@ class DistillSettings:
     combine: str = "logits"
     shift: int = 1
     mixup: float = 0.5
+    word_dropout: float = 0.0  # token-id rows (texts): each real token dropped with this probability (drop_tokens)
     synthetic_batch: int = 128
     generator_steps: int = 5
     student_steps: int = 20
@@ -188,6 +189,8 @@ def distill_public(
     started = time.perf_counter()
     for epoch in range(1, settings.epochs + 1):
         bank = augment_bank(X_t, per_pass * settings.batch_size, shift=settings.shift, mixup=mixup, generator=generator)
+        if getattr(student, "masks_padding", False):
+            bank = drop_tokens(bank, settings.word_dropout, generator)
         target = combine_teachers(teachers.predict(bank).to(device), W, settings.combine)
         order = torch.randperm(bank.shape[0], generator=generator).to(device)
         losses = []

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["augment_bank", "shift_images", "Generator", "SyntheticBank", "pooled_moments"]
+__all__ = ["augment_bank", "drop_tokens", "shift_images", "Generator", "SyntheticBank", "pooled_moments"]
 
 
 def shift_images(x: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
@@ -55,6 +55,21 @@ def augment_bank(X: torch.Tensor, size: int, *, shift: int, mixup: float, genera
     lam = torch.where(torch.rand(size, generator=generator).to(X.device) < mixup, lam, torch.ones_like(lam))
     lam = lam.view(-1, *[1] * (X.dim() - 1)).to(X.dtype)
     return lam * first + (1 - lam) * second
+
+
+def drop_tokens(X: torch.Tensor, rate: float, generator: torch.Generator) -> torch.Tensor:
+    """Word dropout on token-id rows ``(N, L)`` (``-1``: padding, :mod:`rayfuse.data.text`): each real token but a
+    row's first and last (``[CLS]``, ``[SEP]``) dropped with probability ``rate``, the kept ones closed up in order and
+    the row padded again; the text analogue of an image's shift (a nearby input the teachers label afresh)."""
+    if rate <= 0:
+        return X
+    real = X >= 0
+    pos = torch.arange(X.shape[1], device=X.device).expand_as(X)
+    last = real.sum(1, keepdim=True) - 1
+    drop = (torch.rand(X.shape, generator=generator).to(X.device) < rate) & real & (pos > 0) & (pos < last)
+    keep = real & ~drop
+    order = torch.argsort((~keep).long() * X.shape[1] + pos, dim=1)  # kept tokens first, each group in order
+    return torch.where(keep.gather(1, order), X.gather(1, order), torch.full_like(X, -1.0))
 
 
 def pooled_moments(moments: Sequence[tuple[int, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
