@@ -59,7 +59,7 @@ def augment_bank(X: torch.Tensor, size: int, *, shift: int, mixup: float, genera
 
 def drop_tokens(X: torch.Tensor, rate: float, generator: torch.Generator) -> torch.Tensor:
     """Word dropout on token-id rows ``(N, L)`` (``-1``: padding, :mod:`rayfuse.data.text`): each real token but a
-    row's first and last (``[CLS]``, ``[SEP]``) dropped with probability ``rate``, the kept ones closed up in order and
+    row's first and last (the class and separator tokens) dropped with probability ``rate``, the kept ones closed up in order and
     the row padded again; the text analogue of an image's shift (a nearby input the teachers label afresh)."""
     if rate <= 0:
         return X
