@@ -16,24 +16,9 @@ TEXTS = ["what is ai", "the science of mixing chemicals", "hello there, how are 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory):
-    from transformers import BertConfig, BertForSequenceClassification
+    from tests.data.test_text_silos import tiny_text_bert
 
-    path = tmp_path_factory.mktemp("tiny_text_bert")
-    tokenizer = build_word_tokenizer(TEXTS * 3, path, vocab_size=40)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=24,
-        num_labels=2,
-        pad_token_id=0,
-        architectures=["BertForSequenceClassification"],
-    )
-    torch.manual_seed(0)
-    BertForSequenceClassification(config).save_pretrained(path)
-    return path
+    return tiny_text_bert(tmp_path_factory.mktemp("tiny_text_bert"), positions=24, texts=TEXTS * 3, vocab_size=40)
 
 
 def test_the_word_tokenizer_is_the_same_for_the_same_texts(tmp_path):

@@ -7,7 +7,7 @@ before any site trains, nothing written."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +40,28 @@ def texts(n: int, seed: int = 0, labels: tuple[str, ...] = ("tech", "mood")) -> 
     return rows
 
 
-def tiny_text_bert(folder: Path, *, positions: int = 16, num_labels: int = 2, tokenizer: bool = True) -> Path:
-    """A tiny BERT classifier saved in ``folder`` (with the word tokenizer of :data:`TOPICS` unless ``tokenizer`` is
-    false): one layer, 16 wide."""
+def tiny_text_bert(
+    folder: Path,
+    *,
+    positions: int = 16,
+    num_labels: int = 2,
+    tokenizer: bool = True,
+    texts: Sequence[str] | None = None,
+    vocab_size: int = 64,
+    layers: int = 1,
+) -> Path:
+    """A tiny BERT classifier saved in ``folder`` (with the word tokenizer of ``texts``, default :data:`TOPICS`, unless
+    ``tokenizer`` is false): ``layers`` layers, 16 wide."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    vocab = build_word_tokenizer(list(TOPICS.values()), folder, vocab_size=64) if tokenizer else None
+    words = list(TOPICS.values()) if texts is None else list(texts)
+    vocab = build_word_tokenizer(words, folder, vocab_size=vocab_size) if tokenizer else None
     if not tokenizer:
         folder.mkdir(parents=True, exist_ok=True)
     config = BertConfig(
-        vocab_size=len(vocab) if vocab is not None else 64,
+        vocab_size=len(vocab) if vocab is not None else vocab_size,
         hidden_size=16,
-        num_hidden_layers=1,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         intermediate_size=32,
         max_position_embeddings=positions,

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import rayfuse
-from rayfuse.data.text import build_word_tokenizer, encode_texts, text_tokenizer
+from rayfuse.data.text import encode_texts, text_tokenizer
 from rayfuse.errors import InputError
+from tests.data.test_text_silos import tiny_text_bert
 
 SPORT = ["i like football and tennis", "the match ended in a draw", "she runs every morning", "a goal in the last minute"]
 CODE = ["the program crashed again", "python code with a bug", "my computer will not boot", "install the new driver"]
@@ -39,24 +40,11 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny BERT base, two full fine-tunes on label-skewed text (a sports site, a computing site) and one LoRA
     adapter, each a few steps."""
     from peft import LoraConfig, get_peft_model
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
     root = tmp_path_factory.mktemp("text_fuse")
     base = root / "base"
-    tokenizer = build_word_tokenizer(PUBLIC * 2, base, vocab_size=80)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=24,
-        num_labels=2,
-        pad_token_id=0,
-        architectures=["BertForSequenceClassification"],
-    )
-    torch.manual_seed(0)
-    BertForSequenceClassification(config).save_pretrained(base)
+    tokenizer = text_tokenizer(tiny_text_bert(base, positions=24, texts=PUBLIC * 2, vocab_size=80, layers=2))
     sites = {"sport": (SPORT * 2 + CODE[:1], [0] * 8 + [1]), "code": (CODE * 2 + SPORT[:1], [1] * 8 + [0])}
     out = {"base": base}
     for seed, (name, (texts, labels)) in enumerate(sites.items(), 1):
