@@ -228,6 +228,7 @@ def prepare(
     classes_per_site: int | None = None,
     public_surplus: bool = False,
     vocab_size: int = 2000,
+    min_frequency: int = 1,
     max_length: int = 32,
     hidden: int = 64,
     layers: int = 2,
@@ -285,7 +286,7 @@ def prepare(
     (folder / "public.txt").write_text("".join(t + "\n" for t in public_texts), encoding="utf-8")
 
     base = folder / "base"
-    tokenizer = build_word_tokenizer(training, base, vocab_size=vocab_size)
+    tokenizer = build_word_tokenizer(training, base, vocab_size=vocab_size, min_frequency=min_frequency)
     config = BertConfig(  # type: ignore[call-arg]  # num_labels, id2label...: PretrainedConfig's keyword arguments
         vocab_size=len(tokenizer),
         hidden_size=hidden,
@@ -338,6 +339,7 @@ def prepare(
             "classes_per_site": classes_per_site,
             "public_surplus": public_surplus,
             "vocab_size": vocab_size,
+            "min_frequency": min_frequency,
             "max_length": max_length,
             "hidden": hidden,
             "layers": layers,
@@ -372,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--classes-per-site", type=int, default=None, help="classes a site holds (default: ceil(classes / sites) + 1)")
     p.add_argument("--public-surplus", action="store_true", help="the texts beyond --max-per-class added to public.txt (unlabeled)")
     p.add_argument("--vocab-size", type=int, default=2000)
+    p.add_argument("--min-frequency", type=int, default=1, help="a word seen fewer times in the training texts is unknown")
     p.add_argument("--max-length", type=int, default=32)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)

@@ -228,12 +228,14 @@ def attention_mask(X: np.ndarray) -> np.ndarray:
     return (np.asarray(X) >= 0).astype(np.int64)
 
 
-def build_word_tokenizer(texts: Sequence[str], folder: str | Path, *, vocab_size: int = 2000) -> Any:
+def build_word_tokenizer(texts: Sequence[str], folder: str | Path, *, vocab_size: int = 2000, min_frequency: int = 1) -> Any:
     """A small word-level tokenizer learnt from ``texts`` and saved in ``folder`` (``tokenizer.json`` and its config,
     read back by :func:`text_tokenizer`): lower-cased words and punctuation marks, the ``vocab_size - 5`` most frequent
-    (ties in alphabetical order, so the same texts give the same ids) after five special tokens: padding (id 0),
-    unknown, class (prepended), separator (appended) and mask, written as BERT writes them. For corpora and tests built
-    offline; a user's model folder brings its own."""
+    (ties in alphabetical order, so the same texts give the same ids) among those found at least ``min_frequency``
+    times, after five special tokens: padding (id 0), unknown, class (prepended), separator (appended) and mask, written
+    as BERT writes them. With ``min_frequency`` 2 a word seen once is unknown, so that the unknown token is trained on
+    the rare words of the training texts, as a model meets new words later (with 1 it never occurs in training). For
+    corpora and tests built offline; a user's model folder brings its own."""
     from collections import Counter
 
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
@@ -244,12 +246,15 @@ def build_word_tokenizer(texts: Sequence[str], folder: str | Path, *, vocab_size
     specials = list(token.values())
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= len(specials):
         raise InputError("vocab_size", f"an integer > {len(specials)}", vocab_size)
+    if isinstance(min_frequency, bool) or not isinstance(min_frequency, int) or min_frequency < 1:
+        raise InputError("min_frequency", "an integer >= 1", min_frequency)
     normalizer = normalizers.BertNormalizer(lowercase=True)
     splitter = pre_tokenizers.BertPreTokenizer()
     counts: Counter[str] = Counter()
     for text in texts:
         counts.update(word for word, _ in splitter.pre_tokenize_str(normalizer.normalize_str(text)))
-    words = sorted(counts, key=lambda w: (-counts[w], w))[: vocab_size - len(specials)]
+    kept = (w for w in counts if counts[w] >= min_frequency)
+    words = sorted(kept, key=lambda w: (-counts[w], w))[: vocab_size - len(specials)]
     vocab = {word: i for i, word in enumerate([*specials, *words])}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=token["unk"]))
     tokenizer.normalizer = normalizer

@@ -28,6 +28,19 @@ def test_the_word_tokenizer_is_the_same_for_the_same_texts(tmp_path):
     assert (tmp_path / "a" / "tokenizer.json").is_file()
 
 
+def test_min_frequency_leaves_rare_words_unknown_and_bad_values_are_refused(tmp_path):
+    texts = ["the cat sat", "the dog sat", "a bird"]
+    kept = build_word_tokenizer(texts, tmp_path / "two", vocab_size=30, min_frequency=2)
+    words = set(kept.get_vocab()) - set(kept.all_special_tokens)
+    assert words == {"the", "sat"}  # the only words seen twice
+    ids = encode_texts(kept, ["the bird sat"], 6)[0]
+    assert ids[2] == kept.unk_token_id and ids[1] == kept.get_vocab()["the"]
+    every = build_word_tokenizer(texts, tmp_path / "one", vocab_size=30)  # the default keeps every word
+    assert {"cat", "dog", "a", "bird"} <= set(every.get_vocab())
+    with pytest.raises(InputError, match="min_frequency: expected an integer >= 1"):
+        build_word_tokenizer(texts, tmp_path / "zero", min_frequency=0)
+
+
 def test_texts_are_padded_with_minus_one_and_the_model_masks_the_padding(folder):
     from rayfuse.models.hf import hf_model
 
