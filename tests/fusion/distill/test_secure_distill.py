@@ -64,7 +64,7 @@ def combined(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("combine", ["logits", "probabilities"])
+@pytest.mark.parametrize("combine", ["logits", "probabilities", "geometric"])
 def test_the_secure_ensemble_is_the_plain_one_within_its_steps_and_trains_the_same_student(tmp_path, monkeypatch, combined, combine):
     entry = {**PUBLIC, "combine": combine}
     plain = _run(tmp_path, "plain", entry)
@@ -77,20 +77,23 @@ def test_the_secure_ensemble_is_the_plain_one_within_its_steps_and_trains_the_sa
     step = SECURE_STEPS[combine][0]
     for (member, _, how, target), (one, ones, how_secure, secure_target) in zip(plain_calls, combined):
         assert member.shape[0] == K and how == combine and one.shape[0] == 1 and how_secure == "logits" and bool((ones == 1).all())
-        if combine == "logits":  # plus float32's rounding of the plain sum (K products of ~10: a few ulp)
+        if combine in ("logits", "geometric"):  # plus float32's rounding of the plain sum (K products of ~10: a few ulp)
             bound = K * step / 2 + 4 * K * F32 * target.abs()
             assert bool(((target - secure_target).abs() <= bound).all()), float((target - secure_target).abs().max())
         else:  # the weighted probabilities, within K half steps absolute (their log is what the student matches)
             p, q = target.double().exp(), secure_target.double().exp()
             assert bool(((p - q).abs() <= K * step / 2 + 4 * K * F32 * p).all()), float((p - q).abs().max())
     # the student: Adam's normalised steps amplify any change of the targets' last bits, float32's rounding of the
-    # plain sum included (the plain run with its ensemble combined in float64 is 5e-5 from it, measured); the secure
-    # student is that float64 run's within 1e-6 (measured 1.5e-7 for logits, 0 for probabilities), and no farther
-    # from the plain one than it
+    # plain sum included. How far that goes depends on the CPU's kernels: the plain run with its ensemble combined in
+    # float64 is 5e-5 from it on both machines measured, and the secure student sat 1.5e-7 from the float64 run on one
+    # (AMD EPYC; 0 for probabilities) and 6.7e-6 from the plain run on the other (Intel Xeon; 6.3e-5 from the float64
+    # one). What holds on both: the secure student lies within float32's rounding spread of the plain ensemble, no
+    # farther from either run than twice their distance from each other
     monkeypatch.setattr(student_loops, "combine_teachers", lambda m, w, how="logits": combine_teachers(m.double(), w.double(), how).float())
     exact = _run(tmp_path, "plain_float64", entry)
-    assert _gap(exact.models["d"], secure.models["d"]) <= 1e-6
-    assert _gap(plain.models["d"], secure.models["d"]) <= _gap(plain.models["d"], exact.models["d"]) + 1e-6
+    spread = _gap(plain.models["d"], exact.models["d"])
+    assert _gap(exact.models["d"], secure.models["d"]) <= 2 * spread + 1e-6
+    assert _gap(plain.models["d"], secure.models["d"]) <= spread + 1e-6
     assert secure.results["methods"]["d"]["accuracy"] == plain.results["methods"]["d"]["accuracy"]
     info = secure.results["methods"]["d"]["info"]
     assert info["combine"] == combine and info["secure_sums"]["clipped_entries"] == 0 and info["secure_sums"]["summed_again"] == 0
