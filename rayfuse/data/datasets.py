@@ -99,7 +99,7 @@ class DatasetInfo:
 
 DATASETS: Registry[DatasetInfo] = Registry("dataset")
 # generators in their own modules register on first lookup
-DATASETS.add_loader(lambda: [__import__(f"rayfuse.data.{name}") for name in ("gmm", "lda", "tokens", "text", "chatter")])
+DATASETS.add_loader(lambda: [__import__(f"rayfuse.data.{name}") for name in ("gmm", "lda", "tokens", "text", "chatter", "mnist1d")])
 
 
 def register_dataset(name: str, *, description: str, source: str, standardize: bool = False, aliases: tuple[str, ...] = ()):

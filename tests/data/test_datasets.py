@@ -373,3 +373,28 @@ def test_dataset_test_split_is_checked_too():
     with pytest.raises(InputError, match=r"data \(d \(test split\)\)"):
         Dataset("d", X, y, 2, ("a", "b"), X_test=X, y_test=np.array([0]))
     assert Dataset("d", X, y, 2, ("a", "b"), X_test=X, y_test=y).has_test_split
+
+
+def test_mnist1d_is_generated_the_same_for_a_seed_balanced_standardised_with_a_test_split():
+    from rayfuse.data.datasets import load_dataset
+
+    data = load_dataset("mnist1d", options={"num_samples": 500, "seed": 3})
+    again = load_dataset("mnist1d", options={"num_samples": 500, "seed": 3})
+    other = load_dataset("mnist1d", options={"num_samples": 500, "seed": 4})
+    assert data.X.shape == (400, 40, 1) and data.X_test is not None and data.X_test.shape == (100, 40, 1)
+    np.testing.assert_array_equal(data.X, again.X)
+    assert not np.array_equal(data.X, other.X)
+    both = np.concatenate([data.X, data.X_test])
+    assert abs(float(both.mean())) < 1e-3 and abs(float(both.std()) - 1) < 1e-3
+    assert np.bincount(np.concatenate([data.y, data.y_test]), minlength=10).tolist() == [50] * 10
+    means = np.stack([both[np.concatenate([data.y, data.y_test]) == c].mean(0)[:, 0] for c in range(10)])
+    assert np.linalg.matrix_rank(means) == 10  # ten different mean signals: the templates survive the transforms
+
+
+def test_bad_mnist1d_options_are_one_line():
+    from rayfuse.data.datasets import load_dataset
+
+    with pytest.raises(InputError, match=r"data.options.num_samples: expected an integer >= 20"):
+        load_dataset("mnist1d", options={"num_samples": 5})
+    with pytest.raises(InputError, match=r"data.options.test_fraction: expected a fraction in \(0, 1\)"):
+        load_dataset("mnist1d", options={"test_fraction": 1.5})
