@@ -137,6 +137,7 @@ class Setting:
     distill_epochs: int
     distill_steps: int
     distill_lr: float
+    distill_holdout: float = 0.0  # text distill's holdout: the public texts' share that chooses the student's pass
     distill_word_dropout: float = 0.0  # > 0: a row more, distill with this word_dropout (text_fuse's; tokens dropped)
     batch_size: int = 32
     vocab_size: int = 2000
@@ -408,6 +409,7 @@ def run_seed(seed: int, setting: Setting, root: Path, log: Callable[[str], None]
             "steps": setting.distill_steps,
             "lr": setting.distill_lr,
             "seed": seed,
+            **({"holdout": setting.distill_holdout} if setting.distill_holdout > 0 else {}),
         }
         merge(DISTILL, "distill", {**distill, "init": "average"}, text=True)
         merge(DISTILL_PREDICTIONS, "distill", {**distill, "init": "base"}, text=True)

@@ -92,12 +92,22 @@ class TextDistillParams(_Schema):
     batch_size: int = Field(16, ge=2, description="student batch size")
     lr: float = Field(5e-5, gt=0, le=10, description="student learning rate (Adam, cosine schedule)")
     temperature: float = Field(4.0, gt=0, le=100, description="distillation temperature T")
-    combine: Literal["logits", "probabilities"] = Field("logits", description="the ensemble: weighted logits (FedDF) or probabilities")
+    combine: Literal["logits", "probabilities", "geometric"] = Field(
+        "logits", description="the ensemble: weighted logits (FedDF), probabilities, or geometric (the mean of log-probabilities)"
+    )
     weighting: Literal["uniform", "weights"] = Field("uniform", description="teacher weights: uniform, or each model's weight")
     init: Literal["average", "base"] = Field("average", description="the student's start: the models' weighted average, or the base_model")
     word_dropout: float = Field(
         0.0, ge=0, lt=1, description="each epoch's texts: each token but the first and last dropped with this probability (word dropout)"
     )
+    holdout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="this share of the texts held out; the student kept is the pass (or the start) with the best "
+        "fidelity to the ensemble on them (top-1 agreement, then KL); 0: the last pass",
+    )
+    patience: int = Field(0, ge=0, description="holdout: stop after this many passes in a row without a better fidelity (0: every pass)")
     seed: int = 0
 
 
@@ -224,6 +234,9 @@ def load_text_fuse_config(file: FuseFile, path: Path, method: Any, output: str |
                     "parameters.seed seeds it" if key == "seed" else "",
                 )
     params = validate_file_section(merge.Params, file.parameters, path, "parameters") if merge.Params is not None else None
+    holdout = float(getattr(params, "holdout", 0.0))
+    if holdout > 0 and len(X) - max(1, round(holdout * len(X))) < 2:
+        raise InputError(f"{path}: parameters.holdout", f"a share that leaves at least 2 of the {len(X)} texts to train on", holdout)
     weights = []
     for i, entry in enumerate(file.models):
         own = (
@@ -573,7 +586,7 @@ def _distill(
         if log is not None:
             log(f"distill: epoch {epoch}/{p.epochs}: loss {row['loss']:.4f}, agreement with the ensemble {row['agreement']:.3f}")
 
-    settings = dataclasses.replace(options.settings(p.seed), word_dropout=p.word_dropout)
+    settings = dataclasses.replace(options.settings(p.seed), word_dropout=p.word_dropout, holdout=p.holdout, patience=p.patience)
     distill_public(student, teachers, X, tw, settings, log=report)
     return {k: v.detach() for k, v in student.state_dict().items()}
 

@@ -416,11 +416,11 @@ class DistillFuseParams(DistillOptions):
         "average", description="init: aligned: the aligned merge (nonparametric: units that match nothing widen the student)"
     )
     weighting: Literal["uniform", "weights"] = Field("uniform", description="teacher weights: uniform, or each model's weight")
-    combine: Literal["auto", "logits", "probabilities"] = Field(
+    combine: Literal["auto", "logits", "probabilities", "geometric"] = Field(
         "probabilities",
         description="the ensemble: weighted probabilities (the default here: without the clients' class counts, "
-        "a model's logits for classes it never saw would count as much as its others), logits, or auto (logits when every "
-        "model has the file's architecture)",
+        "a model's logits for classes it never saw would count as much as its others), logits, geometric (the weighted "
+        "mean of log-probabilities), or auto (logits when every model has the file's architecture)",
     )
     seed: int = 0
 
@@ -452,6 +452,8 @@ def _distill(
 
     p = cast(DistillFuseParams, method)
     transfer = p.transfer or ("public" if inputs.X is not None else "synthetic")
+    if p.holdout > 0 and transfer == "synthetic":
+        raise InputError("parameters.holdout", "0 without data (a held-out share of the data file's inputs)", p.holdout)
     teachers_built = list(inputs.models) or [inputs.model for _ in params]
     same = list(inputs.same) or [True] * len(params)
     teachers = Teachers([_with(model, m) for model, m in zip(teachers_built, params)], batched=p.batched == "vmap")

@@ -352,6 +352,11 @@ BAD = [
         "{cfg}: seed: expected no seed with merge_method adamerging on text (it runs the models in memory), got 3; parameters.seed seeds it",
     ),
     ("a model file, not a folder", {"models": [{"model": "{file}"}]}, "{cfg}: models.0.model: expected a Hugging Face folder"),
+    (
+        "distill holding out all but one text",
+        {"merge_method": "distill", "parameters": {"holdout": 0.9}},
+        "{cfg}: parameters.holdout: expected a share that leaves at least 2 of the",
+    ),
 ]
 
 

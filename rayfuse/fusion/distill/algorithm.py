@@ -70,11 +70,12 @@ class DistillOptions(StrictSchema):
     """How a student is distilled: the parameters the ``distill`` method and ``rayfuse fuse``'s ``merge_method: distill``
     share (the loops' :class:`~rayfuse.fusion.distill.student.DistillSettings`, less the seed)."""
 
-    combine: Literal["auto", "logits", "probabilities"] = Field(
+    combine: Literal["auto", "logits", "probabilities", "geometric"] = Field(
         "auto",
-        description="the ensemble: weighted logits (FedDF) or weighted probabilities; auto: logits when every teacher has "
-        "one architecture, probabilities when they differ (their logits' scales differ: averaged, the most confident "
-        "architecture's would decide)",
+        description="the ensemble: weighted logits (FedDF), weighted probabilities, or geometric (the weighted mean of "
+        "the teachers' log-probabilities: a product of experts, blind to the scale of each one's logits); auto: logits "
+        "when every teacher has one architecture, probabilities when they differ (their logits' scales differ: averaged, "
+        "the most confident architecture's would decide)",
     )
     temperature: float = Field(4.0, gt=0, le=100, description="distillation temperature T")
     steps: int = Field(2000, ge=1, le=10_000_000, description="student optimisation steps")
@@ -86,13 +87,28 @@ class DistillOptions(StrictSchema):
     )
     batch_size: int = Field(64, ge=2, description="student batch size")
     lr: float = Field(3e-3, gt=0, le=10, description="student learning rate (Adam, cosine schedule)")
-    shift: int = Field(1, ge=0, le=64, description="public, images: random shifts of up to this many pixels")
+    shift: int = Field(1, ge=0, le=64, description="public: random shifts of up to this many pixels (images) or steps (sequences (L, D))")
+    scale: float = Field(
+        0.0, ge=0, lt=1, description="public: each transfer input's amplitude times U(1 - scale, 1 + scale); never token ids"
+    )
+    noise: float = Field(
+        0.0, ge=0, le=10, description="public: Gaussian noise of this many standard deviations of each input element; never token ids"
+    )
     mixup: float = Field(
         0.5,
         ge=0,
         le=1,
         description="public: fraction of transfer inputs mixed with a second one (ratio ~ U(0, 1)); never token ids (texts)",
     )
+    holdout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="public: this share of the transfer inputs held out, unaugmented, one teacher call more; the student "
+        "kept is the pass (or the start) with the best fidelity to the ensemble on them (top-1 agreement, then KL), so "
+        "the steps are chosen on inputs it never trained on; 0: the last pass",
+    )
+    patience: int = Field(0, ge=0, description="holdout: stop after this many passes in a row without a better fidelity (0: every pass)")
     synthetic_batch: int = Field(128, ge=2, description="synthetic: inputs per generated batch")
     generator_steps: int = Field(5, ge=1, description="synthetic: generator steps per round")
     student_steps: int = Field(20, ge=1, description="synthetic: student steps per round")
@@ -338,6 +354,9 @@ SECURE_STEPS: dict[str, tuple[float, float]] = {
     # w_kc z_kc: a trained model's logits are tens at most (beyond 4096 clipped and counted); 2^-24 is float32's
     # resolution at 1, finer than its at the logits' scale
     "logits": (2.0**-24, 2.0**12),
+    # w_kc log softmax(z_k)_c: at most 0, as far below as a confident member's logit gaps (tens; beyond -4096 clipped
+    # and counted: such a class's probability is 0 to any precision); the logits' step
+    "geometric": (2.0**-24, 2.0**12),
     # w_kc softmax(z_k)_c in [0, 1]: absolute error, 2^-40 ~ 1e-12 (the floor of the ensemble's log), so the ensemble
     # holds the probabilities its temperature-scaled log makes matter
     "probabilities": (2.0**-40, 2.0),
@@ -625,6 +644,12 @@ class Distill(Method[DistillParams, None]):
                 setup.public_size,
                 "or set transfer: synthetic (data-free)",
             )
+        if params.holdout > 0 and params.transfer == "synthetic":
+            raise InputError("holdout", "0 with transfer: synthetic (a held-out share of the public sample's inputs)", params.holdout)
+        if params.holdout > 0 and params.transfer == "public" and setup.public_size - max(1, round(params.holdout * setup.public_size)) < 2:
+            raise InputError(
+                "holdout", f"a share that leaves at least 2 of the {setup.public_size} public inputs to train on", params.holdout
+            )
         if params.teachers == "clients" and params.init != "random":
             raise InputError(
                 "init",
@@ -738,6 +763,9 @@ class Distill(Method[DistillParams, None]):
             info["secure_sums"] = secure.record
         info["transfer_note"] = transfer_note(p, info.get("transfer_samples"))
         info["final"] = {k: round(v, 4) for k, v in history[-1].items()} if history else {}
+        chosen = [row for row in history if row.get("chosen")]
+        if chosen:  # holdout: the pass whose student is returned, and its fidelity on the held-out inputs
+            info["holdout"] = {k: round(v, 4) for k, v in chosen[0].items() if k in ("epoch", "holdout_agreement", "holdout_kl")}
         params = get_params(student.cpu())
         if p.repair and any(k.endswith("running_mean") for k in params):
             params = self._repair(server, params, student_cfg, clients)

@@ -69,6 +69,7 @@ __all__ = [
     "distill_synthetic",
     "teacher_signal",
     "agreement",
+    "fidelity",
     "scaled_weights",
 ]
 
@@ -87,7 +88,11 @@ class DistillSettings:
     combine: str = "logits"
     shift: int = 1
     mixup: float = 0.5
+    scale: float = 0.0  # public: each input's amplitude times U(1 - scale, 1 + scale)
+    noise: float = 0.0  # public: Gaussian noise of this many standard deviations of each input element
     word_dropout: float = 0.0  # token-id rows (texts): each real token dropped with this probability (drop_tokens)
+    holdout: float = 0.0  # public: this share of the inputs held out to score the student's fidelity each pass (0: off)
+    patience: int = 0  # holdout: stop after this many passes without a better fidelity (0: run every pass)
     synthetic_batch: int = 128
     generator_steps: int = 5
     student_steps: int = 20
@@ -140,6 +145,19 @@ def agreement(student: nn.Module, X: torch.Tensor, target: torch.Tensor, limit: 
     return agree
 
 
+def fidelity(student: nn.Module, X: torch.Tensor, target: torch.Tensor) -> tuple[float, float]:
+    """The student's fidelity to the ensemble on the inputs ``X`` (the ensemble's logits ``target``): the fraction of
+    inputs where their top classes agree, and the mean ``KL(ensemble || student)`` of their softmaxes (temperature 1)."""
+    was = student.training
+    student.eval()
+    with torch.no_grad():
+        logits = student(X)
+        agree = float((logits.argmax(1) == target.argmax(1)).float().mean())
+        kl = float(distillation_loss(logits, target, 1.0))
+    student.train(was)
+    return agree, kl
+
+
 def _optimizer(student: nn.Module, settings: DistillSettings) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     opt = torch.optim.Adam([p for p in student.parameters() if p.requires_grad], lr=settings.lr)
     return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, settings.steps))
@@ -174,21 +192,57 @@ def distill_public(
     """Train ``student`` in place on augmented banks of the unlabeled inputs ``X`` ``(N, *input_shape)`` to match the
     teachers' ensemble (per-class ``weights`` ``(K, C)``). Returns one row per epoch (one bank, one teacher call):
     ``loss`` (mean distillation loss of the epoch), ``agreement`` (student and ensemble top-1 on the epoch's bank),
-    ``seconds``."""
+    ``seconds``.
+
+    With ``settings.holdout`` a seeded share of ``X`` (at least one input, at least two left to train on) is held out,
+    unaugmented, and the teachers predict on it once (one call more per teacher). Before training and after every pass
+    the student's :func:`fidelity` on it is scored (rows' ``holdout_agreement`` and ``holdout_kl``; the start is row
+    ``epoch`` 0); the student that is returned is the best one scored (the highest agreement, then the lowest KL; the
+    rows' ``chosen`` marks it), so the number of steps is chosen on inputs the student never trained on. With
+    ``settings.patience`` the passes stop once that many in a row were no better."""
     generator = torch.Generator().manual_seed(int(settings.seed))
     torch.manual_seed(int(settings.seed))  # dropout inside the student
     X_t = torch.as_tensor(np.ascontiguousarray(X), dtype=torch.float32, device=device)
     W = torch.as_tensor(weights, dtype=torch.float32, device=device)
     student.to(device).train()
+    held: tuple[torch.Tensor, torch.Tensor] | None = None
+    if settings.holdout > 0:
+        n_held = min(max(1, round(settings.holdout * X_t.shape[0])), X_t.shape[0] - 2)
+        if n_held < 1:
+            raise ValueError(f"holdout: at least 3 transfer inputs needed to hold one out, got {X_t.shape[0]}")
+        order = torch.randperm(X_t.shape[0], generator=generator).to(device)
+        held_X, X_t = X_t[order[:n_held]], X_t[order[n_held:]]
+        held = held_X, combine_teachers(teachers.predict(held_X).to(device), W, settings.combine)
     opt, sched = _optimizer(student, settings)
     per_pass = math.ceil(settings.steps / settings.epochs)
     # token-id rows (texts: a model that masks their -1 padding) are drawn as they are: a mix of two texts' ids is no text
-    mixup = 0.0 if getattr(student, "masks_padding", False) else settings.mixup
+    tokens = getattr(student, "masks_padding", False)
+    mixup = 0.0 if tokens else settings.mixup
+    scale, noise = (0.0, 0.0) if tokens else (settings.scale, settings.noise)  # token ids are not amplitudes
     history: list[dict[str, float]] = []
-    done = 0
+    best: tuple[float, float, int, dict[str, torch.Tensor]] | None = None
+
+    def score(epoch: int, row: dict[str, float]) -> bool:
+        """Score the student on the held-out inputs; keep it when it is the best so far (returns whether it is)."""
+        nonlocal best
+        assert held is not None
+        agree, kl = fidelity(student, *held)
+        row.update(holdout_agreement=agree, holdout_kl=kl)
+        if best is None or agree > best[0] or (agree == best[0] and kl < best[1]):
+            best = (agree, kl, epoch, {k: v.detach().clone() for k, v in student.state_dict().items()})
+            return True
+        return False
+
+    if held is not None:
+        start_row: dict[str, float] = {"epoch": 0.0}
+        score(0, start_row)
+        history.append(start_row)
+    done, stale = 0, 0
     started = time.perf_counter()
     for epoch in range(1, settings.epochs + 1):
-        bank = augment_bank(X_t, per_pass * settings.batch_size, shift=settings.shift, mixup=mixup, generator=generator)
+        bank = augment_bank(
+            X_t, per_pass * settings.batch_size, shift=settings.shift, mixup=mixup, generator=generator, scale=scale, noise=noise
+        )
         if getattr(student, "masks_padding", False):
             bank = drop_tokens(bank, settings.word_dropout, generator)
         target = combine_teachers(teachers.predict(bank).to(device), W, settings.combine)
@@ -209,9 +263,17 @@ def distill_public(
             "seconds": time.perf_counter() - started,
         }
         _check_finite(row["loss"], "student's loss")
+        if held is not None:
+            stale = 0 if score(epoch, row) else stale + 1
         history.append(row)
         if log is not None:
             log(epoch, row)
+        if held is not None and settings.patience and stale >= settings.patience:
+            break
+    if best is not None:
+        student.load_state_dict(best[3])
+        for row in history:
+            row["chosen"] = float(row["epoch"] == best[2])
     student.eval()
     return history
 

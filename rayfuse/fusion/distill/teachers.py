@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 WEIGHTINGS = ("uniform", "samples", "classes")
-COMBINES = ("logits", "probabilities")
+COMBINES = ("logits", "probabilities", "geometric")
 _EPS = 1e-3  # class-count smoothing: a class no client holds gets uniform weights, not 0 / 0
 _FLOOR = 1e-12  # the weighted probabilities' floor before their log (combine: probabilities)
 
@@ -84,26 +84,36 @@ def combine_teachers(member_logits: torch.Tensor, weights: torch.Tensor, how: st
     .. math::
 
         \\bar z_c(x) = \\sum_k w_{kc} z_{kc}(x) \\quad (\\text{logits}), \\qquad
-        \\bar z_c(x) = \\log \\sum_k w_{kc}\\, \\mathrm{softmax}(z_k(x))_c \\quad (\\text{probabilities})
+        \\bar z_c(x) = \\log \\sum_k w_{kc}\\, \\mathrm{softmax}(z_k(x))_c \\quad (\\text{probabilities}),
 
-    Returns ``(N, C)``.
+        \\bar z_c(x) = \\sum_k w_{kc} \\log \\mathrm{softmax}(z_k(x))_c \\quad (\\text{geometric})
+
+    ``geometric`` is the members' weighted geometric mean of probabilities (a product of experts): like ``logits`` a
+    sum the members' terms make, but of log-probabilities, so a member whose logits are on a larger scale (another
+    architecture, a more confident training) does not outweigh the rest. Returns ``(N, C)``.
     """
     w = weights.to(member_logits.dtype)[:, None, :]
     if how == "logits":
         return (w * member_logits).sum(0)
+    if how == "geometric":
+        return (w * torch.log_softmax(member_logits, dim=2)).sum(0)
     if how == "probabilities":
         return torch.log((w * torch.softmax(member_logits, dim=2)).sum(0).clamp_min(_FLOOR))
     raise ValueError(f"combine: expected one of {COMBINES}, got {how!r}")
 
 
 def ensemble_term(logits: np.ndarray, weights: np.ndarray, how: str = "logits") -> np.ndarray:
-    """One member's term of :func:`combine_teachers`'s sum, float64: ``w_c z_c`` (``logits``) or ``w_c softmax(z)_c``
-    (``probabilities``), over the last axis of ``logits`` with the member's per-class ``weights`` ``(C,)``. The members'
-    terms summed (secure aggregation sums them) give the ensemble through :func:`ensemble_of_sum`."""
+    """One member's term of :func:`combine_teachers`'s sum, float64: ``w_c z_c`` (``logits``), ``w_c softmax(z)_c``
+    (``probabilities``) or ``w_c log softmax(z)_c`` (``geometric``), over the last axis of ``logits`` with the member's
+    per-class ``weights`` ``(C,)``. The members' terms summed (secure aggregation sums them) give the ensemble through
+    :func:`ensemble_of_sum`."""
     z = np.asarray(logits, dtype=np.float64)
     w = np.asarray(weights, dtype=np.float64)
     if how == "logits":
         return w * z
+    if how == "geometric":
+        shifted = z - z.max(axis=-1, keepdims=True)
+        return w * (shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True)))
     if how == "probabilities":
         e = np.exp(z - z.max(axis=-1, keepdims=True))
         return w * (e / e.sum(axis=-1, keepdims=True))
@@ -114,7 +124,7 @@ def ensemble_of_sum(total: np.ndarray, how: str = "logits") -> np.ndarray:
     """The ensemble's logits (float32) from the sum of the members' :func:`ensemble_term`: what
     :func:`combine_teachers` gives from their logits."""
     total = np.asarray(total, dtype=np.float64)
-    if how == "logits":
+    if how in ("logits", "geometric"):
         return total.astype(np.float32)
     if how == "probabilities":
         return np.log(np.maximum(total, _FLOOR)).astype(np.float32)

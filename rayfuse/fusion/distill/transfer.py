@@ -1,8 +1,9 @@
 """Transfer inputs of a distillation: augmented public samples, and a generator for data-free distillation.
 
 **Public transfer** (FedDF [FEDDF]): each pass draws a *bank* of inputs from the server's unlabeled sample: each a
-random sample shifted by up to ``shift`` pixels (images, zero padding), and a fraction ``mixup`` of them mixed with a
-second sample, ``x = lam x_i + (1 - lam) x_j`` with ``lam ~ U(0, 1)``. The teachers are evaluated on the mixed input
+random sample shifted by up to ``shift`` pixels (images) or steps (sequences ``(L, D)``; zero padding), and a fraction
+``mixup`` of them mixed with a second sample, ``x = lam x_i + (1 - lam) x_j`` with ``lam ~ U(0, 1)``; optionally
+scaled (``scale``) and noised (``noise``), the augmentations of a 1-D signal or a table's row. The teachers are evaluated on the mixed input
 itself (the target is the ensemble's output there, not a mix of labels), which is what lets 300 samples cover the
 space between the classes.
 
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["augment_bank", "drop_tokens", "shift_images", "Generator", "SyntheticBank", "pooled_moments"]
+__all__ = ["augment_bank", "drop_tokens", "shift_images", "shift_sequences", "Generator", "SyntheticBank", "pooled_moments"]
 
 
 def shift_images(x: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
@@ -43,18 +44,52 @@ def shift_images(x: torch.Tensor, max_shift: int, generator: torch.Generator) ->
     return padded[batch, channel, rows, cols]
 
 
-def augment_bank(X: torch.Tensor, size: int, *, shift: int, mixup: float, generator: torch.Generator) -> torch.Tensor:
-    """``size`` transfer inputs drawn from ``X`` ``(N, *input_shape)``: shifted (images) and, for a fraction ``mixup``
-    of them, mixed with a second shifted sample at a uniform ratio."""
+def shift_sequences(x: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
+    """Each sequence ``(N, L, D)`` (rayfuse's sequence layout: ``L`` steps of ``D`` features) moved along its steps by
+    ``d`` drawn uniformly from ``[-max_shift, max_shift]`` (zero padded); other shapes are returned unchanged."""
+    if x.dim() != 3 or max_shift <= 0:
+        return x
+    n, length, _ = x.shape
+    padded = torch.nn.functional.pad(x, (0, 0, max_shift, max_shift))
+    d = torch.randint(0, 2 * max_shift + 1, (n,), generator=generator).to(x.device)
+    steps = (d[:, None] + torch.arange(length, device=x.device)[None])[:, :, None].expand(-1, -1, x.shape[2])
+    return padded.gather(1, steps)
+
+
+def _moved(X: torch.Tensor, shift: int, generator: torch.Generator) -> torch.Tensor:
+    return shift_sequences(X, shift, generator) if X.dim() == 3 else shift_images(X, shift, generator)
+
+
+def augment_bank(
+    X: torch.Tensor,
+    size: int,
+    *,
+    shift: int,
+    mixup: float,
+    generator: torch.Generator,
+    scale: float = 0.0,
+    noise: float = 0.0,
+) -> torch.Tensor:
+    """``size`` transfer inputs drawn from ``X`` ``(N, *input_shape)``: shifted (images by up to ``shift`` pixels each
+    way, sequences ``(N, L, D)`` by up to ``shift`` steps), and, for a fraction ``mixup`` of them, mixed with a second
+    shifted sample at a uniform ratio; then each scaled by a factor drawn from ``U(1 - scale, 1 + scale)`` and given
+    Gaussian noise of ``noise`` times each input element's standard deviation over ``X`` (the amplitude and noise of a
+    1-D signal or a table's row; ``0``: neither, and no draw is made)."""
     n = X.shape[0]
-    first = shift_images(X[torch.randint(0, n, (size,), generator=generator).to(X.device)], shift, generator)
-    if mixup <= 0:
-        return first
-    second = shift_images(X[torch.randint(0, n, (size,), generator=generator).to(X.device)], shift, generator)
-    lam = torch.rand(size, generator=generator).to(X.device)
-    lam = torch.where(torch.rand(size, generator=generator).to(X.device) < mixup, lam, torch.ones_like(lam))
-    lam = lam.view(-1, *[1] * (X.dim() - 1)).to(X.dtype)
-    return lam * first + (1 - lam) * second
+    first = _moved(X[torch.randint(0, n, (size,), generator=generator).to(X.device)], shift, generator)
+    if mixup > 0:
+        second = _moved(X[torch.randint(0, n, (size,), generator=generator).to(X.device)], shift, generator)
+        lam = torch.rand(size, generator=generator).to(X.device)
+        lam = torch.where(torch.rand(size, generator=generator).to(X.device) < mixup, lam, torch.ones_like(lam))
+        lam = lam.view(-1, *[1] * (X.dim() - 1)).to(X.dtype)
+        first = lam * first + (1 - lam) * second
+    if scale > 0:
+        factor = 1 + scale * (2 * torch.rand(size, generator=generator) - 1)
+        first = first * factor.to(X.device, X.dtype).view(-1, *[1] * (X.dim() - 1))
+    if noise > 0:
+        std = X.std(0, keepdim=True) if n > 1 else torch.ones_like(X[:1])
+        first = first + noise * std * torch.randn(first.shape, generator=generator).to(X.device, X.dtype)
+    return first
 
 
 def drop_tokens(X: torch.Tensor, rate: float, generator: torch.Generator) -> torch.Tensor:

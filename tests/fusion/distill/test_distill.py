@@ -89,6 +89,20 @@ def test_combining_identical_members_returns_their_logits():
     weights = torch.as_tensor(teacher_weights("classes", np.array([[3, 1, 0], [1, 1, 0], [0, 5, 2], [2, 2, 2]])))
     torch.testing.assert_close(combine_teachers(logits, weights, "logits"), logits[0])
     torch.testing.assert_close(torch.softmax(combine_teachers(logits, weights, "probabilities"), 1), torch.softmax(logits[0], 1))
+    torch.testing.assert_close(torch.softmax(combine_teachers(logits, weights, "geometric"), 1), torch.softmax(logits[0], 1))
+
+
+def test_the_geometric_ensemble_is_the_weighted_mean_of_log_probabilities_and_blind_to_a_members_offset():
+    from rayfuse.fusion.distill.teachers import ensemble_of_sum, ensemble_term
+
+    member = torch.randn(3, 6, 4, dtype=torch.float64) * torch.tensor([1.0, 5.0, 20.0], dtype=torch.float64)[:, None, None]
+    weights = torch.as_tensor(teacher_weights("classes", np.array([[3, 1, 0, 2], [1, 1, 4, 0], [0, 5, 2, 2]])), dtype=torch.float64)
+    expected = (weights[:, None, :] * torch.log_softmax(member, 2)).sum(0)
+    torch.testing.assert_close(combine_teachers(member, weights, "geometric"), expected)
+    shifted = member + torch.tensor([100.0, -7.0, 3.0], dtype=torch.float64)[:, None, None]  # one constant a member
+    torch.testing.assert_close(combine_teachers(shifted, weights, "geometric"), expected)
+    total = sum(ensemble_term(member[k].numpy(), weights[k].numpy(), "geometric") for k in range(3))  # secure sums' terms
+    np.testing.assert_allclose(ensemble_of_sum(total, "geometric"), expected.numpy(), rtol=1e-6, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +157,52 @@ def test_the_public_loop_is_reproducible_and_the_same_through_predictions_only(t
     for key in a:
         np.testing.assert_array_equal(a[key], b[key])
         np.testing.assert_allclose(a[key], c[key], rtol=1e-5, atol=1e-6)
+
+
+def test_holdout_returns_the_student_of_the_pass_with_the_best_held_out_fidelity(trained_digits_mlp, monkeypatch):
+    import rayfuse.fusion.distill.student as loops
+
+    model, X = trained_digits_mlp
+    teachers = Teachers([copy.deepcopy(model), copy.deepcopy(model)])
+    weights = np.full((2, 10), 0.5, np.float32)
+    scores = iter([(0.5, 1.0), (0.9, 0.4), (0.9, 0.3), (0.7, 0.2), (0.6, 0.1)])  # the start, then passes 1-4
+    seen: list[int] = []
+    monkeypatch.setattr(loops, "fidelity", lambda student, X, target: (seen.append(len(X)), next(scores))[1])
+    states: dict[int, dict[str, np.ndarray]] = {}
+    student = _fresh_mlp(3)
+    history = distill_public(
+        student,
+        teachers,
+        X[:200],
+        weights,
+        DistillSettings(steps=80, epochs=4, seed=1, holdout=0.25),
+        log=lambda epoch, row: states.__setitem__(epoch, get_params(student)),
+    )
+    assert seen == [50] * 5  # a quarter of the inputs held out, scored at the start and after each pass
+    assert [row["epoch"] for row in history] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert [row["chosen"] for row in history] == [0.0, 0.0, 1.0, 0.0, 0.0]  # agreement first, then the lower KL
+    for key, value in get_params(student).items():
+        np.testing.assert_array_equal(value, states[2][key])  # the pass-2 student, not the last one
+    # patience: two passes without a better score stop the loop
+    scores = iter([(0.5, 1.0), (0.9, 0.4), (0.8, 0.3), (0.7, 0.2), (0.95, 0.1)])
+    history = distill_public(_fresh_mlp(3), teachers, X[:200], weights, DistillSettings(steps=80, epochs=4, holdout=0.25, patience=2))
+    assert [row["epoch"] for row in history] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_holdout_on_real_scores_keeps_a_student_at_least_as_faithful_as_its_start(trained_digits_mlp):
+    from rayfuse.fusion.distill.student import fidelity
+
+    model, X = trained_digits_mlp
+    teachers = Teachers([copy.deepcopy(model) for _ in range(2)])
+    weights = np.full((2, 10), 0.5, np.float32)
+    history = distill_public(_fresh_mlp(4), teachers, X[:300], weights, DistillSettings(steps=120, epochs=3, holdout=0.2))
+    chosen = [row for row in history if row["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["holdout_agreement"] >= history[0]["holdout_agreement"]
+    assert max(row["holdout_agreement"] for row in history) == chosen[0]["holdout_agreement"]
+    student = _fresh_mlp(0)
+    target = combine_teachers(teachers.predict(torch.as_tensor(X[:50])), torch.as_tensor(weights))
+    agree, kl = fidelity(student, torch.as_tensor(X[:50]), target)
+    assert 0.0 <= agree <= 1.0 and kl > 0
 
 
 def test_data_free_distillation_runs_exact_and_from_client_signals(trained_digits_mlp):
@@ -272,6 +332,9 @@ def test_a_predictions_only_reply_holds_predictions_on_the_transfer_inputs_only(
         ({}, {"teachers": "clients", "init": "random", "repair": True}, "methods.d.repair"),
         ({}, {"student": {"name": "nope"}}, "methods.d.student.name"),
         ({}, {"steps": 0}, "methods.d.steps"),
+        ({}, {"transfer": "synthetic", "holdout": 0.2}, "methods.d.holdout"),
+        ({"data": {"dataset": "digits", "public_size": 3}}, {"holdout": 0.5}, "methods.d.holdout"),
+        ({}, {"holdout": 1.0}, "methods.d.holdout"),
     ],
 )
 def test_distill_refuses_before_start(make_config, section, entry, path):
