@@ -92,8 +92,10 @@ class TextDistillParams(_Schema):
     batch_size: int = Field(16, ge=2, description="student batch size")
     lr: float = Field(5e-5, gt=0, le=10, description="student learning rate (Adam, cosine schedule)")
     temperature: float = Field(4.0, gt=0, le=100, description="distillation temperature T")
-    combine: Literal["logits", "probabilities", "geometric"] = Field(
-        "logits", description="the ensemble: weighted logits (FedDF), probabilities, or geometric (the mean of log-probabilities)"
+    combine: Literal["logits", "probabilities", "geometric", "energy"] = Field(
+        "logits",
+        description="the ensemble: weighted logits (FedDF), probabilities, geometric (the mean of log-probabilities) or "
+        "energy (geometric plus each model's standardised energy)",
     )
     weighting: Literal["uniform", "weights"] = Field("uniform", description="teacher weights: uniform, or each model's weight")
     init: Literal["average", "base"] = Field("average", description="the student's start: the models' weighted average, or the base_model")

@@ -416,11 +416,11 @@ class DistillFuseParams(DistillOptions):
         "average", description="init: aligned: the aligned merge (nonparametric: units that match nothing widen the student)"
     )
     weighting: Literal["uniform", "weights"] = Field("uniform", description="teacher weights: uniform, or each model's weight")
-    combine: Literal["auto", "logits", "probabilities", "geometric"] = Field(
+    combine: Literal["auto", "logits", "probabilities", "geometric", "energy"] = Field(
         "probabilities",
         description="the ensemble: weighted probabilities (the default here: without the clients' class counts, "
         "a model's logits for classes it never saw would count as much as its others), logits, geometric (the weighted "
-        "mean of log-probabilities), or auto (logits when every model has the file's architecture)",
+        "mean of log-probabilities), energy (geometric plus each model's standardised energy), or auto (logits when every model has the file's architecture)",
     )
     seed: int = 0
 

@@ -70,10 +70,12 @@ class DistillOptions(StrictSchema):
     """How a student is distilled: the parameters the ``distill`` method and ``rayfuse fuse``'s ``merge_method: distill``
     share (the loops' :class:`~rayfuse.fusion.distill.student.DistillSettings`, less the seed)."""
 
-    combine: Literal["auto", "logits", "probabilities", "geometric"] = Field(
+    combine: Literal["auto", "logits", "probabilities", "geometric", "energy"] = Field(
         "auto",
-        description="the ensemble: weighted logits (FedDF), weighted probabilities, or geometric (the weighted mean of "
-        "the teachers' log-probabilities: a product of experts, blind to the scale of each one's logits); auto: logits "
+        description="the ensemble: weighted logits (FedDF), weighted probabilities, geometric (the weighted mean of "
+        "the teachers' log-probabilities: a product of experts, blind to the scale of each one's logits), or energy "
+        "(geometric plus each teacher's energy, the log-sum-exp of its logits, standardised over the pass's inputs: "
+        "how familiar each finds an input); auto: logits "
         "when every teacher has one architecture, probabilities when they differ (their logits' scales differ: averaged, "
         "the most confident architecture's would decide)",
     )
@@ -357,6 +359,7 @@ SECURE_STEPS: dict[str, tuple[float, float]] = {
     # w_kc log softmax(z_k)_c: at most 0, as far below as a confident member's logit gaps (tens; beyond -4096 clipped
     # and counted: such a class's probability is 0 to any precision); the logits' step
     "geometric": (2.0**-24, 2.0**12),
+    "energy": (2.0**-24, 2.0**12),  # the same plus a standardised energy (a few units)
     # w_kc softmax(z_k)_c in [0, 1]: absolute error, 2^-40 ~ 1e-12 (the floor of the ensemble's log), so the ensemble
     # holds the probabilities its temperature-scaled log makes matter
     "probabilities": (2.0**-40, 2.0),
@@ -629,8 +632,10 @@ class Distill(Method[DistillParams, None]):
             return cls.tags
         copies = {"clients": 0, "parameters": 2}.get(params.teachers, 1)  # clients: predictions only; parameters: uploads + teachers
         # predictions only: the ensemble (and the generator's signal, the input moments) is a weighted sum of what the
-        # clients send, so secure aggregation sums it; reweight reads each member's predictions, parameters each model
-        sums = params.teachers == "clients" and not (params.transfer == "synthetic" and params.reweight)
+        # clients send, so secure aggregation sums it; reweight reads each member's predictions, parameters each model;
+        # the energy ensemble standardises each member's energy over the inputs combined at once, a pass's bank (a
+        # client can, over the bank it is sent) but, data-free, each batch the server draws from its bank
+        sums = params.teachers == "clients" and not (params.transfer == "synthetic" and (params.reweight or params.combine == "energy"))
         return replace(cls.tags, public_sample=params.transfer == "public", local_model_copies=copies, sums=sums)
 
     @classmethod

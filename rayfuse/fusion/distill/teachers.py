@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 WEIGHTINGS = ("uniform", "samples", "classes")
-COMBINES = ("logits", "probabilities", "geometric")
+COMBINES = ("logits", "probabilities", "geometric", "energy")
 _EPS = 1e-3  # class-count smoothing: a class no client holds gets uniform weights, not 0 / 0
 _FLOOR = 1e-12  # the weighted probabilities' floor before their log (combine: probabilities)
 
@@ -86,34 +86,53 @@ def combine_teachers(member_logits: torch.Tensor, weights: torch.Tensor, how: st
         \\bar z_c(x) = \\sum_k w_{kc} z_{kc}(x) \\quad (\\text{logits}), \\qquad
         \\bar z_c(x) = \\log \\sum_k w_{kc}\\, \\mathrm{softmax}(z_k(x))_c \\quad (\\text{probabilities}),
 
-        \\bar z_c(x) = \\sum_k w_{kc} \\log \\mathrm{softmax}(z_k(x))_c \\quad (\\text{geometric})
+        \\bar z_c(x) = \\sum_k w_{kc} \\log \\mathrm{softmax}(z_k(x))_c \\quad (\\text{geometric}),
+
+        \\bar z_c(x) = \\sum_k w_{kc} \\big(\\log \\mathrm{softmax}(z_k(x))_c + \\hat E_k(x)\\big) \\quad (\\text{energy}),
+        \\quad \\hat E_k(x) = \\frac{E_k(x) - \\mathrm{mean}_X E_k}{\\mathrm{std}_X E_k}, \\; E_k = \\log \\sum_c e^{z_{kc}}
 
     ``geometric`` is the members' weighted geometric mean of probabilities (a product of experts): like ``logits`` a
     sum the members' terms make, but of log-probabilities, so a member whose logits are on a larger scale (another
-    architecture, a more confident training) does not outweigh the rest. Returns ``(N, C)``.
+    architecture, a more confident training) does not outweigh the rest. ``energy`` adds back what normalising
+    discards, how familiar each member finds the input: its energy ``E_k`` (the log-sum-exp of its logits, higher on
+    inputs like its training data), standardised over the ``N`` inputs combined (a bank, a held-out set), so that it is
+    on one scale for every member. Returns ``(N, C)``.
     """
     w = weights.to(member_logits.dtype)[:, None, :]
     if how == "logits":
         return (w * member_logits).sum(0)
     if how == "geometric":
         return (w * torch.log_softmax(member_logits, dim=2)).sum(0)
+    if how == "energy":
+        return (w * _energy_log_probabilities(member_logits)).sum(0)
     if how == "probabilities":
         return torch.log((w * torch.softmax(member_logits, dim=2)).sum(0).clamp_min(_FLOOR))
     raise ValueError(f"combine: expected one of {COMBINES}, got {how!r}")
 
 
+def _energy_log_probabilities(member_logits: torch.Tensor) -> torch.Tensor:
+    """Each member's log-probabilities plus its standardised energy over the inputs (``combine: energy``): ``(K, N,
+    C)`` from ``(K, N, C)`` logits (a member whose energy is constant over the inputs adds 0)."""
+    energy = torch.logsumexp(member_logits, dim=2)
+    spread = energy.std(1, unbiased=False, keepdim=True)
+    standard = (energy - energy.mean(1, keepdim=True)) / spread.clamp_min(1e-6)
+    return torch.log_softmax(member_logits, dim=2) + standard[:, :, None]
+
+
 def ensemble_term(logits: np.ndarray, weights: np.ndarray, how: str = "logits") -> np.ndarray:
     """One member's term of :func:`combine_teachers`'s sum, float64: ``w_c z_c`` (``logits``), ``w_c softmax(z)_c``
-    (``probabilities``) or ``w_c log softmax(z)_c`` (``geometric``), over the last axis of ``logits`` with the member's
+    (``probabilities``), ``w_c log softmax(z)_c`` (``geometric``) or that plus the member's standardised energy
+    (``energy``, over the rows of ``logits``: the pass's inputs), over the last axis of ``logits`` with the member's
     per-class ``weights`` ``(C,)``. The members' terms summed (secure aggregation sums them) give the ensemble through
     :func:`ensemble_of_sum`."""
     z = np.asarray(logits, dtype=np.float64)
     w = np.asarray(weights, dtype=np.float64)
     if how == "logits":
         return w * z
-    if how == "geometric":
-        shifted = z - z.max(axis=-1, keepdims=True)
-        return w * (shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True)))
+    if how in ("geometric", "energy"):  # energy: standardised over this member's rows (the pass's inputs)
+        rows = torch.as_tensor(z.reshape(-1, z.shape[-1]))
+        terms = _energy_log_probabilities(rows[None])[0] if how == "energy" else torch.log_softmax(rows, dim=1)
+        return w * terms.numpy().reshape(z.shape)
     if how == "probabilities":
         e = np.exp(z - z.max(axis=-1, keepdims=True))
         return w * (e / e.sum(axis=-1, keepdims=True))
@@ -124,7 +143,7 @@ def ensemble_of_sum(total: np.ndarray, how: str = "logits") -> np.ndarray:
     """The ensemble's logits (float32) from the sum of the members' :func:`ensemble_term`: what
     :func:`combine_teachers` gives from their logits."""
     total = np.asarray(total, dtype=np.float64)
-    if how in ("logits", "geometric"):
+    if how in ("logits", "geometric", "energy"):
         return total.astype(np.float32)
     if how == "probabilities":
         return np.log(np.maximum(total, _FLOOR)).astype(np.float32)

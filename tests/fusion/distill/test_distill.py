@@ -105,6 +105,27 @@ def test_the_geometric_ensemble_is_the_weighted_mean_of_log_probabilities_and_bl
     np.testing.assert_allclose(ensemble_of_sum(total, "geometric"), expected.numpy(), rtol=1e-6, atol=1e-6)
 
 
+def test_the_energy_ensemble_adds_each_members_standardised_energy_and_ignores_its_scale():
+    from rayfuse.fusion.distill.teachers import ensemble_of_sum, ensemble_term
+
+    member = torch.randn(3, 50, 4, dtype=torch.float64)
+    weights = torch.as_tensor(teacher_weights("classes", np.array([[3, 1, 0, 2], [1, 1, 4, 0], [0, 5, 2, 2]])), dtype=torch.float64)
+    energy = torch.logsumexp(member, 2)
+    standard = (energy - energy.mean(1, keepdim=True)) / energy.std(1, unbiased=False, keepdim=True)
+    expected = (weights[:, None, :] * (torch.log_softmax(member, 2) + standard[:, :, None])).sum(0)
+    torch.testing.assert_close(combine_teachers(member, weights, "energy"), expected)
+    shifted = member + torch.tensor([100.0, -7.0, 3.0], dtype=torch.float64)[:, None, None]  # one constant a member
+    torch.testing.assert_close(combine_teachers(shifted, weights, "energy"), expected)
+    total = sum(ensemble_term(member[k].numpy(), weights[k].numpy(), "energy") for k in range(3))  # each client's term
+    np.testing.assert_allclose(ensemble_of_sum(total, "energy"), expected.numpy(), rtol=1e-6, atol=1e-6)
+    # a member that finds one input far more familiar than the rest raises that input's classes it holds
+    familiar = member.clone()
+    familiar[0, 7] *= 6.0
+    weights_one = torch.as_tensor(teacher_weights("uniform", np.ones((3, 4))), dtype=torch.float64)
+    gap = combine_teachers(familiar, weights_one, "energy") - combine_teachers(familiar, weights_one, "geometric")
+    assert int(gap.mean(1).argmax()) == 7
+
+
 @pytest.fixture(scope="module")
 def trained_digits_mlp():
     from rayfuse.data.datasets import load_dataset
