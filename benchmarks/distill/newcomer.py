@@ -25,7 +25,8 @@ on top of it), and one change each:
 * ``distill (holdout 0.2)``: a fifth of the public signals held out to choose the pass whose student is kept;
 * ``distill (logits)`` / ``distill (probabilities)``: the other way of combining the teachers;
 * ``distill (geometric)`` and ``distill (geometric, temperature 1)``: the teachers' class-weighted mean of
-  log-probabilities (``combine: geometric``), at the default temperature 4 and at 1.
+  log-probabilities (``combine: geometric``), at the default temperature 4 and at 1;
+* ``distill (energy, temperature 1)``: the same plus each teacher's standardised energy (``combine: energy``).
 
 Usage (repository root)::
 
@@ -72,6 +73,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "distill (probabilities)": {"combine": "probabilities"},
     "distill (geometric)": {"combine": "geometric"},
     "distill (geometric, temperature 1)": {"combine": "geometric", "temperature": 1.0},
+    "distill (energy, temperature 1)": {"combine": "energy", "temperature": 1.0},
 }
 
 

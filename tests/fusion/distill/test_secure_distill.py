@@ -208,6 +208,8 @@ def test_entries_beyond_a_keys_range_are_clipped_counted_and_reported(tmp_path, 
         ({"teachers": "clients", "init": "random"}, True),
         ({"teachers": "clients", "init": "random", "transfer": "synthetic"}, True),
         ({"teachers": "clients", "init": "random", "transfer": "synthetic", "reweight": True}, False),
+        ({"teachers": "clients", "init": "random", "combine": "energy"}, True),
+        ({"teachers": "clients", "init": "random", "transfer": "synthetic", "combine": "energy"}, False),
         ({"teachers": "parameters"}, False),
     ],
 )
