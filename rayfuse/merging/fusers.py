@@ -454,6 +454,10 @@ def _distill(
     transfer = p.transfer or ("public" if inputs.X is not None else "synthetic")
     if p.holdout > 0 and transfer == "synthetic":
         raise InputError("parameters.holdout", "0 without data (a held-out share of the data file's inputs)", p.holdout)
+    if p.holdout > 0 and transfer == "public":
+        n = len(_given(inputs.X))
+        if n - max(1, round(p.holdout * n)) < 2:
+            raise InputError("parameters.holdout", f"a share that leaves at least 2 of the data file's {n} inputs to train on", p.holdout)
     teachers_built = list(inputs.models) or [inputs.model for _ in params]
     same = list(inputs.same) or [True] * len(params)
     teachers = Teachers([_with(model, m) for model, m in zip(teachers_built, params)], batched=p.batched == "vmap")

@@ -153,6 +153,7 @@ def test_data_free_distill_needs_only_the_input_shape(checkpoints):
         ({"parameters": {"transfer": "public"}, "data": None, "input_shape": [1, 8, 8]}, "data"),
         ({"parameters": {"steps": 0}}, "parameters.steps"),
         ({"parameters": {"holdout": 0.2}, "data": None, "input_shape": [1, 8, 8]}, "parameters.holdout"),
+        ({"parameters": {"holdout": 0.999}}, "parameters.holdout"),
     ],
 )
 def test_bad_distill_input_is_one_line_before_anything_trains(checkpoints, fields, path):
