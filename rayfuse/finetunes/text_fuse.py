@@ -237,7 +237,9 @@ def load_text_fuse_config(file: FuseFile, path: Path, method: Any, output: str |
                 )
     params = validate_file_section(merge.Params, file.parameters, path, "parameters") if merge.Params is not None else None
     holdout = float(getattr(params, "holdout", 0.0))
-    if holdout > 0 and len(X) - max(1, round(holdout * len(X))) < 2:
+    from rayfuse.fusion.distill.student import held_out
+
+    if holdout > 0 and len(X) - held_out(len(X), holdout) < 2:
         raise InputError(f"{path}: parameters.holdout", f"a share that leaves at least 2 of the {len(X)} texts to train on", holdout)
     weights = []
     for i, entry in enumerate(file.models):

@@ -446,7 +446,7 @@ def _distill(
     data file's inputs (public transfer), or data-free."""
     import torch
 
-    from rayfuse.fusion.distill.student import distill_public, distill_synthetic
+    from rayfuse.fusion.distill.student import distill_public, distill_synthetic, held_out
     from rayfuse.fusion.distill.teachers import Teachers, teacher_weights
     from rayfuse.models import get_params
 
@@ -456,7 +456,7 @@ def _distill(
         raise InputError("parameters.holdout", "0 without data (a held-out share of the data file's inputs)", p.holdout)
     if p.holdout > 0 and transfer == "public":
         n = len(_given(inputs.X))
-        if n - max(1, round(p.holdout * n)) < 2:
+        if n - held_out(n, p.holdout) < 2:
             raise InputError("parameters.holdout", f"a share that leaves at least 2 of the data file's {n} inputs to train on", p.holdout)
     teachers_built = list(inputs.models) or [inputs.model for _ in params]
     same = list(inputs.same) or [True] * len(params)

@@ -651,7 +651,9 @@ class Distill(Method[DistillParams, None]):
             )
         if params.holdout > 0 and params.transfer == "synthetic":
             raise InputError("holdout", "0 with transfer: synthetic (a held-out share of the public sample's inputs)", params.holdout)
-        if params.holdout > 0 and params.transfer == "public" and setup.public_size - max(1, round(params.holdout * setup.public_size)) < 2:
+        from rayfuse.fusion.distill.student import held_out
+
+        if params.holdout > 0 and params.transfer == "public" and setup.public_size - held_out(setup.public_size, params.holdout) < 2:
             raise InputError(
                 "holdout", f"a share that leaves at least 2 of the {setup.public_size} public inputs to train on", params.holdout
             )

@@ -70,6 +70,7 @@ __all__ = [
     "teacher_signal",
     "agreement",
     "fidelity",
+    "held_out",
     "scaled_weights",
 ]
 
@@ -145,6 +146,12 @@ def agreement(student: nn.Module, X: torch.Tensor, target: torch.Tensor, limit: 
     return agree
 
 
+def held_out(n: int, share: float) -> int:
+    """How many of ``n`` transfer inputs ``holdout: share`` holds out: ``round(share * n)``, at least one. Callers refuse
+    a share that leaves fewer than 2 to train on (``n - held_out(n, share) < 2``) before anything trains."""
+    return max(1, round(share * n))
+
+
 def fidelity(student: nn.Module, X: torch.Tensor, target: torch.Tensor) -> tuple[float, float]:
     """The student's fidelity to the ensemble on the inputs ``X`` (the ensemble's logits ``target``): the fraction of
     inputs where their top classes agree, and the mean ``KL(ensemble || student)`` of their softmaxes (temperature 1)."""
@@ -207,7 +214,7 @@ def distill_public(
     student.to(device).train()
     held: tuple[torch.Tensor, torch.Tensor] | None = None
     if settings.holdout > 0:
-        n_held = min(max(1, round(settings.holdout * X_t.shape[0])), X_t.shape[0] - 2)
+        n_held = min(held_out(X_t.shape[0], settings.holdout), X_t.shape[0] - 2)
         if n_held < 1:
             raise ValueError(f"holdout: at least 3 transfer inputs needed to hold one out, got {X_t.shape[0]}")
         order = torch.randperm(X_t.shape[0], generator=generator).to(device)
