@@ -84,7 +84,7 @@ STARTS_RAY = {
     "benchmarks/aligned/speed.py",
     "benchmarks/distill/speed.py",
     "benchmarks/bench_round.py",
-    "benchmarks/bench_large.py",
+    "benchmarks/bench_large.py",  # run elsewhere, on the session's Ray
 }
 
 
@@ -147,6 +147,7 @@ RUN_ELSEWHERE = {
     "benchmarks/finetunes/accuracy.py": "tests/finetunes/test_accuracy_bench.py::test_quick_run_writes_a_complete_finite_table",
     "benchmarks/gpu/check.sh": "tests/test_gpu_path.py::test_the_gpu_check_runs_on_the_cpu_and_prints_its_table",
     "benchmarks/compare_flower.py": "tests/test_benchmarks_run.py::test_compare_flower_runs_without_flower_and_says_so_in_one_line",
+    "benchmarks/bench_large.py": "tests/integration/test_large_model.py::test_the_quick_line_runs_resumes_and_fuses_through_shard_folders",
 }
 
 

@@ -2,12 +2,13 @@
 
 The slow test is the benchmark's own case (4 clients x 2.5 GB through average and fedavg; skipped in CI, and where
 the machine has less than ~18 GiB available: it ran on the 24 GiB development machine); its
-twin runs the same code path in CI at ~20 MB with a 4 MB shard size, so every model file the run writes (fused
+twin, the benchmark's quick line, runs the same code path in CI at ~25 MB with an 8 MB shard size, so every model file the run writes (fused
 models, round checkpoints, the clients' local models, the fuse output) is a shard folder.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -44,13 +45,16 @@ def check(out: dict, *, sharded: bool) -> None:
         assert row["vmhwm_bytes"] > 0 and row["peak_anon_bytes"] <= row["vmhwm_bytes"] + 2**20, row
 
 
-def test_a_small_model_runs_resumes_and_fuses_through_shard_folders(ray_session, bench_large, tmp_path):
-    out = bench_large.run_large(params=5e6, clients=4, per_actor=2, shard_size=4 * 2**20, storage=tmp_path)
-    assert 19e6 < out["model_bytes"] < 21e6
+def test_the_quick_line_runs_resumes_and_fuses_through_shard_folders(ray_session, bench_large, tmp_path):
+    """``benchmarks/quick.txt``'s line for ``bench_large.py`` (a ~25 MB model, 8 MB shards), on the session's Ray: the
+    benchmark's quick mode is this test (tests/test_benchmarks_quick.py lists it as run here)."""
+    storage, out_dir = tmp_path / "storage", tmp_path / "out"
+    assert bench_large.main(["--quick", "--out", str(out_dir), "--storage", str(storage)]) == 0
+    out = json.loads((out_dir / "large_quick.json").read_text())["result"]
+    assert 24e6 < out["model_bytes"] < 26e6
     check(out, sharded=True)
-    assert out["files"]["fedavg"]["shards"] == 3  # the 19 MB hidden layer alone, the small tensors before and after it
     # every shard folder was renamed into place: no staging folder left beside any of them
-    assert not [p for p in tmp_path.rglob(".*.tmp")]
+    assert not [p for p in storage.rglob(".*.tmp")]
 
 
 @pytest.mark.slow

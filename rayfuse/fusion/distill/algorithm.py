@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -178,6 +178,25 @@ class DistillParams(DistillOptions, MethodParams):
         description="synthetic: the clients report their inputs' per-element count, sum and sum of "
         "squares, and generated inputs take the pooled mean and variance",
     )
+    rounds: int = Field(
+        1,
+        ge=1,
+        le=100,
+        description="1: one shot. More: a few-round mode past the ensemble: after round 1's student, each round every "
+        "client refines the student on its own data, anchored to it on the public inputs (refine_*, anchor), and the "
+        "server distils the refined models into it again, from where it was; one student's upload per client a round "
+        "(predictions only: none, the refined student stays on the client and answers the round's predictions)",
+    )
+    refine_epochs: int = Field(2, ge=1, le=10_000, description="rounds > 1: epochs of each client's refinement of the student")
+    refine_lr: float = Field(1e-3, gt=0, le=10, description="rounds > 1: the refinement's learning rate (Adam)")
+    refine_batch_size: int | None = Field(None, ge=1, description="rounds > 1: the refinement's batch size (default: train.batch_size)")
+    anchor: float = Field(
+        1.0,
+        ge=0,
+        le=1000,
+        description="rounds > 1: weight of the refinement's KL to the broadcast student on the public inputs (0: the "
+        "client's own labels alone, which a label-skewed client overfits: it forgets the classes it lacks)",
+    )
     repair: bool = Field(
         False,
         description="re-estimate the distilled student's BatchNorm statistics on the clients' data (each "
@@ -258,17 +277,82 @@ def transfer_note(params: DistillParams, samples: int | None) -> str:
 # Client steps (teachers: clients): predictions and gradients on the server's inputs, never the client's data
 
 
+#: where a client holds the student it refined this round (rounds > 1, predictions only): ``ctx.state[(REFINED, label)]``
+#: is ``(round, model)``, replaced by the next round's
+REFINED = "distill.refined"
+
+
+def _refined_model(ctx: ClientContext, label: str, round: int) -> Any:
+    held = ctx.state.get((REFINED, label))
+    if held is None or held[0] != round:
+        raise RuntimeError(
+            f"client {ctx.client_id} holds no student refined in round {round} of {label} "
+            f"({'none' if held is None else f'round {held[0]}'}): it restarted since its refinement"
+        )
+    return held[1]
+
+
 @client_step("distill.predict")
-def predict(ctx: ClientContext, X: np.ndarray, *, chunk_size: int = 256) -> dict[str, np.ndarray]:
-    """This client's local model's logits ``(N, C)`` on the server's transfer inputs ``X`` (nothing else)."""
+def predict(ctx: ClientContext, X: np.ndarray, *, chunk_size: int = 256, refined: tuple[str, int] | None = None) -> dict[str, np.ndarray]:
+    """This client's local model's logits ``(N, C)`` on the server's transfer inputs ``X`` (nothing else); with
+    ``refined`` ``(label, round)`` the logits of the student it refined in that round (:func:`refine`) instead."""
     import torch
 
     from rayfuse.fusion.distill.teachers import Teachers
 
-    teacher = Teachers([ctx.local_model()], batched=False, device=ctx.device, chunk_size=chunk_size, freeze=False)
+    model = ctx.local_model() if refined is None else _refined_model(ctx, *refined)
+    teacher = Teachers([model], batched=False, device=ctx.device, chunk_size=chunk_size, freeze=False)
     with torch.no_grad():
         logits = teacher.predict(X)[0]
     return {"logits": logits.float().cpu().numpy()}
+
+
+@client_step("distill.refine")
+def refine(
+    ctx: ClientContext,
+    student_params: dict[str, np.ndarray],
+    public: np.ndarray,
+    *,
+    label: str,
+    round: int,
+    student: ModelConfig,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    anchor: float,
+    upload: bool,
+) -> Update:
+    """The few-round mode's client turn (``rounds > 1``): the broadcast student refined on this client's training split,
+    anchored to itself on the public inputs ``public``
+    (:func:`~rayfuse.fusion.distill.student.refine_student`). With ``upload`` its parameters come back; without
+    (predictions only) they stay on the client for the round's :func:`predict` calls and the reply holds only the
+    sample count and the losses. The student is built without dropout (:func:`rayfuse.evaluation.model_for_params`)."""
+    import torch
+
+    from rayfuse.evaluation import model_for_params
+    from rayfuse.fusion.distill.student import refine_student
+    from rayfuse.models import get_params
+
+    model = model_for_params(dict(student_params), student, ctx.input_shape, ctx.num_classes)
+    X, y = ctx.device_split()
+    inputs = torch.as_tensor(np.array(public, dtype=np.float32, order="C"))  # a copy: a broadcast array is read-only
+    stats = refine_student(
+        model,
+        X,
+        y,
+        inputs,
+        epochs=epochs,
+        lr=lr,
+        batch_size=batch_size,
+        anchor=anchor,
+        seed=ctx.step_seed(label, "refine", round),
+        device=ctx.device,
+    )
+    metrics = {"train_loss": stats["train_loss"], "anchor_kl": stats["anchor_kl"], "train_seconds": stats["seconds"]}
+    if upload:
+        return Update(get_params(model.cpu()), ctx.num_examples, metrics)
+    ctx.state[(REFINED, label)] = (round, model)
+    return Update({}, ctx.num_examples, metrics)
 
 
 @client_step("distill.signal")
@@ -312,14 +396,20 @@ def input_moments(ctx: ClientContext) -> dict[str, np.ndarray]:
 
 @client_step("distill.secure_predict")
 def secure_predict(
-    ctx: ClientContext, X: np.ndarray, weights: Mapping[int, np.ndarray], *, combine: str, chunk_size: int = 256
+    ctx: ClientContext,
+    X: np.ndarray,
+    weights: Mapping[int, np.ndarray],
+    *,
+    combine: str,
+    chunk_size: int = 256,
+    refined: tuple[str, int] | None = None,
 ) -> dict[str, np.ndarray]:
     """This client's term of the ensemble on the server's inputs ``X``, ``(N, C)``: its :func:`predict` logits through
     :func:`~rayfuse.fusion.distill.teachers.ensemble_term` with its row of the teacher weights ``weights[client]``."""
     from rayfuse.fusion.distill.teachers import ensemble_term
 
     w = weights[int(ctx.client_id)]
-    return {"ensemble": ensemble_term(predict(ctx, X, chunk_size=chunk_size)["logits"], w, combine)}
+    return {"ensemble": ensemble_term(predict(ctx, X, chunk_size=chunk_size, refined=refined)["logits"], w, combine)}
 
 
 @client_step("distill.secure_signal")
@@ -377,9 +467,10 @@ SECURE_STEPS: dict[str, tuple[float, float]] = {
 class _ClientTeachers:
     """The clients as teachers: one federation call per pass; each reply checked (shapes, finite values) before use."""
 
-    def __init__(self, server: ServerContext, clients: Sequence[int], num_classes: int) -> None:
+    def __init__(self, server: ServerContext, clients: Sequence[int], num_classes: int, refined: tuple[str, int] | None = None) -> None:
         self.server, self.clients, self.num_classes = server, list(clients), num_classes
         self.num_teachers = len(self.clients)
+        self.refined = refined  # rounds > 1: (label, round) of the students the clients refined
 
     def _gather(
         self, step: Any, what: str, expect: dict[str, tuple[int, ...]], *args: Any, per_client: Sequence[Any] | None = None, **kwargs: Any
@@ -413,7 +504,8 @@ class _ClientTeachers:
         import torch
 
         X_np = X.detach().cpu().numpy() if hasattr(X, "detach") else np.asarray(X)
-        replies = self._gather(predict, "teacher predictions", {"logits": (len(X_np), self.num_classes)}, X_np)
+        extra = {} if self.refined is None else {"refined": self.refined}
+        replies = self._gather(predict, "teacher predictions", {"logits": (len(X_np), self.num_classes)}, X_np, **extra)
         return torch.as_tensor(np.stack([r["logits"] for r in replies]))
 
     def signal(self, X: Any, labels: Any, weights: Any, settings: Any) -> tuple[Any, Any]:
@@ -453,8 +545,11 @@ class _SecureTeachers:
     again. Entries beyond a key's range are clipped by the clients, counted, and reported (an event and
     :attr:`record`)."""
 
-    def __init__(self, server: ServerContext, clients: Sequence[int], weights: np.ndarray, combine: str) -> None:
+    def __init__(
+        self, server: ServerContext, clients: Sequence[int], weights: np.ndarray, combine: str, refined: tuple[str, int] | None = None
+    ) -> None:
         self.server, self.clients, self.combine = server, list(clients), combine
+        self.refined = refined  # rounds > 1: (label, round) of the students the clients refined
         self.weights = np.asarray(weights, dtype=np.float32)
         self.num_teachers = 1  # the ensemble
         self.num_classes = self.weights.shape[1]
@@ -527,8 +622,9 @@ class _SecureTeachers:
         from rayfuse.fusion.distill.teachers import ensemble_of_sum
 
         X_np = X.detach().cpu().numpy() if hasattr(X, "detach") else np.asarray(X)
+        extra = {} if self.refined is None else {"refined": self.refined}
         sums = self._sum(
-            secure_predict, "teacher predictions", {"ensemble": (len(X_np), self.num_classes)}, (X_np,), {"combine": self.combine}
+            secure_predict, "teacher predictions", {"ensemble": (len(X_np), self.num_classes)}, (X_np,), {"combine": self.combine, **extra}
         )
         return torch.as_tensor(ensemble_of_sum(sums["ensemble"], self.combine))[None]
 
@@ -607,8 +703,16 @@ class _StudentServer:
         return getattr(self._server, name)
 
 
+@dataclass
+class DistillRoundsState:
+    """``rounds > 1``: the student after each round (the round checkpoint's parameters)."""
+
+    params: dict[str, np.ndarray]
+    info: dict[str, Any]  # what the last round's distillation reports (its final pass, its secure sums...)
+
+
 @register_method
-class Distill(Method[DistillParams, None]):
+class Distill(Method[DistillParams, DistillRoundsState]):
     name = "distill"
     Params = DistillParams
     summary = "one-shot ensemble distillation into one student: public unlabeled data or data-free, parameters or predictions only"
@@ -636,7 +740,17 @@ class Distill(Method[DistillParams, None]):
         # the energy ensemble standardises each member's energy over the inputs combined at once, a pass's bank (a
         # client can, over the bank it is sent) but, data-free, each batch the server draws from its bank
         sums = params.teachers == "clients" and not (params.transfer == "synthetic" and (params.reweight or params.combine == "energy"))
-        return replace(cls.tags, public_sample=params.transfer == "public", local_model_copies=copies, sums=sums)
+        # rounds > 1: the clients' refinement reads their data again (beyond the local models: not covered by train.dp)
+        # and each round is checkpointed
+        few = params.rounds > 1
+        return replace(
+            cls.tags,
+            public_sample=params.transfer == "public",
+            local_model_copies=copies,
+            sums=sums,
+            multi_round=few,
+            local_model_only=not few,
+        )
 
     @classmethod
     def check(cls, params: DistillParams, setup: RunSetup) -> None:
@@ -648,6 +762,13 @@ class Distill(Method[DistillParams, None]):
                 "data.silos): its inputs are the transfer data, its labels are never read",
                 setup.public_size,
                 "or set transfer: synthetic (data-free)",
+            )
+        if params.rounds > 1 and params.transfer == "synthetic":
+            raise InputError(
+                "rounds",
+                "1 with transfer: synthetic (the clients' refinement is anchored to the student on the public inputs)",
+                params.rounds,
+                "or set transfer: public",
             )
         if params.holdout > 0 and params.transfer == "synthetic":
             raise InputError("holdout", "0 with transfer: synthetic (a held-out share of the public sample's inputs)", params.holdout)
@@ -691,57 +812,182 @@ class Distill(Method[DistillParams, None]):
             check_nested_aligned(params, setup)
 
     def run(self, server: ServerContext) -> MethodResult:
-        from rayfuse.fusion.distill.student import distill_public, distill_synthetic
         from rayfuse.fusion.distill.teachers import teacher_weights
-        from rayfuse.models import get_params
 
         p = self.params
         student_cfg = p.student or server.models.model_cfg
-        fed = server.federation
-        clients = list(fed.client_ids)
+        clients = list(server.federation.client_ids)
         updates: dict[int, Update] = {}
         if p.teachers == "parameters":
             updates = server.updates.accept(server.updates.local_updates())
             clients = sorted(updates)
         counts = np.asarray(server.data.class_counts, dtype=np.float64)[clients]
-        weights = teacher_weights(p.weighting, counts)
         models = server.models
-        settings = p.settings(
-            server.step_seed("distill"), one_architecture=all(models.client_model(c) == models.client_model(clients[0]) for c in clients)
-        )
-        student, start, resized = self._start(server, student_cfg, updates, clients)
-        batched = self._batched(server.models.device)
-        combine = settings.combine
-        secure: _SecureTeachers | None = None
-        if p.teachers == "parameters":
-            from rayfuse.fusion.distill.teachers import Teachers
-
-            teachers: Any = Teachers(
-                [self._teacher(server, c, updates[c].params) for c in clients], batched=batched, device=server.models.device
+        one_architecture = all(models.client_model(c) == models.client_model(clients[0]) for c in clients)
+        info: dict[str, Any] = {
+            "transfer": p.transfer,
+            "teachers": p.teachers,
+            "clients": clients,
+            "weighting": p.weighting,
+            "combine": p.settings(0, one_architecture=one_architecture).combine,
+            "student": student_cfg.name,
+            "batched": "vmap" if self._batched(server.models.device) else "loop",
+        }
+        if p.rounds == 1:
+            student, info["init"], resized = self._start(server, student_cfg, updates, clients)
+            teachers = self._teachers(server, clients, updates, lambda c: models.client_model(c))
+            settings = p.settings(server.step_seed("distill"), one_architecture=one_architecture)
+            history = self._transfer(
+                server, student, teachers, teacher_weights(p.weighting, counts), settings, counts, clients, info, log_rows=True
             )
-        elif server.updates.secure is not None:  # the ensemble alone: one teacher to the loops (_SecureTeachers)
-            teachers = secure = _SecureTeachers(server, clients, weights, combine)
+            params = self._finish(server, student, student_cfg, clients, info, history)
+            metrics = server.scoring.evaluate(params, resized=resized, model=student_cfg)
+            server.log(p.epochs, metrics)
+            return MethodResult(metrics, params, info=info)
+        return self._rounds(server, student_cfg, clients, updates, counts, one_architecture, info)
+
+    def _rounds(
+        self,
+        server: ServerContext,
+        student_cfg: ModelConfig,
+        clients: list[int],
+        updates: dict[int, Update],
+        counts: np.ndarray,
+        one_architecture: bool,
+        info: dict[str, Any],
+    ) -> MethodResult:
+        """``rounds > 1``: round 1 is the one-shot distillation; each later round every client refines the student
+        (:func:`refine`) and the server distils the refined students into it, from where it was. Each round is
+        checkpointed (``--resume`` continues from the last one finished)."""
+        from rayfuse.fusion.distill.teachers import teacher_weights
+        from rayfuse.models import build_model
+
+        p = self.params
+        shapes = {
+            k: tuple(v.shape)
+            for k, v in build_model(student_cfg, server.data.input_shape, server.data.num_classes, seed=0).state_dict().items()
+        }
+
+        def evaluate(rnd: int) -> Mapping[str, float]:
+            params = rounds.state.params
+            resized = any(tuple(np.shape(params[k])) != shape for k, shape in shapes.items() if k in params)
+            return server.scoring.evaluate(params, resized=resized, model=student_cfg)
+
+        rounds = server.rounds(DistillRoundsState({}, {}), last=p.rounds, evaluate=evaluate)
+        info["init"] = self._start_reason(server, student_cfg, updates, clients)
+        train = server.models.train_cfg
+        for rnd in rounds:
+            row: dict[str, float] = {}
+            got: dict[str, Any] = {}
+            if rnd == 1:
+                student, _, _ = self._start(server, student_cfg, updates, clients)
+                teachers = self._teachers(server, clients, updates, lambda c: server.models.client_model(c))
+                settings = p.settings(server.step_seed("distill"), one_architecture=one_architecture)
+                weights = teacher_weights(p.weighting, counts)
+                history = self._transfer(server, student, teachers, weights, settings, counts, clients, got)
+            else:
+                fed = server.federation
+                start = rounds.state.params
+                upload = p.teachers == "parameters"
+                gathered = fed.run(
+                    refine,
+                    fed.put(start),
+                    fed.put(server.data.public.X),
+                    label=server.label,
+                    round=rnd,
+                    student=student_cfg,
+                    epochs=p.refine_epochs,
+                    lr=p.refine_lr,
+                    batch_size=p.refine_batch_size or train.batch_size,
+                    anchor=p.anchor,
+                    upload=upload,
+                    clients=clients,
+                )
+                if upload:
+                    refined = server.updates.accept(gathered, start)
+                else:
+
+                    def read(client: int, reply: Any) -> Update:
+                        if not isinstance(reply, Update) or reply.params:
+                            raise Rejected("refinement: an update without parameters (predictions only)")
+                        return reply
+
+                    refined = server.updates.accept_replies(gathered, read, need=1, what="refinement")
+                kept = sorted(refined)
+                losses = np.array([refined[c].metrics.get("train_loss", np.nan) for c in kept])
+                sizes = np.array([refined[c].num_examples for c in kept], dtype=float)
+                row = {"refine_loss": float(np.sum(losses * sizes) / sizes.sum()), "clients": float(len(kept))}
+                student = self._teacher(server, student_cfg, start)
+                student.train()
+                teachers = self._teachers(server, kept, refined, lambda c: student_cfg, refined=(server.label, rnd))
+                round_counts = np.asarray(server.data.class_counts, dtype=np.float64)[kept]
+                settings = p.settings(server.step_seed("distill", rnd), one_architecture=True)
+                weights = teacher_weights(p.weighting, round_counts)
+                history = self._transfer(server, student, teachers, weights, settings, round_counts, kept, got)
+            rounds.state.params = self._finish(server, student, student_cfg, clients, got, history)
+            rounds.state.info = got
+            final = history[-1] if history else {}
+            rounds.log({"distill_loss": final.get("loss", float("nan")), "agreement": final.get("agreement", float("nan")), **row})
+        info.update(rounds.state.info, rounds=p.rounds)
+        return MethodResult(rounds.metrics, rounds.state.params, info=info)
+
+    def _teachers(
+        self,
+        server: ServerContext,
+        clients: list[int],
+        updates: dict[int, Update],
+        model_of: Any,
+        refined: tuple[str, int] | None = None,
+    ) -> Any:
+        """The loops' teacher source: the uploaded models (``teachers: parameters``; ``model_of(client)`` their
+        architecture), else the clients themselves, as a secure sum where the federation has one. ``refined``: the
+        clients answer with the student they refined in that round."""
+        from rayfuse.fusion.distill.teachers import Teachers, teacher_weights
+
+        p = self.params
+        if p.teachers == "parameters":
+            return Teachers(
+                [self._teacher(server, model_of(c), updates[c].params) for c in clients],
+                batched=self._batched(server.models.device),
+                device=server.models.device,
+            )
+        if server.updates.secure is not None:  # the ensemble alone: one teacher to the loops (_SecureTeachers)
+            counts = np.asarray(server.data.class_counts, dtype=np.float64)[clients]
+            one = all(server.models.client_model(c) == server.models.client_model(clients[0]) for c in clients) or refined is not None
+            combine = p.settings(0, one_architecture=one).combine
+            return _SecureTeachers(server, clients, teacher_weights(p.weighting, counts), combine, refined=refined)
+        return _ClientTeachers(server, clients, server.data.num_classes, refined=refined)
+
+    def _transfer(
+        self,
+        server: ServerContext,
+        student: Any,
+        teachers: Any,
+        weights: np.ndarray,
+        settings: Any,
+        counts: np.ndarray,
+        clients: list[int],
+        info: dict[str, Any],
+        *,
+        log_rows: bool = False,
+    ) -> list[dict[str, float]]:
+        """The student trained on the teachers' ensemble (public or synthetic transfer); the pass rows. ``log_rows``:
+        each pass is a history row (one shot; with rounds the round is the row)."""
+        from rayfuse.fusion.distill.student import distill_public, distill_synthetic
+
+        p = self.params
+        secure = teachers if isinstance(teachers, _SecureTeachers) else None
+        if secure is not None:  # the loops see one teacher, the ensemble, combined by the clients' sum
             weights, settings = secure.loop_weights, replace(settings, combine="logits")
-        else:
-            teachers = _ClientTeachers(server, clients, server.data.num_classes)
         epochs = p.epochs
 
         def log(epoch: int, row: dict[str, float]) -> None:
-            server.log(epoch, {"distill_loss": row["loss"], "agreement": row["agreement"]})
+            if log_rows:
+                server.log(epoch, {"distill_loss": row["loss"], "agreement": row["agreement"]})
             server.progress(
                 f"epoch {epoch}/{epochs}: loss {row['loss']:.4f}, agreement with the ensemble {row['agreement']:.3f}", epoch=epoch
             )
 
-        info: dict[str, Any] = {
-            "transfer": p.transfer,
-            "teachers": p.teachers,
-            "init": start,
-            "clients": clients,
-            "weighting": p.weighting,
-            "combine": combine,
-            "student": student_cfg.name,
-            "batched": "vmap" if batched else "loop",
-        }
         try:
             if p.transfer == "public":
                 X = server.data.public.X
@@ -773,16 +1019,22 @@ class Distill(Method[DistillParams, None]):
         chosen = [row for row in history if row.get("chosen")]
         if chosen:  # holdout: the pass whose student is returned, and its fidelity on the held-out inputs
             info["holdout"] = {k: round(v, 4) for k, v in chosen[0].items() if k in ("epoch", "holdout_agreement", "holdout_kl")}
+        return history
+
+    def _finish(
+        self, server: ServerContext, student: Any, student_cfg: ModelConfig, clients: list[int], info: dict[str, Any], history: Any
+    ) -> dict[str, np.ndarray]:
+        """The distilled student's parameters, repaired (``repair``) and checked finite."""
+        from rayfuse.models import get_params
+
         params = get_params(student.cpu())
-        if p.repair and any(k.endswith("running_mean") for k in params):
+        if self.params.repair and any(k.endswith("running_mean") for k in params):
             params = self._repair(server, params, student_cfg, clients)
             info["repaired"] = True
         bad = [k for k, v in params.items() if v.dtype.kind == "f" and not np.isfinite(v).all()]
         if bad:
             raise RunFailure(f"{server.label}: the distilled student has non-finite values in {bad[0]}")
-        metrics = server.scoring.evaluate(params, resized=resized, model=student_cfg)
-        server.log(epochs, metrics)
-        return MethodResult(metrics, params, info=info)
+        return params
 
     # -- the student's start and the teachers ---------------------------------------------------------------------
 
@@ -792,10 +1044,10 @@ class Distill(Method[DistillParams, None]):
         return self.params.batched == "vmap"
 
     @staticmethod
-    def _teacher(server: ServerContext, client: int, params: dict[str, np.ndarray]) -> Any:
+    def _teacher(server: ServerContext, model_cfg: ModelConfig, params: dict[str, np.ndarray]) -> Any:
         from rayfuse.evaluation import model_for_params
 
-        return model_for_params(params, server.models.client_model(client), server.data.input_shape, server.data.num_classes)
+        return model_for_params(params, model_cfg, server.data.input_shape, server.data.num_classes)
 
     def _start(
         self, server: ServerContext, student_cfg: ModelConfig, updates: dict[int, Update], clients: list[int]
@@ -807,25 +1059,33 @@ class Distill(Method[DistillParams, None]):
 
         p = self.params
         same = [c for c in clients if c in updates and server.models.client_model(c) == student_cfg]
+        reason = self._start_reason(server, student_cfg, updates, clients)
         if p.init == "random" or not same:
             model = build_model(student_cfg, server.data.input_shape, server.data.num_classes, seed=server.step_seed("student"))
-            reason = "random" if p.init == "random" else f"random (no client has the student's architecture for init: {p.init})"
             return model, reason, False
         weights = [float(updates[c].num_examples) for c in same]
         if p.init == "average":
             start = weighted_average([updates[c].params for c in same], weights)
-            reason = f"average of clients {same}"
         else:
             from rayfuse.fusion.aligned.algorithm import Aligned
 
             view = server if student_cfg == server.models.model_cfg else _StudentServer(server, student_cfg)
             start, _ = Aligned(p.aligned, server.label).merge_local_models(view, {c: updates[c] for c in same})
-            reason = f"aligned merge of clients {same}"
         reference = build_model(student_cfg, server.data.input_shape, server.data.num_classes, seed=0).state_dict()
         resized = any(tuple(np.shape(start[k])) != tuple(v.shape) for k, v in reference.items() if k in start)
         model = model_for_params(start, student_cfg, server.data.input_shape, server.data.num_classes)
         server.progress(f"the student starts from the {reason}" + (" (widened)" if resized else ""))
         return model, reason, resized
+
+    def _start_reason(self, server: ServerContext, student_cfg: ModelConfig, updates: dict[int, Update], clients: list[int]) -> str:
+        """How :meth:`_start` starts the student (the result's ``init``), known before it does."""
+        p = self.params
+        same = [c for c in clients if c in updates and server.models.client_model(c) == student_cfg]
+        if p.init == "random":
+            return "random"
+        if not same:
+            return f"random (no client has the student's architecture for init: {p.init})"
+        return f"average of clients {same}" if p.init == "average" else f"aligned merge of clients {same}"
 
     def _repair(
         self, server: ServerContext, params: dict[str, np.ndarray], student_cfg: ModelConfig, clients: list[int]

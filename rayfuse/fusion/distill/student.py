@@ -71,6 +71,7 @@ __all__ = [
     "agreement",
     "fidelity",
     "held_out",
+    "refine_student",
     "scaled_weights",
 ]
 
@@ -163,6 +164,59 @@ def fidelity(student: nn.Module, X: torch.Tensor, target: torch.Tensor) -> tuple
         kl = float(distillation_loss(logits, target, 1.0))
     student.train(was)
     return agree, kl
+
+
+def refine_student(
+    model: nn.Module,
+    X: torch.Tensor,
+    y: torch.Tensor,
+    public: torch.Tensor,
+    *,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    anchor: float,
+    seed: int,
+    device: str | torch.device = "cpu",
+) -> dict[str, float]:
+    """A client's turn of the few-round mode: ``model`` (the broadcast student) trained in place on the client's own
+    ``(X, y)`` for ``epochs`` epochs of Adam at ``lr``, each step's cross-entropy on ``batch_size`` of its samples plus
+    ``anchor`` times the ``KL(start || model)`` (temperature 1) on as many of the public inputs ``public``, against
+    the student it started from. The anchor keeps what the student knows of the classes the client lacks, which a
+    client trained on its own labels alone forgets: a label-skewed client then sharpens the student on its own classes
+    without unlearning the others (measured: docs/methods/distill.md). Returns ``train_loss`` (the last epoch's mean
+    cross-entropy), ``anchor_kl`` (its mean anchor term) and ``seconds``."""
+    started = time.perf_counter()
+    generator = torch.Generator().manual_seed(int(seed))
+    torch.manual_seed(int(seed))  # dropout inside the model
+    model.to(device).eval()
+    X, y, public = X.to(device), y.to(device), public.to(device)
+    with torch.no_grad():  # the start's log-probabilities on the public inputs: the anchor's target
+        target = torch.cat([F.log_softmax(model(public[i : i + 1024]), -1) for i in range(0, len(public), 1024)])
+    model.train()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    n, ce_sum, kl_sum, batches = len(y), 0.0, 0.0, 0
+    for _ in range(max(int(epochs), 0)):
+        order = torch.randperm(n, generator=generator).to(device)
+        ce_sum, kl_sum, batches = 0.0, 0.0, 0
+        for i in range(0, n, batch_size):
+            index = order[i : i + batch_size]
+            loss = F.cross_entropy(model(X[index]), y[index])
+            ce = float(loss.detach())
+            kl = 0.0
+            if anchor > 0:
+                pick = torch.randint(0, len(public), (len(index),), generator=generator).to(device)
+                term = F.kl_div(F.log_softmax(model(public[pick]), -1), target[pick], log_target=True, reduction="batchmean")
+                loss = loss + anchor * term
+                kl = float(term.detach())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            ce_sum, kl_sum, batches = ce_sum + ce, kl_sum + kl, batches + 1
+    model.eval()
+    train_loss = ce_sum / max(batches, 1)
+    _check_finite(train_loss, "refinement loss")
+    return {"train_loss": train_loss, "anchor_kl": kl_sum / max(batches, 1), "seconds": time.perf_counter() - started}
 
 
 def _optimizer(student: nn.Module, settings: DistillSettings) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:

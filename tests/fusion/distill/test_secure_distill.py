@@ -85,17 +85,13 @@ def test_the_secure_ensemble_is_the_plain_one_within_its_steps_and_trains_the_sa
         else:  # the weighted probabilities, within K half steps absolute (their log is what the student matches)
             p, q = target.double().exp(), secure_target.double().exp()
             assert bool(((p - q).abs() <= K * step / 2 + 4 * K * F32 * p).all()), float((p - q).abs().max())
-    # the student: Adam's normalised steps amplify any change of the targets' last bits, float32's rounding of the
-    # plain sum included. How far that goes depends on the CPU's kernels: the plain run with its ensemble combined in
-    # float64 is 5e-5 from it on both machines measured, and the secure student sat 1.5e-7 from the float64 run on one
-    # (AMD EPYC; 0 for probabilities) and 6.7e-6 from the plain run on the other (Intel Xeon; 6.3e-5 from the float64
-    # one). What holds on both: the secure student lies within float32's rounding spread of the plain ensemble, no
-    # farther from either run than twice their distance from each other
-    monkeypatch.setattr(student_loops, "combine_teachers", lambda m, w, how="logits": combine_teachers(m.double(), w.double(), how).float())
-    exact = _run(tmp_path, "plain_float64", entry)
-    spread = _gap(plain.models["d"], exact.models["d"])
-    assert _gap(exact.models["d"], secure.models["d"]) <= 2 * spread + 1e-6
-    assert _gap(plain.models["d"], secure.models["d"]) <= spread + 1e-6
+    # the student: Adam's normalised steps amplify any change of the targets' last bits (float32's rounding of the plain
+    # sum included) by an amount that depends on the CPU's kernels: measured, the secure student sat 6.7e-6 from the
+    # plain one on an Intel Xeon and 2.0e-5 on an AMD EPYC, where the plain run with its ensemble combined in float64
+    # was 5e-5 and 1.5e-7 from the plain one: no ordering between the runs holds on both. The targets' equality within
+    # their bounds is the claim (asserted per element above); the students are compared at 25 times the largest gap
+    # measured, far below what a different ensemble gives (weighting: samples instead of classes: 0.7)
+    assert _gap(plain.models["d"], secure.models["d"]) <= 5e-4
     assert secure.results["methods"]["d"]["accuracy"] == plain.results["methods"]["d"]["accuracy"]
     info = secure.results["methods"]["d"]["info"]
     assert info["combine"] == combine and info["secure_sums"]["clipped_entries"] == 0 and info["secure_sums"]["summed_again"] == 0
