@@ -26,7 +26,11 @@ on top of it), and one change each:
 * ``distill (logits)`` / ``distill (probabilities)``: the other way of combining the teachers;
 * ``distill (geometric)`` and ``distill (geometric, temperature 1)``: the teachers' class-weighted mean of
   log-probabilities (``combine: geometric``), at the default temperature 4 and at 1;
-* ``distill (energy, temperature 1)``: the same plus each teacher's standardised energy (``combine: energy``).
+* ``distill (energy, temperature 1)``: the same plus each teacher's standardised energy (``combine: energy``);
+* ``distill (energy, temperature 1, 3 rounds)``: that student, then the few-round mode's two more rounds (``rounds:
+  3``): every site, ``MLP`` ones included, refines the ``Conv1d`` student on its own signals, anchored to it on the
+  public ones (``rayfuse.fusion.distill.student.refine_student``, the method's defaults), and the student is distilled
+  again from the refined ones, from where it was.
 
 Usage (repository root)::
 
@@ -56,7 +60,7 @@ from _common import machine_info  # noqa: E402
 from rayfuse.data.datasets import load_dataset  # noqa: E402
 from rayfuse.data.partition import partition  # noqa: E402
 from rayfuse.fusion.distill.algorithm import DistillParams  # noqa: E402
-from rayfuse.fusion.distill.student import distill_public  # noqa: E402
+from rayfuse.fusion.distill.student import distill_public, refine_student  # noqa: E402
 from rayfuse.fusion.distill.teachers import Teachers, teacher_weights  # noqa: E402
 from rayfuse.models import train_model  # noqa: E402
 
@@ -74,6 +78,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "distill (geometric)": {"combine": "geometric"},
     "distill (geometric, temperature 1)": {"combine": "geometric", "temperature": 1.0},
     "distill (energy, temperature 1)": {"combine": "energy", "temperature": 1.0},
+    "distill (energy, temperature 1, 3 rounds)": {"combine": "energy", "temperature": 1.0, "rounds": 3},
 }
 
 
@@ -170,6 +175,26 @@ def run_case(case: str, seed: int, *, quick: bool, steps: int | None) -> dict[st
         student.load_state_dict(start)
         t0 = time.perf_counter()
         history = distill_public(student, teachers, X_public, weights, settings)
+        for rnd in range(2, params.rounds + 1):  # the few-round mode: every site refines the student, then it is distilled again
+            refined = []
+            for k, p in enumerate(parts):
+                site = Conv1d()
+                site.load_state_dict(student.state_dict())
+                refine_student(
+                    site,
+                    torch.as_tensor(data.X[pool[p]], dtype=torch.float32),
+                    torch.as_tensor(data.y[pool[p]]),
+                    torch.as_tensor(X_public, dtype=torch.float32),
+                    epochs=1 if quick else params.refine_epochs,
+                    lr=params.refine_lr,
+                    batch_size=32,
+                    anchor=params.anchor,
+                    seed=seed * 100 + 10 * rnd + k,
+                )
+                refined.append(site)
+            history = distill_public(
+                student, Teachers(refined, batched=False), X_public, weights, params.settings(seed * 100 + rnd, one_architecture=True)
+            )
         row[name] = _accuracy(_probabilities(student, data.X_test), data.y_test)
         row[f"{name} seconds"] = time.perf_counter() - t0
         picked = [r for r in history if r.get("chosen")]

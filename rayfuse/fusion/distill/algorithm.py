@@ -187,7 +187,7 @@ class DistillParams(DistillOptions, MethodParams):
         "server distils the refined models into it again, from where it was; one student's upload per client a round "
         "(predictions only: none, the refined student stays on the client and answers the round's predictions)",
     )
-    refine_epochs: int = Field(2, ge=1, le=10_000, description="rounds > 1: epochs of each client's refinement of the student")
+    refine_epochs: int = Field(5, ge=1, le=10_000, description="rounds > 1: epochs of each client's refinement of the student")
     refine_lr: float = Field(1e-3, gt=0, le=10, description="rounds > 1: the refinement's learning rate (Adam)")
     refine_batch_size: int | None = Field(None, ge=1, description="rounds > 1: the refinement's batch size (default: train.batch_size)")
     anchor: float = Field(
