@@ -182,7 +182,7 @@ def distill_columns(
         few = {"rounds": params.get("rounds", 3)} if column == "distill_rounds" else {"rounds": 1}
         p = DistillParams(**{**params, **few, "transfer": transfer, "init": init, "teachers": teachers_mode})
         # one seed per (transfer, start): a predictions-only column draws the same transfer inputs as its parameter-upload twin
-        settings = p.settings(derive_seed(cell.seed, "distill", transfer, init))
+        settings = p.settings(derive_seed(cell.seed, "distill", transfer, init), transfer=transfer)
         weights = teacher_weights(p.weighting, counts)
         started = time.perf_counter()
         if init == "aligned":

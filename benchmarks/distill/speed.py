@@ -70,7 +70,7 @@ def batched_vs_loop(arch: str, k: int, device: str, repeats: int) -> dict[str, A
     X = np.random.default_rng(0).random((300, 1, 8, 8), dtype=np.float32)
     weights = np.full((k, 10), 1.0 / k, np.float32)
     public = DistillParams(steps=200, epochs=2).settings(0)
-    free = DistillParams(steps=60, epochs=1, generator_steps=10, student_steps=20).settings(0)
+    free = DistillParams(steps=60, epochs=1, generator_steps=10, student_steps=20).settings(0, transfer="synthetic")
     row: dict[str, Any] = {"arch": arch, "teachers": k, "device": device}
     for mode in ("batched", "loop"):
         for what, run in (

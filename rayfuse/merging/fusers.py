@@ -420,7 +420,8 @@ class DistillFuseParams(DistillOptions):
         "probabilities",
         description="the ensemble: weighted probabilities (the default here: without the clients' class counts, "
         "a model's logits for classes it never saw would count as much as its others), logits, geometric (the weighted "
-        "mean of log-probabilities), energy (geometric plus each model's standardised energy), or auto (logits when every model has the file's architecture)",
+        "mean of log-probabilities), energy (geometric plus each model's standardised energy), or auto (the distill method's: energy with data; without, "
+        "logits when every model has the file's architecture, else probabilities)",
     )
     seed: int = 0
 
@@ -466,7 +467,7 @@ def _distill(
     counts = np.ones((len(params), num_classes)) if weights_k is None else np.repeat(weights_k[:, None], num_classes, axis=1)
     weights = teacher_weights("samples" if weights_k is not None else "uniform", counts)
     student = _distill_start(params, per_model, p, inputs, same)
-    settings = p.settings(p.seed, one_architecture=all(same))
+    settings = p.settings(p.seed, one_architecture=all(same), transfer=transfer)
 
     def log(epoch: int, row: dict[str, float]) -> None:
         if inputs.log is not None:

@@ -75,11 +75,18 @@ class DistillOptions(StrictSchema):
         description="the ensemble: weighted logits (FedDF), weighted probabilities, geometric (the weighted mean of "
         "the teachers' log-probabilities: a product of experts, blind to the scale of each one's logits), or energy "
         "(geometric plus each teacher's energy, the log-sum-exp of its logits, standardised over the pass's inputs: "
-        "how familiar each finds an input); auto: logits "
-        "when every teacher has one architecture, probabilities when they differ (their logits' scales differ: averaged, "
-        "the most confident architecture's would decide)",
+        "how familiar each finds an input); auto: energy with public transfer (measured above the others on mixed, "
+        "label-skewed and 1-D sites: docs/methods/distill.md), and data-free logits when every teacher has one "
+        "architecture, probabilities when they differ (their logits' scales differ: averaged, the most confident "
+        "architecture's would decide)",
     )
-    temperature: float = Field(4.0, gt=0, le=100, description="distillation temperature T")
+    temperature: float | None = Field(
+        None,
+        gt=0,
+        le=100,
+        description="distillation temperature T; default: 1 with combine geometric or energy (log-probabilities are "
+        "matched as they are), 4 with logits or probabilities",
+    )
     steps: int = Field(2000, ge=1, le=10_000_000, description="student optimisation steps")
     epochs: int = Field(
         10,
@@ -135,17 +142,21 @@ class DistillOptions(StrictSchema):
         "or a loop; auto: vmap on a GPU, the loop on the CPU (where it measures faster)",
     )
 
-    def settings(self, seed: int, *, one_architecture: bool = True) -> Any:
+    def settings(self, seed: int, *, one_architecture: bool = True, transfer: str = "public") -> Any:
         """The loops' settings (:class:`~rayfuse.fusion.distill.student.DistillSettings`): every parameter of the same
-        name, ``seed``, and ``combine: auto`` resolved (logits when the teachers have ``one_architecture``)."""
+        name, ``seed``, ``combine: auto`` resolved (energy with ``transfer: public``; data-free, logits when the teachers
+        have ``one_architecture``, else probabilities) and the default temperature (1 for geometric and energy, else 4)."""
         import dataclasses
 
         from rayfuse.fusion.distill.student import DistillSettings
 
         # word dropout: the text fuse's option (rayfuse.finetunes.text_fuse), left at its default here
-        names = {f.name for f in dataclasses.fields(DistillSettings)} - {"seed", "combine", "word_dropout"}
-        combine = self.combine if self.combine != "auto" else ("logits" if one_architecture else "probabilities")
-        return DistillSettings(**{name: getattr(self, name) for name in names}, seed=seed, combine=combine)
+        names = {f.name for f in dataclasses.fields(DistillSettings)} - {"seed", "combine", "temperature", "word_dropout"}
+        combine = self.combine
+        if combine == "auto":
+            combine = "energy" if transfer == "public" else ("logits" if one_architecture else "probabilities")
+        temperature = self.temperature if self.temperature is not None else (1.0 if combine in ("geometric", "energy") else 4.0)
+        return DistillSettings(**{name: getattr(self, name) for name in names}, seed=seed, combine=combine, temperature=temperature)
 
 
 class DistillParams(DistillOptions, MethodParams):
@@ -829,14 +840,14 @@ class Distill(Method[DistillParams, DistillRoundsState]):
             "teachers": p.teachers,
             "clients": clients,
             "weighting": p.weighting,
-            "combine": p.settings(0, one_architecture=one_architecture).combine,
+            "combine": p.settings(0, one_architecture=one_architecture, transfer=p.transfer).combine,
             "student": student_cfg.name,
             "batched": "vmap" if self._batched(server.models.device) else "loop",
         }
         if p.rounds == 1:
             student, info["init"], resized = self._start(server, student_cfg, updates, clients)
             teachers = self._teachers(server, clients, updates, lambda c: models.client_model(c))
-            settings = p.settings(server.step_seed("distill"), one_architecture=one_architecture)
+            settings = p.settings(server.step_seed("distill"), one_architecture=one_architecture, transfer=p.transfer)
             history = self._transfer(
                 server, student, teachers, teacher_weights(p.weighting, counts), settings, counts, clients, info, log_rows=True
             )
@@ -882,7 +893,7 @@ class Distill(Method[DistillParams, DistillRoundsState]):
             if rnd == 1:
                 student, _, _ = self._start(server, student_cfg, updates, clients)
                 teachers = self._teachers(server, clients, updates, lambda c: server.models.client_model(c))
-                settings = p.settings(server.step_seed("distill"), one_architecture=one_architecture)
+                settings = p.settings(server.step_seed("distill"), one_architecture=one_architecture, transfer=p.transfer)
                 weights = teacher_weights(p.weighting, counts)
                 history = self._transfer(server, student, teachers, weights, settings, counts, clients, got)
             else:
@@ -921,7 +932,7 @@ class Distill(Method[DistillParams, DistillRoundsState]):
                 student.train()
                 teachers = self._teachers(server, kept, refined, lambda c: student_cfg, refined=(server.label, rnd))
                 round_counts = np.asarray(server.data.class_counts, dtype=np.float64)[kept]
-                settings = p.settings(server.step_seed("distill", rnd), one_architecture=True)
+                settings = p.settings(server.step_seed("distill", rnd), one_architecture=True, transfer=p.transfer)
                 weights = teacher_weights(p.weighting, round_counts)
                 history = self._transfer(server, student, teachers, weights, settings, round_counts, kept, got)
             rounds.state.params = self._finish(server, student, student_cfg, clients, got, history)
@@ -954,7 +965,7 @@ class Distill(Method[DistillParams, DistillRoundsState]):
         if server.updates.secure is not None:  # the ensemble alone: one teacher to the loops (_SecureTeachers)
             counts = np.asarray(server.data.class_counts, dtype=np.float64)[clients]
             one = all(server.models.client_model(c) == server.models.client_model(clients[0]) for c in clients) or refined is not None
-            combine = p.settings(0, one_architecture=one).combine
+            combine = p.settings(0, one_architecture=one, transfer=p.transfer).combine
             return _SecureTeachers(server, clients, teacher_weights(p.weighting, counts), combine, refined=refined)
         return _ClientTeachers(server, clients, server.data.num_classes, refined=refined)
 

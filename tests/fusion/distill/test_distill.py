@@ -278,7 +278,7 @@ def test_distill_end_to_end_reaches_the_ensemble_and_reports_its_transfer(coordi
     summary = coord.run_method("distill")
     assert summary["metrics"]["accuracy"] > ensemble - 0.1, (summary["metrics"], ensemble)
     assert summary["info"]["transfer_note"] == "public sample (200)"
-    assert summary["info"]["combine"] == "logits"  # combine: auto, one architecture
+    assert summary["info"]["combine"] == "energy"  # combine: auto, public transfer
     assert summary["info"]["init"] == "random"
     fused = load_params(coord.store.root / summary["model_file"])
     assert set(fused) == set(coord.reference_params()) and all(np.isfinite(v).all() for v in fused.values())
@@ -393,7 +393,7 @@ def test_clients_of_three_architectures_distil_into_the_students(coordinator, in
     summary = coord.run_method("d")
     # one client (2) has the student's architecture (the run's rescnn): the aligned start is its merge alone
     assert summary["info"]["init"] == ("random" if init == "random" else "aligned merge of clients [2]")
-    assert summary["info"]["combine"] == "probabilities"  # combine: auto: the three architectures' logits are not comparable
+    assert summary["info"]["combine"] == "energy"  # combine: auto with public transfer: each member's log-probabilities and energy
     fused = load_params(coord.store.root / summary["model_file"])
     assert {k: v.shape for k, v in fused.items()} == {k: v.shape for k, v in coord.reference_params(2).items()}
     assert np.isfinite(summary["metrics"]["accuracy"])
@@ -455,6 +455,8 @@ def test_predictions_only_on_ray_equals_the_in_process_run(ray_session, make_con
     methods = {
         "public": {"method": "distill", "teachers": "clients", "init": "random", **QUICK},
         "free": {"method": "distill", "teachers": "clients", "init": "random", **synthetic},
+        # the few-round mode: the refined students stay in the client actors between the round's calls
+        "rounds": {"method": "distill", "teachers": "clients", "init": "random", "steps": 60, "epochs": 2, "rounds": 2},
     }
     quiet = dict(printer=Printer(enabled=False), show_tables=False)
     on_ray = run_experiment(
@@ -570,6 +572,25 @@ def test_the_few_round_mode_passes_the_method_contract_and_resumes_bit_exact(tmp
 
     case = MethodCase({"steps": 20, "epochs": 1, "rounds": 2, "init": "random"}, {"data": {"public_size": 0.1}}, step="distill.refine")
     check_method(METHODS.get("distill"), case=case, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "given,one,transfer,expected",
+    [
+        ({}, True, "public", ("energy", 1.0)),
+        ({}, False, "public", ("energy", 1.0)),
+        ({}, True, "synthetic", ("logits", 4.0)),
+        ({}, False, "synthetic", ("probabilities", 4.0)),
+        ({"combine": "geometric"}, True, "synthetic", ("geometric", 1.0)),
+        ({"combine": "logits"}, True, "public", ("logits", 4.0)),
+        ({"temperature": 2.5}, True, "public", ("energy", 2.5)),
+    ],
+)
+def test_auto_combines_by_energy_at_temperature_1_with_public_transfer_and_as_before_data_free(given, one, transfer, expected):
+    from rayfuse.fusion.distill.algorithm import DistillOptions
+
+    settings = DistillOptions(**given).settings(0, one_architecture=one, transfer=transfer)
+    assert (settings.combine, settings.temperature) == expected
 
 
 def test_distill_tags_are_its_papers():
