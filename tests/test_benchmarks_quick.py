@@ -68,6 +68,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "benchmarks/distill/speed.py": ("distill_speed.json", {"machine", "batched", "teachers", "bank", "ray"}),
     "benchmarks/distill/privacy.py": ("distill_privacy.json", {"machine", "rows"}),
     "benchmarks/distill/newcomer.py": ("distill_newcomer.json", {"meta", "variants", "rows"}),
+    "benchmarks/distill/many.py": ("distill_many.json", {"machine", "params", "rows"}),
     "benchmarks/finetunes/compare_mergekit.py": ("compare_mergekit.json", {"rows", "mergekit"}),
     "benchmarks/finetunes/lora_exactness.py": ("lora_exactness.json", {"rows"}),
     "benchmarks/finetunes/accuracy.py": ("finetunes_accuracy.json", {"summary", "runs", "meta"}),

@@ -103,7 +103,7 @@ _QUICKSTART = (
         ({"methods": {"distill": {}}}, _TOO_LARGE + _QUICKSTART.format("distill")),
         ({"methods": {"fedavg": {}, "finetune": {}}}, _TOO_LARGE + _QUICKSTART.format("finetune")),
         ({"methods": {"gems": {}, "fedsa": {}}}, _TOO_LARGE + _QUICKSTART.format("gems, methods.fedsa")),
-        ({}, _TOO_LARGE + _QUICKSTART.format("distill")),  # the quickstart's methods: distill reads it
+        ({}, _TOO_LARGE + _QUICKSTART.format("distill, methods.distill-rounds")),  # the quickstart's methods: both distills read it
         ({"data": {"public_size": 300}, "methods": {"fedavg": {}}}, _TOO_LARGE),  # stated: checked whoever reads it
     ],
 )
@@ -123,7 +123,7 @@ def test_every_reader_of_the_public_sample_says_so_in_its_tags():
 
 _SILOS = [{"dataset": "npz", "path": "/silo-a.npz"}, {"dataset": "npz", "path": "/silo-b.npz"}]
 _QUICKSTART_METHODS = list(DEFAULT_METHODS)
-_NO_DISTILL = [m for m in DEFAULT_METHODS if m != "distill"]
+_NO_DISTILL = [m for m in DEFAULT_METHODS if m not in ("distill", "distill-rounds")]
 
 
 @pytest.mark.parametrize(
@@ -160,7 +160,7 @@ def test_a_data_section_without_methods_prepares_without_the_public_sample_it_do
     # the quickstart's distill (transfer: public) would be refused for data.public_size 0; its data-free twin stays
     prepared = prepare_run(validate_config({"data": {"dataset": "wine"}, "federation": {"backend": "local"}}))
     labels = [spec.label for spec in prepared.specs]
-    assert "distill" not in labels and "distill-free" in labels and len(prepared.plan.public) == 0
+    assert "distill" not in labels and "distill-rounds" not in labels and "distill-free" in labels and len(prepared.plan.public) == 0
 
 
 def test_the_default_methods_that_read_a_public_sample_are_those_their_tags_say():

@@ -502,6 +502,7 @@ def main() -> None:
         "with --quick, distill_accuracy_quick: a quick run never replaces the grid's rows)",
     )
     parser.add_argument("--render", nargs="+", type=Path, default=None, help="write the outputs from raw result files only")
+    parser.add_argument("--name", default="accuracy", help="the outputs' name: <out>/<name>.{csv,md} and <name>_<dataset>_<arch>.png")
     parser.add_argument("--heterogeneous", action="store_true", help="the heterogeneous cell (seeds from --seeds)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--both-repair", action="store_true", help="also record each column with the other repair setting")
@@ -517,8 +518,9 @@ def main() -> None:
     if args.render:
         rows, info = aligned.read_raw(args.render)
         rows = [r for r in rows if "cell" not in r]
+        title = "Distillation: one-shot accuracy" if args.name == "accuracy" else f"Distillation: {args.name}"
         paths = aligned.write_outputs(
-            rows, args.out, info, title="Distillation: one-shot accuracy", summary=summary_lines, script="benchmarks/distill", order=ORDER
+            rows, args.out, info, name=args.name, title=title, summary=summary_lines, script="benchmarks/distill", order=ORDER
         )
         for path in paths:
             print(f"wrote {path}")

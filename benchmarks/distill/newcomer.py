@@ -19,18 +19,18 @@ they do not, temperature 4, 2000 steps, lr 3e-3, mixup 0.5, ``shift`` 1), the st
 average of the ``Conv1d`` sites (the ``average`` start; the method's default ``aligned`` start adds activation matching
 on top of it), and one change each:
 
+* ``distill (defaults)``: ``combine: auto``, which with public transfer is the energy ensemble at temperature 1;
 * ``distill (shift 0)``: no shift of the sequences (the loop before sequences were shifted: only images were);
 * ``distill (shift 4, scale 0.1, noise 0.05)``: the 1-D signal's own augmentations (moves of up to 4 of 40 steps,
   amplitude within 10 %, noise of 5 % of each step's spread);
 * ``distill (holdout 0.2)``: a fifth of the public signals held out to choose the pass whose student is kept;
-* ``distill (logits)`` / ``distill (probabilities)``: the other way of combining the teachers;
-* ``distill (geometric)`` and ``distill (geometric, temperature 1)``: the teachers' class-weighted mean of
-  log-probabilities (``combine: geometric``), at the default temperature 4 and at 1;
-* ``distill (energy, temperature 1)``: the same plus each teacher's standardised energy (``combine: energy``);
-* ``distill (energy, temperature 1, 3 rounds)``: that student, then the few-round mode's two more rounds (``rounds:
-  3``): every site, ``MLP`` ones included, refines the ``Conv1d`` student on its own signals, anchored to it on the
-  public ones (``rayfuse.fusion.distill.student.refine_student``, the method's defaults), and the student is distilled
-  again from the refined ones, from where it was.
+* ``distill (logits, temperature 4)`` / ``distill (probabilities, temperature 4)``: the former default (``auto`` took
+  logits for one architecture, probabilities for several, at temperature 4);
+* ``distill (geometric, temperature 1)``: the teachers' class-weighted mean of log-probabilities;
+* ``distill (3 rounds)``: the defaults' student, then the few-round mode's two more rounds (``rounds: 3``): every
+  site, ``MLP`` ones included, refines the ``Conv1d`` student on its own signals, anchored to it on the public ones
+  (``rayfuse.fusion.distill.student.refine_student``, the method's defaults), and the student is distilled again from
+  the refined ones, from where it was.
 
 Usage (repository root)::
 
@@ -73,12 +73,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "distill (shift 0)": {"shift": 0},
     "distill (shift 4, scale 0.1, noise 0.05)": {"shift": 4, "scale": 0.1, "noise": 0.05},
     "distill (holdout 0.2)": {"holdout": 0.2},
-    "distill (logits)": {"combine": "logits"},
-    "distill (probabilities)": {"combine": "probabilities"},
-    "distill (geometric)": {"combine": "geometric"},
-    "distill (geometric, temperature 1)": {"combine": "geometric", "temperature": 1.0},
-    "distill (energy, temperature 1)": {"combine": "energy", "temperature": 1.0},
-    "distill (energy, temperature 1, 3 rounds)": {"combine": "energy", "temperature": 1.0, "rounds": 3},
+    "distill (logits, temperature 4)": {"combine": "logits"},
+    "distill (probabilities, temperature 4)": {"combine": "probabilities"},
+    "distill (geometric, temperature 1)": {"combine": "geometric"},
+    "distill (3 rounds)": {"rounds": 3},
 }
 
 
@@ -213,32 +211,23 @@ COLUMNS = ("local", "best local", "ensemble", "pooled", *VARIANTS)
 NOTES = """
 ## Reading it (seeds 0-2)
 
-* **The defaults miss on mixed sites**: the mixed sites' student is 0.10 below their ensemble, as a newcomer's run
-  on the reference's own MNIST-1D found (0.444 against 0.628). `combine: auto` takes the teachers'
-  probabilities when their architectures differ, and the student does not follow that mixture: on seed 0 the
-  class-weighted probability ensemble scores 0.572 on the test set and the student distilled from it 0.440, while the
-  logit ensemble scores 0.507 and its student 0.482 (a probe of this script's cells, printing each target's accuracy).
-* **The teachers' geometric mean** (`combine: geometric`: the class-weighted mean of their log-probabilities, blind to
-  each architecture's logit scale; temperature 1, so the target is that mean itself) is the best target and the one
-  the student follows: level with the ensemble on mixed sites (0.505 against 0.507) and 0.037 above it on one
-  architecture (0.625 against 0.588; per seed +0.035, -0.002, +0.079; mixed: +0.040, -0.065, +0.020). It is not the
-  default: on the distillation grid's digits cells where each class has one owner (label-disjoint, K = 3 and 5, mlp
-  and cnn, seed 0) it scored 0.488 / 0.362 / 0.702 / 0.529 against the default's 0.727 / 0.593 / 0.847 / 0.632, while
-  at Dirichlet(0.5) it scored 0.919 / 0.950 / 0.919 / 0.897 against 0.905 / 0.908 / 0.886 / 0.886
-  ([methods/distill.md](../../methods/distill.md)).
-* **The energy ensemble** (`combine: energy`, temperature 1: the geometric mean's log-probabilities plus each
-  teacher's energy, the log-sum-exp of its logits, standardised over the pass's inputs) keeps the geometric mean's
-  gain and adds what normalising dropped, how familiar each teacher finds an input: 0.515 on mixed sites (0.008 above
-  the ensemble; per seed +0.025, -0.031, +0.029) and 0.637 on one architecture (0.049 above; +0.023, +0.031, +0.093).
-  Unlike the geometric mean it holds where each class has one owner ([methods/distill.md](../../methods/distill.md): 20 digits cells of the
-  distillation grid, 0.040 above the default on average); it is the candidate for the default once the whole grid has
-  run with it.
-* **Sequences shifted** by the default `shift` (1 step; before, only images were shifted) add 0.02 in both cases;
-  4 steps with amplitude and noise jitter 0.01 more. Holding out a fifth of the public signals to choose the pass kept
-  (`holdout: 0.2`) does not help: it kept pass 10, 10 and 8 of 10 on one architecture and 2, 4 and 7 on mixed sites
-  (100 held-out signals; its agreement 0.47-0.54 there), and the held-out fifth is transfer data the student no
-  longer trains on.
-* The pooled oracle (0.908) is far above every one-shot number: the sites' data are small and skewed (235 to 821
+* **The defaults** (the energy ensemble at temperature 1: each teacher's log-probabilities plus its energy, the
+  log-sum-exp of its logits, standardised over the pass's inputs) are above the sites' ensemble in both cases: 0.517
+  against 0.502 on mixed sites, 0.637 against 0.588 on one architecture.
+* **The former default missed on mixed sites**: it took the teachers' probabilities when their architectures differ
+  (0.398, 0.10 below the ensemble; the student does not follow that mixture: on seed 0 the class-weighted probability
+  ensemble scores 0.572 on the test set and its student 0.440) and their logits within one architecture (0.572, 0.016
+  below). The geometric mean (0.504 / 0.611) is close to the energy ensemble here but fails where each class has one
+  owner ([methods/distill.md](../../methods/distill.md)): a client's log-probabilities do not say whether it knows the
+  input, its energy does.
+* **Three rounds** (`rounds: 3`: two rounds in which every site refines the student on its own signals, anchored to
+  it on the public ones, and the server distils the refined students into it again; three models uploaded per site in
+  all) go well past the ensemble: 0.642 on mixed sites (0.140 above) and 0.720 on one architecture (0.132 above), with
+  the `MLP` sites training the `Conv1d` student from round 2.
+* **Sequences shifted** by the default `shift` (1 step) add 0.03 in both cases; 4 steps with amplitude and noise
+  jitter about 0.01 more. Holding out a fifth of the public signals to choose the pass kept (`holdout: 0.2`) does not
+  help: the held-out fifth is transfer data the student no longer trains on.
+* The pooled oracle (0.908) is far above every number here: the sites' data are small and skewed (235 to 821
   signals each), and the best site alone reaches about half.
 """
 

@@ -37,6 +37,7 @@ DEFAULT_METHODS: dict[str, dict[str, Any]] = {
     "aligned-wide": {"method": "aligned", "merge": "nonparametric"},
     "distill": {},
     "distill-free": {"method": "distill", "transfer": "synthetic"},
+    "distill-rounds": {"method": "distill", "rounds": 3},
     "fedavg": {},
     "global": {},
 }
@@ -47,7 +48,7 @@ DEFAULT_METHODS: dict[str, dict[str, Any]] = {
 QUICKSTART_PUBLIC_SIZE = 300
 # The quickstart's methods that read the server's public sample (distill with transfer: public; a test keeps this equal
 # to their tags, rayfuse.method.reads_public_sample): not among the default methods where the data gives none.
-DEFAULT_PUBLIC_READERS = frozenset({"distill"})
+DEFAULT_PUBLIC_READERS = frozenset({"distill", "distill-rounds"})
 
 
 def default_methods(section: Any) -> dict[str, dict[str, Any]]:

@@ -325,6 +325,7 @@ def test_defaults_by_hand():
         "aligned-wide",
         "distill",
         "distill-free",
+        "distill-rounds",
         "fedavg",
         "global",
     ]
