@@ -22,11 +22,15 @@ def bench():
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # the fedlora run's model factory is this module's class
+    import torch
+
+    threads = torch.get_num_threads()  # main() sets torch's threads for the process: given back after this module
     try:
         spec.loader.exec_module(module)
         yield module
     finally:
         sys.modules.pop(spec.name, None)
+        torch.set_num_threads(threads)
 
 
 def expected_rows(bench) -> list[str]:
