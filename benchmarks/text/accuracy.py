@@ -410,6 +410,8 @@ def run_seed(seed: int, setting: Setting, root: Path, log: Callable[[str], None]
         sweep("regmean (public text)", "regmean", "alpha", setting.alphas, {}, text=True)
         sweep("regmean (each site's own texts)", "regmean", "alpha", setting.alphas, {}, statistics="gram")
         merge("adamerging (public text)", "adamerging", {"steps": setting.ada_steps, "seed": seed}, text=True)
+        ensemble_fit = {"steps": setting.ada_steps, "seed": seed, "objective": "ensemble"}
+        merge("adamerging, fit to the ensemble (public text)", "adamerging", ensemble_fit, text=True)
         distill = {
             "epochs": setting.distill_epochs,
             "steps": setting.distill_steps,

@@ -25,7 +25,10 @@ model is checked against the base (tensor names and shapes, or an adapter's modu
   steps of 16 texts) by minimising the mean entropy of the merged model's predictions on the unlabeled text, the
   coefficients clamped to [0, 1] where used, as [ADAMERGING : src/main_layer_wise_adamerging.py] does. There the
   encoder is merged and each task keeps its own frozen head; here the models share one label space and the classifier
-  head is merged with the rest.
+  head is merged with the rest. With ``objective: ensemble`` the coefficients minimise instead the KL divergence of
+  the merged model's predictions from the models' ensemble (their weighted mean probabilities, computed once on the
+  text): an entropy minimum rewards confidence, and label-skewed models' merges are most confident where they are
+  wrong; the ensemble is the distillation's target, here reached inside the span of the task vectors.
 * ``distill``: the models' ensemble distilled into one student (the base's architecture, started from the models'
   average) on the unlabeled text (:func:`rayfuse.fusion.distill.student.distill_public`, no mixing of token ids).
 
@@ -83,6 +86,11 @@ class AdaMergingParams(_Schema):
     lr: float = Field(1e-3, gt=0, le=10, description="Adam's learning rate (the paper's 1e-3)")
     batch_size: int = Field(16, ge=1, description="texts a step")
     clamp: bool = Field(True, description="the coefficients used clamped to [0, 1] (the paper's code)")
+    objective: Literal["entropy", "ensemble"] = Field(
+        "entropy",
+        description="what the coefficients minimise on the unlabeled text: the merged model's prediction entropy "
+        "(the paper's), or its KL divergence from the models' ensemble (their weighted mean probabilities)",
+    )
     seed: int = Field(0, description="the batches' draw")
 
 
@@ -136,7 +144,8 @@ TEXT_MERGES: dict[str, TextMerge] = {
     "adamerging": TextMerge(
         "adamerging",
         "layer-wise AdaMerging: one coefficient per task vector per tensor, learned by minimising the merged model's "
-        "prediction entropy on unlabeled text (Yang et al. 2024)",
+        "prediction entropy on unlabeled text (Yang et al. 2024), or with objective: ensemble its KL divergence from "
+        "the models' ensemble",
         AdaMergingParams,
         base="required",
     ),
@@ -484,8 +493,10 @@ def _adamerging(
     X: np.ndarray,
     p: AdaMergingParams,
     log: Any,
+    weights: Sequence[float] | None = None,
 ) -> tuple[dict[str, torch.Tensor], float, float]:
-    """Layer-wise AdaMerging: the merged weights, and the prediction entropy at the start and at the end."""
+    """Layer-wise AdaMerging: the merged weights, and the objective (the prediction entropy, or the KL divergence from
+    the models' ensemble weighted by ``weights``) at the start and at the end, in nats."""
     import torch
 
     names = [k for k, v in template.named_parameters()]
@@ -503,25 +514,41 @@ def _adamerging(
         lam = raw.clamp(0.0, 1.0) if p.clamp else raw
         return {k: base[k].to(torch.float32) + torch.tensordot(lam[:, j], taus[k], dims=1) for j, k in enumerate(names)}
 
-    def entropy(lam: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
-        logits = torch.func.functional_call(template, ({**merged(lam), **buffers},), (xb,))
-        logp = torch.log_softmax(logits, dim=-1)
-        return -(logp.exp() * logp).sum(-1).mean()
-
-    def mean_entropy(lam: torch.Tensor) -> float:
+    target: torch.Tensor | None = None  # objective: ensemble: the models' weighted mean log-probabilities on X
+    if p.objective == "ensemble":
+        w = torch.as_tensor(list(weights) if weights is not None else [1.0] * len(models), dtype=torch.float64)
+        w = w / w.sum()
         with torch.no_grad():
-            return sum(float(entropy(lam, xb)) * len(xb) for xb in _batches(X, 64)) / len(X)
+            probs = sum(
+                float(wk) * torch.cat([torch.softmax(_with_state(template, m)(xb).double(), -1) for xb in _batches(X, 64)])
+                for wk, m in zip(w, models)
+            )
+        target = torch.log(torch.as_tensor(probs).clamp_min(1e-30)).float()
 
-    start = mean_entropy(lambdas)
+    def objective(lam: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+        logits = torch.func.functional_call(template, ({**merged(lam), **buffers},), (torch.as_tensor(X[idx]),))
+        logp = torch.log_softmax(logits, dim=-1)
+        if target is None:
+            return -(logp.exp() * logp).sum(-1).mean()
+        t = target[torch.as_tensor(idx)]
+        return (t.exp() * (t - logp)).sum(-1).mean()
+
+    def mean_objective(lam: torch.Tensor) -> float:
+        rows = np.arange(len(X))
+        with torch.no_grad():
+            return sum(float(objective(lam, rows[i : i + 64])) * len(rows[i : i + 64]) for i in range(0, len(X), 64)) / len(X)
+
+    what = "entropy" if target is None else "KL from the ensemble"
+    start = mean_objective(lambdas)
     for step in range(p.steps):
         idx = torch.randint(0, len(X), (min(p.batch_size, len(X)),), generator=generator)
-        loss = entropy(lambdas, torch.as_tensor(X[idx.numpy()]))
+        loss = objective(lambdas, idx.numpy())
         opt.zero_grad()
         loss.backward()
         opt.step()
         if log is not None and (step + 1) % max(1, p.steps // 5) == 0:
-            log(f"adamerging: step {step + 1}/{p.steps}: entropy {float(loss):.4f}")
-    end = mean_entropy(lambdas)
+            log(f"adamerging: step {step + 1}/{p.steps}: {what} {float(loss):.4f}")
+    end = mean_objective(lambdas)
     with torch.no_grad():
         final = merged(lambdas.detach())
     return {**{k: v.detach() for k, v in base.items()}, **final}, start, end
@@ -653,10 +680,11 @@ def run_text_fuse(spec: TextFuseSpec, log: Callable[[str], None] | None = None) 
     extra: dict[str, Any] = {}
     if spec.method == "adamerging":
         assert isinstance(spec.params, AdaMergingParams)
-        state, start, end = _adamerging(template, base_state, models, spec.X, spec.params, log)
-        extra = {"entropy": (start, end)}
+        state, start, end = _adamerging(template, base_state, models, spec.X, spec.params, log, spec.weights)
+        key = "entropy" if spec.params.objective == "entropy" else "kl_from_ensemble"
+        extra = {key: (start, end)}
         if log is not None:
-            log(f"adamerging: prediction entropy {start:.4f} at lambda {spec.params.lambda_init} -> {end:.4f}")
+            log(f"adamerging: {key.replace('_', ' ')} {start:.4f} at lambda {spec.params.lambda_init} -> {end:.4f}")
     else:
         assert isinstance(spec.params, TextDistillParams)
         state = _distill(template, base_state, models, spec.weights, spec.X, spec.params, log)

@@ -207,6 +207,31 @@ def test_adamerging_lowers_the_entropy_below_task_arithmetics_at_its_start(folde
     assert end < start
 
 
+def test_adamerging_fit_to_the_ensemble_lowers_its_kl_from_the_models_mean_probabilities(folders, tmp_path):
+    """``objective: ensemble``: the reported KL at the start and the end is the written model's KL from the two sites'
+    mean probabilities (recomputed here from their folders), and it falls."""
+    from rayfuse.api import fuse_checkpoints
+    from rayfuse.finetunes.text_fuse import _load as load_token_model
+
+    params = {"lambda_init": 0.6, "steps": 12, "lr": 0.02, "batch_size": len(PUBLIC), "objective": "ensemble"}
+    summary = fuse_checkpoints(_config(folders, "adamerging", tmp_path, parameters=params))
+    out = Path(summary["output"])
+    _load(out)
+    X = torch.as_tensor(encode_texts(text_tokenizer(folders["base"]), PUBLIC, 12))
+
+    def kl(folder: Path) -> float:
+        with torch.no_grad():
+            target = sum(torch.softmax(load_token_model(folders[s]).eval()(X).double(), -1) for s in ("sport", "code")) / 2
+            logp = torch.log_softmax(load_token_model(folder).eval()(X).double(), -1)
+        return float((target * (target.log() - logp)).sum(-1).mean())
+
+    start, end = summary["kl_from_ensemble"]
+    assert "entropy" not in summary
+    assert start == pytest.approx(kl(_task_arithmetic(folders, tmp_path, 0.6)), rel=1e-3, abs=1e-6)
+    assert kl(out) == pytest.approx(end, rel=1e-3, abs=1e-6)
+    assert end < start
+
+
 def test_distill_of_full_fine_tunes_through_the_cli(folders, tmp_path, capsys):
     import yaml
 
