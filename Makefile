@@ -6,8 +6,6 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rayfuse-installed
 ARGS   ?=
 PYTEST_ARGS ?=
-# pytest-xdist workers for `make test` (tests/conftest.py keeps every test that starts Ray in one of them); 0: one process
-TEST_WORKERS ?= 2
 # The tested versions: `make run`, `make test` and CI install exactly these (a pip constraints file, every platform and
 # Python >= 3.10 in one file), so a fresh machine gets what the suite passed on. pyproject.toml keeps the open ranges
 # for users who install rayfuse elsewhere. `make lock` refreshes it from pyproject.toml; `make test LOCK=
@@ -42,7 +40,7 @@ run: setup
 	$(BIN)/rayfuse run $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test-unit: setup
 	$(BIN)/python -m pytest -q -m "not ray" $(PYTEST_ARGS)

@@ -90,45 +90,9 @@ def ray_session():
         ray.shutdown()
 
 
-#: test files whose tests start Ray processes of their own (``ray start``, a ``rayfuse`` command that starts or attaches
-#: to a local Ray, Tune) or check the machine's Ray processes: run in the ``ray`` group with the session's Ray
-RAY_FILES = frozenset(
-    {
-        "test_bad_inputs.py",
-        "test_benchmarks_run.py",
-        "test_cli.py",
-        "test_damaged_state.py",
-        "test_gpu_path.py",
-        "test_pinning.py",
-        "test_sweep.py",
-        "test_sweep_trials.py",
-    }
-)
-
-
-def _starts_ray(item: pytest.Item) -> bool:
-    return (
-        item.get_closest_marker("ray") is not None
-        or "ray_session" in getattr(item, "fixturenames", ())
-        or item.path.name in RAY_FILES
-        or item.path.parent.name == "integration"
-    )
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Two groups for pytest-xdist's ``--dist loadgroup`` (``make test`` runs 2 workers): every test that starts Ray
-    runs in one worker, in turn, on that worker's one session Ray (never two Rays at once, never a ``rayfuse`` process
-    attaching to another test's ``ray start`` cluster); the benchmarks' quick lines in one worker (their module runs
-    its forked lines in the background itself). The rest are spread over the workers. Without xdist the markers do
-    nothing.
-
-    Tests marked ``slow`` (minutes of a 2-core machine, or many GB) run only with ``RAYFUSE_SLOW=1``; each names the
+    """Tests marked ``slow`` (minutes of a 2-core machine, or many GB) run only with ``RAYFUSE_SLOW=1``; each names the
     fast twin that runs in every suite."""
-    for item in items:
-        if _starts_ray(item):
-            item.add_marker(pytest.mark.xdist_group("ray"))
-        elif item.path.name == "test_benchmarks_quick.py":
-            item.add_marker(pytest.mark.xdist_group("quick"))
     if os.environ.get("RAYFUSE_SLOW"):
         return
     skip = pytest.mark.skip(reason="slow: RAYFUSE_SLOW=1 runs it (a fast twin runs in every suite)")
