@@ -519,11 +519,9 @@ def _adamerging(
         w = torch.as_tensor(list(weights) if weights is not None else [1.0] * len(models), dtype=torch.float64)
         w = w / w.sum()
         with torch.no_grad():
-            probs = sum(
-                float(wk) * torch.cat([torch.softmax(_with_state(template, m)(xb).double(), -1) for xb in _batches(X, 64)])
-                for wk, m in zip(w, models)
-            )
-        target = torch.log(torch.as_tensor(probs).clamp_min(1e-30)).float()
+            nets = [_with_state(template, m) for m in models]  # one copy a model, not one a batch
+            probs = torch.stack([torch.cat([torch.softmax(net(xb).double(), -1) for xb in _batches(X, 64)]) for net in nets])
+        target = torch.log(torch.tensordot(w, probs, dims=1).clamp_min(1e-30)).float()
 
     def objective(lam: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
         logits = torch.func.functional_call(template, ({**merged(lam), **buffers},), (torch.as_tensor(X[idx]),))
@@ -533,10 +531,11 @@ def _adamerging(
         t = target[torch.as_tensor(idx)]
         return (t.exp() * (t - logp)).sum(-1).mean()
 
+    chunks = [np.arange(i, min(i + 64, len(X))) for i in range(0, len(X), 64)]
+
     def mean_objective(lam: torch.Tensor) -> float:
-        rows = np.arange(len(X))
         with torch.no_grad():
-            return sum(float(objective(lam, rows[i : i + 64])) * len(rows[i : i + 64]) for i in range(0, len(X), 64)) / len(X)
+            return sum(float(objective(lam, rows)) * len(rows) for rows in chunks) / len(X)
 
     what = "entropy" if target is None else "KL from the ensemble"
     start = mean_objective(lambdas)
