@@ -8,6 +8,7 @@ names the key path, the expected value and what was given, so the CLI can print 
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -15,7 +16,14 @@ __all__ = ["InputError", "RunFailure", "NonFiniteError", "SecAggFailure", "sugge
 
 
 def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` for an error's "got": at most ``limit`` characters, cut at the end. A string or a path is kept
+    whole up to 240 characters and past that cut in the middle: a file's path names the file at its end, and a
+    temporary folder's path alone can pass 80 characters."""
     text = repr(value)
+    if isinstance(value, (str, os.PathLike)):
+        if len(text) <= 240:
+            return text
+        return text[:80] + "..." + text[-157:]
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -120,3 +120,13 @@ def test_a_params_dependent_fuse_words_the_client_models_refusal(make_config):
     specs = resolve_methods({"a": {"method": "aligned", "merge": "regmean", "alignment": "weight"}})
     err = refusal(specs, setup_for(cfg, client_models=(cfg.model, other, cfg.model)), cfg)
     assert "(methods.a fuses statistics of the clients' models, in one layout)" in str(err)
+
+
+def test_a_long_path_keeps_its_file_name_in_the_one_line_and_other_long_values_are_cut_at_the_end():
+    deep = "/tmp/" + "/".join(["a-long-temporary-folder"] * 6) + "/nope.npz"  # 150 characters: whole
+    assert repr(deep) in str(InputError("data.path", "an existing .npz file", deep))
+    deeper = "/tmp/" + "/".join(["a-long-temporary-folder"] * 12) + "/nope.npz"  # 300: cut in the middle
+    line = str(InputError("data.path", "an existing .npz file", deeper))
+    assert "\n" not in line and line.endswith("/nope.npz'") and "..." in line and len(line) < 300
+    many = str(InputError("x.y", "a short list", list(range(100))))
+    assert many.endswith("...") and len(many) < 120
