@@ -39,11 +39,18 @@ setup: $(STAMP)
 run: setup
 	$(BIN)/rayfuse run $(ARGS)
 
+# `make test`: the tests that start no Ray on TEST_WORKERS pytest-xdist workers (0: in this process), then the tests that
+# start Ray (the `ray` marker; tests/conftest.py adds it to every such test) in one process with one session Ray: two
+# Rays never share the cores, and the Ray tests' actors have both. Both parts always run; either failing fails the
+# target (pytest's 5, nothing selected, is no failure: PYTEST_ARGS may name one file).
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	@$(BIN)/python -m pytest -q -m "not ray" -n $(TEST_WORKERS) $(PYTEST_ARGS); rest=$$?; \
+	$(BIN)/python -m pytest -q -m ray $(PYTEST_ARGS); ray=$$?; \
+	for code in $$rest $$ray; do [ $$code -eq 0 ] || [ $$code -eq 5 ] || exit $$code; done
 
 test-unit: setup
-	$(BIN)/python -m pytest -q -m "not ray" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not ray" -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-ray: setup
 	$(BIN)/python -m pytest -q -m ray $(PYTEST_ARGS)

@@ -90,9 +90,45 @@ def ray_session():
         ray.shutdown()
 
 
+#: test files whose tests start Ray processes of their own (``ray start``, a ``rayfuse`` command that starts or attaches
+#: to a local Ray, Tune) or look at the machine's Ray processes, without a ``ray`` marker of their own; and the
+#: benchmarks' quick lines, whose lines that start no Ray run in the background beside those that do (measured: 143 s
+#: on 2 xdist workers alone, against nothing added to the 4 Ray lines' 150 s)
+RAY_FILES = frozenset(
+    {
+        "test_benchmarks_quick.py",
+        "test_bad_inputs.py",
+        "test_benchmarks_run.py",
+        "test_cli.py",
+        "test_damaged_state.py",
+        "test_gpu_path.py",
+        "test_pinning.py",
+        "test_sweep.py",
+        "test_sweep_trials.py",
+    }
+)
+
+
+def _starts_ray(item: pytest.Item) -> bool:
+    return (
+        item.get_closest_marker("ray") is not None
+        or "ray_session" in getattr(item, "fixturenames", ())
+        or item.path.name in RAY_FILES
+        or item.path.parent.name == "integration"
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``slow`` (minutes of a 2-core machine, or many GB) run only with ``RAYFUSE_SLOW=1``; each names the
+    """Every test that starts Ray (the session's Ray, a ``rayfuse`` process, a ``ray start`` cluster) gets the ``ray``
+    marker before ``-m`` selects: ``make test`` runs the others on 2 pytest-xdist workers, then these in one process,
+    so that two Rays never share the machine and a process never attaches to another test's cluster.
+
+    Tests marked ``slow`` (minutes of a 2-core machine, or many GB) run only with ``RAYFUSE_SLOW=1``; each names the
     fast twin that runs in every suite."""
+    for item in items:
+        if item.get_closest_marker("ray") is None and _starts_ray(item):
+            item.add_marker(pytest.mark.ray)
     if os.environ.get("RAYFUSE_SLOW"):
         return
     skip = pytest.mark.skip(reason="slow: RAYFUSE_SLOW=1 runs it (a fast twin runs in every suite)")

@@ -228,9 +228,13 @@ def background(forkserver: Any, tmp_path_factory: pytest.TempPathFactory, reques
     """The forked quick runs of this session, started at once, one at a time, on a thread of their own: they run while
     the quick runs that start a Ray of their own (mostly waiting on Ray's processes) run in the foreground, so the
     module takes about the longer of the two sequences instead of their sum. ``script -> (future, folder, out)``;
-    only the runs the session selected are started."""
+    only the runs the session selected are started. Under pytest-xdist (``make test`` runs the lines that start no Ray
+    on 2 workers) none: each worker runs the lines it is given, in turn, and the workers run side by side."""
     from concurrent.futures import ThreadPoolExecutor
 
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects every line: started here, each would run twice
+        yield {}
+        return
     selected = {
         item.callspec.params["script"]
         for item in request.session.items
@@ -256,10 +260,13 @@ def test_quick_mode_runs_and_writes_finite_results(script: str, args: list[str],
     out = tmp_path / "out"
     out.mkdir()
     argv = [a.replace("{out}", str(out)) for a in args]
-    if _forked(script):
+    if _forked(script) and script in started:
         future, _, out = started[script]  # run in the background, into a folder of its own
         command = [sys.executable, script, *[a.replace("{out}", str(out)) for a in args]]
         code, stdout, stderr = future.result()
+    elif _forked(script):
+        command = [sys.executable, script, *argv]
+        code, stdout, stderr = _run_forked(request.getfixturevalue("forkserver"), script, argv, tmp_path)
     else:
         command = [*(["bash"] if script.endswith(".sh") else [sys.executable]), script, *argv]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}

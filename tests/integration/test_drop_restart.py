@@ -9,6 +9,9 @@ from tests.integration.test_ray import ray_run
 pytestmark = pytest.mark.ray
 
 
+# its twin: tests/integration/test_ray.py::test_a_failing_client_does_not_fail_the_clients_sharing_its_actor (a crash
+# under drop on Ray: the restart recorded after the drop, no retry)
+@pytest.mark.slow
 def test_a_crashed_client_dropped_under_drop_is_restarted_and_the_restart_recorded(ray_session, make_config, tmp_path):
     methods = {"fedavg": {"rounds": 2, "local_epochs": 1}}
     crash = {"backend": "ray", "on_client_failure": "drop", "faults": [{"client": 1, "step": "fedavg.fit", "call": 1, "mode": "exit"}]}
