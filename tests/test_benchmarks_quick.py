@@ -5,8 +5,8 @@ noticed. ``benchmarks/quick.txt`` lists one quick command per entry script (``be
 the same list); this module finds every entry script (a ``.py`` with a ``__main__`` block, or a ``.sh``), fails for one
 that the list lacks (so a new benchmark must add its quick mode), and runs each listed command in a process of its
 own, as a person would from the repository root (a shell script or one that starts a local Ray as a subprocess, the
-others forked from a process that has done their common imports once: 2 minutes instead of 3 for those, and run on a
-thread beside the ones that start Ray): exit status 0, no traceback, and the results it wrote under ``{out}`` hold
+others forked from a process that has done their common imports once: 2 minutes instead of 3 for those, and run on
+two threads beside the ones that start Ray): exit status 0, no traceback, and the results it wrote under ``{out}`` hold
 the expected keys and only finite numbers.
 """
 
@@ -225,11 +225,12 @@ def _forked(script: str) -> bool:
 
 @pytest.fixture(scope="module")
 def background(forkserver: Any, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Any:
-    """The forked quick runs of this session, started at once, one at a time, on a thread of their own: they run while
+    """The forked quick runs of this session, started at once, two at a time, on threads of their own: they run while
     the quick runs that start a Ray of their own (mostly waiting on Ray's processes) run in the foreground, so the
-    module takes about the longer of the two sequences instead of their sum. ``script -> (future, folder, out)``;
-    only the runs the session selected are started. Under pytest-xdist (``make test`` runs the lines that start no Ray
-    on 2 workers) none: each worker runs the lines it is given, in turn, and the workers run side by side."""
+    module takes about the longer of the two sequences instead of their sum (203 s on this 2-core AMD EPYC; 246 s with
+    one forked run at a time). ``script -> (future, folder, out)``; only the runs the session selected are started.
+    Under pytest-xdist none (``make test`` runs this module in its one-process part): each worker would collect and
+    start every line; each runs the lines it is given instead, in turn."""
     from concurrent.futures import ThreadPoolExecutor
 
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects every line: started here, each would run twice
@@ -240,7 +241,7 @@ def background(forkserver: Any, tmp_path_factory: pytest.TempPathFactory, reques
         for item in request.session.items
         if getattr(item, "originalname", "") == "test_quick_mode_runs_and_writes_finite_results" and hasattr(item, "callspec")
     }
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quick-forked")
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="quick-forked")
     started: dict[str, tuple[Any, Path, Path]] = {}
     for script, args in quick_lines():
         if script in RUN_ELSEWHERE or not _forked(script) or script not in selected:
