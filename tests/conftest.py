@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -114,6 +116,21 @@ def _starts_ray(item: pytest.Item) -> bool:
         or item.path.name in RAY_FILES
         or item.path.parent.name == "integration"
     )
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_on_the_workers(request: pytest.FixtureRequest) -> Iterator[None]:
+    """On a pytest-xdist worker (``make test``'s part without Ray) a test that started Ray in its process fails, naming
+    what to do: two workers' Rays would share the machine and meet each other's processes."""
+    yield
+    if not os.environ.get("PYTEST_XDIST_WORKER") or request.node.get_closest_marker("ray") is not None:
+        return
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+        pytest.fail(
+            "this test started Ray: mark it pytest.mark.ray (or use the ray_session fixture) so that make test runs it in its one-process part"
+        )
 
 
 @pytest.hookimpl(tryfirst=True)
