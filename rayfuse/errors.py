@@ -15,15 +15,17 @@ from typing import Any
 __all__ = ["InputError", "RunFailure", "NonFiniteError", "SecAggFailure", "suggest", "key_error", "KEYED_ERROR"]
 
 
+#: how long a string or path in an error's "got" may be before its middle is cut
+PATH_LIMIT = 240
+
+
 def _short(value: Any, limit: int = 80) -> str:
     """``repr(value)`` for an error's "got": at most ``limit`` characters, cut at the end. A string or a path is kept
-    whole up to 240 characters and past that cut in the middle: a file's path names the file at its end, and a
-    temporary folder's path alone can pass 80 characters."""
+    whole up to :data:`PATH_LIMIT` characters and past that cut in the middle (its first ``limit`` characters kept): a
+    file's path names the file at its end, and a temporary folder's path alone can pass 80 characters."""
     text = repr(value)
     if isinstance(value, (str, os.PathLike)):
-        if len(text) <= 240:
-            return text
-        return text[:80] + "..." + text[-157:]
+        return text if len(text) <= PATH_LIMIT else text[:limit] + "..." + text[-(PATH_LIMIT - limit - 3) :]
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

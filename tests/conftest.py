@@ -110,12 +110,7 @@ RAY_FILES = frozenset(
 
 
 def _starts_ray(item: pytest.Item) -> bool:
-    return (
-        item.get_closest_marker("ray") is not None
-        or "ray_session" in getattr(item, "fixturenames", ())
-        or item.path.name in RAY_FILES
-        or item.path.parent.name == "integration"
-    )
+    return "ray_session" in getattr(item, "fixturenames", ()) or item.path.name in RAY_FILES or item.path.parent.name == "integration"
 
 
 @pytest.fixture(autouse=True)

@@ -179,7 +179,7 @@ def test_a_failing_client_does_not_fail_the_clients_sharing_its_actor(ray_sessio
     kinds = [(e["kind"], e.get("client")) for e in results["events"]]
     restarted = {client for kind, client in kinds if kind == "client_restarted"}
     assert restarted & {2, 3} and not restarted & {0, 1}, kinds
-    first = min(c for c in restarted)
+    first = min(restarted)
     assert kinds.index(("client_dropped", first)) < kinds.index(("client_restarted", first))
     assert not [k for k in kinds if k[0] == "client_retry"]
     history = json.loads((tmp_path / "p" / "state" / "fedavg.json").read_text())["history"]
