@@ -5,7 +5,8 @@
   (:func:`diagonal_fisher`, computed by each client on its own data).
 * :func:`merge_regmean`: RegMean (Jin et al. 2023): every Linear / Conv2d weight is the minimiser of the summed
   squared distances between the merged layer's outputs and each model's, on each model's inputs; it needs only the
-  inputs' Gram matrices (:func:`input_grams`), never the inputs.
+  inputs' Gram matrices (:func:`input_grams`), never the inputs. An embedding table is a Linear on one-hot inputs,
+  whose Gram is diagonal: the count of each row's use; given those counts, each row is merged by them.
 
 The models must be aligned first (:mod:`rayfuse.alignment.weight`, :mod:`rayfuse.alignment.activation`), and the
 statistics must be in the same frame: compute them on the aligned models, or permute them with
@@ -115,7 +116,11 @@ def merge_regmean(
     grams : list of dict
         One dict per model: the weight's state-dict key -> the Gram matrix of that layer's inputs (summed over the
         model's data, :func:`input_grams`): ``(in, in)`` for a Linear ``(out, in)``, ``(C_in kh kw, C_in kh kw)`` for a
-        Conv2d ``(out, C_in, kh, kw)`` (its unfolded inputs). Tensors without a Gram (biases...) are averaged.
+        Conv2d ``(out, C_in, kh, kw)`` (its unfolded inputs); or, for an embedding table ``(rows, dim)``, a vector
+        ``(rows,)``: how often the model's data used each row. An embedding is a Linear on one-hot inputs, its Gram
+        the diagonal matrix of those counts, so RegMean's solve is each row's average weighted by its counts
+        (``alpha`` keeps a diagonal Gram as it is); a row no model's data used keeps the models' weighted average.
+        Tensors without a Gram (biases...) are averaged.
     weights : list of float, optional
         Multiply each model's Gram (default: none; sums over more data weigh more, as in the paper).
     alpha : float
@@ -141,6 +146,9 @@ def merge_regmean(
         first = np.asarray(aligned[0][key])
         if first.ndim not in (2, 4):
             raise InputError(f"grams.0.{key}", "the key of a 2-d (Linear) or 4-d (Conv2d) weight", first.shape)
+        if np.ndim(grams[0][key]) == 1 and first.ndim == 2:  # an embedding's row counts: its diagonal Gram
+            out[key] = _merge_rows(aligned, grams, scale, key, out[key])
+            continue
         width = int(np.prod(first.shape[1:]))
         if device is not None:
             out[key] = _regmean_torch(aligned, grams, scale, key, first, width, alpha, out[key], resolve_device(device))
@@ -156,6 +164,27 @@ def merge_regmean(
             rhs += s * np.asarray(model[key], dtype=np.float64).reshape(first.shape[0], width) @ g
         out[key] = _solve_right(rhs, lhs, out[key].reshape(first.shape[0], width)).reshape(first.shape).astype(first.dtype, copy=False)
     return out
+
+
+def _merge_rows(
+    aligned: Sequence[Mapping[str, np.ndarray]], grams: Sequence[Mapping[str, np.ndarray]], scale: np.ndarray, key: str, default: np.ndarray
+) -> np.ndarray:
+    """One embedding table of :func:`merge_regmean` from each model's row counts (its diagonal Gram): each row's
+    count-weighted average, ``default`` (the weighted average) where no model counted the row."""
+    first = np.asarray(aligned[0][key])
+    num = np.zeros(first.shape, dtype=np.float64)
+    den = np.zeros(first.shape[0], dtype=np.float64)
+    for k, (s, model) in enumerate(zip(scale, aligned)):
+        c = np.asarray(grams[k][key], dtype=np.float64)
+        if c.shape != (first.shape[0],):
+            raise InputError(f"grams.{k}.{key}", f"({first.shape[0]},) row counts (the table's rows)", c.shape)
+        if (c < 0).any() or not np.isfinite(c).all():
+            raise InputError(f"grams.{k}.{key}", "finite non-negative row counts", "negative or non-finite entries")
+        num += (s * c)[:, None] * np.asarray(model[key], dtype=np.float64)
+        den += s * c
+    used = den > 0
+    merged = np.where(used[:, None], num / np.where(used, den, 1.0)[:, None], np.asarray(default, dtype=np.float64))
+    return merged.astype(first.dtype, copy=False)
 
 
 def _regmean_torch(

@@ -66,7 +66,8 @@ def check_against_base(base: ModelSource, others: list[ModelSource]) -> None:
 
 def check_statistics(method: str, reference: ModelSource, stats: list[ModelSource]) -> None:
     """Each model's statistics cover the same tensors, each one of the models': a diagonal Fisher of the tensor's shape,
-    or a Gram ``(w, w)`` of a 2-d or 4-d weight with ``w`` its fan-in."""
+    or a Gram ``(w, w)`` of a 2-d or 4-d weight with ``w`` its fan-in, or an embedding table's row counts ``(rows,)``
+    (its diagonal Gram: :func:`rayfuse.alignment.merge_regmean`)."""
     keys = set(stats[0].tensors)
     for own in stats:
         if set(own.tensors) != keys:
@@ -90,9 +91,11 @@ def check_statistics(method: str, reference: ModelSource, stats: list[ModelSourc
                 for d in shape[1:]:
                     width *= d
                 expected = (width, width)
+                if len(shape) == 2 and len(info.shape) == 1:  # an embedding's row counts
+                    expected = (shape[0],)
             if info.shape != expected:
                 raise InputError(
-                    f"{own.where}: {name}", f"shape {expected} ({'the tensor' if method == 'fisher' else 'its fan-in squared'})", info.shape
+                    f"{own.where}: {name}", f"shape {expected} ({'the tensor' if method == 'fisher' else 'its rows' if len(expected) == 1 else 'its fan-in squared'})", info.shape
                 )
 
 
@@ -327,11 +330,12 @@ def _check_memory(reference: ModelSource, costs: dict[str, float], budget: float
 
 
 def _statistic(spec: FinetuneSpec, source: ModelSource, name: str) -> torch.Tensor:
-    """One model's statistic for tensor ``name``, checked: finite, and for a diagonal Fisher non-negative."""
+    """One model's statistic for tensor ``name``, checked: finite, and for a diagonal Fisher or an embedding's row
+    counts non-negative."""
     s = source.get(name).double()
-    fisher = spec.merge is not None and spec.merge.statistics == "fisher"
-    if not torch.isfinite(s).all() or (fisher and (s < 0).any()):
+    nonneg = (spec.merge is not None and spec.merge.statistics == "fisher") or s.ndim == 1
+    if not torch.isfinite(s).all() or (nonneg and (s < 0).any()):
         raise InputError(
-            f"{source.where}: {name}", "finite" + (" non-negative" if fisher else "") + " statistics", "negative or non-finite entries"
+            f"{source.where}: {name}", "finite" + (" non-negative" if nonneg else "") + " statistics", "negative or non-finite entries"
         )
     return s

@@ -19,7 +19,8 @@ model is checked against the base (tensor names and shapes, or an adapter's modu
   arrays :func:`rayfuse.finetunes.statistics.write_statistics` writes). Fisher is unlabeled: the expectation over the
   model's own softmax, ``F = mean_x sum_c p(c|x) (d log p(c|x))^2`` (exact, one backward pass per class; no sampling),
   or with ``data.label`` the empirical Fisher at the labels. RegMean's Grams are the inputs of every ``nn.Linear`` at a
-  text's tokens only (padded positions are masked out, the classifier's pooled input is one row a text).
+  text's tokens only (padded positions are masked out, the classifier's pooled input is one row a text), and for
+  every embedding table the count of each row's use at those tokens (its diagonal Gram: each row merged by them).
 * ``adamerging``: layer-wise AdaMerging (Yang et al., ICLR 2024): ``theta_l = theta_0,l + sum_k lambda_k,l tau_k,l``
   with one coefficient per task vector per tensor, started at ``lambda_init`` (0.3) and learned with Adam (lr 1e-3, 500
   steps of 16 texts) by minimising the mean entropy of the merged model's predictions on the unlabeled text, the
@@ -432,7 +433,13 @@ def expected_fisher(model: Any, X: np.ndarray, y: np.ndarray | None = None, keys
 def masked_grams(model: Any, X: np.ndarray, *, batch_size: int = 32) -> dict[str, np.ndarray]:
     """The Gram matrices (float64 sums) of the inputs of every ``nn.Linear`` of ``model`` on token-id rows ``X``: at
     each text's tokens only (a layer whose input is ``(batch, length, in)`` drops the padded positions; one whose input
-    is a row a text, the pooler's and the classifier's, keeps every row). Keys: ``<module>.weight``."""
+    is a row a text, the pooler's and the classifier's, keeps every row). Keys: ``<module>.weight``.
+
+    And of every ``nn.Embedding`` (the word, position and token-type tables): a table is a Linear on one-hot inputs,
+    so its Gram is diagonal, and it is kept as that diagonal, ``(rows,)``: how often the text's tokens used each row
+    (an index broadcast over the batch, such as a position, counted at each text's tokens). RegMean then merges each
+    row by those counts (:func:`rayfuse.alignment.merge_regmean`): a word's row comes from the models whose data held
+    the word, not diluted by those that never saw it."""
     import torch
     import torch.nn as nn
 
@@ -450,8 +457,23 @@ def masked_grams(model: Any, X: np.ndarray, *, batch_size: int = 32) -> dict[str
 
         return hook
 
+    def count_for(name: str, table: nn.Embedding) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            index, mask = inputs[0].detach(), current["mask"]
+            try:
+                index = torch.broadcast_to(index, tuple(mask.shape))[mask] if index.dim() == mask.dim() else index.reshape(-1)
+            except RuntimeError:  # an index of another shape: every entry counted
+                index = index.reshape(-1)
+            counts = torch.bincount(index.long(), minlength=table.num_embeddings).to(torch.float64)
+            sums[name] = sums[name] + counts if name in sums else counts
+
+        return hook
+
     handles = [
         layer.register_forward_hook(hook_for(f"{name}.weight")) for name, layer in model.named_modules() if isinstance(layer, nn.Linear)
+    ]
+    handles += [
+        layer.register_forward_hook(count_for(f"{name}.weight", layer)) for name, layer in model.named_modules() if isinstance(layer, nn.Embedding)
     ]
     model.eval()
     try:

@@ -287,6 +287,29 @@ def test_regmean_of_linear_regressions_is_the_pooled_regression():
     assert not np.allclose(merge_average(fits)["weight"], pooled, atol=1e-3)
 
 
+def test_an_embeddings_row_counts_give_the_regmean_of_the_linear_on_one_hot_inputs():
+    """An embedding table (rows, dim) is the Linear (dim, rows) on one-hot inputs, whose Gram is diag(counts): merging
+    the table from each model's row counts is RegMean of that Linear with its full Grams (every row used by some
+    model), at any alpha (a diagonal Gram keeps its off-diagonal zeros); a row no model used keeps the weighted average."""
+    rng = np.random.default_rng(18)
+    rows, dim = 6, 3
+    tables = [{"emb": rng.normal(size=(rows, dim))} for _ in range(3)]
+    counts = [np.array([5.0, 0, 1, 0, 2, 0]), np.array([0.0, 3, 1, 0, 0, 4]), np.array([2.0, 0, 0, 7, 1, 0])]
+    weights = [1.0, 2.0, 0.5]
+    as_linear = [{"emb": t["emb"].T} for t in tables]  # (dim, rows): y = W onehot
+    full = merge_regmean(as_linear, [{"emb": np.diag(c)} for c in counts], weights, alpha=1.0)["emb"].T
+    for alpha in (1.0, 0.5):
+        np.testing.assert_allclose(merge_regmean(tables, [{"emb": c} for c in counts], weights, alpha=alpha)["emb"], full, rtol=1e-12)
+    unused = [{"emb": np.where(np.arange(rows) == 3, 0.0, c)} for c in counts]
+    merged = merge_regmean(tables, unused, weights)["emb"]
+    np.testing.assert_allclose(merged[3], merge_average(tables, weights)["emb"][3], rtol=1e-12)
+    np.testing.assert_allclose(merged[0], (5 * tables[0]["emb"][0] + 0.5 * 2 * tables[2]["emb"][0]) / (5 + 0.5 * 2), rtol=1e-12)
+    with pytest.raises(InputError, match=r"grams\.1\.emb: expected \(6,\) row counts"):
+        merge_regmean(tables, [{"emb": counts[0]}, {"emb": counts[1][:4]}, {"emb": counts[2]}])
+    with pytest.raises(InputError, match="finite non-negative row counts"):
+        merge_regmean(tables, [{"emb": counts[0]}, {"emb": -counts[1]}, {"emb": counts[2]}])
+
+
 def test_a_convolutions_gram_gives_its_output_energy():
     torch.manual_seed(16)
     net = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, stride=2, bias=False)).double()

@@ -170,6 +170,57 @@ def test_grams_leave_out_the_padded_positions(folders):
         np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-8)
 
 
+def test_an_embedding_tables_gram_is_the_count_of_its_rows_at_the_texts_tokens(folders):
+    from rayfuse.finetunes.text_fuse import _load as load_token_model
+    from rayfuse.finetunes.text_fuse import masked_grams
+
+    model = load_token_model(folders["sport"])
+    X = encode_texts(text_tokenizer(folders["base"]), PUBLIC, 12)
+    grams = masked_grams(model, X, batch_size=4)
+    ids = X[X >= 0].astype(np.int64)
+    words = grams["bert.embeddings.word_embeddings.weight"]
+    assert words.shape == (model.config.vocab_size,)
+    np.testing.assert_array_equal(words, np.bincount(ids, minlength=model.config.vocab_size))
+    lengths = (X >= 0).sum(1)  # position j is used once by each text longer than j
+    positions = grams["bert.embeddings.position_embeddings.weight"]
+    np.testing.assert_array_equal(positions, [(lengths > j).sum() for j in range(model.config.max_position_embeddings)])
+    np.testing.assert_array_equal(grams["bert.embeddings.token_type_embeddings.weight"], [len(ids), 0])
+
+
+def test_regmean_from_each_sites_texts_takes_a_words_row_from_the_sites_that_used_it(folders, tmp_path):
+    """Each site's statistics on its own texts: a word only the sport site's texts hold keeps the sport model's row
+    exactly (its task vector, not half of it); one both hold is their count-weighted row; one neither holds is the
+    average (the base's row plus the mean of the two task vectors)."""
+    from rayfuse.finetunes.statistics import write_statistics
+    from rayfuse.finetunes.text_fuse import _load as load_token_model
+    from rayfuse.finetunes.text_fuse import masked_grams
+    from rayfuse.io import read_checkpoint
+
+    tokenizer = text_tokenizer(folders["base"])
+    texts = {"sport": SPORT, "code": CODE}
+    models, files, counts = [], [], {}
+    for name, own in texts.items():
+        X = encode_texts(tokenizer, own, 12)
+        grams = masked_grams(load_token_model(folders[name]), X)
+        counts[name] = grams["bert.embeddings.word_embeddings.weight"]
+        files.append(write_statistics(tmp_path / f"{name}.safetensors", grams, "gram", len(X)))
+        models.append({"model": str(folders[name]), "statistics": str(files[-1])})
+    config = _config(folders, "regmean", tmp_path, models=models)
+    del config["data"]
+    merged, _ = read_checkpoint(rayfuse.fuse(config) / "model.safetensors")
+    key = "bert.embeddings.word_embeddings.weight"
+    table = {n: read_checkpoint(folders[n] / "model.safetensors")[0][key].astype(np.float64) for n in (*texts, "base")}
+    vocab = tokenizer.get_vocab()
+    football, both, nothing = vocab["football"], vocab["the"], vocab["hello"]
+    assert counts["sport"][football] > 0 == counts["code"][football]
+    np.testing.assert_allclose(merged[key][football], table["sport"][football], rtol=1e-5, atol=1e-6)
+    c = (counts["sport"][both], counts["code"][both])
+    assert min(c) > 0
+    np.testing.assert_allclose(merged[key][both], (c[0] * table["sport"][both] + c[1] * table["code"][both]) / sum(c), rtol=1e-5, atol=1e-6)
+    assert counts["sport"][nothing] == 0 == counts["code"][nothing]
+    np.testing.assert_allclose(merged[key][nothing], (table["sport"][nothing] + table["code"][nothing]) / 2, rtol=1e-5, atol=1e-6)
+
+
 def test_fisher_is_the_expectation_over_the_models_own_softmax(folders):
     from rayfuse.finetunes.text_fuse import _load as load_token_model
     from rayfuse.finetunes.text_fuse import expected_fisher
