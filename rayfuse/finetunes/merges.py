@@ -175,7 +175,8 @@ MERGES: dict[str, TensorMerge] = {
     "regmean": TensorMerge(
         "regmean",
         _data_aware("regmean"),
-        "RegMean: each Linear weight the least-squares merge from its layer's input Gram matrices (statistics:) (Jin et al. 2023)",
+        "RegMean: each Linear weight the least-squares merge from its layer's input Gram matrices, an embedding table "
+        "by its rows' use counts (statistics:) (Jin et al. 2023)",
         "rayfuse.alignment.merge_regmean",
         per_model={"weight": 1.0},
         globals={"alpha": 0.9},

@@ -94,9 +94,11 @@ def check_statistics(method: str, reference: ModelSource, stats: list[ModelSourc
                 if len(shape) == 2 and len(info.shape) == 1:  # an embedding's row counts
                     expected = (shape[0],)
             if info.shape != expected:
-                raise InputError(
-                    f"{own.where}: {name}", f"shape {expected} ({'the tensor' if method == 'fisher' else 'its rows' if len(expected) == 1 else 'its fan-in squared'})", info.shape
-                )
+                what = "the tensor" if method == "fisher" else "its rows" if len(expected) == 1 else "its fan-in squared"
+                raise InputError(f"{own.where}: {name}", f"shape {expected} ({what})", info.shape)
+            first = stats[0].tensors[name].shape
+            if info.shape != first:  # a Gram and row counts are both allowed for a 2-d weight, not a mix of the two
+                raise InputError(f"{own.where}: {name}", f"the shape of models.0's statistic {first}", info.shape)
 
 
 def _seed(seed: int, model: int, name: str) -> int:

@@ -473,7 +473,9 @@ def masked_grams(model: Any, X: np.ndarray, *, batch_size: int = 32) -> dict[str
         layer.register_forward_hook(hook_for(f"{name}.weight")) for name, layer in model.named_modules() if isinstance(layer, nn.Linear)
     ]
     handles += [
-        layer.register_forward_hook(count_for(f"{name}.weight", layer)) for name, layer in model.named_modules() if isinstance(layer, nn.Embedding)
+        layer.register_forward_hook(count_for(f"{name}.weight", layer))
+        for name, layer in model.named_modules()
+        if isinstance(layer, nn.Embedding)
     ]
     model.eval()
     try:

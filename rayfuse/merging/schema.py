@@ -32,7 +32,8 @@ class FuseModel(StrictSchema):
         None,
         min_length=1,
         description="fisher / regmean: a .safetensors file of this model's diagonal Fisher (the tensors' names and "
-        "shapes) or its layers' input Gram matrices (a weight's name -> (in, in))",
+        "shapes) or its layers' input Gram matrices (a weight's name -> (in, in); an embedding table's -> its rows' "
+        "use counts, (rows,))",
     )
     architecture: str | None = Field(
         None,

@@ -277,3 +277,32 @@ def test_fisher_without_statistics_or_with_a_wrong_shape_is_refused(tmp_path: Pa
             }
         )
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_regmean_row_counts_of_a_wrong_length_or_sign_are_refused_in_one_line(tmp_path: Path) -> None:
+    """A 2-d tensor's statistic may be its rows' use counts (an embedding table's diagonal Gram): (rows,), non-negative."""
+    _, tuned = _files(tmp_path)
+    files = _stats(tmp_path, tuned, "gram")
+    name = "model.layers.0.mlp.weight"  # (6, 5): 6 rows
+    counted = []
+    for k in range(3):
+        save_file({**load_file(files[k]), name: torch.full((6,), float(k + 1))}, str(tmp_path / f"counted{k}.safetensors"))
+        counted.append(str(tmp_path / f"counted{k}.safetensors"))
+    models = [{"model": str(tmp_path / f"ft{k}.safetensors"), "statistics": counted[k]} for k in range(3)]
+    for case, counts, message in (
+        ("length", torch.ones(5), r"model\.layers\.0\.mlp\.weight: expected shape \(6,\) \(its rows\), got \(5,\)"),
+        ("sign", -torch.ones(6), r"model\.layers\.0\.mlp\.weight: expected finite non-negative statistics"),
+    ):
+        bad = tmp_path / f"bad-{case}.safetensors"
+        save_file({**load_file(files[2]), name: counts}, str(bad))
+        out = tmp_path / f"out-{case}.safetensors"
+        with pytest.raises(rayfuse.InputError, match=message):
+            rayfuse.fuse({"merge_method": "regmean", "models": [*models[:2], {**models[2], "statistics": str(bad)}], "output": str(out)})
+        assert not out.exists()
+    mixed = tmp_path / "mixed.safetensors"
+    save_file({**load_file(files[2]), name: torch.ones(6)}, str(mixed))
+    models = [{"model": str(tmp_path / f"ft{k}.safetensors"), "statistics": files[k]} for k in range(3)]
+    with pytest.raises(rayfuse.InputError, match=r"mlp\.weight: expected the shape of models\.0's statistic \(5, 5\), got \(6,\)"):
+        rayfuse.fuse(
+            {"merge_method": "regmean", "models": [*models[:2], {**models[2], "statistics": str(mixed)}], "output": str(tmp_path / "m")}
+        )
