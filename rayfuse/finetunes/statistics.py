@@ -60,8 +60,10 @@ def compute_statistics(
     device: Any = None,
 ) -> dict[str, np.ndarray]:
     """The ``kind`` statistics of ``model`` (the fine-tuned model, its updates in its weights) on ``(X, y)`` for the
-    tensors ``keys`` (state-dict names; for ``gram``, the 2-d weights among them): float64 arrays. Nothing of the
-    samples is kept: a Fisher is a mean of squared gradients, a Gram a sum of outer products of a layer's inputs."""
+    tensors ``keys`` (state-dict names; for ``gram``, the Linear weights among them): float64 arrays. Nothing of the
+    samples is kept: a Fisher is a mean of squared gradients, a Gram a sum of outer products of a layer's inputs. A
+    model of token-id rows (a Hugging Face classifier, ``masks_padding``) has its Grams at each text's tokens only
+    (:func:`rayfuse.finetunes.text_fuse.masked_grams`), as ``rayfuse fuse`` computes them from text."""
     from rayfuse.alignment import diagonal_fisher, input_grams
 
     if kind == "fisher":
@@ -70,8 +72,13 @@ def compute_statistics(
         if missing:
             raise InputError("target_modules", "parameters of the model (a Fisher is a parameter's)", missing[0])
         return {k: np.asarray(fisher[k], dtype=np.float64) for k in keys}
-    grams, _ = input_grams(model, X, batch_size=batch_size, device=device)
-    weights = [k for k in keys if k.endswith(".weight") and k in grams]
+    if getattr(model, "masks_padding", False):  # token-id rows of texts: the Grams at each text's tokens, padding left out
+        from rayfuse.finetunes.text_fuse import masked_grams
+
+        grams = masked_grams(model, X, batch_size=batch_size)
+    else:
+        grams, _ = input_grams(model, X, batch_size=batch_size, device=device)
+    weights = [k for k in keys if k.endswith(".weight") and k in grams and np.ndim(grams[k]) == 2]
     if not weights:
         raise InputError("target_modules", "at least one nn.Linear weight (RegMean's Grams are a linear layer's inputs')", list(keys)[:3])
     return {k: np.asarray(grams[k], dtype=np.float64) for k in weights}

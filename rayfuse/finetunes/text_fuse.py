@@ -478,15 +478,17 @@ def masked_grams(model: Any, X: np.ndarray, *, batch_size: int = 32) -> dict[str
         if isinstance(layer, nn.Embedding)
     ]
     model.eval()
+    device = next(model.parameters()).device
     try:
         with torch.no_grad():
             for xb in _batches(X, batch_size):
+                xb = xb.to(device)
                 current["mask"] = xb >= 0
                 model(xb)
     finally:
         for handle in handles:
             handle.remove()
-    return {k: v.numpy() for k, v in sums.items()}
+    return {k: v.cpu().numpy() for k, v in sums.items()}
 
 
 def text_statistics(model: Any, X: np.ndarray, kind: Literal["fisher", "gram"], y: np.ndarray | None = None) -> dict[str, np.ndarray]:

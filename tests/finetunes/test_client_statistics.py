@@ -114,6 +114,29 @@ def test_client_statistics_are_the_full_model_paths_functions(tmp_path):
         write_statistics(tmp_path / "s.npz", grams, "gram", len(X))
 
 
+def test_a_text_models_client_grams_leave_the_padding_out(tmp_path):
+    """fedmerge's clients on a Hugging Face classifier: the Grams at each text's tokens, as ``rayfuse fuse`` computes
+    them from text (the same texts padded to 7 or to 12 give the same Grams; the embedding tables are no target)."""
+    from rayfuse.data.text import encode_texts, text_tokenizer
+    from rayfuse.finetunes.text_fuse import masked_grams
+    from rayfuse.models.hf import hf_model
+    from tests.data.test_text_silos import tiny_text_bert
+
+    texts = ["the match ended", "a goal", "python code with a bug", "hello"]
+    folder = tiny_text_bert(tmp_path / "bert", texts=texts)
+    tokenizer = text_tokenizer(folder)
+    short, padded = (encode_texts(tokenizer, texts, n) for n in (7, 12))  # the longest text: 7 tokens
+    model = hf_model(folder)((12,), 2)
+    keys = [k for k, v in model.state_dict().items() if k.endswith(".weight") and v.dim() == 2]
+    a = compute_statistics(model, short, None, "gram", keys, batch_size=3)
+    b = compute_statistics(model, padded, None, "gram", keys, batch_size=3)
+    assert set(a) == set(b) and "bert.encoder.layer.0.attention.self.query.weight" in a
+    assert not any("embeddings" in k for k in a)  # row counts are no Linear Gram: not a fedmerge payload
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-8)
+        np.testing.assert_array_equal(b[k], masked_grams(model, padded, batch_size=3)[k])
+
+
 def test_the_task_vector_merge_is_the_model_merge():
     # merging task vectors then adding the base equals merging the fine-tuned models (both merges)
     from rayfuse.alignment import merge_fisher, merge_regmean
