@@ -12,6 +12,7 @@ from rayfuse.alignment.activation import (
 from rayfuse.alignment.merge import (
     diagonal_fisher,
     input_grams,
+    masked_grams,
     merge_average,
     merge_fisher,
     merge_regmean,
@@ -51,6 +52,7 @@ __all__ = [
     "solve_activation_perms_many",
     "diagonal_fisher",
     "input_grams",
+    "masked_grams",
     "match_weights",
     "merge_average",
     "merge_fisher",

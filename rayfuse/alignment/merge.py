@@ -5,8 +5,9 @@
   (:func:`diagonal_fisher`, computed by each client on its own data).
 * :func:`merge_regmean`: RegMean (Jin et al. 2023): every Linear / Conv2d weight is the minimiser of the summed
   squared distances between the merged layer's outputs and each model's, on each model's inputs; it needs only the
-  inputs' Gram matrices (:func:`input_grams`), never the inputs. An embedding table is a Linear on one-hot inputs,
-  whose Gram is diagonal: the count of each row's use; given those counts, each row is merged by them.
+  inputs' Gram matrices (:func:`input_grams`; :func:`masked_grams` for token-id rows of texts), never the inputs. An
+  embedding table is a Linear on one-hot inputs, whose Gram is diagonal: the count of each row's use; given those
+  counts, each row is merged by them.
 
 The models must be aligned first (:mod:`rayfuse.alignment.weight`, :mod:`rayfuse.alignment.activation`), and the
 statistics must be in the same frame: compute them on the aligned models, or permute them with
@@ -36,7 +37,16 @@ from rayfuse.alignment._common import (
 from rayfuse.errors import InputError
 from rayfuse.symmetry import Perms, PermutationSpec
 
-__all__ = ["merge_average", "merge_fisher", "merge_regmean", "diagonal_fisher", "input_grams", "permute_fisher", "permute_grams"]
+__all__ = [
+    "merge_average",
+    "merge_fisher",
+    "merge_regmean",
+    "diagonal_fisher",
+    "input_grams",
+    "masked_grams",
+    "permute_fisher",
+    "permute_grams",
+]
 
 #: :func:`merge_fisher`'s default floor added to every Fisher entry
 FISHER_EPS = 1e-8
@@ -231,6 +241,66 @@ def _solve_right(rhs: np.ndarray, lhs: np.ndarray, default: np.ndarray) -> np.nd
         return scipy.linalg.solve(lhs, rhs.T, assume_a="pos").T
     except (np.linalg.LinAlgError, scipy.linalg.LinAlgError):
         return np.linalg.lstsq(lhs, rhs.T, rcond=None)[0].T
+
+
+def masked_grams(model: nn.Module, X: np.ndarray, *, batch_size: int = 32) -> dict[str, np.ndarray]:
+    """The Gram matrices (float64 sums) of the inputs of every ``nn.Linear`` of ``model`` on token-id rows ``X`` (a
+    text's padding is ``-1``, :data:`rayfuse.data.text.PAD`; ``model`` takes such rows, as a Hugging Face classifier
+    built by :func:`rayfuse.models.hf.hf_model` does): at each text's tokens only (a layer whose input is ``(batch,
+    length, in)`` drops the padded positions; one whose input is a row a text, the pooler's and the classifier's, keeps
+    every row). Keys: ``<module>.weight``.
+
+    And of every ``nn.Embedding`` (the word, position and token-type tables): a table is a Linear on one-hot inputs,
+    so its Gram is diagonal, and it is kept as that diagonal, ``(rows,)``: how often the text's tokens used each row
+    (an index broadcast over the batch, such as a position, counted at each text's tokens). RegMean then merges each
+    row by those counts (:func:`merge_regmean`): a word's row comes from the models whose data held
+    the word, not diluted by those that never saw it."""
+    sums: dict[str, torch.Tensor] = {}
+    current: dict[str, torch.Tensor] = {}
+
+    def hook_for(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            x = inputs[0].detach()
+            mask = current["mask"]
+            rows = x[mask] if x.dim() == 3 and tuple(x.shape[:2]) == tuple(mask.shape) else x.reshape(-1, x.shape[-1])
+            rows = rows.to(torch.float64)
+            gram = rows.T @ rows
+            sums[name] = sums[name] + gram if name in sums else gram
+
+        return hook
+
+    def count_for(name: str, table: nn.Embedding) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            index, mask = inputs[0].detach(), current["mask"]
+            try:
+                index = torch.broadcast_to(index, tuple(mask.shape))[mask] if index.dim() == mask.dim() else index.reshape(-1)
+            except RuntimeError:  # an index of another shape: every entry counted
+                index = index.reshape(-1)
+            counts = torch.bincount(index.long(), minlength=table.num_embeddings).to(torch.float64)
+            sums[name] = sums[name] + counts if name in sums else counts
+
+        return hook
+
+    handles = [
+        layer.register_forward_hook(hook_for(f"{name}.weight")) for name, layer in model.named_modules() if isinstance(layer, nn.Linear)
+    ]
+    handles += [
+        layer.register_forward_hook(count_for(f"{name}.weight", layer))
+        for name, layer in model.named_modules()
+        if isinstance(layer, nn.Embedding)
+    ]
+    model.eval()
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad():
+            for i in range(0, len(X), batch_size):
+                xb = torch.as_tensor(X[i : i + batch_size]).to(device)
+                current["mask"] = xb >= 0
+                model(xb)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {k: v.cpu().numpy() for k, v in sums.items()}
 
 
 def permute_fisher(fisher: Mapping[str, np.ndarray], spec: PermutationSpec, perms: Perms) -> Params:

@@ -63,8 +63,8 @@ def compute_statistics(
     tensors ``keys`` (state-dict names; for ``gram``, the Linear weights among them): float64 arrays. Nothing of the
     samples is kept: a Fisher is a mean of squared gradients, a Gram a sum of outer products of a layer's inputs. A
     model of token-id rows (a Hugging Face classifier, ``masks_padding``) has its Grams at each text's tokens only
-    (:func:`rayfuse.finetunes.text_fuse.masked_grams`), as ``rayfuse fuse`` computes them from text."""
-    from rayfuse.alignment import diagonal_fisher, input_grams
+    (:func:`rayfuse.alignment.masked_grams`), as ``rayfuse fuse`` computes them from text."""
+    from rayfuse.alignment import diagonal_fisher, input_grams, masked_grams
 
     if kind == "fisher":
         fisher = diagonal_fisher(model, X, y, batch_size=batch_size, device=device)
@@ -73,8 +73,6 @@ def compute_statistics(
             raise InputError("target_modules", "parameters of the model (a Fisher is a parameter's)", missing[0])
         return {k: np.asarray(fisher[k], dtype=np.float64) for k in keys}
     if getattr(model, "masks_padding", False):  # token-id rows of texts: the Grams at each text's tokens, padding left out
-        from rayfuse.finetunes.text_fuse import masked_grams
-
         grams = masked_grams(model, X, batch_size=batch_size)
     else:
         grams, _ = input_grams(model, X, batch_size=batch_size, device=device)

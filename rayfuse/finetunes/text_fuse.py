@@ -72,7 +72,6 @@ __all__ = [
     "run_text_fuse",
     "text_statistics",
     "expected_fisher",
-    "masked_grams",
     "prediction_entropy",
 ]
 
@@ -430,69 +429,10 @@ def expected_fisher(model: Any, X: np.ndarray, y: np.ndarray | None = None, keys
     return {k: (v / max(len(X), 1)).numpy() for k, v in total.items()}
 
 
-def masked_grams(model: Any, X: np.ndarray, *, batch_size: int = 32) -> dict[str, np.ndarray]:
-    """The Gram matrices (float64 sums) of the inputs of every ``nn.Linear`` of ``model`` on token-id rows ``X``: at
-    each text's tokens only (a layer whose input is ``(batch, length, in)`` drops the padded positions; one whose input
-    is a row a text, the pooler's and the classifier's, keeps every row). Keys: ``<module>.weight``.
-
-    And of every ``nn.Embedding`` (the word, position and token-type tables): a table is a Linear on one-hot inputs,
-    so its Gram is diagonal, and it is kept as that diagonal, ``(rows,)``: how often the text's tokens used each row
-    (an index broadcast over the batch, such as a position, counted at each text's tokens). RegMean then merges each
-    row by those counts (:func:`rayfuse.alignment.merge_regmean`): a word's row comes from the models whose data held
-    the word, not diluted by those that never saw it."""
-    import torch
-    import torch.nn as nn
-
-    sums: dict[str, torch.Tensor] = {}
-    current: dict[str, torch.Tensor] = {}
-
-    def hook_for(name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-            x = inputs[0].detach()
-            mask = current["mask"]
-            rows = x[mask] if x.dim() == 3 and tuple(x.shape[:2]) == tuple(mask.shape) else x.reshape(-1, x.shape[-1])
-            rows = rows.to(torch.float64)
-            gram = rows.T @ rows
-            sums[name] = sums[name] + gram if name in sums else gram
-
-        return hook
-
-    def count_for(name: str, table: nn.Embedding) -> Callable[..., None]:
-        def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-            index, mask = inputs[0].detach(), current["mask"]
-            try:
-                index = torch.broadcast_to(index, tuple(mask.shape))[mask] if index.dim() == mask.dim() else index.reshape(-1)
-            except RuntimeError:  # an index of another shape: every entry counted
-                index = index.reshape(-1)
-            counts = torch.bincount(index.long(), minlength=table.num_embeddings).to(torch.float64)
-            sums[name] = sums[name] + counts if name in sums else counts
-
-        return hook
-
-    handles = [
-        layer.register_forward_hook(hook_for(f"{name}.weight")) for name, layer in model.named_modules() if isinstance(layer, nn.Linear)
-    ]
-    handles += [
-        layer.register_forward_hook(count_for(f"{name}.weight", layer))
-        for name, layer in model.named_modules()
-        if isinstance(layer, nn.Embedding)
-    ]
-    model.eval()
-    device = next(model.parameters()).device
-    try:
-        with torch.no_grad():
-            for xb in _batches(X, batch_size):
-                xb = xb.to(device)
-                current["mask"] = xb >= 0
-                model(xb)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return {k: v.cpu().numpy() for k, v in sums.items()}
-
-
 def text_statistics(model: Any, X: np.ndarray, kind: Literal["fisher", "gram"], y: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """A model's statistics on the text, as ``statistics:`` files hold them (:func:`~rayfuse.finetunes.statistics.write_statistics`)."""
+    from rayfuse.alignment import masked_grams
+
     return expected_fisher(model, X, y) if kind == "fisher" else masked_grams(model, X)
 
 

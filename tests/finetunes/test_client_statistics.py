@@ -117,8 +117,8 @@ def test_client_statistics_are_the_full_model_paths_functions(tmp_path):
 def test_a_text_models_client_grams_leave_the_padding_out(tmp_path):
     """fedmerge's clients on a Hugging Face classifier: the Grams at each text's tokens, as ``rayfuse fuse`` computes
     them from text (the same texts padded to 7 or to 12 give the same Grams; the embedding tables are no target)."""
+    from rayfuse.alignment import masked_grams
     from rayfuse.data.text import encode_texts, text_tokenizer
-    from rayfuse.finetunes.text_fuse import masked_grams
     from rayfuse.models.hf import hf_model
     from tests.data.test_text_silos import tiny_text_bert
 

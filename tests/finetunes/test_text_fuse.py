@@ -136,9 +136,9 @@ def test_statistics_merges_from_text_load_with_their_tokenizer(folders, tmp_path
 
 
 def test_regmean_from_text_equals_regmean_from_its_statistics_files(folders, tmp_path):
+    from rayfuse.alignment import masked_grams
     from rayfuse.finetunes.statistics import write_statistics
     from rayfuse.finetunes.text_fuse import _load as load_token_model
-    from rayfuse.finetunes.text_fuse import masked_grams
     from rayfuse.io import read_checkpoint
 
     X = encode_texts(text_tokenizer(folders["base"]), PUBLIC, 12)
@@ -158,8 +158,8 @@ def test_regmean_from_text_equals_regmean_from_its_statistics_files(folders, tmp
 
 
 def test_grams_leave_out_the_padded_positions(folders):
+    from rayfuse.alignment import masked_grams
     from rayfuse.finetunes.text_fuse import _load as load_token_model
-    from rayfuse.finetunes.text_fuse import masked_grams
 
     model = load_token_model(folders["sport"])
     tokenizer = text_tokenizer(folders["base"])
@@ -171,8 +171,8 @@ def test_grams_leave_out_the_padded_positions(folders):
 
 
 def test_an_embedding_tables_gram_is_the_count_of_its_rows_at_the_texts_tokens(folders):
+    from rayfuse.alignment import masked_grams
     from rayfuse.finetunes.text_fuse import _load as load_token_model
-    from rayfuse.finetunes.text_fuse import masked_grams
 
     model = load_token_model(folders["sport"])
     X = encode_texts(text_tokenizer(folders["base"]), PUBLIC, 12)
@@ -191,9 +191,9 @@ def test_regmean_from_each_sites_texts_takes_a_words_row_from_the_sites_that_use
     """Each site's statistics on its own texts: a word only the sport site's texts hold keeps the sport model's row
     exactly (its task vector, not half of it); one both hold is their count-weighted row; one neither holds is the
     average (the base's row plus the mean of the two task vectors)."""
+    from rayfuse.alignment import masked_grams
     from rayfuse.finetunes.statistics import write_statistics
     from rayfuse.finetunes.text_fuse import _load as load_token_model
-    from rayfuse.finetunes.text_fuse import masked_grams
     from rayfuse.io import read_checkpoint
 
     tokenizer = text_tokenizer(folders["base"])
