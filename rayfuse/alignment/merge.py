@@ -157,7 +157,7 @@ def merge_regmean(
         if first.ndim not in (2, 4):
             raise InputError(f"grams.0.{key}", "the key of a 2-d (Linear) or 4-d (Conv2d) weight", first.shape)
         if np.ndim(grams[0][key]) == 1 and first.ndim == 2:  # an embedding's row counts: its diagonal Gram
-            out[key] = _merge_rows(aligned, grams, scale, key, out[key])
+            out[key] = _merge_rows(aligned, grams, weights, key)
             continue
         width = int(np.prod(first.shape[1:]))
         if device is not None:
@@ -177,24 +177,21 @@ def merge_regmean(
 
 
 def _merge_rows(
-    aligned: Sequence[Mapping[str, np.ndarray]], grams: Sequence[Mapping[str, np.ndarray]], scale: np.ndarray, key: str, default: np.ndarray
+    aligned: Sequence[Mapping[str, np.ndarray]], grams: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float] | None, key: str
 ) -> np.ndarray:
     """One embedding table of :func:`merge_regmean` from each model's row counts (its diagonal Gram): each row's
-    count-weighted average, ``default`` (the weighted average) where no model counted the row."""
+    count-weighted average, the weighted average where no model counted the row. That is :func:`merge_fisher` of the
+    table with each row's count as every entry's weight and no floor (a common scale of the weights cancels)."""
     first = np.asarray(aligned[0][key])
-    num = np.zeros(first.shape, dtype=np.float64)
-    den = np.zeros(first.shape[0], dtype=np.float64)
-    for k, (s, model) in enumerate(zip(scale, aligned)):
+    counts = []
+    for k in range(len(aligned)):
         c = np.asarray(grams[k][key], dtype=np.float64)
         if c.shape != (first.shape[0],):
             raise InputError(f"grams.{k}.{key}", f"({first.shape[0]},) row counts (the table's rows)", c.shape)
         if (c < 0).any() or not np.isfinite(c).all():
             raise InputError(f"grams.{k}.{key}", "finite non-negative row counts", "negative or non-finite entries")
-        num += (s * c)[:, None] * np.asarray(model[key], dtype=np.float64)
-        den += s * c
-    used = den > 0
-    merged = np.where(used[:, None], num / np.where(used, den, 1.0)[:, None], np.asarray(default, dtype=np.float64))
-    return merged.astype(first.dtype, copy=False)
+        counts.append({key: np.broadcast_to(c[:, None], first.shape)})
+    return merge_fisher([{key: model[key]} for model in aligned], counts, weights, eps=0.0)[key]
 
 
 def _regmean_torch(
