@@ -86,6 +86,12 @@ NOTES = """
   198 texts carry the ensemble's function. More transfer inputs made of the
   public texts themselves (each text followed by another, 1 or 3 such pairs a text, the teachers labelling them; seeds
   0-3): +0.008, -0.004, -0.004, +0.008 with one, +0.011, -0.034, -0.015, +0.011 with three: no consistent gain.
+  Two probes of the words the public texts lack (seeds 0-4, after this table; a few lines over this script's
+  functions): word substitution (each epoch, each token but the first and last replaced with probability 0.2 by a word
+  drawn uniformly from the tokenizer's vocabulary, the teachers labelling the result) 0.515 (0.617, 0.405, 0.492,
+  0.485, 0.576): lower, seed 1 most; the student started from RegMean's merge (each site's own texts, alpha 0.9:
+  a word's rows from the sites that held it) instead of the sites' average 0.533 (0.621, 0.455, 0.530, 0.473,
+  0.587): +0.004, still +0.044 over the best site, within the seeds' noise, so `init` was not given that option.
 * **RegMean above task arithmetic and TIES: met on the means, by a small margin.** RegMean from each site's
   statistics on its own texts at its default alpha 0.9: 0.516 ± 0.057, against TIES's 0.508 and task arithmetic's
   0.500 (their lambda chosen on the sites' validation data) and above every fixed lambda of either (at best 0.494 and
