@@ -107,10 +107,14 @@ def markdown(rows: list[dict[str, Any]], params: dict[str, Any], info: dict[str,
         )
     largest = max(key[3] for key in gaps) if gaps else 0
     big = [g for key, g in gaps.items() if key[3] == largest]
+    worst = max(gaps, key=gaps.__getitem__) if gaps else ()
+    worst_gap = gaps[worst] if gaps else 0.0
     lines += [
         "",
         f"The ensemble minus the student: {np.mean(list(gaps.values())):+.3f} on average over {len(gaps)} cells"
         + (f"; at K = {largest}, {np.mean(big):+.3f} on average, {max(big):+.3f} at most" if big else "")
+        + (f", the student within 0.05 of the ensemble in {sum(g <= 0.05 for g in big)} of {len(big)} cells" if big else "")
+        + (f"; the largest shortfall of any K: {worst_gap:+.3f} ({', '.join(map(str, worst[:4]))})" if gaps else "")
         + f". The cost of a step grows at most linearly from the smallest K in {sum(linear)} of {len(linear)} cells.",
         "",
     ]
