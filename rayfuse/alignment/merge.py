@@ -286,17 +286,12 @@ def masked_grams(model: nn.Module, X: np.ndarray, *, batch_size: int = 32) -> di
         for name, layer in model.named_modules()
         if isinstance(layer, nn.Embedding)
     ]
-    model.eval()
     device = next(model.parameters()).device
-    try:
-        with torch.no_grad():
-            for i in range(0, len(X), batch_size):
-                xb = torch.as_tensor(X[i : i + batch_size]).to(device)
-                current["mask"] = xb >= 0
-                model(xb)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with evaluating(model, device, handles), torch.no_grad():
+        for i in range(0, len(X), batch_size):  # not _common.batches: it casts to the parameters' dtype (token ids)
+            xb = torch.as_tensor(X[i : i + batch_size]).to(device)
+            current["mask"] = xb >= 0
+            model(xb)
     return {k: v.cpu().numpy() for k, v in sums.items()}
 
 
