@@ -47,7 +47,7 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, Field
@@ -74,6 +74,9 @@ __all__ = [
     "expected_fisher",
     "prediction_entropy",
 ]
+
+
+_T = TypeVar("_T")
 
 
 class _Schema(StrictSchema):
@@ -105,7 +108,12 @@ class TextDistillParams(_Schema):
         description="the ensemble: weighted logits (FedDF), probabilities, geometric (the mean of log-probabilities) or "
         "energy (geometric plus each model's standardised energy)",
     )
-    weighting: Literal["uniform", "weights"] = Field("uniform", description="teacher weights: uniform, or each model's weight")
+    weighting: Literal["uniform", "weights", "classes"] | None = Field(
+        None,
+        description="teacher weights: uniform, each model's weight, or per class each model's share of the class in the "
+        "models' class_counts (the federated distill's default); default: classes where the models give class_counts, "
+        "else uniform",
+    )
     init: Literal["average", "base"] = Field("average", description="the student's start: the models' weighted average, or the base_model")
     word_dropout: float = Field(
         0.0, ge=0, lt=1, description="each epoch's texts: each token but the first and last dropped with this probability (word dropout)"
@@ -123,6 +131,15 @@ class TextDistillParams(_Schema):
 
 class TextWeight(_Schema):
     weight: float = Field(1.0, gt=0, description="this model's weight (e.g. its site's number of samples)")
+
+
+class TextDistillWeight(TextWeight):
+    class_counts: list[Annotated[float, Field(ge=0)]] | None = Field(
+        None,
+        min_length=1,
+        description="distill: the model's training samples per class, in the model's label order (its site's label "
+        "histogram: counts only); each class's logit is then the ensemble of the models that held it",
+    )
 
 
 @dataclass(frozen=True)
@@ -149,7 +166,9 @@ TEXT_MERGES: dict[str, TextMerge] = {
         AdaMergingParams,
         base="required",
     ),
-    "distill": TextMerge("distill", "the models' ensemble distilled into one student on unlabeled text", TextDistillParams),
+    "distill": TextMerge(
+        "distill", "the models' ensemble distilled into one student on unlabeled text", TextDistillParams, TextDistillWeight
+    ),
 }
 
 _NO_ALIGNMENT = (
@@ -178,6 +197,7 @@ class TextFuseSpec:
     config: Path
     tokenizer_folder: Path
     finetune: FinetuneSpec | None = None
+    class_counts: tuple[tuple[float, ...], ...] | None = None  # distill: each model's training samples per class
 
 
 def _refuse_method(method: Any, path: Path) -> InputError:
@@ -250,12 +270,14 @@ def load_text_fuse_config(file: FuseFile, path: Path, method: Any, output: str |
 
     if holdout > 0 and len(X) - held_out(len(X), holdout) < 2:
         raise InputError(f"{path}: parameters.holdout", f"a share that leaves at least 2 of the {len(X)} texts to train on", holdout)
-    weights = []
+    weights, counts = [], []
     for i, entry in enumerate(file.models):
         own = (
             validate_file_section(merge.ModelParams, entry.parameters, path, f"models.{i}.parameters") if merge.Params is not None else None
         )
         weights.append(float(getattr(own, "weight", 1.0)) if own is not None else 1.0)
+        counts.append(getattr(own, "class_counts", None))
+    class_counts = _class_counts(path, counts, params, reference_folder) if name == "distill" else None
     finetune = None
     if merge.Params is None:  # fisher / regmean: the tensor merge's parameters, statistics computed from the text
         from rayfuse.finetunes.config import load_finetune_config
@@ -281,11 +303,54 @@ def load_text_fuse_config(file: FuseFile, path: Path, method: Any, output: str |
         path,
         reference_folder,
         finetune,
+        None if class_counts is None else tuple(_kept_weights(file, base, path, class_counts, merge)),
     )
 
 
-def _kept_weights(file: FuseFile, base: Path | None, path: Path, weights: list[float], merge: TextMerge) -> list[float]:
-    """The weights of the models kept (the base, listed among the models of a merge that requires it, dropped)."""
+def _class_counts(path: Path, counts: list[list[float] | None], params: Any, folder: Path) -> list[tuple[float, ...]] | None:
+    """The models' class counts, checked against the distillation's ``weighting`` and the models' number of labels:
+    given on every model or on none, as many as the models' labels, each model with a sample."""
+    given = [i for i, c in enumerate(counts) if c is not None]
+    weighting = params.weighting
+    if given and len(given) < len(counts):
+        i = next(i for i, c in enumerate(counts) if c is None)
+        raise InputError(
+            f"{path}: models.{i}.parameters.class_counts", f"class counts on every model or on none (models.{given[0]} has them)"
+        )
+    if weighting == "classes" and not given:
+        raise InputError(
+            f"{path}: parameters.weighting",
+            "uniform or weights (classes needs each model's class_counts)",
+            "classes",
+            "give models.<i>.parameters.class_counts: its site's training samples per class",
+        )
+    if given and weighting in ("uniform", "weights"):
+        raise InputError(
+            f"{path}: models.{given[0]}.parameters.class_counts",
+            f"no class counts with weighting: {weighting} (they would go unread)",
+            counts[given[0]],
+            "drop weighting (classes is the default with class counts)",
+        )
+    if not given:
+        return None
+    import transformers
+
+    from rayfuse.models.hf import quiet_transformers
+
+    with quiet_transformers():
+        labels = int(transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True).num_labels)
+    for i, c in enumerate(counts):
+        assert c is not None
+        if len(c) != labels:
+            raise InputError(f"{path}: models.{i}.parameters.class_counts", f"{labels} counts (the models' num_labels)", c)
+        if not sum(c) > 0:
+            raise InputError(f"{path}: models.{i}.parameters.class_counts", "at least one sample", c)
+    return [tuple(float(v) for v in c) for c in counts if c is not None]
+
+
+def _kept_weights(file: FuseFile, base: Path | None, path: Path, weights: list[_T], merge: TextMerge) -> list[_T]:
+    """The weights (or any per-model values) of the models kept (the base, listed among the models of a merge that
+    requires it, dropped)."""
     if base is None or merge.base != "required":
         return weights
     return [w for entry, w in zip(file.models, weights) if _resolve(entry.model, path).resolve() != base.resolve()]
@@ -546,6 +611,7 @@ def _distill(
     X: np.ndarray,
     p: TextDistillParams,
     log: Any,
+    class_counts: Sequence[Sequence[float]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The ensemble distilled into a student of the base's class on the text (no shifts, no mixing of token ids; word
     dropout where asked)."""
@@ -559,9 +625,11 @@ def _distill(
 
     teachers = Teachers([_with_state(template, m) for m in models], batched=False)
     classes = int(teachers.predict(torch.as_tensor(X[:1])).shape[-1])
-    w = np.asarray(weights if p.weighting == "weights" else [1.0] * len(models), dtype=np.float64)
-    counts = np.repeat(w[:, None], classes, axis=1)
-    tw = teacher_weights("samples" if p.weighting == "weights" else "uniform", counts)
+    if class_counts is not None:  # weighting: classes (the default with class counts; checked before anything ran)
+        tw = teacher_weights("classes", np.asarray(class_counts, dtype=np.float64))
+    else:
+        w = np.asarray(weights if p.weighting == "weights" else [1.0] * len(models), dtype=np.float64)
+        tw = teacher_weights("samples" if p.weighting == "weights" else "uniform", np.repeat(w[:, None], classes, axis=1))
     start = _weighted_average(base, models, weights) if p.init == "average" else dict(base)
     student = _with_state(template, start).train()
     for par in student.parameters():
@@ -652,7 +720,7 @@ def run_text_fuse(spec: TextFuseSpec, log: Callable[[str], None] | None = None) 
             log(f"adamerging: {key.replace('_', ' ')} {start:.4f} at lambda {spec.params.lambda_init} -> {end:.4f}")
     else:
         assert isinstance(spec.params, TextDistillParams)
-        state = _distill(template, base_state, models, spec.weights, spec.X, spec.params, log)
+        state = _distill(template, base_state, models, spec.weights, spec.X, spec.params, log, spec.class_counts)
     metadata = {"method": spec.method, "models": ",".join(p.name for p in (*spec.models, *([spec.base] if spec.base else [])))}
     tensors, parameters, shards = _write(spec, state, metadata)
     return {

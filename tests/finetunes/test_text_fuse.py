@@ -321,6 +321,33 @@ def test_distill_moves_the_student_from_the_average_toward_the_ensemble(folders,
         assert kl(out) < kl(average)
 
 
+def test_distill_with_class_counts_weights_each_class_by_the_models_that_held_it(folders, tmp_path, monkeypatch):
+    """With each model's class counts the teachers are weighted per class (``teacher_weights("classes")``, the
+    federated distill's default): the class a model never held takes its logit from the others."""
+    import rayfuse.fusion.distill.student as student_module
+    from rayfuse.fusion.distill.teachers import teacher_weights
+
+    seen = []
+    original = student_module.distill_public
+
+    def spy(student, teachers, X, weights, settings, **kw):
+        seen.append(np.asarray(weights))
+        return original(student, teachers, X, weights, settings, **kw)
+
+    monkeypatch.setattr(student_module, "distill_public", spy)
+    counts = [[9.0, 0.0], [1.0, 8.0]]
+    models = [{"model": str(folders[n]), "parameters": {"class_counts": c}} for n, c in zip(("sport", "code"), counts)]
+    parameters = {"steps": 6, "epochs": 2, "batch_size": 4, "lr": 1e-3}
+    out = rayfuse.fuse(_config(folders, "distill", tmp_path, models=models, parameters=parameters))
+    _load(out)
+    expected = teacher_weights("classes", np.array(counts))
+    np.testing.assert_allclose(seen[0], expected, rtol=0, atol=1e-7)
+    assert seen[0][0, 1] < 0.001 and seen[0][1, 1] > 0.999  # class 1: only code held it
+    np.testing.assert_allclose(seen[0][:, 0], [0.9, 0.1], atol=1e-3)  # class 0: sport held 9 of its 10 samples
+    rayfuse.fuse(_config(folders, "distill", tmp_path, output=str(tmp_path / "uniform"), parameters=parameters))
+    np.testing.assert_allclose(seen[1], np.full((2, 2), 0.5), rtol=0, atol=1e-7)  # no counts: uniform, as before
+
+
 def test_word_dropout_keeps_each_rows_ends_and_order_and_pads_again():
     from rayfuse.fusion.distill.transfer import drop_tokens
 
@@ -428,6 +455,45 @@ BAD = [
         "{cfg}: seed: expected no seed with merge_method adamerging on text (it runs the models in memory), got 3; parameters.seed seeds it",
     ),
     ("a model file, not a folder", {"models": [{"model": "{file}"}]}, "{cfg}: models.0.model: expected a Hugging Face folder"),
+    (
+        "class counts on one model only",
+        {"merge_method": "distill", "models": [{"model": "{sport}", "parameters": {"class_counts": [8, 1]}}, {"model": "{code}"}]},
+        "{cfg}: models.1.parameters.class_counts: expected class counts on every model or on none (models.0 has them)",
+    ),
+    (
+        "class counts of another length",
+        {"merge_method": "distill", "models": [{"model": "{sport}", "parameters": {"class_counts": c}} for c in ([8, 1, 0], [1, 8, 0])]},
+        "{cfg}: models.0.parameters.class_counts: expected 2 counts (the models' num_labels), got [8.0, 1.0, 0.0]",
+    ),
+    (
+        "class counts of no sample",
+        {"merge_method": "distill", "models": [{"model": "{sport}", "parameters": {"class_counts": c}} for c in ([8, 1], [0, 0])]},
+        "{cfg}: models.1.parameters.class_counts: expected at least one sample",
+    ),
+    (
+        "negative class counts",
+        {"merge_method": "distill", "models": [{"model": "{sport}", "parameters": {"class_counts": c}} for c in ([8, -1], [1, 8])]},
+        "{cfg}: models.0.parameters.class_counts.1: expected",
+    ),
+    (
+        "weighting classes without class counts",
+        {"merge_method": "distill", "parameters": {"weighting": "classes"}},
+        "{cfg}: parameters.weighting: expected uniform or weights (classes needs each model's class_counts), got 'classes'",
+    ),
+    (
+        "class counts that another weighting leaves unread",
+        {
+            "merge_method": "distill",
+            "parameters": {"weighting": "uniform"},
+            "models": [{"model": "{sport}", "parameters": {"class_counts": c}} for c in ([8, 1], [1, 8])],
+        },
+        "{cfg}: models.0.parameters.class_counts: expected no class counts with weighting: uniform (they would go unread)",
+    ),
+    (
+        "class counts for a merge that reads none",
+        {"merge_method": "regmean", "models": [{"model": "{sport}", "parameters": {"class_counts": c}} for c in ([8, 1], [1, 8])]},
+        "{cfg}: models.0.parameters",
+    ),
     (
         "distill holding out all but one text",
         {"merge_method": "distill", "parameters": {"holdout": 0.9}},
