@@ -10,8 +10,10 @@ defaults, ``rayfuse.fusion.distill``), in-process:
   ``init: aligned`` (``rayfuse_am``: activation matching, average, the clients' BatchNorm repair) or a random start;
 * ``distill_free`` / ``distill_free_random``: data-free, the generator against the ensemble, the clients' input moments;
 * ``distill_predictions`` / ``distill_free_predictions``: predictions only (``teachers: clients``, random start): each
-  client's logits on the transfer inputs, and for the generator each client's input gradient of its own
-  term (``rayfuse.fusion.distill.student.teacher_signal``), computed by a stand-in client holding only its own model;
+  client's logits on the transfer inputs, and at each generator step each client's logits, then its input gradient
+  against the server's cotangent (``rayfuse.fusion.distill.student.teacher_vjp``), computed by a stand-in client
+  holding only its own model (the grid's recorded ``distill_free_predictions`` predates that protocol: one call a
+  round, each client's own term of the objective; docs/methods/distill.md gives the exact protocol's cells);
 * ``distill_rounds``: the few-round mode (``rounds: 3``): ``distill_public``'s student, then two rounds in which
   each client refines it on its own data, anchored on the public inputs, and it is distilled again from the refined
   clients (:func:`few_rounds`); its seconds include round 1's;
@@ -57,7 +59,7 @@ from arch import build_arch  # noqa: E402
 from train import CACHE_DIR, PARTITIONS, Cell, TrainedCell, accuracy_of, build_model, train_cell  # noqa: E402
 
 from rayfuse.fusion.distill.algorithm import DistillParams  # noqa: E402
-from rayfuse.fusion.distill.student import distill_public, distill_synthetic, refine_student, teacher_signal  # noqa: E402
+from rayfuse.fusion.distill.student import distill_public, distill_synthetic, refine_student, teacher_vjp  # noqa: E402
 from rayfuse.fusion.distill.teachers import Teachers, teacher_weights  # noqa: E402
 from rayfuse.fusion.distill.transfer import pooled_moments  # noqa: E402
 from rayfuse.models import get_params  # noqa: E402
@@ -94,7 +96,7 @@ REFERENCES = ("best_local", "ensemble", "pooled", "best_merge", "fedavg_5")
 
 class StandInClients:
     """The clients as predictions-only teachers, in-process: each holds its own model and answers what the
-    ``distill.predict`` / ``distill.signal`` client steps answer."""
+    ``distill.predict`` / ``distill.vjp`` client steps answer."""
 
     def __init__(self, models: Sequence[torch.nn.Module]) -> None:
         self.models = list(models)
@@ -103,9 +105,9 @@ class StandInClients:
     def predict(self, X: torch.Tensor) -> torch.Tensor:
         return torch.stack([Teachers([m], batched=False, freeze=False).predict(X)[0] for m in self.models])
 
-    def signal(self, X: torch.Tensor, labels: torch.Tensor, W: torch.Tensor, settings: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        replies = [teacher_signal(m, X, labels, W[k], num_teachers=self.num_teachers, settings=settings) for k, m in enumerate(self.models)]
-        return torch.stack([r[0] for r in replies]), torch.stack([r[1] for r in replies]).sum(0)
+    def vjp(self, X: torch.Tensor, cotangents: torch.Tensor, settings: Any) -> tuple[torch.Tensor, float]:
+        replies = [teacher_vjp(m, X, cotangents[k], num_teachers=self.num_teachers, settings=settings) for k, m in enumerate(self.models)]
+        return torch.stack([r[0] for r in replies]).sum(0), sum(r[1] for r in replies)
 
 
 def few_rounds(trained: TrainedCell, start: dict[str, np.ndarray], p: DistillParams, weights: np.ndarray) -> dict[str, np.ndarray]:

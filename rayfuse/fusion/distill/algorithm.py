@@ -189,6 +189,14 @@ class DistillParams(DistillOptions, MethodParams):
         description="synthetic: the clients report their inputs' per-element count, sum and sum of "
         "squares, and generated inputs take the pooled mean and variance",
     )
+    generator_calls: Literal["step", "round"] | None = Field(
+        None,
+        description="teachers: clients, transfer: synthetic: how the clients give the generator its gradient: step (two "
+        "calls every generator step, their logits then their input gradients for the server's cotangents: the exact "
+        "gradient, 2 x generator_steps calls a round) or round (one call a round, each client's own term of the "
+        "objective at the round's inputs: fewer calls, an approximation); default: step, round under secure aggregation "
+        "(which sees only the clients' sums)",
+    )
     rounds: int = Field(
         1,
         ge=1,
@@ -390,6 +398,28 @@ def signal(
     return {"logits": logits.float().cpu().numpy(), "grad": grad.float().cpu().numpy()}
 
 
+@client_step("distill.vjp")
+def vjp(ctx: ClientContext, X: np.ndarray, cotangent: np.ndarray, *, num_teachers: int, settings: dict[str, Any]) -> dict[str, np.ndarray]:
+    """For the data-free generator's step: the gradient at the server's generated inputs ``X`` ``(B, ...)`` of this
+    client's logits against the server's cotangent ``(B, C)`` for them, plus its BatchNorm term, and that term's value
+    (:func:`rayfuse.fusion.distill.student.teacher_vjp`): the input gradients only, as :func:`signal`'s."""
+    import torch
+
+    from rayfuse.fusion.distill.student import DistillSettings, teacher_vjp
+
+    X, cotangent = (
+        np.array(a, order="C") if not a.flags.writeable else np.ascontiguousarray(a) for a in (np.asarray(X), np.asarray(cotangent))
+    )
+    grad, bn = teacher_vjp(
+        ctx.local_model().to(ctx.device),
+        torch.as_tensor(X, device=ctx.device),
+        torch.as_tensor(cotangent, dtype=torch.float32, device=ctx.device),
+        num_teachers=num_teachers,
+        settings=DistillSettings(**settings),
+    )
+    return {"grad": grad.float().cpu().numpy(), "bn": np.asarray([bn], dtype=np.float32)}
+
+
 @client_step("distill.input_moments")
 def input_moments(ctx: ClientContext) -> dict[str, np.ndarray]:
     """The count, per-element sum and sum of squares of this client's training inputs (the statistics a silo run
@@ -537,6 +567,30 @@ class _ClientTeachers:
             settings=dataclasses.asdict(settings),
         )
         return (torch.as_tensor(np.stack([r["logits"] for r in replies])), torch.as_tensor(np.sum([r["grad"] for r in replies], axis=0)))
+
+
+class _ClientGradientTeachers(_ClientTeachers):
+    """The clients as teachers whose generator steps are exact (``generator_calls: step``): their logits, then their
+    input gradients for the server's cotangents (:func:`vjp`), two calls a step."""
+
+    def vjp(self, X: Any, cotangents: Any, settings: Any) -> tuple[Any, float]:
+        """The clients' input gradients for the server's cotangents ``(K, B, C)`` on their logits, summed, and their
+        BatchNorm terms summed (:func:`vjp`; one call, each client its own cotangent)."""
+        import dataclasses
+
+        import torch
+
+        X_np, C_np = X.detach().cpu().numpy(), cotangents.detach().cpu().numpy().astype(np.float32)
+        replies = self._gather(
+            vjp,
+            "generator gradients",
+            {"grad": X_np.shape, "bn": (1,)},
+            X_np,
+            per_client=[C_np[k] for k in range(self.num_teachers)],
+            num_teachers=self.num_teachers,
+            settings=dataclasses.asdict(settings),
+        )
+        return torch.as_tensor(np.sum([r["grad"] for r in replies], axis=0)), float(sum(float(r["bn"][0]) for r in replies))
 
 
 class _SecureTeachers:
@@ -750,7 +804,10 @@ class Distill(Method[DistillParams, DistillRoundsState]):
         # clients send, so secure aggregation sums it; reweight reads each member's predictions, parameters each model;
         # the energy ensemble standardises each member's energy over the inputs combined at once, a pass's bank (a
         # client can, over the bank it is sent) but, data-free, each batch the server draws from its bank
-        sums = params.teachers == "clients" and not (params.transfer == "synthetic" and (params.reweight or params.combine == "energy"))
+        # generator_calls: step sends each client its own cotangent for its logits, which a sum alone cannot give
+        sums = params.teachers == "clients" and not (
+            params.transfer == "synthetic" and (params.reweight or params.combine == "energy" or params.generator_calls == "step")
+        )
         # rounds > 1: the clients' refinement reads their data again (beyond the local models: not covered by train.dp)
         # and each round is checkpointed
         few = params.rounds > 1
@@ -780,6 +837,12 @@ class Distill(Method[DistillParams, DistillRoundsState]):
                 "1 with transfer: synthetic (the clients' refinement is anchored to the student on the public inputs)",
                 params.rounds,
                 "or set transfer: public",
+            )
+        if params.generator_calls is not None and (params.teachers, params.transfer) != ("clients", "synthetic"):
+            raise InputError(
+                "generator_calls",
+                "unset unless teachers: clients and transfer: synthetic (how the clients give the generator its gradient)",
+                params.generator_calls,
             )
         if params.holdout > 0 and params.transfer == "synthetic":
             raise InputError("holdout", "0 with transfer: synthetic (a held-out share of the public sample's inputs)", params.holdout)
@@ -967,7 +1030,9 @@ class Distill(Method[DistillParams, DistillRoundsState]):
             one = all(server.models.client_model(c) == server.models.client_model(clients[0]) for c in clients) or refined is not None
             combine = p.settings(0, one_architecture=one, transfer=p.transfer).combine
             return _SecureTeachers(server, clients, teacher_weights(p.weighting, counts), combine, refined=refined)
-        return _ClientTeachers(server, clients, server.data.num_classes, refined=refined)
+        if p.generator_calls == "round":
+            return _ClientTeachers(server, clients, server.data.num_classes, refined=refined)
+        return _ClientGradientTeachers(server, clients, server.data.num_classes, refined=refined)
 
     def _transfer(
         self,

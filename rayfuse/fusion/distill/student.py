@@ -5,8 +5,11 @@ Both loops are written against a teacher *source*, so the same code serves the t
 * :class:`~rayfuse.fusion.distill.teachers.Teachers` (the server holds the teachers' parameters, or ``rayfuse fuse``
   reads checkpoints): exact gradients through the teachers;
 * the clients themselves (``teachers: clients``, parameters never leave): one call per client per pass, which returns
-  the client's logits on the pass's inputs (``predict``) and, for the generator, the gradient of the client's own term of
-  the generator's objective with respect to those inputs (``signal``, :func:`teacher_signal`).
+  the client's logits on the pass's inputs (``predict``); for the generator, two calls per generator step: the
+  client's logits on the step's inputs (``predict``), then the input gradient of the client's logits against the
+  server's cotangent for them plus its BatchNorm term (``vjp``, :func:`teacher_vjp`): the exact gradient, as through
+  the teachers. A source with only ``signal`` (secure aggregation's, which sees only sums) is asked once per round for
+  each client's own term of the objective (:func:`teacher_signal`).
 
 **Public transfer** (FedDF [FEDDF]). Each of ``epochs`` passes draws a bank of ``steps / epochs * batch_size``
 augmented inputs (:func:`~rayfuse.fusion.distill.transfer.augment_bank`), has the teachers predict on it once, and
@@ -37,12 +40,17 @@ write it). Every generated batch joins a bank with the teachers' logits on it; t
 ``student_steps`` distillation steps on batches drawn from the whole bank. With ``reweight`` (Co-Boosting), each
 epoch the members' weights take signed-gradient steps on the cross-entropy of the weighted ensemble over the bank.
 
-With the clients as teachers the generator's objective is split into what each client can compute alone: client ``k``
-returns ``d/dx [lambda_ce * mean_i w_{k y_i} (1 - p_{k y_i})^h CE(z_k(x_i), y_i) + lambda_bn / K * BN_k(x)]`` on the
-round's batches (one call per round), so the cross-entropy term is the weighted sum of the members' cross-entropies
-instead of the cross-entropy of their weighted sum, and the generator's steps within a round use gradients taken at the
-inputs the round began with (the generator moves little within a round); the adversarial term is computed by the
-server with the teachers' logits held fixed. These are the two places where the predictions-only mode departs from DENSE.
+With the clients as teachers (``predict`` and ``vjp``) each generator step is exact in two calls: the clients' logits
+``z_k`` on the step's inputs; the server, holding them, differentiates its part of ``L_G`` (the cross-entropy of the
+combined logits and the adversarial term) with respect to each ``z_k``, and client ``k`` returns
+``d/dx [<z_k(x), c_k> + lambda_bn / K * BN_k(x)]`` for its cotangent ``c_k``; the chain rule through the generator
+then gives the gradient the exact path takes. That is ``2 * generator_steps`` calls per round. A source that can only
+sum the clients' replies (secure aggregation: no client's logits may be seen alone) keeps one call per round: client
+``k`` returns ``d/dx [lambda_ce * mean_i w_{k y_i} (1 - p_{k y_i})^h CE(z_k(x_i), y_i) + lambda_bn / K * BN_k(x)]`` on
+the round's batches, so the cross-entropy term is the weighted sum of the members' cross-entropies instead of the
+cross-entropy of their weighted sum, the generator's steps within a round use gradients taken at the inputs the round
+began with, and the adversarial term is computed with the teachers' logits held fixed: the three places where that mode
+departs from DENSE.
 """
 
 from __future__ import annotations
@@ -68,6 +76,8 @@ __all__ = [
     "distill_public",
     "distill_synthetic",
     "teacher_signal",
+    "teacher_vjp",
+    "GradientTeachers",
     "agreement",
     "fidelity",
     "held_out",
@@ -133,6 +143,20 @@ class SignalTeachers(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Member logits ``(K, G, B, C)`` on the batches ``X`` ``(G, B, ...)`` and the summed input gradient of the members'
         generator terms ``(G, B, ...)`` (:func:`teacher_signal` per member)."""
+        ...
+
+
+class GradientTeachers(Protocol):
+    """Teachers reached through their predictions and input gradients (the clients, ``teachers: clients``): the
+    generator's exact gradient in two calls per step."""
+
+    num_teachers: int
+
+    def predict(self, X: torch.Tensor) -> torch.Tensor: ...
+
+    def vjp(self, X: torch.Tensor, cotangents: torch.Tensor, settings: DistillSettings) -> tuple[torch.Tensor, float]:
+        """The summed input gradients ``(B, ...)`` at ``X`` ``(B, ...)`` of each member's logits against its cotangent
+        ``(K, B, C)`` plus its BatchNorm term, and the members' BatchNorm terms summed (:func:`teacher_vjp`)."""
         ...
 
 
@@ -242,7 +266,7 @@ def _check_finite(value: float, what: str) -> None:
 
 def distill_public(
     student: nn.Module,
-    teachers: ExactTeachers | SignalTeachers,
+    teachers: ExactTeachers | GradientTeachers | SignalTeachers,
     X: np.ndarray,
     weights: np.ndarray,
     settings: DistillSettings,
@@ -387,11 +411,28 @@ def teacher_signal(
     return torch.stack(logits), torch.stack(grads)
 
 
+def teacher_vjp(
+    model: nn.Module, X: torch.Tensor, cotangent: torch.Tensor, *, num_teachers: int, settings: DistillSettings
+) -> tuple[torch.Tensor, float]:
+    """One teacher's input gradient for the generator (run by the client that holds the model): the gradient at the
+    inputs ``X`` ``(B, ...)`` of ``sum_i <z(x_i), c_i> + lambda_bn / K * BN(x)`` for the server's cotangent ``c``
+    ``(B, C)`` on its logits, and the value of its BatchNorm term ``lambda_bn / K * BN(x)``."""
+    from rayfuse.fusion.distill.teachers import Teachers
+
+    teacher = Teachers([model], batched=False, freeze=False)  # the client's own model: gradients go to the inputs only
+    x = X.detach().clone().requires_grad_(True)
+    with torch.enable_grad():
+        member, gap = teacher.forward(x, with_bn=settings.bn_weight > 0)
+        bn = settings.bn_weight / num_teachers * gap[0]
+        (grad,) = torch.autograd.grad((member[0] * cotangent.to(member.dtype)).sum() + bn, x)
+    return grad.detach(), float(bn.detach())
+
+
 def _generator_round(
     gen: Generator,
     opt_g: torch.optim.Optimizer,
     student: nn.Module,
-    teachers: ExactTeachers | SignalTeachers,
+    teachers: ExactTeachers | GradientTeachers | SignalTeachers,
     bank: SyntheticBank,
     W: torch.Tensor,
     prior: torch.Tensor,
@@ -420,6 +461,24 @@ def _generator_round(
             nn.utils.clip_grad_norm_(gen.parameters(), 10.0)
             opt_g.step()
             losses.append(float(loss.detach()))
+            bank.add(x.detach(), member.detach(), y[j])
+        return losses
+    if hasattr(teachers, "vjp"):  # the clients, exact in two calls a step: their logits, then their input gradients
+        for j in range(G):
+            x = gen(z[j])
+            member = teachers.predict(x.detach()).to(device)
+            held = member.clone().requires_grad_(True)
+            t = combine_teachers(held, W, settings.combine)
+            loss = settings.ce_weight * _hard_cross_entropy(t, y[j], settings.hardness)
+            if settings.adversarial_weight > 0:
+                loss = loss + settings.adversarial_weight * _adversarial(student(x), t)
+            (cotangents,) = torch.autograd.grad(loss, held, retain_graph=True)
+            grad, bn = teachers.vjp(x.detach(), cotangents.detach(), settings)
+            opt_g.zero_grad(set_to_none=True)
+            (loss + (x * grad.to(device)).sum()).backward()  # the server's part through the student, the clients' chained
+            nn.utils.clip_grad_norm_(gen.parameters(), 10.0)
+            opt_g.step()
+            losses.append(float(loss.detach()) + bn)
             bank.add(x.detach(), member.detach(), y[j])
         return losses
     with torch.no_grad():  # the clients: one call for the round's batches, at the inputs the round starts from
@@ -468,7 +527,7 @@ def scaled_weights(W: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def distill_synthetic(
     student: nn.Module,
-    teachers: ExactTeachers | SignalTeachers,
+    teachers: ExactTeachers | GradientTeachers | SignalTeachers,
     input_shape: Sequence[int],
     weights: np.ndarray,
     settings: DistillSettings,
@@ -479,8 +538,9 @@ def distill_synthetic(
     log: Log | None = None,
 ) -> tuple[list[dict[str, float]], np.ndarray]:
     """Train ``student`` in place, data-free: a generator trained against the teachers' ensemble supplies the
-    transfer inputs (module docstring). ``teachers`` with ``forward`` are differentiated through exactly; others are
-    asked for their :func:`teacher_signal` once per round. Returns one row per epoch (``loss``, ``agreement`` on the
+    transfer inputs (module docstring). ``teachers`` with ``forward`` are differentiated through exactly; with ``vjp``
+    they are asked for their logits and then their input gradients at every generator step (:func:`teacher_vjp`: the
+    same gradient); others for their :func:`teacher_signal` once per round. Returns one row per epoch (``loss``, ``agreement`` on the
     last round's generated inputs, ``generator_loss``, ``seconds``) and the members' final scales (1 without
     ``reweight``)."""
     generator = torch.Generator().manual_seed(int(settings.seed))

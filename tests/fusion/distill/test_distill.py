@@ -12,7 +12,7 @@ from torch import nn
 
 from rayfuse.config import ModelConfig
 from rayfuse.errors import InputError
-from rayfuse.fusion.distill.algorithm import input_moments, predict, signal
+from rayfuse.fusion.distill.algorithm import input_moments, predict, signal, vjp
 from rayfuse.fusion.distill.student import DistillSettings, distill_public, distill_synthetic, teacher_signal
 from rayfuse.fusion.distill.teachers import Teachers, combine_teachers, teacher_weights
 from rayfuse.io import load_params
@@ -252,6 +252,63 @@ def test_data_free_distillation_runs_exact_and_from_client_signals(trained_digit
         assert all(np.isfinite(v).all() for v in get_params(student).values())
 
 
+def _batchnorm_cnn(X: np.ndarray, seed: int) -> torch.nn.Module:
+    """A small CNN with BatchNorm whose running statistics are the inputs' (a few passes in train mode), in eval."""
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 64, 10)
+    )
+    with torch.no_grad():
+        for _ in range(3):
+            net(torch.as_tensor(X[:128]))
+    return net.eval()
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn with BatchNorm"])
+def test_data_free_from_client_gradients_is_the_exact_path(trained_digits_mlp, kind):
+    """Two calls a generator step (the clients' logits, then their input gradients for the server's cotangents) give
+    the gradient the exact path takes through the teachers: the same student, up to float rounding."""
+    from rayfuse.fusion.distill.student import teacher_vjp
+
+    model, X = trained_digits_mlp
+    if kind == "mlp":
+        other = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in other.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        members = [model, other]
+    else:
+        members = [_batchnorm_cnn(X, 0), _batchnorm_cnn(X, 1)]
+    weights = np.array([[0.7] * 5 + [0.2] * 5, [0.3] * 5 + [0.8] * 5], np.float32)
+    settings = DistillSettings(steps=30, epochs=2, generator_steps=3, student_steps=10, synthetic_batch=16, seed=2, hardness=1.0)
+    moments = (X.mean(0), X.std(0))
+    calls = {"predict": 0, "vjp": 0}
+
+    class FromClients:
+        num_teachers = 2
+
+        def predict(self, batch):
+            calls["predict"] += 1
+            return torch.stack([m(batch).detach() for m in members])
+
+        def vjp(self, batch, cotangents, settings):
+            calls["vjp"] += 1
+            replies = [teacher_vjp(m, batch, cotangents[k], num_teachers=2, settings=settings) for k, m in enumerate(members)]
+            return sum(r[0] for r in replies), sum(r[1] for r in replies)
+
+    students = []
+    for teachers in (Teachers([copy.deepcopy(m) for m in members], batched=False), FromClients()):
+        student = _fresh_mlp(2)
+        history, _ = distill_synthetic(student, teachers, (1, 8, 8), weights, settings, label_prior=np.ones(10), moments=moments)
+        students.append((get_params(student), history))
+    assert calls == {"predict": 3 * 3, "vjp": 3 * 3}  # 3 rounds of 3 generator steps, two calls each
+    (exact, exact_history), (clients, client_history) = students
+    for key, value in exact.items():
+        np.testing.assert_allclose(clients[key], value, rtol=1e-4, atol=1e-5, err_msg=key)
+    for a, b in zip(exact_history, client_history):  # the generator's loss too, BatchNorm term included
+        assert a["generator_loss"] == pytest.approx(b["generator_loss"], rel=1e-4, abs=1e-5)
+
+
 def test_a_teachers_signal_is_the_gradient_of_its_term(trained_digits_mlp):
     model, _ = trained_digits_mlp
     X = torch.randn(2, 4, 1, 8, 8)
@@ -339,8 +396,18 @@ def test_a_predictions_only_reply_holds_predictions_on_the_transfer_inputs_only(
         fed.map(signal, batches, labels, np.full(10, 1 / 3, np.float32), clients=[0], num_teachers=3, settings={})
     ).results.values():
         assert set(reply) == {"logits", "grad"} and reply["logits"].shape == (2, 16, 10) and reply["grad"].shape == batches.shape
+    cotangent = np.random.default_rng(1).normal(size=(16, 10)).astype(np.float32)
+    for reply in fed.gather(fed.map(vjp, X[:16], cotangent, clients=[0], num_teachers=3, settings={})).results.values():
+        assert set(reply) == {"grad", "bn"} and reply["grad"].shape == X[:16].shape and reply["bn"].shape == (1,)
+        ctx = fed.client(0).ctx
+        x = torch.as_tensor(X[:16]).requires_grad_(True)
+        (expected,) = torch.autograd.grad((ctx.local_model()(x) * torch.as_tensor(cotangent)).sum(), x)  # no BatchNorm here
+        np.testing.assert_allclose(reply["grad"], expected.numpy(), rtol=1e-5, atol=1e-6)  # an input gradient, nothing else
     for reply in fed.run(input_moments).results.values():  # statistics: per-element sums and a count, never samples
         assert set(reply) == {"count", "sum", "sumsq"} and reply["sum"].shape == (1, 8, 8)
+
+
+_FREE_CLIENTS = {"teachers": "clients", "init": "random", "transfer": "synthetic"}
 
 
 @pytest.mark.parametrize(
@@ -359,6 +426,9 @@ def test_a_predictions_only_reply_holds_predictions_on_the_transfer_inputs_only(
         ({}, {"transfer": "synthetic", "rounds": 2}, "methods.d.rounds"),
         ({"train": {"dp": {"noise_multiplier": 1.0}}}, {"rounds": 2}, "train.dp"),
         ({}, {"rounds": 0}, "methods.d.rounds"),
+        ({}, {"transfer": "synthetic", "generator_calls": "step"}, "methods.d.generator_calls"),  # parameters uploaded
+        ({}, {"teachers": "clients", "init": "random", "generator_calls": "round"}, "methods.d.generator_calls"),  # public
+        ({"federation": {"secure_aggregation": True}}, {**_FREE_CLIENTS, "generator_calls": "step"}, "methods.d"),
     ],
 )
 def test_distill_refuses_before_start(make_config, section, entry, path):

@@ -135,7 +135,7 @@ def test_data_free_secure_signals_are_the_plain_ones_within_their_steps(tmp_path
 
     monkeypatch.setattr(Distill, "_moments", staticmethod(lambda *a: seen["moments"].append(moments_plain(*a)) or seen["moments"][-1]))
     monkeypatch.setattr(_SecureTeachers, "moments", moments)
-    plain = _run(tmp_path, "plain", SYNTHETIC)
+    plain = _run(tmp_path, "plain", {**SYNTHETIC, "generator_calls": "round"})  # the secure sums' protocol, sent in the clear
     secure = _run(tmp_path, "secure", SYNTHETIC, SECURE)
     (weights, member, _), (_, ensemble, secure_grad) = seen["plain"][0], seen["secure"][0]
     target = combine_teachers(member.flatten(1, 2), weights, "logits").view(ensemble.shape[1:])
@@ -220,6 +220,8 @@ def test_entries_beyond_a_keys_range_are_clipped_counted_and_reported(tmp_path, 
         ({"teachers": "clients", "init": "random", "combine": "energy"}, True),
         ({"teachers": "clients", "init": "random", "transfer": "synthetic", "combine": "energy"}, False),
         ({"teachers": "parameters"}, False),
+        ({"teachers": "clients", "init": "random", "transfer": "synthetic", "generator_calls": "round"}, True),
+        ({"teachers": "clients", "init": "random", "transfer": "synthetic", "generator_calls": "step"}, False),
     ],
 )
 def test_distill_sums_exactly_with_the_clients_as_teachers_and_no_reweighting(entry, sums):
