@@ -339,13 +339,13 @@ def _class_counts(path: Path, counts: list[list[float] | None], params: Any, fol
 
     with quiet_transformers():
         labels = int(transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True).num_labels)
-    for i, c in enumerate(counts):
-        assert c is not None
+    given_counts = [c for c in counts if c is not None]  # every model's, checked above
+    for i, c in enumerate(given_counts):
         if len(c) != labels:
             raise InputError(f"{path}: models.{i}.parameters.class_counts", f"{labels} counts (the models' num_labels)", c)
         if not sum(c) > 0:
             raise InputError(f"{path}: models.{i}.parameters.class_counts", "at least one sample", c)
-    return [tuple(float(v) for v in c) for c in counts if c is not None]
+    return [tuple(float(v) for v in c) for c in given_counts]
 
 
 def _kept_weights(file: FuseFile, base: Path | None, path: Path, weights: list[_T], merge: TextMerge) -> list[_T]:
@@ -624,10 +624,10 @@ def _distill(
     from rayfuse.fusion.distill.teachers import Teachers, teacher_weights
 
     teachers = Teachers([_with_state(template, m) for m in models], batched=False)
-    classes = int(teachers.predict(torch.as_tensor(X[:1])).shape[-1])
     if class_counts is not None:  # weighting: classes (the default with class counts; checked before anything ran)
         tw = teacher_weights("classes", np.asarray(class_counts, dtype=np.float64))
     else:
+        classes = int(teachers.predict(torch.as_tensor(X[:1])).shape[-1])
         w = np.asarray(weights if p.weighting == "weights" else [1.0] * len(models), dtype=np.float64)
         tw = teacher_weights("samples" if p.weighting == "weights" else "uniform", np.repeat(w[:, None], classes, axis=1))
     start = _weighted_average(base, models, weights) if p.init == "average" else dict(base)

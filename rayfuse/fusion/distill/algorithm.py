@@ -384,9 +384,9 @@ def signal(
     import torch
 
     from rayfuse.fusion.distill.student import DistillSettings, teacher_signal
+    from rayfuse.fusion.distill.teachers import writable
 
-    # arrays read from Ray's object store are read-only: copied, never written through
-    X, labels = (np.array(a, order="C") if not a.flags.writeable else np.ascontiguousarray(a) for a in (np.asarray(X), np.asarray(labels)))
+    X, labels = writable(X), writable(labels)  # arrays read from Ray's object store are read-only
     logits, grad = teacher_signal(
         ctx.local_model().to(ctx.device),
         torch.as_tensor(X, device=ctx.device),
@@ -406,10 +406,9 @@ def vjp(ctx: ClientContext, X: np.ndarray, cotangent: np.ndarray, *, num_teacher
     import torch
 
     from rayfuse.fusion.distill.student import DistillSettings, teacher_vjp
+    from rayfuse.fusion.distill.teachers import writable
 
-    X, cotangent = (
-        np.array(a, order="C") if not a.flags.writeable else np.ascontiguousarray(a) for a in (np.asarray(X), np.asarray(cotangent))
-    )
+    X, cotangent = writable(X), writable(cotangent)  # arrays read from Ray's object store are read-only
     grad, bn = teacher_vjp(
         ctx.local_model().to(ctx.device),
         torch.as_tensor(X, device=ctx.device),

@@ -78,6 +78,13 @@ def teacher_weights(kind: Literal["uniform", "samples", "classes"], class_counts
     return weights.astype(np.float32)
 
 
+def writable(a: Any) -> np.ndarray:
+    """``a`` as a C-contiguous array that may be written: a read-only array (from Ray's object store) is copied, never
+    written through; a writable one is copied only where it is not contiguous."""
+    a = np.asarray(a)
+    return np.ascontiguousarray(a) if a.flags.writeable else np.array(a, order="C")
+
+
 def combine_teachers(member_logits: torch.Tensor, weights: torch.Tensor, how: str = "logits") -> torch.Tensor:
     """The ensemble's logits from the members' ``(K, N, C)`` logits and per-class weights ``(K, C)``.
 
@@ -299,8 +306,8 @@ class Teachers:
     @torch.no_grad()
     def predict(self, X: torch.Tensor | np.ndarray) -> torch.Tensor:
         """Every teacher's logits ``(K, N, C)`` on ``X``, in chunks of ``chunk_size`` inputs."""
-        if isinstance(X, np.ndarray):  # read-only arrays (Ray's object store) are copied, not written through
-            X = np.ascontiguousarray(X) if X.flags.writeable else np.array(X, order="C")
+        if isinstance(X, np.ndarray):
+            X = writable(X)
         X_t = torch.as_tensor(X, device=self.device)
         chunks = [self.forward(X_t[start : start + self.chunk_size])[0] for start in range(0, max(len(X_t), 1), self.chunk_size)]
         return torch.cat(chunks, dim=1)
