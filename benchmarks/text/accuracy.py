@@ -108,7 +108,11 @@ NOTES = """
   0.528; an exponential average of the student's weights (decay 0.99 / 0.995) 0.529 / 0.523; the weight average of
   three students distilled with other seeds from the same start 0.526; the class-weighted teachers with the word
   table frozen 0.540 (0.640, 0.451, 0.496, 0.549, 0.564), within a test text a seed of the class weights alone, so
-  freezing was not made an option.
+  freezing was not made an option. With the class counts, the energy ensemble at temperature 1 (the federated
+  `distill`'s default with public transfer; `--set distill_combine='"energy"' distill_temperature=1`): 0.538 (0.629,
+  0.451, 0.496, 0.523, 0.591), predictions only 0.523: level with the mean logits at temperature 4, which the text
+  fuse keeps. (The energy probe of 2026-12-06 below had the teachers uniform: a uniformly weighted energy term adds
+  the same to every class, so its target's probabilities are the geometric mean's.)
 * **RegMean above task arithmetic and TIES: met on the means, by a small margin.** RegMean from each site's
   statistics on its own texts at its default alpha 0.9: 0.516 ± 0.057, against TIES's 0.508 and task arithmetic's
   0.500 (their lambda chosen on the sites' validation data) and above every fixed lambda of either (at best 0.494 and
