@@ -570,11 +570,13 @@ def write_outputs(
     x: str = "num_clients",
     panels: tuple[str, str] = ("partition", "init"),
     script: str = "benchmarks/aligned",
+    command: str | None = None,
     order: Sequence[str] = (),
 ) -> list[Path]:
     """The CSV, the markdown table (mean and std over seeds, a row per ``keys``) and one plot per dataset and
     architecture (accuracy against ``x``, a panel per ``panels`` pair): ``<name>.csv``, ``<name>.md``,
-    ``<name>_<dataset>_<arch>.png``. ``summary``: the markdown after the table (default :func:`summary_lines`)."""
+    ``<name>_<dataset>_<arch>.png``. ``summary``: the markdown after the table (default :func:`summary_lines`);
+    ``command``: the script line the page names (default ``<script>/<name>.py``)."""
     import pandas as pd
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -600,7 +602,7 @@ def write_outputs(
         f"# {title}",
         "",
         f"Test accuracy, mean (std) over seeds; {info['cpus']} CPUs, {info.get('cpu_model', '')}. "
-        f"Produced by `{script}/{name}.py`; rows per seed in `{name}.csv`.",
+        f"Produced by `{command or f'{script}/{name}.py'}`; rows per seed in `{name}.csv`.",
         "",
         "| " + " | ".join(heads.get(k, k) for k in keys) + " | seeds | " + " | ".join(methods) + " |",
         "|" + "---|" * (len(keys) + 1 + len(methods)),

@@ -522,7 +522,15 @@ def main() -> None:
         rows = [r for r in rows if "cell" not in r]
         title = "Distillation: one-shot accuracy" if args.name == "accuracy" else f"Distillation: {args.name}"
         paths = aligned.write_outputs(
-            rows, args.out, info, name=args.name, title=title, summary=summary_lines, script="benchmarks/distill", order=ORDER
+            rows,
+            args.out,
+            info,
+            name=args.name,
+            title=title,
+            summary=summary_lines,
+            script="benchmarks/distill",
+            command=None if args.name == "accuracy" else f"benchmarks/distill/accuracy.py --name {args.name}",
+            order=ORDER,
         )
         for path in paths:
             print(f"wrote {path}")
