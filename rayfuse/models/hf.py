@@ -141,6 +141,8 @@ def _token_ids_forward(model: Any) -> Any:
             # padded ones) and no mask is passed
             if _under_vmap(x):
                 out = base_cls.forward(self, input_ids=x.long())
+            elif x.dim() == 3:  # (B, 3, L): two texts' ids and a ratio (distillation's text mixup, transfer.mix_texts)
+                return self._mixed_logits(x)
             else:
                 mask = x >= 0
                 pad = getattr(self.config, "pad_token_id", None)
@@ -150,7 +152,20 @@ def _token_ids_forward(model: Any) -> Any:
 
         # masks_padding: its forward masks padded positions with transformers' attention mask, which vmap cannot
         # trace (rayfuse.alignment.merge.diagonal_fisher loops over padded samples instead)
-        sub = type(f"TokenIds{base_cls.__name__}", (base_cls,), {"forward": forward, "masks_padding": True})
+        def mixed_logits(self: Any, x: Any) -> Any:
+            # the ratio's mix of the two texts' word embeddings (position and type embeddings are the model's own,
+            # added inside), attending where either text has a token; a padded position embeds the pad token
+            pad = getattr(self.config, "pad_token_id", None)
+            fill = float(pad if isinstance(pad, int) and pad >= 0 else 0)
+            first, second, lam = x[:, 0], x[:, 1], x[:, 2, :1, None]
+            table = self.get_input_embeddings()
+            embeds = lam * table(first.masked_fill(first < 0, fill).long())
+            embeds = embeds + (1 - lam) * table(second.masked_fill(second < 0, fill).long())
+            mask = ((first >= 0) | (second >= 0)).long()
+            out = base_cls.forward(self, inputs_embeds=embeds, attention_mask=mask)
+            return out.logits if hasattr(out, "logits") else out[0]
+
+        sub = type(f"TokenIds{base_cls.__name__}", (base_cls,), {"forward": forward, "_mixed_logits": mixed_logits, "masks_padding": True})
         _TOKEN_CLASSES[base_cls] = sub
     model.__class__ = sub
     return model

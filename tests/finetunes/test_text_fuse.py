@@ -365,8 +365,50 @@ def test_word_dropout_keeps_each_rows_ends_and_order_and_pads_again():
     assert (drop_tokens(X, 0.999, generator) >= 0).sum(1).tolist() == [2, 2, 2]
 
 
-def test_distill_with_word_dropout_writes_a_model_that_loads(folders, tmp_path):
-    parameters = {"steps": 6, "epochs": 2, "batch_size": 4, "lr": 1e-3, "word_dropout": 0.2}
+def test_text_mixup_pairs_a_share_of_rows_and_leaves_the_rest_as_they_are():
+    from rayfuse.fusion.distill.transfer import mix_texts
+
+    X = torch.tensor([[2.0, 10, 11, 3, -1], [2.0, 20, 3, -1, -1], [2.0, 30, 31, 32, 3]])
+    pool = torch.tensor([[2.0, 40, 3, -1, -1], [2.0, 50, 51, 3, -1]])
+    generator = torch.Generator().manual_seed(0)
+    assert torch.equal(mix_texts(X, pool, 0.0, generator), X)
+    out = mix_texts(X.repeat(20, 1), pool, 0.5, generator)
+    assert out.shape == (60, 3, 5) and torch.equal(out[:, 0], X.repeat(20, 1))
+    lam = out[:, 2]
+    assert torch.equal(lam, lam[:, :1].expand_as(lam)) and bool(((lam >= 0) & (lam <= 1)).all())
+    plain = lam[:, 0] == 1
+    assert torch.equal(out[plain, 1], out[plain, 0])  # a row not mixed: its text twice, ratio 1
+    assert 10 < int((~plain).sum()) < 50 and all(row in pool.tolist() for row in out[~plain, 1].tolist())
+
+
+def test_a_mixed_row_is_the_ratios_mix_of_word_embeddings(folders):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from rayfuse.models.hf import _token_ids_forward
+
+    torch.manual_seed(0)  # freshly initialised with large weights: its logits differ from text to text
+    config = BertConfig.from_pretrained(folders["base"])
+    config.initializer_range = 0.5
+    model = _token_ids_forward(BertForSequenceClassification(config)).eval()
+    a = torch.tensor([[2.0, 10, 11, 12, 3, -1]])
+    b = torch.tensor([[2.0, 20, 21, 22, 3, -1]])  # the same length: one attention mask for both
+    with torch.no_grad():
+        same = model(torch.stack([a, a, torch.ones_like(a)], dim=1))
+        second = model(torch.stack([a, b, torch.zeros_like(a)], dim=1))
+        half = model(torch.stack([a, b, torch.full_like(a, 0.5)], dim=1))
+        torch.testing.assert_close(same, model(a), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(second, model(b), rtol=1e-5, atol=1e-5)
+        table = model.get_input_embeddings()
+        embeds = 0.5 * table(a.clamp(min=0).long()) + 0.5 * table(b.clamp(min=0).long())
+        embeds[:, -1] = table(torch.tensor([model.config.pad_token_id]))  # a padded position embeds the pad token
+        expected = type(model).__mro__[1].forward(model, inputs_embeds=embeds, attention_mask=(a >= 0).long()).logits
+        torch.testing.assert_close(half, expected, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(half, model(a), rtol=0, atol=0.05) and not torch.allclose(half, model(b), rtol=0, atol=0.05)
+
+
+@pytest.mark.parametrize("option", [{"word_dropout": 0.2}, {"mixup": 0.5}])
+def test_distill_with_word_dropout_or_mixup_writes_a_model_that_loads(folders, tmp_path, option):
+    parameters = {"steps": 6, "epochs": 2, "batch_size": 4, "lr": 1e-3, **option}
     out = rayfuse.fuse(_config(folders, "distill", tmp_path, parameters=parameters))
     _load(out)
     assert (out / "tokenizer_config.json").is_file()

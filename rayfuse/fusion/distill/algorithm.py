@@ -107,7 +107,8 @@ class DistillOptions(StrictSchema):
         0.5,
         ge=0,
         le=1,
-        description="public: fraction of transfer inputs mixed with a second one (ratio ~ U(0, 1)); never token ids (texts)",
+        description="public: fraction of transfer inputs mixed with a second one (ratio ~ U(0, 1)); texts (token ids) are "
+        "mixed in each model's word-embedding space",
     )
     holdout: float = Field(
         0.0,

@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rayfuse.fusion.distill.teachers import combine_teachers, distillation_loss
-from rayfuse.fusion.distill.transfer import Generator, SyntheticBank, augment_bank, drop_tokens
+from rayfuse.fusion.distill.transfer import Generator, SyntheticBank, augment_bank, drop_tokens, mix_texts
 
 __all__ = [
     "DistillSettings",
@@ -300,7 +300,8 @@ def distill_public(
         held = held_X, combine_teachers(teachers.predict(held_X).to(device), W, settings.combine)
     opt, sched = _optimizer(student, settings)
     per_pass = math.ceil(settings.steps / settings.epochs)
-    # token-id rows (texts: a model that masks their -1 padding) are drawn as they are: a mix of two texts' ids is no text
+    # token-id rows (texts: a model that masks their -1 padding) are drawn as they are: a mix of two texts' ids is no
+    # text; their mixup pairs the texts for the models to mix in word-embedding space (mix_texts)
     tokens = getattr(student, "masks_padding", False)
     mixup = 0.0 if tokens else settings.mixup
     scale, noise = (0.0, 0.0) if tokens else (settings.scale, settings.noise)  # token ids are not amplitudes
@@ -330,6 +331,7 @@ def distill_public(
         )
         if getattr(student, "masks_padding", False):
             bank = drop_tokens(bank, settings.word_dropout, generator)
+            bank = mix_texts(bank, X_t, settings.mixup, generator)  # mixup in word-embedding space
         target = combine_teachers(teachers.predict(bank).to(device), W, settings.combine)
         order = torch.randperm(bank.shape[0], generator=generator).to(device)
         losses = []

@@ -107,6 +107,23 @@ def drop_tokens(X: torch.Tensor, rate: float, generator: torch.Generator) -> tor
     return torch.where(keep.gather(1, order), X.gather(1, order), torch.full_like(X, -1.0))
 
 
+def mix_texts(X: torch.Tensor, pool: torch.Tensor, rate: float, generator: torch.Generator) -> torch.Tensor:
+    """Mixup for token-id rows ``(N, L)`` (MixKD's, in embedding space: two texts' ids cannot be averaged): a share
+    ``rate`` of the rows paired with a text drawn from ``pool`` ``(M, L)`` and a ratio ``U(0, 1)``; returns ``(N, 3, L)``
+    rows of the first text's ids, the second's and the ratio (a row not mixed: its text twice, ratio 1), which a
+    Hugging Face classifier of rayfuse (:mod:`rayfuse.models.hf`) reads as the ratio's mix of the two texts' word
+    embeddings, attending where either has a token. ``0``: ``X`` unchanged, and no draw is made."""
+    if rate <= 0:
+        return X
+    n = X.shape[0]
+    second = pool[torch.randint(0, pool.shape[0], (n,), generator=generator).to(X.device)]
+    lam = torch.rand(n, generator=generator).to(X.device)
+    mixed = torch.rand(n, generator=generator).to(X.device) < rate
+    second = torch.where(mixed[:, None], second, X)
+    lam = torch.where(mixed, lam, torch.ones_like(lam)).to(X.dtype)
+    return torch.stack([X, second, lam[:, None].expand_as(X)], dim=1)
+
+
 def pooled_moments(moments: Sequence[tuple[int, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
     """The pooled per-element mean and population standard deviation (float32, shaped like one input) of the clients'
     ``(count, sum, sum of squares)``: what generated inputs take. Unlike a standardisation scale, a constant element
