@@ -653,7 +653,7 @@ def _distill(
         batch_size=p.batch_size,
         lr=p.lr,
         shift=0,
-        mixup=p.mixup,
+        mixup=0.0,
         batched="loop",
     )
 
@@ -661,7 +661,9 @@ def _distill(
         if log is not None:
             log(f"distill: epoch {epoch}/{p.epochs}: loss {row['loss']:.4f}, agreement with the ensemble {row['agreement']:.3f}")
 
-    settings = dataclasses.replace(options.settings(p.seed), word_dropout=p.word_dropout, holdout=p.holdout, patience=p.patience)
+    settings = dataclasses.replace(
+        options.settings(p.seed), word_dropout=p.word_dropout, text_mixup=p.mixup, holdout=p.holdout, patience=p.patience
+    )
     distill_public(student, teachers, X, tw, settings, log=report)
     return {k: v.detach() for k, v in student.state_dict().items()}
 

@@ -107,8 +107,7 @@ class DistillOptions(StrictSchema):
         0.5,
         ge=0,
         le=1,
-        description="public: fraction of transfer inputs mixed with a second one (ratio ~ U(0, 1)); texts (token ids) are "
-        "mixed in each model's word-embedding space",
+        description="public: fraction of transfer inputs mixed with a second one (ratio ~ U(0, 1)); never token ids (texts)",
     )
     holdout: float = Field(
         0.0,
@@ -151,8 +150,8 @@ class DistillOptions(StrictSchema):
 
         from rayfuse.fusion.distill.student import DistillSettings
 
-        # word dropout: the text fuse's option (rayfuse.finetunes.text_fuse), left at its default here
-        names = {f.name for f in dataclasses.fields(DistillSettings)} - {"seed", "combine", "temperature", "word_dropout"}
+        # word dropout and text mixup: the text fuse's options (rayfuse.finetunes.text_fuse), left at their defaults here
+        names = {f.name for f in dataclasses.fields(DistillSettings)} - {"seed", "combine", "temperature", "word_dropout", "text_mixup"}
         combine = self.combine
         if combine == "auto":
             combine = "energy" if transfer == "public" else ("logits" if one_architecture else "probabilities")

@@ -103,6 +103,7 @@ class DistillSettings:
     scale: float = 0.0  # public: each input's amplitude times U(1 - scale, 1 + scale)
     noise: float = 0.0  # public: Gaussian noise of this many standard deviations of each input element
     word_dropout: float = 0.0  # token-id rows (texts): each real token dropped with this probability (drop_tokens)
+    text_mixup: float = 0.0  # token-id rows (texts): this share of a bank's texts mixed with a second in word-embedding space
     holdout: float = 0.0  # public: this share of the inputs held out to score the student's fidelity each pass (0: off)
     patience: int = 0  # holdout: stop after this many passes without a better fidelity (0: run every pass)
     synthetic_batch: int = 128
@@ -301,7 +302,7 @@ def distill_public(
     opt, sched = _optimizer(student, settings)
     per_pass = math.ceil(settings.steps / settings.epochs)
     # token-id rows (texts: a model that masks their -1 padding) are drawn as they are: a mix of two texts' ids is no
-    # text; their mixup pairs the texts for the models to mix in word-embedding space (mix_texts)
+    # text; their mixup (text_mixup, the text fuse's) pairs the texts for the models to mix in word-embedding space
     tokens = getattr(student, "masks_padding", False)
     mixup = 0.0 if tokens else settings.mixup
     scale, noise = (0.0, 0.0) if tokens else (settings.scale, settings.noise)  # token ids are not amplitudes
@@ -331,7 +332,7 @@ def distill_public(
         )
         if getattr(student, "masks_padding", False):
             bank = drop_tokens(bank, settings.word_dropout, generator)
-            bank = mix_texts(bank, X_t, settings.mixup, generator)  # mixup in word-embedding space
+            bank = mix_texts(bank, X_t, settings.text_mixup, generator)  # mixup in word-embedding space
         target = combine_teachers(teachers.predict(bank).to(device), W, settings.combine)
         order = torch.randperm(bank.shape[0], generator=generator).to(device)
         losses = []
