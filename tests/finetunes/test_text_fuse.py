@@ -406,7 +406,7 @@ def test_a_mixed_row_is_the_ratios_mix_of_word_embeddings(folders):
         assert not torch.allclose(half, model(a), rtol=0, atol=0.05) and not torch.allclose(half, model(b), rtol=0, atol=0.05)
 
 
-@pytest.mark.parametrize("option", [{"word_dropout": 0.2}, {"mixup": 0.5}])
+@pytest.mark.parametrize("option", [{"word_dropout": 0.2}, {"mixup": 1.0}])
 def test_distill_with_word_dropout_or_mixup_writes_a_model_that_loads(folders, tmp_path, option):
     parameters = {"steps": 6, "epochs": 2, "batch_size": 4, "lr": 1e-3, **option}
     out = rayfuse.fuse(_config(folders, "distill", tmp_path, parameters=parameters))
