@@ -127,6 +127,13 @@ def _under_vmap(x: Any) -> bool:
     return False
 
 
+def _ids(config: Any, x: Any) -> Any:
+    """Token-id rows (float, -1 at a padded position: rayfuse.data.text.PAD) as the long ids a model embeds, a padded
+    position given the config's pad token (0 without one)."""
+    pad = getattr(config, "pad_token_id", None)
+    return x.masked_fill(x < 0, float(pad if isinstance(pad, int) and pad >= 0 else 0)).long()
+
+
 def _token_ids_forward(model: Any) -> Any:
     """``model`` with a ``forward(x)`` taking token ids and returning the logits: its class swapped for a subclass that
     only changes ``forward``, so its parameters and state-dict names stay the class's."""
@@ -141,31 +148,21 @@ def _token_ids_forward(model: Any) -> Any:
             # padded ones) and no mask is passed
             if _under_vmap(x):
                 out = base_cls.forward(self, input_ids=x.long())
-            elif x.dim() == 3:  # (B, 3, L): two texts' ids and a ratio (distillation's text mixup, transfer.mix_texts)
-                return self._mixed_logits(x)
+            elif x.dim() == 3:
+                # (B, 3, L): two texts' ids and a ratio (distillation's text mixup, transfer.mix_texts): the ratio's mix
+                # of the two texts' word embeddings (position and type embeddings are the model's own, added inside),
+                # attending where either text has a token
+                first, second, lam = x[:, 0], x[:, 1], x[:, 2, :1, None]
+                table = self.get_input_embeddings()
+                embeds = lam * table(_ids(self.config, first)) + (1 - lam) * table(_ids(self.config, second))
+                out = base_cls.forward(self, inputs_embeds=embeds, attention_mask=((first >= 0) | (second >= 0)).long())
             else:
-                mask = x >= 0
-                pad = getattr(self.config, "pad_token_id", None)
-                ids = x.masked_fill(~mask, float(pad if isinstance(pad, int) and pad >= 0 else 0)).long()
-                out = base_cls.forward(self, input_ids=ids, attention_mask=mask.long())
+                out = base_cls.forward(self, input_ids=_ids(self.config, x), attention_mask=(x >= 0).long())
             return out.logits if hasattr(out, "logits") else out[0]
 
         # masks_padding: its forward masks padded positions with transformers' attention mask, which vmap cannot
         # trace (rayfuse.alignment.merge.diagonal_fisher loops over padded samples instead)
-        def mixed_logits(self: Any, x: Any) -> Any:
-            # the ratio's mix of the two texts' word embeddings (position and type embeddings are the model's own,
-            # added inside), attending where either text has a token; a padded position embeds the pad token
-            pad = getattr(self.config, "pad_token_id", None)
-            fill = float(pad if isinstance(pad, int) and pad >= 0 else 0)
-            first, second, lam = x[:, 0], x[:, 1], x[:, 2, :1, None]
-            table = self.get_input_embeddings()
-            embeds = lam * table(first.masked_fill(first < 0, fill).long())
-            embeds = embeds + (1 - lam) * table(second.masked_fill(second < 0, fill).long())
-            mask = ((first >= 0) | (second >= 0)).long()
-            out = base_cls.forward(self, inputs_embeds=embeds, attention_mask=mask)
-            return out.logits if hasattr(out, "logits") else out[0]
-
-        sub = type(f"TokenIds{base_cls.__name__}", (base_cls,), {"forward": forward, "_mixed_logits": mixed_logits, "masks_padding": True})
+        sub = type(f"TokenIds{base_cls.__name__}", (base_cls,), {"forward": forward, "masks_padding": True})
         _TOKEN_CLASSES[base_cls] = sub
     model.__class__ = sub
     return model

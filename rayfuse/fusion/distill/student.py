@@ -330,7 +330,7 @@ def distill_public(
         bank = augment_bank(
             X_t, per_pass * settings.batch_size, shift=settings.shift, mixup=mixup, generator=generator, scale=scale, noise=noise
         )
-        if getattr(student, "masks_padding", False):
+        if tokens:
             bank = drop_tokens(bank, settings.word_dropout, generator)
             bank = mix_texts(bank, X_t, settings.text_mixup, generator)  # mixup in word-embedding space
         target = combine_teachers(teachers.predict(bank).to(device), W, settings.combine)
