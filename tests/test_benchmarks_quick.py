@@ -69,6 +69,7 @@ EXPECTED: dict[str, tuple[str, set[str]]] = {
     "benchmarks/distill/privacy.py": ("distill_privacy.json", {"machine", "rows"}),
     "benchmarks/distill/newcomer.py": ("distill_newcomer.json", {"meta", "variants", "rows"}),
     "benchmarks/distill/many.py": ("distill_many.json", {"machine", "params", "rows"}),
+    "benchmarks/distill/target_check.py": ("distill_target_check.json", {"machine", "cells", "rows"}),
     "benchmarks/finetunes/compare_mergekit.py": ("compare_mergekit.json", {"rows", "mergekit"}),
     "benchmarks/finetunes/lora_exactness.py": ("lora_exactness.json", {"rows"}),
     "benchmarks/finetunes/accuracy.py": ("finetunes_accuracy.json", {"summary", "runs", "meta"}),

@@ -14,6 +14,7 @@ Usage (project virtualenv, repository root)::
     PYTHONPATH=$PWD .venv/bin/python benchmarks/distill/many.py [--archs mlp cnn] [--datasets digits mnist5k] \\
         [--clients 10 20 50] [--partitions iid dirichlet0.5] [--seeds 0] [--params JSON]
     PYTHONPATH=$PWD .venv/bin/python benchmarks/distill/many.py --quick --out DIR      # K 10 and 20, mlp, 100 steps
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/distill/many.py --render benchmarks/results/distill_many.json
 
 Writes ``benchmarks/results/distill_many.json`` and ``docs/results/distill/many.md`` (``--quick``: both under
 ``--out`` or a new temporary folder).
@@ -82,10 +83,13 @@ def markdown(rows: list[dict[str, Any]], params: dict[str, Any], info: dict[str,
         "",
         f"Test accuracy and the seconds of the public transfer's student steps, by the number of clients K; "
         f"`distill_public` with {json.dumps(params) if params else 'the defaults'} ({steps} steps); "
-        f"{info.get('cpus', '?')} CPUs, {info.get('cpu_model', '')}. Produced by `benchmarks/distill/many.py`.",
+        f"{info.get('cpus', '?')} CPUs, {info.get('cpu_model', '')}. Produced by `benchmarks/distill/many.py`. "
+        "`target`: the ensemble distilled, as `combine: auto`'s check against the clients' class counts chose it "
+        "(`energy`, or the plain `mean of probabilities`; docs/methods/distill.md).",
         "",
-        "| dataset | arch | partition | K | seed | best_local | ensemble | distill_public | student - ensemble | per step | ratio to smallest K | K ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| dataset | arch | partition | K | seed | best_local | ensemble | distill_public | student - ensemble | target "
+        "| per step | ratio to smallest K | K ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     gaps: dict[tuple, float] = {}
     linear: list[bool] = []
@@ -103,7 +107,8 @@ def markdown(rows: list[dict[str, Any]], params: dict[str, Any], info: dict[str,
             linear.append(ratio <= k / k0)
         lines.append(
             f"| {d} | {a} | {p} | {k} | {s} | {got['best_local']['accuracy']:.3f} | {got['ensemble']['accuracy']:.3f} | "
-            f"{got['distill_public']['accuracy']:.3f} | {-gaps[key]:+.3f} | {per_step * 1000:.2f} ms | {ratio:.2f} | {k / k0:.1f} |"
+            f"{got['distill_public']['accuracy']:.3f} | {-gaps[key]:+.3f} | {got['distill_public'].get('target', 'n/a')} | "
+            f"{per_step * 1000:.2f} ms | {ratio:.2f} | {k / k0:.1f} |"
         )
     largest = max(key[3] for key in gaps) if gaps else 0
     big = [g for key, g in gaps.items() if key[3] == largest]
@@ -132,9 +137,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--params", type=json.loads, default={}, help="distill parameters over the defaults, as JSON")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="default docs/results/distill; --quick: a new temporary folder")
+    parser.add_argument("--render", type=Path, default=None, help="write the page from a raw result file only (many.md under --out)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = out_dir(args.out, args.quick, OUT_DIR)
+    if args.render is not None:
+        raw = json.loads(args.render.read_text(encoding="utf-8"))
+        (out / "many.md").write_text(markdown(raw["rows"], raw["params"], raw["machine"]), encoding="utf-8")
+        print(f"wrote {out / 'many.md'}")
+        return
     if args.quick:
         args.archs, args.datasets, args.clients, args.partitions, args.seeds = ["mlp"], ["digits"], [10, 20], ["iid"], [0]
         args.params = {"steps": 100, "epochs": 2, **args.params}

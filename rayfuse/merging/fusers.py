@@ -420,8 +420,9 @@ class DistillFuseParams(DistillOptions):
         "probabilities",
         description="the ensemble: weighted probabilities (the default here: without the clients' class counts, "
         "a model's logits for classes it never saw would count as much as its others), logits, geometric (the weighted "
-        "mean of log-probabilities), energy (geometric plus each model's standardised energy), or auto (the distill method's: energy with data; without, "
-        "logits when every model has the file's architecture, else probabilities)",
+        "mean of log-probabilities), energy (geometric plus each model's standardised energy), or auto (energy with data; without, "
+        "logits when every model has the file's architecture, else probabilities; the distill method's check of its target "
+        "against the clients' class counts needs counts a fuse file does not have)",
     )
     seed: int = 0
 

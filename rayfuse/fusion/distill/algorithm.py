@@ -76,9 +76,12 @@ class DistillOptions(StrictSchema):
         "the teachers' log-probabilities: a product of experts, blind to the scale of each one's logits), or energy "
         "(geometric plus each teacher's energy, the log-sum-exp of its logits, standardised over the pass's inputs: "
         "how familiar each finds an input); auto: energy with public transfer (measured above the others on mixed, "
-        "label-skewed and 1-D sites: docs/methods/distill.md), and data-free logits when every teacher has one "
-        "architecture, probabilities when they differ (their logits' scales differ: averaged, the most confident "
-        "architecture's would decide)",
+        "label-skewed and 1-D sites: docs/methods/distill.md), unless the plain mean of the teachers' probabilities "
+        "(uniform weights, temperature 1 unless set) labels the public inputs nearer the clients' pooled class counts "
+        "(the check, where classes are shared: its top-1 histogram's total variation from them lower by more than 0.01; "
+        "info.target records it); "
+        "data-free, logits when every teacher has one architecture, probabilities when they differ (their logits' "
+        "scales differ: averaged, the most confident architecture's would decide)",
     )
     temperature: float | None = Field(
         None,
@@ -1052,6 +1055,8 @@ class Distill(Method[DistillParams, DistillRoundsState]):
 
         p = self.params
         secure = teachers if isinstance(teachers, _SecureTeachers) else None
+        if p.transfer == "public" and p.combine == "auto":  # the check of the target against the pooled class counts
+            settings, weights, info["target"] = self._check_target(server, teachers, weights, settings, counts)
         if secure is not None:  # the loops see one teacher, the ensemble, combined by the clients' sum
             weights, settings = secure.loop_weights, replace(settings, combine="logits")
         epochs = p.epochs
@@ -1095,6 +1100,27 @@ class Distill(Method[DistillParams, DistillRoundsState]):
         if chosen:  # holdout: the pass whose student is returned, and its fidelity on the held-out inputs
             info["holdout"] = {k: round(v, 4) for k, v in chosen[0].items() if k in ("epoch", "holdout_agreement", "holdout_kl")}
         return history
+
+    def _check_target(
+        self, server: ServerContext, teachers: Any, weights: np.ndarray, settings: Any, counts: np.ndarray
+    ) -> tuple[Any, np.ndarray, dict[str, Any]]:
+        """``combine: auto``'s check (:func:`~rayfuse.fusion.distill.student.check_target`): the ensembles on the
+        public inputs (one call more per client where the clients are the teachers; under secure aggregation one
+        secure sum per candidate, the chosen one's combine and weights then the clients')."""
+        from rayfuse.fusion.distill.student import auto_target, check_target
+
+        X, T = server.data.public.X, self.params.temperature
+        if not isinstance(teachers, _SecureTeachers):
+            return auto_target(teachers, X, weights, counts, settings, T, device=server.models.device)
+        secure = teachers
+
+        def ensemble_of(how: str, w: np.ndarray) -> Any:
+            secure.combine, secure.weights = how, np.asarray(w, dtype=np.float32)
+            return secure.predict(X)[0]
+
+        settings, weights, record = check_target(ensemble_of, weights, counts, settings, T)
+        secure.combine, secure.weights = settings.combine, np.asarray(weights, dtype=np.float32)
+        return settings, weights, record
 
     def _finish(
         self, server: ServerContext, student: Any, student_cfg: ModelConfig, clients: list[int], info: dict[str, Any], history: Any

@@ -58,7 +58,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rayfuse.fusion.distill.teachers import combine_teachers, distillation_loss
+from rayfuse.fusion.distill.teachers import MIN_HOLDERS, choose_target, class_holders, combine_teachers, distillation_loss
 from rayfuse.fusion.distill.transfer import Generator, SyntheticBank, augment_bank, drop_tokens, mix_texts
 
 __all__ = [
@@ -79,6 +79,8 @@ __all__ = [
     "teacher_vjp",
     "GradientTeachers",
     "agreement",
+    "check_target",
+    "auto_target",
     "fidelity",
     "held_out",
     "refine_student",
@@ -170,6 +172,61 @@ def agreement(student: nn.Module, X: torch.Tensor, target: torch.Tensor, limit: 
         agree = float((student(X[:n]).argmax(1) == target[:n].argmax(1)).float().mean())
     student.train(was)
     return agree
+
+
+def check_target(
+    ensemble_of: Callable[[str, np.ndarray], torch.Tensor],
+    weights: np.ndarray,
+    class_counts: np.ndarray,
+    settings: DistillSettings,
+    temperature: float | None = None,
+) -> tuple[DistillSettings, np.ndarray, dict[str, Any]]:
+    """``combine: auto``'s check of the target on the public inputs: the ensemble of ``settings.combine`` with the
+    teacher ``weights`` ``(K, C)`` (the default: the energy ensemble, per-class weights), or the plain mean of the
+    teachers' probabilities (uniform weights), whichever :func:`~rayfuse.fusion.distill.teachers.choose_target` picks
+    against the clients' pooled class counts (``class_counts`` ``(K, C)`` summed). Where the classes are not shared
+    (fewer than ``MIN_HOLDERS`` effective holders a class, :func:`~rayfuse.fusion.distill.teachers.class_holders`)
+    nothing is checked. ``ensemble_of(combine, weights)`` gives an ensemble's logits on the public inputs,
+    unaugmented. Returns the settings and weights to distil with (the mean at ``temperature``, 1 when it is None) and
+    the record of the check (``info.target``)."""
+    counts = np.asarray(class_counts, dtype=np.float64)
+    holders = class_holders(counts)
+    kept = {"chosen": settings.combine, "combine": settings.combine, "temperature": settings.temperature, "class_holders": holders}
+    if holders < MIN_HOLDERS:  # each class about one client's: the class weights are its owner's say (nothing asked)
+        return settings, weights, kept
+    uniform = np.full(np.shape(weights), 1.0 / np.shape(weights)[0], dtype=np.float32)
+    candidates = {"default": ensemble_of(settings.combine, weights), "mean": ensemble_of("probabilities", uniform)}
+    chosen, gaps = choose_target(candidates, counts.sum(0), "default")
+    gap = {"prior_gap": {settings.combine: gaps["default"], "mean of probabilities": gaps["mean"]}}
+    if chosen == "default":
+        return settings, weights, {**kept, **gap}
+    T = 1.0 if temperature is None else float(temperature)
+    picked = replace(settings, combine="probabilities", temperature=T)
+    record = {"chosen": "mean of probabilities", "combine": "probabilities", "weighting": "uniform", "temperature": T}
+    return picked, uniform, {**record, "class_holders": holders, **gap}
+
+
+def auto_target(
+    teachers: ExactTeachers | GradientTeachers | SignalTeachers,
+    X: np.ndarray,
+    weights: np.ndarray,
+    class_counts: np.ndarray,
+    settings: DistillSettings,
+    temperature: float | None = None,
+    *,
+    device: str = "cpu",
+) -> tuple[DistillSettings, np.ndarray, dict[str, Any]]:
+    """:func:`check_target` with teachers whose ``predict`` gives each member's logits (``(K, N, C)``: the uploaded
+    models, or the clients' predictions; one call more per client where the check is made), on the public inputs
+    ``X`` as they are."""
+    members: list[torch.Tensor] = []
+
+    def ensemble_of(how: str, w: np.ndarray) -> torch.Tensor:
+        if not members:  # once, and only where the check asks
+            members.append(teachers.predict(torch.as_tensor(np.ascontiguousarray(X), dtype=torch.float32, device=device)).to(device))
+        return combine_teachers(members[0], torch.as_tensor(w, dtype=torch.float32, device=device), how)
+
+    return check_target(ensemble_of, weights, class_counts, settings, temperature)
 
 
 def held_out(n: int, share: float) -> int:

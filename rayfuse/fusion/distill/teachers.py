@@ -32,6 +32,11 @@ __all__ = [
     "ensemble_term",
     "ensemble_of_sum",
     "distillation_loss",
+    "prior_gap",
+    "choose_target",
+    "class_holders",
+    "PRIOR_MARGIN",
+    "MIN_HOLDERS",
     "WEIGHTINGS",
     "COMBINES",
 ]
@@ -40,6 +45,14 @@ WEIGHTINGS = ("uniform", "samples", "classes")
 COMBINES = ("logits", "probabilities", "geometric", "energy")
 _EPS = 1e-3  # class-count smoothing: a class no client holds gets uniform weights, not 0 / 0
 _FLOOR = 1e-12  # the weighted probabilities' floor before their log (combine: probabilities)
+# combine: auto's check (choose_target): the plain mean replaces the default only when its top-1 classes are nearer the
+# pooled class frequencies by more than this (total variation; 3 of 300 public inputs). Chosen on the probe cells in
+# docs/methods/distill.md: at 0 near-ties switch, and lose as often as they gain
+PRIOR_MARGIN = 0.01
+# ... and only where classes are shared (class_holders): where each class has about one owner, the class weights give
+# the owner's say, and the plain mean's top-1 is decided by margins a student does not learn (label-disjoint cells in
+# docs/methods/distill.md). Halfway between one holder a class and two
+MIN_HOLDERS = 1.5
 
 
 def teacher_weights(kind: Literal["uniform", "samples", "classes"], class_counts: np.ndarray) -> np.ndarray:
@@ -124,6 +137,62 @@ def _energy_log_probabilities(member_logits: torch.Tensor) -> torch.Tensor:
     spread = energy.std(1, unbiased=False, keepdim=True)
     standard = (energy - energy.mean(1, keepdim=True)) / spread.clamp_min(1e-6)
     return torch.log_softmax(member_logits, dim=2) + standard[:, :, None]
+
+
+def prior_gap(logits: torch.Tensor | np.ndarray, prior: np.ndarray) -> float:
+    """How far an ensemble's top-1 classes on some inputs are from the class frequencies ``prior`` ``(C,)``: the total
+    variation ``0.5 * sum_c |h_c - p_c|`` between the histogram ``h`` of the argmax of ``logits`` ``(N, C)`` and ``p``
+    (normalised). 0: the inputs are labelled in the proportions of ``prior``; 1: only in classes it gives no mass.
+
+    Examples
+    --------
+    >>> prior_gap(np.array([[2.0, 0.0], [0.0, 1.0], [3.0, 1.0], [1.0, 0.0]]), np.array([1.0, 1.0]))
+    0.25
+    """
+    z = torch.as_tensor(logits)
+    p = np.asarray(prior, dtype=np.float64)
+    p = p / p.sum()
+    h = np.bincount(z.argmax(-1).reshape(-1).cpu().numpy(), minlength=len(p)) / max(1, z.reshape(-1, z.shape[-1]).shape[0])
+    return round(float(0.5 * np.abs(h - p).sum()), 6)
+
+
+def class_holders(class_counts: np.ndarray) -> float:
+    """How many clients hold each class, on average over the classes: the effective number ``1 / sum_k w_kc^2`` of
+    each class's shares ``w_kc`` (:func:`teacher_weights`'s ``classes``). 1: every class has one owner
+    (label-disjoint); K: every client holds an equal share of every class.
+
+    Examples
+    --------
+    >>> class_holders(np.array([[10, 0], [0, 10]]))
+    1.0
+    >>> class_holders(np.array([[10, 5], [10, 5]]))
+    2.0
+    """
+    w = teacher_weights("classes", class_counts).astype(np.float64)
+    return round(float((1.0 / np.square(w).sum(axis=0)).mean()), 3)
+
+
+def choose_target(
+    ensembles: dict[str, torch.Tensor], prior: np.ndarray, default: str, margin: float = PRIOR_MARGIN
+) -> tuple[str, dict[str, float]]:
+    """Which of the candidate ``ensembles`` (name: logits ``(N, C)`` on the same unlabeled inputs) to distil:
+    ``default``, unless another's top-1 classes are nearer the class frequencies ``prior`` (:func:`prior_gap`) by more
+    than ``margin``, then the nearest. Returns the name and every candidate's gap.
+
+    ``combine: auto``'s check on public inputs, drawn like the clients' data pooled: with many clients of a few
+    classes each, the class-weighted ensemble can name each client's few classes everywhere (each holds a large
+    share of them), and its labels on the public inputs then stray from the pooled class counts the server already
+    holds; the plain mean of the teachers' probabilities does not (docs/methods/distill.md gives the measured cells).
+
+    Examples
+    --------
+    >>> skewed, plain = torch.tensor([[1.0, 0.0]] * 4), torch.tensor([[1.0, 0.0], [0.0, 1.0]] * 2)
+    >>> choose_target({"energy": skewed, "plain": plain}, np.array([5, 5]), "energy")
+    ('plain', {'energy': 0.5, 'plain': 0.0})
+    """
+    gaps = {name: prior_gap(z, prior) for name, z in ensembles.items()}
+    nearest = min(gaps, key=lambda name: gaps[name])
+    return (nearest if gaps[nearest] < gaps[default] - margin else default), gaps
 
 
 def ensemble_term(logits: np.ndarray, weights: np.ndarray, how: str = "logits") -> np.ndarray:

@@ -126,6 +126,83 @@ def test_the_energy_ensemble_adds_each_members_standardised_energy_and_ignores_i
     assert int(gap.mean(1).argmax()) == 7
 
 
+def test_the_prior_gap_is_the_total_variation_of_the_top_1_histogram_from_the_class_frequencies():
+    from rayfuse.fusion.distill.teachers import prior_gap
+
+    logits = torch.eye(3)[[0, 0, 1, 2]]  # top-1 classes 0, 0, 1, 2: histogram (0.5, 0.25, 0.25)
+    assert prior_gap(logits, np.array([2, 1, 1])) == 0.0
+    assert prior_gap(logits, np.array([1, 1, 2])) == pytest.approx(0.25)  # (|0.5-0.25| + 0 + |0.25-0.5|) / 2
+    assert prior_gap(logits, np.array([0, 0, 7])) == pytest.approx(0.75)
+
+
+def _ensembles(skew: float) -> dict[str, torch.Tensor]:
+    """A class-weighted ensemble that labels ``skew`` of 100 inputs class 0 and the rest class 1, and a plain mean that
+    labels them half and half (the clients' pooled counts are half and half)."""
+    k = round(100 * skew)
+    return {"energy": torch.eye(2)[[0] * k + [1] * (100 - k)], "probabilities": torch.eye(2)[[0, 1] * 50]}
+
+
+SHARED = np.array([[30, 20], [20, 30]])  # both clients hold both classes (about 1.9 holders a class); pooled 50 / 50
+
+
+@pytest.mark.parametrize("skew,picked", [(0.9, "mean of probabilities"), (0.51, "energy"), (0.5, "energy")])
+def test_auto_keeps_the_energy_ensemble_unless_the_plain_mean_labels_the_inputs_nearer_the_class_counts(skew, picked):
+    from rayfuse.fusion.distill.student import check_target
+
+    ensembles, asked = _ensembles(skew), []
+
+    def ensemble_of(how: str, w: np.ndarray) -> torch.Tensor:
+        asked.append((how, np.asarray(w).tolist()))
+        return ensembles[how]
+
+    weights = teacher_weights("classes", SHARED)
+    settings, chosen_weights, record = check_target(ensemble_of, weights, SHARED, DistillSettings(combine="energy", temperature=1.0))
+    assert asked == [("energy", weights.tolist()), ("probabilities", [[0.5, 0.5], [0.5, 0.5]])]
+    assert record["chosen"] == picked and record["prior_gap"] == pytest.approx({"energy": skew - 0.5, "mean of probabilities": 0.0})
+    if picked == "energy":  # within the margin (0.01 of total variation) the default stays, as it was
+        assert settings == DistillSettings(combine="energy", temperature=1.0) and chosen_weights is weights
+    else:
+        assert (settings.combine, settings.temperature, record["weighting"]) == ("probabilities", 1.0, "uniform")
+        np.testing.assert_array_equal(chosen_weights, np.full((2, 2), 0.5, dtype=np.float32))
+    given = check_target(ensemble_of, weights, SHARED, DistillSettings(combine="energy", temperature=1.0), temperature=3.0)[0]
+    assert given.temperature == (3.0 if picked != "energy" else 1.0)  # a temperature set is the mean's too
+
+
+def test_where_each_class_has_one_owner_the_check_asks_nothing_and_keeps_the_class_weights():
+    from rayfuse.fusion.distill.student import check_target
+    from rayfuse.fusion.distill.teachers import class_holders
+
+    disjoint = np.array([[40, 40, 0, 0], [0, 0, 35, 45]])
+    assert class_holders(disjoint) == pytest.approx(1.0, abs=1e-3)
+    weights = teacher_weights("classes", disjoint)
+
+    def ensemble_of(how: str, w: np.ndarray) -> torch.Tensor:
+        raise AssertionError("no ensemble is asked for")
+
+    settings = DistillSettings(combine="energy", temperature=1.0)
+    got, got_weights, record = check_target(ensemble_of, weights, disjoint, settings)
+    assert got == settings and got_weights is weights
+    assert record["chosen"] == "energy" and "prior_gap" not in record and record["class_holders"] < 1.5
+
+
+def test_auto_target_scores_the_teachers_ensembles_on_the_public_inputs_as_they_are(trained_digits_mlp):
+    from rayfuse.fusion.distill.student import auto_target
+    from rayfuse.fusion.distill.teachers import prior_gap
+
+    model, X = trained_digits_mlp
+    members = [copy.deepcopy(model), _fresh_mlp(1).eval()]  # Teachers freezes its models: the fixture stays as it is
+    teachers = Teachers(members, batched=False)
+    counts = np.array([[50] * 10, [30] * 10])
+    weights = teacher_weights("classes", counts)
+    settings = DistillSettings(combine="energy", temperature=1.0)
+    _, _, record = auto_target(teachers, X[:300], weights, counts, settings)
+    logits = teachers.predict(torch.as_tensor(X[:300]))
+    expected = prior_gap(combine_teachers(logits, torch.as_tensor(weights), "energy"), counts.sum(0))
+    assert record["prior_gap"]["energy"] == expected
+    mean = prior_gap(combine_teachers(logits, torch.full((2, 10), 0.5), "probabilities"), counts.sum(0))
+    assert record["prior_gap"]["mean of probabilities"] == mean
+
+
 @pytest.fixture(scope="module")
 def trained_digits_mlp():
     from rayfuse.data.datasets import load_dataset
@@ -336,6 +413,9 @@ def test_distill_end_to_end_reaches_the_ensemble_and_reports_its_transfer(coordi
     assert summary["metrics"]["accuracy"] > ensemble - 0.1, (summary["metrics"], ensemble)
     assert summary["info"]["transfer_note"] == "public sample (200)"
     assert summary["info"]["combine"] == "energy"  # combine: auto, public transfer
+    # auto's check, recorded: these three Dirichlet(0.5) clients hold about 1.4 each class, too few to check
+    target = summary["info"]["target"]
+    assert target["chosen"] == "energy" and target["class_holders"] < 1.5 and "prior_gap" not in target
     assert summary["info"]["init"] == "random"
     fused = load_params(coord.store.root / summary["model_file"])
     assert set(fused) == set(coord.reference_params()) and all(np.isfinite(v).all() for v in fused.values())
@@ -357,6 +437,24 @@ def test_the_student_starts_from_the_clients_merge(coordinator, init):
     coord = coordinator(methods={"d": {"method": "distill", "init": init, **QUICK}}, **PUBLIC)
     summary = coord.run_method("d")
     assert summary["info"]["init"].startswith(f"{init} ") and "of clients [0, 1, 2]" in summary["info"]["init"]
+    assert "target" in summary["info"]
+
+
+def test_where_the_clients_share_their_classes_the_run_checks_the_target_against_their_class_counts(coordinator):
+    from rayfuse.fusion.distill.teachers import class_holders
+
+    shared = {**PUBLIC, "partition": {"method": "iid", "num_clients": 3}}
+    coord = coordinator(methods={"d": {"method": "distill", "init": "random", **QUICK}}, **shared)
+    target = coord.run_method("d")["info"]["target"]
+    counts = np.asarray(coord.plan.counts)  # what the server's data.class_counts gives the method
+    assert target["class_holders"] == class_holders(counts) and target["class_holders"] > 2.5
+    assert set(target["prior_gap"]) == {"energy", "mean of probabilities"} and target["chosen"] in target["prior_gap"]
+    assert all(0.0 <= gap <= 1.0 for gap in target["prior_gap"].values())
+
+
+def test_a_combine_set_by_the_user_is_distilled_as_it_is_without_the_check(coordinator):
+    coord = coordinator(methods={"d": {"method": "distill", "init": "random", "combine": "energy", **QUICK}}, **PUBLIC)
+    assert "target" not in coord.run_method("d")["info"]
 
 
 def test_data_free_in_a_run_with_client_signals(coordinator):

@@ -226,3 +226,29 @@ def test_entries_beyond_a_keys_range_are_clipped_counted_and_reported(tmp_path, 
 )
 def test_distill_sums_exactly_with_the_clients_as_teachers_and_no_reweighting(entry, sums):
     assert Distill.tags_for(DistillParams(**entry)).sums is sums
+
+
+def test_autos_check_under_secure_aggregation_sums_each_candidate_and_trains_the_plain_runs_student(tmp_path, monkeypatch):
+    """``combine: auto`` on clients that share their classes: the check's two candidate ensembles are secure sums (one
+    each, before the epochs'), and where it picks the plain mean the clients then sum that ensemble with uniform
+    weights; the choice, the gaps and the student are the plain run's. The pick is forced to the mean (the real choice
+    on these clients is the default's, which the other tests cover) so that the switch itself is exercised."""
+    from rayfuse.fusion.distill import teachers as teacher_module
+
+    def pick_the_mean(ensembles, prior, default, margin=0.01):
+        gaps = {name: teacher_module.prior_gap(z, prior) for name, z in ensembles.items()}
+        return "mean", gaps
+
+    monkeypatch.setattr(student_loops, "choose_target", pick_the_mean)
+    entry = {**PUBLIC, "combine": "auto"}
+    iid = {"partition": {"method": "iid", "num_clients": K}}
+    plain = _run(tmp_path, "plain", entry, iid)
+    secure = _run(tmp_path, "secure", entry, iid, SECURE)
+    got, want = (run.results["methods"]["d"]["info"] for run in (secure, plain))
+    assert got["target"]["chosen"] == want["target"]["chosen"] == "mean of probabilities"
+    assert got["target"]["class_holders"] == want["target"]["class_holders"] > 1.5
+    for name, gap in want["target"]["prior_gap"].items():  # a top-1 may flip only where the sum's steps break a tie:
+        assert abs(got["target"]["prior_gap"][name] - gap) <= 0.02, name  # 0.02: a few of the ~180 public inputs
+    # the candidates (energy, then the mean) and the two epochs, with the mean's probabilities summed
+    assert got["secure_aggregation"]["sums"] == 4 and set(got["secure_sums"]["steps"]) == {"energy", "probabilities"}
+    assert _gap(plain.models["d"], secure.models["d"]) <= 5e-4
