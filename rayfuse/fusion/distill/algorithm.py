@@ -78,7 +78,8 @@ class DistillOptions(StrictSchema):
         "how familiar each finds an input); auto: energy with public transfer (measured above the others on mixed, "
         "label-skewed and 1-D sites: docs/methods/distill.md), unless the plain mean of the teachers' probabilities "
         "(uniform weights, temperature 1 unless set) labels the public inputs nearer the clients' pooled class counts "
-        "(the check, where classes are shared: its top-1 histogram's total variation from them lower by more than 0.01; "
+        "(the check, with 10 clients or more sharing their classes: its top-1 histogram's total variation from them "
+        "lower by more than 0.01; "
         "info.target records it); "
         "data-free, logits when every teacher has one architecture, probabilities when they differ (their logits' "
         "scales differ: averaged, the most confident architecture's would decide)",

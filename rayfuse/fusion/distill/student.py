@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rayfuse.fusion.distill.teachers import MIN_HOLDERS, choose_target, class_holders, combine_teachers, distillation_loss
+from rayfuse.fusion.distill.teachers import MIN_CLIENTS, MIN_HOLDERS, choose_target, class_holders, combine_teachers, distillation_loss
 from rayfuse.fusion.distill.transfer import Generator, SyntheticBank, augment_bank, drop_tokens, mix_texts
 
 __all__ = [
@@ -184,26 +184,36 @@ def check_target(
     """``combine: auto``'s check of the target on the public inputs: the ensemble of ``settings.combine`` with the
     teacher ``weights`` ``(K, C)`` (the default: the energy ensemble, per-class weights), or the plain mean of the
     teachers' probabilities (uniform weights), whichever :func:`~rayfuse.fusion.distill.teachers.choose_target` picks
-    against the clients' pooled class counts (``class_counts`` ``(K, C)`` summed). Where the classes are not shared
-    (fewer than ``MIN_HOLDERS`` effective holders a class, :func:`~rayfuse.fusion.distill.teachers.class_holders`)
-    nothing is checked. ``ensemble_of(combine, weights)`` gives an ensemble's logits on the public inputs,
-    unaugmented. Returns the settings and weights to distil with (the mean at ``temperature``, 1 when it is None) and
-    the record of the check (``info.target``)."""
+    against the clients' pooled class counts (``class_counts`` ``(K, C)`` summed). With fewer than ``MIN_CLIENTS``
+    teachers, or where the classes are not shared (fewer than ``MIN_HOLDERS`` effective holders a class,
+    :func:`~rayfuse.fusion.distill.teachers.class_holders`), nothing is checked. ``ensemble_of(combine, weights)``
+    gives an ensemble's logits on the public inputs, unaugmented. Returns the settings and weights to distil with (the
+    mean at ``temperature``, 1 when it is None) and the record of the check (``info.target``)."""
     counts = np.asarray(class_counts, dtype=np.float64)
     holders = class_holders(counts)
-    kept = {"chosen": settings.combine, "combine": settings.combine, "temperature": settings.temperature, "class_holders": holders}
-    if holders < MIN_HOLDERS:  # each class about one client's: the class weights are its owner's say (nothing asked)
+    kept = {"chosen": settings.combine, "combine": settings.combine, "temperature": settings.temperature}
+    kept.update(clients=len(counts), class_holders=holders)
+    if len(counts) < MIN_CLIENTS or holders < MIN_HOLDERS:  # a few clients, or each class one client's: nothing asked
         return settings, weights, kept
     uniform = np.full(np.shape(weights), 1.0 / np.shape(weights)[0], dtype=np.float32)
     candidates = {"default": ensemble_of(settings.combine, weights), "mean": ensemble_of("probabilities", uniform)}
     chosen, gaps = choose_target(candidates, counts.sum(0), "default")
-    gap = {"prior_gap": {settings.combine: gaps["default"], "mean of probabilities": gaps["mean"]}}
+    gap = {
+        "prior_gap": {settings.combine: gaps["default"], "mean of probabilities": gaps["mean"]},
+        "top2_margin": {settings.combine: _top2_margin(candidates["default"]), "mean of probabilities": _top2_margin(candidates["mean"])},
+    }
     if chosen == "default":
         return settings, weights, {**kept, **gap}
     T = 1.0 if temperature is None else float(temperature)
     picked = replace(settings, combine="probabilities", temperature=T)
     record = {"chosen": "mean of probabilities", "combine": "probabilities", "weighting": "uniform", "temperature": T}
-    return picked, uniform, {**record, "class_holders": holders, **gap}
+    return picked, uniform, {**record, "clients": len(counts), "class_holders": holders, **gap}
+
+
+def _top2_margin(logits: torch.Tensor) -> float:
+    """The mean gap between an ensemble's two largest probabilities (temperature 1) over its inputs."""
+    top = torch.softmax(torch.as_tensor(logits).float(), dim=-1).topk(2, dim=-1).values
+    return round(float((top[..., 0] - top[..., 1]).mean()), 4)
 
 
 def auto_target(

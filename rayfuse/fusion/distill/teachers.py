@@ -37,6 +37,7 @@ __all__ = [
     "class_holders",
     "PRIOR_MARGIN",
     "MIN_HOLDERS",
+    "MIN_CLIENTS",
     "WEIGHTINGS",
     "COMBINES",
 ]
@@ -53,6 +54,10 @@ PRIOR_MARGIN = 0.01
 # the owner's say, and the plain mean's top-1 is decided by margins a student does not learn (label-disjoint cells in
 # docs/methods/distill.md). Halfway between one holder a class and two
 MIN_HOLDERS = 1.5
+# ... and only with many clients, where the failure it corrects arises (each client holds a few dozen examples of a few
+# classes): with a few strong clients the plain mean is a mixture of a few peaked opinions, and distilled it lost up to
+# 0.08 where its labels were the more accurate (the MNIST-1D newcomer's mixed sites, K = 6; docs/methods/distill.md)
+MIN_CLIENTS = 10
 
 
 def teacher_weights(kind: Literal["uniform", "samples", "classes"], class_counts: np.ndarray) -> np.ndarray:

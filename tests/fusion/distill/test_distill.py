@@ -142,7 +142,7 @@ def _ensembles(skew: float) -> dict[str, torch.Tensor]:
     return {"energy": torch.eye(2)[[0] * k + [1] * (100 - k)], "probabilities": torch.eye(2)[[0, 1] * 50]}
 
 
-SHARED = np.array([[30, 20], [20, 30]])  # both clients hold both classes (about 1.9 holders a class); pooled 50 / 50
+SHARED = np.array([[30, 20], [20, 30]] * 5)  # 10 clients, each holding both classes; pooled half and half
 
 
 @pytest.mark.parametrize("skew,picked", [(0.9, "mean of probabilities"), (0.51, "energy"), (0.5, "energy")])
@@ -157,32 +157,40 @@ def test_auto_keeps_the_energy_ensemble_unless_the_plain_mean_labels_the_inputs_
 
     weights = teacher_weights("classes", SHARED)
     settings, chosen_weights, record = check_target(ensemble_of, weights, SHARED, DistillSettings(combine="energy", temperature=1.0))
-    assert asked == [("energy", weights.tolist()), ("probabilities", [[0.5, 0.5], [0.5, 0.5]])]
+    assert asked == [("energy", weights.tolist()), ("probabilities", np.full((10, 2), 0.1, dtype=np.float32).tolist())]
     assert record["chosen"] == picked and record["prior_gap"] == pytest.approx({"energy": skew - 0.5, "mean of probabilities": 0.0})
     if picked == "energy":  # within the margin (0.01 of total variation) the default stays, as it was
         assert settings == DistillSettings(combine="energy", temperature=1.0) and chosen_weights is weights
     else:
         assert (settings.combine, settings.temperature, record["weighting"]) == ("probabilities", 1.0, "uniform")
-        np.testing.assert_array_equal(chosen_weights, np.full((2, 2), 0.5, dtype=np.float32))
+        np.testing.assert_array_equal(chosen_weights, np.full((10, 2), 0.1, dtype=np.float32))
     given = check_target(ensemble_of, weights, SHARED, DistillSettings(combine="energy", temperature=1.0), temperature=3.0)[0]
     assert given.temperature == (3.0 if picked != "energy" else 1.0)  # a temperature set is the mean's too
 
 
-def test_where_each_class_has_one_owner_the_check_asks_nothing_and_keeps_the_class_weights():
+@pytest.mark.parametrize(
+    "counts",
+    [
+        np.eye(10, dtype=int) * 40,  # 10 clients, one class each (label-disjoint)
+        np.array([[30, 20], [20, 30]] * 3),  # 6 clients sharing both classes: fewer than 10
+    ],
+    ids=["one-owner-a-class", "few-clients"],
+)
+def test_with_few_clients_or_one_owner_a_class_the_check_asks_nothing_and_keeps_the_class_weights(counts):
     from rayfuse.fusion.distill.student import check_target
     from rayfuse.fusion.distill.teachers import class_holders
 
-    disjoint = np.array([[40, 40, 0, 0], [0, 0, 35, 45]])
-    assert class_holders(disjoint) == pytest.approx(1.0, abs=1e-3)
-    weights = teacher_weights("classes", disjoint)
+    weights = teacher_weights("classes", counts)
 
     def ensemble_of(how: str, w: np.ndarray) -> torch.Tensor:
         raise AssertionError("no ensemble is asked for")
 
     settings = DistillSettings(combine="energy", temperature=1.0)
-    got, got_weights, record = check_target(ensemble_of, weights, disjoint, settings)
+    got, got_weights, record = check_target(ensemble_of, weights, counts, settings)
     assert got == settings and got_weights is weights
-    assert record["chosen"] == "energy" and "prior_gap" not in record and record["class_holders"] < 1.5
+    assert record["chosen"] == "energy" and "prior_gap" not in record
+    assert (record["clients"], record["class_holders"]) == (len(counts), class_holders(counts))
+    assert record["clients"] < 10 or record["class_holders"] < 1.5
 
 
 def test_auto_target_scores_the_teachers_ensembles_on_the_public_inputs_as_they_are(trained_digits_mlp):
@@ -192,14 +200,16 @@ def test_auto_target_scores_the_teachers_ensembles_on_the_public_inputs_as_they_
     model, X = trained_digits_mlp
     members = [copy.deepcopy(model), _fresh_mlp(1).eval()]  # Teachers freezes its models: the fixture stays as it is
     teachers = Teachers(members, batched=False)
-    counts = np.array([[50] * 10, [30] * 10])
+    members = members * 5  # ten teachers, two models
+    teachers = Teachers(members, batched=False)
+    counts = np.array([[50] * 10, [30] * 10] * 5)
     weights = teacher_weights("classes", counts)
     settings = DistillSettings(combine="energy", temperature=1.0)
     _, _, record = auto_target(teachers, X[:300], weights, counts, settings)
     logits = teachers.predict(torch.as_tensor(X[:300]))
     expected = prior_gap(combine_teachers(logits, torch.as_tensor(weights), "energy"), counts.sum(0))
     assert record["prior_gap"]["energy"] == expected
-    mean = prior_gap(combine_teachers(logits, torch.full((2, 10), 0.5), "probabilities"), counts.sum(0))
+    mean = prior_gap(combine_teachers(logits, torch.full((10, 10), 0.1), "probabilities"), counts.sum(0))
     assert record["prior_gap"]["mean of probabilities"] == mean
 
 
@@ -413,9 +423,9 @@ def test_distill_end_to_end_reaches_the_ensemble_and_reports_its_transfer(coordi
     assert summary["metrics"]["accuracy"] > ensemble - 0.1, (summary["metrics"], ensemble)
     assert summary["info"]["transfer_note"] == "public sample (200)"
     assert summary["info"]["combine"] == "energy"  # combine: auto, public transfer
-    # auto's check, recorded: these three Dirichlet(0.5) clients hold about 1.4 each class, too few to check
+    # auto's check, recorded: three clients are too few to check
     target = summary["info"]["target"]
-    assert target["chosen"] == "energy" and target["class_holders"] < 1.5 and "prior_gap" not in target
+    assert target["chosen"] == "energy" and target["clients"] == 3 and "prior_gap" not in target
     assert summary["info"]["init"] == "random"
     fused = load_params(coord.store.root / summary["model_file"])
     assert set(fused) == set(coord.reference_params()) and all(np.isfinite(v).all() for v in fused.values())
@@ -443,11 +453,11 @@ def test_the_student_starts_from_the_clients_merge(coordinator, init):
 def test_where_the_clients_share_their_classes_the_run_checks_the_target_against_their_class_counts(coordinator):
     from rayfuse.fusion.distill.teachers import class_holders
 
-    shared = {**PUBLIC, "partition": {"method": "iid", "num_clients": 3}}
+    shared = {**PUBLIC, "partition": {"method": "iid", "num_clients": 10}, "train": {"epochs": 2, "shared_init": False}}
     coord = coordinator(methods={"d": {"method": "distill", "init": "random", **QUICK}}, **shared)
     target = coord.run_method("d")["info"]["target"]
     counts = np.asarray(coord.plan.counts)  # what the server's data.class_counts gives the method
-    assert target["class_holders"] == class_holders(counts) and target["class_holders"] > 2.5
+    assert target["clients"] == 10 and target["class_holders"] == class_holders(counts) > 5
     assert set(target["prior_gap"]) == {"energy", "mean of probabilities"} and target["chosen"] in target["prior_gap"]
     assert all(0.0 <= gap <= 1.0 for gap in target["prior_gap"].values())
 

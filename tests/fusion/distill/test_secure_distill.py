@@ -241,7 +241,7 @@ def test_autos_check_under_secure_aggregation_sums_each_candidate_and_trains_the
 
     monkeypatch.setattr(student_loops, "choose_target", pick_the_mean)
     entry = {**PUBLIC, "combine": "auto"}
-    iid = {"partition": {"method": "iid", "num_clients": K}}
+    iid = {"partition": {"method": "iid", "num_clients": 10}, "train": {"epochs": 2}}  # the check asks from 10 clients
     plain = _run(tmp_path, "plain", entry, iid)
     secure = _run(tmp_path, "secure", entry, iid, SECURE)
     got, want = (run.results["methods"]["d"]["info"] for run in (secure, plain))
