@@ -79,10 +79,9 @@ class DistillOptions(StrictSchema):
         "label-skewed and 1-D sites: docs/methods/distill.md), unless the plain mean of the teachers' probabilities "
         "(uniform weights, temperature 1 unless set) labels the public inputs nearer the clients' pooled class counts "
         "(the check, with 10 clients or more sharing their classes: its top-1 histogram's total variation from them "
-        "lower by more than 0.01; "
-        "info.target records it); "
-        "data-free, logits when every teacher has one architecture, probabilities when they differ (their logits' "
-        "scales differ: averaged, the most confident architecture's would decide)",
+        "lower by more than 0.01; info.target records it); data-free, logits when every teacher has one architecture, "
+        "probabilities when they differ (their logits' scales differ: averaged, the most confident architecture's "
+        "would decide)",
     )
     temperature: float | None = Field(
         None,

@@ -206,8 +206,8 @@ def check_target(
         return settings, weights, {**kept, **gap}
     T = 1.0 if temperature is None else float(temperature)
     picked = replace(settings, combine="probabilities", temperature=T)
-    record = {"chosen": "mean of probabilities", "combine": "probabilities", "weighting": "uniform", "temperature": T}
-    return picked, uniform, {**record, "clients": len(counts), "class_holders": holders, **gap}
+    mean = {"chosen": "mean of probabilities", "combine": "probabilities", "temperature": T, "weighting": "uniform"}
+    return picked, uniform, {**kept, **mean, **gap}
 
 
 def _top2_margin(logits: torch.Tensor) -> float:
