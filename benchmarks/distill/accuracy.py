@@ -58,8 +58,8 @@ from _common import machine_info, out_dir, write_results  # noqa: E402
 from arch import build_arch  # noqa: E402
 from train import CACHE_DIR, PARTITIONS, Cell, TrainedCell, accuracy_of, build_model, train_cell  # noqa: E402
 
-from rayfuse.fusion.distill.algorithm import DistillParams  # noqa: E402
-from rayfuse.fusion.distill.student import auto_target, distill_public, distill_synthetic, refine_student, teacher_vjp  # noqa: E402
+from rayfuse.fusion.distill.algorithm import DistillParams, checked_target  # noqa: E402
+from rayfuse.fusion.distill.student import distill_public, distill_synthetic, refine_student, teacher_vjp  # noqa: E402
 from rayfuse.fusion.distill.teachers import Teachers, teacher_weights  # noqa: E402
 from rayfuse.fusion.distill.transfer import pooled_moments  # noqa: E402
 from rayfuse.models import get_params  # noqa: E402
@@ -110,23 +110,14 @@ class StandInClients:
         return torch.stack([r[0] for r in replies]).sum(0), sum(r[1] for r in replies)
 
 
-def checked_target(
-    p: DistillParams, teachers: Any, trained: TrainedCell, weights: np.ndarray, settings: Any
-) -> tuple[Any, np.ndarray, dict[str, Any] | None]:
-    """``combine: auto``'s check of the target on the public inputs, as the ``distill`` method makes it
-    (:func:`~rayfuse.fusion.distill.student.auto_target`, against the clients' pooled class counts); other settings as
-    they are (no record)."""
-    if p.transfer != "public" or p.combine != "auto":
-        return settings, weights, None
-    counts = np.stack([np.bincount(s.y, minlength=trained.spec["num_classes"]) for s in trained.train_sets])
-    return auto_target(teachers, trained.public.X, weights, counts, settings, p.temperature)
-
-
-def few_rounds(trained: TrainedCell, start: dict[str, np.ndarray], p: DistillParams, weights: np.ndarray) -> dict[str, np.ndarray]:
+def few_rounds(
+    trained: TrainedCell, start: dict[str, np.ndarray], p: DistillParams, weights: np.ndarray, counts: np.ndarray
+) -> dict[str, np.ndarray]:
     """Rounds 2 .. ``p.rounds`` of the ``distill`` method's few-round mode on the cell's clients, in-process, from the
     round-1 student ``start``: each client refines the student on its own training split
     (:func:`~rayfuse.fusion.distill.student.refine_student`, the method's settings), and the student is distilled
-    again from where it was, on the public inputs, with the refined students as the teachers (their class weights)."""
+    again from where it was, on the public inputs, with the refined students as the teachers (their class weights, or
+    what ``combine: auto``'s check against the clients' class ``counts`` picks)."""
     spec, cell = trained.spec, trained.cell
     public = torch.as_tensor(trained.public.X, dtype=torch.float32)
     params = start
@@ -149,7 +140,7 @@ def few_rounds(trained: TrainedCell, start: dict[str, np.ndarray], p: DistillPar
         student = build_model(spec, params).train()
         settings = p.settings(derive_seed(cell.seed, "distill", "round", rnd), one_architecture=True)
         teachers = Teachers(refined, batched=False)
-        settings, round_weights, _ = checked_target(p, teachers, trained, weights, settings)
+        settings, round_weights, _ = checked_target(p, teachers, trained.public.X, weights, counts, settings)
         distill_public(student, teachers, trained.public.X, round_weights, settings)
         params = get_params(student.eval())
     return params
@@ -212,7 +203,7 @@ def distill_columns(
             student = build_arch(spec, seed=derive_seed(cell.seed, "student")).train()
         models = [build_model(spec, c) for c in trained.clients]
         teachers: Any = Teachers(models, batched=False) if teachers_mode == "parameters" else StandInClients(models)
-        settings, weights, target = checked_target(p, teachers, trained, weights, settings)
+        settings, weights, target = checked_target(p, teachers, trained.public.X, weights, counts, settings)
         if (transfer, init, teachers_mode) in first_rounds:  # the one-shot student of these settings: round 1, done
             history, student, begun = first_rounds[(transfer, init, teachers_mode)]
             started -= begun
@@ -232,7 +223,7 @@ def distill_columns(
         if p.rounds == 1:
             first_rounds[(transfer, init, teachers_mode)] = (history, student, time.perf_counter() - started)
         if p.rounds > 1:
-            plain = few_rounds(trained, plain, p, class_weights)  # each round checks its own target
+            plain = few_rounds(trained, plain, p, class_weights, counts)  # each round checks its own target
         repaired = aligned.repair_with_clients(trained, plain, data)
         repair = p.repair
         fused = repaired if repair else plain

@@ -59,8 +59,8 @@ from _common import machine_info  # noqa: E402
 
 from rayfuse.data.datasets import load_dataset  # noqa: E402
 from rayfuse.data.partition import partition  # noqa: E402
-from rayfuse.fusion.distill.algorithm import DistillParams  # noqa: E402
-from rayfuse.fusion.distill.student import auto_target, distill_public, refine_student  # noqa: E402
+from rayfuse.fusion.distill.algorithm import DistillParams, checked_target  # noqa: E402
+from rayfuse.fusion.distill.student import distill_public, refine_student  # noqa: E402
 from rayfuse.fusion.distill.teachers import Teachers, teacher_weights  # noqa: E402
 from rayfuse.models import train_model  # noqa: E402
 
@@ -133,16 +133,6 @@ def _trained(cls: type[nn.Module], X: np.ndarray, y: np.ndarray, seed: int, epoc
     return model.eval()
 
 
-def checked(
-    params: DistillParams, teachers: Teachers, X: np.ndarray, weights: np.ndarray, counts: np.ndarray, settings: Any
-) -> tuple[Any, np.ndarray, dict[str, Any] | None]:
-    """``combine: auto``'s check of the target (:func:`~rayfuse.fusion.distill.student.auto_target`, against the sites'
-    class counts), as the ``distill`` method makes it; a variant that sets ``combine`` as it is (no record)."""
-    if params.combine != "auto":
-        return settings, weights, None
-    return auto_target(teachers, X, weights, counts, settings, params.temperature)
-
-
 def run_case(case: str, seed: int, *, quick: bool, steps: int | None) -> dict[str, Any]:
     data = load_dataset("mnist1d", options={"num_samples": 600 if quick else 5000})
     assert data.X_test is not None and data.y_test is not None
@@ -183,7 +173,7 @@ def run_case(case: str, seed: int, *, quick: bool, steps: int | None) -> dict[st
         student.load_state_dict(start)
         t0 = time.perf_counter()
         # combine: auto's check of the target against the sites' class counts, as the method makes it
-        settings, first_weights, target = checked(params, teachers, X_public, weights, counts, settings)
+        settings, first_weights, target = checked_target(params, teachers, X_public, weights, counts, settings)
         history = distill_public(student, teachers, X_public, first_weights, settings)
         for rnd in range(2, params.rounds + 1):  # the few-round mode: every site refines the student, then it is distilled again
             refined = []
@@ -203,7 +193,7 @@ def run_case(case: str, seed: int, *, quick: bool, steps: int | None) -> dict[st
                 )
                 refined.append(site)
             round_teachers = Teachers(refined, batched=False)
-            round_settings, round_weights, _ = checked(
+            round_settings, round_weights, _ = checked_target(
                 params, round_teachers, X_public, weights, counts, params.settings(seed * 100 + rnd, one_architecture=True)
             )
             history = distill_public(student, round_teachers, X_public, round_weights, round_settings)

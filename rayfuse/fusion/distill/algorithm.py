@@ -63,7 +63,7 @@ from rayfuse.method import (
     register_method,
 )
 
-__all__ = ["Distill", "DistillOptions", "DistillParams", "predict", "signal", "input_moments", "transfer_note"]
+__all__ = ["Distill", "DistillOptions", "DistillParams", "checked_target", "predict", "signal", "input_moments", "transfer_note"]
 
 
 class DistillOptions(StrictSchema):
@@ -737,6 +737,32 @@ class _SecureTeachers:
 # The server
 
 
+def checked_target(
+    params: DistillParams, teachers: Any, X: Any, weights: np.ndarray, counts: np.ndarray, settings: Any, *, device: str = "cpu"
+) -> tuple[Any, np.ndarray, dict[str, Any] | None]:
+    """``combine: auto``'s check of the target on the public inputs ``X`` against the clients' class ``counts``
+    (:func:`~rayfuse.fusion.distill.student.check_target`): the settings and weights to distil with and the check's
+    record (``info.target``); with another ``combine`` or data-free, ``settings`` and ``weights`` as they are and no
+    record. Teachers that give each member's logits are asked once more (one call per client where the clients are
+    the teachers); under secure aggregation (:class:`_SecureTeachers`) each candidate is one secure sum, and the chosen
+    one's combine and weights are then the clients'."""
+    from rayfuse.fusion.distill.student import auto_target, check_target
+
+    if params.transfer != "public" or params.combine != "auto":
+        return settings, weights, None
+    if not isinstance(teachers, _SecureTeachers):
+        return auto_target(teachers, X, weights, counts, settings, params.temperature, device=device)
+    secure = teachers
+
+    def ensemble_of(how: str, w: np.ndarray) -> Any:
+        secure.combine, secure.weights = how, np.asarray(w, dtype=np.float32)
+        return secure.predict(X)[0]
+
+    settings, weights, record = check_target(ensemble_of, weights, counts, settings, params.temperature)
+    secure.combine, secure.weights = settings.combine, np.asarray(weights, dtype=np.float32)
+    return settings, weights, record
+
+
 class _StudentModels:
     """``server.models`` with the student's architecture as the run's model (the rest is the run's)."""
 
@@ -1055,8 +1081,10 @@ class Distill(Method[DistillParams, DistillRoundsState]):
 
         p = self.params
         secure = teachers if isinstance(teachers, _SecureTeachers) else None
-        if p.transfer == "public" and p.combine == "auto":  # the check of the target against the pooled class counts
-            settings, weights, info["target"] = self._check_target(server, teachers, weights, settings, counts)
+        X = server.data.public.X if p.transfer == "public" else None
+        settings, weights, target = checked_target(p, teachers, X, weights, counts, settings, device=server.models.device)
+        if target is not None:
+            info["target"] = target
         if secure is not None:  # the loops see one teacher, the ensemble, combined by the clients' sum
             weights, settings = secure.loop_weights, replace(settings, combine="logits")
         epochs = p.epochs
@@ -1100,27 +1128,6 @@ class Distill(Method[DistillParams, DistillRoundsState]):
         if chosen:  # holdout: the pass whose student is returned, and its fidelity on the held-out inputs
             info["holdout"] = {k: round(v, 4) for k, v in chosen[0].items() if k in ("epoch", "holdout_agreement", "holdout_kl")}
         return history
-
-    def _check_target(
-        self, server: ServerContext, teachers: Any, weights: np.ndarray, settings: Any, counts: np.ndarray
-    ) -> tuple[Any, np.ndarray, dict[str, Any]]:
-        """``combine: auto``'s check (:func:`~rayfuse.fusion.distill.student.check_target`): the ensembles on the
-        public inputs (one call more per client where the clients are the teachers; under secure aggregation one
-        secure sum per candidate, the chosen one's combine and weights then the clients')."""
-        from rayfuse.fusion.distill.student import auto_target, check_target
-
-        X, T = server.data.public.X, self.params.temperature
-        if not isinstance(teachers, _SecureTeachers):
-            return auto_target(teachers, X, weights, counts, settings, T, device=server.models.device)
-        secure = teachers
-
-        def ensemble_of(how: str, w: np.ndarray) -> Any:
-            secure.combine, secure.weights = how, np.asarray(w, dtype=np.float32)
-            return secure.predict(X)[0]
-
-        settings, weights, record = check_target(ensemble_of, weights, counts, settings, T)
-        secure.combine, secure.weights = settings.combine, np.asarray(weights, dtype=np.float32)
-        return settings, weights, record
 
     def _finish(
         self, server: ServerContext, student: Any, student_cfg: ModelConfig, clients: list[int], info: dict[str, Any], history: Any

@@ -66,7 +66,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rayfuse.fusion.distill.teachers import MIN_CLIENTS, MIN_HOLDERS, choose_target, class_holders, combine_teachers, distillation_loss
+from rayfuse.fusion.distill.teachers import (
+    MIN_CLIENTS,
+    MIN_HOLDERS,
+    choose_target,
+    class_holders,
+    combine_teachers,
+    distillation_loss,
+    teacher_weights,
+)
 from rayfuse.fusion.distill.transfer import Generator, SyntheticBank, augment_bank, drop_tokens, mix_texts
 
 __all__ = [
@@ -195,7 +203,7 @@ def check_target(
     kept.update(clients=len(counts), class_holders=holders)
     if len(counts) < MIN_CLIENTS or holders < MIN_HOLDERS:  # a few clients, or each class one client's: nothing asked
         return settings, weights, kept
-    uniform = np.full(np.shape(weights), 1.0 / np.shape(weights)[0], dtype=np.float32)
+    uniform = teacher_weights("uniform", counts)
     candidates = {"default": ensemble_of(settings.combine, weights), "mean": ensemble_of("probabilities", uniform)}
     chosen, gaps = choose_target(candidates, counts.sum(0), "default")
     gap = {

@@ -154,11 +154,10 @@ def prior_gap(logits: torch.Tensor | np.ndarray, prior: np.ndarray) -> float:
     >>> prior_gap(np.array([[2.0, 0.0], [0.0, 1.0], [3.0, 1.0], [1.0, 0.0]]), np.array([1.0, 1.0]))
     0.25
     """
-    z = torch.as_tensor(logits)
+    top = torch.as_tensor(logits).argmax(-1).reshape(-1).cpu().numpy()
     p = np.asarray(prior, dtype=np.float64)
-    p = p / p.sum()
-    h = np.bincount(z.argmax(-1).reshape(-1).cpu().numpy(), minlength=len(p)) / max(1, z.reshape(-1, z.shape[-1]).shape[0])
-    return round(float(0.5 * np.abs(h - p).sum()), 6)
+    h = np.bincount(top, minlength=len(p)) / max(1, len(top))
+    return round(float(0.5 * np.abs(h - p / p.sum()).sum()), 6)
 
 
 def class_holders(class_counts: np.ndarray) -> float:
