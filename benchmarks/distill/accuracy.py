@@ -231,7 +231,7 @@ def distill_columns(
             "accuracy": accuracy_of(spec, fused, trained.test),
             "seconds": time.perf_counter() - started,
             "agreement": round(history[-1]["agreement"], 4),
-            **({"target": target["chosen"]} if target is not None else {}),
+            **({"target": target["chosen"], "temperature": target["temperature"]} if target is not None else {}),
         }
         if both_repair and repaired is not plain:
             out[column + ("-repair" if repair else "+repair")] = {

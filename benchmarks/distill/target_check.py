@@ -119,7 +119,7 @@ def check_cell(cell: Cell, cache_dir: Path) -> dict[str, Any]:
         weights,
         counts,
         DistillSettings(combine="energy", temperature=1.0),
-    )
+    )  # temperature unset (None): a flat target is sharpened, as the method's default does
     energy, mean = accuracy("energy", weights), accuracy("probabilities", uniform)
     switched = record["chosen"] != "energy"
     return {
@@ -127,6 +127,8 @@ def check_cell(cell: Cell, cache_dir: Path) -> dict[str, Any]:
         "class_holders": class_holders(counts),
         "prior_gap": record.get("prior_gap"),
         "top2_margin": record.get("top2_margin"),
+        "entropy": record.get("entropy"),
+        "temperature": record["temperature"],
         "accuracy": {"energy": energy, "mean of probabilities": mean},
         "chosen": record["chosen"],
         "gain": (mean - energy) if switched else 0.0,
@@ -140,12 +142,14 @@ def markdown(rows: Sequence[dict[str, Any]], info: dict[str, Any]) -> str:
         "Per cell: the clients' effective holders a class, each candidate target's gap to the pooled class frequencies "
         "on the 300 public inputs (total variation of its top-1 histogram) and its mean top-2 margin of probability "
         "there (`-` where the check does not run: under 10 clients or 1.5 holders), its accuracy on the test set, the "
-        "check's choice and the gain in the target's accuracy. "
+        "check's choice and the gain in the target's accuracy, and the chosen target's mean entropy on the public inputs "
+        "(a share of log C) and the temperature it is distilled at (below 1 where the entropy is above 0.75: the target "
+        "sharpened until it is 0.75). "
         f"{info.get('cpus', '?')} CPUs, {info.get('cpu_model', '')}. Produced by `benchmarks/distill/target_check.py`.",
         "",
         "| dataset | arch | partition | K | init | seed | holders | gap energy | gap mean | margin energy | margin mean "
-        "| acc energy | acc mean | chosen | gain |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| acc energy | acc mean | chosen | gain | entropy | T |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         gap, margin = r["prior_gap"] or {}, r.get("top2_margin") or {}
@@ -154,11 +158,13 @@ def markdown(rows: Sequence[dict[str, Any]], info: dict[str, Any]) -> str:
         lines.append(
             f"| {r['dataset']} | {r['arch']} | {r['partition']} | {r['num_clients']} | {r['init']} | {r['seed']} | "
             f"{r['class_holders']:.2f} | {g_e} | {g_m} | {m_e} | {m_m} | {r['accuracy']['energy']:.3f} | "
-            f"{r['accuracy']['mean of probabilities']:.3f} | {r['chosen']} | {r['gain']:+.3f} |"
+            f"{r['accuracy']['mean of probabilities']:.3f} | {r['chosen']} | {r['gain']:+.3f} | "
+            f"{'-' if r.get('entropy') is None else format(r['entropy'], '.3f')} | {r['temperature']:g} |"
         )
     switched = [r for r in rows if r["chosen"] != "energy"]
     better = [r for r in rows if r["accuracy"]["mean of probabilities"] > r["accuracy"]["energy"]]
     gains = ", ".join(f"{r['gain']:+.3f}" for r in switched) or "none"
+    sharpened = [r for r in rows if r["temperature"] < 1]
     lines += [
         "",
         f"{len(rows)} cells; the check ran in {sum(r['prior_gap'] is not None for r in rows)} and chose the plain mean in "
@@ -166,7 +172,9 @@ def markdown(rows: Sequence[dict[str, Any]], info: dict[str, Any]) -> str:
         f"accuracy over all cells {np.mean([r['gain'] for r in rows]):+.4f}. The plain mean's labels are the more accurate "
         f"in {len(better)} cells, {sum(r['prior_gap'] is None for r in better)} of them where the check does not run "
         "(fewer than 10 clients, or each class about one client's: there the plain mean, distilled, lost where its "
-        "labels were the more accurate; docs/methods/distill.md).",
+        "labels were the more accurate; docs/methods/distill.md). "
+        f"The target is sharpened in {len(sharpened)} cells (temperature "
+        f"{min((r['temperature'] for r in sharpened), default=1):g} to {max((r['temperature'] for r in sharpened), default=1):g}).",
         "",
     ]
     return "\n".join(lines)

@@ -88,7 +88,9 @@ class DistillOptions(StrictSchema):
         gt=0,
         le=100,
         description="distillation temperature T; default: 1 with combine geometric or energy (log-probabilities are "
-        "matched as they are), 4 with logits or probabilities",
+        "matched as they are), 4 with logits or probabilities; where combine auto's check runs, lowered below 1 when the "
+        "target is flat (with many weak clients): until its mean entropy on the public inputs is 0.75 of log C "
+        "(info.target records both)",
     )
     steps: int = Field(2000, ge=1, le=10_000_000, description="student optimisation steps")
     epochs: int = Field(

@@ -73,6 +73,7 @@ from rayfuse.fusion.distill.teachers import (
     class_holders,
     combine_teachers,
     distillation_loss,
+    flat_temperature,
     teacher_weights,
 )
 from rayfuse.fusion.distill.transfer import Generator, SyntheticBank, augment_bank, drop_tokens, mix_texts
@@ -210,12 +211,22 @@ def check_target(
         "prior_gap": {settings.combine: gaps["default"], "mean of probabilities": gaps["mean"]},
         "top2_margin": {settings.combine: _top2_margin(candidates["default"]), "mean of probabilities": _top2_margin(candidates["mean"])},
     }
-    if chosen == "default":
-        return settings, weights, {**kept, **gap}
-    T = 1.0 if temperature is None else float(temperature)
-    picked = replace(settings, combine="probabilities", temperature=T)
-    mean = {"chosen": "mean of probabilities", "combine": "probabilities", "temperature": T, "weighting": "uniform"}
-    return picked, uniform, {**kept, **mean, **gap}
+    picked, w, record = settings, weights, {**kept, **gap}
+    if chosen != "default":
+        T = 1.0 if temperature is None else float(temperature)
+        picked, w = replace(settings, combine="probabilities", temperature=T), uniform
+        record.update(chosen="mean of probabilities", combine="probabilities", temperature=T, weighting="uniform")
+    if temperature is None:  # unset: the target sharpened where it is flat (teachers.MAX_ENTROPY)
+        T = flat_temperature(candidates[chosen])
+        picked = replace(picked, temperature=T)
+        record.update(temperature=T, entropy=_entropy(candidates[chosen]))
+    return picked, w, record
+
+
+def _entropy(logits: torch.Tensor) -> float:
+    """An ensemble's mean entropy (temperature 1) over its inputs, as a share of ``log C``."""
+    p = torch.softmax(torch.as_tensor(logits).double(), dim=-1)
+    return round(float(-(p * torch.log(p.clamp_min(1e-12))).sum(-1).mean() / np.log(p.shape[-1])), 4)
 
 
 def _top2_margin(logits: torch.Tensor) -> float:

@@ -35,7 +35,9 @@ __all__ = [
     "prior_gap",
     "choose_target",
     "class_holders",
+    "flat_temperature",
     "PRIOR_MARGIN",
+    "MAX_ENTROPY",
     "MIN_HOLDERS",
     "MIN_CLIENTS",
     "WEIGHTINGS",
@@ -58,6 +60,13 @@ MIN_HOLDERS = 1.5
 # classes): with a few strong clients the plain mean is a mixture of a few peaked opinions, and distilled it lost up to
 # 0.08 where its labels were the more accurate (the MNIST-1D newcomer's mixed sites, K = 6; docs/methods/distill.md)
 MIN_CLIENTS = 10
+# ... and where it runs, the target is sharpened until its mean entropy on the public inputs is at most this share of
+# log C (flat_temperature): with many clients of a few dozen examples each, the ensemble is near uniform (0.97 of log C
+# at K = 50), its classes differ by a few hundredths of probability, and at temperature 1 a student learns the flat
+# part and not the order (the probe cells in docs/methods/distill.md). Above every measured cell under 10 clients
+# (0.67 at most)
+MAX_ENTROPY = 0.75
+_MIN_TEMPERATURE = 0.05  # flat_temperature's floor: below it the target is its top-1 class
 
 
 def teacher_weights(kind: Literal["uniform", "samples", "classes"], class_counts: np.ndarray) -> np.ndarray:
@@ -158,6 +167,36 @@ def prior_gap(logits: torch.Tensor | np.ndarray, prior: np.ndarray) -> float:
     p = np.asarray(prior, dtype=np.float64)
     h = np.bincount(top, minlength=len(p)) / max(1, len(top))
     return round(float(0.5 * np.abs(h - p / p.sum()).sum()), 6)
+
+
+def flat_temperature(logits: torch.Tensor | np.ndarray, max_entropy: float = MAX_ENTROPY) -> float:
+    """The temperature ``T <= 1`` at which the softmax of ``logits / T`` ``(N, C)`` has a mean entropy of at most
+    ``max_entropy`` times ``log C``: 1 where it has at temperature 1, else found by bisection on ``log T`` (the
+    entropy falls as ``T`` does: the largest such ``T``, rounded down to 3 decimals), floored at 0.05.
+
+    Examples
+    --------
+    >>> flat_temperature(torch.tensor([[4.0, 0.0], [0.0, 4.0]]))
+    1.0
+    >>> T = flat_temperature(torch.tensor([[0.2, 0.0, 0.0], [0.0, 0.1, 0.0]]))
+    >>> 0.05 < T < 0.2
+    True
+    """
+    z = torch.as_tensor(logits, dtype=torch.float64).reshape(-1, np.shape(logits)[-1])
+
+    def entropy(T: float) -> float:
+        p = torch.softmax(z / T, dim=1)
+        return float(-(p * torch.log(p.clamp_min(_FLOOR))).sum(1).mean() / np.log(z.shape[1]))
+
+    if z.shape[1] < 2 or entropy(1.0) <= max_entropy:
+        return 1.0
+    low, high = _MIN_TEMPERATURE, 1.0
+    if entropy(low) > max_entropy:
+        return low
+    for _ in range(40):
+        mid = float(np.sqrt(low * high))
+        low, high = (mid, high) if entropy(mid) <= max_entropy else (low, mid)
+    return float(np.floor(low * 1000) / 1000)
 
 
 def class_holders(class_counts: np.ndarray) -> float:

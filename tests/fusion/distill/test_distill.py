@@ -135,11 +135,12 @@ def test_the_prior_gap_is_the_total_variation_of_the_top_1_histogram_from_the_cl
     assert prior_gap(logits, np.array([0, 0, 7])) == pytest.approx(0.75)
 
 
-def _ensembles(skew: float) -> dict[str, torch.Tensor]:
+def _ensembles(skew: float, scale: float = 4.0) -> dict[str, torch.Tensor]:
     """A class-weighted ensemble that labels ``skew`` of 100 inputs class 0 and the rest class 1, and a plain mean that
-    labels them half and half (the clients' pooled counts are half and half)."""
+    labels them half and half (the clients' pooled counts are half and half); logits of ``scale`` (4: confident, 0.98 on
+    the top class: the target is not sharpened)."""
     k = round(100 * skew)
-    return {"energy": torch.eye(2)[[0] * k + [1] * (100 - k)], "probabilities": torch.eye(2)[[0, 1] * 50]}
+    return {"energy": scale * torch.eye(2)[[0] * k + [1] * (100 - k)], "probabilities": scale * torch.eye(2)[[0, 1] * 50]}
 
 
 SHARED = np.array([[30, 20], [20, 30]] * 5)  # 10 clients, each holding both classes; pooled half and half
@@ -166,6 +167,32 @@ def test_auto_keeps_the_energy_ensemble_unless_the_plain_mean_labels_the_inputs_
         np.testing.assert_array_equal(chosen_weights, np.full((10, 2), 0.1, dtype=np.float32))
     given = check_target(ensemble_of, weights, SHARED, DistillSettings(combine="energy", temperature=1.0), temperature=3.0)[0]
     assert given.temperature == (3.0 if picked != "energy" else 1.0)  # a temperature set is the mean's too
+
+
+@pytest.mark.parametrize("skew", [0.9, 0.5])
+def test_a_flat_target_is_sharpened_until_its_entropy_is_at_most_three_quarters_of_log_c(skew):
+    from rayfuse.fusion.distill.student import check_target
+    from rayfuse.fusion.distill.teachers import MAX_ENTROPY, flat_temperature
+
+    ensembles = _ensembles(skew, scale=0.2)  # 0.55 on the top class: entropy 0.99 of log 2
+    weights = teacher_weights("classes", SHARED)
+    settings, _, record = check_target(lambda how, w: ensembles[how], weights, SHARED, DistillSettings(combine="energy", temperature=1.0))
+    chosen = ensembles["probabilities" if skew == 0.9 else "energy"]
+    p = torch.softmax(chosen / settings.temperature, 1)
+    entropy = float(-(p * p.log()).sum(1).mean() / np.log(2))
+    assert 0.05 < settings.temperature < 1.0 and record["temperature"] == settings.temperature
+    assert MAX_ENTROPY - 0.01 < entropy <= MAX_ENTROPY  # the largest temperature that sharpens it enough (3 decimals)
+    assert record["entropy"] == pytest.approx(0.993, abs=1e-3)
+    assert settings.temperature == flat_temperature(chosen)
+    # a temperature set is kept, flat or not; a confident target keeps temperature 1
+    given = check_target(
+        lambda how, w: ensembles[how], weights, SHARED, DistillSettings(combine="energy", temperature=1.0), temperature=2.0
+    )
+    assert given[0].temperature == (2.0 if skew == 0.9 else 1.0) and "entropy" not in given[2]
+    sharp = _ensembles(skew)
+    assert (
+        check_target(lambda how, w: sharp[how], weights, SHARED, DistillSettings(combine="energy", temperature=1.0))[0].temperature == 1.0
+    )
 
 
 @pytest.mark.parametrize(
