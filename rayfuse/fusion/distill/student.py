@@ -74,6 +74,7 @@ from rayfuse.fusion.distill.teachers import (
     combine_teachers,
     distillation_loss,
     flat_temperature,
+    mean_entropy,
     teacher_weights,
 )
 from rayfuse.fusion.distill.transfer import Generator, SyntheticBank, augment_bank, drop_tokens, mix_texts
@@ -196,8 +197,11 @@ def check_target(
     against the clients' pooled class counts (``class_counts`` ``(K, C)`` summed). With fewer than ``MIN_CLIENTS``
     teachers, or where the classes are not shared (fewer than ``MIN_HOLDERS`` effective holders a class,
     :func:`~rayfuse.fusion.distill.teachers.class_holders`), nothing is checked. ``ensemble_of(combine, weights)``
-    gives an ensemble's logits on the public inputs, unaugmented. Returns the settings and weights to distil with (the
-    mean at ``temperature``, 1 when it is None) and the record of the check (``info.target``)."""
+    gives an ensemble's logits on the public inputs, unaugmented. Where the check runs and ``temperature`` is None
+    (unset), the target it keeps is sharpened where it is flat: the temperature of
+    :func:`~rayfuse.fusion.distill.teachers.flat_temperature` (1 unless its mean entropy there is above
+    ``MAX_ENTROPY`` of ``log C``); a ``temperature`` set is the mean's too. Returns the settings and weights to distil
+    with and the record of the check (``info.target``)."""
     counts = np.asarray(class_counts, dtype=np.float64)
     holders = class_holders(counts)
     kept = {"chosen": settings.combine, "combine": settings.combine, "temperature": settings.temperature}
@@ -219,14 +223,8 @@ def check_target(
     if temperature is None:  # unset: the target sharpened where it is flat (teachers.MAX_ENTROPY)
         T = flat_temperature(candidates[chosen])
         picked = replace(picked, temperature=T)
-        record.update(temperature=T, entropy=_entropy(candidates[chosen]))
+        record.update(temperature=T, entropy=round(mean_entropy(candidates[chosen]), 4))
     return picked, w, record
-
-
-def _entropy(logits: torch.Tensor) -> float:
-    """An ensemble's mean entropy (temperature 1) over its inputs, as a share of ``log C``."""
-    p = torch.softmax(torch.as_tensor(logits).double(), dim=-1)
-    return round(float(-(p * torch.log(p.clamp_min(1e-12))).sum(-1).mean() / np.log(p.shape[-1])), 4)
 
 
 def _top2_margin(logits: torch.Tensor) -> float:

@@ -36,6 +36,7 @@ __all__ = [
     "choose_target",
     "class_holders",
     "flat_temperature",
+    "mean_entropy",
     "PRIOR_MARGIN",
     "MAX_ENTROPY",
     "MIN_HOLDERS",
@@ -169,10 +170,24 @@ def prior_gap(logits: torch.Tensor | np.ndarray, prior: np.ndarray) -> float:
     return round(float(0.5 * np.abs(h - p / p.sum()).sum()), 6)
 
 
+def mean_entropy(logits: torch.Tensor | np.ndarray, temperature: float = 1.0) -> float:
+    """The mean entropy of the softmax of ``logits / temperature`` ``(N, C)`` over its rows, as a share of ``log C``
+    (0: one-hot; 1: uniform).
+
+    Examples
+    --------
+    >>> mean_entropy(torch.zeros(2, 4))
+    1.0
+    """
+    z = torch.as_tensor(logits, dtype=torch.float64)
+    p = torch.softmax(z.reshape(-1, z.shape[-1]) / float(temperature), dim=1)
+    return float(-(p * torch.log(p.clamp_min(_FLOOR))).sum(1).mean() / np.log(max(2, z.shape[-1])))
+
+
 def flat_temperature(logits: torch.Tensor | np.ndarray, max_entropy: float = MAX_ENTROPY) -> float:
     """The temperature ``T <= 1`` at which the softmax of ``logits / T`` ``(N, C)`` has a mean entropy of at most
-    ``max_entropy`` times ``log C``: 1 where it has at temperature 1, else found by bisection on ``log T`` (the
-    entropy falls as ``T`` does: the largest such ``T``, rounded down to 3 decimals), floored at 0.05.
+    ``max_entropy`` times ``log C`` (:func:`mean_entropy`): 1 where it has at temperature 1, else the largest such
+    ``T`` found by bisection on ``log T`` (the entropy falls as ``T`` does), rounded down to 3 decimals, floored at 0.05.
 
     Examples
     --------
@@ -182,20 +197,14 @@ def flat_temperature(logits: torch.Tensor | np.ndarray, max_entropy: float = MAX
     >>> 0.05 < T < 0.2
     True
     """
-    z = torch.as_tensor(logits, dtype=torch.float64).reshape(-1, np.shape(logits)[-1])
-
-    def entropy(T: float) -> float:
-        p = torch.softmax(z / T, dim=1)
-        return float(-(p * torch.log(p.clamp_min(_FLOOR))).sum(1).mean() / np.log(z.shape[1]))
-
-    if z.shape[1] < 2 or entropy(1.0) <= max_entropy:
+    if np.shape(logits)[-1] < 2 or mean_entropy(logits) <= max_entropy:
         return 1.0
     low, high = _MIN_TEMPERATURE, 1.0
-    if entropy(low) > max_entropy:
+    if mean_entropy(logits, low) > max_entropy:
         return low
     for _ in range(40):
         mid = float(np.sqrt(low * high))
-        low, high = (mid, high) if entropy(mid) <= max_entropy else (low, mid)
+        low, high = (mid, high) if mean_entropy(logits, mid) <= max_entropy else (low, mid)
     return float(np.floor(low * 1000) / 1000)
 
 
