@@ -217,13 +217,12 @@ def check_target(
     }
     picked, w, record = settings, weights, {**kept, **gap}
     if chosen != "default":
-        T = 1.0 if temperature is None else float(temperature)
-        picked, w = replace(settings, combine="probabilities", temperature=T), uniform
-        record.update(chosen="mean of probabilities", combine="probabilities", temperature=T, weighting="uniform")
+        picked, w = replace(settings, combine="probabilities", temperature=1.0 if temperature is None else float(temperature)), uniform
+        record.update(chosen="mean of probabilities", combine="probabilities", weighting="uniform")
     if temperature is None:  # unset: the target sharpened where it is flat (teachers.MAX_ENTROPY)
-        T = flat_temperature(candidates[chosen])
-        picked = replace(picked, temperature=T)
-        record.update(temperature=T, entropy=round(mean_entropy(candidates[chosen]), 4))
+        picked = replace(picked, temperature=flat_temperature(candidates[chosen]))
+        record["entropy"] = round(mean_entropy(candidates[chosen]), 4)
+    record["temperature"] = picked.temperature
     return picked, w, record
 
 
